@@ -1,0 +1,150 @@
+"""The one error hierarchy of llmgw; library code raises these, only the CLI prints them.
+
+    LlmgwError                      base; ``exit_code`` 1, ``retryable`` False
+    ├── ConfigError                 a config file or option is wrong (exit 2); names key and file
+    ├── PKIError                    certificates and keys
+    │   ├── NoAuthority             no CA where one was expected
+    │   └── CertificateError        a certificate is unreadable, expired or for someone else
+    ├── StoreError                  the state store
+    │   ├── NotFound                no such node / model / replica / key
+    │   └── Conflict                the change contradicts what is stored
+    ├── StreamError                 the control-plane <-> agent stream (retryable)
+    │   ├── IdentityMismatch        claimed node id differs from the certificate's CN (not retryable)
+    │   └── StaleEpoch              an order from an epoch lower than one already accepted
+    ├── ShardError                  starting or stopping an engine process
+    ├── EngineError                 an engine's own arguments or behaviour
+    └── ClientError                 ``llmgw ctl`` talking to the control plane
+        ├── ConnectError            nothing answered at any address tried (retryable)
+        └── APIError                the control plane answered with an error
+
+Every message says what is wrong and then what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class LlmgwError(Exception):
+    """Base of every error llmgw raises on purpose."""
+
+    exit_code: int = 1
+    retryable: bool = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(LlmgwError):
+    """A configuration file, option or environment variable is invalid."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, key: str | None = None, file: str | None = None) -> None:
+        where = ""
+        if file and key:
+            where = f"{file}: {key}: "
+        elif file:
+            where = f"{file}: "
+        elif key:
+            where = f"{key}: "
+        super().__init__(where + message)
+        self.key = key
+        self.file = file
+
+
+class PKIError(LlmgwError):
+    """Certificates, keys and the cluster CA."""
+
+
+class NoAuthority(PKIError):
+    """There is no CA in the directory that should hold one."""
+
+    exit_code = 2
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(f"no authority in {directory}; run 'llmgw ctl cert init-ca' first")
+        self.directory = directory
+
+
+class CertificateError(PKIError):
+    """A certificate or key is unreadable, mismatched, or not for this purpose."""
+
+
+class StoreError(LlmgwError):
+    """The state store failed or refused a change."""
+
+
+class NotFound(StoreError):
+    """The named object does not exist."""
+
+
+class Conflict(StoreError):
+    """The change contradicts what is stored."""
+
+
+class StreamError(LlmgwError):
+    """The Connect stream between agent and control plane broke or was refused."""
+
+    retryable = True
+
+
+class IdentityMismatch(StreamError):
+    """The node id a stream claims is not the CN of its client certificate."""
+
+    retryable = False
+
+
+class StaleEpoch(StreamError):
+    """An order carries an epoch lower than the highest the agent has accepted."""
+
+    retryable = False
+
+
+class ShardError(LlmgwError):
+    """An engine process could not be started, watched or stopped."""
+
+
+class EngineError(LlmgwError):
+    """An engine rejected its arguments or behaved unexpectedly."""
+
+
+class ClientError(LlmgwError):
+    """``llmgw ctl`` could not do what was asked of the control plane."""
+
+
+class ConnectError(ClientError):
+    """No control plane answered at any of the addresses tried."""
+
+    retryable = True
+
+
+class APIError(ClientError):
+    """The control plane answered with an error status."""
+
+    def __init__(self, message: str, *, status: int, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+__all__ = [
+    "APIError",
+    "CertificateError",
+    "ClientError",
+    "ConfigError",
+    "ConnectError",
+    "Conflict",
+    "EngineError",
+    "IdentityMismatch",
+    "LlmgwError",
+    "NoAuthority",
+    "NotFound",
+    "PKIError",
+    "ShardError",
+    "StaleEpoch",
+    "StoreError",
+    "StreamError",
+]
