@@ -1,0 +1,423 @@
+"""The agent's configuration: ``agent.yaml`` (+ overrides) -> one frozen :class:`AgentConfig`.
+
+It holds only what a node cannot find out itself (DESIGN §5). Every error names the dotted
+key (``fabrics[1].hcas[0]``) and the file; nothing here touches the files it names.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmgw.config_util import (
+    Checker,
+    apply_overrides,
+    format_hostport,
+    index_key,
+    is_ip_address,
+    join_key,
+    load_yaml,
+    type_name,
+    unknown_key_message,
+)
+
+DEFAULT_AGENT_CONFIG = Path("/etc/llmgw/agent.yaml")
+DEFAULT_GRPC_PORT = 7443
+DEFAULT_DATA_PORT = 9443
+DEFAULT_LISTEN = f"0.0.0.0:{DEFAULT_DATA_PORT}"
+DEFAULT_MODELS_ROOT = Path("/srv/llmgw/models")
+DEFAULT_CACHE_ROOT = Path("/srv/llmgw/cache")
+DEFAULT_STATE_DIR = Path("/var/lib/llmgw-agent")
+DEFAULT_IB_ROOT = Path("/sys/class/infiniband")
+RESERVED_NODE_PREFIX = "llmgw-"
+MAX_INTERFACE_NAME = 15  # IFNAMSIZ - 1
+
+_NODE_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+_FABRIC_NAME = re.compile(r"[a-z0-9_.-]+")
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+_TOP_KEYS = (
+    "server",
+    "servers",
+    "tls",
+    "node_id",
+    "listen",
+    "advertise",
+    "mgmt_addr",
+    "mgmt_interface",
+    "fabrics",
+    "discovery",
+    "engines",
+    "models_root",
+    "cache_root",
+    "state_dir",
+    "stop_shards_on_exit",
+)
+_TLS_KEYS = ("cert", "key", "ca")
+_FABRIC_KEYS = ("name", "hcas")
+_DISCOVERY_KEYS = ("nvidia_smi", "ib_root")
+_ENGINE_KEYS = {"llamacpp": ("bin",), "vllm": ("bin",), "sglang": ("python",)}
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """The node's identity: its certificate, its private key, and the cluster CA."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
+@dataclass(frozen=True)
+class FabricConfig:
+    """One InfiniBand/RoCE fabric this node is on, and the adapters that reach it."""
+
+    name: str
+    hcas: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """Where discovery looks: ``nvidia_smi`` forces the CLI over NVML when set."""
+
+    nvidia_smi: Path | None = None
+    ib_root: Path = DEFAULT_IB_ROOT
+
+
+@dataclass(frozen=True)
+class EnginesConfig:
+    """Programs for the engines; a bare name is looked up in PATH, ``None`` means default."""
+
+    llamacpp_bin: str | None = None
+    vllm_bin: str | None = None
+    sglang_python: str | None = None
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything ``agent.yaml`` says, validated; relative paths already made absolute."""
+
+    servers: tuple[str, ...]
+    tls: TLSConfig
+    node_id: str
+    listen: str
+    advertise: str | None
+    mgmt_addr: str | None
+    mgmt_interface: str | None
+    fabrics: tuple[FabricConfig, ...]
+    discovery: DiscoveryConfig
+    engines: EnginesConfig
+    models_root: Path
+    cache_root: Path
+    state_dir: Path
+    stop_shards_on_exit: bool = False
+    source: Path | None = None
+
+
+def node_id_problem(node_id: str) -> str | None:
+    """Why ``node_id`` cannot be a node id, or ``None`` when it can."""
+    rule = (
+        "a node id is a DNS name: lowercase letters, digits, '-' and '.', labels of 1-63 "
+        "characters that do not start or end with '-', at most 253 characters in all"
+    )
+    if not node_id:
+        return f"must not be empty; {rule}"
+    if len(node_id) > 253:
+        return f"{node_id[:40]!r}... is {len(node_id)} characters; {rule}"
+    if not all(_NODE_LABEL.fullmatch(label) for label in node_id.split(".")):
+        return f"{node_id!r} is not a valid node id; {rule}"
+    if node_id.startswith(RESERVED_NODE_PREFIX):
+        return (
+            f"{node_id!r} starts with {RESERVED_NODE_PREFIX!r}, which is reserved for "
+            "llmgw's own certificates; choose another node id"
+        )
+    return None
+
+
+def load_agent_config(
+    path: Path | str, *, overrides: Mapping[str, object] | None = None
+) -> AgentConfig:
+    """Read ``path``, apply ``overrides`` (dotted keys allowed), validate, and return the
+    config; every problem is a :class:`ConfigError` naming the key and the file."""
+    source = Path(path).absolute()
+    data = load_yaml(source, missing_hint="create it from agent.example.yaml or pass --config")
+    return _parse(
+        data, file=str(source), base_dir=source.parent, source=source, overrides=overrides
+    )
+
+
+def parse_agent_config(data: object, *, source: str = "<agent.yaml>") -> AgentConfig:
+    """Validate already-parsed YAML data; relative paths resolve against the current
+    directory and ``source`` only names the origin in errors."""
+    return _parse(data, file=source, base_dir=Path.cwd(), source=None, overrides=None)
+
+
+def _parse(
+    data: object,
+    *,
+    file: str,
+    base_dir: Path,
+    source: Path | None,
+    overrides: Mapping[str, object] | None,
+) -> AgentConfig:
+    check = Checker(file=file, base_dir=base_dir)
+    if data is None:
+        check.fail("", "is empty; it needs at least 'server: HOST:7443' (the control plane)")
+    if not isinstance(data, Mapping):
+        check.fail(
+            "", f"must be a mapping of keys (server, tls, node_id, ...), got {type_name(data)}"
+        )
+    if overrides:
+        data = apply_overrides(data, overrides, file=file)
+    top = check.mapping(data, "", accepted=_TOP_KEYS)
+
+    state_dir = _path(check, top, "state_dir", DEFAULT_STATE_DIR)
+    listen = top.get("listen")  # absent and null both mean "the default"
+    listen_port = DEFAULT_DATA_PORT
+    if listen is None:
+        listen_text = DEFAULT_LISTEN
+    else:
+        host, listen_port = check.hostport_pair(listen, "listen", default_port=DEFAULT_DATA_PORT)
+        listen_text = format_hostport(host, listen_port)
+    mgmt_addr, mgmt_interface = _mgmt(check, top)
+
+    return AgentConfig(
+        servers=_servers(check, top),
+        tls=_tls(check, top.get("tls"), state_dir),
+        node_id=_node_id(check, top.get("node_id")),
+        listen=listen_text,
+        advertise=_advertise(check, top.get("advertise"), listen_port),
+        mgmt_addr=mgmt_addr,
+        mgmt_interface=mgmt_interface,
+        fabrics=_fabrics(check, top.get("fabrics")),
+        discovery=_discovery(check, top.get("discovery")),
+        engines=_engines(check, top.get("engines")),
+        models_root=_path(check, top, "models_root", DEFAULT_MODELS_ROOT),
+        cache_root=_path(check, top, "cache_root", DEFAULT_CACHE_ROOT),
+        state_dir=state_dir,
+        stop_shards_on_exit=(
+            False
+            if top.get("stop_shards_on_exit") is None
+            else check.boolean(top["stop_shards_on_exit"], "stop_shards_on_exit")
+        ),
+        source=source,
+    )
+
+
+def _path(check: Checker, table: Mapping[str, object], name: str, default: Path) -> Path:
+    value = table.get(name)
+    return default if value is None else check.path(value, name)
+
+
+def _servers(check: Checker, top: Mapping[str, object]) -> tuple[str, ...]:
+    has_one, has_list = "server" in top, "servers" in top
+    if has_one and has_list:
+        check.fail(
+            "servers",
+            "'server' and 'servers' are both set; keep one: 'server' for a single control "
+            "plane, 'servers' for a list to fail over between",
+        )
+    if has_one:
+        return (check.hostport(top["server"], "server", default_port=DEFAULT_GRPC_PORT),)
+    if not has_list:
+        check.fail(
+            "server",
+            "is required: the control plane's gRPC address host:port (port 7443), or "
+            "'servers', a list of them to fail over between",
+        )
+    items = check.strings(top["servers"], "servers", non_empty=True)
+    result: list[str] = []
+    for index, item in enumerate(items):
+        key = index_key("servers", index)
+        address = check.hostport(item, key, default_port=DEFAULT_GRPC_PORT)
+        if address in result:
+            check.fail(key, f"{address} is listed twice (as servers[{result.index(address)}] too)")
+        result.append(address)
+    return tuple(result)
+
+
+def _tls(check: Checker, value: object, state_dir: Path) -> TLSConfig:
+    # A key left out (or the whole section) means the file `llmgw agent join` writes.
+    defaults = {
+        "cert": state_dir / "node.crt",
+        "key": state_dir / "node.key",
+        "ca": state_dir / "ca.crt",
+    }
+    table = {} if value is None else check.mapping(value, "tls", accepted=_TLS_KEYS)
+    paths = {
+        name: default if table.get(name) is None else check.path(table[name], join_key("tls", name))
+        for name, default in defaults.items()
+    }
+    return TLSConfig(cert=paths["cert"], key=paths["key"], ca=paths["ca"])
+
+
+def _node_id(check: Checker, value: object) -> str:
+    if value is None:
+        hostname = socket.gethostname().lower()
+        problem = node_id_problem(hostname)
+        if problem:
+            check.fail(
+                "node_id",
+                f"is not set and the host name is no node id: {problem}; set node_id",
+            )
+        return hostname
+    if not isinstance(value, str):
+        check.fail("node_id", f"must be a string, got {type_name(value)}")
+    problem = node_id_problem(value)
+    if problem:
+        check.fail("node_id", problem)
+    return value
+
+
+def _advertise(check: Checker, value: object, listen_port: int) -> str | None:
+    if value is None:
+        return None
+    host, port = check.hostport_pair(value, "advertise", default_port=listen_port)
+    if is_ip_address(host) and ipaddress.ip_address(host).is_unspecified:
+        check.fail(
+            "advertise",
+            f"{host} is not an address the control plane can dial; give this node's host "
+            "name or IP address",
+        )
+    return format_hostport(host, port)
+
+
+def _mgmt(check: Checker, top: Mapping[str, object]) -> tuple[str | None, str | None]:
+    addr, iface = top.get("mgmt_addr"), top.get("mgmt_interface")
+    if addr is not None and iface is not None:
+        check.fail(
+            "mgmt_interface",
+            "'mgmt_addr' and 'mgmt_interface' are both set; keep one: the address itself, "
+            "or the interface to take it from",
+        )
+    mgmt_addr = None
+    if addr is not None:
+        if not isinstance(addr, str):
+            check.fail("mgmt_addr", f"must be a string IP address, got {type_name(addr)}")
+        try:
+            mgmt_addr = str(ipaddress.ip_address(addr.strip()))
+        except ValueError:
+            check.fail("mgmt_addr", f"{addr!r} is not an IP address (e.g. 10.0.0.5 or fd00::5)")
+    mgmt_interface = None
+    if iface is not None:
+        mgmt_interface = check.string(iface, "mgmt_interface")
+        if len(mgmt_interface) > MAX_INTERFACE_NAME:
+            check.fail(
+                "mgmt_interface",
+                f"{mgmt_interface!r} is {len(mgmt_interface)} characters; network interface "
+                f"names have at most {MAX_INTERFACE_NAME}",
+            )
+        if "/" in mgmt_interface or any(c.isspace() for c in mgmt_interface):
+            check.fail(
+                "mgmt_interface",
+                f"{mgmt_interface!r} is not an interface name (no '/' or spaces)",
+            )
+    return mgmt_addr, mgmt_interface
+
+
+def _fabrics(check: Checker, value: object) -> tuple[FabricConfig, ...]:
+    if value is None:
+        return ()
+    fabrics: list[FabricConfig] = []
+    owner: dict[str, str] = {}  # adapter -> fabric name
+    names: dict[str, int] = {}
+    for index, item in enumerate(check.items(value, "fabrics")):
+        key = index_key("fabrics", index)
+        table = check.mapping(item, key, accepted=_FABRIC_KEYS)
+        name_key = join_key(key, "name")
+        if table.get("name") is None:
+            check.fail(name_key, "is required: the fabric's name, e.g. ib-a")
+        name = check.string(table["name"], name_key)
+        if not _FABRIC_NAME.fullmatch(name):
+            check.fail(
+                name_key,
+                f"{name!r} is not a fabric name: use lowercase letters, digits, '-', '_' and '.'",
+            )
+        if name in names:
+            check.fail(
+                name_key,
+                f"fabric {name} is defined twice (fabrics[{names[name]}] and {key}); "
+                "list all its adapters under one entry",
+            )
+        names[name] = index
+        hcas_key = join_key(key, "hcas")
+        if table.get("hcas") is None:
+            check.fail(hcas_key, f"is required: the adapters on fabric {name}, e.g. [mlx5_0]")
+        hcas = check.strings(table["hcas"], hcas_key, non_empty=True)
+        for hca_index, hca in enumerate(hcas):
+            hca_key = index_key(hcas_key, hca_index)
+            if not _ADAPTER_NAME.fullmatch(hca):
+                check.fail(
+                    hca_key,
+                    f"{hca!r} is not an adapter name (as in /sys/class/infiniband, e.g. mlx5_0)",
+                )
+            if hca in owner:
+                if owner[hca] == name:
+                    check.fail(hca_key, f"adapter {hca} is listed twice under fabric {name}")
+                check.fail(
+                    hca_key,
+                    f"adapter {hca} is listed under fabrics {owner[hca]} and {name}; an "
+                    "adapter belongs to one fabric",
+                )
+            owner[hca] = name
+        fabrics.append(FabricConfig(name=name, hcas=hcas))
+    return tuple(fabrics)
+
+
+def _discovery(check: Checker, value: object) -> DiscoveryConfig:
+    if value is None:
+        return DiscoveryConfig()
+    table = check.mapping(value, "discovery", accepted=_DISCOVERY_KEYS)
+    nvidia_smi = table.get("nvidia_smi")
+    ib_root = table.get("ib_root")
+    return DiscoveryConfig(
+        nvidia_smi=None
+        if nvidia_smi is None
+        else Path(check.command(nvidia_smi, "discovery.nvidia_smi")),
+        ib_root=DEFAULT_IB_ROOT if ib_root is None else check.path(ib_root, "discovery.ib_root"),
+    )
+
+
+def _engines(check: Checker, value: object) -> EnginesConfig:
+    if value is None:
+        return EnginesConfig()
+    if not isinstance(value, Mapping):
+        check.fail("engines", f"must be a mapping, got {type_name(value)}")
+    programs: dict[str, str | None] = {}
+    for engine, settings in value.items():
+        key = join_key("engines", str(engine))
+        if engine == "sim":
+            check.fail(key, "the sim engine is built in and takes no settings; remove it")
+        if engine not in _ENGINE_KEYS:
+            check.fail(
+                key,
+                unknown_key_message(str(engine), _ENGINE_KEYS, noun="engine"),
+            )
+        if settings is None:
+            continue
+        (setting,) = _ENGINE_KEYS[engine]
+        table = check.mapping(settings, key, accepted=_ENGINE_KEYS[engine])
+        if table.get(setting) is not None:
+            programs[f"{engine}_{setting}"] = check.command(table[setting], join_key(key, setting))
+    return EnginesConfig(
+        llamacpp_bin=programs.get("llamacpp_bin"),
+        vllm_bin=programs.get("vllm_bin"),
+        sglang_python=programs.get("sglang_python"),
+    )
+
+
+__all__ = [
+    "DEFAULT_AGENT_CONFIG",
+    "AgentConfig",
+    "DiscoveryConfig",
+    "EnginesConfig",
+    "FabricConfig",
+    "TLSConfig",
+    "load_agent_config",
+    "node_id_problem",
+    "parse_agent_config",
+]

@@ -1,0 +1,172 @@
+"""The agent's data plane on :9443: mTLS, only the control plane's certificate, relays to engines.
+
+The gateway sends ``/s/<shard-id>/v1/...``; the data plane forwards the body unchanged to
+the shard's engine on 127.0.0.1 and relays the answer back chunk by chunk. A client that
+goes away cancels the engine request (aiohttp handler cancellation closes the upstream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from llmgw.config_util import parse_hostport
+from llmgw.errors import CertificateError
+from llmgw.pki import CONTROL_PLANE_CN
+from llmgw.relay import relay
+
+__all__ = ["DataPlane", "server_ssl_context"]
+
+log = logging.getLogger("llmgw.agent.dataplane")
+
+
+def server_ssl_context(cert: Path, key: Path, ca: Path) -> ssl.SSLContext:
+    """TLS for the data plane: our node certificate, client certificates from the cluster CA."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+        ctx.load_verify_locations(cafile=str(ca))
+    except (OSError, ssl.SSLError) as exc:
+        raise CertificateError(
+            f"cannot load the node identity ({cert}, {key}, {ca}): {exc}; "
+            "re-issue it ('llmgw ctl cert issue-client NODE') or rejoin the node"
+        ) from exc
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "llmgw_dataplane_error", "code": code}},
+        status=status,
+    )
+
+
+class DataPlane:
+    """The mTLS listener that relays control-plane requests to local engines."""
+
+    def __init__(
+        self,
+        listen: str,
+        ssl_context: ssl.SSLContext,
+        port_of: Callable[[str], int | None],
+    ) -> None:
+        self.host, self.port = parse_hostport(listen)
+        self.ssl_context = ssl_context
+        self.port_of = port_of
+        self.inflight = 0
+        self.accepting = True
+        self._idle = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.bound_port: int = 0
+
+    def _app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/s/{shard}/{tail:.*}", self._handle)
+        return app
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+            auto_decompress=False,
+        )
+        self._runner = web.AppRunner(
+            self._app(), handler_cancellation=True, access_log=None, shutdown_timeout=30.0
+        )
+        await self._runner.setup()
+        site = web.TCPSite(
+            self._runner, self.host, self.port, ssl_context=self.ssl_context, backlog=1024
+        )
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise CertificateError(
+                f"data plane cannot listen on {self.host}:{self.port}: {exc.strerror}; "
+                "free the port or set 'listen' in agent.yaml"
+            ) from exc
+        server = site._server
+        assert server is not None
+        sockets = getattr(server, "sockets", None) or []
+        self.bound_port = int(sockets[0].getsockname()[1]) if sockets else self.port
+        log.info(
+            "data plane listening", extra={"fields": {"addr": f"{self.host}:{self.bound_port}"}}
+        )
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Stop taking new requests and wait (up to ``timeout``) for in-flight ones."""
+        self.accepting = False
+        if self.inflight:
+            self._idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        peer = request.transport.get_extra_info("peercert") if request.transport else None
+        if not _is_control_plane(peer):
+            log.warning(
+                "refused a data-plane request from a certificate that is not the control plane's",
+                extra={
+                    "fields": {
+                        "peer": str(request.remote),
+                        "subject": str(peer and peer.get("subject")),
+                    }
+                },
+            )
+            return _error(403, "only the control plane may use the data plane", "forbidden")
+        if not self.accepting:
+            return _error(503, "agent is shutting down; retry on another replica", "draining")
+        shard_id = request.match_info["shard"]
+        port = self.port_of(shard_id)
+        if port is None:
+            return _error(503, f"shard {shard_id} is not ready on this node", "shard_not_ready")
+        assert self._session is not None
+        body = await request.read()
+        url = f"http://127.0.0.1:{port}/{request.match_info['tail']}"
+        if request.query_string:
+            url += "?" + request.query_string
+        headers = {}
+        if ctype := request.headers.get("Content-Type"):
+            headers["Content-Type"] = ctype
+        self.inflight += 1
+        try:
+            async with self._session.request(
+                request.method, url, data=body, headers=headers
+            ) as upstream:
+                return await relay(request, upstream)
+        except aiohttp.ClientError as exc:
+            return _error(
+                502, f"engine of shard {shard_id} did not answer: {exc}", "engine_unreachable"
+            )
+        finally:
+            self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
+
+
+def _is_control_plane(peercert: object) -> bool:
+    if not isinstance(peercert, dict):
+        return False
+    for rdn in peercert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName" and value == CONTROL_PLANE_CN:
+                return True
+    return False

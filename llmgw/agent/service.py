@@ -1,0 +1,186 @@
+"""The agent daemon: validate, load identity, open the data plane, keep the stream, serve.
+
+Start-up is straight-line (STYLE 10): configuration was validated before we get here;
+each step's error is wrapped with the step's name; readiness is announced only after the
+data plane listens and the stream to a control plane is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+from llmgw.agent.config import AgentConfig
+from llmgw.agent.dataplane import DataPlane, server_ssl_context
+from llmgw.agent.inventory import collect_inventory
+from llmgw.agent.oplog import OperationLog
+from llmgw.agent.runtimes import ProcessRuntime
+from llmgw.agent.shards import ShardManager
+from llmgw.agent.stream import Credentials, StreamClient
+from llmgw.config_util import format_hostport, parse_hostport
+from llmgw.errors import CertificateError
+from llmgw.log import kv
+from llmgw.notify import Notifier
+
+__all__ = ["Agent", "run_agent"]
+
+log = logging.getLogger("llmgw.agent")
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise CertificateError(
+            f"the node's {what} {path} does not exist; join the node first "
+            "('llmgw agent join') or set tls.{what} in agent.yaml"
+        ) from None
+    except OSError as exc:
+        raise CertificateError(
+            f"cannot read the node's {what} {path}: {exc.strerror}; it must be readable by the "
+            "agent's user"
+        ) from exc
+
+
+def _source_address_towards(server: str) -> str:
+    """The local address this machine uses to reach ``server`` (no packet is sent)."""
+    host, port = parse_hostport(server)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+class Agent:
+    """One node agent."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.notifier = Notifier()
+        self.stopping = asyncio.Event()
+        self.shards: ShardManager | None = None
+        self.dataplane: DataPlane | None = None
+        self.stream: StreamClient | None = None
+        self._ready_sent = False
+
+    def _dataplane_addr(self, server: str) -> str:
+        assert self.dataplane is not None
+        if self.cfg.advertise:
+            return self.cfg.advertise
+        host = self.dataplane.host
+        if self.cfg.mgmt_addr:
+            host = self.cfg.mgmt_addr
+        else:
+            with contextlib.suppress(ValueError):
+                if ipaddress.ip_address(host).is_unspecified:
+                    host = _source_address_towards(server)
+        return format_hostport(host, self.dataplane.bound_port)
+
+    def _on_stream_state(self, state: str, server: str | None) -> None:
+        count = len(self.shards.shards) if self.shards else 0
+        if state == "connected":
+            self.notifier.status(f"connected to {server}, {count} shards")
+            if not self._ready_sent:
+                self._ready_sent = True
+                self.notifier.ready()
+        else:
+            self.notifier.status(f"disconnected from {server}; reconnecting, {count} shards")
+
+    async def run(self) -> None:
+        cfg = self.cfg
+        cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # 1. identity
+        creds = Credentials(
+            cert=_read(cfg.tls.cert, "cert"),
+            key=_read(cfg.tls.key, "key"),
+            ca=_read(cfg.tls.ca, "ca"),
+        )
+        ssl_ctx = server_ssl_context(cfg.tls.cert, cfg.tls.key, cfg.tls.ca)
+        # 2. fencing state
+        oplog = OperationLog(cfg.state_dir / "oplog.json")
+        # 3. shards
+        stream_ref: list[StreamClient] = []
+        self.shards = ShardManager(
+            cfg.state_dir,
+            ProcessRuntime(),
+            on_status=lambda shard: stream_ref[0].report_shard(shard) if stream_ref else None,
+        )
+        await self.shards.open()
+        # 4. data plane
+        self.dataplane = DataPlane(cfg.listen, ssl_ctx, self.shards.ready_port)
+        await self.dataplane.start()
+        # 5. stream
+        dataplane = self.dataplane
+        self.stream = StreamClient(
+            node_id=cfg.node_id,
+            servers=cfg.servers,
+            credentials=creds,
+            shards=self.shards,
+            oplog=oplog,
+            inventory=collect_inventory,
+            dataplane_addr=self._dataplane_addr,
+            inflight=lambda: dataplane.inflight,
+            on_state=self._on_stream_state,
+        )
+        stream_ref.append(self.stream)
+        stream_task = asyncio.create_task(self.stream.run(), name="stream")
+        log.info(
+            "agent started",
+            extra=kv(
+                node=cfg.node_id,
+                servers=",".join(cfg.servers),
+                dataplane=f"{dataplane.host}:{dataplane.bound_port}",
+            ),
+        )
+        watchdog = asyncio.create_task(self.notifier.watchdog_loop())
+        parent = asyncio.create_task(self._watch_parent())
+        try:
+            await self.stopping.wait()
+        finally:
+            self.notifier.stopping()
+            log.info("agent stopping", extra=kv(node=cfg.node_id))
+            await dataplane.drain(timeout=30.0)
+            for task in (stream_task, watchdog, parent):
+                task.cancel()
+            await asyncio.gather(stream_task, watchdog, parent, return_exceptions=True)
+            await self.stream.close()
+            if cfg.stop_shards_on_exit:
+                await self.shards.stop_all(grace=10.0)
+            await dataplane.stop()
+            await self.shards.close()
+
+    async def _watch_parent(self) -> None:
+        """Under 'llmgw up' the agent stops when its parent is gone, whatever killed it."""
+        parent = os.environ.get("LLMGW_PARENT_PID", "")
+        if not parent.isdigit():
+            return
+        while os.getppid() == int(parent):
+            await asyncio.sleep(1.0)
+        log.warning("parent 'llmgw up' is gone; stopping", extra=kv(parent=parent))
+        self.request_stop()
+
+    def request_stop(self) -> None:
+        self.stopping.set()
+
+
+def run_agent(cfg: AgentConfig) -> None:
+    """Run the agent until SIGTERM or SIGINT; raise LlmgwError when it cannot start."""
+
+    async def main() -> None:
+        agent = Agent(cfg)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, agent.request_stop)
+        await agent.run()
+
+    asyncio.run(main())

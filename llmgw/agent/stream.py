@@ -1,0 +1,338 @@
+"""The agent's end of the Connect stream: dial, say Hello, carry out orders, reconnect.
+
+The agent tries each configured control plane in turn with jittered exponential backoff.
+Every order is checked against the operation log first: an order from a lower epoch is
+rejected and reported, an op id already applied is acknowledged without being applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from llmgw import __version__
+from llmgw.agent.oplog import OperationLog
+from llmgw.agent.shards import EXITED, FAILED, READY, STARTING, Shard, ShardManager, ShardSpec
+from llmgw.errors import LlmgwError, StaleEpoch
+from llmgw.log import kv
+from llmgw.proto import control_pb2 as pb
+from llmgw.proto import control_pb2_grpc as pb_grpc
+
+__all__ = ["Backoff", "StreamClient", "shard_status"]
+
+log = logging.getLogger("llmgw.agent.stream")
+
+_STATE_TO_PB = {
+    STARTING: pb.SHARD_STARTING,
+    READY: pb.SHARD_READY,
+    FAILED: pb.SHARD_FAILED,
+    EXITED: pb.SHARD_EXITED,
+}
+
+
+def shard_status(shard: Shard) -> pb.ShardStatus:
+    return pb.ShardStatus(
+        shard_id=shard.shard_id,
+        replica_id=shard.spec.replica_id,
+        model=shard.spec.model,
+        state=_STATE_TO_PB[shard.state],
+        port=shard.port,
+        reason=shard.reason,
+        exit_code=shard.exit_code or 0,
+        has_exit_code=shard.exit_code is not None,
+        pid=shard.pid,
+    )
+
+
+@dataclass
+class Backoff:
+    """Full-jitter exponential backoff: sleep uniform(0, min(cap, base * 2**attempt))."""
+
+    base: float = 0.5
+    cap: float = 30.0
+    attempt: int = 0
+
+    def next_delay(self) -> float:
+        delay = random.uniform(0, min(self.cap, self.base * (2**self.attempt)))
+        self.attempt = min(self.attempt + 1, 16)
+        return max(delay, 0.05)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+@dataclass(frozen=True)
+class Credentials:
+    cert: bytes
+    key: bytes
+    ca: bytes
+
+
+class StreamClient:
+    """Keeps one Connect stream to the first control plane that accepts this node."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        servers: tuple[str, ...],
+        credentials: Credentials,
+        shards: ShardManager,
+        oplog: OperationLog,
+        inventory: Callable[[], pb.Inventory],
+        dataplane_addr: Callable[[str], str],
+        inflight: Callable[[], int] = lambda: 0,
+        on_state: Callable[[str, str | None], None] = lambda state, server: None,
+    ) -> None:
+        self.node_id = node_id
+        self.servers = servers
+        self.creds = credentials
+        self.shards = shards
+        self.oplog = oplog
+        self.inventory = inventory
+        self.dataplane_addr = dataplane_addr
+        self.inflight = inflight
+        self.on_state = on_state
+        self.backoff = Backoff()
+        self.connected_to: str | None = None
+        self._queue: asyncio.Queue[pb.AgentMessage | None] | None = None
+        self._shard_locks: dict[str, asyncio.Lock] = {}
+        self._order_tasks: set[asyncio.Task[None]] = set()
+        self._heartbeat_interval = 5.0
+
+    # -- outgoing -----------------------------------------------------------------------
+
+    def send(self, msg: pb.AgentMessage) -> bool:
+        """Queue a message on the live stream; False when there is none (Hello will catch up)."""
+        if self._queue is None:
+            return False
+        self._queue.put_nowait(msg)
+        return True
+
+    def report_shard(self, shard: Shard) -> None:
+        self.send(pb.AgentMessage(shard_status=shard_status(shard)))
+
+    async def _outgoing(
+        self, queue: asyncio.Queue[pb.AgentMessage | None]
+    ) -> AsyncIterator[pb.AgentMessage]:
+        while True:
+            msg = await queue.get()
+            if msg is None:
+                return
+            yield msg
+
+    # -- the connection loop ---------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Connect forever; returns only when cancelled."""
+        index = 0
+        while True:
+            server = self.servers[index % len(self.servers)]
+            started = time.monotonic()
+            try:
+                await self._session(server)
+                reason = "stream closed by the control plane"
+            except StaleEpoch as exc:
+                reason = str(exc)
+            except grpc.aio.AioRpcError as exc:
+                reason = _describe_rpc_error(exc, server)
+            except (OSError, LlmgwError) as exc:
+                reason = str(exc)
+            finally:
+                self._queue = None
+                if self.connected_to is not None:
+                    self.connected_to = None
+                    self.on_state("disconnected", server)
+            if time.monotonic() - started > 30:
+                self.backoff.reset()
+            delay = self.backoff.next_delay()
+            log.warning(
+                "control plane stream ended; reconnecting",
+                extra=kv(server=server, reason=reason, retry_in=f"{delay:.2f}s"),
+            )
+            index += 1
+            await asyncio.sleep(delay)
+
+    async def _session(self, server: str) -> None:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=self.creds.ca,
+            private_key=self.creds.key,
+            certificate_chain=self.creds.cert,
+        )
+        options = [
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+        async with grpc.aio.secure_channel(server, creds, options=options) as channel:
+            stub = pb_grpc.ControlPlaneStub(channel)
+            queue: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
+            call = stub.Connect(self._outgoing(queue))
+            queue.put_nowait(pb.AgentMessage(hello=self._hello(server)))
+            self._queue = queue
+            heartbeat: asyncio.Task[None] | None = None
+            try:
+                async for msg in call:
+                    kind = msg.WhichOneof("msg")
+                    if kind == "welcome":
+                        self._welcome(msg.welcome, server)
+                        if heartbeat is None:
+                            heartbeat = asyncio.create_task(self._heartbeats(queue))
+                    elif kind == "start_shard":
+                        self._spawn_order(
+                            msg.start_shard.meta,
+                            msg.start_shard.shard_id,
+                            self._start(msg.start_shard),
+                        )
+                    elif kind == "stop_shard":
+                        self._spawn_order(
+                            msg.stop_shard.meta, msg.stop_shard.shard_id, self._stop(msg.stop_shard)
+                        )
+                    else:
+                        log.warning(
+                            "ignoring an unknown message from the control plane",
+                            extra=kv(kind=kind),
+                        )
+            finally:
+                self._queue = None
+                queue.put_nowait(None)
+                if heartbeat is not None:
+                    heartbeat.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await heartbeat
+
+    def _hello(self, server: str) -> pb.Hello:
+        return pb.Hello(
+            node_id=self.node_id,
+            agent_version=__version__,
+            inventory=self.inventory(),
+            shards=[shard_status(s) for s in self.shards.snapshot()],
+            max_epoch=self.oplog.max_epoch,
+            dataplane_addr=self.dataplane_addr(server),
+        )
+
+    def _welcome(self, welcome: pb.Welcome, server: str) -> None:
+        self.oplog.observe_epoch(welcome.epoch)
+        self._heartbeat_interval = welcome.heartbeat_interval_s or 5.0
+        self.connected_to = server
+        self.backoff.reset()
+        log.info(
+            "connected to the control plane",
+            extra=kv(server=server, cluster=welcome.cluster_id, epoch=welcome.epoch),
+        )
+        self.on_state("connected", server)
+
+    async def _heartbeats(self, queue: asyncio.Queue[pb.AgentMessage | None]) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self._heartbeat_interval)
+            seq += 1
+            queue.put_nowait(
+                pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq, inflight=self.inflight()))
+            )
+
+    # -- orders -----------------------------------------------------------------------------
+
+    def _spawn_order(self, meta: pb.OrderMeta, shard_id: str, action: object) -> None:
+        task = asyncio.create_task(self._order(meta, shard_id, action))
+        self._order_tasks.add(task)
+        task.add_done_callback(self._order_tasks.discard)
+
+    async def _order(self, meta: pb.OrderMeta, shard_id: str, action: object) -> None:
+        assert asyncio.iscoroutine(action)
+        lock = self._shard_locks.setdefault(shard_id, asyncio.Lock())
+        async with lock:
+            try:
+                decision = self.oplog.check(meta.epoch, meta.op_id)
+            except StaleEpoch as exc:
+                action.close()
+                log.warning(
+                    "rejected an order", extra=kv(op=meta.op_id, shard=shard_id, reason=str(exc))
+                )
+                self._result(meta, ok=False, error=str(exc))
+                return
+            if not decision.apply:
+                action.close()
+                log.info(
+                    "order already applied; acknowledging", extra=kv(op=meta.op_id, shard=shard_id)
+                )
+                self._result(meta, ok=True, duplicate=True)
+                return
+            try:
+                await action
+            except LlmgwError as exc:
+                self.oplog.record(meta.epoch, meta.op_id)
+                log.warning("order failed", extra=kv(op=meta.op_id, shard=shard_id, error=str(exc)))
+                self._result(meta, ok=False, error=str(exc))
+                return
+            self.oplog.record(meta.epoch, meta.op_id)
+            self._result(meta, ok=True)
+
+    def _result(
+        self, meta: pb.OrderMeta, *, ok: bool, error: str = "", duplicate: bool = False
+    ) -> None:
+        self.send(
+            pb.AgentMessage(
+                op_result=pb.OperationResult(
+                    op_id=meta.op_id, ok=ok, error=error, epoch=meta.epoch, duplicate=duplicate
+                )
+            )
+        )
+
+    async def _start(self, order: pb.StartShard) -> None:
+        spec = ShardSpec(
+            shard_id=order.shard_id,
+            replica_id=order.replica_id,
+            model=order.model,
+            engine=order.engine,
+            rank=order.rank,
+            params=dict(order.params),
+            extra_args=tuple(order.extra_args),
+        )
+        await self.shards.start(spec)
+
+    async def _stop(self, order: pb.StopShard) -> None:
+        shard = await self.shards.stop(order.shard_id, grace=order.grace_s or 10.0)
+        if shard is None:
+            # Unknown here: tell the control plane it is gone so it can forget it.
+            self.send(
+                pb.AgentMessage(
+                    shard_status=pb.ShardStatus(
+                        shard_id=order.shard_id,
+                        state=pb.SHARD_EXITED,
+                        reason="not running on this node",
+                    )
+                )
+            )
+
+    async def close(self) -> None:
+        for task in list(self._order_tasks):
+            task.cancel()
+        await asyncio.gather(*self._order_tasks, return_exceptions=True)
+
+
+def _describe_rpc_error(exc: grpc.aio.AioRpcError, server: str) -> str:
+    code = exc.code()
+    details = exc.details() or ""
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return f"refused by {server}: {details}"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if (
+            "certificate" in details.lower()
+            or "handshake" in details.lower()
+            or "ssl" in details.lower()
+        ):
+            return (
+                f"TLS with {server} failed ({details}); check that tls.ca in agent.yaml is the "
+                "cluster CA and that the node certificate was issued by it"
+            )
+        return f"{server} unavailable ({details}); is the control plane running?"
+    return f"{code.name}: {details}"

@@ -1,0 +1,297 @@
+"""``llmgw ctl``: operator commands against a control plane's admin API."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from llmgw.cli.cert import cert
+from llmgw.cli.common import echo_json, reports_errors, table
+from llmgw.client import AdminClient, find_target
+from llmgw.engines.base import engine_names
+
+__all__ = ["ctl"]
+
+
+@dataclass
+class Ctl:
+    server: str | None
+    token: str | None
+    config: Path | None
+    as_json: bool
+    _client: AdminClient | None = None
+
+    @property
+    def client(self) -> AdminClient:
+        if self._client is None:
+            self._client = AdminClient(find_target(self.server, self.token, self.config))
+        return self._client
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        return self.client.request(method, path, body)
+
+
+pass_ctl = click.make_pass_decorator(Ctl)
+
+
+@click.group()
+@click.option(
+    "--server",
+    envvar="LLMGW_SERVER",
+    help="Control plane URL, e.g. http://cp:8080 (env: LLMGW_SERVER).",
+)
+@click.option("--token", envvar="LLMGW_TOKEN", help="Admin token (env: LLMGW_TOKEN).")
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="LLMGW_CTL_CONFIG",
+    help="ctl.yaml with server and token/token_file (env: LLMGW_CTL_CONFIG; default ~/.config/llmgw/ctl.yaml, then the one 'llmgw up' writes).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of tables.")
+@click.pass_context
+def ctl(
+    ctx: click.Context, server: str | None, token: str | None, config: Path | None, as_json: bool
+) -> None:
+    """Operate a cluster: nodes, models, replicas, API keys, certificates."""
+    ctx.obj = Ctl(server=server, token=token, config=config, as_json=as_json)
+
+
+ctl.add_command(cert)
+
+
+def _ago(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    secs = max(0, time.time() - ts)
+    if secs < 120:
+        return f"{secs:.0f}s ago"
+    if secs < 7200:
+        return f"{secs / 60:.0f}m ago"
+    return f"{secs / 3600:.0f}h ago"
+
+
+@ctl.command()
+@pass_ctl
+@reports_errors
+def nodes(c: Ctl) -> None:
+    """List nodes: state, connection, shards, GPUs (or why there are none)."""
+    data = c.call("GET", "/api/nodes")
+    if c.as_json:
+        echo_json(data)
+        return
+    rows = []
+    for n in data:
+        gpus = (
+            str(len(n["gpus"]))
+            if n["gpus"]
+            else f"0 ({n['gpu_status']})"
+            if n["gpu_status"]
+            else "0"
+        )
+        rows.append(
+            [
+                n["id"],
+                n["state"] + (",draining" if n["draining"] else ""),
+                "yes" if n["connected"] else "no",
+                n["dataplane_addr"],
+                n["shards"],
+                ",".join(n["engines"]),
+                n["agent_version"],
+                _ago(n["last_seen"]),
+                gpus,
+            ]
+        )
+    click.echo(
+        table(
+            [
+                "NODE",
+                "STATE",
+                "CONNECTED",
+                "DATA PLANE",
+                "SHARDS",
+                "ENGINES",
+                "VERSION",
+                "SEEN",
+                "GPUS",
+            ],
+            rows,
+        )
+    )
+
+
+@ctl.command()
+@pass_ctl
+@reports_errors
+def models(c: Ctl) -> None:
+    """List deployed models with desired and ready replicas."""
+    data = c.call("GET", "/api/models")
+    if c.as_json:
+        echo_json(data)
+        return
+    rows = [
+        [m["name"], m["engine"], m["replicas"], m["ready"], m["unplaceable"] or ""] for m in data
+    ]
+    click.echo(table(["MODEL", "ENGINE", "DESIRED", "READY", "PROBLEM"], rows))
+
+
+def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--param")
+        params[key] = value
+    return params
+
+
+@ctl.command()
+@click.argument("model")
+@click.option("--engine", type=click.Choice(list(engine_names())), default="sim", show_default=True)
+@click.option("--replicas", type=click.IntRange(0, 1000), default=1, show_default=True)
+@click.option(
+    "--param",
+    "params",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Engine parameter (repeatable), e.g. ttft_ms=50.",
+)
+@pass_ctl
+@reports_errors
+def deploy(c: Ctl, model: str, engine: str, replicas: int, params: tuple[str, ...]) -> None:
+    """Deploy MODEL (or change its replica count)."""
+    data = c.call(
+        "POST",
+        "/api/models",
+        {"name": model, "engine": engine, "replicas": replicas, "params": _parse_params(params)},
+    )
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(
+        f"deployed {data['name']}: {data['replicas']} replicas of engine {data['engine']} ({data['ready']} ready now)"
+    )
+    click.echo(f"watch them come up with 'llmgw ctl replicas {data['name']}'")
+
+
+@ctl.command()
+@click.argument("model")
+@pass_ctl
+@reports_errors
+def undeploy(c: Ctl, model: str) -> None:
+    """Stop every replica of MODEL and remove it."""
+    data = c.call("DELETE", f"/api/models/{model}")
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"undeployed {model}")
+
+
+@ctl.command()
+@click.argument("model", required=False)
+@pass_ctl
+@reports_errors
+def replicas(c: Ctl, model: str | None) -> None:
+    """List replicas (of MODEL) with their node, state and last failure."""
+    path = "/api/replicas" + (f"?model={model}" if model else "")
+    data = c.call("GET", path)
+    if c.as_json:
+        echo_json(data)
+        return
+    rows = [
+        [
+            r["replica"],
+            r["model"],
+            r["state"],
+            r["node"],
+            r["port"],
+            r["restarts"],
+            r["inflight"],
+            (f"exit {r['exit_code']}: " if r["exit_code"] is not None else "")
+            + (r["reason"] or ""),
+        ]
+        for r in data
+    ]
+    click.echo(
+        table(["REPLICA", "MODEL", "STATE", "NODE", "PORT", "RESTARTS", "INFLIGHT", "REASON"], rows)
+    )
+
+
+@ctl.group()
+def keys() -> None:
+    """API keys for the gateway (/v1)."""
+
+
+@keys.command("create")
+@click.argument("name")
+@pass_ctl
+@reports_errors
+def keys_create(c: Ctl, name: str) -> None:
+    """Create a key for NAME; the key is shown once."""
+    data = c.call("POST", "/api/keys", {"name": name})
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"created key {data['id']} for {data['name']}:")
+    click.echo(data["key"])
+    click.echo("store it now: it is not shown again (only its hash is kept)")
+
+
+@keys.command("list")
+@click.option("--all", "include_all", is_flag=True, help="Include revoked keys.")
+@pass_ctl
+@reports_errors
+def keys_list(c: Ctl, include_all: bool) -> None:
+    """List API keys (prefixes only)."""
+    data = c.call("GET", "/api/keys" + ("?all=1" if include_all else ""))
+    if c.as_json:
+        echo_json(data)
+        return
+    rows = [
+        [
+            k["id"],
+            k["name"],
+            k["prefix"] + "…",
+            _ago(k["created_at"]),
+            "revoked" if k["revoked_at"] else "active",
+        ]
+        for k in data
+    ]
+    click.echo(table(["ID", "NAME", "PREFIX", "CREATED", "STATE"], rows))
+
+
+@keys.command("revoke")
+@click.argument("key")
+@pass_ctl
+@reports_errors
+def keys_revoke(c: Ctl, key: str) -> None:
+    """Revoke KEY (its id or prefix); requests with it get 401 at once."""
+    data = c.call("DELETE", f"/api/keys/{key}")
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"revoked key {data['id']} ({data['name']})")
+
+
+@ctl.command()
+@click.option("--limit", default=30, show_default=True, type=click.IntRange(1, 1000))
+@click.option(
+    "--subject", default=None, help="Only events about this node, model, replica or shard."
+)
+@pass_ctl
+@reports_errors
+def events(c: Ctl, limit: int, subject: str | None) -> None:
+    """Recent cluster events, newest first."""
+    path = f"/api/events?limit={limit}" + (f"&subject={subject}" if subject else "")
+    data = c.call("GET", path)
+    if c.as_json:
+        echo_json(data)
+        return
+    rows = [
+        [time.strftime("%H:%M:%S", time.localtime(e["ts"])), e["kind"], e["subject"], e["message"]]
+        for e in data
+    ]
+    click.echo(table(["TIME", "KIND", "SUBJECT", "MESSAGE"], rows))

@@ -1,0 +1,57 @@
+"""``llmgw server``: the control plane."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import click
+
+from llmgw.cli.common import reports_errors
+from llmgw.log import setup_logging
+from llmgw.server.app import ControlPlane
+from llmgw.server.config import DEFAULT_SERVER_CONFIG, load_server_config
+
+__all__ = ["server"]
+
+
+@click.command()
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="LLMGW_SERVER_CONFIG",
+    help=f"server.yaml (env: LLMGW_SERVER_CONFIG; default {DEFAULT_SERVER_CONFIG} when it exists).",
+)
+@click.option(
+    "--state-dir", type=click.Path(file_okay=False, path_type=Path), help="Override state_dir."
+)
+@click.option(
+    "--log-level",
+    default="info",
+    envvar="LLMGW_LOG_LEVEL",
+    help="debug, info, warning (env: LLMGW_LOG_LEVEL).",
+)
+@reports_errors
+def server(config_path: Path | None, state_dir: Path | None, log_level: str) -> None:
+    """Run the control plane: gateway :8080, enrolment, agent stream :7443."""
+    setup_logging(log_level)
+    if config_path is None and DEFAULT_SERVER_CONFIG.exists():
+        config_path = DEFAULT_SERVER_CONFIG
+    overrides = {"state_dir": str(state_dir)} if state_dir else None
+    cfg = load_server_config(config_path, overrides=overrides)
+
+    async def main() -> None:
+        cp = ControlPlane(cfg)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await cp.start()
+        try:
+            await stop.wait()
+        finally:
+            await cp.stop()
+
+    asyncio.run(main())

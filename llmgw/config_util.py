@@ -1,0 +1,388 @@
+"""Pieces shared by llmgw's configuration files (``agent.yaml``, ``server.yaml``).
+
+A YAML loader whose errors carry the file and line, ``host:port`` parsing, dotted overrides,
+and a :class:`Checker` whose every error names the dotted key path and the file.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import ipaddress
+import math
+import os
+import re
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+import yaml
+
+from llmgw.errors import ConfigError
+
+_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?")
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+# --- values --------------------------------------------------------------------------------
+
+
+def type_name(value: object) -> str:
+    """The YAML-ish name of a value's type, for "must be X, got Y" messages."""
+    if value is None:
+        return "null (an empty value)"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, Mapping):
+        return "mapping"
+    if isinstance(value, list | tuple):
+        return "list"
+    return type(value).__name__
+
+
+def join_key(parent: str, name: str) -> str:
+    """``tls`` + ``cert`` -> ``tls.cert``; the top level has the empty path."""
+    return f"{parent}.{name}" if parent else name
+
+
+def index_key(parent: str, index: int) -> str:
+    """``fabrics`` + 1 -> ``fabrics[1]``."""
+    return f"{parent}[{index}]"
+
+
+def is_hostname(value: str) -> bool:
+    """True for a DNS-style host name: dot-separated labels of 1-63 letters, digits, '-' or
+    '_' (not starting or ending with '-'), at most 253 characters."""
+    if not value or len(value) > 253:
+        return False
+    return all(len(label) <= 63 and _LABEL.fullmatch(label) for label in value.split("."))
+
+
+def is_ip_address(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_host(host: str, value: str) -> None:
+    if is_ip_address(host):
+        return
+    labels = host.split(".")
+    if all(label.isdigit() for label in labels):
+        raise ConfigError(f"{host!r} in {value!r} is not a valid IPv4 address")
+    if not is_hostname(host):
+        raise ConfigError(
+            f"{host!r} in {value!r} is not a valid host name or IP address "
+            "(letters, digits, '-', '_' and '.', labels of 1-63 characters)"
+        )
+
+
+def parse_hostport(value: str, *, default_port: int | None = None) -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 as ``[::1]:7443``) into ``(host, port)``.
+
+    A bare host gets ``default_port``; without one the port is required. IPv6 hosts are
+    returned without brackets. Raises :class:`ConfigError` (without key or file: callers
+    that know them, like :meth:`Checker.hostport`, add them).
+    """
+    if not isinstance(value, str):
+        raise ConfigError(f"must be a string host:port, got {type_name(value)}")
+    text = value.strip()
+    if not text:
+        raise ConfigError("is empty; give host:port, e.g. 10.0.0.1:7443")
+    port_text: str | None
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0:
+            raise ConfigError(f"{value!r} has '[' without ']'; write IPv6 as [::1]:7443")
+        host = text[1:close]
+        rest = text[close + 1 :]
+        if rest == "":
+            port_text = None
+        elif rest.startswith(":"):
+            port_text = rest[1:]
+        else:
+            raise ConfigError(f"{value!r}: expected ':port' after ']', got {rest!r}")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(
+                f"{host!r} in {value!r} is not an IPv6 address; brackets are only for IPv6"
+            ) from None
+    elif text.count(":") > 1:
+        raise ConfigError(f"{value!r}: an IPv6 address needs brackets, e.g. [::1]:7443")
+    else:
+        host, sep, port_part = text.partition(":")
+        port_text = port_part if sep else None
+        if not host:
+            raise ConfigError(f"{value!r} has no host; to listen on every address use 0.0.0.0")
+        _check_host(host, value)
+    if port_text is None:
+        if default_port is None:
+            raise ConfigError(f"{value!r} has no port; give host:port")
+        return host, default_port
+    if not _PORT.fullmatch(port_text) or not 1 <= int(port_text) <= 65535:
+        raise ConfigError(f"port {port_text!r} in {value!r} must be a number from 1 to 65535")
+    return host, int(port_text)
+
+
+def format_hostport(host: str, port: int) -> str:
+    """The inverse of :func:`parse_hostport`: brackets around IPv6 hosts."""
+    if ":" in host:
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+# --- files ---------------------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last,
+    silently, which hides the typo an operator is looking for)."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[object, object]:
+    seen: set[object] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            duplicate = key in seen
+        except TypeError:
+            continue  # unhashable; construct_mapping reports it
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                f"found key {key!r} twice",
+                key_node.start_mark,
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_yaml(path: Path, *, missing_hint: str) -> object:
+    """Read and parse one YAML file; ``None`` for an empty one.
+
+    Every failure is a :class:`ConfigError` naming the file: ``missing_hint`` follows
+    "no such file; " when it does not exist; syntax errors give line and column.
+    """
+    file = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"no such file; {missing_hint}", file=file) from None
+    except PermissionError:
+        raise ConfigError(
+            "permission denied reading it; run as a user that may read it (root, or the "
+            "group that owns it) or fix its mode",
+            file=file,
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError("is a directory; give the path of a YAML file", file=file) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"is not UTF-8 text ({exc.reason})", file=file) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read it: {exc.strerror or exc}", file=file) from exc
+    return parse_yaml(text, file=file)
+
+
+def parse_yaml(text: str, *, file: str) -> object:
+    """Parse YAML text; syntax errors become :class:`ConfigError` with line and column."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        what = "; ".join(part for part in (exc.context, exc.problem) if part) or "syntax error"
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(f"{where}invalid YAML: {what}", file=file) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML: {exc}", file=file) from exc
+
+
+def apply_overrides(
+    data: Mapping[str, object], overrides: Mapping[str, object] | None, *, file: str
+) -> dict[str, object]:
+    """A copy of ``data`` with ``overrides`` set over it; dotted keys (``tls.cert``) reach
+    into nested mappings, creating them when absent."""
+    result: dict[str, object] = copy.deepcopy(dict(data))
+    for dotted, value in (overrides or {}).items():
+        parts = dotted.split(".")
+        if not all(parts):
+            raise ConfigError(f"override key {dotted!r} has an empty part", key=dotted, file=file)
+        target: dict[str, object] = result
+        for depth, part in enumerate(parts[:-1]):
+            child = target.get(part)
+            if child is None:
+                child = target[part] = {}
+            if not isinstance(child, dict):
+                prefix = ".".join(parts[: depth + 1])
+                raise ConfigError(
+                    f"cannot override {dotted!r}: {prefix} is a {type_name(child)}, not a mapping",
+                    key=prefix,
+                    file=file,
+                )
+            target = child
+        target[parts[-1]] = copy.deepcopy(value)
+    return result
+
+
+# --- checking ------------------------------------------------------------------------------
+
+
+def unknown_key_message(
+    name: str, accepted: Collection[str], *, where: str = "", noun: str = "key"
+) -> str:
+    """ "unknown key 'sever'; did you mean 'server'? (accepted keys: ...)" """
+    message = f"unknown {noun} {name!r}"
+    close = difflib.get_close_matches(name, list(accepted), n=1)
+    if close:
+        message += f"; did you mean {close[0]!r}?"
+    place = f" under {where}" if where else ""
+    return f"{message} (accepted {noun}s{place}: {', '.join(sorted(accepted))})"
+
+
+@dataclass(frozen=True)
+class Checker:
+    """Type checks for one file's parsed data; each failure is a :class:`ConfigError` naming
+    the dotted key path and the file. Relative paths resolve against ``base_dir``."""
+
+    file: str
+    base_dir: Path
+
+    def fail(self, key: str, message: str) -> NoReturn:
+        raise ConfigError(message, key=key or None, file=self.file)
+
+    def mapping(self, value: object, key: str, *, accepted: Collection[str]) -> dict[str, object]:
+        """A mapping with string keys, all of them in ``accepted``."""
+        if not isinstance(value, Mapping):
+            self.fail(key, f"must be a mapping, got {type_name(value)}")
+        result: dict[str, object] = {}
+        for name, item in value.items():
+            if not isinstance(name, str):
+                self.fail(key, f"keys must be strings, got {type_name(name)} {name!r}")
+            if name not in accepted:
+                self.fail(join_key(key, name), unknown_key_message(name, accepted, where=key))
+            result[name] = item
+        return result
+
+    def string(self, value: object, key: str) -> str:
+        """A non-empty string."""
+        if not isinstance(value, str):
+            self.fail(key, f"must be a string, got {type_name(value)}")
+        if not value.strip():
+            self.fail(key, "must not be empty")
+        return value
+
+    def boolean(self, value: object, key: str) -> bool:
+        if not isinstance(value, bool):
+            self.fail(key, f"must be true or false, got {type_name(value)}")
+        return value
+
+    def number(
+        self,
+        value: object,
+        key: str,
+        *,
+        minimum: float | None = None,
+        maximum: float | None = None,
+    ) -> float:
+        """A finite int or float within ``[minimum, maximum]``."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            self.fail(key, f"must be a number, got {type_name(value)}")
+        number = float(value)
+        if not math.isfinite(number):
+            self.fail(key, f"must be a finite number, got {value!r}")
+        if minimum is not None and maximum is not None:
+            if not minimum <= number <= maximum:
+                self.fail(key, f"must be from {minimum:g} to {maximum:g}, got {value!r}")
+        elif minimum is not None and number < minimum:
+            self.fail(key, f"must be at least {minimum:g}, got {value!r}")
+        elif maximum is not None and number > maximum:
+            self.fail(key, f"must be at most {maximum:g}, got {value!r}")
+        return number
+
+    def items(self, value: object, key: str, *, non_empty: bool = False) -> list[object]:
+        """A list (the items still to be checked by the caller)."""
+        if not isinstance(value, list | tuple):
+            self.fail(key, f"must be a list, got {type_name(value)}")
+        if non_empty and not value:
+            self.fail(key, "must not be an empty list")
+        return list(value)
+
+    def strings(self, value: object, key: str, *, non_empty: bool = False) -> tuple[str, ...]:
+        """A list of non-empty strings."""
+        if not isinstance(value, list | tuple):
+            self.fail(key, f"must be a list of strings, got {type_name(value)}")
+        if non_empty and not value:
+            self.fail(key, "must not be an empty list")
+        for index, item in enumerate(value):
+            if not isinstance(item, str):
+                self.fail(
+                    index_key(key, index), f"must be a list of strings, got {type_name(item)}"
+                )
+            if not item.strip():
+                self.fail(index_key(key, index), "must not be an empty string")
+        return tuple(value)
+
+    def path(self, value: object, key: str) -> Path:
+        """A path, made absolute against ``base_dir`` when relative."""
+        if not isinstance(value, str | os.PathLike):
+            self.fail(key, f"must be a path (a string), got {type_name(value)}")
+        text = os.fspath(value)
+        if not isinstance(text, str) or not text.strip():
+            self.fail(key, "must not be an empty path")
+        if "\0" in text:
+            self.fail(key, "must not contain a NUL character")
+        path = Path(text)
+        return path if path.is_absolute() else self.base_dir / path
+
+    def command(self, value: object, key: str) -> str:
+        """A program: a bare name (looked up in PATH when run) or a path, made absolute
+        against ``base_dir`` when it is relative and has a '/'."""
+        if isinstance(value, str | os.PathLike) and "/" not in os.fspath(value):
+            return self.string(os.fspath(value), key)
+        return str(self.path(value, key))
+
+    def hostport(self, value: object, key: str, *, default_port: int | None = None) -> str:
+        """``host:port`` normalized (a bare host gets ``default_port``)."""
+        host, port = self.hostport_pair(value, key, default_port=default_port)
+        return format_hostport(host, port)
+
+    def hostport_pair(
+        self, value: object, key: str, *, default_port: int | None = None
+    ) -> tuple[str, int]:
+        if not isinstance(value, str):
+            self.fail(key, f"must be a string host:port, got {type_name(value)}")
+        try:
+            return parse_hostport(value, default_port=default_port)
+        except ConfigError as exc:
+            self.fail(key, exc.message)
+
+
+__all__ = [
+    "Checker",
+    "apply_overrides",
+    "format_hostport",
+    "index_key",
+    "is_hostname",
+    "is_ip_address",
+    "join_key",
+    "load_yaml",
+    "parse_hostport",
+    "parse_yaml",
+    "type_name",
+    "unknown_key_message",
+]

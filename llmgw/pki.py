@@ -1,0 +1,766 @@
+"""The cluster CA and the certificates it issues (ECDSA P-256, SHA-256).
+
+Layout of a PKI directory (mode 0700)::
+
+    ca.crt  ca.key            the cluster CA (key 0600)
+    server.crt server.key     the control plane's TLS server certificate
+    client.crt client.key     the control plane's client certificate (CN ``llmgw-control-plane``)
+
+Node certificates carry CN = SAN DNS = node id and both clientAuth and serverAuth, because an
+agent presents the same certificate to the control plane and on its own data plane.
+
+Every file is written atomically (temporary file in the same directory, fsync, ``os.replace``);
+private keys are created 0600 and are never readable by anyone else, not even for an instant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import hashlib
+import ipaddress
+import os
+import re
+import secrets
+import socket
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from llmgw.errors import CertificateError, ConfigError, NoAuthority, PKIError
+
+CONTROL_PLANE_CN = "llmgw-control-plane"
+SERVER_CN = "llmgw control plane"
+DEFAULT_CA_CN = "llmgw cluster CA"
+CA_CERT = "ca.crt"
+CA_KEY = "ca.key"
+RESERVED_PREFIX = "llmgw-"
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+RENEW_BEFORE = dt.timedelta(days=30)
+
+# Certificates start a little in the past so that a peer whose clock is slightly behind accepts them.
+_BACKDATE = dt.timedelta(minutes=5)
+_IF_INET6 = Path("/proc/net/if_inet6")
+_SIOCGIFADDR = 0x8915
+_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
+_FILE_STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_HOST_CHARS = re.compile(r"[A-Za-z0-9_*.-]+")
+_NODE_ID_RULE = (
+    "a node id must be a DNS name: lowercase letters, digits, '-' and '.', labels of 1-63 "
+    "characters that neither start nor end with '-', at most 253 characters in all, not an IP "
+    "address, not 'localhost', and not starting with 'llmgw-' (reserved)"
+)
+
+
+@dataclass(frozen=True)
+class Authority:
+    """A loaded cluster CA."""
+
+    cert: x509.Certificate
+    key: ec.EllipticCurvePrivateKey
+    directory: Path
+
+    def ca_hash(self) -> str:
+        """``sha256:<hex>`` of the CA certificate's DER SubjectPublicKeyInfo (kubeadm's format)."""
+        return fingerprint(self.cert.public_key())
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Paths of a certificate, its private key and the CA certificate that verifies it."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def fingerprint(public_key: PublicKeyTypes) -> str:
+    """``sha256:<hex>`` of the DER SubjectPublicKeyInfo of ``public_key``."""
+    der = public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return "sha256:" + hashlib.sha256(der).hexdigest()
+
+
+def cert_common_name(cert: x509.Certificate) -> str:
+    """The subject CN of ``cert``; CertificateError if it has none."""
+    attrs = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if not attrs:
+        raise CertificateError(
+            f"certificate '{cert.subject.rfc4514_string()}' has no common name; "
+            "use a certificate issued by 'llmgw ctl cert'"
+        )
+    value = attrs[0].value
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def load_cert(path: Path) -> x509.Certificate:
+    """Read a PEM certificate; CertificateError naming the file if it cannot be read or parsed."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CertificateError(
+            f"cannot read certificate {path}: {e.strerror or e}; check the path and its permissions"
+        ) from e
+    try:
+        return x509.load_pem_x509_certificate(data)
+    except ValueError as e:
+        raise CertificateError(
+            f"{path} is not a PEM certificate ({e}); replace it with the certificate that was issued"
+        ) from e
+
+
+def _load_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CertificateError(
+            f"cannot read private key {path}: {e.strerror or e}; check the path and its permissions"
+        ) from e
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except TypeError as e:
+        raise CertificateError(
+            f"{path} is an encrypted private key; llmgw needs an unencrypted key (mode 0600)"
+        ) from e
+    except (ValueError, UnsupportedAlgorithm) as e:
+        raise CertificateError(
+            f"{path} is not a readable PEM private key ({e}); restore it from a backup"
+        ) from e
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise CertificateError(
+            f"{path} holds a {type(key).__name__}, not an ECDSA key; llmgw issues ECDSA P-256 keys"
+        )
+    return key
+
+
+def _spki(public_key: PublicKeyTypes) -> bytes:
+    return public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+def _key_matches(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> bool:
+    return _spki(cert.public_key()) == _spki(key.public_key())
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes, mode: int) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    try:
+        # The mode is given at creation, so the file is never more open than ``mode``.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    except OSError as e:
+        raise PKIError(
+            f"cannot write {path}: {e.strerror or e}; check that {path.parent} exists and is writable"
+        ) from e
+    try:
+        try:
+            os.fchmod(fd, mode)  # the umask can only have removed bits; make it exact
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise PKIError(
+            f"cannot write {path}: {e.strerror or e}; check free space and permissions of {path.parent}"
+        ) from e
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically, mode 0600 from the moment the file exists."""
+    _atomic_write(Path(path), data, 0o600)
+
+
+def _write_public(path: Path, data: bytes) -> None:
+    _atomic_write(path, data, 0o644)
+
+
+def _write_public_if_changed(path: Path, data: bytes) -> None:
+    try:
+        if path.read_bytes() == data:
+            return
+    except OSError:
+        pass
+    _write_public(path, data)
+
+
+def _make_dir(directory: Path, *, tighten: bool) -> None:
+    """Create ``directory`` 0700 if missing; with ``tighten`` also chmod an existing one to 0700."""
+    try:
+        if not directory.is_dir():
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(directory, 0o700)
+        elif tighten and (directory.stat().st_mode & 0o777) != 0o700:
+            os.chmod(directory, 0o700)
+    except OSError as e:
+        raise PKIError(
+            f"cannot create directory {directory}: {e.strerror or e}; "
+            "create it (mode 0700) or choose another directory"
+        ) from e
+
+
+@contextlib.contextmanager
+def _dir_lock(directory: Path) -> Iterator[None]:
+    """Exclusive flock on the directory itself, so two processes never create a CA at once."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise PKIError(f"cannot open directory {directory}: {e.strerror or e}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _check_stem(name: str) -> None:
+    if not _FILE_STEM.fullmatch(name) or name == "ca":
+        raise ConfigError(
+            f"{name!r} cannot name a certificate file; use letters, digits, '_', '.', '-' "
+            "(and not 'ca', which is the CA's own file)",
+            key="name",
+        )
+
+
+# --------------------------------------------------------------------------- names
+
+
+def validate_node_id(node_id: str) -> str:
+    """Return ``node_id`` if it is a valid node id, else raise ConfigError stating the rule."""
+
+    def bad(reason: str) -> ConfigError:
+        return ConfigError(f"invalid node id {node_id!r}: {reason}; {_NODE_ID_RULE}", key="node_id")
+
+    if not isinstance(node_id, str) or not node_id:
+        raise bad("it is empty")
+    if len(node_id) > 253:
+        raise bad(f"it is {len(node_id)} characters long")
+    if node_id != node_id.lower():
+        raise bad("it contains upper-case letters")
+    for label in node_id.split("."):
+        if not label:
+            raise bad("it has an empty label")
+        if len(label) > 63:
+            raise bad(f"label {label[:20]!r}... is {len(label)} characters long")
+        if not _LABEL.fullmatch(label):
+            raise bad(f"label {label!r} has a character or hyphen where none is allowed")
+    if node_id.startswith(RESERVED_PREFIX):
+        raise bad(f"names starting with {RESERVED_PREFIX!r} are reserved for llmgw itself")
+    if node_id == "localhost" or node_id.endswith(".localhost"):
+        raise bad("'localhost' names the local machine, not a node")
+    try:
+        ipaddress.ip_address(node_id)
+    except ValueError:
+        return node_id
+    raise bad("it is an IP address, and TLS would check it as one")
+
+
+def _parse_host(host: str) -> x509.GeneralName | None:
+    """A SAN entry for ``host``: IPAddress if it parses as one, else DNSName; None if blank."""
+    text = host.strip()
+    if not text:
+        return None
+    bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    bare = bare.split("%", 1)[0]  # an IPv6 zone id is not part of the address
+    try:
+        return x509.IPAddress(ipaddress.ip_address(bare))
+    except ValueError:
+        pass
+    if not text.isascii() or not _HOST_CHARS.fullmatch(text) or len(text) > 253:
+        raise ConfigError(
+            f"{host!r} is neither an IP address nor a DNS name; "
+            "give host names in ASCII (letters, digits, '-', '.')",
+            key="hosts",
+        )
+    return x509.DNSName(text.lower().rstrip("."))
+
+
+def _san_entries(hosts: Iterable[str]) -> list[x509.GeneralName]:
+    entries: list[x509.GeneralName] = []
+    for host in [*hosts, *LOOPBACK_HOSTS]:
+        entry = _parse_host(host)
+        if entry is not None and entry not in entries:
+            entries.append(entry)
+    return entries
+
+
+def _cert_sans(cert: x509.Certificate) -> list[x509.GeneralName]:
+    try:
+        ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except x509.ExtensionNotFound:
+        return []
+    return [_normal_san(n) for n in ext.value]
+
+
+def _normal_san(name: x509.GeneralName) -> x509.GeneralName:
+    if isinstance(name, x509.DNSName):
+        return x509.DNSName(name.value.lower().rstrip("."))
+    return name
+
+
+# --------------------------------------------------------------------------- the CA
+
+
+def _ca_present(directory: Path) -> bool:
+    return (directory / CA_CERT).exists() or (directory / CA_KEY).exists()
+
+
+def _already_exists(directory: Path) -> PKIError:
+    try:
+        what = f"ca-hash {fingerprint(load_cert(directory / CA_CERT).public_key())}"
+    except CertificateError:
+        what = f"its {CA_CERT} is missing or unreadable"
+    return PKIError(f"a CA already exists in {directory} ({what}); refusing to overwrite it")
+
+
+def init_ca(
+    directory: Path,
+    *,
+    common_name: str = DEFAULT_CA_CN,
+    valid_days: int = 3650,
+    exist_ok: bool = False,
+) -> Authority:
+    """Create a CA in ``directory``; if one exists, load it (``exist_ok``) or raise PKIError."""
+    directory = Path(directory)
+    if _ca_present(directory):  # decided before touching anything
+        if exist_ok:
+            return load_ca(directory)
+        raise _already_exists(directory)
+    _make_dir(directory, tighten=True)
+    with _dir_lock(directory):
+        return _init_ca_locked(directory, common_name, valid_days, exist_ok)
+
+
+def _init_ca_locked(
+    directory: Path, common_name: str, valid_days: int, exist_ok: bool
+) -> Authority:
+    if _ca_present(directory):
+        if exist_ok:
+            return load_ca(directory)
+        raise _already_exists(directory)
+    if valid_days < 1:
+        raise ConfigError(f"must be at least 1, not {valid_days}", key="valid_days")
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    now = _now()
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _BACKDATE)
+        .not_valid_after(now + dt.timedelta(days=valid_days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(ski, critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), False)
+        .sign(key, hashes.SHA256())
+    )
+    # Key first: a crash in between leaves a key without a certificate, which load_ca reports.
+    write_private(directory / CA_KEY, _key_pem(key))
+    _write_public(directory / CA_CERT, _cert_pem(cert))
+    return Authority(cert=cert, key=key, directory=directory)
+
+
+def load_ca(directory: Path) -> Authority:
+    """Load the CA in ``directory``: NoAuthority if there is none, CertificateError if it is bad."""
+    directory = Path(directory)
+    cert_path, key_path = directory / CA_CERT, directory / CA_KEY
+    has_cert, has_key = cert_path.exists(), key_path.exists()
+    if not has_cert and not has_key:
+        raise NoAuthority(str(directory))
+    if not has_cert:
+        raise CertificateError(
+            f"{cert_path} is missing but {key_path} exists; restore {CA_CERT} from a backup, or "
+            f"move {directory} aside and run 'llmgw ctl cert init-ca' to start a new CA "
+            "(certificates issued by the old one will no longer be trusted)"
+        )
+    if not has_key:
+        raise CertificateError(
+            f"{key_path} is missing but {cert_path} exists; restore {CA_KEY} from a backup, or "
+            f"move {directory} aside and run 'llmgw ctl cert init-ca' to start a new CA "
+            "(certificates issued by the old one will no longer be trusted)"
+        )
+    cert = load_cert(cert_path)
+    key = _load_key(key_path)
+    if not _key_matches(cert, key):
+        raise CertificateError(
+            f"{key_path} does not belong to {cert_path}; restore the matching pair from a backup"
+        )
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+        is_ca = constraints.ca
+    except x509.ExtensionNotFound:
+        is_ca = False
+    if not is_ca:
+        raise CertificateError(
+            f"{cert_path} is not a CA certificate; point at the directory made by "
+            "'llmgw ctl cert init-ca'"
+        )
+    if cert.not_valid_after_utc <= _now():
+        raise CertificateError(
+            f"the CA in {directory} expired on {cert.not_valid_after_utc:%Y-%m-%d}; create a new one "
+            "with 'llmgw ctl cert init-ca' in another directory and re-issue every certificate"
+        )
+    return Authority(cert=cert, key=key, directory=directory)
+
+
+def ensure_ca(directory: Path) -> Authority:
+    """Load the CA in ``directory``, creating it first if there is none."""
+    return init_ca(directory, exist_ok=True)
+
+
+# --------------------------------------------------------------------------- leaf certificates
+
+
+def _issue(
+    ca: Authority,
+    out_dir: Path,
+    name: str,
+    *,
+    common_name: str,
+    sans: list[x509.GeneralName],
+    usages: list[x509.ObjectIdentifier],
+    valid_days: int,
+) -> Identity:
+    _check_stem(name)
+    if valid_days < 1:
+        raise ConfigError(f"must be at least 1, not {valid_days}", key="valid_days")
+    out_dir = Path(out_dir)
+    _make_dir(out_dir, tighten=False)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = _now()
+    not_after = min(now + dt.timedelta(days=valid_days), ca.cert.not_valid_after_utc)
+    try:
+        ca_ski = ca.cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+        aki = x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski)
+    except x509.ExtensionNotFound:
+        aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key())
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+        .issuer_name(ca.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _BACKDATE)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
+        .add_extension(aki, critical=False)
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca.key, hashes.SHA256())
+    identity = Identity(
+        cert=out_dir / f"{name}.crt", key=out_dir / f"{name}.key", ca=out_dir / CA_CERT
+    )
+    write_private(identity.key, _key_pem(key))
+    _write_public(identity.cert, _cert_pem(cert))
+    _write_public_if_changed(identity.ca, _cert_pem(ca.cert))
+    return identity
+
+
+def issue_node_cert(
+    ca: Authority, node_id: str, out_dir: Path, *, valid_days: int = 365, name: str = "node"
+) -> Identity:
+    """Issue ``out_dir/{name}.crt|.key`` (+ ``ca.crt``) for node ``node_id``: CN and SAN DNS =
+    node id, usable both as TLS client (to the control plane) and server (its data plane)."""
+    validate_node_id(node_id)
+    return _issue(
+        ca,
+        out_dir,
+        name,
+        common_name=node_id,
+        sans=[x509.DNSName(node_id)],
+        usages=[ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH],
+        valid_days=valid_days,
+    )
+
+
+def issue_server_cert(
+    ca: Authority,
+    out_dir: Path,
+    *,
+    hosts: Iterable[str],
+    name: str = "server",
+    valid_days: int = 365,
+) -> Identity:
+    """Issue the control plane's TLS server certificate for ``hosts`` (plus loopback)."""
+    return _issue(
+        ca,
+        out_dir,
+        name,
+        common_name=SERVER_CN,
+        sans=_san_entries(hosts),
+        usages=[ExtendedKeyUsageOID.SERVER_AUTH],
+        valid_days=valid_days,
+    )
+
+
+def issue_control_plane_client_cert(
+    ca: Authority, out_dir: Path, *, name: str = "client", valid_days: int = 365
+) -> Identity:
+    """Issue the certificate the control plane presents to agents' data planes."""
+    return _issue(
+        ca,
+        out_dir,
+        name,
+        common_name=CONTROL_PLANE_CN,
+        sans=[],
+        usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
+        valid_days=valid_days,
+    )
+
+
+# --------------------------------------------------------------------------- control plane start
+
+
+def _usable(
+    ca: Authority,
+    identity: Identity,
+    *,
+    common_name: str,
+    usage: x509.ObjectIdentifier,
+    sans: list[x509.GeneralName] | None = None,
+) -> bool:
+    """True if the identity's files exist, match, are signed by ``ca``, fit the purpose and do not
+    expire within RENEW_BEFORE."""
+    try:
+        cert = load_cert(identity.cert)
+        key = _load_key(identity.key)
+        if not _key_matches(cert, key):
+            return False
+        cert.verify_directly_issued_by(ca.cert)
+        if cert_common_name(cert) != common_name:
+            return False
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        if usage not in eku:
+            return False
+    except (CertificateError, ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
+        return False
+    if cert.not_valid_after_utc - _now() < RENEW_BEFORE:
+        return False
+    if cert.not_valid_before_utc > _now() + _BACKDATE:
+        return False
+    if sans is not None:
+        have = _cert_sans(cert)
+        if any(_normal_san(s) not in have for s in sans):
+            return False
+    return True
+
+
+def _tighten_key(path: Path) -> None:
+    try:
+        if path.exists() and (path.stat().st_mode & 0o077):
+            os.chmod(path, 0o600)
+    except OSError as e:
+        raise PKIError(f"cannot restrict {path} to mode 0600: {e.strerror or e}") from e
+
+
+def ensure_server_identity(
+    pki_dir: Path, *, hosts: Iterable[str]
+) -> tuple[Authority, Identity, Identity]:
+    """What the control plane runs on every start: the CA, its server certificate (covering every
+    host in ``hosts``) and its client certificate, each (re)issued when missing, expiring within
+    30 days, signed by another CA or (server) not covering the hosts."""
+    pki_dir = Path(pki_dir)
+    wanted = _san_entries(hosts)  # validate hosts before touching anything
+    _make_dir(pki_dir, tighten=True)
+    with _dir_lock(pki_dir):
+        ca = _init_ca_locked(pki_dir, DEFAULT_CA_CN, 3650, exist_ok=True)
+        _tighten_key(pki_dir / CA_KEY)
+
+        server = Identity(
+            cert=pki_dir / "server.crt", key=pki_dir / "server.key", ca=pki_dir / CA_CERT
+        )
+        if _usable(
+            ca, server, common_name=SERVER_CN, usage=ExtendedKeyUsageOID.SERVER_AUTH, sans=wanted
+        ):
+            _tighten_key(server.key)
+        else:
+            hosts_list = [str(n.value) for n in wanted]
+            server = issue_server_cert(ca, pki_dir, hosts=hosts_list, name="server")
+
+        client = Identity(
+            cert=pki_dir / "client.crt", key=pki_dir / "client.key", ca=pki_dir / CA_CERT
+        )
+        if _usable(ca, client, common_name=CONTROL_PLANE_CN, usage=ExtendedKeyUsageOID.CLIENT_AUTH):
+            _tighten_key(client.key)
+        else:
+            client = issue_control_plane_client_cert(ca, pki_dir, name="client")
+    return ca, server, client
+
+
+# --------------------------------------------------------------------------- local addresses
+
+
+def _ipv4_addresses() -> list[str]:
+    found: list[str] = []
+    try:
+        interfaces = socket.if_nameindex()
+    except OSError:
+        return found
+    try:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError:
+        return found
+    with sock:
+        for _, ifname in interfaces:
+            request = struct.pack("256s", ifname.encode()[:15])
+            try:
+                reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
+            except OSError:  # no IPv4 address on this interface, or it vanished
+                continue
+            found.append(socket.inet_ntoa(reply[20:24]))
+    return found
+
+
+def _ipv6_addresses() -> list[str]:
+    found: list[str] = []
+    try:
+        lines = _IF_INET6.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return found
+    for line in lines:
+        fields = line.split()
+        if not fields:
+            continue
+        try:
+            addr = ipaddress.IPv6Address(bytes.fromhex(fields[0]))
+        except ValueError:
+            continue
+        if addr.is_link_local:
+            continue
+        found.append(str(addr))
+    return found
+
+
+def local_addresses() -> list[str]:
+    """Every name and address this machine may be reached at: hostname, FQDN, each interface's
+    IPv4 and IPv6 addresses (IPv6 link-local dropped) and loopback. Deduplicated, stable order;
+    never raises, and leaves out names that could not go into a certificate."""
+    candidates: list[str] = []
+    for lookup in (socket.gethostname, socket.getfqdn):
+        try:
+            candidates.append(lookup())
+        except (OSError, UnicodeError):
+            continue
+    candidates += _ipv4_addresses()
+    candidates += _ipv6_addresses()
+    candidates += LOOPBACK_HOSTS
+    result: list[str] = []
+    seen: list[x509.GeneralName] = []
+    for candidate in candidates:
+        try:
+            entry = _parse_host(candidate)
+        except ConfigError:
+            continue
+        if entry is None or entry in seen:
+            continue
+        seen.append(entry)
+        result.append(candidate.strip())
+    return result
+
+
+__all__ = [
+    "CA_CERT",
+    "CA_KEY",
+    "CONTROL_PLANE_CN",
+    "Authority",
+    "Identity",
+    "cert_common_name",
+    "ensure_ca",
+    "ensure_server_identity",
+    "fingerprint",
+    "init_ca",
+    "issue_control_plane_client_cert",
+    "issue_node_cert",
+    "issue_server_cert",
+    "load_ca",
+    "load_cert",
+    "local_addresses",
+    "validate_node_id",
+]

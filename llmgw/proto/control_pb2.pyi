@@ -1,0 +1,196 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ShardState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SHARD_STATE_UNSPECIFIED: _ClassVar[ShardState]
+    SHARD_STARTING: _ClassVar[ShardState]
+    SHARD_READY: _ClassVar[ShardState]
+    SHARD_FAILED: _ClassVar[ShardState]
+    SHARD_EXITED: _ClassVar[ShardState]
+SHARD_STATE_UNSPECIFIED: ShardState
+SHARD_STARTING: ShardState
+SHARD_READY: ShardState
+SHARD_FAILED: ShardState
+SHARD_EXITED: ShardState
+
+class AgentMessage(_message.Message):
+    __slots__ = ("hello", "heartbeat", "inventory", "shard_status", "op_result")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    SHARD_STATUS_FIELD_NUMBER: _ClassVar[int]
+    OP_RESULT_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    heartbeat: Heartbeat
+    inventory: Inventory
+    shard_status: ShardStatus
+    op_result: OperationResult
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., shard_status: _Optional[_Union[ShardStatus, _Mapping]] = ..., op_result: _Optional[_Union[OperationResult, _Mapping]] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("node_id", "agent_version", "inventory", "shards", "max_epoch", "dataplane_addr")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DATAPLANE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    agent_version: str
+    inventory: Inventory
+    shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
+    max_epoch: int
+    dataplane_addr: str
+    def __init__(self, node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., max_epoch: _Optional[int] = ..., dataplane_addr: _Optional[str] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("seq", "inflight")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    inflight: int
+    def __init__(self, seq: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
+
+class Gpu(_message.Message):
+    __slots__ = ("index", "uuid", "name", "memory_total_mib", "memory_used_mib")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_MIB_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    name: str
+    memory_total_mib: int
+    memory_used_mib: int
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ...) -> None: ...
+
+class Inventory(_message.Message):
+    __slots__ = ("hostname", "arch", "cpus", "memory_total_bytes", "memory_available_bytes", "gpus", "gpu_status", "engines")
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    ARCH_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_STATUS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    hostname: str
+    arch: str
+    cpus: int
+    memory_total_bytes: int
+    memory_available_bytes: int
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    gpu_status: str
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hostname: _Optional[str] = ..., arch: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_status: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ShardStatus(_message.Message):
+    __slots__ = ("shard_id", "replica_id", "state", "port", "reason", "exit_code", "has_exit_code", "pid", "model")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    HAS_EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    replica_id: str
+    state: ShardState
+    port: int
+    reason: str
+    exit_code: int
+    has_exit_code: bool
+    pid: int
+    model: str
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., port: _Optional[int] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
+class OperationResult(_message.Message):
+    __slots__ = ("op_id", "ok", "error", "epoch", "duplicate")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    ok: bool
+    error: str
+    epoch: int
+    duplicate: bool
+    def __init__(self, op_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class ServerMessage(_message.Message):
+    __slots__ = ("welcome", "start_shard", "stop_shard")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    START_SHARD_FIELD_NUMBER: _ClassVar[int]
+    STOP_SHARD_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    start_shard: StartShard
+    stop_shard: StopShard
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("cluster_id", "epoch", "heartbeat_interval_s", "node_id")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    epoch: int
+    heartbeat_interval_s: float
+    node_id: str
+    def __init__(self, cluster_id: _Optional[str] = ..., epoch: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class OrderMeta(_message.Message):
+    __slots__ = ("epoch", "op_id")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    op_id: str
+    def __init__(self, epoch: _Optional[int] = ..., op_id: _Optional[str] = ...) -> None: ...
+
+class StartShard(_message.Message):
+    __slots__ = ("meta", "shard_id", "replica_id", "model", "engine", "rank", "params", "extra_args")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    META_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_ARGS_FIELD_NUMBER: _ClassVar[int]
+    meta: OrderMeta
+    shard_id: str
+    replica_id: str
+    model: str
+    engine: str
+    rank: int
+    params: _containers.ScalarMap[str, str]
+    extra_args: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StopShard(_message.Message):
+    __slots__ = ("meta", "shard_id", "grace_s")
+    META_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    meta: OrderMeta
+    shard_id: str
+    grace_s: float
+    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., grace_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,301 @@
+"""The admin API under /api on :8080, for ``llmgw ctl`` and the web UI; bearer admin token.
+
+Every answer is JSON; errors are ``{"error": {"message", "code"}}`` with a message that
+says what to do.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from llmgw import __version__
+from llmgw.engines.base import engine_names
+from llmgw.engines.launch import build_argv
+from llmgw.errors import Conflict, EngineError, LlmgwError, NotFound
+from llmgw.server.store import Model, Node
+
+if TYPE_CHECKING:
+    from llmgw.server.app import ControlPlane
+
+__all__ = ["add_admin_routes"]
+
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": code}}, status=status)
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def add_admin_routes(app: web.Application, cp: ControlPlane) -> None:
+    api = AdminAPI(cp)
+    r = app.router
+    r.add_get("/api/status", api.wrap(api.status))
+    r.add_get("/api/nodes", api.wrap(api.nodes))
+    r.add_get("/api/models", api.wrap(api.models))
+    r.add_post("/api/models", api.wrap(api.deploy))
+    r.add_delete("/api/models/{name:.+}", api.wrap(api.undeploy))
+    r.add_get("/api/replicas", api.wrap(api.replicas))
+    r.add_get("/api/keys", api.wrap(api.keys))
+    r.add_post("/api/keys", api.wrap(api.create_key))
+    r.add_delete("/api/keys/{key}", api.wrap(api.revoke_key))
+    r.add_get("/api/events", api.wrap(api.events))
+
+
+class AdminAPI:
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+
+    def wrap(self, handler: Handler) -> Handler:
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            header = request.headers.get("Authorization", "")
+            token = header[7:].strip() if header.startswith("Bearer ") else ""
+            if not token or not hmac.compare_digest(token.encode(), self.cp.admin_token.encode()):
+                return _error(
+                    401,
+                    "missing or wrong admin token; pass --token or set LLMGW_TOKEN (the control "
+                    f"plane keeps it in {self.cp.cfg.admin_token_file})",
+                    "unauthorized",
+                )
+            try:
+                return await handler(request)
+            except _BadRequest as exc:
+                return _error(400, str(exc), "bad_request")
+            except NotFound as exc:
+                return _error(404, str(exc), "not_found")
+            except Conflict as exc:
+                return _error(409, str(exc), "conflict")
+            except LlmgwError as exc:
+                return _error(500, str(exc), "server_error")
+
+        return wrapped
+
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise _BadRequest("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise _BadRequest("the request body must be a JSON object")
+        return body
+
+    # -- status ---------------------------------------------------------------------------------
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "version": __version__,
+                "cluster_id": self.cp.cluster_id,
+                "epoch": self.cp.epoch,
+                "nodes_connected": len(self.cp.sessions),
+                "http": self.cp.http_addr,
+                "grpc_port": self.cp.grpc_port,
+            }
+        )
+
+    # -- nodes ----------------------------------------------------------------------------------
+
+    def _node(self, node: Node, shard_count: int) -> dict[str, Any]:
+        inv = node.inventory
+        return {
+            "id": node.id,
+            "uid": node.uid,
+            "state": node.state,
+            "connected": node.id in self.cp.sessions,
+            "draining": node.draining,
+            "dataplane_addr": node.dataplane_addr,
+            "agent_version": node.agent_version,
+            "last_seen": node.last_seen,
+            "shards": shard_count,
+            "cpus": inv.get("cpus"),
+            "memory_total_bytes": inv.get("memory_total_bytes"),
+            "gpus": inv.get("gpus", []),
+            "gpu_status": inv.get("gpu_status", ""),
+            "engines": inv.get("engines", []),
+        }
+
+    async def nodes(self, request: web.Request) -> web.Response:
+        counts: dict[str, int] = {}
+        for shard in self.cp.store.list_shards():
+            counts[shard.node_id] = counts.get(shard.node_id, 0) + 1
+        return web.json_response(
+            [self._node(n, counts.get(n.id, 0)) for n in self.cp.store.list_nodes()]
+        )
+
+    # -- models ---------------------------------------------------------------------------------
+
+    def _model(self, model: Model) -> dict[str, Any]:
+        ready = len(self.cp.router.endpoints(model.name))
+        unplaceable = self.cp.scheduler.unplaceable.get(model.name)
+        return {
+            "name": model.name,
+            "engine": model.engine,
+            "replicas": model.replicas,
+            "ready": ready,
+            "params": model.params,
+            "unplaceable": unplaceable.reason if unplaceable else None,
+            "created_at": model.created_at,
+        }
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response([self._model(m) for m in self.cp.store.list_models()])
+
+    async def deploy(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        name = body.get("name")
+        if not isinstance(name, str) or not _MODEL_NAME.match(name):
+            raise _BadRequest(
+                "model name must be 1-128 characters of letters, digits and . _ : / -, "
+                "starting with a letter or digit"
+            )
+        engine = body.get("engine", "sim")
+        if engine not in engine_names():
+            raise _BadRequest(
+                f"unknown engine {engine!r}; choose one of {', '.join(engine_names())}"
+            )
+        replicas = body.get("replicas", 1)
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= 1000:
+            raise _BadRequest("replicas must be a whole number from 0 to 1000")
+        params = body.get("params", {})
+        if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
+            raise _BadRequest("params must be an object of name: value")
+        for key, value in params.items():
+            if key == "extra_args":
+                if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+                    raise _BadRequest("params.extra_args must be a list of strings")
+            elif not isinstance(value, str | int | float) or isinstance(value, bool):
+                raise _BadRequest(f"params.{key} must be a string or a number")
+        if engine == "sim":
+            try:
+                build_argv(
+                    "sim",
+                    model=name,
+                    port=1,
+                    params={k: str(v) for k, v in params.items() if k != "extra_args"},
+                )
+            except EngineError as exc:
+                raise _BadRequest(str(exc)) from None
+        try:
+            existing = self.cp.store.get_model(name)
+        except NotFound:
+            existing = None
+        if existing is not None and (existing.engine != engine or existing.params != params):
+            if self.cp.store.list_replicas(name):
+                raise Conflict(
+                    f"model {name} is deployed with engine {existing.engine} and other params; "
+                    f"'llmgw ctl undeploy {name}' first, or deploy it under another name"
+                )
+        model = self.cp.store.put_model(name, engine=engine, params=params, replicas=replicas)
+        self.cp.refresh_models()
+        self.cp.store.add_event("model_deployed", name, f"{engine}, {replicas} replicas")
+        self.cp.scheduler.kick()
+        return web.json_response(self._model(model), status=201 if existing is None else 200)
+
+    async def undeploy(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        self.cp.store.get_model(name)
+        for replica in self.cp.store.list_replicas(name):
+            self.cp.remove_replica(replica.id, why=f"undeployed {name}")
+        self.cp.store.delete_model(name)
+        self.cp.router.remove_model(name)
+        self.cp.refresh_models()
+        self.cp.store.add_event("model_undeployed", name, "undeployed")
+        return web.json_response({"name": name, "undeployed": True})
+
+    # -- replicas -------------------------------------------------------------------------------
+
+    async def replicas(self, request: web.Request) -> web.Response:
+        model = request.query.get("model") or None
+        if model is not None:
+            self.cp.store.get_model(model)
+        out = []
+        for replica in self.cp.store.list_replicas(model):
+            for shard in self.cp.store.list_shards(replica_id=replica.id):
+                ep = next(
+                    (e for e in self.cp.router.endpoints(replica.model) if e.shard_id == shard.id),
+                    None,
+                )
+                out.append(
+                    {
+                        "replica": replica.id,
+                        "model": replica.model,
+                        "state": shard.state,
+                        "node": shard.node_id,
+                        "shard": shard.id,
+                        "rank": shard.rank,
+                        "port": shard.port,
+                        "pid": shard.pid,
+                        "restarts": shard.restarts,
+                        "exit_code": shard.exit_code,
+                        "reason": shard.reason,
+                        "inflight": ep.inflight if ep else 0,
+                        "routable": ep is not None,
+                    }
+                )
+        return web.json_response(out)
+
+    # -- API keys -------------------------------------------------------------------------------
+
+    async def keys(self, request: web.Request) -> web.Response:
+        include = request.query.get("all") in ("1", "true")
+        return web.json_response(
+            [
+                {
+                    "id": k.id,
+                    "name": k.name,
+                    "prefix": k.prefix,
+                    "created_at": k.created_at,
+                    "revoked_at": k.revoked_at,
+                }
+                for k in self.cp.store.list_api_keys(include_revoked=include)
+            ]
+        )
+
+    async def create_key(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        name = body.get("name")
+        if not isinstance(name, str) or not name.strip() or len(name) > 64:
+            raise _BadRequest("a key needs a name of 1-64 characters (who or what uses it)")
+        key, secret = self.cp.store.create_api_key(name.strip())
+        self.cp.refresh_keys()
+        self.cp.store.add_event("key_created", key.id, name)
+        return web.json_response(
+            {
+                "id": key.id,
+                "name": key.name,
+                "prefix": key.prefix,
+                "key": secret,
+                "created_at": key.created_at,
+            },
+            status=201,
+        )
+
+    async def revoke_key(self, request: web.Request) -> web.Response:
+        key = self.cp.store.revoke_api_key(request.match_info["key"])
+        self.cp.refresh_keys()
+        self.cp.store.add_event("key_revoked", key.id, key.name)
+        return web.json_response({"id": key.id, "name": key.name, "revoked_at": key.revoked_at})
+
+    # -- events ---------------------------------------------------------------------------------
+
+    async def events(self, request: web.Request) -> web.Response:
+        try:
+            limit = max(1, min(1000, int(request.query.get("limit", "100"))))
+        except ValueError:
+            raise _BadRequest("limit must be a number") from None
+        subject = request.query.get("subject") or None
+        return web.json_response(
+            [
+                {"id": e.id, "ts": e.ts, "kind": e.kind, "subject": e.subject, "message": e.message}
+                for e in self.cp.store.list_events(limit=limit, subject=subject)
+            ]
+        )

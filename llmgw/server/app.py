@@ -1,0 +1,438 @@
+"""The control plane: state store, cluster CA, the agent stream, the scheduler and the gateway.
+
+``ControlPlane.start()`` is the straight-line start-up of STYLE 10: open the store and bump
+the leader epoch, make sure the CA and this server's certificates exist, mark every node
+disconnected (streams do not survive a restart), bind the gRPC stream and the HTTP
+listener, then run the reconcile loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import ssl
+import time
+from pathlib import Path
+
+import grpc
+from aiohttp import web
+
+from llmgw import __version__
+from llmgw.config_util import format_hostport, parse_hostport
+from llmgw.errors import ConfigError, LlmgwError, NotFound
+from llmgw.log import kv
+from llmgw.pki import Identity, ensure_server_identity, local_addresses, write_private
+from llmgw.proto import control_pb2 as pb
+from llmgw.proto import control_pb2_grpc as pb_grpc
+from llmgw.server.config import ServerConfig
+from llmgw.server.metrics import Metrics
+from llmgw.server.routing import Endpoint, Router
+from llmgw.server.scheduler import Scheduler
+from llmgw.server.store import Store
+from llmgw.server.stream import ControlPlaneService, NodeSession
+
+__all__ = ["ControlPlane"]
+
+log = logging.getLogger("llmgw.server")
+
+_PB_STATE = {
+    pb.SHARD_STARTING: "starting",
+    pb.SHARD_READY: "ready",
+    pb.SHARD_FAILED: "failed",
+    pb.SHARD_EXITED: "exited",
+}
+
+
+def _read_or_create_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+        if token:
+            return token
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read the admin token: {exc.strerror}; it must be readable by the control "
+            "plane's user",
+            file=str(path),
+        ) from exc
+    token = "llmgw-admin-" + secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_private(path, (token + "\n").encode())
+    return token
+
+
+class ControlPlane:
+    """One control plane process (the leader, on SQLite)."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.store: Store
+        self.epoch = 0
+        self.cluster_id = ""
+        self.admin_token = ""
+        self.sessions: dict[str, NodeSession] = {}
+        self.router = Router()
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(self)
+        self.key_hashes: set[str] = set()
+        self.model_names: set[str] = set()
+        self.http_port = 0
+        self.grpc_port = 0
+        self.server_identity: Identity | None = None
+        self.client_identity: Identity | None = None
+        self.started_at = time.time()
+        self._grpc: grpc.aio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.cfg.state_dir / "pki"
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        try:
+            cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create the state directory: {exc.strerror}; create it for the control "
+                "plane's user or set state_dir",
+                key="state_dir",
+                file=str(cfg.source) if cfg.source else None,
+            ) from exc
+        # 1. state store, leader epoch
+        self.store = Store.open(cfg.state_dir / "llmgw.db")
+        self.epoch = self.store.bump_epoch()
+        self.cluster_id = self.store.cluster_id()
+        self.store.set_all_disconnected()
+        self.refresh_keys()
+        self.refresh_models()
+        # 2. CA and this server's identities
+        hosts = [*local_addresses(), *cfg.advertise]
+        _ca, self.server_identity, self.client_identity = ensure_server_identity(
+            self.pki_dir, hosts=hosts
+        )
+        self.admin_token = _read_or_create_token(cfg.admin_token_file)
+        # 3. the Connect stream
+        await self._start_grpc()
+        # 4. gateway, admin API, metrics
+        await self._start_http()
+        # 5. reconcile
+        self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
+        self._tasks.append(asyncio.create_task(self._watch_heartbeats(), name="heartbeats"))
+        self.store.add_event("server_started", "control-plane", f"epoch {self.epoch}")
+        log.info(
+            "control plane started",
+            extra=kv(
+                version=__version__,
+                epoch=self.epoch,
+                cluster=self.cluster_id,
+                http=self.http_addr,
+                grpc=format_hostport(parse_hostport(cfg.grpc_listen)[0], self.grpc_port),
+            ),
+        )
+
+    async def _start_grpc(self) -> None:
+        assert self.server_identity is not None
+        ident = self.server_identity
+        creds = grpc.ssl_server_credentials(
+            [(ident.key.read_bytes(), ident.cert.read_bytes())],
+            root_certificates=ident.ca.read_bytes(),
+            require_client_auth=True,
+        )
+        self._grpc = grpc.aio.server(
+            options=[
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ]
+        )
+        pb_grpc.add_ControlPlaneServicer_to_server(ControlPlaneService(self), self._grpc)
+        host, port = parse_hostport(self.cfg.grpc_listen)
+        try:
+            self.grpc_port = self._grpc.add_secure_port(format_hostport(host, port), creds)
+        except RuntimeError as exc:
+            raise ConfigError(
+                f"cannot listen on {self.cfg.grpc_listen}: {exc}; free the port or change grpc_listen",
+                key="grpc_listen",
+            ) from exc
+        await self._grpc.start()
+
+    async def _start_http(self) -> None:
+        from llmgw.server.admin import add_admin_routes
+        from llmgw.server.gateway import Gateway
+
+        self.gateway = Gateway(self)
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.gateway.add_routes(app)
+        add_admin_routes(app, self)
+        app.on_cleanup.append(lambda _app: self.gateway.close())
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+        )
+        await self._runner.setup()
+        host, port = parse_hostport(self.cfg.http_listen)
+        site = web.TCPSite(self._runner, host, port, backlog=2048, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise ConfigError(
+                f"cannot listen on {self.cfg.http_listen}: {exc.strerror}; free the port or change http_listen",
+                key="http_listen",
+            ) from exc
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.http_port = int(sockets[0].getsockname()[1]) if sockets else port
+
+    @property
+    def http_addr(self) -> str:
+        host = parse_hostport(self.cfg.http_listen)[0]
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return format_hostport(host, self.http_port)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for session in list(self.sessions.values()):
+            session.close()
+        if self._grpc is not None:
+            await self._grpc.stop(grace=2.0)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.store.close()
+
+    # -- caches the request path reads ---------------------------------------------------------
+
+    def refresh_keys(self) -> None:
+        self.key_hashes = self.store.active_key_hashes()
+
+    def refresh_models(self) -> None:
+        self.model_names = {m.name for m in self.store.list_models()}
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def refusal_reason(self, node_id: str) -> str:
+        try:
+            node = self.store.get_node(node_id)
+        except NotFound:
+            return f"node {node_id} is unknown"
+        return f"node {node_id} is {node.state}"
+
+    def open_session(self, hello: pb.Hello, peer: str) -> NodeSession | None:
+        node_id = hello.node_id
+        try:
+            existing = self.store.get_node(node_id)
+            if existing.state == "revoked":
+                return None
+        except NotFound:
+            pass
+        inventory = {
+            "hostname": hello.inventory.hostname,
+            "arch": hello.inventory.arch,
+            "cpus": hello.inventory.cpus,
+            "memory_total_bytes": hello.inventory.memory_total_bytes,
+            "memory_available_bytes": hello.inventory.memory_available_bytes,
+            "gpus": [
+                {
+                    "index": g.index,
+                    "uuid": g.uuid,
+                    "name": g.name,
+                    "memory_total_mib": g.memory_total_mib,
+                }
+                for g in hello.inventory.gpus
+            ],
+            "gpu_status": hello.inventory.gpu_status,
+            "engines": list(hello.inventory.engines),
+        }
+        self.store.upsert_node(
+            node_id,
+            dataplane_addr=hello.dataplane_addr,
+            agent_version=hello.agent_version,
+            inventory=inventory,
+            connected=True,
+        )
+        old = self.sessions.get(node_id)
+        if old is not None:
+            # A node that reconnects before its old stream noticed the break: the new one wins.
+            old.close()
+        session = NodeSession(
+            node_id=node_id,
+            dataplane_addr=hello.dataplane_addr,
+            epoch=self.epoch,
+            engines=frozenset(hello.inventory.engines),
+        )
+        self.sessions[node_id] = session
+        self.store.add_event(
+            "node_connected", node_id, f"from {peer}, data plane {hello.dataplane_addr}"
+        )
+        log.info(
+            "node connected",
+            extra=kv(
+                node=node_id, peer=peer, dataplane=hello.dataplane_addr, version=hello.agent_version
+            ),
+        )
+        self._count_nodes()
+        return session
+
+    def after_hello(self, session: NodeSession, hello: pb.Hello) -> None:
+        """Reconcile what the node says it runs with what the store says it should."""
+        known = {s.id: s for s in self.store.list_shards(node_id=session.node_id)}
+        reported = {s.shard_id: s for s in hello.shards}
+        for shard_id, status in reported.items():
+            if shard_id in known:
+                self._apply_status(session, status)
+            elif status.state in (pb.SHARD_STARTING, pb.SHARD_READY, pb.SHARD_FAILED):
+                log.info(
+                    "stopping a shard no replica owns",
+                    extra=kv(node=session.node_id, shard=shard_id),
+                )
+                session.stop_shard(shard_id)
+        for shard_id, shard in known.items():
+            if shard_id not in reported and shard.state in ("starting", "ready", "pending"):
+                # The node no longer runs it (an agent restart): start it again.
+                self.store.update_shard(
+                    shard_id, state="pending", reason="not running on the node after reconnect"
+                )
+        self.scheduler.kick()
+
+    def close_session(self, session: NodeSession) -> None:
+        if self.sessions.get(session.node_id) is not session:
+            return
+        del self.sessions[session.node_id]
+        self.router.remove_node(session.node_id)
+        try:
+            self.store.set_node_connected(session.node_id, False)
+            self.store.add_event("node_disconnected", session.node_id, "stream closed")
+        except LlmgwError as exc:
+            log.warning(
+                "cannot record a disconnect", extra=kv(node=session.node_id, error=str(exc))
+            )
+        log.info("node disconnected", extra=kv(node=session.node_id))
+        self._count_nodes()
+        self._count_ready()
+
+    def _count_nodes(self) -> None:
+        nodes = self.store.list_nodes()
+        connected = sum(1 for n in nodes if n.id in self.sessions)
+        self.metrics.nodes.set(("connected",), connected)
+        self.metrics.nodes.set(("disconnected",), len(nodes) - connected)
+
+    def _count_ready(self) -> None:
+        for model in self.model_names:
+            self.metrics.ready_replicas.set((model,), len(self.router.endpoints(model)))
+
+    async def _watch_heartbeats(self) -> None:
+        """Cut streams whose heartbeats stopped (gRPC keepalive catches most, not a hung agent)."""
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if now - session.last_heartbeat > self.cfg.loss_timeout:
+                    log.warning("node stopped sending heartbeats", extra=kv(node=session.node_id))
+                    session.close()
+
+    # -- messages from agents ------------------------------------------------------------------
+
+    def on_agent_message(self, session: NodeSession, msg: pb.AgentMessage) -> None:
+        kind = msg.WhichOneof("msg")
+        session.last_heartbeat = time.monotonic()
+        if kind == "heartbeat":
+            session.inflight = msg.heartbeat.inflight
+            self.store.touch_node(session.node_id)
+        elif kind == "shard_status":
+            self._apply_status(session, msg.shard_status)
+        elif kind == "op_result":
+            self._apply_result(session, msg.op_result)
+        elif kind == "inventory":
+            session.engines = frozenset(msg.inventory.engines)
+        else:
+            log.warning("unexpected message on a stream", extra=kv(node=session.node_id, kind=kind))
+
+    def _apply_status(self, session: NodeSession, status: pb.ShardStatus) -> None:
+        state = _PB_STATE.get(status.state)
+        if state is None:
+            return
+        try:
+            shard = self.store.get_shard(status.shard_id)
+        except NotFound:
+            return  # a shard we already forgot (stopped or undeployed)
+        if shard.node_id != session.node_id:
+            return
+        if state == "exited":
+            # We delete shards we stop, so an exit we did not order is a failure.
+            state = "failed"
+        exit_code = status.exit_code if status.has_exit_code else None
+        self.store.update_shard(
+            shard.id,
+            state=state,
+            port=status.port or None,
+            pid=status.pid or None,
+            exit_code=exit_code,
+            reason=status.reason,
+        )
+        self.store.set_replica_state(shard.replica_id, state if state != "exited" else "failed")
+        if state == "ready":
+            replica = self.store.get_replica(shard.replica_id)
+            self.router.set_ready(
+                Endpoint(
+                    model=replica.model,
+                    replica_id=replica.id,
+                    shard_id=shard.id,
+                    node_id=session.node_id,
+                    addr=session.dataplane_addr,
+                )
+            )
+            self.scheduler.shard_ready(shard.id)
+            self.store.add_event(
+                "shard_ready", shard.id, f"on {session.node_id} port {status.port}"
+            )
+        else:
+            self.router.remove_shard(shard.id)
+            if state == "failed":
+                self.scheduler.shard_failed(shard.id)
+                self.store.add_event("shard_failed", shard.id, status.reason or "failed")
+        self._count_ready()
+
+    def _apply_result(self, session: NodeSession, result: pb.OperationResult) -> None:
+        if result.ok:
+            return
+        log.warning(
+            "an order failed on a node",
+            extra=kv(node=session.node_id, op=result.op_id, error=result.error),
+        )
+        for shard in self.store.list_shards(node_id=session.node_id):
+            if shard.op_id == result.op_id and shard.state in ("starting", "pending"):
+                self.store.update_shard(shard.id, state="failed", reason=result.error)
+                self.store.set_replica_state(shard.replica_id, "failed")
+                self.scheduler.shard_failed(shard.id)
+                self.store.add_event("shard_failed", shard.id, result.error)
+
+    # -- changes ordered through the admin API ----------------------------------------------------
+
+    def remove_replica(self, replica_id: str, *, why: str) -> None:
+        for shard in self.store.list_shards(replica_id=replica_id):
+            self.router.remove_shard(shard.id)
+            session = self.sessions.get(shard.node_id)
+            if session is not None:
+                session.stop_shard(shard.id)
+            self.scheduler.forget(shard.id)
+        self.store.delete_replica(replica_id)
+        self.store.add_event("replica_removed", replica_id, why)
+        self._count_ready()
+
+    def client_ssl_context(self) -> ssl.SSLContext:
+        """TLS the gateway presents to agents' data planes."""
+        assert self.client_identity is not None
+        ident = self.client_identity
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ident.ca))
+        ctx.load_cert_chain(ident.cert, ident.key)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        return ctx

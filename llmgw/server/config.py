@@ -1,0 +1,183 @@
+"""The control plane's configuration: ``server.yaml`` (+ overrides) -> one frozen
+:class:`ServerConfig`. Every key has a default, so the file itself is optional."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmgw.config_util import (
+    Checker,
+    apply_overrides,
+    format_hostport,
+    index_key,
+    is_hostname,
+    is_ip_address,
+    load_yaml,
+    type_name,
+)
+
+DEFAULT_SERVER_CONFIG = Path("/etc/llmgw/server.yaml")
+DEFAULT_STATE_DIR = Path("/var/lib/llmgw")
+DEFAULT_HTTP_PORT = 8080
+DEFAULT_GRPC_PORT = 7443
+DEFAULT_HTTP_LISTEN = f"0.0.0.0:{DEFAULT_HTTP_PORT}"
+DEFAULT_GRPC_LISTEN = f"0.0.0.0:{DEFAULT_GRPC_PORT}"
+DEFAULT_HEARTBEAT_INTERVAL = 5.0
+DEFAULT_LOSS_TIMEOUT = 15.0
+MIN_HEARTBEAT_INTERVAL = 0.2
+MAX_HEARTBEAT_INTERVAL = 60.0
+
+_KEYS = (
+    "state_dir",
+    "http_listen",
+    "grpc_listen",
+    "advertise",
+    "heartbeat_interval",
+    "loss_timeout",
+    "admin_token_file",
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``server.yaml`` says, validated; relative paths already made absolute."""
+
+    state_dir: Path
+    http_listen: str
+    grpc_listen: str
+    advertise: tuple[str, ...]
+    heartbeat_interval: float
+    loss_timeout: float
+    admin_token_file: Path
+    source: Path | None = None
+
+
+def load_server_config(
+    path: Path | str | None, *, overrides: Mapping[str, object] | None = None
+) -> ServerConfig:
+    """Read ``path`` (``None``: no file, all defaults), apply ``overrides`` (dotted keys
+    allowed), validate; every problem is a :class:`ConfigError` naming key and file."""
+    if path is None:
+        return _parse({}, file="<overrides>", base_dir=Path.cwd(), source=None, overrides=overrides)
+    source = Path(path).absolute()
+    data = load_yaml(source, missing_hint="create it from server.example.yaml or pass --config")
+    return _parse(
+        data, file=str(source), base_dir=source.parent, source=source, overrides=overrides
+    )
+
+
+def parse_server_config(data: object, *, source: str = "<server.yaml>") -> ServerConfig:
+    """Validate already-parsed YAML data (``None``, an empty file, means all defaults);
+    relative paths resolve against the current directory."""
+    return _parse(data, file=source, base_dir=Path.cwd(), source=None, overrides=None)
+
+
+def _parse(
+    data: object,
+    *,
+    file: str,
+    base_dir: Path,
+    source: Path | None,
+    overrides: Mapping[str, object] | None,
+) -> ServerConfig:
+    check = Checker(file=file, base_dir=base_dir)
+    if data is None:
+        data = {}  # an empty (or all-comment) file: every default
+    if not isinstance(data, Mapping):
+        check.fail("", f"must be a mapping of keys ({', '.join(_KEYS)}), got {type_name(data)}")
+    if overrides:
+        data = apply_overrides(data, overrides, file=file)
+    top = check.mapping(data, "", accepted=_KEYS)
+
+    def path(name: str, default: Path) -> Path:
+        value = top.get(name)
+        return default if value is None else check.path(value, name)
+
+    def listen(name: str, default_port: int) -> tuple[str, int]:
+        value = top.get(name)
+        if value is None:
+            return "0.0.0.0", default_port
+        return check.hostport_pair(value, name, default_port=default_port)
+
+    state_dir = path("state_dir", DEFAULT_STATE_DIR)
+    http_host, http_port = listen("http_listen", DEFAULT_HTTP_PORT)
+    grpc_host, grpc_port = listen("grpc_listen", DEFAULT_GRPC_PORT)
+    if http_port == grpc_port and (
+        http_host == grpc_host or _is_wildcard(http_host) or _is_wildcard(grpc_host)
+    ):
+        check.fail(
+            "grpc_listen",
+            f"port {grpc_port} is also http_listen's; the gateway (8080) and the agents' "
+            "stream (7443) need ports of their own",
+        )
+
+    heartbeat = DEFAULT_HEARTBEAT_INTERVAL
+    if top.get("heartbeat_interval") is not None:
+        heartbeat = check.number(
+            top["heartbeat_interval"],
+            "heartbeat_interval",
+            minimum=MIN_HEARTBEAT_INTERVAL,
+            maximum=MAX_HEARTBEAT_INTERVAL,
+        )
+    loss_timeout = DEFAULT_LOSS_TIMEOUT
+    if top.get("loss_timeout") is not None:
+        loss_timeout = check.number(top["loss_timeout"], "loss_timeout", minimum=0)
+    if not loss_timeout > 2 * heartbeat:
+        given = "" if top.get("loss_timeout") is not None else " (the default)"
+        check.fail(
+            "loss_timeout",
+            f"is {loss_timeout:g} s{given} but must be more than twice heartbeat_interval "
+            f"({heartbeat:g} s), so one late heartbeat does not lose a node; "
+            f"set it to {3 * heartbeat:g} or more",
+        )
+
+    return ServerConfig(
+        state_dir=state_dir,
+        http_listen=format_hostport(http_host, http_port),
+        grpc_listen=format_hostport(grpc_host, grpc_port),
+        advertise=_advertise(check, top.get("advertise")),
+        heartbeat_interval=heartbeat,
+        loss_timeout=loss_timeout,
+        admin_token_file=path("admin_token_file", state_dir / "admin.token"),
+        source=source,
+    )
+
+
+def _is_wildcard(host: str) -> bool:
+    return is_ip_address(host) and ipaddress.ip_address(host).is_unspecified
+
+
+def _advertise(check: Checker, value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        check.fail("advertise", f"must be a list of host names or IPs, e.g. [{value}]")
+    names = check.strings(value, "advertise")
+    result: list[str] = []
+    for index, name in enumerate(names):
+        key = index_key("advertise", index)
+        if is_ip_address(name):
+            name = str(ipaddress.ip_address(name))
+        elif not is_hostname(name):
+            check.fail(
+                key,
+                f"{name!r} is not a host name or IP address (no port, no brackets, no "
+                "wildcards); it goes into the server certificate",
+            )
+        else:
+            name = name.lower()  # DNS names compare without case
+        if name in result:
+            check.fail(key, f"{name} is listed twice")
+        result.append(name)
+    return tuple(result)
+
+
+__all__ = [
+    "DEFAULT_SERVER_CONFIG",
+    "ServerConfig",
+    "load_server_config",
+    "parse_server_config",
+]

@@ -1,0 +1,287 @@
+"""The OpenAI-compatible gateway on :8080: authenticate, pick a replica, relay through its agent.
+
+The request path touches no database: API key hashes, model names and ready replicas are
+in memory. Bodies are forwarded unchanged; event streams are relayed chunk by chunk; a
+client that disconnects cancels the handler, which closes the upstream request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from llmgw.log import kv
+from llmgw.relay import relay
+from llmgw.server.routing import Endpoint
+
+if TYPE_CHECKING:
+    from llmgw.server.app import ControlPlane
+
+__all__ = ["Gateway", "StreamTokenCounter", "openai_error"]
+
+log = logging.getLogger("llmgw.server.gateway")
+
+
+def openai_error(
+    status: int,
+    message: str,
+    *,
+    type_: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+class StreamTokenCounter:
+    """Counts completion tokens in an SSE stream without parsing every event.
+
+    A chunk carrying ``usage`` (``stream_options.include_usage``) is authoritative; otherwise
+    each event with non-empty content or text counts as one token.
+    """
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.events = 0
+        self.usage: dict[str, Any] | None = None
+        self.first_at: float | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
+        data = self.buf + chunk
+        *events, self.buf = data.split(b"\n\n")
+        for event in events:
+            if not event.startswith(b"data: {"):
+                continue
+            if b'"usage":{' in event:
+                try:
+                    usage = json.loads(event[6:]).get("usage")
+                except ValueError:
+                    usage = None
+                if isinstance(usage, dict):
+                    self.usage = usage
+            if (b'"content":"' in event and b'"content":""' not in event) or (
+                b'"text":"' in event and b'"text":""' not in event
+            ):
+                self.events += 1
+
+
+class Gateway:
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        self._session: aiohttp.ClientSession | None = None
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/metrics", self.metrics)
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(
+                    ssl=self.cp.client_ssl_context(),
+                    limit=0,
+                    enable_cleanup_closed=True,
+                    keepalive_timeout=60,
+                ),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+                auto_decompress=False,
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- auth ----------------------------------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        if not header.startswith("Bearer "):
+            return False
+        digest = hashlib.sha256(header[7:].strip().encode()).hexdigest()
+        return digest in self.cp.key_hashes
+
+    def _unauthorized(self) -> web.Response:
+        return openai_error(
+            401,
+            "Incorrect or missing API key. Pass 'Authorization: Bearer <key>'; an operator "
+            "creates keys with 'llmgw ctl keys create NAME'.",
+            code="invalid_api_key",
+        )
+
+    # -- handlers ------------------------------------------------------------------------------
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "status": "ok",
+                "epoch": self.cp.epoch,
+                "nodes": len(self.cp.sessions),
+                "models": self.cp.router.models(),
+            }
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            text=self.cp.metrics.render(), content_type="text/plain", charset="utf-8"
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        created = int(self.cp.started_at)
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
+            for name in self.cp.router.models()
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        if not self._authorized(request):
+            return self._unauthorized()
+        body = await request.read()
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            return openai_error(400, "The request body is not valid JSON.", code="invalid_json")
+        model = payload.get("model") if isinstance(payload, dict) else None
+        if not isinstance(model, str) or not model:
+            return openai_error(
+                400, "The request needs a 'model' (a string).", param="model", code="missing_model"
+            )
+        if model not in self.cp.model_names:
+            known = ", ".join(sorted(self.cp.model_names)) or "none"
+            return openai_error(
+                404,
+                f"The model '{model}' does not exist. Models on this gateway: {known}.",
+                param="model",
+                code="model_not_found",
+            )
+        path = request.path
+        tried: set[str] = set()
+        while True:
+            ep = self.cp.router.pick(model, exclude=frozenset(tried))
+            if ep is None:
+                if tried:
+                    return openai_error(
+                        502,
+                        f"No replica of '{model}' answered ({len(tried)} tried); try again shortly.",
+                        type_="server_error",
+                        code="upstream_unavailable",
+                    )
+                return openai_error(
+                    503,
+                    f"The model '{model}' has no ready replica right now; retry after a few seconds "
+                    f"('llmgw ctl replicas {model}' shows why).",
+                    type_="server_error",
+                    code="model_not_ready",
+                    headers={"Retry-After": "5"},
+                )
+            tried.add(ep.shard_id)
+            try:
+                return await self._forward(
+                    request, ep, path, body, started, stream=bool(payload.get("stream"))
+                )
+            except _ConnectFailed as exc:
+                log.warning(
+                    "replica unreachable; trying another",
+                    extra=kv(model=model, shard=ep.shard_id, error=str(exc)),
+                )
+                continue
+
+    async def _forward(
+        self,
+        request: web.Request,
+        ep: Endpoint,
+        path: str,
+        body: bytes,
+        started: float,
+        *,
+        stream: bool,
+    ) -> web.StreamResponse:
+        labels = (ep.model, ep.replica_id)
+        metrics = self.cp.metrics
+        ep.inflight += 1
+        metrics.inflight.inc(labels)
+        status = 0
+        counter = StreamTokenCounter() if stream else None
+        try:
+            try:
+                upstream_cm = self.session.post(
+                    ep.url(path),
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                    server_hostname=ep.node_id,
+                )
+                upstream = await upstream_cm.__aenter__()
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+                raise _ConnectFailed(str(exc)) from exc
+            try:
+                status = upstream.status
+                if counter is not None and upstream.content_type == "text/event-stream":
+                    resp = await relay(request, upstream, on_chunk=counter.feed)
+                    if counter.first_at is not None:
+                        metrics.ttft.observe(labels, counter.first_at - started)
+                    self._count_stream_tokens(ep.model, counter)
+                else:
+                    resp = await relay(
+                        request, upstream, on_chunk=lambda b: self._count_body_tokens(ep.model, b)
+                    )
+            finally:
+                await upstream_cm.__aexit__(None, None, None)
+            return resp
+        except aiohttp.ClientError as exc:
+            status = 502
+            return openai_error(
+                502,
+                f"The replica {ep.replica_id} failed mid-request: {exc}",
+                type_="server_error",
+                code="upstream_error",
+            )
+        finally:
+            ep.inflight -= 1
+            metrics.inflight.dec(labels)
+            if status:
+                metrics.requests.inc((ep.model, ep.replica_id, str(status)))
+                metrics.latency.observe(labels, time.perf_counter() - started)
+
+    def _count_body_tokens(self, model: str, body: bytes) -> None:
+        if b'"usage"' not in body:
+            return
+        try:
+            usage = json.loads(body).get("usage") or {}
+        except (ValueError, AttributeError):
+            return
+        self._add_usage(model, usage)
+
+    def _count_stream_tokens(self, model: str, counter: StreamTokenCounter) -> None:
+        if counter.usage is not None:
+            self._add_usage(model, counter.usage)
+        else:
+            self.cp.metrics.tokens.inc((model, "completion"), counter.events)
+
+    def _add_usage(self, model: str, usage: dict[str, Any]) -> None:
+        for kind in ("prompt", "completion"):
+            value = usage.get(f"{kind}_tokens")
+            if isinstance(value, int):
+                self.cp.metrics.tokens.inc((model, kind), value)
+
+
+class _ConnectFailed(Exception):
+    """The replica could not be reached at all; nothing was sent, another may be tried."""

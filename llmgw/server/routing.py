@@ -1,0 +1,87 @@
+"""Where the gateway sends a request: the ready replicas of each model, least outstanding first.
+
+This table lives in memory and is updated by the stream handlers as shards become ready,
+fail, stop or lose their node, so the request path never touches the state store.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+__all__ = ["Endpoint", "Router"]
+
+
+@dataclass(eq=False)
+class Endpoint:
+    """One ready replica, reached through its node's data plane."""
+
+    model: str
+    replica_id: str
+    shard_id: str
+    node_id: str
+    addr: str  # host:port of the node's data plane
+    inflight: int = 0
+
+    def url(self, path: str) -> str:
+        return f"https://{self.addr}/s/{self.shard_id}{path}"
+
+
+class Router:
+    def __init__(self) -> None:
+        self._by_model: dict[str, list[Endpoint]] = {}
+        self._by_shard: dict[str, Endpoint] = {}
+        self._tiebreak = itertools.count()
+
+    def set_ready(self, ep: Endpoint) -> None:
+        old = self._by_shard.get(ep.shard_id)
+        if old is not None:
+            if old.addr == ep.addr and old.node_id == ep.node_id:
+                return
+            self.remove_shard(ep.shard_id)
+        self._by_shard[ep.shard_id] = ep
+        self._by_model.setdefault(ep.model, []).append(ep)
+
+    def remove_shard(self, shard_id: str) -> None:
+        ep = self._by_shard.pop(shard_id, None)
+        if ep is None:
+            return
+        eps = self._by_model.get(ep.model, [])
+        if ep in eps:
+            eps.remove(ep)
+        if not eps:
+            self._by_model.pop(ep.model, None)
+
+    def remove_node(self, node_id: str) -> None:
+        for shard_id in [s for s, ep in self._by_shard.items() if ep.node_id == node_id]:
+            self.remove_shard(shard_id)
+
+    def remove_model(self, model: str) -> None:
+        for ep in list(self._by_model.get(model, [])):
+            self.remove_shard(ep.shard_id)
+
+    def pick(self, model: str, exclude: frozenset[str] = frozenset()) -> Endpoint | None:
+        """The ready replica with the fewest requests in flight; ties rotate."""
+        eps = self._by_model.get(model)
+        if not eps:
+            return None
+        best: Endpoint | None = None
+        for ep in eps:
+            if ep.shard_id in exclude:
+                continue
+            if best is None or ep.inflight < best.inflight:
+                best = ep
+        if best is None:
+            return None
+        ties = [ep for ep in eps if ep.inflight == best.inflight and ep.shard_id not in exclude]
+        if len(ties) > 1:
+            best = ties[next(self._tiebreak) % len(ties)]
+        return best
+
+    def models(self) -> list[str]:
+        return sorted(self._by_model)
+
+    def endpoints(self, model: str | None = None) -> list[Endpoint]:
+        if model is None:
+            return list(self._by_shard.values())
+        return list(self._by_model.get(model, []))

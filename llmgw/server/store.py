@@ -1,0 +1,986 @@
+"""The control plane's state store: nodes, models, replicas, shards, API keys and events.
+
+One SQLite file in WAL mode, schema upgraded by versioned migrations on open; every
+sqlite3 error leaves this module as a :class:`~llmgw.errors.StoreError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+import sqlite3
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmgw.errors import Conflict, NotFound, StoreError
+
+__all__ = [
+    "MAX_EVENTS",
+    "MIGRATIONS",
+    "MODEL_REPLICA_STATES",
+    "NODE_STATES",
+    "SHARD_FIELDS",
+    "SHARD_STATES",
+    "ApiKey",
+    "Event",
+    "Model",
+    "Node",
+    "Replica",
+    "Shard",
+    "Store",
+    "hash_api_key",
+]
+
+NODE_STATES: frozenset[str] = frozenset({"pending", "approved", "revoked"})
+MODEL_REPLICA_STATES: frozenset[str] = frozenset(
+    {"pending", "starting", "ready", "failed", "stopping"}
+)
+SHARD_STATES: frozenset[str] = frozenset(
+    {"pending", "starting", "ready", "failed", "exited", "stopping", "stopped"}
+)
+SHARD_FIELDS: frozenset[str] = frozenset(
+    {"state", "port", "pid", "exit_code", "reason", "restarts", "op_id"}
+)
+
+MAX_EVENTS = 10_000
+"""Events kept; older ones are trimmed every :attr:`Store.event_trim_every` inserts."""
+
+API_KEY_PREFIX = "sk-llmgw-"
+
+MIGRATIONS: list[str] = [
+    # 1: initial schema
+    """
+    CREATE TABLE meta (
+        key   TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    );
+
+    CREATE TABLE nodes (
+        id             TEXT PRIMARY KEY,
+        uid            TEXT NOT NULL UNIQUE,
+        state          TEXT NOT NULL DEFAULT 'approved'
+                       CHECK (state IN ('pending', 'approved', 'revoked')),
+        connected      INTEGER NOT NULL DEFAULT 0,
+        dataplane_addr TEXT,
+        agent_version  TEXT,
+        inventory      TEXT NOT NULL DEFAULT '{}',
+        fingerprint    TEXT,
+        draining       INTEGER NOT NULL DEFAULT 0,
+        last_seen      REAL,
+        created_at     REAL NOT NULL
+    );
+
+    CREATE TABLE models (
+        name       TEXT PRIMARY KEY,
+        engine     TEXT NOT NULL,
+        params     TEXT NOT NULL DEFAULT '{}',
+        replicas   INTEGER NOT NULL CHECK (replicas >= 0),
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+
+    CREATE TABLE replicas (
+        id         TEXT PRIMARY KEY,
+        model      TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
+        state      TEXT NOT NULL
+                   CHECK (state IN ('pending', 'starting', 'ready', 'failed', 'stopping')),
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX replicas_by_model ON replicas(model);
+
+    CREATE TABLE shards (
+        id         TEXT PRIMARY KEY,
+        replica_id TEXT NOT NULL REFERENCES replicas(id) ON DELETE CASCADE,
+        node_id    TEXT NOT NULL REFERENCES nodes(id),
+        rank       INTEGER NOT NULL DEFAULT 0,
+        state      TEXT NOT NULL
+                   CHECK (state IN ('pending', 'starting', 'ready', 'failed',
+                                    'exited', 'stopping', 'stopped')),
+        port       INTEGER,
+        pid        INTEGER,
+        exit_code  INTEGER,
+        reason     TEXT NOT NULL DEFAULT '',
+        restarts   INTEGER NOT NULL DEFAULT 0,
+        op_id      TEXT,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX shards_by_node ON shards(node_id);
+    CREATE UNIQUE INDEX shards_by_replica ON shards(replica_id, rank);
+
+    CREATE TABLE api_keys (
+        id         TEXT PRIMARY KEY,
+        name       TEXT NOT NULL,
+        prefix     TEXT NOT NULL,
+        hash       TEXT NOT NULL UNIQUE,
+        created_at REAL NOT NULL,
+        revoked_at REAL
+    );
+    CREATE INDEX api_keys_by_prefix ON api_keys(prefix);
+
+    CREATE TABLE events (
+        id      INTEGER PRIMARY KEY AUTOINCREMENT,
+        ts      REAL NOT NULL,
+        kind    TEXT NOT NULL,
+        subject TEXT NOT NULL,
+        message TEXT NOT NULL
+    );
+    CREATE INDEX events_by_subject ON events(subject, id);
+    """,
+]
+
+
+# --------------------------------------------------------------------------- rows
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    uid: str
+    state: str
+    connected: bool
+    dataplane_addr: str | None
+    agent_version: str | None
+    inventory: dict[str, Any]
+    fingerprint: str | None
+    draining: bool
+    last_seen: float | None
+    created_at: float
+
+    @classmethod
+    def _from_row(cls, row: sqlite3.Row) -> Node:
+        return cls(
+            id=row["id"],
+            uid=row["uid"],
+            state=row["state"],
+            connected=bool(row["connected"]),
+            dataplane_addr=row["dataplane_addr"],
+            agent_version=row["agent_version"],
+            inventory=json.loads(row["inventory"]),
+            fingerprint=row["fingerprint"],
+            draining=bool(row["draining"]),
+            last_seen=row["last_seen"],
+            created_at=row["created_at"],
+        )
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    engine: str
+    params: dict[str, Any]
+    replicas: int
+    created_at: float
+    updated_at: float
+
+    @classmethod
+    def _from_row(cls, row: sqlite3.Row) -> Model:
+        return cls(
+            name=row["name"],
+            engine=row["engine"],
+            params=json.loads(row["params"]),
+            replicas=row["replicas"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+        )
+
+
+@dataclass(frozen=True)
+class Replica:
+    id: str
+    model: str
+    state: str
+    created_at: float
+    updated_at: float
+
+    @classmethod
+    def _from_row(cls, row: sqlite3.Row) -> Replica:
+        return cls(
+            id=row["id"],
+            model=row["model"],
+            state=row["state"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+        )
+
+
+@dataclass(frozen=True)
+class Shard:
+    id: str
+    replica_id: str
+    node_id: str
+    rank: int
+    state: str
+    port: int | None
+    pid: int | None
+    exit_code: int | None
+    reason: str
+    restarts: int
+    op_id: str | None
+    updated_at: float
+
+    @classmethod
+    def _from_row(cls, row: sqlite3.Row) -> Shard:
+        return cls(
+            id=row["id"],
+            replica_id=row["replica_id"],
+            node_id=row["node_id"],
+            rank=row["rank"],
+            state=row["state"],
+            port=row["port"],
+            pid=row["pid"],
+            exit_code=row["exit_code"],
+            reason=row["reason"],
+            restarts=row["restarts"],
+            op_id=row["op_id"],
+            updated_at=row["updated_at"],
+        )
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: str
+    name: str
+    prefix: str
+    hash: str
+    created_at: float
+    revoked_at: float | None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @classmethod
+    def _from_row(cls, row: sqlite3.Row) -> ApiKey:
+        return cls(
+            id=row["id"],
+            name=row["name"],
+            prefix=row["prefix"],
+            hash=row["hash"],
+            created_at=row["created_at"],
+            revoked_at=row["revoked_at"],
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    id: int
+    ts: float
+    kind: str
+    subject: str
+    message: str
+
+    @classmethod
+    def _from_row(cls, row: sqlite3.Row) -> Event:
+        return cls(
+            id=row["id"],
+            ts=row["ts"],
+            kind=row["kind"],
+            subject=row["subject"],
+            message=row["message"],
+        )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def hash_api_key(secret: str) -> str:
+    """The hex SHA-256 of an API key secret, as stored and as the gateway caches it."""
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def _dump_json(value: dict[str, Any], what: str) -> str:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a mapping, not {type(value).__name__}")
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} must be JSON-serialisable: {exc}") from exc
+
+
+def _check_state(state: str, allowed: frozenset[str], what: str) -> None:
+    if state not in allowed:
+        raise ValueError(
+            f"{state!r} is not a {what} state; use one of {', '.join(sorted(allowed))}"
+        )
+
+
+def _split_sql(script: str) -> list[str]:
+    """Split a migration script into complete statements (triggers included)."""
+    statements: list[str] = []
+    buf = ""
+    for line in script.splitlines(keepends=True):
+        buf += line
+        if sqlite3.complete_statement(buf):
+            if buf.strip():
+                statements.append(buf.strip())
+            buf = ""
+    if buf.strip():
+        raise ValueError(f"migration ends in an incomplete statement: {buf.strip()[:80]!r}")
+    return statements
+
+
+_TABLE_NOUNS = {
+    "meta": "meta entry",
+    "nodes": "node",
+    "models": "model",
+    "replicas": "replica",
+    "shards": "shard",
+    "api_keys": "API key",
+    "events": "event",
+}
+
+_CONSTRAINT_RE = re.compile(r"(UNIQUE|NOT NULL) constraint failed: (\w+)\.(\w+)")
+
+
+def _integrity_message(exc: sqlite3.IntegrityError) -> str:
+    text = str(exc)
+    m = _CONSTRAINT_RE.search(text)
+    if m:
+        kind, table, column = m.groups()
+        noun = _TABLE_NOUNS.get(table, table)
+        if kind == "UNIQUE":
+            return f"a {noun} with this {column} already exists; choose another {column}"
+        return f"a {noun} needs a {column}; give one"
+    if "FOREIGN KEY" in text:
+        return (
+            "the change refers to a node, model or replica that does not exist, or removes one "
+            "that is still in use; check the 'llmgw ctl' listings and retry"
+        )
+    if "CHECK" in text:
+        return f"a value is out of range ({text}); correct it and retry"
+    return f"the change contradicts what is stored ({text})"
+
+
+# --------------------------------------------------------------------------- store
+
+
+class Store:
+    """The state database. Open with :meth:`Store.open`; use from one thread.
+
+    Single methods commit on their own; wrap multi-step changes in :meth:`transaction`.
+    Never ``await`` inside a transaction: other coroutines would write into it.
+    """
+
+    event_trim_every: int = 100
+    """Insertions between two trims of the events table."""
+
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        path: str,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._conn: sqlite3.Connection | None = conn
+        self.path = path
+        self._clock = clock
+        self._depth = 0
+        self._events_since_trim = self.event_trim_every  # trim on the first insert
+        self.max_events = MAX_EVENTS
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @classmethod
+    def open(cls, path: Path | str, *, clock: Callable[[], float] = time.time) -> Store:
+        """Open (creating if needed, mode 0600) and migrate the database at *path*."""
+        spath = str(path)
+        if spath != ":memory:":
+            _create_file(Path(spath))
+        try:
+            conn = sqlite3.connect(
+                spath, timeout=5.0, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as exc:
+            raise _translate(exc, spath) from exc
+        conn.row_factory = sqlite3.Row
+        store = cls(conn, spath, clock=clock)
+        try:
+            with store._guard():
+                conn.execute("PRAGMA busy_timeout=5000")
+                conn.execute("PRAGMA journal_mode=WAL").fetchone()
+                conn.execute("PRAGMA synchronous=NORMAL")
+                conn.execute("PRAGMA foreign_keys=ON")
+            store.migrate()
+        except BaseException:
+            conn.close()
+            raise
+        return store
+
+    def close(self) -> None:
+        """Close the database; later calls raise :class:`StoreError`."""
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def schema_version(self) -> int:
+        with self._guard():
+            return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    def journal_mode(self) -> str:
+        with self._guard():
+            return str(self._db.execute("PRAGMA journal_mode").fetchone()[0])
+
+    def migrate(self) -> int:
+        """Apply the missing migrations, one transaction each; return the schema version."""
+        known = len(MIGRATIONS)
+        current = self.schema_version()
+        if current > known:
+            raise StoreError(
+                f"state database {self.path} has schema version {current}, newer than this "
+                f"llmgw ({known}); upgrade llmgw or restore a backup"
+            )
+        for version in range(current + 1, known + 1):
+            with self._write():
+                # Another process may have migrated between our read and BEGIN IMMEDIATE.
+                now = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+                if now >= version:
+                    continue
+                for statement in _split_sql(MIGRATIONS[version - 1]):
+                    self._db.execute(statement)
+                self._db.execute(f"PRAGMA user_version={version}")
+        return self.schema_version()
+
+    # ------------------------------------------------------------ transactions
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise StoreError(
+                f"state database {self.path} is closed; this is a bug in the caller, "
+                "report it with the traceback"
+            )
+        return self._conn
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:
+            if isinstance(exc, sqlite3.ProgrammingError | sqlite3.InterfaceError):
+                raise
+            raise _translate(exc, self.path) from exc
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Store]:
+        """All changes inside commit together or not at all (nested ones use savepoints)."""
+        with self._write():
+            yield self
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Store]:
+        db = self._db
+        with self._guard():
+            if self._depth == 0:
+                db.execute("BEGIN IMMEDIATE")
+                savepoint = None
+            else:
+                savepoint = f"sp{self._depth}"
+                db.execute(f"SAVEPOINT {savepoint}")
+        self._depth += 1
+        try:
+            with self._guard():
+                yield self
+        except BaseException:
+            self._depth -= 1
+            with contextlib.suppress(sqlite3.Error):
+                if savepoint is None:
+                    db.execute("ROLLBACK")
+                else:
+                    db.execute(f"ROLLBACK TO {savepoint}")
+                    db.execute(f"RELEASE {savepoint}")
+            raise
+        self._depth -= 1
+        with self._guard():
+            if savepoint is None:
+                try:
+                    db.execute("COMMIT")
+                except sqlite3.Error:
+                    with contextlib.suppress(sqlite3.Error):
+                        db.execute("ROLLBACK")
+                    raise
+            else:
+                db.execute(f"RELEASE {savepoint}")
+
+    def _one(self, sql: str, params: tuple[Any, ...] = ()) -> sqlite3.Row | None:
+        with self._guard():
+            row: sqlite3.Row | None = self._db.execute(sql, params).fetchone()
+            return row
+
+    def _all(self, sql: str, params: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._guard():
+            return list(self._db.execute(sql, params).fetchall())
+
+    # --------------------------------------------------------------------- meta
+
+    def get_meta(self, key: str, default: str | None = None) -> str | None:
+        row = self._one("SELECT value FROM meta WHERE key = ?", (key,))
+        return default if row is None else str(row["value"])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._write():
+            self._db.execute(
+                "INSERT INTO meta(key, value) VALUES (?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                (key, value),
+            )
+
+    def cluster_id(self) -> str:
+        """This cluster's id: a random UUID made on first use and kept."""
+        existing = self.get_meta("cluster_id")
+        if existing is not None:
+            return existing
+        with self._write():
+            self._db.execute(
+                "INSERT OR IGNORE INTO meta(key, value) VALUES ('cluster_id', ?)",
+                (str(uuid.uuid4()),),
+            )
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'cluster_id'").fetchone()
+        return str(row["value"])
+
+    def epoch(self) -> int:
+        """The control plane's current epoch (0 before the first :meth:`bump_epoch`)."""
+        return int(self.get_meta("epoch", "0") or 0)
+
+    def bump_epoch(self) -> int:
+        """Atomically add one to the epoch and return the new value."""
+        with self._write():
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
+            value = (int(row["value"]) if row is not None else 0) + 1
+            self._db.execute(
+                "INSERT INTO meta(key, value) VALUES ('epoch', ?) "
+                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                (str(value),),
+            )
+        return value
+
+    # -------------------------------------------------------------------- nodes
+
+    def upsert_node(
+        self,
+        node_id: str,
+        *,
+        dataplane_addr: str | None,
+        agent_version: str | None,
+        inventory: dict[str, Any],
+        connected: bool,
+    ) -> Node:
+        """Record a node's latest report; new nodes get a fresh uid, known ones keep theirs."""
+        inv = _dump_json(inventory, "node inventory")
+        now = self._clock()
+        uid = uuid.uuid4().hex
+        values = (node_id, uid, int(connected), dataplane_addr, agent_version, inv, now, now)
+        with self._write():
+            self._db.execute(
+                "INSERT INTO nodes(id, uid, connected, dataplane_addr, agent_version, inventory, "
+                "last_seen, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT(id) DO UPDATE SET connected = excluded.connected, "
+                "dataplane_addr = excluded.dataplane_addr, "
+                "agent_version = excluded.agent_version, inventory = excluded.inventory, "
+                "last_seen = excluded.last_seen",
+                values,
+            )
+            return self.get_node(node_id)
+
+    def _update_node(self, node_id: str, sql: str, params: tuple[Any, ...]) -> None:
+        with self._write():
+            cur = self._db.execute(f"UPDATE nodes SET {sql} WHERE id = ?", (*params, node_id))
+            if cur.rowcount == 0:
+                raise _no_node(node_id)
+
+    def set_node_connected(self, node_id: str, connected: bool) -> None:
+        self._update_node(node_id, "connected = ?", (int(connected),))
+
+    def touch_node(self, node_id: str) -> None:
+        self._update_node(node_id, "last_seen = ?", (self._clock(),))
+
+    def set_node_state(self, node_id: str, state: str) -> None:
+        """Set pending / approved / revoked; any other value is a ValueError."""
+        _check_state(state, NODE_STATES, "node")
+        self._update_node(node_id, "state = ?", (state,))
+
+    def set_node_draining(self, node_id: str, draining: bool) -> None:
+        self._update_node(node_id, "draining = ?", (int(draining),))
+
+    def set_node_fingerprint(self, node_id: str, fingerprint: str | None) -> None:
+        self._update_node(node_id, "fingerprint = ?", (fingerprint,))
+
+    def set_all_disconnected(self) -> None:
+        """Mark every node disconnected (at server start, before any stream exists)."""
+        with self._write():
+            self._db.execute("UPDATE nodes SET connected = 0 WHERE connected != 0")
+
+    def get_node(self, node_id: str) -> Node:
+        row = self._one("SELECT * FROM nodes WHERE id = ?", (node_id,))
+        if row is None:
+            raise _no_node(node_id)
+        return Node._from_row(row)
+
+    def list_nodes(self) -> list[Node]:
+        return [Node._from_row(r) for r in self._all("SELECT * FROM nodes ORDER BY id")]
+
+    def delete_node(self, node_id: str) -> None:
+        """Forget a node; refused while shards are placed on it."""
+        with self._write():
+            self.get_node(node_id)
+            row = self._db.execute(
+                "SELECT count(*) FROM shards WHERE node_id = ?", (node_id,)
+            ).fetchone()
+            if row[0]:
+                raise Conflict(
+                    f"node {node_id} still hosts {row[0]} shard(s); drain it and wait for its "
+                    "replicas to move, or delete those models, then retry"
+                )
+            self._db.execute("DELETE FROM nodes WHERE id = ?", (node_id,))
+
+    # ------------------------------------------------------------------- models
+
+    def put_model(self, name: str, *, engine: str, params: dict[str, Any], replicas: int) -> Model:
+        """Create a model or replace its engine, params and replica count."""
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise Conflict(
+                f"model {name}: replicas must be a whole number of 0 or more, not {replicas!r}"
+            )
+        blob = _dump_json(params, f"model {name} params")
+        now = self._clock()
+        with self._write():
+            self._db.execute(
+                "INSERT INTO models(name, engine, params, replicas, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
+                "engine = excluded.engine, params = excluded.params, "
+                "replicas = excluded.replicas, updated_at = excluded.updated_at",
+                (name, engine, blob, replicas, now, now),
+            )
+            return self.get_model(name)
+
+    def get_model(self, name: str) -> Model:
+        row = self._one("SELECT * FROM models WHERE name = ?", (name,))
+        if row is None:
+            raise _no_model(name)
+        return Model._from_row(row)
+
+    def list_models(self) -> list[Model]:
+        return [Model._from_row(r) for r in self._all("SELECT * FROM models ORDER BY name")]
+
+    def delete_model(self, name: str) -> None:
+        """Delete a model and, by cascade, its replicas and their shards."""
+        with self._write():
+            cur = self._db.execute("DELETE FROM models WHERE name = ?", (name,))
+            if cur.rowcount == 0:
+                raise _no_model(name)
+
+    # ----------------------------------------------------------------- replicas
+
+    def add_replica(self, model: str) -> Replica:
+        """A new replica of *model*, state ``pending``."""
+        now = self._clock()
+        with self._write():
+            self.get_model(model)
+            while True:
+                replica_id = f"{model}-{secrets.token_hex(3)}"
+                taken = self._db.execute(
+                    "SELECT 1 FROM replicas WHERE id = ?", (replica_id,)
+                ).fetchone()
+                if taken is None:
+                    break
+            self._db.execute(
+                "INSERT INTO replicas(id, model, state, created_at, updated_at) "
+                "VALUES (?, ?, 'pending', ?, ?)",
+                (replica_id, model, now, now),
+            )
+            return self.get_replica(replica_id)
+
+    def get_replica(self, replica_id: str) -> Replica:
+        row = self._one("SELECT * FROM replicas WHERE id = ?", (replica_id,))
+        if row is None:
+            raise _no_replica(replica_id)
+        return Replica._from_row(row)
+
+    def list_replicas(self, model: str | None = None) -> list[Replica]:
+        if model is None:
+            rows = self._all("SELECT * FROM replicas ORDER BY model, created_at, id")
+        else:
+            rows = self._all(
+                "SELECT * FROM replicas WHERE model = ? ORDER BY created_at, id", (model,)
+            )
+        return [Replica._from_row(r) for r in rows]
+
+    def set_replica_state(self, replica_id: str, state: str) -> None:
+        """Set pending / starting / ready / failed / stopping; other values are a ValueError."""
+        _check_state(state, MODEL_REPLICA_STATES, "replica")
+        with self._write():
+            cur = self._db.execute(
+                "UPDATE replicas SET state = ?, updated_at = ? WHERE id = ?",
+                (state, self._clock(), replica_id),
+            )
+            if cur.rowcount == 0:
+                raise _no_replica(replica_id)
+
+    def delete_replica(self, replica_id: str) -> None:
+        """Delete a replica and, by cascade, its shards."""
+        with self._write():
+            cur = self._db.execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
+            if cur.rowcount == 0:
+                raise _no_replica(replica_id)
+
+    # ------------------------------------------------------------------- shards
+
+    def add_shard(self, replica_id: str, node_id: str, *, rank: int = 0) -> Shard:
+        """Place rank *rank* of a replica on a node; id ``<replica>-s<rank>``, state pending."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"shard rank must be a whole number of 0 or more, not {rank!r}")
+        shard_id = f"{replica_id}-s{rank}"
+        with self._write():
+            self.get_replica(replica_id)
+            self.get_node(node_id)
+            taken = self._db.execute("SELECT 1 FROM shards WHERE id = ?", (shard_id,)).fetchone()
+            if taken is not None:
+                raise Conflict(
+                    f"replica {replica_id} already has a shard of rank {rank}; "
+                    f"delete shard {shard_id} first"
+                )
+            self._db.execute(
+                "INSERT INTO shards(id, replica_id, node_id, rank, state, updated_at) "
+                "VALUES (?, ?, ?, ?, 'pending', ?)",
+                (shard_id, replica_id, node_id, rank, self._clock()),
+            )
+            return self.get_shard(shard_id)
+
+    def get_shard(self, shard_id: str) -> Shard:
+        row = self._one("SELECT * FROM shards WHERE id = ?", (shard_id,))
+        if row is None:
+            raise _no_shard(shard_id)
+        return Shard._from_row(row)
+
+    def list_shards(
+        self, *, node_id: str | None = None, replica_id: str | None = None
+    ) -> list[Shard]:
+        where: list[str] = []
+        params: list[Any] = []
+        if node_id is not None:
+            where.append("node_id = ?")
+            params.append(node_id)
+        if replica_id is not None:
+            where.append("replica_id = ?")
+            params.append(replica_id)
+        sql = "SELECT * FROM shards"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY replica_id, rank"
+        return [Shard._from_row(r) for r in self._all(sql, tuple(params))]
+
+    def update_shard(self, shard_id: str, **fields: Any) -> Shard:
+        """Set any of state, port, pid, exit_code, reason, restarts, op_id; return the row."""
+        unknown = set(fields) - SHARD_FIELDS
+        if unknown:
+            raise ValueError(
+                f"cannot update shard field(s) {', '.join(sorted(unknown))}; "
+                f"allowed: {', '.join(sorted(SHARD_FIELDS))}"
+            )
+        if "state" in fields:
+            _check_state(fields["state"], SHARD_STATES, "shard")
+        names = sorted(fields)
+        assignments = "".join(f"{name} = ?, " for name in names)
+        with self._write():
+            cur = self._db.execute(
+                f"UPDATE shards SET {assignments}updated_at = ? WHERE id = ?",
+                (*(fields[name] for name in names), self._clock(), shard_id),
+            )
+            if cur.rowcount == 0:
+                raise _no_shard(shard_id)
+            return self.get_shard(shard_id)
+
+    def delete_shard(self, shard_id: str) -> None:
+        with self._write():
+            cur = self._db.execute("DELETE FROM shards WHERE id = ?", (shard_id,))
+            if cur.rowcount == 0:
+                raise _no_shard(shard_id)
+
+    # ----------------------------------------------------------------- api keys
+
+    def create_api_key(self, name: str) -> tuple[ApiKey, str]:
+        """Make a key; return its row and the secret, which is shown once and never stored."""
+        secret = API_KEY_PREFIX + secrets.token_urlsafe(32)
+        with self._write():
+            while True:
+                key_id = secrets.token_hex(6)
+                taken = self._db.execute(
+                    "SELECT 1 FROM api_keys WHERE id = ?", (key_id,)
+                ).fetchone()
+                if taken is None:
+                    break
+            self._db.execute(
+                "INSERT INTO api_keys(id, name, prefix, hash, created_at) VALUES (?, ?, ?, ?, ?)",
+                (key_id, name, secret[:12], hash_api_key(secret), self._clock()),
+            )
+            row = self._db.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+        return ApiKey._from_row(row), secret
+
+    def get_api_key(self, key_id_or_prefix: str, *, prefer_active: bool = False) -> ApiKey:
+        """The key with this id, or the only key with this prefix.
+
+        With *prefer_active*, a prefix shared by several keys names the one unrevoked among them.
+        """
+        row = self._one("SELECT * FROM api_keys WHERE id = ?", (key_id_or_prefix,))
+        if row is not None:
+            return ApiKey._from_row(row)
+        rows = self._all("SELECT * FROM api_keys WHERE prefix = ?", (key_id_or_prefix,))
+        if prefer_active and len(rows) > 1:
+            active = [r for r in rows if r["revoked_at"] is None]
+            rows = active or rows
+        if not rows:
+            raise NotFound(
+                f"no API key with id or prefix {key_id_or_prefix}; 'llmgw ctl keys' lists them"
+            )
+        if len(rows) > 1:
+            raise Conflict(
+                f"{len(rows)} API keys have prefix {key_id_or_prefix}; "
+                "name the key by its id ('llmgw ctl keys' lists them)"
+            )
+        return ApiKey._from_row(rows[0])
+
+    def list_api_keys(self, include_revoked: bool = False) -> list[ApiKey]:
+        sql = "SELECT * FROM api_keys"
+        if not include_revoked:
+            sql += " WHERE revoked_at IS NULL"
+        sql += " ORDER BY created_at, id"
+        return [ApiKey._from_row(r) for r in self._all(sql)]
+
+    def revoke_api_key(self, key_id_or_prefix: str) -> ApiKey:
+        """Revoke a key by id or unique prefix; return the revoked row."""
+        with self._write():
+            key = self.get_api_key(key_id_or_prefix, prefer_active=True)
+            if key.revoked:
+                raise Conflict(
+                    f"API key {key.id} ({key.name}) is already revoked; "
+                    "'llmgw ctl keys' lists the active ones"
+                )
+            self._db.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE id = ?", (self._clock(), key.id)
+            )
+            return self.get_api_key(key.id)
+
+    def verify_api_key(self, secret: str) -> ApiKey | None:
+        """The active key whose secret this is, or None."""
+        row = self._one(
+            "SELECT * FROM api_keys WHERE hash = ? AND revoked_at IS NULL",
+            (hash_api_key(secret),),
+        )
+        return None if row is None else ApiKey._from_row(row)
+
+    def active_key_hashes(self) -> set[str]:
+        """Hashes of all unrevoked keys, for the gateway's in-memory check."""
+        return {
+            str(r["hash"]) for r in self._all("SELECT hash FROM api_keys WHERE revoked_at IS NULL")
+        }
+
+    # ------------------------------------------------------------------- events
+
+    def add_event(self, kind: str, subject: str, message: str) -> Event:
+        """Record an event; the oldest are trimmed to keep at most :attr:`max_events`."""
+        with self._write():
+            cur = self._db.execute(
+                "INSERT INTO events(ts, kind, subject, message) VALUES (?, ?, ?, ?)",
+                (self._clock(), kind, subject, message),
+            )
+            event_id = cur.lastrowid
+            self._events_since_trim += 1
+            if self._events_since_trim >= self.event_trim_every:
+                self._db.execute(
+                    "DELETE FROM events WHERE id <= "
+                    "(SELECT id FROM events ORDER BY id DESC LIMIT 1 OFFSET ?)",
+                    (self.max_events,),
+                )
+                self._events_since_trim = 0
+            row = self._db.execute("SELECT * FROM events WHERE id = ?", (event_id,)).fetchone()
+        return Event._from_row(row)
+
+    def list_events(self, limit: int = 100, subject: str | None = None) -> list[Event]:
+        """The most recent events, newest first, optionally only those about *subject*."""
+        if subject is None:
+            rows = self._all("SELECT * FROM events ORDER BY id DESC LIMIT ?", (limit,))
+        else:
+            rows = self._all(
+                "SELECT * FROM events WHERE subject = ? ORDER BY id DESC LIMIT ?",
+                (subject, limit),
+            )
+        return [Event._from_row(r) for r in rows]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _no_node(node_id: str) -> NotFound:
+    return NotFound(f"no node named {node_id}; 'llmgw ctl nodes' lists them")
+
+
+def _no_model(name: str) -> NotFound:
+    return NotFound(f"no model named {name}; 'llmgw ctl models' lists them")
+
+
+def _no_replica(replica_id: str) -> NotFound:
+    return NotFound(f"no replica named {replica_id}; 'llmgw ctl models' lists them")
+
+
+def _no_shard(shard_id: str) -> NotFound:
+    return NotFound(f"no shard named {shard_id}; 'llmgw ctl models' lists them")
+
+
+def _translate(exc: sqlite3.Error, path: str) -> StoreError:
+    if isinstance(exc, sqlite3.IntegrityError):
+        return Conflict(_integrity_message(exc))
+    text = str(exc)
+    if "locked" in text or "busy" in text:
+        return StoreError(
+            f"state database {path} is locked by another process; stop any other llmgw "
+            "server using it, or wait and retry"
+        )
+    if "not a database" in text or "malformed" in text or "corrupt" in text:
+        return StoreError(
+            f"state database {path} is not a readable SQLite database ({text}); "
+            "restore a backup or move the file aside to start empty"
+        )
+    if "readonly" in text or "unable to open" in text or "disk I/O" in text or "full" in text:
+        return StoreError(
+            f"state database {path} cannot be read or written ({text}); check its permissions, "
+            "its directory's and the free disk space"
+        )
+    return StoreError(
+        f"state database {path}: {text}; check the file and its directory, or restore a backup"
+    )
+
+
+def _create_file(path: Path) -> None:
+    parent = path.parent
+    if not parent.is_dir():
+        raise StoreError(
+            f"directory {parent} for the state database does not exist; create it "
+            "(mode 0700, owned by the llmgw user) or choose another path"
+        )
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise StoreError(
+            f"cannot create state database {path}: {exc.strerror}; check the permissions "
+            f"of {parent}"
+        ) from exc
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)

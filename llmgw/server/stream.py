@@ -1,0 +1,168 @@
+"""The control plane's end of the Connect stream (gRPC over mTLS on :7443).
+
+One ``NodeSession`` per connected agent. A stream is accepted only when the node id its
+Hello claims is the CN of the client certificate it presented; otherwise both ends are
+told why. Orders to the node are queued on its session and carry the leader's epoch and
+a fresh op id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from llmgw.log import kv
+from llmgw.proto import control_pb2 as pb
+from llmgw.proto import control_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from llmgw.server.app import ControlPlane
+
+__all__ = ["ControlPlaneService", "NodeSession", "peer_common_name"]
+
+log = logging.getLogger("llmgw.server.stream")
+
+
+@dataclass(eq=False)
+class NodeSession:
+    """A live stream to one agent."""
+
+    node_id: str
+    dataplane_addr: str
+    epoch: int
+    engines: frozenset[str]
+    queue: asyncio.Queue[pb.ServerMessage | None] = field(default_factory=asyncio.Queue)
+    connected_at: float = field(default_factory=time.time)
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    inflight: int = 0
+
+    def _meta(self) -> pb.OrderMeta:
+        return pb.OrderMeta(epoch=self.epoch, op_id=uuid.uuid4().hex)
+
+    def start_shard(
+        self,
+        *,
+        shard_id: str,
+        replica_id: str,
+        model: str,
+        engine: str,
+        rank: int,
+        params: dict[str, str],
+        extra_args: list[str],
+    ) -> str:
+        meta = self._meta()
+        self.queue.put_nowait(
+            pb.ServerMessage(
+                start_shard=pb.StartShard(
+                    meta=meta,
+                    shard_id=shard_id,
+                    replica_id=replica_id,
+                    model=model,
+                    engine=engine,
+                    rank=rank,
+                    params=params,
+                    extra_args=extra_args,
+                )
+            )
+        )
+        return meta.op_id
+
+    def stop_shard(self, shard_id: str, grace: float = 10.0) -> str:
+        meta = self._meta()
+        self.queue.put_nowait(
+            pb.ServerMessage(stop_shard=pb.StopShard(meta=meta, shard_id=shard_id, grace_s=grace))
+        )
+        return meta.op_id
+
+    def close(self) -> None:
+        self.queue.put_nowait(None)
+
+
+def peer_common_name(context: grpc.aio.ServicerContext) -> str | None:
+    """The CN of the verified client certificate of this stream."""
+    auth = context.auth_context()
+    names = list(auth.get("x509_common_name") or [])
+    if not names:
+        return None
+    value = names[0]
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class ControlPlaneService(pb_grpc.ControlPlaneServicer):
+    """Accepts agent streams and hands their messages to the control plane."""
+
+    def __init__(
+        self, cp: ControlPlane, on_session_end: Callable[[NodeSession], None] | None = None
+    ) -> None:
+        self.cp = cp
+
+    async def Connect(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        peer = context.peer()
+        first = await context.read()
+        if first is grpc.aio.EOF or not isinstance(first, pb.AgentMessage):
+            return
+        if first.WhichOneof("msg") != "hello":
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the first message on a stream must be Hello; upgrade the agent to match the control plane",
+            )
+        hello = first.hello
+        cn = peer_common_name(context)
+        if cn != hello.node_id:
+            message = (
+                f"stream claims node id {hello.node_id!r} but its certificate is for {cn!r}; "
+                f"set node_id in agent.yaml to {cn!r} or join the node under its own id"
+            )
+            log.warning("refused a stream", extra=kv(peer=peer, claimed=hello.node_id, cert_cn=cn))
+            self.cp.store.add_event("stream_refused", hello.node_id or "?", message)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+        session = self.cp.open_session(hello, peer)
+        if session is None:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, self.cp.refusal_reason(hello.node_id)
+            )
+        assert session is not None
+        await context.write(
+            pb.ServerMessage(
+                welcome=pb.Welcome(
+                    cluster_id=self.cp.cluster_id,
+                    epoch=self.cp.epoch,
+                    heartbeat_interval_s=self.cp.cfg.heartbeat_interval,
+                    node_id=session.node_id,
+                )
+            )
+        )
+        self.cp.after_hello(session, hello)
+        reader = asyncio.create_task(self._read(context, session), name=f"read-{session.node_id}")
+        try:
+            while True:
+                msg = await session.queue.get()
+                if msg is None:
+                    break
+                await context.write(msg)
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            self.cp.close_session(session)
+
+    async def _read(self, context: grpc.aio.ServicerContext, session: NodeSession) -> None:
+        try:
+            while True:
+                msg = await context.read()
+                if msg is grpc.aio.EOF:
+                    break
+                assert isinstance(msg, pb.AgentMessage)
+                self.cp.on_agent_message(session, msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("stream read ended", extra=kv(node=session.node_id, error=str(exc)))
+        finally:
+            session.close()

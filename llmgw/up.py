@@ -1,0 +1,291 @@
+"""``llmgw up``: a whole cluster on this machine, for trying llmgw and for its tests.
+
+The control plane runs in this process; one agent runs as a child process with its own
+node certificate, exactly as on a real node; the agent runs a ``sim`` engine for the model
+``llmgw-sim``. Stopping (SIGINT/SIGTERM) stops the engines, the agent and the server, and
+checks that no engine it started is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from llmgw.agent.runtimes.process import process_start_time
+from llmgw.client import write_ctl_config
+from llmgw.config_util import format_hostport
+from llmgw.engines.launch import self_argv
+from llmgw.errors import CertificateError, ConfigError, LlmgwError, NotFound
+from llmgw.log import kv
+from llmgw.pki import issue_node_cert, load_ca, load_cert, write_private
+from llmgw.server.app import ControlPlane
+from llmgw.server.config import load_server_config
+from llmgw.server.store import hash_api_key
+
+__all__ = ["UP_MODEL", "LocalCluster", "UpOptions"]
+
+log = logging.getLogger("llmgw.up")
+
+UP_MODEL = "llmgw-sim"
+UP_NODE = "local"
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    state_dir: Path
+    host: str = "127.0.0.1"
+    http_port: int = 8080
+    grpc_port: int = 7443
+    agent_port: int = 9443
+    replicas: int = 1
+    ttft_ms: float = 0.0
+    tps: float = 0.0
+    ready_timeout: float = 120.0
+
+
+class LocalCluster:
+    def __init__(self, opts: UpOptions, say: Callable[[str], None]) -> None:
+        self.opts = opts
+        self.say = say
+        self.cp: ControlPlane | None = None
+        self.agent: asyncio.subprocess.Process | None = None
+        self._lock_fd: int | None = None
+        self.api_key = ""
+
+    @property
+    def agent_dir(self) -> Path:
+        return self.opts.state_dir / "agent"
+
+    def _lock(self) -> None:
+        path = self.opts.state_dir / "up.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"another 'llmgw up' is running on {self.opts.state_dir}; stop it (Ctrl-C) or "
+                "pass --state-dir for a second cluster"
+            ) from None
+        self._lock_fd = fd
+
+    async def start(self) -> None:
+        opts = self.opts
+        try:
+            opts.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(opts.state_dir, 0o700)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create the state directory {opts.state_dir}: {exc.strerror}; pass --state-dir"
+            ) from exc
+        self._lock()
+        # 1. control plane
+        cfg = load_server_config(
+            None,
+            overrides={
+                "state_dir": str(opts.state_dir / "server"),
+                "http_listen": format_hostport(opts.host, opts.http_port),
+                "grpc_listen": format_hostport("127.0.0.1", opts.grpc_port),
+                "heartbeat_interval": 2.0,
+                "loss_timeout": 10.0,
+            },
+        )
+        self.cp = ControlPlane(cfg)
+        await self.cp.start()
+        # 2. the local node's identity and configuration
+        agent_config = self._agent_identity_and_config()
+        # 3. the agent
+        await self._spawn_agent(agent_config)
+        # 4. the model and an API key
+        self._deploy()
+        self.api_key = self._api_key()
+        write_ctl_config(
+            opts.state_dir / "ctl.yaml", f"http://{self.cp.http_addr}", cfg.admin_token_file
+        )
+        # 5. wait for the replica
+        await self._wait_ready()
+
+    def _agent_identity_and_config(self) -> Path:
+        assert self.cp is not None
+        ca = load_ca(self.cp.pki_dir)
+        d = self.agent_dir
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        cert, key = d / "node.crt", d / "node.key"
+        reuse = False
+        if cert.exists() and key.exists():
+            with contextlib.suppress(CertificateError):
+                current = load_cert(cert)
+                reuse = (
+                    current.issuer == ca.cert.subject
+                    and current.not_valid_after_utc.timestamp() > time.time() + 86400
+                )
+        if not reuse:
+            issue_node_cert(ca, UP_NODE, d)
+        config = {
+            "server": format_hostport("127.0.0.1", self.cp.grpc_port),
+            "node_id": UP_NODE,
+            "listen": format_hostport("127.0.0.1", self.opts.agent_port),
+            "state_dir": str(d),
+            "tls": {"cert": str(cert), "key": str(key), "ca": str(d / "ca.crt")},
+            "stop_shards_on_exit": True,
+        }
+        path = d / "agent.yaml"
+        write_private(path, yaml.safe_dump(config, sort_keys=False).encode())
+        return path
+
+    async def _spawn_agent(self, config: Path) -> None:
+        logs = self.opts.state_dir / "logs"
+        logs.mkdir(exist_ok=True, mode=0o700)
+        with open(logs / "agent.log", "ab") as out:
+            env = dict(os.environ, LLMGW_PARENT_PID=str(os.getpid()))
+            self.agent = await asyncio.create_subprocess_exec(
+                *self_argv(),
+                "agent",
+                "--config",
+                str(config),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=env,
+                start_new_session=True,
+            )
+        log.info("agent started", extra=kv(pid=self.agent.pid))
+
+    def _deploy(self) -> None:
+        assert self.cp is not None
+        store = self.cp.store
+        params: dict[str, object] = {}
+        if self.opts.ttft_ms:
+            params["ttft_ms"] = self.opts.ttft_ms
+        if self.opts.tps:
+            params["tps"] = self.opts.tps
+        try:
+            existing = store.get_model(UP_MODEL)
+        except NotFound:
+            existing = None
+        if existing is not None and existing.params != params:
+            for replica in store.list_replicas(UP_MODEL):
+                self.cp.remove_replica(replica.id, why="llmgw up with other engine settings")
+        store.put_model(UP_MODEL, engine="sim", params=params, replicas=self.opts.replicas)
+        self.cp.refresh_models()
+        self.cp.scheduler.kick()
+
+    def _api_key(self) -> str:
+        assert self.cp is not None
+        path = self.opts.state_dir / "api-key"
+        with contextlib.suppress(OSError):
+            secret = path.read_text().strip()
+            if secret and hash_api_key(secret) in self.cp.store.active_key_hashes():
+                return secret
+        _key, secret = self.cp.store.create_api_key("llmgw-up")
+        self.cp.refresh_keys()
+        write_private(path, (secret + "\n").encode())
+        return secret
+
+    async def _wait_ready(self) -> None:
+        assert self.cp is not None and self.agent is not None
+        deadline = time.monotonic() + self.opts.ready_timeout
+        while time.monotonic() < deadline:
+            if len(self.cp.router.endpoints(UP_MODEL)) >= min(1, self.opts.replicas):
+                return
+            if self.agent.returncode is not None:
+                raise LlmgwError(
+                    f"the local agent exited with code {self.agent.returncode} before the model was "
+                    f"ready; see {self.opts.state_dir / 'logs' / 'agent.log'}"
+                )
+            await asyncio.sleep(0.05)
+        raise LlmgwError(
+            f"model {UP_MODEL} was not ready after {self.opts.ready_timeout:.0f}s; see "
+            f"{self.opts.state_dir / 'logs'} and 'llmgw ctl replicas'"
+        )
+
+    def banner(self) -> str:
+        assert self.cp is not None
+        base = f"http://{self.cp.http_addr}/v1"
+        body = json.dumps({"model": UP_MODEL, "messages": [{"role": "user", "content": "Hello!"}]})
+        return "\n".join(
+            [
+                "llmgw is up: control plane, one agent, model llmgw-sim.",
+                "",
+                f"  OpenAI base URL: {base}",
+                f"  API key:         {self.api_key}",
+                "",
+                "  Try it:",
+                f"    curl -s {base}/chat/completions -H 'Authorization: Bearer {self.api_key}' \\",
+                f"      -H 'Content-Type: application/json' -d '{body}'",
+                "",
+                f"  Operator view:   llmgw ctl nodes | models | replicas   (state in {self.opts.state_dir})",
+                "  Press Ctrl-C to stop everything.",
+            ]
+        )
+
+    async def stop(self) -> None:
+        if self.agent is not None and self.agent.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.agent.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.agent.wait(), timeout=45)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.agent.kill()
+                await self.agent.wait()
+        self._kill_leftover_engines()
+        if self.cp is not None:
+            await self.cp.stop()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _kill_leftover_engines(self) -> None:
+        """An engine the agent could not stop (it was killed) must not outlive ``llmgw up``."""
+        try:
+            records = json.loads((self.agent_dir / "shards.json").read_text())
+        except (OSError, ValueError):
+            return
+        for shard_id, rec in records.items():
+            pid, start = rec.get("pid"), rec.get("start_time")
+            if not pid or start is None or process_start_time(pid) != start:
+                continue
+            log.warning(
+                "stopping an engine the agent left behind", extra=kv(shard=shard_id, pid=pid)
+            )
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+async def run_up(opts: UpOptions, say: Callable[[str], None] = print) -> None:
+    cluster = LocalCluster(opts, say)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        starting = asyncio.create_task(cluster.start())
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if starting in done:
+            starting.result()
+            say(cluster.banner())
+            sys.stdout.flush()
+            await stop.wait()
+        else:
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, LlmgwError):
+                await starting
+        stopper.cancel()
+        say("stopping: engines, agent, control plane ...")
+    finally:
+        await cluster.stop()
+    say("stopped.")

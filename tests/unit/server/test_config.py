@@ -1,0 +1,166 @@
+"""server.yaml -> ServerConfig: defaults without a file, refusals naming key and file."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from llmgw.errors import ConfigError
+from llmgw.server.config import (
+    DEFAULT_SERVER_CONFIG,
+    ServerConfig,
+    load_server_config,
+    parse_server_config,
+)
+
+DEFAULTS = ServerConfig(
+    state_dir=Path("/var/lib/llmgw"),
+    http_listen="0.0.0.0:8080",
+    grpc_listen="0.0.0.0:7443",
+    advertise=(),
+    heartbeat_interval=5.0,
+    loss_timeout=15.0,
+    admin_token_file=Path("/var/lib/llmgw/admin.token"),
+    source=None,
+)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "server.yaml"
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+INVALID = [
+    ("http_listn: ':8080'\n", "http_listn", "did you mean 'http_listen'?"),
+    ("state_dir: 5\n", "state_dir", "must be a path (a string), got int"),
+    ("http_listen: '0.0.0.0:80800'\n", "http_listen", "must be a number from 1 to 65535"),
+    ("grpc_listen: '::1:7443'\n", "grpc_listen", "needs brackets"),
+    ("grpc_listen: 7443\n", "grpc_listen", "must be a string host:port, got int"),
+    ("grpc_listen: '0.0.0.0:8080'\n", "grpc_listen", "port 8080 is also http_listen's"),
+    ("http_listen: 10.0.0.1:7443\n", "grpc_listen", "port 7443 is also http_listen's"),
+    ("advertise: cp.example.com\n", "advertise", "must be a list of host names or IPs"),
+    ("advertise: [cp.example.com, 5]\n", "advertise[1]", "got int"),
+    ("advertise: ['cp:8080']\n", "advertise[0]", "is not a host name or IP address"),
+    ("advertise: ['*.example.com']\n", "advertise[0]", "no wildcards"),
+    ("advertise: [cp1, CP1]\n", "advertise[1]", "listed twice"),
+    ("heartbeat_interval: 0.1\n", "heartbeat_interval", "must be from 0.2 to 60"),
+    ("heartbeat_interval: 61\n", "heartbeat_interval", "must be from 0.2 to 60"),
+    ("heartbeat_interval: fast\n", "heartbeat_interval", "must be a number, got string"),
+    ("heartbeat_interval: true\n", "heartbeat_interval", "must be a number, got bool"),
+    ("heartbeat_interval: .nan\n", "heartbeat_interval", "finite"),
+    ("loss_timeout: 10\n", "loss_timeout", "more than twice heartbeat_interval (5 s)"),
+    ("heartbeat_interval: 10\n", "loss_timeout", "is 15 s (the default)"),
+    ("loss_timeout: -1\n", "loss_timeout", "must be at least 0"),
+    ("admin_token_file: ''\n", "admin_token_file", "must not be an empty path"),
+]
+
+
+@pytest.mark.parametrize(("text", "key", "fragment"), INVALID)
+def test_invalid_server_yaml_is_refused_naming_key_and_file(
+    tmp_path: Path, text: str, key: str, fragment: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_server_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: {key}: "), message
+    assert fragment in message
+    assert info.value.key == key
+    assert info.value.file == str(path)
+
+
+def test_no_file_means_every_default() -> None:
+    assert load_server_config(None) == DEFAULTS
+
+
+def test_empty_file_means_every_default(tmp_path: Path) -> None:
+    path = write(tmp_path, "# all defaults\n")
+    assert load_server_config(path) == dataclasses.replace(DEFAULTS, source=path)
+
+
+def test_full_file(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        state_dir: /srv/llmgw-cp
+        http_listen: 10.0.0.1
+        grpc_listen: "[::]:7444"
+        advertise: [cp.example.com, 10.0.0.1, "FD00::1"]
+        heartbeat_interval: 2
+        loss_timeout: 4.5
+        admin_token_file: /etc/llmgw/admin.token
+        """,
+    )
+    assert load_server_config(str(path)) == ServerConfig(
+        state_dir=Path("/srv/llmgw-cp"),
+        http_listen="10.0.0.1:8080",
+        grpc_listen="[::]:7444",
+        advertise=("cp.example.com", "10.0.0.1", "fd00::1"),
+        heartbeat_interval=2.0,
+        loss_timeout=4.5,
+        admin_token_file=Path("/etc/llmgw/admin.token"),
+        source=path,
+    )
+
+
+def test_relative_paths_and_token_default(tmp_path: Path) -> None:
+    path = write(tmp_path, "state_dir: state\n")
+    config = load_server_config(path)
+    assert config.state_dir == tmp_path / "state"
+    assert config.admin_token_file == tmp_path / "state" / "admin.token"
+    config = load_server_config(write(tmp_path, "admin_token_file: secrets/token\n"))
+    assert config.admin_token_file == tmp_path / "secrets/token"
+
+
+def test_overrides(tmp_path: Path) -> None:
+    config = load_server_config(
+        None, overrides={"state_dir": "/tmp/cp", "http_listen": "127.0.0.1:18080"}
+    )
+    assert config.state_dir == Path("/tmp/cp")
+    assert config.admin_token_file == Path("/tmp/cp/admin.token")
+    assert config.http_listen == "127.0.0.1:18080"
+    path = write(tmp_path, "heartbeat_interval: 1\n")
+    config = load_server_config(path, overrides={"loss_timeout": 3})
+    assert (config.heartbeat_interval, config.loss_timeout) == (1.0, 3.0)
+
+
+def test_overrides_without_file_are_validated() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_server_config(None, overrides={"heartbeat_interval": 10})
+    assert info.value.key == "loss_timeout"
+    assert "set it to 30 or more" in str(info.value)
+    with pytest.raises(ConfigError, match="did you mean 'grpc_listen'"):
+        load_server_config(None, overrides={"grpc_listn": ":1"})
+
+
+def test_file_level_refusals(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_server_config(missing)
+    assert str(info.value) == (
+        f"{missing}: no such file; create it from server.example.yaml or pass --config"
+    )
+    with pytest.raises(ConfigError, match="must be a mapping of keys"):
+        load_server_config(write(tmp_path, "- state_dir: /x\n"))
+    path = write(tmp_path, "state_dir: /x\nhttp_listen: [\n")
+    with pytest.raises(ConfigError) as info:
+        load_server_config(path)
+    assert str(info.value).startswith(f"{path}: line ")
+    assert "invalid YAML" in str(info.value)
+
+
+def test_parse_server_config() -> None:
+    assert parse_server_config(None) == DEFAULTS
+    assert parse_server_config({"heartbeat_interval": 1}).heartbeat_interval == 1.0
+    with pytest.raises(ConfigError, match=r"^<server\.yaml>: loss_timeout: "):
+        parse_server_config({"loss_timeout": 1})
+
+
+def test_frozen_and_default_path() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULTS.loss_timeout = 1.0  # type: ignore[misc]
+    assert Path("/etc/llmgw/server.yaml") == DEFAULT_SERVER_CONFIG

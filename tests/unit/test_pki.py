@@ -1,0 +1,567 @@
+"""Unit tests of llmgw.pki: files and modes, certificate contents, node ids, real TLS."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import ipaddress
+import os
+import socket
+import ssl
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from llmgw import pki
+from llmgw.errors import CertificateError, ConfigError, NoAuthority, PKIError
+
+
+@pytest.fixture(autouse=True)
+def _open_umask() -> Iterator[None]:
+    """Run every test with umask 000, so the modes checked are the ones pki sets itself."""
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def snapshot(directory: Path) -> dict[str, tuple[bytes, int, int]]:
+    return {
+        p.name: (p.read_bytes(), p.stat().st_mtime_ns, mode(p))
+        for p in sorted(directory.iterdir())
+        if p.is_file()
+    }
+
+
+def sans(cert: x509.Certificate) -> list[x509.GeneralName]:
+    return list(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+
+
+def ekus(cert: x509.Certificate) -> set[x509.ObjectIdentifier]:
+    return set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> pki.Authority:
+    return pki.init_ca(tmp_path / "pki")
+
+
+# --------------------------------------------------------------------------- the CA
+
+
+def test_init_ca_creates_private_files(tmp_path: Path) -> None:
+    d = tmp_path / "a" / "pki"
+    authority = pki.init_ca(d)
+    assert authority.directory == d
+    assert mode(d) == 0o700
+    assert mode(d / pki.CA_KEY) == 0o600
+    assert mode(d / pki.CA_CERT) == 0o644
+    assert sorted(p.name for p in d.iterdir()) == ["ca.crt", "ca.key"]  # no temp files left
+    cert = pki.load_cert(d / pki.CA_CERT)
+    assert cert == authority.cert
+    assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert pki.cert_common_name(cert) == "llmgw cluster CA"
+    assert isinstance(authority.key.curve, ec.SECP256R1)
+    assert cert.signature_hash_algorithm is not None
+    assert cert.signature_hash_algorithm.name == "sha256"
+    lifetime = cert.not_valid_after_utc - cert.not_valid_before_utc
+    assert dt.timedelta(days=3649) < lifetime < dt.timedelta(days=3651)
+
+
+def test_init_ca_tightens_existing_empty_directory(tmp_path: Path) -> None:
+    d = tmp_path / "pki"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    pki.init_ca(d)
+    assert mode(d) == 0o700
+
+
+def test_ca_hash_is_kubeadm_format_and_independent(ca: pki.Authority) -> None:
+    h = ca.ca_hash()
+    assert h.startswith("sha256:")
+    assert len(h) == len("sha256:") + 64
+    assert all(c in "0123456789abcdef" for c in h[7:])
+    cert = x509.load_pem_x509_certificate((ca.directory / "ca.crt").read_bytes())
+    spki = cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    assert h == "sha256:" + hashlib.sha256(spki).hexdigest()
+    assert h == pki.fingerprint(ca.key.public_key())
+
+
+def test_init_ca_refuses_to_overwrite(ca: pki.Authority) -> None:
+    before = snapshot(ca.directory)
+    with pytest.raises(PKIError) as info:
+        pki.init_ca(ca.directory)
+    assert str(info.value) == (
+        f"a CA already exists in {ca.directory} (ca-hash {ca.ca_hash()}); refusing to overwrite it"
+    )
+    assert snapshot(ca.directory) == before
+
+
+def test_init_ca_exist_ok_and_ensure_ca_load_the_same(ca: pki.Authority) -> None:
+    before = snapshot(ca.directory)
+    assert pki.init_ca(ca.directory, exist_ok=True).ca_hash() == ca.ca_hash()
+    assert pki.ensure_ca(ca.directory).ca_hash() == ca.ca_hash()
+    assert pki.load_ca(ca.directory).ca_hash() == ca.ca_hash()
+    assert snapshot(ca.directory) == before
+
+
+def test_ensure_ca_creates_when_missing(tmp_path: Path) -> None:
+    authority = pki.ensure_ca(tmp_path / "new")
+    assert (tmp_path / "new" / "ca.key").exists()
+    assert pki.load_ca(tmp_path / "new").ca_hash() == authority.ca_hash()
+
+
+def test_load_ca_missing_is_no_authority(tmp_path: Path) -> None:
+    for d in (tmp_path / "absent", tmp_path):
+        with pytest.raises(NoAuthority) as info:
+            pki.load_ca(d)
+        assert str(info.value) == f"no authority in {d}; run 'llmgw ctl cert init-ca' first"
+        assert info.value.exit_code == 2
+
+
+def test_corrupt_ca_key_is_certificate_error_and_untouched(ca: pki.Authority) -> None:
+    (ca.directory / "ca.key").write_bytes(b"-----BEGIN PRIVATE KEY-----\ngarbage\n")
+    os.chmod(ca.directory / "ca.key", 0o600)
+    before = snapshot(ca.directory)
+    with pytest.raises(CertificateError) as info:
+        pki.load_ca(ca.directory)
+    assert "ca.key" in str(info.value)
+    with pytest.raises(CertificateError):
+        pki.ensure_ca(ca.directory)
+    with pytest.raises(CertificateError):
+        pki.ensure_server_identity(ca.directory, hosts=["cp.example"])
+    with pytest.raises(PKIError):
+        pki.init_ca(ca.directory)
+    assert snapshot(ca.directory) == before
+
+
+def test_mismatched_ca_key_is_certificate_error(ca: pki.Authority, tmp_path: Path) -> None:
+    other = pki.init_ca(tmp_path / "other")
+    (ca.directory / "ca.key").write_bytes((other.directory / "ca.key").read_bytes())
+    with pytest.raises(CertificateError, match="does not belong"):
+        pki.load_ca(ca.directory)
+
+
+def test_half_a_ca_is_certificate_error(ca: pki.Authority) -> None:
+    (ca.directory / "ca.crt").unlink()
+    with pytest.raises(CertificateError, match=r"ca\.crt is missing"):
+        pki.load_ca(ca.directory)
+    with pytest.raises(PKIError, match="refusing to overwrite"):
+        pki.init_ca(ca.directory)
+
+
+def test_load_cert_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(CertificateError, match=r"nope\.crt"):
+        pki.load_cert(tmp_path / "nope.crt")
+    (tmp_path / "bad.crt").write_text("not a cert")
+    with pytest.raises(CertificateError, match=r"bad\.crt"):
+        pki.load_cert(tmp_path / "bad.crt")
+
+
+# --------------------------------------------------------------------------- writes
+
+
+def test_write_private_is_0600_before_it_appears(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[int] = []
+    real_replace = os.replace
+
+    def spy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        seen.append(mode(Path(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", spy)
+    target = tmp_path / "secret.key"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o644)
+    pki.write_private(target, b"new")
+    assert seen == [0o600]
+    assert target.read_bytes() == b"new"
+    assert mode(target) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["secret.key"]
+
+
+def test_write_private_failure_leaves_no_temp(tmp_path: Path) -> None:
+    with pytest.raises(PKIError, match="cannot write"):
+        pki.write_private(tmp_path / "missing-dir" / "x.key", b"data")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- node ids
+
+
+@pytest.mark.parametrize(
+    "node_id",
+    [
+        "gpu1",
+        "a",
+        "node-7",
+        "gpu1.rack2.example.com",
+        "0node",
+        "x" * 63,
+        ".".join(["a" * 63] * 3) + "." + "b" * 61,  # 253 characters
+        "llmgw",
+        "my-llmgw-node",
+    ],
+)
+def test_valid_node_ids(node_id: str) -> None:
+    assert pki.validate_node_id(node_id) == node_id
+
+
+@pytest.mark.parametrize(
+    ("node_id", "reason"),
+    [
+        ("", "empty"),
+        ("GPU1", "upper-case"),
+        ("gpu_1", "label"),
+        ("gpu 1", "label"),
+        ("-gpu", "label"),
+        ("gpu-", "label"),
+        ("a..b", "empty label"),
+        (".gpu", "empty label"),
+        ("gpu.", "empty label"),
+        ("x" * 64, "64 characters"),
+        (".".join(["a" * 63] * 4), "255 characters"),
+        ("llmgw-control-plane", "reserved"),
+        ("llmgw-anything", "reserved"),
+        ("localhost", "localhost"),
+        ("10.0.0.1", "IP address"),
+        ("gpü1", "label"),
+        ("gpu/1", "label"),
+    ],
+)
+def test_invalid_node_ids(node_id: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        pki.validate_node_id(node_id)
+    message = str(info.value)
+    assert message.startswith("node_id: invalid node id")
+    assert reason in message
+    assert "a node id must be a DNS name" in message
+    assert info.value.exit_code == 2
+    assert info.value.key == "node_id"
+
+
+# --------------------------------------------------------------------------- leaf certificates
+
+
+def test_node_cert(ca: pki.Authority, tmp_path: Path) -> None:
+    out = tmp_path / "agent"
+    ident = pki.issue_node_cert(ca, "gpu1.rack2", out)
+    assert ident == pki.Identity(cert=out / "node.crt", key=out / "node.key", ca=out / "ca.crt")
+    assert mode(out) == 0o700
+    assert mode(ident.key) == 0o600
+    assert mode(ident.cert) == 0o644
+    assert ident.ca.read_bytes() == (ca.directory / "ca.crt").read_bytes()
+    cert = pki.load_cert(ident.cert)
+    assert pki.cert_common_name(cert) == "gpu1.rack2"
+    assert sans(cert) == [x509.DNSName("gpu1.rack2")]
+    assert ekus(cert) == {ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH}
+    assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    cert.verify_directly_issued_by(ca.cert)
+    key = serialization.load_pem_private_key(ident.key.read_bytes(), None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    assert isinstance(key.curve, ec.SECP256R1)
+    assert pki.fingerprint(key.public_key()) == pki.fingerprint(cert.public_key())
+    lifetime = cert.not_valid_after_utc - cert.not_valid_before_utc
+    assert dt.timedelta(days=364) < lifetime < dt.timedelta(days=366)
+
+
+def test_node_cert_custom_name_and_reserved_refused(ca: pki.Authority, tmp_path: Path) -> None:
+    ident = pki.issue_node_cert(ca, "gpu2", tmp_path, name="agent")
+    assert ident.cert == tmp_path / "agent.crt"
+    for bad in (pki.CONTROL_PLANE_CN, "Bad_Name"):
+        with pytest.raises(ConfigError):
+            pki.issue_node_cert(ca, bad, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ConfigError):
+        pki.issue_node_cert(ca, "gpu3", ca.directory, name="ca")  # would overwrite ca.key
+
+
+def test_server_cert_sans(ca: pki.Authority, tmp_path: Path) -> None:
+    ident = pki.issue_server_cert(
+        ca,
+        tmp_path,
+        hosts=["cp.example.com", "10.1.2.3", "fe80::1%eth0", "CP2", "", "[2001:db8::5]"],
+    )
+    cert = pki.load_cert(ident.cert)
+    got = sans(cert)
+    for name in (
+        x509.DNSName("cp.example.com"),
+        x509.DNSName("cp2"),
+        x509.DNSName("localhost"),
+        x509.IPAddress(ipaddress.ip_address("10.1.2.3")),
+        x509.IPAddress(ipaddress.ip_address("fe80::1")),
+        x509.IPAddress(ipaddress.ip_address("2001:db8::5")),
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        x509.IPAddress(ipaddress.ip_address("::1")),
+    ):
+        assert name in got
+    assert len(got) == len(set(got)) == 8
+    assert ekus(cert) == {ExtendedKeyUsageOID.SERVER_AUTH}
+    assert pki.cert_common_name(cert) == "llmgw control plane"
+    assert mode(ident.key) == 0o600
+
+
+def test_server_cert_rejects_garbage_host(ca: pki.Authority, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="hosts"):
+        pki.issue_server_cert(ca, tmp_path / "s", hosts=["not a host"])
+
+
+def test_control_plane_client_cert(ca: pki.Authority, tmp_path: Path) -> None:
+    ident = pki.issue_control_plane_client_cert(ca, tmp_path)
+    assert ident.cert == tmp_path / "client.crt"
+    cert = pki.load_cert(ident.cert)
+    assert pki.cert_common_name(cert) == pki.CONTROL_PLANE_CN == "llmgw-control-plane"
+    assert ekus(cert) == {ExtendedKeyUsageOID.CLIENT_AUTH}
+    assert mode(ident.key) == 0o600
+
+
+def test_leaf_never_outlives_ca(tmp_path: Path) -> None:
+    short = pki.init_ca(tmp_path / "short", valid_days=10)
+    ident = pki.issue_node_cert(short, "gpu1", tmp_path / "n", valid_days=365)
+    assert pki.load_cert(ident.cert).not_valid_after_utc <= short.cert.not_valid_after_utc
+
+
+# --------------------------------------------------------------------------- ensure_server_identity
+
+
+def test_ensure_server_identity_creates_everything(tmp_path: Path) -> None:
+    d = tmp_path / "cp"
+    ca, server, client = pki.ensure_server_identity(d, hosts=["cp.example.com", "192.0.2.7"])
+    assert mode(d) == 0o700
+    for key in ("ca.key", "server.key", "client.key"):
+        assert mode(d / key) == 0o600
+    assert server == pki.Identity(cert=d / "server.crt", key=d / "server.key", ca=d / "ca.crt")
+    assert client == pki.Identity(cert=d / "client.crt", key=d / "client.key", ca=d / "ca.crt")
+    server_cert = pki.load_cert(server.cert)
+    assert x509.DNSName("cp.example.com") in sans(server_cert)
+    assert x509.IPAddress(ipaddress.ip_address("192.0.2.7")) in sans(server_cert)
+    assert pki.cert_common_name(pki.load_cert(client.cert)) == pki.CONTROL_PLANE_CN
+    assert ca.ca_hash() == pki.load_ca(d).ca_hash()
+
+
+def test_ensure_server_identity_is_stable(tmp_path: Path) -> None:
+    d = tmp_path / "cp"
+    pki.ensure_server_identity(d, hosts=["cp.example.com", "192.0.2.7"])
+    before = snapshot(d)
+    # a subset (in another spelling) is covered: nothing is rewritten
+    pki.ensure_server_identity(d, hosts=["CP.example.com", "192.0.2.7"])
+    pki.ensure_server_identity(d, hosts=[])
+    assert snapshot(d) == before
+
+
+def test_ensure_server_identity_reissues_on_new_host_keeps_ca(tmp_path: Path) -> None:
+    d = tmp_path / "cp"
+    ca1, _, _ = pki.ensure_server_identity(d, hosts=["cp.example.com"])
+    before = snapshot(d)
+    ca2, server, _ = pki.ensure_server_identity(d, hosts=["cp.example.com", "198.51.100.9"])
+    after = snapshot(d)
+    assert ca2.ca_hash() == ca1.ca_hash()
+    assert after["ca.key"] == before["ca.key"]
+    assert after["ca.crt"] == before["ca.crt"]
+    assert after["client.crt"] == before["client.crt"]  # client cert was still fine
+    assert after["server.crt"][0] != before["server.crt"][0]
+    assert after["server.key"][0] != before["server.key"][0]
+    got = sans(pki.load_cert(server.cert))
+    assert x509.IPAddress(ipaddress.ip_address("198.51.100.9")) in got
+    pki.load_cert(server.cert).verify_directly_issued_by(ca1.cert)
+
+
+def test_ensure_server_identity_reissues_foreign_and_expiring(tmp_path: Path) -> None:
+    d = tmp_path / "cp"
+    ca, _, _ = pki.ensure_server_identity(d, hosts=["cp"])
+    other = pki.init_ca(tmp_path / "other")
+    pki.issue_server_cert(other, d / "tmp", hosts=["cp"])  # a server cert from another CA
+    os.replace(d / "tmp" / "server.crt", d / "server.crt")
+    os.replace(d / "tmp" / "server.key", d / "server.key")
+    pki.issue_control_plane_client_cert(ca, d, valid_days=20)  # expires within 30 days
+    old_client = (d / "client.crt").read_bytes()
+    _, server, client = pki.ensure_server_identity(d, hosts=["cp"])
+    pki.load_cert(server.cert).verify_directly_issued_by(ca.cert)
+    assert (d / "client.crt").read_bytes() != old_client
+    remaining = pki.load_cert(client.cert).not_valid_after_utc - dt.datetime.now(dt.UTC)
+    assert remaining > dt.timedelta(days=300)
+
+
+def test_ensure_server_identity_reissues_missing_and_tightens_modes(tmp_path: Path) -> None:
+    d = tmp_path / "cp"
+    pki.ensure_server_identity(d, hosts=["cp"])
+    (d / "server.key").unlink()
+    os.chmod(d / "client.key", 0o644)
+    os.chmod(d, 0o755)
+    pki.ensure_server_identity(d, hosts=["cp"])
+    assert (d / "server.key").exists()
+    assert mode(d / "server.key") == 0o600
+    assert mode(d / "client.key") == 0o600
+    assert mode(d) == 0o700
+
+
+# --------------------------------------------------------------------------- local addresses
+
+
+def test_local_addresses() -> None:
+    addrs = pki.local_addresses()
+    assert len(addrs) == len(set(addrs))
+    for must in ("localhost", "127.0.0.1", "::1"):
+        assert must in addrs
+    hostname = socket.gethostname()
+    assert hostname in addrs or hostname.lower() in [a.lower() for a in addrs]
+    for a in addrs:
+        try:
+            ip = ipaddress.ip_address(a)
+        except ValueError:
+            continue
+        assert not (ip.version == 6 and ip.is_link_local)
+    # usable as hosts for a server certificate
+    assert addrs == pki.local_addresses()
+
+
+def test_local_addresses_never_raises(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def boom(*_: object) -> object:
+        raise OSError("nope")
+
+    monkeypatch.setattr(socket, "if_nameindex", boom)
+    monkeypatch.setattr(socket, "gethostname", boom)
+    monkeypatch.setattr(socket, "getfqdn", boom)
+    monkeypatch.setattr(pki, "_IF_INET6", tmp_path / "missing")
+    assert pki.local_addresses() == ["localhost", "127.0.0.1", "::1"]
+
+
+def test_local_addresses_reads_if_inet6(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    f = tmp_path / "if_inet6"
+    f.write_text(
+        "00000000000000000000000000000001 01 80 10 80       lo\n"
+        "fe80000000000000021122fffe334455 02 40 20 80     eth0\n"
+        "20010db8000000000000000000000042 02 40 00 80     eth0\n"
+        "garbage\n"
+    )
+    monkeypatch.setattr(pki, "_IF_INET6", f)
+    addrs = pki.local_addresses()
+    assert "2001:db8::42" in addrs
+    assert not any(a.startswith("fe80") for a in addrs)
+
+
+# --------------------------------------------------------------------------- real TLS
+
+
+def _server_ctx(ident: pki.Identity) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(ident.cert, ident.key)
+    ctx.load_verify_locations(ident.ca)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.verify_flags |= ssl.VERIFY_X509_STRICT
+    return ctx
+
+
+def _client_ctx(ident: pki.Identity) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_cert_chain(ident.cert, ident.key)
+    ctx.load_verify_locations(ident.ca)
+    ctx.verify_flags |= ssl.VERIFY_X509_STRICT
+    return ctx
+
+
+def _peer_cn(tls: ssl.SSLSocket) -> str:
+    peer: Any = tls.getpeercert()
+    for rdn in peer["subject"]:
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    raise AssertionError(f"peer certificate has no commonName: {peer}")
+
+
+def _handshake(
+    server: ssl.SSLContext, client: ssl.SSLContext, server_hostname: str
+) -> tuple[BaseException | str | None, BaseException | str | None]:
+    """One TLS connection over loopback TCP; returns (server result, client result): the peer's
+    CN on success, else the exception."""
+    results: dict[str, BaseException | str | None] = {"server": None, "client": None}
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        try:
+            with server.wrap_socket(conn, server_side=True) as tls:
+                results["server"] = _peer_cn(tls)
+                tls.sendall(b"ok")
+        except (ssl.SSLError, OSError) as e:
+            results["server"] = e
+        finally:
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            with client.wrap_socket(raw, server_hostname=server_hostname) as tls:
+                data = tls.recv(2)  # with TLS 1.3 a rejected client cert shows up here
+                if data != b"ok":
+                    raise ConnectionError("server closed the connection")
+                results["client"] = _peer_cn(tls)
+    except (ssl.SSLError, OSError) as e:
+        results["client"] = e
+    finally:
+        thread.join(10)
+        listener.close()
+    return results["server"], results["client"]
+
+
+def test_tls_gateway_to_agent_data_plane(ca: pki.Authority, tmp_path: Path) -> None:
+    node = pki.issue_node_cert(ca, "gpu1", tmp_path / "agent")
+    cp_client = pki.issue_control_plane_client_cert(ca, tmp_path / "cp")
+    server_res, client_res = _handshake(_server_ctx(node), _client_ctx(cp_client), "gpu1")
+    assert server_res == pki.CONTROL_PLANE_CN
+    assert client_res == "gpu1"
+
+
+def test_tls_agent_to_control_plane(tmp_path: Path) -> None:
+    ca, server, _ = pki.ensure_server_identity(tmp_path / "cp", hosts=["cp.example.com"])
+    node = pki.issue_node_cert(ca, "gpu1", tmp_path / "agent")
+    server_res, client_res = _handshake(_server_ctx(server), _client_ctx(node), "127.0.0.1")
+    assert server_res == "gpu1"
+    assert client_res == "llmgw control plane"
+
+
+def test_tls_node_cert_for_another_name_fails(ca: pki.Authority, tmp_path: Path) -> None:
+    node = pki.issue_node_cert(ca, "gpu1", tmp_path / "agent")
+    cp_client = pki.issue_control_plane_client_cert(ca, tmp_path / "cp")
+    _, client_res = _handshake(_server_ctx(node), _client_ctx(cp_client), "gpu2")
+    assert isinstance(client_res, ssl.SSLCertVerificationError)
+
+
+def test_tls_client_from_another_ca_fails(ca: pki.Authority, tmp_path: Path) -> None:
+    node = pki.issue_node_cert(ca, "gpu1", tmp_path / "agent")
+    rogue_ca = pki.init_ca(tmp_path / "rogue")
+    rogue = pki.issue_control_plane_client_cert(rogue_ca, tmp_path / "rogue-client")
+    # the rogue client trusts the real CA, so only its own certificate is at fault
+    rogue_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    rogue_ctx.load_cert_chain(rogue.cert, rogue.key)
+    rogue_ctx.load_verify_locations(node.ca)
+    server_res, client_res = _handshake(_server_ctx(node), rogue_ctx, "gpu1")
+    assert isinstance(server_res, ssl.SSLError)
+    assert isinstance(client_res, (ssl.SSLError, OSError))
+
+
+def test_tls_server_from_another_ca_fails(ca: pki.Authority, tmp_path: Path) -> None:
+    rogue_ca = pki.init_ca(tmp_path / "rogue")
+    rogue_node = pki.issue_node_cert(rogue_ca, "gpu1", tmp_path / "rogue-agent")
+    cp_client = pki.issue_control_plane_client_cert(ca, tmp_path / "cp")
+    _, client_res = _handshake(_server_ctx(rogue_node), _client_ctx(cp_client), "gpu1")
+    assert isinstance(client_res, ssl.SSLCertVerificationError)
