@@ -1,28 +1,34 @@
 # The two commands a new user needs are `make run` and `make test`; everything else is for developers.
 SHELL := /bin/bash
 PYTHON ?= python3
+PYTEST_ARGS ?= -ra
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+STAMP := $(VENV)/.installed-test
 
 .PHONY: run test lint proto venv clean bench
 
 $(VENV)/bin/python:
 	@./scripts/ensure-python.sh "$(PYTHON)" "$(VENV)"
 
-$(STAMP): $(VENV)/bin/python pyproject.toml
+$(RUN_STAMP): $(VENV)/bin/python pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	@touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
 	$(PY) -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(VENV)/bin/llmgw up $(ARGS)
 
 test: $(STAMP)
 	$(MAKE) --no-print-directory lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS); status=$$?; if [ $$status -eq 5 ]; then echo "pytest collected no tests: failing" >&2; fi; exit $$status
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check llmgw tests bench

@@ -86,11 +86,14 @@ def _check_host(host: str, value: str) -> None:
         )
 
 
-def parse_hostport(value: str, *, default_port: int | None = None) -> tuple[str, int]:
+def parse_hostport(
+    value: str, *, default_port: int | None = None, allow_zero: bool = False
+) -> tuple[str, int]:
     """Split ``host:port`` (IPv6 as ``[::1]:7443``) into ``(host, port)``.
 
     A bare host gets ``default_port``; without one the port is required. IPv6 hosts are
-    returned without brackets. Raises :class:`ConfigError` (without key or file: callers
+    returned without brackets. ``allow_zero`` admits port 0 (listen on a free port) for
+    listen addresses. Raises :class:`ConfigError` (without key or file: callers
     that know them, like :meth:`Checker.hostport`, add them).
     """
     if not isinstance(value, str):
@@ -129,8 +132,12 @@ def parse_hostport(value: str, *, default_port: int | None = None) -> tuple[str,
         if default_port is None:
             raise ConfigError(f"{value!r} has no port; give host:port")
         return host, default_port
-    if not _PORT.fullmatch(port_text) or not 1 <= int(port_text) <= 65535:
-        raise ConfigError(f"port {port_text!r} in {value!r} must be a number from 1 to 65535")
+    lowest = 0 if allow_zero else 1
+    if not _PORT.fullmatch(port_text) or not lowest <= int(port_text) <= 65535:
+        raise ConfigError(
+            f"port {port_text!r} in {value!r} must be a number from {lowest} to 65535"
+            + (" (0: pick a free port)" if allow_zero else "")
+        )
     return host, int(port_text)
 
 
@@ -362,12 +369,17 @@ class Checker:
         return format_hostport(host, port)
 
     def hostport_pair(
-        self, value: object, key: str, *, default_port: int | None = None
+        self,
+        value: object,
+        key: str,
+        *,
+        default_port: int | None = None,
+        allow_zero: bool = False,
     ) -> tuple[str, int]:
         if not isinstance(value, str):
             self.fail(key, f"must be a string host:port, got {type_name(value)}")
         try:
-            return parse_hostport(value, default_port=default_port)
+            return parse_hostport(value, default_port=default_port, allow_zero=allow_zero)
         except ConfigError as exc:
             self.fail(key, exc.message)
 

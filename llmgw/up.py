@@ -106,8 +106,10 @@ class LocalCluster:
         await self.cp.start()
         # 2. the local node's identity and configuration
         agent_config = self._agent_identity_and_config()
-        # 3. the agent
+        # 3. the agent; the model is deployed once it has connected, so that the first
+        # placement finds it rather than reporting an empty cluster
         await self._spawn_agent(agent_config)
+        await self._wait_connected()
         # 4. the model and an API key
         self._deploy()
         self.api_key = self._api_key()
@@ -193,6 +195,22 @@ class LocalCluster:
         self.cp.refresh_keys()
         write_private(path, (secret + "\n").encode())
         return secret
+
+    async def _wait_connected(self) -> None:
+        assert self.cp is not None and self.agent is not None
+        deadline = time.monotonic() + self.opts.ready_timeout
+        while UP_NODE not in self.cp.sessions:
+            if self.agent.returncode is not None:
+                raise LlmgwError(
+                    f"the local agent exited with code {self.agent.returncode}; see "
+                    f"{self.opts.state_dir / 'logs' / 'agent.log'}"
+                )
+            if time.monotonic() > deadline:
+                raise LlmgwError(
+                    f"the local agent did not connect within {self.opts.ready_timeout:.0f}s; see "
+                    f"{self.opts.state_dir / 'logs' / 'agent.log'}"
+                )
+            await asyncio.sleep(0.05)
 
     async def _wait_ready(self) -> None:
         assert self.cp is not None and self.agent is not None

@@ -181,7 +181,9 @@ def _parse(
     if listen is None:
         listen_text = DEFAULT_LISTEN
     else:
-        host, listen_port = check.hostport_pair(listen, "listen", default_port=DEFAULT_DATA_PORT)
+        host, listen_port = check.hostport_pair(
+            listen, "listen", default_port=DEFAULT_DATA_PORT, allow_zero=True
+        )
         listen_text = format_hostport(host, listen_port)
     mgmt_addr, mgmt_interface = _mgmt(check, top)
 

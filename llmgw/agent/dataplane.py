@@ -59,7 +59,7 @@ class DataPlane:
         ssl_context: ssl.SSLContext,
         port_of: Callable[[str], int | None],
     ) -> None:
-        self.host, self.port = parse_hostport(listen)
+        self.host, self.port = parse_hostport(listen, allow_zero=True)
         self.ssl_context = ssl_context
         self.port_of = port_of
         self.inflight = 0

@@ -132,7 +132,7 @@ class ControlPlane:
                 epoch=self.epoch,
                 cluster=self.cluster_id,
                 http=self.http_addr,
-                grpc=format_hostport(parse_hostport(cfg.grpc_listen)[0], self.grpc_port),
+                grpc=format_hostport(parse_hostport(cfg.grpc_listen, allow_zero=True)[0], self.grpc_port),
             ),
         )
 
@@ -153,7 +153,7 @@ class ControlPlane:
             ]
         )
         pb_grpc.add_ControlPlaneServicer_to_server(ControlPlaneService(self), self._grpc)
-        host, port = parse_hostport(self.cfg.grpc_listen)
+        host, port = parse_hostport(self.cfg.grpc_listen, allow_zero=True)
         try:
             self.grpc_port = self._grpc.add_secure_port(format_hostport(host, port), creds)
         except RuntimeError as exc:
@@ -176,7 +176,7 @@ class ControlPlane:
             app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
         )
         await self._runner.setup()
-        host, port = parse_hostport(self.cfg.http_listen)
+        host, port = parse_hostport(self.cfg.http_listen, allow_zero=True)
         site = web.TCPSite(self._runner, host, port, backlog=2048, reuse_address=True)
         try:
             await site.start()
@@ -192,7 +192,7 @@ class ControlPlane:
 
     @property
     def http_addr(self) -> str:
-        host = parse_hostport(self.cfg.http_listen)[0]
+        host = parse_hostport(self.cfg.http_listen, allow_zero=True)[0]
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
         return format_hostport(host, self.http_port)

@@ -100,12 +100,12 @@ def _parse(
         value = top.get(name)
         if value is None:
             return "0.0.0.0", default_port
-        return check.hostport_pair(value, name, default_port=default_port)
+        return check.hostport_pair(value, name, default_port=default_port, allow_zero=True)
 
     state_dir = path("state_dir", DEFAULT_STATE_DIR)
     http_host, http_port = listen("http_listen", DEFAULT_HTTP_PORT)
     grpc_host, grpc_port = listen("grpc_listen", DEFAULT_GRPC_PORT)
-    if http_port == grpc_port and (
+    if http_port == grpc_port and http_port != 0 and (
         http_host == grpc_host or _is_wildcard(http_host) or _is_wildcard(grpc_host)
     ):
         check.fail(

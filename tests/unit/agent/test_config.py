@@ -84,7 +84,7 @@ INVALID = [
     ("server: cp1\nnode_id: 42\n", "node_id", "must be a string, got int"),
     # listen / advertise
     ("server: cp1\nlisten: ':9443'\n", "listen", "has no host"),
-    ("server: cp1\nlisten: '0.0.0.0:99999'\n", "listen", "1 to 65535"),
+    ("server: cp1\nlisten: '0.0.0.0:99999'\n", "listen", "from 0 to 65535 (0: pick a free port)"),
     ("server: cp1\nlisten: [a]\n", "listen", "must be a string host:port, got list"),
     ("server: cp1\nadvertise: '0.0.0.0:9443'\n", "advertise", "not an address the control"),
     ("server: cp1\nadvertise: '[::]'\n", "advertise", "not an address the control"),

@@ -37,7 +37,7 @@ def write(tmp_path: Path, text: str) -> Path:
 INVALID = [
     ("http_listn: ':8080'\n", "http_listn", "did you mean 'http_listen'?"),
     ("state_dir: 5\n", "state_dir", "must be a path (a string), got int"),
-    ("http_listen: '0.0.0.0:80800'\n", "http_listen", "must be a number from 1 to 65535"),
+    ("http_listen: '0.0.0.0:80800'\n", "http_listen", "must be a number from 0 to 65535"),
     ("grpc_listen: '::1:7443'\n", "grpc_listen", "needs brackets"),
     ("grpc_listen: 7443\n", "grpc_listen", "must be a string host:port, got int"),
     ("grpc_listen: '0.0.0.0:8080'\n", "grpc_listen", "port 8080 is also http_listen's"),

@@ -1,0 +1,229 @@
+"""Real processes for integration tests: a control plane, agents, and `llmgw up`.
+
+Everything runs as subprocesses of the test on loopback with ports picked free, through
+the same `llmgw` entry point a user runs, so TLS, gRPC and the data plane are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmgw import pki
+
+LLMGW = [sys.executable, "-m", "llmgw"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(
+    predicate: Any, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"
+) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def stop_process(
+    proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30.0
+) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+@dataclass
+class Server:
+    """A control plane subprocess."""
+
+    state_dir: Path
+    http_port: int
+    grpc_port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.state_dir / "pki"
+
+    @property
+    def admin_token(self) -> str:
+        return (self.state_dir / "admin.token").read_text().strip()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def api(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode() if body is not None else None,
+            method=method,
+            headers={
+                "Authorization": f"Bearer {self.admin_token}",
+                "Content-Type": "application/json",
+            },
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def replicas(self, model: str | None = None) -> list[dict[str, Any]]:
+        return self.api("GET", "/api/replicas" + (f"?model={model}" if model else ""))  # type: ignore[no-any-return]
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return self.api("GET", "/api/nodes")  # type: ignore[no-any-return]
+
+    def api_key(self, name: str = "test") -> str:
+        return str(self.api("POST", "/api/keys", {"name": name})["key"])
+
+
+def start_server(tmp: Path, *, heartbeat: float = 1.0) -> Server:
+    state = tmp / "server"
+    http_port, grpc_port = free_port(), free_port()
+    cfg = tmp / "server.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(state),
+                "http_listen": f"127.0.0.1:{http_port}",
+                "grpc_listen": f"127.0.0.1:{grpc_port}",
+                "heartbeat_interval": heartbeat,
+                "loss_timeout": max(3.0, heartbeat * 3),
+            }
+        )
+    )
+    log_path = tmp / "server.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([*LLMGW, "server", "--config", str(cfg)], stdout=out, stderr=out)
+    server = Server(state, http_port, grpc_port, proc, log_path)
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            with urllib.request.urlopen(server.url + "/healthz", timeout=1) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    wait_for(healthy, what="control plane /healthz")
+    return server
+
+
+@dataclass
+class Agent:
+    node_id: str
+    dir: Path
+    config: Path
+    dataplane_port: int
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path = field(default=Path("/dev/null"))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def shard_records(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.dir / "state" / "shards.json").read_text())  # type: ignore[no-any-return]
+        except (OSError, ValueError):
+            return {}
+
+
+def make_agent(
+    tmp: Path,
+    server: Server,
+    node_id: str,
+    *,
+    cert_node_id: str | None = None,
+    ca_dir: Path | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Agent:
+    """Issue a certificate (for ``cert_node_id``, default the node id) and write agent.yaml."""
+    d = tmp / f"agent-{node_id}"
+    d.mkdir(parents=True, exist_ok=True)
+    ca = pki.load_ca(ca_dir or server.pki_dir)
+    ident = pki.issue_node_cert(ca, cert_node_id or node_id, d / "pki")
+    port = free_port()
+    cfg: dict[str, Any] = {
+        "server": f"127.0.0.1:{server.grpc_port}",
+        "node_id": node_id,
+        "listen": f"127.0.0.1:{port}",
+        "state_dir": str(d / "state"),
+        "tls": {"cert": str(ident.cert), "key": str(ident.key), "ca": str(ident.ca)},
+        "stop_shards_on_exit": True,
+    }
+    if ca_dir is not None:
+        # A node of another cluster still trusts *our* server's CA for the stream, so
+        # that the refusal under test is the server refusing its certificate.
+        cfg["tls"]["ca"] = str(server.pki_dir / "ca.crt")
+    cfg.update(extra or {})
+    path = d / "agent.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return Agent(node_id, d, path, port)
+
+
+def start_agent(agent: Agent) -> Agent:
+    agent.log_path = agent.dir / "agent.log"
+    with open(agent.log_path, "ab") as out:
+        agent.proc = subprocess.Popen(
+            [*LLMGW, "agent", "--config", str(agent.config)], stdout=out, stderr=out
+        )
+    return agent
+
+
+def pids_of_session(sid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) == sid:
+                out.append(int(entry))
+        except OSError:
+            continue
+    return out
+
+
+def llmgw_processes_under(root: Path) -> list[str]:
+    """Command lines of live llmgw processes that mention ``root`` or descend from a run in it."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        cmd = raw.replace(b"\0", b" ").decode(errors="replace")
+        if "llmgw" in cmd and str(root) in cmd:
+            found.append(f"{entry}: {cmd}")
+    return found

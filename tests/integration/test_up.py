@@ -1,0 +1,256 @@
+"""`llmgw up` as a user runs it, driven by the official openai client."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.integration.harness import LLMGW, free_port, stop_process, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen[str]
+    state_dir: Path
+    base_url: str
+    api_key: str
+    output: list[str]
+
+
+def _start_up(state_dir: Path) -> Up:
+    env = dict(os.environ, XDG_CONFIG_HOME=str(state_dir / "xdg"), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [
+            *LLMGW,
+            "up",
+            "--state-dir",
+            str(state_dir),
+            "--port",
+            str(free_port()),
+            "--grpc-port",
+            "0",
+            "--agent-port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines: list[str] = []
+    found: dict[str, str] = {}
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    def reader() -> None:
+        for line in stdout:
+            lines.append(line)
+            if m := re.search(r"OpenAI base URL: (\S+)", line):
+                found["url"] = m.group(1)
+            if m := re.search(r"API key: +(\S+)", line):
+                found["key"] = m.group(1)
+
+    threading.Thread(target=reader, daemon=True).start()
+    try:
+        wait_for(
+            lambda: "url" in found and "key" in found or proc.poll() is not None,
+            timeout=120,
+            what="llmgw up banner",
+        )
+    except AssertionError:
+        stop_process(proc, signal.SIGKILL)
+        raise AssertionError("".join(lines)) from None
+    assert proc.poll() is None, "".join(lines)
+    return Up(proc, state_dir, found["url"], found["key"], lines)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    cluster = _start_up(tmp_path_factory.mktemp("up"))
+    try:
+        yield cluster
+    finally:
+        stop_process(cluster.proc, signal.SIGINT, timeout=60)
+
+
+def test_banner_has_url_key_and_curl_line(up: Up) -> None:
+    text = "".join(up.output)
+    assert up.base_url.startswith("http://127.0.0.1:") and up.base_url.endswith("/v1")
+    assert up.api_key.startswith("sk-llmgw-")
+    assert f"curl -s {up.base_url}/chat/completions -H 'Authorization: Bearer {up.api_key}'" in text
+
+
+def test_list_models(up: Up) -> None:
+    client = openai.OpenAI(base_url=up.base_url, api_key=up.api_key)
+    assert [m.id for m in client.models.list()] == ["llmgw-sim"]
+
+
+def test_chat_completion_and_stream_reassemble_to_the_same_text(up: Up) -> None:
+    client = openai.OpenAI(base_url=up.base_url, api_key=up.api_key)
+    messages = [{"role": "user", "content": "Tell me about GPUs"}]
+    full = client.chat.completions.create(
+        model="llmgw-sim", messages=messages, seed=7, max_tokens=40
+    )  # type: ignore[arg-type]
+    text = full.choices[0].message.content
+    assert text
+    assert full.usage is not None and full.usage.completion_tokens > 0
+    stream = client.chat.completions.create(
+        model="llmgw-sim", messages=messages, seed=7, max_tokens=40, stream=True
+    )  # type: ignore[arg-type]
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert len([p for p in pieces if p]) > 1  # really streamed, chunk by chunk
+    assert "".join(pieces) == text
+
+
+def test_completions_endpoint(up: Up) -> None:
+    client = openai.OpenAI(base_url=up.base_url, api_key=up.api_key)
+    out = client.completions.create(
+        model="llmgw-sim", prompt="Once upon a time", max_tokens=5, seed=1
+    )
+    assert out.choices[0].finish_reason in ("length", "stop")
+    assert out.usage is not None and out.usage.completion_tokens <= 5
+
+
+def test_wrong_key_is_an_authentication_error(up: Up) -> None:
+    client = openai.OpenAI(base_url=up.base_url, api_key="sk-llmgw-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        client.chat.completions.create(
+            model="llmgw-sim", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert "llmgw ctl keys create" in str(info.value)
+
+
+def test_unknown_model_is_not_found_naming_the_models(up: Up) -> None:
+    client = openai.OpenAI(base_url=up.base_url, api_key=up.api_key, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "hi"}])
+    assert "gpt-17" in str(info.value) and "llmgw-sim" in str(info.value)
+
+
+def test_ctl_finds_the_cluster_from_the_state_dir(up: Up) -> None:
+    env = dict(os.environ, XDG_CONFIG_HOME=str(up.state_dir / "xdg"))
+    out = subprocess.run(
+        [*LLMGW, "ctl", "--config", str(up.state_dir / "ctl.yaml"), "nodes"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    header, row = out.splitlines()[:2]
+    assert header.split()[:3] == ["NODE", "STATE", "CONNECTED"]
+    assert row.split()[:3] == ["local", "approved", "yes"]
+
+
+def test_metrics_count_requests_tokens_and_ttft(up: Up) -> None:
+    client = openai.OpenAI(base_url=up.base_url, api_key=up.api_key)
+    for chunk in client.chat.completions.create(
+        model="llmgw-sim", messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=4
+    ):
+        del chunk
+    import urllib.request
+
+    root = up.base_url.removesuffix("/v1")
+    text = urllib.request.urlopen(root + "/metrics", timeout=5).read().decode()
+    assert re.search(
+        r'llmgw_requests_total\{model="llmgw-sim",replica="[^"]+",code="200"\} \d+', text
+    )
+    assert 'llmgw_time_to_first_token_seconds_count{model="llmgw-sim"' in text
+    assert 'llmgw_tokens_total{model="llmgw-sim",kind="completion"}' in text
+    assert "llmgw_request_duration_seconds_bucket" in text
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes only once reaped; report it as alive.
+    return True
+
+
+def test_ctrl_c_leaves_no_process_and_second_up_reuses_ca_and_key(tmp_path: Path) -> None:
+    first = _start_up(tmp_path / "state")
+    ca_before = (tmp_path / "state" / "server" / "pki" / "ca.crt").read_bytes()
+    import json
+
+    records = json.loads((tmp_path / "state" / "agent" / "shards.json").read_text())
+    engine_pids = [r["pid"] for r in records.values()]
+    assert engine_pids
+    agent_pids = [
+        int(p)
+        for p in os.listdir("/proc")
+        if p.isdigit() and _cmdline(int(p)).count(str(tmp_path / "state" / "agent" / "agent.yaml"))
+    ]
+    assert agent_pids
+    code = stop_process(first.proc, signal.SIGINT, timeout=60)
+    assert code == 0, "".join(first.output)
+    assert "stopped." in "".join(first.output)
+    for pid in engine_pids + agent_pids:
+        wait_for(lambda pid=pid: not _alive(pid), timeout=10, what=f"process {pid} to exit")
+    leftovers = [
+        f"{p}: {_cmdline(int(p))}"
+        for p in os.listdir("/proc")
+        if p.isdigit() and str(tmp_path) in _cmdline(int(p))
+    ]
+    assert leftovers == []
+
+    second = _start_up(tmp_path / "state")
+    try:
+        assert (tmp_path / "state" / "server" / "pki" / "ca.crt").read_bytes() == ca_before
+        assert second.api_key == first.api_key
+        client = openai.OpenAI(base_url=second.base_url, api_key=second.api_key)
+        assert [m.id for m in client.models.list()] == ["llmgw-sim"]
+    finally:
+        assert stop_process(second.proc, signal.SIGINT, timeout=60) == 0
+
+
+def test_up_refuses_a_state_dir_in_use(up: Up) -> None:
+    out = subprocess.run(
+        [
+            *LLMGW,
+            "up",
+            "--state-dir",
+            str(up.state_dir),
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--agent-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert f"another 'llmgw up' is running on {up.state_dir}" in out.stderr
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
+    except OSError:
+        return ""
+
+
+def test_sigterm_stops_it_too(tmp_path: Path) -> None:
+    cluster = _start_up(tmp_path / "s")
+    started = time.monotonic()
+    assert stop_process(cluster.proc, signal.SIGTERM, timeout=60) == 0
+    assert time.monotonic() - started < 60
+    assert sys.executable  # the interpreter the cluster ran under

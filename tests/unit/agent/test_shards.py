@@ -1,0 +1,262 @@
+"""ShardManager with the real process runtime, starting real ``sim`` engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from llmgw.agent.runtimes.process import ProcessRuntime, process_start_time
+from llmgw.agent.shards import EXITED, FAILED, READY, STARTING, Shard, ShardManager, ShardSpec
+from llmgw.errors import ShardError
+
+pytestmark = pytest.mark.timeout(60)
+
+WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Event:
+    shard_id: str
+    state: str
+    pid: int
+    port: int
+    exit_code: int | None
+    reason: str
+
+
+class Recorder:
+    """The on_status callback: remembers every status change, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, shard: Shard) -> None:
+        self.events.append(
+            Event(shard.shard_id, shard.state, shard.pid, shard.port, shard.exit_code, shard.reason)
+        )
+        self._changed.set()
+
+    def states(self, shard_id: str) -> list[str]:
+        return [e.state for e in self.events if e.shard_id == shard_id]
+
+    async def wait_for(self, shard_id: str, state: str, *, after: int = 0) -> Event:
+        async def scan() -> Event:
+            while True:
+                for e in self.events[after:]:
+                    if e.shard_id == shard_id and e.state == state:
+                        return e
+                self._changed.clear()
+                await self._changed.wait()
+
+        return await asyncio.wait_for(scan(), WAIT_S)
+
+
+def spec(shard_id: str = "s1", **params: str) -> ShardSpec:
+    return ShardSpec(
+        shard_id=shard_id, replica_id="r1", model="sim-model", engine="sim", params=params
+    )
+
+
+def run_with_manager(
+    state_dir: Path, body: Callable[[ShardManager, Recorder], Awaitable[None]]
+) -> None:
+    async def main() -> None:
+        recorder = Recorder()
+        manager = ShardManager(state_dir, ProcessRuntime(), recorder, startup_timeout=WAIT_S)
+        await manager.open()
+        try:
+            await body(manager, recorder)
+        finally:
+            await manager.stop_all(grace=5.0)
+            await manager.close()
+
+    asyncio.run(main())
+
+
+def records(state_dir: Path) -> dict[str, Any]:
+    return json.loads((state_dir / "shards.json").read_text())
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def get_health(port: int) -> int:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}/health") as resp,
+    ):
+        return resp.status
+
+
+def test_start_ready_records_idempotent_and_stop(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+
+    async def body(manager: ShardManager, rec: Recorder) -> None:
+        shard = await manager.start(spec(seed="3"))
+        assert shard.state == STARTING
+        assert shard.pid > 0 and shard.port > 0
+        assert manager.ready_port("s1") is None
+        pid, port = shard.pid, shard.port
+
+        # Starting again while starting is a no-op.
+        assert await manager.start(spec(seed="3")) is shard
+
+        # The engine leads its own session and process group.
+        assert os.getsid(pid) == pid
+        assert os.getpgid(pid) == pid
+
+        ready = await rec.wait_for("s1", READY)
+        assert (ready.pid, ready.port) == (pid, port)
+        assert rec.states("s1") == [STARTING, READY]
+        assert manager.ready_port("s1") == port
+        assert manager.get("s1") is shard
+        assert await get_health(port) == 200
+
+        # Starting again while ready is a no-op: same process, no new status.
+        again = await manager.start(spec(seed="3"))
+        assert again is shard and again.pid == pid and again.port == port
+        assert rec.states("s1") == [STARTING, READY]
+
+        # shards.json names the process precisely enough to find it after an agent restart.
+        path = state_dir / "shards.json"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        rec_s1 = records(state_dir)["s1"]
+        assert rec_s1["pid"] == pid
+        assert rec_s1["port"] == port
+        assert rec_s1["state"] == READY
+        assert rec_s1["model"] == "sim-model" and rec_s1["engine"] == "sim"
+        assert rec_s1["replica_id"] == "r1"
+        start_time = process_start_time(pid)
+        assert isinstance(start_time, int)
+        assert rec_s1["start_time"] == start_time
+
+        # The engine's output goes to the shard's log.
+        assert manager.log_path("s1").exists()
+
+        final = await manager.stop("s1", grace=5.0)
+        assert final is shard
+        assert final.state == EXITED
+        assert rec.states("s1")[-1] == EXITED
+        assert not pid_alive(pid)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+        assert manager.get("s1") is None
+        assert manager.ready_port("s1") is None
+        assert "s1" not in records(state_dir)
+        assert await manager.stop("s1") is None  # unknown now
+
+    run_with_manager(state_dir, body)
+
+
+def test_sigkill_is_reported_failed_and_restart_works(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+
+    async def body(manager: ShardManager, rec: Recorder) -> None:
+        shard = await manager.start(spec())
+        await rec.wait_for("s1", READY)
+        pid = shard.pid
+        os.kill(pid, signal.SIGKILL)
+
+        failed = await rec.wait_for("s1", FAILED)
+        assert failed.exit_code == -9
+        assert "signal 9" in failed.reason
+        assert rec.states("s1") == [STARTING, READY, FAILED]
+        assert manager.ready_port("s1") is None
+        assert records(state_dir)["s1"]["state"] == FAILED
+
+        # A failed shard is started afresh by start().
+        mark = len(rec.events)
+        again = await manager.start(spec())
+        assert again is not shard
+        assert again.pid != pid
+        ready = await rec.wait_for("s1", READY, after=mark)
+        assert manager.ready_port("s1") == ready.port
+        assert records(state_dir)["s1"]["pid"] == again.pid
+
+    run_with_manager(state_dir, body)
+
+
+def test_stop_while_starting(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+
+    async def body(manager: ShardManager, rec: Recorder) -> None:
+        shard = await manager.start(spec("early", ttft_ms="0"))
+        pid = shard.pid
+        final = await manager.stop("early", grace=5.0)
+        assert final is not None and final.state == EXITED
+        assert READY not in rec.states("early")
+        assert FAILED not in rec.states("early")
+        assert rec.states("early")[-1] == EXITED
+        assert not pid_alive(pid)
+        assert "early" not in records(state_dir)
+
+    run_with_manager(state_dir, body)
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [
+        (ShardSpec("s1", "r1", "m", engine="no-such-engine"), "no-such-engine"),
+        (ShardSpec("s1", "r1", "m", engine="sim", params={"tps": "fast"}), "tps"),
+        (ShardSpec("s1", "r1", "m", engine="sim", params={"colour": "red"}), "colour"),
+    ],
+)
+def test_bad_spec_is_shard_error_and_starts_nothing(
+    tmp_path: Path, bad: ShardSpec, needle: str
+) -> None:
+    state_dir = tmp_path / "state"
+
+    async def body(manager: ShardManager, rec: Recorder) -> None:
+        with pytest.raises(ShardError) as info:
+            await manager.start(bad)
+        assert needle in str(info.value)
+        assert manager.get("s1") is None
+        assert rec.events == []
+        assert not (state_dir / "logs").exists()
+
+    run_with_manager(state_dir, body)
+
+
+def test_process_start_time_of_this_process() -> None:
+    value = process_start_time(os.getpid())
+    assert isinstance(value, int)
+    assert value > 0
+    assert process_start_time(os.getpid()) == value
+
+
+def test_process_start_time_of_a_dead_process() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert process_start_time(proc.pid) is None
+
+
+def test_process_start_time_survives_odd_command_names(tmp_path: Path) -> None:
+    # The command name (field 2) may hold spaces and parentheses.
+    odd = tmp_path / "we ird) (name"
+    odd.symlink_to(sys.executable)
+    proc = subprocess.Popen([str(odd), "-c", "import time; time.sleep(30)"])
+    try:
+        value = process_start_time(proc.pid)
+        assert isinstance(value, int)
+        assert value >= process_start_time(os.getpid())  # type: ignore[operator]
+    finally:
+        proc.kill()
+        proc.wait()
