@@ -334,5 +334,11 @@ def _describe_rpc_error(exc: grpc.aio.AioRpcError, server: str) -> str:
                 f"TLS with {server} failed ({details}); check that tls.ca in agent.yaml is the "
                 "cluster CA and that the node certificate was issued by it"
             )
+        if "socket closed" in details.lower() or "connection reset" in details.lower():
+            return (
+                f"{server} closed the connection during the TLS handshake ({details}); it most "
+                "likely refused this node's certificate: check that tls.cert in agent.yaml was "
+                "issued by the cluster CA"
+            )
         return f"{server} unavailable ({details}); is the control plane running?"
     return f"{code.name}: {details}"

@@ -225,14 +225,6 @@ def test_stream_refuses_certificate_from_another_ca(
     assert not [line for line in lines if "refused by" in line], "\n".join(lines)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "llmgw/agent/stream.py _describe_rpc_error: with TLS 1.3 the agent only sees "
-        "UNAVAILABLE 'Socket closed' when the server rejects its certificate, and reports "
-        "'is the control plane running?' instead of a TLS/certificate problem"
-    ),
-)
 def test_agent_says_why_a_certificate_from_another_ca_fails(
     server: Server, agents: list[Agent], tmp_path: Path, rogue_ca: Path
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,6 +48,22 @@ def test_ties_rotate() -> None:
     picks = Counter(router.pick("m").shard_id for _ in range(10))  # type: ignore[union-attr]
     assert set(picks) == {"a", "b"}
     assert abs(picks["a"] - picks["b"]) <= 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: Router._tiebreak is one counter shared by all models, so requests that "
+    "alternate between two models always land on the same replica of each",
+)
+def test_ties_rotate_per_model_under_interleaved_traffic() -> None:
+    router = Router()
+    for shard, model in (("x1", "x"), ("x2", "x"), ("y1", "y"), ("y2", "y")):
+        router.set_ready(ep(shard, model=model))
+    picked: dict[str, set[str]] = {"x": set(), "y": set()}
+    for _ in range(8):
+        for model in ("x", "y"):
+            picked[model].add(router.pick(model).shard_id)  # type: ignore[union-attr]
+    assert picked == {"x": {"x1", "x2"}, "y": {"y1", "y2"}}
 
 
 def test_exclude() -> None:
