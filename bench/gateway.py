@@ -110,6 +110,7 @@ class Cluster:
     base_url: str = ""  # ends in /v1
     api_key: str = ""
     engine_port: int = 0
+    pids: dict[str, int] = field(default_factory=dict)  # gateway, agent, engine
     stdout: list[str] = field(default_factory=list)
     drain: asyncio.Task[None] | None = None
 
@@ -176,8 +177,19 @@ async def start_cluster(root: Path) -> Cluster:
         elif key == "API key":
             cluster.api_key = value.strip()
     cluster.drain = asyncio.create_task(_drain_stdout(cluster))
-    cluster.engine_port = await _engine_port(cluster)
+    cluster.engine_port, engine_pid = await _engine(cluster)
+    cluster.pids = {"gateway": proc.pid, "engine": engine_pid}
+    agent_pid = _parent_pid(engine_pid)  # the engine is the agent's child
+    if agent_pid:
+        cluster.pids["agent"] = agent_pid
     return cluster
+
+
+def _parent_pid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 async def _drain_stdout(cluster: Cluster) -> None:
@@ -190,7 +202,8 @@ async def _drain_stdout(cluster: Cluster) -> None:
         cluster.stdout.append(raw.decode(errors="replace").rstrip("\n"))
 
 
-async def _engine_port(cluster: Cluster) -> int:
+async def _engine(cluster: Cluster) -> tuple[int, int]:
+    """The ready engine's port and process id, from the admin API."""
     token = (cluster.state_dir / "server" / "admin.token").read_text().strip()
     root_url = cluster.base_url.removesuffix("/v1")
     timeout = aiohttp.ClientTimeout(total=10)
@@ -205,7 +218,7 @@ async def _engine_port(cluster: Cluster) -> int:
         replicas = await resp.json()
     for rep in replicas:
         if rep.get("model") == MODEL and rep.get("state") == "ready" and rep.get("port"):
-            return int(rep["port"])
+            return int(rep["port"]), int(rep.get("pid") or 0)
     raise BenchError(f"no ready replica of {MODEL} in /api/replicas: {replicas}")
 
 
@@ -324,6 +337,21 @@ async def stream(target: Target, body: bytes, *, keep_text: bool = False) -> Str
     return res
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU time (user + system) used so far by this process ("client") and by ``pids``."""
+    out = {"client": time.process_time()}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 def _session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=120),
@@ -407,7 +435,11 @@ async def _load(target: Target, body: bytes, concurrency: int, duration_s: float
 
 
 async def phase_throughput(
-    direct: Target, proxied: Target, duration_s: float, rounds: int = THROUGHPUT_ROUNDS
+    direct: Target,
+    proxied: Target,
+    duration_s: float,
+    pids: dict[str, int],
+    rounds: int = THROUGHPUT_ROUNDS,
 ) -> dict[str, Any]:
     body = chat_body("Hello there!", max_tokens=UNARY_MAX_TOKENS, stream=False)
     # open the connections (and the gateway's to the agent, with TLS) before measuring
@@ -415,13 +447,18 @@ async def phase_throughput(
         await _load(target, body, CONCURRENCY, THROUGHPUT_WARMUP_S)
     ok = {"direct": 0, "proxied": 0}
     secs = {"direct": 0.0, "proxied": 0.0}
+    cpu: dict[str, Counter[str]] = {"direct": Counter(), "proxied": Counter()}
     errors: Counter[str] = Counter()
     per_round: list[dict[str, float]] = []
     for r in range(rounds):
         order = (direct, proxied) if r % 2 == 0 else (proxied, direct)
         entry: dict[str, float] = {}
         for target in order:
+            before = cpu_seconds(pids)
             res = await _load(target, body, CONCURRENCY, duration_s)
+            after = cpu_seconds(pids)
+            for proc_name, secs_used in after.items():
+                cpu[target.name][proc_name] += secs_used - before.get(proc_name, secs_used)
             ok[target.name] += res["ok"]
             secs[target.name] += res["elapsed_s"]
             entry[f"{target.name}_rps"] = round(res["rps"], 1)
@@ -431,6 +468,15 @@ async def phase_throughput(
     d_rps = ok["direct"] / secs["direct"] if secs["direct"] else 0.0
     p_rps = ok["proxied"] / secs["proxied"] if secs["proxied"] else 0.0
     ratio = p_rps / d_rps if d_rps else math.nan
+    # CPU microseconds per request in each process, and CPUs busy in all of them together
+    cpu_us = {
+        name: {k: round(v / ok[name] * 1e6, 1) for k, v in cpu[name].items() if ok[name]}
+        for name in cpu
+    }
+    busy = {
+        name: round(sum(cpu[name].values()) / secs[name], 2) if secs[name] else math.nan
+        for name in cpu
+    }
     return {
         "concurrency": CONCURRENCY,
         "duration_s_each": duration_s,
@@ -440,6 +486,8 @@ async def phase_throughput(
         "ratio": round(ratio, 4),
         "target_ratio": TARGET_THROUGHPUT_RATIO,
         "met": ratio >= TARGET_THROUGHPUT_RATIO,
+        "cpu_us_per_request": cpu_us,
+        "cpus_busy": busy,
         "errors": dict(errors),
     }
 
@@ -549,6 +597,20 @@ def _errors_line(errors: dict[str, int]) -> str:
     return "  errors: " + "; ".join(f"{k} x{v}" for k, v in sorted(errors.items()))
 
 
+def _cpu_line(t: dict[str, Any]) -> str:
+    parts = []
+    for name in ("direct", "proxied"):
+        us = t["cpu_us_per_request"].get(name) or {}
+        procs = " ".join(
+            f"{k} {us[k]:.0f}" for k in ("client", "gateway", "agent", "engine") if k in us
+        )
+        parts.append(
+            f"  CPU us/request {name:<8} {procs}  (total {sum(us.values()):.0f}; "
+            f"{t['cpus_busy'][name]:.2f} CPUs busy)"
+        )
+    return "\n".join(parts)
+
+
 def render(fig: dict[str, Any]) -> str:
     lines = [
         f"llmgw gateway benchmark (sim engine, loopback, {fig['cpus']} CPUs, "
@@ -578,7 +640,7 @@ def render(fig: dict[str, Any]) -> str:
             f"  direct {t['direct_rps']:.0f} req/s | proxied {t['proxied_rps']:.0f} req/s | "
             f"ratio {t['ratio']:.2f}   (target >= {TARGET_THROUGHPUT_RATIO}: "
             f"{met(t['ratio'], t['met'])})\n"
-            f"  ({rounds})" + _errors_line(t["errors"])
+            f"  ({rounds})\n" + _cpu_line(t) + _errors_line(t["errors"])
         )
     s = fig.get("sse")
     if s:
@@ -657,7 +719,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 (
                     "throughput",
                     f"throughput c={CONCURRENCY}: {args.duration:g} s x {THROUGHPUT_ROUNDS} each",
-                    lambda: phase_throughput(direct, proxied, args.duration),
+                    lambda: phase_throughput(direct, proxied, args.duration, cluster.pids),
                 ),
                 (
                     "sse",

@@ -22,8 +22,9 @@ def kv(**fields: Any) -> dict[str, Any]:
 
 def _quote(value: object) -> str:
     text = str(value)
-    if text == "" or any(c in text for c in ' "=\n\t'):
-        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if text == "" or any(c in text for c in ' "=\n\r\t'):
+        escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+        return '"' + escaped.replace("\n", "\\n").replace("\r", "\\r") + '"'
     return text
 
 

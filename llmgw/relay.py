@@ -1,6 +1,7 @@
 """Relay an upstream HTTP response to a downstream client, streaming SSE chunk by chunk.
 
-Used by both hops of a request: the gateway (client -> agent) and the agent's data plane
+Bodies pass through unchanged (callers read upstreams with ``auto_decompress=False``), so
+``Content-Encoding`` is copied like any other end-to-end header. Used by both hops of a request: the gateway (client -> agent) and the agent's data plane
 (gateway -> engine). Event streams are written as they arrive, never buffered and never
 compressed; other bodies are read whole and sent with a Content-Length.
 """
@@ -22,7 +23,6 @@ _HOP_HEADERS = frozenset(
         "Keep-Alive",
         "Transfer-Encoding",
         "Content-Length",
-        "Content-Encoding",
         "Date",
         "Server",
         "Upgrade",

@@ -164,7 +164,7 @@ class Agent:
         parent = os.environ.get("LLMGW_PARENT_PID", "")
         if not parent.isdigit():
             return
-        while os.getppid() == int(parent):
+        while os.getppid() == int(parent):  # noqa: ASYNC110 - polling is the point
             await asyncio.sleep(1.0)
         log.warning("parent 'llmgw up' is gone; stopping", extra=kv(parent=parent))
         self.request_stop()

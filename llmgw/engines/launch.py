@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -12,7 +13,13 @@ __all__ = ["AVAILABLE_ENGINES", "build_argv", "self_argv"]
 # Engines this agent can start without anything installed on the node.
 AVAILABLE_ENGINES = ("sim",)
 
-_SIM_PARAMS = {"seed": int, "ttft_ms": float, "tps": float, "max_tokens": int}
+_SIM_PARAMS: dict[str, type[int] | type[float]] = {
+    "seed": int,
+    "ttft_ms": float,
+    "tps": float,
+    "max_tokens": int,
+}
+_SIM_MINIMUM = {"seed": -(2**63), "ttft_ms": 0, "tps": 0, "max_tokens": 1}
 
 
 def self_argv() -> list[str]:
@@ -32,11 +39,16 @@ def _sim_argv(model: str, port: int, params: Mapping[str, str], extra: Sequence[
                 f"sim engine has no parameter {key!r}; it takes {', '.join(sorted(_SIM_PARAMS))}"
             )
         try:
-            kind(value)
+            number = kind(value)
         except ValueError:
             raise EngineError(
                 f"sim engine parameter {key}={value!r} is not a valid {kind.__name__}"
             ) from None
+        if not math.isfinite(number) or number < _SIM_MINIMUM[key]:
+            raise EngineError(
+                f"sim engine parameter {key}={value!r} must be a finite number of at least "
+                f"{_SIM_MINIMUM[key]}"
+            )
         argv += ["--" + key.replace("_", "-"), str(value)]
     return [*argv, *extra]
 

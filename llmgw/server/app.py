@@ -132,7 +132,9 @@ class ControlPlane:
                 epoch=self.epoch,
                 cluster=self.cluster_id,
                 http=self.http_addr,
-                grpc=format_hostport(parse_hostport(cfg.grpc_listen, allow_zero=True)[0], self.grpc_port),
+                grpc=format_hostport(
+                    parse_hostport(cfg.grpc_listen, allow_zero=True)[0], self.grpc_port
+                ),
             ),
         )
 

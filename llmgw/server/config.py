@@ -105,8 +105,10 @@ def _parse(
     state_dir = path("state_dir", DEFAULT_STATE_DIR)
     http_host, http_port = listen("http_listen", DEFAULT_HTTP_PORT)
     grpc_host, grpc_port = listen("grpc_listen", DEFAULT_GRPC_PORT)
-    if http_port == grpc_port and http_port != 0 and (
-        http_host == grpc_host or _is_wildcard(http_host) or _is_wildcard(grpc_host)
+    if (
+        http_port == grpc_port
+        and http_port != 0
+        and (http_host == grpc_host or _is_wildcard(http_host) or _is_wildcard(grpc_host))
     ):
         check.fail(
             "grpc_listen",

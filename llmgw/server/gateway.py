@@ -58,19 +58,29 @@ class StreamTokenCounter:
         if self.first_at is None:
             self.first_at = time.perf_counter()
         data = self.buf + chunk
-        *events, self.buf = data.split(b"\n\n")
+        held = b""
+        if b"\r" in data:
+            # SSE allows CRLF and CR line ends; a CR at the end may be half of a CRLF.
+            if data.endswith(b"\r"):
+                data, held = data[:-1], b"\r"
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *events, rest = data.split(b"\n\n")
+        self.buf = rest + held
         for event in events:
-            if not event.startswith(b"data: {"):
+            if not event.startswith(b"data:"):
                 continue
-            if b'"usage":{' in event:
+            body = event[5:].lstrip(b" ")
+            if not body.startswith(b"{"):
+                continue
+            if b'"usage":{' in body:
                 try:
-                    usage = json.loads(event[6:]).get("usage")
+                    usage = json.loads(body).get("usage")
                 except ValueError:
                     usage = None
                 if isinstance(usage, dict):
                     self.usage = usage
-            if (b'"content":"' in event and b'"content":""' not in event) or (
-                b'"text":"' in event and b'"text":""' not in event
+            if (b'"content":"' in body and b'"content":""' not in body) or (
+                b'"text":"' in body and b'"text":""' not in body
             ):
                 self.events += 1
 

@@ -7,6 +7,7 @@ Counters, gauges and histograms keyed by label tuples; cheap enough for the requ
 from __future__ import annotations
 
 import bisect
+import math
 from collections import defaultdict
 
 __all__ = ["Counter", "Gauge", "Histogram", "Metrics"]
@@ -42,6 +43,17 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _fmt(value: float) -> str:
+    """Exact sample values: whole numbers without exponent, floats round-trippable."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value == int(value):
+        return str(int(value))
+    return repr(value)
+
+
 class Counter:
     kind = "counter"
 
@@ -55,7 +67,7 @@ class Counter:
     def render(self) -> list[str]:
         out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
         for key, value in sorted(self.values.items()):
-            out.append(f"{self.name}{_labels(self.labelnames, key)} {value:g}")
+            out.append(f"{self.name}{_labels(self.labelnames, key)} {_fmt(value)}")
         return out
 
 

@@ -6,7 +6,6 @@ fail, stop or lose their node, so the request path never touches the state store
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 __all__ = ["Endpoint", "Router"]
@@ -31,7 +30,7 @@ class Router:
     def __init__(self) -> None:
         self._by_model: dict[str, list[Endpoint]] = {}
         self._by_shard: dict[str, Endpoint] = {}
-        self._tiebreak = itertools.count()
+        self._tiebreak: dict[str, int] = {}
 
     def set_ready(self, ep: Endpoint) -> None:
         old = self._by_shard.get(ep.shard_id)
@@ -75,7 +74,9 @@ class Router:
             return None
         ties = [ep for ep in eps if ep.inflight == best.inflight and ep.shard_id not in exclude]
         if len(ties) > 1:
-            best = ties[next(self._tiebreak) % len(ties)]
+            turn = self._tiebreak.get(model, 0)
+            self._tiebreak[model] = turn + 1
+            best = ties[turn % len(ties)]
         return best
 
     def models(self) -> list[str]:

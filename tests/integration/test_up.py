@@ -66,7 +66,7 @@ def _start_up(state_dir: Path) -> Up:
     threading.Thread(target=reader, daemon=True).start()
     try:
         wait_for(
-            lambda: "url" in found and "key" in found or proc.poll() is not None,
+            lambda: ("url" in found and "key" in found) or proc.poll() is not None,
             timeout=120,
             what="llmgw up banner",
         )

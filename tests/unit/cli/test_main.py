@@ -50,10 +50,15 @@ def test_agent_typo_gets_a_suggestion(tmp_path: Path) -> None:
 
 def test_agent_without_identity_says_to_join_first(tmp_path: Path) -> None:
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text(f"server: 127.0.0.1:1\nnode_id: n1\nstate_dir: {tmp_path / 'state'}\nlisten: 127.0.0.1:0\n")
+    cfg.write_text(
+        f"server: 127.0.0.1:1\nnode_id: n1\nstate_dir: {tmp_path / 'state'}\nlisten: 127.0.0.1:0\n"
+    )
     out = CliRunner().invoke(main, ["agent", "--config", str(cfg)])
     assert out.exit_code == 1
-    assert f"the node's cert {tmp_path / 'state' / 'node.crt'} does not exist; join the node first" in out.stderr
+    assert (
+        f"the node's cert {tmp_path / 'state' / 'node.crt'} does not exist; join the node first"
+        in out.stderr
+    )
 
 
 def test_missing_agent_config_is_named(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,11 +49,6 @@ def test_ties_rotate() -> None:
     assert abs(picks["a"] - picks["b"]) <= 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Router._tiebreak is one counter shared by all models, so requests that "
-    "alternate between two models always land on the same replica of each",
-)
 def test_ties_rotate_per_model_under_interleaved_traffic() -> None:
     router = Router()
     for shard, model in (("x1", "x"), ("x2", "x"), ("y1", "y"), ("y2", "y")):

@@ -1,0 +1,210 @@
+"""relay(): an upstream aiohttp app, a front app relaying to it, and a client, all on real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from llmgw.relay import relay
+
+pytestmark = pytest.mark.timeout(30)
+
+STEP_S = 5.0  # the longest any one step may wait; only reached when something is broken
+JSON_BODY = {"id": "x", "choices": [{"text": "hello " * 200}], "usage": {"completion_tokens": 3}}
+SSE_EVENTS = [b'data: {"n":1}\n\n', b'data: {"n":2}\n\n', b'data: {"n":3}\n\n', b"data: [DONE]\n\n"]
+
+
+@dataclass
+class State:
+    first_seen: asyncio.Event = field(default_factory=asyncio.Event)
+    last_written: asyncio.Event = field(default_factory=asyncio.Event)
+    upstream_waited: bool = False
+    chunks: list[bytes] = field(default_factory=list)
+
+
+def upstream_app(state: State) -> web.Application:
+    async def json_handler(request: web.Request) -> web.StreamResponse:
+        resp = web.Response(
+            status=201,
+            body=json.dumps(JSON_BODY).encode(),
+            content_type="application/json",
+            headers={
+                "X-Upstream": "yes",
+                "Server": "upstream-server/1.0",
+                "Keep-Alive": "timeout=99",
+            },
+        )
+        if request.query.get("gzip"):
+            resp.enable_compression()  # only when the request accepts gzip
+        return resp
+
+    async def sse_handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream",
+                "X-Upstream": "sse",
+                "Server": "upstream-server/1.0",
+            },
+        )
+        await resp.prepare(request)
+        await resp.write(SSE_EVENTS[0])
+        # Nothing more is written until the client has seen the first event.
+        await asyncio.wait_for(state.first_seen.wait(), STEP_S)
+        state.upstream_waited = True
+        for event in SSE_EVENTS[1:]:
+            await asyncio.sleep(0.01)
+            # One event in two writes, so that the relay sees partial events too.
+            await resp.write(event[:5])
+            await asyncio.sleep(0.005)
+            await resp.write(event[5:])
+        state.last_written.set()
+        await resp.write_eof()
+        return resp
+
+    async def error_handler(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "nope"}}, status=429)
+
+    app = web.Application()
+    app.router.add_get("/json", json_handler)
+    app.router.add_get("/sse", sse_handler)
+    app.router.add_get("/error", error_handler)
+    return app
+
+
+def front_app(upstream_base: str, state: State) -> web.Application:
+    """Relays GET /PATH to the upstream, like the gateway and the data plane do."""
+    session: list[aiohttp.ClientSession] = []
+
+    async def on_startup(app: web.Application) -> None:
+        # Both real callers of relay() forward bodies without decompressing them.
+        session.append(aiohttp.ClientSession(auto_decompress=False))
+
+    async def on_cleanup(app: web.Application) -> None:
+        await session[0].close()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        url = upstream_base + request.match_info["tail"]
+        if request.query_string:
+            url += "?" + request.query_string
+        async with session[0].get(url) as upstream:
+            return await relay(
+                request,
+                upstream,
+                on_chunk=state.chunks.append,
+                extra_headers={"X-Relayed-By": "front"},
+            )
+
+    app = web.Application()
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    app.router.add_get("/{tail:.*}", handler)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        await runner.cleanup()
+
+
+def run(body: Callable[[str, State, aiohttp.ClientSession], Awaitable[None]]) -> None:
+    async def main() -> None:
+        state = State()
+        async with (
+            serving(upstream_app(state)) as upstream,
+            serving(front_app(upstream, state)) as front,
+            aiohttp.ClientSession() as client,
+        ):
+            await body(front, state, client)
+
+    asyncio.run(main())
+
+
+def test_json_passes_through() -> None:
+    async def body(front: str, state: State, client: aiohttp.ClientSession) -> None:
+        async with client.get(front + "json") as resp:
+            data = await resp.read()
+            assert resp.status == 201
+            assert json.loads(data) == JSON_BODY
+            assert resp.content_type == "application/json"
+            assert resp.headers["X-Upstream"] == "yes"
+            assert resp.headers["X-Relayed-By"] == "front"
+            # Connection-level headers are the front's own, not the upstream's.
+            assert resp.headers.get("Server") != "upstream-server/1.0"
+            assert resp.headers.get("Keep-Alive") != "timeout=99"
+            assert "Transfer-Encoding" not in resp.headers
+            assert int(resp.headers["Content-Length"]) == len(data)
+            assert len(resp.headers.getall("Content-Length")) == 1
+        assert state.chunks == [data]
+
+    run(body)
+
+
+def test_error_status_passes_through() -> None:
+    async def body(front: str, state: State, client: aiohttp.ClientSession) -> None:
+        async with client.get(front + "error") as resp:
+            assert resp.status == 429
+            assert await resp.json() == {"error": {"message": "nope"}}
+
+    run(body)
+
+
+def test_compressed_body_without_decompression_stays_readable() -> None:
+    async def body(front: str, state: State, client: aiohttp.ClientSession) -> None:
+        async with client.get(front + "json?gzip=1") as resp:
+            data = await resp.read()
+            assert resp.status == 201
+            if "Content-Encoding" not in resp.headers:
+                assert data.startswith(b"{"), f"undeclared compressed body: {data[:8]!r}"
+            assert json.loads(data) == JSON_BODY
+            assert resp.headers["X-Upstream"] == "yes"
+
+    run(body)
+
+
+def test_sse_is_relayed_incrementally() -> None:
+    async def body(front: str, state: State, client: aiohttp.ClientSession) -> None:
+        async with client.get(front + "sse") as resp:
+            assert resp.status == 200
+            assert resp.content_type == "text/event-stream"
+            assert resp.headers["X-Upstream"] == "sse"
+            assert resp.headers["X-Relayed-By"] == "front"
+            assert resp.headers["Cache-Control"] == "no-cache"
+            assert resp.headers["X-Accel-Buffering"] == "no"
+            assert resp.headers.get("Server") != "upstream-server/1.0"
+            assert "Content-Length" not in resp.headers
+            assert len(resp.headers.getall("Transfer-Encoding", [])) <= 1
+
+            received = b""
+            while b"\n\n" not in received:
+                piece = await asyncio.wait_for(resp.content.readany(), STEP_S)
+                assert piece, "stream ended before the first event"
+                received += piece
+            # The first event arrived while the upstream was still holding the rest back.
+            assert received == SSE_EVENTS[0]
+            assert not state.upstream_waited
+            assert not state.last_written.is_set()
+            state.first_seen.set()
+
+            received += await asyncio.wait_for(resp.content.read(), STEP_S)
+            assert received == b"".join(SSE_EVENTS)
+            assert state.upstream_waited and state.last_written.is_set()
+        assert b"".join(state.chunks) == b"".join(SSE_EVENTS)
+        assert len(state.chunks) >= 2
+
+    run(body)
