@@ -11,6 +11,10 @@
     ├── StreamError                 the control-plane <-> agent stream (retryable)
     │   ├── IdentityMismatch        claimed node id differs from the certificate's CN (not retryable)
     │   └── StaleEpoch              an order from an epoch lower than one already accepted
+    ├── EnrolmentError              joining a node; ``code`` names the refusal, ``status`` its HTTP code
+    │   ├── PinMismatch             the control plane's CA is not the pinned one (token not sent)
+    │   ├── TokenError              the join token is unknown, expired, used, revoked, or not for this
+    │   └── CSRError                the certificate request is malformed, weak, or names another node
     ├── ShardError                  starting or stopping an engine process
     ├── EngineError                 an engine's own arguments or behaviour
     └── ClientError                 ``llmgw ctl`` talking to the control plane
@@ -103,6 +107,40 @@ class StaleEpoch(StreamError):
     retryable = False
 
 
+class EnrolmentError(LlmgwError):
+    """A node could not join, or its join was refused; ``code`` is stable for scripts."""
+
+    code: str = "enrolment_failed"
+    status: int = 400
+
+    def __init__(self, message: str, *, code: str | None = None, status: int | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+
+
+class PinMismatch(EnrolmentError):
+    """The CA the control plane presented does not match ``--ca-hash``."""
+
+    code = "ca_pin_mismatch"
+
+
+class TokenError(EnrolmentError):
+    """The join or rekey token was refused."""
+
+    code = "token_invalid"
+    status = 403
+
+
+class CSRError(EnrolmentError):
+    """The certificate signing request was refused."""
+
+    code = "csr_invalid"
+    status = 400
+
+
 class ShardError(LlmgwError):
     """An engine process could not be started, watched or stopped."""
 
@@ -136,15 +174,19 @@ __all__ = [
     "ClientError",
     "ConfigError",
     "Conflict",
+    "CSRError",
     "ConnectError",
     "EngineError",
+    "EnrolmentError",
     "IdentityMismatch",
     "LlmgwError",
     "NoAuthority",
     "NotFound",
     "PKIError",
+    "PinMismatch",
     "ShardError",
     "StaleEpoch",
     "StoreError",
     "StreamError",
+    "TokenError",
 ]
