@@ -8,7 +8,11 @@ same machine conditions:
 1. unary latency at concurrency 1 (non-streamed chat completions, 16 tokens);
 2. throughput at concurrency 64 (non-streamed, fixed duration, two rounds);
 3. SSE at concurrency 1 with 64 tokens: time to first content chunk and inter-chunk gaps;
-4. 256 concurrent SSE streams through the gateway: chunks received vs expected.
+4. 256 concurrent SSE streams through the gateway, twice (the first burst opens new
+   gateway -> agent connections, the second reuses them): chunks received vs expected.
+
+Throughput also reports the CPU each process spends per request (from /proc), which says
+where the time goes and what ratio a CPU-bound machine allows.
 
 "direct" is the engine's own plain-HTTP port; "proxied" is client -> gateway (HTTP) ->
 agent data plane (mTLS) -> engine. It prints figures next to their targets; it is not a
@@ -34,14 +38,16 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
 from llmgw.engines.sim import MAX_LENGTH, SimConfig, generate
+
+T = TypeVar("T")
 
 MODEL = "llmgw-sim"
 UNARY_MAX_TOKENS = 16
@@ -74,6 +80,21 @@ class BenchError(Exception):
     pass
 
 
+class Interrupted(BenchError):
+    pass
+
+
+class _Stop:
+    """Set by SIGINT/SIGTERM; every measuring loop checks it (a cancellation alone can be
+    swallowed by ``asyncio.wait_for`` on Python 3.11)."""
+
+    requested = False
+
+
+def stopping() -> bool:
+    return _Stop.requested
+
+
 # --------------------------------------------------------------------------- figures
 
 
@@ -97,7 +118,9 @@ def met(value: float, ok: bool) -> str:
 
 
 def fmt_ms(value: float) -> str:
-    return "  n/a" if math.isnan(value) else f"{value:.2f} ms"
+    if math.isnan(value):
+        return "  n/a"
+    return f"{0.0 if abs(value) < 0.005 else value:.2f} ms"
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -122,11 +145,11 @@ class Cluster:
     def log_path(self) -> Path:
         return self.root / "up.stderr.log"
 
-    def log_tail(self, lines: int = 30) -> str:
+    def log_tail(self, lines: int = 15) -> str:
         out = list(self.stdout)
         with contextlib.suppress(OSError):
             out += self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(out[-lines:])
+        return "\n".join(line[:400] for line in out[-lines:])
 
 
 async def start_cluster(root: Path) -> Cluster:
@@ -145,44 +168,51 @@ async def start_cluster(root: Path) -> Cluster:
             "0",
             "--agent-port",
             "0",
+            "--enroll-port",
+            "0",
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=err,
         )
     cluster = Cluster(proc, root)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not (cluster.base_url and cluster.api_key):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise BenchError(
-                f"'llmgw up' printed no base URL and API key within {STARTUP_TIMEOUT_S:.0f}s:\n"
-                + cluster.log_tail()
-            )
-        try:
-            raw = await asyncio.wait_for(proc.stdout.readline(), remaining)
-        except TimeoutError:
-            continue
-        if not raw:
-            await proc.wait()
-            raise BenchError(
-                f"'llmgw up' exited with code {proc.returncode} before it was up:\n"
-                + cluster.log_tail()
-            )
-        line = raw.decode(errors="replace").rstrip("\n")
-        cluster.stdout.append(line)
-        key, _, value = line.strip().partition(":")
-        if key == "OpenAI base URL":
-            cluster.base_url = value.strip()
-        elif key == "API key":
-            cluster.api_key = value.strip()
-    cluster.drain = asyncio.create_task(_drain_stdout(cluster))
-    cluster.engine_port, engine_pid = await _engine(cluster)
-    cluster.pids = {"gateway": proc.pid, "engine": engine_pid}
-    agent_pid = _parent_pid(engine_pid)  # the engine is the agent's child
-    if agent_pid:
-        cluster.pids["agent"] = agent_pid
-    return cluster
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not (cluster.base_url and cluster.api_key):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BenchError(
+                    f"'llmgw up' printed no base URL and API key within {STARTUP_TIMEOUT_S:.0f}s:\n"
+                    + cluster.log_tail()
+                )
+            try:
+                raw = await asyncio.wait_for(proc.stdout.readline(), remaining)
+            except TimeoutError:
+                continue
+            if not raw:
+                await proc.wait()
+                raise BenchError(
+                    f"'llmgw up' exited with code {proc.returncode} before it was up:\n"
+                    + cluster.log_tail()
+                )
+            line = raw.decode(errors="replace").rstrip("\n")
+            cluster.stdout.append(line)
+            key, _, value = line.strip().partition(":")
+            if key == "OpenAI base URL":
+                cluster.base_url = value.strip()
+            elif key == "API key":
+                cluster.api_key = value.strip()
+        cluster.drain = asyncio.create_task(_drain_stdout(cluster))
+        cluster.engine_port, engine_pid = await _engine(cluster)
+        cluster.pids = {"gateway": proc.pid, "engine": engine_pid}
+        agent_pid = _parent_pid(engine_pid)  # the engine is the agent's child
+        if agent_pid:
+            cluster.pids["agent"] = agent_pid
+        return cluster
+    except BaseException:
+        # failed or interrupted while starting: stop what was started
+        await stop_cluster(cluster)
+        raise
 
 
 def _parent_pid(pid: int) -> int:
@@ -352,6 +382,27 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
+async def run_all(coros: list[Coroutine[Any, Any, T]], timeout: float) -> list[T | BaseException]:
+    """Run ``coros`` concurrently for at most ``timeout`` seconds; their results or exceptions
+    (``TimeoutError`` for those still running then). Leaves no task behind, even when cancelled."""
+    tasks = [asyncio.create_task(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, timeout=timeout)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+    out: list[T | BaseException] = []
+    for task in tasks:
+        if task.cancelled():
+            out.append(TimeoutError(f"still running after {timeout:.0f}s"))
+        elif (exc := task.exception()) is not None:
+            out.append(exc)
+        else:
+            out.append(task.result())
+    return out
+
+
 def _session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=120),
@@ -374,6 +425,8 @@ async def phase_unary(direct: Target, proxied: Target, n: int) -> dict[str, Any]
     errors: Counter[str] = Counter()
     deadline = time.monotonic() + PHASE_TIMEOUT_S
     for i in range(WARMUP + n):
+        if stopping():
+            break
         if time.monotonic() > deadline:
             say(f"unary: stopped after {i} pairs (phase time limit)")
             break
@@ -411,7 +464,7 @@ async def _load(target: Target, body: bytes, concurrency: int, duration_s: float
     async def worker() -> None:
         nonlocal ok
         for _ in range(MAX_REQUESTS_PER_WORKER):
-            if time.perf_counter_ns() >= deadline:
+            if time.perf_counter_ns() >= deadline or stopping():
                 return
             try:
                 async with target.session.post(
@@ -426,10 +479,11 @@ async def _load(target: Target, body: bytes, concurrency: int, duration_s: float
                 errors[_error_key(exc)] += 1
 
     t0 = time.perf_counter_ns()
-    await asyncio.wait_for(
-        asyncio.gather(*(worker() for _ in range(concurrency))),
-        duration_s + REQUEST_TIMEOUT_S + 5,
-    )
+    for res in await run_all(
+        [worker() for _ in range(concurrency)], duration_s + REQUEST_TIMEOUT_S
+    ):
+        if isinstance(res, BaseException):
+            raise res
     elapsed_s = (time.perf_counter_ns() - t0) / 1e9
     return {"ok": ok, "elapsed_s": elapsed_s, "rps": ok / elapsed_s, "errors": errors}
 
@@ -447,7 +501,7 @@ async def phase_throughput(
         await _load(target, body, CONCURRENCY, THROUGHPUT_WARMUP_S)
     ok = {"direct": 0, "proxied": 0}
     secs = {"direct": 0.0, "proxied": 0.0}
-    cpu: dict[str, Counter[str]] = {"direct": Counter(), "proxied": Counter()}
+    cpu: dict[str, dict[str, float]] = {"direct": {}, "proxied": {}}
     errors: Counter[str] = Counter()
     per_round: list[dict[str, float]] = []
     for r in range(rounds):
@@ -458,7 +512,8 @@ async def phase_throughput(
             res = await _load(target, body, CONCURRENCY, duration_s)
             after = cpu_seconds(pids)
             for proc_name, secs_used in after.items():
-                cpu[target.name][proc_name] += secs_used - before.get(proc_name, secs_used)
+                used = secs_used - before.get(proc_name, secs_used)
+                cpu[target.name][proc_name] = cpu[target.name].get(proc_name, 0.0) + used
             ok[target.name] += res["ok"]
             secs[target.name] += res["elapsed_s"]
             entry[f"{target.name}_rps"] = round(res["rps"], 1)
@@ -477,6 +532,9 @@ async def phase_throughput(
         name: round(sum(cpu[name].values()) / secs[name], 2) if secs[name] else math.nan
         for name in cpu
     }
+    # with every process sharing the same CPUs and those CPUs saturated, the ratio can be no
+    # better than the CPU a direct request costs over the CPU a proxied one costs
+    d_cpu, p_cpu = sum(cpu_us["direct"].values()), sum(cpu_us["proxied"].values())
     return {
         "concurrency": CONCURRENCY,
         "duration_s_each": duration_s,
@@ -488,6 +546,7 @@ async def phase_throughput(
         "met": ratio >= TARGET_THROUGHPUT_RATIO,
         "cpu_us_per_request": cpu_us,
         "cpus_busy": busy,
+        "cpu_bound_ratio": round(d_cpu / p_cpu, 4) if d_cpu and p_cpu else math.nan,
         "errors": dict(errors),
     }
 
@@ -503,6 +562,8 @@ async def phase_sse(direct: Target, proxied: Target, n: int) -> dict[str, Any]:
     warmup = min(WARMUP, max(10, n // 10))
     deadline = time.monotonic() + PHASE_TIMEOUT_S
     for i in range(warmup + n):
+        if stopping():
+            break
         if time.monotonic() > deadline:
             say(f"sse: stopped after {i} pairs (phase time limit)")
             break
@@ -542,21 +603,13 @@ async def phase_sse(direct: Target, proxied: Target, n: int) -> dict[str, Any]:
     return out
 
 
-async def phase_many_streams(proxied: Target, n: int = MANY_STREAMS) -> dict[str, Any]:
-    prompt, seed, tokens = stream_prompt()
-    body = chat_body(prompt, max_tokens=STREAM_TOKENS, stream=True, seed=seed)
-    expected_text = "".join(tokens)
+async def _burst(proxied: Target, body: bytes, expected_text: str, n: int) -> dict[str, Any]:
     t0 = time.perf_counter_ns()
-    results = await asyncio.wait_for(
-        asyncio.gather(
-            *(stream(proxied, body, keep_text=True) for _ in range(n)), return_exceptions=True
-        ),
-        REQUEST_TIMEOUT_S + 30,
+    results = await run_all(
+        [stream(proxied, body, keep_text=True) for _ in range(n)], REQUEST_TIMEOUT_S + 5
     )
     wall_s = (time.perf_counter_ns() - t0) / 1e9
-    received = 0
-    done = 0
-    wrong_text = 0
+    received = done = wrong_text = 0
     errors: Counter[str] = Counter()
     totals: list[int] = []
     ttfts: list[int] = []
@@ -571,19 +624,54 @@ async def phase_many_streams(proxied: Target, n: int = MANY_STREAMS) -> dict[str
             ttfts.append(res.ttft_ns)
         if "".join(res.text) != expected_text:
             wrong_text += 1
-    expected = n * STREAM_TOKENS
     return {
-        "streams": n,
-        "chunks_expected": expected,
-        "chunks_received": received,
-        "chunks_lost": expected - received,
-        "done_received": done,
+        "received": received,
+        "done": done,
         "wrong_text": wrong_text,
         "wall_s": round(wall_s, 3),
         "ttft": pcts(ttfts),
         "total": pcts(totals),
+        "errors": errors,
+    }
+
+
+async def phase_many_streams(
+    proxied: Target, pids: dict[str, int], n: int = MANY_STREAMS, bursts: int = 2
+) -> dict[str, Any]:
+    """``bursts`` bursts of ``n`` concurrent streams; the first opens new gateway -> agent
+    connections (mTLS handshakes) beyond those the earlier phases left open, later ones
+    reuse them."""
+    prompt, seed, tokens = stream_prompt()
+    body = chat_body(prompt, max_tokens=STREAM_TOKENS, stream=True, seed=seed)
+    expected_text = "".join(tokens)
+    runs: list[dict[str, Any]] = []
+    errors: Counter[str] = Counter()
+    for _ in range(bursts):
+        if stopping():
+            break
+        before = cpu_seconds(pids)
+        res = await _burst(proxied, body, expected_text, n)
+        after = cpu_seconds(pids)
+        res["cpu_s"] = {
+            k: round(after[k] - before[k], 3) for k in ("gateway", "agent") if k in after
+        }
+        errors.update(res.pop("errors"))
+        runs.append(res)
+        await asyncio.sleep(0.2)
+    expected = bursts * n * STREAM_TOKENS
+    received = sum(r["received"] for r in runs)
+    done = sum(r["done"] for r in runs)
+    return {
+        "streams": n,
+        "bursts": runs,
+        "chunks_expected": expected,
+        "chunks_received": received,
+        "chunks_lost": expected - received,
+        "done_received": done,
+        "done_expected": bursts * n,
+        "wrong_text": sum(r["wrong_text"] for r in runs),
         "target_chunks_lost": TARGET_CHUNKS_LOST,
-        "met": expected - received <= TARGET_CHUNKS_LOST and done == n and not errors,
+        "met": expected - received <= TARGET_CHUNKS_LOST and done == bursts * n and not errors,
         "errors": dict(errors),
     }
 
@@ -608,7 +696,21 @@ def _cpu_line(t: dict[str, Any]) -> str:
             f"  CPU us/request {name:<8} {procs}  (total {sum(us.values()):.0f}; "
             f"{t['cpus_busy'][name]:.2f} CPUs busy)"
         )
+    parts.append(
+        f"  CPU-bound ratio (direct CPU/request / proxied CPU/request): {t['cpu_bound_ratio']:.2f}"
+    )
     return "\n".join(parts)
+
+
+def _no_nan(value: Any) -> Any:
+    """``value`` with NaN floats as None, for strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_no_nan(v) for v in value]
+    return value
 
 
 def render(fig: dict[str, Any]) -> str:
@@ -665,13 +767,22 @@ def render(fig: dict[str, Any]) -> str:
     m = fig.get("many_streams")
     if m:
         lines.append(
-            f"{m['streams']} streams    through the gateway at once, {STREAM_TOKENS} chunks + [DONE] each\n"
+            f"{m['streams']} streams    at once through the gateway, {len(m['bursts'])} bursts, "
+            f"{STREAM_TOKENS} chunks + [DONE] each\n"
             f"  chunks lost: {m['chunks_lost']} of {m['chunks_expected']}"
-            f" | [DONE] {m['done_received']} of {m['streams']} | wrong text {m['wrong_text']}"
-            f" | wall {m['wall_s']:.2f} s | ttft p99 {fmt_ms(m['ttft']['p99_ms'])}"
+            f" | [DONE] {m['done_received']} of {m['done_expected']}"
+            f" | wrong text {m['wrong_text']}"
             f"   (target 0 lost, no errors: {'met' if m['met'] else 'MISSED'})"
-            + ("\n  errors: none" if not m["errors"] else "\n" + _errors_line(m["errors"]))
         )
+        for i, b in enumerate(m["bursts"]):
+            what = "new gateway->agent connections" if i == 0 else "pooled connections"
+            cpu = " ".join(f"{k} {v:.2f} s" for k, v in b["cpu_s"].items())
+            lines.append(
+                f"  burst {i + 1} ({what}): wall {b['wall_s']:.2f} s"
+                f" | ttft p50 {fmt_ms(b['ttft']['p50_ms'])} p99 {fmt_ms(b['ttft']['p99_ms'])}"
+                f" | CPU {cpu}"
+            )
+        lines.append("  errors: none" if not m["errors"] else _errors_line(m["errors"]))
     lines.append(f"total run {fig['run_s']:.1f} s")
     return "\n".join(lines)
 
@@ -687,6 +798,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "python": platform.python_version(),
         "aiohttp": aiohttp.__version__,
     }
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+
+    def interrupt() -> None:
+        _Stop.requested = True
+        if main_task is not None:
+            main_task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupt)
     root = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
     cluster: Cluster | None = None
     try:
@@ -728,15 +849,26 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 ),
                 (
                     "many_streams",
-                    f"{MANY_STREAMS} concurrent streams through the gateway",
-                    lambda: phase_many_streams(proxied),
+                    f"{MANY_STREAMS} concurrent streams through the gateway, 2 bursts",
+                    lambda: phase_many_streams(proxied, cluster.pids),
                 ),
             ]
             for key, what, phase in phases:
+                if stopping():
+                    raise Interrupted("interrupted")
+                if cluster.proc.returncode is not None:
+                    raise BenchError(
+                        f"'llmgw up' exited with code {cluster.proc.returncode} during the "
+                        f"run:\n{cluster.log_tail()}"
+                    )
                 say(what + " ...")
                 t0 = time.monotonic()
                 fig[key] = await phase()
                 say(f"  {time.monotonic() - t0:.1f} s")
+    except asyncio.CancelledError:
+        if not stopping():
+            raise
+        raise Interrupted("interrupted") from None
     finally:
         if cluster is not None:
             say("stopping 'llmgw up' (SIGINT) ...")
@@ -745,6 +877,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if code not in (0, None):
                 say(f"'llmgw up' exited with code {code}:\n{cluster.log_tail()}")
         shutil.rmtree(root, ignore_errors=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(sig)
+    if stopping():
+        raise Interrupted("interrupted")
     fig["run_s"] = round(time.monotonic() - started, 1)
     return fig
 
@@ -772,6 +908,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--requests and --streams must be >= 1 and --duration in (0, 120]")
     try:
         fig = asyncio.run(run(args))
+    except Interrupted:
+        say("interrupted")
+        return 130
     except BenchError as exc:
         say(f"error: {exc}")
         return 1
@@ -779,7 +918,7 @@ def main(argv: list[str] | None = None) -> int:
         say("interrupted")
         return 130
     if args.json:
-        print(json.dumps(fig, indent=2))
+        print(json.dumps(_no_nan(fig), indent=2, allow_nan=False))
     else:
         print(render(fig))
     return 0

@@ -170,11 +170,11 @@ class APIError(ClientError):
 
 __all__ = [
     "APIError",
+    "CSRError",
     "CertificateError",
     "ClientError",
     "ConfigError",
     "Conflict",
-    "CSRError",
     "ConnectError",
     "EngineError",
     "EnrolmentError",

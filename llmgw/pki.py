@@ -20,6 +20,7 @@ import datetime as dt
 import fcntl
 import hashlib
 import ipaddress
+import math
 import os
 import re
 import secrets
@@ -32,11 +33,15 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
+from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, rsa
+from cryptography.hazmat.primitives.asymmetric.types import (
+    CertificateIssuerPrivateKeyTypes,
+    CertificatePublicKeyTypes,
+    PublicKeyTypes,
+)
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from llmgw.errors import CertificateError, ConfigError, NoAuthority, PKIError
+from llmgw.errors import CertificateError, ConfigError, CSRError, NoAuthority, PKIError
 
 CONTROL_PLANE_CN = "llmgw-control-plane"
 SERVER_CN = "llmgw control plane"
@@ -481,24 +486,18 @@ def ensure_ca(directory: Path) -> Authority:
 # --------------------------------------------------------------------------- leaf certificates
 
 
-def _issue(
+def _leaf(
     ca: Authority,
-    out_dir: Path,
-    name: str,
+    public_key: CertificatePublicKeyTypes,
     *,
     common_name: str,
     sans: list[x509.GeneralName],
     usages: list[x509.ObjectIdentifier],
-    valid_days: int,
-) -> Identity:
-    _check_stem(name)
-    if valid_days < 1:
-        raise ConfigError(f"must be at least 1, not {valid_days}", key="valid_days")
-    out_dir = Path(out_dir)
-    _make_dir(out_dir, tighten=False)
-    key = ec.generate_private_key(ec.SECP256R1())
+    lifetime: dt.timedelta,
+) -> x509.Certificate:
+    """A leaf certificate for ``public_key`` signed by ``ca``, never outliving the CA."""
     now = _now()
-    not_after = min(now + dt.timedelta(days=valid_days), ca.cert.not_valid_after_utc)
+    not_after = min(now + lifetime, ca.cert.not_valid_after_utc)
     try:
         ca_ski = ca.cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
         aki = x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski)
@@ -508,7 +507,7 @@ def _issue(
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
         .issuer_name(ca.cert.subject)
-        .public_key(key.public_key())
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - _BACKDATE)
         .not_valid_after(not_after)
@@ -528,12 +527,31 @@ def _issue(
             critical=True,
         )
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), False)
         .add_extension(aki, critical=False)
     )
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    cert = builder.sign(ca.key, hashes.SHA256())
+    return builder.sign(ca.key, hashes.SHA256())
+
+
+def _node_leaf(
+    ca: Authority, public_key: CertificatePublicKeyTypes, node_id: str, lifetime: dt.timedelta
+) -> x509.Certificate:
+    """The one shape of a node certificate, whether its key was made here or came in a CSR."""
+    return _leaf(
+        ca,
+        public_key,
+        common_name=node_id,
+        sans=[x509.DNSName(node_id)],
+        usages=[ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH],
+        lifetime=lifetime,
+    )
+
+
+def _write_identity(
+    ca: Authority, out_dir: Path, name: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate
+) -> Identity:
     identity = Identity(
         cert=out_dir / f"{name}.crt", key=out_dir / f"{name}.key", ca=out_dir / CA_CERT
     )
@@ -543,21 +561,48 @@ def _issue(
     return identity
 
 
+def _prepare(out_dir: Path, name: str, valid_days: int) -> Path:
+    _check_stem(name)
+    if valid_days < 1:
+        raise ConfigError(f"must be at least 1, not {valid_days}", key="valid_days")
+    out_dir = Path(out_dir)
+    _make_dir(out_dir, tighten=False)
+    return out_dir
+
+
+def _issue(
+    ca: Authority,
+    out_dir: Path,
+    name: str,
+    *,
+    common_name: str,
+    sans: list[x509.GeneralName],
+    usages: list[x509.ObjectIdentifier],
+    valid_days: int,
+) -> Identity:
+    out_dir = _prepare(out_dir, name, valid_days)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _leaf(
+        ca,
+        key.public_key(),
+        common_name=common_name,
+        sans=sans,
+        usages=usages,
+        lifetime=dt.timedelta(days=valid_days),
+    )
+    return _write_identity(ca, out_dir, name, key, cert)
+
+
 def issue_node_cert(
     ca: Authority, node_id: str, out_dir: Path, *, valid_days: int = 365, name: str = "node"
 ) -> Identity:
     """Issue ``out_dir/{name}.crt|.key`` (+ ``ca.crt``) for node ``node_id``: CN and SAN DNS =
     node id, usable both as TLS client (to the control plane) and server (its data plane)."""
     validate_node_id(node_id)
-    return _issue(
-        ca,
-        out_dir,
-        name,
-        common_name=node_id,
-        sans=[x509.DNSName(node_id)],
-        usages=[ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH],
-        valid_days=valid_days,
-    )
+    out_dir = _prepare(out_dir, name, valid_days)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _node_leaf(ca, key.public_key(), node_id, dt.timedelta(days=valid_days))
+    return _write_identity(ca, out_dir, name, key, cert)
 
 
 def issue_server_cert(
@@ -593,6 +638,151 @@ def issue_control_plane_client_cert(
         usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
         valid_days=valid_days,
     )
+
+
+# --------------------------------------------------------------------------- certificate requests
+
+_CURVES = ("secp256r1", "secp384r1", "secp521r1")
+MIN_RSA_BITS = 2048
+_ACCEPTED_KEYS = (
+    "use ECDSA on P-256, P-384 or P-521, or RSA of 2048 bits or more "
+    "('llmgw agent join' makes an ECDSA P-256 key)"
+)
+
+
+def new_private_key() -> ec.EllipticCurvePrivateKey:
+    """A fresh ECDSA P-256 key, the kind every llmgw identity is made of."""
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def make_csr(key: CertificateIssuerPrivateKeyTypes, node_id: str) -> x509.CertificateSigningRequest:
+    """A certificate request for node ``node_id`` (CN and SAN DNS = node id), signed by ``key``."""
+    validate_node_id(node_id)
+    ed_key = isinstance(key, ed25519.Ed25519PrivateKey | ed448.Ed448PrivateKey)
+    return (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(node_id)]), critical=False)
+        .sign(key, None if ed_key else hashes.SHA256())
+    )
+
+
+def load_csr(pem: bytes | str) -> x509.CertificateSigningRequest:
+    """Parse a PEM certificate request; CSRError ``csr_malformed`` if it is not one."""
+    try:
+        data = pem.encode("utf-8") if isinstance(pem, str) else bytes(pem)
+        return x509.load_pem_x509_csr(data)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as e:  # UnicodeError is a ValueError
+        raise CSRError(
+            f"the certificate request is not a PEM CSR ({e}); send the request that "
+            "'llmgw agent join' makes, starting '-----BEGIN CERTIFICATE REQUEST-----'",
+            code="csr_malformed",
+        ) from e
+
+
+def _key_kind(key: object) -> str:
+    kinds = {
+        ed25519.Ed25519PublicKey: "Ed25519",
+        ed448.Ed448PublicKey: "Ed448",
+        dsa.DSAPublicKey: "DSA",
+    }
+    for cls, name in kinds.items():
+        if isinstance(key, cls):
+            return name
+    return type(key).__name__
+
+
+def check_csr(csr: x509.CertificateSigningRequest, node_id: str) -> None:
+    """Refuse (CSRError) a request whose signature fails, whose subject CN is not ``node_id``,
+    or whose key is weak or of a kind llmgw does not issue for."""
+    try:
+        signed = csr.is_signature_valid
+    except UnsupportedAlgorithm as e:
+        raise CSRError(
+            f"the certificate request is signed with an algorithm llmgw does not accept ({e}); "
+            + _ACCEPTED_KEYS,
+            code="csr_weak_key",
+        ) from e
+    except ValueError as e:
+        raise CSRError(
+            f"the certificate request's signature cannot be checked ({e}); make a new request "
+            "with 'llmgw agent join'",
+            code="csr_bad_signature",
+        ) from e
+    if not signed:
+        raise CSRError(
+            "the certificate request's signature does not match its key (altered in transit, or "
+            "made wrongly); make a new request with 'llmgw agent join'",
+            code="csr_bad_signature",
+        )
+    try:
+        names = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    except ValueError as e:
+        raise CSRError(
+            f"the certificate request's subject cannot be read ({e}); make a new request with "
+            "'llmgw agent join'",
+            code="csr_malformed",
+        ) from e
+    values = [
+        v.value.decode(errors="replace") if isinstance(v.value, bytes) else v.value for v in names
+    ]
+    if values != [node_id]:
+        found = "no common name" if not values else "common name " + " and ".join(map(repr, values))
+        raise CSRError(
+            f"the certificate request has {found}, but it is joining as node {node_id}; make the "
+            f"request with CN {node_id} ('llmgw agent join --node-id {node_id}')",
+            code="csr_cn_mismatch",
+        )
+    try:
+        key = csr.public_key()
+    except (ValueError, UnsupportedAlgorithm) as e:
+        raise CSRError(
+            f"the certificate request's key is of a kind llmgw cannot read ({e}); "
+            + _ACCEPTED_KEYS,
+            code="csr_weak_key",
+        ) from e
+    if isinstance(key, ec.EllipticCurvePublicKey):
+        if key.curve.name not in _CURVES:
+            raise CSRError(
+                f"the certificate request's key is ECDSA on {key.curve.name} "
+                f"({key.curve.key_size} bits), which llmgw does not accept; " + _ACCEPTED_KEYS,
+                code="csr_weak_key",
+            )
+    elif isinstance(key, rsa.RSAPublicKey):
+        if key.key_size < MIN_RSA_BITS:
+            raise CSRError(
+                f"the certificate request's key is RSA of {key.key_size} bits, too weak; "
+                + _ACCEPTED_KEYS,
+                code="csr_weak_key",
+            )
+    else:
+        raise CSRError(
+            f"the certificate request's key is {_key_kind(key)}, which llmgw does not issue "
+            "certificates for; " + _ACCEPTED_KEYS,
+            code="csr_weak_key",
+        )
+
+
+def sign_csr(
+    ca: Authority, csr: x509.CertificateSigningRequest, *, node_id: str, lifetime: float
+) -> x509.Certificate:
+    """A node certificate for the key in ``csr``, shaped exactly like :func:`issue_node_cert`'s,
+    valid ``lifetime`` seconds (never past the CA's own end). Refuses what :func:`check_csr`
+    refuses; the caller stores and sends the certificate."""
+    validate_node_id(node_id)
+    if not (isinstance(lifetime, int | float) and math.isfinite(lifetime) and lifetime > 0):
+        raise ConfigError(
+            f"must be a positive number of seconds, not {lifetime!r}", key="cert_lifetime"
+        )
+    check_csr(csr, node_id)
+    remaining = (ca.cert.not_valid_after_utc - _now()).total_seconds()
+    span = dt.timedelta(seconds=max(0.0, min(float(lifetime), remaining)))
+    return _node_leaf(ca, csr.public_key(), node_id, span)
+
+
+def serial_hex(cert: x509.Certificate) -> str:
+    """The certificate's serial number in lowercase hex, as the store keeps it."""
+    return format(cert.serial_number, "x")
 
 
 # --------------------------------------------------------------------------- control plane start
@@ -749,9 +939,11 @@ __all__ = [
     "CA_CERT",
     "CA_KEY",
     "CONTROL_PLANE_CN",
+    "MIN_RSA_BITS",
     "Authority",
     "Identity",
     "cert_common_name",
+    "check_csr",
     "ensure_ca",
     "ensure_server_identity",
     "fingerprint",
@@ -761,6 +953,11 @@ __all__ = [
     "issue_server_cert",
     "load_ca",
     "load_cert",
+    "load_csr",
     "local_addresses",
+    "make_csr",
+    "new_private_key",
+    "serial_hex",
+    "sign_csr",
     "validate_node_id",
 ]

@@ -49,6 +49,7 @@ class UpOptions:
     http_port: int = 8080
     grpc_port: int = 7443
     agent_port: int = 9443
+    enroll_port: int = 8443
     replicas: int = 1
     ttft_ms: float = 0.0
     tps: float = 0.0
@@ -98,6 +99,7 @@ class LocalCluster:
                 "state_dir": str(opts.state_dir / "server"),
                 "http_listen": format_hostport(opts.host, opts.http_port),
                 "grpc_listen": format_hostport("127.0.0.1", opts.grpc_port),
+                "enroll_listen": format_hostport(opts.host, opts.enroll_port),
                 "heartbeat_interval": 2.0,
                 "loss_timeout": 10.0,
             },
@@ -110,6 +112,7 @@ class LocalCluster:
         # placement finds it rather than reporting an empty cluster
         await self._spawn_agent(agent_config)
         await self._wait_connected()
+        self._approve_local_node()
         # 4. the model and an API key
         self._deploy()
         self.api_key = self._api_key()
@@ -195,6 +198,13 @@ class LocalCluster:
         self.cp.refresh_keys()
         write_private(path, (secret + "\n").encode())
         return secret
+
+    def _approve_local_node(self) -> None:
+        """The local node's key was made by this very command: approve it without asking."""
+        assert self.cp is not None
+        node = self.cp.store.get_node(UP_NODE)
+        if node.state == "pending":
+            self.cp.membership.approve(UP_NODE, node.fingerprint or "")
 
     async def _wait_connected(self) -> None:
         assert self.cp is not None and self.agent is not None

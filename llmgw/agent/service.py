@@ -20,6 +20,7 @@ from llmgw.agent.config import AgentConfig
 from llmgw.agent.dataplane import DataPlane, server_ssl_context
 from llmgw.agent.inventory import collect_inventory
 from llmgw.agent.oplog import OperationLog
+from llmgw.agent.renewal import Renewer, recover_identity
 from llmgw.agent.runtimes import ProcessRuntime
 from llmgw.agent.shards import ShardManager
 from llmgw.agent.stream import Credentials, StreamClient
@@ -99,12 +100,16 @@ class Agent:
     async def run(self) -> None:
         cfg = self.cfg
         cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        # 1. identity
-        creds = Credentials(
-            cert=_read(cfg.tls.cert, "cert"),
-            key=_read(cfg.tls.key, "key"),
-            ca=_read(cfg.tls.ca, "ca"),
-        )
+        # 1. identity (a renewal interrupted by a crash is rolled back first)
+        tls = cfg.tls
+
+        def credentials() -> Credentials:
+            return Credentials(
+                cert=_read(tls.cert, "cert"), key=_read(tls.key, "key"), ca=_read(tls.ca, "ca")
+            )
+
+        credentials()
+        recover_identity(tls)
         ssl_ctx = server_ssl_context(cfg.tls.cert, cfg.tls.key, cfg.tls.ca)
         # 2. fencing state
         oplog = OperationLog(cfg.state_dir / "oplog.json")
@@ -124,7 +129,7 @@ class Agent:
         self.stream = StreamClient(
             node_id=cfg.node_id,
             servers=cfg.servers,
-            credentials=creds,
+            credentials=credentials,
             shards=self.shards,
             oplog=oplog,
             inventory=collect_inventory,
@@ -133,6 +138,15 @@ class Agent:
             on_state=self._on_stream_state,
         )
         stream_ref.append(self.stream)
+        stream = self.stream
+
+        def renewed() -> None:
+            # New data-plane handshakes present the new certificate; open ones are untouched.
+            ssl_ctx.load_cert_chain(tls.cert, tls.key)
+
+        renewer = Renewer(tls, cfg.node_id, send=stream.send, on_renewed=renewed)
+        stream.on_renewal_answer = renewer.answer
+        renewal_task = asyncio.create_task(renewer.run(), name="renewal")
         stream_task = asyncio.create_task(self.stream.run(), name="stream")
         log.info(
             "agent started",
@@ -150,9 +164,11 @@ class Agent:
             self.notifier.stopping()
             log.info("agent stopping", extra=kv(node=cfg.node_id))
             await dataplane.drain(timeout=30.0)
-            for task in (stream_task, watchdog, parent):
+            for task in (stream_task, watchdog, parent, renewal_task):
                 task.cancel()
-            await asyncio.gather(stream_task, watchdog, parent, return_exceptions=True)
+            await asyncio.gather(
+                stream_task, watchdog, parent, renewal_task, return_exceptions=True
+            )
             await self.stream.close()
             if cfg.stop_shards_on_exit:
                 await self.shards.stop_all(grace=10.0)

@@ -83,13 +83,14 @@ class StreamClient:
         *,
         node_id: str,
         servers: tuple[str, ...],
-        credentials: Credentials,
+        credentials: Callable[[], Credentials],
         shards: ShardManager,
         oplog: OperationLog,
         inventory: Callable[[], pb.Inventory],
         dataplane_addr: Callable[[str], str],
         inflight: Callable[[], int] = lambda: 0,
         on_state: Callable[[str, str | None], None] = lambda state, server: None,
+        on_renewal_answer: Callable[[pb.RenewCertificate], None] = lambda msg: None,
     ) -> None:
         self.node_id = node_id
         self.servers = servers
@@ -100,6 +101,8 @@ class StreamClient:
         self.dataplane_addr = dataplane_addr
         self.inflight = inflight
         self.on_state = on_state
+        self.on_renewal_answer = on_renewal_answer
+        self.node_state = "unknown"
         self.backoff = Backoff()
         self.connected_to: str | None = None
         self._queue: asyncio.Queue[pb.AgentMessage | None] | None = None
@@ -161,10 +164,12 @@ class StreamClient:
             await asyncio.sleep(delay)
 
     async def _session(self, server: str) -> None:
+        # Read at every connection: a renewal or a rekey replaces the files under us.
+        current = self.creds()
         creds = grpc.ssl_channel_credentials(
-            root_certificates=self.creds.ca,
-            private_key=self.creds.key,
-            certificate_chain=self.creds.cert,
+            root_certificates=current.ca,
+            private_key=current.key,
+            certificate_chain=current.cert,
         )
         options = [
             ("grpc.keepalive_time_ms", 10_000),
@@ -186,6 +191,10 @@ class StreamClient:
                         self._welcome(msg.welcome, server)
                         if heartbeat is None:
                             heartbeat = asyncio.create_task(self._heartbeats(queue))
+                    elif kind == "node_state":
+                        self._set_node_state(msg.node_state.state, msg.node_state.message)
+                    elif kind == "renew_certificate":
+                        self.on_renewal_answer(msg.renew_certificate)
                     elif kind == "start_shard":
                         self._spawn_order(
                             msg.start_shard.meta,
@@ -229,6 +238,23 @@ class StreamClient:
             extra=kv(server=server, cluster=welcome.cluster_id, epoch=welcome.epoch),
         )
         self.on_state("connected", server)
+        self._set_node_state(welcome.node_state or "approved", "")
+
+    def _set_node_state(self, state: str, message: str) -> None:
+        if state == self.node_state:
+            return
+        self.node_state = state
+        if state == "pending":
+            log.warning(
+                "this node is waiting for an operator's approval; it gets no work until then",
+                extra=kv(
+                    node=self.node_id, hint=f"llmgw ctl approve {self.node_id} --fingerprint ..."
+                ),
+            )
+        else:
+            log.info(
+                "node state changed", extra=kv(node=self.node_id, state=state, message=message)
+            )
 
     async def _heartbeats(self, queue: asyncio.Queue[pb.AgentMessage | None]) -> None:
         seq = 0

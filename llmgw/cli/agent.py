@@ -1,15 +1,23 @@
-"""``llmgw agent``: the node agent."""
+"""``llmgw agent``: the node agent, and ``llmgw agent join`` that enrols the node."""
 
 from __future__ import annotations
 
+import getpass
+import os
+import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
-from llmgw.agent.config import DEFAULT_AGENT_CONFIG, load_agent_config
+from llmgw.agent.config import DEFAULT_AGENT_CONFIG, DEFAULT_STATE_DIR, load_agent_config
+from llmgw.agent.join import DEFAULT_ENROLL_PORT, JoinResult, join
 from llmgw.agent.service import run_agent
 from llmgw.cli.common import reports_errors
+from llmgw.errors import ConfigError
 from llmgw.log import setup_logging
+
+TOKEN_ENV = "LLMGW_JOIN_TOKEN"
 
 __all__ = ["agent"]
 
@@ -43,3 +51,146 @@ def agent(ctx: click.Context, config_path: Path, log_level: str, check: bool) ->
         return
     setup_logging(log_level)
     run_agent(cfg)
+
+
+def _stdin_is_tty() -> bool:
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def _join_token() -> str:
+    """The token from LLMGW_JOIN_TOKEN, else a no-echo prompt; never from the command line,
+    where every user of the machine could read it in /proc."""
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token:
+        return token
+    if _stdin_is_tty():
+        token = getpass.getpass("join token (not echoed): ").strip()
+        if token:
+            return token
+    raise ConfigError(
+        f"no join token: set {TOKEN_ENV} or run in a terminal to be prompted; "
+        "never pass it as an argument"
+    )
+
+
+@agent.command("join")
+@click.option(
+    "--node-id",
+    required=True,
+    envvar="LLMGW_NODE_ID",
+    help="This node's id, the CN of its certificate (env: LLMGW_NODE_ID).",
+)
+@click.option(
+    "--enroll-url",
+    required=True,
+    envvar="LLMGW_ENROLL_URL",
+    help=f"The control plane's enrolment address, https://HOST[:PORT] (port "
+    f"{DEFAULT_ENROLL_PORT} by default) (env: LLMGW_ENROLL_URL).",
+)
+@click.option(
+    "--ca-hash",
+    required=True,
+    envvar="LLMGW_CA_HASH",
+    help="sha256:<hex> of the cluster CA's public key, from 'llmgw ctl join-command' "
+    "(env: LLMGW_CA_HASH).",
+)
+@click.option(
+    "--config",
+    "join_config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help=f"agent.yaml: where the identity goes, written when missing; the same as "
+    f"'llmgw agent --config' (default {DEFAULT_AGENT_CONFIG}; env: LLMGW_AGENT_CONFIG).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    envvar="LLMGW_AGENT_STATE_DIR",
+    help=f"Where the identity goes when the config file does not exist yet (default "
+    f"{DEFAULT_STATE_DIR}) (env: LLMGW_AGENT_STATE_DIR).",
+)
+@click.option(
+    "--rekey",
+    is_flag=True,
+    help="Replace this node's key with a rekey token; it keeps its uid, and the old key "
+    "and certificate are kept as *.old.",
+)
+@click.pass_context
+@reports_errors
+def join_command(
+    ctx: click.Context,
+    node_id: str,
+    enroll_url: str,
+    ca_hash: str,
+    join_config: Path | None,
+    state_dir: Path | None,
+    rekey: bool,
+) -> None:
+    """Enrol this node with the control plane; the join token comes from LLMGW_JOIN_TOKEN
+    or a prompt, never from an argument."""
+    config_path = _config_path(ctx, join_config)
+    result = join(
+        node_id=node_id,
+        enroll_url=enroll_url,
+        ca_hash=ca_hash,
+        token=_join_token(),
+        config_path=config_path,
+        state_dir=state_dir,
+        rekey=rekey,
+    )
+    click.echo(_report(result))
+
+
+def _config_path(ctx: click.Context, join_config: Path | None) -> Path:
+    """``join --config`` wins; the group's ``--config`` (or its env/default) otherwise."""
+    parent = ctx.parent
+    group_value = parent.params.get("config_path") if parent is not None else None
+    group_path = Path(group_value) if group_value is not None else DEFAULT_AGENT_CONFIG
+    if join_config is None:
+        return group_path
+    if (
+        parent is not None
+        and parent.get_parameter_source("config_path") is ParameterSource.COMMANDLINE
+        and group_path != join_config
+    ):
+        raise click.UsageError(
+            f"--config is given twice, as {group_path} and {join_config}; give it once"
+        )
+    return join_config
+
+
+def _report(result: JoinResult) -> str:
+    paths = result.paths
+    verb = "rekeyed" if result.rekeyed else "joined"
+    lines = [
+        f"node {result.node_id} {verb} (uid {result.node_uid})",
+        f"fingerprint: {result.fingerprint}",
+        f"state: {result.state}",
+        f"certificate valid until {result.not_after:%Y-%m-%d %H:%M} UTC",
+        f"key:         {paths.key} (0600; it never leaves this machine)",
+        f"certificate: {paths.cert}",
+        f"ca:          {paths.ca}",
+        f"uid:         {paths.uid}",
+    ]
+    if result.old_key is not None or result.old_cert is not None:
+        kept = ", ".join(str(p) for p in (result.old_key, result.old_cert) if p is not None)
+        lines.append(f"previous:    {kept}")
+    config_note = "written" if result.config_written else "kept as it was"
+    lines.append(f"config:      {paths.config} ({config_note})")
+    if result.rekeyed:
+        start = "restart the agent to use the new identity: sudo systemctl restart llmgw-agent"
+    else:
+        start = (
+            "start the agent: sudo systemctl enable --now llmgw-agent "
+            f"(or: llmgw agent --config {paths.config})"
+        )
+    if result.state == "pending":
+        lines.append(
+            f"next: ask the operator to approve it: llmgw ctl approve {result.node_id} "
+            f"--fingerprint {result.fingerprint}"
+        )
+        lines.append(f"then {start}")
+    else:
+        lines.append(f"next: {start}")
+    return "\n".join(lines)

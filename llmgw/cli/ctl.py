@@ -102,6 +102,10 @@ def nodes(c: Ctl) -> None:
                 ",".join(n["engines"]),
                 n["agent_version"],
                 _ago(n["last_seen"]),
+                _until(n["cert_expires_at"]),
+                (n["fingerprint"] or "")[:23] + "…"
+                if n["state"] != "pending"
+                else n["fingerprint"],
                 gpus,
             ]
         )
@@ -116,6 +120,8 @@ def nodes(c: Ctl) -> None:
                 "ENGINES",
                 "VERSION",
                 "SEEN",
+                "CERT EXPIRES",
+                "FINGERPRINT",
                 "GPUS",
             ],
             rows,
@@ -295,3 +301,188 @@ def events(c: Ctl, limit: int, subject: str | None) -> None:
         for e in data
     ]
     click.echo(table(["TIME", "KIND", "SUBJECT", "MESSAGE"], rows))
+
+
+def _duration(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        if text[-1:] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r} is not a duration like 30m, 1h or 2d", param_hint="--ttl"
+        ) from None
+
+
+@ctl.command("join-command")
+@click.option("--node", "node", help="Id of the node to join (DNS name, e.g. gpu-01).")
+@click.option(
+    "--rekey",
+    "rekey_node",
+    metavar="NODE",
+    help="Mint a rekey token for NODE instead: it keeps its uid.",
+)
+@click.option(
+    "--ttl", default="1h", show_default=True, help="How long the token is valid (30m, 1h, 2d)."
+)
+@click.option(
+    "--address",
+    help="Address the node reaches the control plane at (default: the server's advertise, else the one ctl used).",
+)
+@click.option(
+    "--require-approval",
+    is_flag=True,
+    help="With --rekey: the node needs approval again after rekeying.",
+)
+@pass_ctl
+@reports_errors
+def join_command(
+    c: Ctl,
+    node: str | None,
+    rekey_node: str | None,
+    ttl: str,
+    address: str | None,
+    require_approval: bool,
+) -> None:
+    """Mint a one-time token and print the command to paste on the node."""
+    if bool(node) == bool(rekey_node):
+        raise click.UsageError("give exactly one of --node NODE (a new node) or --rekey NODE")
+    if require_approval and not rekey_node:
+        raise click.UsageError(
+            "--require-approval goes with --rekey (a fresh join always needs approval)"
+        )
+    body: dict[str, Any] = {
+        "node": node or rekey_node,
+        "ttl": _duration(ttl),
+        "rekey": bool(rekey_node),
+        "require_approval": require_approval,
+    }
+    if address:
+        body["address"] = address
+    data = c.call("POST", "/api/join-tokens", body)
+    if c.as_json:
+        echo_json(data)
+        return
+    if data.get("warning"):
+        click.echo(f"warning: {data['warning']}", err=True)
+    expires = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(data["expires_at"]))
+    what = "rekey" if data["kind"] == "rekey" else "join"
+    click.echo(
+        f"{what} token {data['id']} for node {data['node']}, valid until {expires} (one use)"
+    )
+    click.echo(f"enrol URL: {data['enroll_url']}")
+    click.echo(f"CA hash:   {data['ca_hash']}")
+    click.echo("")
+    click.echo("run on the node:")
+    click.echo("")
+    click.echo(f"  {data['command']}")
+    click.echo("")
+    click.echo(
+        f"then compare the fingerprint it prints and approve: llmgw ctl approve {data['node']} --fingerprint sha256:…"
+    )
+
+
+@ctl.group(invoke_without_command=True)
+@click.option(
+    "--all", "include_all", is_flag=True, help="Include used, expired and revoked tokens."
+)
+@click.pass_context
+@reports_errors
+def tokens(ctx: click.Context, include_all: bool) -> None:
+    """List outstanding join tokens (and revoke them with 'tokens revoke ID')."""
+    if ctx.invoked_subcommand is not None:
+        return
+    c = ctx.find_object(Ctl)
+    assert c is not None
+    data = c.call("GET", "/api/join-tokens" + ("?all=1" if include_all else ""))
+    if c.as_json:
+        echo_json(data)
+        return
+
+    def state(t: dict[str, Any]) -> str:
+        if t["used_at"]:
+            return "used"
+        if t["revoked_at"]:
+            return "revoked"
+        return "active" if t["active"] else "expired"
+
+    rows = [
+        [t["id"], t["node"], t["kind"], t["prefix"] + "…", _until(t["expires_at"]), state(t)]
+        for t in data
+    ]
+    click.echo(table(["ID", "NODE", "KIND", "PREFIX", "EXPIRES", "STATE"], rows))
+
+
+@tokens.command("revoke")
+@click.argument("token_id")
+@pass_ctl
+@reports_errors
+def tokens_revoke(c: Ctl, token_id: str) -> None:
+    """Revoke an unused join token (its id or prefix)."""
+    data = c.call("DELETE", f"/api/join-tokens/{token_id}")
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"revoked join token {data['id']} for node {data['node']}")
+
+
+def _until(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    secs = ts - time.time()
+    if secs <= 0:
+        return "expired"
+    if secs < 7200:
+        return f"in {secs / 60:.0f}m"
+    if secs < 3 * 86400:
+        return f"in {secs / 3600:.0f}h"
+    return f"in {secs / 86400:.0f}d"
+
+
+@ctl.command()
+@click.argument("node")
+@click.option(
+    "--fingerprint",
+    "fp",
+    required=True,
+    help="The sha256:… key fingerprint 'llmgw agent join' printed on the node.",
+)
+@pass_ctl
+@reports_errors
+def approve(c: Ctl, node: str, fp: str) -> None:
+    """Approve a pending NODE after comparing its key fingerprint."""
+    data = c.call("POST", f"/api/nodes/{node}/approve", {"fingerprint": fp})
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"approved {node}; it takes work from now on")
+
+
+@ctl.command()
+@click.argument("node")
+@pass_ctl
+@reports_errors
+def reject(c: Ctl, node: str) -> None:
+    """Remove a pending NODE and deny its certificate."""
+    data = c.call("POST", f"/api/nodes/{node}/reject")
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"rejected {node}; its certificate is denied")
+
+
+@ctl.command()
+@click.argument("node")
+@pass_ctl
+@reports_errors
+def revoke(c: Ctl, node: str) -> None:
+    """Revoke NODE: deny its certificates, cut its stream, rebuild its replicas elsewhere."""
+    data = c.call("POST", f"/api/nodes/{node}/revoke")
+    if c.as_json:
+        echo_json(data)
+        return
+    serials = ", ".join(data["serials"]) or "none outstanding"
+    click.echo(
+        f"revoked {node} (certificates denied: {serials}); it can come back only through a fresh join"
+    )

@@ -71,6 +71,13 @@ def _setup_up_logging(state_dir: Path, verbose: bool) -> None:
     help="The local agent's data-plane port (0 picks one).",
 )
 @click.option(
+    "--enroll-port",
+    default=8443,
+    show_default=True,
+    type=int,
+    help="Enrolment port, for joining more nodes (0 picks one).",
+)
+@click.option(
     "--replicas",
     default=1,
     show_default=True,
@@ -97,6 +104,7 @@ def up(
     http_port: int,
     grpc_port: int,
     agent_port: int,
+    enroll_port: int,
     replicas: int,
     ttft_ms: float,
     tps: float,
@@ -113,6 +121,7 @@ def up(
         http_port=http_port,
         grpc_port=grpc_port,
         agent_port=agent_port,
+        enroll_port=enroll_port,
         replicas=replicas,
         ttft_ms=ttft_ms,
         tps=tps,

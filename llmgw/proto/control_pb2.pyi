@@ -21,18 +21,20 @@ SHARD_FAILED: ShardState
 SHARD_EXITED: ShardState
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "inventory", "shard_status", "op_result")
+    __slots__ = ("hello", "heartbeat", "inventory", "shard_status", "op_result", "cert_request")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     SHARD_STATUS_FIELD_NUMBER: _ClassVar[int]
     OP_RESULT_FIELD_NUMBER: _ClassVar[int]
+    CERT_REQUEST_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     inventory: Inventory
     shard_status: ShardStatus
     op_result: OperationResult
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., shard_status: _Optional[_Union[ShardStatus, _Mapping]] = ..., op_result: _Optional[_Union[OperationResult, _Mapping]] = ...) -> None: ...
+    cert_request: CertificateRequest
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., shard_status: _Optional[_Union[ShardStatus, _Mapping]] = ..., op_result: _Optional[_Union[OperationResult, _Mapping]] = ..., cert_request: _Optional[_Union[CertificateRequest, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("node_id", "agent_version", "inventory", "shards", "max_epoch", "dataplane_addr")
@@ -128,27 +130,57 @@ class OperationResult(_message.Message):
     duplicate: bool
     def __init__(self, op_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
+class CertificateRequest(_message.Message):
+    __slots__ = ("csr_pem",)
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    csr_pem: str
+    def __init__(self, csr_pem: _Optional[str] = ...) -> None: ...
+
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "start_shard", "stop_shard")
+    __slots__ = ("welcome", "start_shard", "stop_shard", "renew_certificate", "node_state")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     START_SHARD_FIELD_NUMBER: _ClassVar[int]
     STOP_SHARD_FIELD_NUMBER: _ClassVar[int]
+    RENEW_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    NODE_STATE_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     start_shard: StartShard
     stop_shard: StopShard
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ...) -> None: ...
+    renew_certificate: RenewCertificate
+    node_state: NodeState
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("cluster_id", "epoch", "heartbeat_interval_s", "node_id")
+    __slots__ = ("cluster_id", "epoch", "heartbeat_interval_s", "node_id", "node_state")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_STATE_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     epoch: int
     heartbeat_interval_s: float
     node_id: str
-    def __init__(self, cluster_id: _Optional[str] = ..., epoch: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., node_id: _Optional[str] = ...) -> None: ...
+    node_state: str
+    def __init__(self, cluster_id: _Optional[str] = ..., epoch: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., node_id: _Optional[str] = ..., node_state: _Optional[str] = ...) -> None: ...
+
+class NodeState(_message.Message):
+    __slots__ = ("state", "message")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    message: str
+    def __init__(self, state: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RenewCertificate(_message.Message):
+    __slots__ = ("certificate_pem", "ca_pem", "error")
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    CA_PEM_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    certificate_pem: str
+    ca_pem: str
+    error: str
+    def __init__(self, certificate_pem: _Optional[str] = ..., ca_pem: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class OrderMeta(_message.Message):
     __slots__ = ("epoch", "op_id")

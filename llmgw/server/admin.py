@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from llmgw import __version__
+from llmgw.config_util import format_hostport
 from llmgw.engines.base import engine_names
 from llmgw.engines.launch import build_argv
-from llmgw.errors import Conflict, EngineError, LlmgwError, NotFound
+from llmgw.errors import ConfigError, Conflict, EngineError, LlmgwError, NotFound
+from llmgw.pki import validate_node_id
 from llmgw.server.store import Model, Node
 
 if TYPE_CHECKING:
@@ -49,6 +51,12 @@ def add_admin_routes(app: web.Application, cp: ControlPlane) -> None:
     r.add_post("/api/keys", api.wrap(api.create_key))
     r.add_delete("/api/keys/{key}", api.wrap(api.revoke_key))
     r.add_get("/api/events", api.wrap(api.events))
+    r.add_post("/api/join-tokens", api.wrap(api.create_join_token))
+    r.add_get("/api/join-tokens", api.wrap(api.join_tokens))
+    r.add_delete("/api/join-tokens/{token}", api.wrap(api.revoke_join_token))
+    r.add_post("/api/nodes/{node}/approve", api.wrap(api.approve))
+    r.add_post("/api/nodes/{node}/reject", api.wrap(api.reject))
+    r.add_post("/api/nodes/{node}/revoke", api.wrap(api.revoke))
 
 
 class AdminAPI:
@@ -106,6 +114,7 @@ class AdminAPI:
 
     def _node(self, node: Node, shard_count: int) -> dict[str, Any]:
         inv = node.inventory
+        cert = self.cp.store.latest_certificate(node.id)
         return {
             "id": node.id,
             "uid": node.uid,
@@ -121,6 +130,9 @@ class AdminAPI:
             "gpus": inv.get("gpus", []),
             "gpu_status": inv.get("gpu_status", ""),
             "engines": inv.get("engines", []),
+            "fingerprint": node.fingerprint,
+            "cert_expires_at": cert.not_after if cert else None,
+            "cert_serial": cert.serial if cert else None,
         }
 
     async def nodes(self, request: web.Request) -> web.Response:
@@ -299,3 +311,123 @@ class AdminAPI:
                 for e in self.cp.store.list_events(limit=limit, subject=subject)
             ]
         )
+
+    # -- joining nodes -----------------------------------------------------------------------------
+
+    async def create_join_token(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        node_id = body.get("node")
+        if not isinstance(node_id, str):
+            raise _BadRequest("'node' (the node id to join) is required")
+        try:
+            validate_node_id(node_id)
+        except ConfigError as exc:
+            raise _BadRequest(str(exc)) from None
+        ttl = body.get("ttl", 3600)
+        if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 60 <= ttl <= 7 * 86400:
+            raise _BadRequest("ttl must be between 60 seconds and 7 days")
+        rekey = bool(body.get("rekey", False))
+        require_approval = bool(body.get("require_approval", False))
+        address = body.get("address")
+        if address is not None and (not isinstance(address, str) or not address):
+            raise _BadRequest("address must be a host name or IP address")
+        warning = None
+        node_uid = None
+        if rekey:
+            node = self.cp.store.get_node(node_id)
+            if node.state == "revoked":
+                raise Conflict(
+                    f"node {node_id} is revoked; it can come back only through a fresh join "
+                    f"('llmgw ctl join-command --node {node_id}')"
+                )
+            node_uid = node.uid
+        else:
+            try:
+                existing = self.cp.store.get_node(node_id)
+            except NotFound:
+                existing = None
+            if existing is not None and existing.state != "revoked":
+                warning = (
+                    f"node {node_id} already exists ({existing.state}); a fresh join gives it a new "
+                    "identity, denies its old certificates and needs approval again. To replace "
+                    f"only its key use 'llmgw ctl join-command --rekey {node_id}'"
+                )
+        token, secret = self.cp.store.create_join_token(
+            node_id,
+            kind="rekey" if rekey else "join",
+            ttl=float(ttl),
+            node_uid=node_uid,
+            require_approval=require_approval,
+        )
+        host = address or (self.cp.cfg.advertise[0] if self.cp.cfg.advertise else request.url.host)
+        enroll_url = f"https://{format_hostport(host or '127.0.0.1', self.cp.enroll_port)}"
+        assert self.cp.ca is not None
+        ca_hash = self.cp.ca.ca_hash()
+        command = (
+            f"LLMGW_JOIN_TOKEN={secret} llmgw agent join --node-id {node_id} "
+            f"--enroll-url {enroll_url} --ca-hash {ca_hash}" + (" --rekey" if rekey else "")
+        )
+        self.cp.store.add_event(
+            "join_token_created", node_id, f"{token.kind} token {token.id}, expires in {ttl:.0f}s"
+        )
+        return web.json_response(
+            {
+                "id": token.id,
+                "node": node_id,
+                "kind": token.kind,
+                "token": secret,
+                "expires_at": token.expires_at,
+                "enroll_url": enroll_url,
+                "ca_hash": ca_hash,
+                "command": command,
+                "warning": warning,
+            },
+            status=201,
+        )
+
+    async def join_tokens(self, request: web.Request) -> web.Response:
+        include = request.query.get("all") in ("1", "true")
+        return web.json_response(
+            [
+                {
+                    "id": t.id,
+                    "prefix": t.prefix,
+                    "node": t.node_id,
+                    "kind": t.kind,
+                    "created_at": t.created_at,
+                    "expires_at": t.expires_at,
+                    "used_at": t.used_at,
+                    "revoked_at": t.revoked_at,
+                    "active": t.active,
+                }
+                for t in self.cp.store.list_join_tokens(include_inactive=include)
+            ]
+        )
+
+    async def revoke_join_token(self, request: web.Request) -> web.Response:
+        token = self.cp.store.revoke_join_token(request.match_info["token"])
+        self.cp.store.add_event("join_token_revoked", token.node_id, f"token {token.id}")
+        return web.json_response(
+            {"id": token.id, "node": token.node_id, "revoked_at": token.revoked_at}
+        )
+
+    async def approve(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        fp = body.get("fingerprint")
+        if not isinstance(fp, str):
+            raise _BadRequest(
+                "'fingerprint' is required: the sha256:... the node printed when it joined"
+            )
+        node_id = request.match_info["node"]
+        self.cp.membership.approve(node_id, fp)
+        return web.json_response({"node": node_id, "state": "approved"})
+
+    async def reject(self, request: web.Request) -> web.Response:
+        node_id = request.match_info["node"]
+        self.cp.membership.reject(node_id)
+        return web.json_response({"node": node_id, "state": "rejected"})
+
+    async def revoke(self, request: web.Request) -> web.Response:
+        node_id = request.match_info["node"]
+        serials = self.cp.membership.revoke(node_id)
+        return web.json_response({"node": node_id, "state": "revoked", "serials": serials})

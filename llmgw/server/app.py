@@ -17,19 +17,30 @@ from pathlib import Path
 
 import grpc
 from aiohttp import web
+from cryptography import x509
 
 from llmgw import __version__
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import ConfigError, LlmgwError, NotFound
 from llmgw.log import kv
-from llmgw.pki import Identity, ensure_server_identity, local_addresses, write_private
+from llmgw.pki import (
+    Authority,
+    Identity,
+    ensure_server_identity,
+    local_addresses,
+    serial_hex,
+    write_private,
+)
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.config import ServerConfig
+from llmgw.server.enroll import Enroller, EnrolmentServer
+from llmgw.server.enroll import server_ssl_context as enroll_ssl_context
 from llmgw.server.metrics import Metrics
+from llmgw.server.nodes import Membership
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.scheduler import Scheduler
-from llmgw.server.store import Store
+from llmgw.server.store import Node, Store
 from llmgw.server.stream import ControlPlaneService, NodeSession
 
 __all__ = ["ControlPlane"]
@@ -76,14 +87,18 @@ class ControlPlane:
         self.router = Router()
         self.metrics = Metrics()
         self.scheduler = Scheduler(self)
+        self.membership = Membership(self)
         self.key_hashes: set[str] = set()
         self.model_names: set[str] = set()
         self.http_port = 0
         self.grpc_port = 0
+        self.ca: Authority | None = None
         self.server_identity: Identity | None = None
         self.client_identity: Identity | None = None
         self.started_at = time.time()
         self._grpc: grpc.aio.Server | None = None
+        self._enrolment: EnrolmentServer | None = None
+        self.enroll_port = 0
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -111,17 +126,20 @@ class ControlPlane:
         self.store.set_all_disconnected()
         self.refresh_keys()
         self.refresh_models()
+        self.membership.load()
         # 2. CA and this server's identities
         hosts = [*local_addresses(), *cfg.advertise]
-        _ca, self.server_identity, self.client_identity = ensure_server_identity(
+        self.ca, self.server_identity, self.client_identity = ensure_server_identity(
             self.pki_dir, hosts=hosts
         )
         self.admin_token = _read_or_create_token(cfg.admin_token_file)
         # 3. the Connect stream
         await self._start_grpc()
-        # 4. gateway, admin API, metrics
+        # 4. enrolment
+        await self._start_enrolment()
+        # 5. gateway, admin API, metrics
         await self._start_http()
-        # 5. reconcile
+        # 6. reconcile
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
         self._tasks.append(asyncio.create_task(self._watch_heartbeats(), name="heartbeats"))
         self.store.add_event("server_started", "control-plane", f"epoch {self.epoch}")
@@ -164,6 +182,47 @@ class ControlPlane:
                 key="grpc_listen",
             ) from exc
         await self._grpc.start()
+
+    def stream_addresses(self) -> list[str]:
+        """host:port of the Connect stream as a node should dial it."""
+        host, _ = parse_hostport(self.cfg.grpc_listen, allow_zero=True)
+        if host not in ("0.0.0.0", "::"):
+            return [format_hostport(host, self.grpc_port)]
+        hosts = list(self.cfg.advertise)
+        if not hosts:
+            routable = [a for a in local_addresses() if a not in ("localhost", "127.0.0.1", "::1")]
+            hosts = routable[:1] or ["127.0.0.1"]
+        return [format_hostport(h, self.grpc_port) for h in hosts]
+
+    def _enrolled(self, node: Node) -> None:
+        # A fresh join or a rekey denied the node's older certificates: drop the stream that
+        # uses one, so the agent reconnects with its new identity.
+        self.membership.load()
+        session = self.sessions.get(node.id)
+        if session is not None and session.serial in self.membership.revoked:
+            session.close()
+
+    async def _start_enrolment(self) -> None:
+        assert self.ca is not None and self.server_identity is not None
+        enroller = Enroller(
+            self.store,
+            self.ca,
+            lifetime=self.cfg.cert_lifetime,
+            servers=self.stream_addresses,
+            on_enrolled=self._enrolled,
+        )
+        self._enrolment = EnrolmentServer(enroller)
+        host, port = parse_hostport(self.cfg.enroll_listen, allow_zero=True)
+        try:
+            self.enroll_port = await self._enrolment.start(
+                host, port, enroll_ssl_context(self.server_identity)
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {self.cfg.enroll_listen}: {exc.strerror}; free the port or "
+                "change enroll_listen",
+                key="enroll_listen",
+            ) from exc
 
     async def _start_http(self) -> None:
         from llmgw.server.admin import add_admin_routes
@@ -209,6 +268,8 @@ class ControlPlane:
             await self._grpc.stop(grace=2.0)
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._enrolment is not None:
+            await self._enrolment.stop()
         self.store.close()
 
     # -- caches the request path reads ---------------------------------------------------------
@@ -221,21 +282,18 @@ class ControlPlane:
 
     # -- sessions ------------------------------------------------------------------------------
 
-    def refusal_reason(self, node_id: str) -> str:
-        try:
-            node = self.store.get_node(node_id)
-        except NotFound:
-            return f"node {node_id} is unknown"
-        return f"node {node_id} is {node.state}"
+    def certificate_refusal(self, node_id: str, cert: x509.Certificate | None) -> str | None:
+        """Why a stream with this certificate must be refused, or None."""
+        return self.membership.refusal(node_id, cert)
 
-    def open_session(self, hello: pb.Hello, peer: str) -> NodeSession | None:
-        node_id = hello.node_id
+    def node_state(self, node_id: str) -> str:
         try:
-            existing = self.store.get_node(node_id)
-            if existing.state == "revoked":
-                return None
+            return self.store.get_node(node_id).state
         except NotFound:
-            pass
+            return "pending"
+
+    def open_session(self, hello: pb.Hello, peer: str, cert: x509.Certificate) -> NodeSession:
+        node_id = hello.node_id
         inventory = {
             "hostname": hello.inventory.hostname,
             "arch": hello.inventory.arch,
@@ -254,6 +312,7 @@ class ControlPlane:
             "gpu_status": hello.inventory.gpu_status,
             "engines": list(hello.inventory.engines),
         }
+        self.membership.admit(node_id, cert)
         self.store.upsert_node(
             node_id,
             dataplane_addr=hello.dataplane_addr,
@@ -270,6 +329,7 @@ class ControlPlane:
             dataplane_addr=hello.dataplane_addr,
             epoch=self.epoch,
             engines=frozenset(hello.inventory.engines),
+            serial=serial_hex(cert),
         )
         self.sessions[node_id] = session
         self.store.add_event(
@@ -353,6 +413,8 @@ class ControlPlane:
             self._apply_status(session, msg.shard_status)
         elif kind == "op_result":
             self._apply_result(session, msg.op_result)
+        elif kind == "cert_request":
+            self.membership.renew(session, msg.cert_request.csr_pem)
         elif kind == "inventory":
             session.engines = frozenset(msg.inventory.engines)
         else:

@@ -38,7 +38,13 @@ _KEYS = (
     "heartbeat_interval",
     "loss_timeout",
     "admin_token_file",
+    "enroll_listen",
+    "cert_lifetime",
 )
+DEFAULT_ENROLL_PORT = 8443
+DEFAULT_CERT_LIFETIME = 30 * 86400.0
+MIN_CERT_LIFETIME = 10.0
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,8 @@ class ServerConfig:
     heartbeat_interval: float
     loss_timeout: float
     admin_token_file: Path
+    enroll_listen: str = f"0.0.0.0:{DEFAULT_ENROLL_PORT}"
+    cert_lifetime: float = DEFAULT_CERT_LIFETIME  # seconds a node certificate is valid
     source: Path | None = None
 
 
@@ -116,6 +124,19 @@ def _parse(
             "stream (7443) need ports of their own",
         )
 
+    enroll_host, enroll_port = listen("enroll_listen", DEFAULT_ENROLL_PORT)
+    if enroll_port != 0 and enroll_port in (http_port, grpc_port):
+        check.fail(
+            "enroll_listen",
+            f"port {enroll_port} is already used by http_listen or grpc_listen; enrolment "
+            "(8443) needs a port of its own",
+        )
+    cert_lifetime = DEFAULT_CERT_LIFETIME
+    if top.get("cert_lifetime") is not None:
+        cert_lifetime = _duration(check, top["cert_lifetime"], "cert_lifetime")
+        if cert_lifetime < MIN_CERT_LIFETIME:
+            check.fail("cert_lifetime", f"must be at least {MIN_CERT_LIFETIME:g}s")
+
     heartbeat = DEFAULT_HEARTBEAT_INTERVAL
     if top.get("heartbeat_interval") is not None:
         heartbeat = check.number(
@@ -144,8 +165,23 @@ def _parse(
         heartbeat_interval=heartbeat,
         loss_timeout=loss_timeout,
         admin_token_file=path("admin_token_file", state_dir / "admin.token"),
+        enroll_listen=format_hostport(enroll_host, enroll_port),
+        cert_lifetime=cert_lifetime,
         source=source,
     )
+
+
+def _duration(check: Checker, value: object, key: str) -> float:
+    """Seconds from a number or a string like '90s', '12h', '30d'."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif (
+        isinstance(value, str) and value[:-1].replace(".", "", 1).isdigit() and value[-1:] in _UNITS
+    ):
+        seconds = float(value[:-1]) * _UNITS[value[-1]]
+    else:
+        check.fail(key, f"must be seconds or a duration like 90s, 12h, 30d, got {value!r}")
+    return seconds
 
 
 def _is_wildcard(host: str) -> bool:

@@ -1,4 +1,5 @@
-"""The control plane's state store: nodes, models, replicas, shards, API keys and events.
+"""The control plane's state store: nodes, models, replicas, shards, API keys, events, join
+tokens and the certificates issued to nodes.
 
 One SQLite file in WAL mode, schema upgraded by versioned migrations on open; every
 sqlite3 error leaves this module as a :class:`~llmgw.errors.StoreError` that says what to do.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -16,13 +18,16 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmgw.errors import Conflict, NotFound, StoreError
+from llmgw.errors import Conflict, NotFound, StoreError, TokenError
+from llmgw.pki import validate_node_id
 
 __all__ = [
+    "JOIN_TOKEN_KINDS",
+    "JOIN_TOKEN_PREFIX",
     "MAX_EVENTS",
     "MIGRATIONS",
     "MODEL_REPLICA_STATES",
@@ -30,7 +35,9 @@ __all__ = [
     "SHARD_FIELDS",
     "SHARD_STATES",
     "ApiKey",
+    "Certificate",
     "Event",
+    "JoinToken",
     "Model",
     "Node",
     "Replica",
@@ -54,6 +61,8 @@ MAX_EVENTS = 10_000
 """Events kept; older ones are trimmed every :attr:`Store.event_trim_every` inserts."""
 
 API_KEY_PREFIX = "sk-llmgw-"
+JOIN_TOKEN_PREFIX = "llmgwjt_"
+JOIN_TOKEN_KINDS: frozenset[str] = frozenset({"join", "rekey"})
 
 MIGRATIONS: list[str] = [
     # 1: initial schema
@@ -134,6 +143,36 @@ MIGRATIONS: list[str] = [
         message TEXT NOT NULL
     );
     CREATE INDEX events_by_subject ON events(subject, id);
+    """,
+    # 2: join tokens and the certificates issued to nodes (kept after a node is deleted, so
+    # the serials of a removed node stay refused)
+    """
+    CREATE TABLE join_tokens (
+        id               TEXT PRIMARY KEY,
+        hash             TEXT NOT NULL UNIQUE,
+        prefix           TEXT NOT NULL,
+        node_id          TEXT NOT NULL,
+        kind             TEXT NOT NULL CHECK (kind IN ('join', 'rekey')),
+        node_uid         TEXT,
+        require_approval INTEGER NOT NULL DEFAULT 0,
+        created_at       REAL NOT NULL,
+        expires_at       REAL NOT NULL,
+        used_at          REAL,
+        revoked_at       REAL
+    );
+    CREATE INDEX join_tokens_by_prefix ON join_tokens(prefix);
+
+    CREATE TABLE certificates (
+        serial      TEXT PRIMARY KEY,
+        node_id     TEXT NOT NULL,
+        fingerprint TEXT NOT NULL,
+        not_before  REAL NOT NULL,
+        not_after   REAL NOT NULL,
+        issued_at   REAL NOT NULL,
+        revoked_at  REAL,
+        reason      TEXT NOT NULL DEFAULT ''
+    );
+    CREATE INDEX certificates_by_node ON certificates(node_id);
     """,
 ]
 
@@ -289,12 +328,185 @@ class Event:
         )
 
 
+@dataclass(frozen=True)
+class JoinToken:
+    """A one-time token that lets one node join (or rekey); only its hash is stored.
+
+    ``as_of`` is the store's clock when the row was read; :attr:`active` is judged at it.
+    """
+
+    id: str
+    hash: str
+    prefix: str
+    node_id: str
+    kind: str
+    node_uid: str | None
+    require_approval: bool
+    created_at: float
+    expires_at: float
+    used_at: float | None
+    revoked_at: float | None
+    as_of: float = field(default=0.0, compare=False, repr=False)
+
+    @property
+    def used(self) -> bool:
+        return self.used_at is not None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @property
+    def expired(self) -> bool:
+        return self.expires_at <= self.as_of
+
+    @property
+    def active(self) -> bool:
+        """Neither used, nor revoked, nor expired when it was read."""
+        return not (self.used or self.revoked or self.expired)
+
+    @classmethod
+    def _from_row(cls, row: sqlite3.Row, as_of: float) -> JoinToken:
+        return cls(
+            id=row["id"],
+            hash=row["hash"],
+            prefix=row["prefix"],
+            node_id=row["node_id"],
+            kind=row["kind"],
+            node_uid=row["node_uid"],
+            require_approval=bool(row["require_approval"]),
+            created_at=row["created_at"],
+            expires_at=row["expires_at"],
+            used_at=row["used_at"],
+            revoked_at=row["revoked_at"],
+            as_of=as_of,
+        )
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """A certificate issued to a node, by serial (lowercase hex)."""
+
+    serial: str
+    node_id: str
+    fingerprint: str
+    not_before: float
+    not_after: float
+    issued_at: float
+    revoked_at: float | None
+    reason: str
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @classmethod
+    def _from_row(cls, row: sqlite3.Row) -> Certificate:
+        return cls(
+            serial=row["serial"],
+            node_id=row["node_id"],
+            fingerprint=row["fingerprint"],
+            not_before=row["not_before"],
+            not_after=row["not_after"],
+            issued_at=row["issued_at"],
+            revoked_at=row["revoked_at"],
+            reason=row["reason"],
+        )
+
+
 # --------------------------------------------------------------------------- helpers
 
 
 def hash_api_key(secret: str) -> str:
     """The hex SHA-256 of an API key secret, as stored and as the gateway caches it."""
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def _hash_token(secret: str) -> str:
+    # surrogatepass: a secret that came out of JSON may hold lone surrogates; it matches nothing.
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _normal_serial(serial: str) -> str:
+    try:
+        return format(int(serial, 16), "x")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"certificate serial {serial!r} is not a hex number") from exc
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+
+
+def _mint_hint(token: JoinToken) -> str:
+    if token.kind == "rekey":
+        return (
+            f"mint a new rekey token for {token.node_id}, or join it afresh with "
+            f"'llmgw ctl join-command --node {token.node_id}'"
+        )
+    return f"mint a new one with 'llmgw ctl join-command --node {token.node_id}'"
+
+
+def _token_used(token: JoinToken, used_at: float | None) -> TokenError:
+    when = f" at {_when(used_at)}" if used_at is not None else ""
+    return TokenError(
+        f"{token.kind} token {token.id} for {token.node_id} was already used{when}; a token "
+        f"works once; {_mint_hint(token)}",
+        code="token_used",
+    )
+
+
+def _check_token(token: JoinToken, *, node_id: str, kind: str, node_uid: str | None) -> None:
+    """Raise the TokenError that refuses *token* for this use, if any."""
+    if token.revoked_at is not None:
+        raise TokenError(
+            f"{token.kind} token {token.id} for {token.node_id} was revoked at "
+            f"{_when(token.revoked_at)}; {_mint_hint(token)}",
+            code="token_revoked",
+        )
+    if token.used_at is not None:
+        raise _token_used(token, token.used_at)
+    if token.expired:
+        ago = token.as_of - token.expires_at
+        raise TokenError(
+            f"{token.kind} token {token.id} for {token.node_id} expired at "
+            f"{_when(token.expires_at)} ({_ago(ago)} ago); {_mint_hint(token)}",
+            code="token_expired",
+        )
+    if token.node_id != node_id:
+        raise TokenError(
+            f"{token.kind} token {token.id} is for node {token.node_id}, not {node_id}; join as "
+            f"{token.node_id} (--node-id {token.node_id}), or mint a token for {node_id} with "
+            f"'llmgw ctl join-command --node {node_id}'",
+            code="token_wrong_node",
+        )
+    if token.kind != kind:
+        if token.kind == "rekey":
+            message = f"this is a rekey token for {token.node_id}; run 'llmgw agent join --rekey'"
+        else:
+            message = (
+                f"this is a join token for {token.node_id}, not a rekey token; run "
+                "'llmgw agent join' without --rekey"
+            )
+        raise TokenError(message, code="token_wrong_kind")
+    if kind == "rekey" and token.node_uid != node_uid:
+        raise TokenError(
+            f"rekey token {token.id} is bound to {token.node_id} with uid {token.node_uid}, but "
+            f"this node has uid {node_uid or '(none)'}; the node joined afresh since the token "
+            f"was minted; {_mint_hint(token)}",
+            code="node_uid_mismatch",
+        )
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h"
+    return f"{seconds / 86400:.0f}d"
 
 
 def _dump_json(value: dict[str, Any], what: str) -> str:
@@ -336,6 +548,8 @@ _TABLE_NOUNS = {
     "shards": "shard",
     "api_keys": "API key",
     "events": "event",
+    "join_tokens": "join token",
+    "certificates": "certificate",
 }
 
 _CONSTRAINT_RE = re.compile(r"(UNIQUE|NOT NULL) constraint failed: (\w+)\.(\w+)")
@@ -886,6 +1100,293 @@ class Store:
         """Hashes of all unrevoked keys, for the gateway's in-memory check."""
         return {
             str(r["hash"]) for r in self._all("SELECT hash FROM api_keys WHERE revoked_at IS NULL")
+        }
+
+    # -------------------------------------------------------------- join tokens
+
+    def create_join_token(
+        self,
+        node_id: str,
+        *,
+        kind: str = "join",
+        ttl: float,
+        node_uid: str | None = None,
+        require_approval: bool = False,
+    ) -> tuple[JoinToken, str]:
+        """Mint a one-time token for *node_id*, valid *ttl* seconds; return its row and the
+        secret, which is shown once and stored only as a hash.
+
+        A ``rekey`` token is bound to the node's current uid (*node_uid*); with
+        *require_approval* the rekeyed node goes back to pending.
+        """
+        validate_node_id(node_id)
+        if kind not in JOIN_TOKEN_KINDS:
+            raise ValueError(f"{kind!r} is not a join token kind; use 'join' or 'rekey'")
+        if kind == "rekey" and not node_uid:
+            raise ValueError(f"a rekey token for {node_id} needs the node's uid (node_uid)")
+        if kind == "join" and node_uid is not None:
+            raise ValueError("node_uid binds rekey tokens only; leave it out for a join token")
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < math.inf:
+            raise ValueError(
+                f"a join token's ttl must be a positive number of seconds, not {ttl!r}"
+            )
+        secret = JOIN_TOKEN_PREFIX + secrets.token_urlsafe(32)
+        now = self._clock()
+        with self._write():
+            while True:
+                token_id = secrets.token_hex(4)
+                taken = self._db.execute(
+                    "SELECT 1 FROM join_tokens WHERE id = ?", (token_id,)
+                ).fetchone()
+                if taken is None:
+                    break
+            self._db.execute(
+                "INSERT INTO join_tokens(id, hash, prefix, node_id, kind, node_uid, "
+                "require_approval, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    token_id,
+                    _hash_token(secret),
+                    secret[:14],
+                    node_id,
+                    kind,
+                    node_uid,
+                    int(require_approval),
+                    now,
+                    now + float(ttl),
+                ),
+            )
+            row = self._db.execute("SELECT * FROM join_tokens WHERE id = ?", (token_id,)).fetchone()
+        return JoinToken._from_row(row, now), secret
+
+    def list_join_tokens(self, include_inactive: bool = False) -> list[JoinToken]:
+        """Tokens still usable, oldest first; with *include_inactive* also used, revoked and
+        expired ones."""
+        now = self._clock()
+        sql = "SELECT * FROM join_tokens"
+        params: tuple[Any, ...] = ()
+        if not include_inactive:
+            sql += " WHERE used_at IS NULL AND revoked_at IS NULL AND expires_at > ?"
+            params = (now,)
+        sql += " ORDER BY created_at, id"
+        return [JoinToken._from_row(r, now) for r in self._all(sql, params)]
+
+    def get_join_token(self, id_or_prefix: str) -> JoinToken:
+        """The token with this id, or the only one with this prefix (``llmgwjt_`` + 6)."""
+        now = self._clock()
+        row = self._one("SELECT * FROM join_tokens WHERE id = ?", (id_or_prefix,))
+        if row is not None:
+            return JoinToken._from_row(row, now)
+        rows = self._all("SELECT * FROM join_tokens WHERE prefix = ?", (id_or_prefix,))
+        if not rows:
+            raise NotFound(
+                f"no join token with id or prefix {id_or_prefix}; mint one with "
+                "'llmgw ctl join-command --node NODE'"
+            )
+        if len(rows) > 1:
+            raise Conflict(
+                f"{len(rows)} join tokens have prefix {id_or_prefix}; name the token by its id"
+            )
+        return JoinToken._from_row(rows[0], now)
+
+    def revoke_join_token(self, id_or_prefix: str) -> JoinToken:
+        """Revoke an unused token by id or prefix; return the revoked row."""
+        with self._write():
+            token = self.get_join_token(id_or_prefix)
+            if token.revoked_at is not None:
+                raise Conflict(
+                    f"join token {token.id} for {token.node_id} is already revoked "
+                    f"(at {_when(token.revoked_at)}); nothing to do"
+                )
+            if token.used_at is not None:
+                raise Conflict(
+                    f"join token {token.id} for {token.node_id} is already used "
+                    f"(at {_when(token.used_at)}); to shut the node out, run "
+                    f"'llmgw ctl revoke {token.node_id}'"
+                )
+            self._db.execute(
+                "UPDATE join_tokens SET revoked_at = ? WHERE id = ?", (self._clock(), token.id)
+            )
+            return self.get_join_token(token.id)
+
+    def consume_join_token(
+        self, secret: str, *, node_id: str, kind: str, node_uid: str | None
+    ) -> JoinToken:
+        """Check the token *secret* for a *kind* (``join``/``rekey``) of *node_id* and mark it
+        used, atomically: of two racing consumers exactly one wins. Raises
+        :class:`~llmgw.errors.TokenError`; inside :meth:`transaction` the use is undone if
+        the transaction rolls back."""
+        if kind not in JOIN_TOKEN_KINDS:
+            raise ValueError(f"{kind!r} is not a join token kind; use 'join' or 'rekey'")
+        with self._write():
+            now = self._clock()
+            row = self._db.execute(
+                "SELECT * FROM join_tokens WHERE hash = ?", (_hash_token(secret),)
+            ).fetchone()
+            if row is None:
+                raise TokenError(
+                    "no such join token; mint one with "
+                    f"'llmgw ctl join-command --node {node_id or 'NODE'}'",
+                    code="token_unknown",
+                )
+            token = JoinToken._from_row(row, now)
+            _check_token(token, node_id=node_id, kind=kind, node_uid=node_uid)
+            cur = self._db.execute(
+                "UPDATE join_tokens SET used_at = ? "
+                "WHERE id = ? AND used_at IS NULL AND revoked_at IS NULL",
+                (now, token.id),
+            )
+            if cur.rowcount != 1:
+                # Someone else got there between our read and this write.
+                row = self._db.execute(
+                    "SELECT * FROM join_tokens WHERE id = ?", (token.id,)
+                ).fetchone()
+                _check_token(
+                    JoinToken._from_row(row, now), node_id=node_id, kind=kind, node_uid=node_uid
+                )
+                raise _token_used(token, now)
+            row = self._db.execute("SELECT * FROM join_tokens WHERE id = ?", (token.id,)).fetchone()
+            return JoinToken._from_row(row, now)
+
+    # --------------------------------------------------------------- enrolment
+
+    def enrol_node(
+        self,
+        node_id: str,
+        *,
+        fingerprint: str,
+        rekey: bool,
+        node_uid: str | None,
+        require_approval: bool,
+    ) -> Node:
+        """Record a node that joined (or rekeyed) with the key *fingerprint*.
+
+        A join makes the node, or gives an existing one (reinstalled, or revoked and coming
+        back) a fresh uid, state pending and revokes its older certificates. A rekey keeps
+        the uid, which must be *node_uid*, and the state (pending with *require_approval*).
+        """
+        validate_node_id(node_id)
+        now = self._clock()
+        with self._write():
+            row = self._db.execute("SELECT * FROM nodes WHERE id = ?", (node_id,)).fetchone()
+            if not rekey:
+                uid = uuid.uuid4().hex
+                if row is None:
+                    self._db.execute(
+                        "INSERT INTO nodes(id, uid, state, fingerprint, created_at) "
+                        "VALUES (?, ?, 'pending', ?, ?)",
+                        (node_id, uid, fingerprint, now),
+                    )
+                else:
+                    self._db.execute(
+                        "UPDATE nodes SET uid = ?, state = 'pending', fingerprint = ? WHERE id = ?",
+                        (uid, fingerprint, node_id),
+                    )
+                    self.revoke_certificates(node_id, reason="replaced by a fresh join")
+                return self.get_node(node_id)
+            if row is None:
+                raise TokenError(
+                    f"node {node_id} is not known here (it was deleted); join it afresh with "
+                    f"'llmgw ctl join-command --node {node_id}'",
+                    code="node_unknown",
+                )
+            node = Node._from_row(row)
+            if node.state == "revoked":
+                raise TokenError(
+                    f"node {node_id} is revoked; a revoked node can come back only through a "
+                    f"fresh join: 'llmgw ctl join-command --node {node_id}'",
+                    code="node_revoked",
+                )
+            if node_uid is None or node.uid != node_uid:
+                raise TokenError(
+                    f"node {node_id} has uid {node.uid}, not {node_uid or '(none)'}: it joined "
+                    "afresh since this node last got a certificate; join this machine afresh "
+                    f"with 'llmgw ctl join-command --node {node_id}'",
+                    code="node_uid_mismatch",
+                )
+            state = "pending" if require_approval else node.state
+            self._db.execute(
+                "UPDATE nodes SET state = ?, fingerprint = ? WHERE id = ?",
+                (state, fingerprint, node_id),
+            )
+            return self.get_node(node_id)
+
+    # ------------------------------------------------------------- certificates
+
+    def add_certificate(
+        self,
+        serial: str,
+        *,
+        node_id: str,
+        fingerprint: str,
+        not_before: float,
+        not_after: float,
+    ) -> Certificate:
+        """Record a certificate issued to *node_id*; *serial* is hex (stored lowercase)."""
+        serial = _normal_serial(serial)
+        with self._write():
+            self._db.execute(
+                "INSERT INTO certificates(serial, node_id, fingerprint, not_before, not_after, "
+                "issued_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (serial, node_id, fingerprint, not_before, not_after, self._clock()),
+            )
+            row = self._db.execute(
+                "SELECT * FROM certificates WHERE serial = ?", (serial,)
+            ).fetchone()
+        return Certificate._from_row(row)
+
+    def latest_certificate(self, node_id: str) -> Certificate | None:
+        """The node's newest unrevoked certificate, or None."""
+        row = self._one(
+            "SELECT * FROM certificates WHERE node_id = ? AND revoked_at IS NULL "
+            "ORDER BY issued_at DESC, rowid DESC LIMIT 1",
+            (node_id,),
+        )
+        return None if row is None else Certificate._from_row(row)
+
+    def list_certificates(self, node_id: str | None = None) -> list[Certificate]:
+        """Every certificate recorded (of *node_id*), oldest first, revoked ones included."""
+        if node_id is None:
+            rows = self._all("SELECT * FROM certificates ORDER BY issued_at, rowid")
+        else:
+            rows = self._all(
+                "SELECT * FROM certificates WHERE node_id = ? ORDER BY issued_at, rowid",
+                (node_id,),
+            )
+        return [Certificate._from_row(r) for r in rows]
+
+    def revoke_certificates(
+        self, node_id: str, *, reason: str, except_serial: str | None = None
+    ) -> list[str]:
+        """Revoke every unrevoked certificate of *node_id* but *except_serial*; return their
+        serials."""
+        keep = None if except_serial is None else _normal_serial(except_serial)
+        with self._write():
+            rows = self._db.execute(
+                "SELECT serial FROM certificates WHERE node_id = ? AND revoked_at IS NULL "
+                "ORDER BY issued_at, rowid",
+                (node_id,),
+            ).fetchall()
+            serials = [str(r["serial"]) for r in rows if r["serial"] != keep]
+            now = self._clock()
+            self._db.executemany(
+                "UPDATE certificates SET revoked_at = ?, reason = ? WHERE serial = ?",
+                [(now, reason, serial) for serial in serials],
+            )
+        return serials
+
+    def is_revoked(self, serial: str) -> bool:
+        """True if the certificate with this (hex) serial was revoked; unknown serials are not."""
+        row = self._one(
+            "SELECT 1 FROM certificates WHERE serial = ? AND revoked_at IS NOT NULL",
+            (_normal_serial(serial),),
+        )
+        return row is not None
+
+    def revoked_serials(self) -> set[str]:
+        """Serials of every revoked certificate, for the stream's and data plane's deny list."""
+        return {
+            str(r["serial"])
+            for r in self._all("SELECT serial FROM certificates WHERE revoked_at IS NOT NULL")
         }
 
     # ------------------------------------------------------------------- events

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
+from cryptography import x509
 
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
@@ -38,6 +39,7 @@ class NodeSession:
     dataplane_addr: str
     epoch: int
     engines: frozenset[str]
+    serial: str = ""
     queue: asyncio.Queue[pb.ServerMessage | None] = field(default_factory=asyncio.Queue)
     connected_at: float = field(default_factory=time.time)
     last_heartbeat: float = field(default_factory=time.monotonic)
@@ -81,8 +83,22 @@ class NodeSession:
         )
         return meta.op_id
 
+    def send(self, msg: pb.ServerMessage) -> None:
+        self.queue.put_nowait(msg)
+
     def close(self) -> None:
         self.queue.put_nowait(None)
+
+
+def peer_certificate(context: grpc.aio.ServicerContext) -> x509.Certificate | None:
+    """The verified client certificate of this stream."""
+    pems = list(context.auth_context().get("x509_pem_cert") or [])
+    if not pems:
+        return None
+    try:
+        return x509.load_pem_x509_certificate(pems[0])
+    except ValueError:
+        return None
 
 
 def peer_common_name(context: grpc.aio.ServicerContext) -> str | None:
@@ -123,12 +139,14 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             log.warning("refused a stream", extra=kv(peer=peer, claimed=hello.node_id, cert_cn=cn))
             self.cp.store.add_event("stream_refused", hello.node_id or "?", message)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
-        session = self.cp.open_session(hello, peer)
-        if session is None:
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, self.cp.refusal_reason(hello.node_id)
-            )
-        assert session is not None
+        cert = peer_certificate(context)
+        refusal = self.cp.certificate_refusal(hello.node_id, cert)
+        if refusal is not None:
+            log.warning("refused a stream", extra=kv(peer=peer, node=hello.node_id, reason=refusal))
+            self.cp.store.add_event("stream_refused", hello.node_id, refusal)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        assert cert is not None
+        session = self.cp.open_session(hello, peer, cert)
         await context.write(
             pb.ServerMessage(
                 welcome=pb.Welcome(
@@ -136,6 +154,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                     epoch=self.cp.epoch,
                     heartbeat_interval_s=self.cp.cfg.heartbeat_interval,
                     node_id=session.node_id,
+                    node_state=self.cp.node_state(session.node_id),
                 )
             )
         )

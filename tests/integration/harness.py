@@ -102,6 +102,23 @@ class Server:
     def nodes(self) -> list[dict[str, Any]]:
         return self.api("GET", "/api/nodes")  # type: ignore[no-any-return]
 
+    def approve_pending(self, expected: int = 1) -> list[str]:
+        """Approve pending nodes with the fingerprints they connected with, as an operator would."""
+        pending = wait_for(
+            lambda: (
+                [n for n in self.nodes() if n["state"] == "pending" and n["connected"]][:expected]
+                if len([n for n in self.nodes() if n["state"] == "pending" and n["connected"]])
+                >= expected
+                else None
+            ),
+            what=f"{expected} pending node(s)",
+        )
+        for node in pending:
+            self.api(
+                "POST", f"/api/nodes/{node['id']}/approve", {"fingerprint": node["fingerprint"]}
+            )
+        return [n["id"] for n in pending]
+
     def api_key(self, name: str = "test") -> str:
         return str(self.api("POST", "/api/keys", {"name": name})["key"])
 
@@ -116,6 +133,7 @@ def start_server(tmp: Path, *, heartbeat: float = 1.0) -> Server:
                 "state_dir": str(state),
                 "http_listen": f"127.0.0.1:{http_port}",
                 "grpc_listen": f"127.0.0.1:{grpc_port}",
+                "enroll_listen": "127.0.0.1:0",
                 "heartbeat_interval": heartbeat,
                 "loss_timeout": max(3.0, heartbeat * 3),
             }

@@ -53,6 +53,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             lambda: sorted(n["id"] for n in server.nodes() if n["connected"]) == ["gpu-a", "gpu-b"],
             what="both agents connected",
         )
+        assert sorted(server.approve_pending(2)) == ["gpu-a", "gpu-b"]
         server.api("POST", "/api/models", {"name": "m", "engine": "sim", "replicas": 2})
         wait_for(
             lambda: [r["state"] for r in server.replicas("m")] == ["ready", "ready"],

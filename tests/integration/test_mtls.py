@@ -262,6 +262,7 @@ def test_dataplane_accepts_only_the_control_plane_certificate(
         timeout=WAIT,
         what="node-dp connected",
     )
+    server.approve_pending(1)
     server.api("POST", "/api/models", {"name": "m", "engine": "sim", "replicas": 1})
     ready = wait_for(
         lambda: [r for r in server.replicas("m") if r["state"] == "ready"],

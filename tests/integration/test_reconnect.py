@@ -21,6 +21,7 @@ def test_control_plane_restart_keeps_replicas_and_raises_the_fence(tmp_path: Pat
     agent = start_agent(make_agent(tmp_path, server, "node-r"))
     try:
         wait_for(lambda: any(n["connected"] for n in server.nodes()), what="agent connected")
+        server.approve_pending(1)
         server.api("POST", "/api/models", {"name": "r", "engine": "sim", "replicas": 1})
         wait_for(lambda: [r["state"] for r in server.replicas("r")] == ["ready"], what="ready")
         before = server.replicas("r")[0]

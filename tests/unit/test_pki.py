@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from llmgw import pki
-from llmgw.errors import CertificateError, ConfigError, NoAuthority, PKIError
+from llmgw.errors import CertificateError, ConfigError, CSRError, NoAuthority, PKIError
 
 
 @pytest.fixture(autouse=True)
@@ -565,3 +565,188 @@ def test_tls_server_from_another_ca_fails(ca: pki.Authority, tmp_path: Path) -> 
     cp_client = pki.issue_control_plane_client_cert(ca, tmp_path / "cp")
     _, client_res = _handshake(_server_ctx(rogue_node), _client_ctx(cp_client), "gpu1")
     assert isinstance(client_res, ssl.SSLCertVerificationError)
+
+
+# --------------------------------------------------------------------------- certificate requests
+
+
+def _pem(csr: x509.CertificateSigningRequest) -> bytes:
+    return csr.public_bytes(serialization.Encoding.PEM)
+
+
+def _csr_error(csr: x509.CertificateSigningRequest, node_id: str = "gpu-1") -> CSRError:
+    with pytest.raises(CSRError) as info:
+        pki.check_csr(csr, node_id)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_make_csr_and_load_roundtrip() -> None:
+    key = pki.new_private_key()
+    assert isinstance(key.curve, ec.SECP256R1)
+    csr = pki.make_csr(key, "gpu-1")
+    loaded = pki.load_csr(_pem(csr))
+    assert loaded == pki.load_csr(_pem(csr).decode())
+    assert loaded.is_signature_valid
+    assert pki.fingerprint(loaded.public_key()) == pki.fingerprint(key.public_key())
+    pki.check_csr(loaded, "gpu-1")
+    with pytest.raises(ConfigError, match="invalid node id"):
+        pki.make_csr(key, "Not A Node")
+
+
+@pytest.mark.parametrize(
+    "pem",
+    [
+        b"",
+        "not a csr",
+        b"-----BEGIN CERTIFICATE REQUEST-----\nAAAA\n-----END CERTIFICATE REQUEST-----\n",
+        "\ud800",
+        b"\xff\xfe garbage",
+    ],
+)
+def test_load_csr_malformed(pem: bytes | str) -> None:
+    with pytest.raises(CSRError) as info:
+        pki.load_csr(pem)
+    assert info.value.code == "csr_malformed"
+    assert "not a PEM CSR" in str(info.value) and "llmgw agent join" in str(info.value)
+
+
+def test_load_csr_refuses_a_certificate(ca: pki.Authority) -> None:
+    with pytest.raises(CSRError) as info:
+        pki.load_csr(ca.cert.public_bytes(serialization.Encoding.PEM))
+    assert info.value.code == "csr_malformed"
+
+
+def test_check_csr_cn_mismatch() -> None:
+    err = _csr_error(pki.make_csr(pki.new_private_key(), "gpu-2"), "gpu-1")
+    assert err.code == "csr_cn_mismatch"
+    assert "common name 'gpu-2'" in str(err) and "joining as node gpu-1" in str(err)
+    assert "--node-id gpu-1" in str(err)
+
+
+def test_check_csr_without_cn() -> None:
+    key = pki.new_private_key()
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "acme")]))
+        .sign(key, hashes.SHA256())
+    )
+    err = _csr_error(csr)
+    assert err.code == "csr_cn_mismatch"
+    assert "has no common name" in str(err)
+
+
+def test_check_csr_bad_signature() -> None:
+    csr = pki.make_csr(pki.new_private_key(), "gpu-1")
+    der = csr.public_bytes(serialization.Encoding.DER)
+    assert der.count(b"gpu-1") == 2  # CN and SAN, both under the signature
+    tampered = x509.load_der_x509_csr(der.replace(b"gpu-1", b"gpu-2"))
+    pem = tampered.public_bytes(serialization.Encoding.PEM)
+    err = _csr_error(pki.load_csr(pem), "gpu-2")
+    assert err.code == "csr_bad_signature"
+    assert "signature does not match its key" in str(err)
+
+
+def test_check_csr_weak_rsa() -> None:
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    err = _csr_error(pki.make_csr(key, "gpu-1"))
+    assert err.code == "csr_weak_key"
+    assert "RSA of 1024 bits, too weak" in str(err)
+    assert "2048 bits or more" in str(err)
+
+
+def test_check_csr_accepts_rsa_2048_and_big_curves() -> None:
+    pki.check_csr(
+        pki.make_csr(rsa.generate_private_key(public_exponent=65537, key_size=2048), "gpu-1"),
+        "gpu-1",
+    )
+    for curve in (ec.SECP384R1(), ec.SECP521R1()):
+        pki.check_csr(pki.make_csr(ec.generate_private_key(curve), "gpu-1"), "gpu-1")
+
+
+def test_check_csr_refuses_ed25519() -> None:
+    err = _csr_error(pki.make_csr(ed25519.Ed25519PrivateKey.generate(), "gpu-1"))
+    assert err.code == "csr_weak_key"
+    assert "key is Ed25519, which llmgw does not issue certificates for" in str(err)
+    assert "ECDSA on P-256, P-384 or P-521" in str(err)
+
+
+@pytest.mark.parametrize("curve", [ec.SECP224R1(), ec.SECP256K1()])
+def test_check_csr_refuses_other_curves(curve: ec.EllipticCurve) -> None:
+    err = _csr_error(pki.make_csr(ec.generate_private_key(curve), "gpu-1"))
+    assert err.code == "csr_weak_key"
+    assert f"ECDSA on {curve.name} ({curve.key_size} bits)" in str(err)
+
+
+def _extensions(cert: x509.Certificate) -> dict[x509.ObjectIdentifier, tuple[bool, object]]:
+    skip = {x509.SubjectKeyIdentifier.oid}  # derived from the key, which differs
+    return {e.oid: (e.critical, e.value) for e in cert.extensions if e.oid not in skip}
+
+
+def test_sign_csr_is_a_node_certificate(ca: pki.Authority, tmp_path: Path) -> None:
+    key = pki.new_private_key()
+    cert = pki.sign_csr(ca, pki.make_csr(key, "gpu-1"), node_id="gpu-1", lifetime=3600)
+    cert.verify_directly_issued_by(ca.cert)
+    assert pki.cert_common_name(cert) == "gpu-1"
+    assert cert.subject == x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "gpu-1")])
+    assert sans(cert) == [x509.DNSName("gpu-1")]
+    assert ekus(cert) == {ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH}
+    assert pki.fingerprint(cert.public_key()) == pki.fingerprint(key.public_key())
+    ski = cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    assert ski == x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    reference = pki.load_cert(pki.issue_node_cert(ca, "gpu-1", tmp_path / "ref").cert)
+    assert _extensions(cert) == _extensions(reference)
+    assert [e.oid for e in cert.extensions] == [e.oid for e in reference.extensions]
+    assert cert.issuer == reference.issuer
+    assert cert.signature_hash_algorithm is not None
+    assert cert.signature_hash_algorithm.name == "sha256"
+    # valid from 5 minutes back (clock skew) for the lifetime asked, from now
+    now = dt.datetime.now(dt.UTC)
+    skew = cert.not_valid_before_utc - (now - dt.timedelta(minutes=5))
+    assert abs(skew) < dt.timedelta(seconds=5)
+    assert abs((cert.not_valid_after_utc - now) - dt.timedelta(hours=1)) < dt.timedelta(seconds=5)
+    assert pki.serial_hex(cert) == format(cert.serial_number, "x")
+    assert pki.serial_hex(cert) == pki.serial_hex(cert).lower()
+    assert int(pki.serial_hex(cert), 16) == cert.serial_number
+
+
+def test_sign_csr_never_outlives_the_ca(tmp_path: Path) -> None:
+    short = pki.init_ca(tmp_path / "short", valid_days=2)
+    csr = pki.make_csr(pki.new_private_key(), "gpu-1")
+    cert = pki.sign_csr(short, csr, node_id="gpu-1", lifetime=365 * 86400.0)
+    assert cert.not_valid_after_utc == short.cert.not_valid_after_utc
+
+
+def test_sign_csr_refuses(ca: pki.Authority) -> None:
+    other = pki.make_csr(pki.new_private_key(), "gpu-2")
+    with pytest.raises(CSRError) as info:
+        pki.sign_csr(ca, other, node_id="gpu-1", lifetime=60)
+    assert info.value.code == "csr_cn_mismatch"
+    good = pki.make_csr(pki.new_private_key(), "gpu-1")
+    for lifetime in (0, -5, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="cert_lifetime"):
+            pki.sign_csr(ca, good, node_id="gpu-1", lifetime=lifetime)
+    with pytest.raises(ConfigError, match="invalid node id"):
+        pki.sign_csr(ca, good, node_id="llmgw-x", lifetime=60)
+
+
+def test_tls_with_a_certificate_from_a_csr(tmp_path: Path) -> None:
+    """The key never leaves the node: it signs a CSR, the CA signs it, and TLS works."""
+    ca, server, _ = pki.ensure_server_identity(tmp_path / "cp", hosts=["cp.example.com"])
+    key = pki.new_private_key()
+    cert = pki.sign_csr(ca, pki.make_csr(key, "gpu1"), node_id="gpu1", lifetime=600)
+    out = tmp_path / "agent"
+    out.mkdir()
+    node = pki.Identity(cert=out / "node.crt", key=out / "node.key", ca=server.ca)
+    pki.write_private(
+        node.key,
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+    )
+    node.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    server_res, client_res = _handshake(_server_ctx(server), _client_ctx(node), "127.0.0.1")
+    assert server_res == "gpu1"
+    assert client_res == "llmgw control plane"

@@ -1,0 +1,718 @@
+"""``llmgw agent join``: enrol this node with the control plane (DESIGN §4).
+
+The key is generated here and never leaves the node. The cluster CA is fetched over an
+unverified TLS connection and accepted only if its hash equals the pin (``--ca-hash``); the
+token travels only afterwards, over TLS verified against that CA. Nothing is written until
+the returned certificate has been checked, and then every file is replaced atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import hmac
+import http.client
+import json
+import os
+import re
+import secrets
+import socket
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import yaml
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from llmgw import pki
+from llmgw.agent.config import (
+    DEFAULT_AGENT_CONFIG,
+    DEFAULT_GRPC_PORT,
+    DEFAULT_STATE_DIR,
+    load_agent_config,
+    parse_agent_config,
+)
+from llmgw.config_util import format_hostport, parse_hostport
+from llmgw.errors import ConfigError, CSRError, EnrolmentError, LlmgwError, PinMismatch, TokenError
+
+__all__ = [
+    "DEFAULT_ENROLL_PORT",
+    "JoinPaths",
+    "JoinResult",
+    "check_ca_hash",
+    "join",
+    "parse_enroll_url",
+]
+
+DEFAULT_ENROLL_PORT = 8443
+UID_FILE = "node.uid"
+MAX_BODY = 64 * 1024
+MAX_TOKEN = 4096
+TIMEOUT = 10.0
+
+_PIN = re.compile(r"sha256:[0-9a-f]{64}")
+_PIN_FORMAT = "'sha256:' followed by 64 hex digits (as printed by 'llmgw ctl join-command')"
+_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+_STATES = ("pending", "approved")
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH.
+_NAME_MISMATCH = (62, 64)
+
+
+@dataclass(frozen=True)
+class EnrollURL:
+    """Where the control plane's enrolment endpoint listens."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"https://{format_hostport(self.host, self.port)}"
+
+
+@dataclass(frozen=True)
+class JoinPaths:
+    """Where the node's identity and configuration go."""
+
+    config: Path
+    state_dir: Path
+    cert: Path
+    key: Path
+    ca: Path
+    uid: Path
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    """What a successful join (or rekey) produced."""
+
+    node_id: str
+    node_uid: str
+    fingerprint: str
+    state: str
+    expires_at: float
+    not_after: dt.datetime
+    servers: tuple[str, ...]
+    paths: JoinPaths
+    config_written: bool
+    rekeyed: bool
+    old_key: Path | None = None
+    old_cert: Path | None = None
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def check_ca_hash(ca_hash: str) -> str:
+    """``ca_hash`` normalised to lower case; EnrolmentError ``ca_pin_malformed`` if it is not
+    ``sha256:`` + 64 hex digits."""
+    text = ca_hash.strip().lower() if isinstance(ca_hash, str) else ""
+    if not _PIN.fullmatch(text):
+        shown = ca_hash if isinstance(ca_hash, str) and len(ca_hash) <= 80 else "the value"
+        raise EnrolmentError(
+            f"--ca-hash {shown!r} is not a CA hash; it is {_PIN_FORMAT}",
+            code="ca_pin_malformed",
+        )
+    return text
+
+
+def parse_enroll_url(url: str) -> EnrollURL:
+    """``https://HOST[:PORT]`` (port 8443 when left out); ConfigError for anything else."""
+
+    def bad(reason: str) -> ConfigError:
+        return ConfigError(
+            f"{url!r} {reason}; give the control plane's enrolment address as "
+            f"https://HOST[:PORT] (port {DEFAULT_ENROLL_PORT} by default)",
+            key="--enroll-url",
+        )
+
+    parts = urlsplit(url.strip())
+    if parts.scheme.lower() != "https":
+        raise bad("is not an https:// URL")
+    if parts.username is not None or parts.password is not None:
+        raise bad("carries a user name or password")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise bad("has a path, query or fragment")
+    host = parts.hostname
+    if not host:
+        raise bad("has no host")
+    try:
+        port = parts.port
+    except ValueError:
+        raise bad("has an invalid port") from None
+    if port == 0:
+        raise bad("has port 0")
+    return EnrollURL(host=host, port=port or DEFAULT_ENROLL_PORT)
+
+
+def _check_token(token: str) -> str:
+    text = token.strip()
+    if not text:
+        raise ConfigError(
+            "the join token is empty; copy it from 'llmgw ctl join-command' or the UI's Add node"
+        )
+    if len(text) > MAX_TOKEN or not text.isprintable() or any(c.isspace() for c in text):
+        raise ConfigError(
+            "the join token contains spaces or control characters, or is too long; copy it "
+            "again from 'llmgw ctl join-command'"
+        )
+    return text
+
+
+def _resolve_paths(
+    node_id: str, config_path: Path, state_dir: Path | None
+) -> tuple[JoinPaths, bool]:
+    """The identity's paths and whether the config file already exists."""
+    config_path = Path(config_path).absolute()
+    if config_path.exists():
+        cfg = load_agent_config(config_path)
+        if cfg.node_id != node_id:
+            raise ConfigError(
+                f"this file is for node {cfg.node_id!r} (its node_id, or the host name when "
+                f"unset), not {node_id!r}; join as --node-id {cfg.node_id}, or set "
+                f"'node_id: {node_id}' in it, or pass another --config",
+                file=str(config_path),
+            )
+        if state_dir is not None and Path(state_dir).absolute() != cfg.state_dir:
+            raise ConfigError(
+                f"its state_dir is {cfg.state_dir}, not {Path(state_dir).absolute()}; "
+                "drop --state-dir or change state_dir in the file",
+                file=str(config_path),
+            )
+        paths = JoinPaths(
+            config=config_path,
+            state_dir=cfg.state_dir,
+            cert=cfg.tls.cert,
+            key=cfg.tls.key,
+            ca=cfg.tls.ca,
+            uid=cfg.state_dir / UID_FILE,
+        )
+        return paths, True
+    base = Path(state_dir if state_dir is not None else DEFAULT_STATE_DIR).absolute()
+    paths = JoinPaths(
+        config=config_path,
+        state_dir=base,
+        cert=base / "node.crt",
+        key=base / "node.key",
+        ca=base / pki.CA_CERT,
+        uid=base / UID_FILE,
+    )
+    return paths, False
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse, before the token is spent, a file we would not be allowed to write."""
+    probe = path.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise EnrolmentError(
+            f"cannot write {path}: {probe} is not writable by this user; run the join as root "
+            "(sudo) or choose a --config / state directory this user may write",
+            code="not_writable",
+        )
+
+
+def _read_uid(path: Path, state_dir: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise EnrolmentError(
+            f"no identity to rekey in {state_dir} (no {UID_FILE}); join first, without --rekey",
+            code="no_identity",
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EnrolmentError(
+            f"cannot read {path}: {exc}; run as root (sudo) or restore it from a backup",
+            code="no_identity",
+        ) from exc
+    if not _UID.fullmatch(text):
+        raise EnrolmentError(
+            f"{path} does not hold a node uid; restore it from a backup or join afresh",
+            code="no_identity",
+        )
+    return text
+
+
+def _read_optional(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise EnrolmentError(
+            f"cannot read {path}: {exc.strerror or exc}; run as root (sudo)", code="no_identity"
+        ) from exc
+
+
+# --------------------------------------------------------------------------- the network
+
+
+def _unverified_context() -> ssl.SSLContext:
+    # Only for fetching the CA, which is trusted solely because its hash equals the pin.
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def _unreachable(url: EnrollURL, exc: BaseException) -> EnrolmentError:
+    if isinstance(exc, socket.gaierror):
+        reason = f"cannot resolve {url.host} ({exc.strerror or exc})"
+    elif isinstance(exc, TimeoutError):
+        reason = "no answer within the timeout"
+    elif isinstance(exc, ConnectionRefusedError):
+        reason = "connection refused"
+    else:
+        reason = str(getattr(exc, "strerror", None) or exc) or type(exc).__name__
+    return EnrolmentError(
+        f"cannot reach the control plane at {url}: {reason}; check the address and port "
+        f"(enrolment listens on {DEFAULT_ENROLL_PORT}), that 'llmgw server' runs there, and that "
+        "no firewall blocks this node",
+        code="unreachable",
+    )
+
+
+def _request(
+    url: EnrollURL,
+    ctx: ssl.SSLContext,
+    method: str,
+    path: str,
+    *,
+    body: bytes | None,
+    timeout: float,
+) -> tuple[int, bytes]:
+    conn = http.client.HTTPSConnection(url.host, url.port, context=ctx, timeout=timeout)
+    try:
+        headers = {"Accept": "application/json", "User-Agent": "llmgw-agent-join"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        data = response.read(MAX_BODY + 1)
+        status = response.status
+    finally:
+        conn.close()
+    if len(data) > MAX_BODY:
+        raise EnrolmentError(
+            f"the control plane at {url} answered {method} {path} with more than "
+            f"{MAX_BODY // 1024} KiB; is this llmgw's enrolment port?",
+            code="bad_response",
+        )
+    return status, data
+
+
+def _fetch_ca(url: EnrollURL, timeout: float) -> x509.Certificate:
+    try:
+        status, data = _request(
+            url, _unverified_context(), "GET", "/enroll/ca", body=None, timeout=timeout
+        )
+    except ssl.SSLError as exc:
+        raise EnrolmentError(
+            f"the control plane at {url} did not complete a TLS handshake ({exc.reason or exc}); "
+            f"check the port: enrolment is on {DEFAULT_ENROLL_PORT}, agents' stream on 7443",
+            code="tls_failed",
+        ) from exc
+    except (OSError, http.client.HTTPException) as exc:
+        raise _unreachable(url, exc) from exc
+    if status != 200:
+        raise EnrolmentError(
+            f"the control plane at {url} answered HTTP {status} to GET /enroll/ca; check that "
+            f"this is llmgw's enrolment address (port {DEFAULT_ENROLL_PORT})",
+            code="bad_response",
+            status=status,
+        )
+    try:
+        return x509.load_pem_x509_certificate(data)
+    except ValueError as exc:
+        raise EnrolmentError(
+            f"the control plane at {url} did not send a PEM certificate from /enroll/ca; check "
+            f"that this is llmgw's enrolment address (port {DEFAULT_ENROLL_PORT})",
+            code="bad_response",
+        ) from exc
+
+
+def _post_enroll(
+    url: EnrollURL, ca_pem: bytes, payload: dict[str, object], timeout: float
+) -> dict[str, object]:
+    ctx = ssl.create_default_context(cadata=ca_pem.decode("ascii"))
+    body = json.dumps(payload).encode()
+    try:
+        status, data = _request(url, ctx, "POST", "/enroll", body=body, timeout=timeout)
+    except ssl.SSLCertVerificationError as exc:
+        if exc.verify_code in _NAME_MISMATCH:
+            raise EnrolmentError(
+                f"{url.host} is not an address in the control plane's TLS certificate; the "
+                "token was NOT sent. Use the address printed by 'llmgw ctl join-command', or "
+                f"add {url.host} to the server's 'advertise' and restart it",
+                code="hostname_mismatch",
+            ) from exc
+        raise EnrolmentError(
+            f"the control plane at {url} presented a TLS certificate the pinned CA did not "
+            f"issue ({exc.verify_message}); the token was NOT sent. Check the address, or ask "
+            "for a fresh join command",
+            code="server_untrusted",
+        ) from exc
+    except ssl.SSLError as exc:
+        raise EnrolmentError(
+            f"the TLS handshake with {url} failed ({exc.reason or exc}); the token was NOT sent",
+            code="tls_failed",
+        ) from exc
+    except (OSError, http.client.HTTPException) as exc:
+        raise _unreachable(url, exc) from exc
+    if status != 200:
+        raise _refusal(status, data)
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise EnrolmentError(
+            f"the control plane at {url} answered the join with something other than a JSON "
+            "object; is its version compatible with this agent's?",
+            code="bad_response",
+        )
+    return answer
+
+
+def _refusal(status: int, data: bytes) -> EnrolmentError:
+    code, message = None, None
+    try:
+        error = json.loads(data).get("error")
+        if isinstance(error, dict):
+            code = error.get("code") if isinstance(error.get("code"), str) else None
+            message = error.get("message") if isinstance(error.get("message"), str) else None
+    except (ValueError, AttributeError):
+        pass
+    if code is None:
+        excerpt = data[:200].decode("utf-8", "replace").strip() or "no body"
+        return EnrolmentError(
+            f"the control plane refused the join: HTTP {status} ({excerpt})",
+            code="enrolment_failed",
+            status=status,
+        )
+    text = f"the control plane refused the join: {message or code} ({code})"
+    if code.startswith("token"):
+        return TokenError(text, code=code, status=status)
+    if code.startswith("csr"):
+        return CSRError(text, code=code, status=status)
+    return EnrolmentError(text, code=code, status=status)
+
+
+# --------------------------------------------------------------------------- keys and checks
+
+
+def _new_key_and_csr(node_id: str) -> tuple[ec.EllipticCurvePrivateKey, bytes]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(node_id)]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return key, csr.public_bytes(serialization.Encoding.PEM)
+
+
+def _bad(message: str) -> EnrolmentError:
+    return EnrolmentError(
+        f"the control plane's answer was refused: {message}; nothing was written. Ask for a "
+        "fresh join command, and report this if it happens again",
+        code="bad_response",
+    )
+
+
+def _check_answer(
+    answer: dict[str, object],
+    *,
+    node_id: str,
+    key: ec.EllipticCurvePrivateKey,
+    ca: x509.Certificate,
+    old_uid: str | None,
+) -> tuple[x509.Certificate, str, str, float, tuple[str, ...]]:
+    cert_pem = answer.get("certificate")
+    if not isinstance(cert_pem, str):
+        raise _bad("it holds no certificate")
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem.encode())
+    except ValueError:
+        raise _bad("its certificate is not a readable PEM certificate") from None
+    try:
+        cn = pki.cert_common_name(cert)
+    except LlmgwError:
+        raise _bad("its certificate has no common name") from None
+    if cn != node_id:
+        raise _bad(f"the certificate is for {cn!r}, not {node_id!r}")
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        raise _bad("the certificate was not issued by the pinned CA") from None
+    if pki.fingerprint(cert.public_key()) != pki.fingerprint(key.public_key()):
+        raise _bad("the certificate is not for the key this node generated")
+    ca_pem = answer.get("ca")
+    if isinstance(ca_pem, str):
+        try:
+            sent_ca = x509.load_pem_x509_certificate(ca_pem.encode())
+        except ValueError:
+            raise _bad("its CA is not a readable PEM certificate") from None
+        if pki.fingerprint(sent_ca.public_key()) != pki.fingerprint(ca.public_key()):
+            raise _bad("the CA it names is not the pinned CA")
+    if answer.get("node_id", node_id) != node_id:
+        raise _bad(f"it names node {answer.get('node_id')!r}, not {node_id!r}")
+    uid = answer.get("node_uid")
+    if not isinstance(uid, str) or not _UID.fullmatch(uid):
+        raise _bad("it carries no valid node uid")
+    if old_uid is not None and uid != old_uid:
+        raise _bad(f"the rekeyed node has uid {uid!r}, not this node's {old_uid!r}")
+    sent_fp = answer.get("fingerprint")
+    if sent_fp is not None and sent_fp != pki.fingerprint(key.public_key()):
+        raise _bad(f"it states fingerprint {sent_fp!r}, which is not this node's key")
+    state = answer.get("state")
+    if state not in _STATES:
+        raise _bad(f"its state {state!r} is neither 'pending' nor 'approved'")
+    expires = answer.get("expires_at")
+    if isinstance(expires, bool) or not isinstance(expires, int | float):
+        expires = cert.not_valid_after_utc.timestamp()
+    servers_value = answer.get("servers")
+    if not isinstance(servers_value, list) or not all(isinstance(s, str) for s in servers_value):
+        raise _bad("its 'servers' is not a list of host:port addresses")
+    servers: list[str] = []
+    for item in servers_value:
+        try:
+            host, port = parse_hostport(item, default_port=DEFAULT_GRPC_PORT)
+        except ConfigError as exc:
+            raise _bad(f"server address {item!r} {exc}") from None
+        address = format_hostport(host, port)
+        if address not in servers:
+            servers.append(address)
+    return cert, uid, str(state), float(expires), tuple(servers)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _make_dir(directory: Path, mode: int) -> None:
+    if directory.is_dir():
+        return
+    try:
+        directory.mkdir(mode=mode, parents=True, exist_ok=True)
+        os.chmod(directory, mode)
+    except OSError as exc:
+        raise EnrolmentError(
+            f"cannot create {directory}: {exc.strerror or exc}; run as root (sudo)",
+            code="not_writable",
+        ) from exc
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _stage(path: Path, data: bytes, mode: int) -> Path:
+    """Write ``data`` to a fsynced temporary file beside ``path`` (mode set at creation)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        try:
+            os.fchmod(fd, mode)  # the umask may have removed bits; make it exact
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise EnrolmentError(
+            f"cannot write {path}: {exc.strerror or exc}; check the free space and permissions "
+            f"of {path.parent}",
+            code="not_writable",
+        ) from exc
+    return tmp
+
+
+def _commit(staged: list[tuple[Path, Path]]) -> None:
+    """Move staged files into place, in order; on failure remove what was not moved."""
+    try:
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    except OSError as exc:
+        raise EnrolmentError(
+            f"cannot move the new identity into place ({exc.strerror or exc}); the previous "
+            "files, if any, are kept as *.old",
+            code="not_writable",
+        ) from exc
+    finally:
+        for tmp, _ in staged:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    for directory in {path.parent for _, path in staged}:
+        _fsync_dir(directory)
+
+
+def _write_files(files: list[tuple[Path, bytes, int]]) -> None:
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for path, data, mode in files:
+            staged.append((_stage(path, data, mode), path))
+    except BaseException:
+        for tmp, _ in staged:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
+    _commit(staged)
+
+
+def _config_text(node_id: str, servers: tuple[str, ...], state_dir: Path) -> str:
+    data: dict[str, object] = {}
+    if len(servers) == 1:
+        data["server"] = servers[0]
+    else:
+        data["servers"] = list(servers)
+    data["node_id"] = node_id
+    data["state_dir"] = str(state_dir)
+    header = (
+        "# Written by 'llmgw agent join'; see agent.example.yaml for every setting.\n"
+        "# tls: the node's identity is state_dir/node.crt, node.key and ca.crt.\n"
+    )
+    text = header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+    parse_agent_config(yaml.safe_load(text))  # what the agent will read must be valid
+    return text
+
+
+def _write_config_if_missing(path: Path, text: str) -> bool:
+    """Create ``path`` (0640) atomically, never replacing a file that appeared meanwhile."""
+    _make_dir(path.parent, 0o755)
+    tmp = _stage(path, text.encode(), 0o640)
+    try:
+        os.link(tmp, path)  # fails if the file exists: never overwrite an operator's config
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise EnrolmentError(
+            f"the identity was saved but {path} could not be written ({exc.strerror or exc}); "
+            "create it with 'server', 'node_id' and 'state_dir'",
+            code="not_writable",
+        ) from exc
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    _fsync_dir(path.parent)
+    return True
+
+
+# --------------------------------------------------------------------------- join
+
+
+def join(
+    *,
+    node_id: str,
+    enroll_url: str,
+    ca_hash: str,
+    token: str,
+    config_path: Path = DEFAULT_AGENT_CONFIG,
+    state_dir: Path | None = None,
+    rekey: bool = False,
+    timeout: float = TIMEOUT,
+) -> JoinResult:
+    """Enrol (or with ``rekey`` re-key) node ``node_id`` with the control plane at
+    ``enroll_url`` whose CA hashes to ``ca_hash``, and save the identity where the agent's
+    config (``config_path``; when missing, ``state_dir``) says. Raises only llmgw errors;
+    on any error nothing was written."""
+    pki.validate_node_id(node_id)
+    pin = check_ca_hash(ca_hash)
+    url = parse_enroll_url(enroll_url)
+    token = _check_token(token)
+    paths, config_exists = _resolve_paths(node_id, config_path, state_dir)
+
+    old_uid: str | None = None
+    old_key = old_cert = None
+    if rekey:
+        old_uid = _read_uid(paths.uid, paths.state_dir)
+        old_key, old_cert = _read_optional(paths.key), _read_optional(paths.cert)
+    elif paths.uid.exists():
+        raise EnrolmentError(
+            f"this node already has an identity in {paths.state_dir} ({paths.uid} exists); to "
+            "replace its key use a rekey token with --rekey, or move the directory aside to "
+            "join as a new node",
+            code="already_joined",
+        )
+    targets = [paths.key, paths.cert, paths.ca, paths.uid]
+    if not config_exists:
+        targets.append(paths.config)
+    for target in targets:
+        _check_writable(target)
+
+    ca = _fetch_ca(url, timeout)
+    presented = pki.fingerprint(ca.public_key())
+    if not hmac.compare_digest(presented.encode(), pin.encode()):
+        raise PinMismatch(
+            f"the control plane at {url} presented CA {presented}, not the pinned {pin}; the "
+            "token was NOT sent. Check the address, or ask for a fresh join command"
+        )
+    ca_pem = ca.public_bytes(serialization.Encoding.PEM)
+
+    key, csr_pem = _new_key_and_csr(node_id)
+    payload: dict[str, object] = {
+        "token": token,
+        "node_id": node_id,
+        "csr": csr_pem.decode("ascii"),
+        "rekey": rekey,
+        "node_uid": old_uid,
+    }
+    answer = _post_enroll(url, ca_pem, payload, timeout)
+    cert, uid, state, expires_at, servers = _check_answer(
+        answer, node_id=node_id, key=key, ca=ca, old_uid=old_uid
+    )
+    if not servers:
+        servers = (format_hostport(url.host, DEFAULT_GRPC_PORT),)
+    config_text = None if config_exists else _config_text(node_id, servers, paths.state_dir)
+
+    for directory in {paths.state_dir, paths.key.parent, paths.cert.parent, paths.ca.parent}:
+        _make_dir(directory, 0o700)
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    files: list[tuple[Path, bytes, int]] = []
+    kept_key = kept_cert = None
+    if old_key is not None:
+        kept_key = paths.key.with_name(paths.key.name + ".old")
+        files.append((kept_key, old_key, 0o600))
+    if old_cert is not None:
+        kept_cert = paths.cert.with_name(paths.cert.name + ".old")
+        files.append((kept_cert, old_cert, 0o644))
+    files += [
+        (paths.ca, ca_pem, 0o644),
+        (paths.key, key_pem, 0o600),
+        (paths.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644),
+    ]
+    if old_uid is None:
+        files.append((paths.uid, (uid + "\n").encode(), 0o644))
+    _write_files(files)
+
+    written = _write_config_if_missing(paths.config, config_text) if config_text else False
+    return JoinResult(
+        node_id=node_id,
+        node_uid=uid,
+        fingerprint=pki.fingerprint(key.public_key()),
+        state=state,
+        expires_at=expires_at,
+        not_after=cert.not_valid_after_utc,
+        servers=servers,
+        paths=paths,
+        config_written=written,
+        rekeyed=rekey,
+        old_key=kept_key,
+        old_cert=kept_cert,
+    )

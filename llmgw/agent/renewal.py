@@ -1,0 +1,195 @@
+"""Certificate renewal over the stream: a new key and CSR at two thirds of the lifetime.
+
+The new key and certificate replace the old ones on disk atomically and only once the
+control plane has answered with a certificate for our key from our CA; the data plane
+takes them for new connections and the next stream uses them, so no shard is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from llmgw.agent.config import TLSConfig
+from llmgw.errors import CertificateError
+from llmgw.log import kv
+from llmgw.pki import cert_common_name, load_cert, make_csr, new_private_key, write_private
+from llmgw.proto import control_pb2 as pb
+
+__all__ = ["Renewer", "renew_at"]
+
+log = logging.getLogger("llmgw.agent.renewal")
+
+RETRY = 30.0
+
+
+def renew_at(cert: x509.Certificate) -> float:
+    """Epoch seconds at two thirds of the certificate's lifetime."""
+    start = cert.not_valid_before_utc.timestamp()
+    end = cert.not_valid_after_utc.timestamp()
+    return start + (end - start) * 2 / 3
+
+
+def _write_public(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+class Renewer:
+    """Watches the node certificate's age and renews it through ``send``."""
+
+    def __init__(
+        self,
+        tls: TLSConfig,
+        node_id: str,
+        send: Callable[[pb.AgentMessage], bool],
+        on_renewed: Callable[[], None],
+    ) -> None:
+        self.tls = tls
+        self.node_id = node_id
+        self.send = send
+        self.on_renewed = on_renewed
+        self._pending_key: ec.EllipticCurvePrivateKey | None = None
+        self._answer: asyncio.Future[pb.RenewCertificate] | None = None
+
+    def answer(self, msg: pb.RenewCertificate) -> None:
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_result(msg)
+
+    async def run(self) -> None:
+        """Renew whenever due; returns only when cancelled."""
+        while True:
+            try:
+                due = renew_at(load_cert(self.tls.cert))
+            except CertificateError as exc:
+                log.warning("cannot read the node certificate", extra=kv(error=str(exc)))
+                await asyncio.sleep(RETRY)
+                continue
+            wait = due - time.time()
+            if wait > 0:
+                await asyncio.sleep(min(wait, 3600.0))
+                continue
+            if not await self.renew_once():
+                await asyncio.sleep(RETRY)
+
+    async def renew_once(self, timeout: float = 30.0) -> bool:
+        key = new_private_key()
+        csr = make_csr(key, self.node_id)
+        loop = asyncio.get_running_loop()
+        self._answer = loop.create_future()
+        self._pending_key = key
+        pem = csr.public_bytes(serialization.Encoding.PEM).decode()
+        if not self.send(pb.AgentMessage(cert_request=pb.CertificateRequest(csr_pem=pem))):
+            return False
+        log.info("asking the control plane for a new certificate", extra=kv(node=self.node_id))
+        try:
+            answer = await asyncio.wait_for(self._answer, timeout)
+        except TimeoutError:
+            log.warning("no answer to the renewal request; will retry", extra=kv(node=self.node_id))
+            return False
+        finally:
+            self._answer = None
+        if answer.error:
+            log.warning("the control plane refused the renewal", extra=kv(error=answer.error))
+            return False
+        try:
+            self._install(key, answer)
+        except CertificateError as exc:
+            log.warning("refused the renewed certificate", extra=kv(error=str(exc)))
+            return False
+        with contextlib.suppress(Exception):
+            self.on_renewed()
+        return True
+
+    def _install(self, key: ec.EllipticCurvePrivateKey, answer: pb.RenewCertificate) -> None:
+        try:
+            cert = x509.load_pem_x509_certificate(answer.certificate_pem.encode())
+            ca = x509.load_pem_x509_certificate(answer.ca_pem.encode())
+        except ValueError as exc:
+            raise CertificateError(f"the renewed certificate does not parse: {exc}") from exc
+        if cert_common_name(cert) != self.node_id:
+            raise CertificateError(
+                f"the renewed certificate is for {cert_common_name(cert)!r}, not {self.node_id!r}"
+            )
+        current_ca = load_cert(self.tls.ca)
+        if ca != current_ca:
+            raise CertificateError(
+                "the renewed certificate comes with another CA; rejoin the node instead"
+            )
+        try:
+            cert.verify_directly_issued_by(current_ca)
+        except (ValueError, TypeError) as exc:
+            raise CertificateError(
+                f"the renewed certificate is not from the cluster CA: {exc}"
+            ) from exc
+        ours = key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        theirs = cert.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        if ours != theirs:
+            raise CertificateError("the renewed certificate is not for the key we sent")
+        # Key first, then certificate: a crash in between leaves node.key.new's
+        # predecessor recoverable from node.key.old.
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        old_key, old_cert = self.tls.key.read_bytes(), self.tls.cert.read_bytes()
+        write_private(self.tls.key.with_name(self.tls.key.name + ".old"), old_key)
+        _write_public(self.tls.cert.with_name(self.tls.cert.name + ".old"), old_cert)
+        write_private(self.tls.key, key_pem)
+        _write_public(self.tls.cert, cert.public_bytes(serialization.Encoding.PEM))
+        log.info(
+            "installed a renewed certificate",
+            extra=kv(node=self.node_id, until=cert.not_valid_after_utc.isoformat()),
+        )
+
+
+def _matches(key_pem: bytes, cert_pem: bytes) -> bool:
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except (ValueError, TypeError):
+        return False
+    fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return key.public_key().public_bytes(*fmt) == cert.public_key().public_bytes(*fmt)
+
+
+def recover_identity(tls: TLSConfig) -> None:
+    """Undo a key swap that a crash interrupted: the key must match the certificate."""
+    try:
+        key, cert = tls.key.read_bytes(), tls.cert.read_bytes()
+    except OSError:
+        return  # missing files are reported by the caller with the fix
+    if _matches(key, cert):
+        return
+    old_key = tls.key.with_name(tls.key.name + ".old")
+    with contextlib.suppress(OSError):
+        if _matches(old_key.read_bytes(), cert):
+            write_private(tls.key, old_key.read_bytes())
+            log.warning(
+                "restored the previous key: a renewal was interrupted", extra=kv(key=str(tls.key))
+            )
+            return
+    raise CertificateError(
+        f"the node key {tls.key} does not belong to the certificate {tls.cert}; rejoin the node "
+        "('llmgw agent join --rekey')"
+    )

@@ -1,0 +1,412 @@
+"""The enrolment endpoint: a node trades a one-time token and a CSR for its certificate.
+
+HTTPS (the control plane's server certificate, no client certificate) on ``enroll_listen``:
+
+``GET /enroll/ca``
+    the cluster CA certificate (PEM), which the agent checks against its ``--ca-hash`` pin.
+``POST /enroll``
+    JSON ``{"token", "node_id", "csr", "rekey"?, "node_uid"?}`` (at most 64 KiB) ->
+    ``{"certificate", "ca", "node_id", "node_uid", "fingerprint", "state", "expires_at",
+    "servers"}``; refusals are ``{"error": {"code", "message"}}`` with the error's HTTP status.
+
+A request either succeeds completely (token used, node recorded, certificate issued and
+recorded, event added) or leaves the store exactly as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from cryptography.hazmat.primitives import serialization
+
+from llmgw import pki
+from llmgw.config_util import format_hostport
+from llmgw.errors import CertificateError, ConfigError, EnrolmentError, LlmgwError
+from llmgw.log import kv
+from llmgw.server.store import Node, Store
+
+__all__ = [
+    "MAX_BODY",
+    "EnrolRequest",
+    "Enroller",
+    "EnrolmentServer",
+    "parse_enrol_request",
+    "server_ssl_context",
+]
+
+log = logging.getLogger("llmgw.server.enroll")
+
+MAX_BODY = 64 * 1024
+"""Largest request body accepted; a P-256 CSR in PEM is under 1 KiB."""
+
+READ_TIMEOUT = 30.0
+"""Seconds a client may take to send its request body."""
+
+_FIELDS = {"token": str, "node_id": str, "csr": str, "rekey": bool, "node_uid": str}
+_REQUIRED = ("token", "node_id", "csr")
+_JSON_TYPE = {str: "a string", bool: "true or false"}
+_NODE_UID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_FIELD_HELP = {
+    "token": "give the token printed by 'llmgw ctl join-command'",
+    "node_id": "give the node's id (a DNS name, e.g. gpu-1)",
+    "csr": "give the PEM certificate request made with the node's own key",
+    "rekey": "true for a rekey, false (or left out) for a join",
+    "node_uid": "give the uid the node got when it joined, or null for a join",
+}
+
+
+def _bad_request(message: str) -> EnrolmentError:
+    return EnrolmentError(message, code="bad_request", status=400)
+
+
+def _too_large(size: int | None = None) -> EnrolmentError:
+    got = f" ({size} bytes)" if size is not None else ""
+    return EnrolmentError(
+        f"the request body is larger than {MAX_BODY} bytes{got}; send only the token, node id "
+        "and CSR that 'llmgw agent join' sends",
+        code="body_too_large",
+        status=413,
+    )
+
+
+def _json_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+@dataclass(frozen=True)
+class EnrolRequest:
+    """A parsed ``POST /enroll`` body; the token never shows in its repr."""
+
+    token: str = field(repr=False)
+    node_id: str
+    csr: str = field(repr=False)
+    rekey: bool = False
+    node_uid: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return "rekey" if self.rekey else "join"
+
+
+def parse_enrol_request(body: bytes) -> EnrolRequest:
+    """Check a ``POST /enroll`` body's shape; raises only :class:`EnrolmentError`
+    (``body_too_large``, ``bad_json``, ``bad_request``)."""
+    if len(body) > MAX_BODY:
+        raise _too_large(len(body))
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError too
+        raise EnrolmentError(
+            f"the request body is not JSON ({type(exc).__name__}: {str(exc)[:200]}); send a "
+            'JSON object such as {"token": "...", "node_id": "...", "csr": "..."}',
+            code="bad_json",
+            status=400,
+        ) from exc
+    if not isinstance(data, dict):
+        raise _bad_request(
+            f"the request body is {_json_kind(data)}, not a JSON object; send "
+            '{"token": "...", "node_id": "...", "csr": "..."}'
+        )
+    unknown = sorted(k for k in data if k not in _FIELDS)
+    if unknown:
+        names = ", ".join(repr(k[:40]) for k in unknown[:5])
+        raise _bad_request(
+            f"unknown field(s) {names}; an enrolment request has only {', '.join(_FIELDS)}"
+        )
+    for name in _REQUIRED:
+        if name not in data:
+            raise _bad_request(f"field '{name}' is missing; {_FIELD_HELP[name]}")
+    for name, kind in _FIELDS.items():
+        if name not in data:
+            continue
+        value = data[name]
+        if name == "node_uid" and value is None:
+            continue
+        if not isinstance(value, kind):
+            raise _bad_request(
+                f"field '{name}' is {_json_kind(value)}, not {_JSON_TYPE[kind]}; "
+                f"{_FIELD_HELP[name]}"
+            )
+    token, node_id, csr = data["token"], data["node_id"], data["csr"]
+    rekey = bool(data.get("rekey", False))
+    node_uid: str | None = data.get("node_uid")
+    if not token:
+        raise _bad_request(f"field 'token' is empty; {_FIELD_HELP['token']}")
+    if not csr:
+        raise _bad_request(f"field 'csr' is empty; {_FIELD_HELP['csr']}")
+    try:
+        pki.validate_node_id(node_id)
+    except ConfigError as exc:
+        reason = exc.message.removeprefix("node_id: ")  # ConfigError names the key itself
+        raise _bad_request(f"field 'node_id': {reason}") from exc
+    if rekey:
+        if not node_uid:
+            raise _bad_request(
+                "field 'node_uid' is missing; a rekey names the uid the node got when it "
+                "joined (kept in the agent's state directory)"
+            )
+        if not _NODE_UID.fullmatch(node_uid):
+            raise _bad_request(
+                "field 'node_uid' is not a node uid (1-64 letters, digits, '_' or '-'); give "
+                "the uid the node got when it joined"
+            )
+    return EnrolRequest(
+        token=token,
+        node_id=node_id,
+        csr=csr,
+        rekey=rekey,
+        node_uid=node_uid if rekey else None,
+    )
+
+
+class Enroller:
+    """Turns a checked :class:`EnrolRequest` into a certificate, in one store transaction."""
+
+    def __init__(
+        self,
+        store: Store,
+        ca: pki.Authority,
+        *,
+        lifetime: float,
+        servers: Callable[[], list[str]],
+        on_enrolled: Callable[[Node], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.ca = ca
+        self.lifetime = lifetime
+        self._servers = servers
+        self._on_enrolled = on_enrolled
+        self.ca_pem = ca.cert.public_bytes(serialization.Encoding.PEM).decode("ascii")
+
+    def enrol(self, req: EnrolRequest, *, peer: str = "") -> dict[str, Any]:
+        """Use the token, check the CSR, record the node and its certificate, and return the
+        response body. Any refusal (an :class:`EnrolmentError`) leaves the store untouched."""
+        servers = list(self._servers())  # before anything is written: it cannot undo a join
+        store = self.store
+        try:
+            with store.transaction():
+                # The token first: an unknown one is refused before any parsing work.
+                token = store.consume_join_token(
+                    req.token, node_id=req.node_id, kind=req.kind, node_uid=req.node_uid
+                )
+                csr = pki.load_csr(req.csr)
+                pki.check_csr(csr, token.node_id)
+                fp = pki.fingerprint(csr.public_key())
+                node = store.enrol_node(
+                    token.node_id,
+                    fingerprint=fp,
+                    rekey=req.rekey,
+                    node_uid=req.node_uid,
+                    require_approval=token.require_approval,
+                )
+                cert = pki.sign_csr(self.ca, csr, node_id=node.id, lifetime=self.lifetime)
+                serial = pki.serial_hex(cert)
+                store.add_certificate(
+                    serial,
+                    node_id=node.id,
+                    fingerprint=fp,
+                    not_before=cert.not_valid_before_utc.timestamp(),
+                    not_after=cert.not_valid_after_utc.timestamp(),
+                )
+                if req.rekey:
+                    store.revoke_certificates(node.id, reason="rekeyed", except_serial=serial)
+                    store.add_event(
+                        "node_rekeyed",
+                        node.id,
+                        f"new key {fp}, certificate {serial}; older certificates revoked",
+                    )
+                else:
+                    store.add_event(
+                        "node_enrolled",
+                        node.id,
+                        f"joined with key {fp}, certificate {serial}; compare the fingerprint "
+                        f"and approve it with 'llmgw ctl approve {node.id}'",
+                    )
+        except EnrolmentError as exc:
+            log.warning(
+                "enrolment refused",
+                extra=kv(
+                    code=exc.code, node=req.node_id, kind=req.kind, peer=peer, reason=exc.message
+                ),
+            )
+            raise
+        log.info(
+            "node enrolled" if not req.rekey else "node rekeyed",
+            extra=kv(
+                node=node.id,
+                uid=node.uid,
+                state=node.state,
+                fingerprint=fp,
+                serial=serial,
+                token=token.id,
+                peer=peer,
+            ),
+        )
+        if self._on_enrolled is not None:
+            try:
+                self._on_enrolled(node)
+            except Exception:  # the node is enrolled; a listener's bug must not undo that
+                log.exception("on_enrolled failed", extra=kv(node=node.id))
+        return {
+            "certificate": cert.public_bytes(serialization.Encoding.PEM).decode("ascii"),
+            "ca": self.ca_pem,
+            "node_id": node.id,
+            "node_uid": node.uid,
+            "fingerprint": fp,
+            "state": node.state,
+            "expires_at": cert.not_valid_after_utc.timestamp(),
+            "servers": servers,
+        }
+
+
+def server_ssl_context(identity: pki.Identity) -> ssl.SSLContext:
+    """TLS for the enrolment port: the control plane's server certificate, no client auth
+    (a joining node has no certificate yet)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(identity.cert, identity.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise CertificateError(
+            f"cannot load the server certificate {identity.cert} with {identity.key} ({exc}); "
+            "restart 'llmgw server' to reissue it"
+        ) from exc
+    return ctx
+
+
+def _error_response(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own refusals (404, 405, ...) as our JSON error body."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "bad_request")
+        return _error_response(
+            exc.status,
+            code,
+            f"{request.method} {request.path[:100]}: {exc.reason}; the enrolment endpoint "
+            "serves GET /enroll/ca and POST /enroll",
+        )
+
+
+class EnrolmentServer:
+    """The HTTPS listener for ``GET /enroll/ca`` and ``POST /enroll``."""
+
+    def __init__(self, enroller: Enroller) -> None:
+        self.enroller = enroller
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int, ssl_ctx: ssl.SSLContext) -> int:
+        """Listen on ``host:port`` (0: any free port) with TLS; return the bound port."""
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[_json_errors])
+        app.router.add_get("/enroll/ca", self._get_ca)
+        app.router.add_post("/enroll", self._post_enroll)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise ConfigError(
+                f"cannot listen on {format_hostport(host, port)}: {exc.strerror or exc}; free "
+                "the port or change enroll_listen",
+                key="enroll_listen",
+            ) from exc
+        self._runner = runner
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.port = int(sockets[0].getsockname()[1]) if sockets else port
+        log.info("enrolment listening", extra=kv(addr=format_hostport(host, self.port)))
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def _get_ca(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.enroller.ca_pem.encode("ascii"), content_type="application/x-pem-file"
+        )
+
+    async def _post_enroll(self, request: web.Request) -> web.Response:
+        peer = request.remote or ""
+        try:
+            body = await _read_body(request)
+            req = parse_enrol_request(body)
+        except EnrolmentError as exc:
+            log.warning("enrolment refused", extra=kv(code=exc.code, peer=peer, reason=exc.message))
+            return _error_response(exc.status, exc.code, exc.message)
+        try:
+            # Synchronous on purpose: the store is used from this event loop's thread only,
+            # and the transaction must not interleave with other coroutines' writes.
+            result = self.enroller.enrol(req, peer=peer)
+        except EnrolmentError as exc:  # logged by the enroller
+            return _error_response(exc.status, exc.code, exc.message)
+        except LlmgwError as exc:
+            log.error("enrolment failed", extra=kv(node=req.node_id, peer=peer, error=str(exc)))
+            return _error_response(
+                503,
+                "unavailable",
+                f"the control plane cannot enrol nodes right now ({exc}); retry in a minute",
+            )
+        except Exception:
+            log.exception("enrolment failed", extra=kv(node=req.node_id, peer=peer))
+            return _error_response(
+                500,
+                "internal",
+                "the control plane failed while enrolling this node; see its log "
+                "(journalctl -u llmgw-server) and retry",
+            )
+        return web.json_response(result)
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The body, refused as soon as it is known to exceed MAX_BODY (header or bytes read)."""
+    declared = request.content_length
+    if declared is not None and declared > MAX_BODY:
+        raise _too_large(declared)
+    buf = bytearray()
+    try:
+        async with asyncio.timeout(READ_TIMEOUT):
+            async for chunk in request.content.iter_chunked(16 * 1024):
+                buf += chunk
+                if len(buf) > MAX_BODY:
+                    raise _too_large()
+    except TimeoutError as exc:
+        raise EnrolmentError(
+            f"the request body did not arrive within {READ_TIMEOUT:g} s; check the network "
+            "and retry",
+            code="request_timeout",
+            status=408,
+        ) from exc
+    return bytes(buf)

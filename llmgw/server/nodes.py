@@ -1,0 +1,202 @@
+"""Who may be part of the fleet: admission, approval, rejection, revocation and renewal.
+
+A node is admitted on its first stream as **pending** (it may stay connected but gets no
+orders) with the fingerprint of the key in its certificate; an operator who compares that
+fingerprint approves it. Revocation puts every certificate serial of the node on the deny
+list and cuts its stream at once; only a fresh join brings it back. Certificates are
+renewed over the stream with a CSR for a new key.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from cryptography import x509
+
+from llmgw.errors import Conflict, LlmgwError, NotFound
+from llmgw.log import kv
+from llmgw.pki import check_csr, fingerprint, load_csr, serial_hex, sign_csr
+from llmgw.proto import control_pb2 as pb
+from llmgw.server.stream import NodeSession
+
+if TYPE_CHECKING:
+    from llmgw.server.app import ControlPlane
+
+__all__ = ["Membership"]
+
+log = logging.getLogger("llmgw.server.nodes")
+
+
+class Membership:
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        self.revoked: set[str] = set()
+
+    def load(self) -> None:
+        self.revoked = self.cp.store.revoked_serials()
+
+    # -- streams ---------------------------------------------------------------------------------
+
+    def refusal(self, node_id: str, cert: x509.Certificate | None) -> str | None:
+        if cert is None:
+            return "the stream presented no client certificate; join the node first"
+        serial = serial_hex(cert)
+        rejoin = f"the node can come back only through a fresh join ('llmgw ctl join-command --node {node_id}')"
+        if serial in self.revoked:
+            return f"certificate {serial} of node {node_id} was revoked; {rejoin}"
+        try:
+            node = self.cp.store.get_node(node_id)
+        except NotFound:
+            return None
+        if node.state == "revoked":
+            return f"node {node_id} is revoked; {rejoin}"
+        return None
+
+    def admit(self, node_id: str, cert: x509.Certificate) -> None:
+        """Record the node (pending when new) and the certificate it connected with."""
+        store = self.cp.store
+        fp = fingerprint(cert.public_key())
+        serial = serial_hex(cert)
+        with store.transaction():
+            try:
+                store.get_node(node_id)
+                new = False
+            except NotFound:
+                new = True
+            if new:
+                store.upsert_node(
+                    node_id, dataplane_addr=None, agent_version=None, inventory={}, connected=True
+                )
+                store.set_node_state(node_id, "pending")
+                store.add_event("node_pending", node_id, f"awaiting approval, key {fp}")
+            store.set_node_fingerprint(node_id, fp)
+            if serial not in {c.serial for c in store.list_certificates(node_id)}:
+                store.add_certificate(
+                    serial,
+                    node_id=node_id,
+                    fingerprint=fp,
+                    not_before=cert.not_valid_before_utc.timestamp(),
+                    not_after=cert.not_valid_after_utc.timestamp(),
+                )
+        if new:
+            log.info("a new node is waiting for approval", extra=kv(node=node_id, fingerprint=fp))
+
+    # -- operator decisions ------------------------------------------------------------------------
+
+    def approve(self, node_id: str, fp: str) -> None:
+        store = self.cp.store
+        node = store.get_node(node_id)
+        if node.state == "approved":
+            raise Conflict(f"node {node_id} is already approved")
+        if node.state == "revoked":
+            raise Conflict(
+                f"node {node_id} is revoked; it can come back only through a fresh join "
+                f"('llmgw ctl join-command --node {node_id}')"
+            )
+        if not fp:
+            raise Conflict(
+                f"approve needs the fingerprint the node printed when it joined: 'llmgw ctl approve "
+                f"{node_id} --fingerprint {node.fingerprint}' after comparing it on the node"
+            )
+        if fp.lower() != (node.fingerprint or "").lower():
+            raise Conflict(
+                f"fingerprint {fp} does not match node {node_id}'s key {node.fingerprint}; do not "
+                "approve: compare with what 'llmgw agent join' printed on the node"
+            )
+        store.set_node_state(node_id, "approved")
+        store.add_event("node_approved", node_id, f"key {node.fingerprint}")
+        log.info("node approved", extra=kv(node=node_id))
+        session = self.cp.sessions.get(node_id)
+        if session is not None:
+            session.send(
+                pb.ServerMessage(
+                    node_state=pb.NodeState(state="approved", message="approved by an operator")
+                )
+            )
+        self.cp.scheduler.kick()
+
+    def reject(self, node_id: str) -> None:
+        store = self.cp.store
+        node = store.get_node(node_id)
+        if node.state != "pending":
+            raise Conflict(
+                f"node {node_id} is {node.state}, not pending; to throw out an admitted node use "
+                f"'llmgw ctl revoke {node_id}'"
+            )
+        serials = store.revoke_certificates(node_id, reason="rejected")
+        self.revoked.update(serials)
+        store.delete_node(node_id)
+        store.add_event("node_rejected", node_id, f"{len(serials)} certificates denied")
+        self._cut(node_id)
+
+    def revoke(self, node_id: str) -> list[str]:
+        store = self.cp.store
+        node = store.get_node(node_id)
+        serials = store.revoke_certificates(node_id, reason="revoked by an operator")
+        self.revoked.update(serials)
+        if node.state == "revoked" and not serials:
+            raise Conflict(f"node {node_id} is already revoked")
+        store.set_node_state(node_id, "revoked")
+        store.add_event("node_revoked", node_id, f"denied certificates {', '.join(serials) or '-'}")
+        log.warning("node revoked", extra=kv(node=node_id, serials=",".join(serials)))
+        self._cut(node_id)
+        # Its replicas are rebuilt elsewhere.
+        replicas = {s.replica_id for s in store.list_shards(node_id=node_id)}
+        for replica_id in replicas:
+            self.cp.remove_replica(replica_id, why=f"node {node_id} revoked")
+        self.cp.scheduler.kick()
+        return serials
+
+    def _cut(self, node_id: str) -> None:
+        self.cp.router.remove_node(node_id)
+        session = self.cp.sessions.get(node_id)
+        if session is not None:
+            session.close()
+
+    # -- renewal -------------------------------------------------------------------------------------
+
+    def renew(self, session: NodeSession, csr_pem: str) -> None:
+        store = self.cp.store
+        ca = self.cp.ca
+        assert ca is not None
+        try:
+            node = store.get_node(session.node_id)
+            if node.state == "revoked":
+                raise Conflict(f"node {session.node_id} is revoked")
+            csr = load_csr(csr_pem)
+            check_csr(csr, session.node_id)
+            cert = sign_csr(ca, csr, node_id=session.node_id, lifetime=self.cp.cfg.cert_lifetime)
+        except LlmgwError as exc:
+            log.warning("refused a renewal", extra=kv(node=session.node_id, error=str(exc)))
+            session.send(pb.ServerMessage(renew_certificate=pb.RenewCertificate(error=str(exc))))
+            return
+        from cryptography.hazmat.primitives.serialization import Encoding
+
+        fp = fingerprint(cert.public_key())
+        with store.transaction():
+            store.add_certificate(
+                serial_hex(cert),
+                node_id=session.node_id,
+                fingerprint=fp,
+                not_before=cert.not_valid_before_utc.timestamp(),
+                not_after=cert.not_valid_after_utc.timestamp(),
+            )
+            store.set_node_fingerprint(session.node_id, fp)
+            store.add_event(
+                "cert_renewed",
+                session.node_id,
+                f"serial {serial_hex(cert)} until {time.strftime('%Y-%m-%d %H:%M', time.gmtime(cert.not_valid_after_utc.timestamp()))}Z",
+            )
+        log.info(
+            "renewed a node certificate", extra=kv(node=session.node_id, serial=serial_hex(cert))
+        )
+        session.send(
+            pb.ServerMessage(
+                renew_certificate=pb.RenewCertificate(
+                    certificate_pem=cert.public_bytes(Encoding.PEM).decode(),
+                    ca_pem=ca.cert.public_bytes(Encoding.PEM).decode(),
+                )
+            )
+        )
