@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,6 +66,9 @@ class DataPlane:
         self.inflight = 0
         self.accepting = True
         self._idle = asyncio.Event()
+        self._checked: weakref.WeakKeyDictionary[asyncio.BaseTransport, bool] = (
+            weakref.WeakKeyDictionary()
+        )
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self.bound_port: int = 0
@@ -81,7 +85,12 @@ class DataPlane:
             auto_decompress=False,
         )
         self._runner = web.AppRunner(
-            self._app(), handler_cancellation=True, access_log=None, shutdown_timeout=30.0
+            self._app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=30.0,
+            # Longer than the gateway's pool keeps idle connections, so it closes first.
+            keepalive_timeout=300,
         )
         await self._runner.setup()
         site = web.TCPSite(
@@ -119,9 +128,21 @@ class DataPlane:
             await self._session.close()
             self._session = None
 
+    def _peer_allowed(self, request: web.Request) -> bool:
+        """Whether the connection's client certificate is the control plane's (cached per
+        connection: decoding the certificate on every request costs more than relaying)."""
+        transport = request.transport
+        if transport is None:
+            return False
+        allowed = self._checked.get(transport)
+        if allowed is None:
+            allowed = _is_control_plane(transport.get_extra_info("peercert"))
+            self._checked[transport] = allowed
+        return allowed
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        peer = request.transport.get_extra_info("peercert") if request.transport else None
-        if not _is_control_plane(peer):
+        if not self._peer_allowed(request):
+            peer = request.transport.get_extra_info("peercert") if request.transport else None
             log.warning(
                 "refused a data-plane request from a certificate that is not the control plane's",
                 extra={

@@ -27,6 +27,8 @@ __all__ = ["Gateway", "StreamTokenCounter", "openai_error"]
 
 log = logging.getLogger("llmgw.server.gateway")
 
+_DECODER = json.JSONDecoder()
+
 
 def openai_error(
     status: int,
@@ -57,32 +59,35 @@ class StreamTokenCounter:
     def feed(self, chunk: bytes) -> None:
         if self.first_at is None:
             self.first_at = time.perf_counter()
-        data = self.buf + chunk
+        data = self.buf + chunk if self.buf else chunk
         held = b""
         if b"\r" in data:
             # SSE allows CRLF and CR line ends; a CR at the end may be half of a CRLF.
             if data.endswith(b"\r"):
                 data, held = data[:-1], b"\r"
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        *events, rest = data.split(b"\n\n")
-        self.buf = rest + held
-        for event in events:
-            if not event.startswith(b"data:"):
-                continue
-            body = event[5:].lstrip(b" ")
-            if not body.startswith(b"{"):
-                continue
-            if b'"usage":{' in body:
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self.buf = data + held
+            return
+        done, self.buf = data[: cut + 2], data[cut + 2 :] + held
+        # Count in C over the whole run of complete events instead of event by event.
+        self.events += (
+            done.count(b'"content":"')
+            - done.count(b'"content":""')
+            + done.count(b'"text":"')
+            - done.count(b'"text":""')
+        )
+        if b'"usage":{' in done:
+            for event in done.split(b"\n\n"):
+                if b'"usage":{' not in event or not event.startswith(b"data:"):
+                    continue
                 try:
-                    usage = json.loads(body).get("usage")
-                except ValueError:
+                    usage = json.loads(event[5:]).get("usage")
+                except (ValueError, AttributeError):
                     usage = None
                 if isinstance(usage, dict):
                     self.usage = usage
-            if (b'"content":"' in body and b'"content":""' not in body) or (
-                b'"text":"' in body and b'"text":""' not in body
-            ):
-                self.events += 1
 
 
 class Gateway:
@@ -105,7 +110,7 @@ class Gateway:
                     ssl=self.cp.client_ssl_context(),
                     limit=0,
                     enable_cleanup_closed=True,
-                    keepalive_timeout=60,
+                    keepalive_timeout=290,
                 ),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
                 auto_decompress=False,
@@ -272,13 +277,16 @@ class Gateway:
                 metrics.latency.observe(labels, time.perf_counter() - started)
 
     def _count_body_tokens(self, model: str, body: bytes) -> None:
-        if b'"usage"' not in body:
+        at = body.rfind(b'"usage":')
+        if at < 0:
             return
+        # Decode only the usage object, not the whole completion.
         try:
-            usage = json.loads(body).get("usage") or {}
-        except (ValueError, AttributeError):
+            usage, _ = _DECODER.raw_decode(body[at + 8 :].decode().lstrip())
+        except (ValueError, UnicodeDecodeError):
             return
-        self._add_usage(model, usage)
+        if isinstance(usage, dict):
+            self._add_usage(model, usage)
 
     def _count_stream_tokens(self, model: str, counter: StreamTokenCounter) -> None:
         if counter.usage is not None:
