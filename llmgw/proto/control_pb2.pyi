@@ -21,20 +21,28 @@ SHARD_FAILED: ShardState
 SHARD_EXITED: ShardState
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "inventory", "shard_status", "op_result", "cert_request")
+    __slots__ = ("hello", "heartbeat", "inventory", "shard_status", "op_result", "cert_request", "draining")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     SHARD_STATUS_FIELD_NUMBER: _ClassVar[int]
     OP_RESULT_FIELD_NUMBER: _ClassVar[int]
     CERT_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     inventory: Inventory
     shard_status: ShardStatus
     op_result: OperationResult
     cert_request: CertificateRequest
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., shard_status: _Optional[_Union[ShardStatus, _Mapping]] = ..., op_result: _Optional[_Union[OperationResult, _Mapping]] = ..., cert_request: _Optional[_Union[CertificateRequest, _Mapping]] = ...) -> None: ...
+    draining: Draining
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., shard_status: _Optional[_Union[ShardStatus, _Mapping]] = ..., op_result: _Optional[_Union[OperationResult, _Mapping]] = ..., cert_request: _Optional[_Union[CertificateRequest, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ...) -> None: ...
+
+class Draining(_message.Message):
+    __slots__ = ("deadline_s",)
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    deadline_s: float
+    def __init__(self, deadline_s: _Optional[float] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("node_id", "agent_version", "inventory", "shards", "max_epoch", "dataplane_addr")
@@ -75,7 +83,7 @@ class Gpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("hostname", "arch", "cpus", "memory_total_bytes", "memory_available_bytes", "gpus", "gpu_status", "engines")
+    __slots__ = ("hostname", "arch", "cpus", "memory_total_bytes", "memory_available_bytes", "gpus", "gpu_status", "engines", "driver_version", "gpu_source", "disk_total_bytes", "disk_free_bytes", "engine_details", "ib_adapters", "fabrics", "warnings")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     CPUS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +92,14 @@ class Inventory(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     GPU_STATUS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GPU_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DISK_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    IB_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    FABRICS_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     arch: str
     cpus: int
@@ -92,7 +108,61 @@ class Inventory(_message.Message):
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     gpu_status: str
     engines: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, hostname: _Optional[str] = ..., arch: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_status: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ...) -> None: ...
+    driver_version: str
+    gpu_source: str
+    disk_total_bytes: int
+    disk_free_bytes: int
+    engine_details: _containers.RepeatedCompositeFieldContainer[EngineInfo]
+    ib_adapters: _containers.RepeatedCompositeFieldContainer[IbAdapter]
+    fabrics: _containers.RepeatedCompositeFieldContainer[Fabric]
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hostname: _Optional[str] = ..., arch: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_status: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., driver_version: _Optional[str] = ..., gpu_source: _Optional[str] = ..., disk_total_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., engine_details: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., ib_adapters: _Optional[_Iterable[_Union[IbAdapter, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("name", "path", "version", "ok", "problem")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    version: str
+    ok: bool
+    problem: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., version: _Optional[str] = ..., ok: _Optional[bool] = ..., problem: _Optional[str] = ...) -> None: ...
+
+class IbPort(_message.Message):
+    __slots__ = ("port", "state", "link_layer", "rate", "gids")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LINK_LAYER_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    GIDS_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    state: str
+    link_layer: str
+    rate: str
+    gids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, port: _Optional[int] = ..., state: _Optional[str] = ..., link_layer: _Optional[str] = ..., rate: _Optional[str] = ..., gids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class IbAdapter(_message.Message):
+    __slots__ = ("name", "ports")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PORTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ports: _containers.RepeatedCompositeFieldContainer[IbPort]
+    def __init__(self, name: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[IbPort, _Mapping]]] = ...) -> None: ...
+
+class Fabric(_message.Message):
+    __slots__ = ("name", "hcas", "healthy")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HCAS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    hcas: _containers.RepeatedScalarFieldContainer[str]
+    healthy: bool
+    def __init__(self, name: _Optional[str] = ..., hcas: _Optional[_Iterable[str]] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("shard_id", "replica_id", "state", "port", "reason", "exit_code", "has_exit_code", "pid", "model")
@@ -137,18 +207,46 @@ class CertificateRequest(_message.Message):
     def __init__(self, csr_pem: _Optional[str] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "start_shard", "stop_shard", "renew_certificate", "node_state")
+    __slots__ = ("welcome", "start_shard", "stop_shard", "renew_certificate", "node_state", "refuse", "install_engine")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     START_SHARD_FIELD_NUMBER: _ClassVar[int]
     STOP_SHARD_FIELD_NUMBER: _ClassVar[int]
     RENEW_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     NODE_STATE_FIELD_NUMBER: _ClassVar[int]
+    REFUSE_FIELD_NUMBER: _ClassVar[int]
+    INSTALL_ENGINE_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     start_shard: StartShard
     stop_shard: StopShard
     renew_certificate: RenewCertificate
     node_state: NodeState
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ...) -> None: ...
+    refuse: Refuse
+    install_engine: InstallEngine
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., install_engine: _Optional[_Union[InstallEngine, _Mapping]] = ...) -> None: ...
+
+class Refuse(_message.Message):
+    __slots__ = ("leader", "message")
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    leader: str
+    message: str
+    def __init__(self, leader: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class InstallEngine(_message.Message):
+    __slots__ = ("meta", "engine", "version", "url", "sha256", "arch")
+    META_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    ARCH_FIELD_NUMBER: _ClassVar[int]
+    meta: OrderMeta
+    engine: str
+    version: str
+    url: str
+    sha256: str
+    arch: str
+    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., engine: _Optional[str] = ..., version: _Optional[str] = ..., url: _Optional[str] = ..., sha256: _Optional[str] = ..., arch: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("cluster_id", "epoch", "heartbeat_interval_s", "node_id", "node_state")
