@@ -134,14 +134,28 @@ class StreamClient:
     # -- the connection loop ---------------------------------------------------------------
 
     async def run(self) -> None:
-        """Connect forever; returns only when cancelled."""
+        """Connect forever, moving through ``servers`` (or to a named leader); returns only
+        when cancelled."""
         index = 0
+        named_leader: str | None = None
         while True:
-            server = self.servers[index % len(self.servers)]
+            if named_leader is not None:
+                server, named_leader = named_leader, None
+            else:
+                server = self.servers[index % len(self.servers)]
+                index += 1
             started = time.monotonic()
             try:
                 await self._session(server)
                 reason = "stream closed by the control plane"
+            except Refused as exc:
+                reason = f"{server} refused: {exc.message}"
+                if exc.leader and exc.leader != server:
+                    named_leader = exc.leader
+                    log.warning(
+                        "control plane is a standby; moving to the leader it names",
+                        extra=kv(server=server, leader=exc.leader),
+                    )
             except StaleEpoch as exc:
                 reason = str(exc)
             except grpc.aio.AioRpcError as exc:
@@ -156,11 +170,11 @@ class StreamClient:
             if time.monotonic() - started > 30:
                 self.backoff.reset()
             delay = self.backoff.next_delay()
+            upcoming = named_leader or self.servers[index % len(self.servers)]
             log.warning(
                 "control plane stream ended; reconnecting",
-                extra=kv(server=server, reason=reason, retry_in=f"{delay:.2f}s"),
+                extra=kv(server=server, reason=reason, next=upcoming, retry_in=f"{delay:.2f}s"),
             )
-            index += 1
             await asyncio.sleep(delay)
 
     async def _session(self, server: str) -> None:
@@ -187,6 +201,8 @@ class StreamClient:
             try:
                 async for msg in call:
                     kind = msg.WhichOneof("msg")
+                    if kind == "refuse":
+                        raise Refused(msg.refuse.leader, msg.refuse.message)
                     if kind == "welcome":
                         self._welcome(msg.welcome, server)
                         if heartbeat is None:
@@ -343,6 +359,15 @@ class StreamClient:
         for task in list(self._order_tasks):
             task.cancel()
         await asyncio.gather(*self._order_tasks, return_exceptions=True)
+
+
+class Refused(Exception):
+    """A standby control plane refused the stream and named the leader."""
+
+    def __init__(self, leader: str, message: str) -> None:
+        super().__init__(message)
+        self.leader = leader
+        self.message = message
 
 
 def _describe_rpc_error(exc: grpc.aio.AioRpcError, server: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import ssl
 import time
@@ -40,6 +41,7 @@ from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.scheduler import Scheduler
+from llmgw.server.standby import LEADER_HTTP, LEADER_STREAM, Standby, try_leadership
 from llmgw.server.store import Node, Store
 from llmgw.server.stream import ControlPlaneService, NodeSession
 
@@ -101,6 +103,10 @@ class ControlPlane:
         self.enroll_port = 0
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.role = "starting"
+        self._lock_fd: int | None = None
+        self._standby: Standby | None = None
+        self._promotion: asyncio.Task[None] | None = None
 
     @property
     def pki_dir(self) -> Path:
@@ -119,6 +125,40 @@ class ControlPlane:
                 key="state_dir",
                 file=str(cfg.source) if cfg.source else None,
             ) from exc
+        # 0. leadership: a second control plane on this state directory is a standby
+        self._lock_fd = try_leadership(cfg.state_dir)
+        if self._lock_fd is None:
+            await self._start_standby()
+            return
+        await self._start_leader()
+
+    async def _start_standby(self) -> None:
+        self.role = "standby"
+        hosts = [*local_addresses(), *self.cfg.advertise]
+        _ca, identity, _client = ensure_server_identity(self.pki_dir, hosts=hosts)
+        self._standby = Standby(self, identity)
+        await self._standby.start()
+        self._promotion = asyncio.create_task(self._await_leadership(), name="promotion")
+
+    async def _await_leadership(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            fd = try_leadership(self.cfg.state_dir)
+            if fd is None:
+                continue
+            self._lock_fd = fd
+            log.warning(
+                "the leader is gone; taking over", extra=kv(state_dir=str(self.cfg.state_dir))
+            )
+            assert self._standby is not None
+            await self._standby.stop()
+            self._standby = None
+            await self._start_leader()
+            return
+
+    async def _start_leader(self) -> None:
+        cfg = self.cfg
+        self.role = "leader"
         # 1. state store, leader epoch
         self.store = Store.open(cfg.state_dir / "llmgw.db")
         self.epoch = self.store.bump_epoch()
@@ -143,6 +183,8 @@ class ControlPlane:
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
         self._tasks.append(asyncio.create_task(self._watch_heartbeats(), name="heartbeats"))
         self.store.add_event("server_started", "control-plane", f"epoch {self.epoch}")
+        self.store.set_meta(LEADER_STREAM, self.stream_addresses()[0])
+        self.store.set_meta(LEADER_HTTP, f"http://{self.http_addr}")
         log.info(
             "control plane started",
             extra=kv(
@@ -259,6 +301,14 @@ class ControlPlane:
         return format_hostport(host, self.http_port)
 
     async def stop(self) -> None:
+        if self._promotion is not None:
+            self._promotion.cancel()
+            await asyncio.gather(self._promotion, return_exceptions=True)
+        if self._standby is not None:
+            await self._standby.stop()
+        if self.role != "leader":
+            self._release()
+            return
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -271,6 +321,12 @@ class ControlPlane:
         if self._enrolment is not None:
             await self._enrolment.stop()
         self.store.close()
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     # -- caches the request path reads ---------------------------------------------------------
 

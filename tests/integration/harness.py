@@ -204,6 +204,8 @@ def make_agent(
         # that the refusal under test is the server refusing its certificate.
         cfg["tls"]["ca"] = str(server.pki_dir / "ca.crt")
     cfg.update(extra or {})
+    if "servers" in cfg:
+        cfg.pop("server")
     path = d / "agent.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return Agent(node_id, d, path, port)
@@ -245,3 +247,39 @@ def llmgw_processes_under(root: Path) -> list[str]:
         if "llmgw" in cmd and str(root) in cmd:
             found.append(f"{entry}: {cmd}")
     return found
+
+
+def start_server_with(tmp: Path, *, heartbeat: float = 1.0, **extra: Any) -> Server:
+    """:func:`start_server` with more keys in server.yaml (e.g. ``cert_lifetime=12``)."""
+    state = tmp / "server"
+    http_port, grpc_port = free_port(), free_port()
+    cfg = tmp / "server.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(state),
+                "http_listen": f"127.0.0.1:{http_port}",
+                "grpc_listen": f"127.0.0.1:{grpc_port}",
+                "enroll_listen": "127.0.0.1:0",
+                "heartbeat_interval": heartbeat,
+                "loss_timeout": max(3.0, heartbeat * 3),
+                **extra,
+            }
+        )
+    )
+    log_path = tmp / "server.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([*LLMGW, "server", "--config", str(cfg)], stdout=out, stderr=out)
+    server = Server(state, http_port, grpc_port, proc, log_path)
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            with urllib.request.urlopen(server.url + "/healthz", timeout=1) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    wait_for(healthy, what="control plane /healthz")
+    return server

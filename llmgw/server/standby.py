@@ -1,0 +1,156 @@
+"""Standby control planes: one leader per state directory, the others refuse and name it.
+
+Leadership is an exclusive lock on ``STATE/leader.lock``, held for the life of the leader's
+process; a second control plane on the same state (a warm standby on the same machine or a
+shared volume) waits for the lock. Meanwhile it answers every agent stream with ``Refuse``
+naming the leader's stream address, and every HTTP request with 503 naming the leader's
+gateway; when the leader's process ends it takes the lock, bumps the epoch (fencing the old
+leader) and starts serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import sqlite3
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+from aiohttp import web
+
+from llmgw.config_util import format_hostport, parse_hostport
+from llmgw.errors import ConfigError
+from llmgw.log import kv
+from llmgw.pki import Identity
+from llmgw.proto import control_pb2 as pb
+from llmgw.proto import control_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from llmgw.server.app import ControlPlane
+
+__all__ = ["Standby", "read_leader", "try_leadership"]
+
+log = logging.getLogger("llmgw.server.standby")
+
+LEADER_STREAM = "leader_stream"
+LEADER_HTTP = "leader_http"
+
+
+def try_leadership(state_dir: Path) -> int | None:
+    """The locked file descriptor when this process is the leader, else None."""
+    fd = os.open(state_dir / "leader.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def read_leader(db: Path) -> tuple[str, str]:
+    """The leader's stream and HTTP addresses as it recorded them (read-only; never writes)."""
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2.0)
+    except sqlite3.Error:
+        return "", ""
+    try:
+        rows = dict(
+            conn.execute(
+                "SELECT key, value FROM meta WHERE key IN (?, ?)", (LEADER_STREAM, LEADER_HTTP)
+            ).fetchall()
+        )
+    except sqlite3.Error:
+        return "", ""
+    finally:
+        conn.close()
+    return rows.get(LEADER_STREAM, ""), rows.get(LEADER_HTTP, "")
+
+
+class _Refuser(pb_grpc.ControlPlaneServicer):
+    def __init__(self, standby: Standby) -> None:
+        self.standby = standby
+
+    async def Connect(
+        self, request_iterator: object, context: grpc.aio.ServicerContext
+    ) -> None:
+        leader, _ = self.standby.leader()
+        message = (
+            f"this control plane is a standby; the leader is {leader or 'not known yet'}"
+            " (add every control plane to 'servers' in agent.yaml)"
+        )
+        await context.write(pb.ServerMessage(refuse=pb.Refuse(leader=leader, message=message)))
+
+
+class Standby:
+    """What a control plane serves while another holds the leadership."""
+
+    def __init__(self, cp: ControlPlane, identity: Identity) -> None:
+        self.cp = cp
+        self.identity = identity
+        self._grpc: grpc.aio.Server | None = None
+        self._runner: web.AppRunner | None = None
+
+    def leader(self) -> tuple[str, str]:
+        return read_leader(self.cp.cfg.state_dir / "llmgw.db")
+
+    async def start(self) -> None:
+        ident = self.identity
+        creds = grpc.ssl_server_credentials(
+            [(ident.key.read_bytes(), ident.cert.read_bytes())],
+            root_certificates=ident.ca.read_bytes(),
+            require_client_auth=True,
+        )
+        self._grpc = grpc.aio.server()
+        pb_grpc.add_ControlPlaneServicer_to_server(_Refuser(self), self._grpc)
+        host, port = parse_hostport(self.cp.cfg.grpc_listen, allow_zero=True)
+        try:
+            self.cp.grpc_port = self._grpc.add_secure_port(format_hostport(host, port), creds)
+        except RuntimeError as exc:
+            raise ConfigError(
+                f"cannot listen on {self.cp.cfg.grpc_listen}: {exc}", key="grpc_listen"
+            ) from exc
+        await self._grpc.start()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._http)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        host, port = parse_hostport(self.cp.cfg.http_listen, allow_zero=True)
+        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {self.cp.cfg.http_listen}: {exc.strerror}", key="http_listen"
+            ) from exc
+        sockets = getattr(site._server, "sockets", None) or []
+        self.cp.http_port = int(sockets[0].getsockname()[1]) if sockets else port
+        leader, _ = self.leader()
+        log.warning(
+            "another control plane holds this state directory; serving as a standby",
+            extra=kv(leader=leader or "unknown", state_dir=str(self.cp.cfg.state_dir)),
+        )
+
+    async def _http(self, request: web.Request) -> web.Response:
+        _, leader_http = self.leader()
+        body = {
+            "status": "standby",
+            "leader": leader_http,
+            "error": {
+                "message": f"this control plane is a standby; use the leader at {leader_http or 'unknown'}",
+                "type": "server_error",
+                "code": "standby",
+            },
+        }
+        return web.json_response(body, status=503, headers={"Retry-After": "5"})
+
+    async def stop(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace=0.5)
+            self._grpc = None
+        if self._runner is not None:
+            with contextlib.suppress(Exception):
+                await self._runner.cleanup()
+            self._runner = None
