@@ -28,10 +28,14 @@ from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import CertificateError
 from llmgw.log import kv
 from llmgw.notify import Notifier
+from llmgw.proto import control_pb2 as pb
 
 __all__ = ["Agent", "run_agent"]
 
 log = logging.getLogger("llmgw.agent")
+
+# How long in-flight data-plane requests may take to finish when the agent stops.
+DRAIN_TIMEOUT = 30.0
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -121,6 +125,13 @@ class Agent:
             on_status=lambda shard: stream_ref[0].report_shard(shard) if stream_ref else None,
         )
         await self.shards.open()
+        # Engines outlive the agent: take back the ones the previous agent started.
+        adopted, dead = await self.shards.adopt_all()
+        if adopted or dead:
+            log.info(
+                "shards after restart",
+                extra=kv(adopted=len(adopted), dead=len(dead)),
+            )
         # 4. data plane
         self.dataplane = DataPlane(cfg.listen, ssl_ctx, self.shards.ready_port)
         await self.dataplane.start()
@@ -162,8 +173,16 @@ class Agent:
             await self.stopping.wait()
         finally:
             self.notifier.stopping()
-            log.info("agent stopping", extra=kv(node=cfg.node_id))
-            await dataplane.drain(timeout=30.0)
+            # Drain on stop: the control plane stops routing here first, then the requests
+            # in flight finish; the engines keep running for the next agent to adopt.
+            told = self.stream.send(pb.AgentMessage(draining=pb.Draining(deadline_s=DRAIN_TIMEOUT)))
+            log.info(
+                "agent stopping; draining",
+                extra=kv(node=cfg.node_id, inflight=dataplane.inflight, control_plane_told=told),
+            )
+            if told:
+                await self.stream.flushed(timeout=2.0)
+            await dataplane.drain(timeout=DRAIN_TIMEOUT)
             for task in (stream_task, watchdog, parent, renewal_task):
                 task.cancel()
             await asyncio.gather(

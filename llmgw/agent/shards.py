@@ -5,6 +5,10 @@ when its ``/health`` answers, and is reported ``failed`` (with its exit code and
 of its log) when it ends without having been told to. Every change is handed to a
 callback, which the stream turns into ``ShardStatus`` messages, and recorded in
 ``shards.json`` in the state directory.
+
+Engines outlive the agent: stopping the agent (or killing it) leaves them running, and the
+next agent adopts them from ``shards.json`` (:meth:`ShardManager.adopt_all`); those that
+ended meanwhile are reported failed so that the control plane starts them again.
 """
 
 from __future__ import annotations
@@ -17,22 +21,36 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from llmgw.agent.runtimes import Handle, Launch, Runtime
-from llmgw.agent.runtimes.process import process_start_time
+from llmgw.agent.runtimes.base import ShardRecord
 from llmgw.engines.launch import build_argv
 from llmgw.errors import EngineError, LlmgwError, ShardError
 from llmgw.log import kv
 
-__all__ = ["EXITED", "FAILED", "READY", "STARTING", "Shard", "ShardManager", "ShardSpec"]
+__all__ = [
+    "DIED_WHILE_DOWN",
+    "EXITED",
+    "EXITED_WHILE_ADOPTED",
+    "FAILED",
+    "READY",
+    "STARTING",
+    "Shard",
+    "ShardManager",
+    "ShardSpec",
+]
 
 log = logging.getLogger("llmgw.agent.shards")
 
 STARTING, READY, FAILED, EXITED = "starting", "ready", "failed", "exited"
+
+DIED_WHILE_DOWN = "engine exited while the agent was down"
+EXITED_WHILE_ADOPTED = "engine exited while adopted (exit code unknown to a new agent)"
 
 
 @dataclass(frozen=True)
@@ -52,6 +70,8 @@ class Shard:
     state: str = STARTING
     port: int = 0
     pid: int = 0
+    start_time: int | None = None
+    container_id: str | None = None
     exit_code: int | None = None
     reason: str = ""
     handle: Handle | None = None
@@ -62,6 +82,23 @@ class Shard:
     @property
     def shard_id(self) -> str:
         return self.spec.shard_id
+
+    def record(self) -> ShardRecord:
+        spec = self.spec
+        return ShardRecord(
+            shard_id=spec.shard_id,
+            replica_id=spec.replica_id,
+            model=spec.model,
+            engine=spec.engine,
+            rank=spec.rank,
+            params=dict(spec.params),
+            extra_args=spec.extra_args,
+            pid=self.pid,
+            start_time=self.start_time,
+            port=self.port,
+            container_id=self.container_id,
+            state=self.state,
+        )
 
 
 def pick_port(host: str = "127.0.0.1") -> int:
@@ -81,6 +118,58 @@ def _log_tail(path: Path, lines: int = 3, limit: int = 400) -> str:
     except OSError:
         return ""
     return " | ".join(tail)[-limit:]
+
+
+_MISSING: Any = object()
+
+
+def _get(obj: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any = _MISSING) -> Any:
+    if key not in obj:
+        if default is _MISSING:
+            raise ValueError(f"no {key!r}")
+        return default
+    value = obj[key]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ValueError(f"{key!r} is a {type(value).__name__}")
+    return value
+
+
+def _parse_record(shard_id: str, obj: object) -> ShardRecord:
+    """One entry of shards.json; ValueError when it is not what :meth:`Shard.record` wrote."""
+    try:
+        if not isinstance(obj, dict):
+            raise ValueError(f"a {type(obj).__name__}, not an object")
+        params = _get(obj, "params", (dict,), {})
+        extra_args = _get(obj, "extra_args", (list,), [])
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()):
+            raise ValueError("'params' is not a map of strings")
+        if not all(isinstance(a, str) for a in extra_args):
+            raise ValueError("'extra_args' is not a list of strings")
+        return ShardRecord(
+            shard_id=shard_id,
+            replica_id=_get(obj, "replica_id", (str,)),
+            model=_get(obj, "model", (str,)),
+            engine=_get(obj, "engine", (str,)),
+            rank=_get(obj, "rank", (int,), 0),
+            params=params,
+            extra_args=tuple(extra_args),
+            pid=_get(obj, "pid", (int,)),
+            start_time=_get(obj, "start_time", (int, type(None)), None),
+            port=_get(obj, "port", (int,)),
+            container_id=_get(obj, "container_id", (str, type(None)), None),
+            state=_get(obj, "state", (str,)),
+        )
+    except ValueError as exc:
+        raise ValueError(f"shard {shard_id!r}: {exc}") from None
+
+
+def _record_json(record: ShardRecord) -> dict[str, Any]:
+    data = asdict(record)
+    del data["shard_id"]
+    data["extra_args"] = list(record.extra_args)
+    if record.container_id is None:
+        del data["container_id"]
+    return data
 
 
 class ShardManager:
@@ -140,24 +229,16 @@ class ShardManager:
 
     def _emit(self, shard: Shard) -> None:
         self._save_records()
+        self._notify(shard)
+
+    def _notify(self, shard: Shard) -> None:
         try:
             self.on_status(shard)
         except Exception:
             log.exception("shard status callback failed", extra=kv(shard=shard.shard_id))
 
     def _save_records(self) -> None:
-        records = {
-            s.shard_id: {
-                "replica_id": s.spec.replica_id,
-                "model": s.spec.model,
-                "engine": s.spec.engine,
-                "pid": s.pid,
-                "start_time": process_start_time(s.pid) if s.pid else None,
-                "port": s.port,
-                "state": s.state,
-            }
-            for s in self.shards.values()
-        }
+        records = {s.shard_id: _record_json(s.record()) for s in self.shards.values()}
         tmp = self.records_path.with_name("shards.json.tmp")
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -204,6 +285,8 @@ class ShardManager:
             self._emit(shard)
             raise
         shard.pid = shard.handle.pid
+        shard.start_time = shard.handle.start_time
+        shard.container_id = shard.handle.container_id
         log.info(
             "shard starting",
             extra=kv(
@@ -213,6 +296,104 @@ class ShardManager:
         self._emit(shard)
         shard.task = asyncio.create_task(self._watch(shard), name=f"shard-{spec.shard_id}")
         return shard
+
+    def _load_records(self) -> list[ShardRecord]:
+        """The records a previous agent left; a file that cannot be read is moved aside."""
+        path = self.records_path
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            log.warning(
+                "cannot read the shard records; adopting nothing",
+                extra=kv(path=str(path), error=exc.strerror),
+            )
+            return []
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict):
+                raise ValueError(f"a {type(data).__name__}, not an object")
+            return [_parse_record(str(sid), obj) for sid, obj in data.items()]
+        except ValueError as exc:
+            aside = path.with_name(
+                f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+            )
+            try:
+                os.replace(path, aside)
+            except OSError as move_exc:
+                log.warning(
+                    "shard records are corrupt and cannot be moved aside; adopting nothing",
+                    extra=kv(path=str(path), error=str(exc), move_error=move_exc.strerror),
+                )
+            else:
+                log.warning(
+                    "shard records are corrupt; moved them aside and adopting nothing",
+                    extra=kv(path=str(path), moved_to=str(aside), error=str(exc)),
+                )
+            return []
+
+    async def adopt_all(self) -> tuple[list[Shard], list[ShardRecord]]:
+        """Take over the engines a previous agent left running; call it after :meth:`open`.
+
+        Returns the shards adopted (starting, then ready once healthy, as after a fresh
+        start) and the records whose engine ended while no agent watched it. Those stay here
+        as failed shards, so the next Hello reports them and the control plane starts them
+        again; nothing is started here. Records of exited or failed shards are dropped.
+        """
+        adopted: list[Shard] = []
+        dead: list[ShardRecord] = []
+        for record in self._load_records():
+            if record.state not in (STARTING, READY) or record.shard_id in self.shards:
+                continue
+            spec = ShardSpec(
+                shard_id=record.shard_id,
+                replica_id=record.replica_id,
+                model=record.model,
+                engine=record.engine,
+                rank=record.rank,
+                params=dict(record.params),
+                extra_args=record.extra_args,
+            )
+            shard = Shard(
+                spec=spec,
+                port=record.port,
+                pid=record.pid,
+                start_time=record.start_time,
+                container_id=record.container_id,
+            )
+            self.shards[spec.shard_id] = shard
+            try:
+                handle = await self.runtime.adopt(record)
+            except LlmgwError as exc:
+                handle = None
+                shard.reason = f"engine could not be adopted after an agent restart: {exc}"
+            if handle is None:
+                shard.state = FAILED
+                shard.reason = shard.reason or DIED_WHILE_DOWN
+                log.warning(
+                    "shard not adopted",
+                    extra=kv(shard=spec.shard_id, pid=record.pid, reason=shard.reason),
+                )
+                dead.append(record)
+                self._notify(shard)
+                continue
+            shard.handle = handle
+            shard.pid = handle.pid
+            shard.start_time = handle.start_time
+            shard.container_id = handle.container_id
+            log.info(
+                "shard adopted",
+                extra=kv(shard=spec.shard_id, model=spec.model, pid=shard.pid, port=shard.port),
+            )
+            self._notify(shard)
+            adopted.append(shard)
+        # Saved once all are known: a save in between (a watcher's) would drop the records
+        # not yet read if this agent died before the end.
+        self._save_records()
+        for shard in adopted:
+            shard.task = asyncio.create_task(self._watch(shard), name=f"shard-{shard.shard_id}")
+        return adopted, dead
 
     async def _watch(self, shard: Shard) -> None:
         assert shard.handle is not None
@@ -241,15 +422,20 @@ class ShardManager:
         else:
             shard.state = FAILED
             tail = _log_tail(self.log_path(shard.shard_id))
-            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            shard.reason = shard.reason or f"engine {how}" + (f"; log: {tail}" if tail else "")
+            if code is None:
+                how = EXITED_WHILE_ADOPTED
+            elif code < 0:
+                how = f"engine killed by signal {-code}"
+            else:
+                how = f"engine exited with code {code}"
+            shard.reason = shard.reason or how + (f"; log: {tail}" if tail else "")
             log.warning(
                 "shard failed",
                 extra=kv(shard=shard.shard_id, exit_code=code, reason=shard.reason),
             )
         self._emit(shard)
 
-    async def _wait_healthy(self, shard: Shard, exit_wait: asyncio.Task[int]) -> bool:
+    async def _wait_healthy(self, shard: Shard, exit_wait: asyncio.Task[int | None]) -> bool:
         assert self._session is not None
         deadline = time.monotonic() + self.startup_timeout
         url = f"http://127.0.0.1:{shard.port}/health"

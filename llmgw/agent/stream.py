@@ -119,6 +119,16 @@ class StreamClient:
         self._queue.put_nowait(msg)
         return True
 
+    async def flushed(self, timeout: float) -> None:
+        """Wait until the messages queued so far have been handed to gRPC (or timeout)."""
+        queue = self._queue
+        if queue is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not queue.empty() and loop.time() < deadline:  # noqa: ASYNC110 - bounded poll
+            await asyncio.sleep(0.01)
+
     def report_shard(self, shard: Shard) -> None:
         self.send(pb.AgentMessage(shard_status=shard_status(shard)))
 

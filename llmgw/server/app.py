@@ -469,6 +469,14 @@ class ControlPlane:
             self._apply_status(session, msg.shard_status)
         elif kind == "op_result":
             self._apply_result(session, msg.op_result)
+        elif kind == "draining":
+            session.draining = True
+            self.router.remove_node(session.node_id)
+            self.store.add_event(
+                "node_draining", session.node_id, "agent stopping; no new requests sent to it"
+            )
+            log.info("agent is stopping; routing around it", extra=kv(node=session.node_id))
+            self._count_ready()
         elif kind == "cert_request":
             self.membership.renew(session, msg.cert_request.csr_pem)
         elif kind == "inventory":
@@ -499,7 +507,7 @@ class ControlPlane:
             reason=status.reason,
         )
         self.store.set_replica_state(shard.replica_id, state if state != "exited" else "failed")
-        if state == "ready":
+        if state == "ready" and not session.draining:
             replica = self.store.get_replica(shard.replica_id)
             self.router.set_ready(
                 Endpoint(

@@ -44,6 +44,7 @@ class NodeSession:
     connected_at: float = field(default_factory=time.time)
     last_heartbeat: float = field(default_factory=time.monotonic)
     inflight: int = 0
+    draining: bool = False
 
     def _meta(self) -> pb.OrderMeta:
         return pb.OrderMeta(epoch=self.epoch, op_id=uuid.uuid4().hex)

@@ -6,7 +6,7 @@ import abc
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Handle", "Launch", "Runtime"]
+__all__ = ["Handle", "Launch", "Runtime", "ShardRecord"]
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,11 @@ class Launch:
     port: int
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    # For container runtimes; the process runtime ignores them.
+    image: str | None = None  # the engine's image, e.g. llmgw-sim:0.1
+    labels: dict[str, str] = field(default_factory=dict)  # llmgw.cluster/node/replica/shard
+    gpus: tuple[str, ...] = ()  # GPU UUIDs or indices handed to the container; () means none
+    container_port: int = 0  # the port the engine listens on inside; 0 means ``port``
 
 
 @dataclass
@@ -28,6 +33,29 @@ class Handle:
     pid: int
     port: int
     ref: object = None
+    start_time: int | None = None
+    """The process's start time (clock ticks since boot), so that a reused pid is never adopted."""
+    container_id: str | None = None
+    """The container the engine runs in, for runtimes that use containers."""
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """What the state directory keeps of one shard: enough to find its engine again after an
+    agent restart (pid and start time, or container id) and to start it afresh."""
+
+    shard_id: str
+    replica_id: str
+    model: str
+    engine: str
+    rank: int = 0
+    params: dict[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    pid: int = 0
+    start_time: int | None = None
+    port: int = 0
+    container_id: str | None = None
+    state: str = ""
 
 
 class Runtime(abc.ABC):
@@ -40,8 +68,9 @@ class Runtime(abc.ABC):
         """Start the engine; raise ShardError when it cannot even be started."""
 
     @abc.abstractmethod
-    async def wait(self, handle: Handle) -> int:
-        """Wait for the engine to end and return its exit code (negative: killed by signal)."""
+    async def wait(self, handle: Handle) -> int | None:
+        """Wait for the engine to end and return its exit code (negative: killed by signal);
+        None when it cannot be known (an engine adopted from a previous agent)."""
 
     @abc.abstractmethod
     async def stop(self, handle: Handle, grace: float) -> None:
@@ -50,3 +79,8 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def alive(self, handle: Handle) -> bool:
         """Whether the engine is still running."""
+
+    @abc.abstractmethod
+    async def adopt(self, record: ShardRecord) -> Handle | None:
+        """Take over the engine a previous agent started for ``record``; None when it is gone
+        (or its pid or container now belongs to something else)."""

@@ -1,4 +1,10 @@
-"""The process runtime: each shard is a child process in its own session on a loopback port."""
+"""The process runtime: each shard is a process in its own session on a loopback port.
+
+Engines outlive the agent: each leads its own session, reads /dev/null, writes to its log
+file and holds nothing else of the agent's, so a restarted agent adopts it by pid and start
+time. The agent waits for a process through a pidfd (polling /proc where there is none)
+rather than as its parent, since an adopted engine is no longer its child.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +12,31 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
+from dataclasses import dataclass
 
-from llmgw.agent.runtimes.base import Handle, Launch, Runtime
+from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord
 from llmgw.errors import ShardError
 
-__all__ = ["ProcessRuntime", "process_start_time"]
+__all__ = ["EngineProcess", "ProcessRuntime", "process_start_time"]
+
+_POLL_S = 0.5
+
+# Variables meant for the agent alone: an engine that saw them could notify systemd on the
+# agent's behalf or take itself for a child of 'llmgw up'.
+_AGENT_ONLY_ENV = (
+    "NOTIFY_SOCKET",
+    "WATCHDOG_PID",
+    "WATCHDOG_USEC",
+    "LISTEN_PID",
+    "LISTEN_FDS",
+    "LISTEN_FDNAMES",
+    "LLMGW_PARENT_PID",
+)
 
 
-def process_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (clock ticks since boot), so a reused pid is never mistaken."""
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """The state (field 3) and start time (field 22) of /proc/PID/stat."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -23,19 +45,82 @@ def process_start_time(pid: int) -> int | None:
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
     rest = stat[stat.rfind(b")") + 2 :].split()
     try:
-        return int(rest[19])
+        return rest[0].decode(), int(rest[19])
     except (IndexError, ValueError):
         return None
 
 
+def process_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (clock ticks since boot), so a reused pid is never mistaken."""
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[1]
+
+
+def _running(pid: int, start_time: int | None) -> bool:
+    """Whether ``pid`` is still the process that started at ``start_time``, and not a zombie."""
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X", "x") and stat[1] == start_time
+
+
+@dataclass
+class EngineProcess:
+    """A ``Handle.ref``: an engine process, started by this agent or adopted from a previous one."""
+
+    pid: int
+    start_time: int | None
+    popen: subprocess.Popen[bytes] | None = None
+    """The child this agent started; None when adopted (its exit code is unknowable)."""
+
+    def running(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return _running(self.pid, self.start_time)
+
+    async def gone(self) -> None:
+        """Return once the process has ended, without having to be its parent."""
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            return
+        except OSError:
+            # No pidfd (Linux < 5.3, a seccomp filter): look at /proc now and then.
+            while self.running():  # noqa: ASYNC110 - polling is the point
+                await asyncio.sleep(_POLL_S)
+            return
+        try:
+            # The pid may have been reused before the pidfd was opened: check it is still ours.
+            if not self.running():
+                return
+            loop = asyncio.get_running_loop()
+            ended: asyncio.Future[None] = loop.create_future()
+
+            def readable() -> None:
+                if not ended.done():
+                    ended.set_result(None)
+
+            loop.add_reader(pidfd, readable)
+            try:
+                await ended
+            finally:
+                loop.remove_reader(pidfd)
+        finally:
+            os.close(pidfd)
+
+
+def _engine(handle: Handle) -> EngineProcess:
+    ref = handle.ref
+    assert isinstance(ref, EngineProcess)
+    return ref
+
+
 class ProcessRuntime(Runtime):
-    """Engines as child processes, each the leader of its own session and process group."""
+    """Engines as processes, each the leader of its own session and process group."""
 
     name = "process"
 
     async def start(self, launch: Launch) -> Handle:
         launch.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k not in _AGENT_ONLY_ENV}
         env.update(launch.env)
         try:
             log = open(launch.log_path, "ab", buffering=0)
@@ -44,10 +129,14 @@ class ProcessRuntime(Runtime):
                 f"cannot open the shard log {launch.log_path}: {exc.strerror}; "
                 "check the state directory's owner and free space"
             ) from exc
+        # Not asyncio's subprocess: its transport kills a still-running child when it is
+        # closed or collected, which (from Python 3.12, whose child watcher lives in the
+        # event loop) happens as the agent's loop ends, taking the engines down with it.
+        # Popen only forks and execs here (it does not wait), so it does not block the loop.
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *launch.argv,
-                stdin=asyncio.subprocess.DEVNULL,
+            popen = subprocess.Popen(  # noqa: ASYNC220
+                launch.argv,
+                stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
                 env=env,
@@ -61,33 +150,62 @@ class ProcessRuntime(Runtime):
             ) from exc
         finally:
             log.close()
-        return Handle(shard_id=launch.shard_id, pid=proc.pid, port=launch.port, ref=proc)
+        start_time = process_start_time(popen.pid)
+        return Handle(
+            shard_id=launch.shard_id,
+            pid=popen.pid,
+            port=launch.port,
+            ref=EngineProcess(popen.pid, start_time, popen),
+            start_time=start_time,
+        )
 
-    async def wait(self, handle: Handle) -> int:
-        proc = handle.ref
-        assert isinstance(proc, asyncio.subprocess.Process)
-        return await proc.wait()
+    async def adopt(self, record: ShardRecord) -> Handle | None:
+        if record.pid <= 0 or record.start_time is None:
+            return None
+        if not _running(record.pid, record.start_time):
+            return None
+        # Every engine this runtime starts leads its own session; a process that does not is
+        # not one of ours, whatever its start time.
+        try:
+            if os.getsid(record.pid) != record.pid:
+                return None
+        except OSError:
+            return None
+        return Handle(
+            shard_id=record.shard_id,
+            pid=record.pid,
+            port=record.port,
+            ref=EngineProcess(record.pid, record.start_time),
+            start_time=record.start_time,
+        )
+
+    async def wait(self, handle: Handle) -> int | None:
+        engine = _engine(handle)
+        await engine.gone()
+        if engine.popen is None:
+            return None
+        # Ended already: this only collects the exit status.
+        return engine.popen.wait()
 
     def alive(self, handle: Handle) -> bool:
-        proc = handle.ref
-        assert isinstance(proc, asyncio.subprocess.Process)
-        return proc.returncode is None
+        return _engine(handle).running()
 
     async def stop(self, handle: Handle, grace: float) -> None:
-        proc = handle.ref
-        assert isinstance(proc, asyncio.subprocess.Process)
-        if proc.returncode is not None:
+        engine = _engine(handle)
+        if not engine.running():
             return
         # The engine leads its own process group: signal the whole group so that helpers
         # it forked (tokenizer workers, sidecars) go with it.
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(engine.pid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(asyncio.shield(proc.wait()), timeout=grace)
+            await asyncio.wait_for(engine.gone(), timeout=grace)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+                os.killpg(engine.pid, signal.SIGKILL)
+            await engine.gone()
+        if engine.popen is not None:
+            engine.popen.wait()
         # Anything left in the group after the leader is gone is killed too.
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(engine.pid, signal.SIGKILL)

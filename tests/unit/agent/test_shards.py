@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -260,3 +261,75 @@ def test_process_start_time_survives_odd_command_names(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def _fd_targets(pid: int) -> dict[int, str]:
+    targets = {}
+    for entry in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            targets[int(entry.name)] = os.readlink(entry)
+    return targets
+
+
+def _environ(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def test_engine_holds_nothing_of_the_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state_dir = tmp_path / "state"
+    # Meant for the agent alone: an engine must not notify systemd or watch 'llmgw up'.
+    monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
+    monkeypatch.setenv("LLMGW_PARENT_PID", "1")
+    full = ShardSpec(
+        shard_id="s1",
+        replica_id="r1",
+        model="sim-model",
+        engine="sim",
+        rank=3,
+        params={"seed": "5"},
+        extra_args=("--max-tokens", "16"),
+    )
+
+    async def body(manager: ShardManager, rec: Recorder) -> None:
+        shard = await manager.start(full)
+        await rec.wait_for("s1", READY)
+        engine = _fd_targets(shard.pid)
+        assert engine[0] == "/dev/null"
+        assert engine[1] == engine[2] == str(manager.log_path("s1"))
+        # Pipes and sockets the agent holds (its event loop's, its HTTP client's) are not
+        # inherited: the engine's are its own.
+        ours = {t for t in _fd_targets(os.getpid()).values() if t.startswith(("pipe:", "socket:"))}
+        assert ours
+        assert not ours & set(engine.values())
+        environ = _environ(shard.pid)
+        assert not [v for v in environ if v.startswith((b"NOTIFY_SOCKET=", b"LLMGW_PARENT_PID="))]
+        # The record is enough to rebuild the shard after an agent restart.
+        rec_s1 = records(state_dir)["s1"]
+        assert rec_s1["rank"] == 3
+        assert rec_s1["params"] == {"seed": "5"}
+        assert rec_s1["extra_args"] == ["--max-tokens", "16"]
+
+    run_with_manager(state_dir, body)
+
+
+def test_close_leaves_engines_running(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+
+    async def main() -> int:
+        recorder = Recorder()
+        manager = ShardManager(state_dir, ProcessRuntime(), recorder, startup_timeout=WAIT_S)
+        await manager.open()
+        shard = await manager.start(spec())
+        await recorder.wait_for("s1", READY)
+        await manager.close()
+        assert recorder.states("s1") == [STARTING, READY]
+        return shard.pid
+
+    pid = asyncio.run(main())
+    try:
+        assert pid_alive(pid)
+        assert records(state_dir)["s1"]["state"] == READY
+    finally:
+        os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
