@@ -54,6 +54,8 @@ RENEW_BEFORE = dt.timedelta(days=30)
 
 # Certificates start a little in the past so that a peer whose clock is slightly behind accepts them.
 _BACKDATE = dt.timedelta(minutes=5)
+# Public: how far certificates are backdated for clock skew (not part of their lifetime).
+BACKDATE = _BACKDATE
 _IF_INET6 = Path("/proc/net/if_inet6")
 _SIOCGIFADDR = 0x8915
 _LABEL = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
@@ -936,6 +938,7 @@ def local_addresses() -> list[str]:
 
 
 __all__ = [
+    "BACKDATE",
     "CA_CERT",
     "CA_KEY",
     "CONTROL_PLANE_CN",

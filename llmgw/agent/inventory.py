@@ -1,16 +1,44 @@
-"""What this node has: CPUs, memory, architecture, engines, and why it has no GPUs if so."""
+"""What this node has (CPUs, memory, disk, GPUs, engines, fabrics) as one :class:`pb.Inventory`,
+and a watcher that tells the control plane when that changes in a way worth telling."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import platform
 import socket
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+from llmgw.agent.config import AgentConfig
+from llmgw.agent.discovery import (
+    check_candidate,
+    check_engines,
+    discover_gpus,
+    discover_ib,
+    engine_candidates,
+    fabric_status,
+    sim_engine,
+)
 from llmgw.engines.launch import AVAILABLE_ENGINES
+from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 
-__all__ = ["collect_inventory", "meminfo"]
+__all__ = [
+    "InventoryWatcher",
+    "collect_inventory",
+    "disk_usage",
+    "inventory_dict",
+    "meminfo",
+    "worth_telling",
+]
+
+log = logging.getLogger("llmgw.agent.inventory")
+
+GIB = 1024**3
 
 
 def meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
@@ -27,22 +55,197 @@ def meminfo(path: Path = Path("/proc/meminfo")) -> dict[str, int]:
     return out
 
 
-def _gpu_status() -> str:
-    # Full NVML discovery arrives with the node-service work; until then the inventory still
-    # says why there are no GPUs rather than reporting a silent zero.
-    if not Path("/proc/driver/nvidia").exists():
-        return "no NVIDIA driver loaded (/proc/driver/nvidia is missing)"
-    return "NVIDIA driver present; GPU discovery is not enabled in this agent version"
+def disk_usage(path: Path) -> tuple[int, int]:
+    """``(total, free)`` bytes of the file system holding ``path``, or of its nearest
+    existing parent (models_root may not be created yet). Free is what a non-root user
+    may use. Raises OSError when nothing on the way can be read."""
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    st = os.statvfs(probe)
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
-def collect_inventory() -> pb.Inventory:
+def collect_inventory(
+    cfg: AgentConfig | None = None, *, engines: Sequence[pb.EngineInfo] | None = None
+) -> pb.Inventory:
+    """Look at the node now. ``engines`` are engine checks already made (the watcher reuses
+    them while the programs are unchanged); without them the engines are run here. Without
+    ``cfg`` only what needs no configuration is reported (default GPU discovery, sim)."""
     mem = meminfo()
-    return pb.Inventory(
+    gpus = discover_gpus(cfg.discovery.nvidia_smi if cfg is not None else None)
+    inv = pb.Inventory(
         hostname=socket.gethostname(),
         arch=platform.machine(),
         cpus=os.cpu_count() or 0,
         memory_total_bytes=mem.get("MemTotal", 0),
         memory_available_bytes=mem.get("MemAvailable", 0),
-        gpu_status=_gpu_status(),
-        engines=list(AVAILABLE_ENGINES),
+        gpus=gpus.gpus,
+        gpu_status=gpus.status,
+        driver_version=gpus.driver_version,
+        gpu_source=gpus.source,
     )
+    if cfg is None:
+        details = list(engines) if engines is not None else [sim_engine()]
+    else:
+        details = list(engines) if engines is not None else check_engines(cfg)
+        try:
+            inv.disk_total_bytes, inv.disk_free_bytes = disk_usage(cfg.models_root)
+        except OSError as exc:
+            inv.warnings.append(f"cannot read disk space of models_root {cfg.models_root}: {exc}")
+        inv.ib_adapters.extend(discover_ib(cfg.discovery.ib_root))
+        fabrics, warnings = fabric_status(
+            cfg.fabrics, list(inv.ib_adapters), ib_root=cfg.discovery.ib_root
+        )
+        inv.fabrics.extend(fabrics)
+        inv.warnings.extend(warnings)
+    inv.engine_details.extend(details)
+    inv.engines.extend(e.name for e in details if e.ok and e.name in AVAILABLE_ENGINES)
+    inv.warnings.extend(
+        f"engine {e.name}{f' ({e.path})' if e.path else ''} will not run: {e.problem}"
+        for e in details
+        if not e.ok
+    )
+    return inv
+
+
+def inventory_dict(inv: pb.Inventory) -> dict[str, Any]:
+    """The inventory as JSON-ready data, every field by its proto name (what the control
+    plane stores and shows)."""
+    return {
+        "hostname": inv.hostname,
+        "arch": inv.arch,
+        "cpus": inv.cpus,
+        "memory_total_bytes": inv.memory_total_bytes,
+        "memory_available_bytes": inv.memory_available_bytes,
+        "disk_total_bytes": inv.disk_total_bytes,
+        "disk_free_bytes": inv.disk_free_bytes,
+        "gpus": [
+            {
+                "index": g.index,
+                "uuid": g.uuid,
+                "name": g.name,
+                "memory_total_mib": g.memory_total_mib,
+                "memory_used_mib": g.memory_used_mib,
+            }
+            for g in inv.gpus
+        ],
+        "gpu_status": inv.gpu_status,
+        "driver_version": inv.driver_version,
+        "gpu_source": inv.gpu_source,
+        "engines": list(inv.engines),
+        "engine_details": [
+            {"name": e.name, "path": e.path, "version": e.version, "ok": e.ok, "problem": e.problem}
+            for e in inv.engine_details
+        ],
+        "ib_adapters": [
+            {
+                "name": a.name,
+                "ports": [
+                    {
+                        "port": p.port,
+                        "state": p.state,
+                        "link_layer": p.link_layer,
+                        "rate": p.rate,
+                        "gids": list(p.gids),
+                    }
+                    for p in a.ports
+                ],
+            }
+            for a in inv.ib_adapters
+        ],
+        "fabrics": [
+            {"name": f.name, "hcas": list(f.hcas), "healthy": f.healthy} for f in inv.fabrics
+        ],
+        "warnings": list(inv.warnings),
+    }
+
+
+def _coarse(inv: pb.Inventory) -> pb.Inventory:
+    # Free memory, free disk and GPU memory in use move all the time; only a whole GiB counts.
+    copy = pb.Inventory()
+    copy.CopyFrom(inv)
+    copy.memory_available_bytes = inv.memory_available_bytes // GIB
+    copy.disk_free_bytes = inv.disk_free_bytes // GIB
+    for gpu in copy.gpus:
+        gpu.memory_used_mib //= 1024
+    return copy
+
+
+def worth_telling(old: pb.Inventory, new: pb.Inventory) -> bool:
+    """Whether ``new`` differs from ``old`` by more than churn: any change of GPUs, engines,
+    fabrics, warnings or status, or a whole GiB of free memory, free disk or GPU memory used."""
+    return _coarse(old) != _coarse(new)
+
+
+def _changed_fields(old: pb.Inventory, new: pb.Inventory) -> list[str]:
+    a, b = _coarse(old), _coarse(new)
+    return [
+        f.name for f in pb.Inventory.DESCRIPTOR.fields if getattr(a, f.name) != getattr(b, f.name)
+    ]
+
+
+class InventoryWatcher:
+    """Re-collects the inventory every ``interval`` seconds and calls ``send`` with it when it
+    changed in a way worth telling. ``current`` is always the last one collected (a Hello
+    carries it). Engines are run again only when their programs change, when one failed,
+    or every ``engine_interval`` seconds: ``vllm --version`` alone takes seconds of CPU."""
+
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        send: Callable[[pb.Inventory], bool],
+        *,
+        interval: float = 30.0,
+        engine_interval: float = 600.0,
+    ) -> None:
+        self.cfg = cfg
+        self.send = send
+        self.interval = interval
+        self.engine_interval = engine_interval
+        self._engines: list[pb.EngineInfo] = []
+        self._engine_key: tuple[object, ...] | None = None
+        self._engines_at = 0.0
+        # Collected now, so that the first Hello has it.
+        self.current: pb.Inventory = self.collect()
+        self._told = self.current
+
+    def collect(self) -> pb.Inventory:
+        """Look at the node now (blocking: it runs programs)."""
+        candidates = engine_candidates(self.cfg)
+        key = tuple(c.fingerprint() for c in candidates)
+        now = time.monotonic()
+        if (
+            key != self._engine_key
+            or now - self._engines_at >= self.engine_interval
+            or not all(e.ok for e in self._engines)
+        ):
+            self._engines = [sim_engine(), *(check_candidate(c) for c in candidates)]
+            self._engine_key, self._engines_at = key, now
+        return collect_inventory(self.cfg, engines=self._engines)
+
+    def update(self, inv: pb.Inventory) -> bool:
+        """Take a fresh inventory; send it when worth telling. True when it was."""
+        self.current = inv
+        if not worth_telling(self._told, inv):
+            return False
+        changed = _changed_fields(self._told, inv)
+        self._told = inv  # not connected: the next Hello carries it, so it counts as told
+        try:
+            sent = self.send(inv)
+        except Exception:
+            log.exception("could not send the inventory")
+            sent = False
+        log.info("inventory changed", extra=kv(changed=",".join(changed), sent=str(sent).lower()))
+        return True
+
+    async def run(self) -> None:
+        """Watch until cancelled."""
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                inv = await asyncio.to_thread(self.collect)
+            except Exception:
+                log.exception("collecting the inventory failed; trying again next time")
+                continue
+            self.update(inv)

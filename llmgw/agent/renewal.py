@@ -22,7 +22,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from llmgw.agent.config import TLSConfig
 from llmgw.errors import CertificateError
 from llmgw.log import kv
-from llmgw.pki import cert_common_name, load_cert, make_csr, new_private_key, write_private
+from llmgw.pki import (
+    BACKDATE,
+    cert_common_name,
+    load_cert,
+    make_csr,
+    new_private_key,
+    write_private,
+)
 from llmgw.proto import control_pb2 as pb
 
 __all__ = ["Renewer", "renew_at"]
@@ -33,10 +40,19 @@ RETRY = 30.0
 
 
 def renew_at(cert: x509.Certificate) -> float:
-    """Epoch seconds at two thirds of the certificate's lifetime."""
-    start = cert.not_valid_before_utc.timestamp()
+    """Epoch seconds at two thirds of the certificate's lifetime, counted from its issue
+    (certificates are backdated for clock skew; that margin is not lifetime)."""
     end = cert.not_valid_after_utc.timestamp()
+    start = min(cert.not_valid_before_utc.timestamp() + BACKDATE.total_seconds(), end)
     return start + (end - start) * 2 / 3
+
+
+def retry_delay(cert: x509.Certificate | None) -> float:
+    """After a failed attempt: soon for a short-lived certificate, at most RETRY seconds."""
+    if cert is None:
+        return RETRY
+    left = cert.not_valid_after_utc.timestamp() - time.time()
+    return min(RETRY, max(0.5, left / 10))
 
 
 def _write_public(path: Path, data: bytes) -> None:
@@ -84,8 +100,14 @@ class Renewer:
             if wait > 0:
                 await asyncio.sleep(min(wait, 3600.0))
                 continue
-            if not await self.renew_once():
-                await asyncio.sleep(RETRY)
+            if await self.renew_once():
+                await asyncio.sleep(1.0)  # never renew back to back
+            else:
+                try:
+                    cert: x509.Certificate | None = load_cert(self.tls.cert)
+                except CertificateError:
+                    cert = None
+                await asyncio.sleep(retry_delay(cert))
 
     async def renew_once(self, timeout: float = 30.0) -> bool:
         key = new_private_key()

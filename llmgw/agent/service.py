@@ -18,7 +18,8 @@ from pathlib import Path
 
 from llmgw.agent.config import AgentConfig
 from llmgw.agent.dataplane import DataPlane, server_ssl_context
-from llmgw.agent.inventory import collect_inventory
+from llmgw.agent.installs import install_engine, remove_leftovers
+from llmgw.agent.inventory import InventoryWatcher
 from llmgw.agent.oplog import OperationLog
 from llmgw.agent.renewal import Renewer, recover_identity
 from llmgw.agent.runtimes import ProcessRuntime
@@ -107,14 +108,27 @@ class Agent:
         # 1. identity (a renewal interrupted by a crash is rolled back first)
         tls = cfg.tls
 
-        def credentials() -> Credentials:
-            return Credentials(
-                cert=_read(tls.cert, "cert"), key=_read(tls.key, "key"), ca=_read(tls.ca, "ca")
-            )
-
-        credentials()
+        _read(tls.cert, "cert"), _read(tls.key, "key"), _read(tls.ca, "ca")
         recover_identity(tls)
         ssl_ctx = server_ssl_context(cfg.tls.cert, cfg.tls.key, cfg.tls.ca)
+        loaded = [_read(tls.cert, "cert")]
+
+        def credentials() -> Credentials:
+            current = Credentials(
+                cert=_read(tls.cert, "cert"), key=_read(tls.key, "key"), ca=_read(tls.ca, "ca")
+            )
+            if current.cert != loaded[0]:
+                # A rekey or renewal replaced the identity: new data-plane handshakes
+                # present it too, not only the next stream.
+                recover_identity(tls)
+                ssl_ctx.load_cert_chain(tls.cert, tls.key)
+                loaded[0] = current.cert
+            return current
+
+        for leftover in remove_leftovers(cfg.state_dir):
+            log.warning(
+                "removed an engine install a crash left behind", extra=kv(path=str(leftover))
+            )
         # 2. fencing state
         oplog = OperationLog(cfg.state_dir / "oplog.json")
         # 3. shards
@@ -132,10 +146,16 @@ class Agent:
                 "shards after restart",
                 extra=kv(adopted=len(adopted), dead=len(dead)),
             )
-        # 4. data plane
+        # 4. what this node has (runs the engines' checks once, off the event loop)
+        watcher = await asyncio.to_thread(
+            InventoryWatcher,
+            cfg,
+            lambda inv: stream_ref[0].send(pb.AgentMessage(inventory=inv)) if stream_ref else False,
+        )
+        # 5. data plane
         self.dataplane = DataPlane(cfg.listen, ssl_ctx, self.shards.ready_port)
         await self.dataplane.start()
-        # 5. stream
+        # 6. stream
         dataplane = self.dataplane
         self.stream = StreamClient(
             node_id=cfg.node_id,
@@ -143,12 +163,23 @@ class Agent:
             credentials=credentials,
             shards=self.shards,
             oplog=oplog,
-            inventory=collect_inventory,
+            inventory=lambda: watcher.current,
             dataplane_addr=self._dataplane_addr,
             inflight=lambda: dataplane.inflight,
             on_state=self._on_stream_state,
         )
         stream_ref.append(self.stream)
+
+        async def install(order: pb.InstallEngine) -> None:
+            info = await install_engine(order, state_dir=cfg.state_dir)
+            log.info(
+                "engine installed",
+                extra=kv(engine=info.name, version=info.version, path=info.path),
+            )
+            # Offer it now rather than at the next periodic look.
+            watcher.update(await asyncio.to_thread(watcher.collect))
+
+        self.stream.installer = install
         stream = self.stream
 
         def renewed() -> None:
@@ -158,6 +189,7 @@ class Agent:
         renewer = Renewer(tls, cfg.node_id, send=stream.send, on_renewed=renewed)
         stream.on_renewal_answer = renewer.answer
         renewal_task = asyncio.create_task(renewer.run(), name="renewal")
+        inventory_task = asyncio.create_task(watcher.run(), name="inventory")
         stream_task = asyncio.create_task(self.stream.run(), name="stream")
         log.info(
             "agent started",
@@ -183,11 +215,10 @@ class Agent:
             if told:
                 await self.stream.flushed(timeout=2.0)
             await dataplane.drain(timeout=DRAIN_TIMEOUT)
-            for task in (stream_task, watchdog, parent, renewal_task):
+            tasks = (stream_task, watchdog, parent, renewal_task, inventory_task)
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(
-                stream_task, watchdog, parent, renewal_task, return_exceptions=True
-            )
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.stream.close()
             if cfg.stop_shards_on_exit:
                 await self.shards.stop_all(grace=10.0)

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -20,7 +20,7 @@ import grpc
 from llmgw import __version__
 from llmgw.agent.oplog import OperationLog
 from llmgw.agent.shards import EXITED, FAILED, READY, STARTING, Shard, ShardManager, ShardSpec
-from llmgw.errors import LlmgwError, StaleEpoch
+from llmgw.errors import EngineError, LlmgwError, StaleEpoch
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
@@ -91,6 +91,7 @@ class StreamClient:
         inflight: Callable[[], int] = lambda: 0,
         on_state: Callable[[str, str | None], None] = lambda state, server: None,
         on_renewal_answer: Callable[[pb.RenewCertificate], None] = lambda msg: None,
+        installer: Callable[[pb.InstallEngine], Awaitable[None]] | None = None,
     ) -> None:
         self.node_id = node_id
         self.servers = servers
@@ -102,6 +103,7 @@ class StreamClient:
         self.inflight = inflight
         self.on_state = on_state
         self.on_renewal_answer = on_renewal_answer
+        self.installer = installer or _no_installer
         self.node_state = "unknown"
         self.backoff = Backoff()
         self.connected_to: str | None = None
@@ -226,6 +228,11 @@ class StreamClient:
                             msg.start_shard.meta,
                             msg.start_shard.shard_id,
                             self._start(msg.start_shard),
+                        )
+                    elif kind == "install_engine":
+                        order = msg.install_engine
+                        self._spawn_order(
+                            order.meta, f"install:{order.engine}", self.installer(order)
                         )
                     elif kind == "stop_shard":
                         self._spawn_order(
@@ -369,6 +376,12 @@ class StreamClient:
         for task in list(self._order_tasks):
             task.cancel()
         await asyncio.gather(*self._order_tasks, return_exceptions=True)
+
+
+async def _no_installer(order: pb.InstallEngine) -> None:
+    raise EngineError(
+        f"this agent cannot install engines (asked for {order.engine} {order.version})"
+    )
 
 
 class Refused(Exception):

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["add_admin_routes"]
 
+_INSTALLABLE = ("llamacpp", "vllm", "sglang")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -57,6 +58,8 @@ def add_admin_routes(app: web.Application, cp: ControlPlane) -> None:
     r.add_post("/api/nodes/{node}/approve", api.wrap(api.approve))
     r.add_post("/api/nodes/{node}/reject", api.wrap(api.reject))
     r.add_post("/api/nodes/{node}/revoke", api.wrap(api.revoke))
+    r.add_post("/api/engines/install", api.wrap(api.install_engine))
+    r.add_get("/api/engines/installs", api.wrap(api.engine_installs))
 
 
 class AdminAPI:
@@ -431,3 +434,45 @@ class AdminAPI:
         node_id = request.match_info["node"]
         serials = self.cp.membership.revoke(node_id)
         return web.json_response({"node": node_id, "state": "revoked", "serials": serials})
+
+    # -- engine installs ----------------------------------------------------------------------------
+
+    async def install_engine(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        engine = body.get("engine")
+        if engine not in _INSTALLABLE:
+            raise _BadRequest(f"engine must be one of {', '.join(_INSTALLABLE)}")
+        fields: dict[str, str] = {}
+        for key in ("version", "url", "sha256"):
+            value = body.get(key)
+            if not isinstance(value, str) or not value:
+                raise _BadRequest(f"'{key}' is required")
+            fields[key] = value
+        if not re.fullmatch(r"[0-9a-fA-F]{64}", fields["sha256"]):
+            raise _BadRequest("sha256 must be the 64 hex characters the publisher lists")
+        if not fields["url"].startswith(("http://", "https://")):
+            raise _BadRequest("url must be http:// or https://")
+        arch = body.get("arch") or ""
+        if not isinstance(arch, str):
+            raise _BadRequest("arch must be a string such as x86_64 or aarch64")
+        nodes = body.get("nodes")
+        if body.get("all"):
+            nodes = [n.id for n in self.cp.store.list_nodes() if n.state == "approved"]
+        if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) for n in nodes):
+            raise _BadRequest("give 'nodes' (a list of node ids) or 'all': true")
+        for node in nodes:
+            self.cp.store.get_node(node)
+        out = self.cp.install_engine(
+            nodes,
+            engine=engine,
+            version=fields["version"],
+            url=fields["url"],
+            sha256=fields["sha256"].lower(),
+            arch=arch,
+        )
+        return web.json_response(out, status=202)
+
+    async def engine_installs(self, request: web.Request) -> web.Response:
+        wanted = set(request.query.getall("op", []))
+        rows = [r for op, r in self.cp.installs.items() if not wanted or op in wanted]
+        return web.json_response(rows)

@@ -14,6 +14,7 @@ import os
 import secrets
 import ssl
 import time
+import uuid
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,7 @@ from aiohttp import web
 from cryptography import x509
 
 from llmgw import __version__
+from llmgw.agent.inventory import inventory_dict
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import ConfigError, LlmgwError, NotFound
 from llmgw.log import kv
@@ -76,6 +78,14 @@ def _read_or_create_token(path: Path) -> str:
     return token
 
 
+def _inventory_summary(inv: pb.Inventory) -> str:
+    gpus = f"{len(inv.gpus)} GPUs" if inv.gpus else f"no GPUs ({inv.gpu_status})"
+    text = f"{gpus}; engines {', '.join(inv.engines) or 'none'}"
+    if inv.warnings:
+        text += "; " + "; ".join(inv.warnings)
+    return text
+
+
 class ControlPlane:
     """One control plane process (the leader, on SQLite)."""
 
@@ -91,6 +101,8 @@ class ControlPlane:
         self.scheduler = Scheduler(self)
         self.membership = Membership(self)
         self.key_hashes: set[str] = set()
+        # Engine installs ordered since start: op id -> {node, engine, version, state, error}.
+        self.installs: dict[str, dict[str, object]] = {}
         self.model_names: set[str] = set()
         self.http_port = 0
         self.grpc_port = 0
@@ -350,24 +362,7 @@ class ControlPlane:
 
     def open_session(self, hello: pb.Hello, peer: str, cert: x509.Certificate) -> NodeSession:
         node_id = hello.node_id
-        inventory = {
-            "hostname": hello.inventory.hostname,
-            "arch": hello.inventory.arch,
-            "cpus": hello.inventory.cpus,
-            "memory_total_bytes": hello.inventory.memory_total_bytes,
-            "memory_available_bytes": hello.inventory.memory_available_bytes,
-            "gpus": [
-                {
-                    "index": g.index,
-                    "uuid": g.uuid,
-                    "name": g.name,
-                    "memory_total_mib": g.memory_total_mib,
-                }
-                for g in hello.inventory.gpus
-            ],
-            "gpu_status": hello.inventory.gpu_status,
-            "engines": list(hello.inventory.engines),
-        }
+        inventory = inventory_dict(hello.inventory)
         self.membership.admit(node_id, cert)
         self.store.upsert_node(
             node_id,
@@ -481,6 +476,18 @@ class ControlPlane:
             self.membership.renew(session, msg.cert_request.csr_pem)
         elif kind == "inventory":
             session.engines = frozenset(msg.inventory.engines)
+            node = self.store.get_node(session.node_id)
+            self.store.upsert_node(
+                session.node_id,
+                dataplane_addr=session.dataplane_addr,
+                agent_version=node.agent_version,
+                inventory=inventory_dict(msg.inventory),
+                connected=True,
+            )
+            self.store.add_event(
+                "inventory_changed", session.node_id, _inventory_summary(msg.inventory)
+            )
+            self.scheduler.kick()
         else:
             log.warning("unexpected message on a stream", extra=kv(node=session.node_id, kind=kind))
 
@@ -530,6 +537,21 @@ class ControlPlane:
         self._count_ready()
 
     def _apply_result(self, session: NodeSession, result: pb.OperationResult) -> None:
+        install = self.installs.get(result.op_id)
+        if install is not None:
+            install.update(
+                state="installed" if result.ok else "failed",
+                error=result.error,
+                finished_at=time.time(),
+            )
+            what = f"{install['engine']} {install['version']}"
+            if result.ok:
+                self.store.add_event("engine_installed", session.node_id, what)
+            else:
+                self.store.add_event(
+                    "engine_install_failed", session.node_id, f"{what}: {result.error}"
+                )
+            return
         if result.ok:
             return
         log.warning(
@@ -544,6 +566,41 @@ class ControlPlane:
                 self.store.add_event("shard_failed", shard.id, result.error)
 
     # -- changes ordered through the admin API ----------------------------------------------------
+
+    def install_engine(
+        self, node_ids: list[str], *, engine: str, version: str, url: str, sha256: str, arch: str
+    ) -> list[dict[str, object]]:
+        """Order an engine install on connected, approved nodes; results arrive as op results."""
+        out: list[dict[str, object]] = []
+        for node_id in node_ids:
+            node = self.store.get_node(node_id)
+            session = self.sessions.get(node_id)
+            if node.state != "approved" or session is None:
+                why = "not connected" if session is None else node.state
+                out.append({"node": node_id, "state": "skipped", "error": why, "op_id": None})
+                continue
+            meta = pb.OrderMeta(epoch=self.epoch, op_id=uuid.uuid4().hex)
+            session.send(
+                pb.ServerMessage(
+                    install_engine=pb.InstallEngine(
+                        meta=meta, engine=engine, version=version, url=url, sha256=sha256, arch=arch
+                    )
+                )
+            )
+            record: dict[str, object] = {
+                "op_id": meta.op_id,
+                "node": node_id,
+                "engine": engine,
+                "version": version,
+                "state": "installing",
+                "error": "",
+                "started_at": time.time(),
+                "finished_at": None,
+            }
+            self.installs[meta.op_id] = record
+            self.store.add_event("engine_install", node_id, f"{engine} {version} from {url}")
+            out.append(record)
+        return out
 
     def remove_replica(self, replica_id: str, *, why: str) -> None:
         for shard in self.store.list_shards(replica_id=replica_id):

@@ -141,11 +141,12 @@ class Membership:
         store.set_node_state(node_id, "revoked")
         store.add_event("node_revoked", node_id, f"denied certificates {', '.join(serials) or '-'}")
         log.warning("node revoked", extra=kv(node=node_id, serials=",".join(serials)))
-        self._cut(node_id)
-        # Its replicas are rebuilt elsewhere.
+        # Its replicas are stopped there (the orders go out before the stream is cut) and
+        # rebuilt elsewhere.
         replicas = {s.replica_id for s in store.list_shards(node_id=node_id)}
         for replica_id in replicas:
             self.cp.remove_replica(replica_id, why=f"node {node_id} revoked")
+        self._cut(node_id)
         self.cp.scheduler.kick()
         return serials
 

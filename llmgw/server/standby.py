@@ -73,9 +73,7 @@ class _Refuser(pb_grpc.ControlPlaneServicer):
     def __init__(self, standby: Standby) -> None:
         self.standby = standby
 
-    async def Connect(
-        self, request_iterator: object, context: grpc.aio.ServicerContext
-    ) -> None:
+    async def Connect(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         leader, _ = self.standby.leader()
         message = (
             f"this control plane is a standby; the leader is {leader or 'not known yet'}"

@@ -1,0 +1,687 @@
+"""Engine installs on the control plane's order (DESIGN §5).
+
+The agent downloads the publisher's build for its architecture, checks its SHA-256, unpacks
+it safely under ``<state_dir>/engines/<engine>/<version>/``, runs it, and only then offers it
+(through the ``llmgw-engine.json`` manifest that discovery reads). A refused install raises
+:class:`EngineError` and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import errno
+import hashlib
+import hmac
+import itertools
+import json
+import logging
+import lzma
+import os
+import platform
+import re
+import shutil
+import stat
+import tarfile
+import tempfile
+import zipfile
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import IO, Any, ParamSpec, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+
+from llmgw.agent.discovery import ENGINE_MANIFEST, check_engine_binary
+from llmgw.errors import EngineError
+from llmgw.proto import control_pb2 as pb
+
+__all__ = [
+    "ENGINES",
+    "MAX_DOWNLOAD_BYTES",
+    "MAX_UNPACKED_BYTES",
+    "install_engine",
+    "remove_leftovers",
+]
+
+log = logging.getLogger("llmgw.agent.installs")
+
+ENGINES = ("llamacpp", "vllm", "sglang")
+MAX_DOWNLOAD_BYTES = 20 * 1024**3
+# What an archive may unpack to: a cap on decompression bombs, generous for a Python venv.
+MAX_UNPACKED_BYTES = 64 * 1024**3
+ARCHIVE_KINDS = ".tar.gz, .tgz, .tar.xz, .tar or .zip"
+_SGLANG_CHECK = "import sglang, sys; print(sglang.__version__)"
+
+_CHUNK = 1 << 20
+_TMP_PREFIX = ".tmp-"
+_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+_ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
+_TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tar")
+_HAS_DATA_FILTER = hasattr(tarfile, "data_filter")
+_BAD_MODE_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | stat.S_IWGRP | stat.S_IWOTH
+_MAX_LINK_TARGET = 4096
+
+# engine -> (what the archive must hold, does this relative path match it)
+_BINARIES: dict[str, tuple[str, Callable[[tuple[str, ...]], bool]]] = {
+    "llamacpp": ("a file named 'llama-server'", lambda parts: parts[-1] == "llama-server"),
+    "vllm": ("a file named 'vllm'", lambda parts: parts[-1] == "vllm"),
+    "sglang": (
+        "a Python environment's bin/python (with sglang installed in it)",
+        lambda parts: parts[-2:] == ("bin", "python"),
+    ),
+}
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+async def install_engine(
+    order: pb.InstallEngine,
+    *,
+    state_dir: Path,
+    arch: str | None = None,
+    timeout: float = 3600.0,
+    max_bytes: int = MAX_DOWNLOAD_BYTES,
+    max_unpacked_bytes: int = MAX_UNPACKED_BYTES,
+) -> pb.EngineInfo:
+    """Carry out an ``InstallEngine`` order and return the installed engine (``ok=True``).
+
+    ``arch`` is this machine's architecture (default ``platform.machine()``); ``timeout``
+    bounds the download. Re-sending an order for a version already installed from the same
+    SHA-256 checks that install again and returns it without downloading. Every refusal is
+    an :class:`EngineError` saying what was wrong and what to do.
+    """
+    machine = _canonical_arch(arch or platform.machine())
+    engine, version, url, want = _validate(order, machine)
+    shown = _display_url(url)
+    root = _engines_root(Path(state_dir))
+    final = root / engine / version
+
+    manifest = await _in_thread(_read_manifest, final)
+    if manifest is not None:
+        _refuse_other_build(manifest, final, engine, version, want)
+        return await _installed_info(final, manifest, engine, version)
+
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=root))
+    except OSError as exc:
+        raise EngineError(
+            f"cannot make a temporary folder in {root}: {exc.strerror}; check that the state "
+            "directory belongs to the agent's user and has free space"
+        ) from exc
+    try:
+        archive = tmp / "download"
+        got = await _download(url, shown, archive, timeout=timeout, max_bytes=max_bytes)
+        if not hmac.compare_digest(got, want):
+            raise EngineError(
+                f"checksum mismatch for {shown}: got {got}, the order says {want}; the "
+                "download was deleted; check the SHA-256 the publisher gives for this build "
+                "(or what changed the file on its way here) and send the order again"
+            )
+        staging = tmp / "root"
+        kind = _archive_kind(urlsplit(url).path, archive, shown)
+        await _in_thread(_unpack, kind, archive, staging, shown, max_unpacked_bytes)
+        archive.unlink()
+        binary = await _in_thread(_locate, staging, engine, shown, machine)
+        info = await _in_thread(check_engine_binary, engine, _argv(engine, staging / binary))
+        if not info.ok:
+            raise EngineError(
+                f"{engine} {version} from {shown} does not run on this node, so it was not "
+                f"installed (the download was deleted): {info.problem.strip()}; install what "
+                "it is missing on the node, or order a build made for it"
+            )
+        manifest = {
+            "engine": engine,
+            "version": version,
+            "binary": binary.as_posix(),
+            "sha256": want,
+            "installed_at": datetime.now(UTC).isoformat(),
+            "url": shown,
+        }
+        await _in_thread(_write_manifest, staging, manifest)
+        if not await _in_thread(_commit, staging, final):
+            # Another install of this version finished while we downloaded.
+            existing = await _in_thread(_read_manifest, final)
+            if existing is None:
+                raise EngineError(
+                    f"could not move {engine} {version} into {final}: it vanished while "
+                    "being replaced; send the order again"
+                )
+            _refuse_other_build(existing, final, engine, version, want)
+            manifest = existing
+        log.info("installed %s %s from %s into %s", engine, version, shown, final)
+        return pb.EngineInfo(
+            name=engine,
+            path=str(final / manifest["binary"]),
+            version=info.version or version,
+            ok=True,
+        )
+    finally:
+        await _in_thread(_remove_tree, tmp)
+
+
+def remove_leftovers(state_dir: Path) -> list[Path]:
+    """Delete the temporary folders that an install interrupted by a crash left behind.
+
+    Call it at start-up, before any install runs; returns what it removed."""
+    root = Path(state_dir) / "engines"
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith(_TMP_PREFIX):
+            _remove_tree(entry)
+            removed.append(entry)
+    return removed
+
+
+# -- the order --------------------------------------------------------------------------
+
+
+def _validate(order: pb.InstallEngine, machine: str) -> tuple[str, str, str, str]:
+    engine, version, url = order.engine, order.version, order.url.strip()
+    sha256 = order.sha256.strip().lower()
+    if engine not in ENGINES:
+        raise EngineError(
+            f"cannot install engine {engine!r}: installable engines are {', '.join(ENGINES)}; "
+            "fix the order's engine"
+        )
+    if not _VERSION.fullmatch(version):
+        raise EngineError(
+            f"cannot install {engine} version {version!r}: a version is 1-64 letters, digits, "
+            "'.', '_', '+' and '-', starting with a letter or digit; fix the order's version"
+        )
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise EngineError(
+            f"cannot install {engine} {version} from {_display_url(url)!r}: the URL must be "
+            "http:// or https:// with a host; fix the order's url"
+        )
+    if not _SHA256.fullmatch(sha256):
+        raise EngineError(
+            f"cannot install {engine} {version}: sha256 {order.sha256!r} is not 64 hex "
+            "digits; give the SHA-256 the publisher lists for the build"
+        )
+    if order.arch and _canonical_arch(order.arch) != machine:
+        raise EngineError(
+            f"cannot install {engine} {version}: the order is for {order.arch} but this node "
+            f"is {machine}; send the build for {machine}"
+        )
+    return engine, version, url, sha256
+
+
+def _canonical_arch(name: str) -> str:
+    name = name.strip().lower()
+    return _ARCH_ALIASES.get(name, name)
+
+
+def _display_url(url: str) -> str:
+    """The URL without user info or query, which may carry credentials (signed URLs)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port
+    except ValueError:
+        return url.split("?", 1)[0]
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{host}:{port}" if port is not None else host
+    query = "…" if parts.query else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def _engines_root(state_dir: Path) -> Path:
+    root = state_dir / "engines"
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        root.mkdir(exist_ok=True, mode=0o700)
+        os.chmod(root, 0o700)
+    except OSError as exc:
+        raise EngineError(
+            f"cannot prepare {root} for engine installs: {exc.strerror}; check that the state "
+            "directory belongs to the agent's user"
+        ) from exc
+    return root
+
+
+# -- installed versions ------------------------------------------------------------------
+
+
+def _read_manifest(final: Path) -> dict[str, Any] | None:
+    if not os.path.lexists(final):
+        return None
+    path = final / ENGINE_MANIFEST
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise TypeError("not a JSON object")
+        sha256, binary = data["sha256"], data["binary"]
+        if not isinstance(sha256, str) or not isinstance(binary, str):
+            raise TypeError("sha256 and binary must be strings")
+        if _name_problem(binary):
+            raise ValueError(f"binary {binary!r} is not a path inside the folder")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise EngineError(
+            f"{final} exists but its install manifest {ENGINE_MANIFEST} is missing or unreadable "
+            f"({reason}); remove {final} and send the order again"
+        ) from exc
+    return data
+
+
+def _refuse_other_build(
+    manifest: dict[str, Any], final: Path, engine: str, version: str, want: str
+) -> None:
+    have = str(manifest["sha256"]).lower()
+    if not hmac.compare_digest(have, want):
+        raise EngineError(
+            f"{engine} {version} is already installed in {final} from a build with SHA-256 "
+            f"{have}, but the order says {want}; publish the new build under a new version, "
+            f"or remove {final} and send the order again"
+        )
+
+
+async def _installed_info(
+    final: Path, manifest: dict[str, Any], engine: str, version: str
+) -> pb.EngineInfo:
+    binary = final / manifest["binary"]
+    info = await _in_thread(check_engine_binary, engine, _argv(engine, binary))
+    if not info.ok:
+        raise EngineError(
+            f"{engine} {version} is installed in {final} but no longer runs: "
+            f"{info.problem.strip()}; install what it is missing on the node, or remove "
+            f"{final} and send the order again"
+        )
+    return pb.EngineInfo(name=engine, path=str(binary), version=info.version or version, ok=True)
+
+
+def _argv(engine: str, binary: Path) -> list[str]:
+    if engine == "sglang":
+        return [str(binary), "-c", _SGLANG_CHECK]
+    return [str(binary)]
+
+
+# -- download ----------------------------------------------------------------------------
+
+
+async def _download(url: str, shown: str, dest: Path, *, timeout: float, max_bytes: int) -> str:
+    """Stream ``url`` into ``dest`` and return its SHA-256 (hex)."""
+    digest = hashlib.sha256()
+    size = 0
+    loop = asyncio.get_running_loop()
+    too_big = (
+        f"the download of {shown} is bigger than the limit of {max_bytes} bytes; the download "
+        "was deleted; check that the order's URL is the engine build and not something else"
+    )
+    client_timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=min(60.0, timeout), sock_read=min(300.0, timeout)
+    )
+    try:
+        async with asyncio.timeout(timeout):
+            async with (
+                aiohttp.ClientSession(timeout=client_timeout, auto_decompress=False) as session,
+                session.get(url) as resp,
+            ):
+                if resp.status != 200:
+                    status = f"HTTP {resp.status} {resp.reason or ''}".rstrip()
+                    raise EngineError(
+                        f"download of {shown} failed: {status}; check the order's URL and "
+                        "that the publisher still serves it"
+                    )
+                if resp.content_length is not None and resp.content_length > max_bytes:
+                    raise EngineError(too_big)
+                # One writer thread; leaving the `with` waits for a write in flight, so the
+                # cleanup after a cancellation never races it.
+                with open(dest, "xb") as out, ThreadPoolExecutor(1) as writer:
+                    async for chunk in resp.content.iter_chunked(_CHUNK):
+                        size += len(chunk)
+                        if size > max_bytes:
+                            raise EngineError(too_big)
+                        await loop.run_in_executor(writer, _write_chunk, out, digest, chunk)
+    except EngineError:
+        raise
+    except aiohttp.ClientError as exc:
+        raise EngineError(
+            f"download of {shown} failed: {exc or type(exc).__name__}; check that this node "
+            "can reach the publisher (proxy, firewall, DNS) and send the order again"
+        ) from exc
+    except TimeoutError as exc:
+        raise EngineError(
+            f"download of {shown} did not finish within {timeout:g} s; the partial download "
+            "was deleted; check the node's bandwidth to the publisher and send the order again"
+        ) from exc
+    except OSError as exc:
+        raise EngineError(
+            f"cannot write the download of {shown} under {dest.parent.parent}: "
+            f"{exc.strerror}; free space in the state directory and send the order again"
+        ) from exc
+    return digest.hexdigest()
+
+
+def _write_chunk(out: IO[bytes], digest: Any, chunk: bytes) -> None:
+    out.write(chunk)
+    digest.update(chunk)
+
+
+# -- unpacking ---------------------------------------------------------------------------
+
+
+def _archive_kind(url_path: str, archive: Path, shown: str) -> str:
+    lower = url_path.lower()
+    if lower.endswith(".zip"):
+        return "zip"
+    if lower.endswith(_TAR_SUFFIXES):
+        return "tar"
+    # No telling suffix (a redirecting URL, say): go by the content.
+    if zipfile.is_zipfile(archive):
+        return "zip"
+    if tarfile.is_tarfile(archive):
+        return "tar"
+    raise EngineError(
+        f"the download from {shown} is not an archive llmgw can unpack ({ARCHIVE_KINDS}); "
+        "the download was deleted; order the publisher's packaged build"
+    )
+
+
+def _unpack(kind: str, archive: Path, dest: Path, shown: str, max_unpacked: int) -> None:
+    dest.mkdir(mode=0o700)
+    try:
+        if kind == "zip":
+            _unpack_zip(archive, dest, shown, max_unpacked)
+        else:
+            _unpack_tar(archive, dest, shown, max_unpacked)
+        _tighten_modes(dest)
+    except EngineError:
+        raise
+    except (
+        tarfile.TarError,
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        lzma.LZMAError,
+        zlib.error,
+        EOFError,
+        RuntimeError,  # encrypted zip members
+        NotImplementedError,  # unsupported zip compression
+        UnicodeDecodeError,
+        OSError,
+    ) as exc:
+        raise EngineError(
+            f"cannot unpack the download from {shown}: {exc}; the archive is damaged or not "
+            f"a {ARCHIVE_KINDS}; the download was deleted; ask the publisher for a good build"
+        ) from exc
+
+
+def _unsafe(shown: str, member: str, reason: str) -> EngineError:
+    return EngineError(
+        f"the archive from {shown} is unsafe and was deleted: member {member!r} {reason}; "
+        "ask the publisher for a build without it"
+    )
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _name_problem(name: str) -> str | None:
+    """Why a member name cannot be unpacked below the folder, judged on the name alone."""
+    if not name:
+        return "has an empty name"
+    if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name):
+        return "has an absolute path"
+    if ".." in re.split(r"[/\\]", name):
+        return "has a '..' component"
+    return None
+
+
+def _check_name(shown: str, root: str, name: str, *, is_dir: bool) -> None:
+    problem = _name_problem(name)
+    if problem:
+        raise _unsafe(shown, name, problem)
+    target = os.path.normpath(os.path.join(root, name))
+    if not _inside(target, root):
+        raise _unsafe(shown, name, "would land outside the install folder")
+    if target == root and not is_dir:
+        raise _unsafe(shown, name, "would replace the install folder itself")
+
+
+def _check_link(shown: str, root: str, name: str, linkname: str, *, hard: bool) -> None:
+    """A symlink resolves from its own folder; a tar hard link names a path in the archive."""
+    what = "a hard link" if hard else "a symlink"
+    base = root if hard else os.path.dirname(os.path.join(root, name))
+    if not linkname or os.path.isabs(linkname):
+        raise _unsafe(shown, name, f"is {what} to {linkname!r}, outside the install folder")
+    if not _inside(os.path.normpath(os.path.join(base, linkname)), root):
+        raise _unsafe(shown, name, f"is {what} to {linkname!r}, outside the install folder")
+
+
+def _check_on_disk(
+    shown: str, root: str, name: str, *, linkname: str | None = None, hard: bool = False
+) -> None:
+    """Re-check against what is already unpacked: symlinks unpacked earlier are followed."""
+    path = os.path.join(root, name)
+    parent = os.path.realpath(os.path.dirname(path))
+    if not _inside(parent, root) or not _inside(os.path.realpath(path), root):
+        raise _unsafe(
+            shown, name, "would land outside the install folder through a symlink in the archive"
+        )
+    if linkname is not None:
+        base = root if hard else parent
+        if not _inside(os.path.realpath(os.path.join(base, linkname)), root):
+            what = "a hard link" if hard else "a symlink"
+            raise _unsafe(shown, name, f"is {what} to {linkname!r}, outside the install folder")
+
+
+def _special_kind(member: tarfile.TarInfo) -> str:
+    if member.ischr() or member.isblk():
+        return "is a device file"
+    if member.isfifo():
+        return "is a fifo"
+    return f"is a special file (tar type {member.type!r})"
+
+
+def _unpack_tar(archive: Path, dest: Path, shown: str, max_unpacked: int) -> None:
+    root = os.path.realpath(dest)
+    with tarfile.open(archive, "r:*") as tf:
+        tf.errorlevel = 2
+        members = tf.getmembers()
+        total = 0
+        for m in members:
+            if not (m.isreg() or m.isdir() or m.issym() or m.islnk()):
+                raise _unsafe(shown, m.name, _special_kind(m))
+            _check_name(shown, root, m.name, is_dir=m.isdir())
+            if m.issym() or m.islnk():
+                _check_link(shown, root, m.name, m.linkname, hard=m.islnk())
+            if m.isreg():
+                total += m.size
+        _check_total(shown, total, max_unpacked)
+        for m in members:
+            link = m.linkname if (m.issym() or m.islnk()) else None
+            _check_on_disk(shown, root, m.name, linkname=link, hard=m.islnk())
+            try:
+                if _HAS_DATA_FILTER:
+                    tf.extract(m, root, filter="data")
+                else:
+                    tf.extract(_plain_member(m), root)
+            except tarfile.FilterError as exc:
+                # Our checks should have caught it first; the filter is the second guard.
+                raise _unsafe(shown, m.name, f"was refused by tarfile: {exc}") from exc
+
+
+def _plain_member(member: tarfile.TarInfo) -> tarfile.TarInfo:
+    """What the "data" filter does, for Pythons without it: no owners, no special bits."""
+    plain = copy.copy(member)
+    plain.uid, plain.gid = os.getuid(), os.getgid()
+    plain.uname = plain.gname = ""
+    plain.mode = (member.mode & ~_BAD_MODE_BITS) | stat.S_IRUSR | stat.S_IWUSR
+    return plain
+
+
+def _check_total(shown: str, total: int, max_unpacked: int) -> None:
+    if total > max_unpacked:
+        raise EngineError(
+            f"the archive from {shown} unpacks to {total} bytes, more than the limit of "
+            f"{max_unpacked}; the download was deleted; check that the order's URL is the "
+            "engine build"
+        )
+
+
+def _unpack_zip(archive: Path, dest: Path, shown: str, max_unpacked: int) -> None:
+    root = os.path.realpath(dest)
+    with zipfile.ZipFile(archive) as zf:
+        entries: list[tuple[zipfile.ZipInfo, int, str | None]] = []
+        total = 0
+        for info in zf.infolist():
+            name = info.filename
+            mode = info.external_attr >> 16
+            kind = stat.S_IFDIR if info.is_dir() else (stat.S_IFMT(mode) or stat.S_IFREG)
+            if kind not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):
+                special = "is a fifo" if kind == stat.S_IFIFO else "is a device or special file"
+                raise _unsafe(shown, name, special)
+            _check_name(shown, root, name, is_dir=kind == stat.S_IFDIR)
+            target = None
+            if kind == stat.S_IFLNK:
+                if info.file_size > _MAX_LINK_TARGET:
+                    raise _unsafe(shown, name, "is a symlink with an oversized target")
+                target = zf.read(info).decode()
+                _check_link(shown, root, name, target, hard=False)
+            total += info.file_size
+            entries.append((info, kind, target))
+        _check_total(shown, total, max_unpacked)
+        for info, kind, target in entries:
+            name = info.filename
+            _check_on_disk(shown, root, name, linkname=target)
+            path = os.path.normpath(os.path.join(root, name))
+            if kind == stat.S_IFDIR:
+                os.makedirs(path, mode=0o755, exist_ok=True)
+                continue
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+            if os.path.lexists(path):
+                os.unlink(path)  # a later entry replaces an earlier one, never writes through it
+            if target is not None:
+                os.symlink(target, path)
+                continue
+            perm = (info.external_attr >> 16) & 0o777 or 0o644
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as out, zf.open(info) as src:
+                shutil.copyfileobj(src, out, _CHUNK)
+            os.chmod(path, perm)
+
+
+def _tighten_modes(dest: Path) -> None:
+    """No set-id or sticky bits, nothing group- or world-writable, owner can read/write."""
+    for dirpath, dirnames, filenames in os.walk(dest):
+        for name in itertools.chain(
+            [dirpath], (os.path.join(dirpath, n) for n in dirnames + filenames)
+        ):
+            st = os.lstat(name)
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            mode = stat.S_IMODE(st.st_mode)
+            wanted = (mode & ~_BAD_MODE_BITS) | stat.S_IRUSR | stat.S_IWUSR
+            if stat.S_ISDIR(st.st_mode):
+                wanted |= stat.S_IXUSR
+            if wanted != mode:
+                os.chmod(name, wanted)
+
+
+def _locate(staging: Path, engine: str, shown: str, machine: str) -> PurePosixPath:
+    expected, matches = _BINARIES[engine]
+    found: list[PurePosixPath] = []
+    for dirpath, _dirnames, filenames in os.walk(staging):
+        for name in filenames:
+            rel = PurePosixPath(os.path.relpath(os.path.join(dirpath, name), staging))
+            if matches(rel.parts):
+                found.append(rel)
+    if not found:
+        raise EngineError(
+            f"the archive from {shown} holds no {engine} engine: expected {expected}; the "
+            f"download was deleted; check that the order's URL is the {engine} build for "
+            f"{machine}"
+        )
+    best = min(found, key=lambda p: (len(p.parts), len(str(p)), str(p)))
+    path = staging / best
+    if not path.is_file():
+        raise EngineError(
+            f"{best} in the archive from {shown} is not a file (a dangling symlink?); the "
+            "download was deleted; ask the publisher for a complete build"
+        )
+    if not os.access(path, os.X_OK):
+        raise EngineError(
+            f"{best} in the archive from {shown} is not executable; the download was "
+            "deleted; ask the publisher for a build that keeps its executable bits"
+        )
+    return best
+
+
+# -- committing --------------------------------------------------------------------------
+
+
+def _write_manifest(staging: Path, manifest: dict[str, Any]) -> None:
+    path = staging / ENGINE_MANIFEST
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as out:
+        json.dump(manifest, out, indent=2, sort_keys=True)
+        out.write("\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _commit(staging: Path, final: Path) -> bool:
+    """Move the checked install into place in one rename (the manifest already inside it).
+
+    Returns False when the version appeared meanwhile (another install of it finished)."""
+    parent = final.parent
+    created = not parent.exists()
+    try:
+        parent.mkdir(exist_ok=True, mode=0o700)
+        os.rename(staging, final)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            return False
+        if created:
+            try:
+                parent.rmdir()
+            except OSError:
+                pass
+        raise EngineError(
+            f"cannot move the install into {final}: {exc.strerror}; check that the state "
+            "directory belongs to the agent's user and send the order again"
+        ) from exc
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete ``path`` even where the archive made folders read-only; never raises."""
+    try:
+        if not os.path.lexists(path):
+            return
+        os.chmod(path, 0o700)
+        for dirpath, dirnames, _filenames in os.walk(path):
+            for name in dirnames:
+                child = os.path.join(dirpath, name)
+                if not os.path.islink(child):
+                    os.chmod(child, 0o700)
+        shutil.rmtree(path)
+    except OSError as exc:
+        log.warning("could not remove %s: %s; delete it by hand", path, exc)
+
+
+async def _in_thread(func: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    """Run blocking work in a thread; when cancelled, still wait for it to stop, so that
+    the cleanup that follows never races a thread that is still writing."""
+    future = asyncio.ensure_future(asyncio.to_thread(func, *args, **kwargs))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait({future})
+        raise

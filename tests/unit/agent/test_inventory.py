@@ -1,0 +1,347 @@
+"""The node's inventory: collected from this machine and from fixtures, turned into JSON, and
+re-sent by the watcher only when it changed in a way worth telling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from google.protobuf.descriptor import Descriptor
+
+from llmgw.agent import inventory
+from llmgw.agent.config import AgentConfig, parse_agent_config
+from llmgw.agent.discovery import NO_GPUS_VISIBLE
+from llmgw.agent.inventory import (
+    GIB,
+    InventoryWatcher,
+    collect_inventory,
+    disk_usage,
+    inventory_dict,
+    meminfo,
+    worth_telling,
+)
+from llmgw.proto import control_pb2 as pb
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+MIB = 1024 * 1024
+
+
+@pytest.fixture
+def empty_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    return empty
+
+
+def config(tmp_path: Path, **extra: object) -> AgentConfig:
+    return parse_agent_config(
+        {
+            "server": "cp1",
+            "node_id": "gpu-1",
+            "state_dir": str(tmp_path / "state"),
+            "models_root": str(tmp_path / "models" / "not" / "yet"),
+            "discovery": {"ib_root": str(tmp_path / "no-infiniband")},
+            **extra,
+        }
+    )
+
+
+def test_this_machine(tmp_path: Path, empty_path: Path) -> None:
+    inv = collect_inventory(config(tmp_path))
+    assert inv.hostname == socket.gethostname()
+    assert inv.arch == platform.machine()
+    assert inv.cpus == os.cpu_count()
+    assert 0 < inv.memory_available_bytes <= inv.memory_total_bytes
+    assert 0 < inv.disk_free_bytes <= inv.disk_total_bytes  # of tmp_path, the nearest parent
+    assert list(inv.engines) == ["sim"]
+    assert [e.name for e in inv.engine_details] == ["sim"]
+    assert list(inv.ib_adapters) == [] and list(inv.fabrics) == []
+    assert list(inv.warnings) == []
+    if inv.gpus:  # a machine with a driver
+        assert inv.gpu_source == "nvml" and inv.gpu_status == ""
+    else:
+        assert inv.gpu_status  # says why
+        if inv.gpu_source == "":
+            assert "no nvidia-smi on PATH" in inv.gpu_status
+
+
+def test_without_config_is_minimal() -> None:
+    inv = collect_inventory()
+    assert inv.cpus > 0 and inv.memory_total_bytes > 0
+    assert list(inv.engines) == ["sim"]
+    assert inv.gpus or inv.gpu_status
+    assert inv.disk_total_bytes == 0 and not inv.fabrics
+
+
+def test_from_fixtures(tmp_path: Path, empty_path: Path) -> None:
+    cfg = config(
+        tmp_path,
+        discovery={
+            "nvidia_smi": str(FIXTURES / "nvidia-smi" / "eight-h100"),
+            "ib_root": str(FIXTURES / "ib"),
+        },
+        fabrics=[{"name": "ib-a", "hcas": ["mlx5_0"]}, {"name": "ib-b", "hcas": ["mlx5_1"]}],
+        engines={
+            "llamacpp": {"bin": str(FIXTURES / "engines" / "works")},
+            "vllm": {"bin": str(FIXTURES / "engines" / "missing-lib")},
+        },
+    )
+    inv = collect_inventory(cfg)
+    assert len(inv.gpus) == 8
+    assert (inv.gpu_source, inv.driver_version, inv.gpu_status) == ("nvidia-smi", "550.54.15", "")
+    assert [a.name for a in inv.ib_adapters] == ["mlx5_0", "mlx5_1"]
+    assert [(f.name, f.healthy) for f in inv.fabrics] == [("ib-a", True), ("ib-b", False)]
+    details = {e.name: e for e in inv.engine_details}
+    assert details["llamacpp"].ok and details["llamacpp"].version == "version: 4500 (4b0c638b)"
+    assert not details["vllm"].ok
+    # llamacpp runs, but this llmgw cannot build its command yet: not offered.
+    assert list(inv.engines) == ["sim"]
+    assert len(inv.warnings) == 2
+    assert inv.warnings[0].startswith("fabric ib-b: adapter mlx5_1 has no ACTIVE port")
+    assert inv.warnings[1].startswith(
+        f"engine vllm ({FIXTURES / 'engines' / 'missing-lib'}) will not run: "
+    )
+    assert "libcudart.so.12" in inv.warnings[1]
+
+
+def test_disk_usage_nearest_existing_parent(tmp_path: Path) -> None:
+    total, free = disk_usage(tmp_path / "a" / "b" / "c")
+    st = os.statvfs(tmp_path)
+    assert total == st.f_blocks * st.f_frsize
+    assert 0 < free <= total
+
+
+def test_meminfo(tmp_path: Path) -> None:
+    path = tmp_path / "meminfo"
+    path.write_text("MemTotal:       16384 kB\nHugePages_Total:       4\nbogus\n")
+    assert meminfo(path) == {"MemTotal": 16384 * 1024, "HugePages_Total": 4}
+    assert meminfo(tmp_path / "absent") == {}
+
+
+def _field_names(descriptor: Descriptor, data: dict[str, object]) -> None:
+    assert set(data) == {f.name for f in descriptor.fields}
+    for f in descriptor.fields:
+        if f.message_type is not None:
+            items = data[f.name]
+            assert isinstance(items, list) and items, f.name
+            for item in items:
+                assert isinstance(item, dict)
+                _field_names(f.message_type, item)
+
+
+def test_inventory_dict_has_every_field(tmp_path: Path, empty_path: Path) -> None:
+    cfg = config(
+        tmp_path,
+        discovery={
+            "nvidia_smi": str(FIXTURES / "nvidia-smi" / "one-gpu"),
+            "ib_root": str(FIXTURES / "ib"),
+        },
+        fabrics=[{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_9"]}],
+    )
+    inv = collect_inventory(cfg)
+    data = inventory_dict(inv)
+    _field_names(pb.Inventory.DESCRIPTOR, data)
+    assert json.loads(json.dumps(data)) == data
+    assert data["gpus"] == [
+        {
+            "index": 0,
+            "uuid": "GPU-7c0e3f5a-2b1d-4e8f-9a6c-3d5b7e9f1a2c",
+            "name": "NVIDIA GeForce RTX 4090",
+            "memory_total_mib": 24564,
+            "memory_used_mib": 1093,
+        }
+    ]
+    assert data["fabrics"] == [{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_9"], "healthy": False}]
+    assert data["ib_adapters"][0]["ports"][0]["state"] == "4: ACTIVE"
+    assert data["engine_details"][0]["name"] == "sim"
+    assert data["disk_total_bytes"] > 0
+    assert data["warnings"] == [
+        "fabric ib-a: adapter mlx5_9 is not in "
+        f"{FIXTURES / 'ib'} (present: mlx5_0, mlx5_1); check the name with 'ibstat -l'"
+    ]
+
+
+def _inv(**fields: object) -> pb.Inventory:
+    base: dict[str, object] = {
+        "hostname": "gpu-1",
+        "memory_total_bytes": 64 * GIB,
+        "memory_available_bytes": 40 * GIB + 100,
+        "disk_free_bytes": 500 * GIB + 100,
+        "gpus": [pb.Gpu(index=0, uuid="GPU-a", memory_total_mib=81559, memory_used_mib=10)],
+        "engines": ["sim"],
+    }
+    return pb.Inventory(**{**base, **fields})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("change", "worth"),
+    [
+        ({}, False),
+        ({"memory_available_bytes": 40 * GIB + 900 * MIB}, False),
+        ({"memory_available_bytes": 39 * GIB}, True),
+        ({"disk_free_bytes": 500 * GIB + 1023 * MIB}, False),
+        ({"disk_free_bytes": 499 * GIB}, True),
+        (
+            {"gpus": [pb.Gpu(index=0, uuid="GPU-a", memory_total_mib=81559, memory_used_mib=900)]},
+            False,
+        ),
+        (
+            {"gpus": [pb.Gpu(index=0, uuid="GPU-a", memory_total_mib=81559, memory_used_mib=2048)]},
+            True,
+        ),
+        ({"gpus": []}, True),
+        ({"gpu_status": "nvidia-smi failed (exit 9): ..."}, True),
+        ({"engines": ["sim", "vllm"]}, True),
+        ({"fabrics": [pb.Fabric(name="ib-a", hcas=["mlx5_0"], healthy=True)]}, True),
+        ({"warnings": ["fabric ib-a: adapter mlx5_3 is not in /sys/class/infiniband"]}, True),
+    ],
+)
+def test_worth_telling(change: dict[str, object], worth: bool) -> None:
+    assert worth_telling(_inv(), _inv(**change)) is worth
+
+
+def _fake_smi(tmp_path: Path) -> tuple[Path, Path]:
+    csv = tmp_path / "gpus.csv"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nexec /bin/cat {csv}\n")
+    smi.chmod(0o755)
+    return smi, csv
+
+
+def _write(csv: Path, text: str) -> None:
+    # Atomically: the watcher may read it at any moment, and a half-written file is news.
+    part = csv.with_suffix(".part")
+    part.write_text(text)
+    os.replace(part, csv)
+
+
+def _gpu_line(index: int = 0, used: int = 1) -> str:
+    return f"{index}, GPU-{index:08d}-0000-4000-8000-000000000000, NVIDIA H100 80GB HBM3, 81559, {used}, 550.54.15\n"
+
+
+async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the watcher"
+        await asyncio.sleep(0.01)
+
+
+def test_watcher_sends_only_meaningful_changes(
+    tmp_path: Path, empty_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    smi, csv = _fake_smi(tmp_path)
+    _write(csv, _gpu_line(used=1))
+    # Memory and disk of the real machine move on their own; feed the watcher ours.
+    mem = {"MemTotal": 64 * GIB, "MemAvailable": 40 * GIB + 5}
+    disk = [1000 * GIB, 500 * GIB + 100 * MIB]
+    monkeypatch.setattr(inventory, "meminfo", lambda path=None: dict(mem))
+    monkeypatch.setattr(inventory, "disk_usage", lambda path: (disk[0], disk[1]))
+    cfg = config(tmp_path, discovery={"nvidia_smi": str(smi)})
+    sent: list[pb.Inventory] = []
+    connected = [True]
+
+    def send(inv: pb.Inventory) -> bool:
+        sent.append(inv)
+        return connected[0]
+
+    async def scenario() -> None:
+        watcher = InventoryWatcher(cfg, send, interval=0.02)
+        assert watcher.current.gpus[0].memory_used_mib == 1  # ready for the first Hello
+        task = asyncio.create_task(watcher.run())
+        try:
+            # Churn: MiBs of GPU memory, memory and disk.
+            _write(csv, _gpu_line(used=300))
+            mem["MemAvailable"] += 3 * MIB
+            disk[1] -= 7 * MIB
+            await _until(lambda: watcher.current.gpus[0].memory_used_mib == 300)
+            await _until(lambda: watcher.current.disk_free_bytes == disk[1])
+            await asyncio.sleep(0.1)
+            assert sent == []
+
+            _write(csv, _gpu_line(used=5000))  # a model loaded
+            await _until(lambda: len(sent) == 1)
+            assert sent[0].gpus[0].memory_used_mib == 5000
+
+            # Not connected: the new one is current anyway (Hello carries it), not resent.
+            connected[0] = False
+            _write(csv, _gpu_line(used=5000) + _gpu_line(index=1))
+            await _until(lambda: len(sent) == 2)
+            assert len(watcher.current.gpus) == 2
+            await asyncio.sleep(0.1)
+            assert len(sent) == 2
+
+            connected[0] = True
+            _write(csv, "")  # GPUs gone
+            await _until(lambda: len(sent) == 3)
+            assert sent[2].gpus == [] and sent[2].gpu_status == NO_GPUS_VISIBLE
+
+            mem["MemAvailable"] = 10 * GIB  # a GiB or more of memory
+            await _until(lambda: len(sent) == 4)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(scenario())
+
+
+def _counting_engine(tmp_path: Path, ok: bool = True) -> tuple[Path, Path]:
+    runs = tmp_path / "runs"
+    program = tmp_path / "llama-server"
+    program.write_text(f"#!/bin/sh\necho run >> {runs}\necho 'version: 1'\nexit {0 if ok else 1}\n")
+    program.chmod(0o755)
+    return program, runs
+
+
+def _runs(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_watcher_reruns_engines_only_when_they_change(tmp_path: Path, empty_path: Path) -> None:
+    program, runs = _counting_engine(tmp_path)
+    cfg = config(tmp_path, engines={"llamacpp": {"bin": str(program)}})
+    watcher = InventoryWatcher(cfg, lambda inv: True, interval=1)
+    assert _runs(runs) == 1
+    watcher.collect()
+    watcher.collect()
+    assert _runs(runs) == 1
+    assert watcher.current.engine_details[1].version == "version: 1"
+
+    program.write_text(program.read_text().replace("version: 1", "version: 2"))  # upgraded
+    inv = watcher.collect()
+    assert _runs(runs) == 2
+    assert inv.engine_details[1].version == "version: 2"
+
+    watcher.engine_interval = 0  # and after engine_interval, regardless
+    watcher.collect()
+    assert _runs(runs) == 3
+
+
+def test_watcher_rechecks_failed_engines(tmp_path: Path, empty_path: Path) -> None:
+    program, runs = _counting_engine(tmp_path, ok=False)
+    cfg = config(tmp_path, engines={"llamacpp": {"bin": str(program)}})
+    watcher = InventoryWatcher(cfg, lambda inv: True, interval=1)
+    first = _runs(runs)  # --version and --help
+    assert first == 2 and not watcher.current.engine_details[1].ok
+    watcher.collect()
+    assert _runs(runs) == 2 * first
+
+
+def test_watcher_found_engine_on_path(tmp_path: Path, empty_path: Path) -> None:
+    cfg = config(tmp_path)
+    sent: list[pb.Inventory] = []
+    watcher = InventoryWatcher(cfg, lambda inv: sent.append(inv) is None, interval=1)
+    assert [e.name for e in watcher.current.engine_details] == ["sim"]
+    shutil.copy(FIXTURES / "engines" / "works", empty_path / "llama-server")
+    assert watcher.update(watcher.collect())
+    assert [e.name for e in sent[0].engine_details] == ["sim", "llamacpp"]
+    assert not watcher.update(watcher.collect())
