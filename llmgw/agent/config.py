@@ -10,7 +10,7 @@ import ipaddress
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmgw.config_util import (
@@ -56,11 +56,24 @@ _TOP_KEYS = (
     "cache_root",
     "state_dir",
     "stop_shards_on_exit",
+    "runtime",
+    "docker",
 )
 _TLS_KEYS = ("cert", "key", "ca")
 _FABRIC_KEYS = ("name", "hcas")
 _DISCOVERY_KEYS = ("nvidia_smi", "ib_root")
 _ENGINE_KEYS = {"llamacpp": ("bin",), "vllm": ("bin",), "sglang": ("python",)}
+RUNTIMES = ("process", "docker")
+_DOCKER_KEYS = ("images", "network")
+_IMAGE_ENGINES = ("sim", *_ENGINE_KEYS)
+# Docker's image reference grammar (distribution/reference): [host[:port]/]path[:tag][@digest].
+_HOST_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+_DOMAIN = rf"{_HOST_LABEL}(?:\.{_HOST_LABEL})*(?::[0-9]+)?"
+_PATH = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+_IMAGE_REF = re.compile(rf"(?:{_DOMAIN}/)?{_PATH}(?:/{_PATH})*(?::{_TAG})?(?:@{_DIGEST})?")
+_NETWORK_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,15 @@ class EnginesConfig:
 
 
 @dataclass(frozen=True)
+class DockerConfig:
+    """The docker runtime's settings: the image of each engine, and the network containers
+    join (None: Docker's default bridge)."""
+
+    images: dict[str, str] = field(default_factory=dict)
+    network: str | None = None
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     """Everything ``agent.yaml`` says, validated; relative paths already made absolute."""
 
@@ -115,6 +137,8 @@ class AgentConfig:
     cache_root: Path
     state_dir: Path
     stop_shards_on_exit: bool = False
+    runtime: str = "process"
+    docker: DockerConfig = field(default_factory=DockerConfig)
     source: Path | None = None
 
 
@@ -186,6 +210,7 @@ def _parse(
         )
         listen_text = format_hostport(host, listen_port)
     mgmt_addr, mgmt_interface = _mgmt(check, top)
+    runtime = _runtime(check, top.get("runtime"))
 
     return AgentConfig(
         servers=_servers(check, top),
@@ -206,6 +231,8 @@ def _parse(
             if top.get("stop_shards_on_exit") is None
             else check.boolean(top["stop_shards_on_exit"], "stop_shards_on_exit")
         ),
+        runtime=runtime,
+        docker=_docker(check, top.get("docker"), runtime),
         source=source,
     )
 
@@ -412,10 +439,68 @@ def _engines(check: Checker, value: object) -> EnginesConfig:
     )
 
 
+def _runtime(check: Checker, value: object) -> str:
+    if value is None:
+        return "process"
+    runtime = check.string(value, "runtime")
+    if runtime not in RUNTIMES:
+        check.fail("runtime", unknown_key_message(runtime, RUNTIMES, noun="runtime"))
+    return runtime
+
+
+def _docker(check: Checker, value: object, runtime: str) -> DockerConfig:
+    table = {} if value is None else check.mapping(value, "docker", accepted=_DOCKER_KEYS)
+    images: dict[str, str] = {}
+    raw_images = table.get("images")
+    if raw_images is not None:
+        if not isinstance(raw_images, Mapping):
+            check.fail(
+                "docker.images",
+                f"must be a mapping of engine to image (e.g. sim: llmgw-sim:0.1), got "
+                f"{type_name(raw_images)}",
+            )
+        for engine, image in raw_images.items():
+            key = join_key("docker.images", str(engine))
+            if engine not in _IMAGE_ENGINES:
+                check.fail(key, unknown_key_message(str(engine), _IMAGE_ENGINES, noun="engine"))
+            image = check.string(image, key).strip()
+            if not _IMAGE_REF.fullmatch(image):
+                check.fail(
+                    key,
+                    f"{image!r} is not an image reference; give [registry/]name[:tag] in "
+                    "lowercase, e.g. llmgw-sim:0.1 or registry.example.com/llmgw/vllm:0.6",
+                )
+            images[str(engine)] = image
+    if runtime == "docker" and not images:
+        check.fail(
+            "docker.images",
+            "is required when runtime is docker: the image of each engine this node runs, "
+            "e.g. {sim: llmgw-sim:0.1} (the image must be on the node: docker load -i FILE)",
+        )
+    network = None
+    if table.get("network") is not None:
+        network = check.string(table["network"], "docker.network").strip()
+        if network in ("host", "none"):
+            check.fail(
+                "docker.network",
+                f"{network!r} cannot be used: engines are reached through a port published on "
+                "127.0.0.1, which needs a bridge network; create one (docker network create "
+                "llmgw) and name it, or remove the key for Docker's default bridge",
+            )
+        if not _NETWORK_NAME.fullmatch(network):
+            check.fail(
+                "docker.network",
+                f"{network!r} is not a Docker network name (letters, digits, '_', '.', '-')",
+            )
+    return DockerConfig(images=images, network=network)
+
+
 __all__ = [
     "DEFAULT_AGENT_CONFIG",
+    "RUNTIMES",
     "AgentConfig",
     "DiscoveryConfig",
+    "DockerConfig",
     "EnginesConfig",
     "FabricConfig",
     "TLSConfig",

@@ -22,8 +22,8 @@ from llmgw.agent.installs import install_engine, remove_leftovers
 from llmgw.agent.inventory import InventoryWatcher
 from llmgw.agent.oplog import OperationLog
 from llmgw.agent.renewal import Renewer, recover_identity
-from llmgw.agent.runtimes import ProcessRuntime
-from llmgw.agent.shards import ShardManager
+from llmgw.agent.runtimes import Launch, get_runtime
+from llmgw.agent.shards import ShardManager, ShardSpec
 from llmgw.agent.stream import Credentials, StreamClient
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import CertificateError
@@ -133,9 +133,27 @@ class Agent:
         oplog = OperationLog(cfg.state_dir / "oplog.json")
         # 3. shards
         stream_ref: list[StreamClient] = []
+        runtime = get_runtime(cfg.runtime, docker_network=cfg.docker.network)
+        make_launch = None
+        if runtime.name == "docker":
+
+            from llmgw.agent.runtimes.docker import launch_for as docker_launch
+
+            def make_launch(spec: ShardSpec, port: int, log_path: Path) -> Launch:
+                cluster = stream_ref[0].cluster_id if stream_ref else ""
+                return docker_launch(
+                    spec,
+                    port=port,
+                    log_path=log_path,
+                    node_id=cfg.node_id,
+                    cluster_id=cluster,
+                    images=cfg.docker.images,
+                )
+
         self.shards = ShardManager(
             cfg.state_dir,
-            ProcessRuntime(),
+            runtime,
+            make_launch=make_launch,
             on_status=lambda shard: stream_ref[0].report_shard(shard) if stream_ref else None,
         )
         await self.shards.open()

@@ -183,14 +183,31 @@ class ShardManager:
         *,
         startup_timeout: float = 600.0,
         health_interval: float = 0.05,
+        make_launch: Callable[[ShardSpec, int, Path], Launch] | None = None,
     ) -> None:
         self.state_dir = state_dir
+        self.make_launch = make_launch or self._process_launch
         self.runtime = runtime
         self.on_status = on_status
         self.startup_timeout = startup_timeout
         self.health_interval = health_interval
         self.shards: dict[str, Shard] = {}
         self._session: aiohttp.ClientSession | None = None
+
+    @staticmethod
+    def _process_launch(spec: ShardSpec, port: int, log_path: Path) -> Launch:
+        """An engine as a child process on 127.0.0.1:port."""
+        try:
+            argv = build_argv(
+                spec.engine,
+                model=spec.model,
+                port=port,
+                params=spec.params,
+                extra_args=spec.extra_args,
+            )
+        except EngineError as exc:
+            raise ShardError(str(exc)) from exc
+        return Launch(shard_id=spec.shard_id, argv=tuple(argv), port=port, log_path=log_path)
 
     @property
     def records_path(self) -> Path:
@@ -260,24 +277,9 @@ class ShardManager:
         if existing is not None and existing.task is not None and not existing.task.done():
             await existing.task
         port = pick_port()
-        try:
-            argv = build_argv(
-                spec.engine,
-                model=spec.model,
-                port=port,
-                params=spec.params,
-                extra_args=spec.extra_args,
-            )
-        except EngineError as exc:
-            raise ShardError(str(exc)) from exc
+        launch = self.make_launch(spec, port, self.log_path(spec.shard_id))
         shard = Shard(spec=spec, port=port)
         self.shards[spec.shard_id] = shard
-        launch = Launch(
-            shard_id=spec.shard_id,
-            argv=tuple(argv),
-            port=port,
-            log_path=self.log_path(spec.shard_id),
-        )
         try:
             shard.handle = await self.runtime.start(launch)
         except LlmgwError as exc:

@@ -105,6 +105,7 @@ class StreamClient:
         self.on_renewal_answer = on_renewal_answer
         self.installer = installer or _no_installer
         self.node_state = "unknown"
+        self.cluster_id = ""
         self.backoff = Backoff()
         self.connected_to: str | None = None
         self._queue: asyncio.Queue[pb.AgentMessage | None] | None = None
@@ -263,6 +264,7 @@ class StreamClient:
 
     def _welcome(self, welcome: pb.Welcome, server: str) -> None:
         self.oplog.observe_epoch(welcome.epoch)
+        self.cluster_id = welcome.cluster_id
         self._heartbeat_interval = welcome.heartbeat_interval_s or 5.0
         self.connected_to = server
         self.backoff.reset()

@@ -1,21 +1,49 @@
-"""Shard runtimes, chosen by name: ``process`` (children of the agent)."""
+"""Shard runtimes, chosen by name: ``process`` (engines as processes of the node) and
+``docker`` (engines as containers of the local Docker daemon)."""
 
 from __future__ import annotations
 
-from llmgw.agent.runtimes.base import Handle, Launch, Runtime
+from typing import TYPE_CHECKING
+
+from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord
 from llmgw.agent.runtimes.process import ProcessRuntime
 from llmgw.errors import ConfigError
 
-__all__ = ["Handle", "Launch", "ProcessRuntime", "Runtime", "get_runtime"]
+if TYPE_CHECKING:
+    from llmgw.agent.runtimes.docker import DockerRuntime
 
-_RUNTIMES: dict[str, type[Runtime]] = {"process": ProcessRuntime}
+__all__ = [
+    "RUNTIME_NAMES",
+    "DockerRuntime",
+    "Handle",
+    "Launch",
+    "ProcessRuntime",
+    "Runtime",
+    "ShardRecord",
+    "get_runtime",
+]
+
+RUNTIME_NAMES = ("docker", "process")
 
 
-def get_runtime(name: str) -> Runtime:
-    try:
-        return _RUNTIMES[name]()
-    except KeyError:
-        raise ConfigError(
-            f"unknown runtime {name!r}; choose one of {', '.join(sorted(_RUNTIMES))}",
-            key="runtime",
-        ) from None
+def get_runtime(name: str, *, docker_network: str | None = None) -> Runtime:
+    """The runtime called ``name``; ``docker_network`` is the docker runtime's network
+    (agent.yaml's ``docker.network``; None: Docker's default bridge)."""
+    if name == "process":
+        return ProcessRuntime()
+    if name == "docker":
+        # Imported here: the docker SDK costs every other command about 70 ms to load.
+        from llmgw.agent.runtimes.docker import DockerRuntime
+
+        return DockerRuntime(network=docker_network)
+    raise ConfigError(
+        f"unknown runtime {name!r}; choose one of {', '.join(RUNTIME_NAMES)}", key="runtime"
+    )
+
+
+def __getattr__(name: str) -> object:
+    if name == "DockerRuntime":
+        from llmgw.agent.runtimes.docker import DockerRuntime
+
+        return DockerRuntime
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,6 +14,7 @@ from llmgw.agent.config import (
     DEFAULT_AGENT_CONFIG,
     AgentConfig,
     DiscoveryConfig,
+    DockerConfig,
     EnginesConfig,
     FabricConfig,
     TLSConfig,
@@ -168,6 +169,35 @@ INVALID = [
     ("server: cp1\nstate_dir: 1\n", "state_dir", "got int"),
     ("server: cp1\nstop_shards_on_exit: 1\n", "stop_shards_on_exit", "true or false, got int"),
     ("server: cp1\nstop_shards_on_exit: 'no'\n", "stop_shards_on_exit", "got string"),
+    # runtime
+    (
+        "server: cp1\nruntime: dokcer\n",
+        "runtime",
+        "unknown runtime 'dokcer'; did you mean 'docker'?",
+    ),
+    ("server: cp1\nruntime: podman\n", "runtime", "(accepted runtimes: docker, process)"),
+    ("server: cp1\nruntime: 1\n", "runtime", "must be a string, got int"),
+    ("server: cp1\nruntime: ''\n", "runtime", "must not be empty"),
+    # docker
+    ("server: cp1\nruntime: docker\n", "docker.images", "is required when runtime is docker"),
+    ("server: cp1\nruntime: docker\ndocker: {images: {}}\n", "docker.images", "is required"),
+    ("server: cp1\ndocker: [x]\n", "docker", "must be a mapping, got list"),
+    ("server: cp1\ndocker: {image: x}\n", "docker.image", "did you mean 'images'?"),
+    ("server: cp1\ndocker: {images: [sim]}\n", "docker.images", "mapping of engine to image"),
+    ("server: cp1\ndocker: {images: {vlm: v:1}}\n", "docker.images.vlm", "did you mean 'vllm'?"),
+    ("server: cp1\ndocker: {images: {trtllm: t}}\n", "docker.images.trtllm", "unknown engine"),
+    ("server: cp1\ndocker: {images: {sim: 5}}\n", "docker.images.sim", "must be a string, got int"),
+    ("server: cp1\ndocker: {images: {sim: ''}}\n", "docker.images.sim", "must not be empty"),
+    (
+        "server: cp1\ndocker: {images: {sim: 'llmgw sim'}}\n",
+        "docker.images.sim",
+        "'llmgw sim' is not an image reference",
+    ),
+    ("server: cp1\ndocker: {images: {vllm: Vllm:1}}\n", "docker.images.vllm", "in lowercase"),
+    ("server: cp1\ndocker: {network: host}\n", "docker.network", "'host' cannot be used"),
+    ("server: cp1\ndocker: {network: none}\n", "docker.network", "needs a bridge network"),
+    ("server: cp1\ndocker: {network: 5}\n", "docker.network", "must be a string, got int"),
+    ("server: cp1\ndocker: {network: 'my net'}\n", "docker.network", "not a Docker network"),
 ]
 
 
@@ -189,6 +219,39 @@ def test_table_covers_every_top_level_key() -> None:
     keys = {key.split(".")[0].split("[")[0] for _, key, _ in INVALID}
     accepted = {field.name for field in dataclasses.fields(AgentConfig)} - {"source"}
     assert accepted - {"servers"} <= keys | {"server"}
+
+
+def test_docker_runtime_with_images_and_network(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        server: cp1
+        runtime: docker
+        docker:
+          images:
+            sim: llmgw-sim:0.1
+            vllm: registry.example.com:5000/llmgw/vllm:0.6@sha256:%s
+          network: llmgw-engines
+        """
+        % ("ab" * 32),
+    )
+    config = load_agent_config(path)
+    assert config.runtime == "docker"
+    assert config.docker == DockerConfig(
+        images={
+            "sim": "llmgw-sim:0.1",
+            "vllm": "registry.example.com:5000/llmgw/vllm:0.6@sha256:" + "ab" * 32,
+        },
+        network="llmgw-engines",
+    )
+
+
+def test_docker_section_is_accepted_with_the_process_runtime(tmp_path: Path) -> None:
+    # Prepared ahead of switching runtimes: kept, but the process runtime does not use it.
+    config = load_agent_config(write(tmp_path, "server: cp1\ndocker: {images: {sim: s:1}}\n"))
+    assert config.runtime == "process"
+    assert config.docker.images == {"sim": "s:1"}
+    assert config.docker.network is None
 
 
 # --- file-level refusals -------------------------------------------------------------------

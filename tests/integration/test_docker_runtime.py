@@ -1,0 +1,444 @@
+"""The docker runtime against a real dockerd and a real ``sim`` engine in a container.
+
+The image is ``$LLMGW_TEST_DOCKER_IMAGE`` (``.ci/run`` builds it), else it is built here with
+``scripts/docker-test-image.sh``. Without a reachable dockerd these tests skip, saying why,
+except under ``CI=true``, where they fail: CI must run them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+import docker.utils
+import pytest
+
+from llmgw.agent.runtimes.base import Handle, Launch, ShardRecord
+from llmgw.agent.runtimes.docker import (
+    CONTAINER_PORT,
+    LABEL_CLUSTER,
+    LABEL_NODE,
+    LABEL_REPLICA,
+    LABEL_SHARD,
+    DockerRuntime,
+    launch_for,
+)
+from llmgw.agent.shards import ShardSpec, pick_port
+from llmgw.errors import ShardError
+
+# The first test may build the image (debootstrap, about 1.5 min) when nothing is cached.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE_ENV = "LLMGW_TEST_DOCKER_IMAGE"
+DEFAULT_IMAGE = "llmgw-test-engine:local"
+NODE = f"dtest-{uuid.uuid4().hex[:8]}"  # this run's containers; runs may share a dockerd
+CLUSTER = "test-cluster"
+WAIT_S = 30.0
+
+
+def unavailable(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: the Docker tests must run, not skip)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def api() -> Iterator[Any]:
+    try:
+        client = docker.APIClient(version="auto", **docker.utils.kwargs_from_env())
+    except docker.errors.DockerException as exc:
+        unavailable(f"dockerd is not reachable ({exc}); start it: dockerd >/tmp/dockerd.log 2>&1 &")
+    # What earlier runs that were killed left behind: ended and older than any test run.
+    stale = client.containers(
+        all=True, filters={"label": [LABEL_NODE], "status": ["created", "exited", "dead"]}
+    )
+    for c in stale:
+        if c["Labels"][LABEL_NODE].startswith("dtest-") and c["Created"] < time.time() - 600:
+            client.remove_container(c["Id"], force=True)
+    try:
+        yield client
+    finally:
+        for c in client.containers(all=True, filters={"label": [f"{LABEL_NODE}={NODE}"]}):
+            client.remove_container(c["Id"], force=True)
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def image(api: Any) -> str:
+    name = os.environ.get(IMAGE_ENV)
+    if name:
+        try:
+            api.inspect_image(name)
+        except docker.errors.ImageNotFound:
+            unavailable(f"${IMAGE_ENV} names {name}, which is not on this node")
+        return name
+    build = subprocess.run(
+        [str(ROOT / "scripts" / "docker-test-image.sh"), DEFAULT_IMAGE],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    if build.returncode != 0:
+        unavailable(f"could not build the test image: {build.stderr.strip()[-600:]}")
+    return DEFAULT_IMAGE
+
+
+def sim_launch(tmp_path: Path, image: str, shard_id: str, **kwargs: Any) -> Launch:
+    spec = ShardSpec(shard_id=shard_id, replica_id="r1", model="sim-model", engine="sim")
+    return launch_for(
+        spec,
+        port=pick_port(),
+        log_path=tmp_path / "logs" / f"{shard_id}.log",
+        node_id=NODE,
+        cluster_id=CLUSTER,
+        images={"sim": image},
+        **kwargs,
+    )
+
+
+def health(port: int) -> int | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+            return int(resp.status)
+    except OSError:
+        return None
+
+
+def wait_healthy(port: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        if health(port) == 200:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the sim in the container did not answer /health on 127.0.0.1:{port}")
+
+
+def gone(api: Any, container_id: str) -> bool:
+    try:
+        api.inspect_container(container_id)
+    except docker.errors.NotFound:
+        return True
+    return False
+
+
+def test_sim_in_a_container_is_published_on_loopback_only(
+    api: Any, image: str, tmp_path: Path
+) -> None:
+    launch = sim_launch(tmp_path, image, "s-health")
+
+    async def main() -> None:
+        runtime = DockerRuntime()
+        handle = await runtime.start(launch)
+        assert isinstance(handle.ref, str) and handle.container_id == handle.ref
+        assert handle.port == launch.port
+        attrs = api.inspect_container(handle.ref)
+        assert handle.pid == attrs["State"]["Pid"] > 0
+        assert runtime.alive(handle)
+
+        await asyncio.to_thread(wait_healthy, launch.port)
+
+        # Published on 127.0.0.1 only: no binding on 0.0.0.0 or any other address.
+        expected = [{"HostIp": "127.0.0.1", "HostPort": str(launch.port)}]
+        assert attrs["HostConfig"]["PortBindings"] == {f"{CONTAINER_PORT}/tcp": expected}
+        assert attrs["NetworkSettings"]["Ports"] == {f"{CONTAINER_PORT}/tcp": expected}
+        assert api.port(handle.ref, CONTAINER_PORT) == expected
+
+        labels = attrs["Config"]["Labels"]
+        assert labels[LABEL_CLUSTER] == CLUSTER
+        assert labels[LABEL_NODE] == NODE
+        assert labels[LABEL_REPLICA] == "r1"
+        assert labels[LABEL_SHARD] == "s-health"
+        assert attrs["HostConfig"]["RestartPolicy"]["Name"] in ("", "no")
+        assert attrs["Config"]["Cmd"] == list(launch.argv)
+        assert attrs["Config"]["Image"] == image
+        assert attrs["Name"] == f"/llmgw-{NODE}-s-health"
+
+        waiting = asyncio.create_task(runtime.wait(handle))
+        await runtime.stop(handle, grace=10)
+        # The sim ends on SIGTERM by itself, with 0; the container is removed.
+        assert await asyncio.wait_for(waiting, WAIT_S) == 0
+        assert gone(api, handle.ref)
+        assert not runtime.alive(handle)
+        assert health(launch.port) is None
+        # What the engine wrote is in the shard's log, copied from the container.
+        assert "sim engine listening on 0.0.0.0:8000" in launch.log_path.read_text()
+
+    asyncio.run(main())
+
+
+def test_container_killed_from_outside_reports_137(api: Any, image: str, tmp_path: Path) -> None:
+    launch = sim_launch(tmp_path, image, "s-kill")
+
+    async def main() -> None:
+        runtime = DockerRuntime()
+        handle = await runtime.start(launch)
+        try:
+            await asyncio.to_thread(wait_healthy, launch.port)
+            waiting = asyncio.create_task(runtime.wait(handle))
+            await asyncio.sleep(0.2)
+            api.kill(handle.ref)  # docker kill: SIGKILL
+            assert await asyncio.wait_for(waiting, WAIT_S) == 137
+            assert not runtime.alive(handle)
+        finally:
+            await runtime.stop(handle, grace=1)
+        assert gone(api, str(handle.ref))
+
+    asyncio.run(main())
+
+
+def test_engine_that_fails_leaves_its_output_in_the_log(
+    api: Any, image: str, tmp_path: Path
+) -> None:
+    launch = Launch(
+        shard_id="s-fail",
+        argv=("python3", "-c", "import sys; print('loading model'); sys.exit('no such model')"),
+        port=pick_port(),
+        log_path=tmp_path / "s-fail.log",
+        image=image,
+        labels={LABEL_NODE: NODE},
+        container_port=CONTAINER_PORT,
+    )
+
+    async def main() -> None:
+        runtime = DockerRuntime()
+        handle = await runtime.start(launch)
+        try:
+            assert await asyncio.wait_for(runtime.wait(handle), WAIT_S) == 1
+        finally:
+            await runtime.stop(handle, grace=1)
+        text = launch.log_path.read_text()
+        assert "loading model" in text and "no such model" in text
+
+    asyncio.run(main())
+
+
+def test_adopted_by_label_after_the_runtime_is_gone(api: Any, image: str, tmp_path: Path) -> None:
+    launch = sim_launch(tmp_path, image, "s-adopt")
+
+    async def main() -> None:
+        first = DockerRuntime()
+        handle = await first.start(launch)
+        await asyncio.to_thread(wait_healthy, launch.port)
+        first.close()
+        del first
+
+        # A new agent: a new runtime, knowing only the record (here without the container id).
+        runtime = DockerRuntime()
+        record = ShardRecord(
+            shard_id="s-adopt", replica_id="r1", model="sim-model", engine="sim", port=0
+        )
+        adopted = await runtime.adopt(record)
+        assert adopted is not None
+        assert adopted.ref == adopted.container_id == handle.ref
+        assert adopted.pid == handle.pid
+        assert adopted.port == launch.port  # read from the container's port binding
+        assert runtime.alive(adopted)
+
+        # And by the container id the record keeps.
+        by_id = await runtime.adopt(
+            ShardRecord(
+                shard_id="s-adopt",
+                replica_id="r1",
+                model="sim-model",
+                engine="sim",
+                port=launch.port,
+                container_id=str(handle.ref),
+            )
+        )
+        assert by_id is not None and by_id.ref == handle.ref
+
+        found = await runtime.find_by_labels(NODE)
+        assert [(c.shard_id, c.container_id, c.running) for c in found] == [
+            ("s-adopt", handle.ref, True)
+        ]
+        assert found[0].port == launch.port and found[0].log_path == launch.log_path
+        assert await runtime.find_by_labels(NODE, cluster_id="other") == []
+
+        # Waiting on an adopted container still gets its exit code.
+        waiting = asyncio.create_task(runtime.wait(adopted))
+        await runtime.stop(adopted, grace=10)
+        assert await asyncio.wait_for(waiting, WAIT_S) == 0
+
+        assert await runtime.adopt(record) is None
+        assert await runtime.find_by_labels(NODE) == []
+
+    asyncio.run(main())
+
+
+def test_exited_container_is_not_adopted_and_a_new_start_replaces_it(
+    api: Any, image: str, tmp_path: Path
+) -> None:
+    launch = sim_launch(tmp_path, image, "s-left")
+
+    async def main() -> None:
+        runtime = DockerRuntime()
+        handle = await runtime.start(launch)
+        api.kill(handle.ref)
+        assert await asyncio.wait_for(runtime.wait(handle), WAIT_S) == 137
+        # Left behind, exited (as after a crash): not adopted, but listed.
+        record = ShardRecord(shard_id="s-left", replica_id="r1", model="sim-model", engine="sim")
+        assert await DockerRuntime().adopt(record) is None
+        (left,) = await runtime.find_by_labels(NODE)
+        assert (left.container_id, left.running, left.exit_code) == (handle.ref, False, 137)
+
+        # Starting the shard again removes the leftover of the same name.
+        again = await runtime.start(sim_launch(tmp_path, image, "s-left"))
+        try:
+            assert again.ref != handle.ref
+            assert gone(api, str(handle.ref))
+        finally:
+            await runtime.stop(again, grace=1)
+
+    asyncio.run(main())
+
+
+def test_missing_image_says_to_load_it(api: Any, tmp_path: Path) -> None:
+    missing = f"llmgw-test-no-such-image:{uuid.uuid4().hex[:8]}"
+    launch = sim_launch(tmp_path, missing, "s-noimage")
+    with pytest.raises(ShardError) as info:
+        asyncio.run(DockerRuntime().start(launch))
+    assert str(info.value).startswith(f"image {missing} is not on this node; load or pull it")
+    assert "docker images" in str(info.value)
+    assert api.containers(all=True, filters={"label": [f"{LABEL_SHARD}=s-noimage"]}) == []
+
+
+def test_missing_network_says_to_create_it(api: Any, image: str, tmp_path: Path) -> None:
+    network = f"llmgw-test-no-net-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(ShardError) as info:
+        asyncio.run(DockerRuntime(network=network).start(sim_launch(tmp_path, image, "s-nonet")))
+    # dockerd 20.10 refuses at start, newer ones at create: either way, nothing is left.
+    assert "the container for shard s-nonet: network " in str(info.value)
+    assert str(info.value).startswith("dockerd refused to ")
+    assert f"not found; create the network (docker network create {network})" in str(info.value)
+    assert api.containers(all=True, filters={"label": [f"{LABEL_SHARD}=s-nonet"]}) == []
+
+
+def test_gpus_become_a_device_request(api: Any, image: str, tmp_path: Path) -> None:
+    # Created, not started: this machine has no GPU (starting fails in dockerd with
+    # 'could not select device driver').
+    runtime = DockerRuntime()
+    with_gpus = sim_launch(tmp_path, image, "s-gpu", gpus=("GPU-0b1c", "3"))
+    without = sim_launch(tmp_path, image, "s-nogpu")
+    created = [asyncio.run(runtime.create(launch)) for launch in (with_gpus, without)]
+    try:
+        requests = [api.inspect_container(c)["HostConfig"]["DeviceRequests"] for c in created]
+        assert requests[0] == [
+            {
+                "Driver": "",
+                "Count": 0,
+                "DeviceIDs": ["GPU-0b1c", "3"],
+                "Capabilities": [["gpu"]],
+                "Options": {},
+            }
+        ]
+        assert not requests[1]
+    finally:
+        for c in created:
+            api.remove_container(c, force=True)
+
+
+def test_gpu_start_without_a_driver_explains(api: Any, image: str, tmp_path: Path) -> None:
+    info = api.info()
+    if "nvidia" in json.dumps(info.get("Runtimes", {})):
+        pytest.skip("this dockerd has the NVIDIA runtime: starting would succeed")
+    launch = sim_launch(tmp_path, image, "s-gpustart", gpus=("0",))
+    with pytest.raises(ShardError) as error:
+        asyncio.run(DockerRuntime().start(launch))
+    message = str(error.value)
+    assert "dockerd refused to start the container for shard s-gpustart" in message
+    assert "NVIDIA Container Toolkit" in message
+    # Nothing is left behind.
+    assert api.containers(all=True, filters={"label": [f"{LABEL_SHARD}=s-gpustart"]}) == []
+
+
+def test_stop_of_a_container_already_gone_is_quiet(api: Any, image: str, tmp_path: Path) -> None:
+    launch = sim_launch(tmp_path, image, "s-gone")
+
+    async def main() -> None:
+        runtime = DockerRuntime()
+        handle = await runtime.start(launch)
+        api.remove_container(handle.ref, force=True)
+        await runtime.stop(handle, grace=1)
+        assert not runtime.alive(handle)
+        stale = Handle(shard_id="x", pid=0, port=1, ref="f" * 64, container_id="f" * 64)
+        await runtime.stop(stale, grace=1)
+
+    asyncio.run(main())
+
+
+def test_agent_with_the_docker_runtime_serves_through_the_gateway(
+    api: Any, image: str, tmp_path: Path
+) -> None:
+    """The whole path: gateway -> agent data plane -> engine in a container, then adoption."""
+    import openai
+
+    from tests.integration.harness import make_agent, start_agent, start_server, stop_process
+
+    server = start_server(tmp_path)
+    node = f"dock-{uuid.uuid4().hex[:6]}"
+    agent = make_agent(
+        tmp_path,
+        server,
+        node,
+        extra={
+            "runtime": "docker",
+            "docker": {"images": {"sim": image}},
+            "stop_shards_on_exit": False,
+        },
+    )
+    try:
+        start_agent(agent)
+        deadline = time.monotonic() + WAIT_S
+        while not any(n["connected"] for n in server.nodes()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        server.approve_pending(1)
+        server.api("POST", "/api/models", {"name": "boxed", "engine": "sim", "replicas": 1})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            rows = server.replicas("boxed")
+            if rows and rows[0]["routable"]:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"no routable replica: {server.replicas('boxed')}\n{agent.log()}")
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key())
+        out = client.chat.completions.create(
+            model="boxed", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert out.choices[0].message.content
+        (container,) = api.containers(filters={"label": [f"{LABEL_NODE}={node}"]})
+        labels = container["Labels"]
+        assert labels["llmgw.shard"] == server.replicas("boxed")[0]["shard"]
+        assert labels["llmgw.cluster"] == server.api("GET", "/api/status")["cluster_id"]
+        # A new agent adopts the running container instead of starting another one.
+        assert agent.proc is not None
+        stop_process(agent.proc, signal.SIGKILL)
+        start_agent(agent)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            rows = server.replicas("boxed")
+            if rows and rows[0]["routable"] and "shards after restart" in agent.log():
+                break
+            time.sleep(0.2)
+        assert [c["Id"] for c in api.containers(filters={"label": [f"{LABEL_NODE}={node}"]})] == [
+            container["Id"]
+        ]
+    finally:
+        if agent.proc is not None:
+            stop_process(agent.proc)
+        stop_process(server.proc)
+        for c in api.containers(all=True, filters={"label": [f"{LABEL_NODE}={node}"]}):
+            api.remove_container(c["Id"], force=True)

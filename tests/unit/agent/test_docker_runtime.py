@@ -1,0 +1,180 @@
+"""The docker runtime without a daemon: the launch it builds, and what it says when dockerd is
+not there. The runtime against a real dockerd: tests/integration/test_docker_runtime.py."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from llmgw.agent.runtimes import DockerRuntime, ProcessRuntime, get_runtime
+from llmgw.agent.runtimes.base import Handle, Launch
+from llmgw.agent.runtimes.docker import (
+    CONTAINER_PORT,
+    LABEL_CLUSTER,
+    LABEL_NODE,
+    LABEL_REPLICA,
+    LABEL_SHARD,
+    ShardContainer,
+    container_name,
+    launch_for,
+)
+from llmgw.agent.shards import ShardSpec
+from llmgw.errors import ConfigError, ShardError
+
+IMAGES = {"sim": "llmgw-sim:0.1"}
+
+
+def spec(engine: str = "sim", **params: str) -> ShardSpec:
+    return ShardSpec(shard_id="r1-s0", replica_id="r1", model="m-1", engine=engine, params=params)
+
+
+def test_launch_runs_llmgw_from_the_image_on_every_container_address(tmp_path: Path) -> None:
+    launch = launch_for(
+        spec(seed="7"),
+        port=41234,
+        log_path=tmp_path / "r1-s0.log",
+        node_id="gpu-07",
+        cluster_id="prod",
+        images=IMAGES,
+        gpus=("GPU-1234", "1"),
+    )
+    assert launch.argv == (
+        "llmgw",
+        "engine",
+        "sim",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(CONTAINER_PORT),
+        "--model",
+        "m-1",
+        "--seed",
+        "7",
+    )
+    assert launch.image == "llmgw-sim:0.1"
+    assert launch.port == 41234 and launch.container_port == CONTAINER_PORT
+    assert launch.gpus == ("GPU-1234", "1")
+    assert launch.labels == {
+        LABEL_CLUSTER: "prod",
+        LABEL_NODE: "gpu-07",
+        LABEL_REPLICA: "r1",
+        LABEL_SHARD: "r1-s0",
+    }
+    assert launch.log_path == tmp_path / "r1-s0.log"
+
+
+def test_launch_without_cluster_or_gpus(tmp_path: Path) -> None:
+    launch = launch_for(
+        spec(), port=1, log_path=tmp_path / "l", node_id="n", cluster_id="", images=IMAGES
+    )
+    assert LABEL_CLUSTER not in launch.labels
+    assert launch.gpus == ()
+
+
+def test_engine_without_an_image_says_which_key_to_set(tmp_path: Path) -> None:
+    with pytest.raises(ShardError, match=r"no image for engine 'vllm'.*docker\.images\.vllm"):
+        launch_for(
+            spec("vllm"),
+            port=1,
+            log_path=tmp_path / "l",
+            node_id="n",
+            cluster_id="c",
+            images=IMAGES,
+        )
+
+
+def test_bad_engine_parameter_is_a_shard_error(tmp_path: Path) -> None:
+    with pytest.raises(ShardError, match="sim engine has no parameter 'colour'"):
+        launch_for(
+            spec(colour="red"),
+            port=1,
+            log_path=tmp_path / "l",
+            node_id="n",
+            cluster_id="c",
+            images=IMAGES,
+        )
+
+
+def test_container_name_is_readable_and_valid() -> None:
+    assert container_name("r1-s0", "gpu-07.rack-3") == "llmgw-gpu-07.rack-3-r1-s0"
+    assert container_name("r1/s0 x") == "llmgw-r1_s0_x"
+
+
+def test_get_runtime_by_name() -> None:
+    runtime = get_runtime("docker", docker_network="llmgw-engines")
+    assert isinstance(runtime, DockerRuntime) and runtime.network == "llmgw-engines"
+    assert isinstance(get_runtime("process"), ProcessRuntime)
+    with pytest.raises(ConfigError, match="unknown runtime 'dokcer'; choose one of docker, proc"):
+        get_runtime("dokcer")
+
+
+def test_unreachable_daemon_says_how_to_fix_it(tmp_path: Path) -> None:
+    address = f"unix://{tmp_path}/no-docker.sock"
+    runtime = DockerRuntime(base_url=address)
+    launch = Launch(
+        shard_id="s1",
+        argv=("llmgw", "engine", "sim"),
+        port=1,
+        log_path=tmp_path / "s1.log",
+        image="llmgw-sim:0.1",
+    )
+    with pytest.raises(ShardError) as info:
+        asyncio.run(runtime.start(launch))
+    message = str(info.value)
+    assert message.startswith(f"cannot reach dockerd at {address} (")
+    assert message.endswith(
+        "is docker running (systemctl start docker) and is the agent's user in the 'docker' group?"
+    )
+    # Not knowing is not "dead": stop() is tried, and says the same.
+    handle = Handle(shard_id="s1", pid=0, port=1, ref="0" * 64, container_id="0" * 64)
+    assert runtime.alive(handle) is True
+    with pytest.raises(ShardError, match="cannot reach dockerd"):
+        asyncio.run(runtime.stop(handle, grace=1))
+
+
+def test_launch_without_image_is_refused(tmp_path: Path) -> None:
+    launch = Launch(shard_id="s1", argv=("x",), port=1, log_path=tmp_path / "s1.log")
+    with pytest.raises(ShardError, match="shard s1 has no image"):
+        asyncio.run(DockerRuntime(base_url=f"unix://{tmp_path}/none.sock").start(launch))
+
+
+def test_shard_container_from_inspect() -> None:
+    attrs = {
+        "Id": "c" * 64,
+        "Name": "/llmgw-n-s1",
+        "Config": {
+            "Image": "llmgw-sim:0.1",
+            "Labels": {
+                LABEL_SHARD: "s1",
+                LABEL_REPLICA: "r1",
+                LABEL_NODE: "n",
+                LABEL_CLUSTER: "c",
+                "llmgw.log": "/var/lib/llmgw-agent/logs/s1.log",
+            },
+        },
+        "State": {"Running": True, "Pid": 4242, "ExitCode": 0},
+        "HostConfig": {
+            "PortBindings": {"8000/tcp": [{"HostIp": "127.0.0.1", "HostPort": "41000"}]}
+        },
+    }
+    found = ShardContainer.from_inspect(attrs)
+    assert found == ShardContainer(
+        container_id="c" * 64,
+        name="llmgw-n-s1",
+        shard_id="s1",
+        replica_id="r1",
+        node_id="n",
+        cluster_id="c",
+        image="llmgw-sim:0.1",
+        running=True,
+        pid=4242,
+        port=41000,
+        exit_code=None,
+        log_path=Path("/var/lib/llmgw-agent/logs/s1.log"),
+    )
+    stopped = ShardContainer.from_inspect(
+        {**attrs, "State": {"Running": False, "Pid": 0, "ExitCode": 137}}
+    )
+    assert (stopped.running, stopped.pid, stopped.exit_code) == (False, 0, 137)
