@@ -289,7 +289,7 @@ class OrderMeta(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., op_id: _Optional[str] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("meta", "shard_id", "replica_id", "model", "engine", "rank", "params", "extra_args")
+    __slots__ = ("meta", "shard_id", "replica_id", "model", "engine", "rank", "params", "extra_args", "gpus", "nodes", "dist_init_addr", "source", "gpu_memory_mib", "sidecars", "profile")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +305,13 @@ class StartShard(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_ARGS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    DIST_INIT_ADDR_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    SIDECARS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     meta: OrderMeta
     shard_id: str
     replica_id: str
@@ -313,7 +320,28 @@ class StartShard(_message.Message):
     rank: int
     params: _containers.ScalarMap[str, str]
     extra_args: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Iterable[str]] = ...) -> None: ...
+    gpus: _containers.RepeatedScalarFieldContainer[str]
+    nodes: int
+    dist_init_addr: str
+    source: str
+    gpu_memory_mib: int
+    sidecars: _containers.RepeatedCompositeFieldContainer[Sidecar]
+    profile: str
+    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., dist_init_addr: _Optional[str] = ..., source: _Optional[str] = ..., gpu_memory_mib: _Optional[int] = ..., sidecars: _Optional[_Iterable[_Union[Sidecar, _Mapping]]] = ..., profile: _Optional[str] = ...) -> None: ...
+
+class Sidecar(_message.Message):
+    __slots__ = ("name", "argv", "health_url", "timeout_s", "ready_after_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_URL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    READY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    health_url: str
+    timeout_s: float
+    ready_after_s: float
+    def __init__(self, name: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., health_url: _Optional[str] = ..., timeout_s: _Optional[float] = ..., ready_after_s: _Optional[float] = ...) -> None: ...
 
 class StopShard(_message.Message):
     __slots__ = ("meta", "shard_id", "grace_s")
