@@ -556,3 +556,61 @@ def engines_install(
         )
     if any(r["state"] in ("failed", "skipped") for r in rows):
         raise click.exceptions.Exit(1)
+
+
+@ctl.command()
+@click.argument("node")
+@click.option(
+    "--wait/--no-wait",
+    default=True,
+    show_default=True,
+    help="Wait until no replica is left on NODE.",
+)
+@click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait.")
+@pass_ctl
+@reports_errors
+def drain(c: Ctl, node: str, wait: bool, timeout: float) -> None:
+    """Move every replica off NODE, one at a time, each replacement ready before the original stops."""
+    data = c.call("POST", f"/api/nodes/{node}/drain")
+    if not wait:
+        if c.as_json:
+            echo_json(data)
+        else:
+            click.echo(
+                f"draining {node}: {len(data['replicas_left'])} replicas to move (llmgw ctl drain {node} to watch)"
+            )
+        return
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        left = data["replicas_left"]
+        moving = ", ".join(f"{m['replica']} -> {m['replacement']}" for m in data["moving"]) or "-"
+        line = f"{node}: {len(left)} replicas left; moving {moving}"
+        if data.get("blocked"):
+            line += f"; blocked: {data['blocked']}"
+        if line != last and not c.as_json:
+            click.echo(line)
+            last = line
+        if not left:
+            break
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"drain of {node} not done after {timeout:.0f}s: {line}")
+        time.sleep(1.0)
+        data = c.call("GET", f"/api/nodes/{node}/drain")
+    if c.as_json:
+        echo_json(data)
+    else:
+        click.echo(f"{node} is drained; 'llmgw ctl uncordon {node}' lets it take replicas again")
+
+
+@ctl.command()
+@click.argument("node")
+@pass_ctl
+@reports_errors
+def uncordon(c: Ctl, node: str) -> None:
+    """Let a drained NODE take replicas again."""
+    data = c.call("POST", f"/api/nodes/{node}/uncordon")
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"{node} takes new replicas again")

@@ -58,6 +58,9 @@ def add_admin_routes(app: web.Application, cp: ControlPlane) -> None:
     r.add_post("/api/nodes/{node}/approve", api.wrap(api.approve))
     r.add_post("/api/nodes/{node}/reject", api.wrap(api.reject))
     r.add_post("/api/nodes/{node}/revoke", api.wrap(api.revoke))
+    r.add_post("/api/nodes/{node}/drain", api.wrap(api.drain))
+    r.add_get("/api/nodes/{node}/drain", api.wrap(api.drain_status))
+    r.add_post("/api/nodes/{node}/uncordon", api.wrap(api.uncordon))
     r.add_post("/api/engines/install", api.wrap(api.install_engine))
     r.add_get("/api/engines/installs", api.wrap(api.engine_installs))
 
@@ -124,6 +127,7 @@ class AdminAPI:
             "state": node.state,
             "connected": node.id in self.cp.sessions,
             "draining": node.draining,
+            "lost": node.id in self.cp.lost,
             "dataplane_addr": node.dataplane_addr,
             "agent_version": node.agent_version,
             "last_seen": node.last_seen,
@@ -476,3 +480,27 @@ class AdminAPI:
         wanted = set(request.query.getall("op", []))
         rows = [r for op, r in self.cp.installs.items() if not wanted or op in wanted]
         return web.json_response(rows)
+
+    # -- drain ----------------------------------------------------------------------------------------
+
+    async def drain(self, request: web.Request) -> web.Response:
+        node_id = request.match_info["node"]
+        node = self.cp.store.get_node(node_id)
+        if not node.draining:
+            self.cp.store.set_node_draining(node_id, True)
+            self.cp.store.add_event("node_drain", node_id, "drain started")
+            self.cp.scheduler.kick()
+        return web.json_response(self.cp.scheduler.drain_progress(node_id))
+
+    async def drain_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.cp.scheduler.drain_progress(request.match_info["node"]))
+
+    async def uncordon(self, request: web.Request) -> web.Response:
+        node_id = request.match_info["node"]
+        node = self.cp.store.get_node(node_id)
+        if not node.draining:
+            raise Conflict(f"node {node_id} is not draining; nothing to undo")
+        self.cp.store.set_node_draining(node_id, False)
+        self.cp.store.add_event("node_uncordon", node_id, "takes new replicas again")
+        self.cp.scheduler.kick()
+        return web.json_response(self.cp.scheduler.drain_progress(node_id))

@@ -103,6 +103,8 @@ class ControlPlane:
         self.key_hashes: set[str] = set()
         # Engine installs ordered since start: op id -> {node, engine, version, state, error}.
         self.installs: dict[str, dict[str, object]] = {}
+        self.lost: set[str] = set()
+        self._loss_timers: dict[str, asyncio.TimerHandle] = {}
         self.model_names: set[str] = set()
         self.http_port = 0
         self.grpc_port = 0
@@ -195,6 +197,10 @@ class ControlPlane:
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
         self._tasks.append(asyncio.create_task(self._watch_heartbeats(), name="heartbeats"))
         self.store.add_event("server_started", "control-plane", f"epoch {self.epoch}")
+        # Nodes that do not come back within the loss timeout after this start are lost.
+        for node in self.store.list_nodes():
+            if self.store.list_shards(node_id=node.id):
+                self._start_loss_timer(node.id)
         self.store.set_meta(LEADER_STREAM, self.stream_addresses()[0])
         self.store.set_meta(LEADER_HTTP, f"http://{self.http_addr}")
         log.info(
@@ -313,6 +319,9 @@ class ControlPlane:
         return format_hostport(host, self.http_port)
 
     async def stop(self) -> None:
+        for timer in self._loss_timers.values():
+            timer.cancel()
+        self._loss_timers.clear()
         if self._promotion is not None:
             self._promotion.cancel()
             await asyncio.gather(self._promotion, return_exceptions=True)
@@ -371,6 +380,12 @@ class ControlPlane:
             inventory=inventory,
             connected=True,
         )
+        timer = self._loss_timers.pop(node_id, None)
+        if timer is not None:
+            timer.cancel()
+        if node_id in self.lost:
+            self.lost.discard(node_id)
+            self.store.add_event("node_back", node_id, "reconnected after being lost")
         old = self.sessions.get(node_id)
         if old is not None:
             # A node that reconnects before its old stream noticed the break: the new one wins.
@@ -429,8 +444,45 @@ class ControlPlane:
                 "cannot record a disconnect", extra=kv(node=session.node_id, error=str(exc))
             )
         log.info("node disconnected", extra=kv(node=session.node_id))
+        # Silent for the loss timeout already: lost now. A closed stream gets the timeout.
+        self._start_loss_timer(session.node_id, 0.0 if session.silent else None)
         self._count_nodes()
         self._count_ready()
+
+    # -- loss: a node away for the loss timeout loses its replicas to other nodes ------------------
+
+    def _start_loss_timer(self, node_id: str, delay: float | None = None) -> None:
+        old = self._loss_timers.pop(node_id, None)
+        if old is not None:
+            old.cancel()
+        loop = asyncio.get_running_loop()
+        wait = self.cfg.loss_timeout if delay is None else delay
+        self._loss_timers[node_id] = loop.call_later(wait, self._node_lost, node_id)
+
+    def _node_lost(self, node_id: str) -> None:
+        self._loss_timers.pop(node_id, None)
+        if node_id in self.sessions or node_id in self.lost:
+            return
+        try:
+            shards = self.store.list_shards(node_id=node_id)
+        except LlmgwError:
+            return
+        self.lost.add(node_id)
+        replicas = sorted({s.replica_id for s in shards})
+        log.warning(
+            "node lost; rebuilding its replicas elsewhere",
+            extra=kv(node=node_id, replicas=len(replicas), after=f"{self.cfg.loss_timeout:g}s"),
+        )
+        self.store.add_event(
+            "node_lost",
+            node_id,
+            f"no stream for {self.cfg.loss_timeout:g}s; {len(replicas)} replicas rebuilt elsewhere",
+        )
+        for replica_id in replicas:
+            # No stop order can reach it; when it comes back, its Hello lists shards that
+            # belong to no replica and it is told to stop them.
+            self.remove_replica(replica_id, why=f"node {node_id} lost")
+        self.scheduler.kick()
 
     def _count_nodes(self) -> None:
         nodes = self.store.list_nodes()
@@ -450,6 +502,7 @@ class ControlPlane:
             for session in list(self.sessions.values()):
                 if now - session.last_heartbeat > self.cfg.loss_timeout:
                     log.warning("node stopped sending heartbeats", extra=kv(node=session.node_id))
+                    session.silent = True
                     session.close()
 
     # -- messages from agents ------------------------------------------------------------------

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from llmgw.errors import NotFound
 from llmgw.log import kv
 from llmgw.server.store import Model, Shard
 
@@ -45,6 +46,10 @@ class Scheduler:
         self.failures: dict[str, int] = {}
         self.failed_at: dict[str, float] = {}
         self.unplaceable: dict[str, Unplaceable] = {}
+        # Drains: original replica -> its replacement, and the node it is moving off.
+        self.moves: dict[str, str] = {}
+        self.move_nodes: dict[str, str] = {}
+        self.drain_blocked: dict[str, str] = {}
 
     def kick(self) -> None:
         self._kick.set()
@@ -65,16 +70,21 @@ class Scheduler:
 
     def reconcile(self) -> None:
         store = self.cp.store
+        self._drain_step()
+        moving = set(self.moves) | set(self.moves.values())
         for model in store.list_models():
             replicas = store.list_replicas(model.name)
-            missing = model.replicas - len(replicas)
+            # A replica being moved and its replacement count as one until the move is done.
+            in_moves = sum(1 for r in replicas if r.id in self.moves.values())
+            missing = model.replicas - (len(replicas) - in_moves)
             if missing > 0:
                 for _ in range(missing):
                     if not self._place(model):
                         break
             elif missing < 0:
                 # Stop the least useful first: not ready before ready, newest first.
-                order = sorted(replicas, key=lambda r: (r.state == "ready", -r.created_at))
+                candidates = [r for r in replicas if r.id not in moving]
+                order = sorted(candidates, key=lambda r: (r.state == "ready", -r.created_at))
                 for replica in order[:-missing]:
                     self.cp.remove_replica(
                         replica.id, why=f"scaled {model.name} to {model.replicas}"
@@ -109,6 +119,8 @@ class Scheduler:
                 why.append(f"{node.id}: not connected")
             elif node.draining:
                 why.append(f"{node.id}: draining")
+            elif node.id in self.cp.lost:
+                why.append(f"{node.id}: lost")
             elif model.engine not in session.engines:
                 why.append(f"{node.id}: engine {model.engine} not available")
             else:
@@ -117,6 +129,9 @@ class Scheduler:
         return ok, why
 
     def _place(self, model: Model) -> bool:
+        return self._place_replica(model) is not None
+
+    def _place_replica(self, model: Model) -> str | None:
         nodes, why = self._candidates(model)
         if not nodes:
             reason = "; ".join(why) if why else "no nodes have joined"
@@ -127,7 +142,7 @@ class Scheduler:
                     "unplaceable", model.name, f"cannot place a replica: {reason}"
                 )
                 log.warning("cannot place a replica", extra=kv(model=model.name, reason=reason))
-            return False
+            return None
         self.unplaceable.pop(model.name, None)
         store = self.cp.store
         with store.transaction():
@@ -137,7 +152,73 @@ class Scheduler:
         store.add_event("replica_placed", replica.id, f"{model.name} on {nodes[0]}")
         log.info("placing a replica", extra=kv(model=model.name, replica=replica.id, node=nodes[0]))
         self._send_start(shard)
-        return True
+        return replica.id
+
+    # -- drain: replacement first, one replica at a time ----------------------------------------
+
+    def _drain_step(self) -> None:
+        store = self.cp.store
+        draining = [n for n in store.list_nodes() if n.draining]
+        # Finish or abandon moves in progress.
+        for original, replacement in list(self.moves.items()):
+            try:
+                store.get_replica(original)
+            except NotFound:
+                # The original went away by itself (undeploy, loss): nothing left to move.
+                del self.moves[original]
+                continue
+            try:
+                store.get_replica(replacement)
+            except NotFound:
+                del self.moves[original]  # the replacement was lost; try again next pass
+                continue
+            if any(ep.replica_id == replacement for ep in self.cp.router.endpoints()):
+                del self.moves[original]
+                from_node = self.move_nodes.pop(original, "?")
+                self.cp.remove_replica(original, why=f"moved off {from_node} (drain)")
+                store.add_event("drain_moved", from_node, f"{original} -> {replacement}")
+        for node in draining:
+            if any(self.move_nodes.get(o) == node.id for o in self.moves):
+                continue  # one replica at a time per node
+            replicas = sorted({s.replica_id for s in store.list_shards(node_id=node.id)})
+            if not replicas:
+                self.drain_blocked.pop(node.id, None)
+                continue
+            original = replicas[0]
+            model = store.get_model(store.get_replica(original).model)
+            placed = self._place_replica(model)
+            if placed is None:
+                reason = (
+                    self.unplaceable[model.name].reason
+                    if model.name in self.unplaceable
+                    else "no capacity"
+                )
+                self.drain_blocked[node.id] = f"cannot move {original}: {reason}"
+                continue
+            self.drain_blocked.pop(node.id, None)
+            self.moves[original] = placed
+            self.move_nodes[original] = node.id
+            store.add_event("drain_moving", node.id, f"{original} -> {placed}")
+            log.info(
+                "moving a replica off a draining node",
+                extra=kv(node=node.id, replica=original, to=placed),
+            )
+
+    def drain_progress(self, node_id: str) -> dict[str, object]:
+        store = self.cp.store
+        replicas = sorted({s.replica_id for s in store.list_shards(node_id=node_id)})
+        moving = [
+            {"replica": o, "replacement": r}
+            for o, r in self.moves.items()
+            if self.move_nodes.get(o) == node_id
+        ]
+        return {
+            "node": node_id,
+            "draining": store.get_node(node_id).draining,
+            "replicas_left": replicas,
+            "moving": moving,
+            "blocked": self.drain_blocked.get(node_id),
+        }
 
     def _send_start(self, shard: Shard) -> None:
         store = self.cp.store

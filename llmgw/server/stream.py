@@ -45,6 +45,8 @@ class NodeSession:
     last_heartbeat: float = field(default_factory=time.monotonic)
     inflight: int = 0
     draining: bool = False
+    # Its heartbeats stopped for the loss timeout (as opposed to a stream that closed).
+    silent: bool = False
 
     def _meta(self) -> pb.OrderMeta:
         return pb.OrderMeta(epoch=self.epoch, op_id=uuid.uuid4().hex)

@@ -135,7 +135,8 @@ def start_server(tmp: Path, *, heartbeat: float = 1.0) -> Server:
                 "grpc_listen": f"127.0.0.1:{grpc_port}",
                 "enroll_listen": "127.0.0.1:0",
                 "heartbeat_interval": heartbeat,
-                "loss_timeout": max(3.0, heartbeat * 3),
+                # Long enough that an agent restart is not a loss; loss tests shorten it.
+                "loss_timeout": max(10.0, heartbeat * 3),
             }
         )
     )
@@ -262,7 +263,7 @@ def start_server_with(tmp: Path, *, heartbeat: float = 1.0, **extra: Any) -> Ser
                 "grpc_listen": f"127.0.0.1:{grpc_port}",
                 "enroll_listen": "127.0.0.1:0",
                 "heartbeat_interval": heartbeat,
-                "loss_timeout": max(3.0, heartbeat * 3),
+                "loss_timeout": max(10.0, heartbeat * 3),
                 **extra,
             }
         )
