@@ -674,7 +674,8 @@ def load_csr(pem: bytes | str) -> x509.CertificateSigningRequest:
     try:
         data = pem.encode("utf-8") if isinstance(pem, str) else bytes(pem)
         return x509.load_pem_x509_csr(data)
-    except (ValueError, TypeError, UnsupportedAlgorithm) as e:  # UnicodeError is a ValueError
+    # UnicodeError is a ValueError; InvalidVersion is cryptography's own (not a ValueError).
+    except (ValueError, TypeError, UnsupportedAlgorithm, x509.InvalidVersion) as e:
         raise CSRError(
             f"the certificate request is not a PEM CSR ({e}); send the request that "
             "'llmgw agent join' makes, starting '-----BEGIN CERTIFICATE REQUEST-----'",

@@ -136,7 +136,6 @@ class Agent:
         runtime = get_runtime(cfg.runtime, docker_network=cfg.docker.network)
         make_launch = None
         if runtime.name == "docker":
-
             from llmgw.agent.runtimes.docker import launch_for as docker_launch
 
             def make_launch(spec: ShardSpec, port: int, log_path: Path) -> Launch:
@@ -169,6 +168,10 @@ class Agent:
             InventoryWatcher,
             cfg,
             lambda inv: stream_ref[0].send(pb.AgentMessage(inventory=inv)) if stream_ref else False,
+        )
+        # The engines this node runs are the ones discovery checked, at the paths it found.
+        self.shards.binary_of = lambda engine: next(
+            (e.path for e in watcher.current.engine_details if e.name == engine and e.ok), ""
         )
         # 5. data plane
         self.dataplane = DataPlane(cfg.listen, ssl_ctx, self.shards.ready_port)

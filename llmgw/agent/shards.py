@@ -6,21 +6,40 @@ of its log) when it ends without having been told to. Every change is handed to 
 callback, which the stream turns into ``ShardStatus`` messages, and recorded in
 ``shards.json`` in the state directory.
 
+Sidecars (:mod:`llmgw.agent.sidecars`) start before the engine, in order, each healthy
+before the next; the engine starts only once all are. A sidecar that fails to get healthy
+fails the shard without its engine ever being started; one that dies while the engine runs
+fails the shard and the engine is stopped. Sidecars stop after the engine, whenever the
+shard ends.
+
+Multi-node replicas: rank 0 is an ordinary shard whose engine opens its port only once
+every worker has joined (so ``ready`` means the whole replica is). A worker (rank > 0 of
+several nodes) serves nothing: it is reported with port 0, :meth:`ShardManager.ready_port`
+gives None for it, and it is ``ready`` once it has joined: for ``sim``, once its log shows
+the line it writes when rank 0 welcomed it (``... joined rank 0 at HOST:PORT``, looked for
+only in what this run wrote); for other engines, which write no such line we know, once its
+process has been running for ``worker_grace`` seconds. An adopted worker that was ready is
+ready again at once (a worker that lost rank 0 exits).
+
 Engines outlive the agent: stopping the agent (or killing it) leaves them running, and the
 next agent adopts them from ``shards.json`` (:meth:`ShardManager.adopt_all`); those that
-ended meanwhile are reported failed so that the control plane starts them again.
+ended meanwhile are reported failed so that the control plane starts them again. Sidecars
+are adopted with their shard by pid and start time; a sidecar that ended while the agent
+was down fails its shard (engine stopped), and the sidecars of a shard whose engine is gone
+are stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,8 +47,10 @@ from typing import Any
 import aiohttp
 
 from llmgw.agent.runtimes import Handle, Launch, Runtime
-from llmgw.agent.runtimes.base import ShardRecord
-from llmgw.engines.launch import build_argv
+from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
+from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
+from llmgw.engines.launch import EngineSpec, build_command
+from llmgw.engines.rendezvous import JOINED, parse_addr
 from llmgw.errors import EngineError, LlmgwError, ShardError
 from llmgw.log import kv
 
@@ -38,6 +59,7 @@ __all__ = [
     "EXITED",
     "EXITED_WHILE_ADOPTED",
     "FAILED",
+    "NEVER_STARTED",
     "READY",
     "STARTING",
     "Shard",
@@ -51,10 +73,15 @@ STARTING, READY, FAILED, EXITED = "starting", "ready", "failed", "exited"
 
 DIED_WHILE_DOWN = "engine exited while the agent was down"
 EXITED_WHILE_ADOPTED = "engine exited while adopted (exit code unknown to a new agent)"
+NEVER_STARTED = (
+    "the agent stopped while the shard's sidecars were starting; the engine was never started"
+)
 
 
 @dataclass(frozen=True)
 class ShardSpec:
+    """One shard as the control plane ordered it (a StartShard)."""
+
     shard_id: str
     replica_id: str
     model: str
@@ -62,6 +89,19 @@ class ShardSpec:
     rank: int = 0
     params: dict[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
+    nodes: int = 1
+    """Shards in the replica; with more than one, rank 0 binds ``dist_init_addr``."""
+    dist_init_addr: str = ""
+    gpus: tuple[str, ...] = ()
+    source: str = ""
+    gpu_memory_mib: int = 0
+    sidecars: tuple[SidecarSpec, ...] = ()
+    profile: str = ""
+
+    @property
+    def worker(self) -> bool:
+        """A worker of a multi-node replica: it serves nothing."""
+        return self.nodes > 1 and self.rank > 0
 
 
 @dataclass
@@ -78,6 +118,12 @@ class Shard:
     stopping: bool = False
     task: asyncio.Task[None] | None = None
     started_at: float = field(default_factory=time.time)
+    sidecars: SidecarSet | None = None
+    log_offset: int = 0
+    """Where this engine's output starts in the shard's log (appended to across runs)."""
+    ready_before: bool = False
+    """Adopted from a previous agent that had seen it ready."""
+    stop_grace: float = 10.0
 
     @property
     def shard_id(self) -> str:
@@ -98,7 +144,29 @@ class Shard:
             port=self.port,
             container_id=self.container_id,
             state=self.state,
+            nodes=spec.nodes,
+            dist_init_addr=spec.dist_init_addr,
+            gpus=spec.gpus,
+            source=spec.source,
+            gpu_memory_mib=spec.gpu_memory_mib,
+            profile=spec.profile,
+            sidecars=(
+                self.sidecars.records()
+                if self.sidecars is not None
+                else tuple(_sidecar_record(s) for s in spec.sidecars)
+            ),
+            log_offset=self.log_offset,
         )
+
+
+def _sidecar_record(spec: SidecarSpec) -> SidecarRecord:
+    return SidecarRecord(
+        name=spec.name,
+        argv=spec.argv,
+        health_url=spec.health_url,
+        timeout_s=spec.timeout_s,
+        ready_after_s=spec.ready_after_s,
+    )
 
 
 def pick_port(host: str = "127.0.0.1") -> int:
@@ -108,16 +176,11 @@ def pick_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _log_tail(path: Path, lines: int = 3, limit: int = 400) -> str:
+def _log_size(path: Path) -> int:
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 4096))
-            tail = f.read().decode(errors="replace").strip().splitlines()[-lines:]
+        return path.stat().st_size
     except OSError:
-        return ""
-    return " | ".join(tail)[-limit:]
+        return 0
 
 
 _MISSING: Any = object()
@@ -158,15 +221,53 @@ def _parse_record(shard_id: str, obj: object) -> ShardRecord:
             port=_get(obj, "port", (int,)),
             container_id=_get(obj, "container_id", (str, type(None)), None),
             state=_get(obj, "state", (str,)),
+            nodes=_get(obj, "nodes", (int,), 1),
+            dist_init_addr=_get(obj, "dist_init_addr", (str,), ""),
+            gpus=_strings(obj, "gpus"),
+            source=_get(obj, "source", (str,), ""),
+            gpu_memory_mib=_get(obj, "gpu_memory_mib", (int,), 0),
+            profile=_get(obj, "profile", (str,), ""),
+            sidecars=tuple(
+                _parse_sidecar(i, item) for i, item in enumerate(_get(obj, "sidecars", (list,), []))
+            ),
+            log_offset=_get(obj, "log_offset", (int,), 0),
         )
     except ValueError as exc:
         raise ValueError(f"shard {shard_id!r}: {exc}") from None
+
+
+def _strings(obj: dict[str, Any], key: str) -> tuple[str, ...]:
+    items = _get(obj, key, (list,), [])
+    if not all(isinstance(a, str) for a in items):
+        raise ValueError(f"{key!r} is not a list of strings")
+    return tuple(items)
+
+
+def _parse_sidecar(index: int, obj: object) -> SidecarRecord:
+    if not isinstance(obj, dict):
+        raise ValueError(f"sidecar {index} is a {type(obj).__name__}, not an object")
+    try:
+        record = SidecarRecord(
+            name=_get(obj, "name", (str,)),
+            argv=_strings(obj, "argv"),
+            health_url=_get(obj, "health_url", (str,), ""),
+            timeout_s=float(_get(obj, "timeout_s", (int, float), 0.0)),
+            ready_after_s=float(_get(obj, "ready_after_s", (int, float), 0.0)),
+            pid=_get(obj, "pid", (int,), 0),
+            start_time=_get(obj, "start_time", (int, type(None)), None),
+        )
+        SidecarSpec.from_record(record)  # what adoption will build from it
+    except (ValueError, ShardError) as exc:
+        raise ValueError(f"sidecar {index}: {exc}") from None
+    return record
 
 
 def _record_json(record: ShardRecord) -> dict[str, Any]:
     data = asdict(record)
     del data["shard_id"]
     data["extra_args"] = list(record.extra_args)
+    data["gpus"] = list(record.gpus)
+    data["sidecars"] = [{**asdict(s), "argv": list(s.argv)} for s in record.sidecars]
     if record.container_id is None:
         del data["container_id"]
     return data
@@ -184,37 +285,59 @@ class ShardManager:
         startup_timeout: float = 600.0,
         health_interval: float = 0.05,
         make_launch: Callable[[ShardSpec, int, Path], Launch] | None = None,
+        worker_grace: float = 1.0,
     ) -> None:
         self.state_dir = state_dir
         self.make_launch = make_launch or self._process_launch
+        # Where the node's engines are (discovery found them; "" = the default name on PATH).
+        self.binary_of: Callable[[str], str] = lambda engine: ""
         self.runtime = runtime
         self.on_status = on_status
         self.startup_timeout = startup_timeout
         self.health_interval = health_interval
+        self.worker_grace = worker_grace
         self.shards: dict[str, Shard] = {}
         self._session: aiohttp.ClientSession | None = None
 
-    @staticmethod
-    def _process_launch(spec: ShardSpec, port: int, log_path: Path) -> Launch:
-        """An engine as a child process on 127.0.0.1:port."""
+    def _process_launch(self, spec: ShardSpec, port: int, log_path: Path) -> Launch:
+        """An engine as a child process on 127.0.0.1:port (a worker binds no port), with
+        the replica's rendezvous and the shard's GPUs."""
         try:
-            argv = build_argv(
-                spec.engine,
-                model=spec.model,
-                port=port,
-                params=spec.params,
-                extra_args=spec.extra_args,
+            command = build_command(
+                EngineSpec(
+                    engine=spec.engine,
+                    model=spec.model,
+                    port=port,
+                    binary=self.binary_of(spec.engine) if spec.engine != "sim" else "",
+                    source=spec.source,
+                    gpus=spec.gpus,
+                    nodes=spec.nodes,
+                    rank=spec.rank if spec.nodes > 1 else 0,
+                    dist_init_addr=spec.dist_init_addr,
+                    params=spec.params,
+                    extra_args=spec.extra_args,
+                )
             )
         except EngineError as exc:
             raise ShardError(str(exc)) from exc
-        return Launch(shard_id=spec.shard_id, argv=tuple(argv), port=port, log_path=log_path)
+        return Launch(
+            shard_id=spec.shard_id,
+            argv=tuple(command.argv),
+            port=port,
+            log_path=log_path,
+            env=command.env,
+        )
 
     @property
     def records_path(self) -> Path:
         return self.state_dir / "shards.json"
 
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
     def log_path(self, shard_id: str) -> Path:
-        return self.state_dir / "logs" / f"{shard_id}.log"
+        return self.log_dir / f"{shard_id}.log"
 
     async def open(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -239,8 +362,10 @@ class ShardManager:
         return list(self.shards.values())
 
     def ready_port(self, shard_id: str) -> int | None:
+        """The loopback port of a ready shard that serves; None for a worker (it serves
+        nothing), or a shard not ready or unknown."""
         shard = self.shards.get(shard_id)
-        if shard is None or shard.state != READY:
+        if shard is None or shard.state != READY or shard.spec.worker:
             return None
         return shard.port
 
@@ -270,34 +395,111 @@ class ShardManager:
             )
 
     async def start(self, spec: ShardSpec) -> Shard:
-        """Start a shard; a shard already starting or ready is left as it is."""
+        """Start a shard; a shard already starting or ready is left as it is.
+
+        Raises :class:`ShardError`, having started nothing, when the spec cannot be run.
+        Without sidecars the engine is started before this returns (and an engine that
+        cannot be started raises); with sidecars this returns once the shard is
+        ``starting``, and the sidecars, then the engine, start in the background (a failure
+        there is reported as a ``failed`` shard).
+        """
         existing = self.shards.get(spec.shard_id)
         if existing is not None and existing.state in (STARTING, READY) and not existing.stopping:
             return existing
         if existing is not None and existing.task is not None and not existing.task.done():
             await existing.task
+        _check_shape(spec)
         port = pick_port()
-        launch = self.make_launch(spec, port, self.log_path(spec.shard_id))
-        shard = Shard(spec=spec, port=port)
+        log_path = self.log_path(spec.shard_id)
+        sidecars = (
+            SidecarSet(
+                spec.shard_id,
+                spec.sidecars,
+                self.log_dir,
+                env={"LLMGW_ENGINE_PORT": str(port)},
+                poll_s=self.health_interval,
+            )
+            if spec.sidecars
+            else None
+        )
+        launch = self.make_launch(spec, port, log_path)
+        # A worker serves nothing: it has no port to report.
+        shard = Shard(spec=spec, port=0 if spec.worker else port, sidecars=sidecars)
+        shard.log_offset = _log_size(log_path)
         self.shards[spec.shard_id] = shard
+        if sidecars is not None:
+            log.info(
+                "shard starting its sidecars",
+                extra=kv(shard=spec.shard_id, sidecars=",".join(s.name for s in spec.sidecars)),
+            )
+            self._emit(shard)
+            shard.task = asyncio.create_task(
+                self._bring_up(shard, launch), name=f"shard-{spec.shard_id}"
+            )
+            return shard
         try:
-            shard.handle = await self.runtime.start(launch)
+            await self._start_engine(shard, launch)
         except LlmgwError as exc:
             shard.state, shard.reason = FAILED, str(exc)
             self._emit(shard)
             raise
+        shard.task = asyncio.create_task(self._watch(shard), name=f"shard-{spec.shard_id}")
+        return shard
+
+    async def _start_engine(self, shard: Shard, launch: Launch) -> None:
+        spec = shard.spec
+        shard.handle = await self.runtime.start(launch)
         shard.pid = shard.handle.pid
         shard.start_time = shard.handle.start_time
         shard.container_id = shard.handle.container_id
         log.info(
             "shard starting",
             extra=kv(
-                shard=spec.shard_id, model=spec.model, engine=spec.engine, pid=shard.pid, port=port
+                shard=spec.shard_id,
+                model=spec.model,
+                engine=spec.engine,
+                pid=shard.pid,
+                port=shard.port,
+                rank=spec.rank,
+                nodes=spec.nodes,
             ),
         )
         self._emit(shard)
-        shard.task = asyncio.create_task(self._watch(shard), name=f"shard-{spec.shard_id}")
-        return shard
+
+    async def _bring_up(self, shard: Shard, launch: Launch) -> None:
+        """Sidecars first, each healthy, then the engine, then watch it."""
+        sidecars = shard.sidecars
+        assert sidecars is not None and self._session is not None
+        try:
+            up = await sidecars.start(
+                self._session,
+                stopping=lambda: shard.stopping,
+                on_started=lambda sidecar: self._save_records(),
+            )
+        except ShardError as exc:
+            shard.state, shard.reason = FAILED, str(exc)
+            log.warning("shard failed", extra=kv(shard=shard.shard_id, reason=shard.reason))
+            self._emit(shard)
+            return
+        if not up or shard.stopping:
+            await sidecars.stop(shard.stop_grace)
+            shard.state, shard.reason = EXITED, shard.reason or "stopped"
+            self._emit(shard)
+            return
+        log.info("shard sidecars healthy", extra=kv(shard=shard.shard_id))
+        try:
+            await self._start_engine(shard, launch)
+        except LlmgwError as exc:
+            await sidecars.stop(5.0)
+            shard.state, shard.reason = FAILED, str(exc)
+            log.warning("shard failed", extra=kv(shard=shard.shard_id, reason=shard.reason))
+            self._emit(shard)
+            return
+        assert shard.handle is not None
+        if shard.stopping:
+            # stop() came while the engine was being started, and found nothing to stop.
+            await self.runtime.stop(shard.handle, shard.stop_grace)
+        await self._watch(shard)
 
     def _load_records(self) -> list[ShardRecord]:
         """The records a previous agent left; a file that cannot be read is moved aside."""
@@ -356,6 +558,13 @@ class ShardManager:
                 rank=record.rank,
                 params=dict(record.params),
                 extra_args=record.extra_args,
+                nodes=record.nodes,
+                dist_init_addr=record.dist_init_addr,
+                gpus=record.gpus,
+                source=record.source,
+                gpu_memory_mib=record.gpu_memory_mib,
+                sidecars=tuple(SidecarSpec.from_record(r) for r in record.sidecars),
+                profile=record.profile,
             )
             shard = Shard(
                 spec=spec,
@@ -363,8 +572,14 @@ class ShardManager:
                 pid=record.pid,
                 start_time=record.start_time,
                 container_id=record.container_id,
+                log_offset=record.log_offset,
+                ready_before=record.state == READY,
             )
             self.shards[spec.shard_id] = shard
+            if record.sidecars:
+                shard.sidecars = await SidecarSet.adopt(
+                    spec.shard_id, record.sidecars, self.log_dir
+                )
             try:
                 handle = await self.runtime.adopt(record)
             except LlmgwError as exc:
@@ -372,7 +587,11 @@ class ShardManager:
                 shard.reason = f"engine could not be adopted after an agent restart: {exc}"
             if handle is None:
                 shard.state = FAILED
-                shard.reason = shard.reason or DIED_WHILE_DOWN
+                never_started = record.pid <= 0 and record.container_id is None
+                shard.reason = shard.reason or (NEVER_STARTED if never_started else DIED_WHILE_DOWN)
+                if shard.sidecars is not None:
+                    # Its engine is gone: nothing would stop the sidecars it left.
+                    await shard.sidecars.stop(5.0)
                 log.warning(
                     "shard not adopted",
                     extra=kv(shard=spec.shard_id, pid=record.pid, reason=shard.reason),
@@ -401,29 +620,45 @@ class ShardManager:
         assert shard.handle is not None
         handle = shard.handle
         exit_wait = asyncio.create_task(self.runtime.wait(handle))
+        sidecar_exit = asyncio.create_task(shard.sidecars.first_exit()) if shard.sidecars else None
+        watched: set[asyncio.Task[Any]] = {exit_wait}
+        if sidecar_exit is not None:
+            watched.add(sidecar_exit)
         try:
-            healthy = await self._wait_healthy(shard, exit_wait)
-            if healthy:
+            ready = await self._wait_ready(shard, watched)
+            if ready:
                 shard.state = READY
                 log.info("shard ready", extra=kv(shard=shard.shard_id, port=shard.port))
                 self._emit(shard)
-            elif not exit_wait.done() and not shard.stopping:
-                shard.reason = (
-                    f"not healthy after {self.startup_timeout:.0f}s on port {shard.port}; "
-                    f"see {self.log_path(shard.shard_id)}"
-                )
+            elif not any(t.done() for t in watched) and not shard.stopping:
+                shard.reason = self._not_ready_reason(shard)
                 await self.runtime.stop(handle, grace=5.0)
+            if sidecar_exit is not None:
+                await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+                if sidecar_exit.done() and not exit_wait.done() and not shard.stopping:
+                    shard.reason = sidecar_exit.result().describe_exit("; engine stopped")
+                    log.warning(
+                        "sidecar died; stopping the engine",
+                        extra=kv(shard=shard.shard_id, reason=shard.reason),
+                    )
+                    await self.runtime.stop(handle, grace=5.0)
             code = await exit_wait
         except asyncio.CancelledError:
             exit_wait.cancel()
+            if sidecar_exit is not None:
+                sidecar_exit.cancel()
             raise
+        if sidecar_exit is not None and not sidecar_exit.done():
+            sidecar_exit.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sidecar_exit
         shard.exit_code = code
         if shard.stopping:
             shard.state = EXITED
             shard.reason = shard.reason or "stopped"
         else:
             shard.state = FAILED
-            tail = _log_tail(self.log_path(shard.shard_id))
+            tail = log_tail(self.log_path(shard.shard_id))
             if code is None:
                 how = EXITED_WHILE_ADOPTED
             elif code < 0:
@@ -435,18 +670,55 @@ class ShardManager:
                 "shard failed",
                 extra=kv(shard=shard.shard_id, exit_code=code, reason=shard.reason),
             )
+        if shard.sidecars is not None:
+            # After the engine, whatever ended it: a restart must find their ports free.
+            await shard.sidecars.stop(shard.stop_grace)
         self._emit(shard)
 
-    async def _wait_healthy(self, shard: Shard, exit_wait: asyncio.Task[int | None]) -> bool:
-        assert self._session is not None
+    def _not_ready_reason(self, shard: Shard) -> str:
+        where = f"see {self.log_path(shard.shard_id)}"
+        if shard.spec.worker:
+            return (
+                f"worker rank {shard.spec.rank} did not join rank 0 at "
+                f"{shard.spec.dist_init_addr} within {self.startup_timeout:.0f}s; {where}"
+            )
+        return f"not healthy after {self.startup_timeout:.0f}s on port {shard.port}; {where}"
+
+    async def _wait_ready(self, shard: Shard, watched: set[asyncio.Task[Any]]) -> bool:
+        """Poll the shard's readiness until it is ready (True), or the startup timeout
+        passes, a watched task ends or the shard is being stopped (False)."""
         deadline = time.monotonic() + self.startup_timeout
-        url = f"http://127.0.0.1:{shard.port}/health"
-        while time.monotonic() < deadline and not exit_wait.done() and not shard.stopping:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with self._session.get(url) as resp:
-                    if resp.status == 200:
-                        return True
-            await asyncio.wait({exit_wait}, timeout=self.health_interval)
+        ready = self._readiness(shard)
+        while (
+            time.monotonic() < deadline
+            and not any(t.done() for t in watched)
+            and not shard.stopping
+        ):
+            if await ready():
+                return True
+            await asyncio.wait(watched, timeout=self.health_interval)
+        return False
+
+    def _readiness(self, shard: Shard) -> Callable[[], Awaitable[bool]]:
+        """The check that tells this shard is ready; see the module's docstring."""
+        if not shard.spec.worker:
+            return functools.partial(self._healthy, f"http://127.0.0.1:{shard.port}/health")
+        if shard.ready_before:
+            return _always
+        if shard.spec.engine == "sim":
+            return _LogWatch(self.log_path(shard.shard_id), shard.log_offset, JOINED).seen
+        began = time.monotonic()
+
+        async def after_grace() -> bool:
+            return time.monotonic() - began >= self.worker_grace
+
+        return after_grace
+
+    async def _healthy(self, url: str) -> bool:
+        assert self._session is not None
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with self._session.get(url) as resp:
+                return resp.status == 200
         return False
 
     async def stop(self, shard_id: str, grace: float = 10.0) -> Shard | None:
@@ -455,6 +727,7 @@ class ShardManager:
         if shard is None:
             return None
         shard.stopping = True
+        shard.stop_grace = grace
         if shard.handle is not None and self.runtime.alive(shard.handle):
             log.info("shard stopping", extra=kv(shard=shard_id, pid=shard.pid))
             await self.runtime.stop(shard.handle, grace)
@@ -473,3 +746,52 @@ class ShardManager:
         await asyncio.gather(
             *(self.stop(sid, grace) for sid in list(self.shards)), return_exceptions=True
         )
+
+
+async def _always() -> bool:
+    return True
+
+
+class _LogWatch:
+    """Reads what a log gains from ``offset`` on, looking for ``words`` on a line."""
+
+    def __init__(self, path: Path, offset: int, words: str) -> None:
+        self.path = path
+        self.offset = offset
+        self.words = words.encode()
+        self._carry = b""
+
+    async def seen(self) -> bool:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(1 << 20)
+        except OSError:
+            return False
+        self.offset += len(data)
+        text = self._carry + data
+        if self.words in text:
+            return True
+        # Keep enough to find the words when a read cuts them in two.
+        self._carry = text[-len(self.words) :]
+        return False
+
+
+def _check_shape(spec: ShardSpec) -> None:
+    """The replica shape of ``spec`` makes sense; ShardError naming the field when not."""
+    if spec.nodes < 1:
+        raise ShardError(f"shard {spec.shard_id}: nodes must be at least 1, got {spec.nodes}")
+    if spec.nodes == 1:
+        return
+    if not 0 <= spec.rank < spec.nodes:
+        raise ShardError(
+            f"shard {spec.shard_id}: rank {spec.rank} is out of range for a replica of "
+            f"{spec.nodes} nodes (0..{spec.nodes - 1})"
+        )
+    try:
+        parse_addr(spec.dist_init_addr)
+    except ValueError as exc:
+        raise ShardError(
+            f"shard {spec.shard_id}: a replica of {spec.nodes} nodes needs dist_init_addr "
+            f"HOST:PORT (rank 0 binds it, workers dial it): {exc}"
+        ) from None

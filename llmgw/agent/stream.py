@@ -20,6 +20,7 @@ import grpc
 from llmgw import __version__
 from llmgw.agent.oplog import OperationLog
 from llmgw.agent.shards import EXITED, FAILED, READY, STARTING, Shard, ShardManager, ShardSpec
+from llmgw.agent.sidecars import SidecarSpec
 from llmgw.errors import EngineError, LlmgwError, StaleEpoch
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
@@ -357,6 +358,14 @@ class StreamClient:
             rank=order.rank,
             params=dict(order.params),
             extra_args=tuple(order.extra_args),
+            # An order from a control plane that predates multi-node says 0: one node.
+            nodes=order.nodes or 1,
+            dist_init_addr=order.dist_init_addr,
+            gpus=tuple(order.gpus),
+            source=order.source,
+            gpu_memory_mib=order.gpu_memory_mib,
+            sidecars=tuple(SidecarSpec.from_order(s) for s in order.sidecars),
+            profile=order.profile,
         )
         await self.shards.start(spec)
 

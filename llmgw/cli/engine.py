@@ -50,11 +50,69 @@ def engine() -> None:
 @click.option(
     "--max-tokens", default=32, show_default=True, type=int, help="Default max_tokens of a request."
 )
+@click.option(
+    "--nodes",
+    default=1,
+    show_default=True,
+    type=int,
+    help="Shards in the replica; more than 1 needs --dist-init-addr.",
+)
+@click.option(
+    "--rank",
+    default=0,
+    show_default=True,
+    type=int,
+    help="This shard's rank: 0 serves once every worker joined, workers serve nothing.",
+)
+@click.option(
+    "--dist-init-addr",
+    default="",
+    metavar="HOST:PORT",
+    help="Rank 0's rendezvous address: rank 0 binds it, workers dial it.",
+)
+@click.option(
+    "--join-timeout",
+    default=300.0,
+    show_default=True,
+    type=float,
+    help="Seconds for the replica to assemble (workers keep dialling rank 0 until then).",
+)
+@click.option(
+    "--heartbeat-interval",
+    default=1.0,
+    show_default=True,
+    type=float,
+    help="Seconds between rendezvous heartbeats.",
+)
+@click.option(
+    "--heartbeat-timeout",
+    default=5.0,
+    show_default=True,
+    type=float,
+    help="Seconds of silence after which a rank counts as dead.",
+)
 @reports_errors
 def sim(
-    host: str, port: int, model: str, seed: int, ttft_ms: float, tps: float, max_tokens: int
+    host: str,
+    port: int,
+    model: str,
+    seed: int,
+    ttft_ms: float,
+    tps: float,
+    max_tokens: int,
+    nodes: int,
+    rank: int,
+    dist_init_addr: str,
+    join_timeout: float,
+    heartbeat_interval: float,
+    heartbeat_timeout: float,
 ) -> None:
-    """A simulated OpenAI-compatible engine with deterministic output."""
+    """A simulated OpenAI-compatible engine with deterministic output.
+
+    With --nodes N (N > 1) it is one shard of a multi-node replica: rank 0 binds
+    --dist-init-addr and opens --port only once ranks 1..N-1 have joined; it exits with an
+    error naming the rank when a worker goes away. Workers join and serve nothing.
+    """
     cfg = sim_engine.SimConfig(
         host=host,
         port=port,
@@ -63,5 +121,11 @@ def sim(
         ttft_ms=ttft_ms,
         tps=tps,
         max_tokens=max_tokens,
+        nodes=nodes,
+        rank=rank,
+        dist_init_addr=dist_init_addr,
+        join_timeout_s=join_timeout,
+        heartbeat_s=heartbeat_interval,
+        peer_timeout_s=heartbeat_timeout,
     )
     sim_engine.run(cfg)

@@ -12,6 +12,12 @@ pre-serialised pieces.
 Endpoints: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /v1/chat/completions``, ``POST /v1/completions``.
 
+Multi-node (``nodes`` > 1): the replica assembles over TCP first
+(:mod:`llmgw.engines.rendezvous`). Rank 0 binds ``dist_init_addr`` and opens its HTTP port
+only once every worker has joined, so its ``/health`` answers only for a whole replica; it
+exits with an error naming the rank when a worker goes away. Workers serve nothing: they
+join, log ``rank R joined rank 0 at HOST:PORT``, and stay until rank 0 goes.
+
 Determinism: the seed is the request's ``seed`` or else :attr:`SimConfig.seed`;
 the generator is ``random.Random`` seeded with a BLAKE2b digest of the seed and
 the prompt text (chat: the message contents joined by newlines). It draws a
@@ -43,6 +49,7 @@ from typing import Any
 
 from aiohttp import web
 
+from llmgw.engines.rendezvous import Leader, Worker, parse_addr
 from llmgw.errors import EngineError
 
 log = logging.getLogger("llmgw.engine.sim")
@@ -103,7 +110,13 @@ _SSE_DONE = b"data: [DONE]\n\n"
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Settings of one ``sim`` engine; invalid values raise :class:`EngineError`."""
+    """Settings of one ``sim`` engine; invalid values raise :class:`EngineError`.
+
+    ``nodes`` > 1 makes it one shard of a multi-node replica: ``rank`` 0 binds
+    ``dist_init_addr`` (``HOST:PORT``) and workers (``rank`` > 0) dial it, for up to
+    ``join_timeout_s``; heartbeats go both ways every ``heartbeat_s`` and a peer silent for
+    ``peer_timeout_s`` is gone. ``dist_init_addr`` is ignored when ``nodes`` is 1.
+    """
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -112,6 +125,12 @@ class SimConfig:
     ttft_ms: float = 0.0
     tps: float = 0.0
     max_tokens: int = 32
+    nodes: int = 1
+    rank: int = 0
+    dist_init_addr: str = ""
+    join_timeout_s: float = 300.0
+    heartbeat_s: float = 1.0
+    peer_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -139,6 +158,40 @@ class SimConfig:
             raise EngineError(
                 f"sim: max_tokens must be a positive integer, got {self.max_tokens!r}"
             )
+        if not _is_int(self.nodes) or self.nodes < 1:
+            raise EngineError(f"sim: nodes must be a positive integer, got {self.nodes!r}")
+        if not _is_int(self.rank) or not 0 <= self.rank < self.nodes:
+            raise EngineError(
+                f"sim: rank must be an integer in 0..{self.nodes - 1} for {self.nodes} node(s), "
+                f"got {self.rank!r}"
+            )
+        for name in ("join_timeout_s", "heartbeat_s", "peer_timeout_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise EngineError(f"sim: {name} must be a finite number > 0, got {value!r}")
+        if self.peer_timeout_s <= self.heartbeat_s:
+            raise EngineError(
+                f"sim: peer_timeout_s ({self.peer_timeout_s:g}) must exceed heartbeat_s "
+                f"({self.heartbeat_s:g}), or every peer would look silent"
+            )
+        if self.nodes > 1:
+            try:
+                parse_addr(self.dist_init_addr)
+            except ValueError as exc:
+                raise EngineError(
+                    f"sim: a replica of {self.nodes} nodes needs dist_init_addr HOST:PORT "
+                    f"(rank 0 binds it, workers dial it): {exc}"
+                ) from None
+
+    @property
+    def worker(self) -> bool:
+        """Whether this is a worker of a multi-node replica (it serves nothing)."""
+        return self.nodes > 1 and self.rank > 0
 
 
 def _is_int(value: object) -> bool:
@@ -569,7 +622,67 @@ async def serve(
     Once listening, calls ``on_bound`` with the bound port (useful with port 0)
     and then sets ``ready``. Raises :class:`EngineError` when the address cannot
     be bound. On cancellation in-flight requests get a few seconds to finish.
+
+    Multi-node: rank 0 first binds ``cfg.dist_init_addr`` and waits for every worker,
+    then listens as above, and raises :class:`~llmgw.engines.rendezvous.RendezvousError`
+    when a worker goes away (or when they do not all join in time). A worker joins (then
+    sets ``ready``; ``on_bound`` is never called, it binds nothing), returns when rank 0
+    ends the replica and raises ``RendezvousError`` when rank 0 is gone.
     """
+    if cfg.worker:
+        await _work(cfg, ready)
+        return
+    leader: Leader | None = None
+    if cfg.nodes > 1:
+        host, dist_port = parse_addr(cfg.dist_init_addr)
+        leader = Leader(
+            host,
+            dist_port,
+            cfg.nodes,
+            heartbeat_s=cfg.heartbeat_s,
+            peer_timeout_s=cfg.peer_timeout_s,
+        )
+        await leader.open()
+    # Workers hear BYE only when rank 0 is stopped on purpose; when the replica broke they
+    # see the connection close, and leave with an error too.
+    goodbye = False
+    try:
+        if leader is not None:
+            await leader.gather(cfg.join_timeout_s)
+        await _serve_http(cfg, ready, on_bound, leader)
+    except asyncio.CancelledError:
+        goodbye = True
+        raise
+    finally:
+        if leader is not None:
+            await asyncio.shield(asyncio.ensure_future(leader.close(goodbye=goodbye)))
+
+
+async def _work(cfg: SimConfig, ready: asyncio.Event | None) -> None:
+    host, port = parse_addr(cfg.dist_init_addr)
+    worker = Worker(
+        host,
+        port,
+        cfg.rank,
+        cfg.nodes,
+        heartbeat_s=cfg.heartbeat_s,
+        peer_timeout_s=cfg.peer_timeout_s,
+    )
+    try:
+        await worker.join(cfg.join_timeout_s)
+        if ready is not None:
+            ready.set()
+        await worker.stay()
+    finally:
+        worker.close()
+
+
+async def _serve_http(
+    cfg: SimConfig,
+    ready: asyncio.Event | None,
+    on_bound: Callable[[int], None] | None,
+    leader: Leader | None,
+) -> None:
     runner = web.AppRunner(build_app(cfg), access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
     await runner.setup()
     try:
@@ -596,12 +709,15 @@ async def serve(
                 "ttft_ms": cfg.ttft_ms,
                 "tps": cfg.tps,
                 "max_tokens": cfg.max_tokens,
+                "nodes": cfg.nodes,
             },
         )
         if on_bound is not None:
             on_bound(port)
         if ready is not None:
             ready.set()
+        if leader is not None:
+            await leader.lost()  # raises RendezvousError naming the worker
         await asyncio.Event().wait()
     finally:
         # Clean up in a task of its own so aiohttp's graceful shutdown does not
@@ -625,7 +741,7 @@ async def _serve_until_signalled(cfg: SimConfig) -> None:
     try:
         await asyncio.wait({server, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if server.done():
-            server.result()  # raises what serve raised (EngineError)
+            server.result()  # raises what serve raised (EngineError); a worker may return
         else:
             log.info("sim engine shutting down", extra={"engine": "sim"})
             server.cancel()
@@ -638,7 +754,9 @@ async def _serve_until_signalled(cfg: SimConfig) -> None:
 
 
 def run(cfg: SimConfig) -> None:
-    """Serve ``cfg`` in the foreground; returns after SIGTERM or SIGINT."""
+    """Serve ``cfg`` in the foreground; returns after SIGTERM or SIGINT (and, for a worker,
+    when rank 0 ends the replica). Raises :class:`EngineError` when it cannot serve, and
+    ``RendezvousError`` when a multi-node replica cannot assemble or loses a member."""
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.INFO,

@@ -750,3 +750,24 @@ def test_tls_with_a_certificate_from_a_csr(tmp_path: Path) -> None:
     server_res, client_res = _handshake(_server_ctx(server), _client_ctx(node), "127.0.0.1")
     assert server_res == "gpu1"
     assert client_res == "llmgw control plane"
+
+
+def test_csr_with_an_invalid_version_is_malformed_not_a_crash() -> None:
+    """Found by the enrolment fuzz: cryptography raises its own InvalidVersion for this."""
+    import base64
+
+    from cryptography.hazmat.primitives import serialization
+
+    from llmgw.errors import CSRError
+
+    der = pki.make_csr(pki.new_private_key(), "node-v").public_bytes(serialization.Encoding.DER)
+    at = der.index(b"\x02\x01\x00")  # CertificationRequestInfo.version = 0 (v1)
+    bad = der[:at] + b"\x02\x01\x01" + der[at + 3 :]
+    pem = (
+        b"-----BEGIN CERTIFICATE REQUEST-----\n"
+        + base64.encodebytes(bad)
+        + b"-----END CERTIFICATE REQUEST-----\n"
+    )
+    with pytest.raises(CSRError) as info:
+        pki.load_csr(pem)
+    assert info.value.code == "csr_malformed"

@@ -6,7 +6,7 @@ import abc
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Handle", "Launch", "Runtime", "ShardRecord"]
+__all__ = ["Handle", "Launch", "Runtime", "ShardRecord", "SidecarRecord"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,20 @@ class Handle:
 
 
 @dataclass(frozen=True)
+class SidecarRecord:
+    """What the state directory keeps of one sidecar of a shard: how to run and check it,
+    and its process (pid and start time), so that a restarted agent can take it back."""
+
+    name: str
+    argv: tuple[str, ...]
+    health_url: str = ""
+    timeout_s: float = 0.0
+    ready_after_s: float = 0.0
+    pid: int = 0
+    start_time: int | None = None
+
+
+@dataclass(frozen=True)
 class ShardRecord:
     """What the state directory keeps of one shard: enough to find its engine again after an
     agent restart (pid and start time, or container id) and to start it afresh."""
@@ -56,6 +70,16 @@ class ShardRecord:
     port: int = 0
     container_id: str | None = None
     state: str = ""
+    # The rest of the StartShard order, so that an adopted shard is the one that was ordered.
+    nodes: int = 1
+    dist_init_addr: str = ""
+    gpus: tuple[str, ...] = ()
+    source: str = ""
+    gpu_memory_mib: int = 0
+    profile: str = ""
+    sidecars: tuple[SidecarRecord, ...] = ()
+    log_offset: int = 0
+    """Where this engine's output starts in the shard's log (it is appended to across runs)."""
 
 
 class Runtime(abc.ABC):

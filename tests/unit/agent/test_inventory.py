@@ -103,8 +103,8 @@ def test_from_fixtures(tmp_path: Path, empty_path: Path) -> None:
     details = {e.name: e for e in inv.engine_details}
     assert details["llamacpp"].ok and details["llamacpp"].version == "version: 4500 (4b0c638b)"
     assert not details["vllm"].ok
-    # llamacpp runs, but this llmgw cannot build its command yet: not offered.
-    assert list(inv.engines) == ["sim"]
+    # llamacpp runs and llmgw builds its command: offered; vllm does not run: not offered.
+    assert list(inv.engines) == ["sim", "llamacpp"]
     assert len(inv.warnings) == 2
     assert inv.warnings[0].startswith("fabric ib-b: adapter mlx5_1 has no ACTIVE port")
     assert inv.warnings[1].startswith(

@@ -64,7 +64,7 @@ def test_badly_typed_param_names_it(key: str, value: str) -> None:
     assert repr(value) in str(info.value)
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang", "", "SIM"])
+@pytest.mark.parametrize("engine", ["tgi", "", "SIM"])
 def test_unavailable_engine_names_available_ones(engine: str) -> None:
     with pytest.raises(EngineError) as info:
         build_argv(engine, model="m", port=1, params={})

@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from llmgw.engines.base import ENGINES, engine_names
+from llmgw.engines.rendezvous import RendezvousError, parse_addr
 from llmgw.engines.sim import MAX_LENGTH, MIN_LENGTH, SimConfig, generate, serve
 from llmgw.errors import EngineError
 
@@ -163,6 +164,95 @@ def test_generate_rejects_bad_max_tokens() -> None:
 def test_config_validation(field: str, value: Any) -> None:
     with pytest.raises(EngineError, match=field):
         SimConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"nodes": 0}, "nodes must be a positive integer"),
+        ({"nodes": True}, "nodes must be a positive integer"),
+        ({"rank": 1}, r"rank must be an integer in 0\.\.0"),
+        ({"nodes": 3, "rank": 3, "dist_init_addr": "h:1"}, r"rank must be an integer in 0\.\.2"),
+        ({"nodes": 2}, "needs dist_init_addr HOST:PORT"),
+        ({"nodes": 2, "dist_init_addr": "h:0"}, "port in 1..65535"),
+        ({"nodes": 2, "dist_init_addr": ":80"}, "is not HOST:PORT"),
+        ({"join_timeout_s": 0}, "join_timeout_s must be"),
+        ({"heartbeat_s": float("inf")}, "heartbeat_s must be"),
+        ({"heartbeat_s": 2.0, "peer_timeout_s": 2.0}, "must exceed heartbeat_s"),
+    ],
+)
+def test_config_validation_multi_node(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(EngineError, match=needle):
+        SimConfig(**kwargs)
+
+
+def test_config_multi_node_defaults_and_ipv6() -> None:
+    single = SimConfig()
+    assert (single.nodes, single.rank, single.worker) == (1, 0, False)
+    assert (single.join_timeout_s, single.heartbeat_s, single.peer_timeout_s) == (300, 1, 5)
+    assert SimConfig(dist_init_addr="ignored").dist_init_addr == "ignored"  # nodes 1
+    assert not SimConfig(nodes=2, dist_init_addr="10.0.0.1:29500").worker
+    assert SimConfig(nodes=2, rank=1, dist_init_addr="[fd00::1]:29500").worker
+    assert parse_addr("[fd00::1]:29500") == ("fd00::1", 29500)
+    assert parse_addr("node-1.fabric:1") == ("node-1.fabric", 1)
+
+
+def test_serve_multi_node_in_process() -> None:
+    """Rank 0 opens its HTTP port only once the worker joined; the worker binds nothing;
+    cancelling rank 0 says BYE and the worker returns cleanly."""
+
+    async def go() -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dist = f"127.0.0.1:{s.getsockname()[1]}"
+        timing: dict[str, Any] = {"heartbeat_s": 0.1, "peer_timeout_s": 1.0}
+        ready0, ready1 = asyncio.Event(), asyncio.Event()
+        ports: list[int] = []
+        rank0 = asyncio.create_task(
+            serve(SimConfig(port=0, nodes=2, dist_init_addr=dist, **timing), ready0, ports.append)
+        )
+        await asyncio.sleep(0.3)
+        assert not ready0.is_set() and ports == []
+        worker = asyncio.create_task(
+            serve(SimConfig(nodes=2, rank=1, dist_init_addr=dist, **timing), ready1, ports.append)
+        )
+        await asyncio.wait_for(ready1.wait(), 10)
+        await asyncio.wait_for(ready0.wait(), 10)
+        assert len(ports) == 1  # only rank 0 bound an HTTP port
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{ports[0]}/health") as resp,
+        ):
+            assert resp.status == 200
+        rank0.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await rank0
+        await asyncio.wait_for(worker, 10)  # returns: rank 0 ended the replica on purpose
+
+    asyncio.run(go())
+
+
+def test_serve_multi_node_worker_gone_raises() -> None:
+    async def go() -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dist = f"127.0.0.1:{s.getsockname()[1]}"
+        timing: dict[str, Any] = {"heartbeat_s": 0.1, "peer_timeout_s": 1.0}
+        ready0 = asyncio.Event()
+        rank0 = asyncio.create_task(
+            serve(SimConfig(port=0, nodes=2, dist_init_addr=dist, **timing), ready0)
+        )
+        worker = asyncio.create_task(
+            serve(SimConfig(nodes=2, rank=1, dist_init_addr=dist, **timing))
+        )
+        await asyncio.wait_for(ready0.wait(), 10)
+        worker.cancel()  # the worker leaves (BYE): the replica is broken all the same
+        with pytest.raises(asyncio.CancelledError):
+            await worker
+        with pytest.raises(RendezvousError, match=r"worker rank 1 .* is gone: it left \(BYE\)"):
+            await asyncio.wait_for(rank0, 10)
+
+    asyncio.run(go())
 
 
 # ------------------------------------------------------------------ simple endpoints

@@ -1,0 +1,113 @@
+"""``llmgw ctl engine-check ENGINE``: check that an engine understands every flag llmgw may
+pass it, against the engine's own ``--help`` (run here, or given)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from llmgw.cli.common import reports_errors, table
+from llmgw.engines.check import CheckReport, check_engine
+from llmgw.engines.launch import AVAILABLE_ENGINES
+from llmgw.errors import EngineError
+
+__all__ = ["engine_check"]
+
+
+def _help_text(value: str) -> str:
+    """The text of ``--help-output``: a file, ``-`` for stdin, or the help text itself."""
+    if value == "-":
+        return sys.stdin.read()
+    if "\n" in value:
+        return value
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8", errors="replace")
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(f"cannot read {value}: {exc}") from None
+    raise click.BadParameter(
+        f"{value!r} is not a file, and one line is not a help text; give the file that holds "
+        "the engine's --help output (or '-' to read it from stdin)"
+    )
+
+
+def render(report: CheckReport) -> str:
+    """The table a user sees: each flag, the commands that use it, ok or missing."""
+    rows = [
+        (check.flag, ", ".join(check.used_by), "ok" if check.documented else "MISSING")
+        for check in report.flags
+    ]
+    lines = [
+        f"engine {report.engine}, version {report.version}",
+        f"help: {report.source} ({report.help_lines} lines)",
+        "",
+        table(("FLAG", "USED BY", "HELP"), rows),
+    ]
+    lines += [f"not checked: {note}" for note in report.skipped]
+    return "\n".join(lines)
+
+
+@click.command("engine-check")
+@click.argument("engine", type=click.Choice(AVAILABLE_ENGINES))
+@click.option(
+    "--help-output",
+    "help_output",
+    metavar="FILE_OR_TEXT",
+    help="The engine's help text (a file, '-' for stdin, or the text) instead of running "
+    "the engine here; the version is then unknown.",
+)
+@click.option(
+    "--binary",
+    metavar="PROGRAM",
+    help="The engine's program (llama-server, vllm, the Python with SGLang). Default: what "
+    "the agent config names, else the default name on PATH.",
+)
+@click.option(
+    "--agent-config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="LLMGW_AGENT_CONFIG",
+    help="agent.yaml whose engines.* settings find the engine (env: LLMGW_AGENT_CONFIG; "
+    "default /etc/llmgw/agent.yaml when it exists).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=120.0,
+    show_default=True,
+    help="Seconds to wait for the engine's --help and --version.",
+)
+@reports_errors
+def engine_check(
+    engine: str,
+    help_output: str | None,
+    binary: str | None,
+    agent_config: Path | None,
+    timeout: float,
+) -> None:
+    """Check that ENGINE documents every flag llmgw may pass it.
+
+    Builds the widest commands llmgw produces for ENGINE (rank 0 of a multi-node replica
+    with every parameter, and a worker) and looks for each flag in the engine's --help, as
+    a whole word. Exits 1 listing the missing flags.
+    """
+    if agent_config is None and binary is None and help_output is None:
+        default = Path("/etc/llmgw/agent.yaml")
+        agent_config = default if default.is_file() else None
+    text = None if help_output is None else _help_text(help_output)
+    report = check_engine(
+        engine, help_text=text, binary=binary, agent_config=agent_config, timeout=timeout
+    )
+    click.echo(render(report))
+    for warning in report.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    missing = report.missing
+    if missing:
+        raise EngineError(
+            f"{engine} does not document {len(missing)} of the {len(report.flags)} flags llmgw "
+            f"may pass it: {', '.join(missing)} (engine version: {report.version}); upgrade "
+            "the engine to one that has them, or deploy its models with another engine"
+        )
+    click.echo(f"ok: all {len(report.flags)} flags are documented")

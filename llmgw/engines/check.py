@@ -1,0 +1,298 @@
+"""engine-check: does this engine understand every flag llmgw may give it?
+
+It builds the widest commands llmgw would produce for the engine (a multi-node replica's
+rank 0 with every optional parameter set, and a worker) and looks for each flag in the
+engine's own ``--help``, as a whole token: ``--port`` is documented by ``--port PORT``,
+``-p, --port``, ``--port=PORT`` or ``[--port]``, never by ``--port-range``. A help text that
+does not document ``--help`` itself was probably cut short, and says so in a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import llmgw
+from llmgw.engines.launch import (
+    AVAILABLE_ENGINES,
+    EngineSpec,
+    build_command,
+    engine_module,
+    self_argv,
+)
+from llmgw.errors import EngineError
+
+__all__ = [
+    "FROM_HELP_OUTPUT",
+    "CheckReport",
+    "FlagCheck",
+    "check_engine",
+    "check_help",
+    "command_flags",
+    "documents",
+    "engine_help",
+    "engine_version",
+    "locate_engine",
+    "widest_specs",
+]
+
+FROM_HELP_OUTPUT = "unknown (from --help-output)"
+"""The version reported when the help text was given rather than produced by the engine."""
+
+RUN_TIMEOUT = 120.0  # vLLM and SGLang import torch before they print anything
+_VERSION_LIMIT = 200
+
+# A flag is a token: not preceded by a word character or '-', not followed by one.
+_BOUNDARY_BEFORE = r"(?<![\w-])"
+_BOUNDARY_AFTER = r"(?![\w-])"
+_FLAG = re.compile(r"^--?[A-Za-z][\w-]*")
+
+
+@dataclass(frozen=True)
+class FlagCheck:
+    """One flag llmgw may pass, the commands that pass it, and whether the help has it."""
+
+    flag: str
+    used_by: tuple[str, ...]
+    documented: bool
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """What engine-check found; ``ok`` when every flag is documented."""
+
+    engine: str
+    version: str
+    source: str  # where the help text came from: the command run, or --help-output
+    help_lines: int
+    flags: tuple[FlagCheck, ...]
+    warnings: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()  # commands of another program, not checked
+
+    @property
+    def missing(self) -> list[str]:
+        return [check.flag for check in self.flags if not check.documented]
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing
+
+
+def documents(help_text: str, flag: str) -> bool:
+    """Whether ``flag`` appears in ``help_text`` as a token of its own."""
+    pattern = _BOUNDARY_BEFORE + re.escape(flag) + _BOUNDARY_AFTER
+    return re.search(pattern, help_text) is not None
+
+
+def command_flags(argv: Sequence[str], prefix: Sequence[str]) -> list[str]:
+    """The flags in ``argv`` after the engine's ``prefix`` (program and subcommand), in
+    order, each once; ``--flag=value`` counts as ``--flag``. Values and positional
+    arguments are skipped, negative numbers too."""
+    flags: list[str] = []
+    for token in argv[len(prefix) :]:
+        match = _FLAG.match(token)
+        if match is None:
+            continue
+        flag = match.group(0)
+        if flag not in flags:
+            flags.append(flag)
+    return flags
+
+
+def widest_specs(engine: str, binary: str = "") -> list[tuple[str, EngineSpec]]:
+    """The shards whose commands carry every flag llmgw may emit for ``engine``: rank 0 of a
+    two-node replica with two GPUs a node and every parameter set, and its worker."""
+    module = engine_module(engine)
+    rank0 = EngineSpec(
+        engine=engine,
+        model="engine-check",
+        port=8000,
+        source=module.PARAMS["model_path"].sample if "model_path" in module.PARAMS else "",
+        binary=binary,
+        gpus=("GPU-0", "GPU-1"),
+        nodes=2,
+        rank=0,
+        dist_init_addr="10.0.0.1:29500",
+        params={key: param.sample for key, param in module.PARAMS.items()},
+        peers=("10.0.0.2:50052",),
+    )
+    return [("rank 0", rank0), ("worker", replace(rank0, rank=1))]
+
+
+def check_help(
+    engine: str, help_text: str, *, binary: str = "", version: str = FROM_HELP_OUTPUT, source: str
+) -> CheckReport:
+    """Check the flags of ``engine``'s widest commands against ``help_text``."""
+    module = engine_module(engine)
+    prefix = module.prefix(binary)
+    used: dict[str, list[str]] = {}
+    skipped: list[str] = []
+    for form, spec in widest_specs(engine, binary):
+        argv = build_command(spec).argv
+        if argv[: len(prefix)] != prefix:
+            skipped.append(
+                f"{form}: runs {os.path.basename(argv[0])}, not {os.path.basename(prefix[0])}; "
+                "its flags are not in this help text"
+            )
+            continue
+        for flag in command_flags(argv, prefix):
+            used.setdefault(flag, []).append(form)
+    flags = tuple(
+        FlagCheck(flag, tuple(forms), documents(help_text, flag)) for flag, forms in used.items()
+    )
+    warnings = []
+    if not documents(help_text, "--help"):
+        warnings.append(
+            "the help text does not document --help itself; it looks cut short (give the "
+            "whole output of the engine's help)"
+        )
+    return CheckReport(
+        engine=engine,
+        version=version,
+        source=source,
+        help_lines=len(help_text.splitlines()),
+        flags=flags,
+        warnings=tuple(warnings),
+        skipped=tuple(skipped),
+    )
+
+
+# --------------------------------------------------------------------------- running it
+
+
+@dataclass(frozen=True)
+class _Output:
+    returncode: int
+    text: str
+
+
+def _run(argv: Sequence[str], timeout: float) -> _Output:
+    """Run ``argv`` in its own session, stdout and stderr together; on timeout its whole
+    process group is killed (engines fork helpers)."""
+    try:
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "LC_ALL": "C"},
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise EngineError(f"cannot run {argv[0]}: {exc.strerror or exc}") from exc
+    with proc:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise EngineError(f"'{shlex.join(argv)}' did not finish within {timeout:g} s") from None
+    return _Output(proc.returncode, out.decode(errors="replace"))
+
+
+def _tail(text: str, lines: int = 3) -> str:
+    kept = [line.strip() for line in text.splitlines() if line.strip()]
+    return "; ".join(kept[-lines:])[:600] or "(no output)"
+
+
+def locate_engine(
+    engine: str, *, binary: str | None = None, agent_config: Path | None = None
+) -> str:
+    """The program that runs ``engine`` here: ``binary``; else what the agent would use
+    (``agent_config``'s setting, PATH, an installed release); else the default on PATH."""
+    module = engine_module(engine)
+    if binary:
+        return binary
+    if engine == "sim":
+        return ""  # this llmgw
+    if agent_config is not None:
+        # Imported here: the agent's modules are not needed to check a given help text.
+        from llmgw.agent.config import load_agent_config
+        from llmgw.agent.discovery import engine_candidates
+
+        cfg = load_agent_config(agent_config)
+        for candidate in engine_candidates(cfg):
+            if candidate.name != engine:
+                continue
+            if candidate.problem or not candidate.argv:
+                raise EngineError(
+                    f"{engine} ({candidate.origin}): {candidate.problem or 'no command'}"
+                )
+            return candidate.argv[0]
+        raise EngineError(
+            f"{engine} is not configured in {agent_config}, not on PATH and not installed; "
+            f"set engines.{engine} there, or pass --binary PROGRAM"
+        )
+    found = shutil.which(module.PROGRAM)
+    if found is None:
+        raise EngineError(
+            f"{module.PROGRAM} is not on PATH; pass --binary PROGRAM, --agent-config "
+            "agent.yaml, or the help text with --help-output FILE"
+        )
+    return found
+
+
+def engine_help(engine: str, binary: str, timeout: float = RUN_TIMEOUT) -> tuple[str, str]:
+    """``(help text, the command that printed it)`` from running the engine."""
+    argv = _help_argv(engine, binary)
+    output = _run(argv, timeout)
+    shown = shlex.join(argv)
+    if output.returncode != 0:
+        raise EngineError(
+            f"'{shown}' failed (exit {output.returncode}): {_tail(output.text)}; check the "
+            f"{engine} installation, or pass its help text with --help-output FILE"
+        )
+    return output.text, shown
+
+
+def _help_argv(engine: str, binary: str) -> list[str]:
+    module = engine_module(engine)
+    if engine == "sim":
+        return [*([binary] if binary else self_argv()), *module.HELP_ARGS]
+    return [binary or module.PROGRAM, *module.HELP_ARGS]
+
+
+def engine_version(engine: str, binary: str, timeout: float = RUN_TIMEOUT) -> str:
+    """The first line the engine's version command prints, or why there is none."""
+    module = engine_module(engine)
+    if engine == "sim" and not binary:
+        return llmgw.__version__
+    argv = [binary or module.PROGRAM, *module.VERSION_ARGS]
+    try:
+        output = _run(argv, timeout)
+    except EngineError as exc:
+        return f"unknown ({exc})"
+    lines = [line.strip() for line in output.text.splitlines() if line.strip()]
+    if output.returncode != 0 or not lines:
+        return f"unknown ('{shlex.join(argv)}' failed: {_tail(output.text, 1)})"
+    # llama-server says "version: 0.7.0 (build 11669, ...)"; the label is ours to print.
+    return re.sub(r"^version\b[:\s]*", "", lines[0], flags=re.IGNORECASE)[:_VERSION_LIMIT]
+
+
+def check_engine(
+    engine: str,
+    *,
+    help_text: str | None = None,
+    binary: str | None = None,
+    agent_config: Path | None = None,
+    timeout: float = RUN_TIMEOUT,
+) -> CheckReport:
+    """engine-check: against ``help_text`` when given, else against the help of the engine
+    found on this machine (:func:`locate_engine`)."""
+    if engine not in AVAILABLE_ENGINES:
+        engine_module(engine)  # raises, naming the known engines
+    if help_text is not None:
+        return check_help(engine, help_text, binary=binary or "", source="--help-output")
+    program = locate_engine(engine, binary=binary, agent_config=agent_config)
+    text, shown = engine_help(engine, program, timeout)
+    version = engine_version(engine, program, timeout)
+    return check_help(engine, text, binary=program, version=version, source=shown)

@@ -1,0 +1,80 @@
+"""vLLM: ``vllm serve WEIGHTS`` with its OpenAI-compatible server on 127.0.0.1.
+
+Flags as the vLLM documentation gives them:
+
+- ``vllm serve`` and its options: https://docs.vllm.ai/en/latest/cli/serve.html
+  (the same list as https://docs.vllm.ai/en/latest/configuration/serve_args.html).
+- Multi-node without Ray ("Running vLLM with MultiProcessing"):
+  https://docs.vllm.ai/en/latest/serving/parallelism_scaling.html - the head runs
+  ``--nnodes N --node-rank 0 --master-addr HEAD``, every other node the same command with
+  its ``--node-rank`` and ``--headless``; tensor parallel across each node's GPUs,
+  pipeline parallel across the nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from llmgw.engines.launch import (
+    LOOPBACK,
+    EngineCommand,
+    EngineSpec,
+    Param,
+    gpu_env,
+    param_flags,
+    split_hostport,
+    weights,
+)
+
+NAME = "vllm"
+PROGRAM = "vllm"
+# `vllm serve --help` lists only the option groups; `--help=all` prints every flag
+# (vllm/entrypoints/cli/serve.py: "Use `--help=all` to show all available flags at once").
+HELP_ARGS = ("serve", "--help=all")
+VERSION_ARGS = ("--version",)
+
+# llmgw parameter -> `vllm serve` flag (serve_args.html, groups ModelConfig, CacheConfig,
+# SchedulerConfig).
+PARAMS: Mapping[str, Param] = MappingProxyType(
+    {
+        "model_path": Param("", str, sample="/models/engine-check"),
+        "max_model_len": Param("--max-model-len", int, minimum=1, sample="4096"),
+        "gpu_memory_utilization": Param(
+            "--gpu-memory-utilization", float, minimum=0.01, maximum=1, sample="0.9"
+        ),
+        "max_num_seqs": Param("--max-num-seqs", int, minimum=1, sample="64"),
+        "dtype": Param("--dtype", str, sample="bfloat16"),
+        "quantization": Param("--quantization", str, sample="fp8"),
+    }
+)
+
+
+def prefix(binary: str) -> list[str]:
+    return [binary or PROGRAM, "serve"]
+
+
+def build(spec: EngineSpec) -> EngineCommand:
+    # The positional model_tag: a local directory or a Hugging Face repo id. Without one,
+    # the llmgw model name is taken as the repo id (vLLM would otherwise serve its default
+    # model, whatever the name says).
+    argv = [*prefix(spec.binary), weights(spec) or spec.model]
+    if not spec.worker:
+        # --served-model-name: the name the OpenAI API answers to (default: the model tag).
+        argv += ["--served-model-name", spec.model, "--host", LOOPBACK, "--port", str(spec.port)]
+    # --tensor-parallel-size: GPUs per node; --pipeline-parallel-size: nodes (the split the
+    # parallelism page recommends for multi-node).
+    argv += ["--tensor-parallel-size", str(max(1, len(spec.gpus)))]
+    if spec.multi_node:
+        host, port = split_hostport(spec.dist_init_addr, "dist_init_addr")
+        argv += ["--pipeline-parallel-size", str(spec.nodes)]
+        argv += ["--nnodes", str(spec.nodes), "--node-rank", str(spec.rank)]
+        argv += ["--master-addr", host, "--master-port", str(port)]
+        if spec.worker:
+            # --headless: run the engine without the API server (workers serve nothing).
+            argv.append("--headless")
+    argv += param_flags(spec, PARAMS)
+    argv += spec.extra_args
+    if spec.worker:
+        return EngineCommand(argv=argv, env=gpu_env(spec), serves=False, health_path="")
+    return EngineCommand(argv=argv, env=gpu_env(spec), serves=True)

@@ -1,0 +1,216 @@
+#!/bin/sh
+# Make a real llama.cpp engine for the tests without building it: a Debian forky (testing)
+# minbase rootfs with Debian's llama.cpp-tools (not in bookworm or trixie; it needs a newer
+# glibc than this host has), and a `llama-server` wrapper that runs the rootfs's llama-server
+# in a chroot.
+#
+# Usage: scripts/llamacpp-rootfs.sh DIR
+#   DIR            the rootfs (made if missing, refreshed if an older recipe made it)
+#   DIR/../bin/llama-server   the wrapper; its path is printed on stdout
+#
+# The wrapper takes llama-server's own arguments. The model file (-m/--model, an absolute
+# path) is bind-mounted at the same path inside the chroot, with /proc, in a mount namespace
+# of its own that ends with the server: nothing is left mounted when the engine exits or is
+# killed. It needs root (chroot, mount), as does the first build (debootstrap).
+#
+# Environment: LLMGW_TEST_CACHE (default /var/cache/llmgw-test), LLMGW_DEBIAN_MIRROR (default:
+# the first Debian mirror in /etc/apt/sources.list*).
+#
+# Re-runs are cheap: the rootfs tarball is cached, keyed by the recipe that made it, and DIR
+# is unpacked again only when its marker names another recipe.
+set -eu
+
+SUITE=forky
+# bookworm's debootstrap has no script for forky; sid's is the same recipe.
+SUITE_SCRIPT=/usr/share/debootstrap/scripts/sid
+INCLUDE=llama.cpp-tools,ca-certificates
+MARKER=.llmgw-llamacpp-rootfs
+DEFAULT_MIRROR=http://deb.debian.org/debian
+
+info() { printf '==> %s\n' "$*" >&2; }
+fatal() {
+    printf 'error: %s\n' "$*" >&2
+    exit 1
+}
+
+sha() { sha256sum | cut -c1-64; }
+
+debian_mirror() {
+    if [ -n "${LLMGW_DEBIAN_MIRROR:-}" ]; then
+        printf '%s\n' "$LLMGW_DEBIAN_MIRROR"
+        return 0
+    fi
+    # deb822 "URIs:" lines and one-line "deb [options] URI suite ..." entries; the first URI
+    # whose path ends in /debian is the main archive (not -security, not third parties).
+    uri=$(
+        {
+            cat /etc/apt/sources.list.d/*.sources 2>/dev/null | sed -n 's/^URIs:[[:space:]]*//p' | tr ' ' '\n'
+            cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
+                | sed -n 's/^deb[[:space:]]\{1,\}\(\[[^]]*\][[:space:]]\{1,\}\)\{0,1\}\([^[:space:]]*\).*/\2/p'
+        } | grep -E '^https?://.*/debian/?$' | head -n 1
+    ) || true
+    printf '%s\n' "${uri:-$DEFAULT_MIRROR}"
+}
+
+# 1. what is needed, whatever the caches hold
+check_tools() {
+    [ "$(id -u)" -eq 0 ] || fatal "the llama.cpp rootfs needs root (chroot, mount); run as root"
+    for tool in chroot unshare mount tar flock; do
+        command -v "$tool" >/dev/null 2>&1 || fatal "no $tool command; apt-get install -y util-linux coreutils tar"
+    done
+}
+
+rootfs_is_current() {
+    [ -f "$ROOTFS/$MARKER" ] && [ "$(cat "$ROOTFS/$MARKER")" = "$ROOTFS_KEY" ] \
+        && [ -x "$ROOTFS/usr/bin/llama-server" ]
+}
+
+# 2. the rootfs tarball, from the cache or debootstrap (about 45 s, 280 MB)
+ensure_tarball() {
+    ROOTFS_TAR=$CACHE/rootfs-$SUITE-llamacpp-$ROOTFS_KEY.tar
+    if [ -f "$ROOTFS_TAR" ]; then
+        info "rootfs: cached $ROOTFS_TAR"
+        return 0
+    fi
+    command -v debootstrap >/dev/null 2>&1 || fatal "no debootstrap; apt-get install -y debootstrap"
+    [ -f "$SUITE_SCRIPT" ] || fatal "debootstrap has no $SUITE_SCRIPT; apt-get install -y debootstrap"
+    mirror=$(debian_mirror)
+    info "rootfs: debootstrap --variant=minbase --include=$INCLUDE $SUITE from $mirror"
+    mkdir -p "$CACHE"
+    work=$(mktemp -d "$CACHE/.rootfs.XXXXXX")
+    TO_CLEAN="$TO_CLEAN $work"
+    debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$work/rootfs" "$mirror" \
+        "$SUITE_SCRIPT" >"$work/debootstrap.log" 2>&1 \
+        || {
+            tail -n 20 "$work/debootstrap.log" >&2
+            fatal "debootstrap failed (log above); is $mirror reachable? (set LLMGW_DEBIAN_MIRROR)"
+        }
+    [ -x "$work/rootfs/usr/bin/llama-server" ] \
+        || fatal "debootstrap ran but the rootfs has no /usr/bin/llama-server (did llama.cpp-tools move?)"
+    rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/lib/apt/lists/"*
+    tar --numeric-owner -C "$work/rootfs" -cf "$work/rootfs.tar" .
+    mv "$work/rootfs.tar" "$ROOTFS_TAR"
+}
+
+# 3. DIR, unpacked from the tarball next to where it goes, then moved into place
+unpack_rootfs() {
+    if [ -e "$ROOTFS" ]; then
+        [ -f "$ROOTFS/$MARKER" ] \
+            || fatal "$ROOTFS exists and was not made by this script; give another DIR or remove it"
+    fi
+    parent=$(dirname "$ROOTFS")
+    mkdir -p "$parent"
+    stage=$(mktemp -d "$parent/.rootfs.XXXXXX")
+    TO_CLEAN="$TO_CLEAN $stage"
+    info "rootfs: unpacking into $ROOTFS"
+    tar --numeric-owner -C "$stage" -xf "$ROOTFS_TAR"
+    printf '%s\n' "$ROOTFS_KEY" >"$stage/$MARKER"
+    if [ -e "$ROOTFS" ]; then
+        mv "$ROOTFS" "$stage.old"
+        TO_CLEAN="$TO_CLEAN $stage.old"
+    fi
+    mv "$stage" "$ROOTFS"
+}
+
+# 4. the wrapper, replaced atomically when its text changes
+install_wrapper() {
+    bindir=$(dirname "$ROOTFS")/bin
+    mkdir -p "$bindir"
+    WRAPPER=$bindir/llama-server
+    staged=$(mktemp "$bindir/.llama-server.XXXXXX")
+    TO_CLEAN="$TO_CLEAN $staged"
+    write_wrapper >"$staged"
+    chmod 0755 "$staged"
+    if [ -f "$WRAPPER" ] && cmp -s "$staged" "$WRAPPER"; then
+        info "wrapper: $WRAPPER is up to date"
+        return 0
+    fi
+    mv "$staged" "$WRAPPER"
+    info "wrapper: $WRAPPER installed"
+}
+
+write_wrapper() {
+    quoted=$(printf '%s' "$ROOTFS" | sed "s/'/'\\\\''/g")
+    cat <<EOF
+#!/bin/sh
+# llama-server of the $SUITE rootfs below, run in a chroot; made by scripts/llamacpp-rootfs.sh.
+# The model file (-m/--model) is bind-mounted at the same path inside, with /proc, in a mount
+# namespace of its own: the mounts end with the server.
+set -eu
+ROOTFS='$quoted'
+EOF
+    cat <<'EOF'
+model=""
+previous=""
+for arg in "$@"; do
+    case $previous in -m | --model) model=$arg ;; esac
+    case $arg in --model=*) model=${arg#--model=} ;; esac
+    previous=$arg
+done
+if [ -z "$model" ]; then
+    # --help, --version, an rpc-only run: nothing to show it.
+    exec chroot "$ROOTFS" /usr/bin/llama-server "$@"
+fi
+case $model in
+    /*) ;;
+    *)
+        printf 'llama-server (chroot wrapper): the model path must be absolute, got %s\n' "$model" >&2
+        exit 2
+        ;;
+esac
+[ -f "$model" ] || {
+    printf 'llama-server (chroot wrapper): no model file %s\n' "$model" >&2
+    exit 2
+}
+# unshare without --fork and exec all the way: the server keeps this process's pid, so the
+# agent's signals reach it.
+exec unshare --mount --propagation private /bin/sh -c '
+set -eu
+root=$1 dir=$2
+shift 2
+mkdir -p "$root$dir"
+mount --bind "$dir" "$root$dir"
+mount -t proc proc "$root/proc"
+exec chroot "$root" /usr/bin/llama-server "$@"
+' llama-server "$ROOTFS" "$(dirname "$model")" "$@"
+EOF
+}
+
+cleanup() {
+    # shellcheck disable=SC2086 # a list of paths made by mktemp, without spaces
+    rm -rf $TO_CLEAN
+}
+
+main() {
+    [ $# -eq 1 ] || fatal "usage: $0 DIR (the rootfs; the wrapper goes in DIR/../bin)"
+    case $1 in
+        /*) ROOTFS=$1 ;;
+        *) ROOTFS=$(pwd)/$1 ;;
+    esac
+    ROOTFS=${ROOTFS%/}
+    case $ROOTFS in *[[:space:]]*) fatal "DIR must not contain white space: $ROOTFS" ;; esac
+    SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+    CACHE=${LLMGW_TEST_CACHE:-/var/cache/llmgw-test}
+    ROOTFS_KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s %s\n' \
+        "$INCLUDE" "$SUITE" "$SUITE_SCRIPT" "$(uname -m)" | sha)
+    TO_CLEAN=""
+    trap cleanup EXIT
+    trap 'exit 130' INT TERM
+
+    check_tools
+    if ! rootfs_is_current; then
+        # One build at a time (test runs may start together), locked on this very script
+        # (a read-only lock needs no writable place); the first build may serve the others.
+        exec 9<"$SELF"
+        flock 9
+        if ! rootfs_is_current; then
+            ensure_tarball
+            unpack_rootfs
+        fi
+    fi
+    info "rootfs: $ROOTFS is current (recipe $(printf '%s' "$ROOTFS_KEY" | cut -c1-12)...)"
+    install_wrapper
+    printf '%s\n' "$WRAPPER"
+}
+
+main "$@"

@@ -1,0 +1,528 @@
+"""The commands llmgw builds for each engine: exact argv, environment, who serves."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from llmgw.engines import launch
+from llmgw.engines.launch import (
+    AVAILABLE_ENGINES,
+    EngineCommand,
+    EngineSpec,
+    build_argv,
+    build_command,
+    check_params,
+    self_argv,
+)
+from llmgw.errors import EngineError
+
+TWO_GPUS = ("GPU-aaaa", "GPU-bbbb")
+
+
+def _host_of(argv: list[str]) -> str:
+    for flag in ("--host", "-H"):
+        if flag in argv:
+            return argv[argv.index(flag) + 1]
+    raise AssertionError(f"no --host in {argv}")
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_every_engine_llmgw_knows_is_available() -> None:
+    assert AVAILABLE_ENGINES == ("sim", "vllm", "sglang", "llamacpp")
+
+
+@pytest.mark.parametrize("engine", ["", "SIM", "tgi", "llama.cpp"])
+def test_unknown_engine_names_the_known_ones(engine: str) -> None:
+    with pytest.raises(EngineError) as info:
+        build_command(EngineSpec(engine=engine, model="m", port=8000))
+    message = str(info.value)
+    assert repr(engine) in message
+    for name in AVAILABLE_ENGINES:
+        assert name in message
+
+
+# --------------------------------------------------------------------------- vLLM
+
+
+def test_vllm_single_node() -> None:
+    spec = EngineSpec(
+        engine="vllm",
+        model="llama-8b",
+        port=41000,
+        source="/models/llama-8b",
+        binary="/opt/vllm/bin/vllm",
+        gpus=TWO_GPUS,
+        params={"max_model_len": "8192", "gpu_memory_utilization": "0.85"},
+        extra_args=("--enforce-eager",),
+    )
+    cmd = build_command(spec)
+    assert cmd == EngineCommand(
+        argv=[
+            "/opt/vllm/bin/vllm",
+            "serve",
+            "/models/llama-8b",
+            "--served-model-name",
+            "llama-8b",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "41000",
+            "--tensor-parallel-size",
+            "2",
+            "--max-model-len",
+            "8192",
+            "--gpu-memory-utilization",
+            "0.85",
+            "--enforce-eager",
+        ],
+        env={"CUDA_VISIBLE_DEVICES": "GPU-aaaa,GPU-bbbb"},
+        serves=True,
+        health_path="/health",
+    )
+
+
+def test_vllm_multi_node_rank0_and_worker() -> None:
+    rank0 = EngineSpec(
+        engine="vllm",
+        model="llama-405b",
+        port=41000,
+        source="/models/llama-405b",
+        gpus=TWO_GPUS,
+        nodes=2,
+        dist_init_addr="10.1.0.5:29500",
+    )
+    assert build_command(rank0).argv == [
+        "vllm",
+        "serve",
+        "/models/llama-405b",
+        "--served-model-name",
+        "llama-405b",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "41000",
+        "--tensor-parallel-size",
+        "2",
+        "--pipeline-parallel-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "10.1.0.5",
+        "--master-port",
+        "29500",
+    ]
+    worker = build_command(replace(rank0, rank=1, port=41001))
+    assert worker == EngineCommand(
+        argv=[
+            "vllm",
+            "serve",
+            "/models/llama-405b",
+            "--tensor-parallel-size",
+            "2",
+            "--pipeline-parallel-size",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "10.1.0.5",
+            "--master-port",
+            "29500",
+            "--headless",
+        ],
+        env={"CUDA_VISIBLE_DEVICES": "GPU-aaaa,GPU-bbbb"},
+        serves=False,
+        health_path="",
+    )
+
+
+def test_vllm_without_weights_serves_the_name_as_a_repo_id() -> None:
+    argv = build_command(EngineSpec(engine="vllm", model="Qwen/Qwen3-0.6B", port=1)).argv
+    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3-0.6B"]
+
+
+def test_vllm_ipv6_rendezvous() -> None:
+    spec = EngineSpec(engine="vllm", model="m", port=1, nodes=2, dist_init_addr="[fd00::5]:29500")
+    argv = build_command(spec).argv
+    assert argv[argv.index("--master-addr") + 1] == "fd00::5"
+    assert argv[argv.index("--master-port") + 1] == "29500"
+
+
+# --------------------------------------------------------------------------- SGLang
+
+
+def test_sglang_single_node() -> None:
+    spec = EngineSpec(
+        engine="sglang",
+        model="qwen",
+        port=42000,
+        source="/models/qwen",
+        binary="/opt/sglang/bin/python",
+        gpus=("GPU-aaaa",),
+        params={"context_length": "4096", "mem_fraction_static": "0.8"},
+    )
+    assert build_command(spec) == EngineCommand(
+        argv=[
+            "/opt/sglang/bin/python",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            "/models/qwen",
+            "--served-model-name",
+            "qwen",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "42000",
+            "--tp-size",
+            "1",
+            "--context-length",
+            "4096",
+            "--mem-fraction-static",
+            "0.8",
+        ],
+        env={"CUDA_VISIBLE_DEVICES": "GPU-aaaa"},
+        serves=True,
+    )
+
+
+def test_sglang_multi_node_rank0_and_worker() -> None:
+    rank0 = EngineSpec(
+        engine="sglang",
+        model="ds",
+        port=42000,
+        source="/models/ds",
+        gpus=TWO_GPUS,
+        nodes=2,
+        dist_init_addr="10.1.0.5:20000",
+    )
+    expected = [
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/ds",
+        "--served-model-name",
+        "ds",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "42000",
+        "--tp-size",
+        "4",  # every GPU of the replica
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--dist-init-addr",
+        "10.1.0.5:20000",
+    ]
+    assert build_command(rank0).argv == expected
+    worker = build_command(replace(rank0, rank=1))
+    expected[expected.index("--node-rank") + 1] = "1"
+    assert worker.argv == expected
+    assert (worker.serves, worker.health_path) == (False, "")
+
+
+# --------------------------------------------------------------------------- llama.cpp
+
+
+def test_llamacpp_single_node_on_gpus() -> None:
+    spec = EngineSpec(
+        engine="llamacpp",
+        model="tiny",
+        port=43000,
+        source="/models/tiny.gguf",
+        binary="/usr/local/bin/llama-server",
+        gpus=("GPU-aaaa",),
+        params={"ctx_size": "2048", "parallel": "2"},
+    )
+    assert build_command(spec) == EngineCommand(
+        argv=[
+            "/usr/local/bin/llama-server",
+            "--model",
+            "/models/tiny.gguf",
+            "--alias",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "43000",
+            "--n-gpu-layers",
+            "999",
+            "--ctx-size",
+            "2048",
+            "--parallel",
+            "2",
+        ],
+        env={"CUDA_VISIBLE_DEVICES": "GPU-aaaa"},
+        serves=True,
+    )
+
+
+def test_llamacpp_without_gpus_stays_on_the_cpu() -> None:
+    cmd = build_command(
+        EngineSpec(engine="llamacpp", model="tiny", port=1, params={"model_path": "/m.gguf"})
+    )
+    assert cmd.argv == [
+        "llama-server",
+        "--model",
+        "/m.gguf",
+        "--alias",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "1",
+        "--n-gpu-layers",
+        "0",
+    ]
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_llamacpp_source_wins_over_model_path_and_n_gpu_layers_overrides() -> None:
+    spec = EngineSpec(
+        engine="llamacpp",
+        model="tiny",
+        port=1,
+        source="/from/source.gguf",
+        params={"model_path": "/from/params.gguf", "n_gpu_layers": "12"},
+    )
+    argv = build_command(spec).argv
+    assert argv[argv.index("--model") + 1] == "/from/source.gguf"
+    assert argv[argv.index("--n-gpu-layers") + 1] == "12"
+    assert argv.count("--n-gpu-layers") == 1
+
+
+def test_llamacpp_needs_weights() -> None:
+    with pytest.raises(EngineError, match=r"GGUF file.*source.*model_path"):
+        build_command(EngineSpec(engine="llamacpp", model="tiny", port=1))
+
+
+def test_llamacpp_multi_node_rank0_dials_the_rpc_workers() -> None:
+    rank0 = EngineSpec(
+        engine="llamacpp",
+        model="big",
+        port=43000,
+        source="/models/big.gguf",
+        binary="/opt/llama/bin/llama-server",
+        gpus=TWO_GPUS,
+        nodes=3,
+        dist_init_addr="10.1.0.5:29500",
+        peers=("10.1.0.6:50052", "10.1.0.7:50052"),
+    )
+    assert build_command(rank0).argv == [
+        "/opt/llama/bin/llama-server",
+        "--model",
+        "/models/big.gguf",
+        "--alias",
+        "big",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "43000",
+        "--n-gpu-layers",
+        "999",
+        "--rpc",
+        "10.1.0.6:50052,10.1.0.7:50052",
+    ]
+    worker = build_command(replace(rank0, rank=2, port=43001))
+    assert worker == EngineCommand(
+        argv=["/opt/llama/bin/rpc-server", "--host", "10.1.0.7", "--port", "50052"],
+        env={"CUDA_VISIBLE_DEVICES": "GPU-aaaa,GPU-bbbb"},
+        serves=False,
+        health_path="",
+    )
+
+
+def test_llamacpp_worker_on_path_when_the_binary_is_a_bare_name() -> None:
+    spec = EngineSpec(
+        engine="llamacpp",
+        model="big",
+        port=1,
+        nodes=2,
+        rank=1,
+        dist_init_addr="10.1.0.5:29500",
+        peers=("10.1.0.6:50052",),
+    )
+    assert build_command(spec).argv[0] == "rpc-server"
+
+
+@pytest.mark.parametrize("peers", [(), ("10.1.0.6:50052", "10.1.0.7:50052"), ("10.1.0.6",)])
+def test_llamacpp_multi_node_needs_one_peer_per_worker(peers: tuple[str, ...]) -> None:
+    spec = EngineSpec(
+        engine="llamacpp",
+        model="big",
+        port=1,
+        source="/m.gguf",
+        nodes=2,
+        dist_init_addr="10.1.0.5:29500",
+        peers=peers,
+    )
+    with pytest.raises(EngineError, match="rpc-server"):
+        build_command(spec)
+
+
+# --------------------------------------------------------------------------- sim
+
+
+def test_sim_single_node_is_what_build_argv_always_built() -> None:
+    cmd = build_command(EngineSpec(engine="sim", model="m", port=5, params={"seed": "3"}))
+    assert cmd.argv == [
+        *self_argv(),
+        "engine",
+        "sim",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "5",
+        "--model",
+        "m",
+        "--seed",
+        "3",
+    ]
+    assert cmd.argv == build_argv("sim", model="m", port=5, params={"seed": "3"})
+    assert (cmd.env, cmd.serves) == ({}, True)
+
+
+def test_sim_multi_node_rank0_and_worker() -> None:
+    rank0 = EngineSpec(
+        engine="sim",
+        model="m",
+        port=5,
+        gpus=("GPU-aaaa",),
+        nodes=3,
+        dist_init_addr="10.1.0.5:29500",
+        extra_args=("--x",),
+    )
+    tail = ["--nodes", "3", "--rank", "0", "--dist-init-addr", "10.1.0.5:29500", "--x"]
+    cmd = build_command(rank0)
+    assert cmd.argv[-len(tail) :] == tail
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": "GPU-aaaa"}
+    worker = build_command(replace(rank0, rank=2))
+    tail[3] = "2"
+    assert worker.argv[-len(tail) :] == tail
+    assert (worker.serves, worker.health_path) == (False, "")
+
+
+# --------------------------------------------------------------------------- for every engine
+
+
+def _spec(engine: str, **changes: object) -> EngineSpec:
+    base = EngineSpec(
+        engine=engine,
+        model="m",
+        port=40000,
+        source="/models/m.gguf",
+        gpus=TWO_GPUS,
+        nodes=2,
+        rank=0,
+        dist_init_addr="10.9.0.1:29500",
+        peers=("10.9.0.2:50052",),
+    )
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("engine", AVAILABLE_ENGINES)
+def test_rank0_binds_loopback_and_serves(engine: str) -> None:
+    cmd = build_command(_spec(engine))
+    assert cmd.serves is True
+    assert cmd.health_path == "/health"
+    assert _host_of(cmd.argv) == "127.0.0.1"
+    assert "0.0.0.0" not in cmd.argv
+    assert cmd.argv[cmd.argv.index("--port") + 1] == "40000"
+
+
+@pytest.mark.parametrize("engine", AVAILABLE_ENGINES)
+def test_workers_serve_nothing(engine: str) -> None:
+    cmd = build_command(_spec(engine, rank=1))
+    assert cmd.serves is False
+    assert cmd.health_path == ""
+    assert "0.0.0.0" not in cmd.argv
+    if engine == "llamacpp":
+        # rpc-server listens where rank 0 dials it: its own address in peers.
+        assert _host_of(cmd.argv) == "10.9.0.2"
+    elif "--host" in cmd.argv:
+        assert _host_of(cmd.argv) == "127.0.0.1"
+
+
+@pytest.mark.parametrize("engine", AVAILABLE_ENGINES)
+def test_gpus_go_to_cuda_visible_devices(engine: str) -> None:
+    for rank in (0, 1):
+        cmd = build_command(_spec(engine, rank=rank))
+        assert cmd.env == {"CUDA_VISIBLE_DEVICES": "GPU-aaaa,GPU-bbbb"}
+        assert "GPU-aaaa" not in " ".join(cmd.argv)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp"])
+def test_real_engines_without_gpus_see_none(engine: str) -> None:
+    cmd = build_command(_spec(engine, gpus=(), nodes=1, dist_init_addr="", peers=()))
+    assert cmd.env == {"CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.mark.parametrize("engine", AVAILABLE_ENGINES)
+def test_extra_args_come_last_on_rank0(engine: str) -> None:
+    cmd = build_command(_spec(engine, extra_args=("--foo", "bar")))
+    assert cmd.argv[-2:] == ["--foo", "bar"]
+
+
+@pytest.mark.parametrize("engine", AVAILABLE_ENGINES)
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"nodes": 2, "dist_init_addr": ""}, "dist_init_addr"),
+        ({"nodes": 2, "dist_init_addr": "10.0.0.1"}, "host:port"),
+        ({"nodes": 2, "dist_init_addr": "10.0.0.1:99999"}, "host:port"),
+        ({"nodes": 2, "dist_init_addr": ":29500"}, "host:port"),
+        ({"nodes": 2, "rank": 2}, r"rank 2 is not in 0\.\.1"),
+        ({"nodes": 0}, "nodes must be at least 1"),
+        ({"port": 0}, "port 0"),
+        ({"port": 65536}, "port 65536"),
+        ({"model": ""}, "model name is empty"),
+    ],
+)
+def test_bad_shapes_are_refused(engine: str, changes: dict[str, object], match: str) -> None:
+    with pytest.raises(EngineError, match=match):
+        build_command(_spec(engine, **changes))
+
+
+@pytest.mark.parametrize("engine", AVAILABLE_ENGINES)
+def test_unknown_param_lists_the_known_ones(engine: str) -> None:
+    with pytest.raises(EngineError) as info:
+        check_params(engine, {"temperature": "0.5"})
+    message = str(info.value)
+    assert engine in message and "'temperature'" in message
+    for name in launch.engine_module(engine).PARAMS:
+        assert name in message
+
+
+@pytest.mark.parametrize(
+    ("engine", "key", "value"),
+    [
+        ("vllm", "max_model_len", "lots"),
+        ("vllm", "gpu_memory_utilization", "1.5"),
+        ("vllm", "gpu_memory_utilization", "nan"),
+        ("sglang", "mem_fraction_static", "0"),
+        ("llamacpp", "ctx_size", "-1"),
+        ("llamacpp", "n_gpu_layers", "all of them"),
+        ("llamacpp", "model_path", " /padded.gguf"),
+        ("vllm", "dtype", ""),
+    ],
+)
+def test_bad_param_values_name_the_param(engine: str, key: str, value: str) -> None:
+    with pytest.raises(EngineError) as info:
+        check_params(engine, {key: value})
+    assert key in str(info.value) and repr(value) in str(info.value)
+
+
+def test_params_are_checked_by_build_command() -> None:
+    with pytest.raises(EngineError, match="max_num_seqs"):
+        build_command(_spec("vllm", params={"max_num_seqs": "0"}))
