@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Benchmark: the placement engine on a large cluster.
+
+1,000 nodes of 8 GPUs (80 GiB each) on 4 fabrics; 2,000 replicas of mixed profiles (1, 2, 4
+and 8 GPUs per shard, 1 and 2 nodes per replica) placed one after another into one
+:class:`~llmgw.server.placement.Cluster`, once with ``binpack`` and once with ``spread``. The
+mix asks for more GPUs than the cluster has, so the last placements fail, which times the
+slower path that explains itself node by node. It also times building the cluster view from
+the allocations placed (what every reconcile pass starts with).
+
+Prints figures next to the targets (>= 200 placements/s, p99 <= 50 ms); not a pass/fail test.
+
+Usage: python bench/placement.py [--nodes N] [--replicas N] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import time
+
+from llmgw.server.placement import (
+    Allocation,
+    Cluster,
+    GpuView,
+    NodeView,
+    Placement,
+    Profile,
+)
+
+GPUS_PER_NODE = 8
+GPU_MIB = 80 * 1024
+FABRICS = ("ib-a", "ib-b", "ib-c", "ib-d")
+PROFILES = (
+    Profile("vllm", 1),
+    Profile("vllm", 2),
+    Profile("vllm", 4),
+    Profile("vllm", 8),
+    Profile("vllm", 4, nodes=2),
+    Profile("vllm", 8, nodes=2),
+)
+TARGET_RATE = 200.0
+TARGET_P99_MS = 50.0
+
+
+def make_nodes(count: int) -> list[NodeView]:
+    return [
+        NodeView(
+            id=f"node{i:04d}",
+            approved=True,
+            connected=True,
+            draining=False,
+            lost=False,
+            engines=frozenset({"vllm", "sim"}),
+            gpus=tuple(GpuView(f"GPU-{i:04d}-{g}", GPU_MIB) for g in range(GPUS_PER_NODE)),
+            fabrics=(FABRICS[i % len(FABRICS)],),
+            mgmt_addr=f"10.0.{i // 256}.{i % 256}",
+        )
+        for i in range(count)
+    ]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run(nodes: list[NodeView], profiles: list[Profile], strategy: str) -> list[Allocation]:
+    cluster = Cluster(nodes, [])
+    times: list[float] = []
+    failed_times: list[float] = []
+    allocations: list[Allocation] = []
+    placed: list[bool] = []
+    started = time.perf_counter()
+    for n, profile in enumerate(profiles):
+        t0 = time.perf_counter()
+        result = cluster.place(profile, strategy=strategy, replica_id=f"r{n}")
+        elapsed = time.perf_counter() - t0
+        times.append(elapsed)
+        placed.append(isinstance(result, Placement))
+        if isinstance(result, Placement):
+            allocations.extend(
+                Allocation(f"r{n}", f"r{n}-s{s.rank}", s.node_id, s.gpus) for s in result.shards
+            )
+        else:
+            failed_times.append(elapsed)
+    total = time.perf_counter() - started
+    rate = len(profiles) / total
+    p50 = percentile(times, 0.50) * 1000
+    p99 = percentile(times, 0.99) * 1000
+    held = sum(len(a.gpus) for a in allocations)
+    print(f"{strategy}:")
+    print(f"  placements/s      {rate:10.0f}   (target >= {TARGET_RATE:.0f})")
+    print(f"  decision p50      {p50:10.3f} ms")
+    print(f"  decision p99      {p99:10.3f} ms (target <= {TARGET_P99_MS:.0f} ms)")
+    print(f"  decision max      {max(times) * 1000:10.3f} ms")
+    placed_times = [t for t, ok in zip(times, placed, strict=True) if ok]
+    if placed_times:
+        print(
+            f"  placed only       p50 {percentile(placed_times, 0.5) * 1000:.3f} ms, "
+            f"p99 {percentile(placed_times, 0.99) * 1000:.3f} ms"
+        )
+    print(f"  placed            {len(profiles) - len(failed_times):10d}")
+    print(f"  unplaceable       {len(failed_times):10d}", end="")
+    if failed_times:
+        print(f"   (p50 {percentile(failed_times, 0.5) * 1000:.3f} ms each)")
+    else:
+        print()
+    print(f"  GPUs held         {held:10d} of {len(nodes) * GPUS_PER_NODE}")
+    return allocations
+
+
+def time_build(nodes: list[NodeView], allocations: list[Allocation]) -> None:
+    t0 = time.perf_counter()
+    Cluster(nodes, allocations)
+    ms = (time.perf_counter() - t0) * 1000
+    print(f"  cluster view      {ms:10.3f} ms to build from {len(allocations)} allocations")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--replicas", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=5)
+    args = parser.parse_args()
+
+    rng = random.Random(args.seed)
+    nodes = make_nodes(args.nodes)
+    profiles = [rng.choice(PROFILES) for _ in range(args.replicas)]
+    asked = sum(p.gpus * p.nodes for p in profiles)
+    print(
+        f"python {platform.python_version()} on {platform.machine()}; "
+        f"{args.nodes} nodes x {GPUS_PER_NODE} GPUs on {len(FABRICS)} fabrics; "
+        f"{args.replicas} replicas asking for {asked} GPUs"
+    )
+    for strategy in ("binpack", "spread"):
+        allocations = run(nodes, profiles, strategy)
+        time_build(nodes, allocations)
+
+
+if __name__ == "__main__":
+    main()
