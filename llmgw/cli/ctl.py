@@ -11,8 +11,10 @@ import click
 
 from llmgw.cli.cert import cert
 from llmgw.cli.common import echo_json, reports_errors, table
+from llmgw.cli.engine_check import engine_check
 from llmgw.client import AdminClient, find_target
 from llmgw.engines.base import engine_names
+from llmgw.server.catalog import load_catalog
 
 __all__ = ["ctl"]
 
@@ -61,6 +63,7 @@ def ctl(
 
 
 ctl.add_command(cert)
+ctl.add_command(engine_check)
 
 
 def _ago(ts: float | None) -> str:
@@ -129,19 +132,72 @@ def nodes(c: Ctl) -> None:
     )
 
 
-@ctl.command()
-@pass_ctl
+@ctl.group(invoke_without_command=True)
+@click.pass_context
 @reports_errors
-def models(c: Ctl) -> None:
-    """List deployed models with desired and ready replicas."""
+def models(ctx: click.Context) -> None:
+    """List models with their deployed profile, desired and ready replicas (and change the
+    catalog with 'models apply -f catalog.yaml')."""
+    if ctx.invoked_subcommand is not None:
+        return
+    c = ctx.find_object(Ctl)
+    assert c is not None
     data = c.call("GET", "/api/models")
     if c.as_json:
         echo_json(data)
         return
     rows = [
-        [m["name"], m["engine"], m["replicas"], m["ready"], m["unplaceable"] or ""] for m in data
+        [
+            m["name"],
+            m["profile"],
+            m["engine"],
+            m["gpus"],
+            m["nodes"],
+            m["replicas"],
+            m["ready"],
+            m["unplaceable"] or "",
+        ]
+        for m in data
     ]
-    click.echo(table(["MODEL", "ENGINE", "DESIRED", "READY", "PROBLEM"], rows))
+    click.echo(
+        table(["MODEL", "PROFILE", "ENGINE", "GPUS", "NODES", "DESIRED", "READY", "PROBLEM"], rows)
+    )
+
+
+@models.command("apply")
+@click.option(
+    "-f",
+    "--file",
+    "path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The catalog: models and their profiles (catalog.yaml).",
+)
+@pass_ctl
+@reports_errors
+def models_apply(c: Ctl, path: Path) -> None:
+    """Add or update the models of a catalog file, all or none; others are left alone."""
+    catalog = load_catalog(path)  # refuse a bad file before talking to the server
+    data = c.call("PUT", "/api/catalog", catalog.to_dict())
+    if c.as_json:
+        echo_json(data)
+        return
+    rows = data["models"]
+    if rows:
+        click.echo(
+            table(
+                ["CHANGE", "MODEL", "PROFILES"],
+                [[r["change"], r["name"], ", ".join(r["profiles"])] for r in rows],
+            )
+        )
+    for r in rows:
+        if r["note"]:
+            click.echo(f"note: {r['name']}: {r['note']}", err=True)
+    counts = {change: sum(r["change"] == change for r in rows) for change in _CHANGES}
+    click.echo(f"catalog {path}: " + ", ".join(f"{n} {change}" for change, n in counts.items()))
+
+
+_CHANGES = ("added", "updated", "unchanged")
 
 
 def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
@@ -156,29 +212,63 @@ def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
 
 @ctl.command()
 @click.argument("model")
-@click.option("--engine", type=click.Choice(list(engine_names())), default="sim", show_default=True)
+@click.option(
+    "--profile",
+    help="Profile of the catalog model to deploy (default: the one deployed now; a model "
+    "new from the catalog deploys 'default').",
+)
 @click.option("--replicas", type=click.IntRange(0, 1000), default=1, show_default=True)
+@click.option(
+    "--engine",
+    type=click.Choice(list(engine_names())),
+    help="Engine of a model deployed without the catalog (default: sim).",
+)
 @click.option(
     "--param",
     "params",
     multiple=True,
     metavar="KEY=VALUE",
-    help="Engine parameter (repeatable), e.g. ttft_ms=50.",
+    help="Engine parameter of a model deployed without the catalog (repeatable), e.g. ttft_ms=50.",
 )
 @pass_ctl
 @reports_errors
-def deploy(c: Ctl, model: str, engine: str, replicas: int, params: tuple[str, ...]) -> None:
-    """Deploy MODEL (or change its replica count)."""
-    data = c.call(
-        "POST",
-        "/api/models",
-        {"name": model, "engine": engine, "replicas": replicas, "params": _parse_params(params)},
-    )
+def deploy(
+    c: Ctl,
+    model: str,
+    profile: str | None,
+    replicas: int,
+    engine: str | None,
+    params: tuple[str, ...],
+) -> None:
+    """Deploy MODEL: a profile of a catalog model, or an ad-hoc one with --engine/--param;
+    or change its replica count."""
+    adhoc = engine is not None or bool(params)
+    if profile is not None and adhoc:
+        raise click.UsageError(
+            "--profile deploys a profile of the catalog; --engine/--param describe a model "
+            "outside it; give one or the other (change a profile in the catalog and run "
+            "'llmgw ctl models apply -f catalog.yaml')"
+        )
+    body: dict[str, Any] = {"name": model, "replicas": replicas}
+    if profile is not None:
+        body["profile"] = profile
+    if adhoc:
+        body["engine"] = engine or "sim"
+        body["params"] = _parse_params(params)
+    data = c.call("POST", "/api/models", body)
     if c.as_json:
         echo_json(data)
         return
+    if adhoc:
+        shape = f"engine {data['engine']}"
+    else:
+        shape = (
+            f"profile {data['profile']} (engine {data['engine']}, {data['gpus']} GPU(s) x "
+            f"{data['nodes']} node(s))"
+        )
     click.echo(
-        f"deployed {data['name']}: {data['replicas']} replicas of engine {data['engine']} ({data['ready']} ready now)"
+        f"deployed {data['name']}: {data['replicas']} replicas of {shape} ({data['ready']} "
+        "ready now)"
     )
     click.echo(f"watch them come up with 'llmgw ctl replicas {data['name']}'")
 

@@ -16,10 +16,10 @@ from aiohttp import web
 from llmgw import __version__
 from llmgw.config_util import format_hostport
 from llmgw.engines.base import engine_names
-from llmgw.engines.launch import build_argv
-from llmgw.errors import ConfigError, Conflict, EngineError, LlmgwError, NotFound
+from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound
 from llmgw.pki import validate_node_id
-from llmgw.server.store import Model, Node
+from llmgw.server.catalog import MODEL_NAME, adhoc_profile, parse_catalog, parse_profile
+from llmgw.server.store import DEFAULT_PROFILE, Model, Node
 
 if TYPE_CHECKING:
     from llmgw.server.app import ControlPlane
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["add_admin_routes"]
 
 _INSTALLABLE = ("llamacpp", "vllm", "sglang")
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -39,6 +38,17 @@ class _BadRequest(Exception):
     pass
 
 
+def _profiles_of(model: Model) -> dict[str, Any]:
+    """A model's profiles; one stored without them has its engine and params as its
+    ``default``."""
+    return model.profiles or {DEFAULT_PROFILE: adhoc_profile(model.engine, model.params)}
+
+
+def _is_adhoc(model: Model) -> bool:
+    """Deployed without the catalog: no profiles, or just the one an ad-hoc deploy makes."""
+    return _profiles_of(model) == {DEFAULT_PROFILE: adhoc_profile(model.engine, model.params)}
+
+
 def add_admin_routes(app: web.Application, cp: ControlPlane) -> None:
     api = AdminAPI(cp)
     r = app.router
@@ -47,6 +57,8 @@ def add_admin_routes(app: web.Application, cp: ControlPlane) -> None:
     r.add_get("/api/models", api.wrap(api.models))
     r.add_post("/api/models", api.wrap(api.deploy))
     r.add_delete("/api/models/{name:.+}", api.wrap(api.undeploy))
+    r.add_get("/api/catalog", api.wrap(api.catalog))
+    r.add_put("/api/catalog", api.wrap(api.apply_catalog))
     r.add_get("/api/replicas", api.wrap(api.replicas))
     r.add_get("/api/keys", api.wrap(api.keys))
     r.add_post("/api/keys", api.wrap(api.create_key))
@@ -155,9 +167,15 @@ class AdminAPI:
     def _model(self, model: Model) -> dict[str, Any]:
         ready = len(self.cp.router.endpoints(model.name))
         unplaceable = self.cp.scheduler.unplaceable.get(model.name)
+        profiles = _profiles_of(model)
+        spec = profiles.get(model.profile, {})
         return {
             "name": model.name,
+            "profile": model.profile,
+            "profiles": sorted(profiles),
             "engine": model.engine,
+            "gpus": spec.get("gpus", 0),
+            "nodes": spec.get("nodes", 1),
             "replicas": model.replicas,
             "ready": ready,
             "params": model.params,
@@ -168,22 +186,117 @@ class AdminAPI:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response([self._model(m) for m in self.cp.store.list_models()])
 
+    async def catalog(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"models": {m.name: {"profiles": _profiles_of(m)} for m in self.cp.store.list_models()}}
+        )
+
+    async def apply_catalog(self, request: web.Request) -> web.Response:
+        """Add or update every model of the catalog, all or none; models it does not name
+        are left as they are."""
+        body = await self._json(request)
+        try:
+            catalog = parse_catalog(body, source="catalog")
+        except ConfigError as exc:
+            raise _BadRequest(str(exc)) from None
+        store = self.cp.store
+        changes: list[dict[str, Any]] = []
+        with store.transaction():
+            for name, spec in catalog.models.items():
+                profiles = spec.to_dict()["profiles"]
+                try:
+                    before: Model | None = store.get_model(name)
+                except NotFound:
+                    before = None
+                if before is not None and before.profiles == profiles:
+                    change, after = "unchanged", before
+                else:
+                    change = "added" if before is None else "updated"
+                    after = store.put_catalog_model(name, profiles)
+                running = len(store.list_replicas(name))
+                note = None
+                if (
+                    before is not None
+                    and running
+                    and _profiles_of(before).get(before.profile) != profiles[after.profile]
+                ):
+                    note = (
+                        f"{running} running replica(s) of profile {after.profile} keep the "
+                        "settings they started with until they are replaced"
+                    )
+                changes.append(
+                    {
+                        "name": name,
+                        "change": change,
+                        "profiles": sorted(profiles),
+                        "profile": after.profile,
+                        "note": note,
+                    }
+                )
+        for row in changes:
+            if row["change"] != "unchanged":
+                store.add_event(
+                    "catalog_applied",
+                    row["name"],
+                    f"{row['change']}: profiles {', '.join(row['profiles'])}",
+                )
+        self.cp.refresh_models()
+        self.cp.scheduler.kick()
+        return web.json_response({"models": changes})
+
     async def deploy(self, request: web.Request) -> web.Response:
+        """Deploy a catalog model's profile (``{"name", "profile", "replicas"}``), scale a
+        model (``{"name", "replicas"}``), or deploy an ad-hoc model (``{"name", "engine",
+        "replicas", "params"}``), which gets a single ``default`` profile."""
         body = await self._json(request)
         name = body.get("name")
-        if not isinstance(name, str) or not _MODEL_NAME.match(name):
+        if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
             raise _BadRequest(
                 "model name must be 1-128 characters of letters, digits and . _ : / -, "
                 "starting with a letter or digit"
             )
+        replicas = body.get("replicas", 1)
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= 1000:
+            raise _BadRequest("replicas must be a whole number from 0 to 1000")
+        profile = body.get("profile")
+        adhoc = "engine" in body or "params" in body
+        if profile is not None and adhoc:
+            raise _BadRequest(
+                "give either 'profile' (a profile of a catalog model) or 'engine' and 'params' "
+                "(a model deployed without the catalog), not both"
+            )
+        if profile is not None and (not isinstance(profile, str) or not profile):
+            raise _BadRequest("profile must be the name of one of the model's profiles")
+        try:
+            existing = self.cp.store.get_model(name)
+        except NotFound:
+            existing = None
+        if not adhoc and (profile is not None or existing is not None):
+            if existing is None:
+                raise NotFound(
+                    f"no model named {name}; add it to the catalog with 'llmgw ctl models apply "
+                    "-f catalog.yaml' ('llmgw ctl models' lists the models there are)"
+                )
+            model = self.cp.store.deploy_model(
+                name, profile=profile or existing.profile, replicas=replicas
+            )
+            what = f"profile {model.profile} ({model.engine})"
+        else:
+            model = self._deploy_adhoc(name, body, replicas, existing)
+            what = model.engine
+        self.cp.refresh_models()
+        self.cp.store.add_event("model_deployed", name, f"{what}, {replicas} replicas")
+        self.cp.scheduler.kick()
+        return web.json_response(self._model(model), status=201 if existing is None else 200)
+
+    def _deploy_adhoc(
+        self, name: str, body: dict[str, Any], replicas: int, existing: Model | None
+    ) -> Model:
         engine = body.get("engine", "sim")
         if engine not in engine_names():
             raise _BadRequest(
                 f"unknown engine {engine!r}; choose one of {', '.join(engine_names())}"
             )
-        replicas = body.get("replicas", 1)
-        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= 1000:
-            raise _BadRequest("replicas must be a whole number from 0 to 1000")
         params = body.get("params", {})
         if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
             raise _BadRequest("params must be an object of name: value")
@@ -193,31 +306,35 @@ class AdminAPI:
                     raise _BadRequest("params.extra_args must be a list of strings")
             elif not isinstance(value, str | int | float) or isinstance(value, bool):
                 raise _BadRequest(f"params.{key} must be a string or a number")
-        if engine == "sim":
-            try:
-                build_argv(
-                    "sim",
-                    model=name,
-                    port=1,
-                    params={k: str(v) for k, v in params.items() if k != "extra_args"},
-                )
-            except EngineError as exc:
-                raise _BadRequest(str(exc)) from None
+        # An ad-hoc deploy is a catalog model with one "default" profile: check it as one.
+        profile = adhoc_profile(engine, params)
+        for key in ("source", "gpus", "nodes", "gpu_memory", "placement"):
+            if body.get(key) is not None:
+                profile[key] = body[key]
         try:
-            existing = self.cp.store.get_model(name)
-        except NotFound:
-            existing = None
+            parse_profile(profile, model=name, profile=DEFAULT_PROFILE, source="request")
+        except ConfigError as exc:
+            raise _BadRequest(str(exc)) from None
+        if existing is not None and not _is_adhoc(existing):
+            raise Conflict(
+                f"model {name} comes from the catalog (profiles "
+                f"{', '.join(sorted(existing.profiles))}); deploy one of them with "
+                f"'llmgw ctl deploy {name} --profile P', or change them in the catalog and "
+                "'llmgw ctl models apply -f catalog.yaml'"
+            )
         if existing is not None and (existing.engine != engine or existing.params != params):
             if self.cp.store.list_replicas(name):
                 raise Conflict(
                     f"model {name} is deployed with engine {existing.engine} and other params; "
                     f"'llmgw ctl undeploy {name}' first, or deploy it under another name"
                 )
-        model = self.cp.store.put_model(name, engine=engine, params=params, replicas=replicas)
-        self.cp.refresh_models()
-        self.cp.store.add_event("model_deployed", name, f"{engine}, {replicas} replicas")
-        self.cp.scheduler.kick()
-        return web.json_response(self._model(model), status=201 if existing is None else 200)
+        return self.cp.store.put_model(
+            name,
+            engine=engine,
+            params=params,
+            replicas=replicas,
+            profiles={DEFAULT_PROFILE: profile},
+        )
 
     async def undeploy(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]

@@ -181,6 +181,7 @@ class ControlPlane:
         self.refresh_keys()
         self.refresh_models()
         self.membership.load()
+        self.lost = {n.id for n in self.store.list_nodes() if n.lost}
         # 2. CA and this server's identities
         hosts = [*local_addresses(), *cfg.advertise]
         self.ca, self.server_identity, self.client_identity = ensure_server_identity(
@@ -385,6 +386,7 @@ class ControlPlane:
             timer.cancel()
         if node_id in self.lost:
             self.lost.discard(node_id)
+            self.store.set_node_lost(node_id, False)
             self.store.add_event("node_back", node_id, "reconnected after being lost")
         old = self.sessions.get(node_id)
         if old is not None:
@@ -468,6 +470,7 @@ class ControlPlane:
         except LlmgwError:
             return
         self.lost.add(node_id)
+        self.store.set_node_lost(node_id, True)
         replicas = sorted({s.replica_id for s in shards})
         log.warning(
             "node lost; rebuilding its replicas elsewhere",
@@ -567,7 +570,8 @@ class ControlPlane:
             reason=status.reason,
         )
         self.store.set_replica_state(shard.replica_id, state if state != "exited" else "failed")
-        if state == "ready" and not session.draining:
+        # Only rank 0 serves; workers of a multi-node replica are ready but not routable.
+        if state == "ready" and not session.draining and shard.rank == 0:
             replica = self.store.get_replica(shard.replica_id)
             self.router.set_ready(
                 Endpoint(

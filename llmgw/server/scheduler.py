@@ -1,9 +1,11 @@
 """The reconcile loop: bring the replicas of each model to the desired count and keep them up.
 
-Placement here is the single-node kind: a replica is one shard on one connected, approved
-node that offers the model's engine, choosing the node with the fewest shards (so two
-replicas land on two nodes when there are two). A failed shard is started again on its
-node after a backoff that doubles with each consecutive failure (1 s up to 30 s).
+Each pass builds a :class:`~llmgw.server.placement.Cluster` view from the store (nodes,
+their GPUs and healthy fabrics, what is already allocated) and asks it where each missing
+replica goes (bin-pack by default, ``spread`` per profile; a multi-node replica on one
+fabric). A failed shard of a single-node replica is started again on its node after a
+backoff that doubles with each consecutive failure (1 s up to 30 s); a failed shard of a
+multi-node replica takes the whole replica down, and it is rebuilt.
 """
 
 from __future__ import annotations
@@ -14,8 +16,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llmgw.errors import NotFound
+from llmgw.config_util import format_hostport, parse_hostport
+from llmgw.errors import ConfigError, NotFound
 from llmgw.log import kv
+from llmgw.server.catalog import Profile as CatalogProfile
+from llmgw.server.catalog import adhoc_profile, parse_profile
+from llmgw.server.placement import Allocation, Cluster, GpuView, NodeView
+from llmgw.server.placement import Profile as PlacementProfile
+from llmgw.server.placement import Unplaceable as PlacementUnplaceable
 from llmgw.server.store import Model, Shard
 
 if TYPE_CHECKING:
@@ -24,6 +32,13 @@ if TYPE_CHECKING:
 __all__ = ["Scheduler", "restart_delay"]
 
 log = logging.getLogger("llmgw.server.scheduler")
+
+
+def _host_of(addr: str) -> str:
+    try:
+        return parse_hostport(addr, allow_zero=True)[0] if addr else ""
+    except ConfigError:
+        return ""
 
 
 def restart_delay(failures: int) -> float:
@@ -35,6 +50,12 @@ class Unplaceable:
     model: str
     reason: str
     since: float
+
+
+class _NoRoom(Exception):
+    def __init__(self, why: PlacementUnplaceable) -> None:
+        super().__init__(why.summary())
+        self.why = why
 
 
 class Scheduler:
@@ -50,6 +71,7 @@ class Scheduler:
         self.moves: dict[str, str] = {}
         self.move_nodes: dict[str, str] = {}
         self.drain_blocked: dict[str, str] = {}
+        self._pass_cluster: Cluster | None = None
 
     def kick(self) -> None:
         self._kick.set()
@@ -70,7 +92,9 @@ class Scheduler:
 
     def reconcile(self) -> None:
         store = self.cp.store
+        self._pass_cluster = None
         self._drain_step()
+        self._pass_cluster = self._cluster()
         moving = set(self.moves) | set(self.moves.values())
         for model in store.list_models():
             replicas = store.list_replicas(model.name)
@@ -79,7 +103,13 @@ class Scheduler:
             missing = model.replicas - (len(replicas) - in_moves)
             if missing > 0:
                 for _ in range(missing):
-                    if not self._place(model):
+                    try:
+                        placed = self._place_replica(model)
+                    except ConfigError as exc:
+                        # A stored profile this llmgw cannot read: say so, keep the others going.
+                        self._note_unplaceable(model.name, f"profile {model.profile}: {exc}")
+                        break
+                    if placed is None:
                         break
             elif missing < 0:
                 # Stop the least useful first: not ready before ready, newest first.
@@ -96,6 +126,12 @@ class Scheduler:
             session = self.cp.sessions.get(shard.node_id)
             if session is None:
                 continue
+            if shard.state == "failed" and self._multi_node(shard):
+                # A worker or rank 0 of a multi-node replica failed: the others cannot go on
+                # alone (rank 0 exits when a worker dies); rebuild the whole replica.
+                self.cp.remove_replica(shard.replica_id, why=f"shard {shard.id} failed; rebuilding")
+                self.kick()
+                continue
             if shard.state == "failed":
                 failures = self.failures.get(shard.id, 1)
                 failed_at = self.failed_at.setdefault(shard.id, now)
@@ -104,55 +140,107 @@ class Scheduler:
             elif shard.state == "pending":
                 self._send_start(shard)
 
-    def _candidates(self, model: Model) -> tuple[list[str], list[str]]:
-        """Node ids that can take a shard of ``model``, and why each other node cannot."""
-        ok: list[str] = []
-        why: list[str] = []
-        load: dict[str, int] = {}
-        for shard in self.cp.store.list_shards():
-            load[shard.node_id] = load.get(shard.node_id, 0) + 1
-        for node in self.cp.store.list_nodes():
+    def _cluster(self) -> Cluster:
+        """What the placement engine sees this pass."""
+        store = self.cp.store
+        views = []
+        for node in store.list_nodes():
             session = self.cp.sessions.get(node.id)
-            if node.state != "approved":
-                why.append(f"{node.id}: {node.state}")
-            elif session is None:
-                why.append(f"{node.id}: not connected")
-            elif node.draining:
-                why.append(f"{node.id}: draining")
-            elif node.id in self.cp.lost:
-                why.append(f"{node.id}: lost")
-            elif model.engine not in session.engines:
-                why.append(f"{node.id}: engine {model.engine} not available")
-            else:
-                ok.append(node.id)
-        ok.sort(key=lambda n: (load.get(n, 0), n))
-        return ok, why
+            inv = node.inventory
+            views.append(
+                NodeView(
+                    id=node.id,
+                    approved=node.state == "approved",
+                    connected=session is not None and not session.draining,
+                    draining=node.draining,
+                    lost=node.id in self.cp.lost,
+                    engines=session.engines if session is not None else frozenset(),
+                    gpus=tuple(
+                        GpuView(
+                            uuid=str(g.get("uuid") or g.get("index")),
+                            memory_total_mib=int(g.get("memory_total_mib") or 0),
+                        )
+                        for g in inv.get("gpus", [])
+                    ),
+                    fabrics=tuple(f["name"] for f in inv.get("fabrics", []) if f.get("healthy")),
+                    mgmt_addr=_host_of(node.dataplane_addr or ""),
+                )
+            )
+        allocations = [
+            Allocation(
+                replica_id=sh.replica_id, shard_id=sh.id, node_id=sh.node_id, gpus=tuple(sh.gpus)
+            )
+            for sh in store.list_shards()
+        ]
+        return Cluster(views, allocations)
 
-    def _place(self, model: Model) -> bool:
-        return self._place_replica(model) is not None
+    def _profile(self, model: Model) -> CatalogProfile:
+        stored = model.profiles.get(model.profile) if model.profiles else None
+        if stored is None:
+            stored = adhoc_profile(model.engine, model.params)
+        return parse_profile(stored, model=model.name, profile=model.profile, source="<store>")
 
     def _place_replica(self, model: Model) -> str | None:
-        nodes, why = self._candidates(model)
-        if not nodes:
-            reason = "; ".join(why) if why else "no nodes have joined"
-            previous = self.unplaceable.get(model.name)
-            if previous is None or previous.reason != reason:
-                self.unplaceable[model.name] = Unplaceable(model.name, reason, time.time())
-                self.cp.store.add_event(
-                    "unplaceable", model.name, f"cannot place a replica: {reason}"
-                )
-                log.warning("cannot place a replica", extra=kv(model=model.name, reason=reason))
-            return None
-        self.unplaceable.pop(model.name, None)
         store = self.cp.store
-        with store.transaction():
-            replica = store.add_replica(model.name)
-            shard = store.add_shard(replica.id, nodes[0], rank=0)
-            store.set_replica_state(replica.id, "starting")
-        store.add_event("replica_placed", replica.id, f"{model.name} on {nodes[0]}")
-        log.info("placing a replica", extra=kv(model=model.name, replica=replica.id, node=nodes[0]))
-        self._send_start(shard)
+        profile = self._profile(model)
+        cluster = self._pass_cluster if self._pass_cluster is not None else self._cluster()
+        wanted = PlacementProfile(
+            engine=profile.engine,
+            gpus=profile.gpus,
+            nodes=profile.nodes,
+            gpu_memory_mib=profile.gpu_memory_mib or 0,
+        )
+        try:
+            with store.transaction():
+                replica = store.add_replica(model.name)
+                result = cluster.place(wanted, strategy=profile.placement, replica_id=replica.id)
+                if isinstance(result, PlacementUnplaceable):
+                    raise _NoRoom(result)
+                shards = []
+                for sp in result.shards:
+                    shard = store.add_shard(replica.id, sp.node_id, rank=sp.rank)
+                    shards.append(store.update_shard(shard.id, gpus=list(sp.gpus)))
+                if len(shards) > 1:
+                    addr = self._dist_init_addr(shards[0].node_id)
+                    shards = [store.update_shard(sh.id, dist_init_addr=addr) for sh in shards]
+                store.set_replica_state(replica.id, "starting")
+        except _NoRoom as exc:
+            self._note_unplaceable(model.name, exc.why.summary(limit=8))
+            return None
+        except Exception:
+            cluster.release(replica.id)
+            raise
+        self.unplaceable.pop(model.name, None)
+        where = ", ".join(
+            f"{sh.node_id}{'[' + ','.join(sh.gpus) + ']' if sh.gpus else ''}" for sh in shards
+        )
+        store.add_event("replica_placed", replica.id, f"{model.name} ({model.profile}) on {where}")
+        log.info("placing a replica", extra=kv(model=model.name, replica=replica.id, on=where))
+        for sh in shards:
+            self._send_start(sh)
         return replica.id
+
+    def _note_unplaceable(self, model: str, reason: str) -> None:
+        previous = self.unplaceable.get(model)
+        if previous is None or previous.reason != reason:
+            self.unplaceable[model] = Unplaceable(model, reason, time.time())
+            self.cp.store.add_event("unplaceable", model, f"cannot place a replica: {reason}")
+            log.warning("cannot place a replica", extra=kv(model=model, reason=reason))
+
+    def _dist_init_addr(self, node_id: str) -> str:
+        """Rank 0's rendezvous address: its management address and a port no other replica
+        on that node uses (29500 upwards, the PyTorch convention)."""
+        node = self.cp.store.get_node(node_id)
+        host = _host_of(node.dataplane_addr or "") or "127.0.0.1"
+        used = {
+            int(sh.dist_init_addr.rsplit(":", 1)[1])
+            for sh in self.cp.store.list_shards(node_id=node_id)
+            if sh.dist_init_addr and sh.rank == 0
+        }
+        port = 29500
+        while port in used:
+            port += 1
+        return format_hostport(host, port)
 
     # -- drain: replacement first, one replica at a time ----------------------------------------
 
@@ -204,6 +292,11 @@ class Scheduler:
                 extra=kv(node=node.id, replica=original, to=placed),
             )
 
+    def _multi_node(self, shard: Shard) -> bool:
+        if shard.rank > 0:
+            return True
+        return len(self.cp.store.list_shards(replica_id=shard.replica_id)) > 1
+
     def drain_progress(self, node_id: str) -> dict[str, object]:
         store = self.cp.store
         replicas = sorted({s.replica_id for s in store.list_shards(node_id=node_id)})
@@ -227,16 +320,31 @@ class Scheduler:
             return
         replica = store.get_replica(shard.replica_id)
         model = store.get_model(replica.model)
-        params = {k: str(v) for k, v in model.params.items() if k != "extra_args"}
-        extra = [str(a) for a in model.params.get("extra_args", [])]
+        profile = self._profile(model)
         op_id = session.start_shard(
             shard_id=shard.id,
             replica_id=replica.id,
             model=model.name,
-            engine=model.engine,
+            engine=profile.engine,
             rank=shard.rank,
-            params=params,
-            extra_args=extra,
+            params=dict(profile.params),
+            extra_args=list(profile.args),
+            gpus=list(shard.gpus),
+            nodes=profile.nodes,
+            dist_init_addr=shard.dist_init_addr,
+            source=profile.source or "",
+            gpu_memory_mib=profile.gpu_memory_mib or 0,
+            sidecars=[
+                {
+                    "name": sc.name,
+                    "argv": list(sc.command),
+                    "health_url": sc.health or "",
+                    "timeout_s": sc.timeout_s,
+                    "ready_after_s": sc.ready_after_s,
+                }
+                for sc in profile.sidecars
+            ],
+            profile=model.profile,
         )
         store.update_shard(shard.id, state="starting", op_id=op_id, reason="", exit_code=None)
 

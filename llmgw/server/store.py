@@ -26,6 +26,7 @@ from llmgw.errors import Conflict, NotFound, StoreError, TokenError
 from llmgw.pki import validate_node_id
 
 __all__ = [
+    "DEFAULT_PROFILE",
     "JOIN_TOKEN_KINDS",
     "JOIN_TOKEN_PREFIX",
     "MAX_EVENTS",
@@ -54,7 +55,7 @@ SHARD_STATES: frozenset[str] = frozenset(
     {"pending", "starting", "ready", "failed", "exited", "stopping", "stopped"}
 )
 SHARD_FIELDS: frozenset[str] = frozenset(
-    {"state", "port", "pid", "exit_code", "reason", "restarts", "op_id"}
+    {"state", "port", "pid", "exit_code", "reason", "restarts", "op_id", "gpus", "dist_init_addr"}
 )
 
 MAX_EVENTS = 10_000
@@ -63,6 +64,8 @@ MAX_EVENTS = 10_000
 API_KEY_PREFIX = "sk-llmgw-"
 JOIN_TOKEN_PREFIX = "llmgwjt_"
 JOIN_TOKEN_KINDS: frozenset[str] = frozenset({"join", "rekey"})
+DEFAULT_PROFILE = "default"
+"""The profile a model deploys when none is named (the column's default)."""
 
 MIGRATIONS: list[str] = [
     # 1: initial schema
@@ -174,6 +177,16 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX certificates_by_node ON certificates(node_id);
     """,
+    # 3: the catalog (a model's profiles and the one deployed), the GPUs and rendezvous
+    # address given to each shard, and nodes lost (silent past the loss timeout)
+    """
+    ALTER TABLE models ADD COLUMN profiles TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE models ADD COLUMN profile TEXT NOT NULL DEFAULT 'default';
+    ALTER TABLE shards ADD COLUMN gpus TEXT NOT NULL DEFAULT '[]';
+    ALTER TABLE shards ADD COLUMN dist_init_addr TEXT NOT NULL DEFAULT '';
+    ALTER TABLE nodes ADD COLUMN lost INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE nodes ADD COLUMN lost_at REAL;
+    """,
 ]
 
 
@@ -193,6 +206,8 @@ class Node:
     draining: bool
     last_seen: float | None
     created_at: float
+    lost: bool = False
+    lost_at: float | None = None
 
     @classmethod
     def _from_row(cls, row: sqlite3.Row) -> Node:
@@ -208,17 +223,29 @@ class Node:
             draining=bool(row["draining"]),
             last_seen=row["last_seen"],
             created_at=row["created_at"],
+            lost=bool(row["lost"]),
+            lost_at=row["lost_at"],
         )
 
 
 @dataclass(frozen=True)
 class Model:
+    """A model: its catalog ``profiles`` (name -> the profile's JSON), the ``profile``
+    deployed, and that profile's ``engine`` and ``params`` (its params, plus its args as
+    ``extra_args``), which is what starting a shard reads.
+
+    A model stored without profiles (before the catalog, or by :meth:`Store.put_model`
+    without them) has ``profiles == {}``: its engine and params are its only profile.
+    """
+
     name: str
     engine: str
     params: dict[str, Any]
     replicas: int
     created_at: float
     updated_at: float
+    profiles: dict[str, Any] = field(default_factory=dict)
+    profile: str = "default"
 
     @classmethod
     def _from_row(cls, row: sqlite3.Row) -> Model:
@@ -229,6 +256,8 @@ class Model:
             replicas=row["replicas"],
             created_at=row["created_at"],
             updated_at=row["updated_at"],
+            profiles=json.loads(row["profiles"]),
+            profile=row["profile"],
         )
 
 
@@ -265,6 +294,10 @@ class Shard:
     restarts: int
     op_id: str | None
     updated_at: float
+    gpus: tuple[str, ...] = ()
+    """UUIDs of the GPUs given to this shard."""
+    dist_init_addr: str = ""
+    """host:port where rank 0 of a multi-node replica waits for the other shards."""
 
     @classmethod
     def _from_row(cls, row: sqlite3.Row) -> Shard:
@@ -281,6 +314,8 @@ class Shard:
             restarts=row["restarts"],
             op_id=row["op_id"],
             updated_at=row["updated_at"],
+            gpus=tuple(json.loads(row["gpus"])),
+            dist_init_addr=row["dist_init_addr"],
         )
 
 
@@ -516,6 +551,41 @@ def _dump_json(value: dict[str, Any], what: str) -> str:
         return json.dumps(value, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{what} must be JSON-serialisable: {exc}") from exc
+
+
+def _check_replicas(name: str, replicas: object) -> None:
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise Conflict(
+            f"model {name}: replicas must be a whole number of 0 or more, not {replicas!r}"
+        )
+
+
+def _check_profiles(name: str, profiles: object) -> None:
+    if not isinstance(profiles, dict) or not profiles:
+        raise ValueError(f"model {name}: profiles must be a non-empty mapping, not {profiles!r}")
+    for profile, spec in profiles.items():
+        if (
+            not isinstance(profile, str)
+            or not isinstance(spec, dict)
+            or not isinstance(spec.get("engine"), str)
+        ):
+            raise ValueError(
+                f"model {name}: profile {profile!r} must be a mapping with an engine, not {spec!r}"
+            )
+
+
+def _first_profile(profiles: dict[str, Any]) -> str:
+    return DEFAULT_PROFILE if DEFAULT_PROFILE in profiles else next(iter(profiles))
+
+
+def _profile_columns(profile: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The engine and params columns for a deployed profile: its params, and its args as
+    ``extra_args`` (what starting a shard reads)."""
+    params: dict[str, Any] = dict(profile.get("params") or {})
+    args = list(profile.get("args") or [])
+    if args:
+        params["extra_args"] = args
+    return str(profile["engine"]), params
 
 
 def _check_state(state: str, allowed: frozenset[str], what: str) -> None:
@@ -833,6 +903,13 @@ class Store:
     def set_node_fingerprint(self, node_id: str, fingerprint: str | None) -> None:
         self._update_node(node_id, "fingerprint = ?", (fingerprint,))
 
+    def set_node_lost(self, node_id: str, lost: bool) -> None:
+        """Mark a node lost (``lost_at`` keeps when it was first found lost) or found again."""
+        if lost:
+            self._update_node(node_id, "lost = 1, lost_at = COALESCE(lost_at, ?)", (self._clock(),))
+        else:
+            self._update_node(node_id, "lost = 0, lost_at = NULL", ())
+
     def set_all_disconnected(self) -> None:
         """Mark every node disconnected (at server start, before any stream exists)."""
         with self._write():
@@ -863,23 +940,135 @@ class Store:
 
     # ------------------------------------------------------------------- models
 
-    def put_model(self, name: str, *, engine: str, params: dict[str, Any], replicas: int) -> Model:
-        """Create a model or replace its engine, params and replica count."""
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-            raise Conflict(
-                f"model {name}: replicas must be a whole number of 0 or more, not {replicas!r}"
-            )
+    def put_model(
+        self,
+        name: str,
+        *,
+        engine: str,
+        params: dict[str, Any],
+        replicas: int,
+        profiles: dict[str, Any] | None = None,
+    ) -> Model:
+        """Create a model or replace its engine, params and replica count, deploying profile
+        ``default``; its profiles become *profiles* (which must have ``default``), or none:
+        then its engine and params are its only profile."""
+        _check_replicas(name, replicas)
         blob = _dump_json(params, f"model {name} params")
+        if profiles is not None:
+            _check_profiles(name, profiles)
+            if DEFAULT_PROFILE not in profiles:
+                raise ValueError(f"model {name}: profiles must include {DEFAULT_PROFILE!r}")
+        kept = _dump_json(profiles or {}, f"model {name} profiles")
         now = self._clock()
         with self._write():
             self._db.execute(
-                "INSERT INTO models(name, engine, params, replicas, created_at, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
-                "engine = excluded.engine, params = excluded.params, "
-                "replicas = excluded.replicas, updated_at = excluded.updated_at",
-                (name, engine, blob, replicas, now, now),
+                "INSERT INTO models(name, engine, params, replicas, created_at, updated_at, "
+                "profiles, profile) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE "
+                "SET engine = excluded.engine, params = excluded.params, "
+                "replicas = excluded.replicas, updated_at = excluded.updated_at, "
+                "profiles = excluded.profiles, profile = excluded.profile",
+                (name, engine, blob, replicas, now, now, kept, DEFAULT_PROFILE),
             )
             return self.get_model(name)
+
+    def put_catalog_model(self, name: str, profiles: dict[str, Any]) -> Model:
+        """Create a model from the catalog with 0 replicas, or replace its profiles keeping
+        its replica count and deployed profile (whose engine and params are refreshed).
+
+        A new model deploys ``default``, else its first profile. Refused with
+        :class:`Conflict` when the change would pull the ground from under running
+        replicas: their profile's engine changes, or their profile is dropped.
+        """
+        _check_profiles(name, profiles)
+        blob = _dump_json(profiles, f"model {name} profiles")
+        now = self._clock()
+        with self._write():
+            row = self._db.execute("SELECT * FROM models WHERE name = ?", (name,)).fetchone()
+            if row is None:
+                deployed = _first_profile(profiles)
+                engine, params = _profile_columns(profiles[deployed])
+                self._db.execute(
+                    "INSERT INTO models(name, engine, params, replicas, created_at, updated_at, "
+                    "profiles, profile) VALUES (?, ?, ?, 0, ?, ?, ?, ?)",
+                    (name, engine, _dump_json(params, "params"), now, now, blob, deployed),
+                )
+                return self.get_model(name)
+            model = Model._from_row(row)
+            running = self._replica_count(name)
+            deployed = model.profile
+            if deployed not in profiles:
+                if running or model.replicas:
+                    raise Conflict(
+                        f"model {name} has profile {deployed} deployed ({model.replicas} "
+                        f"replicas wanted, {running} placed) and the new profiles "
+                        f"({', '.join(sorted(profiles))}) drop it; keep profile {deployed}, "
+                        f"or scale {name} to 0 first ('llmgw ctl deploy {name} --replicas 0')"
+                    )
+                deployed = _first_profile(profiles)
+            engine, params = _profile_columns(profiles[deployed])
+            if running and engine != model.engine:
+                raise Conflict(
+                    f"model {name} runs {running} replica(s) of profile {deployed} with engine "
+                    f"{model.engine}, and the new profile {deployed} has engine {engine}; "
+                    f"'llmgw ctl undeploy {name}' (or scale it to 0) first, or give engine "
+                    f"{engine} another profile"
+                )
+            self._db.execute(
+                "UPDATE models SET profiles = ?, profile = ?, engine = ?, params = ?, "
+                "updated_at = ? WHERE name = ?",
+                (blob, deployed, engine, _dump_json(params, "params"), now, name),
+            )
+            return self.get_model(name)
+
+    def deploy_model(self, name: str, *, profile: str, replicas: int) -> Model:
+        """Deploy *profile* of a model with *replicas* replicas: its engine and params become
+        the profile's. :class:`NotFound` names the profiles there are; switching profiles
+        while replicas of another one are placed is a :class:`Conflict`."""
+        _check_replicas(name, replicas)
+        with self._write():
+            model = self.get_model(name)
+            if not model.profiles:
+                if profile != DEFAULT_PROFILE:
+                    raise NotFound(
+                        f"model {name} has no profile {profile}: it was deployed without the "
+                        f"catalog, with engine {model.engine} as its only profile "
+                        f"({DEFAULT_PROFILE}); add it to the catalog with "
+                        "'llmgw ctl models apply -f catalog.yaml'"
+                    )
+                engine, params = model.engine, model.params
+            elif profile not in model.profiles:
+                raise NotFound(
+                    f"model {name} has no profile {profile}; its profiles: "
+                    f"{', '.join(sorted(model.profiles))}"
+                )
+            else:
+                engine, params = _profile_columns(model.profiles[profile])
+            if profile != model.profile:
+                running = self._replica_count(name)
+                if running:
+                    raise Conflict(
+                        f"model {name} runs {running} replica(s) of profile {model.profile}; "
+                        f"to deploy profile {profile}, scale it to 0 first "
+                        f"('llmgw ctl deploy {name} --replicas 0'), then deploy "
+                        f"--profile {profile}"
+                    )
+            self._db.execute(
+                "UPDATE models SET profile = ?, engine = ?, params = ?, replicas = ?, "
+                "updated_at = ? WHERE name = ?",
+                (
+                    profile,
+                    engine,
+                    _dump_json(params, "params"),
+                    replicas,
+                    self._clock(),
+                    name,
+                ),
+            )
+            return self.get_model(name)
+
+    def _replica_count(self, model: str) -> int:
+        row = self._db.execute("SELECT count(*) FROM replicas WHERE model = ?", (model,)).fetchone()
+        return int(row[0])
 
     def get_model(self, name: str) -> Model:
         row = self._one("SELECT * FROM models WHERE name = ?", (name,))
@@ -998,7 +1187,8 @@ class Store:
         return [Shard._from_row(r) for r in self._all(sql, tuple(params))]
 
     def update_shard(self, shard_id: str, **fields: Any) -> Shard:
-        """Set any of state, port, pid, exit_code, reason, restarts, op_id; return the row."""
+        """Set any of state, port, pid, exit_code, reason, restarts, op_id, gpus (a list of
+        GPU uuids), dist_init_addr; return the row."""
         unknown = set(fields) - SHARD_FIELDS
         if unknown:
             raise ValueError(
@@ -1007,6 +1197,15 @@ class Store:
             )
         if "state" in fields:
             _check_state(fields["state"], SHARD_STATES, "shard")
+        if "gpus" in fields:
+            gpus = fields["gpus"]
+            if not isinstance(gpus, list | tuple) or not all(isinstance(g, str) for g in gpus):
+                raise ValueError(f"shard gpus must be a list of GPU uuids, not {gpus!r}")
+            fields["gpus"] = json.dumps(list(gpus))
+        if "dist_init_addr" in fields and not isinstance(fields["dist_init_addr"], str):
+            raise ValueError(
+                f"shard dist_init_addr must be a host:port string, not {fields['dist_init_addr']!r}"
+            )
         names = sorted(fields)
         assignments = "".join(f"{name} = ?, " for name in names)
         with self._write():

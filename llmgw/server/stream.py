@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from cryptography import x509
@@ -61,6 +61,13 @@ class NodeSession:
         rank: int,
         params: dict[str, str],
         extra_args: list[str],
+        gpus: list[str] | None = None,
+        nodes: int = 1,
+        dist_init_addr: str = "",
+        source: str = "",
+        gpu_memory_mib: int = 0,
+        sidecars: list[dict[str, Any]] | None = None,
+        profile: str = "",
     ) -> str:
         meta = self._meta()
         self.queue.put_nowait(
@@ -74,6 +81,13 @@ class NodeSession:
                     rank=rank,
                     params=params,
                     extra_args=extra_args,
+                    gpus=gpus or [],
+                    nodes=nodes,
+                    dist_init_addr=dist_init_addr,
+                    source=source,
+                    gpu_memory_mib=gpu_memory_mib,
+                    sidecars=[pb.Sidecar(**sc) for sc in sidecars or []],
+                    profile=profile,
                 )
             )
         )

@@ -166,7 +166,17 @@ def test_client_disconnect_cancels_the_upstream_request(fleet: Fleet) -> None:
 
 def test_no_ready_replica_is_503_with_retry_after_and_the_reason(fleet: Fleet) -> None:
     server = fleet.server
-    server.api("POST", "/api/models", {"name": "big", "engine": "vllm", "replicas": 1})
+    server.api(
+        "POST",
+        "/api/models",
+        {
+            "name": "big",
+            "engine": "vllm",
+            "source": "/srv/llmgw/models/big",
+            "gpus": 1,
+            "replicas": 1,
+        },
+    )
     try:
         req = urllib.request.Request(
             server.url + "/v1/chat/completions",
@@ -188,8 +198,8 @@ def test_no_ready_replica_is_503_with_retry_after_and_the_reason(fleet: Fleet) -
             what="unplaceable reason",
         )
         assert (
-            "gpu-a: engine vllm not available" in problem
-            and "gpu-b: engine vllm not available" in problem
+            "gpu-a: engine vllm not offered (installed: sim)" in problem
+            and "gpu-b: engine vllm not offered (installed: sim)" in problem
         )
         assert models["big"]["ready"] == 0
     finally:

@@ -291,7 +291,8 @@ def test_agent_offers_llamacpp_and_the_gateway_serves_it(
             "name": MODEL,
             "engine": "llamacpp",
             "replicas": 1,
-            "params": {"model_path": str(model), **PARAMS},
+            "source": str(model),
+            "params": PARAMS,
         },
     )
     wait_for(

@@ -617,3 +617,224 @@ def test_integrity_error_becomes_conflict(store: Store) -> None:
             )
     assert isinstance(info.value.__cause__, sqlite3.IntegrityError)
     assert [k.id for k in store.list_api_keys()] == [key.id]
+
+
+# ------------------------------------------------ migration 3: catalog, GPUs, lost nodes
+
+
+def _v2_database(path: Path) -> None:
+    """A state database as llmgw with two migrations left it, with a node, a model, a
+    replica, a shard, a key and a join token in it."""
+    from llmgw.server.store import _split_sql
+
+    conn = sqlite3.connect(path, isolation_level=None)
+    for script in MIGRATIONS[:2]:
+        for statement in _split_sql(script):
+            conn.execute(statement)
+    conn.execute("PRAGMA user_version=2")
+    conn.execute(
+        "INSERT INTO nodes(id, uid, state, inventory, created_at) "
+        "VALUES ('gpu1', 'u1', 'approved', '{\"cpus\": 8}', 1.0)"
+    )
+    conn.execute(
+        "INSERT INTO models(name, engine, params, replicas, created_at, updated_at) "
+        "VALUES ('m', 'sim', '{\"ttft_ms\": 5}', 2, 1.0, 2.0)"
+    )
+    conn.execute(
+        "INSERT INTO replicas(id, model, state, created_at, updated_at) "
+        "VALUES ('m-abc', 'm', 'ready', 1.0, 1.0)"
+    )
+    conn.execute(
+        "INSERT INTO shards(id, replica_id, node_id, rank, state, port, updated_at) "
+        "VALUES ('m-abc-s0', 'm-abc', 'gpu1', 0, 'ready', 8001, 1.0)"
+    )
+    conn.execute(
+        "INSERT INTO api_keys(id, name, prefix, hash, created_at) "
+        "VALUES ('k1', 'ci', 'sk-llmgw-abc', 'h', 1.0)"
+    )
+    conn.execute(
+        "INSERT INTO join_tokens(id, hash, prefix, node_id, kind, created_at, expires_at) "
+        "VALUES ('t1', 'th', 'llmgwjt_abc', 'gpu2', 'join', 1.0, 99.0)"
+    )
+    conn.close()
+
+
+def test_migration_3_upgrades_a_v2_database_and_keeps_its_data(db_path: Path) -> None:
+    assert len(MIGRATIONS) == 3
+    _v2_database(db_path)
+    with Store.open(db_path) as s:
+        assert s.schema_version() == 3
+        node = s.get_node("gpu1")
+        assert (node.state, node.inventory, node.lost, node.lost_at) == (
+            "approved",
+            {"cpus": 8},
+            False,
+            None,
+        )
+        assert s.get_model("m") == Model("m", "sim", {"ttft_ms": 5}, 2, 1.0, 2.0, {}, "default")
+        assert [r.id for r in s.list_replicas("m")] == ["m-abc"]
+        shard = s.get_shard("m-abc-s0")
+        assert (shard.state, shard.port, shard.gpus, shard.dist_init_addr) == (
+            "ready",
+            8001,
+            (),
+            "",
+        )
+        assert [k.id for k in s.list_api_keys()] == ["k1"]
+        assert s.get_join_token("t1").node_id == "gpu2"
+        # A model from before the catalog keeps deploying: its engine is its default.
+        scaled = s.deploy_model("m", profile="default", replicas=3)
+        assert (scaled.engine, scaled.params, scaled.replicas) == ("sim", {"ttft_ms": 5}, 3)
+        with pytest.raises(NotFound, match="deployed without the catalog, with engine sim"):
+            s.deploy_model("m", profile="tp2", replicas=1)
+
+
+SIM_A = {"engine": "sim", "gpus": 0, "nodes": 1, "params": {"ttft_ms": "5"}, "args": []}
+SIM_B = {"engine": "sim", "gpus": 0, "nodes": 1, "params": {"tps": "10"}, "args": ["--x"]}
+VLLM = {"engine": "vllm", "source": "/srv/m", "gpus": 2, "nodes": 1, "args": [], "params": {}}
+
+
+def test_put_catalog_model_creates_with_no_replicas(store: Store, clock: Clock) -> None:
+    m = store.put_catalog_model("m", {"fast": SIM_B, "default": SIM_A})
+    assert m == Model(
+        "m",
+        "sim",
+        {"ttft_ms": "5"},
+        0,
+        1000.0,
+        1000.0,
+        {"fast": SIM_B, "default": SIM_A},
+        "default",
+    )
+    # Without a default profile, the first one is deployed.
+    other = store.put_catalog_model("o", {"big": VLLM, "small": SIM_A})
+    assert (other.profile, other.engine, other.params) == ("big", "vllm", {})
+
+
+def test_put_catalog_model_keeps_replicas_and_profile(store: Store, clock: Clock) -> None:
+    store.put_catalog_model("m", {"default": SIM_A, "fast": SIM_B})
+    store.deploy_model("m", profile="fast", replicas=2)
+    clock.advance(5)
+    changed = {**SIM_B, "params": {"tps": "20"}}
+    m = store.put_catalog_model("m", {"default": SIM_A, "fast": changed, "big": VLLM})
+    assert (m.replicas, m.profile, m.engine) == (2, "fast", "sim")
+    assert m.params == {"tps": "20", "extra_args": ["--x"]}
+    assert (m.created_at, m.updated_at) == (1000.0, 1005.0)
+    assert set(m.profiles) == {"default", "fast", "big"}
+
+
+def test_put_catalog_model_refuses_an_engine_change_under_running_replicas(store: Store) -> None:
+    store.put_catalog_model("m", {"default": SIM_A})
+    store.deploy_model("m", profile="default", replicas=1)
+    # Desired but not yet placed: the engine may change.
+    assert store.put_catalog_model("m", {"default": VLLM}).engine == "vllm"
+    store.put_catalog_model("m", {"default": SIM_A})
+    store.add_replica("m")
+    with pytest.raises(Conflict) as info:
+        store.put_catalog_model("m", {"default": VLLM})
+    assert str(info.value) == (
+        "model m runs 1 replica(s) of profile default with engine sim, and the new profile "
+        "default has engine vllm; 'llmgw ctl undeploy m' (or scale it to 0) first, or give "
+        "engine vllm another profile"
+    )
+    assert store.get_model("m").profiles == {"default": SIM_A}
+    # Another profile may use another engine.
+    assert store.put_catalog_model("m", {"default": SIM_A, "big": VLLM}).engine == "sim"
+
+
+def test_put_catalog_model_refuses_dropping_the_deployed_profile(store: Store) -> None:
+    store.put_catalog_model("m", {"default": SIM_A, "fast": SIM_B})
+    store.deploy_model("m", profile="fast", replicas=1)
+    with pytest.raises(Conflict, match="drop it; keep profile fast, or scale m to 0 first"):
+        store.put_catalog_model("m", {"default": SIM_A})
+    store.deploy_model("m", profile="fast", replicas=0)
+    m = store.put_catalog_model("m", {"big": VLLM, "default": SIM_A})
+    assert (m.profile, m.engine) == ("default", "sim")
+
+
+def test_put_catalog_model_checks_its_arguments(store: Store) -> None:
+    with pytest.raises(ValueError, match="non-empty mapping"):
+        store.put_catalog_model("m", {})
+    with pytest.raises(ValueError, match="with an engine"):
+        store.put_catalog_model("m", {"default": {"gpus": 1}})
+    assert store.list_models() == []
+
+
+def test_deploy_model(store: Store, clock: Clock) -> None:
+    store.put_catalog_model("m", {"default": SIM_A, "fast": SIM_B})
+    clock.advance(1)
+    m = store.deploy_model("m", profile="fast", replicas=3)
+    assert (m.profile, m.engine, m.replicas, m.updated_at) == ("fast", "sim", 3, 1001.0)
+    assert m.params == {"tps": "10", "extra_args": ["--x"]}
+    with pytest.raises(NotFound) as info:
+        store.deploy_model("m", profile="huge", replicas=1)
+    assert str(info.value) == "model m has no profile huge; its profiles: default, fast"
+    with pytest.raises(NotFound, match="no model named ghost"):
+        store.deploy_model("ghost", profile="default", replicas=1)
+    with pytest.raises(Conflict, match="replicas must be a whole number"):
+        store.deploy_model("m", profile="fast", replicas=-1)
+    assert store.get_model("m") == m
+
+
+def test_deploy_model_refuses_a_profile_switch_under_running_replicas(store: Store) -> None:
+    store.put_catalog_model("m", {"default": SIM_A, "fast": SIM_B})
+    store.deploy_model("m", profile="default", replicas=1)
+    store.add_replica("m")
+    with pytest.raises(Conflict) as info:
+        store.deploy_model("m", profile="fast", replicas=1)
+    assert str(info.value) == (
+        "model m runs 1 replica(s) of profile default; to deploy profile fast, scale it to 0 "
+        "first ('llmgw ctl deploy m --replicas 0'), then deploy --profile fast"
+    )
+    # Scaling the deployed profile is fine.
+    assert store.deploy_model("m", profile="default", replicas=4).replicas == 4
+
+
+def test_put_model_with_and_without_profiles(store: Store) -> None:
+    m = store.put_model(
+        "m", engine="sim", params={"ttft_ms": 5}, replicas=1, profiles={"default": SIM_A}
+    )
+    assert (m.profiles, m.profile) == ({"default": SIM_A}, "default")
+    # Replaced without profiles, it is a model outside the catalog again.
+    assert store.put_model("m", engine="sim", params={}, replicas=1).profiles == {}
+    with pytest.raises(ValueError, match="must include 'default'"):
+        store.put_model("m", engine="sim", params={}, replicas=1, profiles={"fast": SIM_B})
+
+
+def test_update_shard_gpus_and_dist_init_addr(store: Store) -> None:
+    _, (s0, _) = _replica_with_shards(store)
+    got = store.update_shard(s0.id, gpus=["GPU-a", "GPU-b"], dist_init_addr="10.0.0.1:29500")
+    assert (got.gpus, got.dist_init_addr) == (("GPU-a", "GPU-b"), "10.0.0.1:29500")
+    assert store.update_shard(s0.id, gpus=()).gpus == ()
+    with pytest.raises(ValueError, match="list of GPU uuids"):
+        store.update_shard(s0.id, gpus="GPU-a")
+    with pytest.raises(ValueError, match="list of GPU uuids"):
+        store.update_shard(s0.id, gpus=[0, 1])
+    with pytest.raises(ValueError, match="host:port string"):
+        store.update_shard(s0.id, dist_init_addr=None)
+    assert store.get_shard(s0.id).dist_init_addr == "10.0.0.1:29500"
+
+
+def test_set_node_lost(store: Store, clock: Clock) -> None:
+    _node(store)
+    store.set_node_lost("gpu1", True)
+    node = store.get_node("gpu1")
+    assert (node.lost, node.lost_at) == (True, 1000.0)
+    clock.advance(10)
+    store.set_node_lost("gpu1", True)  # still lost since it was first found lost
+    assert store.get_node("gpu1").lost_at == 1000.0
+    store.set_node_lost("gpu1", False)
+    node = store.get_node("gpu1")
+    assert (node.lost, node.lost_at) == (False, None)
+    with pytest.raises(NotFound, match="no node named ghost"):
+        store.set_node_lost("ghost", True)
+
+
+def test_catalog_changes_roll_back_together(store: Store) -> None:
+    store.put_catalog_model("a", {"default": SIM_A})
+    store.deploy_model("a", profile="default", replicas=1)
+    store.add_replica("a")
+    with pytest.raises(Conflict), store.transaction():
+        store.put_catalog_model("b", {"default": SIM_B})
+        store.put_catalog_model("a", {"default": VLLM})
+    assert [m.name for m in store.list_models()] == ["a"]

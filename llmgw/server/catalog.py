@@ -1,0 +1,530 @@
+"""The model catalog (``catalog.yaml``): each model's named profiles, parsed and checked into
+typed objects before anything is stored.
+
+A profile says how to run a model: engine, weights path on the node (``source``), GPUs per
+shard, shards per replica (``nodes``), memory per GPU, extra engine arguments and
+parameters, placement, and sidecars started before the engine (a model's sidecars go to
+each of its profiles; a profile's own sidecar of the same name replaces it). Every error is a
+:class:`~llmgw.errors.ConfigError` naming the file and the dotted key, which holds the model
+and the profile: ``catalog.yaml: models.llama-3-8b.profiles.big.nodes: ...``.
+
+The same parser checks the file in ``llmgw ctl models apply`` and the body of
+``PUT /api/catalog`` on the control plane.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+from llmgw.config_util import (
+    Checker,
+    index_key,
+    join_key,
+    load_yaml,
+    type_name,
+    unknown_key_message,
+)
+from llmgw.engines.base import engine_names
+from llmgw.engines.launch import check_params
+from llmgw.errors import ConfigError, EngineError
+from llmgw.server.store import DEFAULT_PROFILE
+
+__all__ = [
+    "DEFAULT_PROFILE",
+    "MODEL_NAME",
+    "MULTI_NODE_ENGINES",
+    "PLACEMENTS",
+    "Catalog",
+    "ModelSpec",
+    "Profile",
+    "Sidecar",
+    "adhoc_profile",
+    "load_catalog",
+    "parse_catalog",
+    "parse_duration",
+    "parse_memory_mib",
+    "parse_profile",
+]
+
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+"""Model names, as the admin API and the gateway's ``model`` field take them."""
+
+_PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_PARAM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+MULTI_NODE_ENGINES: frozenset[str] = frozenset({"vllm", "sglang", "llamacpp", "sim"})
+"""Engines with a form that spreads one replica over several nodes."""
+
+PLACEMENTS: tuple[str, ...] = ("binpack", "spread")
+
+_TOP_KEYS = ("models",)
+_MODEL_KEYS = ("profiles", "sidecars")
+_PROFILE_KEYS = (
+    "engine",
+    "source",
+    "gpus",
+    "nodes",
+    "gpu_memory",
+    "args",
+    "params",
+    "placement",
+    "sidecars",
+)
+_SIDECAR_KEYS = ("name", "command", "health", "timeout", "ready_after")
+
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_MEMORY = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)")
+_MEMORY_UNITS = {"mib": 1, "gib": 1024, "tib": 1024 * 1024}
+_DECIMAL_UNITS = {"m": "MiB", "mb": "MiB", "g": "GiB", "gb": "GiB", "t": "TiB", "tb": "TiB"}
+
+
+# --- the parsed catalog --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """A helper process started on the node before the engine, and stopped after it."""
+
+    name: str
+    command: tuple[str, ...]
+    health: str | None = None
+    timeout_s: float = 60.0
+    ready_after_s: float = 2.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "command": list(self.command)}
+        if self.health is not None:
+            out["health"] = self.health
+        out["timeout"] = self.timeout_s
+        out["ready_after"] = self.ready_after_s
+        return out
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One way to run a model. ``gpus`` and ``gpu_memory_mib`` are per shard and per GPU;
+    a replica has ``nodes`` shards, one per node."""
+
+    engine: str
+    source: str | None = None
+    gpus: int = 0
+    nodes: int = 1
+    gpu_memory_mib: int | None = None
+    args: tuple[str, ...] = ()
+    params: dict[str, str] = field(default_factory=dict)
+    placement: str = "binpack"
+    sidecars: tuple[Sidecar, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, in the catalog's own form: parsing it again gives this profile."""
+        out: dict[str, Any] = {"engine": self.engine}
+        if self.source is not None:
+            out["source"] = self.source
+        out["gpus"] = self.gpus
+        out["nodes"] = self.nodes
+        if self.gpu_memory_mib is not None:
+            out["gpu_memory"] = self.gpu_memory_mib
+        out["args"] = list(self.args)
+        out["params"] = dict(self.params)
+        out["placement"] = self.placement
+        out["sidecars"] = [s.to_dict() for s in self.sidecars]
+        return out
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    profiles: dict[str, Profile]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Model-level sidecars are already folded into each profile."""
+        return {"profiles": {name: p.to_dict() for name, p in self.profiles.items()}}
+
+
+@dataclass(frozen=True)
+class Catalog:
+    models: dict[str, ModelSpec]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"models": {name: m.to_dict() for name, m in self.models.items()}}
+
+
+def adhoc_profile(engine: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """The single ``default`` profile (as stored) of a model deployed without the catalog,
+    from its engine and ``params`` (where ``extra_args`` is the list of extra arguments)."""
+    extra = params.get("extra_args", [])
+    return Profile(
+        engine=engine,
+        args=tuple(str(a) for a in extra) if isinstance(extra, list | tuple) else (),
+        params={k: str(v) for k, v in params.items() if k != "extra_args"},
+    ).to_dict()
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def load_catalog(path: Path) -> Catalog:
+    """Read and check a catalog file; every problem is a ConfigError naming it."""
+    data = load_yaml(
+        path, missing_hint="give the path of the catalog file (models and their profiles)"
+    )
+    return parse_catalog(data, source=str(path))
+
+
+def parse_catalog(data: object, *, source: str) -> Catalog:
+    """Check parsed catalog data (from YAML or JSON); ``source`` names it in errors."""
+    check = Checker(file=source, base_dir=Path("/"))
+    if data is None:
+        check.fail("", "is empty; a catalog is 'models:' with each model's profiles")
+    top = check.mapping(data, "", accepted=_TOP_KEYS)
+    if "models" not in top:
+        check.fail("models", "is missing: give 'models:', a mapping of model name to profiles")
+    models: dict[str, ModelSpec] = {}
+    for name, value in _named(check, top["models"], "models").items():
+        key = join_key("models", name)
+        if not MODEL_NAME.fullmatch(name):
+            check.fail(
+                key,
+                "is not a valid model name: 1-128 letters, digits and . _ : / -, starting "
+                "with a letter or digit",
+            )
+        models[name] = _model(check, name, value, key)
+    return Catalog(models)
+
+
+def parse_profile(data: object, *, model: str, profile: str, source: str) -> Profile:
+    """Check one profile on its own, as stored (``Model.profiles[name]``) or as in a
+    catalog; errors name ``models.MODEL.profiles.PROFILE.KEY`` and ``source``."""
+    check = Checker(file=source, base_dir=Path("/"))
+    return _profile(check, data, f"models.{model}.profiles.{profile}", ())
+
+
+def _model(check: Checker, name: str, value: object, key: str) -> ModelSpec:
+    raw = check.mapping(value, key, accepted=_MODEL_KEYS)
+    shared: tuple[Sidecar, ...] = ()
+    if raw.get("sidecars") is not None:
+        shared = _sidecars(check, raw["sidecars"], join_key(key, "sidecars"))
+    pkey = join_key(key, "profiles")
+    if "profiles" not in raw:
+        check.fail(pkey, f"is missing: model {name} needs at least one profile, e.g. 'default:'")
+    named = _named(check, raw["profiles"], pkey)
+    if not named:
+        check.fail(pkey, f"is empty: model {name} needs at least one profile, e.g. 'default:'")
+    profiles: dict[str, Profile] = {}
+    for pname, pvalue in named.items():
+        if not _PROFILE_NAME.fullmatch(pname):
+            check.fail(
+                join_key(pkey, pname),
+                "is not a valid profile name: 1-64 letters, digits and . _ -, starting with "
+                "a letter or digit",
+            )
+        profiles[pname] = _profile(check, pvalue, join_key(pkey, pname), shared)
+    return ModelSpec(name, profiles)
+
+
+def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...]) -> Profile:
+    raw = check.mapping(value, key, accepted=_PROFILE_KEYS)
+
+    def at(name: str) -> str:
+        return join_key(key, name)
+
+    if "engine" not in raw:
+        check.fail(at("engine"), f"is missing: choose one of {', '.join(engine_names())}")
+    engine = raw["engine"]
+    if not isinstance(engine, str):
+        check.fail(at("engine"), f"must be a string, got {type_name(engine)}")
+    if engine not in engine_names():
+        check.fail(at("engine"), unknown_key_message(engine, engine_names(), noun="engine"))
+
+    source = None
+    if raw.get("source") is not None:
+        source = _node_path(check, raw["source"], at("source"))
+    elif engine != "sim":
+        check.fail(
+            at("source"),
+            f"is missing: engine {engine} needs the weights' path on the node, e.g. "
+            "/srv/llmgw/models/NAME",
+        )
+
+    if "gpus" in raw:
+        gpus = _whole(check, raw["gpus"], at("gpus"), minimum=0)
+    elif engine == "sim":
+        gpus = 0
+    else:
+        check.fail(
+            at("gpus"),
+            f"is missing: engine {engine} needs the number of GPUs per shard (0 runs it "
+            "without GPUs)",
+        )
+    nodes = 1 if raw.get("nodes") is None else _whole(check, raw["nodes"], at("nodes"), minimum=1)
+    if nodes > 1 and gpus < 1:
+        check.fail(
+            at("nodes"),
+            f"{nodes} nodes need gpus >= 1 (multi-node replicas shard GPUs across nodes)",
+        )
+    if nodes > 1 and engine not in MULTI_NODE_ENGINES:
+        check.fail(
+            at("nodes"),
+            f"engine {engine} has no multi-node form; use nodes: 1 or one of "
+            f"{', '.join(sorted(MULTI_NODE_ENGINES))}",
+        )
+
+    memory = None
+    if raw.get("gpu_memory") is not None:
+        memory = _memory(check, raw["gpu_memory"], at("gpu_memory"))
+        if gpus == 0:
+            check.fail(
+                at("gpu_memory"),
+                "is memory per GPU but gpus is 0; give gpus >= 1 or drop gpu_memory",
+            )
+
+    args: tuple[str, ...] = ()
+    if raw.get("args") is not None:
+        args = _strings(check, raw["args"], at("args"))
+    params: dict[str, str] = {}
+    if raw.get("params") is not None:
+        params = _params(check, raw["params"], at("params"))
+    if "model_path" in params:
+        check.fail(
+            join_key(at("params"), "model_path"),
+            "is the profile's source; give the weights' path there",
+        )
+    try:
+        check_params(engine, params)
+    except EngineError as exc:
+        check.fail(at("params"), exc.message)
+
+    placement = "binpack"
+    if raw.get("placement") is not None:
+        given = raw["placement"]
+        if not isinstance(given, str):
+            check.fail(at("placement"), f"must be a string, got {type_name(given)}")
+        if given not in PLACEMENTS:
+            check.fail(at("placement"), unknown_key_message(given, PLACEMENTS, noun="placement"))
+        placement = given
+
+    sidecars = shared
+    if raw.get("sidecars") is not None:
+        sidecars = _merge(shared, _sidecars(check, raw["sidecars"], at("sidecars")))
+    return Profile(
+        engine=engine,
+        source=source,
+        gpus=gpus,
+        nodes=nodes,
+        gpu_memory_mib=memory,
+        args=args,
+        params=params,
+        placement=placement,
+        sidecars=sidecars,
+    )
+
+
+def _merge(shared: tuple[Sidecar, ...], own: tuple[Sidecar, ...]) -> tuple[Sidecar, ...]:
+    """The model's sidecars, a profile's one of the same name replacing it, then the
+    profile's others."""
+    mine = {s.name: s for s in own}
+    merged = [mine.pop(s.name, s) for s in shared]
+    return (*merged, *(s for s in own if s.name in mine))
+
+
+def _sidecars(check: Checker, value: object, key: str) -> tuple[Sidecar, ...]:
+    out: list[Sidecar] = []
+    seen: dict[str, str] = {}
+    for index, item in enumerate(check.items(value, key)):
+        ikey = index_key(key, index)
+        sidecar = _sidecar(check, item, ikey)
+        if sidecar.name in seen:
+            check.fail(
+                join_key(ikey, "name"),
+                f"sidecar {sidecar.name!r} is listed twice (also {seen[sidecar.name]})",
+            )
+        seen[sidecar.name] = ikey
+        out.append(sidecar)
+    return tuple(out)
+
+
+def _sidecar(check: Checker, value: object, key: str) -> Sidecar:
+    raw = check.mapping(value, key, accepted=_SIDECAR_KEYS)
+
+    def at(name: str) -> str:
+        return join_key(key, name)
+
+    if "name" not in raw:
+        check.fail(at("name"), "is missing: each sidecar needs a name, e.g. tokenizer")
+    name = check.string(raw["name"], at("name"))
+    if not _PROFILE_NAME.fullmatch(name):
+        check.fail(
+            at("name"),
+            f"{name!r} is not a valid sidecar name: 1-64 letters, digits and . _ -, starting "
+            "with a letter or digit",
+        )
+    if "command" not in raw:
+        check.fail(at("command"), "is missing: the program and its arguments, as a list")
+    command = _strings(check, raw["command"], at("command"), non_empty=True)
+    program = command[0]
+    if "/" in program and not program.startswith("/"):
+        check.fail(
+            index_key(at("command"), 0),
+            f"{program!r} is a relative path; give an absolute path on the node, or a bare "
+            "name looked up in PATH",
+        )
+    health = None
+    if raw.get("health") is not None:
+        health = _url(check, raw["health"], at("health"))
+    timeout = 60.0
+    if raw.get("timeout") is not None:
+        timeout = _duration(check, raw["timeout"], at("timeout"))
+        if timeout <= 0:
+            check.fail(at("timeout"), "must be more than 0 s")
+    ready_after = 2.0
+    if raw.get("ready_after") is not None:
+        ready_after = _duration(check, raw["ready_after"], at("ready_after"))
+    return Sidecar(
+        name=name, command=command, health=health, timeout_s=timeout, ready_after_s=ready_after
+    )
+
+
+# --- values --------------------------------------------------------------------------------
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from a number of seconds or a string like '500ms', '2s', '5m', '1h'.
+
+    Raises :class:`ConfigError` without key or file; :func:`parse_catalog` adds them."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.fullmatch(value.strip())):
+        seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    else:
+        raise ConfigError(f"must be seconds or a duration like 500ms, 2s, 5m, 1h; got {value!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigError(f"must be a duration of 0 s or more, got {value!r}")
+    return seconds
+
+
+def parse_memory_mib(value: object) -> int:
+    """MiB from a number of MiB or a string like '40GiB', '40960MiB', '1.5TiB'.
+
+    Raises :class:`ConfigError` without key or file; :func:`parse_catalog` adds them."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        mib: float = value
+    elif isinstance(value, str) and (m := _MEMORY.fullmatch(value.strip())):
+        unit = m.group(2).lower()
+        if unit in _DECIMAL_UNITS:
+            raise ConfigError(
+                f"{value!r}: {m.group(2)} is ambiguous; use binary units, e.g. "
+                f"{m.group(1)}{_DECIMAL_UNITS[unit]}"
+            )
+        if unit not in _MEMORY_UNITS:
+            raise ConfigError(f"{value!r}: unknown unit {m.group(2)!r}; use MiB, GiB or TiB")
+        mib = float(m.group(1)) * _MEMORY_UNITS[unit]
+    else:
+        raise ConfigError(
+            f"must be memory like 40GiB or 40960MiB, or a whole number of MiB; got {value!r}"
+        )
+    if mib != int(mib):
+        raise ConfigError(f"{value!r} is not a whole number of MiB")
+    if mib < 1:
+        raise ConfigError(f"must be at least 1 MiB, got {value!r}")
+    return int(mib)
+
+
+def _named(check: Checker, value: object, key: str) -> dict[str, object]:
+    """A mapping whose keys are names the caller checks."""
+    if not isinstance(value, Mapping):
+        check.fail(key, f"must be a mapping of name to settings, got {type_name(value)}")
+    for name in value:
+        if not isinstance(name, str):
+            check.fail(key, f"names must be strings, got {type_name(name)} {name!r}")
+    return dict(value)
+
+
+def _whole(check: Checker, value: object, key: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        check.fail(key, f"must be a whole number, got {type_name(value)} {value!r}")
+    if value < minimum:
+        check.fail(key, f"must be at least {minimum}, got {value}")
+    return value
+
+
+def _strings(
+    check: Checker, value: object, key: str, *, non_empty: bool = False
+) -> tuple[str, ...]:
+    """A list of strings; numbers are refused with the quoting that fixes them (YAML would
+    otherwise turn 010 into 8 and 1.10 into 1.1)."""
+    items = check.items(value, key, non_empty=non_empty)
+    for index, item in enumerate(items):
+        _string(check, item, index_key(key, index))
+    return tuple(str(item) for item in items)
+
+
+def _string(check: Checker, value: object, key: str) -> str:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        check.fail(key, f'must be a string; quote the number: "{value}"')
+    if not isinstance(value, str):
+        check.fail(key, f"must be a string, got {type_name(value)}")
+    if not value:
+        check.fail(key, "must not be empty")
+    return value
+
+
+def _params(check: Checker, value: object, key: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, item in _named(check, value, key).items():
+        nkey = join_key(key, name)
+        if name == "extra_args":
+            check.fail(nkey, "is reserved; give extra engine arguments as the profile's args")
+        if not _PARAM_NAME.fullmatch(name):
+            check.fail(nkey, "is not a valid parameter name: letters, digits and _ . -")
+        out[name] = _string(check, item, nkey)
+    return out
+
+
+def _node_path(check: Checker, value: object, key: str) -> str:
+    text = check.string(value, key)
+    if "\0" in text:
+        check.fail(key, "must not contain a NUL character")
+    if not text.startswith("/"):
+        check.fail(
+            key,
+            f"{text!r} is not an absolute path; give the weights' path on the node, e.g. "
+            f"/srv/llmgw/models/{text.strip('./') or 'NAME'}",
+        )
+    return text
+
+
+def _url(check: Checker, value: object, key: str) -> str:
+    text = check.string(value, key)
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        check.fail(key, f"{text!r} is not an http:// or https:// URL with a host")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        check.fail(key, f"{text!r} has an invalid port")
+    return text
+
+
+def _duration(check: Checker, value: object, key: str) -> float:
+    try:
+        return parse_duration(value)
+    except ConfigError as exc:
+        _relay(check, key, exc)
+
+
+def _memory(check: Checker, value: object, key: str) -> int:
+    try:
+        return parse_memory_mib(value)
+    except ConfigError as exc:
+        _relay(check, key, exc)
+
+
+def _relay(check: Checker, key: str, exc: ConfigError) -> NoReturn:
+    check.fail(key, exc.message)
