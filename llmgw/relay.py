@@ -1,17 +1,19 @@
 """Relay an upstream HTTP response to a downstream client, streaming SSE chunk by chunk.
 
-Bodies pass through unchanged (callers read upstreams with ``auto_decompress=False``), so
-``Content-Encoding`` is copied like any other end-to-end header. Used by both hops of a request: the gateway (client -> agent) and the agent's data plane
-(gateway -> engine). Event streams are written as they arrive, never buffered and never
-compressed; other bodies are read whole and sent with a Content-Length.
+Used by both hops of a request: the gateway (client -> agent) and the agent's data plane
+(gateway -> engine). Bodies pass through unchanged (:mod:`llmgw.upstream` never
+decompresses), so ``Content-Encoding`` is copied like any other end-to-end header. Event
+streams are written as they arrive, never buffered and never compressed; other bodies are
+read whole and sent with a Content-Length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import aiohttp
 from aiohttp import web
+
+from llmgw.upstream import UpstreamResponse
 
 __all__ = ["is_event_stream", "relay"]
 
@@ -31,35 +33,46 @@ _HOP_HEADERS = frozenset(
 )
 
 
-def is_event_stream(resp: aiohttp.ClientResponse) -> bool:
+def is_event_stream(resp: UpstreamResponse) -> bool:
     return resp.content_type == "text/event-stream"
 
 
-def _copy_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+def _copy_headers(
+    upstream: UpstreamResponse, replace: dict[str, str] | None = None
+) -> list[tuple[str, str]]:
+    """End-to-end headers of ``upstream`` (repeats kept), with those in ``replace`` set."""
+    if not replace:
+        return [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
+    drop = _HOP_HEADERS.union(k.lower() for k in replace)
+    return [(k, v) for k, v in upstream.headers if k.lower() not in drop] + list(replace.items())
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def relay(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamResponse,
     *,
     on_chunk: Callable[[bytes], None] | None = None,
     extra_headers: dict[str, str] | None = None,
 ) -> web.StreamResponse:
-    """Send ``upstream``'s status, headers and body to ``request``'s client."""
-    headers = _copy_headers(upstream)
-    if extra_headers:
-        headers.update(extra_headers)
-    if not is_event_stream(upstream):
+    """Send ``upstream``'s status, headers and body to ``request``'s client.
+
+    The caller releases ``upstream`` afterwards (its connection goes back to the pool only
+    when the body was read to the end).
+    """
+    if upstream.content_type != "text/event-stream":
         body = await upstream.read()
         if on_chunk is not None:
             on_chunk(body)
-        return web.Response(status=upstream.status, body=body, headers=headers)
-    headers["Cache-Control"] = "no-cache"
-    headers["X-Accel-Buffering"] = "no"
-    resp = web.StreamResponse(status=upstream.status, headers=headers)
+        return web.Response(
+            status=upstream.status, body=body, headers=_copy_headers(upstream, extra_headers)
+        )
+    replace = {**extra_headers, **_SSE_HEADERS} if extra_headers else _SSE_HEADERS
+    resp = web.StreamResponse(status=upstream.status, headers=_copy_headers(upstream, replace))
     await resp.prepare(request)
-    async for chunk in upstream.content.iter_any():
+    async for chunk in upstream.iter_chunks():
         if on_chunk is not None:
             on_chunk(chunk)
         await resp.write(chunk)

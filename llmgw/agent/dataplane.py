@@ -1,8 +1,9 @@
 """The agent's data plane on :9443: mTLS, only the control plane's certificate, relays to engines.
 
 The gateway sends ``/s/<shard-id>/v1/...``; the data plane forwards the body unchanged to
-the shard's engine on 127.0.0.1 and relays the answer back chunk by chunk. A client that
-goes away cancels the engine request (aiohttp handler cancellation closes the upstream).
+the shard's engine on 127.0.0.1 (kept-alive connections from :mod:`llmgw.upstream`) and
+relays the answer back chunk by chunk. A client that goes away cancels the handler, which
+closes its engine connection: that is how the engine learns to stop.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
-import aiohttp
 from aiohttp import web
 
 from llmgw.config_util import parse_hostport
 from llmgw.errors import CertificateError
 from llmgw.pki import CONTROL_PLANE_CN
 from llmgw.relay import relay
+from llmgw.upstream import UpstreamError, UpstreamPool
 
 __all__ = ["DataPlane", "server_ssl_context"]
 
@@ -70,7 +71,7 @@ class DataPlane:
             weakref.WeakKeyDictionary()
         )
         self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._session: UpstreamPool | None = None
         self.bound_port: int = 0
 
     def _app(self) -> web.Application:
@@ -79,11 +80,9 @@ class DataPlane:
         return app
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
-            auto_decompress=False,
-        )
+        # Plain HTTP to engines on 127.0.0.1. Idle connections go after 4 s: engines served by
+        # uvicorn (vLLM) close theirs after 5 s, and closing first avoids the keep-alive race.
+        self._session = UpstreamPool(connect_timeout=5.0, idle_timeout=4.0)
         self._runner = web.AppRunner(
             self._app(),
             handler_cancellation=True,
@@ -161,19 +160,31 @@ class DataPlane:
             return _error(503, f"shard {shard_id} is not ready on this node", "shard_not_ready")
         assert self._session is not None
         body = await request.read()
-        url = f"http://127.0.0.1:{port}/{request.match_info['tail']}"
-        if request.query_string:
-            url += "?" + request.query_string
-        headers = {}
-        if ctype := request.headers.get("Content-Type"):
-            headers["Content-Type"] = ctype
+        # The target as the gateway sent it (still percent-encoded, with its query), less
+        # the /s/<shard> prefix.
+        url = request.rel_url
+        raw = url.raw_path
+        target = raw[raw.index("/", 3) :]
+        if url.raw_query_string:
+            target += "?" + url.raw_query_string
+        ctype = request.headers.get("Content-Type")
         self.inflight += 1
         try:
-            async with self._session.request(
-                request.method, url, data=body, headers=headers
-            ) as upstream:
+            upstream = await self._session.request(
+                request.method,
+                "127.0.0.1",
+                port,
+                target,
+                body=body,
+                headers=(("Content-Type", ctype),) if ctype else (),
+            )
+            try:
                 return await relay(request, upstream)
-        except aiohttp.ClientError as exc:
+            finally:
+                # Closed unless read to the end: a cancelled handler closes the engine's
+                # connection, which is how the engine learns that the client went away.
+                upstream.release()
+        except (UpstreamError, ValueError) as exc:
             return _error(
                 502, f"engine of shard {shard_id} did not answer: {exc}", "engine_unreachable"
             )

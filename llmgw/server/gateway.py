@@ -13,12 +13,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from aiohttp import web
 
+from llmgw.config_util import parse_hostport
+from llmgw.errors import ConfigError
 from llmgw.log import kv
 from llmgw.relay import relay
 from llmgw.server.routing import Endpoint
+from llmgw.upstream import UpstreamConnectError, UpstreamError, UpstreamPool
 
 if TYPE_CHECKING:
     from llmgw.server.app import ControlPlane
@@ -28,6 +30,7 @@ __all__ = ["Gateway", "StreamTokenCounter", "openai_error"]
 log = logging.getLogger("llmgw.server.gateway")
 
 _DECODER = json.JSONDecoder()
+_JSON_HEADERS = (("Content-Type", "application/json"),)
 
 
 def openai_error(
@@ -93,7 +96,8 @@ class StreamTokenCounter:
 class Gateway:
     def __init__(self, cp: ControlPlane) -> None:
         self.cp = cp
-        self._session: aiohttp.ClientSession | None = None
+        self._session: UpstreamPool | None = None
+        self._hostports: dict[str, tuple[str, int]] = {}
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -103,19 +107,25 @@ class Gateway:
         app.router.add_get("/metrics", self.metrics)
 
     @property
-    def session(self) -> aiohttp.ClientSession:
+    def session(self) -> UpstreamPool:
+        """Keep-alive mTLS connections to the agents' data planes (made on first use)."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(
-                    ssl=self.cp.client_ssl_context(),
-                    limit=0,
-                    enable_cleanup_closed=True,
-                    keepalive_timeout=290,
-                ),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
-                auto_decompress=False,
+            self._session = UpstreamPool(
+                ssl=self.cp.client_ssl_context(),
+                connect_timeout=5.0,
+                # Shorter than the data plane keeps idle connections (300 s), so we close first.
+                idle_timeout=290.0,
             )
         return self._session
+
+    def _hostport(self, addr: str) -> tuple[str, int]:
+        hostport = self._hostports.get(addr)
+        if hostport is None:
+            try:
+                hostport = self._hostports[addr] = parse_hostport(addr)
+            except ConfigError as exc:
+                raise UpstreamConnectError(f"data plane address {addr!r}: {exc}") from exc
+        return hostport
 
     async def close(self) -> None:
         if self._session is not None:
@@ -238,15 +248,20 @@ class Gateway:
         counter = StreamTokenCounter() if stream else None
         try:
             try:
-                upstream_cm = self.session.post(
-                    ep.url(path),
-                    data=body,
-                    headers={"Content-Type": "application/json"},
+                host, port = self._hostport(ep.addr)
+                upstream = await self.session.request(
+                    "POST",
+                    host,
+                    port,
+                    f"/s/{ep.shard_id}{path}",
+                    body=body,
+                    headers=_JSON_HEADERS,
                     server_hostname=ep.node_id,
                 )
-                upstream = await upstream_cm.__aenter__()
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
-                raise _ConnectFailed(str(exc)) from exc
+            except UpstreamError as exc:
+                if exc.retryable:  # not a byte of answer: another replica may take it
+                    raise _ConnectFailed(str(exc)) from exc
+                raise
             try:
                 status = upstream.status
                 if counter is not None and upstream.content_type == "text/event-stream":
@@ -259,9 +274,11 @@ class Gateway:
                         request, upstream, on_chunk=lambda b: self._count_body_tokens(ep.model, b)
                     )
             finally:
-                await upstream_cm.__aexit__(None, None, None)
+                # Back to the pool when read to the end, else closed: a cancelled handler
+                # (the client went away) closes the connection, and the agent sees it.
+                upstream.release()
             return resp
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             status = 502
             return openai_error(
                 502,
@@ -302,4 +319,5 @@ class Gateway:
 
 
 class _ConnectFailed(Exception):
-    """The replica could not be reached at all; nothing was sent, another may be tried."""
+    """The replica could not be reached, or went away before answering; another may be
+    tried."""
