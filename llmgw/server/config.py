@@ -40,6 +40,8 @@ _KEYS = (
     "admin_token_file",
     "enroll_listen",
     "cert_lifetime",
+    "bundle_dir",
+    "replica_wait",
 )
 DEFAULT_ENROLL_PORT = 8443
 DEFAULT_CERT_LIFETIME = 30 * 86400.0
@@ -60,6 +62,11 @@ class ServerConfig:
     admin_token_file: Path
     enroll_listen: str = f"0.0.0.0:{DEFAULT_ENROLL_PORT}"
     cert_lifetime: float = DEFAULT_CERT_LIFETIME  # seconds a node certificate is valid
+    # The agent bundles served at /agent/bundles (llmgw-agent-*-linux-<arch>.tar.gz).
+    bundle_dir: Path = DEFAULT_STATE_DIR / "bundles"
+    # How long the gateway waits for a ready replica (say, while the only one's agent
+    # restarts) before answering 503.
+    replica_wait: float = 10.0
     source: Path | None = None
 
 
@@ -137,6 +144,12 @@ def _parse(
         if cert_lifetime < MIN_CERT_LIFETIME:
             check.fail("cert_lifetime", f"must be at least {MIN_CERT_LIFETIME:g}s")
 
+    replica_wait = 10.0
+    if top.get("replica_wait") is not None:
+        replica_wait = _duration(check, top["replica_wait"], "replica_wait")
+        if not 0 <= replica_wait <= 600:
+            check.fail("replica_wait", "must be between 0 and 600 seconds")
+
     heartbeat = DEFAULT_HEARTBEAT_INTERVAL
     if top.get("heartbeat_interval") is not None:
         heartbeat = check.number(
@@ -167,6 +180,8 @@ def _parse(
         admin_token_file=path("admin_token_file", state_dir / "admin.token"),
         enroll_listen=format_hostport(enroll_host, enroll_port),
         cert_lifetime=cert_lifetime,
+        bundle_dir=path("bundle_dir", state_dir / "bundles"),
+        replica_wait=replica_wait,
         source=source,
     )
 

@@ -202,6 +202,10 @@ class Gateway:
         tried: set[str] = set()
         while True:
             ep = self.cp.router.pick(model, exclude=frozenset(tried))
+            if ep is None and not tried:
+                # No ready replica now (its agent may be restarting, a drain may be moving it):
+                # wait a while for one rather than failing at once.
+                ep = await self.cp.router.wait_ready(model, self.cp.cfg.replica_wait)
             if ep is None:
                 if tried:
                     return openai_error(

@@ -6,6 +6,7 @@ fail, stop or lose their node, so the request path never touches the state store
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 __all__ = ["Endpoint", "Router"]
@@ -31,6 +32,7 @@ class Router:
         self._by_model: dict[str, list[Endpoint]] = {}
         self._by_shard: dict[str, Endpoint] = {}
         self._tiebreak: dict[str, int] = {}
+        self._waiters: dict[str, list[asyncio.Future[None]]] = {}
 
     def set_ready(self, ep: Endpoint) -> None:
         old = self._by_shard.get(ep.shard_id)
@@ -40,6 +42,9 @@ class Router:
             self.remove_shard(ep.shard_id)
         self._by_shard[ep.shard_id] = ep
         self._by_model.setdefault(ep.model, []).append(ep)
+        for waiter in self._waiters.pop(ep.model, []):
+            if not waiter.done():
+                waiter.set_result(None)
 
     def remove_shard(self, shard_id: str) -> None:
         ep = self._by_shard.pop(shard_id, None)
@@ -78,6 +83,23 @@ class Router:
             self._tiebreak[model] = turn + 1
             best = ties[turn % len(ties)]
         return best
+
+    async def wait_ready(self, model: str, timeout: float) -> Endpoint | None:
+        """The least busy ready replica of ``model``, waiting up to ``timeout`` for one."""
+        ep = self.pick(model)
+        if ep is not None or timeout <= 0:
+            return ep
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(model, []).append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            return None
+        finally:
+            waiters = self._waiters.get(model, [])
+            if waiter in waiters:
+                waiters.remove(waiter)
+        return self.pick(model)
 
     def models(self) -> list[str]:
         return sorted(self._by_model)

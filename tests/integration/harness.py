@@ -137,6 +137,7 @@ def start_server(tmp: Path, *, heartbeat: float = 1.0) -> Server:
                 "heartbeat_interval": heartbeat,
                 # Long enough that an agent restart is not a loss; loss tests shorten it.
                 "loss_timeout": max(10.0, heartbeat * 3),
+                "replica_wait": 2,
             }
         )
     )
@@ -264,6 +265,7 @@ def start_server_with(tmp: Path, *, heartbeat: float = 1.0, **extra: Any) -> Ser
                 "enroll_listen": "127.0.0.1:0",
                 "heartbeat_interval": heartbeat,
                 "loss_timeout": max(10.0, heartbeat * 3),
+                "replica_wait": 2,
                 **extra,
             }
         )

@@ -265,3 +265,47 @@ def test_engine_install_good_and_tampered(pair: Pair, tmp_path: Path) -> None:
     finally:
         httpd.shutdown()
     time.sleep(0)
+
+
+def test_gateway_waits_for_the_only_replica_while_its_agent_restarts(tmp_path: Path) -> None:
+    from tests.integration.harness import start_server_with
+
+    server = start_server_with(tmp_path, replica_wait=30)
+    agent = start_agent(make_agent(tmp_path, server, "solo", extra={"stop_shards_on_exit": False}))
+    try:
+        wait_for(lambda: any(n["connected"] for n in server.nodes()), what="agent")
+        server.approve_pending(1)
+        server.api("POST", "/api/models", {"name": "one", "engine": "sim", "replicas": 1})
+        wait_for(lambda: [r["routable"] for r in server.replicas("one")] == [True], what="routable")
+        client = openai.OpenAI(
+            base_url=server.url + "/v1", api_key=server.api_key(), max_retries=0, timeout=60
+        )
+        assert agent.proc is not None
+        stop_process(agent.proc, signal.SIGTERM)
+        # Nothing is routable now; the request waits instead of failing with 503.
+        assert [r["routable"] for r in server.replicas("one")] == [False]
+        result: dict[str, object] = {}
+
+        def ask() -> None:
+            try:
+                out = client.chat.completions.create(
+                    model="one", messages=[{"role": "user", "content": "x"}]
+                )
+                result["text"] = out.choices[0].message.content
+            except Exception as exc:
+                result["error"] = repr(exc)
+
+        thread = threading.Thread(target=ask)
+        thread.start()
+        time.sleep(1.0)
+        start_agent(agent)
+        thread.join(timeout=60)
+        assert "error" not in result, result
+        assert result.get("text")
+    finally:
+        if agent.proc is not None:
+            stop_process(agent.proc)
+        for rec in agent.shard_records().values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rec["pid"], signal.SIGKILL)
+        stop_process(server.proc)

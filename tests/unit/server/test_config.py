@@ -103,6 +103,7 @@ def test_full_file(tmp_path: Path) -> None:
         heartbeat_interval=2.0,
         loss_timeout=4.5,
         admin_token_file=Path("/etc/llmgw/admin.token"),
+        bundle_dir=Path("/srv/llmgw-cp/bundles"),
         source=path,
     )
 
@@ -114,6 +115,20 @@ def test_relative_paths_and_token_default(tmp_path: Path) -> None:
     assert config.admin_token_file == tmp_path / "state" / "admin.token"
     config = load_server_config(write(tmp_path, "admin_token_file: secrets/token\n"))
     assert config.admin_token_file == tmp_path / "secrets/token"
+
+
+def test_bundle_dir_defaults_under_state_dir_and_resolves_relative(tmp_path: Path) -> None:
+    assert DEFAULTS.bundle_dir == Path("/var/lib/llmgw/bundles")
+    assert load_server_config(None).bundle_dir == Path("/var/lib/llmgw/bundles")
+    config = load_server_config(write(tmp_path, "state_dir: state\n"))
+    assert config.bundle_dir == tmp_path / "state" / "bundles"
+    config = load_server_config(write(tmp_path, "bundle_dir: dist\n"))
+    assert config.bundle_dir == tmp_path / "dist"
+    assert config.state_dir == Path("/var/lib/llmgw")
+    with pytest.raises(ConfigError) as info:
+        load_server_config(write(tmp_path, "bundle_dir: [a]\n"))
+    assert info.value.key == "bundle_dir"
+    assert "must be a path" in str(info.value)
 
 
 def test_overrides(tmp_path: Path) -> None:
@@ -164,3 +179,16 @@ def test_frozen_and_default_path() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULTS.loss_timeout = 1.0  # type: ignore[misc]
     assert Path("/etc/llmgw/server.yaml") == DEFAULT_SERVER_CONFIG
+
+
+def test_replica_wait_accepts_durations_and_refuses_out_of_range(tmp_path: Path) -> None:
+    from llmgw.errors import ConfigError
+    from llmgw.server.config import load_server_config
+
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("replica_wait: 30s\n")
+    assert load_server_config(cfg).replica_wait == 30.0
+    cfg.write_text("replica_wait: 2h\n")
+    with pytest.raises(ConfigError) as info:
+        load_server_config(cfg)
+    assert f"{cfg}: replica_wait: must be between 0 and 600 seconds" in str(info.value)

@@ -227,3 +227,24 @@ def test_pick_never_returns_removed_and_is_least_loaded(steps: list[tuple]) -> N
             assert {id(e) for e in router.endpoints(model)} == {
                 id(e) for e in live.values() if e.model == model
             }
+
+
+def test_wait_ready_returns_a_replica_that_becomes_ready_in_time() -> None:
+    import asyncio
+
+    from llmgw.server.routing import Endpoint, Router
+
+    async def main() -> tuple[Endpoint | None, Endpoint | None]:
+        router = Router()
+        late = Endpoint(
+            model="m", replica_id="r1", shard_id="r1-s0", node_id="n1", addr="127.0.0.1:1"
+        )
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, router.set_ready, late)
+        got = await router.wait_ready("m", timeout=5)
+        none = await router.wait_ready("other", timeout=0.05)
+        return got, none
+
+    got, none = asyncio.run(main())
+    assert got is not None and got.shard_id == "r1-s0"
+    assert none is None
