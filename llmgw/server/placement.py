@@ -60,6 +60,8 @@ class NodeView:
     gpus: tuple[GpuView, ...]
     fabrics: tuple[str, ...]  # healthy fabrics only; () when the node is on none
     mgmt_addr: str = ""
+    # The node's approval state as operators see it (pending, revoked), for reasons.
+    state: str = ""
 
 
 @dataclass(frozen=True)
@@ -406,7 +408,11 @@ class Cluster:
     def _why_not(self, node: _Node, profile: Profile, memory: int, avoid: frozenset[str]) -> str:
         view = node.view
         if not view.approved:
-            return "not approved"
+            return (
+                node.view.state
+                if node.view.state and node.view.state != "approved"
+                else "not approved"
+            )
         if view.lost:
             return "lost"
         if not view.connected:

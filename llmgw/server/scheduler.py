@@ -164,6 +164,7 @@ class Scheduler:
                     ),
                     fabrics=tuple(f["name"] for f in inv.get("fabrics", []) if f.get("healthy")),
                     mgmt_addr=_host_of(node.dataplane_addr or ""),
+                    state=node.state,
                 )
             )
         allocations = [

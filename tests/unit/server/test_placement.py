@@ -803,3 +803,31 @@ test_placement_machine = PlacementMachine.TestCase
 def test_shard_placement_is_a_value() -> None:
     a = ShardPlacement("n1", 0, ("g",), None)
     assert a == ShardPlacement("n1", 0, ("g",), None)
+
+
+def test_reason_names_the_approval_state_when_known() -> None:
+    pending = NodeView(
+        id="n1",
+        approved=False,
+        connected=True,
+        draining=False,
+        lost=False,
+        engines=frozenset({"vllm"}),
+        gpus=(),
+        fabrics=(),
+        state="pending",
+    )
+    revoked = NodeView(
+        id="n2",
+        approved=False,
+        connected=False,
+        draining=False,
+        lost=False,
+        engines=frozenset(),
+        gpus=(),
+        fabrics=(),
+        state="revoked",
+    )
+    result = Cluster([pending, revoked], []).place(Profile(engine="vllm", gpus=0))
+    assert isinstance(result, Unplaceable)
+    assert result.reasons == ("n1: pending", "n2: revoked")
