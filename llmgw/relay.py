@@ -13,9 +13,13 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from llmgw.upstream import UpstreamResponse
+from llmgw.upstream import UpstreamError, UpstreamResponse
 
-__all__ = ["is_event_stream", "relay"]
+# Set on answers the data plane gives without having passed the request to an engine
+# (draining, shard not ready): the gateway may send the request to another replica.
+NOT_PROCESSED = "X-Llmgw-Not-Processed"
+
+__all__ = ["NOT_PROCESSED", "is_event_stream", "relay"]
 
 # Headers that describe one hop's connection, not the content.
 _HOP_HEADERS = frozenset(
@@ -60,7 +64,8 @@ async def relay(
     """Send ``upstream``'s status, headers and body to ``request``'s client.
 
     The caller releases ``upstream`` afterwards (its connection goes back to the pool only
-    when the body was read to the end).
+    when the body was read to the end). An :class:`~llmgw.upstream.UpstreamError` from a
+    body that fails half-way through an event stream also closes the client's connection.
     """
     if upstream.content_type != "text/event-stream":
         body = await upstream.read()
@@ -72,9 +77,17 @@ async def relay(
     replace = {**extra_headers, **_SSE_HEADERS} if extra_headers else _SSE_HEADERS
     resp = web.StreamResponse(status=upstream.status, headers=_copy_headers(upstream, replace))
     await resp.prepare(request)
-    async for chunk in upstream.iter_chunks():
-        if on_chunk is not None:
-            on_chunk(chunk)
-        await resp.write(chunk)
-    await resp.write_eof()
+    try:
+        async for chunk in upstream.iter_chunks():
+            if on_chunk is not None:
+                on_chunk(chunk)
+            await resp.write(chunk)
+    except UpstreamError:
+        # The client has the status line and part of the stream: all that is left is to cut
+        # its connection, so that it sees the stream end early. (An error response now
+        # would land in the middle of the stream.)
+        if request.transport is not None:
+            request.transport.close()
+        raise
+    # aiohttp ends the stream once the handler returns, quietly if the client has gone.
     return resp

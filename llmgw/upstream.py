@@ -664,8 +664,8 @@ class UpstreamPool:
             if exc.tls_refused:
                 raise UpstreamConnectError(
                     f"{host}:{port} closed the connection right after the TLS handshake, "
-                    "before answering: most likely it refused our client certificate; check "
-                    "that it trusts the CA that issued it"
+                    "before answering: it is going away, or it refused our client "
+                    "certificate (then check that it trusts the CA that issued it)"
                 ) from exc
             raise UpstreamDisconnected(str(exc)) from exc
 

@@ -21,7 +21,7 @@ from aiohttp import web
 from llmgw.config_util import parse_hostport
 from llmgw.errors import CertificateError
 from llmgw.pki import CONTROL_PLANE_CN
-from llmgw.relay import relay
+from llmgw.relay import NOT_PROCESSED, relay
 from llmgw.upstream import UpstreamError, UpstreamPool
 
 __all__ = ["DataPlane", "server_ssl_context"]
@@ -45,10 +45,11 @@ def server_ssl_context(cert: Path, key: Path, ca: Path) -> ssl.SSLContext:
     return ctx
 
 
-def _error(status: int, message: str, code: str) -> web.Response:
+def _error(status: int, message: str, code: str, *, unprocessed: bool = False) -> web.Response:
     return web.json_response(
         {"error": {"message": message, "type": "llmgw_dataplane_error", "code": code}},
         status=status,
+        headers={NOT_PROCESSED: "1"} if unprocessed else None,
     )
 
 
@@ -153,11 +154,21 @@ class DataPlane:
             )
             return _error(403, "only the control plane may use the data plane", "forbidden")
         if not self.accepting:
-            return _error(503, "agent is shutting down; retry on another replica", "draining")
+            return _error(
+                503,
+                "agent is shutting down; retry on another replica",
+                "draining",
+                unprocessed=True,
+            )
         shard_id = request.match_info["shard"]
         port = self.port_of(shard_id)
         if port is None:
-            return _error(503, f"shard {shard_id} is not ready on this node", "shard_not_ready")
+            return _error(
+                503,
+                f"shard {shard_id} is not ready on this node",
+                "shard_not_ready",
+                unprocessed=True,
+            )
         assert self._session is not None
         body = await request.read()
         # The target as the gateway sent it (still percent-encoded, with its query), less

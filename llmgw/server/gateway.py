@@ -18,7 +18,7 @@ from aiohttp import web
 from llmgw.config_util import parse_hostport
 from llmgw.errors import ConfigError
 from llmgw.log import kv
-from llmgw.relay import relay
+from llmgw.relay import NOT_PROCESSED, relay
 from llmgw.server.routing import Endpoint
 from llmgw.upstream import UpstreamConnectError, UpstreamError, UpstreamPool
 
@@ -266,6 +266,11 @@ class Gateway:
                 if exc.retryable:  # not a byte of answer: another replica may take it
                     raise _ConnectFailed(str(exc)) from exc
                 raise
+            if upstream.status == 503 and upstream.header(NOT_PROCESSED):
+                # The agent did not hand it to an engine (it is draining): another replica
+                # may take it, as if the connection had been refused.
+                upstream.release()
+                raise _ConnectFailed(f"{ep.node_id} did not process the request (draining)")
             try:
                 status = upstream.status
                 if counter is not None and upstream.content_type == "text/event-stream":

@@ -15,7 +15,7 @@ from aiohttp import web
 from yarl import URL
 
 from llmgw.relay import relay
-from llmgw.upstream import UpstreamPool
+from llmgw.upstream import UpstreamError, UpstreamPool
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -75,10 +75,21 @@ def upstream_app(state: State) -> web.Application:
     async def error_handler(request: web.Request) -> web.StreamResponse:
         return web.json_response({"error": {"message": "nope"}}, status=429)
 
+    async def broken_handler(request: web.Request) -> web.StreamResponse:
+        """One event, then the upstream dies: no end of the chunked body."""
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(SSE_EVENTS[0])
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
     app = web.Application()
     app.router.add_get("/json", json_handler)
     app.router.add_get("/sse", sse_handler)
     app.router.add_get("/error", error_handler)
+    app.router.add_get("/broken", broken_handler)
     return app
 
 
@@ -115,6 +126,9 @@ def front_app(upstream_base: str, state: State) -> web.Application:
                 on_chunk=state.chunks.append,
                 extra_headers={"X-Relayed-By": "front"},
             )
+        except UpstreamError:
+            # What the gateway does; the relay has already cut a stream that had begun.
+            return web.json_response({"error": {"message": "upstream failed"}}, status=502)
         finally:
             upstream.release()
 
@@ -222,5 +236,22 @@ def test_sse_is_relayed_incrementally() -> None:
             assert state.upstream_waited and state.last_written.is_set()
         assert b"".join(state.chunks) == b"".join(SSE_EVENTS)
         assert len(state.chunks) >= 2
+
+    run(body)
+
+
+def test_upstream_dying_mid_stream_cuts_the_client_stream() -> None:
+    async def body(front: str, state: State, client: aiohttp.ClientSession) -> None:
+        async with client.get(front + "broken") as resp:
+            assert resp.status == 200
+            received = b""
+            with pytest.raises(aiohttp.ClientPayloadError):
+                for _ in range(100):
+                    piece = await asyncio.wait_for(resp.content.readany(), STEP_S)
+                    if not piece:
+                        break
+                    received += piece
+            # What came before the failure, then nothing: no error response inside the stream.
+            assert received == SSE_EVENTS[0]
 
     run(body)
