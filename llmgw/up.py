@@ -155,6 +155,8 @@ class LocalCluster:
         logs.mkdir(exist_ok=True, mode=0o700)
         with open(logs / "agent.log", "ab") as out:
             env = dict(os.environ, LLMGW_PARENT_PID=str(os.getpid()))
+            if getattr(sys, "frozen", False):
+                env["PYINSTALLER_RESET_ENVIRONMENT"] = "1"  # see ProcessRuntime.start
             self.agent = await asyncio.create_subprocess_exec(
                 *self_argv(),
                 "agent",

@@ -18,6 +18,7 @@ from llmgw.config_util import format_hostport
 from llmgw.engines.base import engine_names
 from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound
 from llmgw.pki import validate_node_id
+from llmgw.server.bundles import one_liner
 from llmgw.server.catalog import MODEL_NAME, adhoc_profile, parse_catalog, parse_profile
 from llmgw.server.store import DEFAULT_PROFILE, Model, Node
 
@@ -491,6 +492,19 @@ class AdminAPI:
             f"LLMGW_JOIN_TOKEN={secret} llmgw agent join --node-id {node_id} "
             f"--enroll-url {enroll_url} --ca-hash {ca_hash}" + (" --rekey" if rekey else "")
         )
+        # With agent bundles to serve, a new node needs nothing but curl: the one-liner
+        # downloads the bundle for its architecture, checks its hash and runs the installer.
+        bundles = [] if rekey or self.cp.bundles is None else await self.cp.bundles.bundles()
+        if bundles:
+            base_url = f"http://{format_hostport(host or '127.0.0.1', self.cp.http_port)}"
+            command = one_liner(
+                base_url,
+                bundles,
+                node_id=node_id,
+                enroll_url=enroll_url,
+                ca_hash=ca_hash,
+                token=secret,
+            )
         self.cp.store.add_event(
             "join_token_created", node_id, f"{token.kind} token {token.id}, expires in {ttl:.0f}s"
         )

@@ -36,6 +36,7 @@ from llmgw.pki import (
 )
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
+from llmgw.server.bundles import BundleStore, add_bundle_routes
 from llmgw.server.config import ServerConfig
 from llmgw.server.enroll import Enroller, EnrolmentServer
 from llmgw.server.enroll import server_ssl_context as enroll_ssl_context
@@ -115,6 +116,7 @@ class ControlPlane:
         self._grpc: grpc.aio.Server | None = None
         self._enrolment: EnrolmentServer | None = None
         self.enroll_port = 0
+        self.bundles: BundleStore | None = None
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.role = "starting"
@@ -293,6 +295,7 @@ class ControlPlane:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         self.gateway.add_routes(app)
         add_admin_routes(app, self)
+        self.bundles = add_bundle_routes(app, self.cfg.bundle_dir)
         app.on_cleanup.append(lambda _app: self.gateway.close())
         self._runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0

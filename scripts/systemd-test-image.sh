@@ -1,0 +1,130 @@
+#!/bin/sh
+# Build a local Docker image of Debian bookworm that boots systemd (/sbin/init), for the
+# package tests (tests/packaging/): the .deb packages are installed, upgraded and purged in a
+# container of it, and apt installs them from a signed repository served on its loopback.
+# No registry is used: the image is a debootstrap rootfs, `docker import`ed.
+#
+# Usage: scripts/systemd-test-image.sh [IMAGE]      (default llmgw-test-systemd:local)
+#
+# Environment: LLMGW_TEST_CACHE (default /var/cache/llmgw-test), LLMGW_DEBIAN_MIRROR
+# (default: the first Debian mirror in /etc/apt/sources.list*).
+#
+# Re-runs are cheap: the rootfs tarball is cached, keyed by the recipe that made it, and the
+# image is imported again only when its label differs from that key. Prints IMAGE.
+#
+# Run a container of it the way MACHINES.md found to work where --privileged does not:
+#   docker run -d --cap-add=ALL --cap-drop=SYS_RESOURCE --security-opt seccomp=unconfined \
+#     --security-opt apparmor=unconfined --cgroupns=private --tmpfs /run --tmpfs /run/lock \
+#     --stop-signal=SIGRTMIN+3 --network none IMAGE /sbin/init
+set -eu
+
+SUITE=bookworm
+# python3: the stand-in program and the repository's HTTP server; rpm: the .rpm scriptlets.
+INCLUDE=systemd,systemd-sysv,dbus,procps,python3,rpm
+KEY_LABEL=llmgw.test-systemd.key
+DEFAULT_IMAGE=llmgw-test-systemd:local
+DEFAULT_MIRROR=http://deb.debian.org/debian
+
+info() { printf '==> %s\n' "$*" >&2; }
+fatal() {
+    printf 'error: %s\n' "$*" >&2
+    exit 1
+}
+
+sha() { sha256sum | cut -c1-64; }
+
+# 1. what is needed, whatever the caches hold
+check_tools() {
+    command -v docker >/dev/null 2>&1 || fatal "no docker command; apt-get install -y docker.io"
+    docker info >/dev/null 2>&1 \
+        || fatal "cannot reach dockerd; start it (dockerd >/var/log/dockerd.log 2>&1 &) or join the 'docker' group"
+}
+
+image_is_current() {
+    label=$(docker image inspect --format "{{ index .Config.Labels \"$KEY_LABEL\" }}" "$IMAGE" 2>/dev/null) \
+        || return 1
+    [ "$label" = "$KEY" ]
+}
+
+debian_mirror() {
+    if [ -n "${LLMGW_DEBIAN_MIRROR:-}" ]; then
+        printf '%s\n' "$LLMGW_DEBIAN_MIRROR"
+        return 0
+    fi
+    # deb822 "URIs:" lines and one-line "deb [options] URI suite ..." entries; the first URI
+    # whose path ends in /debian is the main archive (not -security, not third parties).
+    uri=$(
+        {
+            cat /etc/apt/sources.list.d/*.sources 2>/dev/null | sed -n 's/^URIs:[[:space:]]*//p' | tr ' ' '\n'
+            cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
+                | sed -n 's/^deb[[:space:]]\{1,\}\(\[[^]]*\][[:space:]]\{1,\}\)\{0,1\}\([^[:space:]]*\).*/\2/p'
+        } | grep -E '^https?://.*/debian/?$' | head -n 1
+    ) || true
+    printf '%s\n' "${uri:-$DEFAULT_MIRROR}"
+}
+
+# 2. the rootfs tarball, from the cache or debootstrap (about 50 s)
+ensure_rootfs() {
+    ROOTFS_TAR=$CACHE/rootfs-$SUITE-systemd-$KEY.tar
+    if [ -f "$ROOTFS_TAR" ]; then
+        info "rootfs: cached $ROOTFS_TAR"
+        return 0
+    fi
+    [ "$(id -u)" -eq 0 ] || fatal "debootstrap needs root; run as root or fill $CACHE first"
+    command -v debootstrap >/dev/null 2>&1 || fatal "no debootstrap; apt-get install -y debootstrap"
+    mirror=$(debian_mirror)
+    info "rootfs: debootstrap --variant=minbase --include=$INCLUDE $SUITE from $mirror"
+    mkdir -p "$CACHE"
+    work=$(mktemp -d "$CACHE/.rootfs.XXXXXX")
+    TO_CLEAN="$TO_CLEAN $work"
+    debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$work/rootfs" "$mirror" \
+        >"$work/debootstrap.log" 2>&1 \
+        || { tail -n 20 "$work/debootstrap.log" >&2; fatal "debootstrap failed (log above)"; }
+    # No network in the tests' containers: apt knows only the sources a test adds.
+    rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/lib/apt/lists/"*
+    rm -f "$work/rootfs/etc/apt/sources.list"
+    # A container has no console to log in on, and its machine id is made at boot.
+    rm -f "$work/rootfs/etc/systemd/system/getty.target.wants/"*
+    : >"$work/rootfs/etc/machine-id"
+    tar --numeric-owner -C "$work/rootfs" -cf "$work/rootfs.tar" .
+    mv "$work/rootfs.tar" "$ROOTFS_TAR"
+}
+
+# 3. the image, imported from the rootfs and labelled with its key
+import_image() {
+    info "image: docker import $ROOTFS_TAR $IMAGE"
+    docker import --change "LABEL $KEY_LABEL=$KEY" --change 'CMD ["/sbin/init"]' \
+        "$ROOTFS_TAR" "$IMAGE" >/dev/null
+}
+
+cleanup() {
+    # shellcheck disable=SC2086 # a list of paths made by mktemp, without spaces
+    rm -rf $TO_CLEAN
+}
+
+main() {
+    [ $# -le 1 ] || fatal "usage: $0 [IMAGE] (default $DEFAULT_IMAGE)"
+    IMAGE=${1:-$DEFAULT_IMAGE}
+    SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+    CACHE=${LLMGW_TEST_CACHE:-/var/cache/llmgw-test}
+    KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s; getty off; no sources\n' \
+        "$INCLUDE" "$SUITE" "$(uname -m)" | sha)
+    TO_CLEAN=""
+    trap cleanup EXIT
+    trap 'exit 130' INT TERM
+
+    check_tools
+    if ! image_is_current; then
+        # One build at a time (test runs may start together), locked on this very script.
+        exec 9<"$SELF"
+        flock 9
+        if ! image_is_current; then
+            ensure_rootfs
+            import_image
+        fi
+    fi
+    info "image: $IMAGE is up to date ($KEY_LABEL=$(printf '%s' "$KEY" | cut -c1-12)...)"
+    printf '%s\n' "$IMAGE"
+}
+
+main "$@"

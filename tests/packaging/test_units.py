@@ -1,0 +1,216 @@
+"""The systemd units (systemd/): the settings llmgw relies on, tied to the code's own defaults;
+``systemd-analyze verify`` without a word of output; the ``security`` exposure they reach.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from llmgw.agent.config import (
+    DEFAULT_AGENT_CONFIG,
+    DEFAULT_CACHE_ROOT,
+    DEFAULT_MODELS_ROOT,
+)
+from llmgw.agent.config import DEFAULT_STATE_DIR as AGENT_STATE_DIR
+from llmgw.agent.service import DRAIN_TIMEOUT
+from llmgw.server.config import DEFAULT_SERVER_CONFIG
+from llmgw.server.config import DEFAULT_STATE_DIR as SERVER_STATE_DIR
+
+from .pkgcheck import (
+    CURRENT,
+    ROOT,
+    Container,
+    Packages,
+    container,
+    packages_root,
+    require,
+    run,
+    standin_packages,
+    systemd_image,
+)
+
+# Fixtures, used by name.
+__all__ = ["container", "packages_root", "standin_packages", "systemd_image"]
+
+UNITS = ROOT / "systemd"
+# The worst exposure each unit may reach (systemd-analyze security: 0 best, 10 worst); the
+# agent pays for GPU devices, JIT engines and engines that outlive it.
+MAX_EXPOSURE = {"llmgw-agent.service": 2.5, "llmgw-server.service": 1.5}
+HARDENING = {
+    "NoNewPrivileges": "yes",
+    "CapabilityBoundingSet": "",
+    "ProtectSystem": "strict",
+    "PrivateTmp": "yes",
+    "PrivateMounts": "yes",
+    "ProtectHome": "yes",
+    "ProtectKernelTunables": "yes",
+    "ProtectKernelModules": "yes",
+    "ProtectKernelLogs": "yes",
+    "ProtectControlGroups": "yes",
+    "ProtectHostname": "yes",
+    "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6 AF_NETLINK",
+    "RestrictNamespaces": "yes",
+    "RestrictRealtime": "yes",
+    "RestrictSUIDSGID": "yes",
+    "LockPersonality": "yes",
+    "SystemCallArchitectures": "native",
+    "SystemCallErrorNumber": "EPERM",
+}
+# What GPU engines rule out in the agent's unit, each with the reason its comment gives.
+AGENT_WITHOUT = {
+    "PrivateDevices": "PrivateDevices= hides them",
+    "DeviceAllow": "a DeviceAllow= list",
+    "DevicePolicy": "DevicePolicy=",
+    "ProtectClock": "ProtectClock= is left out",
+    "MemoryDenyWriteExecute": "generate code at run time",
+    "RemoveIPC": "POSIX shared memory",
+    "PrivateUsers": "need the real user",
+    "ProcSubset": "/proc/meminfo",
+}
+
+
+def parse_unit(path: Path) -> dict[str, list[str]]:
+    """``Section.Key`` -> its values in order (a key may be given more than once)."""
+    settings: dict[str, list[str]] = {}
+    section = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        assert not line.endswith("\\"), f"{path.name}: keep settings on one line: {line}"
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, sep, value = line.partition("=")
+        assert sep, f"{path.name}: not a setting: {line}"
+        settings.setdefault(f"{section}.{key}", []).append(value)
+    return settings
+
+
+def one(settings: dict[str, list[str]], key: str) -> str:
+    values = settings.get(key)
+    assert values is not None and len(values) == 1, f"{key}: {values}"
+    return values[0]
+
+
+def unit_files() -> list[Path]:
+    return sorted(p for p in UNITS.iterdir() if p.suffix in (".service", ".path", ".timer"))
+
+
+def stand_in_units(tmp_path: Path) -> list[Path]:
+    """Copies of the units whose ExecStart names a stand-in program that exists here (verify
+    checks it exists); every other line is the shipped one."""
+    program = tmp_path / "llmgw"
+    program.write_text("#!/bin/sh\necho 'llmgw 0.1.0'\n")
+    program.chmod(0o755)
+    copies = []
+    for unit in unit_files():
+        copy = tmp_path / unit.name
+        shipped = unit.read_text()
+        copy.write_text(shipped.replace("ExecStart=/usr/bin/llmgw ", f"ExecStart={program} "))
+        copies.append(copy)
+    return copies
+
+
+def test_every_service_has_an_exposure_budget() -> None:
+    services = {p.name for p in unit_files() if p.suffix == ".service"}
+    assert {"llmgw-agent.service", "llmgw-server.service"} <= services
+    missing = services - set(MAX_EXPOSURE)
+    assert not missing, f"give {sorted(missing)} a budget in MAX_EXPOSURE"
+
+
+def test_agent_unit() -> None:
+    unit = UNITS / "llmgw-agent.service"
+    s = parse_unit(unit)
+    text = unit.read_text()
+    assert one(s, "Service.Type") == "notify"
+    assert one(s, "Service.NotifyAccess") == "all"  # a one-file build's child notifies
+    assert one(s, "Service.User") == one(s, "Service.Group") == "llmgw-agent"
+    assert one(s, "Service.ExecStart") == f"/usr/bin/llmgw agent --config {DEFAULT_AGENT_CONFIG}"
+    assert one(s, "Unit.ConditionPathExists") == str(AGENT_STATE_DIR / "node.crt")
+    assert one(s, "Service.KillMode") == "process"
+    assert one(s, "Service.Restart") == "on-failure"
+    assert int(one(s, "Service.WatchdogSec")) > 0
+    assert float(one(s, "Service.TimeoutStopSec")) > DRAIN_TIMEOUT
+    state_dirs = one(s, "Service.StateDirectory").split()
+    assert Path("/var/lib", state_dirs[0]) == AGENT_STATE_DIR
+    assert one(s, "Service.StateDirectoryMode") == "0700"
+    tmpdir = one(s, "Service.Environment").removeprefix("TMPDIR=")
+    assert Path(tmpdir).relative_to("/var/lib").as_posix() in state_dirs
+    assert one(s, "Service.LimitMEMLOCK") == "infinity"
+    writable = one(s, "Service.ReadWritePaths").split()
+    assert str(AGENT_STATE_DIR) in writable
+    data_root = DEFAULT_MODELS_ROOT.parent
+    assert DEFAULT_CACHE_ROOT.parent == data_root
+    assert f"-{data_root}" in writable  # optional: a node may keep its models elsewhere
+    for key, value in HARDENING.items():
+        assert one(s, f"Service.{key}") == value, key
+    assert s["Service.SystemCallFilter"][0].split()[0] == "@system-service"
+    for key, reason in AGENT_WITHOUT.items():
+        assert f"Service.{key}" not in s, f"{key}= would break GPU engines"
+        assert reason in text, f"the unit does not say why it has no {key}="
+    assert one(s, "Install.WantedBy") == "multi-user.target"
+
+
+def test_server_unit() -> None:
+    unit = UNITS / "llmgw-server.service"
+    s = parse_unit(unit)
+    # 'llmgw server' sends no READY=1: notify would time out the start.
+    assert one(s, "Service.Type") == "exec"
+    assert one(s, "Service.User") == one(s, "Service.Group") == "llmgw"
+    assert one(s, "Service.ExecStart") == f"/usr/bin/llmgw server --config {DEFAULT_SERVER_CONFIG}"
+    state_dirs = one(s, "Service.StateDirectory").split()
+    assert Path("/var/lib", state_dirs[0]) == SERVER_STATE_DIR
+    assert one(s, "Service.StateDirectoryMode") == "0700"
+    tmpdir = one(s, "Service.Environment").removeprefix("TMPDIR=")
+    assert Path(tmpdir).relative_to("/var/lib").as_posix() in state_dirs
+    assert one(s, "Service.ReadWritePaths") == str(SERVER_STATE_DIR)
+    for key, value in {
+        **HARDENING,
+        "PrivateDevices": "yes",
+        "ProtectClock": "yes",
+        "RemoveIPC": "yes",
+    }.items():
+        assert one(s, f"Service.{key}") == value, key
+    assert s["Service.SystemCallFilter"] == ["@system-service", "~@privileged @resources"]
+    assert one(s, "Install.WantedBy") == "multi-user.target"
+
+
+def test_systemd_analyze_verify_says_nothing(tmp_path: Path) -> None:
+    require("systemd-analyze")
+    # verify exits 0 on unknown keys and bad values: any output is a failure.
+    result = run("systemd-analyze", "verify", *stand_in_units(tmp_path))
+    assert result.stdout + result.stderr == ""
+
+
+def test_security_exposure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    require("systemd-analyze")
+    for copy in stand_in_units(tmp_path):
+        if copy.suffix != ".service":
+            continue
+        report = run("systemd-analyze", "security", "--offline=true", "--no-pager", copy).stdout
+        match = re.search(rf"Overall exposure level for {re.escape(copy.name)}: ([0-9.]+)", report)
+        assert match, report
+        exposure = float(match.group(1))
+        with capsys.disabled():
+            print(f"\nsystemd-analyze security --offline=true {copy.name}: exposure {exposure}")
+        assert exposure <= MAX_EXPOSURE[copy.name], report
+
+
+@pytest.mark.timeout(900)
+def test_installed_units_verify_with_the_packaged_program(
+    container: Container, standin_packages: dict[str, Packages]
+) -> None:
+    """The units as packages install them, with /usr/bin/llmgw in place: not a word."""
+    current = standin_packages[CURRENT]
+    container.sh(
+        f"dpkg -i {current.mounted('llmgw-agent', 'deb')} {current.mounted('llmgw-server', 'deb')}"
+    )
+    result = container.sh(
+        "systemd-analyze verify /lib/systemd/system/llmgw-agent.service "
+        "/lib/systemd/system/llmgw-server.service 2>&1"
+    )
+    assert result.stdout == ""
