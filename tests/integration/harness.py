@@ -124,39 +124,8 @@ class Server:
 
 
 def start_server(tmp: Path, *, heartbeat: float = 1.0) -> Server:
-    state = tmp / "server"
-    http_port, grpc_port = free_port(), free_port()
-    cfg = tmp / "server.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "state_dir": str(state),
-                "http_listen": f"127.0.0.1:{http_port}",
-                "grpc_listen": f"127.0.0.1:{grpc_port}",
-                "enroll_listen": "127.0.0.1:0",
-                "heartbeat_interval": heartbeat,
-                # Long enough that an agent restart is not a loss; loss tests shorten it.
-                "loss_timeout": max(10.0, heartbeat * 3),
-                "replica_wait": 2,
-            }
-        )
-    )
-    log_path = tmp / "server.log"
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen([*LLMGW, "server", "--config", str(cfg)], stdout=out, stderr=out)
-    server = Server(state, http_port, grpc_port, proc, log_path)
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{server.log()}")
-        try:
-            with urllib.request.urlopen(server.url + "/healthz", timeout=1) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    wait_for(healthy, what="control plane /healthz")
-    return server
+    """A control plane on free loopback ports, state under ``tmp/server``, ready to serve."""
+    return start_server_with(tmp, heartbeat=heartbeat)
 
 
 @dataclass
@@ -253,6 +222,7 @@ def llmgw_processes_under(root: Path) -> list[str]:
 
 def start_server_with(tmp: Path, *, heartbeat: float = 1.0, **extra: Any) -> Server:
     """:func:`start_server` with more keys in server.yaml (e.g. ``cert_lifetime=12``)."""
+    # Long enough that an agent restart is not a loss; loss tests shorten it.
     state = tmp / "server"
     http_port, grpc_port = free_port(), free_port()
     cfg = tmp / "server.yaml"
