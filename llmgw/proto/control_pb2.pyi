@@ -21,7 +21,7 @@ SHARD_FAILED: ShardState
 SHARD_EXITED: ShardState
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "inventory", "shard_status", "op_result", "cert_request", "draining")
+    __slots__ = ("hello", "heartbeat", "inventory", "shard_status", "op_result", "cert_request", "draining", "update_status")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class AgentMessage(_message.Message):
     OP_RESULT_FIELD_NUMBER: _ClassVar[int]
     CERT_REQUEST_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_STATUS_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     inventory: Inventory
@@ -36,7 +37,8 @@ class AgentMessage(_message.Message):
     op_result: OperationResult
     cert_request: CertificateRequest
     draining: Draining
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., shard_status: _Optional[_Union[ShardStatus, _Mapping]] = ..., op_result: _Optional[_Union[OperationResult, _Mapping]] = ..., cert_request: _Optional[_Union[CertificateRequest, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ...) -> None: ...
+    update_status: UpdateStatus
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., shard_status: _Optional[_Union[ShardStatus, _Mapping]] = ..., op_result: _Optional[_Union[OperationResult, _Mapping]] = ..., cert_request: _Optional[_Union[CertificateRequest, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ..., update_status: _Optional[_Union[UpdateStatus, _Mapping]] = ...) -> None: ...
 
 class Draining(_message.Message):
     __slots__ = ("deadline_s",)
@@ -207,7 +209,7 @@ class CertificateRequest(_message.Message):
     def __init__(self, csr_pem: _Optional[str] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "start_shard", "stop_shard", "renew_certificate", "node_state", "refuse", "install_engine")
+    __slots__ = ("welcome", "start_shard", "stop_shard", "renew_certificate", "node_state", "refuse", "install_engine", "update_order")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     START_SHARD_FIELD_NUMBER: _ClassVar[int]
     STOP_SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +217,7 @@ class ServerMessage(_message.Message):
     NODE_STATE_FIELD_NUMBER: _ClassVar[int]
     REFUSE_FIELD_NUMBER: _ClassVar[int]
     INSTALL_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ORDER_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     start_shard: StartShard
     stop_shard: StopShard
@@ -222,7 +225,8 @@ class ServerMessage(_message.Message):
     node_state: NodeState
     refuse: Refuse
     install_engine: InstallEngine
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., install_engine: _Optional[_Union[InstallEngine, _Mapping]] = ...) -> None: ...
+    update_order: UpdateOrder
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., install_engine: _Optional[_Union[InstallEngine, _Mapping]] = ..., update_order: _Optional[_Union[UpdateOrder, _Mapping]] = ...) -> None: ...
 
 class Refuse(_message.Message):
     __slots__ = ("leader", "message")
@@ -289,7 +293,7 @@ class OrderMeta(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., op_id: _Optional[str] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("meta", "shard_id", "replica_id", "model", "engine", "rank", "params", "extra_args", "gpus", "nodes", "dist_init_addr", "source", "gpu_memory_mib", "sidecars", "profile")
+    __slots__ = ("meta", "shard_id", "replica_id", "model", "engine", "rank", "params", "extra_args", "gpus", "nodes", "dist_init_addr", "source", "gpu_memory_mib", "sidecars", "profile", "worker_addrs", "listen_addr")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +316,8 @@ class StartShard(_message.Message):
     GPU_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
     SIDECARS_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRS_FIELD_NUMBER: _ClassVar[int]
+    LISTEN_ADDR_FIELD_NUMBER: _ClassVar[int]
     meta: OrderMeta
     shard_id: str
     replica_id: str
@@ -327,7 +333,9 @@ class StartShard(_message.Message):
     gpu_memory_mib: int
     sidecars: _containers.RepeatedCompositeFieldContainer[Sidecar]
     profile: str
-    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., dist_init_addr: _Optional[str] = ..., source: _Optional[str] = ..., gpu_memory_mib: _Optional[int] = ..., sidecars: _Optional[_Iterable[_Union[Sidecar, _Mapping]]] = ..., profile: _Optional[str] = ...) -> None: ...
+    worker_addrs: _containers.RepeatedScalarFieldContainer[str]
+    listen_addr: str
+    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., dist_init_addr: _Optional[str] = ..., source: _Optional[str] = ..., gpu_memory_mib: _Optional[int] = ..., sidecars: _Optional[_Iterable[_Union[Sidecar, _Mapping]]] = ..., profile: _Optional[str] = ..., worker_addrs: _Optional[_Iterable[str]] = ..., listen_addr: _Optional[str] = ...) -> None: ...
 
 class Sidecar(_message.Message):
     __slots__ = ("name", "argv", "health_url", "timeout_s", "ready_after_s")
@@ -352,3 +360,27 @@ class StopShard(_message.Message):
     shard_id: str
     grace_s: float
     def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., grace_s: _Optional[float] = ...) -> None: ...
+
+class UpdateOrder(_message.Message):
+    __slots__ = ("meta", "order", "signature")
+    META_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    meta: OrderMeta
+    order: bytes
+    signature: bytes
+    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., order: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class UpdateStatus(_message.Message):
+    __slots__ = ("op_id", "counter", "version", "state", "message")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    counter: int
+    version: str
+    state: str
+    message: str
+    def __init__(self, op_id: _Optional[str] = ..., counter: _Optional[int] = ..., version: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
