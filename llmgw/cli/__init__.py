@@ -9,7 +9,7 @@ equal to the commands' own help texts.
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,37 +22,60 @@ __all__ = ["COMMANDS", "LazyCommand", "LazyGroup", "main"]
 
 @dataclass(frozen=True)
 class LazyCommand:
-    """Where a subcommand lives (module and attribute) and the help text ``--help`` shows."""
+    """How to import a subcommand, and the help text ``--help`` shows before it is imported."""
 
-    module: str
-    attribute: str
+    importer: Callable[[], object]
     summary: str
 
     def load(self) -> click.Command:
-        command = getattr(importlib.import_module(self.module), self.attribute)
+        command = self.importer()
         if not isinstance(command, click.Command):
-            raise TypeError(f"{self.module}.{self.attribute} is not a click command")
+            raise TypeError(f"{command!r} is not a click command")
         return command
+
+
+# Plain import statements (not importlib with a module name), so that PyInstaller's analysis
+# of this file finds every subcommand module and freezes it.
+def _up() -> object:
+    from llmgw.cli.up import up
+
+    return up
+
+
+def _server() -> object:
+    from llmgw.cli.server import server
+
+    return server
+
+
+def _agent() -> object:
+    from llmgw.cli.agent import agent
+
+    return agent
+
+
+def _ctl() -> object:
+    from llmgw.cli.ctl import ctl
+
+    return ctl
+
+
+def _engine() -> object:
+    from llmgw.cli.engine import engine
+
+    return engine
 
 
 COMMANDS: dict[str, LazyCommand] = {
     "up": LazyCommand(
-        "llmgw.cli.up",
-        "up",
-        "Start a one-machine cluster and print the OpenAI base URL; Ctrl-C stops it all.",
+        _up, "Start a one-machine cluster and print the OpenAI base URL; Ctrl-C stops it all."
     ),
     "server": LazyCommand(
-        "llmgw.cli.server",
-        "server",
-        "Run the control plane: gateway :8080, enrolment, agent stream :7443.",
+        _server, "Run the control plane: gateway :8080, enrolment, agent stream :7443."
     ),
-    "agent": LazyCommand("llmgw.cli.agent", "agent", "Run the node agent (systemd Type=notify)."),
-    "ctl": LazyCommand(
-        "llmgw.cli.ctl",
-        "ctl",
-        "Operate a cluster: nodes, models, replicas, API keys, certificates.",
-    ),
-    "engine": LazyCommand("llmgw.cli.engine", "engine", "Built-in inference engines."),
+    "agent": LazyCommand(_agent, "Run the node agent (systemd Type=notify)."),
+    "ctl": LazyCommand(_ctl, "Operate a cluster: nodes, models, replicas, API keys, certificates."),
+    "engine": LazyCommand(_engine, "Built-in inference engines."),
 }
 
 
