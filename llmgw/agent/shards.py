@@ -19,7 +19,9 @@ gives None for it, and it is ``ready`` once it has joined: for ``sim``, once its
 the line it writes when rank 0 welcomed it (``... joined rank 0 at HOST:PORT``, looked for
 only in what this run wrote); for other engines, which write no such line we know, once its
 process has been running for ``worker_grace`` seconds. An adopted worker that was ready is
-ready again at once (a worker that lost rank 0 exits).
+ready again at once (a worker that lost rank 0 exits). Where rank 0 dials its workers
+(llama.cpp's ``rpc-server``), the order names the endpoints: ``worker_addrs`` for rank 0,
+``listen_addr`` for a worker.
 
 Engines outlive the agent: stopping the agent (or killing it) leaves them running, and the
 next agent adopts them from ``shards.json`` (:meth:`ShardManager.adopt_all`); those that
@@ -97,6 +99,10 @@ class ShardSpec:
     gpu_memory_mib: int = 0
     sidecars: tuple[SidecarSpec, ...] = ()
     profile: str = ""
+    worker_addrs: tuple[str, ...] = ()
+    """Rank 0 of an engine that dials its workers (llama.cpp): each worker's endpoint."""
+    listen_addr: str = ""
+    """A worker of such an engine: the host:port its endpoint binds."""
 
     @property
     def worker(self) -> bool:
@@ -155,6 +161,8 @@ class Shard:
                 if self.sidecars is not None
                 else tuple(_sidecar_record(s) for s in spec.sidecars)
             ),
+            worker_addrs=spec.worker_addrs,
+            listen_addr=spec.listen_addr,
             log_offset=self.log_offset,
         )
 
@@ -230,6 +238,8 @@ def _parse_record(shard_id: str, obj: object) -> ShardRecord:
             sidecars=tuple(
                 _parse_sidecar(i, item) for i, item in enumerate(_get(obj, "sidecars", (list,), []))
             ),
+            worker_addrs=_strings(obj, "worker_addrs"),
+            listen_addr=_get(obj, "listen_addr", (str,), ""),
             log_offset=_get(obj, "log_offset", (int,), 0),
         )
     except ValueError as exc:
@@ -267,6 +277,7 @@ def _record_json(record: ShardRecord) -> dict[str, Any]:
     del data["shard_id"]
     data["extra_args"] = list(record.extra_args)
     data["gpus"] = list(record.gpus)
+    data["worker_addrs"] = list(record.worker_addrs)
     data["sidecars"] = [{**asdict(s), "argv": list(s.argv)} for s in record.sidecars]
     if record.container_id is None:
         del data["container_id"]
@@ -316,6 +327,8 @@ class ShardManager:
                     dist_init_addr=spec.dist_init_addr,
                     params=spec.params,
                     extra_args=spec.extra_args,
+                    peers=spec.worker_addrs,
+                    listen_addr=spec.listen_addr,
                 )
             )
         except EngineError as exc:
@@ -565,6 +578,8 @@ class ShardManager:
                 gpu_memory_mib=record.gpu_memory_mib,
                 sidecars=tuple(SidecarSpec.from_record(r) for r in record.sidecars),
                 profile=record.profile,
+                worker_addrs=record.worker_addrs,
+                listen_addr=record.listen_addr,
             )
             shard = Shard(
                 spec=spec,

@@ -366,6 +366,8 @@ class StreamClient:
             gpu_memory_mib=order.gpu_memory_mib,
             sidecars=tuple(SidecarSpec.from_order(s) for s in order.sidecars),
             profile=order.profile,
+            worker_addrs=tuple(order.worker_addrs),
+            listen_addr=order.listen_addr,
         )
         await self.shards.start(spec)
 

@@ -124,7 +124,9 @@ def widest_specs(engine: str, binary: str = "") -> list[tuple[str, EngineSpec]]:
         params={key: param.sample for key, param in module.PARAMS.items()},
         peers=("10.0.0.2:50052",),
     )
-    return [("rank 0", rank0), ("worker", replace(rank0, rank=1))]
+    # The worker as the control plane orders it: its own endpoint, not rank 0's list.
+    worker = replace(rank0, rank=1, peers=(), listen_addr=rank0.peers[0])
+    return [("rank 0", rank0), ("worker", worker)]
 
 
 def check_help(

@@ -36,6 +36,7 @@ __all__ = [
     "self_argv",
     "split_hostport",
     "weights",
+    "worker_port_base",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -52,9 +53,10 @@ class EngineSpec:
     id); ``params["model_path"]`` stands in for it until the catalog sends ``source``.
     ``binary`` is the engine's program as discovery found it (``""``: its default name on
     PATH). ``nodes`` > 1 makes a multi-node replica: rank 0 serves, the others are workers,
-    all meeting at ``dist_init_addr`` (``host:port``, bound by rank 0). llama.cpp's
-    workers are instead dialled by rank 0: ``peers`` lists their ``host:port``, worker
-    rank ``r`` binding ``peers[r - 1]``.
+    all meeting at ``dist_init_addr`` (``host:port``, bound by rank 0). The workers of an
+    engine whose rank 0 dials them (llama.cpp, :func:`worker_port_base`) bind an endpoint
+    instead: rank 0 gets every worker's ``host:port`` in ``peers`` (rank order), a worker
+    the one it binds in ``listen_addr`` (when that is empty, ``peers[rank - 1]``).
     """
 
     engine: str
@@ -69,6 +71,7 @@ class EngineSpec:
     params: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
     extra_args: tuple[str, ...] = ()
     peers: tuple[str, ...] = ()
+    listen_addr: str = ""
 
     @property
     def multi_node(self) -> bool:
@@ -114,6 +117,7 @@ class EngineModule(Protocol):
     HELP_ARGS: tuple[str, ...]  # after the program: print every flag
     VERSION_ARGS: tuple[str, ...]  # after the program: print the version
     PARAMS: Mapping[str, Param]
+    WORKER_PORT: int | None  # see worker_port_base
 
     def prefix(self, binary: str) -> list[str]:
         """The argv up to the engine's own flags (program and subcommand)."""
@@ -156,6 +160,14 @@ def engine_module(engine: str) -> EngineModule:
     if name == __name__:
         return cast(EngineModule, _Sim)
     return cast(EngineModule, importlib.import_module(name))
+
+
+def worker_port_base(engine: str) -> int | None:
+    """The first port a worker's endpoint binds, for an engine whose rank 0 dials its
+    workers (llama.cpp's ``rpc-server``: 50052, its default); None for the engines whose
+    workers dial rank 0's ``dist_init_addr``. The scheduler picks the port of each replica
+    from here upwards, as it picks rank 0's dist-init port from 29500."""
+    return engine_module(engine).WORKER_PORT
 
 
 def build_command(spec: EngineSpec) -> EngineCommand:
@@ -283,6 +295,7 @@ class _Sim:
     NAME = "sim"
     PROGRAM = ""
     HELP_ARGS = ("engine", "sim", "--help")
+    WORKER_PORT: int | None = None
     VERSION_ARGS = ("--version",)
     PARAMS: Mapping[str, Param] = MappingProxyType(
         {

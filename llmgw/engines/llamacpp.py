@@ -9,7 +9,10 @@ Flags as the llama.cpp documentation gives them:
 - Multi-node: https://github.com/ggml-org/llama.cpp/blob/master/tools/rpc/README.md - each
   other host runs ``rpc-server -H HOST -p PORT`` exposing its GPUs, and the main host's
   ``llama-server --rpc HOST:PORT,...`` offloads layers to them. Rank 0 dials the workers
-  here, so the workers' addresses come in ``EngineSpec.peers`` and a worker binds its own.
+  here, so rank 0 gets the workers' addresses in ``EngineSpec.peers`` (the control plane's
+  ``StartShard.worker_addrs``) and a worker binds its own ``EngineSpec.listen_addr``
+  (``StartShard.listen_addr``) on its node's fabric or management address. Ports start
+  at ``WORKER_PORT``, ``rpc-server``'s default.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ PROGRAM = "llama-server"
 WORKER_PROGRAM = "rpc-server"
 HELP_ARGS = ("--help",)
 VERSION_ARGS = ("--version",)
+WORKER_PORT: int | None = 50052
 
 ALL_LAYERS = "999"
 """``--n-gpu-layers`` for "every layer": a count above any model's, which every llama.cpp
@@ -65,16 +69,17 @@ def worker_program(binary: str) -> str:
 
 
 def build(spec: EngineSpec) -> EngineCommand:
+    if spec.worker:
+        return _worker(spec)
     if spec.multi_node:
         if len(spec.peers) != spec.nodes - 1:
             raise EngineError(
-                f"a {spec.nodes}-node llama.cpp replica needs the {spec.nodes - 1} workers' "
-                f"rpc-server addresses (host:port) in peers, got {len(spec.peers)}"
+                f"rank 0 of a {spec.nodes}-node llama.cpp replica needs the "
+                f"{spec.nodes - 1} workers' rpc-server addresses (host:port, the control "
+                f"plane's worker_addrs), got {len(spec.peers)}"
             )
         for peer in spec.peers:
             split_hostport(peer, "llama.cpp rpc-server address")
-    if spec.worker:
-        return _worker(spec)
     model = weights(spec)
     if not model:
         raise EngineError(
@@ -100,6 +105,14 @@ def build(spec: EngineSpec) -> EngineCommand:
 def _worker(spec: EngineSpec) -> EngineCommand:
     # rpc-server exposes the GPUs in CUDA_VISIBLE_DEVICES on the address rank 0 dials. It
     # takes none of llama-server's parameters: the model lives on rank 0.
-    host, port = split_hostport(spec.peers[spec.rank - 1], "llama.cpp rpc-server address")
+    addr = spec.listen_addr
+    if not addr and len(spec.peers) == spec.nodes - 1:
+        addr = spec.peers[spec.rank - 1]
+    if not addr:
+        raise EngineError(
+            f"worker rank {spec.rank} of a {spec.nodes}-node llama.cpp replica needs the "
+            "host:port its rpc-server binds (the control plane's listen_addr)"
+        )
+    host, port = split_hostport(addr, "llama.cpp rpc-server address")
     argv = [worker_program(spec.binary), "--host", host, "--port", str(port)]
     return EngineCommand(argv=argv, env=gpu_env(spec), serves=False, health_path="")

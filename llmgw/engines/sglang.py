@@ -27,6 +27,7 @@ from llmgw.engines.launch import (
 
 NAME = "sglang"
 PROGRAM = "python3"
+WORKER_PORT: int | None = None  # workers dial rank 0's dist-init address
 HELP_ARGS = ("-m", "sglang.launch_server", "--help")
 VERSION_ARGS = ("-c", "import sglang; print(sglang.__version__)")
 

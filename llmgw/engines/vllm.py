@@ -29,6 +29,7 @@ from llmgw.engines.launch import (
 
 NAME = "vllm"
 PROGRAM = "vllm"
+WORKER_PORT: int | None = None  # workers dial rank 0's dist-init address
 # `vllm serve --help` lists only the option groups; `--help=all` prints every flag
 # (vllm/entrypoints/cli/serve.py: "Use `--help=all` to show all available flags at once").
 HELP_ARGS = ("serve", "--help=all")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmgw.config_util import format_hostport, parse_hostport
+from llmgw.engines.launch import worker_port_base
 from llmgw.errors import ConfigError, NotFound
 from llmgw.log import kv
 from llmgw.server.catalog import Profile as CatalogProfile
@@ -33,12 +34,22 @@ __all__ = ["Scheduler", "restart_delay"]
 
 log = logging.getLogger("llmgw.server.scheduler")
 
+DIST_INIT_PORT = 29500
+"""The first dist-init port rank 0 of a multi-node replica binds (PyTorch's default)."""
+
 
 def _host_of(addr: str) -> str:
     try:
         return parse_hostport(addr, allow_zero=True)[0] if addr else ""
     except ConfigError:
         return ""
+
+
+def _port_of(addr: str) -> int:
+    try:
+        return parse_hostport(addr, allow_zero=True)[1] if addr else 0
+    except ConfigError:
+        return 0
 
 
 def restart_delay(failures: int) -> float:
@@ -202,7 +213,7 @@ class Scheduler:
                     shard = store.add_shard(replica.id, sp.node_id, rank=sp.rank)
                     shards.append(store.update_shard(shard.id, gpus=list(sp.gpus)))
                 if len(shards) > 1:
-                    addr = self._dist_init_addr(shards[0].node_id)
+                    addr = self._dist_init_addr(profile.engine, [sh.node_id for sh in shards])
                     shards = [store.update_shard(sh.id, dist_init_addr=addr) for sh in shards]
                 store.set_replica_state(replica.id, "starting")
         except _NoRoom as exc:
@@ -228,20 +239,52 @@ class Scheduler:
             self.cp.store.add_event("unplaceable", model, f"cannot place a replica: {reason}")
             log.warning("cannot place a replica", extra=kv(model=model, reason=reason))
 
-    def _dist_init_addr(self, node_id: str) -> str:
-        """Rank 0's rendezvous address: its management address and a port no other replica
-        on that node uses (29500 upwards, the PyTorch convention)."""
-        node = self.cp.store.get_node(node_id)
-        host = _host_of(node.dataplane_addr or "") or "127.0.0.1"
+    def _dist_init_addr(self, engine: str, node_ids: list[str]) -> str:
+        """A multi-node replica's rendezvous: rank 0's management address and a port that
+        no other replica on any of its nodes uses. Every shard row of a replica keeps it, so
+        the ports taken on a node are those of the replicas it has shards of.
+
+        Where the workers dial rank 0 it is the dist-init port (29500 upwards, the PyTorch
+        convention). Where rank 0 dials its workers (llama.cpp), each worker's endpoint
+        binds that port on its own node (50052 upwards, ``rpc-server``'s default), which is
+        why the port must be free on every node of the replica, not on rank 0's alone."""
+        store = self.cp.store
+        host = _host_of(store.get_node(node_ids[0]).dataplane_addr or "") or "127.0.0.1"
         used = {
-            int(sh.dist_init_addr.rsplit(":", 1)[1])
-            for sh in self.cp.store.list_shards(node_id=node_id)
-            if sh.dist_init_addr and sh.rank == 0
+            _port_of(sh.dist_init_addr)
+            for node_id in set(node_ids)
+            for sh in store.list_shards(node_id=node_id)
+            if sh.dist_init_addr
         }
-        port = 29500
+        base = worker_port_base(engine)
+        port = DIST_INIT_PORT if base is None else base
         while port in used:
             port += 1
         return format_hostport(host, port)
+
+    def _endpoints(self, shard: Shard, engine: str) -> tuple[list[str], str]:
+        """``(worker_addrs, listen_addr)`` of a shard's StartShard: for an engine whose
+        rank 0 dials its workers, rank 0 gets every worker's endpoint in rank order and a
+        worker the one it binds, each its node's management address and the replica's
+        port; empty for the others."""
+        if worker_port_base(engine) is None or not shard.dist_init_addr:
+            return [], ""
+        store = self.cp.store
+        port = _port_of(shard.dist_init_addr)
+        if not port:
+            return [], ""  # the engine's builder refuses the shard, saying what is missing
+
+        def endpoint(node_id: str) -> str:
+            host = _host_of(store.get_node(node_id).dataplane_addr or "") or "127.0.0.1"
+            return format_hostport(host, port)
+
+        if shard.rank > 0:
+            return [], endpoint(shard.node_id)
+        workers = sorted(
+            (sh for sh in store.list_shards(replica_id=shard.replica_id) if sh.rank > 0),
+            key=lambda sh: sh.rank,
+        )
+        return [endpoint(sh.node_id) for sh in workers], ""
 
     # -- drain: replacement first, one replica at a time ----------------------------------------
 
@@ -322,6 +365,7 @@ class Scheduler:
         replica = store.get_replica(shard.replica_id)
         model = store.get_model(replica.model)
         profile = self._profile(model)
+        worker_addrs, listen_addr = self._endpoints(shard, profile.engine)
         op_id = session.start_shard(
             shard_id=shard.id,
             replica_id=replica.id,
@@ -346,6 +390,8 @@ class Scheduler:
                 for sc in profile.sidecars
             ],
             profile=model.profile,
+            worker_addrs=worker_addrs,
+            listen_addr=listen_addr,
         )
         store.update_shard(shard.id, state="starting", op_id=op_id, reason="", exit_code=None)
 

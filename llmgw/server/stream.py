@@ -68,6 +68,8 @@ class NodeSession:
         gpu_memory_mib: int = 0,
         sidecars: list[dict[str, Any]] | None = None,
         profile: str = "",
+        worker_addrs: list[str] | None = None,
+        listen_addr: str = "",
     ) -> str:
         meta = self._meta()
         self.queue.put_nowait(
@@ -88,6 +90,8 @@ class NodeSession:
                     gpu_memory_mib=gpu_memory_mib,
                     sidecars=[pb.Sidecar(**sc) for sc in sidecars or []],
                     profile=profile,
+                    worker_addrs=worker_addrs or [],
+                    listen_addr=listen_addr,
                 )
             )
         )

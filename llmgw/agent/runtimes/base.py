@@ -78,6 +78,8 @@ class ShardRecord:
     gpu_memory_mib: int = 0
     profile: str = ""
     sidecars: tuple[SidecarRecord, ...] = ()
+    worker_addrs: tuple[str, ...] = ()
+    listen_addr: str = ""
     log_offset: int = 0
     """Where this engine's output starts in the shard's log (it is appended to across runs)."""
 

@@ -333,3 +333,80 @@ def test_close_leaves_engines_running(tmp_path: Path) -> None:
         os.killpg(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
+
+
+# --------------------------------------------------------------------------- llama.cpp RPC
+
+
+def _llamacpp(shard_id: str, rank: int, **kw: Any) -> ShardSpec:
+    return ShardSpec(
+        shard_id=shard_id,
+        replica_id="r9",
+        model="big",
+        engine="llamacpp",
+        rank=rank,
+        nodes=3,
+        dist_init_addr="10.1.0.5:50052",
+        source="/models/big.gguf",
+        gpus=("GPU-aaaa",),
+        **kw,
+    )
+
+
+def test_llamacpp_rank0_dials_the_workers_the_order_names(tmp_path: Path) -> None:
+    manager = ShardManager(tmp_path, ProcessRuntime(), Recorder())
+    manager.binary_of = lambda engine: "/opt/llama/bin/llama-server"
+    launch = manager.make_launch(
+        _llamacpp("r9-s0", 0, worker_addrs=("10.1.0.6:50052", "10.1.0.7:50052")),
+        43000,
+        tmp_path / "r9-s0.log",
+    )
+    argv = list(launch.argv)
+    assert argv[0] == "/opt/llama/bin/llama-server"
+    assert argv[argv.index("--rpc") + 1] == "10.1.0.6:50052,10.1.0.7:50052"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    # An order without the workers' endpoints is refused, naming what is missing.
+    with pytest.raises(ShardError, match="worker_addrs"):
+        manager.make_launch(_llamacpp("r9-s0", 0), 43000, tmp_path / "x.log")
+    with pytest.raises(ShardError, match="listen_addr"):
+        manager.make_launch(_llamacpp("r9-s1", 1), 43001, tmp_path / "x.log")
+
+
+def test_llamacpp_worker_runs_rpc_server_on_its_listen_addr(tmp_path: Path) -> None:
+    """A real process: an ``rpc-server`` stand-in beside ``llama-server`` records its argv
+    and environment; the worker is ready once it has run for the grace period, serves
+    nothing, and its record keeps the endpoint."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    seen = tmp_path / "seen"
+    fake = bindir / "rpc-server"
+    fake.write_text(f'#!/bin/sh\necho "$CUDA_VISIBLE_DEVICES $*" > {seen}\nexec sleep 60\n')
+    fake.chmod(0o755)
+    state_dir = tmp_path / "state"
+
+    async def main() -> None:
+        recorder = Recorder()
+        manager = ShardManager(
+            state_dir, ProcessRuntime(), recorder, startup_timeout=WAIT_S, worker_grace=0.2
+        )
+        manager.binary_of = lambda engine: str(bindir / "llama-server")
+        await manager.open()
+        try:
+            worker = _llamacpp("r9-s2", 2, listen_addr="127.0.0.1:50099")
+            await manager.start(worker)
+            await recorder.wait_for("r9-s2", READY)
+            assert seen.read_text().split() == [
+                "GPU-aaaa",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "50099",
+            ]
+            assert manager.ready_port("r9-s2") is None  # a worker serves nothing
+            saved = records(state_dir)["r9-s2"]
+            assert (saved["listen_addr"], saved["worker_addrs"]) == ("127.0.0.1:50099", [])
+        finally:
+            await manager.stop_all(grace=5.0)
+            await manager.close()
+
+    asyncio.run(main())

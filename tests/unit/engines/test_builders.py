@@ -371,6 +371,48 @@ def test_llamacpp_multi_node_needs_one_peer_per_worker(peers: tuple[str, ...]) -
         build_command(spec)
 
 
+def test_llamacpp_worker_binds_the_listen_addr_it_was_given() -> None:
+    worker = EngineSpec(
+        engine="llamacpp",
+        model="big",
+        port=1,
+        gpus=("GPU-cccc",),
+        nodes=3,
+        rank=2,
+        dist_init_addr="10.1.0.5:50052",
+        listen_addr="[fd00::7]:50053",
+    )
+    assert build_command(worker) == EngineCommand(
+        argv=["rpc-server", "--host", "fd00::7", "--port", "50053"],
+        env={"CUDA_VISIBLE_DEVICES": "GPU-cccc"},
+        serves=False,
+        health_path="",
+    )
+    # listen_addr wins over a list of every worker's endpoint.
+    both = replace(worker, peers=("10.1.0.6:50052", "10.1.0.7:50052"))
+    assert build_command(both).argv[2:] == ["fd00::7", "--port", "50053"]
+
+
+@pytest.mark.parametrize(
+    ("listen_addr", "needle"),
+    [("", "needs the host:port its rpc-server binds"), ("10.1.0.6", "is not host:port")],
+)
+def test_llamacpp_worker_without_a_usable_listen_addr_is_refused(
+    listen_addr: str, needle: str
+) -> None:
+    worker = EngineSpec(
+        engine="llamacpp",
+        model="big",
+        port=1,
+        nodes=2,
+        rank=1,
+        dist_init_addr="10.1.0.5:50052",
+        listen_addr=listen_addr,
+    )
+    with pytest.raises(EngineError, match=needle):
+        build_command(worker)
+
+
 # --------------------------------------------------------------------------- sim
 
 

@@ -1,0 +1,195 @@
+"""The scheduler's orders for multi-node replicas: the rendezvous address and, for engines
+whose rank 0 dials its workers (llama.cpp), every worker's endpoint, as StartShard carries
+them to the agents."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmgw.engines.launch import EngineSpec, build_command
+from llmgw.proto import control_pb2 as pb
+from llmgw.server.scheduler import Scheduler
+from llmgw.server.store import Store
+from llmgw.server.stream import NodeSession
+
+
+class _Router:
+    def endpoints(self, model: str | None = None) -> list[Any]:
+        return []
+
+
+class _ControlPlane:
+    """What the scheduler reads of the control plane: the store and the live sessions."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.sessions: dict[str, NodeSession] = {}
+        self.lost: set[str] = set()
+        self.router = _Router()
+        self.removed: list[str] = []
+
+    def remove_replica(self, replica_id: str, *, why: str) -> None:
+        self.removed.append(replica_id)
+        self.store.delete_replica(replica_id)
+
+
+@pytest.fixture
+def cp(tmp_path: Path) -> Iterator[_ControlPlane]:
+    store = Store.open(tmp_path / "state.db")
+    yield _ControlPlane(store)
+    store.close()
+
+
+def _join(cp: _ControlPlane, node_id: str, host: str, fabric: str = "ib-a") -> None:
+    inventory = {
+        "gpus": [{"uuid": f"GPU-{node_id}", "memory_total_mib": 81920}],
+        "fabrics": [{"name": fabric, "hcas": ["mlx5_0"], "healthy": True}],
+    }
+    cp.store.upsert_node(
+        node_id,
+        dataplane_addr=f"{host}:9443",
+        agent_version="0.1.0",
+        inventory=inventory,
+        connected=True,
+    )
+    cp.store.set_node_state(node_id, "approved")
+    cp.sessions[node_id] = NodeSession(
+        node_id=node_id,
+        dataplane_addr=f"{host}:9443",
+        epoch=1,
+        engines=frozenset({"sim", "llamacpp"}),
+    )
+
+
+def _deploy(cp: _ControlPlane, name: str, engine: str, nodes: int, replicas: int = 1) -> None:
+    profile = {"engine": engine, "gpus": 1, "nodes": nodes, "source": "/models/m.gguf"}
+    cp.store.put_catalog_model(name, {"default": profile})
+    cp.store.deploy_model(name, profile="default", replicas=replicas)
+
+
+def _orders(cp: _ControlPlane) -> dict[str, pb.StartShard]:
+    """The StartShard orders queued so far, by shard id (the latest of each)."""
+    orders: dict[str, pb.StartShard] = {}
+    for session in cp.sessions.values():
+        while not session.queue.empty():
+            msg = session.queue.get_nowait()
+            assert msg is not None
+            if msg.WhichOneof("msg") == "start_shard":
+                orders[msg.start_shard.shard_id] = msg.start_shard
+    return orders
+
+
+def _by_rank(orders: dict[str, pb.StartShard], model: str) -> list[pb.StartShard]:
+    return sorted((o for o in orders.values() if o.model == model), key=lambda o: o.rank)
+
+
+def test_llamacpp_rank0_dials_each_worker_on_its_node(cp: _ControlPlane) -> None:
+    for i, node in enumerate(("n1", "n2", "n3")):
+        _join(cp, node, f"10.0.0.{i + 1}")
+    _deploy(cp, "big", "llamacpp", nodes=3)
+    Scheduler(cp).reconcile()  # type: ignore[arg-type]
+
+    rank0, w1, w2 = _by_rank(_orders(cp), "big")
+    assert [o.shard_id.rsplit("-", 1)[1] for o in (rank0, w1, w2)] == ["s0", "s1", "s2"]
+    nodes = {s.id: s.node_id for s in cp.store.list_shards()}
+    host = {"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3"}
+    # rpc-server's default port, on every worker's own management address, in rank order.
+    assert list(rank0.worker_addrs) == [
+        f"{host[nodes[w1.shard_id]]}:50052",
+        f"{host[nodes[w2.shard_id]]}:50052",
+    ]
+    assert rank0.listen_addr == ""
+    assert rank0.dist_init_addr == f"{host[nodes[rank0.shard_id]]}:50052"
+    for worker, addr in zip((w1, w2), rank0.worker_addrs, strict=True):
+        assert worker.listen_addr == addr
+        assert list(worker.worker_addrs) == []
+        assert (worker.nodes, worker.dist_init_addr) == (3, rank0.dist_init_addr)
+
+    # What the agents build from these orders: llama-server --rpc and one rpc-server each.
+    def built(order: pb.StartShard) -> list[str]:
+        spec = EngineSpec(
+            engine=order.engine,
+            model=order.model,
+            port=40000,
+            source=order.source,
+            nodes=order.nodes,
+            rank=order.rank,
+            dist_init_addr=order.dist_init_addr,
+            peers=tuple(order.worker_addrs),
+            listen_addr=order.listen_addr,
+        )
+        return build_command(spec).argv
+
+    argv = built(rank0)
+    assert argv[argv.index("--rpc") + 1] == ",".join(rank0.worker_addrs)
+    for worker in (w1, w2):
+        h, p = worker.listen_addr.rsplit(":", 1)
+        assert built(worker) == ["rpc-server", "--host", h, "--port", p]
+
+
+def test_worker_ports_are_free_on_every_node_of_the_replica(cp: _ControlPlane) -> None:
+    _join(cp, "n1", "10.0.0.1")
+    _join(cp, "n2", "10.0.0.2")
+    # Another replica, ranked 0 on n3, already has its worker's endpoint on n2 at 50052.
+    cp.store.upsert_node(
+        "n3", dataplane_addr="10.0.0.3:9443", agent_version="0.1.0", inventory={}, connected=False
+    )
+    _deploy(cp, "other", "llamacpp", nodes=2)
+    other = cp.store.add_replica("other")
+    for rank, node in ((0, "n3"), (1, "n2")):
+        shard = cp.store.add_shard(other.id, node, rank=rank)
+        cp.store.update_shard(shard.id, dist_init_addr="10.0.0.3:50052", state="ready")
+
+    # A new replica ranked 0 on n1 (where 50052 is free) with its worker on n2: the port
+    # must be free on n2 too.
+    _deploy(cp, "big", "llamacpp", nodes=2)
+    Scheduler(cp).reconcile()  # type: ignore[arg-type]
+    rank0, worker = _by_rank(_orders(cp), "big")
+    assert rank0.dist_init_addr == "10.0.0.1:50053"
+    assert list(rank0.worker_addrs) == ["10.0.0.2:50053"]
+    assert worker.listen_addr == "10.0.0.2:50053"
+
+
+def test_a_port_taken_on_a_worker_node_is_skipped(cp: _ControlPlane) -> None:
+    _join(cp, "n1", "10.0.0.1")
+    _join(cp, "n2", "10.0.0.2")
+    # Give each node a second GPU, so that two two-node replicas fit on the same pair.
+    for node in ("n1", "n2"):
+        inventory = dict(cp.store.get_node(node).inventory)
+        inventory["gpus"] = [
+            {"uuid": f"GPU-{node}-{i}", "memory_total_mib": 81920} for i in range(2)
+        ]
+        cp.store.upsert_node(
+            node,
+            dataplane_addr=cp.store.get_node(node).dataplane_addr,
+            agent_version="0.1.0",
+            inventory=inventory,
+            connected=True,
+        )
+    _deploy(cp, "big", "llamacpp", nodes=2, replicas=2)
+    Scheduler(cp).reconcile()  # type: ignore[arg-type]
+    orders = _orders(cp)
+    ports = sorted(o.listen_addr.rsplit(":", 1)[1] for o in orders.values() if o.rank == 1)
+    # Both workers bind on the pair's nodes; they never share a port on one node.
+    assert ports == ["50052", "50053"]
+    for order in orders.values():
+        if order.rank == 0:
+            assert order.dist_init_addr.rsplit(":", 1)[1] in ports
+            assert len(order.worker_addrs) == 1
+
+
+def test_single_node_and_sim_orders_carry_no_endpoints(cp: _ControlPlane) -> None:
+    _join(cp, "n1", "10.0.0.1")
+    _deploy(cp, "one", "llamacpp", nodes=1)
+    Scheduler(cp).reconcile()  # type: ignore[arg-type]
+    (order,) = _orders(cp).values()
+    assert (order.nodes, order.dist_init_addr, list(order.worker_addrs), order.listen_addr) == (
+        1,
+        "",
+        [],
+        "",
+    )
