@@ -1,0 +1,1052 @@
+#!/bin/sh
+# Install, upgrade, roll back and remove the llmgw node agent (DESIGN §5, §7), from the
+# bundle this script sits in (llmgw, systemd/, agent.example.yaml) or, with 'package', from
+# the signed apt/yum repository.
+#
+# Usage: install-agent.sh VERB [OPTIONS]           (as root)
+#   install [--node-id ID --enroll-url URL --ca-hash HASH] [--address IP]
+#           [--firewall-from IP|CIDR]... [--models-root DIR] [--cache-root DIR]
+#       The service user, lingering, the binary (under /usr/local/lib/llmgw-agent, the
+#       previous one kept), the unit and its drop-in, the update helper, the configuration;
+#       with the join options: 'llmgw agent join' (the token from LLMGW_JOIN_TOKEN, else a
+#       prompt), start, wait until the agent listens. Re-running it with the same options
+#       changes nothing and restarts nothing.
+#   upgrade      Install this bundle's binary and units, keep the configuration and the
+#                identity, restart; roll back by itself when the new agent does not listen
+#                within LLMGW_AGENT_HEALTH_TIMEOUT seconds (default 180).
+#   rollback     Swap back to the previous binary and units, restart.
+#   uninstall [--purge]
+#                Stop and remove the binary, the units and the firewall rules; keep the
+#                configuration, the identity and the models. --purge also removes the
+#                configuration, the identity, the drop-ins, the update helper's trust and
+#                state, and the user; never the model and cache folders.
+#   rekey --enroll-url URL --ca-hash HASH [--node-id ID]
+#                Stop, 'llmgw agent join --rekey' (a rekey token in LLMGW_JOIN_TOKEN), start;
+#                on failure the agent starts again on its old identity.
+#   package --repo-url URL --repo-key FILE|URL [the options of install]
+#                Install llmgw-agent with apt-get or dnf from the signed repository served
+#                at URL (scripts/repo.sh's --url: URL/apt, URL/yum), then configure, join and
+#                start as install does.
+#   status       Versions, the unit, the port, the identity, the firewall rules.
+#
+# Environment: LLMGW_JOIN_TOKEN (the join or rekey token; never pass it as an argument),
+# LLMGW_AGENT_HEALTH_TIMEOUT (seconds to wait for the agent to listen; default 180).
+set -eu
+
+# Where things go; tests/packaging reads these assignments (keep them plain).
+AGENT_PORT=9443
+SERVICE_USER=llmgw-agent
+CONFIG=/etc/llmgw/agent.yaml
+STATE_DIR=/var/lib/llmgw-agent
+LIB_DIR=/usr/local/lib/llmgw-agent
+UNIT_DIR=/etc/systemd/system
+UPDATE_TRUST_DIR=/etc/llmgw/update
+MODELS_ROOT=/srv/llmgw/models
+CACHE_ROOT=/srv/llmgw/cache
+
+UNIT=llmgw-agent.service
+UPDATE_UNITS="llmgw-agent-update.path llmgw-agent-update.service"
+DROPIN_DIR=$UNIT_DIR/$UNIT.d
+DROPIN=$DROPIN_DIR/10-install.conf
+PREVIOUS_DIR=$LIB_DIR/previous
+# What the installer itself did (firewall rules, install mode); only install, package and
+# uninstall write here (upgrades run from the sandboxed update helper, which cannot).
+INSTALL_STATE=/var/lib/llmgw-agent-install
+UPDATE_STATE=/var/lib/llmgw-update
+LINGER_DIR=/var/lib/systemd/linger
+PACKAGE_BIN=/usr/bin/llmgw
+NFT_TABLE=llmgw
+# The lines of agent.yaml that 'install' owns (its options), rewritten by every install.
+MANAGED_MARK="# install-agent.sh: set from its options at each install (edit by re-running it)"
+DEFAULT_HEALTH_TIMEOUT=180
+
+info() { printf '==> %s\n' "$*" >&2; }
+warn() { printf 'warning: %s\n' "$*" >&2; }
+fatal() {
+    printf 'error: %s\n' "$*" >&2
+    exit 1
+}
+usage() {
+    sed -n 's/^# \{0,1\}//; /^Usage:/,/^$/p' "$0" >&2
+    exit 2
+}
+
+# ------------------------------------------------------------------------------ arguments
+
+parse_args() {
+    VERB=${1:-}
+    [ -n "$VERB" ] || usage
+    shift
+    NODE_ID="" ENROLL_URL="" CA_HASH="" ADDRESS="" FIREWALL_FROM="" PURGE=""
+    REPO_URL="" REPO_KEY=""
+    MODELS=$MODELS_ROOT CACHE=$CACHE_ROOT
+    while [ $# -gt 0 ]; do
+        case $1 in
+            --purge)
+                PURGE=1
+                shift
+                continue
+                ;;
+            -h | --help) usage ;;
+            --node-id | --enroll-url | --ca-hash | --address | --firewall-from | --models-root | \
+                --cache-root | --repo-url | --repo-key)
+                if [ $# -lt 2 ] || [ -z "$2" ]; then fatal "$1 needs a value (see: $0 --help)"; fi
+                ;;
+            *) fatal "unknown option '$1' for '$VERB' (see: $0 --help)" ;;
+        esac
+        case $1 in
+            --node-id) NODE_ID=$2 ;;
+            --enroll-url) ENROLL_URL=$2 ;;
+            --ca-hash) CA_HASH=$2 ;;
+            --address) ADDRESS=$2 ;;
+            --firewall-from) FIREWALL_FROM="$FIREWALL_FROM $(check_source "$2")" ;;
+            --models-root) MODELS=$(check_dir_option "$1" "$2") ;;
+            --cache-root) CACHE=$(check_dir_option "$1" "$2") ;;
+            --repo-url) REPO_URL=${2%/} ;;
+            --repo-key) REPO_KEY=$2 ;;
+        esac
+        shift 2
+    done
+    case $VERB in
+        install | package | upgrade | rollback | uninstall | rekey | status) ;;
+        *) fatal "unknown verb '$VERB'; one of install, upgrade, rollback, uninstall, rekey, package, status" ;;
+    esac
+    if [ -n "$PURGE" ] && [ "$VERB" != uninstall ]; then
+        fatal "--purge goes with 'uninstall' only"
+    fi
+    case $VERB in
+        install | package)
+            if [ -n "$NODE_ID$ENROLL_URL$CA_HASH" ] && { [ -z "$NODE_ID" ] || [ -z "$ENROLL_URL" ] || [ -z "$CA_HASH" ]; }; then
+                fatal "joining needs --node-id, --enroll-url and --ca-hash together (the command 'llmgw ctl join-command' prints has all three)"
+            fi
+            ;;
+        rekey)
+            [ -n "$ENROLL_URL" ] || fatal "rekey needs --enroll-url and --ca-hash (from 'llmgw ctl join-command --rekey NODE')"
+            [ -n "$CA_HASH" ] \
+                || fatal "rekey needs --enroll-url and --ca-hash (from 'llmgw ctl join-command --rekey NODE')"
+            ;;
+        *)
+            [ -z "$NODE_ID$ENROLL_URL$CA_HASH$ADDRESS$FIREWALL_FROM$REPO_URL$REPO_KEY" ] \
+                || fatal "'$VERB' takes no options but --purge (uninstall)"
+            ;;
+    esac
+    if [ "$VERB" = package ]; then
+        [ -n "$REPO_URL" ] || fatal "package needs --repo-url URL (where the repository is served) and --repo-key FILE|URL (its public key)"
+        [ -n "$REPO_KEY" ] \
+            || fatal "package needs --repo-url URL (where the repository is served) and --repo-key FILE|URL (its public key)"
+    elif [ -n "$REPO_URL$REPO_KEY" ]; then
+        fatal "--repo-url and --repo-key go with 'package' only"
+    fi
+    if [ -n "$ADDRESS" ]; then
+        check_address "$ADDRESS" || fatal "--address $ADDRESS is not an IP address (e.g. 10.0.0.5 or fd00::5)"
+    fi
+    HEALTH_TIMEOUT=${LLMGW_AGENT_HEALTH_TIMEOUT:-$DEFAULT_HEALTH_TIMEOUT}
+    case $HEALTH_TIMEOUT in
+        '' | *[!0-9]*) fatal "LLMGW_AGENT_HEALTH_TIMEOUT='$HEALTH_TIMEOUT' is not a number of seconds" ;;
+    esac
+}
+
+check_address() {
+    case $1 in
+        *:*) printf '%s\n' "$1" | grep -Eq '^[0-9A-Fa-f:.]+$' ;;
+        *) printf '%s\n' "$1" | grep -Eq '^([0-9]{1,3}\.){3}[0-9]{1,3}$' ;;
+    esac
+}
+
+check_source() {
+    address=${1%/*}
+    prefix=""
+    [ "$address" = "$1" ] || prefix=${1##*/}
+    check_address "$address" || fatal "--firewall-from $1 is not an IP address or CIDR (e.g. 10.0.0.0/24)"
+    case $prefix in
+        '') ;;
+        *[!0-9]*) fatal "--firewall-from $1: the prefix length must be a number" ;;
+        *)
+            limit=32
+            case $address in *:*) limit=128 ;; esac
+            [ "$prefix" -le "$limit" ] || fatal "--firewall-from $1: the prefix length is above $limit"
+            ;;
+    esac
+    printf '%s\n' "$1"
+}
+
+check_dir_option() {
+    case $2 in
+        /*) ;;
+        *) fatal "$1 $2 is not an absolute path" ;;
+    esac
+    case $2 in
+        *[[:space:]]* | *[\"\'\\]*) fatal "$1 '$2': a path with spaces or quotes cannot go into a unit's ReadWritePaths=" ;;
+    esac
+    printf '%s\n' "${2%/}"
+}
+
+# ------------------------------------------------------------------------------ helpers
+
+check_root() {
+    [ "$(id -u)" -eq 0 ] || fatal "'$VERB' needs root; run it with sudo (sudo --preserve-env=LLMGW_JOIN_TOKEN to pass a token)"
+}
+
+check_systemd() {
+    [ -d /run/systemd/system ] \
+        || fatal "systemd is not running (no /run/systemd/system); the agent is a systemd service: install on a machine booted with systemd"
+    for tool in systemctl ss sha256sum setpriv; do
+        command -v "$tool" >/dev/null 2>&1 || fatal "no $tool; install it (apt-get install -y iproute2 util-linux systemd coreutils)"
+    done
+}
+
+# Staging area for everything written atomically, removed at exit.
+make_stage() {
+    STAGE=$(mktemp -d)
+    trap 'rm -rf "$STAGE"' EXIT
+    trap 'exit 130' INT TERM
+}
+
+sum_of() { sha256sum "$1" 2>/dev/null | cut -c1-64; }
+
+# "640 root:llmgw-agent": the mode as install/chmod take it (leading zeros dropped).
+mode_of() { stat -c '%a %U:%G' "$1" 2>/dev/null || true; }
+same_mode() { [ "$(mode_of "$1")" = "${2#0} $3" ]; }
+
+# Put SRC at DEST with MODE and OWNER (user:group) unless it is there already; return 0 when
+# DEST changed, 1 when it was already so. Atomic: a copy beside DEST, then mv.
+put_file() {
+    src=$1 dest=$2 mode=$3 owner=$4
+    if [ -f "$dest" ] && cmp -s "$src" "$dest" && same_mode "$dest" "$mode" "$owner"; then
+        return 1
+    fi
+    mkdir -p "$(dirname "$dest")"
+    tmp=$(dirname "$dest")/.$(basename "$dest").new.$$
+    cp "$src" "$tmp"
+    chmod "$mode" "$tmp"
+    chown "$owner" "$tmp"
+    mv -f "$tmp" "$dest"
+    return 0
+}
+
+# A directory with MODE and OWNER, made when missing; an existing one is set to them only
+# when FORCE is given (our own directories), never an operator's model folder.
+put_dir() {
+    dir=$1 mode=$2 owner=$3 force=${4:-}
+    if [ ! -d "$dir" ]; then
+        mkdir -p "$dir"
+    elif [ -z "$force" ] || same_mode "$dir" "$mode" "$owner"; then
+        return 1
+    fi
+    chmod "$mode" "$dir"
+    chown "$owner" "$dir"
+    return 0
+}
+
+# Run a program of the agent's as the service user, its TMPDIR (where a one-file build
+# unpacks itself) in the state directory. The environment (LLMGW_JOIN_TOKEN) is kept.
+as_agent() {
+    (cd / && TMPDIR=$STATE_DIR/tmp HOME=/nonexistent setpriv --reuid="$SERVICE_USER" \
+        --regid="$SERVICE_USER" --init-groups -- "$@")
+}
+
+# "X.Y.Z" from a binary's --version, run as root with TMPDIR in the stage; empty when it does
+# not answer.
+version_of() {
+    [ -x "$1" ] || return 0
+    said=$(TMPDIR=$STAGE "$1" --version 2>/dev/null) || return 0
+    case $said in
+        "llmgw "*) printf '%s\n' "${said#llmgw }" ;;
+    esac
+}
+
+journal_tail() {
+    journalctl -u "$UNIT" -n 25 --no-pager 2>/dev/null | sed 's/^/    /' >&2 || true
+}
+
+is_listening() {
+    [ -n "$(ss -ltnH "( sport = :$AGENT_PORT )" 2>/dev/null)" ]
+}
+
+# Until the unit is active (READY=1: stream up, data plane bound) and the port listens.
+wait_listening() {
+    timeout=$1
+    waited=0
+    while :; do
+        if [ "$(systemctl is-active "$UNIT" 2>/dev/null)" = active ] && is_listening; then
+            return 0
+        fi
+        [ "$waited" -ge "$timeout" ] && return 1
+        sleep 1
+        waited=$((waited + 1))
+    done
+}
+
+has_identity() { [ -f "$STATE_DIR/node.crt" ]; }
+
+mode_recorded() { cat "$INSTALL_STATE/mode" 2>/dev/null || true; }
+
+# The binary the units run: the package's, or the tarball install's.
+agent_bin() {
+    if [ "$(mode_recorded)" = package ]; then
+        printf '%s\n' "$PACKAGE_BIN"
+    else
+        printf '%s\n' "$LIB_DIR/llmgw"
+    fi
+}
+
+bundle_dir() {
+    BUNDLE=$(cd "$(dirname "$0")" && pwd)
+    [ -f "$BUNDLE/llmgw" ] \
+        || fatal "no llmgw next to this script ($BUNDLE); run the install-agent.sh of an unpacked llmgw-agent-*.tar.gz bundle"
+    [ -f "$BUNDLE/systemd/$UNIT" ] \
+        || fatal "no systemd/$UNIT in $BUNDLE; the bundle is incomplete: download it again"
+    chmod 0755 "$BUNDLE/llmgw" 2>/dev/null || true
+    NEW_VERSION=$(version_of "$BUNDLE/llmgw")
+    [ -n "$NEW_VERSION" ] \
+        || fatal "$BUNDLE/llmgw does not run here ('llmgw --version' failed): is the bundle for this architecture ($(uname -m))? Nothing was changed"
+}
+
+# A unit from systemd/ as installed here: ExecStart pointed at BIN (the unit ships with the
+# package's /usr/bin/llmgw); the file is otherwise the bundle's.
+render_unit() {
+    src=$1 bin=$2 out=$3
+    {
+        printf '# Installed by install-agent.sh from the bundle'"'"'s systemd/%s (ExecStart: %s).\n' \
+            "$(basename "$src")" "$bin"
+        sed "s#^ExecStart=\([-+!@:]*\)[^ ]*/llmgw\( \|\$\)#ExecStart=\1$bin\2#" "$src"
+    } >"$out"
+    grep -q "^ExecStart=[-+!@:]*$bin\( \|\$\)" "$out" \
+        || fatal "$src has no 'ExecStart=.../llmgw' line to point at $bin; the bundle is broken"
+}
+
+# ------------------------------------------------------------------------------ install steps
+
+# 1. the service user: a system user, no login, no home; in docker's group when it exists.
+ensure_user() {
+    if ! getent passwd "$SERVICE_USER" >/dev/null 2>&1; then
+        info "user: creating system user $SERVICE_USER"
+        getent group "$SERVICE_USER" >/dev/null 2>&1 || groupadd --system "$SERVICE_USER"
+        useradd --system --gid "$SERVICE_USER" --no-create-home --home-dir /nonexistent \
+            --shell /usr/sbin/nologin --comment "llmgw node agent" "$SERVICE_USER"
+    fi
+    if getent group docker >/dev/null 2>&1; then
+        case " $(id -nG "$SERVICE_USER") " in
+            *" docker "*) ;;
+            *)
+                info "user: adding $SERVICE_USER to the docker group"
+                usermod -aG docker "$SERVICE_USER"
+                ;;
+        esac
+    fi
+}
+
+# 2. lingering: the user's manager runs without a login session (engines in its scope).
+ensure_linger() {
+    [ -e "$LINGER_DIR/$SERVICE_USER" ] && return 0
+    info "user: lingering on for $SERVICE_USER"
+    if ! loginctl enable-linger "$SERVICE_USER" >/dev/null 2>&1; then
+        # No logind: the flag file is what it reads when it starts.
+        mkdir -p "$LINGER_DIR"
+        : >"$LINGER_DIR/$SERVICE_USER"
+    fi
+}
+
+# 3. folders: state (0700, the agent's), models and caches (made when missing), /etc/llmgw.
+ensure_dirs() {
+    put_dir "$STATE_DIR" 0700 "$SERVICE_USER:$SERVICE_USER" force || true
+    put_dir "$STATE_DIR/tmp" 0700 "$SERVICE_USER:$SERVICE_USER" force || true
+    for dir in "$MODELS" "$CACHE"; do
+        if put_dir "$dir" 0755 "$SERVICE_USER:$SERVICE_USER"; then
+            info "folders: made $dir"
+        fi
+    done
+    put_dir /etc/llmgw 0755 root:root || true
+}
+
+# 4. the binary, the previous one kept for rollback (with the units it ran under).
+install_binary() {
+    if [ -f "$LIB_DIR/llmgw" ] && cmp -s "$BUNDLE/llmgw" "$LIB_DIR/llmgw"; then
+        return 1
+    fi
+    put_dir "$LIB_DIR" 0755 root:root force || true
+    if [ -f "$LIB_DIR/llmgw" ]; then
+        keep_previous
+    fi
+    info "binary: llmgw $NEW_VERSION into $LIB_DIR"
+    put_file "$BUNDLE/llmgw" "$LIB_DIR/llmgw" 0755 root:root || true
+    return 0
+}
+
+keep_previous() {
+    rm -rf "$PREVIOUS_DIR.new"
+    mkdir -p "$PREVIOUS_DIR.new"
+    cp -p "$LIB_DIR/llmgw" "$PREVIOUS_DIR.new/llmgw"
+    for name in $UNIT $UPDATE_UNITS; do
+        [ -f "$UNIT_DIR/$name" ] && cp -p "$UNIT_DIR/$name" "$PREVIOUS_DIR.new/$name"
+    done
+    rm -rf "$PREVIOUS_DIR"
+    mv "$PREVIOUS_DIR.new" "$PREVIOUS_DIR"
+    info "binary: kept llmgw $(version_of "$PREVIOUS_DIR/llmgw") in $PREVIOUS_DIR for rollback"
+}
+
+# 5. the units: the agent's (unless a package owns it) and the update helper's.
+install_units() {
+    changed=1
+    bin=$(agent_bin)
+    names=$UPDATE_UNITS
+    [ "$(mode_recorded)" = package ] || names="$UNIT $names"
+    for name in $names; do
+        [ -f "$BUNDLE/systemd/$name" ] || fatal "no systemd/$name in $BUNDLE; the bundle is incomplete"
+        render_unit "$BUNDLE/systemd/$name" "$bin" "$STAGE/$name"
+        if put_file "$STAGE/$name" "$UNIT_DIR/$name" 0644 root:root; then
+            info "units: $UNIT_DIR/$name"
+            changed=0
+        fi
+    done
+    return $changed
+}
+
+# 6. the drop-in: the model and cache roots the agent may write.
+install_dropin() {
+    {
+        echo "# Written by install-agent.sh (install --models-root/--cache-root); rewritten at"
+        echo "# each install. Your own settings: systemctl edit $UNIT (override.conf)."
+        echo "[Service]"
+        echo "ReadWritePaths=-$MODELS -$CACHE"
+    } >"$STAGE/10-install.conf"
+    if put_file "$STAGE/10-install.conf" "$DROPIN" 0644 root:root; then
+        info "units: $DROPIN (ReadWritePaths=$MODELS $CACHE)"
+        return 0
+    fi
+    return 1
+}
+
+# 7. agent.yaml: what the join wrote (server(s), node_id, state_dir) or the operator's file,
+# with the installer's own lines (the model and cache roots, --address) at the end.
+config_is_valid() {
+    [ -f "$1" ] && TMPDIR=$STAGE "$(agent_bin)" agent --check --config "$1" >/dev/null 2>&1
+}
+
+write_config() {
+    base=$1
+    {
+        # Drop the lines a previous install wrote, and the keys the options set.
+        awk -v mark="$MANAGED_MARK" -v address="$ADDRESS" '
+            $0 == mark { next }
+            /^(models_root|cache_root):/ { next }
+            address != "" && /^(mgmt_addr|mgmt_interface):/ { next }
+            { print }
+        ' "$base"
+        echo "$MANAGED_MARK"
+        echo "models_root: $MODELS"
+        echo "cache_root: $CACHE"
+        [ -z "$ADDRESS" ] || echo "mgmt_addr: $ADDRESS"
+    } >"$STAGE/agent.yaml"
+    # The managed lines come as one block at the end: re-runs find them in place.
+    awk -v mark="$MANAGED_MARK" '
+        $0 == mark { seen = 1 }
+        seen && $0 != mark && !/^(models_root|cache_root|mgmt_addr):/ { exit 1 }
+    ' "$STAGE/agent.yaml" || fatal "could not compose $CONFIG"
+    config_is_valid "$STAGE/agent.yaml" || {
+        TMPDIR=$STAGE "$(agent_bin)" agent --check --config "$STAGE/agent.yaml" >&2 || true
+        fatal "the configuration composed from $base is not valid (above); fix $base and run again"
+    }
+    if put_file "$STAGE/agent.yaml" "$CONFIG" 0640 "root:$SERVICE_USER"; then
+        info "config: $CONFIG"
+        return 0
+    fi
+    return 1
+}
+
+# 8. the join, as the service user; the token only in the environment. Writes the identity
+# into the state directory and, when there is no valid agent.yaml yet, a fresh one in the
+# stage (the service user cannot write /etc/llmgw).
+join_node() {
+    if [ -z "${LLMGW_JOIN_TOKEN:-}" ] && ! [ -t 0 ]; then
+        fatal "no join token: export LLMGW_JOIN_TOKEN=<token from 'llmgw ctl join-command'> and run again with 'sudo --preserve-env=LLMGW_JOIN_TOKEN' (or run in a terminal to be asked)"
+    fi
+    info "join: node $NODE_ID at $ENROLL_URL"
+    if config_is_valid "$CONFIG"; then
+        join_config=$CONFIG
+    else
+        joindir=$STAGE/join
+        mkdir -p "$joindir"
+        chown "$SERVICE_USER:$SERVICE_USER" "$joindir"
+        chmod 0700 "$joindir"
+        # The stage is root's 0700; the service user needs to pass through it.
+        chmod 0711 "$STAGE"
+        join_config=$joindir/agent.yaml
+    fi
+    as_agent "$(agent_bin)" agent join --node-id "$NODE_ID" --enroll-url "$ENROLL_URL" \
+        --ca-hash "$CA_HASH" --config "$join_config" --state-dir "$STATE_DIR" >&2 \
+        || fatal "'llmgw agent join' failed (its message above); nothing of the identity was written. Fix what it says and run this command again"
+    if [ "$join_config" != "$CONFIG" ]; then
+        [ -f "$join_config" ] || fatal "'llmgw agent join' wrote no $join_config"
+        cp "$join_config" "$STAGE/joined.yaml"
+    fi
+}
+
+# The node id: the option, else what agent.yaml says.
+node_id_now() {
+    if [ -n "$NODE_ID" ]; then
+        printf '%s\n' "$NODE_ID"
+    elif [ -f "$CONFIG" ]; then
+        sed -n "s/^node_id:[[:space:]]*['\"]\{0,1\}\([^'\"[:space:]]*\).*/\1/p" "$CONFIG" | head -n 1
+    fi
+}
+
+# 9. what the root update helper trusts: the cluster CA this node pinned at its join, and
+# the node id an order must name. Root's, readable by all; the agent cannot change them.
+install_update_trust() {
+    put_dir "$UPDATE_TRUST_DIR" 0755 root:root force || true
+    changed=1
+    if [ -f "$STATE_DIR/ca.crt" ] && put_file "$STATE_DIR/ca.crt" "$UPDATE_TRUST_DIR/ca.pem" 0644 root:root; then
+        info "update helper: trusts the cluster CA in $UPDATE_TRUST_DIR/ca.pem"
+        changed=0
+    fi
+    id=$(node_id_now)
+    if [ -n "$id" ]; then
+        printf '%s\n' "$id" >"$STAGE/node-id"
+        if put_file "$STAGE/node-id" "$UPDATE_TRUST_DIR/node-id" 0644 root:root; then
+            changed=0
+        fi
+    fi
+    return $changed
+}
+
+# 10. enable the units; (re)start only when something changed or the agent is not running.
+start_agent() {
+    restart=$1
+    if [ "$(systemctl is-enabled "$UNIT" 2>/dev/null)" != enabled ]; then
+        systemctl enable "$UNIT" >/dev/null 2>&1 || fatal "systemctl enable $UNIT failed"
+    fi
+    if [ "$(mode_recorded)" != package ] || [ -f "$UNIT_DIR/llmgw-agent-update.path" ]; then
+        if [ "$(systemctl is-enabled llmgw-agent-update.path 2>/dev/null)" != enabled ] \
+            || [ "$(systemctl is-active llmgw-agent-update.path 2>/dev/null)" != active ]; then
+            systemctl enable --now llmgw-agent-update.path >/dev/null 2>&1 \
+                || fatal "systemctl enable --now llmgw-agent-update.path failed; see: journalctl -u llmgw-agent-update.path"
+        fi
+    fi
+    if ! has_identity; then
+        info "not started: this node has no identity yet. Run this again with --node-id, --enroll-url and --ca-hash (the token in LLMGW_JOIN_TOKEN)"
+        return 0
+    fi
+    if [ -z "$restart" ] && [ "$(systemctl is-active "$UNIT" 2>/dev/null)" = active ]; then
+        info "service: $UNIT runs and nothing changed; not restarted"
+        return 0
+    fi
+    info "service: (re)starting $UNIT"
+    systemctl reset-failed "$UNIT" >/dev/null 2>&1 || true
+    systemctl restart --no-block "$UNIT"
+    if ! wait_listening "$HEALTH_TIMEOUT"; then
+        journal_tail
+        fatal "$UNIT did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s (its journal above); fix what it says, then: systemctl restart $UNIT"
+    fi
+    info "service: $UNIT is active and listens on :$AGENT_PORT"
+}
+
+# 11. the firewall: port AGENT_PORT from the given sources only; what was added is recorded
+# and removed exactly on uninstall (or when install is run with other sources).
+firewall_backend() {
+    if command -v ufw >/dev/null 2>&1 && ufw status 2>/dev/null | grep -q '^Status: active'; then
+        echo ufw
+    elif command -v firewall-cmd >/dev/null 2>&1 && [ "$(firewall-cmd --state 2>/dev/null)" = running ]; then
+        echo firewalld
+    elif command -v nft >/dev/null 2>&1; then
+        echo nft
+    fi
+}
+
+family_of() {
+    case $1 in
+        *:*) echo ipv6 ;;
+        *) echo ipv4 ;;
+    esac
+}
+
+firewall_add() { # BACKEND SOURCE
+    case $1 in
+        ufw) ufw allow proto tcp from "$2" to any port "$AGENT_PORT" comment "llmgw-agent" >/dev/null ;;
+        firewalld)
+            rule="rule family=$(family_of "$2") source address=$2 port port=$AGENT_PORT protocol=tcp accept"
+            firewall-cmd --quiet --permanent --add-rich-rule="$rule"
+            firewall-cmd --quiet --add-rich-rule="$rule"
+            ;;
+        nft)
+            nft add table inet "$NFT_TABLE"
+            nft add chain inet "$NFT_TABLE" input '{ type filter hook input priority 0; policy accept; }'
+            nft insert rule inet "$NFT_TABLE" input "$(nft_family "$2")" saddr "$2" tcp dport "$AGENT_PORT" accept
+            if ! nft list chain inet "$NFT_TABLE" input | grep -q "tcp dport $AGENT_PORT drop"; then
+                nft add rule inet "$NFT_TABLE" input tcp dport "$AGENT_PORT" drop
+            fi
+            ;;
+    esac
+}
+
+nft_family() {
+    case $1 in
+        *:*) echo ip6 ;;
+        *) echo ip ;;
+    esac
+}
+
+firewall_remove() { # BACKEND SOURCE
+    case $1 in
+        ufw) ufw delete allow proto tcp from "$2" to any port "$AGENT_PORT" >/dev/null 2>&1 || true ;;
+        firewalld)
+            rule="rule family=$(family_of "$2") source address=$2 port port=$AGENT_PORT protocol=tcp accept"
+            firewall-cmd --quiet --permanent --remove-rich-rule="$rule" 2>/dev/null || true
+            firewall-cmd --quiet --remove-rich-rule="$rule" 2>/dev/null || true
+            ;;
+        nft)
+            # The table is ours alone: it goes with its last source.
+            nft delete table inet "$NFT_TABLE" 2>/dev/null || true
+            ;;
+    esac
+}
+
+firewall_present() { # BACKEND SOURCE
+    case $1 in
+        ufw) ufw status 2>/dev/null | grep -q "^$AGENT_PORT/tcp .* ALLOW .* $2\( \|\$\)" ;;
+        firewalld) firewall-cmd --list-rich-rules 2>/dev/null | grep -q "source address=\"$2\" port port=\"$AGENT_PORT\"" ;;
+        nft) nft list table inet "$NFT_TABLE" 2>/dev/null | grep -q "saddr $2 tcp dport $AGENT_PORT accept" ;;
+        *) return 1 ;;
+    esac
+}
+
+firewall_clear() {
+    [ -f "$INSTALL_STATE/firewall" ] || return 0
+    while read -r backend source; do
+        [ -n "$source" ] || continue
+        info "firewall: removing $backend rule for :$AGENT_PORT from $source"
+        firewall_remove "$backend" "$source"
+    done <"$INSTALL_STATE/firewall"
+    rm -f "$INSTALL_STATE/firewall"
+}
+
+configure_firewall() {
+    # shellcheck disable=SC2086 # a list of checked addresses, split on purpose
+    wanted=$(printf '%s\n' $FIREWALL_FROM | sed '/^$/d' | sort -u)
+    recorded=$(cut -d' ' -f2 "$INSTALL_STATE/firewall" 2>/dev/null | sort -u || true)
+    if [ -z "$wanted" ]; then
+        firewall_clear
+        return 0
+    fi
+    backend=$(firewall_backend)
+    [ -n "$backend" ] || fatal "--firewall-from needs ufw (active), firewalld (running) or nft; install nftables, or leave --firewall-from out"
+    if [ "$wanted" = "$recorded" ] && [ "$(cut -d' ' -f1 "$INSTALL_STATE/firewall" | sort -u)" = "$backend" ]; then
+        missing=""
+        for source in $wanted; do
+            firewall_present "$backend" "$source" || missing=1
+        done
+        [ -n "$missing" ] || return 0
+    fi
+    firewall_clear
+    mkdir -p "$INSTALL_STATE"
+    : >"$INSTALL_STATE/firewall.new"
+    for source in $wanted; do
+        info "firewall ($backend): :$AGENT_PORT/tcp from $source"
+        firewall_add "$backend" "$source" || fatal "adding the $backend rule for $source failed"
+        printf '%s %s\n' "$backend" "$source" >>"$INSTALL_STATE/firewall.new"
+    done
+    mv "$INSTALL_STATE/firewall.new" "$INSTALL_STATE/firewall"
+    [ "$backend" != nft ] \
+        || warn "nft rules (table inet $NFT_TABLE) do not survive a reboot; run this install again after one, or add them to /etc/nftables.conf"
+}
+
+record_mode() {
+    mkdir -p "$INSTALL_STATE"
+    chmod 0755 "$INSTALL_STATE"
+    printf '%s\n' "$1" >"$STAGE/mode"
+    put_file "$STAGE/mode" "$INSTALL_STATE/mode" 0644 root:root || true
+}
+
+# The steps after the binary is in place, shared by install and package.
+configure_and_start() {
+    changed=$1
+    ensure_dirs
+    install_units && changed=1
+    install_dropin && changed=1
+    if [ -n "$changed" ]; then
+        systemctl daemon-reload
+    fi
+    if ! has_identity && [ -n "$NODE_ID" ]; then
+        join_node
+        changed=1
+    elif has_identity && [ -n "$NODE_ID" ]; then
+        said=$(node_id_now)
+        [ -z "$said" ] || [ "$said" = "$NODE_ID" ] \
+            || fatal "this node is already joined as '$said', not '$NODE_ID'; uninstall --purge first to join it as another node"
+    fi
+    if [ -f "$STAGE/joined.yaml" ]; then
+        write_config "$STAGE/joined.yaml" && changed=1
+    elif [ -f "$CONFIG" ] && config_is_valid "$CONFIG"; then
+        write_config "$CONFIG" && changed=1
+    elif has_identity; then
+        fatal "$CONFIG is missing or not valid but this node has an identity in $STATE_DIR; restore $CONFIG (llmgw agent --check --config $CONFIG says what is wrong), or uninstall --purge and join afresh"
+    fi
+    install_update_trust || true
+    configure_firewall
+    start_agent "$changed"
+}
+
+verb_install() {
+    check_root
+    check_systemd
+    make_stage
+    bundle_dir
+    [ "$(mode_recorded)" != package ] \
+        || fatal "llmgw-agent was installed from a package here; use 'package' (or uninstall first)"
+    info "install: llmgw $NEW_VERSION from $BUNDLE"
+    ensure_user
+    ensure_linger
+    ensure_dirs
+    changed=""
+    install_binary && changed=1
+    record_mode tarball
+    configure_and_start "$changed"
+    info "done: llmgw $NEW_VERSION installed ($LIB_DIR/llmgw)"
+}
+
+# ------------------------------------------------------------------------------ package
+
+verb_package() {
+    check_root
+    check_systemd
+    make_stage
+    # The units of the update helper and the example come from the bundle when this script is
+    # in one; the agent's own unit comes with the package.
+    BUNDLE=$(cd "$(dirname "$0")" && pwd)
+    [ -f "$LIB_DIR/llmgw" ] && [ "$(mode_recorded)" != package ] \
+        && fatal "llmgw-agent is installed from a bundle here ($LIB_DIR); uninstall it first, then run package"
+    fetch_repo_key
+    if command -v apt-get >/dev/null 2>&1; then
+        add_apt_repo
+    elif command -v dnf >/dev/null 2>&1 || command -v yum >/dev/null 2>&1; then
+        add_yum_repo
+    else
+        fatal "neither apt-get nor dnf/yum here; install from the bundle instead: install-agent.sh install"
+    fi
+    [ -x "$PACKAGE_BIN" ] || fatal "the package did not install $PACKAGE_BIN"
+    record_mode package
+    NEW_VERSION=$(version_of "$PACKAGE_BIN")
+    ensure_user
+    ensure_linger
+    changed=""
+    [ -n "$PACKAGE_CHANGED" ] && changed=1
+    # No update helper with packages: the package manager updates them.
+    UPDATE_UNITS=""
+    configure_and_start "$changed"
+    info "done: llmgw $NEW_VERSION installed from the package ($PACKAGE_BIN)"
+}
+
+fetch_repo_key() {
+    case $REPO_KEY in
+        http://* | https://*)
+            command -v curl >/dev/null 2>&1 || fatal "no curl to fetch $REPO_KEY; apt-get install -y curl, or pass --repo-key FILE"
+            curl -fsSL -o "$STAGE/repo.key" "$REPO_KEY" || fatal "could not download the repository key from $REPO_KEY"
+            ;;
+        *)
+            [ -f "$REPO_KEY" ] || fatal "--repo-key $REPO_KEY: no such file"
+            cp "$REPO_KEY" "$STAGE/repo.key"
+            ;;
+    esac
+    if grep -q -- '-----BEGIN PGP PUBLIC KEY BLOCK-----' "$STAGE/repo.key"; then
+        KEY_EXT=asc
+    else
+        KEY_EXT=gpg
+    fi
+}
+
+add_apt_repo() {
+    keyring=/usr/share/keyrings/llmgw.$KEY_EXT
+    put_file "$STAGE/repo.key" "$keyring" 0644 root:root && info "package: repository key $keyring"
+    printf 'deb [signed-by=%s] %s/apt stable main\n' "$keyring" "$REPO_URL" >"$STAGE/llmgw.list"
+    put_file "$STAGE/llmgw.list" /etc/apt/sources.list.d/llmgw.list 0644 root:root \
+        && info "package: /etc/apt/sources.list.d/llmgw.list ($REPO_URL/apt)"
+    before=$(dpkg-query -W -f '${Version}' llmgw-agent 2>/dev/null || true)
+    info "package: apt-get update && apt-get install llmgw-agent"
+    apt-get update -q -o Dir::Etc::sourcelist=/etc/apt/sources.list.d/llmgw.list \
+        -o Dir::Etc::sourceparts=- -o APT::Get::List-Cleanup=0 >"$STAGE/apt.log" 2>&1 \
+        || { cat "$STAGE/apt.log" >&2; fatal "apt-get update of $REPO_URL/apt failed (above): check the URL and the key"; }
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q -o Dpkg::Options::=--force-confold \
+        llmgw-agent >"$STAGE/apt.log" 2>&1 \
+        || { cat "$STAGE/apt.log" >&2; fatal "apt-get install llmgw-agent failed (above)"; }
+    after=$(dpkg-query -W -f '${Version}' llmgw-agent 2>/dev/null || true)
+    PACKAGE_CHANGED=""
+    [ "$before" = "$after" ] || PACKAGE_CHANGED=1
+}
+
+add_yum_repo() {
+    key=/etc/pki/rpm-gpg/RPM-GPG-KEY-llmgw
+    put_file "$STAGE/repo.key" "$key" 0644 root:root || true
+    {
+        echo "[llmgw]"
+        echo "name=llmgw"
+        echo "baseurl=$REPO_URL/yum"
+        echo "enabled=1"
+        echo "gpgcheck=1"
+        echo "repo_gpgcheck=1"
+        echo "gpgkey=file://$key"
+    } >"$STAGE/llmgw.repo"
+    put_file "$STAGE/llmgw.repo" /etc/yum.repos.d/llmgw.repo 0644 root:root || true
+    pm=dnf
+    command -v dnf >/dev/null 2>&1 || pm=yum
+    before=$(rpm -q --qf '%{VERSION}' llmgw-agent 2>/dev/null || true)
+    info "package: $pm install llmgw-agent"
+    "$pm" install -y -q llmgw-agent >&2 || fatal "$pm install llmgw-agent failed (above)"
+    after=$(rpm -q --qf '%{VERSION}' llmgw-agent 2>/dev/null || true)
+    PACKAGE_CHANGED=""
+    [ "$before" = "$after" ] || PACKAGE_CHANGED=1
+}
+
+# ------------------------------------------------------------------------------ upgrade, rollback
+
+check_installed() {
+    [ "$(mode_recorded)" != package ] \
+        || fatal "llmgw-agent came from a package here: upgrade it with apt-get install --only-upgrade llmgw-agent (or dnf upgrade llmgw-agent)"
+    [ -f "$LIB_DIR/llmgw" ] || fatal "llmgw-agent is not installed here ($LIB_DIR/llmgw is missing); run: install-agent.sh install"
+}
+
+# Restart and wait; 0 when the agent listens (or has no identity to start with).
+restart_and_wait() {
+    has_identity || return 0
+    systemctl reset-failed "$UNIT" >/dev/null 2>&1 || true
+    systemctl restart --no-block "$UNIT"
+    wait_listening "$1"
+}
+
+restore_previous() {
+    for name in $UNIT $UPDATE_UNITS; do
+        if [ -f "$PREVIOUS_DIR/$name" ]; then
+            cp -p "$PREVIOUS_DIR/$name" "$UNIT_DIR/.$name.new.$$"
+            mv -f "$UNIT_DIR/.$name.new.$$" "$UNIT_DIR/$name"
+        fi
+    done
+    cp -p "$PREVIOUS_DIR/llmgw" "$LIB_DIR/.llmgw.new.$$"
+    mv -f "$LIB_DIR/.llmgw.new.$$" "$LIB_DIR/llmgw"
+    systemctl daemon-reload
+}
+
+verb_upgrade() {
+    check_root
+    check_systemd
+    make_stage
+    check_installed
+    bundle_dir
+    old=$(version_of "$LIB_DIR/llmgw")
+    if cmp -s "$BUNDLE/llmgw" "$LIB_DIR/llmgw"; then
+        install_units && systemctl daemon-reload && { restart_and_wait "$HEALTH_TIMEOUT" || true; }
+        info "llmgw $NEW_VERSION is installed already; nothing to upgrade"
+        return 0
+    fi
+    info "upgrade: llmgw ${old:-?} -> $NEW_VERSION"
+    keep_previous
+    put_file "$BUNDLE/llmgw" "$LIB_DIR/llmgw" 0755 root:root || true
+    install_units || true
+    systemctl daemon-reload
+    if restart_and_wait "$HEALTH_TIMEOUT"; then
+        info "done: llmgw $NEW_VERSION runs and listens on :$AGENT_PORT (llmgw ${old:-?} kept for rollback)"
+        return 0
+    fi
+    warn "llmgw $NEW_VERSION did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s; its journal:"
+    journal_tail
+    info "rollback: restoring llmgw ${old:-?}"
+    restore_previous
+    if restart_and_wait "$HEALTH_TIMEOUT"; then
+        fatal "upgrade to llmgw $NEW_VERSION failed: the new agent did not listen on :$AGENT_PORT within $HEALTH_TIMEOUT s; rolled back to llmgw ${old:-?}, which runs again"
+    fi
+    journal_tail
+    fatal "upgrade to llmgw $NEW_VERSION failed and the rolled-back llmgw ${old:-?} does not come up either (journal above); see: journalctl -u $UNIT"
+}
+
+verb_rollback() {
+    check_root
+    check_systemd
+    make_stage
+    check_installed
+    [ -f "$PREVIOUS_DIR/llmgw" ] || fatal "no previous version in $PREVIOUS_DIR to roll back to"
+    current=$(version_of "$LIB_DIR/llmgw")
+    previous=$(version_of "$PREVIOUS_DIR/llmgw")
+    info "rollback: llmgw ${current:-?} -> ${previous:-?}"
+    # A swap: rolling back again returns to the version rolled back from.
+    mkdir -p "$STAGE/current"
+    cp -p "$LIB_DIR/llmgw" "$STAGE/current/llmgw"
+    for name in $UNIT $UPDATE_UNITS; do
+        [ -f "$UNIT_DIR/$name" ] && cp -p "$UNIT_DIR/$name" "$STAGE/current/$name"
+    done
+    restore_previous
+    rm -rf "$PREVIOUS_DIR.new"
+    cp -a "$STAGE/current" "$PREVIOUS_DIR.new"
+    rm -rf "$PREVIOUS_DIR"
+    mv "$PREVIOUS_DIR.new" "$PREVIOUS_DIR"
+    if restart_and_wait "$HEALTH_TIMEOUT"; then
+        info "done: llmgw ${previous:-?} runs and listens on :$AGENT_PORT (llmgw ${current:-?} kept in $PREVIOUS_DIR)"
+        return 0
+    fi
+    journal_tail
+    fatal "llmgw ${previous:-?} did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s (journal above); 'rollback' again returns to llmgw ${current:-?}"
+}
+
+# ------------------------------------------------------------------------------ rekey
+
+verb_rekey() {
+    check_root
+    check_systemd
+    make_stage
+    has_identity || fatal "this node has no identity to rekey ($STATE_DIR/node.crt); join it with: install-agent.sh install --node-id ..."
+    [ -n "$NODE_ID" ] || NODE_ID=$(node_id_now)
+    [ -n "$NODE_ID" ] || fatal "no node_id in $CONFIG; pass --node-id"
+    if [ -z "${LLMGW_JOIN_TOKEN:-}" ] && ! [ -t 0 ]; then
+        fatal "no rekey token: export LLMGW_JOIN_TOKEN=<token from 'llmgw ctl join-command --rekey $NODE_ID'> and run again with 'sudo --preserve-env=LLMGW_JOIN_TOKEN'"
+    fi
+    bin=$(agent_bin)
+    info "rekey: stopping $UNIT"
+    systemctl stop "$UNIT"
+    status=0
+    as_agent "$bin" agent join --rekey --node-id "$NODE_ID" --enroll-url "$ENROLL_URL" \
+        --ca-hash "$CA_HASH" --config "$CONFIG" >&2 || status=$?
+    if [ "$status" -eq 0 ]; then
+        install_update_trust || true
+    else
+        warn "'llmgw agent join --rekey' failed (above); starting the agent again on its old identity"
+    fi
+    restart_and_wait "$HEALTH_TIMEOUT" || {
+        journal_tail
+        fatal "$UNIT did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s after the rekey (journal above)"
+    }
+    [ "$status" -eq 0 ] || fatal "rekey failed; the agent runs on its old identity"
+    info "done: node $NODE_ID rekeyed; the agent runs on its new identity"
+}
+
+# ------------------------------------------------------------------------------ uninstall
+
+stop_everything() {
+    for name in llmgw-agent-update.path llmgw-agent-update.service $UNIT; do
+        systemctl disable --now "$name" >/dev/null 2>&1 || true
+    done
+    # Engines outlive the agent (KillMode=process) and stay in its cgroup: with the agent
+    # gone they serve nobody.
+    systemctl kill --signal=SIGTERM "$UNIT" >/dev/null 2>&1 || true
+    systemctl kill --signal=SIGKILL "$UNIT" >/dev/null 2>&1 || true
+}
+
+verb_uninstall() {
+    check_root
+    check_systemd
+    mode=$(mode_recorded)
+    info "uninstall: stopping and disabling $UNIT and the update helper"
+    stop_everything
+    firewall_clear
+    if [ "$mode" = package ]; then
+        if command -v apt-get >/dev/null 2>&1; then
+            info "uninstall: apt-get ${PURGE:+purge}${PURGE:-remove} llmgw-agent"
+            DEBIAN_FRONTEND=noninteractive apt-get "${PURGE:+purge}${PURGE:-remove}" -y -q llmgw-agent >&2 \
+                || fatal "apt-get could not remove llmgw-agent (above)"
+            if [ -n "$PURGE" ]; then
+                rm -f /etc/apt/sources.list.d/llmgw.list /usr/share/keyrings/llmgw.asc /usr/share/keyrings/llmgw.gpg
+            fi
+        else
+            pm=dnf
+            command -v dnf >/dev/null 2>&1 || pm=yum
+            "$pm" remove -y -q llmgw-agent >&2 || fatal "$pm could not remove llmgw-agent (above)"
+            if [ -n "$PURGE" ]; then
+                rm -f /etc/yum.repos.d/llmgw.repo /etc/pki/rpm-gpg/RPM-GPG-KEY-llmgw
+            fi
+        fi
+    fi
+    rm -f "$UNIT_DIR/$UNIT"
+    for name in $UPDATE_UNITS; do rm -f "$UNIT_DIR/$name"; done
+    rm -rf "$LIB_DIR" "$INSTALL_STATE"
+    if [ -n "$PURGE" ]; then
+        purge_everything
+    fi
+    systemctl daemon-reload
+    systemctl reset-failed "$UNIT" >/dev/null 2>&1 || true
+    if [ -n "$PURGE" ]; then
+        info "done: llmgw-agent purged; the model and cache folders are kept ($MODELS_ROOT, $CACHE_ROOT and any others you chose)"
+    else
+        info "done: llmgw-agent removed; kept $CONFIG, the identity in $STATE_DIR and the models ('uninstall --purge' removes all but the models)"
+    fi
+}
+
+purge_everything() {
+    info "purge: configuration, identity, drop-ins, update trust and state, user"
+    rm -rf "$DROPIN_DIR" "$STATE_DIR" "$UPDATE_TRUST_DIR" "$UPDATE_STATE" "$CONFIG"
+    rmdir /etc/llmgw 2>/dev/null || true
+    if getent passwd "$SERVICE_USER" >/dev/null 2>&1; then
+        loginctl disable-linger "$SERVICE_USER" >/dev/null 2>&1 || true
+        rm -f "$LINGER_DIR/$SERVICE_USER"
+        uid=$(id -u "$SERVICE_USER")
+        systemctl stop "user@$uid.service" >/dev/null 2>&1 || true
+        # Whatever still runs as the user (engines started outside the unit) ends with it.
+        pkill -TERM -u "$uid" >/dev/null 2>&1 || true
+        waited=0
+        while pgrep -u "$uid" >/dev/null 2>&1 && [ "$waited" -lt 10 ]; do
+            sleep 1
+            waited=$((waited + 1))
+        done
+        pkill -KILL -u "$uid" >/dev/null 2>&1 || true
+        userdel "$SERVICE_USER" >/dev/null 2>&1 || userdel -f "$SERVICE_USER" \
+            || fatal "could not delete the user $SERVICE_USER (userdel above)"
+    fi
+    rm -f "$LINGER_DIR/$SERVICE_USER"
+    if getent group "$SERVICE_USER" >/dev/null 2>&1; then
+        groupdel "$SERVICE_USER" >/dev/null 2>&1 || true
+    fi
+}
+
+# ------------------------------------------------------------------------------ status
+
+verb_status() {
+    make_stage
+    mode=$(mode_recorded)
+    bin=$(agent_bin)
+    if [ "$mode" = package ]; then
+        echo "installed:  llmgw $(version_of "$PACKAGE_BIN" || true) (package, $PACKAGE_BIN)"
+    elif [ -f "$LIB_DIR/llmgw" ]; then
+        echo "installed:  llmgw $(version_of "$bin") ($bin)"
+    else
+        echo "installed:  no"
+    fi
+    if [ -f "$PREVIOUS_DIR/llmgw" ]; then
+        echo "previous:   llmgw $(version_of "$PREVIOUS_DIR/llmgw") ($PREVIOUS_DIR, for rollback)"
+    else
+        echo "previous:   none"
+    fi
+    if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+        enabled=$(systemctl is-enabled "$UNIT" 2>/dev/null || true)
+        active=$(systemctl is-active "$UNIT" 2>/dev/null || true)
+        since=$(systemctl show -p ActiveEnterTimestamp --value "$UNIT" 2>/dev/null || true)
+        echo "unit:       $UNIT ${enabled:-not-found}, ${active:-unknown}${since:+ since $since}"
+        echo "updates:    llmgw-agent-update.path $(systemctl is-active llmgw-agent-update.path 2>/dev/null || true)"
+    fi
+    if is_listening; then
+        echo "listening:  yes, :$AGENT_PORT"
+    else
+        echo "listening:  no (:$AGENT_PORT)"
+    fi
+    if has_identity; then
+        echo "identity:   node $(node_id_now) ($STATE_DIR/node.crt)"
+    else
+        echo "identity:   none (not joined)"
+    fi
+    if [ -s "$INSTALL_STATE/firewall" ]; then
+        while read -r backend source; do
+            echo "firewall:   $backend allows :$AGENT_PORT/tcp from $source"
+        done <"$INSTALL_STATE/firewall"
+    else
+        echo "firewall:   no rules added"
+    fi
+}
+
+main() {
+    parse_args "$@"
+    case $VERB in
+        install) verb_install ;;
+        package) verb_package ;;
+        upgrade) verb_upgrade ;;
+        rollback) verb_rollback ;;
+        uninstall) verb_uninstall ;;
+        rekey) verb_rekey ;;
+        status) verb_status ;;
+    esac
+}
+
+main "$@"
