@@ -6,6 +6,12 @@ replica goes (bin-pack by default, ``spread`` per profile; a multi-node replica 
 fabric). A failed shard of a single-node replica is started again on its node after a
 backoff that doubles with each consecutive failure (1 s up to 30 s); a failed shard of a
 multi-node replica takes the whole replica down, and it is rebuilt.
+
+Multi-node replicas meet at one address per replica (``dist_init_addr``). Where the workers
+dial rank 0 (sim, vLLM, SGLang) all shards start at once and rank 0 gathers them. Where rank
+0 dials its workers (llama.cpp's RPC), StartShard also carries each worker's endpoint (rank
+0: ``worker_addrs``, a worker: ``listen_addr``), and rank 0 is ordered only once every
+worker is ready.
 """
 
 from __future__ import annotations
@@ -262,6 +268,17 @@ class Scheduler:
             port += 1
         return format_hostport(host, port)
 
+    def _awaits_workers(self, shard: Shard, engine: str) -> bool:
+        """Rank 0 of an engine that dials its workers waits for them: llama-server gives up
+        on an ``--rpc`` endpoint that does not answer yet, so it starts only once every
+        worker's endpoint is up (its shard ready)."""
+        if shard.rank != 0 or not shard.dist_init_addr or worker_port_base(engine) is None:
+            return False
+        return any(
+            sh.rank > 0 and sh.state != "ready"
+            for sh in self.cp.store.list_shards(replica_id=shard.replica_id)
+        )
+
     def _endpoints(self, shard: Shard, engine: str) -> tuple[list[str], str]:
         """``(worker_addrs, listen_addr)`` of a shard's StartShard: for an engine whose
         rank 0 dials its workers, rank 0 gets every worker's endpoint in rank order and a
@@ -365,6 +382,8 @@ class Scheduler:
         replica = store.get_replica(shard.replica_id)
         model = store.get_model(replica.model)
         profile = self._profile(model)
+        if self._awaits_workers(shard, profile.engine):
+            return  # stays pending; a later pass sends it once every worker is ready
         worker_addrs, listen_addr = self._endpoints(shard, profile.engine)
         op_id = session.start_shard(
             shard_id=shard.id,

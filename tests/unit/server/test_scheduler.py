@@ -83,6 +83,16 @@ def _orders(cp: _ControlPlane) -> dict[str, pb.StartShard]:
     return orders
 
 
+def _reconcile_until_rank0(cp: _ControlPlane) -> None:
+    """Place, let every worker report ready, and place again: rank 0's order goes out."""
+    scheduler = Scheduler(cp)  # type: ignore[arg-type]
+    scheduler.reconcile()
+    for shard in cp.store.list_shards():
+        if shard.rank > 0:
+            cp.store.update_shard(shard.id, state="ready")
+    scheduler.reconcile()
+
+
 def _by_rank(orders: dict[str, pb.StartShard], model: str) -> list[pb.StartShard]:
     return sorted((o for o in orders.values() if o.model == model), key=lambda o: o.rank)
 
@@ -91,9 +101,22 @@ def test_llamacpp_rank0_dials_each_worker_on_its_node(cp: _ControlPlane) -> None
     for i, node in enumerate(("n1", "n2", "n3")):
         _join(cp, node, f"10.0.0.{i + 1}")
     _deploy(cp, "big", "llamacpp", nodes=3)
-    Scheduler(cp).reconcile()  # type: ignore[arg-type]
+    scheduler = Scheduler(cp)  # type: ignore[arg-type]
+    scheduler.reconcile()
 
-    rank0, w1, w2 = _by_rank(_orders(cp), "big")
+    # The workers are ordered first; rank 0 waits until both are ready (llama-server
+    # gives up on an rpc-server that does not answer yet).
+    first = _orders(cp)
+    assert sorted(o.rank for o in first.values()) == [1, 2]
+    w1, w2 = _by_rank(first, "big")
+    cp.store.update_shard(w1.shard_id, state="ready")
+    scheduler.reconcile()
+    assert _orders(cp) == {}
+    assert cp.store.get_shard(w1.shard_id.replace("-s1", "-s0")).state == "pending"
+    cp.store.update_shard(w2.shard_id, state="ready")
+    scheduler.reconcile()
+    (rank0,) = _orders(cp).values()
+    assert rank0.rank == 0
     assert [o.shard_id.rsplit("-", 1)[1] for o in (rank0, w1, w2)] == ["s0", "s1", "s2"]
     nodes = {s.id: s.node_id for s in cp.store.list_shards()}
     host = {"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3"}
@@ -147,7 +170,7 @@ def test_worker_ports_are_free_on_every_node_of_the_replica(cp: _ControlPlane) -
     # A new replica ranked 0 on n1 (where 50052 is free) with its worker on n2: the port
     # must be free on n2 too.
     _deploy(cp, "big", "llamacpp", nodes=2)
-    Scheduler(cp).reconcile()  # type: ignore[arg-type]
+    _reconcile_until_rank0(cp)
     rank0, worker = _by_rank(_orders(cp), "big")
     assert rank0.dist_init_addr == "10.0.0.1:50053"
     assert list(rank0.worker_addrs) == ["10.0.0.2:50053"]
@@ -171,7 +194,7 @@ def test_a_port_taken_on_a_worker_node_is_skipped(cp: _ControlPlane) -> None:
             connected=True,
         )
     _deploy(cp, "big", "llamacpp", nodes=2, replicas=2)
-    Scheduler(cp).reconcile()  # type: ignore[arg-type]
+    _reconcile_until_rank0(cp)
     orders = _orders(cp)
     ports = sorted(o.listen_addr.rsplit(":", 1)[1] for o in orders.values() if o.rank == 1)
     # Both workers bind on the pair's nodes; they never share a port on one node.
