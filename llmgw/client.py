@@ -22,7 +22,20 @@ import yaml
 
 from llmgw.errors import APIError, ConfigError, ConnectError
 
-__all__ = ["AdminClient", "Target", "default_up_state_dir", "find_target", "write_ctl_config"]
+__all__ = [
+    "ADMIN_PASSWORD_ENV",
+    "NEW_ADMIN_PASSWORD_ENV",
+    "AdminClient",
+    "Target",
+    "default_up_state_dir",
+    "find_target",
+    "write_ctl_config",
+]
+
+# The admin password signed updates ask for again (never an argument: /proc shows those);
+# the control plane writes the first one to admin.password next to admin.token.
+ADMIN_PASSWORD_ENV = "LLMGW_ADMIN_PASSWORD"
+NEW_ADMIN_PASSWORD_ENV = "LLMGW_NEW_ADMIN_PASSWORD"
 
 
 def default_up_state_dir() -> Path:

@@ -17,6 +17,8 @@
     │   └── CSRError                the certificate request is malformed, weak, or names another node
     ├── ShardError                  starting or stopping an engine process
     ├── EngineError                 an engine's own arguments or behaviour
+    ├── UpdateError                 a signed self-update refused or failed; ``state`` says which
+    │   └── PasswordError           the admin password is wrong or unacceptable
     └── ClientError                 ``llmgw ctl`` talking to the control plane
         ├── ConnectError            nothing answered at any address tried (retryable)
         └── APIError                the control plane answered with an error
@@ -149,6 +151,19 @@ class EngineError(LlmgwError):
     """An engine rejected its arguments or behaved unexpectedly."""
 
 
+class UpdateError(LlmgwError):
+    """A signed self-update was refused (``state`` "refused": forged, replayed, expired,
+    downgrading, for another node) or could not be carried out (``state`` "failed")."""
+
+    def __init__(self, message: str, *, state: str = "refused") -> None:
+        super().__init__(message)
+        self.state = state
+
+
+class PasswordError(UpdateError):
+    """The admin password given is wrong, or a new one is not acceptable."""
+
+
 class ClientError(LlmgwError):
     """``llmgw ctl`` could not do what was asked of the control plane."""
 
@@ -183,10 +198,12 @@ __all__ = [
     "NoAuthority",
     "NotFound",
     "PKIError",
+    "PasswordError",
     "PinMismatch",
     "ShardError",
     "StaleEpoch",
     "StoreError",
     "StreamError",
     "TokenError",
+    "UpdateError",
 ]

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 from pathlib import Path
 
 from llmgw.agent.config import AgentConfig
@@ -25,6 +26,7 @@ from llmgw.agent.renewal import Renewer, recover_identity
 from llmgw.agent.runtimes import Launch, get_runtime
 from llmgw.agent.shards import ShardManager, ShardSpec
 from llmgw.agent.stream import Credentials, StreamClient
+from llmgw.agent.update import Spooler
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import CertificateError
 from llmgw.log import kv
@@ -77,6 +79,7 @@ class Agent:
         self.shards: ShardManager | None = None
         self.dataplane: DataPlane | None = None
         self.stream: StreamClient | None = None
+        self.spooler: Spooler | None = None
         self._ready_sent = False
 
     def _dataplane_addr(self, server: str) -> str:
@@ -95,6 +98,8 @@ class Agent:
     def _on_stream_state(self, state: str, server: str | None) -> None:
         count = len(self.shards.shards) if self.shards else 0
         if state == "connected":
+            if self.spooler is not None:
+                self.spooler.connected()
             self.notifier.status(f"connected to {server}, {count} shards")
             if not self._ready_sent:
                 self._ready_sent = True
@@ -203,6 +208,37 @@ class Agent:
         self.stream.installer = install
         stream = self.stream
 
+        # Signed self-updates: the bundle and order go to the spool the root helper's path
+        # unit watches (state_dir/update); its verdict comes back through status.json.
+        def send_update_status(
+            op_id: str, counter: int, version: str, state: str, message: str
+        ) -> bool:
+            return stream.send(
+                pb.AgentMessage(
+                    update_status=pb.UpdateStatus(
+                        op_id=op_id, counter=counter, version=version, state=state, message=message
+                    )
+                )
+            )
+
+        def download_tls() -> ssl.SSLContext:
+            ctx = ssl.create_default_context(cafile=str(tls.ca))
+            ctx.load_cert_chain(tls.cert, tls.key)
+            return ctx
+
+        spooler = Spooler(
+            node_id=cfg.node_id,
+            spool=cfg.state_dir / "update",
+            report=send_update_status,
+            ssl_context=download_tls,
+        )
+        self.spooler = spooler
+
+        async def update(order: pb.UpdateOrder) -> None:
+            await spooler.handle(order.meta.op_id, order.order, order.signature)
+
+        self.stream.updater = update
+
         def renewed() -> None:
             # New data-plane handshakes present the new certificate; open ones are untouched.
             ssl_ctx.load_cert_chain(tls.cert, tls.key)
@@ -211,6 +247,7 @@ class Agent:
         stream.on_renewal_answer = renewer.answer
         renewal_task = asyncio.create_task(renewer.run(), name="renewal")
         inventory_task = asyncio.create_task(watcher.run(), name="inventory")
+        update_task = asyncio.create_task(spooler.run(), name="update-status")
         stream_task = asyncio.create_task(self.stream.run(), name="stream")
         log.info(
             "agent started",
@@ -236,7 +273,7 @@ class Agent:
             if told:
                 await self.stream.flushed(timeout=2.0)
             await dataplane.drain(timeout=DRAIN_TIMEOUT)
-            tasks = (stream_task, watchdog, parent, renewal_task, inventory_task)
+            tasks = (stream_task, watchdog, parent, renewal_task, inventory_task, update_task)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

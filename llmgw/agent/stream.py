@@ -21,7 +21,7 @@ from llmgw import __version__
 from llmgw.agent.oplog import OperationLog
 from llmgw.agent.shards import EXITED, FAILED, READY, STARTING, Shard, ShardManager, ShardSpec
 from llmgw.agent.sidecars import SidecarSpec
-from llmgw.errors import EngineError, LlmgwError, StaleEpoch
+from llmgw.errors import EngineError, LlmgwError, StaleEpoch, UpdateError
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
@@ -93,6 +93,7 @@ class StreamClient:
         on_state: Callable[[str, str | None], None] = lambda state, server: None,
         on_renewal_answer: Callable[[pb.RenewCertificate], None] = lambda msg: None,
         installer: Callable[[pb.InstallEngine], Awaitable[None]] | None = None,
+        updater: Callable[[pb.UpdateOrder], Awaitable[None]] | None = None,
     ) -> None:
         self.node_id = node_id
         self.servers = servers
@@ -105,6 +106,7 @@ class StreamClient:
         self.on_state = on_state
         self.on_renewal_answer = on_renewal_answer
         self.installer = installer or _no_installer
+        self.updater = updater or _no_updater
         self.node_state = "unknown"
         self.cluster_id = ""
         self.backoff = Backoff()
@@ -236,6 +238,9 @@ class StreamClient:
                         self._spawn_order(
                             order.meta, f"install:{order.engine}", self.installer(order)
                         )
+                    elif kind == "update_order":
+                        order = msg.update_order
+                        self._spawn_order(order.meta, "update", self.updater(order))
                     elif kind == "stop_shard":
                         self._spawn_order(
                             msg.stop_shard.meta, msg.stop_shard.shard_id, self._stop(msg.stop_shard)
@@ -395,6 +400,10 @@ async def _no_installer(order: pb.InstallEngine) -> None:
     raise EngineError(
         f"this agent cannot install engines (asked for {order.engine} {order.version})"
     )
+
+
+async def _no_updater(order: pb.UpdateOrder) -> None:
+    raise UpdateError("this agent cannot update itself (no update spool configured)")
 
 
 class Refused(Exception):

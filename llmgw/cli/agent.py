@@ -13,6 +13,13 @@ from click.core import ParameterSource
 from llmgw.agent.config import DEFAULT_AGENT_CONFIG, DEFAULT_STATE_DIR, load_agent_config
 from llmgw.agent.join import DEFAULT_ENROLL_PORT, JoinResult, join
 from llmgw.agent.service import run_agent
+from llmgw.agent.update import (
+    DEFAULT_INSTALLED_BINARY,
+    DEFAULT_SPOOL,
+    DEFAULT_STATE,
+    DEFAULT_TRUST,
+    apply_request,
+)
 from llmgw.cli.common import reports_errors
 from llmgw.errors import ConfigError
 from llmgw.log import setup_logging
@@ -194,3 +201,43 @@ def _report(result: JoinResult) -> str:
     else:
         lines.append(f"next: {start}")
     return "\n".join(lines)
+
+
+@agent.command("update-apply")
+@click.option(
+    "--spool",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_SPOOL,
+    show_default=True,
+    help="The agent's update spool, where it renames a finished download to 'request'.",
+)
+@click.option(
+    "--trust",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_TRUST,
+    show_default=True,
+    help="ca.pem and node-id, written by the installer; only root may write there.",
+)
+@click.option(
+    "--state",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_STATE,
+    show_default=True,
+    help="The helper's own state (0700, root): the last accepted counter, work directories.",
+)
+@click.option(
+    "--installed-binary",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=DEFAULT_INSTALLED_BINARY,
+    show_default=True,
+    help="The installed agent program, asked for its --version (a downgrade is refused).",
+)
+@reports_errors
+def update_apply(spool: Path, trust: Path, state: Path, installed_binary: Path) -> None:
+    """Check and apply the signed update the agent spooled (as root, from
+    llmgw-agent-update.service). The request is moved out of the agent's reach first; the
+    verdict goes to SPOOL/status.json. Exit 0: applied, or nothing to do."""
+    result = apply_request(spool=spool, trust=trust, state=state, installed_binary=installed_binary)
+    if result.exit_code:
+        click.echo(f"error: update {result.state}: {result.message}", err=True)
+    raise click.exceptions.Exit(result.exit_code)

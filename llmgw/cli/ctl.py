@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import getpass
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +15,9 @@ import click
 from llmgw.cli.cert import cert
 from llmgw.cli.common import echo_json, reports_errors, table
 from llmgw.cli.engine_check import engine_check
-from llmgw.client import AdminClient, find_target
+from llmgw.client import ADMIN_PASSWORD_ENV, NEW_ADMIN_PASSWORD_ENV, AdminClient, find_target
 from llmgw.engines.base import engine_names
+from llmgw.errors import ConfigError
 from llmgw.server.catalog import load_catalog
 
 __all__ = ["ctl"]
@@ -110,6 +114,7 @@ def nodes(c: Ctl) -> None:
                 if n["state"] != "pending"
                 else n["fingerprint"],
                 gpus,
+                _update_cell(n.get("update")),
             ]
         )
     click.echo(
@@ -126,10 +131,17 @@ def nodes(c: Ctl) -> None:
                 "CERT EXPIRES",
                 "FINGERPRINT",
                 "GPUS",
+                "UPDATE",
             ],
             rows,
         )
     )
+
+
+def _update_cell(update: dict[str, Any] | None) -> str:
+    if not update:
+        return "-"
+    return f"{update['version']} {update['state']}"
 
 
 @ctl.group(invoke_without_command=True)
@@ -704,3 +716,126 @@ def uncordon(c: Ctl, node: str) -> None:
         echo_json(data)
         return
     click.echo(f"{node} takes new replicas again")
+
+
+# -- signed self-updates ----------------------------------------------------------------------
+
+
+def _stdin_is_tty() -> bool:
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def _secret(env: str, prompt: str) -> str:
+    """A password from ``env``, else a no-echo prompt; never from the command line, where
+    every user of the machine could read it in /proc."""
+    value = os.environ.get(env, "")
+    if value:
+        return value
+    if _stdin_is_tty():
+        value = getpass.getpass(prompt)
+        if value:
+            return value
+    raise ConfigError(
+        f"no admin password: set {env} or run in a terminal to be prompted; never pass it "
+        "as an argument"
+    )
+
+
+@ctl.command()
+@click.argument("target", metavar="NODE|--all", required=False)
+@click.option("--all", "all_nodes", is_flag=True, help="Every approved node.")
+@click.option(
+    "--version",
+    "version",
+    required=True,
+    help="The agent version to install; the control plane must serve its bundle.",
+)
+@click.option(
+    "--wait/--no-wait",
+    default=True,
+    show_default=True,
+    help="Wait until every node has applied (or refused) the update.",
+)
+@click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait with --wait.")
+@click.option(
+    "--ttl", default=3600, show_default=True, help="Seconds the signed order stays valid."
+)
+@pass_ctl
+@reports_errors
+def update(
+    c: Ctl,
+    target: str | None,
+    all_nodes: bool,
+    version: str,
+    wait: bool,
+    timeout: float,
+    ttl: int,
+) -> None:
+    """Update the agent on NODE (or --all) to VERSION with an order signed by the cluster
+    CA. Asks for the admin password again (env: LLMGW_ADMIN_PASSWORD for scripts)."""
+    if bool(target) == all_nodes:
+        raise click.UsageError("name one NODE or pass --all")
+    password = _secret(ADMIN_PASSWORD_ENV, "admin password (not echoed): ")
+    body: dict[str, Any] = {"version": version, "password": password, "ttl": ttl}
+    if all_nodes:
+        body["all"] = True
+    else:
+        body["nodes"] = [target]
+    rows = c.call("POST", "/api/updates", body)
+    nodes = [r["node"] for r in rows]
+    deadline = time.monotonic() + timeout
+    shown: dict[str, tuple[str, str]] = {}
+
+    def progress(current: list[dict[str, Any]]) -> None:
+        for r in current:
+            seen = (r["state"], r["message"])
+            if shown.get(r["node"]) != seen and not c.as_json:
+                click.echo(f"{r['node']}: {r['version']} {r['state']}: {r['message']}", err=True)
+            shown[r["node"]] = seen
+
+    progress(rows)
+    while wait and not all(r["final"] for r in rows):
+        if time.monotonic() > deadline:
+            pending = ", ".join(f"{r['node']} ({r['state']})" for r in rows if not r["final"])
+            raise click.ClickException(
+                f"the update is not finished after {timeout:.0f}s: {pending}; "
+                "'llmgw ctl nodes' shows where each node is"
+            )
+        time.sleep(1.0)
+        rows = c.call("GET", "/api/updates?" + "&".join(f"node={n}" for n in nodes))
+        progress(rows)
+    if c.as_json:
+        echo_json(rows)
+    else:
+        click.echo(
+            table(
+                ["NODE", "VERSION", "COUNTER", "STATE", "MESSAGE"],
+                [[r["node"], r["version"], r["counter"], r["state"], r["message"]] for r in rows],
+            )
+        )
+    if wait and any(r["state"] != "done" for r in rows):
+        raise click.exceptions.Exit(1)
+
+
+@ctl.group()
+def admin() -> None:
+    """The control plane's own credentials."""
+
+
+@admin.command("password")
+@pass_ctl
+@reports_errors
+def admin_password(c: Ctl) -> None:
+    """Change the admin password that signed updates ask for (old, then new twice; env:
+    LLMGW_ADMIN_PASSWORD and LLMGW_NEW_ADMIN_PASSWORD for scripts)."""
+    old = _secret(ADMIN_PASSWORD_ENV, "current admin password (not echoed): ")
+    new = os.environ.get(NEW_ADMIN_PASSWORD_ENV, "")
+    if not new:
+        new = _secret(NEW_ADMIN_PASSWORD_ENV, "new admin password (not echoed): ")
+        if _stdin_is_tty() and getpass.getpass("new admin password again: ") != new:
+            raise ConfigError("the two new passwords differ; nothing was changed")
+    data = c.call("PUT", "/api/admin/password", {"old": old, "new": new})
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"admin password changed; {data['removed']} (the first one) was removed")

@@ -16,11 +16,12 @@ from aiohttp import web
 from llmgw import __version__
 from llmgw.config_util import format_hostport
 from llmgw.engines.base import engine_names
-from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound
+from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound, PasswordError
 from llmgw.pki import validate_node_id
 from llmgw.server.bundles import one_liner
 from llmgw.server.catalog import MODEL_NAME, adhoc_profile, parse_catalog, parse_profile
 from llmgw.server.store import DEFAULT_PROFILE, Model, Node
+from llmgw.server.updates import DEFAULT_ORDER_TTL
 
 if TYPE_CHECKING:
     from llmgw.server.app import ControlPlane
@@ -76,6 +77,9 @@ def add_admin_routes(app: web.Application, cp: ControlPlane) -> None:
     r.add_post("/api/nodes/{node}/uncordon", api.wrap(api.uncordon))
     r.add_post("/api/engines/install", api.wrap(api.install_engine))
     r.add_get("/api/engines/installs", api.wrap(api.engine_installs))
+    r.add_post("/api/updates", api.wrap(api.order_update))
+    r.add_get("/api/updates", api.wrap(api.updates))
+    r.add_put("/api/admin/password", api.wrap(api.change_password))
 
 
 class AdminAPI:
@@ -97,6 +101,8 @@ class AdminAPI:
                 return await handler(request)
             except _BadRequest as exc:
                 return _error(400, str(exc), "bad_request")
+            except PasswordError as exc:
+                return _error(403, str(exc), "wrong_password")
             except NotFound as exc:
                 return _error(404, str(exc), "not_found")
             except Conflict as exc:
@@ -153,6 +159,7 @@ class AdminAPI:
             "fingerprint": node.fingerprint,
             "cert_expires_at": cert.not_after if cert else None,
             "cert_serial": cert.serial if cert else None,
+            "update": self.cp.updates.status_of(node.id),
         }
 
     async def nodes(self, request: web.Request) -> web.Response:
@@ -611,6 +618,41 @@ class AdminAPI:
         wanted = set(request.query.getall("op", []))
         rows = [r for op, r in self.cp.installs.items() if not wanted or op in wanted]
         return web.json_response(rows)
+
+    # -- signed self-updates -----------------------------------------------------------------------
+
+    async def order_update(self, request: web.Request) -> web.Response:
+        """``{"nodes": [...] | "all": true, "version", "password", "ttl"?}``: sign an update
+        order for each node; the admin password is asked again, and a wrong one signs
+        nothing (403)."""
+        body = await self._json(request)
+        version = body.get("version")
+        if not isinstance(version, str) or not version:
+            raise _BadRequest("'version' (the agent version to install) is required")
+        nodes = body.get("nodes")
+        if body.get("all"):
+            if nodes:
+                raise _BadRequest("give 'nodes' or 'all': true, not both")
+            nodes = None
+        elif not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) for n in nodes):
+            raise _BadRequest("give 'nodes' (a list of node ids) or 'all': true")
+        ttl = body.get("ttl", DEFAULT_ORDER_TTL)
+        if not isinstance(ttl, int) or isinstance(ttl, bool) or not 60 <= ttl <= 7 * 86400:
+            raise _BadRequest("ttl must be a whole number of seconds from 60 to 7 days")
+        out = await self.cp.updates.order(
+            nodes, version=version, password=body.get("password"), ttl=ttl
+        )
+        return web.json_response(out, status=202)
+
+    async def updates(self, request: web.Request) -> web.Response:
+        wanted = set(request.query.getall("node", []))
+        rows = self.cp.updates.all_status()
+        return web.json_response([r for n, r in rows.items() if not wanted or n in wanted])
+
+    async def change_password(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        await self.cp.updates.change_password(body.get("old"), body.get("new"))
+        return web.json_response({"changed": True, "removed": str(self.cp.updates.password_file)})
 
     # -- drain ----------------------------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ from llmgw.server.scheduler import Scheduler
 from llmgw.server.standby import LEADER_HTTP, LEADER_STREAM, Standby, try_leadership
 from llmgw.server.store import Node, Store
 from llmgw.server.stream import ControlPlaneService, NodeSession
+from llmgw.server.updates import Updates
 
 __all__ = ["ControlPlane"]
 
@@ -101,6 +102,7 @@ class ControlPlane:
         self.metrics = Metrics()
         self.scheduler = Scheduler(self)
         self.membership = Membership(self)
+        self.updates = Updates(self)
         self.key_hashes: set[str] = set()
         # Engine installs ordered since start: op id -> {node, engine, version, state, error}.
         self.installs: dict[str, dict[str, object]] = {}
@@ -190,6 +192,7 @@ class ControlPlane:
             self.pki_dir, hosts=hosts
         )
         self.admin_token = _read_or_create_token(cfg.admin_token_file)
+        self.updates.start()
         # 3. the Connect stream
         await self._start_grpc()
         # 4. enrolment

@@ -41,6 +41,7 @@ __all__ = [
     "JoinToken",
     "Model",
     "Node",
+    "NodeUpdate",
     "Replica",
     "Shard",
     "Store",
@@ -187,6 +188,24 @@ MIGRATIONS: list[str] = [
     ALTER TABLE nodes ADD COLUMN lost INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE nodes ADD COLUMN lost_at REAL;
     """,
+    # 4: signed self-updates: each node's last update order (its counter only ever grows,
+    # and the row outlives the node, so a node joined again under the same id is never sent
+    # a counter its update helper already accepted) and the status the node reported
+    """
+    CREATE TABLE node_updates (
+        node_id    TEXT PRIMARY KEY,
+        counter    INTEGER NOT NULL CHECK (counter >= 0),
+        version    TEXT NOT NULL DEFAULT '',
+        state      TEXT NOT NULL DEFAULT '',
+        message    TEXT NOT NULL DEFAULT '',
+        op_id      TEXT NOT NULL DEFAULT '',
+        order_json BLOB,
+        signature  BLOB,
+        expires    REAL,
+        ordered_at REAL,
+        updated_at REAL NOT NULL
+    );
+    """,
 ]
 
 
@@ -225,6 +244,39 @@ class Node:
             created_at=row["created_at"],
             lost=bool(row["lost"]),
             lost_at=row["lost_at"],
+        )
+
+
+@dataclass(frozen=True)
+class NodeUpdate:
+    """A node's latest update order and what the node reported about it."""
+
+    node_id: str
+    counter: int
+    version: str
+    state: str
+    message: str
+    op_id: str
+    order: bytes | None
+    signature: bytes | None
+    expires: float | None
+    ordered_at: float | None
+    updated_at: float
+
+    @classmethod
+    def _from_row(cls, row: sqlite3.Row) -> NodeUpdate:
+        return cls(
+            node_id=row["node_id"],
+            counter=int(row["counter"]),
+            version=row["version"],
+            state=row["state"],
+            message=row["message"],
+            op_id=row["op_id"],
+            order=None if row["order_json"] is None else bytes(row["order_json"]),
+            signature=None if row["signature"] is None else bytes(row["signature"]),
+            expires=row["expires"],
+            ordered_at=row["ordered_at"],
+            updated_at=row["updated_at"],
         )
 
 
@@ -1587,6 +1639,91 @@ class Store:
             str(r["serial"])
             for r in self._all("SELECT serial FROM certificates WHERE revoked_at IS NOT NULL")
         }
+
+    # ------------------------------------------------------------------ updates
+
+    def next_update_counter(self, node_id: str) -> int:
+        """Reserve the next update counter of *node_id* (one above the last ever given, also
+        when the order is then not sent): call inside :meth:`transaction` with the
+        :meth:`put_update` that uses it."""
+        now = self._clock()
+        with self._write():
+            self._db.execute(
+                "INSERT INTO node_updates(node_id, counter, updated_at) VALUES (?, 1, ?) "
+                "ON CONFLICT(node_id) DO UPDATE SET counter = counter + 1",
+                (node_id, now),
+            )
+            row = self._db.execute(
+                "SELECT counter FROM node_updates WHERE node_id = ?", (node_id,)
+            ).fetchone()
+        return int(row["counter"])
+
+    def put_update(
+        self,
+        node_id: str,
+        *,
+        counter: int,
+        version: str,
+        state: str,
+        message: str,
+        op_id: str,
+        order: bytes,
+        signature: bytes,
+        expires: float,
+    ) -> NodeUpdate:
+        """Record the order with *counter* (from :meth:`next_update_counter`) as the node's
+        latest; Conflict if a later counter was given out meanwhile."""
+        now = self._clock()
+        with self._write():
+            cur = self._db.execute(
+                "UPDATE node_updates SET version = ?, state = ?, message = ?, op_id = ?, "
+                "order_json = ?, signature = ?, expires = ?, ordered_at = ?, updated_at = ? "
+                "WHERE node_id = ? AND counter = ?",
+                (
+                    version,
+                    state,
+                    message,
+                    op_id,
+                    order,
+                    signature,
+                    expires,
+                    now,
+                    now,
+                    node_id,
+                    counter,
+                ),
+            )
+            if cur.rowcount != 1:
+                raise Conflict(
+                    f"update counter {counter} of node {node_id} is no longer the latest; "
+                    "order the update again"
+                )
+        update = self.get_update(node_id)
+        assert update is not None
+        return update
+
+    def get_update(self, node_id: str) -> NodeUpdate | None:
+        """The node's latest update order, or None (never ordered, or nothing but a
+        reserved counter)."""
+        row = self._one(
+            "SELECT * FROM node_updates WHERE node_id = ? AND ordered_at IS NOT NULL", (node_id,)
+        )
+        return None if row is None else NodeUpdate._from_row(row)
+
+    def list_updates(self) -> list[NodeUpdate]:
+        rows = self._all("SELECT * FROM node_updates WHERE ordered_at IS NOT NULL ORDER BY node_id")
+        return [NodeUpdate._from_row(r) for r in rows]
+
+    def set_update_state(self, node_id: str, counter: int, state: str, message: str) -> bool:
+        """Set the state of the node's update order *counter*; False when that is not its
+        latest order (a late report about an older one)."""
+        with self._write():
+            cur = self._db.execute(
+                "UPDATE node_updates SET state = ?, message = ?, updated_at = ? "
+                "WHERE node_id = ? AND counter = ? AND ordered_at IS NOT NULL",
+                (state, message[:2000], self._clock(), node_id, counter),
+            )
+        return cur.rowcount == 1
 
     # ------------------------------------------------------------------- events
 

@@ -180,6 +180,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             )
         )
         self.cp.after_hello(session, hello)
+        # An update ordered while the node was away goes out now (unless it expired).
+        self.cp.updates.on_connect(session)
         reader = asyncio.create_task(self._read(context, session), name=f"read-{session.node_id}")
         try:
             while True:
@@ -199,6 +201,10 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 if msg is grpc.aio.EOF:
                     break
                 assert isinstance(msg, pb.AgentMessage)
+                if msg.WhichOneof("msg") == "update_status":
+                    session.last_heartbeat = time.monotonic()
+                    self.cp.updates.on_status(session, msg.update_status)
+                    continue
                 self.cp.on_agent_message(session, msg)
         except asyncio.CancelledError:
             raise

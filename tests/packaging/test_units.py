@@ -38,7 +38,12 @@ __all__ = ["container", "packages_root", "standin_packages", "systemd_image"]
 UNITS = ROOT / "systemd"
 # The worst exposure each unit may reach (systemd-analyze security: 0 best, 10 worst); the
 # agent pays for GPU devices, JIT engines and engines that outlive it.
-MAX_EXPOSURE = {"llmgw-agent.service": 2.5, "llmgw-server.service": 1.5}
+MAX_EXPOSURE = {
+    "llmgw-agent.service": 2.5,
+    "llmgw-server.service": 1.5,
+    # Root, and runs the installer: it writes the binary, units and configuration.
+    "llmgw-agent-update.service": 3.0,
+}
 HARDENING = {
     "NoNewPrivileges": "yes",
     "CapabilityBoundingSet": "",
@@ -110,7 +115,9 @@ def stand_in_units(tmp_path: Path) -> list[Path]:
     for unit in unit_files():
         copy = tmp_path / unit.name
         shipped = unit.read_text()
-        copy.write_text(shipped.replace("ExecStart=/usr/bin/llmgw ", f"ExecStart={program} "))
+        for shipped_program in ("/usr/bin/llmgw", "/usr/local/lib/llmgw-agent/llmgw"):
+            shipped = shipped.replace(f"ExecStart={shipped_program} ", f"ExecStart={program} ")
+        copy.write_text(shipped)
         copies.append(copy)
     return copies
 
@@ -177,6 +184,46 @@ def test_server_unit() -> None:
         assert one(s, f"Service.{key}") == value, key
     assert s["Service.SystemCallFilter"] == ["@system-service", "~@privileged @resources"]
     assert one(s, "Install.WantedBy") == "multi-user.target"
+
+
+def test_update_helper_units() -> None:
+    from llmgw.agent.update import (
+        DEFAULT_INSTALLED_BINARY,
+        DEFAULT_SPOOL,
+        DEFAULT_STATE,
+        REQUEST,
+    )
+
+    path = parse_unit(UNITS / "llmgw-agent-update.path")
+    request = DEFAULT_SPOOL / REQUEST
+    assert DEFAULT_SPOOL.parent == AGENT_STATE_DIR
+    assert one(path, "Path.PathExists") == str(request)
+    assert one(path, "Path.Unit") == "llmgw-agent-update.service"
+    assert one(path, "Install.WantedBy") in ("paths.target", "multi-user.target")
+
+    s = parse_unit(UNITS / "llmgw-agent-update.service")
+    assert one(s, "Service.Type") == "oneshot"
+    assert "Service.User" not in s  # root: it replaces the agent's binary and units
+    assert one(s, "Service.ExecStart") == f"{DEFAULT_INSTALLED_BINARY} agent update-apply"
+    assert one(s, "Unit.ConditionPathExists") == str(request)
+    assert Path("/var/lib", one(s, "Service.StateDirectory")) == DEFAULT_STATE
+    assert one(s, "Service.StateDirectoryMode") == "0700"
+    writable = {p.lstrip("-") for p in one(s, "Service.ReadWritePaths").split()}
+    assert writable == {
+        str(DEFAULT_INSTALLED_BINARY.parent),
+        "/etc/systemd/system",
+        "/etc/llmgw",
+        str(AGENT_STATE_DIR),
+    }
+    # The installer waits up to 180 s for the new agent, then maybe as long for a rollback.
+    assert int(one(s, "Service.TimeoutStartSec")) > 2 * 180
+    for key, value in {**HARDENING, "PrivateDevices": "yes", "ProtectClock": "yes"}.items():
+        if key == "CapabilityBoundingSet":
+            continue
+        assert one(s, f"Service.{key}") == value, key
+    caps = set(one(s, "Service.CapabilityBoundingSet").split())
+    assert caps and not caps & {"CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SYS_MODULE", "CAP_SYS_PTRACE"}
+    assert one(s, "Service.SystemCallFilter") == "@system-service"
 
 
 def test_systemd_analyze_verify_says_nothing(tmp_path: Path) -> None:

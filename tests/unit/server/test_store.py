@@ -660,10 +660,10 @@ def _v2_database(path: Path) -> None:
 
 
 def test_migration_3_upgrades_a_v2_database_and_keeps_its_data(db_path: Path) -> None:
-    assert len(MIGRATIONS) == 3
+    assert len(MIGRATIONS) >= 3
     _v2_database(db_path)
     with Store.open(db_path) as s:
-        assert s.schema_version() == 3
+        assert s.schema_version() == len(MIGRATIONS)
         node = s.get_node("gpu1")
         assert (node.state, node.inventory, node.lost, node.lost_at) == (
             "approved",

@@ -1,0 +1,554 @@
+"""The signed order (sign, verify) and the root helper (``llmgw agent update-apply``) against
+real files: every refusal leaves the counter, the installed agent and everything outside the
+helper's work directory as they were."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from llmgw import pki
+from llmgw.agent.update import (
+    REQUEST,
+    STATUS,
+    ApplyResult,
+    apply_request,
+    canonical_order,
+    read_counter,
+    read_status,
+    verify_order,
+)
+from llmgw.errors import UpdateError
+from llmgw.pki import Authority
+from llmgw.server.updates import sign_order
+
+NODE = "gpu-1"
+
+
+def order_for(**changes: Any) -> dict[str, Any]:
+    order: dict[str, Any] = {
+        "node_id": NODE,
+        "version": "0.2.0",
+        "counter": 1,
+        "sha256": "0" * 64,
+        "url": "http://127.0.0.1:8080/agent/bundles/linux-x64.tar.gz",
+        "arch": "x64",
+        "expires": int(time.time()) + 3600,
+    }
+    order.update(changes)
+    return order
+
+
+def tar_gz(entries: list[tarfile.TarInfo | tuple[tarfile.TarInfo, bytes]]) -> bytes:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w:gz", format=tarfile.GNU_FORMAT) as tar:
+        for entry in entries:
+            if isinstance(entry, tuple):
+                info, data = entry
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                tar.addfile(entry)
+    return raw.getvalue()
+
+
+def file_entry(name: str, data: bytes, mode: int = 0o644) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.mode = mode
+    return info, data
+
+
+def dir_entry(name: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE
+    info.mode = 0o755
+    return info
+
+
+def bundle_bytes(
+    version: str,
+    *,
+    marker: Path,
+    exit_code: int = 0,
+    arch: str = "x64",
+    info_version: str | None = None,
+    extra: list[tarfile.TarInfo | tuple[tarfile.TarInfo, bytes]] | None = None,
+) -> bytes:
+    """A bundle laid out like packaging/bundle.py's, whose install-agent.sh records its
+    arguments, the health timeout it was given and its working directory in ``marker``."""
+    top = f"llmgw-agent-{version}-linux-{arch}"
+    script = (
+        "#!/bin/sh\nset -eu\n"
+        f'echo "$* timeout=${{LLMGW_AGENT_HEALTH_TIMEOUT:-unset}} cwd=$(pwd)" > {marker}\n'
+        'echo "installing" \n'
+        + (
+            f'echo "new agent did not listen; rolled back" >&2\nexit {exit_code}\n'
+            if exit_code
+            else ""
+        )
+    )
+    info = f"name: llmgw-agent\nversion: {info_version or version}\narchitecture: linux-{arch}\n"
+    return tar_gz(
+        [
+            dir_entry(top),
+            file_entry(f"{top}/BUILD-INFO", info.encode()),
+            file_entry(f"{top}/install-agent.sh", script.encode(), 0o755),
+            file_entry(f"{top}/llmgw", b"#!/bin/sh\necho llmgw " + version.encode() + b"\n", 0o755),
+            *(extra or []),
+        ]
+    )
+
+
+@dataclass
+class Node:
+    """One node's update directories: the agent's spool, the installer's trust directory,
+    the helper's state, and the installed agent."""
+
+    root: Path
+    ca: Authority
+
+    @property
+    def spool(self) -> Path:
+        return self.root / "agent-state" / "update"
+
+    @property
+    def trust(self) -> Path:
+        return self.root / "etc-update"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "helper-state"
+
+    @property
+    def installed(self) -> Path:
+        return self.root / "installed" / "llmgw"
+
+    @property
+    def marker(self) -> Path:
+        return self.root / "installer-ran"
+
+    def spool_request(
+        self,
+        bundle: bytes,
+        order: dict[str, Any] | None = None,
+        *,
+        key: Authority | None = None,
+        tamper: Callable[[bytes], bytes] | None = None,
+    ) -> dict[str, Any]:
+        order = order or order_for(sha256=hashlib.sha256(bundle).hexdigest())
+        data, signature = sign_order((key or self.ca).key, order)
+        if tamper is not None:
+            data = tamper(data)
+        incoming = self.spool / "incoming.test"
+        incoming.mkdir(parents=True)
+        (incoming / "bundle.tar.gz").write_bytes(bundle)
+        (incoming / "order.json").write_bytes(data)
+        (incoming / "order.sig").write_bytes(signature)
+        incoming.rename(self.spool / REQUEST)
+        return order
+
+    def apply(self) -> ApplyResult:
+        return apply_request(
+            spool=self.spool,
+            trust=self.trust,
+            state=self.state,
+            installed_binary=self.installed,
+            machine="x86_64",
+        )
+
+    def assert_refused(self, result: ApplyResult, words: str, *, counter_before: int = 0) -> None:
+        assert result.state == "refused", result
+        assert words in result.message
+        assert result.exit_code == 1
+        status = read_status(self.spool)
+        assert status is not None and status["state"] == "refused"
+        assert words in status["message"]
+        assert read_counter(self.state) == counter_before
+        assert not self.marker.exists(), "the installer ran for a refused order"
+        assert not os.path.lexists(self.spool / REQUEST)
+        assert os.listdir(self.state / "work") == []
+
+
+@pytest.fixture(scope="module")
+def authority(tmp_path_factory: pytest.TempPathFactory) -> Authority:
+    return pki.init_ca(tmp_path_factory.mktemp("ca") / "pki")
+
+
+@pytest.fixture(scope="module")
+def other_authority(tmp_path_factory: pytest.TempPathFactory) -> Authority:
+    return pki.init_ca(tmp_path_factory.mktemp("other-ca") / "pki")
+
+
+@pytest.fixture
+def node(tmp_path: Path, authority: Authority) -> Node:
+    n = Node(tmp_path, authority)
+    n.spool.mkdir(parents=True)
+    n.trust.mkdir()
+    (n.trust / "ca.pem").write_bytes((authority.directory / "ca.crt").read_bytes())
+    (n.trust / "node-id").write_text(NODE + "\n")
+    n.installed.parent.mkdir()
+    n.installed.write_text("#!/bin/sh\necho 'llmgw 0.1.0'\n")
+    n.installed.chmod(0o755)
+    return n
+
+
+# -- the order ---------------------------------------------------------------------------------
+
+
+def test_sign_then_verify_round_trips(authority: Authority) -> None:
+    order = order_for()
+    data, signature = sign_order(authority.key, order)
+    assert data == json.dumps(order, sort_keys=True, separators=(",", ":")).encode()
+    assert data == canonical_order(order)
+    ca_pem = (authority.directory / "ca.crt").read_bytes()
+    assert verify_order(ca_pem, data, signature) == order
+
+
+def test_every_tampered_byte_is_refused(authority: Authority) -> None:
+    data, signature = sign_order(authority.key, order_for())
+    ca_pem = (authority.directory / "ca.crt").read_bytes()
+    for i in range(0, len(data), 7):
+        changed = bytearray(data)
+        changed[i] ^= 0x01
+        with pytest.raises(UpdateError, match=r"does not verify|not JSON|wrong fields|refused"):
+            verify_order(ca_pem, bytes(changed), signature)
+    broken = bytearray(signature)
+    broken[-1] ^= 0x01
+    with pytest.raises(UpdateError, match="does not verify"):
+        verify_order(ca_pem, data, bytes(broken))
+
+
+def test_another_key_is_refused(authority: Authority, other_authority: Authority) -> None:
+    data, signature = sign_order(other_authority.key, order_for())
+    with pytest.raises(UpdateError, match="does not verify against the cluster CA"):
+        verify_order((authority.directory / "ca.crt").read_bytes(), data, signature)
+
+
+def test_a_signed_but_not_canonical_order_is_refused(authority: Authority) -> None:
+    data = json.dumps(order_for()).encode()  # spaces: valid JSON, not the canonical form
+    signature = authority.key.sign(data, ec.ECDSA(hashes.SHA256()))
+    with pytest.raises(UpdateError, match="canonical"):
+        verify_order((authority.directory / "ca.crt").read_bytes(), data, signature)
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"counter": 0}, "counter is not a positive"),
+        ({"counter": True}, "counter is not a positive"),
+        ({"sha256": "ABC"}, "sha256"),
+        ({"arch": "riscv"}, "arch"),
+        ({"url": "file:///etc/passwd"}, "url"),
+        ({"node_id": "Not A Node"}, "node_id"),
+        ({"extra": 1}, "wrong fields"),
+    ],
+)
+def test_sign_order_refuses_malformed_fields(
+    authority: Authority, changes: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(UpdateError, match=words):
+        sign_order(authority.key, order_for(**changes))
+
+
+# -- the helper: accepted ------------------------------------------------------------------------
+
+
+def test_a_good_order_is_applied_and_its_counter_kept(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLMGW_AGENT_HEALTH_TIMEOUT", "7")
+    bundle = bundle_bytes("0.2.0", marker=node.marker)
+    node.spool_request(bundle, order_for(sha256=hashlib.sha256(bundle).hexdigest(), counter=5))
+    result = node.apply()
+    assert (result.state, result.counter, result.version) == ("done", 5, "0.2.0"), result
+    assert result.exit_code == 0
+    ran = node.marker.read_text()
+    assert ran.startswith("upgrade timeout=7 cwd=")
+    assert ran.rstrip().endswith("/unpacked/llmgw-agent-0.2.0-linux-x64")
+    status = read_status(node.spool)
+    assert status is not None
+    assert (status["state"], status["counter"], status["version"]) == ("done", 5, "0.2.0")
+    assert read_counter(node.state) == 5
+    assert oct((node.state).stat().st_mode & 0o777) == "0o700"
+    assert os.listdir(node.state / "work") == []
+    assert not os.path.lexists(node.spool / REQUEST)
+
+
+def test_the_same_version_again_is_no_downgrade(node: Node) -> None:
+    bundle = bundle_bytes("0.1.0", marker=node.marker)
+    node.spool_request(
+        bundle, order_for(version="0.1.0", sha256=hashlib.sha256(bundle).hexdigest())
+    )
+    assert node.apply().state == "done"
+
+
+def test_a_failed_upgrade_is_rolled_back_and_its_counter_spent(node: Node) -> None:
+    bundle = bundle_bytes("0.2.0", marker=node.marker, exit_code=3)
+    order = node.spool_request(bundle, order_for(sha256=hashlib.sha256(bundle).hexdigest()))
+    result = node.apply()
+    assert result.state == "rolled-back"
+    assert "exited with 3" in result.message
+    assert "new agent did not listen; rolled back" in result.message
+    assert result.exit_code == 1
+    assert read_counter(node.state) == 1
+    # The same order again is a replay now, even though it did not succeed.
+    node.marker.unlink()
+    node.spool_request(bundle, order)
+    node.assert_refused(node.apply(), "not above the last accepted one (1)", counter_before=1)
+
+
+def test_nothing_to_do_without_a_request(node: Node) -> None:
+    result = node.apply()
+    assert (result.state, result.exit_code) == ("idle", 0)
+    assert read_status(node.spool) is None
+
+
+# -- the helper: refused ---------------------------------------------------------------------------
+
+
+def good_bundle(node: Node, version: str = "0.2.0") -> tuple[bytes, str]:
+    bundle = bundle_bytes(version, marker=node.marker)
+    return bundle, hashlib.sha256(bundle).hexdigest()
+
+
+def test_a_tampered_order_is_refused(node: Node) -> None:
+    bundle, sha = good_bundle(node)
+    node.spool_request(
+        bundle,
+        order_for(sha256=sha),
+        tamper=lambda data: data.replace(b'"counter":1', b'"counter":9'),
+    )
+    node.assert_refused(node.apply(), "does not verify against the cluster CA")
+
+
+def test_an_order_signed_by_another_ca_is_refused(node: Node, other_authority: Authority) -> None:
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha), key=other_authority)
+    node.assert_refused(node.apply(), "does not verify against the cluster CA")
+
+
+def test_an_expired_order_is_refused(node: Node) -> None:
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha, expires=int(time.time()) - 1))
+    node.assert_refused(node.apply(), "expired")
+
+
+def test_a_replayed_counter_is_refused(node: Node) -> None:
+    (node.state).mkdir(mode=0o700)
+    (node.state / "counter").write_text("4\n")
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha, counter=4))
+    node.assert_refused(node.apply(), "not above the last accepted one (4)", counter_before=4)
+
+
+def test_a_downgrade_is_refused(node: Node) -> None:
+    node.installed.write_text("#!/bin/sh\necho 'llmgw 0.10.0'\n")
+    bundle, sha = good_bundle(node, "0.9.9")
+    node.spool_request(bundle, order_for(sha256=sha, version="0.9.9"))
+    node.assert_refused(node.apply(), "older than the installed 0.10.0")
+
+
+def test_an_unknown_installed_version_is_refused(node: Node) -> None:
+    node.installed.unlink()
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha))
+    node.assert_refused(node.apply(), "downgrade cannot be ruled out")
+
+
+def test_another_nodes_order_is_refused(node: Node) -> None:
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha, node_id="gpu-2"))
+    node.assert_refused(node.apply(), "for node gpu-2, and this is node gpu-1")
+
+
+def test_another_architecture_is_refused(node: Node) -> None:
+    bundle = bundle_bytes("0.2.0", marker=node.marker, arch="arm64")
+    sha = hashlib.sha256(bundle).hexdigest()
+    node.spool_request(bundle, order_for(sha256=sha, arch="arm64"))
+    node.assert_refused(node.apply(), "this machine is linux-x64")
+
+
+def test_a_bundle_that_does_not_match_the_sha256_is_refused(node: Node) -> None:
+    bundle, _ = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256="ab" * 32))
+    node.assert_refused(node.apply(), "not the abab")
+
+
+def test_a_bundle_of_another_version_is_refused(node: Node) -> None:
+    bundle = bundle_bytes("0.2.0", marker=node.marker, info_version="0.3.0")
+    node.spool_request(bundle, order_for(sha256=hashlib.sha256(bundle).hexdigest()))
+    node.assert_refused(node.apply(), "the bundle is version 0.3.0, the order says 0.2.0")
+
+
+def _symlink(name: str, target: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.SYMTYPE
+    info.linkname = target
+    return info
+
+
+def _hardlink(name: str, target: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.LNKTYPE
+    info.linkname = target
+    return info
+
+
+def _device(name: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.CHRTYPE
+    info.devmajor, info.devminor = 1, 3
+    return info
+
+
+TOP = "llmgw-agent-0.2.0-linux-x64"
+
+
+@pytest.mark.parametrize(
+    ("member", "words"),
+    [
+        (file_entry("/etc/cron.d/evil", b"x"), "an absolute path"),
+        (file_entry(f"{TOP}/../../etc/evil", b"x"), "'..'"),
+        (file_entry(f"{TOP}/a/../../evil", b"x"), "'..'"),
+        (_symlink(f"{TOP}/escape", "/etc"), "a link"),
+        (_symlink(f"{TOP}/rel", "../../etc/passwd"), "a link"),
+        (_hardlink(f"{TOP}/shadow", "/etc/shadow"), "a link"),
+        (_device(f"{TOP}/null"), "not a file or directory"),
+        (file_entry("llmgw-agent-0.3.0-linux-x64/other", b"x"), "outside the top folder"),
+    ],
+)
+def test_hostile_bundle_members_are_refused(
+    node: Node, member: tarfile.TarInfo | tuple[tarfile.TarInfo, bytes], words: str
+) -> None:
+    bundle = bundle_bytes("0.2.0", marker=node.marker, extra=[member])
+    node.spool_request(bundle, order_for(sha256=hashlib.sha256(bundle).hexdigest()))
+    node.assert_refused(node.apply(), words)
+    assert not (node.root / "etc").exists()
+
+
+def test_a_bundle_without_an_installer_is_refused(node: Node) -> None:
+    bundle = tar_gz(
+        [
+            dir_entry(TOP),
+            file_entry(f"{TOP}/BUILD-INFO", b"version: 0.2.0\narchitecture: linux-x64\n"),
+            file_entry(f"{TOP}/llmgw", b"x", 0o755),
+        ]
+    )
+    node.spool_request(bundle, order_for(sha256=hashlib.sha256(bundle).hexdigest()))
+    node.assert_refused(node.apply(), f"no {TOP}/install-agent.sh")
+
+
+def test_garbage_instead_of_a_bundle_is_refused(node: Node) -> None:
+    bundle = b"not a tarball at all"
+    node.spool_request(bundle, order_for(sha256=hashlib.sha256(bundle).hexdigest()))
+    node.assert_refused(node.apply(), "not a readable .tar.gz")
+
+
+# -- the helper against a hostile agent --------------------------------------------------------------
+
+
+def test_a_symlinked_request_is_refused_and_its_target_untouched(node: Node) -> None:
+    elsewhere = node.root / "precious"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("mine")
+    os.symlink(elsewhere, node.spool / REQUEST)
+    node.assert_refused(node.apply(), "not a directory (a symlink or a file)")
+    assert (elsewhere / "keep").read_text() == "mine"
+    assert elsewhere.stat().st_mode & 0o777 == 0o755  # not chmodded through the link
+
+
+@pytest.mark.parametrize("name", ["order.json", "order.sig", "bundle.tar.gz"])
+def test_a_symlink_inside_the_request_is_refused(node: Node, name: str) -> None:
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha))
+    victim = node.root / "victim"
+    victim.write_bytes((node.spool / REQUEST / name).read_bytes())
+    (node.spool / REQUEST / name).unlink()
+    os.symlink(victim, node.spool / REQUEST / name)
+    node.assert_refused(node.apply(), f"{name} in the request is a symlink")
+    assert victim.exists()
+
+
+def test_a_fifo_in_the_request_is_refused_without_hanging(node: Node) -> None:
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha))
+    (node.spool / REQUEST / "order.sig").unlink()
+    os.mkfifo(node.spool / REQUEST / "order.sig")
+    node.assert_refused(node.apply(), "order.sig in the request is not a regular file")
+
+
+def test_an_extra_file_in_the_request_is_refused(node: Node) -> None:
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha))
+    (node.spool / REQUEST / "unpacked").mkdir()
+    node.assert_refused(node.apply(), "not exactly")
+
+
+def test_a_status_symlink_is_replaced_not_followed(node: Node) -> None:
+    victim = node.root / "victim"
+    victim.write_text("do not overwrite")
+    os.symlink(victim, node.spool / STATUS)
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha, node_id="gpu-2"))
+    result = node.apply()
+    assert result.state == "refused"
+    assert victim.read_text() == "do not overwrite"
+    assert not (node.spool / STATUS).is_symlink()
+    assert (node.spool / STATUS).stat().st_mode & 0o777 == 0o644
+    assert json.loads((node.spool / STATUS).read_text())["state"] == "refused"
+
+
+def test_a_symlinked_spool_is_not_used(node: Node) -> None:
+    real = node.root / "somewhere"
+    real.mkdir()
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha))
+    (node.spool).rename(real / "update")
+    os.symlink(real / "update", node.spool)
+    with pytest.raises(UpdateError, match="not a directory"):
+        node.apply()
+    assert (real / "update" / REQUEST).is_dir()  # left alone
+    assert not node.marker.exists()
+
+
+def test_the_command_line_exits_non_zero_on_a_refusal(node: Node) -> None:
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha, node_id="gpu-2"))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmgw",
+            "agent",
+            "update-apply",
+            "--spool",
+            str(node.spool),
+            "--trust",
+            str(node.trust),
+            "--state",
+            str(node.state),
+            "--installed-binary",
+            str(node.installed),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result
+    assert "error: update refused: the order is for node gpu-2" in result.stderr
+    assert "llmgw-agent-update: took" in result.stdout
+    assert read_status(node.spool)["state"] == "refused"  # type: ignore[index]
