@@ -442,3 +442,71 @@ def test_agent_with_the_docker_runtime_serves_through_the_gateway(
         stop_process(server.proc)
         for c in api.containers(all=True, filters={"label": [f"{LABEL_NODE}={node}"]}):
             api.remove_container(c["Id"], force=True)
+
+
+def test_multi_node_sim_replica_in_host_network_containers(
+    api: Any, image: str, tmp_path: Path
+) -> None:
+    """Rank 0 and a worker of a two-node sim replica, each in a container in the host's
+    network: rank 0 binds the dist-init port on the host and serves nothing until the worker
+    joined; killing the worker's container ends rank 0."""
+    dist_init = f"127.0.0.1:{pick_port()}"
+    launches = [
+        launch_for(
+            ShardSpec(
+                shard_id=f"s-mn{rank}",
+                replica_id="r-mn",
+                model="sim-model",
+                engine="sim",
+                nodes=2,
+                rank=rank,
+                dist_init_addr=dist_init,
+            ),
+            port=pick_port(),
+            log_path=tmp_path / "logs" / f"s-mn{rank}.log",
+            node_id=NODE,
+            cluster_id=CLUSTER,
+            images={"sim": image},
+        )
+        for rank in (0, 1)
+    ]
+    rank0_launch, worker_launch = launches
+
+    def logged(path: Path, words: str) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            if path.exists() and words in path.read_text(errors="replace"):
+                return
+            time.sleep(0.1)
+        pytest.fail(f"{path.name} never said {words!r}: {path.read_text(errors='replace')!r}")
+
+    async def main() -> None:
+        runtime = DockerRuntime()
+        rank0 = await runtime.start(rank0_launch)
+        worker: Handle | None = None
+        try:
+            attrs = api.inspect_container(rank0.ref)
+            assert attrs["HostConfig"]["NetworkMode"] == "host"
+            assert not attrs["HostConfig"]["PortBindings"]
+            await asyncio.to_thread(
+                logged, rank0_launch.log_path, f"waiting for 1 worker(s) on {dist_init}"
+            )
+            assert health(rank0_launch.port) is None  # nothing served before the worker joins
+
+            worker = await runtime.start(worker_launch)
+            assert api.inspect_container(worker.ref)["HostConfig"]["NetworkMode"] == "host"
+            await asyncio.to_thread(logged, worker_launch.log_path, "joined rank 0 at")
+            # The engine itself listens on the host's loopback port the agent chose.
+            await asyncio.to_thread(wait_healthy, rank0_launch.port)
+
+            ended = asyncio.create_task(runtime.wait(rank0))
+            api.kill(worker.ref)
+            code = await asyncio.wait_for(ended, WAIT_S)
+            assert code not in (0, None), code
+            assert not runtime.alive(rank0)
+        finally:
+            for handle in (rank0, worker):
+                if handle is not None:
+                    await runtime.stop(handle, grace=1)
+
+    asyncio.run(main())

@@ -23,6 +23,10 @@ class Launch:
     labels: dict[str, str] = field(default_factory=dict)  # llmgw.cluster/node/replica/shard
     gpus: tuple[str, ...] = ()  # GPU UUIDs or indices handed to the container; () means none
     container_port: int = 0  # the port the engine listens on inside; 0 means ``port``
+    # In the host's network namespace rather than behind a published port: a shard of a
+    # multi-node replica, whose rendezvous binds (or dials) the node's own address. The
+    # engine then listens on the host's 127.0.0.1:``port`` itself.
+    host_network: bool = False
 
 
 @dataclass

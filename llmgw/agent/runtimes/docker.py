@@ -1,5 +1,10 @@
 """The Docker runtime: each shard is a container from its engine's image, published on 127.0.0.1.
 
+A shard of a multi-node replica runs in the host's network namespace instead: its
+rendezvous (rank 0's dist-init port, or a llama.cpp worker's rpc-server) binds the node's
+management address, which other nodes reach, and its HTTP server the host's 127.0.0.1:port,
+as the process runtime's would.
+
 Containers carry ``llmgw.*`` labels (cluster, node, replica, shard) so that a restarted agent
 finds and adopts the engines it left running; their output is copied into the shard's log
 file, where the agent reads the tail when an engine fails. Images are never pulled: an image
@@ -27,7 +32,7 @@ import docker.types
 import docker.utils
 
 from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord
-from llmgw.engines.launch import build_argv, self_argv
+from llmgw.engines.launch import EngineSpec, build_argv, build_command, self_argv
 from llmgw.errors import EngineError, ShardError
 from llmgw.log import kv
 
@@ -79,6 +84,20 @@ class _SpecLike(Protocol):
     def params(self) -> dict[str, str]: ...
     @property
     def extra_args(self) -> tuple[str, ...]: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def nodes(self) -> int: ...
+    @property
+    def dist_init_addr(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def gpus(self) -> tuple[str, ...]: ...
+    @property
+    def worker_addrs(self) -> tuple[str, ...]: ...
+    @property
+    def listen_addr(self) -> str: ...
 
 
 def container_name(shard_id: str, node_id: str | None = None) -> str:
@@ -87,15 +106,16 @@ def container_name(shard_id: str, node_id: str | None = None) -> str:
     return _NAME_INVALID.sub("_", "-".join(parts))
 
 
-def _in_container(argv: Sequence[str]) -> list[str]:
+def _in_container(argv: Sequence[str], *, host_network: bool = False) -> list[str]:
     """The engine's argv as run inside its image: ``llmgw`` from the image's PATH rather than
     this agent's own interpreter, listening on every address of the container (the port is
-    published on the host's loopback only)."""
+    published on the host's loopback only). In the host's network namespace the addresses
+    stay as built: 127.0.0.1 is then the host's loopback."""
     args = list(argv)
     prefix = self_argv()
     if args[: len(prefix)] == prefix:
         args = ["llmgw", *args[len(prefix) :]]
-    if "--host" in args[:-1]:
+    if not host_network and "--host" in args[:-1]:
         args[args.index("--host") + 1] = "0.0.0.0"
     return args
 
@@ -119,14 +139,36 @@ def launch_for(
             f"in agent.yaml (e.g. {spec.engine}: llmgw-{spec.engine}:0.1) and load the image "
             "(docker load -i FILE)"
         )
+    multi_node = spec.nodes > 1
+    env: dict[str, str] = {}
     try:
-        argv = build_argv(
-            spec.engine,
-            model=spec.model,
-            port=CONTAINER_PORT,
-            params=spec.params,
-            extra_args=spec.extra_args,
-        )
+        if multi_node:
+            # The whole shard, as the process runtime builds it, on the host's port.
+            command = build_command(
+                EngineSpec(
+                    engine=spec.engine,
+                    model=spec.model,
+                    port=port,
+                    source=spec.source,
+                    gpus=spec.gpus,
+                    nodes=spec.nodes,
+                    rank=spec.rank,
+                    dist_init_addr=spec.dist_init_addr,
+                    params=spec.params,
+                    extra_args=spec.extra_args,
+                    peers=spec.worker_addrs,
+                    listen_addr=spec.listen_addr,
+                )
+            )
+            argv, env = command.argv, command.env
+        else:
+            argv = build_argv(
+                spec.engine,
+                model=spec.model,
+                port=CONTAINER_PORT,
+                params=spec.params,
+                extra_args=spec.extra_args,
+            )
     except EngineError as exc:
         raise ShardError(str(exc)) from exc
     labels = {LABEL_NODE: node_id, LABEL_REPLICA: spec.replica_id, LABEL_SHARD: spec.shard_id}
@@ -134,13 +176,15 @@ def launch_for(
         labels[LABEL_CLUSTER] = cluster_id
     return Launch(
         shard_id=spec.shard_id,
-        argv=tuple(_in_container(argv)),
+        argv=tuple(_in_container(argv, host_network=multi_node)),
         port=port,
         log_path=log_path,
+        env=env,
         image=image,
         labels=labels,
         gpus=tuple(gpus),
-        container_port=CONTAINER_PORT,
+        container_port=port if multi_node else CONTAINER_PORT,
+        host_network=multi_node,
     )
 
 
@@ -323,24 +367,36 @@ class DockerRuntime(Runtime):
             else None
         )
         try:
-            host_config = api.create_host_config(
-                # Loopback only: the agent's data plane is the one way in from other hosts.
-                port_bindings={f"{inner}/tcp": ("127.0.0.1", launch.port)},
-                restart_policy={"Name": "no"},
-                device_requests=device_requests,
-                network_mode=self.network,
-            )
-            networking_config = (
-                api.create_networking_config({self.network: api.create_endpoint_config()})
-                if self.network
-                else None
-            )
+            if launch.host_network:
+                # The engine binds the host's loopback itself; only its rendezvous is on the
+                # node's address (DESIGN §2), so nothing is published.
+                host_config = api.create_host_config(
+                    restart_policy={"Name": "no"},
+                    device_requests=device_requests,
+                    network_mode="host",
+                )
+                networking_config = None
+                ports: list[tuple[int, str]] = []
+            else:
+                host_config = api.create_host_config(
+                    # Loopback only: the agent's data plane is the one way in from other hosts.
+                    port_bindings={f"{inner}/tcp": ("127.0.0.1", launch.port)},
+                    restart_policy={"Name": "no"},
+                    device_requests=device_requests,
+                    network_mode=self.network,
+                )
+                networking_config = (
+                    api.create_networking_config({self.network: api.create_endpoint_config()})
+                    if self.network
+                    else None
+                )
+                ports = [(inner, "tcp")]
             kwargs: dict[str, Any] = {
                 "command": list(launch.argv),
                 "name": name,
                 "labels": labels,
                 "environment": dict(launch.env),
-                "ports": [(inner, "tcp")],
+                "ports": ports,
                 "host_config": host_config,
                 "networking_config": networking_config,
                 "detach": True,

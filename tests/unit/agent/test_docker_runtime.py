@@ -4,6 +4,7 @@ not there. The runtime against a real dockerd: tests/integration/test_docker_run
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,73 @@ def test_launch_without_cluster_or_gpus(tmp_path: Path) -> None:
     )
     assert LABEL_CLUSTER not in launch.labels
     assert launch.gpus == ()
+
+
+def test_multi_node_shards_run_in_the_host_network_on_the_hosts_port(tmp_path: Path) -> None:
+    rank0 = ShardSpec(
+        shard_id="r2-s0",
+        replica_id="r2",
+        model="m-2",
+        engine="sim",
+        nodes=2,
+        rank=0,
+        dist_init_addr="10.0.0.5:29500",
+        gpus=("GPU-aaaa",),
+    )
+    launch = launch_for(
+        rank0, port=41000, log_path=tmp_path / "l", node_id="n", cluster_id="", images=IMAGES
+    )
+    assert launch.host_network is True
+    # Nothing to publish: the engine itself listens on the host's loopback port.
+    assert launch.port == launch.container_port == 41000
+    assert launch.argv == (
+        "llmgw",
+        "engine",
+        "sim",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "41000",
+        "--model",
+        "m-2",
+        "--nodes",
+        "2",
+        "--rank",
+        "0",
+        "--dist-init-addr",
+        "10.0.0.5:29500",
+    )
+    assert launch.env == {"CUDA_VISIBLE_DEVICES": "GPU-aaaa"}
+
+
+def test_llamacpp_worker_in_a_container_binds_its_listen_addr(tmp_path: Path) -> None:
+    worker = ShardSpec(
+        shard_id="r3-s1",
+        replica_id="r3",
+        model="big",
+        engine="llamacpp",
+        nodes=2,
+        rank=1,
+        dist_init_addr="10.0.0.5:50052",
+        listen_addr="10.0.0.6:50052",
+    )
+    images = {"llamacpp": "llama:1"}
+    launch = launch_for(
+        worker, port=41001, log_path=tmp_path / "l", node_id="n", cluster_id="", images=images
+    )
+    assert launch.host_network is True
+    # The --host of rpc-server is the node's address, never rewritten.
+    assert launch.argv == ("rpc-server", "--host", "10.0.0.6", "--port", "50052")
+    # Without its endpoint the shard is refused, starting nothing.
+    with pytest.raises(ShardError, match="listen_addr"):
+        launch_for(
+            replace(worker, listen_addr=""),
+            port=41001,
+            log_path=tmp_path / "l",
+            node_id="n",
+            cluster_id="",
+            images=images,
+        )
 
 
 def test_engine_without_an_image_says_which_key_to_set(tmp_path: Path) -> None:
