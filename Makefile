@@ -44,11 +44,12 @@ bench: $(STAMP)
 # The frozen llmgw (scripts/dist.sh, as root): dist/llmgw-linux-$(ARCH) (one file, for the agent
 # bundle), dist/llmgw-onedir-$(ARCH)/ (for the packages), the bundle, SHA256SUMS, and the figures.
 # ARCH=arm64 builds through qemu-user (slow the first time). ALLOW_MISSING_INSTALLER=1 builds
-# the bundle even without installer/install-agent.sh.
+# the bundle even without installer/install-agent.sh. VERSION=V (on the command line) builds
+# the same sources stamped version V into dist/vV/, for upgrade tests.
 ARCH ?= x64
 .PHONY: dist
 dist: $(VENV)/bin/python
-	PYTHON=$(PY) ./scripts/dist.sh $(if $(ALLOW_MISSING_INSTALLER),--allow-missing-installer) $(ARCH)
+	PYTHON=$(PY) ./scripts/dist.sh $(if $(ALLOW_MISSING_INSTALLER),--allow-missing-installer) $(if $(filter command line,$(origin VERSION)),--version $(VERSION)) $(ARCH)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -16,6 +16,7 @@ usage: bundle.py build --binary PATH --arch x64|arm64 [--version V] [--revision 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import gzip
 import hashlib
 import io
@@ -265,15 +266,18 @@ def build_bundle(
     return out, warnings
 
 
-def write_sums(directory: Path) -> Path:
+def write_sums(directory: Path, exclude: tuple[str, ...] = ()) -> Path:
     """``directory/SHA256SUMS`` (``sha256sum -c`` reads it) over every file below it but
-    itself and dot files, by sorted path; written atomically."""
+    itself, dot files and what lies under a top-level entry matching an ``exclude`` glob,
+    by sorted path; written atomically."""
     lines = []
     for path in sorted(directory.rglob("*"), key=lambda p: p.relative_to(directory).as_posix()):
         rel = path.relative_to(directory).as_posix()
         if not path.is_file() or path.is_symlink() or rel == SUMS:
             continue
         if any(part.startswith(".") for part in Path(rel).parts):
+            continue
+        if any(fnmatch.fnmatchcase(Path(rel).parts[0], pattern) for pattern in exclude):
             continue
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         lines.append(f"{digest}  {rel}\n")
@@ -306,10 +310,17 @@ def main(argv: list[str]) -> int:
     )
     sums = sub.add_parser("sums", help="write DIR/SHA256SUMS")
     sums.add_argument("directory", type=Path)
+    sums.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="leave out top-level entries matching GLOB (dist/v*/: builds of other versions)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "sums":
-            print(write_sums(args.directory))
+            print(write_sums(args.directory, tuple(args.exclude)))
             return 0
         out, warnings = build_bundle(
             args.binary,

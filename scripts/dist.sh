@@ -4,9 +4,16 @@
 # llmgw-agent-<version>-linux-<arch>.tar.gz, SHA256SUMS over dist/, and the figures: each
 # artifact's size and the median start-up time of `llmgw --version`.
 #
-# Usage: scripts/dist.sh [--allow-missing-installer] [x64|arm64]    (make dist [ARCH=arm64])
-#        scripts/dist.sh --check [x64|arm64]   exit 0 when dist/ holds binaries built from
-#                                              these very sources, 1 when it does not
+# Usage: scripts/dist.sh [--allow-missing-installer] [--version V] [x64|arm64]
+#                                              (make dist [ARCH=arm64] [VERSION=V])
+#        scripts/dist.sh --check [--version V] [x64|arm64]   exit 0 when dist/ holds binaries
+#                                              built from these very sources, 1 when it does not
+#
+# --version V builds the same sources with __version__ stamped V (in the build's copy of the
+# tree; the checkout is not touched) into dist/vV/: llmgw-linux-<arch> (its --version says
+# 'llmgw V'), llmgw-onedir-<arch>/, llmgw-agent-V-linux-<arch>.tar.gz and their SHA256SUMS,
+# cached by the hash of the inputs like the plain build. Upgrade tests use it for "N+1".
+# dist/SHA256SUMS does not cover these dist/v*/ folders.
 #
 # The binaries must run on Debian 11 (glibc 2.31) and later, so they are built inside a
 # Debian bullseye rootfs against its glibc, with a CPython 3.11 compiled there from Debian's
@@ -57,14 +64,32 @@ parse_args() {
     ALLOW_MISSING_INSTALLER=""
     CHECK=""
     ARCH=x64
-    for arg in "$@"; do
-        case $arg in
+    STAMP=""
+    while [ $# -gt 0 ]; do
+        case $1 in
             --allow-missing-installer) ALLOW_MISSING_INSTALLER=--allow-missing-installer ;;
             --check) CHECK=1 ;;
-            x64 | arm64) ARCH=$arg ;;
-            *) fatal "usage: $0 [--allow-missing-installer | --check] [x64|arm64] (got '$arg')" ;;
+            --version)
+                [ $# -ge 2 ] || fatal "--version needs a value, e.g. --version 0.1.1"
+                STAMP=$2
+                shift
+                ;;
+            x64 | arm64) ARCH=$1 ;;
+            *) fatal "usage: $0 [--allow-missing-installer | --check] [--version V] [x64|arm64] (got '$1')" ;;
         esac
+        shift
     done
+    if [ -n "$STAMP" ]; then
+        # A version is a file name and a sed replacement here: digits, letters, '.', '+', '-',
+        # '~' only, starting with a digit.
+        case $STAMP in
+            [0-9]*) ;;
+            *) fatal "--version '$STAMP' must start with a digit (e.g. 0.1.1)" ;;
+        esac
+        case $STAMP in
+            *[!0-9A-Za-z.+~-]*) fatal "--version '$STAMP' may hold only digits, letters and . + ~ -" ;;
+        esac
+    fi
     case $ARCH in
         x64) DEB_ARCH=amd64 QEMU="" ;;
         arm64) DEB_ARCH=arm64 QEMU=qemu-aarch64 ;;
@@ -82,6 +107,11 @@ setup() {
     fi
     VERSION=$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' llmgw/__init__.py)
     [ -n "$VERSION" ] || fatal "no __version__ = \"X.Y.Z\" line in llmgw/__init__.py"
+    OUT=dist
+    if [ -n "$STAMP" ]; then
+        VERSION=$STAMP
+        OUT=dist/v$STAMP
+    fi
     CACHE=${LLMGW_TEST_CACHE:-/var/cache/llmgw-test}/dist
     ROOTFS=$(rootfs_path "$DEB_ARCH")
     TOOLS_KEY=$({
@@ -89,12 +119,12 @@ setup() {
         cat packaging/pyinstaller-runtime-dir.patch pyproject.toml
     } | sha)
     INPUTS=$({
-        printf '%s\n' "$TOOLS_KEY" "$VERSION"
+        printf '%s\n' "$TOOLS_KEY" "$VERSION" "stamped:$STAMP"
         sha256sum scripts/dist.sh packaging/llmgw.spec README.md
         find llmgw -type f -name '*.py' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum
     } | sha)
-    ONEFILE=dist/llmgw-linux-$ARCH
-    ONEDIR=dist/llmgw-onedir-$ARCH
+    ONEFILE=$OUT/llmgw-linux-$ARCH
+    ONEDIR=$OUT/llmgw-onedir-$ARCH
     REVISION=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
     if [ "$REVISION" != unknown ] && [ -n "$(git status --porcelain 2>/dev/null | head -n 1)" ]; then
         REVISION=$REVISION-dirty
@@ -369,12 +399,13 @@ EOF
 
 # 5. the binaries: PyInstaller in the rootfs, on a clean copy of the sources
 build_binaries() {
-    info "binaries: PyInstaller one-file and one-folder for linux-$ARCH"
+    info "binaries: PyInstaller one-file and one-folder of llmgw $VERSION for linux-$ARCH"
     rm -rf "$ROOTFS/build"
     mkdir -p "$ROOTFS/build/src/packaging"
     tar -cf - --exclude=__pycache__ --exclude='*.pyc' pyproject.toml README.md llmgw \
         | tar -C "$ROOTFS/build/src" -xf -
     cp packaging/llmgw.spec "$ROOTFS/build/src/packaging/"
+    [ -z "$STAMP" ] || stamp_version "$ROOTFS/build/src/llmgw/__init__.py"
     log=$(mktemp)
     TO_CLEAN="$TO_CLEAN $log"
     started=$(date +%s)
@@ -392,17 +423,23 @@ for binary in /build/out/onefile/llmgw /build/out/onedir/llmgw/llmgw; do
 done
 EOF
     info "binaries: built in $(($(date +%s) - started)) s"
-    mkdir -p dist
-    rm -rf "$ONEFILE" "$ONEDIR" "dist/.inputs-$ARCH"
+    mkdir -p "$OUT"
+    rm -rf "$ONEFILE" "$ONEDIR" "$OUT/.inputs-$ARCH"
     cp "$ROOTFS/build/out/onefile/llmgw" "$ONEFILE"
     cp -a "$ROOTFS/build/out/onedir/llmgw" "$ONEDIR"
     rm -rf "$ROOTFS/build"
-    printf '%s\n' "$INPUTS" >"dist/.inputs-$ARCH"
+    printf '%s\n' "$INPUTS" >"$OUT/.inputs-$ARCH"
+}
+
+# --version V: the build's copy of llmgw/__init__.py says V (the checkout is not touched).
+stamp_version() {
+    sed -i "s/^__version__ = \".*\"\$/__version__ = \"$STAMP\"/" "$1"
+    grep -qx "__version__ = \"$STAMP\"" "$1" || fatal "could not stamp version $STAMP into $1"
 }
 
 binaries_are_current() {
     [ -x "$ONEFILE" ] && [ -x "$ONEDIR/llmgw" ] \
-        && [ "$(cat "dist/.inputs-$ARCH" 2>/dev/null)" = "$INPUTS" ]
+        && [ "$(cat "$OUT/.inputs-$ARCH" 2>/dev/null)" = "$INPUTS" ]
 }
 
 # 6. each binary says its version, run here when it is of this machine's architecture (the
@@ -418,15 +455,19 @@ check_version() {
 # 7. the bundle, SHA256SUMS, and the figures
 make_bundle() {
     "$PYTHON" packaging/bundle.py build --binary "$ONEFILE" --arch "$ARCH" --version "$VERSION" \
-        --revision "$REVISION" --glibc-floor "$GLIBC_FLOOR" --out dist $ALLOW_MISSING_INSTALLER
-    "$PYTHON" packaging/bundle.py sums dist
+        --revision "$REVISION" --glibc-floor "$GLIBC_FLOOR" --out "$OUT" $ALLOW_MISSING_INSTALLER
+    if [ -n "$STAMP" ]; then
+        "$PYTHON" packaging/bundle.py sums "$OUT"
+    else
+        "$PYTHON" packaging/bundle.py sums dist --exclude 'v[0-9]*'
+    fi
 }
 
 report() {
     info "figures for linux-$ARCH:"
     # Start-up times under emulation say nothing about an arm64 machine: not measured.
     "$PYTHON" packaging/report.py --onefile "$ONEFILE" --onedir "$ONEDIR" \
-        --bundle "dist/llmgw-agent-$VERSION-linux-$ARCH.tar.gz" ${QEMU:+--no-timing} >&2
+        --bundle "$OUT/llmgw-agent-$VERSION-linux-$ARCH.tar.gz" ${QEMU:+--no-timing} >&2
 }
 
 cleanup() {
@@ -443,7 +484,8 @@ main() {
             exit 0
         fi
         hint="make dist"
-        [ "$ARCH" = x64 ] || hint="make dist ARCH=$ARCH"
+        [ "$ARCH" = x64 ] || hint="$hint ARCH=$ARCH"
+        [ -z "$STAMP" ] || hint="$hint VERSION=$STAMP"
         info "$ONEFILE is missing or was built from other sources; run $hint"
         exit 1
     fi
