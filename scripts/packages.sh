@@ -135,9 +135,15 @@ read_library_floor() {
     info "llmgw $VERSION for $ARCH_NAME from $BINARY: needs glibc ${glibc:-(none)}, zlib: $needs_zlib"
 }
 
-# 5. the maintainer scripts of one package, from packaging/{deb,rpm}
+# 5. the maintainer scripts of one package, from packaging/{deb,rpm}: its service user, unit,
+# configuration file and state directory; the data directories made on the first install;
+# the path units enabled on the first install; the groups the user joins when they exist;
+# whether the user lingers (yes|no); what else purge removes.
 render_scripts() {
-    package=$1 user=$2 gecos=$3 unit=$4 config=$5 state_dir=$6 data_dirs=$7
+    package=$1 user=$2 gecos=$3 unit=$4 config=$5 state_dir=$6 data_dirs=$7 path_units=$8
+    extra_groups=$9
+    shift 9
+    linger=$1 purge_dirs=$2
     dir=$STAGE/$package
     for kind in deb rpm; do
         mkdir -p "$dir/$kind"
@@ -146,12 +152,32 @@ render_scripts() {
             sed -e "s|@PACKAGE@|$package|g" -e "s|@USER@|$user|g" -e "s|@GECOS@|$gecos|g" \
                 -e "s|@UNIT@|$unit|g" -e "s|@CONFIG@|$config|g" \
                 -e "s|@STATE_DIR@|$state_dir|g" -e "s|@DATA_DIRS@|$data_dirs|g" \
+                -e "s|@PATH_UNITS@|$path_units|g" -e "s|@EXTRA_GROUPS@|$extra_groups|g" \
+                -e "s|@LINGER@|$linger|g" -e "s|@PURGE_DIRS@|$purge_dirs|g" \
                 "$template" >"$target"
             chmod 0755 "$target"
             if grep -n '@[A-Z_]*@' "$target" >&2; then
                 fatal "$template has a placeholder that scripts/packages.sh does not fill (above)"
             fi
         done
+    done
+}
+
+# The agent's units as the package ships them (the deb and rpm recipes take them from
+# STAGE/llmgw-agent/systemd/): as in systemd/, except that the update helper runs the
+# package's /usr/bin/llmgw instead of the tarball install's /usr/local/lib/llmgw-agent/llmgw.
+TARBALL_BINARY=/usr/local/lib/llmgw-agent/llmgw
+PACKAGE_BINARY=/usr/bin/llmgw
+
+render_agent_units() {
+    dir=$STAGE/llmgw-agent/systemd
+    mkdir -p "$dir"
+    for unit in llmgw-agent.service llmgw-agent-update.path llmgw-agent-update.service; do
+        [ -f "systemd/$unit" ] || fatal "systemd/$unit is missing; the llmgw-agent package ships it"
+        sed "s|^ExecStart=$TARBALL_BINARY |ExecStart=$PACKAGE_BINARY |" "systemd/$unit" >"$dir/$unit"
+        if grep '^ExecStart=' "$dir/$unit" | grep -v "^ExecStart=$PACKAGE_BINARY " >&2; then
+            fatal "systemd/$unit runs another program than $TARBALL_BINARY or $PACKAGE_BINARY (above); the package cannot ship it"
+        fi
     done
 }
 
@@ -212,9 +238,11 @@ main() {
         SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || date +%s)
     fi
     render_scripts llmgw-agent llmgw-agent "llmgw node agent" llmgw-agent.service \
-        /etc/llmgw/agent.yaml /var/lib/llmgw-agent "/srv/llmgw/models /srv/llmgw/cache"
+        /etc/llmgw/agent.yaml /var/lib/llmgw-agent "/srv/llmgw/models /srv/llmgw/cache" \
+        llmgw-agent-update.path docker yes "/var/lib/llmgw-update /etc/llmgw/update"
     render_scripts llmgw-server llmgw "llmgw control plane" llmgw-server.service \
-        /etc/llmgw/server.yaml /var/lib/llmgw ""
+        /etc/llmgw/server.yaml /var/lib/llmgw "" "" "" no ""
+    render_agent_units
 
     LLMGW_PKG_ARCH=$NFPM_ARCH LLMGW_PKG_VERSION=$VERSION LLMGW_PKG_PAYLOAD=$PAYLOAD
     LLMGW_PKG_SOURCE=$SOURCE LLMGW_PKG_MAINTAINER=${LLMGW_PKG_MAINTAINER:-$DEFAULT_MAINTAINER}

@@ -52,6 +52,8 @@ KINDS = {
     "llmgw-server": ("/etc/llmgw/server.yaml", "llmgw", "llmgw-server.service"),
 }
 PLACEHOLDER = re.compile(r"@[A-Z_]+@")
+UPDATE_UNITS = ("llmgw-agent-update.path", "llmgw-agent-update.service")
+LINGER_FILE = "/var/lib/systemd/linger/llmgw-agent"
 GLIBC_VERSION = re.compile(rb"GLIBC_(2\.[0-9]+(?:\.[0-9]+)?)")
 AGENT_STATE = "/var/lib/llmgw-agent"
 EDIT = "# edited by the package test"
@@ -150,12 +152,24 @@ def test_deb_holds_its_unit_and_only_its_etc_file_as_conffile(
     sysusers = (tmp_path / "root" / "usr/lib/sysusers.d" / f"{user}.conf").read_text()
     assert f"\nu {user} - " in sysusers
     if name == "llmgw-agent":
+        # The update helper's units: as in systemd/, but the helper runs the package's program.
+        for helper in UPDATE_UNITS:
+            assert listing[f"/lib/systemd/system/{helper}"][:2] == ("-rw-r--r--", "root/root")
+        units = tmp_path / "root" / "lib/systemd/system"
+        path_unit = (units / "llmgw-agent-update.path").read_text()
+        assert path_unit == (ROOT / "systemd" / "llmgw-agent-update.path").read_text()
+        source = (ROOT / "systemd" / "llmgw-agent-update.service").read_text()
+        assert "\nExecStart=/usr/local/lib/llmgw-agent/llmgw agent " in source
+        assert (units / "llmgw-agent-update.service").read_text() == source.replace(
+            "\nExecStart=/usr/local/lib/llmgw-agent/llmgw ", "\nExecStart=/usr/bin/llmgw "
+        )
         assert listing["/usr/lib/llmgw/llmgw"][0] == "-rwxr-xr-x"
         assert listing["/usr/bin/llmgw"][0].startswith("l")
         assert listing["/usr/bin/llmgw"][2] == "/usr/lib/llmgw/llmgw"
         assert deb_field(deb, "Depends") == ""  # the stand-in needs no C library
     else:
         assert not any(p.startswith("/usr/lib/llmgw") for p in listing)
+        assert not any("update" in p for p in listing)
         assert deb_field(deb, "Depends") == f"llmgw-agent (= {CURRENT})"
 
 
@@ -184,12 +198,21 @@ def test_deb_maintainer_scripts_branch_on_their_argument(
         # An argument dpkg never gives is refused before anything is done.
         bogus = subprocess.run(["sh", str(path), "bogus"], capture_output=True, text=True)
         assert bogus.returncode == 1 and "unknown argument 'bogus'" in bogus.stderr
-    # systemctl is used only where systemd runs, and an upgrade never enables.
+    # systemctl starts or restarts only where systemd runs; the service is never enabled or
+    # started by a script, only restarted on an upgrade when it ran. The path units are
+    # enabled and started on the first install (configure without a previous version).
+    unit = KINDS[name][2]
     for script in ("postinst", "prerm", "postrm"):
         text = (control / script).read_text()
         assert "[ -d /run/systemd/system ] || return 0" in text
-        assert "systemctl enable" not in text and "systemctl start" not in text
-    assert "systemctl try-restart" in (control / "postinst").read_text()
+        assert not re.search(rf"systemctl (--no-reload )?(enable|start) .*{unit}", text)
+    postinst = (control / "postinst").read_text()
+    assert "systemctl try-restart" in postinst
+    assert '[ -n "$previous" ] || enable_path_units' in postinst
+    expected = "llmgw-agent-update.path" if name == "llmgw-agent" else ""
+    for script in ("postinst", "prerm", "postrm"):
+        assert f'PATH_UNITS="{expected}"\n' in (control / script).read_text()
+    assert f"LINGER={'yes' if name == 'llmgw-agent' else 'no'}\n" in postinst
 
 
 @pytest.mark.parametrize("name", list(KINDS))
@@ -228,6 +251,8 @@ def test_rpm_holds_its_unit_and_only_its_etc_file_as_conffile(
     if name == "llmgw-server":
         assert f"llmgw-agent = {CURRENT}" in requires
     else:
+        for helper in UPDATE_UNITS:
+            assert files[f"/usr/lib/systemd/system/{helper}"] == ("-rw-r--r--", "root/root", "")
         assert files["/usr/bin/llmgw"][0].startswith("l")
         assert not any(r.startswith("glibc") for r in requires)
 
@@ -374,6 +399,97 @@ def test_deb_install_upgrade_remove_purge(
     assert c.out("ls -d /srv/llmgw/models") == "/srv/llmgw/models"  # data is never removed
 
 
+def groups_of(c: Container, user: str) -> list[str]:
+    return c.out(f"id -nG {user}").split()
+
+
+def test_deb_agent_update_path_unit_docker_group_and_linger(
+    container: Container, standin_packages: dict[str, Packages]
+) -> None:
+    """With a docker group and logind: the user joins docker, lingers (logind's record), and
+    the update path unit is enabled, watches the spool and starts the helper; upgrades keep
+    the path unit's state; remove keeps lingering and the membership, purge ends lingering."""
+    c = container
+    previous, current = standin_packages[PREVIOUS], standin_packages[CURRENT]
+    path_unit, helper = UPDATE_UNITS
+    c.sh("groupadd --system docker")
+    c.wait_for("systemctl is-active --quiet systemd-logind", "systemd-logind running")
+
+    c.sh(f"dpkg -i {previous.mounted('llmgw-agent', 'deb')}")
+    assert "docker" in groups_of(c, "llmgw-agent")
+    assert c.out(f"test -f {LINGER_FILE} && echo yes") == "yes"
+    assert c.out("loginctl show-user llmgw-agent -p Linger --value") == "yes"
+    assert unit_state(c, path_unit) == ("enabled", "active")
+    assert unit_state(c, helper) == ("static", "inactive")
+    assert c.out(f"systemctl show -p ExecStart --value {helper}").startswith(
+        "{ path=/usr/bin/llmgw ; argv[]=/usr/bin/llmgw agent update-apply ;"
+    )
+    assert unit_state(c, "llmgw-agent.service") == ("disabled", "inactive")
+
+    # The path unit fires on a spooled request (the stand-in cannot apply one: a drop-in makes
+    # the helper move it aside, as the real helper does first).
+    c.sh(
+        f"mkdir -p /etc/systemd/system/{helper}.d && printf '%s\\n' '[Service]' 'ExecStart=' "
+        "'ExecStart=/bin/mv /var/lib/llmgw-agent/update/request /var/lib/llmgw-agent/update/seen' "
+        f">/etc/systemd/system/{helper}.d/test.conf && systemctl daemon-reload"
+    )
+    c.sh("install -d -m 0700 /var/lib/llmgw-agent/update && mkdir /var/lib/llmgw-agent/update/.new")
+    c.sh("mv /var/lib/llmgw-agent/update/.new /var/lib/llmgw-agent/update/request")
+    c.wait_for("test -d /var/lib/llmgw-agent/update/seen", "the helper started by the path unit")
+    assert c.sh("test -e /var/lib/llmgw-agent/update/request", check=False).returncode == 1
+    assert unit_state(c, path_unit) == ("enabled", "active")
+
+    # Upgrades: the path unit stays as it was, enabled and watching or disabled and stopped.
+    c.sh(f"dpkg -i {current.mounted('llmgw-agent', 'deb')}")
+    assert unit_state(c, path_unit) == ("enabled", "active")
+    c.sh(f"systemctl disable --now {path_unit}")
+    c.sh(f"dpkg -i {current.mounted('llmgw-agent', 'deb')}")
+    assert unit_state(c, path_unit) == ("disabled", "inactive")
+    c.sh(f"systemctl enable --now {path_unit}")
+
+    # Remove: the path unit stopped but still enabled; lingering and membership kept.
+    c.sh("dpkg -r llmgw-agent")
+    assert c.sh(f"systemctl is-active {path_unit}", check=False).stdout.strip() == "inactive"
+    assert c.out(f"ls /etc/systemd/system/paths.target.wants/{path_unit}")
+    assert c.out(f"test -f {LINGER_FILE} && echo yes") == "yes"
+    assert "docker" in groups_of(c, "llmgw-agent")
+
+    # Purge: lingering off, the path unit's enablement and the helper's state gone.
+    c.sh("install -d -m 0700 /var/lib/llmgw-update /etc/llmgw/update")
+    c.sh("dpkg -P llmgw-agent")
+    for gone in (
+        LINGER_FILE,
+        f"/etc/systemd/system/paths.target.wants/{path_unit}",
+        "/var/lib/llmgw-update",
+        "/etc/llmgw",
+    ):
+        assert c.sh(f"test -e {gone}", check=False).returncode == 1, f"{gone} is left"
+    assert c.out("loginctl show-user llmgw-agent -p Linger --value 2>/dev/null || echo no") == "no"
+    assert c.out("getent passwd llmgw-agent").startswith("llmgw-agent:")
+
+
+def test_deb_agent_without_docker_group_or_logind(
+    container: Container, standin_packages: dict[str, Packages]
+) -> None:
+    """No docker group: the user joins none (and does once one exists and the package is
+    configured again); no logind: lingering is its file under /var/lib/systemd/linger."""
+    c = container
+    current = standin_packages[CURRENT]
+    c.sh("systemctl mask --now systemd-logind.service")
+    assert c.sh("getent group docker", check=False).returncode == 2
+    c.sh(f"dpkg -i {current.mounted('llmgw-agent', 'deb')}")
+    assert groups_of(c, "llmgw-agent") == ["llmgw-agent"]
+    assert c.out(f"stat -c '%U %a' {LINGER_FILE}") == "root 644"
+    assert unit_state(c, UPDATE_UNITS[0]) == ("enabled", "active")
+
+    c.sh("groupadd --system docker")
+    c.sh(f"dpkg -i {current.mounted('llmgw-agent', 'deb')}")
+    assert groups_of(c, "llmgw-agent") == ["llmgw-agent", "docker"]
+
+    c.sh("dpkg -P llmgw-agent")
+    assert c.sh(f"test -e {LINGER_FILE}", check=False).returncode == 1
+
+
 def test_deb_server_upgrade_and_purge(
     container: Container, standin_packages: dict[str, Packages]
 ) -> None:
@@ -421,6 +537,8 @@ def test_rpm_install_upgrade_erase(
     assert c.out("stat -c '%U:%G %a' /etc/llmgw/agent.yaml") == "root:llmgw-agent 640"
     assert c.out(f"test -f /usr/lib/systemd/system/{unit} && echo yes") == "yes"
     assert unit_state(c, unit) == ("disabled", "inactive")
+    assert unit_state(c, UPDATE_UNITS[0]) == ("enabled", "active")
+    assert c.out(f"test -f {LINGER_FILE} && echo yes") == "yes"
 
     fake_join(c)
     c.sh(f"systemctl enable --now {unit}")
@@ -447,6 +565,8 @@ def test_rpm_install_upgrade_erase(
         f"test -e /etc/systemd/system/multi-user.target.wants/{unit}", check=False
     ).returncode
     c.wait_for(f"! kill -0 {first['engine_pid']}", "the engine ended by the erase")
+    assert c.sh(f"systemctl is-enabled {UPDATE_UNITS[0]}", check=False).returncode != 0
+    assert c.sh(f"systemctl is-active {UPDATE_UNITS[0]}", check=False).stdout.strip() != "active"
     assert c.out("tail -n 1 /etc/llmgw/agent.yaml.rpmsave") == EDIT
     assert c.out("getent passwd llmgw-agent").startswith("llmgw-agent:")
 
