@@ -510,3 +510,76 @@ def test_multi_node_sim_replica_in_host_network_containers(
                     await runtime.stop(handle, grace=1)
 
     asyncio.run(main())
+
+
+def test_two_docker_agents_serve_a_two_node_replica_through_the_gateway(
+    api: Any, image: str, tmp_path: Path
+) -> None:
+    """Two agents with the docker runtime, each on fabric ib-a with its own loopback address:
+    a ``nodes: 2`` sim replica comes up in host-network containers and answers the official
+    openai client through the gateway."""
+    import openai
+
+    from tests.integration.harness import (
+        free_port,
+        make_agent,
+        start_agent,
+        start_server,
+        stop_process,
+    )
+
+    fixtures = ROOT / "tests" / "fixtures"
+    server = start_server(tmp_path)
+    agents = []
+    nodes = [f"dmn{i}-{uuid.uuid4().hex[:6]}" for i in (1, 2)]
+    try:
+        for i, node in enumerate(nodes):
+            host = f"127.0.0.{i + 2}"
+            agents.append(
+                start_agent(
+                    make_agent(
+                        tmp_path,
+                        server,
+                        node,
+                        extra={
+                            "runtime": "docker",
+                            "docker": {"images": {"sim": image}},
+                            "listen": f"{host}:{free_port()}",
+                            "mgmt_addr": host,
+                            "discovery": {
+                                "nvidia_smi": str(fixtures / "nvidia-smi" / "one-gpu"),
+                                "ib_root": str(fixtures / "ib"),
+                            },
+                            "fabrics": [{"name": "ib-a", "hcas": ["mlx5_0"]}],
+                        },
+                    )
+                )
+            )
+        deadline = time.monotonic() + WAIT_S
+        while sum(n["connected"] for n in server.nodes()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        server.approve_pending(2)
+        profile = {"engine": "sim", "gpus": 1, "nodes": 2}
+        server.api("PUT", "/api/catalog", {"models": {"wide": {"profiles": {"two": profile}}}})
+        server.api("POST", "/api/models", {"name": "wide", "profile": "two", "replicas": 1})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            rows = server.replicas("wide")
+            if len(rows) == 2 and all(r["state"] == "ready" for r in rows):
+                break
+            time.sleep(0.2)
+        else:
+            logs = "\n".join(a.log()[-2000:] for a in agents)
+            raise AssertionError(f"no ready replica: {server.replicas('wide')}\n{logs}")
+        assert {r["node"] for r in rows} == set(nodes)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key())
+        out = client.completions.create(model="wide", prompt="hi", max_tokens=4)
+        assert out.choices[0].text
+        for node in nodes:
+            (container,) = api.containers(filters={"label": [f"{LABEL_NODE}={node}"]})
+            assert api.inspect_container(container["Id"])["HostConfig"]["NetworkMode"] == "host"
+    finally:
+        for agent in agents:
+            if agent.proc is not None:
+                stop_process(agent.proc)
+        stop_process(server.proc)
