@@ -206,15 +206,18 @@ def test_update_helper_units() -> None:
     assert "Service.User" not in s  # root: it replaces the agent's binary and units
     assert one(s, "Service.ExecStart") == f"{DEFAULT_INSTALLED_BINARY} agent update-apply"
     assert one(s, "Unit.ConditionPathExists") == str(request)
-    assert Path("/var/lib", one(s, "Service.StateDirectory")) == DEFAULT_STATE
-    assert one(s, "Service.StateDirectoryMode") == "0700"
+    # The helper renames the request from the agent's spool into its own state: both must
+    # be on one mount inside the unit's namespace (rename(2) fails across mount points), so
+    # no StateDirectory= (a mount of its own) and one writable path above both.
+    assert "Service.StateDirectory" not in s
     writable = {p.lstrip("-") for p in one(s, "Service.ReadWritePaths").split()}
     assert writable == {
         str(DEFAULT_INSTALLED_BINARY.parent),
         "/etc/systemd/system",
         "/etc/llmgw",
-        str(AGENT_STATE_DIR),
+        "/var/lib",
     }
+    assert DEFAULT_STATE.parent == DEFAULT_SPOOL.parent.parent == Path("/var/lib")
     # The installer waits up to 180 s for the new agent, then maybe as long for a rollback.
     assert int(one(s, "Service.TimeoutStartSec")) > 2 * 180
     for key, value in {**HARDENING, "PrivateDevices": "yes", "ProtectClock": "yes"}.items():
