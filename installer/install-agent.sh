@@ -311,6 +311,7 @@ render_unit() {
             "$(basename "$src")" "$bin"
         sed "s#^ExecStart=\([-+!@:]*\)[^ ]*/llmgw\( \|\$\)#ExecStart=\1$bin\2#" "$src"
     } >"$out"
+    grep -q '^ExecStart=' "$src" || return 0
     grep -q "^ExecStart=[-+!@:]*$bin\( \|\$\)" "$out" \
         || fatal "$src has no 'ExecStart=.../llmgw' line to point at $bin; the bundle is broken"
 }
@@ -387,7 +388,7 @@ keep_previous() {
 
 # 5. the units: the agent's (unless a package owns it) and the update helper's.
 install_units() {
-    changed=1
+    units_rc=1
     bin=$(agent_bin)
     names=$UPDATE_UNITS
     [ "$(mode_recorded)" = package ] || names="$UNIT $names"
@@ -396,10 +397,10 @@ install_units() {
         render_unit "$BUNDLE/systemd/$name" "$bin" "$STAGE/$name"
         if put_file "$STAGE/$name" "$UNIT_DIR/$name" 0644 root:root; then
             info "units: $UNIT_DIR/$name"
-            changed=0
+            units_rc=0
         fi
     done
-    return $changed
+    return $units_rc
 }
 
 # 6. the drop-in: the model and cache roots the agent may write.
@@ -482,12 +483,18 @@ join_node() {
     fi
 }
 
+# The node id agent.yaml names.
+config_node_id() {
+    [ -f "$CONFIG" ] || return 0
+    sed -n "s/^node_id:[[:space:]]*['\"]\{0,1\}\([^'\"[:space:]]*\).*/\1/p" "$CONFIG" | head -n 1
+}
+
 # The node id: the option, else what agent.yaml says.
 node_id_now() {
     if [ -n "$NODE_ID" ]; then
         printf '%s\n' "$NODE_ID"
-    elif [ -f "$CONFIG" ]; then
-        sed -n "s/^node_id:[[:space:]]*['\"]\{0,1\}\([^'\"[:space:]]*\).*/\1/p" "$CONFIG" | head -n 1
+    else
+        config_node_id
     fi
 }
 
@@ -495,19 +502,19 @@ node_id_now() {
 # the node id an order must name. Root's, readable by all; the agent cannot change them.
 install_update_trust() {
     put_dir "$UPDATE_TRUST_DIR" 0755 root:root force || true
-    changed=1
+    trust_rc=1
     if [ -f "$STATE_DIR/ca.crt" ] && put_file "$STATE_DIR/ca.crt" "$UPDATE_TRUST_DIR/ca.pem" 0644 root:root; then
         info "update helper: trusts the cluster CA in $UPDATE_TRUST_DIR/ca.pem"
-        changed=0
+        trust_rc=0
     fi
     id=$(node_id_now)
     if [ -n "$id" ]; then
         printf '%s\n' "$id" >"$STAGE/node-id"
         if put_file "$STAGE/node-id" "$UPDATE_TRUST_DIR/node-id" 0644 root:root; then
-            changed=0
+            trust_rc=0
         fi
     fi
-    return $changed
+    return $trust_rc
 }
 
 # 10. enable the units; (re)start only when something changed or the agent is not running.
@@ -612,10 +619,10 @@ firewall_present() { # BACKEND SOURCE
 
 firewall_clear() {
     [ -f "$INSTALL_STATE/firewall" ] || return 0
-    while read -r backend source; do
-        [ -n "$source" ] || continue
-        info "firewall: removing $backend rule for :$AGENT_PORT from $source"
-        firewall_remove "$backend" "$source"
+    while read -r rec_backend rec_source; do
+        [ -n "$rec_source" ] || continue
+        info "firewall: removing $rec_backend rule for :$AGENT_PORT from $rec_source"
+        firewall_remove "$rec_backend" "$rec_source"
     done <"$INSTALL_STATE/firewall"
     rm -f "$INSTALL_STATE/firewall"
 }
@@ -670,7 +677,7 @@ configure_and_start() {
         join_node
         changed=1
     elif has_identity && [ -n "$NODE_ID" ]; then
-        said=$(node_id_now)
+        said=$(config_node_id)
         [ -z "$said" ] || [ "$said" = "$NODE_ID" ] \
             || fatal "this node is already joined as '$said', not '$NODE_ID'; uninstall --purge first to join it as another node"
     fi

@@ -1,13 +1,17 @@
 #!/bin/sh
-# Build a local Docker image of Debian bookworm that boots systemd (/sbin/init), for the
-# package tests (tests/packaging/): the .deb packages are installed, upgraded and purged in a
-# container of it, and apt installs them from a signed repository served on its loopback.
-# No registry is used: the image is a debootstrap rootfs, `docker import`ed.
+# Build a local Docker image of Debian that boots systemd (/sbin/init), for the package tests
+# (tests/packaging/: the .deb packages are installed, upgraded and purged in a container of
+# it, and apt installs them from a signed repository served on its loopback) and the
+# installer's dry run (tests/dryrun/: install-agent.sh's whole life cycle, with ufw, nft,
+# lingering and sudo). No registry is used: the image is a debootstrap rootfs, `docker
+# import`ed. bookworm by default; bullseye (systemd 247, the oldest llmgw supports) too.
 #
-# Usage: scripts/systemd-test-image.sh [IMAGE]      (default llmgw-test-systemd:local)
+# Usage: scripts/systemd-test-image.sh [--suite bookworm|bullseye] [IMAGE]
+#        (default IMAGE llmgw-test-systemd:local, llmgw-test-systemd-bullseye:local)
 #
-# Environment: LLMGW_TEST_CACHE (default /var/cache/llmgw-test), LLMGW_DEBIAN_MIRROR
-# (default: the first Debian mirror in /etc/apt/sources.list*).
+# Environment: LLMGW_TEST_SUITE (the suite when --suite is not given), LLMGW_TEST_CACHE
+# (default /var/cache/llmgw-test), LLMGW_DEBIAN_MIRROR (default: the first Debian mirror in
+# /etc/apt/sources.list*).
 #
 # Re-runs are cheap: the rootfs tarball is cached, keyed by the recipe that made it, and the
 # image is imported again only when its label differs from that key. Prints IMAGE.
@@ -18,11 +22,12 @@
 #     --stop-signal=SIGRTMIN+3 --network none IMAGE /sbin/init
 set -eu
 
-SUITE=bookworm
+SUITES="bookworm bullseye"
 # python3: the stand-in program and the repository's HTTP server; rpm: the .rpm scriptlets.
-INCLUDE=systemd,systemd-sysv,dbus,procps,python3,rpm
+# What install-agent.sh uses on a node: curl, ca-certificates, sudo, iproute2 (ss),
+# dbus-user-session and libpam-systemd (lingering), ufw and nftables (--firewall-from).
+INCLUDE=systemd,systemd-sysv,dbus,dbus-user-session,libpam-systemd,procps,python3,rpm,curl,ca-certificates,sudo,iproute2,ufw,nftables
 KEY_LABEL=llmgw.test-systemd.key
-DEFAULT_IMAGE=llmgw-test-systemd:local
 DEFAULT_MIRROR=http://deb.debian.org/debian
 
 info() { printf '==> %s\n' "$*" >&2; }
@@ -102,9 +107,40 @@ cleanup() {
     rm -rf $TO_CLEAN
 }
 
+default_image() {
+    case $1 in
+        bookworm) echo llmgw-test-systemd:local ;;
+        *) echo "llmgw-test-systemd-$1:local" ;;
+    esac
+}
+
+parse_args() {
+    SUITE=${LLMGW_TEST_SUITE:-bookworm}
+    IMAGE=""
+    while [ $# -gt 0 ]; do
+        case $1 in
+            --suite)
+                [ $# -ge 2 ] || fatal "--suite needs one of: $SUITES"
+                SUITE=$2
+                shift 2
+                ;;
+            -*) fatal "usage: $0 [--suite bookworm|bullseye] [IMAGE] (unknown option '$1')" ;;
+            *)
+                [ -z "$IMAGE" ] || fatal "usage: $0 [--suite bookworm|bullseye] [IMAGE] (one IMAGE)"
+                IMAGE=$1
+                shift
+                ;;
+        esac
+    done
+    case " $SUITES " in
+        *" $SUITE "*) ;;
+        *) fatal "suite '$SUITE' is not one of: $SUITES" ;;
+    esac
+    [ -n "$IMAGE" ] || IMAGE=$(default_image "$SUITE")
+}
+
 main() {
-    [ $# -le 1 ] || fatal "usage: $0 [IMAGE] (default $DEFAULT_IMAGE)"
-    IMAGE=${1:-$DEFAULT_IMAGE}
+    parse_args "$@"
     SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
     CACHE=${LLMGW_TEST_CACHE:-/var/cache/llmgw-test}
     KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s; getty off; no sources\n' \

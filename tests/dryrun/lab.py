@@ -1,0 +1,376 @@
+"""The dry run's laboratory: a labelled Docker network, a dev control plane on the host that
+containers on it reach (and that reaches their agents' :9443), agent bundles built from the
+frozen binaries in dist/ with this tree's installer, and systemd containers on the network.
+
+Nothing on the host is touched but what carries the label ``llmgw.test-dryrun`` (the
+network, the containers), the test's temporary directory and the control plane, a child
+process of the test. Missing Docker or binaries skip, except under ``CI=true``, where they
+fail (``pkgcheck.unavailable``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.integration.harness import LLMGW, Server, free_port, stop_process, wait_for
+from tests.packaging.pkgcheck import (
+    PRIVILEGE_VARIANTS,
+    ROOT,
+    Container,
+    require,
+    unavailable,
+)
+
+LABEL = "llmgw.test-dryrun"
+MOUNT = "/lab"  # where a container sees the lab directory (read-only)
+STALE_AFTER_S = 3 * 3600
+ONEFILE = ROOT / "dist" / "llmgw-linux-x64"
+ONEDIR = ROOT / "dist" / "llmgw-onedir-x64"
+IMAGES = {
+    "bookworm": ("LLMGW_TEST_SYSTEMD_IMAGE", "llmgw-test-systemd:local"),
+    "bullseye": ("LLMGW_TEST_SYSTEMD_IMAGE_BULLSEYE", "llmgw-test-systemd-bullseye:local"),
+}
+
+__all__ = ["Lab", "Node", "docker_ready", "read_version", "systemd_image"]
+
+
+def read_version() -> str:
+    text = (ROOT / "llmgw" / "__init__.py").read_text()
+    for line in text.splitlines():
+        if line.startswith("__version__ = "):
+            return line.split('"')[1]
+    raise AssertionError("no __version__ in llmgw/__init__.py")
+
+
+def next_version(version: str) -> str:
+    """N+1: the last numeric part of N, plus one."""
+    parts = version.split(".")
+    digits = "".join(c for c in parts[-1] if c.isdigit())
+    parts[-1] = str(int(digits or "0") + 1)
+    return ".".join(parts)
+
+
+def docker_ready() -> None:
+    require("docker")
+    if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode != 0:
+        unavailable("dockerd is not reachable; start it: dockerd >/var/log/dockerd.log 2>&1 &")
+    remove_stale()
+
+
+def remove_stale() -> None:
+    """Containers and networks of dry runs that were killed (their names carry the time)."""
+    for kind in ("ps -a", "network ls"):
+        listed = subprocess.run(
+            ["docker", *kind.split(), "--filter", f"label={LABEL}", "--format", "{{.Names}}"]
+            if kind == "ps -a"
+            else ["docker", "network", "ls", "--filter", f"label={LABEL}", "--format", "{{.Name}}"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        for name in listed.stdout.split():
+            parts = name.split("-")
+            started = parts[2] if len(parts) > 2 else ""
+            if started.isdigit() and int(started) < time.time() - STALE_AFTER_S:
+                rm = ["docker", "rm", "-f", name] if kind == "ps -a" else ["docker", "network", "rm", name]
+                subprocess.run(rm, capture_output=True, check=False)
+
+
+def systemd_image(suite: str) -> str:
+    """The suite's systemd image: $LLMGW_TEST_SYSTEMD_IMAGE[_BULLSEYE], else built here."""
+    env, default = IMAGES[suite]
+    name = os.environ.get(env)
+    if name:
+        inspect = ["docker", "image", "inspect", name]
+        if subprocess.run(inspect, capture_output=True, check=False).returncode != 0:
+            unavailable(f"${env} names {name}, which is not on this machine")
+        return name
+    build = subprocess.run(
+        [str(ROOT / "scripts" / "systemd-test-image.sh"), "--suite", suite, default],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if build.returncode != 0:
+        unavailable(f"could not build the {suite} systemd image: {build.stderr.strip()[-600:]}")
+    return default
+
+
+def run(*args: str | Path, timeout: float = 900, **env: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, **env},
+    )
+    assert result.returncode == 0, (
+        f"{' '.join(str(a) for a in args)} exited {result.returncode}\n"
+        f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+    )
+    return result
+
+
+@dataclass
+class Node:
+    """A systemd container on the lab's network: one node of the fleet."""
+
+    container: Container
+    node_id: str
+    ip: str
+
+    def sh(self, script: str, *, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return self.container.sh(script, check=check, timeout=timeout)
+
+    def out(self, script: str) -> str:
+        return self.container.out(script)
+
+    def version(self) -> str:
+        return self.out("TMPDIR=/root /usr/local/lib/llmgw-agent/llmgw --version")
+
+    def unit(self, prop: str) -> str:
+        return self.out(f"systemctl show -p {prop} --value llmgw-agent.service")
+
+    def listening(self) -> bool:
+        return bool(self.sh("ss -ltnH '( sport = :9443 )'", check=False).stdout.strip())
+
+    def journal(self, unit: str = "llmgw-agent.service", lines: int = 40) -> str:
+        return self.sh(f"journalctl -u {unit} -n {lines} --no-pager", check=False).stdout
+
+
+class Lab:
+    """The network, the control plane, the bundles; nodes are booted on demand."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.dir = tmp / "lab"  # mounted at MOUNT in every container
+        self.dir.mkdir()
+        self.network = f"llmgw-dryrun-{int(time.time())}-{uuid.uuid4().hex[:6]}"
+        self.nodes: list[Node] = []
+        self.server: Server | None = None
+        self.gateway = ""
+        self.version = read_version()
+
+    # -- set-up and tear-down -------------------------------------------------------------------
+
+    def start(self) -> None:
+        run("docker", "network", "create", "--label", LABEL, self.network)
+        inspect = run("docker", "network", "inspect", self.network).stdout
+        config = json.loads(inspect)[0]["IPAM"]["Config"][0]
+        self.gateway = config["Gateway"]
+        self.bundle_dir = self.dir / "bundles"
+        self.bundle_dir.mkdir()
+        self.bundle_n = self.make_bundle(ONEFILE, self.dir / "n")
+        shutil.copy(self.bundle_n, self.bundle_dir / self.bundle_n.name)
+        self.server = self.start_server()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.container.remove()
+        if self.server is not None:
+            stop_process(self.server.proc)
+        subprocess.run(["docker", "network", "rm", self.network], capture_output=True, check=False)
+
+    def start_server(self) -> Server:
+        """``llmgw server`` on every address (the containers reach it through the network's
+        gateway, which its certificate names), state under tmp/server."""
+        state = self.tmp / "server"
+        http_port, grpc_port, enroll_port = free_port(), free_port(), free_port()
+        self.enroll_port = enroll_port
+        cfg = self.tmp / "server.yaml"
+        cfg.write_text(
+            yaml.safe_dump(
+                {
+                    "state_dir": str(state),
+                    "http_listen": f"0.0.0.0:{http_port}",
+                    "grpc_listen": f"0.0.0.0:{grpc_port}",
+                    "enroll_listen": f"0.0.0.0:{enroll_port}",
+                    "advertise": [self.gateway],
+                    "bundle_dir": str(self.bundle_dir),
+                    "heartbeat_interval": 1.0,
+                    "loss_timeout": 60.0,
+                    "replica_wait": 10,
+                }
+            )
+        )
+        log_path = self.tmp / "server.log"
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen(
+                [*LLMGW, "server", "--config", str(cfg)], stdout=out, stderr=out
+            )
+        server = Server(state, http_port, grpc_port, proc, log_path)
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited with {proc.returncode}:\n{server.log()}")
+            try:
+                server.api("GET", "/api/nodes")
+            except OSError:
+                return False
+            return True
+
+        wait_for(healthy, what="control plane", timeout=60)
+        return server
+
+    # -- bundles --------------------------------------------------------------------------------
+
+    def make_bundle(self, binary: Path, out: Path, version: str | None = None) -> Path:
+        """A bundle of ``binary`` with this tree's installer and units (packaging/bundle.py)."""
+        out.mkdir(parents=True, exist_ok=True)
+        args: list[str | Path] = [
+            sys.executable,
+            ROOT / "packaging" / "bundle.py",
+            "build",
+            "--binary",
+            binary,
+            "--arch",
+            "x64",
+            "--out",
+            out,
+        ]
+        if version:
+            args += ["--version", version]
+        result = run(*args)
+        (path,) = [Path(line) for line in result.stdout.split() if line.endswith(".tar.gz")]
+        return path
+
+    def unpack(self, bundle: Path, name: str) -> str:
+        """Unpack ``bundle`` under the lab directory; its folder as a container sees it."""
+        dest = self.dir / name
+        dest.mkdir()
+        with tarfile.open(bundle) as tar:
+            tar.extractall(dest, filter="tar")
+        (top,) = list(dest.iterdir())
+        return f"{MOUNT}/{name}/{top.name}"
+
+    # -- the control plane ----------------------------------------------------------------------
+
+    def ctl(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        assert self.server is not None
+        return run(
+            *LLMGW,
+            "ctl",
+            *args,
+            LLMGW_SERVER=self.server.url,
+            LLMGW_TOKEN=self.server.admin_token,
+            LLMGW_CTL_CONFIG="/dev/null",
+            **env,
+        )
+
+    def join_command(self, node_id: str, *, rekey: bool = False) -> dict[str, Any]:
+        flag = ["--rekey", node_id] if rekey else ["--node", node_id]
+        return json.loads(self.ctl("--json", "join-command", *flag).stdout)  # type: ignore[no-any-return]
+
+    def node_state(self, node_id: str) -> dict[str, Any] | None:
+        assert self.server is not None
+        for node in self.server.nodes():
+            if node["id"] == node_id:
+                return node  # type: ignore[no-any-return]
+        return None
+
+    def approve(self, node_id: str) -> None:
+        node = wait_for(
+            lambda: (n := self.node_state(node_id)) and n["connected"] and n,
+            what=f"{node_id} connected",
+            timeout=60,
+        )
+        if node["state"] != "approved":
+            self.ctl("approve", node_id, "--fingerprint", node["fingerprint"])
+
+    # -- nodes ----------------------------------------------------------------------------------
+
+    def boot(self, image: str, node_id: str) -> Node:
+        """A systemd container on the lab's network, its hostname the node id."""
+        errors = []
+        for variant in PRIVILEGE_VARIANTS:
+            name = f"llmgw-dryrun-{int(time.time())}-{uuid.uuid4().hex[:8]}"
+            started = subprocess.run(
+                [
+                    "docker",
+                    "run",
+                    "-d",
+                    "--name",
+                    name,
+                    "--hostname",
+                    node_id,
+                    "--label",
+                    LABEL,
+                    *variant,
+                    "--cgroupns=private",
+                    "--tmpfs",
+                    "/run",
+                    "--tmpfs",
+                    "/run/lock",
+                    "--stop-signal=SIGRTMIN+3",
+                    "--network",
+                    self.network,
+                    "-v",
+                    f"{self.dir}:{MOUNT}:ro",
+                    image,
+                    "/sbin/init",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if started.returncode == 0:
+                container = Container(name)
+                if container.wait_booted():
+                    ip = run(
+                        "docker",
+                        "inspect",
+                        "-f",
+                        "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}",
+                        name,
+                    ).stdout.strip()
+                    node = Node(container, node_id, ip)
+                    self.nodes.append(node)
+                    return node
+                errors.append(f"{variant[0]}: systemd did not come up: {container.journal()}")
+            else:
+                errors.append(f"{variant[0]}: {started.stderr.strip()}")
+            subprocess.run(["docker", "rm", "-f", name], capture_output=True, check=False)
+        raise AssertionError("no systemd container could start:\n" + "\n".join(errors))
+
+    def deploy(self, model: str) -> None:
+        assert self.server is not None
+        self.server.api("POST", "/api/models", {"name": model, "engine": "sim", "replicas": 1})
+
+    def wait_routable(self, model: str, node_id: str, timeout: float = 120) -> None:
+        assert self.server is not None
+        server = self.server
+        wait_for(
+            lambda: any(r["node"] == node_id and r["routable"] for r in server.replicas(model)),
+            what=f"a routable replica of {model} on {node_id}",
+            timeout=timeout,
+            interval=0.5,
+        )
+
+    def complete(self, model: str, key: str) -> str:
+        """One completion through the gateway, with the official openai client."""
+        import openai
+
+        assert self.server is not None
+        client = openai.OpenAI(
+            base_url=self.server.url + "/v1", api_key=key, max_retries=2, timeout=60
+        )
+        answer = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "say hello"}], max_tokens=8
+        )
+        text = answer.choices[0].message.content
+        assert text, answer
+        return text
