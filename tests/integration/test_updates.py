@@ -287,9 +287,45 @@ def test_a_spooled_request_makes_the_next_order_busy(cluster: Cluster) -> None:
         == 0
     )
     wait_for(lambda: (update_of(c) or {}).get("state") == "spooled", WAIT)
-    second = c.ctl("update", NODE, "--version", "0.2.0", password=c.password)
+    second = c.ctl("update", "--all", "--version", "0.2.0", password=c.password)
     assert second.returncode == 1
     assert "busy" in second.stdout
     assert "is still waiting for the update helper" in second.stdout
     update = update_of(c)
     assert update is not None and (update["counter"], update["state"]) == (2, "busy")
+
+
+def test_the_admin_password_is_changed_with_the_old_one(cluster: Cluster) -> None:
+    c = cluster
+    first = c.password
+
+    def change(old: str, new: str) -> subprocess.CompletedProcess[str]:
+        env = c.env(old)
+        env["LLMGW_NEW_ADMIN_PASSWORD"] = new
+        return subprocess.run(
+            [*LLMGW, "ctl", "admin", "password"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=WAIT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    wrong = change("not the password", "a much better password")
+    assert wrong.returncode == 1
+    assert "wrong admin password" in wrong.stderr
+    short = change(first, "short")
+    assert short.returncode == 1
+    assert "at least 12 characters" in short.stderr
+    assert (c.server.state_dir / "admin.password").exists()
+    done = change(first, "a much better password")
+    assert done.returncode == 0, done.stderr
+    assert "admin password changed" in done.stdout
+    assert not (c.server.state_dir / "admin.password").exists()
+    old = c.ctl("update", NODE, "--version", "0.2.0", "--no-wait", password=first)
+    assert old.returncode == 1
+    assert "wrong admin password" in old.stderr
+    new = c.ctl(
+        "update", NODE, "--version", "0.2.0", "--no-wait", password="a much better password"
+    )
+    assert new.returncode == 0, new.stderr
