@@ -503,7 +503,12 @@ def apply_request(
                     progress=lambda r: _write_status(spool_fd, r),
                 )
             finally:
-                _remove_entry(work_fd, name)
+                try:
+                    _remove_entry(work_fd, name)
+                except OSError as exc:
+                    _say(
+                        f"cannot remove {state / 'work' / name}: {exc.strerror}; remove it by hand"
+                    )
             _write_status(spool_fd, result)
             _say(f"{result.state}: {result.message}")
             return result
@@ -618,6 +623,8 @@ def _apply(
         return ApplyResult(
             "failed", f"{exc.strerror or exc} ({exc.filename or 'the request'})", counter, version
         )
+    except Exception as exc:  # a root helper reports every failure rather than dying silently
+        return ApplyResult("failed", f"the update helper failed: {exc!r}", counter, version)
     if code == 0:
         return ApplyResult("done", f"upgraded to {version}", counter, version)
     return ApplyResult(
