@@ -174,7 +174,7 @@ def _ready_replica(c: Cluster, old: str | None = None) -> list[dict[str, Any]]:
             return shards
         return None
 
-    return wait_for(ready, timeout=60, what="both shards of a replica ready")  # type: ignore[no-any-return]
+    return wait_for(ready, timeout=60, what="both shards of a replica ready")
 
 
 def test_two_node_replica_on_one_fabric_rebuilt_after_its_worker_dies(cluster: Cluster) -> None:
