@@ -1,8 +1,12 @@
 #!/bin/sh
 # Build the llmgw-agent and llmgw-server .deb and .rpm packages with nfpm
 # (packaging/nfpm-agent.yaml, packaging/nfpm-server.yaml) from a one-folder build of llmgw.
-# llmgw-agent carries the program (/usr/lib/llmgw/, /usr/bin/llmgw) and the agent's unit;
-# llmgw-server the control plane's unit and depends on llmgw-agent of the same version.
+# llmgw-agent carries the program (/usr/lib/llmgw/, /usr/bin/llmgw), the agent's unit and
+# the update helper's (llmgw-agent-update.path, enabled on the first install, and .service,
+# whose ExecStart is rewritten from the tarball's /usr/local/lib/llmgw-agent/llmgw to
+# /usr/bin/llmgw); its scripts put the service user in the docker group when that exists and
+# turn its lingering on (off only on purge). llmgw-server carries the control plane's unit
+# and depends on llmgw-agent of the same version.
 #
 # Usage: scripts/packages.sh [--binary PATH] [--version VERSION] [--arch x64|arm64] [--out DIR]
 #   --binary   the one-folder build (a directory holding the executable 'llmgw'), or one
