@@ -64,7 +64,8 @@ _FABRIC_KEYS = ("name", "hcas")
 _DISCOVERY_KEYS = ("nvidia_smi", "ib_root")
 _ENGINE_KEYS = {"llamacpp": ("bin",), "vllm": ("bin",), "sglang": ("python",)}
 RUNTIMES = ("process", "docker")
-_DOCKER_KEYS = ("images", "network")
+_DOCKER_KEYS = ("images", "network", "gpus")
+DOCKER_GPU_MODES = ("request", "env")
 _IMAGE_ENGINES = ("sim", *_ENGINE_KEYS)
 # Docker's image reference grammar (distribution/reference): [host[:port]/]path[:tag][@digest].
 _HOST_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
@@ -117,6 +118,10 @@ class DockerConfig:
 
     images: dict[str, str] = field(default_factory=dict)
     network: str | None = None
+    # How a shard's GPUs reach its container: "request" (a Docker device request, as
+    # `docker run --gpus`; the NVIDIA Container Toolkit), or "env" (NVIDIA_VISIBLE_DEVICES,
+    # for daemons whose default runtime is nvidia, e.g. nvidia-docker2 setups).
+    gpus: str = "request"
 
 
 @dataclass(frozen=True)
@@ -492,7 +497,17 @@ def _docker(check: Checker, value: object, runtime: str) -> DockerConfig:
                 "docker.network",
                 f"{network!r} is not a Docker network name (letters, digits, '_', '.', '-')",
             )
-    return DockerConfig(images=images, network=network)
+    gpus = "request"
+    if table.get("gpus") is not None:
+        gpus = check.string(table["gpus"], "docker.gpus").strip()
+        if gpus not in DOCKER_GPU_MODES:
+            check.fail(
+                "docker.gpus",
+                f"{gpus!r} is not a GPU mode; give 'request' (a device request, as docker run "
+                "--gpus; needs the NVIDIA Container Toolkit) or 'env' (NVIDIA_VISIBLE_DEVICES, "
+                "for a daemon whose default runtime is nvidia)",
+            )
+    return DockerConfig(images=images, network=network, gpus=gpus)
 
 
 __all__ = [

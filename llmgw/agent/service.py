@@ -152,6 +152,8 @@ class Agent:
                     node_id=cfg.node_id,
                     cluster_id=cluster,
                     images=cfg.docker.images,
+                    gpus=spec.gpus,
+                    gpu_mode=cfg.docker.gpus,
                 )
 
         self.shards = ShardManager(

@@ -543,7 +543,9 @@ def test_two_docker_agents_serve_a_two_node_replica_through_the_gateway(
                         node,
                         extra={
                             "runtime": "docker",
-                            "docker": {"images": {"sim": image}},
+                            # The fake GPUs cannot be device-requested from this dockerd;
+                            # the env mode hands them over as NVIDIA_VISIBLE_DEVICES.
+                            "docker": {"images": {"sim": image}, "gpus": "env"},
                             "listen": f"{host}:{free_port()}",
                             "mgmt_addr": host,
                             "discovery": {
@@ -577,7 +579,14 @@ def test_two_docker_agents_serve_a_two_node_replica_through_the_gateway(
         assert out.choices[0].text
         for node in nodes:
             (container,) = api.containers(filters={"label": [f"{LABEL_NODE}={node}"]})
-            assert api.inspect_container(container["Id"])["HostConfig"]["NetworkMode"] == "host"
+            inspected = api.inspect_container(container["Id"])
+            assert inspected["HostConfig"]["NetworkMode"] == "host"
+            # The shard's GPU (the fixture's one UUID), and no device request.
+            assert not inspected["HostConfig"].get("DeviceRequests")
+            (visible,) = [
+                e for e in inspected["Config"]["Env"] if e.startswith("NVIDIA_VISIBLE_DEVICES=")
+            ]
+            assert visible.split("=", 1)[1].startswith("GPU-")
     finally:
         for agent in agents:
             if agent.proc is not None:

@@ -129,6 +129,7 @@ def launch_for(
     cluster_id: str,
     images: Mapping[str, str],
     gpus: Sequence[str] = (),
+    gpu_mode: str = "request",
 ) -> Launch:
     """The :class:`Launch` of a shard in a container: the image ``images`` names for its engine,
     the engine on :data:`CONTAINER_PORT` inside, published on 127.0.0.1:``port``."""
@@ -171,6 +172,11 @@ def launch_for(
             )
     except EngineError as exc:
         raise ShardError(str(exc)) from exc
+    requested: tuple[str, ...] = tuple(gpus)
+    if gpus and gpu_mode == "env":
+        # The nvidia runtime hands the container these GPUs itself; no device request.
+        env = {**env, "NVIDIA_VISIBLE_DEVICES": ",".join(gpus)}
+        requested = ()
     labels = {LABEL_NODE: node_id, LABEL_REPLICA: spec.replica_id, LABEL_SHARD: spec.shard_id}
     if cluster_id:
         labels[LABEL_CLUSTER] = cluster_id
@@ -182,7 +188,7 @@ def launch_for(
         env=env,
         image=image,
         labels=labels,
-        gpus=tuple(gpus),
+        gpus=requested,
         container_port=port if multi_node else CONTAINER_PORT,
         host_network=multi_node,
     )

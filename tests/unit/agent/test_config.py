@@ -198,6 +198,7 @@ INVALID = [
     ("server: cp1\ndocker: {network: none}\n", "docker.network", "needs a bridge network"),
     ("server: cp1\ndocker: {network: 5}\n", "docker.network", "must be a string, got int"),
     ("server: cp1\ndocker: {network: 'my net'}\n", "docker.network", "not a Docker network"),
+    ("server: cp1\ndocker: {gpus: all}\n", "docker.gpus", "'all' is not a GPU mode"),
 ]
 
 
@@ -252,6 +253,12 @@ def test_docker_section_is_accepted_with_the_process_runtime(tmp_path: Path) -> 
     assert config.runtime == "process"
     assert config.docker.images == {"sim": "s:1"}
     assert config.docker.network is None
+    assert config.docker.gpus == "request"
+
+
+def test_docker_gpus_env_mode(tmp_path: Path) -> None:
+    config = load_agent_config(write(tmp_path, "server: cp1\ndocker: {gpus: env}\n"))
+    assert config.docker.gpus == "env"
 
 
 # --- file-level refusals -------------------------------------------------------------------

@@ -74,6 +74,23 @@ def test_launch_without_cluster_or_gpus(tmp_path: Path) -> None:
     assert launch.gpus == ()
 
 
+def test_env_gpu_mode_names_the_gpus_in_the_environment_instead_of_a_request(
+    tmp_path: Path,
+) -> None:
+    launch = launch_for(
+        spec(),
+        port=1,
+        log_path=tmp_path / "l",
+        node_id="n",
+        cluster_id="",
+        images=IMAGES,
+        gpus=("GPU-1234", "GPU-5678"),
+        gpu_mode="env",
+    )
+    assert launch.gpus == ()
+    assert launch.env["NVIDIA_VISIBLE_DEVICES"] == "GPU-1234,GPU-5678"
+
+
 def test_multi_node_shards_run_in_the_host_network_on_the_hosts_port(tmp_path: Path) -> None:
     rank0 = ShardSpec(
         shard_id="r2-s0",
