@@ -71,3 +71,12 @@ packages: $(RELEASE_STAMP)
 
 repo: packages
 	./scripts/repo.sh
+
+# The installer's dry run (tests/dryrun, as root, with Docker): install-agent.sh's whole life
+# cycle in throwaway systemd containers (Debian 12 and 11) against a dev control plane on this
+# machine; builds what it needs first (dist/, the N+1 build, the systemd images). 'make test'
+# runs it too (it is under tests/); under CI=true it must run, not skip.
+.PHONY: dry-run
+dry-run: $(STAMP) $(RELEASE_STAMP)
+	PYTHON=$(PY) ./scripts/dist.sh x64
+	$(PY) -m pytest $(PYTEST_ARGS) tests/dryrun
