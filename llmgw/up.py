@@ -257,9 +257,21 @@ class LocalCluster:
                 f"      -H 'Content-Type: application/json' -d '{body}'",
                 "",
                 f"  Operator view:   llmgw ctl nodes | models | replicas   (state in {self.opts.state_dir})",
+                *self._password_line(),
                 "  Press Ctrl-C to stop everything.",
             ]
         )
+
+    def _password_line(self) -> list[str]:
+        """Where the first admin password is (``ctl update`` asks for it), while it is there."""
+        assert self.cp is not None
+        path = self.cp.updates.password_file
+        if not path.exists():
+            return []
+        return [
+            f"  Admin password:  in {path} (llmgw ctl update asks for it; change it with "
+            "llmgw ctl admin password)"
+        ]
 
     async def stop(self) -> None:
         if self.agent is not None and self.agent.returncode is None:

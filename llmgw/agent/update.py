@@ -77,6 +77,9 @@ DEFAULT_SPOOL = Path("/var/lib/llmgw-agent/update")
 DEFAULT_TRUST = Path("/etc/llmgw/update")
 DEFAULT_STATE = Path("/var/lib/llmgw-update")
 DEFAULT_INSTALLED_BINARY = Path("/usr/local/lib/llmgw-agent/llmgw")
+# Where the llmgw-agent .deb/.rpm puts the program: such a node is upgraded by its package
+# manager, not by a bundle's installer.
+PACKAGE_BINARY = Path("/usr/lib/llmgw/llmgw")
 
 REQUEST = "request"
 STATUS = "status.json"
@@ -831,6 +834,13 @@ def _unpack(bundle: Path, dest: Path) -> None:
 
 def installed_version(binary: Path) -> str:
     """The version the installed agent binary reports (``llmgw --version``)."""
+    if not binary.exists() and PACKAGE_BINARY.exists():
+        raise UpdateError(
+            f"this node's agent came from the llmgw-agent package ({PACKAGE_BINARY}), not from "
+            "a bundle: signed updates replace bundle installs only. Upgrade it with its "
+            "package manager (apt-get install llmgw-agent, or dnf upgrade llmgw-agent)",
+            state="refused",
+        )
     try:
         out = subprocess.run(
             [str(binary), "--version"], capture_output=True, text=True, timeout=120, check=False

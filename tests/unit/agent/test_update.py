@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw import pki
+from llmgw.agent import update
 from llmgw.agent.update import (
     REQUEST,
     STATUS,
@@ -367,6 +368,19 @@ def test_an_unknown_installed_version_is_refused(node: Node) -> None:
     bundle, sha = good_bundle(node)
     node.spool_request(bundle, order_for(sha256=sha))
     node.assert_refused(node.apply(), "downgrade cannot be ruled out")
+
+
+def test_a_package_installed_agent_is_refused_with_its_package_manager_named(
+    node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packaged = tmp_path / "usr-lib-llmgw" / "llmgw"
+    packaged.parent.mkdir()
+    packaged.write_text("#!/bin/sh\necho 'llmgw 0.1.0'\n")
+    monkeypatch.setattr(update, "PACKAGE_BINARY", packaged)
+    node.installed.unlink()
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha))
+    node.assert_refused(node.apply(), "apt-get install llmgw-agent")
 
 
 def test_another_nodes_order_is_refused(node: Node) -> None:
