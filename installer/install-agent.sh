@@ -368,6 +368,7 @@ install_binary() {
     put_dir "$LIB_DIR" 0755 root:root force || true
     if [ -f "$LIB_DIR/llmgw" ]; then
         keep_previous
+        rm -rf "$PREVIOUS_DIR.old"
     fi
     info "binary: llmgw $NEW_VERSION into $LIB_DIR"
     put_file "$BUNDLE/llmgw" "$LIB_DIR/llmgw" 0755 root:root || true
@@ -381,7 +382,10 @@ keep_previous() {
     for name in $UNIT $UPDATE_UNITS; do
         [ -f "$UNIT_DIR/$name" ] && cp -p "$UNIT_DIR/$name" "$PREVIOUS_DIR.new/$name"
     done
-    rm -rf "$PREVIOUS_DIR"
+    # The slot's former content stays as previous.old until the caller knows the new binary
+    # is good: an upgrade that rolls back puts it back.
+    rm -rf "$PREVIOUS_DIR.old"
+    if [ -d "$PREVIOUS_DIR" ]; then mv "$PREVIOUS_DIR" "$PREVIOUS_DIR.old"; fi
     mv "$PREVIOUS_DIR.new" "$PREVIOUS_DIR"
     info "binary: kept llmgw $(version_of "$PREVIOUS_DIR/llmgw") in $PREVIOUS_DIR for rollback"
 }
@@ -849,6 +853,7 @@ verb_upgrade() {
     install_units || true
     systemctl daemon-reload
     if restart_and_wait "$HEALTH_TIMEOUT"; then
+        rm -rf "$PREVIOUS_DIR.old"
         info "done: llmgw $NEW_VERSION runs and listens on :$AGENT_PORT (llmgw ${old:-?} kept for rollback)"
         return 0
     fi
@@ -856,6 +861,11 @@ verb_upgrade() {
     journal_tail
     info "rollback: restoring llmgw ${old:-?}"
     restore_previous
+    # The version before the rolled-back one is the previous one again.
+    if [ -d "$PREVIOUS_DIR.old" ]; then
+        rm -rf "$PREVIOUS_DIR"
+        mv "$PREVIOUS_DIR.old" "$PREVIOUS_DIR"
+    fi
     if restart_and_wait "$HEALTH_TIMEOUT"; then
         fatal "upgrade to llmgw $NEW_VERSION failed: the new agent did not listen on :$AGENT_PORT within $HEALTH_TIMEOUT s; rolled back to llmgw ${old:-?}, which runs again"
     fi

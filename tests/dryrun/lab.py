@@ -84,7 +84,11 @@ def remove_stale() -> None:
             parts = name.split("-")
             started = parts[2] if len(parts) > 2 else ""
             if started.isdigit() and int(started) < time.time() - STALE_AFTER_S:
-                rm = ["docker", "rm", "-f", name] if kind == "ps -a" else ["docker", "network", "rm", name]
+                rm = (
+                    ["docker", "rm", "-f", name]
+                    if kind == "ps -a"
+                    else ["docker", "network", "rm", name]
+                )
                 subprocess.run(rm, capture_output=True, check=False)
 
 
@@ -133,7 +137,9 @@ class Node:
     node_id: str
     ip: str
 
-    def sh(self, script: str, *, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    def sh(
+        self, script: str, *, check: bool = True, timeout: float = 600
+    ) -> subprocess.CompletedProcess[str]:
         return self.container.sh(script, check=check, timeout=timeout)
 
     def out(self, script: str) -> str:

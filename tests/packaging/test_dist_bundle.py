@@ -202,13 +202,17 @@ def test_the_dist_bundle(dist_x64: Dist) -> None:
     assert {"llmgw", "agent.example.yaml", "README.md", "BUILD-INFO"} <= names
     # The installer and the agent's units: exactly what the checkout has.
     installer = ROOT / "installer" / "install-agent.sh"
-    assert ("install-agent.sh" in names) == installer.is_file()
+    assert "install-agent.sh" in names, "the bundle has no installer: build it with 'make dist'"
     units = {f"systemd/{p.name}" for p in (ROOT / "systemd").glob("llmgw-agent*")}
     assert {n for n in names if n.startswith("systemd/") and n != "systemd"} == units
     with tarfile.open(dist_x64.bundle) as tar:
         binary = tar.extractfile(f"{top}/llmgw")
         assert binary is not None
         assert binary.read() == dist_x64.onefile.read_bytes()
+        shipped = tar.getmember(f"{top}/install-agent.sh")
+        script = tar.extractfile(shipped)
+        assert script is not None and script.read() == installer.read_bytes()
+        assert shipped.mode == 0o755
         info = tar.extractfile(f"{top}/BUILD-INFO")
         assert info is not None
         fields = dict(line.split(": ", 1) for line in info.read().decode().splitlines())
