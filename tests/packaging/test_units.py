@@ -225,7 +225,12 @@ def test_update_helper_units() -> None:
             continue
         assert one(s, f"Service.{key}") == value, key
     caps = set(one(s, "Service.CapabilityBoundingSet").split())
-    assert caps and not caps & {"CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SYS_MODULE", "CAP_SYS_PTRACE"}
+    assert caps and not caps & {
+        "CAP_SYS_ADMIN",
+        "CAP_NET_ADMIN",
+        "CAP_SYS_MODULE",
+        "CAP_SYS_PTRACE",
+    }
     assert one(s, "Service.SystemCallFilter") == "@system-service"
 
 
