@@ -72,10 +72,23 @@ def node_of(steps: Steps) -> Node:
     return steps.node
 
 
-def serves(steps: Steps) -> None:
-    """The node's replica is routable and answers a completion through the gateway."""
+def serves(steps: Steps, timeout: float = 120) -> None:
+    """The node's replica is routable and answers a completion through the gateway (after a
+    fresh join the control plane first drops the replica it had there, then rebuilds it)."""
+    import openai
+
     steps.lab.wait_routable(MODEL, NODE)
-    steps.lab.complete(MODEL, steps.key)
+
+    def answered() -> bool:
+        try:
+            steps.lab.complete(MODEL, steps.key)
+        except openai.APIError:
+            return False
+        return True
+
+    wait_for(
+        answered, what=f"a completion of {MODEL} through the gateway", timeout=timeout, interval=1
+    )
 
 
 def snapshot(node: Node) -> str:
