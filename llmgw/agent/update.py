@@ -817,7 +817,9 @@ def _check_bundle(bundle: Path) -> tuple[str, dict[str, str]]:
 
 def _unpack(bundle: Path, dest: Path) -> None:
     """Unpack what :func:`_check_bundle` accepted: directories and regular files only, no
-    owner, no special bits; the 'data' filter checks every path again."""
+    owner, no special bits, every path checked again and every file created new (O_EXCL,
+    O_NOFOLLOW) under ``dest``. Done by hand rather than with tarfile's extraction filters,
+    which the frozen binary's CPython (3.11.2) does not have."""
     try:
         with tarfile.open(bundle, "r:gz") as tar:
             for member in tar:
@@ -826,10 +828,26 @@ def _unpack(bundle: Path, dest: Path) -> None:
                         f"the bundle's member {member.name[:200]!r} changed under us",
                         state="failed",
                     )
-                member.mode &= 0o755
-                tar.extract(member, dest, filter="data")
+                target = dest.joinpath(*member.name.split("/"))
+                mode = member.mode & 0o755
+                if member.isdir():
+                    target.mkdir(mode=0o755, parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+                source = tar.extractfile(member)
+                if source is None:
+                    raise UpdateError(
+                        f"the bundle's member {member.name[:200]!r} has no data", state="failed"
+                    )
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(target, flags, 0o600)
+                with os.fdopen(fd, "wb") as out:
+                    shutil.copyfileobj(source, out, 1 << 20)
+                    os.fchmod(out.fileno(), mode)
     except (tarfile.TarError, EOFError, zlib.error) as exc:
         raise UpdateError(f"unpacking the bundle failed ({exc})", state="failed") from None
+    except OSError as exc:
+        raise UpdateError(f"unpacking the bundle failed: {exc}", state="failed") from None
 
 
 def installed_version(binary: Path) -> str:
