@@ -63,6 +63,9 @@ _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 _ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
 _TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tar")
 _HAS_DATA_FILTER = hasattr(tarfile, "data_filter")
+# tarfile.FilterError arrived with the filters (3.11.4); the frozen binary's CPython is 3.11.2,
+# where an ``except tarfile.FilterError`` would itself raise AttributeError.
+_FilterError: type[Exception] = getattr(tarfile, "FilterError", tarfile.TarError)
 _BAD_MODE_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | stat.S_IWGRP | stat.S_IWOTH
 _MAX_LINK_TARGET = 4096
 
@@ -507,7 +510,7 @@ def _unpack_tar(archive: Path, dest: Path, shown: str, max_unpacked: int) -> Non
                     tf.extract(m, root, filter="data")
                 else:
                     tf.extract(_plain_member(m), root)
-            except tarfile.FilterError as exc:
+            except _FilterError as exc:
                 # Our checks should have caught it first; the filter is the second guard.
                 raise _unsafe(shown, m.name, f"was refused by tarfile: {exc}") from exc
 
