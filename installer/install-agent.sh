@@ -637,6 +637,13 @@ configure_firewall() {
     recorded=$(cut -d' ' -f2 "$INSTALL_STATE/firewall" 2>/dev/null | sort -u || true)
     if [ -z "$wanted" ]; then
         firewall_clear
+        case $(firewall_backend) in
+            ufw | firewalld)
+                # Not an error: the host's rules may already let the gateway in. But an agent
+                # that looks healthy here and is unreachable from the gateway is the worst case.
+                warn "$(firewall_backend) is active and no --firewall-from was given: unless its rules already allow :$AGENT_PORT/tcp from the gateway, the control plane cannot reach this agent; run again with --firewall-from GATEWAY_IP"
+                ;;
+        esac
         return 0
     fi
     backend=$(firewall_backend)
@@ -953,8 +960,10 @@ verb_uninstall() {
     firewall_clear
     if [ "$mode" = package ]; then
         if command -v apt-get >/dev/null 2>&1; then
-            info "uninstall: apt-get ${PURGE:+purge}${PURGE:-remove} llmgw-agent"
-            DEBIAN_FRONTEND=noninteractive apt-get "${PURGE:+purge}${PURGE:-remove}" -y -q llmgw-agent >&2 \
+            action=remove
+            [ -z "$PURGE" ] || action=purge
+            info "uninstall: apt-get $action llmgw-agent"
+            DEBIAN_FRONTEND=noninteractive apt-get "$action" -y -q llmgw-agent >&2 \
                 || fatal "apt-get could not remove llmgw-agent (above)"
             if [ -n "$PURGE" ]; then
                 rm -f /etc/apt/sources.list.d/llmgw.list /usr/share/keyrings/llmgw.asc /usr/share/keyrings/llmgw.gpg

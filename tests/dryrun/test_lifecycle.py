@@ -79,16 +79,29 @@ def serves(steps: Steps, timeout: float = 120) -> None:
 
     steps.lab.wait_routable(MODEL, NODE)
 
+    last: list[str] = []
+
     def answered() -> bool:
         try:
             steps.lab.complete(MODEL, steps.key)
-        except openai.APIError:
+        except openai.APIError as exc:
+            last[:] = [repr(exc)]
             return False
         return True
 
-    wait_for(
-        answered, what=f"a completion of {MODEL} through the gateway", timeout=timeout, interval=1
-    )
+    try:
+        wait_for(
+            answered,
+            what=f"a completion of {MODEL} through the gateway",
+            timeout=timeout,
+            interval=1,
+        )
+    except AssertionError as exc:
+        replicas = steps.lab.ctl("--json", "replicas").stdout
+        raise AssertionError(
+            f"{exc}\nlast error: {last}\nreplicas: {replicas}\n"
+            f"agent journal:\n{node_of(steps).journal(lines=60)}"
+        ) from None
 
 
 def snapshot(node: Node) -> str:
@@ -196,6 +209,17 @@ def test_04_ufw_rules_from_the_gateway_only(steps: Steps, lab: Lab) -> None:
     )
     rules = node.out("ufw status")
     assert "10.99.0.0/16" not in rules and lab.gateway in rules
+    # Without --firewall-from, ufw active: its rules go, and the installer warns that the
+    # gateway may not get in; then back to the gateway's rule for the later steps.
+    base = (
+        f"sh {steps.bundle_n}/{INSTALLER} install --node-id {NODE} --enroll-url "
+        f"{j['enroll_url']} --ca-hash {j['ca_hash']}"
+    )
+    bare = node.sh(base)
+    assert "ufw is active and no --firewall-from was given" in bare.stderr, bare.stderr
+    assert "9443" not in node.out("ufw status")
+    node.sh(f"{base} --firewall-from {lab.gateway}")
+    assert lab.gateway in node.out("ufw status")
 
 
 def test_05_upgrade_to_n_plus_1(steps: Steps, lab: Lab, bundle_next: Path) -> None:
@@ -456,9 +480,12 @@ def test_13_package_from_the_signed_apt_repository(steps: Steps, lab: Lab, tmp_p
     result = node.sh(
         f"LLMGW_JOIN_TOKEN={shlex.quote(join['token'])} sh {steps.bundle_n}/{INSTALLER} package "
         f"--repo-url http://127.0.0.1:8000 --repo-key {MOUNT}/repo/apt/llmgw.gpg --node-id {NODE} "
-        f"--enroll-url {join['enroll_url']} --ca-hash {join['ca_hash']}"
+        f"--enroll-url {join['enroll_url']} --ca-hash {join['ca_hash']} "
+        f"--firewall-from {lab.gateway}"
     )
     assert "from the package (/usr/bin/llmgw)" in result.stderr
+    # ufw (enabled in step 4) stays on after the purge; the package install opens :9443 again.
+    assert f"ALLOW       {lab.gateway}" in node.out("ufw status")
     assert node.out("dpkg-query -W -f '${Status}' llmgw-agent") == "install ok installed"
     assert "signed-by=/usr/share/keyrings/llmgw.gpg" in node.out(
         "cat /etc/apt/sources.list.d/llmgw.list"
@@ -473,6 +500,7 @@ def test_13_package_from_the_signed_apt_repository(steps: Steps, lab: Lab, tmp_p
         "dpkg-query -W -f '${Status}' llmgw-agent 2>/dev/null || true"
     )
     assert node.sh("getent passwd llmgw-agent", check=False).returncode != 0
+    assert "9443" not in node.out("ufw status")
 
 
 def test_14_journal_has_no_tracebacks(steps: Steps) -> None:
