@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import cast
 
@@ -611,8 +611,12 @@ class UpstreamPool:
         connect_timeout: float = 5.0,
         idle_timeout: float = 60.0,
         max_idle_per_key: int = 256,
+        peer_check: Callable[[bytes, str | None], str | None] | None = None,
     ) -> None:
         self._ssl = ssl
+        # With TLS: called once per new connection with the peer's certificate (DER) and the
+        # expected server_hostname; a message refuses the connection (e.g. a revoked serial).
+        self._peer_check = peer_check
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self.max_idle_per_key = max_idle_per_key
@@ -717,7 +721,28 @@ class UpstreamPool:
         if self._closed:
             conn.close()
             raise UpstreamConnectError("the upstream pool is closed")
+        if self._peer_check is not None and ssl_context is not None:
+            sslobj = conn.transport.get_extra_info("ssl_object") if conn.transport else None
+            der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
+            problem = (
+                self._peer_check(der, server_hostname)
+                if der
+                else f"{host}:{port} presented no certificate"
+            )
+            if problem:
+                conn.close()
+                raise UpstreamConnectError(f"{host}:{port}: {problem}")
         return conn
+
+    def forget(self, server_hostname: str) -> int:
+        """Close every connection, idle or busy, made to ``server_hostname`` (its certificate
+        was revoked); returns how many were closed."""
+        gone = [c for c in self._conns if c.key[2] == server_hostname]
+        for conn in gone:
+            conn.close()
+        for key in [k for k in self._idle if k[2] == server_hostname]:
+            del self._idle[key]
+        return len(gone)
 
     def _pop_idle(self, key: tuple[str, int, str | None]) -> _Connection | None:
         idle = self._idle.get(key)

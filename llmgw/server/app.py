@@ -267,6 +267,10 @@ class ControlPlane:
         session = self.sessions.get(node.id)
         if session is not None and session.serial in self.membership.revoked:
             session.close()
+        # Pooled data-plane connections may still be to the old identity.
+        gateway = getattr(self, "gateway", None)
+        if gateway is not None:
+            gateway.forget_node(node.id)
 
     async def _start_enrolment(self) -> None:
         assert self.ca is not None and self.server_identity is not None

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from cryptography import x509
 
 from llmgw.config_util import parse_hostport
 from llmgw.errors import ConfigError
@@ -112,11 +113,29 @@ class Gateway:
         if self._session is None:
             self._session = UpstreamPool(
                 ssl=self.cp.client_ssl_context(),
+                peer_check=self._agent_certificate_problem,
                 connect_timeout=5.0,
                 # Shorter than the data plane keeps idle connections (300 s), so we close first.
                 idle_timeout=290.0,
             )
         return self._session
+
+    def _agent_certificate_problem(self, der: bytes, node_id: str | None) -> str | None:
+        """The data plane's certificate must not be one the control plane revoked (an old
+        identity after a rekey, or a revoked node's): the CA alone still trusts those."""
+        serial = format(x509.load_der_x509_certificate(der).serial_number, "x")
+        if serial in self.cp.membership.revoked:
+            return (
+                f"the data plane of node {node_id} presented certificate {serial}, which was "
+                f"revoked; refusing it (the node must join again: llmgw ctl join-command "
+                f"--node {node_id})"
+            )
+        return None
+
+    def forget_node(self, node_id: str) -> None:
+        """Drop pooled connections to a node whose certificates were just revoked."""
+        if self._session is not None:
+            self._session.forget(node_id)
 
     def _hostport(self, addr: str) -> tuple[str, int]:
         hostport = self._hostports.get(addr)

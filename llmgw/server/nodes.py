@@ -152,6 +152,9 @@ class Membership:
 
     def _cut(self, node_id: str) -> None:
         self.cp.router.remove_node(node_id)
+        gateway = getattr(self.cp, "gateway", None)
+        if gateway is not None:
+            gateway.forget_node(node_id)
         session = self.cp.sessions.get(node_id)
         if session is not None:
             session.close()

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from cryptography import x509
 
 from llmgw import pki
 from llmgw.upstream import (
@@ -774,6 +775,37 @@ def test_tls_wrong_server_hostname_is_a_connect_error(tmp_path: Path) -> None:
             pool = UpstreamPool(ssl=tls.client)
             with pytest.raises(UpstreamConnectError, match="node-b"):
                 await pool.request("GET", HOST, port, "/echo", server_hostname="node-b")
+            await pool.close()
+
+    run(main)
+
+
+def test_peer_check_sees_the_certificate_and_can_refuse_it(tmp_path: Path) -> None:
+    tls = tls_contexts(tmp_path)
+    serial = format(pki.load_cert(tmp_path / "node" / "node.crt").serial_number, "x")
+    seen: list[tuple[str, str | None]] = []
+    denied: set[str] = set()
+
+    def check(der: bytes, name: str | None) -> str | None:
+        got = format(x509.load_der_x509_certificate(der).serial_number, "x")
+        seen.append((got, name))
+        return f"certificate {got} was revoked" if got in denied else None
+
+    async def main() -> None:
+        state = AppState()
+        async with aiohttp_server(state, tls.server) as port:
+            pool = UpstreamPool(ssl=tls.client, peer_check=check)
+            resp = await pool.request("GET", HOST, port, "/echo", server_hostname="node-a")
+            resp.release()
+            assert seen == [(serial, "node-a")]
+            # Revoked while pooled: forget() closes it, and the next connection is refused.
+            denied.add(serial)
+            assert pool.forget("node-a") == 1
+            assert pool.connections == 0
+            with pytest.raises(UpstreamConnectError, match=f"certificate {serial} was revoked"):
+                await pool.request("GET", HOST, port, "/echo", server_hostname="node-a")
+            assert pool.connections == 0
+            assert len(state.peers) == 1  # only the first connection sent a request
             await pool.close()
 
     run(main)

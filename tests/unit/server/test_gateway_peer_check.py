@@ -1,0 +1,39 @@
+"""The gateway refuses an agent data plane whose certificate the control plane revoked: the
+CA still vouches for it (an old identity after a rekey, a revoked node's key), the deny list
+does not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+from cryptography.hazmat.primitives import serialization
+
+from llmgw import pki
+from llmgw.server.gateway import Gateway
+
+
+def der_of(tmp_path: Path, node_id: str) -> tuple[bytes, str]:
+    ca = pki.init_ca(tmp_path / "ca")
+    identity = pki.issue_node_cert(ca, node_id, tmp_path / node_id)
+    cert = pki.load_cert(identity.cert)
+    return cert.public_bytes(serialization.Encoding.DER), pki.serial_hex(cert)
+
+
+def gateway(revoked: set[str]) -> Gateway:
+    cp = SimpleNamespace(membership=SimpleNamespace(revoked=revoked))
+    return Gateway(cast(Any, cp))
+
+
+def test_a_current_certificate_passes(tmp_path: Path) -> None:
+    der, _ = der_of(tmp_path, "gpu-1")
+    assert gateway(set())._agent_certificate_problem(der, "gpu-1") is None
+
+
+def test_a_revoked_certificate_is_refused_with_the_way_back(tmp_path: Path) -> None:
+    der, serial = der_of(tmp_path, "gpu-1")
+    problem = gateway({serial})._agent_certificate_problem(der, "gpu-1")
+    assert problem is not None
+    assert f"certificate {serial}" in problem and "revoked" in problem
+    assert "llmgw ctl join-command --node gpu-1" in problem
