@@ -376,13 +376,24 @@ def test_09_hostile_orders_are_refused(steps: Steps, lab: Lab, bundle_next: Path
     verdicts["tampered"] = spool(node, lab, tampered, signature, bundle_next)
     verdicts["expired"] = drop_order(steps, {**base, "expires": int(time.time()) - 60}, bundle_next)
     verdicts["replayed"] = drop_order(steps, {**base, "counter": counter}, bundle_next)
-    verdicts["downgrading"] = drop_order(steps, {**base, "version": "0.0.1"}, bundle_next)
+    # A real N bundle, signed correctly, while N+1 is installed: refused as a downgrade.
+    sha_n = hashlib.sha256(lab.bundle_n.read_bytes()).hexdigest()
+    verdicts["downgrading"] = drop_order(
+        steps, {**base, "version": lab.version, "sha256": sha_n}, lab.bundle_n
+    )
+    reasons = {
+        "tampered": "signature does not verify",
+        "expired": "the order expired at",
+        "replayed": "is not above the last accepted one",
+        "downgrading": f"older than the installed {steps.version_next}",
+    }
     for what, status in verdicts.items():
         assert status["state"] == "refused", (
             what,
             status,
             node.journal("llmgw-agent-update.service"),
         )
+        assert reasons[what] in status["message"], (what, status)
     after = (
         node.out("sha256sum /usr/local/lib/llmgw-agent/llmgw"),
         node.unit("ActiveEnterTimestamp"),
