@@ -12,36 +12,13 @@
 # (about 50 s; an arm64 one, emulated by qemu-user, about 5 min). Needs root then.
 set -eu
 
-DEFAULT_MIRROR=http://deb.debian.org/debian
-
-info() { printf '==> %s\n' "$*" >&2; }
-fatal() {
-    printf 'error: %s\n' "$*" >&2
-    exit 1
-}
-
-debian_mirror() {
-    if [ -n "${LLMGW_DEBIAN_MIRROR:-}" ]; then
-        printf '%s\n' "$LLMGW_DEBIAN_MIRROR"
-        return 0
-    fi
-    uri=$(
-        {
-            cat /etc/apt/sources.list.d/*.sources 2>/dev/null | sed -n 's/^URIs:[[:space:]]*//p' | tr ' ' '\n'
-            cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
-                | sed -n 's/^deb[[:space:]]\{1,\}\(\[[^]]*\][[:space:]]\{1,\}\)\{0,1\}\([^[:space:]]*\).*/\2/p'
-        } | grep -E '^https?://.*/debian/?$' | head -n 1
-    ) || true
-    printf '%s\n' "${uri:-$DEFAULT_MIRROR}" | sed 's:/*$::'
-}
+# shellcheck source=lib/common.sh
+. "$(dirname "$0")/lib/common.sh"
 
 # 1. what an emulated (arm64) rootfs needs: qemu-user registered with binfmt_misc
 enable_qemu() {
     if ! command -v qemu-aarch64-static >/dev/null 2>&1 || ! command -v update-binfmts >/dev/null 2>&1; then
-        info "installing qemu-user-static binfmt-support"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-user-static binfmt-support >/dev/null 2>&1 \
-            || { apt-get update -q >/dev/null \
-                && DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-user-static binfmt-support >/dev/null; }
+        apt_install qemu-user-static binfmt-support
     fi
     [ -e /proc/sys/fs/binfmt_misc/status ] || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc \
         || fatal "cannot mount binfmt_misc; arm64 programs cannot run here"
@@ -63,29 +40,18 @@ install_qemu() {
 # 2. the rootfs, from the cache or debootstrap
 make_rootfs() {
     [ "$(id -u)" -eq 0 ] || fatal "debootstrap needs root; run as root or fill $CACHE first"
-    if ! command -v debootstrap >/dev/null 2>&1; then
-        info "installing debootstrap"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null 2>&1 \
-            || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null; }
-    fi
+    command -v debootstrap >/dev/null 2>&1 || apt_install debootstrap
     mirror=$(debian_mirror)
-    mkdir -p "$CACHE"
-    work=$(mktemp -d "$CACHE/.rootfs.XXXXXX")
-    TO_CLEAN=$work
+    cache_workdir "$CACHE"
     info "rootfs: debootstrap --arch=$ARCH --variant=minbase $SUITE from $mirror"
     if [ "$ARCH" = "$(dpkg --print-architecture 2>/dev/null || echo amd64)" ]; then
-        debootstrap --arch="$ARCH" --variant=minbase "$SUITE" "$work/rootfs" "$mirror" \
-            >"$work/debootstrap.log" 2>&1 \
-            || { tail -n 20 "$work/debootstrap.log" >&2; fatal "debootstrap failed (log above)"; }
+        run_debootstrap --arch="$ARCH" --variant=minbase "$SUITE" "$work/rootfs" "$mirror"
     else
-        debootstrap --foreign --arch="$ARCH" --variant=minbase "$SUITE" "$work/rootfs" "$mirror" \
-            >"$work/debootstrap.log" 2>&1 \
-            || { tail -n 20 "$work/debootstrap.log" >&2; fatal "debootstrap failed (log above)"; }
+        run_debootstrap --foreign --arch="$ARCH" --variant=minbase "$SUITE" "$work/rootfs" "$mirror"
         install_qemu "$work/rootfs"
-        chroot "$work/rootfs" /debootstrap/debootstrap --second-stage >>"$work/debootstrap.log" 2>&1 \
-            || { tail -n 20 "$work/debootstrap.log" >&2; fatal "debootstrap's second stage failed (log above)"; }
+        debootstrap_second_stage "$work/rootfs"
     fi
-    rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/lib/apt/lists/"*
+    drop_apt_caches "$work/rootfs"
     touch "$work/rootfs/.llmgw-ready"
     mv "$work/rootfs" "$ROOTFS"
 }
@@ -97,11 +63,9 @@ main() {
     SUITE=$1
     ARCH=${2:-amd64}
     case $ARCH in amd64 | arm64) ;; *) fatal "architecture $ARCH: use amd64 or arm64" ;; esac
-    CACHE=${LLMGW_TEST_CACHE:-/var/cache/llmgw-test}/rootfs
+    CACHE=$TEST_CACHE/rootfs
     ROOTFS=$CACHE/$SUITE-$ARCH-minbase
-    TO_CLEAN=""
-    trap 'rm -rf $TO_CLEAN' EXIT
-    trap 'exit 130' INT TERM
+    remove_on_exit
     if [ "$ARCH" = arm64 ] && [ "$(uname -m)" != aarch64 ]; then
         [ "$(id -u)" -eq 0 ] && enable_qemu
         [ -f "$ROOTFS/.llmgw-ready" ] && [ "$(id -u)" -eq 0 ] && install_qemu "$ROOTFS"

@@ -46,18 +46,12 @@ INCLUDE=build-essential,ca-certificates,patch,libssl-dev,zlib1g-dev,libffi-dev,l
 # arm64's CPython is cross-compiled in a copy of the x64 rootfs, with these.
 CROSS_TRIPLET=aarch64-linux-gnu
 CROSS_PACKAGES="crossbuild-essential-arm64 libssl-dev:arm64 zlib1g-dev:arm64 libffi-dev:arm64 libbz2-dev:arm64 liblzma-dev:arm64 libsqlite3-dev:arm64 uuid-dev:arm64"
-DEFAULT_MIRROR=http://deb.debian.org/debian
 GLIBC_FLOOR=2.31
 # Bump when the rootfs recipe below changes in a way the variables above do not show.
 ROOTFS_RECIPE=1
 
-info() { printf '==> %s\n' "$*" >&2; }
-fatal() {
-    printf 'error: %s\n' "$*" >&2
-    exit 1
-}
-
-sha() { sha256sum | cut -c1-64; }
+# shellcheck source=lib/common.sh
+. "$(dirname "$0")/lib/common.sh"
 
 # 1. arguments, paths and the keys of what is cached
 parse_args() {
@@ -112,7 +106,7 @@ setup() {
         VERSION=$STAMP
         OUT=dist/v$STAMP
     fi
-    CACHE=${LLMGW_TEST_CACHE:-/var/cache/llmgw-test}/dist
+    CACHE=$TEST_CACHE/dist
     ROOTFS=$(rootfs_path "$DEB_ARCH")
     TOOLS_KEY=$({
         printf '%s\n' "$ROOTFS" "$PYINSTALLER_VERSION" "$PYINSTALLER_SHA256"
@@ -157,10 +151,8 @@ check_tools() {
     fi
     if [ -n "$missing" ]; then
         command -v apt-get >/dev/null 2>&1 || fatal "missing:$missing; install them"
-        info "installing$missing"
         # shellcheck disable=SC2086 # a list of package names
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null 2>&1 \
-            || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >/dev/null; }
+        apt_install $missing
     fi
     [ -n "$QEMU" ] && enable_binfmt
     return 0
@@ -175,21 +167,6 @@ enable_binfmt() {
         update-binfmts --enable "$QEMU" >/dev/null 2>&1 \
             || fatal "cannot register $QEMU with binfmt_misc (update-binfmts --enable $QEMU)"
     fi
-}
-
-debian_mirror() {
-    if [ -n "${LLMGW_DEBIAN_MIRROR:-}" ]; then
-        printf '%s\n' "$LLMGW_DEBIAN_MIRROR"
-        return 0
-    fi
-    uri=$(
-        {
-            cat /etc/apt/sources.list.d/*.sources 2>/dev/null | sed -n 's/^URIs:[[:space:]]*//p' | tr ' ' '\n'
-            cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
-                | sed -n 's/^deb[[:space:]]\{1,\}\(\[[^]]*\][[:space:]]\{1,\}\)\{0,1\}\([^[:space:]]*\).*/\2/p'
-        } | grep -E '^https?://.*/debian/?$' | head -n 1
-    ) || true
-    printf '%s\n' "${uri:-$DEFAULT_MIRROR}" | sed 's:/*$::'
 }
 
 # Run a shell script (read from stdin) as root inside rootfs $1, with `sh -eu`, in a mount
@@ -265,15 +242,12 @@ fetch_python_source() {
 # left (that architecture's lock is held: no other build uses them).
 rootfs_workdir() {
     rm -rf "$CACHE/.rootfs-$1."*
-    work=$(mktemp -d "$CACHE/.rootfs-$1.XXXXXX")
-    TO_CLEAN="$TO_CLEAN $work"
+    cache_workdir "$CACHE" "rootfs-$1"
 }
 
 debootstrap_into() { # DIR DEB_ARCH [--foreign]
     info "rootfs: debootstrap --arch=$2 --variant=minbase $SUITE from $mirror"
-    debootstrap ${3:+"$3"} --arch="$2" --variant=minbase --include="$INCLUDE" "$SUITE" "$1" "$mirror" \
-        >"$work/debootstrap.log" 2>&1 \
-        || { tail -n 20 "$work/debootstrap.log" >&2; fatal "debootstrap failed (log above)"; }
+    run_debootstrap ${3:+"$3"} --arch="$2" --variant=minbase --include="$INCLUDE" "$SUITE" "$1" "$mirror"
 }
 
 # No -g (the default OPT has it): the frozen binaries carry libpython.
@@ -287,7 +261,7 @@ make_native_rootfs() { # DEST ARCH
     rootfs_workdir "$2"
     new=$work/rootfs
     debootstrap_into "$new" amd64
-    rm -rf "$new/var/cache/apt/archives/"*.deb "$new/var/lib/apt/lists/"*
+    drop_apt_caches "$new"
     mkdir -p "$new/build"
     cp "$PYTHON_TARBALL" "$new/build/python.tar.gz"
     started=$(date +%s)
@@ -313,9 +287,8 @@ make_foreign_rootfs() {
     debootstrap_into "$new" "$DEB_ARCH" --foreign
     install_qemu "$new"
     info "rootfs: debootstrap's second stage, emulated (several minutes)"
-    chroot "$new" /debootstrap/debootstrap --second-stage >>"$work/debootstrap.log" 2>&1 \
-        || { tail -n 20 "$work/debootstrap.log" >&2; fatal "debootstrap's second stage failed (log above)"; }
-    rm -rf "$new/var/cache/apt/archives/"*.deb "$new/var/lib/apt/lists/"*
+    debootstrap_second_stage "$new"
+    drop_apt_caches "$new"
 
     started=$(date +%s)
     info "rootfs: cross-compiling CPython for $DEB_ARCH in a copy of $X64_ROOTFS"
@@ -470,11 +443,6 @@ report() {
         --bundle "$OUT/llmgw-agent-$VERSION-linux-$ARCH.tar.gz" ${QEMU:+--no-timing} >&2
 }
 
-cleanup() {
-    # shellcheck disable=SC2086 # a list of paths made by mktemp, without spaces
-    rm -rf $TO_CLEAN
-}
-
 main() {
     parse_args "$@"
     setup
@@ -489,9 +457,7 @@ main() {
         info "$ONEFILE is missing or was built from other sources; run $hint"
         exit 1
     fi
-    TO_CLEAN=""
-    trap cleanup EXIT
-    trap 'exit 130' INT TERM
+    remove_on_exit
     if binaries_are_current; then
         [ -n "$QEMU" ] && [ "$(id -u)" -eq 0 ] && enable_binfmt
         info "binaries: $ONEFILE and $ONEDIR are current"

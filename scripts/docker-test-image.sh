@@ -17,21 +17,13 @@ set -eu
 SUITE=bookworm # its python3 is 3.11, the version the wheels are chosen for
 INCLUDE=python3,python3-venv
 HASH_LABEL=llmgw.test-image.hash
-DEFAULT_MIRROR=http://deb.debian.org/debian
 
-info() { printf '==> %s\n' "$*" >&2; }
-fatal() {
-    printf 'error: %s\n' "$*" >&2
-    exit 1
-}
-
-sha() { sha256sum | cut -c1-64; }
+# shellcheck source=lib/common.sh
+. "$(dirname "$0")/lib/common.sh"
 
 # 1. what is needed, whatever the caches hold
 check_tools() {
-    command -v docker >/dev/null 2>&1 || fatal "no docker command; apt-get install -y docker.io"
-    docker info >/dev/null 2>&1 \
-        || fatal "cannot reach dockerd; start it (dockerd >/var/log/dockerd.log 2>&1 &) or join the 'docker' group"
+    require_dockerd
     "$PYTHON" -m pip --version >/dev/null 2>&1 \
         || fatal "$PYTHON has no pip; set PYTHON to a Python with pip (e.g. .venv/bin/python after 'make venv')"
 }
@@ -52,43 +44,10 @@ image_is_current() {
     [ "$label" = "$HASH" ]
 }
 
-debian_mirror() {
-    if [ -n "${LLMGW_DEBIAN_MIRROR:-}" ]; then
-        printf '%s\n' "$LLMGW_DEBIAN_MIRROR"
-        return 0
-    fi
-    # deb822 "URIs:" lines and one-line "deb [options] URI suite ..." entries; the first URI
-    # whose path ends in /debian is the main archive (not -security, not third parties).
-    uri=$(
-        {
-            cat /etc/apt/sources.list.d/*.sources 2>/dev/null | sed -n 's/^URIs:[[:space:]]*//p' | tr ' ' '\n'
-            cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
-                | sed -n 's/^deb[[:space:]]\{1,\}\(\[[^]]*\][[:space:]]\{1,\}\)\{0,1\}\([^[:space:]]*\).*/\2/p'
-        } | grep -E '^https?://.*/debian/?$' | head -n 1
-    ) || true
-    printf '%s\n' "${uri:-$DEFAULT_MIRROR}"
-}
-
 # 3. the rootfs tarball, from the cache or debootstrap (about 50 s)
 ensure_rootfs() {
     ROOTFS_TAR=$CACHE/rootfs-$SUITE-$ROOTFS_KEY.tar
-    if [ -f "$ROOTFS_TAR" ]; then
-        info "rootfs: cached $ROOTFS_TAR"
-        return 0
-    fi
-    [ "$(id -u)" -eq 0 ] || fatal "debootstrap needs root; run as root or fill $CACHE first"
-    command -v debootstrap >/dev/null 2>&1 || fatal "no debootstrap; apt-get install -y debootstrap"
-    mirror=$(debian_mirror)
-    info "rootfs: debootstrap --variant=minbase --include=$INCLUDE $SUITE from $mirror"
-    mkdir -p "$CACHE"
-    work=$(mktemp -d "$CACHE/.rootfs.XXXXXX")
-    TO_CLEAN="$TO_CLEAN $work"
-    debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$work/rootfs" "$mirror" \
-        >"$work/debootstrap.log" 2>&1 \
-        || { tail -n 20 "$work/debootstrap.log" >&2; fatal "debootstrap failed (log above)"; }
-    rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/lib/apt/lists/"*
-    tar --numeric-owner -C "$work/rootfs" -cf "$work/rootfs.tar" .
-    mv "$work/rootfs.tar" "$ROOTFS_TAR"
+    rootfs_tarball "$ROOTFS_TAR" "$SUITE" "$INCLUDE"
 }
 
 # 4. the base image, imported from the rootfs
@@ -152,11 +111,6 @@ EOF
     docker image prune --force --filter "label=$HASH_LABEL" >/dev/null 2>&1 || true
 }
 
-cleanup() {
-    # shellcheck disable=SC2086 # a list of paths made by mktemp, without spaces
-    rm -rf $TO_CLEAN
-}
-
 main() {
     [ $# -eq 1 ] || fatal "usage: $0 IMAGE (e.g. llmgw-test-engine:local)"
     IMAGE=$1
@@ -165,12 +119,10 @@ main() {
     if [ -z "${PYTHON:-}" ]; then
         if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
     fi
-    CACHE=${LLMGW_TEST_CACHE:-/var/cache/llmgw-test}
+    CACHE=$TEST_CACHE
     ROOTFS_KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s\n' \
         "$INCLUDE" "$SUITE" "$(uname -m)" | sha)
-    TO_CLEAN=""
-    trap cleanup EXIT
-    trap 'exit 130' INT TERM
+    remove_on_exit
 
     check_tools
     HASH=$(content_hash)

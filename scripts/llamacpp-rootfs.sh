@@ -25,32 +25,9 @@ SUITE=forky
 SUITE_SCRIPT=/usr/share/debootstrap/scripts/sid
 INCLUDE=llama.cpp-tools,ca-certificates
 MARKER=.llmgw-llamacpp-rootfs
-DEFAULT_MIRROR=http://deb.debian.org/debian
 
-info() { printf '==> %s\n' "$*" >&2; }
-fatal() {
-    printf 'error: %s\n' "$*" >&2
-    exit 1
-}
-
-sha() { sha256sum | cut -c1-64; }
-
-debian_mirror() {
-    if [ -n "${LLMGW_DEBIAN_MIRROR:-}" ]; then
-        printf '%s\n' "$LLMGW_DEBIAN_MIRROR"
-        return 0
-    fi
-    # deb822 "URIs:" lines and one-line "deb [options] URI suite ..." entries; the first URI
-    # whose path ends in /debian is the main archive (not -security, not third parties).
-    uri=$(
-        {
-            cat /etc/apt/sources.list.d/*.sources 2>/dev/null | sed -n 's/^URIs:[[:space:]]*//p' | tr ' ' '\n'
-            cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
-                | sed -n 's/^deb[[:space:]]\{1,\}\(\[[^]]*\][[:space:]]\{1,\}\)\{0,1\}\([^[:space:]]*\).*/\2/p'
-        } | grep -E '^https?://.*/debian/?$' | head -n 1
-    ) || true
-    printf '%s\n' "${uri:-$DEFAULT_MIRROR}"
-}
+# shellcheck source=lib/common.sh
+. "$(dirname "$0")/lib/common.sh"
 
 # 1. what is needed, whatever the caches hold
 check_tools() {
@@ -68,28 +45,12 @@ rootfs_is_current() {
 # 2. the rootfs tarball, from the cache or debootstrap (about 45 s, 280 MB)
 ensure_tarball() {
     ROOTFS_TAR=$CACHE/rootfs-$SUITE-llamacpp-$ROOTFS_KEY.tar
-    if [ -f "$ROOTFS_TAR" ]; then
-        info "rootfs: cached $ROOTFS_TAR"
-        return 0
-    fi
-    command -v debootstrap >/dev/null 2>&1 || fatal "no debootstrap; apt-get install -y debootstrap"
-    [ -f "$SUITE_SCRIPT" ] || fatal "debootstrap has no $SUITE_SCRIPT; apt-get install -y debootstrap"
-    mirror=$(debian_mirror)
-    info "rootfs: debootstrap --variant=minbase --include=$INCLUDE $SUITE from $mirror"
-    mkdir -p "$CACHE"
-    work=$(mktemp -d "$CACHE/.rootfs.XXXXXX")
-    TO_CLEAN="$TO_CLEAN $work"
-    debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$work/rootfs" "$mirror" \
-        "$SUITE_SCRIPT" >"$work/debootstrap.log" 2>&1 \
-        || {
-            tail -n 20 "$work/debootstrap.log" >&2
-            fatal "debootstrap failed (log above); is $mirror reachable? (set LLMGW_DEBIAN_MIRROR)"
-        }
-    [ -x "$work/rootfs/usr/bin/llama-server" ] \
+    rootfs_tarball "$ROOTFS_TAR" "$SUITE" "$INCLUDE" "$SUITE_SCRIPT" has_llama_server
+}
+
+has_llama_server() {
+    [ -x "$1/usr/bin/llama-server" ] \
         || fatal "debootstrap ran but the rootfs has no /usr/bin/llama-server (did llama.cpp-tools move?)"
-    rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/lib/apt/lists/"*
-    tar --numeric-owner -C "$work/rootfs" -cf "$work/rootfs.tar" .
-    mv "$work/rootfs.tar" "$ROOTFS_TAR"
 }
 
 # 3. DIR, unpacked from the tarball next to where it goes, then moved into place
@@ -176,11 +137,6 @@ exec chroot "$root" /usr/bin/llama-server "$@"
 EOF
 }
 
-cleanup() {
-    # shellcheck disable=SC2086 # a list of paths made by mktemp, without spaces
-    rm -rf $TO_CLEAN
-}
-
 main() {
     [ $# -eq 1 ] || fatal "usage: $0 DIR (the rootfs; the wrapper goes in DIR/../bin)"
     case $1 in
@@ -190,12 +146,10 @@ main() {
     ROOTFS=${ROOTFS%/}
     case $ROOTFS in *[[:space:]]*) fatal "DIR must not contain white space: $ROOTFS" ;; esac
     SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
-    CACHE=${LLMGW_TEST_CACHE:-/var/cache/llmgw-test}
+    CACHE=$TEST_CACHE
     ROOTFS_KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s %s\n' \
         "$INCLUDE" "$SUITE" "$SUITE_SCRIPT" "$(uname -m)" | sha)
-    TO_CLEAN=""
-    trap cleanup EXIT
-    trap 'exit 130' INT TERM
+    remove_on_exit
 
     check_tools
     if ! rootfs_is_current; then

@@ -27,16 +27,8 @@ set -eu
 
 DEFAULT_MAINTAINER="llmgw developers <llmgw@localhost>"
 
-info() { printf '==> %s\n' "$*" >&2; }
-fatal() {
-    printf 'error: %s\n' "$*" >&2
-    exit 1
-}
-
-usage() {
-    sed -n 's/^# \{0,1\}//; /^Usage:/,/^$/p' "$SELF" >&2
-    exit 2
-}
+# shellcheck source=lib/common.sh
+. "$(dirname "$0")/lib/common.sh"
 
 parse_args() {
     while [ $# -gt 0 ]; do
@@ -202,13 +194,6 @@ publish() {
         mv "$file" "$OUT/"
         printf '%s\n' "$OUT/$(basename "$file")"
     done
-}
-
-absolute() {
-    case $1 in
-        /*) printf '%s\n' "$1" ;;
-        *) printf '%s/%s\n' "$(pwd)" "$1" ;;
-    esac
 }
 
 cleanup() {

@@ -27,24 +27,8 @@ DEFAULT_URL=http://127.0.0.1:8000
 SUITE=stable
 COMPONENT=main
 
-info() { printf '==> %s\n' "$*" >&2; }
-warn() { printf 'warning: %s\n' "$*" >&2; }
-fatal() {
-    printf 'error: %s\n' "$*" >&2
-    exit 1
-}
-
-usage() {
-    sed -n 's/^# \{0,1\}//; /^Usage:/,/^$/p' "$SELF" >&2
-    exit 2
-}
-
-absolute() {
-    case $1 in
-        /*) printf '%s\n' "$1" ;;
-        *) printf '%s/%s\n' "$(pwd)" "$1" ;;
-    esac
-}
+# shellcheck source=lib/common.sh
+. "$(dirname "$0")/lib/common.sh"
 
 parse_args() {
     while [ $# -gt 0 ]; do

@@ -28,21 +28,13 @@ SUITES="bookworm bullseye"
 # dbus-user-session and libpam-systemd (lingering), ufw and nftables (--firewall-from).
 INCLUDE=systemd,systemd-sysv,dbus,dbus-user-session,libpam-systemd,procps,python3,rpm,curl,ca-certificates,sudo,iproute2,ufw,nftables
 KEY_LABEL=llmgw.test-systemd.key
-DEFAULT_MIRROR=http://deb.debian.org/debian
 
-info() { printf '==> %s\n' "$*" >&2; }
-fatal() {
-    printf 'error: %s\n' "$*" >&2
-    exit 1
-}
-
-sha() { sha256sum | cut -c1-64; }
+# shellcheck source=lib/common.sh
+. "$(dirname "$0")/lib/common.sh"
 
 # 1. what is needed, whatever the caches hold
 check_tools() {
-    command -v docker >/dev/null 2>&1 || fatal "no docker command; apt-get install -y docker.io"
-    docker info >/dev/null 2>&1 \
-        || fatal "cannot reach dockerd; start it (dockerd >/var/log/dockerd.log 2>&1 &) or join the 'docker' group"
+    require_dockerd
 }
 
 image_is_current() {
@@ -51,48 +43,18 @@ image_is_current() {
     [ "$label" = "$KEY" ]
 }
 
-debian_mirror() {
-    if [ -n "${LLMGW_DEBIAN_MIRROR:-}" ]; then
-        printf '%s\n' "$LLMGW_DEBIAN_MIRROR"
-        return 0
-    fi
-    # deb822 "URIs:" lines and one-line "deb [options] URI suite ..." entries; the first URI
-    # whose path ends in /debian is the main archive (not -security, not third parties).
-    uri=$(
-        {
-            cat /etc/apt/sources.list.d/*.sources 2>/dev/null | sed -n 's/^URIs:[[:space:]]*//p' | tr ' ' '\n'
-            cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null \
-                | sed -n 's/^deb[[:space:]]\{1,\}\(\[[^]]*\][[:space:]]\{1,\}\)\{0,1\}\([^[:space:]]*\).*/\2/p'
-        } | grep -E '^https?://.*/debian/?$' | head -n 1
-    ) || true
-    printf '%s\n' "${uri:-$DEFAULT_MIRROR}"
-}
-
 # 2. the rootfs tarball, from the cache or debootstrap (about 50 s)
 ensure_rootfs() {
     ROOTFS_TAR=$CACHE/rootfs-$SUITE-systemd-$KEY.tar
-    if [ -f "$ROOTFS_TAR" ]; then
-        info "rootfs: cached $ROOTFS_TAR"
-        return 0
-    fi
-    [ "$(id -u)" -eq 0 ] || fatal "debootstrap needs root; run as root or fill $CACHE first"
-    command -v debootstrap >/dev/null 2>&1 || fatal "no debootstrap; apt-get install -y debootstrap"
-    mirror=$(debian_mirror)
-    info "rootfs: debootstrap --variant=minbase --include=$INCLUDE $SUITE from $mirror"
-    mkdir -p "$CACHE"
-    work=$(mktemp -d "$CACHE/.rootfs.XXXXXX")
-    TO_CLEAN="$TO_CLEAN $work"
-    debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$work/rootfs" "$mirror" \
-        >"$work/debootstrap.log" 2>&1 \
-        || { tail -n 20 "$work/debootstrap.log" >&2; fatal "debootstrap failed (log above)"; }
+    rootfs_tarball "$ROOTFS_TAR" "$SUITE" "$INCLUDE" "" fit_for_containers
+}
+
+fit_for_containers() {
     # No network in the tests' containers: apt knows only the sources a test adds.
-    rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/lib/apt/lists/"*
-    rm -f "$work/rootfs/etc/apt/sources.list"
+    rm -f "$1/etc/apt/sources.list"
     # A container has no console to log in on, and its machine id is made at boot.
-    rm -f "$work/rootfs/etc/systemd/system/getty.target.wants/"*
-    : >"$work/rootfs/etc/machine-id"
-    tar --numeric-owner -C "$work/rootfs" -cf "$work/rootfs.tar" .
-    mv "$work/rootfs.tar" "$ROOTFS_TAR"
+    rm -f "$1/etc/systemd/system/getty.target.wants/"*
+    : >"$1/etc/machine-id"
 }
 
 # 3. the image, imported from the rootfs and labelled with its key
@@ -100,11 +62,6 @@ import_image() {
     info "image: docker import $ROOTFS_TAR $IMAGE"
     docker import --change "LABEL $KEY_LABEL=$KEY" --change 'CMD ["/sbin/init"]' \
         "$ROOTFS_TAR" "$IMAGE" >/dev/null
-}
-
-cleanup() {
-    # shellcheck disable=SC2086 # a list of paths made by mktemp, without spaces
-    rm -rf $TO_CLEAN
 }
 
 default_image() {
@@ -142,12 +99,10 @@ parse_args() {
 main() {
     parse_args "$@"
     SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
-    CACHE=${LLMGW_TEST_CACHE:-/var/cache/llmgw-test}
+    CACHE=$TEST_CACHE
     KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s; getty off; no sources\n' \
         "$INCLUDE" "$SUITE" "$(uname -m)" | sha)
-    TO_CLEAN=""
-    trap cleanup EXIT
-    trap 'exit 130' INT TERM
+    remove_on_exit
 
     check_tools
     if ! image_is_current; then
