@@ -26,7 +26,6 @@ import yaml
 
 from tests.integration.harness import LLMGW, Server, free_port, stop_process, wait_for
 from tests.packaging.pkgcheck import (
-    PRIVILEGE_VARIANTS,
     ROOT,
     Container,
     require,
@@ -301,56 +300,25 @@ class Lab:
 
     def boot(self, image: str, node_id: str) -> Node:
         """A systemd container on the lab's network, its hostname the node id."""
-        errors = []
-        for variant in PRIVILEGE_VARIANTS:
-            name = f"llmgw-dryrun-{int(time.time())}-{uuid.uuid4().hex[:8]}"
-            started = subprocess.run(
-                [
-                    "docker",
-                    "run",
-                    "-d",
-                    "--name",
-                    name,
-                    "--hostname",
-                    node_id,
-                    "--label",
-                    LABEL,
-                    *variant,
-                    "--cgroupns=private",
-                    "--tmpfs",
-                    "/run",
-                    "--tmpfs",
-                    "/run/lock",
-                    "--stop-signal=SIGRTMIN+3",
-                    "--network",
-                    self.network,
-                    "-v",
-                    f"{self.dir}:{MOUNT}:ro",
-                    image,
-                    "/sbin/init",
-                ],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if started.returncode == 0:
-                container = Container(name)
-                if container.wait_booted():
-                    ip = run(
-                        "docker",
-                        "inspect",
-                        "-f",
-                        "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}",
-                        name,
-                    ).stdout.strip()
-                    node = Node(container, node_id, ip)
-                    self.nodes.append(node)
-                    return node
-                errors.append(f"{variant[0]}: systemd did not come up: {container.journal()}")
-            else:
-                errors.append(f"{variant[0]}: {started.stderr.strip()}")
-            subprocess.run(["docker", "rm", "-f", name], capture_output=True, check=False)
-        raise AssertionError("no systemd container could start:\n" + "\n".join(errors))
+        container = Container.boot(
+            image,
+            self.dir,
+            mount_at=MOUNT,
+            prefix="llmgw-dryrun",
+            label=LABEL,
+            network=self.network,
+            hostname=node_id,
+        )
+        ip = run(
+            "docker",
+            "inspect",
+            "-f",
+            "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}",
+            container.name,
+        ).stdout.strip()
+        node = Node(container, node_id, ip)
+        self.nodes.append(node)
+        return node
 
     def deploy(self, model: str) -> None:
         assert self.server is not None

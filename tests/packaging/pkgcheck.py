@@ -39,8 +39,6 @@ COMMON_RUN = (
     "--tmpfs",
     "/run/lock",
     "--stop-signal=SIGRTMIN+3",
-    "--network",
-    "none",  # loopback only: the repository is served inside
 )
 PRIVILEGE_VARIANTS = (
     ("--privileged",),
@@ -223,10 +221,22 @@ class Container:
         self.name = name
 
     @classmethod
-    def boot(cls, image: str, mount: Path) -> Container:
+    def boot(
+        cls,
+        image: str,
+        mount: Path,
+        *,
+        mount_at: str = MOUNT,
+        prefix: str = "llmgw-pkgtest",
+        label: str = RUN_LABEL,
+        network: str = "none",  # loopback only: the repository is served inside
+        hostname: str | None = None,
+    ) -> Container:
+        """Boot ``image``'s systemd with ``mount`` read-only at ``mount_at``: --privileged
+        where that works, else the capability set MACHINES.md found to work."""
         errors = []
         for variant in PRIVILEGE_VARIANTS:
-            name = f"llmgw-pkgtest-{int(time.time())}-{uuid.uuid4().hex[:8]}"
+            name = f"{prefix}-{int(time.time())}-{uuid.uuid4().hex[:8]}"
             started = subprocess.run(
                 [
                     "docker",
@@ -234,12 +244,15 @@ class Container:
                     "-d",
                     "--name",
                     name,
+                    *(["--hostname", hostname] if hostname else []),
                     "--label",
-                    RUN_LABEL,
+                    label,
                     *variant,
                     *COMMON_RUN,
+                    "--network",
+                    network,
                     "-v",
-                    f"{mount}:{MOUNT}:ro",
+                    f"{mount}:{mount_at}:ro",
                     image,
                     "/sbin/init",
                 ],
