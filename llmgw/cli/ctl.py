@@ -167,7 +167,12 @@ def models(ctx: click.Context) -> None:
             m["nodes"],
             m["replicas"],
             m["ready"],
-            m["unplaceable"] or "",
+            m["unplaceable"]
+            or (
+                f"{m['older_profile_replicas']} replica(s) of an older profile being replaced"
+                if m.get("older_profile_replicas")
+                else ""
+            ),
         ]
         for m in data
     ]
@@ -229,7 +234,12 @@ def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
     help="Profile of the catalog model to deploy (default: the one deployed now; a model "
     "new from the catalog deploys 'default').",
 )
-@click.option("--replicas", type=click.IntRange(0, 1000), default=1, show_default=True)
+@click.option(
+    "--replicas",
+    type=click.IntRange(0, 1000),
+    default=None,
+    help="Replica count (default: 1 for a new model; a deployed model keeps its count).",
+)
 @click.option(
     "--engine",
     type=click.Choice(list(engine_names())),
@@ -248,7 +258,7 @@ def deploy(
     c: Ctl,
     model: str,
     profile: str | None,
-    replicas: int,
+    replicas: int | None,
     engine: str | None,
     params: tuple[str, ...],
 ) -> None:
@@ -261,7 +271,9 @@ def deploy(
             "outside it; give one or the other (change a profile in the catalog and run "
             "'llmgw ctl models apply -f catalog.yaml')"
         )
-    body: dict[str, Any] = {"name": model, "replicas": replicas}
+    body: dict[str, Any] = {"name": model}
+    if replicas is not None:
+        body["replicas"] = replicas
     if profile is not None:
         body["profile"] = profile
     if adhoc:
@@ -282,6 +294,12 @@ def deploy(
         f"deployed {data['name']}: {data['replicas']} replicas of {shape} ({data['ready']} "
         "ready now)"
     )
+    older = data.get("older_profile_replicas") or 0
+    if older:
+        click.echo(
+            f"{older} replica(s) of another profile keep serving until each has a ready "
+            "replacement (one at a time)"
+        )
     click.echo(f"watch them come up with 'llmgw ctl replicas {data['name']}'")
 
 

@@ -187,7 +187,19 @@ class AdminAPI:
             "replicas": model.replicas,
             "ready": ready,
             "params": model.params,
-            "unplaceable": unplaceable.reason if unplaceable else None,
+            "unplaceable": (
+                None
+                if unplaceable is None
+                else f"replacing replicas of an older profile waits for room: {unplaceable.reason}"
+                if model.name in self.cp.scheduler.rolling
+                else unplaceable.reason
+            ),
+            # Replicas of another profile still running while a profile switch rolls.
+            "older_profile_replicas": sum(
+                1
+                for r in self.cp.store.list_replicas(model.name)
+                if r.profile is not None and r.profile != model.profile
+            ),
             "created_at": model.created_at,
         }
 
@@ -263,8 +275,10 @@ class AdminAPI:
                 "model name must be 1-128 characters of letters, digits and . _ : / -, "
                 "starting with a letter or digit"
             )
-        replicas = body.get("replicas", 1)
-        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= 1000:
+        replicas = body.get("replicas")
+        if replicas is not None and (
+            not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= 1000
+        ):
             raise _BadRequest("replicas must be a whole number from 0 to 1000")
         profile = body.get("profile")
         adhoc = "engine" in body or "params" in body
@@ -279,6 +293,10 @@ class AdminAPI:
             existing = self.cp.store.get_model(name)
         except NotFound:
             existing = None
+        if replicas is None:
+            # Not given: a deployed model keeps its count (e.g. a profile switch), a new one
+            # gets one replica.
+            replicas = existing.replicas if existing is not None else 1
         if not adhoc and (profile is not None or existing is not None):
             if existing is None:
                 raise NotFound(
@@ -372,6 +390,7 @@ class AdminAPI:
                     {
                         "replica": replica.id,
                         "model": replica.model,
+                        "profile": replica.profile,
                         "state": shard.state,
                         "node": shard.node_id,
                         "shard": shard.id,

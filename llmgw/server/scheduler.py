@@ -88,6 +88,11 @@ class Scheduler:
         self.moves: dict[str, str] = {}
         self.move_nodes: dict[str, str] = {}
         self.drain_blocked: dict[str, str] = {}
+        # Profile switches: a replica of an older profile -> its replacement.
+        self.rolls: dict[str, str] = {}
+        # Models with replicas of an older profile still running (their unplaceable reason,
+        # if any, stays shown while they wait for room).
+        self.rolling: set[str] = set()
         self._pass_cluster: Cluster | None = None
 
     def kick(self) -> None:
@@ -112,11 +117,13 @@ class Scheduler:
         self._pass_cluster = None
         self._drain_step()
         self._pass_cluster = self._cluster()
-        moving = set(self.moves) | set(self.moves.values())
+        self._roll_step()
+        replacements = set(self.moves.values()) | set(self.rolls.values())
+        moving = set(self.moves) | set(self.rolls) | replacements
         for model in store.list_models():
             replicas = store.list_replicas(model.name)
             # A replica being moved and its replacement count as one until the move is done.
-            in_moves = sum(1 for r in replicas if r.id in self.moves.values())
+            in_moves = sum(1 for r in replicas if r.id in replacements)
             missing = model.replicas - (len(replicas) - in_moves)
             if missing > 0:
                 for _ in range(missing):
@@ -136,7 +143,7 @@ class Scheduler:
                     self.cp.remove_replica(
                         replica.id, why=f"scaled {model.name} to {model.replicas}"
                     )
-            if missing <= 0:
+            if missing <= 0 and model.name not in self.rolling:
                 self.unplaceable.pop(model.name, None)
         now = time.monotonic()
         for shard in store.list_shards():
@@ -351,6 +358,73 @@ class Scheduler:
             log.info(
                 "moving a replica off a draining node",
                 extra=kv(node=node.id, replica=original, to=placed),
+            )
+
+    # -- profile switch: replacement first, one replica at a time per model -------------------
+
+    def _roll_step(self) -> None:
+        """A model deployed with another profile keeps serving: each replica of an older
+        profile is replaced one at a time, the replacement routable before the original
+        stops (as in a drain). With no room for one more, a model that has other replicas
+        serving gives up one old replica first; one with a single replica waits for room,
+        and its unplaceable reason says why."""
+        store = self.cp.store
+        routable = {ep.replica_id for ep in self.cp.router.endpoints()}
+        for original, replacement in list(self.rolls.items()):
+            try:
+                old = store.get_replica(original)
+                store.get_replica(replacement)
+            except NotFound:
+                del self.rolls[original]  # either went away: the next pass starts over
+                continue
+            if replacement in routable:
+                del self.rolls[original]
+                self.cp.remove_replica(
+                    original, why=f"replaced by {replacement} (profile {old.profile} retired)"
+                )
+                store.add_event("profile_replaced", old.model, f"{original} -> {replacement}")
+        busy = {store.get_replica(o).model for o in self.rolls}
+        moving = set(self.moves) | set(self.moves.values()) | set(self.rolls.values())
+        self.rolling = set()
+        for model in store.list_models():
+            stale = [
+                r
+                for r in store.list_replicas(model.name)
+                if r.profile is not None and r.profile != model.profile and r.id not in moving
+            ]
+            if not stale and model.name not in busy:
+                continue
+            self.rolling.add(model.name)
+            if model.name in busy:
+                continue
+            # One that serves nothing has no traffic to hand over: it just stops, and the
+            # reconcile places its successor with the new profile.
+            idle = [r for r in stale if r.id not in routable]
+            for replica in idle:
+                self.cp.remove_replica(
+                    replica.id, why=f"{model.name} now deploys profile {model.profile}"
+                )
+            if idle:
+                continue
+            oldest = min(stale, key=lambda r: r.created_at)
+            placed = self._place_replica(model)
+            if placed is None:
+                serving = [r for r in store.list_replicas(model.name) if r.id in routable]
+                if len(serving) > 1:
+                    self.cp.remove_replica(
+                        oldest.id,
+                        why=f"making room for profile {model.profile} of {model.name}",
+                    )
+                continue
+            self.rolls[oldest.id] = placed
+            store.add_event(
+                "profile_replacing",
+                model.name,
+                f"{oldest.id} ({oldest.profile}) -> {placed} ({model.profile})",
+            )
+            log.info(
+                "replacing a replica of an older profile",
+                extra=kv(model=model.name, replica=oldest.id, to=placed),
             )
 
     def _multi_node(self, shard: Shard) -> bool:

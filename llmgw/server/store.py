@@ -206,6 +206,11 @@ MIGRATIONS: list[str] = [
         updated_at REAL NOT NULL
     );
     """,
+    # 5: the profile each replica was placed with, so that a switch of the model's profile
+    # replaces the others one at a time (NULL: placed before this column; left alone)
+    """
+    ALTER TABLE replicas ADD COLUMN profile TEXT;
+    """,
 ]
 
 
@@ -320,6 +325,8 @@ class Replica:
     state: str
     created_at: float
     updated_at: float
+    # The model's profile when it was placed (None: placed before llmgw recorded it).
+    profile: str | None = None
 
     @classmethod
     def _from_row(cls, row: sqlite3.Row) -> Replica:
@@ -329,6 +336,7 @@ class Replica:
             state=row["state"],
             created_at=row["created_at"],
             updated_at=row["updated_at"],
+            profile=row["profile"],
         )
 
 
@@ -1074,8 +1082,8 @@ class Store:
 
     def deploy_model(self, name: str, *, profile: str, replicas: int) -> Model:
         """Deploy *profile* of a model with *replicas* replicas: its engine and params become
-        the profile's. :class:`NotFound` names the profiles there are; switching profiles
-        while replicas of another one are placed is a :class:`Conflict`."""
+        the profile's. :class:`NotFound` names the profiles there are. Replicas of another
+        profile keep running; the scheduler replaces them one at a time."""
         _check_replicas(name, replicas)
         with self._write():
             model = self.get_model(name)
@@ -1095,15 +1103,6 @@ class Store:
                 )
             else:
                 engine, params = _profile_columns(model.profiles[profile])
-            if profile != model.profile:
-                running = self._replica_count(name)
-                if running:
-                    raise Conflict(
-                        f"model {name} runs {running} replica(s) of profile {model.profile}; "
-                        f"to deploy profile {profile}, scale it to 0 first "
-                        f"('llmgw ctl deploy {name} --replicas 0'), then deploy "
-                        f"--profile {profile}"
-                    )
             self._db.execute(
                 "UPDATE models SET profile = ?, engine = ?, params = ?, replicas = ?, "
                 "updated_at = ? WHERE name = ?",
@@ -1141,10 +1140,10 @@ class Store:
     # ----------------------------------------------------------------- replicas
 
     def add_replica(self, model: str) -> Replica:
-        """A new replica of *model*, state ``pending``."""
+        """A new replica of *model*, state ``pending``, of the model's current profile."""
         now = self._clock()
         with self._write():
-            self.get_model(model)
+            profile = self.get_model(model).profile
             while True:
                 replica_id = f"{model}-{secrets.token_hex(3)}"
                 taken = self._db.execute(
@@ -1153,9 +1152,9 @@ class Store:
                 if taken is None:
                     break
             self._db.execute(
-                "INSERT INTO replicas(id, model, state, created_at, updated_at) "
-                "VALUES (?, ?, 'pending', ?, ?)",
-                (replica_id, model, now, now),
+                "INSERT INTO replicas(id, model, state, created_at, updated_at, profile) "
+                "VALUES (?, ?, 'pending', ?, ?, ?)",
+                (replica_id, model, now, now, profile),
             )
             return self.get_replica(replica_id)
 

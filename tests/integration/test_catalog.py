@@ -25,6 +25,7 @@ from tests.integration.harness import (
     stop_process,
     wait_for,
 )
+from tests.integration.test_node_service import Client
 
 pytestmark = pytest.mark.integration
 
@@ -201,14 +202,12 @@ def test_apply_deploy_and_refusals(cluster: tuple[Server, Agent], tmp_path: Path
     assert server.api("GET", "/api/catalog") == before
     assert [m["name"] for m in server.api("GET", "/api/models")] == ["chat"]
 
-    # Unknown profiles are named with the ones there are; switching under running replicas
-    # is refused; mixing the catalog and ad-hoc forms is a usage error.
+    # Unknown profiles are named with the ones there are (the running profile untouched);
+    # mixing the catalog and ad-hoc forms is a usage error.
     missing = ctl(server, tmp_path, "deploy", "chat", "--profile", "huge")
     assert missing.returncode == 1
     assert "model chat has no profile huge; its profiles: default, fast" in missing.stderr
-    switch = ctl(server, tmp_path, "deploy", "chat", "--profile", "default")
-    assert switch.returncode == 1
-    assert "runs 2 replica(s) of profile fast; to deploy profile default" in switch.stderr
+    assert server.api("GET", "/api/models")[0]["profile"] == "fast"
     mixed = ctl(server, tmp_path, "deploy", "chat", "--profile", "fast", "--engine", "sim")
     assert mixed.returncode == 2
     assert "give one or the other" in mixed.stderr
@@ -247,3 +246,39 @@ def test_adhoc_deploys_get_a_default_profile(cluster: tuple[Server, Agent], tmp_
         "sim",
         {"ttft_ms": "3"},
     )
+
+
+def test_a_profile_switch_replaces_replicas_one_at_a_time_without_failing_a_request(
+    cluster: tuple[Server, Agent], tmp_path: Path
+) -> None:
+    server, _agent = cluster
+    path = tmp_path / "catalog.yaml"
+    path.write_text(CATALOG)
+    assert ctl(server, tmp_path, "models", "apply", "-f", str(path)).returncode == 0
+    deployed = ctl(server, tmp_path, "deploy", "chat", "--profile", "fast", "--replicas", "2")
+    assert deployed.returncode == 0, deployed.stderr
+
+    def routable(profile: str) -> bool:
+        rows = server.api("GET", "/api/replicas?model=chat")
+        return len(rows) == 2 and all(r["routable"] and r["profile"] == profile for r in rows)
+
+    wait_for(lambda: routable("fast"), timeout=60, what="two replicas of profile fast")
+    before = {r["replica"] for r in server.api("GET", "/api/replicas?model=chat")}
+    client = Client(server.url + "/v1", server.api_key(), "chat")
+    client.start()
+    try:
+        switched = ctl(server, tmp_path, "deploy", "chat", "--profile", "default")
+        assert switched.returncode == 0, switched.stderr
+        assert "2 replica(s) of another profile keep serving" in switched.stdout
+        wait_for(lambda: routable("default"), timeout=90, what="two replicas of profile default")
+    finally:
+        client.stop.set()
+        client.join(timeout=60)
+    assert client.failures == []
+    assert client.ok > 5
+    after = {r["replica"] for r in server.api("GET", "/api/replicas?model=chat")}
+    assert after.isdisjoint(before)
+    kinds = [e["kind"] for e in server.api("GET", "/api/events?subject=chat&limit=100")]
+    assert kinds.count("profile_replacing") == 2 and kinds.count("profile_replaced") == 2
+    model = server.api("GET", "/api/models")[0]
+    assert (model["profile"], model["older_profile_replicas"]) == ("default", 0)

@@ -776,18 +776,30 @@ def test_deploy_model(store: Store, clock: Clock) -> None:
     assert store.get_model("m") == m
 
 
-def test_deploy_model_refuses_a_profile_switch_under_running_replicas(store: Store) -> None:
+def test_a_profile_switch_keeps_the_running_replicas_and_records_each_ones_profile(
+    store: Store,
+) -> None:
     store.put_catalog_model("m", {"default": SIM_A, "fast": SIM_B})
     store.deploy_model("m", profile="default", replicas=1)
-    store.add_replica("m")
-    with pytest.raises(Conflict) as info:
-        store.deploy_model("m", profile="fast", replicas=1)
-    assert str(info.value) == (
-        "model m runs 1 replica(s) of profile default; to deploy profile fast, scale it to 0 "
-        "first ('llmgw ctl deploy m --replicas 0'), then deploy --profile fast"
-    )
+    old = store.add_replica("m")
+    assert old.profile == "default"
+    switched = store.deploy_model("m", profile="fast", replicas=1)
+    assert switched.profile == "fast"
+    # The running replica is not touched by the store: the scheduler replaces it.
+    assert [r.profile for r in store.list_replicas("m")] == ["default"]
+    assert store.add_replica("m").profile == "fast"
     # Scaling the deployed profile is fine.
-    assert store.deploy_model("m", profile="default", replicas=4).replicas == 4
+    assert store.deploy_model("m", profile="fast", replicas=4).replicas == 4
+
+
+def test_migration_5_leaves_older_replicas_without_a_profile(db_path: Path) -> None:
+    # A replica placed before llmgw recorded profiles (here: from a v2 database) has none,
+    # and a profile switch leaves it alone; new replicas get the deployed profile.
+    _v2_database(db_path)
+    with Store.open(db_path) as s:
+        assert s.schema_version() == len(MIGRATIONS)
+        assert s.get_replica("m-abc").profile is None
+        assert s.add_replica("m").profile == "default"
 
 
 def test_put_model_with_and_without_profiles(store: Store) -> None:
