@@ -5,6 +5,7 @@ them to the agents."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,19 @@ from llmgw.server.store import Store
 from llmgw.server.stream import NodeSession
 
 
+@dataclass(frozen=True)
+class _Endpoint:
+    replica_id: str
+
+
 class _Router:
+    """Routable: the replicas a test says are (as the real router learns from the agents)."""
+
+    def __init__(self) -> None:
+        self.routable: set[str] = set()
+
     def endpoints(self, model: str | None = None) -> list[Any]:
-        return []
+        return [_Endpoint(r) for r in sorted(self.routable)]
 
 
 class _ControlPlane:
@@ -34,6 +45,7 @@ class _ControlPlane:
 
     def remove_replica(self, replica_id: str, *, why: str) -> None:
         self.removed.append(replica_id)
+        self.router.routable.discard(replica_id)
         self.store.delete_replica(replica_id)
 
 

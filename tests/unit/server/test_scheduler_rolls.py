@@ -5,51 +5,12 @@ with the reason shown."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-
-import pytest
-
 from llmgw.server.scheduler import Scheduler
-from llmgw.server.store import Store
 from llmgw.server.stream import NodeSession
 
+from .test_scheduler import _ControlPlane, cp
 
-@dataclass(frozen=True)
-class _Endpoint:
-    replica_id: str
-
-
-class _Router:
-    """Routable: the replicas a test says are (as the real router learns from the agents)."""
-
-    def __init__(self) -> None:
-        self.routable: set[str] = set()
-
-    def endpoints(self, model: str | None = None) -> list[_Endpoint]:
-        return [_Endpoint(r) for r in sorted(self.routable)]
-
-
-class _ControlPlane:
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.sessions: dict[str, NodeSession] = {}
-        self.lost: set[str] = set()
-        self.router = _Router()
-        self.removed: list[str] = []
-
-    def remove_replica(self, replica_id: str, *, why: str) -> None:
-        self.removed.append(replica_id)
-        self.router.routable.discard(replica_id)
-        self.store.delete_replica(replica_id)
-
-
-@pytest.fixture
-def cp(tmp_path: Path) -> Iterator[_ControlPlane]:
-    store = Store.open(tmp_path / "state.db")
-    yield _ControlPlane(store)
-    store.close()
+__all__ = ["cp"]  # a fixture, used by name
 
 
 def _join(cp: _ControlPlane, node_id: str, gpus: int) -> None:
