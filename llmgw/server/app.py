@@ -23,13 +23,16 @@ from cryptography import x509
 
 from llmgw import __version__
 from llmgw.agent.inventory import inventory_dict
+from llmgw.client import write_ctl_config
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import ConfigError, LlmgwError, NotFound
 from llmgw.log import kv
 from llmgw.pki import (
+    CA_CERT,
     Authority,
     Identity,
     ensure_server_identity,
+    load_cert,
     local_addresses,
     serial_hex,
     write_private,
@@ -47,6 +50,7 @@ from llmgw.server.scheduler import Scheduler
 from llmgw.server.standby import LEADER_HTTP, LEADER_STREAM, Standby, try_leadership
 from llmgw.server.store import Node, Store
 from llmgw.server.stream import ControlPlaneService, NodeSession
+from llmgw.server.tls import ServingCertificate, serving_certificate
 from llmgw.server.updates import Updates
 
 __all__ = ["ControlPlane"]
@@ -78,6 +82,15 @@ def _read_or_create_token(path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     write_private(path, (token + "\n").encode())
     return token
+
+
+def _dns_names(cert: Path) -> list[str]:
+    """The DNS names (no wildcards) a certificate file is for; none if it cannot be read."""
+    try:
+        san = load_cert(cert).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except (LlmgwError, x509.ExtensionNotFound):
+        return []
+    return [n for n in san.value.get_values_for_type(x509.DNSName) if "*" not in n]
 
 
 def _inventory_summary(inv: pb.Inventory) -> str:
@@ -120,6 +133,8 @@ class ControlPlane:
         self.enroll_port = 0
         self.bundles: BundleStore | None = None
         self._runner: web.AppRunner | None = None
+        # The certificate :8080 serves when server.yaml has tls (None: plain HTTP).
+        self.http_tls: ServingCertificate | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.role = "starting"
         self._lock_fd: int | None = None
@@ -199,6 +214,7 @@ class ControlPlane:
         await self._start_enrolment()
         # 5. gateway, admin API, metrics
         await self._start_http()
+        self._write_ctl_config()
         # 6. reconcile
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
         self._tasks.append(asyncio.create_task(self._watch_heartbeats(), name="heartbeats"))
@@ -208,7 +224,7 @@ class ControlPlane:
             if self.store.list_shards(node_id=node.id):
                 self._start_loss_timer(node.id)
         self.store.set_meta(LEADER_STREAM, self.stream_addresses()[0])
-        self.store.set_meta(LEADER_HTTP, f"http://{self.http_addr}")
+        self.store.set_meta(LEADER_HTTP, f"{self.cfg.http_scheme}://{self.http_addr}")
         log.info(
             "control plane started",
             extra=kv(
@@ -298,6 +314,8 @@ class ControlPlane:
         from llmgw.server.admin import add_admin_routes
         from llmgw.server.gateway import Gateway
 
+        assert self.server_identity is not None
+        self.http_tls = serving_certificate(self.cfg.tls, self.server_identity)
         self.gateway = Gateway(self)
         app = web.Application(client_max_size=64 * 1024 * 1024)
         self.gateway.add_routes(app)
@@ -309,7 +327,14 @@ class ControlPlane:
         )
         await self._runner.setup()
         host, port = parse_hostport(self.cfg.http_listen, allow_zero=True)
-        site = web.TCPSite(self._runner, host, port, backlog=2048, reuse_address=True)
+        site = web.TCPSite(
+            self._runner,
+            host,
+            port,
+            backlog=2048,
+            reuse_address=True,
+            ssl_context=self.http_tls.context if self.http_tls else None,
+        )
         try:
             await site.start()
         except OSError as exc:
@@ -321,6 +346,32 @@ class ControlPlane:
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         self.http_port = int(sockets[0].getsockname()[1]) if sockets else port
+
+    def _write_ctl_config(self) -> None:
+        """``STATE/ctl.yaml``: how ``llmgw ctl`` on this machine reaches this control plane
+        (``LLMGW_STATE_DIR=STATE llmgw ctl ...``; /var/lib/llmgw's is found without it)."""
+        tls = self.cfg.tls
+        ca = None
+        host = self.http_addr
+        if tls is not None and tls.cluster:
+            ca = self.pki_dir / CA_CERT  # the certificate covers this machine's addresses
+        elif tls is not None and self.http_tls is not None:
+            # The operator's certificate names the server as the world knows it.
+            names = _dns_names(self.http_tls.cert)
+            if names:
+                host = format_hostport(names[0], self.http_port)
+        try:
+            write_ctl_config(
+                self.cfg.state_dir / "ctl.yaml",
+                f"{self.cfg.http_scheme}://{host}",
+                self.cfg.admin_token_file,
+                ca=ca,
+            )
+        except OSError as exc:
+            log.warning(
+                "cannot write ctl.yaml; llmgw ctl needs --server and --token",
+                extra=kv(state_dir=str(self.cfg.state_dir), error=exc.strerror or str(exc)),
+            )
 
     @property
     def http_addr(self) -> str:

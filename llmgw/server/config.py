@@ -42,11 +42,27 @@ _KEYS = (
     "cert_lifetime",
     "bundle_dir",
     "replica_wait",
+    "tls",
 )
+_TLS_KEYS = ("cert", "key")
 DEFAULT_ENROLL_PORT = 8443
 DEFAULT_CERT_LIFETIME = 30 * 86400.0
 MIN_CERT_LIFETIME = 10.0
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """HTTPS on the gateway/admin listener: the operator's certificate and key files
+    (``tls: {cert: FILE, key: FILE}``, reloaded when they change) or, with both ``None``,
+    a certificate from the cluster CA (``tls: cluster``)."""
+
+    cert: Path | None = None
+    key: Path | None = None
+
+    @property
+    def cluster(self) -> bool:
+        return self.cert is None
 
 
 @dataclass(frozen=True)
@@ -67,7 +83,13 @@ class ServerConfig:
     # How long the gateway waits for a ready replica (say, while the only one's agent
     # restarts) before answering 503.
     replica_wait: float = 10.0
+    # HTTPS on http_listen; None: plain HTTP.
+    tls: TLSConfig | None = None
     source: Path | None = None
+
+    @property
+    def http_scheme(self) -> str:
+        return "http" if self.tls is None else "https"
 
 
 def load_server_config(
@@ -182,8 +204,34 @@ def _parse(
         cert_lifetime=cert_lifetime,
         bundle_dir=path("bundle_dir", state_dir / "bundles"),
         replica_wait=replica_wait,
+        tls=_tls(check, top.get("tls")),
         source=source,
     )
+
+
+def _tls(check: Checker, value: object) -> TLSConfig | None:
+    """``tls:`` absent (plain HTTP), ``cluster``, or ``{cert: FILE, key: FILE}``."""
+    if value is None:
+        return None
+    if value == "cluster":
+        return TLSConfig()
+    if not isinstance(value, Mapping):
+        check.fail(
+            "tls",
+            f"must be 'cluster' (a certificate from the cluster CA) or a mapping "
+            f"{{cert: FILE, key: FILE}} (your own certificate), got {value!r}",
+        )
+    files = check.mapping(value, "tls", accepted=_TLS_KEYS)
+    paths: dict[str, Path] = {}
+    for name in _TLS_KEYS:
+        if files.get(name) is None:
+            check.fail(
+                f"tls.{name}",
+                "is required: give both cert (the PEM certificate chain) and key (its "
+                "private key), or write 'tls: cluster'",
+            )
+        paths[name] = check.path(files[name], f"tls.{name}")
+    return TLSConfig(cert=paths["cert"], key=paths["key"])
 
 
 def _duration(check: Checker, value: object, key: str) -> float:
@@ -231,6 +279,7 @@ def _advertise(check: Checker, value: object) -> tuple[str, ...]:
 __all__ = [
     "DEFAULT_SERVER_CONFIG",
     "ServerConfig",
+    "TLSConfig",
     "load_server_config",
     "parse_server_config",
 ]

@@ -27,6 +27,7 @@ from llmgw.log import kv
 from llmgw.pki import Identity
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
+from llmgw.server.tls import serving_certificate
 
 if TYPE_CHECKING:
     from llmgw.server.app import ControlPlane
@@ -116,7 +117,14 @@ class Standby:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         host, port = parse_hostport(self.cp.cfg.http_listen, allow_zero=True)
-        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        tls = serving_certificate(self.cp.cfg.tls, self.identity)
+        site = web.TCPSite(
+            self._runner,
+            host,
+            port,
+            reuse_address=True,
+            ssl_context=tls.context if tls else None,
+        )
         try:
             await site.start()
         except OSError as exc:

@@ -192,3 +192,38 @@ def test_replica_wait_accepts_durations_and_refuses_out_of_range(tmp_path: Path)
     with pytest.raises(ConfigError) as info:
         load_server_config(cfg)
     assert f"{cfg}: replica_wait: must be between 0 and 600 seconds" in str(info.value)
+
+
+def test_tls_is_off_by_default_cluster_or_the_operators_files(tmp_path: Path) -> None:
+    from llmgw.server.config import TLSConfig
+
+    assert load_server_config(write(tmp_path, "{}\n")).tls is None
+    assert load_server_config(write(tmp_path, "{}\n")).http_scheme == "http"
+    cfg = load_server_config(write(tmp_path, "tls: cluster\n"))
+    assert cfg.tls == TLSConfig() and cfg.tls.cluster and cfg.http_scheme == "https"
+    cfg = load_server_config(write(tmp_path, "tls: {cert: live/fullchain.pem, key: /k.pem}\n"))
+    assert cfg.tls == TLSConfig(cert=tmp_path / "live/fullchain.pem", key=Path("/k.pem"))
+    assert cfg.tls is not None and not cfg.tls.cluster and cfg.http_scheme == "https"
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "fragment"),
+    [
+        (
+            "tls: true\n",
+            "tls",
+            "must be 'cluster' (a certificate from the cluster CA) or a mapping",
+        ),
+        ("tls: clustr\n", "tls", "got 'clustr'"),
+        ("tls: {cert: c.pem}\n", "tls.key", "is required: give both cert"),
+        ("tls: {key: k.pem}\n", "tls.cert", "is required: give both cert"),
+        ("tls: {cert: c.pem, key: k.pem, ca: x}\n", "tls.ca", "unknown key"),
+        ("tls: {cert: '', key: k.pem}\n", "tls.cert", "must not be an empty path"),
+    ],
+)
+def test_tls_refusals_name_the_key(tmp_path: Path, text: str, key: str, fragment: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_server_config(path)
+    assert str(info.value).startswith(f"{path}: {key}: ")
+    assert fragment in str(info.value)
