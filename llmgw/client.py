@@ -2,15 +2,26 @@
 
 Where the control plane and its admin token are looked for, first match wins:
 flags (``--server``, ``--token``), the environment (``LLMGW_SERVER``, ``LLMGW_TOKEN``),
-a ctl config file (``--config``/``LLMGW_CTL_CONFIG``, else ``$XDG_CONFIG_HOME/llmgw/ctl.yaml``),
-the file ``llmgw up`` writes into its state directory, then ``http://127.0.0.1:8080`` with
+a ctl config file (``--config``/``LLMGW_CTL_CONFIG``, else the ``ctl.yaml`` in
+``--state-dir``/``LLMGW_STATE_DIR`` when given, else ``$XDG_CONFIG_HOME/llmgw/ctl.yaml``
+and the one ``llmgw up`` writes into its default state directory), then the ``ctl.yaml``
+a local ``llmgw server`` writes (``/var/lib/llmgw``), then ``http://127.0.0.1:8080`` with
 the token of a local control plane (``/var/lib/llmgw/admin.token``).
+
+An https server is verified against the system trust store, or the CA given with ``--ca``
+(``LLMGW_CA``) or the ``ca:`` of the ctl.yaml it came from. The admin token and password
+never go over plain HTTP to anything but a loopback address (``localhost``, 127.0.0.0/8,
+``::1``, as written in the URL; a name is not looked up to decide) unless
+``--insecure-http`` says so.
 """
 
 from __future__ import annotations
 
+import http.client
+import ipaddress
 import json
 import os
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -20,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from llmgw.errors import APIError, ConfigError, ConnectError
+from llmgw.errors import APIError, ClientError, ConfigError, ConnectError
 
 __all__ = [
     "ADMIN_PASSWORD_ENV",
@@ -29,6 +40,7 @@ __all__ = [
     "Target",
     "default_up_state_dir",
     "find_target",
+    "is_loopback_url",
     "write_ctl_config",
 ]
 
@@ -36,6 +48,8 @@ __all__ = [
 # the control plane writes the first one to admin.password next to admin.token.
 ADMIN_PASSWORD_ENV = "LLMGW_ADMIN_PASSWORD"
 NEW_ADMIN_PASSWORD_ENV = "LLMGW_NEW_ADMIN_PASSWORD"
+# Where a local `llmgw server` keeps its state (and the ctl.yaml it writes), by default.
+SERVER_STATE_DIR = Path("/var/lib/llmgw")
 
 
 def default_up_state_dir() -> Path:
@@ -53,13 +67,43 @@ class Target:
     server: str
     token: str | None
     source: str  # where it came from, for messages
+    ca: Path | None = None  # the CA that verifies an https server (None: the system's)
 
 
-def _read_ctl_file(path: Path) -> tuple[str | None, str | None]:
+def is_loopback_url(url: str) -> bool:
+    """True when the URL's host, as written, is a loopback address: ``localhost``, an IPv4
+    address in 127.0.0.0/8 or ``::1``. No name is resolved: what a name resolves to can
+    change between this check and the request (and differs per resolver)."""
+    try:
+        host = urllib.parse.urlsplit(url).hostname
+    except ValueError:
+        return False
+    if not host:
+        return False
+    host = host.rstrip(".").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_ctl_file(
+    path: Path, *, optional: bool = False
+) -> tuple[str | None, str | None, Path | None]:
+    """server, token and CA of a ctl.yaml; nothing when it does not exist (or, ``optional``,
+    cannot be read by this user: a local server's, for the users that may)."""
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        return None, None
+        return None, None, None
+    except PermissionError:
+        if optional:
+            return None, None, None
+        raise ConfigError(
+            "cannot read it: permission denied; run as a user that may", file=str(path)
+        ) from None
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read it: {exc}", file=str(path)) from exc
     if not isinstance(data, dict):
@@ -80,38 +124,70 @@ def _read_ctl_file(path: Path) -> tuple[str | None, str | None]:
             ) from exc
     if server is not None and not isinstance(server, str):
         raise ConfigError("must be a URL like http://cp:8080", key="server", file=str(path))
-    return server, token if isinstance(token, str) else None
+    ca = data.get("ca")
+    if ca is not None and not isinstance(ca, str):
+        raise ConfigError(
+            "must be the path of the CA certificate (PEM) that verifies the server",
+            key="ca",
+            file=str(path),
+        )
+    ca_path = None if ca is None else path.parent / Path(ca).expanduser()
+    return server, token if isinstance(token, str) else None, ca_path
 
 
-def write_ctl_config(path: Path, server: str, token_file: Path) -> None:
+def write_ctl_config(path: Path, server: str, token_file: Path, *, ca: Path | None = None) -> None:
+    """The ctl.yaml ``llmgw up`` and ``llmgw server`` leave in their state directory."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump({"server": server, "token_file": str(token_file)}))
+    data = {"server": server, "token_file": str(token_file)}
+    if ca is not None:
+        data["ca"] = str(ca)
+    tmp.write_text(yaml.safe_dump(data))
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
 
 
-def find_target(server: str | None, token: str | None, config: Path | None) -> list[Target]:
+def find_target(
+    server: str | None,
+    token: str | None,
+    config: Path | None,
+    state_dir: Path | None = None,
+) -> list[Target]:
     """Every place to try, in order; flags and environment were merged by click already."""
     candidates: list[Target] = []
     if server:
         candidates.append(Target(server, token, "--server/LLMGW_SERVER"))
         return candidates
-    files = [config] if config else [_user_config(), default_up_state_dir() / "ctl.yaml"]
-    for path in files:
-        if path is None:
-            continue
-        if config is not None and not path.exists():
+    if config is not None:
+        files = [config]
+        if not config.exists():
             raise ConfigError(
-                "no such file; pass an existing --config or unset LLMGW_CTL_CONFIG", file=str(path)
+                "no such file; pass an existing --config or unset LLMGW_CTL_CONFIG",
+                file=str(config),
             )
-        file_server, file_token = _read_ctl_file(path)
+    elif state_dir is not None:
+        files = [state_dir / "ctl.yaml"]
+        if not files[0].exists():
+            raise ConfigError(
+                "no such file: nothing written it there yet; start 'llmgw up --state-dir "
+                f"{state_dir}' (it writes it once the cluster is up), or pass another "
+                "--state-dir / unset LLMGW_STATE_DIR",
+                file=str(files[0]),
+            )
+    else:
+        files = [_user_config(), default_up_state_dir() / "ctl.yaml", SERVER_STATE_DIR / "ctl.yaml"]
+    for path in files:
+        file_server, file_token, file_ca = _read_ctl_file(
+            path, optional=path == SERVER_STATE_DIR / "ctl.yaml"
+        )
         if file_server:
-            candidates.append(Target(file_server, token or file_token, str(path)))
+            candidates.append(Target(file_server, token or file_token, str(path), file_ca))
+    if config is not None or state_dir is not None:
+        return candidates
     local_token = token
     if local_token is None:
         try:
-            local_token = Path("/var/lib/llmgw/admin.token").read_text().strip()
+            local_token = (SERVER_STATE_DIR / "admin.token").read_text().strip()
         except OSError:
             local_token = None
     candidates.append(Target("http://127.0.0.1:8080", local_token, "default"))
@@ -119,39 +195,115 @@ def find_target(server: str | None, token: str | None, config: Path | None) -> l
 
 
 class AdminClient:
-    """Calls the admin API of the first control plane that answers."""
+    """Calls the admin API of the first control plane that answers.
 
-    def __init__(self, candidates: list[Target], timeout: float = 10.0) -> None:
+    ``ca``: the CA certificate that verifies every https server (else each target's own, else
+    the system trust store). ``insecure_http``: allow the admin token and password over
+    plain HTTP to a host that is not loopback."""
+
+    def __init__(
+        self,
+        candidates: list[Target],
+        timeout: float = 10.0,
+        *,
+        ca: Path | None = None,
+        insecure_http: bool = False,
+    ) -> None:
         self.candidates = candidates
         self.timeout = timeout
+        self.ca = ca
+        self.insecure_http = insecure_http
         self.target: Target | None = None
 
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        password: bool = False,
+    ) -> Any:
+        """``password``: the body holds the admin password (kept off plain HTTP like the
+        token)."""
         tried: list[str] = []
         order = [self.target] if self.target else self.candidates
         for target in order:
             assert target is not None
             url = target.server.rstrip("/") + path
+            scheme = urllib.parse.urlsplit(url).scheme.lower()
+            if scheme not in ("http", "https"):
+                raise ConfigError(
+                    f"server {target.server} (from {target.source}) must be an http:// or "
+                    "https:// URL, e.g. https://cp.example.net:8080"
+                )
+            self._refuse_clear_text(target, scheme, password=password)
             data = json.dumps(body).encode() if body is not None else None
             req = urllib.request.Request(url, data=data, method=method)
             req.add_header("Content-Type", "application/json")
             if target.token:
                 req.add_header("Authorization", f"Bearer {target.token}")
+            context = self._ssl_context(target) if scheme == "https" else None
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                with urllib.request.urlopen(req, timeout=self.timeout, context=context) as resp:
                     self.target = target
                     raw = resp.read()
                     return json.loads(raw) if raw else None
             except urllib.error.HTTPError as exc:
                 self.target = target
                 raise _api_error(exc, target) from None
-            except (urllib.error.URLError, OSError) as exc:
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
                 reason = getattr(exc, "reason", exc)
-                tried.append(f"{target.server} (from {target.source}): {reason}")
+                if isinstance(reason, ssl.SSLCertVerificationError):
+                    raise self._unverified(target, reason) from exc
+                hint = ""
+                if scheme == "http" and isinstance(
+                    exc, http.client.RemoteDisconnected | http.client.BadStatusLine
+                ):
+                    hint = " (a control plane with tls: in server.yaml speaks https://)"
+                tried.append(f"{target.server} (from {target.source}): {reason}{hint}")
         raise ConnectError(
             "cannot reach a control plane; tried:\n  "
             + "\n  ".join(tried)
             + "\nstart one ('llmgw up' or 'llmgw server') or pass --server URL / set LLMGW_SERVER"
+        )
+
+    def _refuse_clear_text(self, target: Target, scheme: str, *, password: bool) -> None:
+        """The admin token and the admin password cross the network only encrypted."""
+        secrets = [
+            *(["admin token"] if target.token else []),
+            *(["admin password"] if password else []),
+        ]
+        secret = " and the ".join(secrets) or None
+        if secret is None or scheme != "http" or self.insecure_http:
+            return
+        if is_loopback_url(target.server):
+            return
+        raise ClientError(
+            f"refusing to send the {secret} in clear over plain HTTP to {target.server} (from "
+            f"{target.source}), which is not a loopback address; turn TLS on in the control "
+            "plane's server.yaml (tls: cluster, or tls: {cert: FILE, key: FILE}) and use "
+            "https://, or pass --insecure-http (env: LLMGW_INSECURE_HTTP=1) to send it anyway"
+        )
+
+    def _ssl_context(self, target: Target) -> ssl.SSLContext:
+        ca = self.ca or target.ca
+        try:
+            return ssl.create_default_context(cafile=str(ca) if ca else None)
+        except (OSError, ssl.SSLError) as exc:
+            where = "--ca/LLMGW_CA" if self.ca else f"ca in {target.source}"
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(
+                f"cannot load the CA certificate {ca} ({where}): {reason}; give the PEM file "
+                "of the CA that signed the control plane's certificate"
+            ) from exc
+
+    def _unverified(self, target: Target, exc: ssl.SSLCertVerificationError) -> ClientError:
+        ca = self.ca or target.ca
+        trusted = f"the CA in {ca}" if ca else "the system trust store"
+        return ClientError(
+            f"cannot verify the certificate of {target.server} (from {target.source}) against "
+            f"{trusted}: {exc.verify_message or exc}; pass --ca FILE (env: LLMGW_CA) with the "
+            "CA that signed it (with tls: cluster, the control plane's STATE/pki/ca.crt)"
         )
 
 

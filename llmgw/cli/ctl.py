@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -29,16 +30,31 @@ class Ctl:
     token: str | None
     config: Path | None
     as_json: bool
+    state_dir: Path | None = None
+    ca: Path | None = None
+    insecure_http: bool = False
     _client: AdminClient | None = None
 
     @property
     def client(self) -> AdminClient:
         if self._client is None:
-            self._client = AdminClient(find_target(self.server, self.token, self.config))
+            self._client = AdminClient(
+                find_target(self.server, self.token, self.config, self.state_dir),
+                ca=self.ca,
+                insecure_http=self.insecure_http,
+            )
         return self._client
 
-    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        return self.client.request(method, path, body)
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        password: bool = False,
+    ) -> Any:
+        """``password``: the body carries the admin password."""
+        return self.client.request(method, path, body, password=password)
 
 
 pass_ctl = click.make_pass_decorator(Ctl)
@@ -48,22 +64,55 @@ pass_ctl = click.make_pass_decorator(Ctl)
 @click.option(
     "--server",
     envvar="LLMGW_SERVER",
-    help="Control plane URL, e.g. http://cp:8080 (env: LLMGW_SERVER).",
+    help="Control plane URL, e.g. https://cp:8080 (env: LLMGW_SERVER).",
 )
 @click.option("--token", envvar="LLMGW_TOKEN", help="Admin token (env: LLMGW_TOKEN).")
 @click.option(
     "--config",
     type=click.Path(dir_okay=False, path_type=Path),
     envvar="LLMGW_CTL_CONFIG",
-    help="ctl.yaml with server and token/token_file (env: LLMGW_CTL_CONFIG; default ~/.config/llmgw/ctl.yaml, then the one 'llmgw up' writes).",
+    help="ctl.yaml with server, token/token_file and ca (env: LLMGW_CTL_CONFIG; default ~/.config/llmgw/ctl.yaml, then the one 'llmgw up' writes).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="LLMGW_STATE_DIR",
+    help="Use the ctl.yaml that 'llmgw up --state-dir DIR' (or 'llmgw server') wrote into DIR (env: LLMGW_STATE_DIR, as for 'llmgw up').",
+)
+@click.option(
+    "--ca",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="LLMGW_CA",
+    help="CA certificate (PEM) that verifies an https control plane, e.g. its STATE/pki/ca.crt with tls: cluster (env: LLMGW_CA; default: the ctl.yaml's ca, else the system trust store).",
+)
+@click.option(
+    "--insecure-http",
+    is_flag=True,
+    envvar="LLMGW_INSECURE_HTTP",
+    help="Send the admin token and password over plain http:// to a host that is not loopback (env: LLMGW_INSECURE_HTTP=1). Anyone on the path can read them.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of tables.")
 @click.pass_context
 def ctl(
-    ctx: click.Context, server: str | None, token: str | None, config: Path | None, as_json: bool
+    ctx: click.Context,
+    server: str | None,
+    token: str | None,
+    config: Path | None,
+    state_dir: Path | None,
+    ca: Path | None,
+    insecure_http: bool,
+    as_json: bool,
 ) -> None:
     """Operate a cluster: nodes, models, replicas, API keys, certificates."""
-    ctx.obj = Ctl(server=server, token=token, config=config, as_json=as_json)
+    ctx.obj = Ctl(
+        server=server,
+        token=token,
+        config=config,
+        as_json=as_json,
+        state_dir=state_dir.expanduser().absolute() if state_dir else None,
+        ca=ca,
+        insecure_http=insecure_http,
+    )
 
 
 ctl.add_command(cert)
@@ -300,7 +349,7 @@ def deploy(
             f"{older} replica(s) of another profile keep serving until each has a ready "
             "replacement (one at a time)"
         )
-    click.echo(f"watch them come up with 'llmgw ctl replicas {data['name']}'")
+    click.echo(f"watch them come up with 'llmgw ctl replicas {shlex.quote(data['name'])}'")
 
 
 @ctl.command()
@@ -499,7 +548,8 @@ def join_command(
     click.echo(f"  {data['command']}")
     click.echo("")
     click.echo(
-        f"then compare the fingerprint it prints and approve: llmgw ctl approve {data['node']} --fingerprint sha256:…"
+        "then compare the fingerprint it prints and approve: llmgw ctl approve "
+        f"{shlex.quote(data['node'])} --fingerprint sha256:…"
     )
 
 
@@ -697,7 +747,8 @@ def drain(c: Ctl, node: str, wait: bool, timeout: float) -> None:
             echo_json(data)
         else:
             click.echo(
-                f"draining {node}: {len(data['replicas_left'])} replicas to move (llmgw ctl drain {node} to watch)"
+                f"draining {node}: {len(data['replicas_left'])} replicas to move "
+                f"(llmgw ctl drain {shlex.quote(node)} to watch)"
             )
         return
     deadline = time.monotonic() + timeout
@@ -720,7 +771,10 @@ def drain(c: Ctl, node: str, wait: bool, timeout: float) -> None:
     if c.as_json:
         echo_json(data)
     else:
-        click.echo(f"{node} is drained; 'llmgw ctl uncordon {node}' lets it take replicas again")
+        click.echo(
+            f"{node} is drained; 'llmgw ctl uncordon {shlex.quote(node)}' lets it take "
+            "replicas again"
+        )
 
 
 @ctl.command()
@@ -799,7 +853,7 @@ def update(
         body["all"] = True
     else:
         body["nodes"] = [target]
-    rows = c.call("POST", "/api/updates", body)
+    rows = c.call("POST", "/api/updates", body, password=True)
     nodes = [r["node"] for r in rows]
     deadline = time.monotonic() + timeout
     shown: dict[str, tuple[str, str]] = {}
@@ -852,7 +906,7 @@ def admin_password(c: Ctl) -> None:
         new = _secret(NEW_ADMIN_PASSWORD_ENV, "new admin password (not echoed): ")
         if _stdin_is_tty() and getpass.getpass("new admin password again: ") != new:
             raise ConfigError("the two new passwords differ; nothing was changed")
-    data = c.call("PUT", "/api/admin/password", {"old": old, "new": new})
+    data = c.call("PUT", "/api/admin/password", {"old": old, "new": new}, password=True)
     if c.as_json:
         echo_json(data)
         return
