@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hmac
 import re
+import shlex
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from llmgw import __version__
-from llmgw.config_util import format_hostport
+from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.engines.base import engine_names
 from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound, PasswordError
 from llmgw.pki import validate_node_id
@@ -479,9 +480,7 @@ class AdminAPI:
             raise _BadRequest("ttl must be between 60 seconds and 7 days")
         rekey = bool(body.get("rekey", False))
         require_approval = bool(body.get("require_approval", False))
-        address = body.get("address")
-        if address is not None and (not isinstance(address, str) or not address):
-            raise _BadRequest("address must be a host name or IP address")
+        host, http_port = self._join_address(request, body.get("address"))
         warning = None
         node_uid = None
         if rekey:
@@ -510,26 +509,31 @@ class AdminAPI:
             node_uid=node_uid,
             require_approval=require_approval,
         )
-        host = address or (self.cp.cfg.advertise[0] if self.cp.cfg.advertise else request.url.host)
-        enroll_url = f"https://{format_hostport(host or '127.0.0.1', self.cp.enroll_port)}"
+        enroll_url = f"https://{format_hostport(host, self.cp.enroll_port)}"
         assert self.cp.ca is not None
         ca_hash = self.cp.ca.ca_hash()
+        # Everything in a command for an operator to paste is quoted for the shell, whatever
+        # validation it went through.
+        q = shlex.quote
         command = (
-            f"LLMGW_JOIN_TOKEN={secret} llmgw agent join --node-id {node_id} "
-            f"--enroll-url {enroll_url} --ca-hash {ca_hash}" + (" --rekey" if rekey else "")
+            f"LLMGW_JOIN_TOKEN={q(secret)} llmgw agent join --node-id {q(node_id)} "
+            f"--enroll-url {q(enroll_url)} --ca-hash {q(ca_hash)}" + (" --rekey" if rekey else "")
         )
         # With agent bundles to serve, a new node needs nothing but curl: the one-liner
         # downloads the bundle for its architecture, checks its hash and runs the installer.
         bundles = [] if rekey or self.cp.bundles is None else await self.cp.bundles.bundles()
         if bundles:
-            base_url = f"http://{format_hostport(host or '127.0.0.1', self.cp.http_port)}"
+            tls = self.cp.cfg.tls
             command = one_liner(
-                base_url,
+                f"{self.cp.cfg.http_scheme}://{format_hostport(host, http_port)}",
                 bundles,
                 node_id=node_id,
                 enroll_url=enroll_url,
                 ca_hash=ca_hash,
                 token=secret,
+                # A new node does not trust the cluster CA yet, and curl cannot pin one by
+                # its key hash: the download's integrity is the SHA-256 in the command.
+                verify_tls=tls is None or not tls.cluster,
             )
         self.cp.store.add_event(
             "join_token_created", node_id, f"{token.kind} token {token.id}, expires in {ttl:.0f}s"
@@ -548,6 +552,42 @@ class AdminAPI:
             },
             status=201,
         )
+
+    def _join_address(self, request: web.Request, address: object) -> tuple[str, int]:
+        """The host a new node reaches the control plane at, and the gateway port it
+        downloads the bundle from: ``address`` (host[:port], IPv6 in brackets), else the
+        first ``advertise`` name, else the host of the request's Host header. Anything that
+        is not a host[:port] is refused (it would end up in a command run as root)."""
+        port = self.cp.http_port
+        if address is not None:
+            if not isinstance(address, str):
+                raise _BadRequest(
+                    "address must be a string host[:port] (IPv6 in brackets), e.g. "
+                    "cp.example.net or [fd00::1]:8080"
+                )
+            try:
+                return parse_hostport(address, default_port=port)
+            except ConfigError as exc:
+                raise _BadRequest(
+                    f"address {exc.message}; give host[:port] (IPv6 in brackets), e.g. "
+                    "--address cp.example.net"
+                ) from None
+        if self.cp.cfg.advertise:
+            return self.cp.cfg.advertise[0], port
+        header = request.headers.get("Host", "")
+        if not header:
+            return "127.0.0.1", port
+        try:
+            host, _port = parse_hostport(header, default_port=port)
+        except ConfigError as exc:
+            raise _BadRequest(
+                f"the request's Host header {exc.message}; give the address nodes reach the "
+                "control plane at ('llmgw ctl join-command --address HOST', or advertise in "
+                "server.yaml)"
+            ) from None
+        # The port in Host is the one this request came in through (a tunnel, a proxy);
+        # a node dials the gateway's own.
+        return host, port
 
     async def join_tokens(self, request: web.Request) -> web.Response:
         include = request.query.get("all") in ("1", "true")

@@ -194,6 +194,7 @@ def one_liner(
     enroll_url: str,
     ca_hash: str,
     token: str | None = None,
+    verify_tls: bool = True,
 ) -> str:
     """The command an operator pastes on a new node (DESIGN §4): pick the bundle for
     ``uname -m``, download it from ``base_url``, check it against the SHA-256 embedded here
@@ -207,7 +208,11 @@ def one_liner(
     subshell, so a failed step leaves the operator's shell, and its variables, as they were;
     the download goes to a temporary directory, removed at the end. The installer is run
     with ``sh``, not executed, so a noexec /tmp does not stop it. NotFound when there is no
-    bundle at all."""
+    bundle at all.
+
+    ``verify_tls=False`` (an https ``base_url`` whose certificate is from the cluster CA,
+    which the node does not trust yet) downloads without checking the certificate: the
+    bundle's integrity never came from TLS but from the SHA-256 in the command."""
     if not bundles:
         raise NotFound(
             "the control plane has no agent bundle to join nodes with; copy "
@@ -227,9 +232,13 @@ def one_liner(
         f'*) echo "llmgw: no agent bundle for $(uname -m) (this control plane has {known})" >&2; '
         "exit 1;; esac",
         'd=$(mktemp -d); trap \'rm -rf "$d"\' EXIT; cd "$d"',
-        "if command -v curl >/dev/null; then curl -fsSL -o agent.tar.gz "
+        "if command -v curl >/dev/null; then curl -fsSL"
+        + ("" if verify_tls else " --insecure")
+        + " -o agent.tar.gz "
         + url
-        + "; else wget -qO agent.tar.gz "
+        + "; else wget -q"
+        + ("" if verify_tls else " --no-check-certificate")
+        + " -O agent.tar.gz "
         + url
         + "; fi",
         'echo "$h  agent.tar.gz" | sha256sum -c -',

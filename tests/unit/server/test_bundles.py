@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import tarfile
@@ -357,3 +358,33 @@ def test_listing_is_json_serialisable(tmp_path: Path) -> None:
     path = make_bundle(tmp_path, "0.1.0", "linux-x64")
     entry = bundle_of(path, "linux-x64").as_json("http://cp:8080/")
     assert json.loads(json.dumps(entry))["url"] == "http://cp:8080/agent/bundles/linux-x64.tar.gz"
+
+
+def test_one_liner_checks_the_certificate_unless_told_the_node_cannot_yet(tmp_path: Path) -> None:
+    bundle = bundle_of(make_bundle(tmp_path, "0.1.0", "linux-x64"), "linux-x64")
+    args: dict[str, Any] = {
+        "node_id": "gpu-01",
+        "enroll_url": "https://cp:8443",
+        "ca_hash": CA_HASH,
+    }
+    checked = one_liner("https://cp.example.net:8080", [bundle], **args)
+    assert "curl -fsSL -o agent.tar.gz https://cp.example.net:8080/agent/bundles/" in checked
+    assert "wget -q -O agent.tar.gz https://cp.example.net:8080/agent/bundles/" in checked
+    assert "--insecure" not in checked and "--no-check-certificate" not in checked
+    # tls: cluster: the node does not trust the cluster CA yet; the SHA-256 is the check.
+    unchecked = one_liner("https://cp.example.net:8080", [bundle], verify_tls=False, **args)
+    assert "curl -fsSL --insecure -o agent.tar.gz" in unchecked
+    assert "wget -q --no-check-certificate -O agent.tar.gz" in unchecked
+    assert f"h={bundle.sha256}" in unchecked and "sha256sum -c -" in unchecked
+
+
+def test_one_liner_quotes_every_value_for_the_shell(tmp_path: Path) -> None:
+    bundle = bundle_of(make_bundle(tmp_path, "0.1.0", "linux-x64"), "linux-x64")
+    odd = 'it\'s a "node"; $(id) `id` x;id;#'
+    command = one_liner(
+        "https://cp:8080", [bundle], node_id=odd, enroll_url=odd, ca_hash=odd, token=odd
+    )
+    check = subprocess.run(["sh", "-n", "-c", command], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    for part in (f"export LLMGW_JOIN_TOKEN={shlex.quote(odd)}", f"--node-id {shlex.quote(odd)}"):
+        assert part in command
