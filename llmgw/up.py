@@ -14,6 +14,7 @@ import fcntl
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -24,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from llmgw.agent.runtimes.process import process_start_time
-from llmgw.client import write_ctl_config
+from llmgw.client import default_up_state_dir, write_ctl_config
 from llmgw.config_util import format_hostport
 from llmgw.engines.launch import self_argv
 from llmgw.errors import CertificateError, ConfigError, LlmgwError, NotFound
@@ -242,9 +243,16 @@ class LocalCluster:
         )
 
     def banner(self) -> str:
+        """What ``llmgw up`` prints once the cluster serves; every command in it pastes
+        into a shell as it is (each value quoted)."""
         assert self.cp is not None
+        q = shlex.quote
         base = f"http://{self.cp.http_addr}/v1"
         body = json.dumps({"model": UP_MODEL, "messages": [{"role": "user", "content": "Hello!"}]})
+        # ctl finds this cluster's ctl.yaml by itself in the default state directory only.
+        ctl = "llmgw ctl"
+        if self.opts.state_dir != default_up_state_dir().expanduser().absolute():
+            ctl = f"LLMGW_STATE_DIR={q(str(self.opts.state_dir))} llmgw ctl"
         return "\n".join(
             [
                 "llmgw is up: control plane, one agent, model llmgw-sim.",
@@ -253,24 +261,26 @@ class LocalCluster:
                 f"  API key:         {self.api_key}",
                 "",
                 "  Try it:",
-                f"    curl -s {base}/chat/completions -H 'Authorization: Bearer {self.api_key}' \\",
-                f"      -H 'Content-Type: application/json' -d '{body}'",
+                f"    curl -s {q(base + '/chat/completions')} -H "
+                f"{q('Authorization: Bearer ' + self.api_key)} \\",
+                f"      -H 'Content-Type: application/json' -d {q(body)}",
                 "",
-                f"  Operator view:   llmgw ctl nodes | models | replicas   (state in {self.opts.state_dir})",
-                *self._password_line(),
+                f"  Operator view:   {ctl} nodes   (also: models, replicas, events)",
+                f"  State:           {self.opts.state_dir}",
+                *self._password_line(ctl),
                 "  Press Ctrl-C to stop everything.",
             ]
         )
 
-    def _password_line(self) -> list[str]:
+    def _password_line(self, ctl: str) -> list[str]:
         """Where the first admin password is (``ctl update`` asks for it), while it is there."""
         assert self.cp is not None
         path = self.cp.updates.password_file
         if not path.exists():
             return []
         return [
-            f"  Admin password:  in {path} (llmgw ctl update asks for it; change it with "
-            "llmgw ctl admin password)"
+            f"  Admin password:  in {path} ({ctl} update asks for it; change it with "
+            f"{ctl} admin password)"
         ]
 
     async def stop(self) -> None:

@@ -1,0 +1,98 @@
+"""What ``llmgw up`` prints: commands that paste into a shell as they are, whatever the state
+directory is called, and that name the cluster they were printed for."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from llmgw.up import LocalCluster, UpOptions
+
+RECORDER = (
+    '#!/bin/sh\n: >"$RECORD"\nfor a in "$@"; do printf "%s\\n" "$a" >>"$RECORD"; done\n'
+    'printf "%s" "${LLMGW_STATE_DIR-<unset>}" >"$RECORD.state"\n'
+)
+
+
+def banner_of(state_dir: Path, *, password: bool = False) -> str:
+    cluster = LocalCluster(UpOptions(state_dir=state_dir), say=print)
+    cluster.api_key = "sk-llmgw-abc"
+    password_file = state_dir / "admin.password"
+    if password:
+        password_file.write_text("x\n")
+    stand_in: Any = SimpleNamespace(
+        http_addr="127.0.0.1:18080", updates=SimpleNamespace(password_file=password_file)
+    )
+    cluster.cp = stand_in
+    return cluster.banner()
+
+
+def run(tmp_path: Path, command: str) -> tuple[list[str], str]:
+    """``command`` pasted into sh, with curl and llmgw standing in: the words each got."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    for tool in ("curl", "llmgw"):
+        (bindir / tool).write_text(RECORDER)
+        (bindir / tool).chmod(0o755)
+    record = tmp_path / "record"
+    result = subprocess.run(
+        ["sh", "-c", command],
+        env={"PATH": f"{bindir}:/usr/bin:/bin", "RECORD": str(record)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    return record.read_text().splitlines(), Path(f"{record}.state").read_text()
+
+
+@pytest.fixture
+def odd_state_dir(tmp_path: Path) -> Path:
+    state = tmp_path / 'my cluster\'s "state" $(id)'
+    state.mkdir()
+    return state
+
+
+def test_the_curl_line_pastes_as_printed(tmp_path: Path, odd_state_dir: Path) -> None:
+    lines = banner_of(odd_state_dir).splitlines()
+    start = lines.index("  Try it:") + 1
+    command = "\n".join(lines[start : start + 2])
+    argv, _ = run(tmp_path, command)
+    assert argv[:4] == [
+        "-s",
+        "http://127.0.0.1:18080/v1/chat/completions",
+        "-H",
+        "Authorization: Bearer sk-llmgw-abc",
+    ]
+    assert argv[4:6] == ["-H", "Content-Type: application/json"]
+    assert argv[6] == "-d"
+    assert json.loads(argv[7])["messages"] == [{"role": "user", "content": "Hello!"}]
+
+
+def test_the_ctl_hint_names_a_state_dir_that_is_not_the_default(
+    tmp_path: Path, odd_state_dir: Path
+) -> None:
+    text = banner_of(odd_state_dir, password=True)
+    (hint,) = [line for line in text.splitlines() if "Operator view:" in line]
+    command = hint.split("Operator view:", 1)[1].split("   (", 1)[0].strip()
+    assert command == f"LLMGW_STATE_DIR={shlex.quote(str(odd_state_dir))} llmgw ctl nodes"
+    argv, state = run(tmp_path, command)
+    assert argv == ["ctl", "nodes"]
+    assert state == str(odd_state_dir)
+    assert f"LLMGW_STATE_DIR={shlex.quote(str(odd_state_dir))} llmgw ctl update asks" in text
+
+
+def test_the_default_state_dir_needs_no_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    (tmp_path / "llmgw").mkdir()
+    text = banner_of(tmp_path / "llmgw")
+    assert "  Operator view:   llmgw ctl nodes   (also: models, replicas, events)" in text
+    assert "LLMGW_STATE_DIR" not in text
