@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -154,6 +155,24 @@ def test_ctl_finds_the_cluster_from_the_state_dir(up: Up) -> None:
     header, row = out.splitlines()[:2]
     assert header.split()[:3] == ["NODE", "STATE", "CONNECTED"]
     assert row.split()[:3] == ["local", "approved", "yes"]
+
+
+def test_ctl_finds_the_cluster_through_llmgw_state_dir_as_the_banner_says(up: Up) -> None:
+    text = "".join(up.output)
+    assert f"LLMGW_STATE_DIR={shlex.quote(str(up.state_dir))} llmgw ctl nodes" in text
+    env = dict(
+        os.environ,
+        XDG_CONFIG_HOME=str(up.state_dir / "xdg"),
+        XDG_DATA_HOME=str(up.state_dir / "not-here"),
+        LLMGW_STATE_DIR=str(up.state_dir),
+    )
+    env.pop("LLMGW_CTL_CONFIG", None)
+    env.pop("LLMGW_SERVER", None)
+    out = subprocess.run(
+        [*LLMGW, "ctl", "nodes"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1].split()[:3] == ["local", "approved", "yes"]
 
 
 def test_metrics_count_requests_tokens_and_ttft(up: Up) -> None:
