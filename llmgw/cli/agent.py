@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -190,12 +191,12 @@ def _report(result: JoinResult) -> str:
     else:
         start = (
             "start the agent: sudo systemctl enable --now llmgw-agent "
-            f"(or: llmgw agent --config {paths.config})"
+            f"(or: llmgw agent --config {shlex.quote(str(paths.config))})"
         )
     if result.state == "pending":
         lines.append(
-            f"next: ask the operator to approve it: llmgw ctl approve {result.node_id} "
-            f"--fingerprint {result.fingerprint}"
+            f"next: ask the operator to approve it: llmgw ctl approve "
+            f"{shlex.quote(result.node_id)} --fingerprint {shlex.quote(result.fingerprint)}"
         )
         lines.append(f"then {start}")
     else:
