@@ -56,6 +56,17 @@ def _read(path: Path, what: str) -> bytes:
         ) from exc
 
 
+def download_ssl_context(cert: Path, key: Path, ca: Path) -> ssl.SSLContext:
+    """TLS for downloads from the control plane's :8080 (update bundles): its certificate is
+    the cluster CA's (``tls: cluster``) or the operator's (a public or company CA, in the
+    system trust store), so both are trusted; the bundle's signed SHA-256 is what makes it
+    safe to install."""
+    ctx = ssl.create_default_context()
+    ctx.load_verify_locations(cafile=str(ca))
+    ctx.load_cert_chain(cert, key)
+    return ctx
+
+
 def _source_address_towards(server: str) -> str:
     """The local address this machine uses to reach ``server`` (no packet is sent)."""
     host, port = parse_hostport(server)
@@ -224,9 +235,7 @@ class Agent:
             )
 
         def download_tls() -> ssl.SSLContext:
-            ctx = ssl.create_default_context(cafile=str(tls.ca))
-            ctx.load_cert_chain(tls.cert, tls.key)
-            return ctx
+            return download_ssl_context(tls.cert, tls.key, tls.ca)
 
         spooler = Spooler(
             node_id=cfg.node_id,

@@ -183,10 +183,11 @@ class Updates:
     # -- ordering --------------------------------------------------------------------------------
 
     def bundle_url(self, bundle: Bundle) -> str:
-        """Where a node downloads ``bundle``: the HTTP listener, at the host the nodes dial
-        for the stream (the order's SHA-256, signed, is what makes a plain download safe)."""
+        """Where a node downloads ``bundle``: the HTTP listener (https when server.yaml has
+        tls), at the host the nodes dial for the stream (the order's SHA-256, signed, is what
+        makes a plain download safe)."""
         host = self.cp.stream_addresses()[0].rsplit(":", 1)[0]
-        return f"http://{host}:{self.cp.http_port}{bundle.url_path}"
+        return f"{self.cp.cfg.http_scheme}://{host}:{self.cp.http_port}{bundle.url_path}"
 
     async def order(
         self,

@@ -28,6 +28,7 @@ from click.testing import CliRunner
 from cryptography import x509
 
 from llmgw import pki
+from llmgw.agent.service import download_ssl_context
 from llmgw.cli import main
 from llmgw.server.app import ControlPlane
 from llmgw.server.config import load_server_config
@@ -100,6 +101,28 @@ def served_serial(port: int, ca: Path, name: str = "localhost") -> int:
     return x509.load_der_x509_certificate(der).serial_number
 
 
+def fetch(url: str, context: ssl.SSLContext) -> bytes:
+    with urllib.request.urlopen(url, timeout=10, context=context) as resp:
+        return bytes(resp.read())
+
+
+def test_update_orders_download_over_https_with_tls_cluster(tmp_path: Path) -> None:
+    (tmp_path / "bundles").mkdir()
+    path = make_bundle(tmp_path / "bundles", "0.1.0", "linux-x64")
+
+    async def body(cp: ControlPlane) -> None:
+        assert cp.bundles is not None and cp.ca is not None
+        (bundle,) = await cp.bundles.bundles()
+        url = cp.updates.bundle_url(bundle)
+        assert url == f"https://127.0.0.1:{cp.http_port}/agent/bundles/linux-x64.tar.gz"
+        # What the agent downloads it with: its identity, trusting the cluster CA.
+        node = pki.issue_node_cert(cp.ca, "gpu-01", tmp_path / "node")
+        context = download_ssl_context(node.cert, node.key, node.ca)
+        assert await asyncio.to_thread(fetch, url, context) == path.read_bytes()
+
+    run_cp(tmp_path, body, tls="cluster")
+
+
 def test_tls_cluster_serves_https_that_ctl_verifies_with_the_servers_ctl_yaml(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -161,7 +184,9 @@ def test_join_one_liner_fetches_the_bundle_over_https_with_tls_cluster(tmp_path:
     assert argv[3] == "--enroll-url" and argv[4].startswith("https://127.0.0.1:")
 
 
-def test_the_operators_certificate_is_reloaded_when_its_files_change(tmp_path: Path) -> None:
+def test_the_operators_certificate_is_reloaded_when_its_files_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The operator's CA stands in for a public one; its certificates are renewed in live/.
     own = pki.init_ca(tmp_path / "own-ca")
     hosts = ["localhost", "127.0.0.1"]
@@ -174,6 +199,7 @@ def test_the_operators_certificate_is_reloaded_when_its_files_change(tmp_path: P
     (tmp_path / "bundles").mkdir()
     make_bundle(tmp_path / "bundles", "0.1.0", "linux-x64")
     ca = tmp_path / "own-ca" / pki.CA_CERT
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))  # the "system" trust store: the operator's CA
 
     async def body(cp: ControlPlane) -> None:
         port = cp.http_port
@@ -195,6 +221,14 @@ def test_the_operators_certificate_is_reloaded_when_its_files_change(tmp_path: P
         assert f"https://localhost:{port}/agent/bundles/" in data["command"]
         assert "--insecure" not in data["command"]
         assert "--no-check-certificate" not in data["command"]
+        # An agent fetches update bundles from it too: the system trust store (here the
+        # operator's CA through SSL_CERT_FILE) verifies it, besides the cluster CA.
+        assert cp.bundles is not None and cp.ca is not None
+        (bundle,) = await cp.bundles.bundles()
+        node = pki.issue_node_cert(cp.ca, "gpu-02", tmp_path / "node")
+        context = download_ssl_context(node.cert, node.key, node.ca)
+        fetched = await asyncio.to_thread(fetch, cp.updates.bundle_url(bundle), context)
+        assert fetched == bundle.path.read_bytes()
 
     run_cp(tmp_path, body, tls={"cert": str(live / "cert.pem"), "key": str(live / "key.pem")})
     # ctl on this machine reaches it by the name in its certificate.
