@@ -497,7 +497,7 @@ def _duration(text: str) -> float:
 )
 @click.option(
     "--address",
-    help="Address the node reaches the control plane at (default: the server's advertise, else the one ctl used).",
+    help="HOST or HOST:PORT (IPv6 in brackets) the node reaches the control plane at; a PORT is the gateway's, for the bundle download (default: the server's first advertise, else the host ctl used).",
 )
 @click.option(
     "--require-approval",

@@ -377,3 +377,21 @@ def test_the_printed_join_command_runs_as_one_word_per_value(tmp_path: Path) -> 
         "--rekey",
     ]
     assert Path(f"{record}.token").read_text().startswith("llmgwjt_")
+
+
+def test_a_standby_answers_over_https_too(tmp_path: Path) -> None:
+    async def body(cp: ControlPlane) -> None:
+        standby = ControlPlane(cp.cfg)  # the same state directory: it waits as a standby
+        await standby.start()
+        try:
+            assert standby.role == "standby"
+            ca = cp.pki_dir / pki.CA_CERT
+            status, data = await asyncio.to_thread(
+                get, f"https://127.0.0.1:{standby.http_port}/healthz", ca=ca
+            )
+            assert status == 503
+            assert data["leader"] == f"https://127.0.0.1:{cp.http_port}"
+        finally:
+            await standby.stop()
+
+    run_cp(tmp_path, body, tls="cluster")
