@@ -48,8 +48,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from llmgw.errors import ConfigError, UpdateError
-from llmgw.pki import validate_node_id
+from llmgw.errors import CertificateError, ConfigError, UpdateError
+from llmgw.pki import control_plane_problem, load_cert, validate_node_id
 
 __all__ = [
     "ARCHES",
@@ -241,6 +241,10 @@ class Spooler:
     ssl_context: Callable[[], ssl.SSLContext]
     download_timeout: float = 1800.0
     poll_interval: float = 2.0
+    # The cluster CA: an https server whose certificate it issued must be the control plane
+    # (a node's certificate may name the same host). Others (an operator's or ACME
+    # certificate) are left to the context's trust; the order's SHA-256 vouches for the bytes.
+    cluster_ca: Path | None = None
 
     def __post_init__(self) -> None:
         self._op_ids: dict[int, str] = {}
@@ -305,6 +309,27 @@ class Spooler:
         finally:
             shutil.rmtree(incoming, ignore_errors=True)
 
+    def _check_server(self, url: str, resp: Any) -> None:
+        """Refuse (before reading the body) an https server that the cluster CA certified
+        but not as the control plane."""
+        if self.cluster_ca is None or not url.startswith("https:"):
+            return
+        transport = resp.connection.transport if resp.connection is not None else None
+        ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        problem = _cluster_peer_problem(der, self.cluster_ca)
+        if problem is not None:
+            log.warning(
+                "refused a bundle download from a server that is not the control plane",
+                extra={"fields": {"url": url, "reason": problem}},
+            )
+            raise UpdateError(
+                f"downloading the bundle from {url} was refused: the server is not the "
+                f"control plane ({problem}); check the control plane's advertised address and "
+                "order the update again",
+                state="failed",
+            )
+
     async def _download(self, url: str, dest: Path) -> str:
         import aiohttp
 
@@ -317,6 +342,7 @@ class Spooler:
                 aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session,
                 session.get(url, ssl=ssl_arg) as resp,
             ):
+                self._check_server(url, resp)
                 if resp.status != 200:
                     raise UpdateError(
                         f"downloading the bundle from {url} failed: HTTP {resp.status}; check "
@@ -378,6 +404,23 @@ class Spooler:
         while True:
             await asyncio.sleep(self.poll_interval)
             self.poll()
+
+
+def _cluster_peer_problem(der: bytes | None, ca_path: Path) -> str | None:
+    """Why an https peer is unacceptable: None for a certificate the cluster CA did not issue
+    (the TLS context's trust judged it) or one that carries the control plane's identity."""
+    if der is None:
+        return "it presented no certificate"
+    try:
+        ca = load_cert(ca_path)
+    except CertificateError as exc:
+        return str(exc)
+    try:
+        cert = x509.load_der_x509_certificate(der)
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return None
+    return control_plane_problem(cert)
 
 
 def _request_pending(spool: Path) -> bool:

@@ -310,10 +310,11 @@ def test_server_cert_sans(ca: pki.Authority, tmp_path: Path) -> None:
         x509.IPAddress(ipaddress.ip_address("2001:db8::5")),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
         x509.IPAddress(ipaddress.ip_address("::1")),
+        x509.DNSName(pki.CONTROL_PLANE_NAME),
     ):
         assert name in got
-    assert len(got) == len(set(got)) == 8
-    assert ekus(cert) == {ExtendedKeyUsageOID.SERVER_AUTH}
+    assert len(got) == len(set(got)) == 9
+    assert ekus(cert) == {ExtendedKeyUsageOID.SERVER_AUTH, pki.CONTROL_PLANE_OID}
     assert pki.cert_common_name(cert) == "llmgw control plane"
     assert mode(ident.key) == 0o600
 
@@ -328,7 +329,8 @@ def test_control_plane_client_cert(ca: pki.Authority, tmp_path: Path) -> None:
     assert ident.cert == tmp_path / "client.crt"
     cert = pki.load_cert(ident.cert)
     assert pki.cert_common_name(cert) == pki.CONTROL_PLANE_CN == "llmgw-control-plane"
-    assert ekus(cert) == {ExtendedKeyUsageOID.CLIENT_AUTH}
+    assert ekus(cert) == {ExtendedKeyUsageOID.CLIENT_AUTH, pki.CONTROL_PLANE_OID}
+    assert sans(cert) == [x509.DNSName(pki.CONTROL_PLANE_NAME)]
     assert mode(ident.key) == 0o600
 
 
