@@ -242,8 +242,9 @@ class Spooler:
     download_timeout: float = 1800.0
     poll_interval: float = 2.0
     # The cluster CA: an https server whose certificate it issued must be the control plane
-    # (a node's certificate may name the same host). Others (an operator's or ACME
-    # certificate) are left to the context's trust; the order's SHA-256 vouches for the bytes.
+    # (a node's certificate may name the same host), checked in the handshake. Others (an
+    # operator's or ACME certificate) are left to the context's trust; the order's SHA-256
+    # vouches for the bytes either way.
     cluster_ca: Path | None = None
 
     def __post_init__(self) -> None:
@@ -309,40 +310,22 @@ class Spooler:
         finally:
             shutil.rmtree(incoming, ignore_errors=True)
 
-    def _check_server(self, url: str, resp: Any) -> None:
-        """Refuse (before reading the body) an https server that the cluster CA certified
-        but not as the control plane."""
-        if self.cluster_ca is None or not url.startswith("https:"):
-            return
-        transport = resp.connection.transport if resp.connection is not None else None
-        ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
-        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
-        problem = _cluster_peer_problem(der, self.cluster_ca)
-        if problem is not None:
-            log.warning(
-                "refused a bundle download from a server that is not the control plane",
-                extra={"fields": {"url": url, "reason": problem}},
-            )
-            raise UpdateError(
-                f"downloading the bundle from {url} was refused: the server is not the "
-                f"control plane ({problem}); check the control plane's advertised address and "
-                "order the update again",
-                state="failed",
-            )
-
     async def _download(self, url: str, dest: Path) -> str:
         import aiohttp
 
         digest = hashlib.sha256()
         size = 0
         timeout = aiohttp.ClientTimeout(total=self.download_timeout, sock_connect=30)
-        ssl_arg: ssl.SSLContext | bool = self.ssl_context() if url.startswith("https:") else False
+        ssl_arg: ssl.SSLContext | bool = False
+        if url.startswith("https:"):
+            ssl_arg = self.ssl_context()
+            if self.cluster_ca is not None:
+                ssl_arg.sslobject_class = _control_plane_only(self.cluster_ca)
         try:
             async with (
                 aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session,
                 session.get(url, ssl=ssl_arg) as resp,
             ):
-                self._check_server(url, resp)
                 if resp.status != 200:
                     raise UpdateError(
                         f"downloading the bundle from {url} failed: HTTP {resp.status}; check "
@@ -362,6 +345,23 @@ class Spooler:
                         digest.update(chunk)
                     out.flush()
                     os.fsync(out.fileno())
+        except aiohttp.ClientConnectorCertificateError as exc:
+            if not isinstance(exc.certificate_error, NotControlPlane):
+                raise UpdateError(
+                    f"downloading the bundle from {url} failed: {exc}; check that this node "
+                    "reaches the control plane's HTTP port",
+                    state="failed",
+                ) from exc
+            log.warning(
+                "refused a bundle download from a server that is not the control plane",
+                extra={"fields": {"url": url, "reason": str(exc.certificate_error)}},
+            )
+            raise UpdateError(
+                f"downloading the bundle from {url} was refused before it was asked for: the "
+                f"server is not the control plane ({exc.certificate_error}); check the control "
+                "plane's advertised address and order the update again",
+                state="failed",
+            ) from exc
         except aiohttp.ClientError as exc:
             raise UpdateError(
                 f"downloading the bundle from {url} failed: {exc or type(exc).__name__}; "
@@ -404,6 +404,31 @@ class Spooler:
         while True:
             await asyncio.sleep(self.poll_interval)
             self.poll()
+
+
+class NotControlPlane(ssl.SSLCertVerificationError):
+    """The TLS peer holds a certificate from the cluster CA that is not the control plane's."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return self.problem
+
+
+def _control_plane_only(ca_path: Path) -> type[ssl.SSLObject]:
+    """An SSLObject class that ends the handshake, before a byte of the request is sent, with a
+    peer certified by the cluster CA but not as the control plane (ssl cannot check an EKU)."""
+
+    class ControlPlaneOnly(ssl.SSLObject):
+        def do_handshake(self) -> None:
+            super().do_handshake()
+            problem = _cluster_peer_problem(self.getpeercert(binary_form=True), ca_path)
+            if problem is not None:
+                raise NotControlPlane(problem)
+
+    return ControlPlaneOnly
 
 
 def _cluster_peer_problem(der: bytes | None, ca_path: Path) -> str | None:
