@@ -427,7 +427,9 @@ def _describe_rpc_error(exc: grpc.aio.AioRpcError, server: str) -> str:
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return f"refused by {server}: {details}"
     if code == grpc.StatusCode.UNAVAILABLE:
-        if "hostname verification" in details.lower():
+        lowered = details.lower()
+        # gRPC's words for a certificate without the name we pin (older and newer releases)
+        if "hostname verification" in lowered or "not in peer certificate" in lowered:
             return (
                 f"{server} is not the control plane: its TLS certificate, though issued by the "
                 f"cluster CA, does not carry the name {CONTROL_PLANE_NAME} that every "
