@@ -157,7 +157,7 @@ def control_plane_problem(cert: x509.Certificate | bytes | None) -> str | None:
     try:
         usages = _usages(cert)
         subject = cert.subject.rfc4514_string()
-    except ValueError as exc:  # a malformed extension or name in a CA-signed certificate
+    except (ValueError, x509.DuplicateExtension) as exc:  # malformed, though CA-signed
         return f"its certificate's extensions cannot be read ({exc})"
     if CONTROL_PLANE_OID in usages:
         return None
