@@ -9,6 +9,24 @@ Layout of a PKI directory (mode 0700)::
 Node certificates carry CN = SAN DNS = node id and both clientAuth and serverAuth, because an
 agent presents the same certificate to the control plane and on its own data plane.
 
+**The control plane's identity.** Being issued by the cluster CA is not enough to act as the
+control plane: a node is issued by it too, and a node id may look like any host name. Both
+control-plane certificates (server and client) therefore carry what no node certificate can:
+
+- the extended key usage :data:`CONTROL_PLANE_OID`, ``2.25.21242712681526740565347737651871607661``
+  (an OID under the ``2.25`` arc of ITU-T X.667, derived from UUID
+  ``0ffb3298-e281-4223-b680-f5913b09eb6d``: anyone may mint one there without registration,
+  and no other body will ever assign this one);
+- the DNS name :data:`CONTROL_PLANE_NAME` among their SANs, which :func:`validate_node_id`
+  refuses as a node id.
+
+Node certificates are built here from the node id alone (never from what a CSR asks for), and
+:func:`check_csr` refuses a request that asks for that usage or a reserved name, so neither
+can reach a node. Every client of the control plane checks one or the other: the agent's
+stream pins the TLS name to :data:`CONTROL_PLANE_NAME` (the gRPC library cannot check an
+extended key usage), the join client, the update download and the data plane check the OID
+with :func:`control_plane_problem` once the handshake is done.
+
 Every file is written atomically (temporary file in the same directory, fsync, ``os.replace``);
 private keys are created 0600 and are never readable by anyone else, not even for an instant.
 """
@@ -44,6 +62,11 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from llmgw.errors import CertificateError, ConfigError, CSRError, NoAuthority, PKIError
 
 CONTROL_PLANE_CN = "llmgw-control-plane"
+CONTROL_PLANE_OID = x509.ObjectIdentifier("2.25.21242712681526740565347737651871607661")
+"""Extended key usage only control-plane certificates carry (see the module docstring)."""
+CONTROL_PLANE_NAME = "llmgw-control-plane"
+"""DNS SAN of every control-plane certificate; never a node id. The agent's stream checks it."""
+RESERVED_NAMES = frozenset({CONTROL_PLANE_NAME})
 SERVER_CN = "llmgw control plane"
 DEFAULT_CA_CN = "llmgw cluster CA"
 CA_CERT = "ca.crt"
@@ -111,6 +134,38 @@ def cert_common_name(cert: x509.Certificate) -> str:
         )
     value = attrs[0].value
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _usages(cert: x509.Certificate) -> list[x509.ObjectIdentifier]:
+    try:
+        return list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    except x509.ExtensionNotFound:
+        return []
+
+
+def control_plane_problem(cert: x509.Certificate | bytes | None) -> str | None:
+    """None when ``cert`` (parsed, or DER as TLS hands it over) carries the control plane's
+    identity (:data:`CONTROL_PLANE_OID`); else why not, in words that name the certificate.
+    Only the usage is checked here: the TLS handshake has verified the chain already."""
+    if cert is None:
+        return "it presented no certificate"
+    if isinstance(cert, bytes | bytearray):
+        try:
+            cert = x509.load_der_x509_certificate(bytes(cert))
+        except ValueError as exc:
+            return f"its certificate cannot be read ({exc})"
+    try:
+        usages = _usages(cert)
+        subject = cert.subject.rfc4514_string()
+    except (ValueError, x509.DuplicateExtension) as exc:  # malformed, though CA-signed
+        return f"its certificate's extensions cannot be read ({exc})"
+    if CONTROL_PLANE_OID in usages:
+        return None
+    return (
+        f"its certificate ({subject}, serial {serial_hex(cert)}) lacks the control plane's "
+        f"extended key usage {CONTROL_PLANE_OID.dotted_string}: it is a node's certificate, or "
+        "a control plane's from before llmgw marked them (restart 'llmgw server' to reissue it)"
+    )
 
 
 def load_cert(path: Path) -> x509.Certificate:
@@ -304,6 +359,8 @@ def validate_node_id(node_id: str) -> str:
             raise bad(f"label {label[:20]!r}... is {len(label)} characters long")
         if not _LABEL.fullmatch(label):
             raise bad(f"label {label!r} has a character or hyphen where none is allowed")
+    if node_id in RESERVED_NAMES:
+        raise bad("it is the name every control-plane certificate carries, so no node may take it")
     if node_id.startswith(RESERVED_PREFIX):
         raise bad(f"names starting with {RESERVED_PREFIX!r} are reserved for llmgw itself")
     if node_id == "localhost" or node_id.endswith(".localhost"):
@@ -313,6 +370,34 @@ def validate_node_id(node_id: str) -> str:
     except ValueError:
         return node_id
     raise bad("it is an IP address, and TLS would check it as one")
+
+
+def control_plane_names(cert: x509.Certificate) -> frozenset[str]:
+    """Every name in ``cert``'s SANs: DNS names lower-cased without a final dot, addresses as
+    text. For a control-plane certificate these are the names a node id must never take."""
+    names: set[str] = set()
+    for entry in _cert_sans(cert):
+        if isinstance(entry, x509.DNSName):
+            names.add(entry.value)
+        elif isinstance(entry, x509.IPAddress):
+            names.add(str(entry.value))
+    return frozenset(names)
+
+
+def check_node_id_free(node_id: str, taken: Iterable[str]) -> str:
+    """:func:`validate_node_id`, then refuse (ConfigError) a node id among ``taken``, the names
+    the control plane answers to (:func:`control_plane_names` of its certificate): a node
+    certificate for such a name would match wherever an agent dials the control plane."""
+    validate_node_id(node_id)
+    if node_id in {name.lower().rstrip(".") for name in taken}:
+        raise ConfigError(
+            f"invalid node id {node_id!r}: the control plane answers to that name (it is in the "
+            "control plane's TLS certificate), and a node under it could pose as the control "
+            "plane; give this machine another node id (node_id in its agent.yaml, "
+            "'llmgw ctl join-command --node OTHER-ID')",
+            key="node_id",
+        )
+    return node_id
 
 
 def _parse_host(host: str) -> x509.GeneralName | None:
@@ -333,6 +418,11 @@ def _parse_host(host: str) -> x509.GeneralName | None:
             key="hosts",
         )
     return x509.DNSName(text.lower().rstrip("."))
+
+
+def _server_sans(hosts: Iterable[str]) -> list[x509.GeneralName]:
+    """The control plane's server SANs: ``hosts``, the reserved name, loopback."""
+    return _san_entries([*hosts, CONTROL_PLANE_NAME])
 
 
 def _san_entries(hosts: Iterable[str]) -> list[x509.GeneralName]:
@@ -615,14 +705,15 @@ def issue_server_cert(
     name: str = "server",
     valid_days: int = 365,
 ) -> Identity:
-    """Issue the control plane's TLS server certificate for ``hosts`` (plus loopback)."""
+    """Issue the control plane's TLS server certificate for ``hosts`` (plus loopback and
+    :data:`CONTROL_PLANE_NAME`), carrying :data:`CONTROL_PLANE_OID`."""
     return _issue(
         ca,
         out_dir,
         name,
         common_name=SERVER_CN,
-        sans=_san_entries(hosts),
-        usages=[ExtendedKeyUsageOID.SERVER_AUTH],
+        sans=_server_sans(hosts),
+        usages=[ExtendedKeyUsageOID.SERVER_AUTH, CONTROL_PLANE_OID],
         valid_days=valid_days,
     )
 
@@ -630,14 +721,15 @@ def issue_server_cert(
 def issue_control_plane_client_cert(
     ca: Authority, out_dir: Path, *, name: str = "client", valid_days: int = 365
 ) -> Identity:
-    """Issue the certificate the control plane presents to agents' data planes."""
+    """Issue the certificate the control plane presents to agents' data planes (clientAuth and
+    :data:`CONTROL_PLANE_OID`, SAN :data:`CONTROL_PLANE_NAME`)."""
     return _issue(
         ca,
         out_dir,
         name,
         common_name=CONTROL_PLANE_CN,
-        sans=[],
-        usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
+        sans=[x509.DNSName(CONTROL_PLANE_NAME)],
+        usages=[ExtendedKeyUsageOID.CLIENT_AUTH, CONTROL_PLANE_OID],
         valid_days=valid_days,
     )
 
@@ -736,6 +828,7 @@ def check_csr(csr: x509.CertificateSigningRequest, node_id: str) -> None:
             f"request with CN {node_id} ('llmgw agent join --node-id {node_id}')",
             code="csr_cn_mismatch",
         )
+    _check_csr_extensions(csr, node_id)
     try:
         key = csr.public_key()
     except (ValueError, UnsupportedAlgorithm) as e:
@@ -764,6 +857,39 @@ def check_csr(csr: x509.CertificateSigningRequest, node_id: str) -> None:
             "certificates for; " + _ACCEPTED_KEYS,
             code="csr_weak_key",
         )
+
+
+def _check_csr_extensions(csr: x509.CertificateSigningRequest, node_id: str) -> None:
+    """Refuse a request that asks for the control plane's usage or a reserved name. What a
+    request asks for is never copied into the certificate; refusing it still tells the operator
+    that someone tried, and keeps the policy explicit."""
+    try:
+        extensions = list(csr.extensions)
+    except (ValueError, x509.DuplicateExtension, x509.UnsupportedGeneralNameType) as e:
+        raise CSRError(
+            f"the certificate request's extensions cannot be read ({e}); make a new request with "
+            "'llmgw agent join'",
+            code="csr_malformed",
+        ) from e
+    for ext in extensions:
+        value = ext.value
+        if isinstance(value, x509.ExtendedKeyUsage) and CONTROL_PLANE_OID in value:
+            raise CSRError(
+                f"the certificate request asks for the control plane's extended key usage "
+                f"{CONTROL_PLANE_OID.dotted_string}, which no node may hold; make the request "
+                "with 'llmgw agent join', which asks for none",
+                code="csr_forbidden_usage",
+            )
+        if isinstance(value, x509.SubjectAlternativeName):
+            for name in value.get_values_for_type(x509.DNSName):
+                text = name.lower().rstrip(".")
+                if text in RESERVED_NAMES or text.startswith(RESERVED_PREFIX):
+                    raise CSRError(
+                        f"the certificate request asks for the name {name!r}, which is reserved "
+                        f"for the control plane; a node's request names only itself "
+                        f"({node_id}): make it with 'llmgw agent join'",
+                        code="csr_reserved_name",
+                    )
 
 
 def sign_csr(
@@ -797,10 +923,12 @@ def _usable(
     *,
     common_name: str,
     usage: x509.ObjectIdentifier,
-    sans: list[x509.GeneralName] | None = None,
+    sans: list[x509.GeneralName],
 ) -> bool:
-    """True if the identity's files exist, match, are signed by ``ca``, fit the purpose and do not
-    expire within RENEW_BEFORE."""
+    """True if the identity's files exist, match, are signed by ``ca``, fit the purpose (``usage``
+    and the control plane's own, :data:`CONTROL_PLANE_OID`), name every one of ``sans`` and do
+    not expire within RENEW_BEFORE. A certificate from before the OID existed is not usable:
+    existing clusters get marked certificates on their next start."""
     try:
         cert = load_cert(identity.cert)
         key = _load_key(identity.key)
@@ -810,7 +938,7 @@ def _usable(
         if cert_common_name(cert) != common_name:
             return False
         eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-        if usage not in eku:
+        if usage not in eku or CONTROL_PLANE_OID not in eku:
             return False
     except (CertificateError, ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
         return False
@@ -818,11 +946,8 @@ def _usable(
         return False
     if cert.not_valid_before_utc > _now() + _BACKDATE:
         return False
-    if sans is not None:
-        have = _cert_sans(cert)
-        if any(_normal_san(s) not in have for s in sans):
-            return False
-    return True
+    have = _cert_sans(cert)
+    return all(_normal_san(s) in have for s in sans)
 
 
 def _tighten_key(path: Path) -> None:
@@ -838,9 +963,11 @@ def ensure_server_identity(
 ) -> tuple[Authority, Identity, Identity]:
     """What the control plane runs on every start: the CA, its server certificate (covering every
     host in ``hosts``) and its client certificate, each (re)issued when missing, expiring within
-    30 days, signed by another CA or (server) not covering the hosts."""
+    30 days, signed by another CA, without the control plane's identity (:data:`CONTROL_PLANE_OID`
+    and :data:`CONTROL_PLANE_NAME`, which older versions did not add) or (server) not covering
+    the hosts."""
     pki_dir = Path(pki_dir)
-    wanted = _san_entries(hosts)  # validate hosts before touching anything
+    wanted = _server_sans(hosts)  # validate hosts before touching anything
     _make_dir(pki_dir, tighten=True)
     with _dir_lock(pki_dir):
         ca = _init_ca_locked(pki_dir, DEFAULT_CA_CN, 3650, exist_ok=True)
@@ -860,7 +987,13 @@ def ensure_server_identity(
         client = Identity(
             cert=pki_dir / "client.crt", key=pki_dir / "client.key", ca=pki_dir / CA_CERT
         )
-        if _usable(ca, client, common_name=CONTROL_PLANE_CN, usage=ExtendedKeyUsageOID.CLIENT_AUTH):
+        if _usable(
+            ca,
+            client,
+            common_name=CONTROL_PLANE_CN,
+            usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+            sans=[x509.DNSName(CONTROL_PLANE_NAME)],
+        ):
             _tighten_key(client.key)
         else:
             client = issue_control_plane_client_cert(ca, pki_dir, name="client")
@@ -943,11 +1076,17 @@ __all__ = [
     "CA_CERT",
     "CA_KEY",
     "CONTROL_PLANE_CN",
+    "CONTROL_PLANE_NAME",
+    "CONTROL_PLANE_OID",
     "MIN_RSA_BITS",
+    "RESERVED_NAMES",
     "Authority",
     "Identity",
     "cert_common_name",
     "check_csr",
+    "check_node_id_free",
+    "control_plane_names",
+    "control_plane_problem",
     "ensure_ca",
     "ensure_server_identity",
     "fingerprint",

@@ -1,5 +1,9 @@
 """The agent's data plane on :9443: mTLS, only the control plane's certificate, relays to engines.
 
+Only a client certificate that carries the control plane's extended key usage
+(:data:`llmgw.pki.CONTROL_PLANE_OID`) is served; any other certificate of the cluster CA (a
+node's) gets 403.
+
 The gateway sends ``/s/<shard-id>/v1/...``; the data plane forwards the body unchanged to
 the shard's engine on 127.0.0.1 (kept-alive connections from :mod:`llmgw.upstream`) and
 relays the answer back chunk by chunk. A client that goes away cancels the handler, which
@@ -20,7 +24,7 @@ from aiohttp import web
 
 from llmgw.config_util import parse_hostport
 from llmgw.errors import CertificateError
-from llmgw.pki import CONTROL_PLANE_CN
+from llmgw.pki import control_plane_problem
 from llmgw.relay import NOT_PROCESSED, relay
 from llmgw.upstream import UpstreamError, UpstreamPool
 
@@ -68,7 +72,8 @@ class DataPlane:
         self.inflight = 0
         self.accepting = True
         self._idle = asyncio.Event()
-        self._checked: weakref.WeakKeyDictionary[asyncio.BaseTransport, bool] = (
+        # Per connection: "" when the peer is the control plane, else why it is not.
+        self._checked: weakref.WeakKeyDictionary[asyncio.BaseTransport, str] = (
             weakref.WeakKeyDictionary()
         )
         self._runner: web.AppRunner | None = None
@@ -130,28 +135,25 @@ class DataPlane:
 
     def _peer_allowed(self, request: web.Request) -> bool:
         """Whether the connection's client certificate is the control plane's (cached per
-        connection: decoding the certificate on every request costs more than relaying)."""
+        connection: decoding the certificate on every request costs more than relaying; a
+        refusal is logged once per connection)."""
         transport = request.transport
         if transport is None:
             return False
-        allowed = self._checked.get(transport)
-        if allowed is None:
-            allowed = _is_control_plane(transport.get_extra_info("peercert"))
-            self._checked[transport] = allowed
-        return allowed
+        problem = self._checked.get(transport)
+        if problem is None:
+            problem = _control_plane_problem(transport) or ""
+            self._checked[transport] = problem
+            if problem:  # once per connection, however many requests it sends
+                log.warning(
+                    "refused a data-plane request from a certificate that is not the control "
+                    "plane's",
+                    extra={"fields": {"peer": str(request.remote), "reason": problem}},
+                )
+        return not problem
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         if not self._peer_allowed(request):
-            peer = request.transport.get_extra_info("peercert") if request.transport else None
-            log.warning(
-                "refused a data-plane request from a certificate that is not the control plane's",
-                extra={
-                    "fields": {
-                        "peer": str(request.remote),
-                        "subject": str(peer and peer.get("subject")),
-                    }
-                },
-            )
             return _error(403, "only the control plane may use the data plane", "forbidden")
         if not self.accepting:
             return _error(
@@ -205,11 +207,11 @@ class DataPlane:
                 self._idle.set()
 
 
-def _is_control_plane(peercert: object) -> bool:
-    if not isinstance(peercert, dict):
-        return False
-    for rdn in peercert.get("subject", ()):
-        for key, value in rdn:
-            if key == "commonName" and value == CONTROL_PLANE_CN:
-                return True
-    return False
+def _control_plane_problem(transport: asyncio.BaseTransport) -> str | None:
+    """None when the connection's client certificate carries the control plane's identity
+    (:data:`llmgw.pki.CONTROL_PLANE_OID`; the handshake verified it against the cluster CA),
+    else why not. A common name proves nothing here: it is only a name."""
+    ssl_object = transport.get_extra_info("ssl_object")
+    if not isinstance(ssl_object, ssl.SSLObject | ssl.SSLSocket):
+        return "the connection is not TLS"
+    return control_plane_problem(ssl_object.getpeercert(binary_form=True))

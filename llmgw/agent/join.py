@@ -2,8 +2,10 @@
 
 The key is generated here and never leaves the node. The cluster CA is fetched over an
 unverified TLS connection and accepted only if its hash equals the pin (``--ca-hash``); the
-token travels only afterwards, over TLS verified against that CA. Nothing is written until
-the returned certificate has been checked, and then every file is replaced atomically.
+token travels only afterwards, over TLS verified against that CA, and only to a server whose
+certificate carries the control plane's identity (a node's certificate from the same CA, even
+one for the very host name dialled, does not). Nothing is written until the returned
+certificate has been checked, and then every file is replaced atomically.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import re
 import secrets
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -285,9 +288,16 @@ def _request(
     *,
     body: bytes | None,
     timeout: float,
+    check_peer: Callable[[bytes | None], None] | None = None,
 ) -> tuple[int, bytes]:
+    """One request; ``check_peer`` sees the server's certificate (DER) once the handshake is
+    done and before a byte of the request is sent, and raises to stop it there."""
     conn = http.client.HTTPSConnection(url.host, url.port, context=ctx, timeout=timeout)
     try:
+        if check_peer is not None:
+            conn.connect()
+            assert isinstance(conn.sock, ssl.SSLSocket)
+            check_peer(conn.sock.getpeercert(binary_form=True))
         headers = {"Accept": "application/json", "User-Agent": "llmgw-agent-join"}
         if body is not None:
             headers["Content-Type"] = "application/json"
@@ -336,13 +346,39 @@ def _fetch_ca(url: EnrollURL, timeout: float) -> x509.Certificate:
         ) from exc
 
 
+def _require_control_plane(url: EnrollURL) -> Callable[[bytes | None], None]:
+    """The check of the enrolment server's certificate that the TLS library cannot make: the
+    pinned CA issues node certificates too, and a node's id may equal the host name in ``url``;
+    only the control plane's certificate carries :data:`pki.CONTROL_PLANE_OID`."""
+
+    def check(der: bytes | None) -> None:
+        problem = pki.control_plane_problem(der)
+        if problem is not None:
+            raise EnrolmentError(
+                f"the server at {url} is not the control plane, though the pinned CA issued "
+                f"its certificate: {problem}; the token was NOT sent. Check the address "
+                "against the one printed by 'llmgw ctl join-command'",
+                code="not_control_plane",
+            )
+
+    return check
+
+
 def _post_enroll(
     url: EnrollURL, ca_pem: bytes, payload: dict[str, object], timeout: float
 ) -> dict[str, object]:
     ctx = ssl.create_default_context(cadata=ca_pem.decode("ascii"))
     body = json.dumps(payload).encode()
     try:
-        status, data = _request(url, ctx, "POST", "/enroll", body=body, timeout=timeout)
+        status, data = _request(
+            url,
+            ctx,
+            "POST",
+            "/enroll",
+            body=body,
+            timeout=timeout,
+            check_peer=_require_control_plane(url),
+        )
     except ssl.SSLCertVerificationError as exc:
         if exc.verify_code in _NAME_MISMATCH:
             raise EnrolmentError(

@@ -242,6 +242,7 @@ class Agent:
             spool=cfg.state_dir / "update",
             report=send_update_status,
             ssl_context=download_tls,
+            cluster_ca=tls.ca,
         )
         self.spooler = spooler
 

@@ -23,6 +23,7 @@ from llmgw.agent.shards import EXITED, FAILED, READY, STARTING, Shard, ShardMana
 from llmgw.agent.sidecars import SidecarSpec
 from llmgw.errors import EngineError, LlmgwError, StaleEpoch, UpdateError
 from llmgw.log import kv
+from llmgw.pki import CONTROL_PLANE_NAME
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 
@@ -202,6 +203,11 @@ class StreamClient:
             certificate_chain=current.cert,
         )
         options = [
+            # Whatever address we dial, only a certificate naming CONTROL_PLANE_NAME passes
+            # the handshake: control-plane certificates carry it, a node's never can (its id
+            # may equal the host name we dial). Nothing is read from the stream before that,
+            # so no epoch or order from anyone else ever reaches the operation log.
+            ("grpc.ssl_target_name_override", CONTROL_PLANE_NAME),
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
@@ -421,6 +427,16 @@ def _describe_rpc_error(exc: grpc.aio.AioRpcError, server: str) -> str:
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return f"refused by {server}: {details}"
     if code == grpc.StatusCode.UNAVAILABLE:
+        lowered = details.lower()
+        # gRPC's words for a certificate without the name we pin (older and newer releases)
+        if "hostname verification" in lowered or "not in peer certificate" in lowered:
+            return (
+                f"{server} is not the control plane: its TLS certificate, though issued by the "
+                f"cluster CA, does not carry the name {CONTROL_PLANE_NAME} that every "
+                "control-plane certificate does (a node's certificate, or a control plane not "
+                "yet restarted on this version, which reissues it); check that the address in "
+                "agent.yaml is the control plane's"
+            )
         if (
             "certificate" in details.lower()
             or "handshake" in details.lower()

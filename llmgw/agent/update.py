@@ -48,8 +48,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from llmgw.errors import ConfigError, UpdateError
-from llmgw.pki import validate_node_id
+from llmgw.errors import CertificateError, ConfigError, UpdateError
+from llmgw.pki import control_plane_problem, load_cert, validate_node_id
 
 __all__ = [
     "ARCHES",
@@ -241,6 +241,11 @@ class Spooler:
     ssl_context: Callable[[], ssl.SSLContext]
     download_timeout: float = 1800.0
     poll_interval: float = 2.0
+    # The cluster CA: an https server whose certificate it issued must be the control plane
+    # (a node's certificate may name the same host), checked in the handshake. Others (an
+    # operator's or ACME certificate) are left to the context's trust; the order's SHA-256
+    # vouches for the bytes either way.
+    cluster_ca: Path | None = None
 
     def __post_init__(self) -> None:
         self._op_ids: dict[int, str] = {}
@@ -311,7 +316,11 @@ class Spooler:
         digest = hashlib.sha256()
         size = 0
         timeout = aiohttp.ClientTimeout(total=self.download_timeout, sock_connect=30)
-        ssl_arg: ssl.SSLContext | bool = self.ssl_context() if url.startswith("https:") else False
+        ssl_arg: ssl.SSLContext | bool = False
+        if url.startswith("https:"):
+            ssl_arg = self.ssl_context()
+            if self.cluster_ca is not None:
+                ssl_arg.sslobject_class = _control_plane_only(self.cluster_ca)
         try:
             async with (
                 aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session,
@@ -336,6 +345,23 @@ class Spooler:
                         digest.update(chunk)
                     out.flush()
                     os.fsync(out.fileno())
+        except aiohttp.ClientConnectorCertificateError as exc:
+            if not isinstance(exc.certificate_error, NotControlPlane):
+                raise UpdateError(
+                    f"downloading the bundle from {url} failed: {exc}; check that this node "
+                    "reaches the control plane's HTTP port",
+                    state="failed",
+                ) from exc
+            log.warning(
+                "refused a bundle download from a server that is not the control plane",
+                extra={"fields": {"url": url, "reason": str(exc.certificate_error)}},
+            )
+            raise UpdateError(
+                f"downloading the bundle from {url} was refused before it was asked for: the "
+                f"server is not the control plane ({exc.certificate_error}); check the control "
+                "plane's advertised address and order the update again",
+                state="failed",
+            ) from exc
         except aiohttp.ClientError as exc:
             raise UpdateError(
                 f"downloading the bundle from {url} failed: {exc or type(exc).__name__}; "
@@ -378,6 +404,48 @@ class Spooler:
         while True:
             await asyncio.sleep(self.poll_interval)
             self.poll()
+
+
+class NotControlPlane(ssl.SSLCertVerificationError):
+    """The TLS peer holds a certificate from the cluster CA that is not the control plane's."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return self.problem
+
+
+def _control_plane_only(ca_path: Path) -> type[ssl.SSLObject]:
+    """An SSLObject class that ends the handshake, before a byte of the request is sent, with a
+    peer certified by the cluster CA but not as the control plane (ssl cannot check an EKU)."""
+
+    class ControlPlaneOnly(ssl.SSLObject):
+        def do_handshake(self) -> None:
+            super().do_handshake()
+            problem = _cluster_peer_problem(self.getpeercert(binary_form=True), ca_path)
+            if problem is not None:
+                raise NotControlPlane(problem)
+
+    return ControlPlaneOnly
+
+
+def _cluster_peer_problem(der: bytes | None, ca_path: Path) -> str | None:
+    """Why an https peer is unacceptable: None for a certificate the cluster CA did not issue
+    (the TLS context's trust judged it) or one that carries the control plane's identity."""
+    if der is None:
+        return "it presented no certificate"
+    try:
+        ca = load_cert(ca_path)
+    except CertificateError as exc:
+        return str(exc)
+    try:
+        cert = x509.load_der_x509_certificate(der)
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return None
+    return control_plane_problem(cert)
 
 
 def _request_pending(spool: Path) -> bool:

@@ -18,7 +18,7 @@ from llmgw import __version__
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.engines.base import engine_names
 from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound, PasswordError
-from llmgw.pki import validate_node_id
+from llmgw.pki import check_node_id_free
 from llmgw.server.bundles import one_liner
 from llmgw.server.catalog import MODEL_NAME, adhoc_profile, parse_catalog, parse_profile
 from llmgw.server.store import DEFAULT_PROFILE, Model, Node
@@ -472,7 +472,7 @@ class AdminAPI:
         if not isinstance(node_id, str):
             raise _BadRequest("'node' (the node id to join) is required")
         try:
-            validate_node_id(node_id)
+            check_node_id_free(node_id, self.cp.control_plane_names)
         except ConfigError as exc:
             raise _BadRequest(str(exc)) from None
         ttl = body.get("ttl", 3600)

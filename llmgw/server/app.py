@@ -29,8 +29,10 @@ from llmgw.errors import ConfigError, LlmgwError, NotFound
 from llmgw.log import kv
 from llmgw.pki import (
     CA_CERT,
+    RESERVED_NAMES,
     Authority,
     Identity,
+    control_plane_names,
     ensure_server_identity,
     load_cert,
     local_addresses,
@@ -127,6 +129,8 @@ class ControlPlane:
         self.ca: Authority | None = None
         self.server_identity: Identity | None = None
         self.client_identity: Identity | None = None
+        # Every name in this control plane's certificates: no node may take one as its id.
+        self.control_plane_names: frozenset[str] = frozenset(RESERVED_NAMES)
         self.started_at = time.time()
         self._grpc: grpc.aio.Server | None = None
         self._enrolment: EnrolmentServer | None = None
@@ -206,6 +210,10 @@ class ControlPlane:
         self.ca, self.server_identity, self.client_identity = ensure_server_identity(
             self.pki_dir, hosts=hosts
         )
+        self.control_plane_names = RESERVED_NAMES | control_plane_names(
+            load_cert(self.server_identity.cert)
+        )
+        self._warn_of_nodes_named_like_the_control_plane()
         self.admin_token = _read_or_create_token(cfg.admin_token_file)
         self.updates.start()
         # 3. the Connect stream
@@ -237,6 +245,21 @@ class ControlPlane:
                 ),
             ),
         )
+
+    def _warn_of_nodes_named_like_the_control_plane(self) -> None:
+        """Nodes that joined before such ids were refused keep their certificates, which no
+        longer pass for the control plane's; the operator should still rename them."""
+        for node in self.store.list_nodes():
+            if node.id in self.control_plane_names and node.state != "revoked":
+                log.warning(
+                    "a node has the control plane's name as its id; it can no longer pose as "
+                    "the control plane, but give it another id",
+                    extra=kv(
+                        node=node.id,
+                        hint=f"llmgw ctl revoke {node.id}, then join the machine under another "
+                        "node id",
+                    ),
+                )
 
     async def _start_grpc(self) -> None:
         assert self.server_identity is not None
@@ -296,6 +319,7 @@ class ControlPlane:
             lifetime=self.cfg.cert_lifetime,
             servers=self.stream_addresses,
             on_enrolled=self._enrolled,
+            control_plane_names=lambda: self.control_plane_names,
         )
         self._enrolment = EnrolmentServer(enroller)
         host, port = parse_hostport(self.cfg.enroll_listen, allow_zero=True)

@@ -20,7 +20,7 @@ import json
 import logging
 import re
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,13 +188,27 @@ class Enroller:
         lifetime: float,
         servers: Callable[[], list[str]],
         on_enrolled: Callable[[Node], None] | None = None,
+        control_plane_names: Callable[[], Iterable[str]] = lambda: pki.RESERVED_NAMES,
     ) -> None:
         self.store = store
+        self._control_plane_names = control_plane_names
         self.ca = ca
         self.lifetime = lifetime
         self._servers = servers
         self._on_enrolled = on_enrolled
         self.ca_pem = ca.cert.public_bytes(serialization.Encoding.PEM).decode("ascii")
+
+    def _check_node_id_free(self, node_id: str) -> None:
+        """Refuse a node id the control plane answers to (a token minted before such ids were
+        refused, or by an older version, may still name one)."""
+        try:
+            pki.check_node_id_free(node_id, self._control_plane_names())
+        except ConfigError as exc:
+            raise EnrolmentError(
+                exc.message.removeprefix("node_id: ") + "; this token cannot be used",
+                code="node_id_reserved",
+                status=403,
+            ) from exc
 
     def enrol(self, req: EnrolRequest, *, peer: str = "") -> dict[str, Any]:
         """Use the token, check the CSR, record the node and its certificate, and return the
@@ -207,6 +221,7 @@ class Enroller:
                 token = store.consume_join_token(
                     req.token, node_id=req.node_id, kind=req.kind, node_uid=req.node_uid
                 )
+                self._check_node_id_free(token.node_id)
                 csr = pki.load_csr(req.csr)
                 pki.check_csr(csr, token.node_id)
                 fp = pki.fingerprint(csr.public_key())

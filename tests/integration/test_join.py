@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import serialization
 
 from llmgw import pki
 from llmgw.agent.join import join
-from llmgw.errors import EnrolmentError, PinMismatch, TokenError
+from llmgw.errors import ConfigError, EnrolmentError, PinMismatch, TokenError
 from tests.integration.harness import (
     LLMGW,
     Agent,
@@ -467,6 +467,37 @@ def test_a_revoked_token_is_listed_and_refused(server: Server, tmp_path: Path) -
     assert not (state / "node.key").exists()
     assert not (tmp_path / "gpu-07" / "agent.yaml").exists()
     assert node(server, "gpu-07") is None
+
+
+def test_node_ids_the_control_plane_answers_to_get_no_token(tmp_path: Path) -> None:
+    """A node under the control plane's own name (its advertise name, its host name) would hold
+    a certificate for that name: no token is minted for one, by the CLI or the admin API."""
+    server = start_server_with(tmp_path, advertise=["cp-adv.example"])
+    try:
+        names = pki.control_plane_names(pki.load_cert(server.pki_dir / "server.crt"))
+        assert {"cp-adv.example", pki.CONTROL_PLANE_NAME} <= names
+        refused = ctl(server, tmp_path, "join-command", "--node", "cp-adv.example")
+        assert refused.returncode != 0
+        assert "invalid node id 'cp-adv.example': the control plane answers to that name" in (
+            refused.stderr
+        ), refused.stderr
+        assert "could pose as the control plane" in refused.stderr
+
+        host = socket.gethostname().lower()
+        with pytest.raises(urllib.error.HTTPError) as info:
+            server.api("POST", "/api/join-tokens", {"node": host})
+        assert info.value.code == 400
+        message = json.loads(info.value.read())["error"]["message"]
+        try:
+            pki.validate_node_id(host)
+        except ConfigError:
+            pass  # not a node id at all: refused for that, which is fine
+        else:
+            assert "the control plane answers to that name" in message, message
+        assert server.api("GET", "/api/join-tokens") == []
+        assert ctl(server, tmp_path, "join-command", "--node", "gpu-1").returncode == 0
+    finally:
+        stop_process(server.proc)
 
 
 # --------------------------------------------------------------------------- 3. bad input

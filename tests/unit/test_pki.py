@@ -310,10 +310,11 @@ def test_server_cert_sans(ca: pki.Authority, tmp_path: Path) -> None:
         x509.IPAddress(ipaddress.ip_address("2001:db8::5")),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
         x509.IPAddress(ipaddress.ip_address("::1")),
+        x509.DNSName(pki.CONTROL_PLANE_NAME),
     ):
         assert name in got
-    assert len(got) == len(set(got)) == 8
-    assert ekus(cert) == {ExtendedKeyUsageOID.SERVER_AUTH}
+    assert len(got) == len(set(got)) == 9
+    assert ekus(cert) == {ExtendedKeyUsageOID.SERVER_AUTH, pki.CONTROL_PLANE_OID}
     assert pki.cert_common_name(cert) == "llmgw control plane"
     assert mode(ident.key) == 0o600
 
@@ -328,7 +329,8 @@ def test_control_plane_client_cert(ca: pki.Authority, tmp_path: Path) -> None:
     assert ident.cert == tmp_path / "client.crt"
     cert = pki.load_cert(ident.cert)
     assert pki.cert_common_name(cert) == pki.CONTROL_PLANE_CN == "llmgw-control-plane"
-    assert ekus(cert) == {ExtendedKeyUsageOID.CLIENT_AUTH}
+    assert ekus(cert) == {ExtendedKeyUsageOID.CLIENT_AUTH, pki.CONTROL_PLANE_OID}
+    assert sans(cert) == [x509.DNSName(pki.CONTROL_PLANE_NAME)]
     assert mode(ident.key) == 0o600
 
 
@@ -771,3 +773,183 @@ def test_csr_with_an_invalid_version_is_malformed_not_a_crash() -> None:
     with pytest.raises(CSRError) as info:
         pki.load_csr(pem)
     assert info.value.code == "csr_malformed"
+
+
+# --------------------------------------------------------------------------- the control plane's identity
+
+
+def _old_control_plane_identity(ca: pki.Authority, d: Path) -> None:
+    """server.crt and client.crt as versions before the control-plane OID issued them: the same
+    names and usages, neither the OID nor the reserved SAN."""
+    hosts = [x509.DNSName("cp"), x509.DNSName("localhost")]
+    for name, cn, sans_, usage in (
+        ("server", "llmgw control plane", hosts, ExtendedKeyUsageOID.SERVER_AUTH),
+        ("client", pki.CONTROL_PLANE_CN, [], ExtendedKeyUsageOID.CLIENT_AUTH),
+    ):
+        key = pki.new_private_key()
+        cert = pki._leaf(
+            ca,
+            key.public_key(),
+            common_name=cn,
+            sans=sans_,
+            usages=[usage],
+            lifetime=dt.timedelta(days=365),
+        )
+        pki._write_identity(ca, d, name, key, cert)
+
+
+def test_control_plane_certificates_carry_the_oid_and_node_certificates_never(
+    tmp_path: Path,
+) -> None:
+    ca, server, client = pki.ensure_server_identity(tmp_path / "cp", hosts=["cp.example.com"])
+    for ident in (server, client):
+        cert = pki.load_cert(ident.cert)
+        assert pki.CONTROL_PLANE_OID in ekus(cert)
+        assert x509.DNSName(pki.CONTROL_PLANE_NAME) in sans(cert)
+        assert pki.control_plane_problem(cert) is None
+        assert pki.control_plane_problem(cert.public_bytes(serialization.Encoding.DER)) is None
+    # A node named like the control plane's host, issued directly by the CA, as an attacker who
+    # holds such a certificate would have it: no OID, no reserved name.
+    node = pki.load_cert(pki.issue_node_cert(ca, "cp.example.com", tmp_path / "n").cert)
+    assert pki.CONTROL_PLANE_OID not in ekus(node)
+    assert sans(node) == [x509.DNSName("cp.example.com")]
+    problem = pki.control_plane_problem(node)
+    assert problem is not None
+    assert "CN=cp.example.com" in problem and pki.serial_hex(node) in problem
+    assert pki.CONTROL_PLANE_OID.dotted_string in problem
+    csr = pki.make_csr(pki.new_private_key(), "gpu-1")
+    signed = pki.sign_csr(ca, csr, node_id="gpu-1", lifetime=600)
+    assert pki.CONTROL_PLANE_OID not in ekus(signed)
+    assert pki.control_plane_problem(None) == "it presented no certificate"
+    assert pki.control_plane_problem(b"garbage").startswith("its certificate cannot be read")
+
+
+def test_the_oid_is_under_the_uuid_arc() -> None:
+    """2.25.<uuid as an integer> (ITU-T X.667): nobody else will ever assign it."""
+    import uuid
+
+    arc, _, number = pki.CONTROL_PLANE_OID.dotted_string.partition("2.25.")
+    assert arc == "" and number.isdigit()
+    assert str(uuid.UUID(int=int(number))) == "0ffb3298-e281-4223-b680-f5913b09eb6d"
+
+
+def test_ensure_server_identity_reissues_certificates_without_the_oid(tmp_path: Path) -> None:
+    """An existing cluster upgrades on the control plane's next start; the CA stays."""
+    d = tmp_path / "cp"
+    ca = pki.init_ca(d)
+    _old_control_plane_identity(ca, d)
+    before = snapshot(d)
+    ca2, server, client = pki.ensure_server_identity(d, hosts=["cp"])
+    assert ca2.ca_hash() == ca.ca_hash()
+    after = snapshot(d)
+    assert after["ca.crt"] == before["ca.crt"] and after["ca.key"] == before["ca.key"]
+    for name in ("server.crt", "server.key", "client.crt", "client.key"):
+        assert after[name][0] != before[name][0], name
+    for ident in (server, client):
+        cert = pki.load_cert(ident.cert)
+        assert pki.control_plane_problem(cert) is None
+        assert x509.DNSName(pki.CONTROL_PLANE_NAME) in sans(cert)
+        cert.verify_directly_issued_by(ca.cert)
+    assert x509.DNSName("cp") in sans(pki.load_cert(server.cert))
+    # and once marked, a restart keeps them
+    pki.ensure_server_identity(d, hosts=["cp"])
+    assert snapshot(d) == after
+
+
+def test_a_server_certificate_with_the_oid_but_not_the_name_is_reissued(tmp_path: Path) -> None:
+    d = tmp_path / "cp"
+    ca = pki.init_ca(d)
+    key = pki.new_private_key()
+    cert = pki._leaf(
+        ca,
+        key.public_key(),
+        common_name="llmgw control plane",
+        sans=[x509.DNSName("cp")],
+        usages=[ExtendedKeyUsageOID.SERVER_AUTH, pki.CONTROL_PLANE_OID],
+        lifetime=dt.timedelta(days=365),
+    )
+    pki._write_identity(ca, d, "server", key, cert)
+    _, server, _ = pki.ensure_server_identity(d, hosts=["cp"])
+    assert x509.DNSName(pki.CONTROL_PLANE_NAME) in sans(pki.load_cert(server.cert))
+
+
+def test_the_reserved_name_is_never_a_node_id() -> None:
+    with pytest.raises(ConfigError) as info:
+        pki.validate_node_id(pki.CONTROL_PLANE_NAME)
+    assert "the name every control-plane certificate carries" in str(info.value)
+    assert pki.CONTROL_PLANE_NAME in pki.RESERVED_NAMES
+
+
+def test_node_ids_the_control_plane_answers_to_are_refused(tmp_path: Path) -> None:
+    _, server, _ = pki.ensure_server_identity(
+        tmp_path / "cp", hosts=["cp-host", "cp-host.example.com", "10.0.0.5"]
+    )
+    names = pki.control_plane_names(pki.load_cert(server.cert))
+    assert {"cp-host", "cp-host.example.com", "10.0.0.5", pki.CONTROL_PLANE_NAME} <= names
+    for taken in ("cp-host", "cp-host.example.com"):
+        with pytest.raises(ConfigError) as info:
+            pki.check_node_id_free(taken, names)
+        message = str(info.value)
+        assert message.startswith(f"node_id: invalid node id {taken!r}: the control plane ")
+        assert "could pose as the control plane" in message
+        assert "'llmgw ctl join-command --node OTHER-ID'" in message
+        assert info.value.exit_code == 2
+    assert pki.check_node_id_free("gpu-1", names) == "gpu-1"
+    assert pki.check_node_id_free("cp-host.rack2", names) == "cp-host.rack2"
+    with pytest.raises(ConfigError, match="invalid node id"):
+        pki.check_node_id_free("Bad_Name", names)
+
+
+def _csr_with(
+    node_id: str, *, usages: list[x509.ObjectIdentifier] | None, dns: list[str]
+) -> x509.CertificateSigningRequest:
+    builder = x509.CertificateSigningRequestBuilder().subject_name(
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)])
+    )
+    builder = builder.add_extension(
+        x509.SubjectAlternativeName([x509.DNSName(n) for n in dns]), critical=False
+    )
+    if usages is not None:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    return builder.sign(pki.new_private_key(), hashes.SHA256())
+
+
+def test_check_csr_refuses_the_control_plane_usage(ca: pki.Authority) -> None:
+    csr = _csr_with(
+        "gpu-1",
+        usages=[ExtendedKeyUsageOID.SERVER_AUTH, pki.CONTROL_PLANE_OID],
+        dns=["gpu-1"],
+    )
+    error = _csr_error(csr)
+    assert error.code == "csr_forbidden_usage"
+    assert pki.CONTROL_PLANE_OID.dotted_string in error.message
+    with pytest.raises(CSRError, match="no node may hold"):
+        pki.sign_csr(ca, csr, node_id="gpu-1", lifetime=60)
+    # asking for ordinary usages is harmless (and ignored: the certificate is built here)
+    plain = _csr_with("gpu-1", usages=[ExtendedKeyUsageOID.CLIENT_AUTH], dns=["gpu-1"])
+    pki.check_csr(plain, "gpu-1")
+
+
+@pytest.mark.parametrize("name", [pki.CONTROL_PLANE_NAME, "LLMGW-Control-Plane.", "llmgw-x"])
+def test_check_csr_refuses_a_reserved_name(ca: pki.Authority, name: str) -> None:
+    csr = _csr_with("gpu-1", usages=None, dns=["gpu-1", name])
+    error = _csr_error(csr)
+    assert error.code == "csr_reserved_name"
+    assert repr(name) in error.message and "reserved for the control plane" in error.message
+    with pytest.raises(CSRError):
+        pki.sign_csr(ca, csr, node_id="gpu-1", lifetime=60)
+
+
+def test_tls_a_node_named_like_the_control_plane_is_no_control_plane(tmp_path: Path) -> None:
+    """What the agent's stream checks: the TLS name CONTROL_PLANE_NAME, whatever address it
+    dialled. The control plane's certificate passes; a node's for the dialled host fails."""
+    ca, server, _ = pki.ensure_server_identity(tmp_path / "cp", hosts=["cp.example.com"])
+    agent = pki.issue_node_cert(ca, "gpu1", tmp_path / "agent")
+    impostor = pki.issue_node_cert(ca, "cp.example.com", tmp_path / "impostor")
+    _, client_res = _handshake(_server_ctx(server), _client_ctx(agent), pki.CONTROL_PLANE_NAME)
+    assert client_res == "llmgw control plane"
+    # by the host name alone (what the stream checked before) the impostor passed
+    _, client_res = _handshake(_server_ctx(impostor), _client_ctx(agent), "cp.example.com")
+    assert client_res == "cp.example.com"
+    _, client_res = _handshake(_server_ctx(impostor), _client_ctx(agent), pki.CONTROL_PLANE_NAME)
+    assert isinstance(client_res, ssl.SSLCertVerificationError)

@@ -6,6 +6,7 @@ import datetime as dt
 import importlib
 import json
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -518,6 +519,59 @@ def test_an_address_not_in_the_certificate_gets_the_advertise_hint(
         "server's 'advertise' and restart it"
     )
     assert fake_elsewhere.posts == [] and not node.exists()
+
+
+# --------------------------------------------------------------------------- only the control plane
+
+
+@pytest.fixture
+def resolve_cp_host_to_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cp-1.example (the control plane's name) resolves to 127.0.0.1, where the fake listens."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: object, *args: object, **kwargs: object) -> object:
+        return real("127.0.0.1" if host == "cp-1.example" else host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+@pytest.fixture
+def impostor(tmp_path: Path) -> Iterator[Fake]:
+    """A node enrolled as cp-1.example (the control plane's host name) serving the enrolment
+    protocol with its node certificate: same CA, so the pin matches, and its SAN is the very
+    host name the joining node dials."""
+    ca = pki.init_ca(tmp_path / "cp-pki")
+    node_identity = pki.issue_node_cert(ca, "cp-1.example", tmp_path / "impostor")
+    yield from _serve(Fake(ca=ca, identity=node_identity), "127.0.0.1")
+
+
+def test_a_node_certificate_for_the_control_plane_host_gets_no_token(
+    impostor: Fake, node: Path, resolve_cp_host_to_loopback: None
+) -> None:
+    port = impostor.url.rsplit(":", 1)[1]
+    with pytest.raises(EnrolmentError) as info:
+        do_join(impostor, node, enroll_url=f"https://cp-1.example:{port}")
+    assert info.value.code == "not_control_plane"
+    message = str(info.value)
+    assert message.startswith(
+        f"the server at https://cp-1.example:{port} is not the control plane, though the "
+        "pinned CA issued its certificate: its certificate (CN=cp-1.example, serial "
+    )
+    assert pki.CONTROL_PLANE_OID.dotted_string in message
+    assert "the token was NOT sent" in message
+    assert impostor.posts == [], "the token went to a node"
+    assert [method for method, _, _ in impostor.requests] == ["GET"]  # only the CA, pinned
+    assert not node.exists()
+
+
+def test_the_control_plane_by_its_host_name_gets_the_token(
+    fake: Fake, node: Path, resolve_cp_host_to_loopback: None
+) -> None:
+    """The same path with the control plane's own certificate: the check refuses only nodes."""
+    port = fake.url.rsplit(":", 1)[1]
+    result = do_join(fake, node, enroll_url=f"https://cp-1.example:{port}")
+    assert result.node_id == NODE
+    assert len(fake.posts) == 1
 
 
 # --------------------------------------------------------------------------- the CLI

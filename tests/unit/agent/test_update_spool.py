@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import os
+import socket
 import ssl
 import time
 from collections.abc import Iterator
@@ -111,7 +112,11 @@ def spooler(tmp_path: Path, identity: Identity, reports: Reports) -> Spooler:
         return ctx
 
     return Spooler(
-        node_id=NODE, spool=tmp_path / "state" / "update", report=reports, ssl_context=tls
+        node_id=NODE,
+        spool=tmp_path / "state" / "update",
+        report=reports,
+        ssl_context=tls,
+        cluster_ca=identity.ca,  # as the agent's service wires it
     )
 
 
@@ -204,6 +209,48 @@ def test_a_server_the_cluster_ca_did_not_sign_is_not_trusted(
         assert reports.states == ["downloading", "failed"]
         assert "certificate" in reports[-1][4].lower()
         assert impostor.requests == 0
+    finally:
+        if impostor.runner is not None:
+            impostor.loop.run_until_complete(impostor.runner.cleanup())
+        impostor.loop.close()
+
+
+def test_a_node_named_like_the_control_plane_serves_no_bundle(
+    tmp_path: Path,
+    authority: Authority,
+    node_identity: Identity,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node enrolled under the control plane's host name passes TLS for that name with its
+    certificate from the cluster CA; without the control plane's OID the download stops."""
+    impostor = BundleServer(authority, tmp_path / "x")
+    impostor.server_id = pki.issue_node_cert(authority, "cp.example", tmp_path / "impostor")
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: object, *args: Any, **kwargs: Any) -> Any:
+        return real("127.0.0.1" if host == "cp.example" else host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    try:
+        reports = Reports()
+        s = spooler(tmp_path, node_identity, reports)
+
+        async def go() -> None:
+            await impostor.start()
+            url = f"https://cp.example:{impostor.port}/agent/bundles/linux-x64.tar.gz"
+            data, sig = sign_order(authority.key, order_for(url))
+            await s.handle("op-5", data, sig)
+
+        with pytest.raises(UpdateError) as info:
+            impostor.loop.run_until_complete(go())
+        assert "was refused before it was asked for: the server is not the control plane (its " in (
+            str(info.value)
+        )
+        assert pki.CONTROL_PLANE_OID.dotted_string in str(info.value)
+        assert reports.states == ["downloading", "failed"]
+        assert impostor.requests == 0  # the handshake ended it
+        assert not (tmp_path / "state" / "update" / REQUEST).exists()
+        assert [p.name for p in (tmp_path / "state" / "update").iterdir()] == []
     finally:
         if impostor.runner is not None:
             impostor.loop.run_until_complete(impostor.runner.cleanup())

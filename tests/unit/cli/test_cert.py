@@ -88,6 +88,22 @@ def test_issue_client_invalid_node_id(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists()
 
 
+def test_issue_client_refuses_a_name_of_the_control_plane(tmp_path: Path) -> None:
+    """In a control plane's own PKI directory, its names (server.crt's SANs) are not node ids."""
+    d = tmp_path / "pki"
+    pki.ensure_server_identity(d, hosts=["cp-1.example"])
+    code, out, err = run(
+        "issue-client", "cp-1.example", "--dir", str(d), "--out", str(tmp_path / "o")
+    )
+    assert (code, out) == (2, "")
+    assert err.startswith(
+        "error: node_id: invalid node id 'cp-1.example': the control plane answers to that name"
+    )
+    assert not (tmp_path / "o").exists()
+    code, _, err = run("issue-client", "gpu-1", "--dir", str(d), "--out", str(tmp_path / "o"))
+    assert (code, err) == (0, "")
+
+
 def test_dir_is_required_and_help_names_env_var() -> None:
     result = CliRunner().invoke(cert, ["init-ca"], env={"LLMGW_PKI_DIR": ""})
     assert result.exit_code == 2

@@ -772,3 +772,68 @@ def test_fuzz_parse_and_enrol(cluster_pki: PKI, tmp_path: Path) -> None:
     assert {"bad_json", "bad_request"} <= set(codes)
     assert any(code.startswith("token_") for code in codes)
     assert any(code.startswith("csr_") for code in codes)
+
+
+# --------------------------------------------------------------------------- only the control plane
+
+
+def test_a_node_id_the_control_plane_answers_to_is_refused(
+    env: Env, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A token for the control plane's own host name (minted before such ids were refused, or by
+    an older version) gets no certificate: it would be a certificate for the control plane's
+    name. Nothing is stored, the token stays unspent, the refusal is one log line."""
+    _, server, _ = pki.ensure_server_identity(tmp_path / "cp", hosts=["cp-1.example"])
+    names = pki.control_plane_names(pki.load_cert(server.cert))
+    enroller = Enroller(
+        env.store,
+        env.ca,
+        lifetime=LIFETIME,
+        servers=lambda: list(SERVERS),
+        control_plane_names=lambda: names,
+    )
+    secret = env.mint("cp-1.example")
+    before = env.snapshot()
+    with caplog.at_level(logging.WARNING, logger="llmgw.server.enroll"):
+        with pytest.raises(EnrolmentError) as info:
+            enroller.enrol(
+                parse_enrol_request(json.dumps(request(secret, "cp-1.example")).encode())
+            )
+    assert (info.value.code, info.value.status) == ("node_id_reserved", 403)
+    assert str(info.value) == (
+        "invalid node id 'cp-1.example': the control plane answers to that name (it is in the "
+        "control plane's TLS certificate), and a node under it could pose as the control plane; "
+        "give this machine another node id (node_id in its agent.yaml, 'llmgw ctl join-command "
+        "--node OTHER-ID'); this token cannot be used"
+    )
+    assert env.snapshot() == before
+    (line,) = [r for r in caplog.records if r.getMessage() == "enrolment refused"]
+    assert line.fields["code"] == "node_id_reserved"  # type: ignore[attr-defined]
+    # the same enroller still enrols other nodes
+    assert enroller.enrol(parse_enrol_request(json.dumps(request(env.mint())).encode()))
+
+
+def test_a_csr_asking_for_the_control_plane_identity_is_refused(env: Env, cluster_pki: PKI) -> None:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    key = pki.new_private_key()
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, NODE)]))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(NODE)]),
+            critical=False,
+        )
+        .add_extension(x509.ExtendedKeyUsage([pki.CONTROL_PLANE_OID]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    secret = env.mint()
+
+    async def body(env: Env) -> None:
+        before = env.snapshot()
+        status, answer = await post(env, request(secret, key=key, csr=csr))
+        assert (status, answer["error"]["code"]) == (400, "csr_forbidden_usage"), answer
+        assert env.snapshot() == before
+
+    serve(env, cluster_pki, body)
