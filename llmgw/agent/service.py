@@ -199,7 +199,16 @@ class Agent:
         stream_ref.append(self.stream)
 
         async def install(order: pb.InstallEngine) -> None:
-            info = await install_engine(order, state_dir=cfg.state_dir)
+            # https:// publishers are verified against the system trust store and the cluster
+            # CA (a control plane serving builds over :8080 with TLS).
+            verify = ssl.create_default_context()
+            verify.load_verify_locations(cafile=str(tls.ca))
+            info = await install_engine(
+                order,
+                state_dir=cfg.state_dir,
+                sources=cfg.install_sources,
+                ssl_context=verify,
+            )
             log.info(
                 "engine installed",
                 extra=kv(engine=info.name, version=info.version, path=info.path),
