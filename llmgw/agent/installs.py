@@ -54,6 +54,7 @@ __all__ = [
     "ENGINES",
     "MAX_DOWNLOAD_BYTES",
     "MAX_UNPACKED_BYTES",
+    "download_ssl_context",
     "install_engine",
     "remove_leftovers",
 ]
@@ -91,6 +92,15 @@ _BINARIES: dict[str, tuple[str, Callable[[tuple[str, ...]], bool]]] = {
         lambda parts: parts[-2:] == ("bin", "python"),
     ),
 }
+
+# Where distributions keep the system trust store, for a frozen binary whose OpenSSL was
+# built with another distribution's default path.
+_SYSTEM_BUNDLES = (
+    "/etc/ssl/certs/ca-certificates.crt",  # Debian, Ubuntu, Alpine
+    "/etc/pki/tls/certs/ca-bundle.crt",  # RHEL, Fedora, Rocky
+    "/etc/ssl/ca-bundle.pem",  # SUSE
+    "/etc/ssl/cert.pem",
+)
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -195,6 +205,20 @@ async def install_engine(
         )
     finally:
         await _in_thread(_remove_tree, tmp)
+
+
+def download_ssl_context(cluster_ca: Path | None) -> ssl.SSLContext:
+    """How https:// publishers are verified: the system trust store (found also where the
+    binary's OpenSSL looks elsewhere) and the cluster CA."""
+    ctx = ssl.create_default_context()
+    if not ctx.cert_store_stats().get("x509_ca"):
+        for bundle in _SYSTEM_BUNDLES:
+            if os.path.isfile(bundle):
+                ctx.load_verify_locations(cafile=bundle)
+                break
+    if cluster_ca is not None:
+        ctx.load_verify_locations(cafile=str(cluster_ca))
+    return ctx
 
 
 def remove_leftovers(state_dir: Path) -> list[Path]:

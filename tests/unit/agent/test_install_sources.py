@@ -22,7 +22,7 @@ from aiohttp import web
 
 from llmgw import pki
 from llmgw.agent.config import parse_agent_config
-from llmgw.agent.installs import install_engine
+from llmgw.agent.installs import download_ssl_context, install_engine
 from llmgw.agent.sources import SourcePrefix, parse_prefix
 from llmgw.errors import ConfigError, EngineError
 from llmgw.proto import control_pb2 as pb
@@ -101,8 +101,8 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ctx.load_cert_chain(identity.cert, identity.key)
         return ctx
 
-    client = ssl.create_default_context()
-    client.load_verify_locations(cafile=str(good.ca))
+    client = download_ssl_context(good.ca)  # the system store and the cluster CA
+    assert client.cert_store_stats()["x509_ca"] >= 1
     return {"good": server_ctx(good), "rogue": server_ctx(rogue), "client": client}
 
 
