@@ -8,7 +8,10 @@ stream is bounded here before any of it reaches the store:
 - **Per kind.** A message over its kind's limit (:data:`KIND_LIMITS`) is dropped. Free text
   that ends up in the store or in events (a shard's reason, an operation's error, an
   update's message) is cut to :data:`MAX_TEXT` characters.
-- **Per node.** Token buckets: inventories (:data:`INVENTORY_RATE`), certificate requests
+- **Per node.** Token buckets, kept across the node's reconnections: streams opened (each
+  Hello carries an inventory: :data:`HELLO_RATE`; one too many is refused with
+  ``RESOURCE_EXHAUSTED`` and the agent backs off), inventories (:data:`INVENTORY_RATE`),
+  certificate requests
   (a burst of :data:`RENEWAL_BURST`, then one per minute, or per quarter of the certificate
   lifetime when that is shorter), everything else (:data:`MESSAGE_RATE`). What a bucket cannot pay
   for is dropped, with one log line per node per :data:`LOG_EVERY` seconds counting drops.
@@ -73,6 +76,7 @@ PENDING_KINDS = frozenset({"heartbeat", "inventory", "draining", "cert_request"}
 
 # (burst, refill per second)
 MESSAGE_RATE = (256.0, 32.0)
+HELLO_RATE = (10.0, 0.2)
 INVENTORY_RATE = (4.0, 0.2)
 RENEWAL_BURST = 3.0
 LOG_EVERY = 30.0
@@ -196,11 +200,27 @@ class Intake:
 
     def __post_init__(self) -> None:
         for name, (burst, rate) in (
+            ("hello", HELLO_RATE),
             ("message", MESSAGE_RATE),
             ("inventory", INVENTORY_RATE),
             ("renewal", (RENEWAL_BURST, 1.0 / max(self.renewal_interval, 0.001))),
         ):
             self._buckets[name] = TokenBucket(burst, rate, clock=self.clock)
+
+    def admit_stream(self) -> str | None:
+        """A new stream of this node: None when it may open (a fresh abuse window starts; the
+        buckets carry over), else why not (logged with the drops, rate-limited)."""
+        if self._buckets["hello"].take():
+            self.abuse = None
+            self._window_start, self._window_drops = float("-inf"), 0
+            return None
+        self._count("hello (reconnecting too often)")
+        burst, rate = HELLO_RATE
+        return (
+            f"node {self.node_id} opened over {burst:g} streams in a row (then one per "
+            f"{1 / rate:g} s is allowed); the agent retries by itself, check why it reconnects "
+            "so often (its log)"
+        )
 
     def admit(self, msg: pb.AgentMessage, *, approved: bool) -> bool:
         kind = msg.WhichOneof("msg") or "empty"
@@ -219,8 +239,6 @@ class Intake:
 
     def _drop(self, kind: str, why: str) -> bool:
         self.dropped += 1
-        key = f"{kind} ({why})"
-        self._unlogged[key] = self._unlogged.get(key, 0) + 1
         now = self.clock()
         if now - self._window_start > ABUSE_WINDOW:
             self._window_start, self._window_drops = now, 0
@@ -231,6 +249,13 @@ class Intake:
                 "that were dropped (over their size or rate limits, or not allowed before "
                 "approval); the stream is closed; check the agent's version and its host"
             )
+        self._count(f"{kind} ({why})")
+        return False
+
+    def _count(self, key: str) -> None:
+        """Count a refusal; log the counts at most once per LOG_EVERY seconds."""
+        self._unlogged[key] = self._unlogged.get(key, 0) + 1
+        now = self.clock()
         if now - self._logged_at >= LOG_EVERY:
             self._logged_at = now
             log.warning(
@@ -242,7 +267,6 @@ class Intake:
                 ),
             )
             self._unlogged.clear()
-        return False
 
 
 def _trim_text(msg: pb.AgentMessage) -> None:

@@ -147,6 +147,16 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self, cp: ControlPlane, on_session_end: Callable[[NodeSession], None] | None = None
     ) -> None:
         self.cp = cp
+        # Per node, across its reconnections (llmgw.server.intake).
+        self._intakes: dict[str, Intake] = {}
+
+    def _intake(self, node_id: str) -> Intake:
+        intake = self._intakes.get(node_id)
+        if intake is None:
+            lifetime = float(self.cp.cfg.cert_lifetime)
+            intake = Intake(node_id, renewal_interval=min(60.0, lifetime / 4))
+            self._intakes[node_id] = intake
+        return intake
 
     async def Connect(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         peer = context.peer()
@@ -181,7 +191,12 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             self.cp.store.add_event("stream_refused", hello.node_id, refusal)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         assert cert is not None
+        intake = self._intake(hello.node_id)
+        too_often = intake.admit_stream()
+        if too_often is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_often)
         session = self.cp.open_session(hello, peer, cert)
+        session.intake = intake
         await context.write(
             pb.ServerMessage(
                 welcome=pb.Welcome(
@@ -211,10 +226,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, session.intake.abuse)
 
     async def _read(self, context: grpc.aio.ServicerContext, session: NodeSession) -> None:
-        if session.intake is None:
-            lifetime = float(self.cp.cfg.cert_lifetime)
-            session.intake = Intake(session.node_id, renewal_interval=min(60.0, lifetime / 4))
-        intake = session.intake
+        intake = session.intake = session.intake or self._intake(session.node_id)
         try:
             while True:
                 msg = await context.read()

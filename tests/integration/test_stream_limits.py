@@ -12,6 +12,7 @@ import asyncio
 import json
 import sqlite3
 import urllib.request
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -136,6 +137,31 @@ async def ended_with(call: Any, timeout: float = 10.0) -> grpc.aio.AioRpcError:
     return caught.value
 
 
+async def reconnect_flood(
+    node: RawNode, msg: pb.AgentMessage | None, *, hello: pb.Hello | None = None, times: int = 30
+) -> Counter[str]:
+    """Open ``times`` streams in a row, sending ``msg`` on each (it must end the stream);
+    count how each went: "cut" (ended after msg), "welcomed" (no msg), "refused" (at the
+    Hello, for reconnecting too often)."""
+    outcomes: Counter[str] = Counter()
+    for _ in range(times):
+        async with node.stream(hello) as call:
+            try:
+                await welcomed(call)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                assert f"node {node.id} opened over 10 streams in a row" in (exc.details() or "")
+                outcomes["refused"] += 1
+                continue
+            if msg is None:
+                outcomes["welcomed"] += 1
+                continue
+            await call.write(msg)
+            assert (await ended_with(call)).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            outcomes["cut"] += 1
+    return outcomes
+
+
 def db_bytes(server: Server) -> int:
     db = server.state_dir / "llmgw.db"
     return sum(p.stat().st_size for p in (db, db.with_name("llmgw.db-wal")) if p.exists())
@@ -190,45 +216,45 @@ def test_a_pending_node_flooding_3mb_inventories_grows_nothing(
     server: Server, tmp_path: Path
 ) -> None:
     node = enrol(server, tmp_path, "gpu-p")
+    other = enrol(server, tmp_path, "gpu-p2")
 
     async def attack() -> None:
         async with node.stream() as call:
             await welcomed(call)
+        async with other.stream() as call:
+            await welcomed(call)
         before = db_bytes(server)
-        # 30 inventories of 3 MB: each ends its stream (over the transport limit), and the
-        # node reconnects for the next, as a hostile agent would.
-        codes = set()
-        for _ in range(30):
-            async with node.stream() as call:
-                await welcomed(call)
-                await call.write(pb.AgentMessage(inventory=huge_inventory(3 * MB)))
-                codes.add((await ended_with(call)).code())
-        assert codes == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-        # 30 inventories just under the per-kind limit: kept in memory only, never stored.
-        async with node.stream() as call:
+        # 30 inventories of 3 MB, reconnecting for each as a hostile agent would: each ends
+        # its stream (over the transport limit), and once the node has reconnected too
+        # often its streams are refused at the Hello.
+        big = pb.AgentMessage(inventory=huge_inventory(3 * MB))
+        outcomes = await reconnect_flood(node, big)
+        assert outcomes["cut"] >= 5 and outcomes["refused"] >= 10, outcomes
+        # Another pending node: 30 inventories just under the per-kind limit are kept in
+        # memory only, never stored...
+        async with other.stream() as call:
             await welcomed(call)
             for _ in range(30):
                 await call.write(pb.AgentMessage(inventory=huge_inventory(500 * 1024)))
             await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(seq=1)))
             await asyncio.sleep(0.5)
-            assert node_entry(server, "gpu-p")["connected"]
-        # 30 Hellos of nearly 1 MB: only a bounded summary of each is stored.
-        for _ in range(30):
-            async with node.stream(node.hello(huge_inventory(900 * 1024, node.id))) as call:
-                await welcomed(call)
+            assert node_entry(server, "gpu-p2")["connected"]
+        # ...and of 30 Hellos of nearly 1 MB, only a bounded summary is stored.
+        hello = other.hello(huge_inventory(900 * 1024, other.id))
+        outcomes = await reconnect_flood(other, None, hello=hello)
+        assert outcomes["welcomed"] >= 5, outcomes
         grown = db_bytes(server) - before
         assert grown < DB_BOUND, f"the database grew by {grown} bytes"
 
     asyncio.run(attack())
     assert server.proc.poll() is None
-    entry = node_entry(server, "gpu-p")
-    assert entry["state"] == "pending"
+    assert {node_entry(server, n)["state"] for n in ("gpu-p", "gpu-p2")} == {"pending"}
     events = assert_events_bounded(server)
     assert not [e for e in events if e["kind"] == "inventory_changed"]
     # What is stored of it is the summary: a few warnings, cut short.
-    stored = sqlite_inventory(server, "gpu-p")
+    stored = sqlite_inventory(server, "gpu-p2")
     assert len(json.dumps(stored)) < 16 * 1024
-    assert all(len(w) <= 256 for w in stored["warnings"])
+    assert 1 <= len(stored["warnings"]) and all(len(w) <= 256 for w in stored["warnings"])
 
 
 def test_a_pending_nodes_inventory_is_stored_once_it_is_approved(
@@ -296,15 +322,7 @@ def test_an_approved_node_flooding_inventories_and_statuses_stays_bounded(
             await welcomed(call)
             approve(server, node)
             await next_of(call, "node_state")
-        before = db_bytes(server)
-        for _ in range(30):
-            async with node.stream() as call:
-                await welcomed(call)
-                status = pb.ShardStatus(shard_id="s", state=pb.SHARD_FAILED, reason="r" * 3 * MB)
-                await call.write(pb.AgentMessage(shard_status=status))
-                assert (await ended_with(call)).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        async with node.stream() as call:
-            await welcomed(call)
+            before = db_bytes(server)
             for i in range(30):
                 inv = huge_inventory(400 * 1024, f"gpu-a-{i}")
                 await call.write(pb.AgentMessage(inventory=inv))
@@ -322,6 +340,10 @@ def test_an_approved_node_flooding_inventories_and_statuses_stays_bounded(
             await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(seq=1)))
             await asyncio.sleep(1.0)
             assert node_entry(server, "gpu-a")["connected"]
+        # Statuses of 3 MB, reconnecting for each: cut at the transport, then refused.
+        status = pb.ShardStatus(shard_id="s", state=pb.SHARD_FAILED, reason="r" * 3 * MB)
+        outcomes = await reconnect_flood(node, pb.AgentMessage(shard_status=status))
+        assert outcomes["cut"] >= 5 and outcomes["refused"] >= 10, outcomes
         grown = db_bytes(server) - before
         assert grown < DB_BOUND, f"the database grew by {grown} bytes"
 

@@ -179,3 +179,26 @@ def test_a_pending_nodes_stored_inventory_is_a_bounded_summary() -> None:
     assert list(summary.engines) == ["sim", "vllm"]
     assert [len(w) for w in summary.warnings] == [256] * 3
     assert not summary.ib_adapters and not summary.engine_details
+
+
+def test_streams_opened_too_often_are_refused_and_the_buckets_outlive_a_stream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    intake = Intake("gpu-1", clock=clock)
+    with caplog.at_level(logging.WARNING, logger="llmgw.server.intake"):
+        answers = [intake.admit_stream() for _ in range(12)]
+    assert answers[:10] == [None] * 10
+    assert answers[10] is not None and "node gpu-1 opened over 10 streams in a row" in answers[10]
+    assert "one per 5 s" in answers[10]
+    assert len([r for r in caplog.records if "dropped" in r.getMessage()]) == 1
+    clock.t += 5.0
+    assert intake.admit_stream() is None
+    # A flood's abuse verdict ends with the stream; the spent buckets do not.
+    for _ in range(ABUSE_DROPS + 1):
+        intake.admit(status(), approved=False)
+    assert intake.abuse is not None
+    spent = sum(intake.admit(inventory(), approved=True) for _ in range(10))
+    clock.t += 5.0
+    assert intake.admit_stream() is None and intake.abuse is None
+    assert spent == 4 and sum(intake.admit(inventory(), approved=True) for _ in range(10)) == 1
