@@ -15,6 +15,8 @@ stream is bounded here before any of it reaches the store:
   (a burst of :data:`RENEWAL_BURST`, then one per minute, or per quarter of the certificate
   lifetime when that is shorter), everything else (:data:`MESSAGE_RATE`). What a bucket cannot pay
   for is dropped, with one log line per node per :data:`LOG_EVERY` seconds counting drops.
+- **Refused streams** (a revoked certificate, a node id that is not the certificate's) are
+  recorded as an event and a log line at :data:`REFUSAL_RATE` per certificate name.
 - **Gross abuse.** A node that has more than :data:`ABUSE_DROPS` messages dropped within
   :data:`ABUSE_WINDOW` seconds has its stream closed with ``RESOURCE_EXHAUSTED``.
 - **Pending nodes** (never approved) may send only what approval needs: heartbeats, the
@@ -77,6 +79,7 @@ PENDING_KINDS = frozenset({"heartbeat", "inventory", "draining", "cert_request"}
 # (burst, refill per second)
 MESSAGE_RATE = (256.0, 32.0)
 HELLO_RATE = (10.0, 0.2)
+REFUSAL_RATE = (5.0, 1.0 / 30.0)
 INVENTORY_RATE = (4.0, 0.2)
 RENEWAL_BURST = 3.0
 LOG_EVERY = 30.0
@@ -201,6 +204,7 @@ class Intake:
     def __post_init__(self) -> None:
         for name, (burst, rate) in (
             ("hello", HELLO_RATE),
+            ("refusal", REFUSAL_RATE),
             ("message", MESSAGE_RATE),
             ("inventory", INVENTORY_RATE),
             ("renewal", (RENEWAL_BURST, 1.0 / max(self.renewal_interval, 0.001))),
@@ -221,6 +225,15 @@ class Intake:
             f"{1 / rate:g} s is allowed); the agent retries by itself, check why it reconnects "
             "so often (its log)"
         )
+
+    def record_refusal(self) -> bool:
+        """Whether a refused stream of this certificate's holder is worth an event and a log
+        line (:data:`REFUSAL_RATE`); the others are only counted, so that a node retrying with
+        a revoked certificate cannot flush the event log."""
+        if self._buckets["refusal"].take():
+            return True
+        self._count("hello (refused)")
+        return False
 
     def admit(self, msg: pb.AgentMessage, *, approved: bool) -> bool:
         kind = msg.WhichOneof("msg") or "empty"

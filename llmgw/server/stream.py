@@ -176,19 +176,24 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 f"stream claims node id {claimed!r} but its certificate is for {cn!r}; "
                 f"set node_id in agent.yaml to {cn!r} or join the node under its own id"
             )
-            log.warning("refused a stream", extra=kv(peer=peer, claimed=claimed, cert_cn=cn))
-            self.cp.store.add_event("stream_refused", claimed or "?", message)
+            if self._intake(cn or "?").record_refusal():
+                log.warning("refused a stream", extra=kv(peer=peer, claimed=claimed, cert_cn=cn))
+                self.cp.store.add_event("stream_refused", claimed or "?", message)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
         problem = hello_problem(hello)
         if problem is not None:
-            log.warning("refused a stream", extra=kv(peer=peer, node=cn, reason=problem))
+            if self._intake(hello.node_id).record_refusal():
+                log.warning("refused a stream", extra=kv(peer=peer, node=cn, reason=problem))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         trim_hello(hello)
         cert = peer_certificate(context)
         refusal = self.cp.certificate_refusal(hello.node_id, cert)
         if refusal is not None:
-            log.warning("refused a stream", extra=kv(peer=peer, node=hello.node_id, reason=refusal))
-            self.cp.store.add_event("stream_refused", hello.node_id, refusal)
+            if self._intake(hello.node_id).record_refusal():
+                log.warning(
+                    "refused a stream", extra=kv(peer=peer, node=hello.node_id, reason=refusal)
+                )
+                self.cp.store.add_event("stream_refused", hello.node_id, refusal)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         assert cert is not None
         intake = self._intake(hello.node_id)

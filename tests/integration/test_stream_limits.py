@@ -355,6 +355,24 @@ def test_an_approved_node_flooding_inventories_and_statuses_stays_bounded(
     assert "dropped messages from a node" in server.log()
 
 
+def test_a_revoked_node_retrying_cannot_flush_the_event_log(server: Server, tmp_path: Path) -> None:
+    node = enrol(server, tmp_path, "gpu-v")
+    server.api("POST", "/api/nodes/gpu-v/revoke")
+
+    async def retry() -> None:
+        for _ in range(30):
+            async with node.stream() as call:
+                error = await ended_with(call)
+            assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "was revoked" in (error.details() or "")
+
+    asyncio.run(retry())
+    events = assert_events_bounded(server)
+    refused = [e for e in events if e["kind"] == "stream_refused" and e["subject"] == "gpu-v"]
+    assert 1 <= len(refused) <= 6, len(refused)
+    assert server.log().count("refused a stream") <= 6
+
+
 # --------------------------------------------------------------------------- renewal
 
 

@@ -202,3 +202,11 @@ def test_streams_opened_too_often_are_refused_and_the_buckets_outlive_a_stream(
     clock.t += 5.0
     assert intake.admit_stream() is None and intake.abuse is None
     assert spent == 4 and sum(intake.admit(inventory(), approved=True) for _ in range(10)) == 1
+
+
+def test_refused_streams_are_recorded_at_a_bounded_rate() -> None:
+    clock = Clock()
+    intake = Intake("gpu-1", clock=clock)
+    assert [intake.record_refusal() for _ in range(8)] == [True] * 5 + [False] * 3
+    clock.t += 30.0
+    assert [intake.record_refusal(), intake.record_refusal()] == [True, False]
