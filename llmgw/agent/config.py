@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.agent.sources import SourcePrefix, parse_prefix
 from llmgw.config_util import (
     Checker,
     apply_overrides,
@@ -58,6 +59,7 @@ _TOP_KEYS = (
     "stop_shards_on_exit",
     "runtime",
     "docker",
+    "install_sources",
 )
 _TLS_KEYS = ("cert", "key", "ca")
 _FABRIC_KEYS = ("name", "hcas")
@@ -144,6 +146,8 @@ class AgentConfig:
     stop_shards_on_exit: bool = False
     runtime: str = "process"
     docker: DockerConfig = field(default_factory=DockerConfig)
+    # Where engine installs may download from besides https:// (llmgw.agent.sources).
+    install_sources: tuple[SourcePrefix, ...] = ()
     source: Path | None = None
 
 
@@ -238,6 +242,7 @@ def _parse(
         ),
         runtime=runtime,
         docker=_docker(check, top.get("docker"), runtime),
+        install_sources=_install_sources(check, top.get("install_sources")),
         source=source,
     )
 
@@ -442,6 +447,25 @@ def _engines(check: Checker, value: object) -> EnginesConfig:
         vllm_bin=programs.get("vllm_bin"),
         sglang_python=programs.get("sglang_python"),
     )
+
+
+def _install_sources(check: Checker, value: object) -> tuple[SourcePrefix, ...]:
+    if value is None:
+        return ()
+    prefixes: list[SourcePrefix] = []
+    for index, item in enumerate(check.strings(value, "install_sources")):
+        key = index_key("install_sources", index)
+        try:
+            prefix = parse_prefix(item)
+        except ValueError as exc:
+            check.fail(
+                key,
+                f"{item!r} is not a source prefix: {exc}; give the start of the URLs engine "
+                "builds may come from, e.g. https://releases.example.net/llama.cpp/, "
+                "http://10.0.0.2:8000/engines/ or file:///srv/engines/",
+            )
+        prefixes.append(prefix)
+    return tuple(prefixes)
 
 
 def _runtime(check: Checker, value: object) -> str:

@@ -4,6 +4,13 @@ The agent downloads the publisher's build for its architecture, checks its SHA-2
 it safely under ``<state_dir>/engines/<engine>/<version>/``, runs it, and only then offers it
 (through the ``llmgw-engine.json`` manifest that discovery reads). A refused install raises
 :class:`EngineError` and leaves nothing behind.
+
+The URL comes from the control plane, so the download is no probe of the node's network:
+only ``https://`` (verified against the system trust store and the cluster CA) or the
+``http://``/``file://`` places listed in ``install_sources`` are fetched, redirects only to
+listed ``https://`` places (llmgw.agent.sources), and until the SHA-256 matched, what the
+control plane hears is "download failed", "refused" or "checksum mismatch", never a status,
+size, digest or error of whatever answered: those go to the agent's own log.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import os
 import platform
 import re
 import shutil
+import ssl
 import stat
 import tarfile
 import tempfile
@@ -34,15 +42,19 @@ from typing import IO, Any, ParamSpec, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
+from yarl import URL
 
 from llmgw.agent.discovery import ENGINE_MANIFEST, check_engine_binary
+from llmgw.agent.sources import SourcePrefix, allowed, split_url
 from llmgw.errors import EngineError
+from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 
 __all__ = [
     "ENGINES",
     "MAX_DOWNLOAD_BYTES",
     "MAX_UNPACKED_BYTES",
+    "download_ssl_context",
     "install_engine",
     "remove_leftovers",
 ]
@@ -57,6 +69,8 @@ ARCHIVE_KINDS = ".tar.gz, .tgz, .tar.xz, .tar or .zip"
 _SGLANG_CHECK = "import sglang, sys; print(sglang.__version__)"
 
 _CHUNK = 1 << 20
+MAX_REDIRECTS = 5
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _TMP_PREFIX = ".tmp-"
 _VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
@@ -79,6 +93,15 @@ _BINARIES: dict[str, tuple[str, Callable[[tuple[str, ...]], bool]]] = {
     ),
 }
 
+# Where distributions keep the system trust store, for a frozen binary whose OpenSSL was
+# built with another distribution's default path.
+_SYSTEM_BUNDLES = (
+    "/etc/ssl/certs/ca-certificates.crt",  # Debian, Ubuntu, Alpine
+    "/etc/pki/tls/certs/ca-bundle.crt",  # RHEL, Fedora, Rocky
+    "/etc/ssl/ca-bundle.pem",  # SUSE
+    "/etc/ssl/cert.pem",
+)
+
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
@@ -91,16 +114,20 @@ async def install_engine(
     timeout: float = 3600.0,
     max_bytes: int = MAX_DOWNLOAD_BYTES,
     max_unpacked_bytes: int = MAX_UNPACKED_BYTES,
+    sources: tuple[SourcePrefix, ...] = (),
+    ssl_context: ssl.SSLContext | None = None,
 ) -> pb.EngineInfo:
     """Carry out an ``InstallEngine`` order and return the installed engine (``ok=True``).
 
     ``arch`` is this machine's architecture (default ``platform.machine()``); ``timeout``
-    bounds the download. Re-sending an order for a version already installed from the same
-    SHA-256 checks that install again and returns it without downloading. Every refusal is
-    an :class:`EngineError` saying what was wrong and what to do.
+    bounds the download. ``sources`` are agent.yaml's ``install_sources``; ``ssl_context``
+    verifies https:// servers (default: the system trust store; the agent adds the cluster
+    CA). Re-sending an order for a version already installed from the same SHA-256 checks
+    that install again and returns it without downloading. Every refusal is an
+    :class:`EngineError` saying what was wrong and what to do.
     """
     machine = _canonical_arch(arch or platform.machine())
-    engine, version, url, want = _validate(order, machine)
+    engine, version, url, want = _validate(order, machine, sources)
     shown = _display_url(url)
     root = _engines_root(Path(state_dir))
     final = root / engine / version
@@ -119,12 +146,24 @@ async def install_engine(
         ) from exc
     try:
         archive = tmp / "download"
-        got = await _download(url, shown, archive, timeout=timeout, max_bytes=max_bytes)
+        got = await _download(
+            url,
+            shown,
+            archive,
+            timeout=timeout,
+            max_bytes=max_bytes,
+            sources=sources,
+            ssl_context=ssl_context,
+        )
         if not hmac.compare_digest(got, want):
+            log.warning(
+                "engine download does not match the order's SHA-256",
+                extra=kv(url=shown, got=got, want=want, size=archive.stat().st_size),
+            )
             raise EngineError(
-                f"checksum mismatch for {shown}: got {got}, the order says {want}; the "
-                "download was deleted; check the SHA-256 the publisher gives for this build "
-                "(or what changed the file on its way here) and send the order again"
+                f"checksum mismatch for {shown}: the download is not the build the order's "
+                "SHA-256 names; it was deleted; check the SHA-256 the publisher gives for "
+                "this build and send the order again"
             )
         staging = tmp / "root"
         kind = _archive_kind(urlsplit(url).path, archive, shown)
@@ -168,6 +207,20 @@ async def install_engine(
         await _in_thread(_remove_tree, tmp)
 
 
+def download_ssl_context(cluster_ca: Path | None) -> ssl.SSLContext:
+    """How https:// publishers are verified: the system trust store (found also where the
+    binary's OpenSSL looks elsewhere) and the cluster CA."""
+    ctx = ssl.create_default_context()
+    if not ctx.cert_store_stats().get("x509_ca"):
+        for bundle in _SYSTEM_BUNDLES:
+            if os.path.isfile(bundle):
+                ctx.load_verify_locations(cafile=bundle)
+                break
+    if cluster_ca is not None:
+        ctx.load_verify_locations(cafile=str(cluster_ca))
+    return ctx
+
+
 def remove_leftovers(state_dir: Path) -> list[Path]:
     """Delete the temporary folders that an install interrupted by a crash left behind.
 
@@ -186,7 +239,9 @@ def remove_leftovers(state_dir: Path) -> list[Path]:
 # -- the order --------------------------------------------------------------------------
 
 
-def _validate(order: pb.InstallEngine, machine: str) -> tuple[str, str, str, str]:
+def _validate(
+    order: pb.InstallEngine, machine: str, sources: tuple[SourcePrefix, ...]
+) -> tuple[str, str, str, str]:
     engine, version, url = order.engine, order.version, order.url.strip()
     sha256 = order.sha256.strip().lower()
     if engine not in ENGINES:
@@ -199,11 +254,19 @@ def _validate(order: pb.InstallEngine, machine: str) -> tuple[str, str, str, str
             f"cannot install {engine} version {version!r}: a version is 1-64 letters, digits, "
             "'.', '_', '+' and '-', starting with a letter or digit; fix the order's version"
         )
-    parts = urlsplit(url)
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+    try:
+        scheme = split_url(url)[0]
+    except ValueError as exc:
         raise EngineError(
-            f"cannot install {engine} {version} from {_display_url(url)!r}: the URL must be "
-            "http:// or https:// with a host; fix the order's url"
+            f"cannot install {engine} {version} from {_display_url(url)!r}: {exc}; fix the "
+            "order's url"
+        ) from None
+    if scheme != "https" and not allowed(url, sources, schemes=(scheme,)):
+        raise EngineError(
+            f"cannot install {engine} {version} from {_display_url(url)}: {scheme}:// URLs are "
+            "fetched only from places listed in install_sources in agent.yaml (e.g. "
+            f"'install_sources: [{_suggested_prefix(url)}]'); list it there and restart the "
+            "agent, or order an https:// URL"
         )
     if not _SHA256.fullmatch(sha256):
         raise EngineError(
@@ -216,6 +279,12 @@ def _validate(order: pb.InstallEngine, machine: str) -> tuple[str, str, str, str
             f"is {machine}; send the build for {machine}"
         )
     return engine, version, url, sha256
+
+
+def _suggested_prefix(url: str) -> str:
+    """The folder of ``url``: what an operator would list to allow it."""
+    shown = _display_url(url).split("?", 1)[0]
+    return shown.rsplit("/", 1)[0] + "/"
 
 
 def _canonical_arch(name: str) -> str:
@@ -312,57 +381,131 @@ def _argv(engine: str, binary: Path) -> list[str]:
 # -- download ----------------------------------------------------------------------------
 
 
-async def _download(url: str, shown: str, dest: Path, *, timeout: float, max_bytes: int) -> str:
-    """Stream ``url`` into ``dest`` and return its SHA-256 (hex)."""
+def _failed(shown: str, why: str) -> EngineError:
+    """What the control plane hears of a failed download: the URL it sent, nothing of what
+    answered (that goes to the node's log)."""
+    log.warning("engine download failed", extra=kv(url=shown, reason=why))
+    return EngineError(
+        f"download of {shown} failed; the agent's log on the node says why (journalctl -u "
+        "llmgw-agent); check the order's URL and that the node can reach it, then send the "
+        "order again"
+    )
+
+
+def _redirect_refused(shown: str, target: str) -> EngineError:
+    log.warning(
+        "engine download refused: it redirects to a place not listed in install_sources",
+        extra=kv(url=shown, location=target),
+    )
+    return EngineError(
+        f"download of {shown} refused: it redirects, and redirects are followed only to "
+        "https:// places listed in install_sources in agent.yaml; list the place the agent's "
+        "log names there and restart the agent, or order the final URL"
+    )
+
+
+async def _download(
+    url: str,
+    shown: str,
+    dest: Path,
+    *,
+    timeout: float,
+    max_bytes: int,
+    sources: tuple[SourcePrefix, ...],
+    ssl_context: ssl.SSLContext | None,
+) -> str:
+    """Fetch ``url`` into ``dest`` and return its SHA-256 (hex)."""
+    if urlsplit(url).scheme.lower() == "file":
+        return await _in_thread(_copy_file, url, shown, dest, max_bytes, sources)
     digest = hashlib.sha256()
     size = 0
     loop = asyncio.get_running_loop()
-    too_big = (
-        f"the download of {shown} is bigger than the limit of {max_bytes} bytes; the download "
-        "was deleted; check that the order's URL is the engine build and not something else"
-    )
     client_timeout = aiohttp.ClientTimeout(
         total=None, sock_connect=min(60.0, timeout), sock_read=min(300.0, timeout)
     )
+    verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
+    current = url
     try:
-        async with asyncio.timeout(timeout):
-            async with (
-                aiohttp.ClientSession(timeout=client_timeout, auto_decompress=False) as session,
-                session.get(url) as resp,
-            ):
-                if resp.status != 200:
-                    status = f"HTTP {resp.status} {resp.reason or ''}".rstrip()
-                    raise EngineError(
-                        f"download of {shown} failed: {status}; check the order's URL and "
-                        "that the publisher still serves it"
-                    )
-                if resp.content_length is not None and resp.content_length > max_bytes:
-                    raise EngineError(too_big)
-                # One writer thread; leaving the `with` waits for a write in flight, so the
-                # cleanup after a cancellation never races it.
-                with open(dest, "xb") as out, ThreadPoolExecutor(1) as writer:
-                    async for chunk in resp.content.iter_chunked(_CHUNK):
-                        size += len(chunk)
-                        if size > max_bytes:
-                            raise EngineError(too_big)
-                        await loop.run_in_executor(writer, _write_chunk, out, digest, chunk)
+        async with (
+            asyncio.timeout(timeout),
+            aiohttp.ClientSession(timeout=client_timeout, auto_decompress=False) as session,
+        ):
+            for hop in range(MAX_REDIRECTS + 1):
+                async with session.get(current, allow_redirects=False, ssl=verify) as resp:
+                    if resp.status in _REDIRECTS:
+                        target = _redirect_target(current, resp.headers.get("Location", ""))
+                        if hop == MAX_REDIRECTS or not allowed(target, sources, schemes=("https",)):
+                            raise _redirect_refused(shown, _display_url(target))
+                        current = target
+                        continue
+                    if resp.status != 200:
+                        raise _failed(shown, f"HTTP {resp.status} {resp.reason or ''}".rstrip())
+                    if resp.content_length is not None and resp.content_length > max_bytes:
+                        raise _failed(shown, f"over the limit of {max_bytes} bytes")
+                    # One writer thread; leaving the `with` waits for a write in flight, so
+                    # the cleanup after a cancellation never races it.
+                    with open(dest, "xb") as out, ThreadPoolExecutor(1) as writer:
+                        async for chunk in resp.content.iter_chunked(_CHUNK):
+                            size += len(chunk)
+                            if size > max_bytes:
+                                raise _failed(shown, f"over the limit of {max_bytes} bytes")
+                            await loop.run_in_executor(writer, _write_chunk, out, digest, chunk)
+                    return digest.hexdigest()
     except EngineError:
         raise
     except aiohttp.ClientError as exc:
-        raise EngineError(
-            f"download of {shown} failed: {exc or type(exc).__name__}; check that this node "
-            "can reach the publisher (proxy, firewall, DNS) and send the order again"
-        ) from exc
+        raise _failed(shown, str(exc) or type(exc).__name__) from exc
     except TimeoutError as exc:
-        raise EngineError(
-            f"download of {shown} did not finish within {timeout:g} s; the partial download "
-            "was deleted; check the node's bandwidth to the publisher and send the order again"
-        ) from exc
+        raise _failed(shown, f"did not finish within {timeout:g} s") from exc
     except OSError as exc:
         raise EngineError(
             f"cannot write the download of {shown} under {dest.parent.parent}: "
             f"{exc.strerror}; free space in the state directory and send the order again"
         ) from exc
+    raise AssertionError("unreachable: the redirect loop returns or raises")
+
+
+def _redirect_target(current: str, location: str) -> str:
+    try:
+        return str(URL(current).join(URL(location)))
+    except (ValueError, TypeError):
+        return location
+
+
+def _copy_file(
+    url: str, shown: str, dest: Path, max_bytes: int, sources: tuple[SourcePrefix, ...]
+) -> str:
+    """Copy a listed file:// source into ``dest``; its SHA-256. A symlink that leads out of
+    the listed places is refused."""
+    real = os.path.realpath(split_url(url)[3])
+    if not allowed(Path(real).as_uri(), sources, schemes=("file",)):
+        log.warning(
+            "engine download refused: the file leads out of install_sources",
+            extra=kv(url=shown, resolved=real),
+        )
+        raise EngineError(
+            f"download of {shown} refused: it resolves (through a symlink) to a file outside "
+            "the file:// places listed in install_sources in agent.yaml; list the file's own "
+            "folder there or order its real path"
+        )
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise _failed(shown, exc.strerror or str(exc)) from exc
+    with os.fdopen(fd, "rb") as src:
+        if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
+            raise _failed(shown, "not a regular file")
+        try:
+            with open(dest, "xb") as out:
+                while chunk := src.read(_CHUNK):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise _failed(shown, f"over the limit of {max_bytes} bytes")
+                    _write_chunk(out, digest, chunk)
+        except OSError as exc:
+            raise _failed(shown, exc.strerror or str(exc)) from exc
     return digest.hexdigest()
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from llmgw.agent.config import AgentConfig
 from llmgw.agent.dataplane import DataPlane, server_ssl_context
-from llmgw.agent.installs import install_engine, remove_leftovers
+from llmgw.agent.installs import download_ssl_context, install_engine, remove_leftovers
 from llmgw.agent.inventory import InventoryWatcher
 from llmgw.agent.oplog import OperationLog
 from llmgw.agent.renewal import Renewer, recover_identity
@@ -210,7 +210,14 @@ class Agent:
         stream_ref.append(self.stream)
 
         async def install(order: pb.InstallEngine) -> None:
-            info = await install_engine(order, state_dir=cfg.state_dir)
+            # https:// publishers are verified against the system trust store and the cluster
+            # CA (a control plane serving builds over :8080 with TLS).
+            info = await install_engine(
+                order,
+                state_dir=cfg.state_dir,
+                sources=cfg.install_sources,
+                ssl_context=await asyncio.to_thread(download_ssl_context, tls.ca),
+            )
             log.info(
                 "engine installed",
                 extra=kv(engine=info.name, version=info.version, path=info.path),

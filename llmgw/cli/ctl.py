@@ -669,7 +669,10 @@ def engines() -> None:
 @click.argument("version")
 @click.option("--all", "all_nodes", is_flag=True, help="Every approved node.")
 @click.option(
-    "--url", required=True, help="Where the nodes download the build (a .tar.gz/.tar.xz/.zip)."
+    "--url",
+    required=True,
+    help="Where the nodes download the build (a .tar.gz/.tar.xz/.zip): https://, or http:// "
+    "and file:// from places the nodes list in install_sources in agent.yaml.",
 )
 @click.option("--sha256", "sha", required=True, help="The publisher's SHA-256 of that file.")
 @click.option("--arch", default="", help="Only for this architecture (x86_64, aarch64).")

@@ -651,8 +651,11 @@ class AdminAPI:
             fields[key] = value
         if not re.fullmatch(r"[0-9a-fA-F]{64}", fields["sha256"]):
             raise _BadRequest("sha256 must be the 64 hex characters the publisher lists")
-        if not fields["url"].startswith(("http://", "https://")):
-            raise _BadRequest("url must be http:// or https://")
+        if not fields["url"].startswith(("http://", "https://", "file://")):
+            raise _BadRequest(
+                "url must be https:// (or http:// or file:// from a place the node lists in "
+                "install_sources in its agent.yaml)"
+            )
         arch = body.get("arch") or ""
         if not isinstance(arch, str):
             raise _BadRequest("arch must be a string such as x86_64 or aarch64")

@@ -45,6 +45,7 @@ from llmgw.server.bundles import BundleStore, add_bundle_routes
 from llmgw.server.config import ServerConfig
 from llmgw.server.enroll import Enroller, EnrolmentServer
 from llmgw.server.enroll import server_ssl_context as enroll_ssl_context
+from llmgw.server.intake import MAX_MESSAGE_BYTES, pending_inventory
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.routing import Endpoint, Router
@@ -275,6 +276,8 @@ class ControlPlane:
                 ("grpc.keepalive_timeout_ms", 5_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.keepalive_permit_without_calls", 1),
+                # Larger messages end the stream with RESOURCE_EXHAUSTED (llmgw.server.intake).
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ]
         )
         pb_grpc.add_ControlPlaneServicer_to_server(ControlPlaneService(self), self._grpc)
@@ -457,8 +460,13 @@ class ControlPlane:
 
     def open_session(self, hello: pb.Hello, peer: str, cert: x509.Certificate) -> NodeSession:
         node_id = hello.node_id
-        inventory = inventory_dict(hello.inventory)
         self.membership.admit(node_id, cert)
+        # Until an operator approves it, a node's inventory is kept in memory and only a
+        # bounded summary of it stored: enough to judge the node by.
+        approved = self.node_state(node_id) == "approved"
+        inventory = inventory_dict(
+            hello.inventory if approved else pending_inventory(hello.inventory)
+        )
         self.store.upsert_node(
             node_id,
             dataplane_addr=hello.dataplane_addr,
@@ -483,6 +491,8 @@ class ControlPlane:
             epoch=self.epoch,
             engines=frozenset(hello.inventory.engines),
             serial=serial_hex(cert),
+            approved=approved,
+            held_inventory=None if approved else hello.inventory,
         )
         self.sessions[node_id] = session
         self.store.add_event(
@@ -608,29 +618,36 @@ class ControlPlane:
         elif kind == "draining":
             session.draining = True
             self.router.remove_node(session.node_id)
-            self.store.add_event(
-                "node_draining", session.node_id, "agent stopping; no new requests sent to it"
-            )
+            if session.approved:
+                self.store.add_event(
+                    "node_draining", session.node_id, "agent stopping; no new requests sent to it"
+                )
             log.info("agent is stopping; routing around it", extra=kv(node=session.node_id))
             self._count_ready()
         elif kind == "cert_request":
             self.membership.renew(session, msg.cert_request.csr_pem)
         elif kind == "inventory":
-            session.engines = frozenset(msg.inventory.engines)
-            node = self.store.get_node(session.node_id)
-            self.store.upsert_node(
-                session.node_id,
-                dataplane_addr=session.dataplane_addr,
-                agent_version=node.agent_version,
-                inventory=inventory_dict(msg.inventory),
-                connected=True,
-            )
-            self.store.add_event(
-                "inventory_changed", session.node_id, _inventory_summary(msg.inventory)
-            )
-            self.scheduler.kick()
+            if session.approved:
+                self.store_inventory(session, msg.inventory)
+            else:
+                # No churn stored before approval: the latest is stored on approval.
+                session.held_inventory = msg.inventory
         else:
             log.warning("unexpected message on a stream", extra=kv(node=session.node_id, kind=kind))
+
+    def store_inventory(self, session: NodeSession, inv: pb.Inventory) -> None:
+        """Record an approved node's inventory and let the scheduler look at it."""
+        session.engines = frozenset(inv.engines)
+        node = self.store.get_node(session.node_id)
+        self.store.upsert_node(
+            session.node_id,
+            dataplane_addr=session.dataplane_addr,
+            agent_version=node.agent_version,
+            inventory=inventory_dict(inv),
+            connected=True,
+        )
+        self.store.add_event("inventory_changed", session.node_id, _inventory_summary(inv))
+        self.scheduler.kick()
 
     def _apply_status(self, session: NodeSession, status: pb.ShardStatus) -> None:
         state = _PB_STATE.get(status.state)

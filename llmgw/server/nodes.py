@@ -1,10 +1,12 @@
 """Who may be part of the fleet: admission, approval, rejection, revocation and renewal.
 
 A node is admitted on its first stream as **pending** (it may stay connected but gets no
-orders) with the fingerprint of the key in its certificate; an operator who compares that
-fingerprint approves it. Revocation puts every certificate serial of the node on the deny
-list and cuts its stream at once; only a fresh join brings it back. Certificates are
-renewed over the stream with a CSR for a new key.
+orders, and little of what it sends is kept: llmgw.server.intake) with the fingerprint of
+the key in its certificate; an operator who compares that fingerprint approves it.
+Revocation puts every certificate serial of the node on the deny list and cuts its stream
+at once; only a fresh join brings it back. Certificates of approved nodes are renewed over
+the stream with a CSR for a new key; the new certificate replaces the old one, whose serial
+goes on the deny list as soon as the new one is issued (the stream it came on stays up).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ __all__ = ["Membership"]
 
 log = logging.getLogger("llmgw.server.nodes")
 
+RENEWED = "replaced by a renewal"
+"""The revocation reason of a certificate a renewal replaced."""
+
 
 class Membership:
     def __init__(self, cp: ControlPlane) -> None:
@@ -45,6 +50,13 @@ class Membership:
         serial = serial_hex(cert)
         rejoin = f"the node can come back only through a fresh join ('llmgw ctl join-command --node {node_id}')"
         if serial in self.revoked:
+            if self._replaced_by_renewal(node_id, serial):
+                return (
+                    f"certificate {serial} of node {node_id} was replaced by a renewal and is "
+                    "no longer valid; the agent must use the renewed certificate (check "
+                    "node.crt in its state directory) or get a new one with 'llmgw ctl "
+                    f"join-command --rekey {node_id}'"
+                )
             return f"certificate {serial} of node {node_id} was revoked; {rejoin}"
         try:
             node = self.cp.store.get_node(node_id)
@@ -53,6 +65,18 @@ class Membership:
         if node.state == "revoked":
             return f"node {node_id} is revoked; {rejoin}"
         return None
+
+    def _replaced_by_renewal(self, node_id: str, serial: str) -> bool:
+        try:
+            node = self.cp.store.get_node(node_id)
+        except NotFound:
+            return False
+        if node.state != "approved":
+            return False
+        return any(
+            c.serial == serial and c.reason == RENEWED
+            for c in self.cp.store.list_certificates(node_id)
+        )
 
     def admit(self, node_id: str, cert: x509.Certificate) -> None:
         """Record the node (pending when new) and the certificate it connected with."""
@@ -110,6 +134,11 @@ class Membership:
         log.info("node approved", extra=kv(node=node_id))
         session = self.cp.sessions.get(node_id)
         if session is not None:
+            session.approved = True
+            held, session.held_inventory = session.held_inventory, None
+            if held is not None:
+                # What it reported while pending (only a summary was stored).
+                self.cp.store_inventory(session, held)
             session.send(
                 pb.ServerMessage(
                     node_state=pb.NodeState(state="approved", message="approved by an operator")
@@ -169,6 +198,12 @@ class Membership:
             node = store.get_node(session.node_id)
             if node.state == "revoked":
                 raise Conflict(f"node {session.node_id} is revoked")
+            if node.state != "approved" or not session.approved:
+                raise Conflict(
+                    f"node {session.node_id} is {node.state}: certificates are renewed only "
+                    "for approved nodes; compare its fingerprint and approve it first ('llmgw "
+                    f"ctl approve {session.node_id} --fingerprint {node.fingerprint}')"
+                )
             csr = load_csr(csr_pem)
             check_csr(csr, session.node_id)
             cert = sign_csr(ca, csr, node_id=session.node_id, lifetime=self.cp.cfg.cert_lifetime)
@@ -179,22 +214,31 @@ class Membership:
         from cryptography.hazmat.primitives.serialization import Encoding
 
         fp = fingerprint(cert.public_key())
+        serial = serial_hex(cert)
+        until = time.strftime("%Y-%m-%d %H:%M", time.gmtime(cert.not_valid_after_utc.timestamp()))
         with store.transaction():
             store.add_certificate(
-                serial_hex(cert),
+                serial,
                 node_id=session.node_id,
                 fingerprint=fp,
                 not_before=cert.not_valid_before_utc.timestamp(),
                 not_after=cert.not_valid_after_utc.timestamp(),
             )
             store.set_node_fingerprint(session.node_id, fp)
+            # The renewed certificate replaces every other one of the node (the one this
+            # stream came on, and any an earlier renewal issued that the node never took).
+            replaced = store.revoke_certificates(
+                session.node_id, reason=RENEWED, except_serial=serial
+            )
             store.add_event(
                 "cert_renewed",
                 session.node_id,
-                f"serial {serial_hex(cert)} until {time.strftime('%Y-%m-%d %H:%M', time.gmtime(cert.not_valid_after_utc.timestamp()))}Z",
+                f"serial {serial} until {until}Z; replaced {', '.join(replaced) or '-'}",
             )
+        self.revoked.update(replaced)
         log.info(
-            "renewed a node certificate", extra=kv(node=session.node_id, serial=serial_hex(cert))
+            "renewed a node certificate",
+            extra=kv(node=session.node_id, serial=serial, replaced=",".join(replaced)),
         )
         session.send(
             pb.ServerMessage(

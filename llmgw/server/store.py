@@ -61,6 +61,11 @@ SHARD_FIELDS: frozenset[str] = frozenset(
 
 MAX_EVENTS = 10_000
 """Events kept; older ones are trimmed every :attr:`Store.event_trim_every` inserts."""
+MAX_EVENT_BYTES = 4 * 1024 * 1024
+"""Characters of kind, subject and message kept over all events (trimmed with the count)."""
+MAX_EVENT_MESSAGE = 1000
+"""Characters of one event's message; a longer one is cut (ending in '…')."""
+MAX_EVENT_SUBJECT = 255
 
 API_KEY_PREFIX = "sk-llmgw-"
 JOIN_TOKEN_PREFIX = "llmgwjt_"
@@ -730,6 +735,7 @@ class Store:
         self._depth = 0
         self._events_since_trim = self.event_trim_every  # trim on the first insert
         self.max_events = MAX_EVENTS
+        self.max_event_bytes = MAX_EVENT_BYTES
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -1727,7 +1733,11 @@ class Store:
     # ------------------------------------------------------------------- events
 
     def add_event(self, kind: str, subject: str, message: str) -> Event:
-        """Record an event; the oldest are trimmed to keep at most :attr:`max_events`."""
+        """Record an event, its message cut to :data:`MAX_EVENT_MESSAGE` characters (and its
+        subject to :data:`MAX_EVENT_SUBJECT`); the oldest are trimmed to keep at most
+        :attr:`max_events` events and :attr:`max_event_bytes` characters of them."""
+        kind, subject = _cut(kind, 64), _cut(subject, MAX_EVENT_SUBJECT)
+        message = _cut(message, MAX_EVENT_MESSAGE)
         with self._write():
             cur = self._db.execute(
                 "INSERT INTO events(ts, kind, subject, message) VALUES (?, ?, ?, ?)",
@@ -1740,6 +1750,13 @@ class Store:
                     "DELETE FROM events WHERE id <= "
                     "(SELECT id FROM events ORDER BY id DESC LIMIT 1 OFFSET ?)",
                     (self.max_events,),
+                )
+                # The newest events up to max_event_bytes stay; older ones go.
+                self._db.execute(
+                    "DELETE FROM events WHERE id <= (SELECT id FROM (SELECT id, SUM("
+                    "length(kind) + length(subject) + length(message)) OVER (ORDER BY id DESC) "
+                    "AS total FROM events) WHERE total > ? ORDER BY id DESC LIMIT 1)",
+                    (self.max_event_bytes,),
                 )
                 self._events_since_trim = 0
             row = self._db.execute("SELECT * FROM events WHERE id = ?", (event_id,)).fetchone()
@@ -1755,6 +1772,10 @@ class Store:
                 (subject, limit),
             )
         return [Event._from_row(r) for r in rows]
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 # --------------------------------------------------------------------------- errors

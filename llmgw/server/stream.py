@@ -2,8 +2,9 @@
 
 One ``NodeSession`` per connected agent. A stream is accepted only when the node id its
 Hello claims is the CN of the client certificate it presented; otherwise both ends are
-told why. Orders to the node are queued on its session and carry the leader's epoch and
-a fresh op id.
+told why. Every message after the Hello passes the session's :class:`Intake` (size and
+rate limits, what a pending node may send) first. Orders to the node are queued on its
+session and carry the leader's epoch and a fresh op id.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from cryptography import x509
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
+from llmgw.server.intake import Intake, hello_problem, trim_hello
 
 if TYPE_CHECKING:
     from llmgw.server.app import ControlPlane
@@ -47,6 +49,12 @@ class NodeSession:
     draining: bool = False
     # Its heartbeats stopped for the loss timeout (as opposed to a stream that closed).
     silent: bool = False
+    # Approved by an operator; until then it gets no orders and little of what it sends
+    # is kept (llmgw.server.intake).
+    approved: bool = False
+    # A pending node's latest full inventory, stored once it is approved.
+    held_inventory: pb.Inventory | None = None
+    intake: Intake | None = None
 
     def _meta(self) -> pb.OrderMeta:
         return pb.OrderMeta(epoch=self.epoch, op_id=uuid.uuid4().hex)
@@ -139,6 +147,16 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self, cp: ControlPlane, on_session_end: Callable[[NodeSession], None] | None = None
     ) -> None:
         self.cp = cp
+        # Per node, across its reconnections (llmgw.server.intake).
+        self._intakes: dict[str, Intake] = {}
+
+    def _intake(self, node_id: str) -> Intake:
+        intake = self._intakes.get(node_id)
+        if intake is None:
+            lifetime = float(self.cp.cfg.cert_lifetime)
+            intake = Intake(node_id, renewal_interval=min(60.0, lifetime / 4))
+            self._intakes[node_id] = intake
+        return intake
 
     async def Connect(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         peer = context.peer()
@@ -153,21 +171,37 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         hello = first.hello
         cn = peer_common_name(context)
         if cn != hello.node_id:
+            claimed = hello.node_id[:253]
             message = (
-                f"stream claims node id {hello.node_id!r} but its certificate is for {cn!r}; "
+                f"stream claims node id {claimed!r} but its certificate is for {cn!r}; "
                 f"set node_id in agent.yaml to {cn!r} or join the node under its own id"
             )
-            log.warning("refused a stream", extra=kv(peer=peer, claimed=hello.node_id, cert_cn=cn))
-            self.cp.store.add_event("stream_refused", hello.node_id or "?", message)
+            if self._intake(cn or "?").record_refusal():
+                log.warning("refused a stream", extra=kv(peer=peer, claimed=claimed, cert_cn=cn))
+                self.cp.store.add_event("stream_refused", claimed or "?", message)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+        problem = hello_problem(hello)
+        if problem is not None:
+            if self._intake(hello.node_id).record_refusal():
+                log.warning("refused a stream", extra=kv(peer=peer, node=cn, reason=problem))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        trim_hello(hello)
         cert = peer_certificate(context)
         refusal = self.cp.certificate_refusal(hello.node_id, cert)
         if refusal is not None:
-            log.warning("refused a stream", extra=kv(peer=peer, node=hello.node_id, reason=refusal))
-            self.cp.store.add_event("stream_refused", hello.node_id, refusal)
+            if self._intake(hello.node_id).record_refusal():
+                log.warning(
+                    "refused a stream", extra=kv(peer=peer, node=hello.node_id, reason=refusal)
+                )
+                self.cp.store.add_event("stream_refused", hello.node_id, refusal)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         assert cert is not None
+        intake = self._intake(hello.node_id)
+        too_often = intake.admit_stream()
+        if too_often is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_often)
         session = self.cp.open_session(hello, peer, cert)
+        session.intake = intake
         await context.write(
             pb.ServerMessage(
                 welcome=pb.Welcome(
@@ -193,14 +227,25 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
             self.cp.close_session(session)
+        if session.intake is not None and session.intake.abuse is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, session.intake.abuse)
 
     async def _read(self, context: grpc.aio.ServicerContext, session: NodeSession) -> None:
+        intake = session.intake = session.intake or self._intake(session.node_id)
         try:
             while True:
                 msg = await context.read()
                 if msg is grpc.aio.EOF:
                     break
                 assert isinstance(msg, pb.AgentMessage)
+                if not intake.admit(msg, approved=session.approved):
+                    if intake.abuse is not None:
+                        log.warning(
+                            "closing a stream", extra=kv(node=session.node_id, reason=intake.abuse)
+                        )
+                        self.cp.store.add_event("stream_closed", session.node_id, intake.abuse)
+                        break
+                    continue
                 if msg.WhichOneof("msg") == "update_status":
                     session.last_heartbeat = time.monotonic()
                     self.cp.updates.on_status(session, msg.update_status)

@@ -199,6 +199,12 @@ INVALID = [
     ("server: cp1\ndocker: {network: 5}\n", "docker.network", "must be a string, got int"),
     ("server: cp1\ndocker: {network: 'my net'}\n", "docker.network", "not a Docker network"),
     ("server: cp1\ndocker: {gpus: all}\n", "docker.gpus", "'all' is not a GPU mode"),
+    ("server: cp1\ninstall_sources: http://x/\n", "install_sources", "must be a list of strings"),
+    (
+        "server: cp1\ninstall_sources: ['ftp://mirror/']\n",
+        "install_sources[0]",
+        "only https://, http:// and file:// URLs are allowed",
+    ),
 ]
 
 

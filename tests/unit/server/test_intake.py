@@ -1,0 +1,212 @@
+"""What a node may send on its stream: size limits, per-node token buckets, what a pending
+node may send, and when a flood closes the stream (llmgw.server.intake)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from llmgw.proto import control_pb2 as pb
+from llmgw.server.intake import (
+    ABUSE_DROPS,
+    KIND_LIMITS,
+    MAX_PENDING_INVENTORY_BYTES,
+    MAX_TEXT,
+    Intake,
+    TokenBucket,
+    hello_problem,
+    pending_inventory,
+    trim_hello,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def heartbeat() -> pb.AgentMessage:
+    return pb.AgentMessage(heartbeat=pb.Heartbeat(seq=1))
+
+
+def inventory(warning: str = "") -> pb.AgentMessage:
+    return pb.AgentMessage(inventory=pb.Inventory(hostname="gpu-1", warnings=[warning]))
+
+
+def status(reason: str = "exited") -> pb.AgentMessage:
+    return pb.AgentMessage(
+        shard_status=pb.ShardStatus(shard_id="s1", state=pb.SHARD_FAILED, reason=reason)
+    )
+
+
+def test_token_bucket_pays_its_burst_then_refills_at_its_rate() -> None:
+    clock = Clock()
+    bucket = TokenBucket(3, 2.0, clock=clock)
+    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
+    clock.t += 0.5  # one token
+    assert [bucket.take(), bucket.take()] == [True, False]
+    clock.t += 100  # never more than the capacity
+    assert sum(bucket.take() for _ in range(10)) == 3
+
+
+def test_a_pending_node_may_send_only_what_approval_needs() -> None:
+    intake = Intake("gpu-1", clock=Clock())
+    assert intake.admit(heartbeat(), approved=False)
+    assert intake.admit(inventory(), approved=False)
+    assert intake.admit(pb.AgentMessage(draining=pb.Draining()), approved=False)
+    assert intake.admit(
+        pb.AgentMessage(cert_request=pb.CertificateRequest(csr_pem="x")), approved=False
+    )
+    refused = [
+        status(),
+        pb.AgentMessage(op_result=pb.OperationResult(op_id="x", ok=False, error="e")),
+        pb.AgentMessage(update_status=pb.UpdateStatus(op_id="x", state="failed")),
+        pb.AgentMessage(),
+    ]
+    assert [intake.admit(m, approved=False) for m in refused] == [False] * 4
+    assert intake.dropped == 4
+    # Approved, the same messages pass (but an empty one never does).
+    assert [intake.admit(m, approved=True) for m in refused] == [True, True, True, False]
+
+
+def test_messages_over_their_kinds_limit_are_dropped() -> None:
+    intake = Intake("gpu-1", clock=Clock())
+    big = inventory("w" * (KIND_LIMITS["inventory"] + 1))
+    assert not intake.admit(big, approved=True)
+    huge_status = status("r" * (KIND_LIMITS["shard_status"] + 1))
+    assert not intake.admit(huge_status, approved=True)
+    csr = pb.AgentMessage(cert_request=pb.CertificateRequest(csr_pem="c" * 20_000))
+    assert not intake.admit(csr, approved=True)
+    assert intake.dropped == 3
+    # Just under the limit passes.
+    assert intake.admit(inventory("w" * (KIND_LIMITS["inventory"] - 100)), approved=True)
+
+
+def test_free_text_is_cut_before_it_reaches_the_store() -> None:
+    intake = Intake("gpu-1", clock=Clock())
+    msg = status("r" * 50_000)
+    assert intake.admit(msg, approved=True)
+    assert len(msg.shard_status.reason) == MAX_TEXT and msg.shard_status.reason.endswith("…")
+    result = pb.AgentMessage(op_result=pb.OperationResult(op_id="x", error="e" * 50_000))
+    assert intake.admit(result, approved=True)
+    assert len(result.op_result.error) == MAX_TEXT
+    hello = pb.Hello(node_id="gpu-1", shards=[pb.ShardStatus(shard_id="s", reason="q" * 9000)])
+    trim_hello(hello)
+    assert len(hello.shards[0].reason) == MAX_TEXT
+
+
+def test_inventories_are_rate_limited_per_node_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    intake = Intake("gpu-1", clock=clock)
+    other = Intake("gpu-2", clock=clock)
+    with caplog.at_level(logging.WARNING, logger="llmgw.server.intake"):
+        passed = sum(intake.admit(inventory(), approved=True) for _ in range(30))
+    assert passed == 4
+    assert other.admit(inventory(), approved=True)  # another node has its own buckets
+    lines = [r for r in caplog.records if r.getMessage() == "dropped messages from a node"]
+    assert len(lines) == 1
+    assert "inventory (rate limit): 1" in str(lines[0].__dict__["fields"]["dropped"])
+    clock.t += 5.0  # one more after its refill time
+    assert intake.admit(inventory(), approved=True)
+    assert not intake.admit(inventory(), approved=True)
+    assert intake.abuse is None
+
+
+def test_renewal_requests_are_rate_limited_by_the_certificate_lifetime() -> None:
+    clock = Clock()
+    intake = Intake("gpu-1", renewal_interval=3.0, clock=clock)
+    request = pb.AgentMessage(cert_request=pb.CertificateRequest(csr_pem="x"))
+    assert [intake.admit(request, approved=True) for _ in range(4)] == [True] * 3 + [False]
+    clock.t += 3.0
+    assert intake.admit(request, approved=True)
+
+
+def test_a_gross_flood_sets_the_abuse_reason() -> None:
+    clock = Clock()
+    intake = Intake("gpu-1", clock=clock)
+    for _ in range(ABUSE_DROPS):
+        intake.admit(status(), approved=False)
+    assert intake.abuse is None
+    intake.admit(status(), approved=False)
+    assert intake.abuse is not None
+    assert "node gpu-1" in intake.abuse and "stream is closed" in intake.abuse
+
+
+def test_drops_spread_over_time_are_no_abuse() -> None:
+    clock = Clock()
+    intake = Intake("gpu-1", clock=clock)
+    for _ in range(5):
+        for _ in range(ABUSE_DROPS // 2):
+            intake.admit(status(), approved=False)
+        clock.t += 11.0
+    assert intake.abuse is None
+
+
+def test_hello_fields_that_would_be_stored_are_bounded() -> None:
+    assert hello_problem(pb.Hello(node_id="gpu-1", dataplane_addr="10.0.0.1:9443")) is None
+    problem = hello_problem(pb.Hello(node_id="gpu-1", dataplane_addr="a" * 400))
+    assert problem is not None and "set 'advertise' in agent.yaml" in problem
+    problem = hello_problem(pb.Hello(node_id="gpu-1", agent_version="1" * 100))
+    assert problem is not None and "upgrade the agent" in problem
+    many = pb.Hello(node_id="gpu-1", shards=[pb.ShardStatus(shard_id=str(i)) for i in range(2000)])
+    problem = hello_problem(many)
+    assert problem is not None and "2000 shards" in problem
+
+
+def test_a_pending_nodes_stored_inventory_is_a_bounded_summary() -> None:
+    inv = pb.Inventory(
+        hostname="gpu-1",
+        arch="x86_64",
+        cpus=64,
+        memory_total_bytes=1 << 40,
+        engines=["sim", "vllm"],
+        warnings=["w" * 3_000_000] * 3,
+        gpus=[pb.Gpu(index=i, name="H100", uuid=f"GPU-{i}") for i in range(8)],
+        ib_adapters=[
+            pb.IbAdapter(name="mlx5_0", ports=[pb.IbPort(port=1, gids=["fe80::1"] * 10_000)])
+        ],
+        engine_details=[pb.EngineInfo(name="vllm", problem="p" * 1_000_000)],
+    )
+    summary = pending_inventory(inv)
+    assert summary.ByteSize() <= MAX_PENDING_INVENTORY_BYTES
+    assert summary.hostname == "gpu-1" and summary.cpus == 64 and len(summary.gpus) == 8
+    assert list(summary.engines) == ["sim", "vllm"]
+    assert [len(w) for w in summary.warnings] == [256] * 3
+    assert not summary.ib_adapters and not summary.engine_details
+
+
+def test_streams_opened_too_often_are_refused_and_the_buckets_outlive_a_stream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    intake = Intake("gpu-1", clock=clock)
+    with caplog.at_level(logging.WARNING, logger="llmgw.server.intake"):
+        answers = [intake.admit_stream() for _ in range(12)]
+    assert answers[:10] == [None] * 10
+    assert answers[10] is not None and "node gpu-1 opened over 10 streams in a row" in answers[10]
+    assert "one per 5 s" in answers[10]
+    assert len([r for r in caplog.records if "dropped" in r.getMessage()]) == 1
+    clock.t += 5.0
+    assert intake.admit_stream() is None
+    # A flood's abuse verdict ends with the stream; the spent buckets do not.
+    for _ in range(ABUSE_DROPS + 1):
+        intake.admit(status(), approved=False)
+    assert intake.abuse is not None
+    spent = sum(intake.admit(inventory(), approved=True) for _ in range(10))
+    clock.t += 5.0
+    assert intake.admit_stream() is None and intake.abuse is None
+    assert spent == 4 and sum(intake.admit(inventory(), approved=True) for _ in range(10)) == 1
+
+
+def test_refused_streams_are_recorded_at_a_bounded_rate() -> None:
+    clock = Clock()
+    intake = Intake("gpu-1", clock=clock)
+    assert [intake.record_refusal() for _ in range(8)] == [True] * 5 + [False] * 3
+    clock.t += 30.0
+    assert [intake.record_refusal(), intake.record_refusal()] == [True, False]

@@ -1,0 +1,125 @@
+"""Renewal over the stream (llmgw.server.nodes): only for approved nodes, and the renewed
+certificate replaces the old one everywhere: its serial is on the deny list the stream and
+the gateway's data-plane check read."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from llmgw import pki
+from llmgw.proto import control_pb2 as pb
+from llmgw.server.gateway import Gateway
+from llmgw.server.nodes import Membership
+from llmgw.server.store import Store
+from llmgw.server.stream import NodeSession
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store.open(tmp_path / "llmgw.db")
+    yield s
+    s.close()
+
+
+class Fleet:
+    """A Membership on a real store and CA, with one node joined and connected."""
+
+    def __init__(self, tmp: Path, store: Store) -> None:
+        self.ca = pki.init_ca(tmp / "ca")
+        self.store = store
+        identity = pki.issue_node_cert(self.ca, "gpu-1", tmp / "gpu-1")
+        self.cert = pki.load_cert(identity.cert)
+        self.cp = SimpleNamespace(
+            store=store,
+            ca=self.ca,
+            cfg=SimpleNamespace(cert_lifetime=3600.0),
+            sessions={},
+            scheduler=SimpleNamespace(kick=lambda: None),
+            store_inventory=lambda session, inv: None,
+        )
+        self.membership = Membership(cast(Any, self.cp))
+        self.cp.membership = self.membership
+        self.membership.admit("gpu-1", self.cert)
+        self.session = NodeSession(
+            node_id="gpu-1",
+            dataplane_addr="127.0.0.1:1",
+            epoch=1,
+            engines=frozenset(),
+            serial=pki.serial_hex(self.cert),
+        )
+        self.cp.sessions["gpu-1"] = self.session
+
+    def approve(self) -> None:
+        fp = self.store.get_node("gpu-1").fingerprint or ""
+        self.membership.approve("gpu-1", fp)
+
+    def renew(self) -> pb.RenewCertificate:
+        key = pki.new_private_key()
+        csr = pki.make_csr(key, "gpu-1").public_bytes(serialization.Encoding.PEM).decode()
+        self.membership.renew(self.session, csr)
+        while True:
+            msg = self.session.queue.get_nowait()
+            assert msg is not None
+            if msg.WhichOneof("msg") == "renew_certificate":
+                return msg.renew_certificate
+
+
+def der(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.DER)
+
+
+def test_renewal_is_refused_while_the_node_is_pending(tmp_path: Path, store: Store) -> None:
+    fleet = Fleet(tmp_path, store)
+    answer = fleet.renew()
+    assert not answer.certificate_pem
+    assert "node gpu-1 is pending" in answer.error
+    assert "certificates are renewed only for approved nodes" in answer.error
+    assert "llmgw ctl approve gpu-1 --fingerprint sha256:" in answer.error
+    assert [c.serial for c in store.list_certificates("gpu-1")] == [pki.serial_hex(fleet.cert)]
+    assert fleet.membership.revoked == set()
+
+
+def test_a_renewal_puts_the_replaced_serial_on_the_deny_list(tmp_path: Path, store: Store) -> None:
+    fleet = Fleet(tmp_path, store)
+    fleet.approve()
+    old = pki.serial_hex(fleet.cert)
+    answer = fleet.renew()
+    assert not answer.error
+    renewed = x509.load_pem_x509_certificate(answer.certificate_pem.encode())
+    new = pki.serial_hex(renewed)
+    # The old serial is denied at once, in memory and in the store; the new one is not.
+    assert fleet.membership.revoked == {old}
+    assert store.revoked_serials() == {old}
+    # The stream refuses the old certificate, saying it was replaced and what to do.
+    refusal = fleet.membership.refusal("gpu-1", fleet.cert)
+    assert refusal is not None
+    assert f"certificate {old} of node gpu-1 was replaced by a renewal" in refusal
+    assert "llmgw ctl join-command --rekey gpu-1" in refusal
+    assert fleet.membership.refusal("gpu-1", renewed) is None
+    # The gateway refuses a data plane presenting the old certificate, takes the new one.
+    gateway = Gateway(cast(Any, fleet.cp))
+    assert gateway._agent_certificate_problem(der(fleet.cert), "gpu-1") is not None
+    assert gateway._agent_certificate_problem(der(renewed), "gpu-1") is None
+    # A second renewal replaces the first renewed certificate too.
+    again = fleet.renew()
+    newer = pki.serial_hex(x509.load_pem_x509_certificate(again.certificate_pem.encode()))
+    assert fleet.membership.revoked == {old, new}
+    assert store.latest_certificate("gpu-1").serial == newer  # type: ignore[union-attr]
+
+
+def test_approval_stores_the_inventory_held_while_pending(tmp_path: Path, store: Store) -> None:
+    fleet = Fleet(tmp_path, store)
+    stored: list[pb.Inventory] = []
+    fleet.cp.store_inventory = lambda session, inv: stored.append(inv)
+    held = pb.Inventory(hostname="gpu-1", cpus=96)
+    fleet.session.held_inventory = held
+    fleet.approve()
+    assert stored == [held]
+    assert fleet.session.approved and fleet.session.held_inventory is None
