@@ -56,13 +56,12 @@ def _read(path: Path, what: str) -> bytes:
         ) from exc
 
 
-def download_ssl_context(cert: Path, key: Path, ca: Path) -> ssl.SSLContext:
+def bundle_download_ssl_context(cert: Path, key: Path, ca: Path) -> ssl.SSLContext:
     """TLS for downloads from the control plane's :8080 (update bundles): its certificate is
     the cluster CA's (``tls: cluster``) or the operator's (a public or company CA, in the
-    system trust store), so both are trusted; the bundle's signed SHA-256 is what makes it
-    safe to install."""
-    ctx = ssl.create_default_context()
-    ctx.load_verify_locations(cafile=str(ca))
+    system trust store), so both are trusted (the same trust as engine downloads); the
+    bundle's signed SHA-256 is what makes it safe to install."""
+    ctx = download_ssl_context(ca)
     ctx.load_cert_chain(cert, key)
     return ctx
 
@@ -242,7 +241,7 @@ class Agent:
             )
 
         def download_tls() -> ssl.SSLContext:
-            return download_ssl_context(tls.cert, tls.key, tls.ca)
+            return bundle_download_ssl_context(tls.cert, tls.key, tls.ca)
 
         spooler = Spooler(
             node_id=cfg.node_id,

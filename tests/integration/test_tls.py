@@ -28,7 +28,7 @@ from click.testing import CliRunner
 from cryptography import x509
 
 from llmgw import pki
-from llmgw.agent.service import download_ssl_context
+from llmgw.agent.service import bundle_download_ssl_context
 from llmgw.cli import main
 from llmgw.server.app import ControlPlane
 from llmgw.server.config import load_server_config
@@ -117,7 +117,7 @@ def test_update_orders_download_over_https_with_tls_cluster(tmp_path: Path) -> N
         assert url == f"https://127.0.0.1:{cp.http_port}/agent/bundles/linux-x64.tar.gz"
         # What the agent downloads it with: its identity, trusting the cluster CA.
         node = pki.issue_node_cert(cp.ca, "gpu-01", tmp_path / "node")
-        context = download_ssl_context(node.cert, node.key, node.ca)
+        context = bundle_download_ssl_context(node.cert, node.key, node.ca)
         assert await asyncio.to_thread(fetch, url, context) == path.read_bytes()
 
     run_cp(tmp_path, body, tls="cluster")
@@ -226,7 +226,7 @@ def test_the_operators_certificate_is_reloaded_when_its_files_change(
         assert cp.bundles is not None and cp.ca is not None
         (bundle,) = await cp.bundles.bundles()
         node = pki.issue_node_cert(cp.ca, "gpu-02", tmp_path / "node")
-        context = download_ssl_context(node.cert, node.key, node.ca)
+        context = bundle_download_ssl_context(node.cert, node.key, node.ca)
         fetched = await asyncio.to_thread(fetch, cp.updates.bundle_url(bundle), context)
         assert fetched == bundle.path.read_bytes()
 
