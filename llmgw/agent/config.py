@@ -24,6 +24,7 @@ from llmgw.config_util import (
     type_name,
     unknown_key_message,
 )
+from llmgw.listener import ListenerLimits, parse_listener_limits
 
 DEFAULT_AGENT_CONFIG = Path("/etc/llmgw/agent.yaml")
 DEFAULT_GRPC_PORT = 7443
@@ -58,6 +59,7 @@ _TOP_KEYS = (
     "stop_shards_on_exit",
     "runtime",
     "docker",
+    "listeners",
 )
 _TLS_KEYS = ("cert", "key", "ca")
 _FABRIC_KEYS = ("name", "hcas")
@@ -144,6 +146,8 @@ class AgentConfig:
     stop_shards_on_exit: bool = False
     runtime: str = "process"
     docker: DockerConfig = field(default_factory=DockerConfig)
+    # Slow clients on the data plane: header and TLS handshake timeouts.
+    listeners: ListenerLimits = field(default_factory=ListenerLimits)
     source: Path | None = None
 
 
@@ -238,6 +242,7 @@ def _parse(
         ),
         runtime=runtime,
         docker=_docker(check, top.get("docker"), runtime),
+        listeners=parse_listener_limits(check, top.get("listeners"), "listeners")[0],
         source=source,
     )
 

@@ -9,6 +9,7 @@ listener, then run the reconcile loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -25,6 +26,7 @@ from llmgw import __version__
 from llmgw.agent.inventory import inventory_dict
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import ConfigError, LlmgwError, NotFound
+from llmgw.listener import GuardedSite
 from llmgw.log import kv
 from llmgw.pki import (
     Authority,
@@ -236,6 +238,12 @@ class ControlPlane:
                 ("grpc.keepalive_timeout_ms", 5_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.keepalive_permit_without_calls", 1),
+                # A connection that never completes its TLS handshake (and HTTP/2 preface)
+                # is closed instead of held (grpc's own default is two minutes).
+                (
+                    "grpc.server_handshake_timeout_ms",
+                    int(self.cfg.listeners.handshake_timeout * 1000),
+                ),
             ]
         )
         pb_grpc.add_ControlPlaneServicer_to_server(ControlPlaneService(self), self._grpc)
@@ -285,7 +293,12 @@ class ControlPlane:
         host, port = parse_hostport(self.cfg.enroll_listen, allow_zero=True)
         try:
             self.enroll_port = await self._enrolment.start(
-                host, port, enroll_ssl_context(self.server_identity)
+                host,
+                port,
+                enroll_ssl_context(self.server_identity),
+                limits=dataclasses.replace(
+                    self.cfg.listeners, per_source=self.cfg.enroll_connections_per_source
+                ),
             )
         except OSError as exc:
             raise ConfigError(
@@ -309,7 +322,15 @@ class ControlPlane:
         )
         await self._runner.setup()
         host, port = parse_hostport(self.cfg.http_listen, allow_zero=True)
-        site = web.TCPSite(self._runner, host, port, backlog=2048, reuse_address=True)
+        site = GuardedSite(
+            self._runner,
+            host,
+            port,
+            label="http",
+            limits=self.cfg.listeners,
+            backlog=2048,
+            hint="listeners.header_timeout in server.yaml",
+        )
         try:
             await site.start()
         except OSError as exc:
@@ -318,9 +339,7 @@ class ControlPlane:
                 f"cannot listen on {self.cfg.http_listen}: {exc.strerror}; free the port or change http_listen",
                 key="http_listen",
             ) from exc
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.http_port = int(sockets[0].getsockname()[1]) if sockets else port
+        self.http_port = site.bound_port
 
     @property
     def http_addr(self) -> str:
