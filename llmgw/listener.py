@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from llmgw.config_util import Checker, join_key
 from llmgw.log import kv
@@ -216,6 +217,45 @@ class GuardedSite(web.BaseSite):
         )
 
 
+class _Handler(RequestHandler):
+    """aiohttp's connection handler, answering what it cannot parse with a JSON error and one
+    log line (aiohttp logs a traceback for every malformed request and answers text)."""
+
+    __slots__ = ("_label",)
+    _label: str
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        peer = request.remote or ""
+        if status >= 500:
+            # Not the client's doing (a handler raised): keep the traceback for the bug report.
+            log.error(
+                "a request handler failed", extra=kv(listener=self._label, peer=peer), exc_info=exc
+            )
+            text = "the server failed on this request; its operator finds why in its log"
+            kind, code = "server_error", "internal_error"
+        else:
+            reason = getattr(exc, "message", None) or str(exc or message or "")
+            reason = " ".join(str(reason).split())[:200]
+            log.info(
+                "refused a malformed HTTP request",
+                extra=kv(listener=self._label, peer=peer, status=status, reason=reason),
+            )
+            text = f"the request is not valid HTTP/1.1 ({reason}); send a well-formed request"
+            kind, code = "invalid_request_error", "bad_http_request"
+        if request.writer.output_size > 0:
+            raise ConnectionError("an answer was already under way; the connection is closed")
+        body = {"error": {"message": text, "type": kind, "param": None, "code": code}}
+        resp = web.json_response(body, status=status)
+        resp.force_close()
+        return resp
+
+
 class _Gate(asyncio.Protocol):
     """One accepted connection: admission, TLS, header timing; then aiohttp's handler."""
 
@@ -288,7 +328,9 @@ class _Gate(asyncio.Protocol):
                 self._site.release(self._source)
 
     def _attach(self, transport: asyncio.Transport) -> None:
-        handler = self._server()
+        server = self._server
+        handler = _Handler(server, loop=asyncio.get_running_loop(), **server._kwargs)
+        handler._label = self._site.label
         self._handler = handler
         handler.connection_made(transport)
         self._arm()

@@ -42,6 +42,7 @@ from llmgw.server.bundles import BundleStore, add_bundle_routes
 from llmgw.server.config import ServerConfig
 from llmgw.server.enroll import Enroller, EnrolmentServer
 from llmgw.server.enroll import server_ssl_context as enroll_ssl_context
+from llmgw.server.httpapi import error_middleware
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.routing import Endpoint, Router
@@ -312,7 +313,7 @@ class ControlPlane:
         from llmgw.server.gateway import Gateway
 
         self.gateway = Gateway(self)
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[error_middleware])
         self.gateway.add_routes(app)
         add_admin_routes(app, self)
         self.bundles = add_bundle_routes(app, self.cfg.bundle_dir)

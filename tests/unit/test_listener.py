@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -320,3 +322,45 @@ def test_parse_listener_limits_defaults_values_and_refusals() -> None:
         with pytest.raises(ConfigError) as info:
             parse_listener_limits(check, value, "listeners", extra={"cap": 64})
         assert info.value.key == key and "f.yaml" in str(info.value)
+
+
+# -- malformed requests ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost t\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: t\r\nX: a\x00b\r\n\r\n",
+        b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: t\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n",
+        b"GET / HTTP/9.9\r\nHost: t\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: -5\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n",
+    ],
+)
+def test_malformed_requests_get_a_json_400_and_one_line_without_traceback(
+    raw: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    answers: list[bytes] = []
+
+    async def body(site: GuardedSite) -> None:
+        reader, writer = await _open(site)
+        writer.write(raw)
+        answers.append(await _answer(reader))
+        writer.close()
+
+    with caplog.at_level(logging.DEBUG):
+        serve(body, limits=ListenerLimits())
+    answer = answers[0]
+    assert re.match(rb"HTTP/1\.[01] 400 ", answer), answer[:200]
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert b"application/json" in head
+    error = json.loads(payload)["error"]
+    assert error["code"] == "bad_http_request" and error["type"] == "invalid_request_error"
+    assert error["message"].startswith("the request is not valid HTTP/1.1 (")
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    lines = [r for r in caplog.records if r.name == "llmgw.listener"]
+    assert len(lines) == 1 and lines[0].getMessage() == "refused a malformed HTTP request"
