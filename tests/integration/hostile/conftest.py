@@ -17,6 +17,7 @@ import socket
 import ssl
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,16 @@ class Cluster:
     @property
     def admin_token(self) -> str:
         return (self.state_dir / "server" / "admin.token").read_text().strip()
+
+    def log_count(self, needle: str, *, at_least: int = 0, name: str = "server.log") -> int:
+        """Lines of ``logs/<name>`` holding ``needle``; waits (up to 10 s) for ``at_least``."""
+        path = self.state_dir / "logs" / name
+        deadline = time.monotonic() + 10
+        while True:
+            n = path.read_text(errors="replace").count(needle) if path.exists() else 0
+            if n >= at_least or time.monotonic() > deadline:
+                return n
+            time.sleep(0.05)
 
     def logs(self) -> str:
         text = "".join(self.output)

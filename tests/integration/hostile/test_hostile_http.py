@@ -5,7 +5,6 @@ Hypothesis-generated request lines, headers and JSON bodies (>= 1,000 cases a ru
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
@@ -22,19 +21,6 @@ from tests.integration.hostile.conftest import (
 pytestmark = pytest.mark.integration
 
 CHAT = "/v1/chat/completions"
-
-
-def _count(cluster: Cluster, needle: str) -> int:
-    return cluster.logs().count(needle)
-
-
-def _wait_count(cluster: Cluster, needle: str, at_least: int) -> int:
-    deadline = time.monotonic() + 10
-    while True:
-        n = _count(cluster, needle)
-        if n >= at_least or time.monotonic() > deadline:
-            return n
-        time.sleep(0.05)
 
 
 def _raw(cluster: Cluster, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
@@ -56,7 +42,7 @@ def _post_raw(cluster: Cluster, path: str, auth: bytes, body: bytes) -> tuple[in
 def test_invalid_utf8_in_a_bearer_token_is_401_not_500(up: Cluster) -> None:
     needle_gw = "refused a request without a valid API key"
     needle_admin = "refused an admin request without the admin token"
-    before_gw, before_admin = _count(up, needle_gw), _count(up, needle_admin)
+    before_gw, before_admin = up.log_count(needle_gw), up.log_count(needle_admin)
     body = json.dumps({"model": "llmgw-sim", "messages": []}).encode()
     for path, needle, before in (
         (CHAT, needle_gw, before_gw),
@@ -67,7 +53,7 @@ def test_invalid_utf8_in_a_bearer_token_is_401_not_500(up: Cluster) -> None:
         error = json_error(payload)
         assert error["code"] in ("invalid_api_key", "unauthorized")
         # One line in the log for the refusal, and no traceback (checked at the end).
-        assert _wait_count(up, needle, before + 1) == before + 1
+        assert up.log_count(needle, at_least=before + 1) == before + 1
     status, payload = _raw(up, b"GET /v1/models HTTP/1.1\r\nHost: t\r\nAuthorization: \xff\r\n\r\n")
     assert status == 401, payload
 
