@@ -11,8 +11,10 @@ connections pass through a small protocol that:
 * does the TLS handshake itself (``loop.start_tls``) with ``handshake_timeout``;
 * closes a connection whose request header (request line and headers) is not complete within
   ``header_timeout`` of its first byte (or of the connection, for the first request), with
-  ``408 Request Timeout`` when some of it arrived. Bodies and idle kept-alive connections are
-  not timed here.
+  ``408 Request Timeout`` when some of it arrived;
+* closes a connection whose request body, while the server reads it, goes ``body_timeout``
+  without a byte (a slow upload that keeps coming is not cut). Idle kept-alive connections
+  are left to aiohttp's keep-alive timer.
 
 Each listener logs what it closed as one summary line at most every :data:`LOG_EVERY` s.
 """
@@ -36,6 +38,7 @@ from llmgw.config_util import Checker, join_key
 from llmgw.log import kv
 
 __all__ = [
+    "DEFAULT_BODY_TIMEOUT",
     "DEFAULT_HANDSHAKE_TIMEOUT",
     "DEFAULT_HEADER_TIMEOUT",
     "GuardedSite",
@@ -49,6 +52,8 @@ DEFAULT_HEADER_TIMEOUT = 15.0
 """Seconds a client may take to send a request's line and headers."""
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 """Seconds a client may take to complete the TLS handshake."""
+DEFAULT_BODY_TIMEOUT = 30.0
+"""Seconds a request body may pause between two bytes."""
 LOG_EVERY = 60.0
 """A listener logs the connections it closed at most once per this many seconds."""
 
@@ -64,6 +69,8 @@ class ListenerLimits:
 
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    """Seconds a request body may go without a byte arriving (while the server reads it)."""
     per_source: int = 0
     """Concurrent connections one source address may hold (0: no limit)."""
 
@@ -75,11 +82,12 @@ def parse_listener_limits(
     *,
     extra: Mapping[str, int] | None = None,
 ) -> tuple[ListenerLimits, dict[str, int]]:
-    """``header_timeout`` and ``handshake_timeout`` (seconds, 0.1-600) of a ``key:`` mapping,
+    """``header_timeout``, ``handshake_timeout`` and ``body_timeout`` (seconds, 0.1-600) of a
+    ``key:`` mapping,
     plus the connection caps named in ``extra`` (name -> default; 0 means no cap).
     Returns the limits (without a cap) and the caps by name."""
     caps = dict(extra or {})
-    accepted = ("header_timeout", "handshake_timeout", *caps)
+    accepted = ("header_timeout", "handshake_timeout", "body_timeout", *caps)
     data = {} if value is None else check.mapping(value, key, accepted=accepted)
 
     def seconds(name: str, default: float) -> float:
@@ -101,6 +109,7 @@ def parse_listener_limits(
     limits = ListenerLimits(
         header_timeout=seconds("header_timeout", DEFAULT_HEADER_TIMEOUT),
         handshake_timeout=seconds("handshake_timeout", DEFAULT_HANDSHAKE_TIMEOUT),
+        body_timeout=seconds("body_timeout", DEFAULT_BODY_TIMEOUT),
     )
     return limits, caps
 
@@ -208,6 +217,7 @@ class GuardedSite(web.BaseSite):
             "handshake": f"no TLS handshake within {self.limits.handshake_timeout:g} s, or a "
             "failed one",
             "per_source": f"over {self.limits.per_source} connections from one address",
+            "body_timeout": f"a request body paused for {self.limits.body_timeout:g} s",
         }
         why = "; ".join(f"{n} {reasons[k]}" for k, n in sorted(counts.items()))
         log.warning(
@@ -232,7 +242,15 @@ class _Handler(RequestHandler):
         message: str | None = None,
     ) -> web.StreamResponse:
         peer = request.remote or ""
-        if status >= 500:
+        if isinstance(exc, ConnectionError):
+            # The client went away (or was cut off) while its request was read: no bug.
+            log.info(
+                "a client went away during its request",
+                extra=kv(listener=self._label, peer=peer, reason=str(exc)[:200]),
+            )
+            text = "the connection was lost while the request was read"
+            kind, code = "invalid_request_error", "connection_lost"
+        elif status >= 500:
             # Not the client's doing (a handler raised): keep the traceback for the bug report.
             log.error(
                 "a request handler failed", extra=kv(listener=self._label, peer=peer), exc_info=exc
@@ -272,6 +290,8 @@ class _Gate(asyncio.Protocol):
         self._payload: Any = None
         self._released = False
         self._early = bytearray()
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_deadline = 0.0
 
     # -- admission and TLS --------------------------------------------------------------------
 
@@ -389,6 +409,28 @@ class _Gate(asyncio.Protocol):
             messages = handler._messages
             self._payload = messages[-1][1] if messages else None
             self._disarm()
+        if self._payload is not None and not self._payload.is_eof():
+            # A body is arriving: it may pause, but not for body_timeout.
+            self._body_deadline = time.monotonic() + self._site.limits.body_timeout
+            if self._body_timer is None:
+                loop = asyncio.get_running_loop()
+                self._body_timer = loop.call_later(self._site.limits.body_timeout, self._check_body)
+
+    def _check_body(self) -> None:
+        self._body_timer = None
+        handler, payload = self._handler, self._payload
+        if handler is None or handler.transport is None or payload is None or payload.is_eof():
+            return
+        now = time.monotonic()
+        if handler._reading_paused:
+            # The server is not reading (its buffer is full): the client is not the slow one.
+            self._body_deadline = now + self._site.limits.body_timeout
+        elif now >= self._body_deadline:
+            self._site.note("body_timeout", self._source or "?")
+            handler.force_close()
+            return
+        loop = asyncio.get_running_loop()
+        self._body_timer = loop.call_later(self._body_deadline - now, self._check_body)
 
     def eof_received(self) -> None:
         # aiohttp's handler ignores a half-close (returning None closes the transport); the
@@ -398,6 +440,9 @@ class _Gate(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
         if self._handshake is not None and not self._handshake.done():
             self._handshake.cancel()
         self._release()

@@ -168,6 +168,29 @@ def test_idle_keepalive_and_slow_bodies_are_not_timed_as_headers() -> None:
     serve(body, limits=ListenerLimits(header_timeout=SHORT))
 
 
+def test_a_body_that_stops_arriving_is_cut_and_one_that_keeps_coming_is_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def body(site: GuardedSite) -> None:
+        reader, writer = await _open(site)
+        # Slow but steady: a byte every half body timeout, six timeouts in all.
+        writer.write(_request(path="/steady").replace(b"Length: 0", b"Length: 12"))
+        for _ in range(12):
+            await asyncio.sleep(SHORT / 2)
+            writer.write(b"x")
+        assert b'"bytes": 12' in await _answer(reader)
+        # Stalled: three bytes of ten, then nothing.
+        writer.write(_request(path="/stalled").replace(b"Length: 0", b"Length: 10") + b"abc")
+        took, got = await _closed_after(reader, 10)
+        assert SHORT * 0.9 <= took < SHORT + 2.0 and got == b""
+        assert site.closed["body_timeout"] == 1
+        writer.close()
+
+    with caplog.at_level(logging.INFO):
+        serve(body, limits=ListenerLimits(body_timeout=SHORT))
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
 def test_a_second_request_trickled_on_a_kept_alive_connection_is_cut() -> None:
     async def body(site: GuardedSite) -> None:
         reader, writer = await _open(site)
@@ -305,14 +328,16 @@ def test_parse_listener_limits_defaults_values_and_refusals() -> None:
     assert limits.header_timeout == 15.0 and limits.handshake_timeout == 10.0
     limits, caps = parse_listener_limits(
         check,
-        {"header_timeout": 2, "handshake_timeout": 1.5, "cap": 5000},
+        {"header_timeout": 2, "handshake_timeout": 1.5, "body_timeout": 3, "cap": 5000},
         "listeners",
         extra={"cap": 64},
     )
     assert (limits.header_timeout, limits.handshake_timeout, caps["cap"]) == (2.0, 1.5, 5000)
+    assert limits.body_timeout == 3.0
     for value, key in (
         ({"header_timeout": 0}, "listeners.header_timeout"),
         ({"handshake_timeout": "10s"}, "listeners.handshake_timeout"),
+        ({"body_timeout": 1000}, "listeners.body_timeout"),
         ({"cap": -1}, "listeners.cap"),
         ({"cap": 2.5}, "listeners.cap"),
         ({"cap": True}, "listeners.cap"),

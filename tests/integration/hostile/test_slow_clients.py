@@ -43,7 +43,7 @@ class Slow:
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slow]:
     tmp = tmp_path_factory.mktemp("slow")
-    limits = {"header_timeout": TIMEOUT, "handshake_timeout": TIMEOUT}
+    limits = {"header_timeout": TIMEOUT, "handshake_timeout": TIMEOUT, "body_timeout": TIMEOUT}
     server = start_server_with(tmp, listeners={**limits, "enroll_connections_per_source": CAP})
     agent: Agent | None = None
     try:
@@ -139,6 +139,18 @@ def test_8080_slow_headers_are_cut_and_healthz_answers_meanwhile(slow: Slow) -> 
         return await attack
 
     held = asyncio.run(main())
+    _assert_all_closed(held)
+    assert min(h for h in held if h is not None) >= TIMEOUT * 0.8  # cut by the timeout
+
+
+def test_8080_stalled_bodies_are_cut(slow: Slow) -> None:
+    key = slow.server.api_key("slow-bodies")
+    first = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+        + key.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
+    )
+    held = asyncio.run(_slowloris(slow.server.http_port, first=first, trickle=False, conns=50))
     _assert_all_closed(held)
     assert min(h for h in held if h is not None) >= TIMEOUT * 0.8  # cut by the timeout
 
