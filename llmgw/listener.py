@@ -242,7 +242,8 @@ class _Handler(RequestHandler):
         message: str | None = None,
     ) -> web.StreamResponse:
         peer = request.remote or ""
-        if isinstance(exc, ConnectionError):
+        gone = request.transport is None or request.transport.is_closing()
+        if isinstance(exc, ConnectionError) and gone:
             # The client went away (or was cut off) while its request was read: no bug.
             log.info(
                 "a client went away during its request",
