@@ -59,8 +59,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise  # a redirect, or an error that already has its JSON body
         code = _CODES.get(exc.status, "bad_request" if exc.status < 500 else "server_error")
         path = request.path[:100]
         log.info(
@@ -78,9 +78,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             if exc.status in (404, 405)
             else "see the API's documentation"
         )
+        # aiohttp's own text says more than the reason for some (the body size limit).
+        detail = exc.text or ""
+        detail = "" if detail in ("", f"{exc.status}: {exc.reason}") else f" ({detail[:200]})"
         return json_error(
             exc.status,
-            f"{request.method[:16]} {path}: {exc.reason}; {hint}",
+            f"{request.method[:16]} {path}: {exc.reason}{detail}; {hint}",
             code,
             type_="invalid_request_error" if exc.status < 500 else "server_error",
         )

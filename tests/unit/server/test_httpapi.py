@@ -50,10 +50,17 @@ def _serve(body: Any) -> None:
         app = web.Application(middlewares=[error_middleware], client_max_size=10)
         app.router.add_get("/boom", boom)
         app.router.add_post("/read", _read)
+        app.router.add_get("/own", _own)
         async with TestClient(TestServer(app)) as client:
             await body(client)
 
     asyncio.run(main())
+
+
+async def _own(request: web.Request) -> web.Response:
+    raise web.HTTPBadRequest(
+        text='{"error": {"message": "mine", "code": "own"}}', content_type="application/json"
+    )
 
 
 async def _read(request: web.Request) -> web.Response:
@@ -69,16 +76,27 @@ def test_aiohttp_refusals_and_bugs_become_json_errors(caplog: pytest.LogCaptureF
             ("405", "PUT", "/boom", None),
             ("413", "POST", "/read", b"x" * 100),
             ("500", "GET", "/boom", None),
+            ("own", "GET", "/own", None),
         ):
             resp: aiohttp.ClientResponse = await client.request(method, path, data=data)
             seen[name] = (resp.status, await resp.json())
 
     with caplog.at_level(logging.INFO, logger="llmgw.server.http"):
         _serve(body)
-    assert {k: v[0] for k, v in seen.items()} == {"404": 404, "405": 405, "413": 413, "500": 500}
+    assert {k: v[0] for k, v in seen.items()} == {
+        "404": 404,
+        "405": 405,
+        "413": 413,
+        "500": 500,
+        "own": 400,
+    }
+    # A handler's own JSON error goes out as it is.
+    assert seen["own"][1] == {"error": {"message": "mine", "code": "own"}}
     assert seen["404"][1]["error"]["code"] == "not_found"
     assert seen["405"][1]["error"]["code"] == "method_not_allowed"
     assert seen["413"][1]["error"]["code"] == "body_too_large"
+    assert "Maximum request body size 10 exceeded" in seen["413"][1]["error"]["message"]
+    assert seen["404"][1]["error"]["message"].startswith("GET /nope: Not Found; ")
     error = seen["500"][1]["error"]
     assert error == {
         "message": "the control plane failed on this request; its operator finds why in its log",
