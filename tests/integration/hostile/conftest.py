@@ -194,6 +194,7 @@ def assert_still_healthy(cluster: Cluster) -> None:
     assert json.loads(body)["nodes"] == 1, body
     for pid, before in cluster.rss_at_start.items():
         now = rss(pid)
+        print(f"RSS of {pid}: {before >> 20} MiB at start, {now >> 20} MiB now")
         assert now < before + RSS_GROWTH_LIMIT, (
             f"pid {pid} ({_cmdline(pid)[:80]}) grew from {before >> 20} MiB to {now >> 20} MiB"
         )
