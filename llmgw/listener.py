@@ -54,6 +54,8 @@ DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 """Seconds a client may take to complete the TLS handshake."""
 DEFAULT_BODY_TIMEOUT = 30.0
 """Seconds a request body may pause between two bytes."""
+CUT_GRACE = 2.0
+"""Seconds a TLS connection that timed out has to take our close before its socket goes."""
 LOG_EVERY = 60.0
 """A listener logs the connections it closed at most once per this many seconds."""
 
@@ -390,7 +392,16 @@ class _Gate(asyncio.Protocol):
                 % self._site.limits.header_timeout
             )
             handler.transport.write(_408 % (len(body), body))
+        self._cut(handler)
+
+    def _cut(self, handler: RequestHandler) -> None:
+        """Close a connection we gave up on. Over TLS a close waits for the client's
+        close_notify (up to 30 s) while the connection still counts: a client that never
+        answers is cut off at the socket after CUT_GRACE."""
         handler.force_close()
+        raw = self._raw
+        if raw is not None and self._site.ssl_context is not None:
+            asyncio.get_running_loop().call_later(CUT_GRACE, raw.abort)
 
     def data_received(self, data: bytes) -> None:
         handler = self._handler
@@ -428,7 +439,7 @@ class _Gate(asyncio.Protocol):
             self._body_deadline = now + self._site.limits.body_timeout
         elif now >= self._body_deadline:
             self._site.note("body_timeout", self._source or "?")
-            handler.force_close()
+            self._cut(handler)
             return
         loop = asyncio.get_running_loop()
         self._body_timer = loop.call_later(self._body_deadline - now, self._check_body)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import re
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -246,6 +247,37 @@ def test_tls_header_timeout_applies_after_the_handshake(identity: pki.Identity) 
         took, got = await _closed_after(reader, 10)
         assert took < SHORT + 2.0 and got.startswith(b"HTTP/1.1 408 ")
         writer.close()
+
+    serve(body, limits=ListenerLimits(header_timeout=SHORT), tls=_server_ctx(identity))
+
+
+def test_a_tls_client_that_ignores_our_close_loses_its_socket_soon(
+    identity: pki.Identity,
+) -> None:
+    """It neither reads our close_notify nor answers it: its slot is free CUT_GRACE later,
+    not after asyncio's 30 s TLS shutdown timeout."""
+    ctx = _client_ctx(identity)
+
+    async def body(site: GuardedSite) -> None:
+        def stubborn() -> None:
+            raw = socket.create_connection(("127.0.0.1", site.bound_port), timeout=30)
+            tls = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+            tls.sendall(b"GET /x HTTP/1.1\r\n")
+            time.sleep(SHORT + listener.CUT_GRACE + 2.0)  # reads nothing, closes nothing
+            tls.close()
+
+        thread = asyncio.create_task(asyncio.to_thread(stubborn))
+        await asyncio.sleep(0.3)
+        assert site.per_source["127.0.0.1"] == 1
+        started = time.monotonic()
+        for _ in range(400):  # 20 s at most
+            if not site.per_source:
+                break
+            await asyncio.sleep(0.05)
+        assert not site.per_source
+        assert time.monotonic() - started < SHORT + listener.CUT_GRACE + 1.5
+        assert not thread.done()  # freed while the client still held on
+        await thread
 
     serve(body, limits=ListenerLimits(header_timeout=SHORT), tls=_server_ctx(identity))
 
