@@ -94,13 +94,13 @@ def test_a_wrong_first_message_and_a_foreign_node_id_are_refused_by_name(
     up: Cluster, node_identity: pki.Identity
 ) -> None:
     heartbeat = pb.AgentMessage(heartbeat=pb.Heartbeat()).SerializeToString()
-    error = _send(up, node_identity, [heartbeat])
-    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error
+    wrong = _send(up, node_identity, [heartbeat])
+    assert wrong.code() == grpc.StatusCode.FAILED_PRECONDITION, wrong
     claim = pb.AgentMessage(hello=pb.Hello(node_id="local")).SerializeToString()
-    error = _send(up, node_identity, [claim])
-    assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error
-    for e in (error,):
-        assert not [leak for leak in LEAKS if leak in (e.details() or "")]
+    foreign = _send(up, node_identity, [claim])
+    assert foreign.code() == grpc.StatusCode.PERMISSION_DENIED, foreign
+    for error in (wrong, foreign):
+        assert not [leak for leak in LEAKS if leak in (error.details() or "")]
 
 
 @pytest.mark.parametrize(
