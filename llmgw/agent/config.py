@@ -25,6 +25,7 @@ from llmgw.config_util import (
     type_name,
     unknown_key_message,
 )
+from llmgw.listener import ListenerLimits, parse_listener_limits
 
 DEFAULT_AGENT_CONFIG = Path("/etc/llmgw/agent.yaml")
 DEFAULT_GRPC_PORT = 7443
@@ -60,6 +61,7 @@ _TOP_KEYS = (
     "runtime",
     "docker",
     "install_sources",
+    "listeners",
 )
 _TLS_KEYS = ("cert", "key", "ca")
 _FABRIC_KEYS = ("name", "hcas")
@@ -148,6 +150,8 @@ class AgentConfig:
     docker: DockerConfig = field(default_factory=DockerConfig)
     # Where engine installs may download from besides https:// (llmgw.agent.sources).
     install_sources: tuple[SourcePrefix, ...] = ()
+    # Slow clients on the data plane: header and TLS handshake timeouts.
+    listeners: ListenerLimits = field(default_factory=ListenerLimits)
     source: Path | None = None
 
 
@@ -243,6 +247,7 @@ def _parse(
         runtime=runtime,
         docker=_docker(check, top.get("docker"), runtime),
         install_sources=_install_sources(check, top.get("install_sources")),
+        listeners=parse_listener_limits(check, top.get("listeners"), "listeners")[0],
         source=source,
     )
 

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from llmgw.config_util import parse_hostport
 from llmgw.errors import CertificateError
+from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.pki import control_plane_problem
 from llmgw.relay import NOT_PROCESSED, relay
 from llmgw.upstream import UpstreamError, UpstreamPool
@@ -65,8 +66,11 @@ class DataPlane:
         listen: str,
         ssl_context: ssl.SSLContext,
         port_of: Callable[[str], int | None],
+        *,
+        limits: ListenerLimits | None = None,
     ) -> None:
         self.host, self.port = parse_hostport(listen, allow_zero=True)
+        self.limits = limits or ListenerLimits()
         self.ssl_context = ssl_context
         self.port_of = port_of
         self.inflight = 0
@@ -98,8 +102,15 @@ class DataPlane:
             keepalive_timeout=300,
         )
         await self._runner.setup()
-        site = web.TCPSite(
-            self._runner, self.host, self.port, ssl_context=self.ssl_context, backlog=1024
+        site = GuardedSite(
+            self._runner,
+            self.host,
+            self.port,
+            label="dataplane",
+            limits=self.limits,
+            ssl_context=self.ssl_context,
+            backlog=1024,
+            hint="listeners in agent.yaml",
         )
         try:
             await site.start()
@@ -109,10 +120,7 @@ class DataPlane:
                 f"data plane cannot listen on {self.host}:{self.port}: {exc.strerror}; "
                 "free the port or set 'listen' in agent.yaml"
             ) from exc
-        server = site._server
-        assert server is not None
-        sockets = getattr(server, "sockets", None) or []
-        self.bound_port = int(sockets[0].getsockname()[1]) if sockets else self.port
+        self.bound_port = site.bound_port
         log.info(
             "data plane listening", extra={"fields": {"addr": f"{self.host}:{self.bound_port}"}}
         )

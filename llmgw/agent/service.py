@@ -191,7 +191,9 @@ class Agent:
             (e.path for e in watcher.current.engine_details if e.name == engine and e.ok), ""
         )
         # 5. data plane
-        self.dataplane = DataPlane(cfg.listen, ssl_ctx, self.shards.ready_port)
+        self.dataplane = DataPlane(
+            cfg.listen, ssl_ctx, self.shards.ready_port, limits=cfg.listeners
+        )
         await self.dataplane.start()
         # 6. stream
         dataplane = self.dataplane

@@ -7,6 +7,8 @@ says what to do.
 from __future__ import annotations
 
 import hmac
+import json
+import logging
 import re
 import shlex
 from collections.abc import Awaitable, Callable
@@ -18,9 +20,11 @@ from llmgw import __version__
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.engines.base import engine_names
 from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound, PasswordError
+from llmgw.log import kv
 from llmgw.pki import check_node_id_free
 from llmgw.server.bundles import one_liner
 from llmgw.server.catalog import MODEL_NAME, adhoc_profile, parse_catalog, parse_profile
+from llmgw.server.httpapi import bearer_token
 from llmgw.server.store import DEFAULT_PROFILE, Model, Node
 from llmgw.server.updates import DEFAULT_ORDER_TTL
 
@@ -28,6 +32,8 @@ if TYPE_CHECKING:
     from llmgw.server.app import ControlPlane
 
 __all__ = ["add_admin_routes"]
+
+log = logging.getLogger("llmgw.server.admin")
 
 _INSTALLABLE = ("llamacpp", "vllm", "sglang")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -89,9 +95,13 @@ class AdminAPI:
 
     def wrap(self, handler: Handler) -> Handler:
         async def wrapped(request: web.Request) -> web.StreamResponse:
-            header = request.headers.get("Authorization", "")
-            token = header[7:].strip() if header.startswith("Bearer ") else ""
-            if not token or not hmac.compare_digest(token.encode(), self.cp.admin_token.encode()):
+            peer = request.remote or ""
+            token = bearer_token(request)
+            if token is None or not hmac.compare_digest(token, self.cp.admin_token.encode()):
+                log.info(
+                    "refused an admin request without the admin token",
+                    extra=kv(method=request.method[:16], path=request.path[:100], peer=peer),
+                )
                 return _error(
                     401,
                     "missing or wrong admin token; pass --token or set LLMGW_TOKEN (the control "
@@ -101,6 +111,16 @@ class AdminAPI:
             try:
                 return await handler(request)
             except _BadRequest as exc:
+                log.info(
+                    "refused an admin request",
+                    extra=kv(path=request.path[:100], peer=peer, reason=str(exc)[:200]),
+                )
+                return _error(400, str(exc), "bad_request")
+            except ConfigError as exc:  # a value in the request that cannot be used
+                log.info(
+                    "refused an admin request",
+                    extra=kv(path=request.path[:100], peer=peer, reason=str(exc)[:200]),
+                )
                 return _error(400, str(exc), "bad_request")
             except PasswordError as exc:
                 return _error(403, str(exc), "wrong_password")
@@ -114,10 +134,22 @@ class AdminAPI:
         return wrapped
 
     async def _json(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
         try:
-            body = await request.json()
-        except ValueError:
-            raise _BadRequest("the request body is not valid JSON") from None
+            body = json.loads(raw)
+            # A lone surrogate ("\ud800") parses but cannot be stored or sent on.
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except RecursionError:
+            raise _BadRequest(
+                "the request body is nested too deep; send a flat JSON object"
+            ) from None
+        except UnicodeEncodeError:
+            raise _BadRequest(
+                "the request body holds a lone UTF-16 surrogate (such as \\ud800); send valid "
+                "Unicode"
+            ) from None
+        except ValueError:  # UnicodeDecodeError too
+            raise _BadRequest("the request body is not valid JSON (UTF-8)") from None
         if not isinstance(body, dict):
             raise _BadRequest("the request body must be a JSON object")
         return body

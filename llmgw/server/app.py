@@ -9,6 +9,7 @@ listener, then run the reconcile loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -26,6 +27,7 @@ from llmgw.agent.inventory import inventory_dict
 from llmgw.client import write_ctl_config
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import ConfigError, LlmgwError, NotFound
+from llmgw.listener import GuardedSite
 from llmgw.log import kv
 from llmgw.pki import (
     CA_CERT,
@@ -45,6 +47,7 @@ from llmgw.server.bundles import BundleStore, add_bundle_routes
 from llmgw.server.config import ServerConfig
 from llmgw.server.enroll import Enroller, EnrolmentServer
 from llmgw.server.enroll import server_ssl_context as enroll_ssl_context
+from llmgw.server.httpapi import error_middleware
 from llmgw.server.intake import MAX_MESSAGE_BYTES, pending_inventory
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
@@ -278,6 +281,12 @@ class ControlPlane:
                 ("grpc.keepalive_permit_without_calls", 1),
                 # Larger messages end the stream with RESOURCE_EXHAUSTED (llmgw.server.intake).
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                # A connection that never completes its TLS handshake (and HTTP/2 preface)
+                # is closed instead of held (grpc's own default is two minutes).
+                (
+                    "grpc.server_handshake_timeout_ms",
+                    int(self.cfg.listeners.handshake_timeout * 1000),
+                ),
             ]
         )
         pb_grpc.add_ControlPlaneServicer_to_server(ControlPlaneService(self), self._grpc)
@@ -328,7 +337,12 @@ class ControlPlane:
         host, port = parse_hostport(self.cfg.enroll_listen, allow_zero=True)
         try:
             self.enroll_port = await self._enrolment.start(
-                host, port, enroll_ssl_context(self.server_identity)
+                host,
+                port,
+                enroll_ssl_context(self.server_identity),
+                limits=dataclasses.replace(
+                    self.cfg.listeners, per_source=self.cfg.enroll_connections_per_source
+                ),
             )
         except OSError as exc:
             raise ConfigError(
@@ -344,7 +358,7 @@ class ControlPlane:
         assert self.server_identity is not None
         self.http_tls = serving_certificate(self.cfg.tls, self.server_identity)
         self.gateway = Gateway(self)
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[error_middleware])
         self.gateway.add_routes(app)
         add_admin_routes(app, self)
         self.bundles = add_bundle_routes(app, self.cfg.bundle_dir)
@@ -354,12 +368,14 @@ class ControlPlane:
         )
         await self._runner.setup()
         host, port = parse_hostport(self.cfg.http_listen, allow_zero=True)
-        site = web.TCPSite(
+        site = GuardedSite(
             self._runner,
             host,
             port,
+            label="http",
+            limits=self.cfg.listeners,
             backlog=2048,
-            reuse_address=True,
+            hint="listeners.header_timeout in server.yaml",
             ssl_context=self.http_tls.context if self.http_tls else None,
         )
         try:
@@ -370,9 +386,7 @@ class ControlPlane:
                 f"cannot listen on {self.cfg.http_listen}: {exc.strerror}; free the port or change http_listen",
                 key="http_listen",
             ) from exc
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.http_port = int(sockets[0].getsockname()[1]) if sockets else port
+        self.http_port = site.bound_port
 
     def _write_ctl_config(self) -> None:
         """``STATE/ctl.yaml``: how ``llmgw ctl`` on this machine reaches this control plane

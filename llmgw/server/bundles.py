@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import re
 import shlex
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from pathlib import Path
 from aiohttp import web
 
 from llmgw.errors import NotFound
+from llmgw.log import kv
 
 __all__ = [
     "RIDS",
@@ -37,6 +39,8 @@ _FILE = re.compile(
     r"^llmgw-agent-(?P<version>[0-9][0-9A-Za-z.+~-]*)-(?P<rid>linux-(?:x64|arm64))\.tar\.gz$"
 )
 _CHUNK = 1 << 20
+
+log = logging.getLogger("llmgw.server.bundles")
 
 
 @dataclass(frozen=True)
@@ -126,10 +130,12 @@ class BundleStore:
         return await asyncio.to_thread(self.scan)
 
     def missing_message(self, rid: str) -> str:
+        """What an anonymous client is told: not where the bundles are kept on this host."""
         arch = rid.removeprefix("linux-")
         make = "make dist" + (" ARCH=arm64" if arch == "arm64" else "")
         return (
-            f"no {rid} bundle in {self.directory}; copy llmgw-agent-*-{rid}.tar.gz there ({make})"
+            f"no {rid} bundle on this control plane; its operator copies "
+            f"llmgw-agent-*-{rid}.tar.gz ({make}) into the bundle_dir of server.yaml"
         )
 
 
@@ -168,6 +174,11 @@ def add_bundle_routes(app: web.Application, directory: Path) -> BundleStore:
             )
         bundle = next((b for b in await store.bundles() if b.rid == rid), None)
         if bundle is None:
+            # The directory goes to the log, for the operator, never to the client.
+            log.warning(
+                "a bundle was asked for but there is none",
+                extra=kv(rid=rid, bundle_dir=str(store.directory), peer=request.remote or ""),
+            )
             return _error(404, store.missing_message(rid), "not_found")
         return web.FileResponse(
             bundle.path,

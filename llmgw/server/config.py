@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmgw.config_util import (
@@ -18,6 +18,7 @@ from llmgw.config_util import (
     load_yaml,
     type_name,
 )
+from llmgw.listener import ListenerLimits, parse_listener_limits
 
 DEFAULT_SERVER_CONFIG = Path("/etc/llmgw/server.yaml")
 DEFAULT_STATE_DIR = Path("/var/lib/llmgw")
@@ -43,10 +44,14 @@ _KEYS = (
     "bundle_dir",
     "replica_wait",
     "tls",
+    "listeners",
 )
 _TLS_KEYS = ("cert", "key")
 DEFAULT_ENROLL_PORT = 8443
 DEFAULT_CERT_LIFETIME = 30 * 86400.0
+# Concurrent connections one address may hold on the enrolment port; a fleet enrolled at
+# once from behind one NAT (or a benchmark on loopback) raises it.
+DEFAULT_ENROLL_CONNECTIONS_PER_SOURCE = 64
 MIN_CERT_LIFETIME = 10.0
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -85,6 +90,10 @@ class ServerConfig:
     replica_wait: float = 10.0
     # HTTPS on http_listen; None: plain HTTP.
     tls: TLSConfig | None = None
+    # Slow clients: header and TLS handshake timeouts of every listener (the gRPC stream
+    # takes the handshake timeout), and the enrolment port's cap per source address.
+    listeners: ListenerLimits = field(default_factory=ListenerLimits)
+    enroll_connections_per_source: int = DEFAULT_ENROLL_CONNECTIONS_PER_SOURCE
     source: Path | None = None
 
     @property
@@ -192,6 +201,13 @@ def _parse(
             f"set it to {3 * heartbeat:g} or more",
         )
 
+    listeners, caps = parse_listener_limits(
+        check,
+        top.get("listeners"),
+        "listeners",
+        extra={"enroll_connections_per_source": DEFAULT_ENROLL_CONNECTIONS_PER_SOURCE},
+    )
+
     return ServerConfig(
         state_dir=state_dir,
         http_listen=format_hostport(http_host, http_port),
@@ -205,6 +221,8 @@ def _parse(
         bundle_dir=path("bundle_dir", state_dir / "bundles"),
         replica_wait=replica_wait,
         tls=_tls(check, top.get("tls")),
+        listeners=listeners,
+        enroll_connections_per_source=caps["enroll_connections_per_source"],
         source=source,
     )
 

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives import serialization
 from llmgw import pki
 from llmgw.config_util import format_hostport
 from llmgw.errors import CertificateError, ConfigError, EnrolmentError, LlmgwError
+from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.log import kv
 from llmgw.server.store import Node, Store
 
@@ -339,14 +340,30 @@ class EnrolmentServer:
         self.port = 0
         self._runner: web.AppRunner | None = None
 
-    async def start(self, host: str, port: int, ssl_ctx: ssl.SSLContext) -> int:
+    async def start(
+        self,
+        host: str,
+        port: int,
+        ssl_ctx: ssl.SSLContext,
+        *,
+        limits: ListenerLimits | None = None,
+    ) -> int:
         """Listen on ``host:port`` (0: any free port) with TLS; return the bound port."""
         app = web.Application(client_max_size=MAX_BODY, middlewares=[_json_errors])
         app.router.add_get("/enroll/ca", self._get_ca)
         app.router.add_post("/enroll", self._post_enroll)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True)
+        site = GuardedSite(
+            runner,
+            host,
+            port,
+            label="enroll",
+            limits=limits or ListenerLimits(),
+            ssl_context=ssl_ctx,
+            hint="listeners.enroll_connections_per_source and listeners.header_timeout in "
+            "server.yaml",
+        )
         try:
             await site.start()
         except OSError as exc:
@@ -357,9 +374,7 @@ class EnrolmentServer:
                 key="enroll_listen",
             ) from exc
         self._runner = runner
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.port = int(sockets[0].getsockname()[1]) if sockets else port
+        self.port = site.bound_port
         log.info("enrolment listening", extra=kv(addr=format_hostport(host, self.port)))
         return self.port
 

@@ -20,6 +20,7 @@ from llmgw.config_util import parse_hostport
 from llmgw.errors import ConfigError
 from llmgw.log import kv
 from llmgw.relay import NOT_PROCESSED, relay
+from llmgw.server.httpapi import bearer_token
 from llmgw.server.routing import Endpoint
 from llmgw.upstream import UpstreamConnectError, UpstreamError, UpstreamPool
 
@@ -154,13 +155,16 @@ class Gateway:
     # -- auth ----------------------------------------------------------------------------------
 
     def _authorized(self, request: web.Request) -> bool:
-        header = request.headers.get("Authorization", "")
-        if not header.startswith("Bearer "):
+        token = bearer_token(request)
+        if token is None:
             return False
-        digest = hashlib.sha256(header[7:].strip().encode()).hexdigest()
-        return digest in self.cp.key_hashes
+        return hashlib.sha256(token).hexdigest() in self.cp.key_hashes
 
-    def _unauthorized(self) -> web.Response:
+    def _unauthorized(self, request: web.Request) -> web.Response:
+        log.info(
+            "refused a request without a valid API key",
+            extra=kv(path=request.path[:100], peer=request.remote or ""),
+        )
         return openai_error(
             401,
             "Incorrect or missing API key. Pass 'Authorization: Bearer <key>'; an operator "
@@ -187,7 +191,7 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
-            return self._unauthorized()
+            return self._unauthorized(request)
         created = int(self.cp.started_at)
         data = [
             {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
@@ -198,12 +202,22 @@ class Gateway:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         if not self._authorized(request):
-            return self._unauthorized()
+            return self._unauthorized(request)
         body = await request.read()
         try:
             payload = json.loads(body)
-        except ValueError:
-            return openai_error(400, "The request body is not valid JSON.", code="invalid_json")
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+            why = "nested too deep" if isinstance(exc, RecursionError) else "not valid JSON"
+            log.info(
+                "refused a request body",
+                extra=kv(path=request.path[:100], peer=request.remote or "", reason=why),
+            )
+            return openai_error(
+                400,
+                f"The request body is {why}; send a JSON object such as "
+                '{"model": "...", "messages": [...]}.',
+                code="invalid_json",
+            )
         model = payload.get("model") if isinstance(payload, dict) else None
         if not isinstance(model, str) or not model:
             return openai_error(

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import ConfigError
+from llmgw.listener import GuardedSite
 from llmgw.log import kv
 from llmgw.pki import Identity
 from llmgw.proto import control_pb2 as pb
@@ -102,7 +103,14 @@ class Standby:
             root_certificates=ident.ca.read_bytes(),
             require_client_auth=True,
         )
-        self._grpc = grpc.aio.server()
+        self._grpc = grpc.aio.server(
+            options=[
+                (
+                    "grpc.server_handshake_timeout_ms",
+                    int(self.cp.cfg.listeners.handshake_timeout * 1000),
+                )
+            ]
+        )
         pb_grpc.add_ControlPlaneServicer_to_server(_Refuser(self), self._grpc)
         host, port = parse_hostport(self.cp.cfg.grpc_listen, allow_zero=True)
         try:
@@ -118,11 +126,13 @@ class Standby:
         await self._runner.setup()
         host, port = parse_hostport(self.cp.cfg.http_listen, allow_zero=True)
         tls = serving_certificate(self.cp.cfg.tls, self.identity)
-        site = web.TCPSite(
+        site = GuardedSite(
             self._runner,
             host,
             port,
-            reuse_address=True,
+            label="http",
+            limits=self.cp.cfg.listeners,
+            hint="listeners.header_timeout in server.yaml",
             ssl_context=tls.context if tls else None,
         )
         try:
@@ -131,8 +141,7 @@ class Standby:
             raise ConfigError(
                 f"cannot listen on {self.cp.cfg.http_listen}: {exc.strerror}", key="http_listen"
             ) from exc
-        sockets = getattr(site._server, "sockets", None) or []
-        self.cp.http_port = int(sockets[0].getsockname()[1]) if sockets else port
+        self.cp.http_port = site.bound_port
         leader, _ = self.leader()
         log.warning(
             "another control plane holds this state directory; serving as a standby",

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from cryptography import x509
+from google.protobuf.message import DecodeError
 
+from llmgw.errors import LlmgwError
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
@@ -55,6 +57,8 @@ class NodeSession:
     # A pending node's latest full inventory, stored once it is approved.
     held_inventory: pb.Inventory | None = None
     intake: Intake | None = None
+    # A message on the stream was not an AgentMessage: the stream ends with this.
+    garbage: DecodeError | None = None
 
     def _meta(self) -> pb.OrderMeta:
         return pb.OrderMeta(epoch=self.epoch, op_id=uuid.uuid4().hex)
@@ -119,6 +123,22 @@ class NodeSession:
         self.queue.put_nowait(None)
 
 
+async def _refuse_garbage(
+    context: grpc.aio.ServicerContext, peer: str, node: str | None, exc: DecodeError
+) -> None:
+    """End a stream that sent bytes that are not an AgentMessage: one log line, and a reason
+    for the peer that names no Python class."""
+    log.warning(
+        "refused a stream: a message on it is not an llmgw AgentMessage",
+        extra=kv(peer=peer, node=node or "?", error=str(exc)[:200]),
+    )
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "a message on this stream is not an llmgw AgentMessage; connect with an llmgw agent "
+        "of the control plane's version",
+    )
+
+
 def peer_certificate(context: grpc.aio.ServicerContext) -> x509.Certificate | None:
     """The verified client certificate of this stream."""
     pems = list(context.auth_context().get("x509_pem_cert") or [])
@@ -160,7 +180,28 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
 
     async def Connect(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         peer = context.peer()
-        first = await context.read()
+        try:
+            await self._connect(context, peer)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except LlmgwError as exc:
+            # The store refused what the node sent (or is unavailable): one line, and the
+            # agent is told why, never with a Python class name.
+            log.warning("stream ended", extra=kv(peer=peer, error=str(exc)[:300]))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; the agent reconnects")
+        except Exception:
+            log.exception("stream handler failed", extra=kv(peer=peer))  # a bug: keep the trace
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                "the control plane failed on this stream; its operator finds why in its log",
+            )
+
+    async def _connect(self, context: grpc.aio.ServicerContext, peer: str) -> None:
+        try:
+            first = await context.read()
+        except DecodeError as exc:
+            await _refuse_garbage(context, peer, None, exc)
+            return
         if first is grpc.aio.EOF or not isinstance(first, pb.AgentMessage):
             return
         if first.WhichOneof("msg") != "hello":
@@ -229,12 +270,18 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             self.cp.close_session(session)
         if session.intake is not None and session.intake.abuse is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, session.intake.abuse)
+        if session.garbage is not None:
+            await _refuse_garbage(context, peer, session.node_id, session.garbage)
 
     async def _read(self, context: grpc.aio.ServicerContext, session: NodeSession) -> None:
         intake = session.intake = session.intake or self._intake(session.node_id)
         try:
             while True:
-                msg = await context.read()
+                try:
+                    msg = await context.read()
+                except DecodeError as exc:
+                    session.garbage = exc
+                    break
                 if msg is grpc.aio.EOF:
                     break
                 assert isinstance(msg, pb.AgentMessage)

@@ -24,6 +24,7 @@ from llmgw.agent.config import (
 )
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import ConfigError
+from llmgw.listener import ListenerLimits
 
 
 @pytest.fixture(autouse=True)
@@ -205,6 +206,15 @@ INVALID = [
         "install_sources[0]",
         "only https://, http:// and file:// URLs are allowed",
     ),
+    # listeners (the data plane's slow-client limits)
+    ("server: cp1\nlisteners: 5\n", "listeners", "must be a mapping, got int"),
+    ("server: cp1\nlisteners: {header_timeout: 0}\n", "listeners.header_timeout", "from 0.1"),
+    ("server: cp1\nlisteners: {handshake_timeout: x}\n", "listeners.handshake_timeout", "number"),
+    (
+        "server: cp1\nlisteners: {enroll_connections_per_source: 5}\n",
+        "listeners.enroll_connections_per_source",
+        "unknown key",
+    ),
 ]
 
 
@@ -226,6 +236,14 @@ def test_table_covers_every_top_level_key() -> None:
     keys = {key.split(".")[0].split("[")[0] for _, key, _ in INVALID}
     accepted = {field.name for field in dataclasses.fields(AgentConfig)} - {"source"}
     assert accepted - {"servers"} <= keys | {"server"}
+
+
+def test_listener_limits_default_and_configured(tmp_path: Path) -> None:
+    assert load_agent_config(write(tmp_path, "server: cp1\n")).listeners == ListenerLimits()
+    path = write(tmp_path, "server: cp1\nlisteners: {header_timeout: 3, handshake_timeout: 2.5}\n")
+    assert load_agent_config(path).listeners == ListenerLimits(
+        header_timeout=3.0, handshake_timeout=2.5
+    )
 
 
 def test_docker_runtime_with_images_and_network(tmp_path: Path) -> None:

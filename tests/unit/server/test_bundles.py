@@ -129,19 +129,29 @@ def test_download_streams_the_newest_file_with_its_hash(tmp_path: Path) -> None:
     serve(tmp_path, body)
 
 
-def test_missing_bundles_are_404_saying_what_to_copy_where(tmp_path: Path) -> None:
+def test_missing_bundles_are_404_saying_what_to_copy_where(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     make_bundle(tmp_path, "0.1.0", "linux-x64")
 
     async def body(client: TestClient[Any, Any], store: BundleStore) -> None:
         response = await client.get("/agent/bundles/linux-arm64.tar.gz")
         assert response.status == 404
+        text = await response.text()
+        # Anonymous: the answer does not say where this host keeps its bundles ...
+        assert str(tmp_path) not in text
         assert await response.json() == {
             "error": {
-                "message": f"no linux-arm64 bundle in {tmp_path}; copy "
-                "llmgw-agent-*-linux-arm64.tar.gz there (make dist ARCH=arm64)",
+                "message": "no linux-arm64 bundle on this control plane; its operator copies "
+                "llmgw-agent-*-linux-arm64.tar.gz (make dist ARCH=arm64) into the bundle_dir "
+                "of server.yaml",
                 "code": "not_found",
             }
         }
+        # ... the log does, once, for the operator.
+        lines = [r for r in caplog.records if r.name == "llmgw.server.bundles"]
+        assert len(lines) == 1
+        assert lines[0].fields["bundle_dir"] == str(tmp_path)  # type: ignore[attr-defined]
         response = await client.get("/agent/bundles/linux-riscv64.tar.gz")
         assert response.status == 404
         message = (await response.json())["error"]["message"]
@@ -150,8 +160,8 @@ def test_missing_bundles_are_404_saying_what_to_copy_where(tmp_path: Path) -> No
 
     serve(tmp_path, body)
     assert BundleStore(tmp_path / "empty").missing_message("linux-x64") == (
-        f"no linux-x64 bundle in {tmp_path / 'empty'}; copy llmgw-agent-*-linux-x64.tar.gz "
-        "there (make dist)"
+        "no linux-x64 bundle on this control plane; its operator copies "
+        "llmgw-agent-*-linux-x64.tar.gz (make dist) into the bundle_dir of server.yaml"
     )
 
 

@@ -206,6 +206,24 @@ def test_tls_is_off_by_default_cluster_or_the_operators_files(tmp_path: Path) ->
     assert cfg.tls is not None and not cfg.tls.cluster and cfg.http_scheme == "https"
 
 
+def test_listener_limits_default_and_configured(tmp_path: Path) -> None:
+    from llmgw.listener import ListenerLimits
+
+    defaults = load_server_config(None)
+    assert defaults.listeners == ListenerLimits(header_timeout=15.0, handshake_timeout=10.0)
+    assert defaults.enroll_connections_per_source == 64
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text(
+        "listeners:\n  header_timeout: 2\n  handshake_timeout: 1\n"
+        "  enroll_connections_per_source: 5000\n"
+    )
+    loaded = load_server_config(cfg)
+    assert loaded.listeners == ListenerLimits(header_timeout=2.0, handshake_timeout=1.0)
+    assert loaded.enroll_connections_per_source == 5000
+    cfg.write_text("listeners:\n  enroll_connections_per_source: 0\n")
+    assert load_server_config(cfg).enroll_connections_per_source == 0  # no cap
+
+
 @pytest.mark.parametrize(
     ("text", "key", "fragment"),
     [
@@ -227,3 +245,28 @@ def test_tls_refusals_name_the_key(tmp_path: Path, text: str, key: str, fragment
         load_server_config(path)
     assert str(info.value).startswith(f"{path}: {key}: ")
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "fragment"),
+    [
+        ("listeners: 15\n", "listeners", "must be a mapping"),
+        ("listeners: {header_timeout: 0}\n", "listeners.header_timeout", "from 0.1 to 600"),
+        ("listeners: {handshake_timeout: 601}\n", "listeners.handshake_timeout", "to 600"),
+        (
+            "listeners: {enroll_connections_per_source: -1}\n",
+            "listeners.enroll_connections_per_source",
+            "whole number of connections",
+        ),
+        ("listeners: {header_timeot: 3}\n", "listeners.header_timeot", "'header_timeout'?"),
+    ],
+)
+def test_listener_limits_refused_naming_the_key(
+    tmp_path: Path, text: str, key: str, fragment: str
+) -> None:
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_server_config(cfg)
+    assert info.value.key == key
+    assert str(info.value).startswith(f"{cfg}: {key}: ") and fragment in str(info.value)
