@@ -25,6 +25,8 @@ from llmgw.upstream import (
     UpstreamPool,
     UpstreamProtocolError,
     UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamTooLarge,
     _Connection,
 )
 
@@ -704,6 +706,165 @@ def test_server_dying_mid_response_is_an_upstream_error(answer: bytes) -> None:
                 finally:
                     resp.release()
             assert not info.value.retryable  # part of the answer came: not to be sent again
+            await pool.close()
+
+    run(main)
+
+
+# --------------------------------------------------------------------------- hostile upstreams
+
+
+def test_an_upstream_that_never_answers_times_out_and_is_closed() -> None:
+    seen_eof = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        await reader.read()  # nothing answered; returns at EOF, when the client gives up
+        seen_eof.set()
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool(read_timeout=0.3)
+            with pytest.raises(UpstreamTimeout, match=r"sent nothing for 0\.3 s") as info:
+                await pool.request("GET", HOST, raw.port, "/x")
+            assert not info.value.retryable  # the upstream may be working on it
+            await asyncio.wait_for(seen_eof.wait(), STEP_S)
+            assert pool.connections == 0
+            await pool.close()
+
+    run(main)
+
+
+def test_an_upstream_that_stalls_mid_stream_times_out() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n"
+        )
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool(read_timeout=0.3)
+            resp = await pool.request("GET", HOST, raw.port, "/x")
+            got: list[bytes] = []
+            with pytest.raises(UpstreamTimeout):
+                async for chunk in resp.iter_chunks():
+                    got.append(chunk)
+            resp.release()
+            assert got == [b"data: 1\n\n"]
+            assert pool.connections == 0
+            await pool.close()
+
+    run(main)
+
+
+def test_a_slow_but_steady_upstream_is_not_timed_out() -> None:
+    """The timeout is on silence, not on the whole answer: 2 s of bytes every 50 ms pass a
+    0.8 s idle timeout, and the connection is reused (the timer re-arms lazily)."""
+    pieces = [b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n"] + [b"x"] * 40
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.05)
+        await reader.read()
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool(read_timeout=0.8)
+            for _ in range(2):
+                _, body = await get(pool, raw)
+                assert body == b"x" * 40
+            assert raw.connections == 1
+            await pool.close()
+
+    run(main)
+
+
+def test_a_body_over_max_body_by_its_content_length_is_refused_before_reading_it() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\n\r\nabc")
+        await writer.drain()
+        await reader.read()  # never sends the rest
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool(max_body=1000)
+            resp = await pool.request("GET", HOST, raw.port, "/x")
+            assert resp.length == 1_000_000_000
+            with pytest.raises(UpstreamTooLarge, match=r"1000000000 bytes.*1000 bytes"):
+                await asyncio.wait_for(resp.read(), STEP_S)
+            resp.release()
+            assert pool.connections == 0
+            await pool.close()
+
+    run(main)
+
+
+def test_a_chunked_body_over_max_body_is_refused_after_little_more_than_the_limit() -> None:
+    sent = 0
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        nonlocal sent
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        piece = b"10000\r\n" + b"y" * 0x10000 + b"\r\n"
+        for _ in range(16 * 1024):  # 1 GiB if nobody stops it
+            writer.write(piece)
+            await writer.drain()
+            sent += 0x10000
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool(max_body=1024 * 1024)
+            resp = await pool.request("GET", HOST, raw.port, "/x")
+            assert resp.length is None
+            with pytest.raises(UpstreamTooLarge, match="over 1048576 bytes"):
+                await asyncio.wait_for(resp.read(), STEP_S)
+            resp.release()
+            await asyncio.sleep(0.1)
+            # Stopped near the limit (socket buffers hold a few MiB more at most).
+            assert sent < 64 * 1024 * 1024
+            await pool.close()
+
+    run(main)
+
+
+def test_max_body_does_not_cap_a_streamed_body() -> None:
+    async def main() -> None:
+        state = AppState()
+        async with aiohttp_server(state) as port:
+            pool = UpstreamPool(max_body=1000)
+            async with await pool.request("GET", HOST, port, "/big") as resp:
+                total = 0
+                async for chunk in resp.iter_chunks():
+                    total += len(chunk)
+                assert total == 256 * 8192
+            async with await pool.request("GET", HOST, port, "/big") as resp:
+                with pytest.raises(UpstreamTooLarge):
+                    await resp.read()
+            await pool.close()
+
+    run(main)
+
+
+def test_a_large_request_body_arrives_whole() -> None:
+    async def main() -> None:
+        state = AppState()
+        async with aiohttp_server(state) as port:
+            pool = UpstreamPool()
+            for size in (10, 64 * 1024 + 1, 900 * 1024):  # aiohttp takes up to 1 MiB
+                body = b"z" * size
+                async with await pool.request("POST", HOST, port, "/echo", body=body) as resp:
+                    assert json.loads(await resp.read())["body"] == body.decode()
+            assert len(state.peers) == 1
             await pool.close()
 
     run(main)
