@@ -181,7 +181,15 @@ class Agent:
             (e.path for e in watcher.current.engine_details if e.name == engine and e.ok), ""
         )
         # 5. data plane
-        self.dataplane = DataPlane(cfg.listen, ssl_ctx, self.shards.ready_port)
+        self.dataplane = DataPlane(
+            cfg.listen,
+            ssl_ctx,
+            self.shards.ready_port,
+            max_request_body=cfg.max_request_body,
+            max_inflight_body_bytes=cfg.max_inflight_body_bytes,
+            max_response_body=cfg.max_response_body,
+            upstream_idle_timeout=cfg.upstream_idle_timeout,
+        )
         await self.dataplane.start()
         # 6. stream
         dataplane = self.dataplane

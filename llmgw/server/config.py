@@ -8,10 +8,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmgw.bodies import (
+    DEFAULT_MAX_INFLIGHT_BODY_BYTES,
+    DEFAULT_MAX_REQUEST_BODY,
+    DEFAULT_MAX_RESPONSE_BODY,
+    DEFAULT_UPSTREAM_IDLE_TIMEOUT,
+)
 from llmgw.config_util import (
     Checker,
     apply_overrides,
     format_hostport,
+    format_size,
     index_key,
     is_hostname,
     is_ip_address,
@@ -42,6 +49,10 @@ _KEYS = (
     "cert_lifetime",
     "bundle_dir",
     "replica_wait",
+    "max_request_body",
+    "max_inflight_body_bytes",
+    "max_response_body",
+    "upstream_idle_timeout",
 )
 DEFAULT_ENROLL_PORT = 8443
 DEFAULT_CERT_LIFETIME = 30 * 86400.0
@@ -67,6 +78,14 @@ class ServerConfig:
     # How long the gateway waits for a ready replica (say, while the only one's agent
     # restarts) before answering 503.
     replica_wait: float = 10.0
+    # The largest request body the gateway takes (a catalog profile may raise it for its
+    # model), and the body bytes the whole process holds at once (over it: 503).
+    max_request_body: int = DEFAULT_MAX_REQUEST_BODY
+    max_inflight_body_bytes: int = DEFAULT_MAX_INFLIGHT_BODY_BYTES
+    # The largest answer read whole from an agent (streams are not capped), and how long an
+    # agent may send nothing while an answer is due (-> 502, or an error event in a stream).
+    max_response_body: int = DEFAULT_MAX_RESPONSE_BODY
+    upstream_idle_timeout: float = DEFAULT_UPSTREAM_IDLE_TIMEOUT
     source: Path | None = None
 
 
@@ -150,6 +169,8 @@ def _parse(
         if not 0 <= replica_wait <= 600:
             check.fail("replica_wait", "must be between 0 and 600 seconds")
 
+    bodies = _body_limits(check, top)
+
     heartbeat = DEFAULT_HEARTBEAT_INTERVAL
     if top.get("heartbeat_interval") is not None:
         heartbeat = check.number(
@@ -182,8 +203,36 @@ def _parse(
         cert_lifetime=cert_lifetime,
         bundle_dir=path("bundle_dir", state_dir / "bundles"),
         replica_wait=replica_wait,
+        max_request_body=bodies[0],
+        max_inflight_body_bytes=bodies[1],
+        max_response_body=bodies[2],
+        upstream_idle_timeout=bodies[3],
         source=source,
     )
+
+
+def _body_limits(check: Checker, top: Mapping[str, object]) -> tuple[int, int, int, float]:
+    """max_request_body, max_inflight_body_bytes, max_response_body, upstream_idle_timeout."""
+
+    def size(name: str, default: int) -> int:
+        value = top.get(name)
+        return default if value is None else check.size(value, name, minimum=1024)
+
+    request = size("max_request_body", DEFAULT_MAX_REQUEST_BODY)
+    inflight = size("max_inflight_body_bytes", DEFAULT_MAX_INFLIGHT_BODY_BYTES)
+    if inflight < request:
+        check.fail(
+            "max_inflight_body_bytes",
+            f"is {format_size(inflight)}, less than max_request_body ({format_size(request)}): "
+            "no request of the largest size could ever be taken; raise it",
+        )
+    response = size("max_response_body", DEFAULT_MAX_RESPONSE_BODY)
+    idle = DEFAULT_UPSTREAM_IDLE_TIMEOUT
+    if top.get("upstream_idle_timeout") is not None:
+        idle = _duration(check, top["upstream_idle_timeout"], "upstream_idle_timeout")
+        if not 1 <= idle <= 86400:
+            check.fail("upstream_idle_timeout", "must be from 1 s to 1 d")
+    return request, inflight, response, idle
 
 
 def _duration(check: Checker, value: object, key: str) -> float:
