@@ -7,6 +7,7 @@ says what to do.
 from __future__ import annotations
 
 import hmac
+import json
 import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from llmgw import __version__
+from llmgw.bodies import BodiesBusy, BodyIncomplete, BodyTooLarge, read_body
 from llmgw.config_util import format_hostport
 from llmgw.engines.base import engine_names
 from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound, PasswordError
@@ -26,7 +28,10 @@ from llmgw.server.updates import DEFAULT_ORDER_TTL
 if TYPE_CHECKING:
     from llmgw.server.app import ControlPlane
 
-__all__ = ["add_admin_routes"]
+__all__ = ["ADMIN_MAX_BODY", "add_admin_routes"]
+
+ADMIN_MAX_BODY = 1024 * 1024
+"""The largest admin API request body: orders, keys and a whole catalog fit many times."""
 
 _INSTALLABLE = ("llamacpp", "vllm", "sglang")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -101,6 +106,17 @@ class AdminAPI:
                 return await handler(request)
             except _BadRequest as exc:
                 return _error(400, str(exc), "bad_request")
+            except BodyTooLarge as exc:
+                return _error(
+                    413,
+                    f"{exc} for the admin API; split the change (a catalog can be applied "
+                    "model by model)",
+                    "request_too_large",
+                )
+            except BodiesBusy as exc:
+                return _error(503, str(exc), "overloaded")
+            except BodyIncomplete as exc:
+                return _error(400, str(exc), "incomplete_body")
             except PasswordError as exc:
                 return _error(403, str(exc), "wrong_password")
             except NotFound as exc:
@@ -113,10 +129,13 @@ class AdminAPI:
         return wrapped
 
     async def _json(self, request: web.Request) -> dict[str, Any]:
+        raw = await read_body(request, ADMIN_MAX_BODY, self.cp.bodies)
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except ValueError:
             raise _BadRequest("the request body is not valid JSON") from None
+        finally:
+            self.cp.bodies.give(len(raw))
         if not isinstance(body, dict):
             raise _BadRequest("the request body must be a JSON object")
         return body

@@ -288,6 +288,9 @@ class Gateway:
         elif limit == cfg.max_inflight_body_bytes and limit < self.cp.largest_body_limit:
             taken = f"this gateway holds at most {format_size(limit)} of bodies at once"
             fix = "raise max_inflight_body_bytes in server.yaml"
+        elif model is None and limit > cfg.max_request_body:
+            taken = f"no model on this gateway takes more than {format_size(limit)}"
+            fix = "a model's catalog profile sets its own with max_request_body"
         else:
             whose = f"model '{model}'" if model is not None else "this gateway"
             taken = f"{whose} takes at most {format_size(limit)}"
