@@ -343,6 +343,14 @@ async def raw_exchange(
         writer.close()
 
 
+async def settle(done: Callable[[], bool]) -> None:
+    """Poll ``done`` (state the gateway changes on this same loop) for up to STEP_S."""
+    for _ in range(int(STEP_S / 0.01)):
+        if done():
+            return
+        await asyncio.sleep(0.01)
+
+
 def request_head(port: int, extra: str) -> bytes:
     return (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
@@ -424,9 +432,7 @@ def test_bodies_in_flight_over_the_budget_get_503_with_retry_after() -> None:
             writer.write(head + full[:-10])
             await writer.drain()
             held.append((reader, writer))
-        deadline = time.monotonic() + STEP_S
-        while rig.cp.bodies.used < 2 * (size - 10) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await settle(lambda: rig.cp.bodies.used >= 2 * (size - 10))
         assert rig.cp.bodies.used == 2 * (size - 10)
 
         status, answer, headers = await post(rig, chat("ok", 100_000))
@@ -441,9 +447,7 @@ def test_bodies_in_flight_over_the_budget_get_503_with_retry_after() -> None:
             line = await asyncio.wait_for(reader.readline(), STEP_S)
             assert line.startswith(b"HTTP/1.1 200"), line
             writer.close()
-        deadline = time.monotonic() + STEP_S
-        while rig.cp.bodies.used and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await settle(lambda: rig.cp.bodies.used == 0)
         assert rig.cp.bodies.used == 0
         status, _, _ = await post(rig, chat("ok", 100_000))
         assert status == 200
@@ -453,17 +457,13 @@ def test_bodies_in_flight_over_the_budget_get_503_with_retry_after() -> None:
 
 def test_a_body_cut_short_is_given_back_to_the_budget() -> None:
     async def body(rig: Rig) -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", rig.port)
+        _, writer = await asyncio.open_connection("127.0.0.1", rig.port)
         writer.write(request_head(rig.port, "Content-Length: 500000\r\n") + b" " * 200_000)
         await writer.drain()
-        deadline = time.monotonic() + STEP_S
-        while rig.cp.bodies.used < 200_000 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await settle(lambda: rig.cp.bodies.used >= 200_000)
         assert rig.cp.bodies.used == 200_000
         writer.close()
-        deadline = time.monotonic() + STEP_S
-        while rig.cp.bodies.used and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await settle(lambda: rig.cp.bodies.used == 0)
         assert rig.cp.bodies.used == 0
         assert rig.engine.requests == {}
 
