@@ -63,8 +63,11 @@ class BodyTooLarge(BodyError):
     "more than ``limit``" is known (it was being read)."""
 
     def __init__(self, limit: int, size: int | None) -> None:
-        what = f"{size} bytes" if size is not None else f"more than {limit} bytes"
-        super().__init__(f"the request body is {what}; the limit is {format_size(limit)}")
+        if size is not None:
+            message = f"the request body is {size} bytes; the limit is {format_size(limit)}"
+        else:
+            message = f"the request body is over the limit of {format_size(limit)}"
+        super().__init__(message)
         self.limit = limit
         self.size = size
 
