@@ -1,11 +1,13 @@
 """Request bodies read under limits, so that memory stays bounded whatever clients send.
 
 Every listener that takes bodies (the gateway and admin API on :8080, the data plane on
-:9443) reads them through :func:`read_body`: bytes are counted as they arrive, chunked
-bodies too (Content-Length is only trusted to refuse early), and each chunk is charged to
-the process's :class:`BodyBudget` before it is kept. A body over its limit is refused
-after at most one chunk more than the limit; one that finds the budget spent is refused
-with what it took given back. The caller gives the bytes of a body it got back to the
+:9443) reads them through :func:`read_body`, charging them to the process's
+:class:`BodyBudget` before it holds them. A body with a Content-Length is admitted whole or
+not at all: over the limit or over what the budget has left, it is refused before a byte is
+read (so that, when many arrive at once, some are served and the others are told to retry,
+rather than all of them being refused half-read); the HTTP parser delivers no more than the
+length says. A chunked body is counted and charged chunk by chunk, and refused after at most
+one chunk more than the limit. The caller gives the bytes of a body it got back to the
 budget once it no longer holds them.
 
 Errors::
@@ -18,6 +20,8 @@ Errors::
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from aiohttp import web
 from aiohttp.client_exceptions import ClientPayloadError
@@ -116,9 +120,20 @@ async def read_body(request: web.Request, limit: int, budget: BodyBudget) -> byt
     the limit), :class:`BodiesBusy` or :class:`BodyIncomplete`.
     """
     declared = request.content_length
-    if declared is not None and declared > limit:
-        raise BodyTooLarge(limit, declared)
     content = request.content
+    if declared is not None:
+        if declared > limit:
+            raise BodyTooLarge(limit, declared)
+        if not budget.take(declared):
+            raise BodiesBusy(budget.capacity)
+        try:
+            return await content.readexactly(declared) if declared else b""
+        except (ClientPayloadError, HttpProcessingError, asyncio.IncompleteReadError) as exc:
+            budget.give(declared)
+            raise _incomplete(exc) from exc
+        except BaseException:
+            budget.give(declared)
+            raise
     chunks: list[bytes] = []
     taken = 0
     try:
@@ -135,12 +150,15 @@ async def read_body(request: web.Request, limit: int, budget: BodyBudget) -> byt
             chunks.append(chunk)
     except (ClientPayloadError, HttpProcessingError) as exc:
         budget.give(taken)
-        raise BodyIncomplete(
-            f"the request body is incomplete or malformed ({exc}); send it again whole"
-        ) from exc
+        raise _incomplete(exc) from exc
     except BaseException:
         budget.give(taken)
         raise
     if not chunks:
         return b""
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _incomplete(exc: BaseException) -> BodyIncomplete:
+    what = "it ended early" if isinstance(exc, asyncio.IncompleteReadError) else str(exc)
+    return BodyIncomplete(f"the request body is incomplete or malformed ({what}); send it whole")

@@ -167,10 +167,10 @@ def test_over_the_budget_is_503_not_processed_so_the_gateway_tries_another_repli
         )
         await writer.drain()
         for _ in range(int(STEP_S / 0.01)):
-            if rig.dp.bodies.used == size - 1:
+            if rig.dp.bodies.used == size:
                 break
             await asyncio.sleep(0.01)
-        assert rig.dp.bodies.used == size - 1
+        assert rig.dp.bodies.used == size  # its declared length, charged as it starts
 
         status, answer, headers = await rig.post("/v1/ok", b"x" * (50 * KIB))
         assert status == 503

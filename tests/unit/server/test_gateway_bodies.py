@@ -432,8 +432,9 @@ def test_bodies_in_flight_over_the_budget_get_503_with_retry_after() -> None:
             writer.write(head + full[:-10])
             await writer.drain()
             held.append((reader, writer))
-        await settle(lambda: rig.cp.bodies.used >= 2 * (size - 10))
-        assert rig.cp.bodies.used == 2 * (size - 10)
+        # A declared length is charged whole as the body starts, before it is all in.
+        await settle(lambda: rig.cp.bodies.used >= 2 * size)
+        assert rig.cp.bodies.used == 2 * size
 
         status, answer, headers = await post(rig, chat("ok", 100_000))
         assert status == 503
@@ -460,11 +461,39 @@ def test_a_body_cut_short_is_given_back_to_the_budget() -> None:
         _, writer = await asyncio.open_connection("127.0.0.1", rig.port)
         writer.write(request_head(rig.port, "Content-Length: 500000\r\n") + b" " * 200_000)
         await writer.drain()
-        await settle(lambda: rig.cp.bodies.used >= 200_000)
-        assert rig.cp.bodies.used == 200_000
+        await settle(lambda: rig.cp.bodies.used >= 500_000)
+        assert rig.cp.bodies.used == 500_000
         writer.close()
         await settle(lambda: rig.cp.bodies.used == 0)
         assert rig.cp.bodies.used == 0
         assert rig.engine.requests == {}
 
     run(body)
+
+
+def test_a_chunked_body_is_charged_as_it_arrives_and_refused_when_the_budget_runs_out() -> None:
+    async def body(rig: Rig) -> None:
+        held = chat("ok", 700 * 1024)
+        writers = []
+        for _ in range(2):  # 2 x ~700 KiB declared and charged, of a 2 MiB budget
+            _, writer = await asyncio.open_connection("127.0.0.1", rig.port)
+            writer.write(request_head(rig.port, f"Content-Length: {len(held)}\r\n"))
+            await writer.drain()
+            writers.append(writer)
+        await settle(lambda: rig.cp.bodies.used >= 2 * len(held))
+        assert rig.cp.bodies.used == 2 * len(held)
+
+        # 800 KiB chunked is under the 1 MiB limit, but only ~600 KiB of budget is left.
+        head = request_head(rig.port, "Transfer-Encoding: chunked\r\n")
+        piece = b"4000\r\n" + b" " * 0x4000 + b"\r\n"  # 16 KiB
+        status, headers, data = await raw_exchange(rig.port, head, [piece] * 50)
+        assert status == 503
+        assert headers["retry-after"] == "1"
+        assert json.loads(data)["error"]["code"] == "overloaded"
+        assert rig.cp.bodies.used == 2 * len(held)  # what it took was given back
+        for writer in writers:
+            writer.close()
+        await settle(lambda: rig.cp.bodies.used == 0)
+        assert rig.cp.bodies.used == 0
+
+    run(body, max_request_body=MIB, max_inflight_body_bytes=2 * MIB)
