@@ -33,6 +33,7 @@ from llmgw.bodies import (
     BodyIncomplete,
     BodyTooLarge,
     read_body,
+    return_large_buffers,
 )
 from llmgw.config_util import parse_hostport
 from llmgw.errors import CertificateError
@@ -116,6 +117,7 @@ class DataPlane:
         return app
 
     async def start(self) -> None:
+        return_large_buffers()  # large bodies' memory goes back to the system once freed
         # Plain HTTP to engines on 127.0.0.1. Idle connections go after 4 s: engines served by
         # uvicorn (vLLM) close theirs after 5 s, and closing first avoids the keep-alive race.
         self._session = UpstreamPool(

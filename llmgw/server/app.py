@@ -23,7 +23,7 @@ from cryptography import x509
 
 from llmgw import __version__
 from llmgw.agent.inventory import inventory_dict
-from llmgw.bodies import BodyBudget
+from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import ConfigError, LlmgwError, NotFound
 from llmgw.log import kv
@@ -306,6 +306,7 @@ class ControlPlane:
         from llmgw.server.gateway import Gateway
 
         self.gateway = Gateway(self)
+        return_large_buffers()  # large bodies' memory goes back to the system once freed
         # Bodies are read through llmgw.bodies; this only bounds any other reader.
         app = web.Application(client_max_size=1024 * 1024)
         self.gateway.add_routes(app)

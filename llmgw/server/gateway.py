@@ -331,6 +331,7 @@ class Gateway:
             )
         path = request.path
         tried: set[str] = set()
+        busy = 0  # replicas whose agent had no room for the body
         while True:
             ep = self.cp.router.pick(model, exclude=frozenset(tried))
             if ep is None and not tried:
@@ -338,6 +339,15 @@ class Gateway:
                 # wait a while for one rather than failing at once.
                 ep = await self.cp.router.wait_ready(model, self.cp.cfg.replica_wait)
             if ep is None:
+                if tried and busy == len(tried):
+                    return openai_error(
+                        503,
+                        f"Every replica of '{model}' is holding as many request bodies as it "
+                        "may (max_inflight_body_bytes in agent.yaml); retry in a moment.",
+                        type_="server_error",
+                        code="overloaded",
+                        headers={"Retry-After": "1"},
+                    )
                 if tried:
                     return openai_error(
                         502,
@@ -359,6 +369,7 @@ class Gateway:
                     request, ep, path, body, started, stream=stream, limit=limit
                 )
             except _ConnectFailed as exc:
+                busy += exc.busy
                 log.warning(
                     "replica unreachable; trying another",
                     extra=kv(model=model, shard=ep.shard_id, error=str(exc)),
@@ -399,10 +410,12 @@ class Gateway:
                     raise _ConnectFailed(str(exc)) from exc
                 raise
             if upstream.status == 503 and upstream.header(NOT_PROCESSED):
-                # The agent did not hand it to an engine (it is draining): another replica
-                # may take it, as if the connection had been refused.
+                # The agent did not hand it to an engine (it is draining, or has no room for
+                # the body): another replica may take it, as if the connection had been refused.
+                busy = upstream.header("Retry-After") is not None
                 upstream.release()
-                raise _ConnectFailed(f"{ep.node_id} did not process the request (draining)")
+                why = "no room for the body" if busy else "draining"
+                raise _ConnectFailed(f"{ep.node_id} did not process the request ({why})", busy)
             try:
                 status = upstream.status
                 if counter is not None and upstream.content_type == "text/event-stream":
@@ -467,5 +480,9 @@ class Gateway:
 
 
 class _ConnectFailed(Exception):
-    """The replica could not be reached, or went away before answering; another may be
-    tried."""
+    """The replica could not be reached, or went away before answering, or its agent had no
+    room for the body (``busy``); another may be tried."""
+
+    def __init__(self, message: str, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy

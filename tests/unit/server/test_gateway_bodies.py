@@ -25,6 +25,7 @@ import pytest
 from aiohttp import web
 
 from llmgw.bodies import MAX_BODY_HEADER, BodyBudget
+from llmgw.relay import NOT_PROCESSED
 from llmgw.server.config import load_server_config
 from llmgw.server.gateway import MAX_SSE_EVENT, Gateway
 from llmgw.server.metrics import Metrics
@@ -131,6 +132,23 @@ async def huge_chunked(request: web.Request, body: bytes, engine: Engine, model:
     return resp
 
 
+async def busy(request: web.Request, body: bytes, engine: Engine, model: str) -> Any:
+    """What the data plane answers when its body budget is spent."""
+    return web.json_response(
+        {"error": {"message": "no room", "code": "overloaded"}},
+        status=503,
+        headers={NOT_PROCESSED: "1", "Retry-After": "1"},
+    )
+
+
+async def draining(request: web.Request, body: bytes, engine: Engine, model: str) -> Any:
+    return web.json_response(
+        {"error": {"message": "shutting down", "code": "draining"}},
+        status=503,
+        headers={NOT_PROCESSED: "1"},
+    )
+
+
 BEHAVIOURS: dict[str, Callable[[web.Request, bytes, Engine, str], Awaitable[Any]]] = {
     "ok": ok,
     "ok-big": ok,
@@ -139,6 +157,8 @@ BEHAVIOURS: dict[str, Callable[[web.Request, bytes, Engine, str], Awaitable[Any]
     "stall-stream": stall_stream,
     "huge": huge,
     "huge-chunked": huge_chunked,
+    "busy": busy,
+    "draining": draining,
 }
 
 
@@ -497,3 +517,18 @@ def test_a_chunked_body_is_charged_as_it_arrives_and_refused_when_the_budget_run
         assert rig.cp.bodies.used == 0
 
     run(body, max_request_body=MIB, max_inflight_body_bytes=2 * MIB)
+
+
+def test_replicas_with_no_room_for_the_body_make_a_503_with_retry_after() -> None:
+    async def body(rig: Rig) -> None:
+        status, answer, headers = await post(rig, chat("busy"))
+        assert status == 503
+        assert headers["Retry-After"] == "1"
+        assert answer["error"]["code"] == "overloaded"
+        assert "max_inflight_body_bytes in agent.yaml" in answer["error"]["message"]
+        # A draining agent is not a busy one: no replica answered.
+        status, answer, _ = await post(rig, chat("draining"))
+        assert status == 502
+        assert answer["error"]["code"] == "upstream_unavailable"
+
+    run(body)
