@@ -16,7 +16,8 @@ Errors::
     └── BodyError               a request body was refused
         ├── BodyTooLarge        over the limit (-> 413)
         ├── BodiesBusy          the budget of body bytes in flight is spent (-> 503)
-        └── BodyIncomplete      the client stopped sending, or the framing is broken (-> 400)
+        ├── BodyIncomplete      the client stopped sending, or the framing is broken (-> 400)
+        └── BodyTimeout         the body arrives too slowly (-> 408)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 from aiohttp.client_exceptions import ClientPayloadError
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -41,6 +42,7 @@ __all__ = [
     "BodyBudget",
     "BodyError",
     "BodyIncomplete",
+    "BodyTimeout",
     "BodyTooLarge",
     "read_body",
     "return_large_buffers",
@@ -58,6 +60,11 @@ DEFAULT_UPSTREAM_IDLE_TIMEOUT = 300.0
 # catalog profile may raise it). Only the control plane's certificate reaches the data plane,
 # so the agent takes it as it takes the control plane's orders.
 MAX_BODY_HEADER = "X-Llmgw-Max-Body"
+
+# A body must arrive within BODY_TIME_BASE seconds plus its size at BODY_MIN_RATE bytes/s
+# (8 MiB: 158 s), so that a client trickling it cannot hold its share of the budget for long.
+BODY_TIME_BASE = 30.0
+BODY_MIN_RATE = 64 * 1024
 
 
 # glibc's mallopt() parameter, and the size from which allocations get their own mapping.
@@ -117,6 +124,17 @@ class BodyIncomplete(BodyError):
     """The body ended before its declared length, or its chunked framing is broken."""
 
 
+class BodyTimeout(BodyError):
+    """The body did not arrive within the time its size allows."""
+
+    def __init__(self, allowed: float) -> None:
+        super().__init__(
+            f"the request body did not arrive within {round(allowed, 1):g} s ({BODY_TIME_BASE:g} s "
+            f"plus its size at {BODY_MIN_RATE // 1024} KiB/s); send it faster"
+        )
+        self.allowed = allowed
+
+
 class BodyBudget:
     """The body bytes a process holds at once, at most ``capacity``.
 
@@ -164,7 +182,9 @@ async def read_body(request: web.Request, limit: int, budget: BodyBudget) -> byt
 
     The caller gives ``len(body)`` back to ``budget`` when done with it; on an error
     nothing stays charged. Raises :class:`BodyTooLarge` (at once when Content-Length is over
-    the limit), :class:`BodiesBusy` or :class:`BodyIncomplete`.
+    the limit), :class:`BodiesBusy`, :class:`BodyIncomplete` or :class:`BodyTimeout` (a body
+    that has not arrived within ``BODY_TIME_BASE`` seconds plus its size, or the limit, at
+    ``BODY_MIN_RATE``: a client cannot hold its share of the budget by trickling).
     """
     declared = request.content_length
     content = request.content
@@ -173,34 +193,42 @@ async def read_body(request: web.Request, limit: int, budget: BodyBudget) -> byt
             raise BodyTooLarge(limit, declared)
         if not budget.take(declared):
             raise BodiesBusy(budget.capacity)
-        try:
-            return await content.readexactly(declared) if declared else b""
-        except (ClientPayloadError, HttpProcessingError, asyncio.IncompleteReadError) as exc:
-            budget.give(declared)
-            raise _incomplete(exc) from exc
-        except BaseException:
-            budget.give(declared)
-            raise
-    chunks: list[bytes] = []
-    taken = 0
+    held = [declared or 0]  # bytes charged so far, given back on failure
     try:
-        while True:
-            chunk = await content.readany()
-            if not chunk:
-                break
-            n = len(chunk)
-            if taken + n > limit:
-                raise BodyTooLarge(limit, None)
-            if not budget.take(n):
-                raise BodiesBusy(budget.capacity)
-            taken += n
-            chunks.append(chunk)
-    except (ClientPayloadError, HttpProcessingError) as exc:
-        budget.give(taken)
+        if declared is not None and content.total_bytes >= declared:
+            return await _read(content, declared, limit, budget, held)  # all here already
+        allowed = BODY_TIME_BASE + (declared if declared is not None else limit) / BODY_MIN_RATE
+        try:
+            async with asyncio.timeout(allowed):
+                return await _read(content, declared, limit, budget, held)
+        except TimeoutError:
+            raise BodyTimeout(allowed) from None
+    except (ClientPayloadError, HttpProcessingError, asyncio.IncompleteReadError) as exc:
+        budget.give(held[0])
         raise _incomplete(exc) from exc
     except BaseException:
-        budget.give(taken)
+        budget.give(held[0])
         raise
+
+
+async def _read(
+    content: StreamReader, declared: int | None, limit: int, budget: BodyBudget, held: list[int]
+) -> bytes:
+    if declared is not None:
+        # The HTTP parser delivers no more than the declared length.
+        return await content.readexactly(declared) if declared else b""
+    chunks: list[bytes] = []
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            break
+        n = len(chunk)
+        if held[0] + n > limit:
+            raise BodyTooLarge(limit, None)
+        if not budget.take(n):
+            raise BodiesBusy(budget.capacity)
+        held[0] += n
+        chunks.append(chunk)
     if not chunks:
         return b""
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)

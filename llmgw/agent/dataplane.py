@@ -31,6 +31,7 @@ from llmgw.bodies import (
     BodiesBusy,
     BodyBudget,
     BodyIncomplete,
+    BodyTimeout,
     BodyTooLarge,
     read_body,
     return_large_buffers,
@@ -228,6 +229,8 @@ class DataPlane:
             )
         except BodyIncomplete as exc:
             return _error(400, str(exc), "incomplete_body")
+        except BodyTimeout as exc:
+            return _error(408, str(exc), "body_timeout")
         try:
             return await self._relay(request, shard_id, port, body)
         finally:

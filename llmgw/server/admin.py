@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from llmgw import __version__
-from llmgw.bodies import BodiesBusy, BodyIncomplete, BodyTooLarge, read_body
+from llmgw.bodies import BodiesBusy, BodyIncomplete, BodyTimeout, BodyTooLarge, read_body
 from llmgw.config_util import format_hostport
 from llmgw.engines.base import engine_names
 from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound, PasswordError
@@ -117,6 +117,8 @@ class AdminAPI:
                 return _error(503, str(exc), "overloaded")
             except BodyIncomplete as exc:
                 return _error(400, str(exc), "incomplete_body")
+            except BodyTimeout as exc:
+                return _error(408, str(exc), "body_timeout")
             except PasswordError as exc:
                 return _error(403, str(exc), "wrong_password")
             except NotFound as exc:

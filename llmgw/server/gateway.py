@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from cryptography import x509
 
-from llmgw.bodies import MAX_BODY_HEADER, BodiesBusy, BodyIncomplete, BodyTooLarge, read_body
+from llmgw.bodies import (
+    MAX_BODY_HEADER,
+    BodiesBusy,
+    BodyIncomplete,
+    BodyTimeout,
+    BodyTooLarge,
+    read_body,
+)
 from llmgw.config_util import format_size, parse_hostport
 from llmgw.errors import ConfigError
 from llmgw.log import kv
@@ -274,6 +281,8 @@ class Gateway:
             )
         except BodyIncomplete as exc:
             return openai_error(400, f"{str(exc).capitalize()}.", code="incomplete_body")
+        except BodyTimeout as exc:
+            return openai_error(408, f"{str(exc).capitalize()}.", code="body_timeout")
         try:
             return await self._complete(request, body, started)
         finally:

@@ -24,6 +24,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from llmgw import bodies
 from llmgw.bodies import MAX_BODY_HEADER, BodyBudget
 from llmgw.relay import NOT_PROCESSED
 from llmgw.server.config import load_server_config
@@ -530,5 +531,34 @@ def test_replicas_with_no_room_for_the_body_make_a_503_with_retry_after() -> Non
         status, answer, _ = await post(rig, chat("draining"))
         assert status == 502
         assert answer["error"]["code"] == "upstream_unavailable"
+
+    run(body)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_that_trickles_in_is_408_and_its_budget_given_back(
+    monkeypatch: pytest.MonkeyPatch, chunked: bool
+) -> None:
+    monkeypatch.setattr(bodies, "BODY_TIME_BASE", 0.5)
+    monkeypatch.setattr(bodies, "BODY_MIN_RATE", 1024**4)  # the size adds nothing here
+
+    async def body(rig: Rig) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", rig.port)
+        framing = "Transfer-Encoding: chunked" if chunked else "Content-Length: 100000"
+        first = b"a\r\n" + b" " * 10 + b"\r\n" if chunked else b" " * 10
+        started = time.perf_counter()
+        writer.write(request_head(rig.port, framing + "\r\n") + first)
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), STEP_S)
+        assert line.startswith(b"HTTP/1.1 408"), line
+        assert time.perf_counter() - started >= 0.4
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        error = json.loads(await reader.readexactly(length))["error"]
+        assert error["code"] == "body_timeout"
+        assert "did not arrive within 0.5 s (0.5 s plus its size" in error["message"]
+        writer.close()
+        assert rig.cp.bodies.used == 0
+        assert rig.engine.requests == {}
 
     run(body)
