@@ -205,15 +205,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
             for chunked in (False, True):
                 what = "chunked bodies without end" if chunked else "bodies declared 1 GiB"
+                clients = [
+                    over_limit(host, int(port), key, chunked=chunked)
+                    for _ in range(args.concurrency)
+                ]
                 figures["phases"].append(
-                    await phase(
-                        f"{args.concurrency} x {what}",
-                        cluster,
-                        lambda chunked=chunked: [  # type: ignore[misc]
-                            over_limit(host, int(port), key, chunked=chunked)
-                            for _ in range(args.concurrency)
-                        ],
-                    )
+                    await phase(f"{args.concurrency} x {what}", cluster, lambda c=clients: c)
                 )
             return figures
         finally:
