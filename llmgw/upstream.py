@@ -52,8 +52,9 @@ _MAX_CHUNK_LINE = 4096  # a chunk-size line with its extensions, or one trailer 
 # Pause reading from the upstream while this much body waits for a slow consumer.
 _HIGH_WATER = 256 * 1024
 # Bodies larger than this are written after the head instead of joined to it (one copy less),
-# in pieces of _BODY_PIECE: TLS encrypts each write whole into a memory buffer that keeps its
-# largest size for the life of the connection (8 MiB per pooled connection, written at once).
+# in pieces of _BODY_PIECE, each once the transport has room (pause_writing/resume_writing):
+# TLS encrypts what it is given into a memory buffer that keeps its largest size for the life
+# of the connection, and a body written at once left 8 MiB there per pooled connection.
 _JOIN_BODY = 64 * 1024
 _BODY_PIECE = 256 * 1024
 
@@ -305,6 +306,9 @@ class _Connection(asyncio.Protocol):
         # The idle-read timer: one per connection, re-armed when it fires (not per chunk).
         self._last_read = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        # Flow control of a large request body.
+        self._write_paused = False
+        self._drain: asyncio.Future[None] | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -318,6 +322,7 @@ class _Connection(asyncio.Protocol):
         self._stop_timer()
         self.pool._forget(self)
         self._ended(exc)
+        self._wake_writer()
         if self._closed is not None and not self._closed.done():
             self._closed.set_result(None)
 
@@ -326,6 +331,19 @@ class _Connection(asyncio.Protocol):
         self.pool._forget(self)
         self._ended(None)
         return None  # let the transport close itself
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._last_read = self.loop.time()  # the upstream is taking the body: not idle
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        drain = self._drain
+        if drain is not None and not drain.done():
+            drain.set_result(None)
 
     def data_received(self, data: bytes) -> None:
         self._got = True
@@ -364,10 +382,6 @@ class _Connection(asyncio.Protocol):
         waiter = self._head_waiter = self.loop.create_future()
         try:
             transport.write(data)
-            if body:
-                view = memoryview(body)
-                for at in range(0, len(body), _BODY_PIECE):
-                    transport.write(view[at : at + _BODY_PIECE])
         except (OSError, RuntimeError) as exc:
             self._state = _IDLE
             self._head_waiter = None
@@ -381,6 +395,8 @@ class _Connection(asyncio.Protocol):
                 self._last_read + self.pool.read_timeout, self._check_idle
             )
         try:
+            if body:
+                await self._write_body(transport, body, waiter)
             return await waiter
         except BaseException:
             # Cancelled (the client went away) or failed: the upstream must see the
@@ -390,12 +406,39 @@ class _Connection(asyncio.Protocol):
         finally:
             self._head_waiter = None
 
+    async def _write_body(
+        self, transport: asyncio.Transport, body: bytes, waiter: asyncio.Future[UpstreamResponse]
+    ) -> None:
+        """Write ``body`` a piece at a time, each when the transport has room; stop early if
+        the answer (or the end of the connection) comes first."""
+        view = memoryview(body)
+        at, end = 0, len(body)
+        while at < end:
+            if waiter.done() or self.lost:
+                # Answered before the whole body went (say, a refusal): never reuse this one.
+                self.lost = True
+                return
+            if self._write_paused:
+                drain = self._drain = self.loop.create_future()
+                try:
+                    await drain
+                finally:
+                    self._drain = None
+                continue
+            try:
+                transport.write(view[at : at + _BODY_PIECE])
+            except (OSError, RuntimeError) as exc:
+                host, port, _ = self.key
+                raise UpstreamError(f"cannot write to {host}:{port}: {_describe(exc)}") from exc
+            at += _BODY_PIECE
+
     def close(self) -> None:
         self.lost = self._closed_here = True
         self._stop_timer()
         self.pool._forget(self)
         if self.transport is not None:
             self.transport.close()
+        self._wake_writer()
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -422,6 +465,8 @@ class _Connection(asyncio.Protocol):
                     "gave up on it (upstream_idle_timeout sets how long to wait)"
                 )
             )
+            if self.transport is not None:
+                self.transport.abort()  # a peer that reads nothing would hold a close forever
             return
         self._timer = self.loop.call_at(due, self._check_idle)
 

@@ -870,6 +870,103 @@ def test_a_large_request_body_arrives_whole() -> None:
     run(main)
 
 
+async def read_head(reader: asyncio.StreamReader) -> int:
+    """A request's head; its Content-Length."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def test_a_large_body_is_written_as_the_peer_takes_it() -> None:
+    """Pieces go out when the transport has room: what waits in our buffers stays small
+    while a slow reader takes 16 MiB (TLS kept a whole body's worth per connection)."""
+    size = 16 * 1024 * 1024
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        left = await read_head(reader)
+        while left:
+            left -= len(await reader.read(min(left, 256 * 1024)))
+            await asyncio.sleep(0.002)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool()
+            waiting: list[int] = []
+            done = asyncio.Event()
+
+            async def sample() -> None:
+                while not done.is_set():
+                    for conn in list(pool._conns):
+                        if conn.transport is not None:
+                            waiting.append(conn.transport.get_write_buffer_size())
+                    await asyncio.sleep(0.001)
+
+            sampler = asyncio.create_task(sample())
+            resp = await pool.request("POST", HOST, raw.port, "/x", body=b"b" * size)
+            done.set()
+            await sampler
+            assert resp.status == 200 and await resp.read() == b"ok"
+            resp.release()
+            assert waiting and max(waiting) <= 1024 * 1024, max(waiting)
+            await pool.close()
+
+    run(main)
+
+
+def test_a_peer_that_never_reads_the_body_times_out() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_head(reader)
+        await asyncio.sleep(STEP_S)  # reads nothing more, answers nothing
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool(read_timeout=0.5)
+            with pytest.raises(UpstreamTimeout):
+                await asyncio.wait_for(
+                    pool.request("POST", HOST, raw.port, "/x", body=b"b" * (64 * 1024 * 1024)),
+                    STEP_S,
+                )
+            assert pool.connections == 0
+            await pool.close()
+
+    run(main)
+
+
+def test_an_answer_before_the_whole_body_stops_it_and_the_connection_goes() -> None:
+    got = 0
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        nonlocal got
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 413 Too Large\r\nContent-Length: 3\r\n\r\nbig")
+        await writer.drain()
+        while chunk := await reader.read(65536):  # discard the rest, as servers do
+            got += len(chunk)
+
+    async def main() -> None:
+        size = 256 * 1024 * 1024
+        async with raw_server(script) as raw:
+            pool = UpstreamPool()
+            resp = await asyncio.wait_for(
+                pool.request("POST", HOST, raw.port, "/x", body=b"b" * size), STEP_S
+            )
+            assert resp.status == 413
+            assert await resp.read() == b"big"
+            resp.release()
+            assert pool.connections == 0  # its framing is spoilt: not reused
+            await asyncio.sleep(0.1)
+            assert got < size
+            await pool.close()
+
+    run(main)
+
+
 def test_request_target_and_headers_are_checked() -> None:
     async def main() -> None:
         pool = UpstreamPool()
