@@ -123,8 +123,6 @@ class StreamTokenCounter:
             return
         pending.clear()
         self._pending_len = 0
-        if rest:
-            self._hold(rest)
         # Count in C over the whole run of complete events instead of event by event.
         self.events += (
             done.count(b'"content":"')
@@ -142,6 +140,8 @@ class StreamTokenCounter:
                     usage = None
                 if isinstance(usage, dict):
                     self.usage = usage
+        if rest:
+            self._hold(rest)  # after counting what came complete
 
     def _hold(self, piece: bytes) -> None:
         self._pending_len += len(piece)
@@ -280,9 +280,9 @@ class Gateway:
                 headers={"Retry-After": "1"},
             )
         except BodyIncomplete as exc:
-            return openai_error(400, f"{str(exc).capitalize()}.", code="incomplete_body")
+            return openai_error(400, _sentence(exc), code="incomplete_body")
         except BodyTimeout as exc:
-            return openai_error(408, f"{str(exc).capitalize()}.", code="body_timeout")
+            return openai_error(408, _sentence(exc), code="body_timeout")
         try:
             return await self._complete(request, body, started)
         finally:
@@ -486,6 +486,12 @@ class Gateway:
             value = usage.get(f"{kind}_tokens")
             if isinstance(value, int):
                 self.cp.metrics.tokens.inc((model, kind), value)
+
+
+def _sentence(exc: Exception) -> str:
+    """An error's message as a sentence (capital first, full stop), like the gateway's own."""
+    text = str(exc)
+    return f"{text[:1].upper()}{text[1:]}."
 
 
 class _ConnectFailed(Exception):
