@@ -23,6 +23,9 @@ from llmgw.errors import ConfigError
 
 _LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?")
 _PORT = re.compile(r"[0-9]{1,5}")
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+_DECIMAL_SIZES = {"k": "KiB", "kb": "KiB", "m": "MiB", "mb": "MiB", "g": "GiB", "gb": "GiB"}
 
 
 # --- values --------------------------------------------------------------------------------
@@ -45,6 +48,39 @@ def type_name(value: object) -> str:
     if isinstance(value, list | tuple):
         return "list"
     return type(value).__name__
+
+
+def parse_size(value: object) -> int:
+    """Bytes from a whole number of bytes or a string like '8MiB', '512KiB', '1GiB'.
+
+    Raises :class:`ConfigError` without key or file (:meth:`Checker.size` adds them)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size: float = value
+    elif isinstance(value, str) and (m := _SIZE.fullmatch(value.strip())):
+        unit = m.group(2).lower()
+        if unit in _DECIMAL_SIZES:
+            raise ConfigError(
+                f"{value!r}: {m.group(2)} is ambiguous; use binary units, e.g. "
+                f"{m.group(1)}{_DECIMAL_SIZES[unit]}"
+            )
+        if unit not in _SIZE_UNITS:
+            raise ConfigError(f"{value!r}: unknown unit {m.group(2)!r}; use KiB, MiB or GiB")
+        size = float(m.group(1)) * _SIZE_UNITS[unit]
+    else:
+        raise ConfigError(
+            f"must be a size like 8MiB, 512KiB or 1GiB, or a whole number of bytes; got {value!r}"
+        )
+    if size != int(size):
+        raise ConfigError(f"{value!r} is not a whole number of bytes")
+    return int(size)
+
+
+def format_size(size: int) -> str:
+    """``8388608`` -> ``8 MiB``; sizes that are not a whole number of KiB stay in bytes."""
+    for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if size >= factor and size % factor == 0:
+            return f"{size // factor} {unit}"
+    return f"{size} bytes"
 
 
 def join_key(parent: str, name: str) -> str:
@@ -321,6 +357,18 @@ class Checker:
             self.fail(key, f"must be at most {maximum:g}, got {value!r}")
         return number
 
+    def size(self, value: object, key: str, *, minimum: int = 1, maximum: int | None = None) -> int:
+        """Bytes (see :func:`parse_size`) within ``[minimum, maximum]``."""
+        try:
+            size = parse_size(value)
+        except ConfigError as exc:
+            self.fail(key, exc.message)
+        if size < minimum:
+            self.fail(key, f"must be at least {format_size(minimum)}, got {value!r}")
+        if maximum is not None and size > maximum:
+            self.fail(key, f"must be at most {format_size(maximum)}, got {value!r}")
+        return size
+
     def items(self, value: object, key: str, *, non_empty: bool = False) -> list[object]:
         """A list (the items still to be checked by the caller)."""
         if not isinstance(value, list | tuple):
@@ -388,12 +436,14 @@ __all__ = [
     "Checker",
     "apply_overrides",
     "format_hostport",
+    "format_size",
     "index_key",
     "is_hostname",
     "is_ip_address",
     "join_key",
     "load_yaml",
     "parse_hostport",
+    "parse_size",
     "parse_yaml",
     "type_name",
     "unknown_key_message",

@@ -4,11 +4,15 @@ Used by both hops of a request: the gateway (client -> agent) and the agent's da
 (gateway -> engine). Bodies pass through unchanged (:mod:`llmgw.upstream` never
 decompresses), so ``Content-Encoding`` is copied like any other end-to-end header. Event
 streams are written as they arrive, never buffered and never compressed; other bodies are
-read whole and sent with a Content-Length.
+read whole (up to the pool's ``max_body``) and sent with a Content-Length. A stream that
+fails half-way (the upstream stalls, dies or sends what a consumer refuses) ends with an
+OpenAI-shaped error event and a proper end of the body, which clients report as an error.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Callable
 
 from aiohttp import web
@@ -19,7 +23,11 @@ from llmgw.upstream import UpstreamError, UpstreamResponse
 # (draining, shard not ready): the gateway may send the request to another replica.
 NOT_PROCESSED = "X-Llmgw-Not-Processed"
 
-__all__ = ["NOT_PROCESSED", "is_event_stream", "relay"]
+# Where relay() leaves the error that ended an event stream early, on the response it returns
+# (aiohttp responses are mappings for such per-request data).
+STREAM_ERROR: web.ResponseKey[UpstreamError] = web.ResponseKey("llmgw_stream_error", UpstreamError)
+
+__all__ = ["NOT_PROCESSED", "STREAM_ERROR", "error_event", "is_event_stream", "relay"]
 
 # Headers that describe one hop's connection, not the content.
 _HOP_HEADERS = frozenset(
@@ -54,6 +62,13 @@ def _copy_headers(
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def error_event(message: str, code: str = "upstream_error") -> bytes:
+    """An SSE event carrying an OpenAI-shaped error. It starts with a blank line, which ends
+    an event left incomplete (and is ignored after a complete one)."""
+    error = {"message": message, "type": "server_error", "param": None, "code": code}
+    return b"\n\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
+
+
 async def relay(
     request: web.Request,
     upstream: UpstreamResponse,
@@ -64,8 +79,11 @@ async def relay(
     """Send ``upstream``'s status, headers and body to ``request``'s client.
 
     The caller releases ``upstream`` afterwards (its connection goes back to the pool only
-    when the body was read to the end). An :class:`~llmgw.upstream.UpstreamError` from a
-    body that fails half-way through an event stream also closes the client's connection.
+    when the body was read to the end). An :class:`~llmgw.upstream.UpstreamError` reading a
+    body read whole propagates (nothing was sent yet: the caller answers 502); one during an
+    event stream, from the upstream or from ``on_chunk``, ends the client's stream with
+    :func:`error_event` and is left on the returned response under :data:`STREAM_ERROR`
+    (``upstream.complete`` is then false).
     """
     if upstream.content_type != "text/event-stream":
         body = await upstream.read()
@@ -82,12 +100,11 @@ async def relay(
             if on_chunk is not None:
                 on_chunk(chunk)
             await resp.write(chunk)
-    except UpstreamError:
-        # The client has the status line and part of the stream: all that is left is to cut
-        # its connection, so that it sees the stream end early. (An error response now
-        # would land in the middle of the stream.)
-        if request.transport is not None:
-            request.transport.close()
-        raise
+    except UpstreamError as exc:
+        # The client has the status line and part of the stream: an error response is no
+        # longer possible, an error event is (OpenAI's clients raise it).
+        resp[STREAM_ERROR] = exc
+        with contextlib.suppress(ConnectionError):  # the client may be gone too
+            await resp.write(error_event(f"the stream ended early: {exc}"))
     # aiohttp ends the stream once the handler returns, quietly if the client has gone.
     return resp

@@ -12,10 +12,18 @@ Errors, all raised from :meth:`UpstreamPool.request` or while reading a body::
         ├── UpstreamConnectError    could not connect: nothing was sent (retryable)
         ├── UpstreamDisconnected    sent, but the upstream went away before a byte of answer
         │                           (crashed, restarting, refused our certificate; retryable)
-        └── UpstreamProtocolError   the answer is not HTTP/1.x as we understand it
+        ├── UpstreamProtocolError   the answer is not HTTP/1.x as we understand it
+        ├── UpstreamTimeout         no byte from the upstream for ``read_timeout`` seconds
+        └── UpstreamTooLarge        a body read whole is over ``max_body`` bytes
 
 ``retryable`` says whether the request may go to another replica: true while not a byte of
 the answer arrived (a stale pooled connection is retried here, once, on a new one).
+
+A hostile or broken upstream cannot hold a caller forever nor fill its memory: a connection
+that receives nothing for ``read_timeout`` seconds while an answer is due fails with
+:class:`UpstreamTimeout` (one timer per connection, re-armed lazily, not one per chunk), and
+:meth:`UpstreamResponse.read` refuses a body over ``max_body`` bytes, before reading it when
+its Content-Length says so.
 """
 
 from __future__ import annotations
@@ -35,12 +43,20 @@ __all__ = [
     "UpstreamPool",
     "UpstreamProtocolError",
     "UpstreamResponse",
+    "UpstreamTimeout",
+    "UpstreamTooLarge",
 ]
 
 MAX_HEAD_BYTES = 64 * 1024  # status line + headers; aiohttp's server writes a few hundred
 _MAX_CHUNK_LINE = 4096  # a chunk-size line with its extensions, or one trailer line
 # Pause reading from the upstream while this much body waits for a slow consumer.
 _HIGH_WATER = 256 * 1024
+# Bodies larger than this are written after the head instead of joined to it (one copy less),
+# in pieces of _BODY_PIECE, each once the transport has room (pause_writing/resume_writing):
+# TLS encrypts what it is given into a memory buffer that keeps its largest size for the life
+# of the connection, and a body written at once left 8 MiB there per pooled connection.
+_JOIN_BODY = 64 * 1024
+_BODY_PIECE = 256 * 1024
 
 _HEX = b"0123456789abcdefABCDEF"
 _VERSIONS = frozenset(("HTTP/1.1", "HTTP/1.0"))
@@ -81,6 +97,15 @@ class UpstreamProtocolError(UpstreamError):
     """The upstream's answer is not a valid HTTP/1.x response."""
 
 
+class UpstreamTimeout(UpstreamError):
+    """The upstream sent nothing for the pool's ``read_timeout`` while an answer was due (a
+    stalled or hostile engine); the connection is closed."""
+
+
+class UpstreamTooLarge(UpstreamError):
+    """A body read whole (not streamed) is larger than the pool's ``max_body``."""
+
+
 class _NoAnswer(UpstreamError):
     """The connection ended before any byte of the response; on a pooled connection that is
     the keep-alive race (the peer closed it as we reused it) and the request is retried."""
@@ -117,6 +142,8 @@ class UpstreamResponse:
         "content_type",
         "headers",
         "keep_alive",
+        "length",
+        "limit",
         "reason",
         "status",
         "version",
@@ -138,6 +165,8 @@ class UpstreamResponse:
         self.headers = headers
         self.content_type = content_type
         self.keep_alive = keep_alive
+        self.length: int | None = None  # the Content-Length, when the body is framed by one
+        self.limit: int | None = None  # read() refuses a longer body (the pool's max_body)
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._done = False
@@ -161,11 +190,23 @@ class UpstreamResponse:
         return self._done
 
     async def read(self) -> bytes:
-        """The whole body (what :meth:`iter_chunks` has not yielded yet)."""
+        """The whole body (what :meth:`iter_chunks` has not yielded yet).
+
+        Raises :class:`UpstreamTooLarge` when the body is longer than :attr:`limit`: at once
+        when its Content-Length says so, else as soon as that much has arrived (so at most
+        one read's worth more is held); the caller's ``release()`` then closes the connection.
+        """
+        limit = self.limit
+        if limit is not None and self.length is not None and self.length > limit:
+            raise self._too_large(self.length)
         while not self._done:
             if self._exc is not None:
                 raise self._exc
+            if limit is not None and self._buffered > limit:
+                raise self._too_large(self._buffered)
             await self._wait()
+        if limit is not None and self._buffered > limit:
+            raise self._too_large(self._buffered)
         chunks = self._chunks
         if not chunks:
             return b""
@@ -173,6 +214,13 @@ class UpstreamResponse:
         chunks.clear()
         self._buffered = 0
         return data
+
+    def _too_large(self, size: int) -> UpstreamTooLarge:
+        what = f"{size} bytes" if self.length is not None else f"over {self.limit} bytes"
+        return UpstreamTooLarge(
+            f"the answer's body is {what}, more than the limit of {self.limit} bytes for an "
+            "answer that is not streamed (max_response_body)"
+        )
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, undone from chunked encoding; pieces that came in while
@@ -255,6 +303,12 @@ class _Connection(asyncio.Protocol):
         self._resp: UpstreamResponse | None = None
         self._remaining = 0
         self._cstate = _C_SIZE
+        # The idle-read timer: one per connection, re-armed when it fires (not per chunk).
+        self._last_read = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        # Flow control of a large request body.
+        self._write_paused = False
+        self._drain: asyncio.Future[None] | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -265,8 +319,10 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = self._gone = True
+        self._stop_timer()
         self.pool._forget(self)
         self._ended(exc)
+        self._wake_writer()
         if self._closed is not None and not self._closed.done():
             self._closed.set_result(None)
 
@@ -276,8 +332,22 @@ class _Connection(asyncio.Protocol):
         self._ended(None)
         return None  # let the transport close itself
 
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._last_read = self.loop.time()  # the upstream is taking the body: not idle
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        drain = self._drain
+        if drain is not None and not drain.done():
+            drain.set_result(None)
+
     def data_received(self, data: bytes) -> None:
         self._got = True
+        self._last_read = self.loop.time()
         try:
             state = self._state
             if state == _LENGTH:
@@ -296,7 +366,7 @@ class _Connection(asyncio.Protocol):
 
     # -- sending -------------------------------------------------------------------------------
 
-    async def send(self, data: bytes, head_only: bool) -> UpstreamResponse:
+    async def send(self, data: bytes, head_only: bool, body: bytes = b"") -> UpstreamResponse:
         transport = self.transport
         assert transport is not None and self._state == _IDLE
         host, port, _ = self.key
@@ -319,7 +389,14 @@ class _Connection(asyncio.Protocol):
             raise _NoAnswer(
                 f"cannot write to {host}:{port}: {_describe(exc)}", tls_refused=False
             ) from exc
+        self._last_read = self.loop.time()
+        if self._timer is None and self.pool.read_timeout is not None:
+            self._timer = self.loop.call_at(
+                self._last_read + self.pool.read_timeout, self._check_idle
+            )
         try:
+            if body:
+                await self._write_body(transport, body, waiter)
             return await waiter
         except BaseException:
             # Cancelled (the client went away) or failed: the upstream must see the
@@ -329,11 +406,69 @@ class _Connection(asyncio.Protocol):
         finally:
             self._head_waiter = None
 
+    async def _write_body(
+        self, transport: asyncio.Transport, body: bytes, waiter: asyncio.Future[UpstreamResponse]
+    ) -> None:
+        """Write ``body`` a piece at a time, each when the transport has room; stop early if
+        the answer (or the end of the connection) comes first."""
+        view = memoryview(body)
+        at, end = 0, len(body)
+        while at < end:
+            if waiter.done() or self.lost:
+                # Answered before the whole body went (say, a refusal): never reuse this one.
+                self.lost = True
+                return
+            if self._write_paused:
+                drain = self._drain = self.loop.create_future()
+                try:
+                    await drain
+                finally:
+                    self._drain = None
+                continue
+            try:
+                transport.write(view[at : at + _BODY_PIECE])
+            except (OSError, RuntimeError) as exc:
+                host, port, _ = self.key
+                raise UpstreamError(f"cannot write to {host}:{port}: {_describe(exc)}") from exc
+            at += _BODY_PIECE
+
     def close(self) -> None:
         self.lost = self._closed_here = True
+        self._stop_timer()
         self.pool._forget(self)
         if self.transport is not None:
             self.transport.close()
+        self._wake_writer()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_idle(self) -> None:
+        """The idle-read timer fired: fail the answer in progress if nothing arrived for
+        ``read_timeout`` seconds, else wait until that would be so."""
+        self._timer = None
+        timeout = self.pool.read_timeout
+        if self._state == _IDLE or self.lost or timeout is None:
+            return  # no answer due: the next request arms the timer again
+        now = self.loop.time()
+        if self.paused:
+            # Reading is paused because our consumer is slow, not the upstream.
+            self._last_read = now
+        due = self._last_read + timeout
+        if now >= due:
+            host, port, _ = self.key
+            self._fail(
+                UpstreamTimeout(
+                    f"{host}:{port} sent nothing for {timeout:g} s while an answer was due; "
+                    "gave up on it (upstream_idle_timeout sets how long to wait)"
+                )
+            )
+            if self.transport is not None:
+                self.transport.abort()  # a peer that reads nothing would hold a close forever
+            return
+        self._timer = self.loop.call_at(due, self._check_idle)
 
     def resume(self) -> None:
         if self.paused and self.transport is not None:
@@ -440,6 +575,9 @@ class _Connection(asyncio.Protocol):
             has_body = True
         resp = UpstreamResponse(self, status, reason, headers, content_type, not close)
         resp.version = version
+        resp.limit = self.pool.max_body
+        if self._state == _LENGTH:
+            resp.length = length
         return resp, has_body
 
     def _feed_length(self, data: bytes) -> None:
@@ -612,6 +750,8 @@ class UpstreamPool:
         idle_timeout: float = 60.0,
         max_idle_per_key: int = 256,
         peer_check: Callable[[bytes, str | None], str | None] | None = None,
+        read_timeout: float | None = None,
+        max_body: int | None = None,
     ) -> None:
         self._ssl = ssl
         # With TLS: called once per new connection with the peer's certificate (DER) and the
@@ -620,6 +760,10 @@ class UpstreamPool:
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self.max_idle_per_key = max_idle_per_key
+        # Seconds without a byte while an answer is due before it fails (None: wait forever).
+        self.read_timeout = read_timeout
+        # The largest body UpstreamResponse.read() accepts (None: any); streams are not capped.
+        self.max_body = max_body
         self._loop = asyncio.get_running_loop()
         # LIFO per key (dicts pop their last item): the warmest connection is reused first.
         self._idle: dict[tuple[str, int, str | None], dict[_Connection, None]] = {}
@@ -653,17 +797,20 @@ class UpstreamPool:
         if self._closed:
             raise UpstreamConnectError("the upstream pool is closed")
         key = (host, port, server_hostname)
-        data = _encode(method, host, port, path, body, headers)
+        if len(body) > _JOIN_BODY:
+            data, rest = _encode(method, host, port, path, b"", headers, length=len(body)), body
+        else:
+            data, rest = _encode(method, host, port, path, body, headers), b""
         head_only = method == "HEAD"
         conn = self._pop_idle(key)
         if conn is not None:
             try:
-                return await conn.send(data, head_only)
+                return await conn.send(data, head_only, rest)
             except _NoAnswer:
                 pass  # the peer closed it as we reused it: once more on a new connection
         conn = await self._connect(key)
         try:
-            return await conn.send(data, head_only)
+            return await conn.send(data, head_only, rest)
         except _NoAnswer as exc:
             if exc.tls_refused:
                 raise UpstreamConnectError(
@@ -804,8 +951,11 @@ def _encode(
     path: str,
     body: bytes,
     headers: Sequence[tuple[str, str]],
+    *,
+    length: int | None = None,
 ) -> bytes:
-    """The request as bytes: request line, headers, Content-Length, body."""
+    """The request as bytes: request line, headers, Content-Length, body (``length``: only
+    the head of a request whose body of that length is written separately)."""
     if not path.startswith("/") or not path.isprintable() or " " in path:
         raise ValueError(f"not a valid request target: {path!r}")
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -814,7 +964,9 @@ def _encode(
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
             raise ValueError(f"header {name!r} contains a line break")
         head += f"{name}: {value}\r\n"
-    if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
+    if length is not None:
+        head += f"Content-Length: {length}\r\n"
+    elif body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
         head += f"Content-Length: {len(body)}\r\n"
     head += "\r\n"
     return head.encode("utf-8", "surrogateescape") + body

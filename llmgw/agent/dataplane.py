@@ -8,6 +8,10 @@ The gateway sends ``/s/<shard-id>/v1/...``; the data plane forwards the body unc
 the shard's engine on 127.0.0.1 (kept-alive connections from :mod:`llmgw.upstream`) and
 relays the answer back chunk by chunk. A client that goes away cancels the handler, which
 closes its engine connection: that is how the engine learns to stop.
+
+Bodies are read under limits (:mod:`llmgw.bodies`): the request's limit is the one the
+gateway names in ``X-Llmgw-Max-Body`` (its model's, from the catalog), else agent.yaml's
+``max_request_body``; all requests together hold at most ``max_inflight_body_bytes``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,20 @@ from pathlib import Path
 
 from aiohttp import web
 
+from llmgw.bodies import (
+    DEFAULT_MAX_INFLIGHT_BODY_BYTES,
+    DEFAULT_MAX_REQUEST_BODY,
+    DEFAULT_MAX_RESPONSE_BODY,
+    DEFAULT_UPSTREAM_IDLE_TIMEOUT,
+    MAX_BODY_HEADER,
+    BodiesBusy,
+    BodyBudget,
+    BodyIncomplete,
+    BodyTimeout,
+    BodyTooLarge,
+    read_body,
+    return_large_buffers,
+)
 from llmgw.config_util import parse_hostport
 from llmgw.errors import CertificateError
 from llmgw.listener import GuardedSite, ListenerLimits
@@ -50,11 +68,20 @@ def server_ssl_context(cert: Path, key: Path, ca: Path) -> ssl.SSLContext:
     return ctx
 
 
-def _error(status: int, message: str, code: str, *, unprocessed: bool = False) -> web.Response:
+def _error(
+    status: int,
+    message: str,
+    code: str,
+    *,
+    unprocessed: bool = False,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    if unprocessed:
+        headers = {**(headers or {}), NOT_PROCESSED: "1"}
     return web.json_response(
         {"error": {"message": message, "type": "llmgw_dataplane_error", "code": code}},
         status=status,
-        headers={NOT_PROCESSED: "1"} if unprocessed else None,
+        headers=headers,
     )
 
 
@@ -68,9 +95,17 @@ class DataPlane:
         port_of: Callable[[str], int | None],
         *,
         limits: ListenerLimits | None = None,
+        max_request_body: int = DEFAULT_MAX_REQUEST_BODY,
+        max_inflight_body_bytes: int = DEFAULT_MAX_INFLIGHT_BODY_BYTES,
+        max_response_body: int = DEFAULT_MAX_RESPONSE_BODY,
+        upstream_idle_timeout: float = DEFAULT_UPSTREAM_IDLE_TIMEOUT,
     ) -> None:
         self.host, self.port = parse_hostport(listen, allow_zero=True)
         self.limits = limits or ListenerLimits()
+        self.max_request_body = max_request_body
+        self.bodies = BodyBudget(max_inflight_body_bytes)
+        self.max_response_body = max_response_body
+        self.upstream_idle_timeout = upstream_idle_timeout
         self.ssl_context = ssl_context
         self.port_of = port_of
         self.inflight = 0
@@ -85,14 +120,21 @@ class DataPlane:
         self.bound_port: int = 0
 
     def _app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        # Bodies are read through llmgw.bodies; this only bounds any other reader.
+        app = web.Application(client_max_size=1024 * 1024)
         app.router.add_route("*", "/s/{shard}/{tail:.*}", self._handle)
         return app
 
     async def start(self) -> None:
+        return_large_buffers()  # large bodies' memory goes back to the system once freed
         # Plain HTTP to engines on 127.0.0.1. Idle connections go after 4 s: engines served by
         # uvicorn (vLLM) close theirs after 5 s, and closing first avoids the keep-alive race.
-        self._session = UpstreamPool(connect_timeout=5.0, idle_timeout=4.0)
+        self._session = UpstreamPool(
+            connect_timeout=5.0,
+            idle_timeout=4.0,
+            read_timeout=self.upstream_idle_timeout,
+            max_body=self.max_response_body,
+        )
         self._runner = web.AppRunner(
             self._app(),
             handler_cancellation=True,
@@ -180,7 +222,42 @@ class DataPlane:
                 unprocessed=True,
             )
         assert self._session is not None
-        body = await request.read()
+        try:
+            body = await read_body(request, self._body_limit(request), self.bodies)
+        except BodyTooLarge as exc:
+            return _error(
+                413,
+                f"{exc}; raise max_request_body in the model's catalog profile (the gateway "
+                "passes it on), or in agent.yaml for requests that name no limit",
+                "request_too_large",
+            )
+        except BodiesBusy as exc:
+            # Not handed to an engine: the gateway may try another replica.
+            return _error(
+                503, str(exc), "overloaded", unprocessed=True, headers={"Retry-After": "1"}
+            )
+        except BodyIncomplete as exc:
+            return _error(400, str(exc), "incomplete_body")
+        except BodyTimeout as exc:
+            return _error(408, str(exc), "body_timeout")
+        try:
+            return await self._relay(request, shard_id, port, body)
+        finally:
+            self.bodies.give(len(body))
+
+    def _body_limit(self, request: web.Request) -> int:
+        """The gateway's limit for this request's model (only the control plane gets here),
+        else agent.yaml's; never more than the whole budget."""
+        given = request.headers.get(MAX_BODY_HEADER)
+        limit = self.max_request_body
+        if given is not None and given.isascii() and given.isdigit() and len(given) <= 12:
+            limit = int(given)
+        return min(limit, self.bodies.capacity)
+
+    async def _relay(
+        self, request: web.Request, shard_id: str, port: int, body: bytes
+    ) -> web.StreamResponse:
+        assert self._session is not None
         # The target as the gateway sent it (still percent-encoded, with its query), less
         # the /s/<shard> prefix.
         url = request.rel_url

@@ -192,7 +192,14 @@ class Agent:
         )
         # 5. data plane
         self.dataplane = DataPlane(
-            cfg.listen, ssl_ctx, self.shards.ready_port, limits=cfg.listeners
+            cfg.listen,
+            ssl_ctx,
+            self.shards.ready_port,
+            limits=cfg.listeners,
+            max_request_body=cfg.max_request_body,
+            max_inflight_body_bytes=cfg.max_inflight_body_bytes,
+            max_response_body=cfg.max_response_body,
+            upstream_idle_timeout=cfg.upstream_idle_timeout,
         )
         await self.dataplane.start()
         # 6. stream

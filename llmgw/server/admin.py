@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from llmgw import __version__
+from llmgw.bodies import BodiesBusy, BodyIncomplete, BodyTimeout, BodyTooLarge, read_body
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.engines.base import engine_names
 from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound, PasswordError
@@ -31,7 +32,10 @@ from llmgw.server.updates import DEFAULT_ORDER_TTL
 if TYPE_CHECKING:
     from llmgw.server.app import ControlPlane
 
-__all__ = ["add_admin_routes"]
+__all__ = ["ADMIN_MAX_BODY", "add_admin_routes"]
+
+ADMIN_MAX_BODY = 1024 * 1024
+"""The largest admin API request body: orders, keys and a whole catalog fit many times."""
 
 log = logging.getLogger("llmgw.server.admin")
 
@@ -122,6 +126,19 @@ class AdminAPI:
                     extra=kv(path=request.path[:100], peer=peer, reason=str(exc)[:200]),
                 )
                 return _error(400, str(exc), "bad_request")
+            except BodyTooLarge as exc:
+                return _error(
+                    413,
+                    f"{exc} for the admin API; split the change (a catalog can be applied "
+                    "model by model)",
+                    "request_too_large",
+                )
+            except BodiesBusy as exc:
+                return _error(503, str(exc), "overloaded")
+            except BodyIncomplete as exc:
+                return _error(400, str(exc), "incomplete_body")
+            except BodyTimeout as exc:
+                return _error(408, str(exc), "body_timeout")
             except PasswordError as exc:
                 return _error(403, str(exc), "wrong_password")
             except NotFound as exc:
@@ -134,7 +151,7 @@ class AdminAPI:
         return wrapped
 
     async def _json(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
+        raw = await read_body(request, ADMIN_MAX_BODY, self.cp.bodies)
         try:
             body = json.loads(raw)
             # A lone surrogate ("\ud800") parses but cannot be stored or sent on.
@@ -150,6 +167,8 @@ class AdminAPI:
             ) from None
         except ValueError:  # UnicodeDecodeError too
             raise _BadRequest("the request body is not valid JSON (UTF-8)") from None
+        finally:
+            self.cp.bodies.give(len(raw))
         if not isinstance(body, dict):
             raise _BadRequest("the request body must be a JSON object")
         return body

@@ -24,6 +24,7 @@ from cryptography import x509
 
 from llmgw import __version__
 from llmgw.agent.inventory import inventory_dict
+from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.client import write_ctl_config
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import ConfigError, LlmgwError, NotFound
@@ -44,6 +45,7 @@ from llmgw.pki import (
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.bundles import BundleStore, add_bundle_routes
+from llmgw.server.catalog import profile_body_limit
 from llmgw.server.config import ServerConfig
 from llmgw.server.enroll import Enroller, EnrolmentServer
 from llmgw.server.enroll import server_ssl_context as enroll_ssl_context
@@ -128,6 +130,11 @@ class ControlPlane:
         self.lost: set[str] = set()
         self._loss_timers: dict[str, asyncio.TimerHandle] = {}
         self.model_names: set[str] = set()
+        # Request body limits raised by a deployed profile (model -> bytes), the largest
+        # limit of any model, and the body bytes the process holds at once.
+        self.body_limits: dict[str, int] = {}
+        self.largest_body_limit = cfg.max_request_body
+        self.bodies = BodyBudget(cfg.max_inflight_body_bytes)
         self.http_port = 0
         self.grpc_port = 0
         self.ca: Authority | None = None
@@ -358,7 +365,9 @@ class ControlPlane:
         assert self.server_identity is not None
         self.http_tls = serving_certificate(self.cfg.tls, self.server_identity)
         self.gateway = Gateway(self)
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[error_middleware])
+        return_large_buffers()  # large bodies' memory goes back to the system once freed
+        # Bodies are read through llmgw.bodies; this only bounds any other reader.
+        app = web.Application(client_max_size=1024 * 1024, middlewares=[error_middleware])
         self.gateway.add_routes(app)
         add_admin_routes(app, self)
         self.bundles = add_bundle_routes(app, self.cfg.bundle_dir)
@@ -458,7 +467,15 @@ class ControlPlane:
         self.key_hashes = self.store.active_key_hashes()
 
     def refresh_models(self) -> None:
-        self.model_names = {m.name for m in self.store.list_models()}
+        models = self.store.list_models()
+        self.model_names = {m.name for m in models}
+        limits: dict[str, int] = {}
+        for m in models:
+            limit = profile_body_limit(m.profiles.get(m.profile))
+            if limit is not None:
+                limits[m.name] = limit
+        self.body_limits = limits
+        self.largest_body_limit = max([self.cfg.max_request_body, *limits.values()])
 
     # -- sessions ------------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ __all__ = [
     "parse_duration",
     "parse_memory_mib",
     "parse_profile",
+    "profile_body_limit",
 ]
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
@@ -63,6 +64,9 @@ MULTI_NODE_ENGINES: frozenset[str] = frozenset({"vllm", "sglang", "llamacpp", "s
 
 PLACEMENTS: tuple[str, ...] = ("binpack", "spread")
 
+MAX_BODY_LIMIT = 1024**3
+"""The most a profile's ``max_request_body`` may say (1 GiB)."""
+
 _TOP_KEYS = ("models",)
 _MODEL_KEYS = ("profiles", "sidecars")
 _PROFILE_KEYS = (
@@ -75,6 +79,7 @@ _PROFILE_KEYS = (
     "params",
     "placement",
     "sidecars",
+    "max_request_body",
 )
 _SIDECAR_KEYS = ("name", "command", "health", "timeout", "ready_after")
 
@@ -121,6 +126,9 @@ class Profile:
     params: dict[str, str] = field(default_factory=dict)
     placement: str = "binpack"
     sidecars: tuple[Sidecar, ...] = ()
+    # The largest request body the gateway (and the data plane) take for the model while
+    # this profile is deployed, in bytes; None: server.yaml's max_request_body.
+    max_request_body: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, in the catalog's own form: parsing it again gives this profile."""
@@ -135,6 +143,8 @@ class Profile:
         out["params"] = dict(self.params)
         out["placement"] = self.placement
         out["sidecars"] = [s.to_dict() for s in self.sidecars]
+        if self.max_request_body is not None:
+            out["max_request_body"] = self.max_request_body
         return out
 
 
@@ -313,6 +323,11 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
     sidecars = shared
     if raw.get("sidecars") is not None:
         sidecars = _merge(shared, _sidecars(check, raw["sidecars"], at("sidecars")))
+    max_body = None
+    if raw.get("max_request_body") is not None:
+        max_body = check.size(
+            raw["max_request_body"], at("max_request_body"), minimum=1024, maximum=MAX_BODY_LIMIT
+        )
     return Profile(
         engine=engine,
         source=source,
@@ -323,7 +338,14 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         params=params,
         placement=placement,
         sidecars=sidecars,
+        max_request_body=max_body,
     )
+
+
+def profile_body_limit(profile: Mapping[str, Any] | None) -> int | None:
+    """A stored profile's (:meth:`Profile.to_dict`) ``max_request_body``, or None."""
+    value = profile.get("max_request_body") if profile else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _merge(shared: tuple[Sidecar, ...], own: tuple[Sidecar, ...]) -> tuple[Sidecar, ...]:

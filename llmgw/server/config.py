@@ -8,10 +8,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.bodies import (
+    DEFAULT_MAX_INFLIGHT_BODY_BYTES,
+    DEFAULT_MAX_REQUEST_BODY,
+    DEFAULT_MAX_RESPONSE_BODY,
+    DEFAULT_UPSTREAM_IDLE_TIMEOUT,
+)
 from llmgw.config_util import (
     Checker,
     apply_overrides,
     format_hostport,
+    format_size,
     index_key,
     is_hostname,
     is_ip_address,
@@ -45,6 +52,10 @@ _KEYS = (
     "replica_wait",
     "tls",
     "listeners",
+    "max_request_body",
+    "max_inflight_body_bytes",
+    "max_response_body",
+    "upstream_idle_timeout",
 )
 _TLS_KEYS = ("cert", "key")
 DEFAULT_ENROLL_PORT = 8443
@@ -94,6 +105,14 @@ class ServerConfig:
     # takes the handshake timeout), and the enrolment port's cap per source address.
     listeners: ListenerLimits = field(default_factory=ListenerLimits)
     enroll_connections_per_source: int = DEFAULT_ENROLL_CONNECTIONS_PER_SOURCE
+    # The largest request body the gateway takes (a catalog profile may raise it for its
+    # model), and the body bytes the whole process holds at once (over it: 503).
+    max_request_body: int = DEFAULT_MAX_REQUEST_BODY
+    max_inflight_body_bytes: int = DEFAULT_MAX_INFLIGHT_BODY_BYTES
+    # The largest answer read whole from an agent (streams are not capped), and how long an
+    # agent may send nothing while an answer is due (-> 502, or an error event in a stream).
+    max_response_body: int = DEFAULT_MAX_RESPONSE_BODY
+    upstream_idle_timeout: float = DEFAULT_UPSTREAM_IDLE_TIMEOUT
     source: Path | None = None
 
     @property
@@ -181,6 +200,8 @@ def _parse(
         if not 0 <= replica_wait <= 600:
             check.fail("replica_wait", "must be between 0 and 600 seconds")
 
+    bodies = _body_limits(check, top)
+
     heartbeat = DEFAULT_HEARTBEAT_INTERVAL
     if top.get("heartbeat_interval") is not None:
         heartbeat = check.number(
@@ -223,6 +244,10 @@ def _parse(
         tls=_tls(check, top.get("tls")),
         listeners=listeners,
         enroll_connections_per_source=caps["enroll_connections_per_source"],
+        max_request_body=bodies[0],
+        max_inflight_body_bytes=bodies[1],
+        max_response_body=bodies[2],
+        upstream_idle_timeout=bodies[3],
         source=source,
     )
 
@@ -250,6 +275,30 @@ def _tls(check: Checker, value: object) -> TLSConfig | None:
             )
         paths[name] = check.path(files[name], f"tls.{name}")
     return TLSConfig(cert=paths["cert"], key=paths["key"])
+
+
+def _body_limits(check: Checker, top: Mapping[str, object]) -> tuple[int, int, int, float]:
+    """max_request_body, max_inflight_body_bytes, max_response_body, upstream_idle_timeout."""
+
+    def size(name: str, default: int) -> int:
+        value = top.get(name)
+        return default if value is None else check.size(value, name, minimum=1024)
+
+    request = size("max_request_body", DEFAULT_MAX_REQUEST_BODY)
+    inflight = size("max_inflight_body_bytes", DEFAULT_MAX_INFLIGHT_BODY_BYTES)
+    if inflight < request:
+        check.fail(
+            "max_inflight_body_bytes",
+            f"is {format_size(inflight)}, less than max_request_body ({format_size(request)}): "
+            "no request of the largest size could ever be taken; raise it",
+        )
+    response = size("max_response_body", DEFAULT_MAX_RESPONSE_BODY)
+    idle = DEFAULT_UPSTREAM_IDLE_TIMEOUT
+    if top.get("upstream_idle_timeout") is not None:
+        idle = _duration(check, top["upstream_idle_timeout"], "upstream_idle_timeout")
+        if not 1 <= idle <= 86400:
+            check.fail("upstream_idle_timeout", "must be from 1 s to 1 d")
+    return request, inflight, response, idle
 
 
 def _duration(check: Checker, value: object, key: str) -> float:

@@ -3,6 +3,12 @@
 The request path touches no database: API key hashes, model names and ready replicas are
 in memory. Bodies are forwarded unchanged; event streams are relayed chunk by chunk; a
 client that disconnects cancels the handler, which closes the upstream request.
+
+Request bodies are read under limits (:mod:`llmgw.bodies`): server.yaml's
+``max_request_body`` or the deployed profile's own, passed on to the data plane, and
+``max_inflight_body_bytes`` for all requests together (over it: 503). Answers from agents
+are bounded too: ``max_response_body`` for one read whole, ``upstream_idle_timeout`` for
+silence, and :data:`MAX_SSE_EVENT` for one event of a stream.
 """
 
 from __future__ import annotations
@@ -16,13 +22,27 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from cryptography import x509
 
-from llmgw.config_util import parse_hostport
+from llmgw.bodies import (
+    MAX_BODY_HEADER,
+    BodiesBusy,
+    BodyIncomplete,
+    BodyTimeout,
+    BodyTooLarge,
+    read_body,
+)
+from llmgw.config_util import format_size, parse_hostport
 from llmgw.errors import ConfigError
 from llmgw.log import kv
-from llmgw.relay import NOT_PROCESSED, relay
+from llmgw.relay import NOT_PROCESSED, STREAM_ERROR, relay
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.routing import Endpoint
-from llmgw.upstream import UpstreamConnectError, UpstreamError, UpstreamPool
+from llmgw.upstream import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
 
 if TYPE_CHECKING:
     from llmgw.server.app import ControlPlane
@@ -48,34 +68,62 @@ def openai_error(
     return web.json_response(body, status=status, headers=headers)
 
 
+MAX_SSE_EVENT = 1024 * 1024
+"""The most bytes of an event stream the gateway holds without the blank line that ends an
+event; OpenAI-style events are a few KiB. A stream past it is ended with an error event."""
+
+
 class StreamTokenCounter:
     """Counts completion tokens in an SSE stream without parsing every event.
 
     A chunk carrying ``usage`` (``stream_options.include_usage``) is authoritative; otherwise
     each event with non-empty content or text counts as one token.
+
+    Linear in the stream: each chunk's line ends are normalised once, only the chunk is
+    searched for the end of an event, and an incomplete event is held as a list of pieces
+    (joined once, when it ends). An event longer than ``max_event`` bytes raises
+    :class:`~llmgw.upstream.UpstreamProtocolError`, which ends the stream.
     """
 
-    def __init__(self) -> None:
-        self.buf = b""
+    def __init__(self, max_event: int = MAX_SSE_EVENT) -> None:
+        self.max_event = max_event
+        self._pending: list[bytes] = []  # the incomplete event, line ends already LF
+        self._pending_len = 0
+        self._cr = False  # the last byte fed was a CR: a LF first in the next chunk is its pair
         self.events = 0
         self.usage: dict[str, Any] | None = None
         self.first_at: float | None = None
 
+    @property
+    def buf(self) -> bytes:
+        """The incomplete event held (line ends as LF)."""
+        return b"".join(self._pending)
+
     def feed(self, chunk: bytes) -> None:
         if self.first_at is None:
             self.first_at = time.perf_counter()
-        data = self.buf + chunk if self.buf else chunk
-        held = b""
-        if b"\r" in data:
+        if self._cr:
+            self._cr = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
+        if b"\r" in chunk:
             # SSE allows CRLF and CR line ends; a CR at the end may be half of a CRLF.
-            if data.endswith(b"\r"):
-                data, held = data[:-1], b"\r"
-            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self.buf = data + held
+            self._cr = chunk[-1:] == b"\r"
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if not chunk:
             return
-        done, self.buf = data[: cut + 2], data[cut + 2 :] + held
+        pending = self._pending
+        cut = chunk.rfind(b"\n\n")
+        if cut >= 0:
+            done = b"".join((*pending, chunk[: cut + 2])) if pending else chunk[: cut + 2]
+            rest = chunk[cut + 2 :]
+        elif pending and chunk[:1] == b"\n" and pending[-1][-1:] == b"\n":
+            done, rest = b"".join((*pending, b"\n")), chunk[1:]  # the blank line spans two
+        else:
+            self._hold(chunk)
+            return
+        pending.clear()
+        self._pending_len = 0
         # Count in C over the whole run of complete events instead of event by event.
         self.events += (
             done.count(b'"content":"')
@@ -93,6 +141,17 @@ class StreamTokenCounter:
                     usage = None
                 if isinstance(usage, dict):
                     self.usage = usage
+        if rest:
+            self._hold(rest)  # after counting what came complete
+
+    def _hold(self, piece: bytes) -> None:
+        self._pending_len += len(piece)
+        if self._pending_len > self.max_event:
+            raise UpstreamProtocolError(
+                f"the engine's event stream sent more than {self.max_event} bytes without "
+                "ending an event (a blank line); the gateway ended the stream"
+            )
+        self._pending.append(piece)
 
 
 class Gateway:
@@ -118,6 +177,8 @@ class Gateway:
                 connect_timeout=5.0,
                 # Shorter than the data plane keeps idle connections (300 s), so we close first.
                 idle_timeout=290.0,
+                read_timeout=self.cp.cfg.upstream_idle_timeout,
+                max_body=self.cp.cfg.max_response_body,
             )
         return self._session
 
@@ -203,7 +264,62 @@ class Gateway:
         started = time.perf_counter()
         if not self._authorized(request):
             return self._unauthorized(request)
-        body = await request.read()
+        cp = self.cp
+        # The model is in the body: read up to the largest limit any model has, then hold
+        # the body to its own model's.
+        limit = min(cp.largest_body_limit, cp.cfg.max_inflight_body_bytes)
+        budget = cp.bodies
+        try:
+            body = await read_body(request, limit, budget)
+        except BodyTooLarge as exc:
+            return self._too_large(exc.size, limit, None)
+        except BodiesBusy:
+            return openai_error(
+                503,
+                f"The gateway is holding as many request bodies as it may at once "
+                f"({format_size(budget.capacity)}, max_inflight_body_bytes in server.yaml); "
+                "retry in a moment.",
+                type_="server_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
+        except BodyIncomplete as exc:
+            return openai_error(400, _sentence(exc), code="incomplete_body")
+        except BodyTimeout as exc:
+            return openai_error(408, _sentence(exc), code="body_timeout")
+        try:
+            return await self._complete(request, body, started)
+        finally:
+            budget.give(len(body))
+
+    def _too_large(self, size: int | None, limit: int, model: str | None) -> web.Response:
+        what = f"{size} bytes" if size is not None else f"more than {format_size(limit)}"
+        cfg = self.cp.cfg
+        if model is not None and model in self.cp.body_limits:
+            taken = f"model '{model}' takes at most {format_size(limit)}"
+            fix = "its catalog profile's max_request_body sets it ('llmgw ctl models apply')"
+        elif limit == cfg.max_inflight_body_bytes and limit < self.cp.largest_body_limit:
+            taken = f"this gateway holds at most {format_size(limit)} of bodies at once"
+            fix = "raise max_inflight_body_bytes in server.yaml"
+        elif model is None and limit > cfg.max_request_body:
+            taken = f"no model on this gateway takes more than {format_size(limit)}"
+            fix = "a model's catalog profile sets its own with max_request_body"
+        else:
+            whose = f"model '{model}'" if model is not None else "this gateway"
+            taken = f"{whose} takes at most {format_size(limit)}"
+            fix = (
+                "max_request_body in server.yaml sets it; for long contexts a model's catalog "
+                "profile may raise it with its own max_request_body"
+            )
+        return openai_error(
+            413,
+            f"The request body is {what}; {taken} ({fix}).",
+            code="request_too_large",
+        )
+
+    async def _complete(
+        self, request: web.Request, body: bytes, started: float
+    ) -> web.StreamResponse:
         try:
             payload = json.loads(body)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
@@ -223,6 +339,11 @@ class Gateway:
             return openai_error(
                 400, "The request needs a 'model' (a string).", param="model", code="missing_model"
             )
+        stream = bool(payload.get("stream"))
+        del payload  # a parsed body can take many times its size: hold it no longer
+        limit = self.cp.body_limits.get(model, self.cp.cfg.max_request_body)
+        if len(body) > limit:
+            return self._too_large(len(body), limit, model)
         if model not in self.cp.model_names:
             known = ", ".join(sorted(self.cp.model_names)) or "none"
             return openai_error(
@@ -233,6 +354,7 @@ class Gateway:
             )
         path = request.path
         tried: set[str] = set()
+        busy = 0  # replicas whose agent had no room for the body
         while True:
             ep = self.cp.router.pick(model, exclude=frozenset(tried))
             if ep is None and not tried:
@@ -240,6 +362,15 @@ class Gateway:
                 # wait a while for one rather than failing at once.
                 ep = await self.cp.router.wait_ready(model, self.cp.cfg.replica_wait)
             if ep is None:
+                if tried and busy == len(tried):
+                    return openai_error(
+                        503,
+                        f"Every replica of '{model}' is holding as many request bodies as it "
+                        "may (max_inflight_body_bytes in agent.yaml); retry in a moment.",
+                        type_="server_error",
+                        code="overloaded",
+                        headers={"Retry-After": "1"},
+                    )
                 if tried:
                     return openai_error(
                         502,
@@ -258,9 +389,10 @@ class Gateway:
             tried.add(ep.shard_id)
             try:
                 return await self._forward(
-                    request, ep, path, body, started, stream=bool(payload.get("stream"))
+                    request, ep, path, body, started, stream=stream, limit=limit
                 )
             except _ConnectFailed as exc:
+                busy += exc.busy
                 log.warning(
                     "replica unreachable; trying another",
                     extra=kv(model=model, shard=ep.shard_id, error=str(exc)),
@@ -276,6 +408,7 @@ class Gateway:
         started: float,
         *,
         stream: bool,
+        limit: int,
     ) -> web.StreamResponse:
         labels = (ep.model, ep.replica_id)
         metrics = self.cp.metrics
@@ -292,7 +425,7 @@ class Gateway:
                     port,
                     f"/s/{ep.shard_id}{path}",
                     body=body,
-                    headers=_JSON_HEADERS,
+                    headers=(*_JSON_HEADERS, (MAX_BODY_HEADER, str(limit))),
                     server_hostname=ep.node_id,
                 )
             except UpstreamError as exc:
@@ -300,14 +433,23 @@ class Gateway:
                     raise _ConnectFailed(str(exc)) from exc
                 raise
             if upstream.status == 503 and upstream.header(NOT_PROCESSED):
-                # The agent did not hand it to an engine (it is draining): another replica
-                # may take it, as if the connection had been refused.
+                # The agent did not hand it to an engine (it is draining, or has no room for
+                # the body): another replica may take it, as if the connection had been refused.
+                busy = upstream.header("Retry-After") is not None
                 upstream.release()
-                raise _ConnectFailed(f"{ep.node_id} did not process the request (draining)")
+                why = "no room for the body" if busy else "draining"
+                raise _ConnectFailed(f"{ep.node_id} did not process the request ({why})", busy)
             try:
                 status = upstream.status
                 if counter is not None and upstream.content_type == "text/event-stream":
                     resp = await relay(request, upstream, on_chunk=counter.feed)
+                    failed = resp.get(STREAM_ERROR)
+                    if failed is not None:
+                        status = 502
+                        log.warning(
+                            "a stream ended early",
+                            extra=kv(model=ep.model, shard=ep.shard_id, error=str(failed)),
+                        )
                     if counter.first_at is not None:
                         metrics.ttft.observe(labels, counter.first_at - started)
                     self._count_stream_tokens(ep.model, counter)
@@ -326,7 +468,7 @@ class Gateway:
                 502,
                 f"The replica {ep.replica_id} failed mid-request: {exc}",
                 type_="server_error",
-                code="upstream_error",
+                code="upstream_timeout" if isinstance(exc, UpstreamTimeout) else "upstream_error",
             )
         finally:
             ep.inflight -= 1
@@ -360,6 +502,16 @@ class Gateway:
                 self.cp.metrics.tokens.inc((model, kind), value)
 
 
+def _sentence(exc: Exception) -> str:
+    """An error's message as a sentence (capital first, full stop), like the gateway's own."""
+    text = str(exc)
+    return f"{text[:1].upper()}{text[1:]}."
+
+
 class _ConnectFailed(Exception):
-    """The replica could not be reached, or went away before answering; another may be
-    tried."""
+    """The replica could not be reached, or went away before answering, or its agent had no
+    room for the body (``busy``); another may be tried."""
+
+    def __init__(self, message: str, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from llmgw.relay import relay
+from llmgw.relay import error_event, relay
 from llmgw.upstream import UpstreamError, UpstreamPool
 
 pytestmark = pytest.mark.timeout(30)
@@ -240,18 +240,35 @@ def test_sse_is_relayed_incrementally() -> None:
     run(body)
 
 
-def test_upstream_dying_mid_stream_cuts_the_client_stream() -> None:
+def test_upstream_dying_mid_stream_ends_the_client_stream_with_an_error_event() -> None:
     async def body(front: str, state: State, client: aiohttp.ClientSession) -> None:
         async with client.get(front + "broken") as resp:
             assert resp.status == 200
-            received = b""
-            with pytest.raises(aiohttp.ClientPayloadError):
-                for _ in range(100):
-                    piece = await asyncio.wait_for(resp.content.readany(), STEP_S)
-                    if not piece:
-                        break
-                    received += piece
-            # What came before the failure, then nothing: no error response inside the stream.
-            assert received == SSE_EVENTS[0]
+            # What came before the failure, then an error event and a proper end of the body
+            # (no error response inside the stream, no cut connection).
+            received = await asyncio.wait_for(resp.content.read(), STEP_S)
+        assert received.startswith(SSE_EVENTS[0] + b"\n\ndata: ")
+        assert received.endswith(b"\n\n")
+        error = json.loads(received[len(SSE_EVENTS[0]) + 8 :])["error"]
+        assert error["type"] == "server_error"
+        assert error["code"] == "upstream_error"
+        assert error["message"].startswith("the stream ended early: ")
+        assert "closed the connection" in error["message"]
 
     run(body)
+
+
+def test_error_event_is_one_event_after_any_partial_one() -> None:
+    event = error_event("stalled", code="upstream_timeout")
+    # After a partial event, the leading blank line ends it; the error is its own event.
+    events = (b'data: {"partial' + event).split(b"\n\n")
+    assert events[0] == b'data: {"partial'
+    payload = json.loads(events[1].removeprefix(b"data: "))
+    assert payload == {
+        "error": {
+            "message": "stalled",
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_timeout",
+        }
+    }

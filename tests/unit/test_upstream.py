@@ -25,6 +25,8 @@ from llmgw.upstream import (
     UpstreamPool,
     UpstreamProtocolError,
     UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamTooLarge,
     _Connection,
 )
 
@@ -704,6 +706,262 @@ def test_server_dying_mid_response_is_an_upstream_error(answer: bytes) -> None:
                 finally:
                     resp.release()
             assert not info.value.retryable  # part of the answer came: not to be sent again
+            await pool.close()
+
+    run(main)
+
+
+# --------------------------------------------------------------------------- hostile upstreams
+
+
+def test_an_upstream_that_never_answers_times_out_and_is_closed() -> None:
+    seen_eof = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        await reader.read()  # nothing answered; returns at EOF, when the client gives up
+        seen_eof.set()
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool(read_timeout=0.3)
+            with pytest.raises(UpstreamTimeout, match=r"sent nothing for 0\.3 s") as info:
+                await pool.request("GET", HOST, raw.port, "/x")
+            assert not info.value.retryable  # the upstream may be working on it
+            await asyncio.wait_for(seen_eof.wait(), STEP_S)
+            assert pool.connections == 0
+            await pool.close()
+
+    run(main)
+
+
+def test_an_upstream_that_stalls_mid_stream_times_out() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n"
+        )
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool(read_timeout=0.3)
+            resp = await pool.request("GET", HOST, raw.port, "/x")
+            got: list[bytes] = []
+            with pytest.raises(UpstreamTimeout):
+                async for chunk in resp.iter_chunks():
+                    got.append(chunk)
+            resp.release()
+            assert got == [b"data: 1\n\n"]
+            assert pool.connections == 0
+            await pool.close()
+
+    run(main)
+
+
+def test_a_slow_but_steady_upstream_is_not_timed_out() -> None:
+    """The timeout is on silence, not on the whole answer: 2 s of bytes every 50 ms pass a
+    0.8 s idle timeout, and the connection is reused (the timer re-arms lazily)."""
+    pieces = [b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n"] + [b"x"] * 40
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.05)
+        await reader.read()
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool(read_timeout=0.8)
+            for _ in range(2):
+                _, body = await get(pool, raw)
+                assert body == b"x" * 40
+            assert raw.connections == 1
+            await pool.close()
+
+    run(main)
+
+
+def test_a_body_over_max_body_by_its_content_length_is_refused_before_reading_it() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\n\r\nabc")
+        await writer.drain()
+        await reader.read()  # never sends the rest
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool(max_body=1000)
+            resp = await pool.request("GET", HOST, raw.port, "/x")
+            assert resp.length == 1_000_000_000
+            with pytest.raises(UpstreamTooLarge, match=r"1000000000 bytes.*1000 bytes"):
+                await asyncio.wait_for(resp.read(), STEP_S)
+            resp.release()
+            assert pool.connections == 0
+            await pool.close()
+
+    run(main)
+
+
+def test_a_chunked_body_over_max_body_is_refused_after_little_more_than_the_limit() -> None:
+    sent = 0
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        nonlocal sent
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        piece = b"10000\r\n" + b"y" * 0x10000 + b"\r\n"
+        for _ in range(16 * 1024):  # 1 GiB if nobody stops it
+            writer.write(piece)
+            await writer.drain()
+            sent += 0x10000
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool(max_body=1024 * 1024)
+            resp = await pool.request("GET", HOST, raw.port, "/x")
+            assert resp.length is None
+            with pytest.raises(UpstreamTooLarge, match="over 1048576 bytes"):
+                await asyncio.wait_for(resp.read(), STEP_S)
+            resp.release()
+            await asyncio.sleep(0.1)
+            # Stopped near the limit (socket buffers hold a few MiB more at most).
+            assert sent < 64 * 1024 * 1024
+            await pool.close()
+
+    run(main)
+
+
+def test_max_body_does_not_cap_a_streamed_body() -> None:
+    async def main() -> None:
+        state = AppState()
+        async with aiohttp_server(state) as port:
+            pool = UpstreamPool(max_body=1000)
+            async with await pool.request("GET", HOST, port, "/big") as resp:
+                total = 0
+                async for chunk in resp.iter_chunks():
+                    total += len(chunk)
+                assert total == 256 * 8192
+            async with await pool.request("GET", HOST, port, "/big") as resp:
+                with pytest.raises(UpstreamTooLarge):
+                    await resp.read()
+            await pool.close()
+
+    run(main)
+
+
+def test_a_large_request_body_arrives_whole() -> None:
+    async def main() -> None:
+        state = AppState()
+        async with aiohttp_server(state) as port:
+            pool = UpstreamPool()
+            for size in (10, 64 * 1024 + 1, 900 * 1024):  # aiohttp takes up to 1 MiB
+                body = b"z" * size
+                async with await pool.request("POST", HOST, port, "/echo", body=body) as resp:
+                    assert json.loads(await resp.read())["body"] == body.decode()
+            assert len(state.peers) == 1
+            await pool.close()
+
+    run(main)
+
+
+async def read_head(reader: asyncio.StreamReader) -> int:
+    """A request's head; its Content-Length."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def test_a_large_body_is_written_as_the_peer_takes_it() -> None:
+    """Pieces go out when the transport has room: what waits in our buffers stays small
+    while a slow reader takes 16 MiB (TLS kept a whole body's worth per connection)."""
+    size = 16 * 1024 * 1024
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        left = await read_head(reader)
+        while left:
+            left -= len(await reader.read(min(left, 256 * 1024)))
+            await asyncio.sleep(0.002)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool()
+            waiting: list[int] = []
+            done = asyncio.Event()
+
+            async def sample() -> None:
+                while not done.is_set():
+                    for conn in list(pool._conns):
+                        if conn.transport is not None:
+                            waiting.append(conn.transport.get_write_buffer_size())
+                    await asyncio.sleep(0.001)
+
+            sampler = asyncio.create_task(sample())
+            resp = await pool.request("POST", HOST, raw.port, "/x", body=b"b" * size)
+            done.set()
+            await sampler
+            assert resp.status == 200 and await resp.read() == b"ok"
+            resp.release()
+            assert waiting and max(waiting) <= 1024 * 1024, max(waiting)
+            await pool.close()
+
+    run(main)
+
+
+def test_a_peer_that_never_reads_the_body_times_out() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_head(reader)
+        await asyncio.sleep(STEP_S)  # reads nothing more, answers nothing
+
+    async def main() -> None:
+        async with raw_server(script) as raw:
+            pool = UpstreamPool(read_timeout=0.5)
+            with pytest.raises(UpstreamTimeout):
+                await asyncio.wait_for(
+                    pool.request("POST", HOST, raw.port, "/x", body=b"b" * (64 * 1024 * 1024)),
+                    STEP_S,
+                )
+            assert pool.connections == 0
+            await pool.close()
+
+    run(main)
+
+
+def test_an_answer_before_the_whole_body_stops_it_and_the_connection_goes() -> None:
+    got = 0
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        nonlocal got
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 413 Too Large\r\nContent-Length: 3\r\n\r\nbig")
+        await writer.drain()
+        while chunk := await reader.read(65536):  # discard the rest, as servers do
+            got += len(chunk)
+
+    async def main() -> None:
+        size = 256 * 1024 * 1024
+        async with raw_server(script) as raw:
+            pool = UpstreamPool()
+            resp = await asyncio.wait_for(
+                pool.request("POST", HOST, raw.port, "/x", body=b"b" * size), STEP_S
+            )
+            assert resp.status == 413
+            assert await resp.read() == b"big"
+            resp.release()
+            assert pool.connections == 0  # its framing is spoilt: not reused
+            await asyncio.sleep(0.1)
+            assert got < size
             await pool.close()
 
     run(main)

@@ -170,6 +170,16 @@ INVALID = [
     ("server: cp1\nstate_dir: 1\n", "state_dir", "got int"),
     ("server: cp1\nstop_shards_on_exit: 1\n", "stop_shards_on_exit", "true or false, got int"),
     ("server: cp1\nstop_shards_on_exit: 'no'\n", "stop_shards_on_exit", "got string"),
+    ("server: cp1\nmax_request_body: 8MB\n", "max_request_body", "ambiguous; use binary units"),
+    ("server: cp1\nmax_request_body: 100\n", "max_request_body", "at least 1 KiB"),
+    ("server: cp1\nmax_request_body: lots\n", "max_request_body", "a size like 8MiB"),
+    (
+        "server: cp1\nmax_inflight_body_bytes: 4MiB\n",
+        "max_inflight_body_bytes",
+        "is 4 MiB, less than max_request_body (8 MiB)",
+    ),
+    ("server: cp1\nmax_response_body: 1.5B\n", "max_response_body", "not a whole number"),
+    ("server: cp1\nupstream_idle_timeout: 0\n", "upstream_idle_timeout", "from 1 to 86400"),
     # runtime
     (
         "server: cp1\nruntime: dokcer\n",

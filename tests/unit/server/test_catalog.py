@@ -22,6 +22,7 @@ from llmgw.server.catalog import (
     parse_duration,
     parse_memory_mib,
     parse_profile,
+    profile_body_limit,
 )
 
 FULL = """\
@@ -113,6 +114,30 @@ def test_full_catalog_round_trips_through_json(tmp_path: Path) -> None:
         "placement": "binpack",
         "sidecars": [],
     }
+
+
+def test_a_profile_may_raise_the_request_body_limit_and_it_round_trips() -> None:
+    data = {
+        "models": {
+            "long": {
+                "profiles": {
+                    "128k": {"engine": "sim", "max_request_body": "64MiB"},
+                    "default": {"engine": "sim"},
+                }
+            }
+        }
+    }
+    catalog = parse_catalog(data, source="c.yaml")
+    profiles = catalog.models["long"].profiles
+    assert profiles["128k"].max_request_body == 64 * 1024 * 1024
+    assert profiles["default"].max_request_body is None
+    stored = json.loads(json.dumps(catalog.to_dict()))
+    assert stored["models"]["long"]["profiles"]["128k"]["max_request_body"] == 64 * 1024**2
+    assert "max_request_body" not in stored["models"]["long"]["profiles"]["default"]
+    assert parse_catalog(stored, source="again") == catalog
+    assert profile_body_limit(stored["models"]["long"]["profiles"]["128k"]) == 64 * 1024**2
+    assert profile_body_limit(stored["models"]["long"]["profiles"]["default"]) is None
+    assert profile_body_limit(None) is None
 
 
 def test_profile_sidecars_replace_the_models_by_name_and_add_to_them() -> None:
@@ -246,6 +271,9 @@ INVALID_PROFILES: list[tuple[dict[str, Any], str, str]] = [
     ({"params": {"model_path": "/m"}}, f"{P}.params.model_path", "is the profile's source"),
     ({"placement": "pack"}, f"{P}.placement", "unknown placement 'pack'; did you mean"),
     ({"placement": 1}, f"{P}.placement", "must be a string, got int"),
+    ({"max_request_body": "64MB"}, f"{P}.max_request_body", "ambiguous; use binary units"),
+    ({"max_request_body": 10}, f"{P}.max_request_body", "must be at least 1 KiB"),
+    ({"max_request_body": "2GiB"}, f"{P}.max_request_body", "must be at most 1 GiB"),
     ({"sidecars": {"name": "tok"}}, f"{P}.sidecars", "must be a list, got mapping"),
     ({"sidecars": [{"command": ["tok"]}]}, f"{P}.sidecars[0].name", "each sidecar needs a name"),
     ({"sidecars": [{"name": "tok"}]}, f"{P}.sidecars[0].command", "the program and its"),

@@ -56,6 +56,13 @@ INVALID = [
     ("heartbeat_interval: 10\n", "loss_timeout", "is 15 s (the default)"),
     ("loss_timeout: -1\n", "loss_timeout", "must be at least 0"),
     ("admin_token_file: ''\n", "admin_token_file", "must not be an empty path"),
+    ("max_request_body: 8M\n", "max_request_body", "ambiguous; use binary units, e.g. 8MiB"),
+    ("max_request_body: 2TiB\n", "max_request_body", "unknown unit 'TiB'"),
+    ("max_request_body: true\n", "max_request_body", "a size like 8MiB"),
+    ("max_request_body: 512MiB\n", "max_inflight_body_bytes", "less than max_request_body"),
+    ("max_response_body: 0\n", "max_response_body", "at least 1 KiB"),
+    ("upstream_idle_timeout: 0s\n", "upstream_idle_timeout", "from 1 s to 1 d"),
+    ("upstream_idle_timeout: soon\n", "upstream_idle_timeout", "a duration like 90s"),
 ]
 
 
@@ -179,6 +186,27 @@ def test_frozen_and_default_path() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULTS.loss_timeout = 1.0  # type: ignore[misc]
     assert Path("/etc/llmgw/server.yaml") == DEFAULT_SERVER_CONFIG
+
+
+def test_body_limits_default_and_accept_sizes(tmp_path: Path) -> None:
+    assert DEFAULTS.max_request_body == 8 * 1024 * 1024
+    assert DEFAULTS.max_inflight_body_bytes == 256 * 1024 * 1024
+    assert DEFAULTS.max_response_body == 64 * 1024 * 1024
+    assert DEFAULTS.upstream_idle_timeout == 300.0
+    path = write(
+        tmp_path,
+        """\
+        max_request_body: 512KiB
+        max_inflight_body_bytes: 1GiB
+        max_response_body: 1048576
+        upstream_idle_timeout: 10m
+        """,
+    )
+    cfg = load_server_config(path)
+    assert cfg.max_request_body == 512 * 1024
+    assert cfg.max_inflight_body_bytes == 1024**3
+    assert cfg.max_response_body == 1024 * 1024
+    assert cfg.upstream_idle_timeout == 600.0
 
 
 def test_replica_wait_accepts_durations_and_refuses_out_of_range(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -14,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw.engines.sim import SimConfig, serve
-from llmgw.server.gateway import StreamTokenCounter, openai_error
+from llmgw.server.gateway import MAX_SSE_EVENT, StreamTokenCounter, openai_error
+from llmgw.upstream import UpstreamProtocolError
 
 MODEL = "sim-counter"
 
@@ -127,6 +129,75 @@ def test_any_chunking_counts_the_same(
     assert split.events == whole.events
     assert split.usage == whole.usage
     assert split.buf == b""
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    name=st.sampled_from(["chat", "chat_n3", "completion", "chat_usage"]),
+    ending=st.sampled_from([b"\r\n", b"\r"]),
+    cuts=st.lists(st.integers(min_value=0), max_size=40),
+)
+def test_any_chunking_of_cr_line_ends_counts_the_same(
+    streams: dict[str, tuple[bytes, Any]], name: str, ending: bytes, cuts: list[int]
+) -> None:
+    """CRLF and CR line ends split anywhere, a CRLF's two halves in two chunks included."""
+    data, _ = streams[name]
+    whole = count([data])
+    other = data.replace(b"\n", ending)
+    split = count(split_at(other, cuts))
+    assert (split.events, split.usage, split.buf) == (whole.events, whole.usage, b"")
+
+
+def _feed_all(counter: StreamTokenCounter, data: bytes, step: int = 16 * 1024) -> float:
+    started = time.perf_counter()
+    for at in range(0, len(data), step):
+        counter.feed(data[at : at + step])
+    return time.perf_counter() - started
+
+
+def test_16_mib_of_lines_without_a_blank_line_is_linear_and_bounded() -> None:
+    """A hostile engine's CR-ended lines that never end an event: once cost the event loop
+    seconds (the buffer was copied for every chunk); now linear, and refused past the bound."""
+    data = b"data: x\r" * (2 * 1024 * 1024)  # 16 MiB
+    counter = StreamTokenCounter(max_event=64 * 1024 * 1024)
+    # Linear: well under a second here; the old code took over 20 s. The bound is generous.
+    assert _feed_all(counter, data) < 5.0
+    assert counter.events == 0
+    assert len(counter.buf) == len(data)  # all of it one incomplete event, LF-ended lines
+    assert counter.buf.count(b"\n") == 2 * 1024 * 1024
+
+    bounded = StreamTokenCounter()
+    with pytest.raises(UpstreamProtocolError, match=f"more than {MAX_SSE_EVENT} bytes"):
+        _feed_all(bounded, data)
+    assert len(bounded.buf) <= MAX_SSE_EVENT
+
+
+def test_16_mib_without_any_line_break_is_refused_past_the_bound() -> None:
+    counter = StreamTokenCounter(max_event=4096)
+    counter.feed(b"x" * 4000)
+    with pytest.raises(UpstreamProtocolError, match="without ending an event"):
+        counter.feed(b"x" * 200)
+    # One chunk larger than the bound after a complete event is refused too.
+    counter = StreamTokenCounter(max_event=4096)
+    with pytest.raises(UpstreamProtocolError):
+        counter.feed(_chunk({"content": "a"}) + b"y" * 5000)
+
+
+def test_16_mib_of_cr_only_data_is_fast() -> None:
+    counter = StreamTokenCounter()
+    assert _feed_all(counter, b"\r" * (16 * 1024 * 1024)) < 5.0
+    assert counter.events == 0
+    assert counter.buf == b""
+
+
+def test_an_event_just_under_the_bound_is_counted() -> None:
+    event = _chunk({"content": "z" * 1000})
+    counter = StreamTokenCounter(max_event=len(event))
+    for at in range(0, len(event), 7):
+        counter.feed(event[at : at + 7])
+    assert counter.events == 1
 
 
 def _event(obj: dict[str, Any]) -> bytes:
