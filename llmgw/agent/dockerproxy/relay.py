@@ -200,7 +200,8 @@ class DockerProxy:
             status, headers, _ = await _read_response_head(reader)
             sink = _Collect()
             await _relay_body(reader, sink, headers, status, "GET")
-            return status, bytes(sink.data)
+            chunked = "chunked" in ",".join(_header(headers, "transfer-encoding")).lower()
+            return status, _dechunk(bytes(sink.data)) if chunked else bytes(sink.data)
         finally:
             writer.close()
 
@@ -302,8 +303,9 @@ class DockerProxy:
             try:
                 attrs = json.loads(raw)
             except ValueError:
-                attrs = {}
-            if status != 200 or not isinstance(attrs, dict):
+                attrs = {"message": f"dockerd's answer to an inspect was not JSON ({status})"}
+                status = 502
+            if status != 200 or not isinstance(attrs, dict) or "Id" not in attrs:
                 message = attrs.get("message") if isinstance(attrs, dict) else None
                 raise _Answer(status if status >= 400 else 502, message or f"dockerd said {status}")
             if not is_llmgw_container(attrs):
@@ -341,6 +343,18 @@ class _Collect:
 
     async def drain(self) -> None:
         return None
+
+
+def _dechunk(data: bytes) -> bytes:
+    """The payload of a chunked body (whole, as :class:`_Collect` kept it)."""
+    out = bytearray()
+    while True:
+        line, _, data = data.partition(b"\r\n")
+        size = int(line.split(b";", 1)[0].strip() or b"0", 16)
+        if size == 0:
+            return bytes(out)
+        out += data[:size]
+        data = data[size + 2 :]
 
 
 def _request_bytes(request: Request, target: str) -> bytes:

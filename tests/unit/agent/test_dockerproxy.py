@@ -359,8 +359,13 @@ class StandInDockerd:
             ):
                 if found is None:
                     answer, status = {"message": f"No such container: {ref}"}, 404
-                else:
-                    answer, status = found, 200
+                else:  # dockerd sends an inspect chunked
+                    payload = json.dumps(found).encode()
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                    for part in (payload[:10], payload[10:]):
+                        conn.sendall(b"%x\r\n%s\r\n" % (len(part), part))
+                    conn.sendall(b"0\r\n\r\n")
+                    return
             else:
                 answer, status = {"ok": True}, 200
             payload = json.dumps(answer).encode()
