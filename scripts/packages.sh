@@ -4,9 +4,10 @@
 # llmgw-agent carries the program (/usr/lib/llmgw/, /usr/bin/llmgw), the agent's unit and
 # the update helper's (llmgw-agent-update.path, enabled on the first install, and .service,
 # whose ExecStart is rewritten from the tarball's /usr/local/lib/llmgw-agent/llmgw to
-# /usr/bin/llmgw); its scripts put the service user in the docker group when that exists and
-# turn its lingering on (off only on purge). llmgw-server carries the control plane's unit
-# and depends on llmgw-agent of the same version.
+# /usr/bin/llmgw) and the Docker socket proxy's unit (llmgw-docker-proxy.service, enabled only
+# by 'install-agent.sh package --docker'); its scripts never put the service user in the docker
+# group (root on the host) and turn its lingering on (off only on purge). llmgw-server
+# carries the control plane's unit and depends on llmgw-agent of the same version.
 #
 # Usage: scripts/packages.sh [--binary PATH] [--version VERSION] [--arch x64|arm64] [--out DIR]
 #   --binary   the one-folder build (a directory holding the executable 'llmgw'), or one
@@ -168,7 +169,8 @@ PACKAGE_BINARY=/usr/bin/llmgw
 render_agent_units() {
     dir=$STAGE/llmgw-agent/systemd
     mkdir -p "$dir"
-    for unit in llmgw-agent.service llmgw-agent-update.path llmgw-agent-update.service; do
+    for unit in llmgw-agent.service llmgw-agent-update.path llmgw-agent-update.service \
+        llmgw-docker-proxy.service; do
         [ -f "systemd/$unit" ] || fatal "systemd/$unit is missing; the llmgw-agent package ships it"
         sed "s|^ExecStart=$TARBALL_BINARY |ExecStart=$PACKAGE_BINARY |" "systemd/$unit" >"$dir/$unit"
         if grep '^ExecStart=' "$dir/$unit" | grep -v "^ExecStart=$PACKAGE_BINARY " >&2; then
@@ -228,7 +230,7 @@ main() {
     fi
     render_scripts llmgw-agent llmgw-agent "llmgw node agent" llmgw-agent.service \
         /etc/llmgw/agent.yaml /var/lib/llmgw-agent "/srv/llmgw/models /srv/llmgw/cache" \
-        llmgw-agent-update.path docker yes "/var/lib/llmgw-update /etc/llmgw/update"
+        llmgw-agent-update.path "" yes "/var/lib/llmgw-update /etc/llmgw/update"
     render_scripts llmgw-server llmgw "llmgw control plane" llmgw-server.service \
         /etc/llmgw/server.yaml /var/lib/llmgw "" "" "" no ""
     render_agent_units
