@@ -479,8 +479,9 @@ async def serve(
     except OSError as exc:
         server.close()
         raise ConfigError(
-            f"cannot give {listen} to group {group}: {exc.strerror}; the proxy must run as root "
-            f"or as a member of {group}"
+            f"cannot give {listen} to group {group}: {exc.strerror} (the proxy runs as uid "
+            f"{os.geteuid()}, groups {sorted(os.getgroups())}); it must run as root or as a "
+            f"member of {group} ({gid})"
         ) from exc
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
