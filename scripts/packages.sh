@@ -135,12 +135,14 @@ read_library_floor() {
 # 5. the maintainer scripts of one package, from packaging/{deb,rpm}: its service user, unit,
 # configuration file and state directory; the data directories made on the first install;
 # the path units enabled on the first install; the groups the user joins when they exist;
-# whether the user lingers (yes|no); what else purge removes.
+# whether the user lingers (yes|no); what else purge removes; the units that run the same
+# program without being enabled by the package (restarted on upgrade when they run, stopped
+# on removal).
 render_scripts() {
     package=$1 user=$2 gecos=$3 unit=$4 config=$5 state_dir=$6 data_dirs=$7 path_units=$8
     extra_groups=$9
     shift 9
-    linger=$1 purge_dirs=$2
+    linger=$1 purge_dirs=$2 companions=$3
     dir=$STAGE/$package
     for kind in deb rpm; do
         mkdir -p "$dir/$kind"
@@ -151,6 +153,7 @@ render_scripts() {
                 -e "s|@STATE_DIR@|$state_dir|g" -e "s|@DATA_DIRS@|$data_dirs|g" \
                 -e "s|@PATH_UNITS@|$path_units|g" -e "s|@EXTRA_GROUPS@|$extra_groups|g" \
                 -e "s|@LINGER@|$linger|g" -e "s|@PURGE_DIRS@|$purge_dirs|g" \
+                -e "s|@COMPANION_UNITS@|$companions|g" \
                 "$template" >"$target"
             chmod 0755 "$target"
             if grep -n '@[A-Z_]*@' "$target" >&2; then
@@ -230,9 +233,10 @@ main() {
     fi
     render_scripts llmgw-agent llmgw-agent "llmgw node agent" llmgw-agent.service \
         /etc/llmgw/agent.yaml /var/lib/llmgw-agent "/srv/llmgw/models /srv/llmgw/cache" \
-        llmgw-agent-update.path "" yes "/var/lib/llmgw-update /etc/llmgw/update"
+        llmgw-agent-update.path "" yes "/var/lib/llmgw-update /etc/llmgw/update" \
+        llmgw-docker-proxy.service
     render_scripts llmgw-server llmgw "llmgw control plane" llmgw-server.service \
-        /etc/llmgw/server.yaml /var/lib/llmgw "" "" "" no ""
+        /etc/llmgw/server.yaml /var/lib/llmgw "" "" "" no "" ""
     render_agent_units
 
     LLMGW_PKG_ARCH=$NFPM_ARCH LLMGW_PKG_VERSION=$VERSION LLMGW_PKG_PAYLOAD=$PAYLOAD

@@ -150,7 +150,10 @@ def test_a_multi_node_shard_in_the_host_network_through_the_proxy(
         runtime = DockerRuntime(base_url=f"unix://{proxy}")
         handle = await runtime.start(launch)
         try:
-            assert api.inspect_container(handle.ref)["HostConfig"]["NetworkMode"] == "host"
+            host_config = api.inspect_container(handle.ref)["HostConfig"]
+            assert host_config["NetworkMode"] == "host"
+            # No raw sockets or ports below 1024 on the host's interfaces.
+            assert set(host_config["CapDrop"]) >= {"NET_RAW", "NET_BIND_SERVICE"}
         finally:
             await runtime.stop(handle, grace=1)
         assert gone(api, str(handle.ref))

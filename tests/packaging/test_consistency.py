@@ -59,6 +59,7 @@ RENDER_ARGS = (
     "extra_groups",
     "linger",
     "purge_dirs",
+    "companion_units",
 )
 NO_LOGIN = ("/nonexistent", "/usr/sbin/nologin", "llmgw node agent")
 

@@ -169,7 +169,12 @@ def test_the_proxy_is_named_alike_everywhere_and_no_package_joins_docker() -> No
     unit = settings["PROXY_UNIT"]
     assert (ROOT / "systemd" / unit).is_file()
     # The packages ship the unit (not enabled) and never put the agent in the docker group.
-    assert "docker" not in render_calls()["llmgw-agent"]["extra_groups"].split()
+    agent = render_calls()["llmgw-agent"]
+    assert "docker" not in agent["extra_groups"].split()
+    # Restarted on upgrades (it runs the package's program) and stopped on removal.
+    assert agent["companion_units"] == unit
+    for script in ("deb/postinst", "deb/prerm", "rpm/preun", "rpm/postun"):
+        assert "$COMPANION_UNITS" in (ROOT / "packaging" / script).read_text(), script
     recipe = (ROOT / "packaging" / "nfpm-agent.yaml").read_text()
     for vendor_dir in ("/lib/systemd/system", "/usr/lib/systemd/system"):
         assert f"dst: {vendor_dir}/{unit}" in recipe

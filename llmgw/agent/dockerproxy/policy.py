@@ -16,9 +16,10 @@ The proxy hands the agent a socket of its own on which only these calls pass (an
 A container may be created when it carries llmgw's labels (``llmgw.node``, ``llmgw.shard``) and
 nothing that reaches the host: not privileged, no added capabilities, no devices but GPUs by a
 device request, no host PID/IPC/UTS/user/cgroup namespace, no security option but
-no-new-privileges, no sysctls, ports published on 127.0.0.1 only, the host's network only when
-allowed (multi-node shards run there), and bind mounts only read-only under a configured root
-whose parents only root can change. Everything else is refused with the reason.
+no-new-privileges, no sysctls, ports published on 127.0.0.1 only (1024 and up), the host's
+network only when allowed (multi-node shards run there) and with NET_RAW and NET_BIND_SERVICE
+dropped, and bind mounts only read-only under a configured root whose parents only root can
+change. Everything else is refused with the reason.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ _CONTAINER_OPS = {
     ("POST", "wait"),
 }
 _LOOPBACK = "127.0.0.1"
+_HEX = re.compile(r"[0-9a-f]+")
+_HOST_NETWORK_DROPS = {"NET_RAW", "NET_BIND_SERVICE"}
 _GPU_CAPABILITIES = {"gpu", "compute", "utility", "graphics", "video", "display", "compat32"}
 
 
@@ -223,9 +226,23 @@ def _check_network(key: str, value: object, host: Mapping[str, Any], policy: Pol
             )
         if not _empty(host.get("PortBindings")) or host.get("PublishAllPorts"):
             raise _refuse(key, "'host' goes without published ports")
+        # In the host's network namespace these would sniff or spoof the host's traffic and
+        # take its ports below 1024; engines need neither.
+        dropped = {
+            str(c).upper().removeprefix("CAP_") for c in _items("CapDrop", host.get("CapDrop"))
+        }
+        if "ALL" not in dropped and not _HOST_NETWORK_DROPS <= dropped:
+            raise _refuse(
+                key,
+                f"'host' needs CapDrop {sorted(_HOST_NETWORK_DROPS)} (raw sockets and low ports "
+                "on the host's own interfaces)",
+            )
         return
     if value.startswith("container:") or not _NETWORK_NAME.fullmatch(value):
         raise _refuse(key, f"{value!r} is not allowed: another container's or no network name")
+    if _HEX.fullmatch(value):
+        # dockerd takes a network id prefix too, and one could be the host network's.
+        raise _refuse(key, f"{value!r} could be a network id; name the network by its name")
 
 
 def _port_bindings(value: object, host: Mapping[str, Any], policy: Policy) -> None:
@@ -241,6 +258,13 @@ def _port_bindings(value: object, host: Mapping[str, Any], policy: Policy) -> No
                     "PortBindings",
                     f"publishes {port} on {address or 'every address'!r}: only {_LOOPBACK} is "
                     "allowed (the agent's data plane is the way in from other hosts)",
+                )
+            host_port = str(bind.get("HostPort") or "")
+            if not host_port.isdigit() or not 1024 <= int(host_port) <= 65535:
+                raise _refuse(
+                    "PortBindings",
+                    f"publishes {port} on host port {host_port or '(any)'!r}: give one from 1024 "
+                    "to 65535",
                 )
 
 

@@ -63,6 +63,7 @@ LABEL_LOG = "llmgw.log"
 its output to the same file."""
 
 _DEFAULT_SOCKET = "unix:///var/run/docker.sock"
+HOST_NETWORK_CAP_DROP = ("NET_RAW", "NET_BIND_SERVICE")
 PROXY_SOCKET_DIR = "/run/llmgw-docker-proxy"  # llmgw.agent.dockerproxy's, for the message
 _NAME_INVALID = re.compile(r"[^a-zA-Z0-9_.-]")
 _LOG_DRAIN_S = 5.0  # how long to let the log copy catch up once a container has ended
@@ -388,6 +389,9 @@ class DockerRuntime(Runtime):
                     restart_policy={"Name": "no"},
                     device_requests=device_requests,
                     network_mode="host",
+                    # In the host's network namespace: no raw sockets on its interfaces, no
+                    # ports below 1024 (llmgw-docker-proxy insists).
+                    cap_drop=list(HOST_NETWORK_CAP_DROP),
                 )
                 networking_config = None
                 ports: list[tuple[int, str]] = []

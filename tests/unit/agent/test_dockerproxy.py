@@ -150,8 +150,16 @@ def test_container_list_needs_llmgw_s_label_filter() -> None:
 
 def test_what_the_runtime_creates_is_accepted() -> None:
     check_create(runtime_body(), Policy())
-    # Multi-node: the host's network, nothing published.
-    check_create(runtime_body(NetworkMode="host", PortBindings=None, DeviceRequests=None), Policy())
+    # Multi-node: the host's network, nothing published, no raw sockets or low ports.
+    check_create(
+        runtime_body(
+            NetworkMode="host",
+            PortBindings=None,
+            DeviceRequests=None,
+            CapDrop=["NET_RAW", "NET_BIND_SERVICE"],
+        ),
+        Policy(),
+    )
     # A bridge network of the operator's, with its endpoint.
     body = runtime_body(NetworkMode="llmgw")
     body["NetworkingConfig"] = {"EndpointsConfig": {"llmgw": {}}}
@@ -219,6 +227,14 @@ def test_the_docker_cli_s_zero_values_are_accepted() -> None:
         ({"Annotations": {"io.x": "y"}}, "Annotations"),
         ({"SomethingNew": {"x": 1}}, "SomethingNew is not allowed"),
         ({"NetworkMode": "host"}, "'host' goes without published ports"),
+        ({"NetworkMode": "host", "PortBindings": None}, "'host' needs CapDrop"),
+        (
+            {"NetworkMode": "host", "PortBindings": None, "CapDrop": ["NET_RAW"]},
+            "'host' needs CapDrop",
+        ),
+        ({"NetworkMode": "ab12"}, "could be a network id"),
+        ({"PortBindings": {"8000/tcp": [{"HostIp": "127.0.0.1", "HostPort": "80"}]}}, "1024"),
+        ({"PortBindings": {"8000/tcp": [{"HostIp": "127.0.0.1", "HostPort": ""}]}}, "(any)"),
     ],
 )
 def test_host_config_refusals(host: dict[str, Any], words: str) -> None:
@@ -228,7 +244,7 @@ def test_host_config_refusals(host: dict[str, Any], words: str) -> None:
 
 
 def test_host_network_can_be_refused_on_a_node() -> None:
-    body = runtime_body(NetworkMode="host", PortBindings=None)
+    body = runtime_body(NetworkMode="host", PortBindings=None, CapDrop=["ALL"])
     check_create(body, Policy())
     assert "--no-host-network" in refused(body, Policy(host_network=False))
     body = runtime_body()
@@ -366,6 +382,10 @@ class StandInDockerd:
                         conn.sendall(b"%x\r\n%s\r\n" % (len(part), part))
                     conn.sendall(b"0\r\n\r\n")
                     return
+            elif path == "/version":
+                answer, status = {"ApiVersion": "1.41", "Version": "stand-in"}, 200
+            elif path.endswith("/containers/create"):
+                answer, status = {"Id": "c" * 64, "Warnings": []}, 201
             else:
                 answer, status = {"ok": True}, 200
             payload = json.dumps(answer).encode()
@@ -480,7 +500,7 @@ def test_relay_keeps_the_connection_for_the_sdk(proxied: tuple[Path, StandInDock
     listen, dockerd = proxied
     client = docker.APIClient(base_url=f"unix://{listen}", version="1.41")
     try:
-        assert client.version(api_version=False) == {"ok": True}
+        assert client.version(api_version=False)["ApiVersion"] == "1.41"
         with pytest.raises(docker.errors.APIError) as info:
             client.create_container("img", labels={"x": "y"})
         assert info.value.status_code == 403
@@ -488,10 +508,47 @@ def test_relay_keeps_the_connection_for_the_sdk(proxied: tuple[Path, StandInDock
         created = client.create_container(
             "img", labels=LABELS, host_config=client.create_host_config(privileged=False)
         )
-        assert created == {"ok": True}
+        assert created["Id"] == "c" * 64
         with pytest.raises(docker.errors.NotFound):
             client.inspect_container("cccc")
     finally:
         client.close()
     creates = [json.loads(b) for m, t, b in dockerd.seen if t.endswith("/containers/create")]
     assert [c["Labels"] for c in creates] == [LABELS]
+
+
+def test_the_runtime_s_own_creates_pass_the_proxy(
+    proxied: tuple[Path, StandInDockerd], tmp_path: Path
+) -> None:
+    """What DockerRuntime really sends (single-node, GPUs, a network, multi-node in the host's
+    network) is what the proxy accepts: a change to either that parts them fails here."""
+    from llmgw.agent.runtimes.base import Launch
+    from llmgw.agent.runtimes.docker import DockerRuntime
+
+    listen, dockerd = proxied
+    common = {"argv": ("llmgw", "engine", "sim"), "log_path": tmp_path / "x.log", "image": "i"}
+    launches = [
+        Launch(shard_id="s1", port=41001, labels={"llmgw.node": "n1"}, container_port=8000, **common),
+        Launch(
+            shard_id="s2", port=41002, labels={"llmgw.node": "n1"}, gpus=("0", "GPU-1"),
+            container_port=8000, **common,
+        ),
+        Launch(
+            shard_id="s3", port=41003, labels={"llmgw.node": "n1"}, host_network=True,
+            container_port=41003, **common,
+        ),
+    ]  # fmt: skip
+    for network in (None, "llmgw-engines"):
+        runtime = DockerRuntime(base_url=f"unix://{listen}", network=network)
+        try:
+            for launch in launches:
+                assert asyncio.run(runtime.create(launch)) == "c" * 64
+        finally:
+            runtime.close()
+    creates = [json.loads(b) for m, t, b in dockerd.seen if "/containers/create" in t]
+    assert len(creates) == 6
+    assert {c["HostConfig"].get("NetworkMode") for c in creates} == {
+        "default",
+        "host",
+        "llmgw-engines",
+    }
