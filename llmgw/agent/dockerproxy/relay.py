@@ -42,7 +42,7 @@ DEFAULT_UPSTREAM = Path("/var/run/docker.sock")
 HEAD_LIMIT = 64 * 1024
 BODY_LIMIT = 4 * 1024 * 1024  # a container-create body; nothing else carries one
 IDLE_S = 600.0  # an idle keep-alive connection of the docker SDK's pool
-HEAD_S = 30.0  # a request's head, once the client is idle no more
+BODY_S = 30.0  # a request's body, once its head has come
 _HOP_BY_HOP = {
     "connection",
     "keep-alive",
@@ -153,14 +153,14 @@ async def read_request(reader: asyncio.StreamReader) -> Request | None:
         if encodings:
             if lengths or [e.lower() for e in encodings] != ["chunked"]:
                 raise BadRequest("a body framed other than by one Content-Length or chunked")
-            body = await asyncio.wait_for(_read_chunked(reader, BODY_LIMIT), HEAD_S)
+            body = await asyncio.wait_for(_read_chunked(reader, BODY_LIMIT), BODY_S)
         elif lengths:
             if len(set(lengths)) != 1 or not lengths[0].isdigit():
                 raise BadRequest(f"Content-Length {lengths!r}")
             size = int(lengths[0])
             if size > BODY_LIMIT:
                 raise BadRequest(f"a request body above {BODY_LIMIT} bytes", 413)
-            body = await asyncio.wait_for(reader.readexactly(size), HEAD_S)
+            body = await asyncio.wait_for(reader.readexactly(size), BODY_S)
         else:
             body = b""
     except (asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
@@ -255,6 +255,13 @@ class DockerProxy:
             writer.write(_json_response(answer.status, answer.message))
             await writer.drain()
             return True
+        except (BadRequest, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            message = (
+                "dockerd's answer to the proxy's check could not be read; see: journalctl -u docker"
+            )
+            writer.write(_json_response(502, message))
+            await writer.drain()
+            return True
         try:
             upstream_reader, upstream_writer = await self._open_upstream()
         except Unreachable as exc:
@@ -275,8 +282,8 @@ class DockerProxy:
             await _relay_body(upstream_reader, writer, headers, status, request.method)
             await writer.drain()
             return keep
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, BadRequest):
-            return False  # dockerd ended mid-answer: the client sees the connection end
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, BadRequest, ValueError):
+            return False  # dockerd's answer broke off or is garbled: the connection ends
         finally:
             upstream_writer.close()
 
@@ -393,8 +400,8 @@ async def _relay_body(
     if encodings and encodings[-1] == "chunked":
         while True:
             line = await reader.readuntil(b"\r\n")
+            size = int(line.split(b";", 1)[0].strip(), 16)  # ValueError: not passed on
             writer.write(line)
-            size = int(line.split(b";", 1)[0].strip(), 16)
             if size == 0:
                 while True:
                     trailer = await reader.readuntil(b"\r\n")

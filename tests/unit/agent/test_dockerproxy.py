@@ -327,6 +327,7 @@ class StandInDockerd:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.seen: list[tuple[str, str, bytes]] = []
+        self.garbled = False  # answer with a chunk size that is not hex
         self.containers = {
             "a" * 64: {"Id": "a" * 64, "Config": {"Labels": LABELS}},
             "b" * 64: {"Id": "b" * 64, "Config": {"Labels": {"other": "x"}}},
@@ -359,6 +360,9 @@ class StandInDockerd:
             while len(body) < length:
                 body += conn.recv(65536)
             self.seen.append((method, target, body))
+            if self.garbled:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+                return
             path = target.split("?")[0]
             ref = path.split("/")[3] if path.count("/") >= 3 else ""
             found = next((c for i, c in self.containers.items() if i.startswith(ref)), None)
@@ -552,3 +556,19 @@ def test_the_runtime_s_own_creates_pass_the_proxy(
         "host",
         "llmgw-engines",
     }
+
+
+def test_a_garbled_dockerd_answer_ends_one_request_not_the_proxy(
+    proxied: tuple[Path, StandInDockerd],
+) -> None:
+    listen, dockerd = proxied
+    dockerd.garbled = True
+    # The proxy's own check cannot read the inspect: 502, saying so.
+    status, body = ask(listen, get("/v1.41/containers/aaaa/stop", "POST"))
+    assert status == 502 and "could not be read" in json.loads(body)["message"]
+    # A relayed answer breaks off: the connection ends after the head.
+    status, body = ask(listen, get("/version"))
+    assert status == 200 and body == b""
+    dockerd.garbled = False
+    status, body = ask(listen, get("/version"))
+    assert status == 200 and json.loads(body)["ApiVersion"] == "1.41"
