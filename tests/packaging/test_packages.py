@@ -244,8 +244,10 @@ def test_rpm_holds_its_unit_and_only_its_etc_file_as_conffile(
         scriptlet_file.write_text(rpm_query(rpm, "--queryformat", f"%{{{tag}}}"))
         run("shellcheck", "--shell=sh", scriptlet_file)
     postun = rpm_query(rpm, "--queryformat", "%{POSTUN}")
-    # The old package's %postun runs after the new package is in: it restarts (if running).
-    assert 'if [ "$1" -ge 1 ]; then\n        systemctl try-restart' in postun
+    # The old package's %postun runs after the new package is in: it restarts (if running),
+    # after the units that run the same program (the Docker proxy the agent reaches).
+    upgrade = postun.split('if [ "$1" -ge 1 ]; then\n', 1)[1].split("\n    fi\n", 1)[0]
+    assert upgrade.rstrip().splitlines()[-2].strip() == f"systemctl try-restart {unit} \\"
     requires = rpm_query(rpm, "--requires").splitlines()
     assert "shadow-utils" in requires
     if name == "llmgw-server":
