@@ -135,7 +135,8 @@ def check_list(target: str) -> None:
     """A container list must ask for llmgw's containers only (a label filter on llmgw.shard)."""
     query = target.split("?", 1)[1] if "?" in target else ""
     raw = parse_qs(query).get("filters", [])
-    for text in raw:
+    # dockerd reads the first 'filters' only: one more could hide the label filter from it.
+    for text in raw[:1] if len(raw) == 1 else ():
         try:
             filters = json.loads(text)
         except ValueError:

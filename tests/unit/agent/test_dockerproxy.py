@@ -140,6 +140,11 @@ def test_container_list_needs_llmgw_s_label_filter() -> None:
         "/containers/json?filters=" + json.dumps({"label": ["llmgw.node=n1"]}),
         "/containers/json?filters=" + json.dumps({"label": ["llmgw.shardx"]}),
         "/containers/json?filters=not-json",
+        # dockerd reads only the first of two: the label filter must not hide in the second.
+        "/containers/json?filters="
+        + json.dumps({"status": ["running"]})
+        + "&filters="
+        + json.dumps({"label": ["llmgw.shard"]}),
     ):
         with pytest.raises(Refused, match=r"label filter on llmgw\.shard"):
             check_list(target)
