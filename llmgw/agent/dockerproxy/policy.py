@@ -65,6 +65,7 @@ _CONTAINER_OPS = {
 _LOOPBACK = "127.0.0.1"
 _HEX = re.compile(r"[0-9a-f]+")
 _HOST_NETWORK_DROPS = {"NET_RAW", "NET_BIND_SERVICE"}
+_DEVICE_REQUEST_KEYS = {"Driver", "Count", "DeviceIDs", "Capabilities", "Options"}
 _GPU_CAPABILITIES = {"gpu", "compute", "utility", "graphics", "video", "display", "compat32"}
 
 
@@ -246,13 +247,22 @@ def _check_network(key: str, value: object, host: Mapping[str, Any], policy: Pol
         raise _refuse(key, f"{value!r} could be a network id; name the network by its name")
 
 
+def _exact_keys(where: str, value: object, allowed: set[str]) -> None:
+    """Only these exact keys in ``value`` (dockerd would read 'hostip' as HostIp too)."""
+    if isinstance(value, Mapping):
+        for key in value:
+            if key not in allowed:
+                raise Refused(f"container create refused: {where}.{key} is not allowed")
+
+
 def _port_bindings(value: object, host: Mapping[str, Any], policy: Policy) -> None:
     if _empty(value):
         return
     if not isinstance(value, Mapping):
         raise _refuse("PortBindings", f"must be a mapping, not {value!r}")
     for port, binds in value.items():
-        for bind in binds or ():
+        for bind in _items("PortBindings", binds):
+            _exact_keys("HostConfig.PortBindings", bind, {"HostIp", "HostPort"})
             address = bind.get("HostIp") if isinstance(bind, Mapping) else None
             if address != _LOOPBACK:
                 raise _refuse(
@@ -270,6 +280,7 @@ def _port_bindings(value: object, host: Mapping[str, Any], policy: Policy) -> No
 
 
 def _restart_policy(value: object, host: Mapping[str, Any], policy: Policy) -> None:
+    _exact_keys("HostConfig.RestartPolicy", value, {"Name", "MaximumRetryCount"})
     name = value.get("Name") if isinstance(value, Mapping) else value
     if not _empty(name) and name != "no":
         raise _refuse("RestartPolicy", f"{name!r} is not allowed: the agent restarts its engines")
@@ -283,6 +294,7 @@ def _device_requests(value: object, host: Mapping[str, Any], policy: Policy) -> 
     for request in value:
         if not isinstance(request, Mapping):
             raise _refuse("DeviceRequests", f"has {request!r}, not a device request")
+        _exact_keys("HostConfig.DeviceRequests", request, _DEVICE_REQUEST_KEYS)
         capabilities = request.get("Capabilities") or []
         flat = {c for group in capabilities if isinstance(group, list) for c in group}
         if (
@@ -321,6 +333,7 @@ def _oom_score(value: object, host: Mapping[str, Any], policy: Policy) -> None:
 
 
 def _log_config(value: object, host: Mapping[str, Any], policy: Policy) -> None:
+    _exact_keys("HostConfig.LogConfig", value, {"Type", "Config"})
     kind = value.get("Type") if isinstance(value, Mapping) else None
     if kind not in (None, "", "json-file", "local", "journald"):
         raise _refuse("LogConfig", f"the log driver {kind!r} is not allowed")
@@ -470,8 +483,10 @@ def check_create(body: object, policy: Policy) -> None:
     """Accept a container-create body, or raise :class:`Refused` saying what is not allowed."""
     if not isinstance(body, Mapping):
         raise Refused("container create refused: the body is not a JSON object")
-    for key, value in body.items():
-        if key not in _CONFIG_KEYS and not _empty(value):
+    # dockerd decodes JSON keys case-insensitively, the last of two spellings winning: every
+    # key must be one of the exact names checked here, so that none is read past.
+    for key in body:
+        if key not in _CONFIG_KEYS:
             raise Refused(f"container create refused: {key} is not allowed on this socket")
     labels = body.get("Labels") or {}
     if not isinstance(labels, Mapping) or not all(
@@ -486,11 +501,11 @@ def check_create(body: object, policy: Policy) -> None:
         raise Refused("container create refused: HostConfig is not a JSON object")
     for key, value in host.items():
         rule = _HOST_RULES.get(key)
-        if rule is not None:
-            rule(value, host, policy)
-        elif not _empty(value):
+        if rule is None:
             raise _refuse(key, "is not allowed on this socket")
+        rule(value, host, policy)
     networking = body.get("NetworkingConfig") or {}
+    _exact_keys("NetworkingConfig", networking, {"EndpointsConfig"})
     endpoints = networking.get("EndpointsConfig") if isinstance(networking, Mapping) else None
     for name in endpoints or {}:
         _check_network("NetworkingConfig.EndpointsConfig", name, host, policy)

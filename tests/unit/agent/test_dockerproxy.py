@@ -269,6 +269,34 @@ def test_unknown_top_level_keys_are_refused() -> None:
     assert "Foo is not allowed" in refused({**runtime_body(), "Foo": "bar"})
 
 
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        # dockerd reads JSON keys case-insensitively, the last spelling winning.
+        ({"hostconfig": {"Privileged": True}}, "hostconfig is not allowed"),
+        ({"Hostconfig": None}, "Hostconfig is not allowed"),
+        ({"HostConfig": {"readonlypaths": []}}, "HostConfig.readonlypaths is not allowed"),
+        ({"HostConfig": {"privileged": False}}, "HostConfig.privileged is not allowed"),
+        (
+            {"HostConfig": {"PortBindings": {"8000/tcp": [
+                {"HostIp": "127.0.0.1", "HostPort": "41000", "hostip": "0.0.0.0"}
+            ]}}},
+            "HostConfig.PortBindings.hostip is not allowed",
+        ),
+        (
+            {"HostConfig": {"DeviceRequests": [{"Capabilities": [["gpu"]], "driver": "cdi"}]}},
+            "HostConfig.DeviceRequests.driver is not allowed",
+        ),
+        ({"HostConfig": {"RestartPolicy": {"Name": "no", "name": "always"}}}, "RestartPolicy.name"),
+        ({"HostConfig": {"LogConfig": {"Type": "", "type": "syslog"}}}, "LogConfig.type"),
+        ({"NetworkingConfig": {"endpointsconfig": {"host": {}}}}, "NetworkingConfig.endpointsconfig"),
+    ],
+)  # fmt: skip
+def test_other_spellings_of_checked_keys_are_refused(change: dict[str, Any], words: str) -> None:
+    body = {"Image": "x", "Labels": LABELS, **change}
+    assert words in refused(body)
+
+
 # ------------------------------------------------------------------------------ binds
 
 
