@@ -262,8 +262,10 @@ def _port_bindings(value: object, host: Mapping[str, Any], policy: Policy) -> No
         raise _refuse("PortBindings", f"must be a mapping, not {value!r}")
     for port, binds in value.items():
         for bind in _items("PortBindings", binds):
+            if not isinstance(bind, Mapping):
+                raise _refuse("PortBindings", f"has {bind!r}, not a binding")
             _exact_keys("HostConfig.PortBindings", bind, {"HostIp", "HostPort"})
-            address = bind.get("HostIp") if isinstance(bind, Mapping) else None
+            address = bind.get("HostIp")
             if address != _LOOPBACK:
                 raise _refuse(
                     "PortBindings",
