@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, parse_qsl
 
 __all__ = [
     "LABEL_NODE",
@@ -65,6 +65,20 @@ _CONTAINER_OPS = {
 _LOOPBACK = "127.0.0.1"
 _HEX = re.compile(r"[0-9a-f]+")
 _HOST_NETWORK_DROPS = {"NET_RAW", "NET_BIND_SERVICE"}
+# The query parameters each call may carry (what the docker SDK and CLI send); any other, e.g.
+# start's checkpoint-dir (a host path), is refused.
+_QUERY: dict[str, set[str]] = {
+    "pass": set(),
+    "create": {"name", "platform"},
+    "list": {"all", "filters", "limit", "size", "trunc_cmd", "before", "since"},
+    "json": {"size"},
+    "logs": {"follow", "stdout", "stderr", "since", "until", "timestamps", "tail", "details"},
+    "start": set(),
+    "stop": {"t", "signal"},
+    "kill": {"signal"},
+    "wait": {"condition"},
+    "remove": {"v", "force", "link"},
+}
 _DEVICE_REQUEST_KEYS = {"Driver", "Count", "DeviceIDs", "Capabilities", "Options"}
 _GPU_CAPABILITIES = {"gpu", "compute", "utility", "graphics", "video", "display", "compat32"}
 
@@ -100,6 +114,19 @@ class Route:
 
 def route(method: str, target: str) -> Route:
     """The route of a request line's method and target (path and query), or :class:`Refused`."""
+    found = _route(method, target)
+    query = target.split("?", 1)[1] if "?" in target else ""
+    names = {name for name, _ in parse_qsl(query, keep_blank_values=True)}
+    unknown = names - _QUERY[found.operation or found.kind]
+    if unknown:
+        raise Refused(
+            f"{method} {target.split('?', 1)[0]}: the parameter(s) {', '.join(sorted(unknown))} "
+            "are not allowed on this socket"
+        )
+    return found
+
+
+def _route(method: str, target: str) -> Route:
     path = target.split("?", 1)[0]
     bare = _VERSION_PREFIX.sub("", path, count=1) if _VERSION_PREFIX.match(path) else path
     if (
@@ -365,8 +392,8 @@ def bind_problem(bind: str, roots: Iterable[Path]) -> str | None:
         return "named volumes are not allowed; only a host directory under " + _roots(roots)
     if os.path.normpath(source) != source:
         return "the source path is not normalised"
-    if "ro" not in options:
-        return "must be read-only (add ':ro')"
+    if "ro" not in options or "rw" in options:
+        return "must be read-only (add ':ro', and no 'rw')"
     path = Path(source)
     if not any(path == root or root in path.parents for root in roots):
         return f"{source} is not under {_roots(roots)}"

@@ -122,6 +122,10 @@ def test_the_runtime_s_calls_are_routed(
         ("POST", "/v1.41//containers/create"),
         ("DELETE", "/v1.41/containers/abc/json"),
         ("GET", "/v1.41/containers/abc/top"),
+        # Parameters the runtime never sends: a checkpoint restored from a host directory.
+        ("POST", "/v1.41/containers/abc/start?checkpoint=c&checkpoint-dir=/etc"),
+        ("POST", "/v1.41/containers/create?name=x&hostconfig=y"),
+        ("GET", "/version?x=1"),
     ],
 )
 def test_everything_else_is_refused(method: str, target: str) -> None:
@@ -323,6 +327,7 @@ def test_bind_checks(tmp_path: Path) -> None:
     assert "symbolic link" in str(pol.bind_problem(f"{root / 'link'}:/m:ro", roots))
     assert "read-only" in str(pol.bind_problem(f"{root / 'llama'}:/m", roots))
     assert "read-only" in str(pol.bind_problem(f"{root / 'llama'}:/m:rw", roots))
+    assert "no 'rw'" in str(pol.bind_problem(f"{root / 'llama'}:/m:ro,rw", roots))
     assert "not under" in str(pol.bind_problem("/etc:/m:ro", roots))
     assert "not under" in str(pol.bind_problem("/:/h:ro", roots))
     assert "normalised" in str(pol.bind_problem(f"{root}/../../etc:/m:ro", roots))
