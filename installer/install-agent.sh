@@ -66,6 +66,8 @@ NFT_TABLE=llmgw
 PROXY_UNIT=llmgw-docker-proxy.service
 PROXY_SOCKET=/run/llmgw-docker-proxy/docker.sock
 DOCKER_DROPIN=$DROPIN_DIR/20-docker.conf
+# Its unit's StateDirectory= under DynamicUser= (a link to private/): where it unpacks itself.
+PROXY_STATE="/var/lib/llmgw-docker-proxy /var/lib/private/llmgw-docker-proxy"
 # The lines of agent.yaml that 'install' owns (its options), rewritten by every install.
 MANAGED_MARK="# install-agent.sh: set from its options at each install (edit by re-running it)"
 DEFAULT_HEALTH_TIMEOUT=180
@@ -742,6 +744,8 @@ configure_docker() {
             info "docker: $PROXY_UNIT off"
             systemctl disable --now "$PROXY_UNIT" >/dev/null 2>&1 || true
             rm -f "$DOCKER_DROPIN" "$UNIT_DIR/$PROXY_UNIT"
+            # shellcheck disable=SC2086 # a list of absolute paths without spaces
+            rm -rf $PROXY_STATE
             docker_rc=0
         fi
     fi
@@ -1079,6 +1083,8 @@ verb_uninstall() {
         fi
     fi
     rm -f "$UNIT_DIR/$UNIT" "$UNIT_DIR/$PROXY_UNIT" "$DOCKER_DROPIN"
+    # shellcheck disable=SC2086 # a list of absolute paths without spaces
+    rm -rf $PROXY_STATE
     for name in $UPDATE_UNITS; do rm -f "$UNIT_DIR/$name"; done
     rm -rf "$LIB_DIR" "$INSTALL_STATE"
     if [ -n "$PURGE" ]; then

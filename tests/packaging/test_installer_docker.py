@@ -7,6 +7,7 @@ dry run's."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -166,6 +167,14 @@ def test_the_proxy_is_named_alike_everywhere_and_no_package_joins_docker() -> No
 
     settings = installer_settings()
     assert settings["PROXY_SOCKET"] == str(DEFAULT_LISTEN)
+    # What uninstall (and the packages' purge) remove: the unit's state directory, where a
+    # one-file build unpacks itself, as DynamicUser= keeps it.
+    unit_text = (ROOT / "systemd" / settings["PROXY_UNIT"]).read_text()
+    state = unit_text.split("\nStateDirectory=", 1)[1].split()[0]
+    expected = {f"/var/lib/{state}", f"/var/lib/private/{state}"}
+    (proxy_state,) = re.findall(r'^PROXY_STATE="([^"]*)"$', INSTALLER.read_text(), re.M)
+    assert set(proxy_state.split()) == expected
+    assert expected <= set(render_calls()["llmgw-agent"]["purge_dirs"].split())
     unit = settings["PROXY_UNIT"]
     assert (ROOT / "systemd" / unit).is_file()
     # The packages ship the unit (not enabled) and never put the agent in the docker group.
