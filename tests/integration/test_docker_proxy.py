@@ -52,6 +52,7 @@ def proxy(api: Any, tmp_path: Path) -> Iterator[Path]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LLMGW_LOG_STDERR": "1"}
     group = grp.getgrgid(os.getegid()).gr_name
     command = [sys.executable, "-m", "llmgw", "agent", "docker-proxy", "--listen", str(listen)]
+    command += ["--log-level", "debug"]  # a line per forwarded call
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [*command, "--group", group],
@@ -231,3 +232,78 @@ def test_the_cli_cannot_reach_the_host_through_the_proxy(api: Any, image: str, p
         assert docker_cli(proxy, "inspect", ours).returncode == 0  # its own, it may see
     finally:
         api.remove_container(ours, force=True)
+
+
+def test_an_agent_with_docker_host_serves_through_the_proxy(
+    api: Any, image: str, proxy: Path, tmp_path: Path
+) -> None:
+    """The whole path with agent.yaml's docker.host on the proxy: gateway -> agent -> engine in
+    a container the agent created through the proxy, adopted through it after a restart, and
+    not one of the agent's calls refused."""
+    import signal
+
+    import openai
+
+    from tests.integration.harness import make_agent, start_agent, start_server, stop_process
+
+    server = start_server(tmp_path)
+    node = f"dprox-{uuid.uuid4().hex[:6]}"
+    agent = make_agent(
+        tmp_path,
+        server,
+        node,
+        extra={
+            "runtime": "docker",
+            "docker": {"images": {"sim": image}, "host": f"unix://{proxy}"},
+            "stop_shards_on_exit": False,
+        },
+    )
+    try:
+        start_agent(agent)
+        deadline = time.monotonic() + WAIT_S
+        while not any(n["connected"] for n in server.nodes()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        server.approve_pending(1)
+        server.api("POST", "/api/models", {"name": "boxed", "engine": "sim", "replicas": 1})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            rows = server.replicas("boxed")
+            if rows and rows[0]["routable"]:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"no routable replica: {server.replicas('boxed')}\n{agent.log()}")
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key())
+        out = client.chat.completions.create(
+            model="boxed", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert out.choices[0].message.content
+        (container,) = api.containers(filters={"label": [f"{LABEL_NODE}={node}"]})
+        assert agent.proc is not None
+        stop_process(agent.proc, signal.SIGKILL)
+        agent_restarted = "ts=" + time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+        start_agent(agent)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            rows = server.replicas("boxed")
+            if rows and rows[0]["routable"] and "shards after restart" in agent.log():
+                break
+            time.sleep(0.2)
+        assert [c["Id"] for c in api.containers(filters={"label": [f"{LABEL_NODE}={node}"]})] == [
+            container["Id"]
+        ]
+        proxy_log = (tmp_path / "proxy.log").read_text()
+        assert "refused a docker call" not in proxy_log, proxy_log
+        # The agent's calls went through the proxy (agent.yaml's docker.host), not docker.sock.
+        forwarded = [line for line in proxy_log.splitlines() if "forwarding a docker call" in line]
+        for call in ("POST target=/v1.", "/containers/create?name=", "/start", "/logs?"):
+            assert any(call in line for line in forwarded), (call, proxy_log)
+        # After the restart, the adoption inspected the container through the proxy too.
+        adopted = [x for x in forwarded if x > agent_restarted and x.endswith("/json")]
+        assert adopted, proxy_log
+    finally:
+        if agent.proc is not None:
+            stop_process(agent.proc)
+        stop_process(server.proc)
+        for c in api.containers(all=True, filters={"label": [f"{LABEL_NODE}={node}"]}):
+            api.remove_container(c["Id"], force=True)

@@ -262,6 +262,7 @@ class DockerProxy:
             writer.write(_json_response(502, message))
             await writer.drain()
             return True
+        log.debug("forwarding a docker call", extra=kv(method=request.method, target=target[:200]))
         try:
             upstream_reader, upstream_writer = await self._open_upstream()
         except Unreachable as exc:
