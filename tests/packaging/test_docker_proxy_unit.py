@@ -87,7 +87,11 @@ def node(systemd_image: str) -> Iterator[Container]:
 def test_the_proxy_unit_serves_the_agent_s_group_only(node: Container) -> None:
     c = node
     docker_gid = DOCKER_SOCK.stat().st_gid
-    c.sh(f"groupadd -g {docker_gid} docker")
+    # The socket's group here is the image's group of that gid, if it has one: named docker.
+    c.sh(
+        f"taken=$(getent group {docker_gid} | cut -d: -f1); "
+        f'if [ -n "$taken" ]; then groupmod -n docker "$taken"; else groupadd -g {docker_gid} docker; fi'
+    )
     c.sh("groupadd --system llmgw-agent && useradd --system --gid llmgw-agent llmgw-agent")
     # The unit needs docker.service; dockerd itself is this machine's, behind UPSTREAM.
     c.sh(
