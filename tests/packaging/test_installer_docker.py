@@ -22,7 +22,12 @@ INSTALLER = ROOT / "installer" / "install-agent.sh"
 
 
 def run_installer(
-    tmp_path: Path, args: str, *, groups: str = "llmgw-agent", docker_group: bool = True
+    tmp_path: Path,
+    args: str,
+    *,
+    groups: str = "llmgw-agent",
+    docker_group: bool = True,
+    mode: str = "tarball",
 ) -> subprocess.CompletedProcess[str]:
     """parse_args ARGS, then configure_docker and start_docker_proxy, as configure_and_start
     calls them; prints configure_docker's status as 'changed=0|1'."""
@@ -45,7 +50,7 @@ usermod() {{ record usermod "$@"; }}
 gpasswd() {{ record gpasswd "$@"; }}
 getent() {{ [ "$2" != docker ] || {"true" if docker_group else "false"}; }}
 id() {{ echo {shlex.quote(groups)}; }}
-mode_recorded() {{ echo tarball; }}
+mode_recorded() {{ echo {mode}; }}
 parse_args {args}
 DOCKER_CHANGED=""
 if configure_docker; then DOCKER_CHANGED=1; echo changed=1; else echo changed=0; fi
@@ -195,3 +200,17 @@ def test_the_proxy_is_named_alike_everywhere_and_no_package_joins_docker() -> No
     assert text.count("usermod -aG docker") == 1
     group_branch = text.split('if [ "$DOCKER" = group ]; then', 1)[1].split("elif", 1)[0]
     assert "usermod -aG docker" in group_branch
+
+
+def test_package_docker_uses_the_package_s_unit(tmp_path: Path) -> None:
+    result = run_installer(
+        tmp_path, "package --repo-url http://r --repo-key k --docker", mode="package"
+    )
+    assert result.returncode == 0, result.stderr
+    # The package ships the unit in the vendor directory: none is written here.
+    assert not (tmp_path / "units" / "llmgw-docker-proxy.service").exists()
+    dropin = (tmp_path / "units" / "llmgw-agent.service.d" / "20-docker.conf").read_text()
+    assert f"Environment=DOCKER_HOST=unix://{DEFAULT_LISTEN}" in dropin
+    calls = calls_of(tmp_path)
+    assert "systemctl enable llmgw-docker-proxy.service" in calls
+    assert not [c for c in calls if c.startswith(("usermod", "gpasswd"))], calls
