@@ -6,11 +6,17 @@
 # Usage: install-agent.sh VERB [OPTIONS]           (as root)
 #   install [--node-id ID --enroll-url URL --ca-hash HASH] [--address IP]
 #           [--firewall-from IP|CIDR]... [--models-root DIR] [--cache-root DIR]
+#           [--docker | --docker-group]
 #       The service user, lingering, the binary (under /usr/local/lib/llmgw-agent, the
 #       previous one kept), the unit and its drop-in, the update helper, the configuration;
 #       with the join options: 'llmgw agent join' (the token from LLMGW_JOIN_TOKEN, else a
 #       prompt), start, wait until the agent listens. Re-running it with the same options
 #       changes nothing and restarts nothing.
+#       --docker: engines may run as Docker containers (runtime: docker), through
+#       llmgw-docker-proxy, a socket that allows only the docker runtime's calls (llmgw's
+#       labelled containers, unprivileged, ports on 127.0.0.1). --docker-group instead puts
+#       the agent in the docker group, which is root on this host. Neither: the agent has no
+#       Docker access (and leaves the docker group if an earlier install put it there).
 #   upgrade      Install this bundle's binary and units, keep the configuration and the
 #                identity, restart; roll back by itself when the new agent does not listen
 #                within LLMGW_AGENT_HEALTH_TIMEOUT seconds (default 180).
@@ -56,6 +62,12 @@ UPDATE_STATE=/var/lib/llmgw-update
 LINGER_DIR=/var/lib/systemd/linger
 PACKAGE_BIN=/usr/bin/llmgw
 NFT_TABLE=llmgw
+# Docker access (--docker): the proxy's unit and socket, and the agent's drop-in naming it.
+PROXY_UNIT=llmgw-docker-proxy.service
+PROXY_SOCKET=/run/llmgw-docker-proxy/docker.sock
+DOCKER_DROPIN=$DROPIN_DIR/20-docker.conf
+# Its unit's StateDirectory= under DynamicUser= (a link to private/): where it unpacks itself.
+PROXY_STATE="/var/lib/llmgw-docker-proxy /var/lib/private/llmgw-docker-proxy"
 # The lines of agent.yaml that 'install' owns (its options), rewritten by every install.
 MANAGED_MARK="# install-agent.sh: set from its options at each install (edit by re-running it)"
 DEFAULT_HEALTH_TIMEOUT=180
@@ -78,12 +90,21 @@ parse_args() {
     [ -n "$VERB" ] || usage
     shift
     NODE_ID="" ENROLL_URL="" CA_HASH="" ADDRESS="" FIREWALL_FROM="" PURGE=""
-    REPO_URL="" REPO_KEY=""
+    REPO_URL="" REPO_KEY="" DOCKER=""
     MODELS=$MODELS_ROOT CACHE=$CACHE_ROOT
     while [ $# -gt 0 ]; do
         case $1 in
             --purge)
                 PURGE=1
+                shift
+                continue
+                ;;
+            --docker | --docker-group)
+                mode=proxy
+                [ "$1" = --docker ] || mode=group
+                [ -z "$DOCKER" ] || [ "$DOCKER" = "$mode" ] \
+                    || fatal "--docker and --docker-group exclude each other: give one"
+                DOCKER=$mode
                 shift
                 continue
                 ;;
@@ -126,10 +147,13 @@ parse_args() {
                 || fatal "rekey needs --enroll-url and --ca-hash (from 'llmgw ctl join-command --rekey NODE')"
             ;;
         *)
-            [ -z "$NODE_ID$ENROLL_URL$CA_HASH$ADDRESS$FIREWALL_FROM$REPO_URL$REPO_KEY" ] \
+            [ -z "$NODE_ID$ENROLL_URL$CA_HASH$ADDRESS$FIREWALL_FROM$REPO_URL$REPO_KEY$DOCKER" ] \
                 || fatal "'$VERB' takes no options but --purge (uninstall)"
             ;;
     esac
+    if [ -n "$DOCKER" ] && [ "$VERB" = rekey ]; then
+        fatal "--docker and --docker-group go with 'install' and 'package' only"
+    fi
     if [ "$VERB" = package ]; then
         [ -n "$REPO_URL" ] || fatal "package needs --repo-url URL (where the repository is served) and --repo-key FILE|URL (its public key)"
         [ -n "$REPO_KEY" ] \
@@ -318,22 +342,14 @@ render_unit() {
 
 # ------------------------------------------------------------------------------ install steps
 
-# 1. the service user: a system user, no login, no home; in docker's group when it exists.
+# 1. the service user: a system user, no login, no home; in the docker group only with
+# --docker-group (configure_docker).
 ensure_user() {
     if ! getent passwd "$SERVICE_USER" >/dev/null 2>&1; then
         info "user: creating system user $SERVICE_USER"
         getent group "$SERVICE_USER" >/dev/null 2>&1 || groupadd --system "$SERVICE_USER"
         useradd --system --gid "$SERVICE_USER" --no-create-home --home-dir /nonexistent \
             --shell /usr/sbin/nologin --comment "llmgw node agent" "$SERVICE_USER"
-    fi
-    if getent group docker >/dev/null 2>&1; then
-        case " $(id -nG "$SERVICE_USER") " in
-            *" docker "*) ;;
-            *)
-                info "user: adding $SERVICE_USER to the docker group"
-                usermod -aG docker "$SERVICE_USER"
-                ;;
-        esac
     fi
 }
 
@@ -396,6 +412,10 @@ install_units() {
     bin=$(agent_bin)
     names=$UPDATE_UNITS
     [ "$(mode_recorded)" = package ] || names="$UNIT $names"
+    # The proxy's unit, where --docker installed it (the package ships its own).
+    if [ "$(mode_recorded)" != package ] && [ "$(docker_recorded)" = proxy ]; then
+        names="$names $PROXY_UNIT"
+    fi
     for name in $names; do
         [ -f "$BUNDLE/systemd/$name" ] || fatal "no systemd/$name in $BUNDLE; the bundle is incomplete"
         render_unit "$BUNDLE/systemd/$name" "$bin" "$STAGE/$name"
@@ -668,6 +688,86 @@ configure_firewall() {
         || warn "nft rules (table inet $NFT_TABLE) do not survive a reboot; run this install again after one, or add them to /etc/nftables.conf"
 }
 
+# 11b. Docker access, as --docker/--docker-group say (recorded; re-runs say it again):
+# proxy: llmgw-docker-proxy's socket and a drop-in that points the agent at it (DOCKER_HOST);
+# group: the docker group, root on this host; neither: none. Returns 0 when something changed.
+docker_recorded() { cat "$INSTALL_STATE/docker" 2>/dev/null || true; }
+
+in_docker_group() {
+    case " $(id -nG "$SERVICE_USER" 2>/dev/null) " in
+        *" docker "*) return 0 ;;
+    esac
+    return 1
+}
+
+configure_docker() {
+    docker_rc=1
+    if [ -n "$DOCKER" ] && ! getent group docker >/dev/null 2>&1; then
+        fatal "--$([ "$DOCKER" = group ] && echo docker-group || echo docker) needs Docker, and this host has no docker group; install Docker (apt-get install -y docker.io), then run this again"
+    fi
+    if [ "$DOCKER" = group ]; then
+        warn "--docker-group: $SERVICE_USER joins the docker group, which is root on this host (whoever runs code as $SERVICE_USER can run 'docker run --privileged -v /:/h'); --docker gives it llmgw-docker-proxy's socket instead, which allows only what llmgw's engines need"
+        if ! in_docker_group; then
+            info "user: adding $SERVICE_USER to the docker group"
+            usermod -aG docker "$SERVICE_USER"
+            docker_rc=0
+        fi
+    elif in_docker_group; then
+        info "user: removing $SERVICE_USER from the docker group (root on this host)$([ "$DOCKER" = proxy ] || echo "; give --docker for Docker engines through llmgw-docker-proxy")"
+        gpasswd -d "$SERVICE_USER" docker >/dev/null
+        docker_rc=0
+    fi
+    if [ "$DOCKER" = proxy ]; then
+        if [ "$(mode_recorded)" != package ]; then
+            render_unit "$BUNDLE/systemd/$PROXY_UNIT" "$(agent_bin)" "$STAGE/$PROXY_UNIT"
+            if put_file "$STAGE/$PROXY_UNIT" "$UNIT_DIR/$PROXY_UNIT" 0644 root:root; then
+                info "units: $UNIT_DIR/$PROXY_UNIT"
+                docker_rc=0
+            fi
+        fi
+        {
+            echo "# Written by install-agent.sh --docker: the docker runtime goes through"
+            echo "# $PROXY_UNIT, never to docker.sock itself; rewritten at each install."
+            echo "[Unit]"
+            echo "Wants=$PROXY_UNIT"
+            echo "After=$PROXY_UNIT"
+            echo "[Service]"
+            echo "Environment=DOCKER_HOST=unix://$PROXY_SOCKET"
+        } >"$STAGE/20-docker.conf"
+        if put_file "$STAGE/20-docker.conf" "$DOCKER_DROPIN" 0644 root:root; then
+            info "units: $DOCKER_DROPIN (DOCKER_HOST=unix://$PROXY_SOCKET)"
+            docker_rc=0
+        fi
+    else
+        if [ -f "$DOCKER_DROPIN" ] || [ -f "$UNIT_DIR/$PROXY_UNIT" ] \
+            || [ "$(systemctl is-enabled "$PROXY_UNIT" 2>/dev/null)" = enabled ]; then
+            info "docker: $PROXY_UNIT off"
+            systemctl disable --now "$PROXY_UNIT" >/dev/null 2>&1 || true
+            rm -f "$DOCKER_DROPIN" "$UNIT_DIR/$PROXY_UNIT"
+            # shellcheck disable=SC2086 # a list of absolute paths without spaces
+            rm -rf $PROXY_STATE
+            docker_rc=0
+        fi
+    fi
+    mkdir -p "$INSTALL_STATE"
+    printf '%s\n' "${DOCKER:-none}" >"$STAGE/docker"
+    put_file "$STAGE/docker" "$INSTALL_STATE/docker" 0644 root:root || true
+    return $docker_rc
+}
+
+# After the daemon-reload: the proxy enabled, and (re)started when --docker asked for it and
+# its unit changed or it does not run.
+start_docker_proxy() {
+    [ "$DOCKER" = proxy ] || return 0
+    systemctl enable "$PROXY_UNIT" >/dev/null 2>&1 || fatal "systemctl enable $PROXY_UNIT failed"
+    if [ -z "$DOCKER_CHANGED" ] && [ "$(systemctl is-active "$PROXY_UNIT" 2>/dev/null)" = active ]; then
+        return 0
+    fi
+    systemctl restart "$PROXY_UNIT" \
+        || fatal "$PROXY_UNIT did not start; see: journalctl -u $PROXY_UNIT (is docker running? systemctl start docker)"
+    info "docker: $PROXY_UNIT serves $PROXY_SOCKET to $SERVICE_USER"
+}
+
 record_mode() {
     mkdir -p "$INSTALL_STATE"
     chmod 0755 "$INSTALL_STATE"
@@ -681,9 +781,12 @@ configure_and_start() {
     ensure_dirs
     install_units && changed=1
     install_dropin && changed=1
+    DOCKER_CHANGED=""
+    configure_docker && changed=1 && DOCKER_CHANGED=1
     if [ -n "$changed" ]; then
         systemctl daemon-reload
     fi
+    start_docker_proxy
     if ! has_identity && [ -n "$NODE_ID" ]; then
         join_node
         changed=1
@@ -824,6 +927,8 @@ check_installed() {
 
 # Restart and wait; 0 when the agent listens (or has no identity to start with).
 restart_and_wait() {
+    # The proxy runs the same binary: it restarts too, when it runs.
+    systemctl try-restart "$PROXY_UNIT" >/dev/null 2>&1 || true
     has_identity || return 0
     systemctl reset-failed "$UNIT" >/dev/null 2>&1 || true
     systemctl restart --no-block "$UNIT"
@@ -942,7 +1047,7 @@ verb_rekey() {
 # ------------------------------------------------------------------------------ uninstall
 
 stop_everything() {
-    for name in llmgw-agent-update.path llmgw-agent-update.service $UNIT; do
+    for name in llmgw-agent-update.path llmgw-agent-update.service $UNIT $PROXY_UNIT; do
         systemctl disable --now "$name" >/dev/null 2>&1 || true
     done
     # Engines outlive the agent (KillMode=process) and stay in its cgroup: with the agent
@@ -977,7 +1082,9 @@ verb_uninstall() {
             fi
         fi
     fi
-    rm -f "$UNIT_DIR/$UNIT"
+    rm -f "$UNIT_DIR/$UNIT" "$UNIT_DIR/$PROXY_UNIT" "$DOCKER_DROPIN"
+    # shellcheck disable=SC2086 # a list of absolute paths without spaces
+    rm -rf $PROXY_STATE
     for name in $UPDATE_UNITS; do rm -f "$UNIT_DIR/$name"; done
     rm -rf "$LIB_DIR" "$INSTALL_STATE"
     if [ -n "$PURGE" ]; then
@@ -1053,6 +1160,11 @@ verb_status() {
     else
         echo "identity:   none (not joined)"
     fi
+    case $(docker_recorded) in
+        proxy) echo "docker:     through $PROXY_UNIT ($PROXY_SOCKET): $(systemctl is-active "$PROXY_UNIT" 2>/dev/null || true)" ;;
+        group) echo "docker:     $SERVICE_USER is in the docker group (root on this host)" ;;
+        *) echo "docker:     no access (install --docker gives it through $PROXY_UNIT)" ;;
+    esac
     if [ -s "$INSTALL_STATE/firewall" ]; then
         while read -r backend source; do
             echo "firewall:   $backend allows :$AGENT_PORT/tcp from $source"

@@ -38,7 +38,8 @@ __all__ = ["BundleError", "Member", "build_bundle", "bundle_name", "write_sums"]
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHES = ("x64", "arm64")
-AGENT_UNITS = "llmgw-agent*"  # the server's unit is not a node's business
+# The server's unit is not a node's business; the Docker proxy's is (install-agent.sh --docker).
+AGENT_UNITS = ("llmgw-agent*", "llmgw-docker-proxy.service")
 SUMS = "SHA256SUMS"
 
 
@@ -133,7 +134,9 @@ def collect_members(
             "ALLOW_MISSING_INSTALLER=1) for a bundle that only carries the binary"
         )
 
-    units = sorted(p for p in (root / "systemd").glob(AGENT_UNITS) if p.is_file())
+    units = sorted(
+        {p for pattern in AGENT_UNITS for p in (root / "systemd").glob(pattern) if p.is_file()}
+    )
     if not any(p.name == "llmgw-agent.service" for p in units):
         message = f"{root / 'systemd' / 'llmgw-agent.service'} does not exist"
         if not allow_missing_installer:

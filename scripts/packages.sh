@@ -4,9 +4,10 @@
 # llmgw-agent carries the program (/usr/lib/llmgw/, /usr/bin/llmgw), the agent's unit and
 # the update helper's (llmgw-agent-update.path, enabled on the first install, and .service,
 # whose ExecStart is rewritten from the tarball's /usr/local/lib/llmgw-agent/llmgw to
-# /usr/bin/llmgw); its scripts put the service user in the docker group when that exists and
-# turn its lingering on (off only on purge). llmgw-server carries the control plane's unit
-# and depends on llmgw-agent of the same version.
+# /usr/bin/llmgw) and the Docker socket proxy's unit (llmgw-docker-proxy.service, enabled only
+# by 'install-agent.sh package --docker'); its scripts never put the service user in the docker
+# group (root on the host) and turn its lingering on (off only on purge). llmgw-server
+# carries the control plane's unit and depends on llmgw-agent of the same version.
 #
 # Usage: scripts/packages.sh [--binary PATH] [--version VERSION] [--arch x64|arm64] [--out DIR]
 #   --binary   the one-folder build (a directory holding the executable 'llmgw'), or one
@@ -134,12 +135,14 @@ read_library_floor() {
 # 5. the maintainer scripts of one package, from packaging/{deb,rpm}: its service user, unit,
 # configuration file and state directory; the data directories made on the first install;
 # the path units enabled on the first install; the groups the user joins when they exist;
-# whether the user lingers (yes|no); what else purge removes.
+# whether the user lingers (yes|no); what else purge removes; the units that run the same
+# program without being enabled by the package (restarted on upgrade when they run, stopped
+# on removal).
 render_scripts() {
     package=$1 user=$2 gecos=$3 unit=$4 config=$5 state_dir=$6 data_dirs=$7 path_units=$8
     extra_groups=$9
     shift 9
-    linger=$1 purge_dirs=$2
+    linger=$1 purge_dirs=$2 companions=$3
     dir=$STAGE/$package
     for kind in deb rpm; do
         mkdir -p "$dir/$kind"
@@ -150,6 +153,7 @@ render_scripts() {
                 -e "s|@STATE_DIR@|$state_dir|g" -e "s|@DATA_DIRS@|$data_dirs|g" \
                 -e "s|@PATH_UNITS@|$path_units|g" -e "s|@EXTRA_GROUPS@|$extra_groups|g" \
                 -e "s|@LINGER@|$linger|g" -e "s|@PURGE_DIRS@|$purge_dirs|g" \
+                -e "s|@COMPANION_UNITS@|$companions|g" \
                 "$template" >"$target"
             chmod 0755 "$target"
             if grep -n '@[A-Z_]*@' "$target" >&2; then
@@ -168,7 +172,8 @@ PACKAGE_BINARY=/usr/bin/llmgw
 render_agent_units() {
     dir=$STAGE/llmgw-agent/systemd
     mkdir -p "$dir"
-    for unit in llmgw-agent.service llmgw-agent-update.path llmgw-agent-update.service; do
+    for unit in llmgw-agent.service llmgw-agent-update.path llmgw-agent-update.service \
+        llmgw-docker-proxy.service; do
         [ -f "systemd/$unit" ] || fatal "systemd/$unit is missing; the llmgw-agent package ships it"
         sed "s|^ExecStart=$TARBALL_BINARY |ExecStart=$PACKAGE_BINARY |" "systemd/$unit" >"$dir/$unit"
         if grep '^ExecStart=' "$dir/$unit" | grep -v "^ExecStart=$PACKAGE_BINARY " >&2; then
@@ -228,9 +233,11 @@ main() {
     fi
     render_scripts llmgw-agent llmgw-agent "llmgw node agent" llmgw-agent.service \
         /etc/llmgw/agent.yaml /var/lib/llmgw-agent "/srv/llmgw/models /srv/llmgw/cache" \
-        llmgw-agent-update.path docker yes "/var/lib/llmgw-update /etc/llmgw/update"
+        llmgw-agent-update.path "" yes \
+        "/var/lib/llmgw-update /etc/llmgw/update /var/lib/llmgw-docker-proxy /var/lib/private/llmgw-docker-proxy" \
+        llmgw-docker-proxy.service
     render_scripts llmgw-server llmgw "llmgw control plane" llmgw-server.service \
-        /etc/llmgw/server.yaml /var/lib/llmgw "" "" "" no ""
+        /etc/llmgw/server.yaml /var/lib/llmgw "" "" "" no "" ""
     render_agent_units
 
     LLMGW_PKG_ARCH=$NFPM_ARCH LLMGW_PKG_VERSION=$VERSION LLMGW_PKG_PAYLOAD=$PAYLOAD

@@ -80,7 +80,7 @@ _FABRIC_KEYS = ("name", "hcas")
 _DISCOVERY_KEYS = ("nvidia_smi", "ib_root")
 _ENGINE_KEYS = {"llamacpp": ("bin",), "vllm": ("bin",), "sglang": ("python",)}
 RUNTIMES = ("process", "docker")
-_DOCKER_KEYS = ("images", "network", "gpus")
+_DOCKER_KEYS = ("images", "network", "gpus", "host")
 DOCKER_GPU_MODES = ("request", "env")
 _IMAGE_ENGINES = ("sim", *_ENGINE_KEYS)
 # Docker's image reference grammar (distribution/reference): [host[:port]/]path[:tag][@digest].
@@ -138,6 +138,10 @@ class DockerConfig:
     # `docker run --gpus`; the NVIDIA Container Toolkit), or "env" (NVIDIA_VISIBLE_DEVICES,
     # for daemons whose default runtime is nvidia, e.g. nvidia-docker2 setups).
     gpus: str = "request"
+    # The daemon's socket (unix:///PATH); None: DOCKER_HOST, else /var/run/docker.sock. The
+    # installer's --docker points the agent at llmgw-docker-proxy's socket instead of
+    # dockerd's, whose group is root on the host.
+    host: str | None = None
 
 
 @dataclass(frozen=True)
@@ -582,7 +586,16 @@ def _docker(check: Checker, value: object, runtime: str) -> DockerConfig:
                 "--gpus; needs the NVIDIA Container Toolkit) or 'env' (NVIDIA_VISIBLE_DEVICES, "
                 "for a daemon whose default runtime is nvidia)",
             )
-    return DockerConfig(images=images, network=network, gpus=gpus)
+    host = None
+    if table.get("host") is not None:
+        host = check.string(table["host"], "docker.host").strip()
+        if not host.startswith("unix:///") or "\x00" in host:
+            check.fail(
+                "docker.host",
+                f"{host!r} is not a unix socket URL; give unix:///PATH, e.g. "
+                "unix:///run/llmgw-docker-proxy/docker.sock (the proxy's socket)",
+            )
+    return DockerConfig(images=images, network=network, gpus=gpus, host=host)
 
 
 __all__ = [

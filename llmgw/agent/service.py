@@ -148,7 +148,9 @@ class Agent:
         oplog = OperationLog(cfg.state_dir / "oplog.json")
         # 3. shards
         stream_ref: list[StreamClient] = []
-        runtime = get_runtime(cfg.runtime, docker_network=cfg.docker.network)
+        runtime = get_runtime(
+            cfg.runtime, docker_network=cfg.docker.network, docker_host=cfg.docker.host
+        )
         make_launch = None
         if runtime.name == "docker":
             from llmgw.agent.runtimes.docker import launch_for as docker_launch

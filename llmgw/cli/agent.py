@@ -1,4 +1,5 @@
-"""``llmgw agent``: the node agent, and ``llmgw agent join`` that enrols the node."""
+"""``llmgw agent``: the node agent, ``llmgw agent join`` that enrols the node, and
+``llmgw agent docker-proxy``, the Docker socket proxy the agent may use instead of docker.sock."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import click
 from click.core import ParameterSource
 
 from llmgw.agent.config import DEFAULT_AGENT_CONFIG, DEFAULT_STATE_DIR, load_agent_config
+from llmgw.agent.dockerproxy.relay import DEFAULT_LISTEN as DEFAULT_PROXY_LISTEN
+from llmgw.agent.dockerproxy.relay import DEFAULT_UPSTREAM as DEFAULT_PROXY_UPSTREAM
 from llmgw.agent.join import DEFAULT_ENROLL_PORT, JoinResult, join
 from llmgw.agent.service import run_agent
 from llmgw.agent.update import (
@@ -242,3 +245,71 @@ def update_apply(spool: Path, trust: Path, state: Path, installed_binary: Path) 
     if result.exit_code:
         click.echo(f"error: update {result.state}: {result.message}", err=True)
     raise click.exceptions.Exit(result.exit_code)
+
+
+@agent.command("docker-proxy")
+@click.option(
+    "--listen",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=DEFAULT_PROXY_LISTEN,
+    show_default=True,
+    help="The socket to serve; the agent's DOCKER_HOST is unix://LISTEN.",
+)
+@click.option(
+    "--upstream",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=DEFAULT_PROXY_UPSTREAM,
+    show_default=True,
+    help="dockerd's socket.",
+)
+@click.option(
+    "--group",
+    default="llmgw-agent",
+    show_default=True,
+    help="The group that may connect (the socket is 0660).",
+)
+@click.option(
+    "--bind-root",
+    "bind_roots",
+    multiple=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="A directory containers may bind read-only (it, or what is below it when every "
+    "directory on the way is root's). Repeatable; none by default: no bind mounts.",
+)
+@click.option(
+    "--host-network/--no-host-network",
+    default=True,
+    show_default=True,
+    help="Whether containers may use the host's network (multi-node shards do).",
+)
+@click.option(
+    "--log-level",
+    default="info",
+    envvar="LLMGW_LOG_LEVEL",
+    help="debug, info, warning (env: LLMGW_LOG_LEVEL).",
+)
+@reports_errors
+def docker_proxy(
+    listen: Path,
+    upstream: Path,
+    group: str,
+    bind_roots: tuple[Path, ...],
+    host_network: bool,
+    log_level: str,
+) -> None:
+    """Serve a Docker socket that allows only what llmgw's docker runtime does (as root or
+    a member of the docker group, from llmgw-docker-proxy.service): llmgw's labelled
+    containers, not privileged, no host namespaces, devices or mounts, ports on 127.0.0.1.
+    Everything else is answered 403 with the reason."""
+    import asyncio
+
+    from llmgw.agent.dockerproxy import Policy, serve
+    from llmgw.notify import Notifier
+
+    for root in bind_roots:
+        if not root.is_absolute() or os.path.normpath(root) != str(root):
+            raise ConfigError(f"--bind-root {root}: give an absolute, normalised path")
+    setup_logging(log_level)
+    notifier = Notifier()
+    policy = Policy(bind_roots=tuple(bind_roots), host_network=host_network)
+    asyncio.run(serve(listen, upstream, policy, group=group or None, on_ready=notifier.ready))

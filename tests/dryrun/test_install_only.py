@@ -1,5 +1,6 @@
 """install without join options (Debian 12): everything is put in place, the service user
-joins the docker group that exists, and nothing starts: the unit is skipped, by its
+does not join the docker group that exists (root on the host; --docker is the way), and
+nothing starts: the unit is skipped, by its
 condition, until an identity exists. Then purge."""
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ def test_install_without_join_options_installs_but_starts_nothing(lab: Lab) -> N
     # It says why it did not start and how to join later.
     assert "not started: this node has no identity yet" in said, said
     assert "--node-id, --enroll-url and --ca-hash" in said
-    assert "docker" in node.out("id -nG llmgw-agent").split()
+    assert "docker" not in node.out("id -nG llmgw-agent").split()
+    assert "docker:     no access" in node.out(f"sh {folder}/install-agent.sh status")
     assert node.out("/usr/local/lib/llmgw-agent/llmgw --version").startswith("llmgw ")
     assert node.out("systemctl is-enabled llmgw-agent.service") == "enabled"
     assert node.out("systemctl is-active llmgw-agent.service || true") == "inactive"

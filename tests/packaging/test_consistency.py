@@ -59,6 +59,7 @@ RENDER_ARGS = (
     "extra_groups",
     "linger",
     "purge_dirs",
+    "companion_units",
 )
 NO_LOGIN = ("/nonexistent", "/usr/sbin/nologin", "llmgw node agent")
 
@@ -336,7 +337,12 @@ def test_the_installer_and_the_packages_agree_with_the_update_code() -> None:
     # The packages ship both units, enable the path unit, and purge the helper's state.
     agent = render_calls()["llmgw-agent"]
     assert agent["path_units"] == PATH_UNIT.name
-    assert set(agent["purge_dirs"].split()) == {str(helper_state), str(trust)}
+    # (and the Docker proxy's: its dynamic user's state directory, where the one-file build
+    # unpacks itself; test_installer_docker.py ties it to the unit)
+    assert set(agent["purge_dirs"].split()) - {
+        "/var/lib/llmgw-docker-proxy",
+        "/var/lib/private/llmgw-docker-proxy",
+    } == {str(helper_state), str(trust)}
     recipe = yaml.safe_load(NFPM_AGENT.read_text())
     shipped = {PurePosixPath(c["dst"]).name for c in recipe["contents"] if "src" in c}
     assert {AGENT_UNIT.name, PATH_UNIT.name, HELPER_UNIT.name} <= shipped

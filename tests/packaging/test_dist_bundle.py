@@ -39,6 +39,7 @@ def fake_tree(root: Path, *, installer: bool, unit: bool) -> Path:
     if unit:
         (root / "systemd" / "llmgw-agent.service").write_text("[Service]\n")
         (root / "systemd" / "llmgw-agent-update.path").write_text("[Path]\n")
+        (root / "systemd" / "llmgw-docker-proxy.service").write_text("[Service]\n")
     if installer:
         (root / "installer").mkdir()
         (root / "installer" / "install-agent.sh").write_text("#!/bin/sh\nmain() { :; }\nmain\n")
@@ -83,6 +84,7 @@ def test_layout_modes_owners_and_times(tmp_path: Path) -> None:
         f"{top}/systemd",
         f"{top}/systemd/llmgw-agent-update.path",
         f"{top}/systemd/llmgw-agent.service",
+        f"{top}/systemd/llmgw-docker-proxy.service",
     ]
     modes = {name.removeprefix(f"{top}/"): stat.S_IMODE(m.mode) for name, m in found.items()}
     assert modes["llmgw"] == modes["install-agent.sh"] == modes["systemd"] == 0o755
@@ -204,6 +206,7 @@ def test_the_dist_bundle(dist_x64: Dist) -> None:
     installer = ROOT / "installer" / "install-agent.sh"
     assert "install-agent.sh" in names, "the bundle has no installer: build it with 'make dist'"
     units = {f"systemd/{p.name}" for p in (ROOT / "systemd").glob("llmgw-agent*")}
+    units.add("systemd/llmgw-docker-proxy.service")  # install-agent.sh --docker installs it
     assert {n for n in names if n.startswith("systemd/") and n != "systemd"} == units
     with tarfile.open(dist_x64.bundle) as tar:
         binary = tar.extractfile(f"{top}/llmgw")

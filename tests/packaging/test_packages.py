@@ -244,8 +244,10 @@ def test_rpm_holds_its_unit_and_only_its_etc_file_as_conffile(
         scriptlet_file.write_text(rpm_query(rpm, "--queryformat", f"%{{{tag}}}"))
         run("shellcheck", "--shell=sh", scriptlet_file)
     postun = rpm_query(rpm, "--queryformat", "%{POSTUN}")
-    # The old package's %postun runs after the new package is in: it restarts (if running).
-    assert 'if [ "$1" -ge 1 ]; then\n        systemctl try-restart' in postun
+    # The old package's %postun runs after the new package is in: it restarts (if running),
+    # after the units that run the same program (the Docker proxy the agent reaches).
+    upgrade = postun.split('if [ "$1" -ge 1 ]; then\n', 1)[1].split("\n    fi\n", 1)[0]
+    assert upgrade.rstrip().splitlines()[-2].strip() == f"systemctl try-restart {unit} \\"
     requires = rpm_query(rpm, "--requires").splitlines()
     assert "shadow-utils" in requires
     if name == "llmgw-server":
@@ -403,10 +405,11 @@ def groups_of(c: Container, user: str) -> list[str]:
     return c.out(f"id -nG {user}").split()
 
 
-def test_deb_agent_update_path_unit_docker_group_and_linger(
+def test_deb_agent_update_path_unit_no_docker_group_and_linger(
     container: Container, standin_packages: dict[str, Packages]
 ) -> None:
-    """With a docker group and logind: the user joins docker, lingers (logind's record), and
+    """With a docker group and logind: the user does not join docker (root on the host; the
+    proxy's unit is shipped, disabled), lingers (logind's record), and
     the update path unit is enabled, watches the spool and starts the helper; upgrades keep
     the path unit's state; remove keeps lingering and the membership, purge ends lingering."""
     c = container
@@ -416,7 +419,8 @@ def test_deb_agent_update_path_unit_docker_group_and_linger(
     c.wait_for("systemctl is-active --quiet systemd-logind", "systemd-logind running")
 
     c.sh(f"dpkg -i {previous.mounted('llmgw-agent', 'deb')}")
-    assert "docker" in groups_of(c, "llmgw-agent")
+    assert "docker" not in groups_of(c, "llmgw-agent")
+    assert unit_state(c, "llmgw-docker-proxy.service") == ("disabled", "inactive")
     assert c.out(f"test -f {LINGER_FILE} && echo yes") == "yes"
     assert c.out("loginctl show-user llmgw-agent -p Linger --value") == "yes"
     assert unit_state(c, path_unit) == ("enabled", "active")
@@ -452,7 +456,7 @@ def test_deb_agent_update_path_unit_docker_group_and_linger(
     assert c.sh(f"systemctl is-active {path_unit}", check=False).stdout.strip() == "inactive"
     assert c.out(f"ls /etc/systemd/system/paths.target.wants/{path_unit}")
     assert c.out(f"test -f {LINGER_FILE} && echo yes") == "yes"
-    assert "docker" in groups_of(c, "llmgw-agent")
+    assert "docker" not in groups_of(c, "llmgw-agent")
 
     # Purge: lingering off, the path unit's enablement and the helper's state gone.
     c.sh("install -d -m 0700 /var/lib/llmgw-update /etc/llmgw/update")
@@ -471,8 +475,9 @@ def test_deb_agent_update_path_unit_docker_group_and_linger(
 def test_deb_agent_without_docker_group_or_logind(
     container: Container, standin_packages: dict[str, Packages]
 ) -> None:
-    """No docker group: the user joins none (and does once one exists and the package is
-    configured again); no logind: lingering is its file under /var/lib/systemd/linger."""
+    """No docker group: the user joins none (nor once one exists and the package is configured
+    again: docker is root on the host); no logind: lingering is its file under
+    /var/lib/systemd/linger."""
     c = container
     current = standin_packages[CURRENT]
     c.sh("systemctl mask --now systemd-logind.service")
@@ -484,7 +489,7 @@ def test_deb_agent_without_docker_group_or_logind(
 
     c.sh("groupadd --system docker")
     c.sh(f"dpkg -i {current.mounted('llmgw-agent', 'deb')}")
-    assert groups_of(c, "llmgw-agent") == ["llmgw-agent", "docker"]
+    assert groups_of(c, "llmgw-agent") == ["llmgw-agent"]
 
     c.sh("dpkg -P llmgw-agent")
     assert c.sh(f"test -e {LINGER_FILE}", check=False).returncode == 1

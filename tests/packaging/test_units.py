@@ -43,6 +43,8 @@ MAX_EXPOSURE = {
     "llmgw-server.service": 1.5,
     # Root, and runs the installer: it writes the binary, units and configuration.
     "llmgw-agent-update.service": 3.0,
+    # A unix socket in, one out; its user is made at start.
+    "llmgw-docker-proxy.service": 1.0,
 }
 HARDENING = {
     "NoNewPrivileges": "yes",
@@ -232,6 +234,42 @@ def test_update_helper_units() -> None:
         "CAP_SYS_PTRACE",
     }
     assert one(s, "Service.SystemCallFilter") == "@system-service"
+
+
+def test_docker_proxy_unit() -> None:
+    from llmgw.agent.dockerproxy import DEFAULT_LISTEN
+
+    s = parse_unit(UNITS / "llmgw-docker-proxy.service")
+    assert one(s, "Service.Type") == "notify"
+    assert one(s, "Service.NotifyAccess") == "all"
+    assert one(s, "Service.ExecStart") == (
+        f"/usr/bin/llmgw agent docker-proxy --listen {DEFAULT_LISTEN} --group llmgw-agent"
+    )
+    # Not root and not the agent: a user of its own, in docker's group and the agent's (to
+    # give the socket to that group).
+    assert one(s, "Service.DynamicUser") == "yes"
+    assert "Service.User" not in s
+    assert one(s, "Service.SupplementaryGroups").split() == ["docker", "llmgw-agent"]
+    assert Path("/run", one(s, "Service.RuntimeDirectory")) == DEFAULT_LISTEN.parent
+    tmpdir = one(s, "Service.Environment").removeprefix("TMPDIR=")
+    assert Path(tmpdir) == Path("/var/lib", one(s, "Service.StateDirectory"))
+    assert one(s, "Unit.Requires") == one(s, "Unit.After") == "docker.service"
+    assert one(s, "Unit.Before") == "llmgw-agent.service"
+    for key, value in {
+        **HARDENING,
+        "RestrictAddressFamilies": "AF_UNIX",
+        "PrivateDevices": "yes",
+        "PrivateNetwork": "yes",
+        "IPAddressDeny": "any",
+        "ProcSubset": "pid",
+    }.items():
+        assert one(s, f"Service.{key}") == value, key
+    assert s["Service.SystemCallFilter"] == [
+        "@system-service",
+        "~@privileged @resources",
+        "chown fchownat",  # the socket's group (test_docker_proxy_unit.py fails without it)
+    ]
+    assert one(s, "Install.WantedBy") == "multi-user.target"
 
 
 def test_systemd_analyze_verify_says_nothing(tmp_path: Path) -> None:

@@ -26,16 +26,19 @@ __all__ = [
 RUNTIME_NAMES = ("docker", "process")
 
 
-def get_runtime(name: str, *, docker_network: str | None = None) -> Runtime:
+def get_runtime(
+    name: str, *, docker_network: str | None = None, docker_host: str | None = None
+) -> Runtime:
     """The runtime called ``name``; ``docker_network`` is the docker runtime's network
-    (agent.yaml's ``docker.network``; None: Docker's default bridge)."""
+    (agent.yaml's ``docker.network``; None: Docker's default bridge), ``docker_host`` its
+    daemon's socket (``docker.host``; None: DOCKER_HOST, else dockerd's own)."""
     if name == "process":
         return ProcessRuntime()
     if name == "docker":
         # Imported here: the docker SDK costs every other command about 70 ms to load.
         from llmgw.agent.runtimes.docker import DockerRuntime
 
-        return DockerRuntime(network=docker_network)
+        return DockerRuntime(base_url=docker_host, network=docker_network)
     raise ConfigError(
         f"unknown runtime {name!r}; choose one of {', '.join(RUNTIME_NAMES)}", key="runtime"
     )

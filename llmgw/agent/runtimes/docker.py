@@ -63,6 +63,8 @@ LABEL_LOG = "llmgw.log"
 its output to the same file."""
 
 _DEFAULT_SOCKET = "unix:///var/run/docker.sock"
+HOST_NETWORK_CAP_DROP = ("NET_RAW", "NET_BIND_SERVICE")
+PROXY_SOCKET_DIR = "/run/llmgw-docker-proxy"  # llmgw.agent.dockerproxy's, for the message
 _NAME_INVALID = re.compile(r"[^a-zA-Z0-9_.-]")
 _LOG_DRAIN_S = 5.0  # how long to let the log copy catch up once a container has ended
 _QUICK_TIMEOUT_S = 5  # for alive(), which runs on the event loop
@@ -299,10 +301,17 @@ class DockerRuntime(Runtime):
 
     def _unreachable(self, exc: BaseException) -> ShardError:
         reason = _os_reason(exc) or str(exc).strip() or type(exc).__name__
-        return ShardError(
-            f"cannot reach dockerd at {self.address} ({reason}); is docker running "
-            "(systemctl start docker) and is the agent's user in the 'docker' group?"
-        )
+        if self.address.startswith(f"unix://{PROXY_SOCKET_DIR}/"):
+            fix = (
+                "is the proxy running (systemctl start llmgw-docker-proxy; it needs docker "
+                "itself: systemctl start docker)?"
+            )
+        else:
+            fix = (
+                "is docker running (systemctl start docker), and may the agent use it? "
+                "(install-agent.sh install --docker sets up llmgw-docker-proxy for it)"
+            )
+        return ShardError(f"cannot reach dockerd at {self.address} ({reason}); {fix}")
 
     def _client(self) -> Any:
         """The shared API client, made on first use (it asks the daemon its API version)."""
@@ -380,6 +389,9 @@ class DockerRuntime(Runtime):
                     restart_policy={"Name": "no"},
                     device_requests=device_requests,
                     network_mode="host",
+                    # In the host's network namespace: no raw sockets on its interfaces, no
+                    # ports below 1024 (llmgw-docker-proxy insists).
+                    cap_drop=list(HOST_NETWORK_CAP_DROP),
                 )
                 networking_config = None
                 ports: list[tuple[int, str]] = []

@@ -225,6 +225,8 @@ INVALID = [
         "listeners.enroll_connections_per_source",
         "unknown key",
     ),
+    ("server: cp1\ndocker: {host: 'tcp://1.2.3.4:2375'}\n", "docker.host", "not a unix socket URL"),
+    ("server: cp1\ndocker: {host: /run/x.sock}\n", "docker.host", "give unix:///PATH"),
 ]
 
 
@@ -288,6 +290,13 @@ def test_docker_section_is_accepted_with_the_process_runtime(tmp_path: Path) -> 
     assert config.docker.images == {"sim": "s:1"}
     assert config.docker.network is None
     assert config.docker.gpus == "request"
+
+
+def test_docker_host_points_at_the_proxy(tmp_path: Path) -> None:
+    text = "server: cp1\ndocker: {host: 'unix:///run/llmgw-docker-proxy/docker.sock'}\n"
+    config = load_agent_config(write(tmp_path, text))
+    assert config.docker.host == "unix:///run/llmgw-docker-proxy/docker.sock"
+    assert load_agent_config(write(tmp_path, "server: cp1\n")).docker.host is None
 
 
 def test_docker_gpus_env_mode(tmp_path: Path) -> None:

@@ -190,6 +190,9 @@ def test_container_name_is_readable_and_valid() -> None:
 def test_get_runtime_by_name() -> None:
     runtime = get_runtime("docker", docker_network="llmgw-engines")
     assert isinstance(runtime, DockerRuntime) and runtime.network == "llmgw-engines"
+    proxied = get_runtime("docker", docker_host="unix:///run/llmgw-docker-proxy/docker.sock")
+    assert isinstance(proxied, DockerRuntime)
+    assert proxied.address == "unix:///run/llmgw-docker-proxy/docker.sock"
     assert isinstance(get_runtime("process"), ProcessRuntime)
     with pytest.raises(ConfigError, match="unknown runtime 'dokcer'; choose one of docker, proc"):
         get_runtime("dokcer")
@@ -210,8 +213,14 @@ def test_unreachable_daemon_says_how_to_fix_it(tmp_path: Path) -> None:
     message = str(info.value)
     assert message.startswith(f"cannot reach dockerd at {address} (")
     assert message.endswith(
-        "is docker running (systemctl start docker) and is the agent's user in the 'docker' group?"
+        "is docker running (systemctl start docker), and may the agent use it? "
+        "(install-agent.sh install --docker sets up llmgw-docker-proxy for it)"
     )
+    # Through the proxy's socket, the message names the proxy.
+    proxied = DockerRuntime(base_url="unix:///run/llmgw-docker-proxy/no-such.sock")
+    with pytest.raises(ShardError) as info:
+        asyncio.run(proxied.start(launch))
+    assert "is the proxy running (systemctl start llmgw-docker-proxy" in str(info.value)
     # Not knowing is not "dead": stop() is tried, and says the same.
     handle = Handle(shard_id="s1", pid=0, port=1, ref="0" * 64, container_id="0" * 64)
     assert runtime.alive(handle) is True

@@ -1,0 +1,216 @@
+"""install-agent.sh's Docker access (--docker, --docker-group, neither), run for real: the
+installer's own functions, sourced into sh with its paths pointed into a temporary directory
+and the commands that would change the host (systemctl, usermod, gpasswd, getent, id)
+replaced by stand-ins that record their calls. The whole path, in systemd containers, is the
+dry run's."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from llmgw.agent.dockerproxy import DEFAULT_LISTEN
+
+from .pkgcheck import ROOT, require
+
+INSTALLER = ROOT / "installer" / "install-agent.sh"
+
+
+def run_installer(
+    tmp_path: Path,
+    args: str,
+    *,
+    groups: str = "llmgw-agent",
+    docker_group: bool = True,
+    mode: str = "tarball",
+) -> subprocess.CompletedProcess[str]:
+    """parse_args ARGS, then configure_docker and start_docker_proxy, as configure_and_start
+    calls them; prints configure_docker's status as 'changed=0|1'."""
+    require("sh")
+    body = INSTALLER.read_text().rsplit("\nmain ", 1)[0]  # everything but the call of main
+    calls = tmp_path / "calls"
+    script = f"""
+{body}
+UNIT_DIR={tmp_path}/units
+DROPIN_DIR=$UNIT_DIR/llmgw-agent.service.d
+DOCKER_DROPIN=$DROPIN_DIR/20-docker.conf
+INSTALL_STATE={tmp_path}/install-state
+LIB_DIR={tmp_path}/lib
+STAGE={tmp_path}/stage
+BUNDLE={ROOT}
+mkdir -p "$STAGE" "$UNIT_DIR" "$LIB_DIR"
+record() {{ printf '%s\\n' "$*" >>{calls}; }}
+systemctl() {{ record systemctl "$@"; [ "$1" != is-active ] || echo inactive; }}
+usermod() {{ record usermod "$@"; }}
+gpasswd() {{ record gpasswd "$@"; }}
+getent() {{ [ "$2" != docker ] || {"true" if docker_group else "false"}; }}
+id() {{ echo {shlex.quote(groups)}; }}
+mode_recorded() {{ echo {mode}; }}
+parse_args {args}
+DOCKER_CHANGED=""
+if configure_docker; then DOCKER_CHANGED=1; echo changed=1; else echo changed=0; fi
+start_docker_proxy
+"""
+    return subprocess.run(
+        ["sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+    )
+
+
+def calls_of(tmp_path: Path) -> list[str]:
+    path = tmp_path / "calls"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.fixture(autouse=True)
+def as_root() -> None:
+    if os.geteuid() != 0:
+        from .pkgcheck import unavailable
+
+        unavailable("the installer's put_file chowns to root: run the tests as root")
+
+
+def test_docker_gives_the_proxy_s_socket_not_the_docker_group(tmp_path: Path) -> None:
+    result = run_installer(tmp_path, "install --docker")
+    assert result.returncode == 0, result.stderr
+    assert "changed=1" in result.stdout
+    dropin = (tmp_path / "units" / "llmgw-agent.service.d" / "20-docker.conf").read_text()
+    assert f"Environment=DOCKER_HOST=unix://{DEFAULT_LISTEN}" in dropin
+    assert "Wants=llmgw-docker-proxy.service" in dropin
+    assert "After=llmgw-docker-proxy.service" in dropin
+    unit = (tmp_path / "units" / "llmgw-docker-proxy.service").read_text()
+    # Pointed at the installed binary, like the agent's unit.
+    assert f"ExecStart={tmp_path}/lib/llmgw agent docker-proxy --listen {DEFAULT_LISTEN}" in unit
+    assert (tmp_path / "install-state" / "docker").read_text() == "proxy\n"
+    calls = calls_of(tmp_path)
+    assert not [c for c in calls if c.startswith(("usermod", "gpasswd"))], calls
+    assert "systemctl enable llmgw-docker-proxy.service" in calls
+    assert "systemctl restart llmgw-docker-proxy.service" in calls
+    assert "serves /run/llmgw-docker-proxy/docker.sock to llmgw-agent" in result.stderr
+
+    # The same install again changes nothing (the proxy is not restarted when it runs).
+    (tmp_path / "calls").unlink()
+    again = run_installer(tmp_path, "install --docker")
+    assert again.returncode == 0 and "changed=0" in again.stdout, again.stderr
+
+
+def test_docker_takes_the_agent_out_of_the_docker_group(tmp_path: Path) -> None:
+    # An earlier installer (before --docker) put the agent in the docker group.
+    result = run_installer(tmp_path, "install --docker", groups="llmgw-agent docker")
+    assert result.returncode == 0, result.stderr
+    assert "gpasswd -d llmgw-agent docker" in calls_of(tmp_path)
+    assert "removing llmgw-agent from the docker group (root on this host)" in result.stderr
+
+
+def test_without_docker_the_agent_has_no_docker_access(tmp_path: Path) -> None:
+    first = run_installer(tmp_path, "install --docker")
+    assert first.returncode == 0, first.stderr
+    (tmp_path / "calls").unlink()
+    result = run_installer(tmp_path, "install", groups="llmgw-agent docker")
+    assert result.returncode == 0, result.stderr
+    assert "changed=1" in result.stdout
+    calls = calls_of(tmp_path)
+    assert "gpasswd -d llmgw-agent docker" in calls
+    assert "systemctl disable --now llmgw-docker-proxy.service" in calls
+    assert not [c for c in calls if c.startswith("usermod")], calls
+    assert not (tmp_path / "units" / "llmgw-agent.service.d" / "20-docker.conf").exists()
+    assert not (tmp_path / "units" / "llmgw-docker-proxy.service").exists()
+    assert (tmp_path / "install-state" / "docker").read_text() == "none\n"
+    assert "give --docker for Docker engines through llmgw-docker-proxy" in result.stderr
+    # Nothing to undo: nothing changes, nothing is called but the checks.
+    (tmp_path / "calls").unlink()
+    quiet = run_installer(tmp_path, "install")
+    assert quiet.returncode == 0 and "changed=0" in quiet.stdout, quiet.stderr
+    assert not [c for c in calls_of(tmp_path) if not c.startswith("systemctl is-")]
+
+
+def test_docker_group_is_opt_in_and_says_what_it_grants(tmp_path: Path) -> None:
+    result = run_installer(tmp_path, "install --docker-group")
+    assert result.returncode == 0, result.stderr
+    assert "usermod -aG docker llmgw-agent" in calls_of(tmp_path)
+    assert "which is root on this host" in result.stderr
+    assert "docker run --privileged -v /:/h" in result.stderr
+    assert not (tmp_path / "units" / "llmgw-docker-proxy.service").exists()
+    assert (tmp_path / "install-state" / "docker").read_text() == "group\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        ("install --docker --docker-group", "--docker and --docker-group exclude each other"),
+        ("rekey --enroll-url u --ca-hash h --docker", "go with 'install' and 'package' only"),
+        ("upgrade --docker", "'upgrade' takes no options but --purge"),
+    ],
+)
+def test_docker_option_misuse_is_refused(tmp_path: Path, args: str, words: str) -> None:
+    result = run_installer(tmp_path, args)
+    assert result.returncode == 1
+    assert words in result.stderr
+    assert calls_of(tmp_path) == []
+
+
+def test_docker_without_docker_installed_says_to_install_it(tmp_path: Path) -> None:
+    result = run_installer(tmp_path, "install --docker", docker_group=False)
+    assert result.returncode == 1
+    assert "this host has no docker group; install Docker (apt-get install -y docker.io)" in (
+        result.stderr
+    )
+    assert calls_of(tmp_path) == []
+
+
+def test_the_proxy_is_named_alike_everywhere_and_no_package_joins_docker() -> None:
+    from .test_consistency import installer_settings, render_calls
+
+    settings = installer_settings()
+    assert settings["PROXY_SOCKET"] == str(DEFAULT_LISTEN)
+    # What uninstall (and the packages' purge) remove: the unit's state directory, where a
+    # one-file build unpacks itself, as DynamicUser= keeps it.
+    unit_text = (ROOT / "systemd" / settings["PROXY_UNIT"]).read_text()
+    state = unit_text.split("\nStateDirectory=", 1)[1].split()[0]
+    expected = {f"/var/lib/{state}", f"/var/lib/private/{state}"}
+    (proxy_state,) = re.findall(r'^PROXY_STATE="([^"]*)"$', INSTALLER.read_text(), re.M)
+    assert set(proxy_state.split()) == expected
+    assert expected <= set(render_calls()["llmgw-agent"]["purge_dirs"].split())
+    unit = settings["PROXY_UNIT"]
+    assert (ROOT / "systemd" / unit).is_file()
+    # The packages ship the unit (not enabled) and never put the agent in the docker group.
+    agent = render_calls()["llmgw-agent"]
+    assert "docker" not in agent["extra_groups"].split()
+    # Restarted on upgrades (it runs the package's program) and stopped on removal.
+    assert agent["companion_units"] == unit
+    for script in ("deb/postinst", "deb/prerm", "rpm/preun", "rpm/postun"):
+        assert "$COMPANION_UNITS" in (ROOT / "packaging" / script).read_text(), script
+    recipe = (ROOT / "packaging" / "nfpm-agent.yaml").read_text()
+    for vendor_dir in ("/lib/systemd/system", "/usr/lib/systemd/system"):
+        assert f"dst: {vendor_dir}/{unit}" in recipe
+    packages_sh = (ROOT / "scripts" / "packages.sh").read_text()
+    (loop,) = [line for line in packages_sh.split("\n    for unit in ")[1:2]]
+    assert unit in loop.split("; do")[0]
+    # The one place the installer adds the agent to docker is --docker-group's.
+    text = INSTALLER.read_text()
+    assert text.count("usermod -aG docker") == 1
+    group_branch = text.split('if [ "$DOCKER" = group ]; then', 1)[1].split("elif", 1)[0]
+    assert "usermod -aG docker" in group_branch
+
+
+def test_package_docker_uses_the_package_s_unit(tmp_path: Path) -> None:
+    result = run_installer(
+        tmp_path, "package --repo-url http://r --repo-key k --docker", mode="package"
+    )
+    assert result.returncode == 0, result.stderr
+    # The package ships the unit in the vendor directory: none is written here.
+    assert not (tmp_path / "units" / "llmgw-docker-proxy.service").exists()
+    dropin = (tmp_path / "units" / "llmgw-agent.service.d" / "20-docker.conf").read_text()
+    assert f"Environment=DOCKER_HOST=unix://{DEFAULT_LISTEN}" in dropin
+    calls = calls_of(tmp_path)
+    assert "systemctl enable llmgw-docker-proxy.service" in calls
+    assert not [c for c in calls if c.startswith(("usermod", "gpasswd"))], calls
