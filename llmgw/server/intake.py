@@ -37,6 +37,7 @@ from llmgw.proto import control_pb2 as pb
 
 __all__ = [
     "ABUSE_DROPS",
+    "HELLO_RATE",
     "KIND_LIMITS",
     "MAX_HELLO_BYTES",
     "MAX_MESSAGE_BYTES",
@@ -78,7 +79,9 @@ PENDING_KINDS = frozenset({"heartbeat", "inventory", "draining", "cert_request"}
 
 # (burst, refill per second)
 MESSAGE_RATE = (256.0, 32.0)
-HELLO_RATE = (10.0, 0.2)
+# An operator restarting an agent by hand, or systemd restarting a crashing one (RestartSec=5),
+# stays inside this; an agent reconnecting in a tight loop does not.
+HELLO_RATE = (20.0, 0.5)
 REFUSAL_RATE = (5.0, 1.0 / 30.0)
 INVENTORY_RATE = (4.0, 0.2)
 RENEWAL_BURST = 3.0

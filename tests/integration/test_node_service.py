@@ -37,19 +37,23 @@ pytestmark = pytest.mark.integration
 @dataclass
 class Pair:
     server: Server
+    # Engine builds served on loopback (plain http: listed in the agents' install_sources).
+    files: dict[str, bytes]
+    files_port: int
     agents: dict[str, Agent] = field(default_factory=dict)
 
 
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[Pair]:
     server = start_server(tmp_path)
-    p = Pair(server)
+    files: dict[str, bytes] = {}
+    httpd, port = _serve(files)
+    p = Pair(server, files, port)
+    extra = {"stop_shards_on_exit": False, "install_sources": [f"http://127.0.0.1:{port}/"]}
     try:
         for name in ("svc-a", "svc-b"):
             # A real node service: engines outlive the agent.
-            p.agents[name] = start_agent(
-                make_agent(tmp_path, server, name, extra={"stop_shards_on_exit": False})
-            )
+            p.agents[name] = start_agent(make_agent(tmp_path, server, name, extra=extra))
         wait_for(lambda: sum(n["connected"] for n in server.nodes()) == 2, what="two agents")
         server.approve_pending(2)
         yield p
@@ -61,6 +65,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(rec["pid"], signal.SIGKILL)
         stop_process(server.proc)
+        httpd.shutdown()
 
 
 def _routable(server: Server, model: str, node: str) -> dict[str, object] | None:
@@ -198,78 +203,75 @@ def _tarball(script: str) -> bytes:
 
 def test_engine_install_good_and_tampered(pair: Pair, tmp_path: Path) -> None:
     good = _tarball("#!/bin/sh\necho 'version: 4242 (llmgw test build)'\n")
-    httpd, port = _serve({"/good.tar.gz": good, "/bad.tar.gz": good + b"tampered"})
+    pair.files.update({"/good.tar.gz": good, "/bad.tar.gz": good + b"tampered"})
+    port = pair.files_port
     env = dict(
         os.environ,
         LLMGW_SERVER=pair.server.url,
         LLMGW_TOKEN=pair.server.admin_token,
         XDG_CONFIG_HOME=str(tmp_path),
     )
-    try:
-        ok = subprocess.run(
-            [
-                *LLMGW,
-                "ctl",
-                "engines",
-                "install",
-                "svc-a",
-                "llamacpp",
-                "b4242",
-                "--url",
-                f"http://127.0.0.1:{port}/good.tar.gz",
-                "--sha256",
-                hashlib.sha256(good).hexdigest(),
-                "--timeout",
-                "60",
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=90,
-        )
-        assert ok.returncode == 0, ok.stdout + ok.stderr
-        assert "installed" in ok.stdout
-        state = pair.agents["svc-a"].dir / "state"
-        manifest = json.loads(
-            (state / "engines" / "llamacpp" / "b4242" / "llmgw-engine.json").read_text()
-        )
-        assert manifest["version"] == "b4242"
+    ok = subprocess.run(
+        [
+            *LLMGW,
+            "ctl",
+            "engines",
+            "install",
+            "svc-a",
+            "llamacpp",
+            "b4242",
+            "--url",
+            f"http://127.0.0.1:{port}/good.tar.gz",
+            "--sha256",
+            hashlib.sha256(good).hexdigest(),
+            "--timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=90,
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "installed" in ok.stdout
+    state = pair.agents["svc-a"].dir / "state"
+    manifest = json.loads(
+        (state / "engines" / "llamacpp" / "b4242" / "llmgw-engine.json").read_text()
+    )
+    assert manifest["version"] == "b4242"
 
-        def details() -> list[dict[str, object]]:
-            node = next(n for n in pair.server.nodes() if n["id"] == "svc-a")
-            inv = pair.server.api("GET", "/api/nodes")
-            del inv
-            return [e for e in node.get("engine_details", []) if e["name"] == "llamacpp"]
+    def details() -> list[dict[str, object]]:
+        node = next(n for n in pair.server.nodes() if n["id"] == "svc-a")
+        inv = pair.server.api("GET", "/api/nodes")
+        del inv
+        return [e for e in node.get("engine_details", []) if e["name"] == "llamacpp"]
 
-        bad = subprocess.run(
-            [
-                *LLMGW,
-                "ctl",
-                "engines",
-                "install",
-                "svc-a",
-                "llamacpp",
-                "b4243",
-                "--url",
-                f"http://127.0.0.1:{port}/bad.tar.gz",
-                "--sha256",
-                hashlib.sha256(good).hexdigest(),
-                "--timeout",
-                "60",
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=90,
-        )
-        assert bad.returncode == 1
-        assert "checksum mismatch" in bad.stdout
-        assert not (state / "engines" / "llamacpp" / "b4243").exists()
-        assert [p.name for p in (state / "engines").iterdir() if p.name.startswith(".tmp")] == []
-        del details
-    finally:
-        httpd.shutdown()
-    time.sleep(0)
+    bad = subprocess.run(
+        [
+            *LLMGW,
+            "ctl",
+            "engines",
+            "install",
+            "svc-a",
+            "llamacpp",
+            "b4243",
+            "--url",
+            f"http://127.0.0.1:{port}/bad.tar.gz",
+            "--sha256",
+            hashlib.sha256(good).hexdigest(),
+            "--timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=90,
+    )
+    assert bad.returncode == 1
+    assert "checksum mismatch" in bad.stdout
+    assert not (state / "engines" / "llamacpp" / "b4243").exists()
+    assert [p.name for p in (state / "engines").iterdir() if p.name.startswith(".tmp")] == []
+    del details
 
 
 def test_gateway_waits_for_the_only_replica_while_its_agent_restarts(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from llmgw import pki
 from llmgw.agent.join import join
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
+from llmgw.server.intake import HELLO_RATE
 from tests.integration.harness import Server, start_server, stop_process, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -150,7 +151,9 @@ async def reconnect_flood(
                 await welcomed(call)
             except grpc.aio.AioRpcError as exc:
                 assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-                assert f"node {node.id} opened over 10 streams in a row" in (exc.details() or "")
+                assert f"node {node.id} opened over {HELLO_RATE[0]:g} streams in a row" in (
+                    exc.details() or ""
+                )
                 outcomes["refused"] += 1
                 continue
             if msg is None:
@@ -229,7 +232,7 @@ def test_a_pending_node_flooding_3mb_inventories_grows_nothing(
         # often its streams are refused at the Hello.
         big = pb.AgentMessage(inventory=huge_inventory(3 * MB))
         outcomes = await reconnect_flood(node, big)
-        assert outcomes["cut"] >= 5 and outcomes["refused"] >= 10, outcomes
+        assert outcomes["cut"] >= 5 and outcomes["refused"] >= 5, outcomes
         # Another pending node: 30 inventories just under the per-kind limit are kept in
         # memory only, never stored...
         async with other.stream() as call:
@@ -343,7 +346,7 @@ def test_an_approved_node_flooding_inventories_and_statuses_stays_bounded(
         # Statuses of 3 MB, reconnecting for each: cut at the transport, then refused.
         status = pb.ShardStatus(shard_id="s", state=pb.SHARD_FAILED, reason="r" * 3 * MB)
         outcomes = await reconnect_flood(node, pb.AgentMessage(shard_status=status))
-        assert outcomes["cut"] >= 5 and outcomes["refused"] >= 10, outcomes
+        assert outcomes["cut"] >= 5 and outcomes["refused"] >= 5, outcomes
         grown = db_bytes(server) - before
         assert grown < DB_BOUND, f"the database grew by {grown} bytes"
 

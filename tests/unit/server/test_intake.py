@@ -10,6 +10,7 @@ import pytest
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.intake import (
     ABUSE_DROPS,
+    HELLO_RATE,
     KIND_LIMITS,
     MAX_PENDING_INVENTORY_BYTES,
     MAX_TEXT,
@@ -186,13 +187,15 @@ def test_streams_opened_too_often_are_refused_and_the_buckets_outlive_a_stream(
 ) -> None:
     clock = Clock()
     intake = Intake("gpu-1", clock=clock)
+    burst, rate = int(HELLO_RATE[0]), HELLO_RATE[1]
     with caplog.at_level(logging.WARNING, logger="llmgw.server.intake"):
-        answers = [intake.admit_stream() for _ in range(12)]
-    assert answers[:10] == [None] * 10
-    assert answers[10] is not None and "node gpu-1 opened over 10 streams in a row" in answers[10]
-    assert "one per 5 s" in answers[10]
+        answers = [intake.admit_stream() for _ in range(burst + 2)]
+    assert answers[:burst] == [None] * burst
+    refusal = answers[burst]
+    assert refusal is not None and f"node gpu-1 opened over {burst} streams in a row" in refusal
+    assert f"one per {1 / rate:g} s" in refusal
     assert len([r for r in caplog.records if "dropped" in r.getMessage()]) == 1
-    clock.t += 5.0
+    clock.t += 1 / rate
     assert intake.admit_stream() is None
     # A flood's abuse verdict ends with the stream; the spent buckets do not.
     for _ in range(ABUSE_DROPS + 1):
