@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from aiohttp import StreamReader, web
 from aiohttp.client_exceptions import ClientPayloadError
 from aiohttp.http_exceptions import HttpProcessingError
 
-from llmgw.config_util import format_size
+from llmgw.config_util import Checker, format_size
 from llmgw.errors import LlmgwError
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "BodyIncomplete",
     "BodyTimeout",
     "BodyTooLarge",
+    "parse_body_limits",
     "read_body",
     "return_large_buffers",
 ]
@@ -237,3 +240,35 @@ async def _read(
 def _incomplete(exc: BaseException) -> BodyIncomplete:
     what = "it ended early" if isinstance(exc, asyncio.IncompleteReadError) else str(exc)
     return BodyIncomplete(f"the request body is incomplete or malformed ({what}); send it whole")
+
+
+def parse_body_limits(
+    check: Checker, top: Mapping[str, object], seconds: Callable[[object, str], float]
+) -> dict[str, Any]:
+    """max_request_body, max_inflight_body_bytes, max_response_body and upstream_idle_timeout
+    of a configuration file's top level (server.yaml and agent.yaml take the same keys), by
+    their names; ``seconds`` reads a duration the way that file does."""
+
+    def size(name: str, default: int) -> int:
+        value = top.get(name)
+        return default if value is None else check.size(value, name, minimum=1024)
+
+    request = size("max_request_body", DEFAULT_MAX_REQUEST_BODY)
+    inflight = size("max_inflight_body_bytes", DEFAULT_MAX_INFLIGHT_BODY_BYTES)
+    if inflight < request:
+        check.fail(
+            "max_inflight_body_bytes",
+            f"is {format_size(inflight)}, less than max_request_body ({format_size(request)}): "
+            "no request of the largest size could ever be taken; raise it",
+        )
+    idle = DEFAULT_UPSTREAM_IDLE_TIMEOUT
+    if top.get("upstream_idle_timeout") is not None:
+        idle = seconds(top["upstream_idle_timeout"], "upstream_idle_timeout")
+        if not 1 <= idle <= 86400:
+            check.fail("upstream_idle_timeout", "must be from 1 s to 1 d")
+    return {
+        "max_request_body": request,
+        "max_inflight_body_bytes": inflight,
+        "max_response_body": size("max_response_body", DEFAULT_MAX_RESPONSE_BODY),
+        "upstream_idle_timeout": idle,
+    }

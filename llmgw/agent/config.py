@@ -12,7 +12,6 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from llmgw.agent.sources import SourcePrefix, parse_prefix
 from llmgw.bodies import (
@@ -20,12 +19,12 @@ from llmgw.bodies import (
     DEFAULT_MAX_REQUEST_BODY,
     DEFAULT_MAX_RESPONSE_BODY,
     DEFAULT_UPSTREAM_IDLE_TIMEOUT,
+    parse_body_limits,
 )
 from llmgw.config_util import (
     Checker,
     apply_overrides,
     format_hostport,
-    format_size,
     index_key,
     is_ip_address,
     join_key,
@@ -271,35 +270,9 @@ def _parse(
         docker=_docker(check, top.get("docker"), runtime),
         install_sources=_install_sources(check, top.get("install_sources")),
         listeners=parse_listener_limits(check, top.get("listeners"), "listeners")[0],
-        **_bodies(check, top),
+        **parse_body_limits(check, top, lambda value, key: check.number(value, key)),
         source=source,
     )
-
-
-def _bodies(check: Checker, top: Mapping[str, object]) -> dict[str, Any]:
-    def size(name: str, default: int) -> int:
-        value = top.get(name)
-        return default if value is None else check.size(value, name, minimum=1024)
-
-    request = size("max_request_body", DEFAULT_MAX_REQUEST_BODY)
-    inflight = size("max_inflight_body_bytes", DEFAULT_MAX_INFLIGHT_BODY_BYTES)
-    if inflight < request:
-        check.fail(
-            "max_inflight_body_bytes",
-            f"is {format_size(inflight)}, less than max_request_body ({format_size(request)}): "
-            "no request of the largest size could ever be taken; raise it",
-        )
-    idle = DEFAULT_UPSTREAM_IDLE_TIMEOUT
-    if top.get("upstream_idle_timeout") is not None:
-        idle = check.number(
-            top["upstream_idle_timeout"], "upstream_idle_timeout", minimum=1, maximum=86400
-        )
-    return {
-        "max_request_body": request,
-        "max_inflight_body_bytes": inflight,
-        "max_response_body": size("max_response_body", DEFAULT_MAX_RESPONSE_BODY),
-        "upstream_idle_timeout": idle,
-    }
 
 
 def _path(check: Checker, table: Mapping[str, object], name: str, default: Path) -> Path:

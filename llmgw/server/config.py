@@ -13,12 +13,12 @@ from llmgw.bodies import (
     DEFAULT_MAX_REQUEST_BODY,
     DEFAULT_MAX_RESPONSE_BODY,
     DEFAULT_UPSTREAM_IDLE_TIMEOUT,
+    parse_body_limits,
 )
 from llmgw.config_util import (
     Checker,
     apply_overrides,
     format_hostport,
-    format_size,
     index_key,
     is_hostname,
     is_ip_address,
@@ -200,7 +200,7 @@ def _parse(
         if not 0 <= replica_wait <= 600:
             check.fail("replica_wait", "must be between 0 and 600 seconds")
 
-    bodies = _body_limits(check, top)
+    bodies = parse_body_limits(check, top, lambda value, key: _duration(check, value, key))
 
     heartbeat = DEFAULT_HEARTBEAT_INTERVAL
     if top.get("heartbeat_interval") is not None:
@@ -244,10 +244,7 @@ def _parse(
         tls=_tls(check, top.get("tls")),
         listeners=listeners,
         enroll_connections_per_source=caps["enroll_connections_per_source"],
-        max_request_body=bodies[0],
-        max_inflight_body_bytes=bodies[1],
-        max_response_body=bodies[2],
-        upstream_idle_timeout=bodies[3],
+        **bodies,
         source=source,
     )
 
@@ -275,30 +272,6 @@ def _tls(check: Checker, value: object) -> TLSConfig | None:
             )
         paths[name] = check.path(files[name], f"tls.{name}")
     return TLSConfig(cert=paths["cert"], key=paths["key"])
-
-
-def _body_limits(check: Checker, top: Mapping[str, object]) -> tuple[int, int, int, float]:
-    """max_request_body, max_inflight_body_bytes, max_response_body, upstream_idle_timeout."""
-
-    def size(name: str, default: int) -> int:
-        value = top.get(name)
-        return default if value is None else check.size(value, name, minimum=1024)
-
-    request = size("max_request_body", DEFAULT_MAX_REQUEST_BODY)
-    inflight = size("max_inflight_body_bytes", DEFAULT_MAX_INFLIGHT_BODY_BYTES)
-    if inflight < request:
-        check.fail(
-            "max_inflight_body_bytes",
-            f"is {format_size(inflight)}, less than max_request_body ({format_size(request)}): "
-            "no request of the largest size could ever be taken; raise it",
-        )
-    response = size("max_response_body", DEFAULT_MAX_RESPONSE_BODY)
-    idle = DEFAULT_UPSTREAM_IDLE_TIMEOUT
-    if top.get("upstream_idle_timeout") is not None:
-        idle = _duration(check, top["upstream_idle_timeout"], "upstream_idle_timeout")
-        if not 1 <= idle <= 86400:
-            check.fail("upstream_idle_timeout", "must be from 1 s to 1 d")
-    return request, inflight, response, idle
 
 
 def _duration(check: Checker, value: object, key: str) -> float:

@@ -179,7 +179,7 @@ INVALID = [
         "is 4 MiB, less than max_request_body (8 MiB)",
     ),
     ("server: cp1\nmax_response_body: 1.5B\n", "max_response_body", "not a whole number"),
-    ("server: cp1\nupstream_idle_timeout: 0\n", "upstream_idle_timeout", "from 1 to 86400"),
+    ("server: cp1\nupstream_idle_timeout: 0\n", "upstream_idle_timeout", "must be from 1 s to 1 d"),
     # runtime
     (
         "server: cp1\nruntime: dokcer\n",
