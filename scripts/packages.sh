@@ -228,7 +228,7 @@ main() {
     fi
     render_scripts llmgw-agent llmgw-agent "llmgw node agent" llmgw-agent.service \
         /etc/llmgw/agent.yaml /var/lib/llmgw-agent "/srv/llmgw/models /srv/llmgw/cache" \
-        llmgw-agent-update.path docker yes "/var/lib/llmgw-update /etc/llmgw/update"
+        llmgw-agent-update.path docker yes "/var/lib/llmgw-agent-tmp /var/lib/llmgw-update /etc/llmgw/update"
     render_scripts llmgw-server llmgw "llmgw control plane" llmgw-server.service \
         /etc/llmgw/server.yaml /var/lib/llmgw "" "" "" no ""
     render_agent_units
