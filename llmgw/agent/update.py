@@ -867,8 +867,17 @@ def installed_version(binary: Path) -> str:
             state="refused",
         )
     try:
+        # As root, with an environment of its own: nothing of the caller's (TMPDIR and the
+        # like) chooses where a one-file build unpacks; its bootloader then takes a fresh
+        # root-owned directory under /var/tmp or /tmp (packaging/pyinstaller-runtime-dir.patch).
         out = subprocess.run(
-            [str(binary), "--version"], capture_output=True, text=True, timeout=120, check=False
+            [str(binary), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            stdin=subprocess.DEVNULL,
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise UpdateError(

@@ -722,3 +722,21 @@ def test_update_trust_command_line(
     bad = run_cli(staged(tmp_path, ca_pem(other_authority), "other.crt"))
     assert bad.returncode == 1 and "error: the CA in" in bad.stderr and bad.stdout == ""
     assert (trust_dir / "ca.pem").read_bytes() == ca_pem(authority)
+
+
+def test_installed_version_runs_the_binary_without_the_callers_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whatever the helper's caller had (a TMPDIR into the agent's folders, a runtime dir,
+    # a terminal), the installed binary, run as root, gets none of it.
+    monkeypatch.setenv("TMPDIR", "/var/lib/llmgw-agent-tmp")
+    monkeypatch.setenv("LLMGW_RUNTIME_DIR", "/var/lib/llmgw-agent")
+    binary = tmp_path / "llmgw"
+    binary.write_text(
+        "#!/bin/sh\n"
+        '[ -z "${TMPDIR:-}${LLMGW_RUNTIME_DIR:-}${HOME:-}" ] || { echo "env: $(env)"; exit 3; }\n'
+        "[ -t 0 ] && exit 4\n"
+        "echo 'llmgw 0.1.7'\n"
+    )
+    binary.chmod(0o755)
+    assert update.installed_version(binary) == "0.1.7"
