@@ -94,7 +94,8 @@ def bundle_bytes(
     top = f"llmgw-agent-{version}-linux-{arch}"
     script = (
         "#!/bin/sh\nset -eu\n"
-        f'echo "$* timeout=${{LLMGW_AGENT_HEALTH_TIMEOUT:-unset}} cwd=$(pwd)" > {marker}\n'
+        f'echo "$* timeout=${{LLMGW_AGENT_HEALTH_TIMEOUT:-unset}} '
+        f'settle=${{LLMGW_AGENT_SETTLE_SECONDS:-unset}} cwd=$(pwd)" > {marker}\n'
         'echo "installing" \n'
         + (
             f'echo "new agent did not listen; rolled back" >&2\nexit {exit_code}\n'
@@ -272,13 +273,14 @@ def test_a_good_order_is_applied_and_its_counter_kept(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LLMGW_AGENT_HEALTH_TIMEOUT", "7")
+    monkeypatch.setenv("LLMGW_AGENT_SETTLE_SECONDS", "11")
     bundle = bundle_bytes("0.2.0", marker=node.marker)
     node.spool_request(bundle, order_for(sha256=hashlib.sha256(bundle).hexdigest(), counter=5))
     result = node.apply()
     assert (result.state, result.counter, result.version) == ("done", 5, "0.2.0"), result
     assert result.exit_code == 0
     ran = node.marker.read_text()
-    assert ran.startswith("upgrade timeout=7 cwd=")
+    assert ran.startswith("upgrade timeout=7 settle=11 cwd=")
     assert ran.rstrip().endswith("/unpacked/llmgw-agent-0.2.0-linux-x64")
     status = read_status(node.spool)
     assert status is not None
