@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,10 +81,16 @@ def trust_state(node: Node) -> str:
 
 def test_01_install_and_join(steps: Steps, lab: Lab) -> None:
     node = steps.node = lab.boot(systemd_image("bookworm"), NODE)
-    steps.join = lab.join_command(NODE)
-    node.sh(steps.join["command"])
-    assert node.listening()
+    steps.join = j = lab.join_command(NODE)
+    # The N bundle's installer (what the control plane serves may be N+1 by now, when the
+    # life-cycle module ran first), joined as the one-liner would.
     steps.folder = lab.unpack(lab.bundle_n, "rootpaths-n")
+    node.sh(
+        f"LLMGW_JOIN_TOKEN={shlex.quote(j['token'])} sh {steps.folder}/install-agent.sh install "
+        f"--node-id {NODE} --enroll-url {j['enroll_url']} --ca-hash {j['ca_hash']}"
+    )
+    assert node.listening()
+    assert node.version() == f"llmgw {lab.version}"
     node.sh(f"sed '$d' {steps.folder}/install-agent.sh > {FUNCTIONS}")
     # The agent's TMPDIR is a sibling of its state directory, both its own, 0700.
     assert node.out(f"stat -c '%U %a' {STATE} {AGENT_TMP}").split("\n") == [
