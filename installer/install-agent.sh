@@ -19,7 +19,8 @@
 #       Docker access (and leaves the docker group if an earlier install put it there).
 #   upgrade      Install this bundle's binary and units, keep the configuration and the
 #                identity, restart; roll back by itself when the new agent does not listen
-#                within LLMGW_AGENT_HEALTH_TIMEOUT seconds (default 180).
+#                within LLMGW_AGENT_HEALTH_TIMEOUT seconds (default 180), or stops within
+#                LLMGW_AGENT_SETTLE_SECONDS (default 30) after it came up.
 #   rollback     Swap back to the previous binary and units, restart.
 #   uninstall [--purge]
 #                Stop and remove the binary, the units and the firewall rules; keep the
@@ -36,7 +37,9 @@
 #   status       Versions, the unit, the port, the identity, the firewall rules.
 #
 # Environment: LLMGW_JOIN_TOKEN (the join or rekey token; never pass it as an argument),
-# LLMGW_AGENT_HEALTH_TIMEOUT (seconds to wait for the agent to listen; default 180).
+# LLMGW_AGENT_HEALTH_TIMEOUT (seconds to wait for the agent to listen; default 180),
+# LLMGW_AGENT_SETTLE_SECONDS (an upgraded agent that stops within this many seconds after it
+# came up is rolled back too; default 30, 0 turns the watch off).
 set -eu
 
 # Where things go; tests/packaging reads these assignments (keep them plain).
@@ -44,6 +47,9 @@ AGENT_PORT=9443
 SERVICE_USER=llmgw-agent
 CONFIG=/etc/llmgw/agent.yaml
 STATE_DIR=/var/lib/llmgw-agent
+# The agent's TMPDIR (its unit's second StateDirectory=): a sibling of STATE_DIR, never inside
+# it, so that root never manages a path inside a tree the agent owns.
+TMP_DIR=/var/lib/llmgw-agent-tmp
 LIB_DIR=/usr/local/lib/llmgw-agent
 UNIT_DIR=/etc/systemd/system
 UPDATE_TRUST_DIR=/etc/llmgw/update
@@ -71,6 +77,9 @@ PROXY_STATE="/var/lib/llmgw-docker-proxy /var/lib/private/llmgw-docker-proxy"
 # The lines of agent.yaml that 'install' owns (its options), rewritten by every install.
 MANAGED_MARK="# install-agent.sh: set from its options at each install (edit by re-running it)"
 DEFAULT_HEALTH_TIMEOUT=180
+DEFAULT_SETTLE=30
+# The only PATH programs run as the agent user get (their environment is reset).
+AGENT_PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 info() { printf '==> %s\n' "$*" >&2; }
 warn() { printf 'warning: %s\n' "$*" >&2; }
@@ -168,6 +177,10 @@ parse_args() {
     case $HEALTH_TIMEOUT in
         '' | *[!0-9]*) fatal "LLMGW_AGENT_HEALTH_TIMEOUT='$HEALTH_TIMEOUT' is not a number of seconds" ;;
     esac
+    SETTLE=${LLMGW_AGENT_SETTLE_SECONDS:-$DEFAULT_SETTLE}
+    case $SETTLE in
+        '' | *[!0-9]*) fatal "LLMGW_AGENT_SETTLE_SECONDS='$SETTLE' is not a number of seconds" ;;
+    esac
 }
 
 check_address() {
@@ -249,24 +262,95 @@ put_file() {
 }
 
 # A directory with MODE and OWNER, made when missing; an existing one is set to them only
-# when FORCE is given (our own directories), never an operator's model folder.
+# when FORCE is given (our own directories), never an operator's model folder. Root never
+# follows a link here: DIR must not be a symlink, and every directory above it must be root's
+# and writable by no one else (unless sticky), so that no other user can swap DIR for a link
+# between this check and chmod/chown (a planted 'ln -s /etc DIR' would otherwise hand /etc to
+# the agent).
 put_dir() {
     dir=$1 mode=$2 owner=$3 force=${4:-}
-    if [ ! -d "$dir" ]; then
-        mkdir -p "$dir"
-    elif [ -z "$force" ] || same_mode "$dir" "$mode" "$owner"; then
+    if [ -d "$dir" ] && ! [ -L "$dir" ] && { [ -z "$force" ] || same_mode "$dir" "$mode" "$owner"; }; then
         return 1
     fi
+    root_owned_path "$(dirname "$dir")" \
+        || fatal "$(dirname "$dir") (above $dir) $WHY; root does not manage paths there. Make $dir by hand (install -d -m $mode -o ${owner%%:*} -g ${owner#*:} $dir) in a directory only root can write, and run this again"
+    if [ -L "$dir" ]; then
+        fatal "$dir is a symlink (to $(readlink "$dir")); root does not follow it. Remove the link (rm $dir) and run this again"
+    fi
+    if [ ! -e "$dir" ]; then
+        mkdir -p "$dir"
+    elif [ ! -d "$dir" ]; then
+        fatal "$dir is not a directory; move it away and run this again"
+    fi
     chmod "$mode" "$dir"
-    chown "$owner" "$dir"
+    chown -h "$owner" "$dir"
     return 0
 }
 
-# Run a program of the agent's as the service user, its TMPDIR (where a one-file build
-# unpacks itself) in the state directory. The environment (LLMGW_JOIN_TOKEN) is kept.
+# 0 when DIR (absolute) and every directory above it, as far as they exist, are real
+# directories (no symlink) owned by root and writable by no one else unless sticky (/tmp);
+# else 1, the reason in WHY.
+root_owned_path() {
+    path=$1
+    WHY=""
+    while :; do
+        if [ -L "$path" ]; then
+            WHY="leads through the symlink $path"
+            return 1
+        fi
+        if [ -e "$path" ]; then
+            path_uid=$(stat -c %u "$path")
+            path_mode=0$(stat -c %a "$path")
+            if [ "$path_uid" != 0 ]; then
+                WHY="is not root's: $path belongs to uid $path_uid"
+                return 1
+            fi
+            # Writable by group or others and not sticky: another user could swap an entry.
+            if [ $((path_mode & 022)) -ne 0 ] && [ $((path_mode & 01000)) -eq 0 ]; then
+                WHY="is writable by others: $path has mode ${path_mode#0}"
+                return 1
+            fi
+        fi
+        [ "$path" = / ] && return 0
+        path=$(dirname "$path")
+    done
+}
+
+# Run a program of the agent's as the service user, detached from root's terminal and
+# environment: a new session (setsid: no controlling terminal to inject into), stdin from
+# /dev/null, the environment reset to PATH, HOME, LANG and its TMPDIR (plus the token, for
+# as_agent_with_token only). Its output reaches root's terminal only after the fact, with
+# control characters removed, so nothing the agent's code prints can drive that terminal.
 as_agent() {
-    (cd / && TMPDIR=$STATE_DIR/tmp HOME=/nonexistent setpriv --reuid="$SERVICE_USER" \
-        --regid="$SERVICE_USER" --init-groups -- "$@")
+    agent_run "" "$@"
+}
+
+as_agent_with_token() {
+    agent_run "$JOIN_TOKEN" "$@"
+}
+
+agent_run() {
+    token=$1
+    shift
+    out=$STAGE/as-agent.out
+    rc=0
+    # shellcheck disable=SC2086 # the token assignment is one word or none
+    (cd / && exec setsid -w env -i PATH="$AGENT_PATH" HOME=/nonexistent LANG=C.UTF-8 \
+        TMPDIR="$TMP_DIR" ${token:+"LLMGW_JOIN_TOKEN=$token"} setpriv --reuid="$SERVICE_USER" \
+        --regid="$SERVICE_USER" --init-groups -- "$@") </dev/null >"$out" 2>&1 || rc=$?
+    tr -d '\000-\010\013-\037\177' <"$out" >&2
+    rm -f "$out"
+    return $rc
+}
+
+# A file of the agent's (FILE, in a directory it can write) copied into DEST (root's) by the
+# agent user: a symlink it planted leads only where the agent itself may read, and a FIFO or
+# a huge file cannot hold up or fill the installer. DEST is empty when it could not be read.
+agent_read() {
+    : >"$2"
+    (cd / && exec setsid -w env -i PATH="$AGENT_PATH" LANG=C.UTF-8 setpriv --reuid="$SERVICE_USER" \
+        --regid="$SERVICE_USER" --init-groups -- timeout 30 head -c 1048576 -- "$1") </dev/null >"$2" 2>/dev/null \
+        || : >"$2"
 }
 
 # "X.Y.Z" from a binary's --version, run as root with TMPDIR in the stage; empty when it does
@@ -367,7 +451,7 @@ ensure_linger() {
 # 3. folders: state (0700, the agent's), models and caches (made when missing), /etc/llmgw.
 ensure_dirs() {
     put_dir "$STATE_DIR" 0700 "$SERVICE_USER:$SERVICE_USER" force || true
-    put_dir "$STATE_DIR/tmp" 0700 "$SERVICE_USER:$SERVICE_USER" force || true
+    put_dir "$TMP_DIR" 0700 "$SERVICE_USER:$SERVICE_USER" force || true
     for dir in "$MODELS" "$CACHE"; do
         if put_dir "$dir" 0755 "$SERVICE_USER:$SERVICE_USER"; then
             info "folders: made $dir"
@@ -479,13 +563,11 @@ write_config() {
     return 1
 }
 
-# 8. the join, as the service user; the token only in the environment. Writes the identity
+# 8. the join, as the service user; the token only in its environment. Writes the identity
 # into the state directory and, when there is no valid agent.yaml yet, a fresh one in the
 # stage (the service user cannot write /etc/llmgw).
 join_node() {
-    if [ -z "${LLMGW_JOIN_TOKEN:-}" ] && ! [ -t 0 ]; then
-        fatal "no join token: export LLMGW_JOIN_TOKEN=<token from 'llmgw ctl join-command'> and run again with 'sudo --preserve-env=LLMGW_JOIN_TOKEN' (or run in a terminal to be asked)"
-    fi
+    read_join_token "no join token: export LLMGW_JOIN_TOKEN=<token from 'llmgw ctl join-command'> and run again with 'sudo --preserve-env=LLMGW_JOIN_TOKEN' (or run in a terminal to be asked)"
     info "join: node $NODE_ID at $ENROLL_URL"
     if config_is_valid "$CONFIG"; then
         join_config=$CONFIG
@@ -498,13 +580,30 @@ join_node() {
         chmod 0711 "$STAGE"
         join_config=$joindir/agent.yaml
     fi
-    as_agent "$(agent_bin)" agent join --node-id "$NODE_ID" --enroll-url "$ENROLL_URL" \
-        --ca-hash "$CA_HASH" --config "$join_config" --state-dir "$STATE_DIR" >&2 \
+    as_agent_with_token "$(agent_bin)" agent join --node-id "$NODE_ID" --enroll-url "$ENROLL_URL" \
+        --ca-hash "$CA_HASH" --config "$join_config" --state-dir "$STATE_DIR" \
         || fatal "'llmgw agent join' failed (its message above); nothing of the identity was written. Fix what it says and run this command again"
     if [ "$join_config" != "$CONFIG" ]; then
-        [ -f "$join_config" ] || fatal "'llmgw agent join' wrote no $join_config"
-        cp "$join_config" "$STAGE/joined.yaml"
+        # Read by the agent user: the join folder is the agent's, and a symlink planted there
+        # must not make root copy a file of its own.
+        agent_read "$join_config" "$STAGE/joined.yaml"
+        [ -s "$STAGE/joined.yaml" ] || fatal "'llmgw agent join' wrote no $join_config"
     fi
+}
+
+# The join or rekey token into JOIN_TOKEN: LLMGW_JOIN_TOKEN, else asked for (not echoed) on a
+# terminal; $1 is the error when there is neither. The agent user's program gets it in its
+# environment only (never as an argument, never by a prompt of its own on root's terminal).
+read_join_token() {
+    JOIN_TOKEN=${LLMGW_JOIN_TOKEN:-}
+    if [ -z "$JOIN_TOKEN" ] && [ -t 0 ]; then
+        printf 'join token (from llmgw ctl join-command; not shown): ' >&2
+        stty -echo 2>/dev/null || true
+        IFS= read -r JOIN_TOKEN || true
+        stty echo 2>/dev/null || true
+        printf '\n' >&2
+    fi
+    [ -n "$JOIN_TOKEN" ] || fatal "$1"
 }
 
 # The node id agent.yaml names.
@@ -523,13 +622,28 @@ node_id_now() {
 }
 
 # 9. what the root update helper trusts: the cluster CA this node pinned at its join, and
-# the node id an order must name. Root's, readable by all; the agent cannot change them.
+# the node id an order must name. Root's, readable by all; the agent cannot change them. The
+# agent's ca.crt is read by the agent user into the stage (a symlink it planted reaches only
+# what it may read itself), then 'llmgw agent update-trust' writes ca.pem only when that CA
+# hashes to the pin: --ca-hash when given, else the pin recorded at the first install. No
+# pin, or no match: the trust stays as it was. (A new CA, when the cluster's rotates, comes
+# the same way: a root-run install or rekey with the new --ca-hash.)
 install_update_trust() {
     put_dir "$UPDATE_TRUST_DIR" 0755 root:root force || true
     trust_rc=1
-    if [ -f "$STATE_DIR/ca.crt" ] && put_file "$STATE_DIR/ca.crt" "$UPDATE_TRUST_DIR/ca.pem" 0644 root:root; then
-        info "update helper: trusts the cluster CA in $UPDATE_TRUST_DIR/ca.pem"
-        trust_rc=0
+    agent_read "$STATE_DIR/ca.crt" "$STAGE/agent-ca.crt"
+    if [ -s "$STAGE/agent-ca.crt" ]; then
+        if "$(agent_bin)" agent update-trust --ca "$STAGE/agent-ca.crt" --trust "$UPDATE_TRUST_DIR" \
+            ${CA_HASH:+--ca-hash "$CA_HASH"} >"$STAGE/trust.out" 2>&1; then
+            if grep -q '^trust: written' "$STAGE/trust.out"; then
+                info "update helper: trusts the cluster CA in $UPDATE_TRUST_DIR/ca.pem"
+                trust_rc=0
+            fi
+        else
+            warn "update helper: trust not changed: $(sed 's/^error: //' "$STAGE/trust.out" | tr -d '\000-\010\013-\037\177')"
+        fi
+    elif has_identity; then
+        warn "update helper: trust not changed: $SERVICE_USER cannot read $STATE_DIR/ca.crt (missing, or a link to what it may not read); run the install again with --ca-hash from 'llmgw ctl join-command' once it is back"
     fi
     id=$(node_id_now)
     if [ -n "$id" ]; then
@@ -925,6 +1039,27 @@ check_installed() {
     [ -f "$LIB_DIR/llmgw" ] || fatal "llmgw-agent is not installed here ($LIB_DIR/llmgw is missing); run: install-agent.sh install"
 }
 
+# After restart_and_wait: 0 when the agent stays up for SETTLE seconds, the same invocation
+# (an agent that crashes and is brought back by Restart= gets a new InvocationID), active
+# and listening at the end; 1 as soon as it is not.
+settled() {
+    has_identity || return 0
+    [ "$SETTLE" -gt 0 ] || return 0
+    invocation=$(systemctl show -p InvocationID --value "$UNIT" 2>/dev/null || true)
+    info "upgrade: watching llmgw $NEW_VERSION for $SETTLE s"
+    watched=0
+    while [ "$watched" -lt "$SETTLE" ]; do
+        sleep 1
+        watched=$((watched + 1))
+        if [ "$(systemctl is-active "$UNIT" 2>/dev/null)" != active ] \
+            || [ "$(systemctl show -p InvocationID --value "$UNIT" 2>/dev/null || true)" != "$invocation" ]; then
+            warn "llmgw $NEW_VERSION stopped $watched s after it came up"
+            return 1
+        fi
+    done
+    is_listening
+}
+
 # Restart and wait; 0 when the agent listens (or has no identity to start with).
 restart_and_wait() {
     # The proxy runs the same binary: it restarts too, when it runs.
@@ -965,11 +1100,15 @@ verb_upgrade() {
     install_units || true
     systemctl daemon-reload
     if restart_and_wait "$HEALTH_TIMEOUT"; then
-        rm -rf "$PREVIOUS_DIR.old"
-        info "done: llmgw $NEW_VERSION runs and listens on :$AGENT_PORT (llmgw ${old:-?} kept for rollback)"
-        return 0
+        if settled; then
+            rm -rf "$PREVIOUS_DIR.old"
+            info "done: llmgw $NEW_VERSION runs and listens on :$AGENT_PORT (llmgw ${old:-?} kept for rollback)"
+            return 0
+        fi
+        warn "llmgw $NEW_VERSION came up but did not stay up for $SETTLE s (LLMGW_AGENT_SETTLE_SECONDS); its journal:"
+    else
+        warn "llmgw $NEW_VERSION did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s; its journal:"
     fi
-    warn "llmgw $NEW_VERSION did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s; its journal:"
     journal_tail
     info "rollback: restoring llmgw ${old:-?}"
     restore_previous
@@ -979,7 +1118,7 @@ verb_upgrade() {
         mv "$PREVIOUS_DIR.old" "$PREVIOUS_DIR"
     fi
     if restart_and_wait "$HEALTH_TIMEOUT"; then
-        fatal "upgrade to llmgw $NEW_VERSION failed: the new agent did not listen on :$AGENT_PORT within $HEALTH_TIMEOUT s; rolled back to llmgw ${old:-?}, which runs again"
+        fatal "upgrade to llmgw $NEW_VERSION failed: the new agent did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s, or stopped within $SETTLE s after; rolled back to llmgw ${old:-?}, which runs again"
     fi
     journal_tail
     fatal "upgrade to llmgw $NEW_VERSION failed and the rolled-back llmgw ${old:-?} does not come up either (journal above); see: journalctl -u $UNIT"
@@ -1022,15 +1161,13 @@ verb_rekey() {
     has_identity || fatal "this node has no identity to rekey ($STATE_DIR/node.crt); join it with: install-agent.sh install --node-id ..."
     [ -n "$NODE_ID" ] || NODE_ID=$(node_id_now)
     [ -n "$NODE_ID" ] || fatal "no node_id in $CONFIG; pass --node-id"
-    if [ -z "${LLMGW_JOIN_TOKEN:-}" ] && ! [ -t 0 ]; then
-        fatal "no rekey token: export LLMGW_JOIN_TOKEN=<token from 'llmgw ctl join-command --rekey $NODE_ID'> and run again with 'sudo --preserve-env=LLMGW_JOIN_TOKEN'"
-    fi
+    read_join_token "no rekey token: export LLMGW_JOIN_TOKEN=<token from 'llmgw ctl join-command --rekey $NODE_ID'> and run again with 'sudo --preserve-env=LLMGW_JOIN_TOKEN'"
     bin=$(agent_bin)
     info "rekey: stopping $UNIT"
     systemctl stop "$UNIT"
     status=0
-    as_agent "$bin" agent join --rekey --node-id "$NODE_ID" --enroll-url "$ENROLL_URL" \
-        --ca-hash "$CA_HASH" --config "$CONFIG" >&2 || status=$?
+    as_agent_with_token "$bin" agent join --rekey --node-id "$NODE_ID" --enroll-url "$ENROLL_URL" \
+        --ca-hash "$CA_HASH" --config "$CONFIG" || status=$?
     if [ "$status" -eq 0 ]; then
         install_update_trust || true
     else
@@ -1101,7 +1238,7 @@ verb_uninstall() {
 
 purge_everything() {
     info "purge: configuration, identity, drop-ins, update trust and state, user"
-    rm -rf "$DROPIN_DIR" "$STATE_DIR" "$UPDATE_TRUST_DIR" "$UPDATE_STATE" "$CONFIG"
+    rm -rf "$DROPIN_DIR" "$STATE_DIR" "$TMP_DIR" "$UPDATE_TRUST_DIR" "$UPDATE_STATE" "$CONFIG"
     rmdir /etc/llmgw 2>/dev/null || true
     if getent passwd "$SERVICE_USER" >/dev/null 2>&1; then
         loginctl disable-linger "$SERVICE_USER" >/dev/null 2>&1 || true

@@ -234,7 +234,7 @@ main() {
     render_scripts llmgw-agent llmgw-agent "llmgw node agent" llmgw-agent.service \
         /etc/llmgw/agent.yaml /var/lib/llmgw-agent "/srv/llmgw/models /srv/llmgw/cache" \
         llmgw-agent-update.path "" yes \
-        "/var/lib/llmgw-update /etc/llmgw/update /var/lib/llmgw-docker-proxy /var/lib/private/llmgw-docker-proxy" \
+        "/var/lib/llmgw-agent-tmp /var/lib/llmgw-update /etc/llmgw/update /var/lib/llmgw-docker-proxy /var/lib/private/llmgw-docker-proxy" \
         llmgw-docker-proxy.service
     render_scripts llmgw-server llmgw "llmgw control plane" llmgw-server.service \
         /etc/llmgw/server.yaml /var/lib/llmgw "" "" "" no "" ""

@@ -49,7 +49,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw.errors import CertificateError, ConfigError, UpdateError
-from llmgw.pki import control_plane_problem, load_cert, validate_node_id
+from llmgw.pki import control_plane_problem, fingerprint, load_cert, validate_node_id
 
 __all__ = [
     "ARCHES",
@@ -65,6 +65,7 @@ __all__ = [
     "apply_request",
     "canonical_order",
     "check_order_fields",
+    "install_trust",
     "machine_arch",
     "read_status",
     "verify_order",
@@ -89,8 +90,13 @@ BUNDLE_FILE = "bundle.tar.gz"
 REQUEST_FILES = frozenset({ORDER_FILE, SIGNATURE_FILE, BUNDLE_FILE})
 TRUST_CA = "ca.pem"
 TRUST_NODE_ID = "node-id"
+# The pin (sha256:<hex> of the CA's public key) the trusted CA was checked against: the
+# operator's --ca-hash of the first install, rewritten only by a root-run install or rekey
+# that passes a pin of its own.
+TRUST_PIN = "ca-hash"
 COUNTER_FILE = "counter"
 HEALTH_ENV = "LLMGW_AGENT_HEALTH_TIMEOUT"
+SETTLE_ENV = "LLMGW_AGENT_SETTLE_SECONDS"
 
 ARCHES: dict[str, tuple[str, ...]] = {"x64": ("x86_64", "amd64"), "arm64": ("aarch64", "arm64")}
 ORDER_KEYS = frozenset({"node_id", "version", "counter", "sha256", "url", "arch", "expires"})
@@ -98,6 +104,7 @@ FINAL_STATES = frozenset({"done", "failed", "refused", "rolled-back", "busy", "e
 
 _VERSION = re.compile(r"[0-9][0-9A-Za-z.+~-]{0,63}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_PIN = re.compile(r"sha256:[0-9a-f]{64}")
 _MAX_SMALL = 64 * 1024
 _MAX_BUNDLE = 4 << 30
 _MAX_UNPACKED = 8 << 30
@@ -928,8 +935,17 @@ def installed_version(binary: Path) -> str:
             state="refused",
         )
     try:
+        # As root, with an environment of its own: nothing of the caller's (TMPDIR and the
+        # like) chooses where a one-file build unpacks; its bootloader then takes a fresh
+        # root-owned directory under /var/tmp or /tmp (packaging/pyinstaller-runtime-dir.patch).
         out = subprocess.run(
-            [str(binary), "--version"], capture_output=True, text=True, timeout=120, check=False
+            [str(binary), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            stdin=subprocess.DEVNULL,
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise UpdateError(
@@ -955,8 +971,9 @@ def _run_installer(top: Path) -> tuple[int, list[str]]:
         "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "LANG": "C.UTF-8",
     }
-    if os.environ.get(HEALTH_ENV):
-        env[HEALTH_ENV] = os.environ[HEALTH_ENV]
+    for name in (HEALTH_ENV, SETTLE_ENV):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
     tail: collections.deque[str] = collections.deque(maxlen=5)
     _say(f"running {top / 'install-agent.sh'} upgrade")
     proc = subprocess.Popen(
@@ -1030,3 +1047,162 @@ def _write_status(spool_fd: int, result: ApplyResult) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=spool_fd)
         _say(f"cannot write {STATUS} in the spool: {exc.strerror}; the agent will not see it")
+
+
+# -- the helper's trust ------------------------------------------------------------------------
+
+
+def install_trust(ca_file: Path, trust: Path = DEFAULT_TRUST, pin: str | None = None) -> bool:
+    """Make ``trust/ca.pem`` (what the root helper checks orders against) the CA in
+    ``ca_file``, but only when that CA's public key hashes to the pin: ``pin`` (the
+    operator's --ca-hash), else the one recorded in ``trust/ca-hash`` at the first install,
+    else that of the ca.pem already trusted. With none of them nothing is written. True when
+    ca.pem (or the recorded pin) changed, False when it was so already; UpdateError, the trust
+    left as it was, when the CA does not match or cannot be read.
+
+    The installer passes a root-owned copy that it had the agent user read from the agent's
+    state directory (so a symlink planted there reaches only what the agent may read); here
+    ``ca_file`` and everything under ``trust`` are opened without following a symlink.
+
+    CA rotation (the node life-cycle issue) keeps to this rule: a new CA reaches the helper
+    either by this root-run verb with the new CA's pin (an install or rekey with --ca-hash
+    records it), or by an order signed by the CA trusted now that names the new CA's pin,
+    which the helper would then pass here as ``pin``; never by the agent alone."""
+    cert_pem = _read_trust_input(ca_file)
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise UpdateError(
+            f"{ca_file} is not a PEM certificate ({exc}); the update helper keeps its trust. "
+            "Run the install again with --ca-hash from 'llmgw ctl join-command'",
+            state="refused",
+        ) from None
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+        is_ca = constraints.ca
+    except x509.ExtensionNotFound:
+        is_ca = False
+    if not is_ca:
+        raise UpdateError(
+            f"{ca_file} is not a CA certificate; the update helper keeps its trust",
+            state="refused",
+        )
+    got = fingerprint(cert.public_key())
+    try:
+        trust_fd = os.open(trust, _OPEN_DIR)
+    except OSError as exc:
+        raise UpdateError(
+            f"cannot open {trust} (a directory of root's, never a symlink): "
+            f"{exc.strerror}; run the installer as root",
+            state="failed",
+        ) from None
+    try:
+        recorded = _read_trust_file(trust_fd, TRUST_PIN).decode("ascii", "replace").strip()
+        trusted = _read_trust_file(trust_fd, TRUST_CA)
+        wanted = pin.strip().lower() if pin else ""
+        source = "the --ca-hash given"
+        if not wanted and recorded:
+            wanted, source = recorded, f"the pin recorded in {trust / TRUST_PIN}"
+        if not wanted and trusted:
+            try:
+                wanted = fingerprint(x509.load_pem_x509_certificate(trusted).public_key())
+            except ValueError:
+                wanted = ""
+            source = f"the CA trusted now ({trust / TRUST_CA})"
+        if not wanted:
+            raise UpdateError(
+                f"no pin to check {ca_file} against: the update helper gets no trusted CA. "
+                "Run the install again with --ca-hash from 'llmgw ctl join-command'",
+                state="refused",
+            )
+        if not _PIN.fullmatch(wanted):
+            raise UpdateError(
+                f"the pin {wanted[:80]!r} ({source}) is not sha256:<64 hex digits>; give "
+                "--ca-hash from 'llmgw ctl join-command'",
+                state="refused",
+            )
+        if got != wanted:
+            raise UpdateError(
+                f"the CA in {ca_file} has the hash {got}, not {wanted} ({source}); the update "
+                "helper keeps the CA it trusts. If the cluster CA really changed, rekey the "
+                "node with the new --ca-hash ('llmgw ctl join-command --rekey NODE')",
+                state="refused",
+            )
+        changed = False
+        if trusted != cert_pem:
+            _write_trust_file(trust_fd, TRUST_CA, cert_pem)
+            changed = True
+        if recorded != wanted:
+            _write_trust_file(trust_fd, TRUST_PIN, (wanted + "\n").encode())
+            changed = True
+        return changed
+    finally:
+        os.close(trust_fd)
+
+
+def _read_trust_input(path: Path) -> bytes:
+    try:
+        fd = os.open(path, _OPEN_FILE)
+    except OSError as exc:
+        why = "it is a symlink" if exc.errno == errno.ELOOP else exc.strerror
+        raise UpdateError(
+            f"cannot read the CA {path} ({why}); the update helper keeps its trust",
+            state="refused",
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_SMALL:
+            raise UpdateError(
+                f"{path} is not a regular file of at most {_MAX_SMALL} bytes; the update "
+                "helper keeps its trust",
+                state="refused",
+            )
+        return os.read(fd, _MAX_SMALL)
+    finally:
+        os.close(fd)
+
+
+def _read_trust_file(dir_fd: int, name: str) -> bytes:
+    """A file of the trust directory; b"" when missing. Never through a symlink."""
+    try:
+        fd = os.open(name, _OPEN_FILE, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return b""
+    except OSError as exc:
+        raise UpdateError(
+            f"cannot read {name} in the update trust directory: "
+            f"{'a symlink' if exc.errno == errno.ELOOP else exc.strerror}; remove it and run "
+            "the installer again",
+            state="failed",
+        ) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b""
+        return os.read(fd, _MAX_SMALL)
+    finally:
+        os.close(fd)
+
+
+def _write_trust_file(dir_fd: int, name: str, data: bytes) -> None:
+    """``name`` in the trust directory, atomically, 0644 and root's (readable by the helper
+    and anyone; writable by root alone)."""
+    tmp = f".{name}.{secrets.token_hex(6)}.new"
+    fd = os.open(
+        tmp,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o644,
+        dir_fd=dir_fd,
+    )
+    try:
+        try:
+            os.fchmod(fd, 0o644)
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.fsync(dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise

@@ -23,6 +23,7 @@ from llmgw.agent.update import (
     DEFAULT_STATE,
     DEFAULT_TRUST,
     apply_request,
+    install_trust,
 )
 from llmgw.cli.common import reports_errors
 from llmgw.errors import ConfigError
@@ -313,3 +314,33 @@ def docker_proxy(
     notifier = Notifier()
     policy = Policy(bind_roots=tuple(bind_roots), host_network=host_network)
     asyncio.run(serve(listen, upstream, policy, group=group or None, on_ready=notifier.ready))
+
+
+@agent.command("update-trust")
+@click.option(
+    "--ca",
+    "ca_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="The cluster CA to trust (a copy of root's; never read through a symlink).",
+)
+@click.option(
+    "--ca-hash",
+    default=None,
+    help="sha256:<hex> the CA's public key must hash to (from 'llmgw ctl join-command'); "
+    "without it, the pin recorded at the first install.",
+)
+@click.option(
+    "--trust",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_TRUST,
+    show_default=True,
+    help="Where the update helper's trust lives (root's).",
+)
+@reports_errors
+def update_trust(ca_file: Path, ca_hash: str | None, trust: Path) -> None:
+    """Make the update helper trust the CA in --ca, once it matches the pin (as root, from
+    install-agent.sh). Prints 'trust: written' or 'trust: unchanged'; exits 1, the trust
+    kept as it was, when the CA does not match."""
+    changed = install_trust(ca_file, trust, ca_hash)
+    click.echo("trust: written" if changed else "trust: unchanged")

@@ -230,12 +230,20 @@ def test_the_state_directory_is_the_same_everywhere() -> None:
     # The unit waits for the identity `llmgw agent join` writes there.
     condition = PurePosixPath(one(sections["Unit"].get("ConditionPathExists"), "Condition"))
     assert condition.parent == PurePosixPath(state)
-    # TMPDIR, where a one-file build unpacks, is the state directory's tmp/, a
-    # StateDirectory= of its own, and the first fixed place the bootloader looks.
-    tmpdir = PurePosixPath(state) / "tmp"
+    # TMPDIR, where a one-file build unpacks, is a sibling of the state directory (never
+    # inside it: root manages no path in a tree the agent owns), a StateDirectory= of its
+    # own, the installer's TMP_DIR, and the first fixed place the bootloader looks.
+    tmpdir = PurePosixPath(installer_settings()["TMP_DIR"])
+    assert tmpdir == PurePosixPath(f"{state}-tmp")
+    assert tmpdir.parent == PurePosixPath(state).parent
     assert f"TMPDIR={tmpdir}" in service["Environment"]
-    assert f"{state.removeprefix('/var/lib/')}/tmp" in words(service["StateDirectory"])
+    assert tmpdir.name in words(service["StateDirectory"])
+    assert not any("/" in word for word in words(service["StateDirectory"]))
+    assert covered(tmpdir, read_write_paths(service["ReadWritePaths"]))
     assert f":?{tmpdir}:" in SPEC.read_text()
+    # No path of the installer's or of the spec names anything under the old nested tmp/.
+    for text in (installer_text(), SPEC.read_text()):
+        assert f"{state}/tmp" not in text and "STATE_DIR/tmp" not in text
     assert render_calls()["llmgw-agent"]["state_dir"] == state
 
 
@@ -334,7 +342,8 @@ def test_the_installer_and_the_packages_agree_with_the_update_code() -> None:
     text = installer_text()
     for name in (PATH_UNIT.name, HELPER_UNIT.name):
         assert name in text, f"install-agent.sh does not install {name}"
-    # The packages ship both units, enable the path unit, and purge the helper's state.
+    # The packages ship both units, enable the path unit, and purge the helper's state and
+    # the agent's temporary directory (the sibling of its state directory).
     agent = render_calls()["llmgw-agent"]
     assert agent["path_units"] == PATH_UNIT.name
     # (and the Docker proxy's: its dynamic user's state directory, where the one-file build
@@ -342,7 +351,7 @@ def test_the_installer_and_the_packages_agree_with_the_update_code() -> None:
     assert set(agent["purge_dirs"].split()) - {
         "/var/lib/llmgw-docker-proxy",
         "/var/lib/private/llmgw-docker-proxy",
-    } == {str(helper_state), str(trust)}
+    } == {str(helper_state), str(trust), settings["TMP_DIR"]}
     recipe = yaml.safe_load(NFPM_AGENT.read_text())
     shipped = {PurePosixPath(c["dst"]).name for c in recipe["contents"] if "src" in c}
     assert {AGENT_UNIT.name, PATH_UNIT.name, HELPER_UNIT.name} <= shipped

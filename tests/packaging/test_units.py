@@ -149,6 +149,9 @@ def test_agent_unit() -> None:
     assert one(s, "Service.StateDirectoryMode") == "0700"
     tmpdir = one(s, "Service.Environment").removeprefix("TMPDIR=")
     assert Path(tmpdir).relative_to("/var/lib").as_posix() in state_dirs
+    # The temporary directory is a sibling, not inside the state directory (root manages no
+    # path inside a tree the agent owns).
+    assert Path(tmpdir).parent == AGENT_STATE_DIR.parent
     assert one(s, "Service.LimitMEMLOCK") == "infinity"
     writable = one(s, "Service.ReadWritePaths").split()
     assert str(AGENT_STATE_DIR) in writable
@@ -202,12 +205,16 @@ def test_update_helper_units() -> None:
     assert one(path, "Path.PathExists") == str(request)
     assert one(path, "Path.Unit") == "llmgw-agent-update.service"
     assert one(path, "Install.WantedBy") in ("paths.target", "multi-user.target")
+    # A flood of spooled requests must not trip a start limit and leave the path unit failed
+    # (updates blocked until the next install): no start limit on either unit.
+    assert one(path, "Unit.StartLimitIntervalSec") == "0"
 
     s = parse_unit(UNITS / "llmgw-agent-update.service")
     assert one(s, "Service.Type") == "oneshot"
     assert "Service.User" not in s  # root: it replaces the agent's binary and units
     assert one(s, "Service.ExecStart") == f"{DEFAULT_INSTALLED_BINARY} agent update-apply"
     assert one(s, "Unit.ConditionPathExists") == str(request)
+    assert one(s, "Unit.StartLimitIntervalSec") == "0"
     # The helper renames the request from the agent's spool into its own state: both must
     # be on one mount inside the unit's namespace (rename(2) fails across mount points), so
     # no StateDirectory= (a mount of its own) and one writable path above both.
