@@ -1,6 +1,6 @@
-"""The linux-arm64 build (`make dist ARCH=arm64`, not part of the default run): when dist/ has
-it, it needs glibc 2.31 at most and says its version in a Debian 11 arm64 rootfs, emulated by
-qemu-user. Without it these tests skip, unless LLMGW_TEST_ARM64=1 asks for them."""
+"""The linux-arm64 build (`make dist ARCH=arm64`, which .ci/run builds): it needs glibc 2.31 at
+most and says its version in a Debian 11 arm64 rootfs, emulated by qemu-user. Without a current
+build these tests skip locally and fail under CI=true (or LLMGW_TEST_ARM64=1)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
+from tests.ci import unavailable
 
 from .distcheck import Dist, dist_x64, load_packaging_module, noexec_dir, version
 
@@ -52,7 +52,7 @@ def test_one_file_build_runs_with_tmpdir_on_a_noexec_mount(
     dist_x64: Dist, tmp_path: Path, noexec_dir: Path | None
 ) -> None:
     if noexec_dir is None:
-        pytest.skip("mounting a noexec tmpfs needs root; the next tests check where it unpacks")
+        unavailable("mounting a noexec tmpfs needs root; the next tests check where it unpacks")
     home = tmp_path / "home"
     home.mkdir()
     result = subprocess.run(
