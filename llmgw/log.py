@@ -84,14 +84,24 @@ def setup_logging(level: str | int = "info") -> None:
     for handler in list(root.handlers):
         root.removeHandler(handler)
     chosen: logging.Handler | None = None
+    without_journal = ""
     if os.environ.get("JOURNAL_STREAM") and os.environ.get("LLMGW_LOG_STDERR") != "1":
         try:
             chosen = JournalHandler()
-        except ImportError:
-            chosen = None
+        except ImportError as exc:
+            without_journal = str(exc)
     if chosen is None:
         chosen = logging.StreamHandler(sys.stderr)
         chosen.setFormatter(LogfmtFormatter())
     root.addHandler(chosen)
+    if without_journal:
+        # Under systemd without python-systemd: say so once instead of silently losing the
+        # journal fields (the frozen binaries and the packages carry it).
+        logging.getLogger("llmgw.log").warning(
+            "python-systemd is missing, so logs go to stderr as logfmt lines and the journal "
+            "gets no LLMGW_* fields or priorities; install python3-systemd, or use the "
+            "frozen llmgw, which carries it",
+            extra=kv(error=without_journal),
+        )
     # aiohttp's access log is noise at info level on a gateway.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

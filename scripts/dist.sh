@@ -42,6 +42,12 @@ PYTHON_SHA256=2411c74bda5bbcfcddaf4531f66d1adc73f247f529aee981b029513aefdbf849
 PYTHON_CONFIGURE="--prefix=/opt/python --enable-shared --with-ensurepip=install"
 PYINSTALLER_VERSION=6.22.3
 PYINSTALLER_SHA256=05eb2f5615503e72939a7224d68b4aff572c6b0438ee4a17d0a4b481f399362d
+# python-systemd (the journal handler of llmgw/log.py: LLMGW_* fields, priorities), compiled
+# in the rootfs against its libsystemd (bullseye: systemd 247), which the binaries then carry.
+SYSTEMD_PYTHON_VERSION=235
+SYSTEMD_PYTHON_SHA256=4e57f39797fd5d9e2d22b8806a252d7c0106c936039d1e71c8c6b8008e695c0a
+# Debian packages the build tools need beyond the rootfs recipe (installed with the tools).
+TOOLS_PACKAGES="libsystemd-dev pkg-config"
 INCLUDE=build-essential,ca-certificates,patch,libssl-dev,zlib1g-dev,libffi-dev,libbz2-dev,liblzma-dev,libsqlite3-dev,uuid-dev
 # arm64's CPython is cross-compiled in a copy of the x64 rootfs, with these.
 CROSS_TRIPLET=aarch64-linux-gnu
@@ -109,7 +115,8 @@ setup() {
     CACHE=$TEST_CACHE/dist
     ROOTFS=$(rootfs_path "$DEB_ARCH")
     TOOLS_KEY=$({
-        printf '%s\n' "$ROOTFS" "$PYINSTALLER_VERSION" "$PYINSTALLER_SHA256"
+        printf '%s\n' "$ROOTFS" "$PYINSTALLER_VERSION" "$PYINSTALLER_SHA256" \
+            "$SYSTEMD_PYTHON_VERSION" "$SYSTEMD_PYTHON_SHA256" "$TOOLS_PACKAGES"
         cat packaging/pyinstaller-runtime-dir.patch pyproject.toml
     } | sha)
     INPUTS=$({
@@ -293,7 +300,12 @@ make_foreign_rootfs() {
     started=$(date +%s)
     info "rootfs: cross-compiling CPython for $DEB_ARCH in a copy of $X64_ROOTFS"
     cross=$work/cross
+    # Under the x64 lock: an x64 build running meanwhile (CI starts both) rewrites the x64
+    # rootfs's /build and /opt/llmgw-build, which a copy must not catch half-way.
+    exec 8>"$CACHE/.lock-x64"
+    flock 8
     cp -a "$X64_ROOTFS" "$cross"
+    exec 8>&-
     refresh_network_files "$cross"
     mkdir -p "$cross/build"
     cp "$PYTHON_TARBALL" "$cross/build/python.tar.gz"
@@ -330,8 +342,9 @@ install_qemu() {
     esac
 }
 
-# 4. the build tools in the rootfs: a venv with llmgw's dependencies and a PyInstaller whose
-# bootloader is compiled there, patched (reinstalled when TOOLS_KEY changes)
+# 4. the build tools in the rootfs: a venv with llmgw's dependencies, python-systemd compiled
+# against the rootfs's libsystemd, and a PyInstaller whose bootloader is compiled there,
+# patched (reinstalled when TOOLS_KEY changes)
 ensure_tools() {
     refresh_network_files "$ROOTFS"
     [ -n "$QEMU" ] && install_qemu "$ROOTFS"
@@ -350,13 +363,22 @@ with open("pyproject.toml", "rb") as f:
 ' >"$ROOTFS/build/requirements.txt"
     printf 'pyinstaller==%s --hash=sha256:%s\n' "$PYINSTALLER_VERSION" "$PYINSTALLER_SHA256" \
         >"$ROOTFS/build/pyinstaller.txt"
+    printf 'systemd-python==%s --hash=sha256:%s\n' "$SYSTEMD_PYTHON_VERSION" "$SYSTEMD_PYTHON_SHA256" \
+        >"$ROOTFS/build/systemd-python.txt"
     log=$(mktemp)
     TO_CLEAN="$TO_CLEAN $log"
     in_rootfs "$ROOTFS" >"$log" 2>&1 <<EOF || { tail -n 30 "$log" >&2; fatal "installing the build tools failed (log above)"; }
 cd /build
+apt-get update -q
+DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $TOOLS_PACKAGES
+rm -rf /var/cache/apt/archives/*.deb /var/lib/apt/lists/*
 python3.11 -m venv /opt/llmgw-build
 /opt/llmgw-build/bin/pip install --quiet --upgrade pip
 /opt/llmgw-build/bin/pip install --quiet -r requirements.txt
+# From its source (there is no wheel), against this rootfs's libsystemd.
+/opt/llmgw-build/bin/pip install --quiet --no-binary systemd-python --require-hashes \
+    -r systemd-python.txt
+/opt/llmgw-build/bin/python -c 'from systemd import journal; journal.send'
 /opt/llmgw-build/bin/pip download --quiet --no-deps --no-binary :all: --require-hashes \
     -r pyinstaller.txt -d .
 tar -xzf pyinstaller-$PYINSTALLER_VERSION.tar.gz
@@ -394,14 +416,36 @@ for binary in /build/out/onefile/llmgw /build/out/onedir/llmgw/llmgw; do
     said=\$(\$binary --version)
     [ "\$said" = "llmgw $VERSION" ] || { echo "\$binary --version says '\$said', expected 'llmgw $VERSION'" >&2; exit 1; }
 done
+# Both carry python-systemd's journal module and the libsystemd it was compiled against
+# (without them, log.py falls back to plain text under systemd).
+ls /build/out/onedir/llmgw/_internal/systemd/_journal.*.so /build/out/onedir/llmgw/_internal/libsystemd.so.0 >/dev/null
+/opt/llmgw-build/bin/python -c '
+import sys
+from PyInstaller.archive.readers import CArchiveReader
+names = list(CArchiveReader(sys.argv[1]).toc)
+for wanted in ("systemd/_journal.", "libsystemd.so.0"):
+    if not any(name.startswith(wanted) for name in names):
+        sys.exit(sys.argv[1] + " lacks " + wanted + "*: python-systemd did not make it into the build")
+' /build/out/onefile/llmgw
 EOF
     info "binaries: built in $(($(date +%s) - started)) s"
-    mkdir -p "$OUT"
+    lock_out
     rm -rf "$ONEFILE" "$ONEDIR" "$OUT/.inputs-$ARCH"
     cp "$ROOTFS/build/out/onefile/llmgw" "$ONEFILE"
     cp -a "$ROOTFS/build/out/onedir/llmgw" "$ONEDIR"
     rm -rf "$ROOTFS/build"
     printf '%s\n' "$INPUTS" >"$OUT/.inputs-$ARCH"
+}
+
+# Builds of both architectures may run at once (CI does): what each writes into $OUT (its
+# binaries, its bundle, and SHA256SUMS over all of them) is written under $OUT/.lock, held
+# until the script ends, so that no SHA256SUMS is computed over half-copied files.
+lock_out() {
+    [ -z "${OUT_LOCKED:-}" ] || return 0
+    mkdir -p "$OUT"
+    exec 7>"$OUT/.lock"
+    flock 7
+    OUT_LOCKED=1
 }
 
 # --version V: the build's copy of llmgw/__init__.py says V (the checkout is not touched).
@@ -472,6 +516,7 @@ main() {
         build_binaries
         exec 9>&-
     fi
+    lock_out
     check_version
     make_bundle
     report

@@ -25,8 +25,9 @@ set -eu
 SUITES="bookworm bullseye"
 # python3: the stand-in program and the repository's HTTP server; rpm: the .rpm scriptlets.
 # What install-agent.sh uses on a node: curl, ca-certificates, sudo, iproute2 (ss),
-# dbus-user-session and libpam-systemd (lingering), ufw and nftables (--firewall-from).
-INCLUDE=systemd,systemd-sysv,dbus,dbus-user-session,libpam-systemd,procps,python3,rpm,curl,ca-certificates,sudo,iproute2,ufw,nftables
+# dbus-user-session and libpam-systemd (lingering), ufw, nftables and firewalld (--firewall-from;
+# firewalld is masked: a test that wants it unmasks and starts it, the others see plain nft).
+INCLUDE=systemd,systemd-sysv,dbus,dbus-user-session,libpam-systemd,procps,python3,rpm,curl,ca-certificates,sudo,iproute2,ufw,nftables,firewalld
 KEY_LABEL=llmgw.test-systemd.key
 
 # shellcheck source=lib/common.sh
@@ -55,6 +56,8 @@ fit_for_containers() {
     # A container has no console to log in on, and its machine id is made at boot.
     rm -f "$1/etc/systemd/system/getty.target.wants/"*
     : >"$1/etc/machine-id"
+    # Installed, not running: ufw or plain nft are the other tests' firewalls.
+    ln -sf /dev/null "$1/etc/systemd/system/firewalld.service"
 }
 
 # 3. the image, imported from the rootfs and labelled with its key
@@ -100,7 +103,7 @@ main() {
     parse_args "$@"
     SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
     CACHE=$TEST_CACHE
-    KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s; getty off; no sources\n' \
+    KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s; getty off; no sources; firewalld masked\n' \
         "$INCLUDE" "$SUITE" "$(uname -m)" | sha)
     remove_on_exit
 

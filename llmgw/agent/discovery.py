@@ -55,6 +55,10 @@ NVIDIA_SMI_ARGS = (
     "--query-gpu=" + ",".join(NVIDIA_SMI_FIELDS),
     "--format=csv,noheader,nounits",
 )
+NVML_VERSION_MISMATCH = (
+    "NVML: driver/library version mismatch (the NVIDIA driver was upgraded but the loaded "
+    "kernel module is the old one); reboot the node, or reload the nvidia kernel modules"
+)
 NO_GPUS_VISIBLE = (
     "driver loaded, 0 GPUs visible (check CUDA_VISIBLE_DEVICES / container device requests)"
 )
@@ -136,12 +140,14 @@ def _show(argv: Sequence[str]) -> str:
 
 @dataclass
 class GpuFacts:
-    """The GPUs found, and when there are none, why (``status``)."""
+    """The GPUs found, and when there are none, why (``status``); ``warnings`` name GPUs
+    that are there but left out (MIG mode, lost after an XID error), in operator words."""
 
     gpus: list[pb.Gpu] = field(default_factory=list)
     driver_version: str = ""
     status: str = ""
     source: GpuSource = ""
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -194,31 +200,69 @@ def _from_nvml() -> GpuFacts | _NvmlFailure:
         return _NvmlFailure(
             "NVIDIA kernel driver not loaded (NVML: Driver Not Loaded)", no_driver=True
         )
+    except pynvml.NVMLError_LibRmVersionMismatch:
+        return _NvmlFailure(NVML_VERSION_MISMATCH, no_driver=False)
     except Exception as exc:
         return _NvmlFailure(f"NVML error: {exc}", no_driver=False)
     try:
         driver = _text(pynvml.nvmlSystemGetDriverVersion())
         gpus: list[pb.Gpu] = []
+        warnings: list[str] = []
         for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(
-                pb.Gpu(
-                    index=index,
-                    uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-                    name=_text(pynvml.nvmlDeviceGetName(handle)),
-                    memory_total_mib=int(memory.total) // _MIB,
-                    memory_used_mib=int(memory.used) // _MIB,
-                )
-            )
+            try:
+                gpu = _nvml_gpu(pynvml, index)
+            except pynvml.NVMLError as exc:
+                # One GPU in trouble (lost after an XID error, say) hides not the others.
+                warnings.append(_nvml_gpu_problem(pynvml, index, exc))
+                continue
+            if isinstance(gpu, str):
+                warnings.append(gpu)
+            else:
+                gpus.append(gpu)
     except Exception as exc:
         return _NvmlFailure(f"NVML error: {exc}", no_driver=False)
     finally:
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
     if not gpus:
-        return GpuFacts(driver_version=driver, status=NO_GPUS_VISIBLE, source="nvml")
-    return GpuFacts(gpus=gpus, driver_version=driver, source="nvml")
+        status = "; ".join(warnings) if warnings else NO_GPUS_VISIBLE
+        return GpuFacts(driver_version=driver, status=status, source="nvml", warnings=warnings)
+    return GpuFacts(gpus=gpus, driver_version=driver, source="nvml", warnings=warnings)
+
+
+def _nvml_gpu(pynvml: Any, index: int) -> pb.Gpu | str:
+    """GPU ``index`` as NVML sees it, or why it is left out (MIG mode)."""
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+    try:
+        mig_mode = pynvml.nvmlDeviceGetMigMode(handle)[0]
+    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
+        mig_mode = pynvml.NVML_DEVICE_MIG_DISABLE  # a GPU or driver without MIG
+    if mig_mode == pynvml.NVML_DEVICE_MIG_ENABLE:
+        # CUDA sees a MIG-mode GPU only through its MIG instances: an engine given the whole
+        # GPU would find no device.
+        return (
+            f"GPU {index} ({uuid}) is left out: it is in MIG mode, and llmgw places engines on "
+            f"whole GPUs; to use it, disable MIG: nvidia-smi -i {index} -mig 0 (then reset it)"
+        )
+    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    return pb.Gpu(
+        index=index,
+        uuid=uuid,
+        name=_text(pynvml.nvmlDeviceGetName(handle)),
+        memory_total_mib=int(memory.total) // _MIB,
+        memory_used_mib=int(memory.used) // _MIB,
+    )
+
+
+def _nvml_gpu_problem(pynvml: Any, index: int, exc: Exception) -> str:
+    if isinstance(exc, pynvml.NVMLError_GpuIsLost):
+        return (
+            f"GPU {index} is left out: NVML says 'GPU is lost' (it fell off the bus or needs "
+            f"a reset after an XID error); see 'dmesg | grep -i xid' and 'nvidia-smi -q -i "
+            f"{index}', then reset the GPU (nvidia-smi -r -i {index}) or reboot the node"
+        )
+    return f"GPU {index} is left out: NVML error: {exc}"
 
 
 def _from_nvidia_smi(program: str) -> GpuFacts:

@@ -85,6 +85,8 @@ def collect_inventory(
         driver_version=gpus.driver_version,
         gpu_source=gpus.source,
     )
+    if gpus.gpus:
+        inv.warnings.extend(gpus.warnings)  # with no GPUs, the status says it all
     if cfg is None:
         details = list(engines) if engines is not None else [sim_engine()]
     else:

@@ -36,6 +36,7 @@ from llmgw.agent.runtimes.docker import (
 )
 from llmgw.agent.shards import ShardSpec, pick_port
 from llmgw.errors import ShardError
+from tests.ci import unavailable
 
 # The first test may build the image (debootstrap, about 1.5 min) when nothing is cached.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -46,12 +47,6 @@ DEFAULT_IMAGE = "llmgw-test-engine:local"
 NODE = f"dtest-{uuid.uuid4().hex[:8]}"  # this run's containers; runs may share a dockerd
 CLUSTER = "test-cluster"
 WAIT_S = 30.0
-
-
-def unavailable(reason: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} (CI=true: the Docker tests must run, not skip)")
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +348,7 @@ def test_gpus_become_a_device_request(api: Any, image: str, tmp_path: Path) -> N
 def test_gpu_start_without_a_driver_explains(api: Any, image: str, tmp_path: Path) -> None:
     info = api.info()
     if "nvidia" in json.dumps(info.get("Runtimes", {})):
-        pytest.skip("this dockerd has the NVIDIA runtime: starting would succeed")
+        unavailable("this dockerd has the NVIDIA runtime: starting would succeed")
     launch = sim_launch(tmp_path, image, "s-gpustart", gpus=("0",))
     with pytest.raises(ShardError) as error:
         asyncio.run(DockerRuntime().start(launch))

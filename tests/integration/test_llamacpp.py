@@ -29,6 +29,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from llmgw.engines.launch import EngineSpec, build_command
+from tests.ci import unavailable
 from tests.integration.harness import (
     Server,
     free_port,
@@ -48,12 +49,6 @@ MODEL = "tiny"
 PARAMS = {"threads": "1", "parallel": "1", "ctx_size": "256"}
 PROMPT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello world"}]
 READY_S = 120.0
-
-
-def unavailable(reason: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} (CI=true: the llama.cpp tests must run, not skip)")
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")

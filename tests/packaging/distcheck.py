@@ -1,10 +1,10 @@
 """What the tests of `make dist`'s output (dist/) share: where the artifacts are, fixtures for
 them (test modules import these by name), and running a binary in a Debian rootfs.
 
-The x64 binaries are built by `make dist` (under CI=true, .ci/run's step before `make test`):
-without them, or when they were built from other sources, these tests skip locally and fail
-under CI=true (LLMGW_TEST_STALE_DIST=1 tests whatever dist/ holds). The arm64 ones are
-checked only when dist/ has them, or LLMGW_TEST_ARM64=1 demands them.
+The binaries are built by `make dist` and `make dist ARCH=arm64` (under CI=true, .ci/run's
+steps before `make test`): without them, or when they were built from other sources, these
+tests skip locally and fail under CI=true (``tests.ci.unavailable``; LLMGW_TEST_STALE_DIST=1
+tests whatever dist/ holds, LLMGW_TEST_ARM64=1 demands the arm64 build outside CI too).
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from types import ModuleType
 
 import pytest
 
+from tests.ci import unavailable
+
 ROOT = Path(__file__).resolve().parents[2]
 DIST = ROOT / "dist"
 GLIBC_FLOOR = "2.31"  # Debian 11, the oldest target
-CI = os.environ.get("CI", "").lower() == "true"
 
 
 def load_packaging_module(name: str) -> ModuleType:
@@ -72,42 +73,45 @@ def dist_for(arch: str) -> Dist:
 
 def missing(reason: str) -> None:
     """Skip, or under CI=true fail: there the dist step must have built what is missing."""
-    if CI:
-        pytest.fail(f"{reason} (CI=true: .ci/run builds it with 'make dist' before the tests)")
-    pytest.skip(reason)
+    unavailable(f"{reason}; .ci/run builds it with 'make dist' before the tests")
 
 
-@pytest.fixture(scope="session")
-def dist_x64() -> Dist:
-    """The x64 build, current with these sources (scripts/dist.sh --check says so)."""
-    dist = dist_for("x64")
+def current_dist(arch: str) -> Dist:
+    """The build for ``arch``, current with these sources (scripts/dist.sh --check says so)."""
+    dist = dist_for(arch)
+    make = "make dist" if arch == "x64" else f"make dist ARCH={arch}"
     if not dist.onefile.is_file():
-        missing(f"no {dist.onefile.relative_to(ROOT)}; run 'make dist' (needs root) first")
+        missing(f"no {dist.onefile.relative_to(ROOT)}; run '{make}' (needs root) first")
     check = subprocess.run(
-        [str(ROOT / "scripts" / "dist.sh"), "--check", "x64"],
+        [str(ROOT / "scripts" / "dist.sh"), "--check", arch],
         capture_output=True,
         text=True,
         timeout=60,
     )
     if check.returncode != 0 and os.environ.get("LLMGW_TEST_STALE_DIST") != "1":
         missing(
-            f"dist/ was built from other sources than these; run 'make dist' ({check.stderr.strip()})"
+            f"dist/ was built from other sources than these; run '{make}' ({check.stderr.strip()})"
         )
     if not dist.bundle.is_file():
-        missing(f"no {dist.bundle.relative_to(ROOT)}; run 'make dist'")
+        missing(f"no {dist.bundle.relative_to(ROOT)}; run '{make}'")
     return dist
 
 
 @pytest.fixture(scope="session")
+def dist_x64() -> Dist:
+    """The x64 build, current with these sources."""
+    return current_dist("x64")
+
+
+@pytest.fixture(scope="session")
 def dist_arm64() -> Dist:
-    """The arm64 build, when `make dist ARCH=arm64` made one (not part of the default run)."""
-    dist = dist_for("arm64")
-    if not dist.onefile.is_file():
-        reason = f"no {dist.onefile.relative_to(ROOT)}; 'make dist ARCH=arm64' builds it (slow: emulated)"
-        if os.environ.get("LLMGW_TEST_ARM64") == "1":
-            pytest.fail(f"{reason}; LLMGW_TEST_ARM64=1 asks for it")
-        pytest.skip(reason)
-    return dist
+    """The arm64 build (`make dist ARCH=arm64`, slow the first time: emulated), current with
+    these sources; .ci/run builds it, and LLMGW_TEST_ARM64=1 demands it outside CI too."""
+    if os.environ.get("LLMGW_TEST_ARM64") == "1" and not dist_for("arm64").onefile.is_file():
+        pytest.fail(
+            "no dist/llmgw-linux-arm64; LLMGW_TEST_ARM64=1 asks for it: make dist ARCH=arm64"
+        )
+    return current_dist("arm64")
 
 
 def root_rootfs(suite: str, deb_arch: str) -> Path:

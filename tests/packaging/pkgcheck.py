@@ -3,7 +3,7 @@ built around a stand-in program, and a Debian 12 container that boots systemd
 (``scripts/systemd-test-image.sh``). Test modules import the fixtures by name.
 
 Missing tools or Docker skip these tests, saying why, except under ``CI=true``, where they
-fail: CI must run them. The payload of the package-mechanics tests is
+fail: CI must run them (``tests.ci.unavailable``). The payload of the package-mechanics tests is
 ``standin_llmgw.py`` (a stand-in that prints ``llmgw VERSION``), never the real program;
 the real one-folder build is checked by its own test when ``dist/`` holds one.
 """
@@ -18,9 +18,10 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
+
+from tests.ci import require_tools, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = Path(__file__).with_name("standin_llmgw.py")
@@ -54,35 +55,20 @@ PRIVILEGE_VARIANTS = (
 RUN_LABEL = "llmgw.test-packaging"
 STALE_AFTER_S = 1800  # a container this old was left by a killed run
 
-# Debian packages of the tools the tests use.
-TOOL_PACKAGES = {
-    "dpkg-deb": "dpkg",
-    "rpm": "rpm",
-    "rpmsign": "rpm",
-    "createrepo_c": "createrepo-c",
-    "apt-ftparchive": "apt-utils",
-    "gpg": "gnupg",
-    "gpgv": "gpgv",
-    "systemd-analyze": "systemd",
-    "shellcheck": "shellcheck",
-    "docker": "docker.io",
-}
 
-__all__ = ["container", "packages_root", "standin_packages", "systemd_image"]
-
-
-def unavailable(reason: str) -> NoReturn:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} (CI=true: the package tests must run, not skip)")
-    pytest.skip(reason)
+__all__ = [
+    "container",
+    "packages_root",
+    "require",
+    "standin_packages",
+    "systemd_image",
+    "unavailable",
+]
 
 
 def require(*tools: str) -> None:
     """Every tool in PATH, else skip (fail under CI) naming the Debian packages."""
-    missing = [tool for tool in tools if shutil.which(tool) is None]
-    if missing:
-        names = " ".join(sorted({TOOL_PACKAGES.get(tool, tool) for tool in missing}))
-        unavailable(f"missing {', '.join(missing)}; apt-get install -y {names}")
+    require_tools(*tools)
 
 
 def run(

@@ -1,9 +1,10 @@
-"""The linux-arm64 build (`make dist ARCH=arm64`, not part of the default run): when dist/ has
-it, it needs glibc 2.31 at most and says its version in a Debian 11 arm64 rootfs, emulated by
-qemu-user. Without it these tests skip, unless LLMGW_TEST_ARM64=1 asks for them."""
+"""The linux-arm64 build (`make dist ARCH=arm64`, which .ci/run builds): it needs glibc 2.31 at
+most and says its version in a Debian 11 arm64 rootfs, emulated by qemu-user. Without a current
+build these tests skip locally and fail under CI=true (or LLMGW_TEST_ARM64=1)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,11 @@ def test_it_says_its_version_under_qemu_in_debian_11(
     result = run_in_rootfs(bullseye_arm64, program, "--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"llmgw {version()}\n"
+
+
+def test_it_carries_python_systemd(dist_arm64: Dist) -> None:
+    # Compiled under emulation against the arm64 rootfs's libsystemd (scripts/dist.sh).
+    internal = dist_arm64.onedir / "_internal"
+    assert list((internal / "systemd").glob("_journal.*aarch64*.so")), sorted(os.listdir(internal))
+    assert (internal / "libsystemd.so.0").is_file()
+    assert b"systemd/_journal." in dist_arm64.onefile.read_bytes()

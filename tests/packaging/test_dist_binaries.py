@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
+from tests.ci import unavailable
 
 from .distcheck import Dist, dist_x64, load_packaging_module, noexec_dir, version
 from .pkgcheck import require, unavailable
@@ -98,7 +98,7 @@ def test_one_file_build_runs_with_tmpdir_on_a_noexec_mount(
     dist_x64: Dist, tmp_path: Path, noexec_dir: Path | None
 ) -> None:
     if noexec_dir is None:
-        pytest.skip("mounting a noexec tmpfs needs root; the next tests check where it unpacks")
+        unavailable("mounting a noexec tmpfs needs root; the next tests check where it unpacks")
     home = tmp_path / "home"
     home.mkdir()
     result = subprocess.run(
@@ -366,3 +366,14 @@ def test_the_one_folder_build_unpacks_nothing(dist_x64: Dist, tmp_path: Path) ->
     )
     assert result.returncode == 0, result.stderr
     assert os.listdir(tmpdir) == [] and os.listdir(home) == []
+
+
+def test_both_builds_carry_python_systemd(dist_x64: Dist) -> None:
+    # The journal handler of llmgw/log.py (LLMGW_* fields, priorities) and the libsystemd it
+    # was compiled against (scripts/dist.sh checks the one-file archive the same way when it
+    # builds; the dry run reads the fields back with journalctl).
+    internal = dist_x64.onedir / "_internal"
+    assert list((internal / "systemd").glob("_journal.*.so")), sorted(os.listdir(internal))
+    assert (internal / "libsystemd.so.0").is_file()
+    marker = b"systemd/_journal."
+    assert marker in dist_x64.onefile.read_bytes(), "the one-file build lacks python-systemd"

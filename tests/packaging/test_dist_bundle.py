@@ -17,6 +17,7 @@ import pytest
 
 from llmgw.agent import config as agent_config
 from llmgw.agent.config import load_agent_config
+from tests.ci import require_tools
 
 from .distcheck import ROOT, Dist, dist_x64, load_packaging_module, version
 
@@ -180,8 +181,8 @@ def test_sums_cover_every_file_and_sha256sum_agrees(tmp_path: Path) -> None:
         f"{hashlib.sha256(b'bundle').hexdigest()}  a.tar.gz\n"
         f"{hashlib.sha256(b'lib').hexdigest()}  onedir/_internal/lib.so\n"
     )
-    if shutil.which("sha256sum"):
-        subprocess.run(["sha256sum", "--check", "--quiet", "SHA256SUMS"], cwd=tmp_path, check=True)
+    require_tools("sha256sum")
+    subprocess.run(["sha256sum", "--check", "--quiet", "SHA256SUMS"], cwd=tmp_path, check=True)
 
 
 def test_agent_example_yaml_is_valid_and_names_every_key() -> None:
@@ -228,7 +229,5 @@ def test_dist_sha256sums_check(dist_x64: Dist) -> None:
     sums = dist_x64.bundle.parent / "SHA256SUMS"
     listed = {line.split("  ", 1)[1] for line in sums.read_text().splitlines()}
     assert {dist_x64.onefile.name, dist_x64.bundle.name, "llmgw-onedir-x64/llmgw"} <= listed
-    if shutil.which("sha256sum"):
-        subprocess.run(
-            ["sha256sum", "--check", "--quiet", "SHA256SUMS"], cwd=sums.parent, check=True
-        )
+    require_tools("sha256sum")
+    subprocess.run(["sha256sum", "--check", "--quiet", "SHA256SUMS"], cwd=sums.parent, check=True)

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.ci import CI
+
 from .distcheck import (
-    CI,
     DIST,
     ROOT,
     Dist,

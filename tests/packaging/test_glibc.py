@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ci import require_tools, unavailable
+
 from .distcheck import (
     GLIBC_FLOOR,
     Dist,
@@ -68,9 +70,9 @@ def test_the_binary_in_the_bundle(dist_x64: Dist, tmp_path: Path) -> None:
 
 
 def test_elfinfo_reads_what_readelf_reads() -> None:
+    require_tools("readelf")
     readelf = shutil.which("readelf")
-    if readelf is None:
-        pytest.skip("no readelf (binutils) to compare with")
+    assert readelf is not None
     checked = 0
     for name in ("libc.so.6", "libssl.so.3", "libz.so.1", "libstdc++.so.6"):
         for directory in ("/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu", "/lib64"):
@@ -88,7 +90,9 @@ def test_elfinfo_reads_what_readelf_reads() -> None:
             assert list(elfinfo.elf_needs(path.read_bytes(), str(path)).glibc) == expected
             checked += 1
     if not checked:
-        pytest.skip("none of the usual shared libraries found to compare with")
+        unavailable(
+            "none of the usual shared libraries (libc.so.6, libz.so.1, ...) to compare with"
+        )
 
 
 @pytest.mark.parametrize("variant", ["onefile", "onedir"])

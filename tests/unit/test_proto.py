@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("grpc_tools", reason="grpcio-tools is in the 'test' extra")
+from tests.ci import unavailable
+
+try:
+    import grpc_tools  # noqa: F401
+except ImportError:
+    unavailable("no grpc_tools; it is in the 'test' extra: pip install -e '.[test]'")
 
 REPO = Path(__file__).resolve().parents[2]
 PROTO = "llmgw/proto/control.proto"

@@ -30,6 +30,11 @@ from llmgw.agent.discovery import (
 )
 from llmgw.errors import ConfigError
 from llmgw.proto import control_pb2 as pb
+from tests.ci import require_tools
+
+from .fake_nvml import FakeNvml, fake_nvml
+
+__all__ = ["fake_nvml"]  # a fixture, used by name
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 SMI = FIXTURES / "nvidia-smi"
@@ -44,17 +49,6 @@ def empty_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
     return empty
-
-
-def nvml_loads() -> bool:
-    import pynvml
-
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    pynvml.nvmlShutdown()
-    return True
 
 
 # -- GPUs -------------------------------------------------------------------------------------
@@ -139,12 +133,10 @@ def test_configured_nvidia_smi_missing(tmp_path: Path) -> None:
     assert facts.status == f"{tmp_path / 'nvidia-smi'} does not exist"
 
 
-def test_no_nvml_and_no_nvidia_smi_names_both(empty_path: Path) -> None:
+def test_no_nvml_and_no_nvidia_smi_names_both(fake_nvml: FakeNvml, empty_path: Path) -> None:
+    # NVML's library is missing, as on a machine without the driver, whatever this one has.
+    fake_nvml(init_error="LIBRARY_NOT_FOUND")
     facts = discover_gpus(None)
-    if nvml_loads():  # a machine with a driver: NVML answers, PATH does not matter
-        assert facts.source == "nvml"
-        assert facts.status == ("" if facts.gpus else NO_GPUS_VISIBLE)
-        return
     assert facts.gpus == []
     assert facts.source == ""
     assert "NVML library not found (libnvidia-ml.so.1)" in facts.status
@@ -152,9 +144,9 @@ def test_no_nvml_and_no_nvidia_smi_names_both(empty_path: Path) -> None:
     assert facts.status.startswith("no NVIDIA driver: ")
 
 
-def test_no_nvml_falls_back_to_nvidia_smi_on_path(empty_path: Path) -> None:
-    if nvml_loads():
-        pytest.skip("NVML loads on this machine, so nvidia-smi is not consulted")
+def test_no_nvml_falls_back_to_nvidia_smi_on_path(fake_nvml: FakeNvml, empty_path: Path) -> None:
+    # Runs on machines where NVML loads too: the stand-in answers as a driverless machine.
+    fake_nvml(init_error="LIBRARY_NOT_FOUND")
     shutil.copy(SMI / "one-gpu", empty_path / "nvidia-smi")
     facts = discover_gpus(None)
     assert facts.source == "nvidia-smi"
@@ -164,6 +156,17 @@ def test_no_nvml_falls_back_to_nvidia_smi_on_path(empty_path: Path) -> None:
     shutil.copy(SMI / "driver-failed", empty_path / "nvidia-smi")
     facts = discover_gpus(None)
     assert facts.status.startswith("NVML library not found (libnvidia-ml.so.1); nvidia-smi failed")
+
+
+def test_kernel_driver_not_loaded_falls_back_too(fake_nvml: FakeNvml, empty_path: Path) -> None:
+    fake_nvml(init_error="DRIVER_NOT_LOADED")
+    facts = discover_gpus(None)
+    assert facts.status == (
+        "no NVIDIA driver: NVIDIA kernel driver not loaded (NVML: Driver Not Loaded) and no "
+        "nvidia-smi on PATH"
+    )
+    shutil.copy(SMI / "one-gpu", empty_path / "nvidia-smi")
+    assert discover_gpus(None).source == "nvidia-smi"
 
 
 def test_parse_name_with_comma_and_units() -> None:
@@ -362,12 +365,9 @@ def test_engine_not_an_executable_format(tmp_path: Path) -> None:
 @pytest.fixture
 def broken_elf(tmp_path: Path) -> Path:
     """A real ELF program linked against a library that is then deleted."""
+    require_tools("gcc")
     gcc = shutil.which("gcc")
-    if gcc is None:
-        if os.environ.get("CI"):
-            pytest.fail("gcc is missing, but CI is set and CI machines have it")
-        print("skipping: gcc is not installed, so no ELF binary can be built")
-        pytest.skip("gcc is not installed; cannot build an ELF binary with a missing library")
+    assert gcc is not None
     lib = tmp_path / "libllmgwfake.so"
     subprocess.run(
         [gcc, "-x", "c", "-", "-shared", "-fPIC", "-o", str(lib)],

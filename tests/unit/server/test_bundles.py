@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from llmgw.errors import NotFound
 from llmgw.server.bundles import Bundle, BundleStore, add_bundle_routes, one_liner, version_key
+from tests.ci import require_tools
 
 TOKEN = "llmgwjt_s3cret-Token"
 CA_HASH = "sha256:" + "ab" * 32
@@ -235,10 +236,15 @@ def run_one_liner(
     return result
 
 
-@pytest.mark.skipif(
-    not (shutil.which("curl") or shutil.which("wget")) or not shutil.which("sha256sum"),
-    reason="the one-liner needs curl (or wget) and sha256sum",
-)
+@pytest.fixture
+def one_liner_tools() -> None:
+    """What the one-liner runs: curl (or wget) and sha256sum."""
+    if not shutil.which("wget"):
+        require_tools("curl")
+    require_tools("sha256sum")
+
+
+@pytest.mark.usefixtures("one_liner_tools")
 @pytest.mark.parametrize(
     ("machine", "rid", "uid"),
     [("x86_64", "linux-x64", 0), ("aarch64", "linux-arm64", 1000)],
@@ -300,10 +306,7 @@ def test_one_liner_installs_the_bundle_for_this_machine(
         assert sudo_argv.read_text().splitlines()[0] == "sh"
 
 
-@pytest.mark.skipif(
-    not (shutil.which("curl") or shutil.which("wget")) or not shutil.which("sha256sum"),
-    reason="the one-liner needs curl (or wget) and sha256sum",
-)
+@pytest.mark.usefixtures("one_liner_tools")
 def test_one_liner_refuses_a_bundle_whose_hash_differs_and_unknown_machines(
     tmp_path: Path,
 ) -> None:

@@ -1,0 +1,40 @@
+"""Under ``CI=true`` nothing skips: a skip that does not come through
+:func:`tests.ci.unavailable` (a ``skipif`` marker, ``pytest.importorskip``, a bare
+``pytest.skip``, in a test, a fixture or at collection) is reported as a failure, so that CI
+cannot pass while a part of the suite did not run."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
+from tests.ci import CI, CI_NOTE
+
+
+def _as_failure(report: Any) -> None:
+    if not (CI and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    reason = str(reason).removeprefix("Skipped: ")
+    report.outcome = "failed"
+    report.longrepr = (
+        f"skipped under CI=true: {reason}\n({CI_NOTE}; a test that cannot run says so "
+        "through tests.ci.unavailable, and .ci/run must provide what it lacks)"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    outcome = yield
+    _as_failure(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
+    outcome = yield
+    _as_failure(outcome.get_result())
