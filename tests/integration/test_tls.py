@@ -33,18 +33,8 @@ from llmgw.cli import main
 from llmgw.server.app import ControlPlane
 from llmgw.server.config import load_server_config
 from llmgw.server.standby import LEADER_HTTP
+from tests.ci import require_tools
 from tests.unit.server.test_bundles import make_bundle, run_one_liner
-
-
-def _needs(*tools: str) -> None:
-    """Skip here when a tool is missing; under CI=true that is a failure, not a skip."""
-    missing = [t for t in tools if shutil.which(t) is None]
-    if not missing:
-        return
-    reason = f"needs {', '.join(missing)}"
-    if os.environ.get("CI") == "true":
-        pytest.fail(reason + " (CI must have it)")
-    pytest.skip(reason)
 
 
 def run_cp(tmp: Path, body: Callable[[ControlPlane], Awaitable[None]], **settings: object) -> None:
@@ -155,7 +145,7 @@ def test_tls_cluster_serves_https_that_ctl_verifies_with_the_servers_ctl_yaml(
 
 
 def test_join_one_liner_fetches_the_bundle_over_https_with_tls_cluster(tmp_path: Path) -> None:
-    _needs("curl", "sha256sum")
+    require_tools("curl", "sha256sum")
     (tmp_path / "bundles").mkdir()
     make_bundle(tmp_path / "bundles", "0.1.0", "linux-x64")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.ci import unavailable
+import pytest
 
 from .distcheck import Dist, dist_x64, load_packaging_module, noexec_dir, version
 from .pkgcheck import require, unavailable

@@ -19,6 +19,7 @@ from llmgw.agent.dockerproxy import policy as pol
 from llmgw.agent.dockerproxy.policy import Policy, Refused, check_create, check_list, route
 from llmgw.agent.dockerproxy.relay import serve
 from llmgw.agent.runtimes import docker as runtime
+from tests.ci import unavailable
 
 LABELS = {"llmgw.node": "n1", "llmgw.shard": "s1", "llmgw.replica": "r1"}
 
@@ -42,12 +43,6 @@ def runtime_body(**host: Any) -> dict[str, Any]:
         "HostConfig": host_config,
         "NetworkingConfig": None,
     }
-
-
-def unavailable(reason: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} (CI=true: this test must run, not skip)")
-    pytest.skip(reason)
 
 
 def refused(body: dict[str, Any], policy: Policy | None = None) -> str:
