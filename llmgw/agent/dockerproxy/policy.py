@@ -43,6 +43,7 @@ __all__ = [
     "check_create",
     "check_list",
     "is_llmgw_container",
+    "load_body",
     "route",
 ]
 
@@ -506,6 +507,32 @@ _CONFIG_KEYS = {
     "Image", "Volumes", "WorkingDir", "Entrypoint", "NetworkDisabled", "MacAddress", "OnBuild",
     "Labels", "StopSignal", "StopTimeout", "Shell", "HostConfig", "NetworkingConfig",
 }  # fmt: skip
+
+
+def load_body(raw: bytes) -> object:
+    """A create body parsed as dockerd will read it, or :class:`Refused`. A key twice in one
+    object is refused: Python keeps the last value, but Go's encoding/json decodes a repeated
+    object into the struct it already filled, so '"HostConfig": {"Privileged": true, ...},
+    "HostConfig": {}' would pass the checks below (which see only {}) and reach dockerd as a
+    privileged container. Keys that differ only in case are refused too (Go matches field
+    names case-insensitively)."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for key, _ in items:
+            folded = key.casefold()
+            if folded in seen:
+                raise Refused(
+                    f"container create refused: the key {key!r} appears twice in one object "
+                    "(dockerd would merge the two)"
+                )
+            seen.add(folded)
+        return dict(items)
+
+    try:
+        return json.loads(raw or b"null", object_pairs_hook=pairs)
+    except ValueError as exc:
+        raise Refused("container create refused: the body is not JSON") from exc
 
 
 def check_create(body: object, policy: Policy) -> None:

@@ -491,6 +491,37 @@ def test_relay_socket_mode_and_refusals(proxied: tuple[Path, StandInDockerd]) ->
     assert dockerd.seen == []  # nothing refused reached dockerd
 
 
+def test_relay_refuses_a_key_twice_in_one_object(proxied: tuple[Path, StandInDockerd]) -> None:
+    # Python keeps the last "HostConfig" ({}), Go's encoding/json merges the second into the
+    # first: dockerd would create a privileged container with the host's / bound.
+    listen, dockerd = proxied
+    body = json.dumps(runtime_body())[:-1].encode()
+    body += b', "HostConfig": {"Privileged": true, "Binds": ["/:/host"]}, "HostConfig": {}}'
+    assert isinstance(json.loads(body), dict)  # what the proxy read before: it passed
+    status, answer = ask(listen, get("/v1.41/containers/create", "POST", body))
+    assert status == 403 and "appears twice" in json.loads(answer)["message"]
+    nested = (
+        json.dumps(runtime_body(Privileged=False))
+        .encode()
+        .replace(b'"Privileged": false', b'"Privileged": true, "privileged": false')
+    )
+    assert b'"privileged": false' in nested
+    status, answer = ask(listen, get("/v1.41/containers/create", "POST", nested))
+    assert status == 403 and "appears twice" in json.loads(answer)["message"]
+    assert dockerd.seen == []
+
+
+def test_relay_refuses_a_bare_lf_in_a_header(proxied: tuple[Path, StandInDockerd]) -> None:
+    # Go reads "X-A: 1" and "Transfer-Encoding: chunked" as two headers; the proxy saw one.
+    listen, dockerd = proxied
+    raw = (
+        b"GET /v1.41/version HTTP/1.1\r\nHost: docker\r\n"
+        b"X-A: 1\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    )
+    assert ask(listen, raw)[0] == 400
+    assert dockerd.seen == []
+
+
 def test_relay_checks_the_label_and_names_the_full_id(
     proxied: tuple[Path, StandInDockerd],
 ) -> None:
