@@ -217,7 +217,7 @@ def _one_of(
     accepted = set(allowed)
 
     def check(value: object, host: Mapping[str, Any], policy: Policy) -> None:
-        if value is None or value in accepted:
+        if value is None or (isinstance(value, str) and value in accepted):
             return
         raise _refuse(key, f"{value!r} is not allowed (allowed: {', '.join(sorted(accepted))})")
 
@@ -326,7 +326,12 @@ def _device_requests(value: object, host: Mapping[str, Any], policy: Policy) -> 
             raise _refuse("DeviceRequests", f"has {request!r}, not a device request")
         _exact_keys("HostConfig.DeviceRequests", request, _DEVICE_REQUEST_KEYS)
         capabilities = request.get("Capabilities") or []
-        flat = {c for group in capabilities if isinstance(group, list) for c in group}
+        flat = {
+            c if isinstance(c, str) else repr(c)
+            for group in capabilities
+            if isinstance(group, list)
+            for c in group
+        }
         if (
             not capabilities
             or not all(isinstance(g, list) and "gpu" in g for g in capabilities)

@@ -264,6 +264,20 @@ def test_containers_without_llmgw_s_labels_are_refused() -> None:
     assert "HostConfig is not a JSON object" in refused({**runtime_body(), "HostConfig": [1]})
 
 
+@pytest.mark.parametrize(
+    "host",
+    [
+        {"Runtime": ["runc"]},
+        {"IpcMode": {"host": 1}},
+        {"CgroupnsMode": ["host"]},
+        {"DeviceRequests": [{"Capabilities": [["gpu", ["x"]]]}]},
+    ],
+)
+def test_values_of_the_wrong_type_are_refused_not_a_crash(host: dict[str, Any]) -> None:
+    # An unhashable value in a set lookup raised TypeError: a traceback, not a 403.
+    assert "HostConfig." in refused({"Image": "x", "Labels": LABELS, "HostConfig": host})
+
+
 def test_unknown_top_level_keys_are_refused() -> None:
     assert "Foo is not allowed" in refused({**runtime_body(), "Foo": "bar"})
 
