@@ -814,6 +814,32 @@ in_docker_group() {
     return 1
 }
 
+# What Docker access the agent has, in words (status). The group is looked at, not only the
+# record: an installer older than --docker put the agent in the docker group and recorded
+# nothing, and 'upgrade' (signed updates, packages) keeps that membership.
+docker_access() {
+    if in_docker_group; then
+        if [ "$(docker_recorded)" = group ]; then
+            echo "$SERVICE_USER is in the docker group (root on this host)"
+        else
+            echo "$SERVICE_USER is in the docker group (root on this host), put there by an older install; run install --docker (with this node's options) to move it to $PROXY_UNIT"
+        fi
+        return 0
+    fi
+    case $(docker_recorded) in
+        proxy) echo "through $PROXY_UNIT ($PROXY_SOCKET): $(systemctl is-active "$PROXY_UNIT" 2>/dev/null || true)" ;;
+        *) echo "no access (install --docker gives it through $PROXY_UNIT)" ;;
+    esac
+}
+
+# An upgrade changes no access, but says so when the agent is root on this host by a group
+# membership no --docker-group asked for.
+warn_docker_group() {
+    if in_docker_group && [ "$(docker_recorded)" != group ]; then
+        warn "$SERVICE_USER is in the docker group, which is root on this host (an install older than --docker put it there; upgrades keep it): run install-agent.sh install --docker with this node's options to move it to $PROXY_UNIT"
+    fi
+}
+
 configure_docker() {
     docker_rc=1
     if [ -n "$DOCKER" ] && ! getent group docker >/dev/null 2>&1; then
@@ -1095,6 +1121,7 @@ verb_upgrade() {
         return 0
     fi
     info "upgrade: llmgw ${old:-?} -> $NEW_VERSION"
+    warn_docker_group
     keep_previous
     put_file "$BUNDLE/llmgw" "$LIB_DIR/llmgw" 0755 root:root || true
     install_units || true
@@ -1297,11 +1324,7 @@ verb_status() {
     else
         echo "identity:   none (not joined)"
     fi
-    case $(docker_recorded) in
-        proxy) echo "docker:     through $PROXY_UNIT ($PROXY_SOCKET): $(systemctl is-active "$PROXY_UNIT" 2>/dev/null || true)" ;;
-        group) echo "docker:     $SERVICE_USER is in the docker group (root on this host)" ;;
-        *) echo "docker:     no access (install --docker gives it through $PROXY_UNIT)" ;;
-    esac
+    echo "docker:     $(docker_access)"
     if [ -s "$INSTALL_STATE/firewall" ]; then
         while read -r backend source; do
             echo "firewall:   $backend allows :$AGENT_PORT/tcp from $source"

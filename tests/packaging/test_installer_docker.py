@@ -214,3 +214,49 @@ def test_package_docker_uses_the_package_s_unit(tmp_path: Path) -> None:
     calls = calls_of(tmp_path)
     assert "systemctl enable llmgw-docker-proxy.service" in calls
     assert not [c for c in calls if c.startswith(("usermod", "gpasswd"))], calls
+
+
+def run_status(tmp_path: Path, groups: str, recorded: str | None) -> str:
+    """verb_status's 'docker:' line, the host's commands replaced by stand-ins."""
+    require("sh")
+    body = INSTALLER.read_text().rsplit("\nmain ", 1)[0]
+    state = tmp_path / "install-state"
+    state.mkdir(exist_ok=True)
+    if recorded is not None:
+        (state / "docker").write_text(recorded + "\n")
+    script = f"""
+{body}
+INSTALL_STATE={state}
+LIB_DIR={tmp_path}/lib
+PREVIOUS_DIR={tmp_path}/previous
+STATE_DIR={tmp_path}/state
+systemctl() {{ echo inactive; }}
+is_listening() {{ return 1; }}
+id() {{ echo {shlex.quote(groups)}; }}
+verb_status
+"""
+    result = subprocess.run(
+        ["sh", "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return next(line for line in result.stdout.splitlines() if line.startswith("docker:"))
+
+
+def test_status_says_when_an_older_install_left_the_agent_in_the_docker_group(
+    tmp_path: Path,
+) -> None:
+    # An installer older than --docker recorded nothing and put the agent in the group; an
+    # upgrade keeps it there. Status said "no access" on such a node, which is root-equivalent.
+    line = run_status(tmp_path, "llmgw-agent docker", None)
+    assert "in the docker group (root on this host)" in line, line
+    assert "install --docker" in line
+    assert "no access" in run_status(tmp_path, "llmgw-agent", None)
+    assert "older install" not in run_status(tmp_path, "llmgw-agent docker", "group")
+    assert "through llmgw-docker-proxy" in run_status(tmp_path, "llmgw-agent", "proxy")
+
+
+def test_an_upgrade_warns_of_a_docker_group_no_option_asked_for() -> None:
+    # The signed update runs 'upgrade', which changes no access: its journal says so.
+    body = INSTALLER.read_text()
+    upgrade = body.split("\nverb_upgrade() {", 1)[1].split("\n}\n", 1)[0]
+    assert "warn_docker_group" in upgrade
