@@ -148,7 +148,10 @@ class Scheduler:
         now = time.monotonic()
         for shard in store.list_shards():
             session = self.cp.sessions.get(shard.node_id)
-            if session is None:
+            if session is None or not session.approved:
+                # A pending node gets no orders, and what it says of shards is not heard
+                # (llmgw.server.intake): a shard of its (from before a purge and a fresh
+                # join) waits here until an operator approves it.
                 continue
             if shard.state == "failed" and self._multi_node(shard):
                 # A worker or rank 0 of a multi-node replica failed: the others cannot go on

@@ -323,9 +323,11 @@ def test_as_root_without_a_safe_place_it_refuses_to_unpack(dist_x64: Dist) -> No
     require("unshare")
     # In a mount namespace of its own: /tmp and /var/tmp noexec, $TMPDIR a folder of nobody's.
     script = (
+        # The binary first goes where those mounts cannot hide it (a checkout may be in /tmp).
+        'mount -t tmpfs tmpfs /mnt && cp "$0" /mnt/llmgw && '
         "mount -t tmpfs -o noexec tmpfs /tmp && mount -t tmpfs -o noexec tmpfs /var/tmp && "
         f"mkdir -m 0755 /tmp/evil && chown {NOBODY}:{NOBODY} /tmp/evil && "
-        'TMPDIR=/tmp/evil "$0" --version; echo "exit $?"; ls -A /tmp/evil /tmp /var/tmp'
+        'TMPDIR=/tmp/evil /mnt/llmgw --version; echo "exit $?"; ls -A /tmp/evil /tmp /var/tmp'
     )
     result = subprocess.run(
         [

@@ -98,9 +98,14 @@ def test_the_proxy_unit_serves_the_agent_s_group_only(node: Container) -> None:
         "printf '[Service]\\nExecStart=/bin/sleep infinity\\n' >/etc/systemd/system/docker.service"
     )
     # Every directory above the mounts must let the dynamic user through (/root is 0700).
+    # One that already does is left alone: it may be a read-only mount itself (a checkout
+    # whose .venv is mounted below it).
     for path in mounts():
         for parent in path.parents:
-            c.sh(f"[ ! -d {parent} ] || chmod o+x {parent}")
+            c.sh(
+                f"[ ! -d {parent} ] || case $(stat -c %A {parent}) in *x) ;; "
+                f"*) chmod o+x {parent} ;; esac"
+            )
     shipped = (ROOT / "systemd" / UNIT).read_text()
     program = f"{sys.executable} -m llmgw"
     installed = shipped.replace("ExecStart=/usr/bin/llmgw ", f"ExecStart={program} ").replace(

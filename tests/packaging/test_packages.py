@@ -355,7 +355,7 @@ def test_deb_install_upgrade_remove_purge(
     first = standin_run(c, AGENT_STATE)
     assert first["version"] == PREVIOUS
     assert first["uid"] == int(user[2])
-    assert first["tmpdir"] == f"{AGENT_STATE}/tmp"
+    assert first["tmpdir"] == f"{AGENT_STATE}-tmp"  # beside the state tree, not in it
     assert c.out(f"stat -c '%U %a' {AGENT_STATE} {AGENT_STATE}/node.crt").split("\n") == [
         "llmgw-agent 700",
         "llmgw-agent 644",

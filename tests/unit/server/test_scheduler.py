@@ -74,6 +74,7 @@ def _join(cp: _ControlPlane, node_id: str, host: str, fabric: str = "ib-a") -> N
         dataplane_addr=f"{host}:9443",
         epoch=1,
         engines=frozenset({"sim", "llamacpp"}),
+        approved=True,
     )
 
 
@@ -228,3 +229,22 @@ def test_single_node_and_sim_orders_carry_no_endpoints(cp: _ControlPlane) -> Non
         [],
         "",
     )
+
+
+def test_a_pending_node_gets_no_start_order_until_it_is_approved(cp: _ControlPlane) -> None:
+    # A node purged and joined afresh under its old id comes back pending while the store still
+    # holds a shard of it: nothing is ordered (its statuses would not be heard) until approval.
+    _join(cp, "n1", "10.0.0.1")
+    _deploy(cp, "m", "sim", nodes=1)
+    scheduler = Scheduler(cp)  # type: ignore[arg-type]
+    scheduler.reconcile()
+    assert len(_orders(cp)) == 1
+    shard = cp.store.list_shards()[0]
+    cp.store.update_shard(shard.id, state="pending", reason="not running on the node")
+    session = cp.sessions["n1"]
+    session.approved = False
+    scheduler.reconcile()
+    assert _orders(cp) == {}
+    session.approved = True
+    scheduler.reconcile()
+    assert list(_orders(cp)) == [shard.id]

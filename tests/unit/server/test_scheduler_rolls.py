@@ -26,7 +26,11 @@ def _join(cp: _ControlPlane, node_id: str, gpus: int) -> None:
     )
     cp.store.set_node_state(node_id, "approved")
     cp.sessions[node_id] = NodeSession(
-        node_id=node_id, dataplane_addr="127.0.0.1:9443", epoch=1, engines=frozenset({"sim"})
+        node_id=node_id,
+        dataplane_addr="127.0.0.1:9443",
+        epoch=1,
+        engines=frozenset({"sim"}),
+        approved=True,
     )
 
 
