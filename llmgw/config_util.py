@@ -23,9 +23,10 @@ from llmgw.errors import ConfigError
 
 _LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?")
 _PORT = re.compile(r"[0-9]{1,5}")
-_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
+_AMOUNT = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
-_DECIMAL_SIZES = {"k": "KiB", "kb": "KiB", "m": "MiB", "mb": "MiB", "g": "GiB", "gb": "GiB"}
+# Decimal units are refused as ambiguous, naming the binary one meant.
+_DECIMAL = {short: f"{big}iB" for big in "KMGT" for short in (big.lower(), big.lower() + "b")}
 
 
 # --- values --------------------------------------------------------------------------------
@@ -50,26 +51,38 @@ def type_name(value: object) -> str:
     return type(value).__name__
 
 
+def binary_amount(value: object, units: Mapping[str, int], *, names: str, shape: str) -> float:
+    """A whole number, or a string like '8MiB', in the base unit of ``units`` (lower-cased unit
+    -> factor; "" for a bare number); decimal units (MB, G) are refused as ambiguous.
+
+    Raises :class:`ConfigError` without key or file; ``names`` lists the units to use, ``shape``
+    says what is expected."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and (m := _AMOUNT.fullmatch(value.strip())):
+        unit = m.group(2).lower()
+        if unit in _DECIMAL and _DECIMAL[unit].lower() in units:
+            raise ConfigError(
+                f"{value!r}: {m.group(2)} is ambiguous; use binary units, e.g. "
+                f"{m.group(1)}{_DECIMAL[unit]}"
+            )
+        if unit in units:
+            return float(m.group(1)) * units[unit]
+        if unit:
+            raise ConfigError(f"{value!r}: unknown unit {m.group(2)!r}; use {names}")
+    raise ConfigError(f"must be {shape}; got {value!r}")
+
+
 def parse_size(value: object) -> int:
     """Bytes from a whole number of bytes or a string like '8MiB', '512KiB', '1GiB'.
 
     Raises :class:`ConfigError` without key or file (:meth:`Checker.size` adds them)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size: float = value
-    elif isinstance(value, str) and (m := _SIZE.fullmatch(value.strip())):
-        unit = m.group(2).lower()
-        if unit in _DECIMAL_SIZES:
-            raise ConfigError(
-                f"{value!r}: {m.group(2)} is ambiguous; use binary units, e.g. "
-                f"{m.group(1)}{_DECIMAL_SIZES[unit]}"
-            )
-        if unit not in _SIZE_UNITS:
-            raise ConfigError(f"{value!r}: unknown unit {m.group(2)!r}; use KiB, MiB or GiB")
-        size = float(m.group(1)) * _SIZE_UNITS[unit]
-    else:
-        raise ConfigError(
-            f"must be a size like 8MiB, 512KiB or 1GiB, or a whole number of bytes; got {value!r}"
-        )
+    size = binary_amount(
+        value,
+        _SIZE_UNITS,
+        names="KiB, MiB or GiB",
+        shape="a size like 8MiB, 512KiB or 1GiB, or a whole number of bytes",
+    )
     if size != int(size):
         raise ConfigError(f"{value!r} is not a whole number of bytes")
     return int(size)

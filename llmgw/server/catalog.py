@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 from llmgw.config_util import (
     Checker,
+    binary_amount,
     index_key,
     join_key,
     load_yaml,
@@ -85,9 +86,7 @@ _SIDECAR_KEYS = ("name", "command", "health", "timeout", "ready_after")
 
 _DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-_MEMORY = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)")
 _MEMORY_UNITS = {"mib": 1, "gib": 1024, "tib": 1024 * 1024}
-_DECIMAL_UNITS = {"m": "MiB", "mb": "MiB", "g": "GiB", "gb": "GiB", "t": "TiB", "tb": "TiB"}
 
 
 # --- the parsed catalog --------------------------------------------------------------------
@@ -435,22 +434,12 @@ def parse_memory_mib(value: object) -> int:
     """MiB from a number of MiB or a string like '40GiB', '40960MiB', '1.5TiB'.
 
     Raises :class:`ConfigError` without key or file; :func:`parse_catalog` adds them."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        mib: float = value
-    elif isinstance(value, str) and (m := _MEMORY.fullmatch(value.strip())):
-        unit = m.group(2).lower()
-        if unit in _DECIMAL_UNITS:
-            raise ConfigError(
-                f"{value!r}: {m.group(2)} is ambiguous; use binary units, e.g. "
-                f"{m.group(1)}{_DECIMAL_UNITS[unit]}"
-            )
-        if unit not in _MEMORY_UNITS:
-            raise ConfigError(f"{value!r}: unknown unit {m.group(2)!r}; use MiB, GiB or TiB")
-        mib = float(m.group(1)) * _MEMORY_UNITS[unit]
-    else:
-        raise ConfigError(
-            f"must be memory like 40GiB or 40960MiB, or a whole number of MiB; got {value!r}"
-        )
+    mib = binary_amount(
+        value,
+        _MEMORY_UNITS,
+        names="MiB, GiB or TiB",
+        shape="memory like 40GiB or 40960MiB, or a whole number of MiB",
+    )
     if mib != int(mib):
         raise ConfigError(f"{value!r} is not a whole number of MiB")
     if mib < 1:
