@@ -51,12 +51,24 @@ def mounts() -> list[Path]:
     return paths
 
 
+# The unit's DynamicUser= implies PrivateTmp=: a checkout (or its .venv) in /tmp or /var/tmp is
+# mounted elsewhere in the container, where the service can see it.
+MOVED = Path("/srv/llmgw-test")
+
+
+def inside(path: Path) -> Path:
+    """Where ``path`` of this machine is in the container."""
+    if path.parts[1:2] == ("tmp",) or path.parts[1:3] == ("var", "tmp"):
+        return MOVED / path.relative_to("/")
+    return path
+
+
 @pytest.fixture
 def node(systemd_image: str) -> Iterator[Container]:
     if not DOCKER_SOCK.exists():
         unavailable(f"no {DOCKER_SOCK}: start dockerd (dockerd >/var/log/dockerd.log 2>&1 &)")
     volumes = [f"{DOCKER_SOCK}:{UPSTREAM}"]
-    volumes += [f"{p}:{p}:ro" for p in mounts()]
+    volumes += [f"{p}:{inside(p)}:ro" for p in mounts()]
     errors = []
     for variant in PRIVILEGE_VARIANTS:
         name = f"llmgw-pkgtest-{int(time.time())}-{uuid.uuid4().hex[:8]}"
@@ -101,19 +113,19 @@ def test_the_proxy_unit_serves_the_agent_s_group_only(node: Container) -> None:
     # One that already does is left alone: it may be a read-only mount itself (a checkout
     # whose .venv is mounted below it).
     for path in mounts():
-        for parent in path.parents:
+        for parent in inside(path).parents:
             c.sh(
                 f"[ ! -d {parent} ] || case $(stat -c %A {parent}) in *x) ;; "
                 f"*) chmod o+x {parent} ;; esac"
             )
     shipped = (ROOT / "systemd" / UNIT).read_text()
-    program = f"{sys.executable} -m llmgw"
+    program = f"{inside(Path(sys.executable))} -m llmgw"
     installed = shipped.replace("ExecStart=/usr/bin/llmgw ", f"ExecStart={program} ").replace(
         "--group llmgw-agent", f"--group llmgw-agent --upstream {UPSTREAM}"
     )
     assert installed.count(program) == 1 and installed.count(UPSTREAM) == 1
     c.sh(f"cat >/etc/systemd/system/{UNIT} <<'EOF'\n{installed}EOF")
-    dropin = ["[Service]", f"Environment=PYTHONPATH={ROOT}"]
+    dropin = ["[Service]", f"Environment=PYTHONPATH={inside(ROOT)}"]
     if any(str(p).startswith(("/root", "/home")) for p in mounts()):
         dropin.append("ProtectHome=no")  # this machine's interpreter lives there
     c.sh(f"mkdir -p /etc/systemd/system/{UNIT}.d")
