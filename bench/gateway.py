@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from llmgw.engines.sim import MAX_LENGTH, SimConfig, generate
+from llmgw.sim.server import MAX_LENGTH, SimConfig, generate
 
 T = TypeVar("T")
 

@@ -51,10 +51,11 @@ import aiohttp
 from llmgw.agent.runtimes import Handle, Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
-from llmgw.engines.launch import EngineSpec, build_command
-from llmgw.engines.rendezvous import JOINED, parse_addr
+from llmgw.engines.launch import build_command
+from llmgw.engines.spec import EngineSpec
 from llmgw.errors import EngineError, LlmgwError, ShardError
 from llmgw.log import kv
+from llmgw.sim.rendezvous import JOINED, parse_addr
 
 __all__ = [
     "DIED_WHILE_DOWN",

@@ -17,9 +17,9 @@ from llmgw.cli.cert import cert
 from llmgw.cli.common import echo_json, reports_errors, table
 from llmgw.cli.engine_check import engine_check
 from llmgw.client import ADMIN_PASSWORD_ENV, NEW_ADMIN_PASSWORD_ENV, AdminClient, find_target
-from llmgw.engines.base import engine_names
+from llmgw.contracts.catalog import load_catalog
+from llmgw.engines.registry import engine_names
 from llmgw.errors import ConfigError
-from llmgw.server.catalog import load_catalog
 
 __all__ = ["ctl"]
 

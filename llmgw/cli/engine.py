@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from llmgw.cli.common import reports_errors
-from llmgw.engines import sim as sim_engine
+from llmgw.sim import server as sim_engine
 
 __all__ = ["engine"]
 

@@ -12,7 +12,7 @@ Flags as the llama.cpp documentation gives them:
   here, so rank 0 gets the workers' addresses in ``EngineSpec.peers`` (the control plane's
   ``StartShard.worker_addrs``) and a worker binds its own ``EngineSpec.listen_addr``
   (``StartShard.listen_addr``) on its node's fabric or management address. Ports start
-  at ``WORKER_PORT``, ``rpc-server``'s default.
+  at the registry's ``worker_port``, ``rpc-server``'s default.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from llmgw.engines.launch import (
+from llmgw.engines.spec import (
     LOOPBACK,
     EngineCommand,
     EngineSpec,
@@ -38,7 +38,6 @@ PROGRAM = "llama-server"
 WORKER_PROGRAM = "rpc-server"
 HELP_ARGS = ("--help",)
 VERSION_ARGS = ("--version",)
-WORKER_PORT: int | None = 50052
 
 ALL_LAYERS = "999"
 """``--n-gpu-layers`` for "every layer": a count above any model's, which every llama.cpp

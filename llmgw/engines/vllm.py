@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from llmgw.engines.launch import (
+from llmgw.engines.spec import (
     LOOPBACK,
     EngineCommand,
     EngineSpec,
@@ -29,7 +29,6 @@ from llmgw.engines.launch import (
 
 NAME = "vllm"
 PROGRAM = "vllm"
-WORKER_PORT: int | None = None  # workers dial rank 0's dist-init address
 # `vllm serve --help` lists only the option groups; `--help=all` prints every flag
 # (vllm/entrypoints/cli/serve.py: "Use `--help=all` to show all available flags at once").
 HELP_ARGS = ("serve", "--help=all")

@@ -27,6 +27,7 @@ from llmgw.agent.inventory import inventory_dict
 from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.client import write_ctl_config
 from llmgw.config_util import format_hostport, parse_hostport
+from llmgw.contracts.catalog import profile_body_limit
 from llmgw.errors import ConfigError, LlmgwError, NotFound
 from llmgw.listener import GuardedSite
 from llmgw.log import kv
@@ -45,7 +46,6 @@ from llmgw.pki import (
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.bundles import BundleStore, add_bundle_routes
-from llmgw.server.catalog import profile_body_limit
 from llmgw.server.config import ServerConfig
 from llmgw.server.enroll import Enroller, EnrolmentServer
 from llmgw.server.enroll import server_ssl_context as enroll_ssl_context

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmgw.contracts.catalog import DEFAULT_PROFILE
 from llmgw.errors import Conflict, NotFound, StoreError, TokenError
 from llmgw.pki import validate_node_id
 
@@ -70,8 +71,6 @@ MAX_EVENT_SUBJECT = 255
 API_KEY_PREFIX = "sk-llmgw-"
 JOIN_TOKEN_PREFIX = "llmgwjt_"
 JOIN_TOKEN_KINDS: frozenset[str] = frozenset({"join", "rekey"})
-DEFAULT_PROFILE = "default"
-"""The profile a model deploys when none is named (the column's default)."""
 
 MIGRATIONS: list[str] = [
     # 1: initial schema

@@ -7,15 +7,9 @@ from dataclasses import replace
 import pytest
 
 from llmgw.engines import launch
-from llmgw.engines.launch import (
-    AVAILABLE_ENGINES,
-    EngineCommand,
-    EngineSpec,
-    build_argv,
-    build_command,
-    check_params,
-    self_argv,
-)
+from llmgw.engines.launch import build_argv, build_command, check_params, self_argv
+from llmgw.engines.registry import AVAILABLE_ENGINES
+from llmgw.engines.spec import EngineCommand, EngineSpec
 from llmgw.errors import EngineError
 
 TWO_GPUS = ("GPU-aaaa", "GPU-bbbb")

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.engines.sim import SimConfig, serve
 from llmgw.server.gateway import MAX_SSE_EVENT, StreamTokenCounter, openai_error
+from llmgw.sim.server import SimConfig, serve
 from llmgw.upstream import UpstreamProtocolError
 
 MODEL = "sim-counter"

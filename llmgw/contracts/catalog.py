@@ -9,7 +9,8 @@ each of its profiles; a profile's own sidecar of the same name replaces it). Eve
 and the profile: ``catalog.yaml: models.llama-3-8b.profiles.big.nodes: ...``.
 
 The same parser checks the file in ``llmgw ctl models apply`` and the body of
-``PUT /api/catalog`` on the control plane.
+``PUT /api/catalog`` on the control plane: a contract of both, so it imports neither
+``llmgw.server`` nor ``sqlite3``.
 """
 
 from __future__ import annotations
@@ -31,15 +32,13 @@ from llmgw.config_util import (
     type_name,
     unknown_key_message,
 )
-from llmgw.engines.base import engine_names
 from llmgw.engines.launch import check_params
+from llmgw.engines.registry import engine_names, get_engine, multi_node_engines
 from llmgw.errors import ConfigError, EngineError
-from llmgw.server.store import DEFAULT_PROFILE
 
 __all__ = [
     "DEFAULT_PROFILE",
     "MODEL_NAME",
-    "MULTI_NODE_ENGINES",
     "PLACEMENTS",
     "Catalog",
     "ModelSpec",
@@ -54,14 +53,15 @@ __all__ = [
     "profile_body_limit",
 ]
 
+DEFAULT_PROFILE = "default"
+"""The profile a model deploys when none is named (the store's column default, and the one
+profile of a model deployed without the catalog)."""
+
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 """Model names, as the admin API and the gateway's ``model`` field take them."""
 
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _PARAM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
-
-MULTI_NODE_ENGINES: frozenset[str] = frozenset({"vllm", "sglang", "llamacpp", "sim"})
-"""Engines with a form that spreads one replica over several nodes."""
 
 PLACEMENTS: tuple[str, ...] = ("binpack", "spread")
 
@@ -255,7 +255,7 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
     source = None
     if raw.get("source") is not None:
         source = _node_path(check, raw["source"], at("source"))
-    elif engine != "sim":
+    elif not get_engine(engine).builtin:
         check.fail(
             at("source"),
             f"is missing: engine {engine} needs the weights' path on the node, e.g. "
@@ -264,7 +264,7 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
 
     if "gpus" in raw:
         gpus = _whole(check, raw["gpus"], at("gpus"), minimum=0)
-    elif engine == "sim":
+    elif get_engine(engine).builtin:
         gpus = 0
     else:
         check.fail(
@@ -278,11 +278,11 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
             at("nodes"),
             f"{nodes} nodes need gpus >= 1 (multi-node replicas shard GPUs across nodes)",
         )
-    if nodes > 1 and engine not in MULTI_NODE_ENGINES:
+    if nodes > 1 and not get_engine(engine).multi_node:
         check.fail(
             at("nodes"),
             f"engine {engine} has no multi-node form; use nodes: 1 or one of "
-            f"{', '.join(sorted(MULTI_NODE_ENGINES))}",
+            f"{', '.join(multi_node_engines())}",
         )
 
     memory = None

@@ -24,10 +24,9 @@ import aiohttp
 import openai
 import pytest
 
-from llmgw.engines.base import ENGINES, engine_names
-from llmgw.engines.rendezvous import RendezvousError, parse_addr
-from llmgw.engines.sim import MAX_LENGTH, MIN_LENGTH, SimConfig, generate, serve
 from llmgw.errors import EngineError
+from llmgw.sim.rendezvous import RendezvousError, parse_addr
+from llmgw.sim.server import MAX_LENGTH, MIN_LENGTH, SimConfig, generate, serve
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL = "llmgw-sim"
@@ -104,13 +103,6 @@ def get(url: str) -> tuple[int, dict[str, Any]]:
 
 
 USER: Any = [{"role": "user", "content": "Tell me a short story about a river"}]
-
-
-# ------------------------------------------------------------------ engines.base
-
-
-def test_engine_names() -> None:
-    assert engine_names() == ENGINES == ("sim", "vllm", "sglang", "llamacpp")
 
 
 # ------------------------------------------------------------------ generate()
@@ -643,7 +635,7 @@ def test_serve_port_in_use() -> None:
 
 def test_run_logs_and_exits_cleanly_on_sigterm() -> None:
     code = (
-        "from llmgw.engines.sim import SimConfig, run\n"
+        "from llmgw.sim.server import SimConfig, run\n"
         "run(SimConfig(port=0, model='m1'))\n"
         "print('returned', flush=True)\n"
     )

@@ -5,13 +5,14 @@ from __future__ import annotations
 import copy
 import json
 import textwrap
+from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
 
-from llmgw.errors import ConfigError
-from llmgw.server.catalog import (
+from llmgw.contracts.catalog import (
     Catalog,
     ModelSpec,
     Profile,
@@ -24,6 +25,8 @@ from llmgw.server.catalog import (
     parse_profile,
     profile_body_limit,
 )
+from llmgw.engines import registry
+from llmgw.errors import ConfigError
 
 FULL = """\
 models:
@@ -345,6 +348,24 @@ def test_params_are_checked_against_the_engine() -> None:
     worse["models"]["s"]["profiles"]["fast"]["params"] = {"ttft_ms": "soon"}
     with pytest.raises(ConfigError, match="ttft_ms='soon' is not a valid float"):
         parse_catalog(worse, source="c")
+
+
+def test_an_engine_without_a_multi_node_form_is_refused_several_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check reads the registry's capability, so it fails for an engine whose builder
+    has no multi-node form (today every engine has one: one is made single-node here)."""
+    single = {n: replace(e, multi_node=n != "vllm") for n, e in registry.ENGINES.items()}
+    monkeypatch.setattr(registry, "ENGINES", MappingProxyType(single))
+    data = {"models": {"m": {"profiles": {"big": {**BASE, "engine": "vllm", "nodes": 2}}}}}
+    with pytest.raises(ConfigError) as info:
+        parse_catalog(data, source="c")
+    assert str(info.value) == (
+        "c: models.m.profiles.big.nodes: engine vllm has no multi-node form; use nodes: 1 or "
+        "one of llamacpp, sglang, sim"
+    )
+    data["models"]["m"]["profiles"]["big"]["nodes"] = 1
+    assert parse_catalog(data, source="c").models["m"].profiles["big"].nodes == 1
 
 
 def test_the_example_error_message() -> None:

@@ -19,8 +19,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from llmgw.engines.rendezvous import JOINED
-from llmgw.engines.sim import SimConfig, generate
+from llmgw.sim.rendezvous import JOINED
+from llmgw.sim.server import SimConfig, generate
 
 pytestmark = pytest.mark.timeout(90)
 
