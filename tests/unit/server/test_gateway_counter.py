@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmgw.http.errors import UpstreamProtocolError
 from llmgw.server.gateway import MAX_SSE_EVENT, StreamTokenCounter, openai_error
 from llmgw.sim.server import SimConfig, serve
-from llmgw.upstream import UpstreamProtocolError
 
 MODEL = "sim-counter"
 
