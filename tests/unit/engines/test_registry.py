@@ -8,6 +8,7 @@ from types import MappingProxyType
 
 import pytest
 
+from llmgw.cli.engine import engine as engine_group
 from llmgw.engines import registry
 from llmgw.engines.launch import build_command, engine_module, worker_port_base
 from llmgw.engines.registry import (
@@ -90,3 +91,14 @@ def test_an_engine_without_a_multi_node_form_is_refused_several_nodes(
     with pytest.raises(EngineError, match="engine sim has no multi-node form"):
         build_command(spec)
     assert build_command(replace(spec, nodes=1)).serves  # one node is still fine
+
+
+@pytest.mark.parametrize("name", [n for n, e in ENGINES.items() if e.builtin])
+def test_a_built_in_engine_is_a_command_of_llmgw_engine(name: str) -> None:
+    """A built-in engine's builder runs ``llmgw engine NAME``: the CLI must have it."""
+    assert engine_module(name).prefix("/opt/llmgw") == ["/opt/llmgw", "engine", name]
+    assert name in engine_group.commands
+
+
+def test_llmgw_engine_has_only_built_in_engines() -> None:
+    assert set(engine_group.commands) == {n for n, e in ENGINES.items() if e.builtin}
