@@ -20,7 +20,7 @@ from llmgw import __version__
 from llmgw.bodies import BodiesBusy, BodyIncomplete, BodyTimeout, BodyTooLarge, read_body
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.contracts.catalog import MODEL_NAME, adhoc_profile, parse_catalog, parse_profile
-from llmgw.engines.registry import engine_names
+from llmgw.engines.registry import engine_names, installable_engines
 from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound, PasswordError
 from llmgw.log import kv
 from llmgw.pki import check_node_id_free
@@ -39,7 +39,7 @@ ADMIN_MAX_BODY = 1024 * 1024
 
 log = logging.getLogger("llmgw.server.admin")
 
-_INSTALLABLE = ("llamacpp", "vllm", "sglang")
+_INSTALLABLE = installable_engines()
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
