@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -455,3 +457,15 @@ def test_parse_profile_reads_a_stored_profile_back() -> None:
     with pytest.raises(ConfigError) as info:
         parse_profile({"engine": "vllm"}, model="m", profile="big", source="state database")
     assert str(info.value).startswith("state database: models.m.profiles.big.source: is missing")
+
+
+def test_the_catalog_imports_neither_the_server_nor_sqlite3() -> None:
+    """``llmgw ctl`` checks catalog.yaml with this module: it is a contract, not the server's."""
+    probe = (
+        "import sys, llmgw.contracts.catalog\n"
+        "print(sorted(m for m in sys.modules if m == 'sqlite3' or m.startswith('llmgw.server')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]"
