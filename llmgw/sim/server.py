@@ -4,6 +4,7 @@ An OpenAI-compatible HTTP server that needs no GPU and no weights: it answers
 ``/v1/chat/completions`` and ``/v1/completions`` with words drawn from a fixed
 vocabulary, deterministically for a given (seed, prompt), at a configurable
 speed (``ttft_ms`` before the first token, ``tps`` tokens per second after it).
+The text comes from :mod:`llmgw.sim.generate`, the settings from :mod:`llmgw.sim.config`.
 It is what the tests run against and the baseline of the latency benchmark, so
 the request path is kept lean: everything that does not depend on the request
 is computed once in :func:`build_app`, and stream chunks are assembled from
@@ -17,16 +18,6 @@ Multi-node (``nodes`` > 1): the replica assembles over TCP first
 only once every worker has joined, so its ``/health`` answers only for a whole replica; it
 exits with an error naming the rank when a worker goes away. Workers serve nothing: they
 join, log ``rank R joined rank 0 at HOST:PORT``, and stay until rank 0 goes.
-
-Determinism: the seed is the request's ``seed`` or else :attr:`SimConfig.seed`;
-the generator is ``random.Random`` seeded with a BLAKE2b digest of the seed and
-the prompt text (chat: the message contents joined by newlines). It draws a
-length in [8, 64]; when that exceeds ``max_tokens`` exactly ``max_tokens`` tokens
-are emitted with finish reason ``length``, otherwise all of them with ``stop``.
-The first token is a capitalised word and every later one a space followed by a
-word, so the streamed deltas concatenate to the non-streamed text exactly.
-With ``n`` > 1, choice ``i`` > 0 uses a generator keyed on ``i`` as well;
-choice 0 is always what :func:`generate` returns.
 """
 
 from __future__ import annotations
@@ -34,12 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import json
 import logging
-import math
 import os
-import random
 import signal
 import sys
 import time
@@ -50,53 +38,17 @@ from typing import Any
 from aiohttp import web
 
 from llmgw.errors import EngineError
+from llmgw.sim.config import SimConfig, is_int
+from llmgw.sim.generate import TOKEN_JSON, draw
 from llmgw.sim.rendezvous import Leader, Worker, parse_addr
 
 log = logging.getLogger("llmgw.engine.sim")
-
-MIN_LENGTH = 8
-"""Fewest tokens a completion has when ``max_tokens`` does not cut it short."""
-MAX_LENGTH = 64
-"""Most tokens a completion has."""
 
 _MAX_N = 16
 _MAX_BODY_BYTES = 64 * 1024 * 1024
 _SHUTDOWN_GRACE_S = 5.0
 _DISCONNECT_POLL_S = 0.05
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-
-_WORDS: tuple[str, ...] = tuple(
-    dict.fromkeys(
-        """
-    the of and to in is was for that on with as by at from it be this are or
-    an have not which one all were they but had there when more time some can
-    about out many then them these so would other into has her two like him see
-    could no make than first been its who now people my made over did down only
-    way find use may water long little very after words called just where most
-    know get through back much before go good new write our used me man too any
-    day same right look think also around another came come work three word must
-    because does part even place well such here take why things help put years
-    different away again off went old number great tell men say small every found
-    still between name should home big give air line set own under read last
-    never us left end along while might next sound below saw something thought
-    both few those always looked show large often together asked house world
-    going want school important until form food keep children feet land side
-    without boy once animals life enough took sometimes four head above kind began
-    almost live page got earth need far hand high year mother light parts country
-    father let night following picture being study second eyes soon times story
-    boys since white days ever paper hard near sentence better best across during
-    today others however sure means knew try told young miles sun ways thing whole
-    hear example heard several change answer room sea against top turned learn
-    point city play toward five using himself usually river clear early ground
-    garden morning window quiet bright simple warm green stone bridge road valley
-    forest mountain signal engine model token stream server request answer cloud
-    river market letter music winter summer spring autumn circle square system
-    """.split()
-    )
-)
-_FIRST: tuple[str, ...] = tuple(w.capitalize() for w in _WORDS)
-_LATER: tuple[str, ...] = tuple(" " + w for w in _WORDS)
-_TOKEN_JSON: dict[str, str] = {t: json.dumps(t) for t in _FIRST + _LATER}
 
 _dumps = functools.partial(json.dumps, separators=(",", ":"))
 
@@ -106,128 +58,6 @@ _SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 _SSE_DONE = b"data: [DONE]\n\n"
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """Settings of one ``sim`` engine; invalid values raise :class:`EngineError`.
-
-    ``nodes`` > 1 makes it one shard of a multi-node replica: ``rank`` 0 binds
-    ``dist_init_addr`` (``HOST:PORT``) and workers (``rank`` > 0) dial it, for up to
-    ``join_timeout_s``; heartbeats go both ways every ``heartbeat_s`` and a peer silent for
-    ``peer_timeout_s`` is gone. ``dist_init_addr`` is ignored when ``nodes`` is 1.
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str = "llmgw-sim"
-    seed: int = 0
-    ttft_ms: float = 0.0
-    tps: float = 0.0
-    max_tokens: int = 32
-    nodes: int = 1
-    rank: int = 0
-    dist_init_addr: str = ""
-    join_timeout_s: float = 300.0
-    heartbeat_s: float = 1.0
-    peer_timeout_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.host, str) or not self.host:
-            raise EngineError(f"sim: host must be a non-empty string, got {self.host!r}")
-        if not _is_int(self.port) or not 0 <= self.port <= 65535:
-            raise EngineError(
-                f"sim: port must be an integer in 0..65535, got {self.port!r}; 0 picks a free port"
-            )
-        if not isinstance(self.model, str) or not self.model:
-            raise EngineError(f"sim: model must be a non-empty string, got {self.model!r}")
-        if not _is_int(self.seed):
-            raise EngineError(f"sim: seed must be an integer, got {self.seed!r}")
-        for name in ("ttft_ms", "tps"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value < 0
-            ):
-                raise EngineError(
-                    f"sim: {name} must be a finite number >= 0, got {value!r}; 0 means no delay"
-                )
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise EngineError(
-                f"sim: max_tokens must be a positive integer, got {self.max_tokens!r}"
-            )
-        if not _is_int(self.nodes) or self.nodes < 1:
-            raise EngineError(f"sim: nodes must be a positive integer, got {self.nodes!r}")
-        if not _is_int(self.rank) or not 0 <= self.rank < self.nodes:
-            raise EngineError(
-                f"sim: rank must be an integer in 0..{self.nodes - 1} for {self.nodes} node(s), "
-                f"got {self.rank!r}"
-            )
-        for name in ("join_timeout_s", "heartbeat_s", "peer_timeout_s"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise EngineError(f"sim: {name} must be a finite number > 0, got {value!r}")
-        if self.peer_timeout_s <= self.heartbeat_s:
-            raise EngineError(
-                f"sim: peer_timeout_s ({self.peer_timeout_s:g}) must exceed heartbeat_s "
-                f"({self.heartbeat_s:g}), or every peer would look silent"
-            )
-        if self.nodes > 1:
-            try:
-                parse_addr(self.dist_init_addr)
-            except ValueError as exc:
-                raise EngineError(
-                    f"sim: a replica of {self.nodes} nodes needs dist_init_addr HOST:PORT "
-                    f"(rank 0 binds it, workers dial it): {exc}"
-                ) from None
-
-    @property
-    def worker(self) -> bool:
-        """Whether this is a worker of a multi-node replica (it serves nothing)."""
-        return self.nodes > 1 and self.rank > 0
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# --------------------------------------------------------------------------- generation
-
-
-def _rng(seed: int, prompt: str, choice: int) -> random.Random:
-    material = f"{seed}\x00{choice}\x00{prompt}".encode("utf-8", "surrogatepass")
-    digest = hashlib.blake2b(material, digest_size=16).digest()
-    return random.Random(int.from_bytes(digest, "big"))
-
-
-def _generate(prompt: str, max_tokens: int, seed: int, choice: int = 0) -> tuple[list[str], str]:
-    rng = _rng(seed, prompt, choice)
-    length = rng.randint(MIN_LENGTH, MAX_LENGTH)
-    count = min(length, max_tokens)
-    tokens = [_FIRST[rng.randrange(len(_FIRST))]]
-    tokens += rng.choices(_LATER, k=count - 1)
-    return tokens, ("length" if length > max_tokens else "stop")
-
-
-def generate(
-    cfg: SimConfig, prompt: str, *, max_tokens: int, seed: int | None
-) -> tuple[list[str], str]:
-    """The tokens the engine emits for ``prompt`` and the finish reason.
-
-    ``seed`` None means ``cfg.seed``. ``"".join(tokens)`` is the completion text.
-    """
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise EngineError(f"sim: max_tokens must be a positive integer, got {max_tokens!r}")
-    if seed is not None and not _is_int(seed):
-        raise EngineError(f"sim: seed must be an integer or None, got {seed!r}")
-    return _generate(prompt, max_tokens, cfg.seed if seed is None else seed)
 
 
 # --------------------------------------------------------------------------- request parsing
@@ -333,7 +163,7 @@ def _positive_int(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise _BadRequest(f"'{name}' must be a positive integer, got {value!r}", name)
     return int(value)
 
@@ -348,7 +178,7 @@ def _options(body: dict[str, Any], cfg: SimConfig, *, chat: bool) -> _Options:
     seed = body.get("seed")
     if seed is None:
         seed = cfg.seed
-    elif not _is_int(seed):
+    elif not is_int(seed):
         raise _BadRequest(f"'seed' must be an integer, got {seed!r}", "seed")
 
     n = _positive_int(body, "n") or 1
@@ -440,9 +270,7 @@ class _Handlers:
             return _error_response(e.status, e.message, e.param, e.code)
 
         jobs = [
-            _generate(prompt, opts.max_tokens, opts.seed, j)
-            for prompt in prompts
-            for j in range(opts.n)
+            draw(prompt, opts.max_tokens, opts.seed, j) for prompt in prompts for j in range(opts.n)
         ]
         prompt_tokens = sum(len(p.split()) for p in prompts)
         completion_tokens = sum(len(tokens) for tokens, _ in jobs)
@@ -574,9 +402,7 @@ class _Handlers:
                     if k < len(tokens):
                         token = tokens[k]
                         events.append(
-                            token_pre[i]
-                            + (_TOKEN_JSON.get(token) or json.dumps(token))
-                            + token_post
+                            token_pre[i] + (TOKEN_JSON.get(token) or json.dumps(token)) + token_post
                         )
                         if k == len(tokens) - 1:
                             events.append(finish_pre[i] + finish + finish_post)
@@ -766,4 +592,4 @@ def run(cfg: SimConfig) -> None:
     asyncio.run(_serve_until_signalled(cfg))
 
 
-__all__ = ["MAX_LENGTH", "MIN_LENGTH", "SimConfig", "build_app", "generate", "run", "serve"]
+__all__ = ["build_app", "run", "serve"]

@@ -38,8 +38,9 @@ from llmgw.agent.sidecars import (
 from llmgw.agent.stream import StreamClient
 from llmgw.errors import ShardError
 from llmgw.proto import control_pb2 as pb
+from llmgw.sim.config import SimConfig
+from llmgw.sim.generate import generate
 from llmgw.sim.rendezvous import JOINED
-from llmgw.sim.server import SimConfig, generate
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from llmgw.http.errors import UpstreamProtocolError
 from llmgw.server.gateway import MAX_SSE_EVENT, StreamTokenCounter, openai_error
-from llmgw.sim.server import SimConfig, serve
+from llmgw.sim.config import SimConfig
+from llmgw.sim.server import serve
 
 MODEL = "sim-counter"
 

@@ -19,8 +19,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from llmgw.sim.config import SimConfig
+from llmgw.sim.generate import generate
 from llmgw.sim.rendezvous import JOINED
-from llmgw.sim.server import SimConfig, generate
 
 pytestmark = pytest.mark.timeout(90)
 
