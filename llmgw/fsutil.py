@@ -49,6 +49,7 @@ __all__ = [
     "create_file",
     "fsync_dir",
     "list_archive",
+    "path_problem",
     "stage_file",
     "unpack_archive",
     "write_private",
@@ -244,8 +245,9 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def _name_problem(name: str) -> str | None:
-    """Why a member cannot be unpacked below the destination, judged on its name alone."""
+def path_problem(name: str) -> str | None:
+    """Why ``name`` (an archive member, a path in a manifest) cannot be used as a relative
+    path below a folder, judged on the name alone; None when it can."""
     if not name:
         return "has an empty name"
     if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name):
@@ -286,7 +288,7 @@ class _Checker:
                 f"it has more than {limit} members", code="too_many", reason=f"over {limit}"
             )
         name = member.name
-        problem = _name_problem(name)
+        problem = path_problem(name)
         if problem:
             raise _unsafe(name, problem)
         if self.policy.single_top:
@@ -467,6 +469,8 @@ def unpack_archive(
 
 def _on_disk(member: Member, root: str, path: str, place: str) -> None:
     """Re-check against what is already unpacked: symlinks unpacked earlier are followed."""
+    if path == root:
+        return  # the destination itself (``.``): a folder, checked on its name
     parent = os.path.realpath(os.path.dirname(path))
     if not _inside(parent, root) or not _inside(os.path.realpath(path), root):
         raise _unsafe(member.name, f"would land outside the {place} through a symlink in it")

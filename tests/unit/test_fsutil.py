@@ -216,6 +216,20 @@ def test_tar_unpacks_files_dirs_and_links_with_safe_modes(tmp_path: Path) -> Non
     assert os.stat(root / "lib.so").st_mtime == 1_600_000_000
 
 
+def test_a_tar_made_of_dot_unpacks_into_the_destination(tmp_path: Path) -> None:
+    archive = tarball(
+        tmp_path / "a.tar",
+        [
+            entry(".", kind=tarfile.DIRTYPE, perm=0o755),
+            entry("./bin", kind=tarfile.DIRTYPE),
+            entry("./bin/x", b"x", perm=0o755),
+        ],
+        fmt="w",
+    )
+    dest = unpack(tmp_path, archive)
+    assert (dest / "bin" / "x").read_bytes() == b"x"
+
+
 def test_list_archive_checks_without_writing(tmp_path: Path) -> None:
     archive = tarball(tmp_path / "a.tar", [entry("top/f", b"abc")], fmt="w")
     members = fsutil.list_archive(archive, kind="tar", policy=STRICT)
