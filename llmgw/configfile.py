@@ -3,7 +3,8 @@
 
 A YAML loader that refuses a key given twice and whose errors carry the file and line,
 dotted overrides, sizes in binary units, and a :class:`Checker` whose every error names the
-dotted key path and the file (``host:port`` values through llmgw.netaddr).
+dotted key path and the file (``host:port`` values through llmgw.netaddr, durations through
+llmgw.durations).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import NoReturn
 
 import yaml
 
+from llmgw.durations import parse_duration
 from llmgw.errors import ConfigError
 from llmgw.netaddr import format_hostport, parse_hostport
 
@@ -278,6 +280,14 @@ class Checker:
         elif maximum is not None and number > maximum:
             self.fail(key, f"must be at most {maximum:g}, got {value!r}")
         return number
+
+    def duration(self, value: object, key: str) -> float:
+        """Seconds, in the one duration syntax (llmgw.durations): ``90``, ``500ms``, ``30s``,
+        ``5m``, ``2h``, ``30d``."""
+        try:
+            return parse_duration(value)
+        except ConfigError as exc:
+            self.fail(key, exc.message)
 
     def size(self, value: object, key: str, *, minimum: int = 1, maximum: int | None = None) -> int:
         """Bytes (see :func:`parse_size`) within ``[minimum, maximum]``."""

@@ -49,6 +49,7 @@ __all__ = [
     "create_file",
     "fsync_dir",
     "list_archive",
+    "make_dir",
     "path_problem",
     "stage_file",
     "unpack_archive",
@@ -95,6 +96,24 @@ def fsync_dir(directory: Path | str | int) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def make_dir(directory: Path | str, *, mode: int = 0o700, tighten: bool = False) -> None:
+    """Create ``directory`` (and its parents) with exactly ``mode`` when it is missing; with
+    ``tighten`` also chmod an existing one to ``mode``. FileError if it cannot be done."""
+    path = Path(directory)
+    try:
+        if not path.is_dir():
+            path.mkdir(mode=mode, parents=True, exist_ok=True)
+            os.chmod(path, mode)  # the umask may have removed bits; make it exact
+        elif tighten and stat.S_IMODE(path.stat().st_mode) != mode:
+            os.chmod(path, mode)
+    except OSError as exc:
+        raise FileError(
+            f"cannot create directory {path}: {exc.strerror or exc}; create it (mode "
+            f"{mode:04o}) or choose another directory",
+            path=str(path),
+        ) from exc
 
 
 def _write_error(path: Path | str, exc: OSError, hint: str) -> FileError:

@@ -62,8 +62,15 @@ from cryptography.hazmat.primitives.asymmetric.types import (
 )
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from llmgw.errors import CertificateError, ConfigError, CSRError, NoAuthority, PKIError
-from llmgw.fsutil import atomic_write, write_private
+from llmgw.errors import (
+    CertificateError,
+    ConfigError,
+    CSRError,
+    FileError,
+    NoAuthority,
+    PKIError,
+)
+from llmgw.fsutil import atomic_write, make_dir, write_private
 from llmgw.netaddr import (
     CONTROL_PLANE_NAME,
     LOOPBACK_HOSTS,
@@ -237,16 +244,9 @@ def _write_public_if_changed(path: Path, data: bytes) -> None:
 def _make_dir(directory: Path, *, tighten: bool) -> None:
     """Create ``directory`` 0700 if missing; with ``tighten`` also chmod an existing one to 0700."""
     try:
-        if not directory.is_dir():
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(directory, 0o700)
-        elif tighten and (directory.stat().st_mode & 0o777) != 0o700:
-            os.chmod(directory, 0o700)
-    except OSError as e:
-        raise PKIError(
-            f"cannot create directory {directory}: {e.strerror or e}; "
-            "create it (mode 0700) or choose another directory"
-        ) from e
+        make_dir(directory, mode=0o700, tighten=tighten)
+    except FileError as e:
+        raise PKIError(e.message) from e
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ from llmgw.errors import (
     PinMismatch,
     TokenError,
 )
-from llmgw.fsutil import create_file, fsync_dir, stage_file
+from llmgw.fsutil import create_file, fsync_dir, make_dir, stage_file
 from llmgw.netaddr import format_hostport, parse_hostport
 
 __all__ = [
@@ -536,15 +536,12 @@ def _check_answer(
 
 
 def _make_dir(directory: Path, mode: int) -> None:
-    if directory.is_dir():
-        return
     try:
-        directory.mkdir(mode=mode, parents=True, exist_ok=True)
-        os.chmod(directory, mode)
-    except OSError as exc:
+        make_dir(directory, mode=mode)
+    except FileError as exc:
+        reason = exc.__cause__.strerror if isinstance(exc.__cause__, OSError) else exc
         raise EnrolmentError(
-            f"cannot create {directory}: {exc.strerror or exc}; run as root (sudo)",
-            code="not_writable",
+            f"cannot create {directory}: {reason}; run as root (sudo)", code="not_writable"
         ) from exc
 
 

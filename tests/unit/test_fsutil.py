@@ -126,6 +126,20 @@ def test_create_file_never_replaces(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["agent.yaml"]
 
 
+def test_make_dir_sets_the_mode_and_tightens_on_request(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b"
+    fsutil.make_dir(target, mode=0o750)
+    assert mode(target) == 0o750
+    target.chmod(0o777)
+    fsutil.make_dir(target)  # exists: left alone
+    assert mode(target) == 0o777
+    fsutil.make_dir(target, tighten=True)
+    assert mode(target) == 0o700
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileError, match=r"cannot create directory .*file/sub.*mode 0700"):
+        fsutil.make_dir(tmp_path / "file" / "sub")
+
+
 def test_fsync_dir_never_raises(tmp_path: Path) -> None:
     fsutil.fsync_dir(tmp_path)
     fsutil.fsync_dir(tmp_path / "missing")
