@@ -299,14 +299,14 @@ class _Checker:
     def special(self, name: str, what: str) -> ArchiveError:
         return _unsafe(name, f"{what}, not {self.allowed}")
 
-    def check(self, member: Member) -> None:
+    def check_name(self, name: str, *, is_dir: bool) -> None:
+        """The checks of a member's place, made before its kind is looked at."""
         self.count += 1
         limit = self.policy.max_members
         if limit is not None and self.count > limit:
             raise ArchiveError(
                 f"it has more than {limit} members", code="too_many", reason=f"over {limit}"
             )
-        name = member.name
         problem = path_problem(name)
         if problem:
             raise _unsafe(name, problem)
@@ -318,8 +318,12 @@ class _Checker:
         target = os.path.normpath(os.path.join(self.root, name))
         if not _inside(target, self.root):
             raise _unsafe(name, f"would land outside the {self.place}")
-        if target == self.root and member.kind != "dir":
+        if target == self.root and not is_dir:
             raise _unsafe(name, f"would replace the {self.place} itself")
+
+    def check(self, member: Member) -> None:
+        """The checks of a member of an allowed kind: its link, its size."""
+        target = os.path.normpath(os.path.join(self.root, member.name))
         if member.kind in ("symlink", "hardlink"):
             self._check_link(member)
         if member.kind == "file":
@@ -414,11 +418,14 @@ def _members(
     result: list[tuple[Member, tarfile.TarInfo | zipfile.ZipInfo]] = []
     if isinstance(handle, zipfile.ZipFile):
         for zinfo in handle.infolist():
+            is_dir = zinfo.is_dir() or stat.S_ISDIR(zinfo.external_attr >> 16)
+            checker.check_name(zinfo.filename, is_dir=is_dir)
             member = _zip_member(handle, zinfo, checker)
             checker.check(member)
             result.append((member, zinfo))
     else:
         for tinfo in handle:  # one at a time: a bomb of headers stops at max_members
+            checker.check_name(tinfo.name, is_dir=tinfo.isdir())
             member = _tar_member(tinfo, checker)
             checker.check(member)
             result.append((member, tinfo))

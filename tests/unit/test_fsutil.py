@@ -302,6 +302,11 @@ def test_unsafe_tar_members_are_refused_before_anything_is_written(
     assert not os.path.lexists("/tmp/llmgw-abs-evil")
 
 
+def test_the_name_is_judged_before_the_kind(tmp_path: Path) -> None:
+    archive = tarball(tmp_path / "a.tar", [entry("/dev/evil", kind=tarfile.CHRTYPE)], fmt="w")
+    assert refused(tmp_path, archive).reason == "has an absolute path"
+
+
 def test_a_symlink_chain_escaping_through_an_earlier_link_is_refused(tmp_path: Path) -> None:
     # Each link looks inside on its own; followed on disk, "e" is the folder's parent.
     archive = tarball(
