@@ -21,12 +21,10 @@ from llmgw.bodies import (
     DEFAULT_UPSTREAM_IDLE_TIMEOUT,
     parse_body_limits,
 )
-from llmgw.config_util import (
+from llmgw.configfile import (
     Checker,
     apply_overrides,
-    format_hostport,
     index_key,
-    is_ip_address,
     join_key,
     load_yaml,
     type_name,
@@ -34,6 +32,7 @@ from llmgw.config_util import (
 )
 from llmgw.engines.registry import ENGINES, engine_names
 from llmgw.listener import ListenerLimits, parse_listener_limits
+from llmgw.netaddr import format_hostport, is_ip_address
 
 DEFAULT_AGENT_CONFIG = Path("/etc/llmgw/agent.yaml")
 DEFAULT_GRPC_PORT = 7443

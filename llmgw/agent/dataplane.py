@@ -40,12 +40,12 @@ from llmgw.bodies import (
     read_body,
     return_large_buffers,
 )
-from llmgw.config_util import parse_hostport
 from llmgw.errors import CertificateError
 from llmgw.http.errors import UpstreamError
 from llmgw.http.pool import UpstreamPool
 from llmgw.http.relay import NOT_PROCESSED, relay
 from llmgw.listener import GuardedSite, ListenerLimits
+from llmgw.netaddr import parse_hostport
 from llmgw.pki import control_plane_problem
 
 __all__ = ["DataPlane", "server_ssl_context"]

@@ -30,7 +30,7 @@ from llmgw.bodies import (
     BodyTooLarge,
     read_body,
 )
-from llmgw.config_util import format_size, parse_hostport
+from llmgw.configfile import format_size
 from llmgw.errors import ConfigError
 from llmgw.http.errors import (
     UpstreamConnectError,
@@ -41,6 +41,7 @@ from llmgw.http.errors import (
 from llmgw.http.pool import UpstreamPool
 from llmgw.http.relay import NOT_PROCESSED, STREAM_ERROR, relay
 from llmgw.log import kv
+from llmgw.netaddr import parse_hostport
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.routing import Endpoint
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from llmgw.contracts.catalog import DEFAULT_PROFILE
 from llmgw.errors import Conflict, NotFound, StoreError, TokenError
-from llmgw.pki import validate_node_id
+from llmgw.netaddr import validate_node_id
 
 __all__ = [
     "DEFAULT_PROFILE",
