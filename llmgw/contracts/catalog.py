@@ -15,7 +15,6 @@ The same parser checks the file in ``llmgw ctl models apply`` and the body of
 
 from __future__ import annotations
 
-import math
 import re
 import urllib.parse
 from collections.abc import Mapping
@@ -47,7 +46,6 @@ __all__ = [
     "adhoc_profile",
     "load_catalog",
     "parse_catalog",
-    "parse_duration",
     "parse_memory_mib",
     "parse_profile",
     "profile_body_limit",
@@ -84,8 +82,6 @@ _PROFILE_KEYS = (
 )
 _SIDECAR_KEYS = ("name", "command", "health", "timeout", "ready_after")
 
-_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _MEMORY_UNITS = {"mib": 1, "gib": 1024, "tib": 1024 * 1024}
 
 
@@ -401,33 +397,18 @@ def _sidecar(check: Checker, value: object, key: str) -> Sidecar:
         health = _url(check, raw["health"], at("health"))
     timeout = 60.0
     if raw.get("timeout") is not None:
-        timeout = _duration(check, raw["timeout"], at("timeout"))
+        timeout = check.duration(raw["timeout"], at("timeout"))
         if timeout <= 0:
             check.fail(at("timeout"), "must be more than 0 s")
     ready_after = 2.0
     if raw.get("ready_after") is not None:
-        ready_after = _duration(check, raw["ready_after"], at("ready_after"))
+        ready_after = check.duration(raw["ready_after"], at("ready_after"))
     return Sidecar(
         name=name, command=command, health=health, timeout_s=timeout, ready_after_s=ready_after
     )
 
 
 # --- values --------------------------------------------------------------------------------
-
-
-def parse_duration(value: object) -> float:
-    """Seconds from a number of seconds or a string like '500ms', '2s', '5m', '1h'.
-
-    Raises :class:`ConfigError` without key or file; :func:`parse_catalog` adds them."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := _DURATION.fullmatch(value.strip())):
-        seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-    else:
-        raise ConfigError(f"must be seconds or a duration like 500ms, 2s, 5m, 1h; got {value!r}")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(f"must be a duration of 0 s or more, got {value!r}")
-    return seconds
 
 
 def parse_memory_mib(value: object) -> int:
@@ -521,13 +502,6 @@ def _url(check: Checker, value: object, key: str) -> str:
     except ValueError:
         check.fail(key, f"{text!r} has an invalid port")
     return text
-
-
-def _duration(check: Checker, value: object, key: str) -> float:
-    try:
-        return parse_duration(value)
-    except ConfigError as exc:
-        _relay(check, key, exc)
 
 
 def _memory(check: Checker, value: object, key: str) -> int:

@@ -22,7 +22,6 @@ from llmgw.contracts.catalog import (
     adhoc_profile,
     load_catalog,
     parse_catalog,
-    parse_duration,
     parse_memory_mib,
     parse_profile,
     profile_body_limit,
@@ -186,18 +185,34 @@ def test_adhoc_profile_is_a_valid_default_profile() -> None:
     assert parsed.models["m"].profiles["default"].to_dict() == stored
 
 
+def _sidecar_timeout(value: object) -> float:
+    """A sidecar's ``timeout`` as the catalog reads it (llmgw.durations' one syntax)."""
+    sidecar = {"name": "tok", "command": ["tok"], "timeout": value}
+    data = {"models": {"m": {"profiles": {"p": {"engine": "sim", "sidecars": [sidecar]}}}}}
+    return parse_catalog(data, source="c").models["m"].profiles["p"].sidecars[0].timeout_s
+
+
 @pytest.mark.parametrize(
     ("text", "seconds"),
     [(60, 60.0), (1.5, 1.5), ("60s", 60.0), ("500ms", 0.5), ("5m", 300.0), ("1h", 3600.0)],
 )
 def test_durations(text: object, seconds: float) -> None:
-    assert parse_duration(text) == seconds
+    assert _sidecar_timeout(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["60", "1d", "-1s", "s", "1 h", True, None, [1]])
+@pytest.mark.parametrize(("text", "seconds"), [("30d", 30 * 86400.0), ("90", 90.0)])
+def test_durations_have_the_one_syntax_of_every_setting(text: str, seconds: float) -> None:
+    """Until the durations were unified, catalog.yaml refused "30d" (valid in server.yaml)
+    and a unit-less string; both are read as everywhere else now."""
+    assert _sidecar_timeout(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["-1s", "s", "1 h", "1w", True, [1]])
 def test_bad_durations(text: object) -> None:
-    with pytest.raises(ConfigError, match="duration"):
-        parse_duration(text)
+    with pytest.raises(
+        ConfigError, match=r"^c: models\.m\.profiles\.p\.sidecars\[0\]\.timeout: .*duration"
+    ):
+        _sidecar_timeout(text)
 
 
 @pytest.mark.parametrize(
@@ -301,7 +316,7 @@ INVALID_PROFILES: list[tuple[dict[str, Any], str, str]] = [
     (
         {"sidecars": [{"name": "tok", "command": ["tok"], "timeout": "forever"}]},
         f"{P}.sidecars[0].timeout",
-        "duration like 500ms, 2s, 5m, 1h",
+        "a duration like 500ms, 30s, 5m, 2h or 30d",
     ),
     (
         {"sidecars": [{"name": "tok", "command": ["tok"], "timeout": 0}]},
