@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from llmgw.engines.registry import get_engine
-from llmgw.engines.spec import EngineCommand, EngineModule, EngineSpec, Param, split_hostport
+from llmgw.engines.spec import EngineCommand, EngineModule, EngineSpec, Param, rendezvous_addr
 from llmgw.errors import EngineError
 
 __all__ = [
@@ -132,4 +132,4 @@ def _check_shape(spec: EngineSpec) -> None:
             raise EngineError(
                 f"a {spec.nodes}-node replica needs dist_init_addr (rank 0's host:port)"
             )
-        split_hostport(spec.dist_init_addr, "dist_init_addr")
+        rendezvous_addr(spec.dist_init_addr, "dist_init_addr")

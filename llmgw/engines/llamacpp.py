@@ -28,7 +28,7 @@ from llmgw.engines.spec import (
     Param,
     gpu_env,
     param_flags,
-    split_hostport,
+    rendezvous_addr,
     weights,
 )
 from llmgw.errors import EngineError
@@ -78,7 +78,7 @@ def build(spec: EngineSpec) -> EngineCommand:
                 f"plane's worker_addrs), got {len(spec.peers)}"
             )
         for peer in spec.peers:
-            split_hostport(peer, "llama.cpp rpc-server address")
+            rendezvous_addr(peer, "llama.cpp rpc-server address")
     model = weights(spec)
     if not model:
         raise EngineError(
@@ -112,6 +112,6 @@ def _worker(spec: EngineSpec) -> EngineCommand:
             f"worker rank {spec.rank} of a {spec.nodes}-node llama.cpp replica needs the "
             "host:port its rpc-server binds (the control plane's listen_addr)"
         )
-    host, port = split_hostport(addr, "llama.cpp rpc-server address")
+    host, port = rendezvous_addr(addr, "llama.cpp rpc-server address")
     argv = [worker_program(spec.binary), "--host", host, "--port", str(port)]
     return EngineCommand(argv=argv, env=gpu_env(spec), serves=False, health_path="")

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
-from llmgw.errors import EngineError
+from llmgw.errors import ConfigError, EngineError
+from llmgw.netaddr import parse_hostport
 
 __all__ = [
     "LOOPBACK",
@@ -28,7 +29,7 @@ __all__ = [
     "Param",
     "gpu_env",
     "param_flags",
-    "split_hostport",
+    "rendezvous_addr",
     "weights",
 ]
 
@@ -117,16 +118,16 @@ class EngineModule(Protocol):
     def build(self, spec: EngineSpec) -> EngineCommand: ...
 
 
-def split_hostport(value: str, what: str) -> tuple[str, int]:
-    """``(host, port)`` of ``host:port`` (``[v6]:port`` too); EngineError says what is wrong."""
-    host, sep, port_text = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+def rendezvous_addr(value: str, what: str) -> tuple[str, int]:
+    """``(host, port)`` of a multi-node rendezvous address (``host:port``, ``[v6]:port``),
+    read by :func:`llmgw.netaddr.parse_hostport`; EngineError says what is wrong."""
+    try:
+        return parse_hostport(value)
+    except ConfigError as exc:
         raise EngineError(
-            f"{what} {value!r} is not host:port (e.g. 10.0.0.1:29500, [fd00::1]:29500)"
-        )
-    return host, int(port_text)
+            f"{what} {value!r} is not host:port (e.g. 10.0.0.1:29500, [fd00::1]:29500): "
+            f"{exc.message}"
+        ) from None
 
 
 def gpu_env(spec: EngineSpec) -> dict[str, str]:

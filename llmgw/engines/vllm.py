@@ -23,7 +23,7 @@ from llmgw.engines.spec import (
     Param,
     gpu_env,
     param_flags,
-    split_hostport,
+    rendezvous_addr,
     weights,
 )
 
@@ -66,7 +66,7 @@ def build(spec: EngineSpec) -> EngineCommand:
     # parallelism page recommends for multi-node).
     argv += ["--tensor-parallel-size", str(max(1, len(spec.gpus)))]
     if spec.multi_node:
-        host, port = split_hostport(spec.dist_init_addr, "dist_init_addr")
+        host, port = rendezvous_addr(spec.dist_init_addr, "dist_init_addr")
         argv += ["--pipeline-parallel-size", str(spec.nodes)]
         argv += ["--nnodes", str(spec.nodes), "--node-rank", str(spec.rank)]
         argv += ["--master-addr", host, "--master-port", str(port)]

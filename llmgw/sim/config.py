@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from llmgw.errors import EngineError
-from llmgw.sim.rendezvous import parse_addr
+from llmgw.errors import ConfigError, EngineError
+from llmgw.netaddr import parse_hostport
 
 __all__ = ["SimConfig", "is_int"]
 
@@ -84,8 +84,8 @@ class SimConfig:
             )
         if self.nodes > 1:
             try:
-                parse_addr(self.dist_init_addr)
-            except ValueError as exc:
+                parse_hostport(self.dist_init_addr)
+            except ConfigError as exc:
                 raise EngineError(
                     f"sim: a replica of {self.nodes} nodes needs dist_init_addr HOST:PORT "
                     f"(rank 0 binds it, workers dial it): {exc}"

@@ -38,9 +38,10 @@ from typing import Any
 from aiohttp import web
 
 from llmgw.errors import EngineError
+from llmgw.netaddr import parse_hostport
 from llmgw.sim.config import SimConfig, is_int
 from llmgw.sim.generate import TOKEN_JSON, draw
-from llmgw.sim.rendezvous import Leader, Worker, parse_addr
+from llmgw.sim.rendezvous import Leader, Worker
 
 log = logging.getLogger("llmgw.engine.sim")
 
@@ -460,7 +461,7 @@ async def serve(
         return
     leader: Leader | None = None
     if cfg.nodes > 1:
-        host, dist_port = parse_addr(cfg.dist_init_addr)
+        host, dist_port = parse_hostport(cfg.dist_init_addr)
         leader = Leader(
             host,
             dist_port,
@@ -485,7 +486,7 @@ async def serve(
 
 
 async def _work(cfg: SimConfig, ready: asyncio.Event | None) -> None:
-    host, port = parse_addr(cfg.dist_init_addr)
+    host, port = parse_hostport(cfg.dist_init_addr)
     worker = Worker(
         host,
         port,

@@ -518,6 +518,9 @@ def test_extra_args_come_last_on_rank0(engine: str) -> None:
         ({"nodes": 2, "dist_init_addr": "10.0.0.1"}, "host:port"),
         ({"nodes": 2, "dist_init_addr": "10.0.0.1:99999"}, "host:port"),
         ({"nodes": 2, "dist_init_addr": ":29500"}, "host:port"),
+        # One host:port syntax (llmgw.netaddr): IPv6 in brackets, hosts that are names.
+        ({"nodes": 2, "dist_init_addr": "fd00::1:29500"}, "needs brackets"),
+        ({"nodes": 2, "dist_init_addr": "bad host:29500"}, "not a valid host name"),
         ({"nodes": 2, "rank": 2}, r"rank 2 is not in 0\.\.1"),
         ({"nodes": 0}, "nodes must be at least 1"),
         ({"port": 0}, "port 0"),

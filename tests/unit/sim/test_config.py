@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from llmgw.errors import EngineError
+from llmgw.netaddr import parse_hostport
 from llmgw.sim.config import SimConfig
-from llmgw.sim.rendezvous import parse_addr
 
 
 @pytest.mark.parametrize(
@@ -28,8 +28,8 @@ def test_config_validation(field: str, value: Any) -> None:
         ({"rank": 1}, r"rank must be an integer in 0\.\.0"),
         ({"nodes": 3, "rank": 3, "dist_init_addr": "h:1"}, r"rank must be an integer in 0\.\.2"),
         ({"nodes": 2}, "needs dist_init_addr HOST:PORT"),
-        ({"nodes": 2, "dist_init_addr": "h:0"}, "port in 1..65535"),
-        ({"nodes": 2, "dist_init_addr": ":80"}, "is not HOST:PORT"),
+        ({"nodes": 2, "dist_init_addr": "h:0"}, "must be a number from 1 to 65535"),
+        ({"nodes": 2, "dist_init_addr": ":80"}, "has no host"),
         ({"join_timeout_s": 0}, "join_timeout_s must be"),
         ({"heartbeat_s": float("inf")}, "heartbeat_s must be"),
         ({"heartbeat_s": 2.0, "peer_timeout_s": 2.0}, "must exceed heartbeat_s"),
@@ -47,5 +47,5 @@ def test_config_multi_node_defaults_and_ipv6() -> None:
     assert SimConfig(dist_init_addr="ignored").dist_init_addr == "ignored"  # nodes 1
     assert not SimConfig(nodes=2, dist_init_addr="10.0.0.1:29500").worker
     assert SimConfig(nodes=2, rank=1, dist_init_addr="[fd00::1]:29500").worker
-    assert parse_addr("[fd00::1]:29500") == ("fd00::1", 29500)
-    assert parse_addr("node-1.fabric:1") == ("node-1.fabric", 1)
+    assert parse_hostport("[fd00::1]:29500") == ("fd00::1", 29500)
+    assert parse_hostport("node-1.fabric:1") == ("node-1.fabric", 1)
