@@ -435,5 +435,7 @@ def test_listener_timeouts_read_the_one_duration_syntax() -> None:
         120.0,
         30.0,
     )
-    with pytest.raises(ConfigError, match="listeners.body_timeout"):
-        parse_listener_limits(Checker(file="server.yaml", base_dir=Path("/")), {"body_timeout": "11m"}, "listeners")
+    with pytest.raises(ConfigError, match=r"listeners\.body_timeout"):
+        parse_listener_limits(
+            Checker(file="server.yaml", base_dir=Path("/")), {"body_timeout": "11m"}, "listeners"
+        )
