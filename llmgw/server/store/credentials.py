@@ -10,6 +10,7 @@ from typing import Any
 
 from llmgw.errors import Conflict, NotFound
 from llmgw.server import tokens
+from llmgw.server.states import TokenKind
 from llmgw.server.store.database import Database
 from llmgw.server.store.rows import ApiKey, Certificate, join_token_from_row
 from llmgw.server.tokens import JoinToken
@@ -25,6 +26,8 @@ def hash_api_key(secret: str) -> str:
 
 
 class ApiKeys:
+    """The gateway's API keys: a secret shown once, its hash kept, revoked but never deleted."""
+
     def __init__(self, db: Database) -> None:
         self._db = db
 
@@ -113,7 +116,7 @@ class JoinTokens:
         self,
         node_id: str,
         *,
-        kind: str = "join",
+        kind: str = TokenKind.JOIN,
         ttl: float,
         node_uid: str | None = None,
         require_approval: bool = False,

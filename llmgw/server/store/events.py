@@ -22,6 +22,8 @@ MAX_EVENT_SUBJECT = 255
 
 
 class Events:
+    """The event log, bounded in count and size."""
+
     def __init__(self, db: Database) -> None:
         self._db = db
         self.trim_every = 100

@@ -27,6 +27,8 @@ SHARD_FIELDS: frozenset[str] = frozenset(
 
 
 class Models:
+    """Models, their replicas and the replicas' shards, by name and id."""
+
     def __init__(self, db: Database, nodes: Nodes) -> None:
         self._db = db
         self._nodes = nodes

@@ -18,6 +18,8 @@ __all__ = ["Nodes", "no_node"]
 
 
 class Nodes:
+    """The nodes known, by id; a fresh join revokes the node's older certificates."""
+
     def __init__(self, db: Database, certificates: Certificates) -> None:
         self._db = db
         self._certificates = certificates

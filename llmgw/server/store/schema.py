@@ -16,7 +16,7 @@ from llmgw.errors import StoreError
 from llmgw.server.states import NodeState, ReplicaState, ShardState, TokenKind, sql_check
 from llmgw.server.store.database import Database
 
-__all__ = ["MIGRATIONS", "migrate", "split_sql"]
+__all__ = ["MIGRATIONS", "migrate", "schema_version", "split_sql"]
 
 MIGRATIONS: list[str] = [
     # 1: initial schema
@@ -179,6 +179,7 @@ def split_sql(script: str) -> list[str]:
 
 
 def schema_version(db: Database) -> int:
+    """The version of the schema *db* has (0: empty)."""
     return int(db.pragma("user_version"))
 
 

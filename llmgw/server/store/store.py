@@ -16,12 +16,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
-from llmgw.server.store import schema
 from llmgw.server.store.credentials import ApiKeys, Certificates, JoinTokens
 from llmgw.server.store.database import Database
 from llmgw.server.store.events import Events
 from llmgw.server.store.models import Models
 from llmgw.server.store.nodes import Nodes
+from llmgw.server.store.schema import migrate as migrate_schema
+from llmgw.server.store.schema import schema_version as read_schema_version
 from llmgw.server.store.updates import NodeUpdates
 
 __all__ = ["Store"]
@@ -78,7 +79,7 @@ class Store:
         """Open (creating if needed, mode 0600) and migrate the database at *path*."""
         db = Database.open(path, clock=clock)
         try:
-            schema.migrate(db)
+            migrate_schema(db)
         except BaseException:
             db.close()
             raise
@@ -95,14 +96,14 @@ class Store:
         self.close()
 
     def schema_version(self) -> int:
-        return schema.schema_version(self._db)
+        return read_schema_version(self._db)
 
     def journal_mode(self) -> str:
         return str(self._db.pragma("journal_mode"))
 
     def migrate(self) -> int:
         """Apply the missing migrations, one transaction each; return the schema version."""
-        return schema.migrate(self._db)
+        return migrate_schema(self._db)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Store]:

@@ -13,6 +13,8 @@ __all__ = ["NodeUpdates"]
 
 
 class NodeUpdates:
+    """Each node's update counter and latest order."""
+
     def __init__(self, db: Database) -> None:
         self._db = db
 
