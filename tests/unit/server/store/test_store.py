@@ -12,6 +12,11 @@ from llmgw.server.store import (
     Node,
     Store,
 )
+from llmgw.server.store.credentials import ApiKeys, Certificates, JoinTokens
+from llmgw.server.store.events import Events
+from llmgw.server.store.models import Models
+from llmgw.server.store.nodes import Nodes
+from llmgw.server.store.updates import NodeUpdates
 
 
 def test_meta(store: Store) -> None:
@@ -93,3 +98,24 @@ def test_nested_transaction_uses_savepoint(store: Store) -> None:
     assert store.get_meta("outer") == "1"
     assert store.get_meta("inner") is None
     assert store.get_meta("after") == "1"
+
+
+def test_the_store_offers_every_method_of_its_tables(store: Store) -> None:
+    # A method added to a table class and not to Store would be out of callers' reach.
+    tables = {
+        "_nodes": Nodes,
+        "_models": Models,
+        "_api_keys": ApiKeys,
+        "_join_tokens": JoinTokens,
+        "_certificates": Certificates,
+        "_updates": NodeUpdates,
+        "_events": Events,
+    }
+    for attr, table in tables.items():
+        assert isinstance(getattr(store, attr), table)
+        for name, method in vars(table).items():
+            if name.startswith("_") or not callable(method):
+                continue
+            offered = getattr(store, name)
+            assert offered.__func__ is method, f"Store.{name} is not {table.__name__}.{name}"
+            assert getattr(Store, name).__doc__ == method.__doc__
