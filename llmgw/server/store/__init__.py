@@ -12,7 +12,8 @@ do. The package:
   of tables, holding their SQL;
 - ``store``     :class:`Store`, which composes them.
 
-Only ``database`` and ``schema`` are SQLite's own; the tables' SQL is plain.
+Only ``database`` and ``schema`` are SQLite's own; the tables' SQL is plain but for its
+``?`` placeholders and the ``rowid`` that orders certificates issued in the same instant.
 """
 
 from llmgw.server.store.credentials import API_KEY_PREFIX, hash_api_key
