@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from llmgw.errors import Conflict, TokenError
-from llmgw.pki import validate_node_id
+from llmgw.netaddr import validate_node_id
 from llmgw.server.states import NodeState, TokenKind
 
 __all__ = [

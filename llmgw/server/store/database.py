@@ -9,7 +9,6 @@ modules write portable SQL through :meth:`Database.one`, :meth:`Database.all` an
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import sqlite3
 import time
@@ -17,7 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from llmgw.errors import Conflict, StoreError
+from llmgw.errors import Conflict, FileError, StoreError
+from llmgw.fsutil import create_file
 
 __all__ = ["Database"]
 
@@ -216,15 +216,10 @@ def _create_file(path: Path) -> None:
             "(mode 0700, owned by the llmgw user) or choose another path"
         )
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return
-    except OSError as exc:
+        create_file(path, b"", mode=0o600)
+    except FileError as exc:
+        cause = exc.__cause__
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(exc)
         raise StoreError(
-            f"cannot create state database {path}: {exc.strerror}; check the permissions "
-            f"of {parent}"
+            f"cannot create state database {path}: {reason}; check the permissions of {parent}"
         ) from exc
-    try:
-        os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)

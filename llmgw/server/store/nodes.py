@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from llmgw.errors import Conflict, NotFound
-from llmgw.pki import validate_node_id
+from llmgw.netaddr import validate_node_id
 from llmgw.server import tokens
 from llmgw.server.states import NodeState
 from llmgw.server.store.credentials import Certificates

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import stat
 from pathlib import Path
@@ -93,3 +94,27 @@ def test_integrity_error_becomes_conflict(store: Store) -> None:
             )
     assert isinstance(info.value.__cause__, sqlite3.IntegrityError)
     assert [k.id for k in store.list_api_keys()] == [key.id]
+
+
+def test_a_database_that_cannot_be_created_is_store_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "link", refuse)
+    path = tmp_path / "state.db"
+    with pytest.raises(StoreError) as info:
+        Store.open(path)
+    assert str(info.value) == (
+        f"cannot create state database {path}: Permission denied; check the permissions "
+        f"of {tmp_path}"
+    )
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_an_existing_database_file_is_opened_not_replaced(db_path: Path) -> None:
+    with Store.open(db_path) as s:
+        s.set_meta("k", "v")
+    with Store.open(db_path) as s:
+        assert s.get_meta("k") == "v"
