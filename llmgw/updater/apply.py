@@ -1,24 +1,15 @@
-"""The root helper, ``llmgw agent update-apply`` (DESIGN §7). It RUNS AS ROOT, started by
-``llmgw-agent-update.path`` when the agent has renamed a finished download to
-``<spool>/request``, and applies a signed self-update.
+"""Applying a spooled update order (``llmgw agent update-apply``, as ROOT; see
+:mod:`llmgw.updater` for what it trusts), started by ``llmgw-agent-update.path`` when the
+agent has renamed a finished download to ``<spool>/request``.
 
-What it trusts: only what root alone can write. The cluster CA and this node's id in the
-trust directory (``/etc/llmgw/update``, written by the installer: ``llmgw.updater.trust``),
-and the last accepted counter in its own state directory (``/var/lib/llmgw-update``, 0700).
-Everything in the spool is the agent's and treated as hostile: the request is first moved
-out of the agent's reach into the state directory and made root's; no path in it is
-followed through a symlink (``llmgw.updater.nofollow``); files are read through descriptors
-opened with ``O_NOFOLLOW`` and the bundle is copied before it is checked. An order is
-applied only when it verifies against the trusted CA (``llmgw.contracts.update_order``),
-names this node, has not expired, carries a counter above the last accepted one, is for
-this machine's architecture, matches the bundle's SHA-256, version and architecture, and
-does not downgrade the installed agent; the counter is spent before the bundle's
-``install-agent.sh upgrade`` runs (``llmgw.updater.bundle``). The verdict goes to
-``<spool>/status.json``, which the agent reports to the control plane.
-
-This package imports only the standard library, ``cryptography``, ``llmgw.errors``,
-``llmgw.contracts`` and the foundation modules (``llmgw.pki`` for the CA's key hash), so it
-can be audited alone: nothing of the agent or the control plane runs as root.
+The request is moved out of the agent's reach (into the helper's state directory, made
+root's) before anything in it is read; its files are read through descriptors opened with
+``O_NOFOLLOW`` and the bundle is copied before it is checked. The order is applied only when
+it verifies against the trusted CA, names this node, has not expired, carries a counter
+above the last accepted one, is for this machine's architecture, matches the bundle's
+SHA-256, version and architecture, and does not downgrade the installed agent; the counter
+is spent before the bundle's ``install-agent.sh upgrade`` runs. Every verdict but "nothing
+to do" goes to ``<spool>/status.json``, which the agent reports to the control plane.
 """
 
 from __future__ import annotations
