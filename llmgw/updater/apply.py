@@ -328,7 +328,8 @@ def read_counter(state: Path) -> int:
 
 
 def _write_counter(state: Path, counter: int) -> None:
-    fd = os.open(state, OPEN_DIR)
+    # The state directory is root's (0700), like its path: no need to refuse a symlink there.
+    fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         write_at(fd, COUNTER_FILE, f"{counter}\n".encode(), mode=0o600)
     finally:
