@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw.errors import ConfigError, UpdateError
-from llmgw.pki import validate_node_id
+from llmgw.netaddr import validate_node_id
 
 __all__ = [
     "ARCHES",
