@@ -38,7 +38,8 @@ from llmgw.contracts.update_order import (
     STATUS,
     parse_order,
 )
-from llmgw.errors import CertificateError, UpdateError
+from llmgw.errors import CertificateError, FileError, UpdateError
+from llmgw.fsutil import atomic_write, fsync_dir
 from llmgw.pki import control_plane_problem, load_cert
 
 __all__ = ["NotControlPlane", "Spooler", "read_status"]
@@ -140,9 +141,10 @@ class Spooler:
                     state="failed",
                 )
             await asyncio.to_thread(_commit_request, incoming, self.spool, order_bytes, signature)
-        except OSError as exc:
+        except (OSError, FileError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else exc.message
             raise UpdateError(
-                f"cannot write the update request in {self.spool}: {exc.strerror}; free space "
+                f"cannot write the update request in {self.spool}: {why}; free space "
                 "in the agent's state directory and order the update again",
                 state="failed",
             ) from exc
@@ -295,8 +297,7 @@ def _commit_request(incoming: Path, spool: Path, order_bytes: bytes, signature: 
     """Order and signature next to the bundle, everything on disk, then one rename makes it
     the request the path unit sees."""
     for name, data in ((ORDER_FILE, order_bytes), (SIGNATURE_FILE, signature)):
-        _write_synced(incoming / name, data)
-    _fsync_path(incoming)
+        atomic_write(incoming / name, data)
     if _request_pending(spool):
         raise UpdateError(
             f"another request appeared in {spool} while downloading; order the update again "
@@ -304,19 +305,4 @@ def _commit_request(incoming: Path, spool: Path, order_bytes: bytes, signature: 
             state="busy",
         )
     os.rename(incoming, spool / REQUEST)
-    _fsync_path(spool)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "xb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(spool)

@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw.errors import ConfigError, UpdateError
 from llmgw.netaddr import validate_node_id
+from llmgw.versions import is_version
 
 __all__ = [
     "ARCHES",
@@ -68,7 +69,6 @@ ARCHES: dict[str, tuple[str, ...]] = {"x64": ("x86_64", "amd64"), "arm64": ("aar
 ORDER_KEYS = frozenset({"node_id", "version", "counter", "sha256", "url", "arch", "expires"})
 FINAL_STATES = frozenset({"done", "failed", "refused", "rolled-back", "busy", "expired"})
 
-_VERSION = re.compile(r"[0-9][0-9A-Za-z.+~-]{0,63}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -106,7 +106,7 @@ def check_order_fields(order: object) -> dict[str, Any]:
         validate_node_id(order["node_id"])
     except ConfigError as exc:
         raise bad("node_id", f"is not a node id ({exc})") from None
-    if not isinstance(order["version"], str) or not _VERSION.fullmatch(order["version"]):
+    if not isinstance(order["version"], str) or not is_version(order["version"]):
         raise bad("version", "is not a version such as 0.2.0")
     for field in ("counter", "expires"):
         value = order[field]

@@ -13,6 +13,8 @@ and passes every check of :mod:`llmgw.updater.apply`; the bundle it names is che
 unpacked and installed by :mod:`llmgw.updater.bundle`.
 
 Its imports are the standard library, ``cryptography``, ``llmgw.errors``, the contracts
-(``llmgw.contracts``) and the foundation modules (``llmgw.pki`` for the CA's key hash):
-nothing of ``llmgw.agent``, ``llmgw.server`` or ``llmgw.cli``.
+(``llmgw.contracts``) and the foundation modules (``llmgw.fsutil`` for atomic writes and
+the safe unpack, ``llmgw.versions``, ``llmgw.netaddr``, and ``llmgw.pki`` for the CA's key
+hash): nothing of ``llmgw.agent``, ``llmgw.server`` or ``llmgw.cli``
+(tests/unit/updater/test_imports.py walks them).
 """

@@ -20,7 +20,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import secrets
 import stat
 import time
@@ -43,10 +42,12 @@ from llmgw.contracts.update_order import (
     parse_order,
     verify_order,
 )
-from llmgw.errors import UpdateError
+from llmgw.errors import FileError, UpdateError
+from llmgw.fsutil import atomic_write
 from llmgw.updater.bundle import check_bundle, installed_version, run_installer, unpack
-from llmgw.updater.nofollow import OPEN_DIR, OPEN_FILE, remove_entry, write_at
+from llmgw.updater.nofollow import OPEN_DIR, OPEN_FILE, remove_entry
 from llmgw.updater.trust import DEFAULT_TRUST, TRUST_CA, TRUST_NODE_ID
+from llmgw.versions import version_key
 
 __all__ = [
     "DEFAULT_INSTALLED_BINARY",
@@ -54,7 +55,6 @@ __all__ = [
     "ApplyResult",
     "apply_request",
     "read_counter",
-    "version_key",
 ]
 
 DEFAULT_STATE = Path("/var/lib/llmgw-update")
@@ -256,6 +256,8 @@ def _apply(
             os.close(req_fd)
     except UpdateError as exc:  # refused (a bad request), or failed
         return ApplyResult(exc.state, exc.message, counter, version)
+    except FileError as exc:  # the counter could not be written: nothing was installed
+        return ApplyResult("failed", exc.message, counter, version)
     except OSError as exc:
         return ApplyResult(
             "failed", f"{exc.strerror or exc} ({exc.filename or 'the request'})", counter, version
@@ -328,12 +330,7 @@ def read_counter(state: Path) -> int:
 
 
 def _write_counter(state: Path, counter: int) -> None:
-    # The state directory is root's (0700), like its path: no need to refuse a symlink there.
-    fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        write_at(fd, COUNTER_FILE, f"{counter}\n".encode(), mode=0o600)
-    finally:
-        os.close(fd)
+    atomic_write(state / COUNTER_FILE, f"{counter}\n".encode(), mode=0o600)
 
 
 def _read_small(dir_fd: int, name: str) -> bytes:
@@ -401,22 +398,17 @@ def _write_status(spool_fd: int, result: ApplyResult) -> None:
         "message": result.message,
         "time": int(time.time()),
     }
+    owner = None
+    if os.geteuid() == 0:
+        spool = os.fstat(spool_fd)
+        owner = (spool.st_uid, spool.st_gid)
     try:
-        write_at(
-            spool_fd,
+        atomic_write(
             STATUS,
             (json.dumps(data, sort_keys=True) + "\n").encode(),
             mode=0o644,
-            owner_of_dir=True,
+            dir_fd=spool_fd,
+            owner=owner,
         )
-    except OSError as exc:
-        _say(f"cannot write {STATUS} in the spool: {exc.strerror}; the agent will not see it")
-
-
-def version_key(version: str) -> tuple[tuple[int, int, str], ...]:
-    """Versions compared part by part as numbers ("0.10.0" > "0.9.1"); a part with letters
-    is a pre-release, below its release ("0.2.0rc1" < "0.2.0")."""
-    parts = re.findall(r"\d+|[A-Za-z]+", version)
-    key = [(2, int(p), "") if p.isdigit() else (0, 0, p.lower()) for p in parts]
-    key.append((1, 0, ""))
-    return tuple(key)
+    except (FileError, OSError) as exc:
+        _say(f"cannot write {STATUS} in the spool ({exc}); the agent will not see it")

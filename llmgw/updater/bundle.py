@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -22,7 +21,9 @@ from pathlib import Path
 from typing import IO
 
 from llmgw.contracts.update_order import MAX_SMALL
-from llmgw.errors import UpdateError
+from llmgw.errors import ArchiveError, UpdateError
+from llmgw.fsutil import ArchivePolicy, list_archive, unpack_archive
+from llmgw.versions import VERSION_PATTERN
 
 __all__ = [
     "HEALTH_ENV",
@@ -44,95 +45,73 @@ _MAX_UNPACKED = 8 << 30
 _MAX_MEMBERS = 10_000
 
 
-def _member_problem(member: tarfile.TarInfo, top: str | None) -> str | None:
-    name = member.name
-    parts = name.split("/")
-    if name.startswith("/") or "\\" in name:
-        return "an absolute path"
-    if any(p in ("..", "") for p in parts[:-1]) or parts[-1] == "..":
-        return "a '..' or empty path component"
-    if not (member.isfile() or member.isdir()):
-        kind = "a link" if member.issym() or member.islnk() else "not a file or directory"
-        return kind
-    if top is not None and parts[0] != top:
-        return f"outside the top folder {top}/"
-    return None
+_POLICY = ArchivePolicy(
+    max_bytes=_MAX_UNPACKED,
+    max_members=_MAX_MEMBERS,
+    links=False,
+    single_top=True,
+    place="bundle's folder",
+)
+_TOP = re.compile(rf"llmgw-agent-{VERSION_PATTERN}-linux-\w+")
+
+
+def _refused(exc: ArchiveError) -> UpdateError:
+    """The helper's words for an archive fsutil refused."""
+    if exc.code == "unsafe":
+        return UpdateError(f"the bundle's member {(exc.member or '')[:200]!r} {exc.reason}")
+    if exc.code == "too_many":
+        return UpdateError(f"the bundle has more than {_MAX_MEMBERS} members")
+    if exc.code == "too_big":
+        return UpdateError(f"the bundle unpacks to more than {_MAX_UNPACKED} bytes")
+    return UpdateError(f"the bundle is not a readable .tar.gz ({exc.reason})")
 
 
 def check_bundle(bundle: Path) -> tuple[str, dict[str, str]]:
     """The bundle's top folder and its BUILD-INFO; refused unless every member is a plain
     file or directory under one top folder and install-agent.sh, llmgw, BUILD-INFO exist."""
     try:
-        with tarfile.open(bundle, "r:gz") as tar:
-            members: list[tarfile.TarInfo] = []
-            total = 0
-            top: str | None = None
-            for member in tar:
-                if len(members) >= _MAX_MEMBERS:
-                    raise UpdateError(f"the bundle has more than {_MAX_MEMBERS} members")
-                member_top = member.name.split("/")[0]
-                top = top or member_top
-                problem = _member_problem(member, top)
-                if problem:
-                    raise UpdateError(f"the bundle's member {member.name[:200]!r} is {problem}")
-                total += member.size
-                if total > _MAX_UNPACKED:
-                    raise UpdateError(f"the bundle unpacks to more than {_MAX_UNPACKED} bytes")
-                members.append(member)
-            if top is None or not re.fullmatch(r"llmgw-agent-[0-9][0-9A-Za-z.+~-]*-linux-\w+", top):
-                raise UpdateError(
-                    f"the bundle's top folder is {top!r}, not llmgw-agent-<version>-linux-<arch>"
-                )
-            files = {m.name: m for m in members if m.isfile()}
-            for needed in ("install-agent.sh", "llmgw", "BUILD-INFO"):
-                if f"{top}/{needed}" not in files:
-                    raise UpdateError(f"the bundle has no {top}/{needed}")
-            info_file = tar.extractfile(files[f"{top}/BUILD-INFO"])
-            assert info_file is not None
-            info_text = info_file.read(MAX_SMALL).decode("utf-8", "replace")
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
-        raise UpdateError(f"the bundle is not a readable .tar.gz ({exc})") from None
+        members = list_archive(bundle, kind="tar.gz", policy=_POLICY)
+    except ArchiveError as exc:
+        raise _refused(exc) from None
+    top = members[0].name.split("/")[0] if members else None
+    if top is None or not _TOP.fullmatch(top):
+        raise UpdateError(
+            f"the bundle's top folder is {top!r}, not llmgw-agent-<version>-linux-<arch>"
+        )
+    files = {m.name for m in members if m.kind == "file"}
+    for needed in ("install-agent.sh", "llmgw", "BUILD-INFO"):
+        if f"{top}/{needed}" not in files:
+            raise UpdateError(f"the bundle has no {top}/{needed}")
     info = {}
-    for line in info_text.splitlines():
+    for line in _read_member(bundle, f"{top}/BUILD-INFO").splitlines():
         key, sep, value = line.partition(":")
         if sep:
             info[key.strip()] = value.strip()
     return top, info
 
 
-def unpack(bundle: Path, dest: Path) -> None:
-    """Unpack what :func:`check_bundle` accepted: directories and regular files only, no
-    owner, no special bits, every path checked again and every file created new (O_EXCL,
-    O_NOFOLLOW) under ``dest``. Done by hand rather than with tarfile's extraction filters,
-    which the frozen binary's CPython (3.11.2) does not have."""
+def _read_member(bundle: Path, name: str) -> str:
+    """The first :data:`MAX_SMALL` bytes of the (checked) regular file ``name``."""
     try:
         with tarfile.open(bundle, "r:gz") as tar:
             for member in tar:
-                if _member_problem(member, None):
-                    raise UpdateError(
-                        f"the bundle's member {member.name[:200]!r} changed under us",
-                        state="failed",
-                    )
-                target = dest.joinpath(*member.name.split("/"))
-                mode = member.mode & 0o755
-                if member.isdir():
-                    target.mkdir(mode=0o755, parents=True, exist_ok=True)
-                    continue
-                target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-                source = tar.extractfile(member)
-                if source is None:
-                    raise UpdateError(
-                        f"the bundle's member {member.name[:200]!r} has no data", state="failed"
-                    )
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-                fd = os.open(target, flags, 0o600)
-                with os.fdopen(fd, "wb") as out:
-                    shutil.copyfileobj(source, out, 1 << 20)
-                    os.fchmod(out.fileno(), mode)
-    except (tarfile.TarError, EOFError, zlib.error) as exc:
+                if member.name == name and member.isreg():
+                    data = tar.extractfile(member)
+                    if data is not None:
+                        return data.read(MAX_SMALL).decode("utf-8", "replace")
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+        raise UpdateError(f"the bundle is not a readable .tar.gz ({exc})") from None
+    raise UpdateError(f"the bundle has no {name}")
+
+
+def unpack(bundle: Path, dest: Path) -> None:
+    """Unpack what :func:`check_bundle` accepted into ``dest`` (fsutil's safe unpack: every
+    member checked again, directories and regular files only, no owner, no set-id, sticky or
+    group/world-write bits, every file created new, never through an existing path)."""
+    try:
+        unpack_archive(bundle, dest, kind="tar.gz", policy=_POLICY)
+    except ArchiveError as exc:
         raise UpdateError(f"unpacking the bundle failed ({exc})", state="failed") from None
-    except OSError as exc:
-        raise UpdateError(f"unpacking the bundle failed: {exc}", state="failed") from None
 
 
 def installed_version(binary: Path) -> str:
@@ -163,7 +142,7 @@ def installed_version(binary: Path) -> str:
             "is unknown, so a downgrade cannot be ruled out. Reinstall the agent by hand",
             state="refused",
         ) from None
-    match = re.search(r"llmgw\s+([0-9][0-9A-Za-z.+~-]*)", out.stdout)
+    match = re.search(rf"llmgw\s+({VERSION_PATTERN})", out.stdout)
     if out.returncode != 0 or not match:
         raise UpdateError(
             f"the installed agent {binary} --version said {out.stdout.strip()[:100]!r} "

@@ -19,8 +19,9 @@ from cryptography import x509
 
 from llmgw.contracts.update_order import MAX_SMALL
 from llmgw.errors import UpdateError
+from llmgw.fsutil import atomic_write
 from llmgw.pki import fingerprint
-from llmgw.updater.nofollow import OPEN_DIR, OPEN_FILE, write_at
+from llmgw.updater.nofollow import OPEN_DIR, OPEN_FILE
 
 __all__ = ["DEFAULT_TRUST", "TRUST_CA", "TRUST_NODE_ID", "TRUST_PIN", "install_trust"]
 
@@ -113,10 +114,10 @@ def install_trust(ca_file: Path, trust: Path = DEFAULT_TRUST, pin: str | None = 
             )
         changed = False
         if trusted != cert_pem:
-            write_at(trust_fd, TRUST_CA, cert_pem, mode=0o644)
+            atomic_write(TRUST_CA, cert_pem, mode=0o644, dir_fd=trust_fd)
             changed = True
         if recorded != wanted:
-            write_at(trust_fd, TRUST_PIN, (wanted + "\n").encode(), mode=0o644)
+            atomic_write(TRUST_PIN, (wanted + "\n").encode(), mode=0o644, dir_fd=trust_fd)
             changed = True
         return changed
     finally:
