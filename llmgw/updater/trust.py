@@ -20,7 +20,7 @@ from cryptography import x509
 from llmgw.contracts.update_order import MAX_SMALL
 from llmgw.errors import UpdateError
 from llmgw.fsutil import atomic_write
-from llmgw.pki import fingerprint
+from llmgw.pki import fingerprint, is_ca_certificate
 from llmgw.updater.nofollow import OPEN_DIR, OPEN_FILE
 
 __all__ = ["DEFAULT_TRUST", "TRUST_CA", "TRUST_NODE_ID", "TRUST_PIN", "install_trust"]
@@ -61,12 +61,7 @@ def install_trust(ca_file: Path, trust: Path = DEFAULT_TRUST, pin: str | None = 
             "Run the install again with --ca-hash from 'llmgw ctl join-command'",
             state="refused",
         ) from None
-    try:
-        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
-        is_ca = constraints.ca
-    except x509.ExtensionNotFound:
-        is_ca = False
-    if not is_ca:
+    if not is_ca_certificate(cert):
         raise UpdateError(
             f"{ca_file} is not a CA certificate; the update helper keeps its trust",
             state="refused",
