@@ -185,7 +185,9 @@ class LocalCluster:
             existing = None
         if existing is not None and existing.params != params:
             for replica in store.list_replicas(UP_MODEL):
-                self.cp.scheduler.remove_replica(replica.id, why="llmgw up with other engine settings")
+                self.cp.scheduler.remove_replica(
+                    replica.id, why="llmgw up with other engine settings"
+                )
         store.put_model(UP_MODEL, engine="sim", params=params, replicas=self.opts.replicas)
         self.cp.serving.refresh_models()
         self.cp.scheduler.kick()
