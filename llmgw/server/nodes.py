@@ -24,6 +24,7 @@ from llmgw.proto import control_pb2 as pb
 from llmgw.server.reports import store_inventory
 from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
+from llmgw.server.states import NodeState
 from llmgw.server.store import Node, Store
 from llmgw.server.stream import NodeSession
 
@@ -90,7 +91,7 @@ class Membership:
             node = self.store.get_node(node_id)
         except NotFound:
             return None
-        if node.state == "revoked":
+        if node.state == NodeState.REVOKED:
             return f"node {node_id} is revoked; {rejoin}"
         return None
 
@@ -99,7 +100,7 @@ class Membership:
             node = self.store.get_node(node_id)
         except NotFound:
             return False
-        if node.state != "approved":
+        if node.state != NodeState.APPROVED:
             return False
         return any(
             c.serial == serial and c.reason == RENEWED
@@ -121,7 +122,7 @@ class Membership:
                 store.upsert_node(
                     node_id, dataplane_addr=None, agent_version=None, inventory={}, connected=True
                 )
-                store.set_node_state(node_id, "pending")
+                store.set_node_state(node_id, NodeState.PENDING)
                 store.add_event("node_pending", node_id, f"awaiting approval, key {fp}")
             store.set_node_fingerprint(node_id, fp)
             if serial not in {c.serial for c in store.list_certificates(node_id)}:
@@ -140,9 +141,9 @@ class Membership:
     def approve(self, node_id: str, fp: str) -> None:
         store = self.store
         node = store.get_node(node_id)
-        if node.state == "approved":
+        if node.state == NodeState.APPROVED:
             raise Conflict(f"node {node_id} is already approved")
-        if node.state == "revoked":
+        if node.state == NodeState.REVOKED:
             raise Conflict(
                 f"node {node_id} is revoked; it can come back only through a fresh join "
                 f"('llmgw ctl join-command --node {node_id}')"
@@ -157,7 +158,7 @@ class Membership:
                 f"fingerprint {fp} does not match node {node_id}'s key {node.fingerprint}; do not "
                 "approve: compare with what 'llmgw agent join' printed on the node"
             )
-        store.set_node_state(node_id, "approved")
+        store.set_node_state(node_id, NodeState.APPROVED)
         store.add_event("node_approved", node_id, f"key {node.fingerprint}")
         log.info("node approved", extra=kv(node=node_id))
         session = self.sessions.get(node_id)
@@ -169,7 +170,9 @@ class Membership:
                 store_inventory(store, session, held)
             session.send(
                 pb.ServerMessage(
-                    node_state=pb.NodeState(state="approved", message="approved by an operator")
+                    node_state=pb.NodeState(
+                        state=NodeState.APPROVED, message="approved by an operator"
+                    )
                 )
             )
         self.scheduler.kick()
@@ -177,7 +180,7 @@ class Membership:
     def reject(self, node_id: str) -> None:
         store = self.store
         node = store.get_node(node_id)
-        if node.state != "pending":
+        if node.state != NodeState.PENDING:
             raise Conflict(
                 f"node {node_id} is {node.state}, not pending; to throw out an admitted node use "
                 f"'llmgw ctl revoke {node_id}'"
@@ -193,9 +196,9 @@ class Membership:
         node = store.get_node(node_id)
         serials = store.revoke_certificates(node_id, reason="revoked by an operator")
         self.revoked.update(serials)
-        if node.state == "revoked" and not serials:
+        if node.state == NodeState.REVOKED and not serials:
             raise Conflict(f"node {node_id} is already revoked")
-        store.set_node_state(node_id, "revoked")
+        store.set_node_state(node_id, NodeState.REVOKED)
         store.add_event("node_revoked", node_id, f"denied certificates {', '.join(serials) or '-'}")
         log.warning("node revoked", extra=kv(node=node_id, serials=",".join(serials)))
         # Its replicas are stopped there (the orders go out before the stream is cut) and
@@ -221,9 +224,9 @@ class Membership:
         ca = self.ca
         try:
             node = store.get_node(session.node_id)
-            if node.state == "revoked":
+            if node.state == NodeState.REVOKED:
                 raise Conflict(f"node {session.node_id} is revoked")
-            if node.state != "approved" or not session.approved:
+            if node.state != NodeState.APPROVED or not session.approved:
                 raise Conflict(
                     f"node {session.node_id} is {node.state}: certificates are renewed only "
                     "for approved nodes; compare its fingerprint and approve it first ('llmgw "

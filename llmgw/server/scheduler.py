@@ -32,6 +32,7 @@ from llmgw.server.placement import Allocation, Cluster, GpuView, NodeView
 from llmgw.server.placement import Profile as PlacementProfile
 from llmgw.server.placement import Unplaceable as PlacementUnplaceable
 from llmgw.server.routing import Router
+from llmgw.server.states import NodeState, ReplicaState, ShardState
 from llmgw.server.store import Model, Shard, Store
 from llmgw.server.stream import NodeSession
 
@@ -152,7 +153,9 @@ class Scheduler:
             elif missing < 0:
                 # Stop the least useful first: not ready before ready, newest first.
                 candidates = [r for r in replicas if r.id not in moving]
-                order = sorted(candidates, key=lambda r: (r.state == "ready", -r.created_at))
+                order = sorted(
+                    candidates, key=lambda r: (r.state == ReplicaState.READY, -r.created_at)
+                )
                 for replica in order[:-missing]:
                     self.remove_replica(replica.id, why=f"scaled {model.name} to {model.replicas}")
             if missing <= 0 and model.name not in self.rolling:
@@ -165,18 +168,18 @@ class Scheduler:
                 # (llmgw.server.intake): a shard of its (from before a purge and a fresh
                 # join) waits here until an operator approves it.
                 continue
-            if shard.state == "failed" and self._multi_node(shard):
+            if shard.state == ShardState.FAILED and self._multi_node(shard):
                 # A worker or rank 0 of a multi-node replica failed: the others cannot go on
                 # alone (rank 0 exits when a worker dies); rebuild the whole replica.
                 self.remove_replica(shard.replica_id, why=f"shard {shard.id} failed; rebuilding")
                 self.kick()
                 continue
-            if shard.state == "failed":
+            if shard.state == ShardState.FAILED:
                 failures = self.failures.get(shard.id, 1)
                 failed_at = self.failed_at.setdefault(shard.id, now)
                 if now - failed_at >= restart_delay(failures):
                     self._restart(shard)
-            elif shard.state == "pending":
+            elif shard.state == ShardState.PENDING:
                 self._send_start(shard)
 
     def _cluster(self) -> Cluster:
@@ -189,7 +192,7 @@ class Scheduler:
             views.append(
                 NodeView(
                     id=node.id,
-                    approved=node.state == "approved",
+                    approved=node.state == NodeState.APPROVED,
                     connected=session is not None and not session.draining,
                     draining=node.draining,
                     lost=node.id in self.lost,
@@ -243,7 +246,7 @@ class Scheduler:
                 if len(shards) > 1:
                     addr = self._dist_init_addr(profile.engine, [sh.node_id for sh in shards])
                     shards = [store.update_shard(sh.id, dist_init_addr=addr) for sh in shards]
-                store.set_replica_state(replica.id, "starting")
+                store.set_replica_state(replica.id, ReplicaState.STARTING)
         except _NoRoom as exc:
             self._note_unplaceable(model.name, exc.why.summary(limit=8))
             return None
@@ -297,7 +300,7 @@ class Scheduler:
         if shard.rank != 0 or not shard.dist_init_addr or worker_port_base(engine) is None:
             return False
         return any(
-            sh.rank > 0 and sh.state != "ready"
+            sh.rank > 0 and sh.state != ShardState.READY
             for sh in self.store.list_shards(replica_id=shard.replica_id)
         )
 
@@ -501,7 +504,9 @@ class Scheduler:
             worker_addrs=worker_addrs,
             listen_addr=listen_addr,
         )
-        store.update_shard(shard.id, state="starting", op_id=op_id, reason="", exit_code=None)
+        store.update_shard(
+            shard.id, state=ShardState.STARTING, op_id=op_id, reason="", exit_code=None
+        )
 
     def _restart(self, shard: Shard) -> None:
         failures = self.failures.get(shard.id, 1)

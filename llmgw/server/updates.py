@@ -34,6 +34,7 @@ from llmgw.pki import Authority
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.bundles import RIDS, Bundle
 from llmgw.server.passwords import AdminPassword
+from llmgw.server.states import NodeState
 from llmgw.server.store import NodeUpdate, Store
 from llmgw.server.stream import NodeSession
 
@@ -108,13 +109,13 @@ class Updates:
         await self.password.check(password)
         store = self.store
         if node_ids is None:
-            nodes = [n for n in store.list_nodes() if n.state == "approved"]
+            nodes = [n for n in store.list_nodes() if n.state == NodeState.APPROVED]
             if not nodes:
                 raise NotFound("there is no approved node to update; 'llmgw ctl nodes' lists them")
         else:
             nodes = [store.get_node(n) for n in node_ids]
             for node in nodes:
-                if node.state != "approved":
+                if node.state != NodeState.APPROVED:
                     raise Conflict(
                         f"node {node.id} is {node.state}; only approved nodes are updated "
                         f"('llmgw ctl approve {node.id} --fingerprint ...' first)"

@@ -12,6 +12,7 @@ from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.pki import check_node_id_free
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
 from llmgw.server.bundles import one_liner
+from llmgw.server.states import NodeState, TokenKind
 
 __all__ = ["AccessRoutes"]
 
@@ -85,7 +86,7 @@ class AccessRoutes:
         node_uid = None
         if rekey:
             node = self.ctx.store.get_node(node_id)
-            if node.state == "revoked":
+            if node.state == NodeState.REVOKED:
                 raise Conflict(
                     f"node {node_id} is revoked; it can come back only through a fresh join "
                     f"('llmgw ctl join-command --node {node_id}')"
@@ -96,7 +97,7 @@ class AccessRoutes:
                 existing = self.ctx.store.get_node(node_id)
             except NotFound:
                 existing = None
-            if existing is not None and existing.state != "revoked":
+            if existing is not None and existing.state != NodeState.REVOKED:
                 warning = (
                     f"node {node_id} already exists ({existing.state}); a fresh join gives it a new "
                     "identity, denies its old certificates and needs approval again. To replace "
@@ -104,7 +105,7 @@ class AccessRoutes:
                 )
         token, secret = self.ctx.store.create_join_token(
             node_id,
-            kind="rekey" if rekey else "join",
+            kind=TokenKind.REKEY if rekey else TokenKind.JOIN,
             ttl=float(ttl),
             node_uid=node_uid,
             require_approval=require_approval,

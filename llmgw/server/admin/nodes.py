@@ -10,6 +10,7 @@ from aiohttp import web
 from llmgw import __version__
 from llmgw.errors import Conflict
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.states import NodeState
 from llmgw.server.store import Node
 
 __all__ = ["NodeRoutes"]
@@ -79,7 +80,7 @@ class NodeRoutes:
             )
         node_id = request.match_info["node"]
         self.ctx.membership.approve(node_id, fp)
-        return web.json_response({"node": node_id, "state": "approved"})
+        return web.json_response({"node": node_id, "state": NodeState.APPROVED})
 
     async def reject(self, request: web.Request) -> web.Response:
         node_id = request.match_info["node"]
@@ -89,7 +90,7 @@ class NodeRoutes:
     async def revoke(self, request: web.Request) -> web.Response:
         node_id = request.match_info["node"]
         serials = self.ctx.membership.revoke(node_id)
-        return web.json_response({"node": node_id, "state": "revoked", "serials": serials})
+        return web.json_response({"node": node_id, "state": NodeState.REVOKED, "serials": serials})
 
     # -- drain ----------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import re
 from aiohttp import web
 
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.states import NodeState
 from llmgw.server.updates import DEFAULT_ORDER_TTL
 
 __all__ = ["SoftwareRoutes"]
@@ -47,7 +48,7 @@ class SoftwareRoutes:
             raise BadRequest("arch must be a string such as x86_64 or aarch64")
         nodes = body.get("nodes")
         if body.get("all"):
-            nodes = [n.id for n in self.ctx.store.list_nodes() if n.state == "approved"]
+            nodes = [n.id for n in self.ctx.store.list_nodes() if n.state == NodeState.APPROVED]
         if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) for n in nodes):
             raise BadRequest("give 'nodes' (a list of node ids) or 'all': true")
         for node in nodes:
