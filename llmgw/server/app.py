@@ -559,8 +559,8 @@ class ControlPlane:
     def _download_base(self) -> str:
         """Where nodes download bundles: the HTTP listener, at the host they dial for the
         stream."""
-        host = self.stream_addresses()[0].rsplit(":", 1)[0]
-        return f"{self.cfg.http_scheme}://{host}:{self.http_port}"
+        host, _ = parse_hostport(self.stream_addresses()[0], allow_zero=True)
+        return f"{self.cfg.http_scheme}://{format_hostport(host, self.http_port)}"
 
     def _client_ssl_context(self) -> ssl.SSLContext:
         """TLS the gateway presents to agents' data planes."""
