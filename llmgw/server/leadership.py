@@ -21,10 +21,10 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 
-from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import ConfigError
 from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.log import kv
+from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.pki import Identity
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc

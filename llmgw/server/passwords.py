@@ -19,8 +19,8 @@ import secrets
 from pathlib import Path
 
 from llmgw.errors import ConfigError, PasswordError
+from llmgw.fsutil import write_private
 from llmgw.log import kv
-from llmgw.pki import write_private
 from llmgw.server.store import Store
 
 __all__ = [

@@ -7,9 +7,8 @@ import shlex
 
 from aiohttp import web
 
-from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import ConfigError, Conflict, NotFound
-from llmgw.pki import check_node_id_free
+from llmgw.netaddr import check_node_id_free, format_hostport, parse_hostport
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
 from llmgw.server.bundles import one_liner
 from llmgw.server.states import NodeState, TokenKind
