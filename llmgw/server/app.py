@@ -49,7 +49,13 @@ from llmgw.server.gateway import Gateway, GatewayLimits
 from llmgw.server.httpapi import error_middleware
 from llmgw.server.installs import EngineInstalls
 from llmgw.server.intake import MAX_MESSAGE_BYTES
-from llmgw.server.leadership import LEADER_HTTP, LEADER_STREAM, Standby, try_leadership
+from llmgw.server.leadership import (
+    LEADER_HTTP,
+    LEADER_STREAM,
+    Standby,
+    await_leadership,
+    try_leadership,
+)
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
@@ -187,20 +193,12 @@ class ControlPlane:
         self._promotion = asyncio.create_task(self._await_leadership(), name="promotion")
 
     async def _await_leadership(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            fd = try_leadership(self.cfg.state_dir)
-            if fd is None:
-                continue
-            self._lock_fd = fd
-            log.warning(
-                "the leader is gone; taking over", extra=kv(state_dir=str(self.cfg.state_dir))
-            )
-            assert self._standby is not None
-            await self._standby.stop()
-            self._standby = None
-            await self._start_leader()
-            return
+        self._lock_fd = await await_leadership(self.cfg.state_dir)
+        log.warning("the leader is gone; taking over", extra=kv(state_dir=str(self.cfg.state_dir)))
+        assert self._standby is not None
+        await self._standby.stop()
+        self._standby = None
+        await self._start_leader()
 
     async def _start_leader(self) -> None:
         cfg = self.cfg

@@ -11,6 +11,7 @@ leader) and starts serving.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import logging
@@ -31,7 +32,7 @@ from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.config import TLSConfig
 from llmgw.server.tls import serving_certificate
 
-__all__ = ["Standby", "read_leader", "try_leadership"]
+__all__ = ["Standby", "await_leadership", "read_leader", "try_leadership"]
 
 log = logging.getLogger("llmgw.server.leadership")
 
@@ -48,6 +49,16 @@ def try_leadership(state_dir: Path) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+async def await_leadership(state_dir: Path, *, interval: float = 1.0) -> int:
+    """Wait until this process holds the leader lock (the leader's process ended); the
+    locked file descriptor."""
+    while True:
+        await asyncio.sleep(interval)
+        fd = try_leadership(state_dir)
+        if fd is not None:
+            return fd
 
 
 def read_leader(db: Path) -> tuple[str, str]:
