@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from llmgw.agent.inventory import inventory_dict
+from llmgw.contracts.inventory import inventory_dict
 from llmgw.errors import NotFound
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb

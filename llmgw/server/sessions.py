@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from cryptography import x509
 
-from llmgw.agent.inventory import inventory_dict
+from llmgw.contracts.inventory import inventory_dict
 from llmgw.errors import LlmgwError, NotFound
 from llmgw.log import kv
 from llmgw.pki import serial_hex
