@@ -1,33 +1,59 @@
-"""What every CLI module shares: turning our errors into exits, and aligned tables."""
+"""What every CLI module shares: the one place an LlmgwError becomes an exit, and aligned tables.
+
+An ``LlmgwError`` that leaves a command is reported by the group that invoked it: ``error:
+MESSAGE`` on stderr and the error's ``exit_code``. The root ``llmgw`` group is a
+``ReportingGroup`` and so are its sub-groups (``ctl``, ``ctl cert``, ``agent``, ``engine``),
+so a group run on its own (tests, ``python -c``) reports the same way; a command that is also
+run on its own outside any group (``engine-check``) is a ``ReportingCommand``.
+"""
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import click
 
 from llmgw.errors import LlmgwError
 
-__all__ = ["echo_json", "reports_errors", "table"]
+__all__ = [
+    "ReportingCommand",
+    "ReportingGroup",
+    "echo_json",
+    "table",
+]
 
-F = TypeVar("F", bound=Callable[..., Any])
+
+@contextmanager
+def _reported() -> Iterator[None]:
+    """Turn an LlmgwError into a clean exit: the message on stderr, the error's exit code."""
+    try:
+        yield
+    except LlmgwError as e:
+        click.echo(f"error: {e}", err=True)
+        raise click.exceptions.Exit(e.exit_code) from e
 
 
-def reports_errors(func: F) -> F:
-    """Turn the LlmgwError a command raises into a clean exit (message on stderr, exit_code)."""
+class ReportingGroup(click.Group):
+    """A group that reports the LlmgwError of any command below it (see the module's doc).
 
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except LlmgwError as e:
-            click.echo(f"error: {e}", err=True)
-            raise click.exceptions.Exit(e.exit_code) from e
+    Groups created with ``@group.group()`` are of this class too."""
 
-    return cast(F, wrapper)
+    group_class = type
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _reported():
+            return super().invoke(ctx)
+
+
+class ReportingCommand(click.Command):
+    """A command that reports its own LlmgwError when it runs outside a ReportingGroup."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _reported():
+            return super().invoke(ctx)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from llmgw.cli.cert import cert
-from llmgw.cli.common import echo_json, reports_errors, table
+from llmgw.cli.common import ReportingGroup, echo_json, table
 from llmgw.cli.engine_check import engine_check
 from llmgw.client import ADMIN_PASSWORD_ENV, NEW_ADMIN_PASSWORD_ENV, AdminClient, find_target
 from llmgw.engines.base import engine_names
@@ -60,7 +60,7 @@ class Ctl:
 pass_ctl = click.make_pass_decorator(Ctl)
 
 
-@click.group()
+@click.group(cls=ReportingGroup)
 @click.option(
     "--server",
     envvar="LLMGW_SERVER",
@@ -132,7 +132,6 @@ def _ago(ts: float | None) -> str:
 
 @ctl.command()
 @pass_ctl
-@reports_errors
 def nodes(c: Ctl) -> None:
     """List nodes: state, connection, shards, GPUs (or why there are none)."""
     data = c.call("GET", "/api/nodes")
@@ -195,7 +194,6 @@ def _update_cell(update: dict[str, Any] | None) -> str:
 
 @ctl.group(invoke_without_command=True)
 @click.pass_context
-@reports_errors
 def models(ctx: click.Context) -> None:
     """List models with their deployed profile, desired and ready replicas (and change the
     catalog with 'models apply -f catalog.yaml')."""
@@ -240,7 +238,6 @@ def models(ctx: click.Context) -> None:
     help="The catalog: models and their profiles (catalog.yaml).",
 )
 @pass_ctl
-@reports_errors
 def models_apply(c: Ctl, path: Path) -> None:
     """Add or update the models of a catalog file, all or none; others are left alone."""
     catalog = load_catalog(path)  # refuse a bad file before talking to the server
@@ -302,7 +299,6 @@ def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
     help="Engine parameter of a model deployed without the catalog (repeatable), e.g. ttft_ms=50.",
 )
 @pass_ctl
-@reports_errors
 def deploy(
     c: Ctl,
     model: str,
@@ -355,7 +351,6 @@ def deploy(
 @ctl.command()
 @click.argument("model")
 @pass_ctl
-@reports_errors
 def undeploy(c: Ctl, model: str) -> None:
     """Stop every replica of MODEL and remove it."""
     data = c.call("DELETE", f"/api/models/{model}")
@@ -368,7 +363,6 @@ def undeploy(c: Ctl, model: str) -> None:
 @ctl.command()
 @click.argument("model", required=False)
 @pass_ctl
-@reports_errors
 def replicas(c: Ctl, model: str | None) -> None:
     """List replicas (of MODEL) with their node, state and last failure."""
     path = "/api/replicas" + (f"?model={model}" if model else "")
@@ -403,7 +397,6 @@ def keys() -> None:
 @keys.command("create")
 @click.argument("name")
 @pass_ctl
-@reports_errors
 def keys_create(c: Ctl, name: str) -> None:
     """Create a key for NAME; the key is shown once."""
     data = c.call("POST", "/api/keys", {"name": name})
@@ -418,7 +411,6 @@ def keys_create(c: Ctl, name: str) -> None:
 @keys.command("list")
 @click.option("--all", "include_all", is_flag=True, help="Include revoked keys.")
 @pass_ctl
-@reports_errors
 def keys_list(c: Ctl, include_all: bool) -> None:
     """List API keys (prefixes only)."""
     data = c.call("GET", "/api/keys" + ("?all=1" if include_all else ""))
@@ -441,7 +433,6 @@ def keys_list(c: Ctl, include_all: bool) -> None:
 @keys.command("revoke")
 @click.argument("key")
 @pass_ctl
-@reports_errors
 def keys_revoke(c: Ctl, key: str) -> None:
     """Revoke KEY (its id or prefix); requests with it get 401 at once."""
     data = c.call("DELETE", f"/api/keys/{key}")
@@ -457,7 +448,6 @@ def keys_revoke(c: Ctl, key: str) -> None:
     "--subject", default=None, help="Only events about this node, model, replica or shard."
 )
 @pass_ctl
-@reports_errors
 def events(c: Ctl, limit: int, subject: str | None) -> None:
     """Recent cluster events, newest first."""
     path = f"/api/events?limit={limit}" + (f"&subject={subject}" if subject else "")
@@ -505,7 +495,6 @@ def _duration(text: str) -> float:
     help="With --rekey: the node needs approval again after rekeying.",
 )
 @pass_ctl
-@reports_errors
 def join_command(
     c: Ctl,
     node: str | None,
@@ -558,7 +547,6 @@ def join_command(
     "--all", "include_all", is_flag=True, help="Include used, expired and revoked tokens."
 )
 @click.pass_context
-@reports_errors
 def tokens(ctx: click.Context, include_all: bool) -> None:
     """List outstanding join tokens (and revoke them with 'tokens revoke ID')."""
     if ctx.invoked_subcommand is not None:
@@ -587,7 +575,6 @@ def tokens(ctx: click.Context, include_all: bool) -> None:
 @tokens.command("revoke")
 @click.argument("token_id")
 @pass_ctl
-@reports_errors
 def tokens_revoke(c: Ctl, token_id: str) -> None:
     """Revoke an unused join token (its id or prefix)."""
     data = c.call("DELETE", f"/api/join-tokens/{token_id}")
@@ -619,7 +606,6 @@ def _until(ts: float | None) -> str:
     help="The sha256:… key fingerprint 'llmgw agent join' printed on the node.",
 )
 @pass_ctl
-@reports_errors
 def approve(c: Ctl, node: str, fp: str) -> None:
     """Approve a pending NODE after comparing its key fingerprint."""
     data = c.call("POST", f"/api/nodes/{node}/approve", {"fingerprint": fp})
@@ -632,7 +618,6 @@ def approve(c: Ctl, node: str, fp: str) -> None:
 @ctl.command()
 @click.argument("node")
 @pass_ctl
-@reports_errors
 def reject(c: Ctl, node: str) -> None:
     """Remove a pending NODE and deny its certificate."""
     data = c.call("POST", f"/api/nodes/{node}/reject")
@@ -645,7 +630,6 @@ def reject(c: Ctl, node: str) -> None:
 @ctl.command()
 @click.argument("node")
 @pass_ctl
-@reports_errors
 def revoke(c: Ctl, node: str) -> None:
     """Revoke NODE: deny its certificates, cut its stream, rebuild its replicas elsewhere."""
     data = c.call("POST", f"/api/nodes/{node}/revoke")
@@ -681,7 +665,6 @@ def engines() -> None:
 )
 @click.option("--timeout", default=3600.0, show_default=True, help="Seconds to wait with --wait.")
 @pass_ctl
-@reports_errors
 def engines_install(
     c: Ctl,
     target: str | None,
@@ -741,7 +724,6 @@ def engines_install(
 )
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait.")
 @pass_ctl
-@reports_errors
 def drain(c: Ctl, node: str, wait: bool, timeout: float) -> None:
     """Move every replica off NODE, one at a time, each replacement ready before the original stops."""
     data = c.call("POST", f"/api/nodes/{node}/drain")
@@ -783,7 +765,6 @@ def drain(c: Ctl, node: str, wait: bool, timeout: float) -> None:
 @ctl.command()
 @click.argument("node")
 @pass_ctl
-@reports_errors
 def uncordon(c: Ctl, node: str) -> None:
     """Let a drained NODE take replicas again."""
     data = c.call("POST", f"/api/nodes/{node}/uncordon")
@@ -836,7 +817,6 @@ def _secret(env: str, prompt: str) -> str:
     "--ttl", default=3600, show_default=True, help="Seconds the signed order stays valid."
 )
 @pass_ctl
-@reports_errors
 def update(
     c: Ctl,
     target: str | None,
@@ -899,7 +879,6 @@ def admin() -> None:
 
 @admin.command("password")
 @pass_ctl
-@reports_errors
 def admin_password(c: Ctl) -> None:
     """Change the admin password that signed updates ask for (old, then new twice; env:
     LLMGW_ADMIN_PASSWORD and LLMGW_NEW_ADMIN_PASSWORD for scripts)."""

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import click
 
-from llmgw.cli.common import reports_errors
+from llmgw.cli.common import ReportingGroup
 from llmgw.engines import sim as sim_engine
 
 __all__ = ["engine"]
 
 
-@click.group()
+@click.group(cls=ReportingGroup)
 def engine() -> None:
     """Built-in inference engines."""
 
@@ -91,7 +91,6 @@ def engine() -> None:
     type=float,
     help="Seconds of silence after which a rank counts as dead.",
 )
-@reports_errors
 def sim(
     host: str,
     port: int,
