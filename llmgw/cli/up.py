@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
+from llmgw.cli.local_cluster import UpOptions, run_up
 from llmgw.client import default_up_state_dir
 from llmgw.log import LogfmtFormatter
-from llmgw.up import UpOptions, run_up
 
 __all__ = ["up"]
 

@@ -1,4 +1,5 @@
-"""``llmgw up``: a whole cluster on this machine, for trying llmgw and for its tests.
+"""LocalCluster: the whole cluster ``llmgw up`` runs on this machine, for trying llmgw and
+for its tests (the command itself, its options and logging, is ``llmgw.cli.up``).
 
 The control plane runs in this process; one agent runs as a child process with its own
 node certificate, exactly as on a real node; the agent runs a ``sim`` engine for the model
