@@ -1,4 +1,5 @@
-"""What every CLI module shares: the one place an LlmgwError becomes an exit, and aligned tables.
+"""What every CLI module shares: the one place an LlmgwError becomes an exit, and aligned
+tables with their time cells.
 
 An ``LlmgwError`` that leaves a command is reported by the group that invoked it: ``error:
 MESSAGE`` on stderr and the error's ``exit_code``. The root ``llmgw`` group is a
@@ -10,6 +11,7 @@ run on its own outside any group (``engine-check``) is a ``ReportingCommand``.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -21,8 +23,10 @@ from llmgw.errors import LlmgwError
 __all__ = [
     "ReportingCommand",
     "ReportingGroup",
+    "ago",
     "echo_json",
     "table",
+    "until",
 ]
 
 
@@ -67,6 +71,32 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
         parts = [c.ljust(widths[i]) if i < len(row) - 1 else c for i, c in enumerate(row)]
         lines.append("  ".join(parts).rstrip())
     return "\n".join(lines)
+
+
+def ago(ts: float | None) -> str:
+    """A table cell for a past time: ``42s ago``, ``5m ago``, ``3h ago``; ``-`` for none."""
+    if not ts:
+        return "-"
+    secs = max(0, time.time() - ts)
+    if secs < 120:
+        return f"{secs:.0f}s ago"
+    if secs < 7200:
+        return f"{secs / 60:.0f}m ago"
+    return f"{secs / 3600:.0f}h ago"
+
+
+def until(ts: float | None) -> str:
+    """A table cell for a future time: ``in 30m``, ``in 5h``, ``in 20d``, ``expired``; ``-``."""
+    if not ts:
+        return "-"
+    secs = ts - time.time()
+    if secs <= 0:
+        return "expired"
+    if secs < 7200:
+        return f"in {secs / 60:.0f}m"
+    if secs < 3 * 86400:
+        return f"in {secs / 3600:.0f}h"
+    return f"in {secs / 86400:.0f}d"
 
 
 def echo_json(data: object) -> None:

@@ -94,7 +94,8 @@ def test_help_lists_the_same_lines_before_and_after_the_commands_load() -> None:
 
 
 def test_subcommands_of_the_loaded_groups_work_through_main() -> None:
-    """Whatever agent.py and ctl.py define is reached through the lazily loaded group."""
+    """Whatever cli/agent.py and the cli/ctl/ package define is reached through the lazily
+    loaded group."""
     for name in ("agent", "ctl"):
         group = COMMANDS[name].load()
         assert isinstance(group, click.Group)
