@@ -1,5 +1,9 @@
-"""``llmgw agent``: the node agent, ``llmgw agent join`` that enrols the node, and
-``llmgw agent docker-proxy``, the Docker socket proxy the agent may use instead of docker.sock."""
+"""The ``llmgw agent`` group: everything that runs on a node.
+
+``llmgw agent`` runs the node agent; ``join`` enrols the node; ``docker-proxy`` is the Docker
+socket proxy the agent may use instead of docker.sock; ``update-apply`` and ``update-trust``
+are the root update helper's entry points (systemd and the installer run them as root; the
+code behind them is the helper's, these commands only parse options and print verdicts)."""
 
 from __future__ import annotations
 
