@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from llmgw.cli.common import ReportingCommand, table
+from llmgw.cli.common import ReportingCommand
+from llmgw.cli.ctl.output import table
 from llmgw.engines.check import CheckReport, check_engine
 from llmgw.engines.launch import AVAILABLE_ENGINES
 from llmgw.errors import EngineError

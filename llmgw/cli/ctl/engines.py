@@ -7,8 +7,9 @@ from typing import Any
 
 import click
 
-from llmgw.cli.common import ReportingGroup, echo_json, table
+from llmgw.cli.common import ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
+from llmgw.cli.ctl.output import echo_json, table
 
 __all__ = ["engines"]
 

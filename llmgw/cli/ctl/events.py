@@ -6,8 +6,8 @@ import time
 
 import click
 
-from llmgw.cli.common import echo_json, table
 from llmgw.cli.ctl.context import Ctl, pass_ctl
+from llmgw.cli.ctl.output import echo_json, table
 
 __all__ = ["events"]
 

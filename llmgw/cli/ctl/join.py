@@ -9,8 +9,9 @@ from typing import Any
 
 import click
 
-from llmgw.cli.common import ReportingGroup, echo_json, table, until
+from llmgw.cli.common import ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
+from llmgw.cli.ctl.output import echo_json, table, until
 
 __all__ = ["join_command", "tokens"]
 

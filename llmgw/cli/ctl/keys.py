@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import click
 
-from llmgw.cli.common import ReportingGroup, ago, echo_json, table
+from llmgw.cli.common import ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
+from llmgw.cli.ctl.output import ago, echo_json, table
 
 __all__ = ["keys"]
 

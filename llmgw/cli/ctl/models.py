@@ -9,8 +9,9 @@ from typing import Any
 
 import click
 
-from llmgw.cli.common import ReportingGroup, echo_json, table
+from llmgw.cli.common import ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
+from llmgw.cli.ctl.output import echo_json, table
 from llmgw.engines.base import engine_names
 from llmgw.server.catalog import load_catalog
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 
-from llmgw.cli.common import ago, echo_json, table, until
 from llmgw.cli.ctl.context import Ctl, pass_ctl
+from llmgw.cli.ctl.output import ago, echo_json, table, until
 
 __all__ = ["approve", "drain", "nodes", "reject", "revoke", "uncordon"]
 

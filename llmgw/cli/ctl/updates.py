@@ -12,8 +12,9 @@ from typing import Any
 
 import click
 
-from llmgw.cli.common import ReportingGroup, echo_json, table
+from llmgw.cli.common import ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
+from llmgw.cli.ctl.output import echo_json, table
 from llmgw.client import ADMIN_PASSWORD_ENV, NEW_ADMIN_PASSWORD_ENV
 from llmgw.errors import ConfigError
 

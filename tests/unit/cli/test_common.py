@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmgw.cli import COMMANDS, main
-from llmgw.cli.common import ReportingCommand, ReportingGroup, table
+from llmgw.cli.common import ReportingCommand, ReportingGroup
 from llmgw.errors import ConfigError, LlmgwError, NotFound
 
 
@@ -132,7 +132,3 @@ def test_every_group_of_llmgw_reports_errors() -> None:
             groups += _groups(command, f"llmgw {name}")
     assert {path for path, _ in groups} >= {"llmgw ctl", "llmgw ctl cert", "llmgw agent"}
     assert [path for path, g in groups if not isinstance(g, ReportingGroup)] == []
-
-
-def test_table_pads_all_but_the_last_column() -> None:
-    assert table(["A", "LONGER"], [["xyz", None], ["", "1"]]) == "A    LONGER\nxyz  -\n     1"
