@@ -12,20 +12,18 @@ import click
 from llmgw.cli.common import ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import echo_json, table, until
+from llmgw.durations import parse_duration
+from llmgw.errors import ConfigError
 
 __all__ = ["join_command", "tokens"]
 
 
-def _duration(text: str) -> float:
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+def _ttl(text: str) -> float:
+    """``--ttl`` in llmgw's one duration syntax (``llmgw.durations``): 90, 500ms, 30m, 1h, 2d."""
     try:
-        if text[-1:] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
-    except ValueError:
-        raise click.BadParameter(
-            f"{text!r} is not a duration like 30m, 1h or 2d", param_hint="--ttl"
-        ) from None
+        return parse_duration(text)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--ttl") from None
 
 
 @click.command("join-command")
@@ -66,7 +64,7 @@ def join_command(
         )
     body: dict[str, Any] = {
         "node": node or rekey_node,
-        "ttl": _duration(ttl),
+        "ttl": _ttl(ttl),
         "rekey": bool(rekey_node),
         "require_approval": require_approval,
     }
