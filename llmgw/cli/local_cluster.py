@@ -60,6 +60,9 @@ class UpOptions:
 
 
 class LocalCluster:
+    """A control plane in this process and one agent child with its own certificate, the model
+    llmgw-sim deployed on it: ``start``, print ``banner``, ``stop``."""
+
     def __init__(self, opts: UpOptions, say: Callable[[str], None]) -> None:
         self.opts = opts
         self.say = say
