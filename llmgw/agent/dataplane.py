@@ -41,7 +41,7 @@ from llmgw.bodies import (
     return_large_buffers,
 )
 from llmgw.config_util import parse_hostport
-from llmgw.errors import CertificateError
+from llmgw.errors import CertificateError, ConfigError
 from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.pki import control_plane_problem
 from llmgw.relay import NOT_PROCESSED, relay
@@ -158,9 +158,10 @@ class DataPlane:
             await site.start()
         except OSError as exc:
             await self._runner.cleanup()
-            raise CertificateError(
-                f"data plane cannot listen on {self.host}:{self.port}: {exc.strerror}; "
-                "free the port or set 'listen' in agent.yaml"
+            raise ConfigError(
+                f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}; free the port "
+                "or change listen in agent.yaml",
+                key="listen",
             ) from exc
         self.bound_port = site.bound_port
         log.info(
