@@ -19,7 +19,7 @@ import grpc
 
 from llmgw import __version__
 from llmgw.agent.oplog import OperationLog
-from llmgw.agent.shards import EXITED, FAILED, READY, STARTING, Shard, ShardManager, ShardSpec
+from llmgw.agent.shards import Shard, ShardManager, ShardSpec, ShardState
 from llmgw.agent.sidecars import SidecarSpec
 from llmgw.errors import EngineError, LlmgwError, StaleEpoch, UpdateError
 from llmgw.log import kv
@@ -32,10 +32,10 @@ __all__ = ["Backoff", "StreamClient", "shard_status"]
 log = logging.getLogger("llmgw.agent.stream")
 
 _STATE_TO_PB = {
-    STARTING: pb.SHARD_STARTING,
-    READY: pb.SHARD_READY,
-    FAILED: pb.SHARD_FAILED,
-    EXITED: pb.SHARD_EXITED,
+    ShardState.STARTING: pb.SHARD_STARTING,
+    ShardState.READY: pb.SHARD_READY,
+    ShardState.FAILED: pb.SHARD_FAILED,
+    ShardState.EXITED: pb.SHARD_EXITED,
 }
 
 
