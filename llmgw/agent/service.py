@@ -28,6 +28,7 @@ from llmgw.agent.inventory import InventoryWatcher
 from llmgw.agent.oplog import OperationLog
 from llmgw.agent.renewal import Renewer, recover_identity
 from llmgw.agent.runtimes import Launch, Runtime, get_runtime
+from llmgw.agent.runtimes.containers import launch_for
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec
 from llmgw.agent.stream import Credentials, StreamClient
 from llmgw.agent.update import Spooler
@@ -339,9 +340,6 @@ class Agent:
         return self.stream.send(pb.AgentMessage(inventory=inventory))
 
     def _docker_launch(self, spec: ShardSpec, port: int, log_path: Path) -> Launch:
-        # Imported here: the docker SDK costs every other command about 70 ms to load.
-        from llmgw.agent.runtimes.docker import launch_for
-
         cfg = self.cfg
         return launch_for(
             spec,
