@@ -30,7 +30,7 @@ from llmgw.agent.renewal import Renewer, recover_identity
 from llmgw.agent.runtimes import Launch, Runtime, get_runtime
 from llmgw.agent.runtimes.containers import launch_for
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec
-from llmgw.agent.stream import Credentials, StreamClient
+from llmgw.agent.stream import Credentials, StreamClient, StreamState
 from llmgw.agent.update import Spooler
 from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import CertificateError, ConfigError, LlmgwError, StartupError
@@ -365,7 +365,7 @@ class Agent:
                     host = _source_address_towards(server)
         return format_hostport(host, self.dataplane.bound_port)
 
-    def _on_stream_state(self, state: str, server: str | None) -> None:
+    def _on_stream_state(self, state: StreamState, server: str | None) -> None:
         count = len(self.shards.shards) if self.shards else 0
         if state == "connected":
             if self.spooler is not None:

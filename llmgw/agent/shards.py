@@ -1,10 +1,14 @@
-"""The shards an agent runs: start, health-check, watch and stop engine processes.
+"""The shard supervisor: start, health-check, watch, stop and adopt the engines an agent runs.
 
 Each shard is started by a runtime on a loopback port the agent picks, becomes ``ready``
 when its ``/health`` answers, and is reported ``failed`` (with its exit code and the tail
 of its log) when it ends without having been told to. Every change is handed to a
 callback, which the stream turns into ``ShardStatus`` messages, and recorded in
-``shards.json`` in the state directory.
+``shards.json`` in the state directory (:mod:`llmgw.agent.records`).
+
+One concept, a shard's life on this node, with the spec and states it is about; it runs
+past 600 lines because its steps (sidecars, engine, readiness, watch, adoption) share the
+shard's state and must be read together to see that every path ends in one final report.
 
 Sidecars (:mod:`llmgw.agent.sidecars`) start before the engine, in order, each healthy
 before the next; the engine starts only once all are. A sidecar that fails to get healthy
@@ -43,7 +47,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -55,6 +59,9 @@ from llmgw.engines.launch import EngineSpec, build_command
 from llmgw.engines.rendezvous import JOINED, parse_addr
 from llmgw.errors import EngineError, LlmgwError, ShardError
 from llmgw.log import kv
+
+if TYPE_CHECKING:
+    from llmgw.proto import control_pb2 as pb
 
 __all__ = [
     "DIED_WHILE_DOWN",
@@ -112,6 +119,29 @@ class ShardSpec:
     """Rank 0 of an engine that dials its workers (llama.cpp): each worker's endpoint."""
     listen_addr: str = ""
     """A worker of such an engine: the host:port its endpoint binds."""
+
+    @classmethod
+    def from_order(cls, order: pb.StartShard) -> ShardSpec:
+        """The spec of a StartShard; ShardError when a sidecar in it is invalid."""
+        return cls(
+            shard_id=order.shard_id,
+            replica_id=order.replica_id,
+            model=order.model,
+            engine=order.engine,
+            rank=order.rank,
+            params=dict(order.params),
+            extra_args=tuple(order.extra_args),
+            # An order from a control plane that predates multi-node says 0: one node.
+            nodes=order.nodes or 1,
+            dist_init_addr=order.dist_init_addr,
+            gpus=tuple(order.gpus),
+            source=order.source,
+            gpu_memory_mib=order.gpu_memory_mib,
+            sidecars=tuple(SidecarSpec.from_order(s) for s in order.sidecars),
+            profile=order.profile,
+            worker_addrs=tuple(order.worker_addrs),
+            listen_addr=order.listen_addr,
+        )
 
     @classmethod
     def from_record(cls, record: ShardRecord) -> ShardSpec:
