@@ -34,7 +34,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from llmgw.config_util import Checker, join_key
+from llmgw.configfile import Checker, join_key
 from llmgw.log import kv
 
 __all__ = [

@@ -32,9 +32,9 @@ from llmgw.agent.runtimes.containers import launch_for
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec
 from llmgw.agent.stream import Credentials, StreamClient, StreamState
 from llmgw.agent.update import Spooler
-from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import CertificateError, ConfigError, LlmgwError, StartupError
 from llmgw.log import kv
+from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.notify import Notifier
 from llmgw.proto import control_pb2 as pb
 

@@ -26,7 +26,7 @@ from llmgw.agent.oplog import OperationLog
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec, ShardState
 from llmgw.errors import EngineError, LlmgwError, StaleEpoch, UpdateError
 from llmgw.log import kv
-from llmgw.pki import CONTROL_PLANE_NAME
+from llmgw.netaddr import CONTROL_PLANE_NAME
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 

@@ -49,7 +49,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw.errors import CertificateError, ConfigError, UpdateError
-from llmgw.pki import control_plane_problem, fingerprint, load_cert, validate_node_id
+from llmgw.netaddr import validate_node_id
+from llmgw.pki import control_plane_problem, fingerprint, load_cert
 
 __all__ = [
     "ARCHES",

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llmgw.errors import Conflict, NotFound, StoreError, TokenError
-from llmgw.pki import validate_node_id
+from llmgw.netaddr import validate_node_id
 
 __all__ = [
     "DEFAULT_PROFILE",

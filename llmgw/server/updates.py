@@ -39,8 +39,8 @@ from llmgw.agent.update import (
     verify_order,
 )
 from llmgw.errors import ConfigError, Conflict, NotFound, PasswordError
+from llmgw.fsutil import write_private
 from llmgw.log import kv
-from llmgw.pki import write_private
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.bundles import RIDS, Bundle
 from llmgw.server.store import NodeUpdate

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from llmgw import listener, pki
-from llmgw.config_util import Checker
+from llmgw.configfile import Checker
 from llmgw.errors import ConfigError
 from llmgw.listener import GuardedSite, ListenerLimits, parse_listener_limits
 
