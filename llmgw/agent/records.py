@@ -2,7 +2,8 @@
 
 The file maps each shard id to its :class:`~llmgw.agent.runtimes.base.ShardRecord` (the
 order that started it, its process or container, its state and its sidecars). It is written
-whole and atomically on every change and read once, at start-up. A file that cannot be read
+whole on every change (:func:`llmgw.fsutil.atomic_write`: a crash leaves the old file or
+the new one) and read once, at start-up. A file that cannot be read
 adopts nothing; one that does not parse as what :func:`record_json` writes is moved aside
 (``shards.json.corrupt-<UTC time>``) and adopts nothing: the control plane starts again what
 it still wants.
@@ -21,7 +22,8 @@ from typing import Any
 
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sidecars import SidecarSpec
-from llmgw.errors import ShardError
+from llmgw.errors import FileError, ShardError
+from llmgw.fsutil import atomic_write, make_dir
 from llmgw.log import kv
 
 __all__ = ["RECORDS_FILE", "ShardRecords", "parse_record", "record_json"]
@@ -42,17 +44,13 @@ class ShardRecords:
         """Replace the file with ``records``; a failure is logged, not raised (the shards
         run on; only a restarted agent would miss them)."""
         data = {r.shard_id: record_json(r) for r in records}
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f)
-            os.replace(tmp, self.path)
-        except OSError as exc:
+            make_dir(self.state_dir)
+            atomic_write(self.path, json.dumps(data).encode(), mode=0o600)
+        except FileError as exc:
             log.warning(
                 "cannot record shards in the state directory",
-                extra=kv(path=str(self.path), error=exc.strerror),
+                extra=kv(path=str(self.path), error=str(exc)),
             )
 
     def load(self) -> list[ShardRecord]:

@@ -32,7 +32,8 @@ from llmgw.agent.runtimes.containers import launch_for
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec
 from llmgw.agent.stream import Credentials, StreamClient, StreamState
 from llmgw.agent.update import Spooler
-from llmgw.errors import CertificateError, ConfigError, LlmgwError, StartupError
+from llmgw.errors import CertificateError, LlmgwError, StartupError
+from llmgw.fsutil import make_dir
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.notify import Notifier
@@ -151,7 +152,7 @@ class Agent:
         cfg = self.cfg
         async with contextlib.AsyncExitStack() as running:
             with step("state directory"):
-                self._make_state_dir()
+                make_dir(cfg.state_dir)
             with step("node identity"):
                 identity = NodeIdentity(cfg.tls)
             with step("leftover engine installs"):
@@ -184,17 +185,6 @@ class Agent:
         self.stopping.set()
 
     # -- the start-up steps, in order ---------------------------------------------------
-
-    def _make_state_dir(self) -> None:
-        state_dir = self.cfg.state_dir
-        try:
-            state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot create the state directory {state_dir}: {exc.strerror}; create it "
-                "for the agent's user (mode 0700) or set state_dir in agent.yaml",
-                key="state_dir",
-            ) from exc
 
     def _remove_leftover_installs(self) -> None:
         for leftover in remove_leftovers(self.cfg.state_dir):

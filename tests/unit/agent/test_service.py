@@ -100,6 +100,19 @@ def test_missing_certificate_says_to_join(tmp_path: Path, empty_path: None) -> N
     assert err.exit_code == 1
 
 
+def test_state_directory_that_cannot_be_made_names_its_step(
+    tmp_path: Path, empty_path: None
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    cfg = config(tmp_path, state_dir=str(tmp_path / "a-file" / "state"))
+    err, agent = start_fails(cfg)
+    assert err.step == "state directory"
+    assert str(err).startswith(
+        f"agent start-up failed at 'state directory': cannot create directory {cfg.state_dir}: "
+    )
+    assert agent.shards is None
+
+
 def test_corrupt_operation_log_names_its_step(tmp_path: Path, empty_path: None) -> None:
     cfg = config(tmp_path)
     cfg.state_dir.mkdir(parents=True)
