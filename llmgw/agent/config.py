@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.agent.runtimes import RUNTIME_NAMES
 from llmgw.agent.sources import SourcePrefix, parse_prefix
 from llmgw.bodies import (
     DEFAULT_MAX_INFLIGHT_BODY_BYTES,
@@ -77,7 +78,6 @@ _TLS_KEYS = ("cert", "key", "ca")
 _FABRIC_KEYS = ("name", "hcas")
 _DISCOVERY_KEYS = ("nvidia_smi", "ib_root")
 _ENGINE_KEYS = {"llamacpp": ("bin",), "vllm": ("bin",), "sglang": ("python",)}
-RUNTIMES = ("process", "docker")
 _DOCKER_KEYS = ("images", "network", "gpus", "host")
 DOCKER_GPU_MODES = ("request", "env")
 _IMAGE_ENGINES = ("sim", *_ENGINE_KEYS)
@@ -499,8 +499,8 @@ def _runtime(check: Checker, value: object) -> str:
     if value is None:
         return "process"
     runtime = check.string(value, "runtime")
-    if runtime not in RUNTIMES:
-        check.fail("runtime", unknown_key_message(runtime, RUNTIMES, noun="runtime"))
+    if runtime not in RUNTIME_NAMES:
+        check.fail("runtime", unknown_key_message(runtime, RUNTIME_NAMES, noun="runtime"))
     return runtime
 
 
@@ -572,7 +572,6 @@ def _docker(check: Checker, value: object, runtime: str) -> DockerConfig:
 
 __all__ = [
     "DEFAULT_AGENT_CONFIG",
-    "RUNTIMES",
     "AgentConfig",
     "DiscoveryConfig",
     "DockerConfig",
