@@ -75,9 +75,12 @@ class StartupError(LlmgwError):
             self.exit_code = cause.exit_code
             self.retryable = cause.retryable
         else:
-            # Steps translate the errors they expect; this is one nobody foresaw.
+            # Steps translate the errors they expect into ours; this is one nobody foresaw.
             where = f"{cause.filename}: " if cause.filename else ""
-            why = f"{where}{cause.strerror or cause}; see the log above for what led to it"
+            why = (
+                f"{where}{cause.strerror or cause}; check that it exists and that the "
+                f"{daemon}'s user may use it"
+            )
         super().__init__(f"{daemon} start-up failed at {step!r}: {why}")
         self.daemon = daemon
         self.step = step

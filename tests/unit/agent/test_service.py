@@ -14,10 +14,10 @@ import pytest
 from llmgw import pki
 from llmgw.agent.config import AgentConfig, parse_agent_config
 from llmgw.agent.dataplane import DataPlane
-from llmgw.agent.service import Agent
+from llmgw.agent.service import Agent, step
 from llmgw.agent.shards import ShardManager
 from llmgw.agent.stream import StreamClient
-from llmgw.errors import StartupError
+from llmgw.errors import ConfigError, StartupError, StreamError
 
 
 @pytest.fixture
@@ -166,3 +166,30 @@ def test_stops_in_the_reverse_order_of_start_up(
         "shards stop all",
         "shards close",
     ]
+
+
+def test_a_step_wraps_our_errors_and_os_errors_keeping_exit_code_and_retryability() -> None:
+    with pytest.raises(StartupError) as info, step("operation log"):
+        raise ConfigError("the operation log is corrupt; move it aside", file="/s/oplog.json")
+    assert str(info.value) == (
+        "agent start-up failed at 'operation log': /s/oplog.json: the operation log is corrupt; "
+        "move it aside"
+    )
+    assert (info.value.exit_code, info.value.retryable) == (2, False)
+    with pytest.raises(StartupError) as info, step("stream"):
+        raise StreamError("no control plane answered; is one running?")
+    assert (info.value.exit_code, info.value.retryable) == (1, True)
+    with pytest.raises(StartupError) as info, step("state directory"):
+        raise PermissionError(13, "Permission denied", "/var/lib/llmgw-agent")
+    assert str(info.value) == (
+        "agent start-up failed at 'state directory': /var/lib/llmgw-agent: Permission denied; "
+        "check that it exists and that the agent's user may use it"
+    )
+    assert info.value.exit_code == 1
+    # A step inside a step is named once, by the innermost.
+    with pytest.raises(StartupError) as info, step("outer"), step("inner"):
+        raise ConfigError("x")
+    assert info.value.step == "inner"
+    # What is no error of ours or of the system is a bug: not dressed up as a start-up error.
+    with pytest.raises(ZeroDivisionError), step("arithmetic"):
+        _ = 1 / 0
