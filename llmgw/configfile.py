@@ -272,22 +272,42 @@ class Checker:
         number = float(value)
         if not math.isfinite(number):
             self.fail(key, f"must be a finite number, got {value!r}")
-        if minimum is not None and maximum is not None:
-            if not minimum <= number <= maximum:
-                self.fail(key, f"must be from {minimum:g} to {maximum:g}, got {value!r}")
-        elif minimum is not None and number < minimum:
-            self.fail(key, f"must be at least {minimum:g}, got {value!r}")
-        elif maximum is not None and number > maximum:
-            self.fail(key, f"must be at most {maximum:g}, got {value!r}")
+        self._in_range(number, value, key, minimum, maximum, "")
         return number
 
-    def duration(self, value: object, key: str) -> float:
-        """Seconds, in the one duration syntax (llmgw.durations): ``90``, ``500ms``, ``30s``,
-        ``5m``, ``2h``, ``30d``."""
+    def _in_range(
+        self,
+        number: float,
+        value: object,
+        key: str,
+        minimum: float | None,
+        maximum: float | None,
+        unit: str,
+    ) -> None:
+        if minimum is not None and maximum is not None:
+            if not minimum <= number <= maximum:
+                self.fail(key, f"must be from {minimum:g} to {maximum:g}{unit}, got {value!r}")
+        elif minimum is not None and number < minimum:
+            self.fail(key, f"must be at least {minimum:g}{unit}, got {value!r}")
+        elif maximum is not None and number > maximum:
+            self.fail(key, f"must be at most {maximum:g}{unit}, got {value!r}")
+
+    def duration(
+        self,
+        value: object,
+        key: str,
+        *,
+        minimum: float | None = None,
+        maximum: float | None = None,
+    ) -> float:
+        """Seconds within ``[minimum, maximum]``, in the one duration syntax
+        (llmgw.durations): ``90``, ``500ms``, ``30s``, ``5m``, ``2h``, ``30d``."""
         try:
-            return parse_duration(value)
+            seconds = parse_duration(value)
         except ConfigError as exc:
             self.fail(key, exc.message)
+        self._in_range(seconds, value, key, minimum, maximum, " seconds")
+        return seconds
 
     def size(self, value: object, key: str, *, minimum: int = 1, maximum: int | None = None) -> int:
         """Bytes (see :func:`parse_size`) within ``[minimum, maximum]``."""

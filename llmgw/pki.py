@@ -277,6 +277,21 @@ def cert_pem(cert: x509.Certificate) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
+def _key_usage(*, ca: bool) -> x509.KeyUsage:
+    """Signatures only; a CA also signs certificates and CRLs."""
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
 def _check_stem(name: str) -> None:
     if not _FILE_STEM.fullmatch(name) or name == "ca":
         raise ConfigError(
@@ -394,20 +409,7 @@ def _init_ca_locked(
         .not_valid_before(now - _BACKDATE)
         .not_valid_after(now + dt.timedelta(days=valid_days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(ca=True), critical=True)
         .add_extension(ski, critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), False)
         .sign(key, hashes.SHA256())
@@ -443,12 +445,7 @@ def load_ca(directory: Path) -> Authority:
         raise CertificateError(
             f"{key_path} does not belong to {cert_path}; restore the matching pair from a backup"
         )
-    try:
-        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
-        is_ca = constraints.ca
-    except x509.ExtensionNotFound:
-        is_ca = False
-    if not is_ca:
+    if not is_ca_certificate(cert):
         raise CertificateError(
             f"{cert_path} is not a CA certificate; point at the directory made by "
             "'llmgw ctl cert init-ca'"
@@ -459,6 +456,14 @@ def load_ca(directory: Path) -> Authority:
             "with 'llmgw ctl cert init-ca' in another directory and re-issue every certificate"
         )
     return Authority(cert=cert, key=key, directory=directory)
+
+
+def is_ca_certificate(cert: x509.Certificate) -> bool:
+    """Whether ``cert`` says it is a CA (basic constraints ``ca=True``)."""
+    try:
+        return cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        return False
 
 
 def ensure_ca(directory: Path) -> Authority:
@@ -495,20 +500,7 @@ def _leaf(
         .not_valid_before(now - _BACKDATE)
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(ca=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), False)
         .add_extension(aki, critical=False)
@@ -909,6 +901,7 @@ __all__ = [
     "ensure_server_identity",
     "fingerprint",
     "init_ca",
+    "is_ca_certificate",
     "issue_control_plane_client_cert",
     "issue_node_cert",
     "issue_server_cert",

@@ -31,7 +31,7 @@ from llmgw.agent.runtimes import Launch, Runtime, get_runtime
 from llmgw.agent.runtimes.containers import launch_for
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec
 from llmgw.agent.stream import Credentials, StreamClient, StreamState
-from llmgw.agent.update import Spooler
+from llmgw.agent.update_spool import Spooler
 from llmgw.errors import CertificateError, LlmgwError, StartupError
 from llmgw.fsutil import make_dir
 from llmgw.log import kv

@@ -23,9 +23,9 @@ from aiohttp import web
 from cryptography import x509
 
 from llmgw import __version__
-from llmgw.agent.inventory import inventory_dict
 from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.client import write_ctl_config
+from llmgw.contracts.inventory import inventory_dict
 from llmgw.errors import ConfigError, LlmgwError, NotFound
 from llmgw.fsutil import write_private
 from llmgw.listener import GuardedSite

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from llmgw.agent.update import (
+from llmgw.contracts.update_order import (
     FINAL_STATES,
     canonical_order,
     check_order_fields,

@@ -36,6 +36,23 @@ def test_checker_duration_names_key_and_file() -> None:
     assert info.value.key == "replica_wait"
 
 
+def test_checker_duration_range() -> None:
+    assert CHECK.duration("10m", "loss_timeout", minimum=0, maximum=600) == 600.0
+    with pytest.raises(
+        ConfigError, match=r"loss_timeout: must be from 0\.1 to 600 seconds, got '1h'"
+    ):
+        CHECK.duration("1h", "loss_timeout", minimum=0.1, maximum=600)
+    with pytest.raises(ConfigError, match="must be at least 60 seconds, got '30s'"):
+        CHECK.duration("30s", "cert_lifetime", minimum=60)
+    with pytest.raises(ConfigError, match="must be at most 1 seconds, got 2"):
+        CHECK.duration(2, "x", maximum=1)
+
+
+def test_checker_number_range_is_unchanged() -> None:
+    with pytest.raises(ConfigError, match="must be from 1 to 5, got 9"):
+        CHECK.number(9, "n", minimum=1, maximum=5)
+
+
 def test_checker_hostport_normalises_and_names_the_key() -> None:
     assert CHECK.hostport("[::1]", "grpc_listen", default_port=7443) == "[::1]:7443"
     with pytest.raises(ConfigError, match=r"server\.yaml: grpc_listen: 'cp1' has no port"):

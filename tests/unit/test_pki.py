@@ -189,6 +189,11 @@ def test_node_cert(ca: pki.Authority, tmp_path: Path) -> None:
     assert sans(cert) == [x509.DNSName("gpu1.rack2")]
     assert ekus(cert) == {ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH}
     assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert not pki.is_ca_certificate(cert) and pki.is_ca_certificate(ca.cert)
+    usage = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    assert usage.digital_signature and not usage.key_cert_sign and not usage.crl_sign
+    ca_usage = ca.cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    assert ca_usage.key_cert_sign and ca_usage.crl_sign
     cert.verify_directly_issued_by(ca.cert)
     key = serialization.load_pem_private_key(ident.key.read_bytes(), None)
     assert isinstance(key, ec.EllipticCurvePrivateKey)

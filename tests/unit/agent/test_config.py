@@ -224,7 +224,11 @@ INVALID = [
     # listeners (the data plane's slow-client limits)
     ("server: cp1\nlisteners: 5\n", "listeners", "must be a mapping, got int"),
     ("server: cp1\nlisteners: {header_timeout: 0}\n", "listeners.header_timeout", "from 0.1"),
-    ("server: cp1\nlisteners: {handshake_timeout: x}\n", "listeners.handshake_timeout", "number"),
+    (
+        "server: cp1\nlisteners: {handshake_timeout: x}\n",
+        "listeners.handshake_timeout",
+        "must be seconds, or a duration like 500ms",
+    ),
     (
         "server: cp1\nlisteners: {enroll_connections_per_source: 5}\n",
         "listeners.enroll_connections_per_source",
