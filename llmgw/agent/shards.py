@@ -173,6 +173,9 @@ class ShardSpec:
 
 @dataclass
 class Shard:
+    """One shard on this node: what was ordered, where its engine runs, and its state
+    (``reason`` says why it failed or exited)."""
+
     spec: ShardSpec
     state: ShardState = ShardState.STARTING
     port: int = 0
@@ -253,7 +256,8 @@ def _log_size(path: Path) -> int:
 
 
 class ShardManager:
-    """Starts and watches shards through one runtime."""
+    """Starts, watches, stops and adopts the shards of this node through one runtime, and
+    keeps their records (:class:`~llmgw.agent.records.ShardRecords`) up to date."""
 
     def __init__(
         self,
