@@ -18,12 +18,12 @@ from aiohttp import web
 
 from llmgw import __version__
 from llmgw.bodies import BodiesBusy, BodyIncomplete, BodyTimeout, BodyTooLarge, read_body
-from llmgw.engines.base import engine_names
+from llmgw.contracts.catalog import MODEL_NAME, adhoc_profile, parse_catalog, parse_profile
+from llmgw.engines.registry import engine_names, installable_engines
 from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound, PasswordError
 from llmgw.log import kv
 from llmgw.netaddr import check_node_id_free, format_hostport, parse_hostport
 from llmgw.server.bundles import one_liner
-from llmgw.server.catalog import MODEL_NAME, adhoc_profile, parse_catalog, parse_profile
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.store import DEFAULT_PROFILE, Model, Node
 from llmgw.server.updates import DEFAULT_ORDER_TTL
@@ -38,7 +38,7 @@ ADMIN_MAX_BODY = 1024 * 1024
 
 log = logging.getLogger("llmgw.server.admin")
 
-_INSTALLABLE = ("llamacpp", "vllm", "sglang")
+_INSTALLABLE = installable_engines()
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 

@@ -25,6 +25,7 @@ from cryptography import x509
 from llmgw import __version__
 from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.client import write_ctl_config
+from llmgw.contracts.catalog import profile_body_limit
 from llmgw.contracts.inventory import inventory_dict
 from llmgw.errors import ConfigError, LlmgwError, NotFound
 from llmgw.fsutil import write_private
@@ -43,7 +44,6 @@ from llmgw.pki import (
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.bundles import BundleStore, add_bundle_routes
-from llmgw.server.catalog import profile_body_limit
 from llmgw.server.config import ServerConfig
 from llmgw.server.enroll import Enroller, EnrolmentServer
 from llmgw.server.enroll import server_ssl_context as enroll_ssl_context

@@ -32,18 +32,18 @@ from llmgw.bodies import (
 )
 from llmgw.configfile import format_size
 from llmgw.errors import ConfigError
-from llmgw.log import kv
-from llmgw.netaddr import parse_hostport
-from llmgw.relay import NOT_PROCESSED, STREAM_ERROR, relay
-from llmgw.server.httpapi import bearer_token
-from llmgw.server.routing import Endpoint
-from llmgw.upstream import (
+from llmgw.http.errors import (
     UpstreamConnectError,
     UpstreamError,
-    UpstreamPool,
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+from llmgw.http.pool import UpstreamPool
+from llmgw.http.relay import NOT_PROCESSED, STREAM_ERROR, relay
+from llmgw.log import kv
+from llmgw.netaddr import parse_hostport
+from llmgw.server.httpapi import bearer_token
+from llmgw.server.routing import Endpoint
 
 if TYPE_CHECKING:
     from llmgw.server.app import ControlPlane
@@ -83,7 +83,7 @@ class StreamTokenCounter:
     Linear in the stream: each chunk's line ends are normalised once, only the chunk is
     searched for the end of an event, and an incomplete event is held as a list of pieces
     (joined once, when it ends). An event longer than ``max_event`` bytes raises
-    :class:`~llmgw.upstream.UpstreamProtocolError`, which ends the stream.
+    :class:`~llmgw.http.errors.UpstreamProtocolError`, which ends the stream.
     """
 
     def __init__(self, max_event: int = MAX_SSE_EVENT) -> None:

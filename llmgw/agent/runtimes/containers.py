@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from llmgw.agent.runtimes.base import Launch
-from llmgw.engines.launch import EngineSpec, build_argv, build_command, self_argv
+from llmgw.engines.launch import build_argv, build_command, self_argv
+from llmgw.engines.spec import EngineSpec
 from llmgw.errors import EngineError, ShardError
 
 __all__ = [

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from llmgw.agent.dataplane import DataPlane
 from llmgw.bodies import MAX_BODY_HEADER
-from llmgw.relay import NOT_PROCESSED
+from llmgw.http.relay import NOT_PROCESSED
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from llmgw import bodies
 from llmgw.bodies import MAX_BODY_HEADER, BodyBudget
-from llmgw.relay import NOT_PROCESSED
+from llmgw.http.relay import NOT_PROCESSED
 from llmgw.server.config import load_server_config
 from llmgw.server.gateway import MAX_SSE_EVENT, Gateway
 from llmgw.server.metrics import Metrics

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from llmgw.engines.launch import EngineSpec, build_command
+from llmgw.engines.launch import build_command
+from llmgw.engines.spec import EngineSpec
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.scheduler import Scheduler
 from llmgw.server.store import Store
