@@ -30,7 +30,7 @@ def run_installer(
     mode: str = "tarball",
 ) -> subprocess.CompletedProcess[str]:
     """parse_args ARGS, then configure_docker and start_docker_proxy, as configure_and_start
-    calls them; prints configure_docker's status as 'changed=0|1'."""
+    calls them; prints what configure_docker changed as 'changed=yes|no restart=yes|no'."""
     require("sh")
     body = INSTALLER.read_text().rsplit("\nmain ", 1)[0]  # everything but the call of main
     calls = tmp_path / "calls"
@@ -52,8 +52,9 @@ getent() {{ [ "$2" != docker ] || {"true" if docker_group else "false"}; }}
 id() {{ echo {shlex.quote(groups)}; }}
 mode_recorded() {{ echo {mode}; }}
 parse_args {args}
-DOCKER_CHANGED=""
-if configure_docker; then DOCKER_CHANGED=1; echo changed=1; else echo changed=0; fi
+RESTART=no DOCKER_CHANGED=no
+configure_docker
+echo "changed=$DOCKER_CHANGED restart=$RESTART"
 start_docker_proxy
 """
     return subprocess.run(
@@ -82,7 +83,7 @@ def as_root() -> None:
 def test_docker_gives_the_proxy_s_socket_not_the_docker_group(tmp_path: Path) -> None:
     result = run_installer(tmp_path, "install --docker")
     assert result.returncode == 0, result.stderr
-    assert "changed=1" in result.stdout
+    assert "changed=yes restart=yes" in result.stdout
     dropin = (tmp_path / "units" / "llmgw-agent.service.d" / "20-docker.conf").read_text()
     assert f"Environment=DOCKER_HOST=unix://{DEFAULT_LISTEN}" in dropin
     assert "Wants=llmgw-docker-proxy.service" in dropin
@@ -100,7 +101,7 @@ def test_docker_gives_the_proxy_s_socket_not_the_docker_group(tmp_path: Path) ->
     # The same install again changes nothing (the proxy is not restarted when it runs).
     (tmp_path / "calls").unlink()
     again = run_installer(tmp_path, "install --docker")
-    assert again.returncode == 0 and "changed=0" in again.stdout, again.stderr
+    assert again.returncode == 0 and "changed=no restart=no" in again.stdout, again.stderr
 
 
 def test_docker_takes_the_agent_out_of_the_docker_group(tmp_path: Path) -> None:
@@ -117,7 +118,7 @@ def test_without_docker_the_agent_has_no_docker_access(tmp_path: Path) -> None:
     (tmp_path / "calls").unlink()
     result = run_installer(tmp_path, "install", groups="llmgw-agent docker")
     assert result.returncode == 0, result.stderr
-    assert "changed=1" in result.stdout
+    assert "changed=yes restart=yes" in result.stdout
     calls = calls_of(tmp_path)
     assert "gpasswd -d llmgw-agent docker" in calls
     assert "systemctl disable --now llmgw-docker-proxy.service" in calls
@@ -129,7 +130,7 @@ def test_without_docker_the_agent_has_no_docker_access(tmp_path: Path) -> None:
     # Nothing to undo: nothing changes, nothing is called but the checks.
     (tmp_path / "calls").unlink()
     quiet = run_installer(tmp_path, "install")
-    assert quiet.returncode == 0 and "changed=0" in quiet.stdout, quiet.stderr
+    assert quiet.returncode == 0 and "changed=no restart=no" in quiet.stdout, quiet.stderr
     assert not [c for c in calls_of(tmp_path) if not c.startswith("systemctl is-")]
 
 
