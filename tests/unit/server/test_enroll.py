@@ -33,18 +33,11 @@ from llmgw.server.enroll import (
     server_ssl_context,
 )
 from llmgw.server.store import Node, Store
+from tests.unit.clock import Clock
 
 NODE = "gpu-1"
 LIFETIME = 3600.0
 SERVERS = ["cp-1.example:7443", "10.0.0.5:7443"]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = time.time()
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @dataclass(frozen=True)
@@ -90,7 +83,7 @@ def snapshot(store: Store) -> dict[str, Any]:
 
 @pytest.fixture
 def env(cluster_pki: PKI, tmp_path: Path) -> Any:
-    clock = Clock()
+    clock = Clock(time.time())
     store = Store.open(tmp_path / "state.db", clock=clock)
     yield Env(store=store, clock=clock, ca=cluster_pki.ca, enrolled=[])
     store.close()
@@ -675,7 +668,7 @@ _cases = st.one_of(
 
 
 def test_fuzz_parse_and_enrol(cluster_pki: PKI, tmp_path: Path) -> None:
-    clock = Clock()
+    clock = Clock(time.time())
     store = Store.open(tmp_path / "fuzz.db", clock=clock)
     enroller = Enroller(store, cluster_pki.ca, lifetime=LIFETIME, servers=lambda: SERVERS)
     keys = [pki.new_private_key() for _ in range(3)]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sqlite3
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,34 +21,7 @@ from llmgw.server.store import (
     Store,
     hash_api_key,
 )
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float = 1.0) -> None:
-        self.t += dt
-
-
-@pytest.fixture
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "state.db"
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def store(db_path: Path, clock: Clock) -> Iterator[Store]:
-    s = Store.open(db_path, clock=clock)
-    yield s
-    s.close()
+from tests.unit.clock import Clock
 
 
 def _node(store: Store, node_id: str = "gpu1", **kw: object) -> Node:

@@ -5,41 +5,19 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from llmgw.errors import Conflict, NotFound, TokenError
 from llmgw.server.store import MIGRATIONS, Certificate, JoinToken, Store
-
-
-class Clock:
-    def __init__(self, t: float = 1_700_000_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float = 1.0) -> None:
-        self.t += dt
-
-
-@pytest.fixture
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "state.db"
+from tests.unit.clock import Clock
 
 
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def store(db_path: Path, clock: Clock) -> Iterator[Store]:
-    s = Store.open(db_path, clock=clock)
-    yield s
-    s.close()
+    # A 2023 date: messages name the expiry's date.
+    return Clock(1_700_000_000.0)
 
 
 def _consume(store: Store, secret: str, node_id: str = "gpu-1", **kw: object) -> JoinToken:

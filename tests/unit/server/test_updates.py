@@ -25,13 +25,6 @@ from llmgw.server.updates import (
 ORDER = {"order": b'{"counter":1}', "signature": b"sig", "expires": 2000.0}
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Any:
-    s = Store.open(tmp_path / "state.db", clock=lambda: 1000.0)
-    yield s
-    s.close()
-
-
 def test_migration_4_adds_update_rows_to_a_v3_database(tmp_path: Path) -> None:
     path = tmp_path / "v3.db"
     conn = sqlite3.connect(path)
