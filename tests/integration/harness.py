@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -299,3 +300,72 @@ class Client(threading.Thread):
                 self.ok += 1
             except Exception as exc:
                 self.failures.append(f"request {i}: {type(exc).__name__}: {exc}")
+
+
+@dataclass
+class Up:
+    """A running ``llmgw up`` and what its banner said."""
+
+    proc: subprocess.Popen[str]
+    state_dir: Path
+    base_url: str
+    api_key: str
+    output: list[str]
+
+
+def start_up(
+    state_dir: Path,
+    *,
+    port: int | None = None,
+    grpc_port: int = 0,
+    agent_port: int = 0,
+    enroll_port: int = 0,
+) -> Up:
+    """``llmgw up`` on ``state_dir`` (the HTTP port free when not given, the others as given:
+    0 lets it pick), once its banner has said the base URL and the API key."""
+    env = dict(os.environ, XDG_CONFIG_HOME=str(state_dir / "xdg"), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [
+            *LLMGW,
+            "up",
+            "--state-dir",
+            str(state_dir),
+            "--port",
+            str(port or free_port()),
+            "--grpc-port",
+            str(grpc_port),
+            "--agent-port",
+            str(agent_port),
+            "--enroll-port",
+            str(enroll_port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines: list[str] = []
+    found: dict[str, str] = {}
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    def reader() -> None:
+        for line in stdout:
+            lines.append(line)
+            if m := re.search(r"OpenAI base URL: (\S+)", line):
+                found["url"] = m.group(1)
+            if m := re.search(r"API key: +(\S+)", line):
+                found["key"] = m.group(1)
+
+    threading.Thread(target=reader, daemon=True).start()
+    try:
+        wait_for(
+            lambda: ("url" in found and "key" in found) or proc.poll() is not None,
+            timeout=120,
+            what="llmgw up banner",
+        )
+    except AssertionError:
+        stop_process(proc, signal.SIGKILL)  # type: ignore[arg-type]
+        raise AssertionError("".join(lines)) from None
+    assert proc.poll() is None, "".join(lines)
+    return Up(proc, state_dir, found["url"], found["key"], lines)

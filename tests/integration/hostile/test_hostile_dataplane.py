@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from llmgw import pki
-from tests.integration.hostile.conftest import Cluster, assert_still_healthy, raw_exchange
+from tests.integration.hostile.cluster import Cluster, assert_still_healthy, raw_exchange
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import pytest
 
 from llmgw import pki
 from llmgw.proto import control_pb2 as pb
-from tests.integration.hostile.conftest import Cluster, assert_still_healthy
+from tests.integration.hostile.cluster import Cluster, assert_still_healthy
 
 pytestmark = pytest.mark.integration
 
