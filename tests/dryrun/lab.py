@@ -348,3 +348,21 @@ class Lab:
         text = answer.choices[0].message.content
         assert text, answer
         return text
+
+
+class OrderedSteps:
+    """What a module's steps (tests run in file order, on one node) share, and which one
+    failed first: the ``in_order`` fixture (conftest.py) fails the later ones at once, naming
+    it. A module subclasses it for what else its steps hand on."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.failed: str | None = None
+        self.node: Node | None = None
+        self.join: dict[str, Any] = {}
+
+
+def node_of(steps: OrderedSteps) -> Node:
+    """The node an earlier step started."""
+    assert steps.node is not None
+    return steps.node

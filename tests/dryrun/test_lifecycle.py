@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from llmgw import pki
 from tests.integration.harness import wait_for
 from tests.packaging.pkgcheck import ROOT, require
 
-from .lab import MOUNT, ONEDIR, Lab, Node, next_version, run, systemd_image
+from .lab import MOUNT, ONEDIR, Lab, Node, OrderedSteps, next_version, node_of, run, systemd_image
 
 NODE = "dry-12"
 MODEL = "dry"
@@ -38,15 +37,15 @@ WATCHED = (
 )
 
 
-class Steps:
-    """What the steps share, and which one failed first."""
+pytestmark = pytest.mark.usefixtures("in_order")
+
+
+class Steps(OrderedSteps):
+    """What the steps hand on besides the node and the join."""
 
     def __init__(self, lab: Lab) -> None:
-        self.lab = lab
-        self.failed: str | None = None
-        self.node: Node | None = None
+        super().__init__(lab)
         self.key = ""
-        self.join: dict[str, Any] = {}
         self.bundle_n = ""  # the N bundle's folder, as the container sees it
         self.bundle_next = ""
         self.version_next = ""
@@ -55,21 +54,6 @@ class Steps:
 @pytest.fixture(scope="module")
 def steps(lab: Lab) -> Steps:
     return Steps(lab)
-
-
-@pytest.fixture(autouse=True)
-def in_order(request: pytest.FixtureRequest, steps: Steps) -> Iterator[None]:
-    if steps.failed:
-        pytest.fail(f"not run: the earlier step {steps.failed} failed")
-    failed_before = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed_before:
-        steps.failed = request.node.name
-
-
-def node_of(steps: Steps) -> Node:
-    assert steps.node is not None
-    return steps.node
 
 
 def serves(steps: Steps, timeout: float = 120) -> None:

@@ -13,7 +13,6 @@ import json
 import re
 import shlex
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import pytest
 from llmgw import pki
 from tests.integration.harness import wait_for
 
-from .lab import MOUNT, Lab, Node, run, systemd_image
+from .lab import MOUNT, Lab, Node, OrderedSteps, node_of, run, systemd_image
 
 NODE = "dry-root"
 SPOOL = "/var/lib/llmgw-agent/update"
@@ -34,33 +33,18 @@ AS_AGENT = "setpriv --reuid=llmgw-agent --regid=llmgw-agent --init-groups"
 FUNCTIONS = "/root/install-agent-functions.sh"
 
 
-class Steps:
+pytestmark = pytest.mark.usefixtures("in_order")
+
+
+class Steps(OrderedSteps):
     def __init__(self, lab: Lab) -> None:
-        self.lab = lab
-        self.failed: str | None = None
-        self.node: Node | None = None
-        self.join: dict[str, Any] = {}
+        super().__init__(lab)
         self.folder = ""  # the N bundle, unpacked, as the container sees it
 
 
 @pytest.fixture(scope="module")
 def steps(lab: Lab) -> Steps:
     return Steps(lab)
-
-
-@pytest.fixture(autouse=True)
-def in_order(request: pytest.FixtureRequest, steps: Steps) -> Iterator[None]:
-    if steps.failed:
-        pytest.fail(f"not run: the earlier step {steps.failed} failed")
-    failed_before = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed_before:
-        steps.failed = request.node.name
-
-
-def node_of(steps: Steps) -> Node:
-    assert steps.node is not None
-    return steps.node
 
 
 def as_agent(node: Node, script: str, check: bool = True) -> str:
