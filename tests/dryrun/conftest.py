@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.packaging.pkgcheck import ROOT, unavailable
+from tests.ci import unavailable
+from tests.packaging.pkgcheck import ROOT
 
 from .lab import ONEFILE, Lab, OrderedSteps, docker_ready, next_version, read_version
 

@@ -24,25 +24,15 @@ from typing import Any
 
 import yaml
 
+from tests.ci import require_tools, unavailable
 from tests.integration.harness import LLMGW, Server, free_port, stop_process, wait_for
-from tests.packaging.pkgcheck import (
-    ROOT,
-    Container,
-    require,
-    unavailable,
-)
+from tests.packaging.pkgcheck import ROOT, Container, systemd_image_of
 
 LABEL = "llmgw.test-dryrun"
 MOUNT = "/lab"  # where a container sees the lab directory (read-only)
 STALE_AFTER_S = 3 * 3600
 ONEFILE = ROOT / "dist" / "llmgw-linux-x64"
 ONEDIR = ROOT / "dist" / "llmgw-onedir-x64"
-IMAGES = {
-    "bookworm": ("LLMGW_TEST_SYSTEMD_IMAGE", "llmgw-test-systemd:local"),
-    "bullseye": ("LLMGW_TEST_SYSTEMD_IMAGE_BULLSEYE", "llmgw-test-systemd-bullseye:local"),
-}
-
-__all__ = ["Lab", "Node", "docker_ready", "read_version", "systemd_image"]
 
 
 def read_version() -> str:
@@ -62,7 +52,7 @@ def next_version(version: str) -> str:
 
 
 def docker_ready() -> None:
-    require("docker")
+    require_tools("docker")
     if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode != 0:
         unavailable("dockerd is not reachable; start it: dockerd >/var/log/dockerd.log 2>&1 &")
     remove_stale()
@@ -92,24 +82,8 @@ def remove_stale() -> None:
 
 
 def systemd_image(suite: str) -> str:
-    """The suite's systemd image: $LLMGW_TEST_SYSTEMD_IMAGE[_BULLSEYE], else built here."""
-    env, default = IMAGES[suite]
-    name = os.environ.get(env)
-    if name:
-        inspect = ["docker", "image", "inspect", name]
-        if subprocess.run(inspect, capture_output=True, check=False).returncode != 0:
-            unavailable(f"${env} names {name}, which is not on this machine")
-        return name
-    build = subprocess.run(
-        [str(ROOT / "scripts" / "systemd-test-image.sh"), "--suite", suite, default],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    if build.returncode != 0:
-        unavailable(f"could not build the {suite} systemd image: {build.stderr.strip()[-600:]}")
-    return default
+    """The suite's systemd image (bookworm, bullseye): prebuilt, else built here."""
+    return systemd_image_of(suite)
 
 
 def run(*args: str | Path, timeout: float = 900, **env: str) -> subprocess.CompletedProcess[str]:

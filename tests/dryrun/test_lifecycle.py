@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 
 from llmgw import pki
+from tests.ci import require_tools
 from tests.integration.harness import wait_for
-from tests.packaging.pkgcheck import ROOT, require
+from tests.packaging.pkgcheck import ROOT
 
 from .lab import MOUNT, ONEDIR, Lab, Node, OrderedSteps, next_version, node_of, run, systemd_image
 
@@ -446,7 +447,7 @@ def test_12_purge_leaves_only_the_models(steps: Steps, lab: Lab) -> None:
 
 
 def test_13_package_from_the_signed_apt_repository(steps: Steps, lab: Lab, tmp_path: Path) -> None:
-    require("dpkg-deb", "apt-ftparchive", "gpg")
+    require_tools("dpkg-deb", "apt-ftparchive", "gpg")
     node = node_of(steps)
     if not (ONEDIR / "llmgw").is_file():
         pytest.fail(f"no {ONEDIR}; build it first: make dist")

@@ -7,7 +7,6 @@ dry run's."""
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -15,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.dockerproxy import DEFAULT_LISTEN
+from tests.ci import require_tools
 
-from .pkgcheck import ROOT, require
+from .pkgcheck import ROOT
 
 INSTALLER = ROOT / "installer" / "install-agent.sh"
 
@@ -31,7 +31,7 @@ def run_installer(
 ) -> subprocess.CompletedProcess[str]:
     """parse_args ARGS, then configure_docker and start_docker_proxy, as configure_and_start
     calls them; prints what configure_docker changed as 'changed=yes|no restart=yes|no'."""
-    require("sh")
+    require_tools("sh")
     body = INSTALLER.read_text().rsplit("\nmain ", 1)[0]  # everything but the call of main
     calls = tmp_path / "calls"
     script = f"""
@@ -75,7 +75,7 @@ def calls_of(tmp_path: Path) -> list[str]:
 @pytest.fixture(autouse=True)
 def as_root() -> None:
     if os.geteuid() != 0:
-        from .pkgcheck import unavailable
+        from tests.ci import unavailable
 
         unavailable("the installer's put_file chowns to root: run the tests as root")
 
@@ -168,41 +168,6 @@ def test_docker_without_docker_installed_says_to_install_it(tmp_path: Path) -> N
     assert calls_of(tmp_path) == []
 
 
-def test_the_proxy_is_named_alike_everywhere_and_no_package_joins_docker() -> None:
-    from .test_consistency import installer_settings, render_calls
-
-    settings = installer_settings()
-    assert settings["PROXY_SOCKET"] == str(DEFAULT_LISTEN)
-    # What uninstall (and the packages' purge) remove: the unit's state directory, where a
-    # one-file build unpacks itself, as DynamicUser= keeps it.
-    unit_text = (ROOT / "systemd" / settings["PROXY_UNIT"]).read_text()
-    state = unit_text.split("\nStateDirectory=", 1)[1].split()[0]
-    expected = {f"/var/lib/{state}", f"/var/lib/private/{state}"}
-    (proxy_state,) = re.findall(r'^PROXY_STATE="([^"]*)"$', INSTALLER.read_text(), re.M)
-    assert set(proxy_state.split()) == expected
-    assert expected <= set(render_calls()["llmgw-agent"]["purge_dirs"].split())
-    unit = settings["PROXY_UNIT"]
-    assert (ROOT / "systemd" / unit).is_file()
-    # The packages ship the unit (not enabled) and never put the agent in the docker group.
-    agent = render_calls()["llmgw-agent"]
-    assert "docker" not in agent["extra_groups"].split()
-    # Restarted on upgrades (it runs the package's program) and stopped on removal.
-    assert agent["companion_units"] == unit
-    for script in ("deb/postinst", "deb/prerm", "rpm/preun", "rpm/postun"):
-        assert "$COMPANION_UNITS" in (ROOT / "packaging" / script).read_text(), script
-    recipe = (ROOT / "packaging" / "nfpm-agent.yaml").read_text()
-    for vendor_dir in ("/lib/systemd/system", "/usr/lib/systemd/system"):
-        assert f"dst: {vendor_dir}/{unit}" in recipe
-    packages_sh = (ROOT / "scripts" / "packages.sh").read_text()
-    (loop,) = [line for line in packages_sh.split("\n    for unit in ")[1:2]]
-    assert unit in loop.split("; do")[0]
-    # The one place the installer adds the agent to docker is --docker-group's.
-    text = INSTALLER.read_text()
-    assert text.count("usermod -aG docker") == 1
-    group_branch = text.split('if [ "$DOCKER" = group ]; then', 1)[1].split("elif", 1)[0]
-    assert "usermod -aG docker" in group_branch
-
-
 def test_package_docker_uses_the_package_s_unit(tmp_path: Path) -> None:
     result = run_installer(
         tmp_path, "package --repo-url http://r --repo-key k --docker", mode="package"
@@ -219,7 +184,7 @@ def test_package_docker_uses_the_package_s_unit(tmp_path: Path) -> None:
 
 def run_status(tmp_path: Path, groups: str, recorded: str | None) -> str:
     """verb_status's 'docker:' line, the host's commands replaced by stand-ins."""
-    require("sh")
+    require_tools("sh")
     body = INSTALLER.read_text().rsplit("\nmain ", 1)[0]
     state = tmp_path / "install-state"
     state.mkdir(exist_ok=True)
