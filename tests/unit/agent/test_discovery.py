@@ -32,9 +32,7 @@ from llmgw.errors import ConfigError
 from llmgw.proto import control_pb2 as pb
 from tests.ci import require_tools
 
-from .fake_nvml import FakeNvml, fake_nvml
-
-__all__ = ["fake_nvml"]  # a fixture, used by name
+from .fake_nvml import FakeNvml
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 SMI = FIXTURES / "nvidia-smi"

@@ -13,9 +13,7 @@ import pytest
 from llmgw.agent.discovery import NO_GPUS_VISIBLE, NVML_VERSION_MISMATCH, discover_gpus
 from llmgw.agent.inventory import collect_inventory
 
-from .fake_nvml import STANDIN, FakeNvml, eight_gpus, fake_nvml
-
-__all__ = ["fake_nvml"]  # a fixture, used by name
+from .fake_nvml import STANDIN, FakeNvml, eight_gpus
 
 SMI = Path(__file__).resolve().parents[2] / "fixtures" / "nvidia-smi"
 LOST_HINT = "see 'dmesg | grep -i xid' and 'nvidia-smi -q -i 5'"
