@@ -192,3 +192,17 @@ def json_error(body: bytes) -> dict[str, Any]:
     error: dict[str, Any] = data["error"]
     assert isinstance(error.get("message"), str) and error["message"], body[:300]
     return error
+
+
+def seconds_until_closed(port: int, data: bytes, *, timeout: float = 30.0) -> float:
+    """Send ``data`` as is to ``port`` and read until the server closes the connection (or
+    resets it); how long that took after the send."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        started = time.monotonic()
+        try:
+            while sock.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
+        return time.monotonic() - started
