@@ -30,6 +30,7 @@ from tests.packaging.pkgcheck import ROOT, Container, systemd_image_of
 
 LABEL = "llmgw.test-dryrun"
 MOUNT = "/lab"  # where a container sees the lab directory (read-only)
+SPOOL = "/var/lib/llmgw-agent/update"  # the agent's update spool, the root helper's input
 STALE_AFTER_S = 3 * 3600
 ONEFILE = ROOT / "dist" / "llmgw-linux-x64"
 ONEDIR = ROOT / "dist" / "llmgw-onedir-x64"
@@ -129,6 +130,39 @@ class Node:
 
     def journal(self, unit: str = "llmgw-agent.service", lines: int = 40) -> str:
         return self.sh(f"journalctl -u {unit} -n {lines} --no-pager", check=False).stdout
+
+    def unit_findings(self) -> list[str]:
+        """What ``systemd-analyze verify`` says of the agent's units as installed here
+        (ExecStart rewritten, the drop-in): nothing, when all is well."""
+        verified = self.sh(
+            "systemd-analyze verify /etc/systemd/system/llmgw-agent.service "
+            "/etc/systemd/system/llmgw-agent-update.service "
+            "/etc/systemd/system/llmgw-agent-update.path",
+            check=False,
+        )
+        # systemd 247 in a container with a private cgroup namespace says this of its own
+        # helper processes, whatever the units: not a finding about them.
+        return [
+            line
+            for line in (verified.stdout + verified.stderr).splitlines()
+            if "to compat systemd cgroup" not in line
+        ]
+
+    def helper_status(self, *, interval: float) -> dict[str, Any]:
+        """Once the root update helper has taken the request spooled in SPOOL (the caller
+        spooled it after removing the old status): the status.json it wrote."""
+        wait_for(
+            lambda: (
+                self.sh(
+                    f"test -s {SPOOL}/status.json && ! test -e {SPOOL}/request", check=False
+                ).returncode
+                == 0
+            ),
+            what="the helper's status.json",
+            timeout=120,
+            interval=interval,
+        )
+        return json.loads(self.out(f"cat {SPOOL}/status.json"))  # type: ignore[no-any-return]
 
 
 class Lab:

@@ -10,7 +10,6 @@ later ones fail at once, naming it.
 
 from __future__ import annotations
 
-import json
 import shlex
 import time
 from pathlib import Path
@@ -23,12 +22,22 @@ from tests.ci import require_tools
 from tests.integration.harness import wait_for
 from tests.packaging.pkgcheck import ROOT
 
-from .lab import MOUNT, ONEDIR, Lab, Node, OrderedSteps, next_version, node_of, run, systemd_image
+from .lab import (
+    MOUNT,
+    ONEDIR,
+    SPOOL,
+    Lab,
+    Node,
+    OrderedSteps,
+    next_version,
+    node_of,
+    run,
+    systemd_image,
+)
 
 NODE = "dry-12"
 MODEL = "dry"
 INSTALLER = "install-agent.sh"
-SPOOL = "/var/lib/llmgw-agent/update"
 # What a re-run of install must leave exactly as it was.
 WATCHED = (
     "/usr/local/lib/llmgw-agent/llmgw /etc/systemd/system/llmgw-agent.service "
@@ -127,19 +136,7 @@ def test_01_one_liner_installs_and_joins(steps: Steps, lab: Lab) -> None:
         node.out("stat -c '%U' /srv/llmgw/models /srv/llmgw/cache").split() == ["llmgw-agent"] * 2
     )
     # The units as installed (ExecStart rewritten, the drop-in) verify on the node's systemd.
-    verified = node.sh(
-        "systemd-analyze verify /etc/systemd/system/llmgw-agent.service "
-        "/etc/systemd/system/llmgw-agent-update.service /etc/systemd/system/llmgw-agent-update.path",
-        check=False,
-    )
-    # systemd 247 in a container with a private cgroup namespace says this of its own
-    # helper processes, whatever the units: not a finding about them.
-    said = [
-        line
-        for line in (verified.stdout + verified.stderr).splitlines()
-        if "to compat systemd cgroup" not in line
-    ]
-    assert said == [], said
+    assert node.unit_findings() == []
 
 
 def test_02_approve_and_serve_through_the_gateway(steps: Steps, lab: Lab) -> None:
@@ -314,18 +311,7 @@ def spool(node: Node, lab: Lab, data: bytes, signature: bytes, bundle: Path) -> 
         f"setpriv --reuid=llmgw-agent --regid=llmgw-agent --init-groups sh -c "
         f"'mkdir -p {SPOOL} && cp -r {MOUNT}/{name} {SPOOL}/.incoming && mv {SPOOL}/.incoming {SPOOL}/request'"
     )
-    wait_for(
-        lambda: (
-            node.sh(
-                f"test -s {SPOOL}/status.json && ! test -e {SPOOL}/request", check=False
-            ).returncode
-            == 0
-        ),
-        what="the helper's status.json",
-        timeout=120,
-        interval=0.5,
-    )
-    return json.loads(node.out(f"cat {SPOOL}/status.json"))  # type: ignore[no-any-return]
+    return node.helper_status(interval=0.5)
 
 
 def test_09_hostile_orders_are_refused(steps: Steps, lab: Lab, bundle_next: Path) -> None:

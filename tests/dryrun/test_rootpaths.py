@@ -9,7 +9,6 @@ once, naming it.
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import time
@@ -21,10 +20,9 @@ import pytest
 from llmgw import pki
 from tests.integration.harness import wait_for
 
-from .lab import MOUNT, Lab, Node, OrderedSteps, node_of, run, systemd_image
+from .lab import MOUNT, SPOOL, Lab, Node, OrderedSteps, node_of, run, systemd_image
 
 NODE = "dry-root"
-SPOOL = "/var/lib/llmgw-agent/update"
 STATE = "/var/lib/llmgw-agent"
 AGENT_TMP = "/var/lib/llmgw-agent-tmp"
 TRUST = "/etc/llmgw/update"
@@ -135,18 +133,7 @@ def spool_junk(node: Node, name: str) -> dict[str, Any]:
         f"mkdir -p {SPOOL}/.{name} && echo junk >{SPOOL}/.{name}/order.json && "
         f"mv {SPOOL}/.{name} {SPOOL}/request",
     )
-    wait_for(
-        lambda: (
-            node.sh(
-                f"test -s {SPOOL}/status.json && ! test -e {SPOOL}/request", check=False
-            ).returncode
-            == 0
-        ),
-        what="the helper's status.json",
-        timeout=120,
-        interval=0.3,
-    )
-    return json.loads(node.out(f"cat {SPOOL}/status.json"))  # type: ignore[no-any-return]
+    return node.helper_status(interval=0.3)
 
 
 def test_03_a_link_to_etc_is_never_managed_by_root(steps: Steps) -> None:
