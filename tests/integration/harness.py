@@ -207,17 +207,23 @@ def pids_of_session(sid: int) -> list[int]:
     return out
 
 
+def cmdline(pid: int) -> str:
+    """The command line of process ``pid``, its arguments joined by spaces ("" once gone)."""
+    try:
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
+    except OSError:
+        return ""
+
+
 def llmgw_processes_under(root: Path) -> list[str]:
     """Command lines of live llmgw processes that mention ``root`` or descend from a run in it."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            raw = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        cmd = raw.replace(b"\0", b" ").decode(errors="replace")
+        cmd = cmdline(int(entry))
         if "llmgw" in cmd and str(root) in cmd:
             found.append(f"{entry}: {cmd}")
     return found

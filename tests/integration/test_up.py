@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.integration.harness import LLMGW, Up, start_up, stop_process, wait_for
+from tests.integration.harness import LLMGW, Up, cmdline, start_up, stop_process, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -153,7 +153,7 @@ def test_ctrl_c_leaves_no_process_and_second_up_reuses_ca_and_key(tmp_path: Path
     agent_pids = [
         int(p)
         for p in os.listdir("/proc")
-        if p.isdigit() and _cmdline(int(p)).count(str(tmp_path / "state" / "agent" / "agent.yaml"))
+        if p.isdigit() and cmdline(int(p)).count(str(tmp_path / "state" / "agent" / "agent.yaml"))
     ]
     assert agent_pids
     code = stop_process(first.proc, signal.SIGINT, timeout=60)
@@ -162,9 +162,9 @@ def test_ctrl_c_leaves_no_process_and_second_up_reuses_ca_and_key(tmp_path: Path
     for pid in engine_pids + agent_pids:
         wait_for(lambda pid=pid: not _alive(pid), timeout=10, what=f"process {pid} to exit")
     leftovers = [
-        f"{p}: {_cmdline(int(p))}"
+        f"{p}: {cmdline(int(p))}"
         for p in os.listdir("/proc")
-        if p.isdigit() and str(tmp_path) in _cmdline(int(p))
+        if p.isdigit() and str(tmp_path) in cmdline(int(p))
     ]
     assert leftovers == []
 
@@ -200,15 +200,6 @@ def test_up_refuses_a_state_dir_in_use(up: Up) -> None:
     )
     assert out.returncode == 2
     assert f"another 'llmgw up' is running on {up.state_dir}" in out.stderr
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return (
-            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        )
-    except OSError:
-        return ""
 
 
 def test_sigterm_stops_it_too(tmp_path: Path) -> None:

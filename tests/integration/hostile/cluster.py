@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.integration.harness import cmdline
+
 # RSS may grow this much over what the process had once the cluster was up; a leak per
 # request (or a body kept whole) over a module's thousands of requests goes far above it.
 RSS_GROWTH_LIMIT = 150 * 1024 * 1024
@@ -75,7 +77,7 @@ class Cluster:
         found = [self.proc.pid]
         agent_yaml = str(self.state_dir / "agent" / "agent.yaml")
         for entry in os.listdir("/proc"):
-            if entry.isdigit() and agent_yaml in _cmdline(int(entry)):
+            if entry.isdigit() and agent_yaml in cmdline(int(entry)):
                 found.append(int(entry))
         return found
 
@@ -100,15 +102,6 @@ class Cluster:
             conn.close()
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return (
-            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        )
-    except OSError:
-        return ""
-
-
 def rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -128,7 +121,7 @@ def assert_still_healthy(cluster: Cluster) -> None:
         now = rss(pid)
         print(f"RSS of {pid}: {before >> 20} MiB at start, {now >> 20} MiB now")
         assert now < before + RSS_GROWTH_LIMIT, (
-            f"pid {pid} ({_cmdline(pid)[:80]}) grew from {before >> 20} MiB to {now >> 20} MiB"
+            f"pid {pid} ({cmdline(pid)[:80]}) grew from {before >> 20} MiB to {now >> 20} MiB"
         )
 
 
