@@ -27,3 +27,12 @@ def fake_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
         monkeypatch.delitem(sys.modules, "pynvml", raising=False)
 
     return install
+
+
+@pytest.fixture
+def empty_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """PATH with nothing on it: no nvidia-smi, llama-server or vllm from this machine."""
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    return empty

@@ -40,15 +40,6 @@ ENGINES = FIXTURES / "engines"
 IB = FIXTURES / "ib"
 
 
-@pytest.fixture
-def empty_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """PATH with nothing on it: no nvidia-smi, llama-server or vllm from this machine."""
-    empty = tmp_path / "empty-bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-    return empty
-
-
 # -- GPUs -------------------------------------------------------------------------------------
 
 

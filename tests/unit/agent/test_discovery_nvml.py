@@ -19,14 +19,6 @@ SMI = Path(__file__).resolve().parents[2] / "fixtures" / "nvidia-smi"
 LOST_HINT = "see 'dmesg | grep -i xid' and 'nvidia-smi -q -i 5'"
 
 
-@pytest.fixture
-def empty_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    empty = tmp_path / "empty-bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-    return empty
-
-
 def test_the_stand_in_is_what_discovery_imports(fake_nvml: FakeNvml) -> None:
     fake_nvml(gpus=eight_gpus())
     import pynvml
