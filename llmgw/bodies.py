@@ -31,7 +31,7 @@ from aiohttp import StreamReader, web
 from aiohttp.client_exceptions import ClientPayloadError
 from aiohttp.http_exceptions import HttpProcessingError
 
-from llmgw.config_util import Checker, format_size
+from llmgw.configfile import Checker, format_size
 from llmgw.errors import LlmgwError
 
 __all__ = [

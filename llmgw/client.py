@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from llmgw.errors import APIError, ClientError, ConfigError, ConnectError
+from llmgw.fsutil import write_private
 
 __all__ = [
     "ADMIN_PASSWORD_ENV",
@@ -138,13 +139,10 @@ def _read_ctl_file(
 def write_ctl_config(path: Path, server: str, token_file: Path, *, ca: Path | None = None) -> None:
     """The ctl.yaml ``llmgw up`` and ``llmgw server`` leave in their state directory."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(path.name + ".tmp")
     data = {"server": server, "token_file": str(token_file)}
     if ca is not None:
         data["ca"] = str(ca)
-    tmp.write_text(yaml.safe_dump(data))
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    write_private(path, yaml.safe_dump(data).encode())
 
 
 def find_target(

@@ -15,6 +15,8 @@
     │   ├── PinMismatch             the control plane's CA is not the pinned one (token not sent)
     │   ├── TokenError              the join token is unknown, expired, used, revoked, or not for this
     │   └── CSRError                the certificate request is malformed, weak, or names another node
+    ├── FileError                   a file cannot be written in place; names the file
+    │   └── ArchiveError            an archive is unreadable or unsafe to unpack; ``code`` says which
     ├── ShardError                  starting or stopping an engine process
     ├── EngineError                 an engine's own arguments or behaviour
     ├── UpdateError                 a signed self-update refused or failed; ``state`` says which
@@ -143,6 +145,29 @@ class CSRError(EnrolmentError):
     status = 400
 
 
+class FileError(LlmgwError):
+    """A file could not be written atomically (llmgw.fsutil); ``path`` names it."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class ArchiveError(FileError):
+    """An archive cannot be unpacked: ``code`` is ``unreadable`` (damaged, or no archive),
+    ``unsafe`` (``member`` would escape the destination, or is of a forbidden kind; ``reason``
+    says how), ``too_big``, ``too_many`` (members) or ``write_failed`` (the destination).
+    Callers put it in their own words: an engine install, an update bundle."""
+
+    def __init__(
+        self, message: str, *, code: str, member: str | None = None, reason: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.member = member
+        self.reason = reason or message
+
+
 class ShardError(LlmgwError):
     """An engine process could not be started, watched or stopped."""
 
@@ -185,6 +210,7 @@ class APIError(ClientError):
 
 __all__ = [
     "APIError",
+    "ArchiveError",
     "CSRError",
     "CertificateError",
     "ClientError",
@@ -193,6 +219,7 @@ __all__ = [
     "ConnectError",
     "EngineError",
     "EnrolmentError",
+    "FileError",
     "IdentityMismatch",
     "LlmgwError",
     "NoAuthority",

@@ -34,7 +34,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from llmgw.config_util import Checker, join_key
+from llmgw.configfile import Checker, join_key
 from llmgw.log import kv
 
 __all__ = [
@@ -84,7 +84,8 @@ def parse_listener_limits(
     *,
     extra: Mapping[str, int] | None = None,
 ) -> tuple[ListenerLimits, dict[str, int]]:
-    """``header_timeout``, ``handshake_timeout`` and ``body_timeout`` (seconds, 0.1-600) of a
+    """``header_timeout``, ``handshake_timeout`` and ``body_timeout`` (durations such as ``10``,
+    ``500ms`` or ``2m``, 0.1 s to 10 min) of a
     ``key:`` mapping,
     plus the connection caps named in ``extra`` (name -> default; 0 means no cap).
     Returns the limits (without a cap) and the caps by name."""
@@ -96,7 +97,7 @@ def parse_listener_limits(
         item = data.get(name)
         if item is None:
             return default
-        return check.number(item, join_key(key, name), minimum=0.1, maximum=600)
+        return check.duration(item, join_key(key, name), minimum=0.1, maximum=600)
 
     for name in caps:
         item = data.get(name)

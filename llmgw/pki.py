@@ -27,8 +27,15 @@ stream pins the TLS name to :data:`CONTROL_PLANE_NAME` (the gRPC library cannot 
 extended key usage), the join client, the update download and the data plane check the OID
 with :func:`control_plane_problem` once the handshake is done.
 
-Every file is written atomically (temporary file in the same directory, fsync, ``os.replace``);
-private keys are created 0600 and are never readable by anyone else, not even for an instant.
+Every file is written atomically (llmgw.fsutil); private keys are created 0600 and are never
+readable by anyone else, not even for an instant. Node ids and host names are checked by
+llmgw.netaddr, which also knows this machine's addresses.
+
+Why one module of ~900 lines: it is one concept, what the cluster CA signs and how. The CA,
+the leaf certificates and the CSR checks share one policy (the control plane's identity above,
+the one shape of a node certificate that :func:`sign_csr` and :func:`issue_node_cert` both
+build, the SANs a control plane must carry), and splitting them would scatter that policy
+over modules that must change together.
 """
 
 from __future__ import annotations
@@ -37,13 +44,9 @@ import contextlib
 import datetime as dt
 import fcntl
 import hashlib
-import ipaddress
 import math
 import os
 import re
-import secrets
-import socket
-import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,36 +62,38 @@ from cryptography.hazmat.primitives.asymmetric.types import (
 )
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from llmgw.errors import CertificateError, ConfigError, CSRError, NoAuthority, PKIError
+from llmgw.errors import (
+    CertificateError,
+    ConfigError,
+    CSRError,
+    FileError,
+    NoAuthority,
+    PKIError,
+)
+from llmgw.fsutil import atomic_write, make_dir, write_private
+from llmgw.netaddr import (
+    CONTROL_PLANE_NAME,
+    LOOPBACK_HOSTS,
+    RESERVED_NAMES,
+    RESERVED_PREFIX,
+    parse_host,
+    validate_node_id,
+)
 
 CONTROL_PLANE_CN = "llmgw-control-plane"
 CONTROL_PLANE_OID = x509.ObjectIdentifier("2.25.21242712681526740565347737651871607661")
 """Extended key usage only control-plane certificates carry (see the module docstring)."""
-CONTROL_PLANE_NAME = "llmgw-control-plane"
-"""DNS SAN of every control-plane certificate; never a node id. The agent's stream checks it."""
-RESERVED_NAMES = frozenset({CONTROL_PLANE_NAME})
 SERVER_CN = "llmgw control plane"
 DEFAULT_CA_CN = "llmgw cluster CA"
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
-RESERVED_PREFIX = "llmgw-"
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 RENEW_BEFORE = dt.timedelta(days=30)
 
 # Certificates start a little in the past so that a peer whose clock is slightly behind accepts them.
 _BACKDATE = dt.timedelta(minutes=5)
 # Public: how far certificates are backdated for clock skew (not part of their lifetime).
 BACKDATE = _BACKDATE
-_IF_INET6 = Path("/proc/net/if_inet6")
-_SIOCGIFADDR = 0x8915
-_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
 _FILE_STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-_HOST_CHARS = re.compile(r"[A-Za-z0-9_*.-]+")
-_NODE_ID_RULE = (
-    "a node id must be a DNS name: lowercase letters, digits, '-' and '.', labels of 1-63 "
-    "characters that neither start nor end with '-', at most 253 characters in all, not an IP "
-    "address, not 'localhost', and not starting with 'llmgw-' (reserved)"
-)
 
 
 @dataclass(frozen=True)
@@ -223,59 +228,8 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes, mode: int) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    try:
-        # The mode is given at creation, so the file is never more open than ``mode``.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-    except OSError as e:
-        raise PKIError(
-            f"cannot write {path}: {e.strerror or e}; check that {path.parent} exists and is writable"
-        ) from e
-    try:
-        try:
-            os.fchmod(fd, mode)  # the umask can only have removed bits; make it exact
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise PKIError(
-            f"cannot write {path}: {e.strerror or e}; check free space and permissions of {path.parent}"
-        ) from e
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically, mode 0600 from the moment the file exists."""
-    _atomic_write(Path(path), data, 0o600)
-
-
 def _write_public(path: Path, data: bytes) -> None:
-    _atomic_write(path, data, 0o644)
+    atomic_write(path, data, mode=0o644)
 
 
 def _write_public_if_changed(path: Path, data: bytes) -> None:
@@ -290,16 +244,9 @@ def _write_public_if_changed(path: Path, data: bytes) -> None:
 def _make_dir(directory: Path, *, tighten: bool) -> None:
     """Create ``directory`` 0700 if missing; with ``tighten`` also chmod an existing one to 0700."""
     try:
-        if not directory.is_dir():
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(directory, 0o700)
-        elif tighten and (directory.stat().st_mode & 0o777) != 0o700:
-            os.chmod(directory, 0o700)
-    except OSError as e:
-        raise PKIError(
-            f"cannot create directory {directory}: {e.strerror or e}; "
-            "create it (mode 0700) or choose another directory"
-        ) from e
+        make_dir(directory, mode=0o700, tighten=tighten)
+    except FileError as e:
+        raise PKIError(e.message) from e
 
 
 @contextlib.contextmanager
@@ -316,7 +263,8 @@ def _dir_lock(directory: Path) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    """``key`` as an unencrypted PKCS#8 PEM, the form every llmgw key file has."""
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -324,8 +272,24 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def _cert_pem(cert: x509.Certificate) -> bytes:
+def cert_pem(cert: x509.Certificate) -> bytes:
+    """``cert`` as PEM."""
     return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _key_usage(*, ca: bool) -> x509.KeyUsage:
+    """Signatures only; a CA also signs certificates and CRLs."""
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        encipher_only=False,
+        decipher_only=False,
+    )
 
 
 def _check_stem(name: str) -> None:
@@ -340,38 +304,6 @@ def _check_stem(name: str) -> None:
 # --------------------------------------------------------------------------- names
 
 
-def validate_node_id(node_id: str) -> str:
-    """Return ``node_id`` if it is a valid node id, else raise ConfigError stating the rule."""
-
-    def bad(reason: str) -> ConfigError:
-        return ConfigError(f"invalid node id {node_id!r}: {reason}; {_NODE_ID_RULE}", key="node_id")
-
-    if not isinstance(node_id, str) or not node_id:
-        raise bad("it is empty")
-    if len(node_id) > 253:
-        raise bad(f"it is {len(node_id)} characters long")
-    if node_id != node_id.lower():
-        raise bad("it contains upper-case letters")
-    for label in node_id.split("."):
-        if not label:
-            raise bad("it has an empty label")
-        if len(label) > 63:
-            raise bad(f"label {label[:20]!r}... is {len(label)} characters long")
-        if not _LABEL.fullmatch(label):
-            raise bad(f"label {label!r} has a character or hyphen where none is allowed")
-    if node_id in RESERVED_NAMES:
-        raise bad("it is the name every control-plane certificate carries, so no node may take it")
-    if node_id.startswith(RESERVED_PREFIX):
-        raise bad(f"names starting with {RESERVED_PREFIX!r} are reserved for llmgw itself")
-    if node_id == "localhost" or node_id.endswith(".localhost"):
-        raise bad("'localhost' names the local machine, not a node")
-    try:
-        ipaddress.ip_address(node_id)
-    except ValueError:
-        return node_id
-    raise bad("it is an IP address, and TLS would check it as one")
-
-
 def control_plane_names(cert: x509.Certificate) -> frozenset[str]:
     """Every name in ``cert``'s SANs: DNS names lower-cased without a final dot, addresses as
     text. For a control-plane certificate these are the names a node id must never take."""
@@ -384,40 +316,14 @@ def control_plane_names(cert: x509.Certificate) -> frozenset[str]:
     return frozenset(names)
 
 
-def check_node_id_free(node_id: str, taken: Iterable[str]) -> str:
-    """:func:`validate_node_id`, then refuse (ConfigError) a node id among ``taken``, the names
-    the control plane answers to (:func:`control_plane_names` of its certificate): a node
-    certificate for such a name would match wherever an agent dials the control plane."""
-    validate_node_id(node_id)
-    if node_id in {name.lower().rstrip(".") for name in taken}:
-        raise ConfigError(
-            f"invalid node id {node_id!r}: the control plane answers to that name (it is in the "
-            "control plane's TLS certificate), and a node under it could pose as the control "
-            "plane; give this machine another node id (node_id in its agent.yaml, "
-            "'llmgw ctl join-command --node OTHER-ID')",
-            key="node_id",
-        )
-    return node_id
-
-
 def _parse_host(host: str) -> x509.GeneralName | None:
     """A SAN entry for ``host``: IPAddress if it parses as one, else DNSName; None if blank."""
-    text = host.strip()
-    if not text:
+    name = parse_host(host)
+    if name is None:
         return None
-    bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
-    bare = bare.split("%", 1)[0]  # an IPv6 zone id is not part of the address
-    try:
-        return x509.IPAddress(ipaddress.ip_address(bare))
-    except ValueError:
-        pass
-    if not text.isascii() or not _HOST_CHARS.fullmatch(text) or len(text) > 253:
-        raise ConfigError(
-            f"{host!r} is neither an IP address nor a DNS name; "
-            "give host names in ASCII (letters, digits, '-', '.')",
-            key="hosts",
-        )
-    return x509.DNSName(text.lower().rstrip("."))
+    if isinstance(name, str):
+        return x509.DNSName(name)
+    return x509.IPAddress(name)
 
 
 def _server_sans(hosts: Iterable[str]) -> list[x509.GeneralName]:
@@ -503,27 +409,14 @@ def _init_ca_locked(
         .not_valid_before(now - _BACKDATE)
         .not_valid_after(now + dt.timedelta(days=valid_days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(ca=True), critical=True)
         .add_extension(ski, critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), False)
         .sign(key, hashes.SHA256())
     )
     # Key first: a crash in between leaves a key without a certificate, which load_ca reports.
-    write_private(directory / CA_KEY, _key_pem(key))
-    _write_public(directory / CA_CERT, _cert_pem(cert))
+    write_private(directory / CA_KEY, key_pem(key))
+    _write_public(directory / CA_CERT, cert_pem(cert))
     return Authority(cert=cert, key=key, directory=directory)
 
 
@@ -552,12 +445,7 @@ def load_ca(directory: Path) -> Authority:
         raise CertificateError(
             f"{key_path} does not belong to {cert_path}; restore the matching pair from a backup"
         )
-    try:
-        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
-        is_ca = constraints.ca
-    except x509.ExtensionNotFound:
-        is_ca = False
-    if not is_ca:
+    if not is_ca_certificate(cert):
         raise CertificateError(
             f"{cert_path} is not a CA certificate; point at the directory made by "
             "'llmgw ctl cert init-ca'"
@@ -568,6 +456,14 @@ def load_ca(directory: Path) -> Authority:
             "with 'llmgw ctl cert init-ca' in another directory and re-issue every certificate"
         )
     return Authority(cert=cert, key=key, directory=directory)
+
+
+def is_ca_certificate(cert: x509.Certificate) -> bool:
+    """Whether ``cert`` says it is a CA (basic constraints ``ca=True``)."""
+    try:
+        return cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        return False
 
 
 def ensure_ca(directory: Path) -> Authority:
@@ -604,20 +500,7 @@ def _leaf(
         .not_valid_before(now - _BACKDATE)
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(ca=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), False)
         .add_extension(aki, critical=False)
@@ -647,9 +530,9 @@ def _write_identity(
     identity = Identity(
         cert=out_dir / f"{name}.crt", key=out_dir / f"{name}.key", ca=out_dir / CA_CERT
     )
-    write_private(identity.key, _key_pem(key))
-    _write_public(identity.cert, _cert_pem(cert))
-    _write_public_if_changed(identity.ca, _cert_pem(ca.cert))
+    write_private(identity.key, key_pem(key))
+    _write_public(identity.cert, cert_pem(cert))
+    _write_public_if_changed(identity.ca, cert_pem(ca.cert))
     return identity
 
 
@@ -1000,107 +883,34 @@ def ensure_server_identity(
     return ca, server, client
 
 
-# --------------------------------------------------------------------------- local addresses
-
-
-def _ipv4_addresses() -> list[str]:
-    found: list[str] = []
-    try:
-        interfaces = socket.if_nameindex()
-    except OSError:
-        return found
-    try:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    except OSError:
-        return found
-    with sock:
-        for _, ifname in interfaces:
-            request = struct.pack("256s", ifname.encode()[:15])
-            try:
-                reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
-            except OSError:  # no IPv4 address on this interface, or it vanished
-                continue
-            found.append(socket.inet_ntoa(reply[20:24]))
-    return found
-
-
-def _ipv6_addresses() -> list[str]:
-    found: list[str] = []
-    try:
-        lines = _IF_INET6.read_text().splitlines()
-    except (OSError, UnicodeDecodeError):
-        return found
-    for line in lines:
-        fields = line.split()
-        if not fields:
-            continue
-        try:
-            addr = ipaddress.IPv6Address(bytes.fromhex(fields[0]))
-        except ValueError:
-            continue
-        if addr.is_link_local:
-            continue
-        found.append(str(addr))
-    return found
-
-
-def local_addresses() -> list[str]:
-    """Every name and address this machine may be reached at: hostname, FQDN, each interface's
-    IPv4 and IPv6 addresses (IPv6 link-local dropped) and loopback. Deduplicated, stable order;
-    never raises, and leaves out names that could not go into a certificate."""
-    candidates: list[str] = []
-    for lookup in (socket.gethostname, socket.getfqdn):
-        try:
-            candidates.append(lookup())
-        except (OSError, UnicodeError):
-            continue
-    candidates += _ipv4_addresses()
-    candidates += _ipv6_addresses()
-    candidates += LOOPBACK_HOSTS
-    result: list[str] = []
-    seen: list[x509.GeneralName] = []
-    for candidate in candidates:
-        try:
-            entry = _parse_host(candidate)
-        except ConfigError:
-            continue
-        if entry is None or entry in seen:
-            continue
-        seen.append(entry)
-        result.append(candidate.strip())
-    return result
-
-
 __all__ = [
     "BACKDATE",
     "CA_CERT",
     "CA_KEY",
     "CONTROL_PLANE_CN",
-    "CONTROL_PLANE_NAME",
     "CONTROL_PLANE_OID",
     "MIN_RSA_BITS",
-    "RESERVED_NAMES",
     "Authority",
     "Identity",
     "cert_common_name",
+    "cert_pem",
     "check_csr",
-    "check_node_id_free",
     "control_plane_names",
     "control_plane_problem",
     "ensure_ca",
     "ensure_server_identity",
     "fingerprint",
     "init_ca",
+    "is_ca_certificate",
     "issue_control_plane_client_cert",
     "issue_node_cert",
     "issue_server_cert",
+    "key_pem",
     "load_ca",
     "load_cert",
     "load_csr",
-    "local_addresses",
     "make_csr",
     "new_private_key",
     "serial_hex",
     "sign_csr",
-    "validate_node_id",
 ]

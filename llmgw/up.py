@@ -26,11 +26,12 @@ import yaml
 
 from llmgw.agent.runtimes.process import process_start_time
 from llmgw.client import default_up_state_dir, write_ctl_config
-from llmgw.config_util import format_hostport
 from llmgw.engines.launch import self_argv
 from llmgw.errors import CertificateError, ConfigError, LlmgwError, NotFound
+from llmgw.fsutil import write_private
 from llmgw.log import kv
-from llmgw.pki import issue_node_cert, load_ca, load_cert, write_private
+from llmgw.netaddr import format_hostport
+from llmgw.pki import issue_node_cert, load_ca, load_cert
 from llmgw.server.app import ControlPlane
 from llmgw.server.config import load_server_config
 from llmgw.server.store import hash_api_key

@@ -21,18 +21,17 @@ from llmgw.bodies import (
     DEFAULT_UPSTREAM_IDLE_TIMEOUT,
     parse_body_limits,
 )
-from llmgw.config_util import (
+from llmgw.configfile import (
     Checker,
     apply_overrides,
-    format_hostport,
     index_key,
-    is_ip_address,
     join_key,
     load_yaml,
     type_name,
     unknown_key_message,
 )
 from llmgw.listener import ListenerLimits, parse_listener_limits
+from llmgw.netaddr import format_hostport, is_ip_address
 
 DEFAULT_AGENT_CONFIG = Path("/etc/llmgw/agent.yaml")
 DEFAULT_GRPC_PORT = 7443

@@ -40,9 +40,9 @@ from llmgw.bodies import (
     read_body,
     return_large_buffers,
 )
-from llmgw.config_util import parse_hostport
 from llmgw.errors import CertificateError
 from llmgw.listener import GuardedSite, ListenerLimits
+from llmgw.netaddr import parse_hostport
 from llmgw.pki import control_plane_problem
 from llmgw.relay import NOT_PROCESSED, relay
 from llmgw.upstream import UpstreamError, UpstreamPool

@@ -10,20 +10,21 @@ only ``https://`` (verified against the system trust store and the cluster CA) o
 ``http://``/``file://`` places listed in ``install_sources`` are fetched, redirects only to
 listed ``https://`` places (llmgw.agent.sources), and until the SHA-256 matched, what the
 control plane hears is "download failed", "refused" or "checksum mismatch", never a status,
-size, digest or error of whatever answered: those go to the agent's own log.
+size, digest or error of whatever answered: those go to the agent's own log. Unpacking is
+llmgw.fsutil's safe unpack (the one the root update helper uses too).
+
+A little over 600 lines, as one concept: an install from order to manifest (download,
+checks, unpack, trial run, commit), each step refusing with the fix for its own failure.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import errno
 import hashlib
 import hmac
-import itertools
 import json
 import logging
-import lzma
 import os
 import platform
 import re
@@ -33,7 +34,6 @@ import stat
 import tarfile
 import tempfile
 import zipfile
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -46,7 +46,8 @@ from yarl import URL
 
 from llmgw.agent.discovery import ENGINE_MANIFEST, check_engine_binary
 from llmgw.agent.sources import SourcePrefix, allowed, split_url
-from llmgw.errors import EngineError
+from llmgw.errors import ArchiveError, EngineError
+from llmgw.fsutil import ArchiveKind, ArchivePolicy, path_problem, unpack_archive
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 
@@ -76,12 +77,6 @@ _VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 _ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
 _TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tar")
-_HAS_DATA_FILTER = hasattr(tarfile, "data_filter")
-# tarfile.FilterError arrived with the filters (3.11.4); the frozen binary's CPython is 3.11.2,
-# where an ``except tarfile.FilterError`` would itself raise AttributeError.
-_FilterError: type[Exception] = getattr(tarfile, "FilterError", tarfile.TarError)
-_BAD_MODE_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | stat.S_IWGRP | stat.S_IWOTH
-_MAX_LINK_TARGET = 4096
 
 # engine -> (what the archive must hold, does this relative path match it)
 _BINARIES: dict[str, tuple[str, Callable[[tuple[str, ...]], bool]]] = {
@@ -335,7 +330,7 @@ def _read_manifest(final: Path) -> dict[str, Any] | None:
         sha256, binary = data["sha256"], data["binary"]
         if not isinstance(sha256, str) or not isinstance(binary, str):
             raise TypeError("sha256 and binary must be strings")
-        if _name_problem(binary):
+        if path_problem(binary):
             raise ValueError(f"binary {binary!r} is not a path inside the folder")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else str(exc)
@@ -517,7 +512,7 @@ def _write_chunk(out: IO[bytes], digest: Any, chunk: bytes) -> None:
 # -- unpacking ---------------------------------------------------------------------------
 
 
-def _archive_kind(url_path: str, archive: Path, shown: str) -> str:
+def _archive_kind(url_path: str, archive: Path, shown: str) -> ArchiveKind:
     lower = url_path.lower()
     if lower.endswith(".zip"):
         return "zip"
@@ -534,205 +529,26 @@ def _archive_kind(url_path: str, archive: Path, shown: str) -> str:
     )
 
 
-def _unpack(kind: str, archive: Path, dest: Path, shown: str, max_unpacked: int) -> None:
+def _unpack(kind: ArchiveKind, archive: Path, dest: Path, shown: str, max_unpacked: int) -> None:
     dest.mkdir(mode=0o700)
+    policy = ArchivePolicy(max_bytes=max_unpacked, links=True, place="install folder")
     try:
-        if kind == "zip":
-            _unpack_zip(archive, dest, shown, max_unpacked)
-        else:
-            _unpack_tar(archive, dest, shown, max_unpacked)
-        _tighten_modes(dest)
-    except EngineError:
-        raise
-    except (
-        tarfile.TarError,
-        zipfile.BadZipFile,
-        zipfile.LargeZipFile,
-        lzma.LZMAError,
-        zlib.error,
-        EOFError,
-        RuntimeError,  # encrypted zip members
-        NotImplementedError,  # unsupported zip compression
-        UnicodeDecodeError,
-        OSError,
-    ) as exc:
+        unpack_archive(archive, dest, kind=kind, policy=policy)
+    except ArchiveError as exc:
+        if exc.code == "unsafe":
+            raise EngineError(
+                f"the archive from {shown} is unsafe and was deleted: member {exc.member!r} "
+                f"{exc.reason}; ask the publisher for a build without it"
+            ) from exc
+        if exc.code == "too_big":
+            raise EngineError(
+                f"the archive from {shown} unpacks to more than the limit of {max_unpacked} "
+                "bytes; the download was deleted; check that the order's URL is the engine build"
+            ) from exc
         raise EngineError(
-            f"cannot unpack the download from {shown}: {exc}; the archive is damaged or not "
-            f"a {ARCHIVE_KINDS}; the download was deleted; ask the publisher for a good build"
+            f"cannot unpack the download from {shown}: {exc.reason}; the archive is damaged or "
+            f"not a {ARCHIVE_KINDS}; the download was deleted; ask the publisher for a good build"
         ) from exc
-
-
-def _unsafe(shown: str, member: str, reason: str) -> EngineError:
-    return EngineError(
-        f"the archive from {shown} is unsafe and was deleted: member {member!r} {reason}; "
-        "ask the publisher for a build without it"
-    )
-
-
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
-def _name_problem(name: str) -> str | None:
-    """Why a member name cannot be unpacked below the folder, judged on the name alone."""
-    if not name:
-        return "has an empty name"
-    if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name):
-        return "has an absolute path"
-    if ".." in re.split(r"[/\\]", name):
-        return "has a '..' component"
-    return None
-
-
-def _check_name(shown: str, root: str, name: str, *, is_dir: bool) -> None:
-    problem = _name_problem(name)
-    if problem:
-        raise _unsafe(shown, name, problem)
-    target = os.path.normpath(os.path.join(root, name))
-    if not _inside(target, root):
-        raise _unsafe(shown, name, "would land outside the install folder")
-    if target == root and not is_dir:
-        raise _unsafe(shown, name, "would replace the install folder itself")
-
-
-def _check_link(shown: str, root: str, name: str, linkname: str, *, hard: bool) -> None:
-    """A symlink resolves from its own folder; a tar hard link names a path in the archive."""
-    what = "a hard link" if hard else "a symlink"
-    base = root if hard else os.path.dirname(os.path.join(root, name))
-    if not linkname or os.path.isabs(linkname):
-        raise _unsafe(shown, name, f"is {what} to {linkname!r}, outside the install folder")
-    if not _inside(os.path.normpath(os.path.join(base, linkname)), root):
-        raise _unsafe(shown, name, f"is {what} to {linkname!r}, outside the install folder")
-
-
-def _check_on_disk(
-    shown: str, root: str, name: str, *, linkname: str | None = None, hard: bool = False
-) -> None:
-    """Re-check against what is already unpacked: symlinks unpacked earlier are followed."""
-    path = os.path.join(root, name)
-    parent = os.path.realpath(os.path.dirname(path))
-    if not _inside(parent, root) or not _inside(os.path.realpath(path), root):
-        raise _unsafe(
-            shown, name, "would land outside the install folder through a symlink in the archive"
-        )
-    if linkname is not None:
-        base = root if hard else parent
-        if not _inside(os.path.realpath(os.path.join(base, linkname)), root):
-            what = "a hard link" if hard else "a symlink"
-            raise _unsafe(shown, name, f"is {what} to {linkname!r}, outside the install folder")
-
-
-def _special_kind(member: tarfile.TarInfo) -> str:
-    if member.ischr() or member.isblk():
-        return "is a device file"
-    if member.isfifo():
-        return "is a fifo"
-    return f"is a special file (tar type {member.type!r})"
-
-
-def _unpack_tar(archive: Path, dest: Path, shown: str, max_unpacked: int) -> None:
-    root = os.path.realpath(dest)
-    with tarfile.open(archive, "r:*") as tf:
-        tf.errorlevel = 2
-        members = tf.getmembers()
-        total = 0
-        for m in members:
-            if not (m.isreg() or m.isdir() or m.issym() or m.islnk()):
-                raise _unsafe(shown, m.name, _special_kind(m))
-            _check_name(shown, root, m.name, is_dir=m.isdir())
-            if m.issym() or m.islnk():
-                _check_link(shown, root, m.name, m.linkname, hard=m.islnk())
-            if m.isreg():
-                total += m.size
-        _check_total(shown, total, max_unpacked)
-        for m in members:
-            link = m.linkname if (m.issym() or m.islnk()) else None
-            _check_on_disk(shown, root, m.name, linkname=link, hard=m.islnk())
-            try:
-                if _HAS_DATA_FILTER:
-                    tf.extract(m, root, filter="data")
-                else:
-                    tf.extract(_plain_member(m), root)
-            except _FilterError as exc:
-                # Our checks should have caught it first; the filter is the second guard.
-                raise _unsafe(shown, m.name, f"was refused by tarfile: {exc}") from exc
-
-
-def _plain_member(member: tarfile.TarInfo) -> tarfile.TarInfo:
-    """What the "data" filter does, for Pythons without it: no owners, no special bits."""
-    plain = copy.copy(member)
-    plain.uid, plain.gid = os.getuid(), os.getgid()
-    plain.uname = plain.gname = ""
-    plain.mode = (member.mode & ~_BAD_MODE_BITS) | stat.S_IRUSR | stat.S_IWUSR
-    return plain
-
-
-def _check_total(shown: str, total: int, max_unpacked: int) -> None:
-    if total > max_unpacked:
-        raise EngineError(
-            f"the archive from {shown} unpacks to {total} bytes, more than the limit of "
-            f"{max_unpacked}; the download was deleted; check that the order's URL is the "
-            "engine build"
-        )
-
-
-def _unpack_zip(archive: Path, dest: Path, shown: str, max_unpacked: int) -> None:
-    root = os.path.realpath(dest)
-    with zipfile.ZipFile(archive) as zf:
-        entries: list[tuple[zipfile.ZipInfo, int, str | None]] = []
-        total = 0
-        for info in zf.infolist():
-            name = info.filename
-            mode = info.external_attr >> 16
-            kind = stat.S_IFDIR if info.is_dir() else (stat.S_IFMT(mode) or stat.S_IFREG)
-            if kind not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):
-                special = "is a fifo" if kind == stat.S_IFIFO else "is a device or special file"
-                raise _unsafe(shown, name, special)
-            _check_name(shown, root, name, is_dir=kind == stat.S_IFDIR)
-            target = None
-            if kind == stat.S_IFLNK:
-                if info.file_size > _MAX_LINK_TARGET:
-                    raise _unsafe(shown, name, "is a symlink with an oversized target")
-                target = zf.read(info).decode()
-                _check_link(shown, root, name, target, hard=False)
-            total += info.file_size
-            entries.append((info, kind, target))
-        _check_total(shown, total, max_unpacked)
-        for info, kind, target in entries:
-            name = info.filename
-            _check_on_disk(shown, root, name, linkname=target)
-            path = os.path.normpath(os.path.join(root, name))
-            if kind == stat.S_IFDIR:
-                os.makedirs(path, mode=0o755, exist_ok=True)
-                continue
-            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-            if os.path.lexists(path):
-                os.unlink(path)  # a later entry replaces an earlier one, never writes through it
-            if target is not None:
-                os.symlink(target, path)
-                continue
-            perm = (info.external_attr >> 16) & 0o777 or 0o644
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb") as out, zf.open(info) as src:
-                shutil.copyfileobj(src, out, _CHUNK)
-            os.chmod(path, perm)
-
-
-def _tighten_modes(dest: Path) -> None:
-    """No set-id or sticky bits, nothing group- or world-writable, owner can read/write."""
-    for dirpath, dirnames, filenames in os.walk(dest):
-        for name in itertools.chain(
-            [dirpath], (os.path.join(dirpath, n) for n in dirnames + filenames)
-        ):
-            st = os.lstat(name)
-            if stat.S_ISLNK(st.st_mode):
-                continue
-            mode = stat.S_IMODE(st.st_mode)
-            wanted = (mode & ~_BAD_MODE_BITS) | stat.S_IRUSR | stat.S_IWUSR
-            if stat.S_ISDIR(st.st_mode):
-                wanted |= stat.S_IXUSR
-            if wanted != mode:
-                os.chmod(name, wanted)
 
 
 def _locate(staging: Path, engine: str, shown: str, machine: str) -> PurePosixPath:

@@ -5,7 +5,11 @@ unverified TLS connection and accepted only if its hash equals the pin (``--ca-h
 token travels only afterwards, over TLS verified against that CA, and only to a server whose
 certificate carries the control plane's identity (a node's certificate from the same CA, even
 one for the very host name dialled, does not). Nothing is written until the returned
-certificate has been checked, and then every file is replaced atomically.
+certificate has been checked, and then every file is replaced atomically (llmgw.fsutil).
+
+Over 600 lines because it is one protocol, read top to bottom in the order it runs: the
+inputs, the pinned CA fetch, the enrolment request, the checks of the answer and the files;
+each part exists only for the next.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import http.client
 import json
 import os
 import re
-import secrets
 import socket
 import ssl
 from collections.abc import Callable
@@ -28,11 +31,10 @@ from urllib.parse import urlsplit
 import yaml
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
-from llmgw import pki
+from llmgw import netaddr, pki
 from llmgw.agent.config import (
     DEFAULT_AGENT_CONFIG,
     DEFAULT_GRPC_PORT,
@@ -40,8 +42,17 @@ from llmgw.agent.config import (
     load_agent_config,
     parse_agent_config,
 )
-from llmgw.config_util import format_hostport, parse_hostport
-from llmgw.errors import ConfigError, CSRError, EnrolmentError, LlmgwError, PinMismatch, TokenError
+from llmgw.errors import (
+    ConfigError,
+    CSRError,
+    EnrolmentError,
+    FileError,
+    LlmgwError,
+    PinMismatch,
+    TokenError,
+)
+from llmgw.fsutil import create_file, fsync_dir, make_dir, stage_file
+from llmgw.netaddr import format_hostport, parse_hostport
 
 __all__ = [
     "DEFAULT_ENROLL_PORT",
@@ -443,14 +454,8 @@ def _refusal(status: int, data: bytes) -> EnrolmentError:
 
 
 def _new_key_and_csr(node_id: str) -> tuple[ec.EllipticCurvePrivateKey, bytes]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    csr = (
-        x509.CertificateSigningRequestBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(node_id)]), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    return key, csr.public_bytes(serialization.Encoding.PEM)
+    key = pki.new_private_key()
+    return key, pki.make_csr(key, node_id).public_bytes(serialization.Encoding.PEM)
 
 
 def _bad(message: str) -> EnrolmentError:
@@ -531,52 +536,24 @@ def _check_answer(
 
 
 def _make_dir(directory: Path, mode: int) -> None:
-    if directory.is_dir():
-        return
     try:
-        directory.mkdir(mode=mode, parents=True, exist_ok=True)
-        os.chmod(directory, mode)
-    except OSError as exc:
+        make_dir(directory, mode=mode)
+    except FileError as exc:
+        reason = exc.__cause__.strerror if isinstance(exc.__cause__, OSError) else exc
         raise EnrolmentError(
-            f"cannot create {directory}: {exc.strerror or exc}; run as root (sudo)",
-            code="not_writable",
+            f"cannot create {directory}: {reason}; run as root (sudo)", code="not_writable"
         ) from exc
 
 
-def _fsync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _stage(path: Path, data: bytes, mode: int) -> Path:
+def _stage(path: Path, data: bytes, mode: int) -> str:
     """Write ``data`` to a fsynced temporary file beside ``path`` (mode set at creation)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-        try:
-            os.fchmod(fd, mode)  # the umask may have removed bits; make it exact
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise EnrolmentError(
-            f"cannot write {path}: {exc.strerror or exc}; check the free space and permissions "
-            f"of {path.parent}",
-            code="not_writable",
-        ) from exc
-    return tmp
+        return stage_file(path, data, mode=mode)
+    except FileError as exc:
+        raise EnrolmentError(exc.message, code="not_writable") from exc
 
 
-def _commit(staged: list[tuple[Path, Path]]) -> None:
+def _commit(staged: list[tuple[str, Path]]) -> None:
     """Move staged files into place, in order; on failure remove what was not moved."""
     try:
         for tmp, path in staged:
@@ -592,11 +569,11 @@ def _commit(staged: list[tuple[Path, Path]]) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
     for directory in {path.parent for _, path in staged}:
-        _fsync_dir(directory)
+        fsync_dir(directory)
 
 
 def _write_files(files: list[tuple[Path, bytes, int]]) -> None:
-    staged: list[tuple[Path, Path]] = []
+    staged: list[tuple[str, Path]] = []
     try:
         for path, data, mode in files:
             staged.append((_stage(path, data, mode), path))
@@ -628,22 +605,14 @@ def _config_text(node_id: str, servers: tuple[str, ...], state_dir: Path) -> str
 def _write_config_if_missing(path: Path, text: str) -> bool:
     """Create ``path`` (0640) atomically, never replacing a file that appeared meanwhile."""
     _make_dir(path.parent, 0o755)
-    tmp = _stage(path, text.encode(), 0o640)
     try:
-        os.link(tmp, path)  # fails if the file exists: never overwrite an operator's config
-    except FileExistsError:
-        return False
-    except OSError as exc:
+        return create_file(path, text.encode(), mode=0o640)
+    except FileError as exc:
         raise EnrolmentError(
-            f"the identity was saved but {path} could not be written ({exc.strerror or exc}); "
+            f"the identity was saved but {path} could not be written ({exc.message}); "
             "create it with 'server', 'node_id' and 'state_dir'",
             code="not_writable",
         ) from exc
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-    _fsync_dir(path.parent)
-    return True
 
 
 # --------------------------------------------------------------------------- join
@@ -664,7 +633,7 @@ def join(
     ``enroll_url`` whose CA hashes to ``ca_hash``, and save the identity where the agent's
     config (``config_path``; when missing, ``state_dir``) says. Raises only llmgw errors;
     on any error nothing was written."""
-    pki.validate_node_id(node_id)
+    netaddr.validate_node_id(node_id)
     pin = check_ca_hash(ca_hash)
     url = parse_enroll_url(enroll_url)
     token = _check_token(token)
@@ -695,7 +664,7 @@ def join(
             f"the control plane at {url} presented CA {presented}, not the pinned {pin}; the "
             "token was NOT sent. Check the address, or ask for a fresh join command"
         )
-    ca_pem = ca.public_bytes(serialization.Encoding.PEM)
+    ca_pem = pki.cert_pem(ca)
 
     key, csr_pem = _new_key_and_csr(node_id)
     payload: dict[str, object] = {
@@ -715,11 +684,7 @@ def join(
 
     for directory in {paths.state_dir, paths.key.parent, paths.cert.parent, paths.ca.parent}:
         _make_dir(directory, 0o700)
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
+    key_pem = pki.key_pem(key)
     files: list[tuple[Path, bytes, int]] = []
     kept_key = kept_cert = None
     if old_key is not None:
@@ -731,7 +696,7 @@ def join(
     files += [
         (paths.ca, ca_pem, 0o644),
         (paths.key, key_pem, 0o600),
-        (paths.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644),
+        (paths.cert, pki.cert_pem(cert), 0o644),
     ]
     if old_uid is None:
         files.append((paths.uid, (uid + "\n").encode(), 0o644))

@@ -8,12 +8,12 @@ reconnects and agent restarts alike.
 from __future__ import annotations
 
 import json
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw.errors import ConfigError, StaleEpoch
+from llmgw.fsutil import atomic_write
 
 __all__ = ["Decision", "OperationLog"]
 
@@ -62,15 +62,8 @@ class OperationLog:
 
     def _save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = self.path.with_name(self.path.name + ".tmp")
         data = json.dumps({"max_epoch": self.max_epoch, "applied": list(self._applied)})
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, data.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
+        atomic_write(self.path, data.encode(), mode=0o600)
 
     def observe_epoch(self, epoch: int) -> None:
         """Raise the fence to a leader's epoch announced in Welcome; refuse a lower one."""

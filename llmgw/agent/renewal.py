@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -21,14 +19,17 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw.agent.config import TLSConfig
 from llmgw.errors import CertificateError
+from llmgw.fsutil import atomic_write, write_private
 from llmgw.log import kv
 from llmgw.pki import (
     BACKDATE,
     cert_common_name,
+    cert_pem,
+    fingerprint,
+    key_pem,
     load_cert,
     make_csr,
     new_private_key,
-    write_private,
 )
 from llmgw.proto import control_pb2 as pb
 
@@ -53,17 +54,6 @@ def retry_delay(cert: x509.Certificate | None) -> float:
         return RETRY
     left = cert.not_valid_after_utc.timestamp() - time.time()
     return min(RETRY, max(0.5, left / 10))
-
-
-def _write_public(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 class Renewer:
@@ -159,26 +149,15 @@ class Renewer:
             raise CertificateError(
                 f"the renewed certificate is not from the cluster CA: {exc}"
             ) from exc
-        ours = key.public_key().public_bytes(
-            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-        theirs = cert.public_key().public_bytes(
-            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-        if ours != theirs:
+        if fingerprint(key.public_key()) != fingerprint(cert.public_key()):
             raise CertificateError("the renewed certificate is not for the key we sent")
         # Key first, then certificate: a crash in between leaves node.key.new's
         # predecessor recoverable from node.key.old.
-        key_pem = key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
         old_key, old_cert = self.tls.key.read_bytes(), self.tls.cert.read_bytes()
         write_private(self.tls.key.with_name(self.tls.key.name + ".old"), old_key)
-        _write_public(self.tls.cert.with_name(self.tls.cert.name + ".old"), old_cert)
-        write_private(self.tls.key, key_pem)
-        _write_public(self.tls.cert, cert.public_bytes(serialization.Encoding.PEM))
+        atomic_write(self.tls.cert.with_name(self.tls.cert.name + ".old"), old_cert)
+        write_private(self.tls.key, key_pem(key))
+        atomic_write(self.tls.cert, cert_pem(cert))
         log.info(
             "installed a renewed certificate",
             extra=kv(node=self.node_id, until=cert.not_valid_after_utc.isoformat()),
@@ -191,8 +170,7 @@ def _matches(key_pem: bytes, cert_pem: bytes) -> bool:
         cert = x509.load_pem_x509_certificate(cert_pem)
     except (ValueError, TypeError):
         return False
-    fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    return key.public_key().public_bytes(*fmt) == cert.public_key().public_bytes(*fmt)
+    return fingerprint(key.public_key()) == fingerprint(cert.public_key())
 
 
 def recover_identity(tls: TLSConfig) -> None:

@@ -26,10 +26,10 @@ from llmgw.agent.renewal import Renewer, recover_identity
 from llmgw.agent.runtimes import Launch, get_runtime
 from llmgw.agent.shards import ShardManager, ShardSpec
 from llmgw.agent.stream import Credentials, StreamClient
-from llmgw.agent.update import Spooler
-from llmgw.config_util import format_hostport, parse_hostport
+from llmgw.agent.update_spool import Spooler
 from llmgw.errors import CertificateError
 from llmgw.log import kv
+from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.notify import Notifier
 from llmgw.proto import control_pb2 as pb
 

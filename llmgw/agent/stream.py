@@ -23,7 +23,7 @@ from llmgw.agent.shards import EXITED, FAILED, READY, STARTING, Shard, ShardMana
 from llmgw.agent.sidecars import SidecarSpec
 from llmgw.errors import EngineError, LlmgwError, StaleEpoch, UpdateError
 from llmgw.log import kv
-from llmgw.pki import CONTROL_PLANE_NAME
+from llmgw.netaddr import CONTROL_PLANE_NAME
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 

@@ -17,17 +17,12 @@ from llmgw.agent.dockerproxy.relay import DEFAULT_LISTEN as DEFAULT_PROXY_LISTEN
 from llmgw.agent.dockerproxy.relay import DEFAULT_UPSTREAM as DEFAULT_PROXY_UPSTREAM
 from llmgw.agent.join import DEFAULT_ENROLL_PORT, JoinResult, join
 from llmgw.agent.service import run_agent
-from llmgw.agent.update import (
-    DEFAULT_INSTALLED_BINARY,
-    DEFAULT_SPOOL,
-    DEFAULT_STATE,
-    DEFAULT_TRUST,
-    apply_request,
-    install_trust,
-)
 from llmgw.cli.common import reports_errors
+from llmgw.contracts.update_order import DEFAULT_SPOOL
 from llmgw.errors import ConfigError
 from llmgw.log import setup_logging
+from llmgw.updater.apply import DEFAULT_INSTALLED_BINARY, DEFAULT_STATE, apply_request
+from llmgw.updater.trust import DEFAULT_TRUST, install_trust
 
 TOKEN_ENV = "LLMGW_JOIN_TOKEN"
 

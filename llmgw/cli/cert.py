@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from llmgw import pki
+from llmgw import netaddr, pki
 from llmgw.cli.common import reports_errors
 
 _dir_option = click.option(
@@ -47,11 +47,11 @@ def init_ca(directory: Path) -> None:
 @reports_errors
 def issue_client(node: str, directory: Path, out_dir: Path) -> None:
     """Issue the certificate of node NODE (CN and DNS name = NODE) from the CA in --dir."""
-    pki.validate_node_id(node)
+    netaddr.validate_node_id(node)
     authority = pki.load_ca(directory)
     server_cert = directory / "server.crt"  # a control plane's own PKI directory
     if server_cert.exists():
-        pki.check_node_id_free(node, pki.control_plane_names(pki.load_cert(server_cert)))
+        netaddr.check_node_id_free(node, pki.control_plane_names(pki.load_cert(server_cert)))
     identity = pki.issue_node_cert(authority, node, out_dir)
     key_fp = pki.fingerprint(pki.load_cert(identity.cert).public_key())
     click.echo(f"certificate: {identity.cert}")

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from llmgw.cli.common import reports_errors, table
-from llmgw.engines.check import CheckReport, check_engine
+from llmgw.engines.check import AgentEngines, CheckReport, FoundEngine, check_engine
 from llmgw.engines.launch import AVAILABLE_ENGINES
 from llmgw.errors import EngineError
 
@@ -97,9 +97,20 @@ def engine_check(
         default = Path("/etc/llmgw/agent.yaml")
         agent_config = default if default.is_file() else None
     text = None if help_output is None else _help_text(help_output)
-    report = check_engine(
-        engine, help_text=text, binary=binary, agent_config=agent_config, timeout=timeout
-    )
+    agent = None
+    if agent_config is not None:
+        config_path = agent_config
+
+        def find() -> list[FoundEngine]:
+            # Imported here: the agent's modules are needed only to find the engine the way
+            # the agent would, not to check a given help text.
+            from llmgw.agent.config import load_agent_config
+            from llmgw.agent.discovery import engine_candidates
+
+            return list(engine_candidates(load_agent_config(config_path)))
+
+        agent = AgentEngines(agent_config, find)
+    report = check_engine(engine, help_text=text, binary=binary, agent=agent, timeout=timeout)
     click.echo(render(report))
     for warning in report.warnings:
         click.echo(f"warning: {warning}", err=True)

@@ -16,9 +16,10 @@ import shlex
 import shutil
 import signal
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import llmgw
 from llmgw.engines.launch import (
@@ -32,8 +33,10 @@ from llmgw.errors import EngineError
 
 __all__ = [
     "FROM_HELP_OUTPUT",
+    "AgentEngines",
     "CheckReport",
     "FlagCheck",
+    "FoundEngine",
     "check_engine",
     "check_help",
     "command_flags",
@@ -54,6 +57,30 @@ _VERSION_LIMIT = 200
 _BOUNDARY_BEFORE = r"(?<![\w-])"
 _BOUNDARY_AFTER = r"(?![\w-])"
 _FLAG = re.compile(r"^--?[A-Za-z][\w-]*")
+
+
+class FoundEngine(Protocol):
+    """An engine program found on this machine, the way the agent finds it
+    (``llmgw.agent.discovery.EngineCandidate``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def argv(self) -> Sequence[str]: ...
+    @property
+    def origin(self) -> str: ...
+    @property
+    def problem(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class AgentEngines:
+    """The engines an agent configuration finds here: ``config``, its file (named in
+    messages), and ``find``, which looks them up (called only when the engine must be
+    located, so a check of a given help text never reads the configuration)."""
+
+    config: Path
+    find: Callable[[], Sequence[FoundEngine]]
 
 
 @dataclass(frozen=True)
@@ -207,22 +234,18 @@ def _tail(text: str, lines: int = 3) -> str:
 
 
 def locate_engine(
-    engine: str, *, binary: str | None = None, agent_config: Path | None = None
+    engine: str, *, binary: str | None = None, agent: AgentEngines | None = None
 ) -> str:
     """The program that runs ``engine`` here: ``binary``; else what the agent would use
-    (``agent_config``'s setting, PATH, an installed release); else the default on PATH."""
+    (``agent``: its configuration's setting, PATH, an installed release); else the default
+    on PATH."""
     module = engine_module(engine)
     if binary:
         return binary
     if engine == "sim":
         return ""  # this llmgw
-    if agent_config is not None:
-        # Imported here: the agent's modules are not needed to check a given help text.
-        from llmgw.agent.config import load_agent_config
-        from llmgw.agent.discovery import engine_candidates
-
-        cfg = load_agent_config(agent_config)
-        for candidate in engine_candidates(cfg):
+    if agent is not None:
+        for candidate in agent.find():
             if candidate.name != engine:
                 continue
             if candidate.problem or not candidate.argv:
@@ -231,7 +254,7 @@ def locate_engine(
                 )
             return candidate.argv[0]
         raise EngineError(
-            f"{engine} is not configured in {agent_config}, not on PATH and not installed; "
+            f"{engine} is not configured in {agent.config}, not on PATH and not installed; "
             f"set engines.{engine} there, or pass --binary PROGRAM"
         )
     found = shutil.which(module.PROGRAM)
@@ -285,7 +308,7 @@ def check_engine(
     *,
     help_text: str | None = None,
     binary: str | None = None,
-    agent_config: Path | None = None,
+    agent: AgentEngines | None = None,
     timeout: float = RUN_TIMEOUT,
 ) -> CheckReport:
     """engine-check: against ``help_text`` when given, else against the help of the engine
@@ -294,7 +317,7 @@ def check_engine(
         engine_module(engine)  # raises, naming the known engines
     if help_text is not None:
         return check_help(engine, help_text, binary=binary or "", source="--help-output")
-    program = locate_engine(engine, binary=binary, agent_config=agent_config)
+    program = locate_engine(engine, binary=binary, agent=agent)
     text, shown = engine_help(engine, program, timeout)
     version = engine_version(engine, program, timeout)
     return check_help(engine, text, binary=program, version=version, source=shown)

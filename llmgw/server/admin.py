@@ -18,11 +18,10 @@ from aiohttp import web
 
 from llmgw import __version__
 from llmgw.bodies import BodiesBusy, BodyIncomplete, BodyTimeout, BodyTooLarge, read_body
-from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.engines.base import engine_names
 from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound, PasswordError
 from llmgw.log import kv
-from llmgw.pki import check_node_id_free
+from llmgw.netaddr import check_node_id_free, format_hostport, parse_hostport
 from llmgw.server.bundles import one_liner
 from llmgw.server.catalog import MODEL_NAME, adhoc_profile, parse_catalog, parse_profile
 from llmgw.server.httpapi import bearer_token

@@ -23,24 +23,22 @@ from aiohttp import web
 from cryptography import x509
 
 from llmgw import __version__
-from llmgw.agent.inventory import inventory_dict
 from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.client import write_ctl_config
-from llmgw.config_util import format_hostport, parse_hostport
+from llmgw.contracts.inventory import inventory_dict
 from llmgw.errors import ConfigError, LlmgwError, NotFound
+from llmgw.fsutil import write_private
 from llmgw.listener import GuardedSite
 from llmgw.log import kv
+from llmgw.netaddr import RESERVED_NAMES, format_hostport, local_addresses, parse_hostport
 from llmgw.pki import (
     CA_CERT,
-    RESERVED_NAMES,
     Authority,
     Identity,
     control_plane_names,
     ensure_server_identity,
     load_cert,
-    local_addresses,
     serial_hex,
-    write_private,
 )
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from llmgw.errors import NotFound
 from llmgw.log import kv
+from llmgw.versions import VERSION_PATTERN, version_key
 
 __all__ = [
     "RIDS",
@@ -36,7 +37,7 @@ RIDS: dict[str, tuple[str, ...]] = {
     "linux-arm64": ("aarch64", "arm64"),
 }
 _FILE = re.compile(
-    r"^llmgw-agent-(?P<version>[0-9][0-9A-Za-z.+~-]*)-(?P<rid>linux-(?:x64|arm64))\.tar\.gz$"
+    rf"^llmgw-agent-(?P<version>{VERSION_PATTERN})-(?P<rid>linux-(?:x64|arm64))\.tar\.gz$"
 )
 _CHUNK = 1 << 20
 
@@ -65,15 +66,6 @@ class Bundle:
             "size": self.size,
             "version": self.version,
         }
-
-
-def version_key(version: str) -> tuple[tuple[int, int, str], ...]:
-    """Order versions as numbers, part by part ("0.10.0" > "0.9.1"); a part with letters
-    marks a pre-release, below its release ("0.2.0rc1" < "0.2.0" < "0.2.0.1")."""
-    parts = re.findall(r"\d+|[A-Za-z]+", version)
-    key = [(2, int(p), "") if p.isdigit() else (0, 0, p.lower()) for p in parts]
-    key.append((1, 0, ""))  # the end of the version: above a tag, below a further number
-    return tuple(key)
 
 
 class BundleStore:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from llmgw.config_util import (
+from llmgw.configfile import (
     Checker,
     binary_amount,
     index_key,

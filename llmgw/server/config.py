@@ -15,17 +15,9 @@ from llmgw.bodies import (
     DEFAULT_UPSTREAM_IDLE_TIMEOUT,
     parse_body_limits,
 )
-from llmgw.config_util import (
-    Checker,
-    apply_overrides,
-    format_hostport,
-    index_key,
-    is_hostname,
-    is_ip_address,
-    load_yaml,
-    type_name,
-)
+from llmgw.configfile import Checker, apply_overrides, index_key, load_yaml, type_name
 from llmgw.listener import ListenerLimits, parse_listener_limits
+from llmgw.netaddr import format_hostport, is_hostname, is_ip_address
 
 DEFAULT_SERVER_CONFIG = Path("/etc/llmgw/server.yaml")
 DEFAULT_STATE_DIR = Path("/var/lib/llmgw")

@@ -27,11 +27,11 @@ from typing import Any
 from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 
-from llmgw import pki
-from llmgw.config_util import format_hostport
+from llmgw import netaddr, pki
 from llmgw.errors import CertificateError, ConfigError, EnrolmentError, LlmgwError
 from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.log import kv
+from llmgw.netaddr import format_hostport
 from llmgw.server.store import Node, Store
 
 __all__ = [
@@ -154,7 +154,7 @@ def parse_enrol_request(body: bytes) -> EnrolRequest:
     if not csr:
         raise _bad_request(f"field 'csr' is empty; {_FIELD_HELP['csr']}")
     try:
-        pki.validate_node_id(node_id)
+        netaddr.validate_node_id(node_id)
     except ConfigError as exc:
         reason = exc.message.removeprefix("node_id: ")  # ConfigError names the key itself
         raise _bad_request(f"field 'node_id': {reason}") from exc
@@ -189,7 +189,7 @@ class Enroller:
         lifetime: float,
         servers: Callable[[], list[str]],
         on_enrolled: Callable[[Node], None] | None = None,
-        control_plane_names: Callable[[], Iterable[str]] = lambda: pki.RESERVED_NAMES,
+        control_plane_names: Callable[[], Iterable[str]] = lambda: netaddr.RESERVED_NAMES,
     ) -> None:
         self.store = store
         self._control_plane_names = control_plane_names
@@ -203,7 +203,7 @@ class Enroller:
         """Refuse a node id the control plane answers to (a token minted before such ids were
         refused, or by an older version, may still name one)."""
         try:
-            pki.check_node_id_free(node_id, self._control_plane_names())
+            netaddr.check_node_id_free(node_id, self._control_plane_names())
         except ConfigError as exc:
             raise EnrolmentError(
                 exc.message.removeprefix("node_id: ") + "; this token cannot be used",

@@ -30,9 +30,10 @@ from llmgw.bodies import (
     BodyTooLarge,
     read_body,
 )
-from llmgw.config_util import format_size, parse_hostport
+from llmgw.configfile import format_size
 from llmgw.errors import ConfigError
 from llmgw.log import kv
+from llmgw.netaddr import parse_hostport
 from llmgw.relay import NOT_PROCESSED, STREAM_ERROR, relay
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.routing import Endpoint

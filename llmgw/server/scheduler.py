@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.engines.launch import worker_port_base
 from llmgw.errors import ConfigError, NotFound
 from llmgw.log import kv
+from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.server.catalog import Profile as CatalogProfile
 from llmgw.server.catalog import adhoc_profile, parse_profile
 from llmgw.server.placement import Allocation, Cluster, GpuView, NodeView

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import grpc
 from aiohttp import web
 
-from llmgw.config_util import format_hostport, parse_hostport
 from llmgw.errors import ConfigError
 from llmgw.listener import GuardedSite
 from llmgw.log import kv
+from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.pki import Identity
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc

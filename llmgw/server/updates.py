@@ -32,15 +32,15 @@ from typing import TYPE_CHECKING, Any
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from llmgw.agent.update import (
+from llmgw.contracts.update_order import (
     FINAL_STATES,
     canonical_order,
     check_order_fields,
     verify_order,
 )
 from llmgw.errors import ConfigError, Conflict, NotFound, PasswordError
+from llmgw.fsutil import write_private
 from llmgw.log import kv
-from llmgw.pki import write_private
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.bundles import RIDS, Bundle
 from llmgw.server.store import NodeUpdate

@@ -29,7 +29,7 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from llmgw import pki
+from llmgw import netaddr, pki
 from llmgw.agent.join import join
 from llmgw.errors import ConfigError, EnrolmentError, PinMismatch, TokenError
 from tests.integration.harness import (
@@ -475,7 +475,7 @@ def test_node_ids_the_control_plane_answers_to_get_no_token(tmp_path: Path) -> N
     server = start_server_with(tmp_path, advertise=["cp-adv.example"])
     try:
         names = pki.control_plane_names(pki.load_cert(server.pki_dir / "server.crt"))
-        assert {"cp-adv.example", pki.CONTROL_PLANE_NAME} <= names
+        assert {"cp-adv.example", netaddr.CONTROL_PLANE_NAME} <= names
         refused = ctl(server, tmp_path, "join-command", "--node", "cp-adv.example")
         assert refused.returncode != 0
         assert "invalid node id 'cp-adv.example': the control plane answers to that name" in (
@@ -489,7 +489,7 @@ def test_node_ids_the_control_plane_answers_to_get_no_token(tmp_path: Path) -> N
         assert info.value.code == 400
         message = json.loads(info.value.read())["error"]["message"]
         try:
-            pki.validate_node_id(host)
+            netaddr.validate_node_id(host)
         except ConfigError:
             pass  # not a node id at all: refused for that, which is fine
         else:

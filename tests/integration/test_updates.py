@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from llmgw.agent.update import REQUEST, machine_arch, read_counter, verify_order
+from llmgw.contracts.update_order import REQUEST, machine_arch, verify_order
+from llmgw.updater.apply import read_counter
 from tests.integration.harness import (
     LLMGW,
     Agent,

@@ -2,12 +2,12 @@
 installer waits on and opens in the firewall is the agent's data-plane port; the service
 user, the state directory and the configuration path agree everywhere; the unit may write
 the configured model and cache roots; the update helper's spool and trust directory are the
-ones llmgw/agent/update.py uses, and the agent cannot write the trust directory.
+ones the root helper (llmgw/updater/) uses, and the agent cannot write the trust directory.
 
 Read from the files themselves (no build, no root): installer/install-agent.sh (its
 ``NAME=value`` settings near the top), systemd/*.service|path, packaging/sysusers.d,
 packaging/nfpm-agent.yaml, the maintainer scripts as scripts/packages.sh renders them, and
-the defaults in llmgw/agent/config.py and llmgw/agent/update.py.
+the defaults in llmgw/agent/config.py, llmgw/contracts/update_order.py and llmgw/updater/.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ UNITS = ROOT / "systemd"
 AGENT_UNIT = UNITS / "llmgw-agent.service"
 PATH_UNIT = UNITS / "llmgw-agent-update.path"
 HELPER_UNIT = UNITS / "llmgw-agent-update.service"
-UPDATE_PY = ROOT / "llmgw" / "agent" / "update.py"
+UPDATER = ROOT / "llmgw" / "updater"
 PACKAGES_SH = ROOT / "scripts" / "packages.sh"
 NFPM_AGENT = ROOT / "packaging" / "nfpm-agent.yaml"
 SYSUSERS = ROOT / "packaging" / "sysusers.d" / "llmgw-agent.conf"
@@ -296,19 +296,22 @@ def test_the_unit_may_write_the_configured_model_and_cache_roots() -> None:
 
 
 def update_defaults() -> tuple[PurePosixPath, PurePosixPath, PurePosixPath, PurePosixPath]:
-    """(spool, trust, helper state, installed binary) of llmgw/agent/update.py."""
-    if not UPDATE_PY.is_file() or not PATH_UNIT.is_file() or not HELPER_UNIT.is_file():
+    """(spool, trust, helper state, installed binary) of the update order's contract and the
+    root helper."""
+    if not UPDATER.is_dir() or not PATH_UNIT.is_file() or not HELPER_UNIT.is_file():
         pytest.fail(
-            "the update helper is incomplete: llmgw/agent/update.py, "
+            "the update helper is incomplete: llmgw/updater/, "
             "systemd/llmgw-agent-update.path and .service must all exist (issue 7, item 3)"
         )
-    from llmgw.agent import update
+    from llmgw.contracts.update_order import DEFAULT_SPOOL
+    from llmgw.updater.apply import DEFAULT_INSTALLED_BINARY, DEFAULT_STATE
+    from llmgw.updater.trust import DEFAULT_TRUST
 
     return (
-        PurePosixPath(update.DEFAULT_SPOOL),
-        PurePosixPath(update.DEFAULT_TRUST),
-        PurePosixPath(update.DEFAULT_STATE),
-        PurePosixPath(update.DEFAULT_INSTALLED_BINARY),
+        PurePosixPath(DEFAULT_SPOOL),
+        PurePosixPath(DEFAULT_TRUST),
+        PurePosixPath(DEFAULT_STATE),
+        PurePosixPath(DEFAULT_INSTALLED_BINARY),
     )
 
 

@@ -157,12 +157,8 @@ def test_server_unit() -> None:
 
 
 def test_update_helper_units() -> None:
-    from llmgw.agent.update import (
-        DEFAULT_INSTALLED_BINARY,
-        DEFAULT_SPOOL,
-        DEFAULT_STATE,
-        REQUEST,
-    )
+    from llmgw.contracts.update_order import DEFAULT_SPOOL, REQUEST
+    from llmgw.updater.apply import DEFAULT_INSTALLED_BINARY, DEFAULT_STATE
 
     path = parse_unit(UNITS / "llmgw-agent-update.path")
     request = DEFAULT_SPOOL / REQUEST

@@ -1,4 +1,4 @@
-"""llmgw.bodies' budget and the size helpers of llmgw.config_util, in memory."""
+"""llmgw.bodies' budget and the size helpers of llmgw.configfile, in memory."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from llmgw import bodies
 from llmgw.bodies import BodyBudget, BodyTooLarge
-from llmgw.config_util import format_size, parse_size
+from llmgw.configfile import format_size, parse_size
 from llmgw.errors import ConfigError
 
 MIB = 1024 * 1024

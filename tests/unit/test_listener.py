@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from llmgw import listener, pki
-from llmgw.config_util import Checker
+from llmgw.configfile import Checker
 from llmgw.errors import ConfigError
 from llmgw.listener import GuardedSite, ListenerLimits, parse_listener_limits
 
@@ -368,7 +368,7 @@ def test_parse_listener_limits_defaults_values_and_refusals() -> None:
     assert limits.body_timeout == 3.0
     for value, key in (
         ({"header_timeout": 0}, "listeners.header_timeout"),
-        ({"handshake_timeout": "10s"}, "listeners.handshake_timeout"),
+        ({"handshake_timeout": "10 parsecs"}, "listeners.handshake_timeout"),
         ({"body_timeout": 1000}, "listeners.body_timeout"),
         ({"cap": -1}, "listeners.cap"),
         ({"cap": 2.5}, "listeners.cap"),
@@ -421,3 +421,21 @@ def test_malformed_requests_get_a_json_400_and_one_line_without_traceback(
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
     lines = [r for r in caplog.records if r.name == "llmgw.listener"]
     assert len(lines) == 1 and lines[0].getMessage() == "refused a malformed HTTP request"
+
+
+def test_listener_timeouts_read_the_one_duration_syntax() -> None:
+    """``500ms`` and ``2m`` are accepted like in every other file (llmgw.durations)."""
+    limits, _ = parse_listener_limits(
+        Checker(file="server.yaml", base_dir=Path("/")),
+        {"header_timeout": "500ms", "handshake_timeout": "2m", "body_timeout": 30},
+        "listeners",
+    )
+    assert (limits.header_timeout, limits.handshake_timeout, limits.body_timeout) == (
+        0.5,
+        120.0,
+        30.0,
+    )
+    with pytest.raises(ConfigError, match=r"listeners\.body_timeout"):
+        parse_listener_limits(
+            Checker(file="server.yaml", base_dir=Path("/")), {"body_timeout": "11m"}, "listeners"
+        )

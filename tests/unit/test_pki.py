@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from llmgw import pki
+from llmgw import fsutil, netaddr, pki
 from llmgw.errors import CertificateError, ConfigError, CSRError, NoAuthority, PKIError
 
 
@@ -173,90 +173,6 @@ def test_load_cert_names_the_file(tmp_path: Path) -> None:
         pki.load_cert(tmp_path / "bad.crt")
 
 
-# --------------------------------------------------------------------------- writes
-
-
-def test_write_private_is_0600_before_it_appears(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    seen: list[int] = []
-    real_replace = os.replace
-
-    def spy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-        seen.append(mode(Path(src)))
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "replace", spy)
-    target = tmp_path / "secret.key"
-    target.write_bytes(b"old")
-    os.chmod(target, 0o644)
-    pki.write_private(target, b"new")
-    assert seen == [0o600]
-    assert target.read_bytes() == b"new"
-    assert mode(target) == 0o600
-    assert [p.name for p in tmp_path.iterdir()] == ["secret.key"]
-
-
-def test_write_private_failure_leaves_no_temp(tmp_path: Path) -> None:
-    with pytest.raises(PKIError, match="cannot write"):
-        pki.write_private(tmp_path / "missing-dir" / "x.key", b"data")
-    assert list(tmp_path.iterdir()) == []
-
-
-# --------------------------------------------------------------------------- node ids
-
-
-@pytest.mark.parametrize(
-    "node_id",
-    [
-        "gpu1",
-        "a",
-        "node-7",
-        "gpu1.rack2.example.com",
-        "0node",
-        "x" * 63,
-        ".".join(["a" * 63] * 3) + "." + "b" * 61,  # 253 characters
-        "llmgw",
-        "my-llmgw-node",
-    ],
-)
-def test_valid_node_ids(node_id: str) -> None:
-    assert pki.validate_node_id(node_id) == node_id
-
-
-@pytest.mark.parametrize(
-    ("node_id", "reason"),
-    [
-        ("", "empty"),
-        ("GPU1", "upper-case"),
-        ("gpu_1", "label"),
-        ("gpu 1", "label"),
-        ("-gpu", "label"),
-        ("gpu-", "label"),
-        ("a..b", "empty label"),
-        (".gpu", "empty label"),
-        ("gpu.", "empty label"),
-        ("x" * 64, "64 characters"),
-        (".".join(["a" * 63] * 4), "255 characters"),
-        ("llmgw-control-plane", "reserved"),
-        ("llmgw-anything", "reserved"),
-        ("localhost", "localhost"),
-        ("10.0.0.1", "IP address"),
-        ("gpü1", "label"),
-        ("gpu/1", "label"),
-    ],
-)
-def test_invalid_node_ids(node_id: str, reason: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        pki.validate_node_id(node_id)
-    message = str(info.value)
-    assert message.startswith("node_id: invalid node id")
-    assert reason in message
-    assert "a node id must be a DNS name" in message
-    assert info.value.exit_code == 2
-    assert info.value.key == "node_id"
-
-
 # --------------------------------------------------------------------------- leaf certificates
 
 
@@ -273,6 +189,11 @@ def test_node_cert(ca: pki.Authority, tmp_path: Path) -> None:
     assert sans(cert) == [x509.DNSName("gpu1.rack2")]
     assert ekus(cert) == {ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH}
     assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert not pki.is_ca_certificate(cert) and pki.is_ca_certificate(ca.cert)
+    usage = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    assert usage.digital_signature and not usage.key_cert_sign and not usage.crl_sign
+    ca_usage = ca.cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    assert ca_usage.key_cert_sign and ca_usage.crl_sign
     cert.verify_directly_issued_by(ca.cert)
     key = serialization.load_pem_private_key(ident.key.read_bytes(), None)
     assert isinstance(key, ec.EllipticCurvePrivateKey)
@@ -310,7 +231,7 @@ def test_server_cert_sans(ca: pki.Authority, tmp_path: Path) -> None:
         x509.IPAddress(ipaddress.ip_address("2001:db8::5")),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
         x509.IPAddress(ipaddress.ip_address("::1")),
-        x509.DNSName(pki.CONTROL_PLANE_NAME),
+        x509.DNSName(netaddr.CONTROL_PLANE_NAME),
     ):
         assert name in got
     assert len(got) == len(set(got)) == 9
@@ -330,7 +251,7 @@ def test_control_plane_client_cert(ca: pki.Authority, tmp_path: Path) -> None:
     cert = pki.load_cert(ident.cert)
     assert pki.cert_common_name(cert) == pki.CONTROL_PLANE_CN == "llmgw-control-plane"
     assert ekus(cert) == {ExtendedKeyUsageOID.CLIENT_AUTH, pki.CONTROL_PLANE_OID}
-    assert sans(cert) == [x509.DNSName(pki.CONTROL_PLANE_NAME)]
+    assert sans(cert) == [x509.DNSName(netaddr.CONTROL_PLANE_NAME)]
     assert mode(ident.key) == 0o600
 
 
@@ -412,51 +333,6 @@ def test_ensure_server_identity_reissues_missing_and_tightens_modes(tmp_path: Pa
     assert mode(d / "server.key") == 0o600
     assert mode(d / "client.key") == 0o600
     assert mode(d) == 0o700
-
-
-# --------------------------------------------------------------------------- local addresses
-
-
-def test_local_addresses() -> None:
-    addrs = pki.local_addresses()
-    assert len(addrs) == len(set(addrs))
-    for must in ("localhost", "127.0.0.1", "::1"):
-        assert must in addrs
-    hostname = socket.gethostname()
-    assert hostname in addrs or hostname.lower() in [a.lower() for a in addrs]
-    for a in addrs:
-        try:
-            ip = ipaddress.ip_address(a)
-        except ValueError:
-            continue
-        assert not (ip.version == 6 and ip.is_link_local)
-    # usable as hosts for a server certificate
-    assert addrs == pki.local_addresses()
-
-
-def test_local_addresses_never_raises(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    def boom(*_: object) -> object:
-        raise OSError("nope")
-
-    monkeypatch.setattr(socket, "if_nameindex", boom)
-    monkeypatch.setattr(socket, "gethostname", boom)
-    monkeypatch.setattr(socket, "getfqdn", boom)
-    monkeypatch.setattr(pki, "_IF_INET6", tmp_path / "missing")
-    assert pki.local_addresses() == ["localhost", "127.0.0.1", "::1"]
-
-
-def test_local_addresses_reads_if_inet6(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    f = tmp_path / "if_inet6"
-    f.write_text(
-        "00000000000000000000000000000001 01 80 10 80       lo\n"
-        "fe80000000000000021122fffe334455 02 40 20 80     eth0\n"
-        "20010db8000000000000000000000042 02 40 00 80     eth0\n"
-        "garbage\n"
-    )
-    monkeypatch.setattr(pki, "_IF_INET6", f)
-    addrs = pki.local_addresses()
-    assert "2001:db8::42" in addrs
-    assert not any(a.startswith("fe80") for a in addrs)
 
 
 # --------------------------------------------------------------------------- real TLS
@@ -740,7 +616,7 @@ def test_tls_with_a_certificate_from_a_csr(tmp_path: Path) -> None:
     out = tmp_path / "agent"
     out.mkdir()
     node = pki.Identity(cert=out / "node.crt", key=out / "node.key", ca=server.ca)
-    pki.write_private(
+    fsutil.write_private(
         node.key,
         key.private_bytes(
             serialization.Encoding.PEM,
@@ -805,7 +681,7 @@ def test_control_plane_certificates_carry_the_oid_and_node_certificates_never(
     for ident in (server, client):
         cert = pki.load_cert(ident.cert)
         assert pki.CONTROL_PLANE_OID in ekus(cert)
-        assert x509.DNSName(pki.CONTROL_PLANE_NAME) in sans(cert)
+        assert x509.DNSName(netaddr.CONTROL_PLANE_NAME) in sans(cert)
         assert pki.control_plane_problem(cert) is None
         assert pki.control_plane_problem(cert.public_bytes(serialization.Encoding.DER)) is None
     # A node named like the control plane's host, issued directly by the CA, as an attacker who
@@ -848,7 +724,7 @@ def test_ensure_server_identity_reissues_certificates_without_the_oid(tmp_path: 
     for ident in (server, client):
         cert = pki.load_cert(ident.cert)
         assert pki.control_plane_problem(cert) is None
-        assert x509.DNSName(pki.CONTROL_PLANE_NAME) in sans(cert)
+        assert x509.DNSName(netaddr.CONTROL_PLANE_NAME) in sans(cert)
         cert.verify_directly_issued_by(ca.cert)
     assert x509.DNSName("cp") in sans(pki.load_cert(server.cert))
     # and once marked, a restart keeps them
@@ -870,14 +746,7 @@ def test_a_server_certificate_with_the_oid_but_not_the_name_is_reissued(tmp_path
     )
     pki._write_identity(ca, d, "server", key, cert)
     _, server, _ = pki.ensure_server_identity(d, hosts=["cp"])
-    assert x509.DNSName(pki.CONTROL_PLANE_NAME) in sans(pki.load_cert(server.cert))
-
-
-def test_the_reserved_name_is_never_a_node_id() -> None:
-    with pytest.raises(ConfigError) as info:
-        pki.validate_node_id(pki.CONTROL_PLANE_NAME)
-    assert "the name every control-plane certificate carries" in str(info.value)
-    assert pki.CONTROL_PLANE_NAME in pki.RESERVED_NAMES
+    assert x509.DNSName(netaddr.CONTROL_PLANE_NAME) in sans(pki.load_cert(server.cert))
 
 
 def test_node_ids_the_control_plane_answers_to_are_refused(tmp_path: Path) -> None:
@@ -885,19 +754,19 @@ def test_node_ids_the_control_plane_answers_to_are_refused(tmp_path: Path) -> No
         tmp_path / "cp", hosts=["cp-host", "cp-host.example.com", "10.0.0.5"]
     )
     names = pki.control_plane_names(pki.load_cert(server.cert))
-    assert {"cp-host", "cp-host.example.com", "10.0.0.5", pki.CONTROL_PLANE_NAME} <= names
+    assert {"cp-host", "cp-host.example.com", "10.0.0.5", netaddr.CONTROL_PLANE_NAME} <= names
     for taken in ("cp-host", "cp-host.example.com"):
         with pytest.raises(ConfigError) as info:
-            pki.check_node_id_free(taken, names)
+            netaddr.check_node_id_free(taken, names)
         message = str(info.value)
         assert message.startswith(f"node_id: invalid node id {taken!r}: the control plane ")
         assert "could pose as the control plane" in message
         assert "'llmgw ctl join-command --node OTHER-ID'" in message
         assert info.value.exit_code == 2
-    assert pki.check_node_id_free("gpu-1", names) == "gpu-1"
-    assert pki.check_node_id_free("cp-host.rack2", names) == "cp-host.rack2"
+    assert netaddr.check_node_id_free("gpu-1", names) == "gpu-1"
+    assert netaddr.check_node_id_free("cp-host.rack2", names) == "cp-host.rack2"
     with pytest.raises(ConfigError, match="invalid node id"):
-        pki.check_node_id_free("Bad_Name", names)
+        netaddr.check_node_id_free("Bad_Name", names)
 
 
 def _csr_with(
@@ -930,7 +799,7 @@ def test_check_csr_refuses_the_control_plane_usage(ca: pki.Authority) -> None:
     pki.check_csr(plain, "gpu-1")
 
 
-@pytest.mark.parametrize("name", [pki.CONTROL_PLANE_NAME, "LLMGW-Control-Plane.", "llmgw-x"])
+@pytest.mark.parametrize("name", [netaddr.CONTROL_PLANE_NAME, "LLMGW-Control-Plane.", "llmgw-x"])
 def test_check_csr_refuses_a_reserved_name(ca: pki.Authority, name: str) -> None:
     csr = _csr_with("gpu-1", usages=None, dns=["gpu-1", name])
     error = _csr_error(csr)
@@ -946,10 +815,12 @@ def test_tls_a_node_named_like_the_control_plane_is_no_control_plane(tmp_path: P
     ca, server, _ = pki.ensure_server_identity(tmp_path / "cp", hosts=["cp.example.com"])
     agent = pki.issue_node_cert(ca, "gpu1", tmp_path / "agent")
     impostor = pki.issue_node_cert(ca, "cp.example.com", tmp_path / "impostor")
-    _, client_res = _handshake(_server_ctx(server), _client_ctx(agent), pki.CONTROL_PLANE_NAME)
+    _, client_res = _handshake(_server_ctx(server), _client_ctx(agent), netaddr.CONTROL_PLANE_NAME)
     assert client_res == "llmgw control plane"
     # by the host name alone (what the stream checked before) the impostor passed
     _, client_res = _handshake(_server_ctx(impostor), _client_ctx(agent), "cp.example.com")
     assert client_res == "cp.example.com"
-    _, client_res = _handshake(_server_ctx(impostor), _client_ctx(agent), pki.CONTROL_PLANE_NAME)
+    _, client_res = _handshake(
+        _server_ctx(impostor), _client_ctx(agent), netaddr.CONTROL_PLANE_NAME
+    )
     assert isinstance(client_res, ssl.SSLCertVerificationError)

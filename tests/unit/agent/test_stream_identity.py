@@ -20,7 +20,7 @@ from typing import Any, cast
 import grpc
 import pytest
 
-from llmgw import pki
+from llmgw import netaddr, pki
 from llmgw.agent.oplog import OperationLog
 from llmgw.agent.stream import Credentials, StreamClient
 from llmgw.proto import control_pb2 as pb
@@ -203,7 +203,7 @@ def test_the_refusal_is_one_clear_line(
     assert lines, caplog.text
     reason = lines[0].fields["reason"]  # type: ignore[attr-defined]
     assert reason.startswith(f"{CP_HOST}:{peer.port} is not the control plane: ")
-    assert pki.CONTROL_PLANE_NAME in reason
+    assert netaddr.CONTROL_PLANE_NAME in reason
     assert reason.endswith("check that the address in agent.yaml is the control plane's")
     assert not agent.oplog.path.exists()
 

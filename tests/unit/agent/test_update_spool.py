@@ -19,7 +19,8 @@ import pytest
 from aiohttp import web
 
 from llmgw import pki
-from llmgw.agent.update import REQUEST, STATUS, Spooler
+from llmgw.agent.update_spool import Spooler
+from llmgw.contracts.update_order import REQUEST, STATUS
 from llmgw.errors import UpdateError
 from llmgw.pki import Authority, Identity
 from llmgw.server.updates import sign_order

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,13 @@ from click.testing import CliRunner, Result
 from llmgw.cli.engine_check import engine_check
 from llmgw.engines.check import (
     FROM_HELP_OUTPUT,
+    AgentEngines,
+    FoundEngine,
     check_engine,
     check_help,
     command_flags,
     documents,
+    locate_engine,
     widest_specs,
 )
 from llmgw.engines.launch import build_command, engine_module
@@ -282,3 +286,35 @@ def test_the_built_in_sim_documents_every_flag_llmgw_passes_it() -> None:
     report = check_engine("sim")
     assert report.ok, report.missing
     assert {"--nodes", "--rank", "--dist-init-addr"} <= {c.flag for c in report.flags}
+
+
+@dataclass(frozen=True)
+class _Found:
+    name: str
+    argv: tuple[str, ...]
+    origin: str = "engines.llamacpp.bin"
+    problem: str = ""
+
+
+def _never() -> list[FoundEngine]:
+    raise AssertionError("the agent's configuration was read, though nothing needed it")
+
+
+def test_the_agents_engines_are_looked_up_only_when_needed(tmp_path: Path) -> None:
+    agent = AgentEngines(tmp_path / "agent.yaml", _never)
+    assert locate_engine("llamacpp", binary="/opt/llama-server", agent=agent) == "/opt/llama-server"
+    assert locate_engine("sim", agent=agent) == ""
+    assert check_engine("llamacpp", help_text=_text("llamacpp"), agent=agent).ok
+
+
+def test_the_agents_engines_name_the_program_or_why_not(tmp_path: Path) -> None:
+    config = tmp_path / "agent.yaml"
+    found = [_Found("vllm", ("/opt/vllm",)), _Found("llamacpp", ("/opt/llama-server", "-x"))]
+    assert locate_engine("llamacpp", agent=AgentEngines(config, lambda: found)) == (
+        "/opt/llama-server"
+    )
+    broken = [_Found("llamacpp", (), origin="/state/engines/llamacpp/1", problem="no manifest")]
+    with pytest.raises(EngineError, match=r"llamacpp \(/state/engines/llamacpp/1\): no manifest"):
+        locate_engine("llamacpp", agent=AgentEngines(config, lambda: broken))
+    with pytest.raises(EngineError, match=f"sglang is not configured in {config}, not on PATH"):
+        locate_engine("sglang", agent=AgentEngines(config, lambda: found))

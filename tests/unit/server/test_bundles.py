@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from llmgw.errors import NotFound
-from llmgw.server.bundles import Bundle, BundleStore, add_bundle_routes, one_liner, version_key
+from llmgw.server.bundles import Bundle, BundleStore, add_bundle_routes, one_liner
 from tests.ci import require_tools
 from tests.oneliner import INSTALLER, make_bundle, run_one_liner
 
@@ -159,11 +159,6 @@ def test_hashes_are_cached_until_the_file_changes(tmp_path: Path) -> None:
     path.unlink()
     assert store.scan() == []
     assert store._hashes == {}
-
-
-def test_version_order() -> None:
-    ordered = ["0.1.0", "0.1.1a1", "0.1.1rc1", "0.1.1", "0.1.1.1", "0.1.2", "0.1.10", "0.10.0"]
-    assert sorted(reversed(ordered), key=version_key) == ordered
 
 
 # -- the one-liner ------------------------------------------------------------------------------

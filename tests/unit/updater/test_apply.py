@@ -1,6 +1,7 @@
-"""The signed order (sign, verify) and the root helper (``llmgw agent update-apply``) against
-real files: every refusal leaves the counter, the installed agent and everything outside the
-helper's work directory as they were."""
+"""The root helper (``llmgw agent update-apply``) against real files: a good order is applied
+and its counter kept; every refusal, of a bad order, a hostile bundle or a hostile agent,
+leaves the counter, the installed agent and everything outside the helper's work directory
+as they were."""
 
 from __future__ import annotations
 
@@ -18,24 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from llmgw import pki
-from llmgw.agent import update
-from llmgw.agent.update import (
-    REQUEST,
-    STATUS,
-    ApplyResult,
-    apply_request,
-    canonical_order,
-    read_counter,
-    read_status,
-    verify_order,
-)
+from llmgw.agent.update_spool import read_status
+from llmgw.contracts.update_order import REQUEST, STATUS
 from llmgw.errors import UpdateError
 from llmgw.pki import Authority
 from llmgw.server.updates import sign_order
+from llmgw.updater import bundle as helper_bundle
+from llmgw.updater.apply import ApplyResult, apply_request, read_counter
 
 NODE = "gpu-1"
 
@@ -185,16 +176,6 @@ class Node:
         assert os.listdir(self.state / "work") == []
 
 
-@pytest.fixture(scope="module")
-def authority(tmp_path_factory: pytest.TempPathFactory) -> Authority:
-    return pki.init_ca(tmp_path_factory.mktemp("ca") / "pki")
-
-
-@pytest.fixture(scope="module")
-def other_authority(tmp_path_factory: pytest.TempPathFactory) -> Authority:
-    return pki.init_ca(tmp_path_factory.mktemp("other-ca") / "pki")
-
-
 @pytest.fixture
 def node(tmp_path: Path, authority: Authority) -> Node:
     n = Node(tmp_path, authority)
@@ -206,64 +187,6 @@ def node(tmp_path: Path, authority: Authority) -> Node:
     n.installed.write_text("#!/bin/sh\necho 'llmgw 0.1.0'\n")
     n.installed.chmod(0o755)
     return n
-
-
-# -- the order ---------------------------------------------------------------------------------
-
-
-def test_sign_then_verify_round_trips(authority: Authority) -> None:
-    order = order_for()
-    data, signature = sign_order(authority.key, order)
-    assert data == json.dumps(order, sort_keys=True, separators=(",", ":")).encode()
-    assert data == canonical_order(order)
-    ca_pem = (authority.directory / "ca.crt").read_bytes()
-    assert verify_order(ca_pem, data, signature) == order
-
-
-def test_every_tampered_byte_is_refused(authority: Authority) -> None:
-    data, signature = sign_order(authority.key, order_for())
-    ca_pem = (authority.directory / "ca.crt").read_bytes()
-    for i in range(0, len(data), 7):
-        changed = bytearray(data)
-        changed[i] ^= 0x01
-        with pytest.raises(UpdateError, match=r"does not verify|not JSON|wrong fields|refused"):
-            verify_order(ca_pem, bytes(changed), signature)
-    broken = bytearray(signature)
-    broken[-1] ^= 0x01
-    with pytest.raises(UpdateError, match="does not verify"):
-        verify_order(ca_pem, data, bytes(broken))
-
-
-def test_another_key_is_refused(authority: Authority, other_authority: Authority) -> None:
-    data, signature = sign_order(other_authority.key, order_for())
-    with pytest.raises(UpdateError, match="does not verify against the cluster CA"):
-        verify_order((authority.directory / "ca.crt").read_bytes(), data, signature)
-
-
-def test_a_signed_but_not_canonical_order_is_refused(authority: Authority) -> None:
-    data = json.dumps(order_for()).encode()  # spaces: valid JSON, not the canonical form
-    signature = authority.key.sign(data, ec.ECDSA(hashes.SHA256()))
-    with pytest.raises(UpdateError, match="canonical"):
-        verify_order((authority.directory / "ca.crt").read_bytes(), data, signature)
-
-
-@pytest.mark.parametrize(
-    ("changes", "words"),
-    [
-        ({"counter": 0}, "counter is not a positive"),
-        ({"counter": True}, "counter is not a positive"),
-        ({"sha256": "ABC"}, "sha256"),
-        ({"arch": "riscv"}, "arch"),
-        ({"url": "file:///etc/passwd"}, "url"),
-        ({"node_id": "Not A Node"}, "node_id"),
-        ({"extra": 1}, "wrong fields"),
-    ],
-)
-def test_sign_order_refuses_malformed_fields(
-    authority: Authority, changes: dict[str, Any], words: str
-) -> None:
-    with pytest.raises(UpdateError, match=words):
-        sign_order(authority.key, order_for(**changes))
 
 
 # -- the helper: accepted ------------------------------------------------------------------------
@@ -378,7 +301,7 @@ def test_a_package_installed_agent_is_refused_with_its_package_manager_named(
     packaged = tmp_path / "usr-lib-llmgw" / "llmgw"
     packaged.parent.mkdir()
     packaged.write_text("#!/bin/sh\necho 'llmgw 0.1.0'\n")
-    monkeypatch.setattr(update, "PACKAGE_BINARY", packaged)
+    monkeypatch.setattr(helper_bundle, "PACKAGE_BINARY", packaged)
     node.installed.unlink()
     bundle, sha = good_bundle(node)
     node.spool_request(bundle, order_for(sha256=sha))
@@ -568,177 +491,3 @@ def test_the_command_line_exits_non_zero_on_a_refusal(node: Node) -> None:
     assert "error: update refused: the order is for node gpu-2" in result.stderr
     assert "llmgw-agent-update: took" in result.stdout
     assert read_status(node.spool)["state"] == "refused"  # type: ignore[index]
-
-
-# -- the helper's trust (install_trust, 'llmgw agent update-trust') ------------------------------
-
-
-def ca_pem(ca: Authority) -> bytes:
-    return (ca.directory / "ca.crt").read_bytes()
-
-
-@pytest.fixture
-def trust_dir(tmp_path: Path) -> Path:
-    trust = tmp_path / "trust"
-    trust.mkdir()
-    return trust
-
-
-def staged(tmp_path: Path, data: bytes, name: str = "staged-ca.crt") -> Path:
-    path = tmp_path / name
-    path.write_bytes(data)
-    return path
-
-
-def test_trust_is_written_only_for_the_pinned_ca(
-    tmp_path: Path, trust_dir: Path, authority: Authority
-) -> None:
-    pin = authority.ca_hash()
-    assert update.install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, pin) is True
-    assert (trust_dir / "ca.pem").read_bytes() == ca_pem(authority)
-    assert (trust_dir / "ca-hash").read_text() == pin + "\n"
-    assert (trust_dir / "ca.pem").stat().st_mode & 0o777 == 0o644
-    # Again: nothing changes; and upper case pins are the same pin.
-    assert (
-        update.install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, pin.upper()) is False
-    )
-
-
-def test_another_ca_is_refused_and_the_trust_kept(
-    tmp_path: Path, trust_dir: Path, authority: Authority, other_authority: Authority
-) -> None:
-    update.install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, authority.ca_hash())
-    before = {p.name: p.read_bytes() for p in trust_dir.iterdir()}
-    # The agent swapped its ca.crt: with the operator's pin ...
-    with pytest.raises(UpdateError, match="keeps the CA it trusts"):
-        update.install_trust(
-            staged(tmp_path, ca_pem(other_authority)), trust_dir, authority.ca_hash()
-        )
-    # ... and without one (the pin recorded at the first install counts).
-    with pytest.raises(UpdateError, match=r"the pin recorded in .*ca-hash"):
-        update.install_trust(staged(tmp_path, ca_pem(other_authority)), trust_dir, None)
-    assert {p.name: p.read_bytes() for p in trust_dir.iterdir()} == before
-
-
-def test_without_a_recorded_pin_the_trusted_ca_is_the_pin(
-    tmp_path: Path, trust_dir: Path, authority: Authority, other_authority: Authority
-) -> None:
-    # An install from before the pin was recorded: ca.pem alone.
-    (trust_dir / "ca.pem").write_bytes(ca_pem(authority))
-    with pytest.raises(UpdateError, match=r"the CA trusted now"):
-        update.install_trust(staged(tmp_path, ca_pem(other_authority)), trust_dir, None)
-    assert (trust_dir / "ca.pem").read_bytes() == ca_pem(authority)
-    assert update.install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, None) is True
-    assert (trust_dir / "ca-hash").read_text() == authority.ca_hash() + "\n"
-
-
-def test_no_pin_at_all_writes_nothing(
-    tmp_path: Path, trust_dir: Path, authority: Authority
-) -> None:
-    with pytest.raises(UpdateError, match="no pin to check"):
-        update.install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, None)
-    assert list(trust_dir.iterdir()) == []
-
-
-def test_a_rekey_with_a_new_pin_rotates_the_trust(
-    tmp_path: Path, trust_dir: Path, authority: Authority, other_authority: Authority
-) -> None:
-    update.install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, authority.ca_hash())
-    new_pin = other_authority.ca_hash()
-    assert update.install_trust(staged(tmp_path, ca_pem(other_authority)), trust_dir, new_pin)
-    assert (trust_dir / "ca.pem").read_bytes() == ca_pem(other_authority)
-    assert (trust_dir / "ca-hash").read_text() == new_pin + "\n"
-
-
-def test_a_symlinked_ca_is_not_read(tmp_path: Path, trust_dir: Path, authority: Authority) -> None:
-    secret = staged(tmp_path, ca_pem(authority), "secret")  # stands for /etc/shadow
-    link = tmp_path / "ca.crt"
-    link.symlink_to(secret)
-    with pytest.raises(UpdateError, match="it is a symlink"):
-        update.install_trust(link, trust_dir, authority.ca_hash())
-    assert list(trust_dir.iterdir()) == []
-
-
-@pytest.mark.parametrize("what", ["not-pem", "leaf", "fifo", "huge"])
-def test_what_is_not_a_ca_is_refused(
-    tmp_path: Path, trust_dir: Path, authority: Authority, what: str
-) -> None:
-    path = tmp_path / "ca.crt"
-    if what == "not-pem":
-        path.write_bytes(b"root:$6$hash:19000:0:99999:7:::\n")
-    elif what == "leaf":
-        # A node certificate of the right cluster: signed by the CA, but not a CA itself.
-        leaf = pki.issue_node_cert(authority, "gpu-9", tmp_path / "leaf")
-        path.write_bytes(leaf.cert.read_bytes())
-    elif what == "fifo":
-        os.mkfifo(path)
-    else:
-        path.write_bytes(ca_pem(authority) + b"#" * (update._MAX_SMALL + 1))
-    with pytest.raises(UpdateError):
-        update.install_trust(path, trust_dir, authority.ca_hash())
-    assert list(trust_dir.iterdir()) == []
-
-
-def test_a_symlink_in_the_trust_directory_is_not_followed(
-    tmp_path: Path, trust_dir: Path, authority: Authority
-) -> None:
-    outside = tmp_path / "outside"
-    outside.write_bytes(b"keep")
-    (trust_dir / "ca.pem").symlink_to(outside)
-    with pytest.raises(UpdateError, match="a symlink"):
-        update.install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, authority.ca_hash())
-    assert outside.read_bytes() == b"keep"
-    linked = tmp_path / "linked-trust"
-    linked.symlink_to(trust_dir)
-    with pytest.raises(UpdateError, match="never a symlink"):
-        update.install_trust(staged(tmp_path, ca_pem(authority)), linked, authority.ca_hash())
-
-
-def test_update_trust_command_line(
-    tmp_path: Path, trust_dir: Path, authority: Authority, other_authority: Authority
-) -> None:
-    def run_cli(ca: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "llmgw",
-                "agent",
-                "update-trust",
-                "--ca",
-                str(ca),
-                "--trust",
-                str(trust_dir),
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-
-    good = staged(tmp_path, ca_pem(authority))
-    first = run_cli(good, "--ca-hash", authority.ca_hash())
-    assert first.returncode == 0 and first.stdout == "trust: written\n", first
-    again = run_cli(good)
-    assert again.returncode == 0 and again.stdout == "trust: unchanged\n", again
-    bad = run_cli(staged(tmp_path, ca_pem(other_authority), "other.crt"))
-    assert bad.returncode == 1 and "error: the CA in" in bad.stderr and bad.stdout == ""
-    assert (trust_dir / "ca.pem").read_bytes() == ca_pem(authority)
-
-
-def test_installed_version_runs_the_binary_without_the_callers_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Whatever the helper's caller had (a TMPDIR into the agent's folders, a runtime dir,
-    # a terminal), the installed binary, run as root, gets none of it.
-    monkeypatch.setenv("TMPDIR", "/var/lib/llmgw-agent-tmp")
-    monkeypatch.setenv("LLMGW_RUNTIME_DIR", "/var/lib/llmgw-agent")
-    binary = tmp_path / "llmgw"
-    binary.write_text(
-        "#!/bin/sh\n"
-        '[ -z "${TMPDIR:-}${LLMGW_RUNTIME_DIR:-}${HOME:-}" ] || { echo "env: $(env)"; exit 3; }\n'
-        "[ -t 0 ] && exit 4\n"
-        "echo 'llmgw 0.1.7'\n"
-    )
-    binary.chmod(0o755)
-    assert update.installed_version(binary) == "0.1.7"

@@ -1,4 +1,4 @@
-"""Tests for the store's join tokens, certificate records and node enrolment (migration 2)."""
+"""Tests for the stored credentials: API keys, join tokens (minted, listed, revoked, spent once) and the certificates issued to nodes."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from llmgw.errors import Conflict, NotFound, TokenError
-from llmgw.server.store import MIGRATIONS, Certificate, JoinToken, Store
+from llmgw.server.store import (
+    ApiKey,
+    Certificate,
+    JoinToken,
+    Store,
+    hash_api_key,
+)
 from tests.unit.clock import Clock
-
-
-@pytest.fixture
-def clock() -> Clock:
-    # A 2023 date: messages name the expiry's date.
-    return Clock(1_700_000_000.0)
 
 
 def _consume(store: Store, secret: str, node_id: str = "gpu-1", **kw: object) -> JoinToken:
@@ -34,41 +34,76 @@ def _refusal(store: Store, secret: str, node_id: str = "gpu-1", **kw: object) ->
     return info.value
 
 
-# --------------------------------------------------------------------------- schema
+def test_api_key_lifecycle(store: Store, clock: Clock) -> None:
+    key, secret = store.create_api_key("ci")
+    assert isinstance(key, ApiKey)
+    assert secret.startswith("sk-llmgw-") and len(secret) > 40
+    assert key.name == "ci"
+    assert key.prefix == secret[:12]
+    assert key.hash == hash_api_key(secret)
+    assert key.revoked_at is None and not key.revoked
+    assert store.verify_api_key(secret) == key
+    assert store.verify_api_key(secret + "x") is None
+    assert store.active_key_hashes() == {key.hash}
+
+    clock.advance(1)
+    key2, secret2 = store.create_api_key("laptop")
+    assert secret2 != secret and key2.id != key.id
+    assert [k.id for k in store.list_api_keys()] == [key.id, key2.id]
+
+    clock.advance(60)
+    revoked = store.revoke_api_key(key.id)
+    assert revoked.revoked and revoked.revoked_at == 1061.0
+    assert store.verify_api_key(secret) is None
+    assert store.active_key_hashes() == {key2.hash}
+    assert [k.id for k in store.list_api_keys()] == [key2.id]
+    assert [k.id for k in store.list_api_keys(include_revoked=True)] == [key.id, key2.id]
+
+    # Revoke by prefix.
+    store.revoke_api_key(key2.prefix)
+    assert store.active_key_hashes() == set()
 
 
-def test_migration_2_tables(db_path: Path) -> None:
-    with Store.open(db_path) as s:
-        assert s.schema_version() == len(MIGRATIONS) >= 2
-    conn = sqlite3.connect(db_path)
-    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
-    conn.close()
-    assert {"join_tokens", "certificates"} <= tables
-    assert "certificates_by_node" in indexes
+def test_api_key_secret_never_stored(store: Store, db_path: Path) -> None:
+    secrets_made = [store.create_api_key(f"k{i}")[1] for i in range(5)]
+    store.close()  # checkpoints the WAL into the main file
+    files = [db_path, *db_path.parent.glob(db_path.name + "-*")]
+    blob = b"".join(p.read_bytes() for p in files)
+    for secret in secrets_made:
+        assert secret.encode() not in blob
+        assert secret[12:].encode() not in blob  # not even the part after the prefix
+        assert hash_api_key(secret).encode() in blob
 
 
-def test_migration_2_upgrades_a_version_1_database(db_path: Path) -> None:
-    conn = sqlite3.connect(db_path)
-    conn.executescript(MIGRATIONS[0])
-    conn.execute("INSERT INTO nodes(id, uid, created_at) VALUES ('old', 'u1', 1.0)")
-    conn.execute("PRAGMA user_version=1")
-    conn.commit()
-    conn.close()
-    with Store.open(db_path) as s:
-        assert s.schema_version() == len(MIGRATIONS)
-        assert s.get_node("old").uid == "u1"
-        s.create_join_token("old", ttl=60)
-        assert len(s.list_join_tokens()) == 1
+def test_revoke_twice_conflict(store: Store) -> None:
+    key, _ = store.create_api_key("ci")
+    store.revoke_api_key(key.id)
+    with pytest.raises(Conflict, match="already revoked") as info:
+        store.revoke_api_key(key.id)
+    assert "'llmgw ctl keys'" in str(info.value)
 
 
-def test_kind_is_checked_by_the_schema(store: Store) -> None:
-    tok, _ = store.create_join_token("gpu-1", ttl=60)
-    with pytest.raises(sqlite3.IntegrityError):
-        store._db.execute("UPDATE join_tokens SET kind = 'other' WHERE id = ?", (tok.id,))
+def test_revoke_unknown_key(store: Store) -> None:
+    with pytest.raises(NotFound, match="no API key with id or prefix nope"):
+        store.revoke_api_key("nope")
 
 
-# --------------------------------------------------------------------------- tokens
+def test_revoke_ambiguous_prefix(store: Store) -> None:
+    k1, _ = store.create_api_key("a")
+    k2, _ = store.create_api_key("b")
+    k3, _ = store.create_api_key("c")
+    # Force a prefix collision (3 random characters are in a prefix; collisions happen).
+    store._db.execute("UPDATE api_keys SET prefix = ? WHERE id = ?", (k1.prefix, k2.id))
+    with pytest.raises(Conflict, match="2 API keys have prefix"):
+        store.revoke_api_key(k1.prefix)
+    with pytest.raises(Conflict, match="2 API keys have prefix"):
+        store.get_api_key(k1.prefix)
+    # Once one of them is revoked, the prefix names the other for revocation.
+    store.revoke_api_key(k2.id)
+    assert store.revoke_api_key(k1.prefix).id == k1.id
+    with pytest.raises(Conflict, match="already revoked"):
+        store.revoke_api_key(k1.id)
+    assert store.get_api_key(k3.prefix).id == k3.id
 
 
 def test_create_stores_only_the_hash(store: Store, db_path: Path, clock: Clock) -> None:
@@ -163,6 +198,7 @@ def test_token_unknown(store: Store) -> None:
 
 
 def test_token_expired(store: Store, clock: Clock) -> None:
+    clock.t = 1_700_000_000.0
     tok, secret = store.create_join_token("gpu-1", ttl=60)
     clock.advance(60)  # expiry is exclusive
     err = _refusal(store, secret)
@@ -285,7 +321,7 @@ def test_racing_consumers_exactly_one_wins(db_path: Path) -> None:
 def test_conditional_update_decides_even_after_a_stale_read(store: Store) -> None:
     """If the token is used between the read and the write, the UPDATE's rowcount refuses."""
     tok, secret = store.create_join_token("gpu-1", ttl=60)
-    original = store._db
+    original = store._db.conn
 
     class Sneaky:
         """A connection proxy that uses the token behind the consumer's back, once."""
@@ -302,15 +338,12 @@ def test_conditional_update_decides_even_after_a_stale_read(store: Store) -> Non
         def __getattr__(self, name: str) -> object:
             return getattr(original, name)
 
-    store._conn = Sneaky()  # type: ignore[assignment]
+    store._db._conn = Sneaky()  # type: ignore[assignment]
     try:
         err = _refusal(store, secret)
     finally:
-        store._conn = original
+        store._db._conn = original
     assert err.code == "token_used"
-
-
-# --------------------------------------------------------------------------- certificates
 
 
 def test_certificates_and_deny_list(store: Store, clock: Clock) -> None:
@@ -377,86 +410,3 @@ def test_deleted_node_serials_stay_denied(store: Store) -> None:
     store.delete_node(node.id)
     assert store.is_revoked("a1")
     assert store.revoked_serials() == {"a1"}
-
-
-# --------------------------------------------------------------------------- enrol_node
-
-
-def test_enrol_new_node_is_pending(store: Store, clock: Clock) -> None:
-    node = store.enrol_node(
-        "gpu-1", fingerprint="sha256:aa", rekey=False, node_uid=None, require_approval=False
-    )
-    assert (node.id, node.state, node.fingerprint) == ("gpu-1", "pending", "sha256:aa")
-    assert len(node.uid) == 32 and int(node.uid, 16) >= 0
-    assert node.created_at == clock.t
-    assert not node.connected
-
-
-@pytest.mark.parametrize("old_state", ["approved", "revoked", "pending"])
-def test_fresh_join_of_known_node_replaces_identity(store: Store, old_state: str) -> None:
-    old = store.enrol_node(
-        "gpu-1", fingerprint="sha256:old", rekey=False, node_uid=None, require_approval=False
-    )
-    store.set_node_state("gpu-1", old_state)
-    store.add_certificate(
-        "aa", node_id="gpu-1", fingerprint="sha256:old", not_before=1.0, not_after=2.0
-    )
-    new = store.enrol_node(
-        "gpu-1", fingerprint="sha256:new", rekey=False, node_uid=None, require_approval=False
-    )
-    assert new.uid != old.uid
-    assert (new.state, new.fingerprint, new.created_at) == ("pending", "sha256:new", old.created_at)
-    assert store.is_revoked("aa")
-    assert store.list_certificates("gpu-1")[0].reason == "replaced by a fresh join"
-
-
-def test_rekey_keeps_uid_and_state(store: Store) -> None:
-    node = store.enrol_node(
-        "gpu-1", fingerprint="sha256:a", rekey=False, node_uid=None, require_approval=False
-    )
-    store.set_node_state("gpu-1", "approved")
-    again = store.enrol_node(
-        "gpu-1", fingerprint="sha256:b", rekey=True, node_uid=node.uid, require_approval=False
-    )
-    assert (again.uid, again.state, again.fingerprint) == (node.uid, "approved", "sha256:b")
-    pending = store.enrol_node(
-        "gpu-1", fingerprint="sha256:c", rekey=True, node_uid=node.uid, require_approval=True
-    )
-    assert (pending.uid, pending.state, pending.fingerprint) == (node.uid, "pending", "sha256:c")
-
-
-def test_rekey_refusals(store: Store) -> None:
-    node = store.enrol_node(
-        "gpu-1", fingerprint="sha256:a", rekey=False, node_uid=None, require_approval=False
-    )
-    with pytest.raises(TokenError) as info:
-        store.enrol_node(
-            "gpu-1", fingerprint="sha256:b", rekey=True, node_uid="other", require_approval=False
-        )
-    assert info.value.code == "node_uid_mismatch"
-    assert f"node gpu-1 has uid {node.uid}, not other" in str(info.value)
-
-    with pytest.raises(TokenError) as info:
-        store.enrol_node(
-            "gpu-9", fingerprint="sha256:b", rekey=True, node_uid="x", require_approval=False
-        )
-    assert info.value.code == "node_unknown"
-    assert "join-command --node gpu-9" in str(info.value)
-
-    store.set_node_state("gpu-1", "revoked")
-    with pytest.raises(TokenError) as info:
-        store.enrol_node(
-            "gpu-1", fingerprint="sha256:b", rekey=True, node_uid=node.uid, require_approval=False
-        )
-    assert info.value.code == "node_revoked"
-    assert "a revoked node can come back only through a fresh join" in str(info.value)
-    assert store.get_node("gpu-1").fingerprint == "sha256:a"
-
-
-def test_enrol_node_inside_a_failed_transaction_leaves_nothing(store: Store) -> None:
-    with pytest.raises(RuntimeError), store.transaction():
-        store.enrol_node(
-            "gpu-1", fingerprint="sha256:a", rekey=False, node_uid=None, require_approval=False
-        )
-        raise RuntimeError("signing failed")
-    assert store.list_nodes() == []

@@ -1,14 +1,16 @@
-"""Pieces shared by llmgw's configuration files (``agent.yaml``, ``server.yaml``).
+"""Reading and checking llmgw's configuration files (``agent.yaml``, ``server.yaml``,
+``catalog.yaml``).
 
-A YAML loader whose errors carry the file and line, ``host:port`` parsing, dotted overrides,
-and a :class:`Checker` whose every error names the dotted key path and the file.
+A YAML loader that refuses a key given twice and whose errors carry the file and line,
+dotted overrides, sizes in binary units, and a :class:`Checker` whose every error names the
+dotted key path and the file (``host:port`` values through llmgw.netaddr, durations through
+llmgw.durations).
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
-import ipaddress
 import math
 import os
 import re
@@ -19,10 +21,10 @@ from typing import NoReturn
 
 import yaml
 
+from llmgw.durations import parse_duration
 from llmgw.errors import ConfigError
+from llmgw.netaddr import format_hostport, parse_hostport
 
-_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?")
-_PORT = re.compile(r"[0-9]{1,5}")
 _AMOUNT = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)")
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
 # Decimal units are refused as ambiguous, naming the binary one meant.
@@ -104,97 +106,6 @@ def join_key(parent: str, name: str) -> str:
 def index_key(parent: str, index: int) -> str:
     """``fabrics`` + 1 -> ``fabrics[1]``."""
     return f"{parent}[{index}]"
-
-
-def is_hostname(value: str) -> bool:
-    """True for a DNS-style host name: dot-separated labels of 1-63 letters, digits, '-' or
-    '_' (not starting or ending with '-'), at most 253 characters."""
-    if not value or len(value) > 253:
-        return False
-    return all(len(label) <= 63 and _LABEL.fullmatch(label) for label in value.split("."))
-
-
-def is_ip_address(value: str) -> bool:
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        return False
-    return True
-
-
-def _check_host(host: str, value: str) -> None:
-    if is_ip_address(host):
-        return
-    labels = host.split(".")
-    if all(label.isdigit() for label in labels):
-        raise ConfigError(f"{host!r} in {value!r} is not a valid IPv4 address")
-    if not is_hostname(host):
-        raise ConfigError(
-            f"{host!r} in {value!r} is not a valid host name or IP address "
-            "(letters, digits, '-', '_' and '.', labels of 1-63 characters)"
-        )
-
-
-def parse_hostport(
-    value: str, *, default_port: int | None = None, allow_zero: bool = False
-) -> tuple[str, int]:
-    """Split ``host:port`` (IPv6 as ``[::1]:7443``) into ``(host, port)``.
-
-    A bare host gets ``default_port``; without one the port is required. IPv6 hosts are
-    returned without brackets. ``allow_zero`` admits port 0 (listen on a free port) for
-    listen addresses. Raises :class:`ConfigError` (without key or file: callers
-    that know them, like :meth:`Checker.hostport`, add them).
-    """
-    if not isinstance(value, str):
-        raise ConfigError(f"must be a string host:port, got {type_name(value)}")
-    text = value.strip()
-    if not text:
-        raise ConfigError("is empty; give host:port, e.g. 10.0.0.1:7443")
-    port_text: str | None
-    if text.startswith("["):
-        close = text.find("]")
-        if close < 0:
-            raise ConfigError(f"{value!r} has '[' without ']'; write IPv6 as [::1]:7443")
-        host = text[1:close]
-        rest = text[close + 1 :]
-        if rest == "":
-            port_text = None
-        elif rest.startswith(":"):
-            port_text = rest[1:]
-        else:
-            raise ConfigError(f"{value!r}: expected ':port' after ']', got {rest!r}")
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ConfigError(
-                f"{host!r} in {value!r} is not an IPv6 address; brackets are only for IPv6"
-            ) from None
-    elif text.count(":") > 1:
-        raise ConfigError(f"{value!r}: an IPv6 address needs brackets, e.g. [::1]:7443")
-    else:
-        host, sep, port_part = text.partition(":")
-        port_text = port_part if sep else None
-        if not host:
-            raise ConfigError(f"{value!r} has no host; to listen on every address use 0.0.0.0")
-        _check_host(host, value)
-    if port_text is None:
-        if default_port is None:
-            raise ConfigError(f"{value!r} has no port; give host:port")
-        return host, default_port
-    lowest = 0 if allow_zero else 1
-    if not _PORT.fullmatch(port_text) or not lowest <= int(port_text) <= 65535:
-        raise ConfigError(
-            f"port {port_text!r} in {value!r} must be a number from {lowest} to 65535"
-            + (" (0: pick a free port)" if allow_zero else "")
-        )
-    return host, int(port_text)
-
-
-def format_hostport(host: str, port: int) -> str:
-    """The inverse of :func:`parse_hostport`: brackets around IPv6 hosts."""
-    if ":" in host:
-        return f"[{host}]:{port}"
-    return f"{host}:{port}"
 
 
 # --- files ---------------------------------------------------------------------------------
@@ -361,14 +272,42 @@ class Checker:
         number = float(value)
         if not math.isfinite(number):
             self.fail(key, f"must be a finite number, got {value!r}")
+        self._in_range(number, value, key, minimum, maximum, "")
+        return number
+
+    def _in_range(
+        self,
+        number: float,
+        value: object,
+        key: str,
+        minimum: float | None,
+        maximum: float | None,
+        unit: str,
+    ) -> None:
         if minimum is not None and maximum is not None:
             if not minimum <= number <= maximum:
-                self.fail(key, f"must be from {minimum:g} to {maximum:g}, got {value!r}")
+                self.fail(key, f"must be from {minimum:g} to {maximum:g}{unit}, got {value!r}")
         elif minimum is not None and number < minimum:
-            self.fail(key, f"must be at least {minimum:g}, got {value!r}")
+            self.fail(key, f"must be at least {minimum:g}{unit}, got {value!r}")
         elif maximum is not None and number > maximum:
-            self.fail(key, f"must be at most {maximum:g}, got {value!r}")
-        return number
+            self.fail(key, f"must be at most {maximum:g}{unit}, got {value!r}")
+
+    def duration(
+        self,
+        value: object,
+        key: str,
+        *,
+        minimum: float | None = None,
+        maximum: float | None = None,
+    ) -> float:
+        """Seconds within ``[minimum, maximum]``, in the one duration syntax
+        (llmgw.durations): ``90``, ``500ms``, ``30s``, ``5m``, ``2h``, ``30d``."""
+        try:
+            seconds = parse_duration(value)
+        except ConfigError as exc:
+            self.fail(key, exc.message)
+        self._in_range(seconds, value, key, minimum, maximum, " seconds")
+        return seconds
 
     def size(self, value: object, key: str, *, minimum: int = 1, maximum: int | None = None) -> int:
         """Bytes (see :func:`parse_size`) within ``[minimum, maximum]``."""
@@ -448,14 +387,10 @@ class Checker:
 __all__ = [
     "Checker",
     "apply_overrides",
-    "format_hostport",
     "format_size",
     "index_key",
-    "is_hostname",
-    "is_ip_address",
     "join_key",
     "load_yaml",
-    "parse_hostport",
     "parse_size",
     "parse_yaml",
     "type_name",

@@ -1,0 +1,62 @@
+"""The control plane's state store: nodes, models, replicas, shards, API keys, events, join
+tokens, the certificates issued to nodes, and each node's update order.
+
+One SQLite file in WAL mode, its schema upgraded by versioned migrations on open; every
+sqlite3 error leaves the package as a :class:`~llmgw.errors.StoreError` that says what to
+do. The package:
+
+- ``database``  the connection, transactions, and the translation of sqlite3 errors;
+- ``schema``    the versioned migrations and how they are applied;
+- ``rows``      the row types the store hands out;
+- ``nodes``, ``models``, ``credentials``, ``updates``, ``events``: one class per group
+  of tables, holding their SQL;
+- ``store``     :class:`Store`, which composes them.
+
+Only ``database`` and ``schema`` are SQLite's own; the tables' SQL is plain but for its
+``?`` placeholders and the ``rowid`` that orders certificates issued in the same instant.
+"""
+
+from llmgw.server.store.credentials import API_KEY_PREFIX, hash_api_key
+from llmgw.server.store.events import (
+    MAX_EVENT_BYTES,
+    MAX_EVENT_MESSAGE,
+    MAX_EVENT_SUBJECT,
+    MAX_EVENTS,
+)
+from llmgw.server.store.models import SHARD_FIELDS
+from llmgw.server.store.rows import (
+    DEFAULT_PROFILE,
+    ApiKey,
+    Certificate,
+    Event,
+    Model,
+    Node,
+    NodeUpdate,
+    Replica,
+    Shard,
+)
+from llmgw.server.store.schema import MIGRATIONS
+from llmgw.server.store.store import Store
+from llmgw.server.tokens import JoinToken
+
+__all__ = [
+    "API_KEY_PREFIX",
+    "DEFAULT_PROFILE",
+    "MAX_EVENTS",
+    "MAX_EVENT_BYTES",
+    "MAX_EVENT_MESSAGE",
+    "MAX_EVENT_SUBJECT",
+    "MIGRATIONS",
+    "SHARD_FIELDS",
+    "ApiKey",
+    "Certificate",
+    "Event",
+    "JoinToken",
+    "Model",
+    "Node",
+    "NodeUpdate",
+    "Replica",
+    "Shard",
+    "Store",
+    "hash_api_key",
+]

@@ -1,0 +1,318 @@
+"""What lets a client or a node in, as stored: API keys (for the gateway), join tokens
+(for a node's first certificate, or a new one) and the certificates issued to nodes (for
+the deny list). Secrets are never stored, only their hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import Any
+
+from llmgw.errors import Conflict, NotFound
+from llmgw.server import tokens
+from llmgw.server.states import TokenKind
+from llmgw.server.store.database import Database
+from llmgw.server.store.rows import ApiKey, Certificate, join_token_from_row
+from llmgw.server.tokens import JoinToken
+
+__all__ = ["API_KEY_PREFIX", "ApiKeys", "Certificates", "JoinTokens", "hash_api_key"]
+
+API_KEY_PREFIX = "sk-llmgw-"
+
+
+def hash_api_key(secret: str) -> str:
+    """The hex SHA-256 of an API key secret, as stored and as the gateway caches it."""
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+class ApiKeys:
+    """The gateway's API keys: a secret shown once, its hash kept, revoked but never deleted."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def create_api_key(self, name: str) -> tuple[ApiKey, str]:
+        """Make a key; return its row and the secret, which is shown once and never stored."""
+        secret = API_KEY_PREFIX + secrets.token_urlsafe(32)
+        with self._db.write():
+            while True:
+                key_id = secrets.token_hex(6)
+                if self._db.one("SELECT 1 FROM api_keys WHERE id = ?", (key_id,)) is None:
+                    break
+            self._db.execute(
+                "INSERT INTO api_keys(id, name, prefix, hash, created_at) VALUES (?, ?, ?, ?, ?)",
+                (key_id, name, secret[:12], hash_api_key(secret), self._db.clock()),
+            )
+            row = self._db.one("SELECT * FROM api_keys WHERE id = ?", (key_id,))
+        assert row is not None
+        return ApiKey.from_row(row), secret
+
+    def get_api_key(self, key_id_or_prefix: str, *, prefer_active: bool = False) -> ApiKey:
+        """The key with this id, or the only key with this prefix.
+
+        With *prefer_active*, a prefix shared by several keys names the one unrevoked among them.
+        """
+        row = self._db.one("SELECT * FROM api_keys WHERE id = ?", (key_id_or_prefix,))
+        if row is not None:
+            return ApiKey.from_row(row)
+        rows = self._db.all("SELECT * FROM api_keys WHERE prefix = ?", (key_id_or_prefix,))
+        if prefer_active and len(rows) > 1:
+            active = [r for r in rows if r["revoked_at"] is None]
+            rows = active or rows
+        if not rows:
+            raise NotFound(
+                f"no API key with id or prefix {key_id_or_prefix}; 'llmgw ctl keys' lists them"
+            )
+        if len(rows) > 1:
+            raise Conflict(
+                f"{len(rows)} API keys have prefix {key_id_or_prefix}; "
+                "name the key by its id ('llmgw ctl keys' lists them)"
+            )
+        return ApiKey.from_row(rows[0])
+
+    def list_api_keys(self, include_revoked: bool = False) -> list[ApiKey]:
+        sql = "SELECT * FROM api_keys"
+        if not include_revoked:
+            sql += " WHERE revoked_at IS NULL"
+        sql += " ORDER BY created_at, id"
+        return [ApiKey.from_row(r) for r in self._db.all(sql)]
+
+    def revoke_api_key(self, key_id_or_prefix: str) -> ApiKey:
+        """Revoke a key by id or unique prefix; return the revoked row."""
+        with self._db.write():
+            key = self.get_api_key(key_id_or_prefix, prefer_active=True)
+            if key.revoked:
+                raise Conflict(
+                    f"API key {key.id} ({key.name}) is already revoked; "
+                    "'llmgw ctl keys' lists the active ones"
+                )
+            self._db.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE id = ?", (self._db.clock(), key.id)
+            )
+            return self.get_api_key(key.id)
+
+    def verify_api_key(self, secret: str) -> ApiKey | None:
+        """The active key whose secret this is, or None."""
+        row = self._db.one(
+            "SELECT * FROM api_keys WHERE hash = ? AND revoked_at IS NULL",
+            (hash_api_key(secret),),
+        )
+        return None if row is None else ApiKey.from_row(row)
+
+    def active_key_hashes(self) -> set[str]:
+        """Hashes of all unrevoked keys, for the gateway's in-memory check."""
+        rows = self._db.all("SELECT hash FROM api_keys WHERE revoked_at IS NULL")
+        return {str(r["hash"]) for r in rows}
+
+
+class JoinTokens:
+    """The join tokens minted; :mod:`llmgw.server.tokens` says what they are and when one
+    may be spent."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def create_join_token(
+        self,
+        node_id: str,
+        *,
+        kind: str = TokenKind.JOIN,
+        ttl: float,
+        node_uid: str | None = None,
+        require_approval: bool = False,
+    ) -> tuple[JoinToken, str]:
+        """Mint a one-time token for *node_id*, valid *ttl* seconds; return its row and the
+        secret, which is shown once and stored only as a hash.
+
+        A ``rekey`` token is bound to the node's current uid (*node_uid*); with
+        *require_approval* the rekeyed node goes back to pending.
+        """
+        token_kind = tokens.check_new(node_id, kind=kind, ttl=ttl, node_uid=node_uid)
+        secret = tokens.new_secret()
+        now = self._db.clock()
+        with self._db.write():
+            while True:
+                token_id = secrets.token_hex(4)
+                if self._db.one("SELECT 1 FROM join_tokens WHERE id = ?", (token_id,)) is None:
+                    break
+            self._db.execute(
+                "INSERT INTO join_tokens(id, hash, prefix, node_id, kind, node_uid, "
+                "require_approval, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    token_id,
+                    tokens.hash_secret(secret),
+                    secret[: tokens.PREFIX_LENGTH],
+                    node_id,
+                    token_kind,
+                    node_uid,
+                    int(require_approval),
+                    now,
+                    now + float(ttl),
+                ),
+            )
+            row = self._db.one("SELECT * FROM join_tokens WHERE id = ?", (token_id,))
+        assert row is not None
+        return join_token_from_row(row, now), secret
+
+    def list_join_tokens(self, include_inactive: bool = False) -> list[JoinToken]:
+        """Tokens still usable, oldest first; with *include_inactive* also used, revoked and
+        expired ones."""
+        now = self._db.clock()
+        sql = "SELECT * FROM join_tokens"
+        params: tuple[Any, ...] = ()
+        if not include_inactive:
+            sql += " WHERE used_at IS NULL AND revoked_at IS NULL AND expires_at > ?"
+            params = (now,)
+        sql += " ORDER BY created_at, id"
+        return [join_token_from_row(r, now) for r in self._db.all(sql, params)]
+
+    def get_join_token(self, id_or_prefix: str) -> JoinToken:
+        """The token with this id, or the only one with this prefix (``llmgwjt_`` + 6)."""
+        now = self._db.clock()
+        row = self._db.one("SELECT * FROM join_tokens WHERE id = ?", (id_or_prefix,))
+        if row is not None:
+            return join_token_from_row(row, now)
+        rows = self._db.all("SELECT * FROM join_tokens WHERE prefix = ?", (id_or_prefix,))
+        if not rows:
+            raise NotFound(
+                f"no join token with id or prefix {id_or_prefix}; mint one with "
+                "'llmgw ctl join-command --node NODE'"
+            )
+        if len(rows) > 1:
+            raise Conflict(
+                f"{len(rows)} join tokens have prefix {id_or_prefix}; name the token by its id"
+            )
+        return join_token_from_row(rows[0], now)
+
+    def revoke_join_token(self, id_or_prefix: str) -> JoinToken:
+        """Revoke an unused token by id or prefix; return the revoked row."""
+        with self._db.write():
+            token = self.get_join_token(id_or_prefix)
+            tokens.check_revocable(token)
+            self._db.execute(
+                "UPDATE join_tokens SET revoked_at = ? WHERE id = ?", (self._db.clock(), token.id)
+            )
+            return self.get_join_token(token.id)
+
+    def consume_join_token(
+        self, secret: str, *, node_id: str, kind: str, node_uid: str | None
+    ) -> JoinToken:
+        """Check the token *secret* for a *kind* (``join``/``rekey``) of *node_id* and mark it
+        used, atomically: of two racing consumers exactly one wins. Raises
+        :class:`~llmgw.errors.TokenError`; inside :meth:`Store.transaction` the use is undone
+        if the transaction rolls back."""
+        tokens.check_kind(kind)
+        with self._db.write():
+            now = self._db.clock()
+            row = self._db.one(
+                "SELECT * FROM join_tokens WHERE hash = ?", (tokens.hash_secret(secret),)
+            )
+            if row is None:
+                raise tokens.unknown_refusal(node_id)
+            token = join_token_from_row(row, now)
+            tokens.check_use(token, node_id=node_id, kind=kind, node_uid=node_uid)
+            cur = self._db.execute(
+                "UPDATE join_tokens SET used_at = ? "
+                "WHERE id = ? AND used_at IS NULL AND revoked_at IS NULL",
+                (now, token.id),
+            )
+            if cur.rowcount != 1:
+                # Someone else got there between our read and this write.
+                row = self._db.one("SELECT * FROM join_tokens WHERE id = ?", (token.id,))
+                assert row is not None
+                tokens.check_use(
+                    join_token_from_row(row, now), node_id=node_id, kind=kind, node_uid=node_uid
+                )
+                raise tokens.used_refusal(token, now)
+            row = self._db.one("SELECT * FROM join_tokens WHERE id = ?", (token.id,))
+            assert row is not None
+            return join_token_from_row(row, now)
+
+
+class Certificates:
+    """The certificates issued to nodes, kept after a node is deleted so that the serials
+    of a removed node stay refused."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def add_certificate(
+        self,
+        serial: str,
+        *,
+        node_id: str,
+        fingerprint: str,
+        not_before: float,
+        not_after: float,
+    ) -> Certificate:
+        """Record a certificate issued to *node_id*; *serial* is hex (stored lowercase)."""
+        serial = _normal_serial(serial)
+        with self._db.write():
+            self._db.execute(
+                "INSERT INTO certificates(serial, node_id, fingerprint, not_before, not_after, "
+                "issued_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (serial, node_id, fingerprint, not_before, not_after, self._db.clock()),
+            )
+            row = self._db.one("SELECT * FROM certificates WHERE serial = ?", (serial,))
+        assert row is not None
+        return Certificate.from_row(row)
+
+    def latest_certificate(self, node_id: str) -> Certificate | None:
+        """The node's newest unrevoked certificate, or None."""
+        row = self._db.one(
+            "SELECT * FROM certificates WHERE node_id = ? AND revoked_at IS NULL "
+            "ORDER BY issued_at DESC, rowid DESC LIMIT 1",
+            (node_id,),
+        )
+        return None if row is None else Certificate.from_row(row)
+
+    def list_certificates(self, node_id: str | None = None) -> list[Certificate]:
+        """Every certificate recorded (of *node_id*), oldest first, revoked ones included."""
+        if node_id is None:
+            rows = self._db.all("SELECT * FROM certificates ORDER BY issued_at, rowid")
+        else:
+            rows = self._db.all(
+                "SELECT * FROM certificates WHERE node_id = ? ORDER BY issued_at, rowid",
+                (node_id,),
+            )
+        return [Certificate.from_row(r) for r in rows]
+
+    def revoke_certificates(
+        self, node_id: str, *, reason: str, except_serial: str | None = None
+    ) -> list[str]:
+        """Revoke every unrevoked certificate of *node_id* but *except_serial*; return their
+        serials."""
+        keep = None if except_serial is None else _normal_serial(except_serial)
+        with self._db.write():
+            rows = self._db.all(
+                "SELECT serial FROM certificates WHERE node_id = ? AND revoked_at IS NULL "
+                "ORDER BY issued_at, rowid",
+                (node_id,),
+            )
+            serials = [str(r["serial"]) for r in rows if r["serial"] != keep]
+            now = self._db.clock()
+            self._db.executemany(
+                "UPDATE certificates SET revoked_at = ?, reason = ? WHERE serial = ?",
+                [(now, reason, serial) for serial in serials],
+            )
+        return serials
+
+    def is_revoked(self, serial: str) -> bool:
+        """True if the certificate with this (hex) serial was revoked; unknown serials are not."""
+        row = self._db.one(
+            "SELECT 1 FROM certificates WHERE serial = ? AND revoked_at IS NOT NULL",
+            (_normal_serial(serial),),
+        )
+        return row is not None
+
+    def revoked_serials(self) -> set[str]:
+        """Serials of every revoked certificate, for the stream's and data plane's deny list."""
+        rows = self._db.all("SELECT serial FROM certificates WHERE revoked_at IS NOT NULL")
+        return {str(r["serial"]) for r in rows}
+
+
+def _normal_serial(serial: str) -> str:
+    try:
+        return format(int(serial, 16), "x")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"certificate serial {serial!r} is not a hex number") from exc

@@ -1,0 +1,314 @@
+"""The rows of the state store: one frozen dataclass per table, built from a row, and
+the checks a value passes before it is written to a column.
+
+(A join token's row is :class:`llmgw.server.tokens.JoinToken`, with the rules of its use.)
+They are plain values: the store reads them, callers compare and pass them around, and
+nothing writes through them. State columns come back as the enums of
+:mod:`llmgw.server.states`, which equal their strings.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sqlite3
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from llmgw.server.states import NodeState, ReplicaState, ShardState, TokenKind
+from llmgw.server.tokens import JoinToken
+
+__all__ = [
+    "DEFAULT_PROFILE",
+    "ApiKey",
+    "Certificate",
+    "Event",
+    "Model",
+    "Node",
+    "NodeUpdate",
+    "Replica",
+    "Shard",
+    "check_state",
+    "dump_json",
+    "join_token_from_row",
+]
+
+DEFAULT_PROFILE = "default"
+"""The profile a model deploys when none is named (the column's default)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    uid: str
+    state: NodeState
+    connected: bool
+    dataplane_addr: str | None
+    agent_version: str | None
+    inventory: dict[str, Any]
+    fingerprint: str | None
+    draining: bool
+    last_seen: float | None
+    created_at: float
+    lost: bool = False
+    lost_at: float | None = None
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> Node:
+        return cls(
+            id=row["id"],
+            uid=row["uid"],
+            state=NodeState(row["state"]),
+            connected=bool(row["connected"]),
+            dataplane_addr=row["dataplane_addr"],
+            agent_version=row["agent_version"],
+            inventory=json.loads(row["inventory"]),
+            fingerprint=row["fingerprint"],
+            draining=bool(row["draining"]),
+            last_seen=row["last_seen"],
+            created_at=row["created_at"],
+            lost=bool(row["lost"]),
+            lost_at=row["lost_at"],
+        )
+
+
+@dataclass(frozen=True)
+class NodeUpdate:
+    """A node's latest update order and what the node reported about it."""
+
+    node_id: str
+    counter: int
+    version: str
+    state: str
+    message: str
+    op_id: str
+    order: bytes | None
+    signature: bytes | None
+    expires: float | None
+    ordered_at: float | None
+    updated_at: float
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> NodeUpdate:
+        return cls(
+            node_id=row["node_id"],
+            counter=int(row["counter"]),
+            version=row["version"],
+            state=row["state"],
+            message=row["message"],
+            op_id=row["op_id"],
+            order=None if row["order_json"] is None else bytes(row["order_json"]),
+            signature=None if row["signature"] is None else bytes(row["signature"]),
+            expires=row["expires"],
+            ordered_at=row["ordered_at"],
+            updated_at=row["updated_at"],
+        )
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model: its catalog ``profiles`` (name -> the profile's JSON), the ``profile``
+    deployed, and that profile's ``engine`` and ``params`` (its params, plus its args as
+    ``extra_args``), which is what starting a shard reads.
+
+    A model stored without profiles (before the catalog, or by :meth:`Store.put_model`
+    without them) has ``profiles == {}``: its engine and params are its only profile.
+    """
+
+    name: str
+    engine: str
+    params: dict[str, Any]
+    replicas: int
+    created_at: float
+    updated_at: float
+    profiles: dict[str, Any] = field(default_factory=dict)
+    profile: str = DEFAULT_PROFILE
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> Model:
+        return cls(
+            name=row["name"],
+            engine=row["engine"],
+            params=json.loads(row["params"]),
+            replicas=row["replicas"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            profiles=json.loads(row["profiles"]),
+            profile=row["profile"],
+        )
+
+
+@dataclass(frozen=True)
+class Replica:
+    id: str
+    model: str
+    state: ReplicaState
+    created_at: float
+    updated_at: float
+    # The model's profile when it was placed (None: placed before llmgw recorded it).
+    profile: str | None = None
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> Replica:
+        return cls(
+            id=row["id"],
+            model=row["model"],
+            state=ReplicaState(row["state"]),
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            profile=row["profile"],
+        )
+
+
+@dataclass(frozen=True)
+class Shard:
+    id: str
+    replica_id: str
+    node_id: str
+    rank: int
+    state: ShardState
+    port: int | None
+    pid: int | None
+    exit_code: int | None
+    reason: str
+    restarts: int
+    op_id: str | None
+    updated_at: float
+    gpus: tuple[str, ...] = ()
+    """UUIDs of the GPUs given to this shard."""
+    dist_init_addr: str = ""
+    """host:port where rank 0 of a multi-node replica waits for the other shards."""
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> Shard:
+        return cls(
+            id=row["id"],
+            replica_id=row["replica_id"],
+            node_id=row["node_id"],
+            rank=row["rank"],
+            state=ShardState(row["state"]),
+            port=row["port"],
+            pid=row["pid"],
+            exit_code=row["exit_code"],
+            reason=row["reason"],
+            restarts=row["restarts"],
+            op_id=row["op_id"],
+            updated_at=row["updated_at"],
+            gpus=tuple(json.loads(row["gpus"])),
+            dist_init_addr=row["dist_init_addr"],
+        )
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: str
+    name: str
+    prefix: str
+    hash: str
+    created_at: float
+    revoked_at: float | None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> ApiKey:
+        return cls(
+            id=row["id"],
+            name=row["name"],
+            prefix=row["prefix"],
+            hash=row["hash"],
+            created_at=row["created_at"],
+            revoked_at=row["revoked_at"],
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    id: int
+    ts: float
+    kind: str
+    subject: str
+    message: str
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> Event:
+        return cls(
+            id=row["id"],
+            ts=row["ts"],
+            kind=row["kind"],
+            subject=row["subject"],
+            message=row["message"],
+        )
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """A certificate issued to a node, by serial (lowercase hex)."""
+
+    serial: str
+    node_id: str
+    fingerprint: str
+    not_before: float
+    not_after: float
+    issued_at: float
+    revoked_at: float | None
+    reason: str
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> Certificate:
+        return cls(
+            serial=row["serial"],
+            node_id=row["node_id"],
+            fingerprint=row["fingerprint"],
+            not_before=row["not_before"],
+            not_after=row["not_after"],
+            issued_at=row["issued_at"],
+            revoked_at=row["revoked_at"],
+            reason=row["reason"],
+        )
+
+
+def join_token_from_row(row: sqlite3.Row, as_of: float) -> JoinToken:
+    """A join token row, read at *as_of* (the store's clock), as a :class:`JoinToken`."""
+    return JoinToken(
+        id=row["id"],
+        hash=row["hash"],
+        prefix=row["prefix"],
+        node_id=row["node_id"],
+        kind=TokenKind(row["kind"]),
+        node_uid=row["node_uid"],
+        require_approval=bool(row["require_approval"]),
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+        used_at=row["used_at"],
+        revoked_at=row["revoked_at"],
+        as_of=as_of,
+    )
+
+
+_State = TypeVar("_State", bound=enum.StrEnum)
+
+
+def check_state(state: str, states: type[_State], what: str) -> _State:
+    """*state* as a member of *states*; ValueError names the states there are."""
+    try:
+        return states(state)
+    except ValueError:
+        names = ", ".join(sorted(member.value for member in states))
+        raise ValueError(f"{state!r} is not a {what} state; use one of {names}") from None
+
+
+def dump_json(value: dict[str, Any], what: str) -> str:
+    """A mapping as the JSON a column holds (keys sorted, no spaces)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a mapping, not {type(value).__name__}")
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} must be JSON-serialisable: {exc}") from exc

@@ -1,0 +1,203 @@
+"""The state database's schema: the versioned migrations, and how they are applied.
+
+Migration *n* takes a database from schema version *n - 1* (SQLite's ``user_version``) to
+*n*. A migration that has shipped is history: it never changes, because databases out
+there already ran it. A change to the schema (a new state in :mod:`llmgw.server.states`
+included: its CHECK constraints are generated from those enums) is a new migration at the
+end of :data:`MIGRATIONS`; ``tests/unit/server/store/test_schema.py`` holds the shipped
+ones and fails when one of them changes.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from llmgw.errors import StoreError
+from llmgw.server.states import NodeState, ReplicaState, ShardState, TokenKind, sql_check
+from llmgw.server.store.database import Database
+
+__all__ = ["MIGRATIONS", "migrate", "schema_version", "split_sql"]
+
+MIGRATIONS: list[str] = [
+    # 1: initial schema
+    f"""
+    CREATE TABLE meta (
+        key   TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    );
+
+    CREATE TABLE nodes (
+        id             TEXT PRIMARY KEY,
+        uid            TEXT NOT NULL UNIQUE,
+        state          TEXT NOT NULL DEFAULT 'approved'
+                       {sql_check("state", NodeState)},
+        connected      INTEGER NOT NULL DEFAULT 0,
+        dataplane_addr TEXT,
+        agent_version  TEXT,
+        inventory      TEXT NOT NULL DEFAULT '{{}}',
+        fingerprint    TEXT,
+        draining       INTEGER NOT NULL DEFAULT 0,
+        last_seen      REAL,
+        created_at     REAL NOT NULL
+    );
+
+    CREATE TABLE models (
+        name       TEXT PRIMARY KEY,
+        engine     TEXT NOT NULL,
+        params     TEXT NOT NULL DEFAULT '{{}}',
+        replicas   INTEGER NOT NULL CHECK (replicas >= 0),
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+
+    CREATE TABLE replicas (
+        id         TEXT PRIMARY KEY,
+        model      TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
+        state      TEXT NOT NULL
+                   {sql_check("state", ReplicaState)},
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX replicas_by_model ON replicas(model);
+
+    CREATE TABLE shards (
+        id         TEXT PRIMARY KEY,
+        replica_id TEXT NOT NULL REFERENCES replicas(id) ON DELETE CASCADE,
+        node_id    TEXT NOT NULL REFERENCES nodes(id),
+        rank       INTEGER NOT NULL DEFAULT 0,
+        state      TEXT NOT NULL
+                   {sql_check("state", ShardState)},
+        port       INTEGER,
+        pid        INTEGER,
+        exit_code  INTEGER,
+        reason     TEXT NOT NULL DEFAULT '',
+        restarts   INTEGER NOT NULL DEFAULT 0,
+        op_id      TEXT,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX shards_by_node ON shards(node_id);
+    CREATE UNIQUE INDEX shards_by_replica ON shards(replica_id, rank);
+
+    CREATE TABLE api_keys (
+        id         TEXT PRIMARY KEY,
+        name       TEXT NOT NULL,
+        prefix     TEXT NOT NULL,
+        hash       TEXT NOT NULL UNIQUE,
+        created_at REAL NOT NULL,
+        revoked_at REAL
+    );
+    CREATE INDEX api_keys_by_prefix ON api_keys(prefix);
+
+    CREATE TABLE events (
+        id      INTEGER PRIMARY KEY AUTOINCREMENT,
+        ts      REAL NOT NULL,
+        kind    TEXT NOT NULL,
+        subject TEXT NOT NULL,
+        message TEXT NOT NULL
+    );
+    CREATE INDEX events_by_subject ON events(subject, id);
+    """,
+    # 2: join tokens and the certificates issued to nodes (kept after a node is deleted, so
+    # the serials of a removed node stay refused)
+    f"""
+    CREATE TABLE join_tokens (
+        id               TEXT PRIMARY KEY,
+        hash             TEXT NOT NULL UNIQUE,
+        prefix           TEXT NOT NULL,
+        node_id          TEXT NOT NULL,
+        kind             TEXT NOT NULL {sql_check("kind", TokenKind)},
+        node_uid         TEXT,
+        require_approval INTEGER NOT NULL DEFAULT 0,
+        created_at       REAL NOT NULL,
+        expires_at       REAL NOT NULL,
+        used_at          REAL,
+        revoked_at       REAL
+    );
+    CREATE INDEX join_tokens_by_prefix ON join_tokens(prefix);
+
+    CREATE TABLE certificates (
+        serial      TEXT PRIMARY KEY,
+        node_id     TEXT NOT NULL,
+        fingerprint TEXT NOT NULL,
+        not_before  REAL NOT NULL,
+        not_after   REAL NOT NULL,
+        issued_at   REAL NOT NULL,
+        revoked_at  REAL,
+        reason      TEXT NOT NULL DEFAULT ''
+    );
+    CREATE INDEX certificates_by_node ON certificates(node_id);
+    """,
+    # 3: the catalog (a model's profiles and the one deployed), the GPUs and rendezvous
+    # address given to each shard, and nodes lost (silent past the loss timeout)
+    """
+    ALTER TABLE models ADD COLUMN profiles TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE models ADD COLUMN profile TEXT NOT NULL DEFAULT 'default';
+    ALTER TABLE shards ADD COLUMN gpus TEXT NOT NULL DEFAULT '[]';
+    ALTER TABLE shards ADD COLUMN dist_init_addr TEXT NOT NULL DEFAULT '';
+    ALTER TABLE nodes ADD COLUMN lost INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE nodes ADD COLUMN lost_at REAL;
+    """,
+    # 4: signed self-updates: each node's last update order (its counter only ever grows,
+    # and the row outlives the node, so a node joined again under the same id is never sent
+    # a counter its update helper already accepted) and the status the node reported
+    """
+    CREATE TABLE node_updates (
+        node_id    TEXT PRIMARY KEY,
+        counter    INTEGER NOT NULL CHECK (counter >= 0),
+        version    TEXT NOT NULL DEFAULT '',
+        state      TEXT NOT NULL DEFAULT '',
+        message    TEXT NOT NULL DEFAULT '',
+        op_id      TEXT NOT NULL DEFAULT '',
+        order_json BLOB,
+        signature  BLOB,
+        expires    REAL,
+        ordered_at REAL,
+        updated_at REAL NOT NULL
+    );
+    """,
+    # 5: the profile each replica was placed with, so that a switch of the model's profile
+    # replaces the others one at a time (NULL: placed before this column; left alone)
+    """
+    ALTER TABLE replicas ADD COLUMN profile TEXT;
+    """,
+]
+
+
+def split_sql(script: str) -> list[str]:
+    """Split a migration script into complete statements (triggers included)."""
+    statements: list[str] = []
+    buf = ""
+    for line in script.splitlines(keepends=True):
+        buf += line
+        if sqlite3.complete_statement(buf):
+            if buf.strip():
+                statements.append(buf.strip())
+            buf = ""
+    if buf.strip():
+        raise ValueError(f"migration ends in an incomplete statement: {buf.strip()[:80]!r}")
+    return statements
+
+
+def schema_version(db: Database) -> int:
+    """The version of the schema *db* has (0: empty)."""
+    return int(db.pragma("user_version"))
+
+
+def migrate(db: Database) -> int:
+    """Apply the missing migrations, one transaction each; return the schema version."""
+    known = len(MIGRATIONS)
+    current = schema_version(db)
+    if current > known:
+        raise StoreError(
+            f"state database {db.path} has schema version {current}, newer than this "
+            f"llmgw ({known}); upgrade llmgw or restore a backup"
+        )
+    for version in range(current + 1, known + 1):
+        with db.write():
+            # Another process may have migrated between our read and BEGIN IMMEDIATE.
+            if schema_version(db) >= version:
+                continue
+            for statement in split_sql(MIGRATIONS[version - 1]):
+                db.execute(statement)
+            db.execute(f"PRAGMA user_version={version}")
+    return schema_version(db)

@@ -1,0 +1,220 @@
+"""The control plane's state store: one object that opens the database, migrates it,
+hands out transactions, and answers for every table.
+
+Each group of tables is a small class of its own (:class:`~.nodes.Nodes`,
+:class:`~.models.Models`, :class:`~.credentials.ApiKeys`, ...) over the one
+:class:`~.database.Database`; :class:`Store` composes them and offers their methods under
+one name, so that callers hold one object and a transaction spans any of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+
+from llmgw.server.store.credentials import ApiKeys, Certificates, JoinTokens
+from llmgw.server.store.database import Database
+from llmgw.server.store.events import Events
+from llmgw.server.store.models import Models
+from llmgw.server.store.nodes import Nodes
+from llmgw.server.store.schema import migrate as migrate_schema
+from llmgw.server.store.schema import schema_version as read_schema_version
+from llmgw.server.store.updates import NodeUpdates
+
+__all__ = ["Store"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class _Table(Generic[_P, _R]):
+    """A :class:`Store` method that is one of its tables': ``Store.put_model`` is
+    ``_Table("_models", Models.put_model)``, so ``store.put_model(...)`` calls
+    ``store._models.put_model(...)``, typed and documented as that method."""
+
+    def __init__(self, table: str, method: Callable[Concatenate[Any, _P], _R]) -> None:
+        self.table = table
+        self.method = method
+        self.__doc__ = method.__doc__
+
+    @overload
+    def __get__(self, store: None, owner: type[Any]) -> _Table[_P, _R]: ...
+
+    @overload
+    def __get__(self, store: object, owner: type[Any]) -> Callable[_P, _R]: ...
+
+    def __get__(self, store: object | None, owner: type[Any]) -> _Table[_P, _R] | Callable[_P, _R]:
+        if store is None:
+            return self
+        bound: Callable[_P, _R] = getattr(getattr(store, self.table), self.method.__name__)
+        return bound
+
+
+class Store:
+    """The state database. Open with :meth:`Store.open`; use from one thread.
+
+    Single methods commit on their own; wrap multi-step changes in :meth:`transaction`.
+    Never ``await`` inside a transaction: other coroutines would write into it.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self.path = db.path
+        self._certificates = Certificates(db)
+        self._nodes = Nodes(db, self._certificates)
+        self._models = Models(db, self._nodes)
+        self._api_keys = ApiKeys(db)
+        self._join_tokens = JoinTokens(db)
+        self._updates = NodeUpdates(db)
+        self._events = Events(db)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @classmethod
+    def open(cls, path: Path | str, *, clock: Callable[[], float] = time.time) -> Store:
+        """Open (creating if needed, mode 0600) and migrate the database at *path*."""
+        db = Database.open(path, clock=clock)
+        try:
+            migrate_schema(db)
+        except BaseException:
+            db.close()
+            raise
+        return cls(db)
+
+    def close(self) -> None:
+        """Close the database; later calls raise :class:`~llmgw.errors.StoreError`."""
+        self._db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def schema_version(self) -> int:
+        return read_schema_version(self._db)
+
+    def journal_mode(self) -> str:
+        return str(self._db.pragma("journal_mode"))
+
+    def migrate(self) -> int:
+        """Apply the missing migrations, one transaction each; return the schema version."""
+        return migrate_schema(self._db)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Store]:
+        """All changes inside commit together or not at all (nested ones use savepoints)."""
+        with self._db.write():
+            yield self
+
+    # --------------------------------------------------------------------- meta
+
+    def get_meta(self, key: str, default: str | None = None) -> str | None:
+        row = self._db.one("SELECT value FROM meta WHERE key = ?", (key,))
+        return default if row is None else str(row["value"])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._db.write():
+            self._db.execute(
+                "INSERT INTO meta(key, value) VALUES (?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                (key, value),
+            )
+
+    def cluster_id(self) -> str:
+        """This cluster's id: a random UUID made on first use and kept."""
+        existing = self.get_meta("cluster_id")
+        if existing is not None:
+            return existing
+        with self._db.write():
+            self._db.execute(
+                "INSERT INTO meta(key, value) VALUES ('cluster_id', ?) ON CONFLICT(key) DO NOTHING",
+                (str(uuid.uuid4()),),
+            )
+            made = self.get_meta("cluster_id")
+        assert made is not None
+        return made
+
+    def epoch(self) -> int:
+        """The control plane's current epoch (0 before the first :meth:`bump_epoch`)."""
+        return int(self.get_meta("epoch", "0") or 0)
+
+    def bump_epoch(self) -> int:
+        """Atomically add one to the epoch and return the new value."""
+        with self._db.write():
+            value = self.epoch() + 1
+            self.set_meta("epoch", str(value))
+        return value
+
+    # -------------------------------------------------------------------- nodes
+
+    upsert_node = _Table("_nodes", Nodes.upsert_node)
+    set_node_connected = _Table("_nodes", Nodes.set_node_connected)
+    touch_node = _Table("_nodes", Nodes.touch_node)
+    set_node_state = _Table("_nodes", Nodes.set_node_state)
+    set_node_draining = _Table("_nodes", Nodes.set_node_draining)
+    set_node_fingerprint = _Table("_nodes", Nodes.set_node_fingerprint)
+    set_node_lost = _Table("_nodes", Nodes.set_node_lost)
+    set_all_disconnected = _Table("_nodes", Nodes.set_all_disconnected)
+    get_node = _Table("_nodes", Nodes.get_node)
+    list_nodes = _Table("_nodes", Nodes.list_nodes)
+    delete_node = _Table("_nodes", Nodes.delete_node)
+    enrol_node = _Table("_nodes", Nodes.enrol_node)
+
+    # ------------------------------------------------- models, replicas, shards
+
+    put_model = _Table("_models", Models.put_model)
+    put_catalog_model = _Table("_models", Models.put_catalog_model)
+    deploy_model = _Table("_models", Models.deploy_model)
+    get_model = _Table("_models", Models.get_model)
+    list_models = _Table("_models", Models.list_models)
+    delete_model = _Table("_models", Models.delete_model)
+    add_replica = _Table("_models", Models.add_replica)
+    get_replica = _Table("_models", Models.get_replica)
+    list_replicas = _Table("_models", Models.list_replicas)
+    set_replica_state = _Table("_models", Models.set_replica_state)
+    delete_replica = _Table("_models", Models.delete_replica)
+    add_shard = _Table("_models", Models.add_shard)
+    get_shard = _Table("_models", Models.get_shard)
+    list_shards = _Table("_models", Models.list_shards)
+    update_shard = _Table("_models", Models.update_shard)
+    delete_shard = _Table("_models", Models.delete_shard)
+
+    # -------------------------------------------------------------- credentials
+
+    create_api_key = _Table("_api_keys", ApiKeys.create_api_key)
+    get_api_key = _Table("_api_keys", ApiKeys.get_api_key)
+    list_api_keys = _Table("_api_keys", ApiKeys.list_api_keys)
+    revoke_api_key = _Table("_api_keys", ApiKeys.revoke_api_key)
+    verify_api_key = _Table("_api_keys", ApiKeys.verify_api_key)
+    active_key_hashes = _Table("_api_keys", ApiKeys.active_key_hashes)
+
+    create_join_token = _Table("_join_tokens", JoinTokens.create_join_token)
+    list_join_tokens = _Table("_join_tokens", JoinTokens.list_join_tokens)
+    get_join_token = _Table("_join_tokens", JoinTokens.get_join_token)
+    revoke_join_token = _Table("_join_tokens", JoinTokens.revoke_join_token)
+    consume_join_token = _Table("_join_tokens", JoinTokens.consume_join_token)
+
+    add_certificate = _Table("_certificates", Certificates.add_certificate)
+    latest_certificate = _Table("_certificates", Certificates.latest_certificate)
+    list_certificates = _Table("_certificates", Certificates.list_certificates)
+    revoke_certificates = _Table("_certificates", Certificates.revoke_certificates)
+    is_revoked = _Table("_certificates", Certificates.is_revoked)
+    revoked_serials = _Table("_certificates", Certificates.revoked_serials)
+
+    # ------------------------------------------------------------------ updates
+
+    next_update_counter = _Table("_updates", NodeUpdates.next_update_counter)
+    put_update = _Table("_updates", NodeUpdates.put_update)
+    get_update = _Table("_updates", NodeUpdates.get_update)
+    list_updates = _Table("_updates", NodeUpdates.list_updates)
+    set_update_state = _Table("_updates", NodeUpdates.set_update_state)
+
+    # ------------------------------------------------------------------- events
+
+    add_event = _Table("_events", Events.add_event)
+    list_events = _Table("_events", Events.list_events)

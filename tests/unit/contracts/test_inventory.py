@@ -1,0 +1,116 @@
+"""An inventory as the control plane stores it: every field of the proto by its name, nested
+messages as lists of dicts, and nothing JSON cannot carry."""
+
+from __future__ import annotations
+
+import json
+
+from google.protobuf.descriptor import Descriptor
+
+from llmgw.contracts.inventory import inventory_dict
+from llmgw.proto import control_pb2 as pb
+
+
+def _field_names(descriptor: Descriptor, data: dict[str, object]) -> None:
+    assert set(data) == {f.name for f in descriptor.fields}
+    for f in descriptor.fields:
+        if f.message_type is not None:
+            items = data[f.name]
+            assert isinstance(items, list) and items, f.name
+            for item in items:
+                assert isinstance(item, dict)
+                _field_names(f.message_type, item)
+
+
+def full_inventory() -> pb.Inventory:
+    """An inventory with every field set, nested messages included."""
+    return pb.Inventory(
+        hostname="gpu-1",
+        arch="x86_64",
+        cpus=32,
+        memory_total_bytes=64 << 30,
+        memory_available_bytes=40 << 30,
+        gpus=[
+            pb.Gpu(
+                index=0,
+                uuid="GPU-7c0e3f5a-2b1d-4e8f-9a6c-3d5b7e9f1a2c",
+                name="NVIDIA GeForce RTX 4090",
+                memory_total_mib=24564,
+                memory_used_mib=1093,
+            )
+        ],
+        gpu_status="",
+        engines=["sim", "llamacpp"],
+        driver_version="550.54.14",
+        gpu_source="nvidia-smi",
+        disk_total_bytes=2 << 40,
+        disk_free_bytes=1 << 40,
+        engine_details=[
+            pb.EngineInfo(name="sim", path="/usr/bin/llmgw", version="0.1.0", ok=True),
+            pb.EngineInfo(name="vllm", path="/opt/vllm", ok=False, problem="libcudart missing"),
+        ],
+        ib_adapters=[
+            pb.IbAdapter(
+                name="mlx5_0",
+                ports=[
+                    pb.IbPort(
+                        port=1,
+                        state="4: ACTIVE",
+                        link_layer="InfiniBand",
+                        rate="200 Gb/sec (4X HDR)",
+                        gids=["fe80:0000:0000:0000:0002:c903:0000:0001"],
+                    )
+                ],
+            )
+        ],
+        fabrics=[pb.Fabric(name="ib-a", hcas=["mlx5_0", "mlx5_9"], healthy=False)],
+        warnings=["fabric ib-a: adapter mlx5_9 is missing"],
+    )
+
+
+def test_inventory_dict_has_every_field() -> None:
+    data = inventory_dict(full_inventory())
+    _field_names(pb.Inventory.DESCRIPTOR, data)
+    assert json.loads(json.dumps(data)) == data
+    assert data["gpus"] == [
+        {
+            "index": 0,
+            "uuid": "GPU-7c0e3f5a-2b1d-4e8f-9a6c-3d5b7e9f1a2c",
+            "name": "NVIDIA GeForce RTX 4090",
+            "memory_total_mib": 24564,
+            "memory_used_mib": 1093,
+        }
+    ]
+    assert data["engine_details"][1] == {
+        "name": "vllm",
+        "path": "/opt/vllm",
+        "version": "",
+        "ok": False,
+        "problem": "libcudart missing",
+    }
+    assert data["ib_adapters"] == [
+        {
+            "name": "mlx5_0",
+            "ports": [
+                {
+                    "port": 1,
+                    "state": "4: ACTIVE",
+                    "link_layer": "InfiniBand",
+                    "rate": "200 Gb/sec (4X HDR)",
+                    "gids": ["fe80:0000:0000:0000:0002:c903:0000:0001"],
+                }
+            ],
+        }
+    ]
+    assert data["fabrics"] == [{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_9"], "healthy": False}]
+    assert (data["engines"], data["warnings"]) == (
+        ["sim", "llamacpp"],
+        ["fabric ib-a: adapter mlx5_9 is missing"],
+    )
+
+
+def test_an_empty_inventory_is_all_defaults() -> None:
+    data = inventory_dict(pb.Inventory())
+    assert data["hostname"] == "" and data["cpus"] == 0
+    assert data["gpus"] == data["engine_details"] == data["ib_adapters"] == data["fabrics"] == []
+    assert json.loads(json.dumps(data)) == data

@@ -1,0 +1,130 @@
+-- The migrations as llmgw shipped them (llmgw/server/store/schema.py), one per
+-- "-- migration N" line. Databases out there ran these; test_schema.py checks that
+-- MIGRATIONS still say the same. Never edit this file: add a migration instead.
+-- migration 1
+CREATE TABLE meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+
+CREATE TABLE nodes (
+    id             TEXT PRIMARY KEY,
+    uid            TEXT NOT NULL UNIQUE,
+    state          TEXT NOT NULL DEFAULT 'approved'
+                   CHECK (state IN ('pending', 'approved', 'revoked')),
+    connected      INTEGER NOT NULL DEFAULT 0,
+    dataplane_addr TEXT,
+    agent_version  TEXT,
+    inventory      TEXT NOT NULL DEFAULT '{}',
+    fingerprint    TEXT,
+    draining       INTEGER NOT NULL DEFAULT 0,
+    last_seen      REAL,
+    created_at     REAL NOT NULL
+);
+
+CREATE TABLE models (
+    name       TEXT PRIMARY KEY,
+    engine     TEXT NOT NULL,
+    params     TEXT NOT NULL DEFAULT '{}',
+    replicas   INTEGER NOT NULL CHECK (replicas >= 0),
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+
+CREATE TABLE replicas (
+    id         TEXT PRIMARY KEY,
+    model      TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
+    state      TEXT NOT NULL
+               CHECK (state IN ('pending', 'starting', 'ready', 'failed', 'stopping')),
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE INDEX replicas_by_model ON replicas(model);
+
+CREATE TABLE shards (
+    id         TEXT PRIMARY KEY,
+    replica_id TEXT NOT NULL REFERENCES replicas(id) ON DELETE CASCADE,
+    node_id    TEXT NOT NULL REFERENCES nodes(id),
+    rank       INTEGER NOT NULL DEFAULT 0,
+    state      TEXT NOT NULL
+               CHECK (state IN ('pending', 'starting', 'ready', 'failed',
+                                'exited', 'stopping', 'stopped')),
+    port       INTEGER,
+    pid        INTEGER,
+    exit_code  INTEGER,
+    reason     TEXT NOT NULL DEFAULT '',
+    restarts   INTEGER NOT NULL DEFAULT 0,
+    op_id      TEXT,
+    updated_at REAL NOT NULL
+);
+CREATE INDEX shards_by_node ON shards(node_id);
+CREATE UNIQUE INDEX shards_by_replica ON shards(replica_id, rank);
+
+CREATE TABLE api_keys (
+    id         TEXT PRIMARY KEY,
+    name       TEXT NOT NULL,
+    prefix     TEXT NOT NULL,
+    hash       TEXT NOT NULL UNIQUE,
+    created_at REAL NOT NULL,
+    revoked_at REAL
+);
+CREATE INDEX api_keys_by_prefix ON api_keys(prefix);
+
+CREATE TABLE events (
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts      REAL NOT NULL,
+    kind    TEXT NOT NULL,
+    subject TEXT NOT NULL,
+    message TEXT NOT NULL
+);
+CREATE INDEX events_by_subject ON events(subject, id);
+-- migration 2
+CREATE TABLE join_tokens (
+    id               TEXT PRIMARY KEY,
+    hash             TEXT NOT NULL UNIQUE,
+    prefix           TEXT NOT NULL,
+    node_id          TEXT NOT NULL,
+    kind             TEXT NOT NULL CHECK (kind IN ('join', 'rekey')),
+    node_uid         TEXT,
+    require_approval INTEGER NOT NULL DEFAULT 0,
+    created_at       REAL NOT NULL,
+    expires_at       REAL NOT NULL,
+    used_at          REAL,
+    revoked_at       REAL
+);
+CREATE INDEX join_tokens_by_prefix ON join_tokens(prefix);
+
+CREATE TABLE certificates (
+    serial      TEXT PRIMARY KEY,
+    node_id     TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    not_before  REAL NOT NULL,
+    not_after   REAL NOT NULL,
+    issued_at   REAL NOT NULL,
+    revoked_at  REAL,
+    reason      TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX certificates_by_node ON certificates(node_id);
+-- migration 3
+ALTER TABLE models ADD COLUMN profiles TEXT NOT NULL DEFAULT '{}';
+ALTER TABLE models ADD COLUMN profile TEXT NOT NULL DEFAULT 'default';
+ALTER TABLE shards ADD COLUMN gpus TEXT NOT NULL DEFAULT '[]';
+ALTER TABLE shards ADD COLUMN dist_init_addr TEXT NOT NULL DEFAULT '';
+ALTER TABLE nodes ADD COLUMN lost INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE nodes ADD COLUMN lost_at REAL;
+-- migration 4
+CREATE TABLE node_updates (
+    node_id    TEXT PRIMARY KEY,
+    counter    INTEGER NOT NULL CHECK (counter >= 0),
+    version    TEXT NOT NULL DEFAULT '',
+    state      TEXT NOT NULL DEFAULT '',
+    message    TEXT NOT NULL DEFAULT '',
+    op_id      TEXT NOT NULL DEFAULT '',
+    order_json BLOB,
+    signature  BLOB,
+    expires    REAL,
+    ordered_at REAL,
+    updated_at REAL NOT NULL
+);
+-- migration 5
+ALTER TABLE replicas ADD COLUMN profile TEXT;

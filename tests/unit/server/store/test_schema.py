@@ -1,0 +1,210 @@
+"""Tests for the state database's migrations: applied once each, in order, to databases of
+every version; those shipped never change."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from llmgw.errors import NotFound, StoreError
+from llmgw.server.states import NodeState, ReplicaState, ShardState, TokenKind, sql_check
+from llmgw.server.store import (
+    MIGRATIONS,
+    Model,
+    Store,
+)
+from llmgw.server.store.schema import split_sql
+
+
+def test_migrations_idempotent(db_path: Path) -> None:
+    s = Store.open(db_path)
+    assert s.schema_version() == len(MIGRATIONS)
+    s.put_model("m", engine="vllm", params={"a": 1}, replicas=2)
+    s.close()
+    s = Store.open(db_path)
+    assert s.schema_version() == len(MIGRATIONS)
+    assert s.migrate() == len(MIGRATIONS)
+    assert s.get_model("m").params == {"a": 1}
+    s.close()
+
+
+def test_future_schema_refused(db_path: Path) -> None:
+    Store.open(db_path).close()
+    conn = sqlite3.connect(db_path)
+    conn.execute(f"PRAGMA user_version={len(MIGRATIONS) + 5}")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreError) as info:
+        Store.open(db_path)
+    assert str(info.value) == (
+        f"state database {db_path} has schema version {len(MIGRATIONS) + 5}, newer than this "
+        f"llmgw ({len(MIGRATIONS)}); upgrade llmgw or restore a backup"
+    )
+
+
+def test_migration_2_tables(db_path: Path) -> None:
+    with Store.open(db_path) as s:
+        assert s.schema_version() == len(MIGRATIONS) >= 2
+    conn = sqlite3.connect(db_path)
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    conn.close()
+    assert {"join_tokens", "certificates"} <= tables
+    assert "certificates_by_node" in indexes
+
+
+def test_migration_2_upgrades_a_version_1_database(db_path: Path) -> None:
+    conn = sqlite3.connect(db_path)
+    conn.executescript(MIGRATIONS[0])
+    conn.execute("INSERT INTO nodes(id, uid, created_at) VALUES ('old', 'u1', 1.0)")
+    conn.execute("PRAGMA user_version=1")
+    conn.commit()
+    conn.close()
+    with Store.open(db_path) as s:
+        assert s.schema_version() == len(MIGRATIONS)
+        assert s.get_node("old").uid == "u1"
+        s.create_join_token("old", ttl=60)
+        assert len(s.list_join_tokens()) == 1
+
+
+def test_kind_is_checked_by_the_schema(store: Store) -> None:
+    tok, _ = store.create_join_token("gpu-1", ttl=60)
+    with pytest.raises(sqlite3.IntegrityError):
+        store._db.conn.execute("UPDATE join_tokens SET kind = 'other' WHERE id = ?", (tok.id,))
+
+
+def _v2_database(path: Path) -> None:
+    """A state database as llmgw with two migrations left it, with a node, a model, a
+    replica, a shard, a key and a join token in it."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    for script in MIGRATIONS[:2]:
+        for statement in split_sql(script):
+            conn.execute(statement)
+    conn.execute("PRAGMA user_version=2")
+    conn.execute(
+        "INSERT INTO nodes(id, uid, state, inventory, created_at) "
+        "VALUES ('gpu1', 'u1', 'approved', '{\"cpus\": 8}', 1.0)"
+    )
+    conn.execute(
+        "INSERT INTO models(name, engine, params, replicas, created_at, updated_at) "
+        "VALUES ('m', 'sim', '{\"ttft_ms\": 5}', 2, 1.0, 2.0)"
+    )
+    conn.execute(
+        "INSERT INTO replicas(id, model, state, created_at, updated_at) "
+        "VALUES ('m-abc', 'm', 'ready', 1.0, 1.0)"
+    )
+    conn.execute(
+        "INSERT INTO shards(id, replica_id, node_id, rank, state, port, updated_at) "
+        "VALUES ('m-abc-s0', 'm-abc', 'gpu1', 0, 'ready', 8001, 1.0)"
+    )
+    conn.execute(
+        "INSERT INTO api_keys(id, name, prefix, hash, created_at) "
+        "VALUES ('k1', 'ci', 'sk-llmgw-abc', 'h', 1.0)"
+    )
+    conn.execute(
+        "INSERT INTO join_tokens(id, hash, prefix, node_id, kind, created_at, expires_at) "
+        "VALUES ('t1', 'th', 'llmgwjt_abc', 'gpu2', 'join', 1.0, 99.0)"
+    )
+    conn.close()
+
+
+def test_migration_3_upgrades_a_v2_database_and_keeps_its_data(db_path: Path) -> None:
+    assert len(MIGRATIONS) >= 3
+    _v2_database(db_path)
+    with Store.open(db_path) as s:
+        assert s.schema_version() == len(MIGRATIONS)
+        node = s.get_node("gpu1")
+        assert (node.state, node.inventory, node.lost, node.lost_at) == (
+            "approved",
+            {"cpus": 8},
+            False,
+            None,
+        )
+        assert s.get_model("m") == Model("m", "sim", {"ttft_ms": 5}, 2, 1.0, 2.0, {}, "default")
+        assert [r.id for r in s.list_replicas("m")] == ["m-abc"]
+        shard = s.get_shard("m-abc-s0")
+        assert (shard.state, shard.port, shard.gpus, shard.dist_init_addr) == (
+            "ready",
+            8001,
+            (),
+            "",
+        )
+        assert [k.id for k in s.list_api_keys()] == ["k1"]
+        assert s.get_join_token("t1").node_id == "gpu2"
+        # A model from before the catalog keeps deploying: its engine is its default.
+        scaled = s.deploy_model("m", profile="default", replicas=3)
+        assert (scaled.engine, scaled.params, scaled.replicas) == ("sim", {"ttft_ms": 5}, 3)
+        with pytest.raises(NotFound, match="deployed without the catalog, with engine sim"):
+            s.deploy_model("m", profile="tp2", replicas=1)
+
+
+def test_migration_5_leaves_older_replicas_without_a_profile(db_path: Path) -> None:
+    # A replica placed before llmgw recorded profiles (here: from a v2 database) has none,
+    # and a profile switch leaves it alone; new replicas get the deployed profile.
+    _v2_database(db_path)
+    with Store.open(db_path) as s:
+        assert s.schema_version() == len(MIGRATIONS)
+        assert s.get_replica("m-abc").profile is None
+        assert s.add_replica("m").profile == "default"
+
+
+# ------------------------------------------- the shipped migrations stay as they were
+
+SHIPPED = Path(__file__).with_name("shipped_migrations.sql")
+
+
+def _shipped() -> list[str]:
+    scripts = re.split(r"^-- migration \d+\n", SHIPPED.read_text(), flags=re.MULTILINE)
+    return scripts[1:]
+
+
+def _words(sql: str) -> str:
+    return " ".join(sql.split())
+
+
+def test_the_shipped_migrations_are_unchanged() -> None:
+    # Their CHECKs are generated from llmgw.server.states: a state added there must come
+    # with a new migration, never change one that databases out there already ran.
+    shipped = _shipped()
+    assert len(MIGRATIONS) >= len(shipped) == 5
+    for number, (now, then) in enumerate(zip(MIGRATIONS, shipped, strict=False), 1):
+        assert _words(now) == _words(then), f"migration {number} changed"
+
+
+def test_the_checks_name_the_states_of_llmgw_server_states() -> None:
+    first, second = MIGRATIONS[0], MIGRATIONS[1]
+    for table, states in (("nodes", NodeState), ("replicas", ReplicaState), ("shards", ShardState)):
+        body = first.split(f"CREATE TABLE {table} (", 1)[1].split(");", 1)[0]
+        assert sql_check("state", states) in _words(body)
+    assert sql_check("kind", TokenKind) in _words(second)
+
+
+def _schema(path: Path) -> list[tuple[str, str, str]]:
+    conn = sqlite3.connect(path)
+    try:
+        rows = conn.execute(
+            "SELECT type, name, sql FROM sqlite_master WHERE sql IS NOT NULL ORDER BY name"
+        ).fetchall()
+        return [(kind, name, _words(sql)) for kind, name, sql in rows]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5])
+def test_a_database_migrated_from_a_shipped_version_equals_a_fresh_one(
+    tmp_path: Path, version: int
+) -> None:
+    old = tmp_path / "old.db"
+    conn = sqlite3.connect(old, isolation_level=None)
+    for script in _shipped()[:version]:
+        conn.executescript(script)
+    conn.execute(f"PRAGMA user_version={version}")
+    conn.close()
+    Store.open(old).close()
+    fresh = tmp_path / "fresh.db"
+    Store.open(fresh).close()
+    assert _schema(old) == _schema(fresh)
+    assert len(_schema(fresh)) > 10

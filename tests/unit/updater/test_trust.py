@@ -1,0 +1,167 @@
+"""The helper's trust (``install_trust``, ``llmgw agent update-trust``): the CA is written only
+when it matches the operator's pin (or the one recorded, or the CA trusted now), and nothing
+is read or written through a symlink."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmgw import pki
+from llmgw.contracts.update_order import MAX_SMALL
+from llmgw.errors import UpdateError
+from llmgw.pki import Authority
+from llmgw.updater.trust import install_trust
+
+
+def ca_pem(ca: Authority) -> bytes:
+    return (ca.directory / "ca.crt").read_bytes()
+
+
+@pytest.fixture
+def trust_dir(tmp_path: Path) -> Path:
+    trust = tmp_path / "trust"
+    trust.mkdir()
+    return trust
+
+
+def staged(tmp_path: Path, data: bytes, name: str = "staged-ca.crt") -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def test_trust_is_written_only_for_the_pinned_ca(
+    tmp_path: Path, trust_dir: Path, authority: Authority
+) -> None:
+    pin = authority.ca_hash()
+    assert install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, pin) is True
+    assert (trust_dir / "ca.pem").read_bytes() == ca_pem(authority)
+    assert (trust_dir / "ca-hash").read_text() == pin + "\n"
+    assert (trust_dir / "ca.pem").stat().st_mode & 0o777 == 0o644
+    # Again: nothing changes; and upper case pins are the same pin.
+    assert install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, pin.upper()) is False
+
+
+def test_another_ca_is_refused_and_the_trust_kept(
+    tmp_path: Path, trust_dir: Path, authority: Authority, other_authority: Authority
+) -> None:
+    install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, authority.ca_hash())
+    before = {p.name: p.read_bytes() for p in trust_dir.iterdir()}
+    # The agent swapped its ca.crt: with the operator's pin ...
+    with pytest.raises(UpdateError, match="keeps the CA it trusts"):
+        install_trust(staged(tmp_path, ca_pem(other_authority)), trust_dir, authority.ca_hash())
+    # ... and without one (the pin recorded at the first install counts).
+    with pytest.raises(UpdateError, match=r"the pin recorded in .*ca-hash"):
+        install_trust(staged(tmp_path, ca_pem(other_authority)), trust_dir, None)
+    assert {p.name: p.read_bytes() for p in trust_dir.iterdir()} == before
+
+
+def test_without_a_recorded_pin_the_trusted_ca_is_the_pin(
+    tmp_path: Path, trust_dir: Path, authority: Authority, other_authority: Authority
+) -> None:
+    # An install from before the pin was recorded: ca.pem alone.
+    (trust_dir / "ca.pem").write_bytes(ca_pem(authority))
+    with pytest.raises(UpdateError, match=r"the CA trusted now"):
+        install_trust(staged(tmp_path, ca_pem(other_authority)), trust_dir, None)
+    assert (trust_dir / "ca.pem").read_bytes() == ca_pem(authority)
+    assert install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, None) is True
+    assert (trust_dir / "ca-hash").read_text() == authority.ca_hash() + "\n"
+
+
+def test_no_pin_at_all_writes_nothing(
+    tmp_path: Path, trust_dir: Path, authority: Authority
+) -> None:
+    with pytest.raises(UpdateError, match="no pin to check"):
+        install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, None)
+    assert list(trust_dir.iterdir()) == []
+
+
+def test_a_rekey_with_a_new_pin_rotates_the_trust(
+    tmp_path: Path, trust_dir: Path, authority: Authority, other_authority: Authority
+) -> None:
+    install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, authority.ca_hash())
+    new_pin = other_authority.ca_hash()
+    assert install_trust(staged(tmp_path, ca_pem(other_authority)), trust_dir, new_pin)
+    assert (trust_dir / "ca.pem").read_bytes() == ca_pem(other_authority)
+    assert (trust_dir / "ca-hash").read_text() == new_pin + "\n"
+
+
+def test_a_symlinked_ca_is_not_read(tmp_path: Path, trust_dir: Path, authority: Authority) -> None:
+    secret = staged(tmp_path, ca_pem(authority), "secret")  # stands for /etc/shadow
+    link = tmp_path / "ca.crt"
+    link.symlink_to(secret)
+    with pytest.raises(UpdateError, match="it is a symlink"):
+        install_trust(link, trust_dir, authority.ca_hash())
+    assert list(trust_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("what", ["not-pem", "leaf", "fifo", "huge"])
+def test_what_is_not_a_ca_is_refused(
+    tmp_path: Path, trust_dir: Path, authority: Authority, what: str
+) -> None:
+    path = tmp_path / "ca.crt"
+    if what == "not-pem":
+        path.write_bytes(b"root:$6$hash:19000:0:99999:7:::\n")
+    elif what == "leaf":
+        # A node certificate of the right cluster: signed by the CA, but not a CA itself.
+        leaf = pki.issue_node_cert(authority, "gpu-9", tmp_path / "leaf")
+        path.write_bytes(leaf.cert.read_bytes())
+    elif what == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_bytes(ca_pem(authority) + b"#" * (MAX_SMALL + 1))
+    with pytest.raises(UpdateError):
+        install_trust(path, trust_dir, authority.ca_hash())
+    assert list(trust_dir.iterdir()) == []
+
+
+def test_a_symlink_in_the_trust_directory_is_not_followed(
+    tmp_path: Path, trust_dir: Path, authority: Authority
+) -> None:
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    (trust_dir / "ca.pem").symlink_to(outside)
+    with pytest.raises(UpdateError, match="a symlink"):
+        install_trust(staged(tmp_path, ca_pem(authority)), trust_dir, authority.ca_hash())
+    assert outside.read_bytes() == b"keep"
+    linked = tmp_path / "linked-trust"
+    linked.symlink_to(trust_dir)
+    with pytest.raises(UpdateError, match="never a symlink"):
+        install_trust(staged(tmp_path, ca_pem(authority)), linked, authority.ca_hash())
+
+
+def test_update_trust_command_line(
+    tmp_path: Path, trust_dir: Path, authority: Authority, other_authority: Authority
+) -> None:
+    def run_cli(ca: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "llmgw",
+                "agent",
+                "update-trust",
+                "--ca",
+                str(ca),
+                "--trust",
+                str(trust_dir),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    good = staged(tmp_path, ca_pem(authority))
+    first = run_cli(good, "--ca-hash", authority.ca_hash())
+    assert first.returncode == 0 and first.stdout == "trust: written\n", first
+    again = run_cli(good)
+    assert again.returncode == 0 and again.stdout == "trust: unchanged\n", again
+    bad = run_cli(staged(tmp_path, ca_pem(other_authority), "other.crt"))
+    assert bad.returncode == 1 and "error: the CA in" in bad.stderr and bad.stdout == ""
+    assert (trust_dir / "ca.pem").read_bytes() == ca_pem(authority)
