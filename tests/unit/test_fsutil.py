@@ -7,7 +7,6 @@ import os
 import stat
 import tarfile
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,8 @@ from llmgw.errors import ArchiveError, FileError
 from llmgw.fsutil import ArchivePolicy
 from tests.ci import unavailable
 
-
-@pytest.fixture(autouse=True)
-def _open_umask() -> Iterator[None]:
-    """Umask 000, so the modes checked are the ones fsutil sets itself."""
-    old = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(old)
+# Umask 000, so the modes checked are the ones the code sets itself.
+pytestmark = pytest.mark.usefixtures("open_umask")
 
 
 def mode(path: Path) -> int:
