@@ -1,5 +1,6 @@
-"""Fixtures shared by the integration tests: a dockerd (``api``) and the test engine's image
-(``image``) for the docker runtime's tests; without them those tests are unavailable."""
+"""Fixtures shared by the integration tests: a control plane of the test's own (``server``),
+and a dockerd (``api``) and the test engine's image (``image``) for the docker runtime's
+tests; without those two the docker tests are unavailable."""
 
 from __future__ import annotations
 
@@ -18,8 +19,19 @@ import pytest
 from llmgw.agent.runtimes.docker import LABEL_NODE
 from tests.ci import unavailable
 from tests.integration.docker_engine import DEFAULT_IMAGE, IMAGE_ENV, NODE
+from tests.integration.harness import Server, start_server, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    """A control plane started in ``tmp_path`` for the test, stopped after it."""
+    srv = start_server(tmp_path)
+    try:
+        yield srv
+    finally:
+        stop_process(srv.proc)
 
 
 @pytest.fixture(scope="module")
