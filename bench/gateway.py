@@ -45,7 +45,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from llmgw.engines.sim import MAX_LENGTH, SimConfig, generate
+from llmgw.sim.config import SimConfig
+from llmgw.sim.generate import MAX_LENGTH, generate
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@
     ├── ShardError                  starting or stopping an engine process
     ├── EngineError                 an engine's own arguments or behaviour
     ├── UpdateError                 a signed self-update refused or failed; ``state`` says which
-    │   └── PasswordError           the admin password is wrong or unacceptable
+    ├── PasswordError               the admin password is wrong or unacceptable
     └── ClientError                 ``llmgw ctl`` talking to the control plane
         ├── ConnectError            nothing answered at any address tried (retryable)
         └── APIError                the control plane answered with an error
@@ -185,7 +185,7 @@ class UpdateError(LlmgwError):
         self.state = state
 
 
-class PasswordError(UpdateError):
+class PasswordError(LlmgwError):
     """The admin password given is wrong, or a new one is not acceptable."""
 
 

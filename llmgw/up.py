@@ -186,9 +186,11 @@ class LocalCluster:
             existing = None
         if existing is not None and existing.params != params:
             for replica in store.list_replicas(UP_MODEL):
-                self.cp.remove_replica(replica.id, why="llmgw up with other engine settings")
+                self.cp.scheduler.remove_replica(
+                    replica.id, why="llmgw up with other engine settings"
+                )
         store.put_model(UP_MODEL, engine="sim", params=params, replicas=self.opts.replicas)
-        self.cp.refresh_models()
+        self.cp.serving.refresh_models()
         self.cp.scheduler.kick()
 
     def _api_key(self) -> str:
@@ -199,7 +201,7 @@ class LocalCluster:
             if secret and hash_api_key(secret) in self.cp.store.active_key_hashes():
                 return secret
         _key, secret = self.cp.store.create_api_key("llmgw-up")
-        self.cp.refresh_keys()
+        self.cp.serving.refresh_keys()
         write_private(path, (secret + "\n").encode())
         return secret
 
@@ -213,7 +215,7 @@ class LocalCluster:
     async def _wait_connected(self) -> None:
         assert self.cp is not None and self.agent is not None
         deadline = time.monotonic() + self.opts.ready_timeout
-        while UP_NODE not in self.cp.sessions:
+        while UP_NODE not in self.cp.live:
             if self.agent.returncode is not None:
                 raise LlmgwError(
                     f"the local agent exited with code {self.agent.returncode}; see "
@@ -276,7 +278,7 @@ class LocalCluster:
     def _password_line(self, ctl: str) -> list[str]:
         """Where the first admin password is (``ctl update`` asks for it), while it is there."""
         assert self.cp is not None
-        path = self.cp.updates.password_file
+        path = self.cp.password.password_file
         if not path.exists():
             return []
         return [

@@ -30,6 +30,7 @@ from llmgw.configfile import (
     type_name,
     unknown_key_message,
 )
+from llmgw.engines.registry import ENGINES, engine_names
 from llmgw.listener import ListenerLimits, parse_listener_limits
 from llmgw.netaddr import format_hostport, is_ip_address
 
@@ -76,11 +77,11 @@ _TOP_KEYS = (
 _TLS_KEYS = ("cert", "key", "ca")
 _FABRIC_KEYS = ("name", "hcas")
 _DISCOVERY_KEYS = ("nvidia_smi", "ib_root")
-_ENGINE_KEYS = {"llamacpp": ("bin",), "vllm": ("bin",), "sglang": ("python",)}
+_ENGINE_KEYS = {e.name: (e.program_setting,) for e in ENGINES.values() if e.program_setting}
 RUNTIMES = ("process", "docker")
 _DOCKER_KEYS = ("images", "network", "gpus", "host")
 DOCKER_GPU_MODES = ("request", "env")
-_IMAGE_ENGINES = ("sim", *_ENGINE_KEYS)
+_IMAGE_ENGINES = engine_names()
 # Docker's image reference grammar (distribution/reference): [host[:port]/]path[:tag][@digest].
 _HOST_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
 _DOMAIN = rf"{_HOST_LABEL}(?:\.{_HOST_LABEL})*(?::[0-9]+)?"

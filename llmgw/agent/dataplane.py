@@ -5,7 +5,7 @@ Only a client certificate that carries the control plane's extended key usage
 node's) gets 403.
 
 The gateway sends ``/s/<shard-id>/v1/...``; the data plane forwards the body unchanged to
-the shard's engine on 127.0.0.1 (kept-alive connections from :mod:`llmgw.upstream`) and
+the shard's engine on 127.0.0.1 (kept-alive connections from :mod:`llmgw.http.pool`) and
 relays the answer back chunk by chunk. A client that goes away cancels the handler, which
 closes its engine connection: that is how the engine learns to stop.
 
@@ -41,11 +41,12 @@ from llmgw.bodies import (
     return_large_buffers,
 )
 from llmgw.errors import CertificateError
+from llmgw.http.errors import UpstreamError
+from llmgw.http.pool import UpstreamPool
+from llmgw.http.relay import NOT_PROCESSED, relay
 from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.netaddr import parse_hostport
 from llmgw.pki import control_plane_problem
-from llmgw.relay import NOT_PROCESSED, relay
-from llmgw.upstream import UpstreamError, UpstreamPool
 
 __all__ = ["DataPlane", "server_ssl_context"]
 

@@ -46,6 +46,7 @@ from yarl import URL
 
 from llmgw.agent.discovery import ENGINE_MANIFEST, check_engine_binary
 from llmgw.agent.sources import SourcePrefix, allowed, split_url
+from llmgw.engines.registry import installable_engines
 from llmgw.errors import ArchiveError, EngineError
 from llmgw.fsutil import ArchiveKind, ArchivePolicy, path_problem, unpack_archive
 from llmgw.log import kv
@@ -62,7 +63,7 @@ __all__ = [
 
 log = logging.getLogger("llmgw.agent.installs")
 
-ENGINES = ("llamacpp", "vllm", "sglang")
+ENGINES = installable_engines()
 MAX_DOWNLOAD_BYTES = 20 * 1024**3
 # What an archive may unpack to: a cap on decompression bombs, generous for a Python venv.
 MAX_UNPACKED_BYTES = 64 * 1024**3

@@ -22,7 +22,7 @@ from llmgw.agent.discovery import (
     fabric_status,
     sim_engine,
 )
-from llmgw.engines.launch import AVAILABLE_ENGINES
+from llmgw.engines.registry import AVAILABLE_ENGINES
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 

@@ -51,10 +51,12 @@ import aiohttp
 from llmgw.agent.runtimes import Handle, Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
-from llmgw.engines.launch import EngineSpec, build_command
-from llmgw.engines.rendezvous import JOINED, parse_addr
-from llmgw.errors import EngineError, LlmgwError, ShardError
+from llmgw.engines.launch import build_command
+from llmgw.engines.spec import EngineSpec
+from llmgw.errors import ConfigError, EngineError, LlmgwError, ShardError
 from llmgw.log import kv
+from llmgw.netaddr import parse_hostport
+from llmgw.sim.rendezvous import JOINED
 
 __all__ = [
     "DIED_WHILE_DOWN",
@@ -804,8 +806,8 @@ def _check_shape(spec: ShardSpec) -> None:
             f"{spec.nodes} nodes (0..{spec.nodes - 1})"
         )
     try:
-        parse_addr(spec.dist_init_addr)
-    except ValueError as exc:
+        parse_hostport(spec.dist_init_addr)
+    except ConfigError as exc:
         raise ShardError(
             f"shard {spec.shard_id}: a replica of {spec.nodes} nodes needs dist_init_addr "
             f"HOST:PORT (rank 0 binds it, workers dial it): {exc}"

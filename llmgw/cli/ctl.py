@@ -17,9 +17,9 @@ from llmgw.cli.cert import cert
 from llmgw.cli.common import echo_json, reports_errors, table
 from llmgw.cli.engine_check import engine_check
 from llmgw.client import ADMIN_PASSWORD_ENV, NEW_ADMIN_PASSWORD_ENV, AdminClient, find_target
-from llmgw.engines.base import engine_names
+from llmgw.contracts.catalog import load_catalog
+from llmgw.engines.registry import engine_names, installable_engines
 from llmgw.errors import ConfigError
-from llmgw.server.catalog import load_catalog
 
 __all__ = ["ctl"]
 
@@ -665,7 +665,7 @@ def engines() -> None:
 
 @engines.command("install")
 @click.argument("target", metavar="NODE|--all", required=False)
-@click.argument("engine", type=click.Choice(["llamacpp", "vllm", "sglang"]))
+@click.argument("engine", type=click.Choice(installable_engines()))
 @click.argument("version")
 @click.option("--all", "all_nodes", is_flag=True, help="Every approved node.")
 @click.option(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from llmgw.cli.common import reports_errors
-from llmgw.engines import sim as sim_engine
+from llmgw.sim.config import SimConfig
+from llmgw.sim.server import run
 
 __all__ = ["engine"]
 
@@ -113,7 +114,7 @@ def sim(
     --dist-init-addr and opens --port only once ranks 1..N-1 have joined; it exits with an
     error naming the rank when a worker goes away. Workers join and serve nothing.
     """
-    cfg = sim_engine.SimConfig(
+    cfg = SimConfig(
         host=host,
         port=port,
         model=model,
@@ -128,4 +129,4 @@ def sim(
         heartbeat_s=heartbeat_interval,
         peer_timeout_s=heartbeat_timeout,
     )
-    sim_engine.run(cfg)
+    run(cfg)

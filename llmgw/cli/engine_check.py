@@ -10,7 +10,7 @@ import click
 
 from llmgw.cli.common import reports_errors, table
 from llmgw.engines.check import AgentEngines, CheckReport, FoundEngine, check_engine
-from llmgw.engines.launch import AVAILABLE_ENGINES
+from llmgw.engines.registry import AVAILABLE_ENGINES
 from llmgw.errors import EngineError
 
 __all__ = ["engine_check"]

@@ -22,13 +22,9 @@ from pathlib import Path
 from typing import Protocol
 
 import llmgw
-from llmgw.engines.launch import (
-    AVAILABLE_ENGINES,
-    EngineSpec,
-    build_command,
-    engine_module,
-    self_argv,
-)
+from llmgw.engines.launch import build_command, engine_module, self_argv
+from llmgw.engines.registry import AVAILABLE_ENGINES
+from llmgw.engines.spec import EngineSpec
 from llmgw.errors import EngineError
 
 __all__ = [

@@ -12,7 +12,7 @@ Flags as the llama.cpp documentation gives them:
   here, so rank 0 gets the workers' addresses in ``EngineSpec.peers`` (the control plane's
   ``StartShard.worker_addrs``) and a worker binds its own ``EngineSpec.listen_addr``
   (``StartShard.listen_addr``) on its node's fabric or management address. Ports start
-  at ``WORKER_PORT``, ``rpc-server``'s default.
+  at the registry's ``worker_port``, ``rpc-server``'s default.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import os
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from llmgw.engines.launch import (
+from llmgw.engines.spec import (
     LOOPBACK,
     EngineCommand,
     EngineSpec,
     Param,
     gpu_env,
     param_flags,
-    split_hostport,
+    rendezvous_addr,
     weights,
 )
 from llmgw.errors import EngineError
@@ -38,7 +38,6 @@ PROGRAM = "llama-server"
 WORKER_PROGRAM = "rpc-server"
 HELP_ARGS = ("--help",)
 VERSION_ARGS = ("--version",)
-WORKER_PORT: int | None = 50052
 
 ALL_LAYERS = "999"
 """``--n-gpu-layers`` for "every layer": a count above any model's, which every llama.cpp
@@ -79,7 +78,7 @@ def build(spec: EngineSpec) -> EngineCommand:
                 f"plane's worker_addrs), got {len(spec.peers)}"
             )
         for peer in spec.peers:
-            split_hostport(peer, "llama.cpp rpc-server address")
+            rendezvous_addr(peer, "llama.cpp rpc-server address")
     model = weights(spec)
     if not model:
         raise EngineError(
@@ -113,6 +112,6 @@ def _worker(spec: EngineSpec) -> EngineCommand:
             f"worker rank {spec.rank} of a {spec.nodes}-node llama.cpp replica needs the "
             "host:port its rpc-server binds (the control plane's listen_addr)"
         )
-    host, port = split_hostport(addr, "llama.cpp rpc-server address")
+    host, port = rendezvous_addr(addr, "llama.cpp rpc-server address")
     argv = [worker_program(spec.binary), "--host", host, "--port", str(port)]
     return EngineCommand(argv=argv, env=gpu_env(spec), serves=False, health_path="")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from llmgw.engines.launch import (
+from llmgw.engines.spec import (
     LOOPBACK,
     EngineCommand,
     EngineSpec,
@@ -27,7 +27,6 @@ from llmgw.engines.launch import (
 
 NAME = "sglang"
 PROGRAM = "python3"
-WORKER_PORT: int | None = None  # workers dial rank 0's dist-init address
 HELP_ARGS = ("-m", "sglang.launch_server", "--help")
 VERSION_ARGS = ("-c", "import sglang; print(sglang.__version__)")
 

@@ -16,20 +16,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from llmgw.engines.launch import (
+from llmgw.engines.spec import (
     LOOPBACK,
     EngineCommand,
     EngineSpec,
     Param,
     gpu_env,
     param_flags,
-    split_hostport,
+    rendezvous_addr,
     weights,
 )
 
 NAME = "vllm"
 PROGRAM = "vllm"
-WORKER_PORT: int | None = None  # workers dial rank 0's dist-init address
 # `vllm serve --help` lists only the option groups; `--help=all` prints every flag
 # (vllm/entrypoints/cli/serve.py: "Use `--help=all` to show all available flags at once").
 HELP_ARGS = ("serve", "--help=all")
@@ -67,7 +66,7 @@ def build(spec: EngineSpec) -> EngineCommand:
     # parallelism page recommends for multi-node).
     argv += ["--tensor-parallel-size", str(max(1, len(spec.gpus)))]
     if spec.multi_node:
-        host, port = split_hostport(spec.dist_init_addr, "dist_init_addr")
+        host, port = rendezvous_addr(spec.dist_init_addr, "dist_init_addr")
         argv += ["--pipeline-parallel-size", str(spec.nodes)]
         argv += ["--nnodes", str(spec.nodes), "--node-rank", str(spec.rank)]
         argv += ["--master-addr", host, "--master-port", str(port)]

@@ -1,9 +1,11 @@
-"""The control plane: state store, cluster CA, the agent stream, the scheduler and the gateway.
+"""The control plane process: wiring and start/stop only.
 
-``ControlPlane.start()`` is the straight-line start-up of STYLE 10: open the store and bump
-the leader epoch, make sure the CA and this server's certificates exist, mark every node
-disconnected (streams do not survive a restart), bind the gRPC stream and the HTTP
-listener, then run the reconcile loop.
+``ControlPlane.start()`` is the straight-line start-up of STYLE 10: take the leadership (or
+serve as a standby, llmgw.server.leadership), open the store and bump the leader epoch,
+mark every node disconnected (streams do not survive a restart), make sure the CA and this
+server's certificates exist, build the parts (each given the few collaborators it uses:
+sessions, scheduler, membership, gateway, updates...), bind the gRPC stream, enrolment and
+the HTTP listener, then run the reconcile loop. No part sees this object.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import os
 import secrets
 import ssl
 import time
-import uuid
 from pathlib import Path
 
 import grpc
@@ -25,8 +26,7 @@ from cryptography import x509
 from llmgw import __version__
 from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.client import write_ctl_config
-from llmgw.contracts.inventory import inventory_dict
-from llmgw.errors import ConfigError, LlmgwError, NotFound
+from llmgw.errors import ConfigError, LlmgwError
 from llmgw.fsutil import write_private
 from llmgw.listener import GuardedSite
 from llmgw.log import kv
@@ -38,23 +38,34 @@ from llmgw.pki import (
     control_plane_names,
     ensure_server_identity,
     load_cert,
-    serial_hex,
 )
-from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
-from llmgw.server.bundles import BundleStore, add_bundle_routes
-from llmgw.server.catalog import profile_body_limit
+from llmgw.server.admin import AdminContext, add_admin_routes
+from llmgw.server.bundles import Bundle, BundleStore, add_bundle_routes
 from llmgw.server.config import ServerConfig
 from llmgw.server.enroll import Enroller, EnrolmentServer
 from llmgw.server.enroll import server_ssl_context as enroll_ssl_context
+from llmgw.server.gateway import Gateway, GatewayLimits
 from llmgw.server.httpapi import error_middleware
-from llmgw.server.intake import MAX_MESSAGE_BYTES, pending_inventory
+from llmgw.server.installs import EngineInstalls
+from llmgw.server.intake import MAX_MESSAGE_BYTES
+from llmgw.server.leadership import (
+    LEADER_HTTP,
+    LEADER_STREAM,
+    Standby,
+    await_leadership,
+    try_leadership,
+)
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
-from llmgw.server.routing import Endpoint, Router
+from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
+from llmgw.server.reports import AgentReports
+from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
-from llmgw.server.standby import LEADER_HTTP, LEADER_STREAM, Standby, try_leadership
-from llmgw.server.store import Node, Store
+from llmgw.server.serving import ServingCache
+from llmgw.server.sessions import Sessions
+from llmgw.server.states import NodeState
+from llmgw.server.store import Store
 from llmgw.server.stream import ControlPlaneService, NodeSession
 from llmgw.server.tls import ServingCertificate, serving_certificate
 from llmgw.server.updates import Updates
@@ -62,13 +73,6 @@ from llmgw.server.updates import Updates
 __all__ = ["ControlPlane"]
 
 log = logging.getLogger("llmgw.server")
-
-_PB_STATE = {
-    pb.SHARD_STARTING: "starting",
-    pb.SHARD_READY: "ready",
-    pb.SHARD_FAILED: "failed",
-    pb.SHARD_EXITED: "exited",
-}
 
 
 def _read_or_create_token(path: Path) -> str:
@@ -99,40 +103,33 @@ def _dns_names(cert: Path) -> list[str]:
     return [n for n in san.value.get_values_for_type(x509.DNSName) if "*" not in n]
 
 
-def _inventory_summary(inv: pb.Inventory) -> str:
-    gpus = f"{len(inv.gpus)} GPUs" if inv.gpus else f"no GPUs ({inv.gpu_status})"
-    text = f"{gpus}; engines {', '.join(inv.engines) or 'none'}"
-    if inv.warnings:
-        text += "; " + "; ".join(inv.warnings)
-    return text
-
-
 class ControlPlane:
     """One control plane process (the leader, on SQLite)."""
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
-        self.store: Store
         self.epoch = 0
         self.cluster_id = ""
         self.admin_token = ""
-        self.sessions: dict[str, NodeSession] = {}
+        # The live streams (node id -> session) and the nodes lost: kept by ``sessions``,
+        # read by the scheduler, the membership, the updates and the admin API.
+        self.live: dict[str, NodeSession] = {}
+        self.lost: set[str] = set()
         self.router = Router()
         self.metrics = Metrics()
-        self.scheduler = Scheduler(self)
-        self.membership = Membership(self)
-        self.updates = Updates(self)
-        self.key_hashes: set[str] = set()
-        # Engine installs ordered since start: op id -> {node, engine, version, state, error}.
-        self.installs: dict[str, dict[str, object]] = {}
-        self.lost: set[str] = set()
-        self._loss_timers: dict[str, asyncio.TimerHandle] = {}
-        self.model_names: set[str] = set()
-        # Request body limits raised by a deployed profile (model -> bytes), the largest
-        # limit of any model, and the body bytes the process holds at once.
-        self.body_limits: dict[str, int] = {}
-        self.largest_body_limit = cfg.max_request_body
+        # The body bytes the process holds at once (gateway and admin API together).
         self.bodies = BodyBudget(cfg.max_inflight_body_bytes)
+        # The leader's parts, each given what it uses (_assemble).
+        self.store: Store
+        self.serving: ServingCache
+        self.scheduler: Scheduler
+        self.gateway: Gateway
+        self.membership: Membership
+        self.installs: EngineInstalls
+        self.reports: AgentReports
+        self.sessions: Sessions
+        self.password: AdminPassword
+        self.updates: Updates
         self.http_port = 0
         self.grpc_port = 0
         self.ca: Authority | None = None
@@ -182,25 +179,26 @@ class ControlPlane:
         self.role = "standby"
         hosts = [*local_addresses(), *self.cfg.advertise]
         _ca, identity, _client = ensure_server_identity(self.pki_dir, hosts=hosts)
-        self._standby = Standby(self, identity)
+        cfg = self.cfg
+        self._standby = Standby(
+            identity,
+            state_dir=cfg.state_dir,
+            grpc_listen=cfg.grpc_listen,
+            http_listen=cfg.http_listen,
+            tls=cfg.tls,
+            listeners=cfg.listeners,
+        )
         await self._standby.start()
+        self.grpc_port, self.http_port = self._standby.grpc_port, self._standby.http_port
         self._promotion = asyncio.create_task(self._await_leadership(), name="promotion")
 
     async def _await_leadership(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            fd = try_leadership(self.cfg.state_dir)
-            if fd is None:
-                continue
-            self._lock_fd = fd
-            log.warning(
-                "the leader is gone; taking over", extra=kv(state_dir=str(self.cfg.state_dir))
-            )
-            assert self._standby is not None
-            await self._standby.stop()
-            self._standby = None
-            await self._start_leader()
-            return
+        self._lock_fd = await await_leadership(self.cfg.state_dir)
+        log.warning("the leader is gone; taking over", extra=kv(state_dir=str(self.cfg.state_dir)))
+        assert self._standby is not None
+        await self._standby.stop()
+        self._standby = None
+        await self._start_leader()
 
     async def _start_leader(self) -> None:
         cfg = self.cfg
@@ -210,11 +208,8 @@ class ControlPlane:
         self.epoch = self.store.bump_epoch()
         self.cluster_id = self.store.cluster_id()
         self.store.set_all_disconnected()
-        self.refresh_keys()
-        self.refresh_models()
-        self.membership.load()
-        self.lost = {n.id for n in self.store.list_nodes() if n.lost}
-        # 2. CA and this server's identities
+        self.lost.update(n.id for n in self.store.list_nodes() if n.lost)
+        # 2. CA and this server's identities, the admin token and password
         hosts = [*local_addresses(), *cfg.advertise]
         self.ca, self.server_identity, self.client_identity = ensure_server_identity(
             self.pki_dir, hosts=hosts
@@ -224,22 +219,25 @@ class ControlPlane:
         )
         self._warn_of_nodes_named_like_the_control_plane()
         self.admin_token = _read_or_create_token(cfg.admin_token_file)
-        self.updates.start()
-        # 3. the Connect stream
+        self.password = AdminPassword(self.store, cfg.admin_token_file.parent / PASSWORD_FILE)
+        self.password.start()
+        # 3. the parts of the leader, each given what it uses
+        self._assemble(self.ca)
+        # 4. the Connect stream
         await self._start_grpc()
-        # 4. enrolment
+        # 5. enrolment
         await self._start_enrolment()
-        # 5. gateway, admin API, metrics
+        # 6. gateway, admin API, metrics
         await self._start_http()
         self._write_ctl_config()
-        # 6. reconcile
+        # 7. reconcile
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
-        self._tasks.append(asyncio.create_task(self._watch_heartbeats(), name="heartbeats"))
+        self._tasks.append(asyncio.create_task(self.sessions.watch_heartbeats(), name="heartbeats"))
         self.store.add_event("server_started", "control-plane", f"epoch {self.epoch}")
         # Nodes that do not come back within the loss timeout after this start are lost.
         for node in self.store.list_nodes():
             if self.store.list_shards(node_id=node.id):
-                self._start_loss_timer(node.id)
+                self.sessions.start_loss_timer(node.id)
         self.store.set_meta(LEADER_STREAM, self.stream_addresses()[0])
         self.store.set_meta(LEADER_HTTP, f"{self.cfg.http_scheme}://{self.http_addr}")
         log.info(
@@ -255,11 +253,81 @@ class ControlPlane:
             ),
         )
 
+    def _assemble(self, ca: Authority) -> None:
+        """Build the leader's parts in dependency order, each with the collaborators and the
+        settings it uses (none of them sees this object)."""
+        cfg, store, router = self.cfg, self.store, self.router
+        self.serving = ServingCache(store, max_request_body=cfg.max_request_body)
+        self.serving.refresh_keys()
+        self.serving.refresh_models()
+        self.scheduler = Scheduler(
+            store,
+            router,
+            sessions=self.live,
+            lost=self.lost,
+            on_routes_changed=self._count_ready,
+        )
+        self.gateway = Gateway(
+            router,
+            self.metrics,
+            self.serving,
+            self.bodies,
+            GatewayLimits.of(cfg),
+            revoked=lambda: self.membership.revoked,
+            client_ssl=self._client_ssl_context,
+            nodes_connected=lambda: len(self.live),
+            epoch=self.epoch,
+            started_at=self.started_at,
+        )
+        self.membership = Membership(
+            store,
+            self.scheduler,
+            router,
+            sessions=self.live,
+            ca=ca,
+            cert_lifetime=cfg.cert_lifetime,
+            forget_node=self.gateway.forget_node,
+        )
+        self.membership.load()
+        self.installs = EngineInstalls(store, sessions=self.live, epoch=self.epoch)
+        self.reports = AgentReports(
+            store,
+            router,
+            self.scheduler,
+            installs=self.installs,
+            renew=self.membership.renew,
+            on_routes_changed=self._count_ready,
+        )
+        self.sessions = Sessions(
+            store,
+            router,
+            self.metrics,
+            live=self.live,
+            lost=self.lost,
+            membership=self.membership,
+            scheduler=self.scheduler,
+            reports=self.reports,
+            epoch=self.epoch,
+            loss_timeout=cfg.loss_timeout,
+            heartbeat_interval=cfg.heartbeat_interval,
+            on_routes_changed=self._count_ready,
+        )
+        self.updates = Updates(
+            store,
+            password=self.password,
+            ca=ca,
+            epoch=self.epoch,
+            sessions=self.live,
+            served=self._served_bundles,
+            download_base=self._download_base,
+            bundle_dir=cfg.bundle_dir,
+        )
+
     def _warn_of_nodes_named_like_the_control_plane(self) -> None:
         """Nodes that joined before such ids were refused keep their certificates, which no
         longer pass for the control plane's; the operator should still rename them."""
         for node in self.store.list_nodes():
-            if node.id in self.control_plane_names and node.state != "revoked":
+            if node.id in self.control_plane_names and node.state != NodeState.REVOKED:
                 log.warning(
                     "a node has the control plane's name as its id; it can no longer pose as "
                     "the control plane, but give it another id",
@@ -294,7 +362,16 @@ class ControlPlane:
                 ),
             ]
         )
-        pb_grpc.add_ControlPlaneServicer_to_server(ControlPlaneService(self), self._grpc)
+        service = ControlPlaneService(
+            self.store,
+            self.sessions,
+            self.updates,
+            cluster_id=self.cluster_id,
+            epoch=self.epoch,
+            heartbeat_interval=self.cfg.heartbeat_interval,
+            cert_lifetime=self.cfg.cert_lifetime,
+        )
+        pb_grpc.add_ControlPlaneServicer_to_server(service, self._grpc)
         host, port = parse_hostport(self.cfg.grpc_listen, allow_zero=True)
         try:
             self.grpc_port = self._grpc.add_secure_port(format_hostport(host, port), creds)
@@ -316,18 +393,6 @@ class ControlPlane:
             hosts = routable[:1] or ["127.0.0.1"]
         return [format_hostport(h, self.grpc_port) for h in hosts]
 
-    def _enrolled(self, node: Node) -> None:
-        # A fresh join or a rekey denied the node's older certificates: drop the stream that
-        # uses one, so the agent reconnects with its new identity.
-        self.membership.load()
-        session = self.sessions.get(node.id)
-        if session is not None and session.serial in self.membership.revoked:
-            session.close()
-        # Pooled data-plane connections may still be to the old identity.
-        gateway = getattr(self, "gateway", None)
-        if gateway is not None:
-            gateway.forget_node(node.id)
-
     async def _start_enrolment(self) -> None:
         assert self.ca is not None and self.server_identity is not None
         enroller = Enroller(
@@ -335,7 +400,7 @@ class ControlPlane:
             self.ca,
             lifetime=self.cfg.cert_lifetime,
             servers=self.stream_addresses,
-            on_enrolled=self._enrolled,
+            on_enrolled=self.membership.enrolled,
             control_plane_names=lambda: self.control_plane_names,
         )
         self._enrolment = EnrolmentServer(enroller)
@@ -357,18 +422,39 @@ class ControlPlane:
             ) from exc
 
     async def _start_http(self) -> None:
-        from llmgw.server.admin import add_admin_routes
-        from llmgw.server.gateway import Gateway
-
-        assert self.server_identity is not None
-        self.http_tls = serving_certificate(self.cfg.tls, self.server_identity)
-        self.gateway = Gateway(self)
+        assert self.server_identity is not None and self.ca is not None
+        cfg = self.cfg
+        self.http_tls = serving_certificate(cfg.tls, self.server_identity)
         return_large_buffers()  # large bodies' memory goes back to the system once freed
         # Bodies are read through llmgw.bodies; this only bounds any other reader.
         app = web.Application(client_max_size=1024 * 1024, middlewares=[error_middleware])
         self.gateway.add_routes(app)
-        add_admin_routes(app, self)
-        self.bundles = add_bundle_routes(app, self.cfg.bundle_dir)
+        self.bundles = add_bundle_routes(app, cfg.bundle_dir)
+        admin = AdminContext(
+            store=self.store,
+            scheduler=self.scheduler,
+            router=self.router,
+            membership=self.membership,
+            updates=self.updates,
+            password=self.password,
+            installs=self.installs,
+            serving=self.serving,
+            bodies=self.bodies,
+            sessions=self.live,
+            lost=self.lost,
+            listening=self,
+            ca=self.ca,
+            bundles=self.bundles,
+            cluster_id=self.cluster_id,
+            epoch=self.epoch,
+            admin_token=self.admin_token,
+            admin_token_file=cfg.admin_token_file,
+            control_plane_names=self.control_plane_names,
+            tls=cfg.tls,
+            http_scheme=cfg.http_scheme,
+            advertise=cfg.advertise,
+        )
+        add_admin_routes(app, admin)
         app.on_cleanup.append(lambda _app: self.gateway.close())
         self._runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
@@ -429,9 +515,6 @@ class ControlPlane:
         return format_hostport(host, self.http_port)
 
     async def stop(self) -> None:
-        for timer in self._loss_timers.values():
-            timer.cancel()
-        self._loss_timers.clear()
         if self._promotion is not None:
             self._promotion.cancel()
             await asyncio.gather(self._promotion, return_exceptions=True)
@@ -443,8 +526,8 @@ class ControlPlane:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for session in list(self.sessions.values()):
-            session.close()
+        if hasattr(self, "sessions"):  # not when the start failed before step 3
+            self.sessions.close_all()
         if self._grpc is not None:
             await self._grpc.stop(grace=2.0)
         if self._runner is not None:
@@ -459,349 +542,23 @@ class ControlPlane:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    # -- caches the request path reads ---------------------------------------------------------
-
-    def refresh_keys(self) -> None:
-        self.key_hashes = self.store.active_key_hashes()
-
-    def refresh_models(self) -> None:
-        models = self.store.list_models()
-        self.model_names = {m.name for m in models}
-        limits: dict[str, int] = {}
-        for m in models:
-            limit = profile_body_limit(m.profiles.get(m.profile))
-            if limit is not None:
-                limits[m.name] = limit
-        self.body_limits = limits
-        self.largest_body_limit = max([self.cfg.max_request_body, *limits.values()])
-
-    # -- sessions ------------------------------------------------------------------------------
-
-    def certificate_refusal(self, node_id: str, cert: x509.Certificate | None) -> str | None:
-        """Why a stream with this certificate must be refused, or None."""
-        return self.membership.refusal(node_id, cert)
-
-    def node_state(self, node_id: str) -> str:
-        try:
-            return self.store.get_node(node_id).state
-        except NotFound:
-            return "pending"
-
-    def open_session(self, hello: pb.Hello, peer: str, cert: x509.Certificate) -> NodeSession:
-        node_id = hello.node_id
-        self.membership.admit(node_id, cert)
-        # Until an operator approves it, a node's inventory is kept in memory and only a
-        # bounded summary of it stored: enough to judge the node by.
-        approved = self.node_state(node_id) == "approved"
-        inventory = inventory_dict(
-            hello.inventory if approved else pending_inventory(hello.inventory)
-        )
-        self.store.upsert_node(
-            node_id,
-            dataplane_addr=hello.dataplane_addr,
-            agent_version=hello.agent_version,
-            inventory=inventory,
-            connected=True,
-        )
-        timer = self._loss_timers.pop(node_id, None)
-        if timer is not None:
-            timer.cancel()
-        if node_id in self.lost:
-            self.lost.discard(node_id)
-            self.store.set_node_lost(node_id, False)
-            self.store.add_event("node_back", node_id, "reconnected after being lost")
-        old = self.sessions.get(node_id)
-        if old is not None:
-            # A node that reconnects before its old stream noticed the break: the new one wins.
-            old.close()
-        session = NodeSession(
-            node_id=node_id,
-            dataplane_addr=hello.dataplane_addr,
-            epoch=self.epoch,
-            engines=frozenset(hello.inventory.engines),
-            serial=serial_hex(cert),
-            approved=approved,
-            held_inventory=None if approved else hello.inventory,
-        )
-        self.sessions[node_id] = session
-        self.store.add_event(
-            "node_connected", node_id, f"from {peer}, data plane {hello.dataplane_addr}"
-        )
-        log.info(
-            "node connected",
-            extra=kv(
-                node=node_id, peer=peer, dataplane=hello.dataplane_addr, version=hello.agent_version
-            ),
-        )
-        self._count_nodes()
-        return session
-
-    def after_hello(self, session: NodeSession, hello: pb.Hello) -> None:
-        """Reconcile what the node says it runs with what the store says it should."""
-        known = {s.id: s for s in self.store.list_shards(node_id=session.node_id)}
-        reported = {s.shard_id: s for s in hello.shards}
-        for shard_id, status in reported.items():
-            if shard_id in known:
-                self._apply_status(session, status)
-            elif status.state in (pb.SHARD_STARTING, pb.SHARD_READY, pb.SHARD_FAILED):
-                log.info(
-                    "stopping a shard no replica owns",
-                    extra=kv(node=session.node_id, shard=shard_id),
-                )
-                session.stop_shard(shard_id)
-        for shard_id, shard in known.items():
-            if shard_id not in reported and shard.state in ("starting", "ready", "pending"):
-                # The node no longer runs it (an agent restart): start it again.
-                self.store.update_shard(
-                    shard_id, state="pending", reason="not running on the node after reconnect"
-                )
-        self.scheduler.kick()
-
-    def close_session(self, session: NodeSession) -> None:
-        if self.sessions.get(session.node_id) is not session:
-            return
-        del self.sessions[session.node_id]
-        self.router.remove_node(session.node_id)
-        try:
-            self.store.set_node_connected(session.node_id, False)
-            self.store.add_event("node_disconnected", session.node_id, "stream closed")
-        except LlmgwError as exc:
-            log.warning(
-                "cannot record a disconnect", extra=kv(node=session.node_id, error=str(exc))
-            )
-        log.info("node disconnected", extra=kv(node=session.node_id))
-        # Silent for the loss timeout already: lost now. A closed stream gets the timeout.
-        self._start_loss_timer(session.node_id, 0.0 if session.silent else None)
-        self._count_nodes()
-        self._count_ready()
-
-    # -- loss: a node away for the loss timeout loses its replicas to other nodes ------------------
-
-    def _start_loss_timer(self, node_id: str, delay: float | None = None) -> None:
-        old = self._loss_timers.pop(node_id, None)
-        if old is not None:
-            old.cancel()
-        loop = asyncio.get_running_loop()
-        wait = self.cfg.loss_timeout if delay is None else delay
-        self._loss_timers[node_id] = loop.call_later(wait, self._node_lost, node_id)
-
-    def _node_lost(self, node_id: str) -> None:
-        self._loss_timers.pop(node_id, None)
-        if node_id in self.sessions or node_id in self.lost:
-            return
-        try:
-            shards = self.store.list_shards(node_id=node_id)
-        except LlmgwError:
-            return
-        self.lost.add(node_id)
-        self.store.set_node_lost(node_id, True)
-        replicas = sorted({s.replica_id for s in shards})
-        log.warning(
-            "node lost; rebuilding its replicas elsewhere",
-            extra=kv(node=node_id, replicas=len(replicas), after=f"{self.cfg.loss_timeout:g}s"),
-        )
-        self.store.add_event(
-            "node_lost",
-            node_id,
-            f"no stream for {self.cfg.loss_timeout:g}s; {len(replicas)} replicas rebuilt elsewhere",
-        )
-        for replica_id in replicas:
-            # No stop order can reach it; when it comes back, its Hello lists shards that
-            # belong to no replica and it is told to stop them.
-            self.remove_replica(replica_id, why=f"node {node_id} lost")
-        self.scheduler.kick()
-
-    def _count_nodes(self) -> None:
-        nodes = self.store.list_nodes()
-        connected = sum(1 for n in nodes if n.id in self.sessions)
-        self.metrics.nodes.set(("connected",), connected)
-        self.metrics.nodes.set(("disconnected",), len(nodes) - connected)
+    # -- what the parts are given that only this object knows ----------------------------------
 
     def _count_ready(self) -> None:
-        for model in self.model_names:
+        """The ready-replicas gauge, after the routable replicas changed."""
+        for model in self.serving.model_names:
             self.metrics.ready_replicas.set((model,), len(self.router.endpoints(model)))
 
-    async def _watch_heartbeats(self) -> None:
-        """Cut streams whose heartbeats stopped (gRPC keepalive catches most, not a hung agent)."""
-        while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval)
-            now = time.monotonic()
-            for session in list(self.sessions.values()):
-                if now - session.last_heartbeat > self.cfg.loss_timeout:
-                    log.warning("node stopped sending heartbeats", extra=kv(node=session.node_id))
-                    session.silent = True
-                    session.close()
+    async def _served_bundles(self) -> list[Bundle]:
+        return await self.bundles.bundles() if self.bundles is not None else []
 
-    # -- messages from agents ------------------------------------------------------------------
+    def _download_base(self) -> str:
+        """Where nodes download bundles: the HTTP listener, at the host they dial for the
+        stream."""
+        host, _ = parse_hostport(self.stream_addresses()[0], allow_zero=True)
+        return f"{self.cfg.http_scheme}://{format_hostport(host, self.http_port)}"
 
-    def on_agent_message(self, session: NodeSession, msg: pb.AgentMessage) -> None:
-        kind = msg.WhichOneof("msg")
-        session.last_heartbeat = time.monotonic()
-        if kind == "heartbeat":
-            session.inflight = msg.heartbeat.inflight
-            self.store.touch_node(session.node_id)
-        elif kind == "shard_status":
-            self._apply_status(session, msg.shard_status)
-        elif kind == "op_result":
-            self._apply_result(session, msg.op_result)
-        elif kind == "draining":
-            session.draining = True
-            self.router.remove_node(session.node_id)
-            if session.approved:
-                self.store.add_event(
-                    "node_draining", session.node_id, "agent stopping; no new requests sent to it"
-                )
-            log.info("agent is stopping; routing around it", extra=kv(node=session.node_id))
-            self._count_ready()
-        elif kind == "cert_request":
-            self.membership.renew(session, msg.cert_request.csr_pem)
-        elif kind == "inventory":
-            if session.approved:
-                self.store_inventory(session, msg.inventory)
-            else:
-                # No churn stored before approval: the latest is stored on approval.
-                session.held_inventory = msg.inventory
-        else:
-            log.warning("unexpected message on a stream", extra=kv(node=session.node_id, kind=kind))
-
-    def store_inventory(self, session: NodeSession, inv: pb.Inventory) -> None:
-        """Record an approved node's inventory and let the scheduler look at it."""
-        session.engines = frozenset(inv.engines)
-        node = self.store.get_node(session.node_id)
-        self.store.upsert_node(
-            session.node_id,
-            dataplane_addr=session.dataplane_addr,
-            agent_version=node.agent_version,
-            inventory=inventory_dict(inv),
-            connected=True,
-        )
-        self.store.add_event("inventory_changed", session.node_id, _inventory_summary(inv))
-        self.scheduler.kick()
-
-    def _apply_status(self, session: NodeSession, status: pb.ShardStatus) -> None:
-        state = _PB_STATE.get(status.state)
-        if state is None:
-            return
-        try:
-            shard = self.store.get_shard(status.shard_id)
-        except NotFound:
-            return  # a shard we already forgot (stopped or undeployed)
-        if shard.node_id != session.node_id:
-            return
-        if state == "exited":
-            # We delete shards we stop, so an exit we did not order is a failure.
-            state = "failed"
-        exit_code = status.exit_code if status.has_exit_code else None
-        self.store.update_shard(
-            shard.id,
-            state=state,
-            port=status.port or None,
-            pid=status.pid or None,
-            exit_code=exit_code,
-            reason=status.reason,
-        )
-        self.store.set_replica_state(shard.replica_id, state if state != "exited" else "failed")
-        # Only rank 0 serves; workers of a multi-node replica are ready but not routable.
-        if state == "ready" and not session.draining and shard.rank == 0:
-            replica = self.store.get_replica(shard.replica_id)
-            self.router.set_ready(
-                Endpoint(
-                    model=replica.model,
-                    replica_id=replica.id,
-                    shard_id=shard.id,
-                    node_id=session.node_id,
-                    addr=session.dataplane_addr,
-                )
-            )
-            self.scheduler.shard_ready(shard.id)
-            self.store.add_event(
-                "shard_ready", shard.id, f"on {session.node_id} port {status.port}"
-            )
-        else:
-            self.router.remove_shard(shard.id)
-            if state == "failed":
-                self.scheduler.shard_failed(shard.id)
-                self.store.add_event("shard_failed", shard.id, status.reason or "failed")
-        self._count_ready()
-
-    def _apply_result(self, session: NodeSession, result: pb.OperationResult) -> None:
-        install = self.installs.get(result.op_id)
-        if install is not None:
-            install.update(
-                state="installed" if result.ok else "failed",
-                error=result.error,
-                finished_at=time.time(),
-            )
-            what = f"{install['engine']} {install['version']}"
-            if result.ok:
-                self.store.add_event("engine_installed", session.node_id, what)
-            else:
-                self.store.add_event(
-                    "engine_install_failed", session.node_id, f"{what}: {result.error}"
-                )
-            return
-        if result.ok:
-            return
-        log.warning(
-            "an order failed on a node",
-            extra=kv(node=session.node_id, op=result.op_id, error=result.error),
-        )
-        for shard in self.store.list_shards(node_id=session.node_id):
-            if shard.op_id == result.op_id and shard.state in ("starting", "pending"):
-                self.store.update_shard(shard.id, state="failed", reason=result.error)
-                self.store.set_replica_state(shard.replica_id, "failed")
-                self.scheduler.shard_failed(shard.id)
-                self.store.add_event("shard_failed", shard.id, result.error)
-
-    # -- changes ordered through the admin API ----------------------------------------------------
-
-    def install_engine(
-        self, node_ids: list[str], *, engine: str, version: str, url: str, sha256: str, arch: str
-    ) -> list[dict[str, object]]:
-        """Order an engine install on connected, approved nodes; results arrive as op results."""
-        out: list[dict[str, object]] = []
-        for node_id in node_ids:
-            node = self.store.get_node(node_id)
-            session = self.sessions.get(node_id)
-            if node.state != "approved" or session is None:
-                why = "not connected" if session is None else node.state
-                out.append({"node": node_id, "state": "skipped", "error": why, "op_id": None})
-                continue
-            meta = pb.OrderMeta(epoch=self.epoch, op_id=uuid.uuid4().hex)
-            session.send(
-                pb.ServerMessage(
-                    install_engine=pb.InstallEngine(
-                        meta=meta, engine=engine, version=version, url=url, sha256=sha256, arch=arch
-                    )
-                )
-            )
-            record: dict[str, object] = {
-                "op_id": meta.op_id,
-                "node": node_id,
-                "engine": engine,
-                "version": version,
-                "state": "installing",
-                "error": "",
-                "started_at": time.time(),
-                "finished_at": None,
-            }
-            self.installs[meta.op_id] = record
-            self.store.add_event("engine_install", node_id, f"{engine} {version} from {url}")
-            out.append(record)
-        return out
-
-    def remove_replica(self, replica_id: str, *, why: str) -> None:
-        for shard in self.store.list_shards(replica_id=replica_id):
-            self.router.remove_shard(shard.id)
-            session = self.sessions.get(shard.node_id)
-            if session is not None:
-                session.stop_shard(shard.id)
-            self.scheduler.forget(shard.id)
-        self.store.delete_replica(replica_id)
-        self.store.add_event("replica_removed", replica_id, why)
-        self._count_ready()
-
-    def client_ssl_context(self) -> ssl.SSLContext:
+    def _client_ssl_context(self) -> ssl.SSLContext:
         """TLS the gateway presents to agents' data planes."""
         assert self.client_identity is not None
         ident = self.client_identity

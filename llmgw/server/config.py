@@ -56,7 +56,6 @@ DEFAULT_CERT_LIFETIME = 30 * 86400.0
 # once from behind one NAT (or a benchmark on loopback) raises it.
 DEFAULT_ENROLL_CONNECTIONS_PER_SOURCE = 64
 MIN_CERT_LIFETIME = 10.0
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 @dataclass(frozen=True)
@@ -182,17 +181,17 @@ def _parse(
         )
     cert_lifetime = DEFAULT_CERT_LIFETIME
     if top.get("cert_lifetime") is not None:
-        cert_lifetime = _duration(check, top["cert_lifetime"], "cert_lifetime")
+        cert_lifetime = check.duration(top["cert_lifetime"], "cert_lifetime")
         if cert_lifetime < MIN_CERT_LIFETIME:
             check.fail("cert_lifetime", f"must be at least {MIN_CERT_LIFETIME:g}s")
 
     replica_wait = 10.0
     if top.get("replica_wait") is not None:
-        replica_wait = _duration(check, top["replica_wait"], "replica_wait")
+        replica_wait = check.duration(top["replica_wait"], "replica_wait")
         if not 0 <= replica_wait <= 600:
             check.fail("replica_wait", "must be between 0 and 600 seconds")
 
-    bodies = parse_body_limits(check, top, lambda value, key: _duration(check, value, key))
+    bodies = parse_body_limits(check, top, check.duration)
 
     heartbeat = DEFAULT_HEARTBEAT_INTERVAL
     if top.get("heartbeat_interval") is not None:
@@ -264,19 +263,6 @@ def _tls(check: Checker, value: object) -> TLSConfig | None:
             )
         paths[name] = check.path(files[name], f"tls.{name}")
     return TLSConfig(cert=paths["cert"], key=paths["key"])
-
-
-def _duration(check: Checker, value: object, key: str) -> float:
-    """Seconds from a number or a string like '90s', '12h', '30d'."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
-    elif (
-        isinstance(value, str) and value[:-1].replace(".", "", 1).isdigit() and value[-1:] in _UNITS
-    ):
-        seconds = float(value[:-1]) * _UNITS[value[-1]]
-    else:
-        check.fail(key, f"must be seconds or a duration like 90s, 12h, 30d, got {value!r}")
-    return seconds
 
 
 def _is_wildcard(host: str) -> bool:

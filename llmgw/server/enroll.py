@@ -32,6 +32,7 @@ from llmgw.errors import CertificateError, ConfigError, EnrolmentError, LlmgwErr
 from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport
+from llmgw.server.states import TokenKind
 from llmgw.server.store import Node, Store
 
 __all__ = [
@@ -104,7 +105,7 @@ class EnrolRequest:
 
     @property
     def kind(self) -> str:
-        return "rekey" if self.rekey else "join"
+        return TokenKind.REKEY if self.rekey else TokenKind.JOIN
 
 
 def parse_enrol_request(body: bytes) -> EnrolRequest:

@@ -16,8 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import ssl
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Set
+from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from cryptography import x509
@@ -25,6 +28,7 @@ from cryptography import x509
 from llmgw.bodies import (
     MAX_BODY_HEADER,
     BodiesBusy,
+    BodyBudget,
     BodyIncomplete,
     BodyTimeout,
     BodyTooLarge,
@@ -32,23 +36,23 @@ from llmgw.bodies import (
 )
 from llmgw.configfile import format_size
 from llmgw.errors import ConfigError
-from llmgw.log import kv
-from llmgw.netaddr import parse_hostport
-from llmgw.relay import NOT_PROCESSED, STREAM_ERROR, relay
-from llmgw.server.httpapi import bearer_token
-from llmgw.server.routing import Endpoint
-from llmgw.upstream import (
+from llmgw.http.errors import (
     UpstreamConnectError,
     UpstreamError,
-    UpstreamPool,
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+from llmgw.http.pool import UpstreamPool
+from llmgw.http.relay import NOT_PROCESSED, STREAM_ERROR, relay
+from llmgw.log import kv
+from llmgw.netaddr import parse_hostport
+from llmgw.server.config import ServerConfig
+from llmgw.server.httpapi import bearer_token
+from llmgw.server.metrics import Metrics
+from llmgw.server.routing import Endpoint, Router
+from llmgw.server.serving import ServingCache
 
-if TYPE_CHECKING:
-    from llmgw.server.app import ControlPlane
-
-__all__ = ["Gateway", "StreamTokenCounter", "openai_error"]
+__all__ = ["Gateway", "GatewayLimits", "StreamTokenCounter", "openai_error"]
 
 log = logging.getLogger("llmgw.server.gateway")
 
@@ -83,7 +87,7 @@ class StreamTokenCounter:
     Linear in the stream: each chunk's line ends are normalised once, only the chunk is
     searched for the end of an event, and an incomplete event is held as a list of pieces
     (joined once, when it ends). An event longer than ``max_event`` bytes raises
-    :class:`~llmgw.upstream.UpstreamProtocolError`, which ends the stream.
+    :class:`~llmgw.http.errors.UpstreamProtocolError`, which ends the stream.
     """
 
     def __init__(self, max_event: int = MAX_SSE_EVENT) -> None:
@@ -155,9 +159,55 @@ class StreamTokenCounter:
         self._pending.append(piece)
 
 
+@dataclass(frozen=True)
+class GatewayLimits:
+    """The settings of server.yaml the request path applies."""
+
+    max_request_body: int
+    max_inflight_body_bytes: int
+    max_response_body: int
+    upstream_idle_timeout: float
+    replica_wait: float
+
+    @classmethod
+    def of(cls, cfg: ServerConfig) -> GatewayLimits:
+        return cls(
+            max_request_body=cfg.max_request_body,
+            max_inflight_body_bytes=cfg.max_inflight_body_bytes,
+            max_response_body=cfg.max_response_body,
+            upstream_idle_timeout=cfg.upstream_idle_timeout,
+            replica_wait=cfg.replica_wait,
+        )
+
+
 class Gateway:
-    def __init__(self, cp: ControlPlane) -> None:
-        self.cp = cp
+    def __init__(
+        self,
+        router: Router,
+        metrics: Metrics,
+        serving: ServingCache,
+        bodies: BodyBudget,
+        limits: GatewayLimits,
+        *,
+        revoked: Callable[[], Set[str]],
+        client_ssl: Callable[[], ssl.SSLContext | None],
+        nodes_connected: Callable[[], int],
+        epoch: int,
+        started_at: float,
+    ) -> None:
+        self.router = router
+        self.metrics = metrics
+        self.serving = serving
+        # The body bytes the process holds at once (the admin API's bodies too).
+        self.bodies = bodies
+        self.limits = limits
+        # The certificate serials the control plane denies (llmgw.server.nodes).
+        self.revoked = revoked
+        # The TLS the gateway presents to agents' data planes (None: plain, in tests).
+        self.client_ssl = client_ssl
+        self.nodes_connected = nodes_connected
+        self.epoch = epoch
+        self.started_at = started_at
         self._session: UpstreamPool | None = None
         self._hostports: dict[str, tuple[str, int]] = {}
 
@@ -166,20 +216,20 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/healthz", self.healthz)
-        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/metrics", self.metrics_page)
 
     @property
     def session(self) -> UpstreamPool:
         """Keep-alive mTLS connections to the agents' data planes (made on first use)."""
         if self._session is None:
             self._session = UpstreamPool(
-                ssl=self.cp.client_ssl_context(),
+                ssl=self.client_ssl(),
                 peer_check=self._agent_certificate_problem,
                 connect_timeout=5.0,
                 # Shorter than the data plane keeps idle connections (300 s), so we close first.
                 idle_timeout=290.0,
-                read_timeout=self.cp.cfg.upstream_idle_timeout,
-                max_body=self.cp.cfg.max_response_body,
+                read_timeout=self.limits.upstream_idle_timeout,
+                max_body=self.limits.max_response_body,
             )
         return self._session
 
@@ -187,7 +237,7 @@ class Gateway:
         """The data plane's certificate must not be one the control plane revoked (an old
         identity after a rekey, or a revoked node's): the CA alone still trusts those."""
         serial = format(x509.load_der_x509_certificate(der).serial_number, "x")
-        if serial in self.cp.membership.revoked:
+        if serial in self.revoked():
             return (
                 f"the data plane of node {node_id} presented certificate {serial}, which was "
                 f"revoked; refusing it (the node must join again: llmgw ctl join-command "
@@ -220,7 +270,7 @@ class Gateway:
         token = bearer_token(request)
         if token is None:
             return False
-        return hashlib.sha256(token).hexdigest() in self.cp.key_hashes
+        return hashlib.sha256(token).hexdigest() in self.serving.key_hashes
 
     def _unauthorized(self, request: web.Request) -> web.Response:
         log.info(
@@ -240,24 +290,22 @@ class Gateway:
         return web.json_response(
             {
                 "status": "ok",
-                "epoch": self.cp.epoch,
-                "nodes": len(self.cp.sessions),
-                "models": self.cp.router.models(),
+                "epoch": self.epoch,
+                "nodes": self.nodes_connected(),
+                "models": self.router.models(),
             }
         )
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(
-            text=self.cp.metrics.render(), content_type="text/plain", charset="utf-8"
-        )
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def models(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return self._unauthorized(request)
-        created = int(self.cp.started_at)
+        created = int(self.started_at)
         data = [
             {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
-            for name in self.cp.router.models()
+            for name in self.router.models()
         ]
         return web.json_response({"object": "list", "data": data})
 
@@ -265,11 +313,10 @@ class Gateway:
         started = time.perf_counter()
         if not self._authorized(request):
             return self._unauthorized(request)
-        cp = self.cp
         # The model is in the body: read up to the largest limit any model has, then hold
         # the body to its own model's.
-        limit = min(cp.largest_body_limit, cp.cfg.max_inflight_body_bytes)
-        budget = cp.bodies
+        limit = min(self.serving.largest_body_limit, self.limits.max_inflight_body_bytes)
+        budget = self.bodies
         try:
             body = await read_body(request, limit, budget)
         except BodyTooLarge as exc:
@@ -295,11 +342,11 @@ class Gateway:
 
     def _too_large(self, size: int | None, limit: int, model: str | None) -> web.Response:
         what = f"{size} bytes" if size is not None else f"more than {format_size(limit)}"
-        cfg = self.cp.cfg
-        if model is not None and model in self.cp.body_limits:
+        cfg = self.limits
+        if model is not None and model in self.serving.body_limits:
             taken = f"model '{model}' takes at most {format_size(limit)}"
             fix = "its catalog profile's max_request_body sets it ('llmgw ctl models apply')"
-        elif limit == cfg.max_inflight_body_bytes and limit < self.cp.largest_body_limit:
+        elif limit == cfg.max_inflight_body_bytes and limit < self.serving.largest_body_limit:
             taken = f"this gateway holds at most {format_size(limit)} of bodies at once"
             fix = "raise max_inflight_body_bytes in server.yaml"
         elif model is None and limit > cfg.max_request_body:
@@ -342,11 +389,11 @@ class Gateway:
             )
         stream = bool(payload.get("stream"))
         del payload  # a parsed body can take many times its size: hold it no longer
-        limit = self.cp.body_limits.get(model, self.cp.cfg.max_request_body)
+        limit = self.serving.body_limits.get(model, self.limits.max_request_body)
         if len(body) > limit:
             return self._too_large(len(body), limit, model)
-        if model not in self.cp.model_names:
-            known = ", ".join(sorted(self.cp.model_names)) or "none"
+        if model not in self.serving.model_names:
+            known = ", ".join(sorted(self.serving.model_names)) or "none"
             return openai_error(
                 404,
                 f"The model '{model}' does not exist. Models on this gateway: {known}.",
@@ -357,11 +404,11 @@ class Gateway:
         tried: set[str] = set()
         busy = 0  # replicas whose agent had no room for the body
         while True:
-            ep = self.cp.router.pick(model, exclude=frozenset(tried))
+            ep = self.router.pick(model, exclude=frozenset(tried))
             if ep is None and not tried:
                 # No ready replica now (its agent may be restarting, a drain may be moving it):
                 # wait a while for one rather than failing at once.
-                ep = await self.cp.router.wait_ready(model, self.cp.cfg.replica_wait)
+                ep = await self.router.wait_ready(model, self.limits.replica_wait)
             if ep is None:
                 if tried and busy == len(tried):
                     return openai_error(
@@ -412,7 +459,7 @@ class Gateway:
         limit: int,
     ) -> web.StreamResponse:
         labels = (ep.model, ep.replica_id)
-        metrics = self.cp.metrics
+        metrics = self.metrics
         ep.inflight += 1
         metrics.inflight.inc(labels)
         status = 0
@@ -494,13 +541,13 @@ class Gateway:
         if counter.usage is not None:
             self._add_usage(model, counter.usage)
         else:
-            self.cp.metrics.tokens.inc((model, "completion"), counter.events)
+            self.metrics.tokens.inc((model, "completion"), counter.events)
 
     def _add_usage(self, model: str, usage: dict[str, Any]) -> None:
         for kind in ("prompt", "completion"):
             value = usage.get(f"{kind}_tokens")
             if isinstance(value, int):
-                self.cp.metrics.tokens.inc((model, kind), value)
+                self.metrics.tokens.inc((model, kind), value)
 
 
 def _sentence(exc: Exception) -> str:

@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
 
 from cryptography import x509
 
 from llmgw.errors import Conflict, LlmgwError, NotFound
 from llmgw.log import kv
-from llmgw.pki import check_csr, fingerprint, load_csr, serial_hex, sign_csr
+from llmgw.pki import Authority, check_csr, fingerprint, load_csr, serial_hex, sign_csr
 from llmgw.proto import control_pb2 as pb
+from llmgw.server.reports import store_inventory
+from llmgw.server.routing import Router
+from llmgw.server.scheduler import Scheduler
+from llmgw.server.states import NodeState
+from llmgw.server.store import Node, Store
 from llmgw.server.stream import NodeSession
-
-if TYPE_CHECKING:
-    from llmgw.server.app import ControlPlane
 
 __all__ = ["Membership"]
 
@@ -35,12 +37,39 @@ RENEWED = "replaced by a renewal"
 
 
 class Membership:
-    def __init__(self, cp: ControlPlane) -> None:
-        self.cp = cp
+    def __init__(
+        self,
+        store: Store,
+        scheduler: Scheduler,
+        router: Router,
+        *,
+        sessions: Mapping[str, NodeSession],
+        ca: Authority,
+        cert_lifetime: float,
+        forget_node: Callable[[str], None] = lambda node_id: None,
+    ) -> None:
+        self.store = store
+        self.scheduler = scheduler
+        self.router = router
+        self.sessions = sessions
+        self.ca = ca
+        self.cert_lifetime = cert_lifetime
+        # Drops the data-plane connections pooled to a node (the gateway's).
+        self.forget_node = forget_node
         self.revoked: set[str] = set()
 
     def load(self) -> None:
-        self.revoked = self.cp.store.revoked_serials()
+        self.revoked = self.store.revoked_serials()
+
+    def enrolled(self, node: Node) -> None:
+        """A fresh join or a rekey denied the node's older certificates: drop the stream that
+        uses one, so the agent reconnects with its new identity."""
+        self.load()
+        session = self.sessions.get(node.id)
+        if session is not None and session.serial in self.revoked:
+            session.close()
+        # Pooled data-plane connections may still be to the old identity.
+        self.forget_node(node.id)
 
     # -- streams ---------------------------------------------------------------------------------
 
@@ -59,28 +88,28 @@ class Membership:
                 )
             return f"certificate {serial} of node {node_id} was revoked; {rejoin}"
         try:
-            node = self.cp.store.get_node(node_id)
+            node = self.store.get_node(node_id)
         except NotFound:
             return None
-        if node.state == "revoked":
+        if node.state == NodeState.REVOKED:
             return f"node {node_id} is revoked; {rejoin}"
         return None
 
     def _replaced_by_renewal(self, node_id: str, serial: str) -> bool:
         try:
-            node = self.cp.store.get_node(node_id)
+            node = self.store.get_node(node_id)
         except NotFound:
             return False
-        if node.state != "approved":
+        if node.state != NodeState.APPROVED:
             return False
         return any(
             c.serial == serial and c.reason == RENEWED
-            for c in self.cp.store.list_certificates(node_id)
+            for c in self.store.list_certificates(node_id)
         )
 
     def admit(self, node_id: str, cert: x509.Certificate) -> None:
         """Record the node (pending when new) and the certificate it connected with."""
-        store = self.cp.store
+        store = self.store
         fp = fingerprint(cert.public_key())
         serial = serial_hex(cert)
         with store.transaction():
@@ -93,7 +122,7 @@ class Membership:
                 store.upsert_node(
                     node_id, dataplane_addr=None, agent_version=None, inventory={}, connected=True
                 )
-                store.set_node_state(node_id, "pending")
+                store.set_node_state(node_id, NodeState.PENDING)
                 store.add_event("node_pending", node_id, f"awaiting approval, key {fp}")
             store.set_node_fingerprint(node_id, fp)
             if serial not in {c.serial for c in store.list_certificates(node_id)}:
@@ -110,11 +139,11 @@ class Membership:
     # -- operator decisions ------------------------------------------------------------------------
 
     def approve(self, node_id: str, fp: str) -> None:
-        store = self.cp.store
+        store = self.store
         node = store.get_node(node_id)
-        if node.state == "approved":
+        if node.state == NodeState.APPROVED:
             raise Conflict(f"node {node_id} is already approved")
-        if node.state == "revoked":
+        if node.state == NodeState.REVOKED:
             raise Conflict(
                 f"node {node_id} is revoked; it can come back only through a fresh join "
                 f"('llmgw ctl join-command --node {node_id}')"
@@ -129,27 +158,29 @@ class Membership:
                 f"fingerprint {fp} does not match node {node_id}'s key {node.fingerprint}; do not "
                 "approve: compare with what 'llmgw agent join' printed on the node"
             )
-        store.set_node_state(node_id, "approved")
+        store.set_node_state(node_id, NodeState.APPROVED)
         store.add_event("node_approved", node_id, f"key {node.fingerprint}")
         log.info("node approved", extra=kv(node=node_id))
-        session = self.cp.sessions.get(node_id)
+        session = self.sessions.get(node_id)
         if session is not None:
             session.approved = True
             held, session.held_inventory = session.held_inventory, None
             if held is not None:
                 # What it reported while pending (only a summary was stored).
-                self.cp.store_inventory(session, held)
+                store_inventory(store, session, held)
             session.send(
                 pb.ServerMessage(
-                    node_state=pb.NodeState(state="approved", message="approved by an operator")
+                    node_state=pb.NodeState(
+                        state=NodeState.APPROVED, message="approved by an operator"
+                    )
                 )
             )
-        self.cp.scheduler.kick()
+        self.scheduler.kick()
 
     def reject(self, node_id: str) -> None:
-        store = self.cp.store
+        store = self.store
         node = store.get_node(node_id)
-        if node.state != "pending":
+        if node.state != NodeState.PENDING:
             raise Conflict(
                 f"node {node_id} is {node.state}, not pending; to throw out an admitted node use "
                 f"'llmgw ctl revoke {node_id}'"
@@ -161,44 +192,41 @@ class Membership:
         self._cut(node_id)
 
     def revoke(self, node_id: str) -> list[str]:
-        store = self.cp.store
+        store = self.store
         node = store.get_node(node_id)
         serials = store.revoke_certificates(node_id, reason="revoked by an operator")
         self.revoked.update(serials)
-        if node.state == "revoked" and not serials:
+        if node.state == NodeState.REVOKED and not serials:
             raise Conflict(f"node {node_id} is already revoked")
-        store.set_node_state(node_id, "revoked")
+        store.set_node_state(node_id, NodeState.REVOKED)
         store.add_event("node_revoked", node_id, f"denied certificates {', '.join(serials) or '-'}")
         log.warning("node revoked", extra=kv(node=node_id, serials=",".join(serials)))
         # Its replicas are stopped there (the orders go out before the stream is cut) and
         # rebuilt elsewhere.
         replicas = {s.replica_id for s in store.list_shards(node_id=node_id)}
         for replica_id in replicas:
-            self.cp.remove_replica(replica_id, why=f"node {node_id} revoked")
+            self.scheduler.remove_replica(replica_id, why=f"node {node_id} revoked")
         self._cut(node_id)
-        self.cp.scheduler.kick()
+        self.scheduler.kick()
         return serials
 
     def _cut(self, node_id: str) -> None:
-        self.cp.router.remove_node(node_id)
-        gateway = getattr(self.cp, "gateway", None)
-        if gateway is not None:
-            gateway.forget_node(node_id)
-        session = self.cp.sessions.get(node_id)
+        self.router.remove_node(node_id)
+        self.forget_node(node_id)
+        session = self.sessions.get(node_id)
         if session is not None:
             session.close()
 
     # -- renewal -------------------------------------------------------------------------------------
 
     def renew(self, session: NodeSession, csr_pem: str) -> None:
-        store = self.cp.store
-        ca = self.cp.ca
-        assert ca is not None
+        store = self.store
+        ca = self.ca
         try:
             node = store.get_node(session.node_id)
-            if node.state == "revoked":
+            if node.state == NodeState.REVOKED:
                 raise Conflict(f"node {session.node_id} is revoked")
-            if node.state != "approved" or not session.approved:
+            if node.state != NodeState.APPROVED or not session.approved:
                 raise Conflict(
                     f"node {session.node_id} is {node.state}: certificates are renewed only "
                     "for approved nodes; compare its fingerprint and approve it first ('llmgw "
@@ -206,7 +234,7 @@ class Membership:
                 )
             csr = load_csr(csr_pem)
             check_csr(csr, session.node_id)
-            cert = sign_csr(ca, csr, node_id=session.node_id, lifetime=self.cp.cfg.cert_lifetime)
+            cert = sign_csr(ca, csr, node_id=session.node_id, lifetime=self.cert_lifetime)
         except LlmgwError as exc:
             log.warning("refused a renewal", extra=kv(node=session.node_id, error=str(exc)))
             session.send(pb.ServerMessage(renew_certificate=pb.RenewCertificate(error=str(exc))))

@@ -19,22 +19,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from llmgw.contracts.catalog import Profile as CatalogProfile
+from llmgw.contracts.catalog import adhoc_profile, parse_profile
 from llmgw.engines.launch import worker_port_base
 from llmgw.errors import ConfigError, NotFound
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
-from llmgw.server.catalog import Profile as CatalogProfile
-from llmgw.server.catalog import adhoc_profile, parse_profile
 from llmgw.server.placement import Allocation, Cluster, GpuView, NodeView
 from llmgw.server.placement import Profile as PlacementProfile
 from llmgw.server.placement import Unplaceable as PlacementUnplaceable
-from llmgw.server.store import Model, Shard
-
-if TYPE_CHECKING:
-    from llmgw.server.app import ControlPlane
+from llmgw.server.routing import Router
+from llmgw.server.states import NodeState, ReplicaState, ShardState
+from llmgw.server.store import Model, Shard, Store
+from llmgw.server.stream import NodeSession
 
 __all__ = ["Scheduler", "restart_delay"]
 
@@ -76,8 +76,23 @@ class _NoRoom(Exception):
 
 
 class Scheduler:
-    def __init__(self, cp: ControlPlane, interval: float = 1.0) -> None:
-        self.cp = cp
+    def __init__(
+        self,
+        store: Store,
+        router: Router,
+        *,
+        sessions: Mapping[str, NodeSession],
+        lost: Set[str],
+        on_routes_changed: Callable[[], None] = lambda: None,
+        interval: float = 1.0,
+    ) -> None:
+        self.store = store
+        self.router = router
+        # The live streams (node id -> session) and the nodes lost, as llmgw.server.sessions
+        # keeps them; read only here.
+        self.sessions = sessions
+        self.lost = lost
+        self.on_routes_changed = on_routes_changed
         self.interval = interval
         self._kick = asyncio.Event()
         # Consecutive failures per shard, reset when it becomes ready.
@@ -113,7 +128,7 @@ class Scheduler:
     # -- one pass ------------------------------------------------------------------------------
 
     def reconcile(self) -> None:
-        store = self.cp.store
+        store = self.store
         self._pass_cluster = None
         self._drain_step()
         self._pass_cluster = self._cluster()
@@ -138,49 +153,49 @@ class Scheduler:
             elif missing < 0:
                 # Stop the least useful first: not ready before ready, newest first.
                 candidates = [r for r in replicas if r.id not in moving]
-                order = sorted(candidates, key=lambda r: (r.state == "ready", -r.created_at))
+                order = sorted(
+                    candidates, key=lambda r: (r.state == ReplicaState.READY, -r.created_at)
+                )
                 for replica in order[:-missing]:
-                    self.cp.remove_replica(
-                        replica.id, why=f"scaled {model.name} to {model.replicas}"
-                    )
+                    self.remove_replica(replica.id, why=f"scaled {model.name} to {model.replicas}")
             if missing <= 0 and model.name not in self.rolling:
                 self.unplaceable.pop(model.name, None)
         now = time.monotonic()
         for shard in store.list_shards():
-            session = self.cp.sessions.get(shard.node_id)
+            session = self.sessions.get(shard.node_id)
             if session is None or not session.approved:
                 # A pending node gets no orders, and what it says of shards is not heard
                 # (llmgw.server.intake): a shard of its (from before a purge and a fresh
                 # join) waits here until an operator approves it.
                 continue
-            if shard.state == "failed" and self._multi_node(shard):
+            if shard.state == ShardState.FAILED and self._multi_node(shard):
                 # A worker or rank 0 of a multi-node replica failed: the others cannot go on
                 # alone (rank 0 exits when a worker dies); rebuild the whole replica.
-                self.cp.remove_replica(shard.replica_id, why=f"shard {shard.id} failed; rebuilding")
+                self.remove_replica(shard.replica_id, why=f"shard {shard.id} failed; rebuilding")
                 self.kick()
                 continue
-            if shard.state == "failed":
+            if shard.state == ShardState.FAILED:
                 failures = self.failures.get(shard.id, 1)
                 failed_at = self.failed_at.setdefault(shard.id, now)
                 if now - failed_at >= restart_delay(failures):
                     self._restart(shard)
-            elif shard.state == "pending":
+            elif shard.state == ShardState.PENDING:
                 self._send_start(shard)
 
     def _cluster(self) -> Cluster:
         """What the placement engine sees this pass."""
-        store = self.cp.store
+        store = self.store
         views = []
         for node in store.list_nodes():
-            session = self.cp.sessions.get(node.id)
+            session = self.sessions.get(node.id)
             inv = node.inventory
             views.append(
                 NodeView(
                     id=node.id,
-                    approved=node.state == "approved",
+                    approved=node.state == NodeState.APPROVED,
                     connected=session is not None and not session.draining,
                     draining=node.draining,
-                    lost=node.id in self.cp.lost,
+                    lost=node.id in self.lost,
                     engines=session.engines if session is not None else frozenset(),
                     gpus=tuple(
                         GpuView(
@@ -209,7 +224,7 @@ class Scheduler:
         return parse_profile(stored, model=model.name, profile=model.profile, source="<store>")
 
     def _place_replica(self, model: Model) -> str | None:
-        store = self.cp.store
+        store = self.store
         profile = self._profile(model)
         cluster = self._pass_cluster if self._pass_cluster is not None else self._cluster()
         wanted = PlacementProfile(
@@ -231,7 +246,7 @@ class Scheduler:
                 if len(shards) > 1:
                     addr = self._dist_init_addr(profile.engine, [sh.node_id for sh in shards])
                     shards = [store.update_shard(sh.id, dist_init_addr=addr) for sh in shards]
-                store.set_replica_state(replica.id, "starting")
+                store.set_replica_state(replica.id, ReplicaState.STARTING)
         except _NoRoom as exc:
             self._note_unplaceable(model.name, exc.why.summary(limit=8))
             return None
@@ -252,7 +267,7 @@ class Scheduler:
         previous = self.unplaceable.get(model)
         if previous is None or previous.reason != reason:
             self.unplaceable[model] = Unplaceable(model, reason, time.time())
-            self.cp.store.add_event("unplaceable", model, f"cannot place a replica: {reason}")
+            self.store.add_event("unplaceable", model, f"cannot place a replica: {reason}")
             log.warning("cannot place a replica", extra=kv(model=model, reason=reason))
 
     def _dist_init_addr(self, engine: str, node_ids: list[str]) -> str:
@@ -264,7 +279,7 @@ class Scheduler:
         convention). Where rank 0 dials its workers (llama.cpp), each worker's endpoint
         binds that port on its own node (50052 upwards, ``rpc-server``'s default), which is
         why the port must be free on every node of the replica, not on rank 0's alone."""
-        store = self.cp.store
+        store = self.store
         host = _host_of(store.get_node(node_ids[0]).dataplane_addr or "") or "127.0.0.1"
         used = {
             _port_of(sh.dist_init_addr)
@@ -285,8 +300,8 @@ class Scheduler:
         if shard.rank != 0 or not shard.dist_init_addr or worker_port_base(engine) is None:
             return False
         return any(
-            sh.rank > 0 and sh.state != "ready"
-            for sh in self.cp.store.list_shards(replica_id=shard.replica_id)
+            sh.rank > 0 and sh.state != ShardState.READY
+            for sh in self.store.list_shards(replica_id=shard.replica_id)
         )
 
     def _endpoints(self, shard: Shard, engine: str) -> tuple[list[str], str]:
@@ -296,7 +311,7 @@ class Scheduler:
         port; empty for the others."""
         if worker_port_base(engine) is None or not shard.dist_init_addr:
             return [], ""
-        store = self.cp.store
+        store = self.store
         port = _port_of(shard.dist_init_addr)
         if not port:
             return [], ""  # the engine's builder refuses the shard, saying what is missing
@@ -316,7 +331,7 @@ class Scheduler:
     # -- drain: replacement first, one replica at a time ----------------------------------------
 
     def _drain_step(self) -> None:
-        store = self.cp.store
+        store = self.store
         draining = [n for n in store.list_nodes() if n.draining]
         # Finish or abandon moves in progress.
         for original, replacement in list(self.moves.items()):
@@ -331,10 +346,10 @@ class Scheduler:
             except NotFound:
                 del self.moves[original]  # the replacement was lost; try again next pass
                 continue
-            if any(ep.replica_id == replacement for ep in self.cp.router.endpoints()):
+            if any(ep.replica_id == replacement for ep in self.router.endpoints()):
                 del self.moves[original]
                 from_node = self.move_nodes.pop(original, "?")
-                self.cp.remove_replica(original, why=f"moved off {from_node} (drain)")
+                self.remove_replica(original, why=f"moved off {from_node} (drain)")
                 store.add_event("drain_moved", from_node, f"{original} -> {replacement}")
         for node in draining:
             if any(self.move_nodes.get(o) == node.id for o in self.moves):
@@ -371,8 +386,8 @@ class Scheduler:
         stops (as in a drain). With no room for one more, a model that has other replicas
         serving gives up one old replica first; one with a single replica waits for room,
         and its unplaceable reason says why."""
-        store = self.cp.store
-        routable = {ep.replica_id for ep in self.cp.router.endpoints()}
+        store = self.store
+        routable = {ep.replica_id for ep in self.router.endpoints()}
         for original, replacement in list(self.rolls.items()):
             try:
                 old = store.get_replica(original)
@@ -382,7 +397,7 @@ class Scheduler:
                 continue
             if replacement in routable:
                 del self.rolls[original]
-                self.cp.remove_replica(
+                self.remove_replica(
                     original, why=f"replaced by {replacement} (profile {old.profile} retired)"
                 )
                 store.add_event("profile_replaced", old.model, f"{original} -> {replacement}")
@@ -404,7 +419,7 @@ class Scheduler:
             # reconcile places its successor with the new profile.
             idle = [r for r in stale if r.id not in routable]
             for replica in idle:
-                self.cp.remove_replica(
+                self.remove_replica(
                     replica.id, why=f"{model.name} now deploys profile {model.profile}"
                 )
             if idle:
@@ -414,7 +429,7 @@ class Scheduler:
             if placed is None:
                 serving = [r for r in store.list_replicas(model.name) if r.id in routable]
                 if len(serving) > 1:
-                    self.cp.remove_replica(
+                    self.remove_replica(
                         oldest.id,
                         why=f"making room for profile {model.profile} of {model.name}",
                     )
@@ -433,10 +448,10 @@ class Scheduler:
     def _multi_node(self, shard: Shard) -> bool:
         if shard.rank > 0:
             return True
-        return len(self.cp.store.list_shards(replica_id=shard.replica_id)) > 1
+        return len(self.store.list_shards(replica_id=shard.replica_id)) > 1
 
     def drain_progress(self, node_id: str) -> dict[str, object]:
-        store = self.cp.store
+        store = self.store
         replicas = sorted({s.replica_id for s in store.list_shards(node_id=node_id)})
         moving = [
             {"replica": o, "replacement": r}
@@ -452,8 +467,8 @@ class Scheduler:
         }
 
     def _send_start(self, shard: Shard) -> None:
-        store = self.cp.store
-        session = self.cp.sessions.get(shard.node_id)
+        store = self.store
+        session = self.sessions.get(shard.node_id)
         if session is None:
             return
         replica = store.get_replica(shard.replica_id)
@@ -489,7 +504,9 @@ class Scheduler:
             worker_addrs=worker_addrs,
             listen_addr=listen_addr,
         )
-        store.update_shard(shard.id, state="starting", op_id=op_id, reason="", exit_code=None)
+        store.update_shard(
+            shard.id, state=ShardState.STARTING, op_id=op_id, reason="", exit_code=None
+        )
 
     def _restart(self, shard: Shard) -> None:
         failures = self.failures.get(shard.id, 1)
@@ -497,14 +514,26 @@ class Scheduler:
             "restarting a failed shard",
             extra=kv(shard=shard.id, node=shard.node_id, failures=failures),
         )
-        self.cp.store.add_event(
+        self.store.add_event(
             "shard_restart", shard.id, f"restart {shard.restarts + 1} on {shard.node_id}"
         )
-        self.cp.store.update_shard(shard.id, restarts=shard.restarts + 1)
+        self.store.update_shard(shard.id, restarts=shard.restarts + 1)
         self.failed_at.pop(shard.id, None)
         self._send_start(shard)
 
     # -- feedback from agents ------------------------------------------------------------------
+
+    def remove_replica(self, replica_id: str, *, why: str) -> None:
+        """Stop a replica's shards where they run, forget them and delete the replica."""
+        for shard in self.store.list_shards(replica_id=replica_id):
+            self.router.remove_shard(shard.id)
+            session = self.sessions.get(shard.node_id)
+            if session is not None:
+                session.stop_shard(shard.id)
+            self.forget(shard.id)
+        self.store.delete_replica(replica_id)
+        self.store.add_event("replica_removed", replica_id, why)
+        self.on_routes_changed()
 
     def shard_failed(self, shard_id: str) -> None:
         self.failures[shard_id] = self.failures.get(shard_id, 0) + 1

@@ -13,9 +13,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 from cryptography import x509
@@ -26,11 +25,15 @@ from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.intake import Intake, hello_problem, trim_hello
+from llmgw.server.store import Store
 
-if TYPE_CHECKING:
-    from llmgw.server.app import ControlPlane
-
-__all__ = ["ControlPlaneService", "NodeSession", "peer_common_name"]
+__all__ = [
+    "ControlPlaneService",
+    "NodeSession",
+    "SessionHandler",
+    "UpdateHandler",
+    "peer_common_name",
+]
 
 log = logging.getLogger("llmgw.server.stream")
 
@@ -123,6 +126,30 @@ class NodeSession:
         self.queue.put_nowait(None)
 
 
+class SessionHandler(Protocol):
+    """What a stream asks of the session life cycle (llmgw.server.sessions)."""
+
+    def refusal(self, node_id: str, cert: x509.Certificate | None) -> str | None: ...
+
+    def open(self, hello: pb.Hello, peer: str, cert: x509.Certificate) -> NodeSession: ...
+
+    def node_state(self, node_id: str) -> str: ...
+
+    def after_hello(self, session: NodeSession, hello: pb.Hello) -> None: ...
+
+    def close(self, session: NodeSession) -> None: ...
+
+    def on_message(self, session: NodeSession, msg: pb.AgentMessage) -> None: ...
+
+
+class UpdateHandler(Protocol):
+    """What a stream tells the update orders (llmgw.server.updates)."""
+
+    def on_connect(self, session: NodeSession) -> None: ...
+
+    def on_status(self, session: NodeSession, status: pb.UpdateStatus) -> None: ...
+
+
 async def _refuse_garbage(
     context: grpc.aio.ServicerContext, peer: str, node: str | None, exc: DecodeError
 ) -> None:
@@ -161,19 +188,33 @@ def peer_common_name(context: grpc.aio.ServicerContext) -> str | None:
 
 
 class ControlPlaneService(pb_grpc.ControlPlaneServicer):
-    """Accepts agent streams and hands their messages to the control plane."""
+    """Accepts agent streams and hands their messages to the session life cycle."""
 
     def __init__(
-        self, cp: ControlPlane, on_session_end: Callable[[NodeSession], None] | None = None
+        self,
+        store: Store,
+        sessions: SessionHandler,
+        updates: UpdateHandler,
+        *,
+        cluster_id: str,
+        epoch: int,
+        heartbeat_interval: float,
+        cert_lifetime: float,
     ) -> None:
-        self.cp = cp
+        self.store = store
+        self.sessions = sessions
+        self.updates = updates
+        self.cluster_id = cluster_id
+        self.epoch = epoch
+        self.heartbeat_interval = heartbeat_interval
+        self.cert_lifetime = cert_lifetime
         # Per node, across its reconnections (llmgw.server.intake).
         self._intakes: dict[str, Intake] = {}
 
     def _intake(self, node_id: str) -> Intake:
         intake = self._intakes.get(node_id)
         if intake is None:
-            lifetime = float(self.cp.cfg.cert_lifetime)
+            lifetime = float(self.cert_lifetime)
             intake = Intake(node_id, renewal_interval=min(60.0, lifetime / 4))
             self._intakes[node_id] = intake
         return intake
@@ -219,7 +260,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             )
             if self._intake(cn or "?").record_refusal():
                 log.warning("refused a stream", extra=kv(peer=peer, claimed=claimed, cert_cn=cn))
-                self.cp.store.add_event("stream_refused", claimed or "?", message)
+                self.store.add_event("stream_refused", claimed or "?", message)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
         problem = hello_problem(hello)
         if problem is not None:
@@ -228,35 +269,35 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         trim_hello(hello)
         cert = peer_certificate(context)
-        refusal = self.cp.certificate_refusal(hello.node_id, cert)
+        refusal = self.sessions.refusal(hello.node_id, cert)
         if refusal is not None:
             if self._intake(hello.node_id).record_refusal():
                 log.warning(
                     "refused a stream", extra=kv(peer=peer, node=hello.node_id, reason=refusal)
                 )
-                self.cp.store.add_event("stream_refused", hello.node_id, refusal)
+                self.store.add_event("stream_refused", hello.node_id, refusal)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         assert cert is not None
         intake = self._intake(hello.node_id)
         too_often = intake.admit_stream()
         if too_often is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_often)
-        session = self.cp.open_session(hello, peer, cert)
+        session = self.sessions.open(hello, peer, cert)
         session.intake = intake
         await context.write(
             pb.ServerMessage(
                 welcome=pb.Welcome(
-                    cluster_id=self.cp.cluster_id,
-                    epoch=self.cp.epoch,
-                    heartbeat_interval_s=self.cp.cfg.heartbeat_interval,
+                    cluster_id=self.cluster_id,
+                    epoch=self.epoch,
+                    heartbeat_interval_s=self.heartbeat_interval,
                     node_id=session.node_id,
-                    node_state=self.cp.node_state(session.node_id),
+                    node_state=self.sessions.node_state(session.node_id),
                 )
             )
         )
-        self.cp.after_hello(session, hello)
+        self.sessions.after_hello(session, hello)
         # An update ordered while the node was away goes out now (unless it expired).
-        self.cp.updates.on_connect(session)
+        self.updates.on_connect(session)
         reader = asyncio.create_task(self._read(context, session), name=f"read-{session.node_id}")
         try:
             while True:
@@ -267,7 +308,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
-            self.cp.close_session(session)
+            self.sessions.close(session)
         if session.intake is not None and session.intake.abuse is not None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, session.intake.abuse)
         if session.garbage is not None:
@@ -290,14 +331,14 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                         log.warning(
                             "closing a stream", extra=kv(node=session.node_id, reason=intake.abuse)
                         )
-                        self.cp.store.add_event("stream_closed", session.node_id, intake.abuse)
+                        self.store.add_event("stream_closed", session.node_id, intake.abuse)
                         break
                     continue
                 if msg.WhichOneof("msg") == "update_status":
                     session.last_heartbeat = time.monotonic()
-                    self.cp.updates.on_status(session, msg.update_status)
+                    self.updates.on_status(session, msg.update_status)
                     continue
-                self.cp.on_agent_message(session, msg)
+                self.sessions.on_message(session, msg)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -28,7 +28,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from llmgw.engines.launch import EngineSpec, build_command
+from llmgw.engines.launch import build_command
+from llmgw.engines.spec import EngineSpec
 from tests.ci import unavailable
 from tests.integration.harness import (
     Server,

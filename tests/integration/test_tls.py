@@ -32,7 +32,7 @@ from llmgw.agent.service import bundle_download_ssl_context
 from llmgw.cli import main
 from llmgw.server.app import ControlPlane
 from llmgw.server.config import load_server_config
-from llmgw.server.standby import LEADER_HTTP
+from llmgw.server.leadership import LEADER_HTTP
 from tests.ci import require_tools
 from tests.oneliner import make_bundle, run_one_liner
 

@@ -27,7 +27,7 @@ def banner_of(state_dir: Path, *, password: bool = False) -> str:
     if password:
         password_file.write_text("x\n")
     stand_in: Any = SimpleNamespace(
-        http_addr="127.0.0.1:18080", updates=SimpleNamespace(password_file=password_file)
+        http_addr="127.0.0.1:18080", password=SimpleNamespace(password_file=password_file)
     )
     cluster.cp = stand_in
     return cluster.banner()

@@ -32,7 +32,8 @@ import docker.types
 import docker.utils
 
 from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord
-from llmgw.engines.launch import EngineSpec, build_argv, build_command, self_argv
+from llmgw.engines.launch import build_argv, build_command, self_argv
+from llmgw.engines.spec import EngineSpec
 from llmgw.errors import EngineError, ShardError
 from llmgw.log import kv
 

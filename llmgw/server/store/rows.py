@@ -15,6 +15,7 @@ import sqlite3
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from llmgw.contracts.catalog import DEFAULT_PROFILE
 from llmgw.server.states import NodeState, ReplicaState, ShardState, TokenKind
 from llmgw.server.tokens import JoinToken
 
@@ -32,9 +33,6 @@ __all__ = [
     "dump_json",
     "join_token_from_row",
 ]
-
-DEFAULT_PROFILE = "default"
-"""The profile a model deploys when none is named (the column's default)."""
 
 
 @dataclass(frozen=True)

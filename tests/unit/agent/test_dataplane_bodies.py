@@ -19,7 +19,7 @@ from aiohttp import web
 
 from llmgw.agent.dataplane import DataPlane
 from llmgw.bodies import MAX_BODY_HEADER
-from llmgw.relay import NOT_PROCESSED
+from llmgw.http.relay import NOT_PROCESSED
 from tests.unit.serving import serving
 
 pytestmark = pytest.mark.timeout(60)

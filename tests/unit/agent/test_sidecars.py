@@ -36,10 +36,11 @@ from llmgw.agent.sidecars import (
     SidecarSpec,
 )
 from llmgw.agent.stream import StreamClient
-from llmgw.engines.rendezvous import JOINED
-from llmgw.engines.sim import SimConfig, generate
 from llmgw.errors import ShardError
 from llmgw.proto import control_pb2 as pb
+from llmgw.sim.config import SimConfig
+from llmgw.sim.generate import generate
+from llmgw.sim.rendezvous import JOINED
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -7,15 +7,9 @@ from dataclasses import replace
 import pytest
 
 from llmgw.engines import launch
-from llmgw.engines.launch import (
-    AVAILABLE_ENGINES,
-    EngineCommand,
-    EngineSpec,
-    build_argv,
-    build_command,
-    check_params,
-    self_argv,
-)
+from llmgw.engines.launch import build_argv, build_command, check_params, self_argv
+from llmgw.engines.registry import AVAILABLE_ENGINES
+from llmgw.engines.spec import EngineCommand, EngineSpec
 from llmgw.errors import EngineError
 
 TWO_GPUS = ("GPU-aaaa", "GPU-bbbb")
@@ -524,6 +518,9 @@ def test_extra_args_come_last_on_rank0(engine: str) -> None:
         ({"nodes": 2, "dist_init_addr": "10.0.0.1"}, "host:port"),
         ({"nodes": 2, "dist_init_addr": "10.0.0.1:99999"}, "host:port"),
         ({"nodes": 2, "dist_init_addr": ":29500"}, "host:port"),
+        # One host:port syntax (llmgw.netaddr): IPv6 in brackets, hosts that are names.
+        ({"nodes": 2, "dist_init_addr": "fd00::1:29500"}, "needs brackets"),
+        ({"nodes": 2, "dist_init_addr": "bad host:29500"}, "not a valid host name"),
         ({"nodes": 2, "rank": 2}, r"rank 2 is not in 0\.\.1"),
         ({"nodes": 0}, "nodes must be at least 1"),
         ({"port": 0}, "port 0"),

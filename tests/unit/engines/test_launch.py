@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from llmgw.engines import launch
-from llmgw.engines.launch import AVAILABLE_ENGINES, build_argv, self_argv
+from llmgw.engines.launch import build_argv, self_argv
+from llmgw.engines.registry import AVAILABLE_ENGINES
 from llmgw.errors import EngineError
 
 

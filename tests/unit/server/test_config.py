@@ -62,7 +62,7 @@ INVALID = [
     ("max_request_body: 512MiB\n", "max_inflight_body_bytes", "less than max_request_body"),
     ("max_response_body: 0\n", "max_response_body", "at least 1 KiB"),
     ("upstream_idle_timeout: 0s\n", "upstream_idle_timeout", "from 1 s to 1 d"),
-    ("upstream_idle_timeout: soon\n", "upstream_idle_timeout", "a duration like 90s"),
+    ("upstream_idle_timeout: soon\n", "upstream_idle_timeout", "a duration like 500ms, 30s"),
 ]
 
 
@@ -220,6 +220,24 @@ def test_replica_wait_accepts_durations_and_refuses_out_of_range(tmp_path: Path)
     with pytest.raises(ConfigError) as info:
         load_server_config(cfg)
     assert f"{cfg}: replica_wait: must be between 0 and 600 seconds" in str(info.value)
+
+
+def test_durations_take_the_one_syntax_of_llmgw_durations(tmp_path: Path) -> None:
+    """New with issue 12: server.yaml reads durations as catalog.yaml and ctl do, so
+    milliseconds and a quoted number of seconds are accepted, a negative one refused."""
+    from llmgw.errors import ConfigError
+    from llmgw.server.config import load_server_config
+
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text('replica_wait: 500ms\nupstream_idle_timeout: "90"\ncert_lifetime: 30d\n')
+    loaded = load_server_config(cfg)
+    assert loaded.replica_wait == 0.5
+    assert loaded.upstream_idle_timeout == 90.0
+    assert loaded.cert_lifetime == 30 * 86400.0
+    cfg.write_text("replica_wait: -1\n")
+    with pytest.raises(ConfigError) as info:
+        load_server_config(cfg)
+    assert f"{cfg}: replica_wait: must be a duration of 0 s or more" in str(info.value)
 
 
 def test_tls_is_off_by_default_cluster_or_the_operators_files(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
 import openai
@@ -26,9 +26,9 @@ from aiohttp import web
 
 from llmgw import bodies
 from llmgw.bodies import MAX_BODY_HEADER, BodyBudget
-from llmgw.relay import NOT_PROCESSED
+from llmgw.http.relay import NOT_PROCESSED
 from llmgw.server.config import load_server_config
-from llmgw.server.gateway import MAX_SSE_EVENT, Gateway
+from llmgw.server.gateway import MAX_SSE_EVENT, Gateway, GatewayLimits
 from llmgw.server.metrics import Metrics
 from llmgw.server.routing import Endpoint, Router
 from tests.unit.serving import serving
@@ -171,18 +171,15 @@ def control_plane(port: int, **cfg_changes: Any) -> Any:
         router.set_ready(Endpoint(model, f"r-{model}", model, "engine", f"127.0.0.1:{port}"))
     return SimpleNamespace(
         cfg=cfg,
-        key_hashes={hashlib.sha256(KEY.encode()).hexdigest()},
-        model_names=set(BEHAVIOURS),
-        body_limits={},
-        largest_body_limit=cfg.max_request_body,
+        serving=SimpleNamespace(
+            key_hashes={hashlib.sha256(KEY.encode()).hexdigest()},
+            model_names=set(BEHAVIOURS),
+            body_limits={},
+            largest_body_limit=cfg.max_request_body,
+        ),
         bodies=BodyBudget(cfg.max_inflight_body_bytes),
         router=router,
         metrics=Metrics(),
-        membership=SimpleNamespace(revoked=set()),
-        client_ssl_context=lambda: None,  # plain HTTP to the stand-in data plane
-        started_at=time.time(),
-        epoch=1,
-        sessions={},
     )
 
 
@@ -201,7 +198,18 @@ def run(body: Callable[[Rig], Awaitable[None]], **cfg_changes: Any) -> None:
         async with serving(engine_app(engine)) as engine_port:
             engine.port = engine_port
             cp = control_plane(engine_port, **cfg_changes)
-            gateway = Gateway(cast(Any, cp))
+            gateway = Gateway(
+                cp.router,
+                cp.metrics,
+                cp.serving,
+                cp.bodies,
+                GatewayLimits.of(cp.cfg),
+                revoked=set,
+                client_ssl=lambda: None,  # plain HTTP to the stand-in data plane
+                nodes_connected=lambda: 0,
+                epoch=1,
+                started_at=time.time(),
+            )
             app = web.Application(client_max_size=MIB)
             gateway.add_routes(app)
             app.on_cleanup.append(lambda _app: gateway.close())
@@ -402,8 +410,8 @@ def test_a_chunked_body_is_counted_and_refused_past_the_limit() -> None:
 
 def test_a_profile_raises_the_limit_for_its_model_and_the_data_plane_is_told() -> None:
     async def body(rig: Rig) -> None:
-        rig.cp.body_limits = {"ok-big": 3 * MIB}
-        rig.cp.largest_body_limit = 3 * MIB
+        rig.cp.serving.body_limits = {"ok-big": 3 * MIB}
+        rig.cp.serving.largest_body_limit = 3 * MIB
         status, answer, _ = await post(rig, chat("ok", 2 * MIB))
         assert status == 413
         message = answer["error"]["message"]
@@ -419,8 +427,8 @@ def test_a_profile_raises_the_limit_for_its_model_and_the_data_plane_is_told() -
         assert status == 413
         assert "no model on this gateway takes more than 3 MiB" in answer["error"]["message"]
         # Another model's profile takes 5 MiB: 4 MiB is read, then held to ok-big's own.
-        rig.cp.body_limits["other"] = 5 * MIB
-        rig.cp.largest_body_limit = 5 * MIB
+        rig.cp.serving.body_limits["other"] = 5 * MIB
+        rig.cp.serving.largest_body_limit = 5 * MIB
         status, answer, _ = await post(rig, chat("ok-big", 4 * MIB))
         assert status == 413, answer
         assert "model 'ok-big' takes at most 3 MiB" in answer["error"]["message"]

@@ -14,9 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmgw.engines.sim import SimConfig, serve
+from llmgw.http.errors import UpstreamProtocolError
 from llmgw.server.gateway import MAX_SSE_EVENT, StreamTokenCounter, openai_error
-from llmgw.upstream import UpstreamProtocolError
+from llmgw.sim.config import SimConfig
+from llmgw.sim.server import serve
 
 MODEL = "sim-counter"
 

@@ -5,13 +5,16 @@ does not."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, cast
 
 from cryptography.hazmat.primitives import serialization
 
 from llmgw import pki
-from llmgw.server.gateway import Gateway
+from llmgw.bodies import BodyBudget
+from llmgw.server.config import load_server_config
+from llmgw.server.gateway import Gateway, GatewayLimits
+from llmgw.server.metrics import Metrics
+from llmgw.server.routing import Router
 
 
 def der_of(tmp_path: Path, node_id: str) -> tuple[bytes, str]:
@@ -22,8 +25,18 @@ def der_of(tmp_path: Path, node_id: str) -> tuple[bytes, str]:
 
 
 def gateway(revoked: set[str]) -> Gateway:
-    cp = SimpleNamespace(membership=SimpleNamespace(revoked=revoked))
-    return Gateway(cast(Any, cp))
+    return Gateway(
+        Router(),
+        Metrics(),
+        cast(Any, None),  # no request is served
+        BodyBudget(1024),
+        GatewayLimits.of(load_server_config(None)),
+        revoked=lambda: revoked,
+        client_ssl=lambda: None,
+        nodes_connected=lambda: 0,
+        epoch=1,
+        started_at=0.0,
+    )
 
 
 def test_a_current_certificate_passes(tmp_path: Path) -> None:

@@ -14,9 +14,14 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from llmgw import pki
+from llmgw.bodies import BodyBudget
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.gateway import Gateway
+from llmgw.server.config import load_server_config
+from llmgw.server.gateway import Gateway, GatewayLimits
+from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
+from llmgw.server.routing import Router
+from llmgw.server.serving import ServingCache
 from llmgw.server.store import Store
 from llmgw.server.stream import NodeSession
 
@@ -36,16 +41,15 @@ class Fleet:
         self.store = store
         identity = pki.issue_node_cert(self.ca, "gpu-1", tmp / "gpu-1")
         self.cert = pki.load_cert(identity.cert)
-        self.cp = SimpleNamespace(
-            store=store,
+        self.sessions: dict[str, NodeSession] = {}
+        self.membership = Membership(
+            store,
+            cast(Any, SimpleNamespace(kick=lambda: None)),
+            Router(),
+            sessions=self.sessions,
             ca=self.ca,
-            cfg=SimpleNamespace(cert_lifetime=3600.0),
-            sessions={},
-            scheduler=SimpleNamespace(kick=lambda: None),
-            store_inventory=lambda session, inv: None,
+            cert_lifetime=3600.0,
         )
-        self.membership = Membership(cast(Any, self.cp))
-        self.cp.membership = self.membership
         self.membership.admit("gpu-1", self.cert)
         self.session = NodeSession(
             node_id="gpu-1",
@@ -54,7 +58,7 @@ class Fleet:
             engines=frozenset(),
             serial=pki.serial_hex(self.cert),
         )
-        self.cp.sessions["gpu-1"] = self.session
+        self.sessions["gpu-1"] = self.session
 
     def approve(self) -> None:
         fp = self.store.get_node("gpu-1").fingerprint or ""
@@ -104,7 +108,18 @@ def test_a_renewal_puts_the_replaced_serial_on_the_deny_list(tmp_path: Path, sto
     assert "llmgw ctl join-command --rekey gpu-1" in refusal
     assert fleet.membership.refusal("gpu-1", renewed) is None
     # The gateway refuses a data plane presenting the old certificate, takes the new one.
-    gateway = Gateway(cast(Any, fleet.cp))
+    gateway = Gateway(
+        Router(),
+        Metrics(),
+        ServingCache(store, max_request_body=1024),
+        BodyBudget(1024),
+        GatewayLimits.of(load_server_config(None)),
+        revoked=lambda: fleet.membership.revoked,
+        client_ssl=lambda: None,
+        nodes_connected=lambda: 1,
+        epoch=1,
+        started_at=0.0,
+    )
     assert gateway._agent_certificate_problem(der(fleet.cert), "gpu-1") is not None
     assert gateway._agent_certificate_problem(der(renewed), "gpu-1") is None
     # A second renewal replaces the first renewed certificate too.
@@ -116,10 +131,10 @@ def test_a_renewal_puts_the_replaced_serial_on_the_deny_list(tmp_path: Path, sto
 
 def test_approval_stores_the_inventory_held_while_pending(tmp_path: Path, store: Store) -> None:
     fleet = Fleet(tmp_path, store)
-    stored: list[pb.Inventory] = []
-    fleet.cp.store_inventory = lambda session, inv: stored.append(inv)
-    held = pb.Inventory(hostname="gpu-1", cpus=96)
+    held = pb.Inventory(hostname="gpu-1", cpus=96, engines=["sim"])
     fleet.session.held_inventory = held
     fleet.approve()
-    assert stored == [held]
+    assert store.get_node("gpu-1").inventory["cpus"] == 96
+    assert fleet.session.engines == frozenset({"sim"})
+    assert store.list_events()[0].kind == "inventory_changed"
     assert fleet.session.approved and fleet.session.held_inventory is None

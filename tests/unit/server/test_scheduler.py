@@ -7,12 +7,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
-from llmgw.engines.launch import EngineSpec, build_command
+from llmgw.engines.launch import build_command
+from llmgw.engines.spec import EngineSpec
 from llmgw.proto import control_pb2 as pb
+from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
 from llmgw.server.store import Store
 from llmgw.server.stream import NodeSession
@@ -32,9 +34,25 @@ class _Router:
     def endpoints(self, model: str | None = None) -> list[Any]:
         return [_Endpoint(r) for r in sorted(self.routable)]
 
+    def remove_shard(self, shard_id: str) -> None:
+        pass  # the replica leaves ``routable`` as a whole (_RecordingScheduler)
+
+
+class _RecordingScheduler(Scheduler):
+    """The scheduler, noting the replicas it removes."""
+
+    def __init__(self, cp: _ControlPlane) -> None:
+        super().__init__(cp.store, cast(Router, cp.router), sessions=cp.sessions, lost=cp.lost)
+        self.cp = cp
+
+    def remove_replica(self, replica_id: str, *, why: str) -> None:
+        self.cp.removed.append(replica_id)
+        self.cp.router.routable.discard(replica_id)
+        super().remove_replica(replica_id, why=why)
+
 
 class _ControlPlane:
-    """What the scheduler reads of the control plane: the store and the live sessions."""
+    """What the scheduler is given: the store, the live sessions, the router."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -43,10 +61,8 @@ class _ControlPlane:
         self.router = _Router()
         self.removed: list[str] = []
 
-    def remove_replica(self, replica_id: str, *, why: str) -> None:
-        self.removed.append(replica_id)
-        self.router.routable.discard(replica_id)
-        self.store.delete_replica(replica_id)
+    def scheduler(self) -> Scheduler:
+        return _RecordingScheduler(self)
 
 
 @pytest.fixture
@@ -98,7 +114,7 @@ def _orders(cp: _ControlPlane) -> dict[str, pb.StartShard]:
 
 def _reconcile_until_rank0(cp: _ControlPlane) -> None:
     """Place, let every worker report ready, and place again: rank 0's order goes out."""
-    scheduler = Scheduler(cp)  # type: ignore[arg-type]
+    scheduler = cp.scheduler()
     scheduler.reconcile()
     for shard in cp.store.list_shards():
         if shard.rank > 0:
@@ -114,7 +130,7 @@ def test_llamacpp_rank0_dials_each_worker_on_its_node(cp: _ControlPlane) -> None
     for i, node in enumerate(("n1", "n2", "n3")):
         _join(cp, node, f"10.0.0.{i + 1}")
     _deploy(cp, "big", "llamacpp", nodes=3)
-    scheduler = Scheduler(cp)  # type: ignore[arg-type]
+    scheduler = cp.scheduler()
     scheduler.reconcile()
 
     # The workers are ordered first; rank 0 waits until both are ready (llama-server
@@ -221,7 +237,7 @@ def test_a_port_taken_on_a_worker_node_is_skipped(cp: _ControlPlane) -> None:
 def test_single_node_and_sim_orders_carry_no_endpoints(cp: _ControlPlane) -> None:
     _join(cp, "n1", "10.0.0.1")
     _deploy(cp, "one", "llamacpp", nodes=1)
-    Scheduler(cp).reconcile()  # type: ignore[arg-type]
+    cp.scheduler().reconcile()
     (order,) = _orders(cp).values()
     assert (order.nodes, order.dist_init_addr, list(order.worker_addrs), order.listen_addr) == (
         1,
@@ -236,7 +252,7 @@ def test_a_pending_node_gets_no_start_order_until_it_is_approved(cp: _ControlPla
     # holds a shard of it: nothing is ordered (its statuses would not be heard) until approval.
     _join(cp, "n1", "10.0.0.1")
     _deploy(cp, "m", "sim", nodes=1)
-    scheduler = Scheduler(cp)  # type: ignore[arg-type]
+    scheduler = cp.scheduler()
     scheduler.reconcile()
     assert len(_orders(cp)) == 1
     shard = cp.store.list_shards()[0]

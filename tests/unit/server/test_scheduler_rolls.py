@@ -66,7 +66,7 @@ def test_with_room_every_replica_is_replaced_before_it_stops(cp: _ControlPlane) 
     _join(cp, "n1", 4)
     cp.store.put_catalog_model("m", PROFILES)
     cp.store.deploy_model("m", profile="a", replicas=2)
-    scheduler = Scheduler(cp)  # type: ignore[arg-type]
+    scheduler = cp.scheduler()
     scheduler.reconcile()
     _all_ready(cp)
     old = {r.id for r in cp.store.list_replicas("m")}
@@ -89,7 +89,7 @@ def test_without_room_one_old_replica_gives_way_while_another_serves(cp: _Contro
     _join(cp, "n2", 1)
     cp.store.put_catalog_model("m", PROFILES)
     cp.store.deploy_model("m", profile="a", replicas=2)
-    scheduler = Scheduler(cp)  # type: ignore[arg-type]
+    scheduler = cp.scheduler()
     scheduler.reconcile()
     _all_ready(cp)
     assert _profiles(cp) == ["a", "a"]
@@ -101,7 +101,7 @@ def test_a_single_replica_without_room_keeps_serving_and_says_why(cp: _ControlPl
     _join(cp, "n1", 1)
     cp.store.put_catalog_model("m", PROFILES)
     cp.store.deploy_model("m", profile="a", replicas=1)
-    scheduler = Scheduler(cp)  # type: ignore[arg-type]
+    scheduler = cp.scheduler()
     scheduler.reconcile()
     _all_ready(cp)
     cp.store.deploy_model("m", profile="b", replicas=1)
@@ -119,7 +119,7 @@ def test_an_old_replica_that_serves_nothing_yet_is_stopped_at_once(cp: _ControlP
     _join(cp, "n1", 4)
     cp.store.put_catalog_model("m", PROFILES)
     cp.store.deploy_model("m", profile="a", replicas=1)
-    scheduler = Scheduler(cp)  # type: ignore[arg-type]
+    scheduler = cp.scheduler()
     scheduler.reconcile()
     (starting,) = cp.store.list_replicas("m")  # never became routable
     cp.store.deploy_model("m", profile="b", replicas=1)

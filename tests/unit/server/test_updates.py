@@ -1,26 +1,15 @@
 """The control plane's side of signed updates: the store's update rows (migration 4, counters
-that only grow), and the admin password (scrypt hash, made once, changed with the old one)."""
+that only grow)."""
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
-import stat
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast
 
 import pytest
 
-from llmgw.errors import Conflict, PasswordError
+from llmgw.errors import Conflict
 from llmgw.server.store import MIGRATIONS, Store
-from llmgw.server.updates import (
-    PASSWORD_FILE,
-    PASSWORD_META,
-    Updates,
-    check_password,
-    hash_password,
-)
 
 ORDER = {"order": b'{"counter":1}', "signature": b"sig", "expires": 2000.0}
 
@@ -92,80 +81,3 @@ def test_update_rows_outlive_the_node(store: Store) -> None:
     assert store.next_update_counter("gpu-1") == 1
     store.delete_node("gpu-1")
     assert store.next_update_counter("gpu-1") == 2
-
-
-# -- the admin password ------------------------------------------------------------------------
-
-
-def test_password_hashes_check_only_the_right_password() -> None:
-    stored = hash_password("correct horse battery")
-    assert stored.startswith("scrypt$16384$8$1$")
-    assert "correct horse" not in stored
-    assert check_password(stored, "correct horse battery")
-    assert not check_password(stored, "correct horse batterY")
-    assert not check_password(stored, "")
-    assert not check_password("garbage", "correct horse battery")
-    assert hash_password("same") != hash_password("same")  # salted
-
-
-def _updates(tmp_path: Path, store: Store) -> Updates:
-    cfg = SimpleNamespace(admin_token_file=tmp_path / "state" / "admin.token")
-    cp = SimpleNamespace(cfg=cfg, store=store)
-    return Updates(cast(Any, cp))
-
-
-def test_the_first_start_makes_a_password_file_and_stores_only_its_hash(
-    tmp_path: Path, store: Store
-) -> None:
-    updates = _updates(tmp_path, store)
-    updates.start()
-    path = tmp_path / "state" / PASSWORD_FILE
-    password = path.read_text().strip()
-    assert len(password) >= 20
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    stored = store.get_meta(PASSWORD_META)
-    assert stored is not None and password not in stored
-    assert check_password(stored, password)
-    # A restart keeps it.
-    updates.start()
-    assert path.read_text().strip() == password
-    assert store.get_meta(PASSWORD_META) == stored
-
-
-def test_a_kept_password_file_is_used_by_a_new_store(tmp_path: Path, store: Store) -> None:
-    path = tmp_path / "state" / PASSWORD_FILE
-    path.parent.mkdir()
-    path.write_text("an operator's own password\n")
-    _updates(tmp_path, store).start()
-    assert check_password(store.get_meta(PASSWORD_META) or "", "an operator's own password")
-
-
-def test_wrong_and_right_passwords(tmp_path: Path, store: Store) -> None:
-    updates = _updates(tmp_path, store)
-    updates.start()
-    password = (tmp_path / "state" / PASSWORD_FILE).read_text().strip()
-    asyncio.run(updates.check(password))
-    for wrong in ("nope", "", None, 12, password + "x"):
-        with pytest.raises(PasswordError, match="wrong admin password; nothing was signed"):
-            asyncio.run(updates.check(wrong))
-
-
-def test_changing_the_password_needs_the_old_one(tmp_path: Path, store: Store) -> None:
-    updates = _updates(tmp_path, store)
-    updates.start()
-    path = tmp_path / "state" / PASSWORD_FILE
-    old = path.read_text().strip()
-    before = store.get_meta(PASSWORD_META)
-    with pytest.raises(PasswordError, match="wrong admin password"):
-        asyncio.run(updates.change_password("not it", "a brand new password"))
-    with pytest.raises(PasswordError, match="at least 12 characters"):
-        asyncio.run(updates.change_password(old, "short"))
-    with pytest.raises(PasswordError, match="is the old one"):
-        asyncio.run(updates.change_password(old, old))
-    assert store.get_meta(PASSWORD_META) == before
-    assert path.exists()
-    asyncio.run(updates.change_password(old, "a brand new password"))
-    asyncio.run(updates.check("a brand new password"))
-    with pytest.raises(PasswordError):
-        asyncio.run(updates.check(old))
-    assert not path.exists()  # the first password's file no longer tells the truth

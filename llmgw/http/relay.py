@@ -1,7 +1,7 @@
 """Relay an upstream HTTP response to a downstream client, streaming SSE chunk by chunk.
 
 Used by both hops of a request: the gateway (client -> agent) and the agent's data plane
-(gateway -> engine). Bodies pass through unchanged (:mod:`llmgw.upstream` never
+(gateway -> engine). Bodies pass through unchanged (:mod:`llmgw.http.pool` never
 decompresses), so ``Content-Encoding`` is copied like any other end-to-end header. Event
 streams are written as they arrive, never buffered and never compressed; other bodies are
 read whole (up to the pool's ``max_body``) and sent with a Content-Length. A stream that
@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from llmgw.upstream import UpstreamError, UpstreamResponse
+from llmgw.http.errors import UpstreamError
+from llmgw.http.response import UpstreamResponse
 
 # Set on answers the data plane gives without having passed the request to an engine
 # (draining, shard not ready): the gateway may send the request to another replica.
@@ -79,7 +80,7 @@ async def relay(
     """Send ``upstream``'s status, headers and body to ``request``'s client.
 
     The caller releases ``upstream`` afterwards (its connection goes back to the pool only
-    when the body was read to the end). An :class:`~llmgw.upstream.UpstreamError` reading a
+    when the body was read to the end). An :class:`~llmgw.http.errors.UpstreamError` reading a
     body read whole propagates (nothing was sent yet: the caller answers 502); one during an
     event stream, from the upstream or from ``on_chunk``, ends the client's stream with
     :func:`error_event` and is left on the returned response under :data:`STREAM_ERROR`

@@ -14,8 +14,9 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from llmgw.relay import error_event, relay
-from llmgw.upstream import UpstreamError, UpstreamPool
+from llmgw.http.errors import UpstreamError
+from llmgw.http.pool import UpstreamPool
+from llmgw.http.relay import error_event, relay
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,6 +1,7 @@
-"""UpstreamPool on real sockets: an aiohttp server for the common paths, a raw asyncio server
-for the edge cases (odd splits, HTTP/1.0, closes at awkward moments, malformed answers), TLS
-with a certificate from llmgw.pki, and the parser fed every split of a response in memory."""
+"""UpstreamPool (with its connections and responses) on real sockets: an aiohttp server for
+the common paths, a raw asyncio server for the edge cases (odd splits, HTTP/1.0, closes at
+awkward moments, malformed answers), TLS with a certificate from llmgw.pki, and the
+connection's parser fed every split of a response in memory."""
 
 from __future__ import annotations
 
@@ -18,17 +19,17 @@ from aiohttp import web
 from cryptography import x509
 
 from llmgw import pki
-from llmgw.upstream import (
+from llmgw.http.connection import UpstreamConnection
+from llmgw.http.errors import (
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,
-    UpstreamPool,
     UpstreamProtocolError,
-    UpstreamResponse,
     UpstreamTimeout,
     UpstreamTooLarge,
-    _Connection,
 )
+from llmgw.http.pool import UpstreamPool
+from llmgw.http.response import UpstreamResponse
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -1139,7 +1140,7 @@ class FakeTransport(asyncio.Transport):
 
 
 async def feed(pool: UpstreamPool, pieces: list[bytes], method: str = "GET") -> tuple[Any, ...]:
-    conn = _Connection(pool, (HOST, 1, None))
+    conn = UpstreamConnection(pool, (HOST, 1, None), asyncio.get_running_loop())
     transport = FakeTransport()
     conn.connection_made(transport)
     task = asyncio.create_task(conn.send(b"GET / HTTP/1.1\r\n\r\n", method == "HEAD"))

@@ -1,4 +1,5 @@
-"""Standby control planes: one leader per state directory, the others refuse and name it.
+"""Leadership (DESIGN §8): one leader per state directory; the others are standbys that
+refuse and name it.
 
 Leadership is an exclusive lock on ``STATE/leader.lock``, held for the life of the leader's
 process; a second control plane on the same state (a warm standby on the same machine or a
@@ -10,32 +11,30 @@ leader) and starts serving.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import logging
 import os
 import sqlite3
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 from aiohttp import web
 
 from llmgw.errors import ConfigError
-from llmgw.listener import GuardedSite
+from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.pki import Identity
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
+from llmgw.server.config import TLSConfig
 from llmgw.server.tls import serving_certificate
 
-if TYPE_CHECKING:
-    from llmgw.server.app import ControlPlane
+__all__ = ["Standby", "await_leadership", "read_leader", "try_leadership"]
 
-__all__ = ["Standby", "read_leader", "try_leadership"]
-
-log = logging.getLogger("llmgw.server.standby")
+log = logging.getLogger("llmgw.server.leadership")
 
 LEADER_STREAM = "leader_stream"
 LEADER_HTTP = "leader_http"
@@ -50,6 +49,16 @@ def try_leadership(state_dir: Path) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+async def await_leadership(state_dir: Path, *, interval: float = 1.0) -> int:
+    """Wait until this process holds the leader lock (the leader's process ended); the
+    locked file descriptor."""
+    while True:
+        await asyncio.sleep(interval)
+        fd = try_leadership(state_dir)
+        if fd is not None:
+            return fd
 
 
 def read_leader(db: Path) -> tuple[str, str]:
@@ -87,14 +96,30 @@ class _Refuser(pb_grpc.ControlPlaneServicer):
 class Standby:
     """What a control plane serves while another holds the leadership."""
 
-    def __init__(self, cp: ControlPlane, identity: Identity) -> None:
-        self.cp = cp
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        state_dir: Path,
+        grpc_listen: str,
+        http_listen: str,
+        tls: TLSConfig | None,
+        listeners: ListenerLimits,
+    ) -> None:
         self.identity = identity
+        self.state_dir = state_dir
+        self.grpc_listen = grpc_listen
+        self.http_listen = http_listen
+        self.tls = tls
+        self.listeners = listeners
+        # The ports bound (a listen address with port 0 binds a free one).
+        self.grpc_port = 0
+        self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
 
     def leader(self) -> tuple[str, str]:
-        return read_leader(self.cp.cfg.state_dir / "llmgw.db")
+        return read_leader(self.state_dir / "llmgw.db")
 
     async def start(self) -> None:
         ident = self.identity
@@ -107,31 +132,31 @@ class Standby:
             options=[
                 (
                     "grpc.server_handshake_timeout_ms",
-                    int(self.cp.cfg.listeners.handshake_timeout * 1000),
+                    int(self.listeners.handshake_timeout * 1000),
                 )
             ]
         )
         pb_grpc.add_ControlPlaneServicer_to_server(_Refuser(self), self._grpc)
-        host, port = parse_hostport(self.cp.cfg.grpc_listen, allow_zero=True)
+        host, port = parse_hostport(self.grpc_listen, allow_zero=True)
         try:
-            self.cp.grpc_port = self._grpc.add_secure_port(format_hostport(host, port), creds)
+            self.grpc_port = self._grpc.add_secure_port(format_hostport(host, port), creds)
         except RuntimeError as exc:
             raise ConfigError(
-                f"cannot listen on {self.cp.cfg.grpc_listen}: {exc}", key="grpc_listen"
+                f"cannot listen on {self.grpc_listen}: {exc}", key="grpc_listen"
             ) from exc
         await self._grpc.start()
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._http)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        host, port = parse_hostport(self.cp.cfg.http_listen, allow_zero=True)
-        tls = serving_certificate(self.cp.cfg.tls, self.identity)
+        host, port = parse_hostport(self.http_listen, allow_zero=True)
+        tls = serving_certificate(self.tls, self.identity)
         site = GuardedSite(
             self._runner,
             host,
             port,
             label="http",
-            limits=self.cp.cfg.listeners,
+            limits=self.listeners,
             hint="listeners.header_timeout in server.yaml",
             ssl_context=tls.context if tls else None,
         )
@@ -139,13 +164,13 @@ class Standby:
             await site.start()
         except OSError as exc:
             raise ConfigError(
-                f"cannot listen on {self.cp.cfg.http_listen}: {exc.strerror}", key="http_listen"
+                f"cannot listen on {self.http_listen}: {exc.strerror}", key="http_listen"
             ) from exc
-        self.cp.http_port = site.bound_port
+        self.http_port = site.bound_port
         leader, _ = self.leader()
         log.warning(
             "another control plane holds this state directory; serving as a standby",
-            extra=kv(leader=leader or "unknown", state_dir=str(self.cp.cfg.state_dir)),
+            extra=kv(leader=leader or "unknown", state_dir=str(self.state_dir)),
         )
 
     async def _http(self, request: web.Request) -> web.Response:

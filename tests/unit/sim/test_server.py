@@ -24,10 +24,11 @@ import aiohttp
 import openai
 import pytest
 
-from llmgw.engines.base import ENGINES, engine_names
-from llmgw.engines.rendezvous import RendezvousError, parse_addr
-from llmgw.engines.sim import MAX_LENGTH, MIN_LENGTH, SimConfig, generate, serve
 from llmgw.errors import EngineError
+from llmgw.sim.config import SimConfig
+from llmgw.sim.generate import generate
+from llmgw.sim.rendezvous import RendezvousError
+from llmgw.sim.server import serve
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL = "llmgw-sim"
@@ -106,95 +107,7 @@ def get(url: str) -> tuple[int, dict[str, Any]]:
 USER: Any = [{"role": "user", "content": "Tell me a short story about a river"}]
 
 
-# ------------------------------------------------------------------ engines.base
-
-
-def test_engine_names() -> None:
-    assert engine_names() == ENGINES == ("sim", "vllm", "sglang", "llamacpp")
-
-
-# ------------------------------------------------------------------ generate()
-
-
-def test_generate_is_deterministic() -> None:
-    cfg = SimConfig(seed=3)
-    a = generate(cfg, "hello there", max_tokens=1000, seed=None)
-    b = generate(cfg, "hello there", max_tokens=1000, seed=None)
-    assert a == b
-    assert a == generate(SimConfig(seed=99), "hello there", max_tokens=1000, seed=3)
-    tokens, finish = a
-    assert finish == "stop"
-    assert MIN_LENGTH <= len(tokens) <= MAX_LENGTH
-    assert tokens[0][0].isupper() and not tokens[0].startswith(" ")
-    assert all(t.startswith(" ") and t[1:].isalpha() for t in tokens[1:])
-
-
-def test_generate_depends_on_seed_and_prompt() -> None:
-    cfg = SimConfig()
-    base = generate(cfg, "p", max_tokens=100, seed=1)
-    assert generate(cfg, "p", max_tokens=100, seed=2) != base
-    assert generate(cfg, "q", max_tokens=100, seed=1) != base
-
-
-def test_generate_lengths_cover_the_range() -> None:
-    cfg = SimConfig()
-    lengths = {len(generate(cfg, f"prompt {i}", max_tokens=1000, seed=0)[0]) for i in range(500)}
-    assert min(lengths) == MIN_LENGTH and max(lengths) == MAX_LENGTH
-
-
-def test_generate_truncates_to_max_tokens() -> None:
-    cfg = SimConfig()
-    full, finish = generate(cfg, "x y z", max_tokens=1000, seed=5)
-    assert finish == "stop"
-    cut, finish = generate(cfg, "x y z", max_tokens=3, seed=5)
-    assert finish == "length" and cut == full[:3]
-    exact, finish = generate(cfg, "x y z", max_tokens=len(full), seed=5)
-    assert finish == "stop" and exact == full
-
-
-def test_generate_rejects_bad_max_tokens() -> None:
-    with pytest.raises(EngineError, match="max_tokens"):
-        generate(SimConfig(), "x", max_tokens=0, seed=None)
-
-
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("port", 70000), ("port", -1), ("tps", -1.0), ("ttft_ms", float("nan")), ("max_tokens", 0)],
-)
-def test_config_validation(field: str, value: Any) -> None:
-    with pytest.raises(EngineError, match=field):
-        SimConfig(**{field: value})
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "needle"),
-    [
-        ({"nodes": 0}, "nodes must be a positive integer"),
-        ({"nodes": True}, "nodes must be a positive integer"),
-        ({"rank": 1}, r"rank must be an integer in 0\.\.0"),
-        ({"nodes": 3, "rank": 3, "dist_init_addr": "h:1"}, r"rank must be an integer in 0\.\.2"),
-        ({"nodes": 2}, "needs dist_init_addr HOST:PORT"),
-        ({"nodes": 2, "dist_init_addr": "h:0"}, "port in 1..65535"),
-        ({"nodes": 2, "dist_init_addr": ":80"}, "is not HOST:PORT"),
-        ({"join_timeout_s": 0}, "join_timeout_s must be"),
-        ({"heartbeat_s": float("inf")}, "heartbeat_s must be"),
-        ({"heartbeat_s": 2.0, "peer_timeout_s": 2.0}, "must exceed heartbeat_s"),
-    ],
-)
-def test_config_validation_multi_node(kwargs: dict[str, Any], needle: str) -> None:
-    with pytest.raises(EngineError, match=needle):
-        SimConfig(**kwargs)
-
-
-def test_config_multi_node_defaults_and_ipv6() -> None:
-    single = SimConfig()
-    assert (single.nodes, single.rank, single.worker) == (1, 0, False)
-    assert (single.join_timeout_s, single.heartbeat_s, single.peer_timeout_s) == (300, 1, 5)
-    assert SimConfig(dist_init_addr="ignored").dist_init_addr == "ignored"  # nodes 1
-    assert not SimConfig(nodes=2, dist_init_addr="10.0.0.1:29500").worker
-    assert SimConfig(nodes=2, rank=1, dist_init_addr="[fd00::1]:29500").worker
-    assert parse_addr("[fd00::1]:29500") == ("fd00::1", 29500)
-    assert parse_addr("node-1.fabric:1") == ("node-1.fabric", 1)
+# ------------------------------------------------------------------ multi-node
 
 
 def test_serve_multi_node_in_process() -> None:
@@ -643,7 +556,7 @@ def test_serve_port_in_use() -> None:
 
 def test_run_logs_and_exits_cleanly_on_sigterm() -> None:
     code = (
-        "from llmgw.engines.sim import SimConfig, run\n"
+        "from llmgw.sim.config import SimConfig\nfrom llmgw.sim.server import run\n"
         "run(SimConfig(port=0, model='m1'))\n"
         "print('returned', flush=True)\n"
     )

@@ -33,7 +33,7 @@ from typing import Any
 
 from llmgw.errors import EngineError
 
-__all__ = ["JOINED", "Leader", "RendezvousError", "Worker", "parse_addr"]
+__all__ = ["JOINED", "Leader", "RendezvousError", "Worker"]
 
 log = logging.getLogger("llmgw.engine.sim")
 
@@ -48,19 +48,6 @@ _BACKOFF_CAP_S = 2.0
 
 class RendezvousError(EngineError):
     """A multi-node replica could not assemble, or one of its members went away."""
-
-
-def parse_addr(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as (host, port); ValueError when malformed."""
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        raise ValueError(f"{text!r} is not HOST:PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    port = int(port_text)
-    if not host or not 0 < port <= 65535:
-        raise ValueError(f"{text!r} is not HOST:PORT with a port in 1..65535")
-    return host, port
 
 
 def _describe(exc: BaseException) -> str:

@@ -9,12 +9,12 @@ each of its profiles; a profile's own sidecar of the same name replaces it). Eve
 and the profile: ``catalog.yaml: models.llama-3-8b.profiles.big.nodes: ...``.
 
 The same parser checks the file in ``llmgw ctl models apply`` and the body of
-``PUT /api/catalog`` on the control plane.
+``PUT /api/catalog`` on the control plane: a contract of both, so it imports neither
+``llmgw.server`` nor ``sqlite3``.
 """
 
 from __future__ import annotations
 
-import math
 import re
 import urllib.parse
 from collections.abc import Mapping
@@ -31,15 +31,13 @@ from llmgw.configfile import (
     type_name,
     unknown_key_message,
 )
-from llmgw.engines.base import engine_names
 from llmgw.engines.launch import check_params
+from llmgw.engines.registry import engine_names, get_engine, multi_node_engines
 from llmgw.errors import ConfigError, EngineError
-from llmgw.server.store import DEFAULT_PROFILE
 
 __all__ = [
     "DEFAULT_PROFILE",
     "MODEL_NAME",
-    "MULTI_NODE_ENGINES",
     "PLACEMENTS",
     "Catalog",
     "ModelSpec",
@@ -48,20 +46,20 @@ __all__ = [
     "adhoc_profile",
     "load_catalog",
     "parse_catalog",
-    "parse_duration",
     "parse_memory_mib",
     "parse_profile",
     "profile_body_limit",
 ]
+
+DEFAULT_PROFILE = "default"
+"""The profile a model deploys when none is named (the store's column default, and the one
+profile of a model deployed without the catalog)."""
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 """Model names, as the admin API and the gateway's ``model`` field take them."""
 
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _PARAM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
-
-MULTI_NODE_ENGINES: frozenset[str] = frozenset({"vllm", "sglang", "llamacpp", "sim"})
-"""Engines with a form that spreads one replica over several nodes."""
 
 PLACEMENTS: tuple[str, ...] = ("binpack", "spread")
 
@@ -84,8 +82,6 @@ _PROFILE_KEYS = (
 )
 _SIDECAR_KEYS = ("name", "command", "health", "timeout", "ready_after")
 
-_DURATION = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _MEMORY_UNITS = {"mib": 1, "gib": 1024, "tib": 1024 * 1024}
 
 
@@ -255,7 +251,7 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
     source = None
     if raw.get("source") is not None:
         source = _node_path(check, raw["source"], at("source"))
-    elif engine != "sim":
+    elif not get_engine(engine).builtin:
         check.fail(
             at("source"),
             f"is missing: engine {engine} needs the weights' path on the node, e.g. "
@@ -264,7 +260,7 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
 
     if "gpus" in raw:
         gpus = _whole(check, raw["gpus"], at("gpus"), minimum=0)
-    elif engine == "sim":
+    elif get_engine(engine).builtin:
         gpus = 0
     else:
         check.fail(
@@ -278,11 +274,11 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
             at("nodes"),
             f"{nodes} nodes need gpus >= 1 (multi-node replicas shard GPUs across nodes)",
         )
-    if nodes > 1 and engine not in MULTI_NODE_ENGINES:
+    if nodes > 1 and not get_engine(engine).multi_node:
         check.fail(
             at("nodes"),
             f"engine {engine} has no multi-node form; use nodes: 1 or one of "
-            f"{', '.join(sorted(MULTI_NODE_ENGINES))}",
+            f"{', '.join(multi_node_engines())}",
         )
 
     memory = None
@@ -401,33 +397,18 @@ def _sidecar(check: Checker, value: object, key: str) -> Sidecar:
         health = _url(check, raw["health"], at("health"))
     timeout = 60.0
     if raw.get("timeout") is not None:
-        timeout = _duration(check, raw["timeout"], at("timeout"))
+        timeout = check.duration(raw["timeout"], at("timeout"))
         if timeout <= 0:
             check.fail(at("timeout"), "must be more than 0 s")
     ready_after = 2.0
     if raw.get("ready_after") is not None:
-        ready_after = _duration(check, raw["ready_after"], at("ready_after"))
+        ready_after = check.duration(raw["ready_after"], at("ready_after"))
     return Sidecar(
         name=name, command=command, health=health, timeout_s=timeout, ready_after_s=ready_after
     )
 
 
 # --- values --------------------------------------------------------------------------------
-
-
-def parse_duration(value: object) -> float:
-    """Seconds from a number of seconds or a string like '500ms', '2s', '5m', '1h'.
-
-    Raises :class:`ConfigError` without key or file; :func:`parse_catalog` adds them."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := _DURATION.fullmatch(value.strip())):
-        seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-    else:
-        raise ConfigError(f"must be seconds or a duration like 500ms, 2s, 5m, 1h; got {value!r}")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(f"must be a duration of 0 s or more, got {value!r}")
-    return seconds
 
 
 def parse_memory_mib(value: object) -> int:
@@ -521,13 +502,6 @@ def _url(check: Checker, value: object, key: str) -> str:
     except ValueError:
         check.fail(key, f"{text!r} has an invalid port")
     return text
-
-
-def _duration(check: Checker, value: object, key: str) -> float:
-    try:
-        return parse_duration(value)
-    except ConfigError as exc:
-        _relay(check, key, exc)
 
 
 def _memory(check: Checker, value: object, key: str) -> int:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
 
-from llmgw.errors import ConfigError
-from llmgw.server.catalog import (
+from llmgw.contracts.catalog import (
     Catalog,
     ModelSpec,
     Profile,
@@ -19,11 +22,12 @@ from llmgw.server.catalog import (
     adhoc_profile,
     load_catalog,
     parse_catalog,
-    parse_duration,
     parse_memory_mib,
     parse_profile,
     profile_body_limit,
 )
+from llmgw.engines import registry
+from llmgw.errors import ConfigError
 
 FULL = """\
 models:
@@ -181,18 +185,34 @@ def test_adhoc_profile_is_a_valid_default_profile() -> None:
     assert parsed.models["m"].profiles["default"].to_dict() == stored
 
 
+def _sidecar_timeout(value: object) -> float:
+    """A sidecar's ``timeout`` as the catalog reads it (llmgw.durations' one syntax)."""
+    sidecar = {"name": "tok", "command": ["tok"], "timeout": value}
+    data = {"models": {"m": {"profiles": {"p": {"engine": "sim", "sidecars": [sidecar]}}}}}
+    return parse_catalog(data, source="c").models["m"].profiles["p"].sidecars[0].timeout_s
+
+
 @pytest.mark.parametrize(
     ("text", "seconds"),
     [(60, 60.0), (1.5, 1.5), ("60s", 60.0), ("500ms", 0.5), ("5m", 300.0), ("1h", 3600.0)],
 )
 def test_durations(text: object, seconds: float) -> None:
-    assert parse_duration(text) == seconds
+    assert _sidecar_timeout(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["60", "1d", "-1s", "s", "1 h", True, None, [1]])
+@pytest.mark.parametrize(("text", "seconds"), [("30d", 30 * 86400.0), ("90", 90.0)])
+def test_durations_have_the_one_syntax_of_every_setting(text: str, seconds: float) -> None:
+    """Until the durations were unified, catalog.yaml refused "30d" (valid in server.yaml)
+    and a unit-less string; both are read as everywhere else now."""
+    assert _sidecar_timeout(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["-1s", "s", "1 h", "1w", True, [1]])
 def test_bad_durations(text: object) -> None:
-    with pytest.raises(ConfigError, match="duration"):
-        parse_duration(text)
+    with pytest.raises(
+        ConfigError, match=r"^c: models\.m\.profiles\.p\.sidecars\[0\]\.timeout: .*duration"
+    ):
+        _sidecar_timeout(text)
 
 
 @pytest.mark.parametrize(
@@ -296,7 +316,7 @@ INVALID_PROFILES: list[tuple[dict[str, Any], str, str]] = [
     (
         {"sidecars": [{"name": "tok", "command": ["tok"], "timeout": "forever"}]},
         f"{P}.sidecars[0].timeout",
-        "duration like 500ms, 2s, 5m, 1h",
+        "a duration like 500ms, 30s, 5m, 2h or 30d",
     ),
     (
         {"sidecars": [{"name": "tok", "command": ["tok"], "timeout": 0}]},
@@ -345,6 +365,24 @@ def test_params_are_checked_against_the_engine() -> None:
     worse["models"]["s"]["profiles"]["fast"]["params"] = {"ttft_ms": "soon"}
     with pytest.raises(ConfigError, match="ttft_ms='soon' is not a valid float"):
         parse_catalog(worse, source="c")
+
+
+def test_an_engine_without_a_multi_node_form_is_refused_several_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check reads the registry's capability, so it fails for an engine whose builder
+    has no multi-node form (today every engine has one: one is made single-node here)."""
+    single = {n: replace(e, multi_node=n != "vllm") for n, e in registry.ENGINES.items()}
+    monkeypatch.setattr(registry, "ENGINES", MappingProxyType(single))
+    data = {"models": {"m": {"profiles": {"big": {**BASE, "engine": "vllm", "nodes": 2}}}}}
+    with pytest.raises(ConfigError) as info:
+        parse_catalog(data, source="c")
+    assert str(info.value) == (
+        "c: models.m.profiles.big.nodes: engine vllm has no multi-node form; use nodes: 1 or "
+        "one of llamacpp, sglang, sim"
+    )
+    data["models"]["m"]["profiles"]["big"]["nodes"] = 1
+    assert parse_catalog(data, source="c").models["m"].profiles["big"].nodes == 1
 
 
 def test_the_example_error_message() -> None:
@@ -434,3 +472,15 @@ def test_parse_profile_reads_a_stored_profile_back() -> None:
     with pytest.raises(ConfigError) as info:
         parse_profile({"engine": "vllm"}, model="m", profile="big", source="state database")
     assert str(info.value).startswith("state database: models.m.profiles.big.source: is missing")
+
+
+def test_the_catalog_imports_neither_the_server_nor_sqlite3() -> None:
+    """``llmgw ctl`` checks catalog.yaml with this module: it is a contract, not the server's."""
+    probe = (
+        "import sys, llmgw.contracts.catalog\n"
+        "print(sorted(m for m in sys.modules if m == 'sqlite3' or m.startswith('llmgw.server')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]"

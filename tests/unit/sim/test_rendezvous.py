@@ -19,8 +19,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from llmgw.engines.rendezvous import JOINED
-from llmgw.engines.sim import SimConfig, generate
+from llmgw.sim.config import SimConfig
+from llmgw.sim.generate import generate
+from llmgw.sim.rendezvous import JOINED
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -315,7 +316,7 @@ def test_join_timeouts_name_what_is_missing(sims: Callable[..., Sim]) -> None:
     ("args", "needle"),
     [
         (["--nodes", "2"], "needs dist_init_addr HOST:PORT"),
-        (["--nodes", "2", "--dist-init-addr", "nohost"], "'nohost' is not HOST:PORT"),
+        (["--nodes", "2", "--dist-init-addr", "nohost"], "'nohost' has no port"),
         (["--nodes", "2", "--rank", "2", "--dist-init-addr", "127.0.0.1:1"], "rank must be"),
         (["--heartbeat-interval", "2", "--heartbeat-timeout", "1"], "must exceed heartbeat_s"),
     ],

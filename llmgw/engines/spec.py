@@ -1,0 +1,151 @@
+"""What an engine builder is given and gives back: the :class:`EngineSpec` of one shard in,
+the :class:`EngineCommand` that starts its engine out, the :class:`Param` table of the
+parameters it takes, and the helpers every builder shares.
+
+An engine is a module (``vllm``, ``sglang``, ``llamacpp``, ``sim``) that satisfies
+:class:`EngineModule`; :mod:`llmgw.engines.registry` names them and
+:mod:`llmgw.engines.launch` checks a spec and calls its builder. Engines listen on
+127.0.0.1 only; the one exception is the rendezvous of a multi-node replica
+(``dist_init_addr``, or llama.cpp's RPC workers), which the other nodes must reach. GPUs are
+handed over in ``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol
+
+from llmgw.errors import ConfigError, EngineError
+from llmgw.netaddr import parse_hostport
+
+__all__ = [
+    "LOOPBACK",
+    "MODEL_PATH",
+    "EngineCommand",
+    "EngineModule",
+    "EngineSpec",
+    "Param",
+    "gpu_env",
+    "param_flags",
+    "rendezvous_addr",
+    "weights",
+]
+
+LOOPBACK = "127.0.0.1"
+"""Where every engine's HTTP server listens; the agent's data plane is the only way in."""
+
+MODEL_PATH = "model_path"
+"""The parameter that names the weights until StartShard's ``source`` is filled in."""
+
+_EMPTY: Mapping[str, str] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What one shard runs: the engine, the model it serves under its llmgw name, and where.
+
+    ``source`` is the weights (a path on the node, or for vLLM/SGLang a Hugging Face repo
+    id); ``params["model_path"]`` stands in for it until the catalog sends ``source``.
+    ``binary`` is the engine's program as discovery found it (``""``: its default name on
+    PATH). ``nodes`` > 1 makes a multi-node replica: rank 0 serves, the others are workers,
+    all meeting at ``dist_init_addr`` (``host:port``, bound by rank 0). The workers of an
+    engine whose rank 0 dials them (llama.cpp, the registry's ``worker_port``) bind an
+    endpoint instead: rank 0 gets every worker's ``host:port`` in ``peers`` (rank order), a
+    worker the one it binds in ``listen_addr`` (when that is empty, ``peers[rank - 1]``).
+    """
+
+    engine: str
+    model: str
+    port: int
+    source: str = ""
+    binary: str = ""
+    gpus: tuple[str, ...] = ()
+    nodes: int = 1
+    rank: int = 0
+    dist_init_addr: str = ""
+    params: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    extra_args: tuple[str, ...] = ()
+    peers: tuple[str, ...] = ()
+    listen_addr: str = ""
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
+
+    @property
+    def worker(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    """How to start one shard's engine. ``serves`` is False for the workers of a multi-node
+    replica: they answer no HTTP and are healthy while they run (``health_path`` empty)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    serves: bool
+    health_path: str = "/health"
+
+
+@dataclass(frozen=True)
+class Param:
+    """A model parameter an engine takes: the engine flag it becomes and its value's type
+    (``int``, ``float`` or ``str``), within ``minimum``/``maximum`` when they are set."""
+
+    flag: str
+    kind: type[int] | type[float] | type[str]
+    minimum: float | None = None
+    maximum: float | None = None
+    sample: str = "1"  # a valid value, for engine-check's widest command
+
+
+class EngineModule(Protocol):
+    """What each engine module offers: its builder and what engine-check needs to know."""
+
+    NAME: str
+    PROGRAM: str  # the default program, looked up on PATH ("": this llmgw)
+    HELP_ARGS: tuple[str, ...]  # after the program: print every flag
+    VERSION_ARGS: tuple[str, ...]  # after the program: print the version
+    PARAMS: Mapping[str, Param]
+
+    def prefix(self, binary: str) -> list[str]:
+        """The argv up to the engine's own flags (program and subcommand)."""
+        ...
+
+    def build(self, spec: EngineSpec) -> EngineCommand: ...
+
+
+def rendezvous_addr(value: str, what: str) -> tuple[str, int]:
+    """``(host, port)`` of a multi-node rendezvous address (``host:port``, ``[v6]:port``),
+    read by :func:`llmgw.netaddr.parse_hostport`; EngineError says what is wrong."""
+    try:
+        return parse_hostport(value)
+    except ConfigError as exc:
+        raise EngineError(
+            f"{what} {value!r} is not host:port (e.g. 10.0.0.1:29500, [fd00::1]:29500): "
+            f"{exc.message}"
+        ) from None
+
+
+def gpu_env(spec: EngineSpec) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` of the shard's GPUs: empty hides every GPU from a shard
+    that was given none, so it never lands on another shard's."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(spec.gpus)}
+
+
+def weights(spec: EngineSpec) -> str:
+    """The weights: ``source``, else ``params["model_path"]``; "" when neither is set."""
+    return spec.source or spec.params.get(MODEL_PATH, "")
+
+
+def param_flags(spec: EngineSpec, table: Mapping[str, Param]) -> list[str]:
+    """The flags of ``spec.params`` in the order ``table`` lists them (``model_path`` is the
+    weights, not a flag)."""
+    argv: list[str] = []
+    for key, param in table.items():
+        if key in spec.params and param.flag:
+            argv += [param.flag, str(spec.params[key])]
+    return argv

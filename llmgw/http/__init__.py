@@ -1,0 +1,1 @@
+"""HTTP for the relay hops: the upstream connection pool and the relay to a client."""

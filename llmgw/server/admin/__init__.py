@@ -1,0 +1,60 @@
+"""The admin API under /api on :8080, for ``llmgw ctl`` and the web UI; bearer admin token.
+
+Every answer is JSON; errors are ``{"error": {"message", "code"}}`` with a message that
+says what to do. One module per route group: :mod:`.nodes` (the fleet), :mod:`.models`
+(models, catalog, replicas), :mod:`.access` (API keys, join tokens), :mod:`.software`
+(engine installs, agent updates, the admin password); :mod:`.context` holds what they
+share. A new route goes in its group's module and in the table below.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from llmgw.server.admin.access import AccessRoutes
+from llmgw.server.admin.context import ADMIN_MAX_BODY, AdminContext, Listening, guarded
+from llmgw.server.admin.models import ModelRoutes
+from llmgw.server.admin.nodes import NodeRoutes
+from llmgw.server.admin.software import SoftwareRoutes
+
+__all__ = ["ADMIN_MAX_BODY", "AdminContext", "Listening", "add_admin_routes"]
+
+
+def add_admin_routes(app: web.Application, ctx: AdminContext) -> None:
+    nodes = NodeRoutes(ctx)
+    models = ModelRoutes(ctx)
+    access = AccessRoutes(ctx)
+    software = SoftwareRoutes(ctx)
+    r = app.router
+    for method, path, handler in (
+        ("GET", "/api/status", nodes.status),
+        ("GET", "/api/nodes", nodes.nodes),
+        ("GET", "/api/models", models.models),
+        ("POST", "/api/models", models.deploy),
+        ("DELETE", "/api/models/{name:.+}", models.undeploy),
+        ("GET", "/api/catalog", models.catalog),
+        ("PUT", "/api/catalog", models.apply_catalog),
+        ("GET", "/api/replicas", models.replicas),
+        ("GET", "/api/keys", access.keys),
+        ("POST", "/api/keys", access.create_key),
+        ("DELETE", "/api/keys/{key}", access.revoke_key),
+        ("GET", "/api/events", nodes.events),
+        ("POST", "/api/join-tokens", access.create_join_token),
+        ("GET", "/api/join-tokens", access.join_tokens),
+        ("DELETE", "/api/join-tokens/{token}", access.revoke_join_token),
+        ("POST", "/api/nodes/{node}/approve", nodes.approve),
+        ("POST", "/api/nodes/{node}/reject", nodes.reject),
+        ("POST", "/api/nodes/{node}/revoke", nodes.revoke),
+        ("POST", "/api/nodes/{node}/drain", nodes.drain),
+        ("GET", "/api/nodes/{node}/drain", nodes.drain_status),
+        ("POST", "/api/nodes/{node}/uncordon", nodes.uncordon),
+        ("POST", "/api/engines/install", software.install_engine),
+        ("GET", "/api/engines/installs", software.engine_installs),
+        ("POST", "/api/updates", software.order_update),
+        ("GET", "/api/updates", software.updates),
+        ("PUT", "/api/admin/password", software.change_password),
+    ):
+        if method == "GET":
+            r.add_get(path, guarded(ctx, handler))  # HEAD too, as aiohttp's add_get does
+        else:
+            r.add_route(method, path, guarded(ctx, handler))

@@ -1,0 +1,215 @@
+"""Admin routes that hand out access: API keys for the gateway, and join tokens (with the
+command that joins a node) for the enrolment service."""
+
+from __future__ import annotations
+
+import shlex
+
+from aiohttp import web
+
+from llmgw.errors import ConfigError, Conflict, NotFound
+from llmgw.netaddr import check_node_id_free, format_hostport, parse_hostport
+from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.bundles import one_liner
+from llmgw.server.states import NodeState, TokenKind
+
+__all__ = ["AccessRoutes"]
+
+
+class AccessRoutes:
+    """API keys and join tokens."""
+
+    def __init__(self, ctx: AdminContext) -> None:
+        self.ctx = ctx
+
+    # -- API keys -------------------------------------------------------------------------------
+
+    async def keys(self, request: web.Request) -> web.Response:
+        include = request.query.get("all") in ("1", "true")
+        return web.json_response(
+            [
+                {
+                    "id": k.id,
+                    "name": k.name,
+                    "prefix": k.prefix,
+                    "created_at": k.created_at,
+                    "revoked_at": k.revoked_at,
+                }
+                for k in self.ctx.store.list_api_keys(include_revoked=include)
+            ]
+        )
+
+    async def create_key(self, request: web.Request) -> web.Response:
+        body = await read_json(self.ctx, request)
+        name = body.get("name")
+        if not isinstance(name, str) or not name.strip() or len(name) > 64:
+            raise BadRequest("a key needs a name of 1-64 characters (who or what uses it)")
+        key, secret = self.ctx.store.create_api_key(name.strip())
+        self.ctx.serving.refresh_keys()
+        self.ctx.store.add_event("key_created", key.id, name)
+        return web.json_response(
+            {
+                "id": key.id,
+                "name": key.name,
+                "prefix": key.prefix,
+                "key": secret,
+                "created_at": key.created_at,
+            },
+            status=201,
+        )
+
+    async def revoke_key(self, request: web.Request) -> web.Response:
+        key = self.ctx.store.revoke_api_key(request.match_info["key"])
+        self.ctx.serving.refresh_keys()
+        self.ctx.store.add_event("key_revoked", key.id, key.name)
+        return web.json_response({"id": key.id, "name": key.name, "revoked_at": key.revoked_at})
+
+    # -- joining nodes -----------------------------------------------------------------------------
+
+    async def create_join_token(self, request: web.Request) -> web.Response:
+        body = await read_json(self.ctx, request)
+        node_id = body.get("node")
+        if not isinstance(node_id, str):
+            raise BadRequest("'node' (the node id to join) is required")
+        try:
+            check_node_id_free(node_id, self.ctx.control_plane_names)
+        except ConfigError as exc:
+            raise BadRequest(str(exc)) from None
+        ttl = body.get("ttl", 3600)
+        if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 60 <= ttl <= 7 * 86400:
+            raise BadRequest("ttl must be between 60 seconds and 7 days")
+        rekey = bool(body.get("rekey", False))
+        require_approval = bool(body.get("require_approval", False))
+        host, http_port = self._join_address(request, body.get("address"))
+        warning = None
+        node_uid = None
+        if rekey:
+            node = self.ctx.store.get_node(node_id)
+            if node.state == NodeState.REVOKED:
+                raise Conflict(
+                    f"node {node_id} is revoked; it can come back only through a fresh join "
+                    f"('llmgw ctl join-command --node {node_id}')"
+                )
+            node_uid = node.uid
+        else:
+            try:
+                existing = self.ctx.store.get_node(node_id)
+            except NotFound:
+                existing = None
+            if existing is not None and existing.state != NodeState.REVOKED:
+                warning = (
+                    f"node {node_id} already exists ({existing.state}); a fresh join gives it a new "
+                    "identity, denies its old certificates and needs approval again. To replace "
+                    f"only its key use 'llmgw ctl join-command --rekey {node_id}'"
+                )
+        token, secret = self.ctx.store.create_join_token(
+            node_id,
+            kind=TokenKind.REKEY if rekey else TokenKind.JOIN,
+            ttl=float(ttl),
+            node_uid=node_uid,
+            require_approval=require_approval,
+        )
+        enroll_url = f"https://{format_hostport(host, self.ctx.listening.enroll_port)}"
+        ca_hash = self.ctx.ca.ca_hash()
+        # Everything in a command for an operator to paste is quoted for the shell, whatever
+        # validation it went through.
+        q = shlex.quote
+        command = (
+            f"LLMGW_JOIN_TOKEN={q(secret)} llmgw agent join --node-id {q(node_id)} "
+            f"--enroll-url {q(enroll_url)} --ca-hash {q(ca_hash)}" + (" --rekey" if rekey else "")
+        )
+        # With agent bundles to serve, a new node needs nothing but curl: the one-liner
+        # downloads the bundle for its architecture, checks its hash and runs the installer.
+        bundles = [] if rekey or self.ctx.bundles is None else await self.ctx.bundles.bundles()
+        if bundles:
+            tls = self.ctx.tls
+            command = one_liner(
+                f"{self.ctx.http_scheme}://{format_hostport(host, http_port)}",
+                bundles,
+                node_id=node_id,
+                enroll_url=enroll_url,
+                ca_hash=ca_hash,
+                token=secret,
+                # A new node does not trust the cluster CA yet, and curl cannot pin one by
+                # its key hash: the download's integrity is the SHA-256 in the command.
+                verify_tls=tls is None or not tls.cluster,
+            )
+        self.ctx.store.add_event(
+            "join_token_created", node_id, f"{token.kind} token {token.id}, expires in {ttl:.0f}s"
+        )
+        return web.json_response(
+            {
+                "id": token.id,
+                "node": node_id,
+                "kind": token.kind,
+                "token": secret,
+                "expires_at": token.expires_at,
+                "enroll_url": enroll_url,
+                "ca_hash": ca_hash,
+                "command": command,
+                "warning": warning,
+            },
+            status=201,
+        )
+
+    def _join_address(self, request: web.Request, address: object) -> tuple[str, int]:
+        """The host a new node reaches the control plane at, and the gateway port it
+        downloads the bundle from: ``address`` (host[:port], IPv6 in brackets), else the
+        first ``advertise`` name, else the host of the request's Host header. Anything that
+        is not a host[:port] is refused (it would end up in a command run as root)."""
+        port = self.ctx.listening.http_port
+        if address is not None:
+            if not isinstance(address, str):
+                raise BadRequest(
+                    "address must be a string host[:port] (IPv6 in brackets), e.g. "
+                    "cp.example.net or [fd00::1]:8080"
+                )
+            try:
+                return parse_hostport(address, default_port=port)
+            except ConfigError as exc:
+                raise BadRequest(
+                    f"address {exc.message}; give host[:port] (IPv6 in brackets), e.g. "
+                    "--address cp.example.net"
+                ) from None
+        if self.ctx.advertise:
+            return self.ctx.advertise[0], port
+        header = request.headers.get("Host", "")
+        if not header:
+            return "127.0.0.1", port
+        try:
+            host, _port = parse_hostport(header, default_port=port)
+        except ConfigError as exc:
+            raise BadRequest(
+                f"the request's Host header {exc.message}; give the address nodes reach the "
+                "control plane at ('llmgw ctl join-command --address HOST', or advertise in "
+                "server.yaml)"
+            ) from None
+        # The port in Host is the one this request came in through (a tunnel, a proxy);
+        # a node dials the gateway's own.
+        return host, port
+
+    async def join_tokens(self, request: web.Request) -> web.Response:
+        include = request.query.get("all") in ("1", "true")
+        return web.json_response(
+            [
+                {
+                    "id": t.id,
+                    "prefix": t.prefix,
+                    "node": t.node_id,
+                    "kind": t.kind,
+                    "created_at": t.created_at,
+                    "expires_at": t.expires_at,
+                    "used_at": t.used_at,
+                    "revoked_at": t.revoked_at,
+                    "active": t.active,
+                }
+                for t in self.ctx.store.list_join_tokens(include_inactive=include)
+            ]
+        )
+
+    async def revoke_join_token(self, request: web.Request) -> web.Response:
+        token = self.ctx.store.revoke_join_token(request.match_info["token"])
+        self.ctx.store.add_event("join_token_revoked", token.node_id, f"token {token.id}")
+        return web.json_response(
+            {"id": token.id, "node": token.node_id, "revoked_at": token.revoked_at}
+        )

@@ -1,0 +1,187 @@
+"""What every admin route shares: the collaborators it is given (:class:`AdminContext`),
+the admin-token check and the translation of errors into JSON answers (:func:`guarded`),
+and reading a request's JSON body under the admin API's limit (:func:`read_json`)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Set
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from llmgw.bodies import (
+    BodiesBusy,
+    BodyBudget,
+    BodyIncomplete,
+    BodyTimeout,
+    BodyTooLarge,
+    read_body,
+)
+from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound, PasswordError
+from llmgw.log import kv
+from llmgw.pki import Authority
+from llmgw.server.bundles import BundleStore
+from llmgw.server.config import TLSConfig
+from llmgw.server.httpapi import bearer_token
+from llmgw.server.installs import EngineInstalls
+from llmgw.server.nodes import Membership
+from llmgw.server.passwords import AdminPassword
+from llmgw.server.routing import Router
+from llmgw.server.scheduler import Scheduler
+from llmgw.server.serving import ServingCache
+from llmgw.server.store import Store
+from llmgw.server.stream import NodeSession
+from llmgw.server.updates import Updates
+
+__all__ = [
+    "ADMIN_MAX_BODY",
+    "AdminContext",
+    "BadRequest",
+    "Handler",
+    "Listening",
+    "error_response",
+    "guarded",
+    "read_json",
+]
+
+ADMIN_MAX_BODY = 1024 * 1024
+"""The largest admin API request body: orders, keys and a whole catalog fit many times."""
+
+log = logging.getLogger("llmgw.server.admin")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Listening(Protocol):
+    """Where the control plane listens (known once its listeners are bound)."""
+
+    @property
+    def http_addr(self) -> str: ...
+
+    @property
+    def http_port(self) -> int: ...
+
+    @property
+    def grpc_port(self) -> int: ...
+
+    @property
+    def enroll_port(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class AdminContext:
+    """The collaborators of the admin routes."""
+
+    store: Store
+    scheduler: Scheduler
+    router: Router
+    membership: Membership
+    updates: Updates
+    password: AdminPassword
+    installs: EngineInstalls
+    serving: ServingCache
+    bodies: BodyBudget
+    sessions: Mapping[str, NodeSession]
+    lost: Set[str]
+    listening: Listening
+    ca: Authority
+    bundles: BundleStore | None
+    cluster_id: str
+    epoch: int
+    admin_token: str
+    admin_token_file: Path
+    control_plane_names: frozenset[str]
+    tls: TLSConfig | None
+    http_scheme: str
+    advertise: tuple[str, ...]
+
+
+def error_response(status: int, message: str, code: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": code}}, status=status)
+
+
+class BadRequest(Exception):
+    """The request itself is malformed (400)."""
+
+
+def guarded(ctx: AdminContext, handler: Handler) -> Handler:
+    """``handler`` behind the admin token, its errors answered as JSON."""
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        peer = request.remote or ""
+        token = bearer_token(request)
+        if token is None or not hmac.compare_digest(token, ctx.admin_token.encode()):
+            log.info(
+                "refused an admin request without the admin token",
+                extra=kv(method=request.method[:16], path=request.path[:100], peer=peer),
+            )
+            return error_response(
+                401,
+                "missing or wrong admin token; pass --token or set LLMGW_TOKEN (the control "
+                f"plane keeps it in {ctx.admin_token_file})",
+                "unauthorized",
+            )
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            log.info(
+                "refused an admin request",
+                extra=kv(path=request.path[:100], peer=peer, reason=str(exc)[:200]),
+            )
+            return error_response(400, str(exc), "bad_request")
+        except ConfigError as exc:  # a value in the request that cannot be used
+            log.info(
+                "refused an admin request",
+                extra=kv(path=request.path[:100], peer=peer, reason=str(exc)[:200]),
+            )
+            return error_response(400, str(exc), "bad_request")
+        except BodyTooLarge as exc:
+            return error_response(
+                413,
+                f"{exc} for the admin API; split the change (a catalog can be applied "
+                "model by model)",
+                "request_too_large",
+            )
+        except BodiesBusy as exc:
+            return error_response(503, str(exc), "overloaded")
+        except BodyIncomplete as exc:
+            return error_response(400, str(exc), "incomplete_body")
+        except BodyTimeout as exc:
+            return error_response(408, str(exc), "body_timeout")
+        except PasswordError as exc:
+            return error_response(403, str(exc), "wrong_password")
+        except NotFound as exc:
+            return error_response(404, str(exc), "not_found")
+        except Conflict as exc:
+            return error_response(409, str(exc), "conflict")
+        except LlmgwError as exc:
+            return error_response(500, str(exc), "server_error")
+
+    return wrapped
+
+
+async def read_json(ctx: AdminContext, request: web.Request) -> dict[str, Any]:
+    """The request's body: a JSON object (BadRequest otherwise)."""
+    raw = await read_body(request, ADMIN_MAX_BODY, ctx.bodies)
+    try:
+        body = json.loads(raw)
+        # A lone surrogate ("\ud800") parses but cannot be stored or sent on.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise BadRequest("the request body is nested too deep; send a flat JSON object") from None
+    except UnicodeEncodeError:
+        raise BadRequest(
+            "the request body holds a lone UTF-16 surrogate (such as \\ud800); send valid Unicode"
+        ) from None
+    except ValueError:  # UnicodeDecodeError too
+        raise BadRequest("the request body is not valid JSON (UTF-8)") from None
+    finally:
+        ctx.bodies.give(len(raw))
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body

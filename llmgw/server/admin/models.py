@@ -1,0 +1,280 @@
+"""Admin routes about models: the deployed models, the catalog of their profiles,
+deploying and undeploying, and their replicas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from llmgw.contracts.catalog import (
+    DEFAULT_PROFILE,
+    MODEL_NAME,
+    adhoc_profile,
+    parse_catalog,
+    parse_profile,
+)
+from llmgw.engines.registry import engine_names
+from llmgw.errors import ConfigError, Conflict, NotFound
+from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.store import Model
+
+__all__ = ["ModelRoutes"]
+
+
+def _profiles_of(model: Model) -> dict[str, Any]:
+    """A model's profiles; one stored without them has its engine and params as its
+    ``default``."""
+    return model.profiles or {DEFAULT_PROFILE: adhoc_profile(model.engine, model.params)}
+
+
+def _is_adhoc(model: Model) -> bool:
+    """Deployed without the catalog: no profiles, or just the one an ad-hoc deploy makes."""
+    return _profiles_of(model) == {DEFAULT_PROFILE: adhoc_profile(model.engine, model.params)}
+
+
+class ModelRoutes:
+    """Models, the catalog and replicas."""
+
+    def __init__(self, ctx: AdminContext) -> None:
+        self.ctx = ctx
+
+    # -- models ---------------------------------------------------------------------------------
+
+    def _model(self, model: Model) -> dict[str, Any]:
+        ready = len(self.ctx.router.endpoints(model.name))
+        unplaceable = self.ctx.scheduler.unplaceable.get(model.name)
+        profiles = _profiles_of(model)
+        spec = profiles.get(model.profile, {})
+        return {
+            "name": model.name,
+            "profile": model.profile,
+            "profiles": sorted(profiles),
+            "engine": model.engine,
+            "gpus": spec.get("gpus", 0),
+            "nodes": spec.get("nodes", 1),
+            "replicas": model.replicas,
+            "ready": ready,
+            "params": model.params,
+            "unplaceable": (
+                None
+                if unplaceable is None
+                else f"replacing replicas of an older profile waits for room: {unplaceable.reason}"
+                if model.name in self.ctx.scheduler.rolling
+                else unplaceable.reason
+            ),
+            # Replicas of another profile still running while a profile switch rolls.
+            "older_profile_replicas": sum(
+                1
+                for r in self.ctx.store.list_replicas(model.name)
+                if r.profile is not None and r.profile != model.profile
+            ),
+            "created_at": model.created_at,
+        }
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response([self._model(m) for m in self.ctx.store.list_models()])
+
+    async def catalog(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "models": {
+                    m.name: {"profiles": _profiles_of(m)} for m in self.ctx.store.list_models()
+                }
+            }
+        )
+
+    async def apply_catalog(self, request: web.Request) -> web.Response:
+        """Add or update every model of the catalog, all or none; models it does not name
+        are left as they are."""
+        body = await read_json(self.ctx, request)
+        try:
+            catalog = parse_catalog(body, source="catalog")
+        except ConfigError as exc:
+            raise BadRequest(str(exc)) from None
+        store = self.ctx.store
+        changes: list[dict[str, Any]] = []
+        with store.transaction():
+            for name, spec in catalog.models.items():
+                profiles = spec.to_dict()["profiles"]
+                try:
+                    before: Model | None = store.get_model(name)
+                except NotFound:
+                    before = None
+                if before is not None and before.profiles == profiles:
+                    change, after = "unchanged", before
+                else:
+                    change = "added" if before is None else "updated"
+                    after = store.put_catalog_model(name, profiles)
+                running = len(store.list_replicas(name))
+                note = None
+                if (
+                    before is not None
+                    and running
+                    and _profiles_of(before).get(before.profile) != profiles[after.profile]
+                ):
+                    note = (
+                        f"{running} running replica(s) of profile {after.profile} keep the "
+                        "settings they started with until they are replaced"
+                    )
+                changes.append(
+                    {
+                        "name": name,
+                        "change": change,
+                        "profiles": sorted(profiles),
+                        "profile": after.profile,
+                        "note": note,
+                    }
+                )
+        for row in changes:
+            if row["change"] != "unchanged":
+                store.add_event(
+                    "catalog_applied",
+                    row["name"],
+                    f"{row['change']}: profiles {', '.join(row['profiles'])}",
+                )
+        self.ctx.serving.refresh_models()
+        self.ctx.scheduler.kick()
+        return web.json_response({"models": changes})
+
+    async def deploy(self, request: web.Request) -> web.Response:
+        """Deploy a catalog model's profile (``{"name", "profile", "replicas"}``), scale a
+        model (``{"name", "replicas"}``), or deploy an ad-hoc model (``{"name", "engine",
+        "replicas", "params"}``), which gets a single ``default`` profile."""
+        body = await read_json(self.ctx, request)
+        name = body.get("name")
+        if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
+            raise BadRequest(
+                "model name must be 1-128 characters of letters, digits and . _ : / -, "
+                "starting with a letter or digit"
+            )
+        replicas = body.get("replicas")
+        if replicas is not None and (
+            not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= 1000
+        ):
+            raise BadRequest("replicas must be a whole number from 0 to 1000")
+        profile = body.get("profile")
+        adhoc = "engine" in body or "params" in body
+        if profile is not None and adhoc:
+            raise BadRequest(
+                "give either 'profile' (a profile of a catalog model) or 'engine' and 'params' "
+                "(a model deployed without the catalog), not both"
+            )
+        if profile is not None and (not isinstance(profile, str) or not profile):
+            raise BadRequest("profile must be the name of one of the model's profiles")
+        try:
+            existing = self.ctx.store.get_model(name)
+        except NotFound:
+            existing = None
+        if replicas is None:
+            # Not given: a deployed model keeps its count (e.g. a profile switch), a new one
+            # gets one replica.
+            replicas = existing.replicas if existing is not None else 1
+        if not adhoc and (profile is not None or existing is not None):
+            if existing is None:
+                raise NotFound(
+                    f"no model named {name}; add it to the catalog with 'llmgw ctl models apply "
+                    "-f catalog.yaml' ('llmgw ctl models' lists the models there are)"
+                )
+            model = self.ctx.store.deploy_model(
+                name, profile=profile or existing.profile, replicas=replicas
+            )
+            what = f"profile {model.profile} ({model.engine})"
+        else:
+            model = self._deploy_adhoc(name, body, replicas, existing)
+            what = model.engine
+        self.ctx.serving.refresh_models()
+        self.ctx.store.add_event("model_deployed", name, f"{what}, {replicas} replicas")
+        self.ctx.scheduler.kick()
+        return web.json_response(self._model(model), status=201 if existing is None else 200)
+
+    def _deploy_adhoc(
+        self, name: str, body: dict[str, Any], replicas: int, existing: Model | None
+    ) -> Model:
+        engine = body.get("engine", "sim")
+        if engine not in engine_names():
+            raise BadRequest(
+                f"unknown engine {engine!r}; choose one of {', '.join(engine_names())}"
+            )
+        params = body.get("params", {})
+        if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
+            raise BadRequest("params must be an object of name: value")
+        for key, value in params.items():
+            if key == "extra_args":
+                if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+                    raise BadRequest("params.extra_args must be a list of strings")
+            elif not isinstance(value, str | int | float) or isinstance(value, bool):
+                raise BadRequest(f"params.{key} must be a string or a number")
+        # An ad-hoc deploy is a catalog model with one "default" profile: check it as one.
+        profile = adhoc_profile(engine, params)
+        for key in ("source", "gpus", "nodes", "gpu_memory", "placement"):
+            if body.get(key) is not None:
+                profile[key] = body[key]
+        try:
+            parse_profile(profile, model=name, profile=DEFAULT_PROFILE, source="request")
+        except ConfigError as exc:
+            raise BadRequest(str(exc)) from None
+        if existing is not None and not _is_adhoc(existing):
+            raise Conflict(
+                f"model {name} comes from the catalog (profiles "
+                f"{', '.join(sorted(existing.profiles))}); deploy one of them with "
+                f"'llmgw ctl deploy {name} --profile P', or change them in the catalog and "
+                "'llmgw ctl models apply -f catalog.yaml'"
+            )
+        if existing is not None and (existing.engine != engine or existing.params != params):
+            if self.ctx.store.list_replicas(name):
+                raise Conflict(
+                    f"model {name} is deployed with engine {existing.engine} and other params; "
+                    f"'llmgw ctl undeploy {name}' first, or deploy it under another name"
+                )
+        return self.ctx.store.put_model(
+            name,
+            engine=engine,
+            params=params,
+            replicas=replicas,
+            profiles={DEFAULT_PROFILE: profile},
+        )
+
+    async def undeploy(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        self.ctx.store.get_model(name)
+        for replica in self.ctx.store.list_replicas(name):
+            self.ctx.scheduler.remove_replica(replica.id, why=f"undeployed {name}")
+        self.ctx.store.delete_model(name)
+        self.ctx.router.remove_model(name)
+        self.ctx.serving.refresh_models()
+        self.ctx.store.add_event("model_undeployed", name, "undeployed")
+        return web.json_response({"name": name, "undeployed": True})
+
+    # -- replicas -------------------------------------------------------------------------------
+
+    async def replicas(self, request: web.Request) -> web.Response:
+        model = request.query.get("model") or None
+        if model is not None:
+            self.ctx.store.get_model(model)
+        out = []
+        for replica in self.ctx.store.list_replicas(model):
+            for shard in self.ctx.store.list_shards(replica_id=replica.id):
+                ep = next(
+                    (e for e in self.ctx.router.endpoints(replica.model) if e.shard_id == shard.id),
+                    None,
+                )
+                out.append(
+                    {
+                        "replica": replica.id,
+                        "model": replica.model,
+                        "profile": replica.profile,
+                        "state": shard.state,
+                        "node": shard.node_id,
+                        "shard": shard.id,
+                        "rank": shard.rank,
+                        "port": shard.port,
+                        "pid": shard.pid,
+                        "restarts": shard.restarts,
+                        "exit_code": shard.exit_code,
+                        "reason": shard.reason,
+                        "inflight": ep.inflight if ep else 0,
+                        "routable": ep is not None,
+                    }
+                )
+        return web.json_response(out)

@@ -1,0 +1,132 @@
+"""Admin routes about the fleet: the control plane's status, the nodes, operator decisions
+on them (approve, reject, revoke), draining and the event log."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from llmgw import __version__
+from llmgw.errors import Conflict
+from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.states import NodeState
+from llmgw.server.store import Node
+
+__all__ = ["NodeRoutes"]
+
+
+class NodeRoutes:
+    """The fleet, its nodes and the events."""
+
+    def __init__(self, ctx: AdminContext) -> None:
+        self.ctx = ctx
+
+    # -- status ---------------------------------------------------------------------------------
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "version": __version__,
+                "cluster_id": self.ctx.cluster_id,
+                "epoch": self.ctx.epoch,
+                "nodes_connected": len(self.ctx.sessions),
+                "http": self.ctx.listening.http_addr,
+                "grpc_port": self.ctx.listening.grpc_port,
+            }
+        )
+
+    # -- nodes ----------------------------------------------------------------------------------
+
+    def _node(self, node: Node, shard_count: int) -> dict[str, Any]:
+        inv = node.inventory
+        cert = self.ctx.store.latest_certificate(node.id)
+        return {
+            "id": node.id,
+            "uid": node.uid,
+            "state": node.state,
+            "connected": node.id in self.ctx.sessions,
+            "draining": node.draining,
+            "lost": node.id in self.ctx.lost,
+            "dataplane_addr": node.dataplane_addr,
+            "agent_version": node.agent_version,
+            "last_seen": node.last_seen,
+            "shards": shard_count,
+            "cpus": inv.get("cpus"),
+            "memory_total_bytes": inv.get("memory_total_bytes"),
+            "gpus": inv.get("gpus", []),
+            "gpu_status": inv.get("gpu_status", ""),
+            "engines": inv.get("engines", []),
+            "fingerprint": node.fingerprint,
+            "cert_expires_at": cert.not_after if cert else None,
+            "cert_serial": cert.serial if cert else None,
+            "update": self.ctx.updates.status_of(node.id),
+        }
+
+    async def nodes(self, request: web.Request) -> web.Response:
+        counts: dict[str, int] = {}
+        for shard in self.ctx.store.list_shards():
+            counts[shard.node_id] = counts.get(shard.node_id, 0) + 1
+        return web.json_response(
+            [self._node(n, counts.get(n.id, 0)) for n in self.ctx.store.list_nodes()]
+        )
+
+    async def approve(self, request: web.Request) -> web.Response:
+        body = await read_json(self.ctx, request)
+        fp = body.get("fingerprint")
+        if not isinstance(fp, str):
+            raise BadRequest(
+                "'fingerprint' is required: the sha256:... the node printed when it joined"
+            )
+        node_id = request.match_info["node"]
+        self.ctx.membership.approve(node_id, fp)
+        return web.json_response({"node": node_id, "state": NodeState.APPROVED})
+
+    async def reject(self, request: web.Request) -> web.Response:
+        node_id = request.match_info["node"]
+        self.ctx.membership.reject(node_id)
+        return web.json_response({"node": node_id, "state": "rejected"})
+
+    async def revoke(self, request: web.Request) -> web.Response:
+        node_id = request.match_info["node"]
+        serials = self.ctx.membership.revoke(node_id)
+        return web.json_response({"node": node_id, "state": NodeState.REVOKED, "serials": serials})
+
+    # -- drain ----------------------------------------------------------------------------------------
+
+    async def drain(self, request: web.Request) -> web.Response:
+        node_id = request.match_info["node"]
+        node = self.ctx.store.get_node(node_id)
+        if not node.draining:
+            self.ctx.store.set_node_draining(node_id, True)
+            self.ctx.store.add_event("node_drain", node_id, "drain started")
+            self.ctx.scheduler.kick()
+        return web.json_response(self.ctx.scheduler.drain_progress(node_id))
+
+    async def drain_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.ctx.scheduler.drain_progress(request.match_info["node"]))
+
+    async def uncordon(self, request: web.Request) -> web.Response:
+        node_id = request.match_info["node"]
+        node = self.ctx.store.get_node(node_id)
+        if not node.draining:
+            raise Conflict(f"node {node_id} is not draining; nothing to undo")
+        self.ctx.store.set_node_draining(node_id, False)
+        self.ctx.store.add_event("node_uncordon", node_id, "takes new replicas again")
+        self.ctx.scheduler.kick()
+        return web.json_response(self.ctx.scheduler.drain_progress(node_id))
+
+    # -- events ---------------------------------------------------------------------------------
+
+    async def events(self, request: web.Request) -> web.Response:
+        try:
+            limit = max(1, min(1000, int(request.query.get("limit", "100"))))
+        except ValueError:
+            raise BadRequest("limit must be a number") from None
+        subject = request.query.get("subject") or None
+        return web.json_response(
+            [
+                {"id": e.id, "ts": e.ts, "kind": e.kind, "subject": e.subject, "message": e.message}
+                for e in self.ctx.store.list_events(limit=limit, subject=subject)
+            ]
+        )

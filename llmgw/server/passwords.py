@@ -1,0 +1,136 @@
+"""The admin password: the second secret, besides the admin token, that signing an update
+order (DESIGN §7) needs.
+
+It is made at the first start into ``admin.password`` next to ``admin.token`` (0600) and
+kept in the store only as a scrypt hash; the admin token alone cannot update nodes. It is
+changed with the old one, after which the first password's file is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+from pathlib import Path
+
+from llmgw.errors import ConfigError, PasswordError
+from llmgw.fsutil import write_private
+from llmgw.log import kv
+from llmgw.server.store import Store
+
+__all__ = [
+    "MIN_PASSWORD",
+    "PASSWORD_FILE",
+    "PASSWORD_META",
+    "AdminPassword",
+    "check_password",
+    "hash_password",
+]
+
+log = logging.getLogger("llmgw.server.passwords")
+
+PASSWORD_FILE = "admin.password"
+PASSWORD_META = "admin_password_hash"
+MIN_PASSWORD = 12
+# scrypt: 16 MiB and about 50 ms per check: cheap for an operator, dear for a guesser.
+_SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**14, 8, 1
+
+
+def hash_password(password: str, *, salt: bytes | None = None) -> str:
+    """``scrypt$N$r$p$salt$hash`` (base64) of ``password``."""
+    salt = salt or secrets.token_bytes(16)
+    digest = hashlib.scrypt(
+        password.encode(), salt=salt, n=_SCRYPT_N, r=_SCRYPT_R, p=_SCRYPT_P, dklen=32
+    )
+    b64 = base64.b64encode
+    return f"scrypt${_SCRYPT_N}${_SCRYPT_R}${_SCRYPT_P}${b64(salt).decode()}${b64(digest).decode()}"
+
+
+def check_password(stored: str, password: str) -> bool:
+    """Whether ``password`` matches the ``stored`` hash (constant time)."""
+    try:
+        scheme, n, r, p, salt, digest = stored.split("$")
+        if scheme != "scrypt":
+            return False
+        expected = base64.b64decode(digest)
+        got = hashlib.scrypt(
+            password.encode(),
+            salt=base64.b64decode(salt),
+            n=int(n),
+            r=int(r),
+            p=int(p),
+            dklen=len(expected),
+        )
+    except (ValueError, TypeError):
+        return False
+    return hmac.compare_digest(got, expected)
+
+
+def _new_password() -> str:
+    return "llmgw-pw-" + secrets.token_urlsafe(18)
+
+
+class AdminPassword:
+    """The admin password of one control plane: its hash in ``store``, its first value in
+    ``password_file``."""
+
+    def __init__(self, store: Store, password_file: Path) -> None:
+        self.store = store
+        self.password_file = password_file
+
+    def start(self) -> None:
+        """Make the admin password at the first start: into admin.password (0600) and, as a
+        hash, into the store. A password file left without a hash (a new store) is kept."""
+        if self.store.get_meta(PASSWORD_META):
+            return
+        path = self.password_file
+        try:
+            password = path.read_text().strip()
+        except FileNotFoundError:
+            password = ""
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot read the admin password: {exc.strerror}; it must be readable by the "
+                "control plane's user",
+                file=str(path),
+            ) from exc
+        if not password:
+            password = _new_password()
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_private(path, (password + "\n").encode())
+        self.store.set_meta(PASSWORD_META, hash_password(password))
+        log.info("admin password created", extra=kv(file=str(path)))
+
+    async def check(self, password: object) -> None:
+        """PasswordError unless ``password`` is the admin password."""
+        stored = self.store.get_meta(PASSWORD_META) or ""
+        ok = isinstance(password, str) and bool(password)
+        if ok:
+            ok = await asyncio.to_thread(check_password, stored, str(password))
+        if not ok:
+            raise PasswordError(
+                "wrong admin password; nothing was signed. It was made at the control plane's "
+                f"first start in {self.password_file} (unless changed since with 'llmgw ctl "
+                "admin password'); give it at the prompt or in LLMGW_ADMIN_PASSWORD"
+            )
+
+    async def change(self, old: object, new: object) -> None:
+        await self.check(old)
+        if not isinstance(new, str) or len(new) < MIN_PASSWORD:
+            raise PasswordError(
+                f"the new admin password must have at least {MIN_PASSWORD} characters; "
+                "nothing was changed"
+            )
+        if new == old:
+            raise PasswordError("the new admin password is the old one; nothing was changed")
+        stored = await asyncio.to_thread(hash_password, new)
+        self.store.set_meta(PASSWORD_META, stored)
+        # The first password's file would now mislead (and leak nothing but an old secret).
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.password_file)
+        self.store.add_event("admin_password_changed", "control-plane", "admin password changed")

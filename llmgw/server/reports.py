@@ -1,0 +1,173 @@
+"""What agents report on their streams, applied to the store and the router: shard status,
+op results, inventory, draining and certificate requests.
+
+A shard that turns ready on rank 0 becomes routable; one that fails or exits unordered is
+failed (the scheduler restarts it). Inventory from a pending node is held, not stored,
+until an operator approves it (llmgw.server.nodes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from llmgw.contracts.inventory import inventory_dict
+from llmgw.errors import NotFound
+from llmgw.log import kv
+from llmgw.proto import control_pb2 as pb
+from llmgw.server.installs import EngineInstalls
+from llmgw.server.routing import Endpoint, Router
+from llmgw.server.scheduler import Scheduler
+from llmgw.server.states import ReplicaState, ShardState
+from llmgw.server.store import Store
+from llmgw.server.stream import NodeSession
+
+__all__ = ["AgentReports", "store_inventory"]
+
+log = logging.getLogger("llmgw.server.reports")
+
+_PB_STATE = {
+    pb.SHARD_STARTING: ShardState.STARTING,
+    pb.SHARD_READY: ShardState.READY,
+    pb.SHARD_FAILED: ShardState.FAILED,
+    pb.SHARD_EXITED: ShardState.EXITED,
+}
+
+
+def _inventory_summary(inv: pb.Inventory) -> str:
+    gpus = f"{len(inv.gpus)} GPUs" if inv.gpus else f"no GPUs ({inv.gpu_status})"
+    text = f"{gpus}; engines {', '.join(inv.engines) or 'none'}"
+    if inv.warnings:
+        text += "; " + "; ".join(inv.warnings)
+    return text
+
+
+def store_inventory(store: Store, session: NodeSession, inv: pb.Inventory) -> None:
+    """Record an approved node's inventory (the caller lets the scheduler look at it)."""
+    session.engines = frozenset(inv.engines)
+    node = store.get_node(session.node_id)
+    store.upsert_node(
+        session.node_id,
+        dataplane_addr=session.dataplane_addr,
+        agent_version=node.agent_version,
+        inventory=inventory_dict(inv),
+        connected=True,
+    )
+    store.add_event("inventory_changed", session.node_id, _inventory_summary(inv))
+
+
+class AgentReports:
+    """Applies the messages of an agent's stream, after its Hello, to the fleet's state."""
+
+    def __init__(
+        self,
+        store: Store,
+        router: Router,
+        scheduler: Scheduler,
+        *,
+        installs: EngineInstalls,
+        renew: Callable[[NodeSession, str], None],
+        on_routes_changed: Callable[[], None],
+    ) -> None:
+        self.store = store
+        self.router = router
+        self.scheduler = scheduler
+        self.installs = installs
+        # Signs a renewed certificate for a CSR (llmgw.server.nodes).
+        self.renew = renew
+        self.on_routes_changed = on_routes_changed
+
+    def on_message(self, session: NodeSession, msg: pb.AgentMessage) -> None:
+        kind = msg.WhichOneof("msg")
+        session.last_heartbeat = time.monotonic()
+        if kind == "heartbeat":
+            session.inflight = msg.heartbeat.inflight
+            self.store.touch_node(session.node_id)
+        elif kind == "shard_status":
+            self.apply_status(session, msg.shard_status)
+        elif kind == "op_result":
+            self._apply_result(session, msg.op_result)
+        elif kind == "draining":
+            session.draining = True
+            self.router.remove_node(session.node_id)
+            if session.approved:
+                self.store.add_event(
+                    "node_draining", session.node_id, "agent stopping; no new requests sent to it"
+                )
+            log.info("agent is stopping; routing around it", extra=kv(node=session.node_id))
+            self.on_routes_changed()
+        elif kind == "cert_request":
+            self.renew(session, msg.cert_request.csr_pem)
+        elif kind == "inventory":
+            if session.approved:
+                store_inventory(self.store, session, msg.inventory)
+                self.scheduler.kick()
+            else:
+                # No churn stored before approval: the latest is stored on approval.
+                session.held_inventory = msg.inventory
+        else:
+            log.warning("unexpected message on a stream", extra=kv(node=session.node_id, kind=kind))
+
+    def apply_status(self, session: NodeSession, status: pb.ShardStatus) -> None:
+        state = _PB_STATE.get(status.state)
+        if state is None:
+            return
+        try:
+            shard = self.store.get_shard(status.shard_id)
+        except NotFound:
+            return  # a shard we already forgot (stopped or undeployed)
+        if shard.node_id != session.node_id:
+            return
+        if state == ShardState.EXITED:
+            # We delete shards we stop, so an exit we did not order is a failure.
+            state = ShardState.FAILED
+        exit_code = status.exit_code if status.has_exit_code else None
+        self.store.update_shard(
+            shard.id,
+            state=state,
+            port=status.port or None,
+            pid=status.pid or None,
+            exit_code=exit_code,
+            reason=status.reason,
+        )
+        self.store.set_replica_state(shard.replica_id, ReplicaState(state))
+        # Only rank 0 serves; workers of a multi-node replica are ready but not routable.
+        if state == ShardState.READY and not session.draining and shard.rank == 0:
+            replica = self.store.get_replica(shard.replica_id)
+            self.router.set_ready(
+                Endpoint(
+                    model=replica.model,
+                    replica_id=replica.id,
+                    shard_id=shard.id,
+                    node_id=session.node_id,
+                    addr=session.dataplane_addr,
+                )
+            )
+            self.scheduler.shard_ready(shard.id)
+            self.store.add_event(
+                "shard_ready", shard.id, f"on {session.node_id} port {status.port}"
+            )
+        else:
+            self.router.remove_shard(shard.id)
+            if state == ShardState.FAILED:
+                self.scheduler.shard_failed(shard.id)
+                self.store.add_event("shard_failed", shard.id, status.reason or "failed")
+        self.on_routes_changed()
+
+    def _apply_result(self, session: NodeSession, result: pb.OperationResult) -> None:
+        if self.installs.on_result(session, result) or result.ok:
+            return
+        log.warning(
+            "an order failed on a node",
+            extra=kv(node=session.node_id, op=result.op_id, error=result.error),
+        )
+        for shard in self.store.list_shards(node_id=session.node_id):
+            if shard.op_id == result.op_id and shard.state in (
+                ShardState.STARTING,
+                ShardState.PENDING,
+            ):
+                self.store.update_shard(shard.id, state=ShardState.FAILED, reason=result.error)
+                self.store.set_replica_state(shard.replica_id, ReplicaState.FAILED)
+                self.scheduler.shard_failed(shard.id)
+                self.store.add_event("shard_failed", shard.id, result.error)

@@ -1,0 +1,243 @@
+"""The life cycle of agent sessions: a stream opens (the node admitted, its Hello reconciled
+with the store), its messages are handed on, it closes; a node away for the loss timeout is
+lost and its replicas are rebuilt elsewhere; streams whose heartbeats stopped are cut.
+
+The table of live sessions and the set of lost nodes are owned here; the scheduler, the
+membership and the update orders are given them to read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from cryptography import x509
+
+from llmgw.contracts.inventory import inventory_dict
+from llmgw.errors import LlmgwError, NotFound
+from llmgw.log import kv
+from llmgw.pki import serial_hex
+from llmgw.proto import control_pb2 as pb
+from llmgw.server.intake import pending_inventory
+from llmgw.server.metrics import Metrics
+from llmgw.server.nodes import Membership
+from llmgw.server.reports import AgentReports
+from llmgw.server.routing import Router
+from llmgw.server.scheduler import Scheduler
+from llmgw.server.states import NodeState, ShardState
+from llmgw.server.store import Store
+from llmgw.server.stream import NodeSession
+
+__all__ = ["Sessions"]
+
+log = logging.getLogger("llmgw.server.sessions")
+
+
+class Sessions:
+    """The live streams, one :class:`NodeSession` per connected agent (the
+    :class:`~llmgw.server.stream.SessionHandler` of the Connect stream)."""
+
+    def __init__(
+        self,
+        store: Store,
+        router: Router,
+        metrics: Metrics,
+        *,
+        live: dict[str, NodeSession],
+        lost: set[str],
+        membership: Membership,
+        scheduler: Scheduler,
+        reports: AgentReports,
+        epoch: int,
+        loss_timeout: float,
+        heartbeat_interval: float,
+        on_routes_changed: Callable[[], None],
+    ) -> None:
+        self.store = store
+        self.router = router
+        self.metrics = metrics
+        # node id -> its live session, and the nodes lost (both read by others).
+        self.live = live
+        self.lost = lost
+        self.membership = membership
+        self.scheduler = scheduler
+        self.reports = reports
+        self.epoch = epoch
+        self.loss_timeout = loss_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.on_routes_changed = on_routes_changed
+        self._loss_timers: dict[str, asyncio.TimerHandle] = {}
+
+    # -- a stream opens --------------------------------------------------------------------------
+
+    def refusal(self, node_id: str, cert: x509.Certificate | None) -> str | None:
+        """Why a stream with this certificate must be refused, or None."""
+        return self.membership.refusal(node_id, cert)
+
+    def node_state(self, node_id: str) -> str:
+        try:
+            return self.store.get_node(node_id).state
+        except NotFound:
+            return NodeState.PENDING
+
+    def open(self, hello: pb.Hello, peer: str, cert: x509.Certificate) -> NodeSession:
+        node_id = hello.node_id
+        self.membership.admit(node_id, cert)
+        # Until an operator approves it, a node's inventory is kept in memory and only a
+        # bounded summary of it stored: enough to judge the node by.
+        approved = self.node_state(node_id) == NodeState.APPROVED
+        inventory = inventory_dict(
+            hello.inventory if approved else pending_inventory(hello.inventory)
+        )
+        self.store.upsert_node(
+            node_id,
+            dataplane_addr=hello.dataplane_addr,
+            agent_version=hello.agent_version,
+            inventory=inventory,
+            connected=True,
+        )
+        timer = self._loss_timers.pop(node_id, None)
+        if timer is not None:
+            timer.cancel()
+        if node_id in self.lost:
+            self.lost.discard(node_id)
+            self.store.set_node_lost(node_id, False)
+            self.store.add_event("node_back", node_id, "reconnected after being lost")
+        old = self.live.get(node_id)
+        if old is not None:
+            # A node that reconnects before its old stream noticed the break: the new one wins.
+            old.close()
+        session = NodeSession(
+            node_id=node_id,
+            dataplane_addr=hello.dataplane_addr,
+            epoch=self.epoch,
+            engines=frozenset(hello.inventory.engines),
+            serial=serial_hex(cert),
+            approved=approved,
+            held_inventory=None if approved else hello.inventory,
+        )
+        self.live[node_id] = session
+        self.store.add_event(
+            "node_connected", node_id, f"from {peer}, data plane {hello.dataplane_addr}"
+        )
+        log.info(
+            "node connected",
+            extra=kv(
+                node=node_id, peer=peer, dataplane=hello.dataplane_addr, version=hello.agent_version
+            ),
+        )
+        self.count_nodes()
+        return session
+
+    def after_hello(self, session: NodeSession, hello: pb.Hello) -> None:
+        """Reconcile what the node says it runs with what the store says it should."""
+        known = {s.id: s for s in self.store.list_shards(node_id=session.node_id)}
+        reported = {s.shard_id: s for s in hello.shards}
+        for shard_id, status in reported.items():
+            if shard_id in known:
+                self.reports.apply_status(session, status)
+            elif status.state in (pb.SHARD_STARTING, pb.SHARD_READY, pb.SHARD_FAILED):
+                log.info(
+                    "stopping a shard no replica owns",
+                    extra=kv(node=session.node_id, shard=shard_id),
+                )
+                session.stop_shard(shard_id)
+        for shard_id, shard in known.items():
+            if shard_id not in reported and shard.state in (
+                ShardState.STARTING,
+                ShardState.READY,
+                ShardState.PENDING,
+            ):
+                # The node no longer runs it (an agent restart): start it again.
+                self.store.update_shard(
+                    shard_id,
+                    state=ShardState.PENDING,
+                    reason="not running on the node after reconnect",
+                )
+        self.scheduler.kick()
+
+    def on_message(self, session: NodeSession, msg: pb.AgentMessage) -> None:
+        self.reports.on_message(session, msg)
+
+    # -- a stream closes -------------------------------------------------------------------------
+
+    def close(self, session: NodeSession) -> None:
+        if self.live.get(session.node_id) is not session:
+            return
+        del self.live[session.node_id]
+        self.router.remove_node(session.node_id)
+        try:
+            self.store.set_node_connected(session.node_id, False)
+            self.store.add_event("node_disconnected", session.node_id, "stream closed")
+        except LlmgwError as exc:
+            log.warning(
+                "cannot record a disconnect", extra=kv(node=session.node_id, error=str(exc))
+            )
+        log.info("node disconnected", extra=kv(node=session.node_id))
+        # Silent for the loss timeout already: lost now. A closed stream gets the timeout.
+        self.start_loss_timer(session.node_id, 0.0 if session.silent else None)
+        self.count_nodes()
+        self.on_routes_changed()
+
+    def close_all(self) -> None:
+        """At shutdown: no node is lost for it, every stream is ended."""
+        for timer in self._loss_timers.values():
+            timer.cancel()
+        self._loss_timers.clear()
+        for session in list(self.live.values()):
+            session.close()
+
+    # -- loss: a node away for the loss timeout loses its replicas to other nodes ----------------
+
+    def start_loss_timer(self, node_id: str, delay: float | None = None) -> None:
+        old = self._loss_timers.pop(node_id, None)
+        if old is not None:
+            old.cancel()
+        loop = asyncio.get_running_loop()
+        wait = self.loss_timeout if delay is None else delay
+        self._loss_timers[node_id] = loop.call_later(wait, self._node_lost, node_id)
+
+    def _node_lost(self, node_id: str) -> None:
+        self._loss_timers.pop(node_id, None)
+        if node_id in self.live or node_id in self.lost:
+            return
+        try:
+            shards = self.store.list_shards(node_id=node_id)
+        except LlmgwError:
+            return
+        self.lost.add(node_id)
+        self.store.set_node_lost(node_id, True)
+        replicas = sorted({s.replica_id for s in shards})
+        log.warning(
+            "node lost; rebuilding its replicas elsewhere",
+            extra=kv(node=node_id, replicas=len(replicas), after=f"{self.loss_timeout:g}s"),
+        )
+        self.store.add_event(
+            "node_lost",
+            node_id,
+            f"no stream for {self.loss_timeout:g}s; {len(replicas)} replicas rebuilt elsewhere",
+        )
+        for replica_id in replicas:
+            # No stop order can reach it; when it comes back, its Hello lists shards that
+            # belong to no replica and it is told to stop them.
+            self.scheduler.remove_replica(replica_id, why=f"node {node_id} lost")
+        self.scheduler.kick()
+
+    def count_nodes(self) -> None:
+        nodes = self.store.list_nodes()
+        connected = sum(1 for n in nodes if n.id in self.live)
+        self.metrics.nodes.set(("connected",), connected)
+        self.metrics.nodes.set(("disconnected",), len(nodes) - connected)
+
+    async def watch_heartbeats(self) -> None:
+        """Cut streams whose heartbeats stopped (gRPC keepalive catches most, not a hung agent)."""
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            now = time.monotonic()
+            for session in list(self.live.values()):
+                if now - session.last_heartbeat > self.loss_timeout:
+                    log.warning("node stopped sending heartbeats", extra=kv(node=session.node_id))
+                    session.silent = True
+                    session.close()

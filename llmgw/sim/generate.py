@@ -1,0 +1,93 @@
+"""The words the ``sim`` engine answers with, deterministically for a (seed, prompt).
+
+Determinism: the seed is the request's ``seed`` or else :attr:`SimConfig.seed`;
+the generator is ``random.Random`` seeded with a BLAKE2b digest of the seed and
+the prompt text (chat: the message contents joined by newlines). It draws a
+length in [8, 64]; when that exceeds ``max_tokens`` exactly ``max_tokens`` tokens
+are emitted with finish reason ``length``, otherwise all of them with ``stop``.
+The first token is a capitalised word and every later one a space followed by a
+word, so the streamed deltas concatenate to the non-streamed text exactly.
+With ``n`` > 1, choice ``i`` > 0 uses a generator keyed on ``i`` as well;
+choice 0 is always what :func:`generate` returns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+from llmgw.errors import EngineError
+from llmgw.sim.config import SimConfig, is_int
+
+__all__ = ["MAX_LENGTH", "MIN_LENGTH", "TOKEN_JSON", "draw", "generate"]
+
+MIN_LENGTH = 8
+"""Fewest tokens a completion has when ``max_tokens`` does not cut it short."""
+MAX_LENGTH = 64
+"""Most tokens a completion has."""
+
+_WORDS: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        """
+    the of and to in is was for that on with as by at from it be this are or
+    an have not which one all were they but had there when more time some can
+    about out many then them these so would other into has her two like him see
+    could no make than first been its who now people my made over did down only
+    way find use may water long little very after words called just where most
+    know get through back much before go good new write our used me man too any
+    day same right look think also around another came come work three word must
+    because does part even place well such here take why things help put years
+    different away again off went old number great tell men say small every found
+    still between name should home big give air line set own under read last
+    never us left end along while might next sound below saw something thought
+    both few those always looked show large often together asked house world
+    going want school important until form food keep children feet land side
+    without boy once animals life enough took sometimes four head above kind began
+    almost live page got earth need far hand high year mother light parts country
+    father let night following picture being study second eyes soon times story
+    boys since white days ever paper hard near sentence better best across during
+    today others however sure means knew try told young miles sun ways thing whole
+    hear example heard several change answer room sea against top turned learn
+    point city play toward five using himself usually river clear early ground
+    garden morning window quiet bright simple warm green stone bridge road valley
+    forest mountain signal engine model token stream server request answer cloud
+    river market letter music winter summer spring autumn circle square system
+    """.split()
+    )
+)
+_FIRST: tuple[str, ...] = tuple(w.capitalize() for w in _WORDS)
+_LATER: tuple[str, ...] = tuple(" " + w for w in _WORDS)
+TOKEN_JSON: dict[str, str] = {t: json.dumps(t) for t in _FIRST + _LATER}
+"""Each token as a JSON string, for the server's pre-serialised stream chunks."""
+
+
+def _rng(seed: int, prompt: str, choice: int) -> random.Random:
+    material = f"{seed}\x00{choice}\x00{prompt}".encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2b(material, digest_size=16).digest()
+    return random.Random(int.from_bytes(digest, "big"))
+
+
+def draw(prompt: str, max_tokens: int, seed: int, choice: int = 0) -> tuple[list[str], str]:
+    """:func:`generate` for choice ``choice``, without checking its arguments (the server's
+    request path has checked them)."""
+    rng = _rng(seed, prompt, choice)
+    length = rng.randint(MIN_LENGTH, MAX_LENGTH)
+    count = min(length, max_tokens)
+    tokens = [_FIRST[rng.randrange(len(_FIRST))]]
+    tokens += rng.choices(_LATER, k=count - 1)
+    return tokens, ("length" if length > max_tokens else "stop")
+
+
+def generate(
+    cfg: SimConfig, prompt: str, *, max_tokens: int, seed: int | None
+) -> tuple[list[str], str]:
+    """The tokens the engine emits for ``prompt`` and the finish reason.
+
+    ``seed`` None means ``cfg.seed``. ``"".join(tokens)`` is the completion text.
+    """
+    if not is_int(max_tokens) or max_tokens < 1:
+        raise EngineError(f"sim: max_tokens must be a positive integer, got {max_tokens!r}")
+    if seed is not None and not is_int(seed):
+        raise EngineError(f"sim: seed must be an integer or None, got {seed!r}")
+    return draw(prompt, max_tokens, cfg.seed if seed is None else seed)

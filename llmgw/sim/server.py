@@ -1,0 +1,596 @@
+"""The built-in simulated inference engine ``sim``.
+
+An OpenAI-compatible HTTP server that needs no GPU and no weights: it answers
+``/v1/chat/completions`` and ``/v1/completions`` with words drawn from a fixed
+vocabulary, deterministically for a given (seed, prompt), at a configurable
+speed (``ttft_ms`` before the first token, ``tps`` tokens per second after it).
+The text comes from :mod:`llmgw.sim.generate`, the settings from :mod:`llmgw.sim.config`.
+It is what the tests run against and the baseline of the latency benchmark, so
+the request path is kept lean: everything that does not depend on the request
+is computed once in :func:`build_app`, and stream chunks are assembled from
+pre-serialised pieces.
+
+Endpoints: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``,
+``POST /v1/chat/completions``, ``POST /v1/completions``.
+
+Multi-node (``nodes`` > 1): the replica assembles over TCP first
+(:mod:`llmgw.sim.rendezvous`). Rank 0 binds ``dist_init_addr`` and opens its HTTP port
+only once every worker has joined, so its ``/health`` answers only for a whole replica; it
+exits with an error naming the rank when a worker goes away. Workers serve nothing: they
+join, log ``rank R joined rank 0 at HOST:PORT``, and stay until rank 0 goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from llmgw.errors import EngineError
+from llmgw.netaddr import parse_hostport
+from llmgw.sim.config import SimConfig, is_int
+from llmgw.sim.generate import TOKEN_JSON, draw
+from llmgw.sim.rendezvous import Leader, Worker
+
+log = logging.getLogger("llmgw.engine.sim")
+
+_MAX_N = 16
+_MAX_BODY_BYTES = 64 * 1024 * 1024
+_SHUTDOWN_GRACE_S = 5.0
+_DISCONNECT_POLL_S = 0.05
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+_dumps = functools.partial(json.dumps, separators=(",", ":"))
+
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+_SSE_DONE = b"data: [DONE]\n\n"
+
+
+# --------------------------------------------------------------------------- request parsing
+
+
+class _BadRequest(Exception):
+    def __init__(
+        self, message: str, param: str | None, *, status: int = 400, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+def _error_response(status: int, message: str, param: str | None, code: str | None) -> web.Response:
+    body = {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": param,
+            "code": code,
+        }
+    }
+    return web.Response(status=status, body=_dumps(body).encode(), content_type="application/json")
+
+
+def _missing(name: str) -> _BadRequest:
+    return _BadRequest(f"'{name}' is required", name, code="missing_required_parameter")
+
+
+def _chat_prompt(messages: object) -> str:
+    if messages is None:
+        raise _missing("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _BadRequest(
+            "'messages' must be a non-empty array of {role, content} objects", "messages"
+        )
+    parts: list[str] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _BadRequest(f"'{where}' must be an object with 'role' and 'content'", where)
+        role = message.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise _BadRequest(
+                f"'{where}.role' must be one of {', '.join(sorted(_ROLES))}; got {role!r}",
+                f"{where}.role",
+            )
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise _BadRequest(
+                        f"'{where}.content[{j}]' must be an object with a 'type'",
+                        f"{where}.content[{j}]",
+                    )
+                if part["type"] == "text":
+                    text = part.get("text")
+                    if not isinstance(text, str):
+                        raise _BadRequest(
+                            f"'{where}.content[{j}].text' must be a string",
+                            f"{where}.content[{j}].text",
+                        )
+                    parts.append(text)
+        elif content is None and role == "assistant":
+            continue
+        else:
+            raise _BadRequest(
+                f"'{where}.content' must be a string or an array of content parts",
+                f"{where}.content",
+            )
+    return "\n".join(parts)
+
+
+def _completion_prompts(prompt: object) -> list[str]:
+    if prompt is None:
+        raise _missing("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return prompt
+    raise _BadRequest(
+        "'prompt' must be a string or a non-empty array of strings "
+        "(token-id prompts are not supported by the sim engine)",
+        "prompt",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    max_tokens: int
+    seed: int
+    n: int
+    stream: bool
+    include_usage: bool
+
+
+def _positive_int(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not is_int(value) or value < 1:
+        raise _BadRequest(f"'{name}' must be a positive integer, got {value!r}", name)
+    return int(value)
+
+
+def _options(body: dict[str, Any], cfg: SimConfig, *, chat: bool) -> _Options:
+    max_tokens = _positive_int(body, "max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = _positive_int(body, "max_tokens")
+    if max_tokens is None:
+        max_tokens = cfg.max_tokens
+
+    seed = body.get("seed")
+    if seed is None:
+        seed = cfg.seed
+    elif not is_int(seed):
+        raise _BadRequest(f"'seed' must be an integer, got {seed!r}", "seed")
+
+    n = _positive_int(body, "n") or 1
+    if n > _MAX_N:
+        raise _BadRequest(f"'n' must be at most {_MAX_N}, got {n}", "n")
+
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    elif not isinstance(stream, bool):
+        raise _BadRequest(f"'stream' must be a boolean, got {stream!r}", "stream")
+
+    include_usage = False
+    stream_options = body.get("stream_options")
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            raise _BadRequest("'stream_options' must be an object", "stream_options")
+        value = stream_options.get("include_usage")
+        if value is not None and not isinstance(value, bool):
+            raise _BadRequest(
+                f"'stream_options.include_usage' must be a boolean, got {value!r}",
+                "stream_options.include_usage",
+            )
+        include_usage = bool(value)
+
+    return _Options(max_tokens, seed, n, stream, include_usage)
+
+
+# --------------------------------------------------------------------------- the server
+
+
+class _Handlers:
+    """Request handlers of one engine; holds everything computed once per app."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.ttft_s = cfg.ttft_ms / 1000.0
+        self.interval_s = 1.0 / cfg.tps if cfg.tps > 0 else 0.0
+        self.model_json = json.dumps(cfg.model)
+        model_obj = {
+            "id": cfg.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "llmgw",
+        }
+        self.model_body = _dumps(model_obj).encode()
+        self.models_body = _dumps({"object": "list", "data": [model_obj]}).encode()
+        self.health_body = b'{"status":"ok"}'
+
+    # ----------------------------------------------------------------- simple endpoints
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=self.health_body, content_type="application/json")
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=self.models_body, content_type="application/json")
+
+    async def model(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["model_id"]
+        if name != self.cfg.model:
+            return _error_response(
+                404, self._unknown_model_message(name), "model", "model_not_found"
+            )
+        return web.Response(body=self.model_body, content_type="application/json")
+
+    def _unknown_model_message(self, name: str) -> str:
+        return f"The model '{name}' does not exist; this engine serves '{self.cfg.model}'"
+
+    # ----------------------------------------------------------------- completions
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        raw = await request.read()
+        try:
+            body = self._parse(raw)
+            if chat:
+                prompts = [_chat_prompt(body.get("messages"))]
+            else:
+                prompts = _completion_prompts(body.get("prompt"))
+            opts = _options(body, self.cfg, chat=chat)
+        except _BadRequest as e:
+            return _error_response(e.status, e.message, e.param, e.code)
+
+        jobs = [
+            draw(prompt, opts.max_tokens, opts.seed, j) for prompt in prompts for j in range(opts.n)
+        ]
+        prompt_tokens = sum(len(p.split()) for p in prompts)
+        completion_tokens = sum(len(tokens) for tokens, _ in jobs)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        rid = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
+        created = int(time.time())
+        if opts.stream:
+            return await self._stream(
+                request, chat, rid, created, jobs, usage if opts.include_usage else None, t0
+            )
+        return await self._respond(request, chat, rid, created, jobs, usage, t0)
+
+    def _parse(self, raw: bytes) -> dict[str, Any]:
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise _BadRequest(f"the request body is not valid JSON: {e}", None) from None
+        if not isinstance(body, dict):
+            raise _BadRequest("the request body must be a JSON object", None)
+        model = body.get("model")
+        if model is None:
+            raise _missing("model")
+        if not isinstance(model, str):
+            raise _BadRequest(f"'model' must be a string, got {model!r}", "model")
+        if model != self.cfg.model:
+            raise _BadRequest(
+                self._unknown_model_message(model), "model", status=404, code="model_not_found"
+            )
+        return body
+
+    async def _respond(
+        self,
+        request: web.Request,
+        chat: bool,
+        rid: str,
+        created: int,
+        jobs: list[tuple[list[str], str]],
+        usage: dict[str, int],
+        t0: float,
+    ) -> web.StreamResponse:
+        steps = max(len(tokens) for tokens, _ in jobs)
+        deadline = t0 + self.ttft_s + (steps - 1) * self.interval_s
+        loop = asyncio.get_running_loop()
+        while (remaining := deadline - loop.time()) > 0:
+            if _gone(request):
+                break
+            await asyncio.sleep(min(remaining, _DISCONNECT_POLL_S))
+        choices: list[dict[str, Any]]
+        if chat:
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": "".join(tokens)},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+                for i, (tokens, finish) in enumerate(jobs)
+            ]
+        else:
+            choices = [
+                {"index": i, "text": "".join(tokens), "logprobs": None, "finish_reason": finish}
+                for i, (tokens, finish) in enumerate(jobs)
+            ]
+        obj = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": self.cfg.model,
+            "choices": choices,
+            "usage": usage,
+        }
+        return web.Response(body=_dumps(obj).encode(), content_type="application/json")
+
+    async def _stream(
+        self,
+        request: web.Request,
+        chat: bool,
+        rid: str,
+        created: int,
+        jobs: list[tuple[list[str], str]],
+        usage: dict[str, int] | None,
+        t0: float,
+    ) -> web.StreamResponse:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = (
+            f'data: {{"id":"{rid}","object":"{obj}","created":{created},'
+            f'"model":{self.model_json},"choices":[{{"index":'
+        )
+        if chat:
+            token_pre = [f'{head}{i},"delta":{{"content":' for i in range(len(jobs))]
+            token_post = '},"logprobs":null,"finish_reason":null}]}\n\n'
+            finish_pre = [
+                f'{head}{i},"delta":{{}},"logprobs":null,"finish_reason":"'
+                for i in range(len(jobs))
+            ]
+            role = [
+                f'{head}{i},"delta":{{"role":"assistant","content":""}},'
+                '"logprobs":null,"finish_reason":null}]}\n\n'
+                for i in range(len(jobs))
+            ]
+        else:
+            token_pre = [f'{head}{i},"text":' for i in range(len(jobs))]
+            token_post = ',"logprobs":null,"finish_reason":null}]}\n\n'
+            finish_pre = [
+                f'{head}{i},"text":"","logprobs":null,"finish_reason":"' for i in range(len(jobs))
+            ]
+            role = []
+        finish_post = '"}]}\n\n'
+
+        response = web.StreamResponse(headers=_SSE_HEADERS)
+        loop = asyncio.get_running_loop()
+        steps = max(len(tokens) for tokens, _ in jobs)
+        try:
+            await response.prepare(request)
+            for k in range(steps):
+                delay = t0 + self.ttft_s + k * self.interval_s - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if _gone(request):
+                    return response
+                events: list[str] = []
+                if k == 0:
+                    events += role
+                for i, (tokens, finish) in enumerate(jobs):
+                    if k < len(tokens):
+                        token = tokens[k]
+                        events.append(
+                            token_pre[i] + (TOKEN_JSON.get(token) or json.dumps(token)) + token_post
+                        )
+                        if k == len(tokens) - 1:
+                            events.append(finish_pre[i] + finish + finish_post)
+                await response.write("".join(events).encode())
+            if usage is not None:
+                await response.write(
+                    (
+                        f'data: {{"id":"{rid}","object":"{obj}","created":{created},'
+                        f'"model":{self.model_json},"choices":[],"usage":{_dumps(usage)}}}\n\n'
+                    ).encode()
+                )
+            await response.write(_SSE_DONE)
+            await response.write_eof()
+        except ConnectionResetError:
+            log.debug("sim: client went away mid-stream", extra={"id": rid})
+        return response
+
+
+def _gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def build_app(cfg: SimConfig) -> web.Application:
+    """The aiohttp application of a ``sim`` engine serving ``cfg.model``."""
+    sim = _Handlers(cfg)
+    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+    app.router.add_get("/health", sim.health)
+    app.router.add_get("/v1/models", sim.models)
+    app.router.add_get("/v1/models/{model_id:.+}", sim.model)
+    app.router.add_post("/v1/chat/completions", sim.chat_completions)
+    app.router.add_post("/v1/completions", sim.completions)
+    return app
+
+
+async def serve(
+    cfg: SimConfig,
+    ready: asyncio.Event | None = None,
+    on_bound: Callable[[int], None] | None = None,
+) -> None:
+    """Serve ``cfg`` on ``cfg.host:cfg.port`` until cancelled.
+
+    Once listening, calls ``on_bound`` with the bound port (useful with port 0)
+    and then sets ``ready``. Raises :class:`EngineError` when the address cannot
+    be bound. On cancellation in-flight requests get a few seconds to finish.
+
+    Multi-node: rank 0 first binds ``cfg.dist_init_addr`` and waits for every worker,
+    then listens as above, and raises :class:`~llmgw.sim.rendezvous.RendezvousError`
+    when a worker goes away (or when they do not all join in time). A worker joins (then
+    sets ``ready``; ``on_bound`` is never called, it binds nothing), returns when rank 0
+    ends the replica and raises ``RendezvousError`` when rank 0 is gone.
+    """
+    if cfg.worker:
+        await _work(cfg, ready)
+        return
+    leader: Leader | None = None
+    if cfg.nodes > 1:
+        host, dist_port = parse_hostport(cfg.dist_init_addr)
+        leader = Leader(
+            host,
+            dist_port,
+            cfg.nodes,
+            heartbeat_s=cfg.heartbeat_s,
+            peer_timeout_s=cfg.peer_timeout_s,
+        )
+        await leader.open()
+    # Workers hear BYE only when rank 0 is stopped on purpose; when the replica broke they
+    # see the connection close, and leave with an error too.
+    goodbye = False
+    try:
+        if leader is not None:
+            await leader.gather(cfg.join_timeout_s)
+        await _serve_http(cfg, ready, on_bound, leader)
+    except asyncio.CancelledError:
+        goodbye = True
+        raise
+    finally:
+        if leader is not None:
+            await asyncio.shield(asyncio.ensure_future(leader.close(goodbye=goodbye)))
+
+
+async def _work(cfg: SimConfig, ready: asyncio.Event | None) -> None:
+    host, port = parse_hostport(cfg.dist_init_addr)
+    worker = Worker(
+        host,
+        port,
+        cfg.rank,
+        cfg.nodes,
+        heartbeat_s=cfg.heartbeat_s,
+        peer_timeout_s=cfg.peer_timeout_s,
+    )
+    try:
+        await worker.join(cfg.join_timeout_s)
+        if ready is not None:
+            ready.set()
+        await worker.stay()
+    finally:
+        worker.close()
+
+
+async def _serve_http(
+    cfg: SimConfig,
+    ready: asyncio.Event | None,
+    on_bound: Callable[[int], None] | None,
+    leader: Leader | None,
+) -> None:
+    runner = web.AppRunner(build_app(cfg), access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024)
+        try:
+            await site.start()
+        except OSError as e:
+            raise EngineError(
+                f"sim: cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}; "
+                "choose another port or stop what holds it"
+            ) from e
+        port = int(runner.addresses[0][1])
+        log.info(
+            "sim engine listening on %s:%d model=%s",
+            cfg.host,
+            port,
+            cfg.model,
+            extra={
+                "engine": "sim",
+                "host": cfg.host,
+                "port": port,
+                "model": cfg.model,
+                "seed": cfg.seed,
+                "ttft_ms": cfg.ttft_ms,
+                "tps": cfg.tps,
+                "max_tokens": cfg.max_tokens,
+                "nodes": cfg.nodes,
+            },
+        )
+        if on_bound is not None:
+            on_bound(port)
+        if ready is not None:
+            ready.set()
+        if leader is not None:
+            await leader.lost()  # raises RendezvousError naming the worker
+        await asyncio.Event().wait()
+    finally:
+        # Clean up in a task of its own so aiohttp's graceful shutdown does not
+        # see this (cancelled) task's pending cancellation.
+        await asyncio.shield(asyncio.ensure_future(runner.cleanup()))
+        log.info("sim engine stopped", extra={"engine": "sim", "model": cfg.model})
+
+
+async def _serve_until_signalled(cfg: SimConfig) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    handled: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError, ValueError):
+            continue
+        handled.append(sig)
+    server = asyncio.create_task(serve(cfg))
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({server, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if server.done():
+            server.result()  # raises what serve raised (EngineError); a worker may return
+        else:
+            log.info("sim engine shutting down", extra={"engine": "sim"})
+            server.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await server
+    finally:
+        stopper.cancel()
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+
+
+def run(cfg: SimConfig) -> None:
+    """Serve ``cfg`` in the foreground; returns after SIGTERM or SIGINT (and, for a worker,
+    when rank 0 ends the replica). Raises :class:`EngineError` when it cannot serve, and
+    ``RendezvousError`` when a multi-node replica cannot assemble or loses a member."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        )
+    asyncio.run(_serve_until_signalled(cfg))
+
+
+__all__ = ["build_app", "run", "serve"]

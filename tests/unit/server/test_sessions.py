@@ -1,0 +1,199 @@
+"""The session life cycle (llmgw.server.sessions) and the agent reports it hands on
+(llmgw.server.reports), wired as the control plane wires them, on a real store and CA: a
+stream opens and closes, a node away for the loss timeout is lost and loses its replicas,
+a rank-0 shard that turns ready becomes routable."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+
+from llmgw import pki
+from llmgw.proto import control_pb2 as pb
+from llmgw.server.installs import EngineInstalls
+from llmgw.server.metrics import Metrics
+from llmgw.server.nodes import Membership
+from llmgw.server.reports import AgentReports
+from llmgw.server.routing import Router
+from llmgw.server.scheduler import Scheduler
+from llmgw.server.sessions import Sessions
+from llmgw.server.states import NodeState, ShardState
+from llmgw.server.store import Store
+from llmgw.server.stream import NodeSession
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store.open(tmp_path / "llmgw.db")
+    yield s
+    s.close()
+
+
+class Wired:
+    """The parts a stream reaches, built as ControlPlane._assemble builds them."""
+
+    def __init__(self, tmp: Path, store: Store, *, loss_timeout: float = 60.0) -> None:
+        self.ca = pki.init_ca(tmp / "ca")
+        self.store = store
+        self.live: dict[str, NodeSession] = {}
+        self.lost: set[str] = set()
+        self.router = Router()
+        self.metrics = Metrics()
+        self.routes_changed = 0
+        self.scheduler = Scheduler(
+            store, self.router, sessions=self.live, lost=self.lost, on_routes_changed=self.changed
+        )
+        self.membership = Membership(
+            store, self.scheduler, self.router, sessions=self.live, ca=self.ca, cert_lifetime=3600
+        )
+        self.installs = EngineInstalls(store, sessions=self.live, epoch=7)
+        self.reports = AgentReports(
+            store,
+            self.router,
+            self.scheduler,
+            installs=self.installs,
+            renew=self.membership.renew,
+            on_routes_changed=self.changed,
+        )
+        self.sessions = Sessions(
+            store,
+            self.router,
+            self.metrics,
+            live=self.live,
+            lost=self.lost,
+            membership=self.membership,
+            scheduler=self.scheduler,
+            reports=self.reports,
+            epoch=7,
+            loss_timeout=loss_timeout,
+            heartbeat_interval=1.0,
+            on_routes_changed=self.changed,
+        )
+
+    def changed(self) -> None:
+        self.routes_changed += 1
+
+    def cert(self, tmp: Path, node_id: str) -> x509.Certificate:
+        return pki.load_cert(pki.issue_node_cert(self.ca, node_id, tmp / node_id).cert)
+
+    def connect(self, cert: x509.Certificate, node_id: str = "gpu-1") -> NodeSession:
+        hello = pb.Hello(
+            node_id=node_id,
+            dataplane_addr="127.0.0.1:9443",
+            agent_version="0.1.0",
+            inventory=pb.Inventory(hostname=node_id, cpus=8, engines=["sim"]),
+        )
+        session = self.sessions.open(hello, "ipv4:127.0.0.1:5000", cert)
+        self.sessions.after_hello(session, hello)
+        return session
+
+
+def test_a_new_node_is_pending_and_its_session_carries_the_epoch(
+    tmp_path: Path, store: Store
+) -> None:
+    wired = Wired(tmp_path, store)
+    session = wired.connect(wired.cert(tmp_path, "gpu-1"))
+    assert wired.live == {"gpu-1": session}
+    assert session.epoch == 7 and not session.approved
+    assert session.held_inventory is not None  # kept in memory until approval
+    assert wired.sessions.node_state("gpu-1") == NodeState.PENDING
+    assert wired.sessions.node_state("gpu-2") == NodeState.PENDING  # unknown: pending too
+    assert wired.metrics.nodes.values[("connected",)] == 1
+    kinds = [e.kind for e in store.list_events()]
+    assert "node_pending" in kinds and "node_connected" in kinds
+
+
+def test_a_reconnect_replaces_the_old_stream(tmp_path: Path, store: Store) -> None:
+    wired = Wired(tmp_path, store)
+    cert = wired.cert(tmp_path, "gpu-1")
+    old = wired.connect(cert)
+    new = wired.connect(cert)
+    assert wired.live == {"gpu-1": new}
+    assert old.queue.get_nowait() is None  # told to end
+    wired.sessions.close(old)  # the old stream's end changes nothing now
+    assert wired.live == {"gpu-1": new}
+
+
+def test_a_node_silent_for_the_loss_timeout_loses_its_replicas(
+    tmp_path: Path, store: Store
+) -> None:
+    async def main() -> None:
+        wired = Wired(tmp_path, store, loss_timeout=0.05)
+        cert = wired.cert(tmp_path, "gpu-1")
+        session = wired.connect(cert)
+        store.set_node_state("gpu-1", NodeState.APPROVED)
+        store.put_model("m", engine="sim", params={}, replicas=1)
+        replica = store.add_replica("m")
+        store.add_shard(replica.id, "gpu-1")
+        session.silent = True  # its heartbeats stopped: lost at once when the stream ends
+        wired.sessions.close(session)
+        assert wired.live == {}
+        await asyncio.sleep(0.01)
+        assert wired.lost == {"gpu-1"}
+        assert store.get_node("gpu-1").lost
+        assert store.list_replicas("m") == []
+        kinds = [e.kind for e in store.list_events()]
+        assert "node_lost" in kinds and "replica_removed" in kinds
+        # Back: no longer lost.
+        wired.connect(cert)
+        assert wired.lost == set() and not store.get_node("gpu-1").lost
+        wired.sessions.close_all()
+
+    asyncio.run(main())
+
+
+def test_a_ready_rank0_shard_becomes_routable_and_a_failed_one_leaves(
+    tmp_path: Path, store: Store
+) -> None:
+    wired = Wired(tmp_path, store)
+    session = wired.connect(wired.cert(tmp_path, "gpu-1"))
+    store.put_model("m", engine="sim", params={}, replicas=1)
+    shard = store.add_shard(store.add_replica("m").id, "gpu-1")
+    ready = pb.ShardStatus(shard_id=shard.id, state=pb.SHARD_READY, port=8001)
+    wired.sessions.on_message(session, pb.AgentMessage(shard_status=ready))
+    assert [e.shard_id for e in wired.router.endpoints("m")] == [shard.id]
+    assert store.get_shard(shard.id).state == ShardState.READY
+    assert wired.routes_changed == 1
+    exited = pb.ShardStatus(shard_id=shard.id, state=pb.SHARD_EXITED, reason="killed")
+    wired.sessions.on_message(session, pb.AgentMessage(shard_status=exited))
+    assert wired.router.endpoints("m") == []
+    # An exit nobody ordered is a failure.
+    assert store.get_shard(shard.id).state == ShardState.FAILED
+    assert "shard_failed" in [e.kind for e in store.list_events()]
+
+
+def test_a_draining_agent_is_routed_around(tmp_path: Path, store: Store) -> None:
+    wired = Wired(tmp_path, store)
+    session = wired.connect(wired.cert(tmp_path, "gpu-1"))
+    store.put_model("m", engine="sim", params={}, replicas=1)
+    shard = store.add_shard(store.add_replica("m").id, "gpu-1")
+    ready = pb.ShardStatus(shard_id=shard.id, state=pb.SHARD_READY, port=8001)
+    wired.sessions.on_message(session, pb.AgentMessage(shard_status=ready))
+    assert wired.router.endpoints("m") != []
+    wired.sessions.on_message(session, pb.AgentMessage(draining=pb.Draining()))
+    assert session.draining and wired.router.endpoints("m") == []
+    # A ready report from a draining agent does not make it routable again.
+    wired.sessions.on_message(session, pb.AgentMessage(shard_status=ready))
+    assert wired.router.endpoints("m") == []
+
+
+def test_engine_install_results_update_the_install_record(tmp_path: Path, store: Store) -> None:
+    wired = Wired(tmp_path, store)
+    session = wired.connect(wired.cert(tmp_path, "gpu-1"))
+    (skipped,) = wired.installs.order(
+        ["gpu-1"], engine="vllm", version="0.9", url="https://x/y", sha256="0" * 64, arch=""
+    )
+    assert skipped["state"] == "skipped" and skipped["error"] == NodeState.PENDING
+    store.set_node_state("gpu-1", NodeState.APPROVED)
+    (record,) = wired.installs.order(
+        ["gpu-1"], engine="vllm", version="0.9", url="https://x/y", sha256="0" * 64, arch=""
+    )
+    assert record["state"] == "installing"
+    result = pb.OperationResult(op_id=str(record["op_id"]), ok=False, error="disk full")
+    wired.sessions.on_message(session, pb.AgentMessage(op_result=result))
+    assert wired.installs.records[str(record["op_id"])]["state"] == "failed"
+    assert "engine_install_failed" in [e.kind for e in store.list_events()]
