@@ -1,4 +1,5 @@
-"""Fixtures shared by the server's unit tests: a store on a fresh database."""
+"""Fixtures shared by the server's unit tests: a store on a fresh database, and the scheduler's
+rig on one (``cp``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
+from tests.unit.server.scheduler_rig import SchedulerRig
 
 
 @pytest.fixture
@@ -22,3 +24,11 @@ def store(db_path: Path, clock: Clock) -> Iterator[Store]:
     s = Store.open(db_path, clock=clock)
     yield s
     s.close()
+
+
+@pytest.fixture
+def cp(tmp_path: Path) -> Iterator[SchedulerRig]:
+    """The scheduler's rig on a fresh store (its own clock: the real time)."""
+    store = Store.open(tmp_path / "state.db")
+    yield SchedulerRig(store)
+    store.close()
