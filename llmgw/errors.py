@@ -2,6 +2,7 @@
 
     LlmgwError                      base; ``exit_code`` 1, ``retryable`` False
     ├── ConfigError                 a config file or option is wrong (exit 2); names key and file
+    ├── StartupError                a daemon's start-up step failed; names the step, carries the cause
     ├── PKIError                    certificates and keys
     │   ├── NoAuthority             no CA where one was expected
     │   └── CertificateError        a certificate is unreadable, expired or for someone else
@@ -61,6 +62,29 @@ class ConfigError(LlmgwError):
         super().__init__(where + message)
         self.key = key
         self.file = file
+
+
+class StartupError(LlmgwError):
+    """A daemon could not start: ``step`` names the start-up step that failed. The message
+    is the cause's (what is wrong and what to do) after the step's name; the exit code and
+    retryability are the cause's too."""
+
+    def __init__(self, daemon: str, step: str, cause: LlmgwError | OSError) -> None:
+        if isinstance(cause, LlmgwError):
+            why = str(cause)
+            self.exit_code = cause.exit_code
+            self.retryable = cause.retryable
+        else:
+            # Steps translate the errors they expect into ours; this is one nobody foresaw.
+            where = f"{cause.filename}: " if cause.filename else ""
+            why = (
+                f"{where}{cause.strerror or cause}; check that it exists and that the "
+                f"{daemon}'s user may use it"
+            )
+        super().__init__(f"{daemon} start-up failed at {step!r}: {why}")
+        self.daemon = daemon
+        self.step = step
+        self.cause = cause
 
 
 class PKIError(LlmgwError):
@@ -229,6 +253,7 @@ __all__ = [
     "PinMismatch",
     "ShardError",
     "StaleEpoch",
+    "StartupError",
     "StoreError",
     "StreamError",
     "TokenError",

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.agent.runtimes import RUNTIME_NAMES
 from llmgw.agent.sources import SourcePrefix, parse_prefix
 from llmgw.bodies import (
     DEFAULT_MAX_INFLIGHT_BODY_BYTES,
@@ -78,7 +79,6 @@ _TLS_KEYS = ("cert", "key", "ca")
 _FABRIC_KEYS = ("name", "hcas")
 _DISCOVERY_KEYS = ("nvidia_smi", "ib_root")
 _ENGINE_KEYS = {e.name: (e.program_setting,) for e in ENGINES.values() if e.program_setting}
-RUNTIMES = ("process", "docker")
 _DOCKER_KEYS = ("images", "network", "gpus", "host")
 DOCKER_GPU_MODES = ("request", "env")
 _IMAGE_ENGINES = engine_names()
@@ -270,7 +270,7 @@ def _parse(
         docker=_docker(check, top.get("docker"), runtime),
         install_sources=_install_sources(check, top.get("install_sources")),
         listeners=parse_listener_limits(check, top.get("listeners"), "listeners")[0],
-        **parse_body_limits(check, top, lambda value, key: check.number(value, key)),
+        **parse_body_limits(check, top, check.duration),
         source=source,
     )
 
@@ -500,8 +500,8 @@ def _runtime(check: Checker, value: object) -> str:
     if value is None:
         return "process"
     runtime = check.string(value, "runtime")
-    if runtime not in RUNTIMES:
-        check.fail("runtime", unknown_key_message(runtime, RUNTIMES, noun="runtime"))
+    if runtime not in RUNTIME_NAMES:
+        check.fail("runtime", unknown_key_message(runtime, RUNTIME_NAMES, noun="runtime"))
     return runtime
 
 
@@ -573,7 +573,6 @@ def _docker(check: Checker, value: object, runtime: str) -> DockerConfig:
 
 __all__ = [
     "DEFAULT_AGENT_CONFIG",
-    "RUNTIMES",
     "AgentConfig",
     "DiscoveryConfig",
     "DockerConfig",

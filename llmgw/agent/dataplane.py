@@ -40,7 +40,7 @@ from llmgw.bodies import (
     read_body,
     return_large_buffers,
 )
-from llmgw.errors import CertificateError
+from llmgw.errors import CertificateError, ConfigError
 from llmgw.http.errors import UpstreamError
 from llmgw.http.pool import UpstreamPool
 from llmgw.http.relay import NOT_PROCESSED, relay
@@ -159,9 +159,10 @@ class DataPlane:
             await site.start()
         except OSError as exc:
             await self._runner.cleanup()
-            raise CertificateError(
-                f"data plane cannot listen on {self.host}:{self.port}: {exc.strerror}; "
-                "free the port or set 'listen' in agent.yaml"
+            raise ConfigError(
+                f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}; free the port "
+                "or change listen in agent.yaml",
+                key="listen",
             ) from exc
         self.bound_port = site.bound_port
         log.info(

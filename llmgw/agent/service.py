@@ -1,8 +1,11 @@
 """The agent daemon: validate, load identity, open the data plane, keep the stream, serve.
 
-Start-up is straight-line (STYLE 10): configuration was validated before we get here;
-each step's error is wrapped with the step's name; readiness is announced only after the
-data plane listens and the stream to a control plane is up.
+Start-up is straight-line (STYLE 10), one named step after another in :meth:`Agent.run`;
+configuration was validated before we get here. Each step gets what it needs from the steps
+before it and fails as a :class:`~llmgw.errors.StartupError` that names it ("agent start-up
+failed at 'data plane listener': ..."). Readiness is announced only after the data plane
+listens and the stream to a control plane is up. What started is stopped in the reverse
+order, whether the agent is stopped or a later step failed.
 """
 
 from __future__ import annotations
@@ -15,30 +18,44 @@ import os
 import signal
 import socket
 import ssl
+from collections.abc import Iterator
 from pathlib import Path
 
-from llmgw.agent.config import AgentConfig
+from llmgw.agent.config import AgentConfig, TLSConfig
 from llmgw.agent.dataplane import DataPlane, server_ssl_context
 from llmgw.agent.installs import download_ssl_context, install_engine, remove_leftovers
 from llmgw.agent.inventory import InventoryWatcher
 from llmgw.agent.oplog import OperationLog
 from llmgw.agent.renewal import Renewer, recover_identity
-from llmgw.agent.runtimes import Launch, get_runtime
-from llmgw.agent.shards import ShardManager, ShardSpec
-from llmgw.agent.stream import Credentials, StreamClient
+from llmgw.agent.runtimes import Launch, Runtime, get_runtime
+from llmgw.agent.runtimes.containers import launch_for
+from llmgw.agent.shards import Shard, ShardManager, ShardSpec
+from llmgw.agent.stream import Credentials, StreamClient, StreamState
 from llmgw.agent.update_spool import Spooler
-from llmgw.errors import CertificateError
+from llmgw.errors import CertificateError, LlmgwError, StartupError
+from llmgw.fsutil import make_dir
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.notify import Notifier
 from llmgw.proto import control_pb2 as pb
 
-__all__ = ["Agent", "run_agent"]
+__all__ = ["Agent", "NodeIdentity", "run_agent"]
 
 log = logging.getLogger("llmgw.agent")
 
 # How long in-flight data-plane requests may take to finish when the agent stops.
 DRAIN_TIMEOUT = 30.0
+
+
+@contextlib.contextmanager
+def step(name: str) -> Iterator[None]:
+    """Run one start-up step: its failure becomes a StartupError naming it."""
+    try:
+        yield
+    except StartupError:
+        raise
+    except (LlmgwError, OSError) as exc:
+        raise StartupError("agent", name, exc) from exc
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -47,7 +64,7 @@ def _read(path: Path, what: str) -> bytes:
     except FileNotFoundError:
         raise CertificateError(
             f"the node's {what} {path} does not exist; join the node first "
-            "('llmgw agent join') or set tls.{what} in agent.yaml"
+            f"('llmgw agent join') or set tls.{what} in agent.yaml"
         ) from None
     except OSError as exc:
         raise CertificateError(
@@ -79,18 +96,251 @@ def _source_address_towards(server: str) -> str:
         return "127.0.0.1"
 
 
+class NodeIdentity:
+    """The node's certificate, key and CA on disk, and the data plane's TLS context that
+    presents them. A renewal or rekey replaces the files; :meth:`reload` makes new
+    data-plane handshakes present the new certificate (open connections are untouched)."""
+
+    def __init__(self, tls: TLSConfig) -> None:
+        self.tls = tls
+        # Each is read first so that a missing one is named with the fix.
+        _read(tls.cert, "cert"), _read(tls.key, "key"), _read(tls.ca, "ca")
+        # A renewal interrupted by a crash is rolled back before anything uses the key.
+        recover_identity(tls)
+        self.ssl_context = server_ssl_context(tls.cert, tls.key, tls.ca)
+        self._loaded = _read(tls.cert, "cert")
+
+    def credentials(self) -> Credentials:
+        """The files as they are now, for the next stream."""
+        tls = self.tls
+        current = Credentials(
+            cert=_read(tls.cert, "cert"), key=_read(tls.key, "key"), ca=_read(tls.ca, "ca")
+        )
+        if current.cert != self._loaded:
+            # A rekey or renewal replaced the identity: new data-plane handshakes present
+            # it too, not only the next stream.
+            recover_identity(tls)
+            self.reload()
+            self._loaded = current.cert
+        return current
+
+    def reload(self) -> None:
+        self.ssl_context.load_cert_chain(self.tls.cert, self.tls.key)
+
+    def download_ssl_context(self) -> ssl.SSLContext:
+        """TLS for update-bundle downloads, presenting this identity."""
+        return bundle_download_ssl_context(self.tls.cert, self.tls.key, self.tls.ca)
+
+
 class Agent:
-    """One node agent."""
+    """One node agent: :meth:`run` starts its parts in order, serves until
+    :meth:`request_stop`, and stops them in the reverse order."""
 
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.notifier = Notifier()
         self.stopping = asyncio.Event()
         self.shards: ShardManager | None = None
+        self.inventory: InventoryWatcher | None = None
         self.dataplane: DataPlane | None = None
         self.stream: StreamClient | None = None
         self.spooler: Spooler | None = None
         self._ready_sent = False
+
+    async def run(self) -> None:
+        """Start, serve until asked to stop, stop; StartupError when a step fails."""
+        cfg = self.cfg
+        async with contextlib.AsyncExitStack() as running:
+            with step("state directory"):
+                make_dir(cfg.state_dir)
+            with step("node identity"):
+                identity = NodeIdentity(cfg.tls)
+            with step("leftover engine installs"):
+                self._remove_leftover_installs()
+            with step("operation log"):
+                oplog = OperationLog(cfg.state_dir / "oplog.json")
+            with step("shard runtime"):
+                runtime = get_runtime(
+                    cfg.runtime, docker_network=cfg.docker.network, docker_host=cfg.docker.host
+                )
+            with step("shard adoption"):
+                shards = await self._start_shards(runtime, running)
+            with step("inventory"):
+                inventory = await self._start_inventory(shards)
+            with step("data plane listener"):
+                dataplane = await self._start_dataplane(identity, shards, running)
+            with step("control-plane stream"):
+                self._start_stream(identity, oplog, shards, inventory, dataplane, running)
+            log.info(
+                "agent started",
+                extra=kv(
+                    node=cfg.node_id,
+                    servers=",".join(cfg.servers),
+                    dataplane=f"{dataplane.host}:{dataplane.bound_port}",
+                ),
+            )
+            await self.stopping.wait()
+
+    def request_stop(self) -> None:
+        self.stopping.set()
+
+    # -- the start-up steps, in order ---------------------------------------------------
+
+    def _remove_leftover_installs(self) -> None:
+        for leftover in remove_leftovers(self.cfg.state_dir):
+            log.warning(
+                "removed an engine install a crash left behind", extra=kv(path=str(leftover))
+            )
+
+    async def _start_shards(
+        self, runtime: Runtime, running: contextlib.AsyncExitStack
+    ) -> ShardManager:
+        """The shard supervisor, with the engines a previous agent left running: engines
+        outlive the agent, and the next one takes them back."""
+        cfg = self.cfg
+        shards = ShardManager(
+            cfg.state_dir,
+            runtime,
+            make_launch=self._docker_launch if runtime.name == "docker" else None,
+            on_status=self._report_shard,
+        )
+        await shards.open()
+        running.push_async_callback(shards.close)
+        if cfg.stop_shards_on_exit:
+            running.push_async_callback(shards.stop_all, 10.0)
+        self.shards = shards
+        adopted, dead = await shards.adopt_all()
+        if adopted or dead:
+            log.info("shards after restart", extra=kv(adopted=len(adopted), dead=len(dead)))
+        return shards
+
+    async def _start_inventory(self, shards: ShardManager) -> InventoryWatcher:
+        """What this node has; runs the engines' checks once, off the event loop."""
+        watcher = await asyncio.to_thread(InventoryWatcher, self.cfg, self._send_inventory)
+        self.inventory = watcher
+        # The engines this node runs are the ones discovery checked, at the paths it found.
+        shards.binary_of = lambda engine: next(
+            (e.path for e in watcher.current.engine_details if e.name == engine and e.ok), ""
+        )
+        return watcher
+
+    async def _start_dataplane(
+        self, identity: NodeIdentity, shards: ShardManager, running: contextlib.AsyncExitStack
+    ) -> DataPlane:
+        cfg = self.cfg
+        dataplane = DataPlane(
+            cfg.listen,
+            identity.ssl_context,
+            shards.ready_port,
+            limits=cfg.listeners,
+            max_request_body=cfg.max_request_body,
+            max_inflight_body_bytes=cfg.max_inflight_body_bytes,
+            max_response_body=cfg.max_response_body,
+            upstream_idle_timeout=cfg.upstream_idle_timeout,
+        )
+        await dataplane.start()
+        running.push_async_callback(dataplane.stop)
+        self.dataplane = dataplane
+        return dataplane
+
+    def _start_stream(
+        self,
+        identity: NodeIdentity,
+        oplog: OperationLog,
+        shards: ShardManager,
+        inventory: InventoryWatcher,
+        dataplane: DataPlane,
+        running: contextlib.AsyncExitStack,
+    ) -> None:
+        """The stream to the control planes, and what rides on it: engine installs, signed
+        self-updates (spooled for the root helper's path unit, state_dir/update, whose
+        verdict comes back through status.json) and certificate renewal."""
+        cfg = self.cfg
+        stream = StreamClient(
+            node_id=cfg.node_id,
+            servers=cfg.servers,
+            credentials=identity.credentials,
+            shards=shards,
+            oplog=oplog,
+            inventory=lambda: inventory.current,
+            dataplane_addr=self._dataplane_addr,
+            inflight=lambda: dataplane.inflight,
+            on_state=self._on_stream_state,
+            installer=self._install,
+            updater=self._update,
+        )
+        self.stream = stream
+        self.spooler = Spooler(
+            node_id=cfg.node_id,
+            spool=cfg.state_dir / "update",
+            report=self._send_update_status,
+            ssl_context=identity.download_ssl_context,
+            cluster_ca=cfg.tls.ca,
+        )
+        renewer = Renewer(cfg.tls, cfg.node_id, send=stream.send, on_renewed=identity.reload)
+        stream.on_renewal_answer = renewer.answer
+        tasks = [
+            asyncio.create_task(renewer.run(), name="renewal"),
+            asyncio.create_task(inventory.run(), name="inventory"),
+            asyncio.create_task(self.spooler.run(), name="update-status"),
+            asyncio.create_task(stream.run(), name="stream"),
+            asyncio.create_task(self.notifier.watchdog_loop(), name="watchdog"),
+            asyncio.create_task(self._watch_parent(), name="parent"),
+        ]
+        running.push_async_callback(stream.close)
+        running.push_async_callback(_cancel, tasks)
+        running.push_async_callback(self._drain, stream, dataplane)
+
+    # -- stopping ---------------------------------------------------------------------------
+
+    async def _drain(self, stream: StreamClient, dataplane: DataPlane) -> None:
+        """Drain on stop: the control plane stops routing here first, then the requests in
+        flight finish; the engines keep running for the next agent to adopt."""
+        self.notifier.stopping()
+        told = stream.send(pb.AgentMessage(draining=pb.Draining(deadline_s=DRAIN_TIMEOUT)))
+        log.info(
+            "agent stopping; draining",
+            extra=kv(node=self.cfg.node_id, inflight=dataplane.inflight, control_plane_told=told),
+        )
+        if told:
+            await stream.flushed(timeout=2.0)
+        await dataplane.drain(timeout=DRAIN_TIMEOUT)
+
+    async def _watch_parent(self) -> None:
+        """Under 'llmgw up' the agent stops when its parent is gone, whatever killed it."""
+        parent = os.environ.get("LLMGW_PARENT_PID", "")
+        if not parent.isdigit():
+            return
+        while os.getppid() == int(parent):  # noqa: ASYNC110 - polling is the point
+            await asyncio.sleep(1.0)
+        log.warning("parent 'llmgw up' is gone; stopping", extra=kv(parent=parent))
+        self.request_stop()
+
+    # -- what the parts tell each other ---------------------------------------------------
+    # Shards and inventory start before the stream (adoption and discovery come first, so
+    # that the first Hello carries them); until the stream exists, that Hello is their news.
+
+    def _report_shard(self, shard: Shard) -> None:
+        if self.stream is not None:
+            self.stream.report_shard(shard)
+
+    def _send_inventory(self, inventory: pb.Inventory) -> bool:
+        if self.stream is None:
+            return False
+        return self.stream.send(pb.AgentMessage(inventory=inventory))
+
+    def _docker_launch(self, spec: ShardSpec, port: int, log_path: Path) -> Launch:
+        cfg = self.cfg
+        return launch_for(
+            spec,
+            port=port,
+            log_path=log_path,
+            node_id=cfg.node_id,
+            cluster_id=self.stream.cluster_id if self.stream is not None else "",
+            images=cfg.docker.images,
+            gpus=spec.gpus,
+            gpu_mode=cfg.docker.gpus,
+        )
 
     def _dataplane_addr(self, server: str) -> str:
         assert self.dataplane is not None
@@ -105,7 +355,7 @@ class Agent:
                     host = _source_address_towards(server)
         return format_hostport(host, self.dataplane.bound_port)
 
-    def _on_stream_state(self, state: str, server: str | None) -> None:
+    def _on_stream_state(self, state: StreamState, server: str | None) -> None:
         count = len(self.shards.shards) if self.shards else 0
         if state == "connected":
             if self.spooler is not None:
@@ -117,213 +367,46 @@ class Agent:
         else:
             self.notifier.status(f"disconnected from {server}; reconnecting, {count} shards")
 
-    async def run(self) -> None:
+    async def _install(self, order: pb.InstallEngine) -> None:
+        assert self.inventory is not None
         cfg = self.cfg
-        cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        # 1. identity (a renewal interrupted by a crash is rolled back first)
-        tls = cfg.tls
-
-        _read(tls.cert, "cert"), _read(tls.key, "key"), _read(tls.ca, "ca")
-        recover_identity(tls)
-        ssl_ctx = server_ssl_context(cfg.tls.cert, cfg.tls.key, cfg.tls.ca)
-        loaded = [_read(tls.cert, "cert")]
-
-        def credentials() -> Credentials:
-            current = Credentials(
-                cert=_read(tls.cert, "cert"), key=_read(tls.key, "key"), ca=_read(tls.ca, "ca")
-            )
-            if current.cert != loaded[0]:
-                # A rekey or renewal replaced the identity: new data-plane handshakes
-                # present it too, not only the next stream.
-                recover_identity(tls)
-                ssl_ctx.load_cert_chain(tls.cert, tls.key)
-                loaded[0] = current.cert
-            return current
-
-        for leftover in remove_leftovers(cfg.state_dir):
-            log.warning(
-                "removed an engine install a crash left behind", extra=kv(path=str(leftover))
-            )
-        # 2. fencing state
-        oplog = OperationLog(cfg.state_dir / "oplog.json")
-        # 3. shards
-        stream_ref: list[StreamClient] = []
-        runtime = get_runtime(
-            cfg.runtime, docker_network=cfg.docker.network, docker_host=cfg.docker.host
+        # https:// publishers are verified against the system trust store and the cluster
+        # CA (a control plane serving builds over :8080 with TLS).
+        info = await install_engine(
+            order,
+            state_dir=cfg.state_dir,
+            sources=cfg.install_sources,
+            ssl_context=await asyncio.to_thread(download_ssl_context, cfg.tls.ca),
         )
-        make_launch = None
-        if runtime.name == "docker":
-            from llmgw.agent.runtimes.docker import launch_for as docker_launch
-
-            def make_launch(spec: ShardSpec, port: int, log_path: Path) -> Launch:
-                cluster = stream_ref[0].cluster_id if stream_ref else ""
-                return docker_launch(
-                    spec,
-                    port=port,
-                    log_path=log_path,
-                    node_id=cfg.node_id,
-                    cluster_id=cluster,
-                    images=cfg.docker.images,
-                    gpus=spec.gpus,
-                    gpu_mode=cfg.docker.gpus,
-                )
-
-        self.shards = ShardManager(
-            cfg.state_dir,
-            runtime,
-            make_launch=make_launch,
-            on_status=lambda shard: stream_ref[0].report_shard(shard) if stream_ref else None,
-        )
-        await self.shards.open()
-        # Engines outlive the agent: take back the ones the previous agent started.
-        adopted, dead = await self.shards.adopt_all()
-        if adopted or dead:
-            log.info(
-                "shards after restart",
-                extra=kv(adopted=len(adopted), dead=len(dead)),
-            )
-        # 4. what this node has (runs the engines' checks once, off the event loop)
-        watcher = await asyncio.to_thread(
-            InventoryWatcher,
-            cfg,
-            lambda inv: stream_ref[0].send(pb.AgentMessage(inventory=inv)) if stream_ref else False,
-        )
-        # The engines this node runs are the ones discovery checked, at the paths it found.
-        self.shards.binary_of = lambda engine: next(
-            (e.path for e in watcher.current.engine_details if e.name == engine and e.ok), ""
-        )
-        # 5. data plane
-        self.dataplane = DataPlane(
-            cfg.listen,
-            ssl_ctx,
-            self.shards.ready_port,
-            limits=cfg.listeners,
-            max_request_body=cfg.max_request_body,
-            max_inflight_body_bytes=cfg.max_inflight_body_bytes,
-            max_response_body=cfg.max_response_body,
-            upstream_idle_timeout=cfg.upstream_idle_timeout,
-        )
-        await self.dataplane.start()
-        # 6. stream
-        dataplane = self.dataplane
-        self.stream = StreamClient(
-            node_id=cfg.node_id,
-            servers=cfg.servers,
-            credentials=credentials,
-            shards=self.shards,
-            oplog=oplog,
-            inventory=lambda: watcher.current,
-            dataplane_addr=self._dataplane_addr,
-            inflight=lambda: dataplane.inflight,
-            on_state=self._on_stream_state,
-        )
-        stream_ref.append(self.stream)
-
-        async def install(order: pb.InstallEngine) -> None:
-            # https:// publishers are verified against the system trust store and the cluster
-            # CA (a control plane serving builds over :8080 with TLS).
-            info = await install_engine(
-                order,
-                state_dir=cfg.state_dir,
-                sources=cfg.install_sources,
-                ssl_context=await asyncio.to_thread(download_ssl_context, tls.ca),
-            )
-            log.info(
-                "engine installed",
-                extra=kv(engine=info.name, version=info.version, path=info.path),
-            )
-            # Offer it now rather than at the next periodic look.
-            watcher.update(await asyncio.to_thread(watcher.collect))
-
-        self.stream.installer = install
-        stream = self.stream
-
-        # Signed self-updates: the bundle and order go to the spool the root helper's path
-        # unit watches (state_dir/update); its verdict comes back through status.json.
-        def send_update_status(
-            op_id: str, counter: int, version: str, state: str, message: str
-        ) -> bool:
-            return stream.send(
-                pb.AgentMessage(
-                    update_status=pb.UpdateStatus(
-                        op_id=op_id, counter=counter, version=version, state=state, message=message
-                    )
-                )
-            )
-
-        def download_tls() -> ssl.SSLContext:
-            return bundle_download_ssl_context(tls.cert, tls.key, tls.ca)
-
-        spooler = Spooler(
-            node_id=cfg.node_id,
-            spool=cfg.state_dir / "update",
-            report=send_update_status,
-            ssl_context=download_tls,
-            cluster_ca=tls.ca,
-        )
-        self.spooler = spooler
-
-        async def update(order: pb.UpdateOrder) -> None:
-            await spooler.handle(order.meta.op_id, order.order, order.signature)
-
-        self.stream.updater = update
-
-        def renewed() -> None:
-            # New data-plane handshakes present the new certificate; open ones are untouched.
-            ssl_ctx.load_cert_chain(tls.cert, tls.key)
-
-        renewer = Renewer(tls, cfg.node_id, send=stream.send, on_renewed=renewed)
-        stream.on_renewal_answer = renewer.answer
-        renewal_task = asyncio.create_task(renewer.run(), name="renewal")
-        inventory_task = asyncio.create_task(watcher.run(), name="inventory")
-        update_task = asyncio.create_task(spooler.run(), name="update-status")
-        stream_task = asyncio.create_task(self.stream.run(), name="stream")
         log.info(
-            "agent started",
-            extra=kv(
-                node=cfg.node_id,
-                servers=",".join(cfg.servers),
-                dataplane=f"{dataplane.host}:{dataplane.bound_port}",
-            ),
+            "engine installed", extra=kv(engine=info.name, version=info.version, path=info.path)
         )
-        watchdog = asyncio.create_task(self.notifier.watchdog_loop())
-        parent = asyncio.create_task(self._watch_parent())
-        try:
-            await self.stopping.wait()
-        finally:
-            self.notifier.stopping()
-            # Drain on stop: the control plane stops routing here first, then the requests
-            # in flight finish; the engines keep running for the next agent to adopt.
-            told = self.stream.send(pb.AgentMessage(draining=pb.Draining(deadline_s=DRAIN_TIMEOUT)))
-            log.info(
-                "agent stopping; draining",
-                extra=kv(node=cfg.node_id, inflight=dataplane.inflight, control_plane_told=told),
+        # Offer it now rather than at the next periodic look.
+        watcher = self.inventory
+        watcher.update(await asyncio.to_thread(watcher.collect))
+
+    async def _update(self, order: pb.UpdateOrder) -> None:
+        assert self.spooler is not None
+        await self.spooler.handle(order.meta.op_id, order.order, order.signature)
+
+    def _send_update_status(
+        self, op_id: str, counter: int, version: str, state: str, message: str
+    ) -> bool:
+        if self.stream is None:
+            return False
+        return self.stream.send(
+            pb.AgentMessage(
+                update_status=pb.UpdateStatus(
+                    op_id=op_id, counter=counter, version=version, state=state, message=message
+                )
             )
-            if told:
-                await self.stream.flushed(timeout=2.0)
-            await dataplane.drain(timeout=DRAIN_TIMEOUT)
-            tasks = (stream_task, watchdog, parent, renewal_task, inventory_task, update_task)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.stream.close()
-            if cfg.stop_shards_on_exit:
-                await self.shards.stop_all(grace=10.0)
-            await dataplane.stop()
-            await self.shards.close()
+        )
 
-    async def _watch_parent(self) -> None:
-        """Under 'llmgw up' the agent stops when its parent is gone, whatever killed it."""
-        parent = os.environ.get("LLMGW_PARENT_PID", "")
-        if not parent.isdigit():
-            return
-        while os.getppid() == int(parent):  # noqa: ASYNC110 - polling is the point
-            await asyncio.sleep(1.0)
-        log.warning("parent 'llmgw up' is gone; stopping", extra=kv(parent=parent))
-        self.request_stop()
 
-    def request_stop(self) -> None:
-        self.stopping.set()
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def run_agent(cfg: AgentConfig) -> None:

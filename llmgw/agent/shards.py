@@ -1,10 +1,14 @@
-"""The shards an agent runs: start, health-check, watch and stop engine processes.
+"""The shard supervisor: start, health-check, watch, stop and adopt the engines an agent runs.
 
 Each shard is started by a runtime on a loopback port the agent picks, becomes ``ready``
 when its ``/health`` answers, and is reported ``failed`` (with its exit code and the tail
 of its log) when it ends without having been told to. Every change is handed to a
 callback, which the stream turns into ``ShardStatus`` messages, and recorded in
-``shards.json`` in the state directory.
+``shards.json`` in the state directory (:mod:`llmgw.agent.records`).
+
+One concept, a shard's life on this node, with the spec and states it is about; it runs
+past 600 lines because its steps (sidecars, engine, readiness, watch, adoption) share the
+shard's state and must be read together to see that every path ends in one final report.
 
 Sidecars (:mod:`llmgw.agent.sidecars`) start before the engine, in order, each healthy
 before the next; the engine starts only once all are. A sidecar that fails to get healthy
@@ -35,19 +39,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import functools
-import json
 import logging
-import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from llmgw.agent.records import ShardRecords
 from llmgw.agent.runtimes import Handle, Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
@@ -58,22 +62,34 @@ from llmgw.log import kv
 from llmgw.netaddr import parse_hostport
 from llmgw.sim.rendezvous import JOINED
 
+if TYPE_CHECKING:
+    from llmgw.proto import control_pb2 as pb
+
 __all__ = [
     "DIED_WHILE_DOWN",
-    "EXITED",
     "EXITED_WHILE_ADOPTED",
-    "FAILED",
     "NEVER_STARTED",
-    "READY",
-    "STARTING",
     "Shard",
     "ShardManager",
     "ShardSpec",
+    "ShardState",
 ]
 
 log = logging.getLogger("llmgw.agent.shards")
 
-STARTING, READY, FAILED, EXITED = "starting", "ready", "failed", "exited"
+
+class ShardState(enum.StrEnum):
+    """Where a shard is, as the agent reports it (``ShardStatus.state``'s SHARD_* values)
+    and records it in shards.json; a member equals its string."""
+
+    STARTING = "starting"
+    """Its sidecars or engine were started; not yet healthy (a worker: not yet joined)."""
+    READY = "ready"
+    FAILED = "failed"
+    """It ended without being told to, or could not be started; ``reason`` says why."""
+    EXITED = "exited"
+    """It was stopped as ordered."""
+
 
 DIED_WHILE_DOWN = "engine exited while the agent was down"
 EXITED_WHILE_ADOPTED = "engine exited while adopted (exit code unknown to a new agent)"
@@ -106,6 +122,51 @@ class ShardSpec:
     listen_addr: str = ""
     """A worker of such an engine: the host:port its endpoint binds."""
 
+    @classmethod
+    def from_order(cls, order: pb.StartShard) -> ShardSpec:
+        """The spec of a StartShard; ShardError when a sidecar in it is invalid."""
+        return cls(
+            shard_id=order.shard_id,
+            replica_id=order.replica_id,
+            model=order.model,
+            engine=order.engine,
+            rank=order.rank,
+            params=dict(order.params),
+            extra_args=tuple(order.extra_args),
+            # An order from a control plane that predates multi-node says 0: one node.
+            nodes=order.nodes or 1,
+            dist_init_addr=order.dist_init_addr,
+            gpus=tuple(order.gpus),
+            source=order.source,
+            gpu_memory_mib=order.gpu_memory_mib,
+            sidecars=tuple(SidecarSpec.from_order(s) for s in order.sidecars),
+            profile=order.profile,
+            worker_addrs=tuple(order.worker_addrs),
+            listen_addr=order.listen_addr,
+        )
+
+    @classmethod
+    def from_record(cls, record: ShardRecord) -> ShardSpec:
+        """The spec a previous agent recorded; ShardError when a sidecar in it is invalid."""
+        return cls(
+            shard_id=record.shard_id,
+            replica_id=record.replica_id,
+            model=record.model,
+            engine=record.engine,
+            rank=record.rank,
+            params=dict(record.params),
+            extra_args=record.extra_args,
+            nodes=record.nodes,
+            dist_init_addr=record.dist_init_addr,
+            gpus=record.gpus,
+            source=record.source,
+            gpu_memory_mib=record.gpu_memory_mib,
+            sidecars=tuple(SidecarSpec.from_record(r) for r in record.sidecars),
+            profile=record.profile,
+            worker_addrs=record.worker_addrs,
+            listen_addr=record.listen_addr,
+        )
+
     @property
     def worker(self) -> bool:
         """A worker of a multi-node replica: it serves nothing."""
@@ -114,8 +175,11 @@ class ShardSpec:
 
 @dataclass
 class Shard:
+    """One shard on this node: what was ordered, where its engine runs, and its state
+    (``reason`` says why it failed or exited)."""
+
     spec: ShardSpec
-    state: str = STARTING
+    state: ShardState = ShardState.STARTING
     port: int = 0
     pid: int = 0
     start_time: int | None = None
@@ -193,101 +257,9 @@ def _log_size(path: Path) -> int:
         return 0
 
 
-_MISSING: Any = object()
-
-
-def _get(obj: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any = _MISSING) -> Any:
-    if key not in obj:
-        if default is _MISSING:
-            raise ValueError(f"no {key!r}")
-        return default
-    value = obj[key]
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise ValueError(f"{key!r} is a {type(value).__name__}")
-    return value
-
-
-def _parse_record(shard_id: str, obj: object) -> ShardRecord:
-    """One entry of shards.json; ValueError when it is not what :meth:`Shard.record` wrote."""
-    try:
-        if not isinstance(obj, dict):
-            raise ValueError(f"a {type(obj).__name__}, not an object")
-        params = _get(obj, "params", (dict,), {})
-        extra_args = _get(obj, "extra_args", (list,), [])
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()):
-            raise ValueError("'params' is not a map of strings")
-        if not all(isinstance(a, str) for a in extra_args):
-            raise ValueError("'extra_args' is not a list of strings")
-        return ShardRecord(
-            shard_id=shard_id,
-            replica_id=_get(obj, "replica_id", (str,)),
-            model=_get(obj, "model", (str,)),
-            engine=_get(obj, "engine", (str,)),
-            rank=_get(obj, "rank", (int,), 0),
-            params=params,
-            extra_args=tuple(extra_args),
-            pid=_get(obj, "pid", (int,)),
-            start_time=_get(obj, "start_time", (int, type(None)), None),
-            port=_get(obj, "port", (int,)),
-            container_id=_get(obj, "container_id", (str, type(None)), None),
-            state=_get(obj, "state", (str,)),
-            nodes=_get(obj, "nodes", (int,), 1),
-            dist_init_addr=_get(obj, "dist_init_addr", (str,), ""),
-            gpus=_strings(obj, "gpus"),
-            source=_get(obj, "source", (str,), ""),
-            gpu_memory_mib=_get(obj, "gpu_memory_mib", (int,), 0),
-            profile=_get(obj, "profile", (str,), ""),
-            sidecars=tuple(
-                _parse_sidecar(i, item) for i, item in enumerate(_get(obj, "sidecars", (list,), []))
-            ),
-            worker_addrs=_strings(obj, "worker_addrs"),
-            listen_addr=_get(obj, "listen_addr", (str,), ""),
-            log_offset=_get(obj, "log_offset", (int,), 0),
-        )
-    except ValueError as exc:
-        raise ValueError(f"shard {shard_id!r}: {exc}") from None
-
-
-def _strings(obj: dict[str, Any], key: str) -> tuple[str, ...]:
-    items = _get(obj, key, (list,), [])
-    if not all(isinstance(a, str) for a in items):
-        raise ValueError(f"{key!r} is not a list of strings")
-    return tuple(items)
-
-
-def _parse_sidecar(index: int, obj: object) -> SidecarRecord:
-    if not isinstance(obj, dict):
-        raise ValueError(f"sidecar {index} is a {type(obj).__name__}, not an object")
-    try:
-        record = SidecarRecord(
-            name=_get(obj, "name", (str,)),
-            argv=_strings(obj, "argv"),
-            health_url=_get(obj, "health_url", (str,), ""),
-            timeout_s=float(_get(obj, "timeout_s", (int, float), 0.0)),
-            ready_after_s=float(_get(obj, "ready_after_s", (int, float), 0.0)),
-            pid=_get(obj, "pid", (int,), 0),
-            start_time=_get(obj, "start_time", (int, type(None)), None),
-        )
-        SidecarSpec.from_record(record)  # what adoption will build from it
-    except (ValueError, ShardError) as exc:
-        raise ValueError(f"sidecar {index}: {exc}") from None
-    return record
-
-
-def _record_json(record: ShardRecord) -> dict[str, Any]:
-    data = asdict(record)
-    del data["shard_id"]
-    data["extra_args"] = list(record.extra_args)
-    data["gpus"] = list(record.gpus)
-    data["worker_addrs"] = list(record.worker_addrs)
-    data["sidecars"] = [{**asdict(s), "argv": list(s.argv)} for s in record.sidecars]
-    if record.container_id is None:
-        del data["container_id"]
-    return data
-
-
 class ShardManager:
-    """Starts and watches shards through one runtime."""
+    """Starts, watches, stops and adopts the shards of this node through one runtime, and
+    keeps their records (:class:`~llmgw.agent.records.ShardRecords`) up to date."""
 
     def __init__(
         self,
@@ -301,6 +273,7 @@ class ShardManager:
         worker_grace: float = 1.0,
     ) -> None:
         self.state_dir = state_dir
+        self.records = ShardRecords(state_dir)
         self.make_launch = make_launch or self._process_launch
         # Where the node's engines are (discovery found them; "" = the default name on PATH).
         self.binary_of: Callable[[str], str] = lambda engine: ""
@@ -344,10 +317,6 @@ class ShardManager:
         )
 
     @property
-    def records_path(self) -> Path:
-        return self.state_dir / "shards.json"
-
-    @property
     def log_dir(self) -> Path:
         return self.state_dir / "logs"
 
@@ -380,7 +349,7 @@ class ShardManager:
         """The loopback port of a ready shard that serves; None for a worker (it serves
         nothing), or a shard not ready or unknown."""
         shard = self.shards.get(shard_id)
-        if shard is None or shard.state != READY or shard.spec.worker:
+        if shard is None or shard.state != ShardState.READY or shard.spec.worker:
             return None
         return shard.port
 
@@ -395,19 +364,7 @@ class ShardManager:
             log.exception("shard status callback failed", extra=kv(shard=shard.shard_id))
 
     def _save_records(self) -> None:
-        records = {s.shard_id: _record_json(s.record()) for s in self.shards.values()}
-        tmp = self.records_path.with_name("shards.json.tmp")
-        try:
-            self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(records, f)
-            os.replace(tmp, self.records_path)
-        except OSError as exc:
-            log.warning(
-                "cannot record shards in the state directory",
-                extra=kv(path=str(self.records_path), error=exc.strerror),
-            )
+        self.records.save(s.record() for s in self.shards.values())
 
     async def start(self, spec: ShardSpec) -> Shard:
         """Start a shard; a shard already starting or ready is left as it is.
@@ -419,7 +376,11 @@ class ShardManager:
         there is reported as a ``failed`` shard).
         """
         existing = self.shards.get(spec.shard_id)
-        if existing is not None and existing.state in (STARTING, READY) and not existing.stopping:
+        if (
+            existing is not None
+            and existing.state in (ShardState.STARTING, ShardState.READY)
+            and not existing.stopping
+        ):
             return existing
         if existing is not None and existing.task is not None and not existing.task.done():
             await existing.task
@@ -455,7 +416,7 @@ class ShardManager:
         try:
             await self._start_engine(shard, launch)
         except LlmgwError as exc:
-            shard.state, shard.reason = FAILED, str(exc)
+            shard.state, shard.reason = ShardState.FAILED, str(exc)
             self._emit(shard)
             raise
         shard.task = asyncio.create_task(self._watch(shard), name=f"shard-{spec.shard_id}")
@@ -492,13 +453,13 @@ class ShardManager:
                 on_started=lambda sidecar: self._save_records(),
             )
         except ShardError as exc:
-            shard.state, shard.reason = FAILED, str(exc)
+            shard.state, shard.reason = ShardState.FAILED, str(exc)
             log.warning("shard failed", extra=kv(shard=shard.shard_id, reason=shard.reason))
             self._emit(shard)
             return
         if not up or shard.stopping:
             await sidecars.stop(shard.stop_grace)
-            shard.state, shard.reason = EXITED, shard.reason or "stopped"
+            shard.state, shard.reason = ShardState.EXITED, shard.reason or "stopped"
             self._emit(shard)
             return
         log.info("shard sidecars healthy", extra=kv(shard=shard.shard_id))
@@ -506,7 +467,7 @@ class ShardManager:
             await self._start_engine(shard, launch)
         except LlmgwError as exc:
             await sidecars.stop(5.0)
-            shard.state, shard.reason = FAILED, str(exc)
+            shard.state, shard.reason = ShardState.FAILED, str(exc)
             log.warning("shard failed", extra=kv(shard=shard.shard_id, reason=shard.reason))
             self._emit(shard)
             return
@@ -515,42 +476,6 @@ class ShardManager:
             # stop() came while the engine was being started, and found nothing to stop.
             await self.runtime.stop(shard.handle, shard.stop_grace)
         await self._watch(shard)
-
-    def _load_records(self) -> list[ShardRecord]:
-        """The records a previous agent left; a file that cannot be read is moved aside."""
-        path = self.records_path
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            log.warning(
-                "cannot read the shard records; adopting nothing",
-                extra=kv(path=str(path), error=exc.strerror),
-            )
-            return []
-        try:
-            data = json.loads(raw)
-            if not isinstance(data, dict):
-                raise ValueError(f"a {type(data).__name__}, not an object")
-            return [_parse_record(str(sid), obj) for sid, obj in data.items()]
-        except ValueError as exc:
-            aside = path.with_name(
-                f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-            )
-            try:
-                os.replace(path, aside)
-            except OSError as move_exc:
-                log.warning(
-                    "shard records are corrupt and cannot be moved aside; adopting nothing",
-                    extra=kv(path=str(path), error=str(exc), move_error=move_exc.strerror),
-                )
-            else:
-                log.warning(
-                    "shard records are corrupt; moved them aside and adopting nothing",
-                    extra=kv(path=str(path), moved_to=str(aside), error=str(exc)),
-                )
-            return []
 
     async def adopt_all(self) -> tuple[list[Shard], list[ShardRecord]]:
         """Take over the engines a previous agent left running; call it after :meth:`open`.
@@ -562,27 +487,13 @@ class ShardManager:
         """
         adopted: list[Shard] = []
         dead: list[ShardRecord] = []
-        for record in self._load_records():
-            if record.state not in (STARTING, READY) or record.shard_id in self.shards:
+        for record in self.records.load():
+            if (
+                record.state not in (ShardState.STARTING, ShardState.READY)
+                or record.shard_id in self.shards
+            ):
                 continue
-            spec = ShardSpec(
-                shard_id=record.shard_id,
-                replica_id=record.replica_id,
-                model=record.model,
-                engine=record.engine,
-                rank=record.rank,
-                params=dict(record.params),
-                extra_args=record.extra_args,
-                nodes=record.nodes,
-                dist_init_addr=record.dist_init_addr,
-                gpus=record.gpus,
-                source=record.source,
-                gpu_memory_mib=record.gpu_memory_mib,
-                sidecars=tuple(SidecarSpec.from_record(r) for r in record.sidecars),
-                profile=record.profile,
-                worker_addrs=record.worker_addrs,
-                listen_addr=record.listen_addr,
-            )
+            spec = ShardSpec.from_record(record)
             shard = Shard(
                 spec=spec,
                 port=record.port,
@@ -590,7 +501,7 @@ class ShardManager:
                 start_time=record.start_time,
                 container_id=record.container_id,
                 log_offset=record.log_offset,
-                ready_before=record.state == READY,
+                ready_before=record.state == ShardState.READY,
             )
             self.shards[spec.shard_id] = shard
             if record.sidecars:
@@ -603,7 +514,7 @@ class ShardManager:
                 handle = None
                 shard.reason = f"engine could not be adopted after an agent restart: {exc}"
             if handle is None:
-                shard.state = FAILED
+                shard.state = ShardState.FAILED
                 never_started = record.pid <= 0 and record.container_id is None
                 shard.reason = shard.reason or (NEVER_STARTED if never_started else DIED_WHILE_DOWN)
                 if shard.sidecars is not None:
@@ -644,7 +555,7 @@ class ShardManager:
         try:
             ready = await self._wait_ready(shard, watched)
             if ready:
-                shard.state = READY
+                shard.state = ShardState.READY
                 log.info("shard ready", extra=kv(shard=shard.shard_id, port=shard.port))
                 self._emit(shard)
             elif not any(t.done() for t in watched) and not shard.stopping:
@@ -671,10 +582,10 @@ class ShardManager:
                 await sidecar_exit
         shard.exit_code = code
         if shard.stopping:
-            shard.state = EXITED
+            shard.state = ShardState.EXITED
             shard.reason = shard.reason or "stopped"
         else:
-            shard.state = FAILED
+            shard.state = ShardState.FAILED
             tail = log_tail(self.log_path(shard.shard_id))
             if code is None:
                 how = EXITED_WHILE_ADOPTED
@@ -751,8 +662,8 @@ class ShardManager:
         if shard.task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await shard.task
-        if shard.state != EXITED:
-            shard.state = EXITED
+        if shard.state != ShardState.EXITED:
+            shard.state = ShardState.EXITED
             shard.reason = shard.reason or "stopped"
             self._emit(shard)
         self.shards.pop(shard_id, None)

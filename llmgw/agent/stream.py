@@ -3,6 +3,9 @@
 The agent tries each configured control plane in turn with jittered exponential backoff.
 Every order is checked against the operation log first: an order from a lower epoch is
 rejected and reported, an op id already applied is acknowledged without being applied.
+Orders are carried out by the parts the service hands in: shard starts and stops by the
+shard supervisor, engine installs by ``installer``, signed updates by ``updater``; one order
+at a time per shard, and each answered with an ``OperationResult``.
 """
 
 from __future__ import annotations
@@ -14,28 +17,31 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import grpc
 
 from llmgw import __version__
 from llmgw.agent.oplog import OperationLog
-from llmgw.agent.shards import EXITED, FAILED, READY, STARTING, Shard, ShardManager, ShardSpec
-from llmgw.agent.sidecars import SidecarSpec
+from llmgw.agent.shards import Shard, ShardManager, ShardSpec, ShardState
 from llmgw.errors import EngineError, LlmgwError, StaleEpoch, UpdateError
 from llmgw.log import kv
 from llmgw.netaddr import CONTROL_PLANE_NAME
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 
-__all__ = ["Backoff", "StreamClient", "shard_status"]
+__all__ = ["Backoff", "Credentials", "StreamClient", "StreamState", "shard_status"]
 
 log = logging.getLogger("llmgw.agent.stream")
 
+StreamState = Literal["connected", "disconnected"]
+"""What ``on_state`` is told: a control plane welcomed this node, or the stream to it ended."""
+
 _STATE_TO_PB = {
-    STARTING: pb.SHARD_STARTING,
-    READY: pb.SHARD_READY,
-    FAILED: pb.SHARD_FAILED,
-    EXITED: pb.SHARD_EXITED,
+    ShardState.STARTING: pb.SHARD_STARTING,
+    ShardState.READY: pb.SHARD_READY,
+    ShardState.FAILED: pb.SHARD_FAILED,
+    ShardState.EXITED: pb.SHARD_EXITED,
 }
 
 
@@ -91,7 +97,7 @@ class StreamClient:
         inventory: Callable[[], pb.Inventory],
         dataplane_addr: Callable[[str], str],
         inflight: Callable[[], int] = lambda: 0,
-        on_state: Callable[[str, str | None], None] = lambda state, server: None,
+        on_state: Callable[[StreamState, str | None], None] = lambda state, server: None,
         on_renewal_answer: Callable[[pb.RenewCertificate], None] = lambda msg: None,
         installer: Callable[[pb.InstallEngine], Awaitable[None]] | None = None,
         updater: Callable[[pb.UpdateOrder], Awaitable[None]] | None = None,
@@ -361,26 +367,7 @@ class StreamClient:
         )
 
     async def _start(self, order: pb.StartShard) -> None:
-        spec = ShardSpec(
-            shard_id=order.shard_id,
-            replica_id=order.replica_id,
-            model=order.model,
-            engine=order.engine,
-            rank=order.rank,
-            params=dict(order.params),
-            extra_args=tuple(order.extra_args),
-            # An order from a control plane that predates multi-node says 0: one node.
-            nodes=order.nodes or 1,
-            dist_init_addr=order.dist_init_addr,
-            gpus=tuple(order.gpus),
-            source=order.source,
-            gpu_memory_mib=order.gpu_memory_mib,
-            sidecars=tuple(SidecarSpec.from_order(s) for s in order.sidecars),
-            profile=order.profile,
-            worker_addrs=tuple(order.worker_addrs),
-            listen_addr=order.listen_addr,
-        )
-        await self.shards.start(spec)
+        await self.shards.start(ShardSpec.from_order(order))
 
     async def _stop(self, order: pb.StopShard) -> None:
         shard = await self.shards.stop(order.shard_id, grace=order.grace_s or 10.0)

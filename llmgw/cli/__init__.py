@@ -5,6 +5,9 @@ The subcommands are imported when they are used, not when the program starts: ``
 one-folder build must answer ``--version`` within 0.4 s). ``llmgw --help`` lists each
 command with the summary recorded in ``COMMANDS`` below; a unit test holds those summaries
 equal to the commands' own help texts.
+
+An LlmgwError that leaves any command is reported once, by this group (``LazyGroup`` is a
+``ReportingGroup``): ``error: MESSAGE`` on stderr and the error's exit code.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import click
 
 from llmgw import __version__
+from llmgw.cli.common import ReportingGroup
 
 __all__ = ["COMMANDS", "LazyCommand", "LazyGroup", "main"]
 
@@ -79,8 +83,9 @@ COMMANDS: dict[str, LazyCommand] = {
 }
 
 
-class LazyGroup(click.Group):
-    """A group whose subcommands are imported on first use (see ``COMMANDS``)."""
+class LazyGroup(ReportingGroup):
+    """A group whose subcommands are imported on first use (see ``COMMANDS``); the
+    LlmgwError of any command below it is reported here, once (see ``llmgw.cli.common``)."""
 
     def __init__(self, *args: Any, lazy: dict[str, LazyCommand], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -1,5 +1,9 @@
-"""``llmgw agent``: the node agent, ``llmgw agent join`` that enrols the node, and
-``llmgw agent docker-proxy``, the Docker socket proxy the agent may use instead of docker.sock."""
+"""The ``llmgw agent`` group: everything that runs on a node.
+
+``llmgw agent`` runs the node agent; ``join`` enrols the node; ``docker-proxy`` is the Docker
+socket proxy the agent may use instead of docker.sock; ``update-apply`` and ``update-trust``
+are the root update helper's entry points (systemd and the installer run them as root; the
+code behind them is the helper's, these commands only parse options and print verdicts)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from llmgw.agent.dockerproxy.relay import DEFAULT_LISTEN as DEFAULT_PROXY_LISTEN
 from llmgw.agent.dockerproxy.relay import DEFAULT_UPSTREAM as DEFAULT_PROXY_UPSTREAM
 from llmgw.agent.join import DEFAULT_ENROLL_PORT, JoinResult, join
 from llmgw.agent.service import run_agent
-from llmgw.cli.common import reports_errors
+from llmgw.cli.common import ReportingGroup
 from llmgw.contracts.update_order import DEFAULT_SPOOL
 from llmgw.errors import ConfigError
 from llmgw.log import setup_logging
@@ -29,7 +33,7 @@ TOKEN_ENV = "LLMGW_JOIN_TOKEN"
 __all__ = ["agent"]
 
 
-@click.group(invoke_without_command=True)
+@click.group(cls=ReportingGroup, invoke_without_command=True)
 @click.option(
     "--config",
     "config_path",
@@ -47,7 +51,6 @@ __all__ = ["agent"]
 )
 @click.option("--check", is_flag=True, help="Validate the configuration and exit.")
 @click.pass_context
-@reports_errors
 def agent(ctx: click.Context, config_path: Path, log_level: str, check: bool) -> None:
     """Run the node agent (systemd Type=notify)."""
     if ctx.invoked_subcommand is not None:
@@ -124,7 +127,6 @@ def _join_token() -> str:
     "and certificate are kept as *.old.",
 )
 @click.pass_context
-@reports_errors
 def join_command(
     ctx: click.Context,
     node_id: str,
@@ -232,7 +234,6 @@ def _report(result: JoinResult) -> str:
     show_default=True,
     help="The installed agent program, asked for its --version (a downgrade is refused).",
 )
-@reports_errors
 def update_apply(spool: Path, trust: Path, state: Path, installed_binary: Path) -> None:
     """Check and apply the signed update the agent spooled (as root, from
     llmgw-agent-update.service). The request is moved out of the agent's reach first; the
@@ -284,7 +285,6 @@ def update_apply(spool: Path, trust: Path, state: Path, installed_binary: Path) 
     envvar="LLMGW_LOG_LEVEL",
     help="debug, info, warning (env: LLMGW_LOG_LEVEL).",
 )
-@reports_errors
 def docker_proxy(
     listen: Path,
     upstream: Path,
@@ -332,7 +332,6 @@ def docker_proxy(
     show_default=True,
     help="Where the update helper's trust lives (root's).",
 )
-@reports_errors
 def update_trust(ca_file: Path, ca_hash: str | None, trust: Path) -> None:
     """Make the update helper trust the CA in --ca, once it matches the pin (as root, from
     install-agent.sh). Prints 'trust: written' or 'trust: unchanged'; exits 1, the trust

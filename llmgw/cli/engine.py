@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import click
 
-from llmgw.cli.common import reports_errors
+from llmgw.cli.common import ReportingGroup
 from llmgw.sim.config import SimConfig
 from llmgw.sim.server import run
 
 __all__ = ["engine"]
 
 
-@click.group()
+@click.group(cls=ReportingGroup)
 def engine() -> None:
     """Built-in inference engines."""
 
@@ -92,7 +92,6 @@ def engine() -> None:
     type=float,
     help="Seconds of silence after which a rank counts as dead.",
 )
-@reports_errors
 def sim(
     host: str,
     port: int,

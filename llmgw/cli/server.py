@@ -8,7 +8,6 @@ from pathlib import Path
 
 import click
 
-from llmgw.cli.common import reports_errors
 from llmgw.log import setup_logging
 from llmgw.server.app import ControlPlane
 from llmgw.server.config import DEFAULT_SERVER_CONFIG, load_server_config
@@ -33,7 +32,6 @@ __all__ = ["server"]
     envvar="LLMGW_LOG_LEVEL",
     help="debug, info, warning (env: LLMGW_LOG_LEVEL).",
 )
-@reports_errors
 def server(config_path: Path | None, state_dir: Path | None, log_level: str) -> None:
     """Run the control plane: gateway :8080, enrolment, agent stream :7443."""
     setup_logging(log_level)

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import click
 
-from llmgw.cli.common import reports_errors
+from llmgw.cli.local_cluster import UpOptions, run_up
 from llmgw.client import default_up_state_dir
 from llmgw.log import LogfmtFormatter
-from llmgw.up import UpOptions, run_up
 
 __all__ = ["up"]
 
@@ -97,7 +96,6 @@ def _setup_up_logging(state_dir: Path, verbose: bool) -> None:
 @click.option(
     "-v", "--verbose", is_flag=True, help="Show info logs on the terminal (always in STATE/logs)."
 )
-@reports_errors
 def up(
     state_dir: Path | None,
     host: str,

@@ -16,7 +16,7 @@ import docker.errors
 import docker.utils
 import pytest
 
-from llmgw.agent.runtimes.docker import LABEL_NODE
+from llmgw.agent.runtimes.containers import LABEL_NODE
 from tests.ci import unavailable
 from tests.integration.docker_engine import DEFAULT_IMAGE, IMAGE_ENV, NODE
 from tests.integration.harness import Server, start_server, stop_process

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from llmgw.agent.runtimes.base import Launch
-from llmgw.agent.runtimes.docker import launch_for
+from llmgw.agent.runtimes.containers import launch_for
 from llmgw.agent.shards import ShardSpec, pick_port
 from tests.integration.harness import Agent, Server, start_agent
 

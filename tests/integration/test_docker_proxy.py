@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from llmgw.agent.runtimes.base import ShardRecord
-from llmgw.agent.runtimes.docker import LABEL_NODE, LABEL_SHARD, DockerRuntime
+from llmgw.agent.runtimes.containers import LABEL_NODE, LABEL_SHARD
+from llmgw.agent.runtimes.docker import DockerRuntime
 from tests.ci import unavailable
 from tests.integration.docker_engine import (
     NODE,
@@ -124,7 +125,7 @@ def test_the_docker_runtime_runs_a_shard_through_the_proxy(
 def test_a_multi_node_shard_in_the_host_network_through_the_proxy(
     api: Any, image: str, proxy: Path, tmp_path: Path
 ) -> None:
-    from llmgw.agent.runtimes.docker import launch_for
+    from llmgw.agent.runtimes.containers import launch_for
     from llmgw.agent.shards import ShardSpec, pick_port
 
     launch = launch_for(

@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 
 from llmgw.agent.runtimes.base import Handle, Launch, ShardRecord
-from llmgw.agent.runtimes.docker import (
+from llmgw.agent.runtimes.containers import (
     CONTAINER_PORT,
     LABEL_CLUSTER,
     LABEL_NODE,
     LABEL_REPLICA,
     LABEL_SHARD,
-    DockerRuntime,
     launch_for,
 )
+from llmgw.agent.runtimes.docker import DockerRuntime
 from llmgw.agent.shards import ShardSpec, pick_port
 from llmgw.errors import ShardError
 from tests.ci import unavailable

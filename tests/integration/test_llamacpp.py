@@ -317,7 +317,7 @@ def test_agent_offers_llamacpp_and_the_gateway_serves_it(
 
 def engine_check(*args: str) -> subprocess.CompletedProcess[str]:
     # `llmgw ctl engine-check` once attached; the command itself is the same click command.
-    code = "import sys; from llmgw.cli.engine_check import engine_check; engine_check(sys.argv[1:])"
+    code = "import sys; from llmgw.cli.ctl.engine_check import engine_check; engine_check(sys.argv[1:])"
     return subprocess.run(
         [sys.executable, "-c", code, *args],
         capture_output=True,

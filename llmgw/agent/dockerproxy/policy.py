@@ -47,8 +47,9 @@ __all__ = [
     "route",
 ]
 
-# The labels of llmgw's docker runtime (llmgw.agent.runtimes.docker, which imports the docker
-# SDK; the proxy does not need it). tests/unit/agent/test_dockerproxy.py checks they agree.
+# The labels of llmgw's docker runtime (llmgw.agent.runtimes.containers), copied so that the
+# proxy, which holds dockerd's socket, imports nothing of the agent's.
+# tests/unit/agent/test_dockerproxy.py checks they agree.
 LABEL_NODE = "llmgw.node"
 LABEL_SHARD = "llmgw.shard"
 

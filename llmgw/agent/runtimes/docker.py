@@ -9,6 +9,9 @@ Containers carry ``llmgw.*`` labels (cluster, node, replica, shard) so that a re
 finds and adopts the engines it left running; their output is copied into the shard's log
 file, where the agent reads the tail when an engine fails. Images are never pulled: an image
 must already be on the node (``docker load``), as no registry is assumed.
+
+What a shard's container is (image, command, labels, ports) is built without the SDK, in
+:mod:`llmgw.agent.runtimes.containers`; this module talks to the daemon.
 """
 
 from __future__ import annotations
@@ -18,13 +21,10 @@ import contextlib
 import logging
 import math
 import os
-import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 import docker
 import docker.errors
@@ -32,218 +32,27 @@ import docker.types
 import docker.utils
 
 from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord
-from llmgw.engines.launch import build_argv, build_command, self_argv
-from llmgw.engines.spec import EngineSpec
-from llmgw.errors import EngineError, ShardError
+from llmgw.agent.runtimes.containers import (
+    LABEL_CLUSTER,
+    LABEL_LOG,
+    LABEL_NODE,
+    LABEL_SHARD,
+    ShardContainer,
+    container_name,
+)
+from llmgw.errors import ShardError
 from llmgw.log import kv
 
-__all__ = [
-    "CONTAINER_PORT",
-    "LABEL_CLUSTER",
-    "LABEL_LOG",
-    "LABEL_NODE",
-    "LABEL_REPLICA",
-    "LABEL_SHARD",
-    "DockerRuntime",
-    "ShardContainer",
-    "container_name",
-    "launch_for",
-]
+__all__ = ["DockerRuntime"]
 
 log = logging.getLogger("llmgw.agent.runtimes.docker")
-
-CONTAINER_PORT = 8000
-"""The port every engine listens on inside its container (on all of the container's addresses)."""
-
-LABEL_CLUSTER = "llmgw.cluster"
-LABEL_NODE = "llmgw.node"
-LABEL_REPLICA = "llmgw.replica"
-LABEL_SHARD = "llmgw.shard"
-LABEL_LOG = "llmgw.log"
-"""The shard's log file on the host, so that an agent adopting the container goes on copying
-its output to the same file."""
 
 _DEFAULT_SOCKET = "unix:///var/run/docker.sock"
 HOST_NETWORK_CAP_DROP = ("NET_RAW", "NET_BIND_SERVICE")
 PROXY_SOCKET_DIR = "/run/llmgw-docker-proxy"  # llmgw.agent.dockerproxy's, for the message
-_NAME_INVALID = re.compile(r"[^a-zA-Z0-9_.-]")
 _LOG_DRAIN_S = 5.0  # how long to let the log copy catch up once a container has ended
 _QUICK_TIMEOUT_S = 5  # for alive(), which runs on the event loop
 _RETRY_MAX_S = 10.0
-
-
-class _SpecLike(Protocol):
-    """The fields of ``ShardSpec`` (or ``ShardRecord``) a launch is built from."""
-
-    @property
-    def shard_id(self) -> str: ...
-    @property
-    def replica_id(self) -> str: ...
-    @property
-    def model(self) -> str: ...
-    @property
-    def engine(self) -> str: ...
-    @property
-    def params(self) -> dict[str, str]: ...
-    @property
-    def extra_args(self) -> tuple[str, ...]: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def nodes(self) -> int: ...
-    @property
-    def dist_init_addr(self) -> str: ...
-    @property
-    def source(self) -> str: ...
-    @property
-    def gpus(self) -> tuple[str, ...]: ...
-    @property
-    def worker_addrs(self) -> tuple[str, ...]: ...
-    @property
-    def listen_addr(self) -> str: ...
-
-
-def container_name(shard_id: str, node_id: str | None = None) -> str:
-    """``llmgw-NODE-SHARD``: readable in ``docker ps``, unique per node on a shared daemon."""
-    parts = ["llmgw", *([node_id] if node_id else []), shard_id]
-    return _NAME_INVALID.sub("_", "-".join(parts))
-
-
-def _in_container(argv: Sequence[str], *, host_network: bool = False) -> list[str]:
-    """The engine's argv as run inside its image: ``llmgw`` from the image's PATH rather than
-    this agent's own interpreter, listening on every address of the container (the port is
-    published on the host's loopback only). In the host's network namespace the addresses
-    stay as built: 127.0.0.1 is then the host's loopback."""
-    args = list(argv)
-    prefix = self_argv()
-    if args[: len(prefix)] == prefix:
-        args = ["llmgw", *args[len(prefix) :]]
-    if not host_network and "--host" in args[:-1]:
-        args[args.index("--host") + 1] = "0.0.0.0"
-    return args
-
-
-def launch_for(
-    spec: _SpecLike,
-    *,
-    port: int,
-    log_path: Path,
-    node_id: str,
-    cluster_id: str,
-    images: Mapping[str, str],
-    gpus: Sequence[str] = (),
-    gpu_mode: str = "request",
-) -> Launch:
-    """The :class:`Launch` of a shard in a container: the image ``images`` names for its engine,
-    the engine on :data:`CONTAINER_PORT` inside, published on 127.0.0.1:``port``."""
-    image = images.get(spec.engine)
-    if not image:
-        raise ShardError(
-            f"no image for engine {spec.engine!r} on this node; set docker.images.{spec.engine} "
-            f"in agent.yaml (e.g. {spec.engine}: llmgw-{spec.engine}:0.1) and load the image "
-            "(docker load -i FILE)"
-        )
-    multi_node = spec.nodes > 1
-    env: dict[str, str] = {}
-    try:
-        if multi_node:
-            # The whole shard, as the process runtime builds it, on the host's port.
-            command = build_command(
-                EngineSpec(
-                    engine=spec.engine,
-                    model=spec.model,
-                    port=port,
-                    source=spec.source,
-                    gpus=spec.gpus,
-                    nodes=spec.nodes,
-                    rank=spec.rank,
-                    dist_init_addr=spec.dist_init_addr,
-                    params=spec.params,
-                    extra_args=spec.extra_args,
-                    peers=spec.worker_addrs,
-                    listen_addr=spec.listen_addr,
-                )
-            )
-            argv, env = command.argv, command.env
-        else:
-            argv = build_argv(
-                spec.engine,
-                model=spec.model,
-                port=CONTAINER_PORT,
-                params=spec.params,
-                extra_args=spec.extra_args,
-            )
-    except EngineError as exc:
-        raise ShardError(str(exc)) from exc
-    requested: tuple[str, ...] = tuple(gpus)
-    if gpus and gpu_mode == "env":
-        # The nvidia runtime hands the container these GPUs itself; no device request.
-        env = {**env, "NVIDIA_VISIBLE_DEVICES": ",".join(gpus)}
-        requested = ()
-    labels = {LABEL_NODE: node_id, LABEL_REPLICA: spec.replica_id, LABEL_SHARD: spec.shard_id}
-    if cluster_id:
-        labels[LABEL_CLUSTER] = cluster_id
-    return Launch(
-        shard_id=spec.shard_id,
-        argv=tuple(_in_container(argv, host_network=multi_node)),
-        port=port,
-        log_path=log_path,
-        env=env,
-        image=image,
-        labels=labels,
-        gpus=requested,
-        container_port=port if multi_node else CONTAINER_PORT,
-        host_network=multi_node,
-    )
-
-
-@dataclass(frozen=True)
-class ShardContainer:
-    """One llmgw container as Docker describes it."""
-
-    container_id: str
-    name: str
-    shard_id: str
-    replica_id: str
-    node_id: str
-    cluster_id: str
-    image: str
-    running: bool
-    pid: int  # the engine's pid on the host; 0 when it is not running
-    port: int  # the host port published on 127.0.0.1; 0 when none
-    exit_code: int | None  # None while it runs
-    log_path: Path | None
-
-    @classmethod
-    def from_inspect(cls, attrs: Mapping[str, Any]) -> ShardContainer:
-        config = attrs.get("Config") or {}
-        labels = config.get("Labels") or {}
-        state = attrs.get("State") or {}
-        running = bool(state.get("Running"))
-        log_label = labels.get(LABEL_LOG)
-        return cls(
-            container_id=str(attrs["Id"]),
-            name=str(attrs.get("Name", "")).lstrip("/"),
-            shard_id=labels.get(LABEL_SHARD, ""),
-            replica_id=labels.get(LABEL_REPLICA, ""),
-            node_id=labels.get(LABEL_NODE, ""),
-            cluster_id=labels.get(LABEL_CLUSTER, ""),
-            image=str(config.get("Image", "")),
-            running=running,
-            pid=int(state.get("Pid") or 0) if running else 0,
-            port=_loopback_port(attrs),
-            exit_code=None if running else int(state.get("ExitCode") or 0),
-            log_path=Path(log_label) if log_label else None,
-        )
-
-
-def _loopback_port(attrs: Mapping[str, Any]) -> int:
-    bindings = (attrs.get("HostConfig") or {}).get("PortBindings") or {}
-    for binds in bindings.values():
-        for bind in binds or ():
-            if bind.get("HostIp") == "127.0.0.1" and str(bind.get("HostPort", "")).isdigit():
-                return int(bind["HostPort"])
-    return 0
 
 
 def _os_reason(exc: BaseException, depth: int = 0) -> str | None:

@@ -28,13 +28,10 @@ from llmgw.agent.runtimes.base import ShardRecord
 from llmgw.agent.runtimes.process import ProcessRuntime, process_start_time
 from llmgw.agent.shards import (
     DIED_WHILE_DOWN,
-    EXITED,
     EXITED_WHILE_ADOPTED,
-    FAILED,
-    READY,
-    STARTING,
     Shard,
     ShardManager,
+    ShardState,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -262,7 +259,7 @@ def write_records(state_dir: Path, data: object) -> None:
 
 
 def record_json(
-    pid: int, start_time: int | None, port: int = 1, state: str = READY
+    pid: int, start_time: int | None, port: int = 1, state: str = ShardState.READY
 ) -> dict[str, Any]:
     return {
         "replica_id": "r1",
@@ -323,14 +320,14 @@ def test_engine_survives_sigkilled_agent_and_is_adopted(
 ) -> None:
     state_dir = tmp_path / "state"
     first = drivers(state_dir, "start")
-    ready = first.expect(event="status", state=READY)
+    ready = first.expect(event="status", state=ShardState.READY)
     pid, port = ready["pid"], ready["port"]
     spawned.append(pid)
-    assert first.states() == [STARTING, READY]
+    assert first.states() == [ShardState.STARTING, ShardState.READY]
 
     # The record holds everything needed to find the engine again and to rebuild the shard.
     rec = records(state_dir)["s1"]
-    assert rec["pid"] == pid and rec["port"] == port and rec["state"] == READY
+    assert rec["pid"] == pid and rec["port"] == port and rec["state"] == ShardState.READY
     assert rec["start_time"] == process_start_time(pid)
     assert (rec["rank"], rec["params"], rec["extra_args"]) == (2, {"seed": "7"}, ["--tps", "500"])
     assert "container_id" not in rec
@@ -354,19 +351,19 @@ def test_engine_survives_sigkilled_agent_and_is_adopted(
 
     second = drivers(state_dir, "adopt")
     assert second.expect(event="adopted") == {"event": "adopted", "adopted": ["s1"], "dead": []}
-    adopted = second.expect(event="status", state=READY)
+    adopted = second.expect(event="status", state=ShardState.READY)
     assert (adopted["pid"], adopted["port"]) == (pid, port)
-    assert second.states() == [STARTING, READY]
+    assert second.states() == [ShardState.STARTING, ShardState.READY]
     assert sim_engines_on(port) == [pid]
-    assert records(state_dir)["s1"] == {**rec, "state": READY}
+    assert records(state_dir)["s1"] == {**rec, "state": ShardState.READY}
 
     # The adopted engine dies: the new agent sees it without being its parent.
     os.kill(pid, signal.SIGKILL)
-    failed = second.expect(event="status", state=FAILED)
+    failed = second.expect(event="status", state=ShardState.FAILED)
     assert failed["pid"] == pid
     assert failed["exit_code"] is None
     assert failed["reason"].startswith(EXITED_WHILE_ADOPTED)
-    wait_until(lambda: records(state_dir)["s1"]["state"] == FAILED)
+    wait_until(lambda: records(state_dir)["s1"]["state"] == ShardState.FAILED)
     second.sigterm()
 
     # A record of a failed shard is not adopted again, nor reported again: it is dropped.
@@ -388,7 +385,7 @@ def test_alternating_kill_and_term_keep_one_engine(
 ) -> None:
     state_dir = tmp_path / "state"
     driver = drivers(state_dir, "start")
-    ready = driver.expect(event="status", state=READY)
+    ready = driver.expect(event="status", state=ShardState.READY)
     pid, port = ready["pid"], ready["port"]
     spawned.append(pid)
     # Cycle 0 stops the very agent that started the engine with SIGTERM: an agent that
@@ -402,7 +399,7 @@ def test_alternating_kill_and_term_keep_one_engine(
         assert sim_engines_on(port) == [pid]
         driver = drivers(state_dir, "adopt")
         assert driver.expect(event="adopted")["adopted"] == ["s1"], f"cycle {cycle}"
-        again = driver.expect(event="status", state=READY)
+        again = driver.expect(event="status", state=ShardState.READY)
         assert (again["pid"], again["port"]) == (pid, port)
         assert sim_engines_on(port) == [pid]
     assert health(port) == 200
@@ -429,8 +426,8 @@ def test_pid_reuse_dead_pids_and_finished_records(tmp_path: Path) -> None:
                 "not-leader": record_json(child.pid, child_start),
                 "dead": record_json(finished.pid, 12345),
                 "no-start-time": record_json(child.pid, None),
-                "was-failed": record_json(me, my_start, state=FAILED),
-                "was-exited": record_json(me, my_start, state=EXITED),
+                "was-failed": record_json(me, my_start, state=ShardState.FAILED),
+                "was-exited": record_json(me, my_start, state=ShardState.EXITED),
             },
         )
         recorder = Recorder()
@@ -456,14 +453,14 @@ def test_pid_reuse_dead_pids_and_finished_records(tmp_path: Path) -> None:
     # They stay, failed, so that the next Hello reports them; nothing was started.
     assert {s.shard_id for s in shards} == expected
     for shard in shards:
-        assert shard.state == FAILED
+        assert shard.state == ShardState.FAILED
         assert shard.reason == DIED_WHILE_DOWN
         assert shard.handle is None and shard.task is None
     assert sorted(recorder.events) == sorted(
-        (sid, FAILED, None, DIED_WHILE_DOWN) for sid in expected
+        (sid, ShardState.FAILED, None, DIED_WHILE_DOWN) for sid in expected
     )
     assert {sid: r["state"] for sid, r in records(state_dir).items()} == dict.fromkeys(
-        expected, FAILED
+        expected, ShardState.FAILED
     )
 
 
@@ -495,7 +492,7 @@ def test_corrupt_records_are_moved_aside(
         finally:
             await manager.close()
 
-    with caplog.at_level(logging.WARNING, logger="llmgw.agent.shards"):
+    with caplog.at_level(logging.WARNING, logger="llmgw.agent.records"):
         assert asyncio.run(main()) == ([], [])
     assert recorder.events == []
     aside = list(state_dir.glob("shards.json.corrupt-*"))
@@ -542,14 +539,14 @@ def test_stop_of_an_adopted_shard_kills_its_process_group(
             adopted, dead = await manager.adopt_all()
             assert dead == []
             assert [s.pid for s in adopted] == [pid]
-            assert adopted[0].state == STARTING  # nothing answers on port 1
+            assert adopted[0].state == ShardState.STARTING  # nothing answers on port 1
             handle = adopted[0].handle
             assert handle is not None and manager.runtime.alive(handle)
             began = time.monotonic()
             final = await manager.stop("s1", grace=0.5)
             # Both ignore SIGTERM: they are killed once the grace is over.
             assert time.monotonic() - began >= 0.5
-            assert final is not None and final.state == EXITED
+            assert final is not None and final.state == ShardState.EXITED
             assert final.reason == "stopped"
             assert manager.get("s1") is None
         finally:
@@ -557,7 +554,7 @@ def test_stop_of_an_adopted_shard_kills_its_process_group(
 
     asyncio.run(main())
     assert group_running(pid) == []
-    assert [e[1] for e in recorder.events] == [STARTING, EXITED]
+    assert [e[1] for e in recorder.events] == [ShardState.STARTING, ShardState.EXITED]
     assert records(state_dir) == {}
 
 

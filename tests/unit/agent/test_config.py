@@ -179,6 +179,12 @@ INVALID = [
     ),
     ("server: cp1\nmax_response_body: 1.5B\n", "max_response_body", "not a whole number"),
     ("server: cp1\nupstream_idle_timeout: 0\n", "upstream_idle_timeout", "must be from 1 s to 1 d"),
+    ("server: cp1\nupstream_idle_timeout: 2d\n", "upstream_idle_timeout", "from 1 s to 1 d"),
+    (
+        "server: cp1\nupstream_idle_timeout: soon\n",
+        "upstream_idle_timeout",
+        "or a duration like 500ms",
+    ),
     # runtime
     (
         "server: cp1\nruntime: dokcer\n",
@@ -218,7 +224,11 @@ INVALID = [
     # listeners (the data plane's slow-client limits)
     ("server: cp1\nlisteners: 5\n", "listeners", "must be a mapping, got int"),
     ("server: cp1\nlisteners: {header_timeout: 0}\n", "listeners.header_timeout", "from 0.1"),
-    ("server: cp1\nlisteners: {handshake_timeout: x}\n", "listeners.handshake_timeout", "duration"),
+    (
+        "server: cp1\nlisteners: {handshake_timeout: x}\n",
+        "listeners.handshake_timeout",
+        "must be seconds, or a duration like 500ms",
+    ),
     (
         "server: cp1\nlisteners: {enroll_connections_per_source: 5}\n",
         "listeners.enroll_connections_per_source",
@@ -577,6 +587,18 @@ def test_parse_agent_config_names_its_source() -> None:
     assert str(info.value).startswith("<test>: x: unknown key 'x'")
     with pytest.raises(ConfigError, match=r"^<agent\.yaml>: is empty"):
         parse_agent_config(None)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"), [(90, 90.0), (2.5, 2.5), ("90", 90.0), ("1500ms", 1.5), ("5m", 300.0)]
+)
+def test_upstream_idle_timeout_is_a_duration(value: object, seconds: float) -> None:
+    """The one duration syntax (llmgw.durations), as in server.yaml: agent.yaml took only a
+    number of seconds before."""
+    config = parse_agent_config(
+        {"server": "cp1", "node_id": "pc-1", "upstream_idle_timeout": value}
+    )
+    assert config.upstream_idle_timeout == seconds
 
 
 def test_parse_does_not_change_its_input(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 from llmgw.agent.dockerproxy import policy as pol
 from llmgw.agent.dockerproxy.policy import Policy, Refused, check_create, check_list, route
 from llmgw.agent.dockerproxy.relay import serve
-from llmgw.agent.runtimes import docker as runtime
+from llmgw.agent.runtimes import containers
 from tests.ci import unavailable
 
 LABELS = {"llmgw.node": "n1", "llmgw.shard": "s1", "llmgw.replica": "r1"}
@@ -55,7 +55,7 @@ def refused(body: dict[str, Any], policy: Policy | None = None) -> str:
 
 
 def test_labels_agree_with_the_runtime() -> None:
-    assert (pol.LABEL_NODE, pol.LABEL_SHARD) == (runtime.LABEL_NODE, runtime.LABEL_SHARD)
+    assert (pol.LABEL_NODE, pol.LABEL_SHARD) == (containers.LABEL_NODE, containers.LABEL_SHARD)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from llmgw.agent.runtimes.process import ProcessRuntime, process_start_time
-from llmgw.agent.shards import EXITED, FAILED, READY, STARTING, Shard, ShardManager, ShardSpec
+from llmgw.agent.shards import Shard, ShardManager, ShardSpec, ShardState
 from llmgw.errors import ShardError
 
 pytestmark = pytest.mark.timeout(60)
@@ -112,7 +112,7 @@ def test_start_ready_records_idempotent_and_stop(tmp_path: Path) -> None:
 
     async def body(manager: ShardManager, rec: Recorder) -> None:
         shard = await manager.start(spec(seed="3"))
-        assert shard.state == STARTING
+        assert shard.state == ShardState.STARTING
         assert shard.pid > 0 and shard.port > 0
         assert manager.ready_port("s1") is None
         pid, port = shard.pid, shard.port
@@ -124,9 +124,9 @@ def test_start_ready_records_idempotent_and_stop(tmp_path: Path) -> None:
         assert os.getsid(pid) == pid
         assert os.getpgid(pid) == pid
 
-        ready = await rec.wait_for("s1", READY)
+        ready = await rec.wait_for("s1", ShardState.READY)
         assert (ready.pid, ready.port) == (pid, port)
-        assert rec.states("s1") == [STARTING, READY]
+        assert rec.states("s1") == [ShardState.STARTING, ShardState.READY]
         assert manager.ready_port("s1") == port
         assert manager.get("s1") is shard
         assert await get_health(port) == 200
@@ -134,7 +134,7 @@ def test_start_ready_records_idempotent_and_stop(tmp_path: Path) -> None:
         # Starting again while ready is a no-op: same process, no new status.
         again = await manager.start(spec(seed="3"))
         assert again is shard and again.pid == pid and again.port == port
-        assert rec.states("s1") == [STARTING, READY]
+        assert rec.states("s1") == [ShardState.STARTING, ShardState.READY]
 
         # shards.json names the process precisely enough to find it after an agent restart.
         path = state_dir / "shards.json"
@@ -142,7 +142,7 @@ def test_start_ready_records_idempotent_and_stop(tmp_path: Path) -> None:
         rec_s1 = records(state_dir)["s1"]
         assert rec_s1["pid"] == pid
         assert rec_s1["port"] == port
-        assert rec_s1["state"] == READY
+        assert rec_s1["state"] == ShardState.READY
         assert rec_s1["model"] == "sim-model" and rec_s1["engine"] == "sim"
         assert rec_s1["replica_id"] == "r1"
         start_time = process_start_time(pid)
@@ -154,8 +154,8 @@ def test_start_ready_records_idempotent_and_stop(tmp_path: Path) -> None:
 
         final = await manager.stop("s1", grace=5.0)
         assert final is shard
-        assert final.state == EXITED
-        assert rec.states("s1")[-1] == EXITED
+        assert final.state == ShardState.EXITED
+        assert rec.states("s1")[-1] == ShardState.EXITED
         assert not pid_alive(pid)
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
@@ -172,23 +172,23 @@ def test_sigkill_is_reported_failed_and_restart_works(tmp_path: Path) -> None:
 
     async def body(manager: ShardManager, rec: Recorder) -> None:
         shard = await manager.start(spec())
-        await rec.wait_for("s1", READY)
+        await rec.wait_for("s1", ShardState.READY)
         pid = shard.pid
         os.kill(pid, signal.SIGKILL)
 
-        failed = await rec.wait_for("s1", FAILED)
+        failed = await rec.wait_for("s1", ShardState.FAILED)
         assert failed.exit_code == -9
         assert "signal 9" in failed.reason
-        assert rec.states("s1") == [STARTING, READY, FAILED]
+        assert rec.states("s1") == [ShardState.STARTING, ShardState.READY, ShardState.FAILED]
         assert manager.ready_port("s1") is None
-        assert records(state_dir)["s1"]["state"] == FAILED
+        assert records(state_dir)["s1"]["state"] == ShardState.FAILED
 
         # A failed shard is started afresh by start().
         mark = len(rec.events)
         again = await manager.start(spec())
         assert again is not shard
         assert again.pid != pid
-        ready = await rec.wait_for("s1", READY, after=mark)
+        ready = await rec.wait_for("s1", ShardState.READY, after=mark)
         assert manager.ready_port("s1") == ready.port
         assert records(state_dir)["s1"]["pid"] == again.pid
 
@@ -202,10 +202,10 @@ def test_stop_while_starting(tmp_path: Path) -> None:
         shard = await manager.start(spec("early", ttft_ms="0"))
         pid = shard.pid
         final = await manager.stop("early", grace=5.0)
-        assert final is not None and final.state == EXITED
-        assert READY not in rec.states("early")
-        assert FAILED not in rec.states("early")
-        assert rec.states("early")[-1] == EXITED
+        assert final is not None and final.state == ShardState.EXITED
+        assert ShardState.READY not in rec.states("early")
+        assert ShardState.FAILED not in rec.states("early")
+        assert rec.states("early")[-1] == ShardState.EXITED
         assert not pid_alive(pid)
         assert "early" not in records(state_dir)
 
@@ -292,7 +292,7 @@ def test_engine_holds_nothing_of_the_agent(tmp_path: Path, monkeypatch: pytest.M
 
     async def body(manager: ShardManager, rec: Recorder) -> None:
         shard = await manager.start(full)
-        await rec.wait_for("s1", READY)
+        await rec.wait_for("s1", ShardState.READY)
         engine = _fd_targets(shard.pid)
         assert engine[0] == "/dev/null"
         assert engine[1] == engine[2] == str(manager.log_path("s1"))
@@ -320,15 +320,15 @@ def test_close_leaves_engines_running(tmp_path: Path) -> None:
         manager = ShardManager(state_dir, ProcessRuntime(), recorder, startup_timeout=WAIT_S)
         await manager.open()
         shard = await manager.start(spec())
-        await recorder.wait_for("s1", READY)
+        await recorder.wait_for("s1", ShardState.READY)
         await manager.close()
-        assert recorder.states("s1") == [STARTING, READY]
+        assert recorder.states("s1") == [ShardState.STARTING, ShardState.READY]
         return shard.pid
 
     pid = asyncio.run(main())
     try:
         assert pid_alive(pid)
-        assert records(state_dir)["s1"]["state"] == READY
+        assert records(state_dir)["s1"]["state"] == ShardState.READY
     finally:
         os.killpg(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
@@ -394,7 +394,7 @@ def test_llamacpp_worker_runs_rpc_server_on_its_listen_addr(tmp_path: Path) -> N
         try:
             worker = _llamacpp("r9-s2", 2, listen_addr="127.0.0.1:50099")
             await manager.start(worker)
-            await recorder.wait_for("r9-s2", READY)
+            await recorder.wait_for("r9-s2", ShardState.READY)
             assert seen.read_text().split() == [
                 "GPU-aaaa",
                 "--host",

@@ -21,14 +21,11 @@ import pytest
 from llmgw.agent.runtimes.base import Handle, Launch
 from llmgw.agent.runtimes.process import ProcessRuntime
 from llmgw.agent.shards import (
-    EXITED,
-    FAILED,
     NEVER_STARTED,
-    READY,
-    STARTING,
     Shard,
     ShardManager,
     ShardSpec,
+    ShardState,
 )
 from llmgw.agent.sidecars import (
     DEFAULT_READY_AFTER_S,
@@ -316,12 +313,16 @@ def test_engine_starts_only_after_its_sidecar_is_healthy(tmp_path: Path, files: 
     async def body(manager: ShardManager, rec: Recorder, runtime: CountingRuntime) -> None:
         ordered_at = time.time()
         shard = await manager.start(sim_spec(sidecars=(web_sidecar(files, side_port),)))
-        assert shard.state == STARTING and shard.pid == 0
+        assert shard.state == ShardState.STARTING and shard.pid == 0
         assert runtime.starts == []  # the sidecar is not healthy yet: no engine
 
         # Ready within the deadline, or the test fails.
-        ready = await rec.wait_for("s1", READY, timeout=WAIT_S)
-        assert rec.states("s1") == [STARTING, STARTING, READY]  # no engine, engine, ready
+        ready = await rec.wait_for("s1", ShardState.READY, timeout=WAIT_S)
+        assert rec.states("s1") == [
+            ShardState.STARTING,
+            ShardState.STARTING,
+            ShardState.READY,
+        ]  # no engine, engine, ready
 
         # The order: sidecar healthy, then (and only then) the engine started.
         healthy_at = float(files.healthy.read_text())
@@ -358,7 +359,7 @@ def test_engine_starts_only_after_its_sidecar_is_healthy(tmp_path: Path, files: 
         # Stopping the shard stops the engine first, then the sidecar.
         engine_pid = shard.pid
         final = await manager.stop("s1", grace=5.0)
-        assert final is not None and final.state == EXITED
+        assert final is not None and final.state == ShardState.EXITED
         assert not pid_alive(engine_pid) and not pid_alive(sidecar.pid)
         assert files.stopped.read_text() == "engine-gone"
         assert "s1" not in records(state_dir)
@@ -374,7 +375,7 @@ def test_sidecar_without_health_url_is_healthy_after_ready_after_s(
 
     async def body(manager: ShardManager, rec: Recorder, runtime: CountingRuntime) -> None:
         shard = await manager.start(sim_spec(sidecars=(side,)))
-        await rec.wait_for("s1", READY)
+        await rec.wait_for("s1", ShardState.READY)
         assert shard.sidecars is not None
         sidecar = shard.sidecars.sidecars[0]
         assert sidecar.started_at is not None
@@ -396,12 +397,12 @@ def test_sidecar_never_healthy_fails_the_shard_and_no_engine_starts(
     async def body(manager: ShardManager, rec: Recorder, runtime: CountingRuntime) -> None:
         began = time.monotonic()
         shard = await manager.start(sim_spec(sidecars=(side,)))
-        failed = await rec.wait_for("s1", FAILED, timeout=1.5 + WAIT_S)
+        failed = await rec.wait_for("s1", ShardState.FAILED, timeout=1.5 + WAIT_S)
         assert time.monotonic() - began >= 1.5
         assert "sidecar 'web' of shard s1 not healthy after 1.5s" in failed.reason
         assert f"waited for http://127.0.0.1:{never}/health to answer 200" in failed.reason
         assert "the engine was not started" in failed.reason
-        assert rec.states("s1") == [STARTING, FAILED]
+        assert rec.states("s1") == [ShardState.STARTING, ShardState.FAILED]
         # No engine: the runtime was never asked, nothing wrote the engine's log.
         assert runtime.starts == []
         assert not manager.log_path("s1").exists()
@@ -409,7 +410,7 @@ def test_sidecar_never_healthy_fails_the_shard_and_no_engine_starts(
         # The sidecar was stopped.
         assert shard.sidecars is not None
         assert not pid_alive(shard.sidecars.sidecars[0].pid)
-        assert records(state_dir)["s1"]["state"] == FAILED
+        assert records(state_dir)["s1"]["state"] == ShardState.FAILED
 
     run(state_dir, body)
 
@@ -426,7 +427,7 @@ def test_sidecar_exiting_before_healthy_fails_the_shard(tmp_path: Path) -> None:
 
     async def body(manager: ShardManager, rec: Recorder, runtime: CountingRuntime) -> None:
         shard = await manager.start(sim_spec(sidecars=(side, second)))
-        failed = await rec.wait_for("s1", FAILED)
+        failed = await rec.wait_for("s1", ShardState.FAILED)
         assert "sidecar 'broken' exited with code 3 before it was healthy" in failed.reason
         assert "log: no config" in failed.reason
         assert runtime.starts == []
@@ -454,11 +455,11 @@ def test_sidecar_dying_while_the_engine_runs_fails_the_shard(tmp_path: Path, fil
 
     async def body(manager: ShardManager, rec: Recorder, runtime: CountingRuntime) -> None:
         shard = await manager.start(sim_spec(sidecars=(web_sidecar(files, free_port()),)))
-        await rec.wait_for("s1", READY)
+        await rec.wait_for("s1", ShardState.READY)
         assert shard.sidecars is not None
         engine_pid, sidecar_pid = shard.pid, shard.sidecars.sidecars[0].pid
         os.kill(sidecar_pid, signal.SIGKILL)
-        failed = await rec.wait_for("s1", FAILED)
+        failed = await rec.wait_for("s1", ShardState.FAILED)
         assert failed.reason.startswith("sidecar 'web' was killed by signal 9")
         assert "engine stopped" in failed.reason
         assert not pid_alive(engine_pid)
@@ -472,10 +473,10 @@ def test_engine_dying_stops_its_sidecars(tmp_path: Path, files: Files) -> None:
 
     async def body(manager: ShardManager, rec: Recorder, runtime: CountingRuntime) -> None:
         shard = await manager.start(sim_spec(sidecars=(web_sidecar(files, free_port()),)))
-        await rec.wait_for("s1", READY)
+        await rec.wait_for("s1", ShardState.READY)
         assert shard.sidecars is not None
         os.kill(shard.pid, signal.SIGKILL)
-        failed = await rec.wait_for("s1", FAILED)
+        failed = await rec.wait_for("s1", ShardState.FAILED)
         assert "engine killed by signal 9" in failed.reason
         # Stopped by the time the failure is reported: a restart finds its port free.
         assert not pid_alive(shard.sidecars.sidecars[0].pid)
@@ -484,7 +485,7 @@ def test_engine_dying_stops_its_sidecars(tmp_path: Path, files: Files) -> None:
         # Started afresh, sidecar and all.
         mark = len(rec.events)
         again = await manager.start(sim_spec(sidecars=(web_sidecar(files, free_port()),)))
-        await rec.wait_for("s1", READY, after=mark)
+        await rec.wait_for("s1", ShardState.READY, after=mark)
         assert again.pid != shard.pid
 
     run(state_dir, body)
@@ -500,8 +501,8 @@ def test_stop_while_the_sidecar_is_starting(tmp_path: Path, files: Files) -> Non
         sidecar = shard.sidecars.sidecars[0]
         await asyncio.wait_for(_until(lambda: sidecar.pid > 0), WAIT_S)
         final = await asyncio.wait_for(manager.stop("s1", grace=5.0), WAIT_S)
-        assert final is not None and final.state == EXITED
-        assert rec.states("s1") == [STARTING, EXITED]
+        assert final is not None and final.state == ShardState.EXITED
+        assert rec.states("s1") == [ShardState.STARTING, ShardState.EXITED]
         assert runtime.starts == []
         assert not pid_alive(sidecar.pid)
 
@@ -526,7 +527,7 @@ def test_adoption_takes_sidecars_back_and_watches_them(tmp_path: Path, files: Fi
         assert isinstance(recorder, Recorder)
         await manager.open()
         shard = await manager.start(spec)
-        await recorder.wait_for("s1", READY)
+        await recorder.wait_for("s1", ShardState.READY)
         await manager.close()  # an agent that stops leaves engines and sidecars running
         assert shard.sidecars is not None
         return shard.pid, shard.sidecars.sidecars[0].pid
@@ -541,11 +542,11 @@ def test_adoption_takes_sidecars_back_and_watches_them(tmp_path: Path, files: Fi
         assert shard.spec == spec
         assert shard.sidecars is not None
         assert shard.sidecars.sidecars[0].pid == sidecar_pid
-        await rec.wait_for("s1", READY)
+        await rec.wait_for("s1", ShardState.READY)
         assert runtime.starts == []
         # The adopted sidecar dies: the shard fails and its engine is stopped.
         os.kill(sidecar_pid, signal.SIGKILL)
-        failed = await rec.wait_for("s1", FAILED)
+        failed = await rec.wait_for("s1", ShardState.FAILED)
         assert failed.reason.startswith("sidecar 'web' exited (exit code unknown")
         await asyncio.wait_for(_until(lambda: not pid_alive(engine_pid)), WAIT_S)
 
@@ -563,7 +564,7 @@ def test_adoption_with_a_sidecar_gone_fails_and_a_dead_engine_stops_sidecars(
         manager = ShardManager(state_dir, ProcessRuntime(), recorder, startup_timeout=WAIT_S)
         await manager.open()
         shard = await manager.start(spec)
-        await recorder.wait_for("s1", READY)
+        await recorder.wait_for("s1", ShardState.READY)
         await manager.close()
         assert shard.sidecars is not None
         return shard.pid, shard.sidecars.sidecars[0].pid
@@ -576,7 +577,7 @@ def test_adoption_with_a_sidecar_gone_fails_and_a_dead_engine_stops_sidecars(
     async def second(manager: ShardManager, rec: Recorder, runtime: CountingRuntime) -> None:
         adopted, _ = await manager.adopt_all()
         assert [s.shard_id for s in adopted] == ["s1"]
-        failed = await rec.wait_for("s1", FAILED)
+        failed = await rec.wait_for("s1", ShardState.FAILED)
         assert failed.reason.startswith("sidecar 'web' exited while the agent was down")
         await asyncio.wait_for(_until(lambda: not pid_alive(engine_pid)), WAIT_S)
 
@@ -656,13 +657,15 @@ def test_two_node_replica_as_two_managers_on_loopback(tmp_path: Path) -> None:
             )
             assert worker.port == 0
             await asyncio.sleep(3.0)
-            assert worker.state == STARTING and rec1.states("r1-s1") == [STARTING]
+            assert worker.state == ShardState.STARTING and rec1.states("r1-s1") == [
+                ShardState.STARTING
+            ]
 
             rank0 = await node_a.start(
                 ShardSpec("r1-s0", rank=0, dist_init_addr=dist, params={"seed": "4"}, **shape)
             )
-            await rec1.wait_for("r1-s1", READY)
-            await rec0.wait_for("r1-s0", READY)
+            await rec1.wait_for("r1-s1", ShardState.READY)
+            await rec0.wait_for("r1-s0", ShardState.READY)
             assert node_b.ready_port("r1-s1") is None  # a worker serves nothing
             port = node_a.ready_port("r1-s0")
             assert port == rank0.port and port > 0
@@ -685,8 +688,8 @@ def test_two_node_replica_as_two_managers_on_loopback(tmp_path: Path) -> None:
 
             # The worker dies: rank 0 exits, naming it, and both shards fail.
             os.kill(worker.pid, signal.SIGKILL)
-            await rec1.wait_for("r1-s1", FAILED)
-            failed = await rec0.wait_for("r1-s0", FAILED, timeout=10.0)
+            await rec1.wait_for("r1-s1", ShardState.FAILED)
+            failed = await rec0.wait_for("r1-s0", ShardState.FAILED, timeout=10.0)
             assert "worker rank 1" in failed.reason and "is gone" in failed.reason
         finally:
             for manager in (node_a, node_b):
@@ -708,7 +711,7 @@ def test_worker_of_another_engine_is_ready_after_the_grace(tmp_path: Path) -> No
         await manager.start(
             ShardSpec("w", "r1", "m", "vllm", rank=1, nodes=2, dist_init_addr="10.0.0.1:29500")
         )
-        await rec.wait_for("w", READY)
+        await rec.wait_for("w", ShardState.READY)
         assert time.monotonic() - began >= 0.8
         assert manager.ready_port("w") is None
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from llmgw.cli.engine_check import engine_check
+from llmgw.cli.ctl.engine_check import engine_check
 from llmgw.engines.check import (
     FROM_HELP_OUTPUT,
     AgentEngines,

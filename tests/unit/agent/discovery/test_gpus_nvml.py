@@ -13,9 +13,9 @@ import pytest
 from llmgw.agent.discovery import NO_GPUS_VISIBLE, NVML_VERSION_MISMATCH, discover_gpus
 from llmgw.agent.inventory import collect_inventory
 
-from .fake_nvml import STANDIN, FakeNvml, eight_gpus
+from ..fake_nvml import STANDIN, FakeNvml, eight_gpus
 
-SMI = Path(__file__).resolve().parents[2] / "fixtures" / "nvidia-smi"
+SMI = Path(__file__).resolve().parents[3] / "fixtures" / "nvidia-smi"
 LOST_HINT = "see 'dmesg | grep -i xid' and 'nvidia-smi -q -i 5'"
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from llmgw.cli.common import reports_errors, table
+from llmgw.cli.common import ReportingCommand
+from llmgw.cli.ctl.output import table
 from llmgw.engines.check import AgentEngines, CheckReport, FoundEngine, check_engine
 from llmgw.engines.registry import AVAILABLE_ENGINES
 from llmgw.errors import EngineError
@@ -50,7 +51,7 @@ def render(report: CheckReport) -> str:
     return "\n".join(lines)
 
 
-@click.command("engine-check")
+@click.command("engine-check", cls=ReportingCommand)
 @click.argument("engine", type=click.Choice(AVAILABLE_ENGINES))
 @click.option(
     "--help-output",
@@ -79,7 +80,6 @@ def render(report: CheckReport) -> str:
     show_default=True,
     help="Seconds to wait for the engine's --help and --version.",
 )
-@reports_errors
 def engine_check(
     engine: str,
     help_output: str | None,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.up import LocalCluster, UpOptions
+from llmgw.cli.local_cluster import LocalCluster, UpOptions
 
 RECORDER = (
     '#!/bin/sh\n: >"$RECORD"\nfor a in "$@"; do printf "%s\\n" "$a" >>"$RECORD"; done\n'

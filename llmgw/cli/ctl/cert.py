@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from llmgw import netaddr, pki
-from llmgw.cli.common import reports_errors
+from llmgw.cli.common import ReportingGroup
 
 _dir_option = click.option(
     "--dir",
@@ -19,14 +19,13 @@ _dir_option = click.option(
 )
 
 
-@click.group()
+@click.group(cls=ReportingGroup)
 def cert() -> None:
     """Create the cluster CA and issue certificates."""
 
 
 @cert.command("init-ca")
 @_dir_option
-@reports_errors
 def init_ca(directory: Path) -> None:
     """Create a new cluster CA in --dir (refuses to overwrite an existing one)."""
     authority = pki.init_ca(directory)
@@ -44,7 +43,6 @@ def init_ca(directory: Path) -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="Directory to write node.crt, node.key and ca.crt into (created 0700 if missing).",
 )
-@reports_errors
 def issue_client(node: str, directory: Path, out_dir: Path) -> None:
     """Issue the certificate of node NODE (CN and DNS name = NODE) from the CA in --dir."""
     netaddr.validate_node_id(node)
@@ -60,4 +58,4 @@ def issue_client(node: str, directory: Path, out_dir: Path) -> None:
     click.echo(f"fingerprint: {key_fp}")
 
 
-__all__ = ["cert", "reports_errors"]
+__all__ = ["cert"]

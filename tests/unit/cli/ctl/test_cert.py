@@ -9,7 +9,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from llmgw import pki
-from llmgw.cli.cert import cert
+from llmgw.cli.ctl.cert import cert
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:

@@ -1,4 +1,5 @@
-"""``llmgw up``: a whole cluster on this machine, for trying llmgw and for its tests.
+"""LocalCluster: the whole cluster ``llmgw up`` runs on this machine, for trying llmgw and
+for its tests (the command itself, its options and logging, is ``llmgw.cli.up``).
 
 The control plane runs in this process; one agent runs as a child process with its own
 node certificate, exactly as on a real node; the agent runs a ``sim`` engine for the model
@@ -59,6 +60,9 @@ class UpOptions:
 
 
 class LocalCluster:
+    """A control plane in this process and one agent child with its own certificate, the model
+    llmgw-sim deployed on it: ``start``, print ``banner``, ``stop``."""
+
     def __init__(self, opts: UpOptions, say: Callable[[str], None]) -> None:
         self.opts = opts
         self.say = say

@@ -1,0 +1,108 @@
+"""``llmgw ctl``: operator commands against a control plane's admin API.
+
+This module builds the ``ctl`` group (its options make the ``Ctl`` object each command
+receives, see ``context``); each command group lives in a module of its own: ``nodes`` (list,
+approve, reject, revoke, drain, uncordon), ``models`` (models, deploy, undeploy, replicas),
+``keys``, ``join`` (join-command, tokens), ``events``, ``engines``, ``updates`` (update, admin
+password), ``cert`` and ``engine_check``. A new command goes in the module of its group, or
+a new module added below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from llmgw.cli.common import ReportingGroup
+from llmgw.cli.ctl.cert import cert
+from llmgw.cli.ctl.context import Ctl
+from llmgw.cli.ctl.engine_check import engine_check
+from llmgw.cli.ctl.engines import engines
+from llmgw.cli.ctl.events import events
+from llmgw.cli.ctl.join import join_command, tokens
+from llmgw.cli.ctl.keys import keys
+from llmgw.cli.ctl.models import deploy, models, replicas, undeploy
+from llmgw.cli.ctl.nodes import approve, drain, nodes, reject, revoke, uncordon
+from llmgw.cli.ctl.updates import admin, update
+
+__all__ = ["ctl"]
+
+
+@click.group(cls=ReportingGroup)
+@click.option(
+    "--server",
+    envvar="LLMGW_SERVER",
+    help="Control plane URL, e.g. https://cp:8080 (env: LLMGW_SERVER).",
+)
+@click.option("--token", envvar="LLMGW_TOKEN", help="Admin token (env: LLMGW_TOKEN).")
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="LLMGW_CTL_CONFIG",
+    help="ctl.yaml with server, token/token_file and ca (env: LLMGW_CTL_CONFIG; default ~/.config/llmgw/ctl.yaml, then the one 'llmgw up' writes).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="LLMGW_STATE_DIR",
+    help="Use the ctl.yaml that 'llmgw up --state-dir DIR' (or 'llmgw server') wrote into DIR (env: LLMGW_STATE_DIR, as for 'llmgw up').",
+)
+@click.option(
+    "--ca",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="LLMGW_CA",
+    help="CA certificate (PEM) that verifies an https control plane, e.g. its STATE/pki/ca.crt with tls: cluster (env: LLMGW_CA; default: the ctl.yaml's ca, else the system trust store).",
+)
+@click.option(
+    "--insecure-http",
+    is_flag=True,
+    envvar="LLMGW_INSECURE_HTTP",
+    help="Send the admin token and password over plain http:// to a host that is not loopback (env: LLMGW_INSECURE_HTTP=1). Anyone on the path can read them.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of tables.")
+@click.pass_context
+def ctl(
+    ctx: click.Context,
+    server: str | None,
+    token: str | None,
+    config: Path | None,
+    state_dir: Path | None,
+    ca: Path | None,
+    insecure_http: bool,
+    as_json: bool,
+) -> None:
+    """Operate a cluster: nodes, models, replicas, API keys, certificates."""
+    ctx.obj = Ctl(
+        server=server,
+        token=token,
+        config=config,
+        as_json=as_json,
+        state_dir=state_dir.expanduser().absolute() if state_dir else None,
+        ca=ca,
+        insecure_http=insecure_http,
+    )
+
+
+for _command in (
+    nodes,
+    models,
+    deploy,
+    undeploy,
+    replicas,
+    keys,
+    events,
+    join_command,
+    tokens,
+    approve,
+    reject,
+    revoke,
+    engines,
+    drain,
+    uncordon,
+    update,
+    admin,
+    cert,
+    engine_check,
+):
+    ctl.add_command(_command)

@@ -1,0 +1,136 @@
+"""``llmgw ctl join-command`` and ``llmgw ctl tokens``: the one-time tokens that join (or
+rekey) a node, and the command to paste on it."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from typing import Any
+
+import click
+
+from llmgw.cli.common import ReportingGroup
+from llmgw.cli.ctl.context import Ctl, pass_ctl
+from llmgw.cli.ctl.output import echo_json, table, until
+from llmgw.durations import parse_duration
+from llmgw.errors import ConfigError
+
+__all__ = ["join_command", "tokens"]
+
+
+def _ttl(text: str) -> float:
+    """``--ttl`` in llmgw's one duration syntax (``llmgw.durations``): 90, 500ms, 30m, 1h, 2d."""
+    try:
+        return parse_duration(text)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--ttl") from None
+
+
+@click.command("join-command")
+@click.option("--node", "node", help="Id of the node to join (DNS name, e.g. gpu-01).")
+@click.option(
+    "--rekey",
+    "rekey_node",
+    metavar="NODE",
+    help="Mint a rekey token for NODE instead: it keeps its uid.",
+)
+@click.option(
+    "--ttl", default="1h", show_default=True, help="How long the token is valid (30m, 1h, 2d)."
+)
+@click.option(
+    "--address",
+    help="HOST or HOST:PORT (IPv6 in brackets) the node reaches the control plane at; a PORT is the gateway's, for the bundle download (default: the server's first advertise, else the host ctl used).",
+)
+@click.option(
+    "--require-approval",
+    is_flag=True,
+    help="With --rekey: the node needs approval again after rekeying.",
+)
+@pass_ctl
+def join_command(
+    c: Ctl,
+    node: str | None,
+    rekey_node: str | None,
+    ttl: str,
+    address: str | None,
+    require_approval: bool,
+) -> None:
+    """Mint a one-time token and print the command to paste on the node."""
+    if bool(node) == bool(rekey_node):
+        raise click.UsageError("give exactly one of --node NODE (a new node) or --rekey NODE")
+    if require_approval and not rekey_node:
+        raise click.UsageError(
+            "--require-approval goes with --rekey (a fresh join always needs approval)"
+        )
+    body: dict[str, Any] = {
+        "node": node or rekey_node,
+        "ttl": _ttl(ttl),
+        "rekey": bool(rekey_node),
+        "require_approval": require_approval,
+    }
+    if address:
+        body["address"] = address
+    data = c.call("POST", "/api/join-tokens", body)
+    if c.as_json:
+        echo_json(data)
+        return
+    if data.get("warning"):
+        click.echo(f"warning: {data['warning']}", err=True)
+    expires = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(data["expires_at"]))
+    what = "rekey" if data["kind"] == "rekey" else "join"
+    click.echo(
+        f"{what} token {data['id']} for node {data['node']}, valid until {expires} (one use)"
+    )
+    click.echo(f"enrol URL: {data['enroll_url']}")
+    click.echo(f"CA hash:   {data['ca_hash']}")
+    click.echo("")
+    click.echo("run on the node:")
+    click.echo("")
+    click.echo(f"  {data['command']}")
+    click.echo("")
+    click.echo(
+        "then compare the fingerprint it prints and approve: llmgw ctl approve "
+        f"{shlex.quote(data['node'])} --fingerprint sha256:…"
+    )
+
+
+@click.group(cls=ReportingGroup, invoke_without_command=True)
+@click.option(
+    "--all", "include_all", is_flag=True, help="Include used, expired and revoked tokens."
+)
+@click.pass_context
+def tokens(ctx: click.Context, include_all: bool) -> None:
+    """List outstanding join tokens (and revoke them with 'tokens revoke ID')."""
+    if ctx.invoked_subcommand is not None:
+        return
+    c = ctx.find_object(Ctl)
+    assert c is not None
+    data = c.call("GET", "/api/join-tokens" + ("?all=1" if include_all else ""))
+    if c.as_json:
+        echo_json(data)
+        return
+
+    def state(t: dict[str, Any]) -> str:
+        if t["used_at"]:
+            return "used"
+        if t["revoked_at"]:
+            return "revoked"
+        return "active" if t["active"] else "expired"
+
+    rows = [
+        [t["id"], t["node"], t["kind"], t["prefix"] + "…", until(t["expires_at"]), state(t)]
+        for t in data
+    ]
+    click.echo(table(["ID", "NODE", "KIND", "PREFIX", "EXPIRES", "STATE"], rows))
+
+
+@tokens.command("revoke")
+@click.argument("token_id")
+@pass_ctl
+def tokens_revoke(c: Ctl, token_id: str) -> None:
+    """Revoke an unused join token (its id or prefix)."""
+    data = c.call("DELETE", f"/api/join-tokens/{token_id}")
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"revoked join token {data['id']} for node {data['node']}")

@@ -1,0 +1,215 @@
+"""``llmgw ctl models``, ``models apply``, ``deploy``, ``undeploy``, ``replicas``: the models the
+cluster serves, from the catalog or ad hoc, and their replicas."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import click
+
+from llmgw.cli.common import ReportingGroup
+from llmgw.cli.ctl.context import Ctl, pass_ctl
+from llmgw.cli.ctl.output import echo_json, table
+from llmgw.contracts.catalog import load_catalog
+from llmgw.engines.registry import engine_names
+
+__all__ = ["deploy", "models", "replicas", "undeploy"]
+
+
+@click.group(cls=ReportingGroup, invoke_without_command=True)
+@click.pass_context
+def models(ctx: click.Context) -> None:
+    """List models with their deployed profile, desired and ready replicas (and change the
+    catalog with 'models apply -f catalog.yaml')."""
+    if ctx.invoked_subcommand is not None:
+        return
+    c = ctx.find_object(Ctl)
+    assert c is not None
+    data = c.call("GET", "/api/models")
+    if c.as_json:
+        echo_json(data)
+        return
+    rows = [
+        [
+            m["name"],
+            m["profile"],
+            m["engine"],
+            m["gpus"],
+            m["nodes"],
+            m["replicas"],
+            m["ready"],
+            m["unplaceable"]
+            or (
+                f"{m['older_profile_replicas']} replica(s) of an older profile being replaced"
+                if m.get("older_profile_replicas")
+                else ""
+            ),
+        ]
+        for m in data
+    ]
+    click.echo(
+        table(["MODEL", "PROFILE", "ENGINE", "GPUS", "NODES", "DESIRED", "READY", "PROBLEM"], rows)
+    )
+
+
+@models.command("apply")
+@click.option(
+    "-f",
+    "--file",
+    "path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The catalog: models and their profiles (catalog.yaml).",
+)
+@pass_ctl
+def models_apply(c: Ctl, path: Path) -> None:
+    """Add or update the models of a catalog file, all or none; others are left alone."""
+    catalog = load_catalog(path)  # refuse a bad file before talking to the server
+    data = c.call("PUT", "/api/catalog", catalog.to_dict())
+    if c.as_json:
+        echo_json(data)
+        return
+    rows = data["models"]
+    if rows:
+        click.echo(
+            table(
+                ["CHANGE", "MODEL", "PROFILES"],
+                [[r["change"], r["name"], ", ".join(r["profiles"])] for r in rows],
+            )
+        )
+    for r in rows:
+        if r["note"]:
+            click.echo(f"note: {r['name']}: {r['note']}", err=True)
+    counts = {change: sum(r["change"] == change for r in rows) for change in _CHANGES}
+    click.echo(f"catalog {path}: " + ", ".join(f"{n} {change}" for change, n in counts.items()))
+
+
+_CHANGES = ("added", "updated", "unchanged")
+
+
+def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--param")
+        params[key] = value
+    return params
+
+
+@click.command()
+@click.argument("model")
+@click.option(
+    "--profile",
+    help="Profile of the catalog model to deploy (default: the one deployed now; a model "
+    "new from the catalog deploys 'default').",
+)
+@click.option(
+    "--replicas",
+    type=click.IntRange(0, 1000),
+    default=None,
+    help="Replica count (default: 1 for a new model; a deployed model keeps its count).",
+)
+@click.option(
+    "--engine",
+    type=click.Choice(list(engine_names())),
+    help="Engine of a model deployed without the catalog (default: sim).",
+)
+@click.option(
+    "--param",
+    "params",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Engine parameter of a model deployed without the catalog (repeatable), e.g. ttft_ms=50.",
+)
+@pass_ctl
+def deploy(
+    c: Ctl,
+    model: str,
+    profile: str | None,
+    replicas: int | None,
+    engine: str | None,
+    params: tuple[str, ...],
+) -> None:
+    """Deploy MODEL: a profile of a catalog model, or an ad-hoc one with --engine/--param;
+    or change its replica count."""
+    adhoc = engine is not None or bool(params)
+    if profile is not None and adhoc:
+        raise click.UsageError(
+            "--profile deploys a profile of the catalog; --engine/--param describe a model "
+            "outside it; give one or the other (change a profile in the catalog and run "
+            "'llmgw ctl models apply -f catalog.yaml')"
+        )
+    body: dict[str, Any] = {"name": model}
+    if replicas is not None:
+        body["replicas"] = replicas
+    if profile is not None:
+        body["profile"] = profile
+    if adhoc:
+        body["engine"] = engine or "sim"
+        body["params"] = _parse_params(params)
+    data = c.call("POST", "/api/models", body)
+    if c.as_json:
+        echo_json(data)
+        return
+    if adhoc:
+        shape = f"engine {data['engine']}"
+    else:
+        shape = (
+            f"profile {data['profile']} (engine {data['engine']}, {data['gpus']} GPU(s) x "
+            f"{data['nodes']} node(s))"
+        )
+    click.echo(
+        f"deployed {data['name']}: {data['replicas']} replicas of {shape} ({data['ready']} "
+        "ready now)"
+    )
+    older = data.get("older_profile_replicas") or 0
+    if older:
+        click.echo(
+            f"{older} replica(s) of another profile keep serving until each has a ready "
+            "replacement (one at a time)"
+        )
+    click.echo(f"watch them come up with 'llmgw ctl replicas {shlex.quote(data['name'])}'")
+
+
+@click.command()
+@click.argument("model")
+@pass_ctl
+def undeploy(c: Ctl, model: str) -> None:
+    """Stop every replica of MODEL and remove it."""
+    data = c.call("DELETE", f"/api/models/{model}")
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"undeployed {model}")
+
+
+@click.command()
+@click.argument("model", required=False)
+@pass_ctl
+def replicas(c: Ctl, model: str | None) -> None:
+    """List replicas (of MODEL) with their node, state and last failure."""
+    path = "/api/replicas" + (f"?model={model}" if model else "")
+    data = c.call("GET", path)
+    if c.as_json:
+        echo_json(data)
+        return
+    rows = [
+        [
+            r["replica"],
+            r["model"],
+            r["state"],
+            r["node"],
+            r["port"],
+            r["restarts"],
+            r["inflight"],
+            (f"exit {r['exit_code']}: " if r["exit_code"] is not None else "")
+            + (r["reason"] or ""),
+        ]
+        for r in data
+    ]
+    click.echo(
+        table(["REPLICA", "MODEL", "STATE", "NODE", "PORT", "RESTARTS", "INFLIGHT", "REASON"], rows)
+    )

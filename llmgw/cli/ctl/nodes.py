@@ -1,0 +1,182 @@
+"""``llmgw ctl nodes``, ``approve``, ``reject``, ``revoke``, ``drain``, ``uncordon``: the nodes of
+the cluster and their life cycle."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from typing import Any
+
+import click
+
+from llmgw.cli.ctl.context import Ctl, pass_ctl
+from llmgw.cli.ctl.output import ago, echo_json, table, until
+
+__all__ = ["approve", "drain", "nodes", "reject", "revoke", "uncordon"]
+
+
+@click.command()
+@pass_ctl
+def nodes(c: Ctl) -> None:
+    """List nodes: state, connection, shards, GPUs (or why there are none)."""
+    data = c.call("GET", "/api/nodes")
+    if c.as_json:
+        echo_json(data)
+        return
+    rows = []
+    for n in data:
+        gpus = (
+            str(len(n["gpus"]))
+            if n["gpus"]
+            else f"0 ({n['gpu_status']})"
+            if n["gpu_status"]
+            else "0"
+        )
+        rows.append(
+            [
+                n["id"],
+                n["state"] + (",draining" if n["draining"] else ""),
+                "yes" if n["connected"] else "no",
+                n["dataplane_addr"],
+                n["shards"],
+                ",".join(n["engines"]),
+                n["agent_version"],
+                ago(n["last_seen"]),
+                until(n["cert_expires_at"]),
+                (n["fingerprint"] or "")[:23] + "…"
+                if n["state"] != "pending"
+                else n["fingerprint"],
+                gpus,
+                _update_cell(n.get("update")),
+            ]
+        )
+    click.echo(
+        table(
+            [
+                "NODE",
+                "STATE",
+                "CONNECTED",
+                "DATA PLANE",
+                "SHARDS",
+                "ENGINES",
+                "VERSION",
+                "SEEN",
+                "CERT EXPIRES",
+                "FINGERPRINT",
+                "GPUS",
+                "UPDATE",
+            ],
+            rows,
+        )
+    )
+
+
+def _update_cell(update: dict[str, Any] | None) -> str:
+    if not update:
+        return "-"
+    return f"{update['version']} {update['state']}"
+
+
+@click.command()
+@click.argument("node")
+@click.option(
+    "--fingerprint",
+    "fp",
+    required=True,
+    help="The sha256:… key fingerprint 'llmgw agent join' printed on the node.",
+)
+@pass_ctl
+def approve(c: Ctl, node: str, fp: str) -> None:
+    """Approve a pending NODE after comparing its key fingerprint."""
+    data = c.call("POST", f"/api/nodes/{node}/approve", {"fingerprint": fp})
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"approved {node}; it takes work from now on")
+
+
+@click.command()
+@click.argument("node")
+@pass_ctl
+def reject(c: Ctl, node: str) -> None:
+    """Remove a pending NODE and deny its certificate."""
+    data = c.call("POST", f"/api/nodes/{node}/reject")
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"rejected {node}; its certificate is denied")
+
+
+@click.command()
+@click.argument("node")
+@pass_ctl
+def revoke(c: Ctl, node: str) -> None:
+    """Revoke NODE: deny its certificates, cut its stream, rebuild its replicas elsewhere."""
+    data = c.call("POST", f"/api/nodes/{node}/revoke")
+    if c.as_json:
+        echo_json(data)
+        return
+    serials = ", ".join(data["serials"]) or "none outstanding"
+    click.echo(
+        f"revoked {node} (certificates denied: {serials}); it can come back only through a fresh join"
+    )
+
+
+@click.command()
+@click.argument("node")
+@click.option(
+    "--wait/--no-wait",
+    default=True,
+    show_default=True,
+    help="Wait until no replica is left on NODE.",
+)
+@click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait.")
+@pass_ctl
+def drain(c: Ctl, node: str, wait: bool, timeout: float) -> None:
+    """Move every replica off NODE, one at a time, each replacement ready before the original stops."""
+    data = c.call("POST", f"/api/nodes/{node}/drain")
+    if not wait:
+        if c.as_json:
+            echo_json(data)
+        else:
+            click.echo(
+                f"draining {node}: {len(data['replicas_left'])} replicas to move "
+                f"(llmgw ctl drain {shlex.quote(node)} to watch)"
+            )
+        return
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        left = data["replicas_left"]
+        moving = ", ".join(f"{m['replica']} -> {m['replacement']}" for m in data["moving"]) or "-"
+        line = f"{node}: {len(left)} replicas left; moving {moving}"
+        if data.get("blocked"):
+            line += f"; blocked: {data['blocked']}"
+        if line != last and not c.as_json:
+            click.echo(line)
+            last = line
+        if not left:
+            break
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"drain of {node} not done after {timeout:.0f}s: {line}")
+        time.sleep(1.0)
+        data = c.call("GET", f"/api/nodes/{node}/drain")
+    if c.as_json:
+        echo_json(data)
+    else:
+        click.echo(
+            f"{node} is drained; 'llmgw ctl uncordon {shlex.quote(node)}' lets it take "
+            "replicas again"
+        )
+
+
+@click.command()
+@click.argument("node")
+@pass_ctl
+def uncordon(c: Ctl, node: str) -> None:
+    """Let a drained NODE take replicas again."""
+    data = c.call("POST", f"/api/nodes/{node}/uncordon")
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"{node} takes new replicas again")

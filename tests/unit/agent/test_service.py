@@ -1,0 +1,187 @@
+"""The agent's start-up: each step's failure names the step, and what started is stopped in
+the reverse order, whether the agent is stopped or a later step fails."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmgw import pki
+from llmgw.agent.config import AgentConfig, parse_agent_config
+from llmgw.agent.dataplane import DataPlane
+from llmgw.agent.service import Agent, step
+from llmgw.agent.shards import ShardManager
+from llmgw.agent.stream import StreamClient
+from llmgw.errors import ConfigError, StartupError, StreamError
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+def config(tmp_path: Path, *, listen: str = "127.0.0.1:0", **extra: Any) -> AgentConfig:
+    ca = pki.init_ca(tmp_path / "ca")
+    ident = pki.issue_node_cert(ca, "gpu-1", tmp_path / "pki")
+    return parse_agent_config(
+        {
+            # Nothing answers here: the stream keeps retrying, which is all these tests need.
+            "server": "127.0.0.1:1",
+            "node_id": "gpu-1",
+            "listen": listen,
+            "state_dir": str(tmp_path / "state"),
+            "models_root": str(tmp_path / "models"),
+            "discovery": {"ib_root": str(tmp_path / "no-infiniband")},
+            "tls": {"cert": str(ident.cert), "key": str(ident.key), "ca": str(ident.ca)},
+            **extra,
+        }
+    )
+
+
+def start_fails(cfg: AgentConfig) -> tuple[StartupError, Agent]:
+    agent = Agent(cfg)
+    with pytest.raises(StartupError) as info:
+        asyncio.run(asyncio.wait_for(agent.run(), 30))
+    return info.value, agent
+
+
+def test_busy_port_names_the_data_plane_step(
+    tmp_path: Path, empty_path: Path, busy_port: int
+) -> None:
+    err, agent = start_fails(config(tmp_path, listen=f"127.0.0.1:{busy_port}"))
+    assert err.step == "data plane listener"
+    assert str(err).startswith(
+        f"agent start-up failed at 'data plane listener': listen: cannot listen on "
+        f"127.0.0.1:{busy_port}: "
+    )
+    assert str(err).endswith("; free the port or change listen in agent.yaml")
+    assert err.exit_code == 2  # the cause's: a configuration to change
+    # Not a certificate problem, as it was reported before.
+    assert type(err.cause).__name__ == "ConfigError"
+    # What started before it was stopped again.
+    assert agent.shards is not None and agent.shards._session is None
+    assert agent.stream is None
+
+
+def test_bad_certificate_names_the_identity_step(tmp_path: Path, empty_path: Path) -> None:
+    cfg = config(tmp_path)
+    cfg.tls.cert.write_text("-----BEGIN CERTIFICATE-----\nnot one\n-----END CERTIFICATE-----\n")
+    err, agent = start_fails(cfg)
+    assert err.step == "node identity"
+    assert str(err).startswith("agent start-up failed at 'node identity': ")
+    assert "rejoin the node" in str(err)
+    assert agent.shards is None and agent.dataplane is None  # nothing after it started
+
+
+def test_missing_certificate_says_to_join(tmp_path: Path, empty_path: Path) -> None:
+    cfg = config(tmp_path)
+    cfg.tls.cert.unlink()
+    err, _ = start_fails(cfg)
+    assert str(err) == (
+        f"agent start-up failed at 'node identity': the node's cert {cfg.tls.cert} does not "
+        "exist; join the node first ('llmgw agent join') or set tls.cert in agent.yaml"
+    )
+    assert err.exit_code == 1
+
+
+def test_state_directory_that_cannot_be_made_names_its_step(
+    tmp_path: Path, empty_path: Path
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    cfg = config(tmp_path, state_dir=str(tmp_path / "a-file" / "state"))
+    err, agent = start_fails(cfg)
+    assert err.step == "state directory"
+    assert str(err).startswith(
+        f"agent start-up failed at 'state directory': cannot create directory {cfg.state_dir}: "
+    )
+    assert agent.shards is None
+
+
+def test_corrupt_operation_log_names_its_step(tmp_path: Path, empty_path: Path) -> None:
+    cfg = config(tmp_path)
+    cfg.state_dir.mkdir(parents=True)
+    (cfg.state_dir / "oplog.json").write_text("{")
+    err, agent = start_fails(cfg)
+    assert err.step == "operation log"
+    assert "the operation log is corrupt; move it aside" in str(err)
+    assert agent.shards is None
+
+
+def test_stops_in_the_reverse_order_of_start_up(
+    tmp_path: Path, empty_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order: list[str] = []
+
+    def record(cls: type, name: str, label: str) -> None:
+        original = getattr(cls, name)
+
+        async def wrapper(self: object, *args: Any, **kwargs: Any) -> Any:
+            order.append(label)
+            return await original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    record(ShardManager, "open", "shards open")
+    record(ShardManager, "stop_all", "shards stop all")
+    record(ShardManager, "close", "shards close")
+    record(DataPlane, "start", "data plane start")
+    record(DataPlane, "drain", "data plane drain")
+    record(DataPlane, "stop", "data plane stop")
+    record(StreamClient, "run", "stream run")
+    record(StreamClient, "close", "stream close")
+    agent = Agent(config(tmp_path, stop_shards_on_exit=True))
+
+    async def main() -> None:
+        running = asyncio.create_task(agent.run())
+        while "stream run" not in order:
+            assert not running.done(), running.exception()
+            await asyncio.sleep(0.01)
+        agent.request_stop()
+        await asyncio.wait_for(running, 30)
+
+    asyncio.run(main())
+    assert order == [
+        "shards open",
+        "data plane start",
+        "stream run",
+        "data plane drain",
+        "stream close",
+        "data plane stop",
+        "shards stop all",
+        "shards close",
+    ]
+
+
+def test_a_step_wraps_our_errors_and_os_errors_keeping_exit_code_and_retryability() -> None:
+    with pytest.raises(StartupError) as info, step("operation log"):
+        raise ConfigError("the operation log is corrupt; move it aside", file="/s/oplog.json")
+    assert str(info.value) == (
+        "agent start-up failed at 'operation log': /s/oplog.json: the operation log is corrupt; "
+        "move it aside"
+    )
+    assert (info.value.exit_code, info.value.retryable) == (2, False)
+    with pytest.raises(StartupError) as info, step("stream"):
+        raise StreamError("no control plane answered; is one running?")
+    assert (info.value.exit_code, info.value.retryable) == (1, True)
+    with pytest.raises(StartupError) as info, step("state directory"):
+        raise PermissionError(13, "Permission denied", "/var/lib/llmgw-agent")
+    assert str(info.value) == (
+        "agent start-up failed at 'state directory': /var/lib/llmgw-agent: Permission denied; "
+        "check that it exists and that the agent's user may use it"
+    )
+    assert info.value.exit_code == 1
+    # A step inside a step is named once, by the innermost.
+    with pytest.raises(StartupError) as info, step("outer"), step("inner"):
+        raise ConfigError("x")
+    assert info.value.step == "inner"
+    # What is no error of ours or of the system is a bug: not dressed up as a start-up error.
+    with pytest.raises(ZeroDivisionError), step("arithmetic"):
+        _ = 1 / 0

@@ -1,0 +1,102 @@
+"""``llmgw ctl join-command``: --ttl in llmgw's one duration syntax (``llmgw.durations``; "500ms"
+is new, "-5m" and "1e3" are refused here now rather than by the control plane), what is sent,
+and what the operator reads. The admin API is a stand-in recording each call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from llmgw.cli import main
+from llmgw.cli.ctl.context import Ctl
+
+ANSWER = {
+    "id": "jt1",
+    "node": "gpu-01",
+    "kind": "join",
+    "expires_at": 2_000_000_000,
+    "enroll_url": "https://cp:8443",
+    "ca_hash": "sha256:ab",
+    "command": "curl -sfL https://cp:8080/install | sh -s -- --node-id gpu-01",
+}
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
+    seen: list[tuple[str, str, Any]] = []
+
+    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        seen.append((method, path, body))
+        return ANSWER
+
+    monkeypatch.setattr(Ctl, "call", call)
+    return seen
+
+
+def join(*args: str) -> Result:
+    return CliRunner().invoke(
+        main, ["ctl", "--server", "http://127.0.0.1:9", "join-command", *args]
+    )
+
+
+@pytest.mark.parametrize(
+    ("ttl", "seconds"),
+    [("1h", 3600.0), ("90", 90.0), ("30m", 1800.0), ("2d", 172800.0), ("500ms", 0.5)],
+)
+def test_ttl_is_a_duration(calls: list[tuple[str, str, Any]], ttl: str, seconds: float) -> None:
+    out = join("--node", "gpu-01", "--ttl", ttl)
+    assert out.exit_code == 0, out.output
+    assert calls == [
+        (
+            "POST",
+            "/api/join-tokens",
+            {"node": "gpu-01", "ttl": seconds, "rekey": False, "require_approval": False},
+        )
+    ]
+
+
+def test_the_default_ttl_is_an_hour(calls: list[tuple[str, str, Any]]) -> None:
+    assert join("--node", "gpu-01").exit_code == 0
+    assert calls[0][2]["ttl"] == 3600.0
+
+
+@pytest.mark.parametrize("ttl", ["1x", "-5m", "1e3", "h", ""])
+def test_a_ttl_that_is_not_a_duration_is_refused_before_any_call(
+    calls: list[tuple[str, str, Any]], ttl: str
+) -> None:
+    out = join("--node", "gpu-01", "--ttl", ttl)
+    assert out.exit_code == 2
+    assert "Invalid value for --ttl: must be seconds, or a duration like 500ms, 30s" in (out.stderr)
+    assert calls == []
+
+
+def test_rekey_and_what_the_operator_reads(calls: list[tuple[str, str, Any]]) -> None:
+    out = join("--rekey", "gpu-01", "--require-approval", "--address", "cp.example:8080")
+    assert out.exit_code == 0, out.output
+    assert calls[0][2] == {
+        "node": "gpu-01",
+        "ttl": 3600.0,
+        "rekey": True,
+        "require_approval": True,
+        "address": "cp.example:8080",
+    }
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("join token jt1 for node gpu-01, valid until ")
+    assert lines[1:3] == ["enrol URL: https://cp:8443", "CA hash:   sha256:ab"]
+    assert f"  {ANSWER['command']}" in lines
+    assert lines[-1] == (
+        "then compare the fingerprint it prints and approve: llmgw ctl approve gpu-01 "
+        "--fingerprint sha256:…"
+    )
+
+
+def test_node_and_rekey_go_alone(calls: list[tuple[str, str, Any]]) -> None:
+    out = join("--node", "a", "--rekey", "b")
+    assert out.exit_code == 2
+    assert "give exactly one of --node NODE (a new node) or --rekey NODE" in out.stderr
+    out = join("--node", "a", "--require-approval")
+    assert out.exit_code == 2
+    assert "--require-approval goes with --rekey" in out.stderr
+    assert calls == []
