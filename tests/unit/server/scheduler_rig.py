@@ -56,3 +56,30 @@ class SchedulerRig:
 
     def scheduler(self) -> Scheduler:
         return RecordingScheduler(self)
+
+    def join(
+        self,
+        node_id: str,
+        inventory: dict[str, Any],
+        *,
+        dataplane_addr: str,
+        engines: frozenset[str],
+        session_addr: str | None = None,
+    ) -> None:
+        """``node_id`` joined, approved and connected: its row with ``inventory``, and a
+        session (its data plane at ``session_addr``, else ``dataplane_addr``)."""
+        self.store.upsert_node(
+            node_id,
+            dataplane_addr=dataplane_addr,
+            agent_version="0.1.0",
+            inventory=inventory,
+            connected=True,
+        )
+        self.store.set_node_state(node_id, "approved")
+        self.sessions[node_id] = NodeSession(
+            node_id=node_id,
+            dataplane_addr=session_addr or dataplane_addr,
+            epoch=1,
+            engines=engines,
+            approved=True,
+        )

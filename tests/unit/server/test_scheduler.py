@@ -7,7 +7,6 @@ from __future__ import annotations
 from llmgw.engines.launch import build_command
 from llmgw.engines.spec import EngineSpec
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.stream import NodeSession
 from tests.unit.server.scheduler_rig import SchedulerRig
 
 
@@ -16,20 +15,8 @@ def _join(cp: SchedulerRig, node_id: str, host: str, fabric: str = "ib-a") -> No
         "gpus": [{"uuid": f"GPU-{node_id}", "memory_total_mib": 81920}],
         "fabrics": [{"name": fabric, "hcas": ["mlx5_0"], "healthy": True}],
     }
-    cp.store.upsert_node(
-        node_id,
-        dataplane_addr=f"{host}:9443",
-        agent_version="0.1.0",
-        inventory=inventory,
-        connected=True,
-    )
-    cp.store.set_node_state(node_id, "approved")
-    cp.sessions[node_id] = NodeSession(
-        node_id=node_id,
-        dataplane_addr=f"{host}:9443",
-        epoch=1,
-        engines=frozenset({"sim", "llamacpp"}),
-        approved=True,
+    cp.join(
+        node_id, inventory, dataplane_addr=f"{host}:9443", engines=frozenset({"sim", "llamacpp"})
     )
 
 

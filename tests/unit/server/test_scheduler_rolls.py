@@ -6,7 +6,6 @@ with the reason shown."""
 from __future__ import annotations
 
 from llmgw.server.scheduler import Scheduler
-from llmgw.server.stream import NodeSession
 from tests.unit.server.scheduler_rig import SchedulerRig
 
 
@@ -14,20 +13,12 @@ def _join(cp: SchedulerRig, node_id: str, gpus: int) -> None:
     inventory = {
         "gpus": [{"uuid": f"GPU-{node_id}-{i}", "memory_total_mib": 81920} for i in range(gpus)]
     }
-    cp.store.upsert_node(
+    cp.join(
         node_id,
+        inventory,
         dataplane_addr=f"127.0.0.1:{9443 + len(cp.sessions)}",
-        agent_version="0.1.0",
-        inventory=inventory,
-        connected=True,
-    )
-    cp.store.set_node_state(node_id, "approved")
-    cp.sessions[node_id] = NodeSession(
-        node_id=node_id,
-        dataplane_addr="127.0.0.1:9443",
-        epoch=1,
+        session_addr="127.0.0.1:9443",
         engines=frozenset({"sim"}),
-        approved=True,
     )
 
 
