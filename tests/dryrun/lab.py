@@ -26,7 +26,7 @@ import yaml
 
 from tests.ci import require_tools, unavailable
 from tests.integration.harness import LLMGW, Server, free_port, stop_process, wait_for
-from tests.packaging.pkgcheck import ROOT, Container, systemd_image_of
+from tests.packaging.pkgcheck import ROOT, Container
 
 LABEL = "llmgw.test-dryrun"
 MOUNT = "/lab"  # where a container sees the lab directory (read-only)
@@ -80,11 +80,6 @@ def remove_stale() -> None:
                     else ["docker", "network", "rm", name]
                 )
                 subprocess.run(rm, capture_output=True, check=False)
-
-
-def systemd_image(suite: str) -> str:
-    """The suite's systemd image (bookworm, bullseye): prebuilt, else built here."""
-    return systemd_image_of(suite)
 
 
 def run(*args: str | Path, timeout: float = 900, **env: str) -> subprocess.CompletedProcess[str]:

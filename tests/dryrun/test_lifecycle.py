@@ -20,20 +20,9 @@ import pytest
 from llmgw import pki
 from tests.ci import require_tools
 from tests.integration.harness import wait_for
-from tests.packaging.pkgcheck import ROOT
+from tests.packaging.pkgcheck import ROOT, systemd_image_of
 
-from .lab import (
-    MOUNT,
-    ONEDIR,
-    SPOOL,
-    Lab,
-    Node,
-    OrderedSteps,
-    next_version,
-    node_of,
-    run,
-    systemd_image,
-)
+from .lab import MOUNT, ONEDIR, SPOOL, Lab, Node, OrderedSteps, next_version, node_of, run
 
 NODE = "dry-12"
 MODEL = "dry"
@@ -103,7 +92,7 @@ def snapshot(node: Node) -> str:
 
 
 def test_01_one_liner_installs_and_joins(steps: Steps, lab: Lab) -> None:
-    node = steps.node = lab.boot(systemd_image("bookworm"), NODE)
+    node = steps.node = lab.boot(systemd_image_of("bookworm"), NODE)
     steps.join = lab.join_command(NODE)
     command = steps.join["command"]
     assert "/agent/bundles/" in command and "install-agent.sh install" in command

@@ -19,8 +19,9 @@ import pytest
 
 from llmgw import pki
 from tests.integration.harness import wait_for
+from tests.packaging.pkgcheck import systemd_image_of
 
-from .lab import MOUNT, SPOOL, Lab, Node, OrderedSteps, node_of, run, systemd_image
+from .lab import MOUNT, SPOOL, Lab, Node, OrderedSteps, node_of, run
 
 NODE = "dry-root"
 STATE = "/var/lib/llmgw-agent"
@@ -62,7 +63,7 @@ def trust_state(node: Node) -> str:
 
 
 def test_01_install_and_join(steps: Steps, lab: Lab) -> None:
-    node = steps.node = lab.boot(systemd_image("bookworm"), NODE)
+    node = steps.node = lab.boot(systemd_image_of("bookworm"), NODE)
     steps.join = j = lab.join_command(NODE)
     # The N bundle's installer (what the control plane serves may be N+1 by now, when the
     # life-cycle module ran first), joined as the one-liner would.
