@@ -207,6 +207,22 @@ def pids_of_session(sid: int) -> list[int]:
     return out
 
 
+def alive(pid: int) -> bool:
+    """``pid`` exists (a zombie, not yet reaped, counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Something accepts TCP connections on ``host:port`` (within a second)."""
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
+
+
 def cmdline(pid: int) -> str:
     """The command line of process ``pid``, its arguments joined by spaces ("" once gone)."""
     try:

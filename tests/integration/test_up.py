@@ -15,7 +15,15 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.integration.harness import LLMGW, Up, cmdline, start_up, stop_process, wait_for
+from tests.integration.harness import (
+    LLMGW,
+    Up,
+    alive,
+    cmdline,
+    start_up,
+    stop_process,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -133,15 +141,6 @@ def test_metrics_count_requests_tokens_and_ttft(up: Up) -> None:
     assert "llmgw_request_duration_seconds_bucket" in text
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for our purposes only once reaped; report it as alive.
-    return True
-
-
 def test_ctrl_c_leaves_no_process_and_second_up_reuses_ca_and_key(tmp_path: Path) -> None:
     first = start_up(tmp_path / "state")
     ca_before = (tmp_path / "state" / "server" / "pki" / "ca.crt").read_bytes()
@@ -160,7 +159,7 @@ def test_ctrl_c_leaves_no_process_and_second_up_reuses_ca_and_key(tmp_path: Path
     assert code == 0, "".join(first.output)
     assert "stopped." in "".join(first.output)
     for pid in engine_pids + agent_pids:
-        wait_for(lambda pid=pid: not _alive(pid), timeout=10, what=f"process {pid} to exit")
+        wait_for(lambda pid=pid: not alive(pid), timeout=10, what=f"process {pid} to exit")
     leftovers = [
         f"{p}: {cmdline(int(p))}"
         for p in os.listdir("/proc")
