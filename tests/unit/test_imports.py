@@ -5,7 +5,7 @@ inside a function, under ``if TYPE_CHECKING:`` (a type-only import still ties th
 together for a reader and for mypy). The graph is read with :mod:`ast`, nothing is imported.
 
 The rules, one a row: a module under IMPORTER may not import one under IMPORTED ("x" is the
-package ``llmgw.x`` and everything below it).
+package ``llmgw.x`` and everything below it); a package under ONLY loads nothing else.
 """
 
 from __future__ import annotations
@@ -29,10 +29,17 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("contracts", "cli", "contracts belong to neither side"),
 )
 
-# A package that may import nothing but these (and itself): the root update helper, audited
-# alone. "stdlib" is Python's standard library; anything else outside llmgw is third-party.
-ONLY: Mapping[str, tuple[str, ...]] = {
-    "updater": ("stdlib", "errors", "contracts", "fsutil", "versions"),
+# A package that loads nothing but itself and these, through its own imports and those of
+# every module they reach: the root update helper, which runs as root and is audited alone
+# (nothing of the agent, the control plane or the CLI). "stdlib" is Python's standard
+# library. pki: the trust check (a CA's fingerprint, is it a CA); netaddr: the node id an
+# order names (through contracts); cryptography: signatures and certificates.
+#   PACKAGE      OF LLMGW                                                    OUTSIDE LLMGW
+ONLY: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "updater": (
+        ("errors", "contracts", "fsutil", "versions", "pki", "netaddr"),
+        ("stdlib", "cryptography"),
+    ),
 }
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +130,7 @@ def _under(module: str, prefix: str) -> bool:
 
 
 def rule_violations(edges: list[Edge], package: str) -> list[str]:
-    """The edges the rules (FORBIDDEN, ONLY) refuse, each with why."""
+    """The edges FORBIDDEN refuses, each with why."""
     found: list[str] = []
     for edge in edges:
         for importer, imported, why in FORBIDDEN:
@@ -131,17 +138,47 @@ def rule_violations(edges: list[Edge], package: str) -> list[str]:
                 edge.imported, f"{package}.{imported}"
             ):
                 found.append(f"{edge}: {importer} may not import {imported}: {why}")
-        for only, allowed in ONLY.items():
-            if not _under(edge.importer, f"{package}.{only}"):
+    return found
+
+
+def loads(edges: list[Edge], start: str) -> dict[str, str]:
+    """Every module of the tree that loading the package ``start`` loads (itself included),
+    each with the module that imports it first."""
+    by_importer: dict[str, list[Edge]] = {}
+    for edge in edges:
+        by_importer.setdefault(edge.importer, []).append(edge)
+    seen = {m: "(itself)" for m in by_importer if _under(m, start)}
+    todo = sorted(seen)
+    while todo:
+        for edge in by_importer.get(todo.pop(), []):
+            if edge.imported.count(".") and edge.imported not in seen:
+                seen[edge.imported] = edge.importer
+                todo.append(edge.imported)
+    return seen
+
+
+def only_violations(edges: list[Edge], package: str) -> list[str]:
+    """The imports, by the ONLY packages or by any module they load, of what ONLY does not
+    allow them; each with how the importing module came to be loaded."""
+    found: list[str] = []
+    for only, (inside, outside) in ONLY.items():
+        start = f"{package}.{only}"
+        loaded = loads(edges, start)
+        allowed = "only " + ", ".join((*inside, *outside))
+        for edge in edges:
+            if edge.importer not in loaded:
                 continue
-            inside = _under(edge.imported, package)
-            ok = _under(edge.imported, f"{package}.{only}") or any(
-                (name == "stdlib" and not inside and edge.imported in sys.stdlib_module_names)
-                or (inside and _under(edge.imported, f"{package}.{name}"))
-                for name in allowed
-            )
+            if _under(edge.imported, package):
+                ok = edge.imported == package or any(
+                    _under(edge.imported, f"{package}.{name}") for name in (only, *inside)
+                )
+            else:
+                ok = edge.imported in outside or (
+                    "stdlib" in outside and edge.imported in sys.stdlib_module_names
+                )
             if not ok:
-                found.append(f"{edge}: {only} may import only {', '.join(allowed)}")
+                via = "" if _under(edge.importer, start) else f", loaded by {loaded[edge.importer]}"
+                found.append(f"{edge}{via}: {only} may load {allowed}")
     return found
 
 
@@ -216,7 +253,7 @@ def _path_back(graph: Mapping[str, set[str]], part: set[str], start: str) -> lis
 def problems(root: Path, package: str) -> list[str]:
     """What is wrong with ``package``'s import graph, one line each (none: all is well)."""
     edges = import_edges(root, package)
-    found = rule_violations(edges, package)
+    found = rule_violations(edges, package) + only_violations(edges, package)
     for cycle, part in cycles(edges):
         line = "import cycle: " + " -> ".join(cycle)
         if len(part) > len(cycle) - 1:
@@ -232,6 +269,11 @@ def problems(root: Path, package: str) -> list[str]:
 def test_llmgw_import_graph_keeps_the_rules_and_has_no_cycle() -> None:
     found = problems(ROOT, PACKAGE)
     assert not found, "import graph of llmgw/:\n" + "\n".join(found)
+
+
+def test_the_root_helper_loads_nothing_of_the_agent_server_or_cli() -> None:
+    found = only_violations(import_edges(ROOT, PACKAGE), PACKAGE)
+    assert not found, "what the root helper loads:\n" + "\n".join(found)
 
 
 def test_the_tree_is_read() -> None:
@@ -312,21 +354,29 @@ def test_a_forbidden_edge_is_caught_wherever_the_import_stands(tmp_path: Path) -
     ]
 
 
-def test_the_updater_imports_only_what_it_may(tmp_path: Path) -> None:
+def test_the_updater_loads_only_what_it_may_through_any_module(tmp_path: Path) -> None:
     write_tree(
         tmp_path,
         {
             **PACKAGES,
-            "pkg/agent/spool.py": "",
+            "pkg/agent/spool.py": "import yaml\n",
+            "pkg/fsutil.py": "import os\nfrom pkg.agent import spool\n",
             "pkg/updater/apply.py": (
-                "import json\nimport yaml\nfrom pkg.agent import spool\nfrom pkg.errors import E\n"
+                "import json\nimport yaml\nimport cryptography.x509\nfrom pkg import fsutil\n"
+                "from pkg.errors import E\nfrom . import trust\n"
             ),
+            "pkg/updater/trust.py": "def f():\n    from pkg.server import app\n",
         },
     )
-    only = ", ".join(ONLY["updater"])
+    inside, outside = ONLY["updater"]
+    allowed = "updater may load only " + ", ".join((*inside, *outside))
     assert sorted(problems(tmp_path, "pkg")) == [
-        f"pkg.updater.apply -> pkg.agent.spool (pkg/updater/apply.py:3): updater may import only {only}",
-        f"pkg.updater.apply -> yaml (pkg/updater/apply.py:2): updater may import only {only}",
+        # Loaded through fsutil, which the helper may import: the agent's module, and what
+        # that imports in turn.
+        f"pkg.agent.spool -> yaml (pkg/agent/spool.py:1), loaded by pkg.fsutil: {allowed}",
+        f"pkg.fsutil -> pkg.agent.spool (pkg/fsutil.py:2), loaded by pkg.updater.apply: {allowed}",
+        f"pkg.updater.apply -> yaml (pkg/updater/apply.py:2): {allowed}",
+        f"pkg.updater.trust -> pkg.server (pkg/updater/trust.py:2): {allowed}",
     ]
 
 
