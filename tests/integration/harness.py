@@ -233,18 +233,6 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def llmgw_processes_under(root: Path) -> list[str]:
-    """Command lines of live llmgw processes that mention ``root`` or descend from a run in it."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        cmd = cmdline(int(entry))
-        if "llmgw" in cmd and str(root) in cmd:
-            found.append(f"{entry}: {cmd}")
-    return found
-
-
 def start_server_with(tmp: Path, *, heartbeat: float = 1.0, **extra: Any) -> Server:
     """:func:`start_server` with more keys in server.yaml (e.g. ``cert_lifetime=12``)."""
     # Long enough that an agent restart is not a loss; loss tests shorten it.
