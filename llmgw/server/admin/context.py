@@ -128,13 +128,7 @@ def guarded(ctx: AdminContext, handler: Handler) -> Handler:
             )
         try:
             return await handler(request)
-        except BadRequest as exc:
-            log.info(
-                "refused an admin request",
-                extra=kv(path=request.path[:100], peer=peer, reason=str(exc)[:200]),
-            )
-            return error_response(400, str(exc), "bad_request")
-        except ConfigError as exc:  # a value in the request that cannot be used
+        except (BadRequest, ConfigError) as exc:  # ConfigError: a value that cannot be used
             log.info(
                 "refused an admin request",
                 extra=kv(path=request.path[:100], peer=peer, reason=str(exc)[:200]),
