@@ -30,6 +30,7 @@ from llmgw.server.enroll import (
     EnrolmentServer,
     EnrolRequest,
     parse_enrol_request,
+    record_certificate,
     server_ssl_context,
 )
 from llmgw.server.store import Node, Store
@@ -830,3 +831,20 @@ def test_a_csr_asking_for_the_control_plane_identity_is_refused(env: Env, cluste
         assert env.snapshot() == before
 
     serve(env, cluster_pki, body)
+
+
+def test_record_certificate_keeps_serial_key_and_validity(env: Env, cluster_pki: PKI) -> None:
+    key = pki.new_private_key()
+    cert = pki.sign_csr(cluster_pki.ca, pki.make_csr(key, NODE), node_id=NODE, lifetime=LIFETIME)
+    with env.store.transaction():
+        env.store.upsert_node(
+            NODE, dataplane_addr=None, agent_version=None, inventory={}, connected=False
+        )
+        row = record_certificate(env.store, NODE, cert)
+    assert row.serial == format(cert.serial_number, "x")
+    assert row.node_id == NODE
+    assert row.fingerprint == pki.fingerprint(key.public_key())
+    assert row.not_before == cert.not_valid_before_utc.timestamp()
+    assert row.not_after == cert.not_valid_after_utc.timestamp()
+    assert row.revoked_at is None
+    assert env.store.list_certificates(NODE) == [row]
