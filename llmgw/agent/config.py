@@ -270,7 +270,7 @@ def _parse(
         docker=_docker(check, top.get("docker"), runtime),
         install_sources=_install_sources(check, top.get("install_sources")),
         listeners=parse_listener_limits(check, top.get("listeners"), "listeners")[0],
-        **parse_body_limits(check, top, check.duration),
+        **parse_body_limits(check, top),
         source=source,
     )
 

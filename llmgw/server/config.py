@@ -191,7 +191,7 @@ def _parse(
         if not 0 <= replica_wait <= 600:
             check.fail("replica_wait", "must be between 0 and 600 seconds")
 
-    bodies = parse_body_limits(check, top, check.duration)
+    bodies = parse_body_limits(check, top)
 
     heartbeat = DEFAULT_HEARTBEAT_INTERVAL
     if top.get("heartbeat_interval") is not None:
