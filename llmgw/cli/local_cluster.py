@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from llmgw.agent.runtimes.process import process_start_time
+from llmgw.agent.records import ShardRecords
 from llmgw.client import default_up_state_dir, write_ctl_config
 from llmgw.engines.launch import self_argv
 from llmgw.errors import CertificateError, ConfigError, LlmgwError, NotFound
@@ -33,6 +33,7 @@ from llmgw.fsutil import write_private
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport
 from llmgw.pki import issue_node_cert, load_ca, load_cert
+from llmgw.procutil import process_start_time
 from llmgw.server.app import ControlPlane
 from llmgw.server.config import load_server_config
 from llmgw.server.store import hash_api_key
@@ -309,16 +310,13 @@ class LocalCluster:
 
     def _kill_leftover_engines(self) -> None:
         """An engine the agent could not stop (it was killed) must not outlive ``llmgw up``."""
-        try:
-            records = json.loads((self.agent_dir / "shards.json").read_text())
-        except (OSError, ValueError):
-            return
-        for shard_id, rec in records.items():
-            pid, start = rec.get("pid"), rec.get("start_time")
-            if not pid or start is None or process_start_time(pid) != start:
+        for record in ShardRecords(self.agent_dir).load():
+            pid, start = record.pid, record.start_time
+            if pid <= 0 or start is None or process_start_time(pid) != start:
                 continue
             log.warning(
-                "stopping an engine the agent left behind", extra=kv(shard=shard_id, pid=pid)
+                "stopping an engine the agent left behind",
+                extra=kv(shard=record.shard_id, pid=pid),
             )
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)

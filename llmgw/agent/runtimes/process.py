@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord
 from llmgw.errors import ShardError
+from llmgw.procutil import process_running, process_start_time
 
-__all__ = ["EngineProcess", "ProcessRuntime", "process_start_time"]
+__all__ = ["EngineProcess", "ProcessRuntime"]
 
 _POLL_S = 0.5
 
@@ -36,33 +37,6 @@ _AGENT_ONLY_ENV = (
 )
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """The state (field 3) and start time (field 22) of /proc/PID/stat."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    rest = stat[stat.rfind(b")") + 2 :].split()
-    try:
-        return rest[0].decode(), int(rest[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def process_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (clock ticks since boot), so a reused pid is never mistaken."""
-    stat = _proc_stat(pid)
-    return None if stat is None else stat[1]
-
-
-def _running(pid: int, start_time: int | None) -> bool:
-    """Whether ``pid`` is still the process that started at ``start_time``, and not a zombie."""
-    stat = _proc_stat(pid)
-    return stat is not None and stat[0] not in ("Z", "X", "x") and stat[1] == start_time
-
-
 @dataclass
 class EngineProcess:
     """A ``Handle.ref``: an engine process, started by this agent or adopted from a previous one."""
@@ -75,7 +49,7 @@ class EngineProcess:
     def running(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is None
-        return _running(self.pid, self.start_time)
+        return process_running(self.pid, self.start_time)
 
     async def gone(self) -> None:
         """Return once the process has ended, without having to be its parent."""
@@ -167,7 +141,7 @@ class ProcessRuntime(Runtime):
     async def adopt(self, record: ShardRecord) -> Handle | None:
         if record.pid <= 0 or record.start_time is None:
             return None
-        if not _running(record.pid, record.start_time):
+        if not process_running(record.pid, record.start_time):
             return None
         # Every engine this runtime starts leads its own session; a process that does not is
         # not one of ours, whatever its start time.
