@@ -7,10 +7,8 @@ code behind them is the helper's, these commands only parse options and print ve
 
 from __future__ import annotations
 
-import getpass
 import os
 import shlex
-import sys
 from pathlib import Path
 
 import click
@@ -22,6 +20,7 @@ from llmgw.agent.dockerproxy.relay import DEFAULT_UPSTREAM as DEFAULT_PROXY_UPST
 from llmgw.agent.join import DEFAULT_ENROLL_PORT, JoinResult, join
 from llmgw.agent.service import run_agent
 from llmgw.cli.common import ReportingGroup
+from llmgw.cli.prompts import read_secret
 from llmgw.contracts.update_order import DEFAULT_SPOOL
 from llmgw.errors import ConfigError
 from llmgw.log import setup_logging
@@ -61,26 +60,6 @@ def agent(ctx: click.Context, config_path: Path, log_level: str, check: bool) ->
         return
     setup_logging(log_level)
     run_agent(cfg)
-
-
-def _stdin_is_tty() -> bool:
-    return sys.stdin is not None and sys.stdin.isatty()
-
-
-def _join_token() -> str:
-    """The token from LLMGW_JOIN_TOKEN, else a no-echo prompt; never from the command line,
-    where every user of the machine could read it in /proc."""
-    token = os.environ.get(TOKEN_ENV, "").strip()
-    if token:
-        return token
-    if _stdin_is_tty():
-        token = getpass.getpass("join token (not echoed): ").strip()
-        if token:
-            return token
-    raise ConfigError(
-        f"no join token: set {TOKEN_ENV} or run in a terminal to be prompted; "
-        "never pass it as an argument"
-    )
 
 
 @agent.command("join")
@@ -143,7 +122,7 @@ def join_command(
         node_id=node_id,
         enroll_url=enroll_url,
         ca_hash=ca_hash,
-        token=_join_token(),
+        token=read_secret(TOKEN_ENV, "join token (not echoed): ", what="join token", strip=True),
         config_path=config_path,
         state_dir=state_dir,
         rekey=rekey,
