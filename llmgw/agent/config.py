@@ -12,6 +12,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from llmgw.agent.runtimes import RUNTIME_NAMES
 from llmgw.agent.sources import SourcePrefix, parse_prefix
@@ -124,6 +125,12 @@ class EnginesConfig:
     llamacpp_bin: str | None = None
     vllm_bin: str | None = None
     sglang_python: str | None = None
+
+    def program(self, engine: str) -> str | None:
+        """The program set for ``engine`` (the field ``ENGINE_SETTING`` of its registry
+        ``program_setting``); None when none is set, or the engine takes no settings."""
+        setting = ENGINES[engine].program_setting
+        return None if setting is None else cast(str | None, getattr(self, f"{engine}_{setting}"))
 
 
 @dataclass(frozen=True)
@@ -457,8 +464,8 @@ def _engines(check: Checker, value: object) -> EnginesConfig:
     programs: dict[str, str | None] = {}
     for engine, settings in value.items():
         key = join_key("engines", str(engine))
-        if engine == "sim":
-            check.fail(key, "the sim engine is built in and takes no settings; remove it")
+        if engine in ENGINES and ENGINES[engine].builtin:
+            check.fail(key, f"the {engine} engine is built in and takes no settings; remove it")
         if engine not in _ENGINE_KEYS:
             check.fail(
                 key,

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import llmgw
 from llmgw.engines.launch import build_command, engine_module, self_argv
-from llmgw.engines.registry import AVAILABLE_ENGINES
+from llmgw.engines.registry import AVAILABLE_ENGINES, get_engine
 from llmgw.engines.spec import EngineSpec
 from llmgw.errors import EngineError
 
@@ -238,7 +238,7 @@ def locate_engine(
     module = engine_module(engine)
     if binary:
         return binary
-    if engine == "sim":
+    if get_engine(engine).builtin:
         return ""  # this llmgw
     if agent is not None:
         for candidate in agent.find():
@@ -277,7 +277,7 @@ def engine_help(engine: str, binary: str, timeout: float = RUN_TIMEOUT) -> tuple
 
 def _help_argv(engine: str, binary: str) -> list[str]:
     module = engine_module(engine)
-    if engine == "sim":
+    if get_engine(engine).builtin:
         return [*([binary] if binary else self_argv()), *module.HELP_ARGS]
     return [binary or module.PROGRAM, *module.HELP_ARGS]
 
@@ -285,7 +285,7 @@ def _help_argv(engine: str, binary: str) -> list[str]:
 def engine_version(engine: str, binary: str, timeout: float = RUN_TIMEOUT) -> str:
     """The first line the engine's version command prints, or why there is none."""
     module = engine_module(engine)
-    if engine == "sim" and not binary:
+    if get_engine(engine).builtin and not binary:
         return llmgw.__version__
     argv = [binary or module.PROGRAM, *module.VERSION_ARGS]
     try:

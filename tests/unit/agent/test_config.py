@@ -472,6 +472,16 @@ def test_full_file(tmp_path: Path) -> None:
     assert config.source == path
 
 
+def test_each_engine_program_by_its_registry_setting() -> None:
+    engines = EnginesConfig(llamacpp_bin="/opt/llama-server", sglang_python="/opt/py")
+    assert {name: engines.program(name) for name in ("sim", "vllm", "sglang", "llamacpp")} == {
+        "sim": None,
+        "vllm": None,
+        "sglang": "/opt/py",
+        "llamacpp": "/opt/llama-server",
+    }
+
+
 def test_relative_paths_resolve_against_the_file_directory(tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     path = write(
