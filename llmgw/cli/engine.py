@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from llmgw.cli.common import ReportingGroup
+from llmgw.cli.common import Duration, ReportingGroup
 from llmgw.sim.config import SimConfig
 from llmgw.sim.server import run
 
@@ -73,24 +73,25 @@ def engine() -> None:
 )
 @click.option(
     "--join-timeout",
-    default=300.0,
+    default="5m",
     show_default=True,
-    type=float,
-    help="Seconds for the replica to assemble (workers keep dialling rank 0 until then).",
+    type=Duration(),
+    help="How long the replica may take to assemble (workers keep dialling rank 0 until "
+    "then); 90, 30s, 5m.",
 )
 @click.option(
     "--heartbeat-interval",
-    default=1.0,
+    default="1s",
     show_default=True,
-    type=float,
-    help="Seconds between rendezvous heartbeats.",
+    type=Duration(),
+    help="The time between rendezvous heartbeats; 500ms, 1s.",
 )
 @click.option(
     "--heartbeat-timeout",
-    default=5.0,
+    default="5s",
     show_default=True,
-    type=float,
-    help="Seconds of silence after which a rank counts as dead.",
+    type=Duration(),
+    help="The silence after which a rank counts as dead; 5s, 1m.",
 )
 def sim(
     host: str,

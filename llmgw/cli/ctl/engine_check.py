@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from llmgw.cli.common import ReportingCommand
+from llmgw.cli.common import Duration, ReportingCommand
 from llmgw.cli.ctl.output import table
 from llmgw.engines.check import AgentEngines, CheckReport, FoundEngine, check_engine
 from llmgw.engines.registry import AVAILABLE_ENGINES
@@ -75,10 +75,10 @@ def render(report: CheckReport) -> str:
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=1),
-    default=120.0,
+    type=Duration(minimum=1),
+    default="2m",
     show_default=True,
-    help="Seconds to wait for the engine's --help and --version.",
+    help="How long to wait for the engine's --help and --version (at least 1s).",
 )
 def engine_check(
     engine: str,

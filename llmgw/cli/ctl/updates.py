@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from llmgw.cli.common import ReportingGroup
+from llmgw.cli.common import Duration, ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import echo_json, table
 from llmgw.cli.prompts import read_secret
@@ -33,9 +33,19 @@ __all__ = ["admin", "update"]
     show_default=True,
     help="Wait until every node has applied (or refused) the update.",
 )
-@click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait with --wait.")
 @click.option(
-    "--ttl", default=3600, show_default=True, help="Seconds the signed order stays valid."
+    "--timeout",
+    type=Duration(),
+    default="30m",
+    show_default=True,
+    help="How long to wait with --wait.",
+)
+@click.option(
+    "--ttl",
+    type=Duration(whole=True),
+    default="1h",
+    show_default=True,
+    help="How long the signed order stays valid, from 1m to 7d in whole seconds (90, 1h).",
 )
 @pass_ctl
 def update(
