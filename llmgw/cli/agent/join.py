@@ -8,9 +8,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from llmgw.agent.config import DEFAULT_STATE_DIR
+from llmgw.agent.config import DEFAULT_AGENT_CONFIG, DEFAULT_STATE_DIR
 from llmgw.agent.join import DEFAULT_ENROLL_PORT, JoinResult, join
-from llmgw.cli.agent import DEFAULT_AGENT_CONFIG
 from llmgw.cli.prompts import read_secret
 
 __all__ = ["TOKEN_ENV", "join_command"]
