@@ -245,12 +245,13 @@ sum_of() { sha256sum "$1" 2>/dev/null | cut -c1-64; }
 mode_of() { stat -c '%a %U:%G' "$1" 2>/dev/null || true; }
 same_mode() { [ "$(mode_of "$1")" = "${2#0} $3" ]; }
 
-# Put SRC at DEST with MODE and OWNER (user:group) unless it is there already; return 0 when
-# DEST changed, 1 when it was already so. Atomic: a copy beside DEST, then mv.
+# Put SRC at DEST with MODE and OWNER (user:group) unless it is there already; CHANGED says
+# which: yes when DEST changed, no when it was already so. Atomic: a copy beside DEST, then mv.
 put_file() {
     src=$1 dest=$2 mode=$3 owner=$4
+    CHANGED=no
     if [ -f "$dest" ] && cmp -s "$src" "$dest" && same_mode "$dest" "$mode" "$owner"; then
-        return 1
+        return 0
     fi
     mkdir -p "$(dirname "$dest")"
     tmp=$(dirname "$dest")/.$(basename "$dest").new.$$
@@ -258,19 +259,21 @@ put_file() {
     chmod "$mode" "$tmp"
     chown "$owner" "$tmp"
     mv -f "$tmp" "$dest"
-    return 0
+    CHANGED=yes
 }
 
 # A directory with MODE and OWNER, made when missing; an existing one is set to them only
-# when FORCE is given (our own directories), never an operator's model folder. Root never
+# when FORCE is given (our own directories), never an operator's model folder; CHANGED says
+# whether it did anything (yes/no), as for put_file. Root never
 # follows a link here: DIR must not be a symlink, and every directory above it must be root's
 # and writable by no one else (unless sticky), so that no other user can swap DIR for a link
 # between this check and chmod/chown (a planted 'ln -s /etc DIR' would otherwise hand /etc to
 # the agent).
 put_dir() {
     dir=$1 mode=$2 owner=$3 force=${4:-}
+    CHANGED=no
     if [ -d "$dir" ] && ! [ -L "$dir" ] && { [ -z "$force" ] || same_mode "$dir" "$mode" "$owner"; }; then
-        return 1
+        return 0
     fi
     root_owned_path "$(dirname "$dir")" \
         || fatal "$(dirname "$dir") (above $dir) $WHY; root does not manage paths there. Make $dir by hand (install -d -m $mode -o ${owner%%:*} -g ${owner#*:} $dir) in a directory only root can write, and run this again"
@@ -284,7 +287,7 @@ put_dir() {
     fi
     chmod "$mode" "$dir"
     chown -h "$owner" "$dir"
-    return 0
+    CHANGED=yes
 }
 
 # 0 when DIR (absolute) and every directory above it, as far as they exist, are real
@@ -425,6 +428,9 @@ render_unit() {
 }
 
 # ------------------------------------------------------------------------------ install steps
+# Numbered in the order install runs them (the run order is at the end of this file). A step
+# that changes what the agent runs with sets RESTART=yes: the units are reloaded and the agent
+# (re)started; one that changes its Docker access sets DOCKER_CHANGED=yes too.
 
 # 1. the service user: a system user, no login, no home; in the docker group only with
 # --docker-group (configure_docker).
@@ -450,29 +456,31 @@ ensure_linger() {
 
 # 3. folders: state (0700, the agent's), models and caches (made when missing), /etc/llmgw.
 ensure_dirs() {
-    put_dir "$STATE_DIR" 0700 "$SERVICE_USER:$SERVICE_USER" force || true
-    put_dir "$TMP_DIR" 0700 "$SERVICE_USER:$SERVICE_USER" force || true
+    put_dir "$STATE_DIR" 0700 "$SERVICE_USER:$SERVICE_USER" force
+    put_dir "$TMP_DIR" 0700 "$SERVICE_USER:$SERVICE_USER" force
     for dir in "$MODELS" "$CACHE"; do
-        if put_dir "$dir" 0755 "$SERVICE_USER:$SERVICE_USER"; then
+        put_dir "$dir" 0755 "$SERVICE_USER:$SERVICE_USER"
+        if [ "$CHANGED" = yes ]; then
             info "folders: made $dir"
         fi
     done
-    put_dir /etc/llmgw 0755 root:root || true
+    put_dir /etc/llmgw 0755 root:root
 }
 
-# 4. the binary, the previous one kept for rollback (with the units it ran under).
+# 4. the binary, the previous one kept for rollback (with the units it ran under); 'package'
+# installs the package instead (install_package), before steps 1 to 3.
 install_binary() {
     if [ -f "$LIB_DIR/llmgw" ] && cmp -s "$BUNDLE/llmgw" "$LIB_DIR/llmgw"; then
-        return 1
+        return 0
     fi
-    put_dir "$LIB_DIR" 0755 root:root force || true
+    put_dir "$LIB_DIR" 0755 root:root force
     if [ -f "$LIB_DIR/llmgw" ]; then
         keep_previous
         rm -rf "$PREVIOUS_DIR.old"
     fi
     info "binary: llmgw $NEW_VERSION into $LIB_DIR"
-    put_file "$BUNDLE/llmgw" "$LIB_DIR/llmgw" 0755 root:root || true
-    return 0
+    put_file "$BUNDLE/llmgw" "$LIB_DIR/llmgw" 0755 root:root
+    RESTART=yes
 }
 
 keep_previous() {
@@ -492,7 +500,6 @@ keep_previous() {
 
 # 5. the units: the agent's (unless a package owns it) and the update helper's.
 install_units() {
-    units_rc=1
     bin=$(agent_bin)
     names=$UPDATE_UNITS
     [ "$(mode_recorded)" = package ] || names="$UNIT $names"
@@ -503,12 +510,12 @@ install_units() {
     for name in $names; do
         [ -f "$BUNDLE/systemd/$name" ] || fatal "no systemd/$name in $BUNDLE; the bundle is incomplete"
         render_unit "$BUNDLE/systemd/$name" "$bin" "$STAGE/$name"
-        if put_file "$STAGE/$name" "$UNIT_DIR/$name" 0644 root:root; then
+        put_file "$STAGE/$name" "$UNIT_DIR/$name" 0644 root:root
+        if [ "$CHANGED" = yes ]; then
             info "units: $UNIT_DIR/$name"
-            units_rc=0
+            RESTART=yes
         fi
     done
-    return $units_rc
 }
 
 # 6. the drop-in: the model and cache roots the agent may write.
@@ -519,53 +526,139 @@ install_dropin() {
         echo "[Service]"
         echo "ReadWritePaths=-$MODELS -$CACHE"
     } >"$STAGE/10-install.conf"
-    if put_file "$STAGE/10-install.conf" "$DROPIN" 0644 root:root; then
+    put_file "$STAGE/10-install.conf" "$DROPIN" 0644 root:root
+    if [ "$CHANGED" = yes ]; then
         info "units: $DROPIN (ReadWritePaths=$MODELS $CACHE)"
-        return 0
+        RESTART=yes
     fi
+}
+
+# 7. Docker access, as --docker/--docker-group say (recorded; re-runs say it again):
+# proxy: llmgw-docker-proxy's socket and a drop-in that points the agent at it (DOCKER_HOST);
+# group: the docker group, root on this host; neither: none. DOCKER_CHANGED=yes (and
+# RESTART=yes) when something changed.
+docker_recorded() { cat "$INSTALL_STATE/docker" 2>/dev/null || true; }
+
+in_docker_group() {
+    case " $(id -nG "$SERVICE_USER" 2>/dev/null) " in
+        *" docker "*) return 0 ;;
+    esac
     return 1
 }
 
-# 7. agent.yaml: what the join wrote (server(s), node_id, state_dir) or the operator's file,
-# with the installer's own lines (the model and cache roots, --address) at the end.
-config_is_valid() {
-    [ -f "$1" ] && TMPDIR=$STAGE "$(agent_bin)" agent --check --config "$1" >/dev/null 2>&1
-}
-
-write_config() {
-    base=$1
-    {
-        # Drop the lines a previous install wrote, and the keys the options set.
-        awk -v mark="$MANAGED_MARK" -v address="$ADDRESS" '
-            $0 == mark { next }
-            /^(models_root|cache_root):/ { next }
-            address != "" && /^(mgmt_addr|mgmt_interface):/ { next }
-            { print }
-        ' "$base"
-        echo "$MANAGED_MARK"
-        echo "models_root: $MODELS"
-        echo "cache_root: $CACHE"
-        [ -z "$ADDRESS" ] || echo "mgmt_addr: $ADDRESS"
-    } >"$STAGE/agent.yaml"
-    # The managed lines come as one block at the end: re-runs find them in place.
-    awk -v mark="$MANAGED_MARK" '
-        $0 == mark { seen = 1 }
-        seen && $0 != mark && !/^(models_root|cache_root|mgmt_addr):/ { exit 1 }
-    ' "$STAGE/agent.yaml" || fatal "could not compose $CONFIG"
-    config_is_valid "$STAGE/agent.yaml" || {
-        TMPDIR=$STAGE "$(agent_bin)" agent --check --config "$STAGE/agent.yaml" >&2 || true
-        fatal "the configuration composed from $base is not valid (above); fix $base and run again"
-    }
-    if put_file "$STAGE/agent.yaml" "$CONFIG" 0640 "root:$SERVICE_USER"; then
-        info "config: $CONFIG"
+# What Docker access the agent has, in words (status). The group is looked at, not only the
+# record: an installer older than --docker put the agent in the docker group and recorded
+# nothing, and 'upgrade' (signed updates, packages) keeps that membership.
+docker_access() {
+    if in_docker_group; then
+        if [ "$(docker_recorded)" = group ]; then
+            echo "$SERVICE_USER is in the docker group (root on this host)"
+        else
+            echo "$SERVICE_USER is in the docker group (root on this host), put there by an older install; run install --docker (with this node's options) to move it to $PROXY_UNIT"
+        fi
         return 0
     fi
-    return 1
+    case $(docker_recorded) in
+        proxy) echo "through $PROXY_UNIT ($PROXY_SOCKET): $(systemctl is-active "$PROXY_UNIT" 2>/dev/null || true)" ;;
+        *) echo "no access (install --docker gives it through $PROXY_UNIT)" ;;
+    esac
 }
 
-# 8. the join, as the service user; the token only in its environment. Writes the identity
-# into the state directory and, when there is no valid agent.yaml yet, a fresh one in the
-# stage (the service user cannot write /etc/llmgw).
+# An upgrade changes no access, but says so when the agent is root on this host by a group
+# membership no --docker-group asked for.
+warn_docker_group() {
+    if in_docker_group && [ "$(docker_recorded)" != group ]; then
+        warn "$SERVICE_USER is in the docker group, which is root on this host (an install older than --docker put it there; upgrades keep it): run install-agent.sh install --docker with this node's options to move it to $PROXY_UNIT"
+    fi
+}
+
+configure_docker() {
+    if [ -n "$DOCKER" ] && ! getent group docker >/dev/null 2>&1; then
+        fatal "--$([ "$DOCKER" = group ] && echo docker-group || echo docker) needs Docker, and this host has no docker group; install Docker (apt-get install -y docker.io), then run this again"
+    fi
+    if [ "$DOCKER" = group ]; then
+        warn "--docker-group: $SERVICE_USER joins the docker group, which is root on this host (whoever runs code as $SERVICE_USER can run 'docker run --privileged -v /:/h'); --docker gives it llmgw-docker-proxy's socket instead, which allows only what llmgw's engines need"
+        if ! in_docker_group; then
+            info "user: adding $SERVICE_USER to the docker group"
+            usermod -aG docker "$SERVICE_USER"
+            DOCKER_CHANGED=yes
+        fi
+    elif in_docker_group; then
+        info "user: removing $SERVICE_USER from the docker group (root on this host)$([ "$DOCKER" = proxy ] || echo "; give --docker for Docker engines through llmgw-docker-proxy")"
+        gpasswd -d "$SERVICE_USER" docker >/dev/null
+        DOCKER_CHANGED=yes
+    fi
+    if [ "$DOCKER" = proxy ]; then
+        if [ "$(mode_recorded)" != package ]; then
+            render_unit "$BUNDLE/systemd/$PROXY_UNIT" "$(agent_bin)" "$STAGE/$PROXY_UNIT"
+            put_file "$STAGE/$PROXY_UNIT" "$UNIT_DIR/$PROXY_UNIT" 0644 root:root
+            if [ "$CHANGED" = yes ]; then
+                info "units: $UNIT_DIR/$PROXY_UNIT"
+                DOCKER_CHANGED=yes
+            fi
+        fi
+        {
+            echo "# Written by install-agent.sh --docker: the docker runtime goes through"
+            echo "# $PROXY_UNIT, never to docker.sock itself; rewritten at each install."
+            echo "[Unit]"
+            echo "Wants=$PROXY_UNIT"
+            echo "After=$PROXY_UNIT"
+            echo "[Service]"
+            echo "Environment=DOCKER_HOST=unix://$PROXY_SOCKET"
+        } >"$STAGE/20-docker.conf"
+        put_file "$STAGE/20-docker.conf" "$DOCKER_DROPIN" 0644 root:root
+        if [ "$CHANGED" = yes ]; then
+            info "units: $DOCKER_DROPIN (DOCKER_HOST=unix://$PROXY_SOCKET)"
+            DOCKER_CHANGED=yes
+        fi
+    else
+        if [ -f "$DOCKER_DROPIN" ] || [ -f "$UNIT_DIR/$PROXY_UNIT" ] \
+            || [ "$(systemctl is-enabled "$PROXY_UNIT" 2>/dev/null)" = enabled ]; then
+            info "docker: $PROXY_UNIT off"
+            systemctl disable --now "$PROXY_UNIT" >/dev/null 2>&1 || true
+            rm -f "$DOCKER_DROPIN" "$UNIT_DIR/$PROXY_UNIT"
+            # shellcheck disable=SC2086 # a list of absolute paths without spaces
+            rm -rf $PROXY_STATE
+            DOCKER_CHANGED=yes
+        fi
+    fi
+    mkdir -p "$INSTALL_STATE"
+    printf '%s\n' "${DOCKER:-none}" >"$STAGE/docker"
+    put_file "$STAGE/docker" "$INSTALL_STATE/docker" 0644 root:root
+    if [ "$DOCKER_CHANGED" = yes ]; then
+        RESTART=yes
+    fi
+}
+
+# After the daemon-reload: the proxy enabled, and (re)started when --docker asked for it and
+# its unit changed or it does not run.
+start_docker_proxy() {
+    [ "$DOCKER" = proxy ] || return 0
+    systemctl enable "$PROXY_UNIT" >/dev/null 2>&1 || fatal "systemctl enable $PROXY_UNIT failed"
+    if [ "$DOCKER_CHANGED" = no ] && [ "$(systemctl is-active "$PROXY_UNIT" 2>/dev/null)" = active ]; then
+        return 0
+    fi
+    systemctl restart "$PROXY_UNIT" \
+        || fatal "$PROXY_UNIT did not start; see: journalctl -u $PROXY_UNIT (is docker running? systemctl start docker)"
+    info "docker: $PROXY_UNIT serves $PROXY_SOCKET to $SERVICE_USER"
+}
+
+# 8. the join, as the service user, when asked (--node-id) and this node has no identity yet;
+# a node joined already must be the one asked for.
+ensure_joined() {
+    if ! has_identity && [ -n "$NODE_ID" ]; then
+        join_node
+        RESTART=yes
+    elif has_identity && [ -n "$NODE_ID" ]; then
+        said=$(config_node_id)
+        [ -z "$said" ] || [ "$said" = "$NODE_ID" ] \
+            || fatal "this node is already joined as '$said', not '$NODE_ID'; uninstall --purge first to join it as another node"
+    fi
+}
+
+# The token only in the join's environment. Writes the identity into the state directory
+# and, when there is no valid agent.yaml yet, a fresh one in the stage (the service user
+# cannot write /etc/llmgw).
 join_node() {
     read_join_token "no join token: export LLMGW_JOIN_TOKEN=<token from 'llmgw ctl join-command'> and run again with 'sudo --preserve-env=LLMGW_JOIN_TOKEN' (or run in a terminal to be asked)"
     info "join: node $NODE_ID at $ENROLL_URL"
@@ -621,7 +714,54 @@ node_id_now() {
     fi
 }
 
-# 9. what the root update helper trusts: the cluster CA this node pinned at its join, and
+# 9. agent.yaml: what the join wrote (server(s), node_id, state_dir) or the operator's file,
+# with the installer's own lines (the model and cache roots, --address) at the end.
+ensure_config() {
+    if [ -f "$STAGE/joined.yaml" ]; then
+        write_config "$STAGE/joined.yaml"
+    elif [ -f "$CONFIG" ] && config_is_valid "$CONFIG"; then
+        write_config "$CONFIG"
+    elif has_identity; then
+        fatal "$CONFIG is missing or not valid but this node has an identity in $STATE_DIR; restore $CONFIG (llmgw agent --check --config $CONFIG says what is wrong), or uninstall --purge and join afresh"
+    fi
+}
+
+config_is_valid() {
+    [ -f "$1" ] && TMPDIR=$STAGE "$(agent_bin)" agent --check --config "$1" >/dev/null 2>&1
+}
+
+write_config() {
+    base=$1
+    {
+        # Drop the lines a previous install wrote, and the keys the options set.
+        awk -v mark="$MANAGED_MARK" -v address="$ADDRESS" '
+            $0 == mark { next }
+            /^(models_root|cache_root):/ { next }
+            address != "" && /^(mgmt_addr|mgmt_interface):/ { next }
+            { print }
+        ' "$base"
+        echo "$MANAGED_MARK"
+        echo "models_root: $MODELS"
+        echo "cache_root: $CACHE"
+        [ -z "$ADDRESS" ] || echo "mgmt_addr: $ADDRESS"
+    } >"$STAGE/agent.yaml"
+    # The managed lines come as one block at the end: re-runs find them in place.
+    awk -v mark="$MANAGED_MARK" '
+        $0 == mark { seen = 1 }
+        seen && $0 != mark && !/^(models_root|cache_root|mgmt_addr):/ { exit 1 }
+    ' "$STAGE/agent.yaml" || fatal "could not compose $CONFIG"
+    config_is_valid "$STAGE/agent.yaml" || {
+        TMPDIR=$STAGE "$(agent_bin)" agent --check --config "$STAGE/agent.yaml" >&2 || true
+        fatal "the configuration composed from $base is not valid (above); fix $base and run again"
+    }
+    put_file "$STAGE/agent.yaml" "$CONFIG" 0640 "root:$SERVICE_USER"
+    if [ "$CHANGED" = yes ]; then
+        info "config: $CONFIG"
+        RESTART=yes
+    fi
+}
+
+# 10. what the root update helper trusts: the cluster CA this node pinned at its join, and
 # the node id an order must name. Root's, readable by all; the agent cannot change them. The
 # agent's ca.crt is read by the agent user into the stage (a symlink it planted reaches only
 # what it may read itself), then 'llmgw agent update-trust' writes ca.pem only when that CA
@@ -629,15 +769,13 @@ node_id_now() {
 # pin, or no match: the trust stays as it was. (A new CA, when the cluster's rotates, comes
 # the same way: a root-run install or rekey with the new --ca-hash.)
 install_update_trust() {
-    put_dir "$UPDATE_TRUST_DIR" 0755 root:root force || true
-    trust_rc=1
+    put_dir "$UPDATE_TRUST_DIR" 0755 root:root force
     agent_read "$STATE_DIR/ca.crt" "$STAGE/agent-ca.crt"
     if [ -s "$STAGE/agent-ca.crt" ]; then
         if "$(agent_bin)" agent update-trust --ca "$STAGE/agent-ca.crt" --trust "$UPDATE_TRUST_DIR" \
             ${CA_HASH:+--ca-hash "$CA_HASH"} >"$STAGE/trust.out" 2>&1; then
             if grep -q '^trust: written' "$STAGE/trust.out"; then
                 info "update helper: trusts the cluster CA in $UPDATE_TRUST_DIR/ca.pem"
-                trust_rc=0
             fi
         else
             warn "update helper: trust not changed: $(sed 's/^error: //' "$STAGE/trust.out" | tr -d '\000-\010\013-\037\177')"
@@ -648,42 +786,8 @@ install_update_trust() {
     id=$(node_id_now)
     if [ -n "$id" ]; then
         printf '%s\n' "$id" >"$STAGE/node-id"
-        if put_file "$STAGE/node-id" "$UPDATE_TRUST_DIR/node-id" 0644 root:root; then
-            trust_rc=0
-        fi
+        put_file "$STAGE/node-id" "$UPDATE_TRUST_DIR/node-id" 0644 root:root
     fi
-    return $trust_rc
-}
-
-# 10. enable the units; (re)start only when something changed or the agent is not running.
-start_agent() {
-    restart=$1
-    if [ "$(systemctl is-enabled "$UNIT" 2>/dev/null)" != enabled ]; then
-        systemctl enable "$UNIT" >/dev/null 2>&1 || fatal "systemctl enable $UNIT failed"
-    fi
-    if [ "$(mode_recorded)" != package ] || [ -f "$UNIT_DIR/llmgw-agent-update.path" ]; then
-        if [ "$(systemctl is-enabled llmgw-agent-update.path 2>/dev/null)" != enabled ] \
-            || [ "$(systemctl is-active llmgw-agent-update.path 2>/dev/null)" != active ]; then
-            systemctl enable --now llmgw-agent-update.path >/dev/null 2>&1 \
-                || fatal "systemctl enable --now llmgw-agent-update.path failed; see: journalctl -u llmgw-agent-update.path"
-        fi
-    fi
-    if ! has_identity; then
-        info "not started: this node has no identity yet. Run this again with --node-id, --enroll-url and --ca-hash (the token in LLMGW_JOIN_TOKEN)"
-        return 0
-    fi
-    if [ -z "$restart" ] && [ "$(systemctl is-active "$UNIT" 2>/dev/null)" = active ]; then
-        info "service: $UNIT runs and nothing changed; not restarted"
-        return 0
-    fi
-    info "service: (re)starting $UNIT"
-    systemctl reset-failed "$UNIT" >/dev/null 2>&1 || true
-    systemctl restart --no-block "$UNIT"
-    if ! wait_listening "$HEALTH_TIMEOUT"; then
-        journal_tail
-        fatal "$UNIT did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s (its journal above); fix what it says, then: systemctl restart $UNIT"
-    fi
-    info "service: $UNIT is active and listens on :$AGENT_PORT"
 }
 
 # 11. the firewall: port AGENT_PORT from the given sources only; what was added is recorded
@@ -802,180 +906,50 @@ configure_firewall() {
         || warn "nft rules (table inet $NFT_TABLE) do not survive a reboot; run this install again after one, or add them to /etc/nftables.conf"
 }
 
-# 11b. Docker access, as --docker/--docker-group say (recorded; re-runs say it again):
-# proxy: llmgw-docker-proxy's socket and a drop-in that points the agent at it (DOCKER_HOST);
-# group: the docker group, root on this host; neither: none. Returns 0 when something changed.
-docker_recorded() { cat "$INSTALL_STATE/docker" 2>/dev/null || true; }
-
-in_docker_group() {
-    case " $(id -nG "$SERVICE_USER" 2>/dev/null) " in
-        *" docker "*) return 0 ;;
-    esac
-    return 1
-}
-
-# What Docker access the agent has, in words (status). The group is looked at, not only the
-# record: an installer older than --docker put the agent in the docker group and recorded
-# nothing, and 'upgrade' (signed updates, packages) keeps that membership.
-docker_access() {
-    if in_docker_group; then
-        if [ "$(docker_recorded)" = group ]; then
-            echo "$SERVICE_USER is in the docker group (root on this host)"
-        else
-            echo "$SERVICE_USER is in the docker group (root on this host), put there by an older install; run install --docker (with this node's options) to move it to $PROXY_UNIT"
+# 12. enable the units; (re)start only when something changed (RESTART) or the agent is not
+# running.
+start_agent() {
+    if [ "$(systemctl is-enabled "$UNIT" 2>/dev/null)" != enabled ]; then
+        systemctl enable "$UNIT" >/dev/null 2>&1 || fatal "systemctl enable $UNIT failed"
+    fi
+    if [ "$(mode_recorded)" != package ] || [ -f "$UNIT_DIR/llmgw-agent-update.path" ]; then
+        if [ "$(systemctl is-enabled llmgw-agent-update.path 2>/dev/null)" != enabled ] \
+            || [ "$(systemctl is-active llmgw-agent-update.path 2>/dev/null)" != active ]; then
+            systemctl enable --now llmgw-agent-update.path >/dev/null 2>&1 \
+                || fatal "systemctl enable --now llmgw-agent-update.path failed; see: journalctl -u llmgw-agent-update.path"
         fi
+    fi
+    if ! has_identity; then
+        info "not started: this node has no identity yet. Run this again with --node-id, --enroll-url and --ca-hash (the token in LLMGW_JOIN_TOKEN)"
         return 0
     fi
-    case $(docker_recorded) in
-        proxy) echo "through $PROXY_UNIT ($PROXY_SOCKET): $(systemctl is-active "$PROXY_UNIT" 2>/dev/null || true)" ;;
-        *) echo "no access (install --docker gives it through $PROXY_UNIT)" ;;
-    esac
-}
-
-# An upgrade changes no access, but says so when the agent is root on this host by a group
-# membership no --docker-group asked for.
-warn_docker_group() {
-    if in_docker_group && [ "$(docker_recorded)" != group ]; then
-        warn "$SERVICE_USER is in the docker group, which is root on this host (an install older than --docker put it there; upgrades keep it): run install-agent.sh install --docker with this node's options to move it to $PROXY_UNIT"
-    fi
-}
-
-configure_docker() {
-    docker_rc=1
-    if [ -n "$DOCKER" ] && ! getent group docker >/dev/null 2>&1; then
-        fatal "--$([ "$DOCKER" = group ] && echo docker-group || echo docker) needs Docker, and this host has no docker group; install Docker (apt-get install -y docker.io), then run this again"
-    fi
-    if [ "$DOCKER" = group ]; then
-        warn "--docker-group: $SERVICE_USER joins the docker group, which is root on this host (whoever runs code as $SERVICE_USER can run 'docker run --privileged -v /:/h'); --docker gives it llmgw-docker-proxy's socket instead, which allows only what llmgw's engines need"
-        if ! in_docker_group; then
-            info "user: adding $SERVICE_USER to the docker group"
-            usermod -aG docker "$SERVICE_USER"
-            docker_rc=0
-        fi
-    elif in_docker_group; then
-        info "user: removing $SERVICE_USER from the docker group (root on this host)$([ "$DOCKER" = proxy ] || echo "; give --docker for Docker engines through llmgw-docker-proxy")"
-        gpasswd -d "$SERVICE_USER" docker >/dev/null
-        docker_rc=0
-    fi
-    if [ "$DOCKER" = proxy ]; then
-        if [ "$(mode_recorded)" != package ]; then
-            render_unit "$BUNDLE/systemd/$PROXY_UNIT" "$(agent_bin)" "$STAGE/$PROXY_UNIT"
-            if put_file "$STAGE/$PROXY_UNIT" "$UNIT_DIR/$PROXY_UNIT" 0644 root:root; then
-                info "units: $UNIT_DIR/$PROXY_UNIT"
-                docker_rc=0
-            fi
-        fi
-        {
-            echo "# Written by install-agent.sh --docker: the docker runtime goes through"
-            echo "# $PROXY_UNIT, never to docker.sock itself; rewritten at each install."
-            echo "[Unit]"
-            echo "Wants=$PROXY_UNIT"
-            echo "After=$PROXY_UNIT"
-            echo "[Service]"
-            echo "Environment=DOCKER_HOST=unix://$PROXY_SOCKET"
-        } >"$STAGE/20-docker.conf"
-        if put_file "$STAGE/20-docker.conf" "$DOCKER_DROPIN" 0644 root:root; then
-            info "units: $DOCKER_DROPIN (DOCKER_HOST=unix://$PROXY_SOCKET)"
-            docker_rc=0
-        fi
-    else
-        if [ -f "$DOCKER_DROPIN" ] || [ -f "$UNIT_DIR/$PROXY_UNIT" ] \
-            || [ "$(systemctl is-enabled "$PROXY_UNIT" 2>/dev/null)" = enabled ]; then
-            info "docker: $PROXY_UNIT off"
-            systemctl disable --now "$PROXY_UNIT" >/dev/null 2>&1 || true
-            rm -f "$DOCKER_DROPIN" "$UNIT_DIR/$PROXY_UNIT"
-            # shellcheck disable=SC2086 # a list of absolute paths without spaces
-            rm -rf $PROXY_STATE
-            docker_rc=0
-        fi
-    fi
-    mkdir -p "$INSTALL_STATE"
-    printf '%s\n' "${DOCKER:-none}" >"$STAGE/docker"
-    put_file "$STAGE/docker" "$INSTALL_STATE/docker" 0644 root:root || true
-    return $docker_rc
-}
-
-# After the daemon-reload: the proxy enabled, and (re)started when --docker asked for it and
-# its unit changed or it does not run.
-start_docker_proxy() {
-    [ "$DOCKER" = proxy ] || return 0
-    systemctl enable "$PROXY_UNIT" >/dev/null 2>&1 || fatal "systemctl enable $PROXY_UNIT failed"
-    if [ -z "$DOCKER_CHANGED" ] && [ "$(systemctl is-active "$PROXY_UNIT" 2>/dev/null)" = active ]; then
+    if [ "$RESTART" = no ] && [ "$(systemctl is-active "$UNIT" 2>/dev/null)" = active ]; then
+        info "service: $UNIT runs and nothing changed; not restarted"
         return 0
     fi
-    systemctl restart "$PROXY_UNIT" \
-        || fatal "$PROXY_UNIT did not start; see: journalctl -u $PROXY_UNIT (is docker running? systemctl start docker)"
-    info "docker: $PROXY_UNIT serves $PROXY_SOCKET to $SERVICE_USER"
+    info "service: (re)starting $UNIT"
+    systemctl reset-failed "$UNIT" >/dev/null 2>&1 || true
+    systemctl restart --no-block "$UNIT"
+    if ! wait_listening "$HEALTH_TIMEOUT"; then
+        journal_tail
+        fatal "$UNIT did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s (its journal above); fix what it says, then: systemctl restart $UNIT"
+    fi
+    info "service: $UNIT is active and listens on :$AGENT_PORT"
 }
 
+# How llmgw came here (tarball or package), for the verbs that come after.
 record_mode() {
     mkdir -p "$INSTALL_STATE"
     chmod 0755 "$INSTALL_STATE"
     printf '%s\n' "$1" >"$STAGE/mode"
-    put_file "$STAGE/mode" "$INSTALL_STATE/mode" 0644 root:root || true
-}
-
-# The steps after the binary is in place, shared by install and package.
-configure_and_start() {
-    changed=$1
-    ensure_dirs
-    install_units && changed=1
-    install_dropin && changed=1
-    DOCKER_CHANGED=""
-    configure_docker && changed=1 && DOCKER_CHANGED=1
-    if [ -n "$changed" ]; then
-        systemctl daemon-reload
-    fi
-    start_docker_proxy
-    if ! has_identity && [ -n "$NODE_ID" ]; then
-        join_node
-        changed=1
-    elif has_identity && [ -n "$NODE_ID" ]; then
-        said=$(config_node_id)
-        [ -z "$said" ] || [ "$said" = "$NODE_ID" ] \
-            || fatal "this node is already joined as '$said', not '$NODE_ID'; uninstall --purge first to join it as another node"
-    fi
-    if [ -f "$STAGE/joined.yaml" ]; then
-        write_config "$STAGE/joined.yaml" && changed=1
-    elif [ -f "$CONFIG" ] && config_is_valid "$CONFIG"; then
-        write_config "$CONFIG" && changed=1
-    elif has_identity; then
-        fatal "$CONFIG is missing or not valid but this node has an identity in $STATE_DIR; restore $CONFIG (llmgw agent --check --config $CONFIG says what is wrong), or uninstall --purge and join afresh"
-    fi
-    install_update_trust || true
-    configure_firewall
-    start_agent "$changed"
-}
-
-verb_install() {
-    check_root
-    check_systemd
-    make_stage
-    bundle_dir
-    [ "$(mode_recorded)" != package ] \
-        || fatal "llmgw-agent was installed from a package here; use 'package' (or uninstall first)"
-    info "install: llmgw $NEW_VERSION from $BUNDLE"
-    ensure_user
-    ensure_linger
-    ensure_dirs
-    changed=""
-    install_binary && changed=1
-    record_mode tarball
-    configure_and_start "$changed"
-    info "done: llmgw $NEW_VERSION installed ($LIB_DIR/llmgw)"
+    put_file "$STAGE/mode" "$INSTALL_STATE/mode" 0644 root:root
 }
 
 # ------------------------------------------------------------------------------ package
 
-verb_package() {
-    check_root
-    check_systemd
-    make_stage
-    # The units of the update helper and the example come from the bundle when this script is
-    # in one; the agent's own unit comes with the package.
-    BUNDLE=$(cd "$(dirname "$0")" && pwd)
-    [ -f "$LIB_DIR/llmgw" ] && [ "$(mode_recorded)" != package ] \
-        && fatal "llmgw-agent is installed from a bundle here ($LIB_DIR); uninstall it first, then run package"
+# 4 for 'package': llmgw-agent from the signed repository, with apt-get or dnf/yum (RESTART=yes
+# when that changed its version).
+install_package() {
     fetch_repo_key
     if command -v apt-get >/dev/null 2>&1; then
         add_apt_repo
@@ -985,16 +959,6 @@ verb_package() {
         fatal "neither apt-get nor dnf/yum here; install from the bundle instead: install-agent.sh install"
     fi
     [ -x "$PACKAGE_BIN" ] || fatal "the package did not install $PACKAGE_BIN"
-    record_mode package
-    NEW_VERSION=$(version_of "$PACKAGE_BIN")
-    ensure_user
-    ensure_linger
-    changed=""
-    [ -n "$PACKAGE_CHANGED" ] && changed=1
-    # No update helper with packages: the package manager updates them.
-    UPDATE_UNITS=""
-    configure_and_start "$changed"
-    info "done: llmgw $NEW_VERSION installed from the package ($PACKAGE_BIN)"
 }
 
 fetch_repo_key() {
@@ -1017,10 +981,15 @@ fetch_repo_key() {
 
 add_apt_repo() {
     keyring=/usr/share/keyrings/llmgw.$KEY_EXT
-    put_file "$STAGE/repo.key" "$keyring" 0644 root:root && info "package: repository key $keyring"
+    put_file "$STAGE/repo.key" "$keyring" 0644 root:root
+    if [ "$CHANGED" = yes ]; then
+        info "package: repository key $keyring"
+    fi
     printf 'deb [signed-by=%s] %s/apt stable main\n' "$keyring" "$REPO_URL" >"$STAGE/llmgw.list"
-    put_file "$STAGE/llmgw.list" /etc/apt/sources.list.d/llmgw.list 0644 root:root \
-        && info "package: /etc/apt/sources.list.d/llmgw.list ($REPO_URL/apt)"
+    put_file "$STAGE/llmgw.list" /etc/apt/sources.list.d/llmgw.list 0644 root:root
+    if [ "$CHANGED" = yes ]; then
+        info "package: /etc/apt/sources.list.d/llmgw.list ($REPO_URL/apt)"
+    fi
     before=$(dpkg-query -W -f '${Version}' llmgw-agent 2>/dev/null || true)
     info "package: apt-get update && apt-get install llmgw-agent"
     apt-get update -q -o Dir::Etc::sourcelist=/etc/apt/sources.list.d/llmgw.list \
@@ -1030,13 +999,12 @@ add_apt_repo() {
         llmgw-agent >"$STAGE/apt.log" 2>&1 \
         || { cat "$STAGE/apt.log" >&2; fatal "apt-get install llmgw-agent failed (above)"; }
     after=$(dpkg-query -W -f '${Version}' llmgw-agent 2>/dev/null || true)
-    PACKAGE_CHANGED=""
-    [ "$before" = "$after" ] || PACKAGE_CHANGED=1
+    [ "$before" = "$after" ] || RESTART=yes
 }
 
 add_yum_repo() {
     key=/etc/pki/rpm-gpg/RPM-GPG-KEY-llmgw
-    put_file "$STAGE/repo.key" "$key" 0644 root:root || true
+    put_file "$STAGE/repo.key" "$key" 0644 root:root
     {
         echo "[llmgw]"
         echo "name=llmgw"
@@ -1046,15 +1014,14 @@ add_yum_repo() {
         echo "repo_gpgcheck=1"
         echo "gpgkey=file://$key"
     } >"$STAGE/llmgw.repo"
-    put_file "$STAGE/llmgw.repo" /etc/yum.repos.d/llmgw.repo 0644 root:root || true
+    put_file "$STAGE/llmgw.repo" /etc/yum.repos.d/llmgw.repo 0644 root:root
     pm=dnf
     command -v dnf >/dev/null 2>&1 || pm=yum
     before=$(rpm -q --qf '%{VERSION}' llmgw-agent 2>/dev/null || true)
     info "package: $pm install llmgw-agent"
     "$pm" install -y -q llmgw-agent >&2 || fatal "$pm install llmgw-agent failed (above)"
     after=$(rpm -q --qf '%{VERSION}' llmgw-agent 2>/dev/null || true)
-    PACKAGE_CHANGED=""
-    [ "$before" = "$after" ] || PACKAGE_CHANGED=1
+    [ "$before" = "$after" ] || RESTART=yes
 }
 
 # ------------------------------------------------------------------------------ upgrade, rollback
@@ -1108,6 +1075,169 @@ restore_previous() {
     systemctl daemon-reload
 }
 
+# ------------------------------------------------------------------------------ uninstall
+
+stop_everything() {
+    for name in llmgw-agent-update.path llmgw-agent-update.service $UNIT $PROXY_UNIT; do
+        systemctl disable --now "$name" >/dev/null 2>&1 || true
+    done
+    # Engines outlive the agent (KillMode=process) and stay in its cgroup: with the agent
+    # gone they serve nobody.
+    systemctl kill --signal=SIGTERM "$UNIT" >/dev/null 2>&1 || true
+    systemctl kill --signal=SIGKILL "$UNIT" >/dev/null 2>&1 || true
+}
+
+# llmgw-agent removed (purged with --purge) by the package manager it came with.
+remove_package() {
+    if command -v apt-get >/dev/null 2>&1; then
+        action=remove
+        [ -z "$PURGE" ] || action=purge
+        info "uninstall: apt-get $action llmgw-agent"
+        DEBIAN_FRONTEND=noninteractive apt-get "$action" -y -q llmgw-agent >&2 \
+            || fatal "apt-get could not remove llmgw-agent (above)"
+        if [ -n "$PURGE" ]; then
+            rm -f /etc/apt/sources.list.d/llmgw.list /usr/share/keyrings/llmgw.asc /usr/share/keyrings/llmgw.gpg
+        fi
+    else
+        pm=dnf
+        command -v dnf >/dev/null 2>&1 || pm=yum
+        "$pm" remove -y -q llmgw-agent >&2 || fatal "$pm could not remove llmgw-agent (above)"
+        if [ -n "$PURGE" ]; then
+            rm -f /etc/yum.repos.d/llmgw.repo /etc/pki/rpm-gpg/RPM-GPG-KEY-llmgw
+        fi
+    fi
+}
+
+purge_everything() {
+    info "purge: configuration, identity, drop-ins, update trust and state, user"
+    rm -rf "$DROPIN_DIR" "$STATE_DIR" "$TMP_DIR" "$UPDATE_TRUST_DIR" "$UPDATE_STATE" "$CONFIG"
+    rmdir /etc/llmgw 2>/dev/null || true
+    if getent passwd "$SERVICE_USER" >/dev/null 2>&1; then
+        loginctl disable-linger "$SERVICE_USER" >/dev/null 2>&1 || true
+        rm -f "$LINGER_DIR/$SERVICE_USER"
+        uid=$(id -u "$SERVICE_USER")
+        systemctl stop "user@$uid.service" >/dev/null 2>&1 || true
+        # Whatever still runs as the user (engines started outside the unit) ends with it.
+        pkill -TERM -u "$uid" >/dev/null 2>&1 || true
+        waited=0
+        while pgrep -u "$uid" >/dev/null 2>&1 && [ "$waited" -lt 10 ]; do
+            sleep 1
+            waited=$((waited + 1))
+        done
+        pkill -KILL -u "$uid" >/dev/null 2>&1 || true
+        userdel "$SERVICE_USER" >/dev/null 2>&1 || userdel -f "$SERVICE_USER" \
+            || fatal "could not delete the user $SERVICE_USER (userdel above)"
+    fi
+    rm -f "$LINGER_DIR/$SERVICE_USER"
+    if getent group "$SERVICE_USER" >/dev/null 2>&1; then
+        groupdel "$SERVICE_USER" >/dev/null 2>&1 || true
+    fi
+}
+
+# ------------------------------------------------------------------------------ status
+
+# What is installed and running here, one line a thing.
+print_status() {
+    mode=$(mode_recorded)
+    bin=$(agent_bin)
+    if [ "$mode" = package ]; then
+        echo "installed:  llmgw $(version_of "$PACKAGE_BIN" || true) (package, $PACKAGE_BIN)"
+    elif [ -f "$LIB_DIR/llmgw" ]; then
+        echo "installed:  llmgw $(version_of "$bin") ($bin)"
+    else
+        echo "installed:  no"
+    fi
+    if [ -f "$PREVIOUS_DIR/llmgw" ]; then
+        echo "previous:   llmgw $(version_of "$PREVIOUS_DIR/llmgw") ($PREVIOUS_DIR, for rollback)"
+    else
+        echo "previous:   none"
+    fi
+    if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+        enabled=$(systemctl is-enabled "$UNIT" 2>/dev/null || true)
+        active=$(systemctl is-active "$UNIT" 2>/dev/null || true)
+        since=$(systemctl show -p ActiveEnterTimestamp --value "$UNIT" 2>/dev/null || true)
+        echo "unit:       $UNIT ${enabled:-not-found}, ${active:-unknown}${since:+ since $since}"
+        echo "updates:    llmgw-agent-update.path $(systemctl is-active llmgw-agent-update.path 2>/dev/null || true)"
+    fi
+    if is_listening; then
+        echo "listening:  yes, :$AGENT_PORT"
+    else
+        echo "listening:  no (:$AGENT_PORT)"
+    fi
+    if has_identity; then
+        echo "identity:   node $(node_id_now) ($STATE_DIR/node.crt)"
+    else
+        echo "identity:   none (not joined)"
+    fi
+    echo "docker:     $(docker_access)"
+    if [ -s "$INSTALL_STATE/firewall" ]; then
+        while read -r backend source; do
+            echo "firewall:   $backend allows :$AGENT_PORT/tcp from $source"
+        done <"$INSTALL_STATE/firewall"
+    else
+        echo "firewall:   no rules added"
+    fi
+}
+
+# ============================================================================== run order
+# Each verb's steps in the order they run; the functions above do the work. install: steps 1
+# to 12; package: its own step 4 first, then 1 to 3 and 5 to 12. RESTART and DOCKER_CHANGED
+# (yes/no) carry what the steps changed to the ones that reload and (re)start.
+
+verb_install() {
+    check_root
+    check_systemd
+    make_stage
+    bundle_dir
+    [ "$(mode_recorded)" != package ] \
+        || fatal "llmgw-agent was installed from a package here; use 'package' (or uninstall first)"
+    info "install: llmgw $NEW_VERSION from $BUNDLE"
+    ensure_user    # 1
+    ensure_linger  # 2
+    ensure_dirs    # 3
+    install_binary # 4
+    record_mode tarball
+    configure_and_start
+    info "done: llmgw $NEW_VERSION installed ($LIB_DIR/llmgw)"
+}
+
+# Steps 5 to 12, shared by install and package once the binary is in place.
+configure_and_start() {
+    install_units    # 5
+    install_dropin   # 6
+    configure_docker # 7
+    if [ "$RESTART" = yes ]; then
+        systemctl daemon-reload
+    fi
+    start_docker_proxy
+    ensure_joined        # 8
+    ensure_config        # 9
+    install_update_trust # 10
+    configure_firewall   # 11
+    start_agent          # 12
+}
+
+verb_package() {
+    check_root
+    check_systemd
+    make_stage
+    # The units of the update helper and the example come from the bundle when this script is
+    # in one; the agent's own unit comes with the package.
+    BUNDLE=$(cd "$(dirname "$0")" && pwd)
+    [ -f "$LIB_DIR/llmgw" ] && [ "$(mode_recorded)" != package ] \
+        && fatal "llmgw-agent is installed from a bundle here ($LIB_DIR); uninstall it first, then run package"
+    install_package # 4
+    record_mode package
+    NEW_VERSION=$(version_of "$PACKAGE_BIN")
+    ensure_user   # 1
+    ensure_linger # 2
+    ensure_dirs   # 3
+    # No update helper with packages: the package manager updates them.
+    UPDATE_UNITS=""
+    configure_and_start
+    info "done: llmgw $NEW_VERSION installed from the package ($PACKAGE_BIN)"
+}
+
 verb_upgrade() {
     check_root
     check_systemd
@@ -1116,15 +1246,19 @@ verb_upgrade() {
     bundle_dir
     old=$(version_of "$LIB_DIR/llmgw")
     if cmp -s "$BUNDLE/llmgw" "$LIB_DIR/llmgw"; then
-        install_units && systemctl daemon-reload && { restart_and_wait "$HEALTH_TIMEOUT" || true; }
+        install_units
+        if [ "$RESTART" = yes ]; then
+            systemctl daemon-reload
+            restart_and_wait "$HEALTH_TIMEOUT" || true
+        fi
         info "llmgw $NEW_VERSION is installed already; nothing to upgrade"
         return 0
     fi
     info "upgrade: llmgw ${old:-?} -> $NEW_VERSION"
     warn_docker_group
     keep_previous
-    put_file "$BUNDLE/llmgw" "$LIB_DIR/llmgw" 0755 root:root || true
-    install_units || true
+    put_file "$BUNDLE/llmgw" "$LIB_DIR/llmgw" 0755 root:root
+    install_units
     systemctl daemon-reload
     if restart_and_wait "$HEALTH_TIMEOUT"; then
         if settled; then
@@ -1179,8 +1313,6 @@ verb_rollback() {
     fatal "llmgw ${previous:-?} did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s (journal above); 'rollback' again returns to llmgw ${current:-?}"
 }
 
-# ------------------------------------------------------------------------------ rekey
-
 verb_rekey() {
     check_root
     check_systemd
@@ -1196,7 +1328,7 @@ verb_rekey() {
     as_agent_with_token "$bin" agent join --rekey --node-id "$NODE_ID" --enroll-url "$ENROLL_URL" \
         --ca-hash "$CA_HASH" --config "$CONFIG" || status=$?
     if [ "$status" -eq 0 ]; then
-        install_update_trust || true
+        install_update_trust
     else
         warn "'llmgw agent join --rekey' failed (above); starting the agent again on its old identity"
     fi
@@ -1208,18 +1340,6 @@ verb_rekey() {
     info "done: node $NODE_ID rekeyed; the agent runs on its new identity"
 }
 
-# ------------------------------------------------------------------------------ uninstall
-
-stop_everything() {
-    for name in llmgw-agent-update.path llmgw-agent-update.service $UNIT $PROXY_UNIT; do
-        systemctl disable --now "$name" >/dev/null 2>&1 || true
-    done
-    # Engines outlive the agent (KillMode=process) and stay in its cgroup: with the agent
-    # gone they serve nobody.
-    systemctl kill --signal=SIGTERM "$UNIT" >/dev/null 2>&1 || true
-    systemctl kill --signal=SIGKILL "$UNIT" >/dev/null 2>&1 || true
-}
-
 verb_uninstall() {
     check_root
     check_systemd
@@ -1228,23 +1348,7 @@ verb_uninstall() {
     stop_everything
     firewall_clear
     if [ "$mode" = package ]; then
-        if command -v apt-get >/dev/null 2>&1; then
-            action=remove
-            [ -z "$PURGE" ] || action=purge
-            info "uninstall: apt-get $action llmgw-agent"
-            DEBIAN_FRONTEND=noninteractive apt-get "$action" -y -q llmgw-agent >&2 \
-                || fatal "apt-get could not remove llmgw-agent (above)"
-            if [ -n "$PURGE" ]; then
-                rm -f /etc/apt/sources.list.d/llmgw.list /usr/share/keyrings/llmgw.asc /usr/share/keyrings/llmgw.gpg
-            fi
-        else
-            pm=dnf
-            command -v dnf >/dev/null 2>&1 || pm=yum
-            "$pm" remove -y -q llmgw-agent >&2 || fatal "$pm could not remove llmgw-agent (above)"
-            if [ -n "$PURGE" ]; then
-                rm -f /etc/yum.repos.d/llmgw.repo /etc/pki/rpm-gpg/RPM-GPG-KEY-llmgw
-            fi
-        fi
+        remove_package
     fi
     rm -f "$UNIT_DIR/$UNIT" "$UNIT_DIR/$PROXY_UNIT" "$DOCKER_DROPIN"
     # shellcheck disable=SC2086 # a list of absolute paths without spaces
@@ -1263,79 +1367,14 @@ verb_uninstall() {
     fi
 }
 
-purge_everything() {
-    info "purge: configuration, identity, drop-ins, update trust and state, user"
-    rm -rf "$DROPIN_DIR" "$STATE_DIR" "$TMP_DIR" "$UPDATE_TRUST_DIR" "$UPDATE_STATE" "$CONFIG"
-    rmdir /etc/llmgw 2>/dev/null || true
-    if getent passwd "$SERVICE_USER" >/dev/null 2>&1; then
-        loginctl disable-linger "$SERVICE_USER" >/dev/null 2>&1 || true
-        rm -f "$LINGER_DIR/$SERVICE_USER"
-        uid=$(id -u "$SERVICE_USER")
-        systemctl stop "user@$uid.service" >/dev/null 2>&1 || true
-        # Whatever still runs as the user (engines started outside the unit) ends with it.
-        pkill -TERM -u "$uid" >/dev/null 2>&1 || true
-        waited=0
-        while pgrep -u "$uid" >/dev/null 2>&1 && [ "$waited" -lt 10 ]; do
-            sleep 1
-            waited=$((waited + 1))
-        done
-        pkill -KILL -u "$uid" >/dev/null 2>&1 || true
-        userdel "$SERVICE_USER" >/dev/null 2>&1 || userdel -f "$SERVICE_USER" \
-            || fatal "could not delete the user $SERVICE_USER (userdel above)"
-    fi
-    rm -f "$LINGER_DIR/$SERVICE_USER"
-    if getent group "$SERVICE_USER" >/dev/null 2>&1; then
-        groupdel "$SERVICE_USER" >/dev/null 2>&1 || true
-    fi
-}
-
-# ------------------------------------------------------------------------------ status
-
 verb_status() {
     make_stage
-    mode=$(mode_recorded)
-    bin=$(agent_bin)
-    if [ "$mode" = package ]; then
-        echo "installed:  llmgw $(version_of "$PACKAGE_BIN" || true) (package, $PACKAGE_BIN)"
-    elif [ -f "$LIB_DIR/llmgw" ]; then
-        echo "installed:  llmgw $(version_of "$bin") ($bin)"
-    else
-        echo "installed:  no"
-    fi
-    if [ -f "$PREVIOUS_DIR/llmgw" ]; then
-        echo "previous:   llmgw $(version_of "$PREVIOUS_DIR/llmgw") ($PREVIOUS_DIR, for rollback)"
-    else
-        echo "previous:   none"
-    fi
-    if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
-        enabled=$(systemctl is-enabled "$UNIT" 2>/dev/null || true)
-        active=$(systemctl is-active "$UNIT" 2>/dev/null || true)
-        since=$(systemctl show -p ActiveEnterTimestamp --value "$UNIT" 2>/dev/null || true)
-        echo "unit:       $UNIT ${enabled:-not-found}, ${active:-unknown}${since:+ since $since}"
-        echo "updates:    llmgw-agent-update.path $(systemctl is-active llmgw-agent-update.path 2>/dev/null || true)"
-    fi
-    if is_listening; then
-        echo "listening:  yes, :$AGENT_PORT"
-    else
-        echo "listening:  no (:$AGENT_PORT)"
-    fi
-    if has_identity; then
-        echo "identity:   node $(node_id_now) ($STATE_DIR/node.crt)"
-    else
-        echo "identity:   none (not joined)"
-    fi
-    echo "docker:     $(docker_access)"
-    if [ -s "$INSTALL_STATE/firewall" ]; then
-        while read -r backend source; do
-            echo "firewall:   $backend allows :$AGENT_PORT/tcp from $source"
-        done <"$INSTALL_STATE/firewall"
-    else
-        echo "firewall:   no rules added"
-    fi
+    print_status
 }
 
 main() {
     parse_args "$@"
+    RESTART=no DOCKER_CHANGED=no
     case $VERB in
         install) verb_install ;;
         package) verb_package ;;

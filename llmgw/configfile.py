@@ -53,41 +53,48 @@ def type_name(value: object) -> str:
     return type(value).__name__
 
 
-def binary_amount(value: object, units: Mapping[str, int], *, names: str, shape: str) -> float:
-    """A whole number, or a string like '8MiB', in the base unit of ``units`` (lower-cased unit
-    -> factor; "" for a bare number); decimal units (MB, G) are refused as ambiguous.
+def binary_amount(
+    value: object, units: Mapping[str, int], *, base: str, names: str, shape: str
+) -> int:
+    """A whole number of ``base`` units, given as one or as a string like '8MiB' (``units``:
+    lower-cased unit -> factor in ``base`` units; "" for a bare number); decimal units (MB,
+    G) are refused as ambiguous, and so is an amount that is not a whole number of ``base``.
 
     Raises :class:`ConfigError` without key or file; ``names`` lists the units to use, ``shape``
     says what is expected."""
+    amount: float
     if isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str) and (m := _AMOUNT.fullmatch(value.strip())):
+        amount = value
+    elif isinstance(value, str) and (m := _AMOUNT.fullmatch(value.strip())):
         unit = m.group(2).lower()
         if unit in _DECIMAL and _DECIMAL[unit].lower() in units:
             raise ConfigError(
                 f"{value!r}: {m.group(2)} is ambiguous; use binary units, e.g. "
                 f"{m.group(1)}{_DECIMAL[unit]}"
             )
-        if unit in units:
-            return float(m.group(1)) * units[unit]
-        if unit:
-            raise ConfigError(f"{value!r}: unknown unit {m.group(2)!r}; use {names}")
-    raise ConfigError(f"must be {shape}; got {value!r}")
+        if unit not in units:
+            if unit:
+                raise ConfigError(f"{value!r}: unknown unit {m.group(2)!r}; use {names}")
+            raise ConfigError(f"must be {shape}; got {value!r}")
+        amount = float(m.group(1)) * units[unit]
+    else:
+        raise ConfigError(f"must be {shape}; got {value!r}")
+    if amount != int(amount):
+        raise ConfigError(f"{value!r} is not a whole number of {base}")
+    return int(amount)
 
 
 def parse_size(value: object) -> int:
     """Bytes from a whole number of bytes or a string like '8MiB', '512KiB', '1GiB'.
 
     Raises :class:`ConfigError` without key or file (:meth:`Checker.size` adds them)."""
-    size = binary_amount(
+    return binary_amount(
         value,
         _SIZE_UNITS,
+        base="bytes",
         names="KiB, MiB or GiB",
         shape="a size like 8MiB, 512KiB or 1GiB, or a whole number of bytes",
     )
-    if size != int(size):
-        raise ConfigError(f"{value!r} is not a whole number of bytes")
-    return int(size)
 
 
 def format_size(size: int) -> str:

@@ -396,7 +396,7 @@ def _init_ca_locked(
         raise _already_exists(directory)
     if valid_days < 1:
         raise ConfigError(f"must be at least 1, not {valid_days}", key="valid_days")
-    key = ec.generate_private_key(ec.SECP256R1())
+    key = new_private_key()
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = _now()
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
@@ -556,7 +556,7 @@ def _issue(
     valid_days: int,
 ) -> Identity:
     out_dir = _prepare(out_dir, name, valid_days)
-    key = ec.generate_private_key(ec.SECP256R1())
+    key = new_private_key()
     cert = _leaf(
         ca,
         key.public_key(),
@@ -575,7 +575,7 @@ def issue_node_cert(
     node id, usable both as TLS client (to the control plane) and server (its data plane)."""
     validate_node_id(node_id)
     out_dir = _prepare(out_dir, name, valid_days)
-    key = ec.generate_private_key(ec.SECP256R1())
+    key = new_private_key()
     cert = _node_leaf(ca, key.public_key(), node_id, dt.timedelta(days=valid_days))
     return _write_identity(ca, out_dir, name, key, cert)
 

@@ -418,14 +418,13 @@ def parse_memory_mib(value: object) -> int:
     mib = binary_amount(
         value,
         _MEMORY_UNITS,
+        base="MiB",
         names="MiB, GiB or TiB",
         shape="memory like 40GiB or 40960MiB, or a whole number of MiB",
     )
-    if mib != int(mib):
-        raise ConfigError(f"{value!r} is not a whole number of MiB")
     if mib < 1:
         raise ConfigError(f"must be at least 1 MiB, got {value!r}")
-    return int(mib)
+    return mib
 
 
 def _named(check: Checker, value: object, key: str) -> dict[str, object]:

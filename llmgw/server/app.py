@@ -39,7 +39,6 @@ from llmgw.pki import (
     ensure_server_identity,
     load_cert,
 )
-from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.admin import AdminContext, add_admin_routes
 from llmgw.server.bundles import Bundle, BundleStore, add_bundle_routes
 from llmgw.server.config import ServerConfig
@@ -66,7 +65,7 @@ from llmgw.server.serving import ServingCache
 from llmgw.server.sessions import Sessions
 from llmgw.server.states import NodeState
 from llmgw.server.store import Store
-from llmgw.server.stream import ControlPlaneService, NodeSession
+from llmgw.server.stream import ControlPlaneService, NodeSession, start_stream_server
 from llmgw.server.tls import ServingCertificate, serving_certificate
 from llmgw.server.updates import Updates
 
@@ -340,28 +339,6 @@ class ControlPlane:
 
     async def _start_grpc(self) -> None:
         assert self.server_identity is not None
-        ident = self.server_identity
-        creds = grpc.ssl_server_credentials(
-            [(ident.key.read_bytes(), ident.cert.read_bytes())],
-            root_certificates=ident.ca.read_bytes(),
-            require_client_auth=True,
-        )
-        self._grpc = grpc.aio.server(
-            options=[
-                ("grpc.keepalive_time_ms", 10_000),
-                ("grpc.keepalive_timeout_ms", 5_000),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-                ("grpc.keepalive_permit_without_calls", 1),
-                # Larger messages end the stream with RESOURCE_EXHAUSTED (llmgw.server.intake).
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                # A connection that never completes its TLS handshake (and HTTP/2 preface)
-                # is closed instead of held (grpc's own default is two minutes).
-                (
-                    "grpc.server_handshake_timeout_ms",
-                    int(self.cfg.listeners.handshake_timeout * 1000),
-                ),
-            ]
-        )
         service = ControlPlaneService(
             self.store,
             self.sessions,
@@ -371,16 +348,20 @@ class ControlPlane:
             heartbeat_interval=self.cfg.heartbeat_interval,
             cert_lifetime=self.cfg.cert_lifetime,
         )
-        pb_grpc.add_ControlPlaneServicer_to_server(service, self._grpc)
-        host, port = parse_hostport(self.cfg.grpc_listen, allow_zero=True)
-        try:
-            self.grpc_port = self._grpc.add_secure_port(format_hostport(host, port), creds)
-        except RuntimeError as exc:
-            raise ConfigError(
-                f"cannot listen on {self.cfg.grpc_listen}: {exc}; free the port or change grpc_listen",
-                key="grpc_listen",
-            ) from exc
-        await self._grpc.start()
+        self._grpc, self.grpc_port = await start_stream_server(
+            self.server_identity,
+            self.cfg.grpc_listen,
+            service,
+            handshake_timeout=self.cfg.listeners.handshake_timeout,
+            options=[
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+                # Larger messages end the stream with RESOURCE_EXHAUSTED (llmgw.server.intake).
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
 
     def stream_addresses(self) -> list[str]:
         """host:port of the Connect stream as a node should dial it."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from llmgw import netaddr, pki
@@ -33,7 +34,7 @@ from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport
 from llmgw.server.states import TokenKind
-from llmgw.server.store import Node, Store
+from llmgw.server.store import Certificate, Node, Store
 
 __all__ = [
     "MAX_BODY",
@@ -41,6 +42,7 @@ __all__ = [
     "Enroller",
     "EnrolmentServer",
     "parse_enrol_request",
+    "record_certificate",
     "server_ssl_context",
 ]
 
@@ -48,6 +50,19 @@ log = logging.getLogger("llmgw.server.enroll")
 
 MAX_BODY = 64 * 1024
 """Largest request body accepted; a P-256 CSR in PEM is under 1 KiB."""
+
+
+def record_certificate(store: Store, node_id: str, cert: x509.Certificate) -> Certificate:
+    """Record ``cert``, issued to ``node_id``, among the store's certificates: its serial,
+    its key's fingerprint and its validity. The caller holds the transaction."""
+    return store.add_certificate(
+        pki.serial_hex(cert),
+        node_id=node_id,
+        fingerprint=pki.fingerprint(cert.public_key()),
+        not_before=cert.not_valid_before_utc.timestamp(),
+        not_after=cert.not_valid_after_utc.timestamp(),
+    )
+
 
 READ_TIMEOUT = 30.0
 """Seconds a client may take to send its request body."""
@@ -235,14 +250,7 @@ class Enroller:
                     require_approval=token.require_approval,
                 )
                 cert = pki.sign_csr(self.ca, csr, node_id=node.id, lifetime=self.lifetime)
-                serial = pki.serial_hex(cert)
-                store.add_certificate(
-                    serial,
-                    node_id=node.id,
-                    fingerprint=fp,
-                    not_before=cert.not_valid_before_utc.timestamp(),
-                    not_after=cert.not_valid_after_utc.timestamp(),
-                )
+                serial = record_certificate(store, node.id, cert).serial
                 if req.rekey:
                     store.revoke_certificates(node.id, reason="rekeyed", except_serial=serial)
                     store.add_event(

@@ -25,11 +25,12 @@ from aiohttp import web
 from llmgw.errors import ConfigError
 from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.log import kv
-from llmgw.netaddr import format_hostport, parse_hostport
+from llmgw.netaddr import parse_hostport
 from llmgw.pki import Identity
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.config import TLSConfig
+from llmgw.server.stream import start_stream_server
 from llmgw.server.tls import serving_certificate
 
 __all__ = ["Standby", "await_leadership", "read_leader", "try_leadership"]
@@ -122,29 +123,12 @@ class Standby:
         return read_leader(self.state_dir / "llmgw.db")
 
     async def start(self) -> None:
-        ident = self.identity
-        creds = grpc.ssl_server_credentials(
-            [(ident.key.read_bytes(), ident.cert.read_bytes())],
-            root_certificates=ident.ca.read_bytes(),
-            require_client_auth=True,
+        self._grpc, self.grpc_port = await start_stream_server(
+            self.identity,
+            self.grpc_listen,
+            _Refuser(self),
+            handshake_timeout=self.listeners.handshake_timeout,
         )
-        self._grpc = grpc.aio.server(
-            options=[
-                (
-                    "grpc.server_handshake_timeout_ms",
-                    int(self.listeners.handshake_timeout * 1000),
-                )
-            ]
-        )
-        pb_grpc.add_ControlPlaneServicer_to_server(_Refuser(self), self._grpc)
-        host, port = parse_hostport(self.grpc_listen, allow_zero=True)
-        try:
-            self.grpc_port = self._grpc.add_secure_port(format_hostport(host, port), creds)
-        except RuntimeError as exc:
-            raise ConfigError(
-                f"cannot listen on {self.grpc_listen}: {exc}", key="grpc_listen"
-            ) from exc
-        await self._grpc.start()
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._http)
         self._runner = web.AppRunner(app, access_log=None)

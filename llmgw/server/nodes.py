@@ -21,6 +21,7 @@ from llmgw.errors import Conflict, LlmgwError, NotFound
 from llmgw.log import kv
 from llmgw.pki import Authority, check_csr, fingerprint, load_csr, serial_hex, sign_csr
 from llmgw.proto import control_pb2 as pb
+from llmgw.server.enroll import record_certificate
 from llmgw.server.reports import store_inventory
 from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
@@ -126,13 +127,7 @@ class Membership:
                 store.add_event("node_pending", node_id, f"awaiting approval, key {fp}")
             store.set_node_fingerprint(node_id, fp)
             if serial not in {c.serial for c in store.list_certificates(node_id)}:
-                store.add_certificate(
-                    serial,
-                    node_id=node_id,
-                    fingerprint=fp,
-                    not_before=cert.not_valid_before_utc.timestamp(),
-                    not_after=cert.not_valid_after_utc.timestamp(),
-                )
+                record_certificate(store, node_id, cert)
         if new:
             log.info("a new node is waiting for approval", extra=kv(node=node_id, fingerprint=fp))
 
@@ -241,17 +236,10 @@ class Membership:
             return
         from cryptography.hazmat.primitives.serialization import Encoding
 
-        fp = fingerprint(cert.public_key())
-        serial = serial_hex(cert)
         until = time.strftime("%Y-%m-%d %H:%M", time.gmtime(cert.not_valid_after_utc.timestamp()))
         with store.transaction():
-            store.add_certificate(
-                serial,
-                node_id=session.node_id,
-                fingerprint=fp,
-                not_before=cert.not_valid_before_utc.timestamp(),
-                not_after=cert.not_valid_after_utc.timestamp(),
-            )
+            issued = record_certificate(store, session.node_id, cert)
+            fp, serial = issued.fingerprint, issued.serial
             store.set_node_fingerprint(session.node_id, fp)
             # The renewed certificate replaces every other one of the node (the one this
             # stream came on, and any an earlier renewal issued that the node never took).

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -20,8 +21,10 @@ import grpc
 from cryptography import x509
 from google.protobuf.message import DecodeError
 
-from llmgw.errors import LlmgwError
+from llmgw.errors import ConfigError, LlmgwError
 from llmgw.log import kv
+from llmgw.netaddr import format_hostport, parse_hostport
+from llmgw.pki import Identity
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.intake import Intake, hello_problem, trim_hello
@@ -33,6 +36,7 @@ __all__ = [
     "SessionHandler",
     "UpdateHandler",
     "peer_common_name",
+    "start_stream_server",
 ]
 
 log = logging.getLogger("llmgw.server.stream")
@@ -185,6 +189,45 @@ def peer_common_name(context: grpc.aio.ServicerContext) -> str | None:
         return None
     value = names[0]
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def start_stream_server(
+    identity: Identity,
+    listen: str,
+    servicer: pb_grpc.ControlPlaneServicer,
+    *,
+    handshake_timeout: float,
+    options: Sequence[tuple[str, Any]] = (),
+) -> tuple[grpc.aio.Server, int]:
+    """Serve ``servicer`` on ``listen`` (host:port; port 0 binds a free one) over mutual TLS:
+    ``identity`` is the certificate presented, and every client must present one its CA
+    issued. A connection that has not completed its handshake within ``handshake_timeout``
+    seconds is closed. Returns the started server and the port bound; ConfigError (key
+    ``grpc_listen``) when the address cannot be bound."""
+    creds = grpc.ssl_server_credentials(
+        [(identity.key.read_bytes(), identity.cert.read_bytes())],
+        root_certificates=identity.ca.read_bytes(),
+        require_client_auth=True,
+    )
+    server = grpc.aio.server(
+        options=[
+            *options,
+            # A connection that never completes its TLS handshake (and HTTP/2 preface)
+            # is closed instead of held (grpc's own default is two minutes).
+            ("grpc.server_handshake_timeout_ms", int(handshake_timeout * 1000)),
+        ]
+    )
+    pb_grpc.add_ControlPlaneServicer_to_server(servicer, server)
+    host, port = parse_hostport(listen, allow_zero=True)
+    try:
+        bound = server.add_secure_port(format_hostport(host, port), creds)
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"cannot listen on {listen}: {exc}; free the port or change grpc_listen",
+            key="grpc_listen",
+        ) from exc
+    await server.start()
+    return server, bound
 
 
 class ControlPlaneService(pb_grpc.ControlPlaneServicer):

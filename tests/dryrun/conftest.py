@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.packaging.pkgcheck import ROOT, unavailable
+from tests.ci import unavailable
+from tests.packaging.pkgcheck import ROOT
 
-from .lab import ONEFILE, Lab, docker_ready, next_version, read_version
+from .lab import ONEFILE, Lab, OrderedSteps, docker_ready, next_version, read_version
 
 
 @pytest.fixture(scope="package")
@@ -46,3 +47,15 @@ def bundle_next(lab: Lab) -> Path:
             f"{built.stderr[-3000:]}"
         )
     return bundle
+
+
+@pytest.fixture
+def in_order(request: pytest.FixtureRequest, steps: OrderedSteps) -> Iterator[None]:
+    """For a module of ordered steps (its own ``steps`` fixture): a step after a failed one
+    fails at once, naming it."""
+    if steps.failed:
+        pytest.fail(f"not run: the earlier step {steps.failed} failed")
+    failed_before = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed_before:
+        steps.failed = request.node.name

@@ -24,25 +24,16 @@ from typing import Any
 
 import yaml
 
+from tests.ci import require_tools, unavailable
 from tests.integration.harness import LLMGW, Server, free_port, stop_process, wait_for
-from tests.packaging.pkgcheck import (
-    ROOT,
-    Container,
-    require,
-    unavailable,
-)
+from tests.packaging.pkgcheck import ROOT, Container
 
 LABEL = "llmgw.test-dryrun"
 MOUNT = "/lab"  # where a container sees the lab directory (read-only)
+SPOOL = "/var/lib/llmgw-agent/update"  # the agent's update spool, the root helper's input
 STALE_AFTER_S = 3 * 3600
 ONEFILE = ROOT / "dist" / "llmgw-linux-x64"
 ONEDIR = ROOT / "dist" / "llmgw-onedir-x64"
-IMAGES = {
-    "bookworm": ("LLMGW_TEST_SYSTEMD_IMAGE", "llmgw-test-systemd:local"),
-    "bullseye": ("LLMGW_TEST_SYSTEMD_IMAGE_BULLSEYE", "llmgw-test-systemd-bullseye:local"),
-}
-
-__all__ = ["Lab", "Node", "docker_ready", "read_version", "systemd_image"]
 
 
 def read_version() -> str:
@@ -62,7 +53,7 @@ def next_version(version: str) -> str:
 
 
 def docker_ready() -> None:
-    require("docker")
+    require_tools("docker")
     if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode != 0:
         unavailable("dockerd is not reachable; start it: dockerd >/var/log/dockerd.log 2>&1 &")
     remove_stale()
@@ -89,27 +80,6 @@ def remove_stale() -> None:
                     else ["docker", "network", "rm", name]
                 )
                 subprocess.run(rm, capture_output=True, check=False)
-
-
-def systemd_image(suite: str) -> str:
-    """The suite's systemd image: $LLMGW_TEST_SYSTEMD_IMAGE[_BULLSEYE], else built here."""
-    env, default = IMAGES[suite]
-    name = os.environ.get(env)
-    if name:
-        inspect = ["docker", "image", "inspect", name]
-        if subprocess.run(inspect, capture_output=True, check=False).returncode != 0:
-            unavailable(f"${env} names {name}, which is not on this machine")
-        return name
-    build = subprocess.run(
-        [str(ROOT / "scripts" / "systemd-test-image.sh"), "--suite", suite, default],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    if build.returncode != 0:
-        unavailable(f"could not build the {suite} systemd image: {build.stderr.strip()[-600:]}")
-    return default
 
 
 def run(*args: str | Path, timeout: float = 900, **env: str) -> subprocess.CompletedProcess[str]:
@@ -155,6 +125,39 @@ class Node:
 
     def journal(self, unit: str = "llmgw-agent.service", lines: int = 40) -> str:
         return self.sh(f"journalctl -u {unit} -n {lines} --no-pager", check=False).stdout
+
+    def unit_findings(self) -> list[str]:
+        """What ``systemd-analyze verify`` says of the agent's units as installed here
+        (ExecStart rewritten, the drop-in): nothing, when all is well."""
+        verified = self.sh(
+            "systemd-analyze verify /etc/systemd/system/llmgw-agent.service "
+            "/etc/systemd/system/llmgw-agent-update.service "
+            "/etc/systemd/system/llmgw-agent-update.path",
+            check=False,
+        )
+        # systemd 247 in a container with a private cgroup namespace says this of its own
+        # helper processes, whatever the units: not a finding about them.
+        return [
+            line
+            for line in (verified.stdout + verified.stderr).splitlines()
+            if "to compat systemd cgroup" not in line
+        ]
+
+    def helper_status(self, *, interval: float) -> dict[str, Any]:
+        """Once the root update helper has taken the request spooled in SPOOL (the caller
+        spooled it after removing the old status): the status.json it wrote."""
+        wait_for(
+            lambda: (
+                self.sh(
+                    f"test -s {SPOOL}/status.json && ! test -e {SPOOL}/request", check=False
+                ).returncode
+                == 0
+            ),
+            what="the helper's status.json",
+            timeout=120,
+            interval=interval,
+        )
+        return json.loads(self.out(f"cat {SPOOL}/status.json"))  # type: ignore[no-any-return]
 
 
 class Lab:
@@ -348,3 +351,21 @@ class Lab:
         text = answer.choices[0].message.content
         assert text, answer
         return text
+
+
+class OrderedSteps:
+    """What a module's steps (tests run in file order, on one node) share, and which one
+    failed first: the ``in_order`` fixture (conftest.py) fails the later ones at once, naming
+    it. A module subclasses it for what else its steps hand on."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.failed: str | None = None
+        self.node: Node | None = None
+        self.join: dict[str, Any] = {}
+
+
+def node_of(steps: OrderedSteps) -> Node:
+    """The node an earlier step started."""
+    assert steps.node is not None
+    return steps.node

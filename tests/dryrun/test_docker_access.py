@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 
-from .lab import Lab, systemd_image
+from tests.packaging.pkgcheck import systemd_image_of
+
+from .lab import Lab
 
 NODE = "dry-docker"
 PROXY = "llmgw-docker-proxy.service"
@@ -17,7 +19,7 @@ DROPIN = "/etc/systemd/system/llmgw-agent.service.d/20-docker.conf"
 
 
 def test_install_docker_gives_the_agent_the_proxy_not_the_docker_group(lab: Lab) -> None:
-    node = lab.boot(systemd_image("bookworm"), NODE)
+    node = lab.boot(systemd_image_of("bookworm"), NODE)
     folder = lab.unpack(lab.bundle_n, "docker-unpacked")
     installer = f"sh {folder}/install-agent.sh"
 

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from .lab import Lab, Node, systemd_image
+from tests.packaging.pkgcheck import systemd_image_of
+
+from .lab import Lab, Node
 
 PORT = 9443
 NFT_TABLE = "llmgw"
@@ -34,7 +36,7 @@ class Firewalls:
 
 @pytest.fixture(scope="module")
 def firewalls(lab: Lab) -> Iterator[Firewalls]:
-    image = systemd_image("bookworm")
+    image = systemd_image_of("bookworm")
     firewalld = lab.boot(image, "dry-firewalld")
     nft = lab.boot(image, "dry-nft")
     folder = lab.unpack(lab.bundle_n, "firewall-unpacked")

@@ -5,13 +5,15 @@ condition, until an identity exists. Then purge."""
 
 from __future__ import annotations
 
-from .lab import Lab, systemd_image
+from tests.packaging.pkgcheck import systemd_image_of
+
+from .lab import Lab
 
 NODE = "dry-bare"
 
 
 def test_install_without_join_options_installs_but_starts_nothing(lab: Lab) -> None:
-    node = lab.boot(systemd_image("bookworm"), NODE)
+    node = lab.boot(systemd_image_of("bookworm"), NODE)
     folder = lab.unpack(lab.bundle_n, "bare-unpacked")
     node.sh("groupadd --system docker")
     result = node.sh(f"sh {folder}/install-agent.sh install --models-root /data/models")

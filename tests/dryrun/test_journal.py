@@ -9,8 +9,9 @@ import json
 from typing import Any
 
 from tests.integration.harness import wait_for
+from tests.packaging.pkgcheck import systemd_image_of
 
-from .lab import Lab, systemd_image
+from .lab import Lab
 
 NODE = "dry-journal"
 
@@ -20,7 +21,7 @@ def entries(text: str) -> list[dict[str, Any]]:
 
 
 def test_the_agent_journal_carries_llmgw_fields(lab: Lab) -> None:
-    node = lab.boot(systemd_image("bookworm"), NODE)
+    node = lab.boot(systemd_image_of("bookworm"), NODE)
     join = lab.join_command(NODE)
     node.sh(join["command"])
     assert node.unit("ActiveState") == "active"

@@ -10,25 +10,23 @@ later ones fail at once, naming it.
 
 from __future__ import annotations
 
-import json
 import shlex
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from llmgw import pki
+from tests.ci import require_tools
 from tests.integration.harness import wait_for
-from tests.packaging.pkgcheck import ROOT, require
+from tests.packaging.pkgcheck import ROOT, systemd_image_of
 
-from .lab import MOUNT, ONEDIR, Lab, Node, next_version, run, systemd_image
+from .lab import MOUNT, ONEDIR, SPOOL, Lab, Node, OrderedSteps, next_version, node_of, run
 
 NODE = "dry-12"
 MODEL = "dry"
 INSTALLER = "install-agent.sh"
-SPOOL = "/var/lib/llmgw-agent/update"
 # What a re-run of install must leave exactly as it was.
 WATCHED = (
     "/usr/local/lib/llmgw-agent/llmgw /etc/systemd/system/llmgw-agent.service "
@@ -38,15 +36,15 @@ WATCHED = (
 )
 
 
-class Steps:
-    """What the steps share, and which one failed first."""
+pytestmark = pytest.mark.usefixtures("in_order")
+
+
+class Steps(OrderedSteps):
+    """What the steps hand on besides the node and the join."""
 
     def __init__(self, lab: Lab) -> None:
-        self.lab = lab
-        self.failed: str | None = None
-        self.node: Node | None = None
+        super().__init__(lab)
         self.key = ""
-        self.join: dict[str, Any] = {}
         self.bundle_n = ""  # the N bundle's folder, as the container sees it
         self.bundle_next = ""
         self.version_next = ""
@@ -55,21 +53,6 @@ class Steps:
 @pytest.fixture(scope="module")
 def steps(lab: Lab) -> Steps:
     return Steps(lab)
-
-
-@pytest.fixture(autouse=True)
-def in_order(request: pytest.FixtureRequest, steps: Steps) -> Iterator[None]:
-    if steps.failed:
-        pytest.fail(f"not run: the earlier step {steps.failed} failed")
-    failed_before = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed_before:
-        steps.failed = request.node.name
-
-
-def node_of(steps: Steps) -> Node:
-    assert steps.node is not None
-    return steps.node
 
 
 def serves(steps: Steps, timeout: float = 120) -> None:
@@ -109,7 +92,7 @@ def snapshot(node: Node) -> str:
 
 
 def test_01_one_liner_installs_and_joins(steps: Steps, lab: Lab) -> None:
-    node = steps.node = lab.boot(systemd_image("bookworm"), NODE)
+    node = steps.node = lab.boot(systemd_image_of("bookworm"), NODE)
     steps.join = lab.join_command(NODE)
     command = steps.join["command"]
     assert "/agent/bundles/" in command and "install-agent.sh install" in command
@@ -142,19 +125,7 @@ def test_01_one_liner_installs_and_joins(steps: Steps, lab: Lab) -> None:
         node.out("stat -c '%U' /srv/llmgw/models /srv/llmgw/cache").split() == ["llmgw-agent"] * 2
     )
     # The units as installed (ExecStart rewritten, the drop-in) verify on the node's systemd.
-    verified = node.sh(
-        "systemd-analyze verify /etc/systemd/system/llmgw-agent.service "
-        "/etc/systemd/system/llmgw-agent-update.service /etc/systemd/system/llmgw-agent-update.path",
-        check=False,
-    )
-    # systemd 247 in a container with a private cgroup namespace says this of its own
-    # helper processes, whatever the units: not a finding about them.
-    said = [
-        line
-        for line in (verified.stdout + verified.stderr).splitlines()
-        if "to compat systemd cgroup" not in line
-    ]
-    assert said == [], said
+    assert node.unit_findings() == []
 
 
 def test_02_approve_and_serve_through_the_gateway(steps: Steps, lab: Lab) -> None:
@@ -329,18 +300,7 @@ def spool(node: Node, lab: Lab, data: bytes, signature: bytes, bundle: Path) -> 
         f"setpriv --reuid=llmgw-agent --regid=llmgw-agent --init-groups sh -c "
         f"'mkdir -p {SPOOL} && cp -r {MOUNT}/{name} {SPOOL}/.incoming && mv {SPOOL}/.incoming {SPOOL}/request'"
     )
-    wait_for(
-        lambda: (
-            node.sh(
-                f"test -s {SPOOL}/status.json && ! test -e {SPOOL}/request", check=False
-            ).returncode
-            == 0
-        ),
-        what="the helper's status.json",
-        timeout=120,
-        interval=0.5,
-    )
-    return json.loads(node.out(f"cat {SPOOL}/status.json"))  # type: ignore[no-any-return]
+    return node.helper_status(interval=0.5)
 
 
 def test_09_hostile_orders_are_refused(steps: Steps, lab: Lab, bundle_next: Path) -> None:
@@ -462,7 +422,7 @@ def test_12_purge_leaves_only_the_models(steps: Steps, lab: Lab) -> None:
 
 
 def test_13_package_from_the_signed_apt_repository(steps: Steps, lab: Lab, tmp_path: Path) -> None:
-    require("dpkg-deb", "apt-ftparchive", "gpg")
+    require_tools("dpkg-deb", "apt-ftparchive", "gpg")
     node = node_of(steps)
     if not (ONEDIR / "llmgw").is_file():
         pytest.fail(f"no {ONEDIR}; build it first: make dist")

@@ -9,11 +9,9 @@ once, naming it.
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +19,11 @@ import pytest
 
 from llmgw import pki
 from tests.integration.harness import wait_for
+from tests.packaging.pkgcheck import systemd_image_of
 
-from .lab import MOUNT, Lab, Node, run, systemd_image
+from .lab import MOUNT, SPOOL, Lab, Node, OrderedSteps, node_of, run
 
 NODE = "dry-root"
-SPOOL = "/var/lib/llmgw-agent/update"
 STATE = "/var/lib/llmgw-agent"
 AGENT_TMP = "/var/lib/llmgw-agent-tmp"
 TRUST = "/etc/llmgw/update"
@@ -34,33 +32,18 @@ AS_AGENT = "setpriv --reuid=llmgw-agent --regid=llmgw-agent --init-groups"
 FUNCTIONS = "/root/install-agent-functions.sh"
 
 
-class Steps:
+pytestmark = pytest.mark.usefixtures("in_order")
+
+
+class Steps(OrderedSteps):
     def __init__(self, lab: Lab) -> None:
-        self.lab = lab
-        self.failed: str | None = None
-        self.node: Node | None = None
-        self.join: dict[str, Any] = {}
+        super().__init__(lab)
         self.folder = ""  # the N bundle, unpacked, as the container sees it
 
 
 @pytest.fixture(scope="module")
 def steps(lab: Lab) -> Steps:
     return Steps(lab)
-
-
-@pytest.fixture(autouse=True)
-def in_order(request: pytest.FixtureRequest, steps: Steps) -> Iterator[None]:
-    if steps.failed:
-        pytest.fail(f"not run: the earlier step {steps.failed} failed")
-    failed_before = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed_before:
-        steps.failed = request.node.name
-
-
-def node_of(steps: Steps) -> Node:
-    assert steps.node is not None
-    return steps.node
 
 
 def as_agent(node: Node, script: str, check: bool = True) -> str:
@@ -80,7 +63,7 @@ def trust_state(node: Node) -> str:
 
 
 def test_01_install_and_join(steps: Steps, lab: Lab) -> None:
-    node = steps.node = lab.boot(systemd_image("bookworm"), NODE)
+    node = steps.node = lab.boot(systemd_image_of("bookworm"), NODE)
     steps.join = j = lab.join_command(NODE)
     # The N bundle's installer (what the control plane serves may be N+1 by now, when the
     # life-cycle module ran first), joined as the one-liner would.
@@ -151,18 +134,7 @@ def spool_junk(node: Node, name: str) -> dict[str, Any]:
         f"mkdir -p {SPOOL}/.{name} && echo junk >{SPOOL}/.{name}/order.json && "
         f"mv {SPOOL}/.{name} {SPOOL}/request",
     )
-    wait_for(
-        lambda: (
-            node.sh(
-                f"test -s {SPOOL}/status.json && ! test -e {SPOOL}/request", check=False
-            ).returncode
-            == 0
-        ),
-        what="the helper's status.json",
-        timeout=120,
-        interval=0.3,
-    )
-    return json.loads(node.out(f"cat {SPOOL}/status.json"))  # type: ignore[no-any-return]
+    return node.helper_status(interval=0.3)
 
 
 def test_03_a_link_to_etc_is_never_managed_by_root(steps: Steps) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.packaging.pkgcheck import ROOT, require, run
-from tests.packaging.test_units import stand_in_units
+from tests.ci import require_tools
+from tests.packaging.pkgcheck import ROOT, run, stand_in_units
 
 AGENT_EXPOSURE = 3.0  # issue 7: the agent's unit at most this
 
@@ -32,7 +32,7 @@ def shell_scripts() -> list[Path]:
 
 
 def test_every_shell_script_is_shellcheck_clean() -> None:
-    require("shellcheck")
+    require_tools("shellcheck")
     scripts = shell_scripts()
     names = {p.relative_to(ROOT).as_posix() for p in scripts}
     assert {"installer/install-agent.sh", ".ci/run", "scripts/dist.sh"} <= names, names
@@ -46,7 +46,7 @@ def test_every_shell_script_is_shellcheck_clean() -> None:
 
 
 def test_units_verify_and_exposure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    require("systemd-analyze")
+    require_tools("systemd-analyze")
     copies = stand_in_units(tmp_path)
     result = run("systemd-analyze", "verify", *copies)
     assert result.stdout + result.stderr == ""

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
 import yaml
 
 from llmgw import pki
@@ -204,20 +207,30 @@ def pids_of_session(sid: int) -> list[int]:
     return out
 
 
-def llmgw_processes_under(root: Path) -> list[str]:
-    """Command lines of live llmgw processes that mention ``root`` or descend from a run in it."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        cmd = raw.replace(b"\0", b" ").decode(errors="replace")
-        if "llmgw" in cmd and str(root) in cmd:
-            found.append(f"{entry}: {cmd}")
-    return found
+def alive(pid: int) -> bool:
+    """``pid`` exists (a zombie, not yet reaped, counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Something accepts TCP connections on ``host:port`` (within a second)."""
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
+
+
+def cmdline(pid: int) -> str:
+    """The command line of process ``pid``, its arguments joined by spaces ("" once gone)."""
+    try:
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
+    except OSError:
+        return ""
 
 
 def start_server_with(tmp: Path, *, heartbeat: float = 1.0, **extra: Any) -> Server:
@@ -256,3 +269,113 @@ def start_server_with(tmp: Path, *, heartbeat: float = 1.0, **extra: Any) -> Ser
 
     wait_for(healthy, what="control plane /healthz")
     return server
+
+
+class Client(threading.Thread):
+    """Sends requests through the gateway until stopped, alternating streamed and not."""
+
+    def __init__(self, base_url: str, key: str, model: str, *, streams: bool = True) -> None:
+        super().__init__(daemon=True)
+        self.streams = streams
+        self.client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30)
+        self.model = model
+        self.stop = threading.Event()
+        self.ok = 0
+        self.failures: list[str] = []
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set() and i < 100_000:
+            i += 1
+            try:
+                if i % 2 or not self.streams:
+                    out = self.client.chat.completions.create(
+                        model=self.model,
+                        messages=[{"role": "user", "content": f"q{i}"}],
+                        max_tokens=8,
+                    )
+                    assert out.choices[0].message.content
+                else:
+                    text = "".join(
+                        c.choices[0].delta.content or ""
+                        for c in self.client.chat.completions.create(
+                            model=self.model,
+                            messages=[{"role": "user", "content": f"s{i}"}],
+                            max_tokens=8,
+                            stream=True,
+                        )
+                        if c.choices
+                    )
+                    assert text
+                self.ok += 1
+            except Exception as exc:
+                self.failures.append(f"request {i}: {type(exc).__name__}: {exc}")
+
+
+@dataclass
+class Up:
+    """A running ``llmgw up`` and what its banner said."""
+
+    proc: subprocess.Popen[str]
+    state_dir: Path
+    base_url: str
+    api_key: str
+    output: list[str]
+
+
+def start_up(
+    state_dir: Path,
+    *,
+    port: int | None = None,
+    grpc_port: int = 0,
+    agent_port: int = 0,
+    enroll_port: int = 0,
+) -> Up:
+    """``llmgw up`` on ``state_dir`` (the HTTP port free when not given, the others as given:
+    0 lets it pick), once its banner has said the base URL and the API key."""
+    env = dict(os.environ, XDG_CONFIG_HOME=str(state_dir / "xdg"), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [
+            *LLMGW,
+            "up",
+            "--state-dir",
+            str(state_dir),
+            "--port",
+            str(port or free_port()),
+            "--grpc-port",
+            str(grpc_port),
+            "--agent-port",
+            str(agent_port),
+            "--enroll-port",
+            str(enroll_port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines: list[str] = []
+    found: dict[str, str] = {}
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    def reader() -> None:
+        for line in stdout:
+            lines.append(line)
+            if m := re.search(r"OpenAI base URL: (\S+)", line):
+                found["url"] = m.group(1)
+            if m := re.search(r"API key: +(\S+)", line):
+                found["key"] = m.group(1)
+
+    threading.Thread(target=reader, daemon=True).start()
+    try:
+        wait_for(
+            lambda: ("url" in found and "key" in found) or proc.poll() is not None,
+            timeout=120,
+            what="llmgw up banner",
+        )
+    except AssertionError:
+        stop_process(proc, signal.SIGKILL)  # type: ignore[arg-type]
+        raise AssertionError("".join(lines)) from None
+    assert proc.poll() is None, "".join(lines)
+    return Up(proc, state_dir, found["url"], found["key"], lines)

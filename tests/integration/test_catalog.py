@@ -18,6 +18,7 @@ import pytest
 from tests.integration.harness import (
     LLMGW,
     Agent,
+    Client,
     Server,
     make_agent,
     start_agent,
@@ -25,7 +26,6 @@ from tests.integration.harness import (
     stop_process,
     wait_for,
 )
-from tests.integration.test_node_service import Client
 
 pytestmark = pytest.mark.integration
 

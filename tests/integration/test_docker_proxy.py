@@ -25,23 +25,20 @@ import pytest
 from llmgw.agent.runtimes.base import ShardRecord
 from llmgw.agent.runtimes.containers import LABEL_NODE, LABEL_SHARD
 from llmgw.agent.runtimes.docker import DockerRuntime
-from tests.integration.test_docker_runtime import (
+from tests.ci import unavailable
+from tests.integration.docker_engine import (
     NODE,
-    api,
+    WAIT_S,
     gone,
-    image,
+    serve_one_replica,
     sim_launch,
-    unavailable,
+    wait_adopted,
     wait_healthy,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-# Fixtures, used by name.
-__all__ = ["api", "image"]
-
 ROOT = Path(__file__).resolve().parents[2]
-WAIT_S = 30.0
 
 
 @pytest.fixture
@@ -243,8 +240,6 @@ def test_an_agent_with_docker_host_serves_through_the_proxy(
     not one of the agent's calls refused."""
     import signal
 
-    import openai
-
     from tests.integration.harness import make_agent, start_agent, start_server, stop_process
 
     server = start_server(tmp_path)
@@ -260,36 +255,13 @@ def test_an_agent_with_docker_host_serves_through_the_proxy(
         },
     )
     try:
-        start_agent(agent)
-        deadline = time.monotonic() + WAIT_S
-        while not any(n["connected"] for n in server.nodes()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        server.approve_pending(1)
-        server.api("POST", "/api/models", {"name": "boxed", "engine": "sim", "replicas": 1})
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            rows = server.replicas("boxed")
-            if rows and rows[0]["routable"]:
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError(f"no routable replica: {server.replicas('boxed')}\n{agent.log()}")
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key())
-        out = client.chat.completions.create(
-            model="boxed", messages=[{"role": "user", "content": "hi"}]
-        )
-        assert out.choices[0].message.content
+        serve_one_replica(server, agent)
         (container,) = api.containers(filters={"label": [f"{LABEL_NODE}={node}"]})
         assert agent.proc is not None
         stop_process(agent.proc, signal.SIGKILL)
         agent_restarted = "ts=" + time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
         start_agent(agent)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            rows = server.replicas("boxed")
-            if rows and rows[0]["routable"] and "shards after restart" in agent.log():
-                break
-            time.sleep(0.2)
+        wait_adopted(server, agent)
         assert [c["Id"] for c in api.containers(filters={"label": [f"{LABEL_NODE}={node}"]})] == [
             container["Id"]
         ]

@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
 import time
-import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import docker
-import docker.errors
-import docker.utils
 import pytest
 
 from llmgw.agent.runtimes.base import Handle, Launch, ShardRecord
@@ -37,96 +30,22 @@ from llmgw.agent.runtimes.docker import DockerRuntime
 from llmgw.agent.shards import ShardSpec, pick_port
 from llmgw.errors import ShardError
 from tests.ci import unavailable
+from tests.integration.docker_engine import (
+    CLUSTER,
+    NODE,
+    WAIT_S,
+    gone,
+    health,
+    serve_one_replica,
+    sim_launch,
+    wait_adopted,
+    wait_healthy,
+)
 
 # The first test may build the image (debootstrap, about 1.5 min) when nothing is cached.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
-IMAGE_ENV = "LLMGW_TEST_DOCKER_IMAGE"
-DEFAULT_IMAGE = "llmgw-test-engine:local"
-NODE = f"dtest-{uuid.uuid4().hex[:8]}"  # this run's containers; runs may share a dockerd
-CLUSTER = "test-cluster"
-WAIT_S = 30.0
-
-
-@pytest.fixture(scope="module")
-def api() -> Iterator[Any]:
-    try:
-        client = docker.APIClient(version="auto", **docker.utils.kwargs_from_env())
-    except docker.errors.DockerException as exc:
-        unavailable(f"dockerd is not reachable ({exc}); start it: dockerd >/tmp/dockerd.log 2>&1 &")
-    # What earlier runs that were killed left behind: ended and older than any test run.
-    stale = client.containers(
-        all=True, filters={"label": [LABEL_NODE], "status": ["created", "exited", "dead"]}
-    )
-    for c in stale:
-        if c["Labels"][LABEL_NODE].startswith("dtest-") and c["Created"] < time.time() - 600:
-            client.remove_container(c["Id"], force=True)
-    try:
-        yield client
-    finally:
-        for c in client.containers(all=True, filters={"label": [f"{LABEL_NODE}={NODE}"]}):
-            client.remove_container(c["Id"], force=True)
-        client.close()
-
-
-@pytest.fixture(scope="module")
-def image(api: Any) -> str:
-    name = os.environ.get(IMAGE_ENV)
-    if name:
-        try:
-            api.inspect_image(name)
-        except docker.errors.ImageNotFound:
-            unavailable(f"${IMAGE_ENV} names {name}, which is not on this node")
-        return name
-    build = subprocess.run(
-        [str(ROOT / "scripts" / "docker-test-image.sh"), DEFAULT_IMAGE],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    if build.returncode != 0:
-        unavailable(f"could not build the test image: {build.stderr.strip()[-600:]}")
-    return DEFAULT_IMAGE
-
-
-def sim_launch(tmp_path: Path, image: str, shard_id: str, **kwargs: Any) -> Launch:
-    spec = ShardSpec(shard_id=shard_id, replica_id="r1", model="sim-model", engine="sim")
-    return launch_for(
-        spec,
-        port=pick_port(),
-        log_path=tmp_path / "logs" / f"{shard_id}.log",
-        node_id=NODE,
-        cluster_id=CLUSTER,
-        images={"sim": image},
-        **kwargs,
-    )
-
-
-def health(port: int) -> int | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-            return int(resp.status)
-    except OSError:
-        return None
-
-
-def wait_healthy(port: int) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        if health(port) == 200:
-            return
-        time.sleep(0.1)
-    pytest.fail(f"the sim in the container did not answer /health on 127.0.0.1:{port}")
-
-
-def gone(api: Any, container_id: str) -> bool:
-    try:
-        api.inspect_container(container_id)
-    except docker.errors.NotFound:
-        return True
-    return False
 
 
 def test_sim_in_a_container_is_published_on_loopback_only(
@@ -378,7 +297,6 @@ def test_agent_with_the_docker_runtime_serves_through_the_gateway(
     api: Any, image: str, tmp_path: Path
 ) -> None:
     """The whole path: gateway -> agent data plane -> engine in a container, then adoption."""
-    import openai
 
     from tests.integration.harness import make_agent, start_agent, start_server, stop_process
 
@@ -395,25 +313,7 @@ def test_agent_with_the_docker_runtime_serves_through_the_gateway(
         },
     )
     try:
-        start_agent(agent)
-        deadline = time.monotonic() + WAIT_S
-        while not any(n["connected"] for n in server.nodes()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        server.approve_pending(1)
-        server.api("POST", "/api/models", {"name": "boxed", "engine": "sim", "replicas": 1})
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            rows = server.replicas("boxed")
-            if rows and rows[0]["routable"]:
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError(f"no routable replica: {server.replicas('boxed')}\n{agent.log()}")
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key())
-        out = client.chat.completions.create(
-            model="boxed", messages=[{"role": "user", "content": "hi"}]
-        )
-        assert out.choices[0].message.content
+        serve_one_replica(server, agent)
         (container,) = api.containers(filters={"label": [f"{LABEL_NODE}={node}"]})
         labels = container["Labels"]
         assert labels["llmgw.shard"] == server.replicas("boxed")[0]["shard"]
@@ -422,12 +322,7 @@ def test_agent_with_the_docker_runtime_serves_through_the_gateway(
         assert agent.proc is not None
         stop_process(agent.proc, signal.SIGKILL)
         start_agent(agent)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            rows = server.replicas("boxed")
-            if rows and rows[0]["routable"] and "shards after restart" in agent.log():
-                break
-            time.sleep(0.2)
+        wait_adopted(server, agent)
         assert [c["Id"] for c in api.containers(filters={"label": [f"{LABEL_NODE}={node}"]})] == [
             container["Id"]
         ]

@@ -37,7 +37,6 @@ from tests.integration.harness import (
     Agent,
     Server,
     start_agent,
-    start_server,
     start_server_with,
     stop_process,
     wait_for,
@@ -324,15 +323,6 @@ def nodes() -> Iterator[Nodes]:
         yield started
     finally:
         started.stop_all()
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    srv = start_server(tmp_path)
-    try:
-        yield srv
-    finally:
-        stop_process(srv.proc)
 
 
 def wait_connected(server: Server, n: Node, *, state: str | None = None) -> dict[str, Any]:

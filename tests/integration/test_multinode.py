@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,9 @@ import pytest
 from tests.integration.harness import (
     LLMGW,
     Agent,
+    alive,
     free_port,
+    listening,
     make_agent,
     start_agent,
     start_server,
@@ -140,20 +141,6 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         c.close()
 
 
-def _listening(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(1.0)
-        return s.connect_ex((host, port)) == 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _complete(client: openai.OpenAI) -> str:
     done = client.completions.create(model="wide", prompt="hello there", max_tokens=4)
     assert done.model == "wide"
@@ -206,8 +193,8 @@ def test_two_node_replica_on_one_fabric_rebuilt_after_its_worker_dies(cluster: C
         record = a.shard_records()[rank0["shard"]]
         dist_host, dist_port = record["dist_init_addr"].rsplit(":", 1)
         assert dist_host == "127.0.0.2"
-        assert _listening(dist_host, int(dist_port))
-        assert not _listening("127.0.0.1", record["port"])
+        assert listening(int(dist_port), dist_host)
+        assert not listening(record["port"])
         assert c.shards()[0]["state"] == "starting"
         with pytest.raises(openai.APIStatusError) as info:
             _complete(client)
@@ -222,7 +209,7 @@ def test_two_node_replica_on_one_fabric_rebuilt_after_its_worker_dies(cluster: C
     # Kill the worker's engine: rank 0 notices and exits, and the replica is rebuilt.
     worker_pid, rank0_pid = first[1]["pid"], first[0]["pid"]
     os.kill(worker_pid, signal.SIGKILL)
-    wait_for(lambda: not _alive(rank0_pid), timeout=30, what="rank 0 to exit")
+    wait_for(lambda: not alive(rank0_pid), timeout=30, what="rank 0 to exit")
     second = _ready_replica(c, old=first[0]["replica"])
     assert {s["node"] for s in second} == {"mn-a", "mn-b"}
     assert worker_pid not in {s["pid"] for s in second}

@@ -23,6 +23,7 @@ import pytest
 from tests.integration.harness import (
     LLMGW,
     Agent,
+    Client,
     Server,
     make_agent,
     start_agent,
@@ -73,47 +74,6 @@ def _routable(server: Server, model: str, node: str) -> dict[str, object] | None
         if r["node"] == node and r["routable"]:
             return r
     return None
-
-
-class Client(threading.Thread):
-    """Sends requests through the gateway until stopped, alternating streamed and not."""
-
-    def __init__(self, base_url: str, key: str, model: str, *, streams: bool = True) -> None:
-        super().__init__(daemon=True)
-        self.streams = streams
-        self.client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30)
-        self.model = model
-        self.stop = threading.Event()
-        self.ok = 0
-        self.failures: list[str] = []
-
-    def run(self) -> None:
-        i = 0
-        while not self.stop.is_set() and i < 100_000:
-            i += 1
-            try:
-                if i % 2 or not self.streams:
-                    out = self.client.chat.completions.create(
-                        model=self.model,
-                        messages=[{"role": "user", "content": f"q{i}"}],
-                        max_tokens=8,
-                    )
-                    assert out.choices[0].message.content
-                else:
-                    text = "".join(
-                        c.choices[0].delta.content or ""
-                        for c in self.client.chat.completions.create(
-                            model=self.model,
-                            messages=[{"role": "user", "content": f"s{i}"}],
-                            max_tokens=8,
-                            stream=True,
-                        )
-                        if c.choices
-                    )
-                    assert text
-                self.ok += 1
-            except Exception as exc:
-                self.failures.append(f"request {i}: {type(exc).__name__}: {exc}")
 
 
 def test_twenty_agent_restarts_keep_every_engine_and_lose_no_request(pair: Pair) -> None:

@@ -10,14 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import LLMGW, make_agent, start_server, stop_process, wait_for
+from tests.integration.harness import (
+    LLMGW,
+    listening,
+    make_agent,
+    start_server,
+    stop_process,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_ready_after_stream_and_dataplane_then_status_and_watchdog(tmp_path: Path) -> None:
@@ -47,7 +49,7 @@ def test_ready_after_stream_and_dataplane_then_status_and_watchdog(tmp_path: Pat
             messages.extend((time.monotonic(), line) for line in data.splitlines())
 
     try:
-        wait_for(lambda: _listening(agent.dataplane_port), what="data plane listening")
+        wait_for(lambda: listening(agent.dataplane_port), what="data plane listening")
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
             drain()

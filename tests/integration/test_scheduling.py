@@ -14,6 +14,7 @@ import pytest
 from tests.integration.harness import (
     LLMGW,
     Agent,
+    Client,
     Server,
     make_agent,
     start_agent,
@@ -21,7 +22,6 @@ from tests.integration.harness import (
     stop_process,
     wait_for,
 )
-from tests.integration.test_node_service import Client
 
 pytestmark = pytest.mark.integration
 

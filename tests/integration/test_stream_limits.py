@@ -13,7 +13,7 @@ import json
 import sqlite3
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +29,7 @@ from llmgw.agent.join import join
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.intake import HELLO_RATE
-from tests.integration.harness import Server, start_server, stop_process, wait_for
+from tests.integration.harness import Server, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -38,15 +38,6 @@ MB = 1024 * 1024
 # 92 MB before the limits.
 DB_BOUND = 4 * MB
 EVENTS_BOUND = 256 * 1024
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    srv = start_server(tmp_path)
-    try:
-        yield srv
-    finally:
-        stop_process(srv.proc)
 
 
 @dataclass

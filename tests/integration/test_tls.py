@@ -34,7 +34,7 @@ from llmgw.server.app import ControlPlane
 from llmgw.server.config import load_server_config
 from llmgw.server.leadership import LEADER_HTTP
 from tests.ci import require_tools
-from tests.unit.server.test_bundles import make_bundle, run_one_liner
+from tests.oneliner import make_bundle, run_one_liner
 
 
 def run_cp(tmp: Path, body: Callable[[ControlPlane], Awaitable[None]], **settings: object) -> None:

@@ -8,81 +8,29 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.integration.harness import LLMGW, free_port, stop_process, wait_for
+from tests.integration.harness import (
+    LLMGW,
+    Up,
+    alive,
+    cmdline,
+    start_up,
+    stop_process,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
 
-@dataclass
-class Up:
-    proc: subprocess.Popen[str]
-    state_dir: Path
-    base_url: str
-    api_key: str
-    output: list[str]
-
-
-def _start_up(state_dir: Path) -> Up:
-    env = dict(os.environ, XDG_CONFIG_HOME=str(state_dir / "xdg"), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [
-            *LLMGW,
-            "up",
-            "--state-dir",
-            str(state_dir),
-            "--port",
-            str(free_port()),
-            "--grpc-port",
-            "0",
-            "--agent-port",
-            "0",
-            "--enroll-port",
-            "0",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    lines: list[str] = []
-    found: dict[str, str] = {}
-    assert proc.stdout is not None
-    stdout = proc.stdout
-
-    def reader() -> None:
-        for line in stdout:
-            lines.append(line)
-            if m := re.search(r"OpenAI base URL: (\S+)", line):
-                found["url"] = m.group(1)
-            if m := re.search(r"API key: +(\S+)", line):
-                found["key"] = m.group(1)
-
-    threading.Thread(target=reader, daemon=True).start()
-    try:
-        wait_for(
-            lambda: ("url" in found and "key" in found) or proc.poll() is not None,
-            timeout=120,
-            what="llmgw up banner",
-        )
-    except AssertionError:
-        stop_process(proc, signal.SIGKILL)
-        raise AssertionError("".join(lines)) from None
-    assert proc.poll() is None, "".join(lines)
-    return Up(proc, state_dir, found["url"], found["key"], lines)
-
-
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    cluster = _start_up(tmp_path_factory.mktemp("up"))
+    cluster = start_up(tmp_path_factory.mktemp("up"))
     try:
         yield cluster
     finally:
@@ -193,17 +141,8 @@ def test_metrics_count_requests_tokens_and_ttft(up: Up) -> None:
     assert "llmgw_request_duration_seconds_bucket" in text
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for our purposes only once reaped; report it as alive.
-    return True
-
-
 def test_ctrl_c_leaves_no_process_and_second_up_reuses_ca_and_key(tmp_path: Path) -> None:
-    first = _start_up(tmp_path / "state")
+    first = start_up(tmp_path / "state")
     ca_before = (tmp_path / "state" / "server" / "pki" / "ca.crt").read_bytes()
     import json
 
@@ -213,22 +152,22 @@ def test_ctrl_c_leaves_no_process_and_second_up_reuses_ca_and_key(tmp_path: Path
     agent_pids = [
         int(p)
         for p in os.listdir("/proc")
-        if p.isdigit() and _cmdline(int(p)).count(str(tmp_path / "state" / "agent" / "agent.yaml"))
+        if p.isdigit() and cmdline(int(p)).count(str(tmp_path / "state" / "agent" / "agent.yaml"))
     ]
     assert agent_pids
     code = stop_process(first.proc, signal.SIGINT, timeout=60)
     assert code == 0, "".join(first.output)
     assert "stopped." in "".join(first.output)
     for pid in engine_pids + agent_pids:
-        wait_for(lambda pid=pid: not _alive(pid), timeout=10, what=f"process {pid} to exit")
+        wait_for(lambda pid=pid: not alive(pid), timeout=10, what=f"process {pid} to exit")
     leftovers = [
-        f"{p}: {_cmdline(int(p))}"
+        f"{p}: {cmdline(int(p))}"
         for p in os.listdir("/proc")
-        if p.isdigit() and str(tmp_path) in _cmdline(int(p))
+        if p.isdigit() and str(tmp_path) in cmdline(int(p))
     ]
     assert leftovers == []
 
-    second = _start_up(tmp_path / "state")
+    second = start_up(tmp_path / "state")
     try:
         assert (tmp_path / "state" / "server" / "pki" / "ca.crt").read_bytes() == ca_before
         assert second.api_key == first.api_key
@@ -262,17 +201,8 @@ def test_up_refuses_a_state_dir_in_use(up: Up) -> None:
     assert f"another 'llmgw up' is running on {up.state_dir}" in out.stderr
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return (
-            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        )
-    except OSError:
-        return ""
-
-
 def test_sigterm_stops_it_too(tmp_path: Path) -> None:
-    cluster = _start_up(tmp_path / "s")
+    cluster = start_up(tmp_path / "s")
     started = time.monotonic()
     assert stop_process(cluster.proc, signal.SIGTERM, timeout=60) == 0
     assert time.monotonic() - started < 60

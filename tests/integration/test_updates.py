@@ -8,11 +8,9 @@ The helper's verdict travels back over the stream into ``llmgw ctl nodes``."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import subprocess
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ from tests.integration.harness import (
     stop_process,
     wait_for,
 )
+from tests.tarballs import write_bundle
 
 pytestmark = pytest.mark.integration
 
@@ -56,19 +55,8 @@ def make_bundle(directory: Path, version: str, marker: Path) -> Path:
         "llmgw": (f"#!/bin/sh\necho 'llmgw {version}'\n".encode(), 0o755),
         "README.md": (b"test bundle\n", 0o644),
     }
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w:gz") as tar:
-        info = tarfile.TarInfo(top)
-        info.type, info.mode = tarfile.DIRTYPE, 0o755
-        tar.addfile(info)
-        for name, (data, mode) in files.items():
-            info = tarfile.TarInfo(f"{top}/{name}")
-            info.size, info.mode = len(data), mode
-            tar.addfile(info, io.BytesIO(data))
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{top}.tar.gz"
-    path.write_bytes(raw.getvalue())
-    return path
+    return write_bundle(directory / f"{top}.tar.gz", top, files)
 
 
 @dataclass

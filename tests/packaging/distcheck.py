@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -97,23 +96,6 @@ def current_dist(arch: str) -> Dist:
     return dist
 
 
-@pytest.fixture(scope="session")
-def dist_x64() -> Dist:
-    """The x64 build, current with these sources."""
-    return current_dist("x64")
-
-
-@pytest.fixture(scope="session")
-def dist_arm64() -> Dist:
-    """The arm64 build (`make dist ARCH=arm64`, slow the first time: emulated), current with
-    these sources; .ci/run builds it, and LLMGW_TEST_ARM64=1 demands it outside CI too."""
-    if os.environ.get("LLMGW_TEST_ARM64") == "1" and not dist_for("arm64").onefile.is_file():
-        pytest.fail(
-            "no dist/llmgw-linux-arm64; LLMGW_TEST_ARM64=1 asks for it: make dist ARCH=arm64"
-        )
-    return current_dist("arm64")
-
-
 def root_rootfs(suite: str, deb_arch: str) -> Path:
     """A cached minbase rootfs (scripts/debian-rootfs.sh); needs root the first time."""
     if os.geteuid() != 0 or shutil.which("chroot") is None or shutil.which("unshare") is None:
@@ -127,11 +109,6 @@ def root_rootfs(suite: str, deb_arch: str) -> Path:
     if result.returncode != 0:
         pytest.fail(f"scripts/debian-rootfs.sh {suite} {deb_arch} failed:\n{result.stderr}")
     return Path(result.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="session")
-def bullseye_amd64() -> Path:
-    return root_rootfs("bullseye", "amd64")
 
 
 def run_in_rootfs(rootfs: Path, program: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -161,25 +138,3 @@ def run_in_rootfs(rootfs: Path, program: Path, *args: str) -> subprocess.Complet
         )
     finally:
         shutil.rmtree(place, ignore_errors=True)
-
-
-@pytest.fixture
-def noexec_dir(tmp_path: Path) -> Iterator[Path | None]:
-    """A tmpfs mounted noexec (root only; None otherwise), unmounted afterwards."""
-    target = tmp_path / "noexec"
-    target.mkdir()
-    if os.geteuid() != 0:
-        yield None
-        return
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "noexec,size=256m", "tmpfs", str(target)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        yield None
-        return
-    try:
-        yield target
-    finally:
-        subprocess.run(["umount", "-l", str(target)], check=False)

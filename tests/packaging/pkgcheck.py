@@ -15,20 +15,22 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
-from tests.ci import require_tools, unavailable
+from tests.ci import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = Path(__file__).with_name("standin_llmgw.py")
+UNITS = ROOT / "systemd"
 PREVIOUS = "0.0.9"  # the stand-in's "N-1"
 CURRENT = "0.1.0"  # the stand-in's "N"
-IMAGE_ENV = "LLMGW_TEST_SYSTEMD_IMAGE"
-DEFAULT_IMAGE = "llmgw-test-systemd:local"
+# The systemd images the container tests boot, by Debian suite: the environment variable that
+# names a prebuilt one (.ci/run builds them), and the name of one built here.
+SYSTEMD_IMAGES = {
+    "bookworm": ("LLMGW_TEST_SYSTEMD_IMAGE", "llmgw-test-systemd:local"),
+    "bullseye": ("LLMGW_TEST_SYSTEMD_IMAGE_BULLSEYE", "llmgw-test-systemd-bullseye:local"),
+}
 MOUNT = "/pkgs"  # where a container sees the test's packages and repositories (read-only)
 
 # What runs a systemd container: --privileged where it works, else the capability set
@@ -54,21 +56,6 @@ PRIVILEGE_VARIANTS = (
 )
 RUN_LABEL = "llmgw.test-packaging"
 STALE_AFTER_S = 1800  # a container this old was left by a killed run
-
-
-__all__ = [
-    "container",
-    "packages_root",
-    "require",
-    "standin_packages",
-    "systemd_image",
-    "unavailable",
-]
-
-
-def require(*tools: str) -> None:
-    """Every tool in PATH, else skip (fail under CI) naming the Debian packages."""
-    require_tools(*tools)
 
 
 def run(
@@ -138,27 +125,53 @@ def build_packages(binary: Path, out: Path, *, version: str | None = None) -> li
     return [Path(line) for line in result.stdout.split()]
 
 
-@pytest.fixture(scope="session")
-def packages_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The directory containers see at MOUNT: packages of both versions, repositories."""
-    return tmp_path_factory.mktemp("packages")
+# ------------------------------------------------------------------------- units
 
 
-@pytest.fixture(scope="session")
-def standin_packages(packages_root: Path) -> dict[str, Packages]:
-    """The four packages around the stand-in, for PREVIOUS and CURRENT."""
-    require("dpkg-deb")
-    built = {}
-    for version in (PREVIOUS, CURRENT):
-        payload = make_standin(packages_root / f"standin-{version}", version)
-        out = packages_root / f"v{version}"
-        files = build_packages(payload, out)
-        assert len(files) == 4, files
-        built[version] = Packages(version, out)
-    return built
+def unit_files() -> list[Path]:
+    return sorted(p for p in UNITS.iterdir() if p.suffix in (".service", ".path", ".timer"))
+
+
+def stand_in_units(tmp_path: Path) -> list[Path]:
+    """Copies of the units whose ExecStart names a stand-in program that exists here (verify
+    checks it exists); every other line is the shipped one."""
+    program = tmp_path / "llmgw"
+    program.write_text("#!/bin/sh\necho 'llmgw 0.1.0'\n")
+    program.chmod(0o755)
+    copies = []
+    for unit in unit_files():
+        copy = tmp_path / unit.name
+        shipped = unit.read_text()
+        for shipped_program in ("/usr/bin/llmgw", "/usr/local/lib/llmgw-agent/llmgw"):
+            shipped = shipped.replace(f"ExecStart={shipped_program} ", f"ExecStart={program} ")
+        copy.write_text(shipped)
+        copies.append(copy)
+    return copies
 
 
 # ------------------------------------------------------------------------- containers
+
+
+def systemd_image_of(suite: str) -> str:
+    """The suite's systemd image: the one its environment variable names, else built here
+    (scripts/systemd-test-image.sh, debootstrap once); unavailable when neither can be had."""
+    env, default = SYSTEMD_IMAGES[suite]
+    name = os.environ.get(env)
+    if name:
+        inspect = ["docker", "image", "inspect", name]
+        if subprocess.run(inspect, capture_output=True, check=False).returncode != 0:
+            unavailable(f"${env} names {name}, which is not on this machine")
+        return name
+    build = subprocess.run(
+        [str(ROOT / "scripts" / "systemd-test-image.sh"), "--suite", suite, default],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if build.returncode != 0:
+        unavailable(f"could not build the {suite} systemd image: {build.stderr.strip()[-600:]}")
+    return default
 
 
 def remove_stale_containers() -> None:
@@ -173,31 +186,6 @@ def remove_stale_containers() -> None:
         started = name.split("-")[2] if name.count("-") >= 3 else ""
         if started.isdigit() and int(started) < time.time() - STALE_AFTER_S:
             subprocess.run(["docker", "rm", "-f", name], capture_output=True, check=False)
-
-
-@pytest.fixture(scope="session")
-def systemd_image() -> str:
-    """$LLMGW_TEST_SYSTEMD_IMAGE (.ci/run builds it), else built here (debootstrap once)."""
-    require("docker")
-    if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode != 0:
-        unavailable("dockerd is not reachable; start it: dockerd >/var/log/dockerd.log 2>&1 &")
-    remove_stale_containers()
-    name = os.environ.get(IMAGE_ENV)
-    if name:
-        inspect = ["docker", "image", "inspect", name]
-        if subprocess.run(inspect, capture_output=True, check=False).returncode != 0:
-            unavailable(f"${IMAGE_ENV} names {name}, which is not on this machine")
-        return name
-    build = subprocess.run(
-        [str(ROOT / "scripts" / "systemd-test-image.sh"), DEFAULT_IMAGE],
-        capture_output=True,
-        text=True,
-        timeout=780,
-        check=False,
-    )
-    if build.returncode != 0:
-        unavailable(f"could not build the systemd image: {build.stderr.strip()[-600:]}")
-    return DEFAULT_IMAGE
 
 
 class Container:
@@ -300,13 +288,3 @@ class Container:
 
     def remove(self) -> None:
         subprocess.run(["docker", "rm", "-f", self.name], capture_output=True, check=False)
-
-
-@pytest.fixture
-def container(systemd_image: str, packages_root: Path) -> Iterator[Container]:
-    """A fresh systemd container that sees ``packages_root`` at MOUNT."""
-    booted = Container.boot(systemd_image, packages_root)
-    try:
-        yield booted
-    finally:
-        booted.remove()

@@ -22,6 +22,7 @@ import yaml
 
 from llmgw.agent import config as agent_config
 from llmgw.agent.config import load_agent_config
+from llmgw.agent.dockerproxy import DEFAULT_LISTEN
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALLER = ROOT / "installer" / "install-agent.sh"
@@ -371,3 +372,36 @@ def test_the_agent_may_write_its_spool_but_never_the_trusted_ca() -> None:
         assert not covered(path, states), f"{path} is under the agent's StateDirectory="
     config_dir = PurePosixPath(str(agent_config.DEFAULT_AGENT_CONFIG)).parent
     assert not covered(config_dir, writable), "the agent may rewrite its own configuration"
+
+
+def test_the_proxy_is_named_alike_everywhere_and_no_package_joins_docker() -> None:
+    settings = installer_settings()
+    assert settings["PROXY_SOCKET"] == str(DEFAULT_LISTEN)
+    # What uninstall (and the packages' purge) remove: the unit's state directory, where a
+    # one-file build unpacks itself, as DynamicUser= keeps it.
+    unit_text = (ROOT / "systemd" / settings["PROXY_UNIT"]).read_text()
+    state = unit_text.split("\nStateDirectory=", 1)[1].split()[0]
+    expected = {f"/var/lib/{state}", f"/var/lib/private/{state}"}
+    (proxy_state,) = re.findall(r'^PROXY_STATE="([^"]*)"$', INSTALLER.read_text(), re.M)
+    assert set(proxy_state.split()) == expected
+    assert expected <= set(render_calls()["llmgw-agent"]["purge_dirs"].split())
+    unit = settings["PROXY_UNIT"]
+    assert (ROOT / "systemd" / unit).is_file()
+    # The packages ship the unit (not enabled) and never put the agent in the docker group.
+    agent = render_calls()["llmgw-agent"]
+    assert "docker" not in agent["extra_groups"].split()
+    # Restarted on upgrades (it runs the package's program) and stopped on removal.
+    assert agent["companion_units"] == unit
+    for script in ("deb/postinst", "deb/prerm", "rpm/preun", "rpm/postun"):
+        assert "$COMPANION_UNITS" in (ROOT / "packaging" / script).read_text(), script
+    recipe = (ROOT / "packaging" / "nfpm-agent.yaml").read_text()
+    for vendor_dir in ("/lib/systemd/system", "/usr/lib/systemd/system"):
+        assert f"dst: {vendor_dir}/{unit}" in recipe
+    packages_sh = (ROOT / "scripts" / "packages.sh").read_text()
+    (loop,) = [line for line in packages_sh.split("\n    for unit in ")[1:2]]
+    assert unit in loop.split("; do")[0]
+    # The one place the installer adds the agent to docker is --docker-group's.
+    text = INSTALLER.read_text()
+    assert text.count("usermod -aG docker") == 1
+    group_branch = text.split('if [ "$DOCKER" = group ]; then', 1)[1].split("elif", 1)[0]
+    assert "usermod -aG docker" in group_branch

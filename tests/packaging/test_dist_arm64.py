@@ -9,17 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .distcheck import (
-    GLIBC_FLOOR,
-    Dist,
-    dist_arm64,
-    load_packaging_module,
-    root_rootfs,
-    run_in_rootfs,
-    version,
-)
-
-__all__ = ["dist_arm64"]  # a fixture, used by name
+from .distcheck import GLIBC_FLOOR, Dist, load_packaging_module, root_rootfs, run_in_rootfs, version
 
 elfinfo = load_packaging_module("elfinfo")
 EM_AARCH64 = 183

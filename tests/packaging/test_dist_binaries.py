@@ -19,10 +19,9 @@ from typing import Any
 
 import pytest
 
-from .distcheck import Dist, dist_x64, load_packaging_module, noexec_dir, version
-from .pkgcheck import require, unavailable
+from tests.ci import require_tools, unavailable
 
-__all__ = ["dist_x64", "noexec_dir"]  # fixtures, used by name
+from .distcheck import Dist, load_packaging_module, version
 
 report = load_packaging_module("report")
 NOBODY = 65534  # the unprivileged user the candidate-list tests run as when we are root
@@ -320,7 +319,7 @@ def test_as_root_a_safe_tmpdir_is_used(dist_x64: Dist, tmp_path: Path) -> None:
 
 def test_as_root_without_a_safe_place_it_refuses_to_unpack(dist_x64: Dist) -> None:
     require_root()
-    require("unshare")
+    require_tools("unshare")
     # In a mount namespace of its own: /tmp and /var/tmp noexec, $TMPDIR a folder of nobody's.
     script = (
         # The binary first goes where those mounts cannot hide it (a checkout may be in /tmp).

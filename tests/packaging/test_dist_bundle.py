@@ -19,9 +19,7 @@ from llmgw.agent import config as agent_config
 from llmgw.agent.config import load_agent_config
 from tests.ci import require_tools
 
-from .distcheck import ROOT, Dist, dist_x64, load_packaging_module, version
-
-__all__ = ["dist_x64"]  # a fixture, used by name
+from .distcheck import ROOT, Dist, load_packaging_module, version
 
 bundle = load_packaging_module("bundle")
 BUILDER = ROOT / "packaging" / "bundle.py"

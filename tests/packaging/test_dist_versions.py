@@ -20,17 +20,7 @@ import pytest
 
 from tests.ci import CI
 
-from .distcheck import (
-    DIST,
-    ROOT,
-    Dist,
-    dist_x64,
-    load_packaging_module,
-    missing,
-    version,
-)
-
-__all__ = ["dist_x64"]  # fixtures, used by name
+from .distcheck import DIST, ROOT, Dist, load_packaging_module, missing, version
 
 bundle = load_packaging_module("bundle")
 DIST_SH = ROOT / "scripts" / "dist.sh"

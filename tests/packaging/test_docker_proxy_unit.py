@@ -20,19 +20,9 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.dockerproxy import DEFAULT_LISTEN
+from tests.ci import unavailable
 
-from .pkgcheck import (
-    COMMON_RUN,
-    PRIVILEGE_VARIANTS,
-    ROOT,
-    RUN_LABEL,
-    Container,
-    systemd_image,
-    unavailable,
-)
-
-# Fixtures, used by name.
-__all__ = ["systemd_image"]
+from .pkgcheck import COMMON_RUN, PRIVILEGE_VARIANTS, ROOT, RUN_LABEL, Container
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,17 +13,7 @@ import pytest
 
 from tests.ci import require_tools, unavailable
 
-from .distcheck import (
-    GLIBC_FLOOR,
-    Dist,
-    bullseye_amd64,
-    dist_x64,
-    load_packaging_module,
-    run_in_rootfs,
-    version,
-)
-
-__all__ = ["bullseye_amd64", "dist_x64"]  # fixtures, used by name
+from .distcheck import GLIBC_FLOOR, Dist, load_packaging_module, run_in_rootfs, version
 
 elfinfo = load_packaging_module("elfinfo")
 

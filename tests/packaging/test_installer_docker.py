@@ -7,7 +7,6 @@ dry run's."""
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -15,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.dockerproxy import DEFAULT_LISTEN
+from tests.ci import require_tools
 
-from .pkgcheck import ROOT, require
+from .pkgcheck import ROOT
 
 INSTALLER = ROOT / "installer" / "install-agent.sh"
 
@@ -30,8 +30,8 @@ def run_installer(
     mode: str = "tarball",
 ) -> subprocess.CompletedProcess[str]:
     """parse_args ARGS, then configure_docker and start_docker_proxy, as configure_and_start
-    calls them; prints configure_docker's status as 'changed=0|1'."""
-    require("sh")
+    calls them; prints what configure_docker changed as 'changed=yes|no restart=yes|no'."""
+    require_tools("sh")
     body = INSTALLER.read_text().rsplit("\nmain ", 1)[0]  # everything but the call of main
     calls = tmp_path / "calls"
     script = f"""
@@ -52,8 +52,9 @@ getent() {{ [ "$2" != docker ] || {"true" if docker_group else "false"}; }}
 id() {{ echo {shlex.quote(groups)}; }}
 mode_recorded() {{ echo {mode}; }}
 parse_args {args}
-DOCKER_CHANGED=""
-if configure_docker; then DOCKER_CHANGED=1; echo changed=1; else echo changed=0; fi
+RESTART=no DOCKER_CHANGED=no
+configure_docker
+echo "changed=$DOCKER_CHANGED restart=$RESTART"
 start_docker_proxy
 """
     return subprocess.run(
@@ -74,7 +75,7 @@ def calls_of(tmp_path: Path) -> list[str]:
 @pytest.fixture(autouse=True)
 def as_root() -> None:
     if os.geteuid() != 0:
-        from .pkgcheck import unavailable
+        from tests.ci import unavailable
 
         unavailable("the installer's put_file chowns to root: run the tests as root")
 
@@ -82,7 +83,7 @@ def as_root() -> None:
 def test_docker_gives_the_proxy_s_socket_not_the_docker_group(tmp_path: Path) -> None:
     result = run_installer(tmp_path, "install --docker")
     assert result.returncode == 0, result.stderr
-    assert "changed=1" in result.stdout
+    assert "changed=yes restart=yes" in result.stdout
     dropin = (tmp_path / "units" / "llmgw-agent.service.d" / "20-docker.conf").read_text()
     assert f"Environment=DOCKER_HOST=unix://{DEFAULT_LISTEN}" in dropin
     assert "Wants=llmgw-docker-proxy.service" in dropin
@@ -100,7 +101,7 @@ def test_docker_gives_the_proxy_s_socket_not_the_docker_group(tmp_path: Path) ->
     # The same install again changes nothing (the proxy is not restarted when it runs).
     (tmp_path / "calls").unlink()
     again = run_installer(tmp_path, "install --docker")
-    assert again.returncode == 0 and "changed=0" in again.stdout, again.stderr
+    assert again.returncode == 0 and "changed=no restart=no" in again.stdout, again.stderr
 
 
 def test_docker_takes_the_agent_out_of_the_docker_group(tmp_path: Path) -> None:
@@ -117,7 +118,7 @@ def test_without_docker_the_agent_has_no_docker_access(tmp_path: Path) -> None:
     (tmp_path / "calls").unlink()
     result = run_installer(tmp_path, "install", groups="llmgw-agent docker")
     assert result.returncode == 0, result.stderr
-    assert "changed=1" in result.stdout
+    assert "changed=yes restart=yes" in result.stdout
     calls = calls_of(tmp_path)
     assert "gpasswd -d llmgw-agent docker" in calls
     assert "systemctl disable --now llmgw-docker-proxy.service" in calls
@@ -129,7 +130,7 @@ def test_without_docker_the_agent_has_no_docker_access(tmp_path: Path) -> None:
     # Nothing to undo: nothing changes, nothing is called but the checks.
     (tmp_path / "calls").unlink()
     quiet = run_installer(tmp_path, "install")
-    assert quiet.returncode == 0 and "changed=0" in quiet.stdout, quiet.stderr
+    assert quiet.returncode == 0 and "changed=no restart=no" in quiet.stdout, quiet.stderr
     assert not [c for c in calls_of(tmp_path) if not c.startswith("systemctl is-")]
 
 
@@ -167,41 +168,6 @@ def test_docker_without_docker_installed_says_to_install_it(tmp_path: Path) -> N
     assert calls_of(tmp_path) == []
 
 
-def test_the_proxy_is_named_alike_everywhere_and_no_package_joins_docker() -> None:
-    from .test_consistency import installer_settings, render_calls
-
-    settings = installer_settings()
-    assert settings["PROXY_SOCKET"] == str(DEFAULT_LISTEN)
-    # What uninstall (and the packages' purge) remove: the unit's state directory, where a
-    # one-file build unpacks itself, as DynamicUser= keeps it.
-    unit_text = (ROOT / "systemd" / settings["PROXY_UNIT"]).read_text()
-    state = unit_text.split("\nStateDirectory=", 1)[1].split()[0]
-    expected = {f"/var/lib/{state}", f"/var/lib/private/{state}"}
-    (proxy_state,) = re.findall(r'^PROXY_STATE="([^"]*)"$', INSTALLER.read_text(), re.M)
-    assert set(proxy_state.split()) == expected
-    assert expected <= set(render_calls()["llmgw-agent"]["purge_dirs"].split())
-    unit = settings["PROXY_UNIT"]
-    assert (ROOT / "systemd" / unit).is_file()
-    # The packages ship the unit (not enabled) and never put the agent in the docker group.
-    agent = render_calls()["llmgw-agent"]
-    assert "docker" not in agent["extra_groups"].split()
-    # Restarted on upgrades (it runs the package's program) and stopped on removal.
-    assert agent["companion_units"] == unit
-    for script in ("deb/postinst", "deb/prerm", "rpm/preun", "rpm/postun"):
-        assert "$COMPANION_UNITS" in (ROOT / "packaging" / script).read_text(), script
-    recipe = (ROOT / "packaging" / "nfpm-agent.yaml").read_text()
-    for vendor_dir in ("/lib/systemd/system", "/usr/lib/systemd/system"):
-        assert f"dst: {vendor_dir}/{unit}" in recipe
-    packages_sh = (ROOT / "scripts" / "packages.sh").read_text()
-    (loop,) = [line for line in packages_sh.split("\n    for unit in ")[1:2]]
-    assert unit in loop.split("; do")[0]
-    # The one place the installer adds the agent to docker is --docker-group's.
-    text = INSTALLER.read_text()
-    assert text.count("usermod -aG docker") == 1
-    group_branch = text.split('if [ "$DOCKER" = group ]; then', 1)[1].split("elif", 1)[0]
-    assert "usermod -aG docker" in group_branch
-
-
 def test_package_docker_uses_the_package_s_unit(tmp_path: Path) -> None:
     result = run_installer(
         tmp_path, "package --repo-url http://r --repo-key k --docker", mode="package"
@@ -218,7 +184,7 @@ def test_package_docker_uses_the_package_s_unit(tmp_path: Path) -> None:
 
 def run_status(tmp_path: Path, groups: str, recorded: str | None) -> str:
     """verb_status's 'docker:' line, the host's commands replaced by stand-ins."""
-    require("sh")
+    require_tools("sh")
     body = INSTALLER.read_text().rsplit("\nmain ", 1)[0]
     state = tmp_path / "install-state"
     state.mkdir(exist_ok=True)

@@ -22,6 +22,7 @@ from llmgw.agent.config import load_agent_config
 from llmgw.cli import main as llmgw_main
 from llmgw.errors import ConfigError
 from llmgw.server.config import load_server_config
+from tests.ci import require_tools, unavailable
 
 from .pkgcheck import (
     CURRENT,
@@ -30,18 +31,9 @@ from .pkgcheck import (
     Container,
     Packages,
     build_packages,
-    container,
     make_standin,
-    packages_root,
-    require,
     run,
-    standin_packages,
-    systemd_image,
-    unavailable,
 )
-
-# Fixtures, used by name.
-__all__ = ["container", "packages_root", "standin_packages", "systemd_image"]
 
 # The first container test may build the systemd image (debootstrap: 1 to 4 minutes).
 pytestmark = pytest.mark.timeout(900)
@@ -177,7 +169,7 @@ def test_deb_holds_its_unit_and_only_its_etc_file_as_conffile(
 def test_deb_maintainer_scripts_branch_on_their_argument(
     name: str, standin_packages: dict[str, Packages], tmp_path: Path
 ) -> None:
-    require("shellcheck")
+    require_tools("shellcheck")
     control = deb_control(standin_packages[CURRENT].path(name, "deb"), tmp_path / "control")
     verbs = {
         "preinst": ("install | upgrade)", "abort-upgrade)"),
@@ -219,7 +211,7 @@ def test_deb_maintainer_scripts_branch_on_their_argument(
 def test_rpm_holds_its_unit_and_only_its_etc_file_as_conffile(
     name: str, standin_packages: dict[str, Packages], tmp_path: Path
 ) -> None:
-    require("rpm", "shellcheck")
+    require_tools("rpm", "shellcheck")
     conffile, user, unit = KINDS[name]
     rpm = standin_packages[CURRENT].path(name, "rpm")
     assert rpm_query(rpm, "--configfiles").split() == [conffile]
@@ -261,7 +253,7 @@ def test_rpm_holds_its_unit_and_only_its_etc_file_as_conffile(
 
 def test_packages_depend_on_the_c_library_the_build_needs(tmp_path: Path) -> None:
     """An ELF file in the build sets the glibc floor (and zlib when it links it)."""
-    require("dpkg-deb", "rpm")
+    require_tools("dpkg-deb", "rpm")
     elf = Path("/usr/bin/gpgv")
     if not elf.exists():
         unavailable("no /usr/bin/gpgv (an ELF program to stand in for the build's libraries)")

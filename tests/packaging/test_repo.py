@@ -12,21 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from .pkgcheck import (
-    CURRENT,
-    ROOT,
-    Container,
-    Packages,
-    container,
-    packages_root,
-    require,
-    run,
-    standin_packages,
-    systemd_image,
-)
+from tests.ci import require_tools
 
-# Fixtures, used by name.
-__all__ = ["container", "packages_root", "standin_packages", "systemd_image"]
+from .pkgcheck import CURRENT, ROOT, Container, Packages, run
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -52,7 +40,7 @@ ADD_SOURCE = (
 
 def make_repo(packages: Path, out: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """scripts/repo.sh; its throwaway key (when no release key is given) next to ``out``."""
-    require("apt-ftparchive", "gpg", "gpgv", "createrepo_c", "rpmsign", "dpkg-deb")
+    require_tools("apt-ftparchive", "gpg", "gpgv", "createrepo_c", "rpmsign", "dpkg-deb")
     throwaway = out.parent / "release-key" / "throwaway.asc"
     return run(
         ROOT / "scripts" / "repo.sh",
@@ -179,7 +167,7 @@ def test_the_throwaway_key_is_kept_and_a_given_key_is_used(
 def test_repo_sh_says_what_is_missing(
     standin_packages: dict[str, Packages], tmp_path: Path
 ) -> None:
-    require("apt-ftparchive", "gpg", "createrepo_c", "rpmsign", "dpkg-deb")
+    require_tools("apt-ftparchive", "gpg", "createrepo_c", "rpmsign", "dpkg-deb")
     script = str(ROOT / "scripts" / "repo.sh")
     empty = tmp_path / "empty"
     empty.mkdir()

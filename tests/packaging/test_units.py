@@ -18,24 +18,10 @@ from llmgw.agent.config import DEFAULT_STATE_DIR as AGENT_STATE_DIR
 from llmgw.agent.service import DRAIN_TIMEOUT
 from llmgw.server.config import DEFAULT_SERVER_CONFIG
 from llmgw.server.config import DEFAULT_STATE_DIR as SERVER_STATE_DIR
+from tests.ci import require_tools
 
-from .pkgcheck import (
-    CURRENT,
-    ROOT,
-    Container,
-    Packages,
-    container,
-    packages_root,
-    require,
-    run,
-    standin_packages,
-    systemd_image,
-)
+from .pkgcheck import CURRENT, UNITS, Container, Packages, run, stand_in_units, unit_files
 
-# Fixtures, used by name.
-__all__ = ["container", "packages_root", "standin_packages", "systemd_image"]
-
-UNITS = ROOT / "systemd"
 # The worst exposure each unit may reach (systemd-analyze security: 0 best, 10 worst); the
 # agent pays for GPU devices, JIT engines and engines that outlive it.
 MAX_EXPOSURE = {
@@ -101,27 +87,6 @@ def one(settings: dict[str, list[str]], key: str) -> str:
     values = settings.get(key)
     assert values is not None and len(values) == 1, f"{key}: {values}"
     return values[0]
-
-
-def unit_files() -> list[Path]:
-    return sorted(p for p in UNITS.iterdir() if p.suffix in (".service", ".path", ".timer"))
-
-
-def stand_in_units(tmp_path: Path) -> list[Path]:
-    """Copies of the units whose ExecStart names a stand-in program that exists here (verify
-    checks it exists); every other line is the shipped one."""
-    program = tmp_path / "llmgw"
-    program.write_text("#!/bin/sh\necho 'llmgw 0.1.0'\n")
-    program.chmod(0o755)
-    copies = []
-    for unit in unit_files():
-        copy = tmp_path / unit.name
-        shipped = unit.read_text()
-        for shipped_program in ("/usr/bin/llmgw", "/usr/local/lib/llmgw-agent/llmgw"):
-            shipped = shipped.replace(f"ExecStart={shipped_program} ", f"ExecStart={program} ")
-        copy.write_text(shipped)
-        copies.append(copy)
-    return copies
 
 
 def test_every_service_has_an_exposure_budget() -> None:
@@ -276,14 +241,14 @@ def test_docker_proxy_unit() -> None:
 
 
 def test_systemd_analyze_verify_says_nothing(tmp_path: Path) -> None:
-    require("systemd-analyze")
+    require_tools("systemd-analyze")
     # verify exits 0 on unknown keys and bad values: any output is a failure.
     result = run("systemd-analyze", "verify", *stand_in_units(tmp_path))
     assert result.stdout + result.stderr == ""
 
 
 def test_security_exposure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    require("systemd-analyze")
+    require_tools("systemd-analyze")
     for copy in stand_in_units(tmp_path):
         if copy.suffix != ".service":
             continue

@@ -136,3 +136,41 @@ def test_a_module_skipped_at_collection_fails_under_ci(tmp_path: Path, ci: bool)
         return
     assert result.returncode != 0
     assert "skipped under CI=true: an optional module" in result.stdout + result.stderr
+
+
+# The ways past tests.ci.unavailable: a test reaching for one is found here, locally too,
+# before CI=true fails it (tests/unit/test_ci.py itself uses them on purpose).
+BYPASSES = ("pytest.skip(", "pytest.importorskip(", "pytest.mark.skipif(", "pytest.mark.skip(")
+
+
+def bypasses_in(tree: Path) -> list[str]:
+    """``path:line: text`` of every line under ``tree`` that skips past the helper."""
+    found = []
+    for path in sorted(tree.rglob("*.py")):
+        if path.name in ("ci.py", "test_ci.py"):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if any(way in line for way in BYPASSES) and not line.lstrip().startswith("#"):
+                found.append(f"{path.relative_to(tree)}:{number}: {line.strip()}")
+    return found
+
+
+def test_every_skip_goes_through_the_helper() -> None:
+    found = bypasses_in(ROOT / "tests")
+    assert not found, (
+        "these skip past tests.ci.unavailable (which fails under CI=true instead of skipping); "
+        "call unavailable(reason) or require_tools(...):\n" + "\n".join(found)
+    )
+
+
+def test_a_bypass_is_found(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "test_x.py").write_text(
+        "import pytest\n\n\n@pytest.mark.skipif(True, reason='x')\ndef test_a():\n"
+        "    pytest.skip('no')\n"
+    )
+    (tmp_path / "test_ok.py").write_text("# pytest.skip( in a comment is fine\n")
+    assert bypasses_in(tmp_path) == [
+        "sub/test_x.py:4: @pytest.mark.skipif(True, reason='x')",
+        "sub/test_x.py:6: pytest.skip('no')",
+    ]

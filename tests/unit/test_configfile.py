@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.configfile import Checker, load_yaml, unknown_key_message
+from llmgw.configfile import Checker, binary_amount, load_yaml, unknown_key_message
 from llmgw.errors import ConfigError
 
 CHECK = Checker(file="/etc/llmgw/server.yaml", base_dir=Path("/etc/llmgw"))
@@ -62,3 +62,38 @@ def test_checker_hostport_normalises_and_names_the_key() -> None:
 def test_unknown_key_message_suggests() -> None:
     message = unknown_key_message("sever", ["server", "node_id"])
     assert message.startswith("unknown key 'sever'; did you mean 'server'?")
+
+
+_GRAINS = {"": 1, "kg": 1024, "mg": 1024 * 1024}
+
+
+def _grains(value: object) -> int:
+    return binary_amount(value, _GRAINS, base="grains", names="KG or MG", shape="an amount")
+
+
+@pytest.mark.parametrize(
+    ("value", "amount"), [(7, 7), ("7", 7), ("2KG", 2048), ("1.5 mg", 1572864), ("0.5kg", 512)]
+)
+def test_binary_amount_is_a_whole_number_of_the_base_unit(value: object, amount: int) -> None:
+    assert _grains(value) == amount
+    assert isinstance(_grains(value), int)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0.3kg", "'0.3kg' is not a whole number of grains"),
+        ("3tg", "unknown unit 'tg'; use KG or MG"),
+        (True, "must be an amount; got True"),
+        ("lots", "must be an amount; got 'lots'"),
+    ],
+)
+def test_binary_amount_refusals(value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _grains(value)
+    assert message in str(info.value)
+
+
+def test_binary_amount_refuses_decimal_units_naming_the_binary_one() -> None:
+    with pytest.raises(ConfigError, match=r"MB is ambiguous; use binary units, e\.g\. 8MiB"):
+        binary_amount("8MB", {"mib": 1}, base="MiB", names="MiB", shape="memory")

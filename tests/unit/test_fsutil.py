@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import io
 import os
+import resource
+import signal
 import stat
 import tarfile
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,15 +17,8 @@ from llmgw import fsutil
 from llmgw.errors import ArchiveError, FileError
 from llmgw.fsutil import ArchivePolicy
 
-
-@pytest.fixture(autouse=True)
-def _open_umask() -> Iterator[None]:
-    """Umask 000, so the modes checked are the ones fsutil sets itself."""
-    old = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(old)
+# Umask 000, so the modes checked are the ones the code sets itself.
+pytestmark = pytest.mark.usefixtures("open_umask")
 
 
 def mode(path: Path) -> int:
@@ -447,15 +441,19 @@ def test_unsafe_zip_members_are_refused(
     assert list((tmp_path / "dest").iterdir()) == []
 
 
-def test_unpacking_into_a_read_only_place_is_write_failed(tmp_path: Path) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("root writes anywhere")
-    archive = tarball(tmp_path / "a.tar", [entry("f", b"x")], fmt="w")
+def test_a_write_the_system_refuses_is_write_failed(tmp_path: Path) -> None:
+    """A member the file system will not take (here: past the process's file-size limit, which
+    binds root too) fails as ``write_failed``, not as an unsafe archive."""
+    archive = tarball(tmp_path / "a.tar", [entry("f", b"x" * 65536)], fmt="w")
     dest = tmp_path / "dest"
-    dest.mkdir(mode=0o500)
+    dest.mkdir()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
     try:
         with pytest.raises(ArchiveError) as info:
             fsutil.unpack_archive(archive, dest, kind="tar", policy=LOOSE)
     finally:
-        dest.chmod(0o700)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
     assert info.value.code == "write_failed"

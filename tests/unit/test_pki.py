@@ -10,7 +10,6 @@ import socket
 import ssl
 import stat
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +22,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from llmgw import fsutil, netaddr, pki
 from llmgw.errors import CertificateError, ConfigError, CSRError, NoAuthority, PKIError
 
-
-@pytest.fixture(autouse=True)
-def _open_umask() -> Iterator[None]:
-    """Run every test with umask 000, so the modes checked are the ones pki sets itself."""
-    old = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(old)
+# Umask 000, so the modes checked are the ones the code sets itself.
+pytestmark = pytest.mark.usefixtures("open_umask")
 
 
 def mode(path: Path) -> int:

@@ -5,8 +5,24 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
-__all__ = ["Handle", "Launch", "Runtime", "ShardRecord", "SidecarRecord"]
+from llmgw.errors import ShardError
+
+__all__ = ["Handle", "Launch", "Runtime", "ShardRecord", "SidecarRecord", "open_shard_log"]
+
+
+def open_shard_log(path: Path) -> BinaryIO:
+    """``path`` (its directory made, 0700, when missing) open for appending, unbuffered: the
+    file an engine's output goes to, whatever runs it. ShardError when it cannot be opened."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return open(path, "ab", buffering=0)
+    except OSError as exc:
+        raise ShardError(
+            f"cannot open the shard log {path}: {exc.strerror}; "
+            "check the state directory's owner and free space"
+        ) from exc
 
 
 @dataclass(frozen=True)

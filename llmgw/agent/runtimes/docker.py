@@ -31,7 +31,7 @@ import docker.errors
 import docker.types
 import docker.utils
 
-from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord
+from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord, open_shard_log
 from llmgw.agent.runtimes.containers import (
     LABEL_CLUSTER,
     LABEL_LOG,
@@ -257,14 +257,7 @@ class DockerRuntime(Runtime):
         api.remove_container(attrs["Id"], force=True)
 
     async def start(self, launch: Launch) -> Handle:
-        try:
-            launch.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            log_file = open(launch.log_path, "ab", buffering=0)
-        except OSError as exc:
-            raise ShardError(
-                f"cannot open the shard log {launch.log_path}: {exc.strerror}; "
-                "check the state directory's owner and free space"
-            ) from exc
+        log_file = open_shard_log(launch.log_path)
         try:
             container_id = await self.create(launch)
             pid = await asyncio.to_thread(self._start_created, container_id, launch)
@@ -335,12 +328,11 @@ class DockerRuntime(Runtime):
         except OSError:
             since = None
         try:
-            log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            log_file = open(log_path, "ab", buffering=0)
-        except OSError as exc:
+            log_file = open_shard_log(log_path)
+        except ShardError as exc:
             log.warning(
                 "cannot open the shard log",
-                extra=kv(shard=handle.shard_id, path=str(log_path), error=exc.strerror),
+                extra=kv(shard=handle.shard_id, path=str(log_path), error=str(exc)),
             )
             return
         self._follow(container_id, log_file, since=since)

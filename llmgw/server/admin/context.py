@@ -109,6 +109,18 @@ class BadRequest(Exception):
     """The request itself is malformed (400)."""
 
 
+_ANSWERS: tuple[tuple[type[LlmgwError], int, str], ...] = (
+    (BodiesBusy, 503, "overloaded"),
+    (BodyIncomplete, 400, "incomplete_body"),
+    (BodyTimeout, 408, "body_timeout"),
+    (PasswordError, 403, "wrong_password"),
+    (NotFound, 404, "not_found"),
+    (Conflict, 409, "conflict"),
+    (LlmgwError, 500, "server_error"),
+)
+"""The status and code an admin handler's error is answered with: the first kind it is."""
+
+
 def guarded(ctx: AdminContext, handler: Handler) -> Handler:
     """``handler`` behind the admin token, its errors answered as JSON."""
 
@@ -128,13 +140,7 @@ def guarded(ctx: AdminContext, handler: Handler) -> Handler:
             )
         try:
             return await handler(request)
-        except BadRequest as exc:
-            log.info(
-                "refused an admin request",
-                extra=kv(path=request.path[:100], peer=peer, reason=str(exc)[:200]),
-            )
-            return error_response(400, str(exc), "bad_request")
-        except ConfigError as exc:  # a value in the request that cannot be used
+        except (BadRequest, ConfigError) as exc:  # ConfigError: a value that cannot be used
             log.info(
                 "refused an admin request",
                 extra=kv(path=request.path[:100], peer=peer, reason=str(exc)[:200]),
@@ -147,20 +153,9 @@ def guarded(ctx: AdminContext, handler: Handler) -> Handler:
                 "model by model)",
                 "request_too_large",
             )
-        except BodiesBusy as exc:
-            return error_response(503, str(exc), "overloaded")
-        except BodyIncomplete as exc:
-            return error_response(400, str(exc), "incomplete_body")
-        except BodyTimeout as exc:
-            return error_response(408, str(exc), "body_timeout")
-        except PasswordError as exc:
-            return error_response(403, str(exc), "wrong_password")
-        except NotFound as exc:
-            return error_response(404, str(exc), "not_found")
-        except Conflict as exc:
-            return error_response(409, str(exc), "conflict")
         except LlmgwError as exc:
-            return error_response(500, str(exc), "server_error")
+            status, code = next((st, c) for kind, st, c in _ANSWERS if isinstance(exc, kind))
+            return error_response(status, str(exc), code)
 
     return wrapped
 

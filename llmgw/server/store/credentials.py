@@ -35,10 +35,7 @@ class ApiKeys:
         """Make a key; return its row and the secret, which is shown once and never stored."""
         secret = API_KEY_PREFIX + secrets.token_urlsafe(32)
         with self._db.write():
-            while True:
-                key_id = secrets.token_hex(6)
-                if self._db.one("SELECT 1 FROM api_keys WHERE id = ?", (key_id,)) is None:
-                    break
+            key_id = self._db.unused_id("api_keys", lambda: secrets.token_hex(6))
             self._db.execute(
                 "INSERT INTO api_keys(id, name, prefix, hash, created_at) VALUES (?, ?, ?, ?, ?)",
                 (key_id, name, secret[:12], hash_api_key(secret), self._db.clock()),
@@ -131,10 +128,7 @@ class JoinTokens:
         secret = tokens.new_secret()
         now = self._db.clock()
         with self._db.write():
-            while True:
-                token_id = secrets.token_hex(4)
-                if self._db.one("SELECT 1 FROM join_tokens WHERE id = ?", (token_id,)) is None:
-                    break
+            token_id = self._db.unused_id("join_tokens", lambda: secrets.token_hex(4))
             self._db.execute(
                 "INSERT INTO join_tokens(id, hash, prefix, node_id, kind, node_uid, "
                 "require_approval, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",

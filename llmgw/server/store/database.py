@@ -142,6 +142,17 @@ class Database:
         with self.guard():
             return list(self.conn.execute(sql, params).fetchall())
 
+    def unused_id(self, table: str, make: Callable[[], str]) -> str:
+        """The first id from ``make`` (a fresh random one each call) that no row of ``table``
+        holds yet. Call it inside :meth:`write` and insert the row in the same transaction,
+        so that no other writer takes the id in between."""
+        if not table.isidentifier():
+            raise ValueError(f"{table!r} is not a table name")
+        while True:
+            candidate = make()
+            if self.one(f"SELECT 1 FROM {table} WHERE id = ?", (candidate,)) is None:
+                return candidate
+
     def pragma(self, name: str) -> Any:
         """The value of ``PRAGMA name``."""
         row = self.one(f"PRAGMA {name}")

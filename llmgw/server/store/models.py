@@ -180,10 +180,7 @@ class Models:
         now = self._db.clock()
         with self._db.write():
             profile = self.get_model(model).profile
-            while True:
-                replica_id = f"{model}-{secrets.token_hex(3)}"
-                if self._db.one("SELECT 1 FROM replicas WHERE id = ?", (replica_id,)) is None:
-                    break
+            replica_id = self._db.unused_id("replicas", lambda: f"{model}-{secrets.token_hex(3)}")
             self._db.execute(
                 "INSERT INTO replicas(id, model, state, created_at, updated_at, profile) "
                 "VALUES (?, ?, ?, ?, ?, ?)",

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.hostile.conftest import (
+from tests.integration.hostile.cluster import (
     Cluster,
     assert_still_healthy,
     json_error,

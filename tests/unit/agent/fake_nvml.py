@@ -1,19 +1,13 @@
-"""A fixture that makes ``import pynvml`` find the stand-in of tests/fixtures/nvml (which
-answers like nvidia-ml-py) on a machine described here, whatever NVML this machine has."""
+"""The NVML stand-in of tests/fixtures/nvml (it answers like nvidia-ml-py) and the machines
+it plays; the ``fake_nvml`` fixture (conftest.py) makes ``import pynvml`` find it."""
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 STANDIN = Path(__file__).resolve().parents[2] / "fixtures" / "nvml"
-
-__all__ = ["FakeNvml", "eight_gpus", "fake_nvml"]
 
 FakeNvml = Callable[..., None]
 
@@ -30,20 +24,3 @@ def eight_gpus() -> list[dict[str, Any]]:
         }
         for i in range(8)
     ]
-
-
-@pytest.fixture
-def fake_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeNvml:
-    """Call it with the machine (``gpus=[...]``, ``init_error=...``, ``driver_version=...``);
-    the stand-in is then what discovery imports as ``pynvml``, until the test ends."""
-
-    def install(**machine: Any) -> None:
-        machine.setdefault("driver_version", "550.54.15")
-        machine.setdefault("gpus", [])
-        path = tmp_path / "nvml-machine.json"
-        path.write_text(json.dumps(machine))
-        monkeypatch.setenv("LLMGW_FAKE_NVML", str(path))
-        monkeypatch.syspath_prepend(str(STANDIN))
-        monkeypatch.delitem(sys.modules, "pynvml", raising=False)
-
-    return install

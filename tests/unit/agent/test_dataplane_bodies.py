@@ -8,7 +8,6 @@ stand-in on 127.0.0.1 that answers, or stays silent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from aiohttp import web
 from llmgw.agent.dataplane import DataPlane
 from llmgw.bodies import MAX_BODY_HEADER
 from llmgw.http.relay import NOT_PROCESSED
+from tests.unit.serving import serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,18 +53,6 @@ def engine_app(engine: Engine) -> web.Application:
     app.router.add_post("/v1/ok", ok)
     app.router.add_post("/v1/stall", stall)
     return app
-
-
-@contextlib.asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[int]:
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield int(runner.addresses[0][1])
-    finally:
-        await runner.cleanup()
 
 
 @dataclass

@@ -31,14 +31,6 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 MIB = 1024 * 1024
 
 
-@pytest.fixture
-def empty_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    empty = tmp_path / "empty-bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-    return empty
-
-
 def config(tmp_path: Path, **extra: object) -> AgentConfig:
     return parse_agent_config(
         {

@@ -21,14 +21,6 @@ from llmgw.errors import ConfigError, StartupError, StreamError
 
 
 @pytest.fixture
-def empty_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Discovery runs the engines it finds on PATH; none here, only sim.
-    empty = tmp_path / "empty-bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-
-
-@pytest.fixture
 def busy_port() -> Iterator[int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -62,7 +54,7 @@ def start_fails(cfg: AgentConfig) -> tuple[StartupError, Agent]:
 
 
 def test_busy_port_names_the_data_plane_step(
-    tmp_path: Path, empty_path: None, busy_port: int
+    tmp_path: Path, empty_path: Path, busy_port: int
 ) -> None:
     err, agent = start_fails(config(tmp_path, listen=f"127.0.0.1:{busy_port}"))
     assert err.step == "data plane listener"
@@ -79,7 +71,7 @@ def test_busy_port_names_the_data_plane_step(
     assert agent.stream is None
 
 
-def test_bad_certificate_names_the_identity_step(tmp_path: Path, empty_path: None) -> None:
+def test_bad_certificate_names_the_identity_step(tmp_path: Path, empty_path: Path) -> None:
     cfg = config(tmp_path)
     cfg.tls.cert.write_text("-----BEGIN CERTIFICATE-----\nnot one\n-----END CERTIFICATE-----\n")
     err, agent = start_fails(cfg)
@@ -89,7 +81,7 @@ def test_bad_certificate_names_the_identity_step(tmp_path: Path, empty_path: Non
     assert agent.shards is None and agent.dataplane is None  # nothing after it started
 
 
-def test_missing_certificate_says_to_join(tmp_path: Path, empty_path: None) -> None:
+def test_missing_certificate_says_to_join(tmp_path: Path, empty_path: Path) -> None:
     cfg = config(tmp_path)
     cfg.tls.cert.unlink()
     err, _ = start_fails(cfg)
@@ -101,7 +93,7 @@ def test_missing_certificate_says_to_join(tmp_path: Path, empty_path: None) -> N
 
 
 def test_state_directory_that_cannot_be_made_names_its_step(
-    tmp_path: Path, empty_path: None
+    tmp_path: Path, empty_path: Path
 ) -> None:
     (tmp_path / "a-file").write_text("")
     cfg = config(tmp_path, state_dir=str(tmp_path / "a-file" / "state"))
@@ -113,7 +105,7 @@ def test_state_directory_that_cannot_be_made_names_its_step(
     assert agent.shards is None
 
 
-def test_corrupt_operation_log_names_its_step(tmp_path: Path, empty_path: None) -> None:
+def test_corrupt_operation_log_names_its_step(tmp_path: Path, empty_path: Path) -> None:
     cfg = config(tmp_path)
     cfg.state_dir.mkdir(parents=True)
     (cfg.state_dir / "oplog.json").write_text("{")
@@ -124,7 +116,7 @@ def test_corrupt_operation_log_names_its_step(tmp_path: Path, empty_path: None) 
 
 
 def test_stops_in_the_reverse_order_of_start_up(
-    tmp_path: Path, empty_path: None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, empty_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     order: list[str] = []
 

@@ -40,11 +40,6 @@ class Reports(list[tuple[str, int, str, str, str]]):
 
 
 @pytest.fixture(scope="module")
-def authority(tmp_path_factory: pytest.TempPathFactory) -> Authority:
-    return pki.init_ca(tmp_path_factory.mktemp("ca") / "pki")
-
-
-@pytest.fixture(scope="module")
 def node_identity(authority: Authority, tmp_path_factory: pytest.TempPathFactory) -> Identity:
     return pki.issue_node_cert(authority, NODE, tmp_path_factory.mktemp("node"))
 

@@ -4,14 +4,12 @@ certificate, in exactly one canonical form, with fields both sides check the sam
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from llmgw import pki
 from llmgw.contracts.update_order import (
     canonical_order,
     machine_arch,
@@ -21,32 +19,7 @@ from llmgw.contracts.update_order import (
 from llmgw.errors import UpdateError
 from llmgw.pki import Authority
 from llmgw.server.updates import sign_order
-
-NODE = "gpu-1"
-
-
-def order_for(**changes: Any) -> dict[str, Any]:
-    order: dict[str, Any] = {
-        "node_id": NODE,
-        "version": "0.2.0",
-        "counter": 1,
-        "sha256": "0" * 64,
-        "url": "http://127.0.0.1:8080/agent/bundles/linux-x64.tar.gz",
-        "arch": "x64",
-        "expires": int(time.time()) + 3600,
-    }
-    order.update(changes)
-    return order
-
-
-@pytest.fixture(scope="module")
-def authority(tmp_path_factory: pytest.TempPathFactory) -> Authority:
-    return pki.init_ca(tmp_path_factory.mktemp("ca") / "pki")
-
-
-@pytest.fixture(scope="module")
-def other_authority(tmp_path_factory: pytest.TempPathFactory) -> Authority:
-    return pki.init_ca(tmp_path_factory.mktemp("other-ca") / "pki")
+from tests.unit.orders import order_for
 
 
 def test_sign_then_verify_round_trips(authority: Authority) -> None:

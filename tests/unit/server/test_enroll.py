@@ -30,21 +30,15 @@ from llmgw.server.enroll import (
     EnrolmentServer,
     EnrolRequest,
     parse_enrol_request,
+    record_certificate,
     server_ssl_context,
 )
 from llmgw.server.store import Node, Store
+from tests.unit.clock import Clock
 
 NODE = "gpu-1"
 LIFETIME = 3600.0
 SERVERS = ["cp-1.example:7443", "10.0.0.5:7443"]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = time.time()
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @dataclass(frozen=True)
@@ -90,7 +84,7 @@ def snapshot(store: Store) -> dict[str, Any]:
 
 @pytest.fixture
 def env(cluster_pki: PKI, tmp_path: Path) -> Any:
-    clock = Clock()
+    clock = Clock(time.time())
     store = Store.open(tmp_path / "state.db", clock=clock)
     yield Env(store=store, clock=clock, ca=cluster_pki.ca, enrolled=[])
     store.close()
@@ -675,7 +669,7 @@ _cases = st.one_of(
 
 
 def test_fuzz_parse_and_enrol(cluster_pki: PKI, tmp_path: Path) -> None:
-    clock = Clock()
+    clock = Clock(time.time())
     store = Store.open(tmp_path / "fuzz.db", clock=clock)
     enroller = Enroller(store, cluster_pki.ca, lifetime=LIFETIME, servers=lambda: SERVERS)
     keys = [pki.new_private_key() for _ in range(3)]
@@ -837,3 +831,20 @@ def test_a_csr_asking_for_the_control_plane_identity_is_refused(env: Env, cluste
         assert env.snapshot() == before
 
     serve(env, cluster_pki, body)
+
+
+def test_record_certificate_keeps_serial_key_and_validity(env: Env, cluster_pki: PKI) -> None:
+    key = pki.new_private_key()
+    cert = pki.sign_csr(cluster_pki.ca, pki.make_csr(key, NODE), node_id=NODE, lifetime=LIFETIME)
+    with env.store.transaction():
+        env.store.upsert_node(
+            NODE, dataplane_addr=None, agent_version=None, inventory={}, connected=False
+        )
+        row = record_certificate(env.store, NODE, cert)
+    assert row.serial == format(cert.serial_number, "x")
+    assert row.node_id == NODE
+    assert row.fingerprint == pki.fingerprint(key.public_key())
+    assert row.not_before == cert.not_valid_before_utc.timestamp()
+    assert row.not_after == cert.not_valid_after_utc.timestamp()
+    assert row.revoked_at is None
+    assert env.store.list_certificates(NODE) == [row]

@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +31,7 @@ from llmgw.server.config import load_server_config
 from llmgw.server.gateway import MAX_SSE_EVENT, Gateway, GatewayLimits
 from llmgw.server.metrics import Metrics
 from llmgw.server.routing import Endpoint, Router
+from tests.unit.serving import serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -180,18 +181,6 @@ def control_plane(port: int, **cfg_changes: Any) -> Any:
         router=router,
         metrics=Metrics(),
     )
-
-
-@contextlib.asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[int]:
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield int(runner.addresses[0][1])
-    finally:
-        await runner.cleanup()
 
 
 @dataclass

@@ -20,14 +20,7 @@ from llmgw.server.intake import (
     pending_inventory,
     trim_hello,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.unit.clock import Clock
 
 
 def heartbeat() -> pb.AgentMessage:

@@ -4,103 +4,29 @@ them to the agents."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, cast
-
-import pytest
-
 from llmgw.engines.launch import build_command
 from llmgw.engines.spec import EngineSpec
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.routing import Router
-from llmgw.server.scheduler import Scheduler
-from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
+from tests.unit.server.scheduler_rig import SchedulerRig
 
 
-@dataclass(frozen=True)
-class _Endpoint:
-    replica_id: str
-
-
-class _Router:
-    """Routable: the replicas a test says are (as the real router learns from the agents)."""
-
-    def __init__(self) -> None:
-        self.routable: set[str] = set()
-
-    def endpoints(self, model: str | None = None) -> list[Any]:
-        return [_Endpoint(r) for r in sorted(self.routable)]
-
-    def remove_shard(self, shard_id: str) -> None:
-        pass  # the replica leaves ``routable`` as a whole (_RecordingScheduler)
-
-
-class _RecordingScheduler(Scheduler):
-    """The scheduler, noting the replicas it removes."""
-
-    def __init__(self, cp: _ControlPlane) -> None:
-        super().__init__(cp.store, cast(Router, cp.router), sessions=cp.sessions, lost=cp.lost)
-        self.cp = cp
-
-    def remove_replica(self, replica_id: str, *, why: str) -> None:
-        self.cp.removed.append(replica_id)
-        self.cp.router.routable.discard(replica_id)
-        super().remove_replica(replica_id, why=why)
-
-
-class _ControlPlane:
-    """What the scheduler is given: the store, the live sessions, the router."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.sessions: dict[str, NodeSession] = {}
-        self.lost: set[str] = set()
-        self.router = _Router()
-        self.removed: list[str] = []
-
-    def scheduler(self) -> Scheduler:
-        return _RecordingScheduler(self)
-
-
-@pytest.fixture
-def cp(tmp_path: Path) -> Iterator[_ControlPlane]:
-    store = Store.open(tmp_path / "state.db")
-    yield _ControlPlane(store)
-    store.close()
-
-
-def _join(cp: _ControlPlane, node_id: str, host: str, fabric: str = "ib-a") -> None:
+def _join(cp: SchedulerRig, node_id: str, host: str, fabric: str = "ib-a") -> None:
     inventory = {
         "gpus": [{"uuid": f"GPU-{node_id}", "memory_total_mib": 81920}],
         "fabrics": [{"name": fabric, "hcas": ["mlx5_0"], "healthy": True}],
     }
-    cp.store.upsert_node(
-        node_id,
-        dataplane_addr=f"{host}:9443",
-        agent_version="0.1.0",
-        inventory=inventory,
-        connected=True,
-    )
-    cp.store.set_node_state(node_id, "approved")
-    cp.sessions[node_id] = NodeSession(
-        node_id=node_id,
-        dataplane_addr=f"{host}:9443",
-        epoch=1,
-        engines=frozenset({"sim", "llamacpp"}),
-        approved=True,
+    cp.join(
+        node_id, inventory, dataplane_addr=f"{host}:9443", engines=frozenset({"sim", "llamacpp"})
     )
 
 
-def _deploy(cp: _ControlPlane, name: str, engine: str, nodes: int, replicas: int = 1) -> None:
+def _deploy(cp: SchedulerRig, name: str, engine: str, nodes: int, replicas: int = 1) -> None:
     profile = {"engine": engine, "gpus": 1, "nodes": nodes, "source": "/models/m.gguf"}
     cp.store.put_catalog_model(name, {"default": profile})
     cp.store.deploy_model(name, profile="default", replicas=replicas)
 
 
-def _orders(cp: _ControlPlane) -> dict[str, pb.StartShard]:
+def _orders(cp: SchedulerRig) -> dict[str, pb.StartShard]:
     """The StartShard orders queued so far, by shard id (the latest of each)."""
     orders: dict[str, pb.StartShard] = {}
     for session in cp.sessions.values():
@@ -112,7 +38,7 @@ def _orders(cp: _ControlPlane) -> dict[str, pb.StartShard]:
     return orders
 
 
-def _reconcile_until_rank0(cp: _ControlPlane) -> None:
+def _reconcile_until_rank0(cp: SchedulerRig) -> None:
     """Place, let every worker report ready, and place again: rank 0's order goes out."""
     scheduler = cp.scheduler()
     scheduler.reconcile()
@@ -126,7 +52,7 @@ def _by_rank(orders: dict[str, pb.StartShard], model: str) -> list[pb.StartShard
     return sorted((o for o in orders.values() if o.model == model), key=lambda o: o.rank)
 
 
-def test_llamacpp_rank0_dials_each_worker_on_its_node(cp: _ControlPlane) -> None:
+def test_llamacpp_rank0_dials_each_worker_on_its_node(cp: SchedulerRig) -> None:
     for i, node in enumerate(("n1", "n2", "n3")):
         _join(cp, node, f"10.0.0.{i + 1}")
     _deploy(cp, "big", "llamacpp", nodes=3)
@@ -183,7 +109,7 @@ def test_llamacpp_rank0_dials_each_worker_on_its_node(cp: _ControlPlane) -> None
         assert built(worker) == ["rpc-server", "--host", h, "--port", p]
 
 
-def test_worker_ports_are_free_on_every_node_of_the_replica(cp: _ControlPlane) -> None:
+def test_worker_ports_are_free_on_every_node_of_the_replica(cp: SchedulerRig) -> None:
     _join(cp, "n1", "10.0.0.1")
     _join(cp, "n2", "10.0.0.2")
     # Another replica, ranked 0 on n3, already has its worker's endpoint on n2 at 50052.
@@ -206,7 +132,7 @@ def test_worker_ports_are_free_on_every_node_of_the_replica(cp: _ControlPlane) -
     assert worker.listen_addr == "10.0.0.2:50053"
 
 
-def test_a_port_taken_on_a_worker_node_is_skipped(cp: _ControlPlane) -> None:
+def test_a_port_taken_on_a_worker_node_is_skipped(cp: SchedulerRig) -> None:
     _join(cp, "n1", "10.0.0.1")
     _join(cp, "n2", "10.0.0.2")
     # Give each node a second GPU, so that two two-node replicas fit on the same pair.
@@ -234,7 +160,7 @@ def test_a_port_taken_on_a_worker_node_is_skipped(cp: _ControlPlane) -> None:
             assert len(order.worker_addrs) == 1
 
 
-def test_single_node_and_sim_orders_carry_no_endpoints(cp: _ControlPlane) -> None:
+def test_single_node_and_sim_orders_carry_no_endpoints(cp: SchedulerRig) -> None:
     _join(cp, "n1", "10.0.0.1")
     _deploy(cp, "one", "llamacpp", nodes=1)
     cp.scheduler().reconcile()
@@ -247,7 +173,7 @@ def test_single_node_and_sim_orders_carry_no_endpoints(cp: _ControlPlane) -> Non
     )
 
 
-def test_a_pending_node_gets_no_start_order_until_it_is_approved(cp: _ControlPlane) -> None:
+def test_a_pending_node_gets_no_start_order_until_it_is_approved(cp: SchedulerRig) -> None:
     # A node purged and joined afresh under its old id comes back pending while the store still
     # holds a shard of it: nothing is ordered (its statuses would not be heard) until approval.
     _join(cp, "n1", "10.0.0.1")

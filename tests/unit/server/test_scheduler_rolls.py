@@ -6,31 +6,19 @@ with the reason shown."""
 from __future__ import annotations
 
 from llmgw.server.scheduler import Scheduler
-from llmgw.server.stream import NodeSession
-
-from .test_scheduler import _ControlPlane, cp
-
-__all__ = ["cp"]  # a fixture, used by name
+from tests.unit.server.scheduler_rig import SchedulerRig
 
 
-def _join(cp: _ControlPlane, node_id: str, gpus: int) -> None:
+def _join(cp: SchedulerRig, node_id: str, gpus: int) -> None:
     inventory = {
         "gpus": [{"uuid": f"GPU-{node_id}-{i}", "memory_total_mib": 81920} for i in range(gpus)]
     }
-    cp.store.upsert_node(
+    cp.join(
         node_id,
+        inventory,
         dataplane_addr=f"127.0.0.1:{9443 + len(cp.sessions)}",
-        agent_version="0.1.0",
-        inventory=inventory,
-        connected=True,
-    )
-    cp.store.set_node_state(node_id, "approved")
-    cp.sessions[node_id] = NodeSession(
-        node_id=node_id,
-        dataplane_addr="127.0.0.1:9443",
-        epoch=1,
+        session_addr="127.0.0.1:9443",
         engines=frozenset({"sim"}),
-        approved=True,
     )
 
 
@@ -40,15 +28,15 @@ PROFILES = {
 }
 
 
-def _profiles(cp: _ControlPlane) -> list[str | None]:
+def _profiles(cp: SchedulerRig) -> list[str | None]:
     return sorted(r.profile for r in cp.store.list_replicas("m"))
 
 
-def _all_ready(cp: _ControlPlane) -> None:
+def _all_ready(cp: SchedulerRig) -> None:
     cp.router.routable = {r.id for r in cp.store.list_replicas("m")}
 
 
-def _roll_to_b(cp: _ControlPlane, scheduler: Scheduler, replicas: int) -> int:
+def _roll_to_b(cp: SchedulerRig, scheduler: Scheduler, replicas: int) -> int:
     """Switch m to profile b and run passes (new replicas turn routable between passes) until
     none of profile a is left; returns the fewest routable replicas seen during the roll."""
     cp.store.deploy_model("m", profile="b", replicas=replicas)
@@ -62,7 +50,7 @@ def _roll_to_b(cp: _ControlPlane, scheduler: Scheduler, replicas: int) -> int:
     raise AssertionError(f"the roll did not finish: {_profiles(cp)}, rolls {scheduler.rolls}")
 
 
-def test_with_room_every_replica_is_replaced_before_it_stops(cp: _ControlPlane) -> None:
+def test_with_room_every_replica_is_replaced_before_it_stops(cp: SchedulerRig) -> None:
     _join(cp, "n1", 4)
     cp.store.put_catalog_model("m", PROFILES)
     cp.store.deploy_model("m", profile="a", replicas=2)
@@ -84,7 +72,7 @@ def test_with_room_every_replica_is_replaced_before_it_stops(cp: _ControlPlane) 
     assert events.count("profile_replacing") == 2 and events.count("profile_replaced") == 2
 
 
-def test_without_room_one_old_replica_gives_way_while_another_serves(cp: _ControlPlane) -> None:
+def test_without_room_one_old_replica_gives_way_while_another_serves(cp: SchedulerRig) -> None:
     _join(cp, "n1", 1)
     _join(cp, "n2", 1)
     cp.store.put_catalog_model("m", PROFILES)
@@ -97,7 +85,7 @@ def test_without_room_one_old_replica_gives_way_while_another_serves(cp: _Contro
     assert fewest == 1  # one serves while the other's GPU goes to its successor
 
 
-def test_a_single_replica_without_room_keeps_serving_and_says_why(cp: _ControlPlane) -> None:
+def test_a_single_replica_without_room_keeps_serving_and_says_why(cp: SchedulerRig) -> None:
     _join(cp, "n1", 1)
     cp.store.put_catalog_model("m", PROFILES)
     cp.store.deploy_model("m", profile="a", replicas=1)
@@ -115,7 +103,7 @@ def test_a_single_replica_without_room_keeps_serving_and_says_why(cp: _ControlPl
     assert _roll_to_b(cp, scheduler, 1) == 1
 
 
-def test_an_old_replica_that_serves_nothing_yet_is_stopped_at_once(cp: _ControlPlane) -> None:
+def test_an_old_replica_that_serves_nothing_yet_is_stopped_at_once(cp: SchedulerRig) -> None:
     _join(cp, "n1", 4)
     cp.store.put_catalog_model("m", PROFILES)
     cp.store.deploy_model("m", profile="a", replicas=1)

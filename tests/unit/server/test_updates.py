@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -13,13 +12,6 @@ from llmgw.errors import Conflict
 from llmgw.server.store import MIGRATIONS, Store
 
 ORDER = {"order": b'{"counter":1}', "signature": b"sig", "expires": 2000.0}
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Any:
-    s = Store.open(tmp_path / "state.db", clock=lambda: 1000.0)
-    yield s
-    s.close()
 
 
 def test_migration_4_adds_update_rows_to_a_v3_database(tmp_path: Path) -> None:

@@ -27,22 +27,7 @@ from llmgw.pki import Authority
 from llmgw.server.updates import sign_order
 from llmgw.updater import bundle as helper_bundle
 from llmgw.updater.apply import ApplyResult, apply_request, read_counter
-
-NODE = "gpu-1"
-
-
-def order_for(**changes: Any) -> dict[str, Any]:
-    order: dict[str, Any] = {
-        "node_id": NODE,
-        "version": "0.2.0",
-        "counter": 1,
-        "sha256": "0" * 64,
-        "url": "http://127.0.0.1:8080/agent/bundles/linux-x64.tar.gz",
-        "arch": "x64",
-        "expires": int(time.time()) + 3600,
-    }
-    order.update(changes)
-    return order
+from tests.unit.orders import NODE, order_for
 
 
 def tar_gz(entries: list[tarfile.TarInfo | tuple[tarfile.TarInfo, bytes]]) -> bytes:

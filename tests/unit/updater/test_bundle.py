@@ -4,31 +4,20 @@ the helper's own. (Hostile bundles are refused through the whole helper, in test
 
 from __future__ import annotations
 
-import io
 import stat
-import tarfile
 from pathlib import Path
 
 import pytest
 
 from llmgw.errors import UpdateError
 from llmgw.updater.bundle import check_bundle, installed_version, unpack
+from tests.tarballs import write_bundle
 
 TOP = "llmgw-agent-0.2.0-linux-x64"
 
 
 def _tar_gz(path: Path, files: dict[str, tuple[bytes, int]], top: str = TOP) -> Path:
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w:gz") as tar:
-        info = tarfile.TarInfo(top)
-        info.type, info.mode = tarfile.DIRTYPE, 0o755
-        tar.addfile(info)
-        for name, (data, mode) in files.items():
-            info = tarfile.TarInfo(f"{top}/{name}")
-            info.size, info.mode = len(data), mode
-            tar.addfile(info, io.BytesIO(data))
-    path.write_bytes(raw.getvalue())
-    return path
+    return write_bundle(path, top, files)
 
 
 def _good(**extra: tuple[bytes, int]) -> dict[str, tuple[bytes, int]]:

@@ -28,15 +28,6 @@ FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
 ENGINES = FIXTURES / "engines"
 
 
-@pytest.fixture
-def empty_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """PATH with nothing on it: no nvidia-smi, llama-server or vllm from this machine."""
-    empty = tmp_path / "empty-bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-    return empty
-
-
 def test_engine_with_version() -> None:
     info = check_engine_binary("llamacpp", [str(ENGINES / "works")])
     assert info == pb.EngineInfo(

@@ -17,21 +17,10 @@ from llmgw.agent.discovery import (
 )
 from llmgw.proto import control_pb2 as pb
 
-from ..fake_nvml import FakeNvml, fake_nvml
-
-__all__ = ["fake_nvml"]  # a fixture, used by name
+from ..fake_nvml import FakeNvml
 
 FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
 SMI = FIXTURES / "nvidia-smi"
-
-
-@pytest.fixture
-def empty_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """PATH with nothing on it: no nvidia-smi, llama-server or vllm from this machine."""
-    empty = tmp_path / "empty-bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-    return empty
 
 
 def test_eight_h100s() -> None:

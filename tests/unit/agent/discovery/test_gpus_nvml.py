@@ -13,20 +13,10 @@ import pytest
 from llmgw.agent.discovery import NO_GPUS_VISIBLE, NVML_VERSION_MISMATCH, discover_gpus
 from llmgw.agent.inventory import collect_inventory
 
-from ..fake_nvml import STANDIN, FakeNvml, eight_gpus, fake_nvml
-
-__all__ = ["fake_nvml"]  # a fixture, used by name
+from ..fake_nvml import STANDIN, FakeNvml, eight_gpus
 
 SMI = Path(__file__).resolve().parents[3] / "fixtures" / "nvidia-smi"
 LOST_HINT = "see 'dmesg | grep -i xid' and 'nvidia-smi -q -i 5'"
-
-
-@pytest.fixture
-def empty_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    empty = tmp_path / "empty-bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-    return empty
 
 
 def test_the_stand_in_is_what_discovery_imports(fake_nvml: FakeNvml) -> None:

@@ -1,42 +1,13 @@
-"""Fixtures of the state store's tests: a store on a file in tmp_path, on a clock the test
-moves, and the rows most tests start from."""
+"""Fixtures of the state store's tests: the rows most tests start from (the store itself, on a
+file in tmp_path and the clock the test moves, is tests/unit/server/conftest.py's)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
 from llmgw.server.store import Node, Replica, Shard, Store
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float = 1.0) -> None:
-        self.t += dt
-
-
-@pytest.fixture
-def db_path(tmp_path: Path) -> Path:
-    return tmp_path / "state.db"
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def store(db_path: Path, clock: Clock) -> Iterator[Store]:
-    s = Store.open(db_path, clock=clock)
-    yield s
-    s.close()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import hashlib
 import sqlite3
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 
@@ -18,9 +17,7 @@ from llmgw.server.store import (
     Store,
     hash_api_key,
 )
-
-if TYPE_CHECKING:
-    from tests.unit.server.store.conftest import Clock
+from tests.unit.clock import Clock
 
 
 def _consume(store: Store, secret: str, node_id: str = "gpu-1", **kw: object) -> JoinToken:

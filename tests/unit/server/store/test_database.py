@@ -118,3 +118,16 @@ def test_an_existing_database_file_is_opened_not_replaced(db_path: Path) -> None
         s.set_meta("k", "v")
     with Store.open(db_path) as s:
         assert s.get_meta("k") == "v"
+
+
+def test_unused_id_skips_the_ids_a_table_already_holds(store: Store) -> None:
+    key, _ = store.create_api_key("taken")
+    offered = iter([key.id, key.id, "fresh-id", "never-asked"])
+    with store._db.write():
+        assert store._db.unused_id("api_keys", lambda: next(offered)) == "fresh-id"
+    assert next(offered) == "never-asked"
+
+
+def test_unused_id_refuses_what_is_not_a_table_name(store: Store) -> None:
+    with pytest.raises(ValueError, match="not a table name"):
+        store._db.unused_id("api_keys; DROP TABLE nodes", lambda: "x")

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from llmgw.server.store import (
     MAX_EVENT_MESSAGE,
     Event,
     Store,
 )
-
-if TYPE_CHECKING:
-    from tests.unit.server.store.conftest import Clock
+from tests.unit.clock import Clock
 
 
 def test_events(store: Store, clock: Clock) -> None:

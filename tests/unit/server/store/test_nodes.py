@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import pytest
 
@@ -14,9 +13,7 @@ from llmgw.server.store import (
     Shard,
     Store,
 )
-
-if TYPE_CHECKING:
-    from tests.unit.server.store.conftest import Clock
+from tests.unit.clock import Clock
 
 
 def test_upsert_node_creates_then_keeps_uid_and_state(

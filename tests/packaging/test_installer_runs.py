@@ -1,0 +1,286 @@
+"""install-agent.sh's verbs run whole, in a sandbox: the installer's text with every path it
+manages moved under a temporary directory, the service user ``nobody``, and the commands
+that would change the host (systemctl, useradd, loginctl, apt-get, chown ...) replaced by
+stand-ins that record their calls. What is checked is the run order (the numbered steps, one
+block at the end of the script) and what "changed?" decides: a re-run changes and restarts
+nothing, a changed drop-in restarts the agent, an upgrade keeps the previous binary and rolls
+back when the new one does not come up. The real thing, in systemd containers, is the dry
+run's (tests/dryrun)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.ci import require_tools, unavailable
+
+from .pkgcheck import ROOT, UNITS
+
+INSTALLER = ROOT / "installer" / "install-agent.sh"
+SERVICE_USER = "nobody"  # a user every Debian machine has; nothing is done as it here
+
+# Sourced in place of the installer's last line (main "$@"): the stand-ins, then main.
+RUNNER = r"""
+SERVICE_USER=__USER__
+log() { printf '%s\n' "$*" >>"$T/calls"; }
+check_systemd() { :; }
+systemctl() {
+    log systemctl "$@"
+    case $1 in
+        is-enabled) [ -e "$T/sc/enabled-$2" ] && echo enabled || echo disabled ;;
+        is-active) [ -e "$T/sc/active-$2" ] && echo active || echo inactive ;;
+        enable)
+            if [ "$2" = --now ]; then touch "$T/sc/enabled-$3" "$T/sc/active-$3"
+            else touch "$T/sc/enabled-$2"; fi ;;
+        restart)
+            unit=$2
+            [ "$2" != --no-block ] || unit=$3
+            [ -e "$T/sc/fail" ] || touch "$T/sc/active-$unit" ;;
+        stop) rm -f "$T/sc/active-$2" ;;
+        show) echo invocation-1 ;;
+    esac
+    return 0
+}
+ss() { [ -e "$T/sc/active-llmgw-agent.service" ] && echo "LISTEN 0 128 *:9443 *:*"; return 0; }
+loginctl() { log loginctl "$@"; return 1; }
+useradd() { log useradd "$@"; }
+groupadd() { log groupadd "$@"; }
+usermod() { log usermod "$@"; }
+gpasswd() { log gpasswd "$@"; }
+journalctl() { log journalctl "$@"; }
+chown() { log chown "$@"; }
+getent() { [ "$1 $2" != "group docker" ] || return 1; command getent "$@"; }
+mode_of() { stat -c '%a root:root' "$1" 2>/dev/null || true; }
+same_mode() { [ "$(mode_of "$1")" = "${2#0} root:root" ]; }
+as_agent_with_token() { LLMGW_JOIN_TOKEN=$JOIN_TOKEN "$@"; }
+agent_read() { cp "$1" "$2" 2>/dev/null || : >"$2"; }
+main "$@"
+"""
+
+# The bundle's llmgw: its version, agent --check (valid when it names a node), join (writes
+# an identity and agent.yaml), update-trust.
+FAKE_LLMGW = r"""#!/bin/sh
+case $1 in
+    --version) echo "llmgw __VERSION__"; exit 0 ;;
+    agent) shift ;;
+    *) exit 3 ;;
+esac
+case $1 in
+    --check) grep -q '^node_id:' "$3" ;;
+    join)
+        shift
+        while [ $# -gt 0 ]; do
+            case $1 in
+                --node-id) node=$2; shift ;;
+                --config) config=$2; shift ;;
+                --state-dir) state=$2; shift ;;
+            esac
+            shift
+        done
+        [ -n "$LLMGW_JOIN_TOKEN" ] || exit 4
+        echo crt >"$state/node.crt"
+        echo ca >"$state/ca.crt"
+        [ -f "$config" ] || printf 'server: cp:7443\nnode_id: %s\n' "$node" >"$config"
+        ;;
+    update-trust) echo "trust: written" ;;
+esac
+"""
+
+APT_GET = r"""#!/bin/sh
+printf '%s\n' "apt-get $*" >>"$T/calls"
+case " $* " in
+    *" install "*)
+        mkdir -p "$T/usr/bin"
+        cp "$T/b1/llmgw" "$T/usr/bin/llmgw"
+        echo 1.0.0 >"$T/package-version" ;;
+esac
+"""
+
+
+@dataclass
+class Sandbox:
+    """A host in a directory: ``run("install", ...)`` runs the installer of bundle ``b1``
+    (or ``b2``, one version on) there."""
+
+    root: Path
+
+    def run(
+        self, *args: str, bundle: str = "b1", token: str = ""
+    ) -> subprocess.CompletedProcess[str]:
+        (self.root / "calls").write_text("")
+        env = {
+            "PATH": f"{self.root / 'bin'}:{os.environ['PATH']}",
+            "T": str(self.root),
+            "LLMGW_AGENT_HEALTH_TIMEOUT": "2",
+            "LLMGW_AGENT_SETTLE_SECONDS": "0",
+        }
+        if token:
+            env["LLMGW_JOIN_TOKEN"] = token
+        return subprocess.run(
+            ["sh", str(self.root / bundle / "run.sh"), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def calls(self) -> list[str]:
+        return (self.root / "calls").read_text().splitlines()
+
+    def said(self, result: subprocess.CompletedProcess[str]) -> list[str]:
+        """The installer's own lines (==> and warnings), the sandbox's path as @."""
+        return [
+            line.replace(str(self.root), "@")
+            for line in result.stderr.splitlines()
+            if line.startswith(("==> ", "warning: ", "error: "))
+        ]
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> Sandbox:
+    if os.geteuid() != 0:
+        unavailable("the installer checks that root owns the paths it manages: run as root")
+    require_tools("sh", "sha256sum", "getent", "stat")
+    if subprocess.run(["getent", "passwd", SERVICE_USER], capture_output=True).returncode:
+        unavailable(f"no user {SERVICE_USER} here; the sandbox's service user is that one")
+    root = tmp_path / "host"
+    root.mkdir()
+    root.chmod(0o755)
+    (root / "sc").mkdir()
+    lines = INSTALLER.read_text().rstrip("\n").split("\n")
+    assert lines[-1] == 'main "$@"', "the installer's last line is its call of main"
+    body = "\n".join(lines[:-1]) + "\n"
+    for prefix in ("/etc/", "/var/lib/", "/usr/local/lib/", "/srv/", "/run/llmgw"):
+        body = body.replace(prefix, f"{root}{prefix}")
+    body = body.replace("/usr/share/keyrings", f"{root}/keyrings")
+    body = body.replace("PACKAGE_BIN=/usr/bin/llmgw", f"PACKAGE_BIN={root}/usr/bin/llmgw")
+    for name, version in (("b1", "1.0.0"), ("b2", "1.1.0")):
+        bundle = root / name
+        (bundle / "systemd").mkdir(parents=True)
+        for unit in UNITS.iterdir():
+            if unit.suffix in (".service", ".path"):
+                shutil.copy(unit, bundle / "systemd" / unit.name)
+        (bundle / "run.sh").write_text(body + RUNNER.replace("__USER__", SERVICE_USER))
+        llmgw = bundle / "llmgw"
+        llmgw.write_text(FAKE_LLMGW.replace("__VERSION__", version))
+        llmgw.chmod(0o755)
+    (root / "bin").mkdir()
+    (root / "bin" / "apt-get").write_text(APT_GET)
+    (root / "bin" / "dpkg-query").write_text('#!/bin/sh\ncat "$T/package-version" 2>/dev/null\n')
+    for tool in (root / "bin").iterdir():
+        tool.chmod(0o755)
+    (root / "repo.key").write_text("a key\n")
+    return Sandbox(root)
+
+
+JOIN = ("--node-id", "n1", "--enroll-url", "https://cp:7443", "--ca-hash", "sha256:ab")
+
+
+def test_install_runs_its_steps_in_order_and_a_rerun_changes_nothing(sandbox: Sandbox) -> None:
+    first = sandbox.run("install")
+    assert first.returncode == 0, first.stderr
+    units = "@/etc/systemd/system"
+    assert sandbox.said(first) == [
+        "==> install: llmgw 1.0.0 from @/b1",
+        f"==> user: lingering on for {SERVICE_USER}",  # 2 (the user, 1, exists)
+        "==> folders: made @/srv/llmgw/models",  # 3
+        "==> folders: made @/srv/llmgw/cache",
+        "==> binary: llmgw 1.0.0 into @/usr/local/lib/llmgw-agent",  # 4
+        f"==> units: {units}/llmgw-agent.service",  # 5
+        f"==> units: {units}/llmgw-agent-update.path",
+        f"==> units: {units}/llmgw-agent-update.service",
+        f"==> units: {units}/llmgw-agent.service.d/10-install.conf "  # 6
+        "(ReadWritePaths=@/srv/llmgw/models @/srv/llmgw/cache)",
+        "==> not started: this node has no identity yet. Run this again with --node-id, "
+        "--enroll-url and --ca-hash (the token in LLMGW_JOIN_TOKEN)",  # 12
+        "==> done: llmgw 1.0.0 installed (@/usr/local/lib/llmgw-agent/llmgw)",
+    ]
+    assert sandbox.calls().count("systemctl daemon-reload") == 1
+    again = sandbox.run("install")
+    assert again.returncode == 0, again.stderr
+    assert [line for line in sandbox.said(again) if "units:" in line or "binary:" in line] == []
+    assert "systemctl daemon-reload" not in sandbox.calls()
+
+
+def test_join_then_a_rerun_restarts_nothing_and_a_new_drop_in_restarts(sandbox: Sandbox) -> None:
+    joined = sandbox.run("install", *JOIN, token="t0ken")
+    assert joined.returncode == 0, joined.stderr
+    said = sandbox.said(joined)
+    order = [
+        "==> join: node n1 at https://cp:7443",  # 8
+        "==> config: @/etc/llmgw/agent.yaml",  # 9
+        "==> update helper: trusts the cluster CA in @/etc/llmgw/update/ca.pem",  # 10
+        "==> service: (re)starting llmgw-agent.service",  # 12
+        "==> service: llmgw-agent.service is active and listens on :9443",
+    ]
+    assert [line for line in said if line in order] == order
+    again = sandbox.run("install", *JOIN)
+    assert again.returncode == 0, again.stderr
+    assert "==> service: llmgw-agent.service runs and nothing changed; not restarted" in (
+        sandbox.said(again)
+    )
+    assert not [
+        c for c in sandbox.calls() if c.startswith(("systemctl restart", "systemctl daemon"))
+    ]
+    moved = sandbox.run("install", "--models-root", str(sandbox.root / "srv" / "m2"))
+    assert moved.returncode == 0, moved.stderr
+    assert "==> service: (re)starting llmgw-agent.service" in sandbox.said(moved)
+    assert "systemctl daemon-reload" in sandbox.calls()
+    refused = sandbox.run("install", "--node-id", "n2", *JOIN[2:])
+    assert refused.returncode == 1
+    assert "already joined as 'n1', not 'n2'" in refused.stderr
+
+
+def test_upgrade_keeps_the_previous_and_rolls_back_when_the_new_one_fails(
+    sandbox: Sandbox,
+) -> None:
+    assert sandbox.run("install", *JOIN, token="t0ken").returncode == 0
+    upgraded = sandbox.run("upgrade", bundle="b2")
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert sandbox.said(upgraded) == [
+        "==> upgrade: llmgw 1.0.0 -> 1.1.0",
+        "==> binary: kept llmgw 1.0.0 in @/usr/local/lib/llmgw-agent/previous for rollback",
+        "==> done: llmgw 1.1.0 runs and listens on :9443 (llmgw 1.0.0 kept for rollback)",
+    ]
+    same = sandbox.run("upgrade", bundle="b2")
+    assert sandbox.said(same) == ["==> llmgw 1.1.0 is installed already; nothing to upgrade"]
+    assert sandbox.calls() == []  # nothing changed: no reload, no restart
+    back = sandbox.run("rollback")
+    assert back.returncode == 0, back.stderr
+    assert "==> rollback: llmgw 1.1.0 -> 1.0.0" in sandbox.said(back)
+    # The agent does not come up again: the upgrade rolls itself back (and says so).
+    (sandbox.root / "sc" / "fail").touch()
+    (sandbox.root / "sc" / "active-llmgw-agent.service").unlink()
+    failed = sandbox.run("upgrade", bundle="b2")
+    assert failed.returncode == 1
+    assert "==> rollback: restoring llmgw 1.0.0" in sandbox.said(failed)
+    installed = sandbox.root / "usr" / "local" / "lib" / "llmgw-agent" / "llmgw"
+    assert installed.read_bytes() == (sandbox.root / "b1" / "llmgw").read_bytes()
+
+
+def test_package_installs_the_package_first_then_the_same_steps(sandbox: Sandbox) -> None:
+    result = sandbox.run(
+        "package", "--repo-url", "http://repo", "--repo-key", str(sandbox.root / "repo.key")
+    )
+    assert result.returncode == 0, result.stderr
+    said = sandbox.said(result)
+    assert said[:4] == [
+        "==> package: repository key @/keyrings/llmgw.gpg",
+        "==> package: @/etc/apt/sources.list.d/llmgw.list (http://repo/apt)",
+        "==> package: apt-get update && apt-get install llmgw-agent",
+        f"==> user: lingering on for {SERVICE_USER}",
+    ]
+    assert not [line for line in said if "binary:" in line]
+    # The package ships the agent's unit and no update helper: only the drop-in is written.
+    assert [line for line in said if "units:" in line] == [
+        "==> units: @/etc/systemd/system/llmgw-agent.service.d/10-install.conf "
+        "(ReadWritePaths=@/srv/llmgw/models @/srv/llmgw/cache)"
+    ]
+    assert said[-1] == "==> done: llmgw 1.0.0 installed from the package (@/usr/bin/llmgw)"

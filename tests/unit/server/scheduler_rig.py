@@ -1,0 +1,85 @@
+"""The scheduler as its tests drive it: a real store, the sessions and lost nodes a test sets,
+and a router that routes what the test says; it notes the replicas the scheduler removes.
+The ``cp`` fixture (conftest.py) gives one on a fresh store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+from llmgw.server.routing import Router
+from llmgw.server.scheduler import Scheduler
+from llmgw.server.store import Store
+from llmgw.server.stream import NodeSession
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    replica_id: str
+
+
+class FakeRouter:
+    """Routable: the replicas a test says are (as the real router learns from the agents)."""
+
+    def __init__(self) -> None:
+        self.routable: set[str] = set()
+
+    def endpoints(self, model: str | None = None) -> list[Any]:
+        return [Endpoint(r) for r in sorted(self.routable)]
+
+    def remove_shard(self, shard_id: str) -> None:
+        pass  # the replica leaves ``routable`` as a whole (RecordingScheduler)
+
+
+class RecordingScheduler(Scheduler):
+    """The scheduler, noting the replicas it removes."""
+
+    def __init__(self, cp: SchedulerRig) -> None:
+        super().__init__(cp.store, cast(Router, cp.router), sessions=cp.sessions, lost=cp.lost)
+        self.cp = cp
+
+    def remove_replica(self, replica_id: str, *, why: str) -> None:
+        self.cp.removed.append(replica_id)
+        self.cp.router.routable.discard(replica_id)
+        super().remove_replica(replica_id, why=why)
+
+
+class SchedulerRig:
+    """What the scheduler is given: the store, the live sessions, the router."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.sessions: dict[str, NodeSession] = {}
+        self.lost: set[str] = set()
+        self.router = FakeRouter()
+        self.removed: list[str] = []
+
+    def scheduler(self) -> Scheduler:
+        return RecordingScheduler(self)
+
+    def join(
+        self,
+        node_id: str,
+        inventory: dict[str, Any],
+        *,
+        dataplane_addr: str,
+        engines: frozenset[str],
+        session_addr: str | None = None,
+    ) -> None:
+        """``node_id`` joined, approved and connected: its row with ``inventory``, and a
+        session (its data plane at ``session_addr``, else ``dataplane_addr``)."""
+        self.store.upsert_node(
+            node_id,
+            dataplane_addr=dataplane_addr,
+            agent_version="0.1.0",
+            inventory=inventory,
+            connected=True,
+        )
+        self.store.set_node_state(node_id, "approved")
+        self.sessions[node_id] = NodeSession(
+            node_id=node_id,
+            dataplane_addr=session_addr or dataplane_addr,
+            epoch=1,
+            engines=engines,
+            approved=True,
+        )
