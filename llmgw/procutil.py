@@ -1,15 +1,67 @@
-"""Facts about a running process, read from ``/proc``: when it started, and whether it is
-still the process that started then.
+"""Running and inspecting local processes.
 
-A pid alone names a process only until it ends: the kernel may give the number to another.
-The pair (pid, start time) does not recur, so the agent records it for every engine it
-starts, adopts an engine a previous agent left only when the pair still matches, and
+Running: :func:`run_to_end` runs a program in its own session to the end, or kills its whole
+process group after a timeout (engines and tools fork helpers). The agent's discovery probes
+(``nvidia-smi``, ``ldd``, an engine's ``--version``) and ``llmgw engine check`` both use it.
+
+Inspecting, from ``/proc``: when a process started, and whether it is still the process that
+started then. A pid alone names a process only until it ends: the kernel may give the number
+to another. The pair (pid, start time) does not recur, so the agent records it for every
+engine it starts, adopts an engine a previous agent left only when the pair still matches, and
 ``llmgw up`` stops only the engines whose pair matches (:mod:`llmgw.cli.local_cluster`).
 """
 
 from __future__ import annotations
 
-__all__ = ["process_running", "process_start_time"]
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Finished", "process_running", "process_start_time", "run_to_end"]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """How a program ended and what it wrote (``stderr`` is empty when it was merged into
+    ``stdout``)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_to_end(
+    argv: Sequence[str],
+    timeout: float,
+    *,
+    env: Mapping[str, str] | None = None,
+    merge_stderr: bool = False,
+) -> Finished:
+    """Run ``argv`` in its own session with no input, to the end. ``merge_stderr`` sends its
+    stderr to stdout, interleaved as written. Raises OSError (or ValueError, for an argument
+    with a NUL byte) when it cannot start, and ``subprocess.TimeoutExpired`` after killing its
+    whole process group when it runs past ``timeout`` seconds."""
+    with subprocess.Popen(
+        list(argv),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+        env=None if env is None else dict(env),
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    return Finished(
+        proc.returncode, out.decode(errors="replace"), (err or b"").decode(errors="replace")
+    )
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:

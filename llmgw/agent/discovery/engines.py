@@ -22,17 +22,10 @@ from typing import Any
 
 import llmgw
 from llmgw.agent.config import AgentConfig
-from llmgw.agent.discovery.probe import (
-    ProbeResult,
-    c_locale,
-    cannot_run,
-    exit_text,
-    nonempty_lines,
-    run,
-    summary,
-)
+from llmgw.agent.discovery.probe import c_locale, cannot_run, exit_text, nonempty_lines, summary
 from llmgw.engines.launch import self_argv
 from llmgw.engines.registry import ENGINES, Engine
+from llmgw.procutil import Finished, run_to_end
 from llmgw.proto import control_pb2 as pb
 
 __all__ = [
@@ -122,7 +115,7 @@ def missing_libraries(path: str) -> list[str]:
         return []
     ldd = shutil.which("ldd") or "/usr/bin/ldd"
     try:
-        result = run([ldd, target], 10.0, env=c_locale())
+        result = run_to_end([ldd, target], 10.0, env=c_locale())
     except (OSError, subprocess.TimeoutExpired):
         return []
     lines: list[str] = []
@@ -133,7 +126,7 @@ def missing_libraries(path: str) -> list[str]:
     return lines
 
 
-def _first_line(result: ProbeResult) -> str:
+def _first_line(result: Finished) -> str:
     lines = nonempty_lines(result.stdout) or nonempty_lines(result.stderr)
     return lines[0][:VERSION_LIMIT] if lines else ""
 
@@ -156,7 +149,7 @@ def _check(
     for number, probe in enumerate(probes):
         shown = _show([*command, *probe])
         try:
-            result = run([*command, *probe], timeout)
+            result = run_to_end([*command, *probe], timeout)
         except subprocess.TimeoutExpired:
             problem = problem or f"'{shown}' did not finish within {timeout:g} s"
             break
