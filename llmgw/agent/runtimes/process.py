@@ -16,7 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord
+from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord, open_shard_log
 from llmgw.errors import ShardError
 from llmgw.procutil import process_running, process_start_time
 
@@ -94,20 +94,13 @@ class ProcessRuntime(Runtime):
     name = "process"
 
     async def start(self, launch: Launch) -> Handle:
-        launch.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         env = {k: v for k, v in os.environ.items() if k not in _AGENT_ONLY_ENV}
         if getattr(sys, "frozen", False):
             # A frozen llmgw started from a frozen llmgw reuses its parent's unpacked files,
             # which go away when the agent exits; engines outlive the agent: unpack anew.
             env["PYINSTALLER_RESET_ENVIRONMENT"] = "1"
         env.update(launch.env)
-        try:
-            log = open(launch.log_path, "ab", buffering=0)
-        except OSError as exc:
-            raise ShardError(
-                f"cannot open the shard log {launch.log_path}: {exc.strerror}; "
-                "check the state directory's owner and free space"
-            ) from exc
+        log = open_shard_log(launch.log_path)
         # Not asyncio's subprocess: its transport kills a still-running child when it is
         # closed or collected, which (from Python 3.12, whose child watcher lives in the
         # event loop) happens as the agent's loop ends, taking the engines down with it.
