@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from llmgw.contracts.ports import DEFAULT_HTTP_PORT
 from llmgw.errors import APIError, ClientError, ConfigError, ConnectError
 from llmgw.fsutil import write_private
 
@@ -188,7 +189,7 @@ def find_target(
             local_token = (SERVER_STATE_DIR / "admin.token").read_text().strip()
         except OSError:
             local_token = None
-    candidates.append(Target("http://127.0.0.1:8080", local_token, "default"))
+    candidates.append(Target(f"http://127.0.0.1:{DEFAULT_HTTP_PORT}", local_token, "default"))
     return candidates
 
 

@@ -32,13 +32,12 @@ from llmgw.configfile import (
     type_name,
     unknown_key_message,
 )
+from llmgw.contracts.ports import DEFAULT_DATA_PORT, DEFAULT_GRPC_PORT
 from llmgw.engines.registry import ENGINES, engine_names
 from llmgw.listener import ListenerLimits, parse_listener_limits
 from llmgw.netaddr import format_hostport, is_ip_address
 
 DEFAULT_AGENT_CONFIG = Path("/etc/llmgw/agent.yaml")
-DEFAULT_GRPC_PORT = 7443
-DEFAULT_DATA_PORT = 9443
 DEFAULT_LISTEN = f"0.0.0.0:{DEFAULT_DATA_PORT}"
 DEFAULT_MODELS_ROOT = Path("/srv/llmgw/models")
 DEFAULT_CACHE_ROOT = Path("/srv/llmgw/cache")

@@ -16,13 +16,12 @@ from llmgw.bodies import (
     parse_body_limits,
 )
 from llmgw.configfile import Checker, apply_overrides, index_key, load_yaml, type_name
+from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 from llmgw.listener import ListenerLimits, parse_listener_limits
 from llmgw.netaddr import format_hostport, is_hostname, is_ip_address
 
 DEFAULT_SERVER_CONFIG = Path("/etc/llmgw/server.yaml")
 DEFAULT_STATE_DIR = Path("/var/lib/llmgw")
-DEFAULT_HTTP_PORT = 8080
-DEFAULT_GRPC_PORT = 7443
 DEFAULT_HTTP_LISTEN = f"0.0.0.0:{DEFAULT_HTTP_PORT}"
 DEFAULT_GRPC_LISTEN = f"0.0.0.0:{DEFAULT_GRPC_PORT}"
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
@@ -50,7 +49,6 @@ _KEYS = (
     "upstream_idle_timeout",
 )
 _TLS_KEYS = ("cert", "key")
-DEFAULT_ENROLL_PORT = 8443
 DEFAULT_CERT_LIFETIME = 30 * 86400.0
 # Concurrent connections one address may hold on the enrolment port; a fleet enrolled at
 # once from behind one NAT (or a benchmark on loopback) raises it.

@@ -23,6 +23,7 @@ import yaml
 from llmgw.agent import config as agent_config
 from llmgw.agent.config import load_agent_config
 from llmgw.agent.dockerproxy import DEFAULT_LISTEN
+from llmgw.contracts.ports import DEFAULT_DATA_PORT
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALLER = ROOT / "installer" / "install-agent.sh"
@@ -161,7 +162,7 @@ def exec_start(unit_service: dict[str, list[str]]) -> list[str]:
 def test_installer_waits_on_and_opens_the_agents_data_plane_port(tmp_path: Path) -> None:
     settings = installer_settings()
     port = int(settings["AGENT_PORT"])
-    assert port == agent_config.DEFAULT_DATA_PORT
+    assert port == DEFAULT_DATA_PORT
     cfg = tmp_path / "agent.yaml"
     cfg.write_text("server: cp-1:7443\nnode_id: n1\n")
     listen = load_agent_config(cfg).listen

@@ -9,8 +9,9 @@ import click
 from click.core import ParameterSource
 
 from llmgw.agent.config import DEFAULT_AGENT_CONFIG, DEFAULT_STATE_DIR
-from llmgw.agent.join import DEFAULT_ENROLL_PORT, JoinResult, join
+from llmgw.agent.join import JoinResult, join
 from llmgw.cli.prompts import read_secret
+from llmgw.contracts.ports import DEFAULT_ENROLL_PORT
 
 __all__ = ["TOKEN_ENV", "join_command"]
 
