@@ -32,16 +32,15 @@ from llmgw.configfile import (
     type_name,
     unknown_key_message,
 )
+from llmgw.contracts.paths import DEFAULT_AGENT_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_DATA_PORT, DEFAULT_GRPC_PORT
 from llmgw.engines.registry import ENGINES, engine_names
 from llmgw.listener import ListenerLimits, parse_listener_limits
 from llmgw.netaddr import format_hostport, is_ip_address
 
-DEFAULT_AGENT_CONFIG = Path("/etc/llmgw/agent.yaml")
 DEFAULT_LISTEN = f"0.0.0.0:{DEFAULT_DATA_PORT}"
 DEFAULT_MODELS_ROOT = Path("/srv/llmgw/models")
 DEFAULT_CACHE_ROOT = Path("/srv/llmgw/cache")
-DEFAULT_STATE_DIR = Path("/var/lib/llmgw-agent")
 DEFAULT_IB_ROOT = Path("/sys/class/infiniband")
 RESERVED_NODE_PREFIX = "llmgw-"
 MAX_INTERFACE_NAME = 15  # IFNAMSIZ - 1
@@ -240,7 +239,7 @@ def _parse(
         data = apply_overrides(data, overrides, file=file)
     top = check.mapping(data, "", accepted=_TOP_KEYS)
 
-    state_dir = _path(check, top, "state_dir", DEFAULT_STATE_DIR)
+    state_dir = _path(check, top, "state_dir", DEFAULT_AGENT_STATE_DIR)
     listen = top.get("listen")  # absent and null both mean "the default"
     listen_port = DEFAULT_DATA_PORT
     if listen is None:
@@ -578,7 +577,6 @@ def _docker(check: Checker, value: object, runtime: str) -> DockerConfig:
 
 
 __all__ = [
-    "DEFAULT_AGENT_CONFIG",
     "AgentConfig",
     "DiscoveryConfig",
     "DockerConfig",

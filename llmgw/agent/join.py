@@ -36,11 +36,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw import netaddr, pki
 from llmgw.agent.config import (
-    DEFAULT_AGENT_CONFIG,
-    DEFAULT_STATE_DIR,
     load_agent_config,
     parse_agent_config,
 )
+from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT
 from llmgw.errors import (
     ConfigError,
@@ -204,7 +203,7 @@ def _resolve_paths(
             uid=cfg.state_dir / UID_FILE,
         )
         return paths, True
-    base = Path(state_dir if state_dir is not None else DEFAULT_STATE_DIR).absolute()
+    base = Path(state_dir if state_dir is not None else DEFAULT_AGENT_STATE_DIR).absolute()
     paths = JoinPaths(
         config=config_path,
         state_dir=base,

@@ -19,15 +19,12 @@ from pathlib import Path
 import click
 
 from llmgw.cli.common import ReportingGroup
+from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG
 from llmgw.contracts.update_order import DEFAULT_SPOOL
 from llmgw.updater.apply import DEFAULT_INSTALLED_BINARY, DEFAULT_STATE, apply_request
 from llmgw.updater.trust import DEFAULT_TRUST, install_trust
 
-__all__ = ["DEFAULT_AGENT_CONFIG", "AgentGroup", "agent"]
-
-# llmgw.agent.config.DEFAULT_AGENT_CONFIG, written out so that the root commands need not
-# import the agent to parse this group's options; a unit test holds the two equal.
-DEFAULT_AGENT_CONFIG = Path("/etc/llmgw/agent.yaml")
+__all__ = ["AgentGroup", "agent"]
 
 
 class AgentGroup(ReportingGroup):

@@ -8,9 +8,9 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from llmgw.agent.config import DEFAULT_AGENT_CONFIG, DEFAULT_STATE_DIR
 from llmgw.agent.join import JoinResult, join
 from llmgw.cli.prompts import read_secret
+from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT
 
 __all__ = ["TOKEN_ENV", "join_command"]
@@ -53,7 +53,7 @@ TOKEN_ENV = "LLMGW_JOIN_TOKEN"
     default=None,
     envvar="LLMGW_AGENT_STATE_DIR",
     help=f"Where the identity goes when the config file does not exist yet (default "
-    f"{DEFAULT_STATE_DIR}) (env: LLMGW_AGENT_STATE_DIR).",
+    f"{DEFAULT_AGENT_STATE_DIR}) (env: LLMGW_AGENT_STATE_DIR).",
 )
 @click.option(
     "--rekey",

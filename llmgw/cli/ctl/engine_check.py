@@ -10,6 +10,7 @@ import click
 
 from llmgw.cli.common import Duration, ReportingCommand
 from llmgw.cli.ctl.output import table
+from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG
 from llmgw.engines.check import AgentEngines, CheckReport, FoundEngine, check_engine
 from llmgw.engines.registry import AVAILABLE_ENGINES
 from llmgw.errors import EngineError
@@ -94,8 +95,7 @@ def engine_check(
     a whole word. Exits 1 listing the missing flags.
     """
     if agent_config is None and binary is None and help_output is None:
-        default = Path("/etc/llmgw/agent.yaml")
-        agent_config = default if default.is_file() else None
+        agent_config = DEFAULT_AGENT_CONFIG if DEFAULT_AGENT_CONFIG.is_file() else None
     text = None if help_output is None else _help_text(help_output)
     agent = None
     if agent_config is not None:

@@ -11,7 +11,6 @@ import pytest
 
 from llmgw.agent import config as agent_config
 from llmgw.agent.config import (
-    DEFAULT_AGENT_CONFIG,
     AgentConfig,
     DiscoveryConfig,
     DockerConfig,
@@ -622,10 +621,6 @@ def test_config_is_frozen(tmp_path: Path) -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.node_id = "other"  # type: ignore[misc]
     assert isinstance(config.fabrics, tuple)
-
-
-def test_default_path() -> None:
-    assert Path("/etc/llmgw/agent.yaml") == DEFAULT_AGENT_CONFIG
 
 
 def test_node_id_problem() -> None:

@@ -12,14 +12,15 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from llmgw.agent.config import DEFAULT_AGENT_CONFIG
 from llmgw.cli import agent as agent_cli
 from llmgw.cli import main
+from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG
 
 # Runs llmgw in a fresh interpreter and prints the llmgw modules it loaded, after the output.
 PROBE = """
 import json, sys
 from llmgw.cli import main
+from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG
 try:
     main(sys.argv[1:], prog_name="llmgw")
 except SystemExit as exit:
@@ -65,7 +66,8 @@ def test_the_probe_sees_the_agent_when_a_command_loads_it() -> None:
 
 
 def test_the_default_config_is_the_agents() -> None:
-    assert agent_cli.DEFAULT_AGENT_CONFIG == DEFAULT_AGENT_CONFIG
+    (option,) = [p for p in agent_cli.agent.params if p.name == "config_path"]
+    assert option.default == DEFAULT_AGENT_CONFIG
 
 
 def test_the_node_commands_are_listed_and_load_when_named() -> None:
