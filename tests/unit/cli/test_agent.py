@@ -20,7 +20,6 @@ from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG
 PROBE = """
 import json, sys
 from llmgw.cli import main
-from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG
 try:
     main(sys.argv[1:], prog_name="llmgw")
 except SystemExit as exit:
