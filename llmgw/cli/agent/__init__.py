@@ -9,7 +9,8 @@ The helper's commands run as root, so this module, which they load, imports noth
 agent or the control plane: only the helper (``llmgw.updater``), the contracts it checks
 against and the foundations (a unit test holds this). The agent is imported when it is run;
 ``join`` and ``docker-proxy`` are modules of their own (``llmgw.cli.agent.join``,
-``llmgw.cli.agent.docker_proxy``), imported when they are named (:class:`AgentGroup`).
+``llmgw.cli.agent.docker_proxy``), imported when they are named (``NODE_COMMANDS``, a
+:class:`llmgw.cli.common.LazyGroup`) and listed by ``--help`` without being imported.
 """
 
 from __future__ import annotations
@@ -18,39 +19,46 @@ from pathlib import Path
 
 import click
 
-from llmgw.cli.common import ReportingGroup
+from llmgw.cli.common import LazyCommand, LazyGroup
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG
 from llmgw.contracts.update_order import DEFAULT_SPOOL
 from llmgw.updater.apply import DEFAULT_INSTALLED_BINARY, DEFAULT_STATE, apply_request
 from llmgw.updater.trust import DEFAULT_TRUST, install_trust
 
-__all__ = ["AgentGroup", "agent"]
+__all__ = ["NODE_COMMANDS", "agent"]
 
 
-class AgentGroup(ReportingGroup):
-    """The ``agent`` group, whose node commands (``join``, ``docker-proxy``) are imported
-    when they are named (or listed, by ``--help``): a root command loads neither."""
+# Plain import statements, so that PyInstaller finds the modules (see LazyCommand).
+def _join() -> object:
+    from llmgw.cli.agent.join import join_command
 
-    NODE_COMMANDS = ("docker-proxy", "join")
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*super().list_commands(ctx), *self.NODE_COMMANDS})
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name not in self.commands:
-            # Plain import statements, so that PyInstaller finds the modules (see llmgw.cli).
-            if cmd_name == "join":
-                from llmgw.cli.agent.join import join_command
-
-                self.add_command(join_command)
-            elif cmd_name == "docker-proxy":
-                from llmgw.cli.agent.docker_proxy import docker_proxy
-
-                self.add_command(docker_proxy)
-        return super().get_command(ctx, cmd_name)
+    return join_command
 
 
-@click.group(cls=AgentGroup, invoke_without_command=True)
+def _docker_proxy() -> object:
+    from llmgw.cli.agent.docker_proxy import docker_proxy
+
+    return docker_proxy
+
+
+# The node commands, which load the agent: imported when they are named, not to list them.
+NODE_COMMANDS: dict[str, LazyCommand] = {
+    "join": LazyCommand(
+        _join,
+        "Enrol this node with the control plane; the join token comes from "
+        "LLMGW_JOIN_TOKEN or a prompt, never from an argument.",
+    ),
+    "docker-proxy": LazyCommand(
+        _docker_proxy,
+        "Serve a Docker socket that allows only what llmgw's docker runtime does (as root "
+        "or a member of the docker group, from llmgw-docker-proxy.service): llmgw's "
+        "labelled containers, not privileged, no host namespaces, devices or mounts, ports "
+        "on 127.0.0.1. Everything else is answered 403 with the reason.",
+    ),
+}
+
+
+@click.group(cls=LazyGroup, lazy=NODE_COMMANDS, invoke_without_command=True)
 @click.option(
     "--config",
     "config_path",

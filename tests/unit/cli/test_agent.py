@@ -69,6 +69,13 @@ def test_the_default_config_is_the_agents() -> None:
     assert option.default == DEFAULT_AGENT_CONFIG
 
 
+def test_agent_help_lists_the_node_commands_without_loading_the_agent() -> None:
+    code, modules = loaded_by("agent", "--help")
+    assert code == 0
+    assert "llmgw.cli.agent.join" not in modules and "llmgw.cli.agent.docker_proxy" not in modules
+    assert forbidden_in(modules) == []
+
+
 def test_the_node_commands_are_listed_and_load_when_named() -> None:
     group = agent_cli.agent
     names = ["docker-proxy", "join", "update-apply", "update-trust"]
