@@ -119,7 +119,7 @@ def test_agent_help_lists_the_same_lines_before_and_after_its_node_commands_load
 
 
 def test_subcommands_of_the_loaded_groups_work_through_main() -> None:
-    """Whatever cli/agent.py and the cli/ctl/ package define is reached through the lazily
+    """Whatever the cli/agent/ and cli/ctl/ packages define is reached through the lazily
     loaded group."""
     for name in ("agent", "ctl"):
         group = COMMANDS[name].load()
