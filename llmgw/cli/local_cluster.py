@@ -27,6 +27,12 @@ import yaml
 
 from llmgw.agent.records import ShardRecords
 from llmgw.client import default_up_state_dir, write_ctl_config
+from llmgw.contracts.ports import (
+    DEFAULT_DATA_PORT,
+    DEFAULT_ENROLL_PORT,
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HTTP_PORT,
+)
 from llmgw.engines.launch import self_argv
 from llmgw.errors import CertificateError, ConfigError, LlmgwError, NotFound
 from llmgw.fsutil import write_private
@@ -50,10 +56,10 @@ UP_NODE = "local"
 class UpOptions:
     state_dir: Path
     host: str = "127.0.0.1"
-    http_port: int = 8080
-    grpc_port: int = 7443
-    agent_port: int = 9443
-    enroll_port: int = 8443
+    http_port: int = DEFAULT_HTTP_PORT
+    grpc_port: int = DEFAULT_GRPC_PORT
+    agent_port: int = DEFAULT_DATA_PORT
+    enroll_port: int = DEFAULT_ENROLL_PORT
     replicas: int = 1
     ttft_ms: float = 0.0
     tps: float = 0.0

@@ -10,6 +10,12 @@ import click
 
 from llmgw.cli.local_cluster import UpOptions, run_up
 from llmgw.client import default_up_state_dir
+from llmgw.contracts.ports import (
+    DEFAULT_DATA_PORT,
+    DEFAULT_ENROLL_PORT,
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HTTP_PORT,
+)
 from llmgw.log import LogfmtFormatter
 
 __all__ = ["up"]
@@ -50,28 +56,28 @@ def _setup_up_logging(state_dir: Path, verbose: bool) -> None:
 @click.option(
     "--port",
     "http_port",
-    default=8080,
+    default=DEFAULT_HTTP_PORT,
     show_default=True,
     type=int,
     help="Gateway port (0 picks one).",
 )
 @click.option(
     "--grpc-port",
-    default=7443,
+    default=DEFAULT_GRPC_PORT,
     show_default=True,
     type=int,
     help="Agent stream port (0 picks one).",
 )
 @click.option(
     "--agent-port",
-    default=9443,
+    default=DEFAULT_DATA_PORT,
     show_default=True,
     type=int,
     help="The local agent's data-plane port (0 picks one).",
 )
 @click.option(
     "--enroll-port",
-    default=8443,
+    default=DEFAULT_ENROLL_PORT,
     show_default=True,
     type=int,
     help="Enrolment port, for joining more nodes (0 picks one).",
