@@ -1,4 +1,5 @@
-"""``llmgw up``: a whole cluster on this machine."""
+"""``llmgw up``: a whole cluster on this machine. Its options default to
+:class:`llmgw.cli.local_cluster.UpOptions`' own defaults."""
 
 from __future__ import annotations
 
@@ -10,12 +11,6 @@ import click
 
 from llmgw.cli.local_cluster import UpOptions, run_up
 from llmgw.client import default_up_state_dir
-from llmgw.contracts.ports import (
-    DEFAULT_DATA_PORT,
-    DEFAULT_ENROLL_PORT,
-    DEFAULT_GRPC_PORT,
-    DEFAULT_HTTP_PORT,
-)
 from llmgw.log import LogfmtFormatter
 
 __all__ = ["up"]
@@ -49,52 +44,56 @@ def _setup_up_logging(state_dir: Path, verbose: bool) -> None:
 )
 @click.option(
     "--host",
-    default="127.0.0.1",
+    default=UpOptions.host,
     show_default=True,
     help="Address of the gateway; 0.0.0.0 to share it.",
 )
 @click.option(
     "--port",
     "http_port",
-    default=DEFAULT_HTTP_PORT,
+    default=UpOptions.http_port,
     show_default=True,
     type=int,
     help="Gateway port (0 picks one).",
 )
 @click.option(
     "--grpc-port",
-    default=DEFAULT_GRPC_PORT,
+    default=UpOptions.grpc_port,
     show_default=True,
     type=int,
     help="Agent stream port (0 picks one).",
 )
 @click.option(
     "--agent-port",
-    default=DEFAULT_DATA_PORT,
+    default=UpOptions.agent_port,
     show_default=True,
     type=int,
     help="The local agent's data-plane port (0 picks one).",
 )
 @click.option(
     "--enroll-port",
-    default=DEFAULT_ENROLL_PORT,
+    default=UpOptions.enroll_port,
     show_default=True,
     type=int,
     help="Enrolment port, for joining more nodes (0 picks one).",
 )
 @click.option(
     "--replicas",
-    default=1,
+    default=UpOptions.replicas,
     show_default=True,
     type=click.IntRange(1, 16),
     help="Replicas of llmgw-sim.",
 )
 @click.option(
-    "--ttft-ms", default=0.0, show_default=True, type=float, help="Simulated time to first token."
+    "--ttft-ms",
+    default=UpOptions.ttft_ms,
+    show_default=True,
+    type=float,
+    help="Simulated time to first token.",
 )
 @click.option(
     "--tps",
-    default=0.0,
+    default=UpOptions.tps,
     show_default=True,
     type=float,
     help="Simulated tokens per second (0: no delay).",
