@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import StreamReader, web
@@ -242,12 +242,10 @@ def _incomplete(exc: BaseException) -> BodyIncomplete:
     return BodyIncomplete(f"the request body is incomplete or malformed ({what}); send it whole")
 
 
-def parse_body_limits(
-    check: Checker, top: Mapping[str, object], seconds: Callable[[object, str], float]
-) -> dict[str, Any]:
+def parse_body_limits(check: Checker, top: Mapping[str, object]) -> dict[str, Any]:
     """max_request_body, max_inflight_body_bytes, max_response_body and upstream_idle_timeout
     of a configuration file's top level (server.yaml and agent.yaml take the same keys), by
-    their names; ``seconds`` reads a duration the way that file does."""
+    their names; the timeout in the one duration syntax (llmgw.durations)."""
 
     def size(name: str, default: int) -> int:
         value = top.get(name)
@@ -263,7 +261,7 @@ def parse_body_limits(
         )
     idle = DEFAULT_UPSTREAM_IDLE_TIMEOUT
     if top.get("upstream_idle_timeout") is not None:
-        idle = seconds(top["upstream_idle_timeout"], "upstream_idle_timeout")
+        idle = check.duration(top["upstream_idle_timeout"], "upstream_idle_timeout")
         if not 1 <= idle <= 86400:
             check.fail("upstream_idle_timeout", "must be from 1 s to 1 d")
     return {

@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from llmgw.contracts.paths import DEFAULT_SERVER_STATE_DIR
+from llmgw.contracts.ports import DEFAULT_HTTP_PORT
 from llmgw.errors import APIError, ClientError, ConfigError, ConnectError
 from llmgw.fsutil import write_private
 
@@ -49,8 +51,6 @@ __all__ = [
 # the control plane writes the first one to admin.password next to admin.token.
 ADMIN_PASSWORD_ENV = "LLMGW_ADMIN_PASSWORD"
 NEW_ADMIN_PASSWORD_ENV = "LLMGW_NEW_ADMIN_PASSWORD"
-# Where a local `llmgw server` keeps its state (and the ctl.yaml it writes), by default.
-SERVER_STATE_DIR = Path("/var/lib/llmgw")
 
 
 def default_up_state_dir() -> Path:
@@ -173,10 +173,14 @@ def find_target(
                 file=str(files[0]),
             )
     else:
-        files = [_user_config(), default_up_state_dir() / "ctl.yaml", SERVER_STATE_DIR / "ctl.yaml"]
+        files = [
+            _user_config(),
+            default_up_state_dir() / "ctl.yaml",
+            DEFAULT_SERVER_STATE_DIR / "ctl.yaml",
+        ]
     for path in files:
         file_server, file_token, file_ca = _read_ctl_file(
-            path, optional=path == SERVER_STATE_DIR / "ctl.yaml"
+            path, optional=path == DEFAULT_SERVER_STATE_DIR / "ctl.yaml"
         )
         if file_server:
             candidates.append(Target(file_server, token or file_token, str(path), file_ca))
@@ -185,10 +189,10 @@ def find_target(
     local_token = token
     if local_token is None:
         try:
-            local_token = (SERVER_STATE_DIR / "admin.token").read_text().strip()
+            local_token = (DEFAULT_SERVER_STATE_DIR / "admin.token").read_text().strip()
         except OSError:
             local_token = None
-    candidates.append(Target("http://127.0.0.1:8080", local_token, "default"))
+    candidates.append(Target(f"http://127.0.0.1:{DEFAULT_HTTP_PORT}", local_token, "default"))
     return candidates
 
 

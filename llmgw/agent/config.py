@@ -12,6 +12,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from llmgw.agent.runtimes import RUNTIME_NAMES
 from llmgw.agent.sources import SourcePrefix, parse_prefix
@@ -31,17 +32,15 @@ from llmgw.configfile import (
     type_name,
     unknown_key_message,
 )
+from llmgw.contracts.paths import DEFAULT_AGENT_STATE_DIR
+from llmgw.contracts.ports import DEFAULT_DATA_PORT, DEFAULT_GRPC_PORT
 from llmgw.engines.registry import ENGINES, engine_names
 from llmgw.listener import ListenerLimits, parse_listener_limits
 from llmgw.netaddr import format_hostport, is_ip_address
 
-DEFAULT_AGENT_CONFIG = Path("/etc/llmgw/agent.yaml")
-DEFAULT_GRPC_PORT = 7443
-DEFAULT_DATA_PORT = 9443
 DEFAULT_LISTEN = f"0.0.0.0:{DEFAULT_DATA_PORT}"
 DEFAULT_MODELS_ROOT = Path("/srv/llmgw/models")
 DEFAULT_CACHE_ROOT = Path("/srv/llmgw/cache")
-DEFAULT_STATE_DIR = Path("/var/lib/llmgw-agent")
 DEFAULT_IB_ROOT = Path("/sys/class/infiniband")
 RESERVED_NODE_PREFIX = "llmgw-"
 MAX_INTERFACE_NAME = 15  # IFNAMSIZ - 1
@@ -124,6 +123,12 @@ class EnginesConfig:
     llamacpp_bin: str | None = None
     vllm_bin: str | None = None
     sglang_python: str | None = None
+
+    def program(self, engine: str) -> str | None:
+        """The program set for ``engine`` (the field ``ENGINE_SETTING`` of its registry
+        ``program_setting``); None when none is set, or the engine takes no settings."""
+        setting = ENGINES[engine].program_setting
+        return None if setting is None else cast(str | None, getattr(self, f"{engine}_{setting}"))
 
 
 @dataclass(frozen=True)
@@ -234,7 +239,7 @@ def _parse(
         data = apply_overrides(data, overrides, file=file)
     top = check.mapping(data, "", accepted=_TOP_KEYS)
 
-    state_dir = _path(check, top, "state_dir", DEFAULT_STATE_DIR)
+    state_dir = _path(check, top, "state_dir", DEFAULT_AGENT_STATE_DIR)
     listen = top.get("listen")  # absent and null both mean "the default"
     listen_port = DEFAULT_DATA_PORT
     if listen is None:
@@ -270,7 +275,7 @@ def _parse(
         docker=_docker(check, top.get("docker"), runtime),
         install_sources=_install_sources(check, top.get("install_sources")),
         listeners=parse_listener_limits(check, top.get("listeners"), "listeners")[0],
-        **parse_body_limits(check, top, check.duration),
+        **parse_body_limits(check, top),
         source=source,
     )
 
@@ -457,8 +462,8 @@ def _engines(check: Checker, value: object) -> EnginesConfig:
     programs: dict[str, str | None] = {}
     for engine, settings in value.items():
         key = join_key("engines", str(engine))
-        if engine == "sim":
-            check.fail(key, "the sim engine is built in and takes no settings; remove it")
+        if engine in ENGINES and ENGINES[engine].builtin:
+            check.fail(key, f"the {engine} engine is built in and takes no settings; remove it")
         if engine not in _ENGINE_KEYS:
             check.fail(
                 key,
@@ -572,7 +577,6 @@ def _docker(check: Checker, value: object, runtime: str) -> DockerConfig:
 
 
 __all__ = [
-    "DEFAULT_AGENT_CONFIG",
     "AgentConfig",
     "DiscoveryConfig",
     "DockerConfig",

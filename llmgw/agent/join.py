@@ -36,12 +36,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw import netaddr, pki
 from llmgw.agent.config import (
-    DEFAULT_AGENT_CONFIG,
-    DEFAULT_GRPC_PORT,
-    DEFAULT_STATE_DIR,
     load_agent_config,
     parse_agent_config,
 )
+from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
+from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT
 from llmgw.errors import (
     ConfigError,
     CSRError,
@@ -55,7 +54,6 @@ from llmgw.fsutil import create_file, fsync_dir, make_dir, stage_file
 from llmgw.netaddr import format_hostport, parse_hostport
 
 __all__ = [
-    "DEFAULT_ENROLL_PORT",
     "JoinPaths",
     "JoinResult",
     "check_ca_hash",
@@ -63,7 +61,6 @@ __all__ = [
     "parse_enroll_url",
 ]
 
-DEFAULT_ENROLL_PORT = 8443
 UID_FILE = "node.uid"
 MAX_BODY = 64 * 1024
 MAX_TOKEN = 4096
@@ -206,7 +203,7 @@ def _resolve_paths(
             uid=cfg.state_dir / UID_FILE,
         )
         return paths, True
-    base = Path(state_dir if state_dir is not None else DEFAULT_STATE_DIR).absolute()
+    base = Path(state_dir if state_dir is not None else DEFAULT_AGENT_STATE_DIR).absolute()
     paths = JoinPaths(
         config=config_path,
         state_dir=base,
@@ -335,7 +332,8 @@ def _fetch_ca(url: EnrollURL, timeout: float) -> x509.Certificate:
     except ssl.SSLError as exc:
         raise EnrolmentError(
             f"the control plane at {url} did not complete a TLS handshake ({exc.reason or exc}); "
-            f"check the port: enrolment is on {DEFAULT_ENROLL_PORT}, agents' stream on 7443",
+            f"check the port: enrolment is on {DEFAULT_ENROLL_PORT}, "
+            f"agents' stream on {DEFAULT_GRPC_PORT}",
             code="tls_failed",
         ) from exc
     except (OSError, http.client.HTTPException) as exc:

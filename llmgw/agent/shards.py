@@ -56,6 +56,7 @@ from llmgw.agent.runtimes import Handle, Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
 from llmgw.engines.launch import build_command
+from llmgw.engines.registry import get_engine
 from llmgw.engines.spec import EngineSpec
 from llmgw.errors import ConfigError, EngineError, LlmgwError, ShardError
 from llmgw.log import kv
@@ -294,7 +295,7 @@ class ShardManager:
                     engine=spec.engine,
                     model=spec.model,
                     port=port,
-                    binary=self.binary_of(spec.engine) if spec.engine != "sim" else "",
+                    binary="" if get_engine(spec.engine).builtin else self.binary_of(spec.engine),
                     source=spec.source,
                     gpus=spec.gpus,
                     nodes=spec.nodes,
@@ -633,7 +634,7 @@ class ShardManager:
             return functools.partial(self._healthy, f"http://127.0.0.1:{shard.port}/health")
         if shard.ready_before:
             return _always
-        if shard.spec.engine == "sim":
+        if get_engine(shard.spec.engine).builtin:  # llmgw's own worker logs when it joined
             return _LogWatch(self.log_path(shard.shard_id), shard.log_offset, JOINED).seen
         began = time.monotonic()
 

@@ -1,10 +1,14 @@
-"""``llmgw engine``: engines built into llmgw, so a node needs nothing else to run them."""
+"""``llmgw engine``: engines built into llmgw, so a node needs nothing else to run them.
+
+``llmgw engine sim``'s options default to :class:`llmgw.sim.config.SimConfig`'s own
+defaults, so that the command and the engine made without it start the same."""
 
 from __future__ import annotations
 
 import click
 
-from llmgw.cli.common import ReportingGroup
+from llmgw.cli.common import Duration, ReportingGroup
+from llmgw.durations import format_duration
 from llmgw.sim.config import SimConfig
 from llmgw.sim.server import run
 
@@ -19,78 +23,83 @@ def engine() -> None:
 @engine.command()
 @click.option(
     "--host",
-    default="127.0.0.1",
+    default=SimConfig.host,
     show_default=True,
     help="Address to bind (engines stay on loopback).",
 )
 @click.option(
-    "--port", default=8000, show_default=True, type=int, help="Port to bind; 0 picks one."
+    "--port", default=SimConfig.port, show_default=True, type=int, help="Port to bind; 0 picks one."
 )
-@click.option("--model", default="llmgw-sim", show_default=True, help="The served model name.")
+@click.option("--model", default=SimConfig.model, show_default=True, help="The served model name.")
 @click.option(
     "--seed",
-    default=0,
+    default=SimConfig.seed,
     show_default=True,
     type=int,
     help="Default seed; a request's 'seed' overrides it.",
 )
 @click.option(
     "--ttft-ms",
-    default=0.0,
+    default=SimConfig.ttft_ms,
     show_default=True,
     type=float,
     help="Time to first token, milliseconds.",
 )
 @click.option(
     "--tps",
-    default=0.0,
+    default=SimConfig.tps,
     show_default=True,
     type=float,
     help="Tokens per second after the first; 0 = no delay.",
 )
 @click.option(
-    "--max-tokens", default=32, show_default=True, type=int, help="Default max_tokens of a request."
+    "--max-tokens",
+    default=SimConfig.max_tokens,
+    show_default=True,
+    type=int,
+    help="Default max_tokens of a request.",
 )
 @click.option(
     "--nodes",
-    default=1,
+    default=SimConfig.nodes,
     show_default=True,
     type=int,
     help="Shards in the replica; more than 1 needs --dist-init-addr.",
 )
 @click.option(
     "--rank",
-    default=0,
+    default=SimConfig.rank,
     show_default=True,
     type=int,
     help="This shard's rank: 0 serves once every worker joined, workers serve nothing.",
 )
 @click.option(
     "--dist-init-addr",
-    default="",
+    default=SimConfig.dist_init_addr,
     metavar="HOST:PORT",
     help="Rank 0's rendezvous address: rank 0 binds it, workers dial it.",
 )
 @click.option(
     "--join-timeout",
-    default=300.0,
+    default=format_duration(SimConfig.join_timeout_s),
     show_default=True,
-    type=float,
-    help="Seconds for the replica to assemble (workers keep dialling rank 0 until then).",
+    type=Duration(),
+    help="How long the replica may take to assemble (workers keep dialling rank 0 until "
+    "then); 90, 30s, 5m.",
 )
 @click.option(
     "--heartbeat-interval",
-    default=1.0,
+    default=format_duration(SimConfig.heartbeat_s),
     show_default=True,
-    type=float,
-    help="Seconds between rendezvous heartbeats.",
+    type=Duration(),
+    help="The time between rendezvous heartbeats; 500ms, 1s.",
 )
 @click.option(
     "--heartbeat-timeout",
-    default=5.0,
+    default=format_duration(SimConfig.peer_timeout_s),
     show_default=True,
-    type=float,
-    help="Seconds of silence after which a rank counts as dead.",
+    type=Duration(),
+    help="The silence after which a rank counts as dead; 5s, 1m.",
 )
 def sim(
     host: str,

@@ -25,14 +25,21 @@ from pathlib import Path
 
 import yaml
 
-from llmgw.agent.runtimes.process import process_start_time
+from llmgw.agent.records import ShardRecords
 from llmgw.client import default_up_state_dir, write_ctl_config
+from llmgw.contracts.ports import (
+    DEFAULT_DATA_PORT,
+    DEFAULT_ENROLL_PORT,
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HTTP_PORT,
+)
 from llmgw.engines.launch import self_argv
 from llmgw.errors import CertificateError, ConfigError, LlmgwError, NotFound
 from llmgw.fsutil import write_private
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport
 from llmgw.pki import issue_node_cert, load_ca, load_cert
+from llmgw.procutil import process_start_time
 from llmgw.server.app import ControlPlane
 from llmgw.server.config import load_server_config
 from llmgw.server.store import hash_api_key
@@ -49,10 +56,10 @@ UP_NODE = "local"
 class UpOptions:
     state_dir: Path
     host: str = "127.0.0.1"
-    http_port: int = 8080
-    grpc_port: int = 7443
-    agent_port: int = 9443
-    enroll_port: int = 8443
+    http_port: int = DEFAULT_HTTP_PORT
+    grpc_port: int = DEFAULT_GRPC_PORT
+    agent_port: int = DEFAULT_DATA_PORT
+    enroll_port: int = DEFAULT_ENROLL_PORT
     replicas: int = 1
     ttft_ms: float = 0.0
     tps: float = 0.0
@@ -309,16 +316,13 @@ class LocalCluster:
 
     def _kill_leftover_engines(self) -> None:
         """An engine the agent could not stop (it was killed) must not outlive ``llmgw up``."""
-        try:
-            records = json.loads((self.agent_dir / "shards.json").read_text())
-        except (OSError, ValueError):
-            return
-        for shard_id, rec in records.items():
-            pid, start = rec.get("pid"), rec.get("start_time")
-            if not pid or start is None or process_start_time(pid) != start:
+        for record in ShardRecords(self.agent_dir).load():
+            pid, start = record.pid, record.start_time
+            if pid <= 0 or start is None or process_start_time(pid) != start:
                 continue
             log.warning(
-                "stopping an engine the agent left behind", extra=kv(shard=shard_id, pid=pid)
+                "stopping an engine the agent left behind",
+                extra=kv(shard=record.shard_id, pid=pid),
             )
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import click
 
+from llmgw.contracts.paths import DEFAULT_SERVER_CONFIG
 from llmgw.log import setup_logging
 from llmgw.server.app import ControlPlane
-from llmgw.server.config import DEFAULT_SERVER_CONFIG, load_server_config
+from llmgw.server.config import load_server_config
 
 __all__ = ["server"]
 

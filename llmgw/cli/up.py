@@ -1,4 +1,5 @@
-"""``llmgw up``: a whole cluster on this machine."""
+"""``llmgw up``: a whole cluster on this machine. Its options default to
+:class:`llmgw.cli.local_cluster.UpOptions`' own defaults."""
 
 from __future__ import annotations
 
@@ -43,52 +44,56 @@ def _setup_up_logging(state_dir: Path, verbose: bool) -> None:
 )
 @click.option(
     "--host",
-    default="127.0.0.1",
+    default=UpOptions.host,
     show_default=True,
     help="Address of the gateway; 0.0.0.0 to share it.",
 )
 @click.option(
     "--port",
     "http_port",
-    default=8080,
+    default=UpOptions.http_port,
     show_default=True,
     type=int,
     help="Gateway port (0 picks one).",
 )
 @click.option(
     "--grpc-port",
-    default=7443,
+    default=UpOptions.grpc_port,
     show_default=True,
     type=int,
     help="Agent stream port (0 picks one).",
 )
 @click.option(
     "--agent-port",
-    default=9443,
+    default=UpOptions.agent_port,
     show_default=True,
     type=int,
     help="The local agent's data-plane port (0 picks one).",
 )
 @click.option(
     "--enroll-port",
-    default=8443,
+    default=UpOptions.enroll_port,
     show_default=True,
     type=int,
     help="Enrolment port, for joining more nodes (0 picks one).",
 )
 @click.option(
     "--replicas",
-    default=1,
+    default=UpOptions.replicas,
     show_default=True,
     type=click.IntRange(1, 16),
     help="Replicas of llmgw-sim.",
 )
 @click.option(
-    "--ttft-ms", default=0.0, show_default=True, type=float, help="Simulated time to first token."
+    "--ttft-ms",
+    default=UpOptions.ttft_ms,
+    show_default=True,
+    type=float,
+    help="Simulated time to first token.",
 )
 @click.option(
     "--tps",
-    default=0.0,
+    default=UpOptions.tps,
     show_default=True,
     type=float,
     help="Simulated tokens per second (0: no delay).",

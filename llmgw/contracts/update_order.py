@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import platform
 import re
-from pathlib import Path
 from typing import Any
 
 from cryptography import x509
@@ -25,6 +24,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from llmgw.contracts.paths import DEFAULT_AGENT_STATE_DIR
 from llmgw.errors import ConfigError, UpdateError
 from llmgw.netaddr import validate_node_id
 from llmgw.versions import is_version
@@ -51,7 +51,7 @@ __all__ = [
 
 # -- the spool: the agent writes a request, the root helper its verdict --------------------------
 
-DEFAULT_SPOOL = Path("/var/lib/llmgw-agent/update")
+DEFAULT_SPOOL = DEFAULT_AGENT_STATE_DIR / "update"
 REQUEST = "request"
 STATUS = "status.json"
 ORDER_FILE = "order.json"

@@ -9,12 +9,10 @@ does not document ``--help`` itself was probably cut short, and says so in a war
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -23,9 +21,10 @@ from typing import Protocol
 
 import llmgw
 from llmgw.engines.launch import build_command, engine_module, self_argv
-from llmgw.engines.registry import AVAILABLE_ENGINES
+from llmgw.engines.registry import AVAILABLE_ENGINES, get_engine
 from llmgw.engines.spec import EngineSpec
 from llmgw.errors import EngineError
+from llmgw.procutil import Finished, run_to_end
 
 __all__ = [
     "FROM_HELP_OUTPUT",
@@ -193,35 +192,15 @@ def check_help(
 # --------------------------------------------------------------------------- running it
 
 
-@dataclass(frozen=True)
-class _Output:
-    returncode: int
-    text: str
-
-
-def _run(argv: Sequence[str], timeout: float) -> _Output:
-    """Run ``argv`` in its own session, stdout and stderr together; on timeout its whole
-    process group is killed (engines fork helpers)."""
+def _run(argv: Sequence[str], timeout: float) -> Finished:
+    """Run ``argv`` to the end, stdout and stderr together, in the C locale; its failures
+    to start or finish in time as EngineErrors."""
     try:
-        proc = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "LC_ALL": "C"},
-            start_new_session=True,
-        )
+        return run_to_end(argv, timeout, env={**os.environ, "LC_ALL": "C"}, merge_stderr=True)
     except OSError as exc:
         raise EngineError(f"cannot run {argv[0]}: {exc.strerror or exc}") from exc
-    with proc:
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise EngineError(f"'{shlex.join(argv)}' did not finish within {timeout:g} s") from None
-    return _Output(proc.returncode, out.decode(errors="replace"))
+    except subprocess.TimeoutExpired:
+        raise EngineError(f"'{shlex.join(argv)}' did not finish within {timeout:g} s") from None
 
 
 def _tail(text: str, lines: int = 3) -> str:
@@ -238,7 +217,7 @@ def locate_engine(
     module = engine_module(engine)
     if binary:
         return binary
-    if engine == "sim":
+    if get_engine(engine).builtin:
         return ""  # this llmgw
     if agent is not None:
         for candidate in agent.find():
@@ -269,15 +248,15 @@ def engine_help(engine: str, binary: str, timeout: float = RUN_TIMEOUT) -> tuple
     shown = shlex.join(argv)
     if output.returncode != 0:
         raise EngineError(
-            f"'{shown}' failed (exit {output.returncode}): {_tail(output.text)}; check the "
+            f"'{shown}' failed (exit {output.returncode}): {_tail(output.stdout)}; check the "
             f"{engine} installation, or pass its help text with --help-output FILE"
         )
-    return output.text, shown
+    return output.stdout, shown
 
 
 def _help_argv(engine: str, binary: str) -> list[str]:
     module = engine_module(engine)
-    if engine == "sim":
+    if get_engine(engine).builtin:
         return [*([binary] if binary else self_argv()), *module.HELP_ARGS]
     return [binary or module.PROGRAM, *module.HELP_ARGS]
 
@@ -285,16 +264,16 @@ def _help_argv(engine: str, binary: str) -> list[str]:
 def engine_version(engine: str, binary: str, timeout: float = RUN_TIMEOUT) -> str:
     """The first line the engine's version command prints, or why there is none."""
     module = engine_module(engine)
-    if engine == "sim" and not binary:
+    if get_engine(engine).builtin and not binary:
         return llmgw.__version__
     argv = [binary or module.PROGRAM, *module.VERSION_ARGS]
     try:
         output = _run(argv, timeout)
     except EngineError as exc:
         return f"unknown ({exc})"
-    lines = [line.strip() for line in output.text.splitlines() if line.strip()]
+    lines = [line.strip() for line in output.stdout.splitlines() if line.strip()]
     if output.returncode != 0 or not lines:
-        return f"unknown ('{shlex.join(argv)}' failed: {_tail(output.text, 1)})"
+        return f"unknown ('{shlex.join(argv)}' failed: {_tail(output.stdout, 1)})"
     # llama-server says "version: 0.7.0 (build 11669, ...)"; the label is ours to print.
     return re.sub(r"^version\b[:\s]*", "", lines[0], flags=re.IGNORECASE)[:_VERSION_LIMIT]
 

@@ -4,7 +4,8 @@ Like uvicorn's protocol table, each entry names the module that builds the engin
 by its dotted path, imported on first use (so the builders can import
 :mod:`llmgw.engines.spec` without a cycle through here). Everything that needs the engine
 list reads it here: the CLI's choices, the catalog's validation, the launcher, the
-scheduler's rendezvous ports, engine installs and the agent's configuration.
+scheduler's rendezvous ports, engine installs, the agent's configuration and its discovery
+of the engines on a node.
 
 Adding an engine: write its builder module (see :class:`~llmgw.engines.spec.EngineModule`)
 and add a row to :data:`ENGINES`; set a capability only when the builder implements it.
@@ -45,6 +46,12 @@ class Engine:
     configure, no weights and no GPUs needed. ``installable``: ``llmgw ctl engines install``
     can put it on a node. ``program_setting``: the agent.yaml key under ``engines.NAME``
     that names its program (None: it takes no settings).
+
+    How the agent's discovery finds the engine when agent.yaml names no program:
+    ``on_path``: it looks for the builder's ``PROGRAM`` on PATH (False for sglang, whose
+    program is the Python that has SGLang: the first python3 on PATH rarely is; for sim, built
+    in). Then it runs the program with each of ``probes`` in turn until one exits 0; the
+    first probe's output is the version.
     """
 
     name: str
@@ -54,6 +61,8 @@ class Engine:
     builtin: bool = False
     installable: bool = False
     program_setting: str | None = None
+    on_path: bool = False
+    probes: tuple[tuple[str, ...], ...] = (("--version",), ("--help",))
 
     def module(self) -> EngineModule:
         """The module that builds this engine's command."""
@@ -71,6 +80,7 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 multi_node=True,
                 installable=True,
                 program_setting="bin",
+                on_path=True,
             ),
             Engine(
                 "sglang",
@@ -78,6 +88,8 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 multi_node=True,
                 installable=True,
                 program_setting="python",
+                # Importing sglang is the check: the Python may run without having it.
+                probes=(("-c", "import sglang, sys; print(sglang.__version__)"),),
             ),
             Engine(
                 "llamacpp",
@@ -86,6 +98,7 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 worker_port=50052,  # rpc-server's default port
                 installable=True,
                 program_setting="bin",
+                on_path=True,
             ),
         )
     }

@@ -16,13 +16,11 @@ from llmgw.bodies import (
     parse_body_limits,
 )
 from llmgw.configfile import Checker, apply_overrides, index_key, load_yaml, type_name
+from llmgw.contracts.paths import DEFAULT_SERVER_STATE_DIR
+from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 from llmgw.listener import ListenerLimits, parse_listener_limits
 from llmgw.netaddr import format_hostport, is_hostname, is_ip_address
 
-DEFAULT_SERVER_CONFIG = Path("/etc/llmgw/server.yaml")
-DEFAULT_STATE_DIR = Path("/var/lib/llmgw")
-DEFAULT_HTTP_PORT = 8080
-DEFAULT_GRPC_PORT = 7443
 DEFAULT_HTTP_LISTEN = f"0.0.0.0:{DEFAULT_HTTP_PORT}"
 DEFAULT_GRPC_LISTEN = f"0.0.0.0:{DEFAULT_GRPC_PORT}"
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
@@ -50,7 +48,6 @@ _KEYS = (
     "upstream_idle_timeout",
 )
 _TLS_KEYS = ("cert", "key")
-DEFAULT_ENROLL_PORT = 8443
 DEFAULT_CERT_LIFETIME = 30 * 86400.0
 # Concurrent connections one address may hold on the enrolment port; a fleet enrolled at
 # once from behind one NAT (or a benchmark on loopback) raises it.
@@ -86,7 +83,7 @@ class ServerConfig:
     enroll_listen: str = f"0.0.0.0:{DEFAULT_ENROLL_PORT}"
     cert_lifetime: float = DEFAULT_CERT_LIFETIME  # seconds a node certificate is valid
     # The agent bundles served at /agent/bundles (llmgw-agent-*-linux-<arch>.tar.gz).
-    bundle_dir: Path = DEFAULT_STATE_DIR / "bundles"
+    bundle_dir: Path = DEFAULT_SERVER_STATE_DIR / "bundles"
     # How long the gateway waits for a ready replica (say, while the only one's agent
     # restarts) before answering 503.
     replica_wait: float = 10.0
@@ -158,7 +155,7 @@ def _parse(
             return "0.0.0.0", default_port
         return check.hostport_pair(value, name, default_port=default_port, allow_zero=True)
 
-    state_dir = path("state_dir", DEFAULT_STATE_DIR)
+    state_dir = path("state_dir", DEFAULT_SERVER_STATE_DIR)
     http_host, http_port = listen("http_listen", DEFAULT_HTTP_PORT)
     grpc_host, grpc_port = listen("grpc_listen", DEFAULT_GRPC_PORT)
     if (
@@ -191,7 +188,7 @@ def _parse(
         if not 0 <= replica_wait <= 600:
             check.fail("replica_wait", "must be between 0 and 600 seconds")
 
-    bodies = parse_body_limits(check, top, check.duration)
+    bodies = parse_body_limits(check, top)
 
     heartbeat = DEFAULT_HEARTBEAT_INTERVAL
     if top.get("heartbeat_interval") is not None:
@@ -295,7 +292,6 @@ def _advertise(check: Checker, value: object) -> tuple[str, ...]:
 
 
 __all__ = [
-    "DEFAULT_SERVER_CONFIG",
     "ServerConfig",
     "TLSConfig",
     "load_server_config",

@@ -26,7 +26,6 @@ from llmgw.contracts.update_order import (
     FINAL_STATES,
     canonical_order,
     check_order_fields,
-    verify_order,
 )
 from llmgw.errors import Conflict, NotFound
 from llmgw.log import kv
@@ -42,7 +41,6 @@ __all__ = [
     "DEFAULT_ORDER_TTL",
     "Updates",
     "sign_order",
-    "verify_order",
 ]
 
 log = logging.getLogger("llmgw.server.updates")

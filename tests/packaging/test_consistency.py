@@ -23,6 +23,8 @@ import yaml
 from llmgw.agent import config as agent_config
 from llmgw.agent.config import load_agent_config
 from llmgw.agent.dockerproxy import DEFAULT_LISTEN
+from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
+from llmgw.contracts.ports import DEFAULT_DATA_PORT
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALLER = ROOT / "installer" / "install-agent.sh"
@@ -161,7 +163,7 @@ def exec_start(unit_service: dict[str, list[str]]) -> list[str]:
 def test_installer_waits_on_and_opens_the_agents_data_plane_port(tmp_path: Path) -> None:
     settings = installer_settings()
     port = int(settings["AGENT_PORT"])
-    assert port == agent_config.DEFAULT_DATA_PORT
+    assert port == DEFAULT_DATA_PORT
     cfg = tmp_path / "agent.yaml"
     cfg.write_text("server: cp-1:7443\nnode_id: n1\n")
     listen = load_agent_config(cfg).listen
@@ -223,7 +225,7 @@ def test_the_service_user_is_the_same_everywhere() -> None:
 
 def test_the_state_directory_is_the_same_everywhere() -> None:
     state = installer_settings()["STATE_DIR"]
-    assert PurePosixPath(state) == PurePosixPath(agent_config.DEFAULT_STATE_DIR)
+    assert PurePosixPath(state) == PurePosixPath(DEFAULT_AGENT_STATE_DIR)
     sections = unit(AGENT_UNIT)
     service = sections["Service"]
     assert state_directory(service) == PurePosixPath(state)
@@ -250,7 +252,7 @@ def test_the_state_directory_is_the_same_everywhere() -> None:
 
 def test_the_configuration_path_is_the_same_everywhere() -> None:
     config = installer_settings()["CONFIG"]
-    assert PurePosixPath(config) == PurePosixPath(agent_config.DEFAULT_AGENT_CONFIG)
+    assert PurePosixPath(config) == PurePosixPath(DEFAULT_AGENT_CONFIG)
     argv = exec_start(unit(AGENT_UNIT)["Service"])
     assert argv[1:] == ["agent", "--config", config], argv
     assert render_calls()["llmgw-agent"]["config"] == config
@@ -370,7 +372,7 @@ def test_the_agent_may_write_its_spool_but_never_the_trusted_ca() -> None:
     for path in (trust, helper_state, binary):
         assert not covered(path, writable), f"the agent's unit may write {path}"
         assert not covered(path, states), f"{path} is under the agent's StateDirectory="
-    config_dir = PurePosixPath(str(agent_config.DEFAULT_AGENT_CONFIG)).parent
+    config_dir = PurePosixPath(str(DEFAULT_AGENT_CONFIG)).parent
     assert not covered(config_dir, writable), "the agent may rewrite its own configuration"
 
 

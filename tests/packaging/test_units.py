@@ -9,15 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent.config import (
-    DEFAULT_AGENT_CONFIG,
-    DEFAULT_CACHE_ROOT,
-    DEFAULT_MODELS_ROOT,
-)
-from llmgw.agent.config import DEFAULT_STATE_DIR as AGENT_STATE_DIR
+from llmgw.agent.config import DEFAULT_CACHE_ROOT, DEFAULT_MODELS_ROOT
 from llmgw.agent.service import DRAIN_TIMEOUT
-from llmgw.server.config import DEFAULT_SERVER_CONFIG
-from llmgw.server.config import DEFAULT_STATE_DIR as SERVER_STATE_DIR
+from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_SERVER_CONFIG
+from llmgw.contracts.paths import DEFAULT_AGENT_STATE_DIR as AGENT_STATE_DIR
+from llmgw.contracts.paths import DEFAULT_SERVER_STATE_DIR as SERVER_STATE_DIR
 from tests.ci import require_tools
 
 from .pkgcheck import CURRENT, UNITS, Container, Packages, run, stand_in_units, unit_files

@@ -1,12 +1,14 @@
-"""llmgw.bodies' budget and the size helpers of llmgw.configfile, in memory."""
+"""llmgw.bodies' budget and limits, and the size helpers of llmgw.configfile, in memory."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from llmgw import bodies
 from llmgw.bodies import BodyBudget, BodyTooLarge
-from llmgw.configfile import format_size, parse_size
+from llmgw.configfile import Checker, format_size, parse_size
 from llmgw.errors import ConfigError
 
 MIB = 1024 * 1024
@@ -82,3 +84,35 @@ def test_format_size() -> None:
     assert format_size(1024**3) == "1 GiB"
     assert format_size(1536) == "1536 bytes"
     assert format_size(3 * 1024) == "3 KiB"
+
+
+CHECK = Checker(file="test.yaml", base_dir=Path("/"))
+
+
+def test_body_limits_default_when_absent() -> None:
+    assert bodies.parse_body_limits(CHECK, {}) == {
+        "max_request_body": bodies.DEFAULT_MAX_REQUEST_BODY,
+        "max_inflight_body_bytes": bodies.DEFAULT_MAX_INFLIGHT_BODY_BYTES,
+        "max_response_body": bodies.DEFAULT_MAX_RESPONSE_BODY,
+        "upstream_idle_timeout": bodies.DEFAULT_UPSTREAM_IDLE_TIMEOUT,
+    }
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"), [("500ms", None), (90, 90.0), ("5m", 300.0), ("1d", 86400.0)]
+)
+def test_body_limits_read_the_idle_timeout_in_the_one_duration_syntax(
+    value: object, seconds: float | None
+) -> None:
+    top = {"upstream_idle_timeout": value}
+    if seconds is None:
+        with pytest.raises(ConfigError, match="from 1 s to 1 d"):
+            bodies.parse_body_limits(CHECK, top)
+    else:
+        assert bodies.parse_body_limits(CHECK, top)["upstream_idle_timeout"] == seconds
+
+
+def test_body_limits_refuse_a_budget_below_one_request() -> None:
+    top = {"max_request_body": "8MiB", "max_inflight_body_bytes": "4MiB"}
+    with pytest.raises(ConfigError, match="less than max_request_body"):
+        bodies.parse_body_limits(CHECK, top)

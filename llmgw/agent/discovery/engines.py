@@ -22,21 +22,14 @@ from typing import Any
 
 import llmgw
 from llmgw.agent.config import AgentConfig
-from llmgw.agent.discovery.probe import (
-    ProbeResult,
-    c_locale,
-    cannot_run,
-    exit_text,
-    nonempty_lines,
-    run,
-    summary,
-)
+from llmgw.agent.discovery.probe import c_locale, cannot_run, exit_text, nonempty_lines, summary
 from llmgw.engines.launch import self_argv
+from llmgw.engines.registry import ENGINES, Engine
+from llmgw.procutil import Finished, run_to_end
 from llmgw.proto import control_pb2 as pb
 
 __all__ = [
     "ENGINE_MANIFEST",
-    "SGLANG_PROBE",
     "VERSION_LIMIT",
     "EngineCandidate",
     "check_candidate",
@@ -49,7 +42,6 @@ __all__ = [
 
 ENGINE_MANIFEST = "llmgw-engine.json"
 VERSION_LIMIT = 200
-SGLANG_PROBE = "import sglang, sys; print(sglang.__version__)"
 
 
 def _show(argv: Sequence[str]) -> str:
@@ -63,7 +55,7 @@ class EngineCandidate:
     name: str
     argv: tuple[str, ...]
     origin: str  # "engines.llamacpp.bin", "PATH", or the install manifest's path
-    probes: tuple[tuple[str, ...], ...] = (("--version",), ("--help",))
+    probes: tuple[tuple[str, ...], ...] = (("--version",), ("--help",))  # Engine.probes
     version: str = ""  # from an install manifest, used when the probe prints none
     problem: str = ""  # when it cannot even be tried (a broken install manifest)
 
@@ -123,7 +115,7 @@ def missing_libraries(path: str) -> list[str]:
         return []
     ldd = shutil.which("ldd") or "/usr/bin/ldd"
     try:
-        result = run([ldd, target], 10.0, env=c_locale())
+        result = run_to_end([ldd, target], 10.0, env=c_locale())
     except (OSError, subprocess.TimeoutExpired):
         return []
     lines: list[str] = []
@@ -134,7 +126,7 @@ def missing_libraries(path: str) -> list[str]:
     return lines
 
 
-def _first_line(result: ProbeResult) -> str:
+def _first_line(result: Finished) -> str:
     lines = nonempty_lines(result.stdout) or nonempty_lines(result.stderr)
     return lines[0][:VERSION_LIMIT] if lines else ""
 
@@ -157,7 +149,7 @@ def _check(
     for number, probe in enumerate(probes):
         shown = _show([*command, *probe])
         try:
-            result = run([*command, *probe], timeout)
+            result = run_to_end([*command, *probe], timeout)
         except subprocess.TimeoutExpired:
             problem = problem or f"'{shown}' did not finish within {timeout:g} s"
             break
@@ -246,53 +238,34 @@ def _installed(engine: str, state_dir: Path) -> tuple[str, str, Path] | str | No
     return None
 
 
-def _locate(
-    engine: str,
-    configured: str | None,
-    key: str,
-    program: str | None,
-    state_dir: Path,
-    command: tuple[str, ...] = (),
-    probes: tuple[tuple[str, ...], ...] = (("--version",), ("--help",)),
-) -> EngineCandidate | None:
+def _locate(engine: Engine, configured: str | None, state_dir: Path) -> EngineCandidate | None:
+    probes = engine.probes
     if configured is not None:
-        return EngineCandidate(engine, (configured, *command), origin=key, probes=probes)
-    found = shutil.which(program) if program else None
+        key = f"engines.{engine.name}.{engine.program_setting}"
+        return EngineCandidate(engine.name, (configured,), origin=key, probes=probes)
+    found = shutil.which(engine.module().PROGRAM) if engine.on_path else None
     if found is not None:
-        return EngineCandidate(engine, (found, *command), origin="PATH", probes=probes)
-    installed = _installed(engine, state_dir)
+        return EngineCandidate(engine.name, (found,), origin="PATH", probes=probes)
+    installed = _installed(engine.name, state_dir)
     if installed is None:
         return None
     if isinstance(installed, str):
-        return EngineCandidate(engine, (), origin="install", probes=probes, problem=installed)
+        return EngineCandidate(engine.name, (), origin="install", probes=probes, problem=installed)
     binary, version, manifest = installed
     return EngineCandidate(
-        engine, (binary, *command), origin=str(manifest), probes=probes, version=version
+        engine.name, (binary,), origin=str(manifest), probes=probes, version=version
     )
 
 
 def engine_candidates(cfg: AgentConfig) -> list[EngineCandidate]:
-    """Where each engine is on this node: the configured program, else on PATH, else the
-    newest release installed under ``<state_dir>/engines/<engine>/``. Absent ones are left out."""
-    found = [
-        _locate(
-            "llamacpp",
-            cfg.engines.llamacpp_bin,
-            "engines.llamacpp.bin",
-            "llama-server",
-            cfg.state_dir,
-        ),
-        _locate("vllm", cfg.engines.vllm_bin, "engines.vllm.bin", "vllm", cfg.state_dir),
-        _locate(
-            "sglang",
-            cfg.engines.sglang_python,
-            "engines.sglang.python",
-            None,
-            cfg.state_dir,
-            command=("-c", SGLANG_PROBE),
-            probes=((),),
-        ),
-    ]
+    """Where each engine of the registry is on this node: the program agent.yaml names, else
+    on PATH (where the registry says to look), else the newest release installed under
+    ``<state_dir>/engines/<engine>/``. Absent ones are left out; so is the built-in sim."""
+    found = (
+        _locate(engine, cfg.engines.program(engine.name), cfg.state_dir)
+        for engine in ENGINES.values()
+        if not engine.builtin
+    )
     return [candidate for candidate in found if candidate is not None]
 
 

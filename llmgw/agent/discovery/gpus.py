@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from llmgw.agent.discovery.probe import c_locale, cannot_run, exit_text, run, summary
+from llmgw.agent.discovery.probe import c_locale, cannot_run, exit_text, summary
+from llmgw.procutil import run_to_end
 from llmgw.proto import control_pb2 as pb
 
 __all__ = [
@@ -179,7 +180,7 @@ def _nvml_gpu_problem(pynvml: Any, index: int, exc: Exception) -> str:
 
 def _from_nvidia_smi(program: str) -> GpuFacts:
     try:
-        result = run([program, *NVIDIA_SMI_ARGS], NVIDIA_SMI_TIMEOUT, env=c_locale())
+        result = run_to_end([program, *NVIDIA_SMI_ARGS], NVIDIA_SMI_TIMEOUT, env=c_locale())
     except subprocess.TimeoutExpired:
         return GpuFacts(
             status=f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT:g} s; the driver may "

@@ -31,6 +31,7 @@ import docker.errors
 import docker.types
 import docker.utils
 
+from llmgw.agent.dockerproxy import DEFAULT_LISTEN
 from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord, open_shard_log
 from llmgw.agent.runtimes.containers import (
     LABEL_CLUSTER,
@@ -49,7 +50,6 @@ log = logging.getLogger("llmgw.agent.runtimes.docker")
 
 _DEFAULT_SOCKET = "unix:///var/run/docker.sock"
 HOST_NETWORK_CAP_DROP = ("NET_RAW", "NET_BIND_SERVICE")
-PROXY_SOCKET_DIR = "/run/llmgw-docker-proxy"  # llmgw.agent.dockerproxy's, for the message
 _LOG_DRAIN_S = 5.0  # how long to let the log copy catch up once a container has ended
 _QUICK_TIMEOUT_S = 5  # for alive(), which runs on the event loop
 _RETRY_MAX_S = 10.0
@@ -111,7 +111,7 @@ class DockerRuntime(Runtime):
 
     def _unreachable(self, exc: BaseException) -> ShardError:
         reason = _os_reason(exc) or str(exc).strip() or type(exc).__name__
-        if self.address.startswith(f"unix://{PROXY_SOCKET_DIR}/"):
+        if self.address.startswith(f"unix://{DEFAULT_LISTEN.parent}/"):
             fix = (
                 "is the proxy running (systemctl start llmgw-docker-proxy; it needs docker "
                 "itself: systemctl start docker)?"

@@ -16,10 +16,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord
+from llmgw.agent.runtimes.base import Handle, Launch, Runtime, ShardRecord, open_shard_log
 from llmgw.errors import ShardError
+from llmgw.procutil import process_running, process_start_time
 
-__all__ = ["EngineProcess", "ProcessRuntime", "process_start_time"]
+__all__ = ["EngineProcess", "ProcessRuntime"]
 
 _POLL_S = 0.5
 
@@ -36,33 +37,6 @@ _AGENT_ONLY_ENV = (
 )
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """The state (field 3) and start time (field 22) of /proc/PID/stat."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    rest = stat[stat.rfind(b")") + 2 :].split()
-    try:
-        return rest[0].decode(), int(rest[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def process_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (clock ticks since boot), so a reused pid is never mistaken."""
-    stat = _proc_stat(pid)
-    return None if stat is None else stat[1]
-
-
-def _running(pid: int, start_time: int | None) -> bool:
-    """Whether ``pid`` is still the process that started at ``start_time``, and not a zombie."""
-    stat = _proc_stat(pid)
-    return stat is not None and stat[0] not in ("Z", "X", "x") and stat[1] == start_time
-
-
 @dataclass
 class EngineProcess:
     """A ``Handle.ref``: an engine process, started by this agent or adopted from a previous one."""
@@ -75,7 +49,7 @@ class EngineProcess:
     def running(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is None
-        return _running(self.pid, self.start_time)
+        return process_running(self.pid, self.start_time)
 
     async def gone(self) -> None:
         """Return once the process has ended, without having to be its parent."""
@@ -120,20 +94,13 @@ class ProcessRuntime(Runtime):
     name = "process"
 
     async def start(self, launch: Launch) -> Handle:
-        launch.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         env = {k: v for k, v in os.environ.items() if k not in _AGENT_ONLY_ENV}
         if getattr(sys, "frozen", False):
             # A frozen llmgw started from a frozen llmgw reuses its parent's unpacked files,
             # which go away when the agent exits; engines outlive the agent: unpack anew.
             env["PYINSTALLER_RESET_ENVIRONMENT"] = "1"
         env.update(launch.env)
-        try:
-            log = open(launch.log_path, "ab", buffering=0)
-        except OSError as exc:
-            raise ShardError(
-                f"cannot open the shard log {launch.log_path}: {exc.strerror}; "
-                "check the state directory's owner and free space"
-            ) from exc
+        log = open_shard_log(launch.log_path)
         # Not asyncio's subprocess: its transport kills a still-running child when it is
         # closed or collected, which (from Python 3.12, whose child watcher lives in the
         # event loop) happens as the agent's loop ends, taking the engines down with it.
@@ -167,7 +134,7 @@ class ProcessRuntime(Runtime):
     async def adopt(self, record: ShardRecord) -> Handle | None:
         if record.pid <= 0 or record.start_time is None:
             return None
-        if not _running(record.pid, record.start_time):
+        if not process_running(record.pid, record.start_time):
             return None
         # Every engine this runtime starts leads its own session; a process that does not is
         # not one of ours, whatever its start time.

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 
-from llmgw.cli.common import ReportingCommand
+from llmgw.cli.common import Duration, ReportingCommand
 from llmgw.cli.ctl.output import table
+from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG
 from llmgw.engines.check import AgentEngines, CheckReport, FoundEngine, check_engine
 from llmgw.engines.registry import AVAILABLE_ENGINES
 from llmgw.errors import EngineError
@@ -75,10 +76,10 @@ def render(report: CheckReport) -> str:
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=1),
-    default=120.0,
+    type=Duration(minimum=1),
+    default="2m",
     show_default=True,
-    help="Seconds to wait for the engine's --help and --version.",
+    help="How long to wait for the engine's --help and --version (at least 1s).",
 )
 def engine_check(
     engine: str,
@@ -94,8 +95,7 @@ def engine_check(
     a whole word. Exits 1 listing the missing flags.
     """
     if agent_config is None and binary is None and help_output is None:
-        default = Path("/etc/llmgw/agent.yaml")
-        agent_config = default if default.is_file() else None
+        agent_config = DEFAULT_AGENT_CONFIG if DEFAULT_AGENT_CONFIG.is_file() else None
     text = None if help_output is None else _help_text(help_output)
     agent = None
     if agent_config is not None:

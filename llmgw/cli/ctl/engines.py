@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from llmgw.cli.common import ReportingGroup
+from llmgw.cli.common import Duration, ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import echo_json, table
 from llmgw.engines.registry import installable_engines
@@ -36,7 +36,13 @@ def engines() -> None:
 @click.option(
     "--wait/--no-wait", default=True, show_default=True, help="Wait for every node's result."
 )
-@click.option("--timeout", default=3600.0, show_default=True, help="Seconds to wait with --wait.")
+@click.option(
+    "--timeout",
+    type=Duration(),
+    default="1h",
+    show_default=True,
+    help="How long to wait with --wait.",
+)
 @pass_ctl
 def engines_install(
     c: Ctl,

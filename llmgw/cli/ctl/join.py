@@ -9,21 +9,11 @@ from typing import Any
 
 import click
 
-from llmgw.cli.common import ReportingGroup
+from llmgw.cli.common import Duration, ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import echo_json, table, until
-from llmgw.durations import parse_duration
-from llmgw.errors import ConfigError
 
 __all__ = ["join_command", "tokens"]
-
-
-def _ttl(text: str) -> float:
-    """``--ttl`` in llmgw's one duration syntax (``llmgw.durations``): 90, 500ms, 30m, 1h, 2d."""
-    try:
-        return parse_duration(text)
-    except ConfigError as e:
-        raise click.BadParameter(str(e), param_hint="--ttl") from None
 
 
 @click.command("join-command")
@@ -35,7 +25,11 @@ def _ttl(text: str) -> float:
     help="Mint a rekey token for NODE instead: it keeps its uid.",
 )
 @click.option(
-    "--ttl", default="1h", show_default=True, help="How long the token is valid (30m, 1h, 2d)."
+    "--ttl",
+    type=Duration(),
+    default="1h",
+    show_default=True,
+    help="How long the token is valid (30m, 1h, 2d).",
 )
 @click.option(
     "--address",
@@ -51,7 +45,7 @@ def join_command(
     c: Ctl,
     node: str | None,
     rekey_node: str | None,
-    ttl: str,
+    ttl: float,
     address: str | None,
     require_approval: bool,
 ) -> None:
@@ -64,7 +58,7 @@ def join_command(
         )
     body: dict[str, Any] = {
         "node": node or rekey_node,
-        "ttl": _ttl(ttl),
+        "ttl": ttl,
         "rekey": bool(rekey_node),
         "require_approval": require_approval,
     }

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from llmgw.cli.common import Duration
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import ago, echo_json, table, until
 
@@ -130,7 +131,9 @@ def revoke(c: Ctl, node: str) -> None:
     show_default=True,
     help="Wait until no replica is left on NODE.",
 )
-@click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait.")
+@click.option(
+    "--timeout", type=Duration(), default="30m", show_default=True, help="How long to wait."
+)
 @pass_ctl
 def drain(c: Ctl, node: str, wait: bool, timeout: float) -> None:
     """Move every replica off NODE, one at a time, each replacement ready before the original stops."""

@@ -4,41 +4,18 @@ from the command line)."""
 
 from __future__ import annotations
 
-import getpass
-import os
-import sys
 import time
 from typing import Any
 
 import click
 
-from llmgw.cli.common import ReportingGroup
+from llmgw.cli.common import Duration, ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import echo_json, table
+from llmgw.cli.prompts import read_secret
 from llmgw.client import ADMIN_PASSWORD_ENV, NEW_ADMIN_PASSWORD_ENV
-from llmgw.errors import ConfigError
 
 __all__ = ["admin", "update"]
-
-
-def _stdin_is_tty() -> bool:
-    return sys.stdin is not None and sys.stdin.isatty()
-
-
-def _secret(env: str, prompt: str) -> str:
-    """A password from ``env``, else a no-echo prompt; never from the command line, where
-    every user of the machine could read it in /proc."""
-    value = os.environ.get(env, "")
-    if value:
-        return value
-    if _stdin_is_tty():
-        value = getpass.getpass(prompt)
-        if value:
-            return value
-    raise ConfigError(
-        f"no admin password: set {env} or run in a terminal to be prompted; never pass it "
-        "as an argument"
-    )
 
 
 @click.command()
@@ -56,9 +33,19 @@ def _secret(env: str, prompt: str) -> str:
     show_default=True,
     help="Wait until every node has applied (or refused) the update.",
 )
-@click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait with --wait.")
 @click.option(
-    "--ttl", default=3600, show_default=True, help="Seconds the signed order stays valid."
+    "--timeout",
+    type=Duration(),
+    default="30m",
+    show_default=True,
+    help="How long to wait with --wait.",
+)
+@click.option(
+    "--ttl",
+    type=Duration(whole=True),
+    default="1h",
+    show_default=True,
+    help="How long the signed order stays valid, from 1m to 7d in whole seconds (90, 1h).",
 )
 @pass_ctl
 def update(
@@ -74,7 +61,9 @@ def update(
     CA. Asks for the admin password again (env: LLMGW_ADMIN_PASSWORD for scripts)."""
     if bool(target) == all_nodes:
         raise click.UsageError("name one NODE or pass --all")
-    password = _secret(ADMIN_PASSWORD_ENV, "admin password (not echoed): ")
+    password = read_secret(
+        ADMIN_PASSWORD_ENV, "admin password (not echoed): ", what="admin password"
+    )
     body: dict[str, Any] = {"version": version, "password": password, "ttl": ttl}
     if all_nodes:
         body["all"] = True
@@ -126,12 +115,15 @@ def admin() -> None:
 def admin_password(c: Ctl) -> None:
     """Change the admin password that signed updates ask for (old, then new twice; env:
     LLMGW_ADMIN_PASSWORD and LLMGW_NEW_ADMIN_PASSWORD for scripts)."""
-    old = _secret(ADMIN_PASSWORD_ENV, "current admin password (not echoed): ")
-    new = os.environ.get(NEW_ADMIN_PASSWORD_ENV, "")
-    if not new:
-        new = _secret(NEW_ADMIN_PASSWORD_ENV, "new admin password (not echoed): ")
-        if _stdin_is_tty() and getpass.getpass("new admin password again: ") != new:
-            raise ConfigError("the two new passwords differ; nothing was changed")
+    old = read_secret(
+        ADMIN_PASSWORD_ENV, "current admin password (not echoed): ", what="admin password"
+    )
+    new = read_secret(
+        NEW_ADMIN_PASSWORD_ENV,
+        "new admin password (not echoed): ",
+        what="new admin password",
+        again="new admin password again: ",
+    )
     data = c.call("PUT", "/api/admin/password", {"old": old, "new": new}, password=True)
     if c.as_json:
         echo_json(data)

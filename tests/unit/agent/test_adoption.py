@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from llmgw.agent.runtimes.base import ShardRecord
-from llmgw.agent.runtimes.process import ProcessRuntime, process_start_time
+from llmgw.agent.runtimes.process import ProcessRuntime
 from llmgw.agent.shards import (
     DIED_WHILE_DOWN,
     EXITED_WHILE_ADOPTED,
@@ -33,6 +33,7 @@ from llmgw.agent.shards import (
     ShardManager,
     ShardState,
 )
+from llmgw.procutil import process_start_time
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,6 @@ import pytest
 
 from llmgw.agent import config as agent_config
 from llmgw.agent.config import (
-    DEFAULT_AGENT_CONFIG,
     AgentConfig,
     DiscoveryConfig,
     DockerConfig,
@@ -472,6 +471,16 @@ def test_full_file(tmp_path: Path) -> None:
     assert config.source == path
 
 
+def test_each_engine_program_by_its_registry_setting() -> None:
+    engines = EnginesConfig(llamacpp_bin="/opt/llama-server", sglang_python="/opt/py")
+    assert {name: engines.program(name) for name in ("sim", "vllm", "sglang", "llamacpp")} == {
+        "sim": None,
+        "vllm": None,
+        "sglang": "/opt/py",
+        "llamacpp": "/opt/llama-server",
+    }
+
+
 def test_relative_paths_resolve_against_the_file_directory(tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     path = write(
@@ -612,10 +621,6 @@ def test_config_is_frozen(tmp_path: Path) -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.node_id = "other"  # type: ignore[misc]
     assert isinstance(config.fabrics, tuple)
-
-
-def test_default_path() -> None:
-    assert Path("/etc/llmgw/agent.yaml") == DEFAULT_AGENT_CONFIG
 
 
 def test_node_id_problem() -> None:

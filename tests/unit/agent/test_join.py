@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import importlib
 import json
 import os
 import socket
@@ -30,14 +29,12 @@ from llmgw import pki
 from llmgw.agent import join as join_module
 from llmgw.agent.config import load_agent_config
 from llmgw.agent.join import JoinResult, join
-from llmgw.cli import main
+from llmgw.cli import main, prompts
 from llmgw.errors import ConfigError, CSRError, EnrolmentError, PinMismatch, TokenError
 
 NODE = "gpu-01"
 TOKEN = "llmgw-join.0123456789abcdef.s3cr3t-t0ken-value"
 REPO = Path(__file__).resolve().parents[3]
-# llmgw.cli re-exports the group under the module's own name, so reach the module itself.
-agent_cli = importlib.import_module("llmgw.cli.agent")
 
 
 # --------------------------------------------------------------------------- the fake server
@@ -596,20 +593,20 @@ def test_cli_prompts_for_the_token_in_a_terminal(
     fake: Fake, node: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("LLMGW_JOIN_TOKEN", raising=False)
-    monkeypatch.setattr(agent_cli, "_stdin_is_tty", lambda: True)
-    prompts: list[str] = []
+    monkeypatch.setattr(prompts, "stdin_is_tty", lambda: True)
+    asked: list[str] = []
 
     def getpass(prompt: str) -> str:
-        prompts.append(prompt)
+        asked.append(prompt)
         return TOKEN
 
-    monkeypatch.setattr(agent_cli.getpass, "getpass", getpass)
+    monkeypatch.setattr(prompts.getpass, "getpass", getpass)
     args = ["agent", "--config", str(node / "etc" / "agent.yaml"), "join", "--node-id", NODE]
     args += ["--enroll-url", fake.url, "--ca-hash", fake.ca.ca_hash()]
     args += ["--state-dir", str(node / "state")]
     out = CliRunner().invoke(main, args)
     assert out.exit_code == 0, out.output
-    assert prompts == ["join token (not echoed): "]
+    assert asked == ["join token (not echoed): "]
     assert fake.posts[0]["token"] == TOKEN
     assert (node / "etc" / "agent.yaml").is_file()
 

@@ -8,8 +8,6 @@ import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +16,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from llmgw.agent.runtimes.process import ProcessRuntime, process_start_time
+from llmgw.agent.runtimes.process import ProcessRuntime
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec, ShardState
 from llmgw.errors import ShardError
+from llmgw.procutil import process_start_time
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -234,33 +233,6 @@ def test_bad_spec_is_shard_error_and_starts_nothing(
         assert not (state_dir / "logs").exists()
 
     run_with_manager(state_dir, body)
-
-
-def test_process_start_time_of_this_process() -> None:
-    value = process_start_time(os.getpid())
-    assert isinstance(value, int)
-    assert value > 0
-    assert process_start_time(os.getpid()) == value
-
-
-def test_process_start_time_of_a_dead_process() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    assert process_start_time(proc.pid) is None
-
-
-def test_process_start_time_survives_odd_command_names(tmp_path: Path) -> None:
-    # The command name (field 2) may hold spaces and parentheses.
-    odd = tmp_path / "we ird) (name"
-    odd.symlink_to(sys.executable)
-    proc = subprocess.Popen([str(odd), "-c", "import time; time.sleep(30)"])
-    try:
-        value = process_start_time(proc.pid)
-        assert isinstance(value, int)
-        assert value >= process_start_time(os.getpid())  # type: ignore[operator]
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def _fd_targets(pid: int) -> dict[int, str]:

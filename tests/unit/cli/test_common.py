@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmgw.cli import COMMANDS, main
-from llmgw.cli.common import ReportingCommand, ReportingGroup
+from llmgw.cli.common import Duration, ReportingCommand, ReportingGroup
 from llmgw.errors import ConfigError, LlmgwError, NotFound
 
 
@@ -132,3 +132,44 @@ def test_every_group_of_llmgw_reports_errors() -> None:
             groups += _groups(command, f"llmgw {name}")
     assert {path for path, _ in groups} >= {"llmgw ctl", "llmgw ctl cert", "llmgw agent"}
     assert [path for path, g in groups if not isinstance(g, ReportingGroup)] == []
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("90", 90.0), ("500ms", 0.5), ("5m", 300.0), ("2d", 172800.0), (7, 7.0)]
+)
+def test_duration_reads_the_one_syntax(text: object, seconds: float) -> None:
+    assert Duration().convert(text, None, None) == seconds
+
+
+def test_duration_refusals_say_what_is_accepted() -> None:
+    with pytest.raises(click.BadParameter, match="a duration like 500ms, 30s, 5m, 2h or 30d"):
+        Duration().convert("soon", None, None)
+    with pytest.raises(click.BadParameter, match=r"must be at least 1s; got '500ms'"):
+        Duration(minimum=1).convert("500ms", None, None)
+    with pytest.raises(click.BadParameter, match="must be a whole number of seconds"):
+        Duration(whole=True).convert("1.5", None, None)
+
+
+def test_a_whole_duration_is_an_int() -> None:
+    value = Duration(whole=True).convert("1h", None, None)
+    assert value == 3600 and isinstance(value, int)
+
+
+CTL = ["ctl", "--server", "http://127.0.0.1:9", "--token", "t"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [*CTL, "drain", "n1", "--timeout", "soon"],
+        [*CTL, "update", "n1", "--version", "1.0", "--ttl", "90.5"],
+        [*CTL, "engines", "install", "n1", "vllm", "1.0", "--url=x", "--sha256=0", "--timeout=1y"],
+        [*CTL, "join-command", "--node", "n1", "--ttl", "-5m"],
+        ["engine", "sim", "--join-timeout", "forever"],
+    ],
+)
+def test_duration_options_refuse_before_doing_anything(args: list[str]) -> None:
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 2, out.output
+    assert "Invalid value for '--" in out.stderr
+    assert "a duration like 500ms" in out.stderr or "whole number of seconds" in out.stderr

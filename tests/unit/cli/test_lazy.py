@@ -1,5 +1,7 @@
-"""The ``llmgw`` group imports its subcommands on first use: ``--version`` and ``--help`` load
-none of the heavy libraries, and every command still answers under its name."""
+"""llmgw.cli.common.LazyGroup: the ``llmgw`` group imports its subcommands on first use
+(``--version`` and ``--help`` load none of the heavy libraries), and so does ``llmgw agent``
+its node commands; every command still answers under its name, and ``--help`` lists the same
+lines before and after the commands load."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from llmgw import __version__
-from llmgw.cli import COMMANDS, LazyCommand, LazyGroup, main
+from llmgw.cli import COMMANDS, main
+from llmgw.cli.agent import NODE_COMMANDS, agent
+from llmgw.cli.common import LazyCommand, LazyGroup
 
 HEAVY = ("grpc", "aiohttp", "cryptography")
 
@@ -64,15 +68,22 @@ def test_a_subcommand_imports_its_module_only() -> None:
     assert "llmgw.cli.agent" not in modules and "llmgw.cli.server" not in modules
 
 
-def test_every_command_loads_under_its_name_with_the_recorded_summary() -> None:
-    """COMMANDS' summaries are the commands' own help: --help lists what each would say."""
-    ctx = click.Context(main)
-    assert main.list_commands(ctx) == sorted(COMMANDS)
-    for name, lazy in COMMANDS.items():
+LAZY_GROUPS = [(main, COMMANDS), (agent, NODE_COMMANDS)]
+
+
+@pytest.mark.parametrize(("group", "lazy_commands"), LAZY_GROUPS, ids=["llmgw", "agent"])
+def test_every_command_loads_under_its_name_with_the_recorded_summary(
+    group: click.Group, lazy_commands: dict[str, LazyCommand]
+) -> None:
+    """The recorded summaries are the commands' own help: --help lists what each would say."""
+    ctx = click.Context(group)
+    assert set(lazy_commands) <= set(group.list_commands(ctx))
+    for name, lazy in lazy_commands.items():
         command = lazy.load()
         assert command.help is not None
-        assert command.help.split("\n\n")[0] == lazy.summary, f"{name}: summary out of date"
-        assert main.get_command(ctx, name) is command
+        first = " ".join(command.help.split("\n\n")[0].split())
+        assert first == lazy.summary, f"{name}: summary out of date"
+        assert group.get_command(ctx, name) is command
         for limit in (20, 45, 200):
             recorded = click.Command(name, help=lazy.summary).get_short_help_str(limit)
             assert recorded == command.get_short_help_str(limit)
@@ -93,8 +104,22 @@ def test_help_lists_the_same_lines_before_and_after_the_commands_load() -> None:
     assert CliRunner().invoke(eager, ["--help"]).output == after.output
 
 
+def test_agent_help_lists_the_same_lines_before_and_after_its_node_commands_load() -> None:
+    eager = {n: c for n, c in agent.commands.items() if n not in NODE_COMMANDS}
+    cold = LazyGroup("agent", lazy=NODE_COMMANDS, commands=eager, params=agent.params)
+    before = CliRunner().invoke(cold, ["--help"])
+    ctx = click.Context(cold)
+    for name in NODE_COMMANDS:
+        cold.get_command(ctx, name)
+    assert set(cold.commands) == {*eager, *NODE_COMMANDS}
+    after = CliRunner().invoke(cold, ["--help"])
+    assert before.exit_code == after.exit_code == 0
+    assert before.output == after.output
+    assert "join" in before.output and "docker-proxy" in before.output
+
+
 def test_subcommands_of_the_loaded_groups_work_through_main() -> None:
-    """Whatever cli/agent.py and the cli/ctl/ package define is reached through the lazily
+    """Whatever the cli/agent/ and cli/ctl/ packages define is reached through the lazily
     loaded group."""
     for name in ("agent", "ctl"):
         group = COMMANDS[name].load()

@@ -1,18 +1,23 @@
 """What ``llmgw up`` prints: commands that paste into a shell as they are, whatever the state
-directory is called, and that name the cluster they were printed for."""
+directory is called, and that name the cluster they were printed for; and the engines it
+stops when the agent left them behind."""
 
 from __future__ import annotations
 
 import json
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from llmgw.agent.records import ShardRecords
+from llmgw.agent.runtimes.base import ShardRecord
 from llmgw.cli.local_cluster import LocalCluster, UpOptions
+from llmgw.procutil import process_start_time
 
 RECORDER = (
     '#!/bin/sh\n: >"$RECORD"\nfor a in "$@"; do printf "%s\\n" "$a" >>"$RECORD"; done\n'
@@ -96,3 +101,37 @@ def test_the_default_state_dir_needs_no_variable(
     text = banner_of(tmp_path / "llmgw")
     assert "  Operator view:   llmgw ctl nodes   (also: models, replicas, events)" in text
     assert "LLMGW_STATE_DIR" not in text
+
+
+def test_stopping_kills_the_engines_the_agent_left_behind_and_only_those(tmp_path: Path) -> None:
+    def engine() -> subprocess.Popen[bytes]:
+        argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+        return subprocess.Popen(argv, start_new_session=True)
+
+    left, reused = engine(), engine()
+    try:
+        cluster = LocalCluster(UpOptions(state_dir=tmp_path), say=print)
+        left_start = process_start_time(left.pid)
+        reused_start = process_start_time(reused.pid)
+        assert left_start is not None and reused_start is not None
+        ShardRecords(cluster.agent_dir).save(
+            [
+                ShardRecord("s1", "r1", "llmgw-sim", "sim", pid=left.pid, start_time=left_start),
+                # The pid now names another process (a later start time): not ours to kill.
+                ShardRecord(
+                    "s2", "r2", "llmgw-sim", "sim", pid=reused.pid, start_time=reused_start - 1
+                ),
+            ]
+        )
+        cluster._kill_leftover_engines()
+        assert left.wait(timeout=10) == -9
+        assert reused.poll() is None
+    finally:
+        for proc in (left, reused):
+            proc.kill()
+            proc.wait()
+
+
+def test_stopping_with_no_records_kills_nothing(tmp_path: Path) -> None:
+    LocalCluster(UpOptions(state_dir=tmp_path), say=print)._kill_leftover_engines()
+    assert not (tmp_path / "agent").exists()

@@ -51,6 +51,18 @@ def test_capabilities() -> None:
         "sglang": "python",
         "llamacpp": "bin",
     }
+    # Discovery looks on PATH for llama-server and vllm, never for sglang's python3.
+    assert {name: engine_module(name).PROGRAM for name, e in ENGINES.items() if e.on_path} == {
+        "vllm": "vllm",
+        "llamacpp": "llama-server",
+    }
+    version, help_ = ("--version",), ("--help",)
+    assert {name: e.probes for name, e in ENGINES.items()} == {
+        "sim": (version, help_),
+        "vllm": (version, help_),
+        "sglang": (("-c", "import sglang, sys; print(sglang.__version__)"),),
+        "llamacpp": (version, help_),
+    }
 
 
 @pytest.mark.parametrize("engine", multi_node_engines())

@@ -249,3 +249,23 @@ def test_sglang_missing_module_shows_the_import_error(tmp_path: Path) -> None:
     (sglang,) = [e for e in engines if e.name == "sglang"]
     assert not sglang.ok
     assert sglang.problem.endswith("(exit 1): ModuleNotFoundError: No module named 'sglang'")
+
+
+def test_sglang_is_not_looked_for_on_path(tmp_path: Path, empty_path: Path) -> None:
+    """The python3 on PATH rarely has SGLang: sglang is found only where agent.yaml says."""
+    for program in ("python3", "python", "sglang"):
+        shutil.copy(ENGINES / "works", empty_path / program)
+    assert engine_candidates(config(tmp_path)) == []
+    shutil.copy(ENGINES / "works", empty_path / "llama-server")
+    assert [c.name for c in engine_candidates(config(tmp_path))] == ["llamacpp"]
+
+
+def test_the_configured_sglang_python_is_probed_by_importing_sglang(tmp_path: Path) -> None:
+    python = str(ENGINES / "works")
+    (candidate,) = engine_candidates(config(tmp_path, sglang={"python": python}))
+    assert (candidate.name, candidate.argv, candidate.origin) == (
+        "sglang",
+        (python,),
+        "engines.sglang.python",
+    )
+    assert candidate.probes == (("-c", "import sglang, sys; print(sglang.__version__)"),)

@@ -68,7 +68,7 @@ def test_a_ttl_that_is_not_a_duration_is_refused_before_any_call(
 ) -> None:
     out = join("--node", "gpu-01", "--ttl", ttl)
     assert out.exit_code == 2
-    assert "Invalid value for --ttl: must be seconds, or a duration like 500ms, 30s" in (out.stderr)
+    assert "Invalid value for '--ttl': must be seconds, or a duration like 500ms, 30s" in out.stderr
     assert calls == []
 
 

@@ -1,0 +1,140 @@
+"""``llmgw agent join``: enrol this node with the control plane and say what comes next."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from llmgw.agent.join import JoinResult, join
+from llmgw.cli.prompts import read_secret
+from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
+from llmgw.contracts.ports import DEFAULT_ENROLL_PORT
+
+__all__ = ["TOKEN_ENV", "join_command"]
+
+TOKEN_ENV = "LLMGW_JOIN_TOKEN"
+
+
+@click.command("join")
+@click.option(
+    "--node-id",
+    required=True,
+    envvar="LLMGW_NODE_ID",
+    help="This node's id, the CN of its certificate (env: LLMGW_NODE_ID).",
+)
+@click.option(
+    "--enroll-url",
+    required=True,
+    envvar="LLMGW_ENROLL_URL",
+    help=f"The control plane's enrolment address, https://HOST[:PORT] (port "
+    f"{DEFAULT_ENROLL_PORT} by default) (env: LLMGW_ENROLL_URL).",
+)
+@click.option(
+    "--ca-hash",
+    required=True,
+    envvar="LLMGW_CA_HASH",
+    help="sha256:<hex> of the cluster CA's public key, from 'llmgw ctl join-command' "
+    "(env: LLMGW_CA_HASH).",
+)
+@click.option(
+    "--config",
+    "join_config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help=f"agent.yaml: where the identity goes, written when missing; the same as "
+    f"'llmgw agent --config' (default {DEFAULT_AGENT_CONFIG}; env: LLMGW_AGENT_CONFIG).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    envvar="LLMGW_AGENT_STATE_DIR",
+    help=f"Where the identity goes when the config file does not exist yet (default "
+    f"{DEFAULT_AGENT_STATE_DIR}) (env: LLMGW_AGENT_STATE_DIR).",
+)
+@click.option(
+    "--rekey",
+    is_flag=True,
+    help="Replace this node's key with a rekey token; it keeps its uid, and the old key "
+    "and certificate are kept as *.old.",
+)
+@click.pass_context
+def join_command(
+    ctx: click.Context,
+    node_id: str,
+    enroll_url: str,
+    ca_hash: str,
+    join_config: Path | None,
+    state_dir: Path | None,
+    rekey: bool,
+) -> None:
+    """Enrol this node with the control plane; the join token comes from LLMGW_JOIN_TOKEN
+    or a prompt, never from an argument."""
+    config_path = _config_path(ctx, join_config)
+    result = join(
+        node_id=node_id,
+        enroll_url=enroll_url,
+        ca_hash=ca_hash,
+        token=read_secret(TOKEN_ENV, "join token (not echoed): ", what="join token", strip=True),
+        config_path=config_path,
+        state_dir=state_dir,
+        rekey=rekey,
+    )
+    click.echo(_report(result))
+
+
+def _config_path(ctx: click.Context, join_config: Path | None) -> Path:
+    """``join --config`` wins; the group's ``--config`` (or its env/default) otherwise."""
+    parent = ctx.parent
+    group_value = parent.params.get("config_path") if parent is not None else None
+    group_path = Path(group_value) if group_value is not None else DEFAULT_AGENT_CONFIG
+    if join_config is None:
+        return group_path
+    if (
+        parent is not None
+        and parent.get_parameter_source("config_path") is ParameterSource.COMMANDLINE
+        and group_path != join_config
+    ):
+        raise click.UsageError(
+            f"--config is given twice, as {group_path} and {join_config}; give it once"
+        )
+    return join_config
+
+
+def _report(result: JoinResult) -> str:
+    paths = result.paths
+    verb = "rekeyed" if result.rekeyed else "joined"
+    lines = [
+        f"node {result.node_id} {verb} (uid {result.node_uid})",
+        f"fingerprint: {result.fingerprint}",
+        f"state: {result.state}",
+        f"certificate valid until {result.not_after:%Y-%m-%d %H:%M} UTC",
+        f"key:         {paths.key} (0600; it never leaves this machine)",
+        f"certificate: {paths.cert}",
+        f"ca:          {paths.ca}",
+        f"uid:         {paths.uid}",
+    ]
+    if result.old_key is not None or result.old_cert is not None:
+        kept = ", ".join(str(p) for p in (result.old_key, result.old_cert) if p is not None)
+        lines.append(f"previous:    {kept}")
+    config_note = "written" if result.config_written else "kept as it was"
+    lines.append(f"config:      {paths.config} ({config_note})")
+    if result.rekeyed:
+        start = "restart the agent to use the new identity: sudo systemctl restart llmgw-agent"
+    else:
+        start = (
+            "start the agent: sudo systemctl enable --now llmgw-agent "
+            f"(or: llmgw agent --config {shlex.quote(str(paths.config))})"
+        )
+    if result.state == "pending":
+        lines.append(
+            f"next: ask the operator to approve it: llmgw ctl approve "
+            f"{shlex.quote(result.node_id)} --fingerprint {shlex.quote(result.fingerprint)}"
+        )
+        lines.append(f"then {start}")
+    else:
+        lines.append(f"next: {start}")
+    return "\n".join(lines)
