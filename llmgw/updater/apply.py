@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import secrets
-import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,7 +44,13 @@ from llmgw.contracts.update_order import (
 from llmgw.errors import FileError, UpdateError
 from llmgw.fsutil import atomic_write
 from llmgw.updater.bundle import check_bundle, installed_version, run_installer, unpack
-from llmgw.updater.nofollow import OPEN_DIR, OPEN_FILE, remove_entry
+from llmgw.updater.nofollow import (
+    OPEN_DIR,
+    NotPlain,
+    open_plain,
+    read_plain,
+    remove_entry,
+)
 from llmgw.updater.trust import DEFAULT_TRUST, TRUST_CA, TRUST_NODE_ID
 from llmgw.versions import version_key
 
@@ -334,29 +339,21 @@ def _write_counter(state: Path, counter: int) -> None:
 
 
 def _read_small(dir_fd: int, name: str) -> bytes:
-    fd = _open_plain(dir_fd, name)
     try:
-        size = os.fstat(fd).st_size
-        if size > MAX_SMALL:
-            raise UpdateError(f"{name} is {size} bytes; an order is a few hundred")
-        return os.read(fd, MAX_SMALL)
-    finally:
-        os.close(fd)
+        return read_plain(name, limit=MAX_SMALL, dir_fd=dir_fd)
+    except NotPlain as exc:
+        if exc.reason.endswith(f"more than {MAX_SMALL}"):
+            size = exc.reason.split(" ", 1)[0]
+            raise UpdateError(f"{name} is {size} bytes; an order is a few hundred") from None
+        raise UpdateError(f"{name} in the request is {exc.reason}") from None
 
 
 def _open_plain(dir_fd: int, name: str) -> int:
     """A regular file of the request, never through a symlink, never a FIFO or device."""
     try:
-        fd = os.open(name, OPEN_FILE, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UpdateError(f"{name} in the request is a symlink") from None
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise UpdateError(f"{name} in the request is not a regular file")
-    return fd
+        return open_plain(name, dir_fd=dir_fd)
+    except NotPlain as exc:
+        raise UpdateError(f"{name} in the request is {exc.reason}") from None
 
 
 def _copy_bundle(dir_fd: int, name: str, copy: str) -> str:

@@ -9,10 +9,8 @@ the agent's word: the agent's copy of the CA is just a candidate.
 
 from __future__ import annotations
 
-import errno
 import os
 import re
-import stat
 from pathlib import Path
 
 from cryptography import x509
@@ -21,7 +19,7 @@ from llmgw.contracts.update_order import MAX_SMALL
 from llmgw.errors import UpdateError
 from llmgw.fsutil import atomic_write
 from llmgw.pki import fingerprint, is_ca_certificate
-from llmgw.updater.nofollow import OPEN_DIR, OPEN_FILE
+from llmgw.updater.nofollow import OPEN_DIR, NotPlain, read_plain
 
 __all__ = ["DEFAULT_TRUST", "TRUST_CA", "TRUST_NODE_ID", "TRUST_PIN", "install_trust"]
 
@@ -121,42 +119,34 @@ def install_trust(ca_file: Path, trust: Path = DEFAULT_TRUST, pin: str | None = 
 
 def _read_trust_input(path: Path) -> bytes:
     try:
-        fd = os.open(path, OPEN_FILE)
+        return read_plain(path, limit=MAX_SMALL)
+    except NotPlain as exc:
+        if exc.reason == "a symlink":
+            why = "it is a symlink"
+        else:
+            why = f"it is {exc.reason}; the CA must be a regular file of at most {MAX_SMALL} bytes"
     except OSError as exc:
-        why = "it is a symlink" if exc.errno == errno.ELOOP else exc.strerror
-        raise UpdateError(
-            f"cannot read the CA {path} ({why}); the update helper keeps its trust",
-            state="refused",
-        ) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SMALL:
-            raise UpdateError(
-                f"{path} is not a regular file of at most {MAX_SMALL} bytes; the update "
-                "helper keeps its trust",
-                state="refused",
-            )
-        return os.read(fd, MAX_SMALL)
-    finally:
-        os.close(fd)
+        why = exc.strerror or str(exc)
+    raise UpdateError(
+        f"cannot read the CA {path} ({why}); the update helper keeps its trust", state="refused"
+    )
 
 
 def _read_trust_file(dir_fd: int, name: str) -> bytes:
-    """A file of the trust directory; b"" when missing. Never through a symlink."""
+    """A file of the trust directory; b"" when missing or not a regular file. Never through a
+    symlink."""
     try:
-        fd = os.open(name, OPEN_FILE, dir_fd=dir_fd)
+        return read_plain(name, limit=MAX_SMALL, dir_fd=dir_fd)
     except FileNotFoundError:
         return b""
-    except OSError as exc:
-        raise UpdateError(
-            f"cannot read {name} in the update trust directory: "
-            f"{'a symlink' if exc.errno == errno.ELOOP else exc.strerror}; remove it and run "
-            "the installer again",
-            state="failed",
-        ) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+    except NotPlain as exc:
+        if exc.reason == "not a regular file":
             return b""
-        return os.read(fd, MAX_SMALL)
-    finally:
-        os.close(fd)
+        why = exc.reason
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    raise UpdateError(
+        f"cannot read {name} in the update trust directory: {why}; remove it and run the "
+        "installer again",
+        state="failed",
+    )
