@@ -46,7 +46,7 @@ from yarl import URL
 
 from llmgw.agent.discovery import ENGINE_MANIFEST, check_engine_binary
 from llmgw.agent.sources import SourcePrefix, allowed, split_url
-from llmgw.engines.registry import installable_engines
+from llmgw.engines.registry import get_engine, installable_engines
 from llmgw.errors import ArchiveError, EngineError
 from llmgw.fsutil import ArchiveKind, ArchivePolicy, path_problem, unpack_archive
 from llmgw.log import kv
@@ -68,7 +68,6 @@ MAX_DOWNLOAD_BYTES = 20 * 1024**3
 # What an archive may unpack to: a cap on decompression bombs, generous for a Python venv.
 MAX_UNPACKED_BYTES = 64 * 1024**3
 ARCHIVE_KINDS = ".tar.gz, .tgz, .tar.xz, .tar or .zip"
-_SGLANG_CHECK = "import sglang, sys; print(sglang.__version__)"
 
 _CHUNK = 1 << 20
 MAX_REDIRECTS = 5
@@ -79,15 +78,6 @@ _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 _ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
 _TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tar")
 
-# engine -> (what the archive must hold, does this relative path match it)
-_BINARIES: dict[str, tuple[str, Callable[[tuple[str, ...]], bool]]] = {
-    "llamacpp": ("a file named 'llama-server'", lambda parts: parts[-1] == "llama-server"),
-    "vllm": ("a file named 'vllm'", lambda parts: parts[-1] == "vllm"),
-    "sglang": (
-        "a Python environment's bin/python (with sglang installed in it)",
-        lambda parts: parts[-2:] == ("bin", "python"),
-    ),
-}
 
 # Where distributions keep the system trust store, for a frozen binary whose OpenSSL was
 # built with another distribution's default path.
@@ -166,7 +156,7 @@ async def install_engine(
         await _in_thread(_unpack, kind, archive, staging, shown, max_unpacked_bytes)
         archive.unlink()
         binary = await _in_thread(_locate, staging, engine, shown, machine)
-        info = await _in_thread(check_engine_binary, engine, _argv(engine, staging / binary))
+        info = await _in_thread(check_engine_binary, engine, [str(staging / binary)])
         if not info.ok:
             raise EngineError(
                 f"{engine} {version} from {shown} does not run on this node, so it was not "
@@ -358,7 +348,7 @@ async def _installed_info(
     final: Path, manifest: dict[str, Any], engine: str, version: str
 ) -> pb.EngineInfo:
     binary = final / manifest["binary"]
-    info = await _in_thread(check_engine_binary, engine, _argv(engine, binary))
+    info = await _in_thread(check_engine_binary, engine, [str(binary)])
     if not info.ok:
         raise EngineError(
             f"{engine} {version} is installed in {final} but no longer runs: "
@@ -366,12 +356,6 @@ async def _installed_info(
             f"{final} and send the order again"
         )
     return pb.EngineInfo(name=engine, path=str(binary), version=info.version or version, ok=True)
-
-
-def _argv(engine: str, binary: Path) -> list[str]:
-    if engine == "sglang":
-        return [str(binary), "-c", _SGLANG_CHECK]
-    return [str(binary)]
 
 
 # -- download ----------------------------------------------------------------------------
@@ -553,12 +537,13 @@ def _unpack(kind: ArchiveKind, archive: Path, dest: Path, shown: str, max_unpack
 
 
 def _locate(staging: Path, engine: str, shown: str, machine: str) -> PurePosixPath:
-    expected, matches = _BINARIES[engine]
+    spec = get_engine(engine)
+    tail, expected = spec.archive_program, spec.archive_holds
     found: list[PurePosixPath] = []
     for dirpath, _dirnames, filenames in os.walk(staging):
         for name in filenames:
             rel = PurePosixPath(os.path.relpath(os.path.join(dirpath, name), staging))
-            if matches(rel.parts):
+            if rel.parts[-len(tail) :] == tail:
                 found.append(rel)
     if not found:
         raise EngineError(

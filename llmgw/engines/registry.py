@@ -52,6 +52,10 @@ class Engine:
     program is the Python that has SGLang: the first python3 on PATH rarely is; for sim, built
     in). Then it runs the program with each of ``probes`` in turn until one exits 0; the
     first probe's output is the version.
+
+    ``archive_program``: for an installable engine, the path an install archive holds the
+    program at, matched against the end of each member's path (``("bin", "python")``: a
+    Python environment's interpreter); ``archive_holds`` says it in words for a refusal.
     """
 
     name: str
@@ -63,6 +67,8 @@ class Engine:
     program_setting: str | None = None
     on_path: bool = False
     probes: tuple[tuple[str, ...], ...] = (("--version",), ("--help",))
+    archive_program: tuple[str, ...] = ()
+    archive_holds: str = ""
 
     def module(self) -> EngineModule:
         """The module that builds this engine's command."""
@@ -81,6 +87,8 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 installable=True,
                 program_setting="bin",
                 on_path=True,
+                archive_program=("vllm",),
+                archive_holds="a file named 'vllm'",
             ),
             Engine(
                 "sglang",
@@ -90,6 +98,8 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 program_setting="python",
                 # Importing sglang is the check: the Python may run without having it.
                 probes=(("-c", "import sglang, sys; print(sglang.__version__)"),),
+                archive_program=("bin", "python"),
+                archive_holds="a Python environment's bin/python (with sglang installed in it)",
             ),
             Engine(
                 "llamacpp",
@@ -99,6 +109,8 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 installable=True,
                 program_setting="bin",
                 on_path=True,
+                archive_program=("llama-server",),
+                archive_holds="a file named 'llama-server'",
             ),
         )
     }

@@ -24,7 +24,7 @@ import llmgw
 from llmgw.agent.config import AgentConfig
 from llmgw.agent.discovery.probe import c_locale, cannot_run, exit_text, nonempty_lines, summary
 from llmgw.engines.launch import self_argv
-from llmgw.engines.registry import ENGINES, Engine
+from llmgw.engines.registry import ENGINES, Engine, get_engine
 from llmgw.procutil import Finished, run_to_end
 from llmgw.proto import control_pb2 as pb
 
@@ -173,12 +173,13 @@ def _check(
 
 
 def check_engine_binary(engine: str, argv: list[str], timeout: float = 20.0) -> pb.EngineInfo:
-    """Run ``argv --version``, else ``argv --help``: ``ok`` when either exits 0. When the
-    program exists but will not run, ``problem`` holds its error and the ``ldd`` lines of
-    missing libraries. Never raises."""
+    """Run ``argv`` with each of the engine's probes (llmgw.engines.registry: ``--version``,
+    else ``--help``; SGLang's import check): ``ok`` when one exits 0. When the program exists
+    but will not run, ``problem`` holds its error and the ``ldd`` lines of missing libraries.
+    Never raises."""
     if not argv:
         return pb.EngineInfo(name=engine, ok=False, problem="no command to check")
-    return _check(engine, argv, (("--version",), ("--help",)), timeout)
+    return _check(engine, argv, get_engine(engine).probes, timeout)
 
 
 def _installed_at(data: Mapping[str, Any], manifest: Path) -> float:

@@ -114,3 +114,12 @@ def test_a_built_in_engine_is_a_command_of_llmgw_engine(name: str) -> None:
 
 def test_llmgw_engine_has_only_built_in_engines() -> None:
     assert set(engine_group.commands) == {n for n, e in ENGINES.items() if e.builtin}
+
+
+@pytest.mark.parametrize("name", installable_engines())
+def test_an_installable_engine_says_what_its_archive_holds(name: str) -> None:
+    """An install locates the program by ``archive_program`` and refuses naming
+    ``archive_holds``: a row without them could never be installed."""
+    engine = get_engine(name)
+    assert engine.archive_program and all(engine.archive_program)
+    assert engine.archive_holds
