@@ -16,5 +16,5 @@ Its imports are the standard library, ``cryptography``, ``llmgw.errors``, the co
 (``llmgw.contracts``) and the foundation modules (``llmgw.fsutil`` for atomic writes and
 the safe unpack, ``llmgw.versions``, ``llmgw.netaddr``, and ``llmgw.pki`` for the CA's key
 hash): nothing of ``llmgw.agent``, ``llmgw.server`` or ``llmgw.cli``
-(tests/unit/updater/test_imports.py walks them).
+(tests/unit/test_imports.py walks them, transitively).
 """
