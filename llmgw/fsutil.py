@@ -235,12 +235,15 @@ class ArchivePolicy:
     ``max_bytes``: the most its files may unpack to (a cap on decompression bombs);
     ``max_members``: the most entries, or None; ``links``: symlinks and hard links (that stay
     inside the destination) allowed, else only files and directories; ``single_top``: every
-    member under one top folder; ``place``: how messages name the destination."""
+    member under one top folder; ``replace``: a later member may take the place of an earlier
+    file or link (as ``tar -r`` appends), else a name held twice is refused (a folder may be
+    named again); ``place``: how messages name the destination."""
 
     max_bytes: int
     max_members: int | None = None
     links: bool = True
     single_top: bool = False
+    replace: bool = True
     place: str = "destination folder"
 
 
@@ -293,6 +296,7 @@ class _Checker:
         self.count = 0
         self.top: str | None = None
         self.files: set[str] = set()
+        self.seen: dict[str, MemberKind] = {}
         self.place = policy.place
         self.allowed = "a file, directory or link" if policy.links else "a file or directory"
 
@@ -324,6 +328,10 @@ class _Checker:
     def check(self, member: Member) -> None:
         """The checks of a member of an allowed kind: its link, its size."""
         target = os.path.normpath(os.path.join(self.root, member.name))
+        earlier = self.seen.get(target)
+        if not self.policy.replace and earlier and not (earlier == member.kind == "dir"):
+            raise _unsafe(member.name, "is in the archive twice")
+        self.seen[target] = member.kind
         if member.kind in ("symlink", "hardlink"):
             self._check_link(member)
         if member.kind == "file":
@@ -476,10 +484,18 @@ def unpack_archive(
                     dirs.append((path, member))
             # Folders last, deepest first: a read-only one must not stop what goes inside it.
             for path, member in sorted(dirs, key=lambda d: d[0], reverse=True):
-                os.chmod(path, (member.mode & 0o777 & ~_BAD_MODE_BITS) | stat.S_IRWXU)
+                # A later member may have re-pointed a symlink in the folder's path since it
+                # was made: resolve it again, and never set a mode outside the destination.
+                real = os.path.realpath(path)
+                if not _inside(real, root):
+                    raise _unsafe(
+                        member.name,
+                        f"would land outside the {policy.place} through a symlink in it",
+                    )
+                os.chmod(real, (member.mode & 0o777 & ~_BAD_MODE_BITS) | stat.S_IRWXU)
                 if member.mtime is not None:
                     with contextlib.suppress(OSError, OverflowError, ValueError):
-                        os.utime(path, (member.mtime, member.mtime), follow_symlinks=False)
+                        os.utime(real, (member.mtime, member.mtime), follow_symlinks=False)
     except ArchiveError:
         raise
     except _READ_ERRORS as exc:

@@ -50,6 +50,7 @@ _POLICY = ArchivePolicy(
     max_members=_MAX_MEMBERS,
     links=False,
     single_top=True,
+    replace=False,
     place="bundle's folder",
 )
 _TOP = re.compile(rf"llmgw-agent-{VERSION_PATTERN}-linux-\w+")

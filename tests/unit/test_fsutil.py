@@ -334,6 +334,29 @@ def test_a_later_file_replaces_a_symlink_and_never_writes_through_it(tmp_path: P
     assert (dest / "name").read_bytes() == b"replacement"
 
 
+def test_a_folder_moved_outside_by_a_later_link_keeps_its_mode(tmp_path: Path) -> None:
+    # Folder modes are set last; by then a later member has re-pointed "c", so the path
+    # "p/secret" that was inside when unpacked now leads to tmp_path/secret, outside.
+    secret = tmp_path / "secret"
+    secret.mkdir(mode=0o700)
+    archive = tarball(
+        tmp_path / "a.tar",
+        [
+            entry("sub", kind=tarfile.DIRTYPE),
+            entry("c", kind=tarfile.SYMTYPE, link="sub"),
+            entry("p", kind=tarfile.SYMTYPE, link="c/.."),
+            entry("p/secret", kind=tarfile.DIRTYPE, perm=0o755, mtime=1),
+            entry("c", kind=tarfile.SYMTYPE, link="."),
+        ],
+        fmt="w",
+    )
+    error = refused(tmp_path, archive)
+    assert error.code == "unsafe" and error.member == "p/secret"
+    assert "outside the install folder through a symlink" in str(error)
+    assert mode(secret) == 0o700
+    assert secret.stat().st_mtime != 1
+
+
 @pytest.mark.parametrize(
     ("member", "reason"),
     [
@@ -361,6 +384,31 @@ def test_strict_policy_unpacks_a_plain_bundle(tmp_path: Path) -> None:
     )
     dest = unpack(tmp_path, archive, STRICT, "tar.gz")
     assert mode(dest / "top" / "install.sh") == 0o755
+
+
+def test_without_replace_a_name_held_twice_is_refused(tmp_path: Path) -> None:
+    once = ArchivePolicy(max_bytes=1 << 20, links=False, replace=False)
+    folders = [entry("top", kind=tarfile.DIRTYPE), entry("top/", kind=tarfile.DIRTYPE)]
+    dest = unpack(
+        tmp_path, tarball(tmp_path / "ok.tar", [*folders, entry("top/f", b"x")], "w"), once
+    )
+    assert (dest / "top" / "f").read_bytes() == b"x"  # a folder may be named again
+    for i, twice in enumerate(
+        [
+            [entry("top/f", b"checked"), entry("top/f", b"unpacked")],
+            [entry("top/f", b"checked"), entry("top/./f", b"unpacked")],
+            [entry("top/f", kind=tarfile.DIRTYPE), entry("top/f", b"x")],
+            [entry("top/f", b"x"), entry("top/f", kind=tarfile.DIRTYPE)],
+        ]
+    ):
+        archive = tarball(tmp_path / f"{i}.tar", twice, fmt="w")
+        with pytest.raises(ArchiveError, match="is in the archive twice") as error:
+            fsutil.list_archive(archive, kind="tar", policy=once)
+        assert error.value.code == "unsafe"
+    # The default (engine installs): a later member takes the earlier one's place.
+    archive = tarball(tmp_path / "r.tar", [entry("f", b"first"), entry("f", b"second")], "w")
+    (tmp_path / "r").mkdir()
+    assert (unpack(tmp_path / "r", archive) / "f").read_bytes() == b"second"
 
 
 def test_too_many_members_and_too_many_bytes(tmp_path: Path) -> None:

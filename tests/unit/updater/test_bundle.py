@@ -49,6 +49,15 @@ def test_a_bundle_with_another_top_folder_is_refused(tmp_path: Path) -> None:
         check_bundle(bundle)
 
 
+def test_a_bundle_naming_a_file_twice_is_refused(tmp_path: Path) -> None:
+    # The check would read the first BUILD-INFO while the unpack kept the second: the old
+    # helper's unpack refused a second member at the same place, and so does the check now.
+    second = (b"version: 9.9.9\narchitecture: linux-x64\n", 0o644)
+    bundle = _tar_gz(tmp_path / "b.tar.gz", _good(**{"./BUILD-INFO": second}))
+    with pytest.raises(UpdateError, match=r"member '.*/\./BUILD-INFO' is in the archive twice"):
+        check_bundle(bundle)
+
+
 def test_too_many_members_are_refused(tmp_path: Path) -> None:
     files = _good(**{f"f{i}": (b"", 0o644) for i in range(10_000)})
     bundle = _tar_gz(tmp_path / "b.tar.gz", files)
