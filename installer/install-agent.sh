@@ -1257,20 +1257,36 @@ verb_upgrade() {
     info "upgrade: llmgw ${old:-?} -> $NEW_VERSION"
     warn_docker_group
     keep_previous
-    put_file "$BUNDLE/llmgw" "$LIB_DIR/llmgw" 0755 root:root
-    install_units
-    systemctl daemon-reload
-    if restart_and_wait "$HEALTH_TIMEOUT"; then
-        if settled; then
-            rm -rf "$PREVIOUS_DIR.old"
-            info "done: llmgw $NEW_VERSION runs and listens on :$AGENT_PORT (llmgw ${old:-?} kept for rollback)"
-            return 0
-        fi
-        warn "llmgw $NEW_VERSION came up but did not stay up for $SETTLE s (LLMGW_AGENT_SETTLE_SECONDS); its journal:"
+    # From here on a failure rolls back: the copies run in a subshell of their own, where
+    # set -e stops at the first one that fails (set -e is ignored in a tested command, so
+    # 'if ( ... )' would carry on past it); the script then restores the previous version
+    # rather than stop with the new binary in place and the old units.
+    set +e
+    (
+        set -e
+        put_file "$BUNDLE/llmgw" "$LIB_DIR/llmgw" 0755 root:root
+        install_units
+    )
+    copied=$?
+    set -e
+    why="the new agent did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s, or stopped within $SETTLE s after"
+    if [ "$copied" -ne 0 ]; then
+        warn "llmgw $NEW_VERSION could not be put in place (above)"
+        why="it could not be put in place (above)"
     else
-        warn "llmgw $NEW_VERSION did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s; its journal:"
+        systemctl daemon-reload
+        if restart_and_wait "$HEALTH_TIMEOUT"; then
+            if settled; then
+                rm -rf "$PREVIOUS_DIR.old"
+                info "done: llmgw $NEW_VERSION runs and listens on :$AGENT_PORT (llmgw ${old:-?} kept for rollback)"
+                return 0
+            fi
+            warn "llmgw $NEW_VERSION came up but did not stay up for $SETTLE s (LLMGW_AGENT_SETTLE_SECONDS); its journal:"
+        else
+            warn "llmgw $NEW_VERSION did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s; its journal:"
+        fi
+        journal_tail
     fi
-    journal_tail
     info "rollback: restoring llmgw ${old:-?}"
     restore_previous
     # The version before the rolled-back one is the previous one again.
@@ -1279,7 +1295,7 @@ verb_upgrade() {
         mv "$PREVIOUS_DIR.old" "$PREVIOUS_DIR"
     fi
     if restart_and_wait "$HEALTH_TIMEOUT"; then
-        fatal "upgrade to llmgw $NEW_VERSION failed: the new agent did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s, or stopped within $SETTLE s after; rolled back to llmgw ${old:-?}, which runs again"
+        fatal "upgrade to llmgw $NEW_VERSION failed: $why; rolled back to llmgw ${old:-?}, which runs again"
     fi
     journal_tail
     fatal "upgrade to llmgw $NEW_VERSION failed and the rolled-back llmgw ${old:-?} does not come up either (journal above); see: journalctl -u $UNIT"

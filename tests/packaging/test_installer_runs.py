@@ -265,6 +265,28 @@ def test_upgrade_keeps_the_previous_and_rolls_back_when_the_new_one_fails(
     assert installed.read_bytes() == (sandbox.root / "b1" / "llmgw").read_bytes()
 
 
+def test_an_upgrade_that_fails_halfway_through_its_copies_rolls_back(sandbox: Sandbox) -> None:
+    # The new binary is in place when a unit cannot be copied (a full disk, say): under
+    # set -e the script must not stop there, with the new binary and no rollback.
+    assert sandbox.run("install", *JOIN, token="t0ken").returncode == 0
+    unit = sandbox.root / "b2" / "systemd" / "llmgw-agent-update.service"
+    unit.write_text(unit.read_text() + "# changed in 1.1.0\n")
+    run = sandbox.root / "b2" / "run.sh"
+    failing_chmod = (
+        "chmod() { case $2 in *llmgw-agent-update.service.new*) return 1 ;; esac; "
+        'command chmod "$@"; }\nmain "$@"\n'
+    )
+    run.write_text(run.read_text().replace('main "$@"\n', failing_chmod))
+    failed = sandbox.run("upgrade", bundle="b2")
+    assert failed.returncode == 1
+    said = sandbox.said(failed)
+    assert "==> rollback: restoring llmgw 1.0.0" in said
+    assert said[-1].startswith("error: upgrade to llmgw 1.1.0 failed: it could not be put in place")
+    installed = sandbox.root / "usr" / "local" / "lib" / "llmgw-agent" / "llmgw"
+    assert installed.read_bytes() == (sandbox.root / "b1" / "llmgw").read_bytes()
+    assert "systemctl restart --no-block llmgw-agent.service" in sandbox.calls()
+
+
 def test_package_installs_the_package_first_then_the_same_steps(sandbox: Sandbox) -> None:
     result = sandbox.run(
         "package", "--repo-url", "http://repo", "--repo-key", str(sandbox.root / "repo.key")
