@@ -1344,7 +1344,9 @@ verb_rekey() {
     as_agent_with_token "$bin" agent join --rekey --node-id "$NODE_ID" --enroll-url "$ENROLL_URL" \
         --ca-hash "$CA_HASH" --config "$CONFIG" || status=$?
     if [ "$status" -eq 0 ]; then
-        install_update_trust
+        # The agent is stopped: a failure here must not end the script before it starts again.
+        install_update_trust \
+            || warn "update helper: its trust may not be updated (above); run 'install-agent.sh install' again to update it"
     else
         warn "'llmgw agent join --rekey' failed (above); starting the agent again on its old identity"
     fi

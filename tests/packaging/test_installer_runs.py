@@ -287,6 +287,25 @@ def test_an_upgrade_that_fails_halfway_through_its_copies_rolls_back(sandbox: Sa
     assert "systemctl restart --no-block llmgw-agent.service" in sandbox.calls()
 
 
+def test_a_rekey_whose_trust_copy_fails_still_starts_the_agent(sandbox: Sandbox) -> None:
+    # The agent is stopped for the rekey; the update helper's trust written after it must
+    # not end the script (set -e) before the agent is started again.
+    assert sandbox.run("install", *JOIN, token="t0ken").returncode == 0
+    (sandbox.root / "etc" / "llmgw" / "update" / "node-id").unlink()
+    run = sandbox.root / "b1" / "run.sh"
+    failing_chmod = (
+        'chmod() { case $2 in *node-id.new*) return 1 ;; esac; command chmod "$@"; }\nmain "$@"\n'
+    )
+    run.write_text(run.read_text().replace('main "$@"\n', failing_chmod))
+    rekeyed = sandbox.run("rekey", *JOIN[2:], token="t0ken")
+    assert rekeyed.returncode == 0, rekeyed.stderr
+    assert "systemctl stop llmgw-agent.service" in sandbox.calls()
+    assert "systemctl restart --no-block llmgw-agent.service" in sandbox.calls()
+    assert sandbox.said(rekeyed)[-1] == (
+        "==> done: node n1 rekeyed; the agent runs on its new identity"
+    )
+
+
 def test_package_installs_the_package_first_then_the_same_steps(sandbox: Sandbox) -> None:
     result = sandbox.run(
         "package", "--repo-url", "http://repo", "--repo-key", str(sandbox.root / "repo.key")
