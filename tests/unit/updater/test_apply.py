@@ -353,6 +353,8 @@ TOP = "llmgw-agent-0.2.0-linux-x64"
         (_hardlink(f"{TOP}/shadow", "/etc/shadow"), "a link"),
         (_device(f"{TOP}/null"), "not a file or directory"),
         (file_entry("llmgw-agent-0.3.0-linux-x64/other", b"x"), "outside the top folder"),
+        # A second installer, the one the unpack would keep: refused before the counter.
+        (file_entry(f"{TOP}/install-agent.sh", b"#!/bin/sh\nexit 0\n"), "in the archive twice"),
     ],
 )
 def test_hostile_bundle_members_are_refused(
