@@ -561,6 +561,8 @@ async def _serve_until_signalled(cfg: SimConfig) -> None:
         try:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError, ValueError):
+            # Off the main thread or on a loop without signal handlers (asyncio refuses them):
+            # that signal keeps its default action; only the handled ones are removed below.
             continue
         handled.append(sig)
     server = asyncio.create_task(serve(cfg))

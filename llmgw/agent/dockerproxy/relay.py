@@ -495,6 +495,8 @@ async def serve(
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
+        # asyncio refuses signal handlers off the main thread (RuntimeError/ValueError) and on
+        # loops without them (NotImplementedError); there the caller's ``stop`` ends the proxy.
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
     log.info(
