@@ -1,8 +1,9 @@
 #!/bin/sh
 # Build the frozen llmgw for one architecture into dist/ (DESIGN §7): a PyInstaller one-file
 # binary (the agent bundles' binary), a one-folder build (for the packages), the bundle
-# llmgw-agent-<version>-linux-<arch>.tar.gz, SHA256SUMS over dist/, and the figures: each
-# artifact's size and the median start-up time of `llmgw --version`.
+# llmgw-agent-<version>-linux-<arch>.tar.gz, the wheel llmgw-<version>-py3-none-any.whl (the
+# operator CLI where there is no binary: pipx install), SHA256SUMS over dist/, and the figures:
+# each artifact's size and the median start-up time of `llmgw --version`.
 #
 # Usage: scripts/dist.sh [--allow-missing-installer] [--version V] [x64|arm64]
 #                                              (make dist [ARCH=arm64] [VERSION=V])
@@ -469,7 +470,28 @@ check_version() {
     done
 }
 
-# 7. the bundle, SHA256SUMS, and the figures
+# 7. the wheel, for the operator CLI where no binary is built (macOS, other platforms:
+# 'pipx install llmgw-V-py3-none-any.whl'); pure Python, the same for every architecture,
+# built from a clean copy of the sources (stamped like the binaries with --version).
+make_wheel() {
+    work=$(mktemp -d)
+    TO_CLEAN="$TO_CLEAN $work"
+    tar -cf - --exclude=__pycache__ --exclude='*.pyc' pyproject.toml README.md llmgw \
+        | tar -C "$work" -xf -
+    [ -z "$STAMP" ] || stamp_version "$work/llmgw/__init__.py"
+    python=$PYTHON
+    case $python in /*) ;; */*) python=$PWD/$python ;; esac
+    (cd "$work" && SOURCE_DATE_EPOCH="$SOURCE_DATE_EPOCH" "$python" -m pip wheel --quiet --no-deps \
+        --no-build-isolation --no-index -w "$work/wheel" .) >"$work/log" 2>&1 \
+        || { tail -n 30 "$work/log" >&2; fatal "the wheel did not build (log above; needs setuptools>=77 in $PYTHON)"; }
+    wheel="llmgw-$VERSION-py3-none-any.whl"
+    [ -f "$work/wheel/$wheel" ] || fatal "pip wheel made no $wheel (made: $(ls "$work/wheel"))"
+    rm -f "$OUT"/llmgw-*-py3-none-any.whl
+    cp "$work/wheel/$wheel" "$OUT/$wheel"
+    info "wheel: $OUT/$wheel"
+}
+
+# 8. the bundle, SHA256SUMS, and the figures
 make_bundle() {
     "$PYTHON" packaging/bundle.py build --binary "$ONEFILE" --arch "$ARCH" --version "$VERSION" \
         --revision "$REVISION" --glibc-floor "$GLIBC_FLOOR" --out "$OUT" $ALLOW_MISSING_INSTALLER
@@ -518,6 +540,7 @@ main() {
     fi
     lock_out
     check_version
+    make_wheel
     make_bundle
     report
 }
