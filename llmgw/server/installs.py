@@ -162,18 +162,25 @@ def _arch(node: Node) -> str:
     return canonical_arch(str(node.inventory.get("arch") or ""))
 
 
-def _engine_problem(node: Node, engine: str) -> str:
+def _engine_detail(node: Node, engine: str) -> dict[str, Any]:
+    """What the node reported of ``engine`` (its pb.EngineInfo as stored), or {}."""
     for detail in node.inventory.get("engine_details") or []:
-        if isinstance(detail, dict) and detail.get("name") == engine and detail.get("problem"):
-            return str(detail["problem"])
-    return "it is not in the engines the node reports"
+        if isinstance(detail, dict) and detail.get("name") == engine:
+            return detail
+    return {}
+
+
+def _installed_path(engine: str, version: str) -> str:
+    """What the path of an engine the agent installed holds: it unpacks each build under
+    ``<state_dir>/engines/<engine>/<version>/`` (llmgw.agent.installs)."""
+    return f"/engines/{engine}/{version}/"
 
 
 @dataclass(frozen=True)
 class Judgement:
     """Where a desired engine stands on one node: ``state`` and, unless ready, why."""
 
-    state: str  # ready, waiting, installing, failed, no-build, not-offered
+    state: str  # ready, waiting, installing, failed, no-build, not-offered, other-build
     reason: str = ""
 
     @property
@@ -217,11 +224,22 @@ def judge(
             f"{engine} {version} failed to install: {row.error}; once fixed, run 'llmgw ctl "
             f"engines install {want.target()} {engine} {version} ...' again",
         )
+    detail = _engine_detail(node, engine)
     if engine not in session.engines:
+        problem = detail.get("problem") or "it is not in the engines the node reports"
         return Judgement(
             "not-offered",
-            f"{engine} {version} is installed but the node does not offer it: "
-            f"{_engine_problem(node, engine)}",
+            f"{engine} {version} is installed but the node does not offer it: {problem}",
+        )
+    path = str(detail.get("path") or "")
+    if path and _installed_path(engine, version) not in path:
+        # The agent offers a program named in agent.yaml, else one on PATH, before the
+        # builds it installed, and of those the newest: not the desired one here.
+        return Judgement(
+            "other-build",
+            f"{engine} {version} is installed but the node offers {path} instead (a program "
+            f"named in agent.yaml or on PATH comes first, then the newest install); remove "
+            f"that one on the node, or 'llmgw ctl engines forget {want.target()} {engine}'",
         )
     return Judgement("ready")
 
@@ -499,8 +517,8 @@ class EngineInstalls:
     def node_rows(self, nodes: Iterable[Node] | None = None) -> list[dict[str, Any]]:
         """Per node and engine, desired vs installed: the engines desired there, those ever
         ordered there and those it offers (sim aside). ``state``: ready, waiting,
-        installing, failed, no-build, not-offered; ``offered`` for an engine the node
-        offers that is not desired."""
+        installing, failed, no-build, not-offered, other-build; ``offered`` for an engine
+        the node offers that is not desired."""
         desired = _desired(self.store.list_desired_engines())
         installs = {(r.node_id, r.engine): r for r in self.store.list_node_engines()}
         out: list[dict[str, Any]] = []

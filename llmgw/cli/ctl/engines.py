@@ -19,7 +19,7 @@ __all__ = ["engines"]
 # What ends the wait of 'engines install --wait' for one node.
 _FINAL = ("installed", "failed")
 # Rows of 'engines install' that make it exit 1: nothing will install there as it stands.
-_REFUSED = ("failed", "no-build", "not-offered")
+_REFUSED = ("failed", "no-build", "not-offered", "other-build")
 
 
 @click.group(cls=ReportingGroup, invoke_without_command=True)

@@ -379,12 +379,24 @@ def test_holds_say_why_each_node_waits(fleet: Fleet) -> None:
         "broken-1",
         details=[{"name": "llamacpp", "ok": False, "problem": "exit 127: libggml.so missing"}],
     )
+    installed = "/var/lib/llmgw-agent/engines/llamacpp/b1/llama-b1/bin/llama-server"
+    checked = fleet.node(
+        "checked-1",
+        engines=("sim", "llamacpp"),
+        details=[{"name": "llamacpp", "ok": True, "path": installed}],
+    )
+    other = fleet.node(
+        "other-1",
+        engines=("sim", "llamacpp"),
+        details=[{"name": "llamacpp", "ok": True, "path": "/usr/local/bin/llama-server"}],
+    )
     fleet.node("arm-1", arch="aarch64")
     fleet.node("gone-1", connect=False)
     assert ready is not None and broken is not None and busy is not None
+    assert checked is not None and other is not None
     fleet.installs.sync()
-    assert answer(fleet, ready, orders(ready)[0])
-    assert answer(fleet, broken, orders(broken)[0])
+    for session in (ready, broken, checked, other):
+        assert answer(fleet, session, orders(session)[0])
     holds = fleet.installs.holds(fleet.store.list_nodes())
     assert holds == {
         "arm-1": (
@@ -396,6 +408,15 @@ def test_holds_say_why_each_node_waits(fleet: Fleet) -> None:
             ),
         ),
         "busy-1": (("llamacpp", "llamacpp b1 is being installed"),),
+        "other-1": (
+            (
+                "llamacpp",
+                "llamacpp b1 is installed but the node offers /usr/local/bin/llama-server "
+                "instead (a program named in agent.yaml or on PATH comes first, then the newest "
+                "install); remove that one on the node, or 'llmgw ctl engines forget --all "
+                "llamacpp'",
+            ),
+        ),
         "broken-1": (
             (
                 "llamacpp",
