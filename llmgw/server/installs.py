@@ -94,13 +94,17 @@ class Build:
             )
         url = url.strip()
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-        if scheme not in SCHEMES or len(url) > MAX_URL or any(c.isspace() for c in url):
+        if scheme not in SCHEMES or len(url) > MAX_URL or not url.isprintable() or " " in url:
             raise ConfigError(
                 f"the nodes do not fetch {display_url(url)[:200]!r}: give an https:// URL (or "
                 "http:// or file:// from a place the nodes list in install_sources in "
                 "agent.yaml), at most 4096 characters, without spaces"
             )
-        if scheme != "file" and not urlsplit(url).hostname:
+        try:
+            host = urlsplit(url).hostname
+        except ValueError:  # a malformed [IPv6] host
+            host = None
+        if scheme != "file" and not host:
             raise ConfigError(f"{display_url(url)[:200]!r} names no host; give the full URL")
         if not _SHA256.fullmatch(sha256.strip()):
             raise ConfigError(

@@ -113,6 +113,15 @@ def fleet(store: Store) -> Fleet:
             X86,
             "'https:///x.tar.gz' names no host; give the full URL",
         ),
+        ("", "https://[::1/x.tgz", X86, "'https://[::1/x.tgz' names no host; give the full URL"),
+        (
+            "",
+            "https://h/x\x00.tgz",
+            X86,
+            "the nodes do not fetch 'https://h/x\\x00.tgz': give an https:// URL (or "
+            "http:// or file:// from a place the nodes list in install_sources in agent.yaml), "
+            "at most 4096 characters, without spaces",
+        ),
         (
             "x86_64",
             URL_X86,
