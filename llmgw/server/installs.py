@@ -323,12 +323,12 @@ class EngineInstalls:
         desired = _desired(self.store.list_desired_engines())
         nodes = {n.id: n for n in self.store.list_nodes()}
         for session in list(self.sessions.values()):
-            if node is not None and session.node_id != node:
-                continue
-            self._sent.get(session, {}).pop(engine, None)
             target_node = nodes.get(session.node_id)
-            if target_node is not None:
-                self._sync(session, target_node, desired, recheck=False)
+            want = _wanted(session.node_id, desired).get(engine)
+            if target_node is None or want is None or want.scope != scope:
+                continue  # another node, or one whose own entry stands
+            self._sent.get(session, {}).pop(engine, None)
+            self._sync(session, target_node, desired, recheck=False, only=engine)
         concerned = [n for n in nodes.values() if node is None or n.id == node]
         return {
             "replaced": replaced,
@@ -396,12 +396,15 @@ class EngineInstalls:
         desired: Mapping[tuple[str, str], Desired],
         *,
         recheck: bool,
+        only: str | None = None,
     ) -> None:
         if node.state != NodeState.APPROVED or not session.approved:
             return
         arch = _arch(node)  # "" when unknown: only a build for any architecture fits
         sent = self._sent.setdefault(session, {})
         for engine, want in _wanted(node.id, desired).items():
+            if only is not None and engine != only:
+                continue
             build = want.build_for(arch)
             if build is None:
                 continue  # placement says why (judge: no-build)

@@ -492,3 +492,15 @@ def orders_sent_op(fleet: Fleet, node_id: str) -> str:
     row = fleet.store.get_node_engine(node_id, "llamacpp")
     assert row is not None
     return row.op_id
+
+
+def test_desiring_for_all_leaves_a_node_with_its_own_entry_alone(fleet: Fleet) -> None:
+    own = fleet.node("gpu-1")
+    assert own is not None
+    fleet.desire("gpu-1", version="b9")
+    (order,) = orders(own)
+    assert answer(fleet, own, order)
+    fleet.desire(version="b2")
+    assert orders(own) == []  # its own b9 stands, checked: not ordered again
+    row = fleet.store.get_node_engine("gpu-1", "llamacpp")
+    assert row is not None and (row.version, row.state) == ("b9", InstallState.INSTALLED)
