@@ -304,10 +304,10 @@ class EngineInstalls:
         if node is not None:
             target = self.store.get_node(node)
             arch = _arch(target)
-            want = Desired(scope, engine, version, tuple(builds))
-            if arch and want.build_for(arch) is None:
+            given = Desired(scope, engine, version, tuple(builds))
+            if arch and given.build_for(arch) is None:
                 raise ConfigError(
-                    f"node {node} is {arch}, and the builds given cover {want.covered()}; "
+                    f"node {node} is {arch}, and the builds given cover {given.covered()}; "
                     f"add --arch {arch} with the {arch} build's --url and --sha256"
                 )
         replaced = self.store.set_desired_engine(
@@ -324,8 +324,8 @@ class EngineInstalls:
         nodes = {n.id: n for n in self.store.list_nodes()}
         for session in list(self.sessions.values()):
             target_node = nodes.get(session.node_id)
-            want = _wanted(session.node_id, desired).get(engine)
-            if target_node is None or want is None or want.scope != scope:
+            wanted = _wanted(session.node_id, desired).get(engine)
+            if target_node is None or wanted is None or wanted.scope != scope:
                 continue  # another node, or one whose own entry stands
             self._sent.get(session, {}).pop(engine, None)
             self._sync(session, target_node, desired, recheck=False, only=engine)
