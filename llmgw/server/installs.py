@@ -418,6 +418,8 @@ class EngineInstalls:
     ) -> None:
         node_id = session.node_id
         row = self.store.get_node_engine(node_id, engine)
+        if row is not None:
+            self._rechecks.discard(row.op_id)  # replaced: its answer will not be taken
         # A reconnect re-sends what was installed: the agent checks it without downloading,
         # and placement keeps using it meanwhile.
         done = (
