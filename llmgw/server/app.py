@@ -231,6 +231,7 @@ class ControlPlane:
         self._write_ctl_config()
         # 7. reconcile
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
+        self._tasks.append(asyncio.create_task(self.installs.run(), name="engine-installs"))
         self._tasks.append(asyncio.create_task(self.sessions.watch_heartbeats(), name="heartbeats"))
         self.store.add_event("server_started", "control-plane", f"epoch {self.epoch}")
         # Nodes that do not come back within the loss timeout after this start are lost.
@@ -259,12 +260,14 @@ class ControlPlane:
         self.serving = ServingCache(store, max_request_body=cfg.max_request_body)
         self.serving.refresh_keys()
         self.serving.refresh_models()
+        self.installs = EngineInstalls(store, sessions=self.live, epoch=self.epoch)
         self.scheduler = Scheduler(
             store,
             router,
             sessions=self.live,
             lost=self.lost,
             on_routes_changed=self._count_ready,
+            engine_holds=self.installs.holds,
         )
         self.gateway = Gateway(
             router,
@@ -288,7 +291,6 @@ class ControlPlane:
             forget_node=self.gateway.forget_node,
         )
         self.membership.load()
-        self.installs = EngineInstalls(store, sessions=self.live, epoch=self.epoch)
         self.reports = AgentReports(
             store,
             router,

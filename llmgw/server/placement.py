@@ -2,7 +2,8 @@
 once per pass, for the nodes and GPUs of each replica it is missing.
 
 Filter, then score. A node takes a shard when it is approved, connected, not draining, not
-lost, offers the engine, is not in ``avoid`` and has enough free GPUs; the shards of a
+lost, offers the engine (and does not hold it back: a desired build not yet installed and
+checked there, see :func:`offered_engines`), is not in ``avoid`` and has enough free GPUs; the shards of a
 multi-node replica go to distinct nodes that share one healthy fabric. ``binpack`` fills
 nodes up (fewest free GPUs that still fit, and for multi-node the fabric with the fewest
 spare nodes); ``spread`` prefers the emptiest nodes and fabrics.
@@ -32,6 +33,7 @@ __all__ = [
     "Profile",
     "ShardPlacement",
     "Unplaceable",
+    "offered_engines",
 ]
 
 STRATEGIES = ("binpack", "spread")
@@ -62,6 +64,16 @@ class NodeView:
     mgmt_addr: str = ""
     # The node's approval state as operators see it (pending, revoked), for reasons.
     state: str = ""
+    # Engines held back from this node, each with why: a desired build not yet installed
+    # and checked there (llmgw.server.installs).
+    held_engines: tuple[tuple[str, str], ...] = ()
+
+
+def offered_engines(view: NodeView) -> frozenset[str]:
+    """The engines a node may be given replicas of: those it offers, less those held back."""
+    if not view.held_engines:
+        return view.engines
+    return view.engines - {engine for engine, _why in view.held_engines}
 
 
 @dataclass(frozen=True)
@@ -136,6 +148,7 @@ def _plural(n: int, word: str) -> str:
 class _Node:
     __slots__ = (
         "allocs",
+        "engines",
         "fabrics",
         "free",
         "holders",
@@ -157,6 +170,7 @@ class _Node:
         self.free = len(self.holders)
         self.allocs = 0
         self.fabrics = tuple(sorted(set(view.fabrics)))
+        self.engines = offered_engines(view)
         # The filters that do not depend on the profile; fixed for the pass.
         self.usable = view.approved and view.connected and not view.draining and not view.lost
 
@@ -214,10 +228,10 @@ class Cluster:
             for fabric in node.fabrics:
                 common = self._common.get(fabric)
                 if common is None:
-                    self._common[fabric] = (node.view.engines, node.min_mem)
+                    self._common[fabric] = (node.engines, node.min_mem)
                 else:
                     self._common[fabric] = (
-                        common[0] & node.view.engines,
+                        common[0] & node.engines,
                         min(common[1], node.min_mem),
                     )
 
@@ -279,7 +293,7 @@ class Cluster:
 
     def _fits(self, node: _Node, profile: Profile, memory: int, avoid: frozenset[str]) -> bool:
         return (
-            profile.engine in node.view.engines
+            profile.engine in node.engines
             and node.view.id not in avoid
             and (profile.gpus == 0 or node.fit(memory) >= profile.gpus)
         )
@@ -421,6 +435,9 @@ class Cluster:
             return "draining"
         if view.id in avoid:
             return "avoided for this replica"
+        held = _held(view, profile.engine)
+        if held:
+            return held
         if profile.engine not in view.engines:
             installed = ", ".join(sorted(view.engines)) or "none"
             return f"engine {profile.engine} not offered (installed: {installed})"
@@ -445,6 +462,11 @@ class Cluster:
         if free < need:
             return f"{free} of {total} GPUs free, needs {need}"
         return ""
+
+
+def _held(view: NodeView, engine: str) -> str:
+    """Why ``engine`` is held back from the node ("" when it is not)."""
+    return next((why for held, why in view.held_engines if held == engine), "")
 
 
 def _count(node: _Node, alloc: Allocation, sign: int) -> None:

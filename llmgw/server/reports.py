@@ -156,7 +156,11 @@ class AgentReports:
         self.on_routes_changed()
 
     def _apply_result(self, session: NodeSession, result: pb.OperationResult) -> None:
-        if self.installs.on_result(session, result) or result.ok:
+        if self.installs.on_result(session, result):
+            # A checked install may let a replica of that engine be placed now.
+            self.scheduler.kick()
+            return
+        if result.ok:
             return
         log.warning(
             "an order failed on a node",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from llmgw.contracts.catalog import Profile as CatalogProfile
@@ -33,7 +33,7 @@ from llmgw.server.placement import Profile as PlacementProfile
 from llmgw.server.placement import Unplaceable as PlacementUnplaceable
 from llmgw.server.routing import Router
 from llmgw.server.states import NodeState, ReplicaState, ShardState
-from llmgw.server.store import Model, Shard, Store
+from llmgw.server.store import Model, Node, Shard, Store
 from llmgw.server.stream import NodeSession
 
 __all__ = ["Scheduler", "restart_delay"]
@@ -84,6 +84,8 @@ class Scheduler:
         sessions: Mapping[str, NodeSession],
         lost: Set[str],
         on_routes_changed: Callable[[], None] = lambda: None,
+        engine_holds: Callable[[Sequence[Node]], Mapping[str, tuple[tuple[str, str], ...]]]
+        | None = None,
         interval: float = 1.0,
     ) -> None:
         self.store = store
@@ -93,6 +95,8 @@ class Scheduler:
         self.sessions = sessions
         self.lost = lost
         self.on_routes_changed = on_routes_changed
+        # Per node, the engines it may not be given yet and why (llmgw.server.installs).
+        self.engine_holds = engine_holds
         self.interval = interval
         self._kick = asyncio.Event()
         # Consecutive failures per shard, reset when it becomes ready.
@@ -186,7 +190,9 @@ class Scheduler:
         """What the placement engine sees this pass."""
         store = self.store
         views = []
-        for node in store.list_nodes():
+        nodes = store.list_nodes()
+        holds = self.engine_holds(nodes) if self.engine_holds is not None else {}
+        for node in nodes:
             session = self.sessions.get(node.id)
             inv = node.inventory
             views.append(
@@ -207,6 +213,7 @@ class Scheduler:
                     fabrics=tuple(f["name"] for f in inv.get("fabrics", []) if f.get("healthy")),
                     mgmt_addr=_host_of(node.dataplane_addr or ""),
                     state=node.state,
+                    held_engines=holds.get(node.id, ()),
                 )
             )
         allocations = [

@@ -1,4 +1,5 @@
-"""The states a node, a replica and a shard can be in, and the kinds of join token.
+"""The states a node, a replica and a shard can be in, the kinds of join token, and where a
+desired engine install on a node stands.
 
 One place for these names: the store's CHECK constraints are generated from them, the
 scheduler and the admin API compare against them. Members are :class:`enum.StrEnum`, so a
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["NodeState", "ReplicaState", "ShardState", "TokenKind", "sql_check"]
+__all__ = ["InstallState", "NodeState", "ReplicaState", "ShardState", "TokenKind", "sql_check"]
 
 
 class NodeState(enum.StrEnum):
@@ -48,6 +49,16 @@ class TokenKind(enum.StrEnum):
 
     JOIN = "join"
     REKEY = "rekey"
+
+
+class InstallState(enum.StrEnum):
+    """A desired engine build on one node (llmgw.server.installs)."""
+
+    INSTALLING = "installing"
+    """Ordered; the node has not answered yet."""
+    INSTALLED = "installed"
+    """The node installed it and ran it (or found it installed and running)."""
+    FAILED = "failed"
 
 
 def sql_check(column: str, states: type[enum.StrEnum]) -> str:

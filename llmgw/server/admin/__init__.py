@@ -3,7 +3,7 @@
 Every answer is JSON; errors are ``{"error": {"message", "code"}}`` with a message that
 says what to do. One module per route group: :mod:`.nodes` (the fleet), :mod:`.models`
 (models, catalog, replicas), :mod:`.access` (API keys, join tokens), :mod:`.software`
-(engine installs, agent updates, the admin password); :mod:`.context` holds what they
+(desired engines, agent updates, the admin password); :mod:`.context` holds what they
 share. A new route goes in its group's module and in the table below.
 """
 
@@ -48,7 +48,9 @@ def add_admin_routes(app: web.Application, ctx: AdminContext) -> None:
         ("POST", "/api/nodes/{node}/drain", nodes.drain),
         ("GET", "/api/nodes/{node}/drain", nodes.drain_status),
         ("POST", "/api/nodes/{node}/uncordon", nodes.uncordon),
+        ("GET", "/api/engines", software.engines),
         ("POST", "/api/engines/install", software.install_engine),
+        ("POST", "/api/engines/forget", software.forget_engine),
         ("GET", "/api/engines/installs", software.engine_installs),
         ("POST", "/api/updates", software.order_update),
         ("GET", "/api/updates", software.updates),

@@ -1,73 +1,109 @@
-"""Admin routes that change what runs on the nodes: engine installs, signed agent updates,
-and the admin password that signing them takes."""
+"""Admin routes that change what runs on the nodes: the desired engines (recorded, ordered
+on every node that connects, shown per node), signed agent updates, and the admin password
+that signing them takes."""
 
 from __future__ import annotations
 
-import re
+from typing import Any
 
 from aiohttp import web
 
-from llmgw.engines.registry import installable_engines
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
-from llmgw.server.states import NodeState
+from llmgw.server.installs import INSTALLABLE, Build
 from llmgw.server.updates import DEFAULT_ORDER_TTL
 
 __all__ = ["SoftwareRoutes"]
 
+MAX_BUILDS = 16
 
-_INSTALLABLE = installable_engines()
+
+def _target(body: dict[str, Any]) -> str | None:
+    """The node named by ``node``, or None for ``"all": true``."""
+    node, every = body.get("node"), body.get("all")
+    if every is True and node is None:
+        return None
+    if every in (None, False) and isinstance(node, str) and node:
+        return node
+    raise BadRequest("give either 'node' (one node id) or 'all': true")
+
+
+def _builds(body: dict[str, Any]) -> list[Build]:
+    """The builds of a request: ``builds``, or one from ``url``, ``sha256`` and ``arch``."""
+    raw = body.get("builds")
+    if raw is None:
+        raw = [{k: body[k] for k in ("arch", "url", "sha256") if k in body}]
+    elif any(k in body for k in ("url", "sha256", "arch")):
+        raise BadRequest("give 'builds' or 'url' and 'sha256' (with 'arch'), not both")
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_BUILDS:
+        raise BadRequest(f"'builds' must be a list of 1 to {MAX_BUILDS} builds")
+    builds = []
+    for item in raw:
+        if not isinstance(item, dict):
+            raise BadRequest('each build is an object: {"arch", "url", "sha256"}')
+        arch, url, sha256 = item.get("arch", ""), item.get("url"), item.get("sha256")
+        if not isinstance(arch, str):
+            raise BadRequest("arch must be a string such as x86_64 or aarch64")
+        for key, value in (("url", url), ("sha256", sha256)):
+            if not isinstance(value, str) or not value:
+                raise BadRequest(f"'{key}' is required for each build")
+        assert isinstance(url, str) and isinstance(sha256, str)
+        builds.append(Build.checked(arch, url, sha256))
+    return builds
 
 
 class SoftwareRoutes:
-    """Engine installs, agent updates and the admin password."""
+    """Desired engines, agent updates and the admin password."""
 
     def __init__(self, ctx: AdminContext) -> None:
         self.ctx = ctx
 
-    # -- engine installs ----------------------------------------------------------------------------
+    # -- desired engines ----------------------------------------------------------------------
 
     async def install_engine(self, request: web.Request) -> web.Response:
+        """``{"engine", "version", "builds": [{"arch"?, "url", "sha256"}] | "url", "sha256",
+        "arch"?, "node": ID | "all": true}``: record the engine as desired there (every node,
+        now and later, with ``all``) and order it on the connected, approved nodes."""
         body = await read_json(self.ctx, request)
-        engine = body.get("engine")
-        if engine not in _INSTALLABLE:
-            raise BadRequest(f"engine must be one of {', '.join(_INSTALLABLE)}")
-        fields: dict[str, str] = {}
-        for key in ("version", "url", "sha256"):
-            value = body.get(key)
-            if not isinstance(value, str) or not value:
-                raise BadRequest(f"'{key}' is required")
-            fields[key] = value
-        if not re.fullmatch(r"[0-9a-fA-F]{64}", fields["sha256"]):
-            raise BadRequest("sha256 must be the 64 hex characters the publisher lists")
-        if not fields["url"].startswith(("http://", "https://", "file://")):
-            raise BadRequest(
-                "url must be https:// (or http:// or file:// from a place the node lists in "
-                "install_sources in its agent.yaml)"
-            )
-        arch = body.get("arch") or ""
-        if not isinstance(arch, str):
-            raise BadRequest("arch must be a string such as x86_64 or aarch64")
-        nodes = body.get("nodes")
-        if body.get("all"):
-            nodes = [n.id for n in self.ctx.store.list_nodes() if n.state == NodeState.APPROVED]
-        if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) for n in nodes):
-            raise BadRequest("give 'nodes' (a list of node ids) or 'all': true")
-        for node in nodes:
-            self.ctx.store.get_node(node)
-        out = self.ctx.installs.order(
-            nodes,
-            engine=engine,
-            version=fields["version"],
-            url=fields["url"],
-            sha256=fields["sha256"].lower(),
-            arch=arch,
+        engine, version = body.get("engine"), body.get("version")
+        if not isinstance(engine, str) or not engine:
+            raise BadRequest(f"'engine' is required: one of {', '.join(INSTALLABLE)}")
+        if not isinstance(version, str) or not version:
+            raise BadRequest("'version' (the engine build's version) is required")
+        node = _target(body)
+        out = self.ctx.installs.desire(
+            engine=engine, version=version, builds=_builds(body), node=node
         )
+        self.ctx.scheduler.kick()
         return web.json_response(out, status=202)
 
+    async def forget_engine(self, request: web.Request) -> web.Response:
+        """``{"engine", "node": ID | "all": true, "arch"?}``: no longer desire the engine
+        there (only that architecture's build, with ``arch``)."""
+        body = await read_json(self.ctx, request)
+        engine = body.get("engine")
+        if not isinstance(engine, str) or not engine:
+            raise BadRequest("'engine' is required")
+        arch = body.get("arch")
+        if arch is not None and (not isinstance(arch, str) or not arch):
+            raise BadRequest("'arch' must be an architecture such as x86_64, or 'any'")
+        removed = self.ctx.installs.forget(engine=engine, node=_target(body), arch=arch)
+        self.ctx.scheduler.kick()
+        return web.json_response({"removed": removed})
+
+    async def engines(self, request: web.Request) -> web.Response:
+        """The desired set and, per node and engine, desired vs installed."""
+        wanted = set(request.query.getall("node", []))
+        rows = self.ctx.installs.node_rows()
+        return web.json_response(
+            {
+                "desired": self.ctx.installs.desired_rows(),
+                "nodes": [r for r in rows if not wanted or r["node"] in wanted],
+            }
+        )
+
     async def engine_installs(self, request: web.Request) -> web.Response:
-        wanted = set(request.query.getall("op", []))
-        rows = [r for op, r in self.ctx.installs.records.items() if not wanted or op in wanted]
-        return web.json_response(rows)
+        """What became of the install orders named by ``op`` (repeated)."""
+        return web.json_response(self.ctx.installs.results(request.query.getall("op", [])))
 
     # -- signed self-updates -----------------------------------------------------------------------
 

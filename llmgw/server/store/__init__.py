@@ -1,5 +1,6 @@
 """The control plane's state store: nodes, models, replicas, shards, API keys, events, join
-tokens, the certificates issued to nodes, and each node's update order.
+tokens, the certificates issued to nodes, each node's update order, and the desired engine
+builds with each node's install of them.
 
 One SQLite file in WAL mode, its schema upgraded by versioned migrations on open; every
 sqlite3 error leaves the package as a :class:`~llmgw.errors.StoreError` that says what to
@@ -8,7 +9,7 @@ do. The package:
 - ``database``  the connection, transactions, and the translation of sqlite3 errors;
 - ``schema``    the versioned migrations and how they are applied;
 - ``rows``      the row types the store hands out;
-- ``nodes``, ``models``, ``credentials``, ``updates``, ``events``: one class per group
+- ``nodes``, ``models``, ``credentials``, ``updates``, ``engines``, ``events``: one class per group
   of tables, holding their SQL;
 - ``store``     :class:`Store`, which composes them.
 
@@ -17,6 +18,7 @@ Only ``database`` and ``schema`` are SQLite's own; the tables' SQL is plain but 
 """
 
 from llmgw.server.store.credentials import API_KEY_PREFIX, hash_api_key
+from llmgw.server.store.engines import ALL_NODES
 from llmgw.server.store.events import (
     MAX_EVENT_BYTES,
     MAX_EVENT_MESSAGE,
@@ -28,9 +30,11 @@ from llmgw.server.store.rows import (
     DEFAULT_PROFILE,
     ApiKey,
     Certificate,
+    DesiredBuild,
     Event,
     Model,
     Node,
+    NodeEngine,
     NodeUpdate,
     Replica,
     Shard,
@@ -40,6 +44,7 @@ from llmgw.server.store.store import Store
 from llmgw.server.tokens import JoinToken
 
 __all__ = [
+    "ALL_NODES",
     "API_KEY_PREFIX",
     "DEFAULT_PROFILE",
     "MAX_EVENTS",
@@ -50,10 +55,12 @@ __all__ = [
     "SHARD_FIELDS",
     "ApiKey",
     "Certificate",
+    "DesiredBuild",
     "Event",
     "JoinToken",
     "Model",
     "Node",
+    "NodeEngine",
     "NodeUpdate",
     "Replica",
     "Shard",

@@ -16,16 +16,18 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from llmgw.contracts.catalog import DEFAULT_PROFILE
-from llmgw.server.states import NodeState, ReplicaState, ShardState, TokenKind
+from llmgw.server.states import InstallState, NodeState, ReplicaState, ShardState, TokenKind
 from llmgw.server.tokens import JoinToken
 
 __all__ = [
     "DEFAULT_PROFILE",
     "ApiKey",
     "Certificate",
+    "DesiredBuild",
     "Event",
     "Model",
     "Node",
+    "NodeEngine",
     "NodeUpdate",
     "Replica",
     "Shard",
@@ -99,6 +101,58 @@ class NodeUpdate:
             signature=None if row["signature"] is None else bytes(row["signature"]),
             expires=row["expires"],
             ordered_at=row["ordered_at"],
+            updated_at=row["updated_at"],
+        )
+
+
+@dataclass(frozen=True)
+class DesiredBuild:
+    """One architecture's build of an engine desired for a scope."""
+
+    scope: str
+    engine: str
+    version: str
+    arch: str  # "" runs on any architecture
+    url: str
+    sha256: str
+    updated_at: float
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> DesiredBuild:
+        return cls(
+            scope=row["scope"],
+            engine=row["engine"],
+            version=row["version"],
+            arch=row["arch"],
+            url=row["url"],
+            sha256=row["sha256"],
+            updated_at=row["updated_at"],
+        )
+
+
+@dataclass(frozen=True)
+class NodeEngine:
+    """The install of a desired engine build on one node: the last one ordered there."""
+
+    node_id: str
+    engine: str
+    version: str
+    sha256: str
+    state: InstallState
+    error: str
+    op_id: str
+    updated_at: float
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> NodeEngine:
+        return cls(
+            node_id=row["node_id"],
+            engine=row["engine"],
+            version=row["version"],
+            sha256=row["sha256"],
+            state=InstallState(row["state"]),
+            error=row["error"],
+            op_id=row["op_id"],
             updated_at=row["updated_at"],
         )
 

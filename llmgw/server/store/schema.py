@@ -13,7 +13,14 @@ from __future__ import annotations
 import sqlite3
 
 from llmgw.errors import StoreError
-from llmgw.server.states import NodeState, ReplicaState, ShardState, TokenKind, sql_check
+from llmgw.server.states import (
+    InstallState,
+    NodeState,
+    ReplicaState,
+    ShardState,
+    TokenKind,
+    sql_check,
+)
 from llmgw.server.store.database import Database
 
 __all__ = ["MIGRATIONS", "migrate", "schema_version", "split_sql"]
@@ -159,6 +166,33 @@ MIGRATIONS: list[str] = [
     # replaces the others one at a time (NULL: placed before this column; left alone)
     """
     ALTER TABLE replicas ADD COLUMN profile TEXT;
+    """,
+    # 6: the desired engine builds (scope '' for every node, else one node id; arch '' for
+    # a build that runs on any architecture), and what became of each node's install
+    f"""
+    CREATE TABLE desired_engines (
+        scope      TEXT NOT NULL,
+        engine     TEXT NOT NULL,
+        version    TEXT NOT NULL,
+        arch       TEXT NOT NULL,
+        url        TEXT NOT NULL,
+        sha256     TEXT NOT NULL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (scope, engine, arch)
+    );
+
+    CREATE TABLE node_engines (
+        node_id    TEXT NOT NULL,
+        engine     TEXT NOT NULL,
+        version    TEXT NOT NULL,
+        sha256     TEXT NOT NULL,
+        state      TEXT NOT NULL {sql_check("state", InstallState)},
+        error      TEXT NOT NULL DEFAULT '',
+        op_id      TEXT NOT NULL DEFAULT '',
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (node_id, engine)
+    );
+    CREATE INDEX node_engines_by_op ON node_engines(op_id);
     """,
 ]
 

@@ -18,6 +18,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from llmgw.server.store.credentials import ApiKeys, Certificates, JoinTokens
 from llmgw.server.store.database import Database
+from llmgw.server.store.engines import EngineTables
 from llmgw.server.store.events import Events
 from llmgw.server.store.models import Models
 from llmgw.server.store.nodes import Nodes
@@ -71,6 +72,7 @@ class Store:
         self._join_tokens = JoinTokens(db)
         self._updates = NodeUpdates(db)
         self._events = Events(db)
+        self._engines = EngineTables(db)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -213,6 +215,17 @@ class Store:
     get_update = _Table("_updates", NodeUpdates.get_update)
     list_updates = _Table("_updates", NodeUpdates.list_updates)
     set_update_state = _Table("_updates", NodeUpdates.set_update_state)
+
+    # ------------------------------------------------------------------ engines
+
+    set_desired_engine = _Table("_engines", EngineTables.set_desired_engine)
+    list_desired_engines = _Table("_engines", EngineTables.list_desired_engines)
+    forget_desired_engine = _Table("_engines", EngineTables.forget_desired_engine)
+    put_node_engine = _Table("_engines", EngineTables.put_node_engine)
+    finish_node_engine = _Table("_engines", EngineTables.finish_node_engine)
+    get_node_engine = _Table("_engines", EngineTables.get_node_engine)
+    list_node_engines = _Table("_engines", EngineTables.list_node_engines)
+    node_engines_by_op = _Table("_engines", EngineTables.node_engines_by_op)
 
     # ------------------------------------------------------------------- events
 

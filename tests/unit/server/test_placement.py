@@ -27,6 +27,7 @@ from llmgw.server.placement import (
     Profile,
     ShardPlacement,
     Unplaceable,
+    offered_engines,
 )
 
 GIB = 1024
@@ -831,3 +832,34 @@ def test_reason_names_the_approval_state_when_known() -> None:
     result = Cluster([pending, revoked], []).place(Profile(engine="vllm", gpus=0))
     assert isinstance(result, Unplaceable)
     assert result.reasons == ("n1: pending", "n2: revoked")
+
+
+# -- engines held back until their desired build is installed (llmgw.server.installs) ---------
+
+
+def test_a_held_engine_is_not_placed_and_the_reason_is_the_holds() -> None:
+    waiting = dataclasses.replace(
+        node("a", 8), held_engines=(("vllm", "vllm 0.9 is being installed"),)
+    )
+    assert offered_engines(waiting) == frozenset({"sim"})
+    assert offered_engines(node("b")) == BOTH
+    result = Cluster([waiting], []).place(Profile("vllm", 1))
+    assert isinstance(result, Unplaceable)
+    assert result.reasons == ("a: vllm 0.9 is being installed",)
+    # Only that engine: the node still takes others, and another node takes vllm.
+    assert nodes_of(Cluster([waiting], []).place(Profile("sim", 0))) == ["a"]
+    assert nodes_of(Cluster([waiting, node("b", 8)], []).place(Profile("vllm", 1))) == ["b"]
+
+
+def test_a_held_engine_keeps_its_node_out_of_a_multi_node_replica() -> None:
+    hold = (("vllm", "no vllm 0.9 build for its architecture aarch64"),)
+    views = [
+        node("a", 8, fabrics=("ib",)),
+        dataclasses.replace(node("b", 8, fabrics=("ib",)), held_engines=hold),
+        node("c", 8, fabrics=("ib",)),
+    ]
+    assert sorted(nodes_of(Cluster(views, []).place(Profile("vllm", 8, nodes=2)))) == ["a", "c"]
+    result = Cluster(views, []).place(Profile("vllm", 8, nodes=3))
+    assert isinstance(result, Unplaceable)
+    assert "b: no vllm 0.9 build for its architecture aarch64" in result.reasons
+    assert "fabric ib: 2 of 3 nodes free, needs 3" in result.reasons

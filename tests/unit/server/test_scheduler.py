@@ -1,12 +1,17 @@
 """The scheduler's orders for multi-node replicas: the rendezvous address and, for engines
 whose rank 0 dials its workers (llama.cpp), every worker's endpoint, as StartShard carries
-them to the agents."""
+them to the agents; and a desired engine that placement waits for until it is installed."""
 
 from __future__ import annotations
+
+from typing import cast
 
 from llmgw.engines.launch import build_command
 from llmgw.engines.spec import EngineSpec
 from llmgw.proto import control_pb2 as pb
+from llmgw.server.installs import Build, EngineInstalls
+from llmgw.server.routing import Router
+from llmgw.server.scheduler import Scheduler
 from tests.unit.server.scheduler_rig import SchedulerRig
 
 
@@ -190,3 +195,37 @@ def test_a_pending_node_gets_no_start_order_until_it_is_approved(cp: SchedulerRi
     session.approved = True
     scheduler.reconcile()
     assert list(_orders(cp)) == [shard.id]
+
+
+def test_a_desired_engine_is_placed_only_once_installed_and_checked(cp: SchedulerRig) -> None:
+    _join(cp, "n1", "10.0.0.1")
+    installs = EngineInstalls(cp.store, sessions=cp.sessions, epoch=1)
+    build = Build.checked("", "https://pub.example/llama.tgz", "c" * 64)
+    installs.desire(engine="llamacpp", version="b7", builds=[build], node=None)
+    install = _install_order(cp)
+    _deploy(cp, "m", "llamacpp", nodes=1)
+    scheduler = Scheduler(
+        cp.store,
+        cast(Router, cp.router),
+        sessions=cp.sessions,
+        lost=cp.lost,
+        engine_holds=installs.holds,
+    )
+    scheduler.reconcile()
+    assert cp.store.list_shards() == []
+    assert scheduler.unplaceable["m"].reason == "n1: llamacpp b7 is being installed"
+    result = pb.OperationResult(op_id=install.meta.op_id, ok=True)
+    assert installs.on_result(cp.sessions["n1"], result)
+    scheduler.reconcile()
+    (shard,) = cp.store.list_shards()
+    assert shard.node_id == "n1"
+
+
+def _install_order(cp: SchedulerRig) -> pb.InstallEngine:
+    session = cp.sessions["n1"]
+    while not session.queue.empty():
+        msg = session.queue.get_nowait()
+        assert msg is not None
+        if msg.WhichOneof("msg") == "install_engine":
+            return msg.install_engine
+    raise AssertionError("no install order was sent")

@@ -14,7 +14,7 @@ from cryptography import x509
 
 from llmgw import pki
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.installs import EngineInstalls
+from llmgw.server.installs import Build, EngineInstalls
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.reports import AgentReports
@@ -44,13 +44,18 @@ class Wired:
         self.router = Router()
         self.metrics = Metrics()
         self.routes_changed = 0
+        self.installs = EngineInstalls(store, sessions=self.live, epoch=7)
         self.scheduler = Scheduler(
-            store, self.router, sessions=self.live, lost=self.lost, on_routes_changed=self.changed
+            store,
+            self.router,
+            sessions=self.live,
+            lost=self.lost,
+            on_routes_changed=self.changed,
+            engine_holds=self.installs.holds,
         )
         self.membership = Membership(
             store, self.scheduler, self.router, sessions=self.live, ca=self.ca, cert_lifetime=3600
         )
-        self.installs = EngineInstalls(store, sessions=self.live, epoch=7)
         self.reports = AgentReports(
             store,
             self.router,
@@ -181,19 +186,32 @@ def test_a_draining_agent_is_routed_around(tmp_path: Path, store: Store) -> None
     assert wired.router.endpoints("m") == []
 
 
-def test_engine_install_results_update_the_install_record(tmp_path: Path, store: Store) -> None:
+def test_a_desired_engine_is_ordered_once_approved_and_its_failure_recorded(
+    tmp_path: Path, store: Store
+) -> None:
     wired = Wired(tmp_path, store)
     session = wired.connect(wired.cert(tmp_path, "gpu-1"))
-    (skipped,) = wired.installs.order(
-        ["gpu-1"], engine="vllm", version="0.9", url="https://x/y", sha256="0" * 64, arch=""
-    )
-    assert skipped["state"] == "skipped" and skipped["error"] == NodeState.PENDING
-    store.set_node_state("gpu-1", NodeState.APPROVED)
-    (record,) = wired.installs.order(
-        ["gpu-1"], engine="vllm", version="0.9", url="https://x/y", sha256="0" * 64, arch=""
-    )
-    assert record["state"] == "installing"
-    result = pb.OperationResult(op_id=str(record["op_id"]), ok=False, error="disk full")
+    while not session.queue.empty():
+        session.queue.get_nowait()
+    build = Build.checked("", "https://x/y.tar.gz", "0" * 64)
+    out = wired.installs.desire(engine="vllm", version="0.9", builds=[build], node=None)
+    (row,) = out["nodes"]
+    assert (row["node"], row["state"]) == ("gpu-1", "waiting")
+    assert row["reason"] == "vllm 0.9 is ordered once the node is approved"
+    assert session.queue.empty()  # a pending node gets no orders
+    fp = store.get_node("gpu-1").fingerprint
+    assert fp is not None
+    wired.membership.approve("gpu-1", fp)
+    while not session.queue.empty():
+        session.queue.get_nowait()
+    wired.installs.sync()
+    order = session.queue.get_nowait()
+    assert order is not None and order.WhichOneof("msg") == "install_engine"
+    assert order.install_engine.meta.epoch == 7
+    result = pb.OperationResult(op_id=order.install_engine.meta.op_id, ok=False, error="disk full")
     wired.sessions.on_message(session, pb.AgentMessage(op_result=result))
-    assert wired.installs.records[str(record["op_id"])]["state"] == "failed"
+    installed = store.get_node_engine("gpu-1", "vllm")
+    assert installed is not None
+    assert (installed.state, installed.error) == ("failed", "disk full")
     assert "engine_install_failed" in [e.kind for e in store.list_events()]
+    assert wired.scheduler._kick.is_set()  # placement looks again
