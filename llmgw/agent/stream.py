@@ -29,6 +29,7 @@ from llmgw.log import kv
 from llmgw.netaddr import CONTROL_PLANE_NAME
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
+from llmgw.versions import MINORS_SUPPORTED, too_old
 
 __all__ = ["Backoff", "Credentials", "StreamClient", "StreamState", "shard_status"]
 
@@ -288,8 +289,23 @@ class StreamClient:
         self.backoff.reset()
         log.info(
             "connected to the control plane",
-            extra=kv(server=server, cluster=welcome.cluster_id, epoch=welcome.epoch),
+            extra=kv(
+                server=server,
+                cluster=welcome.cluster_id,
+                epoch=welcome.epoch,
+                version=welcome.server_version or "?",
+            ),
         )
+        if too_old(__version__, welcome.server_version):
+            log.warning(
+                f"this agent is more than {MINORS_SUPPORTED} minor releases behind the control "
+                "plane; upgrade it",
+                extra=kv(
+                    version=__version__,
+                    server_version=welcome.server_version,
+                    hint=f"llmgw ctl update {self.node_id} --version {welcome.server_version}",
+                ),
+            )
         self.on_state("connected", server)
         self._set_node_state(welcome.node_state or "approved", "")
 
@@ -411,7 +427,9 @@ class Refused(Exception):
 def _describe_rpc_error(exc: grpc.aio.AioRpcError, server: str) -> str:
     code = exc.code()
     details = exc.details() or ""
-    if code == grpc.StatusCode.PERMISSION_DENIED:
+    if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
+        # The control plane's own words (a revoked certificate, an agent newer than it):
+        # they say what to do; the agent retries with backoff meanwhile.
         return f"refused by {server}: {details}"
     if code == grpc.StatusCode.UNAVAILABLE:
         lowered = details.lower()

@@ -253,18 +253,20 @@ class InstallEngine(_message.Message):
     def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., engine: _Optional[str] = ..., version: _Optional[str] = ..., url: _Optional[str] = ..., sha256: _Optional[str] = ..., arch: _Optional[str] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("cluster_id", "epoch", "heartbeat_interval_s", "node_id", "node_state")
+    __slots__ = ("cluster_id", "epoch", "heartbeat_interval_s", "node_id", "node_state", "server_version")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_STATE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     epoch: int
     heartbeat_interval_s: float
     node_id: str
     node_state: str
-    def __init__(self, cluster_id: _Optional[str] = ..., epoch: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., node_id: _Optional[str] = ..., node_state: _Optional[str] = ...) -> None: ...
+    server_version: str
+    def __init__(self, cluster_id: _Optional[str] = ..., epoch: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., node_id: _Optional[str] = ..., node_state: _Optional[str] = ..., server_version: _Optional[str] = ...) -> None: ...
 
 class NodeState(_message.Message):
     __slots__ = ("state", "message")

@@ -21,6 +21,7 @@ import grpc
 from cryptography import x509
 from google.protobuf.message import DecodeError
 
+from llmgw import __version__
 from llmgw.errors import ConfigError, LlmgwError
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
@@ -29,6 +30,7 @@ from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.intake import Intake, hello_problem, trim_hello
 from llmgw.server.store import Store
+from llmgw.versions import newer_release
 
 __all__ = [
     "ControlPlaneService",
@@ -37,6 +39,7 @@ __all__ = [
     "UpdateHandler",
     "peer_common_name",
     "start_stream_server",
+    "version_refusal",
 ]
 
 log = logging.getLogger("llmgw.server.stream")
@@ -170,6 +173,22 @@ async def _refuse_garbage(
     )
 
 
+def version_refusal(agent_version: str, server_version: str) -> str | None:
+    """Why the stream of an agent at ``agent_version`` is refused by a control plane at
+    ``server_version``, or None. An agent of a newer release than its control plane may
+    speak what the control plane does not know, so the control plane is upgraded first
+    (llmgw.versions says what a release is: a local or development build of the control
+    plane's own release passes)."""
+    if not newer_release(agent_version, server_version):
+        return None
+    return (
+        f"this agent is llmgw {agent_version}, newer than the control plane's llmgw "
+        f"{server_version}; upgrade the control plane to {agent_version} or later first "
+        "(control plane first, then agents), or reinstall this node with the control plane's "
+        "bundle; the agent keeps retrying meanwhile"
+    )
+
+
 def peer_certificate(context: grpc.aio.ServicerContext) -> x509.Certificate | None:
     """The verified client certificate of this stream."""
     pems = list(context.auth_context().get("x509_pem_cert") or [])
@@ -243,6 +262,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         epoch: int,
         heartbeat_interval: float,
         cert_lifetime: float,
+        server_version: str = __version__,
     ) -> None:
         self.store = store
         self.sessions = sessions
@@ -251,6 +271,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self.epoch = epoch
         self.heartbeat_interval = heartbeat_interval
         self.cert_lifetime = cert_lifetime
+        self.server_version = server_version
         # Per node, across its reconnections (llmgw.server.intake).
         self._intakes: dict[str, Intake] = {}
 
@@ -320,6 +341,20 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 )
                 self.store.add_event("stream_refused", hello.node_id, refusal)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        too_new = version_refusal(hello.agent_version, self.server_version)
+        if too_new is not None:
+            if self._intake(hello.node_id).record_refusal():
+                log.warning(
+                    "refused a stream: the agent is newer than this control plane",
+                    extra=kv(
+                        peer=peer,
+                        node=hello.node_id,
+                        agent_version=hello.agent_version,
+                        version=self.server_version,
+                    ),
+                )
+                self.store.add_event("stream_refused", hello.node_id, too_new)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, too_new)
         assert cert is not None
         intake = self._intake(hello.node_id)
         too_often = intake.admit_stream()
@@ -335,6 +370,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                     heartbeat_interval_s=self.heartbeat_interval,
                     node_id=session.node_id,
                     node_state=self.sessions.node_state(session.node_id),
+                    server_version=self.server_version,
                 )
             )
         )

@@ -22,6 +22,7 @@ from typing import Any
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from llmgw import __version__
 from llmgw.contracts.update_order import (
     FINAL_STATES,
     canonical_order,
@@ -36,11 +37,13 @@ from llmgw.server.passwords import AdminPassword
 from llmgw.server.states import NodeState
 from llmgw.server.store import NodeUpdate, Store
 from llmgw.server.stream import NodeSession
+from llmgw.versions import newer_release
 
 __all__ = [
     "DEFAULT_ORDER_TTL",
     "Updates",
     "sign_order",
+    "version_problem",
 ]
 
 log = logging.getLogger("llmgw.server.updates")
@@ -58,6 +61,19 @@ def sign_order(ca_key: ec.EllipticCurvePrivateKey, order: dict[str, Any]) -> tup
     return data, ca_key.sign(data, ec.ECDSA(hashes.SHA256()))
 
 
+def version_problem(version: str, server_version: str) -> str | None:
+    """Why a control plane at ``server_version`` refuses to order agents to ``version``, or
+    None: an agent of a newer release would have its stream refused (llmgw.server.stream),
+    so the control plane is upgraded first."""
+    if not newer_release(version, server_version):
+        return None
+    return (
+        f"version {version} is newer than this control plane (llmgw {server_version}), which "
+        f"would refuse agents at {version}; upgrade the control plane to {version} or later "
+        "first, then update the agents"
+    )
+
+
 class Updates:
     """The control plane's update orders and each node's update status."""
 
@@ -72,6 +88,7 @@ class Updates:
         served: Callable[[], Awaitable[list[Bundle]]],
         download_base: Callable[[], str],
         bundle_dir: Path,
+        server_version: str = __version__,
     ) -> None:
         self.store = store
         self.password = password
@@ -83,6 +100,7 @@ class Updates:
         self.served = served
         self.download_base = download_base
         self.bundle_dir = bundle_dir
+        self.server_version = server_version
 
     # -- ordering --------------------------------------------------------------------------------
 
@@ -102,9 +120,12 @@ class Updates:
     ) -> list[dict[str, Any]]:
         """Sign and send (or keep for the reconnect) an update to ``version`` for each node
         (None: every approved node). All is checked before anything is signed: the password,
-        the nodes, and that this control plane serves ``version`` for each node's
-        architecture."""
+        the nodes, that ``version`` is not of a newer release than this control plane, and
+        that it serves ``version`` for each node's architecture."""
         await self.password.check(password)
+        too_new = version_problem(version, self.server_version)
+        if too_new is not None:
+            raise Conflict(too_new)
         store = self.store
         if node_ids is None:
             nodes = [n for n in store.list_nodes() if n.state == NodeState.APPROVED]

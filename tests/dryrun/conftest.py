@@ -1,4 +1,9 @@
-"""The lab every dry-run module shares: one network, one control plane, the bundles."""
+"""The lab every dry-run module shares: one network, one control plane, the bundles.
+
+The control plane runs the N+1 build (scripts/dist.sh --version N+1): it refuses agents of a
+newer release than its own, so the lab's N -> N+1 upgrade and signed update run against a
+control plane at N+1, as an operator's would (control plane first, then agents). Agents start
+at N, inside its supported window."""
 
 from __future__ import annotations
 
@@ -15,12 +20,33 @@ from tests.packaging.pkgcheck import ROOT
 from .lab import ONEFILE, Lab, OrderedSteps, docker_ready, next_version, read_version
 
 
+def build_next() -> Path:
+    """A real build of these sources stamped N+1 (scripts/dist.sh --version; cached by its
+    inputs): its folder dist/vN+1."""
+    version = next_version(read_version())
+    out = ROOT / "dist" / f"v{version}"
+    built = subprocess.run(
+        [str(ROOT / "scripts" / "dist.sh"), "--version", version, "x64"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+        cwd=ROOT,
+    )
+    if built.returncode != 0 or not (out / f"llmgw-agent-{version}-linux-x64.tar.gz").is_file():
+        raise AssertionError(
+            f"scripts/dist.sh --version {version} x64 failed (exit {built.returncode}):\n"
+            f"{built.stderr[-3000:]}"
+        )
+    return out
+
+
 @pytest.fixture(scope="package")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     docker_ready()
     if not os.access(ONEFILE, os.X_OK):
         unavailable(f"no {ONEFILE}; build it first: make dist")
-    built = Lab(tmp_path_factory.mktemp("dryrun"))
+    built = Lab(tmp_path_factory.mktemp("dryrun"), next_build=build_next())
     try:
         built.start()
         yield built
@@ -30,23 +56,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 
 @pytest.fixture(scope="package")
 def bundle_next(lab: Lab) -> Path:
-    """A real build of these sources stamped N+1 (scripts/dist.sh --version), its bundle."""
-    version = next_version(read_version())
-    bundle = ROOT / "dist" / f"v{version}" / f"llmgw-agent-{version}-linux-x64.tar.gz"
-    built = subprocess.run(
-        [str(ROOT / "scripts" / "dist.sh"), "--version", version, "x64"],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-        cwd=ROOT,
-    )
-    if built.returncode != 0 or not bundle.is_file():
-        raise AssertionError(
-            f"scripts/dist.sh --version {version} x64 failed (exit {built.returncode}):\n"
-            f"{built.stderr[-3000:]}"
-        )
-    return bundle
+    """The N+1 build's bundle (the control plane runs its binary)."""
+    return lab.bundle_next
 
 
 @pytest.fixture

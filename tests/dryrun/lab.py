@@ -1,6 +1,8 @@
-"""The dry run's laboratory: a labelled Docker network, a dev control plane on the host that
+"""The dry run's laboratory: a labelled Docker network, a control plane on the host that
 containers on it reach (and that reaches their agents' :9443), agent bundles built from the
 frozen binaries in dist/ with this tree's installer, and systemd containers on the network.
+The control plane is the frozen N+1 build (dist/vN+1), one release ahead of the agents it
+first installs (N), as the upgrade order wants: control plane first, then agents.
 
 Nothing on the host is touched but what carries the label ``llmgw.test-dryrun`` (the
 network, the containers), the test's temporary directory and the control plane, a child
@@ -163,7 +165,7 @@ class Node:
 class Lab:
     """The network, the control plane, the bundles; nodes are booted on demand."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *, next_build: Path) -> None:
         self.tmp = tmp
         self.dir = tmp / "lab"  # mounted at MOUNT in every container
         self.dir.mkdir()
@@ -172,6 +174,11 @@ class Lab:
         self.server: Server | None = None
         self.gateway = ""
         self.version = read_version()
+        # The N+1 build (scripts/dist.sh --version): its binary is the control plane's, its
+        # bundle the agents' upgrade.
+        self.version_next = next_version(self.version)
+        self.server_binary = next_build / "llmgw-linux-x64"
+        self.bundle_next = next_build / f"llmgw-agent-{self.version_next}-linux-x64.tar.gz"
 
     # -- set-up and tear-down -------------------------------------------------------------------
 
@@ -194,8 +201,9 @@ class Lab:
         subprocess.run(["docker", "network", "rm", self.network], capture_output=True, check=False)
 
     def start_server(self) -> Server:
-        """``llmgw server`` on every address (the containers reach it through the network's
-        gateway, which its certificate names), state under tmp/server."""
+        """``llmgw server`` of the N+1 build on every address (the containers reach it
+        through the network's gateway, which its certificate names), state under
+        tmp/server."""
         state = self.tmp / "server"
         http_port, grpc_port, enroll_port = free_port(), free_port(), free_port()
         self.enroll_port = enroll_port
@@ -218,7 +226,7 @@ class Lab:
         log_path = self.tmp / "server.log"
         with open(log_path, "wb") as out:
             proc = subprocess.Popen(
-                [*LLMGW, "server", "--config", str(cfg)], stdout=out, stderr=out
+                [str(self.server_binary), "server", "--config", str(cfg)], stdout=out, stderr=out
             )
         server = Server(state, http_port, grpc_port, proc, log_path)
 
@@ -232,6 +240,8 @@ class Lab:
             return True
 
         wait_for(healthy, what="control plane", timeout=60)
+        status = server.api("GET", "/api/status")
+        assert status["version"] == self.version_next, status
         return server
 
     # -- bundles --------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ class Cluster:
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     marker = tmp_path / "installer-ran"
-    bundle = make_bundle(tmp_path / "bundles", "0.2.0", marker)
+    bundle = make_bundle(tmp_path / "bundles", "0.0.2", marker)
     server = start_server_with(tmp_path, bundle_dir=str(tmp_path / "bundles"))
     agent = make_agent(tmp_path, server, NODE)
     start_agent(agent)
@@ -166,30 +166,35 @@ def test_the_admin_password_is_made_at_first_start(cluster: Cluster) -> None:
 
 
 def test_a_wrong_password_or_version_signs_nothing(cluster: Cluster) -> None:
-    wrong = cluster.ctl("update", NODE, "--version", "0.2.0", password="not the password")
+    wrong = cluster.ctl("update", NODE, "--version", "0.0.2", password="not the password")
     assert wrong.returncode == 1, wrong
     assert "wrong admin password; nothing was signed" in wrong.stderr
-    missing = cluster.ctl("update", NODE, "--version", "9.9.9", password=cluster.password)
+    # A release newer than the control plane's own: refused, whatever bundles it has.
+    newer = cluster.ctl("update", NODE, "--version", "9.9.9", password=cluster.password)
+    assert newer.returncode == 1
+    assert "version 9.9.9 is newer than this control plane (llmgw " in newer.stderr
+    assert "upgrade the control plane to 9.9.9 or later first" in newer.stderr
+    missing = cluster.ctl("update", NODE, "--version", "0.0.9", password=cluster.password)
     assert missing.returncode == 1
-    assert "does not serve version 9.9.9" in missing.stderr
-    assert f"it serves 0.2.0 (linux-{ARCH})" in missing.stderr
-    none = cluster.ctl("update", NODE, "--version", "0.2.0")
+    assert "does not serve version 0.0.9" in missing.stderr
+    assert f"it serves 0.0.2 (linux-{ARCH})" in missing.stderr
+    none = cluster.ctl("update", NODE, "--version", "0.0.2")
     assert none.returncode == 2
     assert "set LLMGW_ADMIN_PASSWORD" in none.stderr
     assert update_of(cluster) is None
     assert cluster.server.api("GET", "/api/updates") == []
     assert not os.path.lexists(cluster.spool / REQUEST)
     # The next good order is counter 1: the refusals spent none.
-    ok = cluster.ctl("update", NODE, "--version", "0.2.0", "--no-wait", password=cluster.password)
+    ok = cluster.ctl("update", NODE, "--version", "0.0.2", "--no-wait", password=cluster.password)
     assert ok.returncode == 0, ok.stderr
     assert wait_for(lambda: update_of(cluster), WAIT)["counter"] == 1
 
 
 def test_an_update_is_spooled_applied_and_reported(cluster: Cluster) -> None:
     c = cluster
-    sent = c.ctl("update", NODE, "--version", "0.2.0", "--no-wait", password=c.password)
+    sent = c.ctl("update", NODE, "--version", "0.0.2", "--no-wait", password=c.password)
     assert sent.returncode == 0, sent.stderr
-    assert "0.2.0" in sent.stdout
+    assert "0.0.2" in sent.stdout
     wait_for(
         lambda: (update_of(c) or {}).get("state") == "spooled", WAIT, what="the agent to spool"
     )
@@ -202,14 +207,14 @@ def test_an_update_is_spooled_applied_and_reported(cluster: Cluster) -> None:
         (request / "order.sig").read_bytes(),
     )
     assert order["node_id"] == NODE
-    assert order["version"] == "0.2.0"
+    assert order["version"] == "0.0.2"
     assert order["counter"] == 1
     assert order["arch"] == ARCH
     assert order["sha256"] == hashlib.sha256(c.bundle.read_bytes()).hexdigest()
     assert order["url"].endswith(f"/agent/bundles/linux-{ARCH}.tar.gz")
     # The path unit would start the helper now; it runs as root on the node.
     state = c.tmp / "helper-state"
-    done = c.helper(trust_dir(c), state, installed_binary(c, "0.1.0"))
+    done = c.helper(trust_dir(c), state, installed_binary(c, "0.0.1"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert c.marker.read_text().strip() == "upgrade"
     assert read_counter(state) == 1
@@ -217,11 +222,11 @@ def test_an_update_is_spooled_applied_and_reported(cluster: Cluster) -> None:
     update = wait_for(
         lambda: (u := update_of(c)) and u["state"] == "done" and u, WAIT, what="done reported"
     )
-    assert update["message"] == "upgraded to 0.2.0"
+    assert update["message"] == "upgraded to 0.0.2"
     table = c.ctl("nodes")
     assert table.returncode == 0, table.stderr
     assert "UPDATE" in table.stdout.splitlines()[0]
-    assert "0.2.0 done" in table.stdout
+    assert "0.0.2 done" in table.stdout
     listed = json.loads(c.ctl("--json", "nodes").stdout)
     assert listed[0]["update"]["state"] == "done"
     assert listed[0]["update"]["counter"] == 1
@@ -230,7 +235,7 @@ def test_an_update_is_spooled_applied_and_reported(cluster: Cluster) -> None:
     # agent is newer than the order (a downgrade).
     c.marker.unlink()
     waiting = subprocess.Popen(
-        [*LLMGW, "ctl", "update", NODE, "--version", "0.2.0", "--timeout", "60"],
+        [*LLMGW, "ctl", "update", NODE, "--version", "0.0.2", "--timeout", "60"],
         env=c.env(c.password),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -238,20 +243,20 @@ def test_an_update_is_spooled_applied_and_reported(cluster: Cluster) -> None:
     )
     try:
         wait_for(lambda: os.path.isdir(request), WAIT, what="the second request")
-        refused = c.helper(trust_dir(c), state, installed_binary(c, "0.3.0"))
+        refused = c.helper(trust_dir(c), state, installed_binary(c, "0.0.3"))
         assert refused.returncode == 1
-        assert "older than the installed 0.3.0" in refused.stderr
+        assert "older than the installed 0.0.3" in refused.stderr
         out, err = waiting.communicate(timeout=WAIT)
     finally:
         if waiting.poll() is None:
             waiting.kill()
     assert waiting.returncode == 1, (out, err)
-    assert f"{NODE}: 0.2.0 spooled" in err  # its progress while it waited
-    assert f"{NODE}: 0.2.0 refused: version 0.2.0 is older than the installed 0.3.0" in err
+    assert f"{NODE}: 0.0.2 spooled" in err  # its progress while it waited
+    assert f"{NODE}: 0.0.2 refused: version 0.0.2 is older than the installed 0.0.3" in err
     assert "refused" in out
     assert not c.marker.exists()
     assert read_counter(state) == 1
-    assert "0.2.0 refused" in c.ctl("nodes").stdout
+    assert "0.0.2 refused" in c.ctl("nodes").stdout
     assert update_of(c)["counter"] == 2  # type: ignore[index]
 
 
@@ -260,7 +265,7 @@ def test_an_order_for_an_offline_node_is_delivered_when_it_reconnects(cluster: C
     assert c.agent.proc is not None
     stop_process(c.agent.proc)
     wait_for(lambda: not c.node()["connected"], WAIT, what="the node to disconnect")
-    sent = c.ctl("update", NODE, "--version", "0.2.0", "--no-wait", password=c.password)
+    sent = c.ctl("update", NODE, "--version", "0.0.2", "--no-wait", password=c.password)
     assert sent.returncode == 0, sent.stderr
     assert update_of(c)["state"] == "queued"  # type: ignore[index]
     assert not os.path.lexists(c.spool / REQUEST)
@@ -272,11 +277,11 @@ def test_an_order_for_an_offline_node_is_delivered_when_it_reconnects(cluster: C
 def test_a_spooled_request_makes_the_next_order_busy(cluster: Cluster) -> None:
     c = cluster
     assert (
-        c.ctl("update", NODE, "--version", "0.2.0", "--no-wait", password=c.password).returncode
+        c.ctl("update", NODE, "--version", "0.0.2", "--no-wait", password=c.password).returncode
         == 0
     )
     wait_for(lambda: (update_of(c) or {}).get("state") == "spooled", WAIT)
-    second = c.ctl("update", "--all", "--version", "0.2.0", password=c.password)
+    second = c.ctl("update", "--all", "--version", "0.0.2", password=c.password)
     assert second.returncode == 1
     assert "busy" in second.stdout
     assert "is still waiting for the update helper" in second.stdout
@@ -311,10 +316,10 @@ def test_the_admin_password_is_changed_with_the_old_one(cluster: Cluster) -> Non
     assert done.returncode == 0, done.stderr
     assert "admin password changed" in done.stdout
     assert not (c.server.state_dir / "admin.password").exists()
-    old = c.ctl("update", NODE, "--version", "0.2.0", "--no-wait", password=first)
+    old = c.ctl("update", NODE, "--version", "0.0.2", "--no-wait", password=first)
     assert old.returncode == 1
     assert "wrong admin password" in old.stderr
     new = c.ctl(
-        "update", NODE, "--version", "0.2.0", "--no-wait", password="a much better password"
+        "update", NODE, "--version", "0.0.2", "--no-wait", password="a much better password"
     )
     assert new.returncode == 0, new.stderr

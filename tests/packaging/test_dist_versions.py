@@ -1,7 +1,9 @@
 """Builds stamped with another version (`scripts/dist.sh --version V`, `make dist VERSION=V`):
 the same sources, `__version__` set to V in the build's copy of the tree, in dist/vV/. The
 installer's upgrade tests use them as "N+1". Also: the frozen build reaches every subcommand
-(they are imported lazily, so PyInstaller must have frozen their modules all the same).
+(they are imported lazily, so PyInstaller must have frozen their modules all the same). And
+version skew with real builds: the N+1 build as an agent is refused by a control plane at N
+and taken once that control plane runs N+1.
 
 The stamped build checked is dist/v<N+1> (N = llmgw/__init__.py's version, its last number
 plus one), or $LLMGW_TEST_STAMPED_VERSION. When it is missing or stale it is built here
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.ci import CI
+from tests.integration.harness import Server, make_agent, start_server, stop_process, wait_for
 
 from .distcheck import DIST, ROOT, Dist, load_packaging_module, missing, version
 
@@ -179,3 +182,82 @@ def test_frozen_build_reaches_every_subcommand(dist_x64: Dist) -> None:
         ):
             nested = subprocess.run([binary, name, sub, "--help"], capture_output=True, text=True)
             assert nested.returncode == 0, (name, sub, nested.stderr[-2000:])
+
+
+# ------------------------------------------- version skew: an agent newer than the control plane
+
+
+def test_an_agent_built_newer_is_refused_until_the_control_plane_is_upgraded(
+    dist_next: Dist, tmp_path: Path
+) -> None:
+    """The N+1 build as an agent against a control plane at N (these sources): refused with
+    both versions and the fix, retried with backoff (never exits); the same control plane's
+    state served by the N+1 build takes it (control plane first, then agents)."""
+    n, v = version(), dist_next.bundle.parent.name.removeprefix("v")
+    server = start_server(tmp_path)
+    agent = make_agent(tmp_path, server, "skew-1")
+    log_path = agent.dir / "agent.log"
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            [str(dist_next.onefile), "agent", "--config", str(agent.config)],
+            stdout=out,
+            stderr=out,
+        )
+    servers = [server.proc]
+    refusal = (
+        f"this agent is llmgw {v}, newer than the control plane's llmgw {n}; upgrade the "
+        f"control plane to {v} or later first (control plane first, then agents)"
+    )
+    try:
+        wait_for(
+            lambda: log_path.read_text(errors="replace").count(refusal) >= 2,
+            what="the agent's refusal, retried",
+            timeout=60,
+        )
+        said = log_path.read_text(errors="replace")
+        assert proc.poll() is None, said  # retrying, not exited
+        assert f"refused by 127.0.0.1:{server.grpc_port}: {refusal}" in said
+        assert "Traceback" not in said
+        refused = [
+            e
+            for e in server.api("GET", "/api/events?subject=skew-1")
+            if e["kind"] == "stream_refused"
+        ]
+        assert refused and refusal in refused[0]["message"], refused
+        assert "the agent is newer than this control plane" in server.log()
+        assert [nd for nd in server.nodes() if nd["id"] == "skew-1"] == []  # never admitted
+
+        stop_process(server.proc)
+        with open(tmp_path / "server-next.log", "wb") as out:
+            upgraded = subprocess.Popen(
+                [str(dist_next.onefile), "server", "--config", str(tmp_path / "server.yaml")],
+                stdout=out,
+                stderr=out,
+            )
+        servers.append(upgraded)
+        node = wait_for(
+            lambda: (
+                next(
+                    (nd for nd in server.nodes() if nd["id"] == "skew-1" and nd["connected"]), None
+                )
+                if _up(server)
+                else None
+            ),
+            what="the agent connected to the control plane at N+1",
+            timeout=90,
+            interval=0.5,
+        )
+        assert node["agent_version"] == v
+        assert server.api("GET", "/api/status")["version"] == v
+    finally:
+        stop_process(proc)
+        for p in servers:
+            stop_process(p)
+
+
+def _up(server: Server) -> bool:
+    try:
+        server.api("GET", "/api/status")
+    except OSError:
+        return False
+    return True

@@ -12,27 +12,72 @@ import click
 from llmgw.cli.common import Duration
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import ago, echo_json, table, until
+from llmgw.errors import NotFound
+from llmgw.versions import MINORS_SUPPORTED, newer_release, too_old
 
-__all__ = ["approve", "drain", "nodes", "reject", "revoke", "uncordon"]
+__all__ = ["approve", "drain", "nodes", "reject", "revoke", "uncordon", "version_warning"]
 
 
 @click.command()
+@click.argument("node", required=False)
 @pass_ctl
-def nodes(c: Ctl) -> None:
-    """List nodes: state, connection, shards, GPUs (or why there are none)."""
+def nodes(c: Ctl, node: str | None) -> None:
+    """List nodes: state, connection, shards, GPUs (or why there are none); with NODE, all
+    about that node. Warns about agents newer than the control plane (their streams are
+    refused) or more than two minor releases behind it."""
     data = c.call("GET", "/api/nodes")
+    if node is not None:
+        found = [n for n in data if n["id"] == node]
+        if not found:
+            raise NotFound(f"there is no node {node!r}; 'llmgw ctl nodes' lists them")
+        data = found
     if c.as_json:
-        echo_json(data)
+        echo_json(data[0] if node is not None else data)
         return
+    server_version = str(c.call("GET", "/api/status").get("version") or "")
+    warnings = {n["id"]: version_warning(n, server_version) for n in data}
+    if node is not None:
+        click.echo(_details(data[0], server_version))
+    else:
+        click.echo(_table(data, warnings))
+    for node_id, warning in warnings.items():
+        if warning:
+            click.echo(f"warning: node {node_id} {warning}", err=True)
+
+
+def version_warning(node: dict[str, Any], server_version: str) -> str:
+    """What is wrong with the node's agent version next to the control plane's ("" when
+    nothing is), with the fix: the control plane is upgraded first, and an agent is
+    supported up to MINORS_SUPPORTED minor releases behind it."""
+    agent = node.get("agent_version") or ""
+    if newer_release(agent, server_version):
+        return (
+            f"runs llmgw {agent}, newer than the control plane's llmgw {server_version}: its "
+            f"stream is refused; upgrade the control plane to {agent} or later first"
+        )
+    if too_old(agent, server_version):
+        return (
+            f"runs llmgw {agent}, more than {MINORS_SUPPORTED} minor releases behind the "
+            f"control plane's llmgw {server_version} (unsupported); upgrade it: "
+            f"llmgw ctl update {shlex.quote(node['id'])} --version {server_version}"
+        )
+    return ""
+
+
+def _gpus(n: dict[str, Any]) -> str:
+    if n["gpus"]:
+        return str(len(n["gpus"]))
+    return f"0 ({n['gpu_status']})" if n["gpu_status"] else "0"
+
+
+def _version_cell(n: dict[str, Any], warning: str) -> object:
+    """The agent's version; marked when a warning line below the table says what is wrong."""
+    return f"{n['agent_version']} (!)" if warning else n["agent_version"]
+
+
+def _table(data: list[dict[str, Any]], warnings: dict[str, str]) -> str:
     rows = []
     for n in data:
-        gpus = (
-            str(len(n["gpus"]))
-            if n["gpus"]
-            else f"0 ({n['gpu_status']})"
-            if n["gpu_status"]
-            else "0"
-        )
         rows.append(
             [
                 n["id"],
@@ -41,35 +86,52 @@ def nodes(c: Ctl) -> None:
                 n["dataplane_addr"],
                 n["shards"],
                 ",".join(n["engines"]),
-                n["agent_version"],
+                _version_cell(n, warnings[n["id"]]),
                 ago(n["last_seen"]),
                 until(n["cert_expires_at"]),
                 (n["fingerprint"] or "")[:23] + "…"
                 if n["state"] != "pending"
                 else n["fingerprint"],
-                gpus,
+                _gpus(n),
                 _update_cell(n.get("update")),
             ]
         )
-    click.echo(
-        table(
-            [
-                "NODE",
-                "STATE",
-                "CONNECTED",
-                "DATA PLANE",
-                "SHARDS",
-                "ENGINES",
-                "VERSION",
-                "SEEN",
-                "CERT EXPIRES",
-                "FINGERPRINT",
-                "GPUS",
-                "UPDATE",
-            ],
-            rows,
-        )
+    return table(
+        [
+            "NODE",
+            "STATE",
+            "CONNECTED",
+            "DATA PLANE",
+            "SHARDS",
+            "ENGINES",
+            "VERSION",
+            "SEEN",
+            "CERT EXPIRES",
+            "FINGERPRINT",
+            "GPUS",
+            "UPDATE",
+        ],
+        rows,
     )
+
+
+def _details(n: dict[str, Any], server_version: str) -> str:
+    """One node, a line per fact."""
+    facts = [
+        ("node", n["id"]),
+        ("state", n["state"] + (",draining" if n["draining"] else "")),
+        ("connected", "yes" if n["connected"] else "no"),
+        ("data plane", n["dataplane_addr"] or "-"),
+        ("version", f"{n['agent_version'] or '-'} (control plane: {server_version or '?'})"),
+        ("seen", ago(n["last_seen"])),
+        ("shards", n["shards"]),
+        ("engines", ",".join(n["engines"]) or "-"),
+        ("gpus", _gpus(n)),
+        ("fingerprint", n["fingerprint"] or "-"),
+        ("cert expires", until(n["cert_expires_at"])),
+        ("update", _update_cell(n.get("update"))),
+    ]
+    return "\n".join(f"{name + ':':<14}{value}" for name, value in facts)
 
 
 def _update_cell(update: dict[str, Any] | None) -> str:

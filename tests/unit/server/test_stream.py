@@ -1,20 +1,29 @@
-"""llmgw.server.stream.start_stream_server: the Connect stream's gRPC listener, mutual TLS."""
+"""llmgw.server.stream: the Connect stream's gRPC listener (mutual TLS), and the refusal of
+an agent of a newer release than the control plane."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
+from cryptography import x509
 
 from llmgw import pki
 from llmgw.errors import ConfigError
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
-from llmgw.server.stream import start_stream_server
+from llmgw.server.store import Store
+from llmgw.server.stream import (
+    ControlPlaneService,
+    NodeSession,
+    start_stream_server,
+    version_refusal,
+)
 
 NEEDLE = "the test servicer answered"
 
@@ -81,3 +90,135 @@ def test_a_busy_port_is_a_config_error_naming_grpc_listen(tmp_path: Path) -> Non
     assert info.value.key == "grpc_listen"
     assert f"cannot listen on {listen}" in str(info.value)
     assert "free the port or change grpc_listen" in str(info.value)
+
+
+# ------------------------------------------------------ an agent newer than the control plane
+
+
+@pytest.mark.parametrize(
+    ("agent", "server", "refused"),
+    [
+        ("0.1.1", "0.1.0", True),
+        ("0.2.0rc1", "0.1.9", True),
+        ("0.2.0.dev1", "0.1.9", True),
+        ("0.1.0", "0.1.0", False),
+        ("0.1.0+local", "0.1.0", False),
+        ("0.1.0", "0.1.0.dev3", False),  # a control plane built from a checkout of 0.1.0
+        ("0.0.9", "0.1.0", False),  # older agents are let in ('ctl nodes' warns past N-2)
+        ("", "0.1.0", False),  # no version to judge
+    ],
+)
+def test_version_refusal(agent: str, server: str, refused: bool) -> None:
+    message = version_refusal(agent, server)
+    assert (message is not None) is refused
+    if message is not None:
+        assert message == (
+            f"this agent is llmgw {agent}, newer than the control plane's llmgw {server}; "
+            f"upgrade the control plane to {agent} or later first (control plane first, then "
+            "agents), or reinstall this node with the control plane's bundle; the agent keeps "
+            "retrying meanwhile"
+        )
+
+
+@dataclass
+class _Sessions:
+    """The session life cycle, recording what the stream asked of it."""
+
+    opened: list[str] = field(default_factory=list)
+
+    def refusal(self, node_id: str, cert: x509.Certificate | None) -> str | None:
+        return None
+
+    def open(self, hello: pb.Hello, peer: str, cert: x509.Certificate) -> NodeSession:
+        self.opened.append(hello.agent_version)
+        return NodeSession(node_id=hello.node_id, dataplane_addr="", epoch=1, engines=frozenset())
+
+    def node_state(self, node_id: str) -> str:
+        return "approved"
+
+    def after_hello(self, session: NodeSession, hello: pb.Hello) -> None:
+        session.close()  # the Welcome was written: end the stream
+
+    def close(self, session: NodeSession) -> None: ...
+
+    def on_message(self, session: NodeSession, msg: pb.AgentMessage) -> None: ...
+
+
+class _Updates:
+    def on_connect(self, session: NodeSession) -> None: ...
+
+    def on_status(self, session: NodeSession, status: pb.UpdateStatus) -> None: ...
+
+
+@dataclass
+class _Events:
+    seen: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def add_event(self, kind: str, subject: str, message: str) -> None:
+        self.seen.append((kind, subject, message))
+
+
+def _stream(
+    tmp_path: Path, agent_version: str, server_version: str
+) -> tuple[list[pb.ServerMessage], grpc.aio.AioRpcError | None, _Sessions, _Events]:
+    ca, server_id, _ = pki.ensure_server_identity(tmp_path / "pki", hosts=["127.0.0.1"])
+    node = pki.issue_node_cert(ca, "gpu-1", tmp_path / "node")
+    sessions, events = _Sessions(), _Events()
+    service = ControlPlaneService(
+        cast(Store, events),
+        sessions,
+        _Updates(),
+        cluster_id="c1",
+        epoch=1,
+        heartbeat_interval=1.0,
+        cert_lifetime=3600.0,
+        server_version=server_version,
+    )
+    hello = pb.Hello(node_id="gpu-1", agent_version=agent_version, dataplane_addr="10.0.0.1:9443")
+
+    async def scenario() -> tuple[list[pb.ServerMessage], grpc.aio.AioRpcError | None]:
+        server, port = await start_stream_server(
+            server_id, "127.0.0.1:0", service, handshake_timeout=5.0
+        )
+        got: list[pb.ServerMessage] = []
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=node.ca.read_bytes(),
+            private_key=node.key.read_bytes(),
+            certificate_chain=node.cert.read_bytes(),
+        )
+        try:
+            async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds) as channel:
+                call = pb_grpc.ControlPlaneStub(channel).Connect(
+                    iter([pb.AgentMessage(hello=hello)]), timeout=10
+                )
+                try:
+                    async for msg in call:
+                        got.append(msg)
+                except grpc.aio.AioRpcError as exc:
+                    return got, exc
+        finally:
+            await server.stop(grace=None)
+        return got, None
+
+    got, error = asyncio.run(scenario())
+    return got, error, sessions, events.seen
+
+
+def test_the_stream_of_an_agent_newer_than_the_control_plane_is_refused(tmp_path: Path) -> None:
+    got, error, sessions, events = _stream(tmp_path, "0.2.0", "0.1.0")
+    assert got == []
+    assert error is not None and error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.details() == version_refusal("0.2.0", "0.1.0")
+    assert sessions.opened == []  # never admitted: the store is not told of a newer agent
+    assert events == [("stream_refused", "gpu-1", version_refusal("0.2.0", "0.1.0"))]
+
+
+def test_an_agent_of_the_control_planes_release_is_welcomed_with_its_version(
+    tmp_path: Path,
+) -> None:
+    got, error, sessions, events = _stream(tmp_path, "0.1.0+local", "0.1.0")
+    assert error is None
+    assert [m.WhichOneof("msg") for m in got] == ["welcome"]
+    assert got[0].welcome.server_version == "0.1.0"
+    assert sessions.opened == ["0.1.0+local"]
+    assert events == []

@@ -1,15 +1,22 @@
 """The control plane's side of signed updates: the store's update rows (migration 4, counters
-that only grow)."""
+that only grow), and no order for a release newer than the control plane's own."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
+from typing import cast
 
 import pytest
 
+from llmgw import pki
 from llmgw.errors import Conflict
+from llmgw.server.bundles import Bundle
+from llmgw.server.passwords import AdminPassword
+from llmgw.server.states import NodeState
 from llmgw.server.store import MIGRATIONS, Store
+from llmgw.server.updates import Updates, version_problem
 
 ORDER = {"order": b'{"counter":1}', "signature": b"sig", "expires": 2000.0}
 
@@ -81,3 +88,87 @@ def test_update_rows_outlive_the_node(store: Store) -> None:
     assert store.next_update_counter("gpu-1") == 1
     store.delete_node("gpu-1")
     assert store.next_update_counter("gpu-1") == 2
+
+
+# ------------------------------------------ an order for a release newer than the control plane
+
+
+class _Password:
+    """The admin password, accepted (its own checks are tests/unit/server/test_passwords.py)."""
+
+    async def check(self, password: object) -> None:
+        assert password == "pw"
+
+
+def _updates(store: Store, tmp_path: Path, served_version: str, server_version: str) -> Updates:
+    ca, _server, _client = pki.ensure_server_identity(tmp_path / "pki", hosts=["127.0.0.1"])
+    bundle = Bundle(
+        rid="linux-x64",
+        version=served_version,
+        path=tmp_path / f"llmgw-agent-{served_version}-linux-x64.tar.gz",
+        sha256="ab" * 32,
+        size=1,
+    )
+
+    async def served() -> list[Bundle]:
+        return [bundle]
+
+    store.upsert_node(
+        "gpu-1",
+        dataplane_addr="10.0.0.1:9443",
+        agent_version="0.1.0",
+        inventory={"arch": "x86_64"},
+        connected=False,
+    )
+    store.set_node_state("gpu-1", NodeState.APPROVED)
+    return Updates(
+        store,
+        password=cast(AdminPassword, _Password()),
+        ca=ca,
+        epoch=1,
+        sessions={},
+        served=served,
+        download_base=lambda: "http://cp:8080",
+        bundle_dir=tmp_path,
+        server_version=server_version,
+    )
+
+
+@pytest.mark.parametrize("version", ["0.2.0", "0.2.0rc1", "0.1.1", "1.0.0"])
+def test_an_order_for_a_newer_release_is_refused_before_anything_is_signed(
+    store: Store, tmp_path: Path, version: str
+) -> None:
+    # The bundle is even served: only the control plane's own version stands in the way.
+    updates = _updates(store, tmp_path, version, server_version="0.1.0")
+    with pytest.raises(Conflict) as info:
+        asyncio.run(updates.order(["gpu-1"], version=version, password="pw"))
+    assert str(info.value) == (
+        f"version {version} is newer than this control plane (llmgw 0.1.0), which would refuse "
+        f"agents at {version}; upgrade the control plane to {version} or later first, then "
+        "update the agents"
+    )
+    assert store.get_update("gpu-1") is None
+    assert store.next_update_counter("gpu-1") == 1  # no counter was spent
+    assert [e for e in store.list_events() if e.kind == "update_ordered"] == []
+
+
+@pytest.mark.parametrize(
+    ("version", "server_version"),
+    [("0.1.0", "0.1.0"), ("0.1.0+local", "0.1.0"), ("0.1.0", "0.1.0.dev2"), ("0.0.9", "0.1.0")],
+)
+def test_an_order_for_the_control_planes_release_or_older_is_signed(
+    store: Store, tmp_path: Path, version: str, server_version: str
+) -> None:
+    updates = _updates(store, tmp_path, version, server_version=server_version)
+    (out,) = asyncio.run(updates.order(["gpu-1"], version=version, password="pw"))
+    assert (out["node"], out["version"], out["counter"], out["state"]) == (
+        "gpu-1",
+        version,
+        1,
+        "queued",
+    )
+
+
+def test_version_problem_is_none_within_the_release() -> None:
+    assert version_problem("0.3.0+build.7", "0.3.0") is None
+    assert version_problem("0.3.1", "0.3.0") is not None
