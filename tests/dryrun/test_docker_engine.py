@@ -2,8 +2,11 @@
 engine of its own, the agent is installed from the bundle with ``install-agent.sh install
 --docker`` (the hardened unit, reaching dockerd only through llmgw-docker-proxy, never in the
 docker group), ``agent.yaml`` says ``runtime: docker``, and a ``sim`` replica runs as a
-container in the node's dockerd and serves through the gateway; a restart of the agent adopts
-the container (engines outlive the agent) and it serves again.
+container in the node's dockerd and serves through the gateway. Code running as the agent user
+is refused the daemon's socket, and through the proxy a privileged container and exec into the
+engine's; a restart of the agent adopts the container (engines outlive the agent) and it serves
+again; a re-run of the install keeps ``runtime: docker``; undeploy removes the container and
+leaves the engine's output in the shard's log.
 
 The node's dockerd is nested in the test container (no ``--privileged`` here): the image
 ``scripts/systemd-test-image.sh --docker`` builds gives it a tmpfs for /var/lib/docker and
@@ -103,7 +106,29 @@ def test_a_docker_replica_serves_from_the_installed_hardened_unit(lab: Lab) -> N
     assert f"DOCKER_HOST=unix://{PROXY_SOCKET}" in node.unit("Environment")
     assert node.out(f"systemctl is-active {PROXY}") == "active"
 
-    # 5. engines outlive the agent: a restart adopts the same container, which serves again
+    # 5. what code running as llmgw-agent (an engine, a model's code) could try against the
+    # real dockerd, refused: the daemon's own socket; through the proxy, a privileged container
+    # that mounts / (root on the node), and exec into the engine's container.
+    def as_agent(args: str) -> tuple[int, str]:
+        done = node.sh(
+            "HOME=/tmp setpriv --reuid llmgw-agent --regid llmgw-agent --init-groups "
+            f"docker {args}",
+            check=False,
+        )
+        return done.returncode, done.stdout + done.stderr
+
+    code, said = as_agent("-H unix:///var/run/docker.sock ps")
+    assert code != 0 and "permission denied" in said, said
+    code, said = as_agent(
+        f"-H unix://{PROXY_SOCKET} run --rm --privileged --label llmgw.shard=evil "
+        f"-v /:/host {shlex.quote(image)} chroot /host id"
+    )
+    assert code != 0 and "container create refused" in said, said
+    code, said = as_agent(f"-H unix://{PROXY_SOCKET} exec {shard['ID']} id")
+    assert code != 0 and "is not a call llmgw's docker runtime makes" in said, said
+    assert [c["ID"] for c in shards(lab, node)] == [shard["ID"]]
+
+    # 6. engines outlive the agent: a restart adopts the same container, which serves again
     node.sh("systemctl restart llmgw-agent")
     wait_for(node.listening, what=f"{NODE} listening after the restart", timeout=60)
     lab.wait_routable(MODEL, NODE)
@@ -112,8 +137,19 @@ def test_a_docker_replica_serves_from_the_installed_hardened_unit(lab: Lab) -> N
     assert (after["ID"], after["State"]) == (shard["ID"], "running"), (shard, after)
     assert "shards after restart" in node.journal(lines=200)
 
-    # 6. the same install again keeps the operator's runtime lines and restarts nothing
+    # 7. the same install again keeps the operator's runtime lines and restarts nothing
     again = node.sh(install)
     assert "nothing changed; not restarted" in again.stderr, again.stderr
     config = node.out("cat /etc/llmgw/agent.yaml")
     assert "runtime: docker" in config and f"sim: {image}" in config, config
+
+    # 8. undeployed: the container is stopped and removed; what the engine wrote is in the
+    # shard's log under the agent's state directory
+    lab.ctl("undeploy", MODEL)
+    node.container.wait_for(
+        'test -z "$(docker ps -aq --filter label=llmgw.shard)"',
+        "the engine's container removed after undeploy",
+        timeout=60,
+    )
+    logs = node.out("cat /var/lib/llmgw-agent/logs/*.log")
+    assert "sim engine listening on 0.0.0.0:8000" in logs, logs[-2000:]
