@@ -323,6 +323,24 @@ class Lab:
         self.nodes.append(node)
         return node
 
+    def set_aside_others(self, node_id: str) -> list[str]:
+        """Drain (without waiting) every other approved, connected node that still takes
+        replicas, so that placement can choose only ``node_id``: the lab is shared by the
+        package's modules, and one that ran before may have left a node up. Their ids, to
+        ``uncordon`` after."""
+        assert self.server is not None
+        others = [
+            n["id"]
+            for n in self.server.nodes()
+            if n["id"] != node_id
+            and n["state"] == "approved"
+            and n["connected"]
+            and not n["draining"]
+        ]
+        for other in others:
+            self.ctl("drain", other, "--no-wait")
+        return others
+
     def deploy(self, model: str) -> None:
         assert self.server is not None
         self.server.api("POST", "/api/models", {"name": model, "engine": "sim", "replicas": 1})

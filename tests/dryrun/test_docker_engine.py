@@ -23,6 +23,8 @@ import json
 import shlex
 from typing import Any
 
+import pytest
+
 from tests.integration.harness import wait_for
 
 from .lab import Lab, Node, docker_node_image, engine_image, load_image
@@ -32,17 +34,27 @@ MODEL = "drydocker"
 PROXY = "llmgw-docker-proxy.service"
 PROXY_SOCKET = "/run/llmgw-docker-proxy/docker.sock"
 
+# About 20 s once the images exist; unless .ci/run made it, the first run on a machine also
+# builds the node's image (debootstrap with docker.io, about 100 s).
+pytestmark = pytest.mark.timeout(600)
 
-def shards(lab: Lab, node: Node) -> list[dict[str, Any]]:
-    """The llmgw containers of the node's own dockerd; exactly one is expected (the failure
-    says where the replica went instead)."""
-    listed = node.out("docker ps -a --filter label=llmgw.shard --format '{{json .}}'")
-    found = [json.loads(line) for line in listed.splitlines()]
+
+def containers(node: Node, label: str = "llmgw.shard") -> list[dict[str, Any]]:
+    """The containers of the node's own dockerd that carry ``label`` (all of llmgw's)."""
+    listed = node.out(f"docker ps -a --filter label={label} --format '{{{{json .}}}}'")
+    return [json.loads(line) for line in listed.splitlines()]
+
+
+def engine_of(lab: Lab, node: Node) -> dict[str, Any]:
+    """The container of MODEL's shard on the node (the failure says where it went instead)."""
+    assert lab.server is not None
+    mine = [r for r in lab.server.replicas(MODEL) if r["node"] == NODE]
+    found = containers(node, f"llmgw.shard={mine[0]['shard']}") if len(mine) == 1 else []
     assert len(found) == 1, (
-        f"containers of llmgw in {NODE}'s dockerd: {found}\n"
-        f"replicas: {lab.ctl('--json', 'replicas').stdout}\nagent:\n{node.journal(lines=60)}"
+        f"{MODEL}'s shard on {NODE}: {mine}; its containers: {found}; all of llmgw's in "
+        f"{NODE}'s dockerd: {containers(node)}\nagent:\n{node.journal(lines=60)}"
     )
-    return found
+    return found[0]
 
 
 def test_a_docker_replica_serves_from_the_installed_hardened_unit(lab: Lab) -> None:
@@ -73,7 +85,17 @@ def test_a_docker_replica_serves_from_the_installed_hardened_unit(lab: Lab) -> N
     )
     wait_for(node.listening, what=f"{NODE} listening after the restart", timeout=60)
     lab.approve(NODE)
+    # Placement may choose only this node: other modules' nodes are drained meanwhile.
+    others = lab.set_aside_others(NODE)
+    try:
+        serve_restart_undeploy(lab, node, image, install)
+    finally:
+        for other in others:
+            lab.ctl("uncordon", other)
 
+
+def serve_restart_undeploy(lab: Lab, node: Node, image: str, install: str) -> None:
+    assert lab.server is not None
     # 3. the replica: a container of the node's dockerd, serving through the gateway
     lab.deploy(MODEL)
     key = lab.server.api_key("dryrun-docker")
@@ -85,7 +107,7 @@ def test_a_docker_replica_serves_from_the_installed_hardened_unit(lab: Lab) -> N
             f"agent:\n{node.journal(lines=60)}\nproxy:\n{node.journal(PROXY)}"
         ) from None
     assert lab.complete(MODEL, key)
-    (shard,) = shards(lab, node)
+    shard = engine_of(lab, node)
     assert shard["State"] == "running", shard
     assert shard["Image"] == image
     labels = dict(kv.split("=", 1) for kv in shard["Labels"].split(","))
@@ -117,6 +139,7 @@ def test_a_docker_replica_serves_from_the_installed_hardened_unit(lab: Lab) -> N
         )
         return done.returncode, done.stdout + done.stderr
 
+    before = [c["ID"] for c in containers(node)]
     code, said = as_agent("-H unix:///var/run/docker.sock ps")
     assert code != 0 and "permission denied" in said, said
     code, said = as_agent(
@@ -126,14 +149,14 @@ def test_a_docker_replica_serves_from_the_installed_hardened_unit(lab: Lab) -> N
     assert code != 0 and "container create refused" in said, said
     code, said = as_agent(f"-H unix://{PROXY_SOCKET} exec {shard['ID']} id")
     assert code != 0 and "is not a call llmgw's docker runtime makes" in said, said
-    assert [c["ID"] for c in shards(lab, node)] == [shard["ID"]]
+    assert [c["ID"] for c in containers(node)] == before
 
     # 6. engines outlive the agent: a restart adopts the same container, which serves again
     node.sh("systemctl restart llmgw-agent")
     wait_for(node.listening, what=f"{NODE} listening after the restart", timeout=60)
     lab.wait_routable(MODEL, NODE)
     assert lab.complete(MODEL, key)
-    (after,) = shards(lab, node)
+    after = engine_of(lab, node)
     assert (after["ID"], after["State"]) == (shard["ID"], "running"), (shard, after)
     assert "shards after restart" in node.journal(lines=200)
 
@@ -147,9 +170,10 @@ def test_a_docker_replica_serves_from_the_installed_hardened_unit(lab: Lab) -> N
     # shard's log under the agent's state directory
     lab.ctl("undeploy", MODEL)
     node.container.wait_for(
-        'test -z "$(docker ps -aq --filter label=llmgw.shard)"',
+        f'test -z "$(docker ps -aq --filter id={shard["ID"]})"',
         "the engine's container removed after undeploy",
         timeout=60,
     )
-    logs = node.out("cat /var/lib/llmgw-agent/logs/*.log")
+    shard_id = dict(kv.split("=", 1) for kv in after["Labels"].split(","))["llmgw.shard"]
+    logs = node.out(f"cat /var/lib/llmgw-agent/logs/{shard_id}.log")
     assert "sim engine listening on 0.0.0.0:8000" in logs, logs[-2000:]
