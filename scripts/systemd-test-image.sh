@@ -14,7 +14,9 @@
 # before containerd and dockerd start, the cgroup v1 hierarchies Docker mounted read-only are
 # remounted read-write in the container's own mount namespace (its cgroup namespace is
 # private, so runc creates the engines' cgroups under the container's own; the host's mounts
-# are untouched). A real node needs neither.
+# are untouched; root in the container could mount them itself anyway). A real node needs
+# neither. Made for the cgroup v1 hosts MACHINES.md describes: on a cgroup v2 host the nested
+# dockerd would also need its processes moved out of the container's root cgroup.
 #
 # Usage: scripts/systemd-test-image.sh [--suite bookworm|bullseye] [--docker] [IMAGE]
 #        (default IMAGE llmgw-test-systemd:local, llmgw-test-systemd-bullseye:local,
