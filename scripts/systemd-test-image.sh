@@ -6,8 +6,21 @@
 # lingering and sudo). No registry is used: the image is a debootstrap rootfs, `docker
 # import`ed. bookworm by default; bullseye (systemd 247, the oldest llmgw supports) too.
 #
-# Usage: scripts/systemd-test-image.sh [--suite bookworm|bullseye] [IMAGE]
-#        (default IMAGE llmgw-test-systemd:local, llmgw-test-systemd-bullseye:local)
+# --docker: the node also runs a Docker engine of its own (docker.io; nested in the test
+# container), for the dry run of `runtime: docker` (tests/dryrun/test_docker_engine.py). Two
+# TEST-IMAGE-ONLY arrangements make dockerd work in a container that is not --privileged:
+# /var/lib/docker is a tmpfs (overlay2 cannot stack on the container's own overlay root; a
+# tmpfs, unlike a volume, leaves nothing behind when a killed run's container is removed), and
+# before containerd and dockerd start, the cgroup v1 hierarchies Docker mounted read-only are
+# remounted read-write in the container's own mount namespace (its cgroup namespace is
+# private, so runc creates the engines' cgroups under the container's own; the host's mounts
+# are untouched; root in the container could mount them itself anyway). A real node needs
+# neither. Made for the cgroup v1 hosts MACHINES.md describes: on a cgroup v2 host the nested
+# dockerd would also need its processes moved out of the container's root cgroup.
+#
+# Usage: scripts/systemd-test-image.sh [--suite bookworm|bullseye] [--docker] [IMAGE]
+#        (default IMAGE llmgw-test-systemd:local, llmgw-test-systemd-bullseye:local,
+#        with --docker llmgw-test-systemd-docker:local, llmgw-test-systemd-bullseye-docker:local)
 #
 # Environment: LLMGW_TEST_SUITE (the suite when --suite is not given), LLMGW_TEST_CACHE
 # (default /var/cache/llmgw-test), LLMGW_DEBIAN_MIRROR (default: the first Debian mirror in
@@ -46,7 +59,9 @@ image_is_current() {
 
 # 2. the rootfs tarball, from the cache or debootstrap (about 50 s)
 ensure_rootfs() {
-    ROOTFS_TAR=$CACHE/rootfs-$SUITE-systemd-$KEY.tar
+    flavour=systemd
+    [ "$DOCKER" = 0 ] || flavour=systemd-docker
+    ROOTFS_TAR=$CACHE/rootfs-$SUITE-$flavour-$KEY.tar
     rootfs_tarball "$ROOTFS_TAR" "$SUITE" "$INCLUDE" "" fit_for_containers
 }
 
@@ -58,6 +73,42 @@ fit_for_containers() {
     : >"$1/etc/machine-id"
     # Installed, not running: ufw or plain nft are the other tests' firewalls.
     ln -sf /dev/null "$1/etc/systemd/system/firewalld.service"
+    [ "$DOCKER" = 0 ] || fit_for_nested_docker "$1"
+}
+
+# The two test-only arrangements of --docker (see the head of this file).
+fit_for_nested_docker() {
+    units=$1/etc/systemd/system
+    cat >"$units/var-lib-docker.mount" <<'EOF'
+[Unit]
+Description=Test image only: dockerd's storage on a tmpfs (overlay2 cannot stack on overlay)
+
+[Mount]
+What=tmpfs
+Where=/var/lib/docker
+Type=tmpfs
+Options=mode=0711
+EOF
+    cat >"$units/llmgw-test-cgroups-rw.service" <<'EOF'
+[Unit]
+Description=Test image only: the cgroup v1 hierarchies writable for the nested dockerd
+DefaultDependencies=no
+ConditionVirtualization=container
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+# $$: a literal $ for the shell (systemd expands $NAME itself).
+ExecStart=/bin/sh -c 'for d in /sys/fs/cgroup/*/; do if mountpoint -q "$$d"; then mount -o remount,rw,bind "$$d"; fi; done'
+EOF
+    for unit in containerd docker; do
+        mkdir -p "$units/$unit.service.d"
+        cat >"$units/$unit.service.d/llmgw-test.conf" <<'EOF'
+[Unit]
+Requires=llmgw-test-cgroups-rw.service var-lib-docker.mount
+After=llmgw-test-cgroups-rw.service var-lib-docker.mount
+EOF
+    done
 }
 
 # 3. the image, imported from the rootfs and labelled with its key
@@ -68,25 +119,32 @@ import_image() {
 }
 
 default_image() {
+    suffix=""
+    [ "$DOCKER" = 0 ] || suffix=-docker
     case $1 in
-        bookworm) echo llmgw-test-systemd:local ;;
-        *) echo "llmgw-test-systemd-$1:local" ;;
+        bookworm) echo "llmgw-test-systemd$suffix:local" ;;
+        *) echo "llmgw-test-systemd-$1$suffix:local" ;;
     esac
 }
 
 parse_args() {
     SUITE=${LLMGW_TEST_SUITE:-bookworm}
     IMAGE=""
+    DOCKER=0
     while [ $# -gt 0 ]; do
         case $1 in
+            --docker)
+                DOCKER=1
+                shift
+                ;;
             --suite)
                 [ $# -ge 2 ] || fatal "--suite needs one of: $SUITES"
                 SUITE=$2
                 shift 2
                 ;;
-            -*) fatal "usage: $0 [--suite bookworm|bullseye] [IMAGE] (unknown option '$1')" ;;
+            -*) fatal "usage: $0 [--suite bookworm|bullseye] [--docker] [IMAGE] (unknown option '$1')" ;;
             *)
-                [ -z "$IMAGE" ] || fatal "usage: $0 [--suite bookworm|bullseye] [IMAGE] (one IMAGE)"
+                [ -z "$IMAGE" ] || fatal "usage: $0 [--suite bookworm|bullseye] [--docker] [IMAGE] (one IMAGE)"
                 IMAGE=$1
                 shift
                 ;;
@@ -103,8 +161,13 @@ main() {
     parse_args "$@"
     SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
     CACHE=$TEST_CACHE
-    KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s; getty off; no sources; firewalld masked\n' \
-        "$INCLUDE" "$SUITE" "$(uname -m)" | sha)
+    variant=""
+    if [ "$DOCKER" = 1 ]; then
+        INCLUDE=$INCLUDE,docker.io
+        variant="; nested docker: /var/lib/docker tmpfs, cgroups remounted rw"
+    fi
+    KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s; getty off; no sources; firewalld masked%s\n' \
+        "$INCLUDE" "$SUITE" "$(uname -m)" "$variant" | sha)
     remove_on_exit
 
     check_tools

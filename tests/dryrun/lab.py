@@ -333,6 +333,24 @@ class Lab:
         self.nodes.append(node)
         return node
 
+    def set_aside_others(self, node_id: str) -> list[str]:
+        """Drain (without waiting) every other approved, connected node that still takes
+        replicas, so that placement can choose only ``node_id``: the lab is shared by the
+        package's modules, and one that ran before may have left a node up. Their ids, to
+        ``uncordon`` after."""
+        assert self.server is not None
+        others = [
+            n["id"]
+            for n in self.server.nodes()
+            if n["id"] != node_id
+            and n["state"] == "approved"
+            and n["connected"]
+            and not n["draining"]
+        ]
+        for other in others:
+            self.ctl("drain", other, "--no-wait")
+        return others
+
     def deploy(self, model: str) -> None:
         assert self.server is not None
         self.server.api("POST", "/api/models", {"name": model, "engine": "sim", "replicas": 1})
@@ -379,3 +397,72 @@ def node_of(steps: OrderedSteps) -> Node:
     """The node an earlier step started."""
     assert steps.node is not None
     return steps.node
+
+
+# -- a node with a Docker engine of its own (test_docker_engine.py) ---------------------------
+
+DOCKER_NODE_IMAGE_ENV = "LLMGW_TEST_SYSTEMD_DOCKER_IMAGE"
+DOCKER_NODE_IMAGE = "llmgw-test-systemd-docker:local"
+
+
+def docker_node_image() -> str:
+    """The Debian 12 systemd image whose node also runs dockerd (nested in the test container;
+    ``scripts/systemd-test-image.sh --docker`` says what that takes and why it is test-only):
+    the one ``$LLMGW_TEST_SYSTEMD_DOCKER_IMAGE`` names, else built here (debootstrap once)."""
+    name = os.environ.get(DOCKER_NODE_IMAGE_ENV)
+    if name:
+        inspect = ["docker", "image", "inspect", name]
+        if subprocess.run(inspect, capture_output=True, check=False).returncode != 0:
+            unavailable(f"${DOCKER_NODE_IMAGE_ENV} names {name}, which is not on this machine")
+        return name
+    build = subprocess.run(
+        [str(ROOT / "scripts" / "systemd-test-image.sh"), "--docker", DOCKER_NODE_IMAGE],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if build.returncode != 0:
+        unavailable(f"could not build {DOCKER_NODE_IMAGE}: {build.stderr.strip()[-600:]}")
+    return DOCKER_NODE_IMAGE
+
+
+def engine_image() -> str:
+    """The image of the ``sim`` engine for ``runtime: docker`` (llmgw installed in Debian 12),
+    the one the docker runtime's integration tests use: ``$LLMGW_TEST_DOCKER_IMAGE`` (.ci/run
+    builds it), else built here with ``scripts/docker-test-image.sh``."""
+    from tests.integration.docker_engine import DEFAULT_IMAGE, IMAGE_ENV
+
+    name = os.environ.get(IMAGE_ENV)
+    if name:
+        inspect = ["docker", "image", "inspect", name]
+        if subprocess.run(inspect, capture_output=True, check=False).returncode != 0:
+            unavailable(f"${IMAGE_ENV} names {name}, which is not on this machine")
+        return name
+    build = subprocess.run(
+        [str(ROOT / "scripts" / "docker-test-image.sh"), DEFAULT_IMAGE],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)},
+    )
+    if build.returncode != 0:
+        unavailable(f"could not build the engine image: {build.stderr.strip()[-600:]}")
+    return DEFAULT_IMAGE
+
+
+def load_image(node: Node, image: str) -> None:
+    """Copy ``image`` from the host's dockerd into the node's own (``docker save | docker
+    load``; the node has no registry to pull from, like an air-gapped GPU node)."""
+    with subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE) as save:
+        loaded = subprocess.run(
+            ["docker", "exec", "-i", node.container.name, "docker", "load", "-q"],
+            stdin=save.stdout,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    assert save.returncode == 0, f"docker save {image} exited {save.returncode}"
+    assert loaded.returncode == 0, f"docker load in {node.node_id} failed: {loaded.stderr}"
