@@ -19,11 +19,14 @@ import pytest
 from aiohttp import web
 
 from llmgw import pki
+from llmgw.agent.config import parse_agent_config
 from llmgw.agent.installs import download_ssl_context
+from llmgw.agent.inventory import collect_inventory
 from llmgw.agent.models_dir import Located, SourceStore, list_sources
 from llmgw.agent.runtimes.base import Launch
 from llmgw.agent.runtimes.process import ProcessRuntime
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec, ShardState
+from llmgw.contracts.inventory import inventory_dict
 from llmgw.contracts.model_sources import SourceSpec
 from llmgw.contracts.sources import parse_prefix
 from llmgw.errors import ShardError
@@ -132,6 +135,40 @@ def test_the_store_reports_its_fetch_prefixes_and_cache(tmp_path: Path) -> None:
     (tmp_path / "cache" / "sources" / ".tmp-x").mkdir()
     msg, _ = store.listing()
     assert (list(msg.fetch_prefixes), list(msg.cached)) == (["file:///srv/share/"], [SHA])
+
+
+def test_the_inventory_carries_the_sources_and_their_warnings(
+    tmp_path: Path, empty_path: Path
+) -> None:
+    root = tmp_path / "models"
+    tree(root, {"llama/w.bin": b"w" * 3})
+    (root / "out").symlink_to(tmp_path)
+    cfg = parse_agent_config(
+        {
+            "server": "cp1",
+            "state_dir": str(tmp_path / "state"),
+            "models_root": str(root),
+            "cache_root": str(tmp_path / "cache"),
+            "install_sources": ["http://10.0.0.2:8000/models/"],
+            "discovery": {"ib_root": str(tmp_path / "no-infiniband")},
+        }
+    )
+    inv = collect_inventory(cfg)
+    assert inventory_dict(inv)["sources"] == {
+        "models_root": str(root),
+        "entries": [
+            {"name": "llama", "size_bytes": 3, "dir": True},
+            {"name": "llama/w.bin", "size_bytes": 3, "dir": False},
+        ],
+        "listed_depth": 3,
+        "fetch_prefixes": ["http://10.0.0.2:8000/models/"],
+        "cached": [],
+        "problem": "",
+    }
+    assert [w for w in inv.warnings if "leads outside models_root" in w] == [
+        f"{root}/out leads outside models_root (to {tmp_path}); it is not offered as a "
+        "source: move the files under models_root"
+    ]
 
 
 # -- a shard's source -----------------------------------------------------------------------
