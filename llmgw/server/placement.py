@@ -495,13 +495,14 @@ def _source_headline(profile: Profile, nodes: Collection[_Node], reasons: list[s
             plain.add(f"{view.id}: {problem}")
     if not checked:
         return reasons
-    what = (
-        f"no node may fetch source {source.text} (http:// and file:// sources only from a "
-        "node's install_sources)"
-        if source.fetched
-        else f"no node has source {source.text} under models_root"
-    )
-    return [f"{what}; nodes checked: {', '.join(checked)}", *(r for r in reasons if r not in plain)]
+    if source.fetched:
+        what = f"no node may fetch source {source.text}"
+        fix = "list its place in a node's install_sources (agent.yaml), or give an https:// URL"
+    else:
+        what = f"no node has source {source.text} under models_root"
+        fix = "copy the weights under a node's models_root, or fix the profile's source"
+    headline = f"{what}; nodes checked: {', '.join(checked)} ({fix})"
+    return [headline, *(r for r in reasons if r not in plain)]
 
 
 def _count(node: _Node, alloc: Allocation, sign: int) -> None:

@@ -88,7 +88,8 @@ def test_no_node_has_it_names_the_source_and_the_nodes_checked() -> None:
     ]
     result = Cluster(views, []).place(vllm("llama"))
     assert why(result) == (
-        "no node has source llama under models_root; nodes checked: n1, n2",
+        "no node has source llama under models_root; nodes checked: n1, n2 (copy the weights "
+        "under a node's models_root, or fix the profile's source)",
         "n3: not connected",
     )
     assert Unplaceable(why(result)).summary().startswith("no node has source llama under")
@@ -108,7 +109,8 @@ def test_a_path_outside_a_nodes_models_root_is_not_there() -> None:
     result = Cluster(views[:1], []).place(vllm(f"{ROOT}/llama"))
     # The specific reason stays under the headline.
     assert why(result) == (
-        f"no node has source {ROOT}/llama under models_root; nodes checked: n1",
+        f"no node has source {ROOT}/llama under models_root; nodes checked: n1 (copy the "
+        "weights under a node's models_root, or fix the profile's source)",
         f"n1: source {ROOT}/llama is not under its models_root /data/models",
     )
 
@@ -140,8 +142,8 @@ def test_a_url_source_goes_to_a_node_that_may_fetch_it_or_has_it_cached() -> Non
     assert placed(Cluster(views, []).place(http)) == ["n2"]
     result = Cluster(views[:1], []).place(http)
     assert why(result) == (
-        "no node may fetch source http://10.0.0.2:8000/models/tiny.gguf (http:// and file:// "
-        "sources only from a node's install_sources); nodes checked: n1",
+        "no node may fetch source http://10.0.0.2:8000/models/tiny.gguf; nodes checked: n1 "
+        "(list its place in a node's install_sources (agent.yaml), or give an https:// URL)",
     )
     # A node that fetched it before keeps offering it, whatever its list says now.
     assert placed(Cluster([node("n1", sources(cached=(SHA,)))], []).place(http)) == ["n1"]
