@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import cast
 
 from llmgw.agent.runtimes import RUNTIME_NAMES
-from llmgw.agent.sources import SourcePrefix, parse_prefix
 from llmgw.bodies import (
     DEFAULT_MAX_INFLIGHT_BODY_BYTES,
     DEFAULT_MAX_REQUEST_BODY,
@@ -34,6 +33,7 @@ from llmgw.configfile import (
 )
 from llmgw.contracts.paths import DEFAULT_AGENT_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_DATA_PORT, DEFAULT_GRPC_PORT
+from llmgw.contracts.sources import SourcePrefix, parse_prefix
 from llmgw.engines.registry import ENGINES, engine_names
 from llmgw.listener import ListenerLimits, parse_listener_limits
 from llmgw.netaddr import format_hostport, is_ip_address
@@ -168,7 +168,7 @@ class AgentConfig:
     stop_shards_on_exit: bool = False
     runtime: str = "process"
     docker: DockerConfig = field(default_factory=DockerConfig)
-    # Where engine installs may download from besides https:// (llmgw.agent.sources).
+    # Where engine installs may download from besides https:// (llmgw.contracts.sources).
     install_sources: tuple[SourcePrefix, ...] = ()
     # Slow clients on the data plane: header and TLS handshake timeouts.
     listeners: ListenerLimits = field(default_factory=ListenerLimits)

@@ -8,7 +8,7 @@ it safely under ``<state_dir>/engines/<engine>/<version>/``, runs it, and only t
 The URL comes from the control plane, so the download is no probe of the node's network:
 only ``https://`` (verified against the system trust store and the cluster CA) or the
 ``http://``/``file://`` places listed in ``install_sources`` are fetched, redirects only to
-listed ``https://`` places (llmgw.agent.sources), and until the SHA-256 matched, what the
+listed ``https://`` places (llmgw.contracts.sources), and until the SHA-256 matched, what the
 control plane hears is "download failed", "refused" or "checksum mismatch", never a status,
 size, digest or error of whatever answered: those go to the agent's own log. Unpacking is
 llmgw.fsutil's safe unpack (the one the root update helper uses too).
@@ -45,7 +45,7 @@ import aiohttp
 from yarl import URL
 
 from llmgw.agent.discovery import ENGINE_MANIFEST, check_engine_binary
-from llmgw.agent.sources import SourcePrefix, allowed, split_url
+from llmgw.contracts.sources import SourcePrefix, allowed, split_url
 from llmgw.engines.registry import get_engine, installable_engines
 from llmgw.errors import ArchiveError, EngineError
 from llmgw.fsutil import ArchiveKind, ArchivePolicy, path_problem, unpack_archive

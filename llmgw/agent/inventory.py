@@ -1,4 +1,5 @@
-"""What this node has (CPUs, memory, disk, GPUs, engines, fabrics) as one :class:`pb.Inventory`,
+"""What this node has (CPUs, memory, disk, GPUs, engines, fabrics, model sources) as one
+:class:`pb.Inventory`,
 and a watcher that tells the control plane when that changes in a way worth telling."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from llmgw.agent.discovery import (
     fabric_status,
     sim_engine,
 )
+from llmgw.agent.models_dir import SourceStore
 from llmgw.engines.registry import AVAILABLE_ENGINES
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
@@ -99,6 +101,7 @@ def collect_inventory(
         )
         inv.fabrics.extend(fabrics)
         inv.warnings.extend(warnings)
+        _add_sources(inv, cfg)
     inv.engine_details.extend(details)
     inv.engines.extend(e.name for e in details if e.ok and e.name in AVAILABLE_ENGINES)
     inv.warnings.extend(
@@ -107,6 +110,15 @@ def collect_inventory(
         if not e.ok
     )
     return inv
+
+
+def _add_sources(inv: pb.Inventory, cfg: AgentConfig) -> None:
+    """The model sources under models_root, where it may fetch others from, and what it
+    fetched already (:mod:`llmgw.agent.models_dir`); placement checks profiles against them."""
+    store = SourceStore(cfg.models_root, cfg.cache_root, install_sources=cfg.install_sources)
+    sources, warnings = store.listing()
+    inv.sources.CopyFrom(sources)
+    inv.warnings.extend(warnings)
 
 
 def _coarse(inv: pb.Inventory) -> pb.Inventory:

@@ -25,6 +25,7 @@ from llmgw.agent.config import AgentConfig, TLSConfig
 from llmgw.agent.dataplane import DataPlane, server_ssl_context
 from llmgw.agent.installs import download_ssl_context, install_engine, remove_leftovers
 from llmgw.agent.inventory import InventoryWatcher
+from llmgw.agent.models_dir import SourceStore
 from llmgw.agent.oplog import OperationLog
 from llmgw.agent.renewal import Renewer, recover_identity
 from llmgw.agent.runtimes import Launch, Runtime, get_runtime
@@ -203,6 +204,12 @@ class Agent:
             runtime,
             make_launch=self._docker_launch if runtime.name == "docker" else None,
             on_status=self._report_shard,
+            sources=SourceStore(
+                cfg.models_root,
+                cfg.cache_root,
+                install_sources=cfg.install_sources,
+                ssl_context=lambda: download_ssl_context(cfg.tls.ca),
+            ),
         )
         await shards.open()
         running.push_async_callback(shards.close)

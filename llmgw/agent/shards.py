@@ -10,6 +10,11 @@ One concept, a shard's life on this node, with the spec and states it is about; 
 past 600 lines because its steps (sidecars, engine, readiness, watch, adoption) share the
 shard's state and must be read together to see that every path ends in one final report.
 
+A shard's model source is found under models_root (or in the cache) before anything starts,
+and a shard whose source is a URL not fetched yet is ``starting`` while the agent downloads
+it (:mod:`llmgw.agent.models_dir`); a source that is missing, leads outside models_root or
+cannot be fetched fails the shard without its engine ever being started.
+
 Sidecars (:mod:`llmgw.agent.sidecars`) start before the engine, in order, each healthy
 before the next; the engine starts only once all are. A sidecar that fails to get healthy
 fails the shard without its engine ever being started; one that dies while the engine runs
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import functools
 import logging
@@ -51,10 +57,12 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from llmgw.agent.models_dir import Located, SourceStore
 from llmgw.agent.records import ShardRecords
 from llmgw.agent.runtimes import Handle, Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
+from llmgw.contracts.model_sources import SourceSpec
 from llmgw.engines.launch import build_command
 from llmgw.engines.registry import get_engine
 from llmgw.engines.spec import EngineSpec
@@ -122,6 +130,8 @@ class ShardSpec:
     """Rank 0 of an engine that dials its workers (llama.cpp): each worker's endpoint."""
     listen_addr: str = ""
     """A worker of such an engine: the host:port its endpoint binds."""
+    source_sha256: str = ""
+    """With ``source`` a URL: its SHA-256 (the agent fetches it into cache_root first)."""
 
     @classmethod
     def from_order(cls, order: pb.StartShard) -> ShardSpec:
@@ -144,6 +154,7 @@ class ShardSpec:
             profile=order.profile,
             worker_addrs=tuple(order.worker_addrs),
             listen_addr=order.listen_addr,
+            source_sha256=order.source_sha256,
         )
 
     @classmethod
@@ -197,6 +208,8 @@ class Shard:
     ready_before: bool = False
     """Adopted from a previous agent that had seen it ready."""
     stop_grace: float = 10.0
+    fetching: asyncio.Future[Path] | None = None
+    """The download of its source, while it runs (stopping the shard cancels it)."""
 
     @property
     def shard_id(self) -> str:
@@ -272,8 +285,11 @@ class ShardManager:
         health_interval: float = 0.05,
         make_launch: Callable[[ShardSpec, int, Path], Launch] | None = None,
         worker_grace: float = 1.0,
+        sources: SourceStore | None = None,
     ) -> None:
         self.state_dir = state_dir
+        # models_root and cache_root; None (tests): a source is handed to the engine as is.
+        self.sources = sources
         self.records = ShardRecords(state_dir)
         self.make_launch = make_launch or self._process_launch
         # Where the node's engines are (discovery found them; "" = the default name on PATH).
@@ -386,6 +402,7 @@ class ShardManager:
         if existing is not None and existing.task is not None and not existing.task.done():
             await existing.task
         _check_shape(spec)
+        located = self._locate_source(spec)
         port = pick_port()
         log_path = self.log_path(spec.shard_id)
         sidecars = (
@@ -399,19 +416,24 @@ class ShardManager:
             if spec.sidecars
             else None
         )
-        launch = self.make_launch(spec, port, log_path)
+        launched = spec
+        if located is not None:
+            launched = dataclasses.replace(spec, source=str(located.path))
+        launch = self.make_launch(launched, port, log_path)
         # A worker serves nothing: it has no port to report.
         shard = Shard(spec=spec, port=0 if spec.worker else port, sidecars=sidecars)
         shard.log_offset = _log_size(log_path)
         self.shards[spec.shard_id] = shard
-        if sidecars is not None:
-            log.info(
-                "shard starting its sidecars",
-                extra=kv(shard=spec.shard_id, sidecars=",".join(s.name for s in spec.sidecars)),
-            )
+        fetch = located.fetch if located is not None else None
+        if sidecars is not None or fetch is not None:
+            if sidecars is not None:
+                log.info(
+                    "shard starting its sidecars",
+                    extra=kv(shard=spec.shard_id, sidecars=",".join(s.name for s in spec.sidecars)),
+                )
             self._emit(shard)
             shard.task = asyncio.create_task(
-                self._bring_up(shard, launch), name=f"shard-{spec.shard_id}"
+                self._bring_up(shard, launch, fetch), name=f"shard-{spec.shard_id}"
             )
             return shard
         try:
@@ -443,31 +465,42 @@ class ShardManager:
         )
         self._emit(shard)
 
-    async def _bring_up(self, shard: Shard, launch: Launch) -> None:
-        """Sidecars first, each healthy, then the engine, then watch it."""
-        sidecars = shard.sidecars
-        assert sidecars is not None and self._session is not None
-        try:
-            up = await sidecars.start(
-                self._session,
-                stopping=lambda: shard.stopping,
-                on_started=lambda sidecar: self._save_records(),
-            )
-        except ShardError as exc:
-            shard.state, shard.reason = ShardState.FAILED, str(exc)
-            log.warning("shard failed", extra=kv(shard=shard.shard_id, reason=shard.reason))
-            self._emit(shard)
+    async def _bring_up(
+        self, shard: Shard, launch: Launch, fetch: SourceSpec | None = None
+    ) -> None:
+        """The source fetched (when it must be), sidecars next, each healthy, then the
+        engine, then watch it."""
+        if fetch is not None and not await self._fetch_source(shard, fetch):
             return
-        if not up or shard.stopping:
-            await sidecars.stop(shard.stop_grace)
+        sidecars = shard.sidecars
+        assert self._session is not None
+        if sidecars is not None:
+            try:
+                up = await sidecars.start(
+                    self._session,
+                    stopping=lambda: shard.stopping,
+                    on_started=lambda sidecar: self._save_records(),
+                )
+            except ShardError as exc:
+                shard.state, shard.reason = ShardState.FAILED, str(exc)
+                log.warning("shard failed", extra=kv(shard=shard.shard_id, reason=shard.reason))
+                self._emit(shard)
+                return
+            if not up or shard.stopping:
+                await sidecars.stop(shard.stop_grace)
+                shard.state, shard.reason = ShardState.EXITED, shard.reason or "stopped"
+                self._emit(shard)
+                return
+            log.info("shard sidecars healthy", extra=kv(shard=shard.shard_id))
+        elif shard.stopping:
             shard.state, shard.reason = ShardState.EXITED, shard.reason or "stopped"
             self._emit(shard)
             return
-        log.info("shard sidecars healthy", extra=kv(shard=shard.shard_id))
         try:
             await self._start_engine(shard, launch)
         except LlmgwError as exc:
-            await sidecars.stop(5.0)
+            if sidecars is not None:
+                await sidecars.stop(5.0)
             shard.state, shard.reason = ShardState.FAILED, str(exc)
             log.warning("shard failed", extra=kv(shard=shard.shard_id, reason=shard.reason))
             self._emit(shard)
@@ -477,6 +510,41 @@ class ShardManager:
             # stop() came while the engine was being started, and found nothing to stop.
             await self.runtime.stop(shard.handle, shard.stop_grace)
         await self._watch(shard)
+
+    # -- the model source ----------------------------------------------------------------------
+
+    def _locate_source(self, spec: ShardSpec) -> Located | None:
+        """Where the shard's source is on this node (ShardError when it is not there, leads
+        out of models_root or cannot be fetched); None with no source or no store."""
+        if self.sources is None or not spec.source:
+            return None
+        return self.sources.locate(spec.source, spec.source_sha256)
+
+    async def _fetch_source(self, shard: Shard, source: SourceSpec) -> bool:
+        """Download the shard's source into the cache. False, the shard reported failed
+        (or exited, when it was stopped meanwhile), when the engine must not start."""
+        assert self.sources is not None
+        log.info("shard fetching its source", extra=kv(shard=shard.shard_id))
+        fetch = asyncio.ensure_future(self.sources.fetch(source))
+        shard.fetching = fetch
+        try:
+            await asyncio.wait({fetch})
+        finally:
+            if not fetch.done():  # this task is cancelled: the agent stops
+                fetch.cancel()
+                await asyncio.wait({fetch})
+            shard.fetching = None
+        if fetch.cancelled() or shard.stopping:
+            shard.state, shard.reason = ShardState.EXITED, shard.reason or "stopped"
+            self._emit(shard)
+            return False
+        error = fetch.exception()
+        if error is not None:
+            shard.state, shard.reason = ShardState.FAILED, str(error)
+            log.warning("shard failed", extra=kv(shard=shard.shard_id, reason=shard.reason))
+            self._emit(shard)
+            return False
+        return True
 
     async def adopt_all(self) -> tuple[list[Shard], list[ShardRecord]]:
         """Take over the engines a previous agent left running; call it after :meth:`open`.
@@ -657,6 +725,8 @@ class ShardManager:
             return None
         shard.stopping = True
         shard.stop_grace = grace
+        if shard.fetching is not None:
+            shard.fetching.cancel()
         if shard.handle is not None and self.runtime.alive(shard.handle):
             log.info("shard stopping", extra=kv(shard=shard_id, pid=shard.pid))
             await self.runtime.stop(shard.handle, grace)

@@ -1,7 +1,9 @@
 """The model catalog (``catalog.yaml``): each model's named profiles, parsed and checked into
 typed objects before anything is stored.
 
-A profile says how to run a model: engine, weights path on the node (``source``), GPUs per
+A profile says how to run a model: engine, weights (``source``: a name under the node's
+models_root, a path in it, or a URL and its SHA-256, as :mod:`llmgw.contracts.model_sources`
+defines them), GPUs per
 shard, shards per replica (``nodes``), memory per GPU, extra engine arguments and
 parameters, placement, and sidecars started before the engine (a model's sidecars go to
 each of its profiles; a profile's own sidecar of the same name replaces it). Every error is a
@@ -31,6 +33,7 @@ from llmgw.configfile import (
     type_name,
     unknown_key_message,
 )
+from llmgw.contracts.model_sources import SourceSpec, parse_source
 from llmgw.engines.launch import check_params
 from llmgw.engines.registry import engine_names, get_engine, multi_node_engines
 from llmgw.errors import ConfigError, EngineError
@@ -113,6 +116,7 @@ class Profile:
     a replica has ``nodes`` shards, one per node."""
 
     engine: str
+    # The weights as the profile names them (name, path or URL); a URL has its SHA-256.
     source: str | None = None
     gpus: int = 0
     nodes: int = 1
@@ -124,12 +128,18 @@ class Profile:
     # The largest request body the gateway (and the data plane) take for the model while
     # this profile is deployed, in bytes; None: server.yaml's max_request_body.
     max_request_body: int | None = None
+    source_sha256: str = ""
+
+    @property
+    def source_spec(self) -> SourceSpec | None:
+        """The source as placement and the agent check it; None when the profile has none."""
+        return None if self.source is None else SourceSpec(self.source, self.source_sha256)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, in the catalog's own form: parsing it again gives this profile."""
         out: dict[str, Any] = {"engine": self.engine}
-        if self.source is not None:
-            out["source"] = self.source
+        if self.source_spec is not None:
+            out["source"] = self.source_spec.to_value()
         out["gpus"] = self.gpus
         out["nodes"] = self.nodes
         if self.gpu_memory_mib is not None:
@@ -250,12 +260,15 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
 
     source = None
     if raw.get("source") is not None:
-        source = _node_path(check, raw["source"], at("source"))
+        try:
+            source = parse_source(raw["source"])
+        except ConfigError as exc:
+            _relay(check, at("source"), exc)
     elif not get_engine(engine).builtin:
         check.fail(
             at("source"),
-            f"is missing: engine {engine} needs the weights' path on the node, e.g. "
-            "/srv/llmgw/models/NAME",
+            f"is missing: engine {engine} needs its weights: a name under the node's "
+            "models_root (e.g. llama-3-8b), or {url: https://…, sha256: …}",
         )
 
     if "gpus" in raw:
@@ -325,7 +338,8 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         )
     return Profile(
         engine=engine,
-        source=source,
+        source=source.text if source is not None else None,
+        source_sha256=source.sha256 if source is not None else "",
         gpus=gpus,
         nodes=nodes,
         gpu_memory_mib=memory,
@@ -476,19 +490,6 @@ def _params(check: Checker, value: object, key: str) -> dict[str, str]:
             check.fail(nkey, "is not a valid parameter name: letters, digits and _ . -")
         out[name] = _string(check, item, nkey)
     return out
-
-
-def _node_path(check: Checker, value: object, key: str) -> str:
-    text = check.string(value, key)
-    if "\0" in text:
-        check.fail(key, "must not contain a NUL character")
-    if not text.startswith("/"):
-        check.fail(
-            key,
-            f"{text!r} is not an absolute path; give the weights' path on the node, e.g. "
-            f"/srv/llmgw/models/{text.strip('./') or 'NAME'}",
-        )
-    return text
 
 
 def _url(check: Checker, value: object, key: str) -> str:

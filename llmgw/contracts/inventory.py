@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmgw.contracts.model_sources import sources_dict
 from llmgw.proto import control_pb2 as pb
 
 __all__ = ["inventory_dict"]
@@ -63,4 +64,6 @@ def inventory_dict(inv: pb.Inventory) -> dict[str, Any]:
             {"name": f.name, "hcas": list(f.hcas), "healthy": f.healthy} for f in inv.fabrics
         ],
         "warnings": list(inv.warnings),
+        # None: an agent that predates model sources (placement does not filter it).
+        "sources": sources_dict(inv.sources) if inv.HasField("sources") else None,
     }

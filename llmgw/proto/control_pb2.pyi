@@ -85,7 +85,7 @@ class Gpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("hostname", "arch", "cpus", "memory_total_bytes", "memory_available_bytes", "gpus", "gpu_status", "engines", "driver_version", "gpu_source", "disk_total_bytes", "disk_free_bytes", "engine_details", "ib_adapters", "fabrics", "warnings")
+    __slots__ = ("hostname", "arch", "cpus", "memory_total_bytes", "memory_available_bytes", "gpus", "gpu_status", "engines", "driver_version", "gpu_source", "disk_total_bytes", "disk_free_bytes", "engine_details", "ib_adapters", "fabrics", "warnings", "sources")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     CPUS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class Inventory(_message.Message):
     IB_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     FABRICS_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     arch: str
     cpus: int
@@ -118,7 +119,34 @@ class Inventory(_message.Message):
     ib_adapters: _containers.RepeatedCompositeFieldContainer[IbAdapter]
     fabrics: _containers.RepeatedCompositeFieldContainer[Fabric]
     warnings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, hostname: _Optional[str] = ..., arch: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_status: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., driver_version: _Optional[str] = ..., gpu_source: _Optional[str] = ..., disk_total_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., engine_details: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., ib_adapters: _Optional[_Iterable[_Union[IbAdapter, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+    sources: ModelSources
+    def __init__(self, hostname: _Optional[str] = ..., arch: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_status: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., driver_version: _Optional[str] = ..., gpu_source: _Optional[str] = ..., disk_total_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., engine_details: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., ib_adapters: _Optional[_Iterable[_Union[IbAdapter, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., sources: _Optional[_Union[ModelSources, _Mapping]] = ...) -> None: ...
+
+class ModelSources(_message.Message):
+    __slots__ = ("models_root", "entries", "listed_depth", "fetch_prefixes", "cached", "problem")
+    MODELS_ROOT_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    LISTED_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    FETCH_PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    models_root: str
+    entries: _containers.RepeatedCompositeFieldContainer[ModelSource]
+    listed_depth: int
+    fetch_prefixes: _containers.RepeatedScalarFieldContainer[str]
+    cached: _containers.RepeatedScalarFieldContainer[str]
+    problem: str
+    def __init__(self, models_root: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[ModelSource, _Mapping]]] = ..., listed_depth: _Optional[int] = ..., fetch_prefixes: _Optional[_Iterable[str]] = ..., cached: _Optional[_Iterable[str]] = ..., problem: _Optional[str] = ...) -> None: ...
+
+class ModelSource(_message.Message):
+    __slots__ = ("name", "size_bytes", "dir")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_bytes: int
+    dir: bool
+    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., dir: _Optional[bool] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
     __slots__ = ("name", "path", "version", "ok", "problem")
@@ -295,7 +323,7 @@ class OrderMeta(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., op_id: _Optional[str] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("meta", "shard_id", "replica_id", "model", "engine", "rank", "params", "extra_args", "gpus", "nodes", "dist_init_addr", "source", "gpu_memory_mib", "sidecars", "profile", "worker_addrs", "listen_addr")
+    __slots__ = ("meta", "shard_id", "replica_id", "model", "engine", "rank", "params", "extra_args", "gpus", "nodes", "dist_init_addr", "source", "gpu_memory_mib", "sidecars", "profile", "worker_addrs", "listen_addr", "source_sha256")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +348,7 @@ class StartShard(_message.Message):
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRS_FIELD_NUMBER: _ClassVar[int]
     LISTEN_ADDR_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_SHA256_FIELD_NUMBER: _ClassVar[int]
     meta: OrderMeta
     shard_id: str
     replica_id: str
@@ -337,7 +366,8 @@ class StartShard(_message.Message):
     profile: str
     worker_addrs: _containers.RepeatedScalarFieldContainer[str]
     listen_addr: str
-    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., dist_init_addr: _Optional[str] = ..., source: _Optional[str] = ..., gpu_memory_mib: _Optional[int] = ..., sidecars: _Optional[_Iterable[_Union[Sidecar, _Mapping]]] = ..., profile: _Optional[str] = ..., worker_addrs: _Optional[_Iterable[str]] = ..., listen_addr: _Optional[str] = ...) -> None: ...
+    source_sha256: str
+    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., dist_init_addr: _Optional[str] = ..., source: _Optional[str] = ..., gpu_memory_mib: _Optional[int] = ..., sidecars: _Optional[_Iterable[_Union[Sidecar, _Mapping]]] = ..., profile: _Optional[str] = ..., worker_addrs: _Optional[_Iterable[str]] = ..., listen_addr: _Optional[str] = ..., source_sha256: _Optional[str] = ...) -> None: ...
 
 class Sidecar(_message.Message):
     __slots__ = ("name", "argv", "health_url", "timeout_s", "ready_after_s")

@@ -3,10 +3,11 @@ once per pass, for the nodes and GPUs of each replica it is missing.
 
 Filter, then score. A node takes a shard when it is approved, connected, not draining, not
 lost, offers the engine (and does not hold it back: a desired build not yet installed and
-checked there, see :func:`offered_engines`), is not in ``avoid`` and has enough free GPUs; the shards of a
-multi-node replica go to distinct nodes that share one healthy fabric. ``binpack`` fills
-nodes up (fewest free GPUs that still fit, and for multi-node the fabric with the fewest
-spare nodes); ``spread`` prefers the emptiest nodes and fabrics.
+checked there, see :func:`offered_engines`), has the profile's source under its models_root
+or may fetch it (:mod:`llmgw.contracts.model_sources`), is not in ``avoid`` and has enough
+free GPUs; the shards of a multi-node replica go to distinct nodes that share one healthy
+fabric. ``binpack`` fills nodes up (fewest free GPUs that still fit, and for multi-node the
+fabric with the fewest spare nodes); ``spread`` prefers the emptiest nodes and fabrics.
 
 GPUs are exclusive: an allocation holds its GPUs whole, and ``gpu_memory_mib`` is a fit check
 against each GPU's size, not a share of it. vLLM and SGLang claim a fixed fraction of the
@@ -20,8 +21,10 @@ from __future__ import annotations
 import heapq
 import itertools
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
+
+from llmgw.contracts.model_sources import NodeSources, SourceSpec
 
 __all__ = [
     "STRATEGIES",
@@ -67,6 +70,8 @@ class NodeView:
     # Engines held back from this node, each with why: a desired build not yet installed
     # and checked there (llmgw.server.installs).
     held_engines: tuple[tuple[str, str], ...] = ()
+    # The model sources it reported; None when its agent reports none (not filtered).
+    sources: NodeSources | None = None
 
 
 def offered_engines(view: NodeView) -> frozenset[str]:
@@ -85,6 +90,8 @@ class Profile:
     gpus: int
     nodes: int = 1
     gpu_memory_mib: int = 0
+    # The weights every shard's node must have under its models_root, or may fetch.
+    source: SourceSpec | None = None
 
     def __post_init__(self) -> None:
         if self.gpus < 0:
@@ -296,6 +303,7 @@ class Cluster:
             profile.engine in node.engines
             and node.view.id not in avoid
             and (profile.gpus == 0 or node.fit(memory) >= profile.gpus)
+            and not _source_problem(node.view, profile)
         )
 
     def _walk(self, buckets: _Buckets, gpus: int, strategy: str) -> Iterator[str]:
@@ -344,7 +352,12 @@ class Cluster:
             fits = 0
             chosen: list[_Node] = []
             walk = self._walk(buckets, profile.gpus, strategy)
-            if profile.engine in common[0] and memory <= common[1] and fabric not in avoided:
+            if (
+                profile.engine in common[0]
+                and memory <= common[1]
+                and fabric not in avoided
+                and profile.source is None
+            ):
                 fits = sum(len(ids) for k, ids in buckets.items() if k[0] >= profile.gpus)
                 chosen = [self._nodes[n] for n in itertools.islice(walk, profile.nodes)]
             else:
@@ -410,6 +423,7 @@ class Cluster:
             else:
                 for fabric in node.fabrics:
                     fits[fabric] += 1
+        reasons = _source_headline(profile, self._nodes.values(), reasons)
         if profile.nodes > 1:
             for fabric in sorted(fits):
                 total = self._fabric_nodes[fabric]
@@ -443,6 +457,9 @@ class Cluster:
             return f"engine {profile.engine} not offered (installed: {installed})"
         if profile.nodes > 1 and not node.fabrics:
             return "no fabric (multi-node replicas need one)"
+        source = _source_problem(view, profile)
+        if source:
+            return source
         need = profile.gpus
         if need == 0:
             return ""
@@ -467,6 +484,47 @@ class Cluster:
 def _held(view: NodeView, engine: str) -> str:
     """Why ``engine`` is held back from the node ("" when it is not)."""
     return next((why for held, why in view.held_engines if held == engine), "")
+
+
+def _source_problem(view: NodeView, profile: Profile) -> str:
+    """Why the node cannot serve the profile's source; "" when it can, when the profile has
+    none, or when the node reports no sources (an agent that predates the check)."""
+    if profile.source is None or view.sources is None:
+        return ""
+    return view.sources.problem(profile.source)
+
+
+def _source_headline(profile: Profile, nodes: Collection[_Node], reasons: list[str]) -> list[str]:
+    """When every node that got as far as the source check failed it, one line first says
+    so and names them; it stands for their plain "no source" and "may not fetch" lines,
+    while any other reason (a path outside models_root, a listing that failed) stays."""
+    source = profile.source
+    if source is None:
+        return reasons
+    checked: list[str] = []
+    plain: set[str] = set()
+    for node in nodes:
+        view = node.view
+        if view.sources is None or not node.usable or profile.engine not in node.engines:
+            continue
+        if profile.nodes > 1 and not node.fabrics:
+            continue
+        problem = _source_problem(view, profile)
+        if not problem:
+            return reasons  # a node has it: the nodes' own reasons say the rest
+        checked.append(view.id)
+        if problem.startswith(("no source ", "may not fetch ")):
+            plain.add(f"{view.id}: {problem}")
+    if not checked:
+        return reasons
+    if source.fetched:
+        what = f"no node may fetch source {source.text}"
+        fix = "list its place in a node's install_sources (agent.yaml), or give an https:// URL"
+    else:
+        what = f"no node has source {source.text} under models_root"
+        fix = "copy the weights under a node's models_root, or fix the profile's source"
+    headline = f"{what}; nodes checked: {', '.join(checked)} ({fix})"
+    return [headline, *(r for r in reasons if r not in plain)]
 
 
 def _count(node: _Node, alloc: Allocation, sign: int) -> None:

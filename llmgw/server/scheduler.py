@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from llmgw.contracts.catalog import Profile as CatalogProfile
 from llmgw.contracts.catalog import adhoc_profile, parse_profile
+from llmgw.contracts.model_sources import NodeSources
 from llmgw.engines.launch import worker_port_base
 from llmgw.errors import ConfigError, NotFound
 from llmgw.log import kv
@@ -214,6 +215,7 @@ class Scheduler:
                     mgmt_addr=_host_of(node.dataplane_addr or ""),
                     state=node.state,
                     held_engines=holds.get(node.id, ()),
+                    sources=NodeSources.from_inventory(inv),
                 )
             )
         allocations = [
@@ -239,6 +241,7 @@ class Scheduler:
             gpus=profile.gpus,
             nodes=profile.nodes,
             gpu_memory_mib=profile.gpu_memory_mib or 0,
+            source=profile.source_spec,
         )
         try:
             with store.transaction():
@@ -496,6 +499,7 @@ class Scheduler:
             nodes=profile.nodes,
             dist_init_addr=shard.dist_init_addr,
             source=profile.source or "",
+            source_sha256=profile.source_sha256,
             gpu_memory_mib=profile.gpu_memory_mib or 0,
             sidecars=[
                 {

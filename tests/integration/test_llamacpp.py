@@ -252,7 +252,14 @@ def fleet(
 ) -> Iterator[tuple[Server, str]]:
     tmp = tmp_path_factory.mktemp("fleet")
     server = start_server(tmp)
-    agent = make_agent(tmp, server, "cpu-a", extra={"engines": {"llamacpp": {"bin": str(wrapper)}}})
+    agent = make_agent(
+        tmp,
+        server,
+        "cpu-a",
+        # The model's folder is the node's models_root: sources are found (and checked
+        # before placement) there.
+        extra={"engines": {"llamacpp": {"bin": str(wrapper)}}, "models_root": str(model.parent)},
+    )
     # Only engines.llamacpp.bin names the wrapper: the agent must run the program discovery
     # found, not a `llama-server` from PATH (there is none on this machine).
     start_agent(agent)

@@ -45,6 +45,11 @@ def _run_stub(tls: ServingCertificate | None) -> Iterator[AdminStub]:
         stub.seen.append({"path": request.path, "auth": request.headers.get("Authorization")})
         return web.json_response([])
 
+    async def status(request: web.Request) -> web.Response:
+        # `ctl nodes` (not --json) compares each agent's version with the control plane's.
+        stub.seen.append({"path": request.path, "auth": request.headers.get("Authorization")})
+        return web.json_response({"version": "0.1.0"})
+
     async def password(request: web.Request) -> web.Response:
         stub.seen.append({"path": request.path, "body": await request.json()})
         return web.json_response({"ok": True})
@@ -52,6 +57,7 @@ def _run_stub(tls: ServingCertificate | None) -> Iterator[AdminStub]:
     async def start() -> web.AppRunner:
         app = web.Application()
         app.router.add_get("/api/nodes", nodes)
+        app.router.add_get("/api/status", status)
         app.router.add_put("/api/admin/password", password)
         runner = web.AppRunner(app)
         await runner.setup()
@@ -191,7 +197,8 @@ def test_insecure_http_sends_it_anyway_and_loopback_needs_no_flag(
     assert out.exit_code == 0, out.stderr
     out = ctl(env, "--server", f"http://127.0.0.1:{plain.port}", "--token", TOKEN, "nodes")
     assert out.exit_code == 0, out.stderr
-    assert [s["auth"] for s in plain.seen] == [f"Bearer {TOKEN}"] * 3
+    assert [s["auth"] for s in plain.seen if s["path"] == "/api/nodes"] == [f"Bearer {TOKEN}"] * 3
+    assert {s["auth"] for s in plain.seen} == {f"Bearer {TOKEN}"}
 
 
 def test_https_is_verified_against_the_system_store_or_the_ca_given(
@@ -220,7 +227,7 @@ def test_https_is_verified_against_the_system_store_or_the_ca_given(
     )
     out = ctl(env, "--config", str(config), "nodes")
     assert out.exit_code == 0, out.stderr
-    assert [s["auth"] for s in https.seen] == [f"Bearer {TOKEN}"] * 3
+    assert [s["auth"] for s in https.seen if s["path"] == "/api/nodes"] == [f"Bearer {TOKEN}"] * 3
     # A CA file that is not one is a usage problem, said as such.
     out = ctl(env, "--server", url, "--token", TOKEN, "--ca", str(tmp_path / "token"), "nodes")
     assert out.exit_code == 2

@@ -53,6 +53,8 @@ class ModelRoutes:
             "engine": model.engine,
             "gpus": spec.get("gpus", 0),
             "nodes": spec.get("nodes", 1),
+            # The deployed profile's weights: a name, a path, or {url, sha256}; None if none.
+            "source": spec.get("source"),
             "replicas": model.replicas,
             "ready": ready,
             "params": model.params,

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from llmgw.agent.discovery import ENGINE_MANIFEST
 from llmgw.agent.installs import install_engine, remove_leftovers
-from llmgw.agent.sources import parse_prefix
+from llmgw.contracts.sources import parse_prefix
 from llmgw.errors import EngineError
 from llmgw.proto import control_pb2 as pb
 

@@ -23,7 +23,7 @@ from aiohttp import web
 from llmgw import pki
 from llmgw.agent.config import parse_agent_config
 from llmgw.agent.installs import download_ssl_context, install_engine
-from llmgw.agent.sources import SourcePrefix, parse_prefix
+from llmgw.contracts.sources import SourcePrefix, parse_prefix
 from llmgw.errors import ConfigError, EngineError
 from llmgw.proto import control_pb2 as pb
 

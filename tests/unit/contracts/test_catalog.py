@@ -26,6 +26,7 @@ from llmgw.contracts.catalog import (
     parse_profile,
     profile_body_limit,
 )
+from llmgw.contracts.model_sources import SourceSpec
 from llmgw.engines import registry
 from llmgw.errors import ConfigError
 
@@ -118,6 +119,42 @@ def test_full_catalog_round_trips_through_json(tmp_path: Path) -> None:
         "placement": "binpack",
         "sidecars": [],
     }
+
+
+def test_the_three_source_forms_parse_and_round_trip() -> None:
+    sha = "AB" * 32
+    data = {
+        "models": {
+            "m": {
+                "profiles": {
+                    "named": {"engine": "vllm", "source": "meta/Llama-3-8B", "gpus": 1},
+                    "path": {"engine": "vllm", "source": "/srv/llmgw/models/llama", "gpus": 1},
+                    "fetched": {
+                        "engine": "llamacpp",
+                        "source": {"url": "https://h.example/m/tiny.Q4.gguf", "sha256": sha},
+                        "gpus": 0,
+                    },
+                    "sim": {"engine": "sim", "source": "tiny"},
+                }
+            }
+        }
+    }
+    catalog = parse_catalog(data, source="c.yaml")
+    profiles = catalog.models["m"].profiles
+    assert (profiles["named"].source, profiles["named"].source_sha256) == ("meta/Llama-3-8B", "")
+    assert profiles["path"].source_spec == SourceSpec("/srv/llmgw/models/llama")
+    fetched = profiles["fetched"].source_spec
+    # The SHA-256 is kept lowercase: the cache folder's name on the node.
+    assert fetched == SourceSpec("https://h.example/m/tiny.Q4.gguf", sha.lower())
+    assert fetched.file_name == "tiny.Q4.gguf"
+    assert profiles["sim"].source == "tiny"
+    stored = json.loads(json.dumps(catalog.to_dict()))
+    assert stored["models"]["m"]["profiles"]["fetched"]["source"] == {
+        "url": "https://h.example/m/tiny.Q4.gguf",
+        "sha256": sha.lower(),
+    }
+    assert stored["models"]["m"]["profiles"]["named"]["source"] == "meta/Llama-3-8B"
+    assert parse_catalog(stored, source="again") == catalog
 
 
 def test_a_profile_may_raise_the_request_body_limit_and_it_round_trips() -> None:
@@ -262,9 +299,42 @@ INVALID_PROFILES: list[tuple[dict[str, Any], str, str]] = [
     ({"engine": None}, f"{P}.engine", "is missing: choose one of sim, vllm, sglang, llamacpp"),
     ({"engine": "vlm"}, f"{P}.engine", "unknown engine 'vlm'; did you mean 'vllm'?"),
     ({"engine": 3}, f"{P}.engine", "must be a string, got int"),
-    ({"source": None}, f"{P}.source", "is missing: engine vllm needs the weights' path"),
-    ({"source": "models/llama"}, f"{P}.source", "is not an absolute path"),
-    ({"source": ""}, f"{P}.source", "must not be empty"),
+    ({"source": None}, f"{P}.source", "is missing: engine vllm needs its weights"),
+    ({"source": ""}, f"{P}.source", "must be a name under the node's models_root"),
+    ({"source": 7}, f"{P}.source", "must be a name under the node's models_root"),
+    ({"source": "../etc/shadow"}, f"{P}.source", "has an empty, '.' or '..' segment"),
+    ({"source": "/srv/llmgw/models/../x"}, f"{P}.source", "a source stays under the node's"),
+    ({"source": "a//b"}, f"{P}.source", "has an empty, '.' or '..' segment"),
+    ({"source": "a/b/c/d"}, f"{P}.source", "is 4 levels deep; the agent lists models_root 3"),
+    ({"source": "a\\b"}, f"{P}.source", "must not contain a NUL character or a backslash"),
+    ({"source": "https://h/m.gguf"}, f"{P}.source", "is a URL without its SHA-256"),
+    ({"source": {"url": "https://h/m.gguf"}}, f"{P}.source", "needs sha256: the 64 hex"),
+    (
+        {"source": {"url": "https://h/m.gguf", "sha256": "ab" * 31}},
+        f"{P}.source",
+        "needs sha256: the 64 hex",
+    ),
+    ({"source": {"sha256": "ab" * 32}}, f"{P}.source", "needs url: the https://"),
+    (
+        {"source": {"url": "ftp://h/m.gguf", "sha256": "ab" * 32}},
+        f"{P}.source",
+        "cannot be fetched: only https://, http:// and file:// URLs",
+    ),
+    (
+        {"source": {"url": "https://h/models/", "sha256": "ab" * 32}},
+        f"{P}.source",
+        "must end in the file's name",
+    ),
+    (
+        {"source": {"url": "https://h/m.gguf?sig=1", "sha256": "ab" * 32}},
+        f"{P}.source",
+        "must not have a query or fragment",
+    ),
+    (
+        {"source": {"url": "https://h/m.gguf", "sha256": "ab" * 32, "size": 1}},
+        f"{P}.source",
+        "has unknown key(s) size",
+    ),
     ({"gpus": None}, f"{P}.gpus", "is missing: engine vllm needs the number of GPUs"),
     ({"gpus": -1}, f"{P}.gpus", "must be at least 0, got -1"),
     ({"gpus": 1.5}, f"{P}.gpus", "must be a whole number, got float 1.5"),

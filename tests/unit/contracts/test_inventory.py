@@ -15,7 +15,8 @@ def _field_names(descriptor: Descriptor, data: dict[str, object]) -> None:
     assert set(data) == {f.name for f in descriptor.fields}
     for f in descriptor.fields:
         if f.message_type is not None:
-            items = data[f.name]
+            value = data[f.name]
+            items = value if f.is_repeated else [value]
             assert isinstance(items, list) and items, f.name
             for item in items:
                 assert isinstance(item, dict)
@@ -65,6 +66,14 @@ def full_inventory() -> pb.Inventory:
         ],
         fabrics=[pb.Fabric(name="ib-a", hcas=["mlx5_0", "mlx5_9"], healthy=False)],
         warnings=["fabric ib-a: adapter mlx5_9 is missing"],
+        sources=pb.ModelSources(
+            models_root="/srv/llmgw/models",
+            entries=[pb.ModelSource(name="llama", size_bytes=5 << 30, dir=True)],
+            listed_depth=3,
+            fetch_prefixes=["file:///srv/share/"],
+            cached=["ab" * 32],
+            problem="",
+        ),
     )
 
 
@@ -103,6 +112,14 @@ def test_inventory_dict_has_every_field() -> None:
         }
     ]
     assert data["fabrics"] == [{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_9"], "healthy": False}]
+    assert data["sources"] == {
+        "models_root": "/srv/llmgw/models",
+        "entries": [{"name": "llama", "size_bytes": 5 << 30, "dir": True}],
+        "listed_depth": 3,
+        "fetch_prefixes": ["file:///srv/share/"],
+        "cached": ["ab" * 32],
+        "problem": "",
+    }
     assert (data["engines"], data["warnings"]) == (
         ["sim", "llamacpp"],
         ["fabric ib-a: adapter mlx5_9 is missing"],
@@ -113,4 +130,7 @@ def test_an_empty_inventory_is_all_defaults() -> None:
     data = inventory_dict(pb.Inventory())
     assert data["hostname"] == "" and data["cpus"] == 0
     assert data["gpus"] == data["engine_details"] == data["ib_adapters"] == data["fabrics"] == []
+    # An agent that reports no sources (older than the check) is told apart from an empty
+    # models_root: placement does not filter it.
+    assert data["sources"] is None
     assert json.loads(json.dumps(data)) == data

@@ -1,6 +1,9 @@
-"""Where engine installs may download from: the ``install_sources:`` of agent.yaml.
+"""Where a node may download from: the ``install_sources:`` of agent.yaml, for engine
+installs and for model sources fetched into its cache.
 
-An install order names a URL the control plane chose; the node decides whether to fetch it.
+An install order (or a profile's ``source: {url, sha256}``) names a URL the control plane
+chose; the node decides whether to fetch it, and the control plane, from the prefixes the
+node reports, which nodes would (:func:`fetchable`): one rule, read by both sides.
 ``https://`` URLs are fetched (the server verified against the system trust store and the
 cluster CA); plain ``http://`` and ``file://`` URLs only when they start with a prefix the
 operator listed in ``install_sources``; redirects are followed only to ``https://`` URLs
@@ -14,7 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["SOURCE_SCHEMES", "SourcePrefix", "allowed", "parse_prefix", "split_url"]
+__all__ = [
+    "SOURCE_SCHEMES",
+    "SourcePrefix",
+    "allowed",
+    "fetchable",
+    "parse_prefix",
+    "split_url",
+]
 
 SOURCE_SCHEMES = ("https", "http", "file")
 _DEFAULT_PORTS = {"https": 443, "http": 80}
@@ -81,3 +91,14 @@ def parse_prefix(text: str) -> SourcePrefix:
 def allowed(url: str, prefixes: tuple[SourcePrefix, ...], *, schemes: tuple[str, ...]) -> bool:
     """Whether ``url`` starts with one of ``prefixes`` whose scheme is in ``schemes``."""
     return any(p.scheme in schemes and p.covers(url) for p in prefixes)
+
+
+def fetchable(url: str, prefixes: tuple[SourcePrefix, ...]) -> bool:
+    """Whether a node whose ``install_sources`` are ``prefixes`` fetches ``url``: any
+    ``https://`` URL, and an ``http://`` or ``file://`` one that a prefix of its scheme covers.
+    A URL that cannot be matched (another scheme, ``..`` segments) is never fetched."""
+    try:
+        scheme = split_url(url)[0]
+    except ValueError:
+        return False
+    return scheme == "https" or allowed(url, prefixes, schemes=(scheme,))
