@@ -126,6 +126,9 @@ class NodeIdentity:
 
     def reload(self) -> None:
         self.ssl_context.load_cert_chain(self.tls.cert, self.tls.key)
+        # A CA rotation's new CA (tls.ca is the trust bundle); a CA is never removed from a
+        # context, so a dropped one stays trusted here until the agent restarts.
+        self.ssl_context.load_verify_locations(cafile=str(self.tls.ca))
 
     def download_ssl_context(self) -> ssl.SSLContext:
         """TLS for update-bundle downloads, presenting this identity."""
@@ -279,6 +282,7 @@ class Agent:
         )
         renewer = Renewer(cfg.tls, cfg.node_id, send=stream.send, on_renewed=identity.reload)
         stream.on_renewal_answer = renewer.answer
+        stream.on_trust_bundle = renewer.trust
         tasks = [
             asyncio.create_task(renewer.run(), name="renewal"),
             asyncio.create_task(inventory.run(), name="inventory"),
