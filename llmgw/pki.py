@@ -864,7 +864,7 @@ class Rotation:
 
     previous: str
     current: str
-    started: int
+    started: float
     drop_at: int
     dropped: int | None = None
 
@@ -948,7 +948,7 @@ def read_rotation(directory: Path) -> Rotation | None:
         return Rotation(
             previous=str(data["previous"]),
             current=str(data["current"]),
-            started=int(data["started"]),
+            started=float(data["started"]),
             drop_at=int(data["drop_at"]),
             dropped=None if data.get("dropped") is None else int(data["dropped"]),
         )
@@ -1014,8 +1014,8 @@ def rotate_ca(
                 f"{_utc(current.drop_at)}; drop it first ('llmgw ctl cert finish-rotation'), "
                 "then rotate again"
             )
-        started = int(time.time())
-        drop_at = started + math.ceil(overlap)
+        started = time.time()
+        drop_at = math.ceil(started + overlap)
         end = dt.datetime.fromtimestamp(drop_at, dt.UTC)
         if old.cert.not_valid_after_utc < end:
             drop_at = int(old.cert.not_valid_after_utc.timestamp())

@@ -63,19 +63,19 @@ class ClusterAuthority:
 
     def nodes_on_previous(self, rotation: pki.Rotation | None = None) -> list[str]:
         """Nodes (not revoked) holding a certificate, neither revoked nor expired, that the
-        old CA of the rotation under way issued: issued before the rotation started, as the
-        store records it (every certificate issued since is the new CA's)."""
+        old CA of the rotation under way issued: recorded before the rotation started (every
+        certificate recorded since is the new CA's: the shared Authority moved before the
+        rotation returned, on the one thread that signs)."""
         rotation = rotation or self.rotation()
         if rotation is None or not rotation.active:
             return []
-        cutoff = rotation.started - pki.BACKDATE.total_seconds()
         now = time.time()
         holders = []
         for node in self.store.list_nodes():
             if node.state == NodeState.REVOKED:
                 continue
             for cert in self.store.list_certificates(node.id):
-                if not cert.revoked and cert.not_after > now and cert.not_before < cutoff:
+                if not cert.revoked and cert.not_after > now and cert.issued_at < rotation.started:
                     holders.append(node.id)
                     break
         return holders
