@@ -3,8 +3,12 @@
 Layout of a PKI directory (mode 0700)::
 
     ca.crt  ca.key            the cluster CA (key 0600)
+    trust.crt                 what verifiers trust: the CA, and during a rotation the old one
     server.crt server.key     the control plane's TLS server certificate
     client.crt client.key     the control plane's client certificate (CN ``llmgw-control-plane``)
+
+and during a CA rotation (see "CA rotation" below) ``previous-ca.crt``/``previous-ca.key``,
+``ca-cross.crt`` and ``rotation.json``.
 
 Node certificates carry CN = SAN DNS = node id and both clientAuth and serverAuth, because an
 agent presents the same certificate to the control plane and on its own data plane.
@@ -31,8 +35,8 @@ Every file is written atomically (llmgw.fsutil); private keys are created 0600 a
 readable by anyone else, not even for an instant. Node ids and host names are checked by
 llmgw.netaddr, which also knows this machine's addresses.
 
-Why one module of ~900 lines: it is one concept, what the cluster CA signs and how. The CA,
-the leaf certificates and the CSR checks share one policy (the control plane's identity above,
+Why one module of ~1,150 lines: it is one concept, what the cluster CA signs and how. The CA,
+its rotation, the leaf certificates and the CSR checks share one policy (the control plane's identity above,
 the one shape of a node certificate that :func:`sign_csr` and :func:`issue_node_cert` both
 build, the SANs a control plane must carry), and splitting them would scatter that policy
 over modules that must change together.
