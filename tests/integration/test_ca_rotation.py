@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,6 +202,14 @@ def test_rotation_with_live_agents_and_a_signed_update_after_it(fleet: Fleet) ->
     again = f.ctl("cert", "rotate-ca")
     assert again.returncode == 1
     assert "a CA rotation is under way" in again.stderr
+    # Joins from now on pin the new CA, and enrolment serves it over a certificate that an
+    # agent trusting only the old CA still verifies (through the cross-certificate).
+    token = f.server.api("POST", "/api/join-tokens", {"node": "gpu-rot-c", "ttl": 600})
+    assert token["ca_hash"] == new_pin
+    ctx = ssl.create_default_context(cadata=pki.cert_pem(old.cert).decode())
+    ctx.check_hostname = False
+    with urllib.request.urlopen(token["enroll_url"] + "/enroll/ca", context=ctx, timeout=10) as r:
+        assert r.read() == pki.cert_pem(new.cert)
 
     # Both live agents take the bundle (new CA first, the old one during the overlap) and
     # renew under the new CA, without a restart.
