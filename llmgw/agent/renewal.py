@@ -108,6 +108,10 @@ class Renewer:
             log.warning("cannot take the control plane's trust bundle", extra=kv(error=str(exc)))
             return False
         self._wake.set()  # renew at once when the certificate is not the new CA's
+        if changed:
+            # The data plane trusts exactly the file's CAs from its next handshake on.
+            with contextlib.suppress(Exception):
+                self.on_renewed()
         return changed
 
     def _trust(self, msg: pb.TrustBundle) -> bool:

@@ -67,8 +67,10 @@ def test_the_new_ca_is_taken_through_the_old_cas_cross_certificate(node: Node) -
     assert node.renewer.due(pki.load_cert(node.tls.cert)) > 0  # before: not due
     assert node.renewer.trust(node.bundle()) is True
     assert node.trusted() == [new.ca_hash(), node.old.ca_hash()]
+    assert node.renewed == 1  # the data plane reloads its trust
     assert node.renewer.due(pki.load_cert(node.tls.cert)) == 0.0  # renew at once
     assert node.renewer.trust(node.bundle()) is False  # the same again: nothing to write
+    assert node.renewed == 1
 
 
 def test_a_ca_nobody_trusted_vouches_for_is_not_taken(node: Node, tmp_path: Path) -> None:
@@ -132,8 +134,9 @@ def test_renewal_under_the_new_ca_and_the_drop(node: Node) -> None:
         )
         return await task
 
+    assert node.renewed == 1  # the new trust reloaded the data plane
     assert asyncio.run(renew()) is True
-    assert node.renewed == 1
+    assert node.renewed == 2
     assert pki.issued_by(pki.load_cert(node.tls.cert), new.cert)
     assert node.renewer.due(pki.load_cert(node.tls.cert)) > 0
     # The control plane drops the old CA: it leaves the node's file.
