@@ -922,7 +922,7 @@ def issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
     the names: no validity period, no usage."""
     try:
         cert.verify_directly_issued_by(issuer)
-    except (ValueError, TypeError, InvalidSignature):
+    except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):
         return False
     return True
 

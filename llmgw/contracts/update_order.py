@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -246,12 +246,16 @@ def _verify_through_cross(
     except UpdateError:
         raise refused from None
     when = time.time() if now is None else now
-    for cert in _ca_certs(unverified):
-        if not _endorsed(cert, ca, when):
+    for cert in _ca_certs(unverified):  # unverified: anyone's certificates until one checks out
+        try:
+            if not _endorsed(cert, ca, when):
+                continue
+            public = cert.public_key()
+        except (ValueError, UnsupportedAlgorithm, x509.DuplicateExtension):
             continue
-        if not _signed_by(cert.public_key(), order_bytes, signature):
+        if not _signed_by(public, order_bytes, signature):
             continue
-        signer = fingerprint(cert.public_key())
+        signer = fingerprint(public)
         if unverified.get("ca_pin") != signer:
             raise UpdateError(
                 f"the update order is signed by CA {signer}, which the trusted CA endorses, "

@@ -620,3 +620,38 @@ def test_a_pin_without_its_certificate_is_refused(rotated: Rotated) -> None:
     fields["ca_certs"] = fields["ca_certs"][1:]  # the cross-certificate alone
     node.spool_request(bundle, order_for(sha256=sha, **fields), key=rotated.new)
     node.assert_refused(node.apply(), "carries no self-signed certificate")
+
+
+def test_odd_certificates_in_an_unverified_order_are_refused_not_a_crash(
+    rotated: Rotated, other_authority: Authority
+) -> None:
+    """Until an order verifies, its ca_certs are anyone's: keys of other kinds, a CA of
+    another name, are passed over and the order is refused."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+    from cryptography.x509.oid import NameOID
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "llmgw cluster CA")])
+    now = dt.datetime.now(dt.UTC)
+    odd = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(now)
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, None)
+    )
+    node = rotated.node
+    bundle, sha = good_bundle(node)
+    fields = {
+        "ca_pin": other_authority.ca_hash(),
+        "ca_certs": [pki.cert_pem(odd).decode(), pki.cert_pem(other_authority.cert).decode()],
+    }
+    node.spool_request(bundle, order_for(sha256=sha, **fields), key=other_authority)
+    node.assert_refused(node.apply(), "does not verify against the cluster CA")
