@@ -17,10 +17,13 @@
 #       labelled containers, unprivileged, ports on 127.0.0.1). --docker-group instead puts
 #       the agent in the docker group, which is root on this host. Neither: the agent has no
 #       Docker access (and leaves the docker group if an earlier install put it there).
-#   upgrade      Install this bundle's binary and units, keep the configuration and the
+#   upgrade [--ca-hash HASH]
+#                Install this bundle's binary and units, keep the configuration and the
 #                identity, restart; roll back by itself when the new agent does not listen
 #                within LLMGW_AGENT_HEALTH_TIMEOUT seconds (default 180), or stops within
-#                LLMGW_AGENT_SETTLE_SECONDS (default 30) after it came up.
+#                LLMGW_AGENT_SETTLE_SECONDS (default 30) after it came up. --ca-hash (after
+#                a CA rotation, the new pin 'llmgw ctl cert' shows): the update helper trusts
+#                the CA of that pin from the agent's CA file from then on.
 #   rollback     Swap back to the previous binary and units, restart.
 #   uninstall [--purge]
 #                Stop and remove the binary, the units and the firewall rules; keep the
@@ -154,6 +157,10 @@ parse_args() {
             [ -n "$ENROLL_URL" ] || fatal "rekey needs --enroll-url and --ca-hash (from 'llmgw ctl join-command --rekey NODE')"
             [ -n "$CA_HASH" ] \
                 || fatal "rekey needs --enroll-url and --ca-hash (from 'llmgw ctl join-command --rekey NODE')"
+            ;;
+        upgrade)
+            [ -z "$NODE_ID$ENROLL_URL$ADDRESS$FIREWALL_FROM$REPO_URL$REPO_KEY$DOCKER" ] \
+                || fatal "'upgrade' takes no options but --ca-hash (the cluster CA's pin after a CA rotation, from 'llmgw ctl cert')"
             ;;
         *)
             [ -z "$NODE_ID$ENROLL_URL$CA_HASH$ADDRESS$FIREWALL_FROM$REPO_URL$REPO_KEY$DOCKER" ] \
@@ -1251,6 +1258,7 @@ verb_upgrade() {
             systemctl daemon-reload
             restart_and_wait "$HEALTH_TIMEOUT" || true
         fi
+        upgrade_trust
         info "llmgw $NEW_VERSION is installed already; nothing to upgrade"
         return 0
     fi
@@ -1278,6 +1286,7 @@ verb_upgrade() {
         if restart_and_wait "$HEALTH_TIMEOUT"; then
             if settled; then
                 rm -rf "$PREVIOUS_DIR.old"
+                upgrade_trust
                 info "done: llmgw $NEW_VERSION runs and listens on :$AGENT_PORT (llmgw ${old:-?} kept for rollback)"
                 return 0
             fi
@@ -1299,6 +1308,14 @@ verb_upgrade() {
     fi
     journal_tail
     fatal "upgrade to llmgw $NEW_VERSION failed and the rolled-back llmgw ${old:-?} does not come up either (journal above); see: journalctl -u $UNIT"
+}
+
+# After a CA rotation: 'upgrade --ca-hash NEW' moves the update helper's trust to the CA of
+# that pin (checked by 'llmgw agent update-trust', never the agent's word alone).
+upgrade_trust() {
+    [ -n "$CA_HASH" ] || return 0
+    install_update_trust \
+        || warn "update helper: its trust may not be updated (above); run 'install-agent.sh upgrade --ca-hash $CA_HASH' again"
 }
 
 verb_rollback() {

@@ -3,8 +3,12 @@
 Layout of a PKI directory (mode 0700)::
 
     ca.crt  ca.key            the cluster CA (key 0600)
+    trust.crt                 what verifiers trust: the CA, and during a rotation the old one
     server.crt server.key     the control plane's TLS server certificate
     client.crt client.key     the control plane's client certificate (CN ``llmgw-control-plane``)
+
+and during a CA rotation (see "CA rotation" below) ``previous-ca.crt``/``previous-ca.key``,
+``ca-cross.crt`` and ``rotation.json``.
 
 Node certificates carry CN = SAN DNS = node id and both clientAuth and serverAuth, because an
 agent presents the same certificate to the control plane and on its own data plane.
@@ -31,8 +35,8 @@ Every file is written atomically (llmgw.fsutil); private keys are created 0600 a
 readable by anyone else, not even for an instant. Node ids and host names are checked by
 llmgw.netaddr, which also knows this machine's addresses.
 
-Why one module of ~900 lines: it is one concept, what the cluster CA signs and how. The CA,
-the leaf certificates and the CSR checks share one policy (the control plane's identity above,
+Why one module of ~1,150 lines: it is one concept, what the cluster CA signs and how. The CA,
+its rotation, the leaf certificates and the CSR checks share one policy (the control plane's identity above,
 the one shape of a node certificate that :func:`sign_csr` and :func:`issue_node_cert` both
 build, the SANs a control plane must carry), and splitting them would scatter that policy
 over modules that must change together.
@@ -44,9 +48,11 @@ import contextlib
 import datetime as dt
 import fcntl
 import hashlib
+import json
 import math
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,9 +102,13 @@ BACKDATE = _BACKDATE
 _FILE_STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Authority:
-    """A loaded cluster CA."""
+    """A loaded cluster CA.
+
+    One object per control plane, shared by every part that signs (enrolment, renewal,
+    update orders): a CA rotation moves it to the new CA in place (:meth:`move_to`), so each
+    of them signs with the new key from the next signature on."""
 
     cert: x509.Certificate
     key: ec.EllipticCurvePrivateKey
@@ -107,6 +117,10 @@ class Authority:
     def ca_hash(self) -> str:
         """``sha256:<hex>`` of the CA certificate's DER SubjectPublicKeyInfo (kubeadm's format)."""
         return fingerprint(self.cert.public_key())
+
+    def move_to(self, other: Authority) -> None:
+        """Sign as ``other`` from now on (a rotation's new CA, loaded from the same directory)."""
+        self.cert, self.key, self.directory = other.cert, other.key, other.directory
 
 
 @dataclass(frozen=True)
@@ -398,26 +412,49 @@ def _init_ca_locked(
         raise ConfigError(f"must be at least 1, not {valid_days}", key="valid_days")
     key = new_private_key()
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = _now()
-    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - _BACKDATE)
-        .not_valid_after(now + dt.timedelta(days=valid_days))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(_key_usage(ca=True), critical=True)
-        .add_extension(ski, critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), False)
-        .sign(key, hashes.SHA256())
-    )
+    cert = _self_signed_ca(key, name, dt.timedelta(days=valid_days))
     # Key first: a crash in between leaves a key without a certificate, which load_ca reports.
     write_private(directory / CA_KEY, key_pem(key))
     _write_public(directory / CA_CERT, cert_pem(cert))
     return Authority(cert=cert, key=key, directory=directory)
+
+
+def _ca_cert(
+    subject: x509.Name,
+    public_key: ec.EllipticCurvePublicKey,
+    *,
+    issuer: x509.Name,
+    issuer_key: ec.EllipticCurvePrivateKey,
+    not_after: dt.datetime,
+) -> x509.Certificate:
+    """A CA certificate for ``public_key``: self-signed when ``issuer_key`` is its own key,
+    else a cross-certificate. Path length 0 (only leaves below it)."""
+    ski = x509.SubjectKeyIdentifier.from_public_key(public_key)
+    aki = x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(
+        x509.SubjectKeyIdentifier.from_public_key(issuer_key.public_key())
+    )
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_now() - _BACKDATE)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(ca=True), critical=True)
+        .add_extension(ski, critical=False)
+        .add_extension(aki, critical=False)
+        .sign(issuer_key, hashes.SHA256())
+    )
+
+
+def _self_signed_ca(
+    key: ec.EllipticCurvePrivateKey, name: x509.Name, lifetime: dt.timedelta
+) -> x509.Certificate:
+    return _ca_cert(
+        name, key.public_key(), issuer=name, issuer_key=key, not_after=_now() + lifetime
+    )
 
 
 def load_ca(directory: Path) -> Authority:
@@ -797,6 +834,255 @@ def serial_hex(cert: x509.Certificate) -> str:
     return format(cert.serial_number, "x")
 
 
+# --------------------------------------------------------------------------- CA rotation
+#
+# A rotation (``llmgw ctl cert rotate-ca``) makes a new CA with a new key and the old CA's
+# own subject name, and has the old CA sign that new key too: the cross-certificate
+# ``ca-cross.crt`` (RFC 4210's "NewWithOld"), valid until the old CA is dropped. Whoever
+# trusts only the old CA still verifies what the new one issued, through the cross-
+# certificate that every control-plane certificate carries after its leaf; whoever has the
+# trust bundle (``trust.crt``: the new CA, then the old) verifies both directly. The shared
+# subject name is what makes this work with the CAs llmgw has always made (path length 0):
+# a certificate whose issuer and subject names are equal is self-issued, and self-issued CA
+# certificates do not count against a path length (RFC 5280, 4.2.1.9).
+#
+# Files of a rotation, beside ca.crt/ca.key (now the new CA):
+#   previous-ca.crt previous-ca.key   the old CA, until it is dropped (key 0600)
+#   ca-cross.crt                      the new CA's key, signed by the old CA
+#   trust.crt                         what every verifier trusts: the new CA, then the old
+#   rotation.json                     the pins, when it started, when the old CA is dropped
+
+TRUST_BUNDLE = "trust.crt"
+PREVIOUS_CA_CERT = "previous-ca.crt"
+PREVIOUS_CA_KEY = "previous-ca.key"
+CROSS_CERT = "ca-cross.crt"
+ROTATION_FILE = "rotation.json"
+DEFAULT_OVERLAP = 7 * 86400.0
+"""Seconds both CAs are trusted after a rotation, unless ``--overlap`` says otherwise."""
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """The latest CA rotation of a PKI directory: the old and new CA's pins (``ca-hash``),
+    when it started, when the old CA is (or was) dropped, and whether it has been."""
+
+    previous: str
+    current: str
+    started: float
+    drop_at: int
+    dropped: int | None = None
+
+    @property
+    def active(self) -> bool:
+        """Both CAs are trusted now (the old one not dropped yet)."""
+        return self.dropped is None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "previous": self.previous,
+            "current": self.current,
+            "started": self.started,
+            "drop_at": self.drop_at,
+            "dropped": self.dropped,
+        }
+
+
+def load_certs(data: bytes, *, what: str = "the bundle") -> list[x509.Certificate]:
+    """Every certificate in a PEM bundle, in order; CertificateError naming ``what`` when
+    there is none or one does not parse."""
+    try:
+        certs = x509.load_pem_x509_certificates(bytes(data))
+    except ValueError as e:
+        raise CertificateError(
+            f"{what} is not a list of PEM certificates ({e}); replace it with the cluster's "
+            "trust bundle"
+        ) from e
+    return certs
+
+
+def load_bundle(path: Path) -> list[x509.Certificate]:
+    """The certificates of a PEM file (a CA, or a trust bundle of several)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CertificateError(
+            f"cannot read {path}: {e.strerror or e}; check the path and its permissions"
+        ) from e
+    return load_certs(data, what=str(path))
+
+
+def bundle_pem(certs: Iterable[x509.Certificate]) -> bytes:
+    """Certificates as one PEM file, in the order given."""
+    return b"".join(cert_pem(c) for c in certs)
+
+
+def issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
+    """Whether ``issuer``'s key signed ``cert`` (and the names chain). Only the signature and
+    the names: no validity period, no usage."""
+    try:
+        cert.verify_directly_issued_by(issuer)
+    except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):
+        return False
+    return True
+
+
+def cross_sign(
+    issuer: Authority, ca_cert: x509.Certificate, *, until: dt.datetime
+) -> x509.Certificate:
+    """``ca_cert``'s subject and key, as a CA certificate signed by ``issuer`` and valid until
+    ``until`` (never past ``issuer``'s own end): the old CA's word for the new one."""
+    public = ca_cert.public_key()
+    if not isinstance(public, ec.EllipticCurvePublicKey):
+        raise CertificateError("only an llmgw CA (ECDSA) can be cross-signed")
+    return _ca_cert(
+        ca_cert.subject,
+        public,
+        issuer=issuer.cert.subject,
+        issuer_key=issuer.key,
+        not_after=min(until, issuer.cert.not_valid_after_utc),
+    )
+
+
+def read_rotation(directory: Path) -> Rotation | None:
+    """The latest rotation of the PKI directory, or None when its CA was never rotated."""
+    path = Path(directory) / ROTATION_FILE
+    try:
+        data = json.loads(path.read_bytes())
+        return Rotation(
+            previous=str(data["previous"]),
+            current=str(data["current"]),
+            started=float(data["started"]),
+            drop_at=int(data["drop_at"]),
+            dropped=None if data.get("dropped") is None else int(data["dropped"]),
+        )
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise PKIError(f"cannot read {path}: {e.strerror or e}; check its permissions") from e
+    except (ValueError, KeyError, TypeError) as e:
+        raise PKIError(
+            f"{path} is not a rotation record ({e}); restore it from a backup, or, when no "
+            "rotation is under way, remove it"
+        ) from e
+
+
+def trust_certificates(directory: Path) -> list[x509.Certificate]:
+    """What the control plane trusts: its CA, then the one a rotation replaced (until dropped)."""
+    directory = Path(directory)
+    certs = [load_cert(directory / CA_CERT)]
+    previous = directory / PREVIOUS_CA_CERT
+    if previous.exists():
+        certs.append(load_cert(previous))
+    return certs
+
+
+def cross_certificates(directory: Path) -> list[x509.Certificate]:
+    """The cross-certificate of a rotation under way (none otherwise)."""
+    path = Path(directory) / CROSS_CERT
+    return [load_cert(path)] if path.exists() else []
+
+
+def _write_rotation(directory: Path, rotation: Rotation) -> None:
+    data = json.dumps(rotation.to_json(), sort_keys=True, indent=2) + "\n"
+    atomic_write(directory / ROTATION_FILE, data.encode(), mode=0o600)
+
+
+def _write_trust(directory: Path) -> list[x509.Certificate]:
+    certs = trust_certificates(directory)
+    _write_public_if_changed(directory / TRUST_BUNDLE, bundle_pem(certs))
+    return certs
+
+
+def rotate_ca(
+    directory: Path, *, overlap: float = DEFAULT_OVERLAP, valid_days: int = 3650
+) -> Rotation:
+    """Replace the CA in ``directory`` with a new one (new key, same subject) that the old one
+    cross-signs, both trusted for ``overlap`` seconds. The leaves are the caller's to reissue
+    (:func:`ensure_server_identity` does). PKIError while a rotation is under way."""
+    directory = Path(directory)
+    if not (math.isfinite(overlap) and overlap >= 1):
+        raise ConfigError(
+            f"must be at least 1s (a duration like 7d), not {overlap!r}", key="overlap"
+        )
+    if valid_days < 1:
+        raise ConfigError(f"must be at least 1, not {valid_days}", key="valid_days")
+    if not _ca_present(directory):
+        raise NoAuthority(str(directory))
+    with _dir_lock(directory):
+        old = load_ca(directory)
+        current = read_rotation(directory)
+        if current is not None and current.active:
+            raise PKIError(
+                f"a CA rotation is under way: CA {current.previous} is dropped at "
+                f"{_utc(current.drop_at)}; drop it first ('llmgw ctl cert finish-rotation'), "
+                "then rotate again"
+            )
+        started = time.time()
+        drop_at = math.ceil(started + overlap)
+        end = dt.datetime.fromtimestamp(drop_at, dt.UTC)
+        if old.cert.not_valid_after_utc < end:
+            drop_at = int(old.cert.not_valid_after_utc.timestamp())
+            end = old.cert.not_valid_after_utc
+        key = new_private_key()
+        cert = _self_signed_ca(key, old.cert.subject, dt.timedelta(days=valid_days))
+        cross = cross_sign(old, cert, until=end)
+        rotation = Rotation(
+            previous=old.ca_hash(),
+            current=fingerprint(key.public_key()),
+            started=started,
+            drop_at=drop_at,
+        )
+        # The old CA is kept first: a crash at any later step leaves it recoverable.
+        write_private(directory / PREVIOUS_CA_KEY, key_pem(old.key))
+        _write_public(directory / PREVIOUS_CA_CERT, cert_pem(old.cert))
+        _write_public(directory / CROSS_CERT, cert_pem(cross))
+        _write_rotation(directory, rotation)
+        write_private(directory / CA_KEY, key_pem(key))
+        _write_public(directory / CA_CERT, cert_pem(cert))
+        _write_trust(directory)
+    return rotation
+
+
+def finish_rotation(directory: Path) -> Rotation:
+    """Drop the old CA of the rotation under way: its certificate leaves the trust bundle,
+    its key and the cross-certificate are deleted. PKIError when none is under way."""
+    directory = Path(directory)
+    with _dir_lock(directory):
+        return _finish_rotation_locked(directory)
+
+
+def _finish_rotation_locked(directory: Path) -> Rotation:
+    rotation = read_rotation(directory)
+    if rotation is None or not rotation.active:
+        raise PKIError(
+            f"no CA rotation is under way in {directory}; 'llmgw ctl cert rotate-ca' starts one"
+        )
+    done = Rotation(
+        previous=rotation.previous,
+        current=rotation.current,
+        started=rotation.started,
+        drop_at=rotation.drop_at,
+        dropped=int(time.time()),
+    )
+    _write_rotation(directory, done)
+    for name in (CROSS_CERT, PREVIOUS_CA_CERT, PREVIOUS_CA_KEY):
+        try:
+            (directory / name).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise PKIError(
+                f"cannot remove {directory / name}: {e.strerror or e}; remove it by hand"
+            ) from e
+    _write_trust(directory)
+    return done
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(seconds))
+
+
 # --------------------------------------------------------------------------- control plane start
 
 
@@ -844,32 +1130,39 @@ def _tighten_key(path: Path) -> None:
 def ensure_server_identity(
     pki_dir: Path, *, hosts: Iterable[str]
 ) -> tuple[Authority, Identity, Identity]:
-    """What the control plane runs on every start: the CA, its server certificate (covering every
-    host in ``hosts``) and its client certificate, each (re)issued when missing, expiring within
-    30 days, signed by another CA, without the control plane's identity (:data:`CONTROL_PLANE_OID`
-    and :data:`CONTROL_PLANE_NAME`, which older versions did not add) or (server) not covering
-    the hosts."""
+    """What the control plane runs on every start (and after a CA rotation): the CA, its server
+    certificate (covering every host in ``hosts``) and its client certificate, each (re)issued
+    when missing, expiring within 30 days, signed by another CA (the one a rotation replaced,
+    too), without the control plane's identity (:data:`CONTROL_PLANE_OID` and
+    :data:`CONTROL_PLANE_NAME`, which older versions did not add) or (server) not covering the
+    hosts. A rotation whose overlap has ended is finished here (the old CA dropped). The
+    identities' ``ca`` is the trust bundle (``trust.crt``); while a rotation is under way
+    their certificate files carry the cross-certificate after the leaf."""
     pki_dir = Path(pki_dir)
     wanted = _server_sans(hosts)  # validate hosts before touching anything
     _make_dir(pki_dir, tighten=True)
     with _dir_lock(pki_dir):
         ca = _init_ca_locked(pki_dir, DEFAULT_CA_CN, 3650, exist_ok=True)
         _tighten_key(pki_dir / CA_KEY)
+        rotation = read_rotation(pki_dir)
+        if rotation is not None and rotation.active and rotation.drop_at <= time.time():
+            _finish_rotation_locked(pki_dir)
+        _tighten_key(pki_dir / PREVIOUS_CA_KEY)
+        _write_trust(pki_dir)
+        chain = bundle_pem(cross_certificates(pki_dir))
+        trust = pki_dir / TRUST_BUNDLE
 
-        server = Identity(
-            cert=pki_dir / "server.crt", key=pki_dir / "server.key", ca=pki_dir / CA_CERT
-        )
+        server = Identity(cert=pki_dir / "server.crt", key=pki_dir / "server.key", ca=trust)
         if _usable(
             ca, server, common_name=SERVER_CN, usage=ExtendedKeyUsageOID.SERVER_AUTH, sans=wanted
         ):
             _tighten_key(server.key)
         else:
             hosts_list = [str(n.value) for n in wanted]
-            server = issue_server_cert(ca, pki_dir, hosts=hosts_list, name="server")
+            issue_server_cert(ca, pki_dir, hosts=hosts_list, name="server")
+        _carry_chain(server.cert, chain)
 
-        client = Identity(
-            cert=pki_dir / "client.crt", key=pki_dir / "client.key", ca=pki_dir / CA_CERT
-        )
+        client = Identity(cert=pki_dir / "client.crt", key=pki_dir / "client.key", ca=trust)
         if _usable(
             ca,
             client,
@@ -879,8 +1172,16 @@ def ensure_server_identity(
         ):
             _tighten_key(client.key)
         else:
-            client = issue_control_plane_client_cert(ca, pki_dir, name="client")
+            issue_control_plane_client_cert(ca, pki_dir, name="client")
+        _carry_chain(client.cert, chain)
     return ca, server, client
+
+
+def _carry_chain(path: Path, chain: bytes) -> None:
+    """The leaf in ``path`` followed by exactly ``chain`` (the rotation's cross-certificate,
+    or nothing), rewritten only when it differs."""
+    leaf = cert_pem(load_cert(path))
+    _write_public_if_changed(path, leaf + chain)
 
 
 __all__ = [
@@ -889,28 +1190,45 @@ __all__ = [
     "CA_KEY",
     "CONTROL_PLANE_CN",
     "CONTROL_PLANE_OID",
+    "CROSS_CERT",
+    "DEFAULT_OVERLAP",
     "MIN_RSA_BITS",
+    "PREVIOUS_CA_CERT",
+    "PREVIOUS_CA_KEY",
+    "ROTATION_FILE",
+    "TRUST_BUNDLE",
     "Authority",
     "Identity",
+    "Rotation",
+    "bundle_pem",
     "cert_common_name",
     "cert_pem",
     "check_csr",
     "control_plane_names",
     "control_plane_problem",
+    "cross_certificates",
+    "cross_sign",
     "ensure_ca",
     "ensure_server_identity",
     "fingerprint",
+    "finish_rotation",
     "init_ca",
     "is_ca_certificate",
     "issue_control_plane_client_cert",
     "issue_node_cert",
     "issue_server_cert",
+    "issued_by",
     "key_pem",
+    "load_bundle",
     "load_ca",
     "load_cert",
+    "load_certs",
     "load_csr",
     "make_csr",
     "new_private_key",
+    "read_rotation",
+    "rotate_ca",
     "serial_hex",
     "sign_csr",
+    "trust_certificates",
 ]

@@ -1,8 +1,19 @@
-"""Certificate renewal over the stream: a new key and CSR at two thirds of the lifetime.
+"""Certificate renewal over the stream: a new key and CSR at two thirds of the lifetime, and
+at once when the cluster CA was rotated.
 
 The new key and certificate replace the old ones on disk atomically and only once the
-control plane has answered with a certificate for our key from our CA; the data plane
-takes them for new connections and the next stream uses them, so no shard is touched.
+control plane has answered with a certificate for our key from a CA we trust; the data
+plane takes them for new connections and the next stream uses them, so no shard is touched.
+
+**CA rotation.** The control plane sends its trust bundle (:class:`pb.TrustBundle`): the
+cluster CA first, then, during the overlap, the CA it replaces. :meth:`Renewer.trust` keeps
+of it only the CAs this node trusts already and those a CA it trusts vouches for with a
+cross-certificate valid now (the stream is authenticated, and still a CA of the control
+plane's choosing is never taken on its word alone), writes them as the node's CA file
+(``tls.ca``: current CA first), and renews at once when the node certificate is not the
+first CA's. A bundle without the old CA (after the overlap) removes it from the file. The
+root update helper never reads this file as trust: only as a candidate checked against a
+pin (llmgw.updater.trust).
 """
 
 from __future__ import annotations
@@ -23,10 +34,14 @@ from llmgw.fsutil import atomic_write, write_private
 from llmgw.log import kv
 from llmgw.pki import (
     BACKDATE,
+    bundle_pem,
     cert_common_name,
     cert_pem,
     fingerprint,
+    is_ca_certificate,
+    issued_by,
     key_pem,
+    load_bundle,
     load_cert,
     make_csr,
     new_private_key,
@@ -72,6 +87,79 @@ class Renewer:
         self.on_renewed = on_renewed
         self._pending_key: ec.EllipticCurvePrivateKey | None = None
         self._answer: asyncio.Future[pb.RenewCertificate] | None = None
+        self._wake = asyncio.Event()
+
+    def due(self, cert: x509.Certificate) -> float:
+        """When to renew ``cert``: at two thirds of its life, or now when the CA this node
+        trusts first (the cluster CA, after a rotation the new one) did not issue it."""
+        try:
+            first = load_bundle(self.tls.ca)[0]
+        except (CertificateError, IndexError):
+            return renew_at(cert)
+        return renew_at(cert) if issued_by(cert, first) else 0.0
+
+    def trust(self, msg: pb.TrustBundle) -> bool:
+        """Take the control plane's trust bundle (see the module docstring); True when the
+        node's CA file changed. Never raises: a bundle that cannot be used is logged and the
+        file kept."""
+        try:
+            changed = self._trust(msg)
+        except (CertificateError, OSError) as exc:
+            log.warning("cannot take the control plane's trust bundle", extra=kv(error=str(exc)))
+            return False
+        self._wake.set()  # renew at once when the certificate is not the new CA's
+        if changed:
+            # The data plane trusts exactly the file's CAs from its next handshake on.
+            with contextlib.suppress(Exception):
+                self.on_renewed()
+        return changed
+
+    def _trust(self, msg: pb.TrustBundle) -> bool:
+        trusted = load_bundle(self.tls.ca)
+        trusted_pins = {fingerprint(c.public_key()) for c in trusted}
+        now = time.time()
+        crosses = []
+        for pem in msg.cross_pems:
+            try:
+                crosses.append(x509.load_pem_x509_certificate(pem.encode()))
+            except ValueError:
+                log.warning("ignoring an unreadable cross-certificate in the trust bundle")
+        if len(msg.pins) != len(msg.ca_pems):
+            raise CertificateError("the trust bundle's pins do not match its CAs; it is ignored")
+        keep: list[x509.Certificate] = []
+        for pem, pin in zip(msg.ca_pems, msg.pins, strict=True):
+            try:
+                ca = x509.load_pem_x509_certificate(pem.encode())
+            except ValueError as exc:
+                raise CertificateError(f"a CA of the trust bundle does not parse: {exc}") from exc
+            got = fingerprint(ca.public_key())
+            if got != pin or not is_ca_certificate(ca) or not issued_by(ca, ca):
+                raise CertificateError(
+                    f"the trust bundle's CA {got} is not the self-signed CA of pin {pin}; it "
+                    "is ignored"
+                )
+            if got in trusted_pins or any(_vouches(cross, ca, trusted, now) for cross in crosses):
+                keep.append(ca)
+            else:
+                log.info(
+                    "not trusting a CA of the bundle that no trusted CA vouches for",
+                    extra=kv(ca=got),
+                )
+        if not keep:
+            raise CertificateError(
+                "no CA of the trust bundle is trusted by this node or vouched for by one it "
+                "trusts (it missed the CA rotation's overlap); rejoin the node "
+                "('llmgw ctl join-command --rekey NODE')"
+            )
+        data = bundle_pem(keep)
+        if self.tls.ca.read_bytes() == data:
+            return False
+        atomic_write(self.tls.ca, data, mode=0o644)
+        log.warning(
+            "the cluster CA changed; this node now trusts the control plane's new trust bundle",
+            extra=kv(cas=",".join(fingerprint(c.public_key()) for c in keep)),
+        )
+        return True
 
     def answer(self, msg: pb.RenewCertificate) -> None:
         if self._answer is not None and not self._answer.done():
@@ -80,15 +168,17 @@ class Renewer:
     async def run(self) -> None:
         """Renew whenever due; returns only when cancelled."""
         while True:
+            self._wake.clear()
             try:
-                due = renew_at(load_cert(self.tls.cert))
+                due = self.due(load_cert(self.tls.cert))
             except CertificateError as exc:
                 log.warning("cannot read the node certificate", extra=kv(error=str(exc)))
                 await asyncio.sleep(RETRY)
                 continue
             wait = due - time.time()
             if wait > 0:
-                await asyncio.sleep(min(wait, 3600.0))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), min(wait, 3600.0))
                 continue
             if await self.renew_once():
                 await asyncio.sleep(1.0)  # never renew back to back
@@ -138,17 +228,14 @@ class Renewer:
             raise CertificateError(
                 f"the renewed certificate is for {cert_common_name(cert)!r}, not {self.node_id!r}"
             )
-        current_ca = load_cert(self.tls.ca)
-        if ca != current_ca:
+        if ca not in load_bundle(self.tls.ca):
             raise CertificateError(
-                "the renewed certificate comes with another CA; rejoin the node instead"
+                f"the renewed certificate comes with a CA this node does not trust "
+                f"({fingerprint(ca.public_key())}); it takes a new CA only from the control "
+                "plane's trust bundle (CA rotation), else rejoin the node"
             )
-        try:
-            cert.verify_directly_issued_by(current_ca)
-        except (ValueError, TypeError) as exc:
-            raise CertificateError(
-                f"the renewed certificate is not from the cluster CA: {exc}"
-            ) from exc
+        if not issued_by(cert, ca):
+            raise CertificateError("the renewed certificate is not from the cluster CA")
         if fingerprint(key.public_key()) != fingerprint(cert.public_key()):
             raise CertificateError("the renewed certificate is not for the key we sent")
         # Key first, then certificate: a crash in between leaves node.key.new's
@@ -192,4 +279,18 @@ def recover_identity(tls: TLSConfig) -> None:
     raise CertificateError(
         f"the node key {tls.key} does not belong to the certificate {tls.cert}; rejoin the node "
         "('llmgw agent join --rekey')"
+    )
+
+
+def _vouches(
+    cross: x509.Certificate, ca: x509.Certificate, trusted: list[x509.Certificate], now: float
+) -> bool:
+    """Whether ``cross`` is a trusted CA's word for ``ca``'s key: a CA certificate for the
+    same key and name, signed by a trusted CA, valid at ``now``."""
+    return (
+        is_ca_certificate(cross)
+        and fingerprint(cross.public_key()) == fingerprint(ca.public_key())
+        and cross.subject == ca.subject
+        and cross.not_valid_before_utc.timestamp() <= now < cross.not_valid_after_utc.timestamp()
+        and any(issued_by(cross, t) for t in trusted)
     )

@@ -99,8 +99,9 @@ def _source_address_towards(server: str) -> str:
 
 class NodeIdentity:
     """The node's certificate, key and CA on disk, and the data plane's TLS context that
-    presents them. A renewal or rekey replaces the files; :meth:`reload` makes new
-    data-plane handshakes present the new certificate (open connections are untouched)."""
+    presents them. A renewal, a rekey or a CA rotation's trust bundle replaces the files;
+    :meth:`reload` makes new data-plane handshakes present the new certificate and trust
+    exactly the CAs in the file now (open connections are untouched)."""
 
     def __init__(self, tls: TLSConfig) -> None:
         self.tls = tls
@@ -109,6 +110,11 @@ class NodeIdentity:
         # A renewal interrupted by a crash is rolled back before anything uses the key.
         recover_identity(tls)
         self.ssl_context = server_ssl_context(tls.cert, tls.key, tls.ca)
+        # The context new handshakes switch to (from the listener's, in its ClientHello
+        # callback): a fresh one per reload, since a CA can be added to a context but never
+        # removed, and a CA the control plane dropped must stop being trusted.
+        self._current = self.ssl_context
+        self.ssl_context.sni_callback = self._on_client_hello
         self._loaded = _read(tls.cert, "cert")
 
     def credentials(self) -> Credentials:
@@ -126,7 +132,13 @@ class NodeIdentity:
         return current
 
     def reload(self) -> None:
-        self.ssl_context.load_cert_chain(self.tls.cert, self.tls.key)
+        self._current = server_ssl_context(self.tls.cert, self.tls.key, self.tls.ca)
+
+    def _on_client_hello(
+        self, conn: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, _ctx: ssl.SSLContext
+    ) -> None:
+        if self._current is not self.ssl_context:
+            conn.context = self._current
 
     def download_ssl_context(self) -> ssl.SSLContext:
         """TLS for update-bundle downloads, presenting this identity."""
@@ -286,6 +298,7 @@ class Agent:
         )
         renewer = Renewer(cfg.tls, cfg.node_id, send=stream.send, on_renewed=identity.reload)
         stream.on_renewal_answer = renewer.answer
+        stream.on_trust_bundle = renewer.trust
         tasks = [
             asyncio.create_task(renewer.run(), name="renewal"),
             asyncio.create_task(inventory.run(), name="inventory"),

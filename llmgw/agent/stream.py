@@ -100,6 +100,7 @@ class StreamClient:
         inflight: Callable[[], int] = lambda: 0,
         on_state: Callable[[StreamState, str | None], None] = lambda state, server: None,
         on_renewal_answer: Callable[[pb.RenewCertificate], None] = lambda msg: None,
+        on_trust_bundle: Callable[[pb.TrustBundle], object] = lambda msg: None,
         installer: Callable[[pb.InstallEngine], Awaitable[None]] | None = None,
         updater: Callable[[pb.UpdateOrder], Awaitable[None]] | None = None,
     ) -> None:
@@ -113,6 +114,8 @@ class StreamClient:
         self.inflight = inflight
         self.on_state = on_state
         self.on_renewal_answer = on_renewal_answer
+        # The CA rotation's trust bundle (llmgw.agent.renewal.Renewer.trust).
+        self.on_trust_bundle = on_trust_bundle
         self.installer = installer or _no_installer
         self.updater = updater or _no_updater
         self.node_state = "unknown"
@@ -202,7 +205,8 @@ class StreamClient:
             await asyncio.sleep(delay)
 
     async def _session(self, server: str) -> None:
-        # Read at every connection: a renewal or a rekey replaces the files under us.
+        # Read at every connection: a renewal, a rekey or a CA rotation's trust bundle
+        # replaces the files under us (tls.ca may hold several CAs, current first).
         current = self.creds()
         creds = grpc.ssl_channel_credentials(
             root_certificates=current.ca,
@@ -240,6 +244,8 @@ class StreamClient:
                         self._set_node_state(msg.node_state.state, msg.node_state.message)
                     elif kind == "renew_certificate":
                         self.on_renewal_answer(msg.renew_certificate)
+                    elif kind == "trust_bundle":
+                        self.on_trust_bundle(msg.trust_bundle)
                     elif kind == "start_shard":
                         self._spawn_order(
                             msg.start_shard.meta,

@@ -10,6 +10,15 @@ holding ``order.json``, ``order.sig`` and ``bundle.tar.gz`` to ``<spool>/request
 root helper (``llmgw.updater``) verifies the order with nothing but the CA certificate
 (:func:`verify_order`) and writes its verdict to ``<spool>/status.json``, whose ``state``
 the agent reports and the control plane keeps (:data:`FINAL_STATES` end an update).
+
+**Across a CA rotation** an order also carries ``ca_pin`` (the new CA's ``sha256:`` pin)
+and ``ca_certs`` (PEM: the new CA, and the cross-certificate the old CA signed for it),
+both inside the signed bytes. A helper that still trusts the old CA verifies the order
+through that cross-certificate (a CA certificate with the trusted CA's own subject, signed
+by the trusted CA's key and valid now: the trusted CA's word for the new key) and then moves
+its trust to the CA the pin names (:func:`trust_move`); a helper that trusts the new CA
+verifies it directly. A node's own certificate, though the CA signed it too, is never a CA
+certificate, so the agent cannot sign orders with its key.
 """
 
 from __future__ import annotations
@@ -17,16 +26,18 @@ from __future__ import annotations
 import json
 import platform
 import re
+import time
 from typing import Any
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw.contracts.paths import DEFAULT_AGENT_STATE_DIR
-from llmgw.errors import ConfigError, UpdateError
+from llmgw.errors import CertificateError, ConfigError, UpdateError
 from llmgw.netaddr import validate_node_id
+from llmgw.pki import fingerprint, is_ca_certificate, issued_by, load_certs
 from llmgw.versions import is_version
 
 __all__ = [
@@ -40,12 +51,14 @@ __all__ = [
     "ORDER_KEYS",
     "REQUEST",
     "REQUEST_FILES",
+    "ROTATION_KEYS",
     "SIGNATURE_FILE",
     "STATUS",
     "canonical_order",
     "check_order_fields",
     "machine_arch",
     "parse_order",
+    "trust_move",
     "verify_order",
 ]
 
@@ -67,9 +80,13 @@ MAX_BUNDLE = 4 << 30
 
 ARCHES: dict[str, tuple[str, ...]] = {"x64": ("x86_64", "amd64"), "arm64": ("aarch64", "arm64")}
 ORDER_KEYS = frozenset({"node_id", "version", "counter", "sha256", "url", "arch", "expires"})
+ROTATION_KEYS = frozenset({"ca_pin", "ca_certs"})
+"""Present together, and only across a CA rotation (older helpers refuse unknown fields)."""
+MAX_CA_CERTS = 4
 FINAL_STATES = frozenset({"done", "failed", "refused", "rolled-back", "busy", "expired"})
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_PIN = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 def canonical_order(order: dict[str, Any]) -> bytes:
@@ -89,7 +106,15 @@ def check_order_fields(order: object) -> dict[str, Any]:
     if not isinstance(order, dict):
         raise UpdateError("the update order is not a JSON object; the control plane sent garbage")
     keys = set(order)
-    if keys != ORDER_KEYS:
+    rotation = keys & ROTATION_KEYS
+    if rotation and rotation != ROTATION_KEYS:
+        raise UpdateError(
+            f"the update order has {sorted(rotation)[0]} without "
+            f"{sorted(ROTATION_KEYS - rotation)[0]}; a CA rotation's order carries both; it "
+            "is refused"
+        )
+    if keys - rotation != ORDER_KEYS:
+        keys -= rotation
         missing, extra = sorted(ORDER_KEYS - keys), sorted(keys - ORDER_KEYS)
         raise UpdateError(
             f"the update order has the wrong fields (missing {missing or 'none'}, unknown "
@@ -118,7 +143,53 @@ def check_order_fields(order: object) -> dict[str, Any]:
         raise bad("url", "is not an http(s) URL")
     if order["arch"] not in ARCHES:
         raise bad("arch", f"is not one of {', '.join(ARCHES)}")
+    if rotation:
+        if not isinstance(order["ca_pin"], str) or not _PIN.fullmatch(order["ca_pin"]):
+            raise bad("ca_pin", "is not sha256:<64 lowercase hex digits>")
+        certs = order["ca_certs"]
+        if (
+            not isinstance(certs, list)
+            or not 1 <= len(certs) <= MAX_CA_CERTS
+            or not all(isinstance(c, str) for c in certs)
+        ):
+            raise bad("ca_certs", f"is not a list of 1 to {MAX_CA_CERTS} PEM certificates")
     return order
+
+
+def _ca_certs(order: dict[str, Any]) -> list[x509.Certificate]:
+    """The certificates an order carries across a rotation (none otherwise)."""
+    out: list[x509.Certificate] = []
+    for pem in order.get("ca_certs") or []:
+        try:
+            out.extend(load_certs(pem.encode(), what="a certificate of the order's ca_certs"))
+        except (CertificateError, UnicodeError) as exc:
+            raise UpdateError(f"{exc}; the update order is refused") from None
+    return out
+
+
+def _endorsed(cert: x509.Certificate, trusted: x509.Certificate, now: float) -> bool:
+    """Whether ``cert`` is the trusted CA's word for another key: a CA certificate, issued
+    to and by the trusted CA's subject, signed by its key, valid at ``now``."""
+    try:
+        return (
+            is_ca_certificate(cert)
+            and cert.subject == trusted.subject
+            and cert.issuer == trusted.subject
+            and issued_by(cert, trusted)
+            and cert.not_valid_before_utc.timestamp() <= now < cert.not_valid_after_utc.timestamp()
+        )
+    except (ValueError, x509.DuplicateExtension):
+        return False
+
+
+def _signed_by(public: object, data: bytes, signature: bytes) -> bool:
+    if not isinstance(public, ec.EllipticCurvePublicKey):
+        return False
+    try:
+        public.verify(signature, data, ec.ECDSA(hashes.SHA256()))
+    except InvalidSignature:
+        return False
+    return True
 
 
 def parse_order(order_bytes: bytes) -> dict[str, Any]:
@@ -130,9 +201,13 @@ def parse_order(order_bytes: bytes) -> dict[str, Any]:
     return check_order_fields(order)
 
 
-def verify_order(ca_cert_pem: bytes, order_bytes: bytes, signature: bytes) -> dict[str, Any]:
-    """The order, if ``signature`` is the cluster CA's ECDSA-SHA256 signature of exactly
-    ``order_bytes`` (the canonical form) and its fields are sane; UpdateError otherwise.
+def verify_order(
+    ca_cert_pem: bytes, order_bytes: bytes, signature: bytes, *, now: float | None = None
+) -> dict[str, Any]:
+    """The order, if ``signature`` is an ECDSA-SHA256 signature of exactly ``order_bytes``
+    (the canonical form) by the trusted CA in ``ca_cert_pem`` or, across a rotation, by a key
+    the trusted CA endorses through a cross-certificate among the order's ``ca_certs`` (the
+    order must then name that key's pin), and its fields are sane; UpdateError otherwise.
     Expiry, node id and counter are the caller's to check."""
     try:
         ca = x509.load_pem_x509_certificate(ca_cert_pem)
@@ -148,14 +223,73 @@ def verify_order(ca_cert_pem: bytes, order_bytes: bytes, signature: bytes) -> di
             "the trusted CA certificate has no EC key; it is not an llmgw cluster CA",
             state="failed",
         )
-    try:
-        public.verify(signature, order_bytes, ec.ECDSA(hashes.SHA256()))
-    except InvalidSignature:
-        raise UpdateError(
-            "the update order's signature does not verify against the cluster CA: it was "
-            "changed after signing or signed by another key; nothing was installed"
-        ) from None
-    order = parse_order(order_bytes)
+    if _signed_by(public, order_bytes, signature):
+        order = parse_order(order_bytes)
+    else:
+        order = _verify_through_cross(ca, order_bytes, signature, now)
     if canonical_order(order) != order_bytes:
         raise UpdateError("the update order is signed but not in canonical form; it is refused")
     return order
+
+
+def _verify_through_cross(
+    ca: x509.Certificate, order_bytes: bytes, signature: bytes, now: float | None
+) -> dict[str, Any]:
+    refused = UpdateError(
+        "the update order's signature does not verify against the cluster CA: it was "
+        "changed after signing or signed by another key; nothing was installed. If the "
+        "cluster CA was rotated and its overlap has ended, run the installer's upgrade with "
+        "the new --ca-hash ('llmgw ctl cert' shows it)"
+    )
+    try:
+        unverified = parse_order(order_bytes)
+    except UpdateError:
+        raise refused from None
+    when = time.time() if now is None else now
+    for cert in _ca_certs(unverified):  # unverified: anyone's certificates until one checks out
+        try:
+            if not _endorsed(cert, ca, when):
+                continue
+            public = cert.public_key()
+        except (ValueError, UnsupportedAlgorithm, x509.DuplicateExtension):
+            continue
+        if not _signed_by(public, order_bytes, signature):
+            continue
+        signer = fingerprint(public)
+        if unverified.get("ca_pin") != signer:
+            raise UpdateError(
+                f"the update order is signed by CA {signer}, which the trusted CA endorses, "
+                f"but names the pin {unverified.get('ca_pin')}; it is refused"
+            )
+        return unverified
+    raise refused
+
+
+def trust_move(order: dict[str, Any], trusted_pem: bytes) -> tuple[str, bytes] | None:
+    """The CA a verified order moves the helper's trust to, as (pin, PEM): the self-signed
+    CA certificate among its ``ca_certs`` whose key hashes to its ``ca_pin``; None when the
+    order names no pin or the one trusted already. UpdateError when it names a pin but
+    carries no such certificate."""
+    pin = order.get("ca_pin")
+    if pin is None:
+        return None
+    try:
+        trusted = x509.load_pem_x509_certificate(trusted_pem)
+    except ValueError as exc:
+        raise UpdateError(
+            f"the trusted CA certificate is unreadable ({exc})", state="failed"
+        ) from None
+    if fingerprint(trusted.public_key()) == pin:
+        return None
+    for cert in _ca_certs(order):
+        if (
+            is_ca_certificate(cert)
+            and cert.subject == cert.issuer
+            and fingerprint(cert.public_key()) == pin
+            and issued_by(cert, cert)
+        ):
+            return pin, cert.public_bytes(serialization.Encoding.PEM)
+    raise UpdateError(
+        f"the update order names the new CA {pin} but carries no self-signed certificate of "
+        "it; it is refused"
+    )

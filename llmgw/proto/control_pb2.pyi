@@ -237,7 +237,7 @@ class CertificateRequest(_message.Message):
     def __init__(self, csr_pem: _Optional[str] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "start_shard", "stop_shard", "renew_certificate", "node_state", "refuse", "install_engine", "update_order")
+    __slots__ = ("welcome", "start_shard", "stop_shard", "renew_certificate", "node_state", "refuse", "install_engine", "update_order", "trust_bundle")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     START_SHARD_FIELD_NUMBER: _ClassVar[int]
     STOP_SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class ServerMessage(_message.Message):
     REFUSE_FIELD_NUMBER: _ClassVar[int]
     INSTALL_ENGINE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ORDER_FIELD_NUMBER: _ClassVar[int]
+    TRUST_BUNDLE_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     start_shard: StartShard
     stop_shard: StopShard
@@ -254,7 +255,20 @@ class ServerMessage(_message.Message):
     refuse: Refuse
     install_engine: InstallEngine
     update_order: UpdateOrder
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., install_engine: _Optional[_Union[InstallEngine, _Mapping]] = ..., update_order: _Optional[_Union[UpdateOrder, _Mapping]] = ...) -> None: ...
+    trust_bundle: TrustBundle
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., install_engine: _Optional[_Union[InstallEngine, _Mapping]] = ..., update_order: _Optional[_Union[UpdateOrder, _Mapping]] = ..., trust_bundle: _Optional[_Union[TrustBundle, _Mapping]] = ...) -> None: ...
+
+class TrustBundle(_message.Message):
+    __slots__ = ("ca_pems", "pins", "cross_pems", "drop_at")
+    CA_PEMS_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    CROSS_PEMS_FIELD_NUMBER: _ClassVar[int]
+    DROP_AT_FIELD_NUMBER: _ClassVar[int]
+    ca_pems: _containers.RepeatedScalarFieldContainer[str]
+    pins: _containers.RepeatedScalarFieldContainer[str]
+    cross_pems: _containers.RepeatedScalarFieldContainer[str]
+    drop_at: float
+    def __init__(self, ca_pems: _Optional[_Iterable[str]] = ..., pins: _Optional[_Iterable[str]] = ..., cross_pems: _Optional[_Iterable[str]] = ..., drop_at: _Optional[float] = ...) -> None: ...
 
 class Refuse(_message.Message):
     __slots__ = ("leader", "message")

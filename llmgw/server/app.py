@@ -35,15 +35,17 @@ from llmgw.pki import (
     CA_CERT,
     Authority,
     Identity,
+    cert_pem,
     control_plane_names,
     ensure_server_identity,
     load_cert,
 )
+from llmgw.proto import control_pb2 as pb
 from llmgw.server.admin import AdminContext, add_admin_routes
+from llmgw.server.authority import ClusterAuthority
 from llmgw.server.bundles import Bundle, BundleStore, add_bundle_routes
 from llmgw.server.config import ServerConfig
 from llmgw.server.enroll import Enroller, EnrolmentServer
-from llmgw.server.enroll import server_ssl_context as enroll_ssl_context
 from llmgw.server.gateway import Gateway, GatewayLimits
 from llmgw.server.httpapi import error_middleware
 from llmgw.server.installs import EngineInstalls
@@ -65,7 +67,12 @@ from llmgw.server.serving import ServingCache
 from llmgw.server.sessions import Sessions
 from llmgw.server.states import NodeState
 from llmgw.server.store import Store
-from llmgw.server.stream import ControlPlaneService, NodeSession, start_stream_server
+from llmgw.server.stream import (
+    ControlPlaneService,
+    NodeSession,
+    UpdateHandler,
+    start_stream_server,
+)
 from llmgw.server.tls import ServingCertificate, serving_certificate
 from llmgw.server.updates import Updates
 
@@ -129,6 +136,7 @@ class ControlPlane:
         self.sessions: Sessions
         self.password: AdminPassword
         self.updates: Updates
+        self.authority: ClusterAuthority
         self.http_port = 0
         self.grpc_port = 0
         self.ca: Authority | None = None
@@ -139,6 +147,11 @@ class ControlPlane:
         self.started_at = time.time()
         self._grpc: grpc.aio.Server | None = None
         self._enrolment: EnrolmentServer | None = None
+        self._enroller: Enroller | None = None
+        self._enroll_tls: ServingCertificate | None = None
+        # The TLS context the gateway dials agents' data planes with (made once, reloaded
+        # in place when a CA rotation reissues the client certificate).
+        self._client_ctx: ssl.SSLContext | None = None
         self.enroll_port = 0
         self.bundles: BundleStore | None = None
         self._runner: web.AppRunner | None = None
@@ -221,7 +234,7 @@ class ControlPlane:
         self.password = AdminPassword(self.store, cfg.admin_token_file.parent / PASSWORD_FILE)
         self.password.start()
         # 3. the parts of the leader, each given what it uses
-        self._assemble(self.ca)
+        self._assemble(self.ca, hosts)
         # 4. the Connect stream
         await self._start_grpc()
         # 5. enrolment
@@ -233,6 +246,7 @@ class ControlPlane:
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
         self._tasks.append(asyncio.create_task(self.installs.run(), name="engine-installs"))
         self._tasks.append(asyncio.create_task(self.sessions.watch_heartbeats(), name="heartbeats"))
+        self._tasks.append(asyncio.create_task(self.authority.run(), name="ca-rotation"))
         self.store.add_event("server_started", "control-plane", f"epoch {self.epoch}")
         # Nodes that do not come back within the loss timeout after this start are lost.
         for node in self.store.list_nodes():
@@ -253,7 +267,7 @@ class ControlPlane:
             ),
         )
 
-    def _assemble(self, ca: Authority) -> None:
+    def _assemble(self, ca: Authority, hosts: list[str]) -> None:
         """Build the leader's parts in dependency order, each with the collaborators and the
         settings it uses (none of them sees this object)."""
         cfg, store, router = self.cfg, self.store, self.router
@@ -323,6 +337,14 @@ class ControlPlane:
             download_base=self._download_base,
             bundle_dir=cfg.bundle_dir,
         )
+        self.authority = ClusterAuthority(
+            self.pki_dir,
+            ca,
+            store,
+            sessions=self.live,
+            hosts=hosts,
+            on_reissued=self._on_ca_reissued,
+        )
 
     def _warn_of_nodes_named_like_the_control_plane(self) -> None:
         """Nodes that joined before such ids were refused keep their certificates, which no
@@ -344,7 +366,7 @@ class ControlPlane:
         service = ControlPlaneService(
             self.store,
             self.sessions,
-            self.updates,
+            _OnConnect(self.updates, self.authority),
             cluster_id=self.cluster_id,
             epoch=self.epoch,
             heartbeat_interval=self.cfg.heartbeat_interval,
@@ -378,7 +400,7 @@ class ControlPlane:
 
     async def _start_enrolment(self) -> None:
         assert self.ca is not None and self.server_identity is not None
-        enroller = Enroller(
+        enroller = self._enroller = Enroller(
             self.store,
             self.ca,
             lifetime=self.cfg.cert_lifetime,
@@ -388,11 +410,15 @@ class ControlPlane:
         )
         self._enrolment = EnrolmentServer(enroller)
         host, port = parse_hostport(self.cfg.enroll_listen, allow_zero=True)
+        # Reloaded when the files change: a CA rotation reissues the server certificate.
+        self._enroll_tls = ServingCertificate(
+            self.server_identity.cert, self.server_identity.key, what="enroll"
+        )
         try:
             self.enroll_port = await self._enrolment.start(
                 host,
                 port,
-                enroll_ssl_context(self.server_identity),
+                self._enroll_tls.context,
                 limits=dataclasses.replace(
                     self.cfg.listeners, per_source=self.cfg.enroll_connections_per_source
                 ),
@@ -437,7 +463,7 @@ class ControlPlane:
             http_scheme=cfg.http_scheme,
             advertise=cfg.advertise,
         )
-        add_admin_routes(app, admin)
+        add_admin_routes(app, admin, self.authority)
         app.on_cleanup.append(lambda _app: self.gateway.close())
         self._runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
@@ -544,8 +570,45 @@ class ControlPlane:
     def _client_ssl_context(self) -> ssl.SSLContext:
         """TLS the gateway presents to agents' data planes."""
         assert self.client_identity is not None
-        ident = self.client_identity
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ident.ca))
-        ctx.load_cert_chain(ident.cert, ident.key)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        return ctx
+        if self._client_ctx is None:
+            ident = self.client_identity
+            ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ident.ca))
+            ctx.load_cert_chain(ident.cert, ident.key)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            self._client_ctx = ctx
+        return self._client_ctx
+
+    def _on_ca_reissued(self) -> None:
+        """A CA rotation (or the drop of the old CA) reissued this control plane's
+        certificates: the listeners whose files changed load them on their next handshake
+        by themselves (the stream, enrolment, :8080); the gateway's context to the data
+        planes and the CA enrolment hands out are refreshed here."""
+        if self._client_ctx is not None and self.client_identity is not None:
+            ident = self.client_identity
+            # Certificates are added to a context's trust, never removed: an old CA that was
+            # dropped stays trusted for data-plane connections until the next restart, where
+            # node certificates it issued are refused on the stream already.
+            self._client_ctx.load_verify_locations(cafile=str(ident.ca))
+            self._client_ctx.load_cert_chain(ident.cert, ident.key)
+        if self._enroller is not None and self.ca is not None:
+            self._enroller.ca_pem = cert_pem(self.ca.cert).decode("ascii")
+        if self._enroll_tls is not None:
+            self._enroll_tls.reload_if_changed()
+        if self.http_tls is not None:
+            self.http_tls.reload_if_changed()
+
+
+class _OnConnect:
+    """What the stream tells on a node's (re)connection: first its trust bundle (the CA
+    rotation's), then the update order waiting for it."""
+
+    def __init__(self, updates: UpdateHandler, authority: ClusterAuthority) -> None:
+        self.updates = updates
+        self.authority = authority
+
+    def on_connect(self, session: NodeSession) -> None:
+        self.authority.on_connect(session)
+        self.updates.on_connect(session)
+
+    def on_status(self, session: NodeSession, status: pb.UpdateStatus) -> None:
+        self.updates.on_status(session, status)

@@ -30,6 +30,7 @@ from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.intake import Intake, hello_problem, trim_hello
 from llmgw.server.store import Store
+from llmgw.server.tls import StreamCredentials
 from llmgw.versions import newer_release
 
 __all__ = [
@@ -225,11 +226,8 @@ async def start_stream_server(
     issued. A connection that has not completed its handshake within ``handshake_timeout``
     seconds is closed. Returns the started server and the port bound; ConfigError (key
     ``grpc_listen``) when the address cannot be bound."""
-    creds = grpc.ssl_server_credentials(
-        [(identity.key.read_bytes(), identity.cert.read_bytes())],
-        root_certificates=identity.ca.read_bytes(),
-        require_client_auth=True,
-    )
+    # Read again when the files change (a CA rotation): llmgw.server.tls.
+    creds = StreamCredentials(identity).credentials
     server = grpc.aio.server(
         options=[
             *options,

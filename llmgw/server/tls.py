@@ -1,5 +1,7 @@
-"""HTTPS on the gateway/admin listener (:8080): the certificate it presents, reloaded from its
-files when they change, so that an ACME renewal needs no restart.
+"""The control plane's TLS material, reloaded from its files when they change: the certificate
+HTTPS presents on the gateway/admin listener (:8080) and on enrolment (:8443), so that an
+ACME renewal or a CA rotation needs no restart, and the gRPC stream's (:7443) certificate
+and trust (:class:`StreamCredentials`), which a CA rotation replaces.
 
 Every TLS handshake runs the context's SNI callback (OpenSSL calls it for every ClientHello,
 with or without a server name). The callback compares the files' stat stamps with those of
@@ -14,14 +16,17 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+import threading
 from pathlib import Path
+
+import grpc
 
 from llmgw.errors import CertificateError
 from llmgw.log import kv
 from llmgw.pki import Identity
 from llmgw.server.config import TLSConfig
 
-__all__ = ["ServingCertificate", "serving_certificate"]
+__all__ = ["ServingCertificate", "StreamCredentials", "serving_certificate"]
 
 log = logging.getLogger("llmgw.server.tls")
 
@@ -140,3 +145,74 @@ def serving_certificate(tls: TLSConfig | None, identity: Identity) -> ServingCer
     if tls.cert is None or tls.key is None:
         return ServingCertificate(identity.cert, identity.key, what="tls: cluster")
     return ServingCertificate(tls.cert, tls.key, what="tls")
+
+
+class StreamCredentials:
+    """The gRPC stream's server credentials: the control plane's certificate (with the chain
+    after it) and the CAs a node's certificate must come from (the trust bundle), read again
+    for the next handshake once any of the three files changed (a CA rotation reissues the
+    certificate and changes the trust). A change that does not load is logged and the
+    previous credentials kept; open streams are untouched."""
+
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+        self._lock = threading.Lock()  # gRPC may ask from its own threads
+        try:
+            self._stamp = self._stamps()
+            initial = self._config()
+        except OSError as exc:
+            raise CertificateError(
+                f"cannot load the stream's certificate {identity.cert} ({_reason(exc)}); "
+                "restart 'llmgw server' to reissue it"
+            ) from exc
+        self._refused: _Stamp | None = None
+        self.reloads = 0
+        # grpc's stubs say the fetcher returns a configuration; its documentation (and
+        # core) take None as "no change", which is what _fetch says nearly every time.
+        self.credentials = grpc.dynamic_ssl_server_credentials(
+            initial,
+            self._fetch,  # type: ignore[arg-type]
+            require_client_authentication=True,
+        )
+
+    def _paths(self) -> tuple[Path, Path, Path]:
+        return (self.identity.cert, self.identity.key, self.identity.ca)
+
+    def _stamps(self) -> _Stamp:
+        out = []
+        for path in self._paths():
+            st = os.stat(path)
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(out)
+
+    def _config(self) -> grpc.ServerCertificateConfiguration:
+        ident = self.identity
+        return grpc.ssl_server_certificate_configuration(
+            [(ident.key.read_bytes(), ident.cert.read_bytes())],
+            root_certificates=ident.ca.read_bytes(),
+        )
+
+    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC's question before a handshake: None keeps what it has."""
+        with self._lock:
+            try:
+                stamp = self._stamps()
+                if stamp in (self._stamp, self._refused):
+                    return None
+                config = self._config()
+            except Exception as exc:  # an exception here would fail the handshake
+                if self._refused is None:
+                    log.warning(
+                        "the stream's changed certificate cannot be loaded; still serving the "
+                        "previous one",
+                        extra=kv(cert=str(self.identity.cert), error=_reason(exc)),
+                    )
+                    self._refused = self._stamp
+                return None
+            self._stamp, self._refused = stamp, None
+            self.reloads += 1
+        log.info(
+            "stream certificate and trust reloaded; new streams get them",
+            extra=kv(cert=str(self.identity.cert), trust=str(self.identity.ca)),
+        )
+        return config

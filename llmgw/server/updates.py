@@ -7,7 +7,9 @@ expires}`` signed with the CA's key (ECDSA P-256, SHA-256, DER); a node's root h
 verifies it with nothing but the CA certificate. ``counter`` grows by one per order and per
 node and is kept in the store, so a node's helper, which refuses any counter not above the
 last it accepted, can never be replayed an old order. An order for a node that is not
-connected is kept and sent when it reconnects, unless it expired by then.
+connected is kept and sent when it reconnects, unless it expired by then. Orders are signed
+with the CA the control plane has now; across a CA rotation they also carry what lets a
+helper that still trusts the old CA verify them (:func:`rotation_fields`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from llmgw.contracts.update_order import (
 )
 from llmgw.errors import Conflict, NotFound
 from llmgw.log import kv
-from llmgw.pki import Authority
+from llmgw.pki import Authority, cert_pem, cross_certificates
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.bundles import RIDS, Bundle
 from llmgw.server.passwords import AdminPassword
@@ -42,6 +44,7 @@ from llmgw.versions import newer_release
 __all__ = [
     "DEFAULT_ORDER_TTL",
     "Updates",
+    "rotation_fields",
     "sign_order",
     "version_problem",
 ]
@@ -72,6 +75,21 @@ def version_problem(version: str, server_version: str) -> str | None:
         f"would refuse agents at {version}; upgrade the control plane to {version} or later "
         "first, then update the agents"
     )
+
+
+def rotation_fields(ca: Authority) -> dict[str, Any]:
+    """What an order carries while a CA rotation's overlap lasts, so that a node's root helper
+    that still trusts the old CA verifies an order signed by the new one and then moves its
+    trust to it (llmgw.contracts.update_order): the new CA's pin, its certificate and the old
+    CA's cross-certificate for it. Nothing outside a rotation (older helpers refuse fields
+    they do not know)."""
+    cross = cross_certificates(ca.directory)
+    if not cross:
+        return {}
+    return {
+        "ca_pin": ca.ca_hash(),
+        "ca_certs": [cert_pem(c).decode() for c in (ca.cert, *cross)],
+    }
 
 
 class Updates:
@@ -173,6 +191,7 @@ class Updates:
                     "url": self.bundle_url(bundle),
                     "arch": arch,
                     "expires": expires,
+                    **rotation_fields(self.ca),
                 }
                 data, signature = sign_order(self.ca.key, order)
                 op_id = uuid.uuid4().hex

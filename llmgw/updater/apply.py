@@ -8,7 +8,9 @@ root's) before anything in it is read; its files are read through descriptors op
 it verifies against the trusted CA, names this node, has not expired, carries a counter
 above the last accepted one, is for this machine's architecture, matches the bundle's
 SHA-256, version and architecture, and does not downgrade the installed agent; the counter
-is spent before the bundle's ``install-agent.sh upgrade`` runs. Every verdict but "nothing
+is spent before the bundle's ``install-agent.sh upgrade`` runs. An order made across a CA
+rotation moves the trust to the new CA it names (:func:`llmgw.contracts.update_order.
+trust_move`, written by :func:`llmgw.updater.trust.install_trust`) when it is accepted. Every verdict but "nothing
 to do" goes to ``<spool>/status.json``, which the agent reports to the control plane.
 """
 
@@ -39,6 +41,7 @@ from llmgw.contracts.update_order import (
     STATUS,
     machine_arch,
     parse_order,
+    trust_move,
     verify_order,
 )
 from llmgw.errors import FileError, UpdateError
@@ -51,7 +54,7 @@ from llmgw.updater.nofollow import (
     read_plain,
     remove_entry,
 )
-from llmgw.updater.trust import DEFAULT_TRUST, TRUST_CA, TRUST_NODE_ID
+from llmgw.updater.trust import DEFAULT_TRUST, TRUST_CA, TRUST_NODE_ID, install_trust
 from llmgw.versions import version_key
 
 __all__ = [
@@ -220,7 +223,7 @@ def _apply(
             with contextlib.suppress(UpdateError):
                 unverified = parse_order(order_bytes)
                 counter, version = int(unverified["counter"]), str(unverified["version"])
-            order = _check_order(order_bytes, signature, trust, state, now, machine)
+            order, move = _check_order(order_bytes, signature, trust, state, now, machine)
             # A copy the agent cannot change while we check and unpack it.
             digest = _copy_bundle(req_fd, BUNDLE_FILE, "verified.tar.gz")
             if digest != order["sha256"]:
@@ -245,8 +248,12 @@ def _apply(
                     f"version {version} is older than the installed {installed}; a downgrade "
                     "is refused (reinstall by hand to go back)"
                 )
-            # Accepted: the counter is spent before anything else happens, so this order
-            # cannot be replayed even if the upgrade fails halfway.
+            # Accepted. Across a CA rotation the trust moves first, to the new CA the order
+            # names (it verified under the CA trusted until now); then the counter is spent
+            # before anything else happens, so this order cannot be replayed even if the
+            # upgrade fails halfway.
+            if move is not None:
+                _move_trust(work, trust, *move)
             _write_counter(state, counter)
             progress(
                 ApplyResult("applying", f"upgrading {installed} -> {version}", counter, version)
@@ -280,6 +287,16 @@ def _apply(
     )
 
 
+def _move_trust(work: Path, trust: Path, pin: str, ca_pem: bytes) -> None:
+    """Trust the CA ``ca_pem`` from now on, through the one function that writes the trust
+    (its pin checked again there); the certificate is written to the helper's own work
+    directory first, never read back from the agent's spool."""
+    candidate = work / "new-ca.pem"
+    atomic_write(candidate, ca_pem, mode=0o600)
+    install_trust(candidate, trust, pin)
+    _say(f"the update helper now trusts CA {pin} (the cluster CA was rotated)")
+
+
 def _check_order(
     order_bytes: bytes,
     signature: bytes,
@@ -287,7 +304,7 @@ def _check_order(
     state: Path,
     now: Callable[[], float],
     machine: str | None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], tuple[str, bytes] | None]:
     try:
         ca_pem = (trust / TRUST_CA).read_bytes()
         own_id = (trust / TRUST_NODE_ID).read_text().strip()
@@ -297,7 +314,7 @@ def _check_order(
             f"({exc.filename}); the installer writes them: reinstall the agent",
             state="failed",
         ) from exc
-    order = verify_order(ca_pem, order_bytes, signature)
+    order = verify_order(ca_pem, order_bytes, signature, now=now())
     if order["node_id"] != own_id:
         raise UpdateError(f"the order is for node {order['node_id']}, and this is node {own_id}")
     if order["expires"] <= now():
@@ -316,7 +333,7 @@ def _check_order(
         raise UpdateError(
             f"the order is for linux-{order['arch']}, and this machine is linux-{arch}"
         )
-    return order
+    return order, trust_move(order, ca_pem)
 
 
 def read_counter(state: Path) -> int:

@@ -14,11 +14,12 @@ import re
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from llmgw.contracts.update_order import MAX_SMALL
 from llmgw.errors import UpdateError
 from llmgw.fsutil import atomic_write
-from llmgw.pki import fingerprint, is_ca_certificate
+from llmgw.pki import fingerprint, is_ca_certificate, issued_by
 from llmgw.updater.nofollow import OPEN_DIR, NotPlain, read_plain
 
 __all__ = ["DEFAULT_TRUST", "TRUST_CA", "TRUST_NODE_ID", "TRUST_PIN", "install_trust"]
@@ -45,26 +46,30 @@ def install_trust(ca_file: Path, trust: Path = DEFAULT_TRUST, pin: str | None = 
     The installer passes a root-owned copy that it had the agent user read from the agent's
     state directory (so a symlink planted there reaches only what the agent may read); here
     ``ca_file`` and everything under ``trust`` are opened without following a symlink.
+    ``ca_file`` may hold several certificates (the agent's trust bundle across a CA
+    rotation): only the CA whose key hashes to the pin is written.
 
-    CA rotation (the node life-cycle issue) keeps to this rule: a new CA reaches the helper
-    either by this root-run verb with the new CA's pin (an install or rekey with --ca-hash
-    records it), or by an order signed by the CA trusted now that names the new CA's pin,
-    which the helper would then pass here as ``pin``; never by the agent alone."""
-    cert_pem = _read_trust_input(ca_file)
+    CA rotation keeps to this rule: a new CA reaches the helper either by this root-run verb
+    with the new CA's pin (an install, upgrade or rekey with --ca-hash records it), or by an
+    order that verifies under the CA trusted now and names the new CA's pin
+    (:func:`llmgw.contracts.update_order.trust_move`), which the helper passes here as
+    ``pin`` (:mod:`llmgw.updater.apply`); never by the agent alone."""
+    bundle = _read_trust_input(ca_file)
     try:
-        cert = x509.load_pem_x509_certificate(cert_pem)
+        certs = x509.load_pem_x509_certificates(bundle)
     except ValueError as exc:
         raise UpdateError(
             f"{ca_file} is not a PEM certificate ({exc}); the update helper keeps its trust. "
             "Run the install again with --ca-hash from 'llmgw ctl join-command'",
             state="refused",
         ) from None
-    if not is_ca_certificate(cert):
+    # The agent's CA file is a trust bundle across a CA rotation: the pin picks one of it.
+    cas = [c for c in certs if is_ca_certificate(c)]
+    if not cas:
         raise UpdateError(
             f"{ca_file} is not a CA certificate; the update helper keeps its trust",
             state="refused",
         )
-    got = fingerprint(cert.public_key())
     try:
         trust_fd = os.open(trust, OPEN_DIR)
     except OSError as exc:
@@ -98,13 +103,19 @@ def install_trust(ca_file: Path, trust: Path = DEFAULT_TRUST, pin: str | None = 
                 "--ca-hash from 'llmgw ctl join-command'",
                 state="refused",
             )
-        if got != wanted:
+        by_pin: dict[str, x509.Certificate] = {}
+        for c in sorted(cas, key=lambda c: not issued_by(c, c)):  # self-signed first
+            by_pin.setdefault(fingerprint(c.public_key()), c)
+        cert = by_pin.get(wanted)
+        if cert is None:
+            got = ", ".join(by_pin)
             raise UpdateError(
                 f"the CA in {ca_file} has the hash {got}, not {wanted} ({source}); the update "
                 "helper keeps the CA it trusts. If the cluster CA really changed, rekey the "
                 "node with the new --ca-hash ('llmgw ctl join-command --rekey NODE')",
                 state="refused",
             )
+        cert_pem = cert.public_bytes(serialization.Encoding.PEM)
         changed = False
         if trusted != cert_pem:
             atomic_write(TRUST_CA, cert_pem, mode=0o644, dir_fd=trust_fd)

@@ -149,7 +149,7 @@ def test_docker_group_is_opt_in_and_says_what_it_grants(tmp_path: Path) -> None:
     [
         ("install --docker --docker-group", "--docker and --docker-group exclude each other"),
         ("rekey --enroll-url u --ca-hash h --docker", "go with 'install' and 'package' only"),
-        ("upgrade --docker", "'upgrade' takes no options but --purge"),
+        ("upgrade --docker", "'upgrade' takes no options but --ca-hash"),
     ],
 )
 def test_docker_option_misuse_is_refused(tmp_path: Path, args: str, words: str) -> None:

@@ -87,7 +87,7 @@ case $1 in
         echo ca >"$state/ca.crt"
         [ -f "$config" ] || printf 'server: cp:7443\nnode_id: %s\n' "$node" >"$config"
         ;;
-    update-trust) echo "trust: written" ;;
+    update-trust) shift; echo "$*" >"$T/update-trust-args"; echo "trust: written" ;;
 esac
 """
 
@@ -263,6 +263,27 @@ def test_upgrade_keeps_the_previous_and_rolls_back_when_the_new_one_fails(
     assert "==> rollback: restoring llmgw 1.0.0" in sandbox.said(failed)
     installed = sandbox.root / "usr" / "local" / "lib" / "llmgw-agent" / "llmgw"
     assert installed.read_bytes() == (sandbox.root / "b1" / "llmgw").read_bytes()
+
+
+def test_upgrade_with_a_ca_hash_moves_the_update_helpers_trust(sandbox: Sandbox) -> None:
+    """After a CA rotation: 'upgrade --ca-hash NEW' runs the pinned update-trust (root-run,
+    the agent's CA file only a candidate); without it an upgrade leaves the trust alone."""
+    assert sandbox.run("install", *JOIN, token="t0ken").returncode == 0
+    args = sandbox.root / "update-trust-args"
+    args.unlink()
+    plain = sandbox.run("upgrade", bundle="b2")
+    assert plain.returncode == 0, plain.stderr
+    assert not args.exists()
+    pin = "sha256:" + "c" * 64
+    same = sandbox.run("upgrade", "--ca-hash", pin, bundle="b2")  # installed already
+    assert same.returncode == 0, same.stderr
+    assert f"--ca-hash {pin}" in args.read_text()
+    assert "==> update helper: trusts the cluster CA in @/etc/llmgw/update/ca.pem" in sandbox.said(
+        same
+    )
+    refused = sandbox.run("upgrade", "--node-id", "n1", bundle="b2")
+    assert refused.returncode == 1
+    assert "'upgrade' takes no options but --ca-hash" in refused.stderr
 
 
 def test_an_upgrade_that_fails_halfway_through_its_copies_rolls_back(sandbox: Sandbox) -> None:

@@ -262,8 +262,10 @@ def test_ensure_server_identity_creates_everything(tmp_path: Path) -> None:
     assert mode(d) == 0o700
     for key in ("ca.key", "server.key", "client.key"):
         assert mode(d / key) == 0o600
-    assert server == pki.Identity(cert=d / "server.crt", key=d / "server.key", ca=d / "ca.crt")
-    assert client == pki.Identity(cert=d / "client.crt", key=d / "client.key", ca=d / "ca.crt")
+    assert server == pki.Identity(cert=d / "server.crt", key=d / "server.key", ca=d / "trust.crt")
+    assert client == pki.Identity(cert=d / "client.crt", key=d / "client.key", ca=d / "trust.crt")
+    # No rotation: the trust bundle is the CA alone.
+    assert (d / "trust.crt").read_bytes() == (d / "ca.crt").read_bytes()
     server_cert = pki.load_cert(server.cert)
     assert x509.DNSName("cp.example.com") in sans(server_cert)
     assert x509.IPAddress(ipaddress.ip_address("192.0.2.7")) in sans(server_cert)
@@ -816,3 +818,149 @@ def test_tls_a_node_named_like_the_control_plane_is_no_control_plane(tmp_path: P
         _server_ctx(impostor), _client_ctx(agent), netaddr.CONTROL_PLANE_NAME
     )
     assert isinstance(client_res, ssl.SSLCertVerificationError)
+
+
+# --------------------------------------------------------------------------- CA rotation
+
+
+def _rotated(tmp_path: Path, overlap: float = 3600) -> tuple[pki.Authority, pki.Identity, Path]:
+    """A control plane's PKI directory before and after a rotation: the old CA, a node
+    certificate it issued, and the directory (rotated, leaves reissued)."""
+    d = tmp_path / "cp"
+    old, _, _ = pki.ensure_server_identity(d, hosts=["cp.example.com"])
+    node = pki.issue_node_cert(old, "gpu1", tmp_path / "old-node")
+    pki.rotate_ca(d, overlap=overlap)
+    pki.ensure_server_identity(d, hosts=["cp.example.com"])
+    return old, node, d
+
+
+def test_rotate_ca_keeps_the_subject_and_cross_signs(tmp_path: Path) -> None:
+    old, _, d = _rotated(tmp_path)
+    new = pki.load_ca(d)
+    assert new.ca_hash() != old.ca_hash()
+    assert new.cert.subject == old.cert.subject  # self-issued: no path length is spent
+    cross = pki.load_cert(d / pki.CROSS_CERT)
+    assert pki.fingerprint(cross.public_key()) == new.ca_hash()
+    assert pki.issued_by(cross, old.cert)
+    assert not pki.issued_by(cross, new.cert)
+    assert pki.is_ca_certificate(cross)
+    rotation = pki.read_rotation(d)
+    assert rotation is not None and rotation.active
+    assert (rotation.previous, rotation.current) == (old.ca_hash(), new.ca_hash())
+    assert 3600 <= rotation.drop_at - rotation.started < 3601
+    # The cross-certificate ends with the overlap.
+    assert abs(cross.not_valid_after_utc.timestamp() - rotation.drop_at) < 2
+    assert [c.fingerprint(hashes.SHA256()) for c in pki.load_bundle(d / pki.TRUST_BUNDLE)] == [
+        new.cert.fingerprint(hashes.SHA256()),
+        old.cert.fingerprint(hashes.SHA256()),
+    ]
+    assert mode(d / pki.PREVIOUS_CA_KEY) == 0o600
+
+
+def test_rotation_moves_the_control_plane_certificates(tmp_path: Path) -> None:
+    _, _, d = _rotated(tmp_path)
+    new = pki.load_ca(d)
+    cross = pki.load_cert(d / pki.CROSS_CERT)
+    for name in ("server.crt", "client.crt"):
+        chain = pki.load_bundle(d / name)
+        assert len(chain) == 2  # the leaf, then the cross-certificate
+        assert pki.issued_by(chain[0], new.cert)
+        assert chain[1] == cross
+
+
+def test_chains_verify_under_the_old_root_and_the_new(tmp_path: Path) -> None:
+    """An agent that trusts only the old CA, one with the new bundle, and one with only the
+    new CA all accept the rotated control plane; the control plane accepts a node
+    certificate of the old CA during the overlap and one of the new CA."""
+    old, old_node, d = _rotated(tmp_path)
+    server = pki.Identity(cert=d / "server.crt", key=d / "server.key", ca=d / pki.TRUST_BUNDLE)
+    new_node = pki.issue_node_cert(pki.load_ca(d), "gpu1", tmp_path / "new-node")
+    (tmp_path / "old.crt").write_bytes(pki.cert_pem(old.cert))
+    for trust in (tmp_path / "old.crt", d / "ca.crt", d / pki.TRUST_BUNDLE):
+        for node in (old_node, new_node):
+            agent = pki.Identity(cert=node.cert, key=node.key, ca=trust)
+            server_res, client_res = _handshake(
+                _server_ctx(server), _client_ctx(agent), "cp.example.com"
+            )
+            assert (server_res, client_res) == ("gpu1", "llmgw control plane"), (trust, node)
+
+
+def test_finish_rotation_drops_the_old_ca(tmp_path: Path) -> None:
+    _, old_node, d = _rotated(tmp_path)
+    done = pki.finish_rotation(d)
+    assert not done.active and done.dropped is not None
+    for name in (pki.PREVIOUS_CA_CERT, pki.PREVIOUS_CA_KEY, pki.CROSS_CERT):
+        assert not (d / name).exists()
+    assert pki.load_bundle(d / pki.TRUST_BUNDLE) == [pki.load_ca(d).cert]
+    _, server, _ = pki.ensure_server_identity(d, hosts=["cp.example.com"])
+    assert len(pki.load_bundle(server.cert)) == 1  # the cross-certificate is gone
+    # A node certificate of the old CA no longer passes.
+    server_res, _ = _handshake(_server_ctx(server), _client_ctx(old_node), "cp.example.com")
+    assert isinstance(server_res, ssl.SSLError)
+    with pytest.raises(PKIError, match="no CA rotation is under way"):
+        pki.finish_rotation(d)
+
+
+def test_rotate_ca_refuses_while_one_is_under_way_and_bad_overlaps(tmp_path: Path) -> None:
+    _, _, d = _rotated(tmp_path)
+    before = snapshot(d)
+    with pytest.raises(PKIError, match="finish-rotation"):
+        pki.rotate_ca(d, overlap=60)
+    assert snapshot(d) == before
+    for bad in (0, 0.5, float("nan"), -5):
+        with pytest.raises(ConfigError, match="overlap"):
+            pki.rotate_ca(d, overlap=bad)
+    with pytest.raises(NoAuthority):
+        pki.rotate_ca(tmp_path / "empty", overlap=60)
+    # After the drop, another rotation may start.
+    pki.finish_rotation(d)
+    pki.rotate_ca(d, overlap=60)
+
+
+def test_ensure_server_identity_drops_the_old_ca_after_the_overlap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, _, d = _rotated(tmp_path, overlap=60)
+    pki.ensure_server_identity(d, hosts=["cp.example.com"])
+    assert (d / pki.PREVIOUS_CA_CERT).exists()  # still within the overlap
+    import time as time_module
+
+    real = time_module.time
+    monkeypatch.setattr(pki.time, "time", lambda: real() + 61)
+    _, server, _ = pki.ensure_server_identity(d, hosts=["cp.example.com"])
+    rotation = pki.read_rotation(d)
+    assert rotation is not None and not rotation.active
+    assert not (d / pki.PREVIOUS_CA_KEY).exists()
+    assert len(pki.load_bundle(server.ca)) == 1
+
+
+def test_the_overlap_never_outlives_the_old_ca(tmp_path: Path) -> None:
+    d = tmp_path / "cp"
+    short = pki.init_ca(d, valid_days=2)
+    rotation = pki.rotate_ca(d, overlap=30 * 86400)
+    assert rotation.drop_at <= short.cert.not_valid_after_utc.timestamp()
+
+
+def test_a_node_certificate_is_no_cross_certificate(ca: pki.Authority, tmp_path: Path) -> None:
+    """issued_by proves a signature only; that a node's certificate is not a CA is what
+    every caller checks besides (is_ca_certificate)."""
+    node = pki.issue_node_cert(ca, "gpu1", tmp_path / "n")
+    cert = pki.load_cert(node.cert)
+    assert pki.issued_by(cert, ca.cert)
+    assert not pki.is_ca_certificate(cert)
+
+
+def test_read_rotation_refuses_garbage(tmp_path: Path) -> None:
+    d = tmp_path / "cp"
+    pki.init_ca(d)
+    assert pki.read_rotation(d) is None
+    (d / pki.ROTATION_FILE).write_text("{not json")
+    with pytest.raises(PKIError, match="not a rotation record"):
+        pki.read_rotation(d)
+
+
+def test_load_certs_refuses_garbage() -> None:
+    with pytest.raises(CertificateError, match="not a list of PEM certificates"):
+        pki.load_certs(b"-----BEGIN CERTIFICATE-----\nnope\n-----END CERTIFICATE-----\n")
+    with pytest.raises(CertificateError):
+        pki.load_certs(b"")

@@ -1,13 +1,19 @@
-"""``llmgw ctl cert``: create the cluster CA and issue node certificates."""
+"""``llmgw ctl cert``: the cluster CA. Through the admin API: show it (``ctl cert``), rotate it
+(``rotate-ca``) and drop the old one early (``finish-rotation``). Offline, on a PKI
+directory: create a CA (``init-ca``) and issue a node certificate (``issue-client``)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import click
 
 from llmgw import netaddr, pki
-from llmgw.cli.common import ReportingGroup
+from llmgw.cli.common import Duration, ReportingGroup
+from llmgw.cli.ctl.context import Ctl, pass_ctl
+from llmgw.cli.ctl.output import echo_json, until
 
 _dir_option = click.option(
     "--dir",
@@ -19,9 +25,97 @@ _dir_option = click.option(
 )
 
 
-@click.group(cls=ReportingGroup)
-def cert() -> None:
-    """Create the cluster CA and issue certificates."""
+@click.group(cls=ReportingGroup, invoke_without_command=True)
+@click.pass_context
+def cert(ctx: click.Context) -> None:
+    """The cluster CA: with no command, show it (and, during a rotation, the old CA, when it
+    is dropped and the nodes still on it); rotate it; create a CA and issue certificates."""
+    if ctx.invoked_subcommand is None:
+        c = ctx.find_object(Ctl)
+        if c is None:  # only outside 'llmgw ctl'
+            raise click.UsageError("run it as 'llmgw ctl cert'")
+        _show(c, c.call("GET", "/api/ca"))
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(ts)) + f" ({until(ts)})"
+
+
+def _show(c: Ctl, status: dict[str, Any]) -> None:
+    if c.as_json:
+        echo_json(status)
+        return
+    current = status["current"]
+    click.echo(f"CA:          {current['ca_hash']}  (valid until {_when(current['not_after'])})")
+    previous = status.get("previous")
+    if previous is None:
+        rotation = status.get("rotation")
+        if rotation and rotation.get("dropped"):
+            click.echo(
+                f"old CA:      {rotation['previous']} dropped "
+                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(rotation['dropped']))}"
+            )
+        return
+    click.echo(
+        f"old CA:      {previous['ca_hash']}  (trusted too; dropped {_when(previous['drop_at'])})"
+    )
+    left = status.get("nodes_on_previous") or []
+    if left:
+        click.echo(f"still on the old CA: {', '.join(left)} (they renew when they connect)")
+    else:
+        click.echo(
+            "every node holds a certificate of the new CA: 'llmgw ctl cert finish-rotation' "
+            "drops the old one now"
+        )
+
+
+@cert.command("rotate-ca")
+@click.option(
+    "--overlap",
+    type=Duration(minimum=60),
+    default="7d",
+    show_default=True,
+    help="How long both CAs are trusted (agents renew under the new one meanwhile); the old "
+    "CA is dropped after it.",
+)
+@pass_ctl
+def rotate_ca(c: Ctl, overlap: float) -> None:
+    """Create a new cluster CA, cross-signed by the current one so that both are trusted for
+    --overlap. The control plane's certificates move to it at once; connected agents get the
+    new trust bundle and renew their certificates under it, others when they reconnect."""
+    status = c.call("POST", "/api/ca/rotate", {"overlap": overlap})
+    if c.as_json:
+        echo_json(status)
+        return
+    new = status["current"]["ca_hash"]
+    drop_at = status["previous"]["drop_at"] if status.get("previous") else None
+    click.echo(f"rotated: the new CA is {new}")
+    if drop_at is not None:
+        click.echo(f"the old CA {status['previous']['ca_hash']} is dropped {_when(drop_at)}")
+    click.echo(
+        "agents renew under the new CA by themselves. Each node's update helper moves to it "
+        "with the next signed update within the overlap ('llmgw ctl update'), or run the "
+        f"installer on the node: 'install-agent.sh upgrade --ca-hash {new}'. New join "
+        "commands carry the new --ca-hash."
+    )
+
+
+@cert.command("finish-rotation")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Drop the old CA even though nodes still hold its certificates: they cannot connect "
+    "until rekeyed ('llmgw ctl join-command --rekey NODE').",
+)
+@pass_ctl
+def finish_rotation(c: Ctl, force: bool) -> None:
+    """Drop the old CA now instead of at the end of the overlap. Refused while nodes still
+    hold certificates it issued, unless --force."""
+    status = c.call("POST", "/api/ca/finish", {"force": force})
+    if c.as_json:
+        echo_json(status)
+        return
+    click.echo(f"dropped the old CA; only {status['current']['ca_hash']} is trusted now")
 
 
 @cert.command("init-ca")

@@ -3,8 +3,9 @@
 Every answer is JSON; errors are ``{"error": {"message", "code"}}`` with a message that
 says what to do. One module per route group: :mod:`.nodes` (the fleet), :mod:`.models`
 (models, catalog, replicas), :mod:`.access` (API keys, join tokens), :mod:`.software`
-(desired engines, agent updates, the admin password); :mod:`.context` holds what they
-share. A new route goes in its group's module and in the table below.
+(desired engines, agent updates, the admin password), :mod:`.ca` (the cluster CA and its
+rotation); :mod:`.context` holds what they share. A new route goes in its group's module
+and in the table below.
 """
 
 from __future__ import annotations
@@ -12,15 +13,21 @@ from __future__ import annotations
 from aiohttp import web
 
 from llmgw.server.admin.access import AccessRoutes
+from llmgw.server.admin.ca import CARoutes
 from llmgw.server.admin.context import ADMIN_MAX_BODY, AdminContext, Listening, guarded
 from llmgw.server.admin.models import ModelRoutes
 from llmgw.server.admin.nodes import NodeRoutes
 from llmgw.server.admin.software import SoftwareRoutes
+from llmgw.server.authority import ClusterAuthority
 
 __all__ = ["ADMIN_MAX_BODY", "AdminContext", "Listening", "add_admin_routes"]
 
 
-def add_admin_routes(app: web.Application, ctx: AdminContext) -> None:
+def add_admin_routes(
+    app: web.Application, ctx: AdminContext, authority: ClusterAuthority | None = None
+) -> None:
+    """The admin routes; those of the cluster CA only when ``authority`` is given (the
+    leader's, which owns the CA)."""
     nodes = NodeRoutes(ctx)
     models = ModelRoutes(ctx)
     access = AccessRoutes(ctx)
@@ -55,6 +62,18 @@ def add_admin_routes(app: web.Application, ctx: AdminContext) -> None:
         ("POST", "/api/updates", software.order_update),
         ("GET", "/api/updates", software.updates),
         ("PUT", "/api/admin/password", software.change_password),
+    ):
+        if method == "GET":
+            r.add_get(path, guarded(ctx, handler))  # HEAD too, as aiohttp's add_get does
+        else:
+            r.add_route(method, path, guarded(ctx, handler))
+    if authority is None:
+        return
+    ca = CARoutes(ctx, authority)
+    for method, path, handler in (
+        ("GET", "/api/ca", ca.status),
+        ("POST", "/api/ca/rotate", ca.rotate),
+        ("POST", "/api/ca/finish", ca.finish),
     ):
         if method == "GET":
             r.add_get(path, guarded(ctx, handler))  # HEAD too, as aiohttp's add_get does

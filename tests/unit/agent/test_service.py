@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -185,3 +186,66 @@ def test_a_step_wraps_our_errors_and_os_errors_keeping_exit_code_and_retryabilit
     # What is no error of ours or of the system is a bug: not dressed up as a start-up error.
     with pytest.raises(ZeroDivisionError), step("arithmetic"):
         _ = 1 / 0
+
+
+def _client_accepted(server_ctx: ssl.SSLContext, client: pki.Identity, trust: Path) -> bool:
+    """One TLS connection to a listener of ``server_ctx``: does it take ``client``'s
+    certificate?"""
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    result: dict[str, bool] = {}
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        try:
+            with server_ctx.wrap_socket(conn, server_side=True) as tls:
+                tls.sendall(b"ok")
+                result["ok"] = True
+        except (ssl.SSLError, OSError):
+            result["ok"] = False
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    ctx = ssl.create_default_context(cafile=str(trust))
+    ctx.check_hostname = False
+    ctx.load_cert_chain(client.cert, client.key)
+    try:
+        with socket.create_connection(listener.getsockname(), timeout=10) as raw:
+            with ctx.wrap_socket(raw, server_hostname="gpu-1") as tls:
+                tls.recv(2)
+    except (ssl.SSLError, OSError):
+        pass
+    thread.join(10)
+    listener.close()
+    return result.get("ok", False)
+
+
+def test_the_data_plane_trusts_exactly_the_cas_in_the_file_after_a_reload(
+    tmp_path: Path,
+) -> None:
+    """A CA rotation: the new CA joins the data plane's trust, and the dropped one leaves
+    it, without a restart (a context only ever adds CAs: the identity swaps contexts)."""
+    from llmgw.agent.service import NodeIdentity
+
+    cfg = config(tmp_path)
+    identity = NodeIdentity(cfg.tls)
+    d = tmp_path / "ca"
+    old = pki.load_ca(d)
+    old_cp = pki.issue_control_plane_client_cert(old, tmp_path / "cp-old")
+    assert _client_accepted(identity.ssl_context, old_cp, cfg.tls.ca)
+    pki.rotate_ca(d, overlap=3600)
+    new = pki.load_ca(d)
+    new_cp = pki.issue_control_plane_client_cert(new, tmp_path / "cp-new")  # no cross-cert
+    # The control plane verifies the node's certificate (the old CA's) with its own bundle.
+    cp_trust = tmp_path / "cp-trust.crt"
+    cp_trust.write_bytes(pki.cert_pem(new.cert) + pki.cert_pem(old.cert))
+    assert not _client_accepted(identity.ssl_context, new_cp, cp_trust)
+    cfg.tls.ca.write_bytes(pki.cert_pem(new.cert) + pki.cert_pem(old.cert))
+    identity.reload()
+    assert _client_accepted(identity.ssl_context, new_cp, cp_trust)
+    assert _client_accepted(identity.ssl_context, old_cp, cp_trust)
+    cfg.tls.ca.write_bytes(pki.cert_pem(new.cert))  # the old CA dropped
+    identity.reload()
+    assert _client_accepted(identity.ssl_context, new_cp, cp_trust)
+    assert not _client_accepted(identity.ssl_context, old_cp, cp_trust)

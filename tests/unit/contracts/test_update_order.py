@@ -4,6 +4,7 @@ certificate, in exactly one canonical form, with fields both sides check the sam
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,12 +13,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw.contracts.update_order import (
     canonical_order,
+    check_order_fields,
     machine_arch,
     parse_order,
+    trust_move,
     verify_order,
 )
 from llmgw.errors import UpdateError
-from llmgw.pki import Authority
+from llmgw.pki import Authority, cert_pem, init_ca, load_ca, rotate_ca
 from llmgw.server.updates import sign_order
 from tests.unit.orders import order_for
 
@@ -98,3 +101,33 @@ def test_parse_order_reads_the_fields_without_a_signature() -> None:
 )
 def test_machine_arch_names_the_bundle_architecture(machine: str, arch: str | None) -> None:
     assert machine_arch(machine) == arch
+
+
+def test_rotation_fields_come_together_and_well_formed() -> None:
+    pin = "sha256:" + "b" * 64
+    with pytest.raises(UpdateError, match="ca_pin without ca_certs"):
+        check_order_fields(order_for(ca_pin=pin))
+    with pytest.raises(UpdateError, match="ca_certs without ca_pin"):
+        check_order_fields(order_for(ca_certs=["x"]))
+    with pytest.raises(UpdateError, match="ca_pin is not sha256"):
+        check_order_fields(order_for(ca_pin="sha256:XYZ", ca_certs=["x"]))
+    for bad in ([], "pem", [1], ["a"] * 5):
+        with pytest.raises(UpdateError, match="ca_certs is not a list"):
+            check_order_fields(order_for(ca_pin=pin, ca_certs=bad))
+    assert check_order_fields(order_for(ca_pin=pin, ca_certs=["x"]))["ca_pin"] == pin
+    with pytest.raises(UpdateError, match="wrong fields"):
+        check_order_fields(order_for(ca_pin=pin, ca_certs=["x"], extra=1))
+
+
+def test_trust_move_names_the_new_ca_only_when_it_changes(tmp_path: Path) -> None:
+    d = tmp_path / "pki"
+    old = init_ca(d)
+    rotate_ca(d, overlap=60)
+    new = load_ca(d)
+    fields = {"ca_pin": new.ca_hash(), "ca_certs": [cert_pem(new.cert).decode()]}
+    assert trust_move(order_for(**fields), cert_pem(old.cert)) == (
+        new.ca_hash(),
+        cert_pem(new.cert),
+    )
+    assert trust_move(order_for(**fields), cert_pem(new.cert)) is None
+    assert trust_move(order_for(), cert_pem(old.cert)) is None

@@ -140,3 +140,72 @@ def test_what_tls_in_server_yaml_serves(tmp_path: Path, ca: pki.Authority) -> No
     assert serving is not None and serving.cert == cluster.cert and serving.key == cluster.key
     serving = serving_certificate(TLSConfig(cert=own.cert, key=own.key), cluster)
     assert serving is not None and serving.cert == own.cert and serving.key == own.key
+
+
+# --------------------------------------------------------------------------- the gRPC stream
+
+
+def test_the_stream_takes_a_rotated_certificate_and_trust_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    """llmgw.server.tls.StreamCredentials under a real gRPC server: after a CA rotation new
+    streams get the reissued certificate (which an agent trusting only the old CA accepts
+    through the cross-certificate) and nodes of the new CA are accepted; after the drop, a
+    node certificate of the old CA is refused."""
+    import grpc
+
+    from llmgw.netaddr import CONTROL_PLANE_NAME
+    from llmgw.proto import control_pb2 as pb
+    from llmgw.proto import control_pb2_grpc as pb_grpc
+    from llmgw.server.stream import start_stream_server
+
+    d = tmp_path / "cp"
+    old, server_id, _ = pki.ensure_server_identity(d, hosts=["127.0.0.1"])
+    old_trust = pki.cert_pem(old.cert)
+    old_node = pki.issue_node_cert(old, "gpu-1", tmp_path / "old-node")
+
+    class Echo(pb_grpc.ControlPlaneServicer):
+        async def Connect(
+            self, request_iterator: object, context: grpc.aio.ServicerContext
+        ) -> None:
+            await context.write(pb.ServerMessage(welcome=pb.Welcome()))
+
+    async def scenario() -> list[str]:
+        server, port = await start_stream_server(
+            server_id, "127.0.0.1:0", Echo(), handshake_timeout=5.0
+        )
+        results: list[str] = []
+
+        async def dial(trust: bytes, node: Identity) -> None:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=trust,
+                private_key=node.key.read_bytes(),
+                certificate_chain=node.cert.read_bytes(),
+            )
+            options = [("grpc.ssl_target_name_override", CONTROL_PLANE_NAME)]
+            async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds, options=options) as ch:
+                try:
+                    call = pb_grpc.ControlPlaneStub(ch).Connect(iter([pb.AgentMessage()]))
+                    async for _msg in call:
+                        results.append("ok")
+                        break
+                except grpc.aio.AioRpcError:
+                    results.append("refused")
+
+        try:
+            await dial(old_trust, old_node)
+            pki.rotate_ca(d, overlap=3600)
+            new, _, _ = pki.ensure_server_identity(d, hosts=["127.0.0.1"])
+            new_node = pki.issue_node_cert(new, "gpu-1", tmp_path / "new-node")
+            await dial(old_trust, old_node)  # an agent on the old CA, during the overlap
+            await dial(old_trust, new_node)
+            await dial(pki.cert_pem(new.cert), new_node)
+            pki.finish_rotation(d)
+            pki.ensure_server_identity(d, hosts=["127.0.0.1"])
+            await dial(pki.cert_pem(new.cert), old_node)  # the old CA is dropped
+            await dial(pki.cert_pem(new.cert), new_node)
+        finally:
+            await server.stop(0)
+        return results
+
+    assert asyncio.run(scenario()) == ["ok", "ok", "ok", "ok", "refused", "ok"]

@@ -172,3 +172,28 @@ def test_an_order_for_the_control_planes_release_or_older_is_signed(
 def test_version_problem_is_none_within_the_release() -> None:
     assert version_problem("0.3.0+build.7", "0.3.0") is None
     assert version_problem("0.3.1", "0.3.0") is not None
+
+
+def test_orders_carry_the_rotation_only_while_it_lasts(tmp_path: Path) -> None:
+    """What lets a root helper that still trusts the old CA follow a rotation: the new CA's
+    pin, its certificate and the old CA's cross-certificate, signed into the order; nothing
+    before a rotation or after the old CA was dropped (older helpers refuse unknown fields)."""
+    from llmgw import pki
+    from llmgw.contracts.update_order import trust_move, verify_order
+    from llmgw.server.updates import rotation_fields, sign_order
+    from tests.unit.orders import order_for
+
+    d = tmp_path / "pki"
+    old = pki.init_ca(d)
+    assert rotation_fields(old) == {}
+    pki.rotate_ca(d, overlap=3600)
+    new = pki.load_ca(d)
+    fields = rotation_fields(new)
+    assert fields["ca_pin"] == new.ca_hash()
+    certs = [pki.load_certs(p.encode())[0] for p in fields["ca_certs"]]
+    assert certs == [new.cert, pki.load_cert(d / pki.CROSS_CERT)]
+    data, signature = sign_order(new.key, order_for(**fields))
+    order = verify_order(pki.cert_pem(old.cert), data, signature)  # a helper on the old CA
+    assert trust_move(order, pki.cert_pem(old.cert)) == (new.ca_hash(), pki.cert_pem(new.cert))
+    pki.finish_rotation(d)
+    assert rotation_fields(new) == {}

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from llmgw import pki
 from llmgw.agent.update_spool import read_status
 from llmgw.contracts.update_order import REQUEST, STATUS
 from llmgw.errors import UpdateError
@@ -478,3 +479,179 @@ def test_the_command_line_exits_non_zero_on_a_refusal(node: Node) -> None:
     assert "error: update refused: the order is for node gpu-2" in result.stderr
     assert "llmgw-agent-update: took" in result.stdout
     assert read_status(node.spool)["state"] == "refused"  # type: ignore[index]
+
+
+# -- across a CA rotation ----------------------------------------------------------------------------
+
+
+@dataclass
+class Rotated:
+    """A node whose helper trusts the old CA, and the control plane's PKI just rotated."""
+
+    node: Node
+    old: Authority
+    new: Authority
+
+    def rotation_fields(self, pin: str | None = None) -> dict[str, Any]:
+        d = self.new.directory
+        return {
+            "ca_pin": pin or self.new.ca_hash(),
+            "ca_certs": [(d / pki.CA_CERT).read_text(), (d / pki.CROSS_CERT).read_text()],
+        }
+
+
+@pytest.fixture
+def rotated(tmp_path: Path) -> Rotated:
+    d = tmp_path / "cp-pki"
+    old = pki.init_ca(d)
+    n = Node(tmp_path / "node", old)
+    n.spool.mkdir(parents=True)
+    n.trust.mkdir()
+    (n.trust / "ca.pem").write_bytes(pki.cert_pem(old.cert))
+    (n.trust / "ca-hash").write_text(old.ca_hash() + "\n")
+    (n.trust / "node-id").write_text(NODE + "\n")
+    n.installed.parent.mkdir()
+    n.installed.write_text("#!/bin/sh\necho 'llmgw 0.1.0'\n")
+    n.installed.chmod(0o755)
+    pki.rotate_ca(d, overlap=3600)
+    return Rotated(n, old, pki.load_ca(d))
+
+
+def trusted_pin(node: Node) -> str:
+    return pki.fingerprint(pki.load_cert(node.trust / "ca.pem").public_key())
+
+
+def test_an_order_of_the_new_ca_moves_the_trust_through_the_cross_certificate(
+    rotated: Rotated,
+) -> None:
+    node, new = rotated.node, rotated.new
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha, **rotated.rotation_fields()), key=new)
+    result = node.apply()
+    assert result.state == "done", result
+    assert trusted_pin(node) == new.ca_hash()
+    assert (node.trust / "ca-hash").read_text().strip() == new.ca_hash()
+    # The new CA's own certificate is trusted, not the cross-certificate.
+    assert pki.load_cert(node.trust / "ca.pem") == new.cert
+    # From now on plain orders of the new CA verify directly.
+    node.marker.unlink()
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha, counter=2), key=new)
+    assert node.apply().state == "done"
+
+
+def test_an_order_of_the_old_ca_naming_the_new_pin_moves_the_trust(rotated: Rotated) -> None:
+    node = rotated.node
+    bundle, sha = good_bundle(node)
+    node.spool_request(bundle, order_for(sha256=sha, **rotated.rotation_fields()), key=rotated.old)
+    assert node.apply().state == "done"
+    assert trusted_pin(node) == rotated.new.ca_hash()
+
+
+def test_a_refused_rotation_order_leaves_the_trust(rotated: Rotated) -> None:
+    node = rotated.node
+    bundle, sha = good_bundle(node, "0.0.9")  # a downgrade: refused after verification
+    node.spool_request(
+        bundle, order_for(sha256=sha, version="0.0.9", **rotated.rotation_fields()), key=rotated.new
+    )
+    node.assert_refused(node.apply(), "downgrade")
+    assert trusted_pin(node) == rotated.old.ca_hash()
+
+
+def test_the_agent_cannot_sign_orders_with_its_node_key(rotated: Rotated, tmp_path: Path) -> None:
+    """The node's certificate is signed by the trusted CA too, but it is no CA certificate:
+    an order the agent signs with its own key and vouches for with it is refused."""
+    node = rotated.node
+    ident = pki.issue_node_cert(rotated.old, NODE, tmp_path / "agent")
+    agent_key = pki._load_key(ident.key)
+    as_ca = Authority(cert=pki.load_cert(ident.cert), key=agent_key, directory=ident.cert.parent)
+    bundle, sha = good_bundle(node)
+    fields = {
+        "ca_pin": pki.fingerprint(agent_key.public_key()),
+        "ca_certs": [ident.cert.read_text()],
+    }
+    node.spool_request(bundle, order_for(sha256=sha, **fields), key=as_ca)
+    node.assert_refused(node.apply(), "does not verify against the cluster CA")
+    assert trusted_pin(node) == rotated.old.ca_hash()
+
+
+def test_a_ca_of_the_agents_choosing_is_refused(rotated: Rotated, tmp_path: Path) -> None:
+    """A self-made CA with the cluster CA's very name, not signed by the trusted CA."""
+    node = rotated.node
+    rogue = pki.init_ca(tmp_path / "rogue")  # same default subject as the cluster CA
+    assert rogue.cert.subject == rotated.old.cert.subject
+    bundle, sha = good_bundle(node)
+    fields = {"ca_pin": rogue.ca_hash(), "ca_certs": [pki.cert_pem(rogue.cert).decode()]}
+    node.spool_request(bundle, order_for(sha256=sha, **fields), key=rogue)
+    node.assert_refused(node.apply(), "does not verify against the cluster CA")
+    # Signed by the rotated (endorsed) CA but naming the rogue one as the new trust.
+    fields = rotated.rotation_fields(pin=rogue.ca_hash())
+    fields["ca_certs"].append(pki.cert_pem(rogue.cert).decode())
+    node.spool_request(bundle, order_for(sha256=sha, **fields), key=rotated.new)
+    node.assert_refused(node.apply(), "names the pin")
+    assert trusted_pin(node) == rotated.old.ca_hash()
+
+
+def test_after_the_overlap_the_cross_certificate_no_longer_vouches(
+    rotated: Rotated, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = rotated.node
+    bundle, sha = good_bundle(node)
+    order = order_for(
+        sha256=sha, expires=int(time.time()) + 30 * 86400, **rotated.rotation_fields()
+    )
+    node.spool_request(bundle, order, key=rotated.new)
+    result = apply_request(
+        spool=node.spool,
+        trust=node.trust,
+        state=node.state,
+        installed_binary=node.installed,
+        machine="x86_64",
+        now=lambda: time.time() + 2 * 3600,
+    )
+    node.assert_refused(result, "its overlap has ended")
+    assert trusted_pin(node) == rotated.old.ca_hash()
+
+
+def test_a_pin_without_its_certificate_is_refused(rotated: Rotated) -> None:
+    node = rotated.node
+    bundle, sha = good_bundle(node)
+    fields = rotated.rotation_fields()
+    fields["ca_certs"] = fields["ca_certs"][1:]  # the cross-certificate alone
+    node.spool_request(bundle, order_for(sha256=sha, **fields), key=rotated.new)
+    node.assert_refused(node.apply(), "carries no self-signed certificate")
+
+
+def test_odd_certificates_in_an_unverified_order_are_refused_not_a_crash(
+    rotated: Rotated, other_authority: Authority
+) -> None:
+    """Until an order verifies, its ca_certs are anyone's: keys of other kinds, a CA of
+    another name, are passed over and the order is refused."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+    from cryptography.x509.oid import NameOID
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "llmgw cluster CA")])
+    now = dt.datetime.now(dt.UTC)
+    odd = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(now)
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, None)
+    )
+    node = rotated.node
+    bundle, sha = good_bundle(node)
+    fields = {
+        "ca_pin": other_authority.ca_hash(),
+        "ca_certs": [pki.cert_pem(odd).decode(), pki.cert_pem(other_authority.cert).decode()],
+    }
+    node.spool_request(bundle, order_for(sha256=sha, **fields), key=other_authority)
+    node.assert_refused(node.apply(), "does not verify against the cluster CA")

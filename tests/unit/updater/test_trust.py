@@ -165,3 +165,39 @@ def test_update_trust_command_line(
     bad = run_cli(staged(tmp_path, ca_pem(other_authority), "other.crt"))
     assert bad.returncode == 1 and "error: the CA in" in bad.stderr and bad.stdout == ""
     assert (trust_dir / "ca.pem").read_bytes() == ca_pem(authority)
+
+
+def test_a_trust_bundle_is_read_and_the_pin_picks_the_ca(tmp_path: Path, trust_dir: Path) -> None:
+    """Across a CA rotation the agent's ca.crt holds the new CA and the old one: only a pin
+    (the operator's --ca-hash) moves the trust; without one the recorded pin keeps it."""
+    d = tmp_path / "cp"
+    old = pki.init_ca(d)
+    install_trust(staged(tmp_path, pki.cert_pem(old.cert)), trust_dir, old.ca_hash())
+    pki.rotate_ca(d, overlap=60)
+    new = pki.load_ca(d)
+    bundle = staged(tmp_path, pki.cert_pem(new.cert) + pki.cert_pem(old.cert), "bundle.crt")
+    # A re-run without --ca-hash: the recorded (old) pin picks the old CA; nothing changes.
+    assert install_trust(bundle, trust_dir, None) is False
+    assert (trust_dir / "ca.pem").read_bytes() == pki.cert_pem(old.cert)
+    # upgrade/rekey --ca-hash NEW: the new CA alone is written.
+    assert install_trust(bundle, trust_dir, new.ca_hash()) is True
+    assert (trust_dir / "ca.pem").read_bytes() == pki.cert_pem(new.cert)
+    assert (trust_dir / "ca-hash").read_text() == new.ca_hash() + "\n"
+    # The cross-certificate carries the new key too, but the self-signed CA is what is kept.
+    cross = (d / pki.CROSS_CERT).read_bytes()
+    install_trust(
+        staged(tmp_path, cross + pki.cert_pem(new.cert), "x.crt"), trust_dir, new.ca_hash()
+    )
+    assert (trust_dir / "ca.pem").read_bytes() == pki.cert_pem(new.cert)
+
+
+def test_a_bundle_without_the_pinned_ca_names_what_it_holds(
+    tmp_path: Path, trust_dir: Path, authority: Authority, other_authority: Authority
+) -> None:
+    bundle = staged(tmp_path, ca_pem(authority) + ca_pem(other_authority))
+    pin = "sha256:" + "a" * 64
+    with pytest.raises(UpdateError) as caught:
+        install_trust(bundle, trust_dir, pin)
+    assert authority.ca_hash() in caught.value.message
+    assert other_authority.ca_hash() in caught.value.message
+    assert not (trust_dir / "ca.pem").exists()

@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
-from click.testing import CliRunner
+import pytest
+from click.testing import CliRunner, Result
 
 from llmgw import pki
+from llmgw.cli import main
 from llmgw.cli.ctl.cert import cert
+from llmgw.cli.ctl.context import Ctl
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -112,3 +116,82 @@ def test_dir_is_required_and_help_names_env_var() -> None:
         result = CliRunner().invoke(cert, [command, "--help"])
         assert result.exit_code == 0
         assert "LLMGW_PKI_DIR" in result.output
+
+
+# --------------------------------------------------------------------------- through the admin API
+
+NEW = "sha256:" + "1" * 64
+OLD = "sha256:" + "0" * 64
+DROP_AT = 2_000_000_000
+
+
+def rotating(left: list[str]) -> dict[str, Any]:
+    return {
+        "current": {"ca_hash": NEW, "subject": "CN=llmgw cluster CA", "not_after": 2_100_000_000},
+        "previous": {"ca_hash": OLD, "drop_at": DROP_AT},
+        "rotation": {"previous": OLD, "current": NEW, "started": 1, "drop_at": DROP_AT},
+        "nodes_on_previous": left,
+    }
+
+
+@pytest.fixture
+def api(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
+    """The admin API as a stand-in: records each call, answers a rotation in progress."""
+    seen: list[tuple[str, str, Any]] = []
+    answers: dict[str, Any] = {
+        "/api/ca": rotating(["gpu-2"]),
+        "/api/ca/rotate": rotating(["gpu-1", "gpu-2"]),
+        "/api/ca/finish": {**rotating([]), "previous": None},
+    }
+
+    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        seen.append((method, path, body))
+        return answers[path]
+
+    monkeypatch.setattr(Ctl, "call", call)
+    return seen
+
+
+def ctl(*args: str) -> Result:
+    return CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", *args])
+
+
+def test_cert_alone_shows_both_cas_and_who_is_left(api: list[tuple[str, str, Any]]) -> None:
+    out = ctl("cert")
+    assert out.exit_code == 0, out.output
+    assert api == [("GET", "/api/ca", None)]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"CA:          {NEW}  (valid until 2036-")
+    assert lines[1].startswith(f"old CA:      {OLD}  (trusted too; dropped 2033-05-18 03:33 UTC")
+    assert lines[2] == "still on the old CA: gpu-2 (they renew when they connect)"
+
+
+def test_rotate_ca_sends_the_overlap_and_says_what_follows(
+    api: list[tuple[str, str, Any]],
+) -> None:
+    out = ctl("cert", "rotate-ca", "--overlap", "2d")
+    assert out.exit_code == 0, out.output
+    assert api == [("POST", "/api/ca/rotate", {"overlap": 172800.0})]
+    assert f"rotated: the new CA is {NEW}" in out.stdout
+    assert f"the old CA {OLD} is dropped 2033-05-18 03:33 UTC" in out.stdout
+    assert f"'install-agent.sh upgrade --ca-hash {NEW}'" in out.stdout
+    assert ctl("cert", "rotate-ca").exit_code == 0
+    assert api[-1][2] == {"overlap": 7 * 86400.0}  # the default: 7 days
+
+
+@pytest.mark.parametrize("overlap", ["30s", "1x", "-1d"])
+def test_rotate_ca_refuses_a_bad_overlap_before_any_call(
+    api: list[tuple[str, str, Any]], overlap: str
+) -> None:
+    out = ctl("cert", "rotate-ca", "--overlap", overlap)
+    assert out.exit_code == 2
+    assert "Invalid value for '--overlap'" in out.stderr
+    assert api == []
+
+
+def test_finish_rotation_forwards_force(api: list[tuple[str, str, Any]]) -> None:
+    out = ctl("cert", "finish-rotation")
+    assert out.exit_code == 0, out.output
+    assert out.stdout == f"dropped the old CA; only {NEW} is trusted now\n"
+    assert ctl("cert", "finish-rotation", "--force").exit_code == 0
+    assert [c[2] for c in api] == [{"force": False}, {"force": True}]

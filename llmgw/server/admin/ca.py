@@ -1,0 +1,57 @@
+"""Admin routes about the cluster CA: what it is, its rotation, and dropping the old CA
+(:mod:`llmgw.server.authority` does the work)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from llmgw.durations import format_duration, parse_duration
+from llmgw.errors import ConfigError
+from llmgw.pki import DEFAULT_OVERLAP
+from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.authority import ClusterAuthority
+
+__all__ = ["CARoutes"]
+
+MIN_OVERLAP = 60.0
+"""A shorter overlap leaves agents no time to renew before the old CA is dropped."""
+MAX_OVERLAP = 365 * 86400.0
+
+
+class CARoutes:
+    """``GET /api/ca``, ``POST /api/ca/rotate``, ``POST /api/ca/finish``."""
+
+    def __init__(self, ctx: AdminContext, authority: ClusterAuthority) -> None:
+        self.ctx = ctx
+        self.authority = authority
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.authority.status())
+
+    async def rotate(self, request: web.Request) -> web.Response:
+        body = await read_json(self.ctx, request)
+        unknown = sorted(set(body) - {"overlap"})
+        if unknown:
+            raise BadRequest(f"unknown field(s) {', '.join(unknown)}; send only 'overlap'")
+        raw = body.get("overlap", DEFAULT_OVERLAP)
+        try:
+            overlap = parse_duration(raw)
+        except ConfigError as exc:
+            raise BadRequest(f"overlap {exc.message}") from None
+        if not MIN_OVERLAP <= overlap <= MAX_OVERLAP:
+            raise BadRequest(
+                f"overlap must be from {format_duration(MIN_OVERLAP)} to "
+                f"{format_duration(MAX_OVERLAP)} (agents renew under the new CA within it), "
+                f"not {raw!r}"
+            )
+        return web.json_response(self.authority.rotate(overlap))
+
+    async def finish(self, request: web.Request) -> web.Response:
+        body = await read_json(self.ctx, request)
+        unknown = sorted(set(body) - {"force"})
+        if unknown:
+            raise BadRequest(f"unknown field(s) {', '.join(unknown)}; send only 'force'")
+        force = body.get("force", False)
+        if not isinstance(force, bool):
+            raise BadRequest("force must be true or false")
+        return web.json_response(self.authority.finish(force=force))
