@@ -69,6 +69,9 @@ class UpstreamPool:
         self._conns: set[UpstreamConnection] = set()  # every open connection, idle or busy
         self._sweeper: asyncio.TimerHandle | None = None
         self._closed = False
+        # Connections made under a TLS context that was since replaced (retrust): they
+        # finish the request they carry and are closed instead of going back to idle.
+        self._stale: set[UpstreamConnection] = set()
 
     @property
     def connections(self) -> int:
@@ -188,6 +191,20 @@ class UpstreamPool:
             del self._idle[key]
         return len(gone)
 
+    def retrust(self, ssl_context: ssl.SSLContext) -> int:
+        """Use ``ssl_context`` for every connection from now on (a CA rotation changed
+        what peers are trusted, or a dropped CA is trusted no more): idle connections are
+        closed, busy ones finish their request and are closed then, so that no request after
+        this rides a handshake verified under the old trust. Returns how many were open."""
+        self._ssl = ssl_context
+        open_now = list(self._conns)
+        self._stale.update(open_now)
+        for idle in self._idle.values():
+            for conn in list(idle):
+                conn.close()
+        self._idle.clear()
+        return len(open_now)
+
     def _pop_idle(self, key: tuple[str, int, str | None]) -> UpstreamConnection | None:
         idle = self._idle.get(key)
         if not idle:
@@ -210,7 +227,13 @@ class UpstreamPool:
         self._conns.add(conn)
 
     def put_idle(self, conn: UpstreamConnection) -> None:
-        if conn.lost or self._closed or conn.transport is None or conn.transport.is_closing():
+        if (
+            conn.lost
+            or self._closed
+            or conn in self._stale
+            or conn.transport is None
+            or conn.transport.is_closing()
+        ):
             conn.close()
             return
         conn.resume()
@@ -227,6 +250,7 @@ class UpstreamPool:
 
     def discard(self, conn: UpstreamConnection) -> None:
         self._conns.discard(conn)
+        self._stale.discard(conn)
         idle = self._idle.get(conn.key)
         if idle is not None:
             idle.pop(conn, None)

@@ -584,12 +584,11 @@ class ControlPlane:
         by themselves (the stream, enrolment, :8080); the gateway's context to the data
         planes and the CA enrolment hands out are refreshed here."""
         if self._client_ctx is not None and self.client_identity is not None:
-            ident = self.client_identity
-            # Certificates are added to a context's trust, never removed: an old CA that was
-            # dropped stays trusted for data-plane connections until the next restart, where
-            # node certificates it issued are refused on the stream already.
-            self._client_ctx.load_verify_locations(cafile=str(ident.ca))
-            self._client_ctx.load_cert_chain(ident.cert, ident.key)
+            # A context's trust can only grow, so a fresh one: after a drop the old CA is
+            # trusted no more for data-plane connections, and the pool's open connections
+            # (verified under the old trust) are closed as soon as they are free.
+            self._client_ctx = None
+            self.gateway.retrust(self._client_ssl_context())
         if self._enroller is not None and self.ca is not None:
             self._enroller.ca_pem = cert_pem(self.ca.cert).decode("ascii")
         if self._enroll_tls is not None:

@@ -211,6 +211,12 @@ class Gateway:
         self._session: UpstreamPool | None = None
         self._hostports: dict[str, tuple[str, int]] = {}
 
+    def retrust(self, client_ssl: ssl.SSLContext) -> None:
+        """The TLS towards agents changed (a CA rotation or the drop of the old CA): new
+        connections use ``client_ssl``; those open now are closed once free."""
+        if self._session is not None:
+            self._session.retrust(client_ssl)
+
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.completions)

@@ -1070,6 +1070,56 @@ def test_peer_check_sees_the_certificate_and_can_refuse_it(tmp_path: Path) -> No
     run(main)
 
 
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait (briefly) for what a closing transport reports a few loop turns later."""
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not so within {timeout:g} s")
+
+
+def test_retrust_closes_connections_made_under_the_old_trust(tmp_path: Path) -> None:
+    """After a CA's drop the gateway swaps its TLS context: no later request may ride a
+    connection verified under the old trust (an idle one is closed at once, a busy one when
+    it is released), and new handshakes use the new context."""
+    tls = tls_contexts(tmp_path)
+    other = pki.init_ca(tmp_path / "other-ca")
+    trusts_other = ssl.create_default_context(
+        ssl.Purpose.SERVER_AUTH, cafile=str(tmp_path / "other-ca" / pki.CA_CERT)
+    )
+    assert other.cert is not None
+
+    async def main() -> None:
+        state = AppState()
+        async with aiohttp_server(state, tls.server) as port:
+            pool = UpstreamPool(ssl=tls.client)
+            idle = await pool.request("GET", HOST, port, "/echo", server_hostname="node-a")
+            await idle.read()
+            busy = await pool.request("GET", HOST, port, "/echo", server_hostname="node-a")
+            idle.release()  # pooled, idle
+            assert pool.connections == 2
+            assert pool.retrust(trusts_other) == 2
+            await until(
+                lambda: pool.connections == 1
+            )  # the idle one is gone; the busy one finishes
+            assert json.loads(await busy.read())["method"] == "GET"
+            busy.release()
+            await until(lambda: pool.connections == 0)
+            # The node's certificate is not under the new trust: refused at the handshake.
+            with pytest.raises(UpstreamConnectError, match="certificate we do not trust"):
+                await pool.request("GET", HOST, port, "/echo", server_hostname="node-a")
+            # And back to a trust that holds it: a new connection serves.
+            pool.retrust(tls.client)
+            resp = await pool.request("GET", HOST, port, "/echo", server_hostname="node-a")
+            await resp.read()
+            resp.release()
+            assert len(state.peers) == 3
+            await pool.close()
+
+    run(main)
+
+
 def test_tls_refused_client_certificate_is_a_connect_error(tmp_path: Path) -> None:
     tls = tls_contexts(tmp_path)
 
