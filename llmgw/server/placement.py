@@ -2,8 +2,9 @@
 once per pass, for the nodes and GPUs of each replica it is missing.
 
 Filter, then score. A node takes a shard when it is approved, connected, not draining, not
-lost, offers the engine, is not in ``avoid`` and has enough free GPUs; the shards of a
-multi-node replica go to distinct nodes that share one healthy fabric. ``binpack`` fills
+lost, offers the engine, is not in ``avoid``, is not degraded for it (:func:`degraded_refusal`)
+and has enough free GPUs; the shards of a multi-node replica go to distinct nodes that share
+one healthy fabric. ``binpack`` fills
 nodes up (fewest free GPUs that still fit, and for multi-node the fabric with the fewest
 spare nodes); ``spread`` prefers the emptiest nodes and fabrics.
 
@@ -22,6 +23,8 @@ from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from llmgw.contracts.inventory import DegradedCode, DegradedReason
+
 __all__ = [
     "STRATEGIES",
     "Allocation",
@@ -32,6 +35,7 @@ __all__ = [
     "Profile",
     "ShardPlacement",
     "Unplaceable",
+    "degraded_refusal",
 ]
 
 STRATEGIES = ("binpack", "spread")
@@ -62,6 +66,8 @@ class NodeView:
     mgmt_addr: str = ""
     # The node's approval state as operators see it (pending, revoked), for reasons.
     state: str = ""
+    # Why the node is degraded, as its agent reported (llmgw.contracts.inventory).
+    degraded: tuple[DegradedReason, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,25 @@ class Unplaceable:
         shown = "; ".join(self.reasons[:limit])
         more = len(self.reasons) - limit
         return f"{shown}; and {more} more" if more > 0 else shown
+
+
+def degraded_refusal(view: NodeView, profile: Profile) -> str:
+    """Why a degraded node cannot take a shard of ``profile``, or '' when none of its reasons
+    touches it: it keeps the work it can do. dockerd unreachable stops everything (every
+    shard is a container); an engine that will not run stops that engine; GPUs without a
+    usable driver stop profiles that need GPUs; a fabric down stops multi-node replicas when
+    the node has no healthy fabric left (the others are placed over a healthy one). A code
+    this control plane does not know blocks nothing."""
+    for reason in view.degraded:
+        code = reason.code
+        if (
+            code == DegradedCode.DOCKER
+            or (code == DegradedCode.ENGINE and reason.engine == profile.engine)
+            or (code == DegradedCode.GPUS and profile.gpus > 0)
+            or (code == DegradedCode.FABRIC and profile.nodes > 1 and not view.fabrics)
+        ):
+            return f"degraded: {reason.message}"
+    return ""
 
 
 def _size(mib: int) -> str:
@@ -207,10 +232,14 @@ class Cluster:
         # memory are within it, every indexed node with enough free GPUs fits, and counting
         # them is a sum over buckets rather than a walk over nodes.
         self._common: dict[str, tuple[frozenset[str], int]] = {}
+        # Fabrics with a degraded node on them: there the fast count does not hold.
+        self._degraded_fabrics: set[str] = set()
         for node in self._nodes.values():
             if not node.usable:
                 continue
             self._insert(node)
+            if node.view.degraded:
+                self._degraded_fabrics.update(node.fabrics)
             for fabric in node.fabrics:
                 common = self._common.get(fabric)
                 if common is None:
@@ -282,6 +311,7 @@ class Cluster:
             profile.engine in node.view.engines
             and node.view.id not in avoid
             and (profile.gpus == 0 or node.fit(memory) >= profile.gpus)
+            and not (node.view.degraded and degraded_refusal(node.view, profile))
         )
 
     def _walk(self, buckets: _Buckets, gpus: int, strategy: str) -> Iterator[str]:
@@ -330,7 +360,12 @@ class Cluster:
             fits = 0
             chosen: list[_Node] = []
             walk = self._walk(buckets, profile.gpus, strategy)
-            if profile.engine in common[0] and memory <= common[1] and fabric not in avoided:
+            if (
+                profile.engine in common[0]
+                and memory <= common[1]
+                and fabric not in avoided
+                and fabric not in self._degraded_fabrics
+            ):
                 fits = sum(len(ids) for k, ids in buckets.items() if k[0] >= profile.gpus)
                 chosen = [self._nodes[n] for n in itertools.islice(walk, profile.nodes)]
             else:
@@ -421,6 +456,9 @@ class Cluster:
             return "draining"
         if view.id in avoid:
             return "avoided for this replica"
+        refusal = degraded_refusal(view, profile)
+        if refusal:
+            return refusal
         if profile.engine not in view.engines:
             installed = ", ".join(sorted(view.engines)) or "none"
             return f"engine {profile.engine} not offered (installed: {installed})"

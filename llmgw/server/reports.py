@@ -19,7 +19,7 @@ from llmgw.proto import control_pb2 as pb
 from llmgw.server.installs import EngineInstalls
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.scheduler import Scheduler
-from llmgw.server.states import ReplicaState, ShardState
+from llmgw.server.states import ReplicaState, ShardState, health_change
 from llmgw.server.store import Store
 from llmgw.server.stream import NodeSession
 
@@ -47,14 +47,24 @@ def store_inventory(store: Store, session: NodeSession, inv: pb.Inventory) -> No
     """Record an approved node's inventory (the caller lets the scheduler look at it)."""
     session.engines = frozenset(inv.engines)
     node = store.get_node(session.node_id)
+    stored = inventory_dict(inv)
     store.upsert_node(
         session.node_id,
         dataplane_addr=session.dataplane_addr,
         agent_version=node.agent_version,
-        inventory=inventory_dict(inv),
+        inventory=stored,
         connected=True,
     )
     store.add_event("inventory_changed", session.node_id, _inventory_summary(inv))
+    change = health_change(node.inventory, stored)
+    if change is not None:
+        kind, message = change
+        store.add_event(kind, session.node_id, message)
+        log.log(
+            logging.WARNING if kind == "node_degraded" else logging.INFO,
+            "node degraded" if kind == "node_degraded" else "node no longer degraded",
+            extra=kv(node=session.node_id, reasons=message),
+        )
 
 
 class AgentReports:

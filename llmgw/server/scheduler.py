@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from llmgw.contracts.catalog import Profile as CatalogProfile
 from llmgw.contracts.catalog import adhoc_profile, parse_profile
+from llmgw.contracts.inventory import degraded_reasons
 from llmgw.engines.launch import worker_port_base
 from llmgw.errors import ConfigError, NotFound
 from llmgw.log import kv
@@ -207,6 +208,7 @@ class Scheduler:
                     fabrics=tuple(f["name"] for f in inv.get("fabrics", []) if f.get("healthy")),
                     mgmt_addr=_host_of(node.dataplane_addr or ""),
                     state=node.state,
+                    degraded=degraded_reasons(inv),
                 )
             )
         allocations = [

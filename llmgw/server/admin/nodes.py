@@ -1,5 +1,6 @@
-"""Admin routes about the fleet: the control plane's status, the nodes, operator decisions
-on them (approve, reject, revoke), draining and the event log."""
+"""Admin routes about the fleet: the control plane's status, the nodes (each with its health:
+healthy, degraded with its reasons, or offline), operator decisions on them (approve, reject,
+revoke), draining and the event log."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Any
 from aiohttp import web
 
 from llmgw import __version__
+from llmgw.contracts.inventory import degraded_reasons, inventory_dict
 from llmgw.errors import Conflict
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
-from llmgw.server.states import NodeState
+from llmgw.server.states import NodeState, node_health
 from llmgw.server.store import Node
 
 __all__ = ["NodeRoutes"]
@@ -38,14 +40,28 @@ class NodeRoutes:
 
     # -- nodes ----------------------------------------------------------------------------------
 
+    def _inventory(self, node: Node) -> dict[str, Any]:
+        """What the node last reported: stored once approved; while pending, what its
+        session holds (so that an operator sees a degraded node before approving it)."""
+        session = self.ctx.sessions.get(node.id)
+        if node.state == NodeState.PENDING and session is not None:
+            held = session.held_inventory
+            if held is not None:
+                return inventory_dict(held)
+        return node.inventory
+
     def _node(self, node: Node, shard_count: int) -> dict[str, Any]:
-        inv = node.inventory
+        inv = self._inventory(node)
         cert = self.ctx.store.latest_certificate(node.id)
+        connected = node.id in self.ctx.sessions
         return {
             "id": node.id,
             "uid": node.uid,
             "state": node.state,
-            "connected": node.id in self.ctx.sessions,
+            # Beside the state, not one of them: what the node's own reports say it can do.
+            "health": node_health(connected and node.id not in self.ctx.lost, inv),
+            "degraded": [r.as_dict() for r in degraded_reasons(inv)],
+            "connected": connected,
             "draining": node.draining,
             "lost": node.id in self.ctx.lost,
             "dataplane_addr": node.dataplane_addr,
@@ -70,6 +86,20 @@ class NodeRoutes:
         return web.json_response(
             [self._node(n, counts.get(n.id, 0)) for n in self.ctx.store.list_nodes()]
         )
+
+    async def node(self, request: web.Request) -> web.Response:
+        """One node, with what its inventory says beyond the list's columns: its warnings,
+        its engines as checked, its fabrics."""
+        node = self.ctx.store.get_node(request.match_info["node"])
+        inv = self._inventory(node)
+        data = self._node(node, len(self.ctx.store.list_shards(node_id=node.id)))
+        data.update(
+            driver_version=inv.get("driver_version", ""),
+            engine_details=inv.get("engine_details", []),
+            fabrics=inv.get("fabrics", []),
+            warnings=inv.get("warnings", []),
+        )
+        return web.json_response(data)
 
     async def approve(self, request: web.Request) -> web.Response:
         body = await read_json(self.ctx, request)

@@ -190,3 +190,42 @@ def test_a_pending_node_gets_no_start_order_until_it_is_approved(cp: SchedulerRi
     session.approved = True
     scheduler.reconcile()
     assert list(_orders(cp)) == [shard.id]
+
+
+def test_the_scheduler_keeps_a_degraded_node_from_what_it_cannot_run(cp: SchedulerRig) -> None:
+    # n1's llama.cpp will not run (its agent no longer offers it, and says why); n2's does.
+    _join(cp, "n1", "10.0.0.1")
+    broken = {
+        "code": "engine",
+        "engine": "llamacpp",
+        "fabric": "",
+        "message": "engine llamacpp (/opt/llama-server) will not run: libcudart.so.12",
+    }
+    inventory = {**cp.store.get_node("n1").inventory, "degraded": [broken]}
+    cp.store.upsert_node(
+        "n1",
+        dataplane_addr="10.0.0.1:9443",
+        agent_version="0.1.0",
+        inventory=inventory,
+        connected=True,
+    )
+    cp.sessions["n1"].engines = frozenset({"sim"})
+    _deploy(cp, "gguf", "llamacpp", nodes=1)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    assert cp.store.list_shards() == []
+    assert scheduler.unplaceable["gguf"].reason == f"n1: degraded: {broken['message']}"
+
+    # sim still goes there.
+    _deploy(cp, "s", "sim", nodes=1)
+    scheduler.reconcile()
+    assert [
+        (s.node_id, cp.store.get_replica(s.replica_id).model) for s in cp.store.list_shards()
+    ] == [("n1", "s")]
+
+    # A healthy node with the engine joins: the model goes there, not to n1.
+    _join(cp, "n2", "10.0.0.2")
+    scheduler.reconcile()
+    placed = {cp.store.get_replica(s.replica_id).model: s.node_id for s in cp.store.list_shards()}
+    assert placed == {"s": "n1", "gguf": "n2"}
+    assert "gguf" not in scheduler.unplaceable
