@@ -1,5 +1,5 @@
-"""``llmgw ctl nodes``, ``approve``, ``reject``, ``revoke``, ``drain``, ``uncordon``: the nodes of
-the cluster and their life cycle."""
+"""``llmgw ctl nodes [NODE]``, ``approve``, ``reject``, ``revoke``, ``drain``, ``uncordon``: the
+nodes of the cluster, their health (healthy, degraded and why, offline) and their life cycle."""
 
 from __future__ import annotations
 
@@ -16,27 +16,34 @@ from llmgw.cli.ctl.output import ago, echo_json, table, until
 __all__ = ["approve", "drain", "nodes", "reject", "revoke", "uncordon"]
 
 
+def _gpus_cell(n: dict[str, Any]) -> str:
+    if n["gpus"]:
+        return str(len(n["gpus"]))
+    return f"0 ({n['gpu_status']})" if n["gpu_status"] else "0"
+
+
 @click.command()
+@click.argument("node", required=False)
 @pass_ctl
-def nodes(c: Ctl) -> None:
-    """List nodes: state, connection, shards, GPUs (or why there are none)."""
+def nodes(c: Ctl, node: str | None) -> None:
+    """List nodes: state, health, connection, shards, GPUs (or why there are none).
+
+    With NODE, that node in full: why it is degraded and what to fix, its engines as
+    checked, its fabrics and warnings."""
+    if node is not None:
+        _show_node(c, node)
+        return
     data = c.call("GET", "/api/nodes")
     if c.as_json:
         echo_json(data)
         return
     rows = []
     for n in data:
-        gpus = (
-            str(len(n["gpus"]))
-            if n["gpus"]
-            else f"0 ({n['gpu_status']})"
-            if n["gpu_status"]
-            else "0"
-        )
         rows.append(
             [
                 n["id"],
                 n["state"] + (",draining" if n["draining"] else ""),
+                n.get("health", "-"),
                 "yes" if n["connected"] else "no",
                 n["dataplane_addr"],
                 n["shards"],
@@ -47,7 +54,7 @@ def nodes(c: Ctl) -> None:
                 (n["fingerprint"] or "")[:23] + "…"
                 if n["state"] != "pending"
                 else n["fingerprint"],
-                gpus,
+                _gpus_cell(n),
                 _update_cell(n.get("update")),
             ]
         )
@@ -56,6 +63,7 @@ def nodes(c: Ctl) -> None:
             [
                 "NODE",
                 "STATE",
+                "HEALTH",
                 "CONNECTED",
                 "DATA PLANE",
                 "SHARDS",
@@ -70,12 +78,79 @@ def nodes(c: Ctl) -> None:
             rows,
         )
     )
+    for line in _degraded_lines(data):
+        click.echo(line)
 
 
 def _update_cell(update: dict[str, Any] | None) -> str:
     if not update:
         return "-"
     return f"{update['version']} {update['state']}"
+
+
+def _subject(reason: dict[str, Any]) -> str:
+    """What a degraded reason is about: ``engine vllm``, ``fabric ib-a``, ``gpus``, ``docker``."""
+    code = str(reason.get("code") or "?")
+    about = reason.get("engine") or reason.get("fabric") or ""
+    return f"{code} {about}" if about else code
+
+
+def _degraded_lines(data: list[dict[str, Any]]) -> list[str]:
+    """Under the table: each degraded node, what its reasons are about, and where to read
+    them in full (the table has no room for the fixes)."""
+    return [
+        f"{n['id']} is degraded ({', '.join(_subject(r) for r in n['degraded'])}); "
+        f"'llmgw ctl nodes {shlex.quote(n['id'])}' says what to fix"
+        for n in data
+        if n.get("health") == "degraded" and n.get("degraded")
+    ]
+
+
+def _show_node(c: Ctl, node: str) -> None:
+    n = c.call("GET", f"/api/nodes/{node}")
+    if c.as_json:
+        echo_json(n)
+        return
+    health = n.get("health", "-")
+    fields = [
+        ("node", n["id"]),
+        ("state", n["state"] + (", draining" if n["draining"] else "")),
+        ("health", health),
+        ("connected", "yes" if n["connected"] else "no"),
+        ("data plane", n["dataplane_addr"] or "-"),
+        ("version", n["agent_version"] or "-"),
+        ("last seen", ago(n["last_seen"])),
+        ("shards", n["shards"]),
+        ("GPUs", _gpus_cell(n)),
+        ("engines", ", ".join(n["engines"]) or "none"),
+        ("fingerprint", n["fingerprint"] or "-"),
+        ("cert expires", until(n["cert_expires_at"])),
+    ]
+    width = max(len(name) for name, _ in fields) + 1
+    for name, value in fields:
+        click.echo(f"{name + ':':<{width}} {value}")
+    reasons = n.get("degraded") or []
+    if reasons:
+        offline = " (as it last reported)" if health == "offline" else ""
+        click.echo(f"degraded{offline}: placement keeps it from what each names, only that")
+        for reason in reasons:
+            click.echo(f"  - {_subject(reason)}: {reason.get('message', '')}")
+    broken = [e for e in n.get("engine_details", []) if not e.get("ok")]
+    if broken and not reasons:
+        click.echo("engines that will not run:")
+        for engine in broken:
+            click.echo(f"  - {engine['name']}: {engine.get('problem', '')}")
+    fabrics = n.get("fabrics") or []
+    if fabrics:
+        click.echo(
+            "fabrics: "
+            + ", ".join(f"{f['name']} ({'up' if f.get('healthy') else 'down'})" for f in fabrics)
+        )
+    warnings = n.get("warnings") or []
+    if warnings:
+        click.echo("warnings:")
+        for warning in warnings:
+            click.echo(f"  - {warning}")
 
 
 @click.command()

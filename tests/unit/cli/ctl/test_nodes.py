@@ -1,0 +1,142 @@
+"""``llmgw ctl nodes [NODE]``: the HEALTH column beside STATE, a line under the table for each
+degraded node, and one node in full with what to fix. The admin API is a stand-in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from llmgw.cli import main
+from llmgw.cli.ctl.context import Ctl
+
+ENGINE = {
+    "code": "engine",
+    "engine": "vllm",
+    "fabric": "",
+    "message": "engine vllm (/opt/vllm) will not run: libcudart.so.12 => not found; install "
+    "what it lacks, or reinstall it",
+}
+FABRIC = {
+    "code": "fabric",
+    "engine": "",
+    "fabric": "ib-a",
+    "message": "fabric ib-a is down: adapter mlx5_0 has no ACTIVE port",
+}
+
+
+def _node(
+    node_id: str, health: str, degraded: list[dict[str, str]], **extra: Any
+) -> dict[str, Any]:
+    return {
+        "id": node_id,
+        "uid": "u-" + node_id,
+        "state": "approved",
+        "health": health,
+        "degraded": degraded,
+        "connected": health != "offline",
+        "draining": False,
+        "lost": False,
+        "dataplane_addr": "10.0.0.1:9443",
+        "agent_version": "0.1.0",
+        "last_seen": None,
+        "shards": 1,
+        "cpus": 8,
+        "memory_total_bytes": 1,
+        "gpus": [],
+        "gpu_status": "",
+        "engines": ["sim"],
+        "fingerprint": "sha256:" + "ab" * 32,
+        "cert_expires_at": None,
+        "cert_serial": "01",
+        "update": None,
+        **extra,
+    }
+
+
+NODES = [
+    _node("gpu-1", "healthy", []),
+    _node("gpu-2", "degraded", [ENGINE, FABRIC]),
+    _node("gpu-3", "offline", [ENGINE]),
+]
+DETAIL = _node(
+    "gpu-2",
+    "degraded",
+    [ENGINE, FABRIC],
+    engine_details=[
+        {"name": "sim", "path": "/usr/bin/llmgw", "version": "0.1.0", "ok": True, "problem": ""},
+        {"name": "vllm", "path": "/opt/vllm", "version": "", "ok": False, "problem": "libcudart"},
+    ],
+    fabrics=[
+        {"name": "ib-a", "hcas": ["mlx5_0"], "healthy": False},
+        {"name": "ib-b", "hcas": ["mlx5_1"], "healthy": True},
+    ],
+    warnings=["fabric ib-a: adapter mlx5_0 has no ACTIVE port"],
+    driver_version="",
+)
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    seen: list[str] = []
+
+    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        seen.append(f"{method} {path}")
+        return DETAIL if path == "/api/nodes/gpu-2" else NODES
+
+    monkeypatch.setattr(Ctl, "call", call)
+    return seen
+
+
+def ctl(*args: str) -> Result:
+    return CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", *args])
+
+
+def test_the_list_shows_health_and_a_line_per_degraded_node(calls: list[str]) -> None:
+    out = ctl("nodes")
+    assert out.exit_code == 0, out.output
+    assert calls == ["GET /api/nodes"]
+    lines = out.output.splitlines()
+    assert lines[0].split()[:4] == ["NODE", "STATE", "HEALTH", "CONNECTED"]
+    assert [line.split()[:4] for line in lines[1:4]] == [
+        ["gpu-1", "approved", "healthy", "yes"],
+        ["gpu-2", "approved", "degraded", "yes"],
+        ["gpu-3", "approved", "offline", "no"],
+    ]
+    # Only a node degraded now gets the line; an offline one's old reasons are in its detail.
+    assert lines[4:] == [
+        "gpu-2 is degraded (engine vllm, fabric ib-a); 'llmgw ctl nodes gpu-2' says what to fix"
+    ]
+
+
+def test_one_node_says_why_it_is_degraded_and_what_to_fix(calls: list[str]) -> None:
+    out = ctl("nodes", "gpu-2")
+    assert out.exit_code == 0, out.output
+    assert calls == ["GET /api/nodes/gpu-2"]
+    assert out.output == (
+        "node:         gpu-2\n"
+        "state:        approved\n"
+        "health:       degraded\n"
+        "connected:    yes\n"
+        "data plane:   10.0.0.1:9443\n"
+        "version:      0.1.0\n"
+        "last seen:    -\n"
+        "shards:       1\n"
+        "GPUs:         0\n"
+        "engines:      sim\n"
+        f"fingerprint:  sha256:{'ab' * 32}\n"
+        "cert expires: -\n"
+        "degraded: placement keeps it from what each names, only that\n"
+        f"  - engine vllm: {ENGINE['message']}\n"
+        f"  - fabric ib-a: {FABRIC['message']}\n"
+        "fabrics: ib-a (down), ib-b (up)\n"
+        "warnings:\n"
+        "  - fabric ib-a: adapter mlx5_0 has no ACTIVE port\n"
+    )
+
+
+def test_one_node_as_json(calls: list[str]) -> None:
+    out = ctl("--json", "nodes", "gpu-2")
+    assert out.exit_code == 0, out.output
+    assert '"health": "degraded"' in out.output and '"code": "fabric"' in out.output
