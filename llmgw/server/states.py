@@ -54,11 +54,12 @@ class NodeHealth(enum.StrEnum):
     """Its stream is down (or it was lost): it takes no new work until it is back."""
 
 
-def node_health(connected: bool, inventory: Mapping[str, Any]) -> NodeHealth:
-    """The health of a node whose stream is up or not, from its stored inventory."""
+def node_health(connected: bool, degraded: bool) -> NodeHealth:
+    """The health of a node whose stream is up or not, and whose last inventory gave
+    reasons to be degraded or not."""
     if not connected:
         return NodeHealth.OFFLINE
-    return NodeHealth.DEGRADED if degraded_reasons(inventory) else NodeHealth.HEALTHY
+    return NodeHealth.DEGRADED if degraded else NodeHealth.HEALTHY
 
 
 def health_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -19,7 +19,7 @@ __all__ = ["approve", "drain", "nodes", "reject", "revoke", "uncordon"]
 def _gpus_cell(n: dict[str, Any]) -> str:
     if n["gpus"]:
         return str(len(n["gpus"]))
-    return f"0 ({n['gpu_status']})" if n["gpu_status"] else "0"
+    return f"0 ({_plain(n['gpu_status'])})" if n["gpu_status"] else "0"
 
 
 @click.command()
@@ -88,11 +88,17 @@ def _update_cell(update: dict[str, Any] | None) -> str:
     return f"{update['version']} {update['state']}"
 
 
+def _plain(text: object) -> str:
+    """Text a node wrote (its reasons, warnings, engines' errors), with anything that is
+    not printable (terminal escapes, newlines) shown as U+FFFD instead of acted on."""
+    return "".join(c if c.isprintable() else "\ufffd" for c in str(text))
+
+
 def _subject(reason: dict[str, Any]) -> str:
     """What a degraded reason is about: ``engine vllm``, ``fabric ib-a``, ``gpus``, ``docker``."""
     code = str(reason.get("code") or "?")
     about = reason.get("engine") or reason.get("fabric") or ""
-    return f"{code} {about}" if about else code
+    return _plain(f"{code} {about}" if about else code)
 
 
 def _degraded_lines(data: list[dict[str, Any]]) -> list[str]:
@@ -134,12 +140,12 @@ def _show_node(c: Ctl, node: str) -> None:
         offline = " (as it last reported)" if health == "offline" else ""
         click.echo(f"degraded{offline}: placement keeps it from what each names, only that")
         for reason in reasons:
-            click.echo(f"  - {_subject(reason)}: {reason.get('message', '')}")
+            click.echo(f"  - {_subject(reason)}: {_plain(reason.get('message', ''))}")
     broken = [e for e in n.get("engine_details", []) if not e.get("ok")]
     if broken and not reasons:
         click.echo("engines that will not run:")
         for engine in broken:
-            click.echo(f"  - {engine['name']}: {engine.get('problem', '')}")
+            click.echo(f"  - {_plain(engine['name'])}: {_plain(engine.get('problem', ''))}")
     fabrics = n.get("fabrics") or []
     if fabrics:
         click.echo(
@@ -150,7 +156,7 @@ def _show_node(c: Ctl, node: str) -> None:
     if warnings:
         click.echo("warnings:")
         for warning in warnings:
-            click.echo(f"  - {warning}")
+            click.echo(f"  - {_plain(warning)}")
 
 
 @click.command()

@@ -9,13 +9,18 @@ from typing import Any
 from aiohttp import web
 
 from llmgw import __version__
-from llmgw.contracts.inventory import degraded_reasons, inventory_dict
+from llmgw.contracts.inventory import DegradedReason, degraded_reasons
 from llmgw.errors import Conflict
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
 from llmgw.server.states import NodeState, node_health
 from llmgw.server.store import Node
 
 __all__ = ["NodeRoutes"]
+
+# How much of a pending node's reasons is shown (the rest of its inventory is a stored
+# summary, llmgw.server.intake.pending_inventory).
+PENDING_REASONS = 8
+PENDING_REASON_CHARS = 1000
 
 
 class NodeRoutes:
@@ -40,27 +45,37 @@ class NodeRoutes:
 
     # -- nodes ----------------------------------------------------------------------------------
 
-    def _inventory(self, node: Node) -> dict[str, Any]:
-        """What the node last reported: stored once approved; while pending, what its
-        session holds (so that an operator sees a degraded node before approving it)."""
+    def _degraded(self, node: Node) -> tuple[DegradedReason, ...]:
+        """Why the node is degraded, as it last reported: from its stored inventory once
+        approved; while pending (only a summary is stored), from what its session holds,
+        bounded, so that an operator sees a degraded node before approving it."""
         session = self.ctx.sessions.get(node.id)
         if node.state == NodeState.PENDING and session is not None:
             held = session.held_inventory
             if held is not None:
-                return inventory_dict(held)
-        return node.inventory
+                return tuple(
+                    DegradedReason(
+                        code=d.code[:32],
+                        message=d.message[:PENDING_REASON_CHARS],
+                        engine=d.engine[:32],
+                        fabric=d.fabric[:64],
+                    )
+                    for d in held.degraded[:PENDING_REASONS]
+                )
+        return degraded_reasons(node.inventory)
 
     def _node(self, node: Node, shard_count: int) -> dict[str, Any]:
-        inv = self._inventory(node)
+        inv = node.inventory
         cert = self.ctx.store.latest_certificate(node.id)
         connected = node.id in self.ctx.sessions
+        degraded = self._degraded(node)
         return {
             "id": node.id,
             "uid": node.uid,
             "state": node.state,
             # Beside the state, not one of them: what the node's own reports say it can do.
-            "health": node_health(connected and node.id not in self.ctx.lost, inv),
-            "degraded": [r.as_dict() for r in degraded_reasons(inv)],
+            "health": node_health(connected and node.id not in self.ctx.lost, bool(degraded)),
+            "degraded": [r.as_dict() for r in degraded],
             "connected": connected,
             "draining": node.draining,
             "lost": node.id in self.ctx.lost,
@@ -91,7 +106,7 @@ class NodeRoutes:
         """One node, with what its inventory says beyond the list's columns: its warnings,
         its engines as checked, its fabrics."""
         node = self.ctx.store.get_node(request.match_info["node"])
-        inv = self._inventory(node)
+        inv = node.inventory
         data = self._node(node, len(self.ctx.store.list_shards(node_id=node.id)))
         data.update(
             driver_version=inv.get("driver_version", ""),

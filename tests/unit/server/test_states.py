@@ -15,12 +15,11 @@ def test_health_is_not_a_state() -> None:
 
 
 def test_health_from_connection_and_reasons() -> None:
-    assert node_health(True, {}) == NodeHealth.HEALTHY
-    assert node_health(True, {"degraded": []}) == NodeHealth.HEALTHY
-    assert node_health(True, {"degraded": [DOCKER]}) == NodeHealth.DEGRADED
+    assert node_health(True, False) == NodeHealth.HEALTHY
+    assert node_health(True, True) == NodeHealth.DEGRADED
     # Offline wins: what a node said before its stream went down is no longer news.
-    assert node_health(False, {"degraded": [DOCKER]}) == NodeHealth.OFFLINE
-    assert node_health(False, {}) == NodeHealth.OFFLINE
+    assert node_health(False, True) == NodeHealth.OFFLINE
+    assert node_health(False, False) == NodeHealth.OFFLINE
 
 
 def test_an_event_when_reasons_appear_change_and_go() -> None:

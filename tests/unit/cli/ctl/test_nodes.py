@@ -140,3 +140,18 @@ def test_one_node_as_json(calls: list[str]) -> None:
     out = ctl("--json", "nodes", "gpu-2")
     assert out.exit_code == 0, out.output
     assert '"health": "degraded"' in out.output and '"code": "fabric"' in out.output
+
+
+def test_what_a_node_wrote_cannot_drive_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    sly = dict(ENGINE, message="will not run\x1b]0;owned\x07\nhealth: healthy")
+    node = _node("gpu-2", "degraded", [sly], warnings=["\x1b[2Jcleared"])
+
+    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        return node
+
+    monkeypatch.setattr(Ctl, "call", call)
+    out = ctl("nodes", "gpu-2")
+    assert out.exit_code == 0, out.output
+    assert "\x1b" not in out.output and "\x07" not in out.output
+    assert "  - engine vllm: will not run\ufffd]0;owned\ufffd\ufffdhealth: healthy\n" in out.output
+    assert "  - \ufffd[2Jcleared\n" in out.output

@@ -130,7 +130,19 @@ def test_one_node_in_full(fleet: Fleet) -> None:
     }
     assert node["fabrics"] == [{"name": "ib-a", "hcas": ["mlx5_0"], "healthy": False}]
     assert node["warnings"] == ["fabric ib-a: adapter mlx5_0 has no ACTIVE port"]
-    assert fleet.get("/api/nodes/new", node="new")["engine_details"][1]["name"] == "vllm"
+    # A pending node: its reasons from its session, the rest from the summary stored.
+    pending = fleet.get("/api/nodes/new", node="new")
+    assert (pending["health"], pending["engine_details"]) == ("degraded", [])
+    assert pending["degraded"][0]["message"] == BROKEN.message
+
+
+def test_a_pending_nodes_reasons_are_bounded(fleet: Fleet) -> None:
+    flood = pb.DegradedReason(code="engine" * 20, engine="e" * 100, message="m" * 5000)
+    fleet.sessions["new"].held_inventory = _inventory(*[flood] * 50)
+    node = fleet.get("/api/nodes/new", node="new")
+    assert len(node["degraded"]) == 8
+    assert {len(r["message"]) for r in node["degraded"]} == {1000}
+    assert {(len(r["code"]), len(r["engine"])) for r in node["degraded"]} == {(32, 32)}
 
 
 def test_an_unknown_node_says_where_to_look(fleet: Fleet) -> None:
