@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from llmgw.contracts.inventory import inventory_dict
 from llmgw.errors import NotFound
@@ -23,7 +24,7 @@ from llmgw.server.states import ReplicaState, ShardState, health_change
 from llmgw.server.store import Store
 from llmgw.server.stream import NodeSession
 
-__all__ = ["AgentReports", "store_inventory"]
+__all__ = ["AgentReports", "record_health", "store_inventory"]
 
 log = logging.getLogger("llmgw.server.reports")
 
@@ -56,15 +57,25 @@ def store_inventory(store: Store, session: NodeSession, inv: pb.Inventory) -> No
         connected=True,
     )
     store.add_event("inventory_changed", session.node_id, _inventory_summary(inv))
-    change = health_change(node.inventory, stored)
-    if change is not None:
-        kind, message = change
-        store.add_event(kind, session.node_id, message)
-        log.log(
-            logging.WARNING if kind == "node_degraded" else logging.INFO,
-            "node degraded" if kind == "node_degraded" else "node no longer degraded",
-            extra=kv(node=session.node_id, reasons=message),
-        )
+    record_health(store, session.node_id, node.inventory, stored)
+
+
+def record_health(
+    store: Store, node_id: str, before: Mapping[str, Any], after: Mapping[str, Any]
+) -> None:
+    """An event (and a log line) when an approved node's stored inventory changes its
+    degraded reasons: ``node_degraded`` with them, ``node_healthy`` when they are gone."""
+    change = health_change(before, after)
+    if change is None:
+        return
+    kind, message = change
+    store.add_event(kind, node_id, message)
+    degraded = kind == "node_degraded"
+    log.log(
+        logging.WARNING if degraded else logging.INFO,
+        "node degraded" if degraded else "node no longer degraded",
+        extra=kv(node=node_id, reasons=message),
+    )
 
 
 class AgentReports:
