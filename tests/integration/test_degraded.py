@@ -1,6 +1,7 @@
 """A degraded node (DESIGN §5): an agent whose llama.cpp will not run says so with its reason;
 the control plane shows it degraded (admin API, events, ``ctl nodes``), keeps llama.cpp models
-off it, and still places sim there, which serves through the gateway."""
+off it, and still places sim there, which serves through the gateway. Fixed and restarted,
+the node is healthy again and takes the llama.cpp model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import yaml
 
 from tests.integration.harness import (
     LLMGW,
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.integration
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BROKEN = FIXTURES / "engines" / "missing-lib"  # fails as a CUDA build without libcudart does
+WORKS = FIXTURES / "engines" / "works"  # answers --version as llama-server does
 
 
 @pytest.fixture
@@ -51,7 +54,7 @@ def _node(server: Server) -> dict[str, object]:
 def test_a_node_with_a_broken_engine_is_degraded_for_it_alone(
     degraded: tuple[Server, Agent], tmp_path: Path
 ) -> None:
-    server, _agent = degraded
+    server, agent = degraded
     node = wait_for(
         lambda: (n := _node(server))["health"] == "degraded" and n,
         what="deg-a degraded",
@@ -114,3 +117,23 @@ def test_a_node_with_a_broken_engine_is_degraded_for_it_alone(
     assert detail.returncode == 0, detail.stderr
     assert "health:       degraded" in detail.stdout
     assert f"  - engine llamacpp: {reason['message']}" in detail.stdout
+
+    # Fixed (agent.yaml points at a llama-server that runs) and restarted: healthy again,
+    # said in an event, and the llama.cpp model goes there.
+    assert agent.proc is not None
+    stop_process(agent.proc)
+    config = yaml.safe_load(agent.config.read_text())
+    config["engines"]["llamacpp"]["bin"] = str(WORKS)
+    agent.config.write_text(yaml.safe_dump(config))
+    start_agent(agent)
+    wait_for(lambda: _node(server)["health"] == "healthy", what="deg-a healthy again")
+    assert _node(server)["degraded"] == []
+    events = server.api("GET", "/api/events?subject=deg-a&limit=100")
+    assert [e["message"] for e in events if e["kind"] == "node_healthy"] == [
+        f"no longer degraded (was: {reason['message']})"
+    ]
+    # (This stand-in exits at once, so the replica fails and is restarted; it was placed.)
+    wait_for(
+        lambda: [r["node"] for r in server.replicas("gg")] == ["deg-a"],
+        what="gg placed on deg-a",
+    )
