@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from llmgw.contracts.inventory import DegradedCode, DegradedReason
@@ -131,20 +131,23 @@ class Unplaceable:
         return f"{shown}; and {more} more" if more > 0 else shown
 
 
-def degraded_refusal(view: NodeView, profile: Profile) -> str:
-    """Why a degraded node cannot take a shard of ``profile``, or '' when none of its reasons
-    touches it: it keeps the work it can do. dockerd unreachable stops everything (every
-    shard is a container); an engine that will not run stops that engine; GPUs without a
-    usable driver stop profiles that need GPUs; a fabric down stops multi-node replicas when
-    the node has no healthy fabric left (the others are placed over a healthy one). A code
-    this control plane does not know blocks nothing."""
-    for reason in view.degraded:
+def degraded_refusal(
+    degraded: Iterable[DegradedReason], fabrics: Sequence[str], profile: Profile
+) -> str:
+    """Why a node degraded for these reasons, on these healthy ``fabrics``, cannot take a
+    shard of ``profile``; '' when none of its reasons touches it: it keeps the work it can
+    do. dockerd unreachable stops everything (every shard is a container); an engine that
+    will not run stops that engine; GPUs without a usable driver stop profiles that need
+    GPUs; a fabric down stops multi-node replicas when the node has no healthy fabric left
+    (the others are placed over a healthy one). A code this control plane does not know
+    blocks nothing."""
+    for reason in degraded:
         code = reason.code
         if (
             code == DegradedCode.DOCKER
             or (code == DegradedCode.ENGINE and reason.engine == profile.engine)
             or (code == DegradedCode.GPUS and profile.gpus > 0)
-            or (code == DegradedCode.FABRIC and profile.nodes > 1 and not view.fabrics)
+            or (code == DegradedCode.FABRIC and profile.nodes > 1 and not fabrics)
         ):
             return f"degraded: {reason.message}"
     return ""
@@ -311,7 +314,10 @@ class Cluster:
             profile.engine in node.view.engines
             and node.view.id not in avoid
             and (profile.gpus == 0 or node.fit(memory) >= profile.gpus)
-            and not (node.view.degraded and degraded_refusal(node.view, profile))
+            and not (
+                node.view.degraded
+                and degraded_refusal(node.view.degraded, node.view.fabrics, profile)
+            )
         )
 
     def _walk(self, buckets: _Buckets, gpus: int, strategy: str) -> Iterator[str]:
@@ -456,7 +462,7 @@ class Cluster:
             return "draining"
         if view.id in avoid:
             return "avoided for this replica"
-        refusal = degraded_refusal(view, profile)
+        refusal = degraded_refusal(view.degraded, view.fabrics, profile)
         if refusal:
             return refusal
         if profile.engine not in view.engines:

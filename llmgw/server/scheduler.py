@@ -29,7 +29,7 @@ from llmgw.engines.launch import worker_port_base
 from llmgw.errors import ConfigError, NotFound
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
-from llmgw.server.placement import Allocation, Cluster, GpuView, NodeView
+from llmgw.server.placement import Allocation, Cluster, GpuView, NodeView, degraded_refusal
 from llmgw.server.placement import Profile as PlacementProfile
 from llmgw.server.placement import Unplaceable as PlacementUnplaceable
 from llmgw.server.routing import Router
@@ -173,6 +173,16 @@ class Scheduler:
                 # A worker or rank 0 of a multi-node replica failed: the others cannot go on
                 # alone (rank 0 exits when a worker dies); rebuild the whole replica.
                 self.remove_replica(shard.replica_id, why=f"shard {shard.id} failed; rebuilding")
+                self.kick()
+                continue
+            degraded = self._degraded_for(shard) if shard.state == ShardState.FAILED else ""
+            if degraded:
+                # Restarting it where it cannot run would fail for ever: rebuild it where it can.
+                self.remove_replica(
+                    shard.replica_id,
+                    why=f"shard {shard.id} failed on {shard.node_id}, which is {degraded}; "
+                    "rebuilding it elsewhere",
+                )
                 self.kick()
                 continue
             if shard.state == ShardState.FAILED:
@@ -446,6 +456,23 @@ class Scheduler:
                 "replacing a replica of an older profile",
                 extra=kv(model=model.name, replica=oldest.id, to=placed),
             )
+
+    def _degraded_for(self, shard: Shard) -> str:
+        """Why the shard's node, as its agent last reported, cannot run the shard's model
+        (``degraded: ...``); '' when nothing it reported stands in the way."""
+        store = self.store
+        try:
+            inventory = store.get_node(shard.node_id).inventory
+            reasons = degraded_reasons(inventory)
+            if not reasons:
+                return ""
+            profile = self._profile(store.get_model(store.get_replica(shard.replica_id).model))
+        except (NotFound, ConfigError):
+            return ""
+        healthy = tuple(f["name"] for f in inventory.get("fabrics", []) if f.get("healthy"))
+        return degraded_refusal(
+            reasons, healthy, PlacementProfile(profile.engine, profile.gpus, profile.nodes)
+        )
 
     def _multi_node(self, shard: Shard) -> bool:
         if shard.rank > 0:

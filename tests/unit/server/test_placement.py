@@ -901,7 +901,7 @@ def test_gpus_without_a_driver_keep_only_gpu_work_off() -> None:
 def test_unreachable_docker_keeps_everything_off() -> None:
     cluster = Cluster([node("n1", degraded=(DOCKER,)), node("n2", 0)], [])
     for profile in (VLLM, Profile("sim", 0), Profile("vllm", 0)):
-        assert degraded_refusal(cluster._nodes["n1"].view, profile) == f"degraded: {DOCKER.message}"
+        assert degraded_refusal((DOCKER,), (), profile) == f"degraded: {DOCKER.message}"
     assert nodes_of(cluster.place(Profile("sim", 0))) == ["n2"]
     assert reasons(cluster.place(VLLM)) == (
         f"n1: degraded: {DOCKER.message}",
@@ -942,5 +942,5 @@ def test_a_degraded_node_on_a_uniform_fabric_is_left_out_of_the_count() -> None:
 def test_a_reason_a_newer_agent_gives_blocks_nothing() -> None:
     newer = DegradedReason("thermal", "GPU 3 is throttling")
     view = node("n1", degraded=(newer,))
-    assert degraded_refusal(view, VLLM) == ""
+    assert degraded_refusal(view.degraded, view.fabrics, VLLM) == ""
     assert nodes_of(Cluster([view], []).place(VLLM)) == ["n1"]
