@@ -237,6 +237,20 @@ def _changed_fields(old: pb.Inventory, new: pb.Inventory) -> list[str]:
     ]
 
 
+def _log_degraded(old: pb.Inventory, new: pb.Inventory) -> None:
+    """Say on the node (its journal) each reason to be degraded that is new, and when the
+    last one is gone: the operator on the node reads what to fix there too."""
+    before = {(d.code, d.engine, d.fabric, d.message) for d in old.degraded}
+    for reason in new.degraded:
+        if (reason.code, reason.engine, reason.fabric, reason.message) not in before:
+            log.warning(
+                "node degraded",
+                extra=kv(code=reason.code, reason=reason.message),
+            )
+    if old.degraded and not new.degraded:
+        log.info("node no longer degraded")
+
+
 class InventoryWatcher:
     """Re-collects the inventory every ``interval`` seconds and calls ``send`` with it when it
     changed in a way worth telling. ``current`` is always the last one collected (a Hello
@@ -263,6 +277,7 @@ class InventoryWatcher:
         # Collected now, so that the first Hello has it.
         self.current: pb.Inventory = self.collect()
         self._told = self.current
+        _log_degraded(pb.Inventory(), self.current)
 
     def collect(self) -> pb.Inventory:
         """Look at the node now (blocking: it runs programs)."""
@@ -284,6 +299,7 @@ class InventoryWatcher:
         if not worth_telling(self._told, inv):
             return False
         changed = _changed_fields(self._told, inv)
+        _log_degraded(self._told, inv)
         self._told = inv  # not connected: the next Hello carries it, so it counts as told
         try:
             sent = self.send(inv)

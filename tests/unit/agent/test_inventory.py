@@ -494,3 +494,23 @@ def test_a_node_that_recovers_is_told(tmp_path: Path, empty_path: Path) -> None:
     assert watcher.update(watcher.collect())
     assert list(sent[0].degraded) == [] and list(sent[0].engines) == ["sim", "llamacpp"]
     assert not watcher.update(watcher.collect())
+
+
+def test_the_node_says_in_its_log_what_makes_it_degraded(
+    tmp_path: Path, empty_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    program, _runs_file = _counting_engine(tmp_path, ok=False)
+    cfg = config(tmp_path, engines={"llamacpp": {"bin": str(program)}})
+    with caplog.at_level("INFO", logger="llmgw.agent.inventory"):
+        watcher = InventoryWatcher(cfg, lambda inv: True, interval=1, pci_root=tmp_path / "no")
+        warned = [r for r in caplog.records if r.getMessage() == "node degraded"]
+        assert len(warned) == 1 and warned[0].levelname == "WARNING"
+        fields = getattr(warned[0], "fields", {})
+        assert fields["code"] == "engine"
+        assert fields["reason"].startswith(f"engine llamacpp ({program}) will not run")
+        caplog.clear()
+        watcher.update(watcher.collect())  # the same reason: said once
+        assert [r for r in caplog.records if r.getMessage() == "node degraded"] == []
+        program.write_text(program.read_text().replace("exit 1", "exit 0"))
+        watcher.update(watcher.collect())
+        assert "node no longer degraded" in [r.getMessage() for r in caplog.records]
