@@ -1,6 +1,13 @@
 """What this node has (CPUs, memory, disk, GPUs, engines, fabrics, model sources) as one
-:class:`pb.Inventory`,
-and a watcher that tells the control plane when that changes in a way worth telling."""
+:class:`pb.Inventory`, what it cannot run although it is configured to (``degraded``, with
+reasons), and a watcher that tells the control plane when that changes in a way worth telling.
+
+A node is **degraded** (DESIGN §5) when it declares GPUs (agent.yaml names ``nvidia-smi``, or
+NVIDIA GPUs are on its PCI bus) and none is usable, when an engine it has will not run, when
+a fabric it is stated to be on is down, or when its runtime is docker and dockerd cannot be
+reached. Each reason says what to install or fix; the control plane keeps the node from what
+a reason names (llmgw.server.placement) and places the rest there as before.
+"""
 
 from __future__ import annotations
 
@@ -15,22 +22,29 @@ from pathlib import Path
 
 from llmgw.agent.config import AgentConfig
 from llmgw.agent.discovery import (
+    DEFAULT_PCI_ROOT,
+    DRIVER_FIX,
+    GpuFacts,
     check_candidate,
     check_engines,
     discover_gpus,
     discover_ib,
     engine_candidates,
     fabric_status,
+    nvidia_pci_gpus,
     sim_engine,
 )
+from llmgw.agent.discovery.docker import docker_problem
 from llmgw.agent.models_dir import SourceStore
-from llmgw.engines.registry import AVAILABLE_ENGINES
+from llmgw.contracts.inventory import DegradedCode
+from llmgw.engines.registry import AVAILABLE_ENGINES, ENGINES
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 
 __all__ = [
     "InventoryWatcher",
     "collect_inventory",
+    "degraded_reasons",
     "disk_usage",
     "meminfo",
     "worth_telling",
@@ -67,11 +81,15 @@ def disk_usage(path: Path) -> tuple[int, int]:
 
 
 def collect_inventory(
-    cfg: AgentConfig | None = None, *, engines: Sequence[pb.EngineInfo] | None = None
+    cfg: AgentConfig | None = None,
+    *,
+    engines: Sequence[pb.EngineInfo] | None = None,
+    pci_root: Path = DEFAULT_PCI_ROOT,
 ) -> pb.Inventory:
     """Look at the node now. ``engines`` are engine checks already made (the watcher reuses
     them while the programs are unchanged); without them the engines are run here. Without
-    ``cfg`` only what needs no configuration is reported (default GPU discovery, sim)."""
+    ``cfg`` only what needs no configuration is reported (default GPU discovery, sim), and
+    nothing is called degraded. ``pci_root`` is where the PCI bus is read (sysfs)."""
     mem = meminfo()
     gpus = discover_gpus(cfg.discovery.nvidia_smi if cfg is not None else None)
     inv = pb.Inventory(
@@ -109,6 +127,16 @@ def collect_inventory(
         for e in details
         if not e.ok
     )
+    if cfg is not None:
+        inv.degraded.extend(
+            degraded_reasons(
+                cfg,
+                inv,
+                gpus,
+                pci_gpus=nvidia_pci_gpus(pci_root),
+                docker=docker_problem(cfg.docker.host) if cfg.runtime == "docker" else "",
+            )
+        )
     return inv
 
 
@@ -119,6 +147,81 @@ def _add_sources(inv: pb.Inventory, cfg: AgentConfig) -> None:
     sources, warnings = store.listing()
     inv.sources.CopyFrom(sources)
     inv.warnings.extend(warnings)
+
+
+def _gpus_declared(cfg: AgentConfig, pci_gpus: Sequence[str]) -> str:
+    """What says this node has GPUs, in words; '' when nothing does."""
+    if pci_gpus:
+        shown = ", ".join(pci_gpus[:4]) + (", ..." if len(pci_gpus) > 4 else "")
+        count = f"{len(pci_gpus)} NVIDIA GPU" + ("s are" if len(pci_gpus) > 1 else " is")
+        return f"{count} on the PCI bus ({shown})"
+    if cfg.discovery.nvidia_smi is not None:
+        return f"agent.yaml names nvidia-smi ({cfg.discovery.nvidia_smi}) in discovery.nvidia_smi"
+    return ""
+
+
+def _engine_fix(cfg: AgentConfig, engine: str) -> str:
+    setting = ENGINES[engine].program_setting if engine in ENGINES else None
+    where = (
+        f"point engines.{engine}.{setting} in {cfg.source or 'agent.yaml'} at one that runs, or "
+        if setting
+        else ""
+    )
+    return (
+        f"install what it lacks, {where}reinstall it (llmgw ctl engines install {cfg.node_id} "
+        f"{engine} VERSION --url URL --sha256 SUM); models on {engine} are not placed on this "
+        "node until it runs"
+    )
+
+
+def degraded_reasons(
+    cfg: AgentConfig,
+    inv: pb.Inventory,
+    gpus: GpuFacts,
+    *,
+    pci_gpus: Sequence[str],
+    docker: str,
+) -> list[pb.DegradedReason]:
+    """Why this node cannot run all it is configured to, from what was just found: the
+    inventory (engines, fabrics, GPUs), the GPU facts behind it, the NVIDIA GPUs on the PCI
+    bus, and why dockerd cannot be reached (``docker``; '' when it can, or is not used)."""
+    reasons: list[pb.DegradedReason] = []
+    if docker:
+        reasons.append(pb.DegradedReason(code=DegradedCode.DOCKER, message=docker))
+    declared = _gpus_declared(cfg, pci_gpus)
+    if declared and not inv.gpus:
+        message = f"{declared}, but no GPU is usable: {gpus.status or 'none was found'}"
+        if gpus.no_driver:
+            message += f"; {DRIVER_FIX}"
+        message += "; models that need GPUs are not placed on this node until then"
+        reasons.append(pb.DegradedReason(code=DegradedCode.GPUS, message=message))
+    for engine in inv.engine_details:
+        if engine.ok:
+            continue
+        at = f" ({engine.path})" if engine.path else ""
+        reasons.append(
+            pb.DegradedReason(
+                code=DegradedCode.ENGINE,
+                engine=engine.name,
+                message=f"engine {engine.name}{at} will not run: {engine.problem}; "
+                + _engine_fix(cfg, engine.name),
+            )
+        )
+    for fabric in inv.fabrics:
+        if fabric.healthy:
+            continue
+        prefix = f"fabric {fabric.name}: "
+        problems = [w.removeprefix(prefix) for w in inv.warnings if w.startswith(prefix)]
+        why = "; ".join(problems) or f"adapters {', '.join(fabric.hcas)} are not all active"
+        reasons.append(
+            pb.DegradedReason(
+                code=DegradedCode.FABRIC,
+                fabric=fabric.name,
+                message=f"fabric {fabric.name} is down: {why}; multi-node replicas over "
+                f"{fabric.name} are not placed on this node until it is back",
+            )
+        )
+    return reasons
 
 
 def _coarse(inv: pb.Inventory) -> pb.Inventory:
@@ -145,6 +248,20 @@ def _changed_fields(old: pb.Inventory, new: pb.Inventory) -> list[str]:
     ]
 
 
+def _log_degraded(old: pb.Inventory, new: pb.Inventory) -> None:
+    """Say on the node (its journal) each reason to be degraded that is new, and when the
+    last one is gone: the operator on the node reads what to fix there too."""
+    before = {(d.code, d.engine, d.fabric, d.message) for d in old.degraded}
+    for reason in new.degraded:
+        if (reason.code, reason.engine, reason.fabric, reason.message) not in before:
+            log.warning(
+                "node degraded",
+                extra=kv(code=reason.code, reason=reason.message),
+            )
+    if old.degraded and not new.degraded:
+        log.info("node no longer degraded")
+
+
 class InventoryWatcher:
     """Re-collects the inventory every ``interval`` seconds and calls ``send`` with it when it
     changed in a way worth telling. ``current`` is always the last one collected (a Hello
@@ -158,17 +275,20 @@ class InventoryWatcher:
         *,
         interval: float = 30.0,
         engine_interval: float = 600.0,
+        pci_root: Path = DEFAULT_PCI_ROOT,
     ) -> None:
         self.cfg = cfg
         self.send = send
         self.interval = interval
         self.engine_interval = engine_interval
+        self.pci_root = pci_root
         self._engines: list[pb.EngineInfo] = []
         self._engine_key: tuple[object, ...] | None = None
         self._engines_at = 0.0
         # Collected now, so that the first Hello has it.
         self.current: pb.Inventory = self.collect()
         self._told = self.current
+        _log_degraded(pb.Inventory(), self.current)
 
     def collect(self) -> pb.Inventory:
         """Look at the node now (blocking: it runs programs)."""
@@ -182,7 +302,7 @@ class InventoryWatcher:
         ):
             self._engines = [sim_engine(), *(check_candidate(c) for c in candidates)]
             self._engine_key, self._engines_at = key, now
-        return collect_inventory(self.cfg, engines=self._engines)
+        return collect_inventory(self.cfg, engines=self._engines, pci_root=self.pci_root)
 
     def update(self, inv: pb.Inventory) -> bool:
         """Take a fresh inventory; send it when worth telling. True when it was."""
@@ -190,6 +310,7 @@ class InventoryWatcher:
         if not worth_telling(self._told, inv):
             return False
         changed = _changed_fields(self._told, inv)
+        _log_degraded(self._told, inv)
         self._told = inv  # not connected: the next Hello carries it, so it counts as told
         try:
             sent = self.send(inv)

@@ -1,5 +1,6 @@
 """A node's inventory (``pb.Inventory``, which the agent collects and sends) as the control
-plane stores and shows it: JSON-ready data, every field by its proto name.
+plane stores and shows it: JSON-ready data, every field by its proto name; and the reasons a
+node is degraded (:class:`DegradedCode`), which the agent gives and placement reads.
 
 The agent's collection of it stays in ``llmgw.agent.inventory``; the control plane stores
 this form in its ``nodes`` table and placement and ``llmgw ctl`` read it back.
@@ -7,12 +8,69 @@ this form in its ``nodes`` table and placement and ``llmgw ctl`` read it back.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from llmgw.contracts.model_sources import sources_dict
 from llmgw.proto import control_pb2 as pb
 
-__all__ = ["inventory_dict"]
+__all__ = ["DegradedCode", "DegradedReason", "degraded_reasons", "inventory_dict"]
+
+
+class DegradedCode(enum.StrEnum):
+    """What a degraded node cannot do (a ``pb.DegradedReason``'s ``code``), and so what
+    placement keeps off it."""
+
+    GPUS = "gpus"
+    """It declares GPUs (agent.yaml names nvidia-smi, or NVIDIA GPUs are on its PCI bus) but
+    none is usable (no driver, driver/library mismatch, none visible): no GPU work."""
+    ENGINE = "engine"
+    """An engine it has (configured, on PATH or installed) will not run: not that engine."""
+    FABRIC = "fabric"
+    """A fabric it is stated to be on is down: no multi-node replica over that fabric."""
+    DOCKER = "docker"
+    """Its runtime is docker and the daemon cannot be reached: nothing at all (every shard
+    is a container)."""
+
+
+@dataclass(frozen=True)
+class DegradedReason:
+    """One reason a node is degraded: ``engine`` or ``fabric`` names what it is about for
+    those codes; ``message`` says what is wrong and what to install or fix. An unknown
+    ``code`` (from a newer agent) is kept as it came: shown, but blocking nothing."""
+
+    code: str
+    message: str
+    engine: str = ""
+    fabric: str = ""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DegradedReason:
+        return cls(
+            code=str(data.get("code") or ""),
+            message=str(data.get("message") or ""),
+            engine=str(data.get("engine") or ""),
+            fabric=str(data.get("fabric") or ""),
+        )
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "code": self.code,
+            "message": self.message,
+            "engine": self.engine,
+            "fabric": self.fabric,
+        }
+
+
+def degraded_reasons(inventory: Mapping[str, Any]) -> tuple[DegradedReason, ...]:
+    """The reasons in a stored inventory (:func:`inventory_dict`'s form); () for a healthy
+    node, and for one whose agent predates them."""
+    raw = inventory.get("degraded")
+    if not isinstance(raw, Iterable) or isinstance(raw, str | bytes | Mapping):
+        return ()
+    return tuple(DegradedReason.from_dict(r) for r in raw if isinstance(r, Mapping))
 
 
 def inventory_dict(inv: pb.Inventory) -> dict[str, Any]:
@@ -66,4 +124,7 @@ def inventory_dict(inv: pb.Inventory) -> dict[str, Any]:
         "warnings": list(inv.warnings),
         # None: an agent that predates model sources (placement does not filter it).
         "sources": sources_dict(inv.sources) if inv.HasField("sources") else None,
+        "degraded": [
+            DegradedReason(d.code, d.message, d.engine, d.fabric).as_dict() for d in inv.degraded
+        ],
     }

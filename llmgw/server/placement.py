@@ -4,10 +4,11 @@ once per pass, for the nodes and GPUs of each replica it is missing.
 Filter, then score. A node takes a shard when it is approved, connected, not draining, not
 lost, offers the engine (and does not hold it back: a desired build not yet installed and
 checked there, see :func:`offered_engines`), has the profile's source under its models_root
-or may fetch it (:mod:`llmgw.contracts.model_sources`), is not in ``avoid`` and has enough
-free GPUs; the shards of a multi-node replica go to distinct nodes that share one healthy
-fabric. ``binpack`` fills nodes up (fewest free GPUs that still fit, and for multi-node the
-fabric with the fewest spare nodes); ``spread`` prefers the emptiest nodes and fabrics.
+or may fetch it (:mod:`llmgw.contracts.model_sources`), is not in ``avoid``, is not degraded
+for it (:func:`degraded_refusal`) and has enough free GPUs; the shards of a multi-node
+replica go to distinct nodes that share one healthy fabric. ``binpack`` fills nodes up
+(fewest free GPUs that still fit, and for multi-node the fabric with the fewest spare nodes);
+``spread`` prefers the emptiest nodes and fabrics.
 
 GPUs are exclusive: an allocation holds its GPUs whole, and ``gpu_memory_mib`` is a fit check
 against each GPU's size, not a share of it. vLLM and SGLang claim a fixed fraction of the
@@ -21,9 +22,10 @@ from __future__ import annotations
 import heapq
 import itertools
 from bisect import bisect_left, insort
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from llmgw.contracts.inventory import DegradedCode, DegradedReason
 from llmgw.contracts.model_sources import NodeSources, SourceSpec
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "Profile",
     "ShardPlacement",
     "Unplaceable",
+    "degraded_refusal",
     "offered_engines",
 ]
 
@@ -72,6 +75,8 @@ class NodeView:
     held_engines: tuple[tuple[str, str], ...] = ()
     # The model sources it reported; None when its agent reports none (not filtered).
     sources: NodeSources | None = None
+    # Why the node is degraded, as its agent reported (llmgw.contracts.inventory).
+    degraded: tuple[DegradedReason, ...] = ()
 
 
 def offered_engines(view: NodeView) -> frozenset[str]:
@@ -142,6 +147,28 @@ class Unplaceable:
         shown = "; ".join(self.reasons[:limit])
         more = len(self.reasons) - limit
         return f"{shown}; and {more} more" if more > 0 else shown
+
+
+def degraded_refusal(
+    degraded: Iterable[DegradedReason], fabrics: Sequence[str], profile: Profile
+) -> str:
+    """Why a node degraded for these reasons, on these healthy ``fabrics``, cannot take a
+    shard of ``profile``; '' when none of its reasons touches it: it keeps the work it can
+    do. dockerd unreachable stops everything (every shard is a container); an engine that
+    will not run stops that engine; GPUs without a usable driver stop profiles that need
+    GPUs; a fabric down stops multi-node replicas when the node has no healthy fabric left
+    (the others are placed over a healthy one). A code this control plane does not know
+    blocks nothing."""
+    for reason in degraded:
+        code = reason.code
+        if (
+            code == DegradedCode.DOCKER
+            or (code == DegradedCode.ENGINE and reason.engine == profile.engine)
+            or (code == DegradedCode.GPUS and profile.gpus > 0)
+            or (code == DegradedCode.FABRIC and profile.nodes > 1 and not fabrics)
+        ):
+            return f"degraded: {reason.message}"
+    return ""
 
 
 def _size(mib: int) -> str:
@@ -228,10 +255,14 @@ class Cluster:
         # memory are within it, every indexed node with enough free GPUs fits, and counting
         # them is a sum over buckets rather than a walk over nodes.
         self._common: dict[str, tuple[frozenset[str], int]] = {}
+        # Fabrics with a degraded node on them: there the fast count does not hold.
+        self._degraded_fabrics: set[str] = set()
         for node in self._nodes.values():
             if not node.usable:
                 continue
             self._insert(node)
+            if node.view.degraded:
+                self._degraded_fabrics.update(node.fabrics)
             for fabric in node.fabrics:
                 common = self._common.get(fabric)
                 if common is None:
@@ -304,6 +335,10 @@ class Cluster:
             and node.view.id not in avoid
             and (profile.gpus == 0 or node.fit(memory) >= profile.gpus)
             and not _source_problem(node.view, profile)
+            and not (
+                node.view.degraded
+                and degraded_refusal(node.view.degraded, node.view.fabrics, profile)
+            )
         )
 
     def _walk(self, buckets: _Buckets, gpus: int, strategy: str) -> Iterator[str]:
@@ -357,6 +392,7 @@ class Cluster:
                 and memory <= common[1]
                 and fabric not in avoided
                 and profile.source is None
+                and fabric not in self._degraded_fabrics
             ):
                 fits = sum(len(ids) for k, ids in buckets.items() if k[0] >= profile.gpus)
                 chosen = [self._nodes[n] for n in itertools.islice(walk, profile.nodes)]
@@ -452,6 +488,9 @@ class Cluster:
         held = _held(view, profile.engine)
         if held:
             return held
+        refusal = degraded_refusal(view.degraded, view.fabrics, profile)
+        if refusal:
+            return refusal
         if profile.engine not in view.engines:
             installed = ", ".join(sorted(view.engines)) or "none"
             return f"engine {profile.engine} not offered (installed: {installed})"

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from llmgw.contracts.inventory import inventory_dict
 from llmgw.errors import NotFound
@@ -19,11 +20,11 @@ from llmgw.proto import control_pb2 as pb
 from llmgw.server.installs import EngineInstalls
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.scheduler import Scheduler
-from llmgw.server.states import ReplicaState, ShardState
+from llmgw.server.states import ReplicaState, ShardState, health_change
 from llmgw.server.store import Store
 from llmgw.server.stream import NodeSession
 
-__all__ = ["AgentReports", "store_inventory"]
+__all__ = ["AgentReports", "record_health", "store_inventory"]
 
 log = logging.getLogger("llmgw.server.reports")
 
@@ -47,14 +48,34 @@ def store_inventory(store: Store, session: NodeSession, inv: pb.Inventory) -> No
     """Record an approved node's inventory (the caller lets the scheduler look at it)."""
     session.engines = frozenset(inv.engines)
     node = store.get_node(session.node_id)
+    stored = inventory_dict(inv)
     store.upsert_node(
         session.node_id,
         dataplane_addr=session.dataplane_addr,
         agent_version=node.agent_version,
-        inventory=inventory_dict(inv),
+        inventory=stored,
         connected=True,
     )
     store.add_event("inventory_changed", session.node_id, _inventory_summary(inv))
+    record_health(store, session.node_id, node.inventory, stored)
+
+
+def record_health(
+    store: Store, node_id: str, before: Mapping[str, Any], after: Mapping[str, Any]
+) -> None:
+    """An event (and a log line) when an approved node's stored inventory changes its
+    degraded reasons: ``node_degraded`` with them, ``node_healthy`` when they are gone."""
+    change = health_change(before, after)
+    if change is None:
+        return
+    kind, message = change
+    store.add_event(kind, node_id, message)
+    degraded = kind == "node_degraded"
+    log.log(
+        logging.WARNING if degraded else logging.INFO,
+        "node degraded" if degraded else "node no longer degraded",
+        extra=kv(node=node_id, reasons=message),
+    )
 
 
 class AgentReports:

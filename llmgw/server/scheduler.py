@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 from llmgw.contracts.catalog import Profile as CatalogProfile
 from llmgw.contracts.catalog import adhoc_profile, parse_profile
+from llmgw.contracts.inventory import degraded_reasons
 from llmgw.contracts.model_sources import NodeSources
 from llmgw.engines.launch import worker_port_base
 from llmgw.errors import ConfigError, NotFound
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
-from llmgw.server.placement import Allocation, Cluster, GpuView, NodeView
+from llmgw.server.placement import Allocation, Cluster, GpuView, NodeView, degraded_refusal
 from llmgw.server.placement import Profile as PlacementProfile
 from llmgw.server.placement import Unplaceable as PlacementUnplaceable
 from llmgw.server.routing import Router
@@ -179,6 +180,16 @@ class Scheduler:
                 self.remove_replica(shard.replica_id, why=f"shard {shard.id} failed; rebuilding")
                 self.kick()
                 continue
+            degraded = self._degraded_for(shard) if shard.state == ShardState.FAILED else ""
+            if degraded:
+                # Restarting it where it cannot run would fail for ever: rebuild it where it can.
+                self.remove_replica(
+                    shard.replica_id,
+                    why=f"shard {shard.id} failed on {shard.node_id}, which is {degraded}; "
+                    "rebuilding it elsewhere",
+                )
+                self.kick()
+                continue
             if shard.state == ShardState.FAILED:
                 failures = self.failures.get(shard.id, 1)
                 failed_at = self.failed_at.setdefault(shard.id, now)
@@ -216,6 +227,7 @@ class Scheduler:
                     state=node.state,
                     held_engines=holds.get(node.id, ()),
                     sources=NodeSources.from_inventory(inv),
+                    degraded=degraded_reasons(inv),
                 )
             )
         allocations = [
@@ -454,6 +466,23 @@ class Scheduler:
                 "replacing a replica of an older profile",
                 extra=kv(model=model.name, replica=oldest.id, to=placed),
             )
+
+    def _degraded_for(self, shard: Shard) -> str:
+        """Why the shard's node, as its agent last reported, cannot run the shard's model
+        (``degraded: ...``); '' when nothing it reported stands in the way."""
+        store = self.store
+        try:
+            inventory = store.get_node(shard.node_id).inventory
+            reasons = degraded_reasons(inventory)
+            if not reasons:
+                return ""
+            profile = self._profile(store.get_model(store.get_replica(shard.replica_id).model))
+        except (NotFound, ConfigError):
+            return ""
+        healthy = tuple(f["name"] for f in inventory.get("fabrics", []) if f.get("healthy"))
+        return degraded_refusal(
+            reasons, healthy, PlacementProfile(profile.engine, profile.gpus, profile.nodes)
+        )
 
     def _multi_node(self, shard: Shard) -> bool:
         if shard.rank > 0:

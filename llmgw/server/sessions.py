@@ -23,7 +23,7 @@ from llmgw.proto import control_pb2 as pb
 from llmgw.server.intake import pending_inventory
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
-from llmgw.server.reports import AgentReports
+from llmgw.server.reports import AgentReports, record_health
 from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
 from llmgw.server.states import NodeState, ShardState
@@ -91,6 +91,7 @@ class Sessions:
         inventory = inventory_dict(
             hello.inventory if approved else pending_inventory(hello.inventory)
         )
+        before = self.store.get_node(node_id).inventory if approved else {}
         self.store.upsert_node(
             node_id,
             dataplane_addr=hello.dataplane_addr,
@@ -98,6 +99,8 @@ class Sessions:
             inventory=inventory,
             connected=True,
         )
+        if approved:  # a node fixed (or broken) while it was away says so in the events
+            record_health(self.store, node_id, before, inventory)
         timer = self._loss_timers.pop(node_id, None)
         if timer is not None:
             timer.cancel()

@@ -1,16 +1,37 @@
-"""The states a node, a replica and a shard can be in, the kinds of join token, and where a
-desired engine install on a node stands.
+"""The states a node, a replica and a shard can be in, a node's health, the kinds of join
+token, and where a desired engine install on a node stands.
 
 One place for these names: the store's CHECK constraints are generated from them, the
 scheduler and the admin API compare against them. Members are :class:`enum.StrEnum`, so a
 member equals its string (``ShardState.READY == "ready"``) and is stored and serialised as it.
+
+A node has two separate facts: its **state** (:class:`NodeState`, its life cycle: pending,
+approved, revoked; draining is a flag beside it), which operators change, and its **health**
+(:class:`NodeHealth`: healthy, degraded, offline), which the node's own reports decide and
+which is never stored: it is read from whether its stream is up and the reasons its last
+inventory gives (llmgw.contracts.inventory). An approved, draining node can be degraded;
+a degraded node stays approved and keeps the work it can do.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["InstallState", "NodeState", "ReplicaState", "ShardState", "TokenKind", "sql_check"]
+from llmgw.contracts.inventory import degraded_reasons
+
+__all__ = [
+    "InstallState",
+    "NodeHealth",
+    "NodeState",
+    "ReplicaState",
+    "ShardState",
+    "TokenKind",
+    "health_change",
+    "node_health",
+    "sql_check",
+]
 
 
 class NodeState(enum.StrEnum):
@@ -20,6 +41,40 @@ class NodeState(enum.StrEnum):
     """Enrolled, waiting for an operator to approve it by fingerprint."""
     APPROVED = "approved"
     REVOKED = "revoked"
+
+
+class NodeHealth(enum.StrEnum):
+    """Whether a node can do what it is configured to, as its own reports say."""
+
+    HEALTHY = "healthy"
+    """Connected, and its last inventory gives no reason to be degraded."""
+    DEGRADED = "degraded"
+    """Connected, but it cannot run something it is configured to (a GPU driver, an engine,
+    a fabric, dockerd): placement keeps it from that, and only from that."""
+    OFFLINE = "offline"
+    """Its stream is down (or it was lost): it takes no new work until it is back."""
+
+
+def node_health(connected: bool, degraded: bool) -> NodeHealth:
+    """The health of a node whose stream is up or not, and whose last inventory gave
+    reasons to be degraded or not."""
+    if not connected:
+        return NodeHealth.OFFLINE
+    return NodeHealth.DEGRADED if degraded else NodeHealth.HEALTHY
+
+
+def health_change(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The event (kind, message) a new inventory of a connected node is worth, or None when
+    its reasons are the same: ``node_degraded`` with every reason when they appear or change,
+    ``node_healthy`` when the last one is gone."""
+    before = degraded_reasons(old)
+    after = degraded_reasons(new)
+    if before == after:
+        return None
+    if not after:
+        gone = "; ".join(r.message for r in before)
+        return "node_healthy", f"no longer degraded (was: {gone})"
+    return "node_degraded", "; ".join(r.message for r in after)
 
 
 class ReplicaState(enum.StrEnum):

@@ -1,5 +1,6 @@
 """What a node finds out by looking (DESIGN §5): its GPUs (:mod:`.gpus`: NVML, else
-``nvidia-smi``), its InfiniBand adapters and fabrics (:mod:`.fabrics`: sysfs), and the
+``nvidia-smi``; the NVIDIA GPUs on its PCI bus), whether its Docker daemon answers
+(:mod:`.docker`, for ``runtime: docker``), its InfiniBand adapters and fabrics (:mod:`.fabrics`: sysfs), and the
 engines it can run (:mod:`.engines`: by running them, through :mod:`.probe`).
 
 Nothing here raises for what it finds: a missing driver, a broken binary or an absent
@@ -21,14 +22,19 @@ from llmgw.agent.discovery.engines import (
 )
 from llmgw.agent.discovery.fabrics import discover_ib, fabric_status
 from llmgw.agent.discovery.gpus import (
+    DEFAULT_PCI_ROOT,
+    DRIVER_FIX,
     NO_GPUS_VISIBLE,
     NVML_VERSION_MISMATCH,
     GpuFacts,
     discover_gpus,
+    nvidia_pci_gpus,
     parse_nvidia_smi,
 )
 
 __all__ = [
+    "DEFAULT_PCI_ROOT",
+    "DRIVER_FIX",
     "ENGINE_MANIFEST",
     "NO_GPUS_VISIBLE",
     "NVML_VERSION_MISMATCH",
@@ -42,6 +48,7 @@ __all__ = [
     "engine_candidates",
     "fabric_status",
     "missing_libraries",
+    "nvidia_pci_gpus",
     "parse_nvidia_smi",
     "sim_engine",
 ]

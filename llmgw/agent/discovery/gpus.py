@@ -1,4 +1,5 @@
-"""GPUs of this node: through NVML, else ``nvidia-smi`` (forced by ``discovery.nvidia_smi``).
+"""GPUs of this node: through NVML, else ``nvidia-smi`` (forced by ``discovery.nvidia_smi``);
+and the NVIDIA GPUs on its PCI bus (sysfs), which are there whether a driver is or not.
 
 Never raises for what it finds: a missing driver or a hung ``nvidia-smi`` is a ``status``
 in operator words, a GPU left out (MIG mode, lost after an XID error) a warning.
@@ -19,6 +20,8 @@ from llmgw.procutil import run_to_end
 from llmgw.proto import control_pb2 as pb
 
 __all__ = [
+    "DEFAULT_PCI_ROOT",
+    "DRIVER_FIX",
     "NO_GPUS_VISIBLE",
     "NVIDIA_SMI_ARGS",
     "NVIDIA_SMI_FIELDS",
@@ -27,6 +30,7 @@ __all__ = [
     "GpuFacts",
     "GpuSource",
     "discover_gpus",
+    "nvidia_pci_gpus",
     "parse_nvidia_smi",
 ]
 
@@ -48,6 +52,18 @@ NO_GPUS_VISIBLE = (
     "driver loaded, 0 GPUs visible (check CUDA_VISIBLE_DEVICES / container device requests)"
 )
 
+DRIVER_FIX = (
+    "install the NVIDIA driver (Debian/Ubuntu: apt install nvidia-driver, or the CUDA "
+    "repository's cuda-drivers; RHEL: dnf install cuda-drivers) and reboot; 'nvidia-smi' must "
+    "then list the GPUs"
+)
+DEFAULT_PCI_ROOT = Path("/sys/bus/pci/devices")
+NVIDIA_PCI_VENDOR = "0x10de"
+# PCI classes of a GPU: VGA controller (0x0300) and 3D controller (0x0302, the data-centre
+# boards); NVIDIA's audio, USB and NVSwitch functions are other classes.
+_GPU_PCI_CLASSES = ("0x0300", "0x0302")
+_NO_DRIVER_SMI = "couldn't communicate with the NVIDIA driver"
+
 _MIB = 1024 * 1024
 
 
@@ -61,12 +77,16 @@ class GpuFacts:
     status: str = ""
     source: GpuSource = ""
     warnings: list[str] = field(default_factory=list)
+    # No NVIDIA driver answers at all (not a hung or mismatched one): the fix is DRIVER_FIX.
+    no_driver: bool = False
 
 
 @dataclass(frozen=True)
 class _NvmlFailure:
     text: str
-    no_driver: bool  # the library or the kernel driver is missing, not an NVML error
+    # The library or the kernel driver is missing (True), an NVML error (False), or NVML
+    # could not be asked at all (None: nvidia-ml-py is not there; nvidia-smi decides).
+    no_driver: bool | None
 
 
 def discover_gpus(nvidia_smi: Path | None = None) -> GpuFacts:
@@ -88,12 +108,35 @@ def _discover_gpus(nvidia_smi: Path | None) -> GpuFacts:
     found = shutil.which("nvidia-smi")
     if found is None:
         if nvml.no_driver:
-            return GpuFacts(status=f"no NVIDIA driver: {nvml.text} and no nvidia-smi on PATH")
+            return GpuFacts(
+                status=f"no NVIDIA driver: {nvml.text} and no nvidia-smi on PATH", no_driver=True
+            )
         return GpuFacts(status=f"{nvml.text}; no nvidia-smi on PATH to fall back to")
     facts = _from_nvidia_smi(found)
     if facts.status and not facts.source:
         facts.status = f"{nvml.text}; {facts.status}"
+        if nvml.no_driver is not None:  # NVML knows better than nvidia-smi's words
+            facts.no_driver = nvml.no_driver
     return facts
+
+
+def nvidia_pci_gpus(pci_root: Path = DEFAULT_PCI_ROOT) -> list[str]:
+    """The PCI addresses of the NVIDIA GPUs in ``pci_root`` (``/sys/bus/pci/devices``),
+    sorted; sysfs lists them with or without a driver. [] when it cannot be read."""
+    found = []
+    try:
+        devices = sorted(pci_root.iterdir())
+    except OSError:
+        return []
+    for device in devices:
+        try:
+            vendor = (device / "vendor").read_text().strip().lower()
+            pci_class = (device / "class").read_text().strip().lower()
+        except OSError:
+            continue
+        if vendor == NVIDIA_PCI_VENDOR and pci_class.startswith(_GPU_PCI_CLASSES):
+            found.append(device.name)
+    return found
 
 
 def _text(value: object) -> str:
@@ -104,7 +147,7 @@ def _from_nvml() -> GpuFacts | _NvmlFailure:
     try:
         import pynvml
     except ImportError:
-        return _NvmlFailure("NVML unavailable: nvidia-ml-py is not installed", no_driver=False)
+        return _NvmlFailure("NVML unavailable: nvidia-ml-py is not installed", no_driver=None)
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError_LibraryNotFound:
@@ -187,14 +230,18 @@ def _from_nvidia_smi(program: str) -> GpuFacts:
             "be hung (check 'dmesg | grep -i nvrm')"
         )
     except OSError as exc:
-        return GpuFacts(status=cannot_run(program, exc))
+        # nvidia-smi comes with the driver: where it is not, neither is the driver.
+        return GpuFacts(
+            status=cannot_run(program, exc), no_driver=isinstance(exc, FileNotFoundError)
+        )
     output = result.stdout + "\n" + result.stderr
     if result.returncode == 6 or "No devices were found" in output:
         # Exit 6 is NVML_ERROR_NOT_FOUND: the driver answered and there is nothing to see.
         return GpuFacts(status=NO_GPUS_VISIBLE, source="nvidia-smi")
     if result.returncode != 0:
         return GpuFacts(
-            status=f"nvidia-smi failed ({exit_text(result.returncode)}): {summary(result)}"
+            status=f"nvidia-smi failed ({exit_text(result.returncode)}): {summary(result)}",
+            no_driver=_NO_DRIVER_SMI in output,
         )
     gpus, driver, problem = parse_nvidia_smi(result.stdout)
     if problem:

@@ -1,5 +1,5 @@
-"""``llmgw ctl nodes``, ``approve``, ``reject``, ``revoke``, ``drain``, ``uncordon``: the nodes of
-the cluster and their life cycle."""
+"""``llmgw ctl nodes [NODE]``, ``approve``, ``reject``, ``revoke``, ``drain``, ``uncordon``: the
+nodes of the cluster, their health (healthy, degraded and why, offline) and their life cycle."""
 
 from __future__ import annotations
 
@@ -12,37 +12,85 @@ import click
 from llmgw.cli.common import Duration
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import ago, echo_json, table, until
-from llmgw.errors import NotFound
 from llmgw.versions import MINORS_SUPPORTED, newer_release, too_old
 
 __all__ = ["approve", "drain", "nodes", "reject", "revoke", "uncordon", "version_warning"]
+
+
+def _gpus_cell(n: dict[str, Any]) -> str:
+    if n["gpus"]:
+        return str(len(n["gpus"]))
+    return f"0 ({_plain(n['gpu_status'])})" if n["gpu_status"] else "0"
 
 
 @click.command()
 @click.argument("node", required=False)
 @pass_ctl
 def nodes(c: Ctl, node: str | None) -> None:
-    """List nodes: state, connection, shards, GPUs (or why there are none); with NODE, all
-    about that node. Warns about agents newer than the control plane (their streams are
-    refused) or more than two minor releases behind it."""
-    data = c.call("GET", "/api/nodes")
+    """List nodes: state, health, connection, shards, GPUs (or why there are none).
+
+    With NODE, that node in full: why it is degraded and what to fix, its engines as
+    checked, its fabrics and warnings. Warns about agents newer than the control plane
+    (their streams are refused) or more than two minor releases behind it."""
     if node is not None:
-        found = [n for n in data if n["id"] == node]
-        if not found:
-            raise NotFound(f"there is no node {node!r}; 'llmgw ctl nodes' lists them")
-        data = found
-    if c.as_json:
-        echo_json(data[0] if node is not None else data)
+        _show_node(c, node)
         return
-    server_version = str(c.call("GET", "/api/status").get("version") or "")
+    data = c.call("GET", "/api/nodes")
+    if c.as_json:
+        echo_json(data)
+        return
+    server_version = _server_version(c)
     warnings = {n["id"]: version_warning(n, server_version) for n in data}
-    if node is not None:
-        click.echo(_details(data[0], server_version))
-    else:
-        click.echo(_table(data, warnings))
+    rows = []
+    for n in data:
+        rows.append(
+            [
+                n["id"],
+                n["state"] + (",draining" if n["draining"] else ""),
+                n.get("health", "-"),
+                "yes" if n["connected"] else "no",
+                n["dataplane_addr"],
+                n["shards"],
+                ",".join(n["engines"]),
+                _version_cell(n, warnings[n["id"]]),
+                ago(n["last_seen"]),
+                until(n["cert_expires_at"]),
+                (n["fingerprint"] or "")[:23] + "…"
+                if n["state"] != "pending"
+                else n["fingerprint"],
+                _gpus_cell(n),
+                _update_cell(n.get("update")),
+            ]
+        )
+    click.echo(
+        table(
+            [
+                "NODE",
+                "STATE",
+                "HEALTH",
+                "CONNECTED",
+                "DATA PLANE",
+                "SHARDS",
+                "ENGINES",
+                "VERSION",
+                "SEEN",
+                "CERT EXPIRES",
+                "FINGERPRINT",
+                "GPUS",
+                "UPDATE",
+            ],
+            rows,
+        )
+    )
+    for line in _degraded_lines(data):
+        click.echo(line)
     for node_id, warning in warnings.items():
         if warning:
             click.echo(f"warning: node {node_id} {warning}", err=True)
+
+
+def _server_version(c: Ctl) -> str:
+    return str(c.call("GET", "/api/status").get("version") or "")
 
 
 def version_warning(node: dict[str, Any], server_version: str) -> str:
@@ -64,80 +112,90 @@ def version_warning(node: dict[str, Any], server_version: str) -> str:
     return ""
 
 
-def _gpus(n: dict[str, Any]) -> str:
-    if n["gpus"]:
-        return str(len(n["gpus"]))
-    return f"0 ({n['gpu_status']})" if n["gpu_status"] else "0"
-
-
 def _version_cell(n: dict[str, Any], warning: str) -> object:
     """The agent's version; marked when a warning line below the table says what is wrong."""
     return f"{n['agent_version']} (!)" if warning else n["agent_version"]
-
-
-def _table(data: list[dict[str, Any]], warnings: dict[str, str]) -> str:
-    rows = []
-    for n in data:
-        rows.append(
-            [
-                n["id"],
-                n["state"] + (",draining" if n["draining"] else ""),
-                "yes" if n["connected"] else "no",
-                n["dataplane_addr"],
-                n["shards"],
-                ",".join(n["engines"]),
-                _version_cell(n, warnings[n["id"]]),
-                ago(n["last_seen"]),
-                until(n["cert_expires_at"]),
-                (n["fingerprint"] or "")[:23] + "…"
-                if n["state"] != "pending"
-                else n["fingerprint"],
-                _gpus(n),
-                _update_cell(n.get("update")),
-            ]
-        )
-    return table(
-        [
-            "NODE",
-            "STATE",
-            "CONNECTED",
-            "DATA PLANE",
-            "SHARDS",
-            "ENGINES",
-            "VERSION",
-            "SEEN",
-            "CERT EXPIRES",
-            "FINGERPRINT",
-            "GPUS",
-            "UPDATE",
-        ],
-        rows,
-    )
-
-
-def _details(n: dict[str, Any], server_version: str) -> str:
-    """One node, a line per fact."""
-    facts = [
-        ("node", n["id"]),
-        ("state", n["state"] + (",draining" if n["draining"] else "")),
-        ("connected", "yes" if n["connected"] else "no"),
-        ("data plane", n["dataplane_addr"] or "-"),
-        ("version", f"{n['agent_version'] or '-'} (control plane: {server_version or '?'})"),
-        ("seen", ago(n["last_seen"])),
-        ("shards", n["shards"]),
-        ("engines", ",".join(n["engines"]) or "-"),
-        ("gpus", _gpus(n)),
-        ("fingerprint", n["fingerprint"] or "-"),
-        ("cert expires", until(n["cert_expires_at"])),
-        ("update", _update_cell(n.get("update"))),
-    ]
-    return "\n".join(f"{name + ':':<14}{value}" for name, value in facts)
 
 
 def _update_cell(update: dict[str, Any] | None) -> str:
     if not update:
         return "-"
     return f"{update['version']} {update['state']}"
+
+
+def _plain(text: object) -> str:
+    """Text a node wrote (its reasons, warnings, engines' errors), with anything that is
+    not printable (terminal escapes, newlines) shown as U+FFFD instead of acted on."""
+    return "".join(c if c.isprintable() else "\ufffd" for c in str(text))
+
+
+def _subject(reason: dict[str, Any]) -> str:
+    """What a degraded reason is about: ``engine vllm``, ``fabric ib-a``, ``gpus``, ``docker``."""
+    code = str(reason.get("code") or "?")
+    about = reason.get("engine") or reason.get("fabric") or ""
+    return _plain(f"{code} {about}" if about else code)
+
+
+def _degraded_lines(data: list[dict[str, Any]]) -> list[str]:
+    """Under the table: each degraded node, what its reasons are about, and where to read
+    them in full (the table has no room for the fixes)."""
+    return [
+        f"{n['id']} is degraded ({', '.join(_subject(r) for r in n['degraded'])}); "
+        f"'llmgw ctl nodes {shlex.quote(n['id'])}' says what to fix"
+        for n in data
+        if n.get("health") == "degraded" and n.get("degraded")
+    ]
+
+
+def _show_node(c: Ctl, node: str) -> None:
+    n = c.call("GET", f"/api/nodes/{node}")
+    if c.as_json:
+        echo_json(n)
+        return
+    health = n.get("health", "-")
+    server_version = _server_version(c)
+    fields = [
+        ("node", n["id"]),
+        ("state", n["state"] + (", draining" if n["draining"] else "")),
+        ("health", health),
+        ("connected", "yes" if n["connected"] else "no"),
+        ("data plane", n["dataplane_addr"] or "-"),
+        ("version", f"{n['agent_version'] or '-'} (control plane: {server_version or '?'})"),
+        ("last seen", ago(n["last_seen"])),
+        ("shards", n["shards"]),
+        ("GPUs", _gpus_cell(n)),
+        ("engines", ", ".join(n["engines"]) or "none"),
+        ("fingerprint", n["fingerprint"] or "-"),
+        ("cert expires", until(n["cert_expires_at"])),
+    ]
+    width = max(len(name) for name, _ in fields) + 1
+    for name, value in fields:
+        click.echo(f"{name + ':':<{width}} {value}")
+    reasons = n.get("degraded") or []
+    if reasons:
+        offline = " (as it last reported)" if health == "offline" else ""
+        click.echo(f"degraded{offline}: placement keeps it from what each names, only that")
+        for reason in reasons:
+            click.echo(f"  - {_subject(reason)}: {_plain(reason.get('message', ''))}")
+    broken = [e for e in n.get("engine_details", []) if not e.get("ok")]
+    if broken and not reasons:
+        click.echo("engines that will not run:")
+        for engine in broken:
+            click.echo(f"  - {_plain(engine['name'])}: {_plain(engine.get('problem', ''))}")
+    fabrics = n.get("fabrics") or []
+    if fabrics:
+        click.echo(
+            "fabrics: "
+            + ", ".join(f"{f['name']} ({'up' if f.get('healthy') else 'down'})" for f in fabrics)
+        )
+    warnings = n.get("warnings") or []
+    if warnings:
+        click.echo("warnings:")
+        for warning in warnings:
+            click.echo(f"  - {_plain(warning)}")
+    version = version_warning(n, server_version)
+    if version:
+        click.echo(f"warning: node {n['id']} {version}", err=True)
 
 
 @click.command()

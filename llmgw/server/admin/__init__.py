@@ -36,6 +36,7 @@ def add_admin_routes(
     for method, path, handler in (
         ("GET", "/api/status", nodes.status),
         ("GET", "/api/nodes", nodes.nodes),
+        ("GET", "/api/nodes/{node}", nodes.node),
         ("GET", "/api/models", models.models),
         ("POST", "/api/models", models.deploy),
         ("DELETE", "/api/models/{name:.+}", models.undeploy),

@@ -1,5 +1,6 @@
-"""Admin routes about the fleet: the control plane's status, the nodes, operator decisions
-on them (approve, reject, revoke), draining and the event log."""
+"""Admin routes about the fleet: the control plane's status, the nodes (each with its health:
+healthy, degraded with its reasons, or offline), operator decisions on them (approve, reject,
+revoke), draining and the event log."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ from typing import Any
 from aiohttp import web
 
 from llmgw import __version__
+from llmgw.contracts.inventory import DegradedReason, degraded_reasons
 from llmgw.errors import Conflict
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
-from llmgw.server.states import NodeState
+from llmgw.server.states import NodeState, node_health
 from llmgw.server.store import Node
 
 __all__ = ["NodeRoutes"]
+
+# How much of a pending node's reasons is shown (the rest of its inventory is a stored
+# summary, llmgw.server.intake.pending_inventory).
+PENDING_REASONS = 8
+PENDING_REASON_CHARS = 1000
 
 
 class NodeRoutes:
@@ -38,14 +45,38 @@ class NodeRoutes:
 
     # -- nodes ----------------------------------------------------------------------------------
 
+    def _degraded(self, node: Node) -> tuple[DegradedReason, ...]:
+        """Why the node is degraded, as it last reported: from its stored inventory once
+        approved; while pending (only a summary is stored), from what its session holds,
+        bounded, so that an operator sees a degraded node before approving it."""
+        session = self.ctx.sessions.get(node.id)
+        if node.state == NodeState.PENDING and session is not None:
+            held = session.held_inventory
+            if held is not None:
+                return tuple(
+                    DegradedReason(
+                        code=d.code[:32],
+                        message=d.message[:PENDING_REASON_CHARS],
+                        engine=d.engine[:32],
+                        fabric=d.fabric[:64],
+                    )
+                    for d in held.degraded[:PENDING_REASONS]
+                )
+        return degraded_reasons(node.inventory)
+
     def _node(self, node: Node, shard_count: int) -> dict[str, Any]:
         inv = node.inventory
         cert = self.ctx.store.latest_certificate(node.id)
+        connected = node.id in self.ctx.sessions
+        degraded = self._degraded(node)
         return {
             "id": node.id,
             "uid": node.uid,
             "state": node.state,
-            "connected": node.id in self.ctx.sessions,
+            # Beside the state, not one of them: what the node's own reports say it can do.
+            "health": node_health(connected and node.id not in self.ctx.lost, bool(degraded)),
+            "degraded": [r.as_dict() for r in degraded],
+            "connected": connected,
             "draining": node.draining,
             "lost": node.id in self.ctx.lost,
             "dataplane_addr": node.dataplane_addr,
@@ -70,6 +101,20 @@ class NodeRoutes:
         return web.json_response(
             [self._node(n, counts.get(n.id, 0)) for n in self.ctx.store.list_nodes()]
         )
+
+    async def node(self, request: web.Request) -> web.Response:
+        """One node, with what its inventory says beyond the list's columns: its warnings,
+        its engines as checked, its fabrics."""
+        node = self.ctx.store.get_node(request.match_info["node"])
+        inv = node.inventory
+        data = self._node(node, len(self.ctx.store.list_shards(node_id=node.id)))
+        data.update(
+            driver_version=inv.get("driver_version", ""),
+            engine_details=inv.get("engine_details", []),
+            fabrics=inv.get("fabrics", []),
+            warnings=inv.get("warnings", []),
+        )
+        return web.json_response(data)
 
     async def approve(self, request: web.Request) -> web.Response:
         body = await read_json(self.ctx, request)

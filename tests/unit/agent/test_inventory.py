@@ -16,7 +16,7 @@ import pytest
 
 from llmgw.agent import inventory
 from llmgw.agent.config import AgentConfig, parse_agent_config
-from llmgw.agent.discovery import NO_GPUS_VISIBLE
+from llmgw.agent.discovery import DRIVER_FIX, NO_GPUS_VISIBLE, nvidia_pci_gpus
 from llmgw.agent.inventory import (
     GIB,
     InventoryWatcher,
@@ -25,7 +25,10 @@ from llmgw.agent.inventory import (
     meminfo,
     worth_telling,
 )
+from llmgw.contracts.inventory import DegradedCode
 from llmgw.proto import control_pb2 as pb
+
+from .fake_nvml import FakeNvml
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 MIB = 1024 * 1024
@@ -55,6 +58,10 @@ def test_this_machine(tmp_path: Path, empty_path: Path) -> None:
     assert [e.name for e in inv.engine_details] == ["sim"]
     assert list(inv.ib_adapters) == [] and list(inv.fabrics) == []
     assert list(inv.warnings) == []
+    if not inv.gpus and nvidia_pci_gpus():  # GPUs on the bus, no driver for them
+        assert [d.code for d in inv.degraded] == [DegradedCode.GPUS]
+    else:
+        assert list(inv.degraded) == []
     if inv.gpus:  # a machine with a driver
         assert inv.gpu_source == "nvml" and inv.gpu_status == ""
     else:
@@ -316,3 +323,194 @@ def test_watcher_found_engine_on_path(tmp_path: Path, empty_path: Path) -> None:
     assert watcher.update(watcher.collect())
     assert [e.name for e in sent[0].engine_details] == ["sim", "llamacpp"]
     assert not watcher.update(watcher.collect())
+
+
+# -- degraded: what the node cannot run although it is configured to ------------------------------
+
+
+def _pci(root: Path, *addresses: str) -> Path:
+    """A /sys/bus/pci/devices-shaped tree holding NVIDIA 3D controllers at ``addresses``
+    and, whatever they are, a network adapter."""
+    for address, vendor, pci_class in [
+        *((a, "0x10de", "0x030200") for a in addresses),
+        ("0000:81:00.0", "0x15b3", "0x020700"),
+    ]:
+        device = root / address
+        device.mkdir(parents=True)
+        (device / "vendor").write_text(vendor + "\n")
+        (device / "class").write_text(pci_class + "\n")
+    return root
+
+
+def _reasons(inv: pb.Inventory) -> list[tuple[str, str, str]]:
+    return [(d.code, d.engine, d.fabric) for d in inv.degraded]
+
+
+def test_a_healthy_node_is_not_degraded(tmp_path: Path, empty_path: Path) -> None:
+    cfg = config(
+        tmp_path,
+        discovery={
+            "nvidia_smi": str(FIXTURES / "nvidia-smi" / "eight-h100"),
+            "ib_root": str(FIXTURES / "ib"),
+        },
+        fabrics=[{"name": "ib-a", "hcas": ["mlx5_0"]}],
+        engines={"llamacpp": {"bin": str(FIXTURES / "engines" / "works")}},
+    )
+    inv = collect_inventory(cfg, pci_root=_pci(tmp_path / "pci", "0000:c1:00.0"))
+    assert len(inv.gpus) == 8 and list(inv.degraded) == []
+
+
+def test_a_cpu_node_without_a_driver_is_not_degraded(
+    tmp_path: Path, empty_path: Path, fake_nvml: FakeNvml
+) -> None:
+    # Nothing declares GPUs: no nvidia-smi in agent.yaml, none on the PCI bus.
+    fake_nvml(init_error="LIBRARY_NOT_FOUND")
+    inv = collect_inventory(config(tmp_path), pci_root=_pci(tmp_path / "pci"))
+    assert inv.gpus == [] and inv.gpu_status.startswith("no NVIDIA driver")
+    assert list(inv.degraded) == []
+
+
+def test_gpus_on_the_bus_without_a_driver(
+    tmp_path: Path, empty_path: Path, fake_nvml: FakeNvml
+) -> None:
+    fake_nvml(init_error="LIBRARY_NOT_FOUND")
+    pci = _pci(tmp_path / "pci", "0000:c1:00.0", "0000:41:00.0")
+    inv = collect_inventory(config(tmp_path), pci_root=pci)
+    assert _reasons(inv) == [("gpus", "", "")]
+    assert inv.degraded[0].message == (
+        "2 NVIDIA GPUs are on the PCI bus (0000:41:00.0, 0000:c1:00.0), but no GPU is usable: "
+        "no NVIDIA driver: NVML library not found (libnvidia-ml.so.1) and no nvidia-smi on PATH; "
+        f"{DRIVER_FIX}; models that need GPUs are not placed on this node until then"
+    )
+    assert "apt install nvidia-driver" in inv.degraded[0].message
+
+
+def test_nvidia_smi_named_but_the_driver_failed(tmp_path: Path, empty_path: Path) -> None:
+    smi = FIXTURES / "nvidia-smi" / "driver-failed"
+    cfg = config(tmp_path, discovery={"nvidia_smi": str(smi)})
+    inv = collect_inventory(cfg, pci_root=tmp_path / "no-pci")
+    assert _reasons(inv) == [("gpus", "", "")]
+    message = inv.degraded[0].message
+    assert message.startswith(
+        f"agent.yaml names nvidia-smi ({smi}) in discovery.nvidia_smi, but no GPU is usable: "
+        "nvidia-smi failed (exit 9): NVIDIA-SMI has failed because it couldn't communicate"
+    )
+    assert DRIVER_FIX in message
+
+
+def test_a_driver_that_sees_no_gpus_says_where_to_look(tmp_path: Path, empty_path: Path) -> None:
+    cfg = config(tmp_path, discovery={"nvidia_smi": str(FIXTURES / "nvidia-smi" / "zero-gpus")})
+    inv = collect_inventory(cfg, pci_root=_pci(tmp_path / "pci", "0000:c1:00.0"))
+    assert _reasons(inv) == [("gpus", "", "")]
+    message = inv.degraded[0].message
+    assert f"but no GPU is usable: {NO_GPUS_VISIBLE}" in message
+    assert DRIVER_FIX not in message  # the driver is there: installing one is not the fix
+
+
+def test_an_engine_that_will_not_run(tmp_path: Path, empty_path: Path) -> None:
+    broken = FIXTURES / "engines" / "missing-lib"
+    cfg = config(
+        tmp_path,
+        engines={
+            "llamacpp": {"bin": str(FIXTURES / "engines" / "works")},
+            "vllm": {"bin": str(broken)},
+        },
+    )
+    inv = collect_inventory(cfg, pci_root=tmp_path / "no-pci")
+    assert list(inv.engines) == ["sim", "llamacpp"]
+    assert _reasons(inv) == [("engine", "vllm", "")]
+    message = inv.degraded[0].message
+    assert message.startswith(f"engine vllm ({broken}) will not run: ")
+    assert "libcudart.so.12" in message
+    assert "point engines.vllm.bin in agent.yaml at one that runs" in message
+    assert "llmgw ctl engines install gpu-1 vllm VERSION --url URL --sha256 SUM" in message
+    assert message.endswith("models on vllm are not placed on this node until it runs")
+
+
+def test_a_fabric_that_is_down(tmp_path: Path, empty_path: Path) -> None:
+    cfg = config(
+        tmp_path,
+        discovery={"ib_root": str(FIXTURES / "ib")},
+        fabrics=[
+            {"name": "ib-a", "hcas": ["mlx5_0"]},
+            {"name": "ib-b", "hcas": ["mlx5_1"]},
+            {"name": "ib-c", "hcas": ["mlx5_7"]},
+        ],
+    )
+    inv = collect_inventory(cfg, pci_root=tmp_path / "no-pci")
+    assert _reasons(inv) == [("fabric", "", "ib-b"), ("fabric", "", "ib-c")]
+    down, missing = (d.message for d in inv.degraded)
+    assert down.startswith("fabric ib-b is down: adapter mlx5_1 has no ACTIVE port (port 1: ")
+    assert "ibstat mlx5_1" in down
+    assert down.endswith(
+        "multi-node replicas over ib-b are not placed on this node until it is back"
+    )
+    assert missing.startswith("fabric ib-c is down: adapter mlx5_7 is not in ")
+    assert "check the name with 'ibstat -l'" in missing
+
+
+def test_docker_that_cannot_be_reached(tmp_path: Path, empty_path: Path) -> None:
+    host = f"unix://{tmp_path / 'no-docker.sock'}"
+    cfg = config(tmp_path, runtime="docker", docker={"images": {"sim": "llmgw:1"}, "host": host})
+    inv = collect_inventory(cfg, pci_root=tmp_path / "no-pci")
+    assert _reasons(inv) == [("docker", "", "")]
+    assert inv.degraded[0].message.startswith(
+        f"runtime is docker but dockerd at {host} cannot be reached (No such file or directory)"
+    )
+    # The process runtime never asks dockerd.
+    assert list(collect_inventory(config(tmp_path), pci_root=tmp_path / "no-pci").degraded) == []
+
+
+def test_every_reason_at_once(tmp_path: Path, empty_path: Path) -> None:
+    cfg = config(
+        tmp_path,
+        runtime="docker",
+        docker={"images": {"sim": "llmgw:1"}, "host": f"unix://{tmp_path / 'none.sock'}"},
+        discovery={
+            "nvidia_smi": str(FIXTURES / "nvidia-smi" / "driver-failed"),
+            "ib_root": str(FIXTURES / "ib"),
+        },
+        fabrics=[{"name": "ib-b", "hcas": ["mlx5_1"]}],
+        engines={"vllm": {"bin": str(FIXTURES / "engines" / "missing-lib")}},
+    )
+    inv = collect_inventory(cfg, pci_root=tmp_path / "no-pci")
+    assert _reasons(inv) == [
+        ("docker", "", ""),
+        ("gpus", "", ""),
+        ("engine", "vllm", ""),
+        ("fabric", "", "ib-b"),
+    ]
+
+
+def test_a_node_that_recovers_is_told(tmp_path: Path, empty_path: Path) -> None:
+    program, _runs_file = _counting_engine(tmp_path, ok=False)
+    cfg = config(tmp_path, engines={"llamacpp": {"bin": str(program)}})
+    sent: list[pb.Inventory] = []
+    watcher = InventoryWatcher(
+        cfg, lambda inv: sent.append(inv) is None, interval=1, pci_root=tmp_path / "no-pci"
+    )
+    assert _reasons(watcher.current) == [("engine", "llamacpp", "")]
+    program.write_text(program.read_text().replace("exit 1", "exit 0"))  # fixed
+    assert watcher.update(watcher.collect())
+    assert list(sent[0].degraded) == [] and list(sent[0].engines) == ["sim", "llamacpp"]
+    assert not watcher.update(watcher.collect())
+
+
+def test_the_node_says_in_its_log_what_makes_it_degraded(
+    tmp_path: Path, empty_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    program, _runs_file = _counting_engine(tmp_path, ok=False)
+    cfg = config(tmp_path, engines={"llamacpp": {"bin": str(program)}})
+    with caplog.at_level("INFO", logger="llmgw.agent.inventory"):
+        watcher = InventoryWatcher(cfg, lambda inv: True, interval=1, pci_root=tmp_path / "no")
+        warned = [r for r in caplog.records if r.getMessage() == "node degraded"]
+        assert len(warned) == 1 and warned[0].levelname == "WARNING"
+        fields = getattr(warned[0], "fields", {})
+        assert fields["code"] == "engine"
+        assert fields["reason"].startswith(f"engine llamacpp ({program}) will not run")
+        caplog.clear()
+        watcher.update(watcher.collect())  # the same reason: said once
+        assert [r for r in caplog.records if r.getMessage() == "node degraded"] == []
+        program.write_text(program.read_text().replace("exit 1", "exit 0"))
+        watcher.update(watcher.collect())
+        assert "node no longer degraded" in [r.getMessage() for r in caplog.records]

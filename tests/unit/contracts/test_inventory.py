@@ -7,7 +7,7 @@ import json
 
 from google.protobuf.descriptor import Descriptor
 
-from llmgw.contracts.inventory import inventory_dict
+from llmgw.contracts.inventory import DegradedCode, DegradedReason, degraded_reasons, inventory_dict
 from llmgw.proto import control_pb2 as pb
 
 
@@ -74,6 +74,12 @@ def full_inventory() -> pb.Inventory:
             cached=["ab" * 32],
             problem="",
         ),
+        degraded=[
+            pb.DegradedReason(
+                code="engine", message="engine vllm will not run", engine="vllm", fabric=""
+            ),
+            pb.DegradedReason(code="fabric", message="fabric ib-a is down", fabric="ib-a"),
+        ],
     )
 
 
@@ -124,12 +130,33 @@ def test_inventory_dict_has_every_field() -> None:
         ["sim", "llamacpp"],
         ["fabric ib-a: adapter mlx5_9 is missing"],
     )
+    assert data["degraded"] == [
+        {"code": "engine", "message": "engine vllm will not run", "engine": "vllm", "fabric": ""},
+        {"code": "fabric", "message": "fabric ib-a is down", "engine": "", "fabric": "ib-a"},
+    ]
+
+
+def test_degraded_reasons_read_back_from_the_stored_form() -> None:
+    data = inventory_dict(full_inventory())
+    assert degraded_reasons(data) == (
+        DegradedReason(DegradedCode.ENGINE, "engine vllm will not run", engine="vllm"),
+        DegradedReason(DegradedCode.FABRIC, "fabric ib-a is down", fabric="ib-a"),
+    )
+    # A node whose agent predates the reasons, or a stored form that is not a list, is
+    # healthy as far as placement can tell; entries that are not objects are skipped.
+    assert degraded_reasons({}) == ()
+    assert degraded_reasons({"degraded": "gpus"}) == ()
+    assert degraded_reasons({"degraded": {"code": "gpus"}}) == ()
+    assert degraded_reasons({"degraded": ["gpus", {"code": "docker", "message": "m"}]}) == (
+        DegradedReason("docker", "m"),
+    )
 
 
 def test_an_empty_inventory_is_all_defaults() -> None:
     data = inventory_dict(pb.Inventory())
     assert data["hostname"] == "" and data["cpus"] == 0
     assert data["gpus"] == data["engine_details"] == data["ib_adapters"] == data["fabrics"] == []
+    assert data["degraded"] == []
     # An agent that reports no sources (older than the check) is told apart from an empty
     # models_root: placement does not filter it.
     assert data["sources"] is None

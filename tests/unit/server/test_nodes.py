@@ -138,3 +138,44 @@ def test_approval_stores_the_inventory_held_while_pending(tmp_path: Path, store:
     assert fleet.session.engines == frozenset({"sim"})
     assert store.list_events()[0].kind == "inventory_changed"
     assert fleet.session.approved and fleet.session.held_inventory is None
+
+
+def _degraded_inventory(*reasons: pb.DegradedReason) -> pb.Inventory:
+    return pb.Inventory(hostname="gpu-1", engines=["sim"], degraded=list(reasons))
+
+
+BROKEN_VLLM = pb.DegradedReason(
+    code="engine", engine="vllm", message="engine vllm (/opt/vllm) will not run: libcudart"
+)
+NO_DOCKER = pb.DegradedReason(code="docker", message="runtime is docker but dockerd is gone")
+
+
+def _events(store: Store, kind: str) -> list[str]:
+    return [e.message for e in reversed(store.list_events(subject="gpu-1")) if e.kind == kind]
+
+
+def test_a_node_approved_degraded_says_so_in_an_event(tmp_path: Path, store: Store) -> None:
+    fleet = Fleet(tmp_path, store)
+    fleet.session.held_inventory = _degraded_inventory(BROKEN_VLLM)
+    fleet.approve()
+    assert _events(store, "node_degraded") == [BROKEN_VLLM.message]
+    assert store.get_node("gpu-1").inventory["degraded"][0]["engine"] == "vllm"
+
+
+def test_events_follow_the_reasons_not_every_inventory(tmp_path: Path, store: Store) -> None:
+    from llmgw.server.reports import store_inventory
+
+    fleet = Fleet(tmp_path, store)
+    fleet.approve()
+    assert _events(store, "node_degraded") == []
+    store_inventory(store, fleet.session, _degraded_inventory(BROKEN_VLLM))
+    store_inventory(store, fleet.session, _degraded_inventory(BROKEN_VLLM))  # no news
+    store_inventory(store, fleet.session, _degraded_inventory(BROKEN_VLLM, NO_DOCKER))
+    store_inventory(store, fleet.session, _degraded_inventory())
+    assert _events(store, "node_degraded") == [
+        BROKEN_VLLM.message,
+        f"{BROKEN_VLLM.message}; {NO_DOCKER.message}",
+    ]
+    assert _events(store, "node_healthy") == [
+        f"no longer degraded (was: {BROKEN_VLLM.message}; {NO_DOCKER.message})"
+    ]

@@ -18,6 +18,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from llmgw.contracts.inventory import DegradedCode, DegradedReason
 from llmgw.server.placement import (
     Allocation,
     Cluster,
@@ -27,6 +28,7 @@ from llmgw.server.placement import (
     Profile,
     ShardPlacement,
     Unplaceable,
+    degraded_refusal,
     offered_engines,
 )
 
@@ -46,6 +48,7 @@ def node(
     connected: bool = True,
     draining: bool = False,
     lost: bool = False,
+    degraded: tuple[DegradedReason, ...] = (),
 ) -> NodeView:
     sizes = list(memories) if memories is not None else [memory] * gpus
     return NodeView(
@@ -57,6 +60,7 @@ def node(
         engines=engines,
         gpus=tuple(GpuView(f"{node_id}-g{i}", m) for i, m in enumerate(sizes)),
         fabrics=fabrics,
+        degraded=degraded,
     )
 
 
@@ -434,6 +438,14 @@ FABRIC_CHOICES = [(), ("ib-a",), ("ib-a",), ("ib-b",), ("ib-a", "ib-b"), ("ib-c"
 ENGINE_CHOICES = [BOTH, BOTH, BOTH, frozenset({"vllm"}), frozenset({"sim"})]
 SMALL_CHOICES = ["none", "none", "some", "all"]  # which GPUs of a node have 24 GiB, not 80
 MAX_NODES = 6
+DEGRADED_CHOICES = [
+    DegradedReason("docker", "dockerd cannot be reached"),
+    DegradedReason("engine", "engine vllm will not run", engine="vllm"),
+    DegradedReason("engine", "engine sim will not run", engine="sim"),
+    DegradedReason("gpus", "no GPU driver"),
+    DegradedReason("fabric", "fabric ib-z is down", fabric="ib-z"),
+    DegradedReason("a-newer-code", "something a newer agent knows"),
+]
 
 
 @dataclasses.dataclass
@@ -443,11 +455,27 @@ class Deployment:
     desired: int
 
 
+def degraded_blocks(view: NodeView, profile: Profile) -> bool:
+    """Whether one of the node's reasons keeps it from the profile, from the rule's words."""
+    for reason in view.degraded:
+        if reason.code == "docker":
+            return True  # every shard is a container
+        if reason.code == "engine" and reason.engine == profile.engine:
+            return True
+        if reason.code == "gpus" and profile.gpus > 0:
+            return True
+        if reason.code == "fabric" and profile.nodes > 1 and not view.fabrics:
+            return True
+    return False
+
+
 def eligible(view: NodeView, profile: Profile, held: set[str], avoid: frozenset[str]) -> bool:
     """Whether a node can take one shard, computed from scratch."""
     if not (view.approved and view.connected and not view.draining and not view.lost):
         return False
     if profile.engine not in view.engines or view.id in avoid:
+        return False
+    if degraded_blocks(view, profile):
         return False
     fit = [
         g for g in view.gpus if g.uuid not in held and g.memory_total_mib >= profile.gpu_memory_mib
@@ -732,6 +760,15 @@ class PlacementMachine(RuleBasedStateMachine):
         self.check_view(cluster)
         self.reconcile()
 
+    @precondition(lambda self: bool(self.nodes))
+    @rule(data=st.data(), reasons=st.lists(st.sampled_from(DEGRADED_CHOICES), max_size=2))
+    def degrade_node(self, data: st.DataObject, reasons: list[DegradedReason]) -> None:
+        """The node's agent reports reasons (none: it recovered). What it already runs stays;
+        what it can no longer run is not placed there again."""
+        node_id = data.draw(st.sampled_from(sorted(self.nodes)))
+        self.nodes[node_id] = dataclasses.replace(self.nodes[node_id], degraded=tuple(reasons))
+        self.reconcile()
+
     @precondition(lambda self: any(v.draining for v in self.nodes.values()))
     @rule(data=st.data())
     def undrain_node(self, data: st.DataObject) -> None:
@@ -863,3 +900,79 @@ def test_a_held_engine_keeps_its_node_out_of_a_multi_node_replica() -> None:
     assert isinstance(result, Unplaceable)
     assert "b: no vllm 0.9 build for its architecture aarch64" in result.reasons
     assert "fabric ib: 2 of 3 nodes free, needs 3" in result.reasons
+
+
+# -- degraded nodes: kept from what they cannot run, and only from that ---------------------------
+
+DOCKER = DegradedReason(DegradedCode.DOCKER, "runtime is docker but dockerd cannot be reached")
+BROKEN_VLLM = DegradedReason(DegradedCode.ENGINE, "engine vllm will not run", engine="vllm")
+NO_DRIVER = DegradedReason(DegradedCode.GPUS, "2 NVIDIA GPUs are on the PCI bus, but none usable")
+IB_A_DOWN = DegradedReason(DegradedCode.FABRIC, "fabric ib-a is down", fabric="ib-a")
+
+
+def test_a_broken_engine_keeps_only_that_engine_off() -> None:
+    # What the agent sends: the engine not offered, and the reason.
+    view = node("n1", engines=frozenset({"sim"}), degraded=(BROKEN_VLLM,))
+    cluster = Cluster([view], [])
+    assert reasons(cluster.place(VLLM)) == ("n1: degraded: engine vllm will not run",)
+    assert nodes_of(cluster.place(Profile("sim", 0))) == ["n1"]
+    assert nodes_of(cluster.place(Profile("sim", 2))) == ["n1"]  # its GPUs are fine
+    # Even were the engine still listed (an older view), the reason keeps it off.
+    listed = node("n2", degraded=(BROKEN_VLLM,))
+    assert reasons(Cluster([listed], []).place(VLLM)) == ("n2: degraded: engine vllm will not run",)
+
+
+def test_gpus_without_a_driver_keep_only_gpu_work_off() -> None:
+    view = node("n1", 0, degraded=(NO_DRIVER,))
+    cluster = Cluster([view], [])
+    assert reasons(cluster.place(VLLM)) == (f"n1: degraded: {NO_DRIVER.message}",)
+    assert nodes_of(cluster.place(Profile("vllm", 0))) == ["n1"]
+    assert nodes_of(cluster.place(Profile("sim", 0))) == ["n1"]
+
+
+def test_unreachable_docker_keeps_everything_off() -> None:
+    cluster = Cluster([node("n1", degraded=(DOCKER,)), node("n2", 0)], [])
+    for profile in (VLLM, Profile("sim", 0), Profile("vllm", 0)):
+        assert degraded_refusal((DOCKER,), (), profile) == f"degraded: {DOCKER.message}"
+    assert nodes_of(cluster.place(Profile("sim", 0))) == ["n2"]
+    assert reasons(cluster.place(VLLM)) == (
+        f"n1: degraded: {DOCKER.message}",
+        "n2: no GPUs, needs 1",
+    )
+
+
+def test_a_fabric_down_keeps_off_multi_node_only_without_another_fabric() -> None:
+    # The agent reports only healthy fabrics; ib-a is down on both nodes of the first pair.
+    down = [node(f"a{i}", fabrics=(), degraded=(IB_A_DOWN,)) for i in range(2)]
+    cluster = Cluster(down, [])
+    multi = Profile("vllm", 1, nodes=2)
+    assert reasons(cluster.place(multi)) == (
+        "a0: degraded: fabric ib-a is down",
+        "a1: degraded: fabric ib-a is down",
+    )
+    assert nodes_of(cluster.place(VLLM)) == ["a0"]  # single-node replicas still go there
+    # A node on a second, healthy fabric takes multi-node replicas over that one.
+    both = [node(f"b{i}", fabrics=("ib-b",), degraded=(IB_A_DOWN,)) for i in range(2)]
+    result = Cluster(both, []).place(multi)
+    assert isinstance(result, Placement) and {s.fabric for s in result.shards} == {"ib-b"}
+
+
+def test_a_degraded_node_on_a_uniform_fabric_is_left_out_of_the_count() -> None:
+    # Every node on ib-a offers vllm with the same GPUs: the fast count must still see that
+    # one of them cannot run anything.
+    views = [node("f1", fabrics=("ib-a",), degraded=(DOCKER,))] + [
+        node(f"f{i}", fabrics=("ib-a",)) for i in (2, 3)
+    ]
+    multi = Profile("vllm", 1, nodes=2)
+    assert sorted(nodes_of(Cluster(views, []).place(multi))) == ["f2", "f3"]
+    three = Profile("vllm", 1, nodes=3)
+    result = Cluster(views, []).place(three)
+    assert reasons(result)[0] == f"f1: degraded: {DOCKER.message}"
+    assert reasons(result)[-1] == "fabric ib-a: 2 of 3 nodes free, needs 3"
+
+
+def test_a_reason_a_newer_agent_gives_blocks_nothing() -> None:
+    newer = DegradedReason("thermal", "GPU 3 is throttling")
+    view = node("n1", degraded=(newer,))
+    assert degraded_refusal(view.degraded, view.fabrics, VLLM) == ""
+    assert nodes_of(Cluster([view], []).place(VLLM)) == ["n1"]

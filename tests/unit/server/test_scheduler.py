@@ -229,3 +229,102 @@ def _install_order(cp: SchedulerRig) -> pb.InstallEngine:
         if msg.WhichOneof("msg") == "install_engine":
             return msg.install_engine
     raise AssertionError("no install order was sent")
+
+
+def test_the_scheduler_keeps_a_degraded_node_from_what_it_cannot_run(cp: SchedulerRig) -> None:
+    # n1's llama.cpp will not run (its agent no longer offers it, and says why); n2's does.
+    _join(cp, "n1", "10.0.0.1")
+    broken = {
+        "code": "engine",
+        "engine": "llamacpp",
+        "fabric": "",
+        "message": "engine llamacpp (/opt/llama-server) will not run: libcudart.so.12",
+    }
+    inventory = {**cp.store.get_node("n1").inventory, "degraded": [broken]}
+    cp.store.upsert_node(
+        "n1",
+        dataplane_addr="10.0.0.1:9443",
+        agent_version="0.1.0",
+        inventory=inventory,
+        connected=True,
+    )
+    cp.sessions["n1"].engines = frozenset({"sim"})
+    _deploy(cp, "gguf", "llamacpp", nodes=1)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    assert cp.store.list_shards() == []
+    assert scheduler.unplaceable["gguf"].reason == f"n1: degraded: {broken['message']}"
+
+    # sim still goes there.
+    _deploy(cp, "s", "sim", nodes=1)
+    scheduler.reconcile()
+    assert [
+        (s.node_id, cp.store.get_replica(s.replica_id).model) for s in cp.store.list_shards()
+    ] == [("n1", "s")]
+
+    # A healthy node with the engine joins: the model goes there, not to n1.
+    _join(cp, "n2", "10.0.0.2")
+    scheduler.reconcile()
+    placed = {cp.store.get_replica(s.replica_id).model: s.node_id for s in cp.store.list_shards()}
+    assert placed == {"s": "n1", "gguf": "n2"}
+    assert "gguf" not in scheduler.unplaceable
+
+
+def _degrade(cp: SchedulerRig, node_id: str, *reasons: dict[str, str]) -> None:
+    node = cp.store.get_node(node_id)
+    cp.store.upsert_node(
+        node_id,
+        dataplane_addr=node.dataplane_addr,
+        agent_version="0.1.0",
+        inventory={**node.inventory, "degraded": list(reasons)},
+        connected=True,
+    )
+
+
+def test_a_shard_that_fails_where_it_can_no_longer_run_is_rebuilt_elsewhere(
+    cp: SchedulerRig,
+) -> None:
+    _join(cp, "n1", "10.0.0.1")
+    _deploy(cp, "m", "llamacpp", nodes=1)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    (shard,) = cp.store.list_shards()
+    assert shard.node_id == "n1"
+    # n1's llama.cpp breaks (a library removed under it): the engine dies, and the agent
+    # reports the node degraded for llama.cpp.
+    broken = {
+        "code": "engine",
+        "engine": "llamacpp",
+        "fabric": "",
+        "message": "engine llamacpp will not run: libcudart.so.12",
+    }
+    _degrade(cp, "n1", broken)
+    cp.sessions["n1"].engines = frozenset({"sim"})
+    _join(cp, "n2", "10.0.0.2")
+    cp.store.update_shard(shard.id, state="failed", reason="exited with 127")
+    scheduler.shard_failed(shard.id)
+    scheduler.reconcile()
+    assert cp.store.list_shards() == []  # removed, and the scheduler kicked
+    scheduler.reconcile()
+    # Not restarted on n1 (it would fail again): the replica is rebuilt on n2.
+    assert [s.node_id for s in cp.store.list_shards()] == ["n2"]
+    removed = [e.message for e in cp.store.list_events() if e.kind == "replica_removed"]
+    assert removed == [
+        f"shard {shard.id} failed on n1, which is degraded: {broken['message']}; "
+        "rebuilding it elsewhere"
+    ]
+
+
+def test_a_shard_that_fails_where_it_still_can_run_is_restarted_there(cp: SchedulerRig) -> None:
+    _join(cp, "n1", "10.0.0.1")
+    _deploy(cp, "m", "llamacpp", nodes=1)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    (shard,) = cp.store.list_shards()
+    # n1 is degraded, but for vLLM only: its llama.cpp shard is restarted in place.
+    _degrade(cp, "n1", {"code": "engine", "engine": "vllm", "fabric": "", "message": "vllm"})
+    cp.store.update_shard(shard.id, state="failed", reason="exited with 1")
+    scheduler.failed_at[shard.id] = 0.0  # its backoff is over
+    scheduler.reconcile()
+    (again,) = cp.store.list_shards()
+    assert (again.id, again.node_id, again.restarts) == (shard.id, "n1", 1)

@@ -85,12 +85,20 @@ class Wired:
     def cert(self, tmp: Path, node_id: str) -> x509.Certificate:
         return pki.load_cert(pki.issue_node_cert(self.ca, node_id, tmp / node_id).cert)
 
-    def connect(self, cert: x509.Certificate, node_id: str = "gpu-1") -> NodeSession:
+    def connect(
+        self,
+        cert: x509.Certificate,
+        node_id: str = "gpu-1",
+        *,
+        degraded: tuple[pb.DegradedReason, ...] = (),
+    ) -> NodeSession:
         hello = pb.Hello(
             node_id=node_id,
             dataplane_addr="127.0.0.1:9443",
             agent_version="0.1.0",
-            inventory=pb.Inventory(hostname=node_id, cpus=8, engines=["sim"]),
+            inventory=pb.Inventory(
+                hostname=node_id, cpus=8, engines=["sim"], degraded=list(degraded)
+            ),
         )
         session = self.sessions.open(hello, "ipv4:127.0.0.1:5000", cert)
         self.sessions.after_hello(session, hello)
@@ -110,6 +118,28 @@ def test_a_new_node_is_pending_and_its_session_carries_the_epoch(
     assert wired.metrics.nodes.values[("connected",)] == 1
     kinds = [e.kind for e in store.list_events()]
     assert "node_pending" in kinds and "node_connected" in kinds
+
+
+def test_a_node_that_comes_back_changed_says_so_in_the_events(tmp_path: Path, store: Store) -> None:
+    wired = Wired(tmp_path, store)
+    cert = wired.cert(tmp_path, "gpu-1")
+    docker = pb.DegradedReason(code="docker", message="dockerd at unix:///x cannot be reached")
+
+    def health_events() -> list[tuple[str, str]]:
+        return [
+            (e.kind, e.message)
+            for e in reversed(store.list_events(subject="gpu-1"))
+            if e.kind in ("node_degraded", "node_healthy")
+        ]
+
+    wired.connect(cert, degraded=(docker,))
+    assert health_events() == []  # pending: its inventory is held, not yet judged
+    wired.membership.approve("gpu-1", store.get_node("gpu-1").fingerprint or "")
+    assert health_events() == [("node_degraded", docker.message)]
+    wired.connect(cert, degraded=(docker,))  # the same on a reconnect: no news
+    assert len(health_events()) == 1
+    wired.connect(cert)  # docker fixed while the agent restarted
+    assert health_events()[-1] == ("node_healthy", f"no longer degraded (was: {docker.message})")
 
 
 def test_a_reconnect_replaces_the_old_stream(tmp_path: Path, store: Store) -> None:

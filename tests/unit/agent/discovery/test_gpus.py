@@ -13,6 +13,7 @@ from llmgw.agent.discovery import (
     NO_GPUS_VISIBLE,
     discover_gpus,
     gpus,
+    nvidia_pci_gpus,
     parse_nvidia_smi,
 )
 from llmgw.proto import control_pb2 as pb
@@ -67,6 +68,7 @@ def test_driver_without_gpus(fake: str) -> None:
     assert facts.status == NO_GPUS_VISIBLE
     assert facts.status.startswith("driver loaded, 0 GPUs visible (check CUDA_VISIBLE_DEVICES")
     assert facts.source == "nvidia-smi"
+    assert not facts.no_driver
 
 
 def test_failed_driver_says_what_nvidia_smi_said() -> None:
@@ -77,6 +79,7 @@ def test_failed_driver_says_what_nvidia_smi_said() -> None:
         "nvidia-smi failed (exit 9): NVIDIA-SMI has failed because it couldn't communicate "
         "with the NVIDIA driver. Make sure that the latest NVIDIA driver is installed and running."
     )
+    assert facts.no_driver  # the fix is to install it, which the degraded reason says
 
 
 def test_malformed_line_is_a_status_not_an_exception() -> None:
@@ -95,11 +98,37 @@ def test_hung_nvidia_smi_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
     assert time.monotonic() - start < 5
     assert facts.gpus == []
     assert facts.status.startswith("nvidia-smi did not answer within 0.5 s")
+    assert not facts.no_driver  # a hung driver is there: installing one is not the fix
 
 
 def test_configured_nvidia_smi_missing(tmp_path: Path) -> None:
     facts = discover_gpus(tmp_path / "nvidia-smi")
     assert facts.status == f"{tmp_path / 'nvidia-smi'} does not exist"
+    assert facts.no_driver  # nvidia-smi comes with the driver
+
+
+def _pci_device(root: Path, address: str, vendor: str, pci_class: str) -> None:
+    device = root / address
+    device.mkdir(parents=True)
+    (device / "vendor").write_text(vendor + "\n")
+    (device / "class").write_text(pci_class + "\n")
+
+
+def test_nvidia_gpus_on_the_pci_bus(tmp_path: Path) -> None:
+    root = tmp_path / "devices"
+    _pci_device(root, "0000:c1:00.0", "0x10de", "0x030200")  # an H100: a 3D controller
+    _pci_device(root, "0000:41:00.0", "0x10de", "0x030000")  # a workstation board: VGA
+    _pci_device(root, "0000:41:00.1", "0x10de", "0x040300")  # its HDMI audio function
+    _pci_device(root, "0000:07:00.0", "0x10de", "0x068000")  # an NVSwitch
+    _pci_device(root, "0000:03:00.0", "0x1a03", "0x030000")  # the BMC's VGA
+    _pci_device(root, "0000:81:00.0", "0x15b3", "0x020700")  # a ConnectX adapter
+    (root / "0000:00:1f.0").mkdir()  # a device whose files cannot be read
+    assert nvidia_pci_gpus(root) == ["0000:41:00.0", "0000:c1:00.0"]
+
+
+def test_no_pci_bus_to_read_is_no_gpus(tmp_path: Path) -> None:
+    assert nvidia_pci_gpus(tmp_path / "absent") == []
+    assert nvidia_pci_gpus(tmp_path) == []
 
 
 def test_no_nvml_and_no_nvidia_smi_names_both(fake_nvml: FakeNvml, empty_path: Path) -> None:
@@ -111,6 +140,7 @@ def test_no_nvml_and_no_nvidia_smi_names_both(fake_nvml: FakeNvml, empty_path: P
     assert "NVML library not found (libnvidia-ml.so.1)" in facts.status
     assert "no nvidia-smi on PATH" in facts.status
     assert facts.status.startswith("no NVIDIA driver: ")
+    assert facts.no_driver
 
 
 def test_no_nvml_falls_back_to_nvidia_smi_on_path(fake_nvml: FakeNvml, empty_path: Path) -> None:
@@ -125,6 +155,7 @@ def test_no_nvml_falls_back_to_nvidia_smi_on_path(fake_nvml: FakeNvml, empty_pat
     shutil.copy(SMI / "driver-failed", empty_path / "nvidia-smi")
     facts = discover_gpus(None)
     assert facts.status.startswith("NVML library not found (libnvidia-ml.so.1); nvidia-smi failed")
+    assert facts.no_driver
 
 
 def test_kernel_driver_not_loaded_falls_back_too(fake_nvml: FakeNvml, empty_path: Path) -> None:

@@ -116,6 +116,9 @@ def test_driver_library_version_mismatch_says_what_to_do(
     shutil.copy(SMI / "driver-failed", empty_path / "nvidia-smi")
     facts = discover_gpus(None)
     assert facts.status.startswith(f"{NVML_VERSION_MISMATCH}; nvidia-smi failed")
+    # NVML knows the driver is there (only mismatched): installing one is not the fix,
+    # whatever nvidia-smi's words suggest.
+    assert not facts.no_driver
 
 
 def test_other_nvml_errors_are_named(fake_nvml: FakeNvml, empty_path: Path) -> None:
@@ -124,4 +127,5 @@ def test_other_nvml_errors_are_named(fake_nvml: FakeNvml, empty_path: Path) -> N
     assert facts.status == (
         "NVML error: Insufficient Permissions; no nvidia-smi on PATH to fall back to"
     )
+    assert not facts.no_driver
     assert facts.gpus == [] and facts.source == ""

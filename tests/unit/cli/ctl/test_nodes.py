@@ -1,10 +1,8 @@
-"""``llmgw ctl nodes [NODE]``: the warning about agent versions next to the control plane's
-(newer: refused; more than two minor releases behind: unsupported), in the table and for one
-node. The admin API is a stand-in answering /api/nodes and /api/status."""
+"""``llmgw ctl nodes [NODE]``: the HEALTH column beside STATE, a line under the table for each
+degraded node, and one node in full with what to fix. The admin API is a stand-in."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -13,37 +11,70 @@ from click.testing import CliRunner, Result
 from llmgw.cli import main
 from llmgw.cli.ctl.context import Ctl
 
-SERVER_VERSION = "0.5.0"
+ENGINE = {
+    "code": "engine",
+    "engine": "vllm",
+    "fabric": "",
+    "message": "engine vllm (/opt/vllm) will not run: libcudart.so.12 => not found; install "
+    "what it lacks, or reinstall it",
+}
+FABRIC = {
+    "code": "fabric",
+    "engine": "",
+    "fabric": "ib-a",
+    "message": "fabric ib-a is down: adapter mlx5_0 has no ACTIVE port",
+}
 
 
-def _node(node_id: str, version: str) -> dict[str, Any]:
+def _node(
+    node_id: str, health: str, degraded: list[dict[str, str]], **extra: Any
+) -> dict[str, Any]:
     return {
         "id": node_id,
         "uid": "u-" + node_id,
         "state": "approved",
-        "connected": True,
+        "health": health,
+        "degraded": degraded,
+        "connected": health != "offline",
         "draining": False,
         "lost": False,
         "dataplane_addr": "10.0.0.1:9443",
-        "agent_version": version,
+        "agent_version": "0.1.0",
         "last_seen": None,
-        "shards": 0,
+        "shards": 1,
+        "cpus": 8,
+        "memory_total_bytes": 1,
         "gpus": [],
         "gpu_status": "",
         "engines": ["sim"],
         "fingerprint": "sha256:" + "ab" * 32,
         "cert_expires_at": None,
-        "cert_serial": None,
+        "cert_serial": "01",
         "update": None,
+        **extra,
     }
 
 
 NODES = [
-    _node("gpu-n2", "0.3.0"),  # N-2: supported
-    _node("gpu-n3", "0.2.4"),  # N-3
-    _node("gpu-new", "0.6.0rc1"),
-    _node("gpu-dev", "0.5.0+local"),
+    _node("gpu-1", "healthy", []),
+    _node("gpu-2", "degraded", [ENGINE, FABRIC]),
+    _node("gpu-3", "offline", [ENGINE]),
 ]
+DETAIL = _node(
+    "gpu-2",
+    "degraded",
+    [ENGINE, FABRIC],
+    engine_details=[
+        {"name": "sim", "path": "/usr/bin/llmgw", "version": "0.1.0", "ok": True, "problem": ""},
+        {"name": "vllm", "path": "/opt/vllm", "version": "", "ok": False, "problem": "libcudart"},
+    ],
+    fabrics=[
+        {"name": "ib-a", "hcas": ["mlx5_0"], "healthy": False},
+        {"name": "ib-b", "hcas": ["mlx5_1"], "healthy": True},
+    ],
+    warnings=["fabric ib-a: adapter mlx5_0 has no ACTIVE port"],
+    driver_version="",
+)
 
 
 @pytest.fixture
@@ -53,9 +84,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
         seen.append(f"{method} {path}")
         if path == "/api/status":
-            return {"version": SERVER_VERSION}
-        assert path == "/api/nodes"
-        return NODES
+            return {"version": "0.1.0"}
+        return DETAIL if path == "/api/nodes/gpu-2" else NODES
 
     monkeypatch.setattr(Ctl, "call", call)
     return seen
@@ -65,50 +95,65 @@ def ctl(*args: str) -> Result:
     return CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", *args])
 
 
-N3_WARNING = (
-    "warning: node gpu-n3 runs llmgw 0.2.4, more than 2 minor releases behind the control "
-    "plane's llmgw 0.5.0 (unsupported); upgrade it: llmgw ctl update gpu-n3 --version 0.5.0"
-)
-NEW_WARNING = (
-    "warning: node gpu-new runs llmgw 0.6.0rc1, newer than the control plane's llmgw 0.5.0: "
-    "its stream is refused; upgrade the control plane to 0.6.0rc1 or later first"
-)
-
-
-def test_the_table_marks_and_explains_the_agents_out_of_the_window(calls: list[str]) -> None:
+def test_the_list_shows_health_and_a_line_per_degraded_node(calls: list[str]) -> None:
     out = ctl("nodes")
     assert out.exit_code == 0, out.output
     assert calls == ["GET /api/nodes", "GET /api/status"]
-    rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
-    assert " 0.3.0 " in rows["gpu-n2"] and "(!)" not in rows["gpu-n2"]
-    assert " 0.5.0+local " in rows["gpu-dev"] and "(!)" not in rows["gpu-dev"]
-    assert " 0.2.4 (!) " in rows["gpu-n3"]
-    assert " 0.6.0rc1 (!) " in rows["gpu-new"]
-    assert out.stderr.splitlines() == [N3_WARNING, NEW_WARNING]
+    lines = out.output.splitlines()
+    assert lines[0].split()[:4] == ["NODE", "STATE", "HEALTH", "CONNECTED"]
+    assert [line.split()[:4] for line in lines[1:4]] == [
+        ["gpu-1", "approved", "healthy", "yes"],
+        ["gpu-2", "approved", "degraded", "yes"],
+        ["gpu-3", "approved", "offline", "no"],
+    ]
+    # Only a node degraded now gets the line; an offline one's old reasons are in its detail.
+    assert lines[4:] == [
+        "gpu-2 is degraded (engine vllm, fabric ib-a); 'llmgw ctl nodes gpu-2' says what to fix"
+    ]
 
 
-def test_one_node_says_its_version_and_the_warning(calls: list[str]) -> None:
-    out = ctl("nodes", "gpu-n3")
+def test_one_node_says_why_it_is_degraded_and_what_to_fix(calls: list[str]) -> None:
+    out = ctl("nodes", "gpu-2")
     assert out.exit_code == 0, out.output
-    assert "version:      0.2.4 (control plane: 0.5.0)" in out.stdout.splitlines()
-    assert "node:         gpu-n3" in out.stdout.splitlines()
-    assert out.stderr.splitlines() == [N3_WARNING]
+    assert calls == ["GET /api/nodes/gpu-2", "GET /api/status"]
+    assert out.output == (
+        "node:         gpu-2\n"
+        "state:        approved\n"
+        "health:       degraded\n"
+        "connected:    yes\n"
+        "data plane:   10.0.0.1:9443\n"
+        "version:      0.1.0 (control plane: 0.1.0)\n"
+        "last seen:    -\n"
+        "shards:       1\n"
+        "GPUs:         0\n"
+        "engines:      sim\n"
+        f"fingerprint:  sha256:{'ab' * 32}\n"
+        "cert expires: -\n"
+        "degraded: placement keeps it from what each names, only that\n"
+        f"  - engine vllm: {ENGINE['message']}\n"
+        f"  - fabric ib-a: {FABRIC['message']}\n"
+        "fabrics: ib-a (down), ib-b (up)\n"
+        "warnings:\n"
+        "  - fabric ib-a: adapter mlx5_0 has no ACTIVE port\n"
+    )
 
 
-def test_one_node_within_the_window_has_no_warning(calls: list[str]) -> None:
-    out = ctl("nodes", "gpu-n2")
+def test_one_node_as_json(calls: list[str]) -> None:
+    out = ctl("--json", "nodes", "gpu-2")
     assert out.exit_code == 0, out.output
-    assert out.stderr == ""
-    assert "version:      0.3.0 (control plane: 0.5.0)" in out.stdout.splitlines()
+    assert '"health": "degraded"' in out.output and '"code": "fabric"' in out.output
 
 
-def test_an_unknown_node_is_refused_naming_the_listing(calls: list[str]) -> None:
-    out = ctl("nodes", "gpu-x")
-    assert out.exit_code == 1
-    assert "there is no node 'gpu-x'; 'llmgw ctl nodes' lists them" in out.stderr
+def test_what_a_node_wrote_cannot_drive_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    sly = dict(ENGINE, message="will not run\x1b]0;owned\x07\nhealth: healthy")
+    node = _node("gpu-2", "degraded", [sly], warnings=["\x1b[2Jcleared"])
 
+    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        return {"version": "0.1.0"} if path == "/api/status" else node
 
-def test_json_of_one_node_is_the_api_record(calls: list[str]) -> None:
-    out = ctl("--json", "nodes", "gpu-new")
+    monkeypatch.setattr(Ctl, "call", call)
+    out = ctl("nodes", "gpu-2")
     assert out.exit_code == 0, out.output
-    assert json.loads(out.stdout) == _node("gpu-new", "0.6.0rc1")
+    assert "\x1b" not in out.output and "\x07" not in out.output
+    assert "  - engine vllm: will not run\ufffd]0;owned\ufffd\ufffdhealth: healthy\n" in out.output
+    assert "  - \ufffd[2Jcleared\n" in out.output
