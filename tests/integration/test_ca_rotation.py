@@ -106,7 +106,7 @@ class Fleet:
             (trust / "ca.pem").write_bytes(old.read_bytes())
             (trust / "ca-hash").write_text(pki.load_ca(self.server.pki_dir).ca_hash() + "\n")
             (trust / "node-id").write_text(node_id + "\n")
-            installed.write_text("#!/bin/sh\necho 'llmgw 0.1.0'\n")
+            installed.write_text("#!/bin/sh\necho 'llmgw 0.0.1'\n")
             installed.chmod(0o755)
         return trust, state, installed
 
@@ -130,9 +130,10 @@ class Fleet:
         return pki.fingerprint(pki.load_cert(trust / "ca.pem").public_key())
 
     def update(self, node_id: str) -> dict[str, Any]:
-        """Order 0.2.0 for ``node_id`` and wait until its agent spooled it."""
+        """Order 0.0.2 (below the control plane's own release: it refuses newer ones) for
+        ``node_id`` and wait until its agent spooled it."""
         sent = self.ctl(
-            "update", node_id, "--version", "0.2.0", "--no-wait", password=self.password
+            "update", node_id, "--version", "0.0.2", "--no-wait", password=self.password
         )
         assert sent.returncode == 0, sent.stderr
         return wait_for(  # type: ignore[no-any-return]
@@ -152,7 +153,7 @@ class Fleet:
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
     marker = tmp_path / "installer-ran"
-    make_bundle(tmp_path / "bundles", "0.2.0", marker)
+    make_bundle(tmp_path / "bundles", "0.0.2", marker)
     server = start_server_with(tmp_path, bundle_dir=str(tmp_path / "bundles"))
     agents = {n: make_agent(tmp_path, server, n) for n in NODES}
     f = Fleet(tmp_path, server, agents)

@@ -36,7 +36,15 @@ WORKS = FIXTURES / "engines" / "works"  # answers --version as llama-server does
 def degraded(tmp_path: Path) -> Iterator[tuple[Server, Agent]]:
     server = start_server(tmp_path)
     agent = start_agent(
-        make_agent(tmp_path, server, "deg-a", extra={"engines": {"llamacpp": {"bin": str(BROKEN)}}})
+        make_agent(
+            tmp_path,
+            server,
+            "deg-a",
+            extra={
+                "engines": {"llamacpp": {"bin": str(BROKEN)}},
+                "models_root": str(tmp_path / "models"),
+            },
+        )
     )
     try:
         server.approve_pending(1)
@@ -68,11 +76,15 @@ def test_a_node_with_a_broken_engine_is_degraded_for_it_alone(
     events = server.api("GET", "/api/events?subject=deg-a&limit=50")
     assert [e["message"] for e in events if e["kind"] == "node_degraded"] == [reason["message"]]
 
-    # llama.cpp models are kept off it, and the reason says why.
+    # llama.cpp models are kept off it, and the reason says why (its weights are there: the
+    # source check of placement passes).
+    models_root = Path(yaml.safe_load(agent.config.read_text())["models_root"])
+    models_root.mkdir(parents=True, exist_ok=True)
+    (models_root / "m.gguf").write_bytes(b"GGUF")
     server.api(
         "POST",
         "/api/models",
-        {"name": "gg", "engine": "llamacpp", "replicas": 1, "source": "/srv/llmgw/models/m.gguf"},
+        {"name": "gg", "engine": "llamacpp", "replicas": 1, "source": "m.gguf"},
     )
     model = wait_for(
         lambda: next(
