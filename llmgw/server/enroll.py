@@ -5,7 +5,9 @@ HTTPS (the control plane's server certificate, no client certificate) on ``enrol
 ``GET /enroll/ca``
     the cluster CA certificate (PEM), which the agent checks against its ``--ca-hash`` pin.
 ``POST /enroll``
-    JSON ``{"token", "node_id", "csr", "rekey"?, "node_uid"?}`` (at most 64 KiB) ->
+    JSON ``{"token", "node_id", "csr", "rekey"?, "node_uid"?, "lost_state"?}`` (at most
+    64 KiB; ``lost_state``: a rekey by a node whose state directory is gone, which names its
+    uid itself and needs a lost-state rekey token) ->
     ``{"certificate", "ca", "node_id", "node_uid", "fingerprint", "state", "expires_at",
     "servers"}``; refusals are ``{"error": {"code", "message"}}`` with the error's HTTP status.
 
@@ -67,7 +69,14 @@ def record_certificate(store: Store, node_id: str, cert: x509.Certificate) -> Ce
 READ_TIMEOUT = 30.0
 """Seconds a client may take to send its request body."""
 
-_FIELDS = {"token": str, "node_id": str, "csr": str, "rekey": bool, "node_uid": str}
+_FIELDS = {
+    "token": str,
+    "node_id": str,
+    "csr": str,
+    "rekey": bool,
+    "node_uid": str,
+    "lost_state": bool,
+}
 _REQUIRED = ("token", "node_id", "csr")
 _JSON_TYPE = {str: "a string", bool: "true or false"}
 _NODE_UID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -77,6 +86,7 @@ _FIELD_HELP = {
     "csr": "give the PEM certificate request made with the node's own key",
     "rekey": "true for a rekey, false (or left out) for a join",
     "node_uid": "give the uid the node got when it joined, or null for a join",
+    "lost_state": "true for a rekey by a node whose state directory is gone, else false",
 }
 
 
@@ -117,6 +127,7 @@ class EnrolRequest:
     csr: str = field(repr=False)
     rekey: bool = False
     node_uid: str | None = None
+    lost_state: bool = False
 
     @property
     def kind(self) -> str:
@@ -164,6 +175,7 @@ def parse_enrol_request(body: bytes) -> EnrolRequest:
             )
     token, node_id, csr = data["token"], data["node_id"], data["csr"]
     rekey = bool(data.get("rekey", False))
+    lost_state = bool(data.get("lost_state", False))
     node_uid: str | None = data.get("node_uid")
     if not token:
         raise _bad_request(f"field 'token' is empty; {_FIELD_HELP['token']}")
@@ -174,6 +186,11 @@ def parse_enrol_request(body: bytes) -> EnrolRequest:
     except ConfigError as exc:
         reason = exc.message.removeprefix("node_id: ")  # ConfigError names the key itself
         raise _bad_request(f"field 'node_id': {reason}") from exc
+    if lost_state and not rekey:
+        raise _bad_request(
+            "field 'lost_state' is true but 'rekey' is not; a node that lost its state "
+            "directory re-pairs by a rekey with the uid it had ('llmgw agent join --node-uid')"
+        )
     if rekey:
         if not node_uid:
             raise _bad_request(
@@ -191,6 +208,7 @@ def parse_enrol_request(body: bytes) -> EnrolRequest:
         csr=csr,
         rekey=rekey,
         node_uid=node_uid if rekey else None,
+        lost_state=lost_state,
     )
 
 
@@ -236,7 +254,11 @@ class Enroller:
             with store.transaction():
                 # The token first: an unknown one is refused before any parsing work.
                 token = store.consume_join_token(
-                    req.token, node_id=req.node_id, kind=req.kind, node_uid=req.node_uid
+                    req.token,
+                    node_id=req.node_id,
+                    kind=req.kind,
+                    node_uid=req.node_uid,
+                    lost_state=req.lost_state,
                 )
                 self._check_node_id_free(token.node_id)
                 csr = pki.load_csr(req.csr)
@@ -247,11 +269,23 @@ class Enroller:
                     fingerprint=fp,
                     rekey=req.rekey,
                     node_uid=req.node_uid,
-                    require_approval=token.require_approval,
+                    # A node without its old key proves nothing but the token: the operator
+                    # approves the new key by its fingerprint.
+                    require_approval=token.require_approval or token.lost_state,
                 )
                 cert = pki.sign_csr(self.ca, csr, node_id=node.id, lifetime=self.lifetime)
                 serial = record_certificate(store, node.id, cert).serial
-                if req.rekey:
+                if req.rekey and token.lost_state:
+                    store.revoke_certificates(node.id, reason="re-paired", except_serial=serial)
+                    store.add_event(
+                        "node_repaired",
+                        node.id,
+                        f"re-paired {'without' if req.lost_state else 'with'} its old state "
+                        f"(uid {node.uid} kept): new key {fp}, certificate {serial}; older "
+                        "certificates revoked; compare the fingerprint and approve it with "
+                        f"'llmgw ctl approve {node.id}'",
+                    )
+                elif req.rekey:
                     store.revoke_certificates(node.id, reason="rekeyed", except_serial=serial)
                     store.add_event(
                         "node_rekeyed",
@@ -274,7 +308,9 @@ class Enroller:
             )
             raise
         log.info(
-            "node enrolled" if not req.rekey else "node rekeyed",
+            "node enrolled"
+            if not req.rekey
+            else ("node re-paired" if token.lost_state else "node rekeyed"),
             extra=kv(
                 node=node.id,
                 uid=node.uid,

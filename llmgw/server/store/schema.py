@@ -160,6 +160,11 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE replicas ADD COLUMN profile TEXT;
     """,
+    # 6: rekey tokens for a node whose state directory is gone: spent without the old key
+    # (with the uid they are bound to), the node pending approval again
+    """
+    ALTER TABLE join_tokens ADD COLUMN lost_state INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 
 

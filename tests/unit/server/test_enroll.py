@@ -271,6 +271,95 @@ def test_rekey(env: Env, cluster_pki: PKI) -> None:
     serve(env, cluster_pki, body)
 
 
+def test_a_node_that_lost_its_state_re_pairs_by_its_uid(env: Env, cluster_pki: PKI) -> None:
+    async def body(env: Env) -> None:
+        status, joined = await post(env, request(env.mint()))
+        assert status == 200
+        env.store.set_node_state(NODE, "approved")
+        uid = joined["node_uid"]
+        created = env.store.get_node(NODE).created_at
+        key = pki.new_private_key()
+        secret = env.mint(kind="rekey", node_uid=uid, lost_state=True, require_approval=True)
+        status, answer = await post(
+            env, request(secret, key=key, rekey=True, node_uid=uid, lost_state=True)
+        )
+        assert status == 200, answer
+        check_certificate(env, answer, key)
+        # The same record (uid, age), a new key, pending until approved by fingerprint again.
+        assert (answer["node_uid"], answer["state"]) == (uid, "pending")
+        node = env.store.get_node(NODE)
+        assert (node.uid, node.created_at, node.state) == (uid, created, "pending")
+        assert node.fingerprint == answer["fingerprint"]
+        old, new = env.store.list_certificates(NODE)
+        assert old.revoked and old.reason == "re-paired" and not new.revoked
+        event = env.store.list_events(limit=1)[0]
+        assert (event.kind, event.subject) == ("node_repaired", NODE)
+        assert f"re-paired without its old state (uid {uid} kept)" in event.message
+        assert f"'llmgw ctl approve {NODE}'" in event.message
+
+    serve(env, cluster_pki, body)
+
+
+def test_re_pair_refusals_store_nothing(env: Env, cluster_pki: PKI) -> None:
+    async def body(env: Env) -> None:
+        status, joined = await post(env, request(env.mint()))
+        assert status == 200
+        uid = joined["node_uid"]
+        env.store.set_node_state(NODE, "approved")
+        plain = env.mint(kind="rekey", node_uid=uid)
+        lost = env.mint(kind="rekey", node_uid=uid, lost_state=True, require_approval=True)
+        other = env.mint("gpu-2", kind="join")
+
+        async def refused(secret: str, code: str, node_id: str = NODE, **kw: Any) -> str:
+            before = env.snapshot()
+            kw.setdefault("node_uid", uid)
+            status, answer = await post(
+                env, request(secret, node_id, rekey=True, lost_state=True, **kw)
+            )
+            assert (status, answer["error"]["code"]) == (403, code), answer
+            assert env.snapshot() == before
+            return str(answer["error"]["message"])
+
+        # A plain rekey token without the old state: it needs a lost-state one.
+        message = await refused(plain, "token_needs_old_key")
+        assert f"'llmgw ctl join-command --rekey {NODE} --lost-state'" in message
+        assert "give --node-uid" in await refused(lost, "node_uid_mismatch", node_uid="f" * 32)
+        await refused(lost, "token_wrong_node", "gpu-2")
+        await refused(other, "token_wrong_kind", "gpu-2")
+        status, _ = await post(env, request(lost, rekey=True, node_uid=uid, lost_state=True))
+        assert status == 200
+        await refused(lost, "token_used")
+        expiring = env.mint(
+            kind="rekey", node_uid=uid, lost_state=True, require_approval=True, ttl=60
+        )
+        env.clock.advance(61)
+        await refused(expiring, "token_expired")
+        revoked_node = env.mint(kind="rekey", node_uid=uid, lost_state=True, require_approval=True)
+        env.store.set_node_state(NODE, "revoked")
+        assert "only through a fresh join" in await refused(revoked_node, "node_revoked")
+
+    serve(env, cluster_pki, body)
+
+
+def test_lost_state_without_rekey_is_a_bad_request() -> None:
+    body = json.dumps(
+        {"token": "t", "node_id": NODE, "csr": "x", "node_uid": "ab", "lost_state": True}
+    ).encode()
+    with pytest.raises(EnrolmentError, match="'lost_state' is true but 'rekey' is not"):
+        parse_enrol_request(body)
+    body = json.dumps(
+        {
+            "token": "t",
+            "node_id": NODE,
+            "csr": "x",
+            "rekey": True,
+            "node_uid": "ab",
+            "lost_state": True,
+        }
+    ).encode()
+    assert parse_enrol_request(body).lost_state
+
+
 # --------------------------------------------------------------------------- refusals
 
 
