@@ -30,6 +30,7 @@ from llmgw.agent import join as join_module
 from llmgw.agent.config import load_agent_config
 from llmgw.agent.join import JoinResult, join
 from llmgw.cli import main, prompts
+from llmgw.contracts.nodefacts import NodeFacts
 from llmgw.errors import ConfigError, CSRError, EnrolmentError, PinMismatch, TokenError
 
 NODE = "gpu-01"
@@ -698,3 +699,157 @@ def test_cli_rekey_of_an_approved_node_says_restart(
     assert out.stdout.endswith(
         "next: restart the agent to use the new identity: sudo systemctl restart llmgw-agent\n"
     )
+
+
+# --------------------------------------------------------------------------- re-pair (--node-uid)
+
+
+def test_a_node_that_lost_its_state_re_pairs_with_its_uid(fake: Fake, node: Path) -> None:
+    first = do_join(fake, node)
+    config_before = (node / "etc" / "agent.yaml").read_bytes()
+    for path in (node / "state").iterdir():
+        path.unlink()
+    (node / "state").rmdir()
+
+    again = do_join(fake, node, state_dir=None, node_uid=first.node_uid)
+
+    assert again.repaired and not again.rekeyed and again.node_uid == first.node_uid
+    post = fake.posts[-1]
+    assert (post["rekey"], post["node_uid"], post["lost_state"]) == (True, first.node_uid, True)
+    state = node / "state"
+    assert (state / "node.uid").read_text() == first.node_uid + "\n"
+    key = serialization.load_pem_private_key((state / "node.key").read_bytes(), None)
+    assert pki.fingerprint(key.public_key()) == again.fingerprint != first.fingerprint
+    assert not list(state.glob("*.old"))
+    assert (node / "etc" / "agent.yaml").read_bytes() == config_before
+
+
+def test_a_re_pair_refusals_send_nothing_or_write_nothing(fake: Fake, node: Path) -> None:
+    first = do_join(fake, node)
+    before = snapshot(node)
+    # The state is still there: that is a rekey.
+    with pytest.raises(EnrolmentError, match=r"still has its identity in .*rekey it with --rekey"):
+        do_join(fake, node, state_dir=None, node_uid=first.node_uid)
+    with pytest.raises(ConfigError, match="--rekey and --node-uid go alone"):
+        do_join(fake, node, state_dir=None, node_uid=first.node_uid, rekey=True)
+    with pytest.raises(ConfigError, match="--node-uid: 'a b' is not a node uid"):
+        do_join(fake, node / "other", node_uid="a b")
+    assert len(fake.posts) == 1 and snapshot(node) == before
+    # Answered with another uid: nothing written.
+    fresh = node / "fresh"
+    fake.node_uid = "someone-else"
+    with pytest.raises(EnrolmentError, match="not this node's 'u1'"):
+        do_join(fake, fresh, node_uid="u1")
+    assert snapshot(fresh) == {}
+
+
+# --------------------------------------------------------------------------- node facts
+
+
+def ib_root(tmp_path: Path, *adapters: str) -> Path:
+    root = tmp_path / "ib"
+    for name in adapters:
+        (root / name / "ports" / "1").mkdir(parents=True)
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def test_node_facts_go_into_the_config_the_join_writes(
+    fake: Fake, node: Path, tmp_path: Path
+) -> None:
+    root = ib_root(tmp_path, "mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3")
+    facts = NodeFacts.parse(
+        fabrics=["ib-a:mlx5_0,mlx5_1", "ib-b"],
+        nvidia_smi="/usr/bin/nvidia-smi",
+        ib_root=str(root),
+        engines=["vllm=/opt/vllm/bin/vllm", "sglang=/opt/sg/bin/python"],
+    )
+    do_join(fake, node, facts=facts)
+    config = node / "etc" / "agent.yaml"
+    data = yaml.safe_load(config.read_text())
+    assert data["fabrics"] == [
+        {"name": "ib-a", "hcas": ["mlx5_0", "mlx5_1"]},
+        # Left open: every adapter found that no other fabric names.
+        {"name": "ib-b", "hcas": ["mlx5_2", "mlx5_3"]},
+    ]
+    assert data["discovery"] == {"nvidia_smi": "/usr/bin/nvidia-smi", "ib_root": str(root)}
+    assert data["engines"] == {
+        "vllm": {"bin": "/opt/vllm/bin/vllm"},
+        "sglang": {"python": "/opt/sg/bin/python"},
+    }
+    cfg = load_agent_config(config)
+    assert [f.hcas for f in cfg.fabrics] == [("mlx5_0", "mlx5_1"), ("mlx5_2", "mlx5_3")]
+    assert cfg.engines.program("vllm") == "/opt/vllm/bin/vllm"
+    # What the agent's own check reads.
+    out = CliRunner().invoke(main, ["agent", "--config", str(config), "--check"])
+    assert out.exit_code == 0, out.output
+
+
+def test_node_facts_refusals_come_before_the_token_is_sent(
+    fake: Fake, node: Path, tmp_path: Path
+) -> None:
+    empty = ib_root(tmp_path, "mlx5_0")
+    cases = [
+        (
+            {"facts": NodeFacts.parse(fabrics=["ib-a:mlx5_0", "ib-b"], ib_root=str(empty))},
+            f"fabric ib-b names no adapters and {empty} holds none that another --fabric",
+        ),
+        (
+            {"facts": NodeFacts.parse(models_root="/data/models")},
+            "--models-root are options of install-agent.sh, not of 'llmgw agent join'",
+        ),
+    ]
+    for kwargs, piece in cases:
+        with pytest.raises(ConfigError) as info:
+            do_join(fake, node, **kwargs)
+        assert piece in str(info.value)
+    do_join(fake, node)
+    before = snapshot(node)
+    with pytest.raises(ConfigError, match=r"a rekey keeps agent\.yaml as it is"):
+        do_join(fake, node, rekey=True, facts=NodeFacts.parse(nvidia_smi="/bin/nvidia-smi"))
+    # A config that exists is kept as it is: the facts would be lost, so they are refused.
+    other = node / "again"
+    other.mkdir()
+    (other / "agent.yaml").write_text((node / "etc" / "agent.yaml").read_text())
+    with pytest.raises(ConfigError, match="exists already and is kept as it is; set them in it"):
+        do_join(
+            fake,
+            node,
+            config_path=other / "agent.yaml",
+            state_dir=None,
+            facts=NodeFacts.parse(engines=["vllm=/opt/vllm"]),
+        )
+    after = {k: v for k, v in snapshot(node).items() if not k.startswith("again/")}
+    assert len(fake.posts) == 1 and after == before
+
+
+def test_cli_node_facts_and_node_uid(fake: Fake, node: Path, tmp_path: Path) -> None:
+    base = ["agent", "join", "--node-id", NODE, "--enroll-url", fake.url]
+    base += ["--ca-hash", fake.ca.ca_hash(), "--config", str(node / "etc" / "agent.yaml")]
+    base += ["--state-dir", str(node / "state")]
+    env = {"LLMGW_JOIN_TOKEN": TOKEN}
+    out = CliRunner().invoke(main, [*base, "--fabric", "IB-A"], env=env)
+    assert out.exit_code == 2
+    assert "--fabric: 'IB-A' does not start with a fabric name" in out.stderr
+    out = CliRunner().invoke(main, [*base, "--engine", "sim=/usr/bin/llmgw"], env=env)
+    assert out.exit_code == 2 and "built in and takes no program" in out.stderr
+    out = CliRunner().invoke(main, [*base, "--rekey", "--node-uid", "u1"], env=env)
+    assert out.exit_code == 2 and "not both" in out.stderr
+    assert fake.requests == []
+    root = ib_root(tmp_path, "mlx5_0")
+    out = CliRunner().invoke(
+        main,
+        [*base, "--fabric", "ib-a", "--ib-root", str(root), "--engine", "vllm=/opt/v/vllm"],
+        env=env,
+    )
+    assert out.exit_code == 0, out.output
+    data = yaml.safe_load((node / "etc" / "agent.yaml").read_text())
+    assert data["fabrics"] == [{"name": "ib-a", "hcas": ["mlx5_0"]}]
+    assert data["engines"] == {"vllm": {"bin": "/opt/v/vllm"}}
+    uid = (node / "state" / "node.uid").read_text().strip()
+    for path in (node / "state").iterdir():
+        path.unlink()
+    out = CliRunner().invoke(main, [*base, "--node-uid", uid], env=env)
+    assert out.exit_code == 0, out.output
+    assert f"node {NODE} re-paired (uid {uid})" in out.stdout
+    assert "restart the agent to use the new identity" in out.stdout
