@@ -10,7 +10,7 @@ certificate has been checked, and then every file is replaced atomically (llmgw.
 A node whose state directory is gone re-pairs with ``node_uid`` (``--node-uid``) and a
 lost-state rekey token: the same node record, a new key, approval by fingerprint again. Node
 facts (``--fabric``, ``--nvidia-smi``, ``--ib-root``, ``--engine``) go into the agent.yaml
-written when there is none.
+written when there is none (``none`` for a fabric or an engine: the key is left out).
 
 Over 600 lines because it is one protocol, read top to bottom in the order it runs: the
 inputs, the pinned CA fetch, the enrolment request, the checks of the answer and the files;
@@ -40,13 +40,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw import netaddr, pki
-from llmgw.agent.config import (
-    DEFAULT_IB_ROOT,
-    load_agent_config,
-    parse_agent_config,
-)
-from llmgw.agent.discovery.fabrics import discover_ib
-from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, NodeFacts
+from llmgw.agent.config import load_agent_config, parse_agent_config
+from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, NONE, NodeFacts
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT
 from llmgw.engines.registry import ENGINES
@@ -604,32 +599,12 @@ def _check_node_uid(node_uid: str) -> str:
     return text
 
 
-def _resolve_fabrics(facts: NodeFacts) -> list[dict[str, object]]:
-    """agent.yaml's ``fabrics``: a fabric given without adapters gets every adapter under
-    the InfiniBand root that no other fabric names, found here, before the token is spent."""
-    named = {hca for fabric in facts.fabrics for hca in fabric.hcas}
-    ib_root = Path(facts.ib_root) if facts.ib_root else DEFAULT_IB_ROOT
-    fabrics: list[dict[str, object]] = []
-    for fabric in facts.fabrics:
-        hcas = list(fabric.hcas)
-        if not hcas:
-            hcas = [a.name for a in discover_ib(ib_root) if a.name not in named]
-            if not hcas:
-                raise ConfigError(
-                    f"fabric {fabric.name} names no adapters and {ib_root} holds none that "
-                    "another --fabric does not name; list them (--fabric "
-                    f"{fabric.name}:mlx5_0,mlx5_1), or point --ib-root at the InfiniBand root",
-                    key="--fabric",
-                )
-        fabrics.append({"name": fabric.name, "hcas": hcas})
-    return fabrics
-
-
 def _facts_config(facts: NodeFacts) -> dict[str, object]:
     """The node facts as agent.yaml keys (fabrics, discovery, engines)."""
     data: dict[str, object] = {}
-    if facts.fabrics:
-        data["fabrics"] = _resolve_fabrics(facts)
+    fabrics = [f for f in facts.fabrics if f.name != NONE]
+    if fabrics:
+        data["fabrics"] = [{"name": f.name, "hcas": list(f.hcas)} for f in fabrics]
     discovery: dict[str, str] = {}
     if facts.nvidia_smi:
         discovery["nvidia_smi"] = facts.nvidia_smi
@@ -637,10 +612,9 @@ def _facts_config(facts: NodeFacts) -> dict[str, object]:
         discovery["ib_root"] = facts.ib_root
     if discovery:
         data["discovery"] = discovery
-    if facts.engines:
-        data["engines"] = {
-            name: {ENGINES[name].program_setting: path} for name, path in facts.engines
-        }
+    engines = [(name, path) for name, path in facts.engines if name != NONE]
+    if engines:
+        data["engines"] = {name: {ENGINES[name].program_setting: path} for name, path in engines}
     return data
 
 

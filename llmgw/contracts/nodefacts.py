@@ -1,5 +1,5 @@
 """Node facts given when a node is installed or joined: the one parser of ``--fabric
-NAME[:HCA,...]``, ``--engine NAME=PATH`` and the path and CIDR options that ``llmgw ctl
+NAME:HCA[,HCA...]``, ``--engine NAME=PATH`` and the path and CIDR options that ``llmgw ctl
 join-command``, the control plane and ``llmgw agent join`` all accept, with the same syntax as
 ``install-agent.sh install``.
 
@@ -23,6 +23,7 @@ __all__ = [
     "AGENT_FACTS",
     "FACT_OPTIONS",
     "INSTALLER_FACTS",
+    "NONE",
     "FabricFact",
     "NodeFacts",
     "check_cidr",
@@ -35,10 +36,14 @@ __all__ = [
 # here must pass 'llmgw agent --check'.
 _FABRIC_NAME = re.compile(r"[a-z0-9_.-]+")
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
-# A path that goes into a unit's ReadWritePaths=, agent.yaml and a shell command unquoted by
-# the installer: no white space or control characters, no quotes, backslashes, '$' or '`'.
-_PATH_UNSAFE = re.compile(r"[\s\"'\\$`\x00-\x1f\x7f]")
+# A path that goes into agent.yaml, a unit's ReadWritePaths= and the installer's sed and awk:
+# the characters install-agent.sh accepts (its FACT_PATH_RE), nothing that means something
+# to YAML, a shell or a unit file.
+_PATH = re.compile(r"/[A-Za-z0-9_./+-]*")
 MAX_VALUE = 4096
+NONE = "none"
+"""``--fabric none`` / ``--engine none``, alone: no fabric, no engine program (the installer
+clears what an earlier install remembered)."""
 
 FACT_OPTIONS: Mapping[str, str] = {
     "fabrics": "--fabric",
@@ -74,8 +79,8 @@ def _text(value: object, option: str) -> str:
 
 @dataclass(frozen=True)
 class FabricFact:
-    """``--fabric NAME[:HCA,...]``: a fabric this node is on and its adapters; none listed:
-    every adapter under the InfiniBand root that no other fabric names (found on the node)."""
+    """``--fabric NAME:HCA[,HCA...]``: a fabric this node is on and its adapters, stated,
+    never guessed (as agent.yaml's ``fabrics``); ``none`` (no adapters): no fabric."""
 
     name: str
     hcas: tuple[str, ...] = ()
@@ -85,15 +90,25 @@ class FabricFact:
 
 
 def parse_fabric(value: object, option: str = "--fabric") -> FabricFact:
-    """``NAME[:HCA,HCA...]`` as a :class:`FabricFact`; ConfigError says what is wrong."""
+    """``NAME:HCA[,HCA...]`` (or ``none``) as a :class:`FabricFact`; ConfigError says what
+    is wrong."""
     text = _text(value, option)
+    if text == NONE:
+        return FabricFact(NONE)
     name, sep, rest = text.partition(":")
     if not _FABRIC_NAME.fullmatch(name):
         raise _fail(
             option,
             text,
             "does not start with a fabric name (lowercase letters, digits, '-', '_' and '.'); "
-            "give NAME or NAME:HCA,HCA, e.g. ib-a or ib-b:mlx5_2,mlx5_3",
+            "give NAME:HCA,HCA, e.g. ib-b:mlx5_2,mlx5_3",
+        )
+    if not sep:
+        raise _fail(
+            option,
+            text,
+            f"names no adapters; list them as in /sys/class/infiniband (--fabric "
+            f"{name}:mlx5_0,mlx5_1): a fabric is stated, never guessed",
         )
     hcas: list[str] = []
     if sep:
@@ -112,17 +127,18 @@ def parse_fabric(value: object, option: str = "--fabric") -> FabricFact:
 
 
 def check_path(value: object, option: str) -> str:
-    """An absolute path without white space, quotes, backslashes, '$' or '`' (it goes into
-    agent.yaml, a unit file and a command run as root); a trailing '/' is dropped."""
+    """An absolute path of letters, digits and ``_ . / + -`` only (it goes into agent.yaml,
+    a unit file and a command run as root); a trailing '/' is dropped."""
     text = _text(value, option)
     if not text.startswith("/"):
         raise _fail(option, text, "is not an absolute path; give one starting with '/'")
-    if _PATH_UNSAFE.search(text):
+    if not _PATH.fullmatch(text):
         raise _fail(
             option,
             text,
-            "holds white space, a quote, a backslash, '$' or '`', which the installer cannot "
-            "put into agent.yaml and the unit; use a path without them (a symlink to it)",
+            "holds a character other than letters, digits and _ . / + - (white space, a "
+            "quote, ':', '#', '$'...), which the installer cannot put into agent.yaml and the "
+            "unit; use a path without them (a symlink to it)",
         )
     if "/../" in text + "/" or "/./" in text + "/":
         raise _fail(option, text, "holds '.' or '..' components; give the path itself")
@@ -131,8 +147,10 @@ def check_path(value: object, option: str) -> str:
 
 def parse_engine(value: object, option: str = "--engine") -> tuple[str, str]:
     """``NAME=PATH``: an engine that takes a program (agent.yaml ``engines.NAME``) and the
-    program's absolute path."""
+    program's absolute path; ``none``: no engine program (``("none", "")``)."""
     text = _text(value, option)
+    if text == NONE:
+        return NONE, ""
     name, sep, path = text.partition("=")
     settable = sorted(e.name for e in ENGINES.values() if e.program_setting)
     if not sep:
@@ -195,12 +213,16 @@ class NodeFacts:
         fabric_peers: Iterable[object] = (),
     ) -> NodeFacts:
         """The facts from option values (strings in the options' syntax), each checked, and
-        checked together: a fabric or an engine given twice, an adapter on two fabrics, two
-        fabrics that both leave their adapters to be found."""
+        checked together: a fabric or an engine given twice, an adapter on two fabrics,
+        ``none`` beside another."""
         parsed = tuple(parse_fabric(f) for f in fabrics)
         names: set[str] = set()
         owner: dict[str, str] = {}
-        open_ended: list[str] = []
+        if len(parsed) > 1 and any(f.name == NONE for f in parsed):
+            raise ConfigError(
+                "--fabric none clears the fabrics: give it alone, not with other --fabric options",
+                key="--fabric",
+            )
         for fabric in parsed:
             if fabric.name in names:
                 raise ConfigError(
@@ -209,8 +231,6 @@ class NodeFacts:
                     key="--fabric",
                 )
             names.add(fabric.name)
-            if not fabric.hcas:
-                open_ended.append(fabric.name)
             for hca in fabric.hcas:
                 if hca in owner:
                     raise ConfigError(
@@ -219,13 +239,13 @@ class NodeFacts:
                         key="--fabric",
                     )
                 owner[hca] = fabric.name
-        if len(open_ended) > 1:
-            raise ConfigError(
-                f"fabrics {' and '.join(open_ended)} both leave their adapters out; at most one "
-                "fabric takes every adapter not listed: name the others' (NAME:HCA,HCA)",
-                key="--fabric",
-            )
         engine_list = tuple(parse_engine(e) for e in engines)
+        if len(engine_list) > 1 and any(name == NONE for name, _ in engine_list):
+            raise ConfigError(
+                "--engine none clears the engine programs: give it alone, not with other "
+                "--engine options",
+                key="--engine",
+            )
         seen = [name for name, _ in engine_list]
         twice = sorted({n for n in seen if seen.count(n) > 1})
         if twice:
@@ -282,7 +302,7 @@ class NodeFacts:
         if self.ib_root is not None:
             data["ib_root"] = self.ib_root
         if self.engines:
-            data["engines"] = [f"{name}={path}" for name, path in self.engines]
+            data["engines"] = [_engine_text(name, path) for name, path in self.engines]
         for key in INSTALLER_FACTS:
             value = getattr(self, key)
             if value:
@@ -308,7 +328,7 @@ class NodeFacts:
             if key == "fabrics":
                 values = [str(f) for f in value]
             elif key == "engines":
-                values = [f"{name}={path}" for name, path in value]
+                values = [_engine_text(name, path) for name, path in value]
             elif isinstance(value, tuple):
                 values = list(value)
             else:
@@ -316,6 +336,10 @@ class NodeFacts:
             for item in values:
                 out += [option, item]
         return out
+
+
+def _engine_text(name: str, path: str) -> str:
+    return NONE if name == NONE else f"{name}={path}"
 
 
 def _unique(values: Iterable[str]) -> tuple[str, ...]:

@@ -74,10 +74,9 @@ TOKEN_ENV = "LLMGW_JOIN_TOKEN"
     "--fabric",
     "fabrics",
     multiple=True,
-    metavar="NAME[:HCA,...]",
-    help="A fabric this node is on and its adapters (repeatable); without adapters, every one "
-    "under the InfiniBand root that no other --fabric names. Written to the agent.yaml this "
-    "join writes.",
+    metavar="NAME:HCA[,HCA...]",
+    help="A fabric this node is on and its adapters, as in /sys/class/infiniband "
+    "(repeatable; 'none' alone: no fabric). Written to the agent.yaml this join writes.",
 )
 @click.option("--nvidia-smi", metavar="PATH", help="nvidia-smi's absolute path (discovery).")
 @click.option("--ib-root", metavar="DIR", help="The InfiniBand sysfs root (discovery).")

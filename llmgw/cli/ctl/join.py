@@ -53,9 +53,9 @@ __all__ = ["join_command", "tokens"]
     "--fabric",
     "fabrics",
     multiple=True,
-    metavar="NAME[:HCA,...]",
-    help="A fabric the node is on and its adapters (repeatable); without adapters, every one "
-    "under the InfiniBand root that no other --fabric names.",
+    metavar="NAME:HCA[,HCA...]",
+    help="A fabric the node is on and its adapters, as in /sys/class/infiniband "
+    "(repeatable; 'none' alone: no fabric).",
 )
 @click.option("--nvidia-smi", metavar="PATH", help="nvidia-smi's absolute path on the node.")
 @click.option(
@@ -66,7 +66,8 @@ __all__ = ["join_command", "tokens"]
     "engines",
     multiple=True,
     metavar="NAME=PATH",
-    help="An engine's program on the node, e.g. vllm=/opt/vllm/bin/vllm (repeatable).",
+    help="An engine's program on the node, e.g. vllm=/opt/vllm/bin/vllm (repeatable; 'none' "
+    "alone: no engine program).",
 )
 @click.option("--models-root", metavar="DIR", help="Installer: where the node keeps models.")
 @click.option("--cache-root", metavar="DIR", help="Installer: the node's cache folder.")

@@ -1,4 +1,4 @@
-"""Node facts: the one parser of --fabric NAME[:HCA,...], --engine NAME=PATH, the paths and the
+"""Node facts: the one parser of --fabric NAME:HCA[,HCA...], --engine NAME=PATH, the paths and the
 CIDRs that join-command, the control plane and 'llmgw agent join' accept; what it accepts
 agent.yaml takes (checked against the agent's own parser)."""
 
@@ -23,7 +23,7 @@ from llmgw.errors import ConfigError
 @pytest.mark.parametrize(
     ("text", "fact"),
     [
-        ("ib-a", FabricFact("ib-a")),
+        ("none", FabricFact("none")),
         ("ib-b:mlx5_2,mlx5_3", FabricFact("ib-b", ("mlx5_2", "mlx5_3"))),
         ("roce.0:eth_1", FabricFact("roce.0", ("eth_1",))),
     ],
@@ -36,7 +36,12 @@ def test_fabric_syntax(text: str, fact: FabricFact) -> None:
 @pytest.mark.parametrize(
     ("text", "piece"),
     [
-        ("IB-A", "does not start with a fabric name"),
+        ("IB-A:mlx5_0", "does not start with a fabric name"),
+        (
+            "ib-a",
+            "names no adapters; list them as in /sys/class/infiniband (--fabric "
+            "ib-a:mlx5_0,mlx5_1): a fabric is stated, never guessed",
+        ),
         ("ib a", "does not start with a fabric name"),
         ("", "must be 1-4096 characters"),
         ("ib-a:", "names adapter '', which is not an adapter name"),
@@ -59,13 +64,15 @@ def test_paths_are_absolute_and_safe_for_yaml_units_and_shells() -> None:
     assert check_path("/srv/models/", "--models-root") == "/srv/models"
     for bad, piece in (
         ("bin/nvidia-smi", "is not an absolute path"),
-        ("/opt/my dir", "white space"),
-        ("/opt/a\nb", "white space"),
-        ("/opt/'a'", "a quote"),
-        ('/opt/"a"', "a quote"),
-        ("/opt/$HOME", "'$'"),
-        ("/opt/`id`", "'`'"),
-        ("/opt/a\\b", "a backslash"),
+        ("/opt/my dir", "other than letters, digits and _ . / + -"),
+        ("/opt/a\nb", "other than letters"),
+        ("/opt/'a'", "other than letters"),
+        ('/opt/"a"', "other than letters"),
+        ("/opt/$HOME", "other than letters"),
+        ("/opt/`id`", "other than letters"),
+        ("/opt/a\\b", "other than letters"),
+        ("/opt/a:b", "other than letters"),
+        ("/opt/a#b", "other than letters"),
         ("/opt/../etc", "'.' or '..' components"),
         ("/opt/./x", "'.' or '..' components"),
         (7, "must be a string"),
@@ -79,6 +86,7 @@ def test_engines_name_one_that_takes_a_program() -> None:
     assert parse_engine("vllm=/opt/vllm/bin/vllm") == ("vllm", "/opt/vllm/bin/vllm")
     assert parse_engine("sglang=/opt/sg/bin/python") == ("sglang", "/opt/sg/bin/python")
     assert parse_engine("llamacpp=/usr/local/bin/llama-server")[0] == "llamacpp"
+    assert parse_engine("none") == ("none", "")
     for bad, piece in (
         ("vllm", "is not NAME=PATH"),
         ("tgi=/opt/tgi", "names no engine llmgw knows; give one of llamacpp, sglang, vllm"),
@@ -102,19 +110,24 @@ def test_facts_checked_together() -> None:
         NodeFacts.parse(fabrics=["ib-a:mlx5_0", "ib-a:mlx5_1"])
     with pytest.raises(ConfigError, match="adapter mlx5_0 is on fabrics ib-a and ib-b"):
         NodeFacts.parse(fabrics=["ib-a:mlx5_0", "ib-b:mlx5_0,mlx5_1"])
-    with pytest.raises(ConfigError, match="fabrics ib-a and ib-b both leave their adapters out"):
-        NodeFacts.parse(fabrics=["ib-a", "ib-b"])
+    with pytest.raises(ConfigError, match="--fabric none clears the fabrics: give it alone"):
+        NodeFacts.parse(fabrics=["ib-a:mlx5_0", "none"])
+    with pytest.raises(ConfigError, match="--engine none clears the engine programs"):
+        NodeFacts.parse(engines=["none", "vllm=/a/vllm"])
     with pytest.raises(ConfigError, match="engine vllm is given twice"):
         NodeFacts.parse(engines=["vllm=/a/vllm", "vllm=/b/vllm"])
-    # One open-ended fabric beside named ones is fine; repeated CIDRs count once.
+    # Repeated CIDRs count once; none alone is kept, to be passed on.
     facts = NodeFacts.parse(
-        fabrics=["ib-a:mlx5_0", "ib-b"], firewall_from=["10.0.0.0/24", "10.0.0.0/24"]
+        fabrics=["none"], engines=["none"], firewall_from=["10.0.0.0/24", "10.0.0.0/24"]
     )
     assert facts.firewall_from == ("10.0.0.0/24",)
+    assert facts.args() == [
+        "--fabric", "none", "--engine", "none", "--firewall-from", "10.0.0.0/24"
+    ]  # fmt: skip
 
 
 FULL = {
-    "fabrics": ["ib-a:mlx5_0,mlx5_1", "ib-b"],
+    "fabrics": ["ib-a:mlx5_0,mlx5_1", "ib-b:mlx5_2"],
     "nvidia_smi": "/usr/bin/nvidia-smi",
     "ib_root": "/sys/class/infiniband",
     "engines": ["vllm=/opt/vllm/bin/vllm", "llamacpp=/opt/llama/llama-server"],
@@ -131,7 +144,7 @@ def test_json_round_trip_and_installer_arguments() -> None:
     assert NodeFacts.from_json(facts.as_json()) == facts
     assert NodeFacts.from_json(None) == NodeFacts() and NodeFacts().as_json() == {}
     assert facts.args() == [
-        "--fabric", "ib-a:mlx5_0,mlx5_1", "--fabric", "ib-b",
+        "--fabric", "ib-a:mlx5_0,mlx5_1", "--fabric", "ib-b:mlx5_2",
         "--nvidia-smi", "/usr/bin/nvidia-smi",
         "--ib-root", "/sys/class/infiniband",
         "--engine", "vllm=/opt/vllm/bin/vllm", "--engine", "llamacpp=/opt/llama/llama-server",
@@ -163,11 +176,10 @@ def test_json_refusals(data: object, piece: str) -> None:
 
 def test_what_is_accepted_here_agent_yaml_takes() -> None:
     facts = NodeFacts.from_json(FULL)
-    hcas = {f.name: list(f.hcas) or ["mlx5_2"] for f in facts.fabrics}
     config = {
         "server": "cp:7443",
         "node_id": "gpu-01",
-        "fabrics": [{"name": name, "hcas": h} for name, h in hcas.items()],
+        "fabrics": [{"name": f.name, "hcas": list(f.hcas)} for f in facts.fabrics],
         "discovery": {"nvidia_smi": facts.nvidia_smi, "ib_root": facts.ib_root},
         "engines": {"vllm": {"bin": "/opt/vllm/bin/vllm"}, "llamacpp": {"bin": "/opt/l/ls"}},
         "models_root": facts.models_root,

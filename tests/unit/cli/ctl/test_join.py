@@ -132,7 +132,7 @@ def test_lost_state_is_sent_and_the_uid_shown(
 def test_node_facts_are_checked_here_and_sent(calls: list[tuple[str, str, Any]]) -> None:
     out = join(
         "--node", "gpu-01",
-        "--fabric", "ib-a:mlx5_0,mlx5_1", "--fabric", "ib-b",
+        "--fabric", "ib-a:mlx5_0,mlx5_1", "--fabric", "ib-b:mlx5_2",
         "--nvidia-smi", "/usr/bin/nvidia-smi", "--ib-root", "/sys/class/infiniband",
         "--engine", "vllm=/opt/vllm/bin/vllm",
         "--models-root", "/data/models", "--cache-root", "/data/cache",
@@ -140,7 +140,7 @@ def test_node_facts_are_checked_here_and_sent(calls: list[tuple[str, str, Any]])
     )  # fmt: skip
     assert out.exit_code == 0, out.output
     assert calls[0][2]["facts"] == {
-        "fabrics": ["ib-a:mlx5_0,mlx5_1", "ib-b"],
+        "fabrics": ["ib-a:mlx5_0,mlx5_1", "ib-b:mlx5_2"],
         "nvidia_smi": "/usr/bin/nvidia-smi",
         "ib_root": "/sys/class/infiniband",
         "engines": ["vllm=/opt/vllm/bin/vllm"],
@@ -154,11 +154,13 @@ def test_node_facts_are_checked_here_and_sent(calls: list[tuple[str, str, Any]])
 @pytest.mark.parametrize(
     ("args", "piece"),
     [
-        (["--fabric", "IB"], "--fabric: 'IB' does not start with a fabric name"),
+        (["--fabric", "IB:mlx5_0"], "--fabric: 'IB:mlx5_0' does not start with a fabric name"),
+        (["--fabric", "ib-a"], "names no adapters"),
+        (["--nvidia-smi", "/opt/nv smi"], "other than letters, digits"),
         (["--engine", "sim=/x"], "built in and takes no program"),
         (["--engine", "tgi=/x"], "names no engine llmgw knows"),
         (["--nvidia-smi", "nvidia-smi"], "is not an absolute path"),
-        (["--models-root", "/my models"], "white space"),
+        (["--models-root", "/my models"], "other than letters, digits"),
         (["--firewall-from", "anyone"], "is not an IP address or CIDR"),
         (["--fabric-peers", "10.0.0.0/40"], "is not an IP address or CIDR"),
     ],

@@ -151,9 +151,10 @@ def test_without_bundles_a_lost_state_re_pair_names_the_uid_and_the_facts(
 
 
 def test_join_facts_go_on_the_bare_command(store: Store, ca: pki.Authority) -> None:
-    data = one(store, ca, {"node": NODE, "facts": {"fabrics": ["ib-a"], "ib_root": "/x/ib"}})
+    facts = {"fabrics": ["ib-a:mlx5_0"], "ib_root": "/x/ib", "engines": ["none"]}
+    data = one(store, ca, {"node": NODE, "facts": facts})
     _, argv = bare(data["command"])
-    assert argv[9:] == ["--fabric", "ib-a", "--ib-root", "/x/ib"]
+    assert argv[9:] == ["--fabric", "ib-a:mlx5_0", "--ib-root", "/x/ib", "--engine", "none"]
 
 
 def bundle_dir(tmp_path: Path) -> Path:
@@ -265,7 +266,7 @@ def test_the_rekey_one_liner_runs_the_bundles_installer_with_the_token_in_its_en
     [
         ({"node": NODE, "lost_state": True}, "lost_state goes with rekey"),
         (
-            {"node": NODE, "rekey": True, "facts": {"fabrics": ["ib-a"]}},
+            {"node": NODE, "rekey": True, "facts": {"fabrics": ["ib-a:mlx5_0"]}},
             "node facts (--fabric) go with a join (--node) or a re-pair",
         ),
         (
@@ -275,6 +276,11 @@ def test_the_rekey_one_liner_runs_the_bundles_installer_with_the_token_in_its_en
         ),
         ({"node": NODE, "facts": {"engines": ["sim=/x"]}}, "built in and takes no program"),
         ({"node": NODE, "facts": {"fabrics": ["ib a"]}}, "--fabric: 'ib a' does not start"),
+        ({"node": NODE, "facts": {"fabrics": ["ib-a"]}}, "--fabric: 'ib-a' names no adapters"),
+        (
+            {"node": NODE, "facts": {"nvidia_smi": "/opt/nv;reboot"}},
+            "--nvidia-smi: '/opt/nv;reboot' holds a character other than",
+        ),
         ({"node": NODE, "facts": {"gpus": 8}}, "unknown fact(s) gpus"),
         ({"node": NODE, "facts": "ib-a"}, "facts: must be an object of node facts"),
     ],
