@@ -40,6 +40,7 @@ _ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 # the characters install-agent.sh accepts (its FACT_PATH_RE), nothing that means something
 # to YAML, a shell or a unit file.
 _PATH = re.compile(r"/[A-Za-z0-9_./+-]*")
+_CIDR = re.compile(r"[0-9A-Fa-f:.]+(/[0-9]{1,3})?")
 MAX_VALUE = 4096
 NONE = "none"
 """``--fabric none`` / ``--engine none``, alone: no fabric, no engine program (the installer
@@ -176,6 +177,10 @@ def check_cidr(value: object, option: str) -> str:
     """An IP address or network (``10.0.0.5``, ``10.0.0.0/24``, ``fd00::/64``), as given."""
     text = _text(value, option)
     try:
+        # The installer's own check (check_source) takes only these characters and a prefix
+        # length in digits (no netmask, no zone).
+        if not _CIDR.fullmatch(text):
+            raise ValueError(text)
         ipaddress.ip_network(text, strict=False)
     except ValueError:
         raise _fail(

@@ -200,7 +200,14 @@ def tokens(ctx: click.Context, include_all: bool) -> None:
         return "active" if t["active"] else "expired"
 
     rows = [
-        [t["id"], t["node"], t["kind"], t["prefix"] + "…", until(t["expires_at"]), state(t)]
+        [
+            t["id"],
+            t["node"],
+            t["kind"] + (" (lost-state)" if t.get("lost_state") else ""),
+            t["prefix"] + "…",
+            until(t["expires_at"]),
+            state(t),
+        ]
         for t in data
     ]
     click.echo(table(["ID", "NODE", "KIND", "PREFIX", "EXPIRES", "STATE"], rows))

@@ -100,7 +100,8 @@ def test_engines_name_one_that_takes_a_program() -> None:
 def test_cidrs() -> None:
     for good in ("10.0.0.5", "10.0.0.0/24", "10.0.0.5/24", "fd00::/64", "fd00::1"):
         assert check_cidr(good, "--fabric-peers") == good
-    for bad in ("10.0.0.0/33", "10.0.0", "host.example", "10.0.0.0/24 ", "fd00::/129"):
+    bad_ones = ("10.0.0.0/33", "10.0.0", "host.example", "10.0.0.0/24 ", "fd00::/129")
+    for bad in (*bad_ones, "10.0.0.0/255.255.255.0", "fe80::1%eth0", "10.0.0.0/+8"):
         with pytest.raises(ConfigError, match="is not an IP address or CIDR"):
             check_cidr(bad, "--fabric-peers")
 

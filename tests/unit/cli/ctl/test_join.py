@@ -179,3 +179,36 @@ def test_a_plain_rekey_takes_no_node_facts(calls: list[tuple[str, str, Any]]) ->
     assert out.exit_code == 2
     assert "--fabric go with --node (a join) or --rekey NODE --lost-state" in out.stderr
     assert calls == []
+
+
+def test_tokens_lists_a_lost_state_rekey_token_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+    listed = [
+        {
+            "id": "jt1",
+            "node": "gpu-01",
+            "kind": "rekey",
+            "lost_state": True,
+            "prefix": "llmgwjt_abcdef",
+            "expires_at": 4_000_000_000,
+            "used_at": None,
+            "revoked_at": None,
+            "active": True,
+        },
+        {
+            "id": "jt2",
+            "node": "gpu-02",
+            "kind": "rekey",
+            "lost_state": False,
+            "prefix": "llmgwjt_ghijkl",
+            "expires_at": 4_000_000_000,
+            "used_at": None,
+            "revoked_at": None,
+            "active": True,
+        },
+    ]
+    monkeypatch.setattr(Ctl, "call", lambda self, *a, **k: listed)
+    out = CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", "tokens"])
+    assert out.exit_code == 0, out.output
+    rows = out.stdout.splitlines()[1:]
+    assert rows[0].split()[:4] == ["jt1", "gpu-01", "rekey", "(lost-state)"]
+    assert rows[1].split()[:4] == ["jt2", "gpu-02", "rekey", "llmgwjt_ghijkl…"]
