@@ -213,17 +213,24 @@ def test_with_bundles_a_re_pair_installs_with_the_uid_and_every_fact(
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("machine", "uid"), [("x86_64", 0), ("aarch64", 1000)])
+@pytest.mark.parametrize(
+    ("machine", "uid", "lost_state"),
+    [("x86_64", 0, False), ("aarch64", 1000, False), ("x86_64", 1000, True)],
+)
 def test_the_rekey_one_liner_runs_the_bundles_installer_with_the_token_in_its_environment(
-    store: Store, ca: pki.Authority, tmp_path: Path, machine: str, uid: int
+    store: Store, ca: pki.Authority, tmp_path: Path, machine: str, uid: int, lost_state: bool
 ) -> None:
     """The printed one-liner, run by sh: it downloads the bundle for the machine from the
-    gateway, checks its SHA-256 and runs 'install-agent.sh rekey' with exactly the options
-    the installer's rekey verb reads, the token in LLMGW_JOIN_TOKEN (its read_join_token)."""
+    gateway, checks its SHA-256 and runs 'install-agent.sh rekey' (a re-pair: 'install
+    --node-uid UID' and the facts) with exactly the options the installer reads, the token
+    in LLMGW_JOIN_TOKEN (its read_join_token)."""
     require_tools("sha256sum")
     if not shutil.which("wget"):
         require_tools("curl")
-    joined(store)
+    node_uid = joined(store)
+    body: dict[str, Any] = {"node": NODE, "rekey": True}
+    if lost_state:
+        body |= {"lost_state": True, "facts": {"fabrics": ["ib-a:mlx5_0"]}}
     served = bundle_dir(tmp_path)
 
     async def main() -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
@@ -236,7 +243,7 @@ def test_the_rekey_one_liner_runs_the_bundles_installer_with_the_token_in_its_en
             ctx.listening.http_port = client.port  # type: ignore[misc]
             resp = await client.post(
                 "/api/join-tokens",
-                json={"node": NODE, "rekey": True},
+                json=body,
                 headers={"Authorization": f"Bearer {ADMIN}"},
             )
             data = await resp.json()
@@ -250,10 +257,12 @@ def test_the_rekey_one_liner_runs_the_bundles_installer_with_the_token_in_its_en
     assert result.returncode == 0, result.stderr
     assert "agent.tar.gz: OK" in result.stdout
     record = tmp_path / "record"
-    assert Path(f"{record}.argv").read_text().splitlines() == [
-        "rekey", "--node-id", NODE,
-        "--enroll-url", "https://127.0.0.1:8443", "--ca-hash", ca.ca_hash(),
-    ]  # fmt: skip
+    join_args = ["--node-id", NODE, "--enroll-url", "https://127.0.0.1:8443"]
+    join_args += ["--ca-hash", ca.ca_hash()]
+    expected = ["rekey", *join_args]
+    if lost_state:
+        expected = ["install", *join_args, "--node-uid", node_uid, "--fabric", "ib-a:mlx5_0"]
+    assert Path(f"{record}.argv").read_text().splitlines() == expected
     assert Path(f"{record}.token").read_text() == data["token"]
     rid = "linux-x64" if machine == "x86_64" else "linux-arm64"
     assert Path(f"{record}.path").read_text().endswith(f"/llmgw-agent-0.1.0-{rid}/install-agent.sh")
