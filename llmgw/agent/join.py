@@ -44,6 +44,7 @@ from llmgw.agent.config import load_agent_config, parse_agent_config
 from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, NONE, NodeFacts
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT
+from llmgw.contracts.rekeyproof import proof_message, sign_proof
 from llmgw.engines.registry import ENGINES
 from llmgw.errors import (
     ConfigError,
@@ -599,6 +600,34 @@ def _check_node_uid(node_uid: str) -> str:
     return text
 
 
+def _old_private_key(
+    data: bytes | None, path: Path, node_id: str, uid: str
+) -> ec.EllipticCurvePrivateKey:
+    """The key a rekey proves; refused (before the token is sent) when there is none."""
+    repair = (
+        f"re-pair it instead: 'llmgw ctl join-command --rekey {node_id} --lost-state', then "
+        f"'llmgw agent join --node-uid {uid}' (or install-agent.sh install --node-uid {uid}) "
+        "once the state directory is moved aside"
+    )
+    if data is None:
+        raise EnrolmentError(
+            f"no key in {path}: a rekey proves the node's current key, and this node has none; "
+            + repair,
+            code="no_identity",
+        )
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        key = None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise EnrolmentError(
+            f"{path} does not hold this node's EC private key, which a rekey proves; restore it "
+            "from node.key.old or a backup, or " + repair,
+            code="no_identity",
+        )
+    return key
+
+
 def _facts_config(facts: NodeFacts) -> dict[str, object]:
     """The node facts as agent.yaml keys (fabrics, discovery, engines)."""
     data: dict[str, object] = {}
@@ -710,17 +739,28 @@ def join(
 
     old_uid: str | None = None
     old_key = old_cert = None
+    proving_key: ec.EllipticCurvePrivateKey | None = None
     if node_uid is not None:
-        if paths.uid.exists():
+        if paths.key.exists():
             raise EnrolmentError(
-                f"this node still has its identity in {paths.state_dir} ({paths.uid} exists); "
+                f"this node still has its identity in {paths.state_dir} ({paths.key} exists); "
                 "--node-uid is for a node whose state directory is gone: rekey it with "
                 "--rekey and a rekey token ('llmgw ctl join-command --rekey NODE')",
+                code="already_joined",
+            )
+        # A state directory that kept its uid but lost its key re-pairs as that uid only.
+        if paths.uid.exists() and (kept := _read_uid(paths.uid, paths.state_dir)) != node_uid:
+            raise EnrolmentError(
+                f"{paths.uid} names uid {kept}, not {node_uid}: this state directory is another "
+                f"identity's; move it aside, or give --node-uid {kept} with a lost-state token "
+                "for that node",
                 code="already_joined",
             )
     elif rekey:
         old_uid = _read_uid(paths.uid, paths.state_dir)
         old_key, old_cert = _read_optional(paths.key), _read_optional(paths.cert)
+        # The rekey proves the key this node has now; without one it can only re-pair.
+        proving_key = _old_private_key(old_key, paths.key, node_id, old_uid)
     elif paths.uid.exists():
         raise EnrolmentError(
             f"this node already has an identity in {paths.state_dir} ({paths.uid} exists); to "
@@ -753,6 +793,15 @@ def join(
     }
     if node_uid is not None:
         payload["lost_state"] = True
+    elif rekey:
+        assert old_uid is not None and proving_key is not None
+        message = proof_message(
+            node_id=node_id,
+            node_uid=old_uid,
+            new_key_fingerprint=pki.fingerprint(key.public_key()),
+            token=token,
+        )
+        payload["proof"] = sign_proof(proving_key, message)
     answer = _post_enroll(url, ca_pem, payload, timeout)
     cert, uid, state, expires_at, servers = _check_answer(
         answer, node_id=node_id, key=key, ca=ca, old_uid=old_uid or node_uid

@@ -31,11 +31,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from llmgw import netaddr, pki
-from llmgw.errors import CertificateError, ConfigError, EnrolmentError, LlmgwError
+from llmgw.contracts.rekeyproof import proof_message, verify_proof
+from llmgw.errors import CertificateError, ConfigError, EnrolmentError, LlmgwError, NotFound
 from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport
-from llmgw.server.states import TokenKind
+from llmgw.server.states import NodeState, TokenKind
 from llmgw.server.store import Certificate, Node, Store
 
 __all__ = [
@@ -76,9 +77,10 @@ _FIELDS = {
     "rekey": bool,
     "node_uid": str,
     "lost_state": bool,
+    "proof": dict,
 }
 _REQUIRED = ("token", "node_id", "csr")
-_JSON_TYPE = {str: "a string", bool: "true or false"}
+_JSON_TYPE = {str: "a string", bool: "true or false", dict: "an object"}
 _NODE_UID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _FIELD_HELP = {
     "token": "give the token printed by 'llmgw ctl join-command'",
@@ -87,6 +89,7 @@ _FIELD_HELP = {
     "rekey": "true for a rekey, false (or left out) for a join",
     "node_uid": "give the uid the node got when it joined, or null for a join",
     "lost_state": "true for a rekey by a node whose state directory is gone, else false",
+    "proof": "give the old key's signature that 'llmgw agent join --rekey' makes",
 }
 
 
@@ -128,6 +131,7 @@ class EnrolRequest:
     rekey: bool = False
     node_uid: str | None = None
     lost_state: bool = False
+    proof: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def kind(self) -> str:
@@ -209,6 +213,7 @@ def parse_enrol_request(body: bytes) -> EnrolRequest:
         rekey=rekey,
         node_uid=node_uid if rekey else None,
         lost_state=lost_state,
+        proof=data.get("proof") if rekey else None,
     )
 
 
@@ -245,6 +250,49 @@ class Enroller:
                 status=403,
             ) from exc
 
+    def _check_old_key(self, req: EnrolRequest, new_fp: str) -> None:
+        """Refuse a plain rekey that does not prove, by a signature, a key the control plane
+        issued a live certificate for (the uid alone is no secret). A node not known, revoked
+        or of another uid is left to :meth:`Store.enrol_node`, which refuses it by name."""
+        try:
+            node = self.store.get_node(req.node_id)
+        except NotFound:
+            return
+        if node.state == NodeState.REVOKED or node.uid != req.node_uid:
+            return
+        repair = (
+            f"if its key is gone, re-pair it: 'llmgw ctl join-command --rekey {node.id} "
+            f"--lost-state', then 'llmgw agent join --node-uid {node.uid}' on the node"
+        )
+        if req.proof is None:
+            raise EnrolmentError(
+                f"a rekey of {node.id} proves the node's current key, and this request carries "
+                "no proof (an agent older than the control plane sends none): upgrade the "
+                f"agent first (install-agent.sh upgrade), then rekey; {repair}",
+                code="old_key_unproven",
+                status=403,
+            )
+        message = proof_message(
+            node_id=node.id, node_uid=node.uid, new_key_fingerprint=new_fp, token=req.token
+        )
+        try:
+            proved = verify_proof(req.proof, message)
+        except ValueError as exc:
+            raise EnrolmentError(
+                f"the proof of {node.id}'s current key is refused: {exc}; rekey with 'llmgw "
+                f"agent join --rekey' on the node itself; {repair}",
+                code="old_key_unproven",
+                status=403,
+            ) from None
+        live = {c.fingerprint for c in self.store.list_certificates(node.id) if not c.revoked}
+        if proved not in live | {node.fingerprint}:
+            raise EnrolmentError(
+                f"the key this node proved ({proved}) is not {node.id}'s: no live certificate "
+                f"of {node.id} is for it; rekey on the node itself, or {repair}",
+                code="old_key_unknown",
+                status=403,
+            )
+
     def enrol(self, req: EnrolRequest, *, peer: str = "") -> dict[str, Any]:
         """Use the token, check the CSR, record the node and its certificate, and return the
         response body. Any refusal (an :class:`EnrolmentError`) leaves the store untouched."""
@@ -264,6 +312,8 @@ class Enroller:
                 csr = pki.load_csr(req.csr)
                 pki.check_csr(csr, token.node_id)
                 fp = pki.fingerprint(csr.public_key())
+                if req.rekey and not token.lost_state:
+                    self._check_old_key(req, fp)
                 node = store.enrol_node(
                     token.node_id,
                     fingerprint=fp,

@@ -31,6 +31,7 @@ from llmgw.agent.config import load_agent_config
 from llmgw.agent.join import JoinResult, join
 from llmgw.cli import main, prompts
 from llmgw.contracts.nodefacts import NodeFacts
+from llmgw.contracts.rekeyproof import proof_message, verify_proof
 from llmgw.errors import ConfigError, CSRError, EnrolmentError, PinMismatch, TokenError
 
 NODE = "gpu-01"
@@ -454,6 +455,15 @@ def test_rekey_keeps_the_uid_and_the_previous_identity(fake: Fake, node: Path) -
     assert second.fingerprint != first.fingerprint
     post = fake.posts[-1]
     assert post["rekey"] is True and post["node_uid"] == first.node_uid
+    # It proves the key it had, for this node, uid, new key and token only.
+    message = proof_message(
+        node_id=NODE,
+        node_uid=first.node_uid,
+        new_key_fingerprint=second.fingerprint,
+        token=TOKEN,
+    )
+    assert verify_proof(post["proof"], message) == first.fingerprint
+    assert "lost_state" not in post
     assert (state / "node.key.old").read_bytes() == old_key
     assert (state / "node.crt.old").read_bytes() == old_cert
     assert mode(state / "node.key.old") == 0o600 and mode(state / "node.crt.old") == 0o644
@@ -485,6 +495,34 @@ def test_a_rekey_answered_with_another_uid_changes_nothing(fake: Fake, node: Pat
     with pytest.raises(EnrolmentError, match=f"not this node's '{first.node_uid}'"):
         do_join(fake, node, rekey=True)
     assert snapshot(node) == before
+
+
+@pytest.mark.parametrize("damage", ["missing", "not a key"])
+def test_a_rekey_without_its_key_says_re_pair_and_sends_nothing(
+    fake: Fake, node: Path, damage: str
+) -> None:
+    first = do_join(fake, node)
+    key = node / "state" / "node.key"
+    if damage == "missing":
+        key.unlink()
+    else:
+        key.write_text("garbage")
+    before = snapshot(node)
+    with pytest.raises(EnrolmentError) as info:
+        do_join(fake, node, rekey=True)
+    assert f"'llmgw agent join --node-uid {first.node_uid}'" in str(info.value)
+    assert "--lost-state" in str(info.value)
+    assert len(fake.posts) == 1 and snapshot(node) == before
+    if damage == "not a key":  # moved aside first, as the message says
+        with pytest.raises(EnrolmentError, match="still has its identity"):
+            do_join(fake, node, state_dir=None, node_uid=first.node_uid)
+        return
+    # With its uid kept and its key gone, it re-pairs as that uid (and no other).
+    with pytest.raises(EnrolmentError, match="this state directory is another identity's"):
+        do_join(fake, node, state_dir=None, node_uid="0" * 32)
+    again = do_join(fake, node, state_dir=None, node_uid=first.node_uid)
+    assert again.repaired and fake.posts[-1]["lost_state"] is True
+    assert "proof" not in fake.posts[-1]
 
 
 def test_rekey_without_an_identity_says_join_first(fake: Fake, node: Path) -> None:

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw import pki
+from llmgw.contracts.rekeyproof import proof_message, sign_proof
 from llmgw.errors import EnrolmentError, StoreError
 from llmgw.server import enroll
 from llmgw.server.enroll import (
@@ -146,6 +147,20 @@ def request(secret: str, node_id: str = NODE, **kw: Any) -> dict[str, Any]:
     return body
 
 
+def proved(secret: str, old: Any, uid: str, node_id: str = NODE, **kw: Any) -> dict[str, Any]:
+    """A rekey request whose proof is signed by *old*, the key the node has now."""
+    key = kw.pop("key", None) or pki.new_private_key()
+    message = proof_message(
+        node_id=node_id,
+        node_uid=uid,
+        new_key_fingerprint=pki.fingerprint(key.public_key()),
+        token=secret,
+    )
+    body = request(secret, node_id, key=key, rekey=True, node_uid=uid, **kw)
+    body["proof"] = sign_proof(old, message)
+    return body
+
+
 def check_certificate(
     env: Env, answer: dict[str, Any], key: Any, node_id: str = NODE
 ) -> x509.Certificate:
@@ -248,13 +263,14 @@ def test_fresh_join_of_a_revoked_node(env: Env, cluster_pki: PKI) -> None:
 
 def test_rekey(env: Env, cluster_pki: PKI) -> None:
     async def body(env: Env) -> None:
-        status, joined = await post(env, request(env.mint()))
+        first = pki.new_private_key()
+        status, joined = await post(env, request(env.mint(), key=first))
         assert status == 200
         env.store.set_node_state(NODE, "approved")
         uid = joined["node_uid"]
         key = pki.new_private_key()
         secret = env.mint(kind="rekey", node_uid=uid)
-        status, answer = await post(env, request(secret, key=key, rekey=True, node_uid=uid))
+        status, answer = await post(env, proved(secret, first, uid, key=key))
         assert status == 200, answer
         check_certificate(env, answer, key)
         assert (answer["node_uid"], answer["state"]) == (uid, "approved")
@@ -265,8 +281,49 @@ def test_rekey(env: Env, cluster_pki: PKI) -> None:
         assert env.store.list_events(limit=1)[0].kind == "node_rekeyed"
         # with require_approval the node goes back to pending
         secret = env.mint(kind="rekey", node_uid=uid, require_approval=True)
-        status, answer = await post(env, request(secret, rekey=True, node_uid=uid))
+        status, answer = await post(env, proved(secret, key, uid))
         assert status == 200 and answer["state"] == "pending"
+
+
+def test_a_plain_rekey_must_prove_a_live_key_of_the_node(env: Env, cluster_pki: PKI) -> None:
+    """The uid is no secret: a rekey token and the uid, without the node's key, get nothing."""
+
+    async def body(env: Env) -> None:
+        first = pki.new_private_key()
+        status, joined = await post(env, request(env.mint(), key=first))
+        assert status == 200
+        env.store.set_node_state(NODE, "approved")
+        uid = joined["node_uid"]
+        secret = env.mint(kind="rekey", node_uid=uid)
+
+        async def refused(payload: dict[str, Any], code: str) -> str:
+            before = env.snapshot()
+            status, answer = await post(env, payload)
+            assert (status, answer["error"]["code"]) == (403, code), answer
+            assert env.snapshot() == before  # the token is not spent either
+            return str(answer["error"]["message"])
+
+        message = await refused(request(secret, rekey=True, node_uid=uid), "old_key_unproven")
+        assert "carries no proof" in message and "upgrade the agent first" in message
+        assert f"'llmgw agent join --node-uid {uid}'" in message
+        # Another key's signature (someone else's key): not one issued to the node.
+        message = await refused(proved(secret, pki.new_private_key(), uid), "old_key_unknown")
+        assert f"no live certificate of {NODE} is for it" in message
+        # The right key, but signed for another new key, token or uid: does not verify.
+        stolen = proved(secret, first, uid)
+        stolen["csr"] = request(secret)["csr"]
+        assert "does not verify" in await refused(stolen, "old_key_unproven")
+        other_token = proved(env.mint(kind="rekey", node_uid=uid), first, uid)
+        other_token["token"] = secret
+        await refused(other_token, "old_key_unproven")
+        for junk in ({"key": "x", "signature": "y"}, {"key": 1}, {"signature": "!!"}):
+            await refused(dict(proved(secret, first, uid), proof=junk), "old_key_unproven")
+        status, answer = await post(env, proved(secret, first, uid))
+        assert status == 200, answer
+        # A lost-state token needs no proof: the node goes to approval instead.
+        lost = env.mint(kind="rekey", node_uid=uid, lost_state=True, require_approval=True)
+        status, answer = await post(env, request(lost, rekey=True, node_uid=uid))
+        assert (status, answer["state"]) == (200, "pending")
 
     serve(env, cluster_pki, body)
 
