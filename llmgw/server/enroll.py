@@ -41,6 +41,7 @@ from llmgw.server.store import Certificate, Node, Store
 
 __all__ = [
     "MAX_BODY",
+    "RENEWED",
     "EnrolRequest",
     "Enroller",
     "EnrolmentServer",
@@ -65,6 +66,11 @@ def record_certificate(store: Store, node_id: str, cert: x509.Certificate) -> Ce
         not_before=cert.not_valid_before_utc.timestamp(),
         not_after=cert.not_valid_after_utc.timestamp(),
     )
+
+
+RENEWED = "replaced by a renewal"
+"""The revocation reason of a certificate a renewal replaced: its key was still the node's
+until the node took the renewed one (it may not have, if it stopped in between)."""
 
 
 READ_TIMEOUT = 30.0
@@ -284,14 +290,26 @@ class Enroller:
                 code="old_key_unproven",
                 status=403,
             ) from None
-        live = {c.fingerprint for c in self.store.list_certificates(node.id) if not c.revoked}
-        if proved not in live | {node.fingerprint}:
+        if proved not in self._current_keys(node.id) | {node.fingerprint}:
             raise EnrolmentError(
                 f"the key this node proved ({proved}) is not {node.id}'s: no live certificate "
                 f"of {node.id} is for it; rekey on the node itself, or {repair}",
                 code="old_key_unknown",
                 status=403,
             )
+
+    def _current_keys(self, node_id: str) -> set[str]:
+        """The fingerprints of the keys of the node's current identity: its certificates
+        since the last one a join, rekey, rejection or revocation ended, live or replaced by
+        a renewal (a node that stopped before it took its renewed certificate still has the
+        key of the one before)."""
+        keys: set[str] = set()
+        for cert in self.store.list_certificates(node_id):  # oldest first
+            if cert.revoked and cert.reason != RENEWED:
+                keys.clear()  # an identity ended here; what came before is not the node's
+            else:
+                keys.add(cert.fingerprint)
+        return keys
 
     def enrol(self, req: EnrolRequest, *, peer: str = "") -> dict[str, Any]:
         """Use the token, check the CSR, record the node and its certificate, and return the

@@ -27,6 +27,7 @@ from llmgw.errors import EnrolmentError, StoreError
 from llmgw.server import enroll
 from llmgw.server.enroll import (
     MAX_BODY,
+    RENEWED,
     Enroller,
     EnrolmentServer,
     EnrolRequest,
@@ -415,6 +416,39 @@ def test_lost_state_without_rekey_is_a_bad_request() -> None:
         }
     ).encode()
     assert parse_enrol_request(body).lost_state
+
+
+def test_a_node_that_missed_its_renewal_proves_the_key_before_it(
+    env: Env, cluster_pki: PKI
+) -> None:
+    """A renewal recorded but never taken (the agent stopped in between) leaves the node with
+    the key of the certificate it replaced: that key still proves the node. A key from before
+    a rekey does not."""
+
+    async def body(env: Env) -> None:
+        first = pki.new_private_key()
+        status, joined = await post(env, request(env.mint(), key=first))
+        assert status == 200
+        env.store.set_node_state(NODE, "approved")
+        uid = joined["node_uid"]
+        renewed = pki.new_private_key()
+        cert = pki.sign_csr(env.ca, pki.make_csr(renewed, NODE), node_id=NODE, lifetime=LIFETIME)
+        serial = record_certificate(env.store, NODE, cert).serial
+        env.store.set_node_fingerprint(NODE, pki.fingerprint(renewed.public_key()))
+        env.store.revoke_certificates(NODE, reason=RENEWED, except_serial=serial)
+        second = pki.new_private_key()
+        status, answer = await post(
+            env, proved(env.mint(kind="rekey", node_uid=uid), first, uid, key=second)
+        )
+        assert status == 200, answer
+        # The rekey ended that identity: the first key proves nothing any more.
+        secret = env.mint(kind="rekey", node_uid=uid)
+        status, answer = await post(env, proved(secret, first, uid))
+        assert (status, answer["error"]["code"]) == (403, "old_key_unknown")
+        status, answer = await post(env, proved(secret, second, uid))
+        assert status == 200, answer
+
+    serve(env, cluster_pki, body)
 
 
 # --------------------------------------------------------------------------- refusals
