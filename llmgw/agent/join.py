@@ -7,6 +7,11 @@ certificate carries the control plane's identity (a node's certificate from the 
 one for the very host name dialled, does not). Nothing is written until the returned
 certificate has been checked, and then every file is replaced atomically (llmgw.fsutil).
 
+A node whose state directory is gone re-pairs with ``node_uid`` (``--node-uid``) and a
+lost-state rekey token: the same node record, a new key, approval by fingerprint again. Node
+facts (``--fabric``, ``--nvidia-smi``, ``--ib-root``, ``--engine``) go into the agent.yaml
+written when there is none (``none`` for a fabric or an engine: the key is left out).
+
 Over 600 lines because it is one protocol, read top to bottom in the order it runs: the
 inputs, the pinned CA fetch, the enrolment request, the checks of the answer and the files;
 each part exists only for the next.
@@ -35,12 +40,12 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw import netaddr, pki
-from llmgw.agent.config import (
-    load_agent_config,
-    parse_agent_config,
-)
+from llmgw.agent.config import load_agent_config, parse_agent_config
+from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, NONE, NodeFacts
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT
+from llmgw.contracts.rekeyproof import proof_message, sign_proof
+from llmgw.engines.registry import ENGINES
 from llmgw.errors import (
     ConfigError,
     CSRError,
@@ -111,6 +116,7 @@ class JoinResult:
     paths: JoinPaths
     config_written: bool
     rekeyed: bool
+    repaired: bool = False
     old_key: Path | None = None
     old_cert: Path | None = None
 
@@ -583,7 +589,70 @@ def _write_files(files: list[tuple[Path, bytes, int]]) -> None:
     _commit(staged)
 
 
-def _config_text(node_id: str, servers: tuple[str, ...], state_dir: Path) -> str:
+def _check_node_uid(node_uid: str) -> str:
+    text = node_uid.strip()
+    if not _UID.fullmatch(text):
+        raise ConfigError(
+            f"{node_uid[:80]!r} is not a node uid; give the one printed by 'llmgw ctl "
+            "join-command --rekey NODE --lost-state' (also in 'llmgw ctl nodes --json')",
+            key="--node-uid",
+        )
+    return text
+
+
+def _old_private_key(
+    data: bytes | None, path: Path, node_id: str, uid: str
+) -> ec.EllipticCurvePrivateKey:
+    """The key a rekey proves; refused (before the token is sent) when there is none."""
+    repair = (
+        f"re-pair it instead: 'llmgw ctl join-command --rekey {node_id} --lost-state', then "
+        f"'llmgw agent join --node-uid {uid}' (or install-agent.sh install --node-uid {uid}) "
+        "once the state directory is moved aside"
+    )
+    if data is None:
+        raise EnrolmentError(
+            f"no key in {path}: a rekey proves the node's current key, and this node has none; "
+            + repair,
+            code="no_identity",
+        )
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        key = None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise EnrolmentError(
+            f"{path} does not hold this node's EC private key, which a rekey proves; restore it "
+            "from node.key.old or a backup, or " + repair,
+            code="no_identity",
+        )
+    return key
+
+
+def _facts_config(facts: NodeFacts) -> dict[str, object]:
+    """The node facts as agent.yaml keys (fabrics, discovery, engines)."""
+    data: dict[str, object] = {}
+    fabrics = [f for f in facts.fabrics if f.name != NONE]
+    if fabrics:
+        data["fabrics"] = [{"name": f.name, "hcas": list(f.hcas)} for f in fabrics]
+    discovery: dict[str, str] = {}
+    if facts.nvidia_smi:
+        discovery["nvidia_smi"] = facts.nvidia_smi
+    if facts.ib_root:
+        discovery["ib_root"] = facts.ib_root
+    if discovery:
+        data["discovery"] = discovery
+    engines = [(name, path) for name, path in facts.engines if name != NONE]
+    if engines:
+        data["engines"] = {name: {ENGINES[name].program_setting: path} for name, path in engines}
+    return data
+
+
+def _config_text(
+    node_id: str,
+    servers: tuple[str, ...],
+    state_dir: Path,
+    facts: dict[str, object] | None = None,
+) -> str:
     data: dict[str, object] = {}
     if len(servers) == 1:
         data["server"] = servers[0]
@@ -591,6 +660,7 @@ def _config_text(node_id: str, servers: tuple[str, ...], state_dir: Path) -> str
         data["servers"] = list(servers)
     data["node_id"] = node_id
     data["state_dir"] = str(state_dir)
+    data.update(facts or {})
     header = (
         "# Written by 'llmgw agent join'; see agent.example.yaml for every setting.\n"
         "# tls: the node's identity is state_dir/node.crt, node.key and ca.crt.\n"
@@ -625,23 +695,72 @@ def join(
     config_path: Path = DEFAULT_AGENT_CONFIG,
     state_dir: Path | None = None,
     rekey: bool = False,
+    node_uid: str | None = None,
+    facts: NodeFacts | None = None,
     timeout: float = TIMEOUT,
 ) -> JoinResult:
-    """Enrol (or with ``rekey`` re-key) node ``node_id`` with the control plane at
-    ``enroll_url`` whose CA hashes to ``ca_hash``, and save the identity where the agent's
-    config (``config_path``; when missing, ``state_dir``) says. Raises only llmgw errors;
-    on any error nothing was written."""
+    """Enrol (or with ``rekey`` re-key, or with ``node_uid`` re-pair) node ``node_id`` with
+    the control plane at ``enroll_url`` whose CA hashes to ``ca_hash``, and save the identity
+    where the agent's config (``config_path``; when missing, ``state_dir``) says; ``facts``
+    go into that config when it is written here. Raises only llmgw errors; on any error
+    nothing was written."""
     netaddr.validate_node_id(node_id)
     pin = check_ca_hash(ca_hash)
     url = parse_enroll_url(enroll_url)
     token = _check_token(token)
+    facts = facts or NodeFacts()
+    if rekey and node_uid is not None:
+        raise ConfigError(
+            "--rekey and --node-uid go alone: --rekey replaces the key of a node that has its "
+            "state directory, --node-uid re-pairs one whose state directory is gone"
+        )
+    if node_uid is not None:
+        node_uid = _check_node_uid(node_uid)
+    other = facts.given(set(FACT_OPTIONS) - set(AGENT_FACTS))
+    if other:
+        raise ConfigError(
+            f"{', '.join(other)} are options of install-agent.sh, not of 'llmgw agent join'; "
+            "give them to the installer"
+        )
+    given = facts.given(AGENT_FACTS)
+    if given and rekey:
+        raise ConfigError(
+            f"{', '.join(given)} go with a join; a rekey keeps agent.yaml as it is: edit it "
+            "to change them"
+        )
     paths, config_exists = _resolve_paths(node_id, config_path, state_dir)
+    if given and config_exists:
+        raise ConfigError(
+            f"{', '.join(given)} go into the agent.yaml this join writes, but {paths.config} "
+            "exists already and is kept as it is; set them in it (fabrics, discovery, engines), "
+            "or pass another --config"
+        )
+    facts_config = _facts_config(facts) if given else {}
 
     old_uid: str | None = None
     old_key = old_cert = None
-    if rekey:
+    proving_key: ec.EllipticCurvePrivateKey | None = None
+    if node_uid is not None:
+        if paths.key.exists():
+            raise EnrolmentError(
+                f"this node still has its identity in {paths.state_dir} ({paths.key} exists); "
+                "--node-uid is for a node whose state directory is gone: rekey it with "
+                "--rekey and a rekey token ('llmgw ctl join-command --rekey NODE')",
+                code="already_joined",
+            )
+        # A state directory that kept its uid but lost its key re-pairs as that uid only.
+        if paths.uid.exists() and (kept := _read_uid(paths.uid, paths.state_dir)) != node_uid:
+            raise EnrolmentError(
+                f"{paths.uid} names uid {kept}, not {node_uid}: this state directory is another "
+                f"identity's; move it aside, or give --node-uid {kept} with a lost-state token "
+                "for that node",
+                code="already_joined",
+            )
+    elif rekey:
         old_uid = _read_uid(paths.uid, paths.state_dir)
         old_key, old_cert = _read_optional(paths.key), _read_optional(paths.cert)
+        # The rekey proves the key this node has now; without one it can only re-pair.
+        proving_key = _old_private_key(old_key, paths.key, node_id, old_uid)
     elif paths.uid.exists():
         raise EnrolmentError(
             f"this node already has an identity in {paths.state_dir} ({paths.uid} exists); to "
@@ -669,16 +788,29 @@ def join(
         "token": token,
         "node_id": node_id,
         "csr": csr_pem.decode("ascii"),
-        "rekey": rekey,
-        "node_uid": old_uid,
+        "rekey": rekey or node_uid is not None,
+        "node_uid": old_uid or node_uid,
     }
+    if node_uid is not None:
+        payload["lost_state"] = True
+    elif rekey:
+        assert old_uid is not None and proving_key is not None
+        message = proof_message(
+            node_id=node_id,
+            node_uid=old_uid,
+            new_key_fingerprint=pki.fingerprint(key.public_key()),
+            token=token,
+        )
+        payload["proof"] = sign_proof(proving_key, message)
     answer = _post_enroll(url, ca_pem, payload, timeout)
     cert, uid, state, expires_at, servers = _check_answer(
-        answer, node_id=node_id, key=key, ca=ca, old_uid=old_uid
+        answer, node_id=node_id, key=key, ca=ca, old_uid=old_uid or node_uid
     )
     if not servers:
         servers = (format_hostport(url.host, DEFAULT_GRPC_PORT),)
-    config_text = None if config_exists else _config_text(node_id, servers, paths.state_dir)
+    config_text = (
+        None if config_exists else _config_text(node_id, servers, paths.state_dir, facts_config)
+    )
 
     for directory in {paths.state_dir, paths.key.parent, paths.cert.parent, paths.ca.parent}:
         _make_dir(directory, 0o700)
@@ -712,6 +844,7 @@ def join(
         paths=paths,
         config_written=written,
         rekeyed=rekey,
+        repaired=node_uid is not None,
         old_key=kept_key,
         old_cert=kept_cert,
     )

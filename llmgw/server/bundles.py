@@ -40,6 +40,7 @@ _FILE = re.compile(
     rf"^llmgw-agent-(?P<version>{VERSION_PATTERN})-(?P<rid>linux-(?:x64|arm64))\.tar\.gz$"
 )
 _CHUNK = 1 << 20
+_VERBS = ("install", "rekey")
 
 log = logging.getLogger("llmgw.server.bundles")
 
@@ -198,10 +199,14 @@ def one_liner(
     ca_hash: str,
     token: str | None = None,
     verify_tls: bool = True,
+    verb: str = "install",
+    extra_args: Sequence[str] = (),
 ) -> str:
-    """The command an operator pastes on a new node (DESIGN §4): pick the bundle for
+    """The command an operator pastes on a node (DESIGN §4): pick the bundle for
     ``uname -m``, download it from ``base_url``, check it against the SHA-256 embedded here
-    (one per architecture), unpack it and run its ``install-agent.sh install``.
+    (one per architecture), unpack it and run its ``install-agent.sh VERB`` (``install``, or
+    ``rekey`` for a node that is joined already) with ``--node-id``, ``--enroll-url``,
+    ``--ca-hash`` and then ``extra_args`` (``--node-uid``, node facts), each quoted.
 
     The join token reaches the installer only through the environment, never an argv that
     ``ps`` shows: the command exports ``LLMGW_JOIN_TOKEN`` in a subshell (a builtin, no
@@ -216,6 +221,8 @@ def one_liner(
     ``verify_tls=False`` (an https ``base_url`` whose certificate is from the cluster CA,
     which the node does not trust yet) downloads without checking the certificate: the
     bundle's integrity never came from TLS but from the SHA-256 in the command."""
+    if verb not in _VERBS:
+        raise ValueError(f"the one-liner runs install-agent.sh {' or '.join(_VERBS)}, not {verb!r}")
     if not bundles:
         raise NotFound(
             "the control plane has no agent bundle to join nodes with; copy "
@@ -247,7 +254,9 @@ def one_liner(
         'echo "$h  agent.tar.gz" | sha256sum -c -',
         "tar -xzf agent.tar.gz",
         's=""; [ "$(id -u)" -eq 0 ] || s="sudo --preserve-env=LLMGW_JOIN_TOKEN"',
-        '$s sh ./llmgw-agent-*-"$r"/install-agent.sh install'
-        f" --node-id {q(node_id)} --enroll-url {q(enroll_url)} --ca-hash {q(ca_hash)}",
+        f'$s sh ./llmgw-agent-*-"$r"/install-agent.sh {verb} '
+        + shlex.join(
+            ["--node-id", node_id, "--enroll-url", enroll_url, "--ca-hash", ca_hash, *extra_args]
+        ),
     ]
     return "(" + "; ".join(steps) + ")"

@@ -5,7 +5,9 @@ HTTPS (the control plane's server certificate, no client certificate) on ``enrol
 ``GET /enroll/ca``
     the cluster CA certificate (PEM), which the agent checks against its ``--ca-hash`` pin.
 ``POST /enroll``
-    JSON ``{"token", "node_id", "csr", "rekey"?, "node_uid"?}`` (at most 64 KiB) ->
+    JSON ``{"token", "node_id", "csr", "rekey"?, "node_uid"?, "lost_state"?}`` (at most
+    64 KiB; ``lost_state``: a rekey by a node whose state directory is gone, which names its
+    uid itself and needs a lost-state rekey token) ->
     ``{"certificate", "ca", "node_id", "node_uid", "fingerprint", "state", "expires_at",
     "servers"}``; refusals are ``{"error": {"code", "message"}}`` with the error's HTTP status.
 
@@ -29,15 +31,17 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from llmgw import netaddr, pki
-from llmgw.errors import CertificateError, ConfigError, EnrolmentError, LlmgwError
+from llmgw.contracts.rekeyproof import proof_message, verify_proof
+from llmgw.errors import CertificateError, ConfigError, EnrolmentError, LlmgwError, NotFound
 from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport
-from llmgw.server.states import TokenKind
+from llmgw.server.states import NodeState, TokenKind
 from llmgw.server.store import Certificate, Node, Store
 
 __all__ = [
     "MAX_BODY",
+    "RENEWED",
     "EnrolRequest",
     "Enroller",
     "EnrolmentServer",
@@ -64,12 +68,25 @@ def record_certificate(store: Store, node_id: str, cert: x509.Certificate) -> Ce
     )
 
 
+RENEWED = "replaced by a renewal"
+"""The revocation reason of a certificate a renewal replaced: its key was still the node's
+until the node took the renewed one (it may not have, if it stopped in between)."""
+
+
 READ_TIMEOUT = 30.0
 """Seconds a client may take to send its request body."""
 
-_FIELDS = {"token": str, "node_id": str, "csr": str, "rekey": bool, "node_uid": str}
+_FIELDS = {
+    "token": str,
+    "node_id": str,
+    "csr": str,
+    "rekey": bool,
+    "node_uid": str,
+    "lost_state": bool,
+    "proof": dict,
+}
 _REQUIRED = ("token", "node_id", "csr")
-_JSON_TYPE = {str: "a string", bool: "true or false"}
+_JSON_TYPE = {str: "a string", bool: "true or false", dict: "an object"}
 _NODE_UID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _FIELD_HELP = {
     "token": "give the token printed by 'llmgw ctl join-command'",
@@ -77,6 +94,8 @@ _FIELD_HELP = {
     "csr": "give the PEM certificate request made with the node's own key",
     "rekey": "true for a rekey, false (or left out) for a join",
     "node_uid": "give the uid the node got when it joined, or null for a join",
+    "lost_state": "true for a rekey by a node whose state directory is gone, else false",
+    "proof": "give the old key's signature that 'llmgw agent join --rekey' makes",
 }
 
 
@@ -117,6 +136,8 @@ class EnrolRequest:
     csr: str = field(repr=False)
     rekey: bool = False
     node_uid: str | None = None
+    lost_state: bool = False
+    proof: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def kind(self) -> str:
@@ -164,6 +185,7 @@ def parse_enrol_request(body: bytes) -> EnrolRequest:
             )
     token, node_id, csr = data["token"], data["node_id"], data["csr"]
     rekey = bool(data.get("rekey", False))
+    lost_state = bool(data.get("lost_state", False))
     node_uid: str | None = data.get("node_uid")
     if not token:
         raise _bad_request(f"field 'token' is empty; {_FIELD_HELP['token']}")
@@ -174,6 +196,11 @@ def parse_enrol_request(body: bytes) -> EnrolRequest:
     except ConfigError as exc:
         reason = exc.message.removeprefix("node_id: ")  # ConfigError names the key itself
         raise _bad_request(f"field 'node_id': {reason}") from exc
+    if lost_state and not rekey:
+        raise _bad_request(
+            "field 'lost_state' is true but 'rekey' is not; a node that lost its state "
+            "directory re-pairs by a rekey with the uid it had ('llmgw agent join --node-uid')"
+        )
     if rekey:
         if not node_uid:
             raise _bad_request(
@@ -191,6 +218,8 @@ def parse_enrol_request(body: bytes) -> EnrolRequest:
         csr=csr,
         rekey=rekey,
         node_uid=node_uid if rekey else None,
+        lost_state=lost_state,
+        proof=data.get("proof") if rekey else None,
     )
 
 
@@ -227,6 +256,61 @@ class Enroller:
                 status=403,
             ) from exc
 
+    def _check_old_key(self, req: EnrolRequest, new_fp: str) -> None:
+        """Refuse a plain rekey that does not prove, by a signature, a key the control plane
+        issued a live certificate for (the uid alone is no secret). A node not known, revoked
+        or of another uid is left to :meth:`Store.enrol_node`, which refuses it by name."""
+        try:
+            node = self.store.get_node(req.node_id)
+        except NotFound:
+            return
+        if node.state == NodeState.REVOKED or node.uid != req.node_uid:
+            return
+        repair = (
+            f"if its key is gone, re-pair it: 'llmgw ctl join-command --rekey {node.id} "
+            f"--lost-state', then 'llmgw agent join --node-uid {node.uid}' on the node"
+        )
+        if req.proof is None:
+            raise EnrolmentError(
+                f"a rekey of {node.id} proves the node's current key, and this request carries "
+                "no proof (an agent older than the control plane sends none): upgrade the "
+                f"agent first (install-agent.sh upgrade), then rekey; {repair}",
+                code="old_key_unproven",
+                status=403,
+            )
+        message = proof_message(
+            node_id=node.id, node_uid=node.uid, new_key_fingerprint=new_fp, token=req.token
+        )
+        try:
+            proved = verify_proof(req.proof, message)
+        except ValueError as exc:
+            raise EnrolmentError(
+                f"the proof of {node.id}'s current key is refused: {exc}; rekey with 'llmgw "
+                f"agent join --rekey' on the node itself; {repair}",
+                code="old_key_unproven",
+                status=403,
+            ) from None
+        if proved not in self._current_keys(node.id) | {node.fingerprint}:
+            raise EnrolmentError(
+                f"the key this node proved ({proved}) is not {node.id}'s: no live certificate "
+                f"of {node.id} is for it; rekey on the node itself, or {repair}",
+                code="old_key_unknown",
+                status=403,
+            )
+
+    def _current_keys(self, node_id: str) -> set[str]:
+        """The fingerprints of the keys of the node's current identity: its certificates
+        since the last one a join, rekey, rejection or revocation ended, live or replaced by
+        a renewal (a node that stopped before it took its renewed certificate still has the
+        key of the one before)."""
+        keys: set[str] = set()
+        for cert in self.store.list_certificates(node_id):  # oldest first
+            if cert.revoked and cert.reason != RENEWED:
+                keys.clear()  # an identity ended here; what came before is not the node's
+            else:
+                keys.add(cert.fingerprint)
+        return keys
+
     def enrol(self, req: EnrolRequest, *, peer: str = "") -> dict[str, Any]:
         """Use the token, check the CSR, record the node and its certificate, and return the
         response body. Any refusal (an :class:`EnrolmentError`) leaves the store untouched."""
@@ -236,22 +320,40 @@ class Enroller:
             with store.transaction():
                 # The token first: an unknown one is refused before any parsing work.
                 token = store.consume_join_token(
-                    req.token, node_id=req.node_id, kind=req.kind, node_uid=req.node_uid
+                    req.token,
+                    node_id=req.node_id,
+                    kind=req.kind,
+                    node_uid=req.node_uid,
+                    lost_state=req.lost_state,
                 )
                 self._check_node_id_free(token.node_id)
                 csr = pki.load_csr(req.csr)
                 pki.check_csr(csr, token.node_id)
                 fp = pki.fingerprint(csr.public_key())
+                if req.rekey and not token.lost_state:
+                    self._check_old_key(req, fp)
                 node = store.enrol_node(
                     token.node_id,
                     fingerprint=fp,
                     rekey=req.rekey,
                     node_uid=req.node_uid,
-                    require_approval=token.require_approval,
+                    # A node without its old key proves nothing but the token: the operator
+                    # approves the new key by its fingerprint.
+                    require_approval=token.require_approval or token.lost_state,
                 )
                 cert = pki.sign_csr(self.ca, csr, node_id=node.id, lifetime=self.lifetime)
                 serial = record_certificate(store, node.id, cert).serial
-                if req.rekey:
+                if req.rekey and token.lost_state:
+                    store.revoke_certificates(node.id, reason="re-paired", except_serial=serial)
+                    store.add_event(
+                        "node_repaired",
+                        node.id,
+                        f"re-paired {'without' if req.lost_state else 'with'} its old state "
+                        f"(uid {node.uid} kept): new key {fp}, certificate {serial}; older "
+                        "certificates revoked; compare the fingerprint and approve it with "
+                        f"'llmgw ctl approve {node.id}'",
+                    )
+                elif req.rekey:
                     store.revoke_certificates(node.id, reason="rekeyed", except_serial=serial)
                     store.add_event(
                         "node_rekeyed",
@@ -274,7 +376,9 @@ class Enroller:
             )
             raise
         log.info(
-            "node enrolled" if not req.rekey else "node rekeyed",
+            "node enrolled"
+            if not req.rekey
+            else ("node re-paired" if token.lost_state else "node rekeyed"),
             extra=kv(
                 node=node.id,
                 uid=node.uid,

@@ -21,7 +21,7 @@ from llmgw.errors import Conflict, LlmgwError, NotFound
 from llmgw.log import kv
 from llmgw.pki import Authority, check_csr, fingerprint, load_csr, serial_hex, sign_csr
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.enroll import record_certificate
+from llmgw.server.enroll import RENEWED, record_certificate
 from llmgw.server.reports import store_inventory
 from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
@@ -32,9 +32,6 @@ from llmgw.server.stream import NodeSession
 __all__ = ["Membership"]
 
 log = logging.getLogger("llmgw.server.nodes")
-
-RENEWED = "replaced by a renewal"
-"""The revocation reason of a certificate a renewal replaced."""
 
 
 class Membership:

@@ -1,7 +1,11 @@
 """Join tokens: what a token is, and when one may be spent.
 
 A join token is a one-time secret (``llmgwjt_`` + 43 random characters) that lets one
-node join, or rekey, once, before it expires. The store keeps only its hash and its
+node join, or rekey, once, before it expires. A rekey token is bound to the node's uid and
+spent by a node that still has its state directory (its uid read from there); a *lost-state*
+rekey token (``join-command --rekey NODE --lost-state``) is spent by a node whose state
+directory is gone, which names its uid itself (``llmgw agent join --node-uid UID``): same
+node record, new key, and the node waits for approval by fingerprint again. The store keeps only its hash and its
 prefix (:mod:`llmgw.server.store` persists them as :class:`JoinToken` rows); this module makes the secrets,
 hashes them, checks what is asked of a new token, and decides, with the message an
 operator reads, why a token is refused.
@@ -57,6 +61,7 @@ class JoinToken:
     expires_at: float
     used_at: float | None
     revoked_at: float | None
+    lost_state: bool = False
     as_of: float = field(default=0.0, compare=False, repr=False)
 
     @property
@@ -96,11 +101,27 @@ def check_kind(kind: str) -> TokenKind:
         raise ValueError(f"{kind!r} is not a join token kind; use 'join' or 'rekey'") from None
 
 
-def check_new(node_id: str, *, kind: str, ttl: float, node_uid: str | None) -> TokenKind:
+def check_new(
+    node_id: str,
+    *,
+    kind: str,
+    ttl: float,
+    node_uid: str | None,
+    lost_state: bool = False,
+    require_approval: bool = False,
+) -> TokenKind:
     """Refuse (ValueError) a token that could never be spent: a rekey token binds the
-    node's current uid, a join token none; the ttl is a positive number of seconds."""
+    node's current uid, a join token none; a lost-state token is a rekey token that needs
+    approval again; the ttl is a positive number of seconds."""
     validate_node_id(node_id)
     token_kind = check_kind(kind)
+    if lost_state and token_kind != TokenKind.REKEY:
+        raise ValueError("lost_state goes with rekey tokens only (a join needs no old key)")
+    if lost_state and not require_approval:
+        raise ValueError(
+            "a lost-state rekey token needs require_approval: the node's new key is approved "
+            "by its fingerprint again"
+        )
     if token_kind == TokenKind.REKEY and not node_uid:
         raise ValueError(f"a rekey token for {node_id} needs the node's uid (node_uid)")
     if token_kind == TokenKind.JOIN and node_uid is not None:
@@ -110,8 +131,12 @@ def check_new(node_id: str, *, kind: str, ttl: float, node_uid: str | None) -> T
     return token_kind
 
 
-def check_use(token: JoinToken, *, node_id: str, kind: str, node_uid: str | None) -> None:
-    """Raise the TokenError that refuses *token* for a *kind* of *node_id*, if any."""
+def check_use(
+    token: JoinToken, *, node_id: str, kind: str, node_uid: str | None, lost_state: bool = False
+) -> None:
+    """Raise the TokenError that refuses *token* for a *kind* of *node_id* (a rekey by a node
+    that lost its state directory with *lost_state*), if any. A lost-state token spent by a
+    node that still has its state is not refused: it shows more than the token asks."""
     if token.revoked_at is not None:
         raise TokenError(
             f"{token.kind} token {token.id} for {token.node_id} was revoked at "
@@ -137,13 +162,33 @@ def check_use(token: JoinToken, *, node_id: str, kind: str, node_uid: str | None
     if token.kind != kind:
         if token.kind == TokenKind.REKEY:
             message = f"this is a rekey token for {token.node_id}; run 'llmgw agent join --rekey'"
+        elif lost_state:
+            message = (
+                f"this is a join token for {token.node_id}; --node-uid re-pairs a node with a "
+                f"lost-state rekey token: 'llmgw ctl join-command --rekey {token.node_id} "
+                "--lost-state'"
+            )
         else:
             message = (
                 f"this is a join token for {token.node_id}, not a rekey token; run "
                 "'llmgw agent join' without --rekey"
             )
         raise TokenError(message, code="token_wrong_kind")
+    if kind == TokenKind.REKEY and lost_state and not token.lost_state:
+        raise TokenError(
+            f"rekey token {token.id} for {token.node_id} needs the node's old identity (its "
+            "state directory), which this node does not have; for a node whose state directory "
+            f"is gone mint 'llmgw ctl join-command --rekey {token.node_id} --lost-state'",
+            code="token_needs_old_key",
+        )
     if kind == TokenKind.REKEY and token.node_uid != node_uid:
+        if lost_state:
+            raise TokenError(
+                f"rekey token {token.id} re-pairs {token.node_id} with uid {token.node_uid}, "
+                f"not {node_uid or '(none)'}; give --node-uid {token.node_uid} as printed by "
+                "'llmgw ctl join-command --rekey NODE --lost-state'",
+                code="node_uid_mismatch",
+            )
         raise TokenError(
             f"rekey token {token.id} is bound to {token.node_id} with uid {token.node_uid}, but "
             f"this node has uid {node_uid or '(none)'}; the node joined afresh since the token "
@@ -212,6 +257,8 @@ def used_refusal(token: JoinToken, used_at: float | None) -> TokenError:
 
 
 def _mint_hint(token: JoinToken) -> str:
+    if token.lost_state:
+        return f"mint a new one with 'llmgw ctl join-command --rekey {token.node_id} --lost-state'"
     if token.kind == TokenKind.REKEY:
         return (
             f"mint a new rekey token for {token.node_id}, or join it afresh with "

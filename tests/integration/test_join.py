@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import shlex
+import shutil
 import socket
 import ssl
 import subprocess
@@ -85,17 +86,24 @@ class JoinCommand:
     enroll_url: str
     ca_hash: str
     rekey: bool
+    node_uid: str | None = None
 
 
-def join_command(server: Server, tmp: Path, node_id: str, *, rekey: bool = False) -> JoinCommand:
-    data = ctl_json(server, tmp, "join-command", "--rekey" if rekey else "--node", node_id)
+def join_command(
+    server: Server, tmp: Path, node_id: str, *, rekey: bool = False, lost_state: bool = False
+) -> JoinCommand:
+    extra = ["--lost-state"] if lost_state else []
+    data = ctl_json(server, tmp, "join-command", "--rekey" if rekey else "--node", node_id, *extra)
     words = shlex.split(data["command"])
     # LLMGW_JOIN_TOKEN=… llmgw agent join --node-id N --enroll-url U --ca-hash H [--rekey]
+    # (a lost-state re-pair: --node-uid UID instead of --rekey)
     assert words[0].startswith("LLMGW_JOIN_TOKEN=")
     assert words[1:4] == ["llmgw", "agent", "join"]
     opts = dict(zip(words[4::2], words[5::2], strict=False))
     assert opts["--node-id"] == node_id
-    assert ("--rekey" in words) == rekey
+    assert ("--rekey" in words) == (rekey and not lost_state)
+    assert opts.get("--node-uid") == data["node_uid"]
+    assert (data["node_uid"] is not None) == lost_state
     token = words[0].split("=", 1)[1]
     assert token == data["token"]
     assert opts["--enroll-url"] == data["enroll_url"]
@@ -107,7 +115,8 @@ def join_command(server: Server, tmp: Path, node_id: str, *, rekey: bool = False
         token=token,
         enroll_url=opts["--enroll-url"],
         ca_hash=opts["--ca-hash"],
-        rekey=rekey,
+        rekey=rekey and not lost_state,
+        node_uid=opts.get("--node-uid"),
     )
 
 
@@ -136,6 +145,7 @@ def agent_join(
     ca_hash: str | None = None,
     token: str | None = None,
     rekey: bool | None = None,
+    node_uid: str | None = None,
 ) -> JoinRun:
     """``llmgw agent join`` as a subprocess with the token in LLMGW_JOIN_TOKEN only; reads
     /proc/PID/cmdline while it runs."""
@@ -156,6 +166,8 @@ def agent_join(
         argv += ["--state-dir", str(state_dir)]
     if cmd.rekey if rekey is None else rekey:
         argv.append("--rekey")
+    if node_uid is not None:
+        argv += ["--node-uid", node_uid]
     env = _base_env(tmp)
     env["LLMGW_JOIN_TOKEN"] = token or cmd.token
     proc = subprocess.Popen(
@@ -724,6 +736,57 @@ def test_after_a_rekey_new_dataplane_connections_present_the_new_certificate(
         timeout=3,
         what=f"the data plane to present certificate {new_serial}, not the revoked {old_serial}",
     )
+
+
+def test_a_node_that_lost_its_state_directory_re_pairs_as_the_same_node(
+    server: Server, tmp_path: Path, nodes: Nodes
+) -> None:
+    n, replica = approved_with_replica(server, tmp_path, nodes, "gpu-01", "m")
+    before = node(server, "gpu-01") or {}
+    uid = (n.state / "node.uid").read_text().strip()
+    nodes.stop(n)
+    shutil.rmtree(n.state)  # the disk was replaced; agent.yaml survived
+
+    # A plain rekey token needs the old identity: refused, and the token stays unspent.
+    plain = join_command(server, tmp_path, "gpu-01", rekey=True)
+    run = agent_join(tmp_path, plain, config=n.config, rekey=False, node_uid=uid)
+    assert run.returncode == 1
+    assert "(token_needs_old_key)" in run.stderr, run.stderr
+    assert "'llmgw ctl join-command --rekey gpu-01 --lost-state'" in run.stderr
+    assert not n.state.exists() or not (n.state / "node.uid").exists()
+
+    cmd = join_command(server, tmp_path, "gpu-01", rekey=True, lost_state=True)
+    assert cmd.node_uid == uid
+    # Another uid than the token's is refused, saying which to give.
+    wrong = agent_join(tmp_path, cmd, config=n.config, node_uid="f" * 32)
+    assert wrong.returncode == 1
+    assert f"give --node-uid {uid}" in wrong.stderr, wrong.stderr
+    run = agent_join(tmp_path, cmd, config=n.config, node_uid=cmd.node_uid)
+    assert run.returncode == 0, run.stderr
+    assert f"node gpu-01 re-paired (uid {uid})" in run.stdout
+    assert "state: pending" in run.stdout
+    assert (n.state / "node.uid").read_text().strip() == uid
+    # The token is spent: a second re-pair with it is refused.
+    again = agent_join(tmp_path, cmd, config=n.config, node_uid=uid)
+    assert again.returncode == 1 and "already has an identity" not in again.stderr
+    assert "still has its identity" in again.stderr
+
+    start_agent(n.agent)
+    got = wait_connected(server, n, state="pending")
+    assert got["uid"] == uid and got["fingerprint"] == run.fingerprint
+    assert got["uid"] == before["uid"]
+    events = ctl_json(server, tmp_path, "events", "--subject", "gpu-01", "--limit", "1000")
+    kinds = [e["kind"] for e in events]
+    assert "node_repaired" in kinds and "node_enrolled" in kinds  # the history is kept
+    # Approved by its new fingerprint, it takes work again.
+    wrong_fp = ctl(server, tmp_path, "approve", "gpu-01", "--fingerprint", n.fingerprint)
+    assert wrong_fp.returncode != 0
+    approve = ctl(server, tmp_path, "approve", "gpu-01", "--fingerprint", run.fingerprint)
+    assert approve.returncode == 0, approve.stderr
+    again_ready = ready_replica(server, "m")
+    assert again_ready["node"] == "gpu-01"
+    assert complete(server, server.api_key(), "m")
+    del replica
 
 
 # --------------------------------------------------------------------------- 6. junk

@@ -10,8 +10,10 @@ from click.core import ParameterSource
 
 from llmgw.agent.join import JoinResult, join
 from llmgw.cli.prompts import read_secret
+from llmgw.contracts.nodefacts import NodeFacts
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT
+from llmgw.errors import ConfigError
 
 __all__ = ["TOKEN_ENV", "join_command"]
 
@@ -61,6 +63,30 @@ TOKEN_ENV = "LLMGW_JOIN_TOKEN"
     help="Replace this node's key with a rekey token; it keeps its uid, and the old key "
     "and certificate are kept as *.old.",
 )
+@click.option(
+    "--node-uid",
+    metavar="UID",
+    help="Re-pair a node whose state directory is gone, keeping its record: the uid and the "
+    "lost-state rekey token printed by 'llmgw ctl join-command --rekey NODE --lost-state'. "
+    "It needs approval by fingerprint again.",
+)
+@click.option(
+    "--fabric",
+    "fabrics",
+    multiple=True,
+    metavar="NAME:HCA[,HCA...]",
+    help="A fabric this node is on and its adapters, as in /sys/class/infiniband "
+    "(repeatable; 'none' alone: no fabric). Written to the agent.yaml this join writes.",
+)
+@click.option("--nvidia-smi", metavar="PATH", help="nvidia-smi's absolute path (discovery).")
+@click.option("--ib-root", metavar="DIR", help="The InfiniBand sysfs root (discovery).")
+@click.option(
+    "--engine",
+    "engines",
+    multiple=True,
+    metavar="NAME=PATH",
+    help="An engine's program, e.g. vllm=/opt/vllm/bin/vllm (repeatable).",
+)
 @click.pass_context
 def join_command(
     ctx: click.Context,
@@ -70,10 +96,26 @@ def join_command(
     join_config: Path | None,
     state_dir: Path | None,
     rekey: bool,
+    node_uid: str | None,
+    fabrics: tuple[str, ...],
+    nvidia_smi: str | None,
+    ib_root: str | None,
+    engines: tuple[str, ...],
 ) -> None:
     """Enrol this node with the control plane; the join token comes from LLMGW_JOIN_TOKEN
     or a prompt, never from an argument."""
     config_path = _config_path(ctx, join_config)
+    if rekey and node_uid is not None:
+        raise click.UsageError(
+            "give --rekey (the node has its state directory) or --node-uid UID (it is gone), "
+            "not both"
+        )
+    try:
+        facts = NodeFacts.parse(
+            fabrics=fabrics, nvidia_smi=nvidia_smi, ib_root=ib_root, engines=engines
+        )
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     result = join(
         node_id=node_id,
         enroll_url=enroll_url,
@@ -82,6 +124,8 @@ def join_command(
         config_path=config_path,
         state_dir=state_dir,
         rekey=rekey,
+        node_uid=node_uid,
+        facts=facts,
     )
     click.echo(_report(result))
 
@@ -106,7 +150,7 @@ def _config_path(ctx: click.Context, join_config: Path | None) -> Path:
 
 def _report(result: JoinResult) -> str:
     paths = result.paths
-    verb = "rekeyed" if result.rekeyed else "joined"
+    verb = "re-paired" if result.repaired else ("rekeyed" if result.rekeyed else "joined")
     lines = [
         f"node {result.node_id} {verb} (uid {result.node_uid})",
         f"fingerprint: {result.fingerprint}",
@@ -122,7 +166,7 @@ def _report(result: JoinResult) -> str:
         lines.append(f"previous:    {kept}")
     config_note = "written" if result.config_written else "kept as it was"
     lines.append(f"config:      {paths.config} ({config_note})")
-    if result.rekeyed:
+    if result.rekeyed or result.repaired:
         start = "restart the agent to use the new identity: sudo systemctl restart llmgw-agent"
     else:
         start = (

@@ -12,6 +12,8 @@ import click
 from llmgw.cli.common import Duration, ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import echo_json, table, until
+from llmgw.contracts.nodefacts import FACT_OPTIONS, NodeFacts
+from llmgw.errors import ConfigError
 
 __all__ = ["join_command", "tokens"]
 
@@ -40,6 +42,47 @@ __all__ = ["join_command", "tokens"]
     is_flag=True,
     help="With --rekey: the node needs approval again after rekeying.",
 )
+@click.option(
+    "--lost-state",
+    is_flag=True,
+    help="With --rekey: the node's state directory is gone (no old key): the token re-pairs "
+    "it by its uid (printed in the command: agent join --node-uid UID), keeping its record "
+    "and history; it needs approval by fingerprint again.",
+)
+@click.option(
+    "--fabric",
+    "fabrics",
+    multiple=True,
+    metavar="NAME:HCA[,HCA...]",
+    help="A fabric the node is on and its adapters, as in /sys/class/infiniband "
+    "(repeatable; 'none' alone: no fabric).",
+)
+@click.option("--nvidia-smi", metavar="PATH", help="nvidia-smi's absolute path on the node.")
+@click.option(
+    "--ib-root", metavar="DIR", help="The InfiniBand sysfs root (default /sys/class/infiniband)."
+)
+@click.option(
+    "--engine",
+    "engines",
+    multiple=True,
+    metavar="NAME=PATH",
+    help="An engine's program on the node, e.g. vllm=/opt/vllm/bin/vllm (repeatable; 'none' "
+    "alone: no engine program).",
+)
+@click.option("--models-root", metavar="DIR", help="Installer: where the node keeps models.")
+@click.option("--cache-root", metavar="DIR", help="Installer: the node's cache folder.")
+@click.option(
+    "--firewall-from",
+    multiple=True,
+    metavar="CIDR",
+    help="Installer: open the agent's ports to this address or network (repeatable).",
+)
+@click.option(
+    "--fabric-peers",
+    multiple=True,
+    metavar="CIDR",
+    help="Installer: the fabric's own network, allowed the multi-node ports (repeatable).",
+)
 @pass_ctl
 def join_command(
     c: Ctl,
@@ -48,13 +91,50 @@ def join_command(
     ttl: float,
     address: str | None,
     require_approval: bool,
+    lost_state: bool,
+    fabrics: tuple[str, ...],
+    nvidia_smi: str | None,
+    ib_root: str | None,
+    engines: tuple[str, ...],
+    models_root: str | None,
+    cache_root: str | None,
+    firewall_from: tuple[str, ...],
+    fabric_peers: tuple[str, ...],
 ) -> None:
-    """Mint a one-time token and print the command to paste on the node."""
+    """Mint a one-time token and print the command to paste on the node: with agent bundles
+    on the control plane, a one-liner that downloads and checks the bundle and runs its
+    install-agent.sh (install, or rekey); else 'llmgw agent join'. Node facts (--fabric,
+    --nvidia-smi, --ib-root, --engine; for the installer also --models-root, --cache-root,
+    --firewall-from, --fabric-peers) are appended to it."""
     if bool(node) == bool(rekey_node):
         raise click.UsageError("give exactly one of --node NODE (a new node) or --rekey NODE")
     if require_approval and not rekey_node:
         raise click.UsageError(
             "--require-approval goes with --rekey (a fresh join always needs approval)"
+        )
+    if lost_state and not rekey_node:
+        raise click.UsageError(
+            "--lost-state goes with --rekey NODE: it re-pairs a joined node whose state "
+            "directory is gone (a new node needs none: --node NODE)"
+        )
+    try:
+        facts = NodeFacts.parse(
+            fabrics=fabrics,
+            nvidia_smi=nvidia_smi,
+            ib_root=ib_root,
+            engines=engines,
+            models_root=models_root,
+            cache_root=cache_root,
+            firewall_from=firewall_from,
+            fabric_peers=fabric_peers,
+        )
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    if rekey_node and not lost_state and facts.given(FACT_OPTIONS):
+        raise click.UsageError(
+            f"{', '.join(facts.given(FACT_OPTIONS))} go with --node (a join) or --rekey NODE "
+            "--lost-state (a re-pair); a rekey keeps the node's agent.yaml: to change its facts "
+            "run install-agent.sh install with them on the node"
         )
     body: dict[str, Any] = {
         "node": node or rekey_node,
@@ -62,6 +142,10 @@ def join_command(
         "rekey": bool(rekey_node),
         "require_approval": require_approval,
     }
+    if lost_state:
+        body["lost_state"] = True
+    if facts.as_json():
+        body["facts"] = facts.as_json()
     if address:
         body["address"] = address
     data = c.call("POST", "/api/join-tokens", body)
@@ -72,9 +156,13 @@ def join_command(
         click.echo(f"warning: {data['warning']}", err=True)
     expires = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(data["expires_at"]))
     what = "rekey" if data["kind"] == "rekey" else "join"
+    if data.get("lost_state"):
+        what = "lost-state rekey"
     click.echo(
         f"{what} token {data['id']} for node {data['node']}, valid until {expires} (one use)"
     )
+    if data.get("node_uid"):
+        click.echo(f"node uid:  {data['node_uid']} (kept: same record, history and placement)")
     click.echo(f"enrol URL: {data['enroll_url']}")
     click.echo(f"CA hash:   {data['ca_hash']}")
     click.echo("")
@@ -112,7 +200,14 @@ def tokens(ctx: click.Context, include_all: bool) -> None:
         return "active" if t["active"] else "expired"
 
     rows = [
-        [t["id"], t["node"], t["kind"], t["prefix"] + "…", until(t["expires_at"]), state(t)]
+        [
+            t["id"],
+            t["node"],
+            t["kind"] + (" (lost-state)" if t.get("lost_state") else ""),
+            t["prefix"] + "…",
+            until(t["expires_at"]),
+            state(t),
+        ]
         for t in data
     ]
     click.echo(table(["ID", "NODE", "KIND", "PREFIX", "EXPIRES", "STATE"], rows))

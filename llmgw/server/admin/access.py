@@ -7,6 +7,7 @@ import shlex
 
 from aiohttp import web
 
+from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, INSTALLER_FACTS, NodeFacts
 from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.netaddr import check_node_id_free, format_hostport, parse_hostport
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
@@ -79,7 +80,24 @@ class AccessRoutes:
         if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 60 <= ttl <= 7 * 86400:
             raise BadRequest("ttl must be between 60 seconds and 7 days")
         rekey = bool(body.get("rekey", False))
-        require_approval = bool(body.get("require_approval", False))
+        lost_state = bool(body.get("lost_state", False))
+        require_approval = bool(body.get("require_approval", False)) or lost_state
+        if lost_state and not rekey:
+            raise BadRequest(
+                "lost_state goes with rekey: re-pairing a node whose state directory is gone is "
+                f"'llmgw ctl join-command --rekey {node_id} --lost-state'"
+            )
+        try:
+            facts = NodeFacts.from_json(body.get("facts"))
+        except ConfigError as exc:
+            raise BadRequest(f"{exc}; fix the option and run join-command again") from None
+        if rekey and not lost_state and facts.as_json():
+            raise BadRequest(
+                f"node facts ({', '.join(facts.given(FACT_OPTIONS))}) go with a join (--node) "
+                "or a re-pair (--rekey NODE --lost-state); a rekey keeps the node's agent.yaml. "
+                "To change them on a joined node, run its installer again: install-agent.sh "
+                "install with them"
+            )
         host, http_port = self._join_address(request, body.get("address"))
         warning = None
         node_uid = None
@@ -100,27 +118,33 @@ class AccessRoutes:
                 warning = (
                     f"node {node_id} already exists ({existing.state}); a fresh join gives it a new "
                     "identity, denies its old certificates and needs approval again. To replace "
-                    f"only its key use 'llmgw ctl join-command --rekey {node_id}'"
+                    f"only its key use 'llmgw ctl join-command --rekey {node_id}' (with "
+                    "--lost-state if its state directory is gone)"
                 )
+        # With agent bundles to serve, a node needs nothing but curl: the one-liner downloads
+        # the bundle for its architecture, checks its hash and runs the installer (for a
+        # rekey its 'rekey' verb, which stops the agent, rekeys and starts it again).
+        bundles = [] if self.ctx.bundles is None else await self.ctx.bundles.bundles()
+        installer_only = facts.given(INSTALLER_FACTS)
+        if installer_only and not bundles:
+            raise BadRequest(
+                f"{', '.join(installer_only)} are options of the installer, and this control "
+                "plane serves no agent bundles to print its one-liner with; copy "
+                "llmgw-agent-*-linux-<arch>.tar.gz into its bundle_dir (make dist), or leave "
+                "them out and pass them to install-agent.sh on the node"
+            )
         token, secret = self.ctx.store.create_join_token(
             node_id,
             kind=TokenKind.REKEY if rekey else TokenKind.JOIN,
             ttl=float(ttl),
             node_uid=node_uid,
             require_approval=require_approval,
+            lost_state=lost_state,
         )
         enroll_url = f"https://{format_hostport(host, self.ctx.listening.enroll_port)}"
         ca_hash = self.ctx.ca.ca_hash()
-        # Everything in a command for an operator to paste is quoted for the shell, whatever
-        # validation it went through.
-        q = shlex.quote
-        command = (
-            f"LLMGW_JOIN_TOKEN={q(secret)} llmgw agent join --node-id {q(node_id)} "
-            f"--enroll-url {q(enroll_url)} --ca-hash {q(ca_hash)}" + (" --rekey" if rekey else "")
-        )
-        # With agent bundles to serve, a new node needs nothing but curl: the one-liner
-        # downloads the bundle for its architecture, checks its hash and runs the installer.
-        bundles = [] if rekey or self.ctx.bundles is None else await self.ctx.bundles.bundles()
+        # A re-pair names the uid it keeps: the node has no state directory to read it from.
+        repair = ["--node-uid", node_uid] if lost_state and node_uid else []
         if bundles:
             tls = self.ctx.tls
             command = one_liner(
@@ -133,19 +157,43 @@ class AccessRoutes:
                 # A new node does not trust the cluster CA yet, and curl cannot pin one by
                 # its key hash: the download's integrity is the SHA-256 in the command.
                 verify_tls=tls is None or not tls.cluster,
+                verb="rekey" if rekey and not lost_state else "install",
+                extra_args=[*repair, *facts.args()],
             )
+        else:
+            # Everything in a command for an operator to paste is quoted for the shell,
+            # whatever validation it went through.
+            args = [
+                "llmgw",
+                "agent",
+                "join",
+                "--node-id",
+                node_id,
+                "--enroll-url",
+                enroll_url,
+                "--ca-hash",
+                ca_hash,
+                *(["--rekey"] if rekey and not lost_state else []),
+                *repair,
+                *facts.args(AGENT_FACTS),
+            ]
+            command = f"LLMGW_JOIN_TOKEN={shlex.quote(secret)} " + shlex.join(args)
+        what = "lost-state rekey" if lost_state else str(token.kind)
         self.ctx.store.add_event(
-            "join_token_created", node_id, f"{token.kind} token {token.id}, expires in {ttl:.0f}s"
+            "join_token_created", node_id, f"{what} token {token.id}, expires in {ttl:.0f}s"
         )
         return web.json_response(
             {
                 "id": token.id,
                 "node": node_id,
                 "kind": token.kind,
+                "lost_state": token.lost_state,
+                "node_uid": node_uid if lost_state else None,
                 "token": secret,
                 "expires_at": token.expires_at,
                 "enroll_url": enroll_url,
                 "ca_hash": ca_hash,
+                "facts": facts.as_json(),
                 "command": command,
                 "warning": warning,
             },
@@ -197,6 +245,7 @@ class AccessRoutes:
                     "prefix": t.prefix,
                     "node": t.node_id,
                     "kind": t.kind,
+                    "lost_state": t.lost_state,
                     "created_at": t.created_at,
                     "expires_at": t.expires_at,
                     "used_at": t.used_at,

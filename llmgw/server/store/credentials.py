@@ -117,21 +117,31 @@ class JoinTokens:
         ttl: float,
         node_uid: str | None = None,
         require_approval: bool = False,
+        lost_state: bool = False,
     ) -> tuple[JoinToken, str]:
         """Mint a one-time token for *node_id*, valid *ttl* seconds; return its row and the
         secret, which is shown once and stored only as a hash.
 
         A ``rekey`` token is bound to the node's current uid (*node_uid*); with
-        *require_approval* the rekeyed node goes back to pending.
+        *require_approval* the rekeyed node goes back to pending. A *lost_state* rekey token
+        is spent without the old identity (it needs *require_approval*).
         """
-        token_kind = tokens.check_new(node_id, kind=kind, ttl=ttl, node_uid=node_uid)
+        token_kind = tokens.check_new(
+            node_id,
+            kind=kind,
+            ttl=ttl,
+            node_uid=node_uid,
+            lost_state=lost_state,
+            require_approval=require_approval,
+        )
         secret = tokens.new_secret()
         now = self._db.clock()
         with self._db.write():
             token_id = self._db.unused_id("join_tokens", lambda: secrets.token_hex(4))
             self._db.execute(
                 "INSERT INTO join_tokens(id, hash, prefix, node_id, kind, node_uid, "
-                "require_approval, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "require_approval, created_at, expires_at, lost_state) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     token_id,
                     tokens.hash_secret(secret),
@@ -142,6 +152,7 @@ class JoinTokens:
                     int(require_approval),
                     now,
                     now + float(ttl),
+                    int(lost_state),
                 ),
             )
             row = self._db.one("SELECT * FROM join_tokens WHERE id = ?", (token_id,))
@@ -189,10 +200,16 @@ class JoinTokens:
             return self.get_join_token(token.id)
 
     def consume_join_token(
-        self, secret: str, *, node_id: str, kind: str, node_uid: str | None
+        self,
+        secret: str,
+        *,
+        node_id: str,
+        kind: str,
+        node_uid: str | None,
+        lost_state: bool = False,
     ) -> JoinToken:
-        """Check the token *secret* for a *kind* (``join``/``rekey``) of *node_id* and mark it
-        used, atomically: of two racing consumers exactly one wins. Raises
+        """Check the token *secret* for a *kind* (``join``/``rekey``; with *lost_state* a
+        rekey by a node without its old identity) of *node_id* and mark it used, atomically: of two racing consumers exactly one wins. Raises
         :class:`~llmgw.errors.TokenError`; inside :meth:`Store.transaction` the use is undone
         if the transaction rolls back."""
         tokens.check_kind(kind)
@@ -204,7 +221,9 @@ class JoinTokens:
             if row is None:
                 raise tokens.unknown_refusal(node_id)
             token = join_token_from_row(row, now)
-            tokens.check_use(token, node_id=node_id, kind=kind, node_uid=node_uid)
+            tokens.check_use(
+                token, node_id=node_id, kind=kind, node_uid=node_uid, lost_state=lost_state
+            )
             cur = self._db.execute(
                 "UPDATE join_tokens SET used_at = ? "
                 "WHERE id = ? AND used_at IS NULL AND revoked_at IS NULL",
@@ -215,7 +234,11 @@ class JoinTokens:
                 row = self._db.one("SELECT * FROM join_tokens WHERE id = ?", (token.id,))
                 assert row is not None
                 tokens.check_use(
-                    join_token_from_row(row, now), node_id=node_id, kind=kind, node_uid=node_uid
+                    join_token_from_row(row, now),
+                    node_id=node_id,
+                    kind=kind,
+                    node_uid=node_uid,
+                    lost_state=lost_state,
                 )
                 raise tokens.used_refusal(token, now)
             row = self._db.one("SELECT * FROM join_tokens WHERE id = ?", (token.id,))

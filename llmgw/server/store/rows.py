@@ -340,6 +340,7 @@ def join_token_from_row(row: sqlite3.Row, as_of: float) -> JoinToken:
         expires_at=row["expires_at"],
         used_at=row["used_at"],
         revoked_at=row["revoked_at"],
+        lost_state=bool(row["lost_state"]),
         as_of=as_of,
     )
 

@@ -194,6 +194,11 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX node_engines_by_op ON node_engines(op_id);
     """,
+    # 7: rekey tokens for a node whose state directory is gone: spent without the old key
+    # (with the uid they are bound to), the node pending approval again
+    """
+    ALTER TABLE join_tokens ADD COLUMN lost_state INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 
 

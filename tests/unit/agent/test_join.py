@@ -30,6 +30,8 @@ from llmgw.agent import join as join_module
 from llmgw.agent.config import load_agent_config
 from llmgw.agent.join import JoinResult, join
 from llmgw.cli import main, prompts
+from llmgw.contracts.nodefacts import NodeFacts
+from llmgw.contracts.rekeyproof import proof_message, verify_proof
 from llmgw.errors import ConfigError, CSRError, EnrolmentError, PinMismatch, TokenError
 
 NODE = "gpu-01"
@@ -453,6 +455,15 @@ def test_rekey_keeps_the_uid_and_the_previous_identity(fake: Fake, node: Path) -
     assert second.fingerprint != first.fingerprint
     post = fake.posts[-1]
     assert post["rekey"] is True and post["node_uid"] == first.node_uid
+    # It proves the key it had, for this node, uid, new key and token only.
+    message = proof_message(
+        node_id=NODE,
+        node_uid=first.node_uid,
+        new_key_fingerprint=second.fingerprint,
+        token=TOKEN,
+    )
+    assert verify_proof(post["proof"], message) == first.fingerprint
+    assert "lost_state" not in post
     assert (state / "node.key.old").read_bytes() == old_key
     assert (state / "node.crt.old").read_bytes() == old_cert
     assert mode(state / "node.key.old") == 0o600 and mode(state / "node.crt.old") == 0o644
@@ -484,6 +495,34 @@ def test_a_rekey_answered_with_another_uid_changes_nothing(fake: Fake, node: Pat
     with pytest.raises(EnrolmentError, match=f"not this node's '{first.node_uid}'"):
         do_join(fake, node, rekey=True)
     assert snapshot(node) == before
+
+
+@pytest.mark.parametrize("damage", ["missing", "not a key"])
+def test_a_rekey_without_its_key_says_re_pair_and_sends_nothing(
+    fake: Fake, node: Path, damage: str
+) -> None:
+    first = do_join(fake, node)
+    key = node / "state" / "node.key"
+    if damage == "missing":
+        key.unlink()
+    else:
+        key.write_text("garbage")
+    before = snapshot(node)
+    with pytest.raises(EnrolmentError) as info:
+        do_join(fake, node, rekey=True)
+    assert f"'llmgw agent join --node-uid {first.node_uid}'" in str(info.value)
+    assert "--lost-state" in str(info.value)
+    assert len(fake.posts) == 1 and snapshot(node) == before
+    if damage == "not a key":  # moved aside first, as the message says
+        with pytest.raises(EnrolmentError, match="still has its identity"):
+            do_join(fake, node, state_dir=None, node_uid=first.node_uid)
+        return
+    # With its uid kept and its key gone, it re-pairs as that uid (and no other).
+    with pytest.raises(EnrolmentError, match="this state directory is another identity's"):
+        do_join(fake, node, state_dir=None, node_uid="0" * 32)
+    again = do_join(fake, node, state_dir=None, node_uid=first.node_uid)
+    assert again.repaired and fake.posts[-1]["lost_state"] is True
+    assert "proof" not in fake.posts[-1]
 
 
 def test_rekey_without_an_identity_says_join_first(fake: Fake, node: Path) -> None:
@@ -698,3 +737,142 @@ def test_cli_rekey_of_an_approved_node_says_restart(
     assert out.stdout.endswith(
         "next: restart the agent to use the new identity: sudo systemctl restart llmgw-agent\n"
     )
+
+
+# --------------------------------------------------------------------------- re-pair (--node-uid)
+
+
+def test_a_node_that_lost_its_state_re_pairs_with_its_uid(fake: Fake, node: Path) -> None:
+    first = do_join(fake, node)
+    config_before = (node / "etc" / "agent.yaml").read_bytes()
+    for path in (node / "state").iterdir():
+        path.unlink()
+    (node / "state").rmdir()
+
+    again = do_join(fake, node, state_dir=None, node_uid=first.node_uid)
+
+    assert again.repaired and not again.rekeyed and again.node_uid == first.node_uid
+    post = fake.posts[-1]
+    assert (post["rekey"], post["node_uid"], post["lost_state"]) == (True, first.node_uid, True)
+    state = node / "state"
+    assert (state / "node.uid").read_text() == first.node_uid + "\n"
+    key = serialization.load_pem_private_key((state / "node.key").read_bytes(), None)
+    assert pki.fingerprint(key.public_key()) == again.fingerprint != first.fingerprint
+    assert not list(state.glob("*.old"))
+    assert (node / "etc" / "agent.yaml").read_bytes() == config_before
+
+
+def test_a_re_pair_refusals_send_nothing_or_write_nothing(fake: Fake, node: Path) -> None:
+    first = do_join(fake, node)
+    before = snapshot(node)
+    # The state is still there: that is a rekey.
+    with pytest.raises(EnrolmentError, match=r"still has its identity in .*rekey it with --rekey"):
+        do_join(fake, node, state_dir=None, node_uid=first.node_uid)
+    with pytest.raises(ConfigError, match="--rekey and --node-uid go alone"):
+        do_join(fake, node, state_dir=None, node_uid=first.node_uid, rekey=True)
+    with pytest.raises(ConfigError, match="--node-uid: 'a b' is not a node uid"):
+        do_join(fake, node / "other", node_uid="a b")
+    assert len(fake.posts) == 1 and snapshot(node) == before
+    # Answered with another uid: nothing written.
+    fresh = node / "fresh"
+    fake.node_uid = "someone-else"
+    with pytest.raises(EnrolmentError, match="not this node's 'u1'"):
+        do_join(fake, fresh, node_uid="u1")
+    assert snapshot(fresh) == {}
+
+
+# --------------------------------------------------------------------------- node facts
+
+
+def test_node_facts_go_into_the_config_the_join_writes(fake: Fake, node: Path) -> None:
+    facts = NodeFacts.parse(
+        fabrics=["ib-a:mlx5_0,mlx5_1", "ib-b:mlx5_2"],
+        nvidia_smi="/usr/bin/nvidia-smi",
+        ib_root="/sys/class/infiniband",
+        engines=["vllm=/opt/vllm/bin/vllm", "sglang=/opt/sg/bin/python"],
+    )
+    do_join(fake, node, facts=facts)
+    config = node / "etc" / "agent.yaml"
+    data = yaml.safe_load(config.read_text())
+    assert data["fabrics"] == [
+        {"name": "ib-a", "hcas": ["mlx5_0", "mlx5_1"]},
+        {"name": "ib-b", "hcas": ["mlx5_2"]},
+    ]
+    assert data["discovery"] == {
+        "nvidia_smi": "/usr/bin/nvidia-smi",
+        "ib_root": "/sys/class/infiniband",
+    }
+    assert data["engines"] == {
+        "vllm": {"bin": "/opt/vllm/bin/vllm"},
+        "sglang": {"python": "/opt/sg/bin/python"},
+    }
+    cfg = load_agent_config(config)
+    assert [f.hcas for f in cfg.fabrics] == [("mlx5_0", "mlx5_1"), ("mlx5_2",)]
+    assert cfg.engines.program("vllm") == "/opt/vllm/bin/vllm"
+    # What the agent's own check reads.
+    out = CliRunner().invoke(main, ["agent", "--config", str(config), "--check"])
+    assert out.exit_code == 0, out.output
+
+
+def test_none_leaves_the_fabrics_and_engines_out(fake: Fake, node: Path) -> None:
+    do_join(fake, node, facts=NodeFacts.parse(fabrics=["none"], engines=["none"]))
+    data = yaml.safe_load((node / "etc" / "agent.yaml").read_text())
+    assert "fabrics" not in data and "engines" not in data
+
+
+def test_node_facts_refusals_come_before_the_token_is_sent(fake: Fake, node: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        do_join(fake, node, facts=NodeFacts.parse(models_root="/data/models"))
+    assert "--models-root are options of install-agent.sh, not of 'llmgw agent join'" in str(
+        info.value
+    )
+    assert fake.requests == []
+    do_join(fake, node)
+    before = snapshot(node)
+    with pytest.raises(ConfigError, match=r"a rekey keeps agent\.yaml as it is"):
+        do_join(fake, node, rekey=True, facts=NodeFacts.parse(nvidia_smi="/bin/nvidia-smi"))
+    # A config that exists is kept as it is: the facts would be lost, so they are refused.
+    other = node / "again"
+    other.mkdir()
+    (other / "agent.yaml").write_text((node / "etc" / "agent.yaml").read_text())
+    with pytest.raises(ConfigError, match="exists already and is kept as it is; set them in it"):
+        do_join(
+            fake,
+            node,
+            config_path=other / "agent.yaml",
+            state_dir=None,
+            facts=NodeFacts.parse(engines=["vllm=/opt/vllm"]),
+        )
+    after = {k: v for k, v in snapshot(node).items() if not k.startswith("again/")}
+    assert len(fake.posts) == 1 and after == before
+
+
+def test_cli_node_facts_and_node_uid(fake: Fake, node: Path) -> None:
+    base = ["agent", "join", "--node-id", NODE, "--enroll-url", fake.url]
+    base += ["--ca-hash", fake.ca.ca_hash(), "--config", str(node / "etc" / "agent.yaml")]
+    base += ["--state-dir", str(node / "state")]
+    env = {"LLMGW_JOIN_TOKEN": TOKEN}
+    out = CliRunner().invoke(main, [*base, "--fabric", "ib-a"], env=env)
+    assert out.exit_code == 2
+    assert "--fabric: 'ib-a' names no adapters" in out.stderr
+    out = CliRunner().invoke(main, [*base, "--engine", "sim=/usr/bin/llmgw"], env=env)
+    assert out.exit_code == 2 and "built in and takes no program" in out.stderr
+    out = CliRunner().invoke(main, [*base, "--rekey", "--node-uid", "u1"], env=env)
+    assert out.exit_code == 2 and "not both" in out.stderr
+    assert fake.requests == []
+    out = CliRunner().invoke(
+        main,
+        [*base, "--fabric", "ib-a:mlx5_0", "--ib-root", "/x/ib", "--engine", "vllm=/opt/v/vllm"],
+        env=env,
+    )
+    assert out.exit_code == 0, out.output
+    data = yaml.safe_load((node / "etc" / "agent.yaml").read_text())
+    assert data["fabrics"] == [{"name": "ib-a", "hcas": ["mlx5_0"]}]
+    assert data["engines"] == {"vllm": {"bin": "/opt/v/vllm"}}
+    uid = (node / "state" / "node.uid").read_text().strip()
+    for path in (node / "state").iterdir():
+        path.unlink()
+    out = CliRunner().invoke(main, [*base, "--node-uid", uid], env=env)
+    assert out.exit_code == 0, out.output
+    assert f"node {NODE} re-paired (uid {uid})" in out.stdout
+    assert "restart the agent to use the new identity" in out.stdout

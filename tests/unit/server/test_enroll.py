@@ -22,10 +22,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw import pki
+from llmgw.contracts.rekeyproof import proof_message, sign_proof
 from llmgw.errors import EnrolmentError, StoreError
 from llmgw.server import enroll
 from llmgw.server.enroll import (
     MAX_BODY,
+    RENEWED,
     Enroller,
     EnrolmentServer,
     EnrolRequest,
@@ -146,6 +148,20 @@ def request(secret: str, node_id: str = NODE, **kw: Any) -> dict[str, Any]:
     return body
 
 
+def proved(secret: str, old: Any, uid: str, node_id: str = NODE, **kw: Any) -> dict[str, Any]:
+    """A rekey request whose proof is signed by *old*, the key the node has now."""
+    key = kw.pop("key", None) or pki.new_private_key()
+    message = proof_message(
+        node_id=node_id,
+        node_uid=uid,
+        new_key_fingerprint=pki.fingerprint(key.public_key()),
+        token=secret,
+    )
+    body = request(secret, node_id, key=key, rekey=True, node_uid=uid, **kw)
+    body["proof"] = sign_proof(old, message)
+    return body
+
+
 def check_certificate(
     env: Env, answer: dict[str, Any], key: Any, node_id: str = NODE
 ) -> x509.Certificate:
@@ -248,13 +264,14 @@ def test_fresh_join_of_a_revoked_node(env: Env, cluster_pki: PKI) -> None:
 
 def test_rekey(env: Env, cluster_pki: PKI) -> None:
     async def body(env: Env) -> None:
-        status, joined = await post(env, request(env.mint()))
+        first = pki.new_private_key()
+        status, joined = await post(env, request(env.mint(), key=first))
         assert status == 200
         env.store.set_node_state(NODE, "approved")
         uid = joined["node_uid"]
         key = pki.new_private_key()
         secret = env.mint(kind="rekey", node_uid=uid)
-        status, answer = await post(env, request(secret, key=key, rekey=True, node_uid=uid))
+        status, answer = await post(env, proved(secret, first, uid, key=key))
         assert status == 200, answer
         check_certificate(env, answer, key)
         assert (answer["node_uid"], answer["state"]) == (uid, "approved")
@@ -265,8 +282,171 @@ def test_rekey(env: Env, cluster_pki: PKI) -> None:
         assert env.store.list_events(limit=1)[0].kind == "node_rekeyed"
         # with require_approval the node goes back to pending
         secret = env.mint(kind="rekey", node_uid=uid, require_approval=True)
-        status, answer = await post(env, request(secret, rekey=True, node_uid=uid))
+        status, answer = await post(env, proved(secret, key, uid))
         assert status == 200 and answer["state"] == "pending"
+
+
+def test_a_plain_rekey_must_prove_a_live_key_of_the_node(env: Env, cluster_pki: PKI) -> None:
+    """The uid is no secret: a rekey token and the uid, without the node's key, get nothing."""
+
+    async def body(env: Env) -> None:
+        first = pki.new_private_key()
+        status, joined = await post(env, request(env.mint(), key=first))
+        assert status == 200
+        env.store.set_node_state(NODE, "approved")
+        uid = joined["node_uid"]
+        secret = env.mint(kind="rekey", node_uid=uid)
+
+        async def refused(payload: dict[str, Any], code: str) -> str:
+            before = env.snapshot()
+            status, answer = await post(env, payload)
+            assert (status, answer["error"]["code"]) == (403, code), answer
+            assert env.snapshot() == before  # the token is not spent either
+            return str(answer["error"]["message"])
+
+        message = await refused(request(secret, rekey=True, node_uid=uid), "old_key_unproven")
+        assert "carries no proof" in message and "upgrade the agent first" in message
+        assert f"'llmgw agent join --node-uid {uid}'" in message
+        # Another key's signature (someone else's key): not one issued to the node.
+        message = await refused(proved(secret, pki.new_private_key(), uid), "old_key_unknown")
+        assert f"no live certificate of {NODE} is for it" in message
+        # The right key, but signed for another new key, token or uid: does not verify.
+        stolen = proved(secret, first, uid)
+        stolen["csr"] = request(secret)["csr"]
+        assert "does not verify" in await refused(stolen, "old_key_unproven")
+        other_token = proved(env.mint(kind="rekey", node_uid=uid), first, uid)
+        other_token["token"] = secret
+        await refused(other_token, "old_key_unproven")
+        for junk in ({"key": "x", "signature": "y"}, {"key": 1}, {"signature": "!!"}):
+            await refused(dict(proved(secret, first, uid), proof=junk), "old_key_unproven")
+        status, answer = await post(env, proved(secret, first, uid))
+        assert status == 200, answer
+        # A lost-state token needs no proof: the node goes to approval instead.
+        lost = env.mint(kind="rekey", node_uid=uid, lost_state=True, require_approval=True)
+        status, answer = await post(env, request(lost, rekey=True, node_uid=uid))
+        assert (status, answer["state"]) == (200, "pending")
+
+    serve(env, cluster_pki, body)
+
+
+def test_a_node_that_lost_its_state_re_pairs_by_its_uid(env: Env, cluster_pki: PKI) -> None:
+    async def body(env: Env) -> None:
+        status, joined = await post(env, request(env.mint()))
+        assert status == 200
+        env.store.set_node_state(NODE, "approved")
+        uid = joined["node_uid"]
+        created = env.store.get_node(NODE).created_at
+        key = pki.new_private_key()
+        secret = env.mint(kind="rekey", node_uid=uid, lost_state=True, require_approval=True)
+        status, answer = await post(
+            env, request(secret, key=key, rekey=True, node_uid=uid, lost_state=True)
+        )
+        assert status == 200, answer
+        check_certificate(env, answer, key)
+        # The same record (uid, age), a new key, pending until approved by fingerprint again.
+        assert (answer["node_uid"], answer["state"]) == (uid, "pending")
+        node = env.store.get_node(NODE)
+        assert (node.uid, node.created_at, node.state) == (uid, created, "pending")
+        assert node.fingerprint == answer["fingerprint"]
+        old, new = env.store.list_certificates(NODE)
+        assert old.revoked and old.reason == "re-paired" and not new.revoked
+        event = env.store.list_events(limit=1)[0]
+        assert (event.kind, event.subject) == ("node_repaired", NODE)
+        assert f"re-paired without its old state (uid {uid} kept)" in event.message
+        assert f"'llmgw ctl approve {NODE}'" in event.message
+
+    serve(env, cluster_pki, body)
+
+
+def test_re_pair_refusals_store_nothing(env: Env, cluster_pki: PKI) -> None:
+    async def body(env: Env) -> None:
+        status, joined = await post(env, request(env.mint()))
+        assert status == 200
+        uid = joined["node_uid"]
+        env.store.set_node_state(NODE, "approved")
+        plain = env.mint(kind="rekey", node_uid=uid)
+        lost = env.mint(kind="rekey", node_uid=uid, lost_state=True, require_approval=True)
+        other = env.mint("gpu-2", kind="join")
+
+        async def refused(secret: str, code: str, node_id: str = NODE, **kw: Any) -> str:
+            before = env.snapshot()
+            kw.setdefault("node_uid", uid)
+            status, answer = await post(
+                env, request(secret, node_id, rekey=True, lost_state=True, **kw)
+            )
+            assert (status, answer["error"]["code"]) == (403, code), answer
+            assert env.snapshot() == before
+            return str(answer["error"]["message"])
+
+        # A plain rekey token without the old state: it needs a lost-state one.
+        message = await refused(plain, "token_needs_old_key")
+        assert f"'llmgw ctl join-command --rekey {NODE} --lost-state'" in message
+        assert "give --node-uid" in await refused(lost, "node_uid_mismatch", node_uid="f" * 32)
+        await refused(lost, "token_wrong_node", "gpu-2")
+        await refused(other, "token_wrong_kind", "gpu-2")
+        status, _ = await post(env, request(lost, rekey=True, node_uid=uid, lost_state=True))
+        assert status == 200
+        await refused(lost, "token_used")
+        expiring = env.mint(
+            kind="rekey", node_uid=uid, lost_state=True, require_approval=True, ttl=60
+        )
+        env.clock.advance(61)
+        await refused(expiring, "token_expired")
+        revoked_node = env.mint(kind="rekey", node_uid=uid, lost_state=True, require_approval=True)
+        env.store.set_node_state(NODE, "revoked")
+        assert "only through a fresh join" in await refused(revoked_node, "node_revoked")
+
+    serve(env, cluster_pki, body)
+
+
+def test_lost_state_without_rekey_is_a_bad_request() -> None:
+    body = json.dumps(
+        {"token": "t", "node_id": NODE, "csr": "x", "node_uid": "ab", "lost_state": True}
+    ).encode()
+    with pytest.raises(EnrolmentError, match="'lost_state' is true but 'rekey' is not"):
+        parse_enrol_request(body)
+    body = json.dumps(
+        {
+            "token": "t",
+            "node_id": NODE,
+            "csr": "x",
+            "rekey": True,
+            "node_uid": "ab",
+            "lost_state": True,
+        }
+    ).encode()
+    assert parse_enrol_request(body).lost_state
+
+
+def test_a_node_that_missed_its_renewal_proves_the_key_before_it(
+    env: Env, cluster_pki: PKI
+) -> None:
+    """A renewal recorded but never taken (the agent stopped in between) leaves the node with
+    the key of the certificate it replaced: that key still proves the node. A key from before
+    a rekey does not."""
+
+    async def body(env: Env) -> None:
+        first = pki.new_private_key()
+        status, joined = await post(env, request(env.mint(), key=first))
+        assert status == 200
+        env.store.set_node_state(NODE, "approved")
+        uid = joined["node_uid"]
+        renewed = pki.new_private_key()
+        cert = pki.sign_csr(env.ca, pki.make_csr(renewed, NODE), node_id=NODE, lifetime=LIFETIME)
+        serial = record_certificate(env.store, NODE, cert).serial
+        env.store.set_node_fingerprint(NODE, pki.fingerprint(renewed.public_key()))
+        env.store.revoke_certificates(NODE, reason=RENEWED, except_serial=serial)
+        second = pki.new_private_key()
+        status, answer = await post(
+            env, proved(env.mint(kind="rekey", node_uid=uid), first, uid, key=second)
+        )
+        assert status == 200, answer
+        # The rekey ended that identity: the first key proves nothing any more.
+        secret = env.mint(kind="rekey", node_uid=uid)
+        status, answer = await post(env, proved(secret, first, uid))
+        assert (status, answer["error"]["code"]) == (403, "old_key_unknown")
+        status, answer = await post(env, proved(secret, second, uid))
+        assert status == 200, answer
 
     serve(env, cluster_pki, body)
 

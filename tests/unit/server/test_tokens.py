@@ -133,3 +133,69 @@ def test_check_revocable() -> None:
         tokens.check_revocable(dataclasses.replace(TOKEN, revoked_at=T0))
     with pytest.raises(Conflict, match="run 'llmgw ctl revoke gpu-1'"):
         tokens.check_revocable(dataclasses.replace(TOKEN, used_at=T0))
+
+
+# -- lost-state rekey tokens (a node whose state directory is gone re-pairs by its uid) --------
+
+LOST = dataclasses.replace(REKEY, lost_state=True, require_approval=True)
+
+
+def test_a_lost_state_token_is_a_rekey_token_that_needs_approval() -> None:
+    assert (
+        tokens.check_new(
+            "gpu-1", kind="rekey", ttl=60, node_uid="u1", lost_state=True, require_approval=True
+        )
+        is TokenKind.REKEY
+    )
+    with pytest.raises(ValueError, match="lost_state goes with rekey tokens only"):
+        tokens.check_new(
+            "gpu-1", kind="join", ttl=60, node_uid=None, lost_state=True, require_approval=True
+        )
+    with pytest.raises(ValueError, match="needs require_approval"):
+        tokens.check_new("gpu-1", kind="rekey", ttl=60, node_uid="u1", lost_state=True)
+
+
+def test_a_lost_state_token_is_spent_without_the_old_state_and_with_it() -> None:
+    tokens.check_use(LOST, node_id="gpu-1", kind="rekey", node_uid="u1", lost_state=True)
+    # A node that kept its state shows more than the token asks: not refused.
+    tokens.check_use(LOST, node_id="gpu-1", kind="rekey", node_uid="u1", lost_state=False)
+
+
+def test_a_plain_rekey_token_still_needs_the_old_state() -> None:
+    with pytest.raises(TokenError) as info:
+        tokens.check_use(REKEY, node_id="gpu-1", kind="rekey", node_uid="u1", lost_state=True)
+    assert info.value.code == "token_needs_old_key"
+    assert str(info.value) == (
+        "rekey token ab12cd34 for gpu-1 needs the node's old identity (its state directory), "
+        "which this node does not have; for a node whose state directory is gone mint "
+        "'llmgw ctl join-command --rekey gpu-1 --lost-state'"
+    )
+
+
+def test_lost_state_refusals_say_what_to_do() -> None:
+    def refusal(token: JoinToken, node_id: str = "gpu-1", **kw: object) -> TokenError:
+        with pytest.raises(TokenError) as info:
+            tokens.check_use(
+                token,
+                node_id=node_id,
+                kind=str(kw.get("kind", "rekey")),
+                node_uid=kw.get("node_uid", "u1"),  # type: ignore[arg-type]
+                lost_state=True,
+            )
+        return info.value
+
+    err = refusal(LOST, node_uid="u2")
+    assert err.code == "node_uid_mismatch"
+    assert "re-pairs gpu-1 with uid u1, not u2; give --node-uid u1" in str(err)
+    assert refusal(LOST, "gpu-2").code == "token_wrong_node"
+    err = refusal(dataclasses.replace(LOST, used_at=T0))
+    assert err.code == "token_used"
+    assert str(err).endswith(
+        "mint a new one with 'llmgw ctl join-command --rekey gpu-1 --lost-state'"
+    )
+    err = refusal(dataclasses.replace(LOST, as_of=T0 + 3600))
+    assert err.code == "token_expired"
+    assert "'llmgw ctl join-command --rekey gpu-1 --lost-state'" in str(err)
+    err = refusal(TOKEN)
+    assert err.code == "token_wrong_kind"
+    assert "--node-uid re-pairs a node with a lost-state rekey token" in str(err)

@@ -100,3 +100,115 @@ def test_node_and_rekey_go_alone(calls: list[tuple[str, str, Any]]) -> None:
     assert out.exit_code == 2
     assert "--require-approval goes with --rekey" in out.stderr
     assert calls == []
+
+
+def test_lost_state_goes_with_rekey(calls: list[tuple[str, str, Any]]) -> None:
+    out = join("--node", "gpu-01", "--lost-state")
+    assert out.exit_code == 2
+    assert "--lost-state goes with --rekey NODE: it re-pairs a joined node" in out.stderr
+    assert calls == []
+
+
+def test_lost_state_is_sent_and_the_uid_shown(
+    calls: list[tuple[str, str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    answer = dict(ANSWER, kind="rekey", lost_state=True, node_uid="0123abcd")
+    monkeypatch.setattr(Ctl, "call", lambda self, *a, **k: calls.append(a) or answer)
+    out = join("--rekey", "gpu-01", "--lost-state", "--fabric", "ib-a:mlx5_0")
+    assert out.exit_code == 0, out.output
+    assert calls[0][2] == {
+        "node": "gpu-01",
+        "ttl": 3600.0,
+        "rekey": True,
+        "require_approval": False,
+        "lost_state": True,
+        "facts": {"fabrics": ["ib-a:mlx5_0"]},
+    }
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("lost-state rekey token jt1 for node gpu-01, valid until ")
+    assert lines[1] == "node uid:  0123abcd (kept: same record, history and placement)"
+
+
+def test_node_facts_are_checked_here_and_sent(calls: list[tuple[str, str, Any]]) -> None:
+    out = join(
+        "--node", "gpu-01",
+        "--fabric", "ib-a:mlx5_0,mlx5_1", "--fabric", "ib-b:mlx5_2",
+        "--nvidia-smi", "/usr/bin/nvidia-smi", "--ib-root", "/sys/class/infiniband",
+        "--engine", "vllm=/opt/vllm/bin/vllm",
+        "--models-root", "/data/models", "--cache-root", "/data/cache",
+        "--firewall-from", "10.0.0.1", "--fabric-peers", "192.168.50.0/24",
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert calls[0][2]["facts"] == {
+        "fabrics": ["ib-a:mlx5_0,mlx5_1", "ib-b:mlx5_2"],
+        "nvidia_smi": "/usr/bin/nvidia-smi",
+        "ib_root": "/sys/class/infiniband",
+        "engines": ["vllm=/opt/vllm/bin/vllm"],
+        "models_root": "/data/models",
+        "cache_root": "/data/cache",
+        "firewall_from": ["10.0.0.1"],
+        "fabric_peers": ["192.168.50.0/24"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "piece"),
+    [
+        (["--fabric", "IB:mlx5_0"], "--fabric: 'IB:mlx5_0' does not start with a fabric name"),
+        (["--fabric", "ib-a"], "names no adapters"),
+        (["--nvidia-smi", "/opt/nv smi"], "other than letters, digits"),
+        (["--engine", "sim=/x"], "built in and takes no program"),
+        (["--engine", "tgi=/x"], "names no engine llmgw knows"),
+        (["--nvidia-smi", "nvidia-smi"], "is not an absolute path"),
+        (["--models-root", "/my models"], "other than letters, digits"),
+        (["--firewall-from", "anyone"], "is not an IP address or CIDR"),
+        (["--fabric-peers", "10.0.0.0/40"], "is not an IP address or CIDR"),
+    ],
+)
+def test_bad_node_facts_are_refused_before_any_call(
+    calls: list[tuple[str, str, Any]], args: list[str], piece: str
+) -> None:
+    out = join("--node", "gpu-01", *args)
+    assert out.exit_code == 2
+    assert piece in out.stderr
+    assert calls == []
+
+
+def test_a_plain_rekey_takes_no_node_facts(calls: list[tuple[str, str, Any]]) -> None:
+    out = join("--rekey", "gpu-01", "--fabric", "ib-a:mlx5_0")
+    assert out.exit_code == 2
+    assert "--fabric go with --node (a join) or --rekey NODE --lost-state" in out.stderr
+    assert calls == []
+
+
+def test_tokens_lists_a_lost_state_rekey_token_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+    listed = [
+        {
+            "id": "jt1",
+            "node": "gpu-01",
+            "kind": "rekey",
+            "lost_state": True,
+            "prefix": "llmgwjt_abcdef",
+            "expires_at": 4_000_000_000,
+            "used_at": None,
+            "revoked_at": None,
+            "active": True,
+        },
+        {
+            "id": "jt2",
+            "node": "gpu-02",
+            "kind": "rekey",
+            "lost_state": False,
+            "prefix": "llmgwjt_ghijkl",
+            "expires_at": 4_000_000_000,
+            "used_at": None,
+            "revoked_at": None,
+            "active": True,
+        },
+    ]
+    monkeypatch.setattr(Ctl, "call", lambda self, *a, **k: listed)
+    out = CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", "tokens"])
+    assert out.exit_code == 0, out.output
+    rows = out.stdout.splitlines()[1:]
+    assert rows[0].split()[:4] == ["jt1", "gpu-01", "rekey", "(lost-state)"]
+    assert rows[1].split()[:4] == ["jt2", "gpu-02", "rekey", "llmgwjt_ghijkl…"]

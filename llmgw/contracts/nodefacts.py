@@ -1,0 +1,355 @@
+"""Node facts given when a node is installed or joined: the one parser of ``--fabric
+NAME:HCA[,HCA...]``, ``--engine NAME=PATH`` and the path and CIDR options that ``llmgw ctl
+join-command``, the control plane and ``llmgw agent join`` all accept, with the same syntax as
+``install-agent.sh install``.
+
+Each value is checked where it is given and again where it is used, and always by this module,
+so that what ctl accepts the control plane accepts, and what ends up in the command an operator
+pastes (as root) is what ``agent.yaml`` takes. Errors are :class:`~llmgw.errors.ConfigError`
+naming the option.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from llmgw.engines.registry import ENGINES
+from llmgw.errors import ConfigError
+
+__all__ = [
+    "AGENT_FACTS",
+    "FACT_OPTIONS",
+    "INSTALLER_FACTS",
+    "NONE",
+    "FabricFact",
+    "NodeFacts",
+    "check_cidr",
+    "check_path",
+    "parse_engine",
+    "parse_fabric",
+]
+
+# As agent.yaml's fabrics[].name and fabrics[].hcas[] (llmgw.agent.config): what is accepted
+# here must pass 'llmgw agent --check'.
+_FABRIC_NAME = re.compile(r"[a-z0-9_.-]+")
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+# A path that goes into agent.yaml, a unit's ReadWritePaths= and the installer's sed and awk:
+# the characters install-agent.sh accepts (its FACT_PATH_RE), nothing that means something
+# to YAML, a shell or a unit file.
+_PATH = re.compile(r"/[A-Za-z0-9_./+-]*")
+_CIDR = re.compile(r"[0-9A-Fa-f:.]+(/[0-9]{1,3})?")
+MAX_VALUE = 4096
+NONE = "none"
+"""``--fabric none`` / ``--engine none``, alone: no fabric, no engine program (the installer
+clears what an earlier install remembered)."""
+
+FACT_OPTIONS: Mapping[str, str] = {
+    "fabrics": "--fabric",
+    "nvidia_smi": "--nvidia-smi",
+    "ib_root": "--ib-root",
+    "engines": "--engine",
+    "models_root": "--models-root",
+    "cache_root": "--cache-root",
+    "firewall_from": "--firewall-from",
+    "fabric_peers": "--fabric-peers",
+}
+"""Each fact, by its JSON key (the admin API's), and the option that gives it."""
+
+AGENT_FACTS = ("fabrics", "nvidia_smi", "ib_root", "engines")
+"""The facts ``llmgw agent join`` writes into agent.yaml itself."""
+
+INSTALLER_FACTS = ("models_root", "cache_root", "firewall_from", "fabric_peers")
+"""The facts only the installer applies (the unit's drop-in, the firewall)."""
+
+
+def _fail(option: str, value: str, why: str) -> ConfigError:
+    shown = value if len(value) <= 80 else value[:77] + "..."
+    return ConfigError(f"{shown!r} {why}", key=option)
+
+
+def _text(value: object, option: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"must be a string, got {type(value).__name__}", key=option)
+    if not value or len(value) > MAX_VALUE:
+        raise ConfigError(f"must be 1-{MAX_VALUE} characters", key=option)
+    return value
+
+
+@dataclass(frozen=True)
+class FabricFact:
+    """``--fabric NAME:HCA[,HCA...]``: a fabric this node is on and its adapters, stated,
+    never guessed (as agent.yaml's ``fabrics``); ``none`` (no adapters): no fabric."""
+
+    name: str
+    hcas: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return self.name + (":" + ",".join(self.hcas) if self.hcas else "")
+
+
+def parse_fabric(value: object, option: str = "--fabric") -> FabricFact:
+    """``NAME:HCA[,HCA...]`` (or ``none``) as a :class:`FabricFact`; ConfigError says what
+    is wrong."""
+    text = _text(value, option)
+    if text == NONE:
+        return FabricFact(NONE)
+    name, sep, rest = text.partition(":")
+    if not _FABRIC_NAME.fullmatch(name):
+        raise _fail(
+            option,
+            text,
+            "does not start with a fabric name (lowercase letters, digits, '-', '_' and '.'); "
+            "give NAME:HCA,HCA, e.g. ib-b:mlx5_2,mlx5_3",
+        )
+    if not sep:
+        raise _fail(
+            option,
+            text,
+            f"names no adapters; list them as in /sys/class/infiniband (--fabric "
+            f"{name}:mlx5_0,mlx5_1): a fabric is stated, never guessed",
+        )
+    hcas: list[str] = []
+    if sep:
+        for hca in rest.split(","):
+            if not _ADAPTER_NAME.fullmatch(hca):
+                raise _fail(
+                    option,
+                    text,
+                    f"names adapter {hca!r}, which is not an adapter name (as in "
+                    "/sys/class/infiniband, e.g. mlx5_0); give NAME:HCA,HCA without spaces",
+                )
+            if hca in hcas:
+                raise _fail(option, text, f"lists adapter {hca} twice")
+            hcas.append(hca)
+    return FabricFact(name=name, hcas=tuple(hcas))
+
+
+def check_path(value: object, option: str) -> str:
+    """An absolute path of letters, digits and ``_ . / + -`` only (it goes into agent.yaml,
+    a unit file and a command run as root); a trailing '/' is dropped."""
+    text = _text(value, option)
+    if not text.startswith("/"):
+        raise _fail(option, text, "is not an absolute path; give one starting with '/'")
+    if not _PATH.fullmatch(text):
+        raise _fail(
+            option,
+            text,
+            "holds a character other than letters, digits and _ . / + - (white space, a "
+            "quote, ':', '#', '$'...), which the installer cannot put into agent.yaml and the "
+            "unit; use a path without them (a symlink to it)",
+        )
+    if "/../" in text + "/" or "/./" in text + "/":
+        raise _fail(option, text, "holds '.' or '..' components; give the path itself")
+    return text.rstrip("/") or "/"
+
+
+def parse_engine(value: object, option: str = "--engine") -> tuple[str, str]:
+    """``NAME=PATH``: an engine that takes a program (agent.yaml ``engines.NAME``) and the
+    program's absolute path; ``none``: no engine program (``("none", "")``)."""
+    text = _text(value, option)
+    if text == NONE:
+        return NONE, ""
+    name, sep, path = text.partition("=")
+    settable = sorted(e.name for e in ENGINES.values() if e.program_setting)
+    if not sep:
+        raise _fail(
+            option,
+            text,
+            f"is not NAME=PATH; give e.g. vllm=/opt/vllm/bin/vllm ({', '.join(settable)})",
+        )
+    engine = ENGINES.get(name)
+    if engine is None:
+        raise _fail(option, text, f"names no engine llmgw knows; give one of {', '.join(settable)}")
+    if engine.program_setting is None:
+        raise _fail(
+            option,
+            text,
+            f"names {name}, which is built in and takes no program; give one of "
+            f"{', '.join(settable)}",
+        )
+    return name, check_path(path, f"{option} {name}")
+
+
+def check_cidr(value: object, option: str) -> str:
+    """An IP address or network (``10.0.0.5``, ``10.0.0.0/24``, ``fd00::/64``), as given."""
+    text = _text(value, option)
+    try:
+        # The installer's own check (check_source) takes only these characters and a prefix
+        # length in digits (no netmask, no zone).
+        if not _CIDR.fullmatch(text):
+            raise ValueError(text)
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise _fail(
+            option,
+            text,
+            "is not an IP address or CIDR; give e.g. 10.0.0.5, 10.0.0.0/24 or fd00::/64",
+        ) from None
+    return text
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """Everything a node can be told at install time that it cannot find out itself."""
+
+    fabrics: tuple[FabricFact, ...] = ()
+    nvidia_smi: str | None = None
+    ib_root: str | None = None
+    engines: tuple[tuple[str, str], ...] = ()
+    models_root: str | None = None
+    cache_root: str | None = None
+    firewall_from: tuple[str, ...] = ()
+    fabric_peers: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        fabrics: Iterable[object] = (),
+        nvidia_smi: object = None,
+        ib_root: object = None,
+        engines: Iterable[object] = (),
+        models_root: object = None,
+        cache_root: object = None,
+        firewall_from: Iterable[object] = (),
+        fabric_peers: Iterable[object] = (),
+    ) -> NodeFacts:
+        """The facts from option values (strings in the options' syntax), each checked, and
+        checked together: a fabric or an engine given twice, an adapter on two fabrics,
+        ``none`` beside another."""
+        parsed = tuple(parse_fabric(f) for f in fabrics)
+        names: set[str] = set()
+        owner: dict[str, str] = {}
+        if len(parsed) > 1 and any(f.name == NONE for f in parsed):
+            raise ConfigError(
+                "--fabric none clears the fabrics: give it alone, not with other --fabric options",
+                key="--fabric",
+            )
+        for fabric in parsed:
+            if fabric.name in names:
+                raise ConfigError(
+                    f"fabric {fabric.name} is given twice; give it once with all its adapters "
+                    f"({fabric.name}:HCA,HCA)",
+                    key="--fabric",
+                )
+            names.add(fabric.name)
+            for hca in fabric.hcas:
+                if hca in owner:
+                    raise ConfigError(
+                        f"adapter {hca} is on fabrics {owner[hca]} and {fabric.name}; an "
+                        "adapter belongs to one fabric",
+                        key="--fabric",
+                    )
+                owner[hca] = fabric.name
+        engine_list = tuple(parse_engine(e) for e in engines)
+        if len(engine_list) > 1 and any(name == NONE for name, _ in engine_list):
+            raise ConfigError(
+                "--engine none clears the engine programs: give it alone, not with other "
+                "--engine options",
+                key="--engine",
+            )
+        seen = [name for name, _ in engine_list]
+        twice = sorted({n for n in seen if seen.count(n) > 1})
+        if twice:
+            raise ConfigError(
+                f"engine {twice[0]} is given twice; give one program per engine", key="--engine"
+            )
+        return cls(
+            fabrics=parsed,
+            nvidia_smi=None if nvidia_smi is None else check_path(nvidia_smi, "--nvidia-smi"),
+            ib_root=None if ib_root is None else check_path(ib_root, "--ib-root"),
+            engines=engine_list,
+            models_root=None if models_root is None else check_path(models_root, "--models-root"),
+            cache_root=None if cache_root is None else check_path(cache_root, "--cache-root"),
+            firewall_from=_unique(check_cidr(c, "--firewall-from") for c in firewall_from),
+            fabric_peers=_unique(check_cidr(c, "--fabric-peers") for c in fabric_peers),
+        )
+
+    @classmethod
+    def from_json(cls, data: object) -> NodeFacts:
+        """The facts as the admin API receives them: ``{fabrics: ["ib-b:mlx5_2"], nvidia_smi:
+        "/usr/bin/nvidia-smi", engines: ["vllm=/opt/vllm/bin/vllm"], ...}`` (the options'
+        syntax, lists for the repeatable ones); ConfigError names what is wrong."""
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise ConfigError("must be an object of node facts", key="facts")
+        unknown = sorted(str(k)[:40] for k in data if k not in FACT_OPTIONS)
+        if unknown:
+            raise ConfigError(
+                f"unknown fact(s) {', '.join(unknown)}; the facts are {', '.join(FACT_OPTIONS)}",
+                key="facts",
+            )
+        lists = {}
+        for key in ("fabrics", "engines", "firewall_from", "fabric_peers"):
+            value = data.get(key, [])
+            if not isinstance(value, list):
+                raise ConfigError("must be a list of strings", key=FACT_OPTIONS[key])
+            lists[key] = value
+        return cls.parse(
+            nvidia_smi=data.get("nvidia_smi"),
+            ib_root=data.get("ib_root"),
+            models_root=data.get("models_root"),
+            cache_root=data.get("cache_root"),
+            **lists,
+        )
+
+    def as_json(self) -> dict[str, object]:
+        """What :meth:`from_json` reads back; facts not given are left out."""
+        data: dict[str, object] = {}
+        if self.fabrics:
+            data["fabrics"] = [str(f) for f in self.fabrics]
+        if self.nvidia_smi is not None:
+            data["nvidia_smi"] = self.nvidia_smi
+        if self.ib_root is not None:
+            data["ib_root"] = self.ib_root
+        if self.engines:
+            data["engines"] = [_engine_text(name, path) for name, path in self.engines]
+        for key in INSTALLER_FACTS:
+            value = getattr(self, key)
+            if value:
+                data[key] = list(value) if isinstance(value, tuple) else value
+        return data
+
+    def given(self, keys: Iterable[str]) -> list[str]:
+        """The options of *keys* (JSON keys) that carry a value, in :data:`FACT_OPTIONS` order."""
+        wanted = set(keys)
+        return [
+            option for key, option in FACT_OPTIONS.items() if key in wanted and getattr(self, key)
+        ]
+
+    def args(self, keys: Iterable[str] = FACT_OPTIONS) -> list[str]:
+        """The facts of *keys* as options of ``install-agent.sh install`` and ``llmgw agent
+        join`` (one argument each; the caller quotes them for a shell)."""
+        wanted = set(keys)
+        out: list[str] = []
+        for key, option in FACT_OPTIONS.items():
+            if key not in wanted:
+                continue
+            value = getattr(self, key)
+            if key == "fabrics":
+                values = [str(f) for f in value]
+            elif key == "engines":
+                values = [_engine_text(name, path) for name, path in value]
+            elif isinstance(value, tuple):
+                values = list(value)
+            else:
+                values = [] if value is None else [value]
+            for item in values:
+                out += [option, item]
+        return out
+
+
+def _engine_text(name: str, path: str) -> str:
+    return NONE if name == NONE else f"{name}={path}"
+
+
+def _unique(values: Iterable[str]) -> tuple[str, ...]:
+    out: list[str] = []
+    for value in values:
+        if value not in out:
+            out.append(value)
+    return tuple(out)

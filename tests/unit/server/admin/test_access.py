@@ -1,0 +1,319 @@
+"""POST /api/join-tokens: the command an operator pastes, for a join, a rekey and a re-pair of a
+node that lost its state directory, with and without agent bundles, node facts appended;
+each command parsed back as the shell will, and run where bundles are served. Refusals mint
+nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from llmgw import pki
+from llmgw.bodies import BodyBudget
+from llmgw.server.admin.access import AccessRoutes
+from llmgw.server.admin.context import AdminContext, guarded
+from llmgw.server.bundles import BundleStore, add_bundle_routes
+from llmgw.server.store import Store
+from tests.ci import require_tools
+from tests.oneliner import make_bundle, run_one_liner
+from tests.unit.clock import Clock
+
+ADMIN = "admin-secret"
+NODE = "gpu-01"
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> pki.Authority:
+    return pki.init_ca(tmp_path_factory.mktemp("ca"))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Any:
+    s = Store.open(tmp_path / "state.db", clock=Clock(1_700_000_000.0))
+    yield s
+    s.close()
+
+
+def context(store: Store, ca: pki.Authority, bundle_dir: Path | None) -> AdminContext:
+    return cast(
+        AdminContext,
+        SimpleNamespace(
+            store=store,
+            ca=ca,
+            bodies=BodyBudget(1 << 20),
+            listening=SimpleNamespace(http_port=8080, enroll_port=8443),
+            bundles=None if bundle_dir is None else BundleStore(bundle_dir),
+            tls=None,
+            http_scheme="http",
+            advertise=("cp.example.net",),
+            control_plane_names=frozenset({"cp.example.net"}),
+            admin_token=ADMIN,
+            admin_token_file=Path("/s/token"),
+        ),
+    )
+
+
+def call(
+    store: Store,
+    ca: pki.Authority,
+    bodies: list[dict[str, Any]],
+    *,
+    bundle_dir: Path | None = None,
+) -> list[tuple[int, dict[str, Any]]]:
+    ctx = context(store, ca, bundle_dir)
+    app = web.Application()
+    app.router.add_post("/api/join-tokens", guarded(ctx, AccessRoutes(ctx).create_join_token))
+
+    async def main() -> list[tuple[int, dict[str, Any]]]:
+        async with TestClient(TestServer(app)) as client:
+            out = []
+            for body in bodies:
+                resp = await client.post(
+                    "/api/join-tokens", json=body, headers={"Authorization": f"Bearer {ADMIN}"}
+                )
+                out.append((resp.status, await resp.json()))
+            return out
+
+    return asyncio.run(main())
+
+
+def one(store: Store, ca: pki.Authority, body: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    [(status, data)] = call(store, ca, [body], **kw)
+    assert status == 201, data
+    return data
+
+
+def joined(store: Store, state: str = "approved") -> str:
+    node = store.enrol_node(
+        NODE, fingerprint="sha256:" + "1" * 64, rekey=False, node_uid=None, require_approval=True
+    )
+    store.set_node_state(NODE, state)
+    return node.uid
+
+
+def bare(command: str) -> tuple[str, list[str]]:
+    """The token and the argv of ``LLMGW_JOIN_TOKEN=… llmgw agent join …``, as sh reads it."""
+    words = shlex.split(command)
+    assert words[0].startswith("LLMGW_JOIN_TOKEN=")
+    return words[0].split("=", 1)[1], words[1:]
+
+
+FACTS = {
+    "fabrics": ["ib-a:mlx5_0,mlx5_1"],
+    "nvidia_smi": "/usr/bin/nvidia-smi",
+    "engines": ["vllm=/opt/vllm/bin/vllm"],
+}
+
+
+def test_without_bundles_a_rekey_is_the_bare_agent_join(store: Store, ca: pki.Authority) -> None:
+    joined(store)
+    data = one(store, ca, {"node": NODE, "rekey": True})
+    token, argv = bare(data["command"])
+    assert token == data["token"]
+    assert argv == [
+        "llmgw", "agent", "join", "--node-id", NODE,
+        "--enroll-url", "https://cp.example.net:8443", "--ca-hash", ca.ca_hash(), "--rekey",
+    ]  # fmt: skip
+    assert (data["kind"], data["lost_state"], data["node_uid"]) == ("rekey", False, None)
+
+
+def test_without_bundles_a_lost_state_re_pair_names_the_uid_and_the_facts(
+    store: Store, ca: pki.Authority
+) -> None:
+    uid = joined(store)
+    data = one(store, ca, {"node": NODE, "rekey": True, "lost_state": True, "facts": FACTS})
+    _, argv = bare(data["command"])
+    assert "--rekey" not in argv
+    assert argv[9:] == [
+        "--node-uid", uid,
+        "--fabric", "ib-a:mlx5_0,mlx5_1",
+        "--nvidia-smi", "/usr/bin/nvidia-smi",
+        "--engine", "vllm=/opt/vllm/bin/vllm",
+    ]  # fmt: skip
+    assert (data["lost_state"], data["node_uid"], data["facts"]) == (True, uid, FACTS)
+    token = store.list_join_tokens()[-1]
+    assert (token.kind, token.node_uid, token.lost_state, token.require_approval) == (
+        "rekey",
+        uid,
+        True,
+        True,
+    )
+    assert store.list_events(limit=1)[0].message.startswith("lost-state rekey token ")
+
+
+def test_join_facts_go_on_the_bare_command(store: Store, ca: pki.Authority) -> None:
+    facts = {"fabrics": ["ib-a:mlx5_0"], "ib_root": "/x/ib", "engines": ["none"]}
+    data = one(store, ca, {"node": NODE, "facts": facts})
+    _, argv = bare(data["command"])
+    assert argv[9:] == ["--fabric", "ib-a:mlx5_0", "--ib-root", "/x/ib", "--engine", "none"]
+
+
+def bundle_dir(tmp_path: Path) -> Path:
+    served = tmp_path / "served"
+    served.mkdir()
+    make_bundle(served, "0.1.0", "linux-x64")
+    make_bundle(served, "0.1.0", "linux-arm64")
+    return served
+
+
+def installer_argv(command: str) -> list[str]:
+    """What the one-liner passes to install-agent.sh, read as sh reads its last step."""
+    last = command.rsplit("; ", 1)[1]
+    assert last.endswith(")")
+    assert last.startswith('$s sh ./llmgw-agent-*-"$r"/install-agent.sh ')
+    return shlex.split(last[:-1].split("/install-agent.sh ", 1)[1])
+
+
+def test_with_bundles_a_rekey_is_the_checked_one_liner_ending_in_the_rekey_verb(
+    store: Store, ca: pki.Authority, tmp_path: Path
+) -> None:
+    joined(store)
+    data = one(store, ca, {"node": NODE, "rekey": True}, bundle_dir=bundle_dir(tmp_path))
+    command = data["command"]
+    assert "sha256sum -c -" in command and "llmgw agent join" not in command
+    assert f"export LLMGW_JOIN_TOKEN={data['token']}" in command
+    assert installer_argv(command) == [
+        "rekey", "--node-id", NODE,
+        "--enroll-url", "https://cp.example.net:8443", "--ca-hash", ca.ca_hash(),
+    ]  # fmt: skip
+
+
+def test_with_bundles_a_re_pair_installs_with_the_uid_and_every_fact(
+    store: Store, ca: pki.Authority, tmp_path: Path
+) -> None:
+    uid = joined(store)
+    facts = dict(
+        FACTS,
+        models_root="/data/models",
+        cache_root="/data/cache",
+        firewall_from=["10.0.0.1"],
+        fabric_peers=["192.168.50.0/24"],
+    )
+    body = {"node": NODE, "rekey": True, "lost_state": True, "facts": facts}
+    data = one(store, ca, body, bundle_dir=bundle_dir(tmp_path))
+    assert installer_argv(data["command"])[0] == "install"
+    assert installer_argv(data["command"])[7:] == [
+        "--node-uid", uid,
+        "--fabric", "ib-a:mlx5_0,mlx5_1",
+        "--nvidia-smi", "/usr/bin/nvidia-smi",
+        "--engine", "vllm=/opt/vllm/bin/vllm",
+        "--models-root", "/data/models",
+        "--cache-root", "/data/cache",
+        "--firewall-from", "10.0.0.1",
+        "--fabric-peers", "192.168.50.0/24",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("machine", "uid", "lost_state"),
+    [("x86_64", 0, False), ("aarch64", 1000, False), ("x86_64", 1000, True)],
+)
+def test_the_rekey_one_liner_runs_the_bundles_installer_with_the_token_in_its_environment(
+    store: Store, ca: pki.Authority, tmp_path: Path, machine: str, uid: int, lost_state: bool
+) -> None:
+    """The printed one-liner, run by sh: it downloads the bundle for the machine from the
+    gateway, checks its SHA-256 and runs 'install-agent.sh rekey' (a re-pair: 'install
+    --node-uid UID' and the facts) with exactly the options the installer reads, the token
+    in LLMGW_JOIN_TOKEN (its read_join_token)."""
+    require_tools("sha256sum")
+    if not shutil.which("wget"):
+        require_tools("curl")
+    node_uid = joined(store)
+    body: dict[str, Any] = {"node": NODE, "rekey": True}
+    if lost_state:
+        body |= {"lost_state": True, "facts": {"fabrics": ["ib-a:mlx5_0"]}}
+    served = bundle_dir(tmp_path)
+
+    async def main() -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+        ctx = context(store, ca, None)
+        app = web.Application()
+        ctx.bundles = add_bundle_routes(app, served)
+        app.router.add_post("/api/join-tokens", guarded(ctx, AccessRoutes(ctx).create_join_token))
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            ctx.advertise = ("127.0.0.1",)
+            ctx.listening.http_port = client.port  # type: ignore[misc]
+            resp = await client.post(
+                "/api/join-tokens",
+                json=body,
+                headers={"Authorization": f"Bearer {ADMIN}"},
+            )
+            data = await resp.json()
+            assert resp.status == 201, data
+            result = await asyncio.to_thread(
+                run_one_liner, tmp_path, data["command"], machine=machine, uid=uid
+            )
+        return result, data
+
+    result, data = asyncio.run(main())
+    assert result.returncode == 0, result.stderr
+    assert "agent.tar.gz: OK" in result.stdout
+    record = tmp_path / "record"
+    join_args = ["--node-id", NODE, "--enroll-url", "https://127.0.0.1:8443"]
+    join_args += ["--ca-hash", ca.ca_hash()]
+    expected = ["rekey", *join_args]
+    if lost_state:
+        expected = ["install", *join_args, "--node-uid", node_uid, "--fabric", "ib-a:mlx5_0"]
+    assert Path(f"{record}.argv").read_text().splitlines() == expected
+    assert Path(f"{record}.token").read_text() == data["token"]
+    rid = "linux-x64" if machine == "x86_64" else "linux-arm64"
+    assert Path(f"{record}.path").read_text().endswith(f"/llmgw-agent-0.1.0-{rid}/install-agent.sh")
+    if uid != 0:  # through sudo, which got no token on its command line
+        assert data["token"] not in Path(f"{record}.sudo").read_text()
+
+
+@pytest.mark.parametrize(
+    ("body", "piece"),
+    [
+        ({"node": NODE, "lost_state": True}, "lost_state goes with rekey"),
+        (
+            {"node": NODE, "rekey": True, "facts": {"fabrics": ["ib-a:mlx5_0"]}},
+            "node facts (--fabric) go with a join (--node) or a re-pair",
+        ),
+        (
+            {"node": NODE, "facts": {"models_root": "/data/models"}},
+            "--models-root are options of the installer, and this control plane serves no "
+            "agent bundles",
+        ),
+        ({"node": NODE, "facts": {"engines": ["sim=/x"]}}, "built in and takes no program"),
+        ({"node": NODE, "facts": {"fabrics": ["ib a"]}}, "--fabric: 'ib a' does not start"),
+        ({"node": NODE, "facts": {"fabrics": ["ib-a"]}}, "--fabric: 'ib-a' names no adapters"),
+        (
+            {"node": NODE, "facts": {"nvidia_smi": "/opt/nv;reboot"}},
+            "--nvidia-smi: '/opt/nv;reboot' holds a character other than",
+        ),
+        ({"node": NODE, "facts": {"gpus": 8}}, "unknown fact(s) gpus"),
+        ({"node": NODE, "facts": "ib-a"}, "facts: must be an object of node facts"),
+    ],
+)
+def test_refusals_mint_nothing(
+    store: Store, ca: pki.Authority, body: dict[str, Any], piece: str
+) -> None:
+    joined(store)
+    [(status, data)] = call(store, ca, [body])
+    assert status == 400, data
+    assert piece in data["error"]["message"]
+    assert store.list_join_tokens(include_inactive=True) == []
+
+
+def test_a_lost_state_token_for_a_revoked_or_unknown_node_is_refused(
+    store: Store, ca: pki.Authority
+) -> None:
+    [(status, data)] = call(store, ca, [{"node": NODE, "rekey": True, "lost_state": True}])
+    assert status == 404, data
+    joined(store, "revoked")
+    [(status, data)] = call(store, ca, [{"node": NODE, "rekey": True, "lost_state": True}])
+    assert status == 409
+    assert (
+        "only through a fresh join ('llmgw ctl join-command --node gpu-01')"
+        in (data["error"]["message"])
+    )
+    assert store.list_join_tokens(include_inactive=True) == []
