@@ -404,7 +404,7 @@ def test_operator_joins_a_node_and_approves_it_by_fingerprint(
     listed = ctl(server, tmp_path, "nodes")
     assert listed.returncode == 0, listed.stderr
     row = next(line for line in listed.stdout.splitlines() if line.startswith("gpu-01 "))
-    assert row.split()[1:3] == ["pending", "yes"], row
+    assert row.split()[1:4] == ["pending", "healthy", "yes"], row  # STATE HEALTH CONNECTED
     assert fp in row, row  # the whole fingerprint while pending, to compare
     assert "in 30d" in row, row  # the certificate's expiry
     as_json = {x["id"]: x for x in ctl_json(server, tmp_path, "nodes")}["gpu-01"]
