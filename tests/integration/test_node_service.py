@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import platform
 import signal
 import subprocess
 import tarfile
@@ -193,7 +194,14 @@ def test_engine_install_good_and_tampered(pair: Pair, tmp_path: Path) -> None:
         timeout=90,
     )
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "installed" in ok.stdout
+    # ctl engines install waits and shows the node's row: installed and checked is "ready".
+    assert ok.stdout.splitlines()[1].split() == [
+        "svc-a",
+        platform.machine(),
+        "llamacpp",
+        "b4242",
+        "ready",
+    ]
     state = pair.agents["svc-a"].dir / "state"
     manifest = json.loads(
         (state / "engines" / "llamacpp" / "b4242" / "llmgw-engine.json").read_text()
