@@ -4,40 +4,61 @@
 # the signed apt/yum repository.
 #
 # Usage: install-agent.sh VERB [OPTIONS]           (as root)
-#   install [--node-id ID --enroll-url URL --ca-hash HASH] [--address IP]
-#           [--firewall-from IP|CIDR]... [--models-root DIR] [--cache-root DIR]
-#           [--docker | --docker-group]
+#   install [--node-id ID --enroll-url URL --ca-hash HASH [--node-uid UID]] [--address IP]
+#           [--firewall-from IP|CIDR]... [--fabric-peers CIDR]...
+#           [--models-root DIR] [--cache-root DIR] [NODE FACTS] [--docker | --docker-group]
 #       The service user, lingering, the binary (under /usr/local/lib/llmgw-agent, the
-#       previous one kept), the unit and its drop-in, the update helper, the configuration;
-#       with the join options: 'llmgw agent join' (the token from LLMGW_JOIN_TOKEN, else a
-#       prompt), start, wait until the agent listens. Re-running it with the same options
-#       changes nothing and restarts nothing.
+#       previous one kept; /usr/local/bin/llmgw links to it), the unit and its drop-in, the
+#       update helper, the configuration; with the join options: 'llmgw agent join' (the
+#       token from LLMGW_JOIN_TOKEN, else a prompt), start, wait until the agent listens.
+#       Re-running it with the same options changes nothing and restarts nothing.
+#       --node-uid UID: re-pair a node whose state directory is gone, keeping its record
+#       (the uid and lost-state token 'llmgw ctl join-command --rekey NODE --lost-state'
+#       prints); it is approved by fingerprint again.
+#       NODE FACTS, written to agent.yaml and remembered (a re-run without them keeps them;
+#       one with other values changes them and says so): --fabric NAME:HCA[,HCA...]
+#       (repeatable; 'none' clears), --nvidia-smi PATH, --ib-root DIR ('none' clears
+#       either), --engine NAME=PATH (repeatable; 'none' clears). --models-root and
+#       --cache-root are remembered the same way.
+#       --firewall-from: :9443 (the gateway) and the multi-node port range (agent.yaml's
+#       multinode_ports, default 29500-29999) from these sources only; --fabric-peers: the
+#       multi-node range only, from the fabric's own network. Both are given at each run
+#       (a re-run without them removes their rules).
 #       --docker: engines may run as Docker containers (runtime: docker), through
 #       llmgw-docker-proxy, a socket that allows only the docker runtime's calls (llmgw's
 #       labelled containers, unprivileged, ports on 127.0.0.1). --docker-group instead puts
 #       the agent in the docker group, which is root on this host. Neither: the agent has no
 #       Docker access (and leaves the docker group if an earlier install put it there).
-#   upgrade [--ca-hash HASH]
+#   upgrade [--ca-hash HASH] [NODE FACTS]
 #                Install this bundle's binary and units, keep the configuration and the
 #                identity, restart; roll back by itself when the new agent does not listen
 #                within LLMGW_AGENT_HEALTH_TIMEOUT seconds (default 180), or stops within
 #                LLMGW_AGENT_SETTLE_SECONDS (default 30) after it came up. --ca-hash (after
 #                a CA rotation, the new pin 'llmgw ctl cert' shows): the update helper trusts
-#                the CA of that pin from the agent's CA file from then on.
+#                the CA of that pin from the agent's CA file from then on. NODE FACTS (as
+#                for install) are written to agent.yaml once the new version runs.
 #   rollback     Swap back to the previous binary and units, restart.
 #   uninstall [--purge]
 #                Stop and remove the binary, the units and the firewall rules; keep the
 #                configuration, the identity and the models. --purge also removes the
 #                configuration, the identity, the drop-ins, the update helper's trust and
 #                state, and the user; never the model and cache folders.
-#   rekey --enroll-url URL --ca-hash HASH [--node-id ID]
+#   rekey --enroll-url URL --ca-hash HASH [--node-id ID]        (also: --rekey)
 #                Stop, 'llmgw agent join --rekey' (a rekey token in LLMGW_JOIN_TOKEN), start;
-#                on failure the agent starts again on its old identity.
+#                on failure the agent starts again on its old identity. The one-liner
+#                'llmgw ctl join-command --rekey NODE' prints ends with this verb.
 #   package --repo-url URL --repo-key FILE|URL [the options of install]
 #                Install llmgw-agent with apt-get or dnf from the signed repository served
 #                at URL (scripts/repo.sh's --url: URL/apt, URL/yum), then configure, join and
 #                start as install does.
-#   status       Versions, the unit, the port, the identity, the firewall rules.
+#   status       Versions, the unit, the port, the identity, the node facts, the firewall
+#                rules (:9443 and the multi-node range).
+#
+# Before it changes anything, install checks systemd >= 247 (the unit's hardening needs it)
+# and warns, naming the package, when what the node is set to run lacks nvidia-smi (NVIDIA
+# GPUs on its PCI bus, or --nvidia-smi), Docker (--docker, --docker-group, runtime: docker)
+# or the NVIDIA Container Toolkit (Docker and NVIDIA GPUs); the agent then reports the node
+# degraded, with the same reasons, until it is fixed.
 #
 # Environment: LLMGW_JOIN_TOKEN (the join or rekey token; never pass it as an argument),
 # LLMGW_AGENT_HEALTH_TIMEOUT (seconds to wait for the agent to listen; default 180),
@@ -58,6 +79,18 @@ UNIT_DIR=/etc/systemd/system
 UPDATE_TRUST_DIR=/etc/llmgw/update
 MODELS_ROOT=/srv/llmgw/models
 CACHE_ROOT=/srv/llmgw/cache
+# /usr/local/bin/llmgw: the installed binary on root's PATH (a bundle install only; a
+# package puts /usr/bin/llmgw there itself).
+COMMAND_LINK=/usr/local/bin/llmgw
+# Where NVIDIA GPUs are looked for before the driver is there (vendor 0x10de, class 0x03...).
+PCI_DEVICES=/sys/bus/pci/devices
+# The oldest systemd the agent's unit runs under as written (its sandboxing directives).
+MIN_SYSTEMD=247
+# agent.yaml's multinode_ports when there is no agent.yaml yet to ask (the agent's default).
+DEFAULT_MULTINODE_PORTS=29500-29999
+# A path given as a node fact: it goes into agent.yaml, a unit file, sed and awk (the same
+# characters llmgw.contracts.nodefacts accepts).
+FACT_PATH_RE='^/[A-Za-z0-9_./+-]*$'
 
 UNIT=llmgw-agent.service
 UPDATE_UNITS="llmgw-agent-update.path llmgw-agent-update.service"
@@ -67,6 +100,9 @@ PREVIOUS_DIR=$LIB_DIR/previous
 # What the installer itself did (firewall rules, install mode); only install, package and
 # uninstall write here (upgrades run from the sandboxed update helper, which cannot).
 INSTALL_STATE=/var/lib/llmgw-agent-install
+# The node facts (and model and cache roots) the last install was given, one 'KEY VALUE' a
+# line, so that a re-run without them keeps them.
+FACTS_RECORD=$INSTALL_STATE/facts
 UPDATE_STATE=/var/lib/llmgw-update
 LINGER_DIR=/var/lib/systemd/linger
 PACKAGE_BIN=/usr/bin/llmgw
@@ -101,9 +137,12 @@ parse_args() {
     VERB=${1:-}
     [ -n "$VERB" ] || usage
     shift
+    [ "$VERB" != --rekey ] || VERB=rekey # the guides' spelling of the verb
     NODE_ID="" ENROLL_URL="" CA_HASH="" ADDRESS="" FIREWALL_FROM="" PURGE=""
-    REPO_URL="" REPO_KEY="" DOCKER=""
-    MODELS=$MODELS_ROOT CACHE=$CACHE_ROOT
+    REPO_URL="" REPO_KEY="" DOCKER="" NODE_UID="" FABRIC_PEERS=""
+    MODELS="" CACHE="" MODELS_GIVEN="" CACHE_GIVEN=""
+    # Node facts: each list (space-separated checked values) with a flag saying it was given.
+    FABRICS="" FABRICS_GIVEN="" ENGINES="" ENGINES_GIVEN="" NVIDIA_SMI="" IB_ROOT=""
     while [ $# -gt 0 ]; do
         case $1 in
             --purge)
@@ -122,7 +161,8 @@ parse_args() {
                 ;;
             -h | --help) usage ;;
             --node-id | --enroll-url | --ca-hash | --address | --firewall-from | --models-root | \
-                --cache-root | --repo-url | --repo-key)
+                --cache-root | --repo-url | --repo-key | --node-uid | --fabric-peers | --fabric | \
+                --nvidia-smi | --ib-root | --engine)
                 if [ $# -lt 2 ] || [ -z "$2" ]; then fatal "$1 needs a value (see: $0 --help)"; fi
                 ;;
             *) fatal "unknown option '$1' for '$VERB' (see: $0 --help)" ;;
@@ -132,9 +172,21 @@ parse_args() {
             --enroll-url) ENROLL_URL=$2 ;;
             --ca-hash) CA_HASH=$2 ;;
             --address) ADDRESS=$2 ;;
-            --firewall-from) FIREWALL_FROM="$FIREWALL_FROM $(check_source "$2")" ;;
-            --models-root) MODELS=$(check_dir_option "$1" "$2") ;;
-            --cache-root) CACHE=$(check_dir_option "$1" "$2") ;;
+            --firewall-from) FIREWALL_FROM="$FIREWALL_FROM $(check_source "$1" "$2")" ;;
+            --fabric-peers) FABRIC_PEERS="$FABRIC_PEERS $(check_source "$1" "$2")" ;;
+            --models-root) MODELS=$(check_dir_option "$1" "$2") MODELS_GIVEN=1 ;;
+            --cache-root) CACHE=$(check_dir_option "$1" "$2") CACHE_GIVEN=1 ;;
+            --node-uid) NODE_UID=$(check_node_uid "$2") ;;
+            --fabric) FABRICS="$FABRICS $(check_fact "$1" "$2")" FABRICS_GIVEN=1 ;;
+            --engine) ENGINES="$ENGINES $(check_fact "$1" "$2")" ENGINES_GIVEN=1 ;;
+            --nvidia-smi)
+                [ -z "$NVIDIA_SMI" ] || fatal "--nvidia-smi is given twice; give it once"
+                NVIDIA_SMI=$(check_fact_path "$1" "$2")
+                ;;
+            --ib-root)
+                [ -z "$IB_ROOT" ] || fatal "--ib-root is given twice; give it once"
+                IB_ROOT=$(check_fact_path "$1" "$2")
+                ;;
             --repo-url) REPO_URL=${2%/} ;;
             --repo-key) REPO_KEY=$2 ;;
         esac
@@ -147,10 +199,14 @@ parse_args() {
     if [ -n "$PURGE" ] && [ "$VERB" != uninstall ]; then
         fatal "--purge goes with 'uninstall' only"
     fi
+    FACTS_GIVEN=$FABRICS_GIVEN$ENGINES_GIVEN$NVIDIA_SMI$IB_ROOT
     case $VERB in
         install | package)
             if [ -n "$NODE_ID$ENROLL_URL$CA_HASH" ] && { [ -z "$NODE_ID" ] || [ -z "$ENROLL_URL" ] || [ -z "$CA_HASH" ]; }; then
                 fatal "joining needs --node-id, --enroll-url and --ca-hash together (the command 'llmgw ctl join-command' prints has all three)"
+            fi
+            if [ -n "$NODE_UID" ] && [ -z "$NODE_ID" ]; then
+                fatal "--node-uid re-pairs a node: it goes with --node-id, --enroll-url and --ca-hash and a lost-state token (all in the command 'llmgw ctl join-command --rekey NODE --lost-state' prints)"
             fi
             ;;
         rekey)
@@ -159,14 +215,20 @@ parse_args() {
                 || fatal "rekey needs --enroll-url and --ca-hash (from 'llmgw ctl join-command --rekey NODE')"
             ;;
         upgrade)
-            [ -z "$NODE_ID$ENROLL_URL$ADDRESS$FIREWALL_FROM$REPO_URL$REPO_KEY$DOCKER" ] \
-                || fatal "'upgrade' takes no options but --ca-hash (the cluster CA's pin after a CA rotation, from 'llmgw ctl cert')"
+            [ -z "$NODE_ID$ENROLL_URL$ADDRESS$FIREWALL_FROM$REPO_URL$REPO_KEY$DOCKER$NODE_UID$FABRIC_PEERS$MODELS_GIVEN$CACHE_GIVEN" ] \
+                || fatal "'upgrade' takes no options but --ca-hash (the cluster CA's pin after a CA rotation, from 'llmgw ctl cert') and the node facts (--fabric, --nvidia-smi, --ib-root, --engine); the others are install's: run install again with them"
             ;;
         *)
-            [ -z "$NODE_ID$ENROLL_URL$CA_HASH$ADDRESS$FIREWALL_FROM$REPO_URL$REPO_KEY$DOCKER" ] \
+            [ -z "$NODE_ID$ENROLL_URL$CA_HASH$ADDRESS$FIREWALL_FROM$REPO_URL$REPO_KEY$DOCKER$NODE_UID$FABRIC_PEERS$MODELS_GIVEN$CACHE_GIVEN$FACTS_GIVEN" ] \
                 || fatal "'$VERB' takes no options but --purge (uninstall)"
             ;;
     esac
+    if [ "$VERB" = rekey ] && [ -n "$NODE_UID$FABRIC_PEERS$MODELS_GIVEN$CACHE_GIVEN$FACTS_GIVEN$FIREWALL_FROM$ADDRESS" ]; then
+        [ -z "$NODE_UID" ] \
+            || fatal "rekey replaces the key of a node that has its state directory; a node whose state directory is gone re-pairs with 'install --node-uid UID' (the command 'llmgw ctl join-command --rekey NODE --lost-state' prints)"
+        fatal "rekey keeps agent.yaml, the drop-in and the firewall as they are; change them with install (the same options) before or after the rekey"
+    fi
+    check_fact_lists
     if [ -n "$DOCKER" ] && [ "$VERB" = rekey ]; then
         fatal "--docker and --docker-group go with 'install' and 'package' only"
     fi
@@ -197,21 +259,21 @@ check_address() {
     esac
 }
 
-check_source() {
-    address=${1%/*}
+check_source() { # OPTION VALUE
+    address=${2%/*}
     prefix=""
-    [ "$address" = "$1" ] || prefix=${1##*/}
-    check_address "$address" || fatal "--firewall-from $1 is not an IP address or CIDR (e.g. 10.0.0.0/24)"
+    [ "$address" = "$2" ] || prefix=${2##*/}
+    check_address "$address" || fatal "$1 $2 is not an IP address or CIDR (e.g. 10.0.0.0/24)"
     case $prefix in
         '') ;;
-        *[!0-9]*) fatal "--firewall-from $1: the prefix length must be a number" ;;
+        *[!0-9]*) fatal "$1 $2: the prefix length must be a number" ;;
         *)
             limit=32
             case $address in *:*) limit=128 ;; esac
-            [ "$prefix" -le "$limit" ] || fatal "--firewall-from $1: the prefix length is above $limit"
+            [ "$prefix" -le "$limit" ] || fatal "$1 $2: the prefix length is above $limit"
             ;;
     esac
-    printf '%s\n' "$1"
+    printf '%s\n' "$2"
 }
 
 check_dir_option() {
@@ -222,7 +284,55 @@ check_dir_option() {
     case $2 in
         *[[:space:]]* | *[\"\'\\]*) fatal "$1 '$2': a path with spaces or quotes cannot go into a unit's ReadWritePaths=" ;;
     esac
+    check_fact_path "$1" "$2" >/dev/null
     printf '%s\n' "${2%/}"
+}
+
+# A path fact (or 'none' where the option allows it): absolute, of the characters that can
+# go into agent.yaml, a unit file and this script's sed and awk.
+check_fact_path() {
+    if [ "$2" = none ] && { [ "$1" = --nvidia-smi ] || [ "$1" = --ib-root ]; }; then
+        printf 'none\n'
+        return 0
+    fi
+    case $2 in
+        /*) ;;
+        *) fatal "$1 '$2' is not an absolute path; give one starting with '/'" ;;
+    esac
+    printf '%s\n' "$2" | grep -Eq "$FACT_PATH_RE" \
+        || fatal "$1 '$2' holds a character other than letters, digits and _ . / + - (white space, a quote, ':', '#', '\$'...), which cannot go into agent.yaml and the unit; use a path without them (a symlink to it)"
+    case "$2/" in
+        */../* | */./*) fatal "$1 '$2' holds '.' or '..' components; give the path itself" ;;
+    esac
+    printf '%s\n' "${2%/}"
+}
+
+# --fabric and --engine values: one word of the characters their syntax uses (NAME:HCA,HCA
+# and NAME=PATH); what they mean is checked by 'llmgw agent render-facts' (check_facts).
+check_fact() {
+    printf '%s\n' "$2" | grep -Eq '^[A-Za-z0-9_.:,=/+-]+$' \
+        || fatal "$1 '$2' is not $([ "$1" = --fabric ] && echo "NAME:HCA[,HCA...] (e.g. ib-b:mlx5_2,mlx5_3)" || echo "NAME=PATH (e.g. vllm=/opt/vllm/bin/vllm)"), or 'none'"
+    printf '%s\n' "$2"
+}
+
+check_node_uid() {
+    printf '%s\n' "$1" | grep -Eq '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$' \
+        || fatal "--node-uid '$1' is not a node uid; give the one 'llmgw ctl join-command --rekey NODE --lost-state' prints (also in 'llmgw ctl nodes --json')"
+    printf '%s\n' "$1"
+}
+
+# 'none' clears a list, and goes alone.
+check_fact_lists() {
+    for pair in "--fabric:$FABRICS" "--engine:$ENGINES"; do
+        option=${pair%%:*}
+        # shellcheck disable=SC2086 # a list of checked words
+        set -- ${pair#*:}
+        if [ $# -gt 1 ]; then
+            for value in "$@"; do
+                [ "$value" != none ] || fatal "$option none clears what an earlier install set: give it alone, not with other $option options"
+            done
+        fi
+    done
 }
 
 # ------------------------------------------------------------------------------ helpers
@@ -237,6 +347,17 @@ check_systemd() {
     for tool in systemctl ss sha256sum setpriv; do
         command -v "$tool" >/dev/null 2>&1 || fatal "no $tool; install it (apt-get install -y iproute2 util-linux systemd coreutils)"
     done
+    check_systemd_version
+}
+
+# The unit's sandboxing (ProtectProc=, the credentials and directories it names) needs
+# systemd 247 or later: older ones would start the agent less confined than it says, or not.
+check_systemd_version() {
+    said=$(systemctl --version 2>/dev/null | head -n 1)
+    version=$(printf '%s\n' "$said" | sed -n 's/^systemd \([0-9][0-9]*\).*/\1/p')
+    [ -n "$version" ] || fatal "could not read systemd's version ('systemctl --version' said '$said'); the agent needs systemd $MIN_SYSTEMD or later"
+    [ "$version" -ge "$MIN_SYSTEMD" ] \
+        || fatal "systemd $version is older than $MIN_SYSTEMD, which the agent's hardened unit needs; upgrade the OS (Debian 11, Ubuntu 22.04, RHEL 9 or later ship a newer one). Nothing was changed"
 }
 
 # Staging area for everything written atomically, removed at exit.
@@ -660,6 +781,8 @@ ensure_joined() {
         said=$(config_node_id)
         [ -z "$said" ] || [ "$said" = "$NODE_ID" ] \
             || fatal "this node is already joined as '$said', not '$NODE_ID'; uninstall --purge first to join it as another node"
+        [ -z "$NODE_UID" ] \
+            || fatal "this node still has its identity ($STATE_DIR/node.crt): --node-uid re-pairs a node whose state directory is gone. Rekey it instead with the command 'llmgw ctl join-command --rekey $NODE_ID' prints (the lost-state token is left unspent)"
     fi
 }
 
@@ -680,8 +803,12 @@ join_node() {
         chmod 0711 "$STAGE"
         join_config=$joindir/agent.yaml
     fi
+    if [ -n "$NODE_UID" ]; then
+        info "join: re-pairing as uid $NODE_UID (it needs approval by fingerprint again)"
+    fi
     as_agent_with_token "$(agent_bin)" agent join --node-id "$NODE_ID" --enroll-url "$ENROLL_URL" \
         --ca-hash "$CA_HASH" --config "$join_config" --state-dir "$STATE_DIR" \
+        ${NODE_UID:+--node-uid "$NODE_UID"} \
         || fatal "'llmgw agent join' failed (its message above); nothing of the identity was written. Fix what it says and run this command again"
     if [ "$join_config" != "$CONFIG" ]; then
         # Read by the agent user: the join folder is the agent's, and a symlink planted there
@@ -739,23 +866,40 @@ config_is_valid() {
 
 write_config() {
     base=$1
+    # The node facts' keys are the installer's only in its block: the same key set by hand
+    # elsewhere in the file would be there twice (the agent refuses that), and is not ours
+    # to drop.
+    # shellcheck disable=SC2013 # top-level keys: one word each
+    for key in $(sed -n 's/^\([a-z_]*\):.*/\1/p' "$STAGE/facts.yaml"); do
+        line=$(awk -v mark="$MANAGED_MARK" -v key="$key" '
+            $0 == mark { exit }
+            index($0, key ":") == 1 { print NR; exit }
+        ' "$base")
+        [ -z "$line" ] || fatal "$base sets '$key:' itself (line $line), and the node facts given to this installer set it too; put them into that section by hand and leave their options out, or remove the section from $base and run this again. Nothing was changed"
+    done
     {
-        # Drop the lines a previous install wrote, and the keys the options set.
+        # Drop the lines a previous install wrote, and the keys the options set: after the
+        # mark, the fact keys with their indented lines too.
         awk -v mark="$MANAGED_MARK" -v address="$ADDRESS" '
-            $0 == mark { next }
+            $0 == mark { managed = 1; next }
             /^(models_root|cache_root):/ { next }
             address != "" && /^(mgmt_addr|mgmt_interface):/ { next }
-            { print }
+            managed && /^(fabrics|discovery|engines):/ { skipping = 1; next }
+            skipping && /^([ \t]|- |-$)/ { next }
+            { skipping = 0; print }
         ' "$base"
         echo "$MANAGED_MARK"
         echo "models_root: $MODELS"
         echo "cache_root: $CACHE"
         [ -z "$ADDRESS" ] || echo "mgmt_addr: $ADDRESS"
+        cat "$STAGE/facts.yaml"
     } >"$STAGE/agent.yaml"
     # The managed lines come as one block at the end: re-runs find them in place.
     awk -v mark="$MANAGED_MARK" '
-        $0 == mark { seen = 1 }
-        seen && $0 != mark && !/^(models_root|cache_root|mgmt_addr):/ { exit 1 }
+        $0 == mark { seen = 1; next }
+        seen && /^(models_root|cache_root|mgmt_addr|fabrics|discovery|engines):/ { next }
+        seen && /^([ \t]|- |-$)/ { next }
+        seen { exit 1 }
     ' "$STAGE/agent.yaml" || fatal "could not compose $CONFIG"
     config_is_valid "$STAGE/agent.yaml" || {
         TMPDIR=$STAGE "$(agent_bin)" agent --check --config "$STAGE/agent.yaml" >&2 || true
@@ -765,6 +909,170 @@ write_config() {
     if [ "$CHANGED" = yes ]; then
         info "config: $CONFIG"
         RESTART=yes
+    fi
+}
+
+# The node facts and the model and cache roots: given, else remembered from the last install
+# (its record), else (an install older than the record) the roots in agent.yaml's managed
+# block, else the defaults. A given value that differs from the remembered one is said.
+recorded() { # KEY: its values in the record, space-separated
+    [ -f "$FACTS_RECORD" ] || return 0
+    awk -v key="$1" '$1 == key { printf "%s%s", sep, $2; sep = " " } END { if (sep != "") print "" }' "$FACTS_RECORD"
+}
+
+managed_value() { # KEY: its value in agent.yaml's managed block
+    [ -f "$CONFIG" ] || return 0
+    awk -v mark="$MANAGED_MARK" -v key="$1" '
+        $0 == mark { managed = 1; next }
+        managed && index($0, key ": ") == 1 { print substr($0, length(key) + 3); exit }
+    ' "$CONFIG"
+}
+
+# OPTION GIVEN NOW BEFORE: say what happens to one fact. NOW is the value it will have.
+say_fact() {
+    # Names of its own: sh has no local variables, and the callers use option, now, before.
+    sf_option=$1 sf_given=$2 sf_now=$3 sf_before=$4
+    if [ -n "$sf_given" ]; then
+        if { [ -f "$FACTS_RECORD" ] || [ -n "$sf_before" ]; } && [ "$sf_now" != "$sf_before" ]; then
+            info "facts: $sf_option ${sf_now:-none} (was ${sf_before:-none})"
+        fi
+    elif [ -n "$sf_now" ]; then
+        info "facts: keeping $sf_option $sf_now from the last install"
+    fi
+}
+
+resolve_facts() {
+    MODELS=$(resolve_root models_root --models-root "$MODELS_GIVEN" "$MODELS" "$MODELS_ROOT")
+    CACHE=$(resolve_root cache_root --cache-root "$CACHE_GIVEN" "$CACHE" "$CACHE_ROOT")
+    resolve_list FABRICS "$FABRICS_GIVEN" fabric --fabric
+    resolve_list ENGINES "$ENGINES_GIVEN" engine --engine
+    resolve_one NVIDIA_SMI nvidia_smi --nvidia-smi
+    resolve_one IB_ROOT ib_root --ib-root
+}
+
+resolve_root() { # KEY OPTION GIVEN VALUE DEFAULT: the root to use (said on stderr)
+    before=$(recorded "$1")
+    [ -f "$FACTS_RECORD" ] || before=$(managed_value "$1")
+    now=$4
+    [ -n "$3" ] || now=${before:-$5}
+    shown=$now
+    # The default, not given, is nothing to keep.
+    [ -n "$3" ] || [ "$now" != "$5" ] || shown=""
+    say_fact "$2" "$3" "$shown" "$before"
+    printf '%s\n' "$now"
+}
+
+resolve_list() { # VARIABLE GIVEN KEY OPTION
+    before=$(recorded "$3")
+    eval "now=\$$1"
+    # shellcheck disable=SC2154 # now is set by the eval
+    now=$(printf '%s\n' "$now" | sed 's/^ *//; s/ *$//')
+    [ "$now" != none ] || now=""
+    [ -n "$2" ] || now=$before
+    eval "$1=\$now"
+    say_fact "$4" "$2" "$now" "$before"
+}
+
+resolve_one() { # VARIABLE KEY OPTION
+    before=$(recorded "$2")
+    eval "now=\$$1"
+    given=$now
+    [ -n "$given" ] || now=$before
+    [ "$now" != none ] || now=""
+    eval "$1=\$now"
+    say_fact "$3" "$given" "$now" "$before"
+}
+
+# The agent.yaml keys of the facts (into STAGE/facts.yaml), by BIN's 'llmgw agent
+# render-facts', the one parser of node facts: a fact it refuses stops the run here, before
+# anything is changed.
+check_facts() {
+    bin=$1
+    set --
+    for value in $FABRICS; do set -- "$@" --fabric "$value"; done
+    for value in $ENGINES; do set -- "$@" --engine "$value"; done
+    [ -z "$NVIDIA_SMI" ] || set -- "$@" --nvidia-smi "$NVIDIA_SMI"
+    [ -z "$IB_ROOT" ] || set -- "$@" --ib-root "$IB_ROOT"
+    if ! TMPDIR=$STAGE "$bin" agent render-facts "$@" >"$STAGE/facts.yaml" 2>"$STAGE/facts.err"; then
+        why=$(sed -n 's/^Error: //p' "$STAGE/facts.err" | tr -d '\000-\010\013-\037\177')
+        fatal "node facts: ${why:-$(tr -d '\000-\010\013-\037\177' <"$STAGE/facts.err")}. Nothing was changed"
+    fi
+}
+
+# What install was given (or kept), for the next run.
+record_facts() {
+    {
+        echo "models_root $MODELS"
+        echo "cache_root $CACHE"
+        for value in $FABRICS; do echo "fabric $value"; done
+        for value in $ENGINES; do echo "engine $value"; done
+        [ -z "$NVIDIA_SMI" ] || echo "nvidia_smi $NVIDIA_SMI"
+        [ -z "$IB_ROOT" ] || echo "ib_root $IB_ROOT"
+    } >"$STAGE/facts.record"
+    mkdir -p "$INSTALL_STATE"
+    put_file "$STAGE/facts.record" "$FACTS_RECORD" 0644 root:root
+}
+
+# Pre-flight, before anything changes: warnings (naming the package) for what the node is
+# set to run and lacks; the agent reports it degraded with the same reasons once it runs.
+preflight() {
+    gpus=0
+    for device in "$PCI_DEVICES"/*; do
+        [ -f "$device/vendor" ] || continue
+        [ "$(cat "$device/vendor" 2>/dev/null)" = 0x10de ] || continue
+        case $(cat "$device/class" 2>/dev/null) in
+            0x03*) gpus=$((gpus + 1)) ;;
+        esac
+    done
+    smi=$NVIDIA_SMI
+    [ -n "$smi" ] || smi=$(command -v nvidia-smi 2>/dev/null || true)
+    if [ "$gpus" -gt 0 ] || [ -n "$NVIDIA_SMI" ]; then
+        if [ -z "$smi" ] || [ ! -x "$smi" ]; then
+            what="this node has $gpus NVIDIA GPU(s) on its PCI bus"
+            [ -z "$NVIDIA_SMI" ] || what="--nvidia-smi is $NVIDIA_SMI"
+            warn "$what but $([ -n "$NVIDIA_SMI" ] && echo "it is not an executable" || echo "no nvidia-smi on PATH"): install NVIDIA's driver (Debian: apt-get install nvidia-driver; Ubuntu: ubuntu-drivers install; or your vendor's), or give --nvidia-smi PATH. Until then the agent reports this node degraded (no GPU driver) and it takes no GPU replicas"
+        fi
+    fi
+    wants_docker=$DOCKER
+    if [ -z "$wants_docker" ] && [ -f "$CONFIG" ] && grep -Eq '^runtime:[[:space:]]*["'"'"']?docker' "$CONFIG"; then
+        wants_docker="runtime: docker"
+    fi
+    [ -n "$wants_docker" ] || return 0
+    case $wants_docker in
+        proxy) why=--docker ;;
+        group) why=--docker-group ;;
+        *) why="runtime: docker in $CONFIG" ;;
+    esac
+    if ! command -v dockerd >/dev/null 2>&1 && ! command -v docker >/dev/null 2>&1; then
+        warn "engines are to run in Docker ($why) but Docker is not installed: apt-get install docker.io (or dnf install moby-engine, or Docker CE). Until then the agent reports this node degraded and no Docker engine is placed here"
+    fi
+    if [ "$gpus" -gt 0 ] && ! command -v nvidia-ctk >/dev/null 2>&1 \
+        && ! command -v nvidia-container-cli >/dev/null 2>&1 \
+        && ! command -v nvidia-container-runtime >/dev/null 2>&1; then
+        warn "engines are to run in Docker on this node's $gpus NVIDIA GPU(s), but the NVIDIA Container Toolkit is not installed: install nvidia-container-toolkit (from NVIDIA's repository) and run 'nvidia-ctk runtime configure --runtime=docker', or containers will not see the GPUs"
+    fi
+}
+
+# /usr/local/bin/llmgw: the installed binary on root's PATH (llmgw agent join, llmgw ctl, the
+# rekey one-liner's commands). Only our own link is made or replaced: a file an operator put
+# there is left as it is, and said.
+link_command() {
+    target=$LIB_DIR/llmgw
+    if [ -L "$COMMAND_LINK" ] && [ "$(readlink "$COMMAND_LINK")" = "$target" ]; then
+        return 0
+    fi
+    if [ -e "$COMMAND_LINK" ] || [ -L "$COMMAND_LINK" ]; then
+        warn "$COMMAND_LINK exists and is not this installer's link to $target; it is left as it is (run $target directly, or remove $COMMAND_LINK and install again)"
+        return 0
+    fi
+    mkdir -p "$(dirname "$COMMAND_LINK")"
+    ln -s "$target" "$COMMAND_LINK"
+    info "binary: $COMMAND_LINK -> $target"
+}
+
+unlink_command() {
+    if [ -L "$COMMAND_LINK" ] && [ "$(readlink "$COMMAND_LINK")" = "$LIB_DIR/llmgw" ]; then
+        rm -f "$COMMAND_LINK"
     fi
 }
 
@@ -797,8 +1105,13 @@ install_update_trust() {
     fi
 }
 
-# 11. the firewall: port AGENT_PORT from the given sources only; what was added is recorded
-# and removed exactly on uninstall (or when install is run with other sources).
+# 11. the firewall: port AGENT_PORT (the gateway's way in) and the multi-node range
+# (agent.yaml's multinode_ports: rank 0's rendezvous port of a multi-node replica and its
+# workers' endpoints, which the replica's other nodes dial) from the given sources only:
+# --firewall-from gets both, --fabric-peers the range. What was added is recorded, one
+# 'BACKEND SOURCE PORTS' a line (PORTS 9443 or A-B; a record of an older install has no
+# PORTS, meaning AGENT_PORT), and removed exactly on uninstall (or when install is run with
+# other sources).
 firewall_backend() {
     if command -v ufw >/dev/null 2>&1 && ufw status 2>/dev/null | grep -q '^Status: active'; then
         echo ufw
@@ -816,20 +1129,39 @@ family_of() {
     esac
 }
 
-firewall_add() { # BACKEND SOURCE
+# The multi-node range the agent uses: its configuration's, asked of the agent itself.
+multinode_ports() {
+    if [ -f "$CONFIG" ] && ports=$(TMPDIR=$STAGE "$(agent_bin)" agent --check --config "$CONFIG" --print multinode_ports 2>/dev/null) \
+        && printf '%s\n' "$ports" | grep -Eq '^[0-9]+-[0-9]+$'; then
+        printf '%s\n' "$ports"
+    else
+        printf '%s\n' "$DEFAULT_MULTINODE_PORTS"
+    fi
+}
+
+# PORTS (9443 or A-B) as ufw spells it, and in words.
+ufw_ports() { printf '%s\n' "$1" | tr - :; }
+ports_said() {
     case $1 in
-        ufw) ufw allow proto tcp from "$2" to any port "$AGENT_PORT" comment "llmgw-agent" >/dev/null ;;
+        *-*) echo "$1/tcp (multi-node replicas)" ;;
+        *) echo ":$1/tcp" ;;
+    esac
+}
+
+firewall_add() { # BACKEND SOURCE PORTS
+    case $1 in
+        ufw) ufw allow proto tcp from "$2" to any port "$(ufw_ports "$3")" comment "llmgw-agent" >/dev/null ;;
         firewalld)
-            rule="rule family=$(family_of "$2") source address=$2 port port=$AGENT_PORT protocol=tcp accept"
+            rule="rule family=$(family_of "$2") source address=$2 port port=$3 protocol=tcp accept"
             firewall-cmd --quiet --permanent --add-rich-rule="$rule"
             firewall-cmd --quiet --add-rich-rule="$rule"
             ;;
         nft)
             nft add table inet "$NFT_TABLE"
             nft add chain inet "$NFT_TABLE" input '{ type filter hook input priority 0; policy accept; }'
-            nft insert rule inet "$NFT_TABLE" input "$(nft_family "$2")" saddr "$2" tcp dport "$AGENT_PORT" accept
-            if ! nft list chain inet "$NFT_TABLE" input | grep -q "tcp dport $AGENT_PORT drop"; then
-                nft add rule inet "$NFT_TABLE" input tcp dport "$AGENT_PORT" drop
+            nft insert rule inet "$NFT_TABLE" input "$(nft_family "$2")" saddr "$2" tcp dport "$3" accept
+            if ! nft list chain inet "$NFT_TABLE" input | grep -q "tcp dport $3 drop"; then
+                nft add rule inet "$NFT_TABLE" input tcp dport "$3" drop
             fi
             ;;
     esac
@@ -842,11 +1174,11 @@ nft_family() {
     esac
 }
 
-firewall_remove() { # BACKEND SOURCE
+firewall_remove() { # BACKEND SOURCE PORTS
     case $1 in
-        ufw) ufw delete allow proto tcp from "$2" to any port "$AGENT_PORT" >/dev/null 2>&1 || true ;;
+        ufw) ufw delete allow proto tcp from "$2" to any port "$(ufw_ports "$3")" >/dev/null 2>&1 || true ;;
         firewalld)
-            rule="rule family=$(family_of "$2") source address=$2 port port=$AGENT_PORT protocol=tcp accept"
+            rule="rule family=$(family_of "$2") source address=$2 port port=$3 protocol=tcp accept"
             firewall-cmd --quiet --permanent --remove-rich-rule="$rule" 2>/dev/null || true
             firewall-cmd --quiet --remove-rich-rule="$rule" 2>/dev/null || true
             ;;
@@ -857,57 +1189,71 @@ firewall_remove() { # BACKEND SOURCE
     esac
 }
 
-firewall_present() { # BACKEND SOURCE
+firewall_present() { # BACKEND SOURCE PORTS
     case $1 in
-        ufw) ufw status 2>/dev/null | grep -q "^$AGENT_PORT/tcp .* ALLOW .* $2\( \|\$\)" ;;
-        firewalld) firewall-cmd --list-rich-rules 2>/dev/null | grep -q "source address=\"$2\" port port=\"$AGENT_PORT\"" ;;
-        nft) nft list table inet "$NFT_TABLE" 2>/dev/null | grep -q "saddr $2 tcp dport $AGENT_PORT accept" ;;
+        ufw) ufw status 2>/dev/null | grep -q "^$(ufw_ports "$3")/tcp .* ALLOW .* $2\( \|\$\)" ;;
+        firewalld) firewall-cmd --list-rich-rules 2>/dev/null | grep -q "source address=\"$2\" port port=\"$3\"" ;;
+        nft) nft list table inet "$NFT_TABLE" 2>/dev/null | grep -q "saddr $2 tcp dport $3 accept" ;;
         *) return 1 ;;
     esac
 }
 
+# The record's lines as 'BACKEND SOURCE PORTS' (an older record's two fields: AGENT_PORT).
+firewall_records() {
+    [ -f "$INSTALL_STATE/firewall" ] || return 0
+    awk -v port="$AGENT_PORT" 'NF >= 2 { print $1, $2, (NF >= 3 ? $3 : port) }' "$INSTALL_STATE/firewall"
+}
+
 firewall_clear() {
     [ -f "$INSTALL_STATE/firewall" ] || return 0
-    while read -r rec_backend rec_source; do
-        [ -n "$rec_source" ] || continue
-        info "firewall: removing $rec_backend rule for :$AGENT_PORT from $rec_source"
-        firewall_remove "$rec_backend" "$rec_source"
-    done <"$INSTALL_STATE/firewall"
+    firewall_records >"$STAGE/firewall.old"
+    while read -r rec_backend rec_source rec_ports; do
+        info "firewall: removing $rec_backend rule for $(ports_said "$rec_ports") from $rec_source"
+        firewall_remove "$rec_backend" "$rec_source" "$rec_ports"
+    done <"$STAGE/firewall.old"
     rm -f "$INSTALL_STATE/firewall"
 }
 
 configure_firewall() {
-    # shellcheck disable=SC2086 # a list of checked addresses, split on purpose
-    wanted=$(printf '%s\n' $FIREWALL_FROM | sed '/^$/d' | sort -u)
-    recorded=$(cut -d' ' -f2 "$INSTALL_STATE/firewall" 2>/dev/null | sort -u || true)
+    range=$(multinode_ports)
+    # shellcheck disable=SC2086 # lists of checked addresses, split on purpose
+    {
+        for source in $FIREWALL_FROM; do
+            echo "$source $AGENT_PORT"
+            echo "$source $range"
+        done
+        for source in $FABRIC_PEERS; do echo "$source $range"; done
+    } | sort -u >"$STAGE/firewall.wanted"
+    wanted=$(cat "$STAGE/firewall.wanted")
+    recorded=$(firewall_records | cut -d' ' -f2,3 | sort -u)
     if [ -z "$wanted" ]; then
         firewall_clear
         case $(firewall_backend) in
             ufw | firewalld)
                 # Not an error: the host's rules may already let the gateway in. But an agent
                 # that looks healthy here and is unreachable from the gateway is the worst case.
-                warn "$(firewall_backend) is active and no --firewall-from was given: unless its rules already allow :$AGENT_PORT/tcp from the gateway, the control plane cannot reach this agent; run again with --firewall-from GATEWAY_IP"
+                warn "$(firewall_backend) is active and no --firewall-from was given: unless its rules already allow :$AGENT_PORT/tcp from the gateway (and $range/tcp between the nodes of a fabric, for multi-node replicas), the control plane cannot reach this agent; run again with --firewall-from GATEWAY_IP (and --fabric-peers CIDR)"
                 ;;
         esac
         return 0
     fi
     backend=$(firewall_backend)
-    [ -n "$backend" ] || fatal "--firewall-from needs ufw (active), firewalld (running) or nft; install nftables, or leave --firewall-from out"
-    if [ "$wanted" = "$recorded" ] && [ "$(cut -d' ' -f1 "$INSTALL_STATE/firewall" | sort -u)" = "$backend" ]; then
+    [ -n "$backend" ] || fatal "--firewall-from and --fabric-peers need ufw (active), firewalld (running) or nft; install nftables, or leave them out"
+    if [ "$wanted" = "$recorded" ] && [ "$(firewall_records | cut -d' ' -f1 | sort -u)" = "$backend" ]; then
         missing=""
-        for source in $wanted; do
-            firewall_present "$backend" "$source" || missing=1
-        done
+        while read -r source ports; do
+            firewall_present "$backend" "$source" "$ports" || missing=1
+        done <"$STAGE/firewall.wanted"
         [ -n "$missing" ] || return 0
     fi
     firewall_clear
     mkdir -p "$INSTALL_STATE"
     : >"$INSTALL_STATE/firewall.new"
-    for source in $wanted; do
-        info "firewall ($backend): :$AGENT_PORT/tcp from $source"
-        firewall_add "$backend" "$source" || fatal "adding the $backend rule for $source failed"
-        printf '%s %s\n' "$backend" "$source" >>"$INSTALL_STATE/firewall.new"
-    done
+    while read -r source ports; do
+        info "firewall ($backend): $(ports_said "$ports") from $source"
+        firewall_add "$backend" "$source" "$ports" || fatal "adding the $backend rule for $source ($ports) failed"
+        printf '%s %s %s\n' "$backend" "$source" "$ports" >>"$INSTALL_STATE/firewall.new"
+    done <"$STAGE/firewall.wanted"
     mv "$INSTALL_STATE/firewall.new" "$INSTALL_STATE/firewall"
     [ "$backend" != nft ] \
         || warn "nft rules (table inet $NFT_TABLE) do not survive a reboot; run this install again after one, or add them to /etc/nftables.conf"
@@ -1154,6 +1500,9 @@ print_status() {
     else
         echo "installed:  no"
     fi
+    if [ -L "$COMMAND_LINK" ] && [ "$(readlink "$COMMAND_LINK")" = "$LIB_DIR/llmgw" ]; then
+        echo "command:    $COMMAND_LINK -> $LIB_DIR/llmgw"
+    fi
     if [ -f "$PREVIOUS_DIR/llmgw" ]; then
         echo "previous:   llmgw $(version_of "$PREVIOUS_DIR/llmgw") ($PREVIOUS_DIR, for rollback)"
     else
@@ -1177,10 +1526,16 @@ print_status() {
         echo "identity:   none (not joined)"
     fi
     echo "docker:     $(docker_access)"
+    if [ -f "$FACTS_RECORD" ]; then
+        while read -r key value; do
+            printf '%-11s %s\n' "$(echo "$key" | tr _ -):" "$value"
+        done <"$FACTS_RECORD"
+    fi
     if [ -s "$INSTALL_STATE/firewall" ]; then
-        while read -r backend source; do
-            echo "firewall:   $backend allows :$AGENT_PORT/tcp from $source"
-        done <"$INSTALL_STATE/firewall"
+        firewall_records >"$STAGE/firewall.status"
+        while read -r backend source ports; do
+            echo "firewall:   $backend allows $(ports_said "$ports") from $source"
+        done <"$STAGE/firewall.status"
     else
         echo "firewall:   no rules added"
     fi
@@ -1199,10 +1554,14 @@ verb_install() {
     [ "$(mode_recorded)" != package ] \
         || fatal "llmgw-agent was installed from a package here; use 'package' (or uninstall first)"
     info "install: llmgw $NEW_VERSION from $BUNDLE"
+    resolve_facts
+    check_facts "$BUNDLE/llmgw"
+    preflight
     ensure_user    # 1
     ensure_linger  # 2
     ensure_dirs    # 3
     install_binary # 4
+    link_command
     record_mode tarball
     configure_and_start
     info "done: llmgw $NEW_VERSION installed ($LIB_DIR/llmgw)"
@@ -1219,6 +1578,7 @@ configure_and_start() {
     start_docker_proxy
     ensure_joined        # 8
     ensure_config        # 9
+    record_facts
     install_update_trust # 10
     configure_firewall   # 11
     start_agent          # 12
@@ -1233,9 +1593,12 @@ verb_package() {
     BUNDLE=$(cd "$(dirname "$0")" && pwd)
     [ -f "$LIB_DIR/llmgw" ] && [ "$(mode_recorded)" != package ] \
         && fatal "llmgw-agent is installed from a bundle here ($LIB_DIR); uninstall it first, then run package"
+    resolve_facts
+    preflight
     install_package # 4
     record_mode package
     NEW_VERSION=$(version_of "$PACKAGE_BIN")
+    check_facts "$PACKAGE_BIN"
     ensure_user   # 1
     ensure_linger # 2
     ensure_dirs   # 3
@@ -1251,6 +1614,12 @@ verb_upgrade() {
     make_stage
     check_installed
     bundle_dir
+    if [ -n "$FACTS_GIVEN" ]; then
+        resolve_facts
+        check_facts "$BUNDLE/llmgw"
+        config_is_valid "$CONFIG" \
+            || fatal "node facts go into $CONFIG, which is missing or not valid ('$LIB_DIR/llmgw agent --check' says why); fix it, or run install with them. Nothing was changed"
+    fi
     old=$(version_of "$LIB_DIR/llmgw")
     if cmp -s "$BUNDLE/llmgw" "$LIB_DIR/llmgw"; then
         install_units
@@ -1259,6 +1628,7 @@ verb_upgrade() {
             restart_and_wait "$HEALTH_TIMEOUT" || true
         fi
         upgrade_trust
+        upgrade_facts
         info "llmgw $NEW_VERSION is installed already; nothing to upgrade"
         return 0
     fi
@@ -1287,6 +1657,10 @@ verb_upgrade() {
             if settled; then
                 rm -rf "$PREVIOUS_DIR.old"
                 upgrade_trust
+                upgrade_facts
+                # An install older than the link gets it from an upgrade run as root (the
+                # signed-update helper may not write /usr/local/bin, and does without).
+                if [ -w "$(dirname "$COMMAND_LINK")" ]; then link_command; fi
                 info "done: llmgw $NEW_VERSION runs and listens on :$AGENT_PORT (llmgw ${old:-?} kept for rollback)"
                 return 0
             fi
@@ -1316,6 +1690,28 @@ upgrade_trust() {
     [ -n "$CA_HASH" ] || return 0
     install_update_trust \
         || warn "update helper: its trust may not be updated (above); run 'install-agent.sh upgrade --ca-hash $CA_HASH' again"
+}
+
+# upgrade with node facts: agent.yaml with them, once the new version runs; a restart that
+# fails with them puts the file back as it was.
+upgrade_facts() {
+    [ -n "$FACTS_GIVEN" ] || return 0
+    cp -p "$CONFIG" "$STAGE/agent.yaml.before"
+    RESTART=no
+    write_config "$CONFIG"
+    record_facts
+    [ "$RESTART" = yes ] || {
+        info "facts: $CONFIG has them already"
+        return 0
+    }
+    if restart_and_wait "$HEALTH_TIMEOUT"; then
+        info "facts: the agent runs with them"
+        return 0
+    fi
+    journal_tail
+    cp -p "$STAGE/agent.yaml.before" "$CONFIG"
+    restart_and_wait "$HEALTH_TIMEOUT" || true
+    fatal "the agent did not come up with the new node facts (journal above); $CONFIG is back as it was"
 }
 
 verb_rollback() {
@@ -1378,6 +1774,7 @@ verb_rekey() {
 verb_uninstall() {
     check_root
     check_systemd
+    make_stage
     mode=$(mode_recorded)
     info "uninstall: stopping and disabling $UNIT and the update helper"
     stop_everything
@@ -1389,6 +1786,7 @@ verb_uninstall() {
     # shellcheck disable=SC2086 # a list of absolute paths without spaces
     rm -rf $PROXY_STATE
     for name in $UPDATE_UNITS; do rm -f "$UNIT_DIR/$name"; done
+    unlink_command
     rm -rf "$LIB_DIR" "$INSTALL_STATE"
     if [ -n "$PURGE" ]; then
         purge_everything

@@ -41,11 +41,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw import netaddr, pki
 from llmgw.agent.config import load_agent_config, parse_agent_config
-from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, NONE, NodeFacts
+from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, NodeFacts
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT
 from llmgw.contracts.rekeyproof import proof_message, sign_proof
-from llmgw.engines.registry import ENGINES
 from llmgw.errors import (
     ConfigError,
     CSRError,
@@ -628,25 +627,6 @@ def _old_private_key(
     return key
 
 
-def _facts_config(facts: NodeFacts) -> dict[str, object]:
-    """The node facts as agent.yaml keys (fabrics, discovery, engines)."""
-    data: dict[str, object] = {}
-    fabrics = [f for f in facts.fabrics if f.name != NONE]
-    if fabrics:
-        data["fabrics"] = [{"name": f.name, "hcas": list(f.hcas)} for f in fabrics]
-    discovery: dict[str, str] = {}
-    if facts.nvidia_smi:
-        discovery["nvidia_smi"] = facts.nvidia_smi
-    if facts.ib_root:
-        discovery["ib_root"] = facts.ib_root
-    if discovery:
-        data["discovery"] = discovery
-    engines = [(name, path) for name, path in facts.engines if name != NONE]
-    if engines:
-        data["engines"] = {name: {ENGINES[name].program_setting: path} for name, path in engines}
-    return data
-
-
 def _config_text(
     node_id: str,
     servers: tuple[str, ...],
@@ -735,7 +715,7 @@ def join(
             "exists already and is kept as it is; set them in it (fabrics, discovery, engines), "
             "or pass another --config"
         )
-    facts_config = _facts_config(facts) if given else {}
+    facts_config = facts.agent_config() if given else {}
 
     old_uid: str | None = None
     old_key = old_cert = None

@@ -314,6 +314,29 @@ class NodeFacts:
                 data[key] = list(value) if isinstance(value, tuple) else value
         return data
 
+    def agent_config(self) -> dict[str, object]:
+        """The agent facts as agent.yaml keys (``fabrics``, ``discovery``, ``engines``), as
+        ``llmgw agent join`` writes them into a fresh agent.yaml and ``install-agent.sh``
+        into its managed block (through ``llmgw agent render-facts``); ``none`` and facts not
+        given are left out."""
+        data: dict[str, object] = {}
+        fabrics = [f for f in self.fabrics if f.name != NONE]
+        if fabrics:
+            data["fabrics"] = [{"name": f.name, "hcas": list(f.hcas)} for f in fabrics]
+        discovery: dict[str, str] = {}
+        if self.nvidia_smi:
+            discovery["nvidia_smi"] = self.nvidia_smi
+        if self.ib_root:
+            discovery["ib_root"] = self.ib_root
+        if discovery:
+            data["discovery"] = discovery
+        engines = [(name, path) for name, path in self.engines if name != NONE]
+        if engines:
+            data["engines"] = {
+                name: {str(ENGINES[name].program_setting): path} for name, path in engines
+            }
+        return data
+
     def given(self, keys: Iterable[str]) -> list[str]:
         """The options of *keys* (JSON keys) that carry a value, in :data:`FACT_OPTIONS` order."""
         wanted = set(keys)

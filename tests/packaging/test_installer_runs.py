@@ -28,8 +28,9 @@ SERVICE_USER = "nobody"  # a user every Debian machine has; nothing is done as i
 RUNNER = r"""
 SERVICE_USER=__USER__
 log() { printf '%s\n' "$*" >>"$T/calls"; }
-check_systemd() { :; }
+check_systemd() { check_systemd_version; }
 systemctl() {
+    case $1 in --version) echo "systemd $(cat "$T/sc/systemd-version" 2>/dev/null || echo 252) (252.22-1~deb12u1)"; return 0 ;; esac
     log systemctl "$@"
     case $1 in
         is-enabled) [ -e "$T/sc/enabled-$2" ] && echo enabled || echo disabled ;;
@@ -71,9 +72,32 @@ case $1 in
     *) exit 3 ;;
 esac
 case $1 in
-    --check) grep -q '^node_id:' "$3" ;;
+    --check)
+        grep -q '^node_id:' "$3" || exit 1
+        # agent.yaml may name a key once only (the real agent's loader refuses a second).
+        [ -z "$(sed -n 's/^\([a-z_]*\):.*/\1/p' "$3" | sort | uniq -d)" ] || exit 1
+        if [ "$4" = --print ]; then
+            sed -n 's/^multinode_ports: *//p' "$3" | grep . || echo 29500-29999
+        fi ;;
+    render-facts)
+        # The real one parses with llmgw.contracts.nodefacts; this one prints what it got,
+        # and refuses a fabric named 'bad'.
+        shift
+        echo "$*" >"$T/render-facts-args"
+        while [ $# -gt 0 ]; do
+            case $1 in
+                --fabric)
+                    case $2 in bad*) echo "Error: --fabric: '$2' does not start with a fabric name" >&2; exit 2 ;; none) ;; *)
+                    [ -n "$fab" ] || echo "fabrics:"; fab=1
+                    printf -- '- name: %s\n  hcas:\n  - %s\n' "${2%%:*}" "${2#*:}" ;; esac ;;
+                --nvidia-smi) printf 'discovery:\n  nvidia_smi: %s\n' "$2" ;;
+                --engine) case $2 in none) ;; *) printf 'engines:\n  %s:\n    bin: %s\n' "${2%%=*}" "${2#*=}" ;; esac ;;
+            esac
+            shift 2
+        done ;;
     join)
         shift
+        echo "$*" >"$T/join-args"
         while [ $# -gt 0 ]; do
             case $1 in
                 --node-id) node=$2; shift ;;
@@ -110,11 +134,11 @@ class Sandbox:
     root: Path
 
     def run(
-        self, *args: str, bundle: str = "b1", token: str = ""
+        self, *args: str, bundle: str = "b1", token: str = "", path: str = ""
     ) -> subprocess.CompletedProcess[str]:
         (self.root / "calls").write_text("")
         env = {
-            "PATH": f"{self.root / 'bin'}:{os.environ['PATH']}",
+            "PATH": f"{self.root / 'bin'}:{path or os.environ['PATH']}",
             "T": str(self.root),
             "LLMGW_AGENT_HEALTH_TIMEOUT": "2",
             "LLMGW_AGENT_SETTLE_SECONDS": "0",
@@ -161,6 +185,8 @@ def sandbox(tmp_path: Path) -> Sandbox:
         body = body.replace(prefix, f"{root}{prefix}")
     body = body.replace("/usr/share/keyrings", f"{root}/keyrings")
     body = body.replace("PACKAGE_BIN=/usr/bin/llmgw", f"PACKAGE_BIN={root}/usr/bin/llmgw")
+    body = body.replace("COMMAND_LINK=/usr/local/bin/llmgw", f"COMMAND_LINK={root}/usr/local/bin/llmgw")
+    body = body.replace("PCI_DEVICES=/sys/bus/pci/devices", f"PCI_DEVICES={root}/sys/bus/pci/devices")
     for name, version in (("b1", "1.0.0"), ("b2", "1.1.0")):
         bundle = root / name
         (bundle / "systemd").mkdir(parents=True)
@@ -193,6 +219,7 @@ def test_install_runs_its_steps_in_order_and_a_rerun_changes_nothing(sandbox: Sa
         "==> folders: made @/srv/llmgw/models",  # 3
         "==> folders: made @/srv/llmgw/cache",
         "==> binary: llmgw 1.0.0 into @/usr/local/lib/llmgw-agent",  # 4
+        "==> binary: @/usr/local/bin/llmgw -> @/usr/local/lib/llmgw-agent/llmgw",
         f"==> units: {units}/llmgw-agent.service",  # 5
         f"==> units: {units}/llmgw-agent-update.path",
         f"==> units: {units}/llmgw-agent-update.service",

@@ -1,6 +1,7 @@
 """The ``llmgw agent`` group: everything that runs on a node.
 
-``llmgw agent`` runs the node agent; ``join`` enrols the node; ``docker-proxy`` is the Docker
+``llmgw agent`` runs the node agent; ``join`` enrols the node; ``render-facts`` prints the
+agent.yaml keys of node facts for the installer; ``docker-proxy`` is the Docker
 socket proxy the agent may use instead of docker.sock; ``update-apply`` and ``update-trust``
 are the root update helper's entry points (systemd and the installer run them as root; the
 code behind them is the helper's, these commands only parse options and print verdicts).
@@ -8,8 +9,8 @@ code behind them is the helper's, these commands only parse options and print ve
 The helper's commands run as root, so this module, which they load, imports nothing of the
 agent or the control plane: only the helper (``llmgw.updater``), the contracts it checks
 against and the foundations (a unit test holds this). The agent is imported when it is run;
-``join`` and ``docker-proxy`` are modules of their own (``llmgw.cli.agent.join``,
-``llmgw.cli.agent.docker_proxy``), imported when they are named (``NODE_COMMANDS``, a
+``join``, ``render-facts`` and ``docker-proxy`` are modules of their own
+(``llmgw.cli.agent.join``, ``llmgw.cli.agent.facts``, ``llmgw.cli.agent.docker_proxy``), imported when they are named (``NODE_COMMANDS``, a
 :class:`llmgw.cli.common.LazyGroup`) and listed by ``--help`` without being imported.
 """
 
@@ -35,6 +36,12 @@ def _join() -> object:
     return join_command
 
 
+def _render_facts() -> object:
+    from llmgw.cli.agent.facts import render_facts
+
+    return render_facts
+
+
 def _docker_proxy() -> object:
     from llmgw.cli.agent.docker_proxy import docker_proxy
 
@@ -47,6 +54,12 @@ NODE_COMMANDS: dict[str, LazyCommand] = {
         _join,
         "Enrol this node with the control plane; the join token comes from "
         "LLMGW_JOIN_TOKEN or a prompt, never from an argument.",
+    ),
+    "render-facts": LazyCommand(
+        _render_facts,
+        "Print the agent.yaml keys (fabrics, discovery, engines) of node facts given to "
+        "install-agent.sh (--fabric, --nvidia-smi, --ib-root, --engine), checked by the one "
+        "parser of node facts; the installer writes them into its block of agent.yaml.",
     ),
     "docker-proxy": LazyCommand(
         _docker_proxy,
