@@ -10,6 +10,7 @@ later ones fail at once, naming it.
 
 from __future__ import annotations
 
+import json
 import shlex
 import time
 from pathlib import Path
@@ -126,6 +127,9 @@ def test_01_one_liner_installs_and_joins(steps: Steps, lab: Lab) -> None:
     )
     # The units as installed (ExecStart rewritten, the drop-in) verify on the node's systemd.
     assert node.unit_findings() == []
+    # llmgw is on root's PATH: the installed binary, through the installer's link.
+    assert node.out("readlink /usr/local/bin/llmgw") == "/usr/local/lib/llmgw-agent/llmgw"
+    assert node.out("llmgw --version") == f"llmgw {lab.version}"
 
 
 def test_02_approve_and_serve_through_the_gateway(steps: Steps, lab: Lab) -> None:
@@ -167,6 +171,8 @@ def test_04_ufw_rules_from_the_gateway_only(steps: Steps, lab: Lab) -> None:
     )
     rules = node.out("ufw status")
     assert f"9443/tcp                   ALLOW       {lab.gateway}" in rules, rules
+    # The multi-node range too, from the same sources only.
+    assert f"29500:29999/tcp            ALLOW       {lab.gateway}" in rules, rules
     assert "10.99.0.0/16" in rules
     assert node.unit("ActiveEnterTimestamp") == since  # firewall rules need no restart
     status = node.out(f"sh {steps.bundle_n}/{INSTALLER} status")
@@ -363,7 +369,9 @@ def test_09_hostile_orders_are_refused(steps: Steps, lab: Lab, bundle_next: Path
     serves(steps)
 
 
-def test_10_rekey(steps: Steps, lab: Lab) -> None:
+def test_10_rekey_with_the_one_liner(steps: Steps, lab: Lab) -> None:
+    """The rekey one-liner join-command prints: it downloads and checks the bundle like the
+    join's and ends in 'install-agent.sh rekey' (stop, rekey as the service user, start)."""
     node = node_of(steps)
     old = node.out("sha256sum /var/lib/llmgw-agent/node.crt")
     # A wrong token: refused, and the agent runs on its old identity.
@@ -376,12 +384,39 @@ def test_10_rekey(steps: Steps, lab: Lab) -> None:
     assert bad.returncode != 0 and "runs on its old identity" in bad.stderr, bad.stderr
     assert node.out("sha256sum /var/lib/llmgw-agent/node.crt") == old and node.listening()
     token = lab.join_command(NODE, rekey=True)
-    node.sh(
-        f"LLMGW_JOIN_TOKEN={shlex.quote(token['token'])} sh {steps.bundle_n}/{INSTALLER} rekey "
-        f"--enroll-url {token['enroll_url']} --ca-hash {token['ca_hash']}"
-    )
+    command = token["command"]
+    assert "/agent/bundles/" in command and "install-agent.sh rekey" in command, command
+    since = node.unit("ActiveEnterTimestamp")
+    result = node.sh(command)
+    assert f"node {NODE} rekeyed" in result.stderr, result.stderr
     assert node.out("sha256sum /var/lib/llmgw-agent/node.crt") != old
+    assert node.unit("ActiveEnterTimestamp") != since  # restarted on the new identity
     assert node.listening()
+    serves(steps)
+
+
+def test_10b_re_pair_a_node_whose_state_directory_is_gone(steps: Steps, lab: Lab) -> None:
+    """The state directory lost: the lost-state one-liner re-pairs the node with its old
+    uid (same record, new key), and it waits for approval by fingerprint again."""
+    assert lab.server is not None
+    node = node_of(steps)
+    before = lab.node_state(NODE)
+    assert before is not None
+    node.sh("systemctl stop llmgw-agent.service && rm -rf /var/lib/llmgw-agent")
+    repair = json.loads(lab.ctl("--json", "join-command", "--rekey", NODE, "--lost-state").stdout)
+    command = repair["command"]
+    assert "install-agent.sh install" in command and f"--node-uid {before['uid']}" in command
+    result = node.sh(command)
+    assert f"join: re-pairing as uid {before['uid']}" in result.stderr, result.stderr
+    pending = wait_for(
+        lambda: (n := lab.node_state(NODE)) and n["connected"] and n,
+        what=f"{NODE} back",
+        timeout=60,
+    )
+    assert pending["uid"] == before["uid"]
+    assert pending["state"] == "pending", pending
+    assert pending["fingerprint"] != before["fingerprint"]  # a new key
+    lab.approve(NODE)
     serves(steps)
 
 
