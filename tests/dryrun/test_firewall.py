@@ -20,6 +20,7 @@ from tests.packaging.pkgcheck import systemd_image_of
 from .lab import Lab, Node
 
 PORT = 9443
+RANGE = "29500-29999"  # the multi-node range (agent.yaml's default), from the same sources
 NFT_TABLE = "llmgw"
 OTHER_SOURCES = ("10.99.0.0/16", "fd00:99::/64")  # allowed, but no machine of the lab is there
 OPERATOR_RICH_RULE = (
@@ -94,12 +95,16 @@ def test_firewalld_rules_allow_only_the_given_sources_and_go_exactly(
         rules = set(node.out(listing).splitlines())
         assert rules == {
             OPERATOR_RICH_RULE,
-            f'rule family="ipv4" source address="{lab.gateway}" port port="{PORT}" '
-            'protocol="tcp" accept',
-            f'rule family="ipv4" source address="{OTHER_SOURCES[0]}" port port="{PORT}" '
-            'protocol="tcp" accept',
-            f'rule family="ipv6" source address="{OTHER_SOURCES[1]}" port port="{PORT}" '
-            'protocol="tcp" accept',
+            *(
+                f'rule family="{family}" source address="{source}" port port="{ports}" '
+                'protocol="tcp" accept'
+                for family, source in (
+                    ("ipv4", lab.gateway),
+                    ("ipv4", OTHER_SOURCES[0]),
+                    ("ipv6", OTHER_SOURCES[1]),
+                )
+                for ports in (PORT, RANGE)
+            ),
         }, listing
     assert from_host(node)
     assert not from_peer(peer, node), "a machine outside the given sources reached :9443"
@@ -137,13 +142,16 @@ def test_nft_rules_allow_only_the_given_sources_and_go_exactly(
     table = node.out(f"nft list table inet {NFT_TABLE}")
     accepts = [line.strip() for line in table.splitlines() if line.strip().endswith("accept")]
     assert sorted(accepts) == sorted(
-        [
-            f"ip saddr {lab.gateway} tcp dport {PORT} accept",
-            f"ip saddr {OTHER_SOURCES[0]} tcp dport {PORT} accept",
-            f"ip6 saddr {OTHER_SOURCES[1]} tcp dport {PORT} accept",
-        ]
+        f"{family} saddr {source} tcp dport {ports} accept"
+        for family, source in (
+            ("ip", lab.gateway),
+            ("ip", OTHER_SOURCES[0]),
+            ("ip6", OTHER_SOURCES[1]),
+        )
+        for ports in (PORT, RANGE)
     ), table
     assert table.count(f"tcp dport {PORT} drop") == 1, table
+    assert table.count(f"tcp dport {RANGE} drop") == 1, table
     assert from_host(node)
     assert not from_peer(peer, node), "a machine outside the given sources reached :9443"
 

@@ -73,17 +73,18 @@ def test_agent_help_lists_the_node_commands_without_loading_the_agent() -> None:
     code, modules = loaded_by("agent", "--help")
     assert code == 0
     assert "llmgw.cli.agent.join" not in modules and "llmgw.cli.agent.docker_proxy" not in modules
+    assert "llmgw.cli.agent.facts" not in modules
     assert forbidden_in(modules) == []
 
 
 def test_the_node_commands_are_listed_and_load_when_named() -> None:
     group = agent_cli.agent
-    names = ["docker-proxy", "join", "update-apply", "update-trust"]
+    names = ["docker-proxy", "join", "render-facts", "update-apply", "update-trust"]
     assert group.list_commands(click.Context(group)) == names
     out = CliRunner().invoke(main, ["agent", "--help"], prog_name="llmgw")
     assert out.exit_code == 0
     rows = out.output.split("Commands:\n", 1)[1].splitlines()
     assert [row.split()[0] for row in rows if row.startswith("  ")] == names
-    for name in ("join", "docker-proxy"):
+    for name in ("join", "docker-proxy", "render-facts"):
         out = CliRunner().invoke(main, ["agent", name, "--help"], prog_name="llmgw")
         assert out.exit_code == 0 and out.output.startswith(f"Usage: llmgw agent {name} ")
