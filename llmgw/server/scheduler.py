@@ -11,7 +11,10 @@ Multi-node replicas meet at one address per replica (``dist_init_addr``). Where 
 dial rank 0 (sim, vLLM, SGLang) all shards start at once and rank 0 gathers them. Where rank
 0 dials its workers (llama.cpp's RPC), StartShard also carries each worker's endpoint (rank
 0: ``worker_addrs``, a worker: ``listen_addr``), and rank 0 is ordered only once every
-worker is ready.
+worker is ready. Either way the replica's one port is the lowest inside the
+``multinode_ports`` of all its nodes (the range each node's firewall opens to its fabric's
+peers) that no replica uses on any of them; with none, the replica is not placed and its
+unplaceable reason names the nodes, their ranges and the fix.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from dataclasses import dataclass
 
 from llmgw.contracts.catalog import Profile as CatalogProfile
 from llmgw.contracts.catalog import adhoc_profile, parse_profile
-from llmgw.contracts.inventory import degraded_reasons
+from llmgw.contracts.inventory import degraded_reasons, multinode_ports
 from llmgw.contracts.model_sources import NodeSources
-from llmgw.engines.launch import worker_port_base
+from llmgw.contracts.ports import PortRange
+from llmgw.engines.launch import dials_workers
 from llmgw.errors import ConfigError, NotFound
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
@@ -42,8 +46,7 @@ __all__ = ["Scheduler", "restart_delay"]
 
 log = logging.getLogger("llmgw.server.scheduler")
 
-DIST_INIT_PORT = 29500
-"""The first dist-init port rank 0 of a multi-node replica binds (PyTorch's default)."""
+FIREWALL_FIX = "re-run install-agent.sh there so that the firewall follows"
 
 
 def _host_of(addr: str) -> str:
@@ -75,6 +78,14 @@ class _NoRoom(Exception):
     def __init__(self, why: PlacementUnplaceable) -> None:
         super().__init__(why.summary())
         self.why = why
+
+
+class _NoPort(Exception):
+    """The nodes placement chose share no free port in their ``multinode_ports``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Scheduler:
@@ -266,11 +277,17 @@ class Scheduler:
                     shard = store.add_shard(replica.id, sp.node_id, rank=sp.rank)
                     shards.append(store.update_shard(shard.id, gpus=list(sp.gpus)))
                 if len(shards) > 1:
-                    addr = self._dist_init_addr(profile.engine, [sh.node_id for sh in shards])
+                    addr = self._dist_init_addr([sh.node_id for sh in shards])
                     shards = [store.update_shard(sh.id, dist_init_addr=addr) for sh in shards]
                 store.set_replica_state(replica.id, ReplicaState.STARTING)
         except _NoRoom as exc:
             self._note_unplaceable(model.name, exc.why.summary(limit=8))
+            return None
+        except _NoPort as exc:
+            # The transaction took the replica and its shard rows back; free its GPUs in this
+            # pass's view too, so that the next model may have them.
+            cluster.release(replica.id)
+            self._note_unplaceable(model.name, exc.reason)
             return None
         except Exception:
             cluster.release(replica.id)
@@ -292,34 +309,66 @@ class Scheduler:
             self.store.add_event("unplaceable", model, f"cannot place a replica: {reason}")
             log.warning("cannot place a replica", extra=kv(model=model, reason=reason))
 
-    def _dist_init_addr(self, engine: str, node_ids: list[str]) -> str:
-        """A multi-node replica's rendezvous: rank 0's management address and a port that
-        no other replica on any of its nodes uses. Every shard row of a replica keeps it, so
-        the ports taken on a node are those of the replicas it has shards of.
+    def _dist_init_addr(self, node_ids: list[str]) -> str:
+        """A multi-node replica's rendezvous: rank 0's management address and its port
+        (:meth:`_rendezvous_port`). Every shard row of a replica keeps it, so the ports
+        taken on a node are those of the replicas it has shards of."""
+        host = _host_of(self.store.get_node(node_ids[0]).dataplane_addr or "") or "127.0.0.1"
+        return format_hostport(host, self._rendezvous_port(node_ids))
 
-        Where the workers dial rank 0 it is the dist-init port (29500 upwards, the PyTorch
-        convention). Where rank 0 dials its workers (llama.cpp), each worker's endpoint
-        binds that port on its own node (50052 upwards, ``rpc-server``'s default), which is
-        why the port must be free on every node of the replica, not on rank 0's alone."""
+    def _rendezvous_port(self, node_ids: list[str]) -> int:
+        """The lowest port inside the ``multinode_ports`` of every node of the replica (as
+        their inventories report them; the default for an agent that reports none) that no
+        replica uses on any of them; :class:`_NoPort`, naming the nodes, their ranges and
+        the fix, when there is none.
+
+        One rule for both kinds of rendezvous: where the workers dial rank 0 (sim, vLLM,
+        SGLang) it is rank 0's dist-init port; where rank 0 dials its workers (llama.cpp)
+        each worker's endpoint binds it on its own node. Either way it must be free on every
+        node of the replica, and inside every node's range: that range is what each node's
+        firewall opens to the fabric's peers (install-agent.sh)."""
         store = self.store
-        host = _host_of(store.get_node(node_ids[0]).dataplane_addr or "") or "127.0.0.1"
+        nodes = list(dict.fromkeys(node_ids))
+        ranges: dict[str, PortRange] = {}
+        for node_id in nodes:
+            try:
+                ranges[node_id] = multinode_ports(store.get_node(node_id).inventory)
+            except ConfigError as exc:
+                raise _NoPort(
+                    f"node {node_id} reports multinode_ports {exc.message}; fix multinode_ports "
+                    f"in agent.yaml on {node_id}, restart its agent, and {FIREWALL_FIX}"
+                ) from None
+        named = ", ".join(f"{node_id} {ranges[node_id]}" for node_id in nodes)
+        where = ", ".join(nodes)
+        common: PortRange | None = ranges[nodes[0]]
+        for node_id in nodes[1:]:
+            common = common.overlap(ranges[node_id]) if common is not None else None
+        if common is None:
+            raise _NoPort(
+                f"its nodes share no multi-node port: their multinode_ports do not overlap "
+                f"({named}); widen multinode_ports in agent.yaml on {where} so that they "
+                f"overlap, and {FIREWALL_FIX}"
+            )
         used = {
             _port_of(sh.dist_init_addr)
-            for node_id in set(node_ids)
+            for node_id in nodes
             for sh in store.list_shards(node_id=node_id)
             if sh.dist_init_addr
         }
-        base = worker_port_base(engine)
-        port = DIST_INIT_PORT if base is None else base
-        while port in used:
-            port += 1
-        return format_hostport(host, port)
+        for port in common:
+            if port not in used:
+                return port
+        raise _NoPort(
+            f"every multi-node port its nodes share is taken by other multi-node replicas "
+            f"on them ({common}, {len(common)} ports; {named}); widen multinode_ports in "
+            f"agent.yaml on {where}, and {FIREWALL_FIX}"
+        )
 
     def _awaits_workers(self, shard: Shard, engine: str) -> bool:
         """Rank 0 of an engine that dials its workers waits for them: llama-server gives up
         on an ``--rpc`` endpoint that does not answer yet, so it starts only once every
         worker's endpoint is up (its shard ready)."""
-        if shard.rank != 0 or not shard.dist_init_addr or worker_port_base(engine) is None:
+        if shard.rank != 0 or not shard.dist_init_addr or not dials_workers(engine):
             return False
         return any(
             sh.rank > 0 and sh.state != ShardState.READY
@@ -331,7 +380,7 @@ class Scheduler:
         rank 0 dials its workers, rank 0 gets every worker's endpoint in rank order and a
         worker the one it binds, each its node's management address and the replica's
         port; empty for the others."""
-        if worker_port_base(engine) is None or not shard.dist_init_addr:
+        if not dials_workers(engine) or not shard.dist_init_addr:
             return [], ""
         store = self.store
         port = _port_of(shard.dist_init_addr)
