@@ -294,6 +294,13 @@ def _parse(
 
 def _multinode_ports(check: Checker, value: object, listen_port: int) -> PortRange:
     if value is None:
+        if listen_port in DEFAULT_MULTINODE_PORTS:
+            check.fail(
+                "multinode_ports",
+                f"is not set, and its default {DEFAULT_MULTINODE_PORTS} holds {listen_port}, the "
+                "data plane's own port (listen); move listen, or set multinode_ports to a "
+                "range without it",
+            )
         return DEFAULT_MULTINODE_PORTS
     if not isinstance(value, str):
         check.fail(
