@@ -63,6 +63,10 @@ def _port_of(addr: str) -> int:
         return 0
 
 
+def _ports(count: int) -> str:
+    return f"{count} port" if count == 1 else f"{count} ports"
+
+
 def restart_delay(failures: int) -> float:
     return float(min(30, 2 ** max(0, failures - 1)))
 
@@ -360,7 +364,7 @@ class Scheduler:
                 return port
         raise _NoPort(
             f"every multi-node port its nodes share is taken by other multi-node replicas "
-            f"on them ({common}, {len(common)} ports; {named}); widen multinode_ports in "
+            f"on them ({common}: {_ports(len(common))}; {named}); widen multinode_ports in "
             f"agent.yaml on {where}, and {FIREWALL_FIX}"
         )
 
