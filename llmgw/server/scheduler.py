@@ -13,8 +13,8 @@ dial rank 0 (sim, vLLM, SGLang) all shards start at once and rank 0 gathers them
 0: ``worker_addrs``, a worker: ``listen_addr``), and rank 0 is ordered only once every
 worker is ready. Either way the replica's one port is the lowest inside the
 ``multinode_ports`` of all its nodes (the range each node's firewall opens to its fabric's
-peers) that no replica uses on any of them; with none, the replica is not placed and its
-unplaceable reason names the nodes, their ranges and the fix.
+peers) that no replica uses on any of them (:mod:`llmgw.server.rendezvous`); with none, the
+replica is not placed and its unplaceable reason names the nodes, their ranges and the fix.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from dataclasses import dataclass
 
 from llmgw.contracts.catalog import Profile as CatalogProfile
 from llmgw.contracts.catalog import adhoc_profile, parse_profile
-from llmgw.contracts.inventory import degraded_reasons, multinode_ports
+from llmgw.contracts.inventory import degraded_reasons
 from llmgw.contracts.model_sources import NodeSources
-from llmgw.contracts.ports import PortRange
 from llmgw.engines.launch import dials_workers
 from llmgw.errors import ConfigError, NotFound
 from llmgw.log import kv
@@ -37,6 +36,7 @@ from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.server.placement import Allocation, Cluster, GpuView, NodeView, degraded_refusal
 from llmgw.server.placement import Profile as PlacementProfile
 from llmgw.server.placement import Unplaceable as PlacementUnplaceable
+from llmgw.server.rendezvous import NoPort, rendezvous_port
 from llmgw.server.routing import Router
 from llmgw.server.states import NodeState, ReplicaState, ShardState
 from llmgw.server.store import Model, Node, Shard, Store
@@ -45,8 +45,6 @@ from llmgw.server.stream import NodeSession
 __all__ = ["Scheduler", "restart_delay"]
 
 log = logging.getLogger("llmgw.server.scheduler")
-
-FIREWALL_FIX = "re-run install-agent.sh there so that the firewall follows"
 
 
 def _host_of(addr: str) -> str:
@@ -61,10 +59,6 @@ def _port_of(addr: str) -> int:
         return parse_hostport(addr, allow_zero=True)[1] if addr else 0
     except ConfigError:
         return 0
-
-
-def _ports(count: int) -> str:
-    return f"{count} port" if count == 1 else f"{count} ports"
 
 
 def restart_delay(failures: int) -> float:
@@ -321,52 +315,22 @@ class Scheduler:
         return format_hostport(host, self._rendezvous_port(node_ids))
 
     def _rendezvous_port(self, node_ids: list[str]) -> int:
-        """The lowest port inside the ``multinode_ports`` of every node of the replica (as
-        their inventories report them; the default for an agent that reports none) that no
-        replica uses on any of them; :class:`_NoPort`, naming the nodes, their ranges and
-        the fix, when there is none.
-
-        One rule for both kinds of rendezvous: where the workers dial rank 0 (sim, vLLM,
-        SGLang) it is rank 0's dist-init port; where rank 0 dials its workers (llama.cpp)
-        each worker's endpoint binds it on its own node. Either way it must be free on every
-        node of the replica, and inside every node's range: that range is what each node's
-        firewall opens to the fabric's peers (install-agent.sh)."""
+        """The replica's port (:func:`llmgw.server.rendezvous.rendezvous_port`): inside the
+        ``multinode_ports`` of every node, free on all of them; :class:`_NoPort` with the
+        reason when there is none."""
         store = self.store
-        nodes = list(dict.fromkeys(node_ids))
-        ranges: dict[str, PortRange] = {}
-        for node_id in nodes:
-            try:
-                ranges[node_id] = multinode_ports(store.get_node(node_id).inventory)
-            except ConfigError as exc:
-                raise _NoPort(
-                    f"node {node_id} reports multinode_ports {exc.message}; fix multinode_ports "
-                    f"in agent.yaml on {node_id}, restart its agent, and {FIREWALL_FIX}"
-                ) from None
-        named = ", ".join(f"{node_id} {ranges[node_id]}" for node_id in nodes)
-        where = ", ".join(nodes)
-        common: PortRange | None = ranges[nodes[0]]
-        for node_id in nodes[1:]:
-            common = common.overlap(ranges[node_id]) if common is not None else None
-        if common is None:
-            raise _NoPort(
-                f"its nodes share no multi-node port: their multinode_ports do not overlap "
-                f"({named}); widen multinode_ports in agent.yaml on {where} so that they "
-                f"overlap, and {FIREWALL_FIX}"
-            )
+        nodes = set(node_ids)
         used = {
             _port_of(sh.dist_init_addr)
             for node_id in nodes
             for sh in store.list_shards(node_id=node_id)
             if sh.dist_init_addr
         }
-        for port in common:
-            if port not in used:
-                return port
-        raise _NoPort(
-            f"every multi-node port its nodes share is taken by other multi-node replicas "
-            f"on them ({common}: {_ports(len(common))}; {named}); widen multinode_ports in "
-            f"agent.yaml on {where}, and {FIREWALL_FIX}"
-        )
+        inventories = {node_id: store.get_node(node_id).inventory for node_id in nodes}
+        port = rendezvous_port(node_ids, inventories, used)
+        if isinstance(port, NoPort):
+            raise _NoPort(port.reason)
+        return port
 
     def _awaits_workers(self, shard: Shard, engine: str) -> bool:
         """Rank 0 of an engine that dials its workers waits for them: llama-server gives up
