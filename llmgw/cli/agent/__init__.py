@@ -1,6 +1,8 @@
 """The ``llmgw agent`` group: everything that runs on a node.
 
-``llmgw agent`` runs the node agent; ``join`` enrols the node; ``docker-proxy`` is the Docker
+``llmgw agent`` runs the node agent (``--check`` only validates agent.yaml; with ``--print
+multinode_ports`` it prints that range alone, for install-agent.sh's firewall); ``join``
+enrols the node; ``docker-proxy`` is the Docker
 socket proxy the agent may use instead of docker.sock; ``update-apply`` and ``update-trust``
 are the root update helper's entry points (systemd and the installer run them as root; the
 code behind them is the helper's, these commands only parse options and print verdicts).
