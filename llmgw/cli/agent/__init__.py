@@ -3,8 +3,9 @@
 ``llmgw agent`` runs the node agent (``--check`` only validates agent.yaml; with ``--print
 multinode_ports`` it prints that range alone, for install-agent.sh's firewall); ``join``
 enrols the node; ``docker-proxy`` is the Docker socket proxy the agent may use instead of
-docker.sock; ``update-apply`` and ``update-trust`` are the root update helper's entry points (systemd and the installer run them as root; the
-code behind them is the helper's, these commands only parse options and print verdicts).
+docker.sock; ``update-apply`` and ``update-trust`` are the root update helper's entry points
+(systemd and the installer run them as root; the code behind them is the helper's, these
+commands only parse options and print verdicts).
 
 The helper's commands run as root, so this module, which they load, imports nothing of the
 agent or the control plane: only the helper (``llmgw.updater``), the contracts it checks
