@@ -32,9 +32,15 @@ from llmgw.configfile import (
     unknown_key_message,
 )
 from llmgw.contracts.paths import DEFAULT_AGENT_STATE_DIR
-from llmgw.contracts.ports import DEFAULT_DATA_PORT, DEFAULT_GRPC_PORT
+from llmgw.contracts.ports import (
+    DEFAULT_DATA_PORT,
+    DEFAULT_GRPC_PORT,
+    DEFAULT_MULTINODE_PORTS,
+    PortRange,
+)
 from llmgw.contracts.sources import SourcePrefix, parse_prefix
 from llmgw.engines.registry import ENGINES, engine_names
+from llmgw.errors import ConfigError
 from llmgw.listener import ListenerLimits, parse_listener_limits
 from llmgw.netaddr import format_hostport, is_ip_address
 
@@ -73,6 +79,7 @@ _TOP_KEYS = (
     "max_inflight_body_bytes",
     "max_response_body",
     "upstream_idle_timeout",
+    "multinode_ports",
 )
 _TLS_KEYS = ("cert", "key", "ca")
 _FABRIC_KEYS = ("name", "hcas")
@@ -179,6 +186,10 @@ class AgentConfig:
     max_inflight_body_bytes: int = DEFAULT_MAX_INFLIGHT_BODY_BYTES
     max_response_body: int = DEFAULT_MAX_RESPONSE_BODY
     upstream_idle_timeout: float = DEFAULT_UPSTREAM_IDLE_TIMEOUT
+    # Where this node's shards of a multi-node replica meet the other nodes' (rank 0's
+    # dist-init port, a llama.cpp worker's rpc-server endpoint): reported in the inventory,
+    # placed inside by the control plane, opened in the firewall by the installer.
+    multinode_ports: PortRange = DEFAULT_MULTINODE_PORTS
     source: Path | None = None
 
 
@@ -276,8 +287,38 @@ def _parse(
         install_sources=_install_sources(check, top.get("install_sources")),
         listeners=parse_listener_limits(check, top.get("listeners"), "listeners")[0],
         **parse_body_limits(check, top),
+        multinode_ports=_multinode_ports(check, top.get("multinode_ports"), listen_port),
         source=source,
     )
+
+
+def _multinode_ports(check: Checker, value: object, listen_port: int) -> PortRange:
+    if value is None:
+        if listen_port in DEFAULT_MULTINODE_PORTS:
+            check.fail(
+                "multinode_ports",
+                f"is not set, and its default {DEFAULT_MULTINODE_PORTS} holds {listen_port}, the "
+                "data plane's own port (listen); move listen, or set multinode_ports to a "
+                "range without it",
+            )
+        return DEFAULT_MULTINODE_PORTS
+    if not isinstance(value, str):
+        check.fail(
+            "multinode_ports",
+            f"must be a string 'A-B' of two port numbers (e.g. \"{DEFAULT_MULTINODE_PORTS}\", "
+            f"quoted), got {type_name(value)} {value!r}",
+        )
+    try:
+        ports = PortRange.parse(value)
+    except ConfigError as exc:
+        check.fail("multinode_ports", exc.message)
+    if listen_port in ports:
+        check.fail(
+            "multinode_ports",
+            f"{ports} holds {listen_port}, the data plane's own port (listen); give a range "
+            f"without it, e.g. {DEFAULT_MULTINODE_PORTS}, or move listen",
+        )
+    return ports
 
 
 def _path(check: Checker, table: Mapping[str, object], name: str, default: Path) -> Path:

@@ -120,6 +120,7 @@ def collect_inventory(
         inv.fabrics.extend(fabrics)
         inv.warnings.extend(warnings)
         _add_sources(inv, cfg)
+        inv.multinode_ports = str(cfg.multinode_ports)
     inv.engine_details.extend(details)
     inv.engines.extend(e.name for e in details if e.ok and e.name in AVAILABLE_ENGINES)
     inv.warnings.extend(

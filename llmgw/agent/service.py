@@ -216,6 +216,7 @@ class Agent:
             runtime,
             make_launch=self._docker_launch if runtime.name == "docker" else None,
             on_status=self._report_shard,
+            multinode_ports=cfg.multinode_ports,
             sources=SourceStore(
                 cfg.models_root,
                 cfg.cache_root,

@@ -30,7 +30,10 @@ only in what this run wrote); for other engines, which write no such line we kno
 process has been running for ``worker_grace`` seconds. An adopted worker that was ready is
 ready again at once (a worker that lost rank 0 exits). Where rank 0 dials its workers
 (llama.cpp's ``rpc-server``), the order names the endpoints: ``worker_addrs`` for rank 0,
-``listen_addr`` for a worker.
+``listen_addr`` for a worker. The port a shard binds for its replica (rank 0's
+``dist_init_addr`` where the workers dial it, a llama.cpp worker's ``listen_addr``) must lie
+in the node's ``multinode_ports``, the range its firewall opens to the fabric's peers: an
+order outside it is refused before anything starts.
 
 Engines outlive the agent: stopping the agent (or killing it) leaves them running, and the
 next agent adopts them from ``shards.json`` (:meth:`ShardManager.adopt_all`); those that
@@ -63,8 +66,9 @@ from llmgw.agent.runtimes import Handle, Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
 from llmgw.contracts.model_sources import SourceSpec
+from llmgw.contracts.ports import DEFAULT_MULTINODE_PORTS, PortRange
 from llmgw.engines.launch import build_command
-from llmgw.engines.registry import get_engine
+from llmgw.engines.registry import ENGINES, get_engine
 from llmgw.engines.spec import EngineSpec
 from llmgw.errors import ConfigError, EngineError, LlmgwError, ShardError
 from llmgw.log import kv
@@ -286,8 +290,11 @@ class ShardManager:
         make_launch: Callable[[ShardSpec, int, Path], Launch] | None = None,
         worker_grace: float = 1.0,
         sources: SourceStore | None = None,
+        multinode_ports: PortRange = DEFAULT_MULTINODE_PORTS,
     ) -> None:
         self.state_dir = state_dir
+        # agent.yaml's range: where a shard may bind its replica's rendezvous port.
+        self.multinode_ports = multinode_ports
         # models_root and cache_root; None (tests): a source is handed to the engine as is.
         self.sources = sources
         self.records = ShardRecords(state_dir)
@@ -402,6 +409,7 @@ class ShardManager:
         if existing is not None and existing.task is not None and not existing.task.done():
             await existing.task
         _check_shape(spec)
+        _check_rendezvous_port(spec, self.multinode_ports)
         located = self._locate_source(spec)
         port = pick_port()
         log_path = self.log_path(spec.shard_id)
@@ -794,3 +802,40 @@ def _check_shape(spec: ShardSpec) -> None:
             f"shard {spec.shard_id}: a replica of {spec.nodes} nodes needs dist_init_addr "
             f"HOST:PORT (rank 0 binds it, workers dial it): {exc}"
         ) from None
+
+
+def _check_rendezvous_port(spec: ShardSpec, ports: PortRange) -> None:
+    """The port ``spec`` binds for its replica's rendezvous lies in this node's
+    ``multinode_ports``; ShardError naming the address, the range and the fix when not.
+
+    Rank 0 binds ``dist_init_addr`` where the workers dial it (sim, vLLM, SGLang); where rank
+    0 dials its workers (llama.cpp), a worker binds its ``listen_addr`` (or, without one, its
+    entry of ``worker_addrs``, as the builder reads it). The others bind nothing there. An
+    address that is not host:port is left to the builder, which says what is missing."""
+    engine = ENGINES.get(spec.engine)
+    if spec.nodes < 2 or engine is None:
+        return  # one node meets no one; an unknown engine is refused by the launcher
+    if engine.dials_workers:
+        if spec.rank == 0:
+            return
+        addr = spec.listen_addr
+        if not addr and len(spec.worker_addrs) == spec.nodes - 1:
+            addr = spec.worker_addrs[spec.rank - 1]
+        what = "its rpc-server endpoint (listen_addr)"
+    else:
+        if spec.rank != 0:
+            return
+        addr, what = spec.dist_init_addr, "its dist-init address (dist_init_addr)"
+    try:
+        port = parse_hostport(addr)[1]
+    except ConfigError:
+        return
+    if port not in ports:
+        raise ShardError(
+            f"shard {spec.shard_id}: {what} {addr} is outside this node's multinode_ports "
+            f"{ports}, the only ports its firewall opens to the fabric's peers; the control "
+            "plane places inside the range a node reports, so restart the agent if agent.yaml "
+            "changed since it started (or upgrade a control plane that predates the range), "
+            "or widen multinode_ports in agent.yaml to hold it and re-run install-agent.sh so "
+            "that the firewall follows"
+        )

@@ -14,9 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw.contracts.model_sources import sources_dict
+from llmgw.contracts.ports import DEFAULT_MULTINODE_PORTS, PortRange
 from llmgw.proto import control_pb2 as pb
 
-__all__ = ["DegradedCode", "DegradedReason", "degraded_reasons", "inventory_dict"]
+__all__ = [
+    "DegradedCode",
+    "DegradedReason",
+    "degraded_reasons",
+    "inventory_dict",
+    "multinode_ports",
+]
 
 
 class DegradedCode(enum.StrEnum):
@@ -73,6 +80,17 @@ def degraded_reasons(inventory: Mapping[str, Any]) -> tuple[DegradedReason, ...]
     return tuple(DegradedReason.from_dict(r) for r in raw if isinstance(r, Mapping))
 
 
+def multinode_ports(inventory: Mapping[str, Any]) -> PortRange:
+    """The node's multi-node port range from a stored inventory: the default
+    (:data:`~llmgw.contracts.ports.DEFAULT_MULTINODE_PORTS`) for an agent that reports none
+    (it predates the field, and so uses the ports of the default); ConfigError when what it
+    reports is no range (no agent of ours sends that: its agent.yaml is checked)."""
+    raw = inventory.get("multinode_ports")
+    if not raw:
+        return DEFAULT_MULTINODE_PORTS
+    return PortRange.parse(str(raw))
+
+
 def inventory_dict(inv: pb.Inventory) -> dict[str, Any]:
     """The inventory as JSON-ready data, every field by its proto name (what the control
     plane stores and shows)."""
@@ -127,4 +145,6 @@ def inventory_dict(inv: pb.Inventory) -> dict[str, Any]:
         "degraded": [
             DegradedReason(d.code, d.message, d.engine, d.fabric).as_dict() for d in inv.degraded
         ],
+        # "": an agent that predates it (multinode_ports() reads that as the default).
+        "multinode_ports": inv.multinode_ports,
     }

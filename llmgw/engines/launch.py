@@ -2,7 +2,7 @@
 engine (from :mod:`llmgw.engines.registry`) and build the command that starts it.
 
 What every caller goes through: the agent's runtimes (:func:`build_command`), the admin API
-and the catalog (:func:`check_params`), the scheduler (:func:`worker_port_base`) and
+and the catalog (:func:`check_params`), the scheduler and the agent (:func:`dials_workers`) and
 engine-check. The builders themselves live one module per engine (``vllm``, ``sglang``,
 ``llamacpp``, ``sim``) and share the types of :mod:`llmgw.engines.spec`.
 """
@@ -21,9 +21,9 @@ __all__ = [
     "build_argv",
     "build_command",
     "check_params",
+    "dials_workers",
     "engine_module",
     "self_argv",
-    "worker_port_base",
 ]
 
 
@@ -39,12 +39,13 @@ def engine_module(engine: str) -> EngineModule:
     return get_engine(engine).module()
 
 
-def worker_port_base(engine: str) -> int | None:
-    """The first port a worker's endpoint binds, for an engine whose rank 0 dials its
-    workers (llama.cpp's ``rpc-server``: 50052, its default); None for the engines whose
-    workers dial rank 0's ``dist_init_addr``. The scheduler picks the port of each replica
-    from here upwards, as it picks rank 0's dist-init port from 29500."""
-    return get_engine(engine).worker_port
+def dials_workers(engine: str) -> bool:
+    """Whether rank 0 of a multi-node replica of ``engine`` dials its workers (llama.cpp's
+    ``rpc-server``: each worker binds an endpoint, StartShard's ``listen_addr``), rather
+    than the workers dialling rank 0's ``dist_init_addr`` (sim, vLLM, SGLang). The scheduler
+    orders such a replica's workers first and sends them their endpoints; the agent checks
+    the port a shard binds against its ``multinode_ports``."""
+    return get_engine(engine).dials_workers
 
 
 def build_command(spec: EngineSpec) -> EngineCommand:

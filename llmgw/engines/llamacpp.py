@@ -11,8 +11,9 @@ Flags as the llama.cpp documentation gives them:
   ``llama-server --rpc HOST:PORT,...`` offloads layers to them. Rank 0 dials the workers
   here, so rank 0 gets the workers' addresses in ``EngineSpec.peers`` (the control plane's
   ``StartShard.worker_addrs``) and a worker binds its own ``EngineSpec.listen_addr``
-  (``StartShard.listen_addr``) on its node's fabric or management address. Ports start
-  at the registry's ``worker_port``, ``rpc-server``'s default.
+  (``StartShard.listen_addr``) on its node's fabric or management address, at a port the
+  control plane picks inside the ``multinode_ports`` of the replica's nodes (not
+  ``rpc-server``'s default 50052).
 """
 
 from __future__ import annotations

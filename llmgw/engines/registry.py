@@ -4,8 +4,8 @@ Like uvicorn's protocol table, each entry names the module that builds the engin
 by its dotted path, imported on first use (so the builders can import
 :mod:`llmgw.engines.spec` without a cycle through here). Everything that needs the engine
 list reads it here: the CLI's choices, the catalog's validation, the launcher, the
-scheduler's rendezvous ports, engine installs, the agent's configuration and its discovery
-of the engines on a node.
+scheduler's rendezvous (who dials whom), engine installs, the agent's configuration and its
+discovery of the engines on a node.
 
 Adding an engine: write its builder module (see :class:`~llmgw.engines.spec.EngineModule`)
 and add a row to :data:`ENGINES`; set a capability only when the builder implements it.
@@ -39,9 +39,11 @@ class Engine:
 
     ``multi_node``: the builder has a form that spreads one replica over several nodes (the
     catalog refuses ``nodes`` > 1 and the launcher a multi-node spec otherwise).
-    ``worker_port``: for an engine whose rank 0 dials its workers (llama.cpp's
-    ``rpc-server``), the first port a worker's endpoint binds; the scheduler picks each
-    replica's from there upwards. None: the workers dial rank 0's ``dist_init_addr``.
+    ``dials_workers``: rank 0 dials its workers (llama.cpp's ``rpc-server``): each worker
+    binds an endpoint on its own node, at the replica's port, and rank 0 is started once
+    they are up. False: the workers dial rank 0's ``dist_init_addr``, which rank 0 binds.
+    Either way the scheduler picks the replica's one port inside the ``multinode_ports`` of
+    all its nodes (:mod:`llmgw.contracts.ports`).
     ``builtin``: the engine is this llmgw (``llmgw engine sim``): nothing to install or
     configure, no weights and no GPUs needed. ``installable``: ``llmgw ctl engines install``
     can put it on a node. ``program_setting``: the agent.yaml key under ``engines.NAME``
@@ -61,7 +63,7 @@ class Engine:
     name: str
     builder: str
     multi_node: bool
-    worker_port: int | None = None
+    dials_workers: bool = False
     builtin: bool = False
     installable: bool = False
     program_setting: str | None = None
@@ -105,7 +107,7 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 "llamacpp",
                 "llmgw.engines.llamacpp",
                 multi_node=True,
-                worker_port=50052,  # rpc-server's default port
+                dials_workers=True,
                 installable=True,
                 program_setting="bin",
                 on_path=True,

@@ -51,7 +51,7 @@ class EngineSpec:
     ``binary`` is the engine's program as discovery found it (``""``: its default name on
     PATH). ``nodes`` > 1 makes a multi-node replica: rank 0 serves, the others are workers,
     all meeting at ``dist_init_addr`` (``host:port``, bound by rank 0). The workers of an
-    engine whose rank 0 dials them (llama.cpp, the registry's ``worker_port``) bind an
+    engine whose rank 0 dials them (llama.cpp, the registry's ``dials_workers``) bind an
     endpoint instead: rank 0 gets every worker's ``host:port`` in ``peers`` (rank order), a
     worker the one it binds in ``listen_addr`` (when that is empty, ``peers[rank - 1]``).
     """

@@ -85,7 +85,7 @@ class Gpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("hostname", "arch", "cpus", "memory_total_bytes", "memory_available_bytes", "gpus", "gpu_status", "engines", "driver_version", "gpu_source", "disk_total_bytes", "disk_free_bytes", "engine_details", "ib_adapters", "fabrics", "warnings", "sources", "degraded")
+    __slots__ = ("hostname", "arch", "cpus", "memory_total_bytes", "memory_available_bytes", "gpus", "gpu_status", "engines", "driver_version", "gpu_source", "disk_total_bytes", "disk_free_bytes", "engine_details", "ib_adapters", "fabrics", "warnings", "sources", "degraded", "multinode_ports")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     CPUS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class Inventory(_message.Message):
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    MULTINODE_PORTS_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     arch: str
     cpus: int
@@ -122,7 +123,8 @@ class Inventory(_message.Message):
     warnings: _containers.RepeatedScalarFieldContainer[str]
     sources: ModelSources
     degraded: _containers.RepeatedCompositeFieldContainer[DegradedReason]
-    def __init__(self, hostname: _Optional[str] = ..., arch: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_status: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., driver_version: _Optional[str] = ..., gpu_source: _Optional[str] = ..., disk_total_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., engine_details: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., ib_adapters: _Optional[_Iterable[_Union[IbAdapter, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., sources: _Optional[_Union[ModelSources, _Mapping]] = ..., degraded: _Optional[_Iterable[_Union[DegradedReason, _Mapping]]] = ...) -> None: ...
+    multinode_ports: str
+    def __init__(self, hostname: _Optional[str] = ..., arch: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_status: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., driver_version: _Optional[str] = ..., gpu_source: _Optional[str] = ..., disk_total_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., engine_details: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., ib_adapters: _Optional[_Iterable[_Union[IbAdapter, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., sources: _Optional[_Union[ModelSources, _Mapping]] = ..., degraded: _Optional[_Iterable[_Union[DegradedReason, _Mapping]]] = ..., multinode_ports: _Optional[str] = ...) -> None: ...
 
 class DegradedReason(_message.Message):
     __slots__ = ("code", "message", "engine", "fabric")

@@ -11,7 +11,10 @@ Multi-node replicas meet at one address per replica (``dist_init_addr``). Where 
 dial rank 0 (sim, vLLM, SGLang) all shards start at once and rank 0 gathers them. Where rank
 0 dials its workers (llama.cpp's RPC), StartShard also carries each worker's endpoint (rank
 0: ``worker_addrs``, a worker: ``listen_addr``), and rank 0 is ordered only once every
-worker is ready.
+worker is ready. Either way the replica's one port is the lowest inside the
+``multinode_ports`` of all its nodes (the range each node's firewall opens to its fabric's
+peers) that no replica uses on any of them (:mod:`llmgw.server.rendezvous`); with none, the
+replica is not placed and its unplaceable reason names the nodes, their ranges and the fix.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ from llmgw.contracts.catalog import Profile as CatalogProfile
 from llmgw.contracts.catalog import adhoc_profile, parse_profile
 from llmgw.contracts.inventory import degraded_reasons
 from llmgw.contracts.model_sources import NodeSources
-from llmgw.engines.launch import worker_port_base
+from llmgw.engines.launch import dials_workers
 from llmgw.errors import ConfigError, NotFound
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.server.placement import Allocation, Cluster, GpuView, NodeView, degraded_refusal
 from llmgw.server.placement import Profile as PlacementProfile
 from llmgw.server.placement import Unplaceable as PlacementUnplaceable
+from llmgw.server.rendezvous import NoPort, rendezvous_port
 from llmgw.server.routing import Router
 from llmgw.server.states import NodeState, ReplicaState, ShardState
 from llmgw.server.store import Model, Node, Shard, Store
@@ -41,9 +45,6 @@ from llmgw.server.stream import NodeSession
 __all__ = ["Scheduler", "restart_delay"]
 
 log = logging.getLogger("llmgw.server.scheduler")
-
-DIST_INIT_PORT = 29500
-"""The first dist-init port rank 0 of a multi-node replica binds (PyTorch's default)."""
 
 
 def _host_of(addr: str) -> str:
@@ -75,6 +76,14 @@ class _NoRoom(Exception):
     def __init__(self, why: PlacementUnplaceable) -> None:
         super().__init__(why.summary())
         self.why = why
+
+
+class _NoPort(Exception):
+    """The nodes placement chose share no free port in their ``multinode_ports``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Scheduler:
@@ -266,11 +275,17 @@ class Scheduler:
                     shard = store.add_shard(replica.id, sp.node_id, rank=sp.rank)
                     shards.append(store.update_shard(shard.id, gpus=list(sp.gpus)))
                 if len(shards) > 1:
-                    addr = self._dist_init_addr(profile.engine, [sh.node_id for sh in shards])
+                    addr = self._dist_init_addr([sh.node_id for sh in shards])
                     shards = [store.update_shard(sh.id, dist_init_addr=addr) for sh in shards]
                 store.set_replica_state(replica.id, ReplicaState.STARTING)
         except _NoRoom as exc:
             self._note_unplaceable(model.name, exc.why.summary(limit=8))
+            return None
+        except _NoPort as exc:
+            # The transaction took the replica and its shard rows back; free its GPUs in this
+            # pass's view too, so that the next model may have them.
+            cluster.release(replica.id)
+            self._note_unplaceable(model.name, exc.reason)
             return None
         except Exception:
             cluster.release(replica.id)
@@ -292,34 +307,36 @@ class Scheduler:
             self.store.add_event("unplaceable", model, f"cannot place a replica: {reason}")
             log.warning("cannot place a replica", extra=kv(model=model, reason=reason))
 
-    def _dist_init_addr(self, engine: str, node_ids: list[str]) -> str:
-        """A multi-node replica's rendezvous: rank 0's management address and a port that
-        no other replica on any of its nodes uses. Every shard row of a replica keeps it, so
-        the ports taken on a node are those of the replicas it has shards of.
+    def _dist_init_addr(self, node_ids: list[str]) -> str:
+        """A multi-node replica's rendezvous: rank 0's management address and its port
+        (:meth:`_rendezvous_port`). Every shard row of a replica keeps it, so the ports
+        taken on a node are those of the replicas it has shards of."""
+        host = _host_of(self.store.get_node(node_ids[0]).dataplane_addr or "") or "127.0.0.1"
+        return format_hostport(host, self._rendezvous_port(node_ids))
 
-        Where the workers dial rank 0 it is the dist-init port (29500 upwards, the PyTorch
-        convention). Where rank 0 dials its workers (llama.cpp), each worker's endpoint
-        binds that port on its own node (50052 upwards, ``rpc-server``'s default), which is
-        why the port must be free on every node of the replica, not on rank 0's alone."""
+    def _rendezvous_port(self, node_ids: list[str]) -> int:
+        """The replica's port (:func:`llmgw.server.rendezvous.rendezvous_port`): inside the
+        ``multinode_ports`` of every node, free on all of them; :class:`_NoPort` with the
+        reason when there is none."""
         store = self.store
-        host = _host_of(store.get_node(node_ids[0]).dataplane_addr or "") or "127.0.0.1"
+        nodes = set(node_ids)
         used = {
             _port_of(sh.dist_init_addr)
-            for node_id in set(node_ids)
+            for node_id in nodes
             for sh in store.list_shards(node_id=node_id)
             if sh.dist_init_addr
         }
-        base = worker_port_base(engine)
-        port = DIST_INIT_PORT if base is None else base
-        while port in used:
-            port += 1
-        return format_hostport(host, port)
+        inventories = {node_id: store.get_node(node_id).inventory for node_id in nodes}
+        port = rendezvous_port(node_ids, inventories, used)
+        if isinstance(port, NoPort):
+            raise _NoPort(port.reason)
+        return port
 
     def _awaits_workers(self, shard: Shard, engine: str) -> bool:
         """Rank 0 of an engine that dials its workers waits for them: llama-server gives up
         on an ``--rpc`` endpoint that does not answer yet, so it starts only once every
         worker's endpoint is up (its shard ready)."""
-        if shard.rank != 0 or not shard.dist_init_addr or worker_port_base(engine) is None:
+        if shard.rank != 0 or not shard.dist_init_addr or not dials_workers(engine):
             return False
         return any(
             sh.rank > 0 and sh.state != ShardState.READY
@@ -331,7 +348,7 @@ class Scheduler:
         rank 0 dials its workers, rank 0 gets every worker's endpoint in rank order and a
         worker the one it binds, each its node's management address and the replica's
         port; empty for the others."""
-        if worker_port_base(engine) is None or not shard.dist_init_addr:
+        if not dials_workers(engine) or not shard.dist_init_addr:
             return [], ""
         store = self.store
         port = _port_of(shard.dist_init_addr)

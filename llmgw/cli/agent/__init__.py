@@ -1,17 +1,20 @@
 """The ``llmgw agent`` group: everything that runs on a node.
 
-``llmgw agent`` runs the node agent; ``join`` enrols the node; ``render-facts`` prints the
-agent.yaml keys of node facts for the installer; ``docker-proxy`` is the Docker
-socket proxy the agent may use instead of docker.sock; ``update-apply`` and ``update-trust``
-are the root update helper's entry points (systemd and the installer run them as root; the
-code behind them is the helper's, these commands only parse options and print verdicts).
+``llmgw agent`` runs the node agent (``--check`` only validates agent.yaml; with ``--print
+multinode_ports`` it prints that range alone, for install-agent.sh's firewall); ``join``
+enrols the node; ``render-facts`` prints the agent.yaml keys of node facts for the
+installer; ``docker-proxy`` is the Docker socket proxy the agent may use instead of
+docker.sock; ``update-apply`` and ``update-trust`` are the root update helper's entry points
+(systemd and the installer run them as root; the code behind them is the helper's, these
+commands only parse options and print verdicts).
 
 The helper's commands run as root, so this module, which they load, imports nothing of the
 agent or the control plane: only the helper (``llmgw.updater``), the contracts it checks
 against and the foundations (a unit test holds this). The agent is imported when it is run;
 ``join``, ``render-facts`` and ``docker-proxy`` are modules of their own
-(``llmgw.cli.agent.join``, ``llmgw.cli.agent.facts``, ``llmgw.cli.agent.docker_proxy``), imported when they are named (``NODE_COMMANDS``, a
-:class:`llmgw.cli.common.LazyGroup`) and listed by ``--help`` without being imported.
+(``llmgw.cli.agent.join``, ``llmgw.cli.agent.facts``, ``llmgw.cli.agent.docker_proxy``),
+imported when they are named (``NODE_COMMANDS``, a :class:`llmgw.cli.common.LazyGroup`) and
+listed by ``--help`` without being imported.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from llmgw.contracts.update_order import DEFAULT_SPOOL
 from llmgw.updater.apply import DEFAULT_INSTALLED_BINARY, DEFAULT_STATE, apply_request
 from llmgw.updater.trust import DEFAULT_TRUST, install_trust
 
-__all__ = ["NODE_COMMANDS", "agent"]
+__all__ = ["NODE_COMMANDS", "PRINTABLE_KEYS", "agent"]
 
 
 # Plain import statements, so that PyInstaller finds the modules (see LazyCommand).
@@ -47,6 +50,9 @@ def _docker_proxy() -> object:
 
     return docker_proxy
 
+
+# What `llmgw agent --check --print KEY` may print (agent.yaml keys a script needs).
+PRINTABLE_KEYS = ("multinode_ports",)
 
 # The node commands, which load the agent: imported when they are named, not to list them.
 NODE_COMMANDS: dict[str, LazyCommand] = {
@@ -88,18 +94,34 @@ NODE_COMMANDS: dict[str, LazyCommand] = {
     help="debug, info, warning (env: LLMGW_LOG_LEVEL).",
 )
 @click.option("--check", is_flag=True, help="Validate the configuration and exit.")
+@click.option(
+    "--print",
+    "print_key",
+    type=click.Choice(PRINTABLE_KEYS),
+    default=None,
+    help="With --check: print only this key's value, as the agent reads it (default "
+    "included), once the configuration is valid; for scripts (install-agent.sh opens the "
+    "multinode_ports range in the firewall).",
+)
 @click.pass_context
-def agent(ctx: click.Context, config_path: Path, log_level: str, check: bool) -> None:
+def agent(
+    ctx: click.Context, config_path: Path, log_level: str, check: bool, print_key: str | None
+) -> None:
     """Run the node agent (systemd Type=notify)."""
     if ctx.invoked_subcommand is not None:
         return
+    if print_key is not None and not check:
+        raise click.UsageError("--print goes with --check: llmgw agent --check --print KEY")
     from llmgw.agent.config import load_agent_config
     from llmgw.agent.service import run_agent
     from llmgw.log import setup_logging
 
     cfg = load_agent_config(config_path)
     if check:
-        click.echo(f"{config_path}: ok (node {cfg.node_id}, servers {', '.join(cfg.servers)})")
+        if print_key == "multinode_ports":
+            click.echo(str(cfg.multinode_ports))
+        else:
+            click.echo(f"{config_path}: ok (node {cfg.node_id}, servers {', '.join(cfg.servers)})")
         return
     setup_logging(log_level)
     run_agent(cfg)

@@ -21,6 +21,7 @@ from llmgw.agent.config import (
     node_id_problem,
     parse_agent_config,
 )
+from llmgw.contracts.ports import PortRange
 from llmgw.errors import ConfigError
 from llmgw.listener import ListenerLimits
 
@@ -235,6 +236,46 @@ INVALID = [
     ),
     ("server: cp1\ndocker: {host: 'tcp://1.2.3.4:2375'}\n", "docker.host", "not a unix socket URL"),
     ("server: cp1\ndocker: {host: /run/x.sock}\n", "docker.host", "give unix:///PATH"),
+    # multinode_ports: one "A-B" range of unprivileged ports, without the data plane's port
+    (
+        "server: cp1\nmultinode_ports: 29500\n",
+        "multinode_ports",
+        "must be a string 'A-B' of two port numbers (e.g. \"29500-29999\", quoted), got int",
+    ),
+    ("server: cp1\nmultinode_ports: [29500, 29999]\n", "multinode_ports", "got list"),
+    (
+        "server: cp1\nmultinode_ports: '29500:29999'\n",
+        "multinode_ports",
+        "'29500:29999' is not a port range; write two port numbers joined by '-', e.g. "
+        "29500-29999 (one port: 29500-29500)",
+    ),
+    ("server: cp1\nmultinode_ports: '29500-'\n", "multinode_ports", "is not a port range"),
+    ("server: cp1\nmultinode_ports: 'a-b'\n", "multinode_ports", "is not a port range"),
+    ("server: cp1\nmultinode_ports: '1-2-3'\n", "multinode_ports", "is not a port range"),
+    (
+        "server: cp1\nmultinode_ports: 29999-29500\n",
+        "multinode_ports",
+        "29999-29500 is reversed: it starts above where it ends; write the lower port first "
+        "(29500-29999)",
+    ),
+    (
+        "server: cp1\nmultinode_ports: 80-8000\n",
+        "multinode_ports",
+        "80-8000: port 80 is outside 1024-65535; give a range of unprivileged ports",
+    ),
+    ("server: cp1\nmultinode_ports: 60000-65536\n", "multinode_ports", "port 65536 is outside"),
+    (
+        "server: cp1\nmultinode_ports: 9000-9999\n",
+        "multinode_ports",
+        "9000-9999 holds 9443, the data plane's own port (listen); give a range without it, "
+        "e.g. 29500-29999, or move listen",
+    ),
+    (
+        "server: cp1\nlisten: 0.0.0.0:29600\n",
+        "multinode_ports",
+        "is not set, and its default 29500-29999 holds 29600, the data plane's own port "
+        "(listen); move listen, or set multinode_ports to a range without it",
+    ),
 ]
 
 
@@ -573,6 +614,25 @@ def test_null_values_mean_default(tmp_path: Path) -> None:
     assert config.engines == EnginesConfig()
     assert config.listen == "0.0.0.0:9443"
     assert config.node_id == "test-host"
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("", PortRange(29500, 29999)),  # the default: PyTorch's 29500 upwards
+        ("multinode_ports:\n", PortRange(29500, 29999)),
+        ("multinode_ports: 40000-40099\n", PortRange(40000, 40099)),  # YAML reads it as text
+        ("multinode_ports: ' 30000-30000 '\n", PortRange(30000, 30000)),  # one port
+        ("multinode_ports: '1024-65535'\nlisten: 0.0.0.0:0\n", PortRange(1024, 65535)),
+        ("multinode_ports: 9444-9500\n", PortRange(9444, 9500)),  # next to listen's 9443
+        ("multinode_ports: 9000-9999\nlisten: 0.0.0.0:8443\n", PortRange(9000, 9999)),
+    ],
+)
+def test_multinode_ports_default_and_configured(
+    tmp_path: Path, line: str, expected: PortRange
+) -> None:
+    config = load_agent_config(write(tmp_path, "server: cp1\n" + line))
+    assert config.multinode_ports == expected
 
 
 def test_addresses_are_normalized(tmp_path: Path) -> None:

@@ -25,7 +25,8 @@ from llmgw.agent.inventory import (
     meminfo,
     worth_telling,
 )
-from llmgw.contracts.inventory import DegradedCode
+from llmgw.contracts.inventory import DegradedCode, inventory_dict, multinode_ports
+from llmgw.contracts.ports import PortRange
 from llmgw.proto import control_pb2 as pb
 
 from .fake_nvml import FakeNvml
@@ -58,6 +59,7 @@ def test_this_machine(tmp_path: Path, empty_path: Path) -> None:
     assert [e.name for e in inv.engine_details] == ["sim"]
     assert list(inv.ib_adapters) == [] and list(inv.fabrics) == []
     assert list(inv.warnings) == []
+    assert inv.multinode_ports == "29500-29999"  # agent.yaml's default
     if not inv.gpus and nvidia_pci_gpus():  # GPUs on the bus, no driver for them
         assert [d.code for d in inv.degraded] == [DegradedCode.GPUS]
     else:
@@ -76,6 +78,14 @@ def test_without_config_is_minimal() -> None:
     assert list(inv.engines) == ["sim"]
     assert inv.gpus or inv.gpu_status
     assert inv.disk_total_bytes == 0 and not inv.fabrics
+    assert inv.multinode_ports == ""  # nothing configured to report: the default
+
+
+def test_the_multinode_ports_of_agent_yaml_are_reported(tmp_path: Path, empty_path: Path) -> None:
+    inv = collect_inventory(config(tmp_path, multinode_ports="41000-41063"))
+    assert inv.multinode_ports == "41000-41063"
+    # As the control plane stores and reads it back.
+    assert multinode_ports(inventory_dict(inv)) == PortRange(41000, 41063)
 
 
 def test_from_fixtures(tmp_path: Path, empty_path: Path) -> None:

@@ -16,8 +16,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from llmgw.agent.runtimes import Launch
 from llmgw.agent.runtimes.process import ProcessRuntime
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec, ShardState
+from llmgw.contracts.ports import PortRange
 from llmgw.errors import ShardError
 from llmgw.procutil import process_start_time
 
@@ -364,7 +366,7 @@ def test_llamacpp_worker_runs_rpc_server_on_its_listen_addr(tmp_path: Path) -> N
         manager.binary_of = lambda engine: str(bindir / "llama-server")
         await manager.open()
         try:
-            worker = _llamacpp("r9-s2", 2, listen_addr="127.0.0.1:50099")
+            worker = _llamacpp("r9-s2", 2, listen_addr="127.0.0.1:29599")
             await manager.start(worker)
             await recorder.wait_for("r9-s2", ShardState.READY)
             assert seen.read_text().split() == [
@@ -372,13 +374,130 @@ def test_llamacpp_worker_runs_rpc_server_on_its_listen_addr(tmp_path: Path) -> N
                 "--host",
                 "127.0.0.1",
                 "--port",
-                "50099",
+                "29599",
             ]
             assert manager.ready_port("r9-s2") is None  # a worker serves nothing
             saved = records(state_dir)["r9-s2"]
-            assert (saved["listen_addr"], saved["worker_addrs"]) == ("127.0.0.1:50099", [])
+            assert (saved["listen_addr"], saved["worker_addrs"]) == ("127.0.0.1:29599", [])
         finally:
             await manager.stop_all(grace=5.0)
             await manager.close()
 
     asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- multinode_ports
+
+NODE_PORTS = PortRange(30000, 30099)
+
+
+def _multi(engine: str, rank: int, **kw: Any) -> ShardSpec:
+    fields: dict[str, Any] = {"nodes": 2, "dist_init_addr": "10.1.0.5:30000", **kw}
+    return ShardSpec(
+        shard_id=f"r7-s{rank}", replica_id="r7", model="big", engine=engine, rank=rank, **fields
+    )
+
+
+class Launched(Exception):
+    """What the stand-in launcher raises: the order got past every check before it."""
+
+
+def _port_checked(tmp_path: Path) -> tuple[ShardManager, Recorder, list[str]]:
+    """A node whose multinode_ports is 30000-30099, with a launcher that records the shard
+    and raises :class:`Launched` instead of running anything."""
+    launched: list[str] = []
+
+    def launch(spec: ShardSpec, port: int, log_path: Path) -> Launch:
+        launched.append(spec.shard_id)
+        raise Launched
+
+    recorder = Recorder()
+    manager = ShardManager(
+        tmp_path, ProcessRuntime(), recorder, make_launch=launch, multinode_ports=NODE_PORTS
+    )
+    return manager, recorder, launched
+
+
+def _start(manager: ShardManager, order: ShardSpec) -> None:
+    async def main() -> None:
+        await manager.start(order)
+
+    with contextlib.suppress(Launched):
+        asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        _multi("sim", 0, dist_init_addr="10.1.0.5:30099"),  # rank 0 binds it: inside
+        _multi("vllm", 0, dist_init_addr="[fd00::5]:30000"),
+        _multi("sim", 1, dist_init_addr="10.1.0.5:29500"),  # a worker dials it: not ours
+        _multi("sglang", 1, dist_init_addr="10.1.0.5:50000"),
+        # llama.cpp: rank 0 dials the workers, which bind their endpoints here.
+        _multi("llamacpp", 0, dist_init_addr="10.1.0.5:50052", worker_addrs=("10.1.0.6:1",)),
+        _multi("llamacpp", 1, dist_init_addr="10.1.0.5:50052", listen_addr="10.1.0.6:30042"),
+        _multi("llamacpp", 1, worker_addrs=("10.1.0.6:30042",)),  # no listen_addr: its entry
+        # One node meets no one: no rendezvous port to check.
+        ShardSpec("one", "r8", "m", "sim", dist_init_addr="10.1.0.5:29500"),
+    ],
+    ids=lambda spec: f"{spec.engine}-rank{spec.rank}-of-{spec.nodes}",
+)
+def test_an_order_that_binds_inside_multinode_ports_goes_ahead(
+    tmp_path: Path, order: ShardSpec
+) -> None:
+    manager, _, launched = _port_checked(tmp_path)
+    _start(manager, order)
+    assert launched == [order.shard_id]
+
+
+@pytest.mark.parametrize(
+    ("order", "what"),
+    [
+        (
+            _multi("sim", 0, dist_init_addr="10.1.0.5:29500"),
+            "its dist-init address (dist_init_addr) 10.1.0.5:29500",
+        ),
+        (
+            _multi("vllm", 0, dist_init_addr="[fd00::5]:30100"),
+            "its dist-init address (dist_init_addr) [fd00::5]:30100",
+        ),
+        (
+            _multi("sglang", 0, dist_init_addr="10.1.0.5:29999"),
+            "its dist-init address (dist_init_addr) 10.1.0.5:29999",
+        ),
+        (
+            _multi("llamacpp", 1, listen_addr="10.1.0.6:50052"),
+            "its rpc-server endpoint (listen_addr) 10.1.0.6:50052",
+        ),
+        (
+            _multi("llamacpp", 1, worker_addrs=("10.1.0.6:50052",)),
+            "its rpc-server endpoint (listen_addr) 10.1.0.6:50052",
+        ),
+    ],
+    ids=["sim", "vllm-v6", "sglang", "llamacpp-listen", "llamacpp-peers"],
+)
+def test_an_order_that_binds_outside_multinode_ports_is_refused(
+    tmp_path: Path, order: ShardSpec, what: str
+) -> None:
+    manager, recorder, launched = _port_checked(tmp_path)
+    with pytest.raises(ShardError) as info:
+        _start(manager, order)
+    assert str(info.value) == (
+        f"shard {order.shard_id}: {what} is outside this node's multinode_ports 30000-30099, "
+        "the only ports its firewall opens to the fabric's peers; the control plane places "
+        "inside the range a node reports, so restart the agent if agent.yaml changed since it "
+        "started (or upgrade a control plane that predates the range), or widen "
+        "multinode_ports in agent.yaml to hold it and re-run install-agent.sh so that the "
+        "firewall follows"
+    )
+    # Refused before anything: no launch, no status, no shard, no record to adopt.
+    assert launched == [] and recorder.events == []
+    assert manager.get(order.shard_id) is None
+    assert manager.records.load() == []
+
+
+def test_without_a_range_the_manager_holds_to_the_default(tmp_path: Path) -> None:
+    manager = ShardManager(tmp_path, ProcessRuntime(), Recorder())
+    assert manager.multinode_ports == PortRange(29500, 29999)
+    with pytest.raises(ShardError, match="outside this node's multinode_ports 29500-29999"):
+        _start(manager, _multi("sim", 0, dist_init_addr="10.1.0.5:30000"))

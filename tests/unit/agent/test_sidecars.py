@@ -33,6 +33,7 @@ from llmgw.agent.sidecars import (
     SidecarSpec,
 )
 from llmgw.agent.stream import StreamClient
+from llmgw.contracts.ports import PortRange
 from llmgw.errors import ShardError
 from llmgw.proto import control_pb2 as pb
 from llmgw.sim.config import SimConfig
@@ -632,7 +633,8 @@ def test_agent_stopped_during_sidecar_start_leaves_nothing_behind(
 
 
 def test_two_node_replica_as_two_managers_on_loopback(tmp_path: Path) -> None:
-    dist = f"127.0.0.1:{free_port()}"
+    dist_port = free_port()
+    dist = f"127.0.0.1:{dist_port}"
     worker_dir = tmp_path / "node-b"
     # A previous run's line in the worker's log must not pass for this run's join.
     (worker_dir / "logs").mkdir(parents=True)
@@ -640,7 +642,14 @@ def test_two_node_replica_as_two_managers_on_loopback(tmp_path: Path) -> None:
 
     async def main() -> None:
         rec0, rec1 = Recorder(), Recorder()
-        node_a = ShardManager(tmp_path / "node-a", ProcessRuntime(), rec0, startup_timeout=WAIT_S)
+        # Rank 0 binds the dist-init port: it must be in node A's multinode_ports.
+        node_a = ShardManager(
+            tmp_path / "node-a",
+            ProcessRuntime(),
+            rec0,
+            startup_timeout=WAIT_S,
+            multinode_ports=PortRange(dist_port, dist_port),
+        )
         node_b = ShardManager(worker_dir, ProcessRuntime(), rec1, startup_timeout=WAIT_S)
         await node_a.open()
         await node_b.open()

@@ -1,6 +1,7 @@
 """llmgw.agent.stream against a control plane that refuses it or is far ahead of it: the
 refusal is logged in the control plane's words and retried with backoff, never a crash; an
-agent too far behind says so once connected."""
+agent too far behind says so once connected; an order the node refuses is answered with
+the reason."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ import pytest
 from llmgw import pki
 from llmgw.agent import stream
 from llmgw.agent.oplog import OperationLog
+from llmgw.agent.runtimes.process import ProcessRuntime
+from llmgw.agent.shards import ShardManager
 from llmgw.agent.stream import Backoff, Credentials, StreamClient
+from llmgw.contracts.ports import PortRange
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 
@@ -155,3 +159,72 @@ def test_an_agent_too_far_behind_says_so_once_connected(
             "server_version": version,
             "hint": f"llmgw ctl update gpu-1 --version {version}",
         }
+
+
+@dataclass
+class Orders(pb_grpc.ControlPlaneServicer):
+    """Welcomes the agent, sends it ``order``, and keeps what it answers until the order's
+    OperationResult."""
+
+    order: pb.StartShard
+    answers: list[pb.AgentMessage] = field(default_factory=list)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[pb.AgentMessage], context: Any
+    ) -> AsyncIterator[pb.ServerMessage]:
+        await request_iterator.__anext__()  # Hello
+        yield pb.ServerMessage(welcome=pb.Welcome(cluster_id="c", epoch=1, node_state="approved"))
+        yield pb.ServerMessage(start_shard=self.order)
+        async for msg in request_iterator:
+            self.answers.append(msg)
+            if msg.WhichOneof("msg") == "op_result":
+                self.done.set()
+                break
+        await asyncio.sleep(0.2)
+
+
+def test_a_start_shard_outside_multinode_ports_is_answered_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    order = pb.StartShard(
+        meta=pb.OrderMeta(epoch=1, op_id="op-7"),
+        shard_id="r1-s0",
+        replica_id="r1",
+        model="big",
+        engine="sim",
+        rank=0,
+        nodes=2,
+        dist_init_addr="10.0.0.1:29500",
+    )
+    servicer = Orders(order)
+    statuses: list[object] = []
+    pki_dir = tmp_path / "pki"
+
+    async def main() -> None:
+        server, port = await _serve(pki_dir, servicer)
+        client = _client(pki_dir, tmp_path, port)
+        client.shards = ShardManager(
+            tmp_path / "state",
+            ProcessRuntime(),
+            statuses.append,
+            multinode_ports=PortRange(30000, 30099),
+        )
+        task = asyncio.create_task(client.run())
+        try:
+            await asyncio.wait_for(servicer.done.wait(), 10)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(None)
+
+    asyncio.run(main())
+    (result,) = [m.op_result for m in servicer.answers if m.WhichOneof("msg") == "op_result"]
+    assert (result.op_id, result.ok, result.epoch) == ("op-7", False, 1)
+    assert result.error.startswith(
+        "shard r1-s0: its dist-init address (dist_init_addr) 10.0.0.1:29500 is outside this "
+        "node's multinode_ports 30000-30099, the only ports its firewall opens to the "
+        "fabric's peers;"
+    )
+    assert "re-run install-agent.sh so that the firewall follows" in result.error
+    assert statuses == []  # nothing started, so no shard status either

@@ -88,3 +88,75 @@ def test_the_node_commands_are_listed_and_load_when_named() -> None:
     for name in ("join", "docker-proxy", "render-facts"):
         out = CliRunner().invoke(main, ["agent", name, "--help"], prog_name="llmgw")
         assert out.exit_code == 0 and out.output.startswith(f"Usage: llmgw agent {name} ")
+
+
+def _agent_yaml(tmp_path: Path, extra: str = "") -> Path:
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("server: cp-1:7443\nnode_id: gpu-01\n" + extra)
+    return cfg
+
+
+def test_check_prints_the_default_multinode_ports_alone(tmp_path: Path) -> None:
+    cfg = _agent_yaml(tmp_path)
+    out = CliRunner().invoke(
+        main, ["agent", "--config", str(cfg), "--check", "--print", "multinode_ports"]
+    )
+    assert out.exit_code == 0, out.output
+    # Only the range, as install-agent.sh reads it: no "ok" line, nothing on stderr.
+    assert (out.stdout, out.stderr) == ("29500-29999\n", "")
+
+
+def test_check_prints_the_configured_multinode_ports(tmp_path: Path) -> None:
+    cfg = _agent_yaml(tmp_path, 'multinode_ports: " 40000-40099"\n')
+    out = CliRunner().invoke(
+        main, ["agent", "--config", str(cfg), "--print", "multinode_ports", "--check"]
+    )
+    assert out.exit_code == 0, out.output
+    assert out.stdout == "40000-40099\n"
+
+
+def test_check_without_print_says_ok_as_before(tmp_path: Path) -> None:
+    cfg = _agent_yaml(tmp_path, "multinode_ports: 40000-40099\n")
+    out = CliRunner().invoke(main, ["agent", "--config", str(cfg), "--check"])
+    assert out.exit_code == 0, out.output
+    assert out.stdout == f"{cfg}: ok (node gpu-01, servers cp-1:7443)\n"
+
+
+def test_print_validates_the_whole_file_first(tmp_path: Path) -> None:
+    # A broken key elsewhere: nothing on stdout, so a script never opens a stale range.
+    cfg = _agent_yaml(tmp_path, "multinode_ports: 40000-40099\nruntime: podman\n")
+    out = CliRunner().invoke(
+        main, ["agent", "--config", str(cfg), "--check", "--print", "multinode_ports"]
+    )
+    assert out.exit_code == 2
+    assert out.stdout == ""
+    assert out.stderr.startswith(f"error: {cfg}: runtime: unknown runtime 'podman'")
+
+
+def test_print_refuses_a_bad_range_naming_key_file_and_fix(tmp_path: Path) -> None:
+    cfg = _agent_yaml(tmp_path, "multinode_ports: 29999-29500\n")
+    out = CliRunner().invoke(
+        main, ["agent", "--config", str(cfg), "--check", "--print", "multinode_ports"]
+    )
+    assert out.exit_code == 2
+    assert out.stdout == ""
+    assert out.stderr == (
+        f"error: {cfg}: multinode_ports: 29999-29500 is reversed: it starts above where it "
+        "ends; write the lower port first (29500-29999)\n"
+    )
+
+
+def test_print_goes_with_check_only(tmp_path: Path) -> None:
+    cfg = _agent_yaml(tmp_path)
+    out = CliRunner().invoke(main, ["agent", "--config", str(cfg), "--print", "multinode_ports"])
+    assert out.exit_code == 2
+    assert out.stdout == ""
+    assert "--print goes with --check: llmgw agent --check --print KEY" in out.stderr
+
+
+def test_print_knows_only_multinode_ports(tmp_path: Path) -> None:
+    cfg = _agent_yaml(tmp_path)
+    out = CliRunner().invoke(main, ["agent", "--config", str(cfg), "--check", "--print", "node_id"])
+    assert out.exit_code == 2
+    assert out.stdout == ""
+    assert "'node_id' is not 'multinode_ports'" in out.stderr

@@ -5,9 +5,18 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from google.protobuf.descriptor import Descriptor
 
-from llmgw.contracts.inventory import DegradedCode, DegradedReason, degraded_reasons, inventory_dict
+from llmgw.contracts.inventory import (
+    DegradedCode,
+    DegradedReason,
+    degraded_reasons,
+    inventory_dict,
+    multinode_ports,
+)
+from llmgw.contracts.ports import DEFAULT_MULTINODE_PORTS, PortRange
+from llmgw.errors import ConfigError
 from llmgw.proto import control_pb2 as pb
 
 
@@ -80,6 +89,7 @@ def full_inventory() -> pb.Inventory:
             ),
             pb.DegradedReason(code="fabric", message="fabric ib-a is down", fabric="ib-a"),
         ],
+        multinode_ports="40000-40099",
     )
 
 
@@ -134,6 +144,7 @@ def test_inventory_dict_has_every_field() -> None:
         {"code": "engine", "message": "engine vllm will not run", "engine": "vllm", "fabric": ""},
         {"code": "fabric", "message": "fabric ib-a is down", "engine": "", "fabric": "ib-a"},
     ]
+    assert data["multinode_ports"] == "40000-40099"
 
 
 def test_degraded_reasons_read_back_from_the_stored_form() -> None:
@@ -160,4 +171,20 @@ def test_an_empty_inventory_is_all_defaults() -> None:
     # An agent that reports no sources (older than the check) is told apart from an empty
     # models_root: placement does not filter it.
     assert data["sources"] is None
+    # Nor does it report its multi-node ports: it uses the default range.
+    assert data["multinode_ports"] == ""
+    assert multinode_ports(data) == DEFAULT_MULTINODE_PORTS
     assert json.loads(json.dumps(data)) == data
+
+
+def test_multinode_ports_read_back_from_the_stored_form() -> None:
+    assert multinode_ports(inventory_dict(full_inventory())) == PortRange(40000, 40099)
+    # Stored before the field existed (no key), or by an agent that predates it (""/null).
+    assert multinode_ports({}) == DEFAULT_MULTINODE_PORTS
+    assert multinode_ports({"multinode_ports": None}) == DEFAULT_MULTINODE_PORTS
+    # What no agent of ours sends is refused, not taken for the default: placement must not
+    # put a port where the node's firewall may be closed.
+    with pytest.raises(ConfigError, match="'29500' is not a port range"):
+        multinode_ports({"multinode_ports": "29500"})
+    with pytest.raises(ConfigError, match="is reversed"):
+        multinode_ports({"multinode_ports": "30000-29500"})

@@ -10,7 +10,7 @@ import pytest
 
 from llmgw.cli.engine import engine as engine_group
 from llmgw.engines import registry
-from llmgw.engines.launch import build_command, engine_module, worker_port_base
+from llmgw.engines.launch import build_command, dials_workers, engine_module
 from llmgw.engines.registry import (
     AVAILABLE_ENGINES,
     ENGINES,
@@ -39,11 +39,13 @@ def test_capabilities() -> None:
     assert installable_engines() == ("llamacpp", "sglang", "vllm")
     assert multi_node_engines() == ("llamacpp", "sglang", "sim", "vllm")
     assert [name for name, e in ENGINES.items() if e.builtin] == ["sim"]
-    assert {name: worker_port_base(name) for name in ENGINES} == {
-        "sim": None,
-        "vllm": None,
-        "sglang": None,
-        "llamacpp": 50052,
+    # Only llama.cpp's rank 0 dials its workers (rpc-server endpoints); the others' workers
+    # dial rank 0. The port is the scheduler's, from the nodes' multinode_ports, not theirs.
+    assert {name: dials_workers(name) for name in ENGINES} == {
+        "sim": False,
+        "vllm": False,
+        "sglang": False,
+        "llamacpp": True,
     }
     assert {name: e.program_setting for name, e in ENGINES.items()} == {
         "sim": None,

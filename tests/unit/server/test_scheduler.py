@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import cast
 
+import pytest
+
 from llmgw.engines.launch import build_command
 from llmgw.engines.spec import EngineSpec
 from llmgw.proto import control_pb2 as pb
@@ -15,11 +17,17 @@ from llmgw.server.scheduler import Scheduler
 from tests.unit.server.scheduler_rig import SchedulerRig
 
 
-def _join(cp: SchedulerRig, node_id: str, host: str, fabric: str = "ib-a") -> None:
-    inventory = {
+def _join(
+    cp: SchedulerRig, node_id: str, host: str, fabric: str = "ib-a", ports: str | None = None
+) -> None:
+    """``node_id`` with one GPU on ``fabric``; ``ports``: the multinode_ports its agent
+    reports (None: an agent that reports none, which counts as the default range)."""
+    inventory: dict[str, object] = {
         "gpus": [{"uuid": f"GPU-{node_id}", "memory_total_mib": 81920}],
         "fabrics": [{"name": fabric, "hcas": ["mlx5_0"], "healthy": True}],
     }
+    if ports is not None:
+        inventory["multinode_ports"] = ports
     cp.join(
         node_id, inventory, dataplane_addr=f"{host}:9443", engines=frozenset({"sim", "llamacpp"})
     )
@@ -80,13 +88,14 @@ def test_llamacpp_rank0_dials_each_worker_on_its_node(cp: SchedulerRig) -> None:
     assert [o.shard_id.rsplit("-", 1)[1] for o in (rank0, w1, w2)] == ["s0", "s1", "s2"]
     nodes = {s.id: s.node_id for s in cp.store.list_shards()}
     host = {"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3"}
-    # rpc-server's default port, on every worker's own management address, in rank order.
+    # The lowest port of the nodes' multinode_ports (the default 29500-29999; not rpc-server's
+    # own 50052, which no firewall opens), on every worker's own address, in rank order.
     assert list(rank0.worker_addrs) == [
-        f"{host[nodes[w1.shard_id]]}:50052",
-        f"{host[nodes[w2.shard_id]]}:50052",
+        f"{host[nodes[w1.shard_id]]}:29500",
+        f"{host[nodes[w2.shard_id]]}:29500",
     ]
     assert rank0.listen_addr == ""
-    assert rank0.dist_init_addr == f"{host[nodes[rank0.shard_id]]}:50052"
+    assert rank0.dist_init_addr == f"{host[nodes[rank0.shard_id]]}:29500"
     for worker, addr in zip((w1, w2), rank0.worker_addrs, strict=True):
         assert worker.listen_addr == addr
         assert list(worker.worker_addrs) == []
@@ -117,7 +126,7 @@ def test_llamacpp_rank0_dials_each_worker_on_its_node(cp: SchedulerRig) -> None:
 def test_worker_ports_are_free_on_every_node_of_the_replica(cp: SchedulerRig) -> None:
     _join(cp, "n1", "10.0.0.1")
     _join(cp, "n2", "10.0.0.2")
-    # Another replica, ranked 0 on n3, already has its worker's endpoint on n2 at 50052.
+    # Another replica, ranked 0 on n3, already has its worker's endpoint on n2 at 29500.
     cp.store.upsert_node(
         "n3", dataplane_addr="10.0.0.3:9443", agent_version="0.1.0", inventory={}, connected=False
     )
@@ -125,16 +134,16 @@ def test_worker_ports_are_free_on_every_node_of_the_replica(cp: SchedulerRig) ->
     other = cp.store.add_replica("other")
     for rank, node in ((0, "n3"), (1, "n2")):
         shard = cp.store.add_shard(other.id, node, rank=rank)
-        cp.store.update_shard(shard.id, dist_init_addr="10.0.0.3:50052", state="ready")
+        cp.store.update_shard(shard.id, dist_init_addr="10.0.0.3:29500", state="ready")
 
-    # A new replica ranked 0 on n1 (where 50052 is free) with its worker on n2: the port
+    # A new replica ranked 0 on n1 (where 29500 is free) with its worker on n2: the port
     # must be free on n2 too.
     _deploy(cp, "big", "llamacpp", nodes=2)
     _reconcile_until_rank0(cp)
     rank0, worker = _by_rank(_orders(cp), "big")
-    assert rank0.dist_init_addr == "10.0.0.1:50053"
-    assert list(rank0.worker_addrs) == ["10.0.0.2:50053"]
-    assert worker.listen_addr == "10.0.0.2:50053"
+    assert rank0.dist_init_addr == "10.0.0.1:29501"
+    assert list(rank0.worker_addrs) == ["10.0.0.2:29501"]
+    assert worker.listen_addr == "10.0.0.2:29501"
 
 
 def test_a_port_taken_on_a_worker_node_is_skipped(cp: SchedulerRig) -> None:
@@ -158,7 +167,7 @@ def test_a_port_taken_on_a_worker_node_is_skipped(cp: SchedulerRig) -> None:
     orders = _orders(cp)
     ports = sorted(o.listen_addr.rsplit(":", 1)[1] for o in orders.values() if o.rank == 1)
     # Both workers bind on the pair's nodes; they never share a port on one node.
-    assert ports == ["50052", "50053"]
+    assert ports == ["29500", "29501"]
     for order in orders.values():
         if order.rank == 0:
             assert order.dist_init_addr.rsplit(":", 1)[1] in ports
@@ -328,3 +337,163 @@ def test_a_shard_that_fails_where_it_still_can_run_is_restarted_there(cp: Schedu
     scheduler.reconcile()
     (again,) = cp.store.list_shards()
     assert (again.id, again.node_id, again.restarts) == (shard.id, "n1", 1)
+
+
+# -- the port: inside the multinode_ports of every node of the replica ----------------------
+
+
+def _report_ports(cp: SchedulerRig, node_id: str, ports: str) -> None:
+    """``node_id``'s agent reports ``ports`` (it restarted with another agent.yaml)."""
+    node = cp.store.get_node(node_id)
+    cp.store.upsert_node(
+        node_id,
+        dataplane_addr=node.dataplane_addr,
+        agent_version="0.1.0",
+        inventory={**node.inventory, "multinode_ports": ports},
+        connected=True,
+    )
+
+
+@pytest.mark.parametrize("engine", ["sim", "llamacpp"])
+def test_the_port_is_the_lowest_in_every_nodes_range(cp: SchedulerRig, engine: str) -> None:
+    _join(cp, "n1", "10.0.0.1", ports="30000-30100")
+    _join(cp, "n2", "10.0.0.2", ports="30050-30200")
+    _deploy(cp, "big", engine, nodes=2)
+    _reconcile_until_rank0(cp)
+    rank0, worker = _by_rank(_orders(cp), "big")
+    host = {s.rank: s.node_id for s in cp.store.list_shards()}
+    addr = {"n1": "10.0.0.1", "n2": "10.0.0.2"}
+    assert rank0.dist_init_addr == worker.dist_init_addr == f"{addr[host[0]]}:30050"
+    if engine == "llamacpp":  # the worker binds it on its own node, rank 0 dials it there
+        assert worker.listen_addr == f"{addr[host[1]]}:30050"
+        assert list(rank0.worker_addrs) == [worker.listen_addr]
+    else:  # the worker dials rank 0: no endpoint of its own
+        assert (worker.listen_addr, list(rank0.worker_addrs)) == ("", [])
+
+
+def test_an_agent_that_reports_no_range_counts_as_the_default(cp: SchedulerRig) -> None:
+    _join(cp, "n1", "10.0.0.1")  # predates multinode_ports: 29500-29999
+    _join(cp, "n2", "10.0.0.2", ports="29990-30010")
+    _deploy(cp, "big", "sim", nodes=2)
+    cp.scheduler().reconcile()
+    (port,) = {s.dist_init_addr.rsplit(":", 1)[1] for s in cp.store.list_shards()}
+    assert port == "29990"
+
+
+def test_ports_used_by_other_replicas_are_skipped_within_the_range(cp: SchedulerRig) -> None:
+    _join(cp, "n1", "10.0.0.1", ports="31000-31002")
+    _join(cp, "n2", "10.0.0.2", ports="31000-31002")
+    cp.store.upsert_node(
+        "n3", dataplane_addr="10.0.0.3:9443", agent_version="0.1.0", inventory={}, connected=False
+    )
+    _deploy(cp, "other", "sim", nodes=2)
+    other = cp.store.add_replica("other")
+    # 31000 on n1 (another replica's rank 0 there), 31001 on n2 (a worker of one on n3).
+    for node, addr in (("n1", "10.0.0.1:31000"), ("n2", "10.0.0.3:31001")):
+        shard = cp.store.add_shard(other.id, node, rank=0 if node == "n1" else 1)
+        cp.store.update_shard(shard.id, dist_init_addr=addr, state="ready")
+    _deploy(cp, "big", "sim", nodes=2)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    big = [s for s in cp.store.list_shards() if s.replica_id != other.id]
+    assert {s.dist_init_addr.rsplit(":", 1)[1] for s in big} == {"31002"}
+    assert "big" not in scheduler.unplaceable
+
+
+def _unplaced(cp: SchedulerRig, scheduler: Scheduler, model: str) -> str:
+    """The unplaceable reason of ``model``, having checked that nothing of the attempt was
+    left behind: no replica, no shard, no order."""
+    assert cp.store.list_replicas(model) == []
+    assert [s for s in cp.store.list_shards() if s.replica_id.startswith(f"{model}-")] == []
+    assert all(o.model != model for o in _orders(cp).values())
+    (event,) = [e for e in cp.store.list_events(subject=model) if e.kind == "unplaceable"]
+    reason = scheduler.unplaceable[model].reason
+    assert event.message == f"cannot place a replica: {reason}"
+    return reason
+
+
+def test_nodes_whose_ranges_do_not_overlap_get_no_replica(cp: SchedulerRig) -> None:
+    _join(cp, "n1", "10.0.0.1", ports="30000-30099")
+    _join(cp, "n2", "10.0.0.2", ports="31000-31099")
+    _deploy(cp, "big", "llamacpp", nodes=2)
+    # A single-node model after it: the GPUs the failed attempt had chosen are free again.
+    _deploy(cp, "small", "sim", nodes=1, replicas=2)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    assert _unplaced(cp, scheduler, "big") in (
+        f"its nodes share no multi-node port: their multinode_ports do not overlap ({a} "
+        f"{ra}, {b} {rb}); widen multinode_ports in agent.yaml on {a}, {b} so that they "
+        "overlap, and re-run install-agent.sh there so that the firewall follows"
+        for (a, ra), (b, rb) in [
+            (("n1", "30000-30099"), ("n2", "31000-31099")),
+            (("n2", "31000-31099"), ("n1", "30000-30099")),
+        ]
+    )
+    assert sorted(s.node_id for s in cp.store.list_shards()) == ["n1", "n2"]
+    assert {cp.store.get_replica(s.replica_id).model for s in cp.store.list_shards()} == {"small"}
+
+    # The operator widens n2's range (and re-runs the installer): placed on the next pass.
+    cp.store.delete_model("small")
+    _report_ports(cp, "n2", "30050-31099")
+    scheduler.reconcile()
+    assert "big" not in scheduler.unplaceable
+    (port,) = {s.dist_init_addr.rsplit(":", 1)[1] for s in cp.store.list_shards()}
+    assert port == "30050"
+
+
+def test_a_full_shared_range_gets_no_replica(cp: SchedulerRig) -> None:
+    for node, host in (("n1", "10.0.0.1"), ("n2", "10.0.0.2")):
+        _join(cp, node, host, ports="32000-32000")
+        inventory = dict(cp.store.get_node(node).inventory)
+        inventory["gpus"] = [
+            {"uuid": f"GPU-{node}-{i}", "memory_total_mib": 81920} for i in range(2)
+        ]
+        cp.store.upsert_node(
+            node,
+            dataplane_addr=f"{host}:9443",
+            agent_version="0.1.0",
+            inventory=inventory,
+            connected=True,
+        )
+    # Room on the GPUs for two replicas, but a port for one only.
+    _deploy(cp, "big", "sim", nodes=2, replicas=2)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    (replica,) = cp.store.list_replicas("big")
+    shards = cp.store.list_shards()
+    assert len(shards) == 2 and {s.replica_id for s in shards} == {replica.id}
+    assert {s.dist_init_addr.rsplit(":", 1)[1] for s in shards} == {"32000"}
+    reason = scheduler.unplaceable["big"].reason
+    nodes = ", ".join(s.node_id for s in sorted(shards, key=lambda s: s.rank))
+    named = ", ".join(f"{s.node_id} 32000-32000" for s in sorted(shards, key=lambda s: s.rank))
+    assert reason == (
+        "every multi-node port its nodes share is taken by other multi-node replicas on them "
+        f"(32000-32000: 1 port; {named}); widen multinode_ports in agent.yaml on {nodes}, and "
+        "re-run install-agent.sh there so that the firewall follows"
+    )
+    (event,) = [e for e in cp.store.list_events(subject="big") if e.kind == "unplaceable"]
+    assert event.message == f"cannot place a replica: {reason}"
+    assert len(_orders(cp)) == 2  # the placed replica's two shards, nothing of the other
+
+
+def test_a_range_no_agent_would_report_keeps_the_replica_off(cp: SchedulerRig) -> None:
+    _join(cp, "n1", "10.0.0.1")
+    _join(cp, "n2", "10.0.0.2", ports="30000")
+    _deploy(cp, "big", "sim", nodes=2)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    assert _unplaced(cp, scheduler, "big") == (
+        "node n2 reports multinode_ports '30000' is not a port range; write two port numbers "
+        "joined by '-', e.g. 29500-29999 (one port: 29500-29500); fix multinode_ports in "
+        "agent.yaml on n2, restart its agent, and re-run install-agent.sh there so that the "
+        "firewall follows"
+    )
+
+
+def test_single_node_replicas_take_no_port_whatever_the_range(cp: SchedulerRig) -> None:
+    _join(cp, "n1", "10.0.0.1", ports="30000")  # unreadable: only multi-node replicas care
+    _deploy(cp, "one", "sim", nodes=1)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    (shard,) = cp.store.list_shards()
+    assert shard.dist_init_addr == "" and "one" not in scheduler.unplaceable

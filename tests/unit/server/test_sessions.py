@@ -13,6 +13,8 @@ import pytest
 from cryptography import x509
 
 from llmgw import pki
+from llmgw.contracts.inventory import multinode_ports
+from llmgw.contracts.ports import PortRange
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.installs import Build, EngineInstalls
 from llmgw.server.metrics import Metrics
@@ -91,13 +93,18 @@ class Wired:
         node_id: str = "gpu-1",
         *,
         degraded: tuple[pb.DegradedReason, ...] = (),
+        multinode_ports: str = "",
     ) -> NodeSession:
         hello = pb.Hello(
             node_id=node_id,
             dataplane_addr="127.0.0.1:9443",
             agent_version="0.1.0",
             inventory=pb.Inventory(
-                hostname=node_id, cpus=8, engines=["sim"], degraded=list(degraded)
+                hostname=node_id,
+                cpus=8,
+                engines=["sim"],
+                degraded=list(degraded),
+                multinode_ports=multinode_ports,
             ),
         )
         session = self.sessions.open(hello, "ipv4:127.0.0.1:5000", cert)
@@ -140,6 +147,24 @@ def test_a_node_that_comes_back_changed_says_so_in_the_events(tmp_path: Path, st
     assert len(health_events()) == 1
     wired.connect(cert)  # docker fixed while the agent restarted
     assert health_events()[-1] == ("node_healthy", f"no longer degraded (was: {docker.message})")
+
+
+def test_the_reported_multinode_ports_are_kept_with_the_nodes_inventory(
+    tmp_path: Path, store: Store
+) -> None:
+    wired = Wired(tmp_path, store)
+    cert = wired.cert(tmp_path, "gpu-1")
+    wired.connect(cert, multinode_ports="40000-40099")
+    wired.membership.approve("gpu-1", store.get_node("gpu-1").fingerprint or "")
+    inventory = store.get_node("gpu-1").inventory
+    assert inventory["multinode_ports"] == "40000-40099"
+    assert multinode_ports(inventory) == PortRange(40000, 40099)
+    # The agent restarted with the range widened: the stored one follows.
+    wired.connect(cert, multinode_ports="40000-40999")
+    assert multinode_ports(store.get_node("gpu-1").inventory) == PortRange(40000, 40999)
+    # An older agent in its place reports none: the default range.
+    wired.connect(cert)
+    assert multinode_ports(store.get_node("gpu-1").inventory) == PortRange(29500, 29999)
 
 
 def test_a_reconnect_replaces_the_old_stream(tmp_path: Path, store: Store) -> None:
