@@ -95,7 +95,9 @@ def test_a_two_node_sim_replica_serves_across_two_containers_with_ufw_active(
 
     def on_fabric(node: Node) -> bool:
         seen = lab.server.api("GET", f"/api/nodes/{node.node_id}")  # type: ignore[union-attr]
-        return seen["health"] == "healthy" and any(f.get("name") == FABRIC and f.get("healthy") for f in seen["fabrics"])
+        return seen["health"] == "healthy" and any(
+            f.get("name") == FABRIC and f.get("healthy") for f in seen["fabrics"]
+        )
 
     wait_for(
         lambda: on_fabric(a) and on_fabric(b), what="both nodes healthy on their fabric", timeout=60

@@ -185,8 +185,12 @@ def sandbox(tmp_path: Path) -> Sandbox:
         body = body.replace(prefix, f"{root}{prefix}")
     body = body.replace("/usr/share/keyrings", f"{root}/keyrings")
     body = body.replace("PACKAGE_BIN=/usr/bin/llmgw", f"PACKAGE_BIN={root}/usr/bin/llmgw")
-    body = body.replace("COMMAND_LINK=/usr/local/bin/llmgw", f"COMMAND_LINK={root}/usr/local/bin/llmgw")
-    body = body.replace("PCI_DEVICES=/sys/bus/pci/devices", f"PCI_DEVICES={root}/sys/bus/pci/devices")
+    body = body.replace(
+        "COMMAND_LINK=/usr/local/bin/llmgw", f"COMMAND_LINK={root}/usr/local/bin/llmgw"
+    )
+    body = body.replace(
+        "PCI_DEVICES=/sys/bus/pci/devices", f"PCI_DEVICES={root}/sys/bus/pci/devices"
+    )
     for name, version in (("b1", "1.0.0"), ("b2", "1.1.0")):
         bundle = root / name
         (bundle / "systemd").mkdir(parents=True)
