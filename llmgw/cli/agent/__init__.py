@@ -63,9 +63,9 @@ NODE_COMMANDS: dict[str, LazyCommand] = {
     ),
     "render-facts": LazyCommand(
         _render_facts,
-        "Print the agent.yaml keys (fabrics, discovery, engines) of node facts given to "
-        "install-agent.sh (--fabric, --nvidia-smi, --ib-root, --engine), checked by the one "
-        "parser of node facts; the installer writes them into its block of agent.yaml.",
+        "Print the agent.yaml keys (fabrics, discovery, engines) of these node facts, as "
+        "install-agent.sh writes them; 'none' alone clears fabrics or engine programs "
+        "(nothing is printed for them). Exit 2 when a fact is not valid, saying which and why.",
     ),
     "docker-proxy": LazyCommand(
         _docker_proxy,
