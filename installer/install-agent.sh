@@ -22,8 +22,8 @@
 #       --cache-root are remembered the same way.
 #       --firewall-from: :9443 (the gateway) and the multi-node port range (agent.yaml's
 #       multinode_ports, default 29500-29999) from these sources only; --fabric-peers: the
-#       multi-node range only, from the fabric's own network. Both are given at each run
-#       (a re-run without them removes their rules).
+#       multi-node range only, from the fabric's own network. Both are remembered like the
+#       facts ('none' removes their rules).
 #       --docker: engines may run as Docker containers (runtime: docker), through
 #       llmgw-docker-proxy, a socket that allows only the docker runtime's calls (llmgw's
 #       labelled containers, unprivileged, ports on 127.0.0.1). --docker-group instead puts
@@ -140,7 +140,7 @@ parse_args() {
     [ "$VERB" != --rekey ] || VERB=rekey # the guides' spelling of the verb
     NODE_ID="" ENROLL_URL="" CA_HASH="" ADDRESS="" FIREWALL_FROM="" PURGE=""
     REPO_URL="" REPO_KEY="" DOCKER="" NODE_UID="" FABRIC_PEERS=""
-    MODELS="" CACHE="" MODELS_GIVEN="" CACHE_GIVEN=""
+    MODELS="" CACHE="" MODELS_GIVEN="" CACHE_GIVEN="" FIREWALL_GIVEN="" PEERS_GIVEN=""
     # Node facts: each list (space-separated checked values) with a flag saying it was given.
     FABRICS="" FABRICS_GIVEN="" ENGINES="" ENGINES_GIVEN="" NVIDIA_SMI="" IB_ROOT=""
     while [ $# -gt 0 ]; do
@@ -172,8 +172,8 @@ parse_args() {
             --enroll-url) ENROLL_URL=$2 ;;
             --ca-hash) CA_HASH=$2 ;;
             --address) ADDRESS=$2 ;;
-            --firewall-from) FIREWALL_FROM="$FIREWALL_FROM $(check_source "$1" "$2")" ;;
-            --fabric-peers) FABRIC_PEERS="$FABRIC_PEERS $(check_source "$1" "$2")" ;;
+            --firewall-from) FIREWALL_FROM="$FIREWALL_FROM $(check_source "$1" "$2")" FIREWALL_GIVEN=1 ;;
+            --fabric-peers) FABRIC_PEERS="$FABRIC_PEERS $(check_source "$1" "$2")" PEERS_GIVEN=1 ;;
             --models-root) MODELS=$(check_dir_option "$1" "$2") MODELS_GIVEN=1 ;;
             --cache-root) CACHE=$(check_dir_option "$1" "$2") CACHE_GIVEN=1 ;;
             --node-uid) NODE_UID=$(check_node_uid "$2") ;;
@@ -259,7 +259,11 @@ check_address() {
     esac
 }
 
-check_source() { # OPTION VALUE
+check_source() { # OPTION VALUE ('none' clears what an earlier install opened)
+    if [ "$2" = none ]; then
+        printf 'none\n'
+        return 0
+    fi
     address=${2%/*}
     prefix=""
     [ "$address" = "$2" ] || prefix=${2##*/}
@@ -323,7 +327,8 @@ check_node_uid() {
 
 # 'none' clears a list, and goes alone.
 check_fact_lists() {
-    for pair in "--fabric:$FABRICS" "--engine:$ENGINES"; do
+    for pair in "--fabric:$FABRICS" "--engine:$ENGINES" "--firewall-from:$FIREWALL_FROM" \
+        "--fabric-peers:$FABRIC_PEERS"; do
         option=${pair%%:*}
         # shellcheck disable=SC2086 # a list of checked words
         set -- ${pair#*:}
@@ -944,6 +949,8 @@ say_fact() {
 resolve_facts() {
     MODELS=$(resolve_root models_root --models-root "$MODELS_GIVEN" "$MODELS" "$MODELS_ROOT")
     CACHE=$(resolve_root cache_root --cache-root "$CACHE_GIVEN" "$CACHE" "$CACHE_ROOT")
+    resolve_list FIREWALL_FROM "$FIREWALL_GIVEN" firewall_from --firewall-from
+    resolve_list FABRIC_PEERS "$PEERS_GIVEN" fabric_peers --fabric-peers
     resolve_list FABRICS "$FABRICS_GIVEN" fabric --fabric
     resolve_list ENGINES "$ENGINES_GIVEN" engine --engine
     resolve_one NVIDIA_SMI nvidia_smi --nvidia-smi
@@ -964,6 +971,10 @@ resolve_root() { # KEY OPTION GIVEN VALUE DEFAULT: the root to use (said on stde
 
 resolve_list() { # VARIABLE GIVEN KEY OPTION
     before=$(recorded "$3")
+    # An install older than the record: the sources its firewall record opened :9443 from.
+    if [ ! -f "$FACTS_RECORD" ] && [ "$3" = firewall_from ]; then
+        before=$(firewall_records | awk -v port="$AGENT_PORT" '$3 == port { printf "%s%s", sep, $2; sep = " " }')
+    fi
     eval "now=\$$1"
     # shellcheck disable=SC2154 # now is set by the eval
     now=$(printf '%s\n' "$now" | sed 's/^ *//; s/ *$//')
@@ -1004,6 +1015,8 @@ record_facts() {
     {
         echo "models_root $MODELS"
         echo "cache_root $CACHE"
+        for value in $FIREWALL_FROM; do echo "firewall_from $value"; done
+        for value in $FABRIC_PEERS; do echo "fabric_peers $value"; done
         for value in $FABRICS; do echo "fabric $value"; done
         for value in $ENGINES; do echo "engine $value"; done
         [ -z "$NVIDIA_SMI" ] || echo "nvidia_smi $NVIDIA_SMI"

@@ -179,20 +179,25 @@ def test_04_ufw_rules_from_the_gateway_only(steps: Steps, lab: Lab) -> None:
     assert f"firewall:   ufw allows :9443/tcp from {lab.gateway}" in status
     # ufw denies everything else incoming: the gateway still reaches the agent.
     serves(steps)
-    # Run again without the second source: exactly that rule goes.
+    # Run again with the gateway alone: exactly the other source's rules go.
     node.sh(
         f"sh {steps.bundle_n}/{INSTALLER} install --node-id {NODE} --enroll-url {j['enroll_url']} "
         f"--ca-hash {j['ca_hash']} --firewall-from {lab.gateway}"
     )
     rules = node.out("ufw status")
     assert "10.99.0.0/16" not in rules and lab.gateway in rules
-    # Without --firewall-from, ufw active: its rules go, and the installer warns that the
-    # gateway may not get in; then back to the gateway's rule for the later steps.
     base = (
         f"sh {steps.bundle_n}/{INSTALLER} install --node-id {NODE} --enroll-url "
         f"{j['enroll_url']} --ca-hash {j['ca_hash']}"
     )
-    bare = node.sh(base)
+    # Without --firewall-from the sources are remembered: the rules stay (a re-pair's
+    # one-liner, which has none, must not lock the gateway out).
+    kept = node.sh(base)
+    assert f"keeping --firewall-from {lab.gateway} from the last install" in kept.stderr
+    assert lab.gateway in node.out("ufw status")
+    # 'none' removes them, and the installer warns that the gateway may not get in; then
+    # back to the gateway's rule for the later steps.
+    bare = node.sh(f"{base} --firewall-from none")
     assert "ufw is active and no --firewall-from was given" in bare.stderr, bare.stderr
     assert "9443" not in node.out("ufw status")
     node.sh(f"{base} --firewall-from {lab.gateway}")

@@ -315,15 +315,29 @@ def test_the_multi_node_range_is_opened_from_the_allowed_sources_only(sandbox: S
     status = sandbox.run("status").stdout
     assert "firewall:   ufw allows 29500-29999/tcp (multi-node replicas) from 10.1.0.0/16" in status
     assert "firewall:   ufw allows :9443/tcp from 192.0.2.1" in status
-    # The range follows agent.yaml.
+    # A re-run without them keeps them (the one-liner of a re-pair has none): nothing moves.
+    kept = sandbox.run("install", *JOIN)
+    assert kept.returncode == 0, kept.stderr
+    assert "==> facts: keeping --fabric-peers 10.1.0.0/16 from the last install" in (
+        sandbox.said(kept)
+    )
+    assert not [line for line in sandbox.said(kept) if line.startswith("==> firewall")]
+    assert sorted((sandbox.root / "ufw-rules").read_text().splitlines()) == sorted(rules)
+    # The range follows agent.yaml; 'none' removes the peers' rules.
     path = sandbox.root / CONFIG
     path.write_text("multinode_ports: 31000-31010\n" + path.read_text())
-    moved = sandbox.run("install", *JOIN, "--firewall-from", "192.0.2.1")
+    moved = sandbox.run("install", *JOIN, "--fabric-peers", "none")
     assert moved.returncode == 0, moved.stderr
     assert sorted((sandbox.root / "ufw-rules").read_text().splitlines()) == [
         "192.0.2.1 31000:31010",
         "192.0.2.1 9443",
     ]
+    cleared = sandbox.run("install", *JOIN, "--firewall-from", "none")
+    assert "warning: ufw is active and no --firewall-from was given" in " ".join(
+        sandbox.said(cleared)
+    )
+    assert (sandbox.root / "ufw-rules").read_text() == ""
+    assert sandbox.run("install", *JOIN, "--firewall-from", "192.0.2.1").returncode == 0
     assert sandbox.run("uninstall").returncode == 0
     assert (sandbox.root / "ufw-rules").read_text() == ""
 
@@ -336,6 +350,18 @@ def test_an_older_firewall_record_without_ports_is_read_as_the_agent_port(
     ufw.chmod(0o755)
     assert sandbox.run("install", "--firewall-from", "192.0.2.1").returncode == 0
     record = sandbox.root / "var" / "lib" / "llmgw-agent-install" / "firewall"
+    record.write_text("ufw 192.0.2.1\n")
+    (sandbox.root / "ufw-rules").write_text("192.0.2.1 9443\n")
+    # An install older than the facts record: its firewall's sources are what it keeps.
+    (sandbox.root / RECORD).unlink()
+    again = sandbox.run("install")
+    assert "==> facts: keeping --firewall-from 192.0.2.1 from the last install" in (
+        sandbox.said(again)
+    )
+    assert sorted((sandbox.root / "ufw-rules").read_text().splitlines()) == [
+        "192.0.2.1 29500:29999",
+        "192.0.2.1 9443",
+    ]
     record.write_text("ufw 192.0.2.1\n")
     (sandbox.root / "ufw-rules").write_text("192.0.2.1 9443\n")
     result = sandbox.run("uninstall")
