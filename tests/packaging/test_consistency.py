@@ -175,11 +175,14 @@ def test_installer_waits_on_and_opens_the_agents_data_plane_port(tmp_path: Path)
     literal = [line for line in code if re.search(rf"(?<![0-9]){port}(?![0-9])", line)]
     assert literal == [f"AGENT_PORT={port}"], f"the port written out elsewhere: {literal}"
     # What it waits on (ss) and what each firewall back-end opens.
+    # The port (or the multi-node range) a rule opens is its third argument, PORTS; the
+    # port goes into the wanted rules once per --firewall-from source.
     expected = {
         "waits until it listens (ss)": r"ss .*sport = :\$AGENT_PORT",
-        "ufw": r"ufw allow .*port \"?\$AGENT_PORT",
-        "firewalld": r"port port=\$AGENT_PORT protocol=tcp accept",
-        "nft": r"nft (insert|add) rule .*tcp dport \"?\$AGENT_PORT\"? accept",
+        "a rule for the port from each --firewall-from source": r'echo "\$source \$AGENT_PORT"',
+        "ufw": r'ufw allow .*port "\$\(ufw_ports "\$3"\)"',
+        "firewalld": r"port port=\$3 protocol=tcp accept",
+        "nft": r'nft (insert|add) rule .*tcp dport "\$3" accept',
     }
     for what, pattern in expected.items():
         assert any(re.search(pattern, line) for line in code), f"{what}: no match for {pattern}"
@@ -282,8 +285,9 @@ def test_the_unit_may_write_the_configured_model_and_cache_roots() -> None:
     line = match.group(1)
     variables = sorted(set(re.findall(r"\$\{?([A-Z_]+)\}?", line)))
     assert variables == ["CACHE", "MODELS"], f"the drop-in's line uses {variables}"
-    assert re.search(r"\bMODELS=\$MODELS_ROOT\b", text) and re.search(
-        r"\bCACHE=\$CACHE_ROOT\b", text
+    # Given, else remembered, else the default (resolve_root's last argument).
+    assert re.search(r'\bMODELS=\$\(resolve_root models_root .*"\$MODELS_ROOT"\)', text) and (
+        re.search(r'\bCACHE=\$\(resolve_root cache_root .*"\$CACHE_ROOT"\)', text)
     ), "the installer's --models-root/--cache-root do not default to MODELS_ROOT/CACHE_ROOT"
     rendered = line.replace("$MODELS", str(models)).replace("$CACHE", str(cache))
     dropin_paths = read_write_paths([rendered.removeprefix("ReadWritePaths=")])
