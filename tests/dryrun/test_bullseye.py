@@ -1,5 +1,6 @@
 """Debian 11 (systemd 247, glibc 2.31: the oldest target): install with the one-liner, join,
-serve through the gateway, upgrade N -> N+1, purge."""
+the installer again with a node fact and the firewall (ufw) for the gateway and the
+multi-node range, serve through the gateway, upgrade N -> N+1, purge."""
 
 from __future__ import annotations
 
@@ -22,6 +23,21 @@ def test_bullseye_install_serve_upgrade_purge(lab: Lab, bundle_next: Path) -> No
     node.sh(join["command"])
     assert node.listening(), node.journal()
     assert node.unit_findings() == []
+    assert node.out("readlink /usr/local/bin/llmgw") == "/usr/local/lib/llmgw-agent/llmgw"
+    # 1b. the installer again on systemd 247, ufw active: a node fact into agent.yaml, :9443
+    # from the gateway and the multi-node range from the fabric's network
+    installer = lab.unpack(lab.bundle_n, "n-bullseye") + "/install-agent.sh"
+    node.sh("ufw --force enable >/dev/null")
+    node.sh(
+        f"sh {installer} install --ib-root /sys/class/infiniband --firewall-from {lab.gateway} "
+        "--fabric-peers 10.99.0.0/16"
+    )
+    assert "  ib_root: /sys/class/infiniband" in node.out("cat /etc/llmgw/agent.yaml")
+    rules = node.out("ufw status")
+    assert "29500:29999/tcp" in rules and "10.99.0.0/16" in rules, rules
+    status = node.out(f"sh {installer} status")
+    assert "ib-root:    /sys/class/infiniband" in status, status
+    assert node.listening(), node.journal()
     # 2. approve, a sim shard serving through the gateway
     lab.approve(NODE)
     lab.deploy(MODEL)

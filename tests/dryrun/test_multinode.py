@@ -121,3 +121,6 @@ def test_a_two_node_sim_replica_serves_across_two_containers_with_ufw_active(
         assert lab.complete(MODEL, key)
     finally:
         lab.ctl("undeploy", MODEL)
+        # The lab is shared: later modules place their replicas on their own nodes.
+        for node in (a, b):
+            lab.ctl("drain", node.node_id, "--no-wait")
