@@ -429,6 +429,14 @@ put_dir() {
 root_owned_path() {
     path=$1
     WHY=""
+    # Only an absolute path ends at /: dirname of a relative one ends at '.' for ever.
+    case $path in
+        /*) ;;
+        *)
+            WHY="is not an absolute path ('$path')"
+            return 1
+            ;;
+    esac
     while :; do
         if [ -L "$path" ]; then
             WHY="leads through the symlink $path"
