@@ -515,12 +515,23 @@ is_listening() {
     [ -n "$(ss -ltnH "( sport = :$AGENT_PORT )" 2>/dev/null)" ]
 }
 
-# Until the unit is active (READY=1: stream up, data plane bound) and the port listens.
+invocation_of() { systemctl show -p InvocationID --value "$UNIT" 2>/dev/null || true; }
+
+# Restart the agent without waiting on systemd (our own timeout decides), then wait.
+restart_agent() {
+    RESTARTED_FROM=$(invocation_of)
+    systemctl restart --no-block "$UNIT"
+}
+
+# Until the unit is active (READY=1: stream up, data plane bound) and the port listens; after
+# restart_agent, as a new invocation: with --no-block the old one can still be active and
+# listening for a moment, and that is not the restarted agent.
 wait_listening() {
     timeout=$1
     waited=0
     while :; do
-        if [ "$(systemctl is-active "$UNIT" 2>/dev/null)" = active ] && is_listening; then
+        if [ "$(systemctl is-active "$UNIT" 2>/dev/null)" = active ] && is_listening \
+            && { [ -z "${RESTARTED_FROM:-}" ] || [ "$(invocation_of)" != "$RESTARTED_FROM" ]; }; then
             return 0
         fi
         [ "$waited" -ge "$timeout" ] && return 1
@@ -1303,7 +1314,7 @@ start_agent() {
     fi
     info "service: (re)starting $UNIT"
     systemctl reset-failed "$UNIT" >/dev/null 2>&1 || true
-    systemctl restart --no-block "$UNIT"
+    restart_agent
     if ! wait_listening "$HEALTH_TIMEOUT"; then
         journal_tail
         fatal "$UNIT did not come up listening on :$AGENT_PORT within $HEALTH_TIMEOUT s (its journal above); fix what it says, then: systemctl restart $UNIT"
@@ -1433,7 +1444,7 @@ restart_and_wait() {
     systemctl try-restart "$PROXY_UNIT" >/dev/null 2>&1 || true
     has_identity || return 0
     systemctl reset-failed "$UNIT" >/dev/null 2>&1 || true
-    systemctl restart --no-block "$UNIT"
+    restart_agent
     wait_listening "$1"
 }
 

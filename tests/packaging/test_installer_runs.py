@@ -41,9 +41,18 @@ systemctl() {
         restart)
             unit=$2
             [ "$2" != --no-block ] || unit=$3
-            [ -e "$T/sc/fail" ] || touch "$T/sc/active-$unit" ;;
+            [ -e "$T/sc/fail" ] && return 0
+            touch "$T/sc/active-$unit"
+            # A new invocation each start, as systemd's InvocationID; with sc/slow-restart
+            # the job runs a second later (--no-block), the old one active meanwhile.
+            next=$(( $(cat "$T/sc/invocation" 2>/dev/null || echo 0) + 1 ))
+            if [ -e "$T/sc/slow-restart" ]; then
+                (sleep 1; echo "$next" >"$T/sc/invocation") &
+            else
+                echo "$next" >"$T/sc/invocation"
+            fi ;;
         stop) rm -f "$T/sc/active-$2" ;;
-        show) echo invocation-1 ;;
+        show) echo "invocation-$(cat "$T/sc/invocation" 2>/dev/null || echo 0)" ;;
     esac
     return 0
 }
@@ -377,3 +386,18 @@ def test_package_installs_the_package_first_then_the_same_steps(sandbox: Sandbox
         "(ReadWritePaths=@/srv/llmgw/models @/srv/llmgw/cache)"
     ]
     assert said[-1] == "==> done: llmgw 1.0.0 installed from the package (@/usr/bin/llmgw)"
+
+
+def test_a_restart_is_waited_for_as_a_new_invocation(sandbox: Sandbox) -> None:
+    """restart --no-block returns before the job runs: the old agent is still active and
+    listening then, and the installer must wait for the restarted one (a new InvocationID),
+    not report it up at once."""
+    assert sandbox.run("install", *JOIN, token="t0ken").returncode == 0
+    invocation = sandbox.root / "sc" / "invocation"
+    assert invocation.read_text().strip() == "1"
+    (sandbox.root / "sc" / "slow-restart").touch()
+    moved = sandbox.run("install", *JOIN, "--models-root", str(sandbox.root / "srv" / "m2"))
+    assert moved.returncode == 0, moved.stderr
+    assert "==> service: llmgw-agent.service is active and listens on :9443" in sandbox.said(moved)
+    # Had it not waited, the restart's job would still be a second away at its exit.
+    assert invocation.read_text().strip() == "2"
