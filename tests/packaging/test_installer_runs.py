@@ -47,7 +47,7 @@ systemctl() {
             # the job runs a second later (--no-block), the old one active meanwhile.
             next=$(( $(cat "$T/sc/invocation" 2>/dev/null || echo 0) + 1 ))
             if [ -e "$T/sc/slow-restart" ]; then
-                (sleep 1; echo "$next" >"$T/sc/invocation") &
+                (sleep 1; echo "$next" >"$T/sc/invocation") </dev/null >/dev/null 2>&1 &
             else
                 echo "$next" >"$T/sc/invocation"
             fi ;;
