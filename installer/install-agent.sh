@@ -137,6 +137,12 @@ parse_args() {
     VERB=${1:-}
     [ -n "$VERB" ] || usage
     shift
+    case $VERB in
+        -h | --help | help)
+            sed -n 's/^# \{0,1\}//; /^Usage:/,/^$/p' "$0"
+            exit 0
+            ;;
+    esac
     [ "$VERB" != --rekey ] || VERB=rekey # the guides' spelling of the verb
     NODE_ID="" ENROLL_URL="" CA_HASH="" ADDRESS="" FIREWALL_FROM="" PURGE=""
     REPO_URL="" REPO_KEY="" DOCKER="" NODE_UID="" FABRIC_PEERS=""

@@ -385,3 +385,14 @@ case $1 in
     delete) grep -vx "$6 ${10}" "$rules" >"$rules.new" || true; mv "$rules.new" "$rules" ;;
 esac
 """
+
+
+def test_help_is_asked_for_with_help_and_answered_on_stdout(sandbox: Sandbox) -> None:
+    for word in ("--help", "-h", "help"):
+        result = sandbox.run(word)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("Usage: install-agent.sh VERB [OPTIONS]")
+        assert "--node-uid UID" in result.stdout and "(also: --rekey)" in result.stdout
+    # Without a verb it is a usage error, on stderr.
+    bare = sandbox.run()
+    assert bare.returncode == 2 and bare.stderr.startswith("Usage: install-agent.sh")
