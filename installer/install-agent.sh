@@ -1022,8 +1022,9 @@ resolve_one() { # VARIABLE KEY OPTION
 # The agent.yaml keys of the facts (into STAGE/facts.yaml), by BIN's 'llmgw agent
 # render-facts', the one parser of node facts: a fact it refuses stops the run here, before
 # anything is changed.
-check_facts() {
+check_facts() { # BIN [WHAT_CHANGED: said after the reason; default: nothing]
     bin=$1
+    changed=${2:-Nothing was changed}
     set --
     for value in $FABRICS; do set -- "$@" --fabric "$value"; done
     for value in $ENGINES; do set -- "$@" --engine "$value"; done
@@ -1031,7 +1032,7 @@ check_facts() {
     [ -z "$IB_ROOT" ] || set -- "$@" --ib-root "$IB_ROOT"
     if ! TMPDIR=$STAGE "$bin" agent render-facts "$@" >"$STAGE/facts.yaml" 2>"$STAGE/facts.err"; then
         why=$(sed -n 's/^Error: //p' "$STAGE/facts.err" | tr -d '\000-\010\013-\037\177')
-        fatal "node facts: ${why:-$(tr -d '\000-\010\013-\037\177' <"$STAGE/facts.err")}. Nothing was changed"
+        fatal "node facts: ${why:-$(tr -d '\000-\010\013-\037\177' <"$STAGE/facts.err")}. $changed"
     fi
 }
 
@@ -1632,11 +1633,16 @@ verb_package() {
     [ -f "$LIB_DIR/llmgw" ] && [ "$(mode_recorded)" != package ] \
         && fatal "llmgw-agent is installed from a bundle here ($LIB_DIR); uninstall it first, then run package"
     resolve_facts
+    # Checked before the package goes in when this script sits in a bundle, and always with
+    # the package's own binary once it is in.
+    if [ -x "$BUNDLE/llmgw" ] && [ -n "$(version_of "$BUNDLE/llmgw")" ]; then
+        check_facts "$BUNDLE/llmgw"
+    fi
     preflight
     install_package # 4
     record_mode package
     NEW_VERSION=$(version_of "$PACKAGE_BIN")
-    check_facts "$PACKAGE_BIN"
+    check_facts "$PACKAGE_BIN" "The package is installed; nothing else was changed: run package again with the facts fixed"
     ensure_user   # 1
     ensure_linger # 2
     ensure_dirs   # 3

@@ -396,3 +396,16 @@ def test_help_is_asked_for_with_help_and_answered_on_stdout(sandbox: Sandbox) ->
     # Without a verb it is a usage error, on stderr.
     bare = sandbox.run()
     assert bare.returncode == 2 and bare.stderr.startswith("Usage: install-agent.sh")
+
+
+def test_package_refuses_bad_facts_before_the_package_goes_in(sandbox: Sandbox) -> None:
+    repo = ("--repo-url", "http://repo", "--repo-key", str(sandbox.root / "repo.key"))
+    result = sandbox.run("package", *repo, "--fabric", "bad:mlx5_0")
+    assert result.returncode == 1
+    assert "node facts: --fabric: 'bad:mlx5_0' does not start" in result.stderr
+    assert "Nothing was changed" in result.stderr
+    assert not [call for call in sandbox.calls() if call.startswith("apt-get")]
+    good = sandbox.run("package", *repo, "--fabric", "ib-a:mlx5_0")
+    assert good.returncode == 0, good.stderr
+    assert (sandbox.root / "render-facts-args").read_text().split() == ["--fabric", "ib-a:mlx5_0"]
+    assert (sandbox.root / RECORD).read_text().splitlines()[-1] == "fabric ib-a:mlx5_0"
