@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import subprocess
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,15 +242,31 @@ def test_an_update_is_spooled_applied_and_reported(cluster: Cluster) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
+    # ctl's progress, read as it comes: the helper runs only once ctl has said 'spooled'
+    # (it polls each second, and a helper run between two polls would hide that state).
+    said: list[str] = []
+    reader = threading.Thread(
+        target=lambda: said.extend(iter(waiting.stderr.readline, "")),  # type: ignore[union-attr]
+        daemon=True,
+    )
+    reader.start()
     try:
         wait_for(lambda: os.path.isdir(request), WAIT, what="the second request")
+        wait_for(
+            lambda: any(f"{NODE}: 0.0.2 spooled" in line for line in said),
+            WAIT,
+            what="ctl update saying the order is spooled",
+        )
         refused = c.helper(trust_dir(c), state, installed_binary(c, "0.0.3"))
         assert refused.returncode == 1
         assert "older than the installed 0.0.3" in refused.stderr
-        out, err = waiting.communicate(timeout=WAIT)
+        out = waiting.stdout.read()  # type: ignore[union-attr]
+        waiting.wait(timeout=WAIT)
+        reader.join(timeout=WAIT)
     finally:
         if waiting.poll() is None:
             waiting.kill()
+    err = "".join(said)
     assert waiting.returncode == 1, (out, err)
     assert f"{NODE}: 0.0.2 spooled" in err  # its progress while it waited
     assert f"{NODE}: 0.0.2 refused: version 0.0.2 is older than the installed 0.0.3" in err
