@@ -982,10 +982,30 @@ resolve_facts() {
     resolve_one IB_ROOT ib_root --ib-root
 }
 
+# What a re-run keeps is checked again as if given (the record or agent.yaml may have been
+# edited by hand): KEY VALUES, each through its option's check; a bad one stops the run
+# before anything changes, saying where it came from. A given option replaces it unchecked.
+check_remembered() {
+    cr_option=--$(printf '%s' "$1" | tr _ -)
+    case $1 in
+        models_root | cache_root) cr_check=check_dir_option ;;
+        nvidia_smi | ib_root) cr_check=check_fact_path ;;
+        fabric | engine) cr_check=check_fact ;;
+        firewall_from | fabric_peers) cr_check=check_source ;;
+    esac
+    cr_from=$FACTS_RECORD
+    [ -f "$FACTS_RECORD" ] || cr_from="$CONFIG and $INSTALL_STATE/firewall (an older install)"
+    for cr_value in $2; do
+        ("$cr_check" "$cr_option" "$cr_value") >/dev/null 2>"$STAGE/remembered.err" \
+            || fatal "$cr_option $cr_value, remembered from the last install ($cr_from), is not valid: $(sed 's/^error: //' "$STAGE/remembered.err"). Give $cr_option again (or $cr_option none, where it clears); nothing was changed"
+    done
+}
+
 resolve_root() { # KEY OPTION GIVEN VALUE DEFAULT: the root to use (said on stderr)
     before=$(recorded "$1")
     [ -f "$FACTS_RECORD" ] || before=$(managed_value "$1")
     now=$4
+    [ -n "$3" ] || check_remembered "$1" "$before"
     [ -n "$3" ] || now=${before:-$5}
     shown=$now
     # The default, not given, is nothing to keep.
@@ -1004,6 +1024,7 @@ resolve_list() { # VARIABLE GIVEN KEY OPTION
     # shellcheck disable=SC2154 # now is set by the eval
     now=$(printf '%s\n' "$now" | sed 's/^ *//; s/ *$//')
     [ "$now" != none ] || now=""
+    [ -n "$2" ] || check_remembered "$3" "$before"
     [ -n "$2" ] || now=$before
     eval "$1=\$now"
     say_fact "$4" "$2" "$now" "$before"
@@ -1013,6 +1034,7 @@ resolve_one() { # VARIABLE KEY OPTION
     before=$(recorded "$2")
     eval "now=\$$1"
     given=$now
+    [ -n "$given" ] || check_remembered "$2" "$before"
     [ -n "$given" ] || now=$before
     [ "$now" != none ] || now=""
     eval "$1=\$now"
@@ -1743,17 +1765,19 @@ upgrade_facts() {
     cp -p "$CONFIG" "$STAGE/agent.yaml.before"
     RESTART=no
     write_config "$CONFIG"
-    record_facts
     [ "$RESTART" = yes ] || {
+        record_facts
         info "facts: $CONFIG has them already"
         return 0
     }
     if restart_and_wait "$HEALTH_TIMEOUT"; then
+        record_facts
         info "facts: the agent runs with them"
         return 0
     fi
     journal_tail
-    cp -p "$STAGE/agent.yaml.before" "$CONFIG"
+    # Taken back whole: agent.yaml as it was, and the record never names them.
+    put_file "$STAGE/agent.yaml.before" "$CONFIG" 0640 "root:$SERVICE_USER"
     restart_and_wait "$HEALTH_TIMEOUT" || true
     fatal "the agent did not come up with the new node facts (journal above); $CONFIG is back as it was"
 }

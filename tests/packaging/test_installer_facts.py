@@ -409,3 +409,75 @@ def test_package_refuses_bad_facts_before_the_package_goes_in(sandbox: Sandbox) 
     assert good.returncode == 0, good.stderr
     assert (sandbox.root / "render-facts-args").read_text().split() == ["--fabric", "ib-a:mlx5_0"]
     assert (sandbox.root / RECORD).read_text().splitlines()[-1] == "fabric ib-a:mlx5_0"
+
+
+@pytest.mark.parametrize(
+    ("line", "piece"),
+    [
+        ("models_root data/models", "--models-root data/models, remembered from the last install"),
+        ("fabric ib;reboot", "--fabric ib;reboot, remembered from the last install"),
+        ("nvidia_smi /opt/$(id)", "--nvidia-smi /opt/$(id), remembered from the last install"),
+        ("firewall_from 10.0.0.0/99", "--firewall-from 10.0.0.0/99, remembered from the last"),
+    ],
+)
+def test_a_remembered_value_is_checked_again_before_it_is_used(
+    sandbox: Sandbox, line: str, piece: str
+) -> None:
+    """The record is root's, but a hand edit (or a bad copy) must not reach agent.yaml, the
+    unit or the firewall unchecked: the re-run stops before it changes anything, and giving
+    the option again replaces the bad value."""
+    assert sandbox.run("install", *JOIN, token="t0ken").returncode == 0
+    record = sandbox.root / RECORD
+    record.write_text(record.read_text() + line + "\n")
+    before = config(sandbox), (sandbox.root / DROPIN).read_text()
+    refused = sandbox.run("install", *JOIN)
+    assert refused.returncode == 1
+    assert piece in refused.stderr, refused.stderr
+    assert "nothing was changed" in refused.stderr
+    assert (config(sandbox), (sandbox.root / DROPIN).read_text()) == before
+    key = line.split()[0]
+    option = "--" + key.replace("_", "-")
+    value = {
+        "models_root": str(sandbox.root / "srv" / "m3"),
+        "fabric": "ib-a:mlx5_0",
+        "nvidia_smi": "none",
+        "firewall_from": "none",
+    }[key]
+    fixed = sandbox.run("install", *JOIN, option, value)
+    assert fixed.returncode == 0, fixed.stderr
+
+
+def test_an_older_install_s_hand_edited_root_is_checked_too(sandbox: Sandbox) -> None:
+    assert sandbox.run("install", *JOIN, token="t0ken").returncode == 0
+    (sandbox.root / RECORD).unlink()
+    path = sandbox.root / CONFIG
+    path.write_text(path.read_text().replace("models_root: /", "models_root: srv/"))
+    refused = sandbox.run("install", *JOIN)
+    assert refused.returncode == 1
+    assert "--models-root srv/" in refused.stderr and "an older install" in refused.stderr
+
+
+def test_upgrade_with_facts_refuses_an_agent_yaml_it_cannot_write_them_into(
+    sandbox: Sandbox,
+) -> None:
+    assert sandbox.run("install", *JOIN, token="t0ken").returncode == 0
+    path = sandbox.root / CONFIG
+    path.write_text(path.read_text().replace("node_id:", "nodeid:"))  # not valid now
+    refused = sandbox.run("upgrade", "--fabric", "ib-a:mlx5_0", bundle="b2")
+    assert refused.returncode == 1
+    assert "which is missing or not valid" in refused.stderr
+    installed = sandbox.root / "usr" / "local" / "lib" / "llmgw-agent" / "llmgw"
+    assert installed.read_bytes() == (sandbox.root / "b1" / "llmgw").read_bytes()
+
+
+def test_facts_an_agent_does_not_come_up_with_are_taken_back(sandbox: Sandbox) -> None:
+    assert sandbox.run("install", *JOIN, token="t0ken").returncode == 0
+    before = config(sandbox)
+    # The agent will not start again (the same version: only the facts change).
+    (sandbox.root / "sc" / "fail").touch()
+    (sandbox.root / "sc" / "active-llmgw-agent.service").unlink()
+    failed = sandbox.run("upgrade", "--engine", "vllm=/opt/v/bin/vllm")
+    assert failed.returncode == 1
+    assert "did not come up with the new node facts" in failed.stderr
+    assert config(sandbox) == before
+    assert "engine" not in (sandbox.root / RECORD).read_text()  # nor remembered

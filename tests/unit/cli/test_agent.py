@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from llmgw.cli import agent as agent_cli
 from llmgw.cli import main
@@ -96,11 +96,16 @@ def _agent_yaml(tmp_path: Path, extra: str = "") -> Path:
     return cfg
 
 
-def test_check_prints_the_default_multinode_ports_alone(tmp_path: Path) -> None:
-    cfg = _agent_yaml(tmp_path)
-    out = CliRunner().invoke(
+def print_ports(cfg: Path) -> Result:
+    """``llmgw agent --config CFG --check --print multinode_ports``, as the installer runs it."""
+    return CliRunner().invoke(
         main, ["agent", "--config", str(cfg), "--check", "--print", "multinode_ports"]
     )
+
+
+def test_check_prints_the_default_multinode_ports_alone(tmp_path: Path) -> None:
+    cfg = _agent_yaml(tmp_path)
+    out = print_ports(cfg)
     assert out.exit_code == 0, out.output
     # Only the range, as install-agent.sh reads it: no "ok" line, nothing on stderr.
     assert (out.stdout, out.stderr) == ("29500-29999\n", "")
@@ -125,9 +130,7 @@ def test_check_without_print_says_ok_as_before(tmp_path: Path) -> None:
 def test_print_validates_the_whole_file_first(tmp_path: Path) -> None:
     # A broken key elsewhere: nothing on stdout, so a script never opens a stale range.
     cfg = _agent_yaml(tmp_path, "multinode_ports: 40000-40099\nruntime: podman\n")
-    out = CliRunner().invoke(
-        main, ["agent", "--config", str(cfg), "--check", "--print", "multinode_ports"]
-    )
+    out = print_ports(cfg)
     assert out.exit_code == 2
     assert out.stdout == ""
     assert out.stderr.startswith(f"error: {cfg}: runtime: unknown runtime 'podman'")
@@ -135,9 +138,7 @@ def test_print_validates_the_whole_file_first(tmp_path: Path) -> None:
 
 def test_print_refuses_a_bad_range_naming_key_file_and_fix(tmp_path: Path) -> None:
     cfg = _agent_yaml(tmp_path, "multinode_ports: 29999-29500\n")
-    out = CliRunner().invoke(
-        main, ["agent", "--config", str(cfg), "--check", "--print", "multinode_ports"]
-    )
+    out = print_ports(cfg)
     assert out.exit_code == 2
     assert out.stdout == ""
     assert out.stderr == (
