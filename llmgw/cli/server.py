@@ -1,4 +1,8 @@
-"""``llmgw server``: the control plane."""
+"""``llmgw server``: the control plane.
+
+``llmgw server [--config FILE]`` runs it (what the systemd unit runs); the group's verbs
+act on a control plane's state without running it (``migrate``: SQLite to PostgreSQL).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from llmgw.cli.common import ReportingGroup
 from llmgw.contracts.paths import DEFAULT_SERVER_CONFIG
 from llmgw.log import setup_logging
 from llmgw.server.app import ControlPlane
@@ -16,7 +21,7 @@ from llmgw.server.config import load_server_config
 __all__ = ["server"]
 
 
-@click.command()
+@click.group(cls=ReportingGroup, invoke_without_command=True)
 @click.option(
     "--config",
     "config_path",
@@ -33,9 +38,16 @@ __all__ = ["server"]
     envvar="LLMGW_LOG_LEVEL",
     help="debug, info, warning (env: LLMGW_LOG_LEVEL).",
 )
-def server(config_path: Path | None, state_dir: Path | None, log_level: str) -> None:
-    """Run the control plane: gateway :8080, enrolment, agent stream :7443."""
+@click.pass_context
+def server(
+    ctx: click.Context, config_path: Path | None, state_dir: Path | None, log_level: str
+) -> None:
+    """Run the control plane: gateway :8080, enrolment, agent stream :7443.
+
+    With a command, act on a control plane's state instead of running it."""
     setup_logging(log_level)
+    if ctx.invoked_subcommand is not None:
+        return
     if config_path is None and DEFAULT_SERVER_CONFIG.exists():
         config_path = DEFAULT_SERVER_CONFIG
     overrides = {"state_dir": str(state_dir)} if state_dir else None
