@@ -8,7 +8,9 @@
     │   └── CertificateError        a certificate is unreadable, expired or for someone else
     ├── StoreError                  the state store
     │   ├── NotFound                no such node / model / replica / key
-    │   └── Conflict                the change contradicts what is stored
+    │   ├── Conflict                the change contradicts what is stored
+    │   ├── StoreUnavailable        the database does not answer (retryable)
+    │   └── Fenced                  a write of a leader another instance has replaced
     ├── StreamError                 the control-plane <-> agent stream (retryable)
     │   ├── IdentityMismatch        claimed node id differs from the certificate's CN (not retryable)
     │   └── StaleEpoch              an order from an epoch lower than one already accepted
@@ -115,6 +117,16 @@ class NotFound(StoreError):
 
 class Conflict(StoreError):
     """The change contradicts what is stored."""
+
+
+class StoreUnavailable(StoreError):
+    """The database does not answer (a PostgreSQL restart or fail-over): retry later."""
+
+    retryable = True
+
+
+class Fenced(StoreError):
+    """A write of a leader whose epoch is no longer current: another instance took over."""
 
 
 class StreamError(LlmgwError):

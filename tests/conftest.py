@@ -38,3 +38,13 @@ def pytest_runtest_makereport(
 def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
     outcome = yield
     _as_failure(outcome.get_result())
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Generator[Any, None, None]:
+    """A throwaway PostgreSQL cluster for the session (tests.pg), started on first use."""
+    from tests.pg import start_cluster
+
+    cluster = start_cluster()
+    yield cluster
+    cluster.destroy()

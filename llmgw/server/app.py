@@ -216,7 +216,7 @@ class ControlPlane:
         cfg = self.cfg
         self.role = "leader"
         # 1. state store, leader epoch
-        self.store = Store.open(cfg.state_dir / "llmgw.db")
+        self.store = Store.open(cfg.database_location)
         self.epoch = self.store.bump_epoch()
         self.cluster_id = self.store.cluster_id()
         self.store.set_all_disconnected()

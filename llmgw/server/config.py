@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import ipaddress
+import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +20,10 @@ from llmgw.bodies import (
 from llmgw.configfile import Checker, apply_overrides, index_key, load_yaml, type_name
 from llmgw.contracts.paths import DEFAULT_SERVER_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+from llmgw.errors import ConfigError
 from llmgw.listener import ListenerLimits, parse_listener_limits
 from llmgw.netaddr import format_hostport, is_hostname, is_ip_address
+from llmgw.server.store.location import Location, parse_location
 
 DEFAULT_HTTP_LISTEN = f"0.0.0.0:{DEFAULT_HTTP_PORT}"
 DEFAULT_GRPC_LISTEN = f"0.0.0.0:{DEFAULT_GRPC_PORT}"
@@ -46,8 +50,20 @@ _KEYS = (
     "max_inflight_body_bytes",
     "max_response_body",
     "upstream_idle_timeout",
+    "database",
+    "instance_id",
+    "lease",
+    "lease_renew",
+    "resync_interval",
 )
 _TLS_KEYS = ("cert", "key")
+_DATABASE_KEYS = ("url", "password_file")
+# Leadership on PostgreSQL: a lapsed lease is taken within lease + a standby's poll (one
+# lease_renew), which the defaults keep under 15 s.
+DEFAULT_LEASE = 10.0
+DEFAULT_LEASE_RENEW = 2.0
+DEFAULT_RESYNC_INTERVAL = 5.0
+_INSTANCE_ID = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?")
 DEFAULT_CERT_LIFETIME = 30 * 86400.0
 # Concurrent connections one address may hold on the enrolment port; a fleet enrolled at
 # once from behind one NAT (or a benchmark on loopback) raises it.
@@ -101,7 +117,36 @@ class ServerConfig:
     # agent may send nothing while an answer is due (-> 502, or an error event in a stream).
     max_response_body: int = DEFAULT_MAX_RESPONSE_BODY
     upstream_idle_timeout: float = DEFAULT_UPSTREAM_IDLE_TIMEOUT
+    # The state database (None: STATE/llmgw.db) and, on PostgreSQL, this instance's name
+    # among the control planes sharing it, the leader's lease and how often it is renewed,
+    # and how often a standby reloads what it routes by in case a notification was missed.
+    database: Location | None = None
+    instance_id: str = ""
+    lease: float = DEFAULT_LEASE
+    lease_renew: float = DEFAULT_LEASE_RENEW
+    resync_interval: float = DEFAULT_RESYNC_INTERVAL
     source: Path | None = None
+
+    @property
+    def database_location(self) -> Location:
+        """Where the state database is (the state directory's SQLite file by default)."""
+        if self.database is not None:
+            return self.database
+        path = str(self.state_dir / "llmgw.db")
+        return Location("sqlite", path, path=path)
+
+    @property
+    def instance(self) -> str:
+        """This instance's name: instance_id, else the host name."""
+        if self.instance_id:
+            return self.instance_id
+        name = socket.gethostname().split(".")[0].lower()
+        return name if _INSTANCE_ID.fullmatch(name) else "llmgw"
+
+    @property
+    def shared_database(self) -> bool:
+        """True on PostgreSQL: several instances, one leader by lease."""
+        return self.database_location.is_postgresql
 
     @property
     def http_scheme(self) -> str:
@@ -217,6 +262,26 @@ def _parse(
         extra={"enroll_connections_per_source": DEFAULT_ENROLL_CONNECTIONS_PER_SOURCE},
     )
 
+    lease = DEFAULT_LEASE
+    if top.get("lease") is not None:
+        lease = check.duration(top["lease"], "lease")
+        if not 2 <= lease <= 300:
+            check.fail("lease", "must be between 2 s and 5 minutes")
+    lease_renew = min(DEFAULT_LEASE_RENEW, lease / 3)
+    if top.get("lease_renew") is not None:
+        lease_renew = check.duration(top["lease_renew"], "lease_renew")
+        if not 0 < lease_renew <= lease / 2:
+            check.fail(
+                "lease_renew",
+                f"must be more than 0 and at most half the lease ({lease / 2:g} s), so that "
+                "one late renewal does not lose the leadership",
+            )
+    resync = DEFAULT_RESYNC_INTERVAL
+    if top.get("resync_interval") is not None:
+        resync = check.duration(top["resync_interval"], "resync_interval")
+        if not 0.5 <= resync <= 300:
+            check.fail("resync_interval", "must be between 0.5 s and 5 minutes")
+
     return ServerConfig(
         state_dir=state_dir,
         http_listen=format_hostport(http_host, http_port),
@@ -233,8 +298,49 @@ def _parse(
         listeners=listeners,
         enroll_connections_per_source=caps["enroll_connections_per_source"],
         **bodies,
+        database=_database(check, top.get("database")),
+        instance_id=_instance_id(check, top.get("instance_id")),
+        lease=lease,
+        lease_renew=lease_renew,
+        resync_interval=resync,
         source=source,
     )
+
+
+def _database(check: Checker, value: object) -> Location | None:
+    """``database:`` absent (STATE/llmgw.db), a URL or path, or ``{url, password_file}``."""
+    if value is None:
+        return None
+    password_file: Path | None = None
+    if isinstance(value, Mapping):
+        fields = check.mapping(value, "database", accepted=_DATABASE_KEYS)
+        if fields.get("url") is None:
+            check.fail("database.url", "is required: sqlite:///PATH or a postgresql:// URL")
+        if fields.get("password_file") is not None:
+            password_file = check.path(fields["password_file"], "database.password_file")
+        value = fields["url"]
+        key = "database.url"
+    else:
+        key = "database"
+    if not isinstance(value, str):
+        check.fail(key, f"must be sqlite:///PATH or a postgresql:// URL, got {type_name(value)}")
+    try:
+        return parse_location(value, password_file=password_file, key=key)
+    except ConfigError as exc:
+        check.fail(key, str(exc).removeprefix(f"{key}: "))
+
+
+def _instance_id(check: Checker, value: object) -> str:
+    """This instance's name among those sharing a database (default: the host name)."""
+    if value is None:
+        return ""  # ServerConfig.instance: the host name
+    if not isinstance(value, str) or not _INSTANCE_ID.fullmatch(value):
+        check.fail(
+            "instance_id",
+            f"{value!r} is not an instance name: lower-case letters, digits, '.' and '-', "
+            "at most 63, e.g. cp1",
+        )
+    return value
 
 
 def _tls(check: Checker, value: object) -> TLSConfig | None:

@@ -1,20 +1,24 @@
 """The control plane's state store: nodes, models, replicas, shards, API keys, events, join
-tokens, the certificates issued to nodes, each node's update order, and the desired engine
-builds with each node's install of them.
+tokens, the certificates issued to nodes, each node's update order, the desired engine
+builds with each node's install of them, the leader's lease and the control-plane
+instances.
 
-One SQLite file in WAL mode, its schema upgraded by versioned migrations on open; every
-sqlite3 error leaves the package as a :class:`~llmgw.errors.StoreError` that says what to
-do. The package:
+One SQLite file in WAL mode (the embedded default), or a PostgreSQL database that several
+control-plane instances share; its schema upgraded by one set of versioned migrations on
+open; every engine's error leaves the package as a :class:`~llmgw.errors.StoreError` that
+says what to do. The package:
 
-- ``database``  the connection, transactions, and the translation of sqlite3 errors;
+- ``location``  where the database is (server.yaml's ``database``), said without secrets;
+- ``database``  what the tables see of either engine: statements, rows, transactions;
+- ``sqlite``, ``postgres``: the two engines (connection, writers' lock, error translation);
+- ``dialect``   the migrations' SQLite statements as PostgreSQL runs them, and placeholders;
 - ``schema``    the versioned migrations and how they are applied;
 - ``rows``      the row types the store hands out;
 - ``nodes``, ``models``, ``credentials``, ``updates``, ``engines``, ``events``: one class per group
   of tables, holding their SQL;
 - ``store``     :class:`Store`, which composes them.
 
-Only ``database`` and ``schema`` are SQLite's own; the tables' SQL is plain but for its
-``?`` placeholders and the ``rowid`` that orders certificates issued in the same instant.
+The tables' SQL is plain and runs on both engines unchanged but for its ``?`` placeholders.
 """
 
 from llmgw.server.store.credentials import API_KEY_PREFIX, hash_api_key

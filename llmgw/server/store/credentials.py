@@ -267,7 +267,8 @@ class Certificates:
         with self._db.write():
             self._db.execute(
                 "INSERT INTO certificates(serial, node_id, fingerprint, not_before, not_after, "
-                "issued_at) VALUES (?, ?, ?, ?, ?, ?)",
+                "issued_at, seq) VALUES (?, ?, ?, ?, ?, ?, "
+                "(SELECT COALESCE(MAX(seq), 0) + 1 FROM certificates))",
                 (serial, node_id, fingerprint, not_before, not_after, self._db.clock()),
             )
             row = self._db.one("SELECT * FROM certificates WHERE serial = ?", (serial,))
@@ -278,7 +279,7 @@ class Certificates:
         """The node's newest unrevoked certificate, or None."""
         row = self._db.one(
             "SELECT * FROM certificates WHERE node_id = ? AND revoked_at IS NULL "
-            "ORDER BY issued_at DESC, rowid DESC LIMIT 1",
+            "ORDER BY issued_at DESC, seq DESC LIMIT 1",
             (node_id,),
         )
         return None if row is None else Certificate.from_row(row)
@@ -286,10 +287,10 @@ class Certificates:
     def list_certificates(self, node_id: str | None = None) -> list[Certificate]:
         """Every certificate recorded (of *node_id*), oldest first, revoked ones included."""
         if node_id is None:
-            rows = self._db.all("SELECT * FROM certificates ORDER BY issued_at, rowid")
+            rows = self._db.all("SELECT * FROM certificates ORDER BY issued_at, seq")
         else:
             rows = self._db.all(
-                "SELECT * FROM certificates WHERE node_id = ? ORDER BY issued_at, rowid",
+                "SELECT * FROM certificates WHERE node_id = ? ORDER BY issued_at, seq",
                 (node_id,),
             )
         return [Certificate.from_row(r) for r in rows]
@@ -303,7 +304,7 @@ class Certificates:
         with self._db.write():
             rows = self._db.all(
                 "SELECT serial FROM certificates WHERE node_id = ? AND revoked_at IS NULL "
-                "ORDER BY issued_at, rowid",
+                "ORDER BY issued_at, seq",
                 (node_id,),
             )
             serials = [str(r["serial"]) for r in rows if r["serial"] != keep]

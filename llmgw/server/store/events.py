@@ -39,11 +39,10 @@ class Events:
         kind, subject = _cut(kind, 64), _cut(subject, MAX_EVENT_SUBJECT)
         message = _cut(message, MAX_EVENT_MESSAGE)
         with self._db.write():
-            cur = self._db.execute(
+            event_id = self._db.insert_id(
                 "INSERT INTO events(ts, kind, subject, message) VALUES (?, ?, ?, ?)",
                 (self._db.clock(), kind, subject, message),
             )
-            event_id = cur.lastrowid
             self._since_trim += 1
             if self._since_trim >= self.trim_every:
                 self._db.execute(
@@ -55,7 +54,7 @@ class Events:
                 self._db.execute(
                     "DELETE FROM events WHERE id <= (SELECT id FROM (SELECT id, SUM("
                     "length(kind) + length(subject) + length(message)) OVER (ORDER BY id DESC) "
-                    "AS total FROM events) WHERE total > ? ORDER BY id DESC LIMIT 1)",
+                    "AS total FROM events) AS sized WHERE total > ? ORDER BY id DESC LIMIT 1)",
                     (self.max_bytes,),
                 )
                 self._since_trim = 0

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import enum
 import json
-import sqlite3
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from llmgw.contracts.catalog import DEFAULT_PROFILE
 from llmgw.server.states import InstallState, NodeState, ReplicaState, ShardState, TokenKind
+from llmgw.server.store.database import Row
 from llmgw.server.tokens import JoinToken
 
 __all__ = [
@@ -54,7 +54,7 @@ class Node:
     lost_at: float | None = None
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> Node:
+    def from_row(cls, row: Row) -> Node:
         return cls(
             id=row["id"],
             uid=row["uid"],
@@ -89,7 +89,7 @@ class NodeUpdate:
     updated_at: float
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> NodeUpdate:
+    def from_row(cls, row: Row) -> NodeUpdate:
         return cls(
             node_id=row["node_id"],
             counter=int(row["counter"]),
@@ -118,7 +118,7 @@ class DesiredBuild:
     updated_at: float
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> DesiredBuild:
+    def from_row(cls, row: Row) -> DesiredBuild:
         return cls(
             scope=row["scope"],
             engine=row["engine"],
@@ -144,7 +144,7 @@ class NodeEngine:
     updated_at: float
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> NodeEngine:
+    def from_row(cls, row: Row) -> NodeEngine:
         return cls(
             node_id=row["node_id"],
             engine=row["engine"],
@@ -177,7 +177,7 @@ class Model:
     profile: str = DEFAULT_PROFILE
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> Model:
+    def from_row(cls, row: Row) -> Model:
         return cls(
             name=row["name"],
             engine=row["engine"],
@@ -201,7 +201,7 @@ class Replica:
     profile: str | None = None
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> Replica:
+    def from_row(cls, row: Row) -> Replica:
         return cls(
             id=row["id"],
             model=row["model"],
@@ -232,7 +232,7 @@ class Shard:
     """host:port where rank 0 of a multi-node replica waits for the other shards."""
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> Shard:
+    def from_row(cls, row: Row) -> Shard:
         return cls(
             id=row["id"],
             replica_id=row["replica_id"],
@@ -265,7 +265,7 @@ class ApiKey:
         return self.revoked_at is not None
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> ApiKey:
+    def from_row(cls, row: Row) -> ApiKey:
         return cls(
             id=row["id"],
             name=row["name"],
@@ -285,7 +285,7 @@ class Event:
     message: str
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> Event:
+    def from_row(cls, row: Row) -> Event:
         return cls(
             id=row["id"],
             ts=row["ts"],
@@ -313,7 +313,7 @@ class Certificate:
         return self.revoked_at is not None
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> Certificate:
+    def from_row(cls, row: Row) -> Certificate:
         return cls(
             serial=row["serial"],
             node_id=row["node_id"],
@@ -326,7 +326,7 @@ class Certificate:
         )
 
 
-def join_token_from_row(row: sqlite3.Row, as_of: float) -> JoinToken:
+def join_token_from_row(row: Row, as_of: float) -> JoinToken:
     """A join token row, read at *as_of* (the store's clock), as a :class:`JoinToken`."""
     return JoinToken(
         id=row["id"],

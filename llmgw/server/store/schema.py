@@ -1,7 +1,8 @@
 """The state database's schema: the versioned migrations, and how they are applied.
 
-Migration *n* takes a database from schema version *n - 1* (SQLite's ``user_version``) to
-*n*. A migration that has shipped is history: it never changes, because databases out
+Migration *n* takes a database from schema version *n - 1* (SQLite's ``user_version``,
+PostgreSQL's ``llmgw_schema`` table) to *n*. The statements are SQLite's; PostgreSQL runs
+them as :mod:`.dialect` translates them, so that one set of migrations serves both. A migration that has shipped is history: it never changes, because databases out
 there already ran it. A change to the schema (a new state in :mod:`llmgw.server.states`
 included: its CHECK constraints are generated from those enums) is a new migration at the
 end of :data:`MIGRATIONS`; ``tests/unit/server/store/test_schema.py`` holds the shipped
@@ -199,6 +200,41 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE join_tokens ADD COLUMN lost_state INTEGER NOT NULL DEFAULT 0;
     """,
+    # 8: several control-plane instances on one database (PostgreSQL): the leader's lease,
+    # whose epoch fences a replaced leader's writes (the epoch so far kept in meta moves
+    # there); the instances, each with the addresses agents and clients reach it at; and
+    # the order in which certificates were issued, which SQLite's rowid gave and PostgreSQL
+    # has no equivalent of
+    """
+    CREATE TABLE leader_lease (
+        id          INTEGER PRIMARY KEY CHECK (id = 1),
+        holder      TEXT NOT NULL DEFAULT '',
+        epoch       INTEGER NOT NULL CHECK (epoch >= 0),
+        expires_at  REAL NOT NULL DEFAULT 0,
+        acquired_at REAL NOT NULL DEFAULT 0,
+        renewed_at  REAL NOT NULL DEFAULT 0
+    );
+    INSERT INTO leader_lease(id, epoch)
+        SELECT 1, COALESCE(MAX(CAST(value AS INTEGER)), 0) FROM meta WHERE key = 'epoch';
+    DELETE FROM meta WHERE key = 'epoch';
+
+    CREATE TABLE instances (
+        id          TEXT PRIMARY KEY,
+        process     TEXT NOT NULL,
+        stream_addr TEXT NOT NULL DEFAULT '',
+        http_addr   TEXT NOT NULL DEFAULT '',
+        enroll_addr TEXT NOT NULL DEFAULT '',
+        version     TEXT NOT NULL DEFAULT '',
+        ca_hash     TEXT NOT NULL DEFAULT '',
+        started_at  REAL NOT NULL,
+        seen_at     REAL NOT NULL,
+        retired_at  REAL
+    );
+
+    ALTER TABLE certificates ADD COLUMN seq INTEGER NOT NULL DEFAULT 0;
+    /* sqlite */ UPDATE certificates SET seq = rowid;
+    CREATE INDEX certificates_by_seq ON certificates(node_id, seq);
+    """,
 ]
 
 
@@ -219,24 +255,27 @@ def split_sql(script: str) -> list[str]:
 
 def schema_version(db: Database) -> int:
     """The version of the schema *db* has (0: empty)."""
-    return int(db.pragma("user_version"))
+    return db.schema_version()
 
 
 def migrate(db: Database) -> int:
-    """Apply the missing migrations, one transaction each; return the schema version."""
+    """Apply the missing migrations, one transaction each; return the schema version.
+
+    Each runs under the writers' lock and checks the version again inside it, so that two
+    control planes starting together on one database migrate it once."""
     known = len(MIGRATIONS)
     current = schema_version(db)
     if current > known:
         raise StoreError(
             f"state database {db.path} has schema version {current}, newer than this "
-            f"llmgw ({known}); upgrade llmgw or restore a backup"
+            f"llmgw ({known}); run the newer llmgw that wrote it (a database is never "
+            "downgraded), or restore a backup taken before the upgrade"
         )
     for version in range(current + 1, known + 1):
-        with db.write():
-            # Another process may have migrated between our read and BEGIN IMMEDIATE.
+        with db.unfenced(), db.write():
+            # Another process may have migrated between our read and the lock.
             if schema_version(db) >= version:
                 continue
-            for statement in split_sql(MIGRATIONS[version - 1]):
-                db.execute(statement)
-            db.execute(f"PRAGMA user_version={version}")
+            db.run_script(split_sql(MIGRATIONS[version - 1]))
+            db.set_schema_version(version)
     return schema_version(db)

@@ -20,6 +20,7 @@ from llmgw.server.store.credentials import ApiKeys, Certificates, JoinTokens
 from llmgw.server.store.database import Database
 from llmgw.server.store.engines import EngineTables
 from llmgw.server.store.events import Events
+from llmgw.server.store.location import Location, parse_location
 from llmgw.server.store.models import Models
 from llmgw.server.store.nodes import Nodes
 from llmgw.server.store.schema import migrate as migrate_schema
@@ -77,9 +78,11 @@ class Store:
     # ---------------------------------------------------------------- lifecycle
 
     @classmethod
-    def open(cls, path: Path | str, *, clock: Callable[[], float] = time.time) -> Store:
-        """Open (creating if needed, mode 0600) and migrate the database at *path*."""
-        db = Database.open(path, clock=clock)
+    def open(cls, where: Location | Path | str, *, clock: Callable[[], float] = time.time) -> Store:
+        """Open and migrate the database *where* names: a :class:`Location`, a
+        ``sqlite:///``/``postgresql://`` URL, or a SQLite file's path (created, mode 0600,
+        when missing)."""
+        db = open_database(_location(where), clock=clock)
         try:
             migrate_schema(db)
         except BaseException:
@@ -100,8 +103,19 @@ class Store:
     def schema_version(self) -> int:
         return read_schema_version(self._db)
 
+    @property
+    def engine(self) -> str:
+        """``sqlite`` or ``postgresql``."""
+        return self._db.engine
+
+    @property
+    def database(self) -> Database:
+        """The database under the tables (the leadership's lease, the migrate command)."""
+        return self._db
+
     def journal_mode(self) -> str:
-        return str(self._db.pragma("journal_mode"))
+        row = self._db.one("PRAGMA journal_mode") if self._db.engine == "sqlite" else None
+        return "" if row is None else str(row[0])
 
     def migrate(self) -> int:
         """Apply the missing migrations, one transaction each; return the schema version."""
@@ -143,13 +157,16 @@ class Store:
 
     def epoch(self) -> int:
         """The control plane's current epoch (0 before the first :meth:`bump_epoch`)."""
-        return int(self.get_meta("epoch", "0") or 0)
+        row = self._db.one("SELECT epoch FROM leader_lease WHERE id = 1")
+        return 0 if row is None else int(row["epoch"])
 
     def bump_epoch(self) -> int:
-        """Atomically add one to the epoch and return the new value."""
-        with self._db.write():
-            value = self.epoch() + 1
-            self.set_meta("epoch", str(value))
+        """Atomically add one to the epoch and return the new value (a leader that holds
+        its state directory's lock: SQLite; on PostgreSQL :mod:`llmgw.server.leadership`
+        takes the lease, which bumps it)."""
+        with self._db.unfenced(), self._db.write():
+            self._db.execute("UPDATE leader_lease SET epoch = epoch + 1 WHERE id = 1")
+            value = self.epoch()
         return value
 
     # -------------------------------------------------------------------- nodes
@@ -231,3 +248,24 @@ class Store:
 
     add_event = _Table("_events", Events.add_event)
     list_events = _Table("_events", Events.list_events)
+
+
+def _location(where: Location | Path | str) -> Location:
+    if isinstance(where, Location):
+        return where
+    text = str(where)
+    if "://" in text:
+        return parse_location(text)
+    return Location("sqlite", text, path=text)
+
+
+def open_database(location: Location, *, clock: Callable[[], float] = time.time) -> Database:
+    """Open the database at *location* (a SQLite file is created, mode 0600, when missing);
+    psycopg is loaded only for PostgreSQL."""
+    if location.engine == "postgresql":
+        from llmgw.server.store.postgres import PostgresDatabase
+
+        return PostgresDatabase.open(location, clock=clock)
+    from llmgw.server.store.sqlite import SQLiteDatabase
+
+    return SQLiteDatabase.open(location, clock=clock)

@@ -62,7 +62,40 @@ INVALID = [
     ("max_response_body: 0\n", "max_response_body", "at least 1 KiB"),
     ("upstream_idle_timeout: 0s\n", "upstream_idle_timeout", "from 1 s to 1 d"),
     ("upstream_idle_timeout: soon\n", "upstream_idle_timeout", "a duration like 500ms, 30s"),
+    ("database: mysql://x@y/z\n", "database", "unknown database scheme 'mysql'"),
+    ("database: postgresql://u:pw@h/d\n", "database", "holds a password; take it out"),
+    ("database: {password_file: /p}\n", "database.url", "is required"),
+    ("database: {url: 'postgresql://u@h/d', pw: x}\n", "database.pw", "unknown key 'pw'"),
+    ("database: 5\n", "database", "must be sqlite:///PATH or a postgresql:// URL"),
+    ("instance_id: CP_1\n", "instance_id", "is not an instance name"),
+    ("lease: 1s\n", "lease", "must be between 2 s and 5 minutes"),
+    ("lease_renew: 6s\n", "lease_renew", "at most half the lease (5 s)"),
+    ("resync_interval: 0.1s\n", "resync_interval", "between 0.5 s and 5 minutes"),
 ]
+
+
+def test_database_forms(tmp_path: Path) -> None:
+    default = load_server_config(None)
+    assert default.database_location.path == "/var/lib/llmgw/llmgw.db"
+    assert not default.shared_database
+    assert default.instance  # the host name
+    cfg = load_server_config(
+        write(
+            tmp_path,
+            """\
+            database:
+              url: postgresql://llmgw@db1,db2/llmgw?target_session_attrs=read-write
+              password_file: db-password
+            instance_id: cp2
+            lease: 6s
+            """,
+        )
+    )
+    assert cfg.shared_database and cfg.instance == "cp2"
+    assert cfg.database_location.password_file == tmp_path / "db-password"
+    assert (cfg.lease, cfg.lease_renew) == (6.0, 2.0)
+    plain = load_server_config(write(tmp_path, "database: sqlite:///srv/x.db\n"))
+    assert plain.database_location.path == "/srv/x.db" and not plain.shared_database
 
 
 @pytest.mark.parametrize(("text", "key", "fragment"), INVALID)

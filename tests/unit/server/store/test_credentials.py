@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +16,9 @@ from llmgw.server.store import (
     Store,
     hash_api_key,
 )
+from llmgw.server.store.location import Location
 from tests.unit.clock import Clock
+from tests.unit.server.store.conftest import stored_bytes
 
 
 def _consume(store: Store, secret: str, node_id: str = "gpu-1", **kw: object) -> JoinToken:
@@ -64,11 +65,9 @@ def test_api_key_lifecycle(store: Store, clock: Clock) -> None:
     assert store.active_key_hashes() == set()
 
 
-def test_api_key_secret_never_stored(store: Store, db_path: Path) -> None:
+def test_api_key_secret_never_stored(store: Store, db_location: Location) -> None:
     secrets_made = [store.create_api_key(f"k{i}")[1] for i in range(5)]
-    store.close()  # checkpoints the WAL into the main file
-    files = [db_path, *db_path.parent.glob(db_path.name + "-*")]
-    blob = b"".join(p.read_bytes() for p in files)
+    blob = stored_bytes(store, db_location)
     for secret in secrets_made:
         assert secret.encode() not in blob
         assert secret[12:].encode() not in blob  # not even the part after the prefix
@@ -106,7 +105,7 @@ def test_revoke_ambiguous_prefix(store: Store) -> None:
     assert store.get_api_key(k3.prefix).id == k3.id
 
 
-def test_create_stores_only_the_hash(store: Store, db_path: Path, clock: Clock) -> None:
+def test_create_stores_only_the_hash(store: Store, db_location: Location, clock: Clock) -> None:
     tok, secret = store.create_join_token("gpu-1", ttl=600)
     assert secret.startswith("llmgwjt_")
     assert len(secret) > 40
@@ -122,8 +121,7 @@ def test_create_stores_only_the_hash(store: Store, db_path: Path, clock: Clock) 
     assert tok.created_at == clock.t
     assert tok.expires_at == clock.t + 600
     assert tok.active and not tok.used and not tok.revoked and not tok.expired
-    raw = db_path.read_bytes() + (db_path.parent / "state.db-wal").read_bytes()
-    assert secret.encode() not in raw
+    assert secret.encode() not in stored_bytes(store, db_location)
 
 
 def test_create_validates(store: Store) -> None:
@@ -305,10 +303,11 @@ def _race(stores: list[Store], secret: str) -> list[str]:
     return sorted(results)
 
 
-def test_racing_consumers_exactly_one_wins(db_path: Path) -> None:
-    """Two connections to one file, each consuming in its own transaction, released together."""
+def test_racing_consumers_exactly_one_wins(db_location: Location) -> None:
+    """Two connections to one database (two control planes), each consuming in its own
+    transaction, released together."""
     for _round in range(5):
-        stores = [Store.open(db_path), Store.open(db_path)]
+        stores = [Store.open(db_location), Store.open(db_location)]
         try:
             fresh, secret = stores[0].create_join_token("gpu-1", ttl=60)
             assert _race(stores, secret) == ["token_used", "won"]
@@ -318,10 +317,11 @@ def test_racing_consumers_exactly_one_wins(db_path: Path) -> None:
                 s.close()
 
 
-def test_conditional_update_decides_even_after_a_stale_read(store: Store) -> None:
+def test_conditional_update_decides_even_after_a_stale_read(sqlite_store: Store) -> None:
     """If the token is used between the read and the write, the UPDATE's rowcount refuses."""
+    store = sqlite_store
     tok, secret = store.create_join_token("gpu-1", ttl=60)
-    original = store._db.conn
+    original = store._db.conn  # type: ignore[attr-defined]
 
     class Sneaky:
         """A connection proxy that uses the token behind the consumer's back, once."""

@@ -7,6 +7,7 @@ import sqlite3
 import stat
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from llmgw.errors import Conflict, StoreError
@@ -16,7 +17,8 @@ from llmgw.server.store import (
 )
 
 
-def test_wal_mode_and_pragmas(store: Store, db_path: Path) -> None:
+def test_wal_mode_and_pragmas(sqlite_store: Store, db_path: Path) -> None:
+    store = sqlite_store
     assert store.journal_mode() == "wal"
     assert store._db.one("PRAGMA foreign_keys")[0] == 1  # type: ignore[index]
     assert store._db.one("PRAGMA synchronous")[0] == 1  # type: ignore[index]  # NORMAL
@@ -29,7 +31,8 @@ def test_wal_mode_and_pragmas(store: Store, db_path: Path) -> None:
         conn.close()
 
 
-def test_file_mode_0600(store: Store, db_path: Path) -> None:
+def test_file_mode_0600(sqlite_store: Store, db_path: Path) -> None:
+    store = sqlite_store
     store.set_meta("x", "y")
     assert stat.S_IMODE(db_path.stat().st_mode) == 0o600
     wal = db_path.with_name(db_path.name + "-wal")
@@ -92,7 +95,7 @@ def test_integrity_error_becomes_conflict(store: Store) -> None:
                 "INSERT INTO api_keys(id, name, prefix, hash, created_at) VALUES (?,?,?,?,?)",
                 ("other", "b", "p", key.hash, 0.0),
             )
-    assert isinstance(info.value.__cause__, sqlite3.IntegrityError)
+    assert isinstance(info.value.__cause__, sqlite3.IntegrityError | psycopg.IntegrityError)
     assert [k.id for k in store.list_api_keys()] == [key.id]
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from llmgw.server.store import (
     MAX_EVENT_MESSAGE,
     Event,
     Store,
 )
+from llmgw.server.store.location import Location
 from tests.unit.clock import Clock
+from tests.unit.server.store.conftest import database_size
 
 
 def test_events(store: Store, clock: Clock) -> None:
@@ -37,13 +37,13 @@ def test_events_trimmed(store: Store) -> None:
     assert [e.id for e in events] == sorted((e.id for e in events), reverse=True)
 
 
-def test_a_long_event_message_is_cut_not_stored_whole(store: Store, db_path: Path) -> None:
-    before = db_path.stat().st_size + _wal_size(db_path)
+def test_a_long_event_message_is_cut_not_stored_whole(store: Store, db_location: Location) -> None:
+    before = database_size(store, db_location)
     for _ in range(30):
         event = store.add_event("inventory_changed", "n" * 5000, "x" * 3_000_000)
         assert len(event.message) == MAX_EVENT_MESSAGE and event.message.endswith("…")
         assert len(event.subject) == 255
-    grown = db_path.stat().st_size + _wal_size(db_path) - before
+    grown = database_size(store, db_location) - before
     assert grown < 1024 * 1024, f"30 events of 3 MB grew the database by {grown} bytes"
     short = store.add_event("k", "s", "short message")
     assert short.message == "short message"
@@ -61,8 +61,3 @@ def test_events_are_trimmed_by_total_size_as_well_as_count(store: Store) -> None
     assert len(events) >= 10_000 // 502 - 1
     assert events[0].message.startswith("0199")  # the newest stay
     assert [e.id for e in events] == sorted((e.id for e in events), reverse=True)
-
-
-def _wal_size(db_path: Path) -> int:
-    wal = db_path.with_name(db_path.name + "-wal")
-    return wal.stat().st_size if wal.exists() else 0

@@ -6,25 +6,27 @@ from __future__ import annotations
 import re
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from llmgw.errors import NotFound, StoreError
+from llmgw.errors import Conflict, NotFound, StoreError
 from llmgw.server.states import NodeState, ReplicaState, ShardState, TokenKind, sql_check
 from llmgw.server.store import (
     MIGRATIONS,
     Model,
     Store,
 )
+from llmgw.server.store.location import Location, parse_location
 from llmgw.server.store.schema import split_sql
 
 
-def test_migrations_idempotent(db_path: Path) -> None:
-    s = Store.open(db_path)
+def test_migrations_idempotent(db_location: Location) -> None:
+    s = Store.open(db_location)
     assert s.schema_version() == len(MIGRATIONS)
     s.put_model("m", engine="vllm", params={"a": 1}, replicas=2)
     s.close()
-    s = Store.open(db_path)
+    s = Store.open(db_location)
     assert s.schema_version() == len(MIGRATIONS)
     assert s.migrate() == len(MIGRATIONS)
     assert s.get_model("m").params == {"a": 1}
@@ -41,7 +43,27 @@ def test_future_schema_refused(db_path: Path) -> None:
         Store.open(db_path)
     assert str(info.value) == (
         f"state database {db_path} has schema version {len(MIGRATIONS) + 5}, newer than this "
-        f"llmgw ({len(MIGRATIONS)}); upgrade llmgw or restore a backup"
+        f"llmgw ({len(MIGRATIONS)}); run the newer llmgw that wrote it (a database is never "
+        "downgraded), or restore a backup taken before the upgrade"
+    )
+
+
+def test_a_postgresql_database_of_a_newer_schema_is_refused_and_left_alone(
+    pg_cluster: Any, tmp_path: Path
+) -> None:
+    name = pg_cluster.fresh_database()
+    where = parse_location(
+        pg_cluster.url(name, password=False), password_file=pg_cluster.password_file(tmp_path)
+    )
+    Store.open(where).close()
+    pg_cluster.psql(f"UPDATE llmgw_schema SET version = {len(MIGRATIONS) + 2}", database=name)
+    with pytest.raises(StoreError) as info:
+        Store.open(where)
+    assert f"has schema version {len(MIGRATIONS) + 2}, newer than this llmgw" in str(info.value)
+    assert "never downgraded" in str(info.value)
+    assert where.display in str(info.value) and "test-password" not in str(info.value)
+    assert pg_cluster.psql("SELECT version FROM llmgw_schema", database=name).strip() == str(
+        len(MIGRATIONS) + 2
     )
 
 
@@ -72,8 +94,9 @@ def test_migration_2_upgrades_a_version_1_database(db_path: Path) -> None:
 
 def test_kind_is_checked_by_the_schema(store: Store) -> None:
     tok, _ = store.create_join_token("gpu-1", ttl=60)
-    with pytest.raises(sqlite3.IntegrityError):
-        store._db.conn.execute("UPDATE join_tokens SET kind = 'other' WHERE id = ?", (tok.id,))
+    with pytest.raises(Conflict, match="out of range"), store.transaction():
+        store._db.execute("UPDATE join_tokens SET kind = 'other' WHERE id = ?", (tok.id,))
+    assert store.get_join_token(tok.id).kind == "join"
 
 
 def _v2_database(path: Path) -> None:

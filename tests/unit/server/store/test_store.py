@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -14,6 +13,7 @@ from llmgw.server.store import (
 )
 from llmgw.server.store.credentials import ApiKeys, Certificates, JoinTokens
 from llmgw.server.store.events import Events
+from llmgw.server.store.location import Location
 from llmgw.server.store.models import Models
 from llmgw.server.store.nodes import Nodes
 from llmgw.server.store.updates import NodeUpdates
@@ -27,25 +27,25 @@ def test_meta(store: Store) -> None:
     assert store.get_meta("k") == "v2"
 
 
-def test_cluster_id_stable_across_reopen(db_path: Path) -> None:
-    s = Store.open(db_path)
+def test_cluster_id_stable_across_reopen(db_location: Location) -> None:
+    s = Store.open(db_location)
     cid = s.cluster_id()
     assert len(cid) == 36
     assert s.cluster_id() == cid
     s.close()
-    s = Store.open(db_path)
+    s = Store.open(db_location)
     assert s.cluster_id() == cid
     s.close()
 
 
-def test_bump_epoch_persists(db_path: Path) -> None:
-    s = Store.open(db_path)
+def test_bump_epoch_persists(db_location: Location) -> None:
+    s = Store.open(db_location)
     assert s.epoch() == 0
     assert s.bump_epoch() == 1
     assert s.bump_epoch() == 2
     assert s.epoch() == 2
     s.close()
-    s = Store.open(db_path)
+    s = Store.open(db_location)
     assert s.epoch() == 2
     assert s.bump_epoch() == 3
     s.close()
@@ -78,11 +78,11 @@ def test_store_error_inside_transaction_rolls_back(store: Store) -> None:
     assert store.list_models() == []
 
 
-def test_transaction_commits(store: Store, db_path: Path) -> None:
+def test_transaction_commits(store: Store, db_location: Location) -> None:
     with store.transaction() as tx:
         tx.put_model("llama", engine="vllm", params={}, replicas=1)
         tx.add_replica("llama")
-    other = Store.open(db_path)
+    other = Store.open(db_location)
     assert [m.name for m in other.list_models()] == ["llama"]
     assert len(other.list_replicas("llama")) == 1
     other.close()

@@ -1,0 +1,150 @@
+"""Tests for the PostgreSQL engine's own behaviour (real PostgreSQL, the session's throwaway
+cluster): refusals at open that name the servers and never the password, migrations run once
+when instances start together, writes serialised across connections, and an outage that
+fails calls at once and heals by itself."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmgw.errors import ConfigError, StoreError, StoreUnavailable
+from llmgw.server.store import MIGRATIONS, Store
+from llmgw.server.store.location import Location, parse_location
+from tests.pg import PASSWORD, ROLE
+
+
+def _location(cluster: Any, tmp_path: Path, name: str | None = None, **params: str) -> Location:
+    name = name or cluster.fresh_database()
+    return parse_location(
+        cluster.url(name, password=False, **params), password_file=cluster.password_file(tmp_path)
+    )
+
+
+def test_wrong_password_refused_without_saying_it(pg_cluster: Any, tmp_path: Path) -> None:
+    name = pg_cluster.fresh_database()
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-password\n")
+    where = parse_location(pg_cluster.url(name, password=False), password_file=wrong)
+    with pytest.raises(ConfigError) as info:
+        Store.open(where)
+    text = str(info.value)
+    assert f"refused the credentials of role {ROLE}" in text
+    assert "check the password in password_file" in text
+    assert "not-the-password" not in text and PASSWORD not in text
+
+
+def test_missing_database_refused_with_the_command_that_makes_it(
+    pg_cluster: Any, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match=r"database 'nosuchdb' does not exist on 127\.0\.0\.1:"):
+        Store.open(_location(pg_cluster, tmp_path, "nosuchdb"))
+
+
+def test_unreachable_server_names_host_and_port(pg_cluster: Any, tmp_path: Path) -> None:
+    pw = pg_cluster.password_file(tmp_path)
+    where = parse_location("postgresql://llmgw@127.0.0.1:1/llmgw", password_file=pw)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable) as info:
+        Store.open(where)
+    assert time.monotonic() - started < 30
+    assert "cannot reach database postgresql://llmgw@127.0.0.1:1/llmgw at 127.0.0.1:1" in str(
+        info.value
+    )
+    assert PASSWORD not in str(info.value)
+
+
+def test_two_instances_starting_together_migrate_once(pg_cluster: Any, tmp_path: Path) -> None:
+    where = _location(pg_cluster, tmp_path)
+    barrier = threading.Barrier(3)
+    opened: list[Store] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        barrier.wait()
+        try:
+            opened.append(Store.open(where))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert [s.schema_version() for s in opened] == [len(MIGRATIONS)] * 3
+    name = where.conninfo["dbname"]
+    assert pg_cluster.psql("SELECT count(*) FROM llmgw_schema", database=name).strip() == "1"
+    for s in opened:
+        s.close()
+
+
+def test_writes_of_two_instances_are_serialised(pg_cluster: Any, tmp_path: Path) -> None:
+    # A read-then-write step (the epoch: read, add one) from two instances at once: each
+    # sees the other's commit, as SQLite's BEGIN IMMEDIATE gives on one file.
+    where = _location(pg_cluster, tmp_path)
+    stores = [Store.open(where), Store.open(where)]
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def bump(s: Store) -> None:
+        for _ in range(20):
+            with s.transaction():
+                value = s.epoch() + 1
+                s.database.execute("UPDATE leader_lease SET epoch = ? WHERE id = 1", (value,))
+            with lock:
+                got.append(value)
+
+    threads = [threading.Thread(target=bump, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(got) == list(range(1, 41))
+    for s in stores:
+        s.close()
+
+
+def test_an_outage_fails_calls_at_once_and_heals(pg_cluster: Any, tmp_path: Path) -> None:
+    store = Store.open(_location(pg_cluster, tmp_path))
+    try:
+        store.put_model("m", engine="sim", params={}, replicas=1)
+        pg_cluster.stop()
+        try:
+            with pytest.raises(StoreUnavailable) as info:
+                store.list_models()
+            assert "unreachable since" in str(info.value)
+            assert "llmgw retries on its own" in str(info.value)
+            # Later calls fail without waiting for a connection.
+            started = time.monotonic()
+            for _ in range(20):
+                with pytest.raises(StoreUnavailable):
+                    store.get_meta("x")
+            assert time.monotonic() - started < 5
+            assert store.database.unreachable_since is not None  # type: ignore[attr-defined]
+        finally:
+            pg_cluster.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                assert [m.name for m in store.list_models()] == ["m"]
+                break
+            except StoreUnavailable:
+                time.sleep(0.2)
+        else:
+            pytest.fail("the store did not come back within 30 s of the database")
+        store.put_model("m2", engine="sim", params={}, replicas=1)
+    finally:
+        store.close()
+
+
+def test_a_closed_store_says_so(pg_cluster: Any, tmp_path: Path) -> None:
+    store = Store.open(_location(pg_cluster, tmp_path))
+    store.close()
+    with pytest.raises(StoreError, match="is closed"):
+        store.list_models()
