@@ -11,6 +11,7 @@ the HTTP listener, then run the reconcile loop. No part sees this object.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -26,7 +27,7 @@ from cryptography import x509
 from llmgw import __version__
 from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.client import write_ctl_config
-from llmgw.errors import ConfigError, LlmgwError
+from llmgw.errors import ConfigError, LlmgwError, StoreError
 from llmgw.fsutil import write_private
 from llmgw.listener import GuardedSite
 from llmgw.log import kv
@@ -37,7 +38,9 @@ from llmgw.pki import (
     Identity,
     cert_pem,
     control_plane_names,
+    ensure_ca,
     ensure_server_identity,
+    load_ca,
     load_cert,
 )
 from llmgw.proto import control_pb2 as pb
@@ -53,6 +56,7 @@ from llmgw.server.intake import MAX_MESSAGE_BYTES
 from llmgw.server.leadership import (
     LEADER_HTTP,
     LEADER_STREAM,
+    LeaseKeeper,
     Standby,
     await_leadership,
     try_leadership,
@@ -67,6 +71,7 @@ from llmgw.server.serving import ServingCache
 from llmgw.server.sessions import Sessions
 from llmgw.server.states import NodeState
 from llmgw.server.store import Store
+from llmgw.server.store.instances import process_gone, process_name
 from llmgw.server.stream import (
     ControlPlaneService,
     NodeSession,
@@ -79,6 +84,8 @@ from llmgw.server.updates import Updates
 __all__ = ["ControlPlane"]
 
 log = logging.getLogger("llmgw.server")
+
+CLUSTER_CA_META = "cluster_ca_hash"
 
 
 def _read_or_create_token(path: Path) -> str:
@@ -162,6 +169,13 @@ class ControlPlane:
         self._lock_fd: int | None = None
         self._standby: Standby | None = None
         self._promotion: asyncio.Task[None] | None = None
+        # On PostgreSQL: the lease, this process's name in the instances' registry, the
+        # cluster CA's hash, and the tasks that keep the instance's row and step down.
+        self._keeper: LeaseKeeper | None = None
+        self._process = ""
+        self.cluster_ca_hash = ""
+        self._instance_task: asyncio.Task[None] | None = None
+        self._stepping: asyncio.Task[None] | None = None
 
     @property
     def pki_dir(self) -> Path:
@@ -180,12 +194,119 @@ class ControlPlane:
                 key="state_dir",
                 file=str(cfg.source) if cfg.source else None,
             ) from exc
-        # 0. leadership: a second control plane on this state directory is a standby
+        # 0. leadership: on PostgreSQL a lease among the instances; on SQLite a second
+        # control plane on this state directory is a standby
+        if cfg.shared_database:
+            await self._start_shared()
+            return
         self._lock_fd = try_leadership(cfg.state_dir)
         if self._lock_fd is None:
             await self._start_standby()
             return
         await self._start_leader()
+
+    async def _start_shared(self) -> None:
+        """One of several instances on a PostgreSQL database: the store first (it holds the
+        lease), this instance registered (one process per instance id), the cluster's CA
+        checked, then the leader's parts if the lease is free, else a standby's."""
+        cfg = self.cfg
+        self.store = Store.open(cfg.database_location)
+        try:
+            self._process = process_name()
+            self.store.register_instance(
+                cfg.instance,
+                self._process,
+                stale_after=3 * cfg.lease_renew + 1,
+                version=__version__,
+                gone=process_gone,
+            )
+            self._check_cluster_ca()
+        except BaseException:
+            self.store.close()
+            raise
+        self._keeper = LeaseKeeper(
+            self.store, cfg.instance, duration=cfg.lease, renew=cfg.lease_renew
+        )
+        self._instance_task = asyncio.create_task(self._touch_instance(), name="instance")
+        if self._keeper.try_take():
+            await self._start_leader()
+        else:
+            await self._start_standby()
+
+    def _check_cluster_ca(self) -> None:
+        """Every instance signs with the one cluster CA: the first records its hash in the
+        database; the others must hold the same CA (imported with --import-ca)."""
+        local = load_ca(self.pki_dir).ca_hash() if (self.pki_dir / CA_CERT).exists() else None
+        recorded = self.store.get_meta(CLUSTER_CA_META)
+        if recorded is None and local is None:
+            local = ensure_ca(self.pki_dir).ca_hash()
+        if recorded is None:
+            assert local is not None
+            recorded = self.store.claim_meta(CLUSTER_CA_META, local)
+        if local is None:
+            raise ConfigError(
+                f"this instance has no CA, and the cluster's is {recorded}; export it from a "
+                "running instance ('llmgw ctl cert export-ca --out ca.llmgw') and import it "
+                "here ('llmgw server --config server.yaml --import-ca ca.llmgw') before "
+                "starting",
+                key="database",
+            )
+        if local != recorded:
+            raise ConfigError(
+                f"this instance's CA ({local}, in {self.pki_dir}) is not the cluster's "
+                f"({recorded}); it belongs to another cluster: move {self.pki_dir} aside and "
+                "import the cluster's CA ('llmgw server --import-ca FILE'), or point database "
+                "at this instance's own cluster",
+                key="database",
+            )
+        self.cluster_ca_hash = recorded
+
+    async def _touch_instance(self) -> None:
+        """Tell the other instances this one is alive (its row's seen_at)."""
+        while True:
+            await asyncio.sleep(self.cfg.lease_renew)
+            try:
+                if not self.store.touch_instance(self.cfg.instance, self._process):
+                    log.error(
+                        "another process has taken this instance's id; give each instance its "
+                        "own instance_id",
+                        extra=kv(instance=self.cfg.instance),
+                    )
+            except StoreError:
+                continue
+
+    def _register_addresses(self) -> None:
+        """Where agents, clients and the other instances reach this instance."""
+        if self._keeper is None:
+            return
+        host, _ = parse_hostport(self.stream_addresses()[0], allow_zero=True)
+        with contextlib.suppress(StoreError):
+            self.store.set_instance_addresses(
+                self.cfg.instance,
+                stream=self.stream_addresses()[0],
+                http=f"{self.cfg.http_scheme}://{format_hostport(host, self.http_port)}",
+                enroll=format_hostport(host, self.enroll_port) if self.enroll_port else "",
+                ca_hash=self.cluster_ca_hash,
+            )
+
+    async def _keep_lease(self) -> None:
+        assert self._keeper is not None
+        reason = await self._keeper.keep()
+        self._stepping = asyncio.create_task(self._step_down(reason), name="step-down")
+
+    async def _step_down(self, reason: str) -> None:
+        """Another instance leads now: stop the leader's parts (their writes are fenced
+        already) and serve as a standby."""
+        log.warning(
+            "another instance leads now; stepping down",
+            extra=kv(instance=self.cfg.instance, epoch=self.epoch, reason=reason),
+        )
+        self.store.database.fence = None
+        await self._stop_leader_parts()
+        self.live = {}
+        self.lost = set()
+        self.router = Router()
+        await self._start_standby()
 
     async def _start_standby(self) -> None:
         self.role = "standby"
@@ -199,13 +320,19 @@ class ControlPlane:
             http_listen=cfg.http_listen,
             tls=cfg.tls,
             listeners=cfg.listeners,
+            leader=self._keeper.leader_addresses if self._keeper is not None else None,
         )
         await self._standby.start()
         self.grpc_port, self.http_port = self._standby.grpc_port, self._standby.http_port
+        self.enroll_port = 0
+        self._register_addresses()
         self._promotion = asyncio.create_task(self._await_leadership(), name="promotion")
 
     async def _await_leadership(self) -> None:
-        self._lock_fd = await await_leadership(self.cfg.state_dir)
+        if self._keeper is not None:
+            await self._keeper.take()
+        else:
+            self._lock_fd = await await_leadership(self.cfg.state_dir)
         log.warning("the leader is gone; taking over", extra=kv(state_dir=str(self.cfg.state_dir)))
         assert self._standby is not None
         await self._standby.stop()
@@ -215,9 +342,13 @@ class ControlPlane:
     async def _start_leader(self) -> None:
         cfg = self.cfg
         self.role = "leader"
-        # 1. state store, leader epoch
-        self.store = Store.open(cfg.database_location)
-        self.epoch = self.store.bump_epoch()
+        # 1. state store, leader epoch (on PostgreSQL: the lease's, which fences our writes)
+        if self._keeper is None:
+            self.store = Store.open(cfg.database_location)
+            self.epoch = self.store.bump_epoch()
+        else:
+            self.epoch = self._keeper.epoch
+            self.store.database.fence = self._keeper.fence
         self.cluster_id = self.store.cluster_id()
         self.store.set_all_disconnected()
         self.lost.update(n.id for n in self.store.list_nodes() if n.lost)
@@ -247,7 +378,16 @@ class ControlPlane:
         self._tasks.append(asyncio.create_task(self.installs.run(), name="engine-installs"))
         self._tasks.append(asyncio.create_task(self.sessions.watch_heartbeats(), name="heartbeats"))
         self._tasks.append(asyncio.create_task(self.authority.run(), name="ca-rotation"))
-        self.store.add_event("server_started", "control-plane", f"epoch {self.epoch}")
+        if self._keeper is not None:
+            self._register_addresses()
+            self._tasks.append(asyncio.create_task(self._keep_lease(), name="lease"))
+            self.store.add_event(
+                "server_started",
+                "control-plane",
+                f"instance {cfg.instance} leads, epoch {self.epoch}",
+            )
+        else:
+            self.store.add_event("server_started", "control-plane", f"epoch {self.epoch}")
         # Nodes that do not come back within the loss timeout after this start are lost.
         for node in self.store.list_nodes():
             if self.store.list_shards(node_id=node.id):
@@ -524,27 +664,45 @@ class ControlPlane:
         return format_hostport(host, self.http_port)
 
     async def stop(self) -> None:
+        for extra in (self._stepping, self._instance_task):
+            if extra is not None:
+                extra.cancel()
+                await asyncio.gather(extra, return_exceptions=True)
         if self._promotion is not None:
             self._promotion.cancel()
             await asyncio.gather(self._promotion, return_exceptions=True)
         if self._standby is not None:
             await self._standby.stop()
+            self._standby = None
         if self.role != "leader":
+            if self._keeper is not None:
+                self.store.close()
             self._release()
             return
-        for task in self._tasks:
+        await self._stop_leader_parts()
+        if self._keeper is not None:
+            self.store.database.fence = None
+            self._keeper.release()  # a standby takes over at its next poll
+        self.store.close()
+        self._release()
+
+    async def _stop_leader_parts(self) -> None:
+        """Stop what only the leader runs (the store stays open)."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if hasattr(self, "sessions"):  # not when the start failed before step 3
             self.sessions.close_all()
         if self._grpc is not None:
-            await self._grpc.stop(grace=2.0)
+            grpc_server, self._grpc = self._grpc, None
+            await grpc_server.stop(grace=2.0)
         if self._runner is not None:
-            await self._runner.cleanup()
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
         if self._enrolment is not None:
             await self._enrolment.stop()
-        self.store.close()
-        self._release()
+            self._enrolment = None
 
     def _release(self) -> None:
         if self._lock_fd is not None:

@@ -1,5 +1,9 @@
-"""Leadership (DESIGN §8): one leader per state directory; the others are standbys that
-refuse and name it.
+"""Leadership (DESIGN §8): one leader; the others are standbys that refuse agents' streams
+and name it.
+
+On SQLite, one leader per state directory (below). On PostgreSQL, one leader among the
+instances sharing the database, by a lease in it (:class:`LeaseKeeper`, its SQL in
+:mod:`llmgw.server.store.instances`).
 
 Leadership is an exclusive lock on ``STATE/leader.lock``, held for the life of the leader's
 process; a second control plane on the same state (a warm standby on the same machine or a
@@ -17,12 +21,14 @@ import fcntl
 import logging
 import os
 import sqlite3
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 from aiohttp import web
 
-from llmgw.errors import ConfigError
+from llmgw.errors import ConfigError, Fenced, StoreError, StoreUnavailable
 from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.log import kv
 from llmgw.netaddr import parse_hostport
@@ -30,10 +36,11 @@ from llmgw.pki import Identity
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.config import TLSConfig
+from llmgw.server.store import Store
 from llmgw.server.stream import start_stream_server
 from llmgw.server.tls import serving_certificate
 
-__all__ = ["Standby", "await_leadership", "read_leader", "try_leadership"]
+__all__ = ["LeaseKeeper", "Standby", "await_leadership", "read_leader", "try_leadership"]
 
 log = logging.getLogger("llmgw.server.leadership")
 
@@ -106,8 +113,10 @@ class Standby:
         http_listen: str,
         tls: TLSConfig | None,
         listeners: ListenerLimits,
+        leader: Callable[[], tuple[str, str]] | None = None,
     ) -> None:
         self.identity = identity
+        self._leader = leader
         self.state_dir = state_dir
         self.grpc_listen = grpc_listen
         self.http_listen = http_listen
@@ -120,6 +129,9 @@ class Standby:
         self._runner: web.AppRunner | None = None
 
     def leader(self) -> tuple[str, str]:
+        """The leader's stream and HTTP addresses (on SQLite: as it recorded them)."""
+        if self._leader is not None:
+            return self._leader()
         return read_leader(self.state_dir / "llmgw.db")
 
     async def start(self) -> None:
@@ -153,7 +165,7 @@ class Standby:
         self.http_port = site.bound_port
         leader, _ = self.leader()
         log.warning(
-            "another control plane holds this state directory; serving as a standby",
+            "another control plane leads; serving as a standby",
             extra=kv(leader=leader or "unknown", state_dir=str(self.state_dir)),
         )
 
@@ -178,3 +190,105 @@ class Standby:
             with contextlib.suppress(Exception):
                 await self._runner.cleanup()
             self._runner = None
+
+
+class LeaseKeeper:
+    """Leadership among instances sharing a PostgreSQL database: the lease in the store,
+    taken by polling while a standby, renewed while the leader, and its epoch the fence of
+    every write this process makes while it leads.
+
+    The leader keeps leading while the database is away (nobody can take the lease then,
+    and its writes fail anyway); it steps down when a renewal finds another holder or a
+    write is fenced (:attr:`lost`).
+    """
+
+    def __init__(self, store: Store, holder: str, *, duration: float, renew: float) -> None:
+        self.store = store
+        self.holder = holder
+        self.duration = duration
+        self.renew = renew
+        self.epoch = 0
+        self.lost = asyncio.Event()
+        self.reason = ""
+        self._renewed = 0.0  # time.monotonic() of the last renewal that succeeded
+
+    def try_take(self) -> bool:
+        """Take the lease if it is free or lapsed; True when this process now leads."""
+        try:
+            lease = self.store.take_lease(self.holder, self.duration)
+        except StoreUnavailable:
+            return False
+        if lease is None:
+            return False
+        self.epoch = lease.epoch
+        self._renewed = time.monotonic()
+        self.lost.clear()
+        self.reason = ""
+        return True
+
+    async def take(self) -> int:
+        """Wait until this process holds the lease; its epoch."""
+        while True:
+            if self.try_take():
+                return self.epoch
+            await asyncio.sleep(self.renew)
+
+    def fence(self, _db: object) -> None:
+        """The database's fence while leading: refuse a write once another epoch leads."""
+        try:
+            self.store.check_epoch(self.epoch)
+        except Fenced as exc:
+            self._lose(str(exc))
+            raise
+
+    def _lose(self, reason: str) -> None:
+        if not self.lost.is_set():
+            self.reason = reason
+            self.lost.set()
+
+    async def keep(self) -> str:
+        """Renew the lease until it is lost; why it was."""
+        while not self.lost.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.lost.wait(), timeout=self.renew)
+            if self.lost.is_set():
+                break
+            try:
+                lease = self.store.renew_lease(self.holder, self.epoch, self.duration)
+            except StoreUnavailable as exc:
+                if time.monotonic() - self._renewed > self.duration:
+                    log.warning(
+                        "cannot renew the leader's lease: the database is away; leading on "
+                        "without writes until it answers",
+                        extra=kv(epoch=self.epoch, error=str(exc)),
+                    )
+                continue
+            if lease is None:
+                current = self._current()
+                self._lose(f"the lease was taken by {current} since")
+                break
+            self._renewed = time.monotonic()
+        return self.reason
+
+    def _current(self) -> str:
+        try:
+            lease = self.store.lease()
+        except StoreUnavailable:
+            return "another instance"
+        return f"{lease.holder} (epoch {lease.epoch})"
+
+    def release(self) -> None:
+        """Give the lease up (a clean stop): a standby takes it at its next poll."""
+        with contextlib.suppress(StoreUnavailable, Fenced):
+            self.store.release_lease(self.holder, self.epoch)
+
+    def leader_addresses(self) -> tuple[str, str]:
+        """The current leader's stream and HTTP addresses ("" when not known)."""
+        try:
+            lease = self.store.lease()
+            instance = self.store.get_instance(lease.holder) if lease.holder else None
+        except StoreError:
+            return "", ""
+        if instance is None:
+            return "", ""
+        return instance.stream_addr, instance.http_addr

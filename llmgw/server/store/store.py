@@ -20,6 +20,7 @@ from llmgw.server.store.credentials import ApiKeys, Certificates, JoinTokens
 from llmgw.server.store.database import Database
 from llmgw.server.store.engines import EngineTables
 from llmgw.server.store.events import Events
+from llmgw.server.store.instances import Leases
 from llmgw.server.store.location import Location, parse_location
 from llmgw.server.store.models import Models
 from llmgw.server.store.nodes import Nodes
@@ -73,6 +74,7 @@ class Store:
         self._join_tokens = JoinTokens(db)
         self._updates = NodeUpdates(db)
         self._events = Events(db)
+        self._leases = Leases(db)
         self._engines = EngineTables(db)
 
     # ---------------------------------------------------------------- lifecycle
@@ -132,6 +134,18 @@ class Store:
     def get_meta(self, key: str, default: str | None = None) -> str | None:
         row = self._db.one("SELECT value FROM meta WHERE key = ?", (key,))
         return default if row is None else str(row["value"])
+
+    def claim_meta(self, key: str, value: str) -> str:
+        """Set *key* to *value* unless it is set already; the value it has now (another
+        instance's, when two claimed it at once)."""
+        with self._db.unfenced(), self._db.write():
+            self._db.execute(
+                "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO NOTHING",
+                (key, value),
+            )
+            row = self._db.one("SELECT value FROM meta WHERE key = ?", (key,))
+        assert row is not None
+        return str(row["value"])
 
     def set_meta(self, key: str, value: str) -> None:
         with self._db.write():
@@ -243,6 +257,20 @@ class Store:
     get_node_engine = _Table("_engines", EngineTables.get_node_engine)
     list_node_engines = _Table("_engines", EngineTables.list_node_engines)
     node_engines_by_op = _Table("_engines", EngineTables.node_engines_by_op)
+
+    # ------------------------------------------------------- lease, instances
+
+    lease = _Table("_leases", Leases.lease)
+    take_lease = _Table("_leases", Leases.take_lease)
+    renew_lease = _Table("_leases", Leases.renew_lease)
+    release_lease = _Table("_leases", Leases.release_lease)
+    check_epoch = _Table("_leases", Leases.check_epoch)
+    register_instance = _Table("_leases", Leases.register_instance)
+    set_instance_addresses = _Table("_leases", Leases.set_instance_addresses)
+    touch_instance = _Table("_leases", Leases.touch_instance)
+    retire_instance = _Table("_leases", Leases.retire_instance)
+    get_instance = _Table("_leases", Leases.get_instance)
+    list_instances = _Table("_leases", Leases.list_instances)
 
     # ------------------------------------------------------------------- events
 
