@@ -5,7 +5,8 @@
     ├── StartupError                a daemon's start-up step failed; names the step, carries the cause
     ├── PKIError                    certificates and keys
     │   ├── NoAuthority             no CA where one was expected
-    │   └── CertificateError        a certificate is unreadable, expired or for someone else
+    │   ├── CertificateError        a certificate is unreadable, expired or for someone else
+    │   └── CAExportError           a CA export cannot be opened or imported (passphrase, file, clash)
     ├── StoreError                  the state store
     │   ├── NotFound                no such node / model / replica / key
     │   ├── Conflict                the change contradicts what is stored
@@ -105,6 +106,12 @@ class NoAuthority(PKIError):
 
 class CertificateError(PKIError):
     """A certificate or key is unreadable, mismatched, or not for this purpose."""
+
+
+class CAExportError(PKIError):
+    """An export of the cluster CA (``ctl cert export-ca``) cannot be opened (a wrong
+    passphrase, an altered or foreign file) or imported here (this instance has another CA
+    or admin token)."""
 
 
 class StoreError(LlmgwError):
@@ -247,6 +254,7 @@ class APIError(ClientError):
 __all__ = [
     "APIError",
     "ArchiveError",
+    "CAExportError",
     "CSRError",
     "CertificateError",
     "ClientError",

@@ -886,6 +886,20 @@ class Rotation:
             "dropped": self.dropped,
         }
 
+    @classmethod
+    def from_json(cls, data: object) -> Rotation:
+        """The record :meth:`to_json` made; ValueError, KeyError or TypeError when ``data``
+        is not one."""
+        if not isinstance(data, dict):
+            raise TypeError(f"a rotation record is a JSON object, not {type(data).__name__}")
+        return cls(
+            previous=str(data["previous"]),
+            current=str(data["current"]),
+            started=float(data["started"]),
+            drop_at=int(data["drop_at"]),
+            dropped=None if data.get("dropped") is None else int(data["dropped"]),
+        )
+
 
 def load_certs(data: bytes, *, what: str = "the bundle") -> list[x509.Certificate]:
     """Every certificate in a PEM bundle, in order; CertificateError naming ``what`` when
@@ -948,14 +962,7 @@ def read_rotation(directory: Path) -> Rotation | None:
     """The latest rotation of the PKI directory, or None when its CA was never rotated."""
     path = Path(directory) / ROTATION_FILE
     try:
-        data = json.loads(path.read_bytes())
-        return Rotation(
-            previous=str(data["previous"]),
-            current=str(data["current"]),
-            started=float(data["started"]),
-            drop_at=int(data["drop_at"]),
-            dropped=None if data.get("dropped") is None else int(data["dropped"]),
-        )
+        return Rotation.from_json(json.loads(path.read_bytes()))
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -983,9 +990,12 @@ def cross_certificates(directory: Path) -> list[x509.Certificate]:
     return [load_cert(path)] if path.exists() else []
 
 
-def _write_rotation(directory: Path, rotation: Rotation) -> None:
+def write_rotation(
+    directory: Path, rotation: Rotation, *, owner: tuple[int, int] | None = None
+) -> None:
+    """``rotation.json`` of ``directory`` (0600; ``owner`` (uid, gid): given to them)."""
     data = json.dumps(rotation.to_json(), sort_keys=True, indent=2) + "\n"
-    atomic_write(directory / ROTATION_FILE, data.encode(), mode=0o600)
+    atomic_write(Path(directory) / ROTATION_FILE, data.encode(), mode=0o600, owner=owner)
 
 
 def _write_trust(directory: Path) -> list[x509.Certificate]:
@@ -1037,7 +1047,7 @@ def rotate_ca(
         write_private(directory / PREVIOUS_CA_KEY, key_pem(old.key))
         _write_public(directory / PREVIOUS_CA_CERT, cert_pem(old.cert))
         _write_public(directory / CROSS_CERT, cert_pem(cross))
-        _write_rotation(directory, rotation)
+        write_rotation(directory, rotation)
         write_private(directory / CA_KEY, key_pem(key))
         _write_public(directory / CA_CERT, cert_pem(cert))
         _write_trust(directory)
@@ -1065,7 +1075,7 @@ def _finish_rotation_locked(directory: Path) -> Rotation:
         drop_at=rotation.drop_at,
         dropped=int(time.time()),
     )
-    _write_rotation(directory, done)
+    write_rotation(directory, done)
     for name in (CROSS_CERT, PREVIOUS_CA_CERT, PREVIOUS_CA_KEY):
         try:
             (directory / name).unlink()
@@ -1231,4 +1241,5 @@ __all__ = [
     "serial_hex",
     "sign_csr",
     "trust_certificates",
+    "write_rotation",
 ]

@@ -35,7 +35,10 @@ def read_secret(
             value = value.strip()
         if value:
             if again is not None and getpass.getpass(again) != value:
-                raise ConfigError(f"the two {what}s differ; nothing was changed")
+                raise ConfigError(
+                    f"the two {what}s differ; nothing was done. Run it again and type the "
+                    f"same {what} twice"
+                )
             return value
     raise ConfigError(
         f"no {what}: set {env} or run in a terminal to be prompted; never pass it as an argument"

@@ -1,22 +1,27 @@
 """``llmgw server``: the control plane.
 
-``llmgw server [--config FILE]`` runs it (what the systemd unit runs); the group's verbs
-act on a control plane's state without running it (``migrate``: SQLite to PostgreSQL).
+``llmgw server [--config FILE]`` runs it (what the systemd unit runs); ``--import-ca FILE``
+installs the cluster CA exported from another instance (``llmgw ctl cert export-ca``) into
+this instance's state directory instead, and exits; the group's verbs act on a control
+plane's state without running it (``migrate``: SQLite to PostgreSQL).
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from pathlib import Path
 
 import click
 
+from llmgw import caexport
 from llmgw.cli.common import ReportingGroup
+from llmgw.cli.prompts import read_secret
 from llmgw.contracts.paths import DEFAULT_SERVER_CONFIG
 from llmgw.log import setup_logging
 from llmgw.server.app import ControlPlane
-from llmgw.server.config import load_server_config
+from llmgw.server.config import ServerConfig, load_server_config
 
 __all__ = ["server"]
 
@@ -38,20 +43,37 @@ __all__ = ["server"]
     envvar="LLMGW_LOG_LEVEL",
     help="debug, info, warning (env: LLMGW_LOG_LEVEL).",
 )
+@click.option(
+    "--import-ca",
+    "import_ca",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Install the cluster CA and admin token that 'llmgw ctl cert export-ca' exported on "
+    "another instance into this one's state directory, then exit (the passphrase: env "
+    f"{caexport.CA_PASSPHRASE_ENV}, else a prompt).",
+)
 @click.pass_context
 def server(
-    ctx: click.Context, config_path: Path | None, state_dir: Path | None, log_level: str
+    ctx: click.Context,
+    config_path: Path | None,
+    state_dir: Path | None,
+    log_level: str,
+    import_ca: Path | None,
 ) -> None:
     """Run the control plane: gateway :8080, enrolment, agent stream :7443.
 
     With a command, act on a control plane's state instead of running it."""
     setup_logging(log_level)
+    if import_ca is not None and ctx.invoked_subcommand is not None:
+        raise click.UsageError(f"--import-ca runs alone, not with '{ctx.invoked_subcommand}'")
     if ctx.invoked_subcommand is not None:
         return
     if config_path is None and DEFAULT_SERVER_CONFIG.exists():
         config_path = DEFAULT_SERVER_CONFIG
     overrides = {"state_dir": str(state_dir)} if state_dir else None
     cfg = load_server_config(config_path, overrides=overrides)
+    if import_ca is not None:
+        _import_ca(cfg, import_ca)
+        return
 
     async def main() -> None:
         cp = ControlPlane(cfg)
@@ -66,3 +88,42 @@ def server(
             await cp.stop()
 
     asyncio.run(main())
+
+
+def _import_ca(cfg: ServerConfig, path: Path) -> None:
+    """``--import-ca``: the file read and its header checked before the passphrase is asked
+    for, opened, installed (nothing written on any refusal), and what was done said."""
+    data = caexport.read_export(path)
+    caexport.read_header(data, source=str(path))
+    passphrase = read_secret(
+        caexport.CA_PASSPHRASE_ENV,
+        f"passphrase of {path} (not echoed): ",
+        what="passphrase of the CA export",
+    )
+    export = caexport.unseal(data, passphrase, source=str(path))
+    done = caexport.install(export, pki_dir=cfg.pki_dir, token_file=cfg.admin_token_file)
+    if done.ca:
+        click.echo(
+            f"imported CA {export.ca_hash} of cluster {export.cluster_id} into {cfg.pki_dir}"
+        )
+    else:
+        click.echo(f"this instance already has CA {export.ca_hash} (in {cfg.pki_dir}); unchanged")
+    rotation = export.rotation
+    if done.ca and rotation is not None and rotation.active:
+        drop = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(rotation.drop_at))
+        click.echo(
+            f"with the CA rotation under way: the old CA {rotation.previous} is trusted until "
+            f"{drop}"
+        )
+    if done.token:
+        click.echo(f"admin token: written to {cfg.admin_token_file}")
+    else:
+        click.echo(f"admin token: {cfg.admin_token_file} holds it already; unchanged")
+    click.echo(
+        f"delete {path} now (and the copy on the instance it came from): its passphrase alone "
+        "protects the CA key"
+    )
+    click.echo(
+        "this instance makes its own server and client certificates at its first start; "
+        "start the control plane: systemctl start llmgw-server"
+    )

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmgw import pki
+from llmgw import caexport, pki
 from llmgw.errors import Conflict, PKIError
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
@@ -114,6 +114,30 @@ class ClusterAuthority:
                 cross_pems=[pki.cert_pem(c).decode() for c in pki.cross_certificates(self.pki_dir)],
                 drop_at=float(rotation.drop_at) if rotation.active else 0.0,
             )
+        )
+
+    def export(self, *, cluster_id: str, admin_token: str) -> caexport.CAExport:
+        """What another instance needs to sign and verify as this one (:mod:`llmgw.caexport`):
+        the CA this instance signs with and its rotation's files. Read on the event loop's
+        thread, where a rotation runs too, so never half of one."""
+        return caexport.collect(
+            self.pki_dir, self.ca, cluster_id=cluster_id, admin_token=admin_token
+        )
+
+    def exported(self, export: caexport.CAExport, *, by: str) -> None:
+        """Record that ``export`` left this instance, sealed, for whoever asked from ``by``."""
+        old = ""
+        if export.previous_ca_cert is not None:
+            old = f" with the old CA {pki.fingerprint(export.previous_ca_cert.public_key())}"
+        self.store.add_event(
+            "ca_exported",
+            "control-plane",
+            f"the CA {export.ca_hash}{old} and the admin token were exported, encrypted with a "
+            f"passphrase, to {by or 'an unknown address'}",
+        )
+        log.warning(
+            "the cluster CA was exported (encrypted) for another control-plane instance",
+            extra=kv(ca=export.ca_hash, to=by or "-"),
         )
 
     def on_connect(self, session: NodeSession) -> None:

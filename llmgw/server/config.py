@@ -152,6 +152,11 @@ class ServerConfig:
     def http_scheme(self) -> str:
         return "http" if self.tls is None else "https"
 
+    @property
+    def pki_dir(self) -> Path:
+        """The cluster CA and this instance's own certificates (:mod:`llmgw.pki`)."""
+        return self.state_dir / "pki"
+
 
 def load_server_config(
     path: Path | str | None, *, overrides: Mapping[str, object] | None = None

@@ -1,5 +1,5 @@
 """The admin password: the second secret, besides the admin token, that signing an update
-order (DESIGN §7) needs.
+order (DESIGN §7) and exporting the cluster CA need.
 
 It is made at the first start into ``admin.password`` next to ``admin.token`` (0600) and
 kept in the store only as a scrypt hash; the admin token alone cannot update nodes. It is
@@ -106,15 +106,16 @@ class AdminPassword:
         self.store.set_meta(PASSWORD_META, hash_password(password))
         log.info("admin password created", extra=kv(file=str(path)))
 
-    async def check(self, password: object) -> None:
-        """PasswordError unless ``password`` is the admin password."""
+    async def check(self, password: object, *, refused: str = "nothing was signed") -> None:
+        """PasswordError unless ``password`` is the admin password; ``refused`` says what
+        was not done."""
         stored = self.store.get_meta(PASSWORD_META) or ""
         ok = isinstance(password, str) and bool(password)
         if ok:
             ok = await asyncio.to_thread(check_password, stored, str(password))
         if not ok:
             raise PasswordError(
-                "wrong admin password; nothing was signed. It was made at the control plane's "
+                f"wrong admin password; {refused}. It was made at the control plane's "
                 f"first start in {self.password_file} (unless changed since with 'llmgw ctl "
                 "admin password'); give it at the prompt or in LLMGW_ADMIN_PASSWORD"
             )

@@ -329,6 +329,32 @@ def test_ensure_server_identity_reissues_missing_and_tightens_modes(tmp_path: Pa
     assert mode(d) == 0o700
 
 
+def test_ensure_server_identity_on_a_ca_alone_makes_this_instance_s_certificates(
+    tmp_path: Path,
+) -> None:
+    """A directory holding only ca.crt and ca.key (a CA imported from another instance):
+    the CA is kept as it is, and this instance's own certificates are issued from it."""
+    first = tmp_path / "first"
+    pki.ensure_server_identity(first, hosts=["cp-1.example"])
+    d = tmp_path / "second"
+    d.mkdir(mode=0o700)
+    for name in ("ca.crt", "ca.key"):
+        (d / name).write_bytes((first / name).read_bytes())
+    os.chmod(d / "ca.key", 0o600)
+    ca, server, client = pki.ensure_server_identity(d, hosts=["cp-2.example"])
+    assert ca.ca_hash() == pki.load_ca(first).ca_hash()
+    assert (d / "ca.key").read_bytes() == (first / "ca.key").read_bytes()
+    assert (d / "trust.crt").read_bytes() == (d / "ca.crt").read_bytes()
+    for mine, theirs in ((server.cert, first / "server.crt"), (client.cert, first / "client.crt")):
+        cert = pki.load_cert(mine)
+        cert.verify_directly_issued_by(ca.cert)
+        assert pki.control_plane_problem(cert) is None
+        assert cert.public_key() != pki.load_cert(theirs).public_key()
+    assert x509.DNSName("cp-2.example") in sans(pki.load_cert(server.cert))
+    assert x509.DNSName("cp-1.example") not in sans(pki.load_cert(server.cert))
+    assert mode(d / "server.key") == mode(d / "client.key") == 0o600
+
+
 # --------------------------------------------------------------------------- real TLS
 
 

@@ -1,6 +1,7 @@
 """``llmgw ctl cert``: the cluster CA. Through the admin API: show it (``ctl cert``), rotate it
-(``rotate-ca``) and drop the old one early (``finish-rotation``). Offline, on a PKI
-directory: create a CA (``init-ca``) and issue a node certificate (``issue-client``)."""
+(``rotate-ca``), drop the old one early (``finish-rotation``) and export it, encrypted, for
+another control-plane instance (``export-ca``). Offline, on a PKI directory: create a CA
+(``init-ca``) and issue a node certificate (``issue-client``)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ from typing import Any
 
 import click
 
-from llmgw import netaddr, pki
+from llmgw import caexport, netaddr, pki
 from llmgw.cli.common import Duration, ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import echo_json, until
+from llmgw.cli.prompts import read_secret
+from llmgw.client import ADMIN_PASSWORD_ENV
+from llmgw.errors import ClientError, FileError
+from llmgw.fsutil import atomic_write, create_file
 
 _dir_option = click.option(
     "--dir",
@@ -116,6 +121,84 @@ def finish_rotation(c: Ctl, force: bool) -> None:
         echo_json(status)
         return
     click.echo(f"dropped the old CA; only {status['current']['ca_hash']} is trusted now")
+
+
+@cert.command("export-ca")
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The file to write (0600); refused when it exists, unless --force.",
+)
+@click.option("--force", is_flag=True, help="Replace --out when it exists.")
+@pass_ctl
+def export_ca(c: Ctl, out: Path, force: bool) -> None:
+    """Export the cluster CA (its key, the CA rotation under way, the cluster id and the
+    admin token), encrypted with a passphrase, for 'llmgw server --import-ca FILE' on another
+    control-plane instance. Asks for the admin password (env: LLMGW_ADMIN_PASSWORD) and a
+    passphrase of at least 12 characters, twice (env: LLMGW_CA_PASSPHRASE)."""
+    _check_out(out, force)
+    password = read_secret(
+        ADMIN_PASSWORD_ENV, "admin password (not echoed): ", what="admin password"
+    )
+    passphrase = caexport.check_passphrase(
+        read_secret(
+            caexport.CA_PASSPHRASE_ENV,
+            "passphrase for the export (not echoed): ",
+            what="passphrase",
+            again="passphrase again: ",
+        )
+    )
+    answer = c.call(
+        "POST", "/api/ca/export", {"password": password, "passphrase": passphrase}, password=True
+    )
+    data = str(answer.get("file", "")).encode()
+    header = caexport.read_header(data, source="the control plane's export")
+    if header.ca_hash != answer.get("ca_hash"):
+        raise ClientError(
+            f"the control plane answered an export of CA {header.ca_hash} for CA "
+            f"{answer.get('ca_hash')}; nothing was written. Try again"
+        )
+    if force:
+        atomic_write(out, data, mode=0o600)
+    elif not create_file(out, data, mode=0o600):
+        raise _exists(out)
+    if c.as_json:
+        echo_json({k: v for k, v in answer.items() if k != "file"} | {"out": str(out)})
+        return
+    click.echo(f"exported CA {header.ca_hash} of cluster {header.cluster_id} to {out}")
+    rotation = answer.get("rotation")
+    if rotation and rotation.get("dropped") is None:
+        click.echo(
+            f"with the CA rotation under way: the old CA {rotation['previous']} is trusted "
+            f"until {_when(rotation['drop_at'])}"
+        )
+    click.echo(
+        "the passphrase alone protects the CA key in it. On the new instance: "
+        f"'llmgw server --config /etc/llmgw/server.yaml --import-ca {out.name}', then delete "
+        "the file on both machines"
+    )
+
+
+def _exists(out: Path) -> FileError:
+    return FileError(
+        f"{out} exists; nothing was exported. Choose another --out, or pass --force to replace it",
+        path=str(out),
+    )
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """Refuse --out before anything is asked or exported (click refuses a directory)."""
+    if out.exists() and not force:
+        raise _exists(out)
+    parent = out.parent
+    if not parent.is_dir():
+        raise FileError(
+            f"{parent} does not exist; nothing was exported. Create it, or give --out a file "
+            "in an existing directory",
+            path=str(out),
+        )
 
 
 @cert.command("init-ca")

@@ -3,9 +3,9 @@
 Every answer is JSON; errors are ``{"error": {"message", "code"}}`` with a message that
 says what to do. One module per route group: :mod:`.nodes` (the fleet), :mod:`.models`
 (models, catalog, replicas), :mod:`.access` (API keys, join tokens), :mod:`.software`
-(desired engines, agent updates, the admin password), :mod:`.ca` (the cluster CA and its
-rotation); :mod:`.context` holds what they share. A new route goes in its group's module
-and in the table below.
+(desired engines, agent updates, the admin password), :mod:`.ca` (the cluster CA, its
+rotation and its export); :mod:`.context` holds what they share. A new route goes in its
+group's module and in the table below.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def add_admin_routes(
         ("GET", "/api/ca", ca.status),
         ("POST", "/api/ca/rotate", ca.rotate),
         ("POST", "/api/ca/finish", ca.finish),
+        ("POST", "/api/ca/export", ca.export),
     ):
         if method == "GET":
             r.add_get(path, guarded(ctx, handler))  # HEAD too, as aiohttp's add_get does

@@ -1,10 +1,14 @@
-"""Admin routes about the cluster CA: what it is, its rotation, and dropping the old CA
-(:mod:`llmgw.server.authority` does the work)."""
+"""Admin routes about the cluster CA: what it is, its rotation, dropping the old CA
+(:mod:`llmgw.server.authority` does the work), and its encrypted export for another
+control-plane instance (:mod:`llmgw.caexport`)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
+from llmgw import caexport
 from llmgw.durations import format_duration, parse_duration
 from llmgw.errors import ConfigError
 from llmgw.pki import DEFAULT_OVERLAP
@@ -19,7 +23,8 @@ MAX_OVERLAP = 365 * 86400.0
 
 
 class CARoutes:
-    """``GET /api/ca``, ``POST /api/ca/rotate``, ``POST /api/ca/finish``."""
+    """``GET /api/ca``, ``POST /api/ca/rotate``, ``POST /api/ca/finish``,
+    ``POST /api/ca/export``."""
 
     def __init__(self, ctx: AdminContext, authority: ClusterAuthority) -> None:
         self.ctx = ctx
@@ -55,3 +60,30 @@ class CARoutes:
         if not isinstance(force, bool):
             raise BadRequest("force must be true or false")
         return web.json_response(self.authority.finish(force=force))
+
+    async def export(self, request: web.Request) -> web.Response:
+        """``{"password", "passphrase"}``: the CA, its rotation's files, the cluster id and
+        the admin token, sealed under the passphrase (``file``: the export file's text). The
+        admin password is asked as for a signed update: the CA key signs those orders."""
+        body = await read_json(self.ctx, request)
+        unknown = sorted(set(body) - {"password", "passphrase"})
+        if unknown:
+            raise BadRequest(
+                f"unknown field(s) {', '.join(unknown)}; send only 'password' and 'passphrase'"
+            )
+        await self.ctx.password.check(body.get("password"), refused="nothing was exported")
+        passphrase = caexport.check_passphrase(body.get("passphrase"))
+        export = self.authority.export(
+            cluster_id=self.ctx.cluster_id, admin_token=self.ctx.admin_token
+        )
+        # scrypt takes its memory and half a second: off the event loop.
+        sealed = await asyncio.to_thread(caexport.seal, export, passphrase)
+        self.authority.exported(export, by=request.remote or "")
+        return web.json_response(
+            {
+                "ca_hash": export.ca_hash,
+                "cluster_id": export.cluster_id,
+                "rotation": None if export.rotation is None else export.rotation.to_json(),
+                "file": sealed.decode("ascii"),
+            }
+        )

@@ -84,6 +84,9 @@ def test_wrong_and_right_passwords(tmp_path: Path, store: Store) -> None:
     for wrong in ("nope", "", None, 12, password + "x"):
         with pytest.raises(PasswordError, match="wrong admin password; nothing was signed"):
             asyncio.run(admin.check(wrong))
+    # What the refusal says was not done is the caller's (a CA export, say).
+    with pytest.raises(PasswordError, match=r"^wrong admin password; nothing was exported\. "):
+        asyncio.run(admin.check("nope", refused="nothing was exported"))
 
 
 def test_changing_the_password_needs_the_old_one(tmp_path: Path, store: Store) -> None:

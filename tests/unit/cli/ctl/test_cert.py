@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
 
-from llmgw import pki
-from llmgw.cli import main
+from llmgw import caexport, pki
+from llmgw.cli import main, prompts
 from llmgw.cli.ctl.cert import cert
 from llmgw.cli.ctl.context import Ctl
+from llmgw.errors import APIError
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -195,3 +198,231 @@ def test_finish_rotation_forwards_force(api: list[tuple[str, str, Any]]) -> None
     assert out.stdout == f"dropped the old CA; only {NEW} is trusted now\n"
     assert ctl("cert", "finish-rotation", "--force").exit_code == 0
     assert [c[2] for c in api] == [{"force": False}, {"force": True}]
+
+
+# --------------------------------------------------------------------------- export-ca
+
+PASSWORD = "the-admin-password"
+PASSPHRASE = "a long passphrase"
+NO_SECRETS: dict[str, str | None] = {"LLMGW_ADMIN_PASSWORD": None, "LLMGW_CA_PASSPHRASE": None}
+SECRETS = {"LLMGW_ADMIN_PASSWORD": PASSWORD, "LLMGW_CA_PASSPHRASE": PASSPHRASE}
+
+
+@dataclass
+class ExportAPI:
+    """``POST /api/ca/export`` as a stand-in: a real export file of a real CA, or an error."""
+
+    sealed: bytes
+    ca_hash: str
+    calls: list[Any]
+    error: Exception | None = None
+    answer: dict[str, Any] | None = None
+
+
+@pytest.fixture
+def export_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ExportAPI:
+    ca = pki.init_ca(tmp_path / "cp-pki")
+    export = caexport.collect(tmp_path / "cp-pki", ca, cluster_id="c-9", admin_token="tok")
+    sealed = caexport.seal(export, PASSPHRASE, kdf=caexport.KDF(n=2**14))
+    api = ExportAPI(sealed, ca.ca_hash(), [])
+
+    def call(self: Ctl, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        api.calls.append((method, path, body, kw))
+        if api.error is not None:
+            raise api.error
+        return api.answer or {
+            "ca_hash": api.ca_hash,
+            "cluster_id": "c-9",
+            "rotation": None,
+            "file": api.sealed.decode(),
+        }
+
+    monkeypatch.setattr(Ctl, "call", call)
+    return api
+
+
+def export_ca(*args: str, env: dict[str, str | None] | None = None) -> Result:
+    return CliRunner().invoke(
+        main,
+        ["ctl", "--server", "http://127.0.0.1:9", "cert", "export-ca", *args],
+        env={**NO_SECRETS, **(env if env is not None else SECRETS)},
+    )
+
+
+def test_export_ca_writes_the_file_0600_and_says_what_next(
+    export_api: ExportAPI, tmp_path: Path
+) -> None:
+    out = tmp_path / "ca.llmgw"
+    result = export_ca("--out", str(out))
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert export_api.calls == [
+        (
+            "POST",
+            "/api/ca/export",
+            {"password": PASSWORD, "passphrase": PASSPHRASE},
+            {"password": True},  # kept off plain HTTP to anything but loopback
+        )
+    ]
+    assert out.read_bytes() == export_api.sealed
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    assert result.stdout == (
+        f"exported CA {export_api.ca_hash} of cluster c-9 to {out}\n"
+        "the passphrase alone protects the CA key in it. On the new instance: 'llmgw server "
+        "--config /etc/llmgw/server.yaml --import-ca ca.llmgw', then delete the file on both "
+        "machines\n"
+    )
+
+
+def test_export_ca_json_and_a_rotation_under_way(export_api: ExportAPI, tmp_path: Path) -> None:
+    rotation = {"previous": OLD, "current": export_api.ca_hash, "started": 1.0}
+    rotation |= {"drop_at": DROP_AT, "dropped": None}
+    export_api.answer = {
+        "ca_hash": export_api.ca_hash,
+        "cluster_id": "c-9",
+        "rotation": rotation,
+        "file": export_api.sealed.decode(),
+    }
+    result = export_ca("--out", str(tmp_path / "a"))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[1].startswith(
+        f"with the CA rotation under way: the old CA {OLD} is trusted until 2033-05-18 03:33 UTC"
+    )
+    args = ["ctl", "--server", "http://127.0.0.1:9", "--json", "cert", "export-ca"]
+    result = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "b")], env=SECRETS)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {
+        "ca_hash": export_api.ca_hash,
+        "cluster_id": "c-9",
+        "rotation": rotation,
+        "out": str(tmp_path / "b"),
+    }
+
+
+def test_export_ca_refuses_an_existing_file_before_asking_anything(
+    export_api: ExportAPI, tmp_path: Path
+) -> None:
+    out = tmp_path / "ca.llmgw"
+    out.write_text("keep me")
+    result = export_ca("--out", str(out))
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == (
+        f"error: {out} exists; nothing was exported. Choose another --out, or pass --force to "
+        "replace it\n"
+    )
+    assert export_api.calls == [] and out.read_text() == "keep me"
+    result = export_ca("--out", str(out), "--force")
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == export_api.sealed
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+
+
+def test_export_ca_refuses_a_directory_or_a_missing_one(
+    export_api: ExportAPI, tmp_path: Path
+) -> None:
+    result = export_ca("--out", str(tmp_path / "nope" / "ca.llmgw"))
+    assert result.exit_code == 1
+    assert result.stderr == (
+        f"error: {tmp_path / 'nope'} does not exist; nothing was exported. Create it, or give "
+        "--out a file in an existing directory\n"
+    )
+    result = export_ca("--out", str(tmp_path), "--force")
+    assert result.exit_code == 2  # click: --out is a file
+    assert "is a directory" in result.stderr
+    assert export_api.calls == []
+
+
+def test_export_ca_refuses_a_short_passphrase_before_the_call(
+    export_api: ExportAPI, tmp_path: Path
+) -> None:
+    out = tmp_path / "ca.llmgw"
+    result = export_ca("--out", str(out), env={**SECRETS, "LLMGW_CA_PASSPHRASE": "x" * 11})
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == (
+        "error: the passphrase of a CA export must have at least 12 characters (it alone "
+        "protects the CA key in the file); nothing was exported. Choose a longer one\n"
+    )
+    assert export_api.calls == [] and not out.exists()
+
+
+def test_export_ca_asks_for_both_secrets_in_a_terminal_and_the_passphrase_twice(
+    export_api: ExportAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[str] = []
+    answers = [PASSWORD, PASSPHRASE, PASSPHRASE + "?"]
+
+    def getpass(prompt: str) -> str:
+        asked.append(prompt)
+        return answers.pop(0)
+
+    monkeypatch.setattr(prompts, "stdin_is_tty", lambda: True)
+    monkeypatch.setattr(prompts.getpass, "getpass", getpass)
+    out = tmp_path / "ca.llmgw"
+    result = export_ca("--out", str(out), env={})
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "error: the two passphrases differ; nothing was done. Run it again and type the same "
+        "passphrase twice\n"
+    )
+    assert asked == [
+        "admin password (not echoed): ",
+        "passphrase for the export (not echoed): ",
+        "passphrase again: ",
+    ]
+    assert export_api.calls == [] and not out.exists()
+    answers[:] = [PASSWORD, PASSPHRASE, PASSPHRASE]
+    assert export_ca("--out", str(out), env={}).exit_code == 0
+    assert export_api.calls[0][2] == {"password": PASSWORD, "passphrase": PASSPHRASE}
+
+
+def test_export_ca_without_a_terminal_names_the_variables(
+    export_api: ExportAPI, tmp_path: Path
+) -> None:
+    result = export_ca("--out", str(tmp_path / "f"), env={})
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "error: no admin password: set LLMGW_ADMIN_PASSWORD or run in a terminal to be "
+        "prompted; never pass it as an argument\n"
+    )
+    result = export_ca("--out", str(tmp_path / "f"), env={"LLMGW_ADMIN_PASSWORD": PASSWORD})
+    assert result.stderr == (
+        "error: no passphrase: set LLMGW_CA_PASSPHRASE or run in a terminal to be prompted; "
+        "never pass it as an argument\n"
+    )
+    assert export_api.calls == [] and not (tmp_path / "f").exists()
+
+
+def test_export_ca_with_a_wrong_admin_password_writes_nothing(
+    export_api: ExportAPI, tmp_path: Path
+) -> None:
+    message = "wrong admin password; nothing was exported. It was made at the first start"
+    export_api.error = APIError(message, status=403, code="wrong_password")
+    out = tmp_path / "ca.llmgw"
+    result = export_ca("--out", str(out))
+    assert (result.exit_code, result.stdout, result.stderr) == (1, "", f"error: {message}\n")
+    assert not out.exists()
+
+
+def test_export_ca_checks_the_answer_before_writing_it(
+    export_api: ExportAPI, tmp_path: Path
+) -> None:
+    out = tmp_path / "ca.llmgw"
+    export_api.answer = {"ca_hash": NEW, "file": export_api.sealed.decode()}
+    result = export_ca("--out", str(out))
+    assert result.exit_code == 1
+    assert result.stderr == (
+        f"error: the control plane answered an export of CA {export_api.ca_hash} for CA {NEW}; "
+        "nothing was written. Try again\n"
+    )
+    export_api.answer = {"ca_hash": NEW, "file": "<html>proxy error</html>"}
+    result = export_ca("--out", str(out))
+    assert result.exit_code == 1
+    assert result.stderr.startswith(
+        "error: the control plane's export is not a readable CA export (it is not JSON)"
+    )
+    assert not out.exists()
+
+
+def test_export_ca_help_names_the_variables() -> None:
+    result = CliRunner().invoke(main, ["ctl", "cert", "export-ca", "--help"])
+    assert result.exit_code == 0
+    assert "LLMGW_ADMIN_PASSWORD" in result.output and "LLMGW_CA_PASSPHRASE" in result.output
