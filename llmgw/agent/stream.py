@@ -172,10 +172,12 @@ class StreamClient:
                 server = self.servers[index % len(self.servers)]
                 index += 1
             started = time.monotonic()
+            refused = False
             try:
                 await self._session(server)
                 reason = "stream closed by the control plane"
             except Refused as exc:
+                refused = True
                 reason = f"{server} refused: {exc.message}"
                 if exc.leader and exc.leader != server:
                     named_leader = exc.leader
@@ -196,6 +198,10 @@ class StreamClient:
                     self.on_state("disconnected", server)
             if time.monotonic() - started > 30:
                 self.backoff.reset()
+            if refused:
+                # A live standby answered: a leader is there or about to be (a take-over
+                # takes seconds), so keep looking at a short, jittered pace.
+                self.backoff.attempt = min(self.backoff.attempt, 1)
             delay = self.backoff.next_delay()
             upcoming = named_leader or self.servers[index % len(self.servers)]
             log.warning(

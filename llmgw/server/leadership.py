@@ -283,9 +283,11 @@ class LeaseKeeper:
             self.store.release_lease(self.holder, self.epoch)
 
     def leader_addresses(self) -> tuple[str, str]:
-        """The current leader's stream and HTTP addresses ("" when not known)."""
+        """The current leader's stream and HTTP addresses ("" when none holds a live lease)."""
         try:
             lease = self.store.lease()
+            if lease.expires_at <= self.store.database.server_time():
+                return "", ""  # lapsed: whoever takes it next leads; naming it would mislead
             instance = self.store.get_instance(lease.holder) if lease.holder else None
         except StoreError:
             return "", ""

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -36,7 +36,7 @@ from llmgw.server.store.database import Database
 from llmgw.server.store.dialect import for_engine, placeholders
 from llmgw.server.store.location import Location
 
-__all__ = ["PostgresDatabase", "connect_once"]
+__all__ = ["PostgresDatabase", "connect_once", "ensure_notifications", "listen_async"]
 
 log = logging.getLogger("llmgw.server.store")
 
@@ -447,3 +447,58 @@ def _connect_error(exc: psycopg.Error, location: Location) -> StoreError | Confi
         f"cannot reach database {location.display} at {hosts} ({first}); check that "
         "PostgreSQL runs there and that this machine reaches it (firewall, listen_addresses)"
     )
+
+
+# ------------------------------------------------------------------------ notifications
+
+_NOTIFY_FUNCTION = """
+CREATE OR REPLACE FUNCTION llmgw_notify() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    PERFORM pg_notify('llmgw_changes', TG_TABLE_NAME);
+    RETURN NULL;
+END
+$fn$
+"""
+
+# What a standby routes by: a change to any of these is announced (once per statement; an
+# agent's heartbeat, which updates only last_seen, is not).
+_NOTIFY_ON = {
+    "replicas": "INSERT OR DELETE OR UPDATE OF state, model",
+    "shards": "INSERT OR DELETE OR UPDATE OF state, port, node_id",
+    "nodes": "INSERT OR DELETE OR UPDATE OF state, dataplane_addr, lost, draining",
+    "models": "INSERT OR DELETE OR UPDATE",
+    "api_keys": "INSERT OR DELETE OR UPDATE",
+    "certificates": "INSERT OR DELETE OR UPDATE OF revoked_at",
+}
+
+
+def ensure_notifications(db: PostgresDatabase) -> None:
+    """The triggers that announce changes on ``llmgw_changes`` (made again at every open:
+    they are not data, and a later llmgw may announce more)."""
+    with db.unfenced(), db.write(), db.guard():
+        conn = db._tx
+        assert conn is not None
+        conn.execute(pgsql.SQL(_NOTIFY_FUNCTION))
+        for table, events in _NOTIFY_ON.items():
+            name = f"llmgw_notify_{table}"
+            conn.execute(pgsql.SQL(f"DROP TRIGGER IF EXISTS {name} ON {table}"))
+            conn.execute(
+                pgsql.SQL(
+                    f"CREATE TRIGGER {name} AFTER {events} ON {table} "
+                    "FOR EACH STATEMENT EXECUTE FUNCTION llmgw_notify()"
+                )
+            )
+
+
+async def listen_async(db: Database, channel: str) -> AsyncIterator[str]:
+    """The payloads of *channel*'s notifications, on a connection of its own (it ends when
+    that connection does)."""
+    if not isinstance(db, PostgresDatabase):
+        raise StoreError("notifications are PostgreSQL's; this database is SQLite")
+    conn = await psycopg.AsyncConnection.connect(_conninfo(db.location), autocommit=True)
+    try:
+        await conn.execute(pgsql.SQL(f"LISTEN {channel}"))
+        async for notify in conn.notifies():
+            yield notify.payload
+    finally:
+        await conn.close()

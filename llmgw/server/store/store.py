@@ -87,6 +87,11 @@ class Store:
         db = open_database(_location(where), clock=clock)
         try:
             migrate_schema(db)
+            if db.engine == "postgresql":
+                from llmgw.server.store.postgres import PostgresDatabase, ensure_notifications
+
+                assert isinstance(db, PostgresDatabase)
+                ensure_notifications(db)
         except BaseException:
             db.close()
             raise
