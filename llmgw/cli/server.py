@@ -9,6 +9,7 @@ plane's state without running it (``migrate``: SQLite to PostgreSQL).
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ from llmgw.contracts.paths import DEFAULT_SERVER_CONFIG
 from llmgw.log import setup_logging
 from llmgw.server.app import ControlPlane
 from llmgw.server.config import ServerConfig, load_server_config
+from llmgw.server.store.location import parse_location
+from llmgw.server.store.transfer import migrate_to_postgresql
 
 __all__ = ["server"]
 
@@ -126,4 +129,88 @@ def _import_ca(cfg: ServerConfig, path: Path) -> None:
     click.echo(
         "this instance makes its own server and client certificates at its first start; "
         "start the control plane: systemctl start llmgw-server"
+    )
+
+
+@server.command("migrate")
+@click.option(
+    "--from",
+    "source",
+    required=True,
+    metavar="sqlite:///PATH",
+    help="The control plane's SQLite file (a plain path too).",
+)
+@click.option(
+    "--to",
+    "target",
+    required=True,
+    metavar="postgresql://USER@HOST[:PORT]/DBNAME",
+    help="The empty PostgreSQL database, as server.yaml's database: will name it; no password.",
+)
+@click.option(
+    "--password-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A file holding the role's password (mode 0600); without it libpq reads PGPASSFILE "
+    "(env) or ~/.pgpass.",
+)
+@click.option(
+    "--state-dir",
+    "lock_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The control plane's state directory, whose leader.lock says whether it runs "
+    "(default: the SQLite file's directory).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def migrate(
+    source: str, target: str, password_file: Path | None, lock_dir: Path | None, as_json: bool
+) -> None:
+    """Move a stopped control plane's state from its SQLite file into an empty PostgreSQL
+    database.
+
+    Every table is copied in one transaction and the rows counted on both sides before it
+    commits; nothing is written when a check fails. A file of an older schema is migrated in
+    place first, as the control plane would on its next start. The SQLite file is left as it
+    was: keep it as the backup."""
+    src = parse_location(source, key="--from")
+    dst = parse_location(target, password_file=password_file, key="--to")
+    done = migrate_to_postgresql(src, dst, state_dir=lock_dir)
+    step = _next_step(target, password_file, Path(src.path))
+    if as_json:
+        data = {
+            "source": done.source,
+            "target": done.target,
+            "schema_version": done.schema_version,
+            "upgraded_from": done.upgraded_from,
+            "tables": done.rows,
+            "next": step,
+        }
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    upgraded = (
+        f", its schema first upgraded from {done.upgraded_from}"
+        if done.upgraded_from != done.schema_version
+        else ""
+    )
+    click.echo(
+        f"copied {done.source} into {done.target} (schema version {done.schema_version}"
+        f"{upgraded}); rows by table:"
+    )
+    width = max(len(name) for name in [*done.rows, "TABLE"])
+    click.echo(f"  {'TABLE'.ljust(width)}  ROWS")
+    for name, rows in done.rows.items():
+        click.echo(f"  {name.ljust(width)}  {rows}")
+    click.echo(f"next: {step}")
+
+
+def _next_step(url: str, password_file: Path | None, sqlite: Path) -> str:
+    """What the operator does next: server.yaml's database (the URL quoted: a flow mapping
+    would split it at a comma between hosts)."""
+    if password_file is not None:
+        setting = f"{{url: {json.dumps(url)}, password_file: {password_file.absolute()}}}"
+        note = ""
+    else:
+        setting, note = json.dumps(url), " (the password in the llmgw user's ~/.pgpass)"
+    return (
+        f"set database: {setting} in server.yaml{note}, start the control plane "
+        f"(systemctl start llmgw-server); keep {sqlite.absolute()} as the backup"
     )

@@ -16,7 +16,8 @@ says what to do. The package:
 - ``rows``      the row types the store hands out;
 - ``nodes``, ``models``, ``credentials``, ``updates``, ``engines``, ``events``: one class per group
   of tables, holding their SQL;
-- ``store``     :class:`Store`, which composes them.
+- ``store``     :class:`Store`, which composes them;
+- ``transfer``  a whole database copied from one engine to another (``llmgw server migrate``).
 
 The tables' SQL is plain and runs on both engines unchanged but for its ``?`` placeholders.
 """

@@ -26,7 +26,7 @@ class NodeUpdates:
         with self._db.write():
             self._db.execute(
                 "INSERT INTO node_updates(node_id, counter, updated_at) VALUES (?, 1, ?) "
-                "ON CONFLICT(node_id) DO UPDATE SET counter = counter + 1",
+                "ON CONFLICT(node_id) DO UPDATE SET counter = node_updates.counter + 1",
                 (node_id, now),
             )
             row = self._db.one("SELECT counter FROM node_updates WHERE node_id = ?", (node_id,))
