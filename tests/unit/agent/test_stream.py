@@ -443,3 +443,34 @@ def test_a_standbys_refusal_still_sends_the_agent_to_the_leader_it_names(
     assert welcomed[0] == leader
     assert client.servers.rotation() == (standby_addr, leader)
     assert json.loads(_learnt_file(tmp_path).read_text()) == {"servers": [standby_addr, leader]}
+
+
+def test_a_deposed_leaders_list_is_never_taken(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A control plane whose Welcome carries an epoch below the agent's fence is refused
+    before anything it says next is read: its list of control planes teaches nothing."""
+    pki_dir = tmp_path / "pki"
+    servicer = Scripted([_welcome(epoch=3), _planes("10.9.9.9:7443")])
+
+    async def main() -> StreamClient:
+        server, port = await _serve(pki_dir, servicer)
+        client, welcomed = _agent(pki_dir, tmp_path, (f"127.0.0.1:{port}",))
+        client.oplog.observe_epoch(5)  # a successor's epoch, accepted before
+        task = asyncio.create_task(client.run())
+        try:
+            await _until(lambda: len(servicer.hellos) >= 2, "two tries")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(None)
+        assert welcomed == []
+        return client
+
+    with caplog.at_level(logging.INFO, logger="llmgw.agent"):
+        client = asyncio.run(main())
+    assert client.servers.learnt == ()
+    assert not _learnt_file(tmp_path).exists()
+    assert not _lines(caplog, "learnt the control planes from the leader")
+    reasons = [r.fields["reason"] for r in _lines(caplog, RECONNECTING)]  # type: ignore[attr-defined]
+    assert reasons and all("lower than 5 already accepted" in r for r in reasons), reasons
