@@ -12,6 +12,11 @@ lost-state rekey token: the same node record, a new key, approval by fingerprint
 facts (``--fabric``, ``--nvidia-smi``, ``--ib-root``, ``--engine``) go into the agent.yaml
 written when there is none (``none`` for a fabric or an engine: the key is left out).
 
+Every control-plane instance the enrolment answer lists goes into the agent.yaml written
+here (``servers``); when the operator's agent.yaml is kept (it exists, or a rekey), the list
+goes into the state directory's ``servers.json`` instead (llmgw.agent.servers), which the
+agent dials after agent.yaml's own.
+
 Over 600 lines because it is one protocol, read top to bottom in the order it runs: the
 inputs, the pinned CA fetch, the enrolment request, the checks of the answer and the files;
 each part exists only for the next.
@@ -41,6 +46,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw import netaddr, pki
 from llmgw.agent.config import load_agent_config, parse_agent_config
+from llmgw.agent.servers import SERVERS_FILE, servers_json
+from llmgw.contracts.control_planes import check_control_planes
 from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, NodeFacts
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT
@@ -55,7 +62,7 @@ from llmgw.errors import (
     TokenError,
 )
 from llmgw.fsutil import create_file, fsync_dir, make_dir, stage_file
-from llmgw.netaddr import format_hostport, parse_hostport
+from llmgw.netaddr import format_hostport
 
 __all__ = [
     "JoinPaths",
@@ -523,16 +530,12 @@ def _check_answer(
     servers_value = answer.get("servers")
     if not isinstance(servers_value, list) or not all(isinstance(s, str) for s in servers_value):
         raise _bad("its 'servers' is not a list of host:port addresses")
-    servers: list[str] = []
-    for item in servers_value:
-        try:
-            host, port = parse_hostport(item, default_port=DEFAULT_GRPC_PORT)
-        except ConfigError as exc:
-            raise _bad(f"server address {item!r} {exc}") from None
-        address = format_hostport(host, port)
-        if address not in servers:
-            servers.append(address)
-    return cert, uid, str(state), float(expires), tuple(servers)
+    try:
+        # The agent takes the leader's later lists by the same check (llmgw.agent.servers).
+        servers = check_control_planes(servers_value) if servers_value else ()
+    except ConfigError as exc:
+        raise _bad(f"its 'servers': {exc}") from None
+    return cert, uid, str(state), float(expires), servers
 
 
 # --------------------------------------------------------------------------- files
@@ -748,9 +751,9 @@ def join(
             "join as a new node",
             code="already_joined",
         )
+    learnt_path = paths.state_dir / SERVERS_FILE
     targets = [paths.key, paths.cert, paths.ca, paths.uid]
-    if not config_exists:
-        targets.append(paths.config)
+    targets.append(learnt_path if config_exists else paths.config)
     for target in targets:
         _check_writable(target)
 
@@ -786,6 +789,7 @@ def join(
     cert, uid, state, expires_at, servers = _check_answer(
         answer, node_id=node_id, key=key, ca=ca, old_uid=old_uid or node_uid
     )
+    learnt = servers
     if not servers:
         servers = (format_hostport(url.host, DEFAULT_GRPC_PORT),)
     config_text = (
@@ -810,6 +814,10 @@ def join(
     ]
     if old_uid is None:
         files.append((paths.uid, (uid + "\n").encode(), 0o644))
+    if config_exists and learnt:
+        # agent.yaml is the operator's (root's) and kept: the agent finds the instances
+        # the enrolment named beside its identity instead.
+        files.append((learnt_path, servers_json(learnt), 0o600))
     _write_files(files)
 
     written = _write_config_if_missing(paths.config, config_text) if config_text else False

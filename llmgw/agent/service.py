@@ -30,6 +30,7 @@ from llmgw.agent.oplog import OperationLog
 from llmgw.agent.renewal import Renewer, recover_identity
 from llmgw.agent.runtimes import Launch, Runtime, get_runtime
 from llmgw.agent.runtimes.containers import launch_for
+from llmgw.agent.servers import KnownServers
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec
 from llmgw.agent.stream import Credentials, StreamClient, StreamState
 from llmgw.agent.update_spool import Spooler
@@ -172,6 +173,8 @@ class Agent:
                 self._remove_leftover_installs()
             with step("operation log"):
                 oplog = OperationLog(cfg.state_dir / "oplog.json")
+            with step("known control planes"):
+                servers = KnownServers(cfg.servers, cfg.state_dir)
             with step("shard runtime"):
                 runtime = get_runtime(
                     cfg.runtime, docker_network=cfg.docker.network, docker_host=cfg.docker.host
@@ -183,12 +186,12 @@ class Agent:
             with step("data plane listener"):
                 dataplane = await self._start_dataplane(identity, shards, running)
             with step("control-plane stream"):
-                self._start_stream(identity, oplog, shards, inventory, dataplane, running)
+                self._start_stream(identity, oplog, servers, shards, inventory, dataplane, running)
             log.info(
                 "agent started",
                 extra=kv(
                     node=cfg.node_id,
-                    servers=",".join(cfg.servers),
+                    servers=",".join(servers.rotation()),
                     dataplane=f"{dataplane.host}:{dataplane.bound_port}",
                 ),
             )
@@ -267,6 +270,7 @@ class Agent:
         self,
         identity: NodeIdentity,
         oplog: OperationLog,
+        servers: KnownServers,
         shards: ShardManager,
         inventory: InventoryWatcher,
         dataplane: DataPlane,
@@ -278,7 +282,7 @@ class Agent:
         cfg = self.cfg
         stream = StreamClient(
             node_id=cfg.node_id,
-            servers=cfg.servers,
+            servers=servers,
             credentials=identity.credentials,
             shards=shards,
             oplog=oplog,

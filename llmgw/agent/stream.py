@@ -1,6 +1,8 @@
 """The agent's end of the Connect stream: dial, say Hello, carry out orders, reconnect.
 
-The agent tries each configured control plane in turn with jittered exponential backoff.
+The agent tries each control plane it knows in turn (agent.yaml's, then those the leader
+named: :class:`~llmgw.agent.servers.KnownServers`) with jittered exponential backoff; a
+standby's refusal that names the leader sends it there next.
 Every order is checked against the operation log first: an order from a lower epoch is
 rejected and reported, an op id already applied is acknowledged without being applied.
 Orders are carried out by the parts the service hands in: shard starts and stops by the
@@ -23,6 +25,7 @@ import grpc
 
 from llmgw import __version__
 from llmgw.agent.oplog import OperationLog
+from llmgw.agent.servers import KnownServers
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec, ShardState
 from llmgw.errors import EngineError, LlmgwError, StaleEpoch, UpdateError
 from llmgw.log import kv
@@ -91,7 +94,7 @@ class StreamClient:
         self,
         *,
         node_id: str,
-        servers: tuple[str, ...],
+        servers: KnownServers,
         credentials: Callable[[], Credentials],
         shards: ShardManager,
         oplog: OperationLog,
@@ -161,15 +164,17 @@ class StreamClient:
     # -- the connection loop ---------------------------------------------------------------
 
     async def run(self) -> None:
-        """Connect forever, moving through ``servers`` (or to a named leader); returns only
-        when cancelled."""
+        """Connect forever, moving through the known servers (or to a named leader); returns
+        only when cancelled. The list is read again before each dial: what the leader named
+        on one stream is tried on the next."""
         index = 0
         named_leader: str | None = None
         while True:
             if named_leader is not None:
                 server, named_leader = named_leader, None
             else:
-                server = self.servers[index % len(self.servers)]
+                rotation = self.servers.rotation()
+                server = rotation[index % len(rotation)]
                 index += 1
             started = time.monotonic()
             refused = False
@@ -203,7 +208,8 @@ class StreamClient:
                 # takes seconds), so keep looking at a short, jittered pace.
                 self.backoff.attempt = min(self.backoff.attempt, 1)
             delay = self.backoff.next_delay()
-            upcoming = named_leader or self.servers[index % len(self.servers)]
+            rotation = self.servers.rotation()
+            upcoming = named_leader or rotation[index % len(rotation)]
             log.warning(
                 "control plane stream ended; reconnecting",
                 extra=kv(server=server, reason=reason, next=upcoming, retry_in=f"{delay:.2f}s"),
@@ -252,6 +258,8 @@ class StreamClient:
                         self.on_renewal_answer(msg.renew_certificate)
                     elif kind == "trust_bundle":
                         self.on_trust_bundle(msg.trust_bundle)
+                    elif kind == "control_planes":
+                        self._control_planes(msg.control_planes, server)
                     elif kind == "start_shard":
                         self._spawn_order(
                             msg.start_shard.meta,
@@ -320,6 +328,17 @@ class StreamClient:
             )
         self.on_state("connected", server)
         self._set_node_state(welcome.node_state or "approved", "")
+
+    def _control_planes(self, msg: pb.ControlPlanes, server: str) -> None:
+        # Only the leader that welcomed us (its epoch checked) may say where the cluster
+        # is; the refusal of a standby names the leader in a Refuse, never in this.
+        if self.connected_to != server:
+            log.warning(
+                "ignoring a list of control planes sent before the Welcome",
+                extra=kv(server=server, entries=len(msg.servers)),
+            )
+            return
+        self.servers.learn(msg.servers, source=server)
 
     def _set_node_state(self, state: str, message: str) -> None:
         if state == self.node_state:

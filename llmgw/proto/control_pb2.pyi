@@ -253,7 +253,7 @@ class CertificateRequest(_message.Message):
     def __init__(self, csr_pem: _Optional[str] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "start_shard", "stop_shard", "renew_certificate", "node_state", "refuse", "install_engine", "update_order", "trust_bundle")
+    __slots__ = ("welcome", "start_shard", "stop_shard", "renew_certificate", "node_state", "refuse", "install_engine", "update_order", "trust_bundle", "control_planes")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     START_SHARD_FIELD_NUMBER: _ClassVar[int]
     STOP_SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,7 @@ class ServerMessage(_message.Message):
     INSTALL_ENGINE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ORDER_FIELD_NUMBER: _ClassVar[int]
     TRUST_BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_PLANES_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     start_shard: StartShard
     stop_shard: StopShard
@@ -272,7 +273,14 @@ class ServerMessage(_message.Message):
     install_engine: InstallEngine
     update_order: UpdateOrder
     trust_bundle: TrustBundle
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., install_engine: _Optional[_Union[InstallEngine, _Mapping]] = ..., update_order: _Optional[_Union[UpdateOrder, _Mapping]] = ..., trust_bundle: _Optional[_Union[TrustBundle, _Mapping]] = ...) -> None: ...
+    control_planes: ControlPlanes
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., install_engine: _Optional[_Union[InstallEngine, _Mapping]] = ..., update_order: _Optional[_Union[UpdateOrder, _Mapping]] = ..., trust_bundle: _Optional[_Union[TrustBundle, _Mapping]] = ..., control_planes: _Optional[_Union[ControlPlanes, _Mapping]] = ...) -> None: ...
+
+class ControlPlanes(_message.Message):
+    __slots__ = ("servers",)
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    servers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, servers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TrustBundle(_message.Message):
     __slots__ = ("ca_pems", "pins", "cross_pems", "drop_at")

@@ -511,6 +511,7 @@ class ControlPlane:
             epoch=self.epoch,
             heartbeat_interval=self.cfg.heartbeat_interval,
             cert_lifetime=self.cfg.cert_lifetime,
+            control_planes=self.stream_addresses,
         )
         self._grpc, self.grpc_port = await start_stream_server(
             self.server_identity,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from cryptography import x509
 
@@ -28,7 +28,7 @@ from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
 from llmgw.server.states import NodeState, ShardState
 from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
+from llmgw.server.stream import NodeSession, checked_control_planes
 
 __all__ = ["Sessions"]
 
@@ -163,6 +163,21 @@ class Sessions:
 
     def on_message(self, session: NodeSession, msg: pb.AgentMessage) -> None:
         self.reports.on_message(session, msg)
+
+    def broadcast_control_planes(self, servers: Sequence[str]) -> int:
+        """Tell every live agent the changed list of control-plane instances (an instance
+        added or retired); the number of agents told. A list agents would refuse (or an
+        empty one) goes to none, with one warning."""
+        checked = checked_control_planes(servers)
+        if not checked:
+            return 0
+        told = sum(
+            1 for session in list(self.live.values()) if session.send_control_planes(checked)
+        )
+        log.info(
+            "told the agents the control planes", extra=kv(servers=",".join(checked), agents=told)
+        )
+        return told
 
     # -- a stream closes -------------------------------------------------------------------------
 

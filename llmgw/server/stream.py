@@ -2,9 +2,11 @@
 
 One ``NodeSession`` per connected agent. A stream is accepted only when the node id its
 Hello claims is the CN of the client certificate it presented; otherwise both ends are
-told why. Every message after the Hello passes the session's :class:`Intake` (size and
-rate limits, what a pending node may send) first. Orders to the node are queued on its
-session and carry the leader's epoch and a fresh op id.
+told why. The Welcome is followed by the list of every control-plane instance
+(``pb.ControlPlanes``), which agents keep to find the cluster again when the instances they
+were given are gone. Every message after the Hello passes the session's :class:`Intake`
+(size and rate limits, what a pending node may send) first. Orders to the node are queued
+on its session and carry the leader's epoch and a fresh op id.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -22,6 +24,7 @@ from cryptography import x509
 from google.protobuf.message import DecodeError
 
 from llmgw import __version__
+from llmgw.contracts.control_planes import check_control_planes
 from llmgw.errors import ConfigError, LlmgwError
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
@@ -38,6 +41,7 @@ __all__ = [
     "NodeSession",
     "SessionHandler",
     "UpdateHandler",
+    "checked_control_planes",
     "peer_common_name",
     "start_stream_server",
     "version_refusal",
@@ -129,6 +133,17 @@ class NodeSession:
         )
         return meta.op_id
 
+    def send_control_planes(self, servers: Sequence[str]) -> bool:
+        """Tell the agent every current control-plane instance (``servers``, as
+        :func:`checked_control_planes` passed them); nothing is sent for an empty list, and
+        then False."""
+        if not servers:
+            return False
+        self.queue.put_nowait(
+            pb.ServerMessage(control_planes=pb.ControlPlanes(servers=list(servers)))
+        )
+        return True
+
     def send(self, msg: pb.ServerMessage) -> None:
         self.queue.put_nowait(msg)
 
@@ -190,6 +205,22 @@ def version_refusal(agent_version: str, server_version: str) -> str | None:
         "(control plane first, then agents), or reinstall this node with the control plane's "
         "bundle; the agent keeps retrying meanwhile"
     )
+
+
+def checked_control_planes(servers: Sequence[str]) -> tuple[str, ...]:
+    """The instance list agents are sent, as the agents check it
+    (llmgw.contracts.control_planes); an empty tuple, with a warning naming what is wrong,
+    for a list they would refuse: they then keep what they knew."""
+    if not servers:
+        return ()
+    try:
+        return check_control_planes(servers)
+    except ConfigError as exc:
+        log.warning(
+            "not sending agents the list of control planes: they would refuse it",
+            extra=kv(error=str(exc), servers=",".join(str(s)[:80] for s in servers[:8])),
+        )
+        return ()
 
 
 def peer_certificate(context: grpc.aio.ServicerContext) -> x509.Certificate | None:
@@ -263,6 +294,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         heartbeat_interval: float,
         cert_lifetime: float,
         server_version: str = __version__,
+        control_planes: Callable[[], Sequence[str]] = lambda: (),
     ) -> None:
         self.store = store
         self.sessions = sessions
@@ -272,6 +304,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self.heartbeat_interval = heartbeat_interval
         self.cert_lifetime = cert_lifetime
         self.server_version = server_version
+        # host:port of every current instance's stream, as agents dial them.
+        self.control_planes = control_planes
         # Per node, across its reconnections (llmgw.server.intake).
         self._intakes: dict[str, Intake] = {}
 
@@ -374,6 +408,9 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 )
             )
         )
+        planes = self._control_planes(session)
+        if planes:  # second on the stream, whatever was queued meanwhile
+            await context.write(pb.ServerMessage(control_planes=pb.ControlPlanes(servers=planes)))
         self.sessions.after_hello(session, hello)
         # An update ordered while the node was away goes out now (unless it expired).
         self.updates.on_connect(session)
@@ -392,6 +429,18 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, session.intake.abuse)
         if session.garbage is not None:
             await _refuse_garbage(context, peer, session.node_id, session.garbage)
+
+    def _control_planes(self, session: NodeSession) -> tuple[str, ...]:
+        # A list that cannot be had now costs the agent only this connection's copy (it
+        # keeps the one it has), never the stream.
+        try:
+            return checked_control_planes(self.control_planes())
+        except LlmgwError as exc:
+            log.warning(
+                "cannot list the control planes for an agent",
+                extra=kv(node=session.node_id, error=str(exc)[:300]),
+            )
+            return ()
 
     async def _read(self, context: grpc.aio.ServicerContext, session: NodeSession) -> None:
         intake = session.intake = session.intake or self._intake(session.node_id)

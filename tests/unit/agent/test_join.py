@@ -29,6 +29,7 @@ from llmgw import pki
 from llmgw.agent import join as join_module
 from llmgw.agent.config import load_agent_config
 from llmgw.agent.join import JoinResult, join
+from llmgw.agent.servers import KnownServers
 from llmgw.cli import main, prompts
 from llmgw.contracts.nodefacts import NodeFacts
 from llmgw.contracts.rekeyproof import proof_message, verify_proof
@@ -270,6 +271,77 @@ def test_an_existing_config_decides_the_paths_and_is_kept(fake: Fake, node: Path
     assert config.read_text() == text and not result.config_written
     assert mode(node / "keys" / "my.key") == 0o600
     assert (node / "var" / "node.crt").is_file() and (node / "var" / "node.uid").is_file()
+
+
+def test_a_fresh_join_puts_every_server_in_agent_yaml_and_learns_nothing(
+    fake: Fake, node: Path
+) -> None:
+    fake.servers = ("cp-1.example:7443", "10.0.0.2:7443", "[fd00::3]:7443", "10.0.0.2:7443")
+    result = do_join(fake, node)
+    listed = ["cp-1.example:7443", "10.0.0.2:7443", "[fd00::3]:7443"]
+    assert yaml.safe_load((node / "etc" / "agent.yaml").read_text())["servers"] == listed
+    assert result.servers == tuple(listed)
+    assert not (node / "state" / "servers.json").exists()  # agent.yaml holds them all
+
+
+def test_a_kept_config_gets_the_enrolments_servers_in_the_state_directory(
+    fake: Fake, node: Path
+) -> None:
+    """agent.yaml is the operator's and kept as it is: the instances the enrolment names go
+    into servers.json beside the identity, which the agent dials after agent.yaml's."""
+    config = node / "agent.yaml"
+    config.parent.mkdir(parents=True)
+    text = f"server: cp-9:7443\nnode_id: {NODE}\nstate_dir: {node / 'var'}\n"
+    config.write_text(text)
+    do_join(fake, node, config_path=config, state_dir=None)
+    assert config.read_text() == text
+    learnt = node / "var" / "servers.json"
+    assert json.loads(learnt.read_text()) == {"servers": list(fake.servers)}
+    assert mode(learnt) == 0o600
+    known = KnownServers(load_agent_config(config).servers, node / "var")
+    assert known.rotation() == ("cp-9:7443", *fake.servers)
+
+
+def test_a_rekey_keeps_agent_yaml_and_learns_the_servers_named_now(fake: Fake, node: Path) -> None:
+    do_join(fake, node)
+    config_before = (node / "etc" / "agent.yaml").read_bytes()
+    fake.servers = ("cp-2.example:7443", "cp-3.example:7443")
+    do_join(fake, node, rekey=True, state_dir=None)
+    assert (node / "etc" / "agent.yaml").read_bytes() == config_before
+    learnt = json.loads((node / "state" / "servers.json").read_text())
+    assert learnt == {"servers": ["cp-2.example:7443", "cp-3.example:7443"]}
+
+
+def test_no_server_named_falls_back_to_the_enrolment_host_and_learns_nothing(
+    fake: Fake, node: Path
+) -> None:
+    fake.servers = ()
+    result = do_join(fake, node)
+    assert result.servers == ("127.0.0.1:7443",)
+    assert yaml.safe_load((node / "etc" / "agent.yaml").read_text())["server"] == "127.0.0.1:7443"
+    fake.servers = ()
+    do_join(fake, node, rekey=True, state_dir=None)
+    assert not (node / "state" / "servers.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("servers", "reason"),
+    [
+        (("cp-1.example:7443", "cp-2.example"), "control plane [1]: 'cp-2.example' has no port"),
+        (("0.0.0.0:7443",), "control plane [0] '0.0.0.0:7443' is a wildcard listen address"),
+        (tuple(f"cp-{i}:7443" for i in range(65)), "the list names 65 control planes"),
+    ],
+)
+def test_a_bad_server_list_is_refused_and_nothing_written(
+    fake: Fake, node: Path, servers: tuple[str, ...], reason: str
+) -> None:
+    fake.servers = servers
+    with pytest.raises(EnrolmentError) as info:
+        do_join(fake, node)
+    assert info.value.code == "bad_response"
+    assert f"its 'servers': {reason}" in str(info.value), str(info.value)
+    assert "nothing was written" in str(info.value)
+    assert not node.exists()
 
 
 def test_a_config_for_another_node_is_refused_naming_both(fake: Fake, node: Path) -> None:

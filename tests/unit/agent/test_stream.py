@@ -6,7 +6,9 @@ the reason."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ from llmgw import pki
 from llmgw.agent import stream
 from llmgw.agent.oplog import OperationLog
 from llmgw.agent.runtimes.process import ProcessRuntime
+from llmgw.agent.servers import KnownServers
 from llmgw.agent.shards import ShardManager
 from llmgw.agent.stream import Backoff, Credentials, StreamClient
 from llmgw.contracts.ports import PortRange
@@ -79,7 +82,7 @@ def _client(pki_dir: Path, tmp_path: Path, port: int) -> StreamClient:
     ident = pki.issue_node_cert(ca, "gpu-1", tmp_path / "agent")
     client = StreamClient(
         node_id="gpu-1",
-        servers=(f"127.0.0.1:{port}",),
+        servers=KnownServers((f"127.0.0.1:{port}",), tmp_path / "agent"),
         credentials=lambda: Credentials(
             cert=ident.cert.read_bytes(), key=ident.key.read_bytes(), ca=ident.ca.read_bytes()
         ),
@@ -228,3 +231,246 @@ def test_a_start_shard_outside_multinode_ports_is_answered_with_the_reason(
     )
     assert "re-run install-agent.sh so that the firewall follows" in result.error
     assert statuses == []  # nothing started, so no shard status either
+
+
+# ------------------------------------------------------------ the control planes the leader names
+
+
+@dataclass
+class Scripted(pb_grpc.ControlPlaneServicer):
+    """Answers each Hello with ``script`` (a Refuse in it ends the stream as a standby's
+    does), then holds the stream open for a while."""
+
+    script: list[pb.ServerMessage]
+    hellos: list[pb.Hello] = field(default_factory=list)
+    hold: float = 0.3
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[pb.AgentMessage], context: Any
+    ) -> AsyncIterator[pb.ServerMessage]:
+        first = await request_iterator.__anext__()
+        self.hellos.append(first.hello)
+        for msg in self.script:
+            yield msg
+            if msg.WhichOneof("msg") == "refuse":
+                return
+        await asyncio.sleep(self.hold)
+
+
+def _welcome(epoch: int = 1) -> pb.ServerMessage:
+    return pb.ServerMessage(welcome=pb.Welcome(cluster_id="c", epoch=epoch, node_state="approved"))
+
+
+def _planes(*servers: str) -> pb.ServerMessage:
+    return pb.ServerMessage(control_planes=pb.ControlPlanes(servers=list(servers)))
+
+
+def _dead_address() -> str:
+    """host:port where nothing listens (bound once, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _agent(pki_dir: Path, tmp_path: Path, seeds: tuple[str, ...]) -> tuple[StreamClient, list[str]]:
+    """A client whose KnownServers has ``seeds`` and the state directory tmp_path/agent; and
+    the servers it was welcomed by, in order."""
+    client = _client(pki_dir, tmp_path, 0)
+    client.servers = KnownServers(seeds, tmp_path / "agent")
+    welcomed: list[str] = []
+    client.on_state = lambda state, server: (
+        welcomed.append(server or "") if state == "connected" else None
+    )
+    return client, welcomed
+
+
+async def _until(check: Any, what: str, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _learnt_file(tmp_path: Path) -> Path:
+    return tmp_path / "agent" / "servers.json"
+
+
+def test_the_leaders_list_is_kept_and_a_restarted_agent_dials_it_when_its_seed_is_gone(
+    tmp_path: Path,
+) -> None:
+    """The first agent knows the leader from agent.yaml and learns it (and a second instance)
+    from the leader; the next agent's agent.yaml names only an address where nothing
+    listens, and it reaches the leader through what the first one learnt."""
+    pki_dir = tmp_path / "pki"
+    other = _dead_address()
+    servicer = Scripted([])
+
+    async def main() -> tuple[list[str], list[str], tuple[str, ...]]:
+        server, port = await _serve(pki_dir, servicer)
+        leader = f"127.0.0.1:{port}"
+        servicer.script = [_welcome(), _planes(leader, other)]
+        try:
+            first, first_welcomed = _agent(pki_dir, tmp_path, (leader,))
+            task = asyncio.create_task(first.run())
+            await _until(lambda: _learnt_file(tmp_path).exists(), "servers.json")
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+            # Restarted, with an agent.yaml that names only a gone instance.
+            gone = _dead_address()
+            second, second_welcomed = _agent(pki_dir, tmp_path, (gone,))
+            assert second.servers.rotation() == (gone, leader, other)
+            task = asyncio.create_task(second.run())
+            await _until(lambda: second_welcomed, "the second agent's welcome")
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return first_welcomed, second_welcomed, second.servers.rotation()
+        finally:
+            await server.stop(None)
+
+    first_welcomed, second_welcomed, rotation = asyncio.run(main())
+    leader = first_welcomed[0]
+    assert json.loads(_learnt_file(tmp_path).read_text()) == {"servers": [leader, other]}
+    assert second_welcomed[0] == leader
+    assert rotation[1:] == (leader, other)  # the seed first, always
+    assert len(servicer.hellos) >= 2
+
+
+def test_a_list_before_the_welcome_is_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pki_dir = tmp_path / "pki"
+    servicer = Scripted([_planes("10.9.9.9:7443"), _welcome()])
+
+    async def main() -> StreamClient:
+        server, port = await _serve(pki_dir, servicer)
+        client, welcomed = _agent(pki_dir, tmp_path, (f"127.0.0.1:{port}",))
+        task = asyncio.create_task(client.run())
+        try:
+            await _until(lambda: welcomed and len(servicer.hellos) >= 2, "two sessions")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(None)
+        return client
+
+    with caplog.at_level(logging.WARNING, logger="llmgw.agent.stream"):
+        client = asyncio.run(main())
+    assert client.servers.learnt == ()
+    assert not _learnt_file(tmp_path).exists()
+    ignored = _lines(caplog, "ignoring a list of control planes sent before the Welcome")
+    assert ignored and ignored[0].fields["entries"] == 1  # type: ignore[attr-defined]
+
+
+def test_a_bad_list_is_ignored_and_the_stream_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A list with one bad entry, too long or empty changes nothing and does not end the
+    stream: the good list after them, on the same stream, is taken."""
+    pki_dir = tmp_path / "pki"
+    servicer = Scripted([], hold=30.0)
+
+    async def main() -> StreamClient:
+        server, port = await _serve(pki_dir, servicer)
+        leader = f"127.0.0.1:{port}"
+        servicer.script = [
+            _welcome(),
+            _planes(leader, "10.0.0.2:7443"),
+            _planes(leader, "10.0.0.3"),  # no port: refused whole
+            _planes(*[f"10.0.1.{i}:7443" for i in range(65)]),  # too many
+            _planes(),  # empty
+            _planes(leader, "10.0.0.4:7443"),
+        ]
+        client, _ = _agent(pki_dir, tmp_path, (leader,))
+        task = asyncio.create_task(client.run())
+        try:
+            await _until(lambda: client.servers.learnt[-1:] == ("10.0.0.4:7443",), "the last list")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(None)
+        return client
+
+    with caplog.at_level(logging.INFO):
+        client = asyncio.run(main())
+    leader = client.servers.seeds[0]
+    assert len(servicer.hellos) == 1  # one stream throughout
+    refused = _lines(
+        caplog,
+        "ignoring the control plane's list of control planes; still dialling the ones known before",
+    )
+    assert [r.fields["entries"] for r in refused] == [2, 65, 0]  # type: ignore[attr-defined]
+    learnt = _lines(caplog, "learnt the control planes from the leader")
+    assert [r.fields["servers"] for r in learnt] == [  # type: ignore[attr-defined]
+        f"{leader},10.0.0.2:7443",
+        f"{leader},10.0.0.4:7443",
+    ]
+    assert json.loads(_learnt_file(tmp_path).read_text()) == {"servers": [leader, "10.0.0.4:7443"]}
+    assert client.servers.rotation() == (leader, "10.0.0.4:7443")  # 10.0.0.2 retired
+
+
+def test_a_standbys_refusal_still_sends_the_agent_to_the_leader_it_names(
+    tmp_path: Path,
+) -> None:
+    """agent.yaml names the standby only; its Refuse names the leader, which the agent dials
+    next (as before) and whose list it keeps; the standby's refusal teaches it nothing."""
+    pki_dir = tmp_path / "pki"
+    leader_cp = Scripted([])
+    standby = Scripted([])
+
+    async def main() -> tuple[StreamClient, list[str], str, str]:
+        leader_server, leader_port = await _serve(pki_dir, leader_cp)
+        standby_server, standby_port = await _serve(pki_dir, standby)
+        leader, standby_addr = f"127.0.0.1:{leader_port}", f"127.0.0.1:{standby_port}"
+        leader_cp.script = [_welcome(), _planes(standby_addr, leader)]
+        standby.script = [
+            pb.ServerMessage(refuse=pb.Refuse(leader=leader, message="this is a standby")),
+        ]
+        client, welcomed = _agent(pki_dir, tmp_path, (standby_addr,))
+        task = asyncio.create_task(client.run())
+        try:
+            await _until(lambda: _learnt_file(tmp_path).exists(), "servers.json")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await leader_server.stop(None)
+            await standby_server.stop(None)
+        return client, welcomed, leader, standby_addr
+
+    client, welcomed, leader, standby_addr = asyncio.run(main())
+    assert len(standby.hellos) >= 1 and len(leader_cp.hellos) >= 1
+    assert welcomed[0] == leader
+    assert client.servers.rotation() == (standby_addr, leader)
+    assert json.loads(_learnt_file(tmp_path).read_text()) == {"servers": [standby_addr, leader]}
+
+
+def test_a_deposed_leaders_list_is_never_taken(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A control plane whose Welcome carries an epoch below the agent's fence is refused
+    before anything it says next is read: its list of control planes teaches nothing."""
+    pki_dir = tmp_path / "pki"
+    servicer = Scripted([_welcome(epoch=3), _planes("10.9.9.9:7443")])
+
+    async def main() -> StreamClient:
+        server, port = await _serve(pki_dir, servicer)
+        client, welcomed = _agent(pki_dir, tmp_path, (f"127.0.0.1:{port}",))
+        client.oplog.observe_epoch(5)  # a successor's epoch, accepted before
+        task = asyncio.create_task(client.run())
+        try:
+            await _until(lambda: len(servicer.hellos) >= 2, "two tries")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(None)
+        assert welcomed == []
+        return client
+
+    with caplog.at_level(logging.INFO, logger="llmgw.agent"):
+        client = asyncio.run(main())
+    assert client.servers.learnt == ()
+    assert not _learnt_file(tmp_path).exists()
+    assert not _lines(caplog, "learnt the control planes from the leader")
+    reasons = [r.fields["reason"] for r in _lines(caplog, RECONNECTING)]  # type: ignore[attr-defined]
+    assert reasons and all("lower than 5 already accepted" in r for r in reasons), reasons

@@ -22,6 +22,7 @@ import pytest
 
 from llmgw import netaddr, pki
 from llmgw.agent.oplog import OperationLog
+from llmgw.agent.servers import KnownServers
 from llmgw.agent.stream import Credentials, StreamClient
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
@@ -115,7 +116,7 @@ def make_agent(ca: pki.Authority, tmp_path: Path) -> Agent:
     shards = SimpleNamespace(snapshot=list, start=start)
     client = StreamClient(
         node_id="gpu-1",
-        servers=(f"{CP_HOST}:0",),
+        servers=KnownServers((f"{CP_HOST}:0",), tmp_path / "agent"),
         credentials=lambda: Credentials(
             cert=ident.cert.read_bytes(), key=ident.key.read_bytes(), ca=ident.ca.read_bytes()
         ),
@@ -185,7 +186,7 @@ def test_the_refusal_is_one_clear_line(
 
     async def main() -> None:
         server = await peer.serve()
-        agent.client.servers = (f"{CP_HOST}:{peer.port}",)
+        agent.client.servers = KnownServers((f"{CP_HOST}:{peer.port}",), tmp_path / "agent")
         task = asyncio.create_task(agent.client.run())
         try:
             for _ in range(200):

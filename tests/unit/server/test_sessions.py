@@ -6,6 +6,7 @@ a rank-0 shard that turns ready becomes routable."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -270,3 +271,36 @@ def test_a_desired_engine_is_ordered_once_approved_and_its_failure_recorded(
     assert (installed.state, installed.error) == ("failed", "disk full")
     assert "engine_install_failed" in [e.kind for e in store.list_events()]
     assert wired.scheduler._kick.is_set()  # placement looks again
+
+
+def test_a_changed_list_of_control_planes_goes_to_every_live_agent(
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        wired = Wired(tmp_path, store)
+        sessions = [wired.connect(wired.cert(tmp_path, n), n) for n in ("gpu-1", "gpu-2")]
+        for session in sessions:  # what the Hello queued (the reconcile's orders)
+            while not session.queue.empty():
+                session.queue.get_nowait()
+        assert wired.sessions.broadcast_control_planes(["cp-1:7443", "cp-3:7443"]) == 2
+        for session in sessions:
+            msg = session.queue.get_nowait()
+            assert msg is not None
+            assert list(msg.control_planes.servers) == ["cp-1:7443", "cp-3:7443"]
+        # Empty, or one the agents would refuse: nobody is sent anything.
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="llmgw.server.stream"):
+            assert wired.sessions.broadcast_control_planes([]) == 0
+            assert wired.sessions.broadcast_control_planes(["cp-1:7443", "cp-2"]) == 0
+        assert all(s.queue.empty() for s in sessions)
+        (line,) = caplog.records
+        assert line.getMessage() == (
+            "not sending agents the list of control planes: they would refuse it"
+        )
+        # A closed session is no longer told.
+        wired.sessions.close(sessions[0])
+        assert wired.sessions.broadcast_control_planes(["cp-1:7443"]) == 1
+        assert sessions[0].queue.empty() and not sessions[1].queue.empty()
+        wired.sessions.close_all()
+
+    asyncio.run(main())

@@ -4,7 +4,9 @@ an agent of a newer release than the control plane."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -14,7 +16,7 @@ import pytest
 from cryptography import x509
 
 from llmgw import pki
-from llmgw.errors import ConfigError
+from llmgw.errors import ConfigError, StoreError
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.store import Store
@@ -159,7 +161,10 @@ class _Events:
 
 
 def _stream(
-    tmp_path: Path, agent_version: str, server_version: str
+    tmp_path: Path,
+    agent_version: str,
+    server_version: str,
+    control_planes: Callable[[], Sequence[str]] = lambda: (),
 ) -> tuple[list[pb.ServerMessage], grpc.aio.AioRpcError | None, _Sessions, _Events]:
     ca, server_id, _ = pki.ensure_server_identity(tmp_path / "pki", hosts=["127.0.0.1"])
     node = pki.issue_node_cert(ca, "gpu-1", tmp_path / "node")
@@ -173,6 +178,7 @@ def _stream(
         heartbeat_interval=1.0,
         cert_lifetime=3600.0,
         server_version=server_version,
+        control_planes=control_planes,
     )
     hello = pb.Hello(node_id="gpu-1", agent_version=agent_version, dataplane_addr="10.0.0.1:9443")
 
@@ -222,3 +228,56 @@ def test_an_agent_of_the_control_planes_release_is_welcomed_with_its_version(
     assert got[0].welcome.server_version == "0.1.0"
     assert sessions.opened == ["0.1.0+local"]
     assert events == []
+
+
+# ------------------------------------------------------------------- the list of control planes
+
+PLANES = ["cp-1.example:7443", "10.0.0.2:7443", "[fd00::3]:7443"]
+
+
+def test_the_list_of_control_planes_follows_the_welcome(tmp_path: Path) -> None:
+    got, error, _, _ = _stream(tmp_path, "0.1.0", "0.1.0", lambda: PLANES)
+    assert error is None
+    assert [m.WhichOneof("msg") for m in got] == ["welcome", "control_planes"]
+    assert list(got[1].control_planes.servers) == PLANES
+
+
+def _unavailable() -> list[str]:
+    raise StoreError("the database is unreachable; it comes back by itself")
+
+
+@pytest.mark.parametrize(
+    ("planes", "warning"),
+    [
+        (lambda: [], None),  # nothing to say: nothing sent
+        (
+            lambda: ["cp-1.example:7443", "0.0.0.0:7443"],
+            "not sending agents the list of control planes: they would refuse it",
+        ),
+        (_unavailable, "cannot list the control planes for an agent"),
+    ],
+)
+def test_no_list_is_sent_when_there_is_none_the_agents_would_take(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    planes: Callable[[], list[str]],
+    warning: str | None,
+) -> None:
+    """An empty list, one the agents would refuse, or none to be had: the Welcome alone,
+    and the stream is not ended for it."""
+    with caplog.at_level(logging.WARNING, logger="llmgw.server.stream"):
+        got, error, sessions, _ = _stream(tmp_path, "0.1.0", "0.1.0", planes)
+    assert error is None
+    assert [m.WhichOneof("msg") for m in got] == ["welcome"]
+    assert sessions.opened == ["0.1.0"]
+    said = [r.getMessage() for r in caplog.records if r.name == "llmgw.server.stream"]
+    assert said == ([warning] if warning else [])
+
+
+def test_a_session_sends_a_list_only_when_it_names_one() -> None:
+    session = NodeSession(node_id="gpu-1", dataplane_addr="", epoch=1, engines=frozenset())
+    assert not session.send_control_planes(())
+    assert session.queue.empty()
+    assert session.send_control_planes(("cp-1.example:7443",))
+    msg = session.queue.get_nowait()
+    assert msg is not None and list(msg.control_planes.servers) == ["cp-1.example:7443"]
