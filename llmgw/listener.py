@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import ssl
 import time
 from collections.abc import Mapping
@@ -43,6 +44,7 @@ __all__ = [
     "DEFAULT_HEADER_TIMEOUT",
     "GuardedSite",
     "ListenerLimits",
+    "listening_socket",
     "parse_listener_limits",
 ]
 
@@ -132,8 +134,13 @@ class GuardedSite(web.BaseSite):
         backlog: int = 128,
         reuse_address: bool = True,
         hint: str = "",
+        sock: socket.socket | None = None,
     ) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
+        # A listening socket that outlives this site (a control plane changing role keeps
+        # its port: connections wait in the backlog instead of being refused); a duplicate
+        # of it is served and closed with the site.
+        self._sock = sock
         self._host = host
         self._port = port
         self._reuse_address = reuse_address
@@ -163,13 +170,18 @@ class GuardedSite(web.BaseSite):
         loop = asyncio.get_running_loop()
         server = self._runner.server
         assert server is not None
-        self._server = await loop.create_server(
-            lambda: _Gate(self, server),
-            self._host,
-            self._port,
-            backlog=self._backlog,
-            reuse_address=self._reuse_address,
-        )
+        if self._sock is not None:
+            self._server = await loop.create_server(
+                lambda: _Gate(self, server), sock=self._sock.dup(), backlog=self._backlog
+            )
+        else:
+            self._server = await loop.create_server(
+                lambda: _Gate(self, server),
+                self._host,
+                self._port,
+                backlog=self._backlog,
+                reuse_address=self._reuse_address,
+            )
         sockets = self._server.sockets
         self.bound_port = int(sockets[0].getsockname()[1]) if sockets else self._port
 
@@ -470,3 +482,22 @@ class _Gate(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self._handler is not None:
             self._handler.resume_writing()
+
+
+def listening_socket(host: str, port: int, *, backlog: int = 2048) -> socket.socket:
+    """A bound, listening TCP socket for *host* (a name, an IP, or a wildcard) and *port* (0:
+    a free one), for :class:`GuardedSite`'s ``sock``; ``OSError`` when it cannot bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    infos = socket.getaddrinfo(host or None, port, family=0, type=socket.SOCK_STREAM)
+    if infos:
+        family = infos[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(infos[0][4] if infos else (host, port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

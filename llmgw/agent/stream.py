@@ -27,7 +27,7 @@ from llmgw import __version__
 from llmgw.agent.oplog import OperationLog
 from llmgw.agent.servers import KnownServers
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec, ShardState
-from llmgw.errors import EngineError, LlmgwError, StaleEpoch, UpdateError
+from llmgw.errors import EngineError, LlmgwError, StaleEpoch, StreamError, UpdateError
 from llmgw.log import kv
 from llmgw.netaddr import CONTROL_PLANE_NAME
 from llmgw.proto import control_pb2 as pb
@@ -61,6 +61,10 @@ def shard_status(shard: Shard) -> pb.ShardStatus:
         has_exit_code=shard.exit_code is not None,
         pid=shard.pid,
     )
+
+
+SILENCE_FLOOR = 3.0  # seconds: never judged silent sooner, however short the interval
+CONNECT_TIMEOUT = 5.0  # seconds for TCP and TLS to a control plane
 
 
 @dataclass
@@ -129,6 +133,8 @@ class StreamClient:
         self._shard_locks: dict[str, asyncio.Lock] = {}
         self._order_tasks: set[asyncio.Task[None]] = set()
         self._heartbeat_interval = 5.0
+        self._heard = 0.0  # time.monotonic() of the last message from the control plane
+        self._silent = 0.0  # seconds of silence that ended the stream (0: it did not)
 
     # -- outgoing -----------------------------------------------------------------------
 
@@ -237,21 +243,33 @@ class StreamClient:
             ("grpc.http2.max_pings_without_data", 0),
         ]
         async with grpc.aio.secure_channel(server, creds, options=options) as channel:
+            try:
+                # A paused control plane's kernel still accepts the TCP connection; its TLS
+                # never comes. Give up soon and try the next one.
+                await asyncio.wait_for(channel.channel_ready(), timeout=CONNECT_TIMEOUT)
+            except TimeoutError:
+                raise StreamError(
+                    f"{server} did not complete a connection within {CONNECT_TIMEOUT:g} s "
+                    "(down, paused or unreachable); trying the next control plane"
+                ) from None
             stub = pb_grpc.ControlPlaneStub(channel)
             queue: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
             call = stub.Connect(self._outgoing(queue))
             queue.put_nowait(pb.AgentMessage(hello=self._hello(server)))
             self._queue = queue
             heartbeat: asyncio.Task[None] | None = None
+            self._heard = time.monotonic()
+            self._silent = 0.0
             try:
                 async for msg in call:
+                    self._heard = time.monotonic()
                     kind = msg.WhichOneof("msg")
                     if kind == "refuse":
                         raise Refused(msg.refuse.leader, msg.refuse.message)
                     if kind == "welcome":
                         self._welcome(msg.welcome, server)
                         if heartbeat is None:
-                            heartbeat = asyncio.create_task(self._heartbeats(queue))
+                            heartbeat = asyncio.create_task(self._heartbeats(queue, call))
                     elif kind == "node_state":
                         self._set_node_state(msg.node_state.state, msg.node_state.message)
                     elif kind == "renew_certificate":
@@ -260,6 +278,8 @@ class StreamClient:
                         self.on_trust_bundle(msg.trust_bundle)
                     elif kind == "control_planes":
                         self._control_planes(msg.control_planes, server)
+                    elif kind == "heartbeat_ack":
+                        pass  # heard: that is all it is for
                     elif kind == "start_shard":
                         self._spawn_order(
                             msg.start_shard.meta,
@@ -283,6 +303,15 @@ class StreamClient:
                             "ignoring an unknown message from the control plane",
                             extra=kv(kind=kind),
                         )
+            except (asyncio.CancelledError, grpc.aio.AioRpcError):
+                task = asyncio.current_task()
+                if self._silent and not (task is not None and task.cancelling()):
+                    raise StreamError(
+                        f"{server} sent nothing for {self._silent:.0f} s, not even the answer "
+                        "to a heartbeat (a paused or cut-off control plane); looking for the "
+                        "leader elsewhere"
+                    ) from None
+                raise
             finally:
                 self._queue = None
                 queue.put_nowait(None)
@@ -356,10 +385,19 @@ class StreamClient:
                 "node state changed", extra=kv(node=self.node_id, state=state, message=message)
             )
 
-    async def _heartbeats(self, queue: asyncio.Queue[pb.AgentMessage | None]) -> None:
+    async def _heartbeats(
+        self, queue: asyncio.Queue[pb.AgentMessage | None], call: grpc.aio.Call
+    ) -> None:
+        """Send a heartbeat each interval; end the stream when the control plane has said
+        nothing (each heartbeat is answered) for three of them."""
         seq = 0
         while True:
             await asyncio.sleep(self._heartbeat_interval)
+            silent = time.monotonic() - self._heard
+            if silent > max(3 * self._heartbeat_interval, SILENCE_FLOOR):
+                self._silent = silent
+                call.cancel()
+                return
             seq += 1
             queue.put_nowait(
                 pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq, inflight=self.inflight()))

@@ -253,7 +253,7 @@ class CertificateRequest(_message.Message):
     def __init__(self, csr_pem: _Optional[str] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "start_shard", "stop_shard", "renew_certificate", "node_state", "refuse", "install_engine", "update_order", "trust_bundle", "control_planes")
+    __slots__ = ("welcome", "start_shard", "stop_shard", "renew_certificate", "node_state", "refuse", "install_engine", "update_order", "trust_bundle", "control_planes", "heartbeat_ack")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     START_SHARD_FIELD_NUMBER: _ClassVar[int]
     STOP_SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,7 @@ class ServerMessage(_message.Message):
     UPDATE_ORDER_FIELD_NUMBER: _ClassVar[int]
     TRUST_BUNDLE_FIELD_NUMBER: _ClassVar[int]
     CONTROL_PLANES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     start_shard: StartShard
     stop_shard: StopShard
@@ -274,7 +275,14 @@ class ServerMessage(_message.Message):
     update_order: UpdateOrder
     trust_bundle: TrustBundle
     control_planes: ControlPlanes
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., install_engine: _Optional[_Union[InstallEngine, _Mapping]] = ..., update_order: _Optional[_Union[UpdateOrder, _Mapping]] = ..., trust_bundle: _Optional[_Union[TrustBundle, _Mapping]] = ..., control_planes: _Optional[_Union[ControlPlanes, _Mapping]] = ...) -> None: ...
+    heartbeat_ack: HeartbeatAck
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., install_engine: _Optional[_Union[InstallEngine, _Mapping]] = ..., update_order: _Optional[_Union[UpdateOrder, _Mapping]] = ..., trust_bundle: _Optional[_Union[TrustBundle, _Mapping]] = ..., control_planes: _Optional[_Union[ControlPlanes, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
+
+class HeartbeatAck(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class ControlPlanes(_message.Message):
     __slots__ = ("servers",)

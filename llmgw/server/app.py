@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import socket
 import ssl
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.client import write_ctl_config
 from llmgw.errors import ConfigError, LlmgwError, StoreError
 from llmgw.fsutil import write_private
-from llmgw.listener import GuardedSite
+from llmgw.listener import GuardedSite, listening_socket
 from llmgw.log import kv
 from llmgw.netaddr import RESERVED_NAMES, format_hostport, local_addresses, parse_hostport
 from llmgw.pki import (
@@ -49,6 +50,7 @@ from llmgw.server.authority import ClusterAuthority
 from llmgw.server.bundles import Bundle, BundleStore, add_bundle_routes
 from llmgw.server.config import ServerConfig
 from llmgw.server.enroll import Enroller, EnrolmentServer
+from llmgw.server.follower import LeaderProxy, RouteFollower
 from llmgw.server.gateway import Gateway, GatewayLimits
 from llmgw.server.httpapi import error_middleware
 from llmgw.server.installs import EngineInstalls
@@ -86,6 +88,8 @@ __all__ = ["ControlPlane"]
 log = logging.getLogger("llmgw.server")
 
 CLUSTER_CA_META = "cluster_ca_hash"
+# An instance silent this long (seconds) is no longer named to agents: its machine is gone.
+INSTANCE_KEPT = 3600.0
 
 
 def _read_or_create_token(path: Path) -> str:
@@ -176,6 +180,10 @@ class ControlPlane:
         self.cluster_ca_hash = ""
         self._instance_task: asyncio.Task[None] | None = None
         self._stepping: asyncio.Task[None] | None = None
+        self._http_sock: socket.socket | None = None
+        self._follower: RouteFollower | None = None
+        self._proxy: LeaderProxy | None = None
+        self._standby_tasks: list[asyncio.Task[None]] = []
 
     @property
     def pki_dir(self) -> Path:
@@ -227,6 +235,18 @@ class ControlPlane:
         self._keeper = LeaseKeeper(
             self.store, cfg.instance, duration=cfg.lease, renew=cfg.lease_renew
         )
+        host, port = parse_hostport(cfg.http_listen, allow_zero=True)
+        try:
+            # One listening socket for the process's life: a change of role hands it from
+            # the standby's gateway to the leader's, so no connection is refused between.
+            self._http_sock = listening_socket(host, port)
+        except OSError as exc:
+            self.store.close()
+            raise ConfigError(
+                f"cannot listen on {cfg.http_listen}: {exc.strerror}; free the port or change "
+                "http_listen",
+                key="http_listen",
+            ) from exc
         self._instance_task = asyncio.create_task(self._touch_instance(), name="instance")
         if self._keeper.try_take():
             await self._start_leader()
@@ -261,10 +281,34 @@ class ControlPlane:
             )
         self.cluster_ca_hash = recorded
 
+    def _control_planes(self) -> list[str]:
+        """Every instance's stream address, this one's first (what agents dial and keep)."""
+        own = self.stream_addresses()
+        if self._keeper is None:
+            return own
+        try:
+            now = self.store.database.server_time()
+            others = [
+                i.stream_addr
+                for i in self.store.list_instances()
+                if i.id != self.cfg.instance and i.stream_addr and now - i.seen_at < INSTANCE_KEPT
+            ]
+        except StoreError:
+            return own
+        return own + [a for a in others if a not in own]
+
     async def _touch_instance(self) -> None:
-        """Tell the other instances this one is alive (its row's seen_at)."""
+        """Tell the other instances this one is alive (its row's seen_at); while leading,
+        tell the agents when the instances changed."""
+        told: list[str] = []
         while True:
             await asyncio.sleep(self.cfg.lease_renew)
+            if self.role == "leader" and hasattr(self, "sessions"):
+                current = self._control_planes()
+                if current != told:
+                    if told:
+                        self.sessions.broadcast_control_planes(current)
+                    told = current
             try:
                 if not self.store.touch_instance(self.cfg.instance, self._process):
                     log.error(
@@ -305,13 +349,15 @@ class ControlPlane:
         await self._stop_leader_parts()
         self.live = {}
         self.lost = set()
-        self.router = Router()
+        # The router stays: the standby's gateway serves by it while the follower takes over.
         await self._start_standby()
 
     async def _start_standby(self) -> None:
         self.role = "standby"
         hosts = [*local_addresses(), *self.cfg.advertise]
         _ca, identity, _client = ensure_server_identity(self.pki_dir, hosts=hosts)
+        if self._keeper is not None:
+            self.ca, self.server_identity, self.client_identity = _ca, identity, _client
         cfg = self.cfg
         self._standby = Standby(
             identity,
@@ -322,9 +368,11 @@ class ControlPlane:
             listeners=cfg.listeners,
             leader=self._keeper.leader_addresses if self._keeper is not None else None,
         )
-        await self._standby.start()
+        await self._standby.start(serve_http=self._keeper is None)
         self.grpc_port, self.http_port = self._standby.grpc_port, self._standby.http_port
         self.enroll_port = 0
+        if self._keeper is not None:
+            await self._start_standby_http()
         self._register_addresses()
         self._promotion = asyncio.create_task(self._await_leadership(), name="promotion")
 
@@ -337,7 +385,104 @@ class ControlPlane:
         assert self._standby is not None
         await self._standby.stop()
         self._standby = None
+        await self._stop_standby_http()
         await self._start_leader()
+
+    async def _start_standby_http(self) -> None:
+        """A standby's gateway (routes followed from the database), its bundles, and the
+        admin API forwarded to the leader, on the process's listening socket."""
+        assert self._keeper is not None and self._http_sock is not None
+        assert self.server_identity is not None
+        cfg = self.cfg
+        self.serving = ServingCache(self.store, max_request_body=cfg.max_request_body)
+        follower = self._follower = RouteFollower(
+            self.store,
+            self.router,
+            self.serving,
+            resync_interval=cfg.resync_interval,
+            on_routes_changed=self._count_ready,
+        )
+        follower.sync()
+        self.gateway = Gateway(
+            self.router,
+            self.metrics,
+            self.serving,
+            self.bodies,
+            GatewayLimits.of(cfg),
+            revoked=lambda: follower.revoked,
+            client_ssl=self._client_ssl_context,
+            nodes_connected=lambda: 0,
+            epoch=self._keeper.epoch,
+            started_at=self.started_at,
+            health=self._health,
+        )
+        self.http_tls = serving_certificate(cfg.tls, self.server_identity)
+        proxy = self._proxy = LeaderProxy(
+            lambda: self._keeper.leader_addresses()[1] if self._keeper else "",
+            ssl=self._leader_ssl,
+        )
+        app = web.Application(client_max_size=1024 * 1024, middlewares=[error_middleware])
+        self.gateway.add_routes(app)
+        self.bundles = add_bundle_routes(app, cfg.bundle_dir)
+        proxy.add_routes(app)
+        app.on_cleanup.append(lambda _app: self.gateway.close())
+        app.on_cleanup.append(lambda _app: proxy.close())
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+        )
+        await self._runner.setup()
+        site = GuardedSite(
+            self._runner,
+            *parse_hostport(cfg.http_listen, allow_zero=True),
+            label="http",
+            limits=cfg.listeners,
+            backlog=2048,
+            hint="listeners.header_timeout in server.yaml",
+            ssl_context=self.http_tls.context if self.http_tls else None,
+            sock=self._http_sock,
+        )
+        await site.start()
+        self.http_port = site.bound_port
+        self._standby_tasks = [
+            asyncio.create_task(follower.run(), name="follow"),
+            asyncio.create_task(follower.listen(), name="follow-notify"),
+        ]
+        self._register_addresses()
+
+    async def _stop_standby_http(self) -> None:
+        tasks, self._standby_tasks = self._standby_tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+        self._follower = None
+
+    def _leader_ssl(self) -> ssl.SSLContext | bool:
+        """TLS towards the leader's admin API: its certificate is the cluster CA's (tls:
+        cluster) or the operator's, which the system's trust store verifies."""
+        if self.cfg.tls is None:
+            return False
+        if self.cfg.tls.cluster:
+            return ssl.create_default_context(cafile=str(self.pki_dir / CA_CERT))
+        return True
+
+    def _health(self) -> dict[str, object]:
+        """What /healthz says of this instance among several: its role, the leader, and the
+        database when it is away."""
+        out: dict[str, object] = {"role": self.role, "instance": self.cfg.instance}
+        if self._keeper is not None:
+            out["epoch"] = self._keeper.epoch
+            if self.role != "leader":
+                out["leader"] = self._keeper.leader_addresses()[1]
+        down = getattr(self.store.database, "unreachable_since", None)
+        if down is not None:
+            out["database"] = (
+                f"unreachable since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(down))}; "
+                "scheduling and admin writes pause, the gateway serves from what it knows"
+            )
+        return out
 
     async def _start_leader(self) -> None:
         cfg = self.cfg
@@ -366,6 +511,12 @@ class ControlPlane:
         self.password.start()
         # 3. the parts of the leader, each given what it uses
         self._assemble(self.ca, hosts)
+        if self._keeper is not None:
+            # Until the agents reattach, route by what the database says is ready (their
+            # data planes serve without a control plane).
+            RouteFollower(
+                self.store, self.router, self.serving, resync_interval=cfg.resync_interval
+            ).sync()
         # 4. the Connect stream
         await self._start_grpc()
         # 5. enrolment
@@ -434,6 +585,7 @@ class ControlPlane:
             nodes_connected=lambda: len(self.live),
             epoch=self.epoch,
             started_at=self.started_at,
+            health=self._health if self._keeper is not None else None,
         )
         self.membership = Membership(
             store,
@@ -511,7 +663,7 @@ class ControlPlane:
             epoch=self.epoch,
             heartbeat_interval=self.cfg.heartbeat_interval,
             cert_lifetime=self.cfg.cert_lifetime,
-            control_planes=self.stream_addresses,
+            control_planes=self._control_planes,
         )
         self._grpc, self.grpc_port = await start_stream_server(
             self.server_identity,
@@ -545,7 +697,7 @@ class ControlPlane:
             self.store,
             self.ca,
             lifetime=self.cfg.cert_lifetime,
-            servers=self.stream_addresses,
+            servers=self._control_planes,
             on_enrolled=self.membership.enrolled,
             control_plane_names=lambda: self.control_plane_names,
         )
@@ -620,6 +772,7 @@ class ControlPlane:
             backlog=2048,
             hint="listeners.header_timeout in server.yaml",
             ssl_context=self.http_tls.context if self.http_tls else None,
+            sock=self._http_sock,
         )
         try:
             await site.start()
@@ -676,8 +829,10 @@ class ControlPlane:
             await self._standby.stop()
             self._standby = None
         if self.role != "leader":
+            await self._stop_standby_http()
             if self._keeper is not None:
                 self.store.close()
+            self._close_http_socket()
             self._release()
             return
         await self._stop_leader_parts()
@@ -685,7 +840,13 @@ class ControlPlane:
             self.store.database.fence = None
             self._keeper.release()  # a standby takes over at its next poll
         self.store.close()
+        self._close_http_socket()
         self._release()
+
+    def _close_http_socket(self) -> None:
+        if self._http_sock is not None:
+            self._http_sock.close()
+            self._http_sock = None
 
     async def _stop_leader_parts(self) -> None:
         """Stop what only the leader runs (the store stays open)."""

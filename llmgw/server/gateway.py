@@ -18,7 +18,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Callable, Set
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,8 +194,11 @@ class Gateway:
         nodes_connected: Callable[[], int],
         epoch: int,
         started_at: float,
+        health: Callable[[], Mapping[str, object]] | None = None,
     ) -> None:
         self.router = router
+        # What /healthz adds (several instances: this one's role, the leader, the database).
+        self.health = health
         self.metrics = metrics
         self.serving = serving
         # The body bytes the process holds at once (the admin API's bodies too).
@@ -293,14 +296,15 @@ class Gateway:
     # -- handlers ------------------------------------------------------------------------------
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "status": "ok",
-                "epoch": self.epoch,
-                "nodes": self.nodes_connected(),
-                "models": self.router.models(),
-            }
-        )
+        body: dict[str, object] = {
+            "status": "ok",
+            "epoch": self.epoch,
+            "nodes": self.nodes_connected(),
+            "models": self.router.models(),
+        }
+        if self.health is not None:
+            body.update(self.health())
+        return web.json_response(body)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")

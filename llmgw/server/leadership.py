@@ -134,13 +134,21 @@ class Standby:
             return self._leader()
         return read_leader(self.state_dir / "llmgw.db")
 
-    async def start(self) -> None:
+    async def start(self, *, serve_http: bool = True) -> None:
+        """Refuse agents' streams; with *serve_http*, answer HTTP with 503 naming the leader
+        (on PostgreSQL a standby serves the gateway itself, :mod:`llmgw.server.follower`)."""
         self._grpc, self.grpc_port = await start_stream_server(
             self.identity,
             self.grpc_listen,
             _Refuser(self),
             handshake_timeout=self.listeners.handshake_timeout,
         )
+        if not serve_http:
+            log.warning(
+                "another control plane leads; serving as a standby",
+                extra=kv(leader=self.leader()[0] or "unknown"),
+            )
+            return
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._http)
         self._runner = web.AppRunner(app, access_log=None)

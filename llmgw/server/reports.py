@@ -104,6 +104,7 @@ class AgentReports:
         session.last_heartbeat = time.monotonic()
         if kind == "heartbeat":
             session.inflight = msg.heartbeat.inflight
+            session.send(pb.ServerMessage(heartbeat_ack=pb.HeartbeatAck(seq=msg.heartbeat.seq)))
             self.store.touch_node(session.node_id)
         elif kind == "shard_status":
             self.apply_status(session, msg.shard_status)
