@@ -30,7 +30,7 @@ from llmgw.contracts.catalog import adhoc_profile, parse_profile
 from llmgw.contracts.inventory import degraded_reasons
 from llmgw.contracts.model_sources import NodeSources
 from llmgw.engines.launch import dials_workers
-from llmgw.errors import ConfigError, NotFound
+from llmgw.errors import ConfigError, Fenced, NotFound, StoreUnavailable
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.server.placement import Allocation, Cluster, GpuView, NodeView, degraded_refusal
@@ -109,6 +109,8 @@ class Scheduler:
         # Per node, the engines it may not be given yet and why (llmgw.server.installs).
         self.engine_holds = engine_holds
         self.interval = interval
+        # When scheduling paused because the database was away (None: it is not paused).
+        self.paused_since: float | None = None
         self._kick = asyncio.Event()
         # Consecutive failures per shard, reset when it becomes ready.
         self.failures: dict[str, int] = {}
@@ -132,6 +134,15 @@ class Scheduler:
         while True:
             try:
                 self.reconcile()
+                if self.paused_since is not None:
+                    log.warning("the database answers again; scheduling resumes")
+                    self.paused_since = None
+            except StoreUnavailable as exc:
+                if self.paused_since is None:
+                    self.paused_since = time.time()
+                    log.warning("scheduling paused: the database is away", extra=kv(error=str(exc)))
+            except Fenced:
+                pass  # another instance leads: this one steps down (llmgw.server.leadership)
             except Exception:
                 log.exception("reconcile failed; trying again")
             try:

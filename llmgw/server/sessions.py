@@ -254,8 +254,19 @@ class Sessions:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             now = time.monotonic()
+            database_away = getattr(self.store.database, "unreachable_since", None) is not None
             for session in list(self.live.values()):
                 if now - session.last_heartbeat > self.loss_timeout:
                     log.warning("node stopped sending heartbeats", extra=kv(node=session.node_id))
                     session.silent = True
+                    session.close()
+                elif session.unstored and not database_away:
+                    # What it reported while the database was away is lost: its next Hello
+                    # (the shards it runs, in full) tells it again. Its engines run on.
+                    log.warning(
+                        "the database answers again; reconnecting a node to hear again what "
+                        "it reported meanwhile",
+                        extra=kv(node=session.node_id, reports=session.unstored),
+                    )
+                    session.unstored = 0
                     session.close()

@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 
 from llmgw import __version__
 from llmgw.contracts.control_planes import check_control_planes
-from llmgw.errors import ConfigError, LlmgwError
+from llmgw.errors import ConfigError, LlmgwError, StoreUnavailable
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.pki import Identity
@@ -62,6 +62,9 @@ class NodeSession:
     queue: asyncio.Queue[pb.ServerMessage | None] = field(default_factory=asyncio.Queue)
     connected_at: float = field(default_factory=time.time)
     last_heartbeat: float = field(default_factory=time.monotonic)
+    # Reports not stored while the database was away: the session is restarted once it
+    # answers, so that the agent's Hello tells them again.
+    unstored: int = 0
     inflight: int = 0
     draining: bool = False
     # Its heartbeats stopped for the loss timeout (as opposed to a stream that closed).
@@ -466,7 +469,19 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                     session.last_heartbeat = time.monotonic()
                     self.updates.on_status(session, msg.update_status)
                     continue
-                self.sessions.on_message(session, msg)
+                try:
+                    self.sessions.on_message(session, msg)
+                except StoreUnavailable as exc:
+                    # The database is away (a restart, a fail-over): the stream stays, so the
+                    # gateway keeps its routes; what the message said is asked for again by
+                    # reconnecting the agent once the database answers (its Hello).
+                    if msg.WhichOneof("msg") != "heartbeat":
+                        session.unstored += 1
+                    if session.unstored in (0, 1):
+                        log.warning(
+                            "cannot store what a node reports: the database is away",
+                            extra=kv(node=session.node_id, error=str(exc)),
+                        )
         except asyncio.CancelledError:
             raise
         except Exception as exc:

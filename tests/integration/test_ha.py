@@ -409,3 +409,74 @@ def test_bad_configurations_are_refused_at_start(tmp_path: Path, pg_cluster: Any
         assert newer.returncode != 0 and "newer than this llmgw" in newer.stderr
     finally:
         _stop_all(procs)
+
+
+def test_postgresql_away_for_30s_under_load(tmp_path: Path, pg_cluster: Any) -> None:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        instances = _cluster(tmp_path, pg_cluster, count=2)
+        procs.extend(i.server.proc for i in instances)
+        agents = _fleet(tmp_path, instances, procs)
+        leader, standby = instances
+        pids = {a.node_id: _engine_pids(a) for a in agents}
+        key = leader.server.api_key("steady")
+        wait_for(lambda: _models(standby) == ["m"], timeout=30, what="the standby routes m")
+        clients = [Client(i.server.url + "/v1", key, "m") for i in instances]
+        for c in clients:
+            c.start()
+        wait_for(lambda: all(c.ok >= 5 for c in clients), timeout=30, what="requests served")
+
+        pg_cluster.stop()
+        stopped = time.monotonic()
+        try:
+            for inst in instances:
+                body = wait_for(
+                    lambda inst=inst: "database" in (h := _health(inst.server)[1]) and h,
+                    timeout=20,
+                    what=f"{inst.name} saying the database is away",
+                )
+                assert body["database"].startswith("unreachable since ")
+                assert "scheduling and admin writes pause" in body["database"]
+            # The admin API says why it cannot answer (what ctl nodes prints).
+            try:
+                leader.server.nodes()
+                raise AssertionError("the admin API answered without its database")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503
+                error = json.loads(exc.read())["error"]
+                assert error["code"] == "database_unreachable"
+                assert "unreachable since" in error["message"]
+            during = [c.ok for c in clients]
+            time.sleep(max(0.0, 30 - (time.monotonic() - stopped)))
+            assert all(c.ok > n for c, n in zip(clients, during, strict=True))  # still served
+        finally:
+            pg_cluster.start()
+        # All resumes: the database is no longer reported, writes and scheduling work again,
+        # and the leader kept leading (nobody could take its lease meanwhile).
+        for inst in instances:
+            wait_for(
+                lambda inst=inst: "database" not in _health(inst.server)[1],
+                timeout=30,
+                what=f"{inst.name} seeing the database again",
+            )
+        assert _role(leader) == "leader" and _role(standby) == "standby"
+        leader.server.api("POST", "/api/models", {"name": "m", "engine": "sim", "replicas": 1})
+        wait_for(
+            lambda: [r["state"] for r in leader.server.replicas("m")] == ["ready"],
+            timeout=60,
+            what="scheduling again",
+        )
+        for c in clients:
+            c.stop.set()
+        for c in clients:
+            c.join(timeout=60)
+        print(
+            f"requests during a 30 s database outage: {sum(c.ok for c in clients)}, failed: "
+            f"{sum(len(c.failures) for c in clients)}"
+        )
+        assert [c.failures for c in clients] == [[], []]
+        kept = {a.node_id: _engine_pids(a) for a in agents}
+        for node, engines in kept.items():
+            assert set(engines.items()) <= set(pids[node].items())  # none restarted
+    finally:
+        _stop_all(procs)

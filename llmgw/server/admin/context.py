@@ -22,7 +22,15 @@ from llmgw.bodies import (
     BodyTooLarge,
     read_body,
 )
-from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound, PasswordError
+from llmgw.errors import (
+    ConfigError,
+    Conflict,
+    Fenced,
+    LlmgwError,
+    NotFound,
+    PasswordError,
+    StoreUnavailable,
+)
 from llmgw.log import kv
 from llmgw.pki import Authority
 from llmgw.server.bundles import BundleStore
@@ -114,6 +122,8 @@ _ANSWERS: tuple[tuple[type[LlmgwError], int, str], ...] = (
     (BodyIncomplete, 400, "incomplete_body"),
     (BodyTimeout, 408, "body_timeout"),
     (PasswordError, 403, "wrong_password"),
+    (StoreUnavailable, 503, "database_unreachable"),
+    (Fenced, 503, "no_leader"),
     (NotFound, 404, "not_found"),
     (Conflict, 409, "conflict"),
     (LlmgwError, 500, "server_error"),
