@@ -243,15 +243,7 @@ class StreamClient:
             ("grpc.http2.max_pings_without_data", 0),
         ]
         async with grpc.aio.secure_channel(server, creds, options=options) as channel:
-            try:
-                # A paused control plane's kernel still accepts the TCP connection; its TLS
-                # never comes. Give up soon and try the next one.
-                await asyncio.wait_for(channel.channel_ready(), timeout=CONNECT_TIMEOUT)
-            except TimeoutError:
-                raise StreamError(
-                    f"{server} did not complete a connection within {CONNECT_TIMEOUT:g} s "
-                    "(down, paused or unreachable); trying the next control plane"
-                ) from None
+            await _connected(channel, server)
             stub = pb_grpc.ControlPlaneStub(channel)
             queue: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
             call = stub.Connect(self._outgoing(queue))
@@ -482,6 +474,30 @@ async def _no_installer(order: pb.InstallEngine) -> None:
 
 async def _no_updater(order: pb.UpdateOrder) -> None:
     raise UpdateError("this agent cannot update itself (no update spool configured)")
+
+
+async def _connected(channel: grpc.aio.Channel, server: str) -> None:
+    """Wait until *channel* is connected or has failed (a stopped control plane, a TLS
+    refusal: the call then fails at once, saying why); one that never completes (a paused
+    control plane: its kernel takes the TCP connection, its TLS never comes) fails after
+    CONNECT_TIMEOUT. Either way the next control plane is tried instead of gRPC's retries."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CONNECT_TIMEOUT
+    state = channel.get_state(try_to_connect=True)
+    while state != grpc.ChannelConnectivity.READY:
+        if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            return  # the call fails at once, saying why (refused, a TLS failure...)
+        remaining = deadline - loop.time()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            await asyncio.wait_for(channel.wait_for_state_change(state), timeout=remaining)
+        except TimeoutError:
+            raise StreamError(
+                f"{server} did not complete a connection within {CONNECT_TIMEOUT:g} s "
+                "(paused or unreachable); trying the next control plane"
+            ) from None
+        state = channel.get_state(try_to_connect=True)
 
 
 class Refused(Exception):
