@@ -41,7 +41,7 @@ from llmgw.bodies import (
     return_large_buffers,
 )
 from llmgw.errors import CertificateError, ConfigError
-from llmgw.http.errors import UpstreamError
+from llmgw.http.errors import UpstreamConnectError, UpstreamError
 from llmgw.http.pool import UpstreamPool
 from llmgw.http.relay import NOT_PROCESSED, relay
 from llmgw.listener import GuardedSite, ListenerLimits
@@ -284,6 +284,15 @@ class DataPlane:
                 # Closed unless read to the end: a cancelled handler closes the engine's
                 # connection, which is how the engine learns that the client went away.
                 upstream.release()
+        except UpstreamConnectError as exc:
+            # Nothing reached the engine (it is stopping, or restarting): the gateway may send
+            # the request to another replica.
+            return _error(
+                502,
+                f"engine of shard {shard_id} did not answer: {exc}",
+                "engine_unreachable",
+                unprocessed=True,
+            )
         except (UpstreamError, ValueError) as exc:
             return _error(
                 502, f"engine of shard {shard_id} did not answer: {exc}", "engine_unreachable"

@@ -282,19 +282,17 @@ class ControlPlane:
         self.cluster_ca_hash = recorded
 
     def _control_planes(self) -> list[str]:
-        """Every instance's stream address, this one's first (what agents dial and keep)."""
+        """Every instance's stream address, this one's first (what agents dial and keep);
+        StoreError when the database cannot say (agents then keep the list they have)."""
         own = self.stream_addresses()
         if self._keeper is None:
             return own
-        try:
-            now = self.store.database.server_time()
-            others = [
-                i.stream_addr
-                for i in self.store.list_instances()
-                if i.id != self.cfg.instance and i.stream_addr and now - i.seen_at < INSTANCE_KEPT
-            ]
-        except StoreError:
-            return own
+        now = self.store.database.server_time()
+        others = [
+            i.stream_addr
+            for i in self.store.list_instances()
+            if i.id != self.cfg.instance and i.stream_addr and now - i.seen_at < INSTANCE_KEPT
+        ]
         return own + [a for a in others if a not in own]
 
     async def _touch_instance(self) -> None:
@@ -304,7 +302,10 @@ class ControlPlane:
         while True:
             await asyncio.sleep(self.cfg.lease_renew)
             if self.role == "leader" and hasattr(self, "sessions"):
-                current = self._control_planes()
+                try:
+                    current = self._control_planes()
+                except StoreError:
+                    current = told  # unknown now: the agents keep what they have
                 if current != told:
                     if told:
                         self.sessions.broadcast_control_planes(current)

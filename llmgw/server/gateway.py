@@ -490,12 +490,19 @@ class Gateway:
                 if exc.retryable:  # not a byte of answer: another replica may take it
                     raise _ConnectFailed(str(exc)) from exc
                 raise
-            if upstream.status == 503 and upstream.header(NOT_PROCESSED):
-                # The agent did not hand it to an engine (it is draining, or has no room for
-                # the body): another replica may take it, as if the connection had been refused.
+            if upstream.status in (502, 503) and upstream.header(NOT_PROCESSED):
+                # The agent did not hand it to an engine (it is draining, has no room for the
+                # body, or its engine refused the connection: stopping): another replica may
+                # take it, as if the connection had been refused.
                 busy = upstream.header("Retry-After") is not None
                 upstream.release()
-                why = "no room for the body" if busy else "draining"
+                why = (
+                    "its engine is not accepting"
+                    if upstream.status == 502
+                    else "no room for the body"
+                    if busy
+                    else "draining"
+                )
                 raise _ConnectFailed(f"{ep.node_id} did not process the request ({why})", busy)
             try:
                 status = upstream.status

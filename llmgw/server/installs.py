@@ -28,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from llmgw.contracts.update_order import ARCHES
 from llmgw.engines.registry import installable_engines
-from llmgw.errors import ConfigError, NotFound
+from llmgw.errors import ConfigError, Fenced, NotFound, StoreUnavailable
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.states import InstallState, NodeState
@@ -366,6 +366,8 @@ class EngineInstalls:
         while True:
             try:
                 self.sync()
+            except (StoreUnavailable, Fenced):
+                pass  # the database is away, or another instance leads: nothing to order now
             except Exception:
                 log.exception("ordering the desired engines failed; trying again")
             try:

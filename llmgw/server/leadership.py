@@ -221,7 +221,14 @@ class LeaseKeeper:
         self._renewed = 0.0  # time.monotonic() of the last renewal that succeeded
 
     def try_take(self) -> bool:
-        """Take the lease if it is free or lapsed; True when this process now leads."""
+        """Take the lease if it is free or lapsed; True when this process now leads.
+
+        Right after the database was away, a lapsed lease is left to its holder for two
+        renewals: it lapsed because nobody could write, not because the leader is gone, and a
+        change of leader would only move every agent for nothing."""
+        recovered = getattr(self.store.database, "recovered_at", None)
+        if recovered is not None and time.monotonic() - recovered < 2 * self.renew + 1:
+            return False
         try:
             lease = self.store.take_lease(self.holder, self.duration)
         except StoreUnavailable:

@@ -185,7 +185,12 @@ class Sessions:
         if self.live.get(session.node_id) is not session:
             return
         del self.live[session.node_id]
-        self.router.remove_node(session.node_id)
+        database_away = getattr(self.store.database, "unreachable_since", None) is not None
+        if not database_away:
+            self.router.remove_node(session.node_id)
+        # While the database is away the node's routes stay: its data plane serves without
+        # a stream (a request it does not take goes to another replica), and the stream
+        # cannot come back before the database does.
         try:
             self.store.set_node_connected(session.node_id, False)
             self.store.add_event("node_disconnected", session.node_id, "stream closed")
@@ -196,7 +201,10 @@ class Sessions:
         log.info("node disconnected", extra=kv(node=session.node_id))
         # Silent for the loss timeout already: lost now. A closed stream gets the timeout.
         self.start_loss_timer(session.node_id, 0.0 if session.silent else None)
-        self.count_nodes()
+        try:
+            self.count_nodes()
+        except LlmgwError:
+            pass  # the gauge catches up at the next change
         self.on_routes_changed()
 
     def close_all(self) -> None:

@@ -43,7 +43,7 @@ log = logging.getLogger("llmgw.server.store")
 WRITE_LOCK = 0x6C6C6D67  # 'llmg': the advisory lock every write transaction takes
 SCHEMA_TABLE = "llmgw_schema"
 CONNECT_TIMEOUT = 3  # seconds, per host tried
-POOL_TIMEOUT = 3.0
+POOL_TIMEOUT = 1.0  # seconds the event loop may wait for a connection when one broke
 PROBE_INTERVAL = 1.0
 
 _DEFAULTS = {
@@ -54,7 +54,7 @@ _DEFAULTS = {
     "keepalives_idle": "5",
     "keepalives_interval": "2",
     "keepalives_count": "3",
-    "tcp_user_timeout": "10000",
+    "tcp_user_timeout": "5000",
 }
 
 
@@ -145,6 +145,9 @@ class PostgresDatabase(Database):
         self._pool: ConnectionPool | None = pool
         self._tx: psycopg.Connection[Any] | None = None
         self.unreachable_since: float | None = None
+        # time.monotonic() when the database answered again after an outage (None: never
+        # away): the leadership gives the incumbent a moment to renew first.
+        self.recovered_at: float | None = None
         self.last_error = ""
         self._probe: threading.Thread | None = None
 
@@ -229,6 +232,7 @@ class PostgresDatabase(Database):
             except ConfigError:
                 continue
             down = time.time() - (self.unreachable_since or time.time())
+            self.recovered_at = time.monotonic()
             self.unreachable_since = None
             log.warning(
                 "the database answers again", extra=kv(database=self.path, down_s=round(down, 1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,3 +190,21 @@ def test_a_silent_engine_is_502_after_the_idle_timeout() -> None:
         assert json.dumps(answer)  # an ordinary JSON error, not a traceback
 
     run(body, upstream_idle_timeout=0.5)
+
+
+def test_an_engine_that_refuses_the_connection_is_502_not_processed() -> None:
+    # A stopping engine (its replica scaled down, the gateway not told yet): nothing reached
+    # it, so the gateway may send the request to another replica.
+    async def body(rig: Rig) -> None:
+        free = socket.socket()
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+        free.close()  # nothing listens there now
+        rig.dp.port_of = lambda shard: port
+        status, answer, headers = await rig.post("/v1/ok", b"{}")
+        assert status == 502
+        assert answer["error"]["code"] == "engine_unreachable"
+        assert headers.get(NOT_PROCESSED) == "1"
+        assert rig.engine.seen == []
+
+    run(body)

@@ -61,7 +61,7 @@ def engine_app(engine: Engine) -> web.Application:
         engine.requests[model] = engine.requests.get(model, 0) + 1
         body = await request.read()
         try:
-            return await BEHAVIOURS[model](request, body, engine, model)
+            return await {**BEHAVIOURS, **SHARDS}[model](request, body, engine, model)
         except (asyncio.CancelledError, ConnectionError):
             engine.went(model).set()
             raise
@@ -151,6 +151,15 @@ async def draining(request: web.Request, body: bytes, engine: Engine, model: str
     )
 
 
+async def engine_gone(request: web.Request, body: bytes, engine: Engine, model: str) -> Any:
+    """What the data plane answers when its engine refused the connection (stopping)."""
+    return web.json_response(
+        {"error": {"message": "engine did not answer", "code": "engine_unreachable"}},
+        status=502,
+        headers={NOT_PROCESSED: "1"},
+    )
+
+
 BEHAVIOURS: dict[str, Callable[[web.Request, bytes, Engine, str], Awaitable[Any]]] = {
     "ok": ok,
     "ok-big": ok,
@@ -161,7 +170,11 @@ BEHAVIOURS: dict[str, Callable[[web.Request, bytes, Engine, str], Awaitable[Any]
     "huge-chunked": huge_chunked,
     "busy": busy,
     "draining": draining,
+    "engine-gone": engine_gone,
 }
+# Shards of the model "pair" (test_a_replica_whose_engine_is_stopping_is_passed_over), which
+# are not models of their own.
+SHARDS = {"pair-gone": engine_gone, "pair-ok": ok}
 
 
 def control_plane(port: int, **cfg_changes: Any) -> Any:
@@ -558,5 +571,24 @@ def test_a_body_that_trickles_in_is_408_and_its_budget_given_back(
         writer.close()
         assert rig.cp.bodies.used == 0
         assert rig.engine.requests == {}
+
+    run(body)
+
+
+def test_a_replica_whose_engine_is_stopping_is_passed_over() -> None:
+    # Scaled down while a gateway (a standby's, following the database) still routes to
+    # it: nothing reached the engine, so the request goes to the other replica.
+    async def body(rig: Rig) -> None:
+        addr = f"127.0.0.1:{rig.engine.port}"
+        rig.cp.router.set_ready(Endpoint("pair", "r-gone", "pair-gone", "engine", addr))
+        rig.cp.router.set_ready(Endpoint("pair", "r-ok", "pair-ok", "engine", addr))
+        rig.cp.serving.model_names.add("pair")
+        for _ in range(6):
+            status, _, _ = await post(rig, chat("pair"))
+            assert status == 200
+        status, answer, _ = await post(rig, chat("engine-gone"))
+        assert status == 502
+        assert answer["error"]["code"] == "upstream_unavailable"
+        assert "No replica of 'engine-gone' answered (1 tried)" in answer["error"]["message"]
 
     run(body)
