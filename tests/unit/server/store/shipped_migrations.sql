@@ -128,3 +128,61 @@ CREATE TABLE node_updates (
 );
 -- migration 5
 ALTER TABLE replicas ADD COLUMN profile TEXT;
+-- migration 6
+    CREATE TABLE desired_engines (
+        scope      TEXT NOT NULL,
+        engine     TEXT NOT NULL,
+        version    TEXT NOT NULL,
+        arch       TEXT NOT NULL,
+        url        TEXT NOT NULL,
+        sha256     TEXT NOT NULL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (scope, engine, arch)
+    );
+
+    CREATE TABLE node_engines (
+        node_id    TEXT NOT NULL,
+        engine     TEXT NOT NULL,
+        version    TEXT NOT NULL,
+        sha256     TEXT NOT NULL,
+        state      TEXT NOT NULL CHECK (state IN ('installing', 'installed', 'failed')),
+        error      TEXT NOT NULL DEFAULT '',
+        op_id      TEXT NOT NULL DEFAULT '',
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (node_id, engine)
+    );
+    CREATE INDEX node_engines_by_op ON node_engines(op_id);
+    
+-- migration 7
+    ALTER TABLE join_tokens ADD COLUMN lost_state INTEGER NOT NULL DEFAULT 0;
+    
+-- migration 8
+    CREATE TABLE leader_lease (
+        id          INTEGER PRIMARY KEY CHECK (id = 1),
+        holder      TEXT NOT NULL DEFAULT '',
+        epoch       INTEGER NOT NULL CHECK (epoch >= 0),
+        expires_at  REAL NOT NULL DEFAULT 0,
+        acquired_at REAL NOT NULL DEFAULT 0,
+        renewed_at  REAL NOT NULL DEFAULT 0
+    );
+    INSERT INTO leader_lease(id, epoch)
+        SELECT 1, COALESCE(MAX(CAST(value AS INTEGER)), 0) FROM meta WHERE key = 'epoch';
+    DELETE FROM meta WHERE key = 'epoch';
+
+    CREATE TABLE instances (
+        id          TEXT PRIMARY KEY,
+        process     TEXT NOT NULL,
+        stream_addr TEXT NOT NULL DEFAULT '',
+        http_addr   TEXT NOT NULL DEFAULT '',
+        enroll_addr TEXT NOT NULL DEFAULT '',
+        version     TEXT NOT NULL DEFAULT '',
+        ca_hash     TEXT NOT NULL DEFAULT '',
+        started_at  REAL NOT NULL,
+        seen_at     REAL NOT NULL,
+        retired_at  REAL
+    );
+
+    ALTER TABLE certificates ADD COLUMN seq INTEGER NOT NULL DEFAULT 0;
+    /* sqlite */ UPDATE certificates SET seq = rowid;
+    CREATE INDEX certificates_by_seq ON certificates(node_id, seq);
+    
