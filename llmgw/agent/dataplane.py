@@ -2,7 +2,9 @@
 
 Only a client certificate that carries the control plane's extended key usage
 (:data:`llmgw.pki.CONTROL_PLANE_OID`) is served; any other certificate of the cluster CA (a
-node's) gets 403.
+node's) gets 403, and so does a retired control-plane instance's (its serial among those
+the leader sent: :meth:`llmgw.agent.servers.KnownServers.is_retired`), checked on every
+request, so that a connection open when the instance was retired is refused too.
 
 The gateway sends ``/s/<shard-id>/v1/...``; the data plane forwards the body unchanged to
 the shard's engine on 127.0.0.1 (kept-alive connections from :mod:`llmgw.http.pool`) and
@@ -22,9 +24,11 @@ import logging
 import ssl
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
+from cryptography import x509
 
 from llmgw.bodies import (
     DEFAULT_MAX_INFLIGHT_BODY_BYTES,
@@ -46,7 +50,7 @@ from llmgw.http.pool import UpstreamPool
 from llmgw.http.relay import NOT_PROCESSED, relay
 from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.netaddr import parse_hostport
-from llmgw.pki import control_plane_problem
+from llmgw.pki import control_plane_problem, serial_hex
 
 __all__ = ["DataPlane", "server_ssl_context"]
 
@@ -100,6 +104,7 @@ class DataPlane:
         max_inflight_body_bytes: int = DEFAULT_MAX_INFLIGHT_BODY_BYTES,
         max_response_body: int = DEFAULT_MAX_RESPONSE_BODY,
         upstream_idle_timeout: float = DEFAULT_UPSTREAM_IDLE_TIMEOUT,
+        retired: Callable[[str], bool] = lambda _serial: False,
     ) -> None:
         self.host, self.port = parse_hostport(listen, allow_zero=True)
         self.limits = limits or ListenerLimits()
@@ -109,11 +114,13 @@ class DataPlane:
         self.upstream_idle_timeout = upstream_idle_timeout
         self.ssl_context = ssl_context
         self.port_of = port_of
+        # Whether a certificate serial is a retired control-plane instance's.
+        self.retired = retired
         self.inflight = 0
         self.accepting = True
         self._idle = asyncio.Event()
-        # Per connection: "" when the peer is the control plane, else why it is not.
-        self._checked: weakref.WeakKeyDictionary[asyncio.BaseTransport, str] = (
+        # Per connection: its certificate's serial, and why it is not the control plane's.
+        self._checked: weakref.WeakKeyDictionary[asyncio.BaseTransport, _Peer] = (
             weakref.WeakKeyDictionary()
         )
         self._runner: web.AppRunner | None = None
@@ -185,28 +192,43 @@ class DataPlane:
             await self._session.close()
             self._session = None
 
-    def _peer_allowed(self, request: web.Request) -> bool:
-        """Whether the connection's client certificate is the control plane's (cached per
-        connection: decoding the certificate on every request costs more than relaying; a
-        refusal is logged once per connection)."""
+    def _peer_refusal(self, request: web.Request) -> str | None:
+        """None when the connection's client certificate is a current control-plane
+        instance's, else the answer's message. The certificate is read once per connection
+        (decoding it on every request costs more than relaying), its serial looked up among
+        the retired on every request; a refusal is logged once per connection."""
         transport = request.transport
         if transport is None:
-            return False
-        problem = self._checked.get(transport)
-        if problem is None:
-            problem = _control_plane_problem(transport) or ""
-            self._checked[transport] = problem
-            if problem:  # once per connection, however many requests it sends
+            return "only the control plane may use the data plane"
+        peer = self._checked.get(transport)
+        if peer is None:
+            peer = self._checked[transport] = _peer(transport)
+            if peer.problem:  # once per connection, however many requests it sends
                 log.warning(
                     "refused a data-plane request from a certificate that is not the control "
                     "plane's",
-                    extra={"fields": {"peer": str(request.remote), "reason": problem}},
+                    extra={"fields": {"peer": str(request.remote), "reason": peer.problem}},
                 )
-        return not problem
+        if peer.problem:
+            return "only the control plane may use the data plane"
+        if self.retired(peer.serial):
+            if not peer.retired:
+                peer.retired = True
+                log.warning(
+                    f"refused a data-plane request from a retired control-plane instance's "
+                    f"certificate (serial {peer.serial}); only current instances are served",
+                    extra={"fields": {"peer": str(request.remote), "serial": peer.serial}},
+                )
+            return (
+                f"this certificate (serial {peer.serial}) is a retired control-plane "
+                "instance's; only current instances may use the data plane"
+            )
+        return None
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        if not self._peer_allowed(request):
-            return _error(403, "only the control plane may use the data plane", "forbidden")
+        refusal = self._peer_refusal(request)
+        if refusal is not None:
+            return _error(403, refusal, "forbidden")
         if not self.accepting:
             return _error(
                 503,
@@ -303,11 +325,27 @@ class DataPlane:
                 self._idle.set()
 
 
-def _control_plane_problem(transport: asyncio.BaseTransport) -> str | None:
-    """None when the connection's client certificate carries the control plane's identity
-    (:data:`llmgw.pki.CONTROL_PLANE_OID`; the handshake verified it against the cluster CA),
-    else why not. A common name proves nothing here: it is only a name."""
+@dataclass
+class _Peer:
+    """What the data plane knows of one connection's client certificate."""
+
+    serial: str
+    problem: str  # "" when it carries the control plane's identity
+    retired: bool = False  # refused as a retired instance's (and said so) already
+
+
+def _peer(transport: asyncio.BaseTransport) -> _Peer:
+    """The connection's client certificate: its serial, and whether it carries the control
+    plane's identity (:data:`llmgw.pki.CONTROL_PLANE_OID`; the handshake verified it
+    against the cluster CA). A common name proves nothing here: it is only a name."""
     ssl_object = transport.get_extra_info("ssl_object")
     if not isinstance(ssl_object, ssl.SSLObject | ssl.SSLSocket):
-        return "the connection is not TLS"
-    return control_plane_problem(ssl_object.getpeercert(binary_form=True))
+        return _Peer("", "the connection is not TLS")
+    der = ssl_object.getpeercert(binary_form=True)
+    if der is None:
+        return _Peer("", control_plane_problem(None) or "")
+    try:
+        cert = x509.load_der_x509_certificate(der)
+    except ValueError as exc:
+        return _Peer("", f"its certificate cannot be read ({exc})")
+    return _Peer(serial_hex(cert), control_plane_problem(cert) or "")

@@ -184,7 +184,7 @@ class Agent:
             with step("inventory"):
                 inventory = await self._start_inventory(shards)
             with step("data plane listener"):
-                dataplane = await self._start_dataplane(identity, shards, running)
+                dataplane = await self._start_dataplane(identity, shards, servers, running)
             with step("control-plane stream"):
                 self._start_stream(identity, oplog, servers, shards, inventory, dataplane, running)
             log.info(
@@ -248,8 +248,14 @@ class Agent:
         return watcher
 
     async def _start_dataplane(
-        self, identity: NodeIdentity, shards: ShardManager, running: contextlib.AsyncExitStack
+        self,
+        identity: NodeIdentity,
+        shards: ShardManager,
+        servers: KnownServers,
+        running: contextlib.AsyncExitStack,
     ) -> DataPlane:
+        """The :9443 listener: the control plane's instances only, none that was retired
+        (the serials the leader sent, kept by ``servers``)."""
         cfg = self.cfg
         dataplane = DataPlane(
             cfg.listen,
@@ -260,6 +266,7 @@ class Agent:
             max_inflight_body_bytes=cfg.max_inflight_body_bytes,
             max_response_body=cfg.max_response_body,
             upstream_idle_timeout=cfg.upstream_idle_timeout,
+            retired=servers.is_retired,
         )
         await dataplane.start()
         running.push_async_callback(dataplane.stop)

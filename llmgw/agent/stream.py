@@ -237,6 +237,13 @@ class StreamClient:
             # may equal the host name we dial). Nothing is read from the stream before that,
             # so no epoch or order from anyone else ever reaches the operation log.
             ("grpc.ssl_target_name_override", CONTROL_PLANE_NAME),
+            # A retired instance's server certificate (KnownServers.is_retired) is not
+            # refused here, unlike its client certificate on the data plane: gRPC Python
+            # shows a client neither the server's certificate nor its auth context (a
+            # Call has no auth_context(), the credentials take no verify callback). The
+            # leader stops naming a retired instance, and its id and certificates are
+            # refused at start, so reaching one takes an agent.yaml seed that still names
+            # it and its files run outside the cluster's database.
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
@@ -359,7 +366,7 @@ class StreamClient:
                 extra=kv(server=server, entries=len(msg.servers)),
             )
             return
-        self.servers.learn(msg.servers, source=server)
+        self.servers.learn(msg.servers, source=server, retired_serials=msg.retired_serials)
 
     def _set_node_state(self, state: str, message: str) -> None:
         if state == self.node_state:

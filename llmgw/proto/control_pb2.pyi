@@ -285,10 +285,12 @@ class HeartbeatAck(_message.Message):
     def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class ControlPlanes(_message.Message):
-    __slots__ = ("servers",)
+    __slots__ = ("servers", "retired_serials")
     SERVERS_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_SERIALS_FIELD_NUMBER: _ClassVar[int]
     servers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, servers: _Optional[_Iterable[str]] = ...) -> None: ...
+    retired_serials: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, servers: _Optional[_Iterable[str]] = ..., retired_serials: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TrustBundle(_message.Message):
     __slots__ = ("ca_pems", "pins", "cross_pems", "drop_at")

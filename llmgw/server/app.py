@@ -28,7 +28,8 @@ from cryptography import x509
 from llmgw import __version__
 from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.client import write_ctl_config
-from llmgw.errors import ConfigError, LlmgwError, StoreError
+from llmgw.contracts.control_planes import MAX_RETIRED_SERIALS, ControlPlaneList
+from llmgw.errors import CertificateError, ConfigError, LlmgwError, StoreError
 from llmgw.fsutil import write_private
 from llmgw.listener import GuardedSite, listening_socket
 from llmgw.log import kv
@@ -43,6 +44,7 @@ from llmgw.pki import (
     ensure_server_identity,
     load_ca,
     load_cert,
+    serial_hex,
 )
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.admin import AdminContext, add_admin_routes
@@ -109,6 +111,17 @@ def _read_or_create_token(path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     write_private(path, (token + "\n").encode())
     return token
+
+
+def _serial(cert: Path) -> str:
+    """The serial of the certificate in *cert* (its leaf); "" when there is none yet, or
+    none that can be read (ensure_server_identity issues one in its place)."""
+    if not cert.exists():
+        return ""
+    try:
+        return serial_hex(load_cert(cert))
+    except CertificateError:
+        return ""
 
 
 def _dns_names(cert: Path) -> list[str]:
@@ -224,9 +237,12 @@ class ControlPlane:
             self.store.register_instance(
                 cfg.instance,
                 self._process,
-                stale_after=3 * cfg.lease_renew + 1,
+                stale_after=cfg.instance_stale_after,
                 version=__version__,
                 gone=process_gone,
+                # A retired instance's certificates left on this machine are refused here.
+                serials=[_serial(self.pki_dir / f"{n}.crt") for n in ("server", "client")],
+                pki_dir=str(self.pki_dir),
             )
             self._check_cluster_ca()
         except BaseException:
@@ -281,35 +297,37 @@ class ControlPlane:
             )
         self.cluster_ca_hash = recorded
 
-    def _control_planes(self) -> list[str]:
-        """Every instance's stream address, this one's first (what agents dial and keep);
-        StoreError when the database cannot say (agents then keep the list they have)."""
+    def _control_planes(self) -> ControlPlaneList:
+        """Every instance's stream address, this one's first (what agents dial and keep),
+        and the certificate serials of the retired instances (what their data planes
+        refuse). StoreError when the database cannot say: a list of this instance alone
+        would have the agents forget the others and the retired serials, so none is sent
+        (the agents keep what they know)."""
         own = self.stream_addresses()
         if self._keeper is None:
-            return own
+            return ControlPlaneList(tuple(own))
         now = self.store.database.server_time()
         others = [
             i.stream_addr
             for i in self.store.list_instances()
             if i.id != self.cfg.instance and i.stream_addr and now - i.seen_at < INSTANCE_KEPT
         ]
-        return own + [a for a in others if a not in own]
+        retired = self.store.retired_serials(MAX_RETIRED_SERIALS)
+        return ControlPlaneList(tuple(own + [a for a in others if a not in own]), retired)
 
     async def _touch_instance(self) -> None:
         """Tell the other instances this one is alive (its row's seen_at); while leading,
         tell the agents when the instances changed."""
-        told: list[str] = []
+        told: ControlPlaneList | None = None
         while True:
             await asyncio.sleep(self.cfg.lease_renew)
             if self.role == "leader" and hasattr(self, "sessions"):
-                try:
+                with contextlib.suppress(StoreError):  # told at a later round
                     current = self._control_planes()
-                except StoreError:
-                    current = told  # unknown now: the agents keep what they have
-                if current != told:
-                    if told:
-                        self.sessions.broadcast_control_planes(current)
-                    told = current
+                    if current != told:
+                        if told is not None:
+                            self.sessions.broadcast_control_planes(current)
+                        told = current
             try:
                 if not self.store.touch_instance(self.cfg.instance, self._process):
                     log.error(
@@ -321,7 +339,8 @@ class ControlPlane:
                 continue
 
     def _register_addresses(self) -> None:
-        """Where agents, clients and the other instances reach this instance."""
+        """Where agents, clients and the other instances reach this instance, and the
+        serials of its own certificates (those its retirement would have agents refuse)."""
         if self._keeper is None:
             return
         host, _ = parse_hostport(self.stream_addresses()[0], allow_zero=True)
@@ -332,6 +351,8 @@ class ControlPlane:
                 http=f"{self.cfg.http_scheme}://{format_hostport(host, self.http_port)}",
                 enroll=format_hostport(host, self.enroll_port) if self.enroll_port else "",
                 ca_hash=self.cluster_ca_hash,
+                client_serial=_serial(self.client_identity.cert) if self.client_identity else "",
+                server_serial=_serial(self.server_identity.cert) if self.server_identity else "",
             )
 
     async def _keep_lease(self) -> None:
@@ -698,7 +719,7 @@ class ControlPlane:
             self.store,
             self.ca,
             lifetime=self.cfg.cert_lifetime,
-            servers=self._control_planes,
+            servers=lambda: list(self._control_planes().servers),
             on_enrolled=self.membership.enrolled,
             control_plane_names=lambda: self.control_plane_names,
         )
@@ -756,6 +777,7 @@ class ControlPlane:
             tls=cfg.tls,
             http_scheme=cfg.http_scheme,
             advertise=cfg.advertise,
+            instance_stale_after=cfg.instance_stale_after,
         )
         add_admin_routes(app, admin, self.authority)
         app.on_cleanup.append(lambda _app: self.gateway.close())
@@ -916,6 +938,7 @@ class ControlPlane:
             self._enroll_tls.reload_if_changed()
         if self.http_tls is not None:
             self.http_tls.reload_if_changed()
+        self._register_addresses()  # the new certificates' serials
 
 
 class _OnConnect:

@@ -149,6 +149,12 @@ class ServerConfig:
         return self.database_location.is_postgresql
 
     @property
+    def instance_stale_after(self) -> float:
+        """Seconds after which an instance not heard from (its row's seen_at, touched every
+        lease_renew) is taken for stopped: its id may be taken over, and it may be retired."""
+        return 3 * self.lease_renew + 1
+
+    @property
     def http_scheme(self) -> str:
         return "http" if self.tls is None else "https"
 

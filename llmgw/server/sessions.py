@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from cryptography import x509
 
+from llmgw.contracts.control_planes import ControlPlaneList
 from llmgw.contracts.inventory import inventory_dict
 from llmgw.errors import LlmgwError, NotFound
 from llmgw.log import kv
@@ -164,18 +165,23 @@ class Sessions:
     def on_message(self, session: NodeSession, msg: pb.AgentMessage) -> None:
         self.reports.on_message(session, msg)
 
-    def broadcast_control_planes(self, servers: Sequence[str]) -> int:
+    def broadcast_control_planes(self, planes: ControlPlaneList) -> int:
         """Tell every live agent the changed list of control-plane instances (an instance
-        added or retired); the number of agents told. A list agents would refuse (or an
-        empty one) goes to none, with one warning."""
-        checked = checked_control_planes(servers)
-        if not checked:
+        added or retired) and the retired ones' certificate serials; the number of agents
+        told. A list agents would refuse (or an empty one) goes to none, with one warning."""
+        checked = checked_control_planes(planes)
+        if checked is None:
             return 0
         told = sum(
             1 for session in list(self.live.values()) if session.send_control_planes(checked)
         )
         log.info(
-            "told the agents the control planes", extra=kv(servers=",".join(checked), agents=told)
+            "told the agents the control planes",
+            extra=kv(
+                servers=",".join(checked.servers),
+                retired_serials=len(checked.retired_serials),
+                agents=told,
+            ),
         )
         return told
 

@@ -4,8 +4,9 @@ One ``NodeSession`` per connected agent. A stream is accepted only when the node
 Hello claims is the CN of the client certificate it presented; otherwise both ends are
 told why. The Welcome is followed by the list of every control-plane instance
 (``pb.ControlPlanes``), which agents keep to find the cluster again when the instances they
-were given are gone. Every message after the Hello passes the session's :class:`Intake`
-(size and rate limits, what a pending node may send) first. Orders to the node are queued
+were given are gone, with the certificate serials of the retired ones, which they refuse.
+Every message after the Hello passes the session's :class:`Intake` (size and rate limits,
+what a pending node may send) first. Orders to the node are queued
 on its session and carry the leader's epoch and a fresh op id.
 """
 
@@ -24,7 +25,11 @@ from cryptography import x509
 from google.protobuf.message import DecodeError
 
 from llmgw import __version__
-from llmgw.contracts.control_planes import check_control_planes
+from llmgw.contracts.control_planes import (
+    ControlPlaneList,
+    check_control_planes,
+    check_retired_serials,
+)
 from llmgw.errors import ConfigError, LlmgwError, StoreUnavailable
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
@@ -42,6 +47,7 @@ __all__ = [
     "SessionHandler",
     "UpdateHandler",
     "checked_control_planes",
+    "control_planes_message",
     "peer_common_name",
     "start_stream_server",
     "version_refusal",
@@ -136,15 +142,13 @@ class NodeSession:
         )
         return meta.op_id
 
-    def send_control_planes(self, servers: Sequence[str]) -> bool:
-        """Tell the agent every current control-plane instance (``servers``, as
-        :func:`checked_control_planes` passed them); nothing is sent for an empty list, and
-        then False."""
-        if not servers:
+    def send_control_planes(self, planes: ControlPlaneList | None) -> bool:
+        """Tell the agent every current control-plane instance and the retired ones'
+        serials (``planes``, as :func:`checked_control_planes` passed them); nothing is sent
+        for None or an empty list, and then False."""
+        if planes is None or not planes.servers:
             return False
-        self.queue.put_nowait(
-            pb.ServerMessage(control_planes=pb.ControlPlanes(servers=list(servers)))
-        )
+        self.queue.put_nowait(pb.ServerMessage(control_planes=control_planes_message(planes)))
         return True
 
     def send(self, msg: pb.ServerMessage) -> None:
@@ -210,20 +214,30 @@ def version_refusal(agent_version: str, server_version: str) -> str | None:
     )
 
 
-def checked_control_planes(servers: Sequence[str]) -> tuple[str, ...]:
+def checked_control_planes(planes: ControlPlaneList) -> ControlPlaneList | None:
     """The instance list agents are sent, as the agents check it
-    (llmgw.contracts.control_planes); an empty tuple, with a warning naming what is wrong,
-    for a list they would refuse: they then keep what they knew."""
+    (llmgw.contracts.control_planes); None, with a warning naming what is wrong, for a list
+    they would refuse (or an empty one): they then keep what they knew."""
+    servers = planes.servers
     if not servers:
-        return ()
+        return None
     try:
-        return check_control_planes(servers)
+        return ControlPlaneList(
+            check_control_planes(servers), check_retired_serials(planes.retired_serials)
+        )
     except ConfigError as exc:
         log.warning(
             "not sending agents the list of control planes: they would refuse it",
             extra=kv(error=str(exc), servers=",".join(str(s)[:80] for s in servers[:8])),
         )
-        return ()
+        return None
+
+
+def control_planes_message(planes: ControlPlaneList) -> pb.ControlPlanes:
+    """``planes`` as the stream carries them."""
+    return pb.ControlPlanes(
+        servers=list(planes.servers), retired_serials=list(planes.retired_serials)
+    )
 
 
 def peer_certificate(context: grpc.aio.ServicerContext) -> x509.Certificate | None:
@@ -297,7 +311,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         heartbeat_interval: float,
         cert_lifetime: float,
         server_version: str = __version__,
-        control_planes: Callable[[], Sequence[str]] = lambda: (),
+        control_planes: Callable[[], ControlPlaneList] = lambda: ControlPlaneList(()),
     ) -> None:
         self.store = store
         self.sessions = sessions
@@ -307,7 +321,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self.heartbeat_interval = heartbeat_interval
         self.cert_lifetime = cert_lifetime
         self.server_version = server_version
-        # host:port of every current instance's stream, as agents dial them.
+        # host:port of every current instance's stream, as agents dial them, and the
+        # certificate serials of the retired ones.
         self.control_planes = control_planes
         # Per node, across its reconnections (llmgw.server.intake).
         self._intakes: dict[str, Intake] = {}
@@ -412,8 +427,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             )
         )
         planes = self._control_planes(session)
-        if planes:  # second on the stream, whatever was queued meanwhile
-            await context.write(pb.ServerMessage(control_planes=pb.ControlPlanes(servers=planes)))
+        if planes is not None:  # second on the stream, whatever was queued meanwhile
+            await context.write(pb.ServerMessage(control_planes=control_planes_message(planes)))
         self.sessions.after_hello(session, hello)
         # An update ordered while the node was away goes out now (unless it expired).
         self.updates.on_connect(session)
@@ -433,7 +448,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         if session.garbage is not None:
             await _refuse_garbage(context, peer, session.node_id, session.garbage)
 
-    def _control_planes(self, session: NodeSession) -> tuple[str, ...]:
+    def _control_planes(self, session: NodeSession) -> ControlPlaneList | None:
         # A list that cannot be had now costs the agent only this connection's copy (it
         # keeps the one it has), never the stream.
         try:
@@ -443,7 +458,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 "cannot list the control planes for an agent",
                 extra=kv(node=session.node_id, error=str(exc)[:300]),
             )
-            return ()
+            return None
 
     async def _read(self, context: grpc.aio.ServicerContext, session: NodeSession) -> None:
         intake = session.intake = session.intake or self._intake(session.node_id)

@@ -1,13 +1,17 @@
 """Control-plane HA on PostgreSQL, for the tests and bench/failover.py: instances on one
 database (their server.yaml, state directory and ports), the CA exported from the first and
-imported into the others, a fleet of two agents listing every instance, and what each
-instance's /healthz says."""
+imported into the others, a fleet of two agents listing every instance, what each
+instance's /healthz says, and an instance's own certificates: their serials, and a request
+made with its client certificate straight to an agent's data plane."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
+import socket
+import ssl
 import subprocess
 import urllib.error
 import urllib.request
@@ -17,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from llmgw import pki
 from tests.integration.harness import (
     LLMGW,
     Server,
@@ -199,3 +204,38 @@ def fleet(tmp: Path, instances: list[Instance], procs: list[subprocess.Popen[byt
         what="two ready replicas",
     )
     return agents
+
+
+def serials(pki_dir: Path) -> tuple[str, str]:
+    """The serials of an instance's own server and client certificates."""
+    return tuple(  # type: ignore[return-value]
+        pki.serial_hex(pki.load_cert(pki_dir / f"{name}.crt")) for name in ("server", "client")
+    )
+
+
+def learnt(agent: Any) -> dict[str, Any]:
+    """The agent's STATE/servers.json ({} until it has one)."""
+    try:
+        return json.loads((agent.dir / "state" / "servers.json").read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return {}
+
+
+def dataplane_get(agent: Any, pki_dir: Path, path: str) -> tuple[int, dict[str, Any]]:
+    """GET *path* on the agent's data plane with the control-plane client certificate in
+    *pki_dir* (client.crt and client.key: an instance's own), the agent's certificate
+    verified against the cluster CA as its node id."""
+    ctx = ssl.create_default_context(cafile=str(pki_dir / "ca.crt"))
+    ctx.load_cert_chain(str(pki_dir / "client.crt"), str(pki_dir / "client.key"))
+    with (
+        socket.create_connection(("127.0.0.1", agent.dataplane_port), timeout=10) as raw,
+        ctx.wrap_socket(raw, server_hostname=agent.node_id) as tls,
+    ):
+        conn = http.client.HTTPConnection("127.0.0.1", agent.dataplane_port, timeout=10)
+        conn.sock = tls
+        try:
+            conn.request("GET", path, headers={"Host": agent.node_id})
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read())
+        finally:
+            conn.sock = None

@@ -3,7 +3,8 @@ instances with their own state directories and ports on one database, the CA exp
 the first and imported into the others, two agents that list all three; the leader killed
 (-9) or paused (SIGSTOP) past its lease, a standby taking over within 15 s, the agents
 reattaching without restarting an engine, and a paused leader's writes fenced when it
-wakes."""
+wakes; a stopped instance retired (agents refuse its certificates), refused at start under
+its id, and its machine back under a new id with new certificates."""
 
 from __future__ import annotations
 
@@ -24,13 +25,17 @@ from tests.integration.ha import (
     LEASE,
     cluster,
     config,
+    dataplane_get,
     engine_pids,
     fleet,
     health,
     leader,
+    learnt,
     models,
     role,
     run,
+    serials,
+    start,
     stop_all,
 )
 from tests.integration.harness import Client, free_port, wait_for
@@ -321,5 +326,148 @@ def test_postgresql_away_for_30s_under_load(tmp_path: Path, pg_cluster: Any) -> 
         kept = {a.node_id: engine_pids(a) for a in agents}
         for node, engines in kept.items():
             assert set(engines.items()) <= set(pids[node].items())  # none restarted
+    finally:
+        stop_all(procs)
+
+
+def test_a_retired_instance_is_shut_out_and_its_machine_rejoins_under_a_new_id(
+    tmp_path: Path, pg_cluster: Any
+) -> None:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        instances = cluster(tmp_path, pg_cluster)
+        procs.extend(i.server.proc for i in instances)
+        agents = fleet(tmp_path, instances, procs)
+        cp1, cp2, cp3 = instances
+        cp3_stream = f"127.0.0.1:{cp3.server.grpc_port}"
+        old_serials = serials(cp3.server.pki_dir)
+        assert old_serials != serials(cp1.server.pki_dir)  # each instance its own certificates
+        for agent in agents:
+            wait_for(
+                lambda agent=agent: cp3_stream in learnt(agent).get("servers", []),
+                timeout=30,
+                what=f"{agent.node_id} knowing cp3",
+            )
+        # ctl through a standby (its admin API forwards to the leader).
+        env = {"LLMGW_SERVER": cp2.server.url, "LLMGW_TOKEN": cp2.server.admin_token}
+
+        def ctl(*args: str) -> subprocess.CompletedProcess[str]:
+            return run(tmp_path, "ctl", *args, **env)
+
+        listed = json.loads(ctl("instances", "--json").stdout)
+        assert [(i["id"], i["role"]) for i in listed] == [
+            ("cp1", "leader"),
+            ("cp2", "standby"),
+            ("cp3", "standby"),
+        ]
+        assert (listed[2]["server_serial"], listed[2]["client_serial"]) == old_serials
+        running = ctl("instances", "retire", "cp3")
+        assert running.returncode == 1
+        assert "instance cp3 was seen" in running.stderr
+        assert "stop it first: systemctl stop llmgw-server on that machine" in running.stderr
+        leader_refused = ctl("instances", "retire", "cp1")
+        assert (
+            leader_refused.returncode == 1 and "instance cp1 is the leader" in leader_refused.stderr
+        )
+
+        os.kill(cp3.server.proc.pid, signal.SIGTERM)
+        assert cp3.server.proc.wait(timeout=30) == 0
+        wait_for(
+            lambda: any(
+                i["id"] == "cp3" and i["role"] == "silent"
+                for i in json.loads(ctl("instances", "--json").stdout)
+            ),
+            timeout=30,
+            what="cp3 silent",
+        )
+        retired = ctl("instances", "retire", "cp3")
+        assert retired.returncode == 0, retired.stderr
+        assert retired.stdout.startswith("retired instance cp3; the leader tells the agents")
+        assert f"(serials {old_serials[0]}, {old_serials[1]})" in retired.stdout
+        events = [
+            e for e in cp1.server.api("GET", "/api/events") if e["kind"] == "instance_retired"
+        ]
+        assert [e["subject"] for e in events] == ["cp3"]
+        assert old_serials[0] in events[0]["message"] and old_serials[1] in events[0]["message"]
+
+        # The agents learn it: cp3's address no longer named, its serials refused.
+        for agent in agents:
+            kept = wait_for(
+                lambda agent=agent: (
+                    (got := learnt(agent))
+                    and set(old_serials) <= set(got.get("retired_serials", []))
+                    and got
+                ),
+                timeout=30,
+                what=f"{agent.node_id} learning that cp3 is retired",
+            )
+            assert cp3_stream not in kept["servers"]
+            assert kept["servers"][0] == f"127.0.0.1:{cp1.server.grpc_port}"
+        # cp3's client certificate, straight to an agent's data plane: refused; the leader's
+        # (a current instance) is served, and so are requests through its gateway.
+        agent = agents[0]
+        shard = next(iter(agent.shard_records()))
+        status, body = dataplane_get(agent, cp3.server.pki_dir, f"/s/{shard}/v1/models")
+        assert status == 403, body
+        assert (
+            f"(serial {old_serials[1]}) is a retired control-plane instance's"
+            in (body["error"]["message"])
+        )
+        assert "retired control-plane instance's certificate" in agent.log()
+        status, body = dataplane_get(agent, cp1.server.pki_dir, f"/s/{shard}/v1/models")
+        assert status == 200, body
+        key = cp1.server.api_key("after-retire")
+        client = Client(cp1.server.url + "/v1", key, "m")
+        client.start()
+        wait_for(lambda: client.ok >= 3 or client.failures, timeout=30, what="requests")
+        client.stop.set()
+        client.join(timeout=30)
+        assert client.failures == [] and client.ok >= 3
+
+        # Started again as cp3: refused, with the fix.
+        again = run(tmp_path, "server", "--config", str(cp3.config))
+        assert again.returncode == 2
+        pki_dir = cp3.server.pki_dir
+        assert "instance cp3 was retired on " in again.stderr
+        assert (
+            f"give this machine another instance_id and move its {pki_dir}/server.* and "
+            f"{pki_dir}/client.* aside so that it makes new certificates"
+        ) in again.stderr
+        # Under a new id but with cp3's certificates: refused too.
+        data = yaml.safe_load(cp3.config.read_text())
+        data["instance_id"] = "cp4"
+        cp3.config.write_text(yaml.safe_dump(data))
+        kept_certs = run(tmp_path, "server", "--config", str(cp3.config))
+        assert kept_certs.returncode == 2
+        assert "are those of instance cp3, retired on" in kept_certs.stderr
+        # Its certificates moved aside: it joins as cp4, with certificates of its own.
+        aside = tmp_path / "cp3-retired-pki"
+        aside.mkdir()
+        for old in [*pki_dir.glob("server.*"), *pki_dir.glob("client.*")]:
+            old.rename(aside / old.name)
+        (tmp_path / "cp4").mkdir()  # its log
+        cp4 = start(tmp_path, "cp4", cp3.config, cp3.server.state_dir,
+                    cp3.server.http_port, cp3.server.grpc_port)  # fmt: skip
+        procs.append(cp4.server.proc)
+        wait_for(lambda: role(cp4) == "standby", timeout=60, what="cp4 a standby")
+        new_serials = serials(cp4.server.pki_dir)
+        assert not set(new_serials) & set(old_serials)
+        listed = wait_for(
+            lambda: (
+                (got := {i["id"]: i for i in json.loads(ctl("instances", "--json").stdout)})
+                and got.get("cp4", {}).get("server_serial")
+                and got
+            ),
+            timeout=30,
+            what="cp4 registered with its serials",
+        )
+        assert (listed["cp4"]["server_serial"], listed["cp4"]["client_serial"]) == new_serials
+        assert listed["cp4"]["role"] == "standby" and listed["cp3"]["role"] == "retired"
+        for agent in agents:  # named to the agents again, under its new id's certificates
+            wait_for(
+                lambda agent=agent: cp3_stream in learnt(agent).get("servers", []),
+                timeout=30,
+                what=f"{agent.node_id} knowing cp4",
+            )
     finally:
         stop_all(procs)

@@ -4,7 +4,8 @@ This module builds the ``ctl`` group (its options make the ``Ctl`` object each c
 receives, see ``context``); each command group lives in a module of its own: ``nodes`` (list,
 approve, reject, revoke, drain, uncordon), ``models`` (models, deploy, undeploy, replicas),
 ``keys``, ``join`` (join-command, tokens), ``events``, ``engines``, ``updates`` (update, admin
-password), ``cert`` and ``engine_check``. A new command goes in the module of its group, or
+password), ``cert``, ``instances`` (the control-plane instances on PostgreSQL, retire) and
+``engine_check``. A new command goes in the module of its group, or
 a new module added below.
 """
 
@@ -20,6 +21,7 @@ from llmgw.cli.ctl.context import Ctl
 from llmgw.cli.ctl.engine_check import engine_check
 from llmgw.cli.ctl.engines import engines
 from llmgw.cli.ctl.events import events
+from llmgw.cli.ctl.instances import instances
 from llmgw.cli.ctl.join import join_command, tokens
 from llmgw.cli.ctl.keys import keys
 from llmgw.cli.ctl.models import deploy, models, replicas, undeploy
@@ -103,6 +105,7 @@ for _command in (
     update,
     admin,
     cert,
+    instances,
     engine_check,
 ):
     ctl.add_command(_command)

@@ -4,7 +4,8 @@ Every answer is JSON; errors are ``{"error": {"message", "code"}}`` with a messa
 says what to do. One module per route group: :mod:`.nodes` (the fleet), :mod:`.models`
 (models, catalog, replicas), :mod:`.access` (API keys, join tokens), :mod:`.software`
 (desired engines, agent updates, the admin password), :mod:`.ca` (the cluster CA, its
-rotation and its export); :mod:`.context` holds what they share. A new route goes in its
+rotation and its export), :mod:`.instances` (the control-plane instances on PostgreSQL,
+and retiring one); :mod:`.context` holds what they share. A new route goes in its
 group's module and in the table below.
 """
 
@@ -15,6 +16,7 @@ from aiohttp import web
 from llmgw.server.admin.access import AccessRoutes
 from llmgw.server.admin.ca import CARoutes
 from llmgw.server.admin.context import ADMIN_MAX_BODY, AdminContext, Listening, guarded
+from llmgw.server.admin.instances import InstanceRoutes
 from llmgw.server.admin.models import ModelRoutes
 from llmgw.server.admin.nodes import NodeRoutes
 from llmgw.server.admin.software import SoftwareRoutes
@@ -32,6 +34,7 @@ def add_admin_routes(
     models = ModelRoutes(ctx)
     access = AccessRoutes(ctx)
     software = SoftwareRoutes(ctx)
+    instances = InstanceRoutes(ctx)
     r = app.router
     for method, path, handler in (
         ("GET", "/api/status", nodes.status),
@@ -63,6 +66,8 @@ def add_admin_routes(
         ("POST", "/api/updates", software.order_update),
         ("GET", "/api/updates", software.updates),
         ("PUT", "/api/admin/password", software.change_password),
+        ("GET", "/api/instances", instances.instances),
+        ("POST", "/api/instances/{instance}/retire", instances.retire),
     ):
         if method == "GET":
             r.add_get(path, guarded(ctx, handler))  # HEAD too, as aiohttp's add_get does

@@ -107,6 +107,8 @@ class AdminContext:
     tls: TLSConfig | None
     http_scheme: str
     advertise: tuple[str, ...]
+    # Seconds an instance must have been silent before it may be retired (on PostgreSQL).
+    instance_stale_after: float
 
 
 def error_response(status: int, message: str, code: str) -> web.Response:

@@ -7,6 +7,10 @@ it bumps the epoch in the same transaction; renewing it succeeds only for the ho
 epoch it took, so a leader replaced while paused learns so on its next renewal, and every
 write it makes in between is refused by :meth:`Leases.check_epoch` (installed as the
 database's fence).
+
+An instance retired (``llmgw ctl instances retire``) keeps its row, so that its id is never
+taken again and the serials of its certificates stay known: the leader sends them to the
+agents, whose data planes refuse them.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from llmgw.errors import ConfigError, Fenced
+from llmgw.errors import ConfigError, Conflict, Fenced
 from llmgw.server.store.database import Database, Row
 
 __all__ = ["Instance", "Lease", "Leases", "process_gone", "process_name"]
@@ -51,6 +56,8 @@ class Instance:
     enroll_addr: str
     version: str
     ca_hash: str
+    client_serial: str
+    server_serial: str
     started_at: float
     seen_at: float
     retired_at: float | None
@@ -65,10 +72,17 @@ class Instance:
             enroll_addr=str(row["enroll_addr"]),
             version=str(row["version"]),
             ca_hash=str(row["ca_hash"]),
+            client_serial=str(row["client_serial"]),
+            server_serial=str(row["server_serial"]),
             started_at=float(row["started_at"]),
             seen_at=float(row["seen_at"]),
             retired_at=None if row["retired_at"] is None else float(row["retired_at"]),
         )
+
+    @property
+    def serials(self) -> tuple[str, ...]:
+        """The serials of its certificates the registry knows (server first)."""
+        return tuple(s for s in (self.server_serial, self.client_serial) if s)
 
 
 class Leases:
@@ -147,13 +161,29 @@ class Leases:
         stale_after: float,
         version: str,
         gone: Callable[[str], bool] = lambda _process: False,
+        serials: Sequence[str] = (),
+        pki_dir: str = "STATE/pki",
     ) -> Instance:
         """Record this process as instance *instance_id*; refuse when another process is
         that instance and was seen within *stale_after* seconds (two with one id), unless
-        ``gone(process)`` knows that process has ended (one of this machine's, restarted)."""
+        ``gone(process)`` knows that process has ended (one of this machine's, restarted).
+        Refuse a retired id, and *serials* (this machine's certificates, when it has some
+        already) that are a retired instance's: the agents refuse those certificates, so
+        the machine must make new ones (*pki_dir*, where they are, named in the fix)."""
         with self._db.unfenced(), self._db.write():
             now = self._db.server_time()
             row = self._db.one("SELECT * FROM instances WHERE id = ?", (instance_id,))
+            fix = (
+                f"move its {pki_dir}/server.* and {pki_dir}/client.* aside so that it makes new "
+                "certificates"
+            )
+            if row is not None and row["retired_at"] is not None:
+                raise ConfigError(
+                    f"instance {instance_id} was retired on {_date(float(row['retired_at']))}; "
+                    f"give this machine another instance_id and {fix}",
+                    key="instance_id",
+                )
+            self._refuse_retired_serials(serials, fix)
             if row is not None:
                 other = Instance.from_row(row)
                 if (
@@ -172,21 +202,52 @@ class Leases:
                 "INSERT INTO instances(id, process, version, started_at, seen_at) "
                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET process = excluded.process, "
                 "version = excluded.version, started_at = excluded.started_at, "
-                "seen_at = excluded.seen_at, retired_at = NULL",
+                "seen_at = excluded.seen_at",
                 (instance_id, process, version, now, now),
             )
             got = self._db.one("SELECT * FROM instances WHERE id = ?", (instance_id,))
         assert got is not None
         return Instance.from_row(got)
 
+    def _refuse_retired_serials(self, serials: Sequence[str], fix: str) -> None:
+        wanted = [s for s in serials if s]
+        if not wanted:
+            return
+        marks = ", ".join("?" for _ in wanted)
+        row = self._db.one(
+            f"SELECT id, retired_at, server_serial, client_serial FROM instances "
+            f"WHERE retired_at IS NOT NULL AND (server_serial IN ({marks}) OR "
+            f"client_serial IN ({marks})) ORDER BY retired_at LIMIT 1",
+            (*wanted, *wanted),
+        )
+        if row is None:
+            return
+        taken = ", ".join(
+            s for s in wanted if s in (str(row["server_serial"]), str(row["client_serial"]))
+        )
+        raise ConfigError(
+            f"this machine's certificates (serial {taken}) are those of instance {row['id']}, "
+            f"retired on {_date(float(row['retired_at']))}, which the agents refuse; {fix}",
+            key="instance_id",
+        )
+
     def set_instance_addresses(
-        self, instance_id: str, *, stream: str, http: str, enroll: str, ca_hash: str
+        self,
+        instance_id: str,
+        *,
+        stream: str,
+        http: str,
+        enroll: str,
+        ca_hash: str,
+        client_serial: str,
+        server_serial: str,
     ) -> None:
+        """Where this instance is reached, and the serials of its own certificates."""
         with self._db.unfenced(), self._db.write():
             self._db.execute(
                 "UPDATE instances SET stream_addr = ?, http_addr = ?, enroll_addr = ?, "
-                "ca_hash = ? WHERE id = ?",
-                (stream, http, enroll, ca_hash, instance_id),
+                "ca_hash = ?, client_serial = ?, server_serial = ? WHERE id = ?",
+                (stream, http, enroll, ca_hash, client_serial, server_serial, instance_id),
             )
 
     def touch_instance(self, instance_id: str, process: str) -> bool:
@@ -198,23 +259,70 @@ class Leases:
             )
             return cur.rowcount == 1
 
-    def retire_instance(self, instance_id: str) -> None:
-        with self._db.unfenced(), self._db.write():
-            self._db.execute(
-                "UPDATE instances SET retired_at = ? WHERE id = ?",
-                (self._db.server_time(), instance_id),
-            )
+    def retire_instance(self, instance_id: str, *, silent_for: float) -> Instance:
+        """Retire *instance_id* for good: its id is refused at start from now on, and its
+        certificates' serials go to the agents (:meth:`retired_serials`). Refused
+        (:class:`Conflict`, with the fix) for an unknown or retired id, the lease's holder,
+        and an instance seen within *silent_for* seconds (it is running). A fenced write:
+        only the current leader retires."""
+        with self._db.write():
+            now = self._db.server_time()
+            row = self._db.one("SELECT * FROM instances WHERE id = ?", (instance_id,))
+            if row is None:
+                raise Conflict(
+                    f"no instance {instance_id!r} is registered; 'llmgw ctl instances' lists them"
+                )
+            instance = Instance.from_row(row)
+            if instance.retired_at is not None:
+                raise Conflict(
+                    f"instance {instance_id} was retired already, on "
+                    f"{_date(instance.retired_at)}; nothing to do"
+                )
+            if self.lease().holder == instance_id:
+                raise Conflict(
+                    f"instance {instance_id} is the leader; stop it first: systemctl stop "
+                    "llmgw-server on that machine (a standby takes the lease), then retire it "
+                    "through any other instance"
+                )
+            if now - instance.seen_at < silent_for:
+                raise Conflict(
+                    f"instance {instance_id} was seen {now - instance.seen_at:.0f} s ago: it is "
+                    "running; stop it first: systemctl stop llmgw-server on that machine, and "
+                    f"retire it once it has been silent for {silent_for:.0f} s"
+                )
+            self._db.execute("UPDATE instances SET retired_at = ? WHERE id = ?", (now, instance_id))
+            got = self._db.one("SELECT * FROM instances WHERE id = ?", (instance_id,))
+        assert got is not None
+        return Instance.from_row(got)
+
+    def retired_serials(self, limit: int) -> tuple[str, ...]:
+        """The certificate serials of the retired instances (server, then client, of each),
+        the newest retired first, at most *limit*."""
+        rows = self._db.all(
+            "SELECT server_serial, client_serial FROM instances WHERE retired_at IS NOT NULL "
+            "ORDER BY retired_at DESC, id"
+        )
+        serials: list[str] = []
+        for row in rows:
+            for serial in (str(row["server_serial"]), str(row["client_serial"])):
+                if serial and serial not in serials:
+                    serials.append(serial)
+        return tuple(serials[:limit])
 
     def get_instance(self, instance_id: str) -> Instance | None:
         row = self._db.one("SELECT * FROM instances WHERE id = ?", (instance_id,))
         return None if row is None else Instance.from_row(row)
 
-    def list_instances(self) -> list[Instance]:
-        """Every instance not retired, in the order they first registered."""
-        rows = self._db.all(
-            "SELECT * FROM instances WHERE retired_at IS NULL ORDER BY started_at, id"
-        )
+    def list_instances(self, *, retired: bool = False) -> list[Instance]:
+        """Every instance not retired (and with *retired*, those too), in the order they
+        started."""
+        where = "" if retired else "WHERE retired_at IS NULL "
+        rows = self._db.all(f"SELECT * FROM instances {where}ORDER BY started_at, id")
         return [Instance.from_row(r) for r in rows]
+
+
+def _date(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(ts))
 
 
 def process_name() -> str:

@@ -202,8 +202,9 @@ MIGRATIONS: list[str] = [
     """,
     # 8: several control-plane instances on one database (PostgreSQL): the leader's lease,
     # whose epoch fences a replaced leader's writes (the epoch so far kept in meta moves
-    # there); the instances, each with the addresses agents and clients reach it at; and
-    # the order in which certificates were issued, which SQLite's rowid gave and PostgreSQL
+    # there); the instances, each with the addresses agents and clients reach it at and
+    # the serials of its own server and client certificates (a retired instance's are
+    # refused by the agents); and the order in which certificates were issued, which SQLite's rowid gave and PostgreSQL
     # has no equivalent of
     """
     CREATE TABLE leader_lease (
@@ -226,6 +227,8 @@ MIGRATIONS: list[str] = [
         enroll_addr TEXT NOT NULL DEFAULT '',
         version     TEXT NOT NULL DEFAULT '',
         ca_hash     TEXT NOT NULL DEFAULT '',
+        client_serial TEXT NOT NULL DEFAULT '',
+        server_serial TEXT NOT NULL DEFAULT '',
         started_at  REAL NOT NULL,
         seen_at     REAL NOT NULL,
         retired_at  REAL

@@ -274,6 +274,7 @@ class Store:
     set_instance_addresses = _Table("_leases", Leases.set_instance_addresses)
     touch_instance = _Table("_leases", Leases.touch_instance)
     retire_instance = _Table("_leases", Leases.retire_instance)
+    retired_serials = _Table("_leases", Leases.retired_serials)
     get_instance = _Table("_leases", Leases.get_instance)
     list_instances = _Table("_leases", Leases.list_instances)
 

@@ -81,7 +81,7 @@ def run(body: Callable[[Rig], Awaitable[None]], **limits: Any) -> None:
                 lambda shard: port if shard == "s1" else None,
                 **limits,
             )
-            dp._peer_allowed = lambda request: True  # type: ignore[method-assign]
+            dp._peer_refusal = lambda request: None  # type: ignore[method-assign]
             await dp.start()
             try:
                 async with aiohttp.ClientSession() as client:

@@ -1,5 +1,6 @@
 """The data plane (:9443) serves only the control plane's client certificate: one that carries
-the control plane's extended key usage, not merely a name. Real listener, real TLS."""
+the control plane's extended key usage, not merely a name, and is not a retired instance's.
+Real listener, real TLS."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import http.client
 import json
 import logging
 import ssl
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,12 @@ Answer = tuple[int, dict[str, object]]
 _CLIENT_FILES = ("client.crt", "client.key", "ca.crt")  # the control plane's, in its pki dir
 
 
-def _get(port: int, client: pki.Identity, requests: int = 1) -> list[Answer]:
+def _get(
+    port: int,
+    client: pki.Identity,
+    requests: int = 1,
+    between: Callable[[], None] = lambda: None,
+) -> list[Answer]:
     ctx = ssl.create_default_context(cafile=str(client.ca))
     ctx.load_cert_chain(client.cert, client.key)
     ctx.check_hostname = False  # what is under test is the data plane's view of its client
@@ -32,20 +39,31 @@ def _get(port: int, client: pki.Identity, requests: int = 1) -> list[Answer]:
             conn.request("GET", "/s/shard-1/v1/models")
             response = conn.getresponse()
             answers.append((response.status, json.loads(response.read())))
+            between()
     finally:
         conn.close()
     return answers
 
 
-def _serve_and_ask(agent: pki.Identity, client: pki.Identity, requests: int = 1) -> list[Answer]:
+def _serve_and_ask(
+    agent: pki.Identity,
+    client: pki.Identity,
+    requests: int = 1,
+    *,
+    retired: Collection[str] = (),
+    between: Callable[[], None] = lambda: None,
+) -> list[Answer]:
     async def main() -> list[Answer]:
         # No shard is ready: the control plane gets 503 shard_not_ready, anyone else 403.
         plane = DataPlane(
-            "127.0.0.1:0", server_ssl_context(agent.cert, agent.key, agent.ca), lambda s: None
+            "127.0.0.1:0",
+            server_ssl_context(agent.cert, agent.key, agent.ca),
+            lambda s: None,
+            retired=lambda serial: serial in retired,
         )
         await plane.start()
         try:
-            return await asyncio.to_thread(_get, plane.bound_port, client, requests)
+            return await asyncio.to_thread(_get, plane.bound_port, client, requests, between)
         finally:
             await plane.stop()
 
@@ -105,3 +123,53 @@ def test_the_control_plane_name_without_the_oid_is_refused(
     ((status, body),) = _serve_and_ask(agent, named)
     assert status == 403, body
     assert body["error"]["code"] == "forbidden"  # type: ignore[index]
+
+
+# ------------------------------------------------------------------ retired instances
+
+
+def _serial(identity: pki.Identity) -> str:
+    return pki.serial_hex(pki.load_cert(identity.cert))
+
+
+def test_a_retired_instances_certificate_is_refused_and_a_current_one_served(
+    cluster: tuple[pki.Authority, pki.Identity],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two instances' client certificates of one CA, both with the control plane's usage:
+    the retired one's serial is refused on every request (one line per connection, naming
+    the serial), the other's served."""
+    ca, agent = cluster
+    retired = pki.Identity(*(ca.directory / f for f in _CLIENT_FILES))
+    current = pki.issue_control_plane_client_cert(ca, tmp_path / "cp2")
+    gone = {_serial(retired)}
+    with caplog.at_level(logging.WARNING, logger="llmgw.agent.dataplane"):
+        refused = _serve_and_ask(agent, retired, requests=3, retired=gone)
+        served = _serve_and_ask(agent, current, requests=2, retired=gone)
+    for status, body in refused:
+        assert status == 403
+        error = body["error"]
+        assert error["code"] == "forbidden"  # type: ignore[index]
+        assert error["message"] == (  # type: ignore[index]
+            f"this certificate (serial {_serial(retired)}) is a retired control-plane "
+            "instance's; only current instances may use the data plane"
+        )
+    assert [status for status, _ in served] == [503, 503]  # shard_not_ready: it got through
+    lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.agent.dataplane"]
+    assert lines == [
+        f"refused a data-plane request from a retired control-plane instance's certificate "
+        f"(serial {_serial(retired)}); only current instances are served"
+    ]
+
+
+def test_an_open_connection_is_refused_once_its_instance_is_retired(
+    cluster: tuple[pki.Authority, pki.Identity],
+) -> None:
+    ca, agent = cluster
+    client = pki.Identity(*(ca.directory / f for f in _CLIENT_FILES))
+    gone: set[str] = set()
+    answers = _serve_and_ask(
+        agent, client, requests=2, retired=gone, between=lambda: gone.add(_serial(client))
+    )
+    assert [status for status, _ in answers] == [503, 403]

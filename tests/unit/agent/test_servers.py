@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.servers import SERVERS_FILE, KnownServers
-from llmgw.contracts.control_planes import MAX_CONTROL_PLANES
+from llmgw.contracts.control_planes import (
+    MAX_CONTROL_PLANES,
+    MAX_RETIRED_SERIALS,
+    MAX_SERIAL_CHARS,
+)
 from llmgw.errors import ConfigError
 
 SEEDS = ("cp-1.example:7443", "cp-2.example:7443")
@@ -91,6 +95,7 @@ def test_a_learnt_change_is_logged_with_what_was_added_and_retired(
         "servers": "cp-4.example:7443,cp-1.example:7443",
         "added": "cp-4.example:7443",
         "retired": "cp-3.example:7443",
+        "refused_serials": "-",
     }
 
 
@@ -123,10 +128,100 @@ def test_a_bad_list_is_refused_whole_and_changes_nothing(
     assert _fields(line)["entries"] == len(servers)
 
 
+# ------------------------------------------------------------------ the retired serials
+
+
+def test_retired_serials_are_kept_with_the_list_and_read_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    known = KnownServers(SEEDS, tmp_path)
+    assert known.retired_serials == () and not known.is_retired("5e3")
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert known.learn(
+            ["cp-1.example:7443", "cp-2.example:7443"],
+            source="cp-1.example:7443",
+            retired_serials=["5e3", "c13", "5e3"],
+        )
+    assert known.retired_serials == ("5e3", "c13")
+    assert known.is_retired("5e3") and known.is_retired("c13") and not known.is_retired("5e2")
+    assert _fields(caplog.records[-1])["refused_serials"] == "5e3,c13"
+    assert json.loads((tmp_path / SERVERS_FILE).read_text()) == {
+        "servers": ["cp-1.example:7443", "cp-2.example:7443"],
+        "retired_serials": ["5e3", "c13"],
+    }
+    again = KnownServers(SEEDS, tmp_path)  # the next agent refuses them from its start
+    assert again.is_retired("c13") and again.retired_serials == ("5e3", "c13")
+    # Only the serials changed: a change, written.
+    assert again.learn(
+        ["cp-1.example:7443", "cp-2.example:7443"], source="x", retired_serials=["5e3", "c13", "ab"]
+    )
+    assert KnownServers(SEEDS, tmp_path).is_retired("ab")
+    # The same again: no change.
+    assert not again.learn(
+        ["cp-1.example:7443", "cp-2.example:7443"], source="x", retired_serials=["5e3", "c13", "ab"]
+    )
+
+
+def test_a_file_from_before_retired_serials_is_read_as_none_retired(tmp_path: Path) -> None:
+    (tmp_path / SERVERS_FILE).write_text('{"servers": ["cp-3.example:7443"]}')
+    known = KnownServers(SEEDS, tmp_path)
+    assert known.rotation() == (*SEEDS, "cp-3.example:7443")
+    assert known.retired_serials == ()
+
+
+@pytest.mark.parametrize(
+    "serials",
+    [
+        ["5e3", "not-hex"],
+        ["5E3"],  # serial_hex writes lowercase: anything else is not ours
+        [""],
+        ["a" * (MAX_SERIAL_CHARS + 1)],
+        [f"{i:x}" for i in range(MAX_RETIRED_SERIALS + 1)],
+    ],
+)
+def test_bad_retired_serials_refuse_the_whole_list(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, serials: list[str]
+) -> None:
+    known = KnownServers(SEEDS, tmp_path)
+    known.learn(["cp-3.example:7443"], source="x", retired_serials=["c1"])
+    before = (tmp_path / SERVERS_FILE).read_bytes()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert not known.learn(["cp-4.example:7443"], source="x", retired_serials=serials)
+    assert known.rotation() == (*SEEDS, "cp-3.example:7443")  # the servers not taken either
+    assert known.retired_serials == ("c1",) and known.is_retired("c1")
+    assert (tmp_path / SERVERS_FILE).read_bytes() == before
+    (line,) = caplog.records
+    assert "retired" in str(_fields(line)["error"])
+    assert _fields(line)["retired_serials"] == len(serials)
+
+
+def test_the_most_serials_pass(tmp_path: Path) -> None:
+    known = KnownServers(SEEDS, tmp_path)
+    full = ["f" * MAX_SERIAL_CHARS] + [f"{i:x}" for i in range(MAX_RETIRED_SERIALS - 1)]
+    servers = [f"cp-{i}.example:{7000 + i}" for i in range(MAX_CONTROL_PLANES)]
+    assert known.learn(servers, source="x", retired_serials=full)
+    # Read back whole by the next agent (the file stays under its bound).
+    again = KnownServers(SEEDS, tmp_path)
+    assert len(again.retired_serials) == MAX_RETIRED_SERIALS and len(again.learnt) == len(servers)
+
+
 @pytest.mark.parametrize(
     ("content", "error"),
     [
         (b"{not json", "Expecting property name"),
+        (
+            b'{"servers": ["cp-3.example:7443"], "retired_serials": "5e3"}',
+            "its 'retired_serials' is not a list",
+        ),
+        (
+            b'{"servers": ["cp-3.example:7443"], "retired_serials": ["5e3", 7]}',
+            "retired serial [1] is not a string",
+        ),
+        (
+            b'{"servers": ["cp-3.example:7443"], "retired_serials": ["x"]}',
+            "retired serial [0] 'x' is not a certificate serial",
+        ),
         (b'["cp-3.example:7443"]', "it is not an object with a list 'servers'"),
         (b'{"servers": "cp-3.example:7443"}', "it is not an object with a list 'servers'"),
         (b'{"servers": ["cp-3.example:7443", "x y:1"]}', "control plane [1]: 'x y' in"),

@@ -261,8 +261,10 @@ def _welcome(epoch: int = 1) -> pb.ServerMessage:
     return pb.ServerMessage(welcome=pb.Welcome(cluster_id="c", epoch=epoch, node_state="approved"))
 
 
-def _planes(*servers: str) -> pb.ServerMessage:
-    return pb.ServerMessage(control_planes=pb.ControlPlanes(servers=list(servers)))
+def _planes(*servers: str, retired: tuple[str, ...] = ()) -> pb.ServerMessage:
+    return pb.ServerMessage(
+        control_planes=pb.ControlPlanes(servers=list(servers), retired_serials=list(retired))
+    )
 
 
 def _dead_address() -> str:
@@ -309,7 +311,7 @@ def test_the_leaders_list_is_kept_and_a_restarted_agent_dials_it_when_its_seed_i
     async def main() -> tuple[list[str], list[str], tuple[str, ...]]:
         server, port = await _serve(pki_dir, servicer)
         leader = f"127.0.0.1:{port}"
-        servicer.script = [_welcome(), _planes(leader, other)]
+        servicer.script = [_welcome(), _planes(leader, other, retired=("5e3", "c13"))]
         try:
             first, first_welcomed = _agent(pki_dir, tmp_path, (leader,))
             task = asyncio.create_task(first.run())
@@ -321,6 +323,7 @@ def test_the_leaders_list_is_kept_and_a_restarted_agent_dials_it_when_its_seed_i
             gone = _dead_address()
             second, second_welcomed = _agent(pki_dir, tmp_path, (gone,))
             assert second.servers.rotation() == (gone, leader, other)
+            assert second.servers.is_retired("c13")  # refused from the start
             task = asyncio.create_task(second.run())
             await _until(lambda: second_welcomed, "the second agent's welcome")
             task.cancel()
@@ -331,7 +334,10 @@ def test_the_leaders_list_is_kept_and_a_restarted_agent_dials_it_when_its_seed_i
 
     first_welcomed, second_welcomed, rotation = asyncio.run(main())
     leader = first_welcomed[0]
-    assert json.loads(_learnt_file(tmp_path).read_text()) == {"servers": [leader, other]}
+    assert json.loads(_learnt_file(tmp_path).read_text()) == {
+        "servers": [leader, other],
+        "retired_serials": ["5e3", "c13"],
+    }
     assert second_welcomed[0] == leader
     assert rotation[1:] == (leader, other)  # the seed first, always
     assert len(servicer.hellos) >= 2

@@ -8,7 +8,10 @@ import pytest
 from llmgw.contracts.control_planes import (
     MAX_CONTROL_PLANES,
     MAX_ENTRY_CHARS,
+    MAX_RETIRED_SERIALS,
+    MAX_SERIAL_CHARS,
     check_control_planes,
+    check_retired_serials,
 )
 from llmgw.errors import ConfigError
 
@@ -68,3 +71,41 @@ def test_an_overlong_entry_is_refused_without_being_repeated_whole() -> None:
     # The longest host name a certificate can carry, with a port, still passes.
     longest = ".".join(["a" * 63] * 3 + ["a" * 61]) + ":65535"
     assert check_control_planes([longest]) == (longest,)
+
+
+# ------------------------------------------------------------------ the retired serials
+
+
+def test_retired_serials_keep_their_order_without_duplicates() -> None:
+    assert check_retired_serials([]) == ()
+    assert check_retired_serials(["5e3", "c13", "5e3", "f" * MAX_SERIAL_CHARS]) == (
+        "5e3",
+        "c13",
+        "f" * MAX_SERIAL_CHARS,
+    )
+    full = [f"{i:x}" for i in range(MAX_RETIRED_SERIALS)]
+    assert len(check_retired_serials(full)) == MAX_RETIRED_SERIALS
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            [f"{i:x}" for i in range(MAX_RETIRED_SERIALS + 1)],
+            f"the list names {MAX_RETIRED_SERIALS + 1} retired certificate serials, more than "
+            f"the {MAX_RETIRED_SERIALS} an agent takes",
+        ),
+        (["ab", 12], "retired serial [1] is not a string"),
+        (
+            ["ab", "AB"],
+            "retired serial [1] 'AB' is not a certificate serial (lowercase hex, 1 to 40 digits)",
+        ),
+        ([""], "retired serial [0] '' is not a certificate serial"),
+        (["0x1f"], "retired serial [0] '0x1f' is not a certificate serial"),
+        (["a" * 41], f"retired serial [0] {'a' * 41!r} is not a certificate serial"),
+    ],
+)
+def test_a_bad_serial_refuses_them_all(values: list[object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_retired_serials(values)
+    assert str(info.value).startswith(message)

@@ -14,6 +14,7 @@ import pytest
 from cryptography import x509
 
 from llmgw import pki
+from llmgw.contracts.control_planes import ControlPlaneList
 from llmgw.contracts.inventory import multinode_ports
 from llmgw.contracts.ports import PortRange
 from llmgw.proto import control_pb2 as pb
@@ -282,24 +283,28 @@ def test_a_changed_list_of_control_planes_goes_to_every_live_agent(
         for session in sessions:  # what the Hello queued (the reconcile's orders)
             while not session.queue.empty():
                 session.queue.get_nowait()
-        assert wired.sessions.broadcast_control_planes(["cp-1:7443", "cp-3:7443"]) == 2
+        planes = ControlPlaneList(("cp-1:7443", "cp-3:7443"), ("2a", "3b"))
+        assert wired.sessions.broadcast_control_planes(planes) == 2
         for session in sessions:
             msg = session.queue.get_nowait()
             assert msg is not None
             assert list(msg.control_planes.servers) == ["cp-1:7443", "cp-3:7443"]
-        # Empty, or one the agents would refuse: nobody is sent anything.
+            assert list(msg.control_planes.retired_serials) == ["2a", "3b"]
+        # Empty, or one the agents would refuse (a server, a serial): nobody is sent anything.
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="llmgw.server.stream"):
-            assert wired.sessions.broadcast_control_planes([]) == 0
-            assert wired.sessions.broadcast_control_planes(["cp-1:7443", "cp-2"]) == 0
+            assert wired.sessions.broadcast_control_planes(ControlPlaneList(())) == 0
+            bad_server = ControlPlaneList(("cp-1:7443", "cp-2"))
+            assert wired.sessions.broadcast_control_planes(bad_server) == 0
+            bad_serial = ControlPlaneList(("cp-1:7443",), ("2a", "not-hex"))
+            assert wired.sessions.broadcast_control_planes(bad_serial) == 0
         assert all(s.queue.empty() for s in sessions)
-        (line,) = caplog.records
-        assert line.getMessage() == (
+        assert [r.getMessage() for r in caplog.records] == 2 * [
             "not sending agents the list of control planes: they would refuse it"
-        )
+        ]
         # A closed session is no longer told.
         wired.sessions.close(sessions[0])
-        assert wired.sessions.broadcast_control_planes(["cp-1:7443"]) == 1
+        assert wired.sessions.broadcast_control_planes(ControlPlaneList(("cp-1:7443",))) == 1
         assert sessions[0].queue.empty() and not sessions[1].queue.empty()
         wired.sessions.close_all()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -16,6 +16,7 @@ import pytest
 from cryptography import x509
 
 from llmgw import pki
+from llmgw.contracts.control_planes import ControlPlaneList
 from llmgw.errors import ConfigError, StoreError
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
@@ -164,7 +165,7 @@ def _stream(
     tmp_path: Path,
     agent_version: str,
     server_version: str,
-    control_planes: Callable[[], Sequence[str]] = lambda: (),
+    control_planes: Callable[[], ControlPlaneList] = lambda: ControlPlaneList(()),
 ) -> tuple[list[pb.ServerMessage], grpc.aio.AioRpcError | None, _Sessions, _Events]:
     ca, server_id, _ = pki.ensure_server_identity(tmp_path / "pki", hosts=["127.0.0.1"])
     node = pki.issue_node_cert(ca, "gpu-1", tmp_path / "node")
@@ -236,22 +237,28 @@ PLANES = ["cp-1.example:7443", "10.0.0.2:7443", "[fd00::3]:7443"]
 
 
 def test_the_list_of_control_planes_follows_the_welcome(tmp_path: Path) -> None:
-    got, error, _, _ = _stream(tmp_path, "0.1.0", "0.1.0", lambda: PLANES)
+    planes = ControlPlaneList(tuple(PLANES), ("1f", "ab12"))
+    got, error, _, _ = _stream(tmp_path, "0.1.0", "0.1.0", lambda: planes)
     assert error is None
     assert [m.WhichOneof("msg") for m in got] == ["welcome", "control_planes"]
     assert list(got[1].control_planes.servers) == PLANES
+    assert list(got[1].control_planes.retired_serials) == ["1f", "ab12"]
 
 
-def _unavailable() -> list[str]:
+def _unavailable() -> ControlPlaneList:
     raise StoreError("the database is unreachable; it comes back by itself")
 
 
 @pytest.mark.parametrize(
     ("planes", "warning"),
     [
-        (lambda: [], None),  # nothing to say: nothing sent
+        (lambda: ControlPlaneList(()), None),  # nothing to say: nothing sent
         (
-            lambda: ["cp-1.example:7443", "0.0.0.0:7443"],
+            lambda: ControlPlaneList(("cp-1.example:7443", "0.0.0.0:7443")),
+            "not sending agents the list of control planes: they would refuse it",
+        ),
+        (
+            lambda: ControlPlaneList(("cp-1.example:7443",), ("A" * 41,)),
             "not sending agents the list of control planes: they would refuse it",
         ),
         (_unavailable, "cannot list the control planes for an agent"),
@@ -260,7 +267,7 @@ def _unavailable() -> list[str]:
 def test_no_list_is_sent_when_there_is_none_the_agents_would_take(
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
-    planes: Callable[[], list[str]],
+    planes: Callable[[], ControlPlaneList],
     warning: str | None,
 ) -> None:
     """An empty list, one the agents would refuse, or none to be had: the Welcome alone,
@@ -276,8 +283,10 @@ def test_no_list_is_sent_when_there_is_none_the_agents_would_take(
 
 def test_a_session_sends_a_list_only_when_it_names_one() -> None:
     session = NodeSession(node_id="gpu-1", dataplane_addr="", epoch=1, engines=frozenset())
-    assert not session.send_control_planes(())
+    assert not session.send_control_planes(None)
+    assert not session.send_control_planes(ControlPlaneList((), ("ab",)))
     assert session.queue.empty()
-    assert session.send_control_planes(("cp-1.example:7443",))
+    assert session.send_control_planes(ControlPlaneList(("cp-1.example:7443",), ("ab",)))
     msg = session.queue.get_nowait()
     assert msg is not None and list(msg.control_planes.servers) == ["cp-1.example:7443"]
+    assert list(msg.control_planes.retired_serials) == ["ab"]

@@ -177,6 +177,8 @@ ALTER TABLE replicas ADD COLUMN profile TEXT;
         enroll_addr TEXT NOT NULL DEFAULT '',
         version     TEXT NOT NULL DEFAULT '',
         ca_hash     TEXT NOT NULL DEFAULT '',
+        client_serial TEXT NOT NULL DEFAULT '',
+        server_serial TEXT NOT NULL DEFAULT '',
         started_at  REAL NOT NULL,
         seen_at     REAL NOT NULL,
         retired_at  REAL

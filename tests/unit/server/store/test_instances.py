@@ -5,14 +5,17 @@ writes; an instance id is one process's at a time."""
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
 
-from llmgw.errors import ConfigError, Fenced
+from llmgw.errors import ConfigError, Conflict, Fenced
 from llmgw.server.store import Store
 from llmgw.server.store.instances import process_gone
 from tests.unit.clock import Clock
+
+DATE = r"\d{4}-\d\d-\d\d \d\d:\d\d UTC"  # when an instance was retired, as messages say it
 
 
 def _lapse(store: Store, clock: Clock, seconds: float) -> None:
@@ -83,16 +86,20 @@ def test_an_instance_id_is_one_process_at_a_time(store: Store, clock: Clock) -> 
         store.register_instance("cp1", "host/2/b", stale_after=30, version="1.0.0")
     store.register_instance("cp2", "host/2/b", stale_after=30, version="1.0.0")
     store.set_instance_addresses(
-        "cp2", stream="10.0.0.2:7443", http="http://10.0.0.2:8080", enroll="", ca_hash="sha256:x"
+        "cp2",
+        stream="10.0.0.2:7443",
+        http="http://10.0.0.2:8080",
+        enroll="",
+        ca_hash="sha256:x",
+        client_serial="c2",
+        server_serial="5e2",
     )
-    assert [(i.id, i.stream_addr) for i in store.list_instances()] == [
-        ("cp1", ""),
-        ("cp2", "10.0.0.2:7443"),
+    assert [(i.id, i.stream_addr, i.serials) for i in store.list_instances()] == [
+        ("cp1", "", ()),
+        ("cp2", "10.0.0.2:7443", ("5e2", "c2")),
     ]
     assert store.touch_instance("cp1", "host/1/a")
     assert not store.touch_instance("cp1", "host/9/z")
-    store.retire_instance("cp1")
-    assert [i.id for i in store.list_instances()] == ["cp2"]
 
 
 def test_a_silent_instance_id_may_be_taken_over(store: Store, clock: Clock) -> None:
@@ -114,3 +121,108 @@ def test_a_restarted_process_of_this_machine_takes_its_id_at_once(store: Store) 
     store.register_instance("cp2", alive, stale_after=60, version="1")
     with pytest.raises(ConfigError, match="already used"):
         store.register_instance("cp2", "me/2/y", stale_after=60, version="1", gone=process_gone)
+
+
+def _silent_instance(
+    store: Store, clock: Clock, instance_id: str, serials: tuple[str, str]
+) -> None:
+    """*instance_id* registered with its certificates' serials (server, client), then silent
+    past 0.3 s (stopped)."""
+    store.register_instance(instance_id, f"host/{instance_id}/a", stale_after=0.3, version="1")
+    store.set_instance_addresses(
+        instance_id,
+        stream=f"{instance_id}:7443",
+        http=f"http://{instance_id}:8080",
+        enroll="",
+        ca_hash="sha256:x",
+        server_serial=serials[0],
+        client_serial=serials[1],
+    )
+
+
+def test_a_stopped_instance_is_retired_and_its_serials_kept(store: Store, clock: Clock) -> None:
+    _silent_instance(store, clock, "cp2", ("a2", "b2"))
+    _silent_instance(store, clock, "cp3", ("a3", "b3"))
+    _lapse(store, clock, 0.5)
+    retired = store.retire_instance("cp2", silent_for=0.3)
+    assert retired.id == "cp2" and retired.retired_at is not None
+    assert retired.serials == ("a2", "b2")
+    _lapse(store, clock, 0.05)
+    store.retire_instance("cp3", silent_for=0.3)
+    assert store.list_instances() == []
+    assert [i.id for i in store.list_instances(retired=True)] == ["cp2", "cp3"]
+    # The newest retired first, server then client; bounded.
+    assert store.retired_serials(10) == ("a3", "b3", "a2", "b2")
+    assert store.retired_serials(3) == ("a3", "b3", "a2")
+
+
+def test_retiring_refuses_what_must_not_be_retired(store: Store, clock: Clock) -> None:
+    lease = store.take_lease("cp1", 60)
+    assert lease is not None
+    _silent_instance(store, clock, "cp1", ("a1", "b1"))
+    _silent_instance(store, clock, "cp2", ("a2", "b2"))
+    with pytest.raises(Conflict, match=r"no instance 'cp9' is registered; 'llmgw ctl instances'"):
+        store.retire_instance("cp9", silent_for=0.3)
+    with pytest.raises(Conflict) as running:
+        store.retire_instance("cp2", silent_for=0.3)
+    assert str(running.value).startswith("instance cp2 was seen 0 s ago: it is running; stop it")
+    assert "systemctl stop llmgw-server on that machine" in str(running.value)
+    _lapse(store, clock, 0.5)
+    with pytest.raises(Conflict, match="instance cp1 is the leader; stop it first: systemctl stop"):
+        store.retire_instance("cp1", silent_for=0.3)
+    store.retire_instance("cp2", silent_for=0.3)
+    with pytest.raises(
+        Conflict, match=rf"instance cp2 was retired already, on {DATE}; nothing to do"
+    ):
+        store.retire_instance("cp2", silent_for=0.3)
+    assert store.retired_serials(10) == ("a2", "b2")  # the refusals changed nothing
+
+
+def test_a_retired_instance_never_starts_again_and_its_certificates_neither(
+    store: Store, clock: Clock
+) -> None:
+    _silent_instance(store, clock, "cp3", ("a3", "b3"))
+    _lapse(store, clock, 0.5)
+    store.retire_instance("cp3", silent_for=0.3)
+    # Its id, whatever the machine holds.
+    with pytest.raises(ConfigError) as same_id:
+        store.register_instance(
+            "cp3", "host/3/b", stale_after=0.3, version="1", pki_dir="/var/lib/llmgw/pki"
+        )
+    assert re.fullmatch(
+        rf"instance_id: instance cp3 was retired on {DATE}; give this machine another "
+        r"instance_id and move its /var/lib/llmgw/pki/server\.\* and "
+        r"/var/lib/llmgw/pki/client\.\* aside so that it makes new certificates",
+        str(same_id.value),
+    ), str(same_id.value)
+    # Another id on a machine that kept cp3's certificates.
+    with pytest.raises(ConfigError) as same_certs:
+        store.register_instance(
+            "cp4", "host/3/b", stale_after=0.3, version="1", serials=("ff", "b3"), pki_dir="P"
+        )
+    assert "this machine's certificates (serial b3) are those of instance cp3, retired on" in (
+        str(same_certs.value)
+    )
+    assert "which the agents refuse; move its P/server.* and P/client.* aside" in (
+        str(same_certs.value)
+    )
+    assert [i.id for i in store.list_instances(retired=True)] == ["cp3"]  # nothing registered
+    # Another id with new certificates joins.
+    joined = store.register_instance(
+        "cp4", "host/3/b", stale_after=0.3, version="1", serials=("c4", "d4"), pki_dir="P"
+    )
+    assert joined.id == "cp4" and joined.retired_at is None
+    assert [i.id for i in store.list_instances()] == ["cp4"]
+
+
+def test_only_the_current_leader_retires(store: Store, clock: Clock) -> None:
+    old = store.take_lease("cp1", 0.3)
+    assert old is not None
+    _silent_instance(store, clock, "cp3", ("a3", "b3"))
+    _lapse(store, clock, 0.5)
+    assert store.take_lease("cp2", 60) is not None
+    store.database.fence = lambda _db: store.check_epoch(old.epoch)  # cp1, replaced
+    with pytest.raises(Fenced):
+        store.retire_instance("cp3", silent_for=0.3)
+    store.database.fence = None
+    assert store.retired_serials(10) == ()
