@@ -490,21 +490,21 @@ async def _connected(channel: grpc.aio.Channel, server: str) -> None:
     CONNECT_TIMEOUT. Either way the next control plane is tried instead of gRPC's retries."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + CONNECT_TIMEOUT
-    state = channel.get_state(try_to_connect=True)
-    while state != grpc.ChannelConnectivity.READY:
-        if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-            return  # the call fails at once, saying why (refused, a TLS failure...)
-        remaining = deadline - loop.time()
-        try:
-            if remaining <= 0:
-                raise TimeoutError
-            await asyncio.wait_for(channel.wait_for_state_change(state), timeout=remaining)
-        except TimeoutError:
+    # Polled, not awaited with wait_for_state_change: a cancelled state watcher can keep the
+    # channel from closing (an agent asked to stop while it dials).
+    while True:
+        state = channel.get_state(try_to_connect=True)
+        if state in (
+            grpc.ChannelConnectivity.READY,
+            grpc.ChannelConnectivity.TRANSIENT_FAILURE,  # the call fails at once, saying why
+        ):
+            return
+        if loop.time() >= deadline:
             raise StreamError(
                 f"{server} did not complete a connection within {CONNECT_TIMEOUT:g} s "
                 "(paused or unreachable); trying the next control plane"
-            ) from None
-        state = channel.get_state(try_to_connect=True)
+            )
+        await asyncio.sleep(0.02)
 
 
 class Refused(Exception):
