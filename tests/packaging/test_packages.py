@@ -319,6 +319,40 @@ def test_shipped_server_yaml_says_the_defaults() -> None:
     assert {**vars(shipped), "source": None} == {**vars(defaults), "source": None}
 
 
+def uncommented(text: str, first: str) -> str:
+    """``text`` with the commented block that starts with the line ``# FIRST`` (and goes on
+    with lines indented under it) uncommented."""
+    block = re.search(rf"^# {re.escape(first)}\n(?:#   .*\n)*", text, re.MULTILINE)
+    assert block, f"no commented '{first}' in the shipped server.yaml"
+    lines = [line.removeprefix("# ") for line in block[0].splitlines(keepends=True)]
+    return text.replace(block[0], "".join(lines))
+
+
+def test_shipped_server_yaml_database_lines(tmp_path: Path) -> None:
+    """Its database: lines uncommented: the SQLite one is the default, the PostgreSQL one a
+    control plane on PostgreSQL whose password is in a file; the lease's lines the defaults."""
+    text = (ROOT / "packaging" / "config" / "server.yaml").read_text()
+    defaults = load_server_config(None)
+    edited = tmp_path / "server.yaml"
+
+    edited.write_text(uncommented(text, "database: sqlite:///var/lib/llmgw/llmgw.db"))
+    assert load_server_config(edited).database_location == defaults.database_location
+
+    for first in ("database:", "lease: 10", "lease_renew: 2", "resync_interval: 5"):
+        text = uncommented(text, first)
+    edited.write_text(text)
+    cfg = load_server_config(edited)
+    assert cfg.shared_database
+    assert cfg.database_location.password_file == Path("/etc/llmgw/db-password")
+    assert cfg.database_location.hosts() == ["db1.example.net:5432", "db2.example.net:5432"]
+    assert "password" not in cfg.database_location.conninfo
+    assert (cfg.lease, cfg.lease_renew, cfg.resync_interval) == (
+        defaults.lease,
+        defaults.lease_renew,
+        defaults.resync_interval,
+    )
+
+
 # ------------------------------------------------------------- under systemd (Docker)
 
 
