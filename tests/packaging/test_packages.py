@@ -622,18 +622,25 @@ def real_onedir() -> Path:
     return onedir
 
 
+@pytest.fixture(scope="module")
+def real_packages(packages_root: Path) -> tuple[Path, Packages]:
+    """The one-folder build, and its packages (built once for the tests that install them)."""
+    onedir = real_onedir()
+    out = packages_root / "real"
+    build_packages(onedir, out)
+    said = run(onedir / "llmgw", "--version").stdout.strip()
+    return onedir, Packages(said.removeprefix("llmgw "), out)
+
+
 def test_real_onedir_build_packages_and_runs_under_the_units(
-    container: Container, packages_root: Path
+    container: Container, real_packages: tuple[Path, Packages]
 ) -> None:
     """The real program, packaged: its glibc floor, then a whole node in the container: the
     control plane under llmgw-server.service, a node joined the way agent.yaml says, its
     agent READY under the hardened llmgw-agent.service, a sim engine answering through the
     gateway, and the engine kept across an agent restart."""
-    onedir = real_onedir()
-    out = packages_root / "real"
-    build_packages(onedir, out)
-    said = run(onedir / "llmgw", "--version").stdout.strip()
-    packages = Packages(said.removeprefix("llmgw "), out)
+    onedir, packages = real_packages
+    said = f"llmgw {packages.version}"
     floor = glibc_floor(onedir)
     assert floor is not None, "a PyInstaller build links the C library"
     depends = deb_field(packages.path("llmgw-agent", "deb"), "Depends").split(", ")
@@ -690,17 +697,16 @@ def test_real_onedir_build_packages_and_runs_under_the_units(
 
 
 def test_real_onedir_package_runs_the_control_plane_on_postgresql(
-    systemd_image: str, packages_root: Path, pg_cluster: Cluster
+    systemd_image: str,
+    packages_root: Path,
+    real_packages: tuple[Path, Packages],
+    pg_cluster: Cluster,
 ) -> None:
     """The same unit, unchanged, with server.yaml's database: on PostgreSQL: the packaged
     program leads on a database of the session's cluster (tests/pg.py) under the hardened
     llmgw-server.service, and gives the lease up when the unit stops. The container has no
     network but its loopback: it reaches the cluster through its Unix socket, mounted in."""
-    onedir = real_onedir()
-    out = packages_root / "real-postgres"
-    build_packages(onedir, out)
-    said = run(onedir / "llmgw", "--version").stdout.strip()
-    packages = Packages(said.removeprefix("llmgw "), out)
+    _onedir, packages = real_packages
     database = pg_cluster.fresh_database()
     socket_dir = "/srv/llmgw-test-pg"
     url = f"postgresql://{PG_ROLE}@/{database}?host={socket_dir}&port={pg_cluster.port}"
