@@ -418,15 +418,25 @@ for binary in /build/out/onefile/llmgw /build/out/onedir/llmgw/llmgw; do
     [ "\$said" = "llmgw $VERSION" ] || { echo "\$binary --version says '\$said', expected 'llmgw $VERSION'" >&2; exit 1; }
 done
 # Both carry python-systemd's journal module and the libsystemd it was compiled against
-# (without them, log.py falls back to plain text under systemd).
-ls /build/out/onedir/llmgw/_internal/systemd/_journal.*.so /build/out/onedir/llmgw/_internal/libsystemd.so.0 >/dev/null
+# (without them, log.py falls back to plain text under systemd), and psycopg's C
+# implementation with the libpq of its wheel (without them, a control plane on PostgreSQL
+# needs a libpq on the machine: packaging/llmgw.spec).
+ls /build/out/onedir/llmgw/_internal/systemd/_journal.*.so /build/out/onedir/llmgw/_internal/libsystemd.so.0 \
+    /build/out/onedir/llmgw/_internal/psycopg_binary/_psycopg.*.so \
+    /build/out/onedir/llmgw/_internal/psycopg_binary.libs/libpq-*.so.* >/dev/null
 /opt/llmgw-build/bin/python -c '
 import sys
 from PyInstaller.archive.readers import CArchiveReader
 names = list(CArchiveReader(sys.argv[1]).toc)
-for wanted in ("systemd/_journal.", "libsystemd.so.0"):
-    if not any(name.startswith(wanted) for name in names):
-        sys.exit(sys.argv[1] + " lacks " + wanted + "*: python-systemd did not make it into the build")
+wanted = {
+    "systemd/_journal.": "python-systemd",
+    "libsystemd.so.0": "python-systemd",
+    "psycopg_binary/_psycopg.": "psycopg-binary",
+    "psycopg_binary.libs/libpq-": "psycopg-binary",
+}
+for prefix, package in wanted.items():
+    if not any(name.startswith(prefix) for name in names):
+        sys.exit(sys.argv[1] + " lacks " + prefix + "*: " + package + " did not make it into the build")
 ' /build/out/onefile/llmgw
 EOF
     info "binaries: built in $(($(date +%s) - started)) s"

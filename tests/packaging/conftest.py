@@ -87,6 +87,11 @@ def bullseye_amd64() -> Path:
     return root_rootfs("bullseye", "amd64")
 
 
+@pytest.fixture(scope="session")
+def bullseye_arm64() -> Path:
+    return root_rootfs("bullseye", "arm64")
+
+
 @pytest.fixture
 def noexec_dir(tmp_path: Path) -> Iterator[Path | None]:
     """A tmpfs mounted noexec (root only; None otherwise), unmounted afterwards."""

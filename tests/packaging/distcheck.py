@@ -9,12 +9,14 @@ tests whatever dist/ holds, LLMGW_TEST_ARM64=1 demands the arm64 build outside C
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -111,30 +113,41 @@ def root_rootfs(suite: str, deb_arch: str) -> Path:
     return Path(result.stdout.strip().splitlines()[-1])
 
 
-def run_in_rootfs(rootfs: Path, program: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """Copy ``program`` (a file or a one-folder build) into ``rootfs`` and run it there with
-    chroot, in a mount namespace of its own with /proc mounted (the bootloader reads
-    /proc/self/exe); the copy is removed afterwards."""
+@contextlib.contextmanager
+def copied_into_rootfs(rootfs: Path, program: Path) -> Iterator[str]:
+    """A copy of ``program`` (a file or a one-folder build) in ``rootfs``, removed afterwards;
+    yields the path of its executable as seen inside the rootfs."""
     place = rootfs / "opt" / f"llmgw-test-{os.getpid()}"
     shutil.rmtree(place, ignore_errors=True)
     place.mkdir(parents=True)
     try:
         if program.is_dir():
             shutil.copytree(program, place / program.name, symlinks=True)
-            inside = f"/opt/{place.name}/{program.name}/llmgw"
+            yield f"/opt/{place.name}/{program.name}/llmgw"
         else:
             shutil.copy2(program, place / "llmgw")
-            inside = f"/opt/{place.name}/llmgw"
-        script = (
-            'set -e; mount -t proc proc "$1/proc"; root=$1; shift; '
-            'exec chroot "$root" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/root "$@"'
-        )
-        unshare = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
-        return subprocess.run(
-            [*unshare, str(rootfs), inside, *args],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+            yield f"/opt/{place.name}/llmgw"
     finally:
         shutil.rmtree(place, ignore_errors=True)
+
+
+def rootfs_argv(rootfs: Path, *command: str) -> list[str]:
+    """The command line that runs ``command`` (a path inside ``rootfs``, its arguments) there
+    with chroot, in a mount namespace of its own with /proc mounted (the bootloader reads
+    /proc/self/exe), in an environment of PATH and HOME alone; leading NAME=VALUE words add to
+    it (env's syntax). The network is this machine's."""
+    script = (
+        'set -e; mount -t proc proc "$1/proc"; root=$1; shift; '
+        'exec chroot "$root" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/root "$@"'
+    )
+    unshare = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+    return [*unshare, str(rootfs), *command]
+
+
+def run_in_rootfs(rootfs: Path, program: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run a copy of ``program`` (a file or a one-folder build) in ``rootfs``
+    (:func:`copied_into_rootfs`, :func:`rootfs_argv`)."""
+    with copied_into_rootfs(rootfs, program) as inside:
+        return subprocess.run(
+            rootfs_argv(rootfs, inside, *args), capture_output=True, text=True, timeout=600
+        )

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,9 +206,12 @@ class Container:
         label: str = RUN_LABEL,
         network: str = "none",  # loopback only: the repository is served inside
         hostname: str | None = None,
+        also: Sequence[tuple[Path, str]] = (),
     ) -> Container:
-        """Boot ``image``'s systemd with ``mount`` read-only at ``mount_at``: --privileged
+        """Boot ``image``'s systemd with ``mount`` read-only at ``mount_at`` (and each of
+        ``also``, a folder here and where it appears inside, read-only too): --privileged
         where that works, else the capability set MACHINES.md found to work."""
+        volumes = [f"{mount}:{mount_at}:ro"] + [f"{here}:{inside}:ro" for here, inside in also]
         errors = []
         for variant in PRIVILEGE_VARIANTS:
             name = f"{prefix}-{int(time.time())}-{uuid.uuid4().hex[:8]}"
@@ -225,8 +229,7 @@ class Container:
                     *COMMON_RUN,
                     "--network",
                     network,
-                    "-v",
-                    f"{mount}:{mount_at}:ro",
+                    *(arg for volume in volumes for arg in ("-v", volume)),
                     image,
                     "/sbin/init",
                 ],

@@ -9,15 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from .distcheck import GLIBC_FLOOR, Dist, load_packaging_module, root_rootfs, run_in_rootfs, version
+from .distcheck import GLIBC_FLOOR, Dist, load_packaging_module, run_in_rootfs, version
 
 elfinfo = load_packaging_module("elfinfo")
 EM_AARCH64 = 183
-
-
-@pytest.fixture(scope="module")
-def bullseye_arm64() -> Path:
-    return root_rootfs("bullseye", "arm64")
 
 
 def test_it_is_an_arm64_program_below_the_glibc_floor(dist_arm64: Dist) -> None:
@@ -48,3 +43,14 @@ def test_it_carries_python_systemd(dist_arm64: Dist) -> None:
     assert list((internal / "systemd").glob("_journal.*aarch64*.so")), sorted(os.listdir(internal))
     assert (internal / "libsystemd.so.0").is_file()
     assert b"systemd/_journal." in dist_arm64.onefile.read_bytes()
+
+
+def test_it_carries_psycopg_binary(dist_arm64: Dist) -> None:
+    # psycopg's C implementation and the libpq of its aarch64 wheel (packaging/llmgw.spec);
+    # test_dist_postgres runs this build's control plane on PostgreSQL under qemu.
+    internal = dist_arm64.onedir / "_internal"
+    assert list((internal / "psycopg_binary").glob("_psycopg.*aarch64*.so")), sorted(
+        os.listdir(internal)
+    )
+    assert list((internal / "psycopg_binary.libs").glob("libpq-*.so.*"))
+    assert b"psycopg_binary/_psycopg." in dist_arm64.onefile.read_bytes()

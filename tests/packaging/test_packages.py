@@ -1,8 +1,9 @@
 """The llmgw-agent and llmgw-server packages (scripts/packages.sh, packaging/): what they hold,
 and how they install, upgrade, are removed and purged under systemd.
 
-The payload is the stand-in program (conftest), except in the last test, which packages the
-real one-folder build when ``dist/`` holds one.
+The payload is the stand-in program (conftest), except in the last two tests, which package
+the real one-folder build when ``dist/`` holds one: a whole node on SQLite, and the control
+plane on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from llmgw.agent.config import load_agent_config
@@ -23,6 +25,9 @@ from llmgw.cli import main as llmgw_main
 from llmgw.errors import ConfigError
 from llmgw.server.config import load_server_config
 from tests.ci import require_tools, unavailable
+from tests.pg import PASSWORD as PG_PASSWORD
+from tests.pg import ROLE as PG_ROLE
+from tests.pg import Cluster
 
 from .pkgcheck import (
     CURRENT,
@@ -314,6 +319,40 @@ def test_shipped_server_yaml_says_the_defaults() -> None:
     assert {**vars(shipped), "source": None} == {**vars(defaults), "source": None}
 
 
+def uncommented(text: str, first: str) -> str:
+    """``text`` with the commented block that starts with the line ``# FIRST`` (and goes on
+    with lines indented under it) uncommented."""
+    block = re.search(rf"^# {re.escape(first)}\n(?:#   .*\n)*", text, re.MULTILINE)
+    assert block, f"no commented '{first}' in the shipped server.yaml"
+    lines = [line.removeprefix("# ") for line in block[0].splitlines(keepends=True)]
+    return text.replace(block[0], "".join(lines))
+
+
+def test_shipped_server_yaml_database_lines(tmp_path: Path) -> None:
+    """Its database: lines uncommented: the SQLite one is the default, the PostgreSQL one a
+    control plane on PostgreSQL whose password is in a file; the lease's lines the defaults."""
+    text = (ROOT / "packaging" / "config" / "server.yaml").read_text()
+    defaults = load_server_config(None)
+    edited = tmp_path / "server.yaml"
+
+    edited.write_text(uncommented(text, "database: sqlite:///var/lib/llmgw/llmgw.db"))
+    assert load_server_config(edited).database_location == defaults.database_location
+
+    for first in ("database:", "lease: 10", "lease_renew: 2", "resync_interval: 5"):
+        text = uncommented(text, first)
+    edited.write_text(text)
+    cfg = load_server_config(edited)
+    assert cfg.shared_database
+    assert cfg.database_location.password_file == Path("/etc/llmgw/db-password")
+    assert cfg.database_location.hosts() == ["db1.example.net:5432", "db2.example.net:5432"]
+    assert "password" not in cfg.database_location.conninfo
+    assert (cfg.lease, cfg.lease_renew, cfg.resync_interval) == (
+        defaults.lease,
+        defaults.lease_renew,
+        defaults.resync_interval,
+    )
+
+
 # ------------------------------------------------------------- under systemd (Docker)
 
 
@@ -583,18 +622,25 @@ def real_onedir() -> Path:
     return onedir
 
 
+@pytest.fixture(scope="module")
+def real_packages(packages_root: Path) -> tuple[Path, Packages]:
+    """The one-folder build, and its packages (built once for the tests that install them)."""
+    onedir = real_onedir()
+    out = packages_root / "real"
+    build_packages(onedir, out)
+    said = run(onedir / "llmgw", "--version").stdout.strip()
+    return onedir, Packages(said.removeprefix("llmgw "), out)
+
+
 def test_real_onedir_build_packages_and_runs_under_the_units(
-    container: Container, packages_root: Path
+    container: Container, real_packages: tuple[Path, Packages]
 ) -> None:
     """The real program, packaged: its glibc floor, then a whole node in the container: the
     control plane under llmgw-server.service, a node joined the way agent.yaml says, its
     agent READY under the hardened llmgw-agent.service, a sim engine answering through the
     gateway, and the engine kept across an agent restart."""
-    onedir = real_onedir()
-    out = packages_root / "real"
-    build_packages(onedir, out)
-    said = run(onedir / "llmgw", "--version").stdout.strip()
-    packages = Packages(said.removeprefix("llmgw "), out)
+    onedir, packages = real_packages
+    said = f"llmgw {packages.version}"
     floor = glibc_floor(onedir)
     assert floor is not None, "a PyInstaller build links the C library"
     depends = deb_field(packages.path("llmgw-agent", "deb"), "Depends").split(", ")
@@ -648,6 +694,49 @@ def test_real_onedir_build_packages_and_runs_under_the_units(
     (after,) = json.loads(c.out("llmgw ctl --json replicas m1"))
     assert (after["pid"], after["restarts"]) == (replica["pid"], 0)
     c.sh(python_chat(key, "m1"))
+
+
+def test_real_onedir_package_runs_the_control_plane_on_postgresql(
+    systemd_image: str,
+    packages_root: Path,
+    real_packages: tuple[Path, Packages],
+    pg_cluster: Cluster,
+) -> None:
+    """The same unit, unchanged, with server.yaml's database: on PostgreSQL: the packaged
+    program leads on a database of the session's cluster (tests/pg.py) under the hardened
+    llmgw-server.service, and gives the lease up when the unit stops. The container has no
+    network but its loopback: it reaches the cluster through its Unix socket, mounted in."""
+    _onedir, packages = real_packages
+    database = pg_cluster.fresh_database()
+    socket_dir = "/srv/llmgw-test-pg"
+    url = f"postgresql://{PG_ROLE}@/{database}?host={socket_dir}&port={pg_cluster.port}"
+    config = {
+        "instance_id": "pkg-1",
+        "database": {"url": url, "password_file": "/etc/llmgw/db-password"},
+    }
+
+    c = Container.boot(systemd_image, packages_root, also=[(pg_cluster.sockets, socket_dir)])
+    try:
+        c.sh(
+            f"dpkg -i {packages.mounted('llmgw-agent', 'deb')} "
+            f"{packages.mounted('llmgw-server', 'deb')}"
+        )
+        c.sh(f"printf '%s\\n' {shlex.quote(PG_PASSWORD)} >/etc/llmgw/db-password")
+        c.sh("chown root:llmgw /etc/llmgw/db-password && chmod 0640 /etc/llmgw/db-password")
+        c.sh(f"printf '%s' {shlex.quote(yaml.safe_dump(config))} >/etc/llmgw/server.yaml")
+        c.sh("systemctl enable --now llmgw-server.service")
+        c.wait_for(python_get("http://127.0.0.1:8080/healthz"), "llmgw server /healthz", 60)
+        journal = c.out("journalctl --no-pager -o cat -u llmgw-server.service")
+        assert "control plane started" in journal, journal
+        assert "standby" not in journal, journal
+        lease = "SELECT holder, epoch, expires_at > 0 FROM leader_lease"
+        assert pg_cluster.psql(lease, database).strip() == "pkg-1|1|t"
+        # Stopped, it gives the lease up (expired at once) for a standby to take.
+        c.sh("systemctl stop llmgw-server.service")
+        assert pg_cluster.psql(lease, database).strip() == "pkg-1|1|f"
+        assert c.sh("systemctl is-failed llmgw-server.service", check=False).returncode != 0
+    finally:
+        c.remove()
 
 
 def python_get(url: str) -> str:

@@ -150,6 +150,12 @@ def test_server_unit() -> None:
         assert one(s, f"Service.{key}") == value, key
     assert s["Service.SystemCallFilter"] == ["@system-service", "~@privileged @resources"]
     assert one(s, "Install.WantedBy") == "multi-user.target"
+    # Either store: the network for a remote PostgreSQL, after a local one (ordering only:
+    # nothing that would pull PostgreSQL into a machine on SQLite, or fail without it).
+    assert one(s, "Unit.Wants") == "network-online.target"
+    assert one(s, "Unit.After").split() == ["network-online.target", "postgresql.service"]
+    for key in ("Requires", "Requisite", "BindsTo", "PartOf"):
+        assert f"Unit.{key}" not in s, key
 
 
 def test_update_helper_units() -> None:
