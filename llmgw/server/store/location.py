@@ -103,7 +103,15 @@ def parse_location(
 
 
 def _postgres(url: str, password_file: Path | None, key: str) -> Location:
-    from psycopg import conninfo as pgconninfo
+    try:
+        from psycopg import conninfo as pgconninfo
+    except ImportError as exc:
+        raise ConfigError(
+            f"names a PostgreSQL database, but this llmgw has no PostgreSQL driver ({exc}); "
+            "install it (pip install 'psycopg[binary,pool]'; the llmgw packages and "
+            "binaries carry it) or use sqlite:///PATH",
+            key=key,
+        ) from exc
 
     try:
         params: dict[str, Any] = pgconninfo.conninfo_to_dict(url)

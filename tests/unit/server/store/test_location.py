@@ -69,3 +69,14 @@ def test_the_password_file_is_read_and_checked(tmp_path: Path) -> None:
         loc.read_password()
     with pytest.raises(ConfigError, match="cannot read the database password file"):
         parse_location("postgresql://u@h/d", password_file=tmp_path / "none").read_password()
+
+
+def test_a_postgresql_url_without_the_driver_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # import psycopg raises ImportError
+    with pytest.raises(ConfigError, match=r"no PostgreSQL driver .*pip install 'psycopg\[binary"):
+        parse_location("postgresql://u@h/d")
+    assert parse_location("sqlite:///x.db").engine == "sqlite"  # SQLite needs none
