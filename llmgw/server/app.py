@@ -197,6 +197,12 @@ class ControlPlane:
         self._follower: RouteFollower | None = None
         self._proxy: LeaderProxy | None = None
         self._standby_tasks: list[asyncio.Task[None]] = []
+        # On PostgreSQL, :8080's one server and the role's application it hands requests to
+        # (_serve_app), with the requests each application is serving.
+        self._outer_runner: web.AppRunner | None = None
+        self._current_app: web.Application | None = None
+        self._app_inflight: dict[int, int] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
 
     @property
     def pki_dir(self) -> Path:
@@ -447,24 +453,10 @@ class ControlPlane:
         self.gateway.add_routes(app)
         self.bundles = add_bundle_routes(app, cfg.bundle_dir)
         proxy.add_routes(app)
-        app.on_cleanup.append(lambda _app: self.gateway.close())
+        gateway = self.gateway
+        app.on_cleanup.append(lambda _app: gateway.close())
         app.on_cleanup.append(lambda _app: proxy.close())
-        self._runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
-        )
-        await self._runner.setup()
-        site = GuardedSite(
-            self._runner,
-            *parse_hostport(cfg.http_listen, allow_zero=True),
-            label="http",
-            limits=cfg.listeners,
-            backlog=2048,
-            hint="listeners.header_timeout in server.yaml",
-            ssl_context=self.http_tls.context if self.http_tls else None,
-            sock=self._http_sock,
-        )
-        await site.start()
-        self.http_port = site.bound_port
+        await self._serve_app(app)
         self._standby_tasks = [
             asyncio.create_task(follower.run(), name="follow"),
             asyncio.create_task(follower.listen(), name="follow-notify"),
@@ -476,10 +468,73 @@ class ControlPlane:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            await runner.cleanup()
         self._follower = None
+
+    async def _serve_app(self, app: web.Application) -> None:
+        """On PostgreSQL: serve *app* (the leader's or a standby's) on :8080 from now on.
+
+        One server holds the listening socket and its connections for the process's life and
+        hands each request to the current role's application, so that a change of role
+        closes no client's connection (a keep-alive connection closed as a request is sent on
+        it fails that request). The application replaced is cleaned up once the requests it
+        was serving have ended."""
+        app.freeze()
+        await app.startup()
+        old, self._current_app = self._current_app, app
+        if self._outer_runner is None:
+            await self._start_outer_http()
+        if old is not None:
+            task = asyncio.create_task(self._retire_app(old), name="retire-app")
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def _start_outer_http(self) -> None:
+        assert self._http_sock is not None
+        cfg = self.cfg
+        outer = web.Application(client_max_size=1024 * 1024)
+        outer.router.add_route("*", "/{tail:.*}", self._dispatch)
+        self._outer_runner = web.AppRunner(
+            outer, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+        )
+        await self._outer_runner.setup()
+        site = GuardedSite(
+            self._outer_runner,
+            *parse_hostport(cfg.http_listen, allow_zero=True),
+            label="http",
+            limits=cfg.listeners,
+            backlog=2048,
+            hint="listeners.header_timeout in server.yaml",
+            ssl_context=self.http_tls.context if self.http_tls else None,
+            sock=self._http_sock,
+        )
+        await site.start()
+        self.http_port = site.bound_port
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        app = self._current_app
+        if app is None:
+            return web.json_response(
+                {"error": {"message": "this instance is changing role; retry", "code": "busy"}},
+                status=503,
+                headers={"Retry-After": "1"},
+            )
+        key = id(app)
+        self._app_inflight[key] = self._app_inflight.get(key, 0) + 1
+        try:
+            # aiohttp's own entry into an application (what a sub-application gets): its
+            # router, middlewares and handlers, on this server's request.
+            return await app._handle(request)
+        finally:
+            self._app_inflight[key] -= 1
+
+    async def _retire_app(self, app: web.Application) -> None:
+        key = id(app)
+        for _ in range(600):  # its streams may run long; 60 s at most
+            if not self._app_inflight.get(key):
+                break
+            await asyncio.sleep(0.1)
+        self._app_inflight.pop(key, None)
+        await app.cleanup()
 
     def _leader_ssl(self) -> ssl.SSLContext | bool:
         """TLS towards the leader's admin API: its certificate is the cluster CA's (tls:
@@ -780,7 +835,11 @@ class ControlPlane:
             instance_stale_after=cfg.instance_stale_after,
         )
         add_admin_routes(app, admin, self.authority)
-        app.on_cleanup.append(lambda _app: self.gateway.close())
+        gateway = self.gateway
+        app.on_cleanup.append(lambda _app: gateway.close())
+        if self._keeper is not None:
+            await self._serve_app(app)
+            return
         self._runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
         )
@@ -853,18 +912,31 @@ class ControlPlane:
             self._standby = None
         if self.role != "leader":
             await self._stop_standby_http()
+            await self._stop_outer_http()
             if self._keeper is not None:
                 self.store.close()
             self._close_http_socket()
             self._release()
             return
         await self._stop_leader_parts()
+        await self._stop_outer_http()
         if self._keeper is not None:
             self.store.database.fence = None
             self._keeper.release()  # a standby takes over at its next poll
         self.store.close()
         self._close_http_socket()
         self._release()
+
+    async def _stop_outer_http(self) -> None:
+        if self._outer_runner is not None:
+            runner, self._outer_runner = self._outer_runner, None
+            await runner.cleanup()
+        for task in list(self._retiring):
+            task.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+        if self._current_app is not None:
+            app, self._current_app = self._current_app, None
+            await app.cleanup()
 
     def _close_http_socket(self) -> None:
         if self._http_sock is not None:
