@@ -2,7 +2,7 @@
 """Benchmark: control-plane take-over on PostgreSQL, and a standby's gateway vs the leader's.
 
 Starts a throwaway PostgreSQL cluster (initdb + pg_ctl, as the tests do: tests/pg.py), three
-control-plane instances on it with the default lease (10 s, renewed every 2 s), two agents
+control-plane instances on it with the default lease (8 s, renewed every 2 s), two agents
 listing all three, and a sim model with two replicas. Then, ``--kills`` times:
 
 1. a client thread per surviving instance sends requests through its gateway;
@@ -49,7 +49,7 @@ from tests.integration.ha import (  # noqa: E402
 from tests.integration.harness import Client, wait_for  # noqa: E402
 from tests.pg import start_cluster  # noqa: E402
 
-DEFAULT_LEASE = 10.0
+DEFAULT_LEASE = 8.0  # the default of server.yaml (llmgw.server.config)
 
 
 def _fence(agent: Any) -> int:

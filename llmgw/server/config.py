@@ -60,7 +60,7 @@ _TLS_KEYS = ("cert", "key")
 _DATABASE_KEYS = ("url", "password_file")
 # Leadership on PostgreSQL: a lapsed lease is taken within lease + a standby's poll (one
 # lease_renew), which the defaults keep under 15 s.
-DEFAULT_LEASE = 10.0
+DEFAULT_LEASE = 8.0
 DEFAULT_LEASE_RENEW = 2.0
 DEFAULT_RESYNC_INTERVAL = 5.0
 _INSTANCE_ID = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?")

@@ -338,7 +338,7 @@ def test_shipped_server_yaml_database_lines(tmp_path: Path) -> None:
     edited.write_text(uncommented(text, "database: sqlite:///var/lib/llmgw/llmgw.db"))
     assert load_server_config(edited).database_location == defaults.database_location
 
-    for first in ("database:", "lease: 10", "lease_renew: 2", "resync_interval: 5"):
+    for first in ("database:", "lease: 8", "lease_renew: 2", "resync_interval: 5"):
         text = uncommented(text, first)
     edited.write_text(text)
     cfg = load_server_config(edited)

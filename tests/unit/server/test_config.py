@@ -69,7 +69,7 @@ INVALID = [
     ("database: 5\n", "database", "must be sqlite:///PATH or a postgresql:// URL"),
     ("instance_id: CP_1\n", "instance_id", "is not an instance name"),
     ("lease: 1s\n", "lease", "must be between 2 s and 5 minutes"),
-    ("lease_renew: 6s\n", "lease_renew", "at most half the lease (5 s)"),
+    ("lease_renew: 6s\n", "lease_renew", "at most half the lease (4 s)"),
     ("resync_interval: 0.1s\n", "resync_interval", "between 0.5 s and 5 minutes"),
 ]
 
