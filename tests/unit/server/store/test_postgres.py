@@ -5,6 +5,7 @@ fails calls at once and heals by itself."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -148,3 +149,23 @@ def test_a_closed_store_says_so(pg_cluster: Any, tmp_path: Path) -> None:
     store.close()
     with pytest.raises(StoreError, match="is closed"):
         store.list_models()
+
+
+def test_a_url_with_several_hosts_finds_the_one_that_answers(
+    pg_cluster: Any, tmp_path: Path
+) -> None:
+    # A Patroni-style fail-over: the URL names every server; libpq tries them in turn and,
+    # with target_session_attrs=read-write, takes the primary. Here the first is gone.
+    name = pg_cluster.fresh_database()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]  # nothing listens there once closed
+    where = parse_location(
+        f"postgresql://{ROLE}@127.0.0.1:{dead},127.0.0.1:{pg_cluster.port}/{name}"
+        "?target_session_attrs=read-write",
+        password_file=pg_cluster.password_file(tmp_path),
+    )
+    assert where.hosts() == [f"127.0.0.1:{dead}", f"127.0.0.1:{pg_cluster.port}"]
+    with Store.open(where) as store:
+        store.put_model("m", engine="sim", params={}, replicas=1)
+        assert [m.name for m in store.list_models()] == ["m"]
