@@ -65,6 +65,7 @@ def shard_status(shard: Shard) -> pb.ShardStatus:
 
 SILENCE_FLOOR = 3.0  # seconds: never judged silent sooner, however short the interval
 CONNECT_TIMEOUT = 5.0  # seconds for TCP and TLS to a control plane
+STANDBY_PACE_FOR = 60.0  # seconds after a standby's refusal that retries stay short
 
 
 @dataclass
@@ -135,6 +136,7 @@ class StreamClient:
         self._heartbeat_interval = 5.0
         self._heard = 0.0  # time.monotonic() of the last message from the control plane
         self._silent = 0.0  # seconds of silence that ended the stream (0: it did not)
+        self._standby_seen = -STANDBY_PACE_FOR  # time.monotonic() of a standby's last refusal
 
     # -- outgoing -----------------------------------------------------------------------
 
@@ -210,9 +212,12 @@ class StreamClient:
             if time.monotonic() - started > 30:
                 self.backoff.reset()
             if refused:
-                # A live standby answered: a leader is there or about to be (a take-over
-                # takes seconds), so keep looking at a short, jittered pace.
-                self.backoff.attempt = min(self.backoff.attempt, 1)
+                self._standby_seen = time.monotonic()
+            if time.monotonic() - self._standby_seen < STANDBY_PACE_FOR:
+                # A live standby answered lately: a leader is there or about to be (a
+                # take-over takes seconds), so keep looking at a short, jittered pace (at
+                # most 2 s), the leader it named being gone included.
+                self.backoff.attempt = min(self.backoff.attempt, 2)
             delay = self.backoff.next_delay()
             rotation = self.servers.rotation()
             upcoming = named_leader or rotation[index % len(rotation)]
