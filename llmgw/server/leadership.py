@@ -49,8 +49,10 @@ LEADER_HTTP = "leader_http"
 
 
 def try_leadership(state_dir: Path) -> int | None:
-    """The locked file descriptor when this process is the leader, else None."""
-    fd = os.open(state_dir / "leader.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    """The locked file descriptor when this process is the leader, else None. The lock is
+    never opened through a symbolic link (``OSError`` ELOOP): root runs this too (``server
+    migrate``), in a directory the control plane's user owns."""
+    fd = os.open(state_dir / "leader.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -11,7 +11,7 @@ says what to do. The package:
 - ``location``  where the database is (server.yaml's ``database``), said without secrets;
 - ``database``  what the tables see of either engine: statements, rows, transactions;
 - ``sqlite``, ``postgres``: the two engines (connection, writers' lock, error translation);
-- ``dialect``   the migrations' SQLite statements as PostgreSQL runs them, and placeholders;
+- ``dialect``   the migrations' SQLite statements as PostgreSQL runs them, and ``?`` as ``%s``;
 - ``schema``    the versioned migrations and how they are applied;
 - ``rows``      the row types the store hands out;
 - ``nodes``, ``models``, ``credentials``, ``updates``, ``engines``, ``events``: one class per group
@@ -19,7 +19,8 @@ says what to do. The package:
 - ``store``     :class:`Store`, which composes them;
 - ``transfer``  a whole database copied from one engine to another (``llmgw server migrate``).
 
-The tables' SQL is plain and runs on both engines unchanged but for its ``?`` placeholders.
+The tables' SQL is plain and runs on both engines unchanged but for its ``?`` parameter
+markers.
 """
 
 from llmgw.server.store.credentials import API_KEY_PREFIX, hash_api_key

@@ -1,5 +1,5 @@
 """The state database as the tables' modules see it, whichever engine holds it: statements
-with ``?`` placeholders, rows read by column name, transactions that nest, the clock rows are
+with ``?`` parameter markers, rows read by column name, transactions that nest, the clock rows are
 stamped with, and every engine's error as a :class:`~llmgw.errors.StoreError` that says what
 to do.
 
@@ -19,7 +19,22 @@ from typing import Any, Protocol
 
 from llmgw.server.store.location import Location
 
-__all__ = ["Cursor", "Database", "Row"]
+__all__ = ["TABLE_NOUNS", "Cursor", "Database", "Row"]
+
+
+TABLE_NOUNS = {
+    "meta": "meta entry",
+    "nodes": "node",
+    "models": "model",
+    "replicas": "replica",
+    "shards": "shard",
+    "api_keys": "API key",
+    "events": "event",
+    "join_tokens": "join token",
+    "certificates": "certificate",
+    "instances": "control-plane instance",
+}
+"""What a refused change calls a row of each table, in either engine's error messages."""
 
 
 class Row(Protocol):

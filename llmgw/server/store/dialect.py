@@ -1,5 +1,5 @@
 """The one set of migrations on both engines: the schema's statements are written for SQLite
-and translated here for PostgreSQL, and the tables' ``?`` placeholders become psycopg's.
+and translated here for PostgreSQL, and the tables' ``?`` parameter markers become psycopg's ``%s``.
 
 The translation is of the few forms the schema uses, checked by the schema's tests on both
 engines: ``INTEGER PRIMARY KEY AUTOINCREMENT`` (an identity column), ``INTEGER`` (64-bit, as
@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import re
 
-__all__ = ["for_engine", "placeholders"]
+__all__ = ["for_engine", "psycopg_params"]
 
 _DDL = [
     (
@@ -49,7 +49,7 @@ def _ddl(text: str) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def placeholders(sql: str) -> str:
+def psycopg_params(sql: str) -> str:
     """*sql* with each ``?`` outside quotes as ``%s`` and every ``%`` doubled (psycopg's
     form: it reads ``%`` in literals too, since statements always go with parameters)."""
     return _outside_quotes(sql.replace("%", "%%"), lambda part: part.replace("?", "%s"))

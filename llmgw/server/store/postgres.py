@@ -32,8 +32,8 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from llmgw.errors import ConfigError, Conflict, StoreError, StoreUnavailable
 from llmgw.log import kv
-from llmgw.server.store.database import Database
-from llmgw.server.store.dialect import for_engine, placeholders
+from llmgw.server.store.database import TABLE_NOUNS, Database
+from llmgw.server.store.dialect import for_engine, psycopg_params
 from llmgw.server.store.location import Location
 
 __all__ = ["PostgresDatabase", "connect_once", "ensure_notifications", "listen_async"]
@@ -272,14 +272,14 @@ class PostgresDatabase(Database):
     # --------------------------------------------------------------- statements
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> _Result:
-        query = placeholders(sql)
+        query = psycopg_params(sql)
         with self.guard(), self._connection() as conn:
             cur = conn.execute(query, tuple(params))
             rows = cur.fetchall() if cur.description is not None else []
             return _Result(cur.rowcount, rows)
 
     def executemany(self, sql: str, params: list[tuple[Any, ...]]) -> _Result:
-        query = placeholders(sql)
+        query = psycopg_params(sql)
         with self.guard(), self._connection() as conn, conn.cursor() as cur:
             cur.executemany(query, params)
             return _Result(cur.rowcount, [])
@@ -350,19 +350,6 @@ class PostgresDatabase(Database):
 
 # ------------------------------------------------------------------------------ errors
 
-_TABLE_NOUNS = {
-    "meta": "meta entry",
-    "nodes": "node",
-    "models": "model",
-    "replicas": "replica",
-    "shards": "shard",
-    "api_keys": "API key",
-    "events": "event",
-    "join_tokens": "join token",
-    "certificates": "certificate",
-    "instances": "control-plane instance",
-}
-
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
@@ -378,7 +365,7 @@ def _is_query_error(exc: psycopg.OperationalError) -> bool:
 def _translate(exc: psycopg.Error, where: str) -> StoreError:
     diag = exc.diag
     table = diag.table_name or ""
-    noun = _TABLE_NOUNS.get(table, table or "row")
+    noun = TABLE_NOUNS.get(table, table or "row")
     if isinstance(exc, pgerr.UniqueViolation):
         detail = diag.message_detail or ""
         column = ""

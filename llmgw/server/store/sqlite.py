@@ -15,7 +15,7 @@ from typing import Any
 
 from llmgw.errors import Conflict, FileError, StoreError
 from llmgw.fsutil import create_file
-from llmgw.server.store.database import Database
+from llmgw.server.store.database import TABLE_NOUNS, Database
 from llmgw.server.store.dialect import for_engine
 from llmgw.server.store.location import Location
 
@@ -167,18 +167,6 @@ class SQLiteDatabase(Database):
 
 # --------------------------------------------------------------------------- errors
 
-_TABLE_NOUNS = {
-    "meta": "meta entry",
-    "nodes": "node",
-    "models": "model",
-    "replicas": "replica",
-    "shards": "shard",
-    "api_keys": "API key",
-    "events": "event",
-    "join_tokens": "join token",
-    "certificates": "certificate",
-}
-
 _CONSTRAINT_RE = re.compile(r"(UNIQUE|NOT NULL) constraint failed: (\w+)\.(\w+)")
 
 
@@ -187,7 +175,7 @@ def _integrity_message(exc: sqlite3.IntegrityError) -> str:
     m = _CONSTRAINT_RE.search(text)
     if m:
         kind, table, column = m.groups()
-        noun = _TABLE_NOUNS.get(table, table)
+        noun = TABLE_NOUNS.get(table, table)
         if kind == "UNIQUE":
             return f"a {noun} with this {column} already exists; choose another {column}"
         return f"a {noun} needs a {column}; give one"

@@ -27,6 +27,7 @@ import contextlib
 import graphlib
 import os
 import re
+import stat
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -155,8 +156,16 @@ def _stopped(state_dir: Path) -> Iterator[None]:
             "plane first (systemctl stop llmgw-server), then run migrate again"
         )
     try:
-        if not existed and os.geteuid() == 0:
-            # Made by root here: the control plane's user must still open it when it starts.
+        made = os.fstat(fd)
+        if (
+            not existed
+            and os.geteuid() == 0
+            and stat.S_ISREG(made.st_mode)
+            and made.st_uid == 0
+            and made.st_nlink == 1
+        ):
+            # Made by root here (this very file: a regular one, root's, no other name): the
+            # control plane's user must still open it when it starts.
             st = state_dir.stat()
             os.fchown(fd, st.st_uid, st.st_gid)
         yield

@@ -4,8 +4,11 @@ a standby gets it once the leader's descriptor is closed, and reads where the le
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from pathlib import Path
+
+import pytest
 
 from llmgw.server.leadership import (
     LEADER_HTTP,
@@ -40,3 +43,15 @@ def test_a_standby_reads_the_leaders_addresses(tmp_path: Path) -> None:
         store.set_meta(LEADER_STREAM, "10.0.0.1:7443")
         store.set_meta(LEADER_HTTP, "https://10.0.0.1:8080")
     assert read_leader(db) == ("10.0.0.1:7443", "https://10.0.0.1:8080")
+
+
+def test_the_lock_is_never_opened_through_a_link(tmp_path: Path) -> None:
+    # Root opens it too (server migrate): a link the directory's owner planted there must
+    # not make root create, open or chown another file.
+    target = tmp_path / "elsewhere"
+    target.write_text("not a lock\n")
+    (tmp_path / "leader.lock").symlink_to(target)
+    with pytest.raises(OSError) as info:
+        try_leadership(tmp_path)
+    assert info.value.errno == errno.ELOOP
+    assert target.read_text() == "not a lock\n"
