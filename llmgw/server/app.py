@@ -605,6 +605,7 @@ class ControlPlane:
         self._tasks.append(asyncio.create_task(self.scheduler.run(), name="scheduler"))
         self._tasks.append(asyncio.create_task(self.installs.run(), name="engine-installs"))
         self._tasks.append(asyncio.create_task(self.sessions.watch_heartbeats(), name="heartbeats"))
+        self._tasks.append(asyncio.create_task(self.sessions.store_last_seen(), name="last-seen"))
         self._tasks.append(asyncio.create_task(self.authority.run(), name="ca-rotation"))
         if self._keeper is not None:
             self._register_addresses()
@@ -616,10 +617,12 @@ class ControlPlane:
             )
         else:
             self.store.add_event("server_started", "control-plane", f"epoch {self.epoch}")
-        # Nodes that do not come back within the loss timeout after this start are lost.
-        for node in self.store.list_nodes():
-            if self.store.list_shards(node_id=node.id):
-                self.sessions.start_loss_timer(node.id)
+        # Nodes that do not come back within the reattach grace (at least the loss timeout)
+        # after this start are lost.
+        grace = max(self.cfg.loss_timeout, self.cfg.reattach_grace)
+        for node_id in sorted({s.node_id for s in self.store.list_shards()}):
+            if node_id not in self.live:
+                self.sessions.start_loss_timer(node_id, grace)
         self.store.set_meta(LEADER_STREAM, self.stream_addresses()[0])
         self.store.set_meta(LEADER_HTTP, f"{self.cfg.http_scheme}://{self.http_addr}")
         log.info(

@@ -29,6 +29,11 @@ DEFAULT_HTTP_LISTEN = f"0.0.0.0:{DEFAULT_HTTP_PORT}"
 DEFAULT_GRPC_LISTEN = f"0.0.0.0:{DEFAULT_GRPC_PORT}"
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
 DEFAULT_LOSS_TIMEOUT = 15.0
+# After a control plane starts leading (a restart, a take-over), a node that holds shards
+# has this long to reattach before it is lost: a fleet of thousands reconnects over tens of
+# seconds (each agent's jittered backoff), and a node lost in that window would have its
+# replicas rebuilt while they still run.
+DEFAULT_REATTACH_GRACE = 60.0
 MIN_HEARTBEAT_INTERVAL = 0.2
 MAX_HEARTBEAT_INTERVAL = 60.0
 
@@ -39,6 +44,7 @@ _KEYS = (
     "advertise",
     "heartbeat_interval",
     "loss_timeout",
+    "reattach_grace",
     "admin_token_file",
     "enroll_listen",
     "cert_lifetime",
@@ -125,6 +131,9 @@ class ServerConfig:
     lease: float = DEFAULT_LEASE
     lease_renew: float = DEFAULT_LEASE_RENEW
     resync_interval: float = DEFAULT_RESYNC_INTERVAL
+    # After this instance starts leading: how long a node holding shards has to reattach
+    # before it is lost (never less than loss_timeout).
+    reattach_grace: float = DEFAULT_REATTACH_GRACE
     source: Path | None = None
 
     @property
@@ -266,6 +275,16 @@ def _parse(
             f"set it to {3 * heartbeat:g} or more",
         )
 
+    reattach_grace = DEFAULT_REATTACH_GRACE
+    if top.get("reattach_grace") is not None:
+        reattach_grace = check.duration(top["reattach_grace"], "reattach_grace")
+        if not 0 <= reattach_grace <= 3600:
+            check.fail(
+                "reattach_grace",
+                "must be between 0 s (the loss timeout only) and 1 hour; a fleet of thousands "
+                "needs about a minute to reattach after a restart",
+            )
+
     listeners, caps = parse_listener_limits(
         check,
         top.get("listeners"),
@@ -314,6 +333,7 @@ def _parse(
         lease=lease,
         lease_renew=lease_renew,
         resync_interval=resync,
+        reattach_grace=reattach_grace,
         source=source,
     )
 

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
+from typing import Any
 
 from llmgw.contracts.catalog import Profile as CatalogProfile
 from llmgw.contracts.catalog import adhoc_profile, parse_profile
@@ -45,6 +46,10 @@ from llmgw.server.stream import NodeSession
 __all__ = ["Scheduler", "restart_delay"]
 
 log = logging.getLogger("llmgw.server.scheduler")
+
+
+PACE = 3.0
+MAX_PACE = 1.0  # seconds
 
 
 def _host_of(addr: str) -> str:
@@ -126,12 +131,16 @@ class Scheduler:
         # if any, stays shown while they wait for room).
         self.rolling: set[str] = set()
         self._pass_cluster: Cluster | None = None
+        # node id -> its NodeView and what it was made of (the stored inventory, the same
+        # object while it is unchanged: llmgw.server.store.nodes), reused while none changed.
+        self._views: dict[str, tuple[dict[str, Any], tuple[Any, ...], NodeView]] = {}
 
     def kick(self) -> None:
         self._kick.set()
 
     async def run(self) -> None:
         while True:
+            started = time.monotonic()
             try:
                 self.reconcile()
                 if self.paused_since is not None:
@@ -145,10 +154,15 @@ class Scheduler:
                 pass  # another instance leads: this one steps down (llmgw.server.leadership)
             except Exception:
                 log.exception("reconcile failed; trying again")
+            took = time.monotonic() - started
             try:
                 await asyncio.wait_for(self._kick.wait(), timeout=self.interval)
             except TimeoutError:
                 pass
+            # A burst of kicks (a fleet joining: one per approval) makes one pass, not one
+            # each: after a pass of d seconds the next waits PACE * d more (at most
+            # MAX_PACE), so that reconciling takes a bounded share of the event loop.
+            await asyncio.sleep(min(PACE * took, MAX_PACE))
             self._kick.clear()
 
     # -- one pass ------------------------------------------------------------------------------
@@ -157,7 +171,8 @@ class Scheduler:
         store = self.store
         self._pass_cluster = None
         self._drain_step()
-        self._pass_cluster = self._cluster()
+        # Built again after the drain's removals, and only if this pass places a replica.
+        self._pass_cluster = None
         self._roll_step()
         replacements = set(self.moves.values()) | set(self.rolls.values())
         moving = set(self.moves) | set(self.rolls) | replacements
@@ -224,32 +239,26 @@ class Scheduler:
         views = []
         nodes = store.list_nodes()
         holds = self.engine_holds(nodes) if self.engine_holds is not None else {}
+        cache: dict[str, tuple[dict[str, Any], tuple[Any, ...], NodeView]] = {}
         for node in nodes:
             session = self.sessions.get(node.id)
-            inv = node.inventory
-            views.append(
-                NodeView(
-                    id=node.id,
-                    approved=node.state == NodeState.APPROVED,
-                    connected=session is not None and not session.draining,
-                    draining=node.draining,
-                    lost=node.id in self.lost,
-                    engines=session.engines if session is not None else frozenset(),
-                    gpus=tuple(
-                        GpuView(
-                            uuid=str(g.get("uuid") or g.get("index")),
-                            memory_total_mib=int(g.get("memory_total_mib") or 0),
-                        )
-                        for g in inv.get("gpus", [])
-                    ),
-                    fabrics=tuple(f["name"] for f in inv.get("fabrics", []) if f.get("healthy")),
-                    mgmt_addr=_host_of(node.dataplane_addr or ""),
-                    state=node.state,
-                    held_engines=holds.get(node.id, ()),
-                    sources=NodeSources.from_inventory(inv),
-                    degraded=degraded_reasons(inv),
-                )
+            inputs = (
+                node.state,
+                node.draining,
+                node.dataplane_addr,
+                session is not None and not session.draining,
+                session.engines if session is not None else frozenset(),
+                node.id in self.lost,
+                holds.get(node.id, ()),
             )
+            known = self._views.get(node.id)
+            if known is not None and known[0] is node.inventory and known[1] == inputs:
+                view = known[2]  # nothing it is made of changed: a fleet's usual pass
+            else:
+                view = self._node_view(node, session, holds.get(node.id, ()))
+            cache[node.id] = (node.inventory, inputs, view)
+            views.append(view)
+        self._views = cache
         allocations = [
             Allocation(
                 replica_id=sh.replica_id, shard_id=sh.id, node_id=sh.node_id, gpus=tuple(sh.gpus)
@@ -257,6 +266,39 @@ class Scheduler:
             for sh in store.list_shards()
         ]
         return Cluster(views, allocations)
+
+    def _node_view(
+        self, node: Node, session: NodeSession | None, held: tuple[tuple[str, str], ...]
+    ) -> NodeView:
+        inv = node.inventory
+        return NodeView(
+            id=node.id,
+            approved=node.state == NodeState.APPROVED,
+            connected=session is not None and not session.draining,
+            draining=node.draining,
+            lost=node.id in self.lost,
+            engines=session.engines if session is not None else frozenset(),
+            gpus=tuple(
+                GpuView(
+                    uuid=str(g.get("uuid") or g.get("index")),
+                    memory_total_mib=int(g.get("memory_total_mib") or 0),
+                )
+                for g in inv.get("gpus", [])
+            ),
+            fabrics=tuple(f["name"] for f in inv.get("fabrics", []) if f.get("healthy")),
+            mgmt_addr=_host_of(node.dataplane_addr or ""),
+            state=node.state,
+            held_engines=held,
+            sources=NodeSources.from_inventory(inv),
+            degraded=degraded_reasons(inv),
+        )
+
+    def _view(self) -> Cluster:
+        """This pass's cluster view, built when a placement first needs it (a pass with
+        nothing to place builds none) and kept up to date by the placements made in it."""
+        if self._pass_cluster is None:
+            self._pass_cluster = self._cluster()
+        return self._pass_cluster
 
     def _profile(self, model: Model) -> CatalogProfile:
         stored = model.profiles.get(model.profile) if model.profiles else None
@@ -267,7 +309,7 @@ class Scheduler:
     def _place_replica(self, model: Model) -> str | None:
         store = self.store
         profile = self._profile(model)
-        cluster = self._pass_cluster if self._pass_cluster is not None else self._cluster()
+        cluster = self._view()
         wanted = PlacementProfile(
             engine=profile.engine,
             gpus=profile.gpus,
@@ -382,7 +424,7 @@ class Scheduler:
 
     def _drain_step(self) -> None:
         store = self.store
-        draining = [n for n in store.list_nodes() if n.draining]
+        draining = store.list_draining_nodes()
         # Finish or abandon moves in progress.
         for original, replacement in list(self.moves.items()):
             try:

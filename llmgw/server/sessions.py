@@ -35,6 +35,10 @@ __all__ = ["Sessions"]
 
 log = logging.getLogger("llmgw.server.sessions")
 
+LAST_SEEN_EVERY = 2
+"""Heartbeat intervals between two flushes of the nodes' last-seen times to the store (10 s
+at the default interval): what a standby shows is at most that much older."""
+
 
 class Sessions:
     """The live streams, one :class:`NodeSession` per connected agent (the
@@ -70,6 +74,8 @@ class Sessions:
         self.heartbeat_interval = heartbeat_interval
         self.on_routes_changed = on_routes_changed
         self._loss_timers: dict[str, asyncio.TimerHandle] = {}
+        # node id -> the seen_at last stored for it (Sessions.flush_last_seen).
+        self._stored_seen: dict[str, float] = {}
 
     # -- a stream opens --------------------------------------------------------------------------
 
@@ -93,7 +99,7 @@ class Sessions:
             hello.inventory if approved else pending_inventory(hello.inventory)
         )
         before = self.store.get_node(node_id).inventory if approved else {}
-        self.store.upsert_node(
+        stored = self.store.upsert_node(
             node_id,
             dataplane_addr=hello.dataplane_addr,
             agent_version=hello.agent_version,
@@ -122,6 +128,9 @@ class Sessions:
             approved=approved,
             held_inventory=None if approved else hello.inventory,
         )
+        # Heard from now, and stored as such by the upsert: the next flush skips it.
+        session.seen_at = stored.last_seen or self.store.database.clock()
+        self._stored_seen[node_id] = session.seen_at
         self.live[node_id] = session
         self.store.add_event(
             "node_connected", node_id, f"from {peer}, data plane {hello.dataplane_addr}"
@@ -198,6 +207,8 @@ class Sessions:
         # a stream (a request it does not take goes to another replica), and the stream
         # cannot come back before the database does.
         try:
+            self._stored_seen.pop(session.node_id, None)
+            self.store.touch_nodes({session.node_id: session.seen_at})
             self.store.set_node_connected(session.node_id, False)
             self.store.add_event("node_disconnected", session.node_id, "stream closed")
         except LlmgwError as exc:
@@ -258,10 +269,37 @@ class Sessions:
         self.scheduler.kick()
 
     def count_nodes(self) -> None:
-        nodes = self.store.list_nodes()
-        connected = sum(1 for n in nodes if n.id in self.live)
+        # Counted, not listed: it runs at every connect and disconnect of a whole fleet.
+        total = self.store.count_nodes()
+        connected = len(self.live)
         self.metrics.nodes.set(("connected",), connected)
-        self.metrics.nodes.set(("disconnected",), len(nodes) - connected)
+        self.metrics.nodes.set(("disconnected",), max(total - connected, 0))
+
+    def flush_last_seen(self) -> int:
+        """Store when each live node was last heard from, for those heard since the last
+        flush, in one transaction; how many were stored. What the admin API shows is read
+        from the sessions; the store's copy is for standbys and a restarted control plane."""
+        seen = {
+            node_id: session.seen_at
+            for node_id, session in list(self.live.items())
+            if session.seen_at > self._stored_seen.get(node_id, 0.0)
+        }
+        if not seen:
+            return 0
+        self.store.touch_nodes(seen)
+        self._stored_seen.update(seen)
+        for node_id in [n for n in self._stored_seen if n not in self.live]:
+            del self._stored_seen[node_id]
+        return len(seen)
+
+    async def store_last_seen(self) -> None:
+        """Flush last-seen times every :data:`LAST_SEEN_EVERY` heartbeat intervals."""
+        while True:
+            await asyncio.sleep(self.heartbeat_interval * LAST_SEEN_EVERY)
+            try:
+                self.flush_last_seen()
+            except LlmgwError as exc:  # the database is away: the next flush catches up
+                log.warning("cannot store when nodes were last seen", extra=kv(error=str(exc)))
 
     async def watch_heartbeats(self) -> None:
         """Cut streams whose heartbeats stopped (gRPC keepalive catches most, not a hung agent)."""

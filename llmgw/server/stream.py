@@ -68,6 +68,9 @@ class NodeSession:
     queue: asyncio.Queue[pb.ServerMessage | None] = field(default_factory=asyncio.Queue)
     connected_at: float = field(default_factory=time.time)
     last_heartbeat: float = field(default_factory=time.monotonic)
+    # When it was last heard from, by the store's clock: kept here, stored in batches
+    # (llmgw.server.sessions.Sessions.flush_last_seen), read by the admin API live.
+    seen_at: float = field(default_factory=time.time)
     # Reports not stored while the database was away: the session is restarted once it
     # answers, so that the agent's Hello tells them again.
     unstored: int = 0

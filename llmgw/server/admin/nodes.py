@@ -13,7 +13,7 @@ from llmgw.contracts.inventory import DegradedReason, degraded_reasons
 from llmgw.errors import Conflict
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
 from llmgw.server.states import NodeState, node_health
-from llmgw.server.store import Node
+from llmgw.server.store import Certificate, Node
 
 __all__ = ["NodeRoutes"]
 
@@ -64,10 +64,16 @@ class NodeRoutes:
                 )
         return degraded_reasons(node.inventory)
 
-    def _node(self, node: Node, shard_count: int) -> dict[str, Any]:
+    def _node(
+        self,
+        node: Node,
+        shard_count: int,
+        cert: Certificate | None,
+        update: dict[str, Any] | None,
+    ) -> dict[str, Any]:
         inv = node.inventory
-        cert = self.ctx.store.latest_certificate(node.id)
-        connected = node.id in self.ctx.sessions
+        session = self.ctx.sessions.get(node.id)
+        connected = session is not None
         degraded = self._degraded(node)
         return {
             "id": node.id,
@@ -81,7 +87,8 @@ class NodeRoutes:
             "lost": node.id in self.ctx.lost,
             "dataplane_addr": node.dataplane_addr,
             "agent_version": node.agent_version,
-            "last_seen": node.last_seen,
+            # A live node's, from its session: the store's copy is flushed in batches.
+            "last_seen": session.seen_at if session is not None else node.last_seen,
             "shards": shard_count,
             "cpus": inv.get("cpus"),
             "memory_total_bytes": inv.get("memory_total_bytes"),
@@ -91,15 +98,22 @@ class NodeRoutes:
             "fingerprint": node.fingerprint,
             "cert_expires_at": cert.not_after if cert else None,
             "cert_serial": cert.serial if cert else None,
-            "update": self.ctx.updates.status_of(node.id),
+            "update": update,
         }
 
     async def nodes(self, request: web.Request) -> web.Response:
         counts: dict[str, int] = {}
         for shard in self.ctx.store.list_shards():
             counts[shard.node_id] = counts.get(shard.node_id, 0) + 1
+        # Each table read once for the whole list, not once per node: a fleet's list is
+        # thousands of rows, read by every console that polls it.
+        certs = self.ctx.store.latest_certificates()
+        updates = self.ctx.updates.all_status()
         return web.json_response(
-            [self._node(n, counts.get(n.id, 0)) for n in self.ctx.store.list_nodes()]
+            [
+                self._node(n, counts.get(n.id, 0), certs.get(n.id), updates.get(n.id))
+                for n in self.ctx.store.list_nodes()
+            ]
         )
 
     async def node(self, request: web.Request) -> web.Response:
@@ -107,7 +121,12 @@ class NodeRoutes:
         its engines as checked, its fabrics."""
         node = self.ctx.store.get_node(request.match_info["node"])
         inv = node.inventory
-        data = self._node(node, len(self.ctx.store.list_shards(node_id=node.id)))
+        data = self._node(
+            node,
+            len(self.ctx.store.list_shards(node_id=node.id)),
+            self.ctx.store.latest_certificate(node.id),
+            self.ctx.updates.status_of(node.id),
+        )
         data.update(
             driver_version=inv.get("driver_version", ""),
             engine_details=inv.get("engine_details", []),

@@ -284,6 +284,17 @@ class Certificates:
         )
         return None if row is None else Certificate.from_row(row)
 
+    def latest_certificates(self) -> dict[str, Certificate]:
+        """Each node's newest unrevoked certificate (:meth:`latest_certificate` of every
+        node, in one query), by node id; nodes without one are absent."""
+        latest: dict[str, Certificate] = {}
+        for row in self._db.all(
+            "SELECT * FROM certificates WHERE revoked_at IS NULL ORDER BY node_id, issued_at, seq"
+        ):
+            cert = Certificate.from_row(row)
+            latest[cert.node_id] = cert
+        return latest
+
     def list_certificates(self, node_id: str | None = None) -> list[Certificate]:
         """Every certificate recorded (of *node_id*), oldest first, revoked ones included."""
         if node_id is None:

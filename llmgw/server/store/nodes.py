@@ -4,6 +4,7 @@ what its agent last reported; enrolment writes a joining node into it."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from llmgw.errors import Conflict, NotFound
@@ -23,6 +24,19 @@ class Nodes:
     def __init__(self, db: Database, certificates: Certificates) -> None:
         self._db = db
         self._certificates = certificates
+        # node id -> its stored inventory's text and that text parsed. A fleet's reconcile
+        # reads every node each pass and an inventory changes rarely: parsing thousands of
+        # them each time was most of its cost. Readers share the dict: never change it.
+        self._parsed: dict[str, tuple[str, dict[str, Any]]] = {}
+
+    def _node(self, row: Any) -> Node:
+        text = row["inventory"]
+        known = self._parsed.get(row["id"])
+        if known is not None and known[0] == text:
+            return Node.from_row(row, known[1])
+        node = Node.from_row(row)
+        self._parsed[node.id] = (text, node.inventory)
+        return node
 
     def upsert_node(
         self,
@@ -59,8 +73,21 @@ class Nodes:
     def set_node_connected(self, node_id: str, connected: bool) -> None:
         self._update_node(node_id, "connected = ?", (int(connected),))
 
-    def touch_node(self, node_id: str) -> None:
-        self._update_node(node_id, "last_seen = ?", (self._db.clock(),))
+    def touch_nodes(self, seen: Mapping[str, float]) -> int:
+        """Record when each node was last heard from (node id -> the store's clock then), in
+        one transaction: the liveness the control plane keeps in memory, flushed in a batch.
+        A time older than the one stored is not written back; unknown ids are skipped. The
+        number of nodes updated."""
+        if not seen:
+            return 0
+        rows = [(at, node_id, at) for node_id, at in seen.items()]
+        with self._db.write():
+            cur = self._db.executemany(
+                "UPDATE nodes SET last_seen = ? WHERE id = ? "
+                "AND (last_seen IS NULL OR last_seen < ?)",
+                rows,
+            )
+        return max(cur.rowcount, 0)
 
     def set_node_state(self, node_id: str, state: str) -> None:
         """Set pending / approved / revoked; any other value is a ValueError."""
@@ -90,10 +117,25 @@ class Nodes:
         row = self._db.one("SELECT * FROM nodes WHERE id = ?", (node_id,))
         if row is None:
             raise no_node(node_id)
-        return Node.from_row(row)
+        return self._node(row)
 
     def list_nodes(self) -> list[Node]:
-        return [Node.from_row(r) for r in self._db.all("SELECT * FROM nodes ORDER BY id")]
+        nodes = [self._node(r) for r in self._db.all("SELECT * FROM nodes ORDER BY id")]
+        if len(self._parsed) > len(nodes):  # forget the nodes deleted meanwhile
+            ids = {n.id for n in nodes}
+            self._parsed = {k: v for k, v in self._parsed.items() if k in ids}
+        return nodes
+
+    def count_nodes(self) -> int:
+        row = self._db.one("SELECT count(*) FROM nodes")
+        assert row is not None
+        return int(row[0])
+
+    def list_draining_nodes(self) -> list[Node]:
+        return [
+            self._node(r)
+            for r in self._db.all("SELECT * FROM nodes WHERE draining != 0 ORDER BY id")
+        ]
 
     def delete_node(self, node_id: str) -> None:
         """Forget a node; refused while shards are placed on it."""

@@ -54,7 +54,9 @@ class Node:
     lost_at: float | None = None
 
     @classmethod
-    def from_row(cls, row: Row) -> Node:
+    def from_row(cls, row: Row, inventory: dict[str, Any] | None = None) -> Node:
+        """The row as a Node; ``inventory``, when given, is the row's inventory already
+        parsed (llmgw.server.store.nodes keeps them: shared, never to be changed)."""
         return cls(
             id=row["id"],
             uid=row["uid"],
@@ -62,7 +64,7 @@ class Node:
             connected=bool(row["connected"]),
             dataplane_addr=row["dataplane_addr"],
             agent_version=row["agent_version"],
-            inventory=json.loads(row["inventory"]),
+            inventory=json.loads(row["inventory"]) if inventory is None else inventory,
             fingerprint=row["fingerprint"],
             draining=bool(row["draining"]),
             last_seen=row["last_seen"],

@@ -192,7 +192,7 @@ class Store:
 
     upsert_node = _Table("_nodes", Nodes.upsert_node)
     set_node_connected = _Table("_nodes", Nodes.set_node_connected)
-    touch_node = _Table("_nodes", Nodes.touch_node)
+    touch_nodes = _Table("_nodes", Nodes.touch_nodes)
     set_node_state = _Table("_nodes", Nodes.set_node_state)
     set_node_draining = _Table("_nodes", Nodes.set_node_draining)
     set_node_fingerprint = _Table("_nodes", Nodes.set_node_fingerprint)
@@ -200,6 +200,8 @@ class Store:
     set_all_disconnected = _Table("_nodes", Nodes.set_all_disconnected)
     get_node = _Table("_nodes", Nodes.get_node)
     list_nodes = _Table("_nodes", Nodes.list_nodes)
+    count_nodes = _Table("_nodes", Nodes.count_nodes)
+    list_draining_nodes = _Table("_nodes", Nodes.list_draining_nodes)
     delete_node = _Table("_nodes", Nodes.delete_node)
     enrol_node = _Table("_nodes", Nodes.enrol_node)
 
@@ -239,6 +241,7 @@ class Store:
 
     add_certificate = _Table("_certificates", Certificates.add_certificate)
     latest_certificate = _Table("_certificates", Certificates.latest_certificate)
+    latest_certificates = _Table("_certificates", Certificates.latest_certificates)
     list_certificates = _Table("_certificates", Certificates.list_certificates)
     revoke_certificates = _Table("_certificates", Certificates.revoke_certificates)
     is_revoked = _Table("_certificates", Certificates.is_revoked)

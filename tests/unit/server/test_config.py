@@ -71,7 +71,15 @@ INVALID = [
     ("lease: 1s\n", "lease", "must be between 2 s and 5 minutes"),
     ("lease_renew: 6s\n", "lease_renew", "at most half the lease (4 s)"),
     ("resync_interval: 0.1s\n", "resync_interval", "between 0.5 s and 5 minutes"),
+    ("reattach_grace: 2h\n", "reattach_grace", "between 0 s (the loss timeout only) and 1 hour"),
+    ("reattach_grace: soon\n", "reattach_grace", "a duration like 500ms, 30s"),
 ]
+
+
+def test_reattach_grace_defaults_to_a_minute_and_takes_a_duration(tmp_path: Path) -> None:
+    assert load_server_config(None).reattach_grace == 60.0
+    assert load_server_config(write(tmp_path, "reattach_grace: 2m\n")).reattach_grace == 120.0
+    assert load_server_config(write(tmp_path, "reattach_grace: 0\n")).reattach_grace == 0.0
 
 
 def test_database_forms(tmp_path: Path) -> None:

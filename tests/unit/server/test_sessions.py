@@ -309,3 +309,71 @@ def test_a_changed_list_of_control_planes_goes_to_every_live_agent(
         wired.sessions.close_all()
 
     asyncio.run(main())
+
+
+def test_heartbeats_write_nothing_and_last_seen_is_stored_in_one_batch(
+    tmp_path: Path, store: Store
+) -> None:
+    async def main() -> None:
+        wired = Wired(tmp_path, store)
+        clock = [5000.0]
+        store.database.clock = lambda: clock[0]
+        sessions = {
+            n: wired.connect(wired.cert(tmp_path, n), n) for n in ("gpu-1", "gpu-2", "gpu-3")
+        }
+        stored = {n: store.get_node(n).last_seen for n in sessions}
+        writes: list[str] = []
+        real_execute = store.database.execute
+
+        def execute(sql: str, params: object = ()) -> object:
+            if not sql.lstrip().upper().startswith("SELECT"):
+                writes.append(sql)
+            return real_execute(sql, params)  # type: ignore[arg-type]
+
+        store.database.execute = execute  # type: ignore[method-assign]
+        heartbeat = pb.AgentMessage(heartbeat=pb.Heartbeat(seq=1))
+        for second in range(1, 4):
+            clock[0] = 5000.0 + second
+            wired.sessions.on_message(sessions["gpu-1"], heartbeat)
+            wired.sessions.on_message(sessions["gpu-2"], heartbeat)
+        assert writes == []  # heartbeats are answered from memory
+        assert sessions["gpu-1"].queue.qsize() == 3  # each one acknowledged
+        assert {n: store.get_node(n).last_seen for n in sessions} == stored
+        # The flush stores those heard from since the last one, in one statement.
+        store.database.execute = real_execute  # type: ignore[method-assign]
+        assert wired.sessions.flush_last_seen() == 2
+        assert store.get_node("gpu-1").last_seen == 5003.0
+        assert store.get_node("gpu-2").last_seen == 5003.0
+        assert store.get_node("gpu-3").last_seen == stored["gpu-3"]
+        assert wired.sessions.flush_last_seen() == 0  # nothing new heard: nothing written
+        clock[0] = 5009.0
+        wired.sessions.on_message(sessions["gpu-3"], heartbeat)
+        assert wired.sessions.flush_last_seen() == 1
+        assert store.get_node("gpu-3").last_seen == 5009.0
+        # A stream that closes stores its own last-seen time at once.
+        clock[0] = 5012.0
+        wired.sessions.on_message(sessions["gpu-2"], heartbeat)
+        wired.sessions.close(sessions["gpu-2"])
+        assert store.get_node("gpu-2").last_seen == 5012.0
+        wired.sessions.close_all()
+
+    asyncio.run(main())
+
+
+def test_the_nodes_gauge_counts_without_listing_every_node(tmp_path: Path, store: Store) -> None:
+    async def main() -> None:
+        wired = Wired(tmp_path, store)
+        one = wired.connect(wired.cert(tmp_path, "gpu-1"), "gpu-1")
+        wired.connect(wired.cert(tmp_path, "gpu-2"), "gpu-2")
+        store.upsert_node(
+            "gpu-9", dataplane_addr=None, agent_version=None, inventory={}, connected=False
+        )
+        store.list_nodes = None  # type: ignore[assignment]  # a full listing would fail the test
+        wired.sessions.count_nodes()
+        assert wired.metrics.nodes.values[("connected",)] == 2
+        assert wired.metrics.nodes.values[("disconnected",)] == 1
+        wired.sessions.close(one)
+        assert wired.metrics.nodes.values[("connected",)] == 1
+        assert wired.metrics.nodes.values[("disconnected",)] == 2
+
+    asyncio.run(main())

@@ -51,7 +51,7 @@ class Fleet:
             store=store,
             sessions=self.sessions,
             lost=self.lost,
-            updates=SimpleNamespace(status_of=lambda node_id: None),
+            updates=SimpleNamespace(status_of=lambda node_id: None, all_status=dict),
         )
         self.routes = NodeRoutes(cast(AdminContext, ctx))
 

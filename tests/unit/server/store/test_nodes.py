@@ -48,7 +48,7 @@ def test_node_setters(store: Store, clock: Clock, make_node: Callable[..., Node]
     store.set_node_connected("a", False)
     assert store.get_node("a").connected is False
     clock.advance(10)
-    store.touch_node("a")
+    assert store.touch_nodes({"a": 1010.0}) == 1
     assert store.get_node("a").last_seen == 1010.0
     store.set_node_state("a", "pending")
     assert store.get_node("a").state == "pending"
@@ -59,6 +59,22 @@ def test_node_setters(store: Store, clock: Clock, make_node: Callable[..., Node]
     assert [n.id for n in store.list_nodes()] == ["a", "b"]
     store.set_all_disconnected()
     assert not any(n.connected for n in store.list_nodes())
+
+
+def test_touch_nodes_writes_a_batch_in_one_go_and_never_back_in_time(
+    store: Store, make_node: Callable[..., Node]
+) -> None:
+    for name in ("a", "b", "c"):
+        make_node(name)
+    base = store.get_node("a").last_seen
+    assert base is not None
+    assert store.touch_nodes({}) == 0
+    # An unknown node (deleted meanwhile) is skipped, not an error for the whole batch.
+    assert store.touch_nodes({"a": base + 5, "b": base + 7, "ghost": base + 9}) == 2
+    assert [store.get_node(n).last_seen for n in ("a", "b", "c")] == [base + 5, base + 7, base]
+    # A flush that was overtaken (an older time than the row's) leaves the newer time.
+    assert store.touch_nodes({"a": base + 1, "c": base + 2}) == 1
+    assert [store.get_node(n).last_seen for n in ("a", "c")] == [base + 5, base + 2]
 
 
 def test_node_invalid_state(store: Store, make_node: Callable[..., Node]) -> None:
@@ -74,7 +90,6 @@ def test_node_not_found(store: Store) -> None:
     assert str(info.value) == msg
     for call in (
         lambda: store.set_node_connected("ghost", True),
-        lambda: store.touch_node("ghost"),
         lambda: store.set_node_state("ghost", "approved"),
         lambda: store.set_node_draining("ghost", True),
         lambda: store.delete_node("ghost"),
