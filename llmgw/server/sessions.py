@@ -39,6 +39,11 @@ LAST_SEEN_EVERY = 2
 """Heartbeat intervals between two flushes of the nodes' last-seen times to the store (10 s
 at the default interval): what a standby shows is at most that much older."""
 
+# Seconds: the longest a silent stream outlives the loss timeout before it is cut (one pass
+# over the live sessions at most this often), and how far past a deadline a check lands.
+HEARTBEAT_CHECK_MAX = 1.0
+HEARTBEAT_CHECK_SLACK = 0.01
+
 
 class Sessions:
     """The live streams, one :class:`NodeSession` per connected agent (the
@@ -304,21 +309,38 @@ class Sessions:
     async def watch_heartbeats(self) -> None:
         """Cut streams whose heartbeats stopped (gRPC keepalive catches most, not a hung agent)."""
         while True:
-            await asyncio.sleep(self.heartbeat_interval)
-            now = time.monotonic()
-            database_away = getattr(self.store.database, "unreachable_since", None) is not None
-            for session in list(self.live.values()):
-                if now - session.last_heartbeat > self.loss_timeout:
-                    log.warning("node stopped sending heartbeats", extra=kv(node=session.node_id))
-                    session.silent = True
-                    session.close()
-                elif session.unstored and not database_away:
-                    # What it reported while the database was away is lost: its next Hello
-                    # (the shards it runs, in full) tells it again. Its engines run on.
-                    log.warning(
-                        "the database answers again; reconnecting a node to hear again what "
-                        "it reported meanwhile",
-                        extra=kv(node=session.node_id, reports=session.unstored),
-                    )
-                    session.unstored = 0
-                    session.close()
+            due_in = self.check_heartbeats(time.monotonic())
+            await asyncio.sleep(due_in)
+
+    def check_heartbeats(self, now: float) -> float:
+        """Cut the streams silent for more than the loss timeout at ``now`` (their nodes are
+        lost at once) and those to reconnect now that the database answers; the seconds
+        until the next check is due.
+
+        That is when the next stream would pass its timeout if it stayed silent, and at most
+        :data:`HEARTBEAT_CHECK_MAX` away: a hung node is cut within a second of its timeout,
+        not up to a heartbeat interval later, by one pass over the sessions a second."""
+        database_away = getattr(self.store.database, "unreachable_since", None) is not None
+        due = now + HEARTBEAT_CHECK_MAX
+        for session in list(self.live.values()):
+            if session.silent:
+                continue  # cut already; its stream is ending
+            deadline = session.last_heartbeat + self.loss_timeout
+            if now > deadline:
+                log.warning("node stopped sending heartbeats", extra=kv(node=session.node_id))
+                session.silent = True
+                session.close()
+                continue
+            due = min(due, deadline)
+            if session.unstored and not database_away:
+                # What it reported while the database was away is lost: its next Hello
+                # (the shards it runs, in full) tells it again. Its engines run on.
+                log.warning(
+                    "the database answers again; reconnecting a node to hear again what "
+                    "it reported meanwhile",
+                    extra=kv(node=session.node_id, reports=session.unstored),
+                )
+                session.unstored = 0
+                session.close()
+        # Past the deadline, not on it (the check is "more than"); never a busy loop.
+        return max(due - now, 0.0) + HEARTBEAT_CHECK_SLACK

@@ -122,6 +122,22 @@ class Server:
             )
         return [n["id"] for n in pending]
 
+    def approve(self, *node_ids: str) -> None:
+        """Approve these nodes, once each is pending and connected, with its fingerprint."""
+        for node_id in node_ids:
+            node = wait_for(
+                lambda node_id=node_id: next(
+                    (
+                        n
+                        for n in self.nodes()
+                        if n["id"] == node_id and n["state"] == "pending" and n["connected"]
+                    ),
+                    None,
+                ),
+                what=f"{node_id} pending",
+            )
+            self.api("POST", f"/api/nodes/{node_id}/approve", {"fingerprint": node["fingerprint"]})
+
     def api_key(self, name: str = "test") -> str:
         return str(self.api("POST", "/api/keys", {"name": name})["key"])
 
@@ -234,25 +250,23 @@ def cmdline(pid: int) -> str:
 
 
 def start_server_with(tmp: Path, *, heartbeat: float = 1.0, **extra: Any) -> Server:
-    """:func:`start_server` with more keys in server.yaml (e.g. ``cert_lifetime=12``)."""
-    # Long enough that an agent restart is not a loss; loss tests shorten it.
+    """:func:`start_server` with more keys in server.yaml (e.g. ``cert_lifetime=12``); a key
+    given as None is left out, so the server's default holds (``loss_timeout=None``)."""
     state = tmp / "server"
     http_port, grpc_port = free_port(), free_port()
+    keys: dict[str, Any] = {
+        "state_dir": str(state),
+        "http_listen": f"127.0.0.1:{http_port}",
+        "grpc_listen": f"127.0.0.1:{grpc_port}",
+        "enroll_listen": "127.0.0.1:0",
+        "heartbeat_interval": heartbeat,
+        # Long enough that an agent restart is not a loss; loss tests shorten it.
+        "loss_timeout": max(10.0, heartbeat * 3),
+        "replica_wait": 2,
+        **extra,
+    }
     cfg = tmp / "server.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "state_dir": str(state),
-                "http_listen": f"127.0.0.1:{http_port}",
-                "grpc_listen": f"127.0.0.1:{grpc_port}",
-                "enroll_listen": "127.0.0.1:0",
-                "heartbeat_interval": heartbeat,
-                "loss_timeout": max(10.0, heartbeat * 3),
-                "replica_wait": 2,
-                **extra,
-            }
-        )
-    )
+    cfg.write_text(yaml.safe_dump({k: v for k, v in keys.items() if v is not None}))
     log_path = tmp / "server.log"
     with open(log_path, "wb") as out:
         proc = subprocess.Popen([*LLMGW, "server", "--config", str(cfg)], stdout=out, stderr=out)

@@ -21,7 +21,7 @@ DEFAULTS = ServerConfig(
     grpc_listen="0.0.0.0:7443",
     advertise=(),
     heartbeat_interval=5.0,
-    loss_timeout=15.0,
+    loss_timeout=12.0,
     admin_token_file=Path("/var/lib/llmgw/admin.token"),
     source=None,
 )
@@ -52,7 +52,7 @@ INVALID = [
     ("heartbeat_interval: true\n", "heartbeat_interval", "must be a number, got bool"),
     ("heartbeat_interval: .nan\n", "heartbeat_interval", "finite"),
     ("loss_timeout: 10\n", "loss_timeout", "more than twice heartbeat_interval (5 s)"),
-    ("heartbeat_interval: 10\n", "loss_timeout", "is 15 s (the default)"),
+    ("heartbeat_interval: 6\nloss_timeout: 12\n", "loss_timeout", "set it to 18 or more"),
     ("loss_timeout: -1\n", "loss_timeout", "must be at least 0"),
     ("admin_token_file: ''\n", "admin_token_file", "must not be an empty path"),
     ("max_request_body: 8M\n", "max_request_body", "ambiguous; use binary units, e.g. 8MiB"),
@@ -74,6 +74,14 @@ INVALID = [
     ("reattach_grace: 2h\n", "reattach_grace", "between 0 s (the loss timeout only) and 1 hour"),
     ("reattach_grace: soon\n", "reattach_grace", "a duration like 500ms, 30s"),
 ]
+
+
+def test_the_default_loss_timeout_follows_a_slower_heartbeat(tmp_path: Path) -> None:
+    assert load_server_config(None).loss_timeout == 12.0
+    slow = load_server_config(write(tmp_path, "heartbeat_interval: 10\n"))
+    assert (slow.heartbeat_interval, slow.loss_timeout) == (10.0, 30.0)
+    fast = load_server_config(write(tmp_path, "heartbeat_interval: 1\n"))
+    assert fast.loss_timeout == 12.0
 
 
 def test_reattach_grace_defaults_to_a_minute_and_takes_a_duration(tmp_path: Path) -> None:
@@ -192,7 +200,7 @@ def test_overrides(tmp_path: Path) -> None:
 
 def test_overrides_without_file_are_validated() -> None:
     with pytest.raises(ConfigError) as info:
-        load_server_config(None, overrides={"heartbeat_interval": 10})
+        load_server_config(None, overrides={"heartbeat_interval": 10, "loss_timeout": 15})
     assert info.value.key == "loss_timeout"
     assert "set it to 30 or more" in str(info.value)
     with pytest.raises(ConfigError, match="did you mean 'grpc_listen'"):

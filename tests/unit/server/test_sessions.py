@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from llmgw.server.nodes import Membership
 from llmgw.server.reports import AgentReports
 from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
-from llmgw.server.sessions import Sessions
+from llmgw.server.sessions import HEARTBEAT_CHECK_MAX, HEARTBEAT_CHECK_SLACK, Sessions
 from llmgw.server.states import NodeState, ShardState
 from llmgw.server.store import Store
 from llmgw.server.stream import NodeSession
@@ -40,7 +41,14 @@ def store(tmp_path: Path) -> Iterator[Store]:
 class Wired:
     """The parts a stream reaches, built as ControlPlane._assemble builds them."""
 
-    def __init__(self, tmp: Path, store: Store, *, loss_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        store: Store,
+        *,
+        loss_timeout: float = 60.0,
+        heartbeat_interval: float = 1.0,
+    ) -> None:
         self.ca = pki.init_ca(tmp / "ca")
         self.store = store
         self.live: dict[str, NodeSession] = {}
@@ -79,7 +87,7 @@ class Wired:
             reports=self.reports,
             epoch=7,
             loss_timeout=loss_timeout,
-            heartbeat_interval=1.0,
+            heartbeat_interval=heartbeat_interval,
             on_routes_changed=self.changed,
         )
 
@@ -204,6 +212,82 @@ def test_a_node_silent_for_the_loss_timeout_loses_its_replicas(
         wired.connect(cert)
         assert wired.lost == set() and not store.get_node("gpu-1").lost
         wired.sessions.close_all()
+
+    asyncio.run(main())
+
+
+def _drain(*sessions: NodeSession) -> None:
+    for session in sessions:
+        while not session.queue.empty():
+            session.queue.get_nowait()
+
+
+def test_a_silent_stream_is_cut_just_past_the_loss_timeout_not_a_heartbeat_later(
+    tmp_path: Path, store: Store
+) -> None:
+    wired = Wired(tmp_path, store, loss_timeout=12.0, heartbeat_interval=5.0)
+    a = wired.connect(wired.cert(tmp_path, "gpu-1"), "gpu-1")
+    b = wired.connect(wired.cert(tmp_path, "gpu-2"), "gpu-2")
+    _drain(a, b)
+    t = 1000.0
+    a.last_heartbeat, b.last_heartbeat = t, t + 3.0
+    check = wired.sessions.check_heartbeats
+    # Nothing due for a while: the next check is a second away, not a heartbeat interval.
+    assert check(t + 5.0) == pytest.approx(HEARTBEAT_CHECK_MAX + HEARTBEAT_CHECK_SLACK)
+    # A deadline nearer than that: the next check lands just past it.
+    assert check(t + 11.6) == pytest.approx(0.4 + HEARTBEAT_CHECK_SLACK)
+    assert check(t + 12.0) == pytest.approx(HEARTBEAT_CHECK_SLACK)  # not more than 12 s yet
+    assert a.queue.empty() and not a.silent
+    # Just past it: cut, lost at once when its stream ends (Sessions.close); b goes on.
+    assert check(t + 12.0 + HEARTBEAT_CHECK_SLACK) == pytest.approx(
+        HEARTBEAT_CHECK_MAX + HEARTBEAT_CHECK_SLACK
+    )
+    assert a.silent and a.queue.get_nowait() is None
+    assert not b.silent and b.queue.empty()
+    # Cut once: while its stream ends, later checks pass it over.
+    check(t + 13.0)
+    assert a.queue.empty()
+    # A heartbeat moves the deadline: b, heard at t + 14, is due at t + 26.
+    b.last_heartbeat = t + 14.0
+    assert check(t + 25.5) == pytest.approx(0.5 + HEARTBEAT_CHECK_SLACK)
+    assert check(t + 26.02) == pytest.approx(HEARTBEAT_CHECK_MAX + HEARTBEAT_CHECK_SLACK)
+    assert b.silent and b.queue.get_nowait() is None
+
+
+def test_a_hung_node_is_lost_within_a_second_of_its_loss_timeout(
+    tmp_path: Path, store: Store
+) -> None:
+    """The watch, run as the control plane runs it: with heartbeats every 5 s, a node silent
+    for the loss timeout is lost well before the next heartbeat interval."""
+
+    async def main() -> None:
+        wired = Wired(tmp_path, store, loss_timeout=0.3, heartbeat_interval=5.0)
+        session = wired.connect(wired.cert(tmp_path, "gpu-1"))
+        store.set_node_state("gpu-1", NodeState.APPROVED)
+        store.put_model("m", engine="sim", params={}, replicas=0)
+        store.add_shard(store.add_replica("m").id, "gpu-1")
+        _drain(session)
+
+        async def stream() -> None:  # the stream's writer: ends on None, then closes
+            while await session.queue.get() is not None:
+                pass
+            wired.sessions.close(session)
+
+        writer = asyncio.create_task(stream())
+        session.last_heartbeat = start = time.monotonic()
+        watch = asyncio.create_task(wired.sessions.watch_heartbeats())
+        try:
+            while "gpu-1" not in wired.lost and time.monotonic() - start < 5.0:  # noqa: ASYNC110 - bounded poll
+                await asyncio.sleep(0.005)
+            elapsed = time.monotonic() - start
+        finally:
+            watch.cancel()
+            writer.cancel()
+            await asyncio.gather(watch, writer, return_exceptions=True)
+            wired.sessions.close_all()
+        assert wired.lost == {"gpu-1"}
+        assert 0.3 <= elapsed <= 0.3 + HEARTBEAT_CHECK_MAX + 0.5, elapsed
+        assert store.get_node("gpu-1").lost
 
     asyncio.run(main())
 
