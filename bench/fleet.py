@@ -170,6 +170,14 @@ def server_argv(config: Path, name: str) -> list[str]:
     return [*LLMGW, "server", "--config", str(config)]
 
 
+def server_env(name: str) -> dict[str, str] | None:
+    """The environment of ``llmgw server``: with LLMGW_BENCH_ASYNCIO_DEBUG set, the fleet's
+    runs in asyncio's debug mode, which logs every callback that holds the loop for 0.1 s."""
+    if name == "fleet" and os.environ.get("LLMGW_BENCH_ASYNCIO_DEBUG"):
+        return {**os.environ, "PYTHONASYNCIODEBUG": "1"}
+    return None
+
+
 def write_config(tmp: Path, name: str, database: dict[str, str] | None) -> tuple[Path, Server, int]:
     state = tmp / name / "state"
     state.mkdir(parents=True)
@@ -191,6 +199,7 @@ def write_config(tmp: Path, name: str, database: dict[str, str] | None) -> tuple
     log_path = tmp / name / "server.log"
     proc = subprocess.Popen(
         server_argv(path, name),
+        env=server_env(name),
         stdout=open(log_path, "ab"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -233,6 +242,7 @@ def restart(cp: ControlPlane) -> float:
     stopped = time.monotonic() - t
     proc = subprocess.Popen(
         server_argv(cp.config, cp.name),
+        env=server_env(cp.name),
         stdout=open(cp.server.log_path, "ab"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -102,7 +102,7 @@ class Scheduler:
         on_routes_changed: Callable[[], None] = lambda: None,
         engine_holds: Callable[[Sequence[Node]], Mapping[str, tuple[tuple[str, str], ...]]]
         | None = None,
-        interval: float = 1.0,
+        interval: float = 5.0,
     ) -> None:
         self.store = store
         self.router = router
@@ -131,6 +131,8 @@ class Scheduler:
         # if any, stays shown while they wait for room).
         self.rolling: set[str] = set()
         self._pass_cluster: Cluster | None = None
+        # When the next failed shard is due a restart (monotonic), as the last pass saw.
+        self._due: float | None = None
         # node id -> its NodeView and what it was made of (the stored inventory, the same
         # object while it is unchanged: llmgw.server.store.nodes), reused while none changed.
         self._views: dict[str, tuple[dict[str, Any], tuple[Any, ...], NodeView]] = {}
@@ -155,8 +157,13 @@ class Scheduler:
             except Exception:
                 log.exception("reconcile failed; trying again")
             took = time.monotonic() - started
+            # Woken by a kick (every change that can need work kicks), at the next shard
+            # restart due, or every interval as a safety net; each second while paused.
+            timeout = self.interval if self.paused_since is None else min(self.interval, 1.0)
+            if self._due is not None:
+                timeout = min(timeout, max(0.0, self._due - time.monotonic()))
             try:
-                await asyncio.wait_for(self._kick.wait(), timeout=self.interval)
+                await asyncio.wait_for(self._kick.wait(), timeout=timeout)
             except TimeoutError:
                 pass
             # A burst of kicks (a fleet joining: one per approval) makes one pass, not one
@@ -170,6 +177,7 @@ class Scheduler:
     def reconcile(self) -> None:
         store = self.store
         self._pass_cluster = None
+        self._due = None
         self._drain_step()
         # Built again after the drain's removals, and only if this pass places a replica.
         self._pass_cluster = None
@@ -228,8 +236,11 @@ class Scheduler:
             if shard.state == ShardState.FAILED:
                 failures = self.failures.get(shard.id, 1)
                 failed_at = self.failed_at.setdefault(shard.id, now)
-                if now - failed_at >= restart_delay(failures):
+                due = failed_at + restart_delay(failures)
+                if now >= due:
                     self._restart(shard)
+                elif self._due is None or due < self._due:
+                    self._due = due
             elif shard.state == ShardState.PENDING:
                 self._send_start(shard)
 
@@ -653,6 +664,7 @@ class Scheduler:
     def shard_ready(self, shard_id: str) -> None:
         self.failures.pop(shard_id, None)
         self.failed_at.pop(shard_id, None)
+        self.kick()  # it may be the replacement a drain or a profile switch waits for
 
     def forget(self, shard_id: str) -> None:
         self.failures.pop(shard_id, None)

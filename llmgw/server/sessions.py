@@ -36,6 +36,7 @@ __all__ = ["Sessions"]
 log = logging.getLogger("llmgw.server.sessions")
 
 LAST_SEEN_EVERY = 2
+LAST_SEEN_SLICE = 200  # nodes per transaction of a flush
 """Heartbeat intervals between two flushes of the nodes' last-seen times to the store (10 s
 at the default interval): what a standby shows is at most that much older."""
 
@@ -79,6 +80,8 @@ class Sessions:
         self.heartbeat_interval = heartbeat_interval
         self.on_routes_changed = on_routes_changed
         self._loss_timers: dict[str, asyncio.TimerHandle] = {}
+        # Set by close_all: the control plane is shutting down (or stepping down).
+        self.stopping = False
         # node id -> the seen_at last stored for it (Sessions.flush_last_seen).
         self._stored_seen: dict[str, float] = {}
 
@@ -205,6 +208,11 @@ class Sessions:
         if self.live.get(session.node_id) is not session:
             return
         del self.live[session.node_id]
+        if self.stopping:
+            # close_all stored the fleet's disconnect in one batch; no node is lost for a
+            # control plane's shutdown, however long it takes.
+            self.router.remove_node(session.node_id)
+            return
         database_away = getattr(self.store.database, "unreachable_since", None) is not None
         if not database_away:
             self.router.remove_node(session.node_id)
@@ -230,11 +238,27 @@ class Sessions:
         self.on_routes_changed()
 
     def close_all(self) -> None:
-        """At shutdown: no node is lost for it, every stream is ended."""
+        """At shutdown: no node is lost for it, every stream is ended. The disconnect of the
+        whole fleet is stored at once (one write for thousands of streams, not several each:
+        a shutdown that took longer than the loss timeout used to lose nodes)."""
+        self.stopping = True
         for timer in self._loss_timers.values():
             timer.cancel()
         self._loss_timers.clear()
-        for session in list(self.live.values()):
+        closing = list(self.live.values())
+        try:
+            self.flush_last_seen()
+            self.store.set_all_disconnected()
+            if closing:
+                self.store.add_event(
+                    "streams_closed",
+                    "control-plane",
+                    f"the control plane is stopping; {len(closing)} agent streams closed "
+                    "(the agents reattach to the next leader)",
+                )
+        except LlmgwError as exc:  # the database is away, or another instance leads now
+            log.warning("cannot record the streams' close", extra=kv(error=str(exc)))
+        for session in closing:
             session.close()
 
     # -- loss: a node away for the loss timeout loses its replicas to other nodes ----------------
@@ -249,7 +273,7 @@ class Sessions:
 
     def _node_lost(self, node_id: str) -> None:
         self._loss_timers.pop(node_id, None)
-        if node_id in self.live or node_id in self.lost:
+        if node_id in self.live or node_id in self.lost or self.stopping:
             return
         try:
             shards = self.store.list_shards(node_id=node_id)
@@ -280,15 +304,17 @@ class Sessions:
         self.metrics.nodes.set(("connected",), connected)
         self.metrics.nodes.set(("disconnected",), max(total - connected, 0))
 
-    def flush_last_seen(self) -> int:
+    def flush_last_seen(self, limit: int | None = None) -> int:
         """Store when each live node was last heard from, for those heard since the last
-        flush, in one transaction; how many were stored. What the admin API shows is read
-        from the sessions; the store's copy is for standbys and a restarted control plane."""
-        seen = {
-            node_id: session.seen_at
-            for node_id, session in list(self.live.items())
-            if session.seen_at > self._stored_seen.get(node_id, 0.0)
-        }
+        flush (at most ``limit`` of them), in one transaction; how many were stored. What the
+        admin API shows is read from the sessions; the store's copy is for standbys and a
+        restarted control plane."""
+        seen: dict[str, float] = {}
+        for node_id, session in list(self.live.items()):
+            if session.seen_at > self._stored_seen.get(node_id, 0.0):
+                seen[node_id] = session.seen_at
+                if limit is not None and len(seen) >= limit:
+                    break
         if not seen:
             return 0
         self.store.touch_nodes(seen)
@@ -302,7 +328,12 @@ class Sessions:
         while True:
             await asyncio.sleep(self.heartbeat_interval * LAST_SEEN_EVERY)
             try:
-                self.flush_last_seen()
+                # In slices, the loop free between them: a fleet's batch in one transaction
+                # held the gateway's requests for as long as it took.
+                for _ in range(len(self.live) // LAST_SEEN_SLICE + 1):
+                    if self.flush_last_seen(limit=LAST_SEEN_SLICE) < LAST_SEEN_SLICE:
+                        break
+                    await asyncio.sleep(0)
             except LlmgwError as exc:  # the database is away: the next flush catches up
                 log.warning("cannot store when nodes were last seen", extra=kv(error=str(exc)))
 

@@ -461,3 +461,47 @@ def test_the_nodes_gauge_counts_without_listing_every_node(tmp_path: Path, store
         assert wired.metrics.nodes.values[("disconnected",)] == 2
 
     asyncio.run(main())
+
+
+def test_a_shutdown_loses_no_node_and_stores_the_fleets_disconnect_at_once(
+    tmp_path: Path, store: Store
+) -> None:
+    async def main() -> None:
+        wired = Wired(tmp_path, store, loss_timeout=0.05)
+        sessions = [wired.connect(wired.cert(tmp_path, n), n) for n in ("gpu-1", "gpu-2")]
+        for node in ("gpu-1", "gpu-2"):
+            store.set_node_state(node, NodeState.APPROVED)
+        store.put_model("m", engine="sim", params={}, replicas=1)
+        replica = store.add_replica("m")
+        store.add_shard(replica.id, "gpu-1")
+        before = len(store.list_events())
+        wired.sessions.close_all()
+        # The streams' handlers end later, each closing its session: nothing more is written.
+        for session in sessions:
+            wired.sessions.close(session)
+        await asyncio.sleep(0.2)  # well past the loss timeout
+        assert wired.live == {} and wired.lost == set()
+        assert not any(n.connected or n.lost for n in store.list_nodes())
+        assert [r.id for r in store.list_replicas("m")] == [replica.id]
+        kinds = [e.kind for e in store.list_events()][: len(store.list_events()) - before]
+        assert kinds.count("streams_closed") == 1 and "node_disconnected" not in kinds
+        assert "node_lost" not in kinds
+
+    asyncio.run(main())
+
+
+def test_a_flush_in_slices_stores_each_node_once(tmp_path: Path, store: Store) -> None:
+    async def main() -> None:
+        wired = Wired(tmp_path, store)
+        clock = [7000.0]
+        store.database.clock = lambda: clock[0]
+        names = [f"gpu-{i}" for i in range(5)]
+        sessions = [wired.connect(wired.cert(tmp_path, n), n) for n in names]
+        clock[0] = 7001.0
+        for session in sessions:
+            wired.sessions.on_message(session, pb.AgentMessage(heartbeat=pb.Heartbeat(seq=1)))
+        assert [wired.sessions.flush_last_seen(limit=2) for _ in range(4)] == [2, 2, 1, 0]
+        assert {store.get_node(n).last_seen for n in names} == {7001.0}
+        wired.sessions.close_all()
+
+    asyncio.run(main())
