@@ -184,7 +184,16 @@ class Scheduler:
         self._roll_step()
         replacements = set(self.moves.values()) | set(self.rolls.values())
         moving = set(self.moves) | set(self.rolls) | replacements
+        counts = store.count_replicas()
         for model in store.list_models():
+            if (
+                counts.get(model.name, 0) == model.replicas
+                and not moving
+                and model.name not in self.rolling
+            ):
+                # As many as wanted and nothing moving: a fleet's usual pass reads no more.
+                self.unplaceable.pop(model.name, None)
+                continue
             replicas = store.list_replicas(model.name)
             # A replica being moved and its replacement count as one until the move is done.
             in_moves = sum(1 for r in replicas if r.id in replacements)
@@ -210,7 +219,8 @@ class Scheduler:
             if missing <= 0 and model.name not in self.rolling:
                 self.unplaceable.pop(model.name, None)
         now = time.monotonic()
-        for shard in store.list_shards():
+        # Only a failed shard (a restart, a rebuild) or a pending one (its start) needs work.
+        for shard in store.list_shards(states=(ShardState.FAILED, ShardState.PENDING)):
             session = self.sessions.get(shard.node_id)
             if session is None or not session.approved:
                 # A pending node gets no orders, and what it says of shards is not heard
@@ -507,7 +517,10 @@ class Scheduler:
         busy = {store.get_replica(o).model for o in self.rolls}
         moving = set(self.moves) | set(self.moves.values()) | set(self.rolls.values())
         self.rolling = set()
+        candidates = store.models_with_stale_replicas() | busy
         for model in store.list_models():
+            if model.name not in candidates:
+                continue  # every replica of the profile deployed: nothing to roll
             stale = [
                 r
                 for r in store.list_replicas(model.name)

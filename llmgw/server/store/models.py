@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Collection
 from typing import Any
 
 from llmgw.errors import Conflict, NotFound
@@ -203,6 +204,19 @@ class Models:
             )
         return [Replica.from_row(r) for r in rows]
 
+    def models_with_stale_replicas(self) -> set[str]:
+        """The models that have replicas of a profile other than the one deployed now."""
+        rows = self._db.all(
+            "SELECT DISTINCT r.model FROM replicas r JOIN models m ON m.name = r.model "
+            "WHERE r.profile IS NOT NULL AND r.profile != m.profile"
+        )
+        return {row[0] for row in rows}
+
+    def count_replicas(self) -> dict[str, int]:
+        """How many replicas each model has (models without any are absent)."""
+        rows = self._db.all("SELECT model, count(*) FROM replicas GROUP BY model")
+        return {row[0]: int(row[1]) for row in rows}
+
     def set_replica_state(self, replica_id: str, state: str) -> None:
         """Set pending / starting / ready / failed / stopping; other values are a ValueError."""
         value = check_state(state, ReplicaState, "replica")
@@ -250,10 +264,23 @@ class Models:
         return Shard.from_row(row)
 
     def list_shards(
-        self, *, node_id: str | None = None, replica_id: str | None = None
+        self,
+        *,
+        node_id: str | None = None,
+        replica_id: str | None = None,
+        states: Collection[str] | None = None,
     ) -> list[Shard]:
+        """The shards (on ``node_id``, of ``replica_id``, in one of ``states``), by replica
+        and rank."""
         where: list[str] = []
         params: list[Any] = []
+        if states is not None:
+            if not states:
+                return []
+            for state in states:
+                check_state(state, ShardState, "shard")
+            where.append(f"state IN ({', '.join('?' for _ in states)})")
+            params.extend(states)
         if node_id is not None:
             where.append("node_id = ?")
             params.append(node_id)

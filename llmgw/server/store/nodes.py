@@ -132,10 +132,10 @@ class Nodes:
         return int(row[0])
 
     def list_draining_nodes(self) -> list[Node]:
-        return [
-            self._node(r)
-            for r in self._db.all("SELECT * FROM nodes WHERE draining != 0 ORDER BY id")
-        ]
+        """The nodes being drained, by id. Found through their partial index (an ORDER BY
+        in SQL would have the planner walk every node in id order instead)."""
+        rows = self._db.all("SELECT * FROM nodes WHERE draining != 0")
+        return sorted((self._node(r) for r in rows), key=lambda n: n.id)
 
     def delete_node(self, node_id: str) -> None:
         """Forget a node; refused while shards are placed on it."""

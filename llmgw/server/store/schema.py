@@ -238,6 +238,13 @@ MIGRATIONS: list[str] = [
     /* sqlite */ UPDATE certificates SET seq = rowid;
     CREATE INDEX certificates_by_seq ON certificates(node_id, seq);
     """,
+    # 9: the draining nodes found without reading every node (each reconcile pass asks; a
+    # fleet's rows are large, their inventories before the flag); and the shards that need
+    # work (failed, pending) without reading every shard
+    """
+    CREATE INDEX nodes_draining ON nodes(draining) WHERE draining != 0;
+    CREATE INDEX shards_by_state ON shards(state);
+    """,
 ]
 
 
