@@ -17,7 +17,7 @@ from llmgw.contracts.catalog import (
 from llmgw.engines.registry import engine_names
 from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
-from llmgw.server.store import Model
+from llmgw.server.store import Model, Shard
 
 __all__ = ["ModelRoutes"]
 
@@ -255,12 +255,14 @@ class ModelRoutes:
         if model is not None:
             self.ctx.store.get_model(model)
         out = []
+        # Each read once for the whole list (a fleet's is thousands of shards).
+        shards: dict[str, list[Shard]] = {}
+        for shard in self.ctx.store.list_shards():
+            shards.setdefault(shard.replica_id, []).append(shard)
+        endpoints = {e.shard_id: e for e in self.ctx.router.endpoints(model)}
         for replica in self.ctx.store.list_replicas(model):
-            for shard in self.ctx.store.list_shards(replica_id=replica.id):
-                ep = next(
-                    (e for e in self.ctx.router.endpoints(replica.model) if e.shard_id == shard.id),
-                    None,
-                )
+            for shard in shards.get(replica.id, []):
+                ep = endpoints.get(shard.id)
                 out.append(
                     {
                         "replica": replica.id,
