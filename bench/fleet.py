@@ -221,6 +221,7 @@ def healthy(server: Server) -> bool:
 
 def start_control_plane(tmp: Path, name: str, pg: Any | None) -> ControlPlane:
     database = None
+    tmp.mkdir(parents=True, exist_ok=True)
     if pg is not None:
         dbname = pg.fresh_database()
         database = {

@@ -50,6 +50,7 @@ log = logging.getLogger("llmgw.server.scheduler")
 
 PACE = 3.0
 MAX_PACE = 1.0  # seconds
+PASS_BUDGET = 0.2  # seconds of placements in one pass (the first always goes ahead)
 
 
 def _host_of(addr: str) -> str:
@@ -131,6 +132,10 @@ class Scheduler:
         # if any, stays shown while they wait for room).
         self.rolling: set[str] = set()
         self._pass_cluster: Cluster | None = None
+        self._pass_started = 0.0
+        self._placed_in_pass = 0
+        # The last pass stopped placing when its time was up: the next one follows at once.
+        self.unfinished = False
         # When the next failed shard is due a restart (monotonic), as the last pass saw.
         self._due: float | None = None
         # node id -> its NodeView and what it was made of (the stored inventory, the same
@@ -162,6 +167,8 @@ class Scheduler:
             timeout = self.interval if self.paused_since is None else min(self.interval, 1.0)
             if self._due is not None:
                 timeout = min(timeout, max(0.0, self._due - time.monotonic()))
+            if self.unfinished:
+                timeout = 0.0  # placements left over by a pass that used its budget
             try:
                 await asyncio.wait_for(self._kick.wait(), timeout=timeout)
             except TimeoutError:
@@ -178,6 +185,9 @@ class Scheduler:
         store = self.store
         self._pass_cluster = None
         self._due = None
+        self._pass_started = time.monotonic()
+        self._placed_in_pass = 0
+        self.unfinished = False
         self._drain_step()
         # Built again after the drain's removals, and only if this pass places a replica.
         self._pass_cluster = None
@@ -200,6 +210,14 @@ class Scheduler:
             missing = model.replicas - (len(replicas) - in_moves)
             if missing > 0:
                 for _ in range(missing):
+                    if not self._placed_in_pass:
+                        self._pass_started = time.monotonic()  # the view built: placing starts
+                    elif time.monotonic() - self._pass_started > PASS_BUDGET:
+                        # The rest in the next pass: the event loop (the gateway's requests,
+                        # the agents' heartbeats) is not held for a thousand placements.
+                        self.unfinished = True
+                        break
+                    self._placed_in_pass += 1
                     try:
                         placed = self._place_replica(model)
                     except ConfigError as exc:

@@ -35,10 +35,12 @@ __all__ = ["Sessions"]
 
 log = logging.getLogger("llmgw.server.sessions")
 
-LAST_SEEN_EVERY = 2
-LAST_SEEN_SLICE = 200  # nodes per transaction of a flush
-"""Heartbeat intervals between two flushes of the nodes' last-seen times to the store (10 s
-at the default interval): what a standby shows is at most that much older."""
+LAST_SEEN_EVERY = 30.0
+"""Seconds between two flushes of the nodes' last-seen times to the store. The leader's
+admin API shows the live time; the stored one is for a restarted control plane and the
+standbys. Each flush rewrites every live node's row: on PostgreSQL a row version each, which
+autovacuum must reclaim, so not more often than this."""
+LAST_SEEN_SLICE = 50  # nodes per transaction of a flush: a few ms each, even on PostgreSQL
 
 # Seconds: the longest a silent stream outlives the loss timeout before it is cut (one pass
 # over the live sessions at most this often), and how far past a deadline a check lands.
@@ -324,9 +326,9 @@ class Sessions:
         return len(seen)
 
     async def store_last_seen(self) -> None:
-        """Flush last-seen times every :data:`LAST_SEEN_EVERY` heartbeat intervals."""
+        """Flush last-seen times every :data:`LAST_SEEN_EVERY` seconds."""
         while True:
-            await asyncio.sleep(self.heartbeat_interval * LAST_SEEN_EVERY)
+            await asyncio.sleep(LAST_SEEN_EVERY)
             try:
                 # In slices, the loop free between them: a fleet's batch in one transaction
                 # held the gateway's requests for as long as it took.

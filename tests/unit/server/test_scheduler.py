@@ -11,6 +11,7 @@ import pytest
 from llmgw.engines.launch import build_command
 from llmgw.engines.spec import EngineSpec
 from llmgw.proto import control_pb2 as pb
+from llmgw.server import scheduler as scheduler_module
 from llmgw.server.installs import Build, EngineInstalls
 from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
@@ -497,3 +498,48 @@ def test_single_node_replicas_take_no_port_whatever_the_range(cp: SchedulerRig) 
     scheduler.reconcile()
     (shard,) = cp.store.list_shards()
     assert shard.dist_init_addr == "" and "one" not in scheduler.unplaceable
+
+
+def test_a_pass_places_for_its_time_budget_and_the_next_one_goes_on(
+    cp: SchedulerRig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for i in range(6):
+        _join(cp, f"n{i}", f"10.0.0.{i + 1}")
+    cp.store.put_model("m", engine="sim", params={}, replicas=5)
+    scheduler = cp.scheduler()
+    monkeypatch.setattr(scheduler_module, "PASS_BUDGET", 0.0)  # spent by the first placement
+    counts = []
+    for _ in range(5):
+        scheduler.reconcile()
+        counts.append((len(cp.store.list_replicas("m")), scheduler.unfinished))
+    # One a pass, each pass saying more is left, until the last one placed.
+    assert counts == [(1, True), (2, True), (3, True), (4, True), (5, False)]
+    assert "m" not in scheduler.unplaceable
+    monkeypatch.setattr(scheduler_module, "PASS_BUDGET", 60.0)
+    cp.store.put_model("m", engine="sim", params={}, replicas=6)
+    scheduler.reconcile()
+    assert len(cp.store.list_replicas("m")) == 6 and not scheduler.unfinished
+
+
+def test_a_steady_pass_reads_no_replica_or_shard_lists(cp: SchedulerRig) -> None:
+    for i in range(3):
+        _join(cp, f"n{i}", f"10.0.0.{i + 1}")
+    cp.store.put_model("m", engine="sim", params={}, replicas=3)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    for shard in cp.store.list_shards():
+        cp.store.update_shard(shard.id, state="ready")
+    calls: list[str] = []
+    for name in ("list_replicas", "list_nodes"):
+        real = getattr(cp.store, name)
+
+        def spy(*args: object, _name: str = name, _real: object = real, **kw: object) -> object:
+            calls.append(_name)
+            return _real(*args, **kw)  # type: ignore[operator]
+
+        setattr(cp.store, name, spy)
+    scheduler.reconcile()
+    assert calls == []  # counts only: nothing to place, move or restart
+    cp.store.put_model("m", engine="sim", params={}, replicas=2)
+    scheduler.reconcile()
+    assert "list_replicas" in calls  # a count that differs reads the model's replicas
