@@ -51,6 +51,7 @@ log = logging.getLogger("llmgw.server.scheduler")
 PACE = 3.0
 MAX_PACE = 1.0  # seconds
 PASS_BUDGET = 0.2  # seconds of placements in one pass (the first always goes ahead)
+CARRY_VIEW_FOR = 2.0  # seconds a view is carried into the pass that goes on with its work
 
 
 def _host_of(addr: str) -> str:
@@ -134,6 +135,10 @@ class Scheduler:
         self._pass_cluster: Cluster | None = None
         self._pass_started = 0.0
         self._placed_in_pass = 0
+        self._view_made: tuple[float, tuple[frozenset[str], frozenset[str]]] = (
+            0.0,
+            (frozenset(), frozenset()),
+        )
         # The last pass stopped placing when its time was up: the next one follows at once.
         self.unfinished = False
         # When the next failed shard is due a restart (monotonic), as the last pass saw.
@@ -183,6 +188,10 @@ class Scheduler:
 
     def reconcile(self) -> None:
         store = self.store
+        # A pass that goes on where the last one ran out of time keeps its view (at a
+        # fleet's size building it is most of a pass, on PostgreSQL more than its budget)
+        # while it is fresh and no node came, went or was lost meanwhile.
+        carried = self._pass_cluster if self._carry_view() else None
         self._pass_cluster = None
         self._due = None
         self._pass_started = time.monotonic()
@@ -190,7 +199,7 @@ class Scheduler:
         self.unfinished = False
         self._drain_step()
         # Built again after the drain's removals, and only if this pass places a replica.
-        self._pass_cluster = None
+        self._pass_cluster = carried if not self.moves else None
         self._roll_step()
         replacements = set(self.moves.values()) | set(self.rolls.values())
         moving = set(self.moves) | set(self.rolls) | replacements
@@ -337,7 +346,17 @@ class Scheduler:
         nothing to place builds none) and kept up to date by the placements made in it."""
         if self._pass_cluster is None:
             self._pass_cluster = self._cluster()
+            self._view_made = (time.monotonic(), self._membership())
         return self._pass_cluster
+
+    def _membership(self) -> tuple[frozenset[str], frozenset[str]]:
+        return frozenset(self.sessions), frozenset(self.lost)
+
+    def _carry_view(self) -> bool:
+        if not self.unfinished or self._pass_cluster is None:
+            return False
+        made, membership = self._view_made
+        return time.monotonic() - made < CARRY_VIEW_FOR and membership == self._membership()
 
     def _profile(self, model: Model) -> CatalogProfile:
         stored = model.profiles.get(model.profile) if model.profiles else None

@@ -543,3 +543,34 @@ def test_a_steady_pass_reads_no_replica_or_shard_lists(cp: SchedulerRig) -> None
     cp.store.put_model("m", engine="sim", params={}, replicas=2)
     scheduler.reconcile()
     assert "list_replicas" in calls  # a count that differs reads the model's replicas
+
+
+def test_a_pass_that_goes_on_keeps_its_view_until_a_node_comes_or_goes(
+    cp: SchedulerRig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for i in range(6):
+        _join(cp, f"n{i}", f"10.0.0.{i + 1}")
+    cp.store.put_model(
+        "m", engine="sim", params={}, replicas=4, profiles={"default": {"engine": "sim", "gpus": 1}}
+    )
+    scheduler = cp.scheduler()
+    monkeypatch.setattr(scheduler_module, "PASS_BUDGET", 0.0)
+    built = []
+    real = scheduler._cluster
+
+    def counting() -> object:
+        built.append(1)
+        return real()
+
+    monkeypatch.setattr(scheduler, "_cluster", counting)
+    scheduler.reconcile()
+    scheduler.reconcile()
+    assert len(built) == 1  # the second pass went on with the first one's view
+    del cp.sessions["n5"]  # a node went away: the view is built again
+    scheduler.reconcile()
+    assert len(built) == 2
+    scheduler.reconcile()
+    assert len(cp.store.list_replicas("m")) == 4 and not scheduler.unfinished
+    # The carried view held each placement: no GPU was given twice.
+    gpus = [g for s in cp.store.list_shards() for g in s.gpus]
+    assert len(gpus) == len(set(gpus)) == 4
