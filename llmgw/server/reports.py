@@ -147,18 +147,29 @@ class AgentReports:
             # We delete shards we stop, so an exit we did not order is a failure.
             state = ShardState.FAILED
         exit_code = status.exit_code if status.has_exit_code else None
-        self.store.update_shard(
-            shard.id,
-            state=state,
-            port=status.port or None,
-            pid=status.pid or None,
-            exit_code=exit_code,
-            reason=status.reason,
+        # What a reattaching agent reports again (every shard, at each reconnect of a
+        # fleet) is mostly what is stored: nothing is written for it, and no event.
+        unchanged = (
+            shard.state == state
+            and shard.port == (status.port or None)
+            and shard.pid == (status.pid or None)
+            and shard.exit_code == exit_code
+            and (shard.reason or "") == status.reason
         )
-        self.store.set_replica_state(shard.replica_id, ReplicaState(state))
+        if not unchanged:
+            self.store.update_shard(
+                shard.id,
+                state=state,
+                port=status.port or None,
+                pid=status.pid or None,
+                exit_code=exit_code,
+                reason=status.reason,
+            )
+        replica = self.store.get_replica(shard.replica_id)
+        if replica.state != state:
+            self.store.set_replica_state(shard.replica_id, ReplicaState(state))
         # Only rank 0 serves; workers of a multi-node replica are ready but not routable.
         if state == ShardState.READY and not session.draining and shard.rank == 0:
-            replica = self.store.get_replica(shard.replica_id)
             self.router.set_ready(
                 Endpoint(
                     model=replica.model,
@@ -169,12 +180,13 @@ class AgentReports:
                 )
             )
             self.scheduler.shard_ready(shard.id)
-            self.store.add_event(
-                "shard_ready", shard.id, f"on {session.node_id} port {status.port}"
-            )
+            if not unchanged:
+                self.store.add_event(
+                    "shard_ready", shard.id, f"on {session.node_id} port {status.port}"
+                )
         else:
             self.router.remove_shard(shard.id)
-            if state == ShardState.FAILED:
+            if state == ShardState.FAILED and not unchanged:
                 self.scheduler.shard_failed(shard.id)
                 self.store.add_event("shard_failed", shard.id, status.reason or "failed")
         self.on_routes_changed()

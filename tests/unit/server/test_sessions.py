@@ -505,3 +505,41 @@ def test_a_flush_in_slices_stores_each_node_once(tmp_path: Path, store: Store) -
         wired.sessions.close_all()
 
     asyncio.run(main())
+
+
+def test_a_shard_reported_again_unchanged_writes_nothing_and_stays_routable(
+    tmp_path: Path, store: Store
+) -> None:
+    async def main() -> None:
+        wired = Wired(tmp_path, store)
+        session = wired.connect(wired.cert(tmp_path, "gpu-1"))
+        store.set_node_state("gpu-1", NodeState.APPROVED)
+        session.approved = True
+        store.put_model("m", engine="sim", params={}, replicas=1)
+        replica = store.add_replica("m")
+        shard = store.add_shard(replica.id, "gpu-1")
+        ready = pb.ShardStatus(shard_id=shard.id, state=pb.SHARD_READY, port=5000, pid=42)
+        wired.sessions.on_message(session, pb.AgentMessage(shard_status=ready))
+        assert [e.shard_id for e in wired.router.endpoints("m")] == [shard.id]
+        events = len(store.list_events())
+        writes: list[str] = []
+        real_execute = store.database.execute
+
+        def execute(sql: str, params: object = ()) -> object:
+            if not sql.lstrip().upper().startswith("SELECT"):
+                writes.append(sql)
+            return real_execute(sql, params)  # type: ignore[arg-type]
+
+        store.database.execute = execute  # type: ignore[method-assign]
+        wired.router.remove_node("gpu-1")  # a restarted control plane: no routes yet
+        wired.sessions.on_message(session, pb.AgentMessage(shard_status=ready))
+        assert writes == [] and len(store.list_events()) == events
+        assert [e.shard_id for e in wired.router.endpoints("m")] == [shard.id]
+        moved = pb.ShardStatus(shard_id=shard.id, state=pb.SHARD_READY, port=5001, pid=43)
+        wired.sessions.on_message(session, pb.AgentMessage(shard_status=moved))
+        store.database.execute = real_execute  # type: ignore[method-assign]
+        assert writes and store.get_shard(shard.id).port == 5001
+        assert len(store.list_events()) == events + 1
+        wired.sessions.close_all()
+
+    asyncio.run(main())
