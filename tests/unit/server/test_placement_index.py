@@ -206,7 +206,6 @@ DEGRADED = [
     DegradedReason(DegradedCode.FABRIC, "fabric ib-z is down", fabric="ib-z"),
     DegradedReason("a-newer-code", "something a newer agent knows"),
 ]
-SIZES = [24 * GIB, 48 * GIB, 80 * GIB]
 
 
 def node_sources(names: Sequence[str], prefixes: Sequence[str]) -> NodeSources:
@@ -222,21 +221,43 @@ def node_sources(names: Sequence[str], prefixes: Sequence[str]) -> NodeSources:
     )
 
 
+GPU_SHAPES = [
+    (80 * GIB,) * 8,
+    (80 * GIB,) * 8,
+    (),
+    (24 * GIB,) * 4,
+    (24 * GIB, 80 * GIB) * 4,
+    (48 * GIB, 80 * GIB, 24 * GIB),
+]
+ENGINE_SETS = [frozenset({"vllm", "sim"}), frozenset({"sim"}), frozenset(ENGINES), frozenset()]
+
+
 @st.composite
 def node_views(draw: st.DrawFn, node_id: str) -> NodeView:
-    # Most nodes alike (so that kinds hold several nodes), some not.
-    plain = draw(st.booleans())
-    gpus = 8 if plain else draw(st.integers(0, 8))
-    sizes = [80 * GIB] * gpus if plain else [draw(st.sampled_from(SIZES)) for _ in range(gpus)]
-    flags = draw(
-        st.sampled_from(["ok"] * 6 + ["pending", "unapproved", "lost", "gone", "draining"])
+    """A node like most others but for a few things (so that nodes alike but for one rule
+    share most of what decides, and kinds both hold several nodes and split them)."""
+    changes = set(
+        draw(
+            st.lists(
+                st.sampled_from(["gpus", "engines", "held", "degraded", "flags", "fabrics"]),
+                max_size=2,
+            )
+        )
     )
-    engines = (
-        frozenset({"vllm", "sim"}) if plain else frozenset(draw(st.sets(st.sampled_from(ENGINES))))
+    sizes = draw(st.sampled_from(GPU_SHAPES)) if "gpus" in changes else GPU_SHAPES[0]
+    flags = (
+        draw(st.sampled_from(["pending", "unapproved", "lost", "gone", "draining"]))
+        if ("flags" in changes)
+        else "ok"
     )
+    engines = draw(st.sampled_from(ENGINE_SETS)) if "engines" in changes else ENGINE_SETS[0]
     held: tuple[tuple[str, str], ...] = ()
-    if not plain and draw(st.integers(0, 4)) == 0:
+    if "held" in changes:
         held = (("vllm", "vllm 0.9 is being installed"),)
+    fabrics: tuple[str, ...] = ("ib-a",)
+    if "fabrics" in changes:
+        fabrics = draw(st.sampled_from([(), ("ib-b",), ("ib-b", "ib-a")]))
+    degraded = (draw(st.sampled_from(DEGRADED)),) if "degraded" in changes else ()
     sources = None
     if draw(st.booleans()):
         names = draw(st.lists(st.sampled_from(["llama", "qwen"]), unique=True))
@@ -250,11 +271,11 @@ def node_views(draw: st.DrawFn, node_id: str) -> NodeView:
         lost=flags == "lost",
         engines=engines,
         gpus=tuple(GpuView(f"{node_id}-g{i}", m) for i, m in enumerate(sizes)),
-        fabrics=draw(st.sampled_from([(), ("ib-a",), ("ib-a",), ("ib-b",), ("ib-b", "ib-a")])),
+        fabrics=fabrics,
         state="pending" if flags == "pending" else "",
         held_engines=held,
         sources=sources,
-        degraded=() if plain else tuple(draw(st.lists(st.sampled_from(DEGRADED), max_size=1))),
+        degraded=degraded,
     )
 
 
@@ -341,11 +362,25 @@ Step = tuple[str, Profile, str, frozenset[str], int]
 
 
 @st.composite
-def operations(draw: st.DrawFn, ids: Sequence[str]) -> Step:
+def fleet_profiles(draw: st.DrawFn) -> Profile:
+    """GPU work, often multi-node, often asking for large GPUs (which mixed nodes have only
+    some of)."""
+    return Profile(
+        "vllm",
+        draw(st.sampled_from([1, 2, 4, 8])),
+        nodes=draw(st.sampled_from([1, 2, 3])),
+        gpu_memory_mib=draw(st.sampled_from([0, 40 * GIB, 80 * GIB])),
+    )
+
+
+@st.composite
+def operations(
+    draw: st.DrawFn, ids: Sequence[str], kinds: st.SearchStrategy[Profile] | None = None
+) -> Step:
     avoid = frozenset(draw(st.lists(st.sampled_from(ids), max_size=2))) if ids else frozenset()
     return (
         draw(st.sampled_from(["place", "place", "place", "release"])),
-        draw(profiles()),
+        draw(kinds if kinds is not None else profiles()),
         draw(st.sampled_from(["binpack", "spread"])),
         avoid,
         draw(st.integers(0, 100)),
@@ -364,18 +399,22 @@ def test_places_and_refusals_match_the_reference_after_any_sequence(data: st.Dat
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_a_fleet_of_a_few_kinds_matches_the_reference(data: st.DataObject) -> None:
-    check_against_the_reference(data, *data.draw(fleets()), steps=30)
+    check_against_the_reference(data, *data.draw(fleets()), steps=30, kinds=fleet_profiles())
 
 
 def check_against_the_reference(
-    data: st.DataObject, views: list[NodeView], allocations: list[Allocation], steps: int
+    data: st.DataObject,
+    views: list[NodeView],
+    allocations: list[Allocation],
+    steps: int,
+    kinds: st.SearchStrategy[Profile] | None = None,
 ) -> None:
     ids = [v.id for v in views] + ["not-a-node"]
     cluster = Cluster(views, allocations)
     truth = list(allocations)
     refusals: list[tuple[Unplaceable, tuple[str, ...]]] = []
     for n, (op, profile, strategy, avoid, pick) in enumerate(
-        data.draw(st.lists(operations(ids), max_size=steps))
+        data.draw(st.lists(operations(ids, kinds), max_size=steps))
     ):
         if op == "release":
             replicas = sorted({a.replica_id for a in truth})
@@ -532,3 +571,45 @@ def test_equal_refusals_compare_equal_however_built() -> None:
     built = Cluster([dataclasses.replace(eight("a"), draining=True)], []).place(Profile("vllm", 1))
     assert built == Unplaceable(("a: draining",))
     assert hash(built) == hash(Unplaceable(("a: draining",)))
+
+
+def test_a_mixed_node_counts_for_a_multi_node_replica_only_with_its_large_gpus_free() -> None:
+    # Four nodes of 24 and 80 GiB GPUs (two of each) on one fabric; on m0 and m1 both 80 GiB
+    # GPUs are held: they have 2 GPUs free, but none large enough.
+    views = [
+        dataclasses.replace(
+            eight(f"m{i}", ("ib-a",)),
+            gpus=tuple(GpuView(f"m{i}-g{g}", (24 if g % 2 == 0 else 80) * GIB) for g in range(4)),
+        )
+        for i in range(4)
+    ]
+    allocations = [
+        Allocation(f"r{i}", f"r{i}-s0", f"m{i}", (f"m{i}-g1", f"m{i}-g3")) for i in (0, 1)
+    ]
+    large = Profile("vllm", 2, nodes=3, gpu_memory_mib=40 * GIB)
+    result = Cluster(views, allocations).place(large)
+    assert isinstance(result, Unplaceable)
+    assert result.reasons == (
+        "m0: 0 of 2 GPUs with 40 GiB free, needs 2",
+        "m1: 0 of 2 GPUs with 40 GiB free, needs 2",
+        "fabric ib-a: 2 of 4 nodes free, needs 3",
+    )
+    two = Cluster(views, allocations).place(dataclasses.replace(large, nodes=2))
+    assert isinstance(two, Placement)
+    assert [(s.node_id, s.gpus) for s in two.shards] == [
+        ("m2", ("m2-g1", "m2-g3")),
+        ("m3", ("m3-g1", "m3-g3")),
+    ]
+
+
+def test_nodes_alike_but_for_a_degraded_reason_are_told_apart() -> None:
+    docker = DEGRADED[0]
+    full = [Allocation("r", "r-s0", "b", tuple(f"b-g{g}" for g in range(6)))]
+    # b would win binpack (fewest free), but dockerd is away there.
+    views = [eight("a"), dataclasses.replace(eight("b"), degraded=(docker,)), eight("c")]
+    placed = Cluster(views, full).place(Profile("vllm", 1))
+    assert isinstance(placed, Placement) and placed.shards[0].node_id == "a"
+    # The degraded node first in id order does not keep the healthy one off.
+    views = [dataclasses.replace(eight("a"), degraded=(docker,)), eight("b")]
+    placed = Cluster(views, full).place(Profile("vllm", 1))
+    assert isinstance(placed, Placement) and placed.shards[0].node_id == "b"
