@@ -640,6 +640,18 @@ def run_one(
         time.sleep(3)
         fig["storm"] = reconnect_storm(cp, fleet, n - 1)
         say(f"storm: reattached in {fig['storm']['reattach_s']:.1f} s")
+    except (OSError, RuntimeError, SystemExit) as exc:
+        # Where it breaks is a figure too: the phases measured so far, and what failed.
+        phase = next(
+            (
+                p
+                for p in ("join", "placement", "steady", "gateway", "loss", "storm")
+                if p not in fig
+            ),
+            "?",
+        )
+        fig["failed"] = {"phase": phase, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        say(f"{n} agents: {phase} failed: {fig['failed']['error']}")
     finally:
         fleet.quit()
         if probe.agent.proc is not None:
@@ -720,11 +732,17 @@ def render(figs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         ("  peak CPU, % of a core", lambda f: f"{f['storm']['peak_cpu_pct']:.0f}"),
         ("  peak RSS (MiB)", lambda f: f"{f['storm']['peak_rss_mib']:.0f}"),
     ]
+    failed = [f for f in figs if "failed" in f]
+    figs = [f for f in figs if "failed" not in f]
     width = max(len(r[0]) for r in rows) + 2
     lines.append("agents".ljust(width) + "".join(f"{f['agents']:>16}" for f in figs))
     for label, cell in rows:
         lines.append(label.ljust(width) + "".join(f"{cell(f):>16}" for f in figs))
     lines.append("")
+    for f in failed:
+        lines.append(
+            f"{f['agents']} agents: the {f['failed']['phase']} phase failed: {f['failed']['error']}"
+        )
     lines.append(
         f"targets at 2,000: CPU <= {TARGET_CPU_PCT:g} %, RSS <= {TARGET_RSS_MIB:g} MiB, added p99 "
         f"<= {TARGET_ADDED_RATIO:g}x none, lost <= {TARGET_LOST_S:g} s, serving <= "
