@@ -696,7 +696,6 @@ class ControlPlane:
             reports=self.reports,
             epoch=self.epoch,
             loss_timeout=cfg.loss_timeout,
-            heartbeat_interval=cfg.heartbeat_interval,
             on_routes_changed=self._count_ready,
         )
         self.updates = Updates(

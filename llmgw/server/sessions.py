@@ -65,7 +65,6 @@ class Sessions:
         reports: AgentReports,
         epoch: int,
         loss_timeout: float,
-        heartbeat_interval: float,
         on_routes_changed: Callable[[], None],
     ) -> None:
         self.store = store
@@ -79,7 +78,6 @@ class Sessions:
         self.reports = reports
         self.epoch = epoch
         self.loss_timeout = loss_timeout
-        self.heartbeat_interval = heartbeat_interval
         self.on_routes_changed = on_routes_changed
         self._loss_timers: dict[str, asyncio.TimerHandle] = {}
         # Set by close_all: the control plane is shutting down (or stepping down).
@@ -210,6 +208,7 @@ class Sessions:
         if self.live.get(session.node_id) is not session:
             return
         del self.live[session.node_id]
+        self._stored_seen.pop(session.node_id, None)
         if self.stopping:
             # close_all stored the fleet's disconnect in one batch; no node is lost for a
             # control plane's shutdown, however long it takes.
@@ -222,7 +221,6 @@ class Sessions:
         # a stream (a request it does not take goes to another replica), and the stream
         # cannot come back before the database does.
         try:
-            self._stored_seen.pop(session.node_id, None)
             self.store.touch_nodes({session.node_id: session.seen_at})
             self.store.set_node_connected(session.node_id, False)
             self.store.add_event("node_disconnected", session.node_id, "stream closed")
@@ -320,9 +318,7 @@ class Sessions:
         if not seen:
             return 0
         self.store.touch_nodes(seen)
-        self._stored_seen.update(seen)
-        for node_id in [n for n in self._stored_seen if n not in self.live]:
-            del self._stored_seen[node_id]
+        self._stored_seen.update(seen)  # a node's entry goes when its session closes
         return len(seen)
 
     async def store_last_seen(self) -> None:
