@@ -54,7 +54,6 @@ from llmgw.server.config import ServerConfig
 from llmgw.server.enroll import Enroller, EnrolmentServer
 from llmgw.server.follower import LeaderProxy, RouteFollower
 from llmgw.server.gateway import Gateway, GatewayLimits
-from llmgw.server.limits import Limits
 from llmgw.server.httpapi import error_middleware
 from llmgw.server.installs import EngineInstalls
 from llmgw.server.intake import MAX_MESSAGE_BYTES
@@ -66,6 +65,7 @@ from llmgw.server.leadership import (
     await_leadership,
     try_leadership,
 )
+from llmgw.server.limits import Limits
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
@@ -73,7 +73,6 @@ from llmgw.server.reports import AgentReports
 from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
 from llmgw.server.serving import ServingCache
-from llmgw.server.usage import UsageBook
 from llmgw.server.sessions import Sessions
 from llmgw.server.states import NodeState
 from llmgw.server.store import Store
@@ -86,6 +85,7 @@ from llmgw.server.stream import (
 )
 from llmgw.server.tls import ServingCertificate, serving_certificate
 from llmgw.server.updates import Updates
+from llmgw.server.usage import UsageBook
 
 __all__ = ["ControlPlane"]
 

@@ -41,7 +41,7 @@ from llmgw.bodies import (
     read_body,
 )
 from llmgw.configfile import format_size
-from llmgw.contracts.endpoints import GATEWAY_PATHS, endpoint_refusal
+from llmgw.contracts.endpoints import PATHS, endpoint_refusal
 from llmgw.errors import ConfigError
 from llmgw.http.errors import (
     UpstreamConnectError,
@@ -273,7 +273,10 @@ class Gateway:
         self.usage = usage
         self.clock = clock
         self.admission = Admission(
-            router, serving.max_concurrency, metrics, fair=limits.fair_queueing
+            router,
+            lambda model: self.serving.max_concurrency(model),
+            metrics,
+            fair=limits.fair_queueing,
         )
 
     def retrust(self, client_ssl: ssl.SSLContext) -> None:
@@ -285,7 +288,7 @@ class Gateway:
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
-        for path in GATEWAY_PATHS:
+        for path in PATHS:
             app.router.add_post(path, self.completions)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics_page)

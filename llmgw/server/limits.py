@@ -135,7 +135,6 @@ class KeyState:
     def max_concurrent(self) -> int | None:
         return _part(self.policy.max_concurrent, self.share)
 
-
     def headers(self) -> dict[str, str]:
         """OpenAI's rate-limit headers for the key's buckets, as they stand."""
         out: dict[str, str] = {}

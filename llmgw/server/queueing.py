@@ -220,4 +220,3 @@ class Admission:
         if not queue.size:
             del self._queues[model]
         self.metrics.queued.set((model,), queue.size)
-

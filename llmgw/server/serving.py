@@ -10,7 +10,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmgw.contracts.catalog import profile_body_limit, profile_max_concurrency, profile_tasks
+from llmgw.contracts.catalog import (
+    adhoc_profile,
+    profile_body_limit,
+    profile_max_concurrency,
+    profile_tasks,
+)
 from llmgw.contracts.endpoints import served_paths
 from llmgw.server.store import Store
 from llmgw.server.store.rows import ApiKey, Model
@@ -32,10 +37,9 @@ class ServedModel:
 
     @classmethod
     def of(cls, model: Model) -> ServedModel:
-        profile: Mapping[str, Any] = model.profiles.get(model.profile) or {
-            "engine": model.engine,
-            "params": model.params,
-        }
+        profile: Mapping[str, Any] = model.profiles.get(model.profile) or adhoc_profile(
+            model.engine, model.params
+        )
         tasks = profile_tasks(profile)
         return cls(
             name=model.name,

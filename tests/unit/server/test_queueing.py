@@ -44,7 +44,7 @@ def test_places_are_taken_least_busy_first_up_to_the_limit() -> None:
 
 def test_a_full_model_queues_and_a_release_hands_the_place_on() -> None:
     async def body() -> None:
-        router, adm, metrics = rig(limit=1)
+        _router, adm, metrics = rig(limit=1)
         first = await adm.acquire("m", "a", 2, frozenset(), 5)
         waiting = asyncio.create_task(adm.acquire("m", "b", 2, frozenset(), 5))
         await asyncio.sleep(0.01)
@@ -123,7 +123,7 @@ def test_priority_weights_share_the_places() -> None:
         ep = await adm.acquire("m", "x", 2, frozenset(), 5)
         names: dict[asyncio.Task[Endpoint], str] = {}
         tasks = []
-        for i in range(12):
+        for _i in range(12):
             for key, weight in (("hi", 4), ("lo", 1)):
                 t = asyncio.create_task(adm.acquire("m", key, weight, frozenset(), 5))
                 names[t] = key
