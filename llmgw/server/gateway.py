@@ -147,9 +147,9 @@ class StreamTokenCounter:
             + done.count(b'"text":"')
             - done.count(b'"text":""')
         )
-        if b'"usage":{' in done:
+        if b'"usage"' in done:
             for event in done.split(b"\n\n"):
-                if b'"usage":{' in event:
+                if b'"usage"' in event:
                     usage = _event_usage(event)
                     if usage is not None:
                         self.usage = usage
