@@ -8,8 +8,11 @@ at most ``queue_timeout``; a client that goes away leaves the queue at once (its
 cancelled). Each place that frees up goes to the next waiting request in a weighted round
 robin over the keys that have requests waiting (deficit round robin, each key's quantum its
 priority's weight, :data:`~llmgw.contracts.keypolicy.PRIORITY_WEIGHTS`), so a key that keeps
-a long queue delays another key's request by a few requests, never by its whole queue. With
-``fair`` off the queue is one line in arrival order (FIFO), for comparison.
+a long queue delays another key's request by a few requests, never by its whole queue. A key
+that had nothing waiting goes first in the round (as fq_codel serves new flows first): a
+tenant sending one request at a time waits for the next place to free up, not for a turn
+behind every busy key. With ``fair`` off the queue is one line in arrival order (FIFO), for
+comparison.
 """
 
 from __future__ import annotations
@@ -47,13 +50,15 @@ class _Waiter:
 class _ModelQueue:
     """The requests waiting for one model's replicas."""
 
-    __slots__ = ("active", "deficit", "fifo", "queues", "size", "weights")
+    __slots__ = ("active", "deficit", "fifo", "queues", "size", "turn", "weights")
 
     def __init__(self) -> None:
         self.queues: dict[str, deque[_Waiter]] = {}
-        self.active: deque[str] = deque()  # keys with requests waiting, in round-robin order
+        # The keys with requests waiting, in round-robin order; the first has the turn.
+        self.active: deque[str] = deque()
         self.deficit: dict[str, float] = {}
         self.weights: dict[str, int] = {}
+        self.turn: str | None = None  # the key whose quantum the current turn added
         self.fifo: deque[_Waiter] = deque()
         self.size = 0
 
@@ -65,22 +70,25 @@ class _ModelQueue:
         queue = self.queues.get(waiter.key)
         if queue is None:
             queue = self.queues[waiter.key] = deque()
-            self.active.append(waiter.key)
+            self.active.appendleft(waiter.key)  # a key that had nothing waiting goes first
             self.deficit[waiter.key] = 0.0
         self.weights[waiter.key] = weight
         queue.append(waiter)
 
     def peek(self, fair: bool) -> _Waiter | None:
-        """The waiter whose turn it is (charging its key's deficit only in :meth:`pop`)."""
+        """The waiter whose turn it is (charged in :meth:`pop`)."""
         if not fair:
             return self.fifo[0] if self.fifo else None
         active = self.active
         while active:
             key = active[0]
+            if self.turn != key:  # the key's turn begins: its quantum
+                self.turn = key
+                self.deficit[key] += self.weights[key]
             if self.deficit[key] >= 1.0:
                 return self.queues[key][0]
-            self.deficit[key] += self.weights[key]
-            active.rotate(-1)
+            active.rotate(-1)  # its turn is over: the next key's begins
+            self.turn = None
         return None
 
     def pop(self, waiter: _Waiter, fair: bool) -> None:
@@ -113,11 +121,13 @@ class _ModelQueue:
             queue.popleft()
         else:
             queue.remove(waiter)
-        if not queue:
+        if not queue:  # nothing left waiting: the key leaves the round, its deficit with it
             del self.queues[waiter.key]
             del self.deficit[waiter.key]
             del self.weights[waiter.key]
             self.active.remove(waiter.key)
+            if self.turn == waiter.key:
+                self.turn = None
 
 
 class Admission:

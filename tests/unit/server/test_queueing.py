@@ -94,7 +94,7 @@ def test_fair_turns_serve_a_lone_request_behind_a_long_queue_within_a_few() -> N
         tasks.append(t)
         await asyncio.sleep(0)
         order = await _drain_order(adm, ep, tasks, names)
-        assert order.index("b") <= 2, order
+        assert order[0] == "b", order  # a key with nothing waiting goes first
         assert [n for n in order if n != "b"] == [f"a{i}" for i in range(10)]  # a's own order
 
     run(body)
