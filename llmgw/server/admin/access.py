@@ -1,5 +1,7 @@
-"""Admin routes that hand out access: API keys for the gateway, and join tokens (with the
-command that joins a node) for the enrolment service."""
+"""Admin routes that hand out access: API keys for the gateway, with their policy (what a
+key may do, :mod:`llmgw.contracts.keypolicy`) and their usage (the store's rows and this
+instance's counts not flushed yet), and join tokens (with the command that joins a node)
+for the enrolment service."""
 
 from __future__ import annotations
 
