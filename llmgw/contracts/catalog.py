@@ -5,8 +5,11 @@ A profile says how to run a model: engine, weights (``source``: a name under the
 models_root, a path in it, or a URL and its SHA-256, as :mod:`llmgw.contracts.model_sources`
 defines them), GPUs per
 shard, shards per replica (``nodes``), memory per GPU, extra engine arguments and
-parameters, placement, and sidecars started before the engine (a model's sidecars go to
-each of its profiles; a profile's own sidecar of the same name replaces it). Every error is a
+parameters, placement, sidecars started before the engine (a model's sidecars go to
+each of its profiles; a profile's own sidecar of the same name replaces it), what a replica
+does (``task``: generate, embed, rerank; the endpoints that follow are
+:mod:`llmgw.contracts.endpoints`) and how many requests the gateway sends it at once
+(``max_concurrency``). Every error is a
 :class:`~llmgw.errors.ConfigError` naming the file and the dotted key, which holds the model
 and the profile: ``catalog.yaml: models.llama-3-8b.profiles.big.nodes: ...``.
 
@@ -34,8 +37,14 @@ from llmgw.configfile import (
     unknown_key_message,
 )
 from llmgw.contracts.model_sources import SourceSpec, parse_source
-from llmgw.engines.launch import check_params
-from llmgw.engines.registry import engine_names, get_engine, multi_node_engines
+from llmgw.engines.launch import check_params, task_args
+from llmgw.engines.registry import (
+    TASKS,
+    Engine,
+    engine_names,
+    get_engine,
+    multi_node_engines,
+)
 from llmgw.errors import ConfigError, EngineError
 
 __all__ = [
@@ -52,6 +61,8 @@ __all__ = [
     "parse_memory_mib",
     "parse_profile",
     "profile_body_limit",
+    "profile_max_concurrency",
+    "profile_tasks",
 ]
 
 DEFAULT_PROFILE = "default"
@@ -82,6 +93,8 @@ _PROFILE_KEYS = (
     "placement",
     "sidecars",
     "max_request_body",
+    "task",
+    "max_concurrency",
 )
 _SIDECAR_KEYS = ("name", "command", "health", "timeout", "ready_after")
 
@@ -129,6 +142,29 @@ class Profile:
     # this profile is deployed, in bytes; None: server.yaml's max_request_body.
     max_request_body: int | None = None
     source_sha256: str = ""
+    # As the catalog gives them; None: the engine's defaults (:attr:`tasks`, :attr:`concurrency`).
+    task: tuple[str, ...] | None = None
+    max_concurrency: int | None = None
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """What a replica of this profile does: ``task``, else the engine's default."""
+        return self.task if self.task is not None else get_engine(self.engine).default_tasks
+
+    @property
+    def concurrency(self) -> int:
+        """The requests the gateway sends one replica at once: ``max_concurrency``, else the
+        engine's default for these params and args (llama.cpp: its slots)."""
+        if self.max_concurrency is not None:
+            return self.max_concurrency
+        return get_engine(self.engine).max_concurrency_for(self.params, self.args)
+
+    @property
+    def engine_args(self) -> tuple[str, ...]:
+        """The extra arguments a shard's engine gets: the flags of the profile's task (e.g.
+        llama.cpp's --embedding), then ``args``. They travel as StartShard's extra_args, so
+        an agent of any version runs the engine in that mode."""
+        return (*task_args(self.engine, self.tasks), *self.args)
 
     @property
     def source_spec(self) -> SourceSpec | None:
@@ -150,6 +186,12 @@ class Profile:
         out["sidecars"] = [s.to_dict() for s in self.sidecars]
         if self.max_request_body is not None:
             out["max_request_body"] = self.max_request_body
+        # Only when given, so that a stored profile of before these keys and the same
+        # profile applied again compare equal (and its default follows the engine's).
+        if self.task is not None:
+            out["task"] = list(self.task)
+        if self.max_concurrency is not None:
+            out["max_concurrency"] = self.max_concurrency
         return out
 
 
@@ -336,6 +378,16 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         max_body = check.size(
             raw["max_request_body"], at("max_request_body"), minimum=1024, maximum=MAX_BODY_LIMIT
         )
+    task = None
+    if raw.get("task") is not None:
+        task = _tasks(check, raw["task"], at("task"))
+        try:
+            task_args(engine, task)
+        except EngineError as exc:
+            check.fail(at("task"), exc.message)
+    max_concurrency = None
+    if raw.get("max_concurrency") is not None:
+        max_concurrency = _whole(check, raw["max_concurrency"], at("max_concurrency"), minimum=1)
     return Profile(
         engine=engine,
         source=source.text if source is not None else None,
@@ -348,13 +400,81 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         placement=placement,
         sidecars=sidecars,
         max_request_body=max_body,
+        task=task,
+        max_concurrency=max_concurrency,
     )
+
+
+def _tasks(check: Checker, value: object, key: str) -> tuple[str, ...]:
+    """A list of tasks; a single name is a list of one."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        check.fail(
+            key, f"must be a task or a list of tasks ({', '.join(TASKS)}), got {type_name(value)}"
+        )
+    if not value:
+        check.fail(
+            key,
+            f"is empty: give at least one of {', '.join(TASKS)}, or drop the key "
+            "for the engine's default",
+        )
+    tasks: list[str] = []
+    for index, item in enumerate(value):
+        ikey = index_key(key, index)
+        if not isinstance(item, str):
+            check.fail(ikey, f"must be a string, one of {', '.join(TASKS)}; got {type_name(item)}")
+        if item not in TASKS:
+            check.fail(ikey, unknown_key_message(item, TASKS, noun="task"))
+        if item in tasks:
+            check.fail(ikey, f"task {item!r} is listed twice")
+        tasks.append(item)
+    return tuple(tasks)
 
 
 def profile_body_limit(profile: Mapping[str, Any] | None) -> int | None:
     """A stored profile's (:meth:`Profile.to_dict`) ``max_request_body``, or None."""
     value = profile.get("max_request_body") if profile else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def profile_tasks(profile: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """A stored profile's (:meth:`Profile.to_dict`) tasks: its ``task``, else its engine's
+    default (a profile stored before ``task`` existed has none). None (a model stored
+    without profiles; give ``adhoc_profile(model.engine, model.params)`` instead for its
+    engine's default) and an engine this llmgw does not know: ``("generate",)``."""
+    value = profile.get("task") if profile else None
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, list) and value and all(t in TASKS for t in value):
+        return tuple(dict.fromkeys(value))
+    return _stored_engine(profile).default_tasks
+
+
+def profile_max_concurrency(profile: Mapping[str, Any] | None) -> int:
+    """A stored profile's (:meth:`Profile.to_dict`) ``max_concurrency``, else its engine's
+    default for its params and args (llama.cpp: its slots, ``params.parallel`` or ``-np`` /
+    ``--parallel`` in args, else llama-server's 4). None and an unknown engine: 256."""
+    value = profile.get("max_concurrency") if profile else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    params = profile.get("params") if profile else None
+    args = profile.get("args") if profile else None
+    return _stored_engine(profile).max_concurrency_for(
+        params if isinstance(params, Mapping) else {},
+        [str(a) for a in args] if isinstance(args, list) else [],
+    )
+
+
+_UNKNOWN_ENGINE = Engine("", "", multi_node=False)
+
+
+def _stored_engine(profile: Mapping[str, Any] | None) -> Engine:
+    engine = profile.get("engine") if profile else None
+    try:
+        return get_engine(engine) if isinstance(engine, str) else _UNKNOWN_ENGINE
+    except EngineError:
+        return _UNKNOWN_ENGINE
 
 
 def _merge(shared: tuple[Sidecar, ...], own: tuple[Sidecar, ...]) -> tuple[Sidecar, ...]:

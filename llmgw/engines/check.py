@@ -1,7 +1,8 @@
 """engine-check: does this engine understand every flag llmgw may give it?
 
 It builds the widest commands llmgw would produce for the engine (a multi-node replica's
-rank 0 with every optional parameter set, and a worker) and looks for each flag in the
+rank 0 with every optional parameter set, a worker, and rank 0 run for each task that takes
+flags of its own, like llama.cpp's ``--embedding``) and looks for each flag in the
 engine's own ``--help``, as a whole token: ``--port`` is documented by ``--port PORT``,
 ``-p, --port``, ``--port=PORT`` or ``[--port]``, never by ``--port-range``. A help text that
 does not document ``--help`` itself was probably cut short, and says so in a warning.
@@ -131,7 +132,9 @@ def command_flags(argv: Sequence[str], prefix: Sequence[str]) -> list[str]:
 
 def widest_specs(engine: str, binary: str = "") -> list[tuple[str, EngineSpec]]:
     """The shards whose commands carry every flag llmgw may emit for ``engine``: rank 0 of a
-    two-node replica with two GPUs a node and every parameter set, and its worker."""
+    two-node replica with two GPUs a node and every parameter set, its worker, then rank 0
+    with the flags of each task (``rank 0, task embed``; tasks that share their flags in one
+    form, ``task embed/rerank``), which a profile's ``task`` puts before its args."""
     module = engine_module(engine)
     rank0 = EngineSpec(
         engine=engine,
@@ -148,7 +151,13 @@ def widest_specs(engine: str, binary: str = "") -> list[tuple[str, EngineSpec]]:
     )
     # The worker as the control plane orders it: its own endpoint, not rank 0's list.
     worker = replace(rank0, rank=1, peers=(), listen_addr=rank0.peers[0])
-    return [("rank 0", rank0), ("worker", worker)]
+    forms = [("rank 0", rank0), ("worker", worker)]
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for task, flags in module.TASK_FLAGS.items():
+        groups.setdefault(tuple(flags), []).append(task)
+    for flags, tasks in groups.items():
+        forms.append((f"rank 0, task {'/'.join(tasks)}", replace(rank0, extra_args=flags)))
+    return forms
 
 
 def check_help(
@@ -159,7 +168,8 @@ def check_help(
     prefix = module.prefix(binary)
     used: dict[str, list[str]] = {}
     skipped: list[str] = []
-    for form, spec in widest_specs(engine, binary):
+    rank0: list[str] = []
+    for index, (form, spec) in enumerate(widest_specs(engine, binary)):
         argv = build_command(spec).argv
         if argv[: len(prefix)] != prefix:
             skipped.append(
@@ -167,7 +177,11 @@ def check_help(
                 "its flags are not in this help text"
             )
             continue
-        for flag in command_flags(argv, prefix):
+        passed = command_flags(argv, prefix)
+        if index == 0:
+            rank0 = passed
+        # A task's form is rank 0 and the task's flags: it is named for those alone.
+        for flag in passed if index < 2 else [f for f in passed if f not in rank0]:
             used.setdefault(flag, []).append(form)
     flags = tuple(
         FlagCheck(flag, tuple(forms), documents(help_text, flag)) for flag, forms in used.items()

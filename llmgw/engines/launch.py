@@ -24,6 +24,7 @@ __all__ = [
     "dials_workers",
     "engine_module",
     "self_argv",
+    "task_args",
 ]
 
 
@@ -72,6 +73,29 @@ def build_argv(
         engine=engine, model=model, port=port, params=params, extra_args=tuple(extra_args)
     )
     return build_command(spec).argv
+
+
+def task_args(engine: str, tasks: Sequence[str]) -> list[str]:
+    """The flags that run ``engine`` for ``tasks``, which go before a profile's own args:
+    each task's ``TASK_FLAGS`` in the order of ``tasks``, a group another task already gave
+    only once (vLLM's ``--runner pooling`` for embed and rerank). EngineError when one
+    replica of the engine cannot do all of them, naming the fix."""
+    row = get_engine(engine)
+    if not row.can_serve_together(tasks):
+        together = [" + ".join(sorted(s)) for s in row.task_sets]
+        also = f" (it can do {' or '.join(together)} together)" if together else ""
+        raise EngineError(
+            f"one {engine} replica cannot do {' and '.join(tasks)} at once{also}; give each "
+            "task a profile of its own and deploy them as two models (e.g. NAME and "
+            "NAME-embed)"
+        )
+    flags = engine_module(engine).TASK_FLAGS
+    groups: list[tuple[str, ...]] = []
+    for task in tasks:
+        group = flags.get(task, ())
+        if group and group not in groups:
+            groups.append(group)
+    return [flag for group in groups for flag in group]
 
 
 def check_params(engine: str, params: Mapping[str, str]) -> None:

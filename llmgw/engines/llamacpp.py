@@ -57,6 +57,13 @@ PARAMS: Mapping[str, Param] = MappingProxyType(
 )
 
 
+# llama-server --help: "--embedding, --embeddings  restrict to only support embedding use
+# case"; "--rerank, --reranking  enable reranking endpoint on server".
+TASK_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {"embed": ("--embedding",), "rerank": ("--reranking",)}
+)
+
+
 def prefix(binary: str) -> list[str]:
     return [binary or PROGRAM]
 

@@ -14,8 +14,8 @@ and add a row to :data:`ENGINES`; set a capability only when the builder impleme
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import cast
 
@@ -25,12 +25,62 @@ from llmgw.errors import EngineError
 __all__ = [
     "AVAILABLE_ENGINES",
     "ENGINES",
+    "TASKS",
     "Engine",
     "engine_names",
     "get_engine",
     "installable_engines",
     "multi_node_engines",
 ]
+
+
+TASKS: tuple[str, ...] = ("generate", "embed", "rerank")
+"""What a replica may be deployed to do (a catalog profile's ``task``): generate text (chat,
+completions, responses), embed text (``/v1/embeddings``), or score text pairs (``/v1/rerank``,
+``/v1/score``)."""
+
+# The gateway paths each engine serves, per task, as its own server documents them. The
+# gateway's table of which task a path needs is llmgw.contracts.endpoints.
+_CHAT = ("/v1/chat/completions", "/v1/completions")
+_TOKENS = ("/tokenize", "/detokenize")
+
+# vLLM (docs.vllm.ai, serving/openai_compatible_server.html): /v1/responses beside chat and
+# completions for generative models; /v1/embeddings for pooling models run as embedders;
+# /v1/score and /v1/rerank (also /rerank, /v2/rerank) for cross-encoders, and for embedding
+# models by the similarity of their embeddings ("the score API falls back to the embed task",
+# models/pooling_models.html), so one pooling replica may do both; /tokenize and /detokenize
+# whatever the runner.
+_VLLM_ENDPOINTS = {
+    "generate": (*_CHAT, "/v1/responses", *_TOKENS),
+    "embed": ("/v1/embeddings", *_TOKENS),
+    "rerank": ("/v1/rerank", "/v1/score", *_TOKENS),
+}
+# SGLang (docs.sglang.io, basic_usage/native_api and supported_models/rerank_models): the
+# OpenAI chat and completions routes and /v1/responses (entrypoints/openai/serving_responses,
+# written for gpt-oss); /v1/embeddings and, for cross-encoders, /v1/rerank, both with
+# --is-embedding; /tokenize and /detokenize. Its /v1/score is another API (a decoder-only
+# model's label-token probabilities over query + items), not vLLM's text_1/text_2 score, so
+# it is not routed here.
+_SGLANG_ENDPOINTS = {
+    "generate": (*_CHAT, "/v1/responses", *_TOKENS),
+    "embed": ("/v1/embeddings", *_TOKENS),
+    "rerank": ("/v1/rerank", *_TOKENS),
+}
+# llama-server (ggml-org/llama.cpp tools/server/README.md): chat and completions; /v1/responses
+# translated to chat (ggml-org/llama.cpp#18486, mirrored as /responses by #19873; builds
+# before 2026 lack it); /v1/embeddings with --embedding; /v1/rerank (and /rerank, /reranking)
+# with --reranking; /tokenize and /detokenize always.
+_LLAMACPP_ENDPOINTS = {
+    "generate": (*_CHAT, "/v1/responses", *_TOKENS),
+    "embed": ("/v1/embeddings", *_TOKENS),
+    "rerank": ("/v1/rerank", *_TOKENS),
+}
+# sim (llmgw.sim.server) serves every one of them, whatever the profile's task.
+_SIM_ENDPOINTS = {
+    "generate": (*_CHAT, "/v1/responses", *_TOKENS),
+    "embed": ("/v1/embeddings", *_TOKENS),
+    "rerank": ("/v1/rerank", "/v1/score", *_TOKENS),
+}
 
 
 @dataclass(frozen=True)
@@ -58,6 +108,17 @@ class Engine:
     ``archive_program``: for an installable engine, the path an install archive holds the
     program at, matched against the end of each member's path (``("bin", "python")``: a
     Python environment's interpreter); ``archive_holds`` says it in words for a refusal.
+
+    What a replica serves: ``endpoints`` maps each task of :data:`TASKS` to the gateway paths
+    the engine answers when it runs for that task; ``default_tasks`` is a profile's ``task``
+    when it names none; ``task_sets`` are the tasks one replica may do together (any single
+    task may always run alone; the builder module's ``TASK_FLAGS`` are what puts the engine
+    in that mode).
+
+    ``default_max_concurrency``: the requests the gateway sends a replica at once when the
+    profile says no ``max_concurrency``, unless the profile sets the engine's own limit on
+    concurrent sequences: the parameter ``slots_param`` or, in the profile's args, one of
+    ``slots_flags`` (the args come after the parameters on the command line, so they win).
     """
 
     name: str
@@ -71,6 +132,35 @@ class Engine:
     probes: tuple[tuple[str, ...], ...] = (("--version",), ("--help",))
     archive_program: tuple[str, ...] = ()
     archive_holds: str = ""
+    endpoints: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    default_tasks: tuple[str, ...] = ("generate",)
+    task_sets: tuple[frozenset[str], ...] = ()
+    default_max_concurrency: int = 256
+    slots_param: str | None = None
+    slots_flags: tuple[str, ...] = ()
+
+    def can_serve_together(self, tasks: Sequence[str]) -> bool:
+        """Whether one replica of this engine can do every one of ``tasks`` (known tasks)."""
+        wanted = frozenset(tasks)
+        return len(wanted) <= 1 or any(wanted <= together for together in self.task_sets)
+
+    def max_concurrency_for(self, params: Mapping[str, object], args: Sequence[str]) -> int:
+        """The default ``max_concurrency`` of a profile with these ``params`` and ``args``:
+        the engine's own limit when the profile sets it (a whole number >= 1), else
+        ``default_max_concurrency``. A value the engine would refuse is left to the launch
+        to refuse; here it gives the default."""
+        given: object = None
+        if self.slots_param is not None:
+            given = params.get(self.slots_param)
+        for index, arg in enumerate(args):
+            flag, equals, value = arg.partition("=")
+            if flag in self.slots_flags:
+                if equals:
+                    given = value
+                elif index + 1 < len(args):
+                    given = args[index + 1]
+        slots = _whole_number(given)
+        return slots if slots is not None and slots >= 1 else self.default_max_concurrency
 
     def module(self) -> EngineModule:
         """The module that builds this engine's command."""
@@ -81,7 +171,16 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
     {
         engine.name: engine
         for engine in (
-            Engine("sim", "llmgw.engines.sim", multi_node=True, builtin=True),
+            Engine(
+                "sim",
+                "llmgw.engines.sim",
+                multi_node=True,
+                builtin=True,
+                endpoints=MappingProxyType(_SIM_ENDPOINTS),
+                default_tasks=TASKS,
+                task_sets=(frozenset(TASKS),),
+                default_max_concurrency=64,
+            ),
             Engine(
                 "vllm",
                 "llmgw.engines.vllm",
@@ -91,6 +190,14 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 on_path=True,
                 archive_program=("vllm",),
                 archive_holds="a file named 'vllm'",
+                endpoints=MappingProxyType(_VLLM_ENDPOINTS),
+                # One pooling runner embeds and scores (an embedding model's score is the
+                # similarity of embeddings); generation is another runner, another process.
+                task_sets=(frozenset({"embed", "rerank"}),),
+                # vLLM's own default --max-num-seqs (256 on most GPUs).
+                default_max_concurrency=256,
+                slots_param="max_num_seqs",
+                slots_flags=("--max-num-seqs",),
             ),
             Engine(
                 "sglang",
@@ -102,6 +209,12 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 probes=(("-c", "import sglang, sys; print(sglang.__version__)"),),
                 archive_program=("bin", "python"),
                 archive_holds="a Python environment's bin/python (with sglang installed in it)",
+                # A cross-encoder reranks and cannot embed, an embedding model embeds: one task
+                # per replica.
+                endpoints=MappingProxyType(_SGLANG_ENDPOINTS),
+                default_max_concurrency=256,
+                slots_param="max_running_requests",
+                slots_flags=("--max-running-requests",),
             ),
             Engine(
                 "llamacpp",
@@ -113,6 +226,16 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 on_path=True,
                 archive_program=("llama-server",),
                 archive_holds="a file named 'llama-server'",
+                # --embedding restricts the server to embeddings and --reranking pools for
+                # ranking: one task per llama-server.
+                endpoints=MappingProxyType(_LLAMACPP_ENDPOINTS),
+                # Its slots (-np, --parallel): the builder passes params.parallel as
+                # --parallel. Without one, llama-server's default -1 ("auto") gives 4 slots
+                # sharing a unified KV cache (ggml-org/llama.cpp#16736, #17997; before
+                # late 2025 the default was 1 slot).
+                default_max_concurrency=4,
+                slots_param="parallel",
+                slots_flags=("--parallel", "-np"),
             ),
         )
     }
@@ -123,6 +246,19 @@ which discovery checks."""
 
 AVAILABLE_ENGINES: tuple[str, ...] = tuple(ENGINES)
 """The names of :data:`ENGINES`, ``sim`` first: the choices the CLI offers."""
+
+
+def _whole_number(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    return None
 
 
 def engine_names() -> tuple[str, ...]:

@@ -46,6 +46,14 @@ PARAMS: Mapping[str, Param] = MappingProxyType(
 )
 
 
+# Embedding models and cross-encoder rerankers both run "with --is-embedding"
+# (supported_models/embedding_models, rerank_models); llmgw's rerank task is that kind. A
+# decoder-only reranker (Qwen3-Reranker) runs without the flag, which this table cannot say.
+TASK_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {"embed": ("--is-embedding",), "rerank": ("--is-embedding",)}
+)
+
+
 def prefix(binary: str) -> list[str]:
     return [binary or PROGRAM, "-m", "sglang.launch_server"]
 

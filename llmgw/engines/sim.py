@@ -25,6 +25,10 @@ PARAMS: Mapping[str, Param] = MappingProxyType(
 )
 
 
+# sim answers every endpoint whatever the profile's task; the gateway routes by the task.
+TASK_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType({})
+
+
 def prefix(binary: str) -> list[str]:
     return [*([binary] if binary else self_argv()), "engine", "sim"]
 

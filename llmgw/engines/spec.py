@@ -110,6 +110,9 @@ class EngineModule(Protocol):
     HELP_ARGS: tuple[str, ...]  # after the program: print every flag
     VERSION_ARGS: tuple[str, ...]  # after the program: print the version
     PARAMS: Mapping[str, Param]
+    # The flags that run the engine for a task (a catalog profile's ``task``), before the
+    # profile's own args; a task it runs in its default mode has none.
+    TASK_FLAGS: Mapping[str, tuple[str, ...]]
 
     def prefix(self, binary: str) -> list[str]:
         """The argv up to the engine's own flags (program and subcommand)."""

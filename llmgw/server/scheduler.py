@@ -654,7 +654,7 @@ class Scheduler:
             engine=profile.engine,
             rank=shard.rank,
             params=dict(profile.params),
-            extra_args=list(profile.args),
+            extra_args=list(profile.engine_args),
             gpus=list(shard.gpus),
             nodes=profile.nodes,
             dist_init_addr=shard.dist_init_addr,

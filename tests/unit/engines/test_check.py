@@ -91,7 +91,7 @@ def test_command_flags_skips_program_values_and_positionals() -> None:
 
 @pytest.mark.parametrize("engine", ["sim", "vllm", "sglang", "llamacpp"])
 def test_widest_commands_carry_every_parameter_and_the_multi_node_flags(engine: str) -> None:
-    (form0, rank0), (form1, worker) = widest_specs(engine)
+    (form0, rank0), (form1, worker), *_ = widest_specs(engine)
     assert (form0, form1) == ("rank 0", "worker")
     assert (rank0.nodes, rank0.rank, worker.rank) == (2, 0, 1)
     module = engine_module(engine)
@@ -120,8 +120,39 @@ def test_vllm_widest_flags() -> None:
         ("--dtype", ("rank 0", "worker")),
         ("--quantization", ("rank 0", "worker")),
         ("--headless", ("worker",)),
+        # embed and rerank run the same pooling runner: one form for both.
+        ("--runner", ("rank 0, task embed/rerank",)),
     ]
     assert report.ok and not report.warnings and not report.skipped
+
+
+@pytest.mark.parametrize(
+    ("engine", "forms"),
+    [
+        ("sim", []),
+        ("vllm", [("rank 0, task embed/rerank", ["--runner", "pooling"])]),
+        ("sglang", [("rank 0, task embed/rerank", ["--is-embedding"])]),
+        (
+            "llamacpp",
+            [("rank 0, task embed", ["--embedding"]), ("rank 0, task rerank", ["--reranking"])],
+        ),
+    ],
+)
+def test_each_task_with_flags_of_its_own_is_a_form_checked(
+    engine: str, forms: list[tuple[str, list[str]]]
+) -> None:
+    got = [(form, list(spec.extra_args)) for form, spec in widest_specs(engine)[2:]]
+    assert got == forms
+    for _, spec in widest_specs(engine)[2:]:
+        argv = build_command(spec).argv
+        assert argv[-len(spec.extra_args) :] == list(spec.extra_args)
+
+
+def test_a_task_flag_the_engine_lacks_is_missing() -> None:
+    # vLLM before 0.10 had --task embed, not --runner pooling: engine-check says so.
+    text = _text("vllm").replace("--runner", "--task")
+    report = check_help("vllm", text, source="test")
+    assert report.missing == ["--runner"]
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "llamacpp"])
@@ -169,7 +200,7 @@ def test_cli_passes_on_a_fixture(tmp_path: Path) -> None:
     assert lines[3].split() == ["FLAG", "USED", "BY", "HELP"]
     assert lines[4].split() == ["--served-model-name", "rank", "0", "ok"]
     assert ["--headless", "worker", "ok"] in [line.split() for line in lines]
-    assert lines[-1] == "ok: all 15 flags are documented"
+    assert lines[-1] == "ok: all 16 flags are documented"
 
 
 def test_cli_fails_listing_missing_flags_and_version(tmp_path: Path) -> None:
@@ -181,7 +212,7 @@ def test_cli_fails_listing_missing_flags_and_version(tmp_path: Path) -> None:
         line.split() for line in result.stdout.splitlines()
     ]
     assert result.stderr.strip().splitlines()[-1] == (
-        "error: llamacpp does not document 1 of the 9 flags llmgw may pass it: --alias "
+        "error: llamacpp does not document 1 of the 11 flags llmgw may pass it: --alias "
         "(engine version: unknown (from --help-output)); upgrade the engine to one that has "
         "them, or deploy its models with another engine"
     )
