@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,7 +212,12 @@ class LocalCluster:
             secret = path.read_text().strip()
             if secret and hash_api_key(secret) in self.cp.store.active_key_hashes():
                 return secret
-        _key, secret = self.cp.store.create_api_key("llmgw-up")
+        # A key's name is unique among the active ones: when an earlier llmgw-up key is
+        # still active but its secret file is gone, this one is llmgw-up-2 (the old one is
+        # left alone: whoever copied its secret may use it).
+        taken = {k.name for k in self.cp.store.active_api_keys()}
+        name = next(n for n in _key_names() if n not in taken)
+        _key, secret = self.cp.store.create_api_key(name)
         self.cp.serving.refresh_keys()
         write_private(path, (secret + "\n").encode())
         return secret
@@ -352,3 +358,9 @@ async def run_up(opts: UpOptions, say: Callable[[str], None] = print) -> None:
     finally:
         await cluster.stop()
     say("stopped.")
+
+
+def _key_names() -> Iterator[str]:
+    """``llmgw-up``, ``llmgw-up-2``, ``llmgw-up-3``, ..."""
+    yield "llmgw-up"
+    yield from (f"llmgw-up-{n}" for n in itertools.count(2))

@@ -21,6 +21,7 @@ same thing everywhere:
 
 from __future__ import annotations
 
+import datetime
 import math
 import re
 import time
@@ -35,17 +36,22 @@ from llmgw.errors import ConfigError
 __all__ = [
     "BUDGET_PERIODS",
     "MAX_LIMIT",
+    "POLICY_FIELDS",
     "PRIORITIES",
     "PRIORITY_WEIGHTS",
+    "USAGE_COUNTS",
     "Budget",
     "KeyPolicy",
     "UsageRow",
+    "describe_changes",
     "format_count",
     "parse_budget",
     "parse_count",
     "period_start",
+    "policy_changes",
     "policy_from_json",
     "usage_day",
+    "usage_day_from",
 ]
 
 PRIORITIES: tuple[str, ...] = ("high", "normal", "low")
@@ -58,12 +64,31 @@ BUDGET_PERIODS: tuple[str, ...] = ("day", "month")
 MAX_LIMIT = 10**15
 """The largest number a limit or a budget may be (past any real use; it keeps the store's
 integers and the token buckets' floats exact)."""
+USAGE_COUNTS: tuple[str, ...] = (
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "errors",
+)
+"""The counters of a :class:`UsageRow` (and the usage table's columns)."""
 MAX_MODELS = 256
 """The most models one key may name."""
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10**12}
 _COUNT = re.compile(r"([0-9]+(?:\.[0-9]+)?)([kKmMgGbBtT]?)")
-_POLICY_KEYS = ("models", "rpm", "tpm", "max_concurrent", "budget", "priority", "expires")
+_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+POLICY_FIELDS: tuple[str, ...] = (
+    "models",
+    "rpm",
+    "tpm",
+    "max_concurrent",
+    "budget",
+    "priority",
+    "expires",
+)
+"""The fields of a key's policy in the admin API's JSON (:func:`policy_from_json`)."""
+_POLICY_KEYS = POLICY_FIELDS
 
 
 @dataclass(frozen=True)
@@ -98,6 +123,29 @@ class KeyPolicy:
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at
+
+    def summary(self, *, expiry: bool = False) -> str:
+        """The limits in a few words (``models llama, rpm 60, budget 10M/day, priority
+        high``; ``unlimited``), for a table's column and the events; with *expiry*, when
+        the key expires too (a table gives that a column of its own)."""
+        parts: list[str] = []
+        if self.models:
+            many = len(self.models) > 3
+            parts.append(
+                f"{len(self.models)} models" if many else "models " + ",".join(self.models)
+            )
+        for name, value in (("rpm", self.rpm), ("tpm", self.tpm)):
+            if value is not None:
+                parts.append(f"{name} {format_count(value)}")
+        if self.max_concurrent is not None:
+            parts.append(f"{self.max_concurrent} at once")
+        if self.budget is not None:
+            parts.append(f"budget {self.budget}")
+        if self.priority != "normal":
+            parts.append(f"priority {self.priority}")
+        if expiry and self.expires_at is not None:
+            parts.append(f"expires {_shown('expires_at', self.expires_at)}")
+        return ", ".join(parts) or "unlimited"
 
     def to_json(self) -> dict[str, Any]:
         """As the admin API answers it: every field, None where not limited."""
@@ -145,6 +193,42 @@ def policy_from_json(
     if "expires" in data:
         changes["expires_at"] = _expires(data["expires"], time.time() if now is None else now)
     return replace(policy, **changes)
+
+
+def policy_changes(old: KeyPolicy, new: KeyPolicy) -> dict[str, tuple[Any, Any]]:
+    """The fields of :meth:`KeyPolicy.to_json` that differ, each ``(old, new)``."""
+    before, after = old.to_json(), new.to_json()
+    return {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+
+
+def describe_changes(changes: Mapping[str, tuple[Any, Any]]) -> str:
+    """``rpm 60 -> 120, budget none -> 10M/day``: :func:`policy_changes` for a person."""
+    return ", ".join(
+        f"{name.replace('_at', '')} {_shown(name, old)} -> {_shown(name, new)}"
+        for name, (old, new) in changes.items()
+    )
+
+
+def usage_day_from(value: str, now: float, what: str = "since") -> str:
+    """The UTC day a usage query's bound names: a day ``YYYY-MM-DD``, or a duration back
+    from *now* (``7d``: the day a week ago; ``0d``: today)."""
+    text = value.strip()
+    if _DAY.fullmatch(text):
+        try:
+            return datetime.date.fromisoformat(text).isoformat()
+        except ValueError:
+            pass
+    else:
+        try:
+            day = usage_day(now - parse_duration(text))
+        except (ConfigError, OverflowError, OSError, ValueError):
+            day = ""
+        if _DAY.fullmatch(day):  # not before year 1000, nor past 9999
+            return day
+    raise ConfigError(
+        f"{what} must be a day YYYY-MM-DD (UTC) or a duration back from now such as 7d, 30d "
+        f"or 12h; got {value!r}"
+    )
 
 
 def parse_count(value: object, what: str) -> int:
@@ -229,6 +313,16 @@ class UsageRow:
             "cached_tokens": self.cached_tokens,
             "errors": self.errors,
         }
+
+
+def _shown(name: str, value: Any) -> str:
+    if value is None:
+        return "never" if name == "expires_at" else "none"
+    if name == "expires_at":
+        return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(value))
+    if name == "models":
+        return ",".join(value) or "all"
+    return format_count(value) if isinstance(value, int) else str(value)
 
 
 def _limit(name: str, value: object) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -138,7 +139,9 @@ class Server:
             )
             self.api("POST", f"/api/nodes/{node_id}/approve", {"fingerprint": node["fingerprint"]})
 
-    def api_key(self, name: str = "test") -> str:
+    def api_key(self, name: str | None = None) -> str:
+        """A new key's secret; unnamed, a fresh name each (an active key's name is taken)."""
+        name = name or f"test-{secrets.token_hex(4)}"
         return str(self.api("POST", "/api/keys", {"name": name})["key"])
 
 

@@ -3,8 +3,8 @@
 This module builds the ``ctl`` group (its options make the ``Ctl`` object each command
 receives, see ``context``); each command group lives in a module of its own: ``nodes`` (list,
 approve, reject, revoke, drain, uncordon), ``models`` (models, deploy, undeploy, replicas),
-``keys``, ``join`` (join-command, tokens), ``events``, ``engines``, ``updates`` (update, admin
-password), ``cert``, ``instances`` (the control-plane instances on PostgreSQL, retire) and
+``keys`` (with their policies), ``usage`` (the keys' usage), ``join`` (join-command, tokens),
+``events``, ``engines``, ``updates`` (update, admin password), ``cert``, ``instances`` (the control-plane instances on PostgreSQL, retire) and
 ``engine_check``. A new command goes in the module of its group, or
 a new module added below.
 """
@@ -27,6 +27,7 @@ from llmgw.cli.ctl.keys import keys
 from llmgw.cli.ctl.models import deploy, models, replicas, undeploy
 from llmgw.cli.ctl.nodes import approve, drain, nodes, reject, revoke, uncordon
 from llmgw.cli.ctl.updates import admin, update
+from llmgw.cli.ctl.usage import usage
 
 __all__ = ["ctl"]
 
@@ -93,6 +94,7 @@ for _command in (
     undeploy,
     replicas,
     keys,
+    usage,
     events,
     join_command,
     tokens,

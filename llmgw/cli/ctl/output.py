@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import click
 
-__all__ = ["ago", "echo_json", "table", "until"]
+__all__ = ["ago", "count", "echo_json", "table", "until"]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -23,6 +23,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
         parts = [c.ljust(widths[i]) if i < len(row) - 1 else c for i, c in enumerate(row)]
         lines.append("  ".join(parts).rstrip())
     return "\n".join(lines)
+
+
+def count(n: int) -> str:
+    """A table cell for a count, its thousands apart: ``1,234,567``."""
+    return f"{n:,}"
 
 
 def ago(ts: float | None) -> str:

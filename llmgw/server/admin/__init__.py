@@ -2,10 +2,10 @@
 
 Every answer is JSON; errors are ``{"error": {"message", "code"}}`` with a message that
 says what to do. One module per route group: :mod:`.nodes` (the fleet), :mod:`.models`
-(models, catalog, replicas), :mod:`.access` (API keys, join tokens), :mod:`.software`
-(desired engines, agent updates, the admin password), :mod:`.ca` (the cluster CA, its
-rotation and its export), :mod:`.instances` (the control-plane instances on PostgreSQL,
-and retiring one); :mod:`.context` holds what they share. A new route goes in its
+(models, catalog, replicas), :mod:`.access` (API keys with their policies and usage, join
+tokens), :mod:`.software` (desired engines, agent updates, the admin password), :mod:`.ca`
+(the cluster CA, its rotation and its export), :mod:`.instances` (the control-plane
+instances on PostgreSQL, and retiring one); :mod:`.context` holds what they share. A new route goes in its
 group's module and in the table below.
 """
 
@@ -48,7 +48,10 @@ def add_admin_routes(
         ("GET", "/api/replicas", models.replicas),
         ("GET", "/api/keys", access.keys),
         ("POST", "/api/keys", access.create_key),
+        ("GET", "/api/keys/{key}", access.key),
+        ("PATCH", "/api/keys/{key}", access.update_key),
         ("DELETE", "/api/keys/{key}", access.revoke_key),
+        ("GET", "/api/usage", access.usage),
         ("GET", "/api/events", nodes.events),
         ("POST", "/api/join-tokens", access.create_join_token),
         ("GET", "/api/join-tokens", access.join_tokens),

@@ -8,7 +8,7 @@ import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,6 +22,7 @@ from llmgw.bodies import (
     BodyTooLarge,
     read_body,
 )
+from llmgw.contracts.keypolicy import UsageRow
 from llmgw.errors import (
     ConfigError,
     Conflict,
@@ -109,6 +110,9 @@ class AdminContext:
     advertise: tuple[str, ...]
     # Seconds an instance must have been silent before it may be retired (on PostgreSQL).
     instance_stale_after: float
+    # This instance's usage counts not flushed to the store yet (the gateway's usage
+    # book): what the key and usage routes add to the stored rows.
+    pending_usage: Callable[[], list[UsageRow]] = field(default=lambda: [])
 
 
 def error_response(status: int, message: str, code: str) -> web.Response:

@@ -9,14 +9,11 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from llmgw.contracts.keypolicy import UsageRow
+from llmgw.contracts.keypolicy import USAGE_COUNTS, UsageRow
 from llmgw.server.store.database import Database
 from llmgw.server.store.rows import usage_from_row
 
-__all__ = ["USAGE_COUNTS", "Usage"]
-
-USAGE_COUNTS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "errors")
-"""The counters of a usage row, as its columns and :class:`UsageRow`'s fields name them."""
+__all__ = ["Usage"]
 
 _DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 _ADD = (

@@ -135,3 +135,25 @@ def test_stopping_kills_the_engines_the_agent_left_behind_and_only_those(tmp_pat
 def test_stopping_with_no_records_kills_nothing(tmp_path: Path) -> None:
     LocalCluster(UpOptions(state_dir=tmp_path), say=print)._kill_leftover_engines()
     assert not (tmp_path / "agent").exists()
+
+
+def test_the_key_is_kept_and_one_whose_secret_is_lost_is_not_reused(tmp_path: Path) -> None:
+    # Its secret on disk: the same key again. The file gone while the old key is active
+    # (a name names one active key): a new key beside it, the old one left alone.
+    from llmgw.server.store import Store
+
+    with Store.open(tmp_path / "state.db") as store:
+        refreshed: list[int] = []
+        cluster = LocalCluster(UpOptions(state_dir=tmp_path), say=print)
+        cluster.cp = SimpleNamespace(  # type: ignore[assignment]
+            store=store, serving=SimpleNamespace(refresh_keys=lambda: refreshed.append(1))
+        )
+        first = cluster._api_key()
+        assert cluster._api_key() == first
+        (tmp_path / "api-key").unlink()
+        second = cluster._api_key()
+        (tmp_path / "api-key").unlink()
+        third = cluster._api_key()
+        assert len({first, second, third}) == 3 and len(refreshed) == 3
+        assert [k.name for k in store.active_api_keys()] == ["llmgw-up", "llmgw-up-2", "llmgw-up-3"]
+        assert (tmp_path / "api-key").read_text() == third + "\n"
