@@ -29,6 +29,7 @@ from llmgw import __version__
 from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.client import write_ctl_config
 from llmgw.contracts.control_planes import MAX_RETIRED_SERIALS, ControlPlaneList
+from llmgw.contracts.keypolicy import UsageRow
 from llmgw.errors import CertificateError, ConfigError, LlmgwError, StoreError
 from llmgw.fsutil import write_private
 from llmgw.listener import GuardedSite, listening_socket
@@ -381,6 +382,10 @@ class ControlPlane:
         except StoreError as exc:
             log.warning("cannot read a key's budget use", extra=kv(key=key_id, error=str(exc)))
             return 0
+
+    def _pending_usage(self) -> list[UsageRow]:
+        """This instance's usage not stored yet (the admin API adds it to the store's)."""
+        return self.usage.pending() if self.usage is not None else []
 
     def _start_usage(self) -> UsageBook:
         """The usage book on this process's store, flushed every second from now on."""
@@ -902,6 +907,7 @@ class ControlPlane:
             http_scheme=cfg.http_scheme,
             advertise=cfg.advertise,
             instance_stale_after=cfg.instance_stale_after,
+            pending_usage=self._pending_usage,
         )
         add_admin_routes(app, admin, self.authority)
         gateway = self.gateway
