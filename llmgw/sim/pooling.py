@@ -93,7 +93,7 @@ class PoolingHandlers:
                     f"(its embeddings' length), got {dimensions}",
                     "dimensions",
                 )
-            encoding = body.get("encoding_format", "float")
+            encoding = body.get("encoding_format") or "float"
             if encoding not in ("float", "base64"):
                 raise BadRequest(
                     f"'encoding_format' must be 'float' or 'base64', got {encoding!r}",
