@@ -65,6 +65,7 @@ from llmgw.server.leadership import (
     await_leadership,
     try_leadership,
 )
+from llmgw.server.limits import Limits
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
@@ -84,6 +85,7 @@ from llmgw.server.stream import (
 )
 from llmgw.server.tls import ServingCertificate, serving_certificate
 from llmgw.server.updates import Updates
+from llmgw.server.usage import UsageBook
 
 __all__ = ["ControlPlane"]
 
@@ -149,6 +151,15 @@ class ControlPlane:
         self.metrics = Metrics()
         # The body bytes the process holds at once (gateway and admin API together).
         self.bodies = BodyBudget(cfg.max_inflight_body_bytes)
+        # Each API key's limits and the usage not stored yet: the process's, whatever its
+        # role (a standby's gateway serves and counts too). On PostgreSQL each instance
+        # enforces its share of a key's rate limits (the instances seen alive).
+        self._serving_instances = 1
+        self.key_limits = Limits(
+            instances=lambda: self._serving_instances, budget_spent=self._budget_spent
+        )
+        self.usage: UsageBook | None = None
+        self._usage_task: asyncio.Task[None] | None = None
         # The leader's parts, each given what it uses (_assemble).
         self.store: Store
         self.serving: ServingCache
@@ -341,8 +352,58 @@ class ControlPlane:
                         "own instance_id",
                         extra=kv(instance=self.cfg.instance),
                     )
+                self._count_serving_instances()
             except StoreError:
                 continue
+
+    def _count_serving_instances(self) -> None:
+        """How many instances serve the gateway now (those seen within three leases, this
+        one included): each enforces that share of every key's rate limits."""
+        now = time.time()
+        alive = sum(
+            1
+            for i in self.store.list_instances()
+            if i.id == self.cfg.instance or now - i.seen_at <= 3 * self.cfg.lease
+        )
+        if max(alive, 1) != self._serving_instances:
+            self._serving_instances = max(alive, 1)
+            self.key_limits.reshare()
+            log.info(
+                "the key limits are shared among the instances serving",
+                extra=kv(instances=self._serving_instances),
+            )
+
+    def _budget_spent(self, key_id: str, since_day: str) -> int:
+        """What the store holds of a key's tokens since a day (read once per key and budget
+        period; the usage flushes keep it current after)."""
+        try:
+            return self.store.tokens_since(since_day).get(key_id, 0)
+        except StoreError as exc:
+            log.warning("cannot read a key's budget use", extra=kv(key=key_id, error=str(exc)))
+            return 0
+
+    def _start_usage(self) -> UsageBook:
+        """The usage book on this process's store, flushed every second from now on."""
+        if self.usage is None:
+            self.usage = UsageBook(self.store, self.key_limits)
+        if self._usage_task is None:
+            self._usage_task = asyncio.create_task(self.usage.run(), name="usage")
+        return self.usage
+
+    async def _stop_usage(self) -> None:
+        """Stop the flushes and store what is left (the store still open)."""
+        task, self._usage_task = self._usage_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if self.usage is not None:
+            try:
+                self.usage.flush()
+            except LlmgwError as exc:
+                log.warning(
+                    "cannot store the last usage counts at shutdown; they are lost",
+                    extra=kv(error=str(exc), rows=len(self.usage.pending())),
+                )
 
     def _register_addresses(self) -> None:
         """Where agents, clients and the other instances reach this instance, and the
@@ -423,6 +484,7 @@ class ControlPlane:
         assert self.server_identity is not None
         cfg = self.cfg
         self.serving = ServingCache(self.store, max_request_body=cfg.max_request_body)
+        self.serving.on_keys = self.key_limits.forget
         follower = self._follower = RouteFollower(
             self.store,
             self.router,
@@ -443,6 +505,8 @@ class ControlPlane:
             epoch=self._keeper.epoch,
             started_at=self.started_at,
             health=self._health,
+            policy=self.key_limits,
+            usage=self._start_usage(),
         )
         self.http_tls = serving_certificate(cfg.tls, self.server_identity)
         proxy = self._proxy = LeaderProxy(
@@ -643,6 +707,7 @@ class ControlPlane:
         settings it uses (none of them sees this object)."""
         cfg, store, router = self.cfg, self.store, self.router
         self.serving = ServingCache(store, max_request_body=cfg.max_request_body)
+        self.serving.on_keys = self.key_limits.forget
         self.serving.refresh_keys()
         self.serving.refresh_models()
         self.installs = EngineInstalls(store, sessions=self.live, epoch=self.epoch)
@@ -666,6 +731,8 @@ class ControlPlane:
             epoch=self.epoch,
             started_at=self.started_at,
             health=self._health if self._keeper is not None else None,
+            policy=self.key_limits,
+            usage=self._start_usage(),
         )
         self.membership = Membership(
             store,
@@ -916,12 +983,14 @@ class ControlPlane:
             await self._stop_standby_http()
             await self._stop_outer_http()
             if self._keeper is not None:
+                await self._stop_usage()
                 self.store.close()
             self._close_http_socket()
             self._release()
             return
         await self._stop_leader_parts()
         await self._stop_outer_http()
+        await self._stop_usage()
         if self._keeper is not None:
             self.store.database.fence = None
             self._keeper.release()  # a standby takes over at its next poll

@@ -38,6 +38,7 @@ DEFAULT_LOSS_TIMEOUT = 12.0
 # seconds (each agent's jittered backoff), and a node lost in that window would have its
 # replicas rebuilt while they still run.
 DEFAULT_REATTACH_GRACE = 60.0
+DEFAULT_QUEUE_TIMEOUT = 30.0
 MIN_HEARTBEAT_INTERVAL = 0.2
 MAX_HEARTBEAT_INTERVAL = 60.0
 
@@ -54,6 +55,8 @@ _KEYS = (
     "cert_lifetime",
     "bundle_dir",
     "replica_wait",
+    "queue_timeout",
+    "fair_queueing",
     "tls",
     "listeners",
     "max_request_body",
@@ -113,6 +116,11 @@ class ServerConfig:
     # How long the gateway waits for a ready replica (say, while the only one's agent
     # restarts) before answering 503.
     replica_wait: float = 10.0
+    # How long a request waits in the gateway for a place on a replica when every replica
+    # of its model is full (then 503 with Retry-After), and whether the waiting requests
+    # are served in per-key fair turns (weighted by priority) or in arrival order.
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
+    fair_queueing: bool = True
     # HTTPS on http_listen; None: plain HTTP.
     tls: TLSConfig | None = None
     # Slow clients: header and TLS handshake timeouts of every listener (the gRPC stream
@@ -290,6 +298,19 @@ def _parse(
                 "needs about a minute to reattach after a restart",
             )
 
+    queue_timeout = DEFAULT_QUEUE_TIMEOUT
+    if top.get("queue_timeout") is not None:
+        queue_timeout = check.duration(top["queue_timeout"], "queue_timeout")
+        if not 0 <= queue_timeout <= 600:
+            check.fail(
+                "queue_timeout",
+                "must be between 0 s (no waiting: 503 at once when every replica is full) "
+                "and 10 minutes",
+            )
+    fair_queueing = True
+    if top.get("fair_queueing") is not None:
+        fair_queueing = check.boolean(top["fair_queueing"], "fair_queueing")
+
     listeners, caps = parse_listener_limits(
         check,
         top.get("listeners"),
@@ -329,6 +350,8 @@ def _parse(
         cert_lifetime=cert_lifetime,
         bundle_dir=path("bundle_dir", state_dir / "bundles"),
         replica_wait=replica_wait,
+        queue_timeout=queue_timeout,
+        fair_queueing=fair_queueing,
         tls=_tls(check, top.get("tls")),
         listeners=listeners,
         enroll_connections_per_source=caps["enroll_connections_per_source"],

@@ -1,8 +1,14 @@
-"""The OpenAI-compatible gateway on :8080: authenticate, pick a replica, relay through its agent.
+"""The OpenAI-compatible gateway on :8080: authenticate, apply the key's policy, take a place
+on a replica (or wait for one), relay through its agent, account the usage.
 
-The request path touches no database: API key hashes, model names and ready replicas are
-in memory. Bodies are forwarded unchanged; event streams are relayed chunk by chunk; a
-client that disconnects cancels the handler, which closes the upstream request.
+The request path touches no database: API keys with their policy, the deployed models with
+what each serves, the ready replicas, the limits (:mod:`llmgw.server.limits`), the queues
+(:mod:`llmgw.server.queueing`) and the usage (:mod:`llmgw.server.usage`, flushed once a
+second) are in memory. Every OpenAI endpoint an engine may serve
+(:mod:`llmgw.contracts.endpoints`) is routed by the body's ``model`` to that model's
+replicas when its deployed profile serves it. Bodies are forwarded unchanged; event streams
+are relayed chunk by chunk; a client that disconnects cancels the handler, which closes the
+upstream request (or takes it out of the queue).
 
 Request bodies are read under limits (:mod:`llmgw.bodies`): server.yaml's
 ``max_request_body`` or the deployed profile's own, passed on to the data plane, and
@@ -35,6 +41,7 @@ from llmgw.bodies import (
     read_body,
 )
 from llmgw.configfile import format_size
+from llmgw.contracts.endpoints import PATHS, endpoint_refusal
 from llmgw.errors import ConfigError
 from llmgw.http.errors import (
     UpstreamConnectError,
@@ -48,9 +55,13 @@ from llmgw.log import kv
 from llmgw.netaddr import parse_hostport
 from llmgw.server.config import ServerConfig
 from llmgw.server.httpapi import bearer_token
+from llmgw.server.limits import Grant, Limits, Refusal
 from llmgw.server.metrics import Metrics
+from llmgw.server.queueing import Admission, QueueTimeout
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServingCache
+from llmgw.server.store.rows import ApiKey
+from llmgw.server.usage import UsageBook
 
 __all__ = ["Gateway", "GatewayLimits", "StreamTokenCounter", "openai_error"]
 
@@ -136,16 +147,12 @@ class StreamTokenCounter:
             + done.count(b'"text":"')
             - done.count(b'"text":""')
         )
-        if b'"usage":{' in done:
+        if b'"usage"' in done:
             for event in done.split(b"\n\n"):
-                if b'"usage":{' not in event or not event.startswith(b"data:"):
-                    continue
-                try:
-                    usage = json.loads(event[5:]).get("usage")
-                except (ValueError, AttributeError):
-                    usage = None
-                if isinstance(usage, dict):
-                    self.usage = usage
+                if b'"usage"' in event:
+                    usage = _event_usage(event)
+                    if usage is not None:
+                        self.usage = usage
         if rest:
             self._hold(rest)  # after counting what came complete
 
@@ -159,6 +166,47 @@ class StreamTokenCounter:
         self._pending.append(piece)
 
 
+def _event_usage(event: bytes) -> dict[str, Any] | None:
+    """The ``usage`` an SSE event's data carries: at its top (chat and completion chunks) or
+    in its ``response`` (the Responses API's ``response.completed``)."""
+    at = event.find(b"data:")
+    if at < 0 or (at > 0 and event[at - 1 : at] != b"\n"):
+        return None
+    line = event[at + 5 :].split(b"\n", 1)[0]
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    usage = data.get("usage")
+    if usage is None and isinstance(data.get("response"), dict):
+        usage = data["response"].get("usage")
+    return usage if isinstance(usage, dict) else None
+
+
+def usage_numbers(usage: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens from an engine's ``usage``, whatever the endpoint:
+    chat and completions (``prompt_tokens``, ``completion_tokens``,
+    ``prompt_tokens_details.cached_tokens``), the Responses API (``input_tokens``,
+    ``output_tokens``, ``input_tokens_details``), embeddings, rerank and score (their
+    ``prompt_tokens`` or ``total_tokens``: all input)."""
+    prompt = usage.get("prompt_tokens")
+    if not isinstance(prompt, int):
+        prompt = usage.get("input_tokens")
+    completion = usage.get("completion_tokens")
+    if not isinstance(completion, int):
+        completion = usage.get("output_tokens")
+    if not isinstance(completion, int):
+        completion = 0
+    if not isinstance(prompt, int):
+        total = usage.get("total_tokens")
+        prompt = total - completion if isinstance(total, int) else 0
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return max(prompt, 0), max(completion, 0), cached if isinstance(cached, int) else 0
+
+
 @dataclass(frozen=True)
 class GatewayLimits:
     """The settings of server.yaml the request path applies."""
@@ -168,6 +216,8 @@ class GatewayLimits:
     max_response_body: int
     upstream_idle_timeout: float
     replica_wait: float
+    queue_timeout: float = 30.0
+    fair_queueing: bool = True
 
     @classmethod
     def of(cls, cfg: ServerConfig) -> GatewayLimits:
@@ -177,6 +227,8 @@ class GatewayLimits:
             max_response_body=cfg.max_response_body,
             upstream_idle_timeout=cfg.upstream_idle_timeout,
             replica_wait=cfg.replica_wait,
+            queue_timeout=cfg.queue_timeout,
+            fair_queueing=cfg.fair_queueing,
         )
 
 
@@ -195,6 +247,9 @@ class Gateway:
         epoch: int,
         started_at: float,
         health: Callable[[], Mapping[str, object]] | None = None,
+        policy: Limits | None = None,
+        usage: UsageBook | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.router = router
         # What /healthz adds (several instances: this one's role, the leader, the database).
@@ -213,6 +268,16 @@ class Gateway:
         self.started_at = started_at
         self._session: UpstreamPool | None = None
         self._hostports: dict[str, tuple[str, int]] = {}
+        # Each key's limits, the usage to store, and the places on replicas with their queues.
+        self.policy = policy or Limits()
+        self.usage = usage
+        self.clock = clock
+        self.admission = Admission(
+            router,
+            lambda model: self.serving.max_concurrency(model),
+            metrics,
+            fair=limits.fair_queueing,
+        )
 
     def retrust(self, client_ssl: ssl.SSLContext) -> None:
         """The TLS towards agents changed (a CA rotation or the drop of the old CA): new
@@ -222,8 +287,9 @@ class Gateway:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/chat/completions", self.completions)
-        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        for path in PATHS:
+            app.router.add_post(path, self.completions)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics_page)
 
@@ -275,11 +341,25 @@ class Gateway:
 
     # -- auth ----------------------------------------------------------------------------------
 
-    def _authorized(self, request: web.Request) -> bool:
+    def _key(self, request: web.Request) -> ApiKey | web.Response:
+        """The request's active key, or the 401 to answer."""
         token = bearer_token(request)
-        if token is None:
-            return False
-        return hashlib.sha256(token).hexdigest() in self.serving.key_hashes
+        key = None
+        if token is not None:
+            key = self.serving.keys.get(hashlib.sha256(token).hexdigest())
+        if key is None:
+            return self._unauthorized(request)
+        expires = key.policy.expires_at
+        if expires is not None and self.clock() >= expires:
+            when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires))
+            return openai_error(
+                401,
+                f"The API key '{key.name}' expired on {when}. Ask the operator for a new key "
+                f"('llmgw ctl keys create NAME') or to extend this one ('llmgw ctl keys "
+                f"update {key.name} --expires 90d').",
+                code="expired_api_key",
+            )
+        return key
 
     def _unauthorized(self, request: web.Request) -> web.Response:
         log.info(
@@ -309,20 +389,56 @@ class Gateway:
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
+    def _model_entry(self, name: str) -> dict[str, object]:
+        entry: dict[str, object] = {
+            "id": name,
+            "object": "model",
+            "created": int(self.started_at),
+            "owned_by": "llmgw",
+        }
+        served = self.serving.models.get(name)
+        if served is not None:
+            entry["llmgw"] = {
+                "engine": served.engine,
+                "tasks": list(served.tasks),
+                "endpoints": sorted(served.paths),
+                "max_concurrency": served.max_concurrency,
+            }
+        return entry
+
     async def models(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
-            return self._unauthorized(request)
-        created = int(self.started_at)
-        data = [
-            {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
-            for name in self.router.models()
-        ]
+        key = self._key(request)
+        if isinstance(key, web.Response):
+            return key
+        policy = key.policy
+        data = [self._model_entry(name) for name in self.router.models() if policy.allows(name)]
         return web.json_response({"object": "list", "data": data})
 
+    async def model(self, request: web.Request) -> web.Response:
+        key = self._key(request)
+        if isinstance(key, web.Response):
+            return key
+        name = request.match_info["model"]
+        if name not in self.serving.model_names or not key.policy.allows(name):
+            return self._no_such_model(name, key)
+        return web.json_response(self._model_entry(name))
+
+    def _no_such_model(self, model: str, key: ApiKey) -> web.Response:
+        names = sorted(n for n in self.serving.model_names if key.policy.allows(n))
+        return openai_error(
+            404,
+            f"The model '{model}' does not exist. Models on this gateway: "
+            f"{', '.join(names) or 'none'}.",
+            param="model",
+            code="model_not_found",
+        )
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        """Every POST endpoint: the body's model chooses the replicas."""
         started = time.perf_counter()
-        if not self._authorized(request):
-            return self._unauthorized(request)
+        key = self._key(request)
+        if isinstance(key, web.Response):
+            return key
         # The model is in the body: read up to the largest limit any model has, then hold
         # the body to its own model's.
         limit = min(self.serving.largest_body_limit, self.limits.max_inflight_body_bytes)
@@ -346,7 +462,7 @@ class Gateway:
         except BodyTimeout as exc:
             return openai_error(408, _sentence(exc), code="body_timeout")
         try:
-            return await self._complete(request, body, started)
+            return await self._complete(request, key, body, started)
         finally:
             budget.give(len(body))
 
@@ -376,7 +492,7 @@ class Gateway:
         )
 
     async def _complete(
-        self, request: web.Request, body: bytes, started: float
+        self, request: web.Request, key: ApiKey, body: bytes, started: float
     ) -> web.StreamResponse:
         try:
             payload = json.loads(body)
@@ -392,62 +508,163 @@ class Gateway:
                 '{"model": "...", "messages": [...]}.',
                 code="invalid_json",
             )
-        model = payload.get("model") if isinstance(payload, dict) else None
+        if not isinstance(payload, dict):
+            return openai_error(
+                400,
+                "The request body must be a JSON object such as "
+                '{"model": "...", "messages": [...]}.',
+                code="invalid_json",
+            )
+        model = payload.get("model")
         if not isinstance(model, str) or not model:
             return openai_error(
                 400, "The request needs a 'model' (a string).", param="model", code="missing_model"
             )
-        stream = bool(payload.get("stream"))
+        stream = payload.get("stream") is True
+        estimate = len(body) // 4 + _max_output(payload)
         del payload  # a parsed body can take many times its size: hold it no longer
         limit = self.serving.body_limits.get(model, self.limits.max_request_body)
         if len(body) > limit:
             return self._too_large(len(body), limit, model)
-        if model not in self.serving.model_names:
-            known = ", ".join(sorted(self.serving.model_names)) or "none"
+        served = self.serving.models.get(model)
+        policy = key.policy
+        if served is None:
+            return self._no_such_model(model, key)
+        if not policy.allows(model):
+            self._account(key, model, 403)
             return openai_error(
-                404,
-                f"The model '{model}' does not exist. Models on this gateway: {known}.",
+                403,
+                f"The API key '{key.name}' may not use the model '{model}'; it may use "
+                f"{', '.join(policy.models)}. The operator changes that with 'llmgw ctl keys "
+                f"update {key.name} --models ...'.",
+                type_="permission_error",
                 param="model",
-                code="model_not_found",
+                code="model_not_allowed",
             )
         path = request.path
+        if path not in served.paths:
+            self._account(key, model, 400)
+            return openai_error(
+                400,
+                endpoint_refusal(model, path, served.engine, served.tasks) + ".",
+                code="unsupported_endpoint",
+            )
+        grant = self.policy.admit(key, estimate)
+        if isinstance(grant, Refusal):
+            self._account(key, model, grant.status)
+            log.info(
+                "refused a request over its key's limit",
+                extra=kv(key=key.name, model=model, code=grant.code),
+            )
+            return openai_error(
+                grant.status,
+                grant.message,
+                type_=grant.type,
+                code=grant.code,
+                headers=grant.headers,
+            )
+        outcome = _Outcome()
+        try:
+            return await self._route(
+                request, key, grant, model, path, body, started, stream, limit, outcome
+            )
+        finally:
+            tokens = outcome.prompt + outcome.completion if outcome.reported else None
+            grant.settle(tokens, self.policy.clock())
+            self._account(key, model, outcome.status or 499, outcome)
+
+    def _account(
+        self, key: ApiKey, model: str, status: int, outcome: _Outcome | None = None
+    ) -> None:
+        """One request of ``key`` to ``model`` ended with ``status``: its usage and metrics."""
+        error = not 200 <= status < 300
+        self.metrics.key_requests.inc((key.name, model, str(status)))
+        if outcome is not None and (outcome.prompt or outcome.completion):
+            tokens = self.metrics.key_tokens
+            tokens.inc((key.name, model, "prompt"), outcome.prompt)
+            tokens.inc((key.name, model, "completion"), outcome.completion)
+            if outcome.cached:
+                tokens.inc((key.name, model, "cached"), outcome.cached)
+        if self.usage is not None:
+            if outcome is None:
+                self.usage.record(key.id, key.name, model, error=error)
+            else:
+                self.usage.record(
+                    key.id,
+                    key.name,
+                    model,
+                    prompt=outcome.prompt,
+                    completion=outcome.completion,
+                    cached=outcome.cached,
+                    error=error,
+                )
+
+    async def _route(
+        self,
+        request: web.Request,
+        key: ApiKey,
+        grant: Grant,
+        model: str,
+        path: str,
+        body: bytes,
+        started: float,
+        stream: bool,
+        limit: int,
+        outcome: _Outcome,
+    ) -> web.StreamResponse:
+        """Take a place on a replica of ``model`` (waiting in the key's queue when all are
+        full) and forward; another replica when one cannot be reached."""
         tried: set[str] = set()
         busy = 0  # replicas whose agent had no room for the body
+        admission = self.admission
         while True:
-            ep = self.router.pick(model, exclude=frozenset(tried))
-            if ep is None and not tried:
-                # No ready replica now (its agent may be restarting, a drain may be moving it):
-                # wait a while for one rather than failing at once.
-                ep = await self.router.wait_ready(model, self.limits.replica_wait)
+            exclude = frozenset(tried)
+            ep = admission.try_acquire(model, exclude)
             if ep is None:
-                if tried and busy == len(tried):
+                if not self.router.has_ready(model, exclude):
+                    if not tried:
+                        # No ready replica now (its agent may be restarting, a drain may be
+                        # moving it): wait a while for one rather than failing at once.
+                        await self.router.wait_ready(model, self.limits.replica_wait)
+                    if not self.router.has_ready(model, exclude):
+                        outcome.status = 503 if not tried or busy == len(tried) else 502
+                        return self._no_replica(model, tried, busy)
+                try:
+                    ep = await admission.acquire(
+                        model, key.id, key.policy.weight, exclude, self.limits.queue_timeout
+                    )
+                except QueueTimeout as exc:
+                    outcome.status = 503
+                    log.info(
+                        "a request waited its whole queue_timeout",
+                        extra=kv(key=key.name, model=model, waited=round(exc.waited, 3)),
+                    )
                     return openai_error(
                         503,
-                        f"Every replica of '{model}' is holding as many request bodies as it "
-                        "may (max_inflight_body_bytes in agent.yaml); retry in a moment.",
+                        f"Every replica of '{model}' is busy (max_concurrency "
+                        f"{self.serving.max_concurrency(model)} each) and this request waited "
+                        f"{exc.waited:.1f} s (queue_timeout in server.yaml) with "
+                        f"{exc.depth} others; retry in a moment, or the operator adds replicas "
+                        f"('llmgw ctl scale {model} N').",
                         type_="server_error",
-                        code="overloaded",
+                        code="model_overloaded",
                         headers={"Retry-After": "1"},
                     )
-                if tried:
-                    return openai_error(
-                        502,
-                        f"No replica of '{model}' answered ({len(tried)} tried); try again shortly.",
-                        type_="server_error",
-                        code="upstream_unavailable",
-                    )
-                return openai_error(
-                    503,
-                    f"The model '{model}' has no ready replica right now; retry after a few seconds "
-                    f"('llmgw ctl replicas {model}' shows why).",
-                    type_="server_error",
-                    code="model_not_ready",
-                    headers={"Retry-After": "5"},
-                )
             tried.add(ep.shard_id)
             try:
+                headers = (
+                    grant.state.headers() if grant.state.requests or grant.state.tokens else None
+                )
                 return await self._forward(
-                    request, ep, path, body, started, stream=stream, limit=limit
+                    request,
+                    ep,
+                    path,
+                    body,
+                    started,
+                    stream=stream,
+                    limit=limit,
+                    outcome=outcome,
+                    headers=headers,
                 )
             except _ConnectFailed as exc:
                 busy += exc.busy
@@ -456,6 +673,34 @@ class Gateway:
                     extra=kv(model=model, shard=ep.shard_id, error=str(exc)),
                 )
                 continue
+            finally:
+                admission.release(ep)
+
+    def _no_replica(self, model: str, tried: set[str], busy: int) -> web.Response:
+        if tried and busy == len(tried):
+            return openai_error(
+                503,
+                f"Every replica of '{model}' is holding as many request bodies as it "
+                "may (max_inflight_body_bytes in agent.yaml); retry in a moment.",
+                type_="server_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
+        if tried:
+            return openai_error(
+                502,
+                f"No replica of '{model}' answered ({len(tried)} tried); try again shortly.",
+                type_="server_error",
+                code="upstream_unavailable",
+            )
+        return openai_error(
+            503,
+            f"The model '{model}' has no ready replica right now; retry after a few seconds "
+            f"('llmgw ctl replicas {model}' shows why).",
+            type_="server_error",
+            code="model_not_ready",
+            headers={"Retry-After": "5"},
+        )
 
     async def _forward(
         self,
@@ -467,10 +712,11 @@ class Gateway:
         *,
         stream: bool,
         limit: int,
+        outcome: _Outcome,
+        headers: dict[str, str] | None = None,
     ) -> web.StreamResponse:
         labels = (ep.model, ep.replica_id)
         metrics = self.metrics
-        ep.inflight += 1
         metrics.inflight.inc(labels)
         status = 0
         counter = StreamTokenCounter() if stream else None
@@ -507,7 +753,9 @@ class Gateway:
             try:
                 status = upstream.status
                 if counter is not None and upstream.content_type == "text/event-stream":
-                    resp = await relay(request, upstream, on_chunk=counter.feed)
+                    resp = await relay(
+                        request, upstream, on_chunk=counter.feed, extra_headers=headers
+                    )
                     failed = resp.get(STREAM_ERROR)
                     if failed is not None:
                         status = 502
@@ -517,10 +765,13 @@ class Gateway:
                         )
                     if counter.first_at is not None:
                         metrics.ttft.observe(labels, counter.first_at - started)
-                    self._count_stream_tokens(ep.model, counter)
+                    self._count_stream_tokens(ep.model, counter, outcome)
                 else:
                     resp = await relay(
-                        request, upstream, on_chunk=lambda b: self._count_body_tokens(ep.model, b)
+                        request,
+                        upstream,
+                        on_chunk=lambda b: self._count_body_tokens(ep.model, b, outcome),
+                        extra_headers=headers,
                     )
             finally:
                 # Back to the pool when read to the end, else closed: a cancelled handler
@@ -536,35 +787,66 @@ class Gateway:
                 code="upstream_timeout" if isinstance(exc, UpstreamTimeout) else "upstream_error",
             )
         finally:
-            ep.inflight -= 1
             metrics.inflight.dec(labels)
             if status:
+                outcome.status = status
                 metrics.requests.inc((ep.model, ep.replica_id, str(status)))
                 metrics.latency.observe(labels, time.perf_counter() - started)
 
-    def _count_body_tokens(self, model: str, body: bytes) -> None:
+    def _count_body_tokens(self, model: str, body: bytes, outcome: _Outcome) -> None:
         at = body.rfind(b'"usage":')
         if at < 0:
             return
-        # Decode only the usage object, not the whole completion.
+        # Decode only the usage object, not the whole answer.
         try:
             usage, _ = _DECODER.raw_decode(body[at + 8 :].decode().lstrip())
         except (ValueError, UnicodeDecodeError):
             return
         if isinstance(usage, dict):
-            self._add_usage(model, usage)
+            self._add_usage(model, usage, outcome)
 
-    def _count_stream_tokens(self, model: str, counter: StreamTokenCounter) -> None:
+    def _count_stream_tokens(
+        self, model: str, counter: StreamTokenCounter, outcome: _Outcome
+    ) -> None:
         if counter.usage is not None:
-            self._add_usage(model, counter.usage)
+            self._add_usage(model, counter.usage, outcome)
         else:
+            # No usage in the stream (no stream_options.include_usage): each content event
+            # is a token; the prompt's are unknown.
+            outcome.completion = counter.events
             self.metrics.tokens.inc((model, "completion"), counter.events)
 
-    def _add_usage(self, model: str, usage: dict[str, Any]) -> None:
-        for kind in ("prompt", "completion"):
-            value = usage.get(f"{kind}_tokens")
-            if isinstance(value, int):
-                self.metrics.tokens.inc((model, kind), value)
+    def _add_usage(self, model: str, usage: dict[str, Any], outcome: _Outcome) -> None:
+        prompt, completion, cached = usage_numbers(usage)
+        outcome.prompt, outcome.completion, outcome.cached = prompt, completion, cached
+        outcome.reported = True
+        tokens = self.metrics.tokens
+        tokens.inc((model, "prompt"), prompt)
+        tokens.inc((model, "completion"), completion)
+        if cached:
+            tokens.inc((model, "cached"), cached)
+
+
+class _Outcome:
+    """What one request came to: the status answered and the tokens the engine reported."""
+
+    __slots__ = ("cached", "completion", "prompt", "reported", "status")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.prompt = 0
+        self.completion = 0
+        self.cached = 0
+        self.reported = False
+
+
+def _max_output(payload: dict[str, Any]) -> int:
+    """The most tokens the request asks the engine to generate, as far as it says."""
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = payload.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
 
 
 def _sentence(exc: Exception) -> str:

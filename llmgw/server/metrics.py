@@ -136,12 +136,33 @@ class Metrics:
         )
         self.tokens = Counter(
             "llmgw_tokens_total",
-            "Tokens by model and kind (prompt, completion).",
+            "Tokens by model and kind (prompt, completion, cached).",
             ("model", "kind"),
         )
         self.inflight = Gauge("llmgw_requests_in_flight", "Requests being served now.", mr)
         self.nodes = Gauge("llmgw_nodes", "Nodes by state (connected, disconnected).", ("state",))
         self.ready_replicas = Gauge("llmgw_ready_replicas", "Ready replicas by model.", ("model",))
+        self.queued = Gauge(
+            "llmgw_queued_requests",
+            "Requests waiting in the gateway for a place on a replica (every replica full).",
+            ("model",),
+        )
+        self.queue_wait = Histogram(
+            "llmgw_queue_wait_seconds",
+            "Time requests waited in the gateway's queue before a replica took them.",
+            ("model",),
+        )
+        # By the key's name (the operator's, never the users' free text): bounded by the keys.
+        self.key_requests = Counter(
+            "llmgw_key_requests_total",
+            "Gateway requests by API key, model and HTTP status.",
+            ("key", "model", "code"),
+        )
+        self.key_tokens = Counter(
+            "llmgw_key_tokens_total",
+            "Tokens by API key, model and kind (prompt, completion, cached).",
+            ("key", "model", "kind"),
+        )
 
     def render(self) -> str:
         lines: list[str] = []
@@ -153,6 +174,10 @@ class Metrics:
             self.inflight,
             self.nodes,
             self.ready_replicas,
+            self.queued,
+            self.queue_wait,
+            self.key_requests,
+            self.key_tokens,
         ):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ fail, stop or lose their node, so the request path never touches the state store
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["Endpoint", "Router"]
@@ -33,6 +34,9 @@ class Router:
         self._by_shard: dict[str, Endpoint] = {}
         self._tiebreak: dict[str, int] = {}
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
+        # Told the model whose replica just became ready (the admission's queues take the
+        # new places).
+        self.on_ready: Callable[[str], None] = lambda _model: None
 
     def set_ready(self, ep: Endpoint) -> None:
         old = self._by_shard.get(ep.shard_id)
@@ -45,6 +49,7 @@ class Router:
         for waiter in self._waiters.pop(ep.model, []):
             if not waiter.done():
                 waiter.set_result(None)
+        self.on_ready(ep.model)
 
     def remove_shard(self, shard_id: str) -> None:
         ep = self._by_shard.pop(shard_id, None)
@@ -66,23 +71,44 @@ class Router:
 
     def pick(self, model: str, exclude: frozenset[str] = frozenset()) -> Endpoint | None:
         """The ready replica with the fewest requests in flight; ties rotate."""
+        return self.pick_free(model, None, exclude)
+
+    def pick_free(
+        self, model: str, limit: int | None, exclude: frozenset[str] = frozenset()
+    ) -> Endpoint | None:
+        """The ready replica with the fewest requests in flight, fewer than ``limit`` (None:
+        any), not among ``exclude``; ties rotate."""
         eps = self._by_model.get(model)
         if not eps:
             return None
+        if len(eps) == 1:  # the common case, without the scan
+            ep = eps[0]
+            if (limit is not None and ep.inflight >= limit) or ep.shard_id in exclude:
+                return None
+            return ep
         best: Endpoint | None = None
+        ties = 0
         for ep in eps:
-            if ep.shard_id in exclude:
+            if ep.shard_id in exclude or (limit is not None and ep.inflight >= limit):
                 continue
             if best is None or ep.inflight < best.inflight:
-                best = ep
-        if best is None:
-            return None
-        ties = [ep for ep in eps if ep.inflight == best.inflight and ep.shard_id not in exclude]
-        if len(ties) > 1:
-            turn = self._tiebreak.get(model, 0)
-            self._tiebreak[model] = turn + 1
-            best = ties[turn % len(ties)]
-        return best
+                best, ties = ep, 1
+            elif ep.inflight == best.inflight:
+                ties += 1
+        if best is None or ties == 1:
+            return best
+        turn = self._tiebreak.get(model, 0)
+        self._tiebreak[model] = turn + 1
+        level = best.inflight
+        tied = [ep for ep in eps if ep.inflight == level and ep.shard_id not in exclude]
+        return tied[turn % len(tied)]
+
+    def has_ready(self, model: str, exclude: frozenset[str] = frozenset()) -> bool:
+        """Whether ``model`` has a ready replica not among ``exclude``."""
+        eps = self._by_model.get(model)
+        if not eps:
+            return False
+        return not exclude or any(ep.shard_id not in exclude for ep in eps)
 
     async def wait_ready(self, model: str, timeout: float) -> Endpoint | None:
         """The least busy ready replica of ``model``, waiting up to ``timeout`` for one."""

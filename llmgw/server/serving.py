@@ -1,13 +1,54 @@
-"""What the gateway's request path reads instead of the store: the hashes of active API
-keys, the deployed model names and the request-body limits their profiles raise. The admin
-API refreshes them after every change it makes to keys or models."""
+"""What the gateway's request path reads instead of the store: the active API keys (by the
+hash of their secret, with their policy) and the deployed models (what each serves, its
+replicas' concurrency limit, the request-body limit its profile raises). The admin API
+refreshes them after every change it makes to keys or models; a standby's follower after
+every change it reads."""
 
 from __future__ import annotations
 
-from llmgw.contracts.catalog import profile_body_limit
-from llmgw.server.store import Store
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ServingCache"]
+from llmgw.contracts.catalog import (
+    adhoc_profile,
+    profile_body_limit,
+    profile_max_concurrency,
+    profile_tasks,
+)
+from llmgw.contracts.endpoints import served_paths
+from llmgw.server.store import Store
+from llmgw.server.store.rows import ApiKey, Model
+
+__all__ = ["ServedModel", "ServingCache"]
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A deployed model as the request path needs it."""
+
+    name: str
+    engine: str
+    tasks: tuple[str, ...]
+    # The gateway paths its replicas answer (llmgw.contracts.endpoints).
+    paths: frozenset[str]
+    max_concurrency: int
+    body_limit: int | None
+
+    @classmethod
+    def of(cls, model: Model) -> ServedModel:
+        profile: Mapping[str, Any] = model.profiles.get(model.profile) or adhoc_profile(
+            model.engine, model.params
+        )
+        tasks = profile_tasks(profile)
+        return cls(
+            name=model.name,
+            engine=model.engine,
+            tasks=tasks,
+            paths=served_paths(model.engine, tasks),
+            max_concurrency=profile_max_concurrency(profile),
+            body_limit=profile_body_limit(profile),
+        )
 
 
 class ServingCache:
@@ -16,23 +57,35 @@ class ServingCache:
     def __init__(self, store: Store, *, max_request_body: int) -> None:
         self.store = store
         self.max_request_body = max_request_body
-        self.key_hashes: set[str] = set()
-        self.model_names: set[str] = set()
+        # The active keys by the hex SHA-256 of their secret.
+        self.keys: dict[str, ApiKey] = {}
+        # Told the ids of the active keys at each refresh (the limits forget the others).
+        self.on_keys: Callable[[set[str]], None] = lambda _ids: None
+        self.models: dict[str, ServedModel] = {}
+        self.model_names: frozenset[str] = frozenset()
         # Request body limits raised by a deployed profile (model -> bytes), and the
         # largest limit of any model.
         self.body_limits: dict[str, int] = {}
         self.largest_body_limit = max_request_body
 
+    @property
+    def key_hashes(self) -> set[str]:
+        return set(self.keys)
+
     def refresh_keys(self) -> None:
-        self.key_hashes = self.store.active_key_hashes()
+        keys = {key.hash: key for key in self.store.active_api_keys()}
+        old = self.keys
+        # An unchanged key keeps its row object, so the limits see no change of policy.
+        self.keys = {h: old[h] if old.get(h) == key else key for h, key in keys.items()}
+        self.on_keys({key.id for key in keys.values()})
 
     def refresh_models(self) -> None:
-        models = self.store.list_models()
-        self.model_names = {m.name for m in models}
-        limits: dict[str, int] = {}
-        for m in models:
-            limit = profile_body_limit(m.profiles.get(m.profile))
-            if limit is not None:
-                limits[m.name] = limit
-        self.body_limits = limits
-        self.largest_body_limit = max([self.max_request_body, *limits.values()])
+        models = {m.name: ServedModel.of(m) for m in self.store.list_models()}
+        self.models = models
+        self.model_names = frozenset(models)
+        self.body_limits = {n: m.body_limit for n, m in models.items() if m.body_limit is not None}
+        self.largest_body_limit = max([self.max_request_body, *self.body_limits.values()])
+
+    def max_concurrency(self, model: str) -> int:
+        served = self.models.get(model)
+        return served.max_concurrency if served is not None else 1

@@ -1,7 +1,7 @@
-"""The control plane's state store: nodes, models, replicas, shards, API keys, events, join
-tokens, the certificates issued to nodes, each node's update order, the desired engine
-builds with each node's install of them, the leader's lease and the control-plane
-instances.
+"""The control plane's state store: nodes, models, replicas, shards, API keys and their
+usage, events, join tokens, the certificates issued to nodes, each node's update order, the
+desired engine builds with each node's install of them, the leader's lease and the
+control-plane instances.
 
 One SQLite file in WAL mode (the embedded default), or a PostgreSQL database that several
 control-plane instances share; its schema upgraded by one set of versioned migrations on
@@ -14,8 +14,8 @@ says what to do. The package:
 - ``dialect``   the migrations' SQLite statements as PostgreSQL runs them, and ``?`` as ``%s``;
 - ``schema``    the versioned migrations and how they are applied;
 - ``rows``      the row types the store hands out;
-- ``nodes``, ``models``, ``credentials``, ``updates``, ``engines``, ``events``: one class per group
-  of tables, holding their SQL;
+- ``nodes``, ``models``, ``credentials``, ``usage``, ``updates``, ``engines``, ``events``: one
+  class per group of tables, holding their SQL;
 - ``store``     :class:`Store`, which composes them;
 - ``transfer``  a whole database copied from one engine to another (``llmgw server migrate``).
 

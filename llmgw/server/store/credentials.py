@@ -8,16 +8,18 @@ import hashlib
 import secrets
 from typing import Any
 
+from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.errors import Conflict, NotFound
 from llmgw.server import tokens
 from llmgw.server.states import TokenKind
 from llmgw.server.store.database import Database
-from llmgw.server.store.rows import ApiKey, Certificate, join_token_from_row
+from llmgw.server.store.rows import ApiKey, Certificate, join_token_from_row, policy_columns
 from llmgw.server.tokens import JoinToken
 
 __all__ = ["API_KEY_PREFIX", "ApiKeys", "Certificates", "JoinTokens", "hash_api_key"]
 
 API_KEY_PREFIX = "sk-llmgw-"
+_NO_POLICY = KeyPolicy()
 
 
 def hash_api_key(secret: str) -> str:
@@ -26,44 +28,77 @@ def hash_api_key(secret: str) -> str:
 
 
 class ApiKeys:
-    """The gateway's API keys: a secret shown once, its hash kept, revoked but never deleted."""
+    """The gateway's API keys: a secret shown once, its hash kept, its policy beside it;
+    revoked but never deleted. Among the active keys a name names one key (new keys are
+    refused a name an active key has), so that an operator may call a key by its name."""
 
     def __init__(self, db: Database) -> None:
         self._db = db
 
-    def create_api_key(self, name: str) -> tuple[ApiKey, str]:
-        """Make a key; return its row and the secret, which is shown once and never stored."""
+    def create_api_key(self, name: str, policy: KeyPolicy = _NO_POLICY) -> tuple[ApiKey, str]:
+        """Make a key with *policy*; return its row and the secret, which is shown once and
+        never stored. Refused (:class:`Conflict`) when an active key has this *name*."""
         secret = API_KEY_PREFIX + secrets.token_urlsafe(32)
         with self._db.write():
+            taken = self._active_named(name)
+            if taken:
+                raise Conflict(
+                    f"an active API key is named {name} already ({', '.join(taken)}); choose "
+                    f"another name, or revoke that key first ('llmgw ctl keys revoke "
+                    f"{taken[0]}') if this one replaces it"
+                )
             key_id = self._db.unused_id("api_keys", lambda: secrets.token_hex(6))
+            now = self._db.clock()
+            columns = {
+                "id": key_id,
+                "name": name,
+                "prefix": secret[:12],
+                "hash": hash_api_key(secret),
+                "created_at": now,
+                "updated_at": now,
+                **policy_columns(policy),
+            }
             self._db.execute(
-                "INSERT INTO api_keys(id, name, prefix, hash, created_at) VALUES (?, ?, ?, ?, ?)",
-                (key_id, name, secret[:12], hash_api_key(secret), self._db.clock()),
+                f"INSERT INTO api_keys({', '.join(columns)}) "
+                f"VALUES ({', '.join('?' for _ in columns)})",
+                tuple(columns.values()),
             )
             row = self._db.one("SELECT * FROM api_keys WHERE id = ?", (key_id,))
         assert row is not None
         return ApiKey.from_row(row), secret
 
-    def get_api_key(self, key_id_or_prefix: str, *, prefer_active: bool = False) -> ApiKey:
-        """The key with this id, or the only key with this prefix.
+    def get_api_key(self, key: str, *, prefer_active: bool = False) -> ApiKey:
+        """The key *key* names: its id; else the only key with this prefix; else the only
+        active key with this name (the only key with it when none is active).
 
         With *prefer_active*, a prefix shared by several keys names the one unrevoked among them.
         """
-        row = self._db.one("SELECT * FROM api_keys WHERE id = ?", (key_id_or_prefix,))
+        row = self._db.one("SELECT * FROM api_keys WHERE id = ?", (key,))
         if row is not None:
             return ApiKey.from_row(row)
-        rows = self._db.all("SELECT * FROM api_keys WHERE prefix = ?", (key_id_or_prefix,))
+        rows = self._db.all("SELECT * FROM api_keys WHERE prefix = ?", (key,))
         if prefer_active and len(rows) > 1:
             active = [r for r in rows if r["revoked_at"] is None]
             rows = active or rows
-        if not rows:
-            raise NotFound(
-                f"no API key with id or prefix {key_id_or_prefix}; 'llmgw ctl keys' lists them"
-            )
         if len(rows) > 1:
             raise Conflict(
-                f"{len(rows)} API keys have prefix {key_id_or_prefix}; "
-                "name the key by its id ('llmgw ctl keys' lists them)"
+                f"{len(rows)} API keys have prefix {key} "
+                f"({', '.join(str(r['id']) for r in rows)}); name the key by its id"
+            )
+        if rows:
+            return ApiKey.from_row(rows[0])
+        rows = self._db.all("SELECT * FROM api_keys WHERE name = ? ORDER BY created_at, id", (key,))
+        active = [r for r in rows if r["revoked_at"] is None]
+        rows = active or rows
+        if not rows:
+            raise NotFound(
+                f"no API key with id, prefix or name {key}; 'llmgw ctl keys list --all' lists them"
+            )
+        if len(rows) > 1:
+            state = "active " if active else "revoked "
+            raise Conflict(
+                f"{len(rows)} {state}API keys are named {key} "
+                f"({', '.join(str(r['id']) for r in rows)}); name the key by its id"
             )
         return ApiKey.from_row(rows[0])
 
@@ -74,19 +109,41 @@ class ApiKeys:
         sql += " ORDER BY created_at, id"
         return [ApiKey.from_row(r) for r in self._db.all(sql)]
 
-    def revoke_api_key(self, key_id_or_prefix: str) -> ApiKey:
-        """Revoke a key by id or unique prefix; return the revoked row."""
+    def active_api_keys(self) -> list[ApiKey]:
+        """Every unrevoked key with its hash and policy (expired ones included: the gateway
+        says why it refuses them), oldest first: what the gateway's cache loads."""
+        return self.list_api_keys(include_revoked=False)
+
+    def update_api_key(self, key: str, policy: KeyPolicy) -> ApiKey:
+        """Give the key *key* names (id, prefix or name, as :meth:`get_api_key`) *policy*;
+        return its row. A revoked key is refused (:class:`Conflict`): it stays revoked."""
         with self._db.write():
-            key = self.get_api_key(key_id_or_prefix, prefer_active=True)
-            if key.revoked:
+            found = self.get_api_key(key, prefer_active=True)
+            if found.revoked:
                 raise Conflict(
-                    f"API key {key.id} ({key.name}) is already revoked; "
-                    "'llmgw ctl keys' lists the active ones"
+                    f"API key {found.id} ({found.name}) is revoked, and a revoked key stays "
+                    f"revoked; create a new one instead ('llmgw ctl keys create {found.name}')"
+                )
+            columns = {**policy_columns(policy), "updated_at": self._db.clock()}
+            self._db.execute(
+                f"UPDATE api_keys SET {', '.join(f'{c} = ?' for c in columns)} WHERE id = ?",
+                (*columns.values(), found.id),
+            )
+            return self.get_api_key(found.id)
+
+    def revoke_api_key(self, key: str) -> ApiKey:
+        """Revoke a key by id, unique prefix or name; return the revoked row."""
+        with self._db.write():
+            found = self.get_api_key(key, prefer_active=True)
+            if found.revoked:
+                raise Conflict(
+                    f"API key {found.id} ({found.name}) is already revoked; "
+                    "'llmgw ctl keys list' lists the active ones"
                 )
             self._db.execute(
-                "UPDATE api_keys SET revoked_at = ? WHERE id = ?", (self._db.clock(), key.id)
+                "UPDATE api_keys SET revoked_at = ? WHERE id = ?", (self._db.clock(), found.id)
             )
-            return self.get_api_key(key.id)
+            return self.get_api_key(found.id)
 
     def verify_api_key(self, secret: str) -> ApiKey | None:
         """The active key whose secret this is, or None."""
@@ -97,9 +154,16 @@ class ApiKeys:
         return None if row is None else ApiKey.from_row(row)
 
     def active_key_hashes(self) -> set[str]:
-        """Hashes of all unrevoked keys, for the gateway's in-memory check."""
+        """Hashes of all unrevoked keys (whether a secret kept on disk still works)."""
         rows = self._db.all("SELECT hash FROM api_keys WHERE revoked_at IS NULL")
         return {str(r["hash"]) for r in rows}
+
+    def _active_named(self, name: str) -> list[str]:
+        rows = self._db.all(
+            "SELECT id FROM api_keys WHERE name = ? AND revoked_at IS NULL ORDER BY created_at, id",
+            (name,),
+        )
+        return [str(r["id"]) for r in rows]
 
 
 class JoinTokens:

@@ -33,6 +33,7 @@ TABLE_NOUNS = {
     "join_tokens": "join token",
     "certificates": "certificate",
     "instances": "control-plane instance",
+    "usage": "usage row",
 }
 """What a refused change calls a row of each table, in either engine's error messages."""
 

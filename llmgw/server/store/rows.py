@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from llmgw.contracts.catalog import DEFAULT_PROFILE
+from llmgw.contracts.keypolicy import Budget, KeyPolicy, UsageRow
 from llmgw.server.states import InstallState, NodeState, ReplicaState, ShardState, TokenKind
 from llmgw.server.store.database import Row
 from llmgw.server.tokens import JoinToken
@@ -34,6 +35,8 @@ __all__ = [
     "check_state",
     "dump_json",
     "join_token_from_row",
+    "policy_columns",
+    "usage_from_row",
 ]
 
 
@@ -261,6 +264,8 @@ class ApiKey:
     hash: str
     created_at: float
     revoked_at: float | None
+    policy: KeyPolicy = field(default_factory=KeyPolicy)
+    updated_at: float | None = None
 
     @property
     def revoked(self) -> bool:
@@ -268,6 +273,7 @@ class ApiKey:
 
     @classmethod
     def from_row(cls, row: Row) -> ApiKey:
+        tokens, period = row["budget_tokens"], row["budget_period"]
         return cls(
             id=row["id"],
             name=row["name"],
@@ -275,7 +281,48 @@ class ApiKey:
             hash=row["hash"],
             created_at=row["created_at"],
             revoked_at=row["revoked_at"],
+            policy=KeyPolicy(
+                models=tuple(json.loads(row["models"])),
+                rpm=row["rpm"],
+                tpm=row["tpm"],
+                max_concurrent=row["max_concurrent"],
+                budget=None if tokens is None or period is None else Budget(tokens, period),
+                priority=row["priority"],
+                expires_at=row["expires_at"],
+            ),
+            updated_at=row["updated_at"],
         )
+
+
+def policy_columns(policy: KeyPolicy) -> dict[str, Any]:
+    """The api_keys columns that hold *policy*, by name."""
+    budget = policy.budget
+    return {
+        "models": json.dumps(list(policy.models), separators=(",", ":")),
+        "rpm": policy.rpm,
+        "tpm": policy.tpm,
+        "max_concurrent": policy.max_concurrent,
+        "budget_tokens": None if budget is None else budget.tokens,
+        "budget_period": None if budget is None else budget.period,
+        "priority": policy.priority,
+        "expires_at": policy.expires_at,
+    }
+
+
+def usage_from_row(row: Row) -> UsageRow:
+    """A usage row, its key's name from the ``key_name`` column a join adds ('' without)."""
+    keys = row.keys()
+    return UsageRow(
+        day=str(row["day"]),
+        key_id=str(row["key_id"]),
+        model=str(row["model"]),
+        requests=int(row["requests"]),
+        prompt_tokens=int(row["prompt_tokens"]),
+        completion_tokens=int(row["completion_tokens"]),
+        cached_tokens=int(row["cached_tokens"]),
+        errors=int(row["errors"]),
+        key_name=str(row["key_name"] or "") if "key_name" in keys else "",
+    )
 
 
 @dataclass(frozen=True)

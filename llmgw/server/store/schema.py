@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sqlite3
 
+from llmgw.contracts.keypolicy import BUDGET_PERIODS, PRIORITIES
 from llmgw.errors import StoreError
 from llmgw.server.states import (
     InstallState,
@@ -25,6 +26,12 @@ from llmgw.server.states import (
 from llmgw.server.store.database import Database
 
 __all__ = ["MIGRATIONS", "migrate", "schema_version", "split_sql"]
+
+
+def _check(column: str, values: tuple[str, ...]) -> str:
+    """``CHECK (column IN ('a', 'b'))`` for a column that takes one of *values*."""
+    return f"CHECK ({column} IN ({', '.join(repr(v) for v in values)}))"
+
 
 MIGRATIONS: list[str] = [
     # 1: initial schema
@@ -244,6 +251,37 @@ MIGRATIONS: list[str] = [
     """
     CREATE INDEX nodes_draining ON nodes(draining) WHERE draining != 0;
     CREATE INDEX shards_by_state ON shards(state);
+    """,
+    # 10: an API key's policy (llmgw.contracts.keypolicy: the models it may call, its rate
+    # limits, its token budget per UTC period, its priority, its expiry; NULL: not limited)
+    # and when it last changed; and its usage, one row per UTC day, key and model, which
+    # every gateway instance adds its own counts to
+    f"""
+    ALTER TABLE api_keys ADD COLUMN models TEXT NOT NULL DEFAULT '[]';
+    ALTER TABLE api_keys ADD COLUMN rpm INTEGER CHECK (rpm >= 1);
+    ALTER TABLE api_keys ADD COLUMN tpm INTEGER CHECK (tpm >= 1);
+    ALTER TABLE api_keys ADD COLUMN max_concurrent INTEGER CHECK (max_concurrent >= 1);
+    ALTER TABLE api_keys ADD COLUMN budget_tokens INTEGER CHECK (budget_tokens >= 1);
+    ALTER TABLE api_keys ADD COLUMN budget_period TEXT {_check("budget_period", BUDGET_PERIODS)};
+    ALTER TABLE api_keys ADD COLUMN priority TEXT NOT NULL DEFAULT 'normal'
+        {_check("priority", PRIORITIES)};
+    ALTER TABLE api_keys ADD COLUMN expires_at REAL;
+    ALTER TABLE api_keys ADD COLUMN updated_at REAL;
+    UPDATE api_keys SET updated_at = created_at;
+    CREATE INDEX api_keys_by_name ON api_keys(name);
+
+    CREATE TABLE usage (
+        day               TEXT NOT NULL,
+        key_id            TEXT NOT NULL,
+        model             TEXT NOT NULL,
+        requests          INTEGER NOT NULL DEFAULT 0,
+        prompt_tokens     INTEGER NOT NULL DEFAULT 0,
+        completion_tokens INTEGER NOT NULL DEFAULT 0,
+        cached_tokens     INTEGER NOT NULL DEFAULT 0,
+        errors            INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (day, key_id, model)
+    );
+    CREATE INDEX usage_by_key ON usage(key_id, day);
     """,
 ]
 

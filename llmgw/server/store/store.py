@@ -2,7 +2,7 @@
 hands out transactions, and answers for every table.
 
 Each group of tables is a small class of its own (:class:`~.nodes.Nodes`,
-:class:`~.models.Models`, :class:`~.credentials.ApiKeys`, ...) over the one
+:class:`~.models.Models`, :class:`~.credentials.ApiKeys`, :class:`~.usage.Usage`, ...) over the one
 :class:`~.database.Database`; :class:`Store` composes them and offers their methods under
 one name, so that callers hold one object and a transaction spans any of them.
 """
@@ -27,6 +27,7 @@ from llmgw.server.store.nodes import Nodes
 from llmgw.server.store.schema import migrate as migrate_schema
 from llmgw.server.store.schema import schema_version as read_schema_version
 from llmgw.server.store.updates import NodeUpdates
+from llmgw.server.store.usage import Usage
 
 __all__ = ["Store"]
 
@@ -76,6 +77,7 @@ class Store:
         self._events = Events(db)
         self._leases = Leases(db)
         self._engines = EngineTables(db)
+        self._usage = Usage(db)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -231,6 +233,8 @@ class Store:
     create_api_key = _Table("_api_keys", ApiKeys.create_api_key)
     get_api_key = _Table("_api_keys", ApiKeys.get_api_key)
     list_api_keys = _Table("_api_keys", ApiKeys.list_api_keys)
+    update_api_key = _Table("_api_keys", ApiKeys.update_api_key)
+    active_api_keys = _Table("_api_keys", ApiKeys.active_api_keys)
     revoke_api_key = _Table("_api_keys", ApiKeys.revoke_api_key)
     verify_api_key = _Table("_api_keys", ApiKeys.verify_api_key)
     active_key_hashes = _Table("_api_keys", ApiKeys.active_key_hashes)
@@ -282,6 +286,12 @@ class Store:
     retired_serials = _Table("_leases", Leases.retired_serials)
     get_instance = _Table("_leases", Leases.get_instance)
     list_instances = _Table("_leases", Leases.list_instances)
+
+    # -------------------------------------------------------------------- usage
+
+    add_usage = _Table("_usage", Usage.add_usage)
+    list_usage = _Table("_usage", Usage.list_usage)
+    tokens_since = _Table("_usage", Usage.tokens_since)
 
     # ------------------------------------------------------------------- events
 

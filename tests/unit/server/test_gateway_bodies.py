@@ -31,6 +31,8 @@ from llmgw.server.config import load_server_config
 from llmgw.server.gateway import MAX_SSE_EVENT, Gateway, GatewayLimits
 from llmgw.server.metrics import Metrics
 from llmgw.server.routing import Endpoint, Router
+from llmgw.server.serving import ServedModel
+from llmgw.server.store.rows import ApiKey
 from tests.unit.serving import serving
 
 pytestmark = pytest.mark.timeout(60)
@@ -182,13 +184,20 @@ def control_plane(port: int, **cfg_changes: Any) -> Any:
     router = Router()
     for model in BEHAVIOURS:
         router.set_ready(Endpoint(model, f"r-{model}", model, "engine", f"127.0.0.1:{port}"))
+    key = ApiKey("k1", "test", KEY, hashlib.sha256(KEY.encode()).hexdigest(), 0.0, None)
+    models = {
+        m: ServedModel(m, "sim", ("generate",), frozenset({"/v1/chat/completions"}), 64, None)
+        for m in BEHAVIOURS
+    }
     return SimpleNamespace(
         cfg=cfg,
         serving=SimpleNamespace(
-            key_hashes={hashlib.sha256(KEY.encode()).hexdigest()},
-            model_names=set(BEHAVIOURS),
+            keys={key.hash: key},
+            models=models,
+            model_names=frozenset(models),
             body_limits={},
             largest_body_limit=cfg.max_request_body,
+            max_concurrency=lambda _model: 64,
         ),
         bodies=BodyBudget(cfg.max_inflight_body_bytes),
         router=router,
@@ -582,7 +591,8 @@ def test_a_replica_whose_engine_is_stopping_is_passed_over() -> None:
         addr = f"127.0.0.1:{rig.engine.port}"
         rig.cp.router.set_ready(Endpoint("pair", "r-gone", "pair-gone", "engine", addr))
         rig.cp.router.set_ready(Endpoint("pair", "r-ok", "pair-ok", "engine", addr))
-        rig.cp.serving.model_names.add("pair")
+        rig.cp.serving.models["pair"] = rig.cp.serving.models["ok"]
+        rig.cp.serving.model_names = frozenset(rig.cp.serving.models)
         for _ in range(6):
             status, _, _ = await post(rig, chat("pair"))
             assert status == 200

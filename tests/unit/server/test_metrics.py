@@ -160,6 +160,10 @@ def test_empty_metrics_render_help_and_type_only() -> None:
         "llmgw_requests_in_flight",
         "llmgw_nodes",
         "llmgw_ready_replicas",
+        "llmgw_queued_requests",
+        "llmgw_queue_wait_seconds",
+        "llmgw_key_requests_total",
+        "llmgw_key_tokens_total",
     }
     assert families["llmgw_requests_total"].type == "counter"
     assert families["llmgw_request_duration_seconds"].type == "histogram"

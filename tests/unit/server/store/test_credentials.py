@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from llmgw.errors import Conflict, NotFound, TokenError
+from llmgw.contracts.keypolicy import Budget, KeyPolicy
+from llmgw.errors import Conflict, NotFound, StoreError, TokenError
 from llmgw.server.store import (
     ApiKey,
     Certificate,
@@ -79,11 +80,11 @@ def test_revoke_twice_conflict(store: Store) -> None:
     store.revoke_api_key(key.id)
     with pytest.raises(Conflict, match="already revoked") as info:
         store.revoke_api_key(key.id)
-    assert "'llmgw ctl keys'" in str(info.value)
+    assert "'llmgw ctl keys list'" in str(info.value)
 
 
 def test_revoke_unknown_key(store: Store) -> None:
-    with pytest.raises(NotFound, match="no API key with id or prefix nope"):
+    with pytest.raises(NotFound, match="no API key with id, prefix or name nope"):
         store.revoke_api_key("nope")
 
 
@@ -93,7 +94,9 @@ def test_revoke_ambiguous_prefix(store: Store) -> None:
     k3, _ = store.create_api_key("c")
     # Force a prefix collision (3 random characters are in a prefix; collisions happen).
     store._db.execute("UPDATE api_keys SET prefix = ? WHERE id = ?", (k1.prefix, k2.id))
-    with pytest.raises(Conflict, match="2 API keys have prefix"):
+    with pytest.raises(
+        Conflict, match=f"2 API keys have prefix {k1.prefix} \\({k1.id}, {k2.id}\\)"
+    ):
         store.revoke_api_key(k1.prefix)
     with pytest.raises(Conflict, match="2 API keys have prefix"):
         store.get_api_key(k1.prefix)
@@ -103,6 +106,122 @@ def test_revoke_ambiguous_prefix(store: Store) -> None:
     with pytest.raises(Conflict, match="already revoked"):
         store.revoke_api_key(k1.id)
     assert store.get_api_key(k3.prefix).id == k3.id
+
+
+POLICY = KeyPolicy(
+    models=("llama", "qwen/7b"),
+    rpm=60,
+    tpm=200_000,
+    max_concurrent=4,
+    budget=Budget(10_000_000, "day"),
+    priority="high",
+    expires_at=5000.5,
+)
+
+
+def test_a_key_keeps_its_policy(store: Store, clock: Clock) -> None:
+    plain, _ = store.create_api_key("plain")
+    assert (plain.policy, plain.updated_at) == (KeyPolicy(), plain.created_at)
+    clock.advance(1)
+    key, secret = store.create_api_key("ci", POLICY)
+    assert key.policy == POLICY and key.updated_at == key.created_at == clock.t
+    assert store.get_api_key(key.id) == key
+    assert store.verify_api_key(secret) == key
+    assert store.active_api_keys() == [plain, key]
+    assert [k.hash for k in store.active_api_keys()] == [plain.hash, key.hash]
+    store.revoke_api_key(plain.id)
+    assert store.active_api_keys() == [key]
+
+
+def test_update_gives_a_key_a_new_policy(store: Store, clock: Clock) -> None:
+    key, secret = store.create_api_key("ci")
+    clock.advance(30)
+    updated = store.update_api_key("ci", POLICY)
+    assert (updated.id, updated.policy, updated.updated_at) == (key.id, POLICY, clock.t)
+    assert updated.created_at == key.created_at and updated.hash == key.hash
+    assert store.verify_api_key(secret) == updated
+    clock.advance(1)
+    cleared = store.update_api_key(key.prefix, KeyPolicy())
+    assert cleared.policy == KeyPolicy() and cleared.updated_at == clock.t
+    assert store.get_api_key(key.id).policy == KeyPolicy()
+
+
+def test_update_of_a_revoked_key_is_refused_and_changes_nothing(store: Store) -> None:
+    key, _ = store.create_api_key("ci")
+    store.revoke_api_key(key.id)
+    with pytest.raises(Conflict) as info:
+        store.update_api_key(key.id, POLICY)
+    assert str(info.value) == (
+        f"API key {key.id} (ci) is revoked, and a revoked key stays revoked; create a new "
+        "one instead ('llmgw ctl keys create ci')"
+    )
+    assert store.get_api_key(key.id).policy == KeyPolicy()
+    with pytest.raises(NotFound, match="no API key with id, prefix or name nope"):
+        store.update_api_key("nope", POLICY)
+
+
+def test_the_schema_refuses_a_priority_it_does_not_know(store: Store) -> None:
+    key, _ = store.create_api_key("ci")
+    with pytest.raises(StoreError):
+        store.update_api_key(key.id, KeyPolicy(priority="urgent"))
+    with pytest.raises(StoreError):
+        store.create_api_key("other", KeyPolicy(budget=Budget(10, "week")))
+    assert store.get_api_key(key.id).policy == KeyPolicy()
+    assert [k.name for k in store.list_api_keys()] == ["ci"]
+
+
+def test_an_active_keys_name_is_not_given_to_a_new_key(store: Store) -> None:
+    key, _ = store.create_api_key("ci")
+    with pytest.raises(Conflict) as info:
+        store.create_api_key("ci", POLICY)
+    assert str(info.value) == (
+        f"an active API key is named ci already ({key.id}); choose another name, or revoke "
+        f"that key first ('llmgw ctl keys revoke {key.id}') if this one replaces it"
+    )
+    assert store.list_api_keys() == [key]
+    store.revoke_api_key("ci")
+    again, _ = store.create_api_key("ci")
+    assert again.id != key.id
+    assert store.get_api_key("ci") == again  # the active one, the revoked one beside it
+
+
+def test_a_key_is_found_by_id_then_prefix_then_name(store: Store) -> None:
+    ci, _ = store.create_api_key("ci")
+    assert store.get_api_key("ci") == ci
+    # A name that is another key's id or prefix names that key: ids and prefixes first.
+    other, _ = store.create_api_key(ci.id)
+    tricky, _ = store.create_api_key(ci.prefix)
+    assert store.get_api_key(ci.id) == ci
+    assert store.get_api_key(ci.prefix) == ci
+    assert store.get_api_key(other.prefix) == other
+    assert tricky.name == ci.prefix
+    # A revoked key is still found by its name while no active key has it.
+    store.revoke_api_key("ci")
+    assert store.get_api_key("ci").id == ci.id
+
+
+def test_a_name_several_keys_share_is_refused_with_their_ids(store: Store, clock: Clock) -> None:
+    # Databases from before names were unique may hold two active keys of one name.
+    k1, _ = store.create_api_key("ci")
+    clock.advance(1)
+    k2, _ = store.create_api_key("ci-2")
+    with store.transaction():
+        store.database.execute("UPDATE api_keys SET name = 'ci' WHERE id = ?", (k2.id,))
+    for call in (
+        lambda: store.get_api_key("ci"),
+        lambda: store.update_api_key("ci", POLICY),
+        lambda: store.revoke_api_key("ci"),
+    ):
+        with pytest.raises(Conflict) as info:
+            call()
+        assert str(info.value) == (
+            f"2 active API keys are named ci ({k1.id}, {k2.id}); name the key by its id"
+        )
+    store.revoke_api_key(k1.id)
+    assert store.get_api_key("ci").id == k2.id
+    store.revoke_api_key(k2.id)
+    with pytest.raises(Conflict, match=f"2 revoked API keys are named ci \\({k1.id}, {k2.id}\\)"):
+        store.get_api_key("ci")
 
 
 def test_create_stores_only_the_hash(store: Store, db_location: Location, clock: Clock) -> None:

@@ -169,3 +169,22 @@ def test_a_url_with_several_hosts_finds_the_one_that_answers(
     with Store.open(where) as store:
         store.put_model("m", engine="sim", params={}, replicas=1)
         assert [m.name for m in store.list_models()] == ["m"]
+
+
+def test_a_keys_new_policy_is_announced_and_usage_is_not(pg_cluster: Any, tmp_path: Path) -> None:
+    # A standby refreshes its gateway's keys on the announcement; usage, added by every
+    # instance each second, would only wake them all for nothing.
+    import psycopg
+
+    from llmgw.contracts.keypolicy import KeyPolicy, UsageRow
+    from llmgw.server.store.postgres import _conninfo
+
+    where = _location(pg_cluster, tmp_path)
+    with Store.open(where) as s, psycopg.connect(_conninfo(where), autocommit=True) as conn:
+        key, _ = s.create_api_key("ci")
+        conn.execute("LISTEN llmgw_changes")
+        s.add_usage([UsageRow("2026-12-01", key.id, "llama", 1, 2, 3)])
+        s.update_api_key(key.id, KeyPolicy(rpm=60))
+        s.add_usage([UsageRow("2026-12-01", key.id, "llama", 1, 2, 3)])
+        heard = [n.payload for n in conn.notifies(timeout=2)]
+    assert heard == ["api_keys"]

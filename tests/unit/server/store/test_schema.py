@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.errors import Conflict, NotFound, StoreError
 from llmgw.server.states import NodeState, ReplicaState, ShardState, TokenKind, sql_check
 from llmgw.server.store import (
@@ -174,6 +175,35 @@ def test_migration_5_leaves_older_replicas_without_a_profile(db_path: Path) -> N
         assert s.add_replica("m").profile == "default"
 
 
+def test_migration_10_gives_older_keys_no_limits_and_keeps_them(db_path: Path) -> None:
+    # Keys made before policies: every limit off, priority normal, never expiring, last
+    # changed when made; and an empty usage table beside them.
+    conn = sqlite3.connect(db_path, isolation_level=None)
+    for script in MIGRATIONS[:9]:
+        for statement in split_sql(script):
+            conn.execute(statement)
+    conn.execute("PRAGMA user_version=9")
+    for key_id, name, revoked in (("k1", "ci", None), ("k2", "ci", None), ("k3", "old", 9.0)):
+        conn.execute(
+            "INSERT INTO api_keys(id, name, prefix, hash, created_at, revoked_at) "
+            "VALUES (?, ?, ?, ?, 3.5, ?)",
+            (key_id, name, "sk-llmgw-" + key_id, "h" + key_id, revoked),
+        )
+    conn.close()
+    with Store.open(db_path) as s:
+        keys = s.list_api_keys(include_revoked=True)
+        assert [(k.id, k.policy, k.updated_at) for k in keys] == [
+            ("k1", KeyPolicy(), 3.5),
+            ("k2", KeyPolicy(), 3.5),
+            ("k3", KeyPolicy(), 3.5),
+        ]
+        assert s.list_usage() == []
+        # Two active keys of one name, as older llmgw allowed: kept, named by their ids.
+        with pytest.raises(Conflict, match=r"2 active API keys are named ci \(k1, k2\)"):
+            s.get_api_key("ci")
+        assert s.get_api_key("old").id == "k3"
+
+
 # ------------------------------------------- the shipped migrations stay as they were
 
 SHIPPED = Path(__file__).with_name("shipped_migrations.sql")
@@ -216,7 +246,7 @@ def _schema(path: Path) -> list[tuple[str, str, str]]:
         conn.close()
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_a_database_migrated_from_a_shipped_version_equals_a_fresh_one(
     tmp_path: Path, version: int
 ) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from llmgw.contracts.catalog import parse_catalog
+from llmgw.contracts.keypolicy import Budget, KeyPolicy, UsageRow
 from llmgw.errors import ConfigError, Conflict, StoreError, StoreUnavailable
 from llmgw.server.leadership import try_leadership
 from llmgw.server.passwords import PASSWORD_META
@@ -28,6 +29,15 @@ from tests.pg import PASSWORD, ROLE
 from tests.unit.clock import Clock
 
 T0 = 1_700_000_000.25  # the populated store's clock
+POLICY = KeyPolicy(
+    models=("llama", "m/b"),
+    rpm=60,
+    tpm=100_000,
+    max_concurrent=4,
+    budget=Budget(10**13, "month"),
+    priority="high",
+    expires_at=T0 + 86400.5,
+)
 ORDER = b'{"counter":1,"version":"0.9.0"}\x00\xff\xfe raw'
 SIGNATURE = bytes(range(256))
 CATALOG = {
@@ -127,9 +137,17 @@ def populated(source: Location) -> Iterator[Store]:
         dist_init_addr="10.0.0.1:29500",
     )
     # API keys, one revoked; join tokens: one open, one rekey spent, one revoked.
-    s.create_api_key("ci")
+    # (ci with a policy of every kind of limit; old's usage outlives it.)
+    ci, _ = s.create_api_key("ci", POLICY)
     revoked_key, _ = s.create_api_key("old")
     s.revoke_api_key(revoked_key.id)
+    s.add_usage(
+        [
+            UsageRow("2023-11-14", ci.id, "llama", 3, 1200, 300, 64, 1),
+            UsageRow("2023-11-14", revoked_key.id, "llama", 1, 10, 5),
+            UsageRow("2023-11-15", ci.id, "llama", 2, 10**12, 7),
+        ]
+    )
     s.create_join_token("gpu5", ttl=3600)
     gpu1 = s.get_node("gpu1")
     _, secret = s.create_join_token(
@@ -267,7 +285,14 @@ def test_a_populated_cluster_arrives_row_for_row(
         update = pg.get_update("gpu1")
         assert update is not None and (update.order, update.signature) == (ORDER, SIGNATURE)
         assert pg.next_update_counter("gpu2") == 3  # the counter goes on, never back
-        assert [k.name for k in pg.list_api_keys()] == ["ci"]
+        assert [(k.name, k.policy) for k in pg.list_api_keys()] == [("ci", POLICY)]
+        ci = pg.get_api_key("ci")
+        assert pg.tokens_since("2023-11-15") == {ci.id: 10**12 + 7}
+        assert [(u.day, u.key_name, u.requests) for u in pg.list_usage()] == [
+            ("2023-11-14", "ci", 3),
+            ("2023-11-14", "old", 1),
+            ("2023-11-15", "ci", 2),
+        ]
         assert [t.node_id for t in pg.list_join_tokens()] == ["gpu5"]
         spent = {t.node_id: (t.used, t.revoked) for t in pg.list_join_tokens(True)}
         assert spent == {"gpu1": (True, False), "gpu5": (False, False), "gpu6": (False, True)}

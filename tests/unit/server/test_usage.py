@@ -1,0 +1,124 @@
+"""The usage book: added up in memory, flushed as additions in one write, kept when the
+store refuses, and the budgets' totals read back at each flush."""
+
+from __future__ import annotations
+
+import calendar
+from collections.abc import Iterable
+
+import pytest
+
+from llmgw.contracts.keypolicy import Budget, KeyPolicy, UsageRow
+from llmgw.errors import StoreUnavailable
+from llmgw.server.limits import Grant, Limits
+from llmgw.server.store.rows import ApiKey
+from llmgw.server.usage import UsageBook
+
+NOON = calendar.timegm((2026, 12, 2, 12, 0, 0))
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str, str], UsageRow] = {}
+        self.writes = 0
+        self.fail = False
+
+    def add_usage(self, rows: Iterable[UsageRow]) -> None:
+        if self.fail:
+            raise StoreUnavailable("the database is away")
+        self.writes += 1
+        for r in rows:
+            old = self.rows.get((r.day, r.key_id, r.model))
+            if old is None:
+                self.rows[(r.day, r.key_id, r.model)] = UsageRow(r.day, r.key_id, r.model)
+                old = self.rows[(r.day, r.key_id, r.model)]
+            old.requests += r.requests
+            old.prompt_tokens += r.prompt_tokens
+            old.completion_tokens += r.completion_tokens
+            old.cached_tokens += r.cached_tokens
+            old.errors += r.errors
+
+    def tokens_since(self, since_day: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.rows.values():
+            if r.day >= since_day:
+                out[r.key_id] = out.get(r.key_id, 0) + r.prompt_tokens + r.completion_tokens
+        return out
+
+
+class Wall:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_requests_add_up_per_key_model_and_day_and_flush_in_one_write() -> None:
+    store, wall = FakeStore(), Wall(NOON)
+    book = UsageBook(store, wall=wall)
+    book.record("k1", "alice", "m", prompt=10, completion=5, cached=4)
+    book.record("k1", "alice", "m", prompt=1, completion=1, error=True)
+    book.record("k2", "bob", "m", prompt=7)
+    wall.now += 86400  # the next UTC day: a row of its own
+    book.record("k1", "alice", "m", prompt=3)
+    assert {(r.day, r.key_id, r.requests) for r in book.pending()} == {
+        ("2026-12-02", "k1", 2),
+        ("2026-12-02", "k2", 1),
+        ("2026-12-03", "k1", 1),
+    }
+    assert book.flush() == 3 and store.writes == 1
+    row = store.rows[("2026-12-02", "k1", "m")]
+    assert (row.requests, row.prompt_tokens, row.completion_tokens, row.cached_tokens) == (
+        2,
+        11,
+        6,
+        4,
+    )
+    assert row.errors == 1
+    assert book.pending() == []
+    book.record("k1", "alice", "m", prompt=1)
+    book.flush()
+    assert store.rows[("2026-12-03", "k1", "m")].requests == 2  # added to, not replaced
+
+
+def test_a_refused_flush_keeps_the_counts_for_the_next() -> None:
+    store = FakeStore()
+    book = UsageBook(store, wall=Wall(NOON))
+    book.record("k1", "alice", "m", prompt=10)
+    store.fail = True
+    with pytest.raises(StoreUnavailable):
+        book.flush()
+    book.record("k1", "alice", "m", prompt=5)
+    store.fail = False
+    book.flush()
+    row = store.rows[("2026-12-02", "k1", "m")]
+    assert (row.requests, row.prompt_tokens) == (2, 15)
+
+
+def test_each_flush_refreshes_the_budgets_from_every_instances_counts() -> None:
+    store, wall = FakeStore(), Wall(NOON)
+    limits = Limits(wall=wall, budget_spent=lambda k, since: store.tokens_since(since).get(k, 0))
+    book = UsageBook(store, limits, wall=wall)
+    key = ApiKey(
+        id="k1",
+        name="alice",
+        prefix="p",
+        hash="h",
+        created_at=0.0,
+        revoked_at=None,
+        policy=KeyPolicy(budget=Budget(100, "day")),
+    )
+    grant = limits.admit(key, 1)
+    assert isinstance(grant, Grant)
+    grant.settle(30, 0.0)
+    book.record("k1", "alice", "m", prompt=20, completion=10)
+    # Another instance stored 50 of the same key's tokens meanwhile.
+    store.add_usage([UsageRow("2026-12-02", "k1", "m", requests=1, prompt_tokens=50)])
+    book.flush()
+    state = limits.states["k1"]
+    assert (state.budget_base, state.unconfirmed) == (80, 0)
+    grant = limits.admit(key, 1)
+    assert isinstance(grant, Grant)
+    grant.settle(20, 0.0)
+    assert not isinstance(limits.admit(key, 1), Grant)  # 80 + 20 = 100: spent
