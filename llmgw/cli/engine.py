@@ -60,6 +60,14 @@ def engine() -> None:
     help="Default max_tokens of a request.",
 )
 @click.option(
+    "--embedding-dim",
+    default=SimConfig.embedding_dim,
+    show_default=True,
+    type=int,
+    help="Length of the vectors /v1/embeddings answers; a request's 'dimensions' may ask "
+    "for fewer.",
+)
+@click.option(
     "--nodes",
     default=SimConfig.nodes,
     show_default=True,
@@ -109,6 +117,7 @@ def sim(
     ttft_ms: float,
     tps: float,
     max_tokens: int,
+    embedding_dim: int,
     nodes: int,
     rank: int,
     dist_init_addr: str,
@@ -116,7 +125,8 @@ def sim(
     heartbeat_interval: float,
     heartbeat_timeout: float,
 ) -> None:
-    """A simulated OpenAI-compatible engine with deterministic output.
+    """A simulated OpenAI-compatible engine with deterministic output: chat, completions
+    and responses, embeddings, rerank and score, tokenize and detokenize.
 
     With --nodes N (N > 1) it is one shard of a multi-node replica: rank 0 binds
     --dist-init-addr and opens --port only once ranks 1..N-1 have joined; it exits with an
@@ -130,6 +140,7 @@ def sim(
         ttft_ms=ttft_ms,
         tps=tps,
         max_tokens=max_tokens,
+        embedding_dim=embedding_dim,
         nodes=nodes,
         rank=rank,
         dist_init_addr=dist_init_addr,

@@ -56,6 +56,7 @@ __all__ = [
     "Profile",
     "Sidecar",
     "adhoc_profile",
+    "deployed_profile",
     "load_catalog",
     "parse_catalog",
     "parse_memory_mib",
@@ -222,6 +223,17 @@ def adhoc_profile(engine: str, params: Mapping[str, Any]) -> dict[str, Any]:
         args=tuple(str(a) for a in extra) if isinstance(extra, list | tuple) else (),
         params={k: str(v) for k, v in params.items() if k != "extra_args"},
     ).to_dict()
+
+
+def deployed_profile(
+    profiles: Mapping[str, Any] | None, profile: str, engine: str, params: Mapping[str, Any]
+) -> Mapping[str, Any]:
+    """The stored profile a model runs: ``profiles[profile]`` (a catalog model), else the
+    :func:`adhoc_profile` of its ``engine`` and ``params`` (a model deployed without the
+    catalog, whose ``profiles`` are empty). What :func:`profile_tasks` and
+    :func:`profile_max_concurrency` read, so that an ad-hoc sim model gets sim's defaults."""
+    stored = profiles.get(profile) if profiles else None
+    return stored if isinstance(stored, Mapping) else adhoc_profile(engine, params)
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -440,9 +452,9 @@ def profile_body_limit(profile: Mapping[str, Any] | None) -> int | None:
 
 def profile_tasks(profile: Mapping[str, Any] | None) -> tuple[str, ...]:
     """A stored profile's (:meth:`Profile.to_dict`) tasks: its ``task``, else its engine's
-    default (a profile stored before ``task`` existed has none). None (a model stored
-    without profiles; give ``adhoc_profile(model.engine, model.params)`` instead for its
-    engine's default) and an engine this llmgw does not know: ``("generate",)``."""
+    default (a profile stored before ``task`` existed has none). Give it
+    :func:`deployed_profile` of the model, so that a model deployed without the catalog gets
+    its engine's default; None and an engine this llmgw does not know: ``("generate",)``."""
     value = profile.get("task") if profile else None
     if isinstance(value, str):
         value = [value]

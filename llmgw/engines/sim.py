@@ -9,6 +9,7 @@ from types import MappingProxyType
 
 from llmgw.engines.launch import self_argv
 from llmgw.engines.spec import LOOPBACK, EngineCommand, EngineSpec, Param, gpu_env
+from llmgw.sim.config import MAX_EMBEDDING_DIM
 
 NAME = "sim"
 PROGRAM = ""  # this llmgw (launch.self_argv)
@@ -21,6 +22,9 @@ PARAMS: Mapping[str, Param] = MappingProxyType(
         "ttft_ms": Param("--ttft-ms", float, minimum=0, sample="10"),
         "tps": Param("--tps", float, minimum=0, sample="100"),
         "max_tokens": Param("--max-tokens", int, minimum=1, sample="16"),
+        "embedding_dim": Param(
+            "--embedding-dim", int, minimum=1, maximum=MAX_EMBEDDING_DIM, sample="384"
+        ),
     }
 )
 

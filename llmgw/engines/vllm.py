@@ -51,7 +51,7 @@ PARAMS: Mapping[str, Param] = MappingProxyType(
 
 
 # The pooling runner (models/pooling_models: "Run a model in pooling mode via the option
-# --runner pooling", vLLM 0.10 and later; it replaced --task embed/score). Which pooling
+# --runner pooling", vLLM 0.10.1 and later; it replaced --task embed/score). Which pooling
 # tasks it serves follows from the model's architecture (an embedding model embeds, and
 # scores by similarity; a *ForSequenceClassification model scores); give --convert embed
 # or --convert classify in the profile's args to adapt a model of another architecture.

@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from llmgw.errors import ConfigError, EngineError
 from llmgw.netaddr import parse_hostport
 
-__all__ = ["SimConfig", "is_int"]
+__all__ = ["MAX_EMBEDDING_DIM", "SimConfig", "is_int"]
+
+MAX_EMBEDDING_DIM = 16384
+"""The longest embedding a sim engine makes (the largest real models' are 4096-8192)."""
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,8 @@ class SimConfig:
     ``dist_init_addr`` (``HOST:PORT``) and workers (``rank`` > 0) dial it, for up to
     ``join_timeout_s``; heartbeats go both ways every ``heartbeat_s`` and a peer silent for
     ``peer_timeout_s`` is gone. ``dist_init_addr`` is ignored when ``nodes`` is 1.
+    ``embedding_dim``: the length of the vectors ``/v1/embeddings`` answers (a request's
+    ``dimensions`` may ask for fewer).
     """
 
     host: str = "127.0.0.1"
@@ -28,6 +33,7 @@ class SimConfig:
     ttft_ms: float = 0.0
     tps: float = 0.0
     max_tokens: int = 32
+    embedding_dim: int = 384
     nodes: int = 1
     rank: int = 0
     dist_init_addr: str = ""
@@ -60,6 +66,11 @@ class SimConfig:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise EngineError(
                 f"sim: max_tokens must be a positive integer, got {self.max_tokens!r}"
+            )
+        if not is_int(self.embedding_dim) or not 1 <= self.embedding_dim <= MAX_EMBEDDING_DIM:
+            raise EngineError(
+                f"sim: embedding_dim must be an integer in 1..{MAX_EMBEDDING_DIM}, got "
+                f"{self.embedding_dim!r}"
             )
         if not is_int(self.nodes) or self.nodes < 1:
             raise EngineError(f"sim: nodes must be a positive integer, got {self.nodes!r}")

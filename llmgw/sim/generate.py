@@ -9,6 +9,11 @@ The first token is a capitalised word and every later one a space followed by a
 word, so the streamed deltas concatenate to the non-streamed text exactly.
 With ``n`` > 1, choice ``i`` > 0 uses a generator keyed on ``i`` as well;
 choice 0 is always what :func:`generate` returns.
+
+The tokenizer (:func:`tokenize`, :func:`detokenize`) has those words as its tokens: each word
+bare, capitalised, and after a space, one id each; any other piece of text (a word with its
+leading white space) is its UTF-8 bytes, one id each after the words. So every text round-trips
+and the engine's own output is one token per word.
 """
 
 from __future__ import annotations
@@ -16,11 +21,22 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
+from collections.abc import Sequence
 
 from llmgw.errors import EngineError
 from llmgw.sim.config import SimConfig, is_int
 
-__all__ = ["MAX_LENGTH", "MIN_LENGTH", "TOKEN_JSON", "draw", "generate"]
+__all__ = [
+    "MAX_LENGTH",
+    "MIN_LENGTH",
+    "TOKEN_JSON",
+    "VOCAB_SIZE",
+    "detokenize",
+    "draw",
+    "generate",
+    "tokenize",
+]
 
 MIN_LENGTH = 8
 """Fewest tokens a completion has when ``max_tokens`` does not cut it short."""
@@ -61,6 +77,14 @@ _LATER: tuple[str, ...] = tuple(" " + w for w in _WORDS)
 TOKEN_JSON: dict[str, str] = {t: json.dumps(t) for t in _FIRST + _LATER}
 """Each token as a JSON string, for the server's pre-serialised stream chunks."""
 
+_PIECES: tuple[str, ...] = _WORDS + _FIRST + _LATER
+_PIECE_ID: dict[str, int] = {piece: i for i, piece in enumerate(_PIECES)}
+_BYTE_BASE = len(_PIECES)
+VOCAB_SIZE = _BYTE_BASE + 256
+"""Token ids are 0..VOCAB_SIZE-1: the words' pieces, then the 256 bytes."""
+# A word with the white space before it; white space at the very end on its own.
+_SPLIT = re.compile(r"\s*\S+|\s+")
+
 
 def _rng(seed: int, prompt: str, choice: int) -> random.Random:
     material = f"{seed}\x00{choice}\x00{prompt}".encode("utf-8", "surrogatepass")
@@ -77,6 +101,38 @@ def draw(prompt: str, max_tokens: int, seed: int, choice: int = 0) -> tuple[list
     tokens = [_FIRST[rng.randrange(len(_FIRST))]]
     tokens += rng.choices(_LATER, k=count - 1)
     return tokens, ("length" if length > max_tokens else "stop")
+
+
+def tokenize(text: str) -> list[int]:
+    """The token ids of ``text``: one per known piece, one per UTF-8 byte of the others."""
+    ids: list[int] = []
+    for piece in _SPLIT.findall(text):
+        known = _PIECE_ID.get(piece)
+        if known is not None:
+            ids.append(known)
+        else:
+            ids.extend(_BYTE_BASE + b for b in piece.encode("utf-8", "surrogatepass"))
+    return ids
+
+
+def detokenize(ids: Sequence[int]) -> str:
+    """The text of token ids (:func:`tokenize`'s inverse); ValueError names an id out of
+    0..VOCAB_SIZE-1. Bytes that are not UTF-8 come back as U+FFFD."""
+    out: list[str] = []
+    pending = bytearray()
+    for token in ids:
+        if not 0 <= token < VOCAB_SIZE:
+            raise ValueError(f"token id {token} is not in 0..{VOCAB_SIZE - 1}")
+        if token >= _BYTE_BASE:
+            pending.append(token - _BYTE_BASE)
+            continue
+        if pending:
+            out.append(pending.decode("utf-8", "replace"))
+            pending.clear()
+        out.append(_PIECES[token])
+    if pending:
+        out.append(pending.decode("utf-8", "replace"))
+    return "".join(out)
 
 
 def generate(

@@ -8,10 +8,16 @@ The text comes from :mod:`llmgw.sim.generate`, the settings from :mod:`llmgw.sim
 It is what the tests run against and the baseline of the latency benchmark, so
 the request path is kept lean: everything that does not depend on the request
 is computed once in :func:`build_app`, and stream chunks are assembled from
-pre-serialised pieces.
+pre-serialised pieces. The other endpoints live beside it: the Responses API in
+:mod:`llmgw.sim.responses`, embeddings, rerank, score and the tokenizer in
+:mod:`llmgw.sim.pooling`; what they share (errors, the body's check) in
+:mod:`llmgw.sim.protocol`.
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``,
-``POST /v1/chat/completions``, ``POST /v1/completions``.
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
+``POST /v1/embeddings``, ``POST /v1/rerank``, ``POST /v1/score``, ``POST /tokenize``,
+``POST /detokenize``. It serves all of them whatever the catalog profile's ``task``
+says: the gateway routes each path only to replicas deployed for its task.
 
 Multi-node (``nodes`` > 1): the replica assembles over TCP first
 (:mod:`llmgw.sim.rendezvous`). Rank 0 binds ``dist_init_addr`` and opens its HTTP port
@@ -24,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -41,72 +46,51 @@ from llmgw.errors import EngineError
 from llmgw.netaddr import parse_hostport
 from llmgw.sim.config import SimConfig, is_int
 from llmgw.sim.generate import TOKEN_JSON, draw
+from llmgw.sim.pooling import PoolingHandlers
+from llmgw.sim.protocol import (
+    DISCONNECT_POLL_S,
+    ROLES,
+    SSE_HEADERS,
+    BadRequest,
+    dumps,
+    error_response,
+    gone,
+    missing,
+    parse_body,
+    positive_int,
+    unknown_model_message,
+)
 from llmgw.sim.rendezvous import Leader, Worker
+from llmgw.sim.responses import ResponsesHandlers
 
 log = logging.getLogger("llmgw.engine.sim")
 
 _MAX_N = 16
 _MAX_BODY_BYTES = 64 * 1024 * 1024
 _SHUTDOWN_GRACE_S = 5.0
-_DISCONNECT_POLL_S = 0.05
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
-_dumps = functools.partial(json.dumps, separators=(",", ":"))
-
-_SSE_HEADERS = {
-    "Content-Type": "text/event-stream",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-}
 _SSE_DONE = b"data: [DONE]\n\n"
 
 
 # --------------------------------------------------------------------------- request parsing
 
 
-class _BadRequest(Exception):
-    def __init__(
-        self, message: str, param: str | None, *, status: int = 400, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.code = code
-
-
-def _error_response(status: int, message: str, param: str | None, code: str | None) -> web.Response:
-    body = {
-        "error": {
-            "message": message,
-            "type": "invalid_request_error",
-            "param": param,
-            "code": code,
-        }
-    }
-    return web.Response(status=status, body=_dumps(body).encode(), content_type="application/json")
-
-
-def _missing(name: str) -> _BadRequest:
-    return _BadRequest(f"'{name}' is required", name, code="missing_required_parameter")
-
-
 def _chat_prompt(messages: object) -> str:
     if messages is None:
-        raise _missing("messages")
+        raise missing("messages")
     if not isinstance(messages, list) or not messages:
-        raise _BadRequest(
+        raise BadRequest(
             "'messages' must be a non-empty array of {role, content} objects", "messages"
         )
     parts: list[str] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise _BadRequest(f"'{where}' must be an object with 'role' and 'content'", where)
+            raise BadRequest(f"'{where}' must be an object with 'role' and 'content'", where)
         role = message.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise _BadRequest(
-                f"'{where}.role' must be one of {', '.join(sorted(_ROLES))}; got {role!r}",
+        if not isinstance(role, str) or role not in ROLES:
+            raise BadRequest(
+                f"'{where}.role' must be one of {', '.join(sorted(ROLES))}; got {role!r}",
                 f"{where}.role",
             )
         content = message.get("content")
@@ -115,14 +99,14 @@ def _chat_prompt(messages: object) -> str:
         elif isinstance(content, list):
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise _BadRequest(
+                    raise BadRequest(
                         f"'{where}.content[{j}]' must be an object with a 'type'",
                         f"{where}.content[{j}]",
                     )
                 if part["type"] == "text":
                     text = part.get("text")
                     if not isinstance(text, str):
-                        raise _BadRequest(
+                        raise BadRequest(
                             f"'{where}.content[{j}].text' must be a string",
                             f"{where}.content[{j}].text",
                         )
@@ -130,7 +114,7 @@ def _chat_prompt(messages: object) -> str:
         elif content is None and role == "assistant":
             continue
         else:
-            raise _BadRequest(
+            raise BadRequest(
                 f"'{where}.content' must be a string or an array of content parts",
                 f"{where}.content",
             )
@@ -139,12 +123,12 @@ def _chat_prompt(messages: object) -> str:
 
 def _completion_prompts(prompt: object) -> list[str]:
     if prompt is None:
-        raise _missing("prompt")
+        raise missing("prompt")
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return prompt
-    raise _BadRequest(
+    raise BadRequest(
         "'prompt' must be a string or a non-empty array of strings "
         "(token-id prompts are not supported by the sim engine)",
         "prompt",
@@ -160,19 +144,10 @@ class _Options:
     include_usage: bool
 
 
-def _positive_int(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not is_int(value) or value < 1:
-        raise _BadRequest(f"'{name}' must be a positive integer, got {value!r}", name)
-    return int(value)
-
-
 def _options(body: dict[str, Any], cfg: SimConfig, *, chat: bool) -> _Options:
-    max_tokens = _positive_int(body, "max_completion_tokens") if chat else None
+    max_tokens = positive_int(body, "max_completion_tokens") if chat else None
     if max_tokens is None:
-        max_tokens = _positive_int(body, "max_tokens")
+        max_tokens = positive_int(body, "max_tokens")
     if max_tokens is None:
         max_tokens = cfg.max_tokens
 
@@ -180,26 +155,26 @@ def _options(body: dict[str, Any], cfg: SimConfig, *, chat: bool) -> _Options:
     if seed is None:
         seed = cfg.seed
     elif not is_int(seed):
-        raise _BadRequest(f"'seed' must be an integer, got {seed!r}", "seed")
+        raise BadRequest(f"'seed' must be an integer, got {seed!r}", "seed")
 
-    n = _positive_int(body, "n") or 1
+    n = positive_int(body, "n") or 1
     if n > _MAX_N:
-        raise _BadRequest(f"'n' must be at most {_MAX_N}, got {n}", "n")
+        raise BadRequest(f"'n' must be at most {_MAX_N}, got {n}", "n")
 
     stream = body.get("stream")
     if stream is None:
         stream = False
     elif not isinstance(stream, bool):
-        raise _BadRequest(f"'stream' must be a boolean, got {stream!r}", "stream")
+        raise BadRequest(f"'stream' must be a boolean, got {stream!r}", "stream")
 
     include_usage = False
     stream_options = body.get("stream_options")
     if stream_options is not None:
         if not isinstance(stream_options, dict):
-            raise _BadRequest("'stream_options' must be an object", "stream_options")
+            raise BadRequest("'stream_options' must be an object", "stream_options")
         value = stream_options.get("include_usage")
         if value is not None and not isinstance(value, bool):
-            raise _BadRequest(
+            raise BadRequest(
                 f"'stream_options.include_usage' must be a boolean, got {value!r}",
                 "stream_options.include_usage",
             )
@@ -225,8 +200,8 @@ class _Handlers:
             "created": int(time.time()),
             "owned_by": "llmgw",
         }
-        self.model_body = _dumps(model_obj).encode()
-        self.models_body = _dumps({"object": "list", "data": [model_obj]}).encode()
+        self.model_body = dumps(model_obj).encode()
+        self.models_body = dumps({"object": "list", "data": [model_obj]}).encode()
         self.health_body = b'{"status":"ok"}'
 
     # ----------------------------------------------------------------- simple endpoints
@@ -240,13 +215,10 @@ class _Handlers:
     async def model(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["model_id"]
         if name != self.cfg.model:
-            return _error_response(
-                404, self._unknown_model_message(name), "model", "model_not_found"
+            return error_response(
+                404, unknown_model_message(name, self.cfg.model), "model", "model_not_found"
             )
         return web.Response(body=self.model_body, content_type="application/json")
-
-    def _unknown_model_message(self, name: str) -> str:
-        return f"The model '{name}' does not exist; this engine serves '{self.cfg.model}'"
 
     # ----------------------------------------------------------------- completions
 
@@ -261,14 +233,14 @@ class _Handlers:
         t0 = loop.time()
         raw = await request.read()
         try:
-            body = self._parse(raw)
+            body = parse_body(raw, self.cfg.model)
             if chat:
                 prompts = [_chat_prompt(body.get("messages"))]
             else:
                 prompts = _completion_prompts(body.get("prompt"))
             opts = _options(body, self.cfg, chat=chat)
-        except _BadRequest as e:
-            return _error_response(e.status, e.message, e.param, e.code)
+        except BadRequest as e:
+            return error_response(e.status, e.message, e.param, e.code)
 
         jobs = [
             draw(prompt, opts.max_tokens, opts.seed, j) for prompt in prompts for j in range(opts.n)
@@ -288,24 +260,6 @@ class _Handlers:
             )
         return await self._respond(request, chat, rid, created, jobs, usage, t0)
 
-    def _parse(self, raw: bytes) -> dict[str, Any]:
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise _BadRequest(f"the request body is not valid JSON: {e}", None) from None
-        if not isinstance(body, dict):
-            raise _BadRequest("the request body must be a JSON object", None)
-        model = body.get("model")
-        if model is None:
-            raise _missing("model")
-        if not isinstance(model, str):
-            raise _BadRequest(f"'model' must be a string, got {model!r}", "model")
-        if model != self.cfg.model:
-            raise _BadRequest(
-                self._unknown_model_message(model), "model", status=404, code="model_not_found"
-            )
-        return body
-
     async def _respond(
         self,
         request: web.Request,
@@ -320,9 +274,9 @@ class _Handlers:
         deadline = t0 + self.ttft_s + (steps - 1) * self.interval_s
         loop = asyncio.get_running_loop()
         while (remaining := deadline - loop.time()) > 0:
-            if _gone(request):
+            if gone(request):
                 break
-            await asyncio.sleep(min(remaining, _DISCONNECT_POLL_S))
+            await asyncio.sleep(min(remaining, DISCONNECT_POLL_S))
         choices: list[dict[str, Any]]
         if chat:
             choices = [
@@ -347,7 +301,7 @@ class _Handlers:
             "choices": choices,
             "usage": usage,
         }
-        return web.Response(body=_dumps(obj).encode(), content_type="application/json")
+        return web.Response(body=dumps(obj).encode(), content_type="application/json")
 
     async def _stream(
         self,
@@ -385,7 +339,7 @@ class _Handlers:
             role = []
         finish_post = '"}]}\n\n'
 
-        response = web.StreamResponse(headers=_SSE_HEADERS)
+        response = web.StreamResponse(headers=SSE_HEADERS)
         loop = asyncio.get_running_loop()
         steps = max(len(tokens) for tokens, _ in jobs)
         try:
@@ -394,7 +348,7 @@ class _Handlers:
                 delay = t0 + self.ttft_s + k * self.interval_s - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                if _gone(request):
+                if gone(request):
                     return response
                 events: list[str] = []
                 if k == 0:
@@ -412,7 +366,7 @@ class _Handlers:
                 await response.write(
                     (
                         f'data: {{"id":"{rid}","object":"{obj}","created":{created},'
-                        f'"model":{self.model_json},"choices":[],"usage":{_dumps(usage)}}}\n\n'
+                        f'"model":{self.model_json},"choices":[],"usage":{dumps(usage)}}}\n\n'
                     ).encode()
                 )
             await response.write(_SSE_DONE)
@@ -420,11 +374,6 @@ class _Handlers:
         except ConnectionResetError:
             log.debug("sim: client went away mid-stream", extra={"id": rid})
         return response
-
-
-def _gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
 
 
 def build_app(cfg: SimConfig) -> web.Application:
@@ -436,6 +385,8 @@ def build_app(cfg: SimConfig) -> web.Application:
     app.router.add_get("/v1/models/{model_id:.+}", sim.model)
     app.router.add_post("/v1/chat/completions", sim.chat_completions)
     app.router.add_post("/v1/completions", sim.completions)
+    app.router.add_routes(ResponsesHandlers(cfg).routes())
+    app.router.add_routes(PoolingHandlers(cfg).routes())
     return app
 
 

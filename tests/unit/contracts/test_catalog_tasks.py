@@ -11,6 +11,7 @@ import pytest
 from llmgw.contracts.catalog import (
     Profile,
     adhoc_profile,
+    deployed_profile,
     parse_catalog,
     parse_profile,
     profile_max_concurrency,
@@ -203,3 +204,16 @@ def test_profile_max_concurrency_of_stored_profiles_older_or_odd() -> None:
     assert profile_max_concurrency({"engine": "tgi"}) == 256
     assert profile_max_concurrency(None) == 256
     assert profile_max_concurrency(adhoc_profile("llamacpp", {"parallel": 5})) == 5
+
+
+def test_deployed_profile_is_the_catalogs_or_the_adhoc_one() -> None:
+    catalog = {"default": {"engine": "llamacpp", "task": ["embed"]}, "big": {"engine": "vllm"}}
+    assert deployed_profile(catalog, "big", "sim", {}) == {"engine": "vllm"}
+    assert profile_tasks(deployed_profile(catalog, "default", "sim", {})) == ("embed",)
+    # A model deployed without the catalog (llmgw ctl deploy m --engine sim): no profiles.
+    adhoc = deployed_profile({}, "default", "sim", {"ttft_ms": 5})
+    assert adhoc == adhoc_profile("sim", {"ttft_ms": 5})
+    assert profile_tasks(adhoc) == ("generate", "embed", "rerank")
+    assert (
+        profile_max_concurrency(deployed_profile(None, "default", "llamacpp", {"parallel": 3})) == 3
+    )

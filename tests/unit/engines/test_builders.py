@@ -565,3 +565,63 @@ def test_bad_param_values_name_the_param(engine: str, key: str, value: str) -> N
 def test_params_are_checked_by_build_command() -> None:
     with pytest.raises(EngineError, match="max_num_seqs"):
         build_command(_spec("vllm", params={"max_num_seqs": "0"}))
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+@pytest.mark.parametrize(
+    ("engine", "tasks", "flags"),
+    [
+        ("llamacpp", ("embed",), ["--embedding"]),
+        ("llamacpp", ("rerank",), ["--reranking"]),
+        ("vllm", ("embed",), ["--runner", "pooling"]),
+        ("vllm", ("rerank", "embed"), ["--runner", "pooling"]),  # one runner, given once
+        ("sglang", ("rerank",), ["--is-embedding"]),
+        ("sim", ("generate", "embed", "rerank"), []),
+        ("vllm", ("generate",), []),
+    ],
+)
+def test_task_args_run_the_engine_for_its_task(
+    engine: str, tasks: tuple[str, ...], flags: list[str]
+) -> None:
+    assert launch.task_args(engine, tasks) == flags
+    # The scheduler sends them as the shard's first extra args: the engine gets them after
+    # its own flags, before the profile's.
+    spec = EngineSpec(
+        engine=engine,
+        model="m",
+        port=43000,
+        source="/models/m.gguf",
+        extra_args=(*flags, "--verbose"),
+    )
+    argv = build_command(spec).argv
+    assert argv[len(argv) - len(flags) - 1 :] == [*flags, "--verbose"]
+
+
+@pytest.mark.parametrize(
+    ("engine", "tasks", "message"),
+    [
+        (
+            "vllm",
+            ("generate", "embed"),
+            "one vllm replica cannot do generate and embed at once (it can do embed + rerank "
+            "together); give each task a profile of its own and deploy them as two models "
+            "(e.g. NAME and NAME-embed)",
+        ),
+        (
+            "llamacpp",
+            ("embed", "rerank"),
+            "one llamacpp replica cannot do embed and rerank at once; give each task a profile "
+            "of its own and deploy them as two models (e.g. NAME and NAME-embed)",
+        ),
+        ("sglang", ("generate", "rerank"), "one sglang replica cannot do generate and rerank"),
+        ("tgi", ("embed",), "engine 'tgi' is not one llmgw can run"),
+    ],
+)
+def test_task_args_refuse_what_one_process_cannot_do(
+    engine: str, tasks: tuple[str, ...], message: str
+) -> None:
+    with pytest.raises(EngineError) as info:
+        launch.task_args(engine, tasks)
+    assert str(info.value).startswith(message)

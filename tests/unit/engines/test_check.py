@@ -149,7 +149,7 @@ def test_each_task_with_flags_of_its_own_is_a_form_checked(
 
 
 def test_a_task_flag_the_engine_lacks_is_missing() -> None:
-    # vLLM before 0.10 had --task embed, not --runner pooling: engine-check says so.
+    # vLLM before 0.10.1 had --task embed, not --runner pooling: engine-check says so.
     text = _text("vllm").replace("--runner", "--task")
     report = check_help("vllm", text, source="test")
     assert report.missing == ["--runner"]

@@ -13,7 +13,16 @@ from llmgw.sim.config import SimConfig
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("port", 70000), ("port", -1), ("tps", -1.0), ("ttft_ms", float("nan")), ("max_tokens", 0)],
+    [
+        ("port", 70000),
+        ("port", -1),
+        ("tps", -1.0),
+        ("ttft_ms", float("nan")),
+        ("max_tokens", 0),
+        ("embedding_dim", 0),
+        ("embedding_dim", 16385),
+        ("embedding_dim", 3.0),
+    ],
 )
 def test_config_validation(field: str, value: Any) -> None:
     with pytest.raises(EngineError, match=field):

@@ -1,4 +1,5 @@
-"""The sim's text: deterministic for a (seed, prompt), lengths in range, cut at max_tokens."""
+"""The sim's text: deterministic for a (seed, prompt), lengths in range, cut at max_tokens;
+its tokenizer round-trips any text."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import pytest
 
 from llmgw.errors import EngineError
 from llmgw.sim.config import SimConfig
-from llmgw.sim.generate import MAX_LENGTH, MIN_LENGTH, generate
+from llmgw.sim.generate import (
+    MAX_LENGTH,
+    MIN_LENGTH,
+    VOCAB_SIZE,
+    detokenize,
+    generate,
+    tokenize,
+)
 
 
 def test_generate_is_deterministic() -> None:
@@ -48,3 +56,31 @@ def test_generate_truncates_to_max_tokens() -> None:
 def test_generate_rejects_bad_max_tokens() -> None:
     with pytest.raises(EngineError, match="max_tokens"):
         generate(SimConfig(), "x", max_tokens=0, seed=None)
+
+
+# --------------------------------------------------------------------------- the tokenizer
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "the river", "Quiet river the", "  leading\n\ntwo lines ", "émigré naïve 🙂", "x"],
+)
+def test_tokenize_and_detokenize_round_trip(text: str) -> None:
+    ids = tokenize(text)
+    assert all(0 <= i < VOCAB_SIZE for i in ids)
+    assert detokenize(ids) == text
+
+
+def test_the_engines_own_output_is_one_token_per_word() -> None:
+    tokens, _ = generate(SimConfig(), "a prompt", max_tokens=64, seed=3)
+    text = "".join(tokens)
+    ids = tokenize(text)
+    assert len(ids) == len(tokens) == len(text.split())
+    assert [detokenize([i]) for i in ids] == tokens
+
+
+def test_detokenize_refuses_an_id_out_of_the_vocabulary() -> None:
+    with pytest.raises(ValueError, match=rf"token id {VOCAB_SIZE} is not in 0\.\.{VOCAB_SIZE - 1}"):
+        detokenize([VOCAB_SIZE])
+    with pytest.raises(ValueError, match="token id -1"):
+        detokenize([-1])

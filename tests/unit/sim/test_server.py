@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -12,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,50 +27,10 @@ from llmgw.sim.config import SimConfig
 from llmgw.sim.generate import generate
 from llmgw.sim.rendezvous import RendezvousError
 from llmgw.sim.server import serve
+from tests.unit.sim.running import running
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL = "llmgw-sim"
-
-
-@contextlib.contextmanager
-def running(cfg: SimConfig) -> Iterator[str]:
-    """Run ``serve(cfg)`` on its own loop in a thread; yield the base URL."""
-    loop = asyncio.new_event_loop()
-    bound = threading.Event()
-    port: list[int] = []
-    failure: list[BaseException] = []
-    task: list[asyncio.Task[None]] = []
-
-    def on_bound(p: int) -> None:
-        port.append(p)
-        bound.set()
-
-    def main() -> None:
-        asyncio.set_event_loop(loop)
-        task.append(loop.create_task(serve(cfg, on_bound=on_bound)))
-        try:
-            loop.run_until_complete(task[0])
-        except asyncio.CancelledError:
-            pass
-        except BaseException as e:
-            failure.append(e)
-            bound.set()
-        finally:
-            loop.close()
-
-    thread = threading.Thread(target=main, daemon=True)
-    thread.start()
-    assert bound.wait(10), "sim engine did not bind within 10s"
-    if failure:
-        raise failure[0]
-    try:
-        yield f"http://127.0.0.1:{port[0]}"
-    finally:
-        loop.call_soon_threadsafe(task[0].cancel)
-        thread.join(15)
-        assert not thread.is_alive(), "sim engine did not stop within 15s"
-    if failure:
-        raise failure[0]
 
 
 @pytest.fixture(scope="module")

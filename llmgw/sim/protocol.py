@@ -1,0 +1,113 @@
+"""What every endpoint of the ``sim`` engine shares: OpenAI-shaped errors (:class:`BadRequest`
+and its JSON), the check of a request body and its ``model``, and the bits of streaming."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from aiohttp import web
+
+from llmgw.sim.config import is_int
+
+__all__ = [
+    "DISCONNECT_POLL_S",
+    "ROLES",
+    "SSE_HEADERS",
+    "BadRequest",
+    "dumps",
+    "error_response",
+    "gone",
+    "missing",
+    "parse_body",
+    "positive_int",
+    "unknown_model_message",
+]
+
+DISCONNECT_POLL_S = 0.05
+"""How often a request waiting out its simulated latency looks for a client gone."""
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+"""The message roles the chat and responses endpoints take."""
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+dumps = functools.partial(json.dumps, separators=(",", ":"))
+"""Compact JSON, as the engines send it."""
+
+
+class BadRequest(Exception):
+    """A request the engine refuses: an OpenAI error object with ``param`` and ``code``."""
+
+    def __init__(
+        self, message: str, param: str | None, *, status: int = 400, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.message, self.param, self.code)
+
+
+def error_response(status: int, message: str, param: str | None, code: str | None) -> web.Response:
+    body = {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": param,
+            "code": code,
+        }
+    }
+    return web.Response(status=status, body=dumps(body).encode(), content_type="application/json")
+
+
+def missing(name: str) -> BadRequest:
+    return BadRequest(f"'{name}' is required", name, code="missing_required_parameter")
+
+
+def unknown_model_message(name: str, model: str) -> str:
+    return f"The model '{name}' does not exist; this engine serves '{model}'"
+
+
+def parse_body(raw: bytes, model: str) -> dict[str, Any]:
+    """The JSON object of a request for ``model``; BadRequest (404 for another model)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}", None) from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object", None)
+    given = body.get("model")
+    if given is None:
+        raise missing("model")
+    if not isinstance(given, str):
+        raise BadRequest(f"'model' must be a string, got {given!r}", "model")
+    if given != model:
+        raise BadRequest(
+            unknown_model_message(given, model), "model", status=404, code="model_not_found"
+        )
+    return body
+
+
+def positive_int(body: dict[str, Any], name: str) -> int | None:
+    """``body[name]`` as a positive integer, None when absent."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not is_int(value) or value < 1:
+        raise BadRequest(f"'{name}' must be a positive integer, got {value!r}", name)
+    return int(value)
+
+
+def gone(request: web.Request) -> bool:
+    """Whether the client has hung up."""
+    transport = request.transport
+    return transport is None or transport.is_closing()

@@ -1,0 +1,204 @@
+"""The gateway's new endpoints in front of a real ``sim`` engine, driven by the official
+OpenAI client: embeddings (base64, the client's default), the Responses API whole and
+streamed, rerank, score and the tokenizer, relayed unchanged; and a model deployed for
+another task refused with the path it lacks.
+
+The sim app stands in for the agent's data plane: mounted at ``/s/<shard>/``, it answers the
+paths the gateway relays, as the data plane hands them to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from llmgw.bodies import BodyBudget
+from llmgw.contracts.catalog import profile_max_concurrency, profile_tasks
+from llmgw.contracts.endpoints import served_paths
+from llmgw.contracts.keypolicy import KeyPolicy
+from llmgw.server.config import load_server_config
+from llmgw.server.gateway import Gateway, GatewayLimits
+from llmgw.server.limits import Limits
+from llmgw.server.metrics import Metrics
+from llmgw.server.routing import Endpoint, Router
+from llmgw.server.serving import ServedModel
+from llmgw.server.usage import UsageBook
+from llmgw.sim.config import SimConfig
+from llmgw.sim.server import build_app
+from tests.unit.server.test_gateway_policy import api_key
+from tests.unit.server.test_usage import FakeStore
+from tests.unit.serving import serving
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = "sk-alice"
+
+
+@dataclasses.dataclass
+class Rig:
+    url: str
+    client: openai.AsyncOpenAI
+    http: aiohttp.ClientSession
+    usage: UsageBook
+
+    async def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with self.http.post(self.url + path, json=body, headers=headers) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+
+def run(body: Callable[[Rig], Awaitable[None]], profiles: dict[str, dict[str, Any]]) -> None:
+    """The gateway serving a sim model per entry of ``profiles`` (name -> stored profile),
+    each with one replica on a sim engine of that name."""
+
+    async def main() -> None:
+        data_plane = web.Application()
+        for index, name in enumerate(profiles):
+            sim = build_app(SimConfig(model=name, seed=5, embedding_dim=32))
+            data_plane.add_subapp(f"/s/s{index}/", sim)
+        async with serving(data_plane) as dp_port:
+            cfg = dataclasses.replace(load_server_config(None), replica_wait=0.0)
+            router = Router()
+            models = {}
+            for index, (name, profile) in enumerate(profiles.items()):
+                router.set_ready(
+                    Endpoint(name, f"r{index}", f"s{index}", "n1", f"127.0.0.1:{dp_port}")
+                )
+                tasks = profile_tasks(profile)
+                models[name] = ServedModel(
+                    name,
+                    profile["engine"],
+                    tasks,
+                    served_paths(profile["engine"], tasks),
+                    profile_max_concurrency(profile),
+                    None,
+                )
+            key = api_key("alice", KeyPolicy())[0]
+            cache = SimpleNamespace(
+                keys={key.hash: key},
+                models=models,
+                model_names=frozenset(models),
+                body_limits={},
+                largest_body_limit=cfg.max_request_body,
+                max_concurrency=lambda m: models[m].max_concurrency,
+            )
+            store = FakeStore()
+            limits = Limits(budget_spent=lambda k, since: 0)
+            usage = UsageBook(store, limits)
+            gateway = Gateway(
+                router,
+                Metrics(),
+                cache,
+                BodyBudget(cfg.max_inflight_body_bytes),  # type: ignore[arg-type]
+                GatewayLimits.of(cfg),
+                revoked=set,
+                client_ssl=lambda: None,
+                nodes_connected=lambda: 0,
+                epoch=1,
+                started_at=time.time(),
+                policy=limits,
+                usage=usage,
+            )
+            app = web.Application()
+            gateway.add_routes(app)
+            app.on_cleanup.append(lambda _app: gateway.close())
+            async with serving(app) as port, aiohttp.ClientSession() as http:
+                url = f"http://127.0.0.1:{port}"
+                client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+                try:
+                    await body(Rig(url, client, http, usage))
+                finally:
+                    await client.close()
+
+    asyncio.run(main())
+
+
+SIM = {"m": {"engine": "sim"}}
+
+
+def test_embeddings_through_the_gateway() -> None:
+    async def body(rig: Rig) -> None:
+        result = await rig.client.embeddings.create(model="m", input=["the river", "a road"])
+        vectors = [e.embedding for e in result.data]
+        assert [len(v) for v in vectors] == [32, 32]
+        assert all(
+            math.isclose(math.sqrt(sum(x * x for x in v)), 1.0, rel_tol=1e-6) for v in vectors
+        )
+        assert result.usage.prompt_tokens == 4
+
+    run(body, SIM)
+
+
+def test_responses_whole_and_streamed_through_the_gateway() -> None:
+    async def body(rig: Rig) -> None:
+        whole = await rig.client.responses.create(
+            model="m", input="the river", max_output_tokens=64
+        )
+        assert whole.status == "completed" and whole.output_text
+        stream = await rig.client.responses.create(
+            model="m", input="the river", max_output_tokens=64, stream=True
+        )
+        events = [event async for event in stream]
+        assert events[0].type == "response.created"
+        assert events[-1].type == "response.completed"
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert deltas == whole.output_text == events[-1].response.output_text  # type: ignore[union-attr]
+        # The usage the gateway books: the whole response's, and the final event's.
+        await asyncio.sleep(0.05)
+        [row] = rig.usage.pending()
+        assert whole.usage is not None
+        assert (row.requests, row.completion_tokens) == (2, 2 * whole.usage.output_tokens)
+        assert row.prompt_tokens == 2 * whole.usage.input_tokens
+
+    run(body, SIM)
+
+
+def test_rerank_score_and_the_tokenizer_through_the_gateway() -> None:
+    async def body(rig: Rig) -> None:
+        status, answer = await rig.post(
+            "/v1/rerank",
+            {"model": "m", "query": "stone bridge", "documents": ["a river", "the stone bridge"]},
+        )
+        assert status == 200, answer
+        assert [r["index"] for r in answer["results"]] == [1, 0]
+        status, answer = await rig.post(
+            "/v1/score", {"model": "m", "text_1": "stone", "text_2": ["stone", "river"]}
+        )
+        assert status == 200, answer
+        assert [d["score"] for d in answer["data"]] == [1.0, 0.0]
+        status, tokens = await rig.post("/tokenize", {"model": "m", "prompt": "the stone road"})
+        assert status == 200 and tokens["count"] == 3
+        status, text = await rig.post("/detokenize", {"model": "m", "tokens": tokens["tokens"]})
+        assert (status, text) == (200, {"prompt": "the stone road"})
+
+    run(body, SIM)
+
+
+def test_a_model_deployed_for_another_task_is_refused_the_path() -> None:
+    async def body(rig: Rig) -> None:
+        with pytest.raises(openai.APIStatusError) as info:
+            await rig.client.embeddings.create(model="chat", input="the river")
+        assert "model 'chat' does not serve /v1/embeddings" in str(info.value)
+        assert "task: [embed]" in str(info.value)
+        # Its own task still goes through, and so does the embedding model's.
+        await rig.client.responses.create(model="chat", input="hi")
+        await rig.client.embeddings.create(model="embed", input="hi")
+
+    run(
+        body,
+        {
+            "chat": {"engine": "sim", "task": ["generate"]},
+            "embed": {"engine": "sim", "task": "embed"},
+        },
+    )
