@@ -471,3 +471,68 @@ def test_a_retired_instance_is_shut_out_and_its_machine_rejoins_under_a_new_id(
             )
     finally:
         stop_all(procs)
+
+
+def _chat(inst: Any, key: str) -> tuple[int, dict[str, Any], dict[str, str]]:
+    req = urllib.request.Request(
+        inst.server.url + "/v1/chat/completions",
+        data=json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        ).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read()), dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+
+def test_two_instances_each_enforce_their_share_and_share_a_budget(
+    tmp_path: Path, pg_cluster: Any
+) -> None:
+    """What the README says of limits with several instances: each enforces the key's rate
+    limit divided by the instances alive, and a budget spent through one is spent on the
+    other once its usage is flushed (within a second or two)."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        instances = cluster(tmp_path, pg_cluster, count=2)
+        procs.extend(i.server.proc for i in instances)
+        fleet(tmp_path, instances, procs)
+        wait_for(lambda: models(instances[1]) == ["m"], timeout=30, what="the standby routes m")
+        key = instances[1].server.api("POST", "/api/keys", {"name": "shared", "rpm": 4})["key"]
+        statuses: dict[str, list[int]] = {}
+        for inst in instances:
+            # Each instance counts the other alive within a lease renewal or two.
+            first = wait_for(
+                lambda inst=inst: (
+                    (r := _chat(inst, key))[0] == 200
+                    and r[2].get("x-ratelimit-limit-requests") == "2"
+                    and r
+                ),
+                timeout=30,
+                what=f"{inst.name} enforcing half of rpm 4",
+            )
+            statuses[inst.name] = [first[0]] + [_chat(inst, key)[0] for _ in range(2)]
+        # Two per instance (a share refills at 2 a minute): four in all, the key's limit.
+        assert statuses == {"cp1": [200, 200, 429], "cp2": [200, 200, 429]}, statuses
+
+        budget = instances[0].server.api(
+            "POST", "/api/keys", {"name": "budget", "budget": "40/day"}
+        )["key"]
+        wait_for(lambda: _chat(instances[1], budget)[0] == 200, what="the standby knows the key")
+        spent = 0
+        while (answer := _chat(instances[0], budget))[0] == 200:
+            spent += answer[1]["usage"]["total_tokens"]
+            assert spent < 1000, "the budget never ran out"
+        assert answer[1]["error"]["code"] == "insufficient_quota"
+        # The leader's usage reaches the database within a second; the standby reads it
+        # back at its next flush.
+        refused = wait_for(
+            lambda: (r := _chat(instances[1], budget))[0] == 429 and r,
+            timeout=15,
+            what="the standby refusing the spent budget",
+        )
+        assert refused[1]["error"]["code"] == "insufficient_quota"
+    finally:
+        stop_all(procs)
