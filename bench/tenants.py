@@ -3,9 +3,12 @@
 key policy costs the gateway per request.
 
 A real ``llmgw server`` with one real agent and a sim model on one replica at
-``--concurrency`` (``max_concurrency``, 8), each request taking ``--service-ms`` (the sim's time
-to first token, 500 ms: a short LLM answer), so the model's capacity is concurrency / service
-time. Two keys:
+``--concurrency`` (``max_concurrency``, 8). ``--workload mixed`` (the default): each request
+asks for 1 to 8 tokens at random, at 100 ms to the first and 10 tokens/s, so requests take
+0.2-0.9 s (0.55 s on average) as answers of different lengths do; ``--workload fixed``: every
+request takes ``--service-ms``, so the replica's requests start and end in lockstep (the worst
+case for a newcomer, who waits for the next batch to end). Capacity is concurrency / mean
+service time. Two keys:
 
 - B sends at 10% of capacity (evenly spaced), and its latency is measured;
 - A floods at 10x capacity (open loop: a request every 1/(10 x capacity) s, whatever the answers).
@@ -32,6 +35,7 @@ import json
 import math
 import os
 import platform
+import random
 import sys
 import tempfile
 import time
@@ -77,7 +81,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Cluster:
-    def __init__(self, tmp: Path, *, fair: bool, service_ms: float, concurrency: int) -> None:
+    def __init__(self, tmp: Path, *, fair: bool, params: dict[str, str], concurrency: int) -> None:
         tmp.mkdir(parents=True)
         self.server: Server = start_server_with(
             tmp, fair_queueing=fair, queue_timeout=5, max_inflight_body_bytes="1GiB"
@@ -89,7 +93,7 @@ class Cluster:
             MODEL: {
                 "engine": "sim",
                 "max_concurrency": concurrency,
-                "params": {"ttft_ms": str(service_ms), "tps": "100000"},
+                "params": params,
             },
             FAST: {"engine": "sim"},
         }
@@ -130,10 +134,30 @@ class Cluster:
         stop_process(self.server.proc)
 
 
-def body(model: str) -> bytes:
+def body(model: str, max_tokens: int = 1) -> bytes:
     return json.dumps(
-        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
     ).encode()
+
+
+class Workload:
+    """What each request of the tenants' model asks for, and the sim settings that make it
+    take as long as it should."""
+
+    def __init__(self, kind: str, service_ms: float) -> None:
+        self.kind = kind
+        self.rng = random.Random(7)
+        if kind == "fixed":
+            self.params = {"ttft_ms": str(service_ms), "tps": "100000"}
+            self.mean_s = service_ms / 1000
+            self.bodies = [body(MODEL, 1)]
+        else:
+            self.params = {"ttft_ms": "100", "tps": "10"}
+            self.mean_s = 0.1 + 4.5 / 10  # 1-8 tokens, 4.5 on average, at 10/s
+            self.bodies = [body(MODEL, k) for k in range(1, 9)]
+
+    def next(self) -> bytes:
+        return self.rng.choice(self.bodies)
 
 
 async def one(session: aiohttp.ClientSession, url: str, key: str, data: bytes) -> tuple[int, float]:
@@ -157,9 +181,9 @@ async def paced(
     rate: float,
     duration: float,
     out: list[tuple[int, float]],
+    workload: Workload,
 ) -> None:
     """Open loop: a request every 1/rate s for ``duration`` s, whatever the answers."""
-    data = body(MODEL)
     tasks: list[asyncio.Task[tuple[int, float]]] = []
     start = time.perf_counter()
     n = 0
@@ -167,7 +191,7 @@ async def paced(
         due = start + n / rate
         if due > now:
             await asyncio.sleep(due - now)
-        tasks.append(asyncio.create_task(one(session, url, key, data)))
+        tasks.append(asyncio.create_task(one(session, url, key, workload.next())))
         n += 1
     out.extend(await asyncio.gather(*tasks))
 
@@ -184,7 +208,7 @@ def figures(results: list[tuple[int, float]]) -> dict[str, Any]:
 
 
 async def tenants_phase(
-    cluster: Cluster, *, flood: bool, duration: float, capacity: float
+    cluster: Cluster, workload: Workload, *, flood: bool, duration: float, capacity: float
 ) -> dict[str, Any]:
     url = cluster.server.url + "/v1/chat/completions"
     connector = aiohttp.TCPConnector(limit=0)
@@ -192,9 +216,11 @@ async def tenants_phase(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         b: list[tuple[int, float]] = []
         a: list[tuple[int, float]] = []
-        jobs = [paced(session, url, cluster.keys["b"], capacity * 0.1, duration, b)]
+        jobs = [paced(session, url, cluster.keys["b"], capacity * 0.1, duration, b, workload)]
         if flood:
-            jobs.append(paced(session, url, cluster.keys["a"], capacity * 10, duration, a))
+            jobs.append(
+                paced(session, url, cluster.keys["a"], capacity * 10, duration, a, workload)
+            )
         await asyncio.gather(*jobs)
     out = {"b": figures(b)}
     if flood:
@@ -275,10 +301,12 @@ def policy_path_us(rounds: int = 200_000) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    capacity = args.concurrency / (args.service_ms / 1000)
+    workload = Workload(args.workload, args.service_ms)
+    capacity = args.concurrency / workload.mean_s
     fig: dict[str, Any] = {
         "capacity_rps": round(capacity, 1),
-        "service_ms": args.service_ms,
+        "workload": args.workload,
+        "service_ms": round(workload.mean_s * 1000),
         "max_concurrency": args.concurrency,
     }
     tmp = Path(tempfile.mkdtemp(prefix="llmgw-bench-tenants-"))
@@ -286,13 +314,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         name = "fair" if fair else "fifo"
         say(f"--- {name} ---")
         cluster = Cluster(
-            tmp / name, fair=fair, service_ms=args.service_ms, concurrency=args.concurrency
+            tmp / name, fair=fair, params=workload.params, concurrency=args.concurrency
         )
         try:
             if fair:
                 say("B alone")
                 fig["alone"] = asyncio.run(
-                    tenants_phase(cluster, flood=False, duration=args.duration, capacity=capacity)
+                    tenants_phase(
+                        cluster, workload, flood=False, duration=args.duration, capacity=capacity
+                    )
                 )["b"]
                 say("CPU per request: a key with every limit, a key with none")
                 fig["cpu_us"] = {
@@ -305,7 +335,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 }
             say(f"A flooding at 10x capacity, {name}")
             fig[name] = asyncio.run(
-                tenants_phase(cluster, flood=True, duration=args.duration, capacity=capacity)
+                tenants_phase(
+                    cluster, workload, flood=True, duration=args.duration, capacity=capacity
+                )
             )
         finally:
             cluster.stop()
@@ -329,8 +361,8 @@ def render(fig: dict[str, Any]) -> str:
     cpu = fig["cpu_us"]
     lines = [
         f"llmgw tenants benchmark ({os.cpu_count()} CPUs, Python {platform.python_version()}): "
-        f"one replica, max_concurrency {fig['max_concurrency']}, {fig['service_ms']:g} ms a "
-        "request, "
+        f"one replica, max_concurrency {fig['max_concurrency']}, {fig['workload']} workload, "
+        f"{fig['service_ms']:g} ms a request on average, "
         f"capacity {fig['capacity_rps']} req/s",
         "B at 10% of capacity:",
         row("alone", fig["alone"]),
@@ -355,8 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=40.0, help="seconds per phase")
     parser.add_argument(
-        "--service-ms", type=float, default=500.0, help="ms a request takes (the sim's TTFT)"
+        "--service-ms",
+        type=float,
+        default=500.0,
+        help="ms a request takes in the fixed workload (the sim's TTFT)",
     )
+    parser.add_argument("--workload", choices=("mixed", "fixed"), default="mixed")
     parser.add_argument("--concurrency", type=int, default=8, help="the replica's max_concurrency")
     parser.add_argument("--requests", type=int, default=3000, help="per key, for the CPU figure")
     parser.add_argument("--json", action="store_true")

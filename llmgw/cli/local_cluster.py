@@ -28,6 +28,7 @@ import yaml
 
 from llmgw.agent.records import ShardRecords
 from llmgw.client import default_up_state_dir, write_ctl_config
+from llmgw.contracts.endpoints import PATHS
 from llmgw.contracts.ports import (
     DEFAULT_DATA_PORT,
     DEFAULT_ENROLL_PORT,
@@ -284,6 +285,7 @@ class LocalCluster:
                 f"    curl -s {q(base + '/chat/completions')} -H "
                 f"{q('Authorization: Bearer ' + self.api_key)} \\",
                 f"      -H 'Content-Type: application/json' -d {q(body)}",
+                f"  {UP_MODEL} answers every endpoint: {self._endpoints()}",
                 "",
                 f"  Operator view:   {ctl} nodes   (also: models, replicas, events)",
                 f"  State:           {self.opts.state_dir}",
@@ -291,6 +293,13 @@ class LocalCluster:
                 "  Press Ctrl-C to stop everything.",
             ]
         )
+
+    def _endpoints(self) -> str:
+        """The paths the deployed model serves (sim: all of them), as the gateway routes them."""
+        assert self.cp is not None
+        served = self.cp.serving.models.get(UP_MODEL)
+        paths = served.paths if served is not None else frozenset()
+        return ", ".join(p for p in PATHS if p in paths) or "none"
 
     def _password_line(self, ctl: str) -> list[str]:
         """Where the first admin password is (``ctl update`` asks for it), while it is there."""

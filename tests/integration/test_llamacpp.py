@@ -319,6 +319,53 @@ def test_agent_offers_llamacpp_and_the_gateway_serves_it(
     assert mounts_under(wrapper.parent.parent) == []
 
 
+def test_an_embedding_profile_of_the_gguf_serves_embeddings_through_the_gateway(
+    fleet: tuple[Server, str], model: Path
+) -> None:
+    """A catalog profile with task: embed runs llama-server with --embedding; the gateway
+    routes /v1/embeddings to it and refuses chat, which that profile does not serve."""
+    server, key = fleet
+    server.api(
+        "PUT",
+        "/api/catalog",
+        {
+            "models": {
+                "tiny-embed": {
+                    "profiles": {
+                        "default": {
+                            "engine": "llamacpp",
+                            "source": model.name,
+                            "gpus": 0,
+                            "task": ["embed"],
+                            "params": PARAMS,
+                            # A generative GGUF has no pooling of its own: mean, as OpenAI's
+                            # embeddings are one vector per input.
+                            "args": ["--pooling", "mean"],
+                        }
+                    }
+                }
+            }
+        },
+    )
+    server.api("POST", "/api/models", {"name": "tiny-embed", "profile": "default", "replicas": 1})
+    wait_for(
+        lambda: [r["state"] for r in server.replicas("tiny-embed")] == ["ready"],
+        timeout=READY_S,
+        what="the llama.cpp embedding replica ready",
+    )
+    replica = server.replicas("tiny-embed")[0]
+    cmdline = Path(f"/proc/{replica['pid']}/cmdline").read_bytes().split(b"\0")
+    assert b"--embedding" in cmdline
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    emb = client.embeddings.create(model="tiny-embed", input=["hello world", "world"])
+    assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
+    assert emb.data[0].embedding != emb.data[1].embedding
+    with pytest.raises(openai.BadRequestError, match="does not serve /v1/chat/completions"):
+        client.chat.completions.create(model="tiny-embed", messages=PROMPT, max_tokens=2)
+    server.api("DELETE", "/api/models/tiny-embed")
+    wait_for(lambda: not os.path.exists(f"/proc/{replica['pid']}"), what="the engine stopped")
+
+
 # --------------------------------------------------------------------------- (c) engine-check
 
 

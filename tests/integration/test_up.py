@@ -44,6 +44,20 @@ def test_banner_has_url_key_and_curl_line(up: Up) -> None:
     assert f"curl -s {up.base_url}/chat/completions -H 'Authorization: Bearer {up.api_key}'" in text
 
 
+def test_the_model_up_deploys_answers_embeddings_and_responses(up: Up) -> None:
+    client = openai.OpenAI(base_url=up.base_url, api_key=up.api_key)
+    emb = client.embeddings.create(model="llmgw-sim", input="out of the box")
+    assert len(emb.data[0].embedding) > 0
+    resp = client.responses.create(model="llmgw-sim", input="Hello", max_output_tokens=8)
+    assert resp.output_text
+    events = [e.type for e in client.responses.create(model="llmgw-sim", input="Hi", stream=True)]
+    assert events[0] == "response.created" and events[-1] in (
+        "response.completed",
+        "response.incomplete",
+    )
+    assert "answers every endpoint: /v1/chat/completions" in "".join(up.output)
+
+
 def test_list_models(up: Up) -> None:
     client = openai.OpenAI(base_url=up.base_url, api_key=up.api_key)
     assert [m.id for m in client.models.list()] == ["llmgw-sim"]

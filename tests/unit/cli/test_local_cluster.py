@@ -16,8 +16,10 @@ import pytest
 
 from llmgw.agent.records import ShardRecords
 from llmgw.agent.runtimes.base import ShardRecord
-from llmgw.cli.local_cluster import LocalCluster, UpOptions
+from llmgw.cli.local_cluster import UP_MODEL, LocalCluster, UpOptions
+from llmgw.contracts.endpoints import TASKS, served_paths
 from llmgw.procutil import process_start_time
+from llmgw.server.serving import ServedModel
 
 RECORDER = (
     '#!/bin/sh\n: >"$RECORD"\nfor a in "$@"; do printf "%s\\n" "$a" >>"$RECORD"; done\n'
@@ -31,8 +33,11 @@ def banner_of(state_dir: Path, *, password: bool = False) -> str:
     password_file = state_dir / "admin.password"
     if password:
         password_file.write_text("x\n")
+    sim = ServedModel(UP_MODEL, "sim", TASKS, served_paths("sim", TASKS), 64, None)
     stand_in: Any = SimpleNamespace(
-        http_addr="127.0.0.1:18080", password=SimpleNamespace(password_file=password_file)
+        http_addr="127.0.0.1:18080",
+        password=SimpleNamespace(password_file=password_file),
+        serving=SimpleNamespace(models={UP_MODEL: sim}),
     )
     cluster.cp = stand_in
     return cluster.banner()
@@ -157,3 +162,9 @@ def test_the_key_is_kept_and_one_whose_secret_is_lost_is_not_reused(tmp_path: Pa
         assert len({first, second, third}) == 3 and len(refreshed) == 3
         assert [k.name for k in store.active_api_keys()] == ["llmgw-up", "llmgw-up-2", "llmgw-up-3"]
         assert (tmp_path / "api-key").read_text() == third + "\n"
+
+
+def test_the_banner_lists_every_endpoint_the_model_answers(tmp_path: Path) -> None:
+    line = next(x for x in banner_of(tmp_path).splitlines() if "answers every endpoint" in x)
+    for path in ("/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/rerank"):
+        assert path in line
