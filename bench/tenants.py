@@ -264,7 +264,7 @@ def policy_path_us(rounds: int = 200_000) -> dict[str, float]:
         def add_usage(self, rows: Any) -> None:
             pass
 
-        def tokens_since(self, since_day: str) -> dict[str, int]:
+        def tokens_since(self, since_day: str, key_ids: Any = None) -> dict[str, int]:
             return {}
 
     router = Router()

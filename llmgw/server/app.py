@@ -378,7 +378,7 @@ class ControlPlane:
         """What the store holds of a key's tokens since a day (read once per key and budget
         period; the usage flushes keep it current after)."""
         try:
-            return self.store.tokens_since(since_day).get(key_id, 0)
+            return self.store.tokens_since(since_day, [key_id]).get(key_id, 0)
         except StoreError as exc:
             log.warning("cannot read a key's budget use", extra=kv(key=key_id, error=str(exc)))
             return 0

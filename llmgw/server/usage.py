@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Protocol
 
 from llmgw.contracts.keypolicy import UsageRow, usage_day
@@ -38,7 +38,9 @@ _REQUESTS, _PROMPT, _COMPLETION, _CACHED, _ERRORS = range(5)
 class UsageStore(Protocol):
     def add_usage(self, rows: Iterable[UsageRow]) -> None: ...
 
-    def tokens_since(self, since_day: str) -> dict[str, int]: ...
+    def tokens_since(
+        self, since_day: str, key_ids: Collection[str] | None = None
+    ) -> dict[str, int]: ...
 
 
 class UsageBook:
@@ -127,7 +129,10 @@ class UsageBook:
             for (_day, key_id, _model), v in taken.items():
                 flushed[key_id] = flushed.get(key_id, 0) + v[_PROMPT] + v[_COMPLETION]
             budgeted = self.limits.budgeted()
-            totals = {since: self.store.tokens_since(since) for since in budgeted}
+            totals = {
+                since: self.store.tokens_since(since, [s.id for s in states])
+                for since, states in budgeted.items()
+            }
             self.limits.confirm(flushed, totals)
         return len(rows)
 

@@ -6,7 +6,7 @@ fenced: a replaced leader's counts are as true as anyone's."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from llmgw.contracts.keypolicy import USAGE_COUNTS, UsageRow
@@ -71,15 +71,29 @@ class Usage:
         sql += " ORDER BY u.day, key_name, u.key_id, u.model"
         return [usage_from_row(r) for r in self._db.all(sql, params)]
 
-    def tokens_since(self, since_day: str) -> dict[str, int]:
+    def tokens_since(
+        self, since_day: str, key_ids: Collection[str] | None = None
+    ) -> dict[str, int]:
         """Tokens (prompt + completion) of each key on the days from *since_day* on, by key
-        id (keys without any absent): what a key's budget is checked against."""
-        rows = self._db.all(
+        id (keys without any absent): what a key's budget is checked against. With
+        *key_ids*, only those keys (read by the key's index: what the gateway asks each
+        second for the keys that have a budget)."""
+        day = _day(since_day)
+        sql = (
             "SELECT key_id, SUM(prompt_tokens + completion_tokens) AS tokens FROM usage "
-            "WHERE day >= ? GROUP BY key_id",
-            (_day(since_day),),
+            "WHERE day >= ?"
         )
-        return {str(r["key_id"]): int(r["tokens"]) for r in rows}
+        if key_ids is None:
+            rows = self._db.all(sql + " GROUP BY key_id", (day,))
+            return {str(r["key_id"]): int(r["tokens"]) for r in rows}
+        ids = sorted(set(key_ids))
+        out: dict[str, int] = {}
+        for at in range(0, len(ids), 500):
+            part = ids[at : at + 500]
+            marks = ", ".join("?" * len(part))
+            for r in self._db.all(sql + f" AND key_id IN ({marks}) GROUP BY key_id", (day, *part)):
+                out[str(r["key_id"])] = int(r["tokens"])
+        return out
 
 
 def _params(row: UsageRow) -> tuple[Any, ...]:

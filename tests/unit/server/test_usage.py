@@ -4,7 +4,7 @@ store refuses, and the budgets' totals read back at each flush."""
 from __future__ import annotations
 
 import calendar
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import pytest
 
@@ -38,10 +38,12 @@ class FakeStore:
             old.cached_tokens += r.cached_tokens
             old.errors += r.errors
 
-    def tokens_since(self, since_day: str) -> dict[str, int]:
+    def tokens_since(
+        self, since_day: str, key_ids: Collection[str] | None = None
+    ) -> dict[str, int]:
         out: dict[str, int] = {}
         for r in self.rows.values():
-            if r.day >= since_day:
+            if r.day >= since_day and (key_ids is None or r.key_id in key_ids):
                 out[r.key_id] = out.get(r.key_id, 0) + r.prompt_tokens + r.completion_tokens
         return out
 

@@ -89,6 +89,8 @@ def test_tokens_since_sums_prompt_and_completion_per_key(store: Store) -> None:
     assert store.tokens_since("2026-12-01") == {"k1": 33, "k2": 7}
     assert store.tokens_since("2026-11-01") == {"k1": 2033, "k2": 7}
     assert store.tokens_since("2027-01-01") == {}
+    assert store.tokens_since("2026-11-01", ["k2", "nobody"]) == {"k2": 7}
+    assert store.tokens_since("2026-11-01", []) == {}
 
 
 def test_counts_as_large_as_a_budget_may_be(store: Store) -> None:
