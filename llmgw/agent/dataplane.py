@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 import ssl
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,7 @@ from llmgw.errors import CertificateError, ConfigError
 from llmgw.http.errors import UpstreamConnectError, UpstreamError
 from llmgw.http.pool import UpstreamPool
 from llmgw.http.relay import NOT_PROCESSED, relay
-from llmgw.listener import GuardedSite, ListenerLimits
+from llmgw.listener import GuardedSite, ListenerLimits, connection_state
 from llmgw.netaddr import parse_hostport
 from llmgw.pki import control_plane_problem, serial_hex
 
@@ -119,10 +118,6 @@ class DataPlane:
         self.inflight = 0
         self.accepting = True
         self._idle = asyncio.Event()
-        # Per connection: its certificate's serial, and why it is not the control plane's.
-        self._checked: weakref.WeakKeyDictionary[asyncio.BaseTransport, _Peer] = (
-            weakref.WeakKeyDictionary()
-        )
         self._runner: web.AppRunner | None = None
         self._session: UpstreamPool | None = None
         self.bound_port: int = 0
@@ -197,12 +192,15 @@ class DataPlane:
         instance's, else the answer's message. The certificate is read once per connection
         (decoding it on every request costs more than relaying), its serial looked up among
         the retired on every request; a refusal is logged once per connection."""
-        transport = request.transport
-        if transport is None:
-            return "only the control plane may use the data plane"
-        peer = self._checked.get(transport)
-        if peer is None:
-            peer = self._checked[transport] = _peer(transport)
+        # Kept with the connection (not in a map keyed by its transport: uvloop's cannot be
+        # weakly referenced, and a strong map would need its own cleanup).
+        state = connection_state(request)
+        peer = state.get(_PEER)
+        if not isinstance(peer, _Peer):
+            transport = request.transport
+            if transport is None:
+                return "only the control plane may use the data plane"
+            peer = state[_PEER] = _peer(transport)
             if peer.problem:  # once per connection, however many requests it sends
                 log.warning(
                     "refused a data-plane request from a certificate that is not the control "
@@ -323,6 +321,9 @@ class DataPlane:
             self.inflight -= 1
             if not self.inflight:
                 self._idle.set()
+
+
+_PEER = "dataplane.peer"  # the connection_state key of a connection's _Peer
 
 
 @dataclass
