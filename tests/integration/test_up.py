@@ -44,6 +44,20 @@ def test_banner_has_url_key_and_curl_line(up: Up) -> None:
     assert f"curl -s {up.base_url}/chat/completions -H 'Authorization: Bearer {up.api_key}'" in text
 
 
+def test_every_process_runs_on_the_loop_it_is_given(up: Up, event_loop_of_processes: str) -> None:
+    # llmgw up itself (control plane and gateway), its agent, and the agent's sim engine:
+    # each says at start which loop it runs (uvloop here unless LLMGW_EVENT_LOOP says).
+    said: dict[str, str] = {}
+    for log in up.state_dir.rglob("*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if m := re.search(r"event loop: (\w+)\"?(?: process=(\S+))?", line):
+                said[m.group(2) or log.name] = m.group(1)
+    expected = event_loop_of_processes
+    assert said.get("up") == expected and said.get("agent") == expected, said
+    engines = {k: v for k, v in said.items() if k not in ("up", "agent")}
+    assert engines and set(engines.values()) == {expected}, said
+
+
 def test_list_models(up: Up) -> None:
     client = openai.OpenAI(base_url=up.base_url, api_key=up.api_key)
     assert [m.id for m in client.models.list()] == ["llmgw-sim"]

@@ -23,7 +23,7 @@ from llmgw.bodies import MAX_BODY_HEADER
 from llmgw.http.relay import NOT_PROCESSED
 from tests.unit.serving import serving
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("each_loop")]
 
 KIB = 1024
 STEP_S = 10.0  # the longest any one step may wait; only reached when something is broken
