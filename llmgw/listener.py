@@ -447,9 +447,8 @@ class _Gate(asyncio.Protocol):
         handler = self._handler
         if handler is None:
             return  # the connection is being cut (refused, or its handshake failed)
-        if self._timer is None and (self._payload is None or self._payload.is_eof()):
-            # The first byte of another request (not of a body still arriving).
-            self._arm()
+        # The first bytes of another request (not of a body still arriving)?
+        starting = self._timer is None and (self._payload is None or self._payload.is_eof())
         if data:
             self._got_bytes = True
         before = handler._request_count
@@ -458,6 +457,10 @@ class _Gate(asyncio.Protocol):
             messages = handler._messages
             self._payload = messages[-1][1] if messages else None
             self._disarm()
+        elif starting:
+            # Its header is not complete in these bytes: time it from now. (A header that
+            # comes whole, as nearly all do, costs no timer.)
+            self._arm()
         if self._payload is not None and not self._payload.is_eof():
             # A body is arriving: it may pause, but not for body_timeout.
             self._body_deadline = time.monotonic() + self._site.limits.body_timeout
