@@ -180,7 +180,7 @@ def _malloc_trim() -> None:
     trim(0)
 
 
-async def read_body(request: web.Request, limit: int, budget: BodyBudget) -> bytes:
+async def read_body(request: web.BaseRequest, limit: int, budget: BodyBudget) -> bytes:
     """The whole body of ``request``, at most ``limit`` bytes, charged to ``budget``.
 
     The caller gives ``len(body)`` back to ``budget`` when done with it; on an error
