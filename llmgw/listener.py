@@ -8,7 +8,8 @@ connections pass through a small protocol that:
 
 * refuses a connection at once when its source address already holds ``per_source`` of them
   (counted from the TCP accept, so handshakes in progress count);
-* does the TLS handshake itself (``loop.start_tls``) with ``handshake_timeout``;
+* does the TLS handshake itself (the accepted socket handed to
+  ``loop.connect_accepted_socket``) with ``handshake_timeout``;
 * closes a connection whose request header (request line and headers) is not complete within
   ``header_timeout`` of its first byte (or of the connection, for the first request), with
   ``408 Request Timeout`` when some of it arrived;
