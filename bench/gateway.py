@@ -12,7 +12,9 @@ same machine conditions:
    gateway -> agent connections, the second reuses them): chunks received vs expected.
 
 Throughput also reports the CPU each process spends per request (from /proc), which says
-where the time goes and what ratio a CPU-bound machine allows.
+where the time goes and what ratio a CPU-bound machine allows, and each hop's (the gateway's
+and the agent's) against its target. The cluster runs on the loop llmgw/loop.py picks
+(uvloop where installed); ``LLMGW_EVENT_LOOP=asyncio`` runs it on asyncio's, to compare.
 
 "direct" is the engine's own plain-HTTP port; "proxied" is client -> gateway (HTTP) ->
 agent data plane (mTLS) -> engine. It prints figures next to their targets; it is not a
@@ -45,6 +47,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from llmgw.loop import choose as choose_event_loop
 from llmgw.sim.config import SimConfig
 from llmgw.sim.generate import MAX_LENGTH, generate
 
@@ -69,6 +72,7 @@ MAX_REQUESTS_PER_WORKER = 10_000_000
 TARGET_ADDED_P99_MS = 1.5
 TARGET_THROUGHPUT_RATIO = 0.5
 TARGET_CHUNKS_LOST = 0
+TARGET_CPU_US_PER_HOP = 80.0  # CPU per proxied request in the gateway, and in the agent
 
 NS_PER_MS = 1_000_000
 
@@ -546,6 +550,13 @@ async def phase_throughput(
         "target_ratio": TARGET_THROUGHPUT_RATIO,
         "met": ratio >= TARGET_THROUGHPUT_RATIO,
         "cpu_us_per_request": cpu_us,
+        # What each hop adds: the gateway's and the agent's process on a proxied request.
+        "cpu_us_per_hop": {k: cpu_us["proxied"].get(k, math.nan) for k in ("gateway", "agent")},
+        "target_cpu_us_per_hop": TARGET_CPU_US_PER_HOP,
+        "cpu_per_hop_met": all(
+            cpu_us["proxied"].get(k, math.inf) <= TARGET_CPU_US_PER_HOP
+            for k in ("gateway", "agent")
+        ),
         "cpus_busy": busy,
         "cpu_bound_ratio": round(d_cpu / p_cpu, 4) if d_cpu and p_cpu else math.nan,
         "errors": dict(errors),
@@ -697,6 +708,12 @@ def _cpu_line(t: dict[str, Any]) -> str:
             f"  CPU us/request {name:<8} {procs}  (total {sum(us.values()):.0f}; "
             f"{t['cpus_busy'][name]:.2f} CPUs busy)"
         )
+    hop = t["cpu_us_per_hop"]
+    parts.append(
+        f"  CPU us/request per hop: gateway {hop['gateway']:.0f}, agent {hop['agent']:.0f}   "
+        f"(target <= {t['target_cpu_us_per_hop']:.0f} each: "
+        f"{met(max(hop.values()), t['cpu_per_hop_met'])})"
+    )
     parts.append(
         f"  CPU-bound ratio (direct CPU/request / proxied CPU/request): {t['cpu_bound_ratio']:.2f}"
     )
@@ -717,7 +734,7 @@ def _no_nan(value: Any) -> Any:
 def render(fig: dict[str, Any]) -> str:
     lines = [
         f"llmgw gateway benchmark (sim engine, loopback, {fig['cpus']} CPUs, "
-        f"python {fig['python']}, aiohttp {fig['aiohttp']})",
+        f"python {fig['python']}, aiohttp {fig['aiohttp']}, event loop {fig['event_loop']})",
         "  direct = engine's own port; proxied = client -> gateway -> agent (mTLS) -> engine",
     ]
     u = fig.get("unary")
@@ -798,6 +815,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": cpus,
         "python": platform.python_version(),
         "aiohttp": aiohttp.__version__,
+        # The loop 'llmgw up' and its agent and engine run (they inherit LLMGW_EVENT_LOOP).
+        "event_loop": choose_event_loop().name,
     }
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()

@@ -8,7 +8,8 @@ connections pass through a small protocol that:
 
 * refuses a connection at once when its source address already holds ``per_source`` of them
   (counted from the TCP accept, so handshakes in progress count);
-* does the TLS handshake itself (``loop.start_tls``) with ``handshake_timeout``;
+* does the TLS handshake itself (the accepted socket handed to
+  ``loop.connect_accepted_socket``) with ``handshake_timeout``;
 * closes a connection whose request header (request line and headers) is not complete within
   ``header_timeout`` of its first byte (or of the connection, for the first request), with
   ``408 Request Timeout`` when some of it arrived;
@@ -24,12 +25,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import socket
 import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -44,6 +46,7 @@ __all__ = [
     "DEFAULT_HEADER_TIMEOUT",
     "GuardedSite",
     "ListenerLimits",
+    "connection_state",
     "listening_socket",
     "parse_listener_limits",
 ]
@@ -242,12 +245,24 @@ class GuardedSite(web.BaseSite):
         )
 
 
+def connection_state(request: BaseRequest) -> dict[str, object]:
+    """A dict that lives as long as ``request``'s connection (accepted by a
+    :class:`GuardedSite`), for what a handler learns once per connection: the data plane
+    keeps there what the client's certificate says. Any other request gets an empty dict
+    that keeps nothing."""
+    handler = request.protocol
+    if isinstance(handler, _Handler):
+        return handler.state
+    return {}
+
+
 class _Handler(RequestHandler):
     """aiohttp's connection handler, answering what it cannot parse with a JSON error and one
     log line (aiohttp logs a traceback for every malformed request and answers text)."""
 
-    __slots__ = ("_label",)
+    __slots__ = ("_label", "state")
     _label: str
+    state: dict[str, object]  # connection_state: set in _Gate._attach, gone with the handler
 
     def handle_error(
         self,
@@ -305,15 +320,19 @@ class _Gate(asyncio.Protocol):
         self._got_bytes = False
         self._payload: Any = None
         self._released = False
-        self._early = bytearray()
         self._body_timer: asyncio.TimerHandle | None = None
         self._body_deadline = 0.0
 
     # -- admission and TLS --------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._raw = transport
+    def connection_made(self, base: asyncio.BaseTransport) -> None:
+        # A cast, not an isinstance check: uvloop's transports are not asyncio.Transport.
+        transport = cast(asyncio.Transport, base)
+        if self._handshake is not None:
+            # The TLS transport, its handshake done (see _tls).
+            self._raw = transport
+            self._attach(transport)
+            return
         peer = transport.get_extra_info("peername")
         source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         if not self._site.admit(source):
@@ -324,38 +343,49 @@ class _Gate(asyncio.Protocol):
         self._source = source
         ctx = self._site.ssl_context
         if ctx is None:
+            self._raw = transport
             self._attach(transport)
-        else:
-            self._handshake = task = asyncio.ensure_future(self._tls(transport, ctx))
-            self._site.handshakes.add(task)
-            task.add_done_callback(self._site.handshakes.discard)
+            return
+        # The TLS layer is given the socket itself, on a transport of its own that reads
+        # nothing before the handshake starts: start_tls on this transport loses the
+        # client's first flight under uvloop, which reads it (for this protocol) before a
+        # task could call start_tls.
+        try:
+            sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+        except OSError:
+            self._site.note("handshake", source)
+            self._release()
+            transport.abort()
+            return
+        transport.set_protocol(asyncio.Protocol())  # its end is not this connection's
+        transport.abort()
+        self._handshake = task = asyncio.ensure_future(self._tls(sock, ctx))
+        self._site.handshakes.add(task)
+        task.add_done_callback(self._site.handshakes.discard)
 
-    async def _tls(self, raw: asyncio.Transport, ctx: ssl.SSLContext) -> None:
+    async def _tls(self, sock: socket.socket, ctx: ssl.SSLContext) -> None:
         loop = asyncio.get_running_loop()
         try:
-            tls = await loop.start_tls(
-                raw,
-                self,
-                ctx,
-                server_side=True,
+            # connection_made is called again, with the TLS transport, once the handshake is
+            # done: that attaches aiohttp's handler.
+            await loop.connect_accepted_socket(
+                lambda: self,
+                sock,
+                ssl=ctx,
                 ssl_handshake_timeout=self._site.limits.handshake_timeout,
             )
         except asyncio.CancelledError:
-            raw.abort()
+            sock.close()
             self._release()
             raise
         except (OSError, ssl.SSLError, TimeoutError, RuntimeError):
             # A scanner, a client that never finished, or one that does not trust us.
-            raw.abort()
+            sock.close()
             self._site.note("handshake", self._source or "?")
             self._release()
             return
-        if tls is None or raw.is_closing():
-            raw.abort()
+        if self._handler is None:
             self._release()
-            return
-        assert isinstance(tls, asyncio.Transport)
-        self._attach(tls)
 
     def _release(self) -> None:
         if not self._released:
@@ -367,12 +397,10 @@ class _Gate(asyncio.Protocol):
         server = self._server
         handler = _Handler(server, loop=asyncio.get_running_loop(), **server._kwargs)
         handler._label = self._site.label
+        handler.state = {}
         self._handler = handler
         handler.connection_made(transport)
         self._arm()
-        if self._early:
-            early, self._early = bytes(self._early), bytearray()
-            self.data_received(early)
 
     # -- header timing ------------------------------------------------------------------------
     # aiohttp's parser counts the requests whose header it completed (_request_count) and
@@ -419,13 +447,9 @@ class _Gate(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         handler = self._handler
         if handler is None:
-            # asyncio reads what came with the client's last handshake flight before
-            # start_tls returns: keep it for the handler.
-            self._early += data
-            return
-        if self._timer is None and (self._payload is None or self._payload.is_eof()):
-            # The first byte of another request (not of a body still arriving).
-            self._arm()
+            return  # the connection is being cut (refused, or its handshake failed)
+        # The first bytes of another request (not of a body still arriving)?
+        starting = self._timer is None and (self._payload is None or self._payload.is_eof())
         if data:
             self._got_bytes = True
         before = handler._request_count
@@ -434,6 +458,10 @@ class _Gate(asyncio.Protocol):
             messages = handler._messages
             self._payload = messages[-1][1] if messages else None
             self._disarm()
+        elif starting:
+            # Its header is not complete in these bytes: time it from now. (A header that
+            # comes whole, as nearly all do, costs no timer.)
+            self._arm()
         if self._payload is not None and not self._payload.is_eof():
             # A body is arriving: it may pause, but not for body_timeout.
             self._body_deadline = time.monotonic() + self._site.limits.body_timeout

@@ -418,12 +418,14 @@ for binary in /build/out/onefile/llmgw /build/out/onedir/llmgw/llmgw; do
     [ "\$said" = "llmgw $VERSION" ] || { echo "\$binary --version says '\$said', expected 'llmgw $VERSION'" >&2; exit 1; }
 done
 # Both carry python-systemd's journal module and the libsystemd it was compiled against
-# (without them, log.py falls back to plain text under systemd), and psycopg's C
+# (without them, log.py falls back to plain text under systemd), psycopg's C
 # implementation with the libpq of its wheel (without them, a control plane on PostgreSQL
-# needs a libpq on the machine: packaging/llmgw.spec).
+# needs a libpq on the machine: packaging/llmgw.spec), and uvloop's compiled loop (without
+# it, every daemon runs on asyncio's slower loop: llmgw/loop.py).
 ls /build/out/onedir/llmgw/_internal/systemd/_journal.*.so /build/out/onedir/llmgw/_internal/libsystemd.so.0 \
     /build/out/onedir/llmgw/_internal/psycopg_binary/_psycopg.*.so \
-    /build/out/onedir/llmgw/_internal/psycopg_binary.libs/libpq-*.so.* >/dev/null
+    /build/out/onedir/llmgw/_internal/psycopg_binary.libs/libpq-*.so.* \
+    /build/out/onedir/llmgw/_internal/uvloop/loop.*.so >/dev/null
 /opt/llmgw-build/bin/python -c '
 import sys
 from PyInstaller.archive.readers import CArchiveReader
@@ -433,6 +435,7 @@ wanted = {
     "libsystemd.so.0": "python-systemd",
     "psycopg_binary/_psycopg.": "psycopg-binary",
     "psycopg_binary.libs/libpq-": "psycopg-binary",
+    "uvloop/loop.": "uvloop",
 }
 for prefix, package in wanted.items():
     if not any(name.startswith(prefix) for name in names):

@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import ssl
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 from cryptography import x509
 
 from llmgw.bodies import (
@@ -48,7 +48,7 @@ from llmgw.errors import CertificateError, ConfigError
 from llmgw.http.errors import UpstreamConnectError, UpstreamError
 from llmgw.http.pool import UpstreamPool
 from llmgw.http.relay import NOT_PROCESSED, relay
-from llmgw.listener import GuardedSite, ListenerLimits
+from llmgw.listener import GuardedSite, ListenerLimits, connection_state
 from llmgw.netaddr import parse_hostport
 from llmgw.pki import control_plane_problem, serial_hex
 
@@ -119,19 +119,20 @@ class DataPlane:
         self.inflight = 0
         self.accepting = True
         self._idle = asyncio.Event()
-        # Per connection: its certificate's serial, and why it is not the control plane's.
-        self._checked: weakref.WeakKeyDictionary[asyncio.BaseTransport, _Peer] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._runner: web.AppRunner | None = None
+        self._runner: web.ServerRunner | None = None
         self._session: UpstreamPool | None = None
         self.bound_port: int = 0
 
-    def _app(self) -> web.Application:
-        # Bodies are read through llmgw.bodies; this only bounds any other reader.
-        app = web.Application(client_max_size=1024 * 1024)
-        app.router.add_route("*", "/s/{shard}/{tail:.*}", self._handle)
-        return app
+    def _server(self) -> web.Server:
+        # aiohttp's low-level server: one handler for every path, without an Application's
+        # router and middleware chain (a tenth of the hop's Python time, profiled, went there).
+        return web.Server(
+            self._serve,
+            handler_cancellation=True,
+            access_log=None,
+            # Longer than the gateway's pool keeps idle connections, so it closes first.
+            keepalive_timeout=300,
+        )
 
     async def start(self) -> None:
         return_large_buffers()  # large bodies' memory goes back to the system once freed
@@ -143,14 +144,7 @@ class DataPlane:
             read_timeout=self.upstream_idle_timeout,
             max_body=self.max_response_body,
         )
-        self._runner = web.AppRunner(
-            self._app(),
-            handler_cancellation=True,
-            access_log=None,
-            shutdown_timeout=30.0,
-            # Longer than the gateway's pool keeps idle connections, so it closes first.
-            keepalive_timeout=300,
-        )
+        self._runner = web.ServerRunner(self._server(), shutdown_timeout=30.0)
         await self._runner.setup()
         site = GuardedSite(
             self._runner,
@@ -192,17 +186,20 @@ class DataPlane:
             await self._session.close()
             self._session = None
 
-    def _peer_refusal(self, request: web.Request) -> str | None:
+    def _peer_refusal(self, request: web.BaseRequest) -> str | None:
         """None when the connection's client certificate is a current control-plane
         instance's, else the answer's message. The certificate is read once per connection
         (decoding it on every request costs more than relaying), its serial looked up among
         the retired on every request; a refusal is logged once per connection."""
-        transport = request.transport
-        if transport is None:
-            return "only the control plane may use the data plane"
-        peer = self._checked.get(transport)
-        if peer is None:
-            peer = self._checked[transport] = _peer(transport)
+        # Kept with the connection (not in a map keyed by its transport: uvloop's cannot be
+        # weakly referenced, and a strong map would need its own cleanup).
+        state = connection_state(request)
+        peer = state.get(_PEER)
+        if not isinstance(peer, _Peer):
+            transport = request.transport
+            if transport is None:
+                return "only the control plane may use the data plane"
+            peer = state[_PEER] = _peer(transport)
             if peer.problem:  # once per connection, however many requests it sends
                 log.warning(
                     "refused a data-plane request from a certificate that is not the control "
@@ -225,7 +222,20 @@ class DataPlane:
             )
         return None
 
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
+    async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
+        """``/s/<shard>/<anything>``, any method; any other path is not found (as the
+        Application's route ``/s/{shard}/{tail:.*}`` answered)."""
+        match = _ROUTE.fullmatch(request.rel_url.path_safe)
+        if match is None:
+            raise web.HTTPNotFound()
+        shard_id = match.group(1)
+        if "%" in shard_id:  # path_safe keeps %2F and %25 encoded, as the router undid them
+            shard_id = shard_id.replace("%2F", "/").replace("%25", "%")
+        if request.version == HttpVersion11 and hdrs.EXPECT in request.headers:
+            await _expect(request)
+        return await self._handle(request, shard_id)
+
+    async def _handle(self, request: web.BaseRequest, shard_id: str) -> web.StreamResponse:
         refusal = self._peer_refusal(request)
         if refusal is not None:
             return _error(403, refusal, "forbidden")
@@ -236,7 +246,6 @@ class DataPlane:
                 "draining",
                 unprocessed=True,
             )
-        shard_id = request.match_info["shard"]
         port = self.port_of(shard_id)
         if port is None:
             return _error(
@@ -269,7 +278,7 @@ class DataPlane:
         finally:
             self.bodies.give(len(body))
 
-    def _body_limit(self, request: web.Request) -> int:
+    def _body_limit(self, request: web.BaseRequest) -> int:
         """The gateway's limit for this request's model (only the control plane gets here),
         else agent.yaml's; never more than the whole budget."""
         given = request.headers.get(MAX_BODY_HEADER)
@@ -279,7 +288,7 @@ class DataPlane:
         return min(limit, self.bodies.capacity)
 
     async def _relay(
-        self, request: web.Request, shard_id: str, port: int, body: bytes
+        self, request: web.BaseRequest, shard_id: str, port: int, body: bytes
     ) -> web.StreamResponse:
         assert self._session is not None
         # The target as the gateway sent it (still percent-encoded, with its query), less
@@ -323,6 +332,23 @@ class DataPlane:
             self.inflight -= 1
             if not self.inflight:
                 self._idle.set()
+
+
+# The route's pattern: a shard (as aiohttp's {shard}: one segment without braces) and a tail.
+_ROUTE = re.compile(r"/s/([^{}/]+)/.*", re.DOTALL)
+
+
+async def _expect(request: web.BaseRequest) -> None:
+    """What the Application's router did for ``Expect:`` (clients such as curl send
+    ``100-continue`` before a large body and wait for it)."""
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if expect.lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the answer's head is still to come
+
+
+_PEER = "dataplane.peer"  # the connection_state key of a connection's _Peer
 
 
 @dataclass

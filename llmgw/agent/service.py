@@ -37,6 +37,7 @@ from llmgw.agent.update_spool import Spooler
 from llmgw.errors import CertificateError, LlmgwError, StartupError
 from llmgw.fsutil import make_dir
 from llmgw.log import kv
+from llmgw.loop import run as run_loop
 from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.notify import Notifier
 from llmgw.proto import control_pb2 as pb
@@ -451,4 +452,4 @@ def run_agent(cfg: AgentConfig) -> None:
             loop.add_signal_handler(sig, agent.request_stop)
         await agent.run()
 
-    asyncio.run(main())
+    run_loop(main(), process="agent")

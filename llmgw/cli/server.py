@@ -21,6 +21,7 @@ from llmgw.cli.common import ReportingGroup
 from llmgw.cli.prompts import read_secret
 from llmgw.contracts.paths import DEFAULT_SERVER_CONFIG
 from llmgw.log import setup_logging
+from llmgw.loop import run as run_loop
 from llmgw.server.app import ControlPlane
 from llmgw.server.config import ServerConfig, load_server_config
 from llmgw.server.store.location import parse_location
@@ -90,7 +91,7 @@ def server(
         finally:
             await cp.stop()
 
-    asyncio.run(main())
+    run_loop(main(), process="server")
 
 
 def _import_ca(cfg: ServerConfig, path: Path) -> None:

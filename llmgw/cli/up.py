@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import click
 from llmgw.cli.local_cluster import UpOptions, run_up
 from llmgw.client import default_up_state_dir
 from llmgw.log import LogfmtFormatter
+from llmgw.loop import run as run_loop
 
 __all__ = ["up"]
 
@@ -129,4 +129,4 @@ def up(
         ttft_ms=ttft_ms,
         tps=tps,
     )
-    asyncio.run(run_up(opts, say=lambda line: click.echo(line)))
+    run_loop(run_up(opts, say=lambda line: click.echo(line)), process="up")

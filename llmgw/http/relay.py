@@ -71,7 +71,7 @@ def error_event(message: str, code: str = "upstream_error") -> bytes:
 
 
 async def relay(
-    request: web.Request,
+    request: web.BaseRequest,
     upstream: UpstreamResponse,
     *,
     on_chunk: Callable[[bytes], None] | None = None,

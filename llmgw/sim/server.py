@@ -43,6 +43,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw.errors import EngineError
+from llmgw.loop import run as run_loop
 from llmgw.netaddr import parse_hostport
 from llmgw.sim.config import SimConfig, is_int
 from llmgw.sim.generate import TOKEN_JSON, draw
@@ -543,7 +544,7 @@ def run(cfg: SimConfig) -> None:
             stream=sys.stderr,
             format="%(asctime)s %(levelname)s %(name)s %(message)s",
         )
-    asyncio.run(_serve_until_signalled(cfg))
+    run_loop(_serve_until_signalled(cfg), process="sim")
 
 
 __all__ = ["build_app", "run", "serve"]

@@ -17,11 +17,23 @@ import docker.utils
 import pytest
 
 from llmgw.agent.runtimes.containers import LABEL_NODE
+from llmgw.loop import ENV as EVENT_LOOP_ENV
 from tests.ci import unavailable
 from tests.integration.docker_engine import DEFAULT_IMAGE, IMAGE_ENV, NODE
 from tests.integration.harness import Server, start_server, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def event_loop_of_processes() -> Iterator[str]:
+    """Every process these tests start runs on uvloop, as it does in production
+    (llmgw/loop.py), and fails at start where uvloop is missing instead of quietly running on
+    asyncio's loop. ``LLMGW_EVENT_LOOP=asyncio pytest ...`` runs them on asyncio's."""
+    with pytest.MonkeyPatch.context() as mp:
+        name = os.environ.get(EVENT_LOOP_ENV) or "uvloop"
+        mp.setenv(EVENT_LOOP_ENV, name)
+        yield name
 
 
 @pytest.fixture

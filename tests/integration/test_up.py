@@ -58,6 +58,20 @@ def test_the_model_up_deploys_answers_embeddings_and_responses(up: Up) -> None:
     assert "answers every endpoint: /v1/chat/completions" in "".join(up.output)
 
 
+def test_every_process_runs_on_the_loop_it_is_given(up: Up, event_loop_of_processes: str) -> None:
+    # llmgw up itself (control plane and gateway), its agent, and the agent's sim engine:
+    # each says at start which loop it runs (uvloop here unless LLMGW_EVENT_LOOP says).
+    said: dict[str, str] = {}
+    for log in up.state_dir.rglob("*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if m := re.search(r"event loop: (\w+)\"?(?: process=(\S+))?", line):
+                said[m.group(2) or log.name] = m.group(1)
+    expected = event_loop_of_processes
+    assert said.get("up") == expected and said.get("agent") == expected, said
+    engines = {k: v for k, v in said.items() if k not in ("up", "agent")}
+    assert engines and set(engines.values()) == {expected}, said
+
+
 def test_list_models(up: Up) -> None:
     client = openai.OpenAI(base_url=up.base_url, api_key=up.api_key)
     assert [m.id for m in client.models.list()] == ["llmgw-sim"]

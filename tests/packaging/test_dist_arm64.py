@@ -54,3 +54,10 @@ def test_it_carries_psycopg_binary(dist_arm64: Dist) -> None:
     )
     assert list((internal / "psycopg_binary.libs").glob("libpq-*.so.*"))
     assert b"psycopg_binary/_psycopg." in dist_arm64.onefile.read_bytes()
+
+
+def test_it_carries_uvloop(dist_arm64: Dist) -> None:
+    # Its compiled loop from the aarch64 wheel (packaging/llmgw.spec): every daemon's loop.
+    internal = dist_arm64.onedir / "_internal"
+    assert list((internal / "uvloop").glob("loop.*aarch64*.so")), sorted(os.listdir(internal))
+    assert b"uvloop/loop." in dist_arm64.onefile.read_bytes()

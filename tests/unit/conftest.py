@@ -1,9 +1,11 @@
 """Fixtures shared by the unit tests of every package: a clock the test moves, cluster CAs
-(``authority``, and ``other_authority`` that signs what must not be trusted), and umask 000
-for tests of the modes files are written with."""
+(``authority``, and ``other_authority`` that signs what must not be trusted), umask 000
+for tests of the modes files are written with, and ``each_loop`` for tests of what must work
+on both event loops."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 
@@ -11,6 +13,7 @@ import pytest
 
 from llmgw import pki
 from llmgw.pki import Authority
+from tests.ci import unavailable
 from tests.unit.clock import Clock
 
 
@@ -38,3 +41,24 @@ def open_umask() -> Iterator[None]:
         yield
     finally:
         os.umask(old)
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def each_loop(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The test once on asyncio's loop and once on uvloop's, which every daemon runs
+    (llmgw/loop.py): ``asyncio.run`` in the test makes a loop of that kind. For the code on
+    the request path (listener, bodies, http, the data plane), where the loops differ most
+    (uvloop's transports are not asyncio's classes, nor weakly referenceable, and it reads a
+    new connection at once)."""
+    if request.param == "asyncio":
+        yield "asyncio"
+        return
+    try:
+        import uvloop
+    except ImportError:
+        unavailable("uvloop is not installed; pip install uvloop (a dependency on Linux)")
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    try:
+        yield "uvloop"
+    finally:
+        asyncio.set_event_loop_policy(None)

@@ -20,6 +20,8 @@ from llmgw.configfile import Checker
 from llmgw.errors import ConfigError
 from llmgw.listener import GuardedSite, ListenerLimits, parse_listener_limits
 
+pytestmark = pytest.mark.usefixtures("each_loop")
+
 SHORT = 0.6  # the timeouts under test; every bound below is generous against it
 
 

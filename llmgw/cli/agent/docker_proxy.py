@@ -3,7 +3,6 @@ docker.sock (the proxy itself is ``llmgw.agent.dockerproxy``)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import click
 from llmgw.agent.dockerproxy import DEFAULT_LISTEN, DEFAULT_UPSTREAM, Policy, serve
 from llmgw.errors import ConfigError
 from llmgw.log import setup_logging
+from llmgw.loop import run as run_loop
 from llmgw.notify import Notifier
 
 __all__ = ["docker_proxy"]
@@ -76,4 +76,7 @@ def docker_proxy(
     setup_logging(log_level)
     notifier = Notifier()
     policy = Policy(bind_roots=tuple(bind_roots), host_network=host_network)
-    asyncio.run(serve(listen, upstream, policy, group=group or None, on_ready=notifier.ready))
+    run_loop(
+        serve(listen, upstream, policy, group=group or None, on_ready=notifier.ready),
+        process="docker-proxy",
+    )

@@ -23,7 +23,7 @@ from llmgw.bodies import MAX_BODY_HEADER
 from llmgw.http.relay import NOT_PROCESSED
 from tests.unit.serving import serving
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("each_loop")]
 
 KIB = 1024
 STEP_S = 10.0  # the longest any one step may wait; only reached when something is broken
@@ -206,5 +206,36 @@ def test_an_engine_that_refuses_the_connection_is_502_not_processed() -> None:
         assert answer["error"]["code"] == "engine_unreachable"
         assert headers.get(NOT_PROCESSED) == "1"
         assert rig.engine.seen == []
+
+    run(body)
+
+
+def test_only_shard_paths_are_served_and_expect_100_continue_is_answered() -> None:
+    # The data plane's one route, /s/<shard>/<anything> for any method, as the Application's
+    # router served it: other paths are not found, and a client that asks to be told before
+    # it sends its body (curl does, for large ones) is told.
+    async def body(rig: Rig) -> None:
+        root = rig.url.removesuffix("/s/s1")
+        for path in ("/", "/s/s1", "/s", "/s//v1/ok", "/x/s1/v1/ok"):
+            async with rig.client.post(root + path, data=b"{}") as resp:
+                assert (resp.status, await resp.text()) == (404, "404: Not Found"), path
+        async with rig.client.post(root + "/s/nope/v1/ok", data=b"{}") as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "shard_not_ready"
+        host, port = root.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(
+                b"POST /s/s1/v1/ok HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                b"Expect: 100-continue\r\n\r\n"
+            )
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), STEP_S)
+            assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.write(b"{}")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), STEP_S)
+            assert head.startswith(b"HTTP/1.1 200 ")
+        finally:
+            writer.close()
+        assert rig.engine.seen == [2]
 
     run(body)

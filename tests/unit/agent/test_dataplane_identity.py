@@ -19,6 +19,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from llmgw import pki
 from llmgw.agent.dataplane import DataPlane, server_ssl_context
 
+pytestmark = pytest.mark.usefixtures("each_loop")
+
 Answer = tuple[int, dict[str, object]]
 _CLIENT_FILES = ("client.crt", "client.key", "ca.crt")  # the control plane's, in its pki dir
 

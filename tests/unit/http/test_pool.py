@@ -31,7 +31,7 @@ from llmgw.http.errors import (
 from llmgw.http.pool import UpstreamPool
 from llmgw.http.response import UpstreamResponse
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("each_loop")]
 
 STEP_S = 5.0  # the longest any one step may wait; only reached when something is broken
 HOST = "127.0.0.1"

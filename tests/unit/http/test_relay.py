@@ -18,7 +18,7 @@ from llmgw.http.errors import UpstreamError
 from llmgw.http.pool import UpstreamPool
 from llmgw.http.relay import error_event, relay
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("each_loop")]
 
 STEP_S = 5.0  # the longest any one step may wait; only reached when something is broken
 JSON_BODY = {"id": "x", "choices": [{"text": "hello " * 200}], "usage": {"completion_tokens": 3}}

@@ -528,9 +528,10 @@ def test_run_logs_and_exits_cleanly_on_sigterm() -> None:
     )
     try:
         assert proc.stderr is not None
-        line = proc.stderr.readline()
+        first, line = proc.stderr.readline(), proc.stderr.readline()
+        assert re.search(r"llmgw\.loop event loop: (uvloop|asyncio)$", first.rstrip()), first
         match = re.search(r"sim engine listening on 127\.0\.0\.1:(\d+) model=m1", line)
-        assert match, line
+        assert match, first + line
         status, _ = get(f"http://127.0.0.1:{match.group(1)}/health")
         assert status == 200
         proc.send_signal(signal.SIGTERM)
