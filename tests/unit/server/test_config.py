@@ -269,6 +269,27 @@ def test_replica_wait_accepts_durations_and_refuses_out_of_range(tmp_path: Path)
     assert f"{cfg}: replica_wait: must be between 0 and 600 seconds" in str(info.value)
 
 
+def test_queue_timeout_and_fair_queueing(tmp_path: Path) -> None:
+    from llmgw.errors import ConfigError
+    from llmgw.server.config import load_server_config
+
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("{}\n")
+    default = load_server_config(cfg)
+    assert (default.queue_timeout, default.fair_queueing) == (30.0, True)
+    cfg.write_text("queue_timeout: 0\nfair_queueing: false\n")
+    zero = load_server_config(cfg)
+    assert (zero.queue_timeout, zero.fair_queueing) == (0.0, False)
+    cfg.write_text("queue_timeout: 1h\n")
+    with pytest.raises(ConfigError) as info:
+        load_server_config(cfg)
+    assert f"{cfg}: queue_timeout: must be between 0 s" in str(info.value)
+    cfg.write_text("fair_queueing: sometimes\n")
+    with pytest.raises(ConfigError) as info:
+        load_server_config(cfg)
+    assert "fair_queueing" in str(info.value)
+
+
 def test_durations_take_the_one_syntax_of_llmgw_durations(tmp_path: Path) -> None:
     """New with issue 12: server.yaml reads durations as catalog.yaml and ctl do, so
     milliseconds and a quoted number of seconds are accepted, a negative one refused."""

@@ -202,3 +202,14 @@ def test_an_excluded_replica_is_not_given() -> None:
         assert adm.try_acquire("m", frozenset({"s0"})) is None
 
     run(body)
+
+
+def test_a_zero_queue_timeout_refuses_at_once_when_full() -> None:
+    async def body() -> None:
+        _, adm, _ = rig(limit=1)
+        await adm.acquire("m", "a", 2, frozenset(), 5)
+        with pytest.raises(QueueTimeout):
+            await adm.acquire("m", "b", 2, frozenset(), 0)
+        assert adm.depth("m") == 0
+
+    run(body)
