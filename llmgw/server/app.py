@@ -1047,7 +1047,7 @@ class ControlPlane:
 
     def _count_ready(self) -> None:
         """The ready-replicas gauge, after the routable replicas changed."""
-        for model in self.serving.model_names:
+        for model in self.serving.models:
             self.metrics.ready_replicas.set((model,), len(self.router.endpoints(model)))
 
     async def _served_bundles(self) -> list[Bundle]:

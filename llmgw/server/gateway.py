@@ -419,12 +419,12 @@ class Gateway:
         if isinstance(key, web.Response):
             return key
         name = request.match_info["model"]
-        if name not in self.serving.model_names or not key.policy.allows(name):
+        if name not in self.serving.models or not key.policy.allows(name):
             return self._no_such_model(name, key)
         return web.json_response(self._model_entry(name))
 
     def _no_such_model(self, model: str, key: ApiKey) -> web.Response:
-        names = sorted(n for n in self.serving.model_names if key.policy.allows(n))
+        names = sorted(n for n in self.serving.models if key.policy.allows(n))
         return openai_error(
             404,
             f"The model '{model}' does not exist. Models on this gateway: "
@@ -576,28 +576,27 @@ class Gateway:
     def _account(
         self, key: ApiKey, model: str, status: int, outcome: _Outcome | None = None
     ) -> None:
-        """One request of ``key`` to ``model`` ended with ``status``: its usage and metrics."""
-        error = not 200 <= status < 300
+        """One request of ``key`` to ``model`` ended with ``status`` (without an outcome: a
+        refusal, no tokens): its usage and metrics."""
+        if outcome is None:
+            outcome = _NOTHING
         self.metrics.key_requests.inc((key.name, model, str(status)))
-        if outcome is not None and (outcome.prompt or outcome.completion):
+        if outcome.prompt or outcome.completion:
             tokens = self.metrics.key_tokens
             tokens.inc((key.name, model, "prompt"), outcome.prompt)
             tokens.inc((key.name, model, "completion"), outcome.completion)
             if outcome.cached:
                 tokens.inc((key.name, model, "cached"), outcome.cached)
         if self.usage is not None:
-            if outcome is None:
-                self.usage.record(key.id, key.name, model, error=error)
-            else:
-                self.usage.record(
-                    key.id,
-                    key.name,
-                    model,
-                    prompt=outcome.prompt,
-                    completion=outcome.completion,
-                    cached=outcome.cached,
-                    error=error,
-                )
+            self.usage.record(
+                key.id,
+                key.name,
+                model,
+                prompt=outcome.prompt,
+                completion=outcome.completion,
+                cached=outcome.cached,
+                error=not 200 <= status < 300,
+            )
 
     async def _route(
         self,
@@ -653,7 +652,9 @@ class Gateway:
             tried.add(ep.shard_id)
             try:
                 headers = (
-                    grant.state.headers() if grant.state.requests or grant.state.tokens else None
+                    grant.state.headers()
+                    if grant.state.requests is not None or grant.state.tokens is not None
+                    else None
                 )
                 return await self._forward(
                     request,
@@ -838,6 +839,10 @@ class _Outcome:
         self.completion = 0
         self.cached = 0
         self.reported = False
+
+
+_NOTHING = _Outcome()
+"""The outcome of a request refused before it reached a replica: no tokens (never changed)."""
 
 
 def _max_output(payload: dict[str, Any]) -> int:

@@ -62,28 +62,29 @@ class ServingCache:
         # Told the ids of the active keys at each refresh (the limits forget the others).
         self.on_keys: Callable[[set[str]], None] = lambda _ids: None
         self.models: dict[str, ServedModel] = {}
-        self.model_names: frozenset[str] = frozenset()
         # Request body limits raised by a deployed profile (model -> bytes), and the
         # largest limit of any model.
         self.body_limits: dict[str, int] = {}
         self.largest_body_limit = max_request_body
 
-    @property
-    def key_hashes(self) -> set[str]:
-        return set(self.keys)
-
     def refresh_keys(self) -> None:
-        keys = {key.hash: key for key in self.store.active_api_keys()}
+        self.set_keys(self.store.active_api_keys())
+
+    def set_keys(self, active: list[ApiKey]) -> None:
+        """The active keys are ``active``."""
+        keys = {key.hash: key for key in active}
         old = self.keys
         # An unchanged key keeps its row object, so the limits see no change of policy.
         self.keys = {h: old[h] if old.get(h) == key else key for h, key in keys.items()}
         self.on_keys({key.id for key in keys.values()})
 
     def refresh_models(self) -> None:
-        models = {m.name: ServedModel.of(m) for m in self.store.list_models()}
-        self.models = models
-        self.model_names = frozenset(models)
-        self.body_limits = {n: m.body_limit for n, m in models.items() if m.body_limit is not None}
+        self.set_models([ServedModel.of(m) for m in self.store.list_models()])
+
+    def set_models(self, served: list[ServedModel]) -> None:
+        """The deployed models are ``served``."""
+        self.models = {m.name: m for m in served}
+        self.body_limits = {m.name: m.body_limit for m in served if m.body_limit is not None}
         self.largest_body_limit = max([self.max_request_body, *self.body_limits.values()])
 
     def max_concurrency(self, model: str) -> int:

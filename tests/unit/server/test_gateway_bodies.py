@@ -33,6 +33,7 @@ from llmgw.server.metrics import Metrics
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel
 from llmgw.server.store.rows import ApiKey
+from tests.unit.gateway_rig import serving_of
 from tests.unit.serving import serving
 
 pytestmark = pytest.mark.timeout(60)
@@ -185,20 +186,13 @@ def control_plane(port: int, **cfg_changes: Any) -> Any:
     for model in BEHAVIOURS:
         router.set_ready(Endpoint(model, f"r-{model}", model, "engine", f"127.0.0.1:{port}"))
     key = ApiKey("k1", "test", KEY, hashlib.sha256(KEY.encode()).hexdigest(), 0.0, None)
-    models = {
-        m: ServedModel(m, "sim", ("generate",), frozenset({"/v1/chat/completions"}), 64, None)
+    models = [
+        ServedModel(m, "sim", ("generate",), frozenset({"/v1/chat/completions"}), 64, None)
         for m in BEHAVIOURS
-    }
+    ]
     return SimpleNamespace(
         cfg=cfg,
-        serving=SimpleNamespace(
-            keys={key.hash: key},
-            models=models,
-            model_names=frozenset(models),
-            body_limits={},
-            largest_body_limit=cfg.max_request_body,
-            max_concurrency=lambda _model: 64,
-        ),
+        serving=serving_of(cfg, [key], models),
         bodies=BodyBudget(cfg.max_inflight_body_bytes),
         router=router,
         metrics=Metrics(),
@@ -592,7 +586,6 @@ def test_a_replica_whose_engine_is_stopping_is_passed_over() -> None:
         rig.cp.router.set_ready(Endpoint("pair", "r-gone", "pair-gone", "engine", addr))
         rig.cp.router.set_ready(Endpoint("pair", "r-ok", "pair-ok", "engine", addr))
         rig.cp.serving.models["pair"] = rig.cp.serving.models["ok"]
-        rig.cp.serving.model_names = frozenset(rig.cp.serving.models)
         for _ in range(6):
             status, _, _ = await post(rig, chat("pair"))
             assert status == 200

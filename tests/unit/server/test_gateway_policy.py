@@ -16,24 +16,23 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from llmgw.bodies import BodyBudget
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import Budget, KeyPolicy
 from llmgw.server.config import load_server_config
-from llmgw.server.gateway import Gateway, GatewayLimits
+from llmgw.server.gateway import Gateway
 from llmgw.server.limits import Limits
 from llmgw.server.metrics import Metrics
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel
 from llmgw.server.store.rows import ApiKey
 from llmgw.server.usage import UsageBook
+from tests.unit.gateway_rig import gateway_of, serving_of
 from tests.unit.server.test_usage import FakeStore
 from tests.unit.serving import serving
 
@@ -143,8 +142,8 @@ def run(
             router.set_ready(Endpoint("m", "r1", "s1", "n1", f"127.0.0.1:{engine_port}"))
             router.set_ready(Endpoint("other", "r2", "s2", "n1", f"127.0.0.1:{engine_port}"))
             keys = {name: api_key(name, p)[0] for name, p in policies.items()}
-            models = {
-                name: ServedModel(
+            models = [
+                ServedModel(
                     name,
                     engine_name,
                     tasks,
@@ -153,33 +152,14 @@ def run(
                     None,
                 )
                 for name in ("m", "other")
-            }
-            cache = SimpleNamespace(
-                keys={k.hash: k for k in keys.values()},
-                models=models,
-                model_names=frozenset(models),
-                body_limits={},
-                largest_body_limit=cfg.max_request_body,
-                max_concurrency=lambda m: models[m].max_concurrency,
-            )
+            ]
+            cache = serving_of(cfg, list(keys.values()), models)
             store = FakeStore()
             limits = Limits(budget_spent=lambda k, since: store.tokens_since(since).get(k, 0))
             usage = UsageBook(store, limits)
             metrics = Metrics()
-            gateway = Gateway(
-                router,
-                metrics,
-                cache,
-                BodyBudget(cfg.max_inflight_body_bytes),  # type: ignore[arg-type]
-                GatewayLimits.of(cfg),
-                revoked=set,
-                client_ssl=lambda: None,
-                nodes_connected=lambda: 0,
-                epoch=1,
-                started_at=time.time(),
-                policy=limits,
-                usage=usage,
-                clock=clock,
+            gateway = gateway_of(
+                cfg, router, cache, metrics=metrics, policy=limits, usage=usage, clock=clock
             )
             app = web.Application()
             gateway.add_routes(app)

@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import time
 from collections.abc import Awaitable, Callable
-from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -22,19 +20,17 @@ import openai
 import pytest
 from aiohttp import web
 
-from llmgw.bodies import BodyBudget
 from llmgw.contracts.catalog import profile_max_concurrency, profile_tasks
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.server.config import load_server_config
-from llmgw.server.gateway import Gateway, GatewayLimits
 from llmgw.server.limits import Limits
-from llmgw.server.metrics import Metrics
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel
 from llmgw.server.usage import UsageBook
 from llmgw.sim.config import SimConfig
 from llmgw.sim.server import build_app
+from tests.unit.gateway_rig import gateway_of, serving_of
 from tests.unit.server.test_gateway_policy import api_key
 from tests.unit.server.test_usage import FakeStore
 from tests.unit.serving import serving
@@ -69,46 +65,28 @@ def run(body: Callable[[Rig], Awaitable[None]], profiles: dict[str, dict[str, An
         async with serving(data_plane) as dp_port:
             cfg = dataclasses.replace(load_server_config(None), replica_wait=0.0)
             router = Router()
-            models = {}
+            models = []
             for index, (name, profile) in enumerate(profiles.items()):
                 router.set_ready(
                     Endpoint(name, f"r{index}", f"s{index}", "n1", f"127.0.0.1:{dp_port}")
                 )
                 tasks = profile_tasks(profile)
-                models[name] = ServedModel(
-                    name,
-                    profile["engine"],
-                    tasks,
-                    served_paths(profile["engine"], tasks),
-                    profile_max_concurrency(profile),
-                    None,
+                models.append(
+                    ServedModel(
+                        name,
+                        profile["engine"],
+                        tasks,
+                        served_paths(profile["engine"], tasks),
+                        profile_max_concurrency(profile),
+                        None,
+                    )
                 )
             key = api_key("alice", KeyPolicy())[0]
-            cache = SimpleNamespace(
-                keys={key.hash: key},
-                models=models,
-                model_names=frozenset(models),
-                body_limits={},
-                largest_body_limit=cfg.max_request_body,
-                max_concurrency=lambda m: models[m].max_concurrency,
-            )
+            cache = serving_of(cfg, [key], models)
             store = FakeStore()
             limits = Limits(budget_spent=lambda k, since: 0)
             usage = UsageBook(store, limits)
-            gateway = Gateway(
-                router,
-                Metrics(),
-                cache,
-                BodyBudget(cfg.max_inflight_body_bytes),  # type: ignore[arg-type]
-                GatewayLimits.of(cfg),
-                revoked=set,
-                client_ssl=lambda: None,
-                nodes_connected=lambda: 0,
-                epoch=1,
-                started_at=time.time(),
-                policy=limits,
-                usage=usage,
-            )
+            gateway = gateway_of(cfg, router, cache, policy=limits, usage=usage)
             app = web.Application()
             gateway.add_routes(app)
             app.on_cleanup.append(lambda _app: gateway.close())

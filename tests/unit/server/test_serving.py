@@ -14,17 +14,17 @@ def test_refresh_reads_keys_models_and_body_limits(tmp_path: Path) -> None:
         cache = ServingCache(store, max_request_body=1000)
         cache.refresh_keys()
         cache.refresh_models()
-        assert cache.key_hashes == set() and cache.model_names == set()
+        assert set(cache.keys) == set() and set(cache.models) == set()
         assert cache.body_limits == {} and cache.largest_body_limit == 1000
         _key, secret = store.create_api_key("k")
         store.put_catalog_model("big", {"p": {"engine": "sim", "max_request_body": 5000}})
         store.deploy_model("big", profile="p", replicas=1)
         store.put_model("small", engine="sim", params={}, replicas=1)
         # Nothing changes until the admin API refreshes.
-        assert cache.key_hashes == set() and cache.model_names == set()
+        assert set(cache.keys) == set() and set(cache.models) == set()
         cache.refresh_keys()
         cache.refresh_models()
-        assert cache.key_hashes == {hash_api_key(secret)}
-        assert cache.model_names == {"big", "small"}
+        assert set(cache.keys) == {hash_api_key(secret)}
+        assert set(cache.models) == {"big", "small"}
         assert cache.body_limits == {"big": 5000}
         assert cache.largest_body_limit == 5000
