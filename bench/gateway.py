@@ -715,6 +715,10 @@ def _cpu_line(t: dict[str, Any]) -> str:
         f"{met(max(hop.values()), t['cpu_per_hop_met'])})"
     )
     parts.append(
+        "  (what a bare Python relay hop costs on this machine, TLS or not: "
+        "python bench/hop_floor.py)"
+    )
+    parts.append(
         f"  CPU-bound ratio (direct CPU/request / proxied CPU/request): {t['cpu_bound_ratio']:.2f}"
     )
     return "\n".join(parts)

@@ -18,6 +18,7 @@ from types import MappingProxyType
 from llmgw.engines.registry import ENGINES, TASKS
 
 __all__ = [
+    "ALIASES",
     "ANY_TASK",
     "PATHS",
     "TASKS",
@@ -43,6 +44,20 @@ PATHS: Mapping[str, str | None] = MappingProxyType(
 )
 """Every path the gateway routes by the body's ``model`` -> the task it needs (``ANY_TASK``:
 none in particular), in the order refusals list them."""
+
+
+ALIASES: Mapping[str, str] = MappingProxyType(
+    {
+        "/rerank": "/v1/rerank",
+        "/v2/rerank": "/v1/rerank",
+        "/score": "/v1/score",
+    }
+)
+"""Other paths clients call for an endpoint of :data:`PATHS` -> that endpoint. vLLM serves
+rerank at ``/rerank``, ``/v1/rerank`` and ``/v2/rerank`` (Jina's and Cohere's clients) with
+one handler, and score at ``/score`` and ``/v1/score``
+(vllm/entrypoints/openai/api_server.py); the gateway routes each alias as its endpoint and
+forwards it to the engine under the endpoint's own path, which every engine with it serves."""
 
 
 def path_task(path: str) -> str | None:

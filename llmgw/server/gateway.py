@@ -41,7 +41,7 @@ from llmgw.bodies import (
     read_body,
 )
 from llmgw.configfile import format_size
-from llmgw.contracts.endpoints import PATHS, endpoint_refusal
+from llmgw.contracts.endpoints import ALIASES, PATHS, endpoint_refusal
 from llmgw.errors import ConfigError
 from llmgw.http.errors import (
     UpstreamConnectError,
@@ -288,7 +288,7 @@ class Gateway:
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
-        for path in PATHS:
+        for path in (*PATHS, *ALIASES):
             app.router.add_post(path, self.completions)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics_page)
@@ -542,6 +542,7 @@ class Gateway:
                 code="model_not_allowed",
             )
         path = request.path
+        path = ALIASES.get(path, path)
         if path not in served.paths:
             self._account(key, model, 400)
             return openai_error(

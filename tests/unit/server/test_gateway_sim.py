@@ -163,6 +163,28 @@ def test_rerank_score_and_the_tokenizer_through_the_gateway() -> None:
     run(body, SIM)
 
 
+def test_rerank_and_score_answer_under_the_paths_vllm_also_serves() -> None:
+    # vLLM's own examples post to /rerank; Cohere's clients to /v2/rerank.
+    async def body(rig: Rig) -> None:
+        docs = {"model": "m", "query": "stone bridge", "documents": ["a river", "the stone bridge"]}
+        for path in ("/rerank", "/v2/rerank"):
+            status, answer = await rig.post(path, docs)
+            assert status == 200, (path, answer)
+            assert [r["index"] for r in answer["results"]] == [1, 0]
+        status, answer = await rig.post(
+            "/score", {"model": "m", "text_1": "stone", "text_2": ["stone", "river"]}
+        )
+        assert status == 200, answer
+        assert [d["score"] for d in answer["data"]] == [1.0, 0.0]
+        # A model without the task is refused under the alias too, naming the endpoint.
+        status, answer = await rig.post("/rerank", {**docs, "model": "chat"})
+        assert status == 400, answer
+        assert answer["error"]["code"] == "unsupported_endpoint"
+        assert "model 'chat' does not serve /v1/rerank" in answer["error"]["message"]
+
+    run(body, {"m": {"engine": "sim"}, "chat": {"engine": "sim", "task": ["generate"]}})
+
+
 def test_a_model_deployed_for_another_task_is_refused_the_path() -> None:
     async def body(rig: Rig) -> None:
         with pytest.raises(openai.APIStatusError) as info:
