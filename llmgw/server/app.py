@@ -55,6 +55,7 @@ from llmgw.server.config import ServerConfig
 from llmgw.server.enroll import Enroller, EnrolmentServer
 from llmgw.server.follower import LeaderProxy, RouteFollower
 from llmgw.server.gateway import Gateway, GatewayLimits
+from llmgw.server.history import RequestHistory
 from llmgw.server.httpapi import error_middleware
 from llmgw.server.installs import EngineInstalls
 from llmgw.server.intake import MAX_MESSAGE_BYTES
@@ -150,6 +151,9 @@ class ControlPlane:
         self.lost: set[str] = set()
         self.router = Router()
         self.metrics = Metrics()
+        # Each model's last hour of requests and TTFT, this instance's gateway's (the
+        # console's charts and GET /api/metrics/history).
+        self.history = RequestHistory()
         # The body bytes the process holds at once (gateway and admin API together).
         self.bodies = BodyBudget(cfg.max_inflight_body_bytes)
         # Each API key's limits and the usage not stored yet: the process's, whatever its
@@ -512,6 +516,7 @@ class ControlPlane:
             health=self._health,
             policy=self.key_limits,
             usage=self._start_usage(),
+            history=self.history,
         )
         self.http_tls = serving_certificate(cfg.tls, self.server_identity)
         proxy = self._proxy = LeaderProxy(
@@ -738,6 +743,7 @@ class ControlPlane:
             health=self._health if self._keeper is not None else None,
             policy=self.key_limits,
             usage=self._start_usage(),
+            history=self.history,
         )
         self.membership = Membership(
             store,
@@ -908,6 +914,7 @@ class ControlPlane:
             advertise=cfg.advertise,
             instance_stale_after=cfg.instance_stale_after,
             pending_usage=self._pending_usage,
+            history=self.history,
         )
         add_admin_routes(app, admin, self.authority)
         gateway = self.gateway

@@ -54,6 +54,7 @@ from llmgw.http.relay import NOT_PROCESSED, STREAM_ERROR, relay
 from llmgw.log import kv
 from llmgw.netaddr import parse_hostport
 from llmgw.server.config import ServerConfig
+from llmgw.server.history import RequestHistory
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.limits import Grant, Limits, Refusal
 from llmgw.server.metrics import Metrics
@@ -249,6 +250,7 @@ class Gateway:
         health: Callable[[], Mapping[str, object]] | None = None,
         policy: Limits | None = None,
         usage: UsageBook | None = None,
+        history: RequestHistory | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.router = router
@@ -271,6 +273,8 @@ class Gateway:
         # Each key's limits, the usage to store, and the places on replicas with their queues.
         self.policy = policy or Limits()
         self.usage = usage
+        # Each model's last hour for the console's charts (None: not kept).
+        self.history = history
         self.clock = clock
         self.admission = Admission(
             router,
@@ -721,6 +725,7 @@ class Gateway:
         metrics = self.metrics
         metrics.inflight.inc(labels)
         status = 0
+        ttft: float | None = None
         counter = StreamTokenCounter() if stream else None
         try:
             try:
@@ -766,7 +771,8 @@ class Gateway:
                             extra=kv(model=ep.model, shard=ep.shard_id, error=str(failed)),
                         )
                     if counter.first_at is not None:
-                        metrics.ttft.observe(labels, counter.first_at - started)
+                        ttft = counter.first_at - started
+                        metrics.ttft.observe(labels, ttft)
                     self._count_stream_tokens(ep.model, counter, outcome)
                 else:
                     resp = await relay(
@@ -794,6 +800,8 @@ class Gateway:
                 outcome.status = status
                 metrics.requests.inc((ep.model, ep.replica_id, str(status)))
                 metrics.latency.observe(labels, time.perf_counter() - started)
+                if self.history is not None:
+                    self.history.record(ep.model, ttft=ttft, error=status >= 500)
 
     def _count_body_tokens(self, model: str, body: bytes, outcome: _Outcome) -> None:
         at = body.rfind(b'"usage":')

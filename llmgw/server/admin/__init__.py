@@ -5,7 +5,8 @@ says what to do. One module per route group: :mod:`.nodes` (the fleet), :mod:`.m
 (models, catalog, replicas), :mod:`.access` (API keys with their policies and usage, join
 tokens), :mod:`.software` (desired engines, agent updates, the admin password), :mod:`.ca`
 (the cluster CA, its rotation and its export), :mod:`.instances` (the control-plane
-instances on PostgreSQL, and retiring one); :mod:`.context` holds what they share. A new route goes in its
+instances on PostgreSQL, and retiring one), :mod:`.metrics` (each model's last hour of
+requests and TTFT); :mod:`.context` holds what they share. A new route goes in its
 group's module and in the table below.
 """
 
@@ -17,6 +18,7 @@ from llmgw.server.admin.access import AccessRoutes
 from llmgw.server.admin.ca import CARoutes
 from llmgw.server.admin.context import ADMIN_MAX_BODY, AdminContext, Listening, guarded
 from llmgw.server.admin.instances import InstanceRoutes
+from llmgw.server.admin.metrics import MetricsRoutes
 from llmgw.server.admin.models import ModelRoutes
 from llmgw.server.admin.nodes import NodeRoutes
 from llmgw.server.admin.software import SoftwareRoutes
@@ -35,6 +37,7 @@ def add_admin_routes(
     access = AccessRoutes(ctx)
     software = SoftwareRoutes(ctx)
     instances = InstanceRoutes(ctx)
+    metrics = MetricsRoutes(ctx)
     r = app.router
     for method, path, handler in (
         ("GET", "/api/status", nodes.status),
@@ -71,6 +74,7 @@ def add_admin_routes(
         ("PUT", "/api/admin/password", software.change_password),
         ("GET", "/api/instances", instances.instances),
         ("POST", "/api/instances/{instance}/retire", instances.retire),
+        ("GET", "/api/metrics/history", metrics.history),
     ):
         if method == "GET":
             r.add_get(path, guarded(ctx, handler))  # HEAD too, as aiohttp's add_get does

@@ -36,6 +36,7 @@ from llmgw.log import kv
 from llmgw.pki import Authority
 from llmgw.server.bundles import BundleStore
 from llmgw.server.config import TLSConfig
+from llmgw.server.history import RequestHistory
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.installs import EngineInstalls
 from llmgw.server.nodes import Membership
@@ -113,6 +114,8 @@ class AdminContext:
     # This instance's usage counts not flushed to the store yet (the gateway's usage
     # book): what the key and usage routes add to the stored rows.
     pending_usage: Callable[[], list[UsageRow]] = field(default=lambda: [])
+    # Each model's last hour of requests and TTFT, as this instance's gateway saw them.
+    history: RequestHistory = field(default_factory=RequestHistory)
 
 
 def error_response(status: int, message: str, code: str) -> web.Response:

@@ -24,6 +24,7 @@ from llmgw.contracts.catalog import profile_max_concurrency, profile_tasks
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.server.config import load_server_config
+from llmgw.server.history import RequestHistory
 from llmgw.server.limits import Limits
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel
@@ -46,6 +47,7 @@ class Rig:
     client: openai.AsyncOpenAI
     http: aiohttp.ClientSession
     usage: UsageBook
+    history: RequestHistory
 
     async def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         headers = {"Authorization": f"Bearer {KEY}"}
@@ -86,7 +88,8 @@ def run(body: Callable[[Rig], Awaitable[None]], profiles: dict[str, dict[str, An
             store = FakeStore()
             limits = Limits(budget_spent=lambda k, since: 0)
             usage = UsageBook(store, limits)
-            gateway = gateway_of(cfg, router, cache, policy=limits, usage=usage)
+            history = RequestHistory()
+            gateway = gateway_of(cfg, router, cache, policy=limits, usage=usage, history=history)
             app = web.Application()
             gateway.add_routes(app)
             app.on_cleanup.append(lambda _app: gateway.close())
@@ -94,7 +97,7 @@ def run(body: Callable[[Rig], Awaitable[None]], profiles: dict[str, dict[str, An
                 url = f"http://127.0.0.1:{port}"
                 client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
                 try:
-                    await body(Rig(url, client, http, usage))
+                    await body(Rig(url, client, http, usage, history))
                 finally:
                     await client.close()
 
@@ -138,6 +141,26 @@ def test_responses_whole_and_streamed_through_the_gateway() -> None:
         assert whole.usage is not None
         assert (row.requests, row.completion_tokens) == (2, 2 * whole.usage.output_tokens)
         assert row.prompt_tokens == 2 * whole.usage.input_tokens
+
+    run(body, SIM)
+
+
+def test_the_history_counts_requests_and_the_ttft_of_streamed_answers() -> None:
+    async def body(rig: Rig) -> None:
+        await rig.client.responses.create(model="m", input="the river", max_output_tokens=8)
+        await asyncio.sleep(0.05)
+        [point] = [p for p in rig.history.series("m") if p.requests]
+        # A whole answer is a request, without a TTFT.
+        assert (point.requests, point.errors, point.ttft_p50) == (1, 0, None)
+        stream = await rig.client.responses.create(
+            model="m", input="the river", max_output_tokens=8, stream=True
+        )
+        _ = [event async for event in stream]
+        await asyncio.sleep(0.05)
+        points = [p for p in rig.history.series("m") if p.requests]
+        assert sum(p.requests for p in points) == 2
+        assert any(p.ttft_p50 is not None and 0 < p.ttft_p50 < 5 for p in points)
+        assert rig.history.models() == ["m"]
 
     run(body, SIM)
 
