@@ -895,6 +895,7 @@ class ControlPlane:
             membership=self.membership,
             updates=self.updates,
             password=self.password,
+            operators=self.operators,
             installs=self.installs,
             serving=self.serving,
             bodies=self.bodies,

@@ -69,24 +69,39 @@ class OperatorAccounts:
 
     async def set_password(self, name: str, password: object, *, actor: str) -> Operator:
         """Change *name*'s password; ``admin``'s is the admin password, changed with it."""
-        stored = await _hashed(password)
-        with self.store.transaction():
-            changed = self.store.set_operator_password(name, stored)
-            if name == FIRST_ADMIN:
-                self.store.set_meta(PASSWORD_META, stored)
-            self.store.add_event("operator_password_changed", name, f"by {actor}")
-        return changed
+        return await self.update(name, password=password, actor=actor)
 
     def set_role(self, name: str, role: str, *, actor: str) -> Operator:
         with self.store.transaction():
-            current = self.store.get_operator(name)
-            if name == FIRST_ADMIN and role != "admin":
-                raise Conflict(_FIRST_ADMIN_STAYS.format(what="demoted"))
-            changed = self.store.set_operator_role(name, role)
-            if current.role != role:
-                self.store.add_event(
-                    "operator_role_changed", name, f"{current.role} -> {role}, by {actor}"
-                )
+            return self._set_role(name, role, actor)
+
+    async def update(
+        self, name: str, *, role: str | None = None, password: object = None, actor: str
+    ) -> Operator:
+        """Change *name*'s role, password or both, all or nothing (the password is checked
+        before anything is written)."""
+        self.store.get_operator(name)  # an unknown name is the first thing to say
+        stored = None if password is None else await _hashed(password)
+        with self.store.transaction():
+            changed = self.store.get_operator(name)
+            if role is not None:
+                changed = self._set_role(name, role, actor)
+            if stored is not None:
+                changed = self.store.set_operator_password(name, stored)
+                if name == FIRST_ADMIN:
+                    self.store.set_meta(PASSWORD_META, stored)
+                self.store.add_event("operator_password_changed", name, f"by {actor}")
+        return changed
+
+    def _set_role(self, name: str, role: str, actor: str) -> Operator:
+        current = self.store.get_operator(name)
+        if name == FIRST_ADMIN and role != "admin":
+            raise Conflict(_FIRST_ADMIN_STAYS.format(what="demoted"))
+        changed = self.store.set_operator_role(name, role)
+        if current.role != role:
+            self.store.add_event(
+                "operator_role_changed", name, f"{current.role} -> {role}, by {actor}"
+            )
         return changed
 
     def remove(self, name: str, *, actor: str) -> Operator:

@@ -39,6 +39,7 @@ from llmgw.server.config import TLSConfig
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.installs import EngineInstalls
 from llmgw.server.nodes import Membership
+from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import AdminPassword
 from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
@@ -92,6 +93,7 @@ class AdminContext:
     membership: Membership
     updates: Updates
     password: AdminPassword
+    operators: OperatorAccounts
     installs: EngineInstalls
     serving: ServingCache
     bodies: BodyBudget
