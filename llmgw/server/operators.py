@@ -64,7 +64,7 @@ class OperatorAccounts:
         stored = await _hashed(password)
         with self.store.transaction():
             made = self.store.add_operator(name, role, stored, actor)
-            self.store.add_event("operator_added", name, f"role {role}, by {actor}")
+            self.store.add_event("operator_added", name, f"role {role}", actor)
         return made
 
     async def set_password(self, name: str, password: object, *, actor: str) -> Operator:
@@ -90,7 +90,7 @@ class OperatorAccounts:
                 changed = self.store.set_operator_password(name, stored)
                 if name == FIRST_ADMIN:
                     self.store.set_meta(PASSWORD_META, stored)
-                self.store.add_event("operator_password_changed", name, f"by {actor}")
+                self.store.add_event("operator_password_changed", name, "password changed", actor)
         return changed
 
     def _set_role(self, name: str, role: str, actor: str) -> Operator:
@@ -99,9 +99,7 @@ class OperatorAccounts:
             raise Conflict(_FIRST_ADMIN_STAYS.format(what="demoted"))
         changed = self.store.set_operator_role(name, role)
         if current.role != role:
-            self.store.add_event(
-                "operator_role_changed", name, f"{current.role} -> {role}, by {actor}"
-            )
+            self.store.add_event("operator_role_changed", name, f"{current.role} -> {role}", actor)
         return changed
 
     def remove(self, name: str, *, actor: str) -> Operator:
@@ -110,7 +108,7 @@ class OperatorAccounts:
             if name == FIRST_ADMIN:
                 raise Conflict(_FIRST_ADMIN_STAYS.format(what="removed"))
             removed = self.store.remove_operator(name)
-            self.store.add_event("operator_removed", name, f"by {actor}")
+            self.store.add_event("operator_removed", name, "removed", actor)
         return removed
 
 

@@ -336,6 +336,9 @@ class Event:
     kind: str
     subject: str
     message: str
+    actor: str = ""
+    """Who took the action: an operator's name, ``token`` (the admin token), or '' (the
+    control plane itself)."""
 
     @classmethod
     def from_row(cls, row: Row) -> Event:
@@ -345,6 +348,7 @@ class Event:
             kind=row["kind"],
             subject=row["subject"],
             message=row["message"],
+            actor=row["actor"],
         )
 
 

@@ -283,7 +283,8 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX usage_by_key ON usage(key_id, day);
     """,
-    # 9: operator accounts (the web console's and ctl's people, issue 17)
+    # 9: operator accounts (the web console's and ctl's people, issue 17), and who took
+    # the action an event records (an account's name, 'token', '' for the system)
     f"""
     CREATE TABLE operators (
         id                  INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -296,6 +297,7 @@ MIGRATIONS: list[str] = [
         removed_at          REAL
     );
     CREATE UNIQUE INDEX operators_active_name ON operators(name) WHERE removed_at IS NULL;
+    ALTER TABLE events ADD COLUMN actor TEXT NOT NULL DEFAULT '';
     """,
 ]
 

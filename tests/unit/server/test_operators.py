@@ -127,10 +127,10 @@ def test_every_change_is_an_event_naming_its_actor(tmp_path: Path, store: Store)
     asyncio.run(accounts.set_password("bob", "bob's other password", actor="admin"))
     accounts.set_role("bob", "admin", actor="admin")
     accounts.remove("bob", actor="admin")
-    events = [(e.kind, e.message) for e in reversed(store.list_events(subject="bob"))]
+    events = [(e.kind, e.message, e.actor) for e in reversed(store.list_events(subject="bob"))]
     assert events == [
-        ("operator_added", "role viewer, by token"),
-        ("operator_password_changed", "by admin"),
-        ("operator_role_changed", "viewer -> admin, by admin"),
-        ("operator_removed", "by admin"),
+        ("operator_added", "role viewer", "token"),
+        ("operator_password_changed", "password changed", "admin"),
+        ("operator_role_changed", "viewer -> admin", "admin"),
+        ("operator_removed", "removed", "admin"),
     ]

@@ -124,3 +124,13 @@ def test_refusals_say_what_to_do(
 def test_an_unknown_role_is_refused_before_the_server_is_asked(admin: Admin) -> None:
     out = ctl("users", "add", "bob", "--role", "root", "--password-stdin", stdin="x" * 12)
     assert out.exit_code == 2 and "'root' is not one of 'admin', 'viewer'" in out.output
+
+
+def test_ctl_events_shows_who_did_it(admin: Admin, store: Store) -> None:
+    ctl("users", "add", "bob", "--role", "viewer", "--password-stdin", stdin="bob's password\n")
+    out = ctl("events", "--subject", "bob")
+    assert out.exit_code == 0, out.output
+    header, row = out.output.splitlines()
+    assert header.split() == ["TIME", "KIND", "SUBJECT", "BY", "MESSAGE"]
+    assert row.split()[1:] == ["operator_added", "bob", "token", "role", "viewer"]
+    assert json.loads(ctl("--json", "events").output)[0]["actor"] == "token"

@@ -68,3 +68,9 @@ def test_a_password_change_is_stamped(store: Store, clock: Clock) -> None:
     assert changed.password_hash == "h2" and changed.password_changed_at == clock()
     with pytest.raises(NotFound):
         store.set_operator_password("nobody", "h")
+
+
+def test_an_event_keeps_its_actor(store: Store) -> None:
+    store.add_event("operator_added", "bob", "role viewer", "alice")
+    store.add_event("node_approved", "gpu-01", "approved")
+    assert [e.actor for e in store.list_events()] == ["", "alice"]
