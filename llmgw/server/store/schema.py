@@ -283,7 +283,7 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX usage_by_key ON usage(key_id, day);
     """,
-    # 9: operator accounts (the web console's and ctl's people, issue 17), and who took
+    # 11: operator accounts (the web console's and ctl's people, issue 17), and who took
     # the action an event records (an account's name, 'token', '' for the system)
     f"""
     CREATE TABLE operators (
