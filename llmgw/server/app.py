@@ -70,6 +70,7 @@ from llmgw.server.leadership import (
 from llmgw.server.limits import Limits
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
+from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
 from llmgw.server.reports import AgentReports
 from llmgw.server.routing import Router
@@ -175,6 +176,7 @@ class ControlPlane:
         self.reports: AgentReports
         self.sessions: Sessions
         self.password: AdminPassword
+        self.operators: OperatorAccounts
         self.updates: Updates
         self.authority: ClusterAuthority
         self.http_port = 0
@@ -660,6 +662,9 @@ class ControlPlane:
         self.admin_token = _read_or_create_token(cfg.admin_token_file)
         self.password = AdminPassword(self.store, cfg.admin_token_file.parent / PASSWORD_FILE)
         self.password.start()
+        # The first operator account is the admin password (new stores and upgraded ones).
+        self.operators = OperatorAccounts(self.store)
+        self.operators.ensure_first_admin()
         # 3. the parts of the leader, each given what it uses
         self._assemble(self.ca, hosts)
         if self._keeper is not None:
@@ -896,6 +901,7 @@ class ControlPlane:
             membership=self.membership,
             updates=self.updates,
             password=self.password,
+            operators=self.operators,
             installs=self.installs,
             serving=self.serving,
             bodies=self.bodies,

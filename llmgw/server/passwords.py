@@ -130,7 +130,11 @@ class AdminPassword:
         if new == old:
             raise PasswordError("the new admin password is the old one; nothing was changed")
         stored = await asyncio.to_thread(hash_password, new)
-        self.store.set_meta(PASSWORD_META, stored)
+        with self.store.transaction():
+            self.store.set_meta(PASSWORD_META, stored)
+            # The operator account 'admin' is this password (llmgw.server.operators).
+            if self.store.find_operator("admin") is not None:
+                self.store.set_operator_password("admin", stored)
         # The first password's file would now mislead (and leak nothing but an old secret).
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.password_file)

@@ -4,7 +4,8 @@ This module builds the ``ctl`` group (its options make the ``Ctl`` object each c
 receives, see ``context``); each command group lives in a module of its own: ``nodes`` (list,
 approve, reject, revoke, drain, uncordon), ``models`` (models, deploy, undeploy, replicas),
 ``keys`` (with their policies), ``usage`` (the keys' usage), ``join`` (join-command, tokens),
-``events``, ``engines``, ``updates`` (update, admin password), ``cert``, ``instances`` (the control-plane instances on PostgreSQL, retire) and
+``events``, ``engines``, ``updates`` (update, admin password), ``cert``, ``instances`` (the control-plane instances on PostgreSQL, retire), ``users``
+(operator accounts) and
 ``engine_check``. A new command goes in the module of its group, or
 a new module added below.
 """
@@ -28,6 +29,7 @@ from llmgw.cli.ctl.models import deploy, models, replicas, undeploy
 from llmgw.cli.ctl.nodes import approve, drain, nodes, reject, revoke, uncordon
 from llmgw.cli.ctl.updates import admin, update
 from llmgw.cli.ctl.usage import usage
+from llmgw.cli.ctl.users import users
 
 __all__ = ["ctl"]
 
@@ -108,6 +110,7 @@ for _command in (
     admin,
     cert,
     instances,
+    users,
     engine_check,
 ):
     ctl.add_command(_command)

@@ -26,7 +26,13 @@ def events(c: Ctl, limit: int, subject: str | None) -> None:
         echo_json(data)
         return
     rows = [
-        [time.strftime("%H:%M:%S", time.localtime(e["ts"])), e["kind"], e["subject"], e["message"]]
+        [
+            time.strftime("%H:%M:%S", time.localtime(e["ts"])),
+            e["kind"],
+            e["subject"],
+            e.get("actor") or "-",  # '' (the control plane), or a server from before actors
+            e["message"],
+        ]
         for e in data
     ]
-    click.echo(table(["TIME", "KIND", "SUBJECT", "MESSAGE"], rows))
+    click.echo(table(["TIME", "KIND", "SUBJECT", "BY", "MESSAGE"], rows))

@@ -6,7 +6,8 @@ says what to do. One module per route group: :mod:`.nodes` (the fleet), :mod:`.m
 tokens), :mod:`.software` (desired engines, agent updates, the admin password), :mod:`.ca`
 (the cluster CA, its rotation and its export), :mod:`.instances` (the control-plane
 instances on PostgreSQL, and retiring one), :mod:`.metrics` (each model's last hour of
-requests and TTFT); :mod:`.context` holds what they share. A new route goes in its
+requests and TTFT), :mod:`.users` (operator accounts); :mod:`.context` holds what they
+share. A new route goes in its
 group's module and in the table below.
 """
 
@@ -22,6 +23,7 @@ from llmgw.server.admin.metrics import MetricsRoutes
 from llmgw.server.admin.models import ModelRoutes
 from llmgw.server.admin.nodes import NodeRoutes
 from llmgw.server.admin.software import SoftwareRoutes
+from llmgw.server.admin.users import UserRoutes
 from llmgw.server.authority import ClusterAuthority
 
 __all__ = ["ADMIN_MAX_BODY", "AdminContext", "Listening", "add_admin_routes"]
@@ -38,6 +40,7 @@ def add_admin_routes(
     software = SoftwareRoutes(ctx)
     instances = InstanceRoutes(ctx)
     metrics = MetricsRoutes(ctx)
+    users = UserRoutes(ctx)
     r = app.router
     for method, path, handler in (
         ("GET", "/api/status", nodes.status),
@@ -73,6 +76,10 @@ def add_admin_routes(
         ("GET", "/api/updates", software.updates),
         ("PUT", "/api/admin/password", software.change_password),
         ("GET", "/api/instances", instances.instances),
+        ("GET", "/api/users", users.users),
+        ("POST", "/api/users", users.add_user),
+        ("PATCH", "/api/users/{name}", users.update_user),
+        ("DELETE", "/api/users/{name}", users.remove_user),
         ("POST", "/api/instances/{instance}/retire", instances.retire),
         ("GET", "/api/metrics/history", metrics.history),
     ):

@@ -40,6 +40,7 @@ from llmgw.server.history import RequestHistory
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.installs import EngineInstalls
 from llmgw.server.nodes import Membership
+from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import AdminPassword
 from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
@@ -93,6 +94,7 @@ class AdminContext:
     membership: Membership
     updates: Updates
     password: AdminPassword
+    operators: OperatorAccounts
     installs: EngineInstalls
     serving: ServingCache
     bodies: BodyBudget

@@ -190,7 +190,14 @@ class NodeRoutes:
         subject = request.query.get("subject") or None
         return web.json_response(
             [
-                {"id": e.id, "ts": e.ts, "kind": e.kind, "subject": e.subject, "message": e.message}
+                {
+                    "id": e.id,
+                    "ts": e.ts,
+                    "kind": e.kind,
+                    "subject": e.subject,
+                    "message": e.message,
+                    "actor": e.actor,
+                }
                 for e in self.ctx.store.list_events(limit=limit, subject=subject)
             ]
         )

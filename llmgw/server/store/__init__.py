@@ -34,6 +34,7 @@ from llmgw.server.store.events import (
 from llmgw.server.store.models import SHARD_FIELDS
 from llmgw.server.store.rows import (
     DEFAULT_PROFILE,
+    OPERATOR_ROLES,
     ApiKey,
     Certificate,
     DesiredBuild,
@@ -42,6 +43,7 @@ from llmgw.server.store.rows import (
     Node,
     NodeEngine,
     NodeUpdate,
+    Operator,
     Replica,
     Shard,
 )
@@ -58,6 +60,7 @@ __all__ = [
     "MAX_EVENT_MESSAGE",
     "MAX_EVENT_SUBJECT",
     "MIGRATIONS",
+    "OPERATOR_ROLES",
     "SHARD_FIELDS",
     "ApiKey",
     "Certificate",
@@ -68,6 +71,7 @@ __all__ = [
     "Node",
     "NodeEngine",
     "NodeUpdate",
+    "Operator",
     "Replica",
     "Shard",
     "Store",

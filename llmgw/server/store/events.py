@@ -32,16 +32,17 @@ class Events:
         self.max_bytes = MAX_EVENT_BYTES
         self._since_trim = self.trim_every  # trim on the first insert
 
-    def add_event(self, kind: str, subject: str, message: str) -> Event:
-        """Record an event, its message cut to :data:`MAX_EVENT_MESSAGE` characters (and its
-        subject to :data:`MAX_EVENT_SUBJECT`); the oldest are trimmed to keep at most
+    def add_event(self, kind: str, subject: str, message: str, actor: str = "") -> Event:
+        """Record an event that *actor* (an operator, ``token``, '' for the control plane)
+        caused, its message cut to :data:`MAX_EVENT_MESSAGE` characters (and its subject to
+        :data:`MAX_EVENT_SUBJECT`); the oldest are trimmed to keep at most
         :attr:`max_events` events and :attr:`max_bytes` characters of them."""
         kind, subject = _cut(kind, 64), _cut(subject, MAX_EVENT_SUBJECT)
-        message = _cut(message, MAX_EVENT_MESSAGE)
+        message, actor = _cut(message, MAX_EVENT_MESSAGE), _cut(actor, 64)
         with self._db.write():
             event_id = self._db.insert_id(
-                "INSERT INTO events(ts, kind, subject, message) VALUES (?, ?, ?, ?)",
-                (self._db.clock(), kind, subject, message),
+                "INSERT INTO events(ts, kind, subject, message, actor) VALUES (?, ?, ?, ?, ?)",
+                (self._db.clock(), kind, subject, message, actor),
             )
             self._since_trim += 1
             if self._since_trim >= self.trim_every:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ from llmgw.server.tokens import JoinToken
 
 __all__ = [
     "DEFAULT_PROFILE",
+    "OPERATOR_ROLES",
     "ApiKey",
     "Certificate",
     "DesiredBuild",
@@ -30,8 +32,10 @@ __all__ = [
     "Node",
     "NodeEngine",
     "NodeUpdate",
+    "Operator",
     "Replica",
     "Shard",
+    "check_operator_name",
     "check_state",
     "dump_json",
     "join_token_from_row",
@@ -332,6 +336,9 @@ class Event:
     kind: str
     subject: str
     message: str
+    actor: str = ""
+    """Who took the action: an operator's name, ``token`` (the admin token), or '' (the
+    control plane itself)."""
 
     @classmethod
     def from_row(cls, row: Row) -> Event:
@@ -341,6 +348,49 @@ class Event:
             kind=row["kind"],
             subject=row["subject"],
             message=row["message"],
+            actor=row["actor"],
+        )
+
+
+OPERATOR_ROLES = ("admin", "viewer")
+"""An operator's roles: an admin changes the cluster, a viewer only reads it."""
+_OPERATOR_NAME = re.compile(r"[a-z][a-z0-9._-]{0,63}")
+
+
+def check_operator_name(name: str) -> str:
+    """*name* when it is an operator's name; ValueError giving the rule otherwise."""
+    if not isinstance(name, str) or _OPERATOR_NAME.fullmatch(name) is None:
+        raise ValueError(
+            f"bad operator name {name!r}: 1 to 64 characters of a-z, 0-9, '.', '_' and '-', "
+            "starting with a letter"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class Operator:
+    """An operator account; ``password_hash`` is scrypt's (:mod:`llmgw.server.passwords`)."""
+
+    id: int
+    name: str
+    role: str
+    password_hash: str = field(repr=False)
+    created_at: float
+    created_by: str
+    password_changed_at: float
+    removed_at: float | None
+
+    @classmethod
+    def from_row(cls, row: Row) -> Operator:
+        return cls(
+            id=row["id"],
+            name=row["name"],
+            role=row["role"],
+            password_hash=row["password_hash"],
+            created_at=row["created_at"],
+            created_by=row["created_by"],
+            password_changed_at=row["password_changed_at"],
+            removed_at=row["removed_at"],
         )
 
 

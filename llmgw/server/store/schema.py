@@ -283,6 +283,22 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX usage_by_key ON usage(key_id, day);
     """,
+    # 11: operator accounts (the web console's and ctl's people, issue 17), and who took
+    # the action an event records (an account's name, 'token', '' for the system)
+    f"""
+    CREATE TABLE operators (
+        id                  INTEGER PRIMARY KEY AUTOINCREMENT,
+        name                TEXT NOT NULL,
+        role                TEXT NOT NULL {_check("role", ("admin", "viewer"))},
+        password_hash       TEXT NOT NULL,
+        created_at          REAL NOT NULL,
+        created_by          TEXT NOT NULL,
+        password_changed_at REAL NOT NULL,
+        removed_at          REAL
+    );
+    CREATE UNIQUE INDEX operators_active_name ON operators(name) WHERE removed_at IS NULL;
+    ALTER TABLE events ADD COLUMN actor TEXT NOT NULL DEFAULT '';
+    """,
 ]
 
 

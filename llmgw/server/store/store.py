@@ -24,6 +24,7 @@ from llmgw.server.store.instances import Leases
 from llmgw.server.store.location import Location, parse_location
 from llmgw.server.store.models import Models
 from llmgw.server.store.nodes import Nodes
+from llmgw.server.store.operators import Operators
 from llmgw.server.store.schema import migrate as migrate_schema
 from llmgw.server.store.schema import schema_version as read_schema_version
 from llmgw.server.store.updates import NodeUpdates
@@ -78,6 +79,7 @@ class Store:
         self._leases = Leases(db)
         self._engines = EngineTables(db)
         self._usage = Usage(db)
+        self._operators = Operators(db)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -294,6 +296,15 @@ class Store:
     tokens_since = _Table("_usage", Usage.tokens_since)
 
     # ------------------------------------------------------------------- events
+
+    add_operator = _Table("_operators", Operators.add_operator)
+    get_operator = _Table("_operators", Operators.get_operator)
+    find_operator = _Table("_operators", Operators.find_operator)
+    list_operators = _Table("_operators", Operators.list_operators)
+    count_operators = _Table("_operators", Operators.count_operators)
+    set_operator_password = _Table("_operators", Operators.set_operator_password)
+    set_operator_role = _Table("_operators", Operators.set_operator_role)
+    remove_operator = _Table("_operators", Operators.remove_operator)
 
     add_event = _Table("_events", Events.add_event)
     list_events = _Table("_events", Events.list_events)

@@ -16,6 +16,7 @@ from llmgw.bodies import BodyBudget
 from llmgw.contracts.keypolicy import UsageRow
 from llmgw.server.admin import add_admin_routes
 from llmgw.server.admin.context import AdminContext
+from llmgw.server.operators import OperatorAccounts
 from llmgw.server.store import Store
 
 ADMIN = "admin-secret"
@@ -33,6 +34,7 @@ class Admin:
             AdminContext,
             SimpleNamespace(
                 store=store,
+                operators=OperatorAccounts(store),
                 serving=serving,
                 bodies=BodyBudget(1 << 20),
                 admin_token=ADMIN,

@@ -198,6 +198,10 @@ def populated(source: Location) -> Iterator[Store]:
     s.cluster_id()
     s.set_meta(PASSWORD_META, "scrypt$16384$8$1$c2FsdA$aGFzaA")
     s.set_meta("ca_rotation", '{"phase": "cross-signed", "old": "sha256:01"}')
+    # Operator accounts: the first admin, and a removed viewer whose row stays.
+    s.add_operator("admin", "admin", "scrypt$16384$8$1$c2FsdA$aGFzaA", "control-plane")
+    s.add_operator("bob", "viewer", "scrypt$16384$8$1$c2FsdA$Ym9i", "admin")
+    s.remove_operator("bob")
     # The leader's epoch, as seven take-overs left it; an instance row.
     for _ in range(7):
         s.bump_epoch()

@@ -1,0 +1,127 @@
+"""Operator accounts: who may log in to the console and what they may do (issue 17).
+
+The first account, ``admin`` (role admin), *is* the admin password of
+:mod:`llmgw.server.passwords`: it is made from that password's hash, and a change of either
+writes both in one transaction, so that there is one secret, not two that drift. For the
+same reason ``admin`` can be neither removed nor demoted. Every change is an event naming
+the account (or ``token``) that made it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+from llmgw.errors import Conflict, PasswordError
+from llmgw.server.passwords import MIN_PASSWORD, PASSWORD_META, check_password, hash_password
+from llmgw.server.store import Operator, Store
+
+__all__ = ["FIRST_ADMIN", "TOKEN_ACTOR", "OperatorAccounts"]
+
+FIRST_ADMIN = "admin"
+"""The account that is the admin password."""
+TOKEN_ACTOR = "token"
+"""The actor an event names when the admin token, not an account, made the change."""
+
+
+@functools.cache
+def _dummy_hash() -> str:
+    """Checked against when the name is unknown, so that a miss costs what a hit does."""
+    return hash_password("llmgw-no-such-operator")
+
+
+class OperatorAccounts:
+    """The operator accounts of one control plane, over ``store``."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def ensure_first_admin(self) -> Operator | None:
+        """Make ``admin`` from the admin password's hash when the store has no account yet
+        (a new store, or one from before accounts); after :meth:`AdminPassword.start`."""
+        stored = self.store.get_meta(PASSWORD_META)
+        if not stored:
+            return None
+        with self.store.transaction():
+            if self.store.count_operators():
+                return None
+            made = self.store.add_operator(FIRST_ADMIN, "admin", stored, "control-plane")
+            self.store.add_event(
+                "operator_added", FIRST_ADMIN, "first admin account, from the admin password"
+            )
+        return made
+
+    async def verify(self, name: object, password: object) -> Operator | None:
+        """The active account *name* when *password* is its password, else None. An
+        unknown name is checked against a dummy hash: the answer takes as long either way."""
+        found = self.store.find_operator(name) if isinstance(name, str) else None
+        stored = found.password_hash if found is not None else _dummy_hash()
+        given = password if isinstance(password, str) else ""
+        ok = await asyncio.to_thread(check_password, stored, given)
+        return found if ok and found is not None and bool(given) else None
+
+    async def add(self, name: str, role: str, password: object, *, actor: str) -> Operator:
+        stored = await _hashed(password)
+        with self.store.transaction():
+            made = self.store.add_operator(name, role, stored, actor)
+            self.store.add_event("operator_added", name, f"role {role}", actor)
+        return made
+
+    async def set_password(self, name: str, password: object, *, actor: str) -> Operator:
+        """Change *name*'s password; ``admin``'s is the admin password, changed with it."""
+        return await self.update(name, password=password, actor=actor)
+
+    def set_role(self, name: str, role: str, *, actor: str) -> Operator:
+        with self.store.transaction():
+            return self._set_role(name, role, actor)
+
+    async def update(
+        self, name: str, *, role: str | None = None, password: object = None, actor: str
+    ) -> Operator:
+        """Change *name*'s role, password or both, all or nothing (the password is checked
+        before anything is written)."""
+        self.store.get_operator(name)  # an unknown name is the first thing to say
+        stored = None if password is None else await _hashed(password)
+        with self.store.transaction():
+            changed = self.store.get_operator(name)
+            if role is not None:
+                changed = self._set_role(name, role, actor)
+            if stored is not None:
+                changed = self.store.set_operator_password(name, stored)
+                if name == FIRST_ADMIN:
+                    self.store.set_meta(PASSWORD_META, stored)
+                self.store.add_event("operator_password_changed", name, "password changed", actor)
+        return changed
+
+    def _set_role(self, name: str, role: str, actor: str) -> Operator:
+        current = self.store.get_operator(name)
+        if name == FIRST_ADMIN and role != "admin":
+            raise Conflict(_FIRST_ADMIN_STAYS.format(what="demoted"))
+        changed = self.store.set_operator_role(name, role)
+        if current.role != role:
+            self.store.add_event("operator_role_changed", name, f"{current.role} -> {role}", actor)
+        return changed
+
+    def remove(self, name: str, *, actor: str) -> Operator:
+        with self.store.transaction():
+            self.store.get_operator(name)
+            if name == FIRST_ADMIN:
+                raise Conflict(_FIRST_ADMIN_STAYS.format(what="removed"))
+            removed = self.store.remove_operator(name)
+            self.store.add_event("operator_removed", name, "removed", actor)
+        return removed
+
+
+_FIRST_ADMIN_STAYS = (
+    f"{FIRST_ADMIN!r} cannot be {{what}}: its password is the admin password, which signs "
+    f"updates and exports the CA; change it with 'llmgw ctl users password {FIRST_ADMIN}'"
+)
+
+
+async def _hashed(password: object) -> str:
+    if not isinstance(password, str) or len(password) < MIN_PASSWORD:
+        raise PasswordError(
+            f"an operator's password must have at least {MIN_PASSWORD} characters; nothing "
+            "was changed"
+        )
+    return await asyncio.to_thread(hash_password, password)

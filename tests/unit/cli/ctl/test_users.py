@@ -1,0 +1,136 @@
+"""``llmgw ctl users add|list|password|role|remove`` against the real admin API on a real
+store (answered in process): the password from stdin or typed twice, never an argument; what
+the operator reads; refusals with their fix."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from llmgw.cli import main
+from llmgw.cli.ctl.context import Ctl
+from llmgw.errors import APIError
+from llmgw.server.operators import OperatorAccounts
+from llmgw.server.passwords import PASSWORD_META, check_password, hash_password
+from llmgw.server.store import Store
+from tests.unit.clock import Clock
+from tests.unit.server.admin.keys_rig import Admin
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store.open(tmp_path / "state.db", clock=Clock(time.time()))
+    s.set_meta(PASSWORD_META, hash_password("the first admin password"))
+    OperatorAccounts(s).ensure_first_admin()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def admin(store: Store, monkeypatch: pytest.MonkeyPatch) -> Admin:
+    rig = Admin(store)
+
+    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        status, data = rig.call(method, path, body)
+        if status >= 400:
+            raise APIError(data["error"]["message"], status=status, code=data["error"]["code"])
+        return data
+
+    monkeypatch.setattr(Ctl, "call", call)
+    return rig
+
+
+def ctl(*args: str, stdin: str | None = None) -> Result:
+    return CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", *args], input=stdin)
+
+
+def _verify(store: Store, name: str, password: str) -> bool:
+    return asyncio.run(OperatorAccounts(store).verify(name, password)) is not None
+
+
+def test_add_list_role_password_remove(admin: Admin, store: Store) -> None:
+    out = ctl(
+        "users", "add", "bob", "--role", "viewer", "--password-stdin", stdin="bob's password\n"
+    )
+    assert (out.exit_code, out.output) == (0, "added bob (viewer)\n")
+    assert _verify(store, "bob", "bob's password")
+
+    out = ctl("users", "list")
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0].split() == ["NAME", "ROLE", "CREATED", "BY", "PASSWORD", "CHANGED"]
+    assert [line.split()[:2] for line in lines[1:]] == [["admin", "admin"], ["bob", "viewer"]]
+    listed = json.loads(ctl("users", "list", "--json").output)
+    assert [u["name"] for u in listed] == ["admin", "bob"]
+
+    assert ctl("users", "role", "bob", "admin").output == "bob is now admin\n"
+    out = ctl("users", "password", "bob", "--password-stdin", stdin="bob's second one\n")
+    assert out.output == "changed the password of bob\n"
+    assert _verify(store, "bob", "bob's second one")
+    assert ctl("users", "remove", "bob").output == "removed bob\n"
+    assert [o.name for o in store.list_operators()] == ["admin"]
+
+
+def test_admin_s_password_is_the_admin_password(admin: Admin, store: Store) -> None:
+    out = ctl("users", "password", "admin", "--password-stdin", stdin="a new admin password\n")
+    assert out.output == (
+        "changed the password of admin (and the admin password, which is the same)\n"
+    )
+    assert check_password(store.get_meta(PASSWORD_META) or "", "a new admin password")
+
+
+def test_a_password_from_the_environment(admin: Admin, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("LLMGW_USER_PASSWORD", "carol's password")
+    assert ctl("users", "add", "carol", "--role", "admin").exit_code == 0
+    assert _verify(store, "carol", "carol's password")
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "code", "message"),
+    [
+        (("users", "add", "bob", "--role", "viewer", "--password-stdin"), "short\n", 1,
+         "error: an operator's password must have at least 12 characters; nothing was changed\n"),
+        (("users", "add", "bob", "--role", "viewer", "--password-stdin"), "\n", 2,
+         "error: no password on stdin; nothing was changed\n"),
+        (("users", "add", "Bob", "--role", "viewer", "--password-stdin"), "long enough pw\n", 1,
+         "error: bad operator name 'Bob': 1 to 64 characters of a-z, 0-9, '.', '_' and '-', "
+         "starting with a letter\n"),
+        (("users", "add", "bob", "--role", "viewer"), None, 2,
+         "error: no password: set LLMGW_USER_PASSWORD or run in a terminal to be prompted; "
+         "never pass it as an argument\n"),
+        (("users", "remove", "admin"), None, 1,
+         "error: 'admin' cannot be removed: its password is the admin password, which signs "
+         "updates and exports the CA; change it with 'llmgw ctl users password admin'\n"),
+        (("users", "remove", "nobody"), None, 1,
+         "error: no operator 'nobody'; 'llmgw ctl users list' shows them\n"),
+    ],
+)  # fmt: skip
+def test_refusals_say_what_to_do(
+    admin: Admin, store: Store, args: tuple[str, ...], stdin: str | None, code: int, message: str
+) -> None:
+    # 2: what the command was given cannot be used (ConfigError); 1: the server refused.
+    out = ctl(*args, stdin=stdin)
+    assert (out.exit_code, out.output) == (code, message)
+    assert [o.name for o in store.list_operators()] == ["admin"]
+
+
+def test_an_unknown_role_is_refused_before_the_server_is_asked(admin: Admin) -> None:
+    out = ctl("users", "add", "bob", "--role", "root", "--password-stdin", stdin="x" * 12)
+    assert out.exit_code == 2 and "'root' is not one of 'admin', 'viewer'" in out.output
+
+
+def test_ctl_events_shows_who_did_it(admin: Admin, store: Store) -> None:
+    ctl("users", "add", "bob", "--role", "viewer", "--password-stdin", stdin="bob's password\n")
+    out = ctl("events", "--subject", "bob")
+    assert out.exit_code == 0, out.output
+    header, row = out.output.splitlines()
+    assert header.split() == ["TIME", "KIND", "SUBJECT", "BY", "MESSAGE"]
+    assert row.split()[1:] == ["operator_added", "bob", "token", "role", "viewer"]
+    assert json.loads(ctl("--json", "events").output)[0]["actor"] == "token"
