@@ -1,9 +1,12 @@
 """Operator accounts: who may log in to the console and what they may do (issue 17).
 
 The first account, ``admin`` (role admin), *is* the admin password of
-:mod:`llmgw.server.passwords`: it is made from that password's hash, and a change of either
-writes both in one transaction, so that there is one secret, not two that drift. For the
-same reason ``admin`` can be neither removed nor demoted. Every change is an event naming
+:mod:`llmgw.server.passwords`: it is made from that password's hash, and that password's
+change (``llmgw ctl admin password``, which needs the old one) writes both in one
+transaction, so that there is one secret, not two that drift. Its password is changed only
+that way: the admin password is the second secret beside the admin token (it signs updates
+and exports the CA), so the token that manages accounts must not be able to reset it. For
+the same reason ``admin`` can be neither removed nor demoted. Every change is an event naming
 the account (or ``token``) that made it.
 """
 
@@ -68,7 +71,8 @@ class OperatorAccounts:
         return made
 
     async def set_password(self, name: str, password: object, *, actor: str) -> Operator:
-        """Change *name*'s password; ``admin``'s is the admin password, changed with it."""
+        """Change *name*'s password (not ``admin``'s: that is the admin password, changed
+        with its old one by :meth:`AdminPassword.change`)."""
         return await self.update(name, password=password, actor=actor)
 
     def set_role(self, name: str, role: str, *, actor: str) -> Operator:
@@ -81,6 +85,8 @@ class OperatorAccounts:
         """Change *name*'s role, password or both, all or nothing (the password is checked
         before anything is written)."""
         self.store.get_operator(name)  # an unknown name is the first thing to say
+        if password is not None and name == FIRST_ADMIN:
+            raise Conflict(_ADMIN_PASSWORD_ONLY)
         stored = None if password is None else await _hashed(password)
         with self.store.transaction():
             changed = self.store.get_operator(name)
@@ -88,8 +94,6 @@ class OperatorAccounts:
                 changed = self._set_role(name, role, actor)
             if stored is not None:
                 changed = self.store.set_operator_password(name, stored)
-                if name == FIRST_ADMIN:
-                    self.store.set_meta(PASSWORD_META, stored)
                 self.store.add_event("operator_password_changed", name, "password changed", actor)
         return changed
 
@@ -114,7 +118,12 @@ class OperatorAccounts:
 
 _FIRST_ADMIN_STAYS = (
     f"{FIRST_ADMIN!r} cannot be {{what}}: its password is the admin password, which signs "
-    f"updates and exports the CA; change it with 'llmgw ctl users password {FIRST_ADMIN}'"
+    "updates and exports the CA; change that password with 'llmgw ctl admin password'"
+)
+_ADMIN_PASSWORD_ONLY = (
+    f"the password of {FIRST_ADMIN!r} is the admin password, the second secret beside the "
+    "admin token, so it is not changed through the accounts; change it with 'llmgw ctl admin "
+    "password', which asks for the current one"
 )
 
 

@@ -14,7 +14,7 @@ from llmgw.cli.common import ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import ago, echo_json, table
 from llmgw.cli.prompts import read_secret
-from llmgw.errors import ConfigError
+from llmgw.errors import ConfigError, PasswordError
 
 __all__ = ["USER_PASSWORD_ENV", "users"]
 
@@ -100,13 +100,19 @@ def add(c: Ctl, name: str, role: str, from_stdin: bool) -> None:
 @click.option("--password-stdin", "from_stdin", is_flag=True, help=_STDIN_HELP)
 @pass_ctl
 def password(c: Ctl, name: str, from_stdin: bool) -> None:
-    """Set NAME's password; asks for it twice. 'admin''s is the admin password too."""
+    """Set NAME's password; asks for it twice. Not admin's: that is the admin password,
+    changed with 'llmgw ctl admin password'."""
+    if name == "admin":
+        # Refused here before a password is typed; the control plane refuses it too.
+        raise PasswordError(
+            "the password of 'admin' is the admin password; change it with 'llmgw ctl admin "
+            "password', which asks for the current one"
+        )
     data = c.call("PATCH", _path(name), {"password": _password(name, from_stdin)}, password=True)
     if c.as_json:
         echo_json(data)
         return
-    also = " (and the admin password, which is the same)" if data["name"] == "admin" else ""
-    click.echo(f"changed the password of {data['name']}{also}")
+    click.echo(f"changed the password of {data['name']}")
 
 
 @users.command("role")

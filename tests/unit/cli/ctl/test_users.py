@@ -78,12 +78,16 @@ def test_add_list_role_password_remove(admin: Admin, store: Store) -> None:
     assert [o.name for o in store.list_operators()] == ["admin"]
 
 
-def test_admin_s_password_is_the_admin_password(admin: Admin, store: Store) -> None:
+def test_admin_s_password_is_changed_only_as_the_admin_password(admin: Admin, store: Store) -> None:
+    before = store.get_meta(PASSWORD_META)
     out = ctl("users", "password", "admin", "--password-stdin", stdin="a new admin password\n")
-    assert out.output == (
-        "changed the password of admin (and the admin password, which is the same)\n"
+    assert (out.exit_code, out.output) == (
+        1,
+        "error: the password of 'admin' is the admin password; change it with 'llmgw ctl "
+        "admin password', which asks for the current one\n",
     )
-    assert check_password(store.get_meta(PASSWORD_META) or "", "a new admin password")
+    assert store.get_meta(PASSWORD_META) == before
+    assert not check_password(before or "", "a new admin password")
 
 
 def test_a_password_from_the_environment(admin: Admin, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
@@ -107,7 +111,7 @@ def test_a_password_from_the_environment(admin: Admin, store: Store, monkeypatch
          "never pass it as an argument\n"),
         (("users", "remove", "admin"), None, 1,
          "error: 'admin' cannot be removed: its password is the admin password, which signs "
-         "updates and exports the CA; change it with 'llmgw ctl users password admin'\n"),
+         "updates and exports the CA; change that password with 'llmgw ctl admin password'\n"),
         (("users", "remove", "nobody"), None, 1,
          "error: no operator 'nobody'; 'llmgw ctl users list' shows them\n"),
     ],

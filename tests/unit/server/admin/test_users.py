@@ -49,11 +49,17 @@ def test_add_list_change_and_remove(admin: Admin, store: Store) -> None:
     ]  # fmt: skip
 
 
-def test_patching_admin_changes_the_admin_password(admin: Admin, store: Store) -> None:
-    admin.ok("PATCH", "/api/users/admin", {"password": "the second admin password"})
+def test_the_admin_token_cannot_reset_the_admin_password(admin: Admin, store: Store) -> None:
+    # The admin password is the second secret beside the token: the token must not reset it.
+    before = store.get_meta(PASSWORD_META) or ""
+    message = admin.refused(
+        "PATCH", "/api/users/admin", {"password": "the second admin password"}, 409
+    )
+    assert "change it with 'llmgw ctl admin password', which asks for the current one" in message
     stored = store.get_meta(PASSWORD_META) or ""
-    assert check_password(stored, "the second admin password")
-    assert not check_password(stored, FIRST)
+    assert stored == before and check_password(stored, FIRST)
+    assert store.get_operator("admin").password_hash == before
+    assert not [e for e in store.list_events(subject="admin") if "password" in e.kind]
 
 
 @pytest.mark.parametrize(
@@ -72,14 +78,16 @@ def test_patching_admin_changes_the_admin_password(admin: Admin, store: Store) -
         ("POST", "/api/users", {"role": "viewer", "password": "long enough pw"},
          400, "name must be a string"),
         ("POST", "/api/users", {"name": "admin", "role": "viewer", "password": "long enough pw"},
-         409, "operator 'admin' exists already; change it with 'llmgw ctl users password admin'"),
+         409, "operator 'admin' exists already: it is the admin password's account; change "
+         "that password with 'llmgw ctl admin password'"),
         ("PATCH", "/api/users/nobody", {"role": "viewer"},
          404, "no operator 'nobody'; 'llmgw ctl users list' shows them"),
         ("PATCH", "/api/users/admin", {}, 400, "nothing to change: give role, password or both"),
         ("PATCH", "/api/users/admin", {"password": None}, 400, "password must be a string"),
         ("PATCH", "/api/users/admin", {"role": "viewer"},
          409, "'admin' cannot be demoted: its password is the admin password"),
-        ("PATCH", "/api/users/admin", {"password": "short"}, 400, "at least 12 characters"),
+        ("PATCH", "/api/users/admin", {"password": "long enough pw"},
+         409, "is the admin password, the second secret beside the admin token"),
         ("DELETE", "/api/users/admin", None,
          409, "'admin' cannot be removed: its password is the admin password"),
         ("DELETE", "/api/users/nobody", None, 404, "no operator 'nobody'"),
@@ -99,7 +107,8 @@ def test_refusals_change_nothing(
 
 def test_a_change_with_a_refused_part_changes_nothing(admin: Admin, store: Store) -> None:
     admin.ok("POST", "/api/users", {"name": "carol", "role": "viewer", "password": "x" * 12}, 201)
-    admin.refused("PATCH", "/api/users/carol", {"role": "admin", "password": "short"})
+    message = admin.refused("PATCH", "/api/users/carol", {"role": "admin", "password": "short"})
+    assert "at least 12 characters" in message
     assert store.get_operator("carol").role == "viewer"
     admin.refused("PATCH", "/api/users/admin", {"role": "viewer", "password": "y" * 12}, 409)
     assert check_password(store.get_meta(PASSWORD_META) or "", FIRST)
