@@ -37,6 +37,7 @@ import ssl
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,10 +72,15 @@ LABELS = {
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-class _Requests(asyncio.Protocol):
-    """HTTP/1.1 requests framed by Content-Length, handed to ``on_request`` one at a time."""
+Handler = Callable[[asyncio.Transport, bytes, bytes], None]
+"""What a request is handed to: the connection, the request's head and its body."""
 
-    def __init__(self) -> None:
+
+class _Requests(asyncio.Protocol):
+    """HTTP/1.1 requests framed by Content-Length, handed to ``handle`` one at a time."""
+
+    def __init__(self, handle: Handler) -> None:
+        self.handle = handle
         self.transport: asyncio.Transport | None = None
         self._buf = b""
         self._need: int | None = None
@@ -84,6 +90,7 @@ class _Requests(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
         self._buf += data
         while True:
             if self._need is None:
@@ -102,30 +109,30 @@ class _Requests(asyncio.Protocol):
                 return
             body, self._buf = self._buf[: self._need], self._buf[self._need :]
             self._need = None
-            self.on_request(self._head, body)
-
-    def on_request(self, head: bytes, body: bytes) -> None:
-        raise NotImplementedError
+            self.handle(self.transport, self._head, body)
 
 
-class _Engine(_Requests):
-    def on_request(self, head: bytes, body: bytes) -> None:
-        assert self.transport is not None
-        self.transport.write(ANSWER)
+def _answer(transport: asyncio.Transport, head: bytes, body: bytes) -> None:
+    """The stand-in engine's (and the echo relay's) answer to every request."""
+    transport.write(ANSWER)
 
 
-class _Raw(_Requests):
-    pool: Any = None
-    upstream: tuple[str, int] = ("", 0)
-    running: set[asyncio.Future[None]] = set()
+class _Relay:
+    """Each request sent on to ``upstream`` through llmgw's upstream client, its answer
+    written back in one write."""
 
-    def on_request(self, head: bytes, body: bytes) -> None:
+    def __init__(self, pool: Any, upstream: tuple[str, int]) -> None:
+        self.pool = pool
+        self.upstream = upstream
+        self.running: set[asyncio.Future[None]] = set()
+
+    def handle(self, transport: asyncio.Transport, head: bytes, body: bytes) -> None:
         # One request at a time per connection: the load generator does not pipeline.
-        task = asyncio.ensure_future(self._relay(head, body))
+        task = asyncio.ensure_future(self._relay(transport, head, body))
         self.running.add(task)
         task.add_done_callback(self.running.discard)
 
-    async def _relay(self, head: bytes, body: bytes) -> None:
+    async def _relay(self, transport: asyncio.Transport, head: bytes, body: bytes) -> None:
         host, port = self.upstream
         path = head.split(b" ", 2)[1].decode()
         resp = await self.pool.request(
@@ -133,8 +140,7 @@ class _Raw(_Requests):
         )
         data = await resp.read()
         resp.release()
-        assert self.transport is not None
-        self.transport.write(
+        transport.write(
             b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
             % (resp.status, len(data))
             + data
@@ -206,13 +212,14 @@ def _serve(
     async def main() -> None:
         loop = asyncio.get_running_loop()
         if kind == "engine" or kind == "echo":
-            await loop.create_server(_Engine, sock=sock, ssl=_server_ssl(tls_in))
+            await loop.create_server(lambda: _Requests(_answer), sock=sock, ssl=_server_ssl(tls_in))
         elif kind == "raw":
             from llmgw.http.pool import UpstreamPool
 
-            _Raw.pool = UpstreamPool(ssl=_client_ssl(tls_up))
-            _Raw.upstream = upstream
-            await loop.create_server(_Raw, sock=sock, ssl=_server_ssl(tls_in))
+            relay = _Relay(UpstreamPool(ssl=_client_ssl(tls_up)), upstream)
+            await loop.create_server(
+                lambda: _Requests(relay.handle), sock=sock, ssl=_server_ssl(tls_in)
+            )
         else:
             from aiohttp import web
 

@@ -64,6 +64,11 @@ class OperatorAccounts:
         return found if ok and found is not None and bool(given) else None
 
     async def add(self, name: str, role: str, password: object, *, actor: str) -> Operator:
+        if name == FIRST_ADMIN:  # always there: never removed (see remove)
+            raise Conflict(
+                f"operator {FIRST_ADMIN!r} exists already: it is the admin password's account; "
+                "change that password with 'llmgw ctl admin password'"
+            )
         stored = await _hashed(password)
         with self.store.transaction():
             made = self.store.add_operator(name, role, stored, actor)

@@ -29,9 +29,6 @@ class Operators:
                 raise Conflict(
                     f"operator {name!r} exists already; change it with 'llmgw ctl users "
                     f"password {name}' or 'llmgw ctl users role {name} ROLE'"
-                    if name != "admin"
-                    else "operator 'admin' exists already: it is the admin password's "
-                    "account; change that password with 'llmgw ctl admin password'"
                 )
             now = self._db.clock()
             self._db.execute(

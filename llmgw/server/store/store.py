@@ -295,7 +295,7 @@ class Store:
     list_usage = _Table("_usage", Usage.list_usage)
     tokens_since = _Table("_usage", Usage.tokens_since)
 
-    # ------------------------------------------------------------------- events
+    # ---------------------------------------------------------------- operators
 
     add_operator = _Table("_operators", Operators.add_operator)
     get_operator = _Table("_operators", Operators.get_operator)
@@ -305,6 +305,8 @@ class Store:
     set_operator_password = _Table("_operators", Operators.set_operator_password)
     set_operator_role = _Table("_operators", Operators.set_operator_role)
     remove_operator = _Table("_operators", Operators.remove_operator)
+
+    # ------------------------------------------------------------------- events
 
     add_event = _Table("_events", Events.add_event)
     list_events = _Table("_events", Events.list_events)
