@@ -23,6 +23,7 @@ from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT, DEFAUL
 from llmgw.errors import ConfigError
 from llmgw.listener import ListenerLimits, parse_listener_limits
 from llmgw.netaddr import format_hostport, is_hostname, is_ip_address
+from llmgw.server.logins import LoginPolicy
 from llmgw.server.store.location import Location, parse_location
 
 DEFAULT_HTTP_LISTEN = f"0.0.0.0:{DEFAULT_HTTP_PORT}"
@@ -68,9 +69,23 @@ _KEYS = (
     "lease",
     "lease_renew",
     "resync_interval",
+    "console",
 )
 _TLS_KEYS = ("cert", "key")
 _DATABASE_KEYS = ("url", "password_file")
+# console: key -> LoginPolicy field; the durations, then the failure counts.
+_CONSOLE_DURATIONS = {
+    "session_idle": "session_idle",
+    "session_lifetime": "session_lifetime",
+    "cli_idle": "cli_idle",
+    "cli_lifetime": "cli_lifetime",
+    "login_failure_window": "failure_window",
+    "login_lockout": "lockout",
+}
+_CONSOLE_COUNTS = {
+    "login_failures_per_address": "failures_per_address",
+    "login_failures_per_account": "failures_per_account",
+}
 # Leadership on PostgreSQL: a lapsed lease is taken within lease + a standby's poll (one
 # lease_renew), which the defaults keep under 15 s.
 DEFAULT_LEASE = 8.0
@@ -146,6 +161,9 @@ class ServerConfig:
     # After this instance starts leading: how long a node holding shards has to reattach
     # before it is lost (never less than loss_timeout).
     reattach_grace: float = DEFAULT_REATTACH_GRACE
+    # The console's and ctl login's sessions (idle and absolute expiry) and the failed
+    # logins that lock an address or an account.
+    console: LoginPolicy = field(default_factory=LoginPolicy)
     source: Path | None = None
 
     @property
@@ -362,8 +380,43 @@ def _parse(
         lease_renew=lease_renew,
         resync_interval=resync,
         reattach_grace=reattach_grace,
+        console=_console(check, top.get("console")),
         source=source,
     )
+
+
+def _console(check: Checker, value: object) -> LoginPolicy:
+    """``console:`` absent (the defaults), or a mapping of its keys."""
+    if value is None:
+        return LoginPolicy()
+    fields = check.mapping(value, "console", accepted=(*_CONSOLE_DURATIONS, *_CONSOLE_COUNTS))
+    given: dict[str, float | int] = {}
+    for name, attr in _CONSOLE_DURATIONS.items():
+        if fields.get(name) is not None:
+            key = f"console.{name}"
+            seconds = check.duration(fields[name], key)
+            if seconds <= 0:
+                check.fail(key, f"must be more than 0 seconds, got {fields[name]!r}")
+            given[attr] = seconds
+    for name, attr in _CONSOLE_COUNTS.items():
+        if fields.get(name) is not None:
+            key = f"console.{name}"
+            count = fields[name]
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                check.fail(
+                    key, f"must be a whole number of failed logins, 1 or more, got {count!r}"
+                )
+            given[attr] = count
+    policy = LoginPolicy(**given)  # type: ignore[arg-type]
+    for idle, lifetime in (("session_idle", "session_lifetime"), ("cli_idle", "cli_lifetime")):
+        if getattr(policy, idle) > getattr(policy, lifetime):
+            check.fail(
+                f"console.{idle}",
+                f"is {getattr(policy, idle):g} s, longer than console.{lifetime} "
+                f"({getattr(policy, lifetime):g} s): a session would lapse at its lifetime "
+                f"before it could be idle that long; make {idle} at most {lifetime}",
+            )
+    return policy
 
 
 def _database(check: Checker, value: object) -> Location | None:

@@ -8,6 +8,11 @@ that way: the admin password is the second secret beside the admin token (it sig
 and exports the CA), so the token that manages accounts must not be able to reset it. For
 the same reason ``admin`` can be neither removed nor demoted. Every change is an event naming
 the account (or ``token``) that made it.
+
+A removal, a role change or a password change ends the account's login sessions
+(:mod:`llmgw.server.logins`) in the change's own transaction: a stolen cookie does not
+outlive the password it was made with, and a session never carries a role the account no
+longer has. A password changed through one of the account's own sessions keeps that one.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import functools
 
 from llmgw.errors import Conflict, PasswordError
 from llmgw.server.passwords import MIN_PASSWORD, PASSWORD_META, check_password, hash_password
-from llmgw.server.store import Operator, Store
+from llmgw.server.store import Operator, Store, hash_session_token
 
 __all__ = ["FIRST_ADMIN", "TOKEN_ACTOR", "OperatorAccounts"]
 
@@ -75,20 +80,30 @@ class OperatorAccounts:
             self.store.add_event("operator_added", name, f"role {role}", actor)
         return made
 
-    async def set_password(self, name: str, password: object, *, actor: str) -> Operator:
+    async def set_password(
+        self, name: str, password: object, *, actor: str, keep_session: str | None = None
+    ) -> Operator:
         """Change *name*'s password (not ``admin``'s: that is the admin password, changed
-        with its old one by :meth:`AdminPassword.change`)."""
-        return await self.update(name, password=password, actor=actor)
+        with its old one by :meth:`AdminPassword.change`); its sessions end, but for the
+        one whose token is *keep_session* (the session the change was made through)."""
+        return await self.update(name, password=password, actor=actor, keep_session=keep_session)
 
     def set_role(self, name: str, role: str, *, actor: str) -> Operator:
         with self.store.transaction():
             return self._set_role(name, role, actor)
 
     async def update(
-        self, name: str, *, role: str | None = None, password: object = None, actor: str
+        self,
+        name: str,
+        *,
+        role: str | None = None,
+        password: object = None,
+        actor: str,
+        keep_session: str | None = None,
     ) -> Operator:
         """Change *name*'s role, password or both, all or nothing (the password is checked
-        before anything is written)."""
+        before anything is written). A new role ends all of *name*'s sessions; a new
+        password all but *keep_session*'s."""
         self.store.get_operator(name)  # an unknown name is the first thing to say
         if password is not None and name == FIRST_ADMIN:
             raise Conflict(_ADMIN_PASSWORD_ONLY)
@@ -99,6 +114,8 @@ class OperatorAccounts:
                 changed = self._set_role(name, role, actor)
             if stored is not None:
                 changed = self.store.set_operator_password(name, stored)
+                keep = None if keep_session is None else hash_session_token(keep_session)
+                self.store.delete_login_sessions_of(changed.id, keep=keep)
                 self.store.add_event("operator_password_changed", name, "password changed", actor)
         return changed
 
@@ -108,6 +125,7 @@ class OperatorAccounts:
             raise Conflict(_FIRST_ADMIN_STAYS.format(what="demoted"))
         changed = self.store.set_operator_role(name, role)
         if current.role != role:
+            self.store.delete_login_sessions_of(current.id)
             self.store.add_event("operator_role_changed", name, f"{current.role} -> {role}", actor)
         return changed
 
@@ -117,6 +135,7 @@ class OperatorAccounts:
             if name == FIRST_ADMIN:
                 raise Conflict(_FIRST_ADMIN_STAYS.format(what="removed"))
             removed = self.store.remove_operator(name)
+            self.store.delete_login_sessions_of(removed.id)
             self.store.add_event("operator_removed", name, "removed", actor)
         return removed
 
