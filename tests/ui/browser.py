@@ -32,6 +32,7 @@ __all__ = [
     "axe_violations",
     "check_accessibility",
     "chromium_executable",
+    "expect",
     "launch_options",
 ]
 
@@ -301,3 +302,11 @@ def check_accessibility(page: Page, what: str) -> list[AxeViolation]:
             f"violation(s) (axe-core 4.14.1):\n{listed}"
         )
     return [v for v in found if v.impact not in FAILING_IMPACTS]
+
+
+def expect(actual: Any, message: str | None = None) -> Any:
+    """Playwright's ``expect`` (its assertions retry until their timeout), imported when
+    first used so that this module loads without Playwright."""
+    from playwright.sync_api import expect as playwright_expect
+
+    return playwright_expect(actual, message)
