@@ -52,6 +52,7 @@ from llmgw.server.admin import AdminContext, add_admin_routes
 from llmgw.server.authority import ClusterAuthority
 from llmgw.server.bundles import Bundle, BundleStore, add_bundle_routes
 from llmgw.server.config import ServerConfig
+from llmgw.server.console import add_console_routes
 from llmgw.server.enroll import Enroller, EnrolmentServer
 from llmgw.server.follower import LeaderProxy, RouteFollower
 from llmgw.server.gateway import Gateway, GatewayLimits
@@ -940,6 +941,7 @@ class ControlPlane:
             history=self.history,
         )
         add_admin_routes(app, admin, self.authority)
+        add_console_routes(app, admin)
         gateway = self.gateway
         app.on_cleanup.append(lambda _app: gateway.close())
         if self._keeper is not None:
