@@ -73,19 +73,16 @@ _KEYS = (
 )
 _TLS_KEYS = ("cert", "key")
 _DATABASE_KEYS = ("url", "password_file")
-# console: key -> LoginPolicy field; the durations, then the failure counts.
-_CONSOLE_DURATIONS = {
-    "session_idle": "session_idle",
-    "session_lifetime": "session_lifetime",
-    "cli_idle": "cli_idle",
-    "cli_lifetime": "cli_lifetime",
-    "login_failure_window": "failure_window",
-    "login_lockout": "lockout",
-}
-_CONSOLE_COUNTS = {
-    "login_failures_per_address": "failures_per_address",
-    "login_failures_per_account": "failures_per_account",
-}
+_CONSOLE_KEYS = (
+    "session_idle",
+    "session_lifetime",
+    "cli_idle",
+    "cli_lifetime",
+    "login_failures_per_address",
+    "login_failures_per_account",
+    "login_failure_window",
+    "login_lockout",
+)
 # Leadership on PostgreSQL: a lapsed lease is taken within lease + a standby's poll (one
 # lease_renew), which the defaults keep under 15 s.
 DEFAULT_LEASE = 8.0
@@ -387,27 +384,40 @@ def _parse(
 
 def _console(check: Checker, value: object) -> LoginPolicy:
     """``console:`` absent (the defaults), or a mapping of its keys."""
+    default = LoginPolicy()
     if value is None:
-        return LoginPolicy()
-    fields = check.mapping(value, "console", accepted=(*_CONSOLE_DURATIONS, *_CONSOLE_COUNTS))
-    given: dict[str, float | int] = {}
-    for name, attr in _CONSOLE_DURATIONS.items():
-        if fields.get(name) is not None:
-            key = f"console.{name}"
-            seconds = check.duration(fields[name], key)
-            if seconds <= 0:
-                check.fail(key, f"must be more than 0 seconds, got {fields[name]!r}")
-            given[attr] = seconds
-    for name, attr in _CONSOLE_COUNTS.items():
-        if fields.get(name) is not None:
-            key = f"console.{name}"
-            count = fields[name]
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                check.fail(
-                    key, f"must be a whole number of failed logins, 1 or more, got {count!r}"
-                )
-            given[attr] = count
-    policy = LoginPolicy(**given)  # type: ignore[arg-type]
+        return default
+    fields = check.mapping(value, "console", accepted=_CONSOLE_KEYS)
+
+    def seconds(name: str, fallback: float) -> float:
+        if fields.get(name) is None:
+            return fallback
+        got = check.duration(fields[name], f"console.{name}")
+        if got <= 0:
+            check.fail(f"console.{name}", f"must be more than 0 seconds, got {fields[name]!r}")
+        return got
+
+    def count(name: str, fallback: int) -> int:
+        got = fields.get(name)
+        if got is None:
+            return fallback
+        if isinstance(got, bool) or not isinstance(got, int) or got < 1:
+            check.fail(
+                f"console.{name}",
+                f"must be a whole number of failed logins, 1 or more, got {got!r}",
+            )
+        return got
+
+    policy = LoginPolicy(
+        session_idle=seconds("session_idle", default.session_idle),
+        session_lifetime=seconds("session_lifetime", default.session_lifetime),
+        cli_idle=seconds("cli_idle", default.cli_idle),
+        cli_lifetime=seconds("cli_lifetime", default.cli_lifetime),
+        failures_per_address=count("login_failures_per_address", default.failures_per_address),
+        failures_per_account=count("login_failures_per_account", default.failures_per_account),
+        failure_window=seconds("login_failure_window", default.failure_window),
+        lockout=seconds("login_lockout", default.lockout),
+    )
     for idle, lifetime in (("session_idle", "session_lifetime"), ("cli_idle", "cli_lifetime")):
         if getattr(policy, idle) > getattr(policy, lifetime):
             check.fail(
