@@ -135,9 +135,14 @@ class ConsoleRig:
                 approved=state == "approved",
             )
 
-    def run(self, scenario: Callable[[Browser], Awaitable[T]]) -> T:
-        """``scenario`` against the console, with a browser-like client."""
-        app, _console = self.app()
+    def run(
+        self,
+        scenario: Callable[[Browser], Awaitable[T]],
+        setup: Callable[[Console], None] = lambda console: None,
+    ) -> T:
+        """``scenario`` against the console (``setup`` first), with a browser-like client."""
+        app, console = self.app()
+        setup(console)
 
         async def go() -> T:
             async with TestClient(TestServer(app)) as client:
@@ -182,7 +187,7 @@ class Browser:
         """Sign in; the session's CSRF token (from the first page) kept in :attr:`csrf`."""
         status, page, _ = await self.get("/ui/login")
         assert status == 200, page
-        status, body, resp = await self.post(
+        status, _body, resp = await self.post(
             "/ui/login",
             {
                 "csrf": csrf_of(page),

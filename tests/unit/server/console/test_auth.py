@@ -145,9 +145,7 @@ def test_the_session_cookie(rig: ConsoleRig) -> None:
     assert int(max_age.split("=")[1]) == int(LoginPolicy().session_lifetime)
 
 
-def test_the_session_cookie_is_secure_under_tls(
-    store: Store, clock: Clock, tmp_path: Path
-) -> None:
+def test_the_session_cookie_is_secure_under_tls(store: Store, clock: Clock, tmp_path: Path) -> None:
     rig = ConsoleRig(store, clock, tmp_path, scheme="https")
 
     async def scenario(b: Browser) -> tuple[str, str]:
