@@ -31,6 +31,7 @@ from llmgw.server.console.security import (
     set_cookie,
 )
 from llmgw.server.console.site import SESSION, Site, html_response
+from llmgw.server.follower import client_addr
 from llmgw.server.logins import LoginRefused, LoginSession, LoginThrottled
 from llmgw.server.principals import PRINCIPAL, VIA_CONSOLE, Principal
 
@@ -251,7 +252,8 @@ class ConsoleAuth:
             token, session = await site.logins.login(
                 name,
                 password[:MAX_PASSWORD],
-                addr=request.remote or "",
+                # Through a standby, the browser's (LeaderProxy signs it), not the standby's.
+                addr=client_addr(request, site.ctx.admin_token),
                 kind=KIND,
                 agent=request.headers.get("User-Agent", "")[:200],
             )

@@ -37,6 +37,7 @@ from tests.unit.clock import Clock
 VIEWER_PW = "vera's long password"
 NOW = 1_800_000_000.0
 HOSTILE = '<script>alert("x")</script>'
+ADMIN_TOKEN = "llmgw-admin-test-token"
 
 T = TypeVar("T")
 
@@ -89,6 +90,7 @@ class ConsoleRig:
                 bodies=BodyBudget(1 << 20),
                 http_scheme=scheme,
                 logins=self.logins,
+                admin_token=ADMIN_TOKEN,
             ),
         )
 
