@@ -11,6 +11,9 @@ page is a handler and a row in the table below.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from aiohttp import web
 
 from llmgw.server.admin.context import AdminContext
@@ -21,7 +24,6 @@ from llmgw.server.console.render import Assets, Renderer
 from llmgw.server.console.security import secure_headers
 from llmgw.server.console.site import Flash, Site, handled
 from llmgw.server.console.stream import EventStream
-from llmgw.server.logins import Logins
 
 __all__ = ["Console", "add_console_routes"]
 
@@ -31,12 +33,12 @@ STATIC_CACHE = "public, max-age=31536000, immutable"
 class Console:
     """The console's parts, built once per application."""
 
-    def __init__(self, ctx: AdminContext, logins: Logins) -> None:
+    def __init__(self, ctx: AdminContext, *, clock: Callable[[], float] = time.time) -> None:
         assets = Assets()
-        self.site = Site(ctx=ctx, logins=logins, renderer=Renderer(assets), flash=Flash())
+        self.site = Site(ctx=ctx, logins=ctx.logins, renderer=Renderer(assets), flash=Flash())
         self.assets = assets
         self.auth = ConsoleAuth(self.site)
-        self.pages = Pages(self.site)
+        self.pages = Pages(self.site, clock=clock)
         self.stream = EventStream(self.site)
         self.actions = NodeActions(self.site)
 
@@ -73,9 +75,12 @@ class Console:
         )
 
 
-def add_console_routes(app: web.Application, ctx: AdminContext, logins: Logins) -> Console:
-    """The console's routes on ``app``, every one answering HTML with the security headers."""
-    console = Console(ctx, logins)
+def add_console_routes(
+    app: web.Application, ctx: AdminContext, *, clock: Callable[[], float] = time.time
+) -> Console:
+    """The console's routes on ``app``, every one answering HTML with the security headers
+    (``clock``: the charts' "now", a test's)."""
+    console = Console(ctx, clock=clock)
     auth, pages, site = console.auth, console.pages, console.site
     r = app.router
     for method, path, handler in (

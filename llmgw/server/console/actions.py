@@ -9,7 +9,6 @@ API's own (:mod:`llmgw.server.admin.nodes`, :class:`llmgw.server.nodes.Membershi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Final
 from urllib.parse import quote
 
@@ -19,7 +18,7 @@ from llmgw.errors import Conflict, LlmgwError, NotFound
 from llmgw.log import kv
 from llmgw.server.admin import nodes as node_actions
 from llmgw.server.console.auth import form_of
-from llmgw.server.console.site import SESSION, Site
+from llmgw.server.console.site import SESSION, Handler, Site
 from llmgw.server.principals import principal_of
 
 __all__ = ["ACTIONS", "NodeActions"]
@@ -49,7 +48,7 @@ class NodeActions:
             "on; it must join again to come back"
         )
 
-    def handler(self, action: str) -> Callable[[web.Request], object]:
+    def handler(self, action: str) -> Handler:
         async def act(request: web.Request) -> web.StreamResponse:
             return await self.act(request, action)
 

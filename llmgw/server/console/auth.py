@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 from urllib.parse import parse_qsl, quote
@@ -32,6 +31,7 @@ from llmgw.server.console.security import (
     set_cookie,
 )
 from llmgw.server.console.site import SESSION, Site, html_response
+from llmgw.server.follower import client_addr
 from llmgw.server.logins import LoginRefused, LoginSession, LoginThrottled
 from llmgw.server.principals import PRINCIPAL, VIA_CONSOLE, Principal
 
@@ -40,7 +40,7 @@ __all__ = ["FORM", "ConsoleAuth", "form_of"]
 log = logging.getLogger("llmgw.server.console")
 
 KIND: Final = "console"
-FORM: Final = "llmgw.console.form"
+FORM: Final = web.RequestKey("llmgw.console.form", dict[str, str])
 """The request key of a POST's form fields, read once by the action guard."""
 MAX_FORM = 64 * 1024
 MAX_FIELDS = 64
@@ -54,7 +54,7 @@ SessionHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def form_of(request: web.Request) -> dict[str, str]:
     """The form fields the action guard read (the first value of each name)."""
     found = request.get(FORM)
-    if not isinstance(found, dict):
+    if found is None:
         raise RuntimeError(f"{request.path}: no form on the request; route it through a guard")
     return found
 
@@ -82,9 +82,8 @@ async def read_form(site: Site, request: web.Request) -> dict[str, str]:
 class ConsoleAuth:
     """The console's guards and its login, logout handlers."""
 
-    def __init__(self, site: Site, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, site: Site) -> None:
         self.site = site
-        self.clock = clock
 
     # -- sessions --------------------------------------------------------------------------------
 
@@ -107,8 +106,7 @@ class ConsoleAuth:
         expired = bool(request.cookies.get(SESSION_COOKIE))
         if expired:
             target += "&expired=1"
-        response = web.HTTPSeeOther(target)
-        out = web.Response(status=303, headers={"Location": response.location})
+        out = web.Response(status=303, headers={"Location": target})
         if expired:
             clear_cookie(out, SESSION_COOKIE, secure=self.site.secure)
         return out
@@ -208,9 +206,7 @@ class ConsoleAuth:
         response = html_response(body, status=status)
         for key, value in (headers or {}).items():
             response.headers[key] = value
-        set_cookie(
-            response, LOGIN_COOKIE, token, max_age=LOGIN_FORM_TTL, secure=self.site.secure
-        )
+        set_cookie(response, LOGIN_COOKIE, token, max_age=LOGIN_FORM_TTL, secure=self.site.secure)
         return response
 
     async def login_form(self, request: web.Request) -> web.StreamResponse:
@@ -256,7 +252,8 @@ class ConsoleAuth:
             token, session = await site.logins.login(
                 name,
                 password[:MAX_PASSWORD],
-                addr=request.remote or "",
+                # Through a standby, the browser's (LeaderProxy signs it), not the standby's.
+                addr=client_addr(request, site.ctx.admin_token),
                 kind=KIND,
                 agent=request.headers.get("User-Agent", "")[:200],
             )
@@ -282,13 +279,17 @@ class ConsoleAuth:
             return self._login_page(
                 request, next_path=next_path, status=503, problem=str(exc), name=name
             )
-        log.info("signed in to the console", extra=kv(operator=session.operator, peer=request.remote or ""))
+        log.info(
+            "signed in to the console",
+            extra=kv(operator=session.operator, peer=request.remote or ""),
+        )
         response = web.Response(status=303, headers={"Location": next_path})
         set_cookie(
             response,
             SESSION_COOKIE,
             token,
-            max_age=int(session.expires_at - self.clock()),
+            # Never beyond the session's absolute expiry (both times the logins' clock's).
+            max_age=int(session.expires_at - session.created_at),
             secure=site.secure,
         )
         clear_cookie(response, LOGIN_COOKIE, secure=site.secure)

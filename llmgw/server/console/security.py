@@ -90,8 +90,10 @@ def foreign_origin(origin: str | None, host: str | None, scheme: str) -> bool:
     if not host:
         return True
     parts = urlsplit(origin)
-    return parts.scheme != scheme or parts.netloc.lower() != host.lower() or origin != (
-        f"{parts.scheme}://{parts.netloc}"
+    return (
+        parts.scheme != scheme
+        or parts.netloc.lower() != host.lower()
+        or origin != (f"{parts.scheme}://{parts.netloc}")
     )
 
 

@@ -19,7 +19,7 @@ from llmgw.log import kv
 from llmgw.server.admin.context import AdminContext
 from llmgw.server.console.render import Renderer
 from llmgw.server.console.security import secure_headers
-from llmgw.server.logins import LoginSession, Logins
+from llmgw.server.logins import Logins, LoginSession
 from llmgw.server.principals import PRINCIPAL, Principal
 
 __all__ = ["NAV", "SESSION", "Flash", "Handler", "Site", "handled"]
@@ -28,7 +28,7 @@ log = logging.getLogger("llmgw.server.console")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-SESSION: Final = "llmgw.console.session"
+SESSION: Final = web.RequestKey("llmgw.console.session", tuple[str, LoginSession])
 """The request key of the console session a guard resolved: (cookie token, LoginSession)."""
 
 NAV: Final = (
@@ -92,7 +92,7 @@ class Site:
     ) -> web.Response:
         """A whole page: ``template`` with the common parts filled in."""
         principal = request.get(PRINCIPAL)
-        session: tuple[str, LoginSession] | None = request.get(SESSION)
+        session = request.get(SESSION)
         flash = self.flash.take(session[0]) if session is not None else None
         body = self.renderer.render(
             template,
@@ -109,7 +109,9 @@ class Site:
         """A live part of a page, re-fetched by console.js (no layout around it)."""
         return html_response(self.renderer.render(template, **values))
 
-    def error_page(self, request: web.Request, status: int, title: str, message: str) -> web.Response:
+    def error_page(
+        self, request: web.Request, status: int, title: str, message: str
+    ) -> web.Response:
         return self.page(request, "error.html", status=status, title=title, message=message)
 
 
