@@ -184,6 +184,14 @@ def csrf_of(page: Page) -> str:
     return value
 
 
+def act(page: Page, action: str) -> None:
+    """Press a node page's ``action`` button and accept its dialog; the page it lands on
+    says what was done."""
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click(f"#button-{action}")
+    expect(page.locator("#flash")).to_be_visible()
+
+
 def text_of(answer: Any) -> str:
     """An HTML answer's body as its reader sees the text (entities decoded)."""
     return html.unescape(answer.text())
@@ -349,6 +357,8 @@ def test_revoke_asks_naming_the_node_and_cuts_it(
     expect(page.locator("#button-revoke")).to_have_count(0)
     assert fleet.node("gpu-c")["state"] == "revoked"
     checked(page, screenshot, "node-revoked", "a revoked node's page")
+    assert agent.proc is not None
+    stop_process(agent.proc)  # refused from now on, it would only retry
 
 
 def test_the_events_page_receives_new_events_live(
@@ -359,19 +369,23 @@ def test_the_events_page_receives_new_events_live(
     checked(page, screenshot, "events", "the Events page")
     mark(page)
 
-    # Another operator signs in (the console's own audit row) and a script drains a node.
+    # Another operator signs in, and an admin drains a node from its page and uncordons it:
+    # each row names the account that acted (the audit trail), as it happens.
     signed_in(new_context, fleet, VIEWER, "/ui/")
-    login = page.locator("#event-rows tr", has_text="operator_login").filter(has_text=VIEWER.name)
+    # Rows the page's script added (class "new"), not rows of a reload.
+    login = page.locator("#event-rows tr.new", has_text="operator_login").filter(
+        has_text=VIEWER.name
+    )
     expect(login.first).to_be_visible(timeout=LIVE)
-    fleet.server.api("POST", "/api/nodes/gpu-b/drain")
-    try:
-        drain = page.locator("#event-rows tr", has_text="node_drain").filter(has_text="gpu-b")
-        expect(drain.first).to_be_visible(timeout=LIVE)
-        expect(drain.first.locator("td").nth(3)).to_have_text("token")
-    finally:
-        fleet.server.api("POST", "/api/nodes/gpu-b/uncordon")
-    newest = page.locator("#event-rows tr").first
-    expect(newest).to_contain_text("node_uncordon", timeout=LIVE)
+    admin = signed_in(new_context, fleet, ADMIN, "/ui/nodes/gpu-b")
+    act(admin, "drain")
+    drain = page.locator("#event-rows tr.new", has_text="node_drain").filter(has_text="gpu-b")
+    expect(drain.first).to_be_visible(timeout=LIVE)
+    expect(drain.first.locator("td").nth(3)).to_have_text(ADMIN.name)
+    act(admin, "uncordon")
+    uncordon = page.locator("#event-rows tr.new", has_text="node_uncordon").filter(has_text="gpu-b")
+    expect(uncordon).to_have_count(1, timeout=LIVE)
+    expect(uncordon.locator("td").nth(3)).to_have_text(ADMIN.name)
     assert not_reloaded(page)
 
     # Filtered by URL, the live rows are those of the filter only.
@@ -411,7 +425,7 @@ def test_a_viewer_sees_no_action_and_a_forged_post_is_refused(
 
 
 def test_a_post_without_its_csrf_token_or_from_another_site_is_refused(
-    new_context: Callable[..., BrowserContext], fleet: Fleet, screenshot: Shots
+    new_context: Callable[..., BrowserContext], fleet: Fleet
 ) -> None:
     page = signed_in(new_context, fleet, ADMIN, "/ui/nodes/gpu-a")
     url = fleet.url("/ui/nodes/gpu-a/drain")
@@ -434,6 +448,26 @@ def test_a_post_without_its_csrf_token_or_from_another_site_is_refused(
     page.reload()
     expect(page.locator("#flash")).to_contain_text("nothing done: to drain node gpu-a")
     assert fleet.node("gpu-a")["draining"] is False
+
+
+def test_signing_out_ends_the_session_and_its_cookie_opens_nothing_again(
+    new_context: Callable[..., BrowserContext], fleet: Fleet
+) -> None:
+    context = new_context()
+    page = context.new_page()
+    sign_in(page, fleet.server.url, VIEWER, "/ui/nodes")
+    cookie = next(c for c in context.cookies() if c["name"] == "llmgw_session")
+    page.click("#logout")
+    expect(page).to_have_url(fleet.url("/ui/login?signed_out=1"))
+    expect(page.locator("#login-notice")).to_have_text("signed out")
+    assert [c for c in context.cookies() if c["name"] == "llmgw_session"] == []
+    # The old cookie, put back as a thief would, is no session any more.
+    context.add_cookies(
+        [{"name": cookie["name"], "value": cookie["value"], "url": fleet.url("/ui/")}]
+    )
+    page.goto(fleet.url("/ui/nodes"))
+    expect(page).to_have_url(fleet.url("/ui/login?next=%2Fui%2Fnodes&expired=1"))
+    expect(page.locator("#account")).to_have_count(0)
 
 
 def test_every_page_has_the_security_headers_and_cookie_flags(
