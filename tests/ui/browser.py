@@ -106,12 +106,14 @@ class Screenshots:
 
     @classmethod
     def for_session(cls) -> Screenshots:
-        """``$LLMGW_TEST_SCREENSHOTS``, else build/test-screenshots/, emptied first: what it
-        holds after a run is that run's pages, never an older run's."""
+        """``$LLMGW_TEST_SCREENSHOTS``, else build/test-screenshots/, its pictures removed
+        first: the pictures it holds after a run are that run's, never an older run's. Only
+        PNG files go (here and in failures/), whatever else a directory named by the
+        variable holds stays."""
         directory = Path(os.environ.get(SCREENSHOTS_ENV) or DEFAULT_SCREENSHOTS)
-        if directory.exists():
-            shutil.rmtree(directory)
-        directory.mkdir(parents=True)
+        for old in [*directory.glob("*.png"), *directory.glob("failures/*.png")]:
+            old.unlink()
+        directory.mkdir(parents=True, exist_ok=True)
         return cls(directory)
 
     def take(self, page: Page, name: str) -> list[Path]:

@@ -255,10 +255,18 @@ def test_the_session_directory_holds_this_runs_pictures_only(
 ) -> None:
     directory = tmp_path / "shots"
     (directory / "failures").mkdir(parents=True)
+    (directory / "old-laptop.png").write_bytes(b"from an earlier run")
     (directory / "failures" / "old.png").write_bytes(b"from an earlier run")
+    (directory / "notes.txt").write_text("not a picture of ours\n")
     monkeypatch.setenv(helpers.SCREENSHOTS_ENV, str(directory))
     shots = Screenshots.for_session()
-    assert shots.directory == directory and list(directory.iterdir()) == []
+    assert shots.directory == directory and shots.taken == []
+    assert sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")) == [
+        "failures",
+        "notes.txt",
+    ]
+    monkeypatch.setenv(helpers.SCREENSHOTS_ENV, str(tmp_path / "new" / "shots"))
+    assert Screenshots.for_session().directory.is_dir()  # made when missing
 
 
 # --------------------------------------------------------------------------- the browser
