@@ -663,7 +663,7 @@ class ControlPlane:
         self.password = AdminPassword(self.store, cfg.admin_token_file.parent / PASSWORD_FILE)
         self.password.start()
         # The first operator account is the admin password (new stores and upgraded ones).
-        self.operators = OperatorAccounts(self.store)
+        self.operators = OperatorAccounts(self.store, self.password)
         self.operators.ensure_first_admin()
         # 3. the parts of the leader, each given what it uses
         self._assemble(self.ca, hosts)
@@ -783,7 +783,7 @@ class ControlPlane:
         )
         self.updates = Updates(
             store,
-            password=self.password,
+            accounts=self.operators,
             ca=ca,
             epoch=self.epoch,
             sessions=self.live,

@@ -120,7 +120,7 @@ class AdminPassword:
                 "admin password'); give it at the prompt or in LLMGW_ADMIN_PASSWORD"
             )
 
-    async def change(self, old: object, new: object) -> None:
+    async def change(self, old: object, new: object, *, actor: str) -> None:
         await self.check(old)
         if not isinstance(new, str) or len(new) < MIN_PASSWORD:
             raise PasswordError(
@@ -138,4 +138,6 @@ class AdminPassword:
         # The first password's file would now mislead (and leak nothing but an old secret).
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.password_file)
-        self.store.add_event("admin_password_changed", "control-plane", "admin password changed")
+        self.store.add_event(
+            "admin_password_changed", "control-plane", "admin password changed", actor
+        )

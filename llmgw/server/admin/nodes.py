@@ -12,6 +12,7 @@ from llmgw import __version__
 from llmgw.contracts.inventory import DegradedReason, degraded_reasons
 from llmgw.errors import Conflict
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.principals import principal_of
 from llmgw.server.states import NodeState, node_health
 from llmgw.server.store import Certificate, Node
 
@@ -143,17 +144,17 @@ class NodeRoutes:
                 "'fingerprint' is required: the sha256:... the node printed when it joined"
             )
         node_id = request.match_info["node"]
-        self.ctx.membership.approve(node_id, fp)
+        self.ctx.membership.approve(node_id, fp, actor=principal_of(request).actor)
         return web.json_response({"node": node_id, "state": NodeState.APPROVED})
 
     async def reject(self, request: web.Request) -> web.Response:
         node_id = request.match_info["node"]
-        self.ctx.membership.reject(node_id)
+        self.ctx.membership.reject(node_id, actor=principal_of(request).actor)
         return web.json_response({"node": node_id, "state": "rejected"})
 
     async def revoke(self, request: web.Request) -> web.Response:
         node_id = request.match_info["node"]
-        serials = self.ctx.membership.revoke(node_id)
+        serials = self.ctx.membership.revoke(node_id, actor=principal_of(request).actor)
         return web.json_response({"node": node_id, "state": NodeState.REVOKED, "serials": serials})
 
     # -- drain ----------------------------------------------------------------------------------------
@@ -163,7 +164,9 @@ class NodeRoutes:
         node = self.ctx.store.get_node(node_id)
         if not node.draining:
             self.ctx.store.set_node_draining(node_id, True)
-            self.ctx.store.add_event("node_drain", node_id, "drain started")
+            self.ctx.store.add_event(
+                "node_drain", node_id, "drain started", principal_of(request).actor
+            )
             self.ctx.scheduler.kick()
         return web.json_response(self.ctx.scheduler.drain_progress(node_id))
 
@@ -176,7 +179,9 @@ class NodeRoutes:
         if not node.draining:
             raise Conflict(f"node {node_id} is not draining; nothing to undo")
         self.ctx.store.set_node_draining(node_id, False)
-        self.ctx.store.add_event("node_uncordon", node_id, "takes new replicas again")
+        self.ctx.store.add_event(
+            "node_uncordon", node_id, "takes new replicas again", principal_of(request).actor
+        )
         self.ctx.scheduler.kick()
         return web.json_response(self.ctx.scheduler.drain_progress(node_id))
 

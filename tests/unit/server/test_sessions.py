@@ -164,7 +164,7 @@ def test_a_node_that_comes_back_changed_says_so_in_the_events(tmp_path: Path, st
 
     wired.connect(cert, degraded=(docker,))
     assert health_events() == []  # pending: its inventory is held, not yet judged
-    wired.membership.approve("gpu-1", store.get_node("gpu-1").fingerprint or "")
+    wired.membership.approve("gpu-1", store.get_node("gpu-1").fingerprint or "", actor="operator")
     assert health_events() == [("node_degraded", docker.message)]
     wired.connect(cert, degraded=(docker,))  # the same on a reconnect: no news
     assert len(health_events()) == 1
@@ -178,7 +178,7 @@ def test_the_reported_multinode_ports_are_kept_with_the_nodes_inventory(
     wired = Wired(tmp_path, store)
     cert = wired.cert(tmp_path, "gpu-1")
     wired.connect(cert, multinode_ports="40000-40099")
-    wired.membership.approve("gpu-1", store.get_node("gpu-1").fingerprint or "")
+    wired.membership.approve("gpu-1", store.get_node("gpu-1").fingerprint or "", actor="operator")
     inventory = store.get_node("gpu-1").inventory
     assert inventory["multinode_ports"] == "40000-40099"
     assert multinode_ports(inventory) == PortRange(40000, 40099)
@@ -348,14 +348,16 @@ def test_a_desired_engine_is_ordered_once_approved_and_its_failure_recorded(
     while not session.queue.empty():
         session.queue.get_nowait()
     build = Build.checked("", "https://x/y.tar.gz", "0" * 64)
-    out = wired.installs.desire(engine="vllm", version="0.9", builds=[build], node=None)
+    out = wired.installs.desire(
+        engine="vllm", version="0.9", builds=[build], node=None, actor="operator"
+    )
     (row,) = out["nodes"]
     assert (row["node"], row["state"]) == ("gpu-1", "waiting")
     assert row["reason"] == "vllm 0.9 is ordered once the node is approved"
     assert session.queue.empty()  # a pending node gets no orders
     fp = store.get_node("gpu-1").fingerprint
     assert fp is not None
-    wired.membership.approve("gpu-1", fp)
+    wired.membership.approve("gpu-1", fp, actor="operator")
     while not session.queue.empty():
         session.queue.get_nowait()
     wired.installs.sync()
