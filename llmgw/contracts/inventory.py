@@ -18,12 +18,19 @@ from llmgw.contracts.ports import DEFAULT_MULTINODE_PORTS, PortRange
 from llmgw.proto import control_pb2 as pb
 
 __all__ = [
+    "NOT_STORED",
     "DegradedCode",
     "DegradedReason",
     "degraded_reasons",
     "inventory_dict",
     "multinode_ports",
 ]
+
+
+NOT_STORED = frozenset({"Gpu.utilization_percent"})
+"""Fields (``Message.field``) the stored form leaves out: a GPU's utilisation changes every
+second, so what an inventory carried of it is old by the time it is read; the heartbeat
+carries it to the node's session, and the admin API shows it from there."""
 
 
 class DegradedCode(enum.StrEnum):
@@ -92,8 +99,8 @@ def multinode_ports(inventory: Mapping[str, Any]) -> PortRange:
 
 
 def inventory_dict(inv: pb.Inventory) -> dict[str, Any]:
-    """The inventory as JSON-ready data, every field by its proto name (what the control
-    plane stores and shows)."""
+    """The inventory as JSON-ready data, every field by its proto name but those of
+    :data:`NOT_STORED` (what the control plane stores and shows)."""
     return {
         "hostname": inv.hostname,
         "arch": inv.arch,

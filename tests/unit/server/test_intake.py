@@ -12,10 +12,13 @@ from llmgw.server.intake import (
     ABUSE_DROPS,
     HELLO_RATE,
     KIND_LIMITS,
+    MAX_GPU_UUID,
+    MAX_HEARTBEAT_GPUS,
     MAX_PENDING_INVENTORY_BYTES,
     MAX_TEXT,
     Intake,
     TokenBucket,
+    heartbeat_utilization,
     hello_problem,
     pending_inventory,
     trim_hello,
@@ -206,3 +209,46 @@ def test_refused_streams_are_recorded_at_a_bounded_rate() -> None:
     assert [intake.record_refusal() for _ in range(8)] == [True] * 5 + [False] * 3
     clock.t += 30.0
     assert [intake.record_refusal(), intake.record_refusal()] == [True, False]
+
+
+def test_a_heartbeats_gpu_utilisation_is_bounded() -> None:
+    heartbeat = pb.Heartbeat(
+        gpu_utilization=[
+            pb.GpuUtilization(uuid="GPU-a", percent=37),
+            pb.GpuUtilization(uuid="GPU-b", percent=0),  # idle: known
+            pb.GpuUtilization(uuid="GPU-c"),  # cannot tell
+            pb.GpuUtilization(uuid="GPU-d", percent=250),  # no percent: unknown
+            pb.GpuUtilization(uuid="", percent=5),  # no GPU of the inventory's
+            pb.GpuUtilization(uuid="G" * (MAX_GPU_UUID + 1), percent=5),
+        ]
+    )
+    assert heartbeat_utilization(heartbeat) == {
+        "GPU-a": 37,
+        "GPU-b": 0,
+        "GPU-c": None,
+        "GPU-d": None,
+    }
+    many = pb.Heartbeat(
+        gpu_utilization=[
+            pb.GpuUtilization(uuid=f"GPU-{i}", percent=1) for i in range(MAX_HEARTBEAT_GPUS + 9)
+        ]
+    )
+    assert len(heartbeat_utilization(many)) == MAX_HEARTBEAT_GPUS
+
+
+def test_a_heartbeat_of_the_most_gpus_kept_is_admitted_one_over_its_limit_is_not() -> None:
+    intake = Intake("gpu-1")
+    uuid = "GPU-5f3c2b1a-8d4e-4f6a-9b2c-1d3e5f7a9b01"  # NVIDIA's shape: 40 characters
+    full = pb.Heartbeat(
+        seq=2**40,
+        inflight=10_000,
+        gpu_utilization=[
+            pb.GpuUtilization(uuid=uuid, percent=100) for _ in range(MAX_HEARTBEAT_GPUS)
+        ],
+    )
+    assert intake.admit(pb.AgentMessage(heartbeat=full), approved=True)
+    full.gpu_utilization.extend(
+        pb.GpuUtilization(uuid="x" * MAX_GPU_UUID, percent=100) for _ in range(40)
+    )
+    assert pb.AgentMessage(heartbeat=full).ByteSize() > KIND_LIMITS["heartbeat"]
+    assert not intake.admit(pb.AgentMessage(heartbeat=full), approved=True)
