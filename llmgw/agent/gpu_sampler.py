@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmgw.agent.discovery import GpuFacts, discover_gpus
+from llmgw.contracts.inventory import MAX_GPU_UUID, MAX_HEARTBEAT_GPUS
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 
@@ -29,13 +30,16 @@ log = logging.getLogger("llmgw.agent.gpu_sampler")
 
 def utilization_of(facts: GpuFacts) -> list[pb.GpuUtilization]:
     """What a heartbeat carries of these GPU facts: each GPU's uuid and utilisation (unset
-    where the GPU cannot tell)."""
+    where the GPU cannot tell), within what the control plane takes (the first
+    MAX_HEARTBEAT_GPUS GPUs that have a uuid of at most MAX_GPU_UUID characters), so that a
+    heartbeat is never over its size limit (a heartbeat dropped is a node lost)."""
+    carried = [gpu for gpu in facts.gpus if gpu.uuid and len(gpu.uuid) <= MAX_GPU_UUID]
     return [
         pb.GpuUtilization(
             uuid=gpu.uuid,
             percent=gpu.utilization_percent if gpu.HasField("utilization_percent") else None,
         )
-        for gpu in facts.gpus
+        for gpu in carried[:MAX_HEARTBEAT_GPUS]
     ]
 
 

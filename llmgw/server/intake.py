@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from llmgw.contracts.inventory import MAX_GPU_UUID, MAX_HEARTBEAT_GPUS
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 
@@ -41,8 +42,6 @@ __all__ = [
     "ABUSE_DROPS",
     "HELLO_RATE",
     "KIND_LIMITS",
-    "MAX_GPU_UUID",
-    "MAX_HEARTBEAT_GPUS",
     "MAX_HELLO_BYTES",
     "MAX_MESSAGE_BYTES",
     "MAX_PENDING_INVENTORY_BYTES",
@@ -74,8 +73,9 @@ KIND_LIMITS: dict[str, int] = {
     "op_result": 64 * 1024,
     "update_status": 64 * 1024,
     "cert_request": 16 * 1024,
-    # With the GPUs' utilisation by uuid (about 46 bytes a GPU): room for MAX_HEARTBEAT_GPUS.
-    "heartbeat": 4096,
+    # With the GPUs' utilisation by uuid: MAX_HEARTBEAT_GPUS of at most 70 bytes (a uuid of
+    # MAX_GPU_UUID characters) is under 4.5 KiB.
+    "heartbeat": 8192,
     "draining": 1024,
 }
 """Serialized bytes one message of each kind may have."""
@@ -94,11 +94,6 @@ RENEWAL_BURST = 3.0
 LOG_EVERY = 30.0
 ABUSE_WINDOW = 10.0
 ABUSE_DROPS = 2000
-
-MAX_HEARTBEAT_GPUS = 64
-"""GPUs whose utilisation is kept from one heartbeat: more than any board has (8 or 16)."""
-MAX_GPU_UUID = 64
-"""Characters of a GPU uuid (NVIDIA's are 40: GPU-8-4-4-4-12)."""
 
 # Hello fields that end up in the store and events.
 MAX_VERSION = 64

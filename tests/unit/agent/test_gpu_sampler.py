@@ -12,7 +12,9 @@ import pytest
 
 from llmgw.agent.discovery import GpuFacts, discover_gpus
 from llmgw.agent.gpu_sampler import GpuSampler, utilization_of
+from llmgw.contracts.inventory import MAX_GPU_UUID, MAX_HEARTBEAT_GPUS
 from llmgw.proto import control_pb2 as pb
+from llmgw.server.intake import KIND_LIMITS
 
 from .fake_nvml import FakeNvml, eight_gpus
 
@@ -127,3 +129,13 @@ def test_run_keeps_the_latest_sample_and_drops_it_when_sampling_breaks() -> None
     asyncio.run(scenario())
     # The failed look leaves no stale figure: unknown until the next one answers.
     assert before[:5] == [[], [("GPU-a", 10)], [("GPU-a", 55)], [], [("GPU-a", 70)]]
+
+
+def test_a_heartbeat_carries_no_more_than_the_control_plane_takes() -> None:
+    gpus = [pb.Gpu(index=i, uuid=f"GPU-{i}", utilization_percent=1) for i in range(80)]
+    gpus.insert(3, pb.Gpu(index=99, uuid="G" * (MAX_GPU_UUID + 1), utilization_percent=1))
+    gpus.insert(5, pb.Gpu(index=98, uuid=""))
+    carried = utilization_of(GpuFacts(gpus=gpus))
+    assert [u.uuid for u in carried] == [f"GPU-{i}" for i in range(MAX_HEARTBEAT_GPUS)]
+    heartbeat = pb.AgentMessage(heartbeat=pb.Heartbeat(seq=2**63, gpu_utilization=carried))
+    assert heartbeat.ByteSize() <= KIND_LIMITS["heartbeat"]

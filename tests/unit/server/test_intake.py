@@ -7,13 +7,12 @@ import logging
 
 import pytest
 
+from llmgw.contracts.inventory import MAX_GPU_UUID, MAX_HEARTBEAT_GPUS
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.intake import (
     ABUSE_DROPS,
     HELLO_RATE,
     KIND_LIMITS,
-    MAX_GPU_UUID,
-    MAX_HEARTBEAT_GPUS,
     MAX_PENDING_INVENTORY_BYTES,
     MAX_TEXT,
     Intake,
@@ -238,17 +237,18 @@ def test_a_heartbeats_gpu_utilisation_is_bounded() -> None:
 
 def test_a_heartbeat_of_the_most_gpus_kept_is_admitted_one_over_its_limit_is_not() -> None:
     intake = Intake("gpu-1")
-    uuid = "GPU-5f3c2b1a-8d4e-4f6a-9b2c-1d3e5f7a9b01"  # NVIDIA's shape: 40 characters
+    # The worst an agent sends: every uuid as long as kept (NVIDIA's are 40), every figure.
     full = pb.Heartbeat(
-        seq=2**40,
-        inflight=10_000,
+        seq=2**63,
+        inflight=2**32 - 1,
         gpu_utilization=[
-            pb.GpuUtilization(uuid=uuid, percent=100) for _ in range(MAX_HEARTBEAT_GPUS)
+            pb.GpuUtilization(uuid="G" * MAX_GPU_UUID, percent=100)
+            for _ in range(MAX_HEARTBEAT_GPUS)
         ],
     )
     assert intake.admit(pb.AgentMessage(heartbeat=full), approved=True)
     full.gpu_utilization.extend(
-        pb.GpuUtilization(uuid="x" * MAX_GPU_UUID, percent=100) for _ in range(40)
+        pb.GpuUtilization(uuid="x" * MAX_GPU_UUID, percent=100) for _ in range(64)
     )
     assert pb.AgentMessage(heartbeat=full).ByteSize() > KIND_LIMITS["heartbeat"]
     assert not intake.admit(pb.AgentMessage(heartbeat=full), approved=True)
