@@ -1,9 +1,10 @@
 """Admin routes about the fleet: the control plane's status, the nodes (each with its health:
-healthy, degraded with its reasons, or offline), operator decisions on them (approve, reject,
-revoke), draining and the event log."""
+healthy, degraded with its reasons, or offline, and each GPU's utilisation, live), operator
+decisions on them (approve, reject, revoke), draining and the event log."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -15,6 +16,7 @@ from llmgw.server.admin.context import AdminContext, BadRequest, read_json
 from llmgw.server.principals import principal_of
 from llmgw.server.states import NodeState, node_health
 from llmgw.server.store import Certificate, Node
+from llmgw.server.stream import NodeSession
 
 __all__ = ["NodeRoutes"]
 
@@ -22,6 +24,20 @@ __all__ = ["NodeRoutes"]
 # summary, llmgw.server.intake.pending_inventory).
 PENDING_REASONS = 8
 PENDING_REASON_CHARS = 1000
+
+
+def _gpus(stored: Any, session: NodeSession | None) -> list[dict[str, Any]]:
+    """The node's GPUs as its stored inventory has them, each with ``utilization_percent``
+    from its session's latest heartbeat (the store never has it: it changes every second);
+    null when the node is not connected, has not said yet, or the GPU cannot tell."""
+    live = session.gpu_utilization if session is not None else {}
+    if not isinstance(stored, list):
+        return []
+    return [
+        {**gpu, "utilization_percent": live.get(str(gpu.get("uuid") or ""))}
+        for gpu in stored
+        if isinstance(gpu, Mapping)
+    ]
 
 
 class NodeRoutes:
@@ -93,7 +109,7 @@ class NodeRoutes:
             "shards": shard_count,
             "cpus": inv.get("cpus"),
             "memory_total_bytes": inv.get("memory_total_bytes"),
-            "gpus": inv.get("gpus", []),
+            "gpus": _gpus(inv.get("gpus", []), session),
             "gpu_status": inv.get("gpu_status", ""),
             "engines": inv.get("engines", []),
             "fingerprint": node.fingerprint,

@@ -6,6 +6,7 @@ a rank-0 shard that turns ready becomes routable."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -446,6 +447,33 @@ def test_heartbeats_write_nothing_and_last_seen_is_stored_in_one_batch(
         wired.sessions.on_message(sessions["gpu-2"], heartbeat)
         wired.sessions.close(sessions["gpu-2"])
         assert store.get_node("gpu-2").last_seen == 5012.0
+        wired.sessions.close_all()
+
+    asyncio.run(main())
+
+
+def test_gpu_utilisation_is_kept_in_the_session_and_never_written(
+    tmp_path: Path, store: Store
+) -> None:
+    async def main() -> None:
+        wired = Wired(tmp_path, store)
+        session = wired.connect(wired.cert(tmp_path, "gpu-1"))
+        writes, real_execute = _spy_writes(store)
+
+        def beat(seq: int, *samples: pb.GpuUtilization) -> None:
+            msg = pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq, gpu_utilization=samples))
+            wired.sessions.on_message(session, msg)
+
+        for seq, busy in enumerate((5, 60, 99, 0), 1):  # a busy GPU: every second another
+            beat(
+                seq, pb.GpuUtilization(uuid="GPU-a", percent=busy), pb.GpuUtilization(uuid="GPU-b")
+            )
+        assert writes == []  # not one store write for it
+        assert session.gpu_utilization == {"GPU-a": 0, "GPU-b": None}
+        beat(5)  # the agent has no sample (it could not look): unknown, not the last figure
+        assert session.gpu_utilization == {}
+        store.database.execute = real_execute  # type: ignore[method-assign]
+        assert "utilization" not in json.dumps(store.get_node("gpu-1").inventory)
         wired.sessions.close_all()
 
     asyncio.run(main())
