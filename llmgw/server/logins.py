@@ -280,7 +280,8 @@ class Logins:
                 )
             # An unknown name's lock is logged only: names made up by a guesser would
             # otherwise fill the events.
-            if account_locked and self.store.find_operator(name) is not None:
+            known = isinstance(name, str) and self.store.find_operator(name) is not None
+            if account_locked and known:
                 self.store.add_event(
                     "login_locked",
                     name,
