@@ -23,7 +23,8 @@ from llmgw.server.logins import (
 )
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
-from llmgw.server.store import Store, hash_session_token
+from llmgw.server.principals import VIA_CLI, VIA_CONSOLE, Principal
+from llmgw.server.store import LOGIN_KINDS, Store, hash_session_token
 from llmgw.server.store.location import parse_location
 from tests.unit.clock import Clock
 
@@ -128,6 +129,16 @@ def test_a_login_makes_a_session_the_token_resolves_to(rig: Rig, clock: Clock) -
     ]
     assert token not in "\n".join(every_row)
     assert rig.events("operator_login") == [("bob", f"console login from {ADDR}", "bob")]
+
+
+def test_a_session_is_a_principal_of_its_kind(rig: Rig) -> None:
+    assert (VIA_CONSOLE, VIA_CLI) == LOGIN_KINDS  # a session's kind is its principal's via
+    _, console = rig.login()
+    assert console.principal == Principal(name="bob", role="viewer", via=VIA_CONSOLE)
+    assert not console.principal.is_admin and console.principal.actor == "bob"
+    _, cli = rig.login("carol", CAROL_PW, kind="cli")
+    assert cli.principal == Principal(name="carol", role="admin", via=VIA_CLI)
+    assert cli.principal.is_admin and cli.principal.password_account == "carol"
 
 
 def test_a_cli_login_has_no_csrf_token_and_lives_longer(rig: Rig, clock: Clock) -> None:
