@@ -68,6 +68,7 @@ from llmgw.server.leadership import (
     try_leadership,
 )
 from llmgw.server.limits import Limits
+from llmgw.server.logins import Logins
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.operators import OperatorAccounts
@@ -97,6 +98,8 @@ log = logging.getLogger("llmgw.server")
 CLUSTER_CA_META = "cluster_ca_hash"
 # An instance silent this long (seconds) is no longer named to agents: its machine is gone.
 INSTANCE_KEPT = 3600.0
+# Seconds between two clean-ups of lapsed login sessions and spent failure counters.
+LOGIN_PRUNE_EVERY = 600.0
 
 
 def _read_or_create_token(path: Path) -> str:
@@ -177,6 +180,7 @@ class ControlPlane:
         self.sessions: Sessions
         self.password: AdminPassword
         self.operators: OperatorAccounts
+        self.logins: Logins
         self.updates: Updates
         self.authority: ClusterAuthority
         self.http_port = 0
@@ -362,6 +366,16 @@ class ControlPlane:
                 self._count_serving_instances()
             except StoreError:
                 continue
+
+    async def _prune_logins(self) -> None:
+        """Delete lapsed login sessions and spent failure counters every few minutes
+        (a lapsed session is refused without it: this only keeps the tables small)."""
+        while True:
+            await asyncio.sleep(LOGIN_PRUNE_EVERY)
+            try:
+                self.logins.prune()
+            except StoreError as exc:
+                log.warning("login prune failed; trying again later", extra=kv(error=str(exc)))
 
     def _count_serving_instances(self) -> None:
         """How many instances serve the gateway now (those seen within three leases, this
@@ -665,6 +679,7 @@ class ControlPlane:
         # The first operator account is the admin password (new stores and upgraded ones).
         self.operators = OperatorAccounts(self.store, self.password)
         self.operators.ensure_first_admin()
+        self.logins = Logins(self.store, self.operators, cfg.console)
         # 3. the parts of the leader, each given what it uses
         self._assemble(self.ca, hosts)
         if self._keeper is not None:
@@ -686,6 +701,7 @@ class ControlPlane:
         self._tasks.append(asyncio.create_task(self.sessions.watch_heartbeats(), name="heartbeats"))
         self._tasks.append(asyncio.create_task(self.sessions.store_last_seen(), name="last-seen"))
         self._tasks.append(asyncio.create_task(self.authority.run(), name="ca-rotation"))
+        self._tasks.append(asyncio.create_task(self._prune_logins(), name="prune-logins"))
         if self._keeper is not None:
             self._register_addresses()
             self._tasks.append(asyncio.create_task(self._keep_lease(), name="lease"))
@@ -902,6 +918,7 @@ class ControlPlane:
             updates=self.updates,
             password=self.password,
             operators=self.operators,
+            logins=self.logins,
             installs=self.installs,
             serving=self.serving,
             bodies=self.bodies,

@@ -23,6 +23,7 @@ from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT, DEFAUL
 from llmgw.errors import ConfigError
 from llmgw.listener import ListenerLimits, parse_listener_limits
 from llmgw.netaddr import format_hostport, is_hostname, is_ip_address
+from llmgw.server.logins import LoginPolicy
 from llmgw.server.store.location import Location, parse_location
 
 DEFAULT_HTTP_LISTEN = f"0.0.0.0:{DEFAULT_HTTP_PORT}"
@@ -68,9 +69,20 @@ _KEYS = (
     "lease",
     "lease_renew",
     "resync_interval",
+    "console",
 )
 _TLS_KEYS = ("cert", "key")
 _DATABASE_KEYS = ("url", "password_file")
+_CONSOLE_KEYS = (
+    "session_idle",
+    "session_lifetime",
+    "cli_idle",
+    "cli_lifetime",
+    "login_failures_per_address",
+    "login_failures_per_account",
+    "login_failure_window",
+    "login_lockout",
+)
 # Leadership on PostgreSQL: a lapsed lease is taken within lease + a standby's poll (one
 # lease_renew), which the defaults keep under 15 s.
 DEFAULT_LEASE = 8.0
@@ -146,6 +158,9 @@ class ServerConfig:
     # After this instance starts leading: how long a node holding shards has to reattach
     # before it is lost (never less than loss_timeout).
     reattach_grace: float = DEFAULT_REATTACH_GRACE
+    # The console's and ctl login's sessions (idle and absolute expiry) and the failed
+    # logins that lock an address or an account.
+    console: LoginPolicy = field(default_factory=LoginPolicy)
     source: Path | None = None
 
     @property
@@ -362,8 +377,56 @@ def _parse(
         lease_renew=lease_renew,
         resync_interval=resync,
         reattach_grace=reattach_grace,
+        console=_console(check, top.get("console")),
         source=source,
     )
+
+
+def _console(check: Checker, value: object) -> LoginPolicy:
+    """``console:`` absent (the defaults), or a mapping of its keys."""
+    default = LoginPolicy()
+    if value is None:
+        return default
+    fields = check.mapping(value, "console", accepted=_CONSOLE_KEYS)
+
+    def seconds(name: str, fallback: float) -> float:
+        if fields.get(name) is None:
+            return fallback
+        got = check.duration(fields[name], f"console.{name}")
+        if got <= 0:
+            check.fail(f"console.{name}", f"must be more than 0 seconds, got {fields[name]!r}")
+        return got
+
+    def count(name: str, fallback: int) -> int:
+        got = fields.get(name)
+        if got is None:
+            return fallback
+        if isinstance(got, bool) or not isinstance(got, int) or got < 1:
+            check.fail(
+                f"console.{name}",
+                f"must be a whole number of failed logins, 1 or more, got {got!r}",
+            )
+        return got
+
+    policy = LoginPolicy(
+        session_idle=seconds("session_idle", default.session_idle),
+        session_lifetime=seconds("session_lifetime", default.session_lifetime),
+        cli_idle=seconds("cli_idle", default.cli_idle),
+        cli_lifetime=seconds("cli_lifetime", default.cli_lifetime),
+        failures_per_address=count("login_failures_per_address", default.failures_per_address),
+        failures_per_account=count("login_failures_per_account", default.failures_per_account),
+        failure_window=seconds("login_failure_window", default.failure_window),
+        lockout=seconds("login_lockout", default.lockout),
+    )
+    for idle, lifetime in (("session_idle", "session_lifetime"), ("cli_idle", "cli_lifetime")):
+        if getattr(policy, idle) > getattr(policy, lifetime):
+            check.fail(
+                f"console.{idle}",
+                f"is {getattr(policy, idle):g} s, longer than console.{lifetime} "
+                f"({getattr(policy, lifetime):g} s): a session would lapse at its lifetime "
+                f"before it could be idle that long; make {idle} at most {lifetime}",
+            )
+    return policy
 
 
 def _database(check: Checker, value: object) -> Location | None:

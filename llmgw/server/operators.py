@@ -14,6 +14,11 @@ again). So that the admin token alone still cannot sign, every change that gives
 power (an admin account added, a viewer promoted, an admin's password set) is confirmed with
 the password of whoever makes it (:meth:`OperatorAccounts.confirm`): the admin password for
 the admin token, an account's own for an account.
+
+A removal, a role change or a password change ends the account's login sessions
+(:mod:`llmgw.server.logins`) in the change's own transaction: a stolen cookie does not
+outlive the password it was made with, and a session never carries a role the account no
+longer has. A password changed through one of the account's own sessions keeps that one.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from llmgw.server.passwords import (
     check_password,
     hash_password,
 )
-from llmgw.server.store import Operator, Store
+from llmgw.server.store import Operator, Store, hash_session_token
 
 __all__ = ["FIRST_ADMIN", "TOKEN_ACTOR", "OperatorAccounts"]
 
@@ -122,15 +127,18 @@ class OperatorAccounts:
         actor: str,
         confirm_as: str = "",
         confirm_password: object = None,
+        keep_session: str | None = None,
     ) -> Operator:
         """Change *name*'s password (not ``admin``'s: that is the admin password, changed
-        with its old one by :meth:`AdminPassword.change`)."""
+        with its old one by :meth:`AdminPassword.change`); its sessions end, but for the
+        one whose token is *keep_session* (the session the change was made through)."""
         return await self.update(
             name,
             password=password,
             actor=actor,
             confirm_as=confirm_as,
             confirm_password=confirm_password,
+            keep_session=keep_session,
         )
 
     async def set_role(
@@ -155,10 +163,12 @@ class OperatorAccounts:
         actor: str,
         confirm_as: str = "",
         confirm_password: object = None,
+        keep_session: str | None = None,
     ) -> Operator:
         """Change *name*'s role, password or both, all or nothing (the password is checked
         before anything is written). Making an admin (a promotion, or a new password for an
-        admin account) is confirmed with *confirm_as*'s *confirm_password*."""
+        admin account) is confirmed with *confirm_as*'s *confirm_password*. A new role ends
+        all of *name*'s sessions; a new password all but *keep_session*'s."""
         current = self.store.get_operator(name)  # an unknown name is the first thing to say
         if password is not None and name == FIRST_ADMIN:
             raise Conflict(_ADMIN_PASSWORD_ONLY)
@@ -174,6 +184,8 @@ class OperatorAccounts:
                 changed = self._set_role(name, role, actor)
             if stored is not None:
                 changed = self.store.set_operator_password(name, stored)
+                keep = None if keep_session is None else hash_session_token(keep_session)
+                self.store.delete_login_sessions_of(changed.id, keep=keep)
                 self.store.add_event("operator_password_changed", name, "password changed", actor)
         return changed
 
@@ -193,6 +205,7 @@ class OperatorAccounts:
             raise Conflict(_FIRST_ADMIN_STAYS.format(what="demoted"))
         changed = self.store.set_operator_role(name, role)
         if current.role != role:
+            self.store.delete_login_sessions_of(current.id)
             self.store.add_event("operator_role_changed", name, f"{current.role} -> {role}", actor)
         return changed
 
@@ -202,6 +215,7 @@ class OperatorAccounts:
             if name == FIRST_ADMIN:
                 raise Conflict(_FIRST_ADMIN_STAYS.format(what="removed"))
             removed = self.store.remove_operator(name)
+            self.store.delete_login_sessions_of(removed.id)
             self.store.add_event("operator_removed", name, "removed", actor)
         return removed
 

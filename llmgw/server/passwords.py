@@ -3,7 +3,9 @@ order (DESIGN §7) and exporting the cluster CA need.
 
 It is made at the first start into ``admin.password`` next to ``admin.token`` (0600) and
 kept in the store only as a scrypt hash; the admin token alone cannot update nodes. It is
-changed with the old one, after which the first password's file is removed.
+changed with the old one, after which the first password's file is removed. It is also the
+password of the operator account ``admin``, whose login sessions a change ends (but the one
+it was made through).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 from llmgw.errors import ConfigError, PasswordError
 from llmgw.fsutil import write_private
 from llmgw.log import kv
-from llmgw.server.store import Store
+from llmgw.server.store import Store, hash_session_token
 
 __all__ = [
     "MIN_PASSWORD",
@@ -120,7 +122,12 @@ class AdminPassword:
                 "admin password'); give it at the prompt or in LLMGW_ADMIN_PASSWORD"
             )
 
-    async def change(self, old: object, new: object, *, actor: str) -> None:
+    async def change(
+        self, old: object, new: object, *, actor: str, keep_session: str | None = None
+    ) -> None:
+        """Change the admin password from *old* to *new* (``actor`` made the change); the
+        account ``admin``'s login sessions end, but for the one whose token is
+        *keep_session* (the session the change was made through, if any)."""
         await self.check(old)
         if not isinstance(new, str) or len(new) < MIN_PASSWORD:
             raise PasswordError(
@@ -133,8 +140,11 @@ class AdminPassword:
         with self.store.transaction():
             self.store.set_meta(PASSWORD_META, stored)
             # The operator account 'admin' is this password (llmgw.server.operators).
-            if self.store.find_operator("admin") is not None:
+            account = self.store.find_operator("admin")
+            if account is not None:
                 self.store.set_operator_password("admin", stored)
+                keep = None if keep_session is None else hash_session_token(keep_session)
+                self.store.delete_login_sessions_of(account.id, keep=keep)
         # The first password's file would now mislead (and leak nothing but an old secret).
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.password_file)

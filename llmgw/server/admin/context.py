@@ -39,6 +39,7 @@ from llmgw.server.config import TLSConfig
 from llmgw.server.history import RequestHistory
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.installs import EngineInstalls
+from llmgw.server.logins import Logins
 from llmgw.server.nodes import Membership
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import AdminPassword
@@ -96,6 +97,7 @@ class AdminContext:
     updates: Updates
     password: AdminPassword
     operators: OperatorAccounts
+    logins: Logins
     installs: EngineInstalls
     serving: ServingCache
     bodies: BodyBudget

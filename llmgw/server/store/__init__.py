@@ -14,8 +14,8 @@ says what to do. The package:
 - ``dialect``   the migrations' SQLite statements as PostgreSQL runs them, and ``?`` as ``%s``;
 - ``schema``    the versioned migrations and how they are applied;
 - ``rows``      the row types the store hands out;
-- ``nodes``, ``models``, ``credentials``, ``usage``, ``updates``, ``engines``, ``events``: one
-  class per group of tables, holding their SQL;
+- ``nodes``, ``models``, ``credentials``, ``usage``, ``updates``, ``engines``, ``events``,
+  ``operators``, ``logins``: one class per group of tables, holding their SQL;
 - ``store``     :class:`Store`, which composes them;
 - ``transfer``  a whole database copied from one engine to another (``llmgw server migrate``).
 
@@ -31,9 +31,11 @@ from llmgw.server.store.events import (
     MAX_EVENT_SUBJECT,
     MAX_EVENTS,
 )
+from llmgw.server.store.logins import hash_session_token
 from llmgw.server.store.models import SHARD_FIELDS
 from llmgw.server.store.rows import (
     DEFAULT_PROFILE,
+    LOGIN_KINDS,
     OPERATOR_ROLES,
     ApiKey,
     Certificate,
@@ -46,6 +48,7 @@ from llmgw.server.store.rows import (
     Operator,
     Replica,
     Shard,
+    StoredLogin,
 )
 from llmgw.server.store.schema import MIGRATIONS
 from llmgw.server.store.store import Store
@@ -55,6 +58,7 @@ __all__ = [
     "ALL_NODES",
     "API_KEY_PREFIX",
     "DEFAULT_PROFILE",
+    "LOGIN_KINDS",
     "MAX_EVENTS",
     "MAX_EVENT_BYTES",
     "MAX_EVENT_MESSAGE",
@@ -75,5 +79,7 @@ __all__ = [
     "Replica",
     "Shard",
     "Store",
+    "StoredLogin",
     "hash_api_key",
+    "hash_session_token",
 ]

@@ -34,6 +34,8 @@ TABLE_NOUNS = {
     "certificates": "certificate",
     "instances": "control-plane instance",
     "usage": "usage row",
+    "login_sessions": "login session",
+    "login_failures": "login failure count",
 }
 """What a refused change calls a row of each table, in either engine's error messages."""
 

@@ -23,6 +23,7 @@ from llmgw.server.tokens import JoinToken
 
 __all__ = [
     "DEFAULT_PROFILE",
+    "LOGIN_KINDS",
     "OPERATOR_ROLES",
     "ApiKey",
     "Certificate",
@@ -35,6 +36,7 @@ __all__ = [
     "Operator",
     "Replica",
     "Shard",
+    "StoredLogin",
     "check_operator_name",
     "check_state",
     "dump_json",
@@ -391,6 +393,47 @@ class Operator:
             created_by=row["created_by"],
             password_changed_at=row["password_changed_at"],
             removed_at=row["removed_at"],
+        )
+
+
+LOGIN_KINDS = ("console", "cli")
+"""A login session's kinds: a console cookie, or an ``llmgw ctl login`` token."""
+
+
+@dataclass(frozen=True)
+class StoredLogin:
+    """A login session as stored (by its token's hash), with its account as it is now:
+    ``operator`` and ``role`` are read from the operators row with the session, and
+    ``active`` is False once that account was removed."""
+
+    token_hash: str = field(repr=False)
+    operator_id: int
+    operator: str
+    role: str
+    active: bool
+    kind: str
+    csrf: str = field(repr=False)
+    created_at: float
+    seen_at: float
+    expires_at: float
+    addr: str
+    agent: str
+
+    @classmethod
+    def from_row(cls, row: Row) -> StoredLogin:
+        return cls(
+            token_hash=row["token_hash"],
+            operator_id=row["operator_id"],
+            operator=row["name"],
+            role=row["role"],
+            active=row["removed_at"] is None,
+            kind=row["kind"],
+            csrf=row["csrf"],
+            created_at=row["created_at"],
+            seen_at=row["seen_at"],
+            expires_at=row["expires_at"],
+            addr=row["addr"],
+            agent=row["agent"],
         )
 
 

@@ -299,6 +299,30 @@ MIGRATIONS: list[str] = [
     CREATE UNIQUE INDEX operators_active_name ON operators(name) WHERE removed_at IS NULL;
     ALTER TABLE events ADD COLUMN actor TEXT NOT NULL DEFAULT '';
     """,
+    # 12: login sessions (the console's cookies and 'llmgw ctl login' tokens, each kept as
+    # the SHA-256 of the token, never the token) and the failed logins counted per source
+    # address and per account name, so that a lockout holds across control-plane instances
+    f"""
+    CREATE TABLE login_sessions (
+        token_hash  TEXT PRIMARY KEY,
+        operator_id INTEGER NOT NULL REFERENCES operators(id),
+        kind        TEXT NOT NULL {_check("kind", ("console", "cli"))},
+        csrf        TEXT NOT NULL DEFAULT '',
+        created_at  REAL NOT NULL,
+        seen_at     REAL NOT NULL,
+        expires_at  REAL NOT NULL,
+        addr        TEXT NOT NULL DEFAULT '',
+        agent       TEXT NOT NULL DEFAULT ''
+    );
+    CREATE INDEX login_sessions_by_operator ON login_sessions(operator_id);
+
+    CREATE TABLE login_failures (
+        key          TEXT PRIMARY KEY,
+        failures     INTEGER NOT NULL DEFAULT 0,
+        first_at     REAL NOT NULL,
+        locked_until REAL NOT NULL DEFAULT 0
+    );
+    """,
 ]
 
 

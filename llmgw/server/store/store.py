@@ -2,7 +2,8 @@
 hands out transactions, and answers for every table.
 
 Each group of tables is a small class of its own (:class:`~.nodes.Nodes`,
-:class:`~.models.Models`, :class:`~.credentials.ApiKeys`, :class:`~.usage.Usage`, ...) over the one
+:class:`~.models.Models`, :class:`~.credentials.ApiKeys`, :class:`~.usage.Usage`,
+:class:`~.logins.LoginTables`, ...) over the one
 :class:`~.database.Database`; :class:`Store` composes them and offers their methods under
 one name, so that callers hold one object and a transaction spans any of them.
 """
@@ -22,6 +23,7 @@ from llmgw.server.store.engines import EngineTables
 from llmgw.server.store.events import Events
 from llmgw.server.store.instances import Leases
 from llmgw.server.store.location import Location, parse_location
+from llmgw.server.store.logins import LoginTables
 from llmgw.server.store.models import Models
 from llmgw.server.store.nodes import Nodes
 from llmgw.server.store.operators import Operators
@@ -80,6 +82,7 @@ class Store:
         self._engines = EngineTables(db)
         self._usage = Usage(db)
         self._operators = Operators(db)
+        self._logins = LoginTables(db)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -305,6 +308,21 @@ class Store:
     set_operator_password = _Table("_operators", Operators.set_operator_password)
     set_operator_role = _Table("_operators", Operators.set_operator_role)
     remove_operator = _Table("_operators", Operators.remove_operator)
+
+    # ------------------------------------------------------------------- logins
+
+    add_login_session = _Table("_logins", LoginTables.add_login_session)
+    find_login_session = _Table("_logins", LoginTables.find_login_session)
+    list_login_sessions = _Table("_logins", LoginTables.list_login_sessions)
+    touch_login_session = _Table("_logins", LoginTables.touch_login_session)
+    delete_login_session = _Table("_logins", LoginTables.delete_login_session)
+    delete_login_sessions_of = _Table("_logins", LoginTables.delete_login_sessions_of)
+    prune_login_sessions = _Table("_logins", LoginTables.prune_login_sessions)
+    login_locked_until = _Table("_logins", LoginTables.login_locked_until)
+    count_login_failure = _Table("_logins", LoginTables.count_login_failure)
+    login_failures = _Table("_logins", LoginTables.login_failures)
+    clear_login_failures = _Table("_logins", LoginTables.clear_login_failures)
+    prune_login_failures = _Table("_logins", LoginTables.prune_login_failures)
 
     # ------------------------------------------------------------------- events
 

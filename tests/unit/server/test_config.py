@@ -14,6 +14,7 @@ from llmgw.server.config import (
     load_server_config,
     parse_server_config,
 )
+from llmgw.server.logins import LoginPolicy
 
 DEFAULTS = ServerConfig(
     state_dir=Path("/var/lib/llmgw"),
@@ -384,3 +385,93 @@ def test_listener_limits_refused_naming_the_key(
         load_server_config(cfg)
     assert info.value.key == key
     assert str(info.value).startswith(f"{cfg}: {key}: ") and fragment in str(info.value)
+
+
+# ------------------------------------------------------------------ console:
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_console_defaults_and_values(tmp_path: Path) -> None:
+    assert load_server_config(None).console == LoginPolicy()
+    path = write(
+        tmp_path,
+        """\
+        console:
+          session_idle: 30m
+          session_lifetime: 8h
+          cli_idle: 1d
+          cli_lifetime: 2d
+          login_failures_per_address: 50
+          login_failures_per_account: 3
+          login_failure_window: 10m
+          login_lockout: 1h
+        """,
+    )
+    assert load_server_config(path).console == LoginPolicy(
+        session_idle=1800.0,
+        session_lifetime=8 * 3600.0,
+        cli_idle=86400.0,
+        cli_lifetime=2 * 86400.0,
+        failures_per_address=50,
+        failures_per_account=3,
+        failure_window=600.0,
+        lockout=3600.0,
+    )
+
+
+def test_the_documented_console_block_is_the_defaults(tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("```yaml\nconsole:\n", 1)[1].split("```", 1)[0]
+    path = write(tmp_path, "console:\n" + block)
+    assert load_server_config(path).console == LoginPolicy()
+    shipped = (ROOT / "packaging" / "config" / "server.yaml").read_text()
+    lines = shipped.split("# console:\n", 1)[1].splitlines()
+    kept = [line.removeprefix("# ") for line in lines if line.startswith("#   ")]
+    assert len(kept) == 8
+    path = write(tmp_path, "console:\n" + "\n".join(kept) + "\n")
+    assert load_server_config(path).console == LoginPolicy()
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "fragment"),
+    [
+        ("console: 1h\n", "console", "must be a mapping"),
+        ("console: {session_idel: 1h}\n", "console.session_idel", "'session_idle'?"),
+        ("console: {session_idle: 0}\n", "console.session_idle", "must be more than 0 seconds"),
+        ("console: {cli_idle: -5}\n", "console.cli_idle", "must be a duration of 0 s or more"),
+        ("console: {login_lockout: -1h}\n", "console.login_lockout", "a duration like"),
+        ("console: {login_failure_window: 0s}\n", "console.login_failure_window", "more than 0"),
+        (
+            "console: {session_idle: 13h}\n",
+            "console.session_idle",
+            "longer than console.session_lifetime (43200 s)",
+        ),
+        (
+            "console: {cli_idle: 2d, cli_lifetime: 1d}\n",
+            "console.cli_idle",
+            "make cli_idle at most cli_lifetime",
+        ),
+        (
+            "console: {login_failures_per_account: 0}\n",
+            "console.login_failures_per_account",
+            "whole number of failed logins, 1 or more, got 0",
+        ),
+        (
+            "console: {login_failures_per_address: 2.5}\n",
+            "console.login_failures_per_address",
+            "got 2.5",
+        ),
+        (
+            "console: {login_failures_per_address: true}\n",
+            "console.login_failures_per_address",
+            "got True",
+        ),
+    ],
+)
+def test_console_refusals_name_the_key(tmp_path: Path, text: str, key: str, fragment: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_server_config(path)
+    assert info.value.key == key
+    assert str(info.value).startswith(f"{path}: {key}: ") and fragment in str(info.value)

@@ -188,3 +188,69 @@ ALTER TABLE replicas ADD COLUMN profile TEXT;
     /* sqlite */ UPDATE certificates SET seq = rowid;
     CREATE INDEX certificates_by_seq ON certificates(node_id, seq);
     
+-- migration 9
+    CREATE INDEX nodes_draining ON nodes(draining) WHERE draining != 0;
+    CREATE INDEX shards_by_state ON shards(state);
+    
+-- migration 10
+    ALTER TABLE api_keys ADD COLUMN models TEXT NOT NULL DEFAULT '[]';
+    ALTER TABLE api_keys ADD COLUMN rpm INTEGER CHECK (rpm >= 1);
+    ALTER TABLE api_keys ADD COLUMN tpm INTEGER CHECK (tpm >= 1);
+    ALTER TABLE api_keys ADD COLUMN max_concurrent INTEGER CHECK (max_concurrent >= 1);
+    ALTER TABLE api_keys ADD COLUMN budget_tokens INTEGER CHECK (budget_tokens >= 1);
+    ALTER TABLE api_keys ADD COLUMN budget_period TEXT CHECK (budget_period IN ('day', 'month'));
+    ALTER TABLE api_keys ADD COLUMN priority TEXT NOT NULL DEFAULT 'normal'
+        CHECK (priority IN ('high', 'normal', 'low'));
+    ALTER TABLE api_keys ADD COLUMN expires_at REAL;
+    ALTER TABLE api_keys ADD COLUMN updated_at REAL;
+    UPDATE api_keys SET updated_at = created_at;
+    CREATE INDEX api_keys_by_name ON api_keys(name);
+
+    CREATE TABLE usage (
+        day               TEXT NOT NULL,
+        key_id            TEXT NOT NULL,
+        model             TEXT NOT NULL,
+        requests          INTEGER NOT NULL DEFAULT 0,
+        prompt_tokens     INTEGER NOT NULL DEFAULT 0,
+        completion_tokens INTEGER NOT NULL DEFAULT 0,
+        cached_tokens     INTEGER NOT NULL DEFAULT 0,
+        errors            INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (day, key_id, model)
+    );
+    CREATE INDEX usage_by_key ON usage(key_id, day);
+    
+-- migration 11
+    CREATE TABLE operators (
+        id                  INTEGER PRIMARY KEY AUTOINCREMENT,
+        name                TEXT NOT NULL,
+        role                TEXT NOT NULL CHECK (role IN ('admin', 'viewer')),
+        password_hash       TEXT NOT NULL,
+        created_at          REAL NOT NULL,
+        created_by          TEXT NOT NULL,
+        password_changed_at REAL NOT NULL,
+        removed_at          REAL
+    );
+    CREATE UNIQUE INDEX operators_active_name ON operators(name) WHERE removed_at IS NULL;
+    ALTER TABLE events ADD COLUMN actor TEXT NOT NULL DEFAULT '';
+    
+-- migration 12
+    CREATE TABLE login_sessions (
+        token_hash  TEXT PRIMARY KEY,
+        operator_id INTEGER NOT NULL REFERENCES operators(id),
+        kind        TEXT NOT NULL CHECK (kind IN ('console', 'cli')),
+        csrf        TEXT NOT NULL DEFAULT '',
+        created_at  REAL NOT NULL,
+        seen_at     REAL NOT NULL,
+        expires_at  REAL NOT NULL,
+        addr        TEXT NOT NULL DEFAULT '',
+        agent       TEXT NOT NULL DEFAULT ''
+    );
+    CREATE INDEX login_sessions_by_operator ON login_sessions(operator_id);
+
+    CREATE TABLE login_failures (
+        key          TEXT PRIMARY KEY,
+        failures     INTEGER NOT NULL DEFAULT 0,
+        first_at     REAL NOT NULL,
+        locked_until REAL NOT NULL DEFAULT 0
+    );
+    

@@ -202,6 +202,18 @@ def populated(source: Location) -> Iterator[Store]:
     s.add_operator("admin", "admin", "scrypt$16384$8$1$c2FsdA$aGFzaA", "control-plane")
     s.add_operator("bob", "viewer", "scrypt$16384$8$1$c2FsdA$Ym9i", "admin")
     s.remove_operator("bob")
+    # A console session of admin's (by its token's hash), a locked failure counter.
+    s.add_login_session(
+        "ab" * 32,
+        s.get_operator("admin").id,
+        "console",
+        csrf="csrf-token",
+        now=1_700_000_000.25,
+        expires_at=1_700_043_200.25,
+        addr="203.0.113.9",
+        agent="Mozilla/5.0 ✓",
+    )
+    s.count_login_failure("addr:203.0.113.7", 1_700_000_000.5, window=900, limit=1, lockout=900)
     # The leader's epoch, as seven take-overs left it; an instance row.
     for _ in range(7):
         s.bump_epoch()
