@@ -20,7 +20,7 @@ from llmgw.server.admin.context import AdminContext
 from llmgw.server.console.render import Renderer
 from llmgw.server.console.security import secure_headers
 from llmgw.server.logins import Logins, LoginSession
-from llmgw.server.principals import PRINCIPAL, Principal
+from llmgw.server.principals import PRINCIPAL
 
 __all__ = ["NAV", "SESSION", "Flash", "Handler", "Site", "handled"]
 
@@ -91,13 +91,13 @@ class Site:
         self, request: web.Request, template: str, *, status: int = 200, **values: Any
     ) -> web.Response:
         """A whole page: ``template`` with the common parts filled in."""
-        principal = request.get(PRINCIPAL)
+        principal = request.get(PRINCIPAL)  # None on the login and error pages before it
         session = request.get(SESSION)
         flash = self.flash.take(session[0]) if session is not None else None
         body = self.renderer.render(
             template,
             nav=NAV,
-            principal=principal if isinstance(principal, Principal) else None,
+            principal=principal,
             csrf=session[1].csrf if session is not None else "",
             flash=flash,
             refresh_s=self.refresh_s,
