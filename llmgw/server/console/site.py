@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from llmgw.bodies import BodiesBusy, BodyIncomplete, BodyTimeout, BodyTooLarge
 from llmgw.errors import Conflict, LlmgwError, NotFound, StoreUnavailable
 from llmgw.log import kv
 from llmgw.server.admin.context import AdminContext
@@ -133,6 +134,15 @@ def handled(site: Site, handler: Handler) -> Handler:
         except web.HTTPException as exc:
             # aiohttp's own (a body over client_max_size): its reason, as a page.
             response = site.error_page(request, exc.status, exc.reason, _http_hint(exc))
+        except BodyTooLarge:
+            response = site.error_page(
+                request, 413, "Too large", "the form is larger than the console takes; send less"
+            )
+        except (BodiesBusy, BodyTimeout, BodyIncomplete) as exc:
+            status = (
+                408 if isinstance(exc, BodyTimeout) else 503 if isinstance(exc, BodiesBusy) else 400
+            )
+            response = site.error_page(request, status, "Not received", f"{exc}; try again")
         except NotFound as exc:
             response = site.error_page(request, 404, "Not found", str(exc))
         except Conflict as exc:
