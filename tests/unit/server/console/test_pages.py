@@ -359,3 +359,16 @@ def test_ago() -> None:
     assert ago(NOW - 600, NOW) == "10 min ago"
     assert ago(NOW - 3 * 3600, NOW) == "3 h ago"
     assert ago(NOW - 5 * 86400, NOW) == "5 days ago"
+
+
+def test_a_failing_page_is_an_html_500_with_the_trace_in_the_log(
+    rig: ConsoleRig, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(node_id: str) -> list[tuple[str, str]]:
+        raise RuntimeError("a bug behind the node page")
+
+    rig.scheduler.refusals_on = broken  # type: ignore[method-assign]
+    ((status, body),) = pages(rig, "/ui/nodes/gpu-1").values()
+    assert status == 500 and "<h1" in body
+    assert "its operator finds why in its log" in body and "a bug behind" not in body
+    assert any("a bug behind the node page" in (r.exc_text or "") for r in caplog.records)
