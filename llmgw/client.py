@@ -6,7 +6,10 @@ a ctl config file (``--config``/``LLMGW_CTL_CONFIG``, else the ``ctl.yaml`` in
 ``--state-dir``/``LLMGW_STATE_DIR`` when given, else ``$XDG_CONFIG_HOME/llmgw/ctl.yaml``
 and the one ``llmgw up`` writes into its default state directory), then the ``ctl.yaml``
 a local ``llmgw server`` writes (``/var/lib/llmgw``), then ``http://127.0.0.1:8080`` with
-the token of a local control plane (``/var/lib/llmgw/admin.token``).
+the token of a local control plane (``/var/lib/llmgw/admin.token``). Where no token was
+given by flag or environment, the account signed in to that server with ``llmgw ctl login``
+(``$XDG_CONFIG_HOME/llmgw/logins.yaml``, 0600) goes before a config file's admin token, so
+that what an operator does is recorded under their own name.
 
 An https server is verified against the system trust store, or the CA given with ``--ca``
 (``LLMGW_CA``) or the ``ca:`` of the ctl.yaml it came from. The admin token and password
@@ -40,10 +43,15 @@ __all__ = [
     "ADMIN_PASSWORD_ENV",
     "NEW_ADMIN_PASSWORD_ENV",
     "AdminClient",
+    "Login",
     "Target",
     "default_up_state_dir",
     "find_target",
+    "forget_login",
     "is_loopback_url",
+    "logins_file",
+    "save_login",
+    "saved_login",
     "write_ctl_config",
 ]
 
@@ -59,8 +67,89 @@ def default_up_state_dir() -> Path:
 
 
 def _user_config() -> Path:
+    return _config_dir() / "ctl.yaml"
+
+
+def _config_dir() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "llmgw" / "ctl.yaml"
+    return Path(base) / "llmgw"
+
+
+def logins_file() -> Path:
+    """Where ``llmgw ctl login`` keeps its tokens, one per server (0600)."""
+    return _config_dir() / "logins.yaml"
+
+
+@dataclass(frozen=True)
+class Login:
+    """An account's token for one control plane, from ``llmgw ctl login``."""
+
+    server: str
+    account: str
+    token: str
+    expires_at: float
+
+
+def _server_key(server: str) -> str:
+    return server.strip().rstrip("/").lower()
+
+
+def _read_logins() -> dict[str, Any]:
+    path = logins_file()
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(
+            f"cannot read it: {exc}; remove it and sign in again with 'llmgw ctl login'",
+            file=str(path),
+        ) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            "must be a mapping of server URL to login; remove it and sign in again with "
+            "'llmgw ctl login'",
+            file=str(path),
+        )
+    return data
+
+
+def saved_login(server: str) -> Login | None:
+    """The login kept for ``server``, or None."""
+    entry = _read_logins().get(_server_key(server))
+    if not isinstance(entry, dict):
+        return None
+    account, token, expires = entry.get("account"), entry.get("token"), entry.get("expires_at")
+    if not isinstance(account, str) or not isinstance(token, str) or not token:
+        return None
+    when = float(expires) if isinstance(expires, int | float) else 0.0
+    return Login(server, account, token, when)
+
+
+def save_login(login: Login) -> Path:
+    """Keep ``login`` for its server (replacing one there); the file is the user's alone."""
+    data = _read_logins()
+    data[_server_key(login.server)] = {
+        "account": login.account,
+        "token": login.token,
+        "expires_at": login.expires_at,
+    }
+    path = logins_file()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_private(path, yaml.safe_dump(data).encode())
+    return path
+
+
+def forget_login(server: str) -> Login | None:
+    """Drop the login kept for ``server``; the one dropped, or None."""
+    found = saved_login(server)
+    data = _read_logins()
+    if data.pop(_server_key(server), None) is None:
+        return None
+    write_private(logins_file(), yaml.safe_dump(data).encode())
+    return found
 
 
 @dataclass(frozen=True)
@@ -69,6 +158,7 @@ class Target:
     token: str | None
     source: str  # where it came from, for messages
     ca: Path | None = None  # the CA that verifies an https server (None: the system's)
+    account: str | None = None  # the account whose login token this is (None: admin token)
 
 
 def is_loopback_url(url: str) -> bool:
@@ -154,7 +244,9 @@ def find_target(
     """Every place to try, in order; flags and environment were merged by click already."""
     candidates: list[Target] = []
     if server:
-        candidates.append(Target(server, token, "--server/LLMGW_SERVER"))
+        candidates.append(
+            _signed_in(token, server, None) or Target(server, token, "--server/LLMGW_SERVER")
+        )
         return candidates
     if config is not None:
         files = [config]
@@ -183,7 +275,10 @@ def find_target(
             path, optional=path == DEFAULT_SERVER_STATE_DIR / "ctl.yaml"
         )
         if file_server:
-            candidates.append(Target(file_server, token or file_token, str(path), file_ca))
+            candidates.append(
+                _signed_in(token, file_server, file_ca)
+                or Target(file_server, token or file_token, str(path), file_ca)
+            )
     if config is not None or state_dir is not None:
         return candidates
     local_token = token
@@ -192,8 +287,21 @@ def find_target(
             local_token = (DEFAULT_SERVER_STATE_DIR / "admin.token").read_text().strip()
         except OSError:
             local_token = None
-    candidates.append(Target(f"http://127.0.0.1:{DEFAULT_HTTP_PORT}", local_token, "default"))
+    local = f"http://127.0.0.1:{DEFAULT_HTTP_PORT}"
+    candidates.append(_signed_in(token, local, None) or Target(local, local_token, "default"))
     return candidates
+
+
+def _signed_in(token: str | None, server: str, ca: Path | None) -> Target | None:
+    """``server`` with the account signed in to it, unless a token was given outright."""
+    if token is not None:
+        return None
+    login = saved_login(server)
+    if login is None:
+        return None
+    return Target(
+        server, login.token, f"'llmgw ctl login' as {login.account}", ca, account=login.account
+    )
 
 
 class AdminClient:
@@ -272,7 +380,11 @@ class AdminClient:
     def _refuse_clear_text(self, target: Target, scheme: str, *, password: bool) -> None:
         """The admin token and the admin password cross the network only encrypted."""
         secrets = [
-            *(["admin token"] if target.token else []),
+            *(
+                [("admin" if target.account is None else "login") + " token"]
+                if target.token
+                else []
+            ),
             *(["admin password"] if password else []),
         ]
         secret = " and the ".join(secrets) or None
@@ -316,7 +428,12 @@ def _api_error(exc: urllib.error.HTTPError, target: Target) -> APIError:
         message, code = err.get("message") or exc.reason, err.get("code")
     except (ValueError, AttributeError):
         message, code = str(exc.reason), None
-    if exc.code == 401 and not target.token:
+    if exc.code == 401 and target.account is not None:
+        message = (
+            f"the login of {target.account!r} at {target.server} has expired or was ended; "
+            f"sign in again with 'llmgw ctl login {target.account}' (or give --token)"
+        )
+    elif exc.code == 401 and not target.token:
         message = (
             f"{target.server} wants an admin token and none was found; pass --token or set "
             "LLMGW_TOKEN (it is in the control plane's state directory, admin.token)"

@@ -232,6 +232,11 @@ class PasswordError(LlmgwError):
     """The admin password given is wrong, or a new one is not acceptable."""
 
 
+class WeakPassword(PasswordError):
+    """A new password that cannot be used (too short): the request's fault, not a wrong
+    password."""
+
+
 class ClientError(LlmgwError):
     """``llmgw ctl`` could not do what was asked of the control plane."""
 
@@ -278,4 +283,5 @@ __all__ = [
     "StreamError",
     "TokenError",
     "UpdateError",
+    "WeakPassword",
 ]

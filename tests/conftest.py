@@ -48,3 +48,12 @@ def pg_cluster() -> Generator[Any, None, None]:
     cluster = start_cluster()
     yield cluster
     cluster.destroy()
+
+
+@pytest.fixture(autouse=True)
+def _own_user_config(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each test its own $XDG_CONFIG_HOME: 'llmgw ctl login' keeps tokens there, which must
+    neither leak from the user running the suite into a test nor from one test to another."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg-config")))

@@ -227,18 +227,22 @@ def degraded_reasons(
 
 def _coarse(inv: pb.Inventory) -> pb.Inventory:
     # Free memory, free disk and GPU memory in use move all the time; only a whole GiB counts.
+    # A GPU's utilisation moves every second and counts not at all: the heartbeat carries it
+    # (llmgw.agent.gpu_sampler), so that it never costs an inventory and a store write.
     copy = pb.Inventory()
     copy.CopyFrom(inv)
     copy.memory_available_bytes = inv.memory_available_bytes // GIB
     copy.disk_free_bytes = inv.disk_free_bytes // GIB
     for gpu in copy.gpus:
         gpu.memory_used_mib //= 1024
+        gpu.ClearField("utilization_percent")
     return copy
 
 
 def worth_telling(old: pb.Inventory, new: pb.Inventory) -> bool:
     """Whether ``new`` differs from ``old`` by more than churn: any change of GPUs, engines,
-    fabrics, warnings or status, or a whole GiB of free memory, free disk or GPU memory used."""
+    fabrics, warnings or status, or a whole GiB of free memory, free disk or GPU memory used.
+    A change of GPU utilisation alone is never worth it (the heartbeat carries that)."""
     return _coarse(old) != _coarse(new)
 
 

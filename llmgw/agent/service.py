@@ -23,6 +23,7 @@ from pathlib import Path
 
 from llmgw.agent.config import AgentConfig, TLSConfig
 from llmgw.agent.dataplane import DataPlane, server_ssl_context
+from llmgw.agent.gpu_sampler import GpuSampler
 from llmgw.agent.installs import download_ssl_context, install_engine, remove_leftovers
 from llmgw.agent.inventory import InventoryWatcher
 from llmgw.agent.models_dir import SourceStore
@@ -286,8 +287,15 @@ class Agent:
     ) -> None:
         """The stream to the control planes, and what rides on it: engine installs, signed
         self-updates (spooled for the root helper's path unit, state_dir/update, whose
-        verdict comes back through status.json) and certificate renewal."""
+        verdict comes back through status.json), certificate renewal, and the GPUs'
+        utilisation on each heartbeat (sampled once a heartbeat interval while the
+        inventory has GPUs)."""
         cfg = self.cfg
+        sampler = GpuSampler(
+            cfg.discovery.nvidia_smi,
+            lambda: bool(inventory.current.gpus),
+            interval=lambda: stream.heartbeat_interval,
+        )
         stream = StreamClient(
             node_id=cfg.node_id,
             servers=servers,
@@ -297,6 +305,7 @@ class Agent:
             inventory=lambda: inventory.current,
             dataplane_addr=self._dataplane_addr,
             inflight=lambda: dataplane.inflight,
+            gpu_utilization=lambda: sampler.latest,
             on_state=self._on_stream_state,
             installer=self._install,
             updater=self._update,
@@ -315,6 +324,7 @@ class Agent:
         tasks = [
             asyncio.create_task(renewer.run(), name="renewal"),
             asyncio.create_task(inventory.run(), name="inventory"),
+            asyncio.create_task(sampler.run(), name="gpu-utilization"),
             asyncio.create_task(self.spooler.run(), name="update-status"),
             asyncio.create_task(stream.run(), name="stream"),
             asyncio.create_task(self.notifier.watchdog_loop(), name="watchdog"),

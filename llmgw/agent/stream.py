@@ -17,7 +17,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -106,6 +106,7 @@ class StreamClient:
         inventory: Callable[[], pb.Inventory],
         dataplane_addr: Callable[[str], str],
         inflight: Callable[[], int] = lambda: 0,
+        gpu_utilization: Callable[[], Sequence[pb.GpuUtilization]] = lambda: (),
         on_state: Callable[[StreamState, str | None], None] = lambda state, server: None,
         on_renewal_answer: Callable[[pb.RenewCertificate], None] = lambda msg: None,
         on_trust_bundle: Callable[[pb.TrustBundle], object] = lambda msg: None,
@@ -120,6 +121,8 @@ class StreamClient:
         self.inventory = inventory
         self.dataplane_addr = dataplane_addr
         self.inflight = inflight
+        # The GPUs' latest utilisation (llmgw.agent.gpu_sampler), carried by each heartbeat.
+        self.gpu_utilization = gpu_utilization
         self.on_state = on_state
         self.on_renewal_answer = on_renewal_answer
         # The CA rotation's trust bundle (llmgw.agent.renewal.Renewer.trust).
@@ -137,6 +140,11 @@ class StreamClient:
         self._heard = 0.0  # time.monotonic() of the last message from the control plane
         self._silent = 0.0  # seconds of silence that ended the stream (0: it did not)
         self._standby_seen = -STANDBY_PACE_FOR  # time.monotonic() of a standby's last refusal
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between heartbeats: the control plane's Welcome says, 5 before one."""
+        return self._heartbeat_interval
 
     # -- outgoing -----------------------------------------------------------------------
 
@@ -404,7 +412,13 @@ class StreamClient:
                 return
             seq += 1
             queue.put_nowait(
-                pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq, inflight=self.inflight()))
+                pb.AgentMessage(
+                    heartbeat=pb.Heartbeat(
+                        seq=seq,
+                        inflight=self.inflight(),
+                        gpu_utilization=self.gpu_utilization(),
+                    )
+                )
             )
 
     # -- orders -----------------------------------------------------------------------------

@@ -228,7 +228,7 @@ class LocalCluster:
         assert self.cp is not None
         node = self.cp.store.get_node(UP_NODE)
         if node.state == "pending":
-            self.cp.membership.approve(UP_NODE, node.fingerprint or "")
+            self.cp.membership.approve(UP_NODE, node.fingerprint or "", actor="llmgw up")
 
     async def _wait_connected(self) -> None:
         assert self.cp is not None and self.agent is not None

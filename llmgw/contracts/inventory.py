@@ -1,6 +1,8 @@
 """A node's inventory (``pb.Inventory``, which the agent collects and sends) as the control
-plane stores and shows it: JSON-ready data, every field by its proto name; and the reasons a
-node is degraded (:class:`DegradedCode`), which the agent gives and placement reads.
+plane stores and shows it: JSON-ready data, every field by its proto name; the reasons a
+node is degraded (:class:`DegradedCode`), which the agent gives and placement reads; and the
+bounds of the GPUs' utilisation a heartbeat carries, which the agent keeps to and the control
+plane enforces.
 
 The agent's collection of it stays in ``llmgw.agent.inventory``; the control plane stores
 this form in its ``nodes`` table and placement and ``llmgw ctl`` read it back.
@@ -18,12 +20,29 @@ from llmgw.contracts.ports import DEFAULT_MULTINODE_PORTS, PortRange
 from llmgw.proto import control_pb2 as pb
 
 __all__ = [
+    "MAX_GPU_UUID",
+    "MAX_HEARTBEAT_GPUS",
+    "NOT_STORED",
     "DegradedCode",
     "DegradedReason",
     "degraded_reasons",
     "inventory_dict",
     "multinode_ports",
 ]
+
+
+MAX_HEARTBEAT_GPUS = 64
+"""GPUs whose utilisation one heartbeat carries (and the control plane keeps): more than any
+board has (8 or 16); the agent sends no more, so that its heartbeat stays under the
+control plane's size limit for it (llmgw.server.intake.KIND_LIMITS)."""
+MAX_GPU_UUID = 64
+"""Characters of a GPU uuid in a heartbeat (NVIDIA's are 40: GPU-8-4-4-4-12); a longer one is
+no uuid of NVIDIA's, left out by both ends."""
+
+NOT_STORED = frozenset({"Gpu.utilization_percent"})
+"""Fields (``Message.field``) the stored form leaves out: a GPU's utilisation changes every
+second, so what an inventory carried of it is old by the time it is read; the heartbeat
+carries it to the node's session, and the admin API shows it from there."""
 
 
 class DegradedCode(enum.StrEnum):
@@ -92,8 +111,8 @@ def multinode_ports(inventory: Mapping[str, Any]) -> PortRange:
 
 
 def inventory_dict(inv: pb.Inventory) -> dict[str, Any]:
-    """The inventory as JSON-ready data, every field by its proto name (what the control
-    plane stores and shows)."""
+    """The inventory as JSON-ready data, every field by its proto name but those of
+    :data:`NOT_STORED` (what the control plane stores and shows)."""
     return {
         "hostname": inv.hostname,
         "arch": inv.arch,

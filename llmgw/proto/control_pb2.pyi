@@ -63,26 +63,38 @@ class Hello(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., max_epoch: _Optional[int] = ..., dataplane_addr: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "inflight")
+    __slots__ = ("seq", "inflight", "gpu_utilization")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    GPU_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     seq: int
     inflight: int
-    def __init__(self, seq: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
+    gpu_utilization: _containers.RepeatedCompositeFieldContainer[GpuUtilization]
+    def __init__(self, seq: _Optional[int] = ..., inflight: _Optional[int] = ..., gpu_utilization: _Optional[_Iterable[_Union[GpuUtilization, _Mapping]]] = ...) -> None: ...
+
+class GpuUtilization(_message.Message):
+    __slots__ = ("uuid", "percent")
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    PERCENT_FIELD_NUMBER: _ClassVar[int]
+    uuid: str
+    percent: int
+    def __init__(self, uuid: _Optional[str] = ..., percent: _Optional[int] = ...) -> None: ...
 
 class Gpu(_message.Message):
-    __slots__ = ("index", "uuid", "name", "memory_total_mib", "memory_used_mib")
+    __slots__ = ("index", "uuid", "name", "memory_total_mib", "memory_used_mib", "utilization_percent")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_MIB_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     name: str
     memory_total_mib: int
     memory_used_mib: int
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ...) -> None: ...
+    utilization_percent: int
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., utilization_percent: _Optional[int] = ...) -> None: ...
 
 class Inventory(_message.Message):
     __slots__ = ("hostname", "arch", "cpus", "memory_total_bytes", "memory_available_bytes", "gpus", "gpu_status", "engines", "driver_version", "gpu_source", "disk_total_bytes", "disk_free_bytes", "engine_details", "ib_adapters", "fabrics", "warnings", "sources", "degraded", "multinode_ports")

@@ -683,7 +683,7 @@ class ControlPlane:
         self.password = AdminPassword(self.store, cfg.admin_token_file.parent / PASSWORD_FILE)
         self.password.start()
         # The first operator account is the admin password (new stores and upgraded ones).
-        self.operators = OperatorAccounts(self.store)
+        self.operators = OperatorAccounts(self.store, self.password)
         self.operators.ensure_first_admin()
         self.logins = Logins(self.store, self.operators, cfg.console)
         # 3. the parts of the leader, each given what it uses
@@ -805,7 +805,7 @@ class ControlPlane:
         )
         self.updates = Updates(
             store,
-            password=self.password,
+            accounts=self.operators,
             ca=ca,
             epoch=self.epoch,
             sessions=self.live,

@@ -124,7 +124,7 @@ class ClusterAuthority:
             self.pki_dir, self.ca, cluster_id=cluster_id, admin_token=admin_token
         )
 
-    def exported(self, export: caexport.CAExport, *, by: str) -> None:
+    def exported(self, export: caexport.CAExport, *, by: str, actor: str) -> None:
         """Record that ``export`` left this instance, sealed, for whoever asked from ``by``."""
         old = ""
         if export.previous_ca_cert is not None:
@@ -134,6 +134,7 @@ class ClusterAuthority:
             "control-plane",
             f"the CA {export.ca_hash}{old} and the admin token were exported, encrypted with a "
             f"passphrase, to {by or 'an unknown address'}",
+            actor,
         )
         log.warning(
             "the cluster CA was exported (encrypted) for another control-plane instance",
@@ -148,7 +149,7 @@ class ClusterAuthority:
 
     # -- rotation ------------------------------------------------------------------------------
 
-    def rotate(self, overlap: float) -> dict[str, Any]:
+    def rotate(self, overlap: float, *, actor: str) -> dict[str, Any]:
         """Start a rotation: a new CA, trusted beside the old one for ``overlap`` seconds."""
         try:
             rotation = pki.rotate_ca(self.pki_dir, overlap=overlap)
@@ -160,6 +161,7 @@ class ClusterAuthority:
             "control-plane",
             f"new CA {rotation.current}; the old CA {rotation.previous} is dropped at "
             f"{_utc(rotation.drop_at)}",
+            actor,
         )
         log.warning(
             "the cluster CA was rotated; agents renew their certificates under the new one",
@@ -169,7 +171,7 @@ class ClusterAuthority:
         self._changed.set()
         return self.status()
 
-    def finish(self, *, force: bool = False) -> dict[str, Any]:
+    def finish(self, *, force: bool = False, actor: str) -> dict[str, Any]:
         """Drop the old CA now. Refused (Conflict) while nodes still hold certificates it
         issued, unless ``force``: their streams are then cut, and they come back only
         through a rekey."""
@@ -187,10 +189,11 @@ class ClusterAuthority:
                 "drop the old CA now with --force: those nodes then cannot connect until they "
                 "are rekeyed ('llmgw ctl join-command --rekey NODE')"
             )
-        self._drop(holders)
+        self._drop(holders, actor=actor)
         return self.status()
 
-    def _drop(self, holders: list[str]) -> None:
+    def _drop(self, holders: list[str], *, actor: str = "") -> None:
+        """``actor``: the operator who finished the rotation ('' when its time ran out)."""
         try:
             done = pki.finish_rotation(self.pki_dir)
         except PKIError as exc:
@@ -201,6 +204,7 @@ class ClusterAuthority:
             "control-plane",
             f"the old CA {done.previous} is no longer trusted"
             + (f"; cut off: {', '.join(holders)}" if holders else ""),
+            actor,
         )
         log.warning(
             "dropped the old cluster CA",
@@ -240,7 +244,7 @@ class ClusterAuthority:
                         extra=kv(old=rotation.previous, still_on_it=",".join(holders) or "-"),
                     )
                     try:
-                        self._drop(holders)
+                        self._drop(holders)  # its time ran out: no operator acted
                     except Conflict as exc:  # finished meanwhile by an operator
                         log.info("the old CA is already dropped", extra=kv(reason=str(exc)))
                     continue

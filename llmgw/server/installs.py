@@ -275,7 +275,7 @@ class EngineInstalls:
     # -- what the operator records ---------------------------------------------------------
 
     def desire(
-        self, *, engine: str, version: str, builds: list[Build], node: str | None
+        self, *, engine: str, version: str, builds: list[Build], node: str | None, actor: str
     ) -> dict[str, Any]:
         """Record ``engine`` ``version`` with ``builds`` as desired on ``node`` (None: every
         node, now and later) and order it on the connected, approved nodes it concerns.
@@ -316,7 +316,7 @@ class EngineInstalls:
         who = "every node" if node is None else f"node {node}"
         shown = "; ".join(f"{b.arch or 'any'}: {display_url(b.url)}" for b in builds)
         self.store.add_event(
-            "engine_desired", node or "all nodes", f"{engine} {version} on {who} ({shown})"
+            "engine_desired", node or "all nodes", f"{engine} {version} on {who} ({shown})", actor
         )
         log.info("engine desired", extra=kv(engine=engine, version=version, scope=node or "all"))
         # Order it now on the live streams it concerns (a failed install is tried again).
@@ -335,7 +335,7 @@ class EngineInstalls:
             "nodes": [r for r in self.node_rows(concerned) if r["engine"] == engine],
         }
 
-    def forget(self, *, engine: str, node: str | None, arch: str | None = None) -> int:
+    def forget(self, *, engine: str, node: str | None, arch: str | None = None, actor: str) -> int:
         """Remove what is desired of ``engine`` on ``node`` (None: for every node), only
         ``arch``'s build when given; NotFound when nothing was desired. Installs on the
         nodes stay; placement no longer waits for them."""
@@ -351,7 +351,10 @@ class EngineInstalls:
             )
         only = "" if arch is None else f" ({arch} build)"
         self.store.add_event(
-            "engine_forgotten", node or "all nodes", f"{engine}{only} no longer desired on {who}"
+            "engine_forgotten",
+            node or "all nodes",
+            f"{engine}{only} no longer desired on {who}",
+            actor,
         )
         return removed
 

@@ -19,6 +19,8 @@ stream is bounded here before any of it reaches the store:
   recorded as an event and a log line at :data:`REFUSAL_RATE` per certificate name.
 - **Gross abuse.** A node that has more than :data:`ABUSE_DROPS` messages dropped within
   :data:`ABUSE_WINDOW` seconds has its stream closed with ``RESOURCE_EXHAUSTED``.
+- **Heartbeats** carry each GPU's utilisation; what the session keeps of it (in memory only,
+  never stored) is bounded by :func:`heartbeat_utilization`.
 - **Pending nodes** (never approved) may send only what approval needs: heartbeats, the
   inventory (kept in memory and summarised, stored only once the node is approved), the
   drain notice, and certificate requests (answered with a refusal). Shard statuses,
@@ -32,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from llmgw.contracts.inventory import MAX_GPU_UUID, MAX_HEARTBEAT_GPUS
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 
@@ -45,6 +48,7 @@ __all__ = [
     "MAX_TEXT",
     "Intake",
     "TokenBucket",
+    "heartbeat_utilization",
     "hello_problem",
     "pending_inventory",
     "trim_hello",
@@ -69,7 +73,9 @@ KIND_LIMITS: dict[str, int] = {
     "op_result": 64 * 1024,
     "update_status": 64 * 1024,
     "cert_request": 16 * 1024,
-    "heartbeat": 1024,
+    # With the GPUs' utilisation by uuid: MAX_HEARTBEAT_GPUS of at most 70 bytes (a uuid of
+    # MAX_GPU_UUID characters) is under 4.5 KiB.
+    "heartbeat": 8192,
     "draining": 1024,
 }
 """Serialized bytes one message of each kind may have."""
@@ -144,6 +150,20 @@ def trim_hello(hello: pb.Hello) -> None:
     shard statuses."""
     for status in hello.shards:
         status.reason = _cut(status.reason, MAX_TEXT)
+
+
+def heartbeat_utilization(heartbeat: pb.Heartbeat) -> dict[str, int | None]:
+    """What a node's session keeps of a heartbeat's GPU utilisation: uuid -> percent (None:
+    the GPU cannot tell), for the first :data:`MAX_HEARTBEAT_GPUS` GPUs; an entry whose uuid is
+    empty or over :data:`MAX_GPU_UUID` characters is no GPU of the inventory's and is left
+    out, a percent over 100 is unknown."""
+    kept: dict[str, int | None] = {}
+    for sample in heartbeat.gpu_utilization[:MAX_HEARTBEAT_GPUS]:
+        if not sample.uuid or len(sample.uuid) > MAX_GPU_UUID:
+            continue
+        known = sample.HasField("percent") and sample.percent <= 100
+        kept[sample.uuid] = sample.percent if known else None
+    return kept
 
 
 def _cut(text: str, limit: int) -> str:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from llmgw.errors import LlmgwError
 from llmgw.log import kv
+from llmgw.server.principals import Principal
 from llmgw.server.store import LOGIN_KINDS, StoredLogin, hash_session_token
 
 if TYPE_CHECKING:
@@ -98,6 +99,12 @@ class LoginSession:
     created_at: float
     expires_at: float
     idle_expires_at: float
+
+    @property
+    def principal(self) -> Principal:
+        """Whom a request with this session acts as (its ``via`` the session's kind:
+        :data:`~llmgw.server.principals.VIA_CONSOLE` or ``VIA_CLI``)."""
+        return Principal(name=self.operator, role=self.role, via=self.kind)
 
 
 class LoginRefused(LlmgwError):
@@ -280,7 +287,8 @@ class Logins:
                 )
             # An unknown name's lock is logged only: names made up by a guesser would
             # otherwise fill the events.
-            if account_locked and self.store.find_operator(name) is not None:
+            known = isinstance(name, str) and self.store.find_operator(name) is not None
+            if account_locked and known:
                 self.store.add_event(
                     "login_locked",
                     name,

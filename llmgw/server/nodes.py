@@ -130,7 +130,9 @@ class Membership:
 
     # -- operator decisions ------------------------------------------------------------------------
 
-    def approve(self, node_id: str, fp: str) -> None:
+    def approve(self, node_id: str, fp: str, *, actor: str) -> None:
+        """Admit a pending node whose key has fingerprint ``fp``; ``actor``: who approved it
+        (recorded in the events with the fingerprint compared)."""
         store = self.store
         node = store.get_node(node_id)
         if node.state == NodeState.APPROVED:
@@ -151,8 +153,8 @@ class Membership:
                 "approve: compare with what 'llmgw agent join' printed on the node"
             )
         store.set_node_state(node_id, NodeState.APPROVED)
-        store.add_event("node_approved", node_id, f"key {node.fingerprint}")
-        log.info("node approved", extra=kv(node=node_id))
+        store.add_event("node_approved", node_id, f"key {node.fingerprint}", actor)
+        log.info("node approved", extra=kv(node=node_id, actor=actor))
         session = self.sessions.get(node_id)
         if session is not None:
             session.approved = True
@@ -169,7 +171,7 @@ class Membership:
             )
         self.scheduler.kick()
 
-    def reject(self, node_id: str) -> None:
+    def reject(self, node_id: str, *, actor: str) -> None:
         store = self.store
         node = store.get_node(node_id)
         if node.state != NodeState.PENDING:
@@ -180,10 +182,10 @@ class Membership:
         serials = store.revoke_certificates(node_id, reason="rejected")
         self.revoked.update(serials)
         store.delete_node(node_id)
-        store.add_event("node_rejected", node_id, f"{len(serials)} certificates denied")
+        store.add_event("node_rejected", node_id, f"{len(serials)} certificates denied", actor)
         self._cut(node_id)
 
-    def revoke(self, node_id: str) -> list[str]:
+    def revoke(self, node_id: str, *, actor: str) -> list[str]:
         store = self.store
         node = store.get_node(node_id)
         serials = store.revoke_certificates(node_id, reason="revoked by an operator")
@@ -191,8 +193,10 @@ class Membership:
         if node.state == NodeState.REVOKED and not serials:
             raise Conflict(f"node {node_id} is already revoked")
         store.set_node_state(node_id, NodeState.REVOKED)
-        store.add_event("node_revoked", node_id, f"denied certificates {', '.join(serials) or '-'}")
-        log.warning("node revoked", extra=kv(node=node_id, serials=",".join(serials)))
+        store.add_event(
+            "node_revoked", node_id, f"denied certificates {', '.join(serials) or '-'}", actor
+        )
+        log.warning("node revoked", extra=kv(node=node_id, serials=",".join(serials), actor=actor))
         # Its replicas are stopped there (the orders go out before the stream is cut) and
         # rebuilt elsewhere.
         replicas = {s.replica_id for s in store.list_shards(node_id=node_id)}

@@ -9,6 +9,12 @@ and exports the CA), so the token that manages accounts must not be able to rese
 the same reason ``admin`` can be neither removed nor demoted. Every change is an event naming
 the account (or ``token``) that made it.
 
+An admin account's own password also signs updates (the console's "Update now" asks it
+again). So that the admin token alone still cannot sign, every change that gives someone that
+power (an admin account added, a viewer promoted, an admin's password set) is confirmed with
+the password of whoever makes it (:meth:`OperatorAccounts.confirm`): the admin password for
+the admin token, an account's own for an account.
+
 A removal, a role change or a password change ends the account's login sessions
 (:mod:`llmgw.server.logins`) in the change's own transaction: a stolen cookie does not
 outlive the password it was made with, and a session never carries a role the account no
@@ -20,8 +26,14 @@ from __future__ import annotations
 import asyncio
 import functools
 
-from llmgw.errors import Conflict, PasswordError
-from llmgw.server.passwords import MIN_PASSWORD, PASSWORD_META, check_password, hash_password
+from llmgw.errors import Conflict, PasswordError, WeakPassword
+from llmgw.server.passwords import (
+    MIN_PASSWORD,
+    PASSWORD_META,
+    AdminPassword,
+    check_password,
+    hash_password,
+)
 from llmgw.server.store import Operator, Store, hash_session_token
 
 __all__ = ["FIRST_ADMIN", "TOKEN_ACTOR", "OperatorAccounts"]
@@ -41,8 +53,22 @@ def _dummy_hash() -> str:
 class OperatorAccounts:
     """The operator accounts of one control plane, over ``store``."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, admin_password: AdminPassword | None = None) -> None:
         self.store = store
+        # Checks ``admin``'s password with the message that says where it was first written.
+        self.admin_password = admin_password
+
+    async def confirm(self, name: str, password: object, *, refused: str) -> None:
+        """PasswordError unless *password* is the password of the account *name* (who is
+        acting: ``admin`` for the admin token); *refused* says what was not done."""
+        if name == FIRST_ADMIN and self.admin_password is not None:
+            await self.admin_password.check(password, refused=refused)
+            return
+        if await self.verify(name, password) is None:
+            raise PasswordError(
+                f"wrong password for the account {name!r}; {refused}. Give your own account's "
+                "password (the admin password when acting with the admin token)"
+            )
 
     def ensure_first_admin(self) -> Operator | None:
         """Make ``admin`` from the admin password's hash when the store has no account yet
@@ -68,29 +94,65 @@ class OperatorAccounts:
         ok = await asyncio.to_thread(check_password, stored, given)
         return found if ok and found is not None and bool(given) else None
 
-    async def add(self, name: str, role: str, password: object, *, actor: str) -> Operator:
+    async def add(
+        self,
+        name: str,
+        role: str,
+        password: object,
+        *,
+        actor: str,
+        confirm_as: str = "",
+        confirm_password: object = None,
+    ) -> Operator:
+        """Add an account; one with role admin can sign updates, so *confirm_password* must
+        be the password of *confirm_as* (the acting account, ``admin`` for the token)."""
         if name == FIRST_ADMIN:  # always there: never removed (see remove)
             raise Conflict(
                 f"operator {FIRST_ADMIN!r} exists already: it is the admin password's account; "
                 "change that password with 'llmgw ctl admin password'"
             )
         stored = await _hashed(password)
+        if role == "admin":
+            await self._confirm_grant(confirm_as, confirm_password, f"{name!r} was not added")
         with self.store.transaction():
             made = self.store.add_operator(name, role, stored, actor)
             self.store.add_event("operator_added", name, f"role {role}", actor)
         return made
 
     async def set_password(
-        self, name: str, password: object, *, actor: str, keep_session: str | None = None
+        self,
+        name: str,
+        password: object,
+        *,
+        actor: str,
+        confirm_as: str = "",
+        confirm_password: object = None,
+        keep_session: str | None = None,
     ) -> Operator:
         """Change *name*'s password (not ``admin``'s: that is the admin password, changed
         with its old one by :meth:`AdminPassword.change`); its sessions end, but for the
         one whose token is *keep_session* (the session the change was made through)."""
-        return await self.update(name, password=password, actor=actor, keep_session=keep_session)
+        return await self.update(
+            name,
+            password=password,
+            actor=actor,
+            confirm_as=confirm_as,
+            confirm_password=confirm_password,
+            keep_session=keep_session,
+        )
 
-    def set_role(self, name: str, role: str, *, actor: str) -> Operator:
-        with self.store.transaction():
-            return self._set_role(name, role, actor)
+    async def set_role(
+        self,
+        name: str,
+        role: str,
+        *,
+        actor: str,
+        confirm_as: str = "",
+        confirm_password: object = None,
+    ) -> Operator:
+        return await self.update(
+            name, role=role, actor=actor, confirm_as=confirm_as, confirm_password=confirm_password
+        )
 
     async def update(
         self,
@@ -99,15 +161,23 @@ class OperatorAccounts:
         role: str | None = None,
         password: object = None,
         actor: str,
+        confirm_as: str = "",
+        confirm_password: object = None,
         keep_session: str | None = None,
     ) -> Operator:
         """Change *name*'s role, password or both, all or nothing (the password is checked
-        before anything is written). A new role ends all of *name*'s sessions; a new
-        password all but *keep_session*'s."""
-        self.store.get_operator(name)  # an unknown name is the first thing to say
+        before anything is written). Making an admin (a promotion, or a new password for an
+        admin account) is confirmed with *confirm_as*'s *confirm_password*. A new role ends
+        all of *name*'s sessions; a new password all but *keep_session*'s."""
+        current = self.store.get_operator(name)  # an unknown name is the first thing to say
         if password is not None and name == FIRST_ADMIN:
             raise Conflict(_ADMIN_PASSWORD_ONLY)
         stored = None if password is None else await _hashed(password)
+        promoted = role == "admin" and current.role != "admin"
+        new_admin_password = stored is not None and (role or current.role) == "admin"
+        if promoted or new_admin_password:
+            what = "promoted" if promoted else "given a new password"
+            await self._confirm_grant(confirm_as, confirm_password, f"{name!r} was not {what}")
         with self.store.transaction():
             changed = self.store.get_operator(name)
             if role is not None:
@@ -118,6 +188,16 @@ class OperatorAccounts:
                 self.store.delete_login_sessions_of(changed.id, keep=keep)
                 self.store.add_event("operator_password_changed", name, "password changed", actor)
         return changed
+
+    async def _confirm_grant(self, account: str, password: object, refused: str) -> None:
+        """An admin account can sign updates: making one is confirmed like a signing."""
+        if not account or password is None or password == "":
+            raise PasswordError(
+                f"{refused}: an admin account can sign updates, so making one needs your own "
+                "password (the admin password when acting with the admin token); give it at "
+                "the prompt or in LLMGW_ADMIN_PASSWORD"
+            )
+        await self.confirm(account, password, refused=refused)
 
     def _set_role(self, name: str, role: str, actor: str) -> Operator:
         current = self.store.get_operator(name)
@@ -153,7 +233,7 @@ _ADMIN_PASSWORD_ONLY = (
 
 async def _hashed(password: object) -> str:
     if not isinstance(password, str) or len(password) < MIN_PASSWORD:
-        raise PasswordError(
+        raise WeakPassword(
             f"an operator's password must have at least {MIN_PASSWORD} characters; nothing "
             "was changed"
         )

@@ -122,10 +122,12 @@ class AdminPassword:
                 "admin password'); give it at the prompt or in LLMGW_ADMIN_PASSWORD"
             )
 
-    async def change(self, old: object, new: object, *, keep_session: str | None = None) -> None:
-        """Change the admin password from *old* to *new*; the account ``admin``'s login
-        sessions end, but for the one whose token is *keep_session* (the session the
-        change was made through, if any)."""
+    async def change(
+        self, old: object, new: object, *, actor: str, keep_session: str | None = None
+    ) -> None:
+        """Change the admin password from *old* to *new* (``actor`` made the change); the
+        account ``admin``'s login sessions end, but for the one whose token is
+        *keep_session* (the session the change was made through, if any)."""
         await self.check(old)
         if not isinstance(new, str) or len(new) < MIN_PASSWORD:
             raise PasswordError(
@@ -146,4 +148,6 @@ class AdminPassword:
         # The first password's file would now mislead (and leak nothing but an old secret).
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.password_file)
-        self.store.add_event("admin_password_changed", "control-plane", "admin password changed")
+        self.store.add_event(
+            "admin_password_changed", "control-plane", "admin password changed", actor
+        )

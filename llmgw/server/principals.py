@@ -34,9 +34,6 @@ VIA_CLI: Final = "cli"
 VIA_CONSOLE: Final = "console"
 """A console session's cookie."""
 
-PRINCIPAL: Final = "llmgw.principal"
-"""The request key under which the admin API's and the console's guards put the principal."""
-
 SHARED_TOKEN_ACTOR: Final = "token"
 
 
@@ -69,9 +66,13 @@ class Principal:
         return ADMIN if self.via == VIA_TOKEN else self.name
 
 
+PRINCIPAL: Final = web.RequestKey("llmgw.principal", Principal)
+"""The request key under which the admin API's and the console's guards put the principal."""
+
+
 def principal_of(request: web.Request) -> Principal:
     """The principal a guard put on ``request``; a handler reached without one is a bug."""
     found = request.get(PRINCIPAL)
-    if not isinstance(found, Principal):
+    if found is None:
         raise RuntimeError(f"{request.path}: no principal on the request; route it through a guard")
     return found

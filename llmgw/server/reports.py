@@ -18,6 +18,7 @@ from llmgw.errors import NotFound
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.installs import EngineInstalls
+from llmgw.server.intake import heartbeat_utilization
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.scheduler import Scheduler
 from llmgw.server.states import ReplicaState, ShardState, health_change
@@ -107,6 +108,8 @@ class AgentReports:
         session.seen_at = self.store.database.clock()
         if kind == "heartbeat":
             session.inflight = msg.heartbeat.inflight
+            # The GPUs' utilisation too stays in memory: it changes every second.
+            session.gpu_utilization = heartbeat_utilization(msg.heartbeat)
             session.send(pb.ServerMessage(heartbeat_ack=pb.HeartbeatAck(seq=msg.heartbeat.seq)))
         elif kind == "shard_status":
             self.apply_status(session, msg.shard_status)

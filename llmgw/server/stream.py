@@ -75,6 +75,10 @@ class NodeSession:
     # answers, so that the agent's Hello tells them again.
     unstored: int = 0
     inflight: int = 0
+    # Each GPU's utilisation (uuid -> percent, None: the GPU cannot tell) from the latest
+    # heartbeat, bounded (llmgw.server.intake.heartbeat_utilization): kept here, never stored
+    # (it changes every second), read by the admin API live.
+    gpu_utilization: dict[str, int | None] = field(default_factory=dict)
     draining: bool = False
     # Its heartbeats stopped for the loss timeout (as opposed to a stream that closed).
     silent: bool = False

@@ -35,7 +35,7 @@ from llmgw.log import kv
 from llmgw.pki import Authority, cert_pem, cross_certificates
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.bundles import RIDS, Bundle
-from llmgw.server.passwords import AdminPassword
+from llmgw.server.operators import OperatorAccounts
 from llmgw.server.states import NodeState
 from llmgw.server.store import NodeUpdate, Store
 from llmgw.server.stream import NodeSession
@@ -99,7 +99,7 @@ class Updates:
         self,
         store: Store,
         *,
-        password: AdminPassword,
+        accounts: OperatorAccounts,
         ca: Authority,
         epoch: int,
         sessions: Mapping[str, NodeSession],
@@ -109,7 +109,9 @@ class Updates:
         server_version: str = __version__,
     ) -> None:
         self.store = store
-        self.password = password
+        # Whose password signs: the caller's account (admin's, the admin password, for the
+        # admin token).
+        self.accounts = accounts
         self.ca = ca
         self.epoch = epoch
         self.sessions = sessions
@@ -134,13 +136,16 @@ class Updates:
         *,
         version: str,
         password: object,
+        account: str,
+        actor: str,
         ttl: int = DEFAULT_ORDER_TTL,
     ) -> list[dict[str, Any]]:
         """Sign and send (or keep for the reconnect) an update to ``version`` for each node
-        (None: every approved node). All is checked before anything is signed: the password,
-        the nodes, that ``version`` is not of a newer release than this control plane, and
-        that it serves ``version`` for each node's architecture."""
-        await self.password.check(password)
+        (None: every approved node). All is checked before anything is signed: ``password``
+        (``account``'s, who orders; ``admin``, the admin password, for the admin token), the
+        nodes, that ``version`` is not of a newer release than this control plane, and that
+        it serves ``version`` for each node's architecture. ``actor`` is recorded."""
+        await self.accounts.confirm(account, password, refused="nothing was signed")
         too_new = version_problem(version, self.server_version)
         if too_new is not None:
             raise Conflict(too_new)
@@ -207,7 +212,10 @@ class Updates:
                     expires=expires,
                 )
             store.add_event(
-                "update_ordered", node.id, f"version {version}, counter {counter} ({bundle.rid})"
+                "update_ordered",
+                node.id,
+                f"version {version}, counter {counter} ({bundle.rid})",
+                actor,
             )
             session = self.sessions.get(node.id)
             if session is not None:

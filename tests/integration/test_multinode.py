@@ -1,7 +1,8 @@
 """Multi-node replicas through the control plane: real agents on InfiniBand fabrics (the
 sysfs-shaped fixture), a ``nodes: 2`` sim profile from the catalog, the sim engine's real
 TCP rendezvous, a worker killed and the replica rebuilt, and fabrics that keep a replica
-unplaced until a second node of one fabric joins.
+unplaced until a second node of one fabric joins. The agents' GPUs (fake nvidia-smi) show
+their utilisation in the admin API and ``ctl nodes``, live from the heartbeats.
 
 Each agent has its own loopback address (127.0.0.x) as its management address, so that
 rank 0's dist-init port is bound on "its node's" address, as it would be on a fleet.
@@ -60,15 +61,16 @@ class Cluster:
         self.agents: dict[str, Agent] = {}
         self._next_host = 2
 
-    def add_node(self, node_id: str, fabric: str | None) -> Agent:
-        """Start an agent with one GPU, on ``fabric`` (its adapter: the fixture's mlx5_0)
-        or on none, with its own loopback address; approve it."""
+    def add_node(self, node_id: str, fabric: str | None, *, nvidia_smi: Path = ONE_GPU) -> Agent:
+        """Start an agent with one GPU (``nvidia_smi`` says which), on ``fabric`` (its
+        adapter: the fixture's mlx5_0) or on none, with its own loopback address; approve
+        it."""
         host = f"127.0.0.{self._next_host}"
         self._next_host += 1
         extra: dict[str, Any] = {
             "listen": f"{host}:{free_port()}",
             "mgmt_addr": host,
-            "discovery": {"nvidia_smi": str(ONE_GPU), "ib_root": str(IB_ROOT)},
+            "discovery": {"nvidia_smi": str(nvidia_smi), "ib_root": str(IB_ROOT)},
         }
         if fabric is not None:
             extra["fabrics"] = [{"name": fabric, "hcas": ["mlx5_0"]}]
@@ -221,9 +223,19 @@ def test_two_node_replica_on_one_fabric_rebuilt_after_its_worker_dies(cluster: C
     assert removed and "failed; rebuilding" in removed[0]["message"], events
 
 
+def _utilisation(c: Cluster, node_id: str) -> list[int | None]:
+    node = next(n for n in c.server.nodes() if n["id"] == node_id)
+    return [g["utilization_percent"] for g in node["gpus"]]
+
+
 def test_replica_waits_for_two_nodes_on_one_fabric(cluster: Cluster) -> None:
     c = cluster
     c.add_node("mn-a", "ib-a")
+    # Its GPU's utilisation (the fake nvidia-smi says 37 %) comes with the heartbeats.
+    wait_for(lambda: _utilisation(c, "mn-a") == [37], what="mn-a's GPU utilisation")
+    assert [g["utilization_percent"] for g in c.server.api("GET", "/api/nodes/mn-a")["gpus"]] == [
+        37
+    ]
     c.add_node("mn-b", "ib-b")
     c.add_node("mn-n", None)
     c.apply_and_deploy()
@@ -244,3 +256,45 @@ def test_replica_waits_for_two_nodes_on_one_fabric(cluster: Cluster) -> None:
     assert c.model()["unplaceable"] is None
     client = openai.OpenAI(base_url=c.server.url + "/v1", api_key=c.server.api_key())
     assert _complete(client)
+
+
+def test_gpu_utilisation_reaches_the_api_each_heartbeat_without_an_inventory(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    c = cluster
+    # A GPU whose utilisation we move: nvidia-smi answers what the file says (atomically
+    # replaced, as a half-written answer would be news).
+    answer = tmp_path / "smi.csv"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nexec /bin/cat {answer}\n")
+    smi.chmod(0o755)
+
+    def busy(value: str) -> None:
+        part = answer.with_suffix(".part")
+        part.write_text(
+            "0, GPU-7c0e3f5a-2b1d-4e8f-9a6c-3d5b7e9f1a2c, NVIDIA GeForce RTX 4090, 24564, "
+            f"1093, 550.54.15, {value}\n"
+        )
+        os.replace(part, answer)
+
+    busy("37")
+    c.add_node("mn-u", None, nvidia_smi=smi)
+    wait_for(lambda: _utilisation(c, "mn-u") == [37], what="the first figure")
+
+    def inventories() -> int:
+        events = c.server.api("GET", "/api/events?subject=mn-u&limit=200")
+        return sum(1 for e in events if e["kind"] == "inventory_changed")
+
+    told = inventories()
+    busy("81")
+    wait_for(lambda: _utilisation(c, "mn-u") == [81], timeout=15, what="the figure moved")
+    shown = c.ctl("nodes", "mn-u")
+    assert shown.returncode == 0, shown.stderr
+    assert "  - 0 NVIDIA GeForce RTX 4090: memory 1093/24564 MiB, utilisation 81%" in shown.stdout
+    busy("[Not Supported]")  # unknown: null, not 0 and not the last figure
+    wait_for(lambda: _utilisation(c, "mn-u") == [None], timeout=15, what="unknown")
+    busy("0")  # idle: 0, known
+    wait_for(lambda: _utilisation(c, "mn-u") == [0], timeout=15, what="idle")
+    # All of it came with the heartbeats: the agent looks at its inventory every 30 s, and
+    # not one inventory (a store write and an event each) was sent for any of it.
+    assert inventories() == told

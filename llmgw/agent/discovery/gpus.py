@@ -39,7 +39,17 @@ log = logging.getLogger("llmgw.agent.discovery")
 GpuSource = Literal["nvml", "nvidia-smi", ""]
 
 NVIDIA_SMI_TIMEOUT = 10.0
-NVIDIA_SMI_FIELDS = ("index", "uuid", "name", "memory.total", "memory.used", "driver_version")
+NVIDIA_SMI_FIELDS = (
+    "index",
+    "uuid",
+    "name",
+    "memory.total",
+    "memory.used",
+    "driver_version",
+    "utilization.gpu",
+)
+# The fields after the name: a name with a comma in it is what lies between uuid and these.
+_AFTER_NAME = len(NVIDIA_SMI_FIELDS) - 3
 NVIDIA_SMI_ARGS = (
     "--query-gpu=" + ",".join(NVIDIA_SMI_FIELDS),
     "--format=csv,noheader,nounits",
@@ -208,7 +218,21 @@ def _nvml_gpu(pynvml: Any, index: int) -> pb.Gpu | str:
         name=_text(pynvml.nvmlDeviceGetName(handle)),
         memory_total_mib=int(memory.total) // _MIB,
         memory_used_mib=int(memory.used) // _MIB,
+        utilization_percent=_nvml_utilization(pynvml, handle),
     )
+
+
+def _nvml_utilization(pynvml: Any, handle: Any) -> int | None:
+    """Percent of the last sample period a kernel ran on the GPU; None when it cannot tell
+    (vGPU and some boards answer Not Supported). A figure to show, never a reason to leave
+    the GPU out; only a lost GPU is (the caller says why)."""
+    try:
+        percent = int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except pynvml.NVMLError_GpuIsLost:
+        raise
+    except pynvml.NVMLError:
+        return None
+    return percent if 0 <= percent <= 100 else None
 
 
 def _nvml_gpu_problem(pynvml: Any, index: int, exc: Exception) -> str:
@@ -263,6 +287,16 @@ def _mib(value: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
+def _percent(value: str) -> int | None:
+    # "[N/A]", "[Not Supported]": the GPU cannot tell (None, not 0: 0 is an idle GPU). A
+    # figure to show: what is not a percent is unknown too, never a reason to lose the GPUs.
+    value = value.removesuffix("%").strip()
+    if not value.isdigit():
+        return None
+    percent = int(value)
+    return percent if percent <= 100 else None
+
+
 def parse_nvidia_smi(text: str) -> tuple[list[pb.Gpu], str, str]:
     """``(gpus, driver_version, problem)`` from the CSV of ``nvidia-smi --query-gpu``;
     ``problem`` says which line was not understood (and then there are no GPUs)."""
@@ -274,12 +308,13 @@ def parse_nvidia_smi(text: str) -> tuple[list[pb.Gpu], str, str]:
             continue
         fields = [part.strip() for part in line.split(",")]
         if len(fields) > len(NVIDIA_SMI_FIELDS):  # a name with a comma in it
-            fields = [fields[0], fields[1], ", ".join(fields[2:-3]), *fields[-3:]]
+            name_parts = fields[2:-_AFTER_NAME]
+            fields = [fields[0], fields[1], ", ".join(name_parts), *fields[-_AFTER_NAME:]]
         reason = ""
         if len(fields) < len(NVIDIA_SMI_FIELDS):
             reason = f"{len(fields)} fields"
         else:
-            index, uuid, name, total, used, version = fields
+            index, uuid, name, total, used, version, utilization = fields
             total_mib, used_mib = _mib(total), _mib(used)
             if not index.isdigit():
                 reason = f"GPU index {index!r} is not a number"
@@ -293,6 +328,7 @@ def parse_nvidia_smi(text: str) -> tuple[list[pb.Gpu], str, str]:
                         name="" if _unknown(name) else name,
                         memory_total_mib=total_mib,
                         memory_used_mib=used_mib,
+                        utilization_percent=_percent(utilization),
                     )
                 )
                 if not driver and not _unknown(version):

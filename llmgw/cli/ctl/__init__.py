@@ -4,9 +4,9 @@ This module builds the ``ctl`` group (its options make the ``Ctl`` object each c
 receives, see ``context``); each command group lives in a module of its own: ``nodes`` (list,
 approve, reject, revoke, drain, uncordon), ``models`` (models, deploy, undeploy, replicas),
 ``keys`` (with their policies), ``usage`` (the keys' usage), ``join`` (join-command, tokens),
-``events``, ``engines``, ``updates`` (update, admin password), ``cert``, ``instances`` (the control-plane instances on PostgreSQL, retire), ``users``
-(operator accounts) and
-``engine_check``. A new command goes in the module of its group, or
+``events``, ``engines``, ``updates`` (update, admin password), ``cert``, ``instances`` (the
+control-plane instances on PostgreSQL, retire), ``users`` (operator accounts), ``login``
+(login, logout, whoami: ctl acting as an account) and ``engine_check``. A new command goes in the module of its group, or
 a new module added below.
 """
 
@@ -25,6 +25,7 @@ from llmgw.cli.ctl.events import events
 from llmgw.cli.ctl.instances import instances
 from llmgw.cli.ctl.join import join_command, tokens
 from llmgw.cli.ctl.keys import keys
+from llmgw.cli.ctl.login import login, logout, whoami
 from llmgw.cli.ctl.models import deploy, models, replicas, undeploy
 from llmgw.cli.ctl.nodes import approve, drain, nodes, reject, revoke, uncordon
 from llmgw.cli.ctl.updates import admin, update
@@ -111,6 +112,9 @@ for _command in (
     cert,
     instances,
     users,
+    login,
+    logout,
+    whoami,
     engine_check,
 ):
     ctl.add_command(_command)

@@ -9,9 +9,13 @@ from typing import Any
 
 import click
 
-from llmgw.client import AdminClient, find_target
+from llmgw.cli.prompts import read_secret
+from llmgw.client import ADMIN_PASSWORD_ENV, AdminClient, find_target
 
-__all__ = ["Ctl", "pass_ctl"]
+__all__ = ["OWN_PASSWORD_ENV", "Ctl", "pass_ctl"]
+
+OWN_PASSWORD_ENV = "LLMGW_PASSWORD"
+"""A signed-in account's own password, for scripts (the admin token's is LLMGW_ADMIN_PASSWORD)."""
 
 
 @dataclass
@@ -34,6 +38,26 @@ class Ctl:
                 insecure_http=self.insecure_http,
             )
         return self._client
+
+    @property
+    def account(self) -> str | None:
+        """The account ctl acts as (from 'llmgw ctl login'), or None for the admin token."""
+        client = self.client
+        target = client.target or (client.candidates[0] if client.candidates else None)
+        return None if target is None else target.account
+
+    def own_password(self, why: str) -> str:
+        """The password of whoever ctl acts as, asked again for what a token alone may not
+        do (``why``: signing an update, making an admin): the signed-in account's own, or
+        the admin password with the admin token."""
+        account = self.account
+        if account is None:
+            return read_secret(
+                ADMIN_PASSWORD_ENV, f"admin password, {why} (not echoed): ", what="admin password"
+            )
+        return read_secret(
+            OWN_PASSWORD_ENV, f"password of {account}, {why} (not echoed): ", what="password"
+        )
 
     def call(
         self,

@@ -1,5 +1,6 @@
 """``llmgw ctl nodes [NODE]``, ``approve``, ``reject``, ``revoke``, ``drain``, ``uncordon``: the
-nodes of the cluster, their health (healthy, degraded and why, offline) and their life cycle."""
+nodes of the cluster, their health (healthy, degraded and why, offline), their GPUs (memory
+and utilisation, in a node's detail) and their life cycle."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def _gpus_cell(n: dict[str, Any]) -> str:
 def nodes(c: Ctl, node: str | None) -> None:
     """List nodes: state, health, connection, shards, GPUs (or why there are none).
 
-    With NODE, that node in full: why it is degraded and what to fix, its engines as
-    checked, its fabrics and warnings. Warns about agents newer than the control plane
+    With NODE, that node in full: its GPUs (memory, utilisation), why it is degraded and
+    what to fix, its engines as checked, its fabrics and warnings. Warns about agents newer than the control plane
     (their streams are refused) or more than two minor releases behind it."""
     if node is not None:
         _show_node(c, node)
@@ -129,6 +130,18 @@ def _plain(text: object) -> str:
     return "".join(c if c.isprintable() else "\ufffd" for c in str(text))
 
 
+def _gpu_line(gpu: dict[str, Any]) -> str:
+    """One GPU of a node's detail: index, model, memory used of total, and utilisation (live,
+    from the node's heartbeats; unknown when the GPU cannot tell or the node is away)."""
+    busy = gpu.get("utilization_percent")
+    utilisation = f"{busy}%" if isinstance(busy, int) else "unknown"
+    return (
+        f"{gpu.get('index', '?')} {_plain(gpu.get('name') or '?')}: memory "
+        f"{gpu.get('memory_used_mib', 0)}/{gpu.get('memory_total_mib', 0)} MiB, "
+        f"utilisation {utilisation}"
+    )
+
+
 def _subject(reason: dict[str, Any]) -> str:
     """What a degraded reason is about: ``engine vllm``, ``fabric ib-a``, ``gpus``, ``docker``."""
     code = str(reason.get("code") or "?")
@@ -171,6 +184,11 @@ def _show_node(c: Ctl, node: str) -> None:
     width = max(len(name) for name, _ in fields) + 1
     for name, value in fields:
         click.echo(f"{name + ':':<{width}} {value}")
+    gpus = n.get("gpus") or []
+    if gpus:
+        click.echo("gpus:")
+        for gpu in gpus:
+            click.echo(f"  - {_gpu_line(gpu)}")
     reasons = n.get("degraded") or []
     if reasons:
         offline = " (as it last reported)" if health == "offline" else ""

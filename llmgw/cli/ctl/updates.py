@@ -58,12 +58,12 @@ def update(
     ttl: int,
 ) -> None:
     """Update the agent on NODE (or --all) to VERSION with an order signed by the cluster
-    CA. Asks for the admin password again (env: LLMGW_ADMIN_PASSWORD for scripts)."""
+    CA. Asks again for the password of whoever ctl acts as: the admin password with the
+    admin token (env: LLMGW_ADMIN_PASSWORD for scripts), a signed-in account's own (env:
+    LLMGW_PASSWORD)."""
     if bool(target) == all_nodes:
         raise click.UsageError("name one NODE or pass --all")
-    password = read_secret(
-        ADMIN_PASSWORD_ENV, "admin password (not echoed): ", what="admin password"
-    )
+    password = c.own_password("to sign the update")
     body: dict[str, Any] = {"version": version, "password": password, "ttl": ttl}
     if all_nodes:
         body["all"] = True

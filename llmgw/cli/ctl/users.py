@@ -41,6 +41,12 @@ def _password(name: str, from_stdin: bool) -> str:
     )
 
 
+def _role_of(c: Ctl, name: str) -> str | None:
+    """NAME's role now (None: no such account, which the change itself then reports)."""
+    found: list[dict[str, Any]] = c.call("GET", "/api/users")
+    return next((u["role"] for u in found if u["name"] == name), None)
+
+
 def _path(name: str) -> str:
     return f"/api/users/{quote(name, safe='')}"
 
@@ -86,8 +92,12 @@ def _list(c: Ctl) -> None:
 @click.option("--password-stdin", "from_stdin", is_flag=True, help=_STDIN_HELP)
 @pass_ctl
 def add(c: Ctl, name: str, role: str, from_stdin: bool) -> None:
-    """Add the account NAME with ROLE; asks for its password twice."""
+    """Add the account NAME with ROLE; asks for its password twice. An admin account can
+    sign updates, so adding one also asks for your own password (the admin password with
+    the admin token)."""
     body = {"name": name, "role": role, "password": _password(name, from_stdin)}
+    if role == "admin":
+        body["confirm_password"] = c.own_password(f"to make {name} an admin")
     data = c.call("POST", "/api/users", body, password=True)
     if c.as_json:
         echo_json(data)
@@ -108,7 +118,10 @@ def password(c: Ctl, name: str, from_stdin: bool) -> None:
             "the password of 'admin' is the admin password; change it with 'llmgw ctl admin "
             "password', which asks for the current one"
         )
-    data = c.call("PATCH", _path(name), {"password": _password(name, from_stdin)}, password=True)
+    body = {"password": _password(name, from_stdin)}
+    if _role_of(c, name) == "admin":
+        body["confirm_password"] = c.own_password(f"to set the password of the admin {name}")
+    data = c.call("PATCH", _path(name), body, password=True)
     if c.as_json:
         echo_json(data)
         return
@@ -120,8 +133,11 @@ def password(c: Ctl, name: str, from_stdin: bool) -> None:
 @click.argument("role", type=_ROLES)
 @pass_ctl
 def role(c: Ctl, name: str, role: str) -> None:
-    """Give NAME the ROLE admin or viewer."""
-    data = c.call("PATCH", _path(name), {"role": role})
+    """Give NAME the ROLE admin or viewer (admin asks for your own password too)."""
+    body = {"role": role}
+    if role == "admin" and _role_of(c, name) != "admin":
+        body["confirm_password"] = c.own_password(f"to make {name} an admin")
+    data = c.call("PATCH", _path(name), body, password="confirm_password" in body)
     if c.as_json:
         echo_json(data)
         return

@@ -76,6 +76,7 @@ def add_admin_routes(
         ("GET", "/api/updates", software.updates),
         ("PUT", "/api/admin/password", software.change_password),
         ("GET", "/api/instances", instances.instances),
+        ("GET", "/api/whoami", users.whoami),
         ("GET", "/api/users", users.users),
         ("POST", "/api/users", users.add_user),
         ("PATCH", "/api/users/{name}", users.update_user),

@@ -28,6 +28,7 @@ from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.netaddr import check_node_id_free, format_hostport, parse_hostport
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
 from llmgw.server.bundles import one_liner
+from llmgw.server.principals import principal_of
 from llmgw.server.states import NodeState, TokenKind
 from llmgw.server.store import ApiKey
 
@@ -62,7 +63,10 @@ class AccessRoutes:
         key, secret = self.ctx.store.create_api_key(name.strip(), policy)
         self.ctx.serving.refresh_keys()
         self.ctx.store.add_event(
-            "key_created", key.id, f"{key.name}: {key.policy.summary(expiry=True)}"
+            "key_created",
+            key.id,
+            f"{key.name}: {key.policy.summary(expiry=True)}",
+            principal_of(request).actor,
         )
         return web.json_response({**key_json(key, self._now()), "key": secret}, status=201)
 
@@ -88,7 +92,12 @@ class AccessRoutes:
                 key = store.update_api_key(key.id, policy)
         if changes:
             self.ctx.serving.refresh_keys()
-            store.add_event("key_updated", key.id, f"{key.name}: {describe_changes(changes)}")
+            store.add_event(
+                "key_updated",
+                key.id,
+                f"{key.name}: {describe_changes(changes)}",
+                principal_of(request).actor,
+            )
         shown = self._shown(key)
         shown["changed"] = {k: {"from": old, "to": new} for k, (old, new) in changes.items()}
         return web.json_response(shown)
@@ -96,7 +105,7 @@ class AccessRoutes:
     async def revoke_key(self, request: web.Request) -> web.Response:
         key = self.ctx.store.revoke_api_key(request.match_info["key"])
         self.ctx.serving.refresh_keys()
-        self.ctx.store.add_event("key_revoked", key.id, key.name)
+        self.ctx.store.add_event("key_revoked", key.id, key.name, principal_of(request).actor)
         return web.json_response({"id": key.id, "name": key.name, "revoked_at": key.revoked_at})
 
     async def usage(self, request: web.Request) -> web.Response:
@@ -299,7 +308,10 @@ class AccessRoutes:
             command = f"LLMGW_JOIN_TOKEN={shlex.quote(secret)} " + shlex.join(args)
         what = "lost-state rekey" if lost_state else str(token.kind)
         self.ctx.store.add_event(
-            "join_token_created", node_id, f"{what} token {token.id}, expires in {ttl:.0f}s"
+            "join_token_created",
+            node_id,
+            f"{what} token {token.id}, expires in {ttl:.0f}s",
+            principal_of(request).actor,
         )
         return web.json_response(
             {
@@ -377,7 +389,9 @@ class AccessRoutes:
 
     async def revoke_join_token(self, request: web.Request) -> web.Response:
         token = self.ctx.store.revoke_join_token(request.match_info["token"])
-        self.ctx.store.add_event("join_token_revoked", token.node_id, f"token {token.id}")
+        self.ctx.store.add_event(
+            "join_token_revoked", token.node_id, f"token {token.id}", principal_of(request).actor
+        )
         return web.json_response(
             {"id": token.id, "node": token.node_id, "revoked_at": token.revoked_at}
         )

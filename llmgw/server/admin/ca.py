@@ -14,6 +14,7 @@ from llmgw.errors import ConfigError
 from llmgw.pki import DEFAULT_OVERLAP
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
 from llmgw.server.authority import ClusterAuthority
+from llmgw.server.principals import principal_of
 
 __all__ = ["CARoutes"]
 
@@ -49,7 +50,7 @@ class CARoutes:
                 f"{format_duration(MAX_OVERLAP)} (agents renew under the new CA within it), "
                 f"not {raw!r}"
             )
-        return web.json_response(self.authority.rotate(overlap))
+        return web.json_response(self.authority.rotate(overlap, actor=principal_of(request).actor))
 
     async def finish(self, request: web.Request) -> web.Response:
         body = await read_json(self.ctx, request)
@@ -59,7 +60,9 @@ class CARoutes:
         force = body.get("force", False)
         if not isinstance(force, bool):
             raise BadRequest("force must be true or false")
-        return web.json_response(self.authority.finish(force=force))
+        return web.json_response(
+            self.authority.finish(force=force, actor=principal_of(request).actor)
+        )
 
     async def export(self, request: web.Request) -> web.Response:
         """``{"password", "passphrase"}``: the CA, its rotation's files, the cluster id and
@@ -78,7 +81,7 @@ class CARoutes:
         )
         # scrypt takes its memory and half a second: off the event loop.
         sealed = await asyncio.to_thread(caexport.seal, export, passphrase)
-        self.authority.exported(export, by=request.remote or "")
+        self.authority.exported(export, by=request.remote or "", actor=principal_of(request).actor)
         return web.json_response(
             {
                 "ca_hash": export.ca_hash,

@@ -43,6 +43,7 @@ from llmgw.server.logins import Logins
 from llmgw.server.nodes import Membership
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import AdminPassword
+from llmgw.server.principals import PRINCIPAL, Principal
 from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
 from llmgw.server.serving import ServingCache
@@ -144,13 +145,27 @@ _ANSWERS: tuple[tuple[type[LlmgwError], int, str], ...] = (
 """The status and code an admin handler's error is answered with: the first kind it is."""
 
 
+def authenticate(ctx: AdminContext, request: web.Request) -> Principal | None:
+    """Who the request's bearer credential names: the shared admin token, or None."""
+    token = bearer_token(request)
+    if token is None:
+        return None
+    if hmac.compare_digest(token, ctx.admin_token.encode()):
+        return Principal.shared_token()
+    return None
+
+
+_READS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
 def guarded(ctx: AdminContext, handler: Handler) -> Handler:
-    """``handler`` behind the admin token, its errors answered as JSON."""
+    """``handler`` behind the admin API's credentials (a viewer only reads), its errors
+    answered as JSON; the caller goes on the request as its :class:`Principal`."""
 
     async def wrapped(request: web.Request) -> web.StreamResponse:
         peer = request.remote or ""
-        token = bearer_token(request)
-        if token is None or not hmac.compare_digest(token, ctx.admin_token.encode()):
+        principal = authenticate(ctx, request)
+        if principal is None:
             log.info(
                 "refused an admin request without the admin token",
                 extra=kv(method=request.method[:16], path=request.path[:100], peer=peer),
@@ -158,9 +173,22 @@ def guarded(ctx: AdminContext, handler: Handler) -> Handler:
             return error_response(
                 401,
                 "missing or wrong admin token; pass --token or set LLMGW_TOKEN (the control "
-                f"plane keeps it in {ctx.admin_token_file})",
+                f"plane keeps it in {ctx.admin_token_file}), or sign in with 'llmgw ctl login'",
                 "unauthorized",
             )
+        if request.method not in _READS and not principal.is_admin:
+            log.info(
+                "refused a viewer's change",
+                extra=kv(method=request.method[:16], path=request.path[:100], actor=principal.name),
+            )
+            return error_response(
+                403,
+                f"the account {principal.name!r} is a {principal.role}: it reads the cluster "
+                "but changes nothing; ask an admin to make the change or to give it the admin "
+                "role ('llmgw ctl users role NAME admin')",
+                "forbidden",
+            )
+        request[PRINCIPAL] = principal
         try:
             return await handler(request)
         except (BadRequest, ConfigError) as exc:  # ConfigError: a value that cannot be used

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from llmgw.errors import Conflict
 from llmgw.server.admin.context import AdminContext
+from llmgw.server.principals import principal_of
 from llmgw.server.store import Store
 from llmgw.server.store.instances import Instance
 
@@ -59,6 +60,7 @@ class InstanceRoutes:
                 f"instance {instance_id} retired; agents refuse its certificates from now on "
                 f"(server serial {instance.server_serial or 'none recorded'}, client serial "
                 f"{instance.client_serial or 'none recorded'})",
+                principal_of(request).actor,
             )
         now = store.database.server_time()
         return web.json_response(

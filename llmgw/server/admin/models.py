@@ -17,6 +17,7 @@ from llmgw.contracts.catalog import (
 from llmgw.engines.registry import engine_names
 from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.principals import principal_of
 from llmgw.server.store import Model, Shard
 
 __all__ = ["ModelRoutes"]
@@ -134,6 +135,7 @@ class ModelRoutes:
                     "catalog_applied",
                     row["name"],
                     f"{row['change']}: profiles {', '.join(row['profiles'])}",
+                    principal_of(request).actor,
                 )
         self.ctx.serving.refresh_models()
         self.ctx.scheduler.kick()
@@ -186,7 +188,9 @@ class ModelRoutes:
             model = self._deploy_adhoc(name, body, replicas, existing)
             what = model.engine
         self.ctx.serving.refresh_models()
-        self.ctx.store.add_event("model_deployed", name, f"{what}, {replicas} replicas")
+        self.ctx.store.add_event(
+            "model_deployed", name, f"{what}, {replicas} replicas", principal_of(request).actor
+        )
         self.ctx.scheduler.kick()
         return web.json_response(self._model(model), status=201 if existing is None else 200)
 
@@ -245,7 +249,9 @@ class ModelRoutes:
         self.ctx.store.delete_model(name)
         self.ctx.router.remove_model(name)
         self.ctx.serving.refresh_models()
-        self.ctx.store.add_event("model_undeployed", name, "undeployed")
+        self.ctx.store.add_event(
+            "model_undeployed", name, "undeployed", principal_of(request).actor
+        )
         return web.json_response({"name": name, "undeployed": True})
 
     # -- replicas -------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Admin routes about the fleet: the control plane's status, the nodes (each with its health:
 healthy, degraded with its reasons, or offline), operator decisions on them (approve, reject,
-revoke), draining and the event log.
+revoke), draining and the event log. Each GPU carries its utilisation, live from the node's
+session.
 
 What the console shows and does to nodes is the same code: the module's functions
 (:func:`list_nodes`, :func:`node_detail`, :func:`drain`, :func:`uncordon`) are called by
@@ -8,6 +9,7 @@ these handlers and by :mod:`llmgw.server.console`."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -16,8 +18,10 @@ from llmgw import __version__
 from llmgw.contracts.inventory import DegradedReason, degraded_reasons
 from llmgw.errors import Conflict
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.principals import principal_of
 from llmgw.server.states import NodeState, node_health
 from llmgw.server.store import Certificate, Node
+from llmgw.server.stream import NodeSession
 
 __all__ = ["NodeRoutes", "drain", "list_nodes", "node_detail", "node_summary", "uncordon"]
 
@@ -25,6 +29,20 @@ __all__ = ["NodeRoutes", "drain", "list_nodes", "node_detail", "node_summary", "
 # summary, llmgw.server.intake.pending_inventory).
 PENDING_REASONS = 8
 PENDING_REASON_CHARS = 1000
+
+
+def _gpus(stored: Any, session: NodeSession | None) -> list[dict[str, Any]]:
+    """The node's GPUs as its stored inventory has them, each with ``utilization_percent``
+    from its session's latest heartbeat (the store never has it: it changes every second);
+    null when the node is not connected, has not said yet, or the GPU cannot tell."""
+    live = session.gpu_utilization if session is not None else {}
+    if not isinstance(stored, list):
+        return []
+    return [
+        {**gpu, "utilization_percent": live.get(str(gpu.get("uuid") or ""))}
+        for gpu in stored
+        if isinstance(gpu, Mapping)
+    ]
 
 
 def degraded_of(ctx: AdminContext, node: Node) -> tuple[DegradedReason, ...]:
@@ -76,7 +94,7 @@ def node_summary(
         "shards": shard_count,
         "cpus": inv.get("cpus"),
         "memory_total_bytes": inv.get("memory_total_bytes"),
-        "gpus": inv.get("gpus", []),
+        "gpus": _gpus(inv.get("gpus", []), session),
         "gpu_status": inv.get("gpu_status", ""),
         "engines": inv.get("engines", []),
         "fabrics": inv.get("fabrics", []),
@@ -122,7 +140,7 @@ def node_detail(ctx: AdminContext, node_id: str) -> dict[str, Any]:
     return data
 
 
-def drain(ctx: AdminContext, node_id: str, *, actor: str = "") -> dict[str, object]:
+def drain(ctx: AdminContext, node_id: str, *, actor: str) -> dict[str, object]:
     """Start draining ``node_id`` (a no-op when it drains already); its progress."""
     node = ctx.store.get_node(node_id)
     if not node.draining:
@@ -132,7 +150,7 @@ def drain(ctx: AdminContext, node_id: str, *, actor: str = "") -> dict[str, obje
     return ctx.scheduler.drain_progress(node_id)
 
 
-def uncordon(ctx: AdminContext, node_id: str, *, actor: str = "") -> dict[str, object]:
+def uncordon(ctx: AdminContext, node_id: str, *, actor: str) -> dict[str, object]:
     """Let a draining node take new replicas again (Conflict when it is not draining)."""
     node = ctx.store.get_node(node_id)
     if not node.draining:
@@ -179,29 +197,31 @@ class NodeRoutes:
                 "'fingerprint' is required: the sha256:... the node printed when it joined"
             )
         node_id = request.match_info["node"]
-        self.ctx.membership.approve(node_id, fp)
+        self.ctx.membership.approve(node_id, fp, actor=principal_of(request).actor)
         return web.json_response({"node": node_id, "state": NodeState.APPROVED})
 
     async def reject(self, request: web.Request) -> web.Response:
         node_id = request.match_info["node"]
-        self.ctx.membership.reject(node_id)
+        self.ctx.membership.reject(node_id, actor=principal_of(request).actor)
         return web.json_response({"node": node_id, "state": "rejected"})
 
     async def revoke(self, request: web.Request) -> web.Response:
         node_id = request.match_info["node"]
-        serials = self.ctx.membership.revoke(node_id)
+        serials = self.ctx.membership.revoke(node_id, actor=principal_of(request).actor)
         return web.json_response({"node": node_id, "state": NodeState.REVOKED, "serials": serials})
 
     # -- drain ----------------------------------------------------------------------------------------
 
     async def drain(self, request: web.Request) -> web.Response:
-        return web.json_response(drain(self.ctx, request.match_info["node"]))
+        node_id = request.match_info["node"]
+        return web.json_response(drain(self.ctx, node_id, actor=principal_of(request).actor))
 
     async def drain_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.ctx.scheduler.drain_progress(request.match_info["node"]))
 
     async def uncordon(self, request: web.Request) -> web.Response:
-        return web.json_response(uncordon(self.ctx, request.match_info["node"]))
+        node_id = request.match_info["node"]
+        return web.json_response(uncordon(self.ctx, node_id, actor=principal_of(request).actor))
 
     # -- events ---------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
 from llmgw.server.installs import INSTALLABLE, Build
+from llmgw.server.principals import principal_of
 from llmgw.server.updates import DEFAULT_ORDER_TTL
 
 __all__ = ["SoftwareRoutes"]
@@ -71,7 +72,11 @@ class SoftwareRoutes:
             raise BadRequest("'version' (the engine build's version) is required")
         node = _target(body)
         out = self.ctx.installs.desire(
-            engine=engine, version=version, builds=_builds(body), node=node
+            engine=engine,
+            version=version,
+            builds=_builds(body),
+            node=node,
+            actor=principal_of(request).actor,
         )
         self.ctx.scheduler.kick()
         return web.json_response(out, status=202)
@@ -86,7 +91,9 @@ class SoftwareRoutes:
         arch = body.get("arch")
         if arch is not None and (not isinstance(arch, str) or not arch):
             raise BadRequest("'arch' must be an architecture such as x86_64, or 'any'")
-        removed = self.ctx.installs.forget(engine=engine, node=_target(body), arch=arch)
+        removed = self.ctx.installs.forget(
+            engine=engine, node=_target(body), arch=arch, actor=principal_of(request).actor
+        )
         self.ctx.scheduler.kick()
         return web.json_response({"removed": removed})
 
@@ -109,8 +116,9 @@ class SoftwareRoutes:
 
     async def order_update(self, request: web.Request) -> web.Response:
         """``{"nodes": [...] | "all": true, "version", "password", "ttl"?}``: sign an update
-        order for each node; the admin password is asked again, and a wrong one signs
-        nothing (403)."""
+        order for each node; the caller's password is asked again (the admin password with
+        the admin token, an account's own with its login), and a wrong one signs nothing
+        (403)."""
         body = await read_json(self.ctx, request)
         version = body.get("version")
         if not isinstance(version, str) or not version:
@@ -125,8 +133,14 @@ class SoftwareRoutes:
         ttl = body.get("ttl", DEFAULT_ORDER_TTL)
         if not isinstance(ttl, int) or isinstance(ttl, bool) or not 60 <= ttl <= 7 * 86400:
             raise BadRequest("ttl must be a whole number of seconds from 60 to 7 days")
+        by = principal_of(request)
         out = await self.ctx.updates.order(
-            nodes, version=version, password=body.get("password"), ttl=ttl
+            nodes,
+            version=version,
+            password=body.get("password"),
+            account=by.password_account,
+            actor=by.actor,
+            ttl=ttl,
         )
         return web.json_response(out, status=202)
 
@@ -137,5 +151,7 @@ class SoftwareRoutes:
 
     async def change_password(self, request: web.Request) -> web.Response:
         body = await read_json(self.ctx, request)
-        await self.ctx.password.change(body.get("old"), body.get("new"))
+        await self.ctx.password.change(
+            body.get("old"), body.get("new"), actor=principal_of(request).actor
+        )
         return web.json_response({"changed": True, "removed": str(self.ctx.password.password_file)})

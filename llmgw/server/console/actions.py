@@ -42,7 +42,7 @@ class NodeActions:
         if action == "uncordon":
             node_actions.uncordon(ctx, node_id, actor=actor)
             return f"node {node_id} takes new replicas again"
-        serials = ctx.membership.revoke(node_id)
+        serials = ctx.membership.revoke(node_id, actor=actor)
         return (
             f"node {node_id} is revoked: its certificates ({len(serials)}) are refused from now "
             "on; it must join again to come back"

@@ -33,7 +33,7 @@ from llmgw.server.console.security import (
 from llmgw.server.console.site import SESSION, Site, html_response
 from llmgw.server.follower import client_addr
 from llmgw.server.logins import LoginRefused, LoginSession, LoginThrottled
-from llmgw.server.principals import PRINCIPAL, VIA_CONSOLE, Principal
+from llmgw.server.principals import PRINCIPAL
 
 __all__ = ["FORM", "ConsoleAuth", "form_of"]
 
@@ -96,7 +96,7 @@ class ConsoleAuth:
 
     def _sign_in(self, request: web.Request, token: str, session: LoginSession) -> None:
         request[SESSION] = (token, session)
-        request[PRINCIPAL] = Principal(session.operator, session.role, VIA_CONSOLE)
+        request[PRINCIPAL] = session.principal  # via console: the session's kind
 
     def to_login(self, request: web.Request) -> web.Response:
         """303 to the login page, coming back here afterwards; a cookie that no longer

@@ -17,6 +17,7 @@ from urllib.parse import quote
 from aiohttp import web
 
 from llmgw.errors import NotFound
+from llmgw.server.admin.context import AdminContext
 from llmgw.server.admin.nodes import list_nodes, node_detail
 from llmgw.server.charts import Line, line_chart
 from llmgw.server.console.site import Site
@@ -97,7 +98,7 @@ class Pages:
         self.clock = clock
 
     @property
-    def ctx(self) -> Any:
+    def ctx(self) -> AdminContext:
         return self.site.ctx
 
     def _answer(
@@ -138,6 +139,7 @@ class Pages:
             r.model for r in ctx.store.list_replicas() if r.state == ReplicaState.READY
         )
         unplaceable = ctx.scheduler.unplaceable
+        deployed = ctx.store.list_models()
         models = [
             {
                 "name": m.name,
@@ -146,7 +148,7 @@ class Pages:
                 "desired": m.replicas,
                 "unplaceable": unplaceable[m.name].reason if m.name in unplaceable else "",
             }
-            for m in ctx.store.list_models()
+            for m in deployed
         ]
         return {
             "states": [(s.value, states.get(s.value, 0)) for s in NodeState],
@@ -155,7 +157,7 @@ class Pages:
             "gpus_used": gpus_used,
             "gpus_total": gpus_total,
             "models": models,
-            "charts": self._charts([m["name"] for m in models], now),
+            "charts": self._charts([m.name for m in deployed], now),
             "events": [event_json(e) for e in ctx.store.list_events(limit=RECENT_EVENTS)],
         }
 

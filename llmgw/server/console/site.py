@@ -14,13 +14,14 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from llmgw.bodies import BodiesBusy, BodyIncomplete, BodyTimeout, BodyTooLarge
 from llmgw.errors import Conflict, LlmgwError, NotFound, StoreUnavailable
 from llmgw.log import kv
 from llmgw.server.admin.context import AdminContext
 from llmgw.server.console.render import Renderer
 from llmgw.server.console.security import secure_headers
 from llmgw.server.logins import Logins, LoginSession
-from llmgw.server.principals import PRINCIPAL, Principal
+from llmgw.server.principals import PRINCIPAL
 
 __all__ = ["NAV", "SESSION", "Flash", "Handler", "Site", "handled"]
 
@@ -91,13 +92,13 @@ class Site:
         self, request: web.Request, template: str, *, status: int = 200, **values: Any
     ) -> web.Response:
         """A whole page: ``template`` with the common parts filled in."""
-        principal = request.get(PRINCIPAL)
+        principal = request.get(PRINCIPAL)  # None on the login and error pages before it
         session = request.get(SESSION)
         flash = self.flash.take(session[0]) if session is not None else None
         body = self.renderer.render(
             template,
             nav=NAV,
-            principal=principal if isinstance(principal, Principal) else None,
+            principal=principal,
             csrf=session[1].csrf if session is not None else "",
             flash=flash,
             refresh_s=self.refresh_s,
@@ -133,6 +134,15 @@ def handled(site: Site, handler: Handler) -> Handler:
         except web.HTTPException as exc:
             # aiohttp's own (a body over client_max_size): its reason, as a page.
             response = site.error_page(request, exc.status, exc.reason, _http_hint(exc))
+        except BodyTooLarge:
+            response = site.error_page(
+                request, 413, "Too large", "the form is larger than the console takes; send less"
+            )
+        except (BodiesBusy, BodyTimeout, BodyIncomplete) as exc:
+            status = (
+                408 if isinstance(exc, BodyTimeout) else 503 if isinstance(exc, BodiesBusy) else 400
+            )
+            response = site.error_page(request, status, "Not received", f"{exc}; try again")
         except NotFound as exc:
             response = site.error_page(request, 404, "Not found", str(exc))
         except Conflict as exc:

@@ -186,6 +186,21 @@ def _inv(**fields: object) -> pb.Inventory:
             {"gpus": [pb.Gpu(index=0, uuid="GPU-a", memory_total_mib=81559, memory_used_mib=2048)]},
             True,
         ),
+        (
+            # Utilisation moves every second: the heartbeat carries it, never an inventory.
+            {
+                "gpus": [
+                    pb.Gpu(
+                        index=0,
+                        uuid="GPU-a",
+                        memory_total_mib=81559,
+                        memory_used_mib=10,
+                        utilization_percent=100,
+                    )
+                ]
+            },
+            False,
+        ),
         ({"gpus": []}, True),
         ({"gpu_status": "nvidia-smi failed (exit 9): ..."}, True),
         ({"engines": ["sim", "vllm"]}, True),
@@ -212,8 +227,8 @@ def _write(csv: Path, text: str) -> None:
     os.replace(part, csv)
 
 
-def _gpu_line(index: int = 0, used: int = 1) -> str:
-    return f"{index}, GPU-{index:08d}-0000-4000-8000-000000000000, NVIDIA H100 80GB HBM3, 81559, {used}, 550.54.15\n"
+def _gpu_line(index: int = 0, used: int = 1, busy: str = "0") -> str:
+    return f"{index}, GPU-{index:08d}-0000-4000-8000-000000000000, NVIDIA H100 80GB HBM3, 81559, {used}, 550.54.15, {busy}\n"
 
 
 async def _until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -246,11 +261,14 @@ def test_watcher_sends_only_meaningful_changes(
         assert watcher.current.gpus[0].memory_used_mib == 1  # ready for the first Hello
         task = asyncio.create_task(watcher.run())
         try:
-            # Churn: MiBs of GPU memory, memory and disk.
-            _write(csv, _gpu_line(used=300))
+            # Churn: MiBs of GPU memory, the GPU's utilisation, memory and disk.
+            _write(csv, _gpu_line(used=300, busy="88"))
             mem["MemAvailable"] += 3 * MIB
             disk[1] -= 7 * MIB
             await _until(lambda: watcher.current.gpus[0].memory_used_mib == 300)
+            assert watcher.current.gpus[0].utilization_percent == 88
+            _write(csv, _gpu_line(used=300, busy="[N/A]"))  # known to unknown: churn too
+            await _until(lambda: not watcher.current.gpus[0].HasField("utilization_percent"))
             await _until(lambda: watcher.current.disk_free_bytes == disk[1])
             await asyncio.sleep(0.1)
             assert sent == []

@@ -480,3 +480,60 @@ def test_a_deposed_leaders_list_is_never_taken(
     assert not _lines(caplog, "learnt the control planes from the leader")
     reasons = [r.fields["reason"] for r in _lines(caplog, RECONNECTING)]  # type: ignore[attr-defined]
     assert reasons and all("lower than 5 already accepted" in r for r in reasons), reasons
+
+
+@dataclass
+class Listening(pb_grpc.ControlPlaneServicer):
+    """Welcomes the stream with a short heartbeat interval and answers each heartbeat, as a
+    control plane does, keeping what they carried."""
+
+    heartbeats: list[pb.Heartbeat] = field(default_factory=list)
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[pb.AgentMessage], context: Any
+    ) -> AsyncIterator[pb.ServerMessage]:
+        await request_iterator.__anext__()
+        yield pb.ServerMessage(
+            welcome=pb.Welcome(
+                cluster_id="c", epoch=1, node_state="approved", heartbeat_interval_s=0.05
+            )
+        )
+        async for msg in request_iterator:
+            if msg.WhichOneof("msg") == "heartbeat":
+                self.heartbeats.append(msg.heartbeat)
+                yield pb.ServerMessage(heartbeat_ack=pb.HeartbeatAck(seq=msg.heartbeat.seq))
+
+
+def test_each_heartbeat_carries_the_latest_gpu_utilisation(tmp_path: Path) -> None:
+    pki_dir = tmp_path / "pki"
+    servicer = Listening()
+    latest = [pb.GpuUtilization(uuid="GPU-a", percent=37), pb.GpuUtilization(uuid="GPU-b")]
+
+    async def main() -> float:
+        server, port = await _serve(pki_dir, servicer)
+        client = _client(pki_dir, tmp_path, port)
+        client.gpu_utilization = lambda: latest
+        task = asyncio.create_task(client.run())
+        try:
+            for _ in range(400):
+                if len(servicer.heartbeats) >= 2:
+                    latest[0] = pb.GpuUtilization(uuid="GPU-a", percent=0)
+                if any(h.gpu_utilization[0].percent == 0 for h in servicer.heartbeats[2:]):
+                    break
+                await asyncio.sleep(0.025)
+            return client.heartbeat_interval
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(None)
+
+    assert asyncio.run(main()) == 0.05  # the Welcome's, which the GPU sampler follows
+    first = servicer.heartbeats[0]
+    assert [(u.uuid, u.HasField("percent")) for u in first.gpu_utilization] == [
+        ("GPU-a", True),
+        ("GPU-b", False),  # unknown stays unset on the wire, not 0
+    ]
+    assert first.gpu_utilization[0].percent == 37
+    # Read again for each heartbeat: a later one carries the newer figure (0: idle, known).
+    later = servicer.heartbeats[-1].gpu_utilization[0]
+    assert later.HasField("percent") and later.percent == 0

@@ -69,7 +69,9 @@ class Rig:
         ident = pki.issue_node_cert(self.ca, node_id, self.pki_dir.parent / node_id)
         cert = pki.load_cert(ident.cert)
         self.membership.admit(node_id, cert)
-        self.membership.approve(node_id, self.store.get_node(node_id).fingerprint or "")
+        self.membership.approve(
+            node_id, self.store.get_node(node_id).fingerprint or "", actor="operator"
+        )
         session = NodeSession(
             node_id=node_id,
             dataplane_addr="127.0.0.1:1",
@@ -110,7 +112,7 @@ def test_no_bundle_is_sent_before_any_rotation(rig: Rig) -> None:
 
 
 def test_rotate_moves_every_signer_and_tells_every_agent(rig: Rig) -> None:
-    status = rig.authority.rotate(3600)
+    status = rig.authority.rotate(3600, actor="operator")
     new = pki.load_ca(rig.pki_dir)
     assert rig.ca.ca_hash() == new.ca_hash() != rig.old.ca_hash()  # the shared object moved
     assert rig.reloads == 1
@@ -137,17 +139,17 @@ def test_rotate_moves_every_signer_and_tells_every_agent(rig: Rig) -> None:
 
 
 def test_finish_is_refused_while_a_node_holds_an_old_certificate(rig: Rig) -> None:
-    rig.authority.rotate(3600)
+    rig.authority.rotate(3600, actor="operator")
     rig.renew("gpu-1")
     with pytest.raises(
         Conflict, match=r"nodes gpu-2 still hold certificates of the old CA.*--force"
     ):
-        rig.authority.finish()
+        rig.authority.finish(actor="operator")
     assert (rig.pki_dir / pki.PREVIOUS_CA_CERT).exists()
     rig.renew("gpu-2")
     assert rig.authority.nodes_on_previous() == []
     rig.sent("gpu-1"), rig.sent("gpu-2")
-    status = rig.authority.finish()
+    status = rig.authority.finish(actor="operator")
     assert status["previous"] is None and status["rotation"]["dropped"] is not None
     assert not (rig.pki_dir / pki.PREVIOUS_CA_KEY).exists()
     for node in ("gpu-1", "gpu-2"):
@@ -155,14 +157,14 @@ def test_finish_is_refused_while_a_node_holds_an_old_certificate(rig: Rig) -> No
         assert msg is not None and list(msg.trust_bundle.pins) == [rig.ca.ca_hash()]
         assert not msg.trust_bundle.cross_pems and msg.trust_bundle.drop_at == 0
     with pytest.raises(Conflict, match="no CA rotation is under way"):
-        rig.authority.finish()
+        rig.authority.finish(actor="operator")
 
 
 def test_a_forced_finish_cuts_the_nodes_left_on_the_old_ca(rig: Rig) -> None:
-    rig.authority.rotate(3600)
+    rig.authority.rotate(3600, actor="operator")
     rig.renew("gpu-1")
     rig.sent("gpu-2")
-    rig.authority.finish(force=True)
+    rig.authority.finish(force=True, actor="operator")
     msgs = rig.sent("gpu-2")
     assert msgs[-1] is None  # its stream is closed
     assert all(m is not None for m in rig.sent("gpu-1"))
@@ -171,14 +173,14 @@ def test_a_forced_finish_cuts_the_nodes_left_on_the_old_ca(rig: Rig) -> None:
 
 
 def test_a_second_rotation_is_refused_while_one_is_under_way(rig: Rig) -> None:
-    rig.authority.rotate(3600)
+    rig.authority.rotate(3600, actor="operator")
     with pytest.raises(Conflict, match="finish-rotation"):
-        rig.authority.rotate(3600)
+        rig.authority.rotate(3600, actor="operator")
 
 
 def test_revoked_and_renewed_nodes_are_not_counted(rig: Rig) -> None:
-    rig.authority.rotate(3600)
-    rig.membership.revoke("gpu-2")
+    rig.authority.rotate(3600, actor="operator")
+    rig.membership.revoke("gpu-2", actor="operator")
     rig.renew("gpu-1")
     assert rig.authority.nodes_on_previous() == []
 
@@ -186,7 +188,7 @@ def test_revoked_and_renewed_nodes_are_not_counted(rig: Rig) -> None:
 def test_run_drops_the_old_ca_when_the_overlap_ends(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rig.authority.rotate(60)
+    rig.authority.rotate(60, actor="operator")
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 61)
 

@@ -71,7 +71,7 @@ class Fleet:
             "node": node,
         }
         args.update(kw)
-        return self.installs.desire(**args)
+        return self.installs.desire(**args, actor="operator")
 
 
 def orders(session: NodeSession) -> list[pb.InstallEngine]:
@@ -332,7 +332,7 @@ def test_what_one_node_desires_replaces_what_all_do_there(fleet: Fleet) -> None:
     (order,) = orders(one)
     assert order.version == "b9"
     assert orders(other) == []
-    fleet.installs.forget(engine="llamacpp", node="gpu-1")
+    fleet.installs.forget(engine="llamacpp", node="gpu-1", actor="operator")
     fleet.installs.sync()
     # Back to what every node desires: b1 again (the node's last install was b9).
     (back,) = orders(one)
@@ -343,17 +343,17 @@ def test_what_one_node_desires_replaces_what_all_do_there(fleet: Fleet) -> None:
 def test_forget_says_when_nothing_was_desired(fleet: Fleet) -> None:
     fleet.desire()
     with pytest.raises(NotFound) as info:
-        fleet.installs.forget(engine="vllm", node=None)
+        fleet.installs.forget(engine="vllm", node=None, actor="operator")
     assert str(info.value) == (
         "no vllm build is desired on every node; 'llmgw ctl engines' lists what is desired"
     )
     with pytest.raises(NotFound) as info:
-        fleet.installs.forget(engine="llamacpp", node="gpu-1", arch="riscv64")
+        fleet.installs.forget(engine="llamacpp", node="gpu-1", arch="riscv64", actor="operator")
     assert str(info.value) == (
         "no llamacpp build for riscv64 is desired on node gpu-1; 'llmgw ctl engines' lists "
         "what is desired"
     )
-    assert fleet.installs.forget(engine="llamacpp", node=None, arch="arm64") == 1
+    assert fleet.installs.forget(engine="llamacpp", node=None, arch="arm64", actor="operator") == 1
     assert [b.arch for b in fleet.store.list_desired_engines()] == ["x86_64"]
     assert "engine_forgotten" in [e.kind for e in fleet.store.list_events()]
 
@@ -435,7 +435,7 @@ def test_holds_say_why_each_node_waits(fleet: Fleet) -> None:
         ),
     }
     # Nothing desired: nothing held, whatever was installed.
-    fleet.installs.forget(engine="llamacpp", node=None)
+    fleet.installs.forget(engine="llamacpp", node=None, actor="operator")
     assert fleet.installs.holds(fleet.store.list_nodes()) == {}
 
 

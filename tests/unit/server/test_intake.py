@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from llmgw.contracts.inventory import MAX_GPU_UUID, MAX_HEARTBEAT_GPUS
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.intake import (
     ABUSE_DROPS,
@@ -16,6 +17,7 @@ from llmgw.server.intake import (
     MAX_TEXT,
     Intake,
     TokenBucket,
+    heartbeat_utilization,
     hello_problem,
     pending_inventory,
     trim_hello,
@@ -206,3 +208,47 @@ def test_refused_streams_are_recorded_at_a_bounded_rate() -> None:
     assert [intake.record_refusal() for _ in range(8)] == [True] * 5 + [False] * 3
     clock.t += 30.0
     assert [intake.record_refusal(), intake.record_refusal()] == [True, False]
+
+
+def test_a_heartbeats_gpu_utilisation_is_bounded() -> None:
+    heartbeat = pb.Heartbeat(
+        gpu_utilization=[
+            pb.GpuUtilization(uuid="GPU-a", percent=37),
+            pb.GpuUtilization(uuid="GPU-b", percent=0),  # idle: known
+            pb.GpuUtilization(uuid="GPU-c"),  # cannot tell
+            pb.GpuUtilization(uuid="GPU-d", percent=250),  # no percent: unknown
+            pb.GpuUtilization(uuid="", percent=5),  # no GPU of the inventory's
+            pb.GpuUtilization(uuid="G" * (MAX_GPU_UUID + 1), percent=5),
+        ]
+    )
+    assert heartbeat_utilization(heartbeat) == {
+        "GPU-a": 37,
+        "GPU-b": 0,
+        "GPU-c": None,
+        "GPU-d": None,
+    }
+    many = pb.Heartbeat(
+        gpu_utilization=[
+            pb.GpuUtilization(uuid=f"GPU-{i}", percent=1) for i in range(MAX_HEARTBEAT_GPUS + 9)
+        ]
+    )
+    assert len(heartbeat_utilization(many)) == MAX_HEARTBEAT_GPUS
+
+
+def test_a_heartbeat_of_the_most_gpus_kept_is_admitted_one_over_its_limit_is_not() -> None:
+    intake = Intake("gpu-1")
+    # The worst an agent sends: every uuid as long as kept (NVIDIA's are 40), every figure.
+    full = pb.Heartbeat(
+        seq=2**63,
+        inflight=2**32 - 1,
+        gpu_utilization=[
+            pb.GpuUtilization(uuid="G" * MAX_GPU_UUID, percent=100)
+            for _ in range(MAX_HEARTBEAT_GPUS)
+        ],
+    )
+    assert intake.admit(pb.AgentMessage(heartbeat=full), approved=True)
+    full.gpu_utilization.extend(
+        pb.GpuUtilization(uuid="x" * MAX_GPU_UUID, percent=100) for _ in range(64)
+    )
+    assert pb.AgentMessage(heartbeat=full).ByteSize() > KIND_LIMITS["heartbeat"]
+    assert not intake.admit(pb.AgentMessage(heartbeat=full), approved=True)

@@ -23,7 +23,8 @@ from llmgw.server.logins import (
 )
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
-from llmgw.server.store import Store, hash_session_token
+from llmgw.server.principals import VIA_CLI, VIA_CONSOLE, Principal
+from llmgw.server.store import LOGIN_KINDS, Store, hash_session_token
 from llmgw.server.store.location import parse_location
 from tests.unit.clock import Clock
 
@@ -57,10 +58,11 @@ class Rig:
         self.password = AdminPassword(store, tmp_path / PASSWORD_FILE)
         self.password.start()
         self.admin_pw = (tmp_path / PASSWORD_FILE).read_text().strip()
-        self.accounts = OperatorAccounts(store)
+        self.accounts = OperatorAccounts(store, self.password)
         self.accounts.ensure_first_admin()
+        self.confirm = {"confirm_as": "admin", "confirm_password": self.admin_pw}
         asyncio.run(self.accounts.add("bob", "viewer", BOB_PW, actor="admin"))
-        asyncio.run(self.accounts.add("carol", "admin", CAROL_PW, actor="admin"))
+        asyncio.run(self.accounts.add("carol", "admin", CAROL_PW, actor="admin", **self.confirm))
         self.logins = Logins(store, self.accounts, policy, clock=clock)
         self.verified = 0
         verify = self.accounts.verify
@@ -128,6 +130,16 @@ def test_a_login_makes_a_session_the_token_resolves_to(rig: Rig, clock: Clock) -
     ]
     assert token not in "\n".join(every_row)
     assert rig.events("operator_login") == [("bob", f"console login from {ADDR}", "bob")]
+
+
+def test_a_session_is_a_principal_of_its_kind(rig: Rig) -> None:
+    assert (VIA_CONSOLE, VIA_CLI) == LOGIN_KINDS  # a session's kind is its principal's via
+    _, console = rig.login()
+    assert console.principal == Principal(name="bob", role="viewer", via=VIA_CONSOLE)
+    assert not console.principal.is_admin and console.principal.actor == "bob"
+    _, cli = rig.login("carol", CAROL_PW, kind="cli")
+    assert cli.principal == Principal(name="carol", role="admin", via=VIA_CLI)
+    assert cli.principal.is_admin and cli.principal.password_account == "carol"
 
 
 def test_a_cli_login_has_no_csrf_token_and_lives_longer(rig: Rig, clock: Clock) -> None:
@@ -242,7 +254,7 @@ def test_a_removed_account_s_session_resolves_to_nothing(rig: Rig) -> None:
     rig.store.remove_operator("bob")  # straight in the store: the row alone says it
     assert rig.logins.resolve(token, "console") is None
     # A new account of the same name is not the old one's sessions.
-    asyncio.run(rig.accounts.add("bob", "admin", BOB_PW, actor="admin"))
+    asyncio.run(rig.accounts.add("bob", "admin", BOB_PW, actor="admin", **rig.confirm))
     assert rig.logins.resolve(token, "console") is None
 
 
@@ -289,9 +301,9 @@ def test_a_password_change_ends_the_sessions_but_the_one_it_came_through(rig: Ri
 
 def test_a_role_change_ends_every_session(rig: Rig) -> None:
     token, _ = rig.login()
-    rig.accounts.set_role("bob", "viewer", actor="carol")  # no change: the session stays
+    asyncio.run(rig.accounts.set_role("bob", "viewer", actor="carol"))  # no change: it stays
     assert rig.logins.resolve(token, "console") is not None
-    rig.accounts.set_role("bob", "admin", actor="carol")
+    asyncio.run(rig.accounts.set_role("bob", "admin", actor="carol", **rig.confirm))
     assert rig.logins.resolve(token, "console") is None
     token, _ = rig.login()
     asyncio.run(rig.accounts.update("bob", role="viewer", actor="carol"))
@@ -310,12 +322,16 @@ def test_an_admin_password_change_ends_admin_s_sessions(rig: Rig) -> None:
     other, _ = rig.login("admin", rig.admin_pw, kind="cli")
     bob, _ = rig.login()
     asyncio.run(
-        rig.password.change(rig.admin_pw, "the second admin password", keep_session=through)
+        rig.password.change(
+            rig.admin_pw, "the second admin password", actor="admin", keep_session=through
+        )
     )
     assert rig.logins.resolve(through, "console") is not None
     assert rig.logins.resolve(other, "cli") is None
     assert rig.logins.resolve(bob, "console") is not None
-    asyncio.run(rig.password.change("the second admin password", "the third admin password"))
+    asyncio.run(
+        rig.password.change("the second admin password", "the third admin password", actor="x")
+    )
     assert rig.logins.resolve(through, "console") is None
 
 
@@ -324,7 +340,7 @@ def test_a_refused_change_ends_nothing(rig: Rig) -> None:
     with pytest.raises(PasswordError, match="at least 12 characters"):
         asyncio.run(rig.accounts.set_password("bob", "short", actor="carol"))
     with pytest.raises(ValueError, match="unknown role 'root'"):
-        rig.accounts.set_role("bob", "root", actor="carol")
+        asyncio.run(rig.accounts.set_role("bob", "root", actor="carol"))
     assert rig.logins.resolve(token, "console") is not None
 
 

@@ -62,7 +62,7 @@ class Fleet:
 
     def approve(self) -> None:
         fp = self.store.get_node("gpu-1").fingerprint or ""
-        self.membership.approve("gpu-1", fp)
+        self.membership.approve("gpu-1", fp, actor="operator")
 
     def renew(self) -> pb.RenewCertificate:
         key = pki.new_private_key()

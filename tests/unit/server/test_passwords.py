@@ -96,14 +96,14 @@ def test_changing_the_password_needs_the_old_one(tmp_path: Path, store: Store) -
     old = path.read_text().strip()
     before = store.get_meta(PASSWORD_META)
     with pytest.raises(PasswordError, match="wrong admin password"):
-        asyncio.run(admin.change("not it", "a brand new password"))
+        asyncio.run(admin.change("not it", "a brand new password", actor="token"))
     with pytest.raises(PasswordError, match="at least 12 characters"):
-        asyncio.run(admin.change(old, "short"))
+        asyncio.run(admin.change(old, "short", actor="token"))
     with pytest.raises(PasswordError, match="is the old one"):
-        asyncio.run(admin.change(old, old))
+        asyncio.run(admin.change(old, old, actor="token"))
     assert store.get_meta(PASSWORD_META) == before
     assert path.exists()
-    asyncio.run(admin.change(old, "a brand new password"))
+    asyncio.run(admin.change(old, "a brand new password", actor="token"))
     asyncio.run(admin.check("a brand new password"))
     with pytest.raises(PasswordError):
         asyncio.run(admin.check(old))

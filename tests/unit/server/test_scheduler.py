@@ -211,7 +211,7 @@ def test_a_desired_engine_is_placed_only_once_installed_and_checked(cp: Schedule
     _join(cp, "n1", "10.0.0.1")
     installs = EngineInstalls(cp.store, sessions=cp.sessions, epoch=1)
     build = Build.checked("", "https://pub.example/llama.tgz", "c" * 64)
-    installs.desire(engine="llamacpp", version="b7", builds=[build], node=None)
+    installs.desire(engine="llamacpp", version="b7", builds=[build], node=None, actor="operator")
     install = _install_order(cp)
     _deploy(cp, "m", "llamacpp", nodes=1)
     scheduler = Scheduler(

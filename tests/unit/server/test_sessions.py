@@ -6,6 +6,7 @@ a rank-0 shard that turns ready becomes routable."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -164,7 +165,7 @@ def test_a_node_that_comes_back_changed_says_so_in_the_events(tmp_path: Path, st
 
     wired.connect(cert, degraded=(docker,))
     assert health_events() == []  # pending: its inventory is held, not yet judged
-    wired.membership.approve("gpu-1", store.get_node("gpu-1").fingerprint or "")
+    wired.membership.approve("gpu-1", store.get_node("gpu-1").fingerprint or "", actor="operator")
     assert health_events() == [("node_degraded", docker.message)]
     wired.connect(cert, degraded=(docker,))  # the same on a reconnect: no news
     assert len(health_events()) == 1
@@ -178,7 +179,7 @@ def test_the_reported_multinode_ports_are_kept_with_the_nodes_inventory(
     wired = Wired(tmp_path, store)
     cert = wired.cert(tmp_path, "gpu-1")
     wired.connect(cert, multinode_ports="40000-40099")
-    wired.membership.approve("gpu-1", store.get_node("gpu-1").fingerprint or "")
+    wired.membership.approve("gpu-1", store.get_node("gpu-1").fingerprint or "", actor="operator")
     inventory = store.get_node("gpu-1").inventory
     assert inventory["multinode_ports"] == "40000-40099"
     assert multinode_ports(inventory) == PortRange(40000, 40099)
@@ -348,14 +349,16 @@ def test_a_desired_engine_is_ordered_once_approved_and_its_failure_recorded(
     while not session.queue.empty():
         session.queue.get_nowait()
     build = Build.checked("", "https://x/y.tar.gz", "0" * 64)
-    out = wired.installs.desire(engine="vllm", version="0.9", builds=[build], node=None)
+    out = wired.installs.desire(
+        engine="vllm", version="0.9", builds=[build], node=None, actor="operator"
+    )
     (row,) = out["nodes"]
     assert (row["node"], row["state"]) == ("gpu-1", "waiting")
     assert row["reason"] == "vllm 0.9 is ordered once the node is approved"
     assert session.queue.empty()  # a pending node gets no orders
     fp = store.get_node("gpu-1").fingerprint
     assert fp is not None
-    wired.membership.approve("gpu-1", fp)
+    wired.membership.approve("gpu-1", fp, actor="operator")
     while not session.queue.empty():
         session.queue.get_nowait()
     wired.installs.sync()
@@ -444,6 +447,33 @@ def test_heartbeats_write_nothing_and_last_seen_is_stored_in_one_batch(
         wired.sessions.on_message(sessions["gpu-2"], heartbeat)
         wired.sessions.close(sessions["gpu-2"])
         assert store.get_node("gpu-2").last_seen == 5012.0
+        wired.sessions.close_all()
+
+    asyncio.run(main())
+
+
+def test_gpu_utilisation_is_kept_in_the_session_and_never_written(
+    tmp_path: Path, store: Store
+) -> None:
+    async def main() -> None:
+        wired = Wired(tmp_path, store)
+        session = wired.connect(wired.cert(tmp_path, "gpu-1"))
+        writes, real_execute = _spy_writes(store)
+
+        def beat(seq: int, *samples: pb.GpuUtilization) -> None:
+            msg = pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq, gpu_utilization=samples))
+            wired.sessions.on_message(session, msg)
+
+        for seq, busy in enumerate((5, 60, 99, 0), 1):  # a busy GPU: every second another
+            beat(
+                seq, pb.GpuUtilization(uuid="GPU-a", percent=busy), pb.GpuUtilization(uuid="GPU-b")
+            )
+        assert writes == []  # not one store write for it
+        assert session.gpu_utilization == {"GPU-a": 0, "GPU-b": None}
+        beat(5)  # the agent has no sample (it could not look): unknown, not the last figure
+        assert session.gpu_utilization == {}
+        store.database.execute = real_execute  # type: ignore[method-assign]
+        assert "utilization" not in json.dumps(store.get_node("gpu-1").inventory)
         wired.sessions.close_all()
 
     asyncio.run(main())

@@ -13,7 +13,7 @@ import pytest
 from llmgw import pki
 from llmgw.errors import Conflict
 from llmgw.server.bundles import Bundle
-from llmgw.server.passwords import AdminPassword
+from llmgw.server.operators import OperatorAccounts
 from llmgw.server.states import NodeState
 from llmgw.server.store import MIGRATIONS, Store
 from llmgw.server.updates import Updates, version_problem
@@ -93,11 +93,12 @@ def test_update_rows_outlive_the_node(store: Store) -> None:
 # ------------------------------------------ an order for a release newer than the control plane
 
 
-class _Password:
-    """The admin password, accepted (its own checks are tests/unit/server/test_passwords.py)."""
+class _Accounts:
+    """The orderer's password, accepted (the checks themselves are
+    tests/unit/server/test_operators.py's)."""
 
-    async def check(self, password: object) -> None:
-        assert password == "pw"
+    async def confirm(self, name: str, password: object, *, refused: str) -> None:
+        assert (name, password, refused) == ("admin", "pw", "nothing was signed")
 
 
 def _updates(store: Store, tmp_path: Path, served_version: str, server_version: str) -> Updates:
@@ -123,7 +124,7 @@ def _updates(store: Store, tmp_path: Path, served_version: str, server_version: 
     store.set_node_state("gpu-1", NodeState.APPROVED)
     return Updates(
         store,
-        password=cast(AdminPassword, _Password()),
+        accounts=cast(OperatorAccounts, _Accounts()),
         ca=ca,
         epoch=1,
         sessions={},
@@ -141,7 +142,9 @@ def test_an_order_for_a_newer_release_is_refused_before_anything_is_signed(
     # The bundle is even served: only the control plane's own version stands in the way.
     updates = _updates(store, tmp_path, version, server_version="0.1.0")
     with pytest.raises(Conflict) as info:
-        asyncio.run(updates.order(["gpu-1"], version=version, password="pw"))
+        asyncio.run(
+            updates.order(["gpu-1"], version=version, password="pw", account="admin", actor="token")
+        )
     assert str(info.value) == (
         f"version {version} is newer than this control plane (llmgw 0.1.0), which would refuse "
         f"agents at {version}; upgrade the control plane to {version} or later first, then "
@@ -160,7 +163,9 @@ def test_an_order_for_the_control_planes_release_or_older_is_signed(
     store: Store, tmp_path: Path, version: str, server_version: str
 ) -> None:
     updates = _updates(store, tmp_path, version, server_version=server_version)
-    (out,) = asyncio.run(updates.order(["gpu-1"], version=version, password="pw"))
+    (out,) = asyncio.run(
+        updates.order(["gpu-1"], version=version, password="pw", account="admin", actor="token")
+    )
     assert (out["node"], out["version"], out["counter"], out["state"]) == (
         "gpu-1",
         version,

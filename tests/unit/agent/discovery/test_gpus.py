@@ -34,6 +34,9 @@ def test_eight_h100s() -> None:
     assert {g.memory_total_mib for g in facts.gpus} == {81559}
     assert [g.memory_used_mib for g in facts.gpus] == [0, 0, 0, 0, 74213, 74213, 74213, 74213]
     assert facts.gpus[7].uuid == "GPU-5f3c2b1a-8d4e-4f6a-9b2c-1d3e5f7a9b08"
+    assert [g.utilization_percent for g in facts.gpus] == [0, 0, 0, 0, 94, 95, 96, 97]
+    # An idle GPU says 0: known, not the unknown of a GPU that cannot tell.
+    assert all(g.HasField("utilization_percent") for g in facts.gpus)
 
 
 def test_one_gpu() -> None:
@@ -46,6 +49,7 @@ def test_one_gpu() -> None:
             name="NVIDIA GeForce RTX 4090",
             memory_total_mib=24564,
             memory_used_mib=1093,
+            utilization_percent=37,
         )
     ]
 
@@ -59,6 +63,8 @@ def test_na_values_spaces_and_blank_lines() -> None:
     ]
     assert facts.gpus[1].name == "NVIDIA A100-SXM4-80GB"
     assert facts.driver_version == "535.161.08"  # the first one nvidia-smi could tell
+    # "[N/A]" and "[Not Supported]": the utilisation is unknown (unset), not 0 (idle).
+    assert [g.HasField("utilization_percent") for g in facts.gpus] == [False, False]
 
 
 @pytest.mark.parametrize("fake", ["zero-gpus", "no-devices"])
@@ -88,7 +94,10 @@ def test_malformed_line_is_a_status_not_an_exception() -> None:
     assert facts.source == ""
     assert "nvidia-smi output line 2 is not understood (1 fields)" in facts.status
     assert "Unable to determine the device handle" in facts.status
-    assert "index, uuid, name, memory.total, memory.used, driver_version" in facts.status
+    assert (
+        "index, uuid, name, memory.total, memory.used, driver_version, utilization.gpu"
+        in facts.status
+    )
 
 
 def test_hung_nvidia_smi_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,19 +180,45 @@ def test_kernel_driver_not_loaded_falls_back_too(fake_nvml: FakeNvml, empty_path
 
 def test_parse_name_with_comma_and_units() -> None:
     gpus, driver, problem = parse_nvidia_smi(
-        "3, GPU-x, Vendor GPU, Rev 2, 1024 MiB, [Not Supported], 560.1\n\n"
+        "3, GPU-x, Vendor GPU, Rev 2, 1024 MiB, [Not Supported], 560.1, 12 %\n\n"
     )
     assert problem == ""
     assert driver == "560.1"
-    assert gpus == [pb.Gpu(index=3, uuid="GPU-x", name="Vendor GPU, Rev 2", memory_total_mib=1024)]
+    assert gpus == [
+        pb.Gpu(
+            index=3,
+            uuid="GPU-x",
+            name="Vendor GPU, Rev 2",
+            memory_total_mib=1024,
+            utilization_percent=12,
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    "value", ["[N/A]", "[Not Supported]", "[Unknown Error]", "", "lots", "101"]
+)
+def test_a_utilisation_that_is_not_a_percent_is_unknown_and_keeps_the_gpu(value: str) -> None:
+    gpus, _, problem = parse_nvidia_smi(f"0, GPU-x, A, 1024, 1, 560.1, {value}\n")
+    assert problem == ""
+    assert [g.uuid for g in gpus] == ["GPU-x"]
+    assert not gpus[0].HasField("utilization_percent")
+
+
+def test_an_idle_gpu_is_zero_not_unknown() -> None:
+    gpus, _, _ = parse_nvidia_smi("0, GPU-x, A, 1024, 1, 560.1, 0\n")
+    assert gpus[0].HasField("utilization_percent")
+    assert gpus[0].utilization_percent == 0
 
 
 @pytest.mark.parametrize(
     ("text", "reason"),
     [
-        ("x, GPU-x, A, 1, 1, 1\n", "GPU index 'x' is not a number"),
-        ("0, GPU-x, A, lots, 1, 1\n", "memory 'lots'/'1' is not a number of MiB"),
+        ("x, GPU-x, A, 1, 1, 1, 0\n", "GPU index 'x' is not a number"),
+        ("0, GPU-x, A, lots, 1, 1, 0\n", "memory 'lots'/'1' is not a number of MiB"),
         ("0, GPU-x\n", "2 fields"),
+        # What an agent of before utilization.gpu was asked, from a wrapper that ignores it.
+        ("0, GPU-x, A, 1024, 1, 560.1\n", "6 fields"),
     ],
 )
 def test_parse_refusals(text: str, reason: str) -> None:

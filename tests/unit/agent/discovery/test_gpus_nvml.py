@@ -42,6 +42,8 @@ def test_eight_gpus_through_nvml(fake_nvml: FakeNvml, empty_path: Path) -> None:
     assert {g.memory_total_mib for g in facts.gpus} == {81559}
     assert [g.memory_used_mib for g in facts.gpus] == [0, 0, 0, 0, 74213, 74213, 74213, 74213]
     assert facts.gpus[7].uuid == "GPU-5f3c2b1a-8d4e-4f6a-9b2c-1d3e5f7a9b08"
+    assert [g.utilization_percent for g in facts.gpus] == [0, 0, 0, 0, 94, 95, 96, 97]
+    assert all(g.HasField("utilization_percent") for g in facts.gpus)  # idle is 0, known
     # NVML shut down again: what it opened is not held between looks.
     assert sys.modules["pynvml"]._state["initialised"] == 0
 
@@ -73,6 +75,19 @@ def test_mig_on_one_gpu_and_an_xid_on_another_leave_the_other_six(
     assert "nvidia-smi -i 2 -mig 0" in mig
     assert lost.startswith("GPU 5 is left out: NVML says 'GPU is lost'")
     assert LOST_HINT in lost
+
+
+def test_a_gpu_that_cannot_tell_its_utilisation_is_kept_with_it_unknown(
+    fake_nvml: FakeNvml, empty_path: Path
+) -> None:
+    gpus = eight_gpus()[:2]
+    gpus[1]["utilization_gpu"] = None  # NVML answers Not Supported (vGPU, some boards)
+    fake_nvml(gpus=gpus)
+    facts = discover_gpus(None)
+    assert (facts.status, facts.warnings) == ("", [])
+    assert [g.index for g in facts.gpus] == [0, 1]
+    assert [g.HasField("utilization_percent") for g in facts.gpus] == [True, False]
+    assert facts.gpus[0].utilization_percent == 0
 
 
 def test_the_inventory_carries_the_left_out_gpus_as_warnings(fake_nvml: FakeNvml) -> None:

@@ -157,3 +157,51 @@ def test_what_a_node_wrote_cannot_drive_the_terminal(monkeypatch: pytest.MonkeyP
     assert "\x1b" not in out.output and "\x07" not in out.output
     assert "  - engine vllm: will not run\ufffd]0;owned\ufffd\ufffdhealth: healthy\n" in out.output
     assert "  - \ufffd[2Jcleared\n" in out.output
+
+
+def test_one_node_shows_each_gpus_memory_and_utilisation(monkeypatch: pytest.MonkeyPatch) -> None:
+    def gpu(index: int, used: int, busy: int | None) -> dict[str, Any]:
+        return {
+            "index": index,
+            "uuid": f"GPU-{index}",
+            "name": "NVIDIA H100 80GB HBM3",
+            "memory_total_mib": 81559,
+            "memory_used_mib": used,
+            "utilization_percent": busy,
+        }
+
+    node = _node("gpu-1", "healthy", [], gpus=[gpu(0, 74213, 94), gpu(1, 0, 0), gpu(2, 0, None)])
+
+    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        return {"version": "0.1.0"} if path == "/api/status" else node
+
+    monkeypatch.setattr(Ctl, "call", call)
+    out = ctl("nodes", "gpu-1")
+    assert out.exit_code == 0, out.output
+    assert "GPUs:         3\n" in out.output
+    # An idle GPU is 0%; one that cannot tell (or a node away) is unknown, never 0%.
+    assert (
+        "gpus:\n"
+        "  - 0 NVIDIA H100 80GB HBM3: memory 74213/81559 MiB, utilisation 94%\n"
+        "  - 1 NVIDIA H100 80GB HBM3: memory 0/81559 MiB, utilisation 0%\n"
+        "  - 2 NVIDIA H100 80GB HBM3: memory 0/81559 MiB, utilisation unknown\n"
+    ) in out.output
+    # What the node named its GPU cannot drive the terminal either.
+    node["gpus"] = [dict(gpu(0, 1, 5), name="\x1b[2Jcleared")]
+    out = ctl("nodes", "gpu-1")
+    assert "  - 0 \ufffd[2Jcleared: memory 1/81559 MiB, utilisation 5%\n" in out.output
+
+
+def test_a_control_plane_before_utilisation_shows_it_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    old = {"index": 0, "uuid": "GPU-0", "name": "A", "memory_total_mib": 8, "memory_used_mib": 1}
+    node = _node("gpu-1", "healthy", [], gpus=[old])
+
+    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        return {"version": "0.1.0"} if path == "/api/status" else node
+
+    monkeypatch.setattr(Ctl, "call", call)
+    out = ctl("nodes", "gpu-1")
+    assert out.exit_code == 0, out.output
+    assert "  - 0 A: memory 1/8 MiB, utilisation unknown\n" in out.output

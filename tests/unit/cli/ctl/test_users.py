@@ -55,7 +55,9 @@ def _verify(store: Store, name: str, password: str) -> bool:
     return asyncio.run(OperatorAccounts(store).verify(name, password)) is not None
 
 
-def test_add_list_role_password_remove(admin: Admin, store: Store) -> None:
+def test_add_list_role_password_remove(
+    admin: Admin, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = ctl(
         "users", "add", "bob", "--role", "viewer", "--password-stdin", stdin="bob's password\n"
     )
@@ -70,6 +72,21 @@ def test_add_list_role_password_remove(admin: Admin, store: Store) -> None:
     listed = json.loads(ctl("users", "list", "--json").output)
     assert [u["name"] for u in listed] == ["admin", "bob"]
 
+    # Making an admin asks the maker's own password: the admin password, with the token.
+    out = ctl("users", "role", "bob", "admin")
+    assert (out.exit_code, out.output) == (
+        2,
+        "error: no admin password: set LLMGW_ADMIN_PASSWORD or run in a terminal to be "
+        "prompted; never pass it as an argument\n",
+    )
+    monkeypatch.setenv("LLMGW_ADMIN_PASSWORD", "not the admin password")
+    out = ctl("users", "role", "bob", "admin")
+    assert (
+        out.exit_code == 1
+        and "password for the account 'admin'; 'bob' was not promoted" in out.output
+    )
+    assert store.get_operator("bob").role == "viewer"
+    monkeypatch.setenv("LLMGW_ADMIN_PASSWORD", "the first admin password")
     assert ctl("users", "role", "bob", "admin").output == "bob is now admin\n"
     out = ctl("users", "password", "bob", "--password-stdin", stdin="bob's second one\n")
     assert out.output == "changed the password of bob\n"
@@ -92,6 +109,7 @@ def test_admin_s_password_is_changed_only_as_the_admin_password(admin: Admin, st
 
 def test_a_password_from_the_environment(admin: Admin, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setenv("LLMGW_USER_PASSWORD", "carol's password")
+    monkeypatch.setenv("LLMGW_ADMIN_PASSWORD", "the first admin password")  # makes an admin
     assert ctl("users", "add", "carol", "--role", "admin").exit_code == 0
     assert _verify(store, "carol", "carol's password")
 

@@ -28,17 +28,20 @@ TOKEN = "admin-secret"
 class FakeAuthority:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
+        self.actors: list[str] = []  # who each change was made by, as the events record it
 
     def status(self) -> dict[str, Any]:
         self.calls.append(("status", None))
         return {"current": {"ca_hash": "sha256:new"}}
 
-    def rotate(self, overlap: float) -> dict[str, Any]:
+    def rotate(self, overlap: float, *, actor: str) -> dict[str, Any]:
         self.calls.append(("rotate", overlap))
+        self.actors.append(actor)
         return {"rotated": overlap}
 
-    def finish(self, *, force: bool = False) -> dict[str, Any]:
+    def finish(self, *, force: bool = False, actor: str) -> dict[str, Any]:
         self.calls.append(("finish", force))
+        self.actors.append(actor)
         if not force:
             raise Conflict("nodes gpu-2 still hold certificates of the old CA")
         return {"finished": True}
@@ -85,6 +88,7 @@ def test_rotate_takes_a_duration_and_defaults_to_seven_days() -> None:
         ("rotate", 3600.0),
         ("rotate", 7 * 86400.0),
     ]
+    assert authority.actors == ["token"] * 3  # the admin token made them
 
 
 @pytest.mark.parametrize(
@@ -142,9 +146,11 @@ class Events:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str, str]] = []
+        self.actors: list[str] = []
 
-    def add_event(self, kind: str, subject: str, message: str) -> None:
+    def add_event(self, kind: str, subject: str, message: str, actor: str = "") -> None:
         self.events.append((kind, subject, message))
+        self.actors.append(actor)
 
 
 class Password:
@@ -227,6 +233,7 @@ def test_export_seals_the_ca_and_token_under_the_passphrase_and_records_it(
             "were exported, encrypted with a passphrase, to 127.0.0.1",
         )
     ]
+    assert events.actors == ["token"]
 
 
 @pytest.mark.parametrize(

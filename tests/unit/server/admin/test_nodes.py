@@ -148,3 +148,36 @@ def test_a_pending_nodes_reasons_are_bounded(fleet: Fleet) -> None:
 def test_an_unknown_node_says_where_to_look(fleet: Fleet) -> None:
     with pytest.raises(NotFound, match="no node named nope; 'llmgw ctl nodes' lists them"):
         fleet.get("/api/nodes/nope", node="nope")
+
+
+def test_each_gpu_shows_its_utilisation_live_from_the_session(store: Store) -> None:
+    fleet = Fleet(store)
+    gpus = [
+        pb.Gpu(index=i, uuid=f"GPU-{i}", name="NVIDIA H100 80GB HBM3", memory_total_mib=81559)
+        for i in range(3)
+    ]
+    inv = pb.Inventory(hostname="h", engines=["sim"], gpus=gpus)
+    inv.gpus[0].utilization_percent = 12  # the inventory's sample: never what is shown
+    fleet.add("up", inv, state="approved", connected=True)
+    fleet.add("down", inv, state="approved", connected=False)
+    # The latest heartbeat said: GPU 0 busy, GPU 1 idle, GPU 2 cannot tell.
+    fleet.sessions["up"].gpu_utilization = {"GPU-0": 88, "GPU-1": 0, "GPU-2": None, "GPU-9": 5}
+    nodes = {n["id"]: n for n in fleet.get("/api/nodes")}
+    assert [g["utilization_percent"] for g in nodes["up"]["gpus"]] == [88, 0, None]
+    assert nodes["up"]["gpus"][0] == {
+        "index": 0,
+        "uuid": "GPU-0",
+        "name": "NVIDIA H100 80GB HBM3",
+        "memory_total_mib": 81559,
+        "memory_used_mib": 0,
+        "utilization_percent": 88,
+    }
+    # Not connected: no figure (the store never has one), whatever it last said.
+    assert [g["utilization_percent"] for g in nodes["down"]["gpus"]] == [None, None, None]
+    one = fleet.get("/api/nodes/up", node="up")
+    assert [g["utilization_percent"] for g in one["gpus"]] == [88, 0, None]
+    # A new heartbeat is shown at the next read; the stored inventory is left as it was.
+    fleet.sessions["up"].gpu_utilization = {"GPU-0": 3}
+    one = fleet.get("/api/nodes/up", node="up")
+    assert [g["utilization_percent"] for g in one["gpus"]] == [3, None, None]
+    assert "utilization_percent" not in store.get_node("up").inventory["gpus"][0]

@@ -37,7 +37,16 @@ def test_add_list_change_and_remove(admin: Admin, store: Store) -> None:
     assert "scrypt" not in repr(listed)
     assert _verify(store, "bob", "bob's password")
 
-    changed = admin.ok("PATCH", "/api/users/bob", {"role": "admin", "password": "a new one, long"})
+    # Promoting needs the caller's own password: the admin password, for the admin token.
+    promote = {"role": "admin", "password": "a new one, long"}
+    message = admin.refused("PATCH", "/api/users/bob", promote, 403)
+    assert "'bob' was not promoted: an admin account can sign updates" in message
+    wrong = admin.refused(
+        "PATCH", "/api/users/bob", {**promote, "confirm_password": "bob's password"}, 403
+    )
+    assert wrong.startswith("wrong password for the account 'admin'; 'bob' was not promoted")
+    assert store.get_operator("bob").role == "viewer" and _verify(store, "bob", "bob's password")
+    changed = admin.ok("PATCH", "/api/users/bob", {**promote, "confirm_password": FIRST})
     assert changed["role"] == "admin"
     assert _verify(store, "bob", "a new one, long") and not _verify(store, "bob", "bob's password")
 
@@ -74,7 +83,7 @@ def test_the_admin_token_cannot_reset_the_admin_password(admin: Admin, store: St
         ("POST", "/api/users", {"name": "bob", "role": "viewer"},
          400, "at least 12 characters"),
         ("POST", "/api/users", {"name": "bob", "role": "viewer", "password": "x" * 12, "x": 1},
-         400, "unknown field 'x'; an account takes name, password, role"),
+         400, "unknown field 'x'; an account takes confirm_password, name, password, role"),
         ("POST", "/api/users", {"role": "viewer", "password": "long enough pw"},
          400, "name must be a string"),
         ("POST", "/api/users", {"name": "admin", "role": "viewer", "password": "long enough pw"},
@@ -118,3 +127,7 @@ def test_without_the_admin_token_nothing(admin: Admin) -> None:
     admin.ctx = type(admin.ctx)(**{**vars(admin.ctx), "admin_token": "other"})  # type: ignore[arg-type]
     status, _ = admin.call("GET", "/api/users")
     assert status == 401
+
+
+def test_whoami_names_the_admin_token(admin: Admin) -> None:
+    assert admin.ok("GET", "/api/whoami") == {"name": "token", "role": "admin", "via": "token"}

@@ -370,3 +370,24 @@ def test_every_answer_carries_the_security_headers(rig: ConsoleRig) -> None:
         if resp.status != 303:  # type: ignore[attr-defined]
             assert headers["Cache-Control"] == "no-store", what
             assert headers["Content-Type"].startswith("text/html"), what
+
+
+def test_an_oversized_form_is_refused_as_a_page(rig: ConsoleRig) -> None:
+    async def scenario(b: Browser) -> tuple[int, str, str]:
+        await b.login()
+        status, body, resp = await b.post(
+            "/ui/nodes/gpu-1/drain", {"csrf": b.csrf, "confirm": "x" * (70 * 1024)}
+        )
+        return status, resp.headers["Content-Type"], body
+
+    status, content_type, body = rig.run(scenario)
+    assert status == 413 and content_type.startswith("text/html")
+    assert "larger than the console takes" in body
+
+
+def test_the_bare_console_path_goes_to_its_root(rig: ConsoleRig) -> None:
+    async def scenario(b: Browser) -> tuple[int, str]:
+        status, _, resp = await b.get("/ui")
+        return status, resp.headers["Location"]
+
+    assert rig.run(scenario) == (308, "/ui/")

@@ -110,24 +110,16 @@ def test_the_nodes_table_and_its_filters(rig: ConsoleRig) -> None:
     assert 'value="pending" selected' in result["/ui/nodes?state=pending"][1]
 
 
-def test_gpu_utilisation_shows_when_reported(rig: ConsoleRig, store: Store) -> None:
-    node = store.get_node("gpu-1")
-    inventory = dict(node.inventory)
-    inventory["gpus"] = [
-        {**inventory["gpus"][0], "utilization_percent": 87},
-        {**inventory["gpus"][1], "utilization_percent": None},
-    ]
-    store.upsert_node(
-        "gpu-1",
-        dataplane_addr="10.0.0.1:9443",
-        agent_version="0.9.0",
-        inventory=inventory,
-        connected=True,
-    )
-    result = pages(rig, "/ui/nodes", "/ui/nodes/gpu-1")
-    assert "87 % busy" in result["/ui/nodes"][1]
-    node_page = result["/ui/nodes/gpu-1"][1]
-    assert "87 %" in node_page and "not reported" in node_page
+def test_gpu_utilisation_shows_when_reported(rig: ConsoleRig) -> None:
+    # Live from the node's session (its heartbeats); a GPU that cannot tell: not reported.
+    rig.sessions["gpu-1"].gpu_utilization = {"GPU-gpu-1-0": 87}
+    result = pages(rig, "/ui/nodes", "/ui/nodes/gpu-1", "/ui/nodes/gpu-1?fragment=detail")
+    assert "0: NVIDIA H100, 0.0 GiB of 80.0 GiB, 87 % busy" in result["/ui/nodes"][1]
+    assert "1: NVIDIA H100, 0.0 GiB of 80.0 GiB</li>" in result["/ui/nodes"][1]
+    for path in ("/ui/nodes/gpu-1", "/ui/nodes/gpu-1?fragment=detail"):
+        node_page = result[path][1]
+        assert re.search(r'<td class="num">87 %</td>', node_page)
+        assert node_page.count("not reported") == 1
 
 
 def test_a_node_page(rig: ConsoleRig, store: Store) -> None:
@@ -367,3 +359,16 @@ def test_ago() -> None:
     assert ago(NOW - 600, NOW) == "10 min ago"
     assert ago(NOW - 3 * 3600, NOW) == "3 h ago"
     assert ago(NOW - 5 * 86400, NOW) == "5 days ago"
+
+
+def test_a_failing_page_is_an_html_500_with_the_trace_in_the_log(
+    rig: ConsoleRig, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(node_id: str) -> list[tuple[str, str]]:
+        raise RuntimeError("a bug behind the node page")
+
+    rig.scheduler.refusals_on = broken  # type: ignore[method-assign]
+    ((status, body),) = pages(rig, "/ui/nodes/gpu-1").values()
+    assert status == 500 and "<h1" in body
+    assert "its operator finds why in its log" in body and "a bug behind" not in body
+    assert any("a bug behind the node page" in (r.exc_text or "") for r in caplog.records)
