@@ -93,6 +93,8 @@ def ctl(server: Server, tmp: Path, *args: str, password: str = "") -> str:
         "LLMGW_SERVER": server.url,
         "LLMGW_TOKEN": server.admin_token,
         "LLMGW_USER_PASSWORD": password,
+        # Making an admin is confirmed with the operator's own password, as a signing is.
+        "LLMGW_ADMIN_PASSWORD": (server.state_dir / "admin.password").read_text().strip(),
     }
     out = subprocess.run(
         [*LLMGW, "ctl", *args], capture_output=True, text=True, env=env, timeout=60, check=False
@@ -397,6 +399,8 @@ def test_the_events_page_receives_new_events_live(
     fleet.server.api("POST", "/api/nodes/gpu-b/drain")
     fleet.server.api("POST", "/api/nodes/gpu-b/uncordon")
     expect(rows).to_have_count(count + 1, timeout=LIVE)
+    # A script's action under the shared admin token is recorded as the token's.
+    expect(page.locator("#event-rows tr.new td").nth(3)).to_have_text("token")
     expect(page.locator("#event-rows tr", has_text="node_uncordon")).to_have_count(0)
     checked(page, screenshot, "events-filtered", "the Events page, filtered")
 
@@ -489,6 +493,10 @@ def test_every_page_has_the_security_headers_and_cookie_flags(
         page.wait_for_load_state("load")
         assert page.evaluate("() => document.querySelectorAll('script:not([src])').length") == 0
         assert page.evaluate("() => document.querySelectorAll('[style]').length") == 0
+        # Laid out for the device's width on a phone, not for a desktop's shrunk.
+        expect(page.locator("meta[name=viewport]")).to_have_attribute(
+            "content", "width=device-width, initial-scale=1"
+        )
     csp.assert_none()
 
 
