@@ -31,6 +31,7 @@ __all__ = [
     "Screenshots",
     "axe_violations",
     "check_accessibility",
+    "check_fits_phone",
     "chromium_executable",
     "expect",
     "launch_options",
@@ -153,6 +154,48 @@ class Screenshots:
             return None
         self.taken.append(path)
         return path
+
+
+_OVERFLOW = """() => {
+  // What sticks out: a box past the screen's edge, or content spilling out of its box;
+  // the innermost such elements name the culprit. A .scroll box's inside is its own.
+  const width = document.documentElement.clientWidth;
+  const found = [];
+  for (const el of document.body.querySelectorAll("*")) {
+    if (el.closest(".scroll")) { continue; }
+    const box = el.getBoundingClientRect();
+    const spills = el.scrollWidth > el.clientWidth + 1
+      && getComputedStyle(el).overflowX === "visible";
+    if (box.right > width + 1 || spills) { found.push(el); }
+  }
+  const innermost = found.filter(el => !found.some(other => other !== el && el.contains(other)));
+  const named = innermost.slice(0, 5).map(el => {
+    const id = el.id ? "#" + el.id : "";
+    const cls = el.classList.length ? "." + Array.from(el.classList).join(".") : "";
+    return el.tagName.toLowerCase() + id + cls;
+  });
+  return {scroll: document.documentElement.scrollWidth, width: width, wide: named};
+}"""
+
+
+def check_fits_phone(page: Page, what: str) -> None:
+    """At the phone's width the page scrolls down only: nothing but a ``.scroll`` box (a
+    wide table's own scroller) is wider than the screen. Fails naming the widest elements;
+    the viewport is given back after."""
+    before = page.viewport_size
+    width, height = SIZES["phone"]
+    try:
+        page.set_viewport_size({"width": width, "height": height})
+        found = page.evaluate(_OVERFLOW)
+    finally:
+        if before is not None:
+            page.set_viewport_size(before)
+    if found["scroll"] > found["width"]:
+        raise AssertionError(
+            f"{what} ({page.url}) is {found['scroll']} px wide on a {width} px phone: it "
+            f"scrolls sideways; wrap what is wider in a .scroll box or let it wrap: "
+            f"{', '.join(found['wide']) or 'no single element found'}"
+        )
 
 
 # --------------------------------------------------------------------------- CSP

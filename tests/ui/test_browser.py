@@ -23,6 +23,7 @@ from tests.ui.browser import (
     Screenshots,
     axe_violations,
     check_accessibility,
+    check_fits_phone,
     chromium_executable,
     launch_options,
 )
@@ -43,6 +44,7 @@ def _page(body: str, *, head: str = "") -> str:
     )
 
 
+_SHEET = '<link rel="stylesheet" href="/site.css">'
 PAGES = {
     # A script from 'self' runs: it marks the page, so a test sees the policy let it through.
     "/clean": _page(
@@ -55,8 +57,14 @@ PAGES = {
     "/missing-image": _page('<img src="/nothing-here.png" alt="an image that is missing">'),
     "/unlabelled": _page('<form><input name="q" type="text"></form>'),
     "/tall": _page("".join(f"<p>line {i}</p>" for i in range(120))),
+    # Widths need a style sheet: the policy refuses style attributes.
+    "/wide": _page('<pre id="wide-text">' + "x" * 300 + "</pre>", head=_SHEET),
+    "/wide-in-scroll": _page(
+        '<div class="scroll"><pre id="wide-text">' + "x" * 300 + "</pre></div>", head=_SHEET
+    ),
 }
 APP_JS = "document.body.dataset.external = 'ran';\n"
+SITE_CSS = ".scroll { overflow-x: auto; }\n"
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +74,8 @@ def site() -> Iterator[str]:
     async def page(request: web.Request) -> web.StreamResponse:
         if request.path == "/app.js":
             return web.Response(text=APP_JS, content_type="text/javascript")
+        if request.path == "/site.css":
+            return web.Response(text=SITE_CSS, content_type="text/css")
         if request.path not in PAGES:
             raise web.HTTPNotFound()
         return web.Response(
@@ -267,6 +277,21 @@ def test_the_session_directory_holds_this_runs_pictures_only(
     ]
     monkeypatch.setenv(helpers.SCREENSHOTS_ENV, str(tmp_path / "new" / "shots"))
     assert Screenshots.for_session().directory.is_dir()  # made when missing
+
+
+def test_a_page_wider_than_a_phone_is_refused_a_scroll_box_is_not(page: Page, site: str) -> None:
+    page.goto(site + "/wide")
+    with pytest.raises(AssertionError) as failure:
+        check_fits_phone(page, "the wide page")
+    message = str(failure.value)
+    assert f"the wide page ({site}/wide) is " in message
+    assert "px wide on a 390 px phone" in message
+    assert "pre#wide-text" in message
+    assert page.viewport_size == {"width": 1366, "height": 900}
+    page.goto(site + "/wide-in-scroll")
+    check_fits_phone(page, "the page whose wide part scrolls in its box")
+    page.goto(site + "/clean")
+    check_fits_phone(page, "the clean page")
 
 
 # --------------------------------------------------------------------------- the browser

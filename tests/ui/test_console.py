@@ -34,7 +34,7 @@ from tests.integration.harness import (
     stop_process,
     wait_for,
 )
-from tests.ui.browser import CspViolations, check_accessibility, expect
+from tests.ui.browser import CspViolations, check_accessibility, check_fits_phone, expect
 
 if TYPE_CHECKING:
     from playwright.sync_api import BrowserContext, Page
@@ -200,9 +200,11 @@ def text_of(answer: Any) -> str:
 
 
 def checked(page: Page, screenshot: Shots, name: str, what: str) -> None:
-    """The page photographed at both sizes, then checked by axe-core."""
+    """The page photographed at both sizes, then checked: axe-core's rules, and a phone's
+    width without scrolling sideways."""
     screenshot(page, name)
     check_accessibility(page, what)
+    check_fits_phone(page, what)
 
 
 # --------------------------------------------------------------------------- the operator path
