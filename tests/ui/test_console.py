@@ -237,6 +237,15 @@ def test_sign_in_and_the_overview_shows_the_fleet_and_a_new_model_live(
         fleet.server.api("DELETE", "/api/models/extra")
 
 
+def test_the_first_admin_account_is_the_admin_password(
+    new_context: Callable[..., BrowserContext], fleet: Fleet
+) -> None:
+    password = (fleet.server.state_dir / "admin.password").read_text().strip()
+    page = new_context().new_page()
+    sign_in(page, fleet.server.url, Account("admin", password, "admin"), "/ui/events")
+    expect(page.locator("#nav-events")).to_have_attribute("aria-current", "page")
+
+
 def test_the_nodes_page_lists_each_node_with_its_gpus_and_filters_by_url(
     new_context: Callable[..., BrowserContext], fleet: Fleet, screenshot: Shots
 ) -> None:
@@ -543,13 +552,17 @@ def test_an_expired_session_goes_back_to_the_login_page(
         expect(page).to_have_url(server.url + "/ui/login?next=%2Fui%2Fevents&expired=1")
         expect(page.locator("#login-notice")).to_have_text("your session expired, sign in again")
         checked(page, screenshot, "login-expired", "the login page after a session expired")
-        # Signed in again, back where it was going; then a page left open goes to the
-        # login page by itself when its session lapses (its live part finds it ended).
+        # Signed in again, back where it was going. Left open, the Events page's live feed
+        # ends with the session and says so; a page with live parts goes to the login page
+        # by itself (its next refresh finds the session ended).
         page.fill("#login-name", ADMIN.name)
         page.fill("#login-password", ADMIN.password)
         page.click("#login-submit")
         expect(page).to_have_url(server.url + "/ui/events")
-        page.goto(server.url + "/ui/nodes")
+        expect(page.locator("#live-status")).to_have_text(
+            "Your session ended; reload the page to sign in again.", timeout=LIVE
+        )
+        sign_in(page, server.url, ADMIN, "/ui/nodes")
         expect(page).to_have_url(re.compile(r"/ui/login\?next=%2Fui%2Fnodes"), timeout=LIVE)
     finally:
         stop_process(server.proc)
