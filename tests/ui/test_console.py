@@ -13,6 +13,7 @@ second, with a two-second idle expiry); each test signs in a browser context of 
 from __future__ import annotations
 
 import html
+import os
 import re
 import subprocess
 import time
@@ -67,7 +68,7 @@ Shots = Callable[["Page", str], list[Path]]
 
 @dataclass
 class Fleet:
-    """The module's control plane, its agents and what the tests sign in with."""
+    """The module's control plane, its agents and their directory."""
 
     server: Server
     agents: list[Agent]
@@ -87,8 +88,9 @@ class Fleet:
 
 def ctl(server: Server, tmp: Path, *args: str, password: str = "") -> str:
     """``llmgw ctl ARGS`` with the admin token, as an operator's script runs it."""
-    env = {
-        "PATH": "/usr/bin:/bin",
+    # No LLMGW_* setting of the caller's leaks in, nor an operator's ctl.yaml.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    env |= {
         "XDG_CONFIG_HOME": str(tmp / "xdg"),
         "LLMGW_SERVER": server.url,
         "LLMGW_TOKEN": server.admin_token,
@@ -129,6 +131,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("console")
     server = start_server_with(tmp)
     agents: list[Agent] = []
+
+    def stop_all() -> None:
+        for agent in agents:
+            if agent.proc is not None:
+                stop_process(agent.proc)
+        stop_process(server.proc)
+
     try:
         agents.append(gpu_agent(tmp, server, "gpu-a", "one-gpu"))
         agents.append(gpu_agent(tmp, server, "gpu-b", "eight-h100"))
@@ -140,12 +149,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             what=f"{MODEL}'s replica ready",
         )
         print(f"the console's fleet started in {time.monotonic() - started:.1f} s")
+    except Exception:
+        # Shown with the failure: why the fleet did not come up.
+        print(f"the control plane's log:\n{server.log()[-6000:]}")
+        for agent in agents:
+            print(f"{agent.node_id}'s log:\n{agent.log()[-3000:]}")
+        stop_all()
+        raise
+    try:
         yield Fleet(server, agents, tmp)
     finally:
-        for agent in agents:
-            if agent.proc is not None:
-                stop_process(agent.proc)
-        stop_process(server.proc)
+        stop_all()
 
 
 # --------------------------------------------------------------------------- helpers
