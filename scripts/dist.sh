@@ -421,11 +421,14 @@ done
 # (without them, log.py falls back to plain text under systemd), psycopg's C
 # implementation with the libpq of its wheel (without them, a control plane on PostgreSQL
 # needs a libpq on the machine: packaging/llmgw.spec), and uvloop's compiled loop (without
-# it, every daemon runs on asyncio's slower loop: llmgw/loop.py).
+# it, every daemon runs on asyncio's slower loop: llmgw/loop.py), and the console's
+# templates and static files (without them, the control plane refuses to start).
 ls /build/out/onedir/llmgw/_internal/systemd/_journal.*.so /build/out/onedir/llmgw/_internal/libsystemd.so.0 \
     /build/out/onedir/llmgw/_internal/psycopg_binary/_psycopg.*.so \
     /build/out/onedir/llmgw/_internal/psycopg_binary.libs/libpq-*.so.* \
-    /build/out/onedir/llmgw/_internal/uvloop/loop.*.so >/dev/null
+    /build/out/onedir/llmgw/_internal/uvloop/loop.*.so \
+    /build/out/onedir/llmgw/_internal/llmgw/server/console/templates/base.html \
+    /build/out/onedir/llmgw/_internal/llmgw/server/console/static/console.js >/dev/null
 /opt/llmgw-build/bin/python -c '
 import sys
 from PyInstaller.archive.readers import CArchiveReader
@@ -436,6 +439,8 @@ wanted = {
     "psycopg_binary/_psycopg.": "psycopg-binary",
     "psycopg_binary.libs/libpq-": "psycopg-binary",
     "uvloop/loop.": "uvloop",
+    "llmgw/server/console/templates/base.html": "the console's templates (llmgw.spec's datas)",
+    "llmgw/server/console/static/console.js": "the console's static files (llmgw.spec's datas)",
 }
 for prefix, package in wanted.items():
     if not any(name.startswith(prefix) for name in names):

@@ -280,6 +280,8 @@ class LocalCluster:
                 "",
                 f"  OpenAI base URL: {base}",
                 f"  API key:         {self.api_key}",
+                f"  Web console:     http://{self.cp.http_addr}/ui/   (account admin, the "
+                "admin password)",
                 "",
                 "  Try it:",
                 f"    curl -s {q(base + '/chat/completions')} -H "

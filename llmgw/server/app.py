@@ -52,6 +52,7 @@ from llmgw.server.admin import AdminContext, add_admin_routes
 from llmgw.server.authority import ClusterAuthority
 from llmgw.server.bundles import Bundle, BundleStore, add_bundle_routes
 from llmgw.server.config import ServerConfig
+from llmgw.server.console import add_console_routes
 from llmgw.server.enroll import Enroller, EnrolmentServer
 from llmgw.server.follower import LeaderProxy, RouteFollower
 from llmgw.server.gateway import Gateway, GatewayLimits
@@ -504,7 +505,8 @@ class ControlPlane:
 
     async def _start_standby_http(self) -> None:
         """A standby's gateway (routes followed from the database), its bundles, and the
-        admin API forwarded to the leader, on the process's listening socket."""
+        admin API and the console forwarded to the leader, on the process's listening
+        socket."""
         assert self._keeper is not None and self._http_sock is not None
         assert self.server_identity is not None
         cfg = self.cfg
@@ -535,9 +537,13 @@ class ControlPlane:
             history=self.history,
         )
         self.http_tls = serving_certificate(cfg.tls, self.server_identity)
+        # The admin token every instance holds (the CA export carries it): the MAC of the
+        # client addresses the console's logins count.
+        token = _read_or_create_token(cfg.admin_token_file)
         proxy = self._proxy = LeaderProxy(
             lambda: self._keeper.leader_addresses()[1] if self._keeper else "",
             ssl=self._leader_ssl,
+            secret=lambda: token,
         )
         app = web.Application(client_max_size=1024 * 1024, middlewares=[error_middleware])
         self.gateway.add_routes(app)
@@ -940,6 +946,7 @@ class ControlPlane:
             history=self.history,
         )
         add_admin_routes(app, admin, self.authority)
+        add_console_routes(app, admin)
         gateway = self.gateway
         app.on_cleanup.append(lambda _app: gateway.close())
         if self._keeper is not None:

@@ -10,13 +10,16 @@ notification was lost (a dropped LISTEN connection). While the database is away 
 what it last read: the data planes serve without the control plane.
 
 Admin requests (``/api/...``) go to the leader, which alone orders agents; the operator's
-token and password pass through unchanged, so ``llmgw ctl`` works against any instance.
+token and password pass through unchanged, so ``llmgw ctl`` works against any instance. So
+does the web console (``/ui/...``): its cookie, CSRF token and Host pass through.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +34,14 @@ from llmgw.server.serving import ServingCache
 from llmgw.server.states import NodeState, ReplicaState, ShardState
 from llmgw.server.store import Store
 
-__all__ = ["CHANNEL", "LeaderProxy", "RouteFollower"]
+__all__ = [
+    "CHANNEL",
+    "CLIENT_ADDR_HEADER",
+    "CLIENT_MAC_HEADER",
+    "LeaderProxy",
+    "RouteFollower",
+    "client_addr",
+]
 
 log = logging.getLogger("llmgw.server.follower")
 
@@ -159,8 +169,40 @@ _HOP_HEADERS = frozenset(
 )
 
 
+CLIENT_ADDR_HEADER = "X-Llmgw-Client-Addr"
+"""The address of the client a standby forwards for (the console's login limits count it)."""
+CLIENT_MAC_HEADER = "X-Llmgw-Client-Mac"
+"""HMAC-SHA256 of that address under the admin token, which every instance holds: a
+client cannot claim another address by sending the header itself."""
+# Without a total timeout (only between reads): the console's live event stream.
+_STREAMS = frozenset({"/ui/events/stream"})
+_STREAM_READ_TIMEOUT = 60.0
+
+
+def _client_mac(secret: str, addr: str) -> str:
+    return hmac.new(secret.encode(), b"client-addr:" + addr.encode(), hashlib.sha256).hexdigest()
+
+
+def client_addr(request: web.Request, secret: str) -> str:
+    """The client's address: the one a standby forwarded for, when its MAC under ``secret``
+    (the admin token) holds, else the connection's own."""
+    addr = request.headers.get(CLIENT_ADDR_HEADER)
+    mac = request.headers.get(CLIENT_MAC_HEADER)
+    if addr and mac and secret:
+        if hmac.compare_digest(mac.encode(), _client_mac(secret, addr).encode()):
+            return addr
+    return request.remote or ""
+
+
 class LeaderProxy:
-    """``/api/...`` on a standby: the same request to the leader, its answer back."""
+    """``/api/...`` and the console's ``/ui/...`` on a standby: the same request to the
+    leader, its answer back (a server-sent event stream as it comes).
+
+    The console is the leader's (its pages read the live sessions, the scheduler, the
+    membership, which a standby has not), so a standby forwards it whole: the request's
+    ``Host`` goes along (the console checks a POST's Origin against it), and the client's
+    address with its MAC under ``secret`` (the admin token), so that login limits count the
+    browser, not the standby."""
 
     def __init__(
         self,
@@ -169,16 +211,20 @@ class LeaderProxy:
         ssl: Callable[[], Any] = lambda: None,
         timeout: float = 120.0,
         max_body: int = 64 * 1024 * 1024,
+        secret: Callable[[], str] = lambda: "",
     ) -> None:
         self.leader_http = leader_http
         self.ssl = ssl
         self.timeout = timeout
         self.max_body = max_body
+        self.secret = secret
         self._session: aiohttp.ClientSession | None = None
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_route("*", "/api/{tail:.*}", self.forward)
         app.router.add_route("*", "/api", self.forward)
+        app.router.add_route("*", "/ui/{tail:.*}", self.forward)
+        app.router.add_route("*", "/ui", self.forward)
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         leader = self.leader_http()
@@ -190,12 +236,30 @@ class LeaderProxy:
                 status=413,
             )
         body = await request.read() if request.can_read_body else None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() not in _HOP_HEADERS
+            and k.lower() not in (CLIENT_ADDR_HEADER.lower(), CLIENT_MAC_HEADER.lower())
+        }
         headers["X-Forwarded-For"] = request.remote or ""
+        console = request.path == "/ui" or request.path.startswith("/ui/")
+        if console:
+            if request.host:
+                headers["Host"] = request.host
+            secret = self.secret()
+            if secret and request.remote:
+                headers[CLIENT_ADDR_HEADER] = request.remote
+                headers[CLIENT_MAC_HEADER] = _client_mac(secret, request.remote)
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout), auto_decompress=False
             )
+        timeout = (
+            aiohttp.ClientTimeout(total=None, sock_read=_STREAM_READ_TIMEOUT)
+            if request.path in _STREAMS
+            else aiohttp.ClientTimeout(total=self.timeout)
+        )
         try:
             async with self._session.request(
                 request.method,
@@ -204,12 +268,15 @@ class LeaderProxy:
                 headers=headers,
                 ssl=self.ssl(),
                 allow_redirects=False,
+                timeout=timeout,
             ) as upstream:
+                if upstream.content_type == "text/event-stream":
+                    return await _stream(request, upstream)
                 payload = await upstream.read()
                 out = web.Response(status=upstream.status, body=payload)
                 for k, v in upstream.headers.items():
                     if k.lower() not in _HOP_HEADERS and k.lower() != "content-encoding":
-                        out.headers[k] = v
+                        out.headers.add(k, v)  # Set-Cookie may come twice
                 if "Content-Encoding" in upstream.headers:
                     out.headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
                 return out
@@ -224,6 +291,19 @@ class LeaderProxy:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _stream(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    """The leader's event stream relayed as it comes, until either side ends it."""
+    out = web.StreamResponse(status=upstream.status)
+    for k, v in upstream.headers.items():
+        if k.lower() not in _HOP_HEADERS:
+            out.headers.add(k, v)
+    await out.prepare(request)
+    with contextlib.suppress(ConnectionError, aiohttp.ClientError, TimeoutError):
+        async for chunk in upstream.content.iter_any():
+            await out.write(chunk)
+    return out
 
 
 def _no_leader(leader: str = "") -> web.Response:

@@ -79,6 +79,17 @@ class Unplaceable:
     since: float
 
 
+def _wanted(profile: CatalogProfile) -> PlacementProfile:
+    """What placement is asked for a replica of ``profile``."""
+    return PlacementProfile(
+        engine=profile.engine,
+        gpus=profile.gpus,
+        nodes=profile.nodes,
+        gpu_memory_mib=profile.gpu_memory_mib or 0,
+        source=profile.source_spec,
+    )
+
+
 class _NoRoom(Exception):
     def __init__(self, why: PlacementUnplaceable) -> None:
         super().__init__(why.summary())
@@ -368,13 +379,7 @@ class Scheduler:
         store = self.store
         profile = self._profile(model)
         cluster = self._view()
-        wanted = PlacementProfile(
-            engine=profile.engine,
-            gpus=profile.gpus,
-            nodes=profile.nodes,
-            gpu_memory_mib=profile.gpu_memory_mib or 0,
-            source=profile.source_spec,
-        )
+        wanted = _wanted(profile)
         try:
             with store.transaction():
                 replica = store.add_replica(model.name)
@@ -410,6 +415,32 @@ class Scheduler:
         for sh in shards:
             self._send_start(sh)
         return replica.id
+
+    def refusals_on(self, node_id: str) -> list[tuple[str, str]]:
+        """Why ``node_id`` takes no replica of each model waiting for room (those in
+        :attr:`unplaceable`), as placement answers now: (model, the node's own line of the
+        refusal), in model order. A model that would fit now is left out (the next pass
+        places it), as is one whose refusal has no line for this node (a source headline, a
+        fabric's count). Read only: a view of its own, nothing recorded."""
+        if not self.unplaceable:
+            return []
+        cluster = self._cluster()
+        prefix = f"{node_id}: "
+        out = []
+        for name in sorted(self.unplaceable):
+            try:
+                model = self.store.get_model(name)
+                profile = self._profile(model)
+            except (NotFound, ConfigError):
+                continue  # undeployed since, or a profile the pass refuses on its own
+            result = cluster.place(_wanted(profile), strategy=profile.placement)
+            if not isinstance(result, PlacementUnplaceable):
+                cluster.release(result.replica_id)  # the next model asks the same view
+                continue
+            line = next((r for r in result.reasons if r.startswith(prefix)), None)
+            if line is not None:
+                out.append((name, line[len(prefix) :]))
+        return out
 
     def _note_unplaceable(self, model: str, reason: str) -> None:
         previous = self.unplaceable.get(model)

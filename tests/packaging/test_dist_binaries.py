@@ -388,6 +388,15 @@ def test_both_builds_carry_uvloop(dist_x64: Dist) -> None:
     assert b"uvloop/loop." in dist_x64.onefile.read_bytes(), "the one-file build lacks uvloop"
 
 
+def test_both_builds_carry_the_console(dist_x64: Dist) -> None:
+    # Data files no import finds (packaging/llmgw.spec's CONSOLE_DATA): without them the
+    # control plane refuses to start (llmgw.server.console.render).
+    console = dist_x64.onedir / "_internal" / "llmgw" / "server" / "console"
+    for name in ("templates/base.html", "templates/login.html", "static/console.js"):
+        assert (console / name).is_file(), name
+        assert f"llmgw/server/console/{name}".encode() in dist_x64.onefile.read_bytes(), name
+
+
 @pytest.mark.parametrize("variant", ["onefile", "onedir"])
 def test_the_frozen_daemons_run_on_uvloop(dist_x64: Dist, tmp_path: Path, variant: str) -> None:
     # Every daemon starts through llmgw/loop.py; the sim engine is the one that needs no

@@ -73,6 +73,12 @@ def test_the_wheel_holds_the_package_and_its_console_script(wheel: Path) -> None
         metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "llmgw/proto/control_pb2.py" in names
     assert "llmgw/cli/ctl/__init__.py" in names
+    # The console's data files (pyproject's package-data), every one of the source tree's.
+    console = ROOT / "llmgw" / "server" / "console"
+    for sub in ("templates", "static"):
+        for path in (console / sub).iterdir():
+            assert f"llmgw/server/console/{sub}/{path.name}" in names, path
+    assert "Requires-Dist: Jinja2>=3.1" in metadata
     assert not [n for n in names if n.startswith(("tests/", "bench/", "packaging/"))]
     assert "llmgw = llmgw.cli:main" in entry_points
     assert f"Version: {version()}" in metadata

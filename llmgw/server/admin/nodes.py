@@ -1,6 +1,11 @@
 """Admin routes about the fleet: the control plane's status, the nodes (each with its health:
-healthy, degraded with its reasons, or offline, and each GPU's utilisation, live), operator
-decisions on them (approve, reject, revoke), draining and the event log."""
+healthy, degraded with its reasons, or offline), operator decisions on them (approve, reject,
+revoke), draining and the event log. Each GPU carries its utilisation, live from the node's
+session.
+
+What the console shows and does to nodes is the same code: the module's functions
+(:func:`list_nodes`, :func:`node_detail`, :func:`drain`, :func:`uncordon`) are called by
+these handlers and by :mod:`llmgw.server.console`."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from llmgw.server.states import NodeState, node_health
 from llmgw.server.store import Certificate, Node
 from llmgw.server.stream import NodeSession
 
-__all__ = ["NodeRoutes"]
+__all__ = ["NodeRoutes", "drain", "list_nodes", "node_detail", "node_summary", "uncordon"]
 
 # How much of a pending node's reasons is shown (the rest of its inventory is a stored
 # summary, llmgw.server.intake.pending_inventory).
@@ -38,6 +43,122 @@ def _gpus(stored: Any, session: NodeSession | None) -> list[dict[str, Any]]:
         for gpu in stored
         if isinstance(gpu, Mapping)
     ]
+
+
+def degraded_of(ctx: AdminContext, node: Node) -> tuple[DegradedReason, ...]:
+    """Why the node is degraded, as it last reported: from its stored inventory once
+    approved; while pending (only a summary is stored), from what its session holds,
+    bounded, so that an operator sees a degraded node before approving it."""
+    session = ctx.sessions.get(node.id)
+    if node.state == NodeState.PENDING and session is not None:
+        held = session.held_inventory
+        if held is not None:
+            return tuple(
+                DegradedReason(
+                    code=d.code[:32],
+                    message=d.message[:PENDING_REASON_CHARS],
+                    engine=d.engine[:32],
+                    fabric=d.fabric[:64],
+                )
+                for d in held.degraded[:PENDING_REASONS]
+            )
+    return degraded_reasons(node.inventory)
+
+
+def node_summary(
+    ctx: AdminContext,
+    node: Node,
+    shard_count: int,
+    cert: Certificate | None,
+    update: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """One node as the list shows it (``GET /api/nodes``, the console's Nodes page)."""
+    inv = node.inventory
+    session = ctx.sessions.get(node.id)
+    connected = session is not None
+    degraded = degraded_of(ctx, node)
+    return {
+        "id": node.id,
+        "uid": node.uid,
+        "state": node.state,
+        # Beside the state, not one of them: what the node's own reports say it can do.
+        "health": node_health(connected and node.id not in ctx.lost, bool(degraded)),
+        "degraded": [r.as_dict() for r in degraded],
+        "connected": connected,
+        "draining": node.draining,
+        "lost": node.id in ctx.lost,
+        "dataplane_addr": node.dataplane_addr,
+        "agent_version": node.agent_version,
+        # A live node's, from its session: the store's copy is flushed in batches.
+        "last_seen": session.seen_at if session is not None else node.last_seen,
+        "shards": shard_count,
+        "cpus": inv.get("cpus"),
+        "memory_total_bytes": inv.get("memory_total_bytes"),
+        "gpus": _gpus(inv.get("gpus", []), session),
+        "gpu_status": inv.get("gpu_status", ""),
+        "engines": inv.get("engines", []),
+        "fabrics": inv.get("fabrics", []),
+        "fingerprint": node.fingerprint,
+        "cert_expires_at": cert.not_after if cert else None,
+        "cert_serial": cert.serial if cert else None,
+        "update": update,
+    }
+
+
+def list_nodes(ctx: AdminContext) -> list[dict[str, Any]]:
+    """Every node's summary, in id order."""
+    counts: dict[str, int] = {}
+    for shard in ctx.store.list_shards():
+        counts[shard.node_id] = counts.get(shard.node_id, 0) + 1
+    # Each table read once for the whole list, not once per node: a fleet's list is
+    # thousands of rows, read by every console that polls it.
+    certs = ctx.store.latest_certificates()
+    updates = ctx.updates.all_status()
+    return [
+        node_summary(ctx, n, counts.get(n.id, 0), certs.get(n.id), updates.get(n.id))
+        for n in ctx.store.list_nodes()
+    ]
+
+
+def node_detail(ctx: AdminContext, node_id: str) -> dict[str, Any]:
+    """One node, with what its inventory says beyond the list's columns: its warnings, its
+    engines as checked, its fabrics (NotFound when there is no such node)."""
+    node = ctx.store.get_node(node_id)
+    inv = node.inventory
+    data = node_summary(
+        ctx,
+        node,
+        len(ctx.store.list_shards(node_id=node.id)),
+        ctx.store.latest_certificate(node.id),
+        ctx.updates.status_of(node.id),
+    )
+    data.update(
+        driver_version=inv.get("driver_version", ""),
+        engine_details=inv.get("engine_details", []),
+        warnings=inv.get("warnings", []),
+    )
+    return data
+
+
+def drain(ctx: AdminContext, node_id: str, *, actor: str) -> dict[str, object]:
+    """Start draining ``node_id`` (a no-op when it drains already); its progress."""
+    node = ctx.store.get_node(node_id)
+    if not node.draining:
+        ctx.store.set_node_draining(node_id, True)
+        ctx.store.add_event("node_drain", node_id, "drain started", actor)
+        ctx.scheduler.kick()
+    return ctx.scheduler.drain_progress(node_id)
+
+
+def uncordon(ctx: AdminContext, node_id: str, *, actor: str) -> dict[str, object]:
+    """Let a draining node take new replicas again (Conflict when it is not draining)."""
+    node = ctx.store.get_node(node_id)
+    if not node.draining:
+        raise Conflict(f"node {node_id} is not draining; nothing to undo")
+    ctx.store.set_node_draining(node_id, False)
+    ctx.store.add_event("node_uncordon", node_id, "takes new replicas again", actor)
+    ctx.scheduler.kick()
+    return ctx.scheduler.drain_progress(node_id)
 
 
 class NodeRoutes:
@@ -62,95 +183,11 @@ class NodeRoutes:
 
     # -- nodes ----------------------------------------------------------------------------------
 
-    def _degraded(self, node: Node) -> tuple[DegradedReason, ...]:
-        """Why the node is degraded, as it last reported: from its stored inventory once
-        approved; while pending (only a summary is stored), from what its session holds,
-        bounded, so that an operator sees a degraded node before approving it."""
-        session = self.ctx.sessions.get(node.id)
-        if node.state == NodeState.PENDING and session is not None:
-            held = session.held_inventory
-            if held is not None:
-                return tuple(
-                    DegradedReason(
-                        code=d.code[:32],
-                        message=d.message[:PENDING_REASON_CHARS],
-                        engine=d.engine[:32],
-                        fabric=d.fabric[:64],
-                    )
-                    for d in held.degraded[:PENDING_REASONS]
-                )
-        return degraded_reasons(node.inventory)
-
-    def _node(
-        self,
-        node: Node,
-        shard_count: int,
-        cert: Certificate | None,
-        update: dict[str, Any] | None,
-    ) -> dict[str, Any]:
-        inv = node.inventory
-        session = self.ctx.sessions.get(node.id)
-        connected = session is not None
-        degraded = self._degraded(node)
-        return {
-            "id": node.id,
-            "uid": node.uid,
-            "state": node.state,
-            # Beside the state, not one of them: what the node's own reports say it can do.
-            "health": node_health(connected and node.id not in self.ctx.lost, bool(degraded)),
-            "degraded": [r.as_dict() for r in degraded],
-            "connected": connected,
-            "draining": node.draining,
-            "lost": node.id in self.ctx.lost,
-            "dataplane_addr": node.dataplane_addr,
-            "agent_version": node.agent_version,
-            # A live node's, from its session: the store's copy is flushed in batches.
-            "last_seen": session.seen_at if session is not None else node.last_seen,
-            "shards": shard_count,
-            "cpus": inv.get("cpus"),
-            "memory_total_bytes": inv.get("memory_total_bytes"),
-            "gpus": _gpus(inv.get("gpus", []), session),
-            "gpu_status": inv.get("gpu_status", ""),
-            "engines": inv.get("engines", []),
-            "fingerprint": node.fingerprint,
-            "cert_expires_at": cert.not_after if cert else None,
-            "cert_serial": cert.serial if cert else None,
-            "update": update,
-        }
-
     async def nodes(self, request: web.Request) -> web.Response:
-        counts: dict[str, int] = {}
-        for shard in self.ctx.store.list_shards():
-            counts[shard.node_id] = counts.get(shard.node_id, 0) + 1
-        # Each table read once for the whole list, not once per node: a fleet's list is
-        # thousands of rows, read by every console that polls it.
-        certs = self.ctx.store.latest_certificates()
-        updates = self.ctx.updates.all_status()
-        return web.json_response(
-            [
-                self._node(n, counts.get(n.id, 0), certs.get(n.id), updates.get(n.id))
-                for n in self.ctx.store.list_nodes()
-            ]
-        )
+        return web.json_response(list_nodes(self.ctx))
 
     async def node(self, request: web.Request) -> web.Response:
-        """One node, with what its inventory says beyond the list's columns: its warnings,
-        its engines as checked, its fabrics."""
-        node = self.ctx.store.get_node(request.match_info["node"])
-        inv = node.inventory
-        data = self._node(
-            node,
-            len(self.ctx.store.list_shards(node_id=node.id)),
-            self.ctx.store.latest_certificate(node.id),
-            self.ctx.updates.status_of(node.id),
-        )
-        data.update(
-            driver_version=inv.get("driver_version", ""),
-            engine_details=inv.get("engine_details", []),
-            fabrics=inv.get("fabrics", []),
-            warnings=inv.get("warnings", []),
-        )
-        return web.json_response(data)
+        return web.json_response(node_detail(self.ctx, request.match_info["node"]))
 
     async def approve(self, request: web.Request) -> web.Response:
         body = await read_json(self.ctx, request)
@@ -177,29 +214,14 @@ class NodeRoutes:
 
     async def drain(self, request: web.Request) -> web.Response:
         node_id = request.match_info["node"]
-        node = self.ctx.store.get_node(node_id)
-        if not node.draining:
-            self.ctx.store.set_node_draining(node_id, True)
-            self.ctx.store.add_event(
-                "node_drain", node_id, "drain started", principal_of(request).actor
-            )
-            self.ctx.scheduler.kick()
-        return web.json_response(self.ctx.scheduler.drain_progress(node_id))
+        return web.json_response(drain(self.ctx, node_id, actor=principal_of(request).actor))
 
     async def drain_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.ctx.scheduler.drain_progress(request.match_info["node"]))
 
     async def uncordon(self, request: web.Request) -> web.Response:
         node_id = request.match_info["node"]
-        node = self.ctx.store.get_node(node_id)
-        if not node.draining:
-            raise Conflict(f"node {node_id} is not draining; nothing to undo")
-        self.ctx.store.set_node_draining(node_id, False)
-        self.ctx.store.add_event(
-            "node_uncordon", node_id, "takes new replicas again", principal_of(request).actor
-        )
-        self.ctx.scheduler.kick()
-        return web.json_response(self.ctx.scheduler.drain_progress(node_id))
+        return web.json_response(uncordon(self.ctx, node_id, actor=principal_of(request).actor))
 
     # -- events ---------------------------------------------------------------------------------
 

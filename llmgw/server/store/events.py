@@ -63,16 +63,32 @@ class Events:
         assert row is not None
         return Event.from_row(row)
 
-    def list_events(self, limit: int = 100, subject: str | None = None) -> list[Event]:
-        """The most recent events, newest first, optionally only those about *subject*."""
-        if subject is None:
-            rows = self._db.all("SELECT * FROM events ORDER BY id DESC LIMIT ?", (limit,))
-        else:
-            rows = self._db.all(
-                "SELECT * FROM events WHERE subject = ? ORDER BY id DESC LIMIT ?",
-                (subject, limit),
-            )
+    def list_events(
+        self,
+        limit: int = 100,
+        subject: str | None = None,
+        *,
+        kind: str | None = None,
+        actor: str | None = None,
+    ) -> list[Event]:
+        """The most recent events, newest first, optionally only those about *subject*, of
+        *kind* or taken by *actor* (each an exact match)."""
+        where, args = _filters(subject=subject, kind=kind, actor=actor)
+        rows = self._db.all(f"SELECT * FROM events{where} ORDER BY id DESC LIMIT ?", (*args, limit))
         return [Event.from_row(r) for r in rows]
+
+    def events_after(self, after: int, limit: int = 100) -> list[Event]:
+        """The events newer than the id *after*, oldest first (a live view's next ones)."""
+        rows = self._db.all("SELECT * FROM events WHERE id > ? ORDER BY id LIMIT ?", (after, limit))
+        return [Event.from_row(r) for r in rows]
+
+
+def _filters(**equal: str | None) -> tuple[str, tuple[str, ...]]:
+    """A WHERE clause of the columns given (names from the code, never from a request)."""
+    given = [(column, value) for column, value in equal.items() if value is not None]
+    if not given:
+        return "", ()
+    return " WHERE " + " AND ".join(f"{c} = ?" for c, _v in given), tuple(v for _c, v in given)
 
 
 def _cut(text: str, limit: int) -> str:

@@ -328,6 +328,7 @@ class Store:
 
     add_event = _Table("_events", Events.add_event)
     list_events = _Table("_events", Events.list_events)
+    events_after = _Table("_events", Events.events_after)
 
 
 def _location(where: Location | Path | str) -> Location:

@@ -108,6 +108,16 @@ def test_the_default_state_dir_needs_no_variable(
     assert "LLMGW_STATE_DIR" not in text
 
 
+def test_the_banner_names_the_console_beside_the_base_url(tmp_path: Path) -> None:
+    lines = banner_of(tmp_path).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  OpenAI base URL: "))
+    assert lines[at] == "  OpenAI base URL: http://127.0.0.1:18080/v1"
+    (console,) = [line for line in lines if line.startswith("  Web console:")]
+    assert console == (
+        "  Web console:     http://127.0.0.1:18080/ui/   (account admin, the admin password)"
+    )
+
+
 def test_stopping_kills_the_engines_the_agent_left_behind_and_only_those(tmp_path: Path) -> None:
     def engine() -> subprocess.Popen[bytes]:
         argv = [sys.executable, "-c", "import time; time.sleep(60)"]

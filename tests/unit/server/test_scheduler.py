@@ -574,3 +574,34 @@ def test_a_pass_that_goes_on_keeps_its_view_until_a_node_comes_or_goes(
     # The carried view held each placement: no GPU was given twice.
     gpus = [g for s in cp.store.list_shards() for g in s.gpus]
     assert len(gpus) == len(set(gpus)) == 4
+
+
+def test_refusals_on_a_node_are_placements_own_lines_for_it(cp: SchedulerRig) -> None:
+    """What the console's node page shows: per model waiting for room, the node's own line
+    of the refusal placement gives now; nothing for a model that has room."""
+    _join(cp, "n1", "10.0.0.1")
+    _join(cp, "n2", "10.0.0.2")
+    scheduler = cp.scheduler()
+    assert scheduler.refusals_on("n1") == []  # nothing waits
+    cp.store.put_catalog_model("two", {"default": {"engine": "sim", "gpus": 2}})
+    cp.store.deploy_model("two", profile="default", replicas=1)
+    cp.store.put_catalog_model("one", {"default": {"engine": "sim", "gpus": 1}})
+    cp.store.deploy_model("one", profile="default", replicas=1)
+    scheduler.reconcile()
+    assert set(scheduler.unplaceable) == {"two"}
+    # n1 holds "one" on its only GPU; n2's GPU is free.
+    assert scheduler.refusals_on("n1") == [("two", "0 of 1 GPUs free, needs 2")]
+    assert scheduler.refusals_on("n2") == [("two", "1 of 1 GPUs free, needs 2")]
+    assert scheduler.refusals_on("nobody") == []
+    # Room appears (a bigger node): the model is no longer said to be refused anywhere.
+    cp.store.upsert_node(
+        "n1",
+        dataplane_addr="10.0.0.1:9443",
+        agent_version="0.1.0",
+        inventory={"gpus": [{"uuid": f"GPU-n1-{i}", "memory_total_mib": 81920} for i in range(3)]},
+        connected=True,
+    )
+    assert scheduler.refusals_on("n1") == []
+    assert scheduler.refusals_on("n2") == []
+    assert set(scheduler.unplaceable) == {"two"}  # read only: the next pass places it
+    assert cp.store.list_replicas("two") == []

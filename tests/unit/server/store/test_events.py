@@ -26,6 +26,28 @@ def test_events(store: Store, clock: Clock) -> None:
     assert store.list_events(subject="nobody") == []
 
 
+def test_events_filtered_by_kind_and_actor(store: Store) -> None:
+    e1 = store.add_event("node_drain", "gpu1", "drain started", "alice")
+    e2 = store.add_event("node_drain", "gpu2", "drain started", "bob")
+    e3 = store.add_event("node_revoked", "gpu1", "denied", "alice")
+    store.add_event("node_drain", "gpu1", "drain started", "")
+    assert store.list_events(kind="node_drain", actor="alice") == [e1]
+    assert store.list_events(actor="alice") == [e3, e1]
+    assert store.list_events(kind="node_drain", subject="gpu2") == [e2]
+    assert store.list_events(kind="node_drain", limit=1)[0].actor == ""
+    assert store.list_events(kind="nothing") == []
+    # A value is data, never SQL.
+    assert store.list_events(kind="x' OR '1'='1") == []
+
+
+def test_events_after_an_id_come_oldest_first(store: Store) -> None:
+    events = [store.add_event("k", "s", f"m{i}") for i in range(5)]
+    assert store.events_after(events[1].id) == events[2:]
+    assert store.events_after(events[1].id, limit=2) == events[2:4]
+    assert store.events_after(events[-1].id) == []
+    assert store.events_after(0) == events
+
+
 def test_events_trimmed(store: Store) -> None:
     store._events.max_events = 20
     store._events.trim_every = 10

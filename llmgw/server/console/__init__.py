@@ -1,0 +1,108 @@
+"""The web console at /ui/ on :8080: server-rendered pages (Jinja2) for operators signed in
+with their accounts, a little JavaScript of our own, no third-party code.
+
+Modules: :mod:`.render` (templates, static files under hashed URLs), :mod:`.security` (the
+headers, cookies, CSRF and Origin checks), :mod:`.site` (what the handlers share, the HTML
+answers and error pages), :mod:`.auth` (sessions, the guards, login and logout),
+:mod:`.pages` (Overview, Nodes, a node, Events, and their live fragments), :mod:`.stream`
+(the events as server-sent events), :mod:`.actions` (drain, uncordon, revoke a node). A new
+page is a handler and a row in the table below.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from llmgw.server.admin.context import AdminContext
+from llmgw.server.console.actions import ACTIONS, NodeActions
+from llmgw.server.console.auth import ConsoleAuth
+from llmgw.server.console.pages import Pages
+from llmgw.server.console.render import Assets, Renderer
+from llmgw.server.console.security import secure_headers
+from llmgw.server.console.site import Flash, Site, handled
+from llmgw.server.console.stream import EventStream
+
+__all__ = ["Console", "add_console_routes"]
+
+STATIC_CACHE = "public, max-age=31536000, immutable"
+
+
+class Console:
+    """The console's parts, built once per application."""
+
+    def __init__(self, ctx: AdminContext, *, clock: Callable[[], float] = time.time) -> None:
+        assets = Assets()
+        self.site = Site(ctx=ctx, logins=ctx.logins, renderer=Renderer(assets), flash=Flash())
+        self.assets = assets
+        self.auth = ConsoleAuth(self.site)
+        self.pages = Pages(self.site, clock=clock)
+        self.stream = EventStream(self.site)
+        self.actions = NodeActions(self.site)
+
+    async def static(self, request: web.Request) -> web.StreamResponse:
+        """A static file; a year's cache under its own hash, revalidated under another (a
+        page from before an upgrade asking for the old one gets today's)."""
+        asset = self.assets.files.get(request.match_info["name"])
+        if asset is None:
+            return self.site.error_page(
+                request, 404, "Not found", "no such file of the console; reload the page"
+            )
+        response = web.Response(body=asset.body, headers={"Content-Type": asset.content_type})
+        fresh = request.match_info["digest"] == asset.digest
+        secure_headers(response, cache=STATIC_CACHE if fresh else "no-cache")
+        return response
+
+    async def root(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=308, headers={"Location": "/ui/"})
+
+    async def missing(self, request: web.Request) -> web.StreamResponse:
+        """Any other /ui/ address: a page that says so, never the gateway's JSON."""
+        if request.method not in ("GET", "HEAD"):
+            return self.site.error_page(
+                request,
+                405,
+                "Method not allowed",
+                f"{request.method[:16]} is not taken here; use the page's own buttons",
+            )
+        return self.site.error_page(
+            request,
+            404,
+            "Not found",
+            f"no console page at {request.path[:100]}; the nav above lists every page",
+        )
+
+
+def add_console_routes(
+    app: web.Application, ctx: AdminContext, *, clock: Callable[[], float] = time.time
+) -> Console:
+    """The console's routes on ``app``, every one answering HTML with the security headers
+    (``clock``: the charts' "now", a test's)."""
+    console = Console(ctx, clock=clock)
+    auth, pages, site = console.auth, console.pages, console.site
+    r = app.router
+    for method, path, handler in (
+        ("GET", "/ui", console.root),
+        ("GET", "/ui/static/{digest}/{name}", console.static),
+        ("GET", "/ui/login", auth.login_form),
+        ("POST", "/ui/login", auth.login),
+        ("POST", "/ui/logout", auth.action(auth.logout, admin=False)),
+        ("GET", "/ui/", auth.page(pages.overview)),
+        ("GET", "/ui/nodes", auth.page(pages.nodes)),
+        ("GET", "/ui/nodes/{node}", auth.page(pages.node)),
+        ("GET", "/ui/events", auth.page(pages.events)),
+        ("GET", "/ui/events/stream", auth.page(console.stream.stream)),
+        *(
+            ("POST", f"/ui/nodes/{{node}}/{action}", auth.action(console.actions.handler(action)))
+            for action in ACTIONS
+        ),
+    ):
+        if method == "GET":
+            r.add_get(path, handled(site, handler))
+        else:
+            r.add_route(method, path, handled(site, handler))
+    # Last: what no route above takes (aiohttp tries the longest prefix first).
+    r.add_route("*", "/ui/{tail:.*}", handled(site, console.missing))
+    return console

@@ -1,0 +1,155 @@
+// The llmgw console's only script: live parts of a page re-fetched as HTML fragments,
+// the confirmation of node actions, and the Events page's live rows (server-sent events).
+// No inline script, no eval, no third-party code: it runs under the console's CSP
+// (default-src 'self'). Every page works without it.
+(function () {
+  "use strict";
+
+  var MAX_ROWS = 500;
+
+  function refreshSeconds() {
+    var s = parseInt(document.body.getAttribute("data-refresh-s") || "5", 10);
+    return isNaN(s) || s < 1 ? 5 : s;
+  }
+
+  function fragmentUrl(name) {
+    var params = new URLSearchParams(window.location.search);
+    params.set("fragment", name);
+    return window.location.pathname + "?" + params.toString();
+  }
+
+  // -- live fragments -------------------------------------------------------------------
+  function refreshLive() {
+    if (document.hidden) {
+      return;
+    }
+    var parts = document.querySelectorAll("[data-live]");
+    Array.prototype.forEach.call(parts, function (el) {
+      var name = el.getAttribute("data-live");
+      fetch(fragmentUrl(name), {
+        credentials: "same-origin",
+        headers: { "Accept": "text/html" },
+        redirect: "follow",
+      })
+        .then(function (response) {
+          if (response.redirected || response.url.indexOf("/ui/login") >= 0) {
+            window.location.reload(); // the session ended: the page goes to the login
+            return null;
+          }
+          if (!response.ok) {
+            return null; // keep what is shown; the next round tries again
+          }
+          return response.text();
+        })
+        .then(function (html) {
+          if (html !== null && html !== undefined) {
+            el.innerHTML = html; // server-rendered, every value escaped there
+          }
+        })
+        .catch(function () {
+          // offline for a moment: the next round tries again
+        });
+    });
+  }
+
+  function startLive() {
+    if (!document.querySelector("[data-live]")) {
+      return;
+    }
+    window.setInterval(refreshLive, refreshSeconds() * 1000);
+    document.addEventListener("visibilitychange", function () {
+      if (!document.hidden) {
+        refreshLive();
+      }
+    });
+  }
+
+  // -- confirmations --------------------------------------------------------------------
+  function startConfirms() {
+    var forms = document.querySelectorAll("form[data-confirm]");
+    Array.prototype.forEach.call(forms, function (form) {
+      var field = form.querySelector(".confirm-field");
+      var input = form.querySelector("input[name=confirm]");
+      if (!field || !input) {
+        return;
+      }
+      // With the script, a dialog naming the node replaces typing its id.
+      field.classList.add("js-hidden");
+      input.required = false;
+      form.addEventListener("submit", function (event) {
+        if (!window.confirm(form.getAttribute("data-confirm"))) {
+          event.preventDefault();
+          return;
+        }
+        input.value = form.getAttribute("data-node");
+      });
+    });
+  }
+
+  // -- live events ----------------------------------------------------------------------
+  function eventRow(data) {
+    var row = document.createElement("tr");
+    row.setAttribute("data-event-id", String(data.id));
+    row.className = "new";
+    var time = document.createElement("time");
+    time.setAttribute("datetime", data.time + "Z");
+    time.textContent = data.time;
+    var cells = [time, data.kind, data.subject, data.actor, data.message];
+    cells.forEach(function (value) {
+      var cell = document.createElement("td");
+      if (typeof value === "string") {
+        cell.textContent = value; // text, never HTML
+      } else {
+        cell.appendChild(value);
+      }
+      row.appendChild(cell);
+    });
+    return row;
+  }
+
+  function say(text) {
+    var status = document.getElementById("live-status");
+    if (status) {
+      status.textContent = text;
+    }
+  }
+
+  function startStream() {
+    var body = document.querySelector("tbody[data-stream]");
+    if (!body || !window.EventSource) {
+      return;
+    }
+    var source = new EventSource(body.getAttribute("data-stream"));
+    source.onmessage = function (message) {
+      var data;
+      try {
+        data = JSON.parse(message.data);
+      } catch (e) {
+        return;
+      }
+      var empty = body.querySelector("tr.empty");
+      if (empty) {
+        empty.remove();
+      }
+      body.insertBefore(eventRow(data), body.firstChild);
+      while (body.rows.length > MAX_ROWS) {
+        body.deleteRow(body.rows.length - 1);
+      }
+    };
+    source.addEventListener("session-ended", function () {
+      source.close();
+      say("Your session ended; reload the page to sign in again.");
+    });
+    source.onerror = function () {
+      if (source.readyState === EventSource.CLOSED) {
+        say("Live updates stopped; reload the page.");
+      }
+    };
+  }
+
+  document.addEventListener("DOMContentLoaded", function () {
+    startConfirms();
+    startLive();
+    startStream();
+  });
+})();
