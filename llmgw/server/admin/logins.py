@@ -15,6 +15,7 @@ from llmgw.server.admin.context import (
     login_token,
     read_json,
 )
+from llmgw.server.follower import client_addr
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.logins import LoginRefused, LoginThrottled
 from llmgw.server.principals import VIA_CLI
@@ -42,7 +43,8 @@ class LoginRoutes:
             token, session = await self.ctx.logins.login(
                 name,
                 password,
-                addr=request.remote or "",
+                # Through a standby, the client's (LeaderProxy signs it), not the standby's.
+                addr=client_addr(request, self.ctx.admin_token),
                 kind=VIA_CLI,
                 agent=request.headers.get("User-Agent", "")[:MAX_AGENT],
             )
