@@ -1,5 +1,6 @@
 // The llmgw console's only script: live parts of a page re-fetched as HTML fragments,
-// the confirmation of node actions, and the Events page's live rows (server-sent events).
+// the confirmation of actions, copy buttons, and the Events page's live rows (server-sent
+// events).
 // No inline script, no eval, no third-party code: it runs under the console's CSP
 // (default-src 'self'). Every page works without it.
 (function () {
@@ -73,7 +74,7 @@
       if (!field || !input) {
         return;
       }
-      // With the script, a dialog naming the node replaces typing its id.
+      // With the script, a dialog naming the node (model, key) replaces typing its id.
       field.classList.add("js-hidden");
       input.required = false;
       form.addEventListener("submit", function (event) {
@@ -81,7 +82,54 @@
           event.preventDefault();
           return;
         }
-        input.value = form.getAttribute("data-node");
+        input.value =
+          form.getAttribute("data-confirm-value") || form.getAttribute("data-node");
+      });
+    });
+  }
+
+  // -- copy buttons ---------------------------------------------------------------------
+  // <button data-copy="#element-id" hidden>: copies that element's value (an input) or
+  // text, and says so beside it (the element with the button's id + "-status") and on the
+  // button. Hidden without the script, which alone can copy.
+  function copied(button, text) {
+    var status = document.getElementById(button.id + "-status");
+    if (status) {
+      status.textContent = text;
+    }
+  }
+
+  function startCopies() {
+    var buttons = document.querySelectorAll("button[data-copy]");
+    Array.prototype.forEach.call(buttons, function (button) {
+      var target = document.querySelector(button.getAttribute("data-copy"));
+      if (!target) {
+        return;
+      }
+      var label = button.textContent;
+      button.hidden = false;
+      button.addEventListener("click", function () {
+        var text = "value" in target ? target.value : target.textContent;
+        var done = function () {
+          button.textContent = "Copied";
+          button.classList.add("copied");
+          copied(button, "Copied to the clipboard.");
+          window.setTimeout(function () {
+            button.textContent = label;
+            button.classList.remove("copied");
+          }, 4000);
+        };
+        var failed = function () {
+          if (typeof target.select === "function") {
+            target.select(); // selected: the operator copies it with the keyboard
+          }
+          copied(button, "Could not copy; it is selected: press Ctrl+C (Cmd+C).");
+        };
+        if (navigator.clipboard && window.isSecureContext) {
+          navigator.clipboard.writeText(text).then(done, failed);
+        } else {
+          failed();
+        }
       });
     });
   }
@@ -149,6 +197,7 @@
 
   document.addEventListener("DOMContentLoaded", function () {
     startConfirms();
+    startCopies();
     startLive();
     startStream();
   });
