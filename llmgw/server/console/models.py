@@ -264,9 +264,7 @@ class ModelPages:
         log.info("a console action", extra=kv(action=action, model=name, actor=actor))
         return self._redirect(request, location, message)
 
-    def _done(
-        self, name: str, action: str, form: Mapping[str, str], actor: str
-    ) -> tuple[str, str]:
+    def _done(self, name: str, action: str, form: Mapping[str, str], actor: str) -> tuple[str, str]:
         """What ``action`` did (the flash message) and where the operator goes next."""
         ctx = self.ctx
         if action == "undeploy":
