@@ -88,6 +88,38 @@
     });
   }
 
+  // -- dependent choices ---------------------------------------------------------------
+  // <select data-options-of="#other-select">: only the <optgroup> labelled with the other
+  // select's value is offered (a model's own profiles); without the script, all are, and
+  // the server refuses a profile the model lacks.
+  function startDependentChoices() {
+    var selects = document.querySelectorAll("select[data-options-of]");
+    Array.prototype.forEach.call(selects, function (select) {
+      var source = document.querySelector(select.getAttribute("data-options-of"));
+      if (!source) {
+        return;
+      }
+      var sync = function () {
+        var firstShown = null;
+        var chosenShown = false;
+        Array.prototype.forEach.call(select.querySelectorAll("optgroup"), function (group) {
+          var shown = group.label === source.value;
+          group.hidden = !shown;
+          group.disabled = !shown;
+          if (shown && group.querySelector("option")) {
+            firstShown = firstShown || group.querySelector("option");
+            chosenShown = chosenShown || group.contains(select.selectedOptions[0] || null);
+          }
+        });
+        if (!chosenShown && firstShown) {
+          firstShown.selected = true;
+        }
+      };
+      source.addEventListener("change", sync);
+      sync();
+    });
+  }
+
   // -- copy buttons ---------------------------------------------------------------------
   // <button data-copy="#element-id" hidden>: copies that element's value (an input) or
   // text, and says so beside it (the element with the button's id + "-status") and on the
@@ -198,6 +230,7 @@
   document.addEventListener("DOMContentLoaded", function () {
     startConfirms();
     startCopies();
+    startDependentChoices();
     startLive();
     startStream();
   });
