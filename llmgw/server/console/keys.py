@@ -134,7 +134,7 @@ class KeyPages:
             request,
             "key.html",
             {"detail": "_key_detail.html"},
-            lambda: {"key": key_detail(ctx, ctx.store.get_api_key(key.id))},
+            lambda: {"key": key_detail(ctx, key)},
             status=status,
             page="keys",
             is_admin=principal_of(request).is_admin,

@@ -183,13 +183,13 @@ class ModelPages:
         problem: str = "",
         form: Mapping[str, str] | None = None,
     ) -> web.Response:
-        values = self._model_values(name)
+        values = self._model_values(name)  # read once, for the page or its live part
         model = values["model"]
         return self.pages.answer(
             request,
             "model.html",
             {"detail": "_model_detail.html"},
-            lambda: self._model_values(name),
+            lambda: values,
             status=status,
             page="models",
             is_admin=principal_of(request).is_admin,
