@@ -26,16 +26,21 @@ PROFILES: dict[str, Any] = {
 
 
 @pytest.fixture
-def rig(store: Store, clock: Clock, tmp_path: Path) -> ConsoleRig:
+def refreshed() -> list[str]:
+    """The gateway's caches refreshed, in order."""
+    return []
+
+
+@pytest.fixture
+def rig(store: Store, clock: Clock, tmp_path: Path, refreshed: list[str]) -> ConsoleRig:
     rig = ConsoleRig(store, clock, tmp_path)
-    refreshed: list[str] = []
     # What deploying touches beyond the rig's fleet: the router and the gateway's caches.
-    rig.ctx.router = rig.scheduler.router  # type: ignore[misc]
-    rig.ctx.serving = SimpleNamespace(  # type: ignore[misc]
+    ctx: Any = rig.ctx
+    ctx.router = rig.scheduler.router
+    ctx.serving = SimpleNamespace(
         refresh_models=lambda: refreshed.append("models"),
         refresh_keys=lambda: refreshed.append("keys"),
     )
-    rig.refreshed = refreshed  # type: ignore[attr-defined]
     rig.add_node("gpu-1")
     store.put_catalog_model("chat", PROFILES)
     store.put_catalog_model("embed", {"default": {"engine": "sim"}})
@@ -85,7 +90,7 @@ def test_the_models_page_lists_the_catalog_and_nothing_deployed(rig: ConsoleRig)
 
 
 def test_deploy_a_profile_then_see_its_replica_on_the_model_page(
-    rig: ConsoleRig, store: Store
+    rig: ConsoleRig, store: Store, refreshed: list[str]
 ) -> None:
     async def scenario(b: Browser) -> tuple[tuple[int, str, Any], str, str, str]:
         await b.login()
@@ -111,7 +116,7 @@ def test_deploy_a_profile_then_see_its_replica_on_the_model_page(
     assert "1 ready" in table
     kinds = [(e.kind, e.actor) for e in store.list_events() if e.subject == "chat"]
     assert ("model_deployed", "admin") in kinds
-    assert rig.refreshed == ["models"]  # type: ignore[attr-defined]
+    assert refreshed == ["models"]
 
 
 def test_deploy_refusals_keep_the_form(rig: ConsoleRig, store: Store) -> None:
