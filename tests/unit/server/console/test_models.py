@@ -17,7 +17,7 @@ import pytest
 from llmgw.server.routing import Endpoint
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
-from tests.unit.server.console.rig import VIEWER_PW, Browser, ConsoleRig
+from tests.unit.server.console.rig import HOSTILE, VIEWER_PW, Browser, ConsoleRig
 
 PROFILES: dict[str, Any] = {
     "small": {"engine": "sim", "gpus": 1},
@@ -316,3 +316,24 @@ def test_a_post_without_its_csrf_token_changes_nothing(rig: ConsoleRig, store: S
 
     assert rig.run(scenario) == [403, 403]
     assert store.get_model("chat").replicas == 1 and store.get_model("embed").replicas == 0
+
+
+def test_hostile_text_from_a_catalog_or_an_agent_is_escaped(rig: ConsoleRig, store: Store) -> None:
+    """A model's weights path (the catalog's) and a shard's failure (an agent's words) are
+    other people's text: shown, never run."""
+    store.put_catalog_model("wild", {"default": {"engine": "sim", "source": HOSTILE}})
+    store.deploy_model("wild", profile="default", replicas=1)
+    rig.scheduler.reconcile()
+    shard = store.list_shards(replica_id=store.list_replicas("wild")[0].id)[0]
+    store.update_shard(shard.id, state="failed", reason=HOSTILE, exit_code=3, restarts=2)
+
+    async def scenario(b: Browser) -> list[str]:
+        await b.login()
+        return [(await b.get(path))[1] for path in ("/ui/models", "/ui/models/wild")]
+
+    models, model = rig.run(scenario)
+    for page in (models, model):
+        assert "<script>" not in page
+    assert "<code>&lt;script&gt;alert(" in models  # the weights column
+    assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt; (exit 3)" in model
+    assert '<td class="num">2</td>' in model  # its restarts
