@@ -114,10 +114,8 @@ class Approval:
             )
         log.info("a node approved in the console", extra=kv(node=node_id, actor=principal.actor))
         token, _session = request[SESSION]
-        self.site.flash.put(
-            token,
-            f"node {node_id} is approved (key {fingerprint}): it takes work now",
-        )
+        key = self.site.ctx.store.get_node(node_id).fingerprint
+        self.site.flash.put(token, f"node {node_id} is approved (key {key}): it takes work now")
         return web.Response(
             status=303, headers={"Location": f"/ui/nodes/{quote(node_id, safe='')}"}
         )

@@ -82,7 +82,9 @@ class FleetRig(ConsoleRig):
         held = pb.Inventory(
             hostname=node_id,
             cpus=8,
-            gpus=[pb.Gpu(index=0, uuid=f"GPU-{node_id}-0", name="NVIDIA L4", memory_total_mib=23034)],
+            gpus=[
+                pb.Gpu(index=0, uuid=f"GPU-{node_id}-0", name="NVIDIA L4", memory_total_mib=23034)
+            ],
         )
         if degraded:
             held.degraded.append(pb.DegradedReason(code="engine", message=degraded))

@@ -10,9 +10,9 @@ from __future__ import annotations
 import html
 import re
 import shlex
-from urllib.parse import quote
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
