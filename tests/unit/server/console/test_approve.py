@@ -77,7 +77,9 @@ def test_the_pending_nodes_with_their_fingerprints_and_reasons(rig: FleetRig) ->
     assert "<li>vllm is not installed at /opt/vllm/bin/vllm</li>" in page
     assert 'action="/ui/nodes/gpu-2/approve"' in page and 'action="/ui/nodes/gpu-2/reject"' in page
     assert 'data-confirm="Reject node gpu-2?' in page
-    assert 'id="pending-live" data-live="pending" data-live-url="/ui/approve?fragment=pending"' in page
+    assert (
+        'id="pending-live" data-live="pending" data-live-url="/ui/approve?fragment=pending"' in page
+    )
 
 
 def test_none_pending_says_how_to_add_one(
