@@ -44,7 +44,9 @@ def rig(
     return rig
 
 
-_SECRET = re.compile(r'<input id="key-secret" class="secret-value" value="([^"]+)" readonly')
+_SECRET = re.compile(
+    r'<textarea id="key-secret-text" class="command" readonly[^>]*>([^<]+)</textarea>'
+)
 
 
 async def create(b: Browser, **fields: str) -> tuple[int, str, Any]:
@@ -89,7 +91,7 @@ def test_create_a_key_shows_its_secret_once(
     secret = html.unescape(found.group(1))
     verified = store.verify_api_key(secret)  # the very key the gateway will accept
     assert verified is not None and verified.name == "billing-app"
-    assert 'data-copy="#key-secret"' in page and 'id="copy-secret-status"' in page
+    assert 'data-copy="key-secret-text"' in page and 'id="key-secret-copied"' in page
     assert "the only time its secret is shown" in page
     key = store.list_api_keys()[0]
     assert key.name == "billing-app"

@@ -337,3 +337,21 @@ def test_hostile_text_from_a_catalog_or_an_agent_is_escaped(rig: ConsoleRig, sto
     assert "<code>&lt;script&gt;alert(" in models  # the weights column
     assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt; (exit 3)" in model
     assert '<td class="num">2</td>' in model  # its restarts
+
+
+def test_a_refused_actions_page_keeps_its_replicas_live(rig: ConsoleRig, store: Store) -> None:
+    """The page a refused POST answers stands at the action's URL: its live part names the
+    model page's own, which answers the fragment."""
+    store.deploy_model("chat", profile="small", replicas=1)
+
+    async def scenario(b: Browser) -> tuple[int, str, int, str]:
+        await b.login()
+        status, page, _ = await b.post("/ui/models/chat/scale", {"csrf": b.csrf, "replicas": "x"})
+        found = re.search(r'data-live="detail" data-live-url="([^"]+)"', page)
+        assert found is not None
+        live_status, live, _ = await b.get(html.unescape(found.group(1)))
+        return status, found.group(1), live_status, live
+
+    status, url, live_status, live = rig.run(scenario)
+    assert status == 400 and url == "/ui/models/chat?fragment=detail"
+    assert live_status == 200 and 'id="model-ready"' in live and "<html" not in live
