@@ -33,6 +33,7 @@ from llmgw.server.console.auth import form_of
 from llmgw.server.console.pages import Pages
 from llmgw.server.console.site import SESSION, Site
 from llmgw.server.principals import principal_of
+from llmgw.server.store import ApiKey
 
 __all__ = ["KEY_FORM_FIELDS", "KeyPages"]
 
@@ -50,21 +51,20 @@ def _tokens(row: UsageRow) -> int:
     return row.prompt_tokens + row.completion_tokens
 
 
-def _usage_of(key: Mapping[str, Any], rows: Iterable[UsageRow], now: float) -> dict[str, Any]:
+def _usage_of(key: ApiKey, rows: Iterable[UsageRow], now: float) -> dict[str, Any]:
     """A key's requests and tokens today, and its tokens in its budget's period."""
     today = usage_day(now)
-    mine = [r for r in rows if r.key_id == key["id"]]
+    mine = [r for r in rows if r.key_id == key.id]
     out: dict[str, Any] = {
         "requests_today": sum(r.requests for r in mine if r.day == today),
         "tokens_today": sum(_tokens(r) for r in mine if r.day == today),
         "budget": None,
     }
-    budget = key["policy"]["budget"]
+    budget = key.policy.budget
     if budget is not None:
-        period = budget.rsplit("/", 1)[-1]
-        start = period_start(period, now)
+        start = period_start(budget.period, now)
         out["budget"] = {
-            "budget": budget,
+            "budget": str(budget),
             "since": start,
             "spent": sum(_tokens(r) for r in mine if r.day >= start),
         }
@@ -90,12 +90,13 @@ class KeyPages:
     def _table(self, include_revoked: bool) -> dict[str, Any]:
         ctx = self.ctx
         now = self._now()
-        keys = [key_json(k, now) for k in ctx.store.list_api_keys(include_revoked=include_revoked)]
+        found = ctx.store.list_api_keys(include_revoked=include_revoked)
         # One read for every key: a budget's period starts at the latest on the month's first.
-        rows = usage_rows(ctx, since_day=period_start("month", now)) if keys else []
-        for key in keys:
-            key["usage"] = _usage_of(key, rows, now)
-            key["url"] = key_path(key["id"])
+        rows = usage_rows(ctx, since_day=period_start("month", now)) if found else []
+        keys = [
+            {**key_json(k, now), "usage": _usage_of(k, rows, now), "url": key_path(k.id)}
+            for k in found
+        ]
         return {"keys": keys, "today": usage_day(now)}
 
     def _keys_page(
