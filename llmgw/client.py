@@ -428,14 +428,16 @@ def _api_error(exc: urllib.error.HTTPError, target: Target) -> APIError:
         message, code = err.get("message") or exc.reason, err.get("code")
     except (ValueError, AttributeError):
         message, code = str(exc.reason), None
-    if exc.code == 401 and target.account is not None:
+    # A refused sign-in (code wrong_login) says itself what was wrong.
+    if exc.code == 401 and code == "unauthorized" and target.account is not None:
         message = (
             f"the login of {target.account!r} at {target.server} has expired or was ended; "
             f"sign in again with 'llmgw ctl login {target.account}' (or give --token)"
         )
-    elif exc.code == 401 and not target.token:
+    elif exc.code == 401 and code == "unauthorized" and not target.token:
         message = (
             f"{target.server} wants an admin token and none was found; pass --token or set "
-            "LLMGW_TOKEN (it is in the control plane's state directory, admin.token)"
+            "LLMGW_TOKEN (it is in the control plane's state directory, admin.token), or sign "
+            "in as your account with 'llmgw ctl login NAME'"
         )
     return APIError(str(message), status=exc.code, code=code)

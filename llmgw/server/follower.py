@@ -244,13 +244,13 @@ class LeaderProxy:
         }
         headers["X-Forwarded-For"] = request.remote or ""
         console = request.path == "/ui" or request.path.startswith("/ui/")
-        if console:
-            if request.host:
-                headers["Host"] = request.host
-            secret = self.secret()
-            if secret and request.remote:
-                headers[CLIENT_ADDR_HEADER] = request.remote
-                headers[CLIENT_MAC_HEADER] = _client_mac(secret, request.remote)
+        if console and request.host:
+            headers["Host"] = request.host
+        # Sign-ins are counted per client address: the console's and 'ctl login's.
+        secret = self.secret()
+        if secret and request.remote:
+            headers[CLIENT_ADDR_HEADER] = request.remote
+            headers[CLIENT_MAC_HEADER] = _client_mac(secret, request.remote)
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout), auto_decompress=False

@@ -1,4 +1,5 @@
-"""The admin API under /api on :8080, for ``llmgw ctl`` and the web UI; bearer admin token.
+"""The admin API under /api on :8080, for ``llmgw ctl`` and the web console; a bearer admin
+token or an account's token from ``llmgw ctl login`` (a viewer's only reads).
 
 Every answer is JSON; errors are ``{"error": {"message", "code"}}`` with a message that
 says what to do. One module per route group: :mod:`.nodes` (the fleet), :mod:`.models`
@@ -6,8 +7,8 @@ says what to do. One module per route group: :mod:`.nodes` (the fleet), :mod:`.m
 tokens), :mod:`.software` (desired engines, agent updates, the admin password), :mod:`.ca`
 (the cluster CA, its rotation and its export), :mod:`.instances` (the control-plane
 instances on PostgreSQL, and retiring one), :mod:`.metrics` (each model's last hour of
-requests and TTFT), :mod:`.users` (operator accounts); :mod:`.context` holds what they
-share. A new route goes in its
+requests and TTFT), :mod:`.users` (operator accounts, whoami), :mod:`.logins` (``ctl
+login``'s sign-in and sign-out); :mod:`.context` holds what they share. A new route goes in its
 group's module and in the table below.
 """
 
@@ -17,8 +18,15 @@ from aiohttp import web
 
 from llmgw.server.admin.access import AccessRoutes
 from llmgw.server.admin.ca import CARoutes
-from llmgw.server.admin.context import ADMIN_MAX_BODY, AdminContext, Listening, guarded
+from llmgw.server.admin.context import (
+    ADMIN_MAX_BODY,
+    AdminContext,
+    Listening,
+    answered,
+    guarded,
+)
 from llmgw.server.admin.instances import InstanceRoutes
+from llmgw.server.admin.logins import LoginRoutes
 from llmgw.server.admin.metrics import MetricsRoutes
 from llmgw.server.admin.models import ModelRoutes
 from llmgw.server.admin.nodes import NodeRoutes
@@ -41,7 +49,11 @@ def add_admin_routes(
     instances = InstanceRoutes(ctx)
     metrics = MetricsRoutes(ctx)
     users = UserRoutes(ctx)
+    logins = LoginRoutes(ctx)
     r = app.router
+    # Signing in needs no credential; signing out only the login's own (a viewer's too).
+    r.add_route("POST", "/api/login", answered(logins.login))
+    r.add_route("POST", "/api/logout", answered(logins.logout))
     for method, path, handler in (
         ("GET", "/api/status", nodes.status),
         ("GET", "/api/nodes", nodes.nodes),

@@ -1,13 +1,17 @@
 """Admin routes that hand out access: API keys for the gateway, with their policy (what a
 key may do, :mod:`llmgw.contracts.keypolicy`) and their usage (the store's rows and this
 instance's counts not flushed yet), and join tokens (with the command that joins a node)
-for the enrolment service."""
+for the enrolment service.
+
+Minting a join token is :func:`create_join_token`, which ``POST /api/join-tokens`` and the
+console's Add node page both call; what the console shows and does to API keys is the same
+code too: :func:`create_key`, :func:`revoke_key`, :func:`key_detail` and :func:`usage_rows`."""
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterable
-from dataclasses import replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -32,7 +36,18 @@ from llmgw.server.principals import principal_of
 from llmgw.server.states import NodeState, TokenKind
 from llmgw.server.store import ApiKey
 
-__all__ = ["DEFAULT_USAGE_SINCE", "AccessRoutes", "add_usage_rows", "key_json"]
+__all__ = [
+    "DEFAULT_USAGE_SINCE",
+    "AccessRoutes",
+    "JoinToken",
+    "add_usage_rows",
+    "create_join_token",
+    "create_key",
+    "key_detail",
+    "key_json",
+    "revoke_key",
+    "usage_rows",
+]
 
 DEFAULT_USAGE_SINCE = "7d"
 """How far back ``GET /api/usage`` reads when not told (the day a week ago, through today)."""
@@ -49,30 +64,19 @@ class AccessRoutes:
 
     async def keys(self, request: web.Request) -> web.Response:
         include = request.query.get("all") in ("1", "true")
-        now = self._now()
+        now = _now(self.ctx)
         return web.json_response(
             [key_json(k, now) for k in self.ctx.store.list_api_keys(include_revoked=include)]
         )
 
     async def create_key(self, request: web.Request) -> web.Response:
         body = await read_json(self.ctx, request)
-        name = body.get("name")
-        if not isinstance(name, str) or not name.strip() or len(name) > 64:
-            raise BadRequest("a key needs a name of 1-64 characters (who or what uses it)")
-        policy = policy_from_json(body, now=self._now())
-        key, secret = self.ctx.store.create_api_key(name.strip(), policy)
-        self.ctx.serving.refresh_keys()
-        self.ctx.store.add_event(
-            "key_created",
-            key.id,
-            f"{key.name}: {key.policy.summary(expiry=True)}",
-            principal_of(request).actor,
-        )
-        return web.json_response({**key_json(key, self._now()), "key": secret}, status=201)
+        key, secret = create_key(self.ctx, body, actor=principal_of(request).actor)
+        return web.json_response({**key_json(key, _now(self.ctx)), "key": secret}, status=201)
 
     async def key(self, request: web.Request) -> web.Response:
         key = self.ctx.store.get_api_key(request.match_info["key"], prefer_active=True)
-        return web.json_response(self._shown(key))
+        return web.json_response(key_detail(self.ctx, key))
 
     async def update_key(self, request: web.Request) -> web.Response:
         body = await read_json(self.ctx, request)
@@ -86,7 +90,7 @@ class AccessRoutes:
         store = self.ctx.store
         with store.transaction():  # read, change and write the policy as one step
             key = store.get_api_key(request.match_info["key"], prefer_active=True)
-            policy = policy_from_json(body, base=key.policy, now=self._now())
+            policy = policy_from_json(body, base=key.policy, now=_now(self.ctx))
             changes = policy_changes(key.policy, policy)
             if changes or key.revoked:  # a revoked key is refused, even with no change
                 key = store.update_api_key(key.id, policy)
@@ -98,14 +102,12 @@ class AccessRoutes:
                 f"{key.name}: {describe_changes(changes)}",
                 principal_of(request).actor,
             )
-        shown = self._shown(key)
+        shown = key_detail(self.ctx, key)
         shown["changed"] = {k: {"from": old, "to": new} for k, (old, new) in changes.items()}
         return web.json_response(shown)
 
     async def revoke_key(self, request: web.Request) -> web.Response:
-        key = self.ctx.store.revoke_api_key(request.match_info["key"])
-        self.ctx.serving.refresh_keys()
-        self.ctx.store.add_event("key_revoked", key.id, key.name, principal_of(request).actor)
+        key = revoke_key(self.ctx, request.match_info["key"], actor=principal_of(request).actor)
         return web.json_response({"id": key.id, "name": key.name, "revoked_at": key.revoked_at})
 
     async def usage(self, request: web.Request) -> web.Response:
@@ -116,7 +118,7 @@ class AccessRoutes:
                 f"unknown parameter(s) {', '.join(unknown)}; /api/usage takes "
                 f"{', '.join(_USAGE_QUERY)}"
             )
-        now = self._now()
+        now = _now(self.ctx)
         since = usage_day_from(query.get("since", DEFAULT_USAGE_SINCE), now, "since")
         until = None if "until" not in query else usage_day_from(query["until"], now, "until")
         if until is not None and until < since:
@@ -125,247 +127,20 @@ class AccessRoutes:
         if "key" in query:
             key_id = self.ctx.store.get_api_key(query["key"], prefer_active=True).id
         model = query.get("model")
-        rows = self._usage(key_id=key_id, model=model, since_day=since, until_day=until)
+        rows = usage_rows(self.ctx, key_id=key_id, model=model, since_day=since, until_day=until)
         return web.json_response([r.to_json() for r in rows])
-
-    def _now(self) -> float:
-        return self.ctx.store.database.clock()
-
-    def _usage(
-        self,
-        *,
-        key_id: str | None = None,
-        model: str | None = None,
-        since_day: str | None = None,
-        until_day: str | None = None,
-    ) -> list[UsageRow]:
-        """The stored rows and this instance's counts not flushed yet, added together."""
-        stored = self.ctx.store.list_usage(
-            key_id=key_id, model=model, since_day=since_day, until_day=until_day
-        )
-        pending = [
-            r
-            for r in self.ctx.pending_usage()
-            if (key_id is None or r.key_id == key_id)
-            and (model is None or r.model == model)
-            and (since_day is None or r.day >= since_day)
-            and (until_day is None or r.day <= until_day)
-        ]
-        if not pending:
-            return stored
-        names: dict[str, str] = {}
-        if any(not r.key_name for r in pending):
-            names = {k.id: k.name for k in self.ctx.store.list_api_keys(include_revoked=True)}
-        return add_usage_rows(stored, pending, names)
-
-    def _shown(self, key: ApiKey) -> dict[str, Any]:
-        """A key as ``GET /api/keys/{key}`` answers: the key, its policy and its usage."""
-        now = self._now()
-        today = usage_day(now)
-        week = usage_day(now - 6 * 86400)
-        budget = key.policy.budget
-        start = period_start(budget.period, now) if budget is not None else today
-        rows = self._usage(key_id=key.id, since_day=min(week, start))
-        usage: dict[str, Any] = {
-            "today": {"day": today, **_totals(r for r in rows if r.day == today)},
-            "budget": None,
-            "last_7_days": {
-                "since": week,
-                "until": today,
-                "models": [
-                    {
-                        "model": model,
-                        **_totals(r for r in rows if r.model == model and r.day >= week),
-                    }
-                    for model in sorted({r.model for r in rows if r.day >= week})
-                ],
-            },
-        }
-        if budget is not None:
-            spent = sum(r.prompt_tokens + r.completion_tokens for r in rows if r.day >= start)
-            usage["budget"] = {
-                "budget": str(budget),
-                "tokens": budget.tokens,
-                "period": budget.period,
-                "since": start,
-                "spent": spent,
-                "remaining": max(0, budget.tokens - spent),
-            }
-        return {**key_json(key, now), "usage": usage}
 
     # -- joining nodes -----------------------------------------------------------------------------
 
     async def create_join_token(self, request: web.Request) -> web.Response:
         body = await read_json(self.ctx, request)
-        node_id = body.get("node")
-        if not isinstance(node_id, str):
-            raise BadRequest("'node' (the node id to join) is required")
-        try:
-            check_node_id_free(node_id, self.ctx.control_plane_names)
-        except ConfigError as exc:
-            raise BadRequest(str(exc)) from None
-        ttl = body.get("ttl", 3600)
-        if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 60 <= ttl <= 7 * 86400:
-            raise BadRequest("ttl must be between 60 seconds and 7 days")
-        rekey = bool(body.get("rekey", False))
-        lost_state = bool(body.get("lost_state", False))
-        require_approval = bool(body.get("require_approval", False)) or lost_state
-        if lost_state and not rekey:
-            raise BadRequest(
-                "lost_state goes with rekey: re-pairing a node whose state directory is gone is "
-                f"'llmgw ctl join-command --rekey {node_id} --lost-state'"
-            )
-        try:
-            facts = NodeFacts.from_json(body.get("facts"))
-        except ConfigError as exc:
-            raise BadRequest(f"{exc}; fix the option and run join-command again") from None
-        if rekey and not lost_state and facts.as_json():
-            raise BadRequest(
-                f"node facts ({', '.join(facts.given(FACT_OPTIONS))}) go with a join (--node) "
-                "or a re-pair (--rekey NODE --lost-state); a rekey keeps the node's agent.yaml. "
-                "To change them on a joined node, run its installer again: install-agent.sh "
-                "install with them"
-            )
-        host, http_port = self._join_address(request, body.get("address"))
-        warning = None
-        node_uid = None
-        if rekey:
-            node = self.ctx.store.get_node(node_id)
-            if node.state == NodeState.REVOKED:
-                raise Conflict(
-                    f"node {node_id} is revoked; it can come back only through a fresh join "
-                    f"('llmgw ctl join-command --node {node_id}')"
-                )
-            node_uid = node.uid
-        else:
-            try:
-                existing = self.ctx.store.get_node(node_id)
-            except NotFound:
-                existing = None
-            if existing is not None and existing.state != NodeState.REVOKED:
-                warning = (
-                    f"node {node_id} already exists ({existing.state}); a fresh join gives it a new "
-                    "identity, denies its old certificates and needs approval again. To replace "
-                    f"only its key use 'llmgw ctl join-command --rekey {node_id}' (with "
-                    "--lost-state if its state directory is gone)"
-                )
-        # With agent bundles to serve, a node needs nothing but curl: the one-liner downloads
-        # the bundle for its architecture, checks its hash and runs the installer (for a
-        # rekey its 'rekey' verb, which stops the agent, rekeys and starts it again).
-        bundles = [] if self.ctx.bundles is None else await self.ctx.bundles.bundles()
-        installer_only = facts.given(INSTALLER_FACTS)
-        if installer_only and not bundles:
-            raise BadRequest(
-                f"{', '.join(installer_only)} are options of the installer, and this control "
-                "plane serves no agent bundles to print its one-liner with; copy "
-                "llmgw-agent-*-linux-<arch>.tar.gz into its bundle_dir (make dist), or leave "
-                "them out and pass them to install-agent.sh on the node"
-            )
-        token, secret = self.ctx.store.create_join_token(
-            node_id,
-            kind=TokenKind.REKEY if rekey else TokenKind.JOIN,
-            ttl=float(ttl),
-            node_uid=node_uid,
-            require_approval=require_approval,
-            lost_state=lost_state,
+        made = await create_join_token(
+            self.ctx,
+            body,
+            host_header=request.headers.get("Host", ""),
+            actor=principal_of(request).actor,
         )
-        enroll_url = f"https://{format_hostport(host, self.ctx.listening.enroll_port)}"
-        ca_hash = self.ctx.ca.ca_hash()
-        # A re-pair names the uid it keeps: the node has no state directory to read it from.
-        repair = ["--node-uid", node_uid] if lost_state and node_uid else []
-        if bundles:
-            tls = self.ctx.tls
-            command = one_liner(
-                f"{self.ctx.http_scheme}://{format_hostport(host, http_port)}",
-                bundles,
-                node_id=node_id,
-                enroll_url=enroll_url,
-                ca_hash=ca_hash,
-                token=secret,
-                # A new node does not trust the cluster CA yet, and curl cannot pin one by
-                # its key hash: the download's integrity is the SHA-256 in the command.
-                verify_tls=tls is None or not tls.cluster,
-                verb="rekey" if rekey and not lost_state else "install",
-                extra_args=[*repair, *facts.args()],
-            )
-        else:
-            # Everything in a command for an operator to paste is quoted for the shell,
-            # whatever validation it went through.
-            args = [
-                "llmgw",
-                "agent",
-                "join",
-                "--node-id",
-                node_id,
-                "--enroll-url",
-                enroll_url,
-                "--ca-hash",
-                ca_hash,
-                *(["--rekey"] if rekey and not lost_state else []),
-                *repair,
-                *facts.args(AGENT_FACTS),
-            ]
-            command = f"LLMGW_JOIN_TOKEN={shlex.quote(secret)} " + shlex.join(args)
-        what = "lost-state rekey" if lost_state else str(token.kind)
-        self.ctx.store.add_event(
-            "join_token_created",
-            node_id,
-            f"{what} token {token.id}, expires in {ttl:.0f}s",
-            principal_of(request).actor,
-        )
-        return web.json_response(
-            {
-                "id": token.id,
-                "node": node_id,
-                "kind": token.kind,
-                "lost_state": token.lost_state,
-                "node_uid": node_uid if lost_state else None,
-                "token": secret,
-                "expires_at": token.expires_at,
-                "enroll_url": enroll_url,
-                "ca_hash": ca_hash,
-                "facts": facts.as_json(),
-                "command": command,
-                "warning": warning,
-            },
-            status=201,
-        )
-
-    def _join_address(self, request: web.Request, address: object) -> tuple[str, int]:
-        """The host a new node reaches the control plane at, and the gateway port it
-        downloads the bundle from: ``address`` (host[:port], IPv6 in brackets), else the
-        first ``advertise`` name, else the host of the request's Host header. Anything that
-        is not a host[:port] is refused (it would end up in a command run as root)."""
-        port = self.ctx.listening.http_port
-        if address is not None:
-            if not isinstance(address, str):
-                raise BadRequest(
-                    "address must be a string host[:port] (IPv6 in brackets), e.g. "
-                    "cp.example.net or [fd00::1]:8080"
-                )
-            try:
-                return parse_hostport(address, default_port=port)
-            except ConfigError as exc:
-                raise BadRequest(
-                    f"address {exc.message}; give host[:port] (IPv6 in brackets), e.g. "
-                    "--address cp.example.net"
-                ) from None
-        if self.ctx.advertise:
-            return self.ctx.advertise[0], port
-        header = request.headers.get("Host", "")
-        if not header:
-            return "127.0.0.1", port
-        try:
-            host, _port = parse_hostport(header, default_port=port)
-        except ConfigError as exc:
-            raise BadRequest(
-                f"the request's Host header {exc.message}; give the address nodes reach the "
-                "control plane at ('llmgw ctl join-command --address HOST', or advertise in "
-                "server.yaml)"
-            ) from None
-        # The port in Host is the one this request came in through (a tunnel, a proxy);
-        # a node dials the gateway's own.
-        return host, port
+        return web.json_response(made.as_json(), status=201)
 
     async def join_tokens(self, request: web.Request) -> web.Response:
         include = request.query.get("all") in ("1", "true")
@@ -395,6 +170,322 @@ class AccessRoutes:
         return web.json_response(
             {"id": token.id, "node": token.node_id, "revoked_at": token.revoked_at}
         )
+
+
+def create_key(ctx: AdminContext, body: Mapping[str, Any], *, actor: str) -> tuple[ApiKey, str]:
+    """A new key named ``body["name"]`` with the policy the rest of ``body`` gives
+    (:func:`~llmgw.contracts.keypolicy.policy_from_json`); its row and its secret, which
+    nothing keeps (shown once). ``BadRequest`` for a bad name, ``ConfigError`` for a bad
+    policy value, ``Conflict`` when an active key has the name."""
+    name = body.get("name")
+    if not isinstance(name, str) or not name.strip() or len(name) > 64:
+        raise BadRequest("a key needs a name of 1-64 characters (who or what uses it)")
+    policy = policy_from_json(body, now=_now(ctx))
+    key, secret = ctx.store.create_api_key(name.strip(), policy)
+    ctx.serving.refresh_keys()
+    ctx.store.add_event(
+        "key_created", key.id, f"{key.name}: {key.policy.summary(expiry=True)}", actor
+    )
+    return key, secret
+
+
+def revoke_key(ctx: AdminContext, key: str, *, actor: str) -> ApiKey:
+    """Revoke the key ``key`` names (id, unique prefix or name); the revoked row
+    (``Conflict`` when it is revoked already)."""
+    revoked = ctx.store.revoke_api_key(key)
+    ctx.serving.refresh_keys()
+    ctx.store.add_event("key_revoked", revoked.id, revoked.name, actor)
+    return revoked
+
+
+def _now(ctx: AdminContext) -> float:
+    return ctx.store.database.clock()
+
+
+def usage_rows(
+    ctx: AdminContext,
+    *,
+    key_id: str | None = None,
+    model: str | None = None,
+    since_day: str | None = None,
+    until_day: str | None = None,
+) -> list[UsageRow]:
+    """The stored rows and this instance's counts not flushed yet, added together."""
+    stored = ctx.store.list_usage(
+        key_id=key_id, model=model, since_day=since_day, until_day=until_day
+    )
+    pending = [
+        r
+        for r in ctx.pending_usage()
+        if (key_id is None or r.key_id == key_id)
+        and (model is None or r.model == model)
+        and (since_day is None or r.day >= since_day)
+        and (until_day is None or r.day <= until_day)
+    ]
+    if not pending:
+        return stored
+    names: dict[str, str] = {}
+    if any(not r.key_name for r in pending):
+        names = {k.id: k.name for k in ctx.store.list_api_keys(include_revoked=True)}
+    return add_usage_rows(stored, pending, names)
+
+
+def key_detail(ctx: AdminContext, key: ApiKey) -> dict[str, Any]:
+    """A key as ``GET /api/keys/{key}`` answers: the key, its policy and its usage (today,
+    its budget's period, the last 7 days per model)."""
+    now = _now(ctx)
+    today = usage_day(now)
+    week = usage_day(now - 6 * 86400)
+    budget = key.policy.budget
+    start = period_start(budget.period, now) if budget is not None else today
+    rows = usage_rows(ctx, key_id=key.id, since_day=min(week, start))
+    usage: dict[str, Any] = {
+        "today": {"day": today, **_totals(r for r in rows if r.day == today)},
+        "budget": None,
+        "last_7_days": {
+            "since": week,
+            "until": today,
+            "models": [
+                {
+                    "model": model,
+                    **_totals(r for r in rows if r.model == model and r.day >= week),
+                }
+                for model in sorted({r.model for r in rows if r.day >= week})
+            ],
+        },
+    }
+    if budget is not None:
+        spent = sum(r.prompt_tokens + r.completion_tokens for r in rows if r.day >= start)
+        usage["budget"] = {
+            "budget": str(budget),
+            "tokens": budget.tokens,
+            "period": budget.period,
+            "since": start,
+            "spent": spent,
+            "remaining": max(0, budget.tokens - spent),
+        }
+    return {**key_json(key, now), "usage": usage}
+
+
+@dataclass(frozen=True)
+class JoinToken:
+    """A join token just minted, with what an operator pastes on the node: ``agent_command``
+    (``llmgw agent join ...``, for a node that has llmgw) and, when the control plane serves
+    agent bundles, ``one_liner`` (download, check, install). ``secret`` is shown once, here,
+    and never stored (the store keeps its hash)."""
+
+    id: str
+    node: str
+    kind: str
+    lost_state: bool
+    node_uid: str | None
+    secret: str
+    expires_at: float
+    enroll_url: str
+    ca_hash: str
+    facts: dict[str, object]
+    agent_command: str
+    one_liner: str | None
+    warning: str | None
+
+    @property
+    def command(self) -> str:
+        """The one command to paste: the one-liner where there are bundles."""
+        return self.one_liner or self.agent_command
+
+    def as_json(self) -> dict[str, Any]:
+        """``POST /api/join-tokens``' answer."""
+        return {
+            "id": self.id,
+            "node": self.node,
+            "kind": self.kind,
+            "lost_state": self.lost_state,
+            "node_uid": self.node_uid if self.lost_state else None,
+            "token": self.secret,
+            "expires_at": self.expires_at,
+            "enroll_url": self.enroll_url,
+            "ca_hash": self.ca_hash,
+            "facts": self.facts,
+            "command": self.command,
+            "warning": self.warning,
+        }
+
+
+async def create_join_token(
+    ctx: AdminContext, body: Mapping[str, Any], *, host_header: str, actor: str
+) -> JoinToken:
+    """Mint a join token as ``body`` asks (``node``, ``ttl``, ``rekey``, ``lost_state``,
+    ``require_approval``, ``facts``, ``address``: ``POST /api/join-tokens``' JSON, which the
+    console's Add node form is turned into), recorded in the events as ``actor``'s. The host
+    nodes reach the control plane at is ``address``, else the first ``advertise`` name,
+    else ``host_header``'s host. BadRequest, Conflict or NotFound mint nothing."""
+    node_id = body.get("node")
+    if not isinstance(node_id, str):
+        raise BadRequest("'node' (the node id to join) is required")
+    try:
+        check_node_id_free(node_id, ctx.control_plane_names)
+    except ConfigError as exc:
+        raise BadRequest(str(exc)) from None
+    ttl = body.get("ttl", 3600)
+    if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 60 <= ttl <= 7 * 86400:
+        raise BadRequest("ttl must be between 60 seconds and 7 days")
+    rekey = bool(body.get("rekey", False))
+    lost_state = bool(body.get("lost_state", False))
+    require_approval = bool(body.get("require_approval", False)) or lost_state
+    if lost_state and not rekey:
+        raise BadRequest(
+            "lost_state goes with rekey: re-pairing a node whose state directory is gone is "
+            f"'llmgw ctl join-command --rekey {node_id} --lost-state'"
+        )
+    try:
+        facts = NodeFacts.from_json(body.get("facts"))
+    except ConfigError as exc:
+        raise BadRequest(f"{exc}; fix the option and run join-command again") from None
+    if rekey and not lost_state and facts.as_json():
+        raise BadRequest(
+            f"node facts ({', '.join(facts.given(FACT_OPTIONS))}) go with a join (--node) "
+            "or a re-pair (--rekey NODE --lost-state); a rekey keeps the node's agent.yaml. "
+            "To change them on a joined node, run its installer again: install-agent.sh "
+            "install with them"
+        )
+    host, http_port = _join_address(ctx, host_header, body.get("address"))
+    warning = None
+    node_uid = None
+    if rekey:
+        node = ctx.store.get_node(node_id)
+        if node.state == NodeState.REVOKED:
+            raise Conflict(
+                f"node {node_id} is revoked; it can come back only through a fresh join "
+                f"('llmgw ctl join-command --node {node_id}')"
+            )
+        node_uid = node.uid
+    else:
+        try:
+            existing = ctx.store.get_node(node_id)
+        except NotFound:
+            existing = None
+        if existing is not None and existing.state != NodeState.REVOKED:
+            warning = (
+                f"node {node_id} already exists ({existing.state}); a fresh join gives it a new "
+                "identity, denies its old certificates and needs approval again. To replace "
+                f"only its key use 'llmgw ctl join-command --rekey {node_id}' (with "
+                "--lost-state if its state directory is gone)"
+            )
+    # With agent bundles to serve, a node needs nothing but curl: the one-liner downloads
+    # the bundle for its architecture, checks its hash and runs the installer (for a
+    # rekey its 'rekey' verb, which stops the agent, rekeys and starts it again).
+    bundles = [] if ctx.bundles is None else await ctx.bundles.bundles()
+    installer_only = facts.given(INSTALLER_FACTS)
+    if installer_only and not bundles:
+        raise BadRequest(
+            f"{', '.join(installer_only)} are options of the installer, and this control "
+            "plane serves no agent bundles to print its one-liner with; copy "
+            "llmgw-agent-*-linux-<arch>.tar.gz into its bundle_dir (make dist), or leave "
+            "them out and pass them to install-agent.sh on the node"
+        )
+    token, secret = ctx.store.create_join_token(
+        node_id,
+        kind=TokenKind.REKEY if rekey else TokenKind.JOIN,
+        ttl=float(ttl),
+        node_uid=node_uid,
+        require_approval=require_approval,
+        lost_state=lost_state,
+    )
+    enroll_url = f"https://{format_hostport(host, ctx.listening.enroll_port)}"
+    ca_hash = ctx.ca.ca_hash()
+    # A re-pair names the uid it keeps: the node has no state directory to read it from.
+    repair = ["--node-uid", node_uid] if lost_state and node_uid else []
+    command = None
+    if bundles:
+        tls = ctx.tls
+        command = one_liner(
+            f"{ctx.http_scheme}://{format_hostport(host, http_port)}",
+            bundles,
+            node_id=node_id,
+            enroll_url=enroll_url,
+            ca_hash=ca_hash,
+            token=secret,
+            # A new node does not trust the cluster CA yet, and curl cannot pin one by
+            # its key hash: the download's integrity is the SHA-256 in the command.
+            verify_tls=tls is None or not tls.cluster,
+            verb="rekey" if rekey and not lost_state else "install",
+            extra_args=[*repair, *facts.args()],
+        )
+    # Everything in a command for an operator to paste is quoted for the shell, whatever
+    # validation it went through.
+    args = [
+        "llmgw",
+        "agent",
+        "join",
+        "--node-id",
+        node_id,
+        "--enroll-url",
+        enroll_url,
+        "--ca-hash",
+        ca_hash,
+        *(["--rekey"] if rekey and not lost_state else []),
+        *repair,
+        *facts.args(AGENT_FACTS),
+    ]
+    agent_command = f"LLMGW_JOIN_TOKEN={shlex.quote(secret)} " + shlex.join(args)
+    what = "lost-state rekey" if lost_state else str(token.kind)
+    ctx.store.add_event(
+        "join_token_created",
+        node_id,
+        f"{what} token {token.id}, expires in {ttl:.0f}s",
+        actor,
+    )
+    return JoinToken(
+        id=token.id,
+        node=node_id,
+        kind=str(token.kind),
+        lost_state=token.lost_state,
+        node_uid=node_uid,
+        secret=secret,
+        expires_at=token.expires_at,
+        enroll_url=enroll_url,
+        ca_hash=ca_hash,
+        facts=facts.as_json(),
+        agent_command=agent_command,
+        one_liner=command,
+        warning=warning,
+    )
+
+
+def _join_address(ctx: AdminContext, header: str, address: object) -> tuple[str, int]:
+    """The host a new node reaches the control plane at, and the gateway port it
+    downloads the bundle from: ``address`` (host[:port], IPv6 in brackets), else the
+    first ``advertise`` name, else the host of the request's Host ``header``. Anything that
+    is not a host[:port] is refused (it would end up in a command run as root)."""
+    port = ctx.listening.http_port
+    if address is not None:
+        if not isinstance(address, str):
+            raise BadRequest(
+                "address must be a string host[:port] (IPv6 in brackets), e.g. "
+                "cp.example.net or [fd00::1]:8080"
+            )
+        try:
+            return parse_hostport(address, default_port=port)
+        except ConfigError as exc:
+            raise BadRequest(
+                f"address {exc.message}; give host[:port] (IPv6 in brackets), e.g. "
+                "--address cp.example.net"
+            ) from None
+    if ctx.advertise:
+        return ctx.advertise[0], port
+    if not header:
+        return "127.0.0.1", port
+    try:
+        host, _port = parse_hostport(header, default_port=port)
+    except ConfigError as exc:
+        raise BadRequest(
+            f"the request's Host header {exc.message}; give the address nodes reach the "
+            "control plane at ('llmgw ctl join-command --address HOST', or advertise in "
+            "server.yaml)"
+        ) from None
+    # The port in Host is the one this request came in through (a tunnel, a proxy);
+    # a node dials the gateway's own.
+    return host, port
 
 
 def key_json(key: ApiKey, now: float) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from llmgw.server.logins import Logins
 from llmgw.server.nodes import Membership
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import AdminPassword
-from llmgw.server.principals import PRINCIPAL, Principal
+from llmgw.server.principals import PRINCIPAL, VIA_CLI, Principal
 from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
 from llmgw.server.serving import ServingCache
@@ -57,8 +57,11 @@ __all__ = [
     "BadRequest",
     "Handler",
     "Listening",
+    "answered",
+    "authenticate",
     "error_response",
     "guarded",
+    "login_token",
     "read_json",
 ]
 
@@ -146,13 +149,24 @@ _ANSWERS: tuple[tuple[type[LlmgwError], int, str], ...] = (
 
 
 def authenticate(ctx: AdminContext, request: web.Request) -> Principal | None:
-    """Who the request's bearer credential names: the shared admin token, or None."""
+    """Who the request's bearer credential names: the shared admin token, an account's
+    token from ``llmgw ctl login`` (its role as the account has it now), or None."""
     token = bearer_token(request)
     if token is None:
         return None
     if hmac.compare_digest(token, ctx.admin_token.encode()):
         return Principal.shared_token()
-    return None
+    session = ctx.logins.resolve(login_token(token), VIA_CLI)
+    return None if session is None else session.principal
+
+
+def login_token(raw: bytes) -> str:
+    """A bearer credential as a login token: the text of one, or '' (which resolves to
+    nothing) for bytes no token has."""
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError:
+        return ""
 
 
 _READS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -189,6 +203,18 @@ def guarded(ctx: AdminContext, handler: Handler) -> Handler:
                 "forbidden",
             )
         request[PRINCIPAL] = principal
+        return await answer(request)
+
+    answer = answered(handler)
+    return wrapped
+
+
+def answered(handler: Handler) -> Handler:
+    """``handler`` with its errors answered as the admin API's JSON errors (``guarded``'s
+    half without the credential check, for the sign-in route)."""
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        peer = request.remote or ""
         try:
             return await handler(request)
         except (BadRequest, ConfigError) as exc:  # ConfigError: a value that cannot be used

@@ -3,6 +3,7 @@ deploying and undeploying, and their replicas."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -34,6 +35,190 @@ def _is_adhoc(model: Model) -> bool:
     return _profiles_of(model) == {DEFAULT_PROFILE: adhoc_profile(model.engine, model.params)}
 
 
+def model_json(ctx: AdminContext, model: Model) -> dict[str, Any]:
+    """A model as ``GET /api/models`` lists it: its profile, ready (routable) and desired
+    replicas, and why the scheduler cannot place it (None when it can)."""
+    ready = len(ctx.router.endpoints(model.name))
+    unplaceable = ctx.scheduler.unplaceable.get(model.name)
+    profiles = _profiles_of(model)
+    spec = profiles.get(model.profile, {})
+    return {
+        "name": model.name,
+        "profile": model.profile,
+        "profiles": sorted(profiles),
+        "engine": model.engine,
+        "gpus": spec.get("gpus", 0),
+        "nodes": spec.get("nodes", 1),
+        # The deployed profile's weights: a name, a path, or {url, sha256}; None if none.
+        "source": spec.get("source"),
+        "replicas": model.replicas,
+        "ready": ready,
+        "params": model.params,
+        "unplaceable": (
+            None
+            if unplaceable is None
+            else f"replacing replicas of an older profile waits for room: {unplaceable.reason}"
+            if model.name in ctx.scheduler.rolling
+            else unplaceable.reason
+        ),
+        # Replicas of another profile still running while a profile switch rolls.
+        "older_profile_replicas": sum(
+            1
+            for r in ctx.store.list_replicas(model.name)
+            if r.profile is not None and r.profile != model.profile
+        ),
+        "created_at": model.created_at,
+    }
+
+
+def catalog_json(ctx: AdminContext) -> dict[str, dict[str, Any]]:
+    """Every model the control plane knows (from the catalog or deployed ad hoc), deployed
+    or not, with its profiles: ``{name: {"profiles": {profile: spec}}}``."""
+    return {m.name: {"profiles": _profiles_of(m)} for m in ctx.store.list_models()}
+
+
+def deploy(ctx: AdminContext, body: Mapping[str, Any], *, actor: str) -> tuple[Model, bool]:
+    """Deploy a catalog model's profile (``{"name", "profile", "replicas"}``), scale a
+    model (``{"name", "replicas"}``), or deploy an ad-hoc model (``{"name", "engine",
+    "replicas", "params"}``), which gets a single ``default`` profile. The model deployed, and whether it is new. ``BadRequest``
+    for a value that cannot be used, ``NotFound`` for a model or profile there is not."""
+    name = body.get("name")
+    if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
+        raise BadRequest(
+            "model name must be 1-128 characters of letters, digits and . _ : / -, "
+            "starting with a letter or digit"
+        )
+    replicas = body.get("replicas")
+    if replicas is not None and (
+        not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= 1000
+    ):
+        raise BadRequest("replicas must be a whole number from 0 to 1000")
+    profile = body.get("profile")
+    adhoc = "engine" in body or "params" in body
+    if profile is not None and adhoc:
+        raise BadRequest(
+            "give either 'profile' (a profile of a catalog model) or 'engine' and 'params' "
+            "(a model deployed without the catalog), not both"
+        )
+    if profile is not None and (not isinstance(profile, str) or not profile):
+        raise BadRequest("profile must be the name of one of the model's profiles")
+    try:
+        existing = ctx.store.get_model(name)
+    except NotFound:
+        existing = None
+    if replicas is None:
+        # Not given: a deployed model keeps its count (e.g. a profile switch), a new one
+        # gets one replica.
+        replicas = existing.replicas if existing is not None else 1
+    if not adhoc and (profile is not None or existing is not None):
+        if existing is None:
+            raise NotFound(
+                f"no model named {name}; add it to the catalog with 'llmgw ctl models apply "
+                "-f catalog.yaml' ('llmgw ctl models' lists the models there are)"
+            )
+        model = ctx.store.deploy_model(name, profile=profile or existing.profile, replicas=replicas)
+        what = f"profile {model.profile} ({model.engine})"
+    else:
+        model = _deploy_adhoc(ctx, name, body, replicas, existing)
+        what = model.engine
+    ctx.serving.refresh_models()
+    ctx.store.add_event("model_deployed", name, f"{what}, {replicas} replicas", actor)
+    ctx.scheduler.kick()
+    return model, existing is None
+
+
+def _deploy_adhoc(
+    ctx: AdminContext, name: str, body: Mapping[str, Any], replicas: int, existing: Model | None
+) -> Model:
+    engine = body.get("engine", "sim")
+    if engine not in engine_names():
+        raise BadRequest(f"unknown engine {engine!r}; choose one of {', '.join(engine_names())}")
+    params = body.get("params", {})
+    if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
+        raise BadRequest("params must be an object of name: value")
+    for key, value in params.items():
+        if key == "extra_args":
+            if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+                raise BadRequest("params.extra_args must be a list of strings")
+        elif not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise BadRequest(f"params.{key} must be a string or a number")
+    # An ad-hoc deploy is a catalog model with one "default" profile: check it as one.
+    profile = adhoc_profile(engine, params)
+    for key in ("source", "gpus", "nodes", "gpu_memory", "placement"):
+        if body.get(key) is not None:
+            profile[key] = body[key]
+    try:
+        parse_profile(profile, model=name, profile=DEFAULT_PROFILE, source="request")
+    except ConfigError as exc:
+        raise BadRequest(str(exc)) from None
+    if existing is not None and not _is_adhoc(existing):
+        raise Conflict(
+            f"model {name} comes from the catalog (profiles "
+            f"{', '.join(sorted(existing.profiles))}); deploy one of them with "
+            f"'llmgw ctl deploy {name} --profile P', or change them in the catalog and "
+            "'llmgw ctl models apply -f catalog.yaml'"
+        )
+    if existing is not None and (existing.engine != engine or existing.params != params):
+        if ctx.store.list_replicas(name):
+            raise Conflict(
+                f"model {name} is deployed with engine {existing.engine} and other params; "
+                f"'llmgw ctl undeploy {name}' first, or deploy it under another name"
+            )
+    return ctx.store.put_model(
+        name,
+        engine=engine,
+        params=params,
+        replicas=replicas,
+        profiles={DEFAULT_PROFILE: profile},
+    )
+
+
+def undeploy(ctx: AdminContext, name: str, *, actor: str) -> None:
+    """Stop every replica of ``name`` and forget the model (``NotFound`` when there is none)."""
+    ctx.store.get_model(name)
+    for replica in ctx.store.list_replicas(name):
+        ctx.scheduler.remove_replica(replica.id, why=f"undeployed {name}")
+    ctx.store.delete_model(name)
+    ctx.router.remove_model(name)
+    ctx.serving.refresh_models()
+    ctx.store.add_event("model_undeployed", name, "undeployed", actor)
+
+
+def replica_rows(ctx: AdminContext, model: str | None = None) -> list[dict[str, Any]]:
+    """Every shard of every replica (of ``model``, else of all models), with its node,
+    state, restarts and last reason, as ``GET /api/replicas`` lists them."""
+    if model is not None:
+        ctx.store.get_model(model)
+    out = []
+    # Each read once for the whole list (a fleet's is thousands of shards).
+    shards: dict[str, list[Shard]] = {}
+    for shard in ctx.store.list_shards():
+        shards.setdefault(shard.replica_id, []).append(shard)
+    endpoints = {e.shard_id: e for e in ctx.router.endpoints(model)}
+    for replica in ctx.store.list_replicas(model):
+        for shard in shards.get(replica.id, []):
+            ep = endpoints.get(shard.id)
+            out.append(
+                {
+                    "replica": replica.id,
+                    "model": replica.model,
+                    "profile": replica.profile,
+                    "state": shard.state,
+                    "node": shard.node_id,
+                    "shard": shard.id,
+                    "rank": shard.rank,
+                    "port": shard.port,
+                    "pid": shard.pid,
+                    "restarts": shard.restarts,
+                    "exit_code": shard.exit_code,
+                    "reason": shard.reason,
+                    "inflight": ep.inflight if ep else 0,
+                    "routable": ep is not None,
+                }
+            )
+    return out
+
+
 class ModelRoutes:
     """Models, the catalog and replicas."""
 
@@ -42,50 +227,11 @@ class ModelRoutes:
 
     # -- models ---------------------------------------------------------------------------------
 
-    def _model(self, model: Model) -> dict[str, Any]:
-        ready = len(self.ctx.router.endpoints(model.name))
-        unplaceable = self.ctx.scheduler.unplaceable.get(model.name)
-        profiles = _profiles_of(model)
-        spec = profiles.get(model.profile, {})
-        return {
-            "name": model.name,
-            "profile": model.profile,
-            "profiles": sorted(profiles),
-            "engine": model.engine,
-            "gpus": spec.get("gpus", 0),
-            "nodes": spec.get("nodes", 1),
-            # The deployed profile's weights: a name, a path, or {url, sha256}; None if none.
-            "source": spec.get("source"),
-            "replicas": model.replicas,
-            "ready": ready,
-            "params": model.params,
-            "unplaceable": (
-                None
-                if unplaceable is None
-                else f"replacing replicas of an older profile waits for room: {unplaceable.reason}"
-                if model.name in self.ctx.scheduler.rolling
-                else unplaceable.reason
-            ),
-            # Replicas of another profile still running while a profile switch rolls.
-            "older_profile_replicas": sum(
-                1
-                for r in self.ctx.store.list_replicas(model.name)
-                if r.profile is not None and r.profile != model.profile
-            ),
-            "created_at": model.created_at,
-        }
-
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response([self._model(m) for m in self.ctx.store.list_models()])
+        return web.json_response([model_json(self.ctx, m) for m in self.ctx.store.list_models()])
 
     async def catalog(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "models": {
-                    m.name: {"profiles": _profiles_of(m)} for m in self.ctx.store.list_models()
-                }
-            }
-        )
+        return web.json_response({"models": catalog_json(self.ctx)})
 
     async def apply_catalog(self, request: web.Request) -> web.Response:
         """Add or update every model of the catalog, all or none; models it does not name
@@ -142,149 +288,17 @@ class ModelRoutes:
         return web.json_response({"models": changes})
 
     async def deploy(self, request: web.Request) -> web.Response:
-        """Deploy a catalog model's profile (``{"name", "profile", "replicas"}``), scale a
-        model (``{"name", "replicas"}``), or deploy an ad-hoc model (``{"name", "engine",
-        "replicas", "params"}``), which gets a single ``default`` profile."""
+        """``POST /api/models``: :func:`deploy`."""
         body = await read_json(self.ctx, request)
-        name = body.get("name")
-        if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
-            raise BadRequest(
-                "model name must be 1-128 characters of letters, digits and . _ : / -, "
-                "starting with a letter or digit"
-            )
-        replicas = body.get("replicas")
-        if replicas is not None and (
-            not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= 1000
-        ):
-            raise BadRequest("replicas must be a whole number from 0 to 1000")
-        profile = body.get("profile")
-        adhoc = "engine" in body or "params" in body
-        if profile is not None and adhoc:
-            raise BadRequest(
-                "give either 'profile' (a profile of a catalog model) or 'engine' and 'params' "
-                "(a model deployed without the catalog), not both"
-            )
-        if profile is not None and (not isinstance(profile, str) or not profile):
-            raise BadRequest("profile must be the name of one of the model's profiles")
-        try:
-            existing = self.ctx.store.get_model(name)
-        except NotFound:
-            existing = None
-        if replicas is None:
-            # Not given: a deployed model keeps its count (e.g. a profile switch), a new one
-            # gets one replica.
-            replicas = existing.replicas if existing is not None else 1
-        if not adhoc and (profile is not None or existing is not None):
-            if existing is None:
-                raise NotFound(
-                    f"no model named {name}; add it to the catalog with 'llmgw ctl models apply "
-                    "-f catalog.yaml' ('llmgw ctl models' lists the models there are)"
-                )
-            model = self.ctx.store.deploy_model(
-                name, profile=profile or existing.profile, replicas=replicas
-            )
-            what = f"profile {model.profile} ({model.engine})"
-        else:
-            model = self._deploy_adhoc(name, body, replicas, existing)
-            what = model.engine
-        self.ctx.serving.refresh_models()
-        self.ctx.store.add_event(
-            "model_deployed", name, f"{what}, {replicas} replicas", principal_of(request).actor
-        )
-        self.ctx.scheduler.kick()
-        return web.json_response(self._model(model), status=201 if existing is None else 200)
-
-    def _deploy_adhoc(
-        self, name: str, body: dict[str, Any], replicas: int, existing: Model | None
-    ) -> Model:
-        engine = body.get("engine", "sim")
-        if engine not in engine_names():
-            raise BadRequest(
-                f"unknown engine {engine!r}; choose one of {', '.join(engine_names())}"
-            )
-        params = body.get("params", {})
-        if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
-            raise BadRequest("params must be an object of name: value")
-        for key, value in params.items():
-            if key == "extra_args":
-                if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
-                    raise BadRequest("params.extra_args must be a list of strings")
-            elif not isinstance(value, str | int | float) or isinstance(value, bool):
-                raise BadRequest(f"params.{key} must be a string or a number")
-        # An ad-hoc deploy is a catalog model with one "default" profile: check it as one.
-        profile = adhoc_profile(engine, params)
-        for key in ("source", "gpus", "nodes", "gpu_memory", "placement"):
-            if body.get(key) is not None:
-                profile[key] = body[key]
-        try:
-            parse_profile(profile, model=name, profile=DEFAULT_PROFILE, source="request")
-        except ConfigError as exc:
-            raise BadRequest(str(exc)) from None
-        if existing is not None and not _is_adhoc(existing):
-            raise Conflict(
-                f"model {name} comes from the catalog (profiles "
-                f"{', '.join(sorted(existing.profiles))}); deploy one of them with "
-                f"'llmgw ctl deploy {name} --profile P', or change them in the catalog and "
-                "'llmgw ctl models apply -f catalog.yaml'"
-            )
-        if existing is not None and (existing.engine != engine or existing.params != params):
-            if self.ctx.store.list_replicas(name):
-                raise Conflict(
-                    f"model {name} is deployed with engine {existing.engine} and other params; "
-                    f"'llmgw ctl undeploy {name}' first, or deploy it under another name"
-                )
-        return self.ctx.store.put_model(
-            name,
-            engine=engine,
-            params=params,
-            replicas=replicas,
-            profiles={DEFAULT_PROFILE: profile},
-        )
+        model, created = deploy(self.ctx, body, actor=principal_of(request).actor)
+        return web.json_response(model_json(self.ctx, model), status=201 if created else 200)
 
     async def undeploy(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
-        self.ctx.store.get_model(name)
-        for replica in self.ctx.store.list_replicas(name):
-            self.ctx.scheduler.remove_replica(replica.id, why=f"undeployed {name}")
-        self.ctx.store.delete_model(name)
-        self.ctx.router.remove_model(name)
-        self.ctx.serving.refresh_models()
-        self.ctx.store.add_event(
-            "model_undeployed", name, "undeployed", principal_of(request).actor
-        )
+        undeploy(self.ctx, name, actor=principal_of(request).actor)
         return web.json_response({"name": name, "undeployed": True})
 
     # -- replicas -------------------------------------------------------------------------------
 
     async def replicas(self, request: web.Request) -> web.Response:
-        model = request.query.get("model") or None
-        if model is not None:
-            self.ctx.store.get_model(model)
-        out = []
-        # Each read once for the whole list (a fleet's is thousands of shards).
-        shards: dict[str, list[Shard]] = {}
-        for shard in self.ctx.store.list_shards():
-            shards.setdefault(shard.replica_id, []).append(shard)
-        endpoints = {e.shard_id: e for e in self.ctx.router.endpoints(model)}
-        for replica in self.ctx.store.list_replicas(model):
-            for shard in shards.get(replica.id, []):
-                ep = endpoints.get(shard.id)
-                out.append(
-                    {
-                        "replica": replica.id,
-                        "model": replica.model,
-                        "profile": replica.profile,
-                        "state": shard.state,
-                        "node": shard.node_id,
-                        "shard": shard.id,
-                        "rank": shard.rank,
-                        "port": shard.port,
-                        "pid": shard.pid,
-                        "restarts": shard.restarts,
-                        "exit_code": shard.exit_code,
-                        "reason": shard.reason,
-                        "inflight": ep.inflight if ep else 0,
-                        "routable": ep is not None,
-                    }
-                )
-        return web.json_response(out)
+        return web.json_response(replica_rows(self.ctx, request.query.get("model") or None))

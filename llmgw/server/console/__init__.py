@@ -5,8 +5,13 @@ Modules: :mod:`.render` (templates, static files under hashed URLs), :mod:`.secu
 headers, cookies, CSRF and Origin checks), :mod:`.site` (what the handlers share, the HTML
 answers and error pages), :mod:`.auth` (sessions, the guards, login and logout),
 :mod:`.pages` (Overview, Nodes, a node, Events, and their live fragments), :mod:`.stream`
-(the events as server-sent events), :mod:`.actions` (drain, uncordon, revoke a node). A new
-page is a handler and a row in the table below.
+(the events as server-sent events), :mod:`.actions` (drain, uncordon, revoke a node),
+:mod:`.joining` (Add node: a join token, its command shown once), :mod:`.approval`
+(Approve: pending nodes by fingerprint, reject), :mod:`.updating` (Update now: a signed
+agent update behind the account's password), :mod:`.models` (the catalog, the deployed
+models, a model's replicas; deploy, scale, switch profile, undeploy), :mod:`.keys` (API
+keys with their usage; create, shown once, and revoke). A new page is a handler and a row
+in the table below.
 """
 
 from __future__ import annotations
@@ -18,12 +23,17 @@ from aiohttp import web
 
 from llmgw.server.admin.context import AdminContext
 from llmgw.server.console.actions import ACTIONS, NodeActions
+from llmgw.server.console.approval import Approval
 from llmgw.server.console.auth import ConsoleAuth
+from llmgw.server.console.joining import AddNode
+from llmgw.server.console.keys import KeyPages
+from llmgw.server.console.models import ModelPages
 from llmgw.server.console.pages import Pages
 from llmgw.server.console.render import Assets, Renderer
 from llmgw.server.console.security import secure_headers
 from llmgw.server.console.site import Flash, Site, handled
 from llmgw.server.console.stream import EventStream
+from llmgw.server.console.updating import UpdateNow
 
 __all__ = ["Console", "add_console_routes"]
 
@@ -41,6 +51,11 @@ class Console:
         self.pages = Pages(self.site, clock=clock)
         self.stream = EventStream(self.site)
         self.actions = NodeActions(self.site)
+        self.add_node = AddNode(self.site)
+        self.approval = Approval(self.site)
+        self.update_now = UpdateNow(self.site)
+        self.models = ModelPages(self.site, self.pages)
+        self.keys = KeyPages(self.site, self.pages)
 
     async def static(self, request: web.Request) -> web.StreamResponse:
         """A static file; a year's cache under its own hash, revalidated under another (a
@@ -82,6 +97,7 @@ def add_console_routes(
     (``clock``: the charts' "now", a test's)."""
     console = Console(ctx, clock=clock)
     auth, pages, site = console.auth, console.pages, console.site
+    models, keys = console.models, console.keys
     r = app.router
     for method, path, handler in (
         ("GET", "/ui", console.root),
@@ -98,6 +114,22 @@ def add_console_routes(
             ("POST", f"/ui/nodes/{{node}}/{action}", auth.action(console.actions.handler(action)))
             for action in ACTIONS
         ),
+        ("GET", "/ui/add-node", auth.page(console.add_node.show)),
+        ("POST", "/ui/add-node", auth.action(console.add_node.create)),
+        ("GET", "/ui/approve", auth.page(console.approval.show)),
+        ("POST", "/ui/nodes/{node}/approve", auth.action(console.approval.approve)),
+        ("POST", "/ui/nodes/{node}/reject", auth.action(console.approval.reject)),
+        ("GET", "/ui/update", auth.page(console.update_now.show)),
+        ("POST", "/ui/update", auth.action(console.update_now.order)),
+        ("GET", "/ui/models", auth.page(models.models)),
+        ("POST", "/ui/models", auth.action(models.deploy)),
+        # A model's name may hold "/": its actions are the last segment.
+        ("POST", "/ui/models/{name:.+}/{action:[a-z]+}", auth.action(models.act)),
+        ("GET", "/ui/models/{name:.+}", auth.page(models.model)),
+        ("GET", "/ui/keys", auth.page(keys.keys)),
+        ("POST", "/ui/keys", auth.action(keys.create)),
+        ("GET", "/ui/keys/{key}", auth.page(keys.key)),
+        ("POST", "/ui/keys/{key}/revoke", auth.action(keys.revoke)),
     ):
         if method == "GET":
             r.add_get(path, handled(site, handler))

@@ -107,9 +107,12 @@ class Pages:
         template: str,
         fragments: Mapping[str, str],
         values: Callable[[], dict[str, Any]],
+        *,
+        status: int = 200,
         **extra: Any,
     ) -> web.Response:
-        """The page, or one of its ``fragments`` (name -> template) when asked for."""
+        """The page (answered with ``status``: a refused form's page is not a 200), or one
+        of its ``fragments`` (name -> template) when asked for."""
         wanted = request.query.get("fragment")
         if wanted is not None:
             part = fragments.get(wanted)
@@ -119,7 +122,10 @@ class Pages:
                     f"it has {', '.join(sorted(fragments))}"
                 )
             return self.site.fragment(part, **values(), **extra)
-        return self.site.page(request, template, **values(), **extra)
+        return self.site.page(request, template, status=status, **values(), **extra)
+
+    answer = _answer
+    """The same for the pages of the console's other modules (Models, API keys)."""
 
     def _is_admin(self, request: web.Request) -> bool:
         return principal_of(request).is_admin

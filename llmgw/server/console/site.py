@@ -15,9 +15,17 @@ from typing import Any, Final
 from aiohttp import web
 
 from llmgw.bodies import BodiesBusy, BodyIncomplete, BodyTimeout, BodyTooLarge
-from llmgw.errors import Conflict, LlmgwError, NotFound, StoreUnavailable
+from llmgw.errors import (
+    ConfigError,
+    Conflict,
+    LlmgwError,
+    NotFound,
+    PasswordError,
+    StoreUnavailable,
+    WeakPassword,
+)
 from llmgw.log import kv
-from llmgw.server.admin.context import AdminContext
+from llmgw.server.admin.context import AdminContext, BadRequest
 from llmgw.server.console.render import Renderer
 from llmgw.server.console.security import secure_headers
 from llmgw.server.logins import Logins, LoginSession
@@ -143,6 +151,10 @@ def handled(site: Site, handler: Handler) -> Handler:
                 408 if isinstance(exc, BodyTimeout) else 503 if isinstance(exc, BodiesBusy) else 400
             )
             response = site.error_page(request, status, "Not received", f"{exc}; try again")
+        except (BadRequest, ConfigError, WeakPassword) as exc:  # what was sent cannot be used
+            response = site.error_page(request, 400, "Not accepted", str(exc))
+        except PasswordError as exc:
+            response = site.error_page(request, 403, "Wrong password", str(exc))
         except NotFound as exc:
             response = site.error_page(request, 404, "Not found", str(exc))
         except Conflict as exc:

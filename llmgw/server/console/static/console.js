@@ -1,5 +1,6 @@
-// The llmgw console's only script: live parts of a page re-fetched as HTML fragments,
-// the confirmation of node actions, and the Events page's live rows (server-sent events).
+// The llmgw console's only script: live parts of a page re-fetched as HTML fragments
+// (what the operator typed into one kept), the confirmation of actions, copy buttons, a
+// choice that follows another, and the Events page's live rows (server-sent events).
 // No inline script, no eval, no third-party code: it runs under the console's CSP
 // (default-src 'self'). Every page works without it.
 (function () {
@@ -19,6 +20,34 @@
   }
 
   // -- live fragments -------------------------------------------------------------------
+  // What the operator typed into a live part's fields, by id, so that a refresh does not
+  // wipe a half-typed fingerprint.
+  function typedValues(el) {
+    var kept = {};
+    Array.prototype.forEach.call(el.querySelectorAll("input[id], textarea[id]"), function (f) {
+      if (f.type !== "hidden" && f.type !== "password" && f.value) {
+        kept[f.id] = f.value;
+      }
+    });
+    return kept;
+  }
+
+  function restoreValues(el, kept) {
+    Object.keys(kept).forEach(function (id) {
+      var f = document.getElementById(id);
+      if (f && el.contains(f) && !f.value) {
+        f.value = kept[id];
+      }
+    });
+  }
+
+  function replaceLive(el, html) {
+    var kept = typedValues(el);
+    el.innerHTML = html; // server-rendered, every value escaped there
+    restoreValues(el, kept);
+    bindConfirms(el);
+  }
+
   function refreshLive() {
     if (document.hidden) {
       return;
@@ -26,7 +55,13 @@
     var parts = document.querySelectorAll("[data-live]");
     Array.prototype.forEach.call(parts, function (el) {
       var name = el.getAttribute("data-live");
-      fetch(fragmentUrl(name), {
+      var active = document.activeElement;
+      if (active && active !== document.body && el.contains(active) &&
+          (active.tagName === "INPUT" || active.tagName === "TEXTAREA")) {
+        return; // the operator is typing here: the next round refreshes it
+      }
+      // A part may name its own URL (a POST's answer page has no query to add to).
+      fetch(el.getAttribute("data-live-url") || fragmentUrl(name), {
         credentials: "same-origin",
         headers: { "Accept": "text/html" },
         redirect: "follow",
@@ -43,7 +78,7 @@
         })
         .then(function (html) {
           if (html !== null && html !== undefined) {
-            el.innerHTML = html; // server-rendered, every value escaped there
+            replaceLive(el, html);
           }
         })
         .catch(function () {
@@ -65,15 +100,17 @@
   }
 
   // -- confirmations --------------------------------------------------------------------
-  function startConfirms() {
-    var forms = document.querySelectorAll("form[data-confirm]");
+  function bindConfirms(root) {
+    var forms = root.querySelectorAll("form[data-confirm]");
     Array.prototype.forEach.call(forms, function (form) {
       var field = form.querySelector(".confirm-field");
       var input = form.querySelector("input[name=confirm]");
-      if (!field || !input) {
+      if (!field || !input || form.hasAttribute("data-confirm-bound")) {
         return;
       }
-      // With the script, a dialog naming the node replaces typing its id.
+      form.setAttribute("data-confirm-bound", "");
+      // With the script, a dialog naming the node (the model, the key) replaces typing
+      // its id: data-confirm-value, else data-node.
       field.classList.add("js-hidden");
       input.required = false;
       form.addEventListener("submit", function (event) {
@@ -81,8 +118,80 @@
           event.preventDefault();
           return;
         }
-        input.value = form.getAttribute("data-node");
+        input.value =
+          form.getAttribute("data-confirm-value") || form.getAttribute("data-node");
       });
+    });
+  }
+
+  // -- copy buttons ---------------------------------------------------------------------
+  // A button with data-copy="ID" copies the text of the read-only field ID; shown only
+  // where the Clipboard API is (a page over plain HTTP from another host has none: the
+  // operator selects the text, which the field's focus does for them).
+  function startCopies() {
+    var buttons = document.querySelectorAll("button[data-copy]");
+    Array.prototype.forEach.call(buttons, function (button) {
+      var field = document.getElementById(button.getAttribute("data-copy"));
+      var status = document.getElementById(button.id.replace(/-copy$/, "-copied"));
+      if (!field) {
+        return;
+      }
+      field.addEventListener("focus", function () {
+        field.select();
+      });
+      if (!navigator.clipboard || !window.isSecureContext) {
+        return;
+      }
+      button.hidden = false;
+      button.addEventListener("click", function () {
+        navigator.clipboard.writeText(field.value).then(
+          function () {
+            button.textContent = "Copied";
+            button.classList.add("is-copied");
+            if (status) {
+              status.textContent = "copied to the clipboard";
+            }
+          },
+          function () {
+            field.focus();
+            if (status) {
+              status.textContent = "the browser refused; the text is selected: press Ctrl+C";
+            }
+          }
+        );
+      });
+    });
+  }
+
+  // -- dependent choices ---------------------------------------------------------------
+  // <select data-options-of="#other-select">: only the <optgroup> labelled with the other
+  // select's value is offered (a model's own profiles); without the script, all are, and
+  // the server refuses a profile the model lacks.
+  function startDependentChoices() {
+    var selects = document.querySelectorAll("select[data-options-of]");
+    Array.prototype.forEach.call(selects, function (select) {
+      var source = document.querySelector(select.getAttribute("data-options-of"));
+      if (!source) {
+        return;
+      }
+      var sync = function () {
+        var firstShown = null;
+        var chosenShown = false;
+        Array.prototype.forEach.call(select.querySelectorAll("optgroup"), function (group) {
+          var shown = group.label === source.value;
+          group.hidden = !shown;
+          group.disabled = !shown;
+          if (shown && group.querySelector("option")) {
+            firstShown = firstShown || group.querySelector("option");
+            chosenShown = chosenShown || group.contains(select.selectedOptions[0] || null);
+          }
+        });
+        if (!chosenShown && firstShown) {
+          firstShown.selected = true;
+        }
+      };
+      source.addEventListener("change", sync);
+      sync();
     });
   }
 
@@ -148,7 +257,9 @@
   }
 
   document.addEventListener("DOMContentLoaded", function () {
-    startConfirms();
+    bindConfirms(document);
+    startCopies();
+    startDependentChoices();
     startLive();
     startStream();
   });

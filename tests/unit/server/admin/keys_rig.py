@@ -16,6 +16,7 @@ from llmgw.bodies import BodyBudget
 from llmgw.contracts.keypolicy import UsageRow
 from llmgw.server.admin import add_admin_routes
 from llmgw.server.admin.context import AdminContext
+from llmgw.server.logins import LoginPolicy, Logins
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.store import Store
 
@@ -29,12 +30,15 @@ class Admin:
         self.store = store
         self.refreshed = 0
         self.pending: list[UsageRow] = []
+        self.last_headers: dict[str, str] = {}  # the last answer's headers
         serving = SimpleNamespace(refresh_keys=self._refresh)
+        operators = OperatorAccounts(store)
         self.ctx = cast(
             AdminContext,
             SimpleNamespace(
                 store=store,
-                operators=OperatorAccounts(store),
+                operators=operators,
+                logins=Logins(store, operators, LoginPolicy()),
                 serving=serving,
                 bodies=BodyBudget(1 << 20),
                 admin_token=ADMIN,
@@ -46,15 +50,18 @@ class Admin:
     def _refresh(self) -> None:
         self.refreshed += 1
 
-    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    def call(
+        self, method: str, path: str, body: Any = None, *, token: str | None = ADMIN
+    ) -> tuple[int, Any]:
+        """``token``: the bearer credential (the admin token unless given; None: none)."""
         app = web.Application()  # one per event loop
         add_admin_routes(app, self.ctx)
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
 
         async def main() -> tuple[int, Any]:
             async with TestClient(TestServer(app)) as client:
-                resp = await client.request(
-                    method, path, json=body, headers={"Authorization": f"Bearer {ADMIN}"}
-                )
+                resp = await client.request(method, path, json=body, headers=headers)
+                self.last_headers = dict(resp.headers)
                 return resp.status, await resp.json()
 
         return asyncio.run(main())

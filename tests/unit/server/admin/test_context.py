@@ -17,7 +17,12 @@ from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound, PasswordEr
 from llmgw.server.admin.context import AdminContext, BadRequest, guarded
 
 TOKEN = "admin-secret"
-CTX = cast(AdminContext, SimpleNamespace(admin_token=TOKEN, admin_token_file=Path("/s/token")))
+# No login token resolves: a token that is not the admin token is nobody's.
+NO_LOGINS = SimpleNamespace(resolve=lambda token, kind: None)
+CTX = cast(
+    AdminContext,
+    SimpleNamespace(admin_token=TOKEN, admin_token_file=Path("/s/token"), logins=NO_LOGINS),
+)
 
 
 def _answer(error: BaseException, *, token: str = TOKEN) -> tuple[int, dict[str, str]]:

@@ -29,6 +29,7 @@ def exchange(
         SimpleNamespace(
             admin_token=TOKEN,
             admin_token_file=Path("/s/token"),
+            logins=SimpleNamespace(resolve=lambda token, kind: None),  # no login token
             bodies=BodyBudget(1 << 20),
             serving=SimpleNamespace(models={name: object() for name in deployed}),
             history=history,

@@ -6,11 +6,14 @@ static files with their types and caching; HTML (never JSON) errors inside /ui/.
 
 from __future__ import annotations
 
+import html
 import re
 from pathlib import Path
 
 import pytest
 
+from llmgw.errors import ConfigError, Conflict, NotFound, PasswordError
+from llmgw.server.admin.context import BadRequest
 from llmgw.server.console.render import STATIC_DIR, Assets, Renderer, ago
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
@@ -372,3 +375,25 @@ def test_a_failing_page_is_an_html_500_with_the_trace_in_the_log(
     assert status == 500 and "<h1" in body
     assert "its operator finds why in its log" in body and "a bug behind" not in body
     assert any("a bug behind the node page" in (r.exc_text or "") for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (BadRequest("'replicas' must be a whole number from 0 to 64"), 400),
+        (ConfigError("must be a duration such as 1h"), 400),
+        (PasswordError("wrong password for the account 'ops'; nothing was signed"), 403),
+        (NotFound("no node 'gpu-9'"), 404),
+        (Conflict("node gpu-1 is already approved"), 409),
+    ],
+)
+def test_a_refusal_behind_a_page_is_its_own_html_answer(
+    rig: ConsoleRig, error: Exception, status: int
+) -> None:
+    def refusing(node_id: str) -> list[tuple[str, str]]:
+        raise error
+
+    rig.scheduler.refusals_on = refusing  # type: ignore[method-assign]
+    ((got, body),) = pages(rig, "/ui/nodes/gpu-1").values()
+    assert got == status and "<h1" in body
+    assert html.escape(str(error)).replace("&#x27;", "&#39;") in body  # as Jinja escapes

@@ -1,0 +1,357 @@
+"""The Models pages (llmgw.server.console.models): the catalog, the deployed models with
+their ready/desired replicas and why they cannot be placed, a model's replicas live; and
+their actions through the admin API's own code (deploy a profile, scale, switch profile,
+undeploy), each refusal shown on the page with the operator's input kept; a viewer sees no
+form and its POSTs are refused; a POST without its CSRF token changes nothing."""
+
+from __future__ import annotations
+
+import html
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from llmgw.server.routing import Endpoint
+from llmgw.server.store import Store
+from tests.unit.clock import Clock
+from tests.unit.server.console.rig import HOSTILE, VIEWER_PW, Browser, ConsoleRig
+
+PROFILES: dict[str, Any] = {
+    "small": {"engine": "sim", "gpus": 1},
+    "big": {"engine": "sim", "gpus": 2, "task": ["generate"]},
+}
+
+
+@pytest.fixture
+def refreshed() -> list[str]:
+    """The gateway's caches refreshed, in order."""
+    return []
+
+
+@pytest.fixture
+def rig(store: Store, clock: Clock, tmp_path: Path, refreshed: list[str]) -> ConsoleRig:
+    rig = ConsoleRig(store, clock, tmp_path)
+    # What deploying touches beyond the rig's fleet: the router and the gateway's caches.
+    ctx: Any = rig.ctx
+    ctx.router = rig.scheduler.router
+    ctx.serving = SimpleNamespace(
+        refresh_models=lambda: refreshed.append("models"),
+        refresh_keys=lambda: refreshed.append("keys"),
+    )
+    rig.add_node("gpu-1")
+    store.put_catalog_model("chat", PROFILES)
+    store.put_catalog_model("embed", {"default": {"engine": "sim"}})
+    return rig
+
+
+_FLASH = re.compile(
+    r'<p class="flash flash-(\w+)" role="(?:status|alert)" id="(?:flash|problem)">([^<]*)</p>'
+)
+
+
+def flash_of(page: str) -> str:
+    """The page's flash message or refusal, as the operator reads it ("" when none)."""
+    found = _FLASH.search(page)
+    return f"{found.group(1)}: {html.unescape(found.group(2))}" if found else ""
+
+
+def _ready(rig: ConsoleRig, model: str) -> None:
+    """Every shard of ``model`` ready and routable, as its agent would report."""
+    for replica in rig.store.list_replicas(model):
+        rig.store.set_replica_state(replica.id, "ready")
+        for shard in rig.store.list_shards(replica_id=replica.id):
+            rig.store.update_shard(shard.id, state="ready", port=8000)
+            rig.scheduler.router.set_ready(
+                Endpoint(model, replica.id, shard.id, shard.node_id, "10.0.0.1:9443")
+            )
+
+
+async def deploy(b: Browser, **fields: str) -> tuple[int, str, Any]:
+    return await b.post("/ui/models", {"csrf": b.csrf, **fields})
+
+
+def test_the_models_page_lists_the_catalog_and_nothing_deployed(rig: ConsoleRig) -> None:
+    async def scenario(b: Browser) -> str:
+        await b.login()
+        status, page, _ = await b.get("/ui/models")
+        assert status == 200
+        return page
+
+    page = rig.run(scenario)
+    assert 'id="no-deployed"' in page
+    assert 'data-model="chat" data-profile="big"' in page
+    assert "<td>2 GPUs</td>" in page and "<td>no GPU</td>" in page  # what each needs
+    assert "<td>generate</td>" in page  # the task, else the engine's default
+    assert 'id="deploy-form"' in page and 'name="csrf"' in page
+    assert 'href="/ui/models?name=chat&amp;profile=small#deploy"' in page
+
+
+def test_deploy_a_profile_then_see_its_replica_on_the_model_page(
+    rig: ConsoleRig, store: Store, refreshed: list[str]
+) -> None:
+    async def scenario(b: Browser) -> tuple[tuple[int, str, Any], str, str, str]:
+        await b.login()
+        answer = await deploy(b, name="chat", profile="small", replicas="1")
+        _, page, _ = await b.get("/ui/models/chat")
+        rig.scheduler.reconcile()
+        _ready(rig, "chat")
+        _, live, _ = await b.get("/ui/models/chat?fragment=detail")
+        _, table, _ = await b.get("/ui/models?fragment=deployed")
+        return answer, page, live, table
+
+    (status, _body, resp), page, live, table = rig.run(scenario)
+    assert status == 303 and resp.headers["Location"] == "/ui/models/chat"
+    assert flash_of(page) == (
+        "info: model chat: profile small, 1 replica(s) wanted; the scheduler places them"
+    )
+    assert 'id="no-replicas"' in page and 'data-live="detail"' in page
+    replica = store.list_replicas("chat")[0]
+    assert f'data-replica="{replica.id}"' in live and "gpu-1" in live
+    assert 'id="model-ready">1 / 1<' in live
+    assert "<html" not in live  # a fragment, no layout
+    assert '<span class="ready">1</span> / <span class="desired">1</span>' in table
+    assert "1 ready" in table
+    kinds = [(e.kind, e.actor) for e in store.list_events() if e.subject == "chat"]
+    assert ("model_deployed", "admin") in kinds
+    assert refreshed == ["models"]
+
+
+def test_deploy_refusals_keep_the_form(rig: ConsoleRig, store: Store) -> None:
+    async def scenario(b: Browser) -> list[tuple[int, str]]:
+        await b.login()
+        out = []
+        for fields in (
+            {"name": "chat", "profile": "huge", "replicas": "2"},
+            {"name": "nobody", "profile": "small", "replicas": "1"},
+            {"name": "chat", "profile": "small", "replicas": "many"},
+            {"name": "chat", "profile": "small", "replicas": "1001"},
+            {"name": "chat", "profile": "", "replicas": "1"},
+        ):
+            status, page, _ = await deploy(b, **fields)
+            out.append((status, page))
+        return out
+
+    (unknown, p1), (missing, p2), (word, p3), (many, p4), (empty, p5) = rig.run(scenario)
+    assert unknown == 404 and "huge" in flash_of(p1) and "big, small" in flash_of(p1)
+    assert 'id="deploy-replicas" name="replicas" type="number" min="0" max="1000" value="2"' in p1
+    assert missing == 404 and "no model named nobody" in flash_of(p2)
+    assert "llmgw ctl models apply" in flash_of(p2)  # what to do
+    assert word == 400 and "replicas must be a whole number from 0 to 1000" in flash_of(p3)
+    assert 'value="many"' in p3
+    assert many == 400 and "'1001'" in flash_of(p4)
+    assert empty == 400 and "choose a model of the catalog" in flash_of(p5)
+    assert store.get_model("chat").replicas == 0  # nothing changed
+    assert not [e for e in store.list_events() if e.kind == "model_deployed"]
+
+
+def test_scale_and_switch_profile_through_the_model_page(rig: ConsoleRig, store: Store) -> None:
+    store.deploy_model("chat", profile="small", replicas=1)
+
+    async def scenario(b: Browser) -> list[tuple[int, str]]:
+        await b.login()
+        _, page, _ = await b.get("/ui/models/chat")
+        assert 'id="action-scale"' in page and '<option value="big"' in page
+        assert '<option value="small"' not in page  # the one it runs is no choice
+        out = []
+        for action, fields in (
+            ("scale", {"replicas": "2"}),
+            ("profile", {"profile": "big"}),
+            ("profile", {"profile": "big"}),
+            ("profile", {"profile": "nope"}),
+            ("scale", {"replicas": "-1"}),
+        ):
+            status, body, resp = await b.post(
+                f"/ui/models/chat/{action}", {"csrf": b.csrf, **fields}
+            )
+            if status == 303:
+                assert resp.headers["Location"] == "/ui/models/chat"
+                _, body, _ = await b.get("/ui/models/chat")
+            out.append((status, flash_of(body)))
+        return out
+
+    scaled, switched, same, unknown, negative = rig.run(scenario)
+    assert scaled == (303, "info: model chat: 2 replica(s) wanted")
+    assert switched[0] == 303 and "switches to profile big" in switched[1]
+    assert "one at a time" in switched[1]
+    assert same[0] == 400 and "runs profile big already" in same[1]
+    assert unknown[0] == 404 and "nothing done" in unknown[1] and "nope" in unknown[1]
+    assert negative[0] == 400 and "whole number" in negative[1]
+    model = store.get_model("chat")
+    assert (model.profile, model.replicas) == ("big", 2)
+
+
+def test_a_profile_switch_shows_the_older_replicas_rolling(rig: ConsoleRig, store: Store) -> None:
+    rig.add_node("gpu-2")  # room for the successor beside the replica it replaces
+    store.deploy_model("chat", profile="small", replicas=1)
+    rig.scheduler.reconcile()
+    _ready(rig, "chat")
+
+    async def scenario(b: Browser) -> tuple[str, str]:
+        await b.login()
+        await b.post("/ui/models/chat/profile", {"csrf": b.csrf, "profile": "big"})
+        rig.scheduler.reconcile()  # its successor is placed; the old one serves meanwhile
+        _, live, _ = await b.get("/ui/models/chat?fragment=detail")
+        _, table, _ = await b.get("/ui/models?fragment=deployed")
+        return live, table
+
+    live, table = rig.run(scenario)
+    assert 'id="model-rolling"' in live and "1 replica(s) of an older profile" in live
+    assert "switching: 1 of an older profile" in table
+    assert sorted(r.profile or "" for r in store.list_replicas("chat")) == ["big", "small"]
+
+
+def test_a_model_that_cannot_be_placed_says_why(rig: ConsoleRig, store: Store) -> None:
+    store.deploy_model("chat", profile="big", replicas=2)  # 2 GPUs each, the node has 2
+    rig.scheduler.reconcile()
+
+    async def scenario(b: Browser) -> tuple[str, str]:
+        await b.login()
+        _, table, _ = await b.get("/ui/models?fragment=deployed")
+        _, page, _ = await b.get("/ui/models/chat")
+        return table, page
+
+    table, page = rig.run(scenario)
+    reason = rig.scheduler.unplaceable["chat"].reason
+    assert reason and "gpu-1" in reason
+    assert "cannot be placed: " in table and 'id="model-unplaceable"' in page
+
+
+def test_undeploy_needs_the_model_name(rig: ConsoleRig, store: Store) -> None:
+    store.deploy_model("chat", profile="small", replicas=1)
+    rig.scheduler.reconcile()
+
+    async def scenario(b: Browser) -> list[tuple[int, str]]:
+        await b.login()
+        out = []
+        for confirm in ("", "embed", "chat"):
+            status, body, resp = await b.post(
+                "/ui/models/chat/undeploy", {"csrf": b.csrf, "confirm": confirm}
+            )
+            if status == 303:
+                assert resp.headers["Location"] == "/ui/models"
+                _, body, _ = await b.get("/ui/models")
+            out.append((status, flash_of(body)))
+        status, page, _ = await b.get("/ui/models/chat")
+        out.append((status, page))
+        return out
+
+    (s1, f1), (s2, f2), (s3, f3), (gone, page) = rig.run(scenario)
+    assert s1 == s2 == 400
+    assert "confirm with its name ('chat')" in f1 and "confirm with its name" in f2
+    assert (s3, f3) == (303, "info: model chat is undeployed: its replicas are stopping")
+    assert gone == 404 and "chat" in page
+    assert [e.actor for e in store.list_events() if e.kind == "model_undeployed"] == ["admin"]
+
+
+def test_an_unknown_model_or_action(rig: ConsoleRig) -> None:
+    async def scenario(b: Browser) -> list[tuple[int, str]]:
+        await b.login()
+        out = []
+        status, page, _ = await b.get("/ui/models/nobody")
+        out.append((status, page))
+        status, page, _ = await b.post("/ui/models/nobody/scale", {"csrf": b.csrf, "replicas": "1"})
+        out.append((status, page))
+        status, page, _ = await b.post("/ui/models/chat/explode", {"csrf": b.csrf})
+        out.append((status, page))
+        return out
+
+    (s1, p1), (s2, p2), (s3, p3) = rig.run(scenario)
+    assert s1 == 404 and "no model" in p1.lower() and "<h1" in p1
+    assert s2 == 404 and "nobody" in p2
+    assert s3 == 404 and "scale, profile, undeploy" in p3
+
+
+def test_a_model_name_with_a_slash_has_its_page_and_actions(rig: ConsoleRig, store: Store) -> None:
+    store.put_catalog_model("org/chat", {"default": {"engine": "sim"}})
+
+    async def scenario(b: Browser) -> tuple[tuple[int, str, Any], int, str]:
+        await b.login()
+        answer = await deploy(b, name="org/chat", profile="default", replicas="1")
+        status, page, _ = await b.get(answer[2].headers["Location"])
+        return answer, status, page
+
+    (status, _body, resp), page_status, page = rig.run(scenario)
+    assert status == 303 and resp.headers["Location"] == "/ui/models/org/chat"
+    assert page_status == 200 and 'action="/ui/models/org/chat/scale"' in page
+    assert store.get_model("org/chat").replicas == 1
+
+
+def test_a_viewer_sees_no_form_and_its_posts_are_refused(rig: ConsoleRig, store: Store) -> None:
+    store.deploy_model("chat", profile="small", replicas=1)
+
+    async def scenario(b: Browser) -> list[tuple[int, str]]:
+        await b.login("vera", VIEWER_PW)
+        out = []
+        for path in ("/ui/models", "/ui/models/chat"):
+            out.append((await b.get(path))[:2])
+        for path, fields in (
+            ("/ui/models", {"name": "embed", "profile": "default", "replicas": "1"}),
+            ("/ui/models/chat/scale", {"replicas": "3"}),
+            ("/ui/models/chat/undeploy", {"confirm": "chat"}),
+        ):
+            out.append((await b.post(path, {"csrf": b.csrf, **fields}))[:2])
+        return out
+
+    (s1, models), (s2, model), *posts = rig.run(scenario)
+    assert s1 == s2 == 200
+    assert "<form" in models and 'id="deploy-form"' not in models and "Deploy…" not in models
+    assert 'id="model-actions"' not in model and 'id="action-undeploy"' not in model
+    for status, page in posts:
+        assert status == 403 and "is a viewer and may only read" in page
+    assert store.get_model("chat").replicas == 1 and store.get_model("embed").replicas == 0
+
+
+def test_a_post_without_its_csrf_token_changes_nothing(rig: ConsoleRig, store: Store) -> None:
+    store.deploy_model("chat", profile="small", replicas=1)
+
+    async def scenario(b: Browser) -> list[int]:
+        await b.login()
+        return [
+            (await b.post("/ui/models", {"name": "embed", "profile": "default"}))[0],
+            (await b.post("/ui/models/chat/undeploy", {"confirm": "chat", "csrf": "forged"}))[0],
+        ]
+
+    assert rig.run(scenario) == [403, 403]
+    assert store.get_model("chat").replicas == 1 and store.get_model("embed").replicas == 0
+
+
+def test_hostile_text_from_a_catalog_or_an_agent_is_escaped(rig: ConsoleRig, store: Store) -> None:
+    """A model's weights path (the catalog's) and a shard's failure (an agent's words) are
+    other people's text: shown, never run."""
+    store.put_catalog_model("wild", {"default": {"engine": "sim", "source": HOSTILE}})
+    store.deploy_model("wild", profile="default", replicas=1)
+    rig.scheduler.reconcile()
+    shard = store.list_shards(replica_id=store.list_replicas("wild")[0].id)[0]
+    store.update_shard(shard.id, state="failed", reason=HOSTILE, exit_code=3, restarts=2)
+
+    async def scenario(b: Browser) -> list[str]:
+        await b.login()
+        return [(await b.get(path))[1] for path in ("/ui/models", "/ui/models/wild")]
+
+    models, model = rig.run(scenario)
+    for page in (models, model):
+        assert "<script>" not in page
+    assert "<code>&lt;script&gt;alert(" in models  # the weights column
+    assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt; (exit 3)" in model
+    assert '<td class="num">2</td>' in model  # its restarts
+
+
+def test_a_refused_actions_page_keeps_its_replicas_live(rig: ConsoleRig, store: Store) -> None:
+    """The page a refused POST answers stands at the action's URL: its live part names the
+    model page's own, which answers the fragment."""
+    store.deploy_model("chat", profile="small", replicas=1)
+
+    async def scenario(b: Browser) -> tuple[int, str, int, str]:
+        await b.login()
+        status, page, _ = await b.post("/ui/models/chat/scale", {"csrf": b.csrf, "replicas": "x"})
+        found = re.search(r'data-live="detail" data-live-url="([^"]+)"', page)
+        assert found is not None
+        live_status, live, _ = await b.get(html.unescape(found.group(1)))
+        return status, found.group(1), live_status, live
+
+    status, url, live_status, live = rig.run(scenario)
+    assert status == 400 and url == "/ui/models/chat?fragment=detail"
+    assert live_status == 200 and 'id="model-ready"' in live and "<html" not in live
