@@ -453,6 +453,79 @@ def test_a_viewer_sees_no_action_and_a_forged_post_is_refused(
     assert fleet.node("gpu-a")["draining"] is False
 
 
+# Every state-changing route of the console (the routes' table, with a node, a model and a
+# key of this fleet), each refused before its handler reads what it was sent.
+ACTIONS = (
+    "/ui/nodes/gpu-a/drain",
+    "/ui/nodes/gpu-a/uncordon",
+    "/ui/nodes/gpu-a/revoke",
+    "/ui/nodes/gpu-a/approve",
+    "/ui/nodes/gpu-a/reject",
+    "/ui/add-node",
+    "/ui/update",
+    "/ui/models",
+    f"/ui/models/{MODEL}/scale",
+    f"/ui/models/{MODEL}/undeploy",
+    "/ui/keys",
+    "/ui/keys/no-such-key/revoke",
+)
+
+
+def nav_paths(page: Page) -> list[str]:
+    """Every page the nav lists (it lists every page of the console)."""
+    hrefs = page.locator("#nav a").evaluate_all("links => links.map(a => a.getAttribute('href'))")
+    assert "/ui/nodes" in hrefs and "/ui/events" in hrefs, hrefs
+    return [str(h) for h in hrefs]
+
+
+def fleet_state(fleet: Fleet) -> Any:
+    """What a refused action must leave as it was."""
+    api = fleet.server.api
+    return (
+        [(n["id"], n["state"], n["draining"]) for n in fleet.server.nodes()],
+        [(m["name"], m["replicas"]) for m in api("GET", "/api/models")],
+        sorted(k["name"] for k in api("GET", "/api/keys")),
+        len(api("GET", "/api/join-tokens")),
+        len(api("GET", "/api/updates")),
+    )
+
+
+def test_a_viewers_pages_hold_no_form_that_changes_anything_and_each_action_is_refused(
+    new_context: Callable[..., BrowserContext], fleet: Fleet
+) -> None:
+    page = signed_in(new_context, fleet, VIEWER, "/ui/")
+    paths = [*nav_paths(page), "/ui/nodes/gpu-a", f"/ui/models/{MODEL}"]
+    for path in paths:
+        response = page.goto(fleet.url(path))
+        assert response is not None and response.status == 200, path
+        posts = page.locator("form[method=post]").evaluate_all(
+            "forms => forms.map(f => f.getAttribute('action'))"
+        )
+        assert posts == ["/ui/logout"], f"{path} offers a viewer {posts}"
+    before = fleet_state(fleet)
+    csrf = csrf_of(page)
+    for path in ACTIONS:
+        answer = page.request.post(
+            fleet.url(path), form={"csrf": csrf, "confirm": "gpu-a"}, max_redirects=0
+        )
+        assert answer.status == 403, path
+        assert f"the account {VIEWER.name} is a viewer and may only read" in text_of(answer)
+    assert fleet_state(fleet) == before
+
+
+def test_every_action_without_the_sessions_csrf_token_is_refused(
+    new_context: Callable[..., BrowserContext], fleet: Fleet
+) -> None:
+    page = signed_in(new_context, fleet, ADMIN, "/ui/")
+    before = fleet_state(fleet)
+    for path in ACTIONS:
+        for form in ({"confirm": "gpu-a"}, {"confirm": "gpu-a", "csrf": "not-the-token"}):
+            answer = page.request.post(fleet.url(path), form=form, max_redirects=0)
+            assert answer.status == 403, (path, form)
+            assert "security token is missing or out of date" in text_of(answer), path
+    assert fleet_state(fleet) == before
+
+
 def test_a_post_without_its_csrf_token_or_from_another_site_is_refused(
     new_context: Callable[..., BrowserContext], fleet: Fleet
 ) -> None:
@@ -507,7 +580,8 @@ def test_every_page_has_the_security_headers_and_cookie_flags(
     sign_in(page, fleet.server.url, ADMIN)
     cookie = next(c for c in context.cookies() if c["name"] == "llmgw_session")
     assert (cookie["httpOnly"], cookie["sameSite"], cookie["path"]) == (True, "Strict", "/ui/")
-    for path in ("/ui/", "/ui/nodes", "/ui/nodes/gpu-a", "/ui/events", "/ui/no-such-page"):
+    paths = [*nav_paths(page), "/ui/nodes/gpu-a", f"/ui/models/{MODEL}", "/ui/no-such-page"]
+    for path in paths:
         response = page.goto(fleet.url(path))
         assert response is not None
         headers = response.headers
