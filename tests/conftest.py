@@ -40,6 +40,17 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, A
     _as_failure(outcome.get_result())
 
 
+ARM64_FIXTURES = frozenset({"dist_arm64", "bullseye_arm64"})
+"""What the arm64 build makes (its binaries, its emulated rootfs): a test that takes one is
+marked ``arm64``, so that CI can run the rest while that build is still running (.ci/run)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if ARM64_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.arm64)
+
+
 @pytest.fixture(scope="session")
 def pg_cluster() -> Generator[Any, None, None]:
     """A throwaway PostgreSQL cluster for the session (tests.pg), started on first use."""

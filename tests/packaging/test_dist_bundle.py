@@ -3,6 +3,7 @@ without an installer, and byte-identical rebuilds."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -225,7 +226,13 @@ def test_the_dist_bundle(dist_x64: Dist) -> None:
 
 def test_dist_sha256sums_check(dist_x64: Dist) -> None:
     sums = dist_x64.bundle.parent / "SHA256SUMS"
-    listed = {line.split("  ", 1)[1] for line in sums.read_text().splitlines()}
-    assert {dist_x64.onefile.name, dist_x64.bundle.name, "llmgw-onedir-x64/llmgw"} <= listed
     require_tools("sha256sum")
-    subprocess.run(["sha256sum", "--check", "--quiet", "SHA256SUMS"], cwd=sums.parent, check=True)
+    # CI builds arm64 while this runs: dist.sh writes into dist/ under an exclusive lock on
+    # dist/.lock, so the files and their sums are read here under a shared one.
+    with open(sums.parent / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        listed = {line.split("  ", 1)[1] for line in sums.read_text().splitlines()}
+        assert {dist_x64.onefile.name, dist_x64.bundle.name, "llmgw-onedir-x64/llmgw"} <= listed
+        subprocess.run(
+            ["sha256sum", "--check", "--quiet", "SHA256SUMS"], cwd=sums.parent, check=True
+        )

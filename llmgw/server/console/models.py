@@ -13,7 +13,6 @@ import logging
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Final
-from urllib.parse import quote
 
 from aiohttp import web
 
@@ -23,7 +22,7 @@ from llmgw.log import kv
 from llmgw.server.admin.context import AdminContext, BadRequest
 from llmgw.server.admin.models import catalog_json, deploy, model_json, replica_rows, undeploy
 from llmgw.server.console.auth import form_of
-from llmgw.server.console.pages import RECENT_EVENTS, Pages, event_json
+from llmgw.server.console.pages import RECENT_EVENTS, Pages, event_json, model_path
 from llmgw.server.console.site import SESSION, Site
 from llmgw.server.principals import principal_of
 
@@ -34,11 +33,6 @@ log = logging.getLogger("llmgw.server.console")
 MODEL_ACTIONS: Final = ("scale", "profile", "undeploy")
 """The actions of a model's page, each ``POST /ui/models/{name}/{action}``."""
 MAX_REPLICAS: Final = 1000
-
-
-def model_path(name: str) -> str:
-    """A model's page (a model name may hold ``/``: it stays a path separator)."""
-    return "/ui/models/" + quote(name, safe="/")
 
 
 def _needs(spec: Mapping[str, Any]) -> str:

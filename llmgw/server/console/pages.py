@@ -25,7 +25,7 @@ from llmgw.server.principals import principal_of
 from llmgw.server.states import NodeState, ReplicaState
 from llmgw.server.store import Event
 
-__all__ = ["EVENT_FILTERS", "Pages", "event_json", "matches"]
+__all__ = ["EVENT_FILTERS", "Pages", "event_json", "matches", "model_path"]
 
 CHART_STEP_S: Final = 60
 MAX_CHARTED: Final = 24  # models charted on the overview (the busiest last-hour ones first)
@@ -35,6 +35,11 @@ MAX_QUERY: Final = 200
 EVENT_FILTERS: Final = ("kind", "subject", "actor")
 
 Fragment = Callable[[web.Request], dict[str, Any]]
+
+
+def model_path(name: str) -> str:
+    """A model's page (a model name may hold ``/``: it stays a path separator)."""
+    return "/ui/models/" + quote(name, safe="/")
 
 
 def event_json(event: Event) -> dict[str, Any]:
@@ -149,6 +154,7 @@ class Pages:
         models = [
             {
                 "name": m.name,
+                "url": model_path(m.name),
                 "profile": m.profile,
                 "ready": ready.get(m.name, 0),
                 "desired": m.replicas,

@@ -71,7 +71,10 @@ def test_the_overview(rig: ConsoleRig, store: Store) -> None:
     assert re.search(r'id="nodes-pending">1<', page)
     assert re.search(r'id="nodes-revoked">1<', page)
     assert re.search(r'id="gpus">1 / 6<', page)  # the approved nodes' GPUs only
-    assert re.search(r"<td>chat</td>\s*<td>default</td>\s*<td[^>]*>1 / 2</td>", page)
+    assert re.search(
+        r'<td><a href="/ui/models/chat">chat</a></td>\s*<td>default</td>\s*<td[^>]*>1 / 2</td>',
+        page,
+    )
     assert "this instance&#39;s gateway traffic" in page.lower() or (
         "This instance's gateway traffic" in page
     )
