@@ -79,6 +79,11 @@ async def read_form(site: Site, request: web.Request) -> dict[str, str]:
     return fields
 
 
+def _wait_text(seconds: int) -> str:
+    """A lock's remaining time as a person reads it: ``45 s``, ``15 min``."""
+    return f"{seconds} s" if seconds < 120 else f"{math.ceil(seconds / 60)} min"
+
+
 class ConsoleAuth:
     """The console's guards and its login, logout handlers."""
 
@@ -263,7 +268,7 @@ class ConsoleAuth:
                 request,
                 next_path=next_path,
                 status=429,
-                problem=f"too many failed sign-ins; try again in {wait} s",
+                problem=f"too many failed sign-ins; try again in {_wait_text(wait)}",
                 name=name,
                 headers={"Retry-After": str(wait)},
             )

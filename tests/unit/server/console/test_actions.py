@@ -76,6 +76,9 @@ def test_revoke(rig: ConsoleRig, store: Store) -> None:
     assert second == (303, "error: node gpu-1 is already revoked")
     assert store.get_node("gpu-1").state == "revoked"
     assert 'id="action-revoke"' not in page
+    # Nothing is offered that a revoked node could do; the page says how it comes back.
+    assert 'id="action-drain"' not in page and 'id="action-uncordon"' not in page
+    assert "Revoked: it comes back only by joining again" in page
     # Its stream was cut: the session's queue ends with the close marker.
     queue = rig.sessions["gpu-1"].queue
     assert [queue.get_nowait() for _ in range(queue.qsize())][-1] is None
