@@ -110,7 +110,7 @@ def test_the_nodes_table_and_its_filters(rig: ConsoleRig) -> None:
     assert rows("/ui/nodes?state=approved&q=gpu-1") == ["gpu-1"]
     assert "No node of 4 matches" in result["/ui/nodes?q=nothing-like-it"][1]
     page = result["/ui/nodes"][1]
-    assert "4 × NVIDIA A100: 0.0 GiB of 320.0 GiB</li>" in page  # one line per GPU model
+    assert "4 \u00d7 NVIDIA A100: 0.0 GiB of 320.0 GiB</li>" in page  # one line per GPU model
     assert "0.9.0" in page and "ib-a" in page and "connected" in page
     # The filters stay in the form: the URL is the page.
     assert 'value="pending" selected' in result["/ui/nodes?state=pending"][1]
@@ -122,12 +122,12 @@ def test_gpu_utilisation_shows_when_reported(rig: ConsoleRig) -> None:
     result = pages(rig, "/ui/nodes", "/ui/nodes/gpu-1", "/ui/nodes/gpu-1?fragment=detail")
     # The list: one line per GPU model, the mean of those that report, saying how many do.
     assert (
-        "2 × NVIDIA H100: 0.0 GiB of 160.0 GiB, 87 % busy (the 1 reporting)</li>"
+        "2 \u00d7 NVIDIA H100: 0.0 GiB of 160.0 GiB, 87 % busy (the 1 reporting)</li>"
         in (result["/ui/nodes"][1])
     )
     rig.sessions["gpu-1"].gpu_utilization = {"GPU-gpu-1-0": 80, "GPU-gpu-1-1": 0}
     (listed,) = pages(rig, "/ui/nodes").values()
-    assert "2 × NVIDIA H100: 0.0 GiB of 160.0 GiB, 40 % busy</li>" in listed[1]
+    assert "2 \u00d7 NVIDIA H100: 0.0 GiB of 160.0 GiB, 40 % busy</li>" in listed[1]
     for path in ("/ui/nodes/gpu-1", "/ui/nodes/gpu-1?fragment=detail"):
         node_page = result[path][1]
         assert re.search(r'<td class="num">87 %</td>', node_page)
