@@ -285,3 +285,28 @@ def test_cloud_init_without_bundles_is_refused_with_the_fix(
     assert status == 400, data
     assert "copy llmgw-agent-*-linux-<arch>.tar.gz into its bundle_dir" in data["error"]["message"]
     assert store.list_join_tokens(include_inactive=True) == []
+
+
+def test_the_token_listing_shows_auto_approve_and_the_key_it_approved(
+    store: Store, ca: pki.Authority
+) -> None:
+    auto, _ = store.create_join_token("gpu-05", ttl=600, auto_approve=True)
+    store.record_auto_approval(auto.id, "sha256:" + "e" * 64)
+    plain, _ = store.create_join_token("gpu-06", ttl=600)
+    ctx = context(store, ca, None)
+    app = web.Application()
+    app.router.add_get("/api/join-tokens", guarded(ctx, AccessRoutes(ctx).join_tokens))
+
+    async def main() -> list[dict[str, Any]]:
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.get(
+                "/api/join-tokens?all=1", headers={"Authorization": f"Bearer {ADMIN}"}
+            )
+            assert resp.status == 200
+            return await resp.json()  # type: ignore[no-any-return]
+
+    listed = {t["id"]: t for t in asyncio.run(main())}
+    assert listed[auto.id]["auto_approve"] is True
+    assert listed[auto.id]["approved_fingerprint"] == "sha256:" + "e" * 64
+    assert listed[plain.id]["auto_approve"] is False
+    assert listed[plain.id]["approved_fingerprint"] is None
