@@ -11,7 +11,9 @@
 #       previous one kept; /usr/local/bin/llmgw links to it), the unit and its drop-in, the
 #       update helper, the configuration; with the join options: 'llmgw agent join' (the
 #       token from LLMGW_JOIN_TOKEN, else a prompt), start, wait until the agent listens.
-#       Re-running it with the same options changes nothing and restarts nothing.
+#       Re-running it with the same options changes nothing and restarts nothing. A run that
+#       fails (the join refused, the agent not up in time, ^C) removes what it created, and
+#       only that: a failed fresh install leaves nothing installed.
 #       --node-uid UID: re-pair a node whose state directory is gone, keeping its record
 #       (the uid and lost-state token 'llmgw ctl join-command --rekey NODE --lost-state'
 #       prints); it is approved by fingerprint again.
@@ -380,13 +382,13 @@ make_stage() {
 }
 
 on_exit() {
-    status=$?
+    exit_status=$?
     set +e
-    if [ "$status" -ne 0 ] && [ -n "${UNDO:-}" ]; then
+    if [ "$exit_status" -ne 0 ] && [ -n "${UNDO:-}" ]; then
         undo_created
     fi
     rm -rf "$STAGE"
-    exit "$status"
+    exit "$exit_status"
 }
 
 sum_of() { sha256sum "$1" 2>/dev/null | cut -c1-64; }
