@@ -75,6 +75,8 @@ ensure_rootfs() {
 }
 
 fit_for_containers() {
+    # With the sources debootstrap wrote, still.
+    [ "$CLOUD_INIT" = 0 ] || fit_for_cloud_init "$1"
     # No network in the tests' containers: apt knows only the sources a test adds.
     rm -f "$1/etc/apt/sources.list"
     # A container has no console to log in on, and its machine id is made at boot.
@@ -83,11 +85,21 @@ fit_for_containers() {
     # Installed, not running: ufw or plain nft are the other tests' firewalls.
     ln -sf /dev/null "$1/etc/systemd/system/firewalld.service"
     [ "$DOCKER" = 0 ] || fit_for_nested_docker "$1"
-    [ "$CLOUD_INIT" = 0 ] || fit_for_cloud_init "$1"
 }
 
-# --cloud-init's arrangements (see the head of this file).
+# --cloud-init's arrangements (see the head of this file). cloud-init is installed by apt in
+# the rootfs, not by debootstrap's --include, whose resolver fails to configure its Python
+# dependencies (python3-cryptography) in bookworm.
 fit_for_cloud_init() {
+    cp /etc/resolv.conf "$1/etc/resolv.conf"
+    mount -t proc proc "$1/proc"
+    rc=0
+    chroot "$1" sh -c 'export DEBIAN_FRONTEND=noninteractive; apt-get update -q >/dev/null &&
+        apt-get install -y -q --no-install-recommends cloud-init >/dev/null' || rc=$?
+    umount "$1/proc"
+    [ "$rc" -eq 0 ] || fatal "apt-get install cloud-init failed in the rootfs (exit $rc); is the mirror reachable?"
+    drop_apt_caches "$1"
+    : >"$1/etc/resolv.conf"
     mkdir -p "$1/etc/cloud/cloud.cfg.d"
     cat >"$1/etc/cloud/cloud.cfg.d/90-llmgw-test.cfg" <<'EOF'
 # Test image only: the seed a test writes, and no locale (the rootfs has none).
@@ -195,8 +207,7 @@ main() {
         variant="; nested docker: /var/lib/docker tmpfs, cgroups remounted rw"
     fi
     if [ "$CLOUD_INIT" = 1 ]; then
-        INCLUDE=$INCLUDE,cloud-init
-        variant="; cloud-init: NoCloud only, enabled, no locale"
+        variant="; cloud-init by apt: NoCloud only, enabled, no locale"
     fi
     KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s; getty off; no sources; firewalld masked%s\n' \
         "$INCLUDE" "$SUITE" "$(uname -m)" "$variant" | sha)
