@@ -27,8 +27,9 @@ def first_boot(lab: Lab, node_id: str, user_data: str) -> Node:
     (seed / "user-data").write_text(user_data)
     (seed / "meta-data").write_text(f"instance-id: {node_id}-1\nlocal-hostname: {node_id}\n")
     node.sh(
-        "mkdir -p /var/lib/cloud/seed/nocloud && "
-        f"cp {MOUNT}/seed-{node_id}/user-data {MOUNT}/seed-{node_id}/meta-data "
+        # The seed as root-only as cloud-init's own copies (a real one is an ISO or a URL).
+        "mkdir -p -m 0700 /var/lib/cloud/seed/nocloud && "
+        f"install -m 0600 {MOUNT}/seed-{node_id}/user-data {MOUNT}/seed-{node_id}/meta-data "
         "/var/lib/cloud/seed/nocloud/ && cloud-init clean --logs"
     )
     run("docker", "restart", "-t", "5", node.container.name)
