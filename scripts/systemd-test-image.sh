@@ -18,9 +18,17 @@
 # neither. Made for the cgroup v1 hosts MACHINES.md describes: on a cgroup v2 host the nested
 # dockerd would also need its processes moved out of the container's root cgroup.
 #
-# Usage: scripts/systemd-test-image.sh [--suite bookworm|bullseye] [--docker] [IMAGE]
+# --cloud-init: the node also has Debian's cloud-init, for the dry run of the user-data
+# 'llmgw ctl join-command --cloud-init' prints (tests/dryrun/test_cloud_init.py): the NoCloud
+# datasource only (a test puts its seed in /var/lib/cloud/seed/nocloud), enabled in a
+# container (/etc/cloud/cloud-init.enabled; else its generator turns it off there), and
+# the locale module off (the minimal rootfs has no locales, and it would fail). A test runs
+# 'cloud-init clean' and restarts the container: that is the machine's first boot.
+#
+# Usage: scripts/systemd-test-image.sh [--suite bookworm|bullseye] [--docker | --cloud-init] [IMAGE]
 #        (default IMAGE llmgw-test-systemd:local, llmgw-test-systemd-bullseye:local,
-#        with --docker llmgw-test-systemd-docker:local, llmgw-test-systemd-bullseye-docker:local)
+#        with --docker llmgw-test-systemd-docker:local, llmgw-test-systemd-bullseye-docker:local,
+#        with --cloud-init llmgw-test-systemd-cloudinit:local, ...-bullseye-cloudinit:local)
 #
 # Environment: LLMGW_TEST_SUITE (the suite when --suite is not given), LLMGW_TEST_CACHE
 # (default /var/cache/llmgw-test), LLMGW_DEBIAN_MIRROR (default: the first Debian mirror in
@@ -61,11 +69,14 @@ image_is_current() {
 ensure_rootfs() {
     flavour=systemd
     [ "$DOCKER" = 0 ] || flavour=systemd-docker
+    [ "$CLOUD_INIT" = 0 ] || flavour=systemd-cloudinit
     ROOTFS_TAR=$CACHE/rootfs-$SUITE-$flavour-$KEY.tar
     rootfs_tarball "$ROOTFS_TAR" "$SUITE" "$INCLUDE" "" fit_for_containers
 }
 
 fit_for_containers() {
+    # With the sources debootstrap wrote, still.
+    [ "$CLOUD_INIT" = 0 ] || fit_for_cloud_init "$1"
     # No network in the tests' containers: apt knows only the sources a test adds.
     rm -f "$1/etc/apt/sources.list"
     # A container has no console to log in on, and its machine id is made at boot.
@@ -74,6 +85,28 @@ fit_for_containers() {
     # Installed, not running: ufw or plain nft are the other tests' firewalls.
     ln -sf /dev/null "$1/etc/systemd/system/firewalld.service"
     [ "$DOCKER" = 0 ] || fit_for_nested_docker "$1"
+}
+
+# --cloud-init's arrangements (see the head of this file). cloud-init is installed by apt in
+# the rootfs, not by debootstrap's --include, whose resolver fails to configure its Python
+# dependencies (python3-cryptography) in bookworm.
+fit_for_cloud_init() {
+    cp /etc/resolv.conf "$1/etc/resolv.conf"
+    mount -t proc proc "$1/proc"
+    rc=0
+    chroot "$1" sh -c 'export DEBIAN_FRONTEND=noninteractive; apt-get update -q >/dev/null &&
+        apt-get install -y -q --no-install-recommends cloud-init >/dev/null' || rc=$?
+    umount "$1/proc"
+    [ "$rc" -eq 0 ] || fatal "apt-get install cloud-init failed in the rootfs (exit $rc); is the mirror reachable?"
+    drop_apt_caches "$1"
+    : >"$1/etc/resolv.conf"
+    mkdir -p "$1/etc/cloud/cloud.cfg.d"
+    cat >"$1/etc/cloud/cloud.cfg.d/90-llmgw-test.cfg" <<'EOF'
+# Test image only: the seed a test writes, and no locale (the rootfs has none).
+datasource_list: [ NoCloud, None ]
+locale: false
+EOF
+    : >"$1/etc/cloud/cloud-init.enabled"
 }
 
 # The two test-only arrangements of --docker (see the head of this file).
@@ -121,6 +154,7 @@ import_image() {
 default_image() {
     suffix=""
     [ "$DOCKER" = 0 ] || suffix=-docker
+    [ "$CLOUD_INIT" = 0 ] || suffix=-cloudinit
     case $1 in
         bookworm) echo "llmgw-test-systemd$suffix:local" ;;
         *) echo "llmgw-test-systemd-$1$suffix:local" ;;
@@ -131,10 +165,15 @@ parse_args() {
     SUITE=${LLMGW_TEST_SUITE:-bookworm}
     IMAGE=""
     DOCKER=0
+    CLOUD_INIT=0
     while [ $# -gt 0 ]; do
         case $1 in
             --docker)
                 DOCKER=1
+                shift
+                ;;
+            --cloud-init)
+                CLOUD_INIT=1
                 shift
                 ;;
             --suite)
@@ -154,6 +193,7 @@ parse_args() {
         *" $SUITE "*) ;;
         *) fatal "suite '$SUITE' is not one of: $SUITES" ;;
     esac
+    [ "$DOCKER$CLOUD_INIT" != 11 ] || fatal "--docker and --cloud-init make two images: give one"
     [ -n "$IMAGE" ] || IMAGE=$(default_image "$SUITE")
 }
 
@@ -165,6 +205,9 @@ main() {
     if [ "$DOCKER" = 1 ]; then
         INCLUDE=$INCLUDE,docker.io
         variant="; nested docker: /var/lib/docker tmpfs, cgroups remounted rw"
+    fi
+    if [ "$CLOUD_INIT" = 1 ]; then
+        variant="; cloud-init by apt: NoCloud only, enabled, no locale"
     fi
     KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s; getty off; no sources; firewalld masked%s\n' \
         "$INCLUDE" "$SUITE" "$(uname -m)" "$variant" | sha)
