@@ -46,6 +46,8 @@ __all__ = ["HostPlan", "Onboarding", "install_script", "onboard", "probe_script"
 STATE_DIR = "/var/lib/llmgw-agent"  # the installer's STATE_DIR: node.crt is there
 MARK = "@@llmgw "  # the lines our scripts print about themselves
 TOKEN_TTL = 1800  # seconds: a token lives as long as an install may take, not longer
+RETRY_INTERVAL = 2.0  # seconds between two tries of ssh while a host does not answer
+POLL_INTERVAL = 1.0  # seconds between two looks at the node while waiting for it online
 # Where a hosts file's per-host keys go among the command's parameters.
 _FACT_PARAM = {"fabric": "fabrics", "engine": "engines"}
 
@@ -106,14 +108,14 @@ class Onboarding:
         report: Callable[[str, str], None],
         *,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
         self.c = c
         self.plan = plan
         self.timing = timing
         self.report = report
         self.clock = clock
-        self.sleep = sleep
+        self.sleep = sleep or time.sleep
         self.remote = RemoteRun(plan.target, sudo=plan.sudo)
         self.token_id: str | None = None
         self.fingerprint: str | None = None
@@ -155,7 +157,7 @@ class Onboarding:
                 if self.clock() >= deadline:
                     raise
                 self.report("connect", f"{where}: no answer yet, trying again")
-                self.sleep(2)
+                self.sleep(RETRY_INTERVAL)
         said = [line for line in result.output if line.startswith(MARK + "connected")]
         if result.returncode != 0 or not said:
             raise OnboardError(
@@ -163,9 +165,10 @@ class Onboarding:
                 f"{last_lines(result.output)}\nrun 'ssh {shlex.quote(where)} true' to see why"
             )
         if said[-1] != MARK + "connected uid=0":
-            user = self.plan.target.user or "your user"
+            target = self.plan.target
+            user = target.user or "the user ssh logs in as"
             raise OnboardError(
-                f"{user} on {where} is not root, and the installer needs root: add --sudo "
+                f"{user} on {target.host} is not root, and the installer needs root: add --sudo "
                 "(passwordless sudo there), or ssh as root"
             )
 
@@ -266,7 +269,7 @@ class Onboarding:
                     f"{'connected' if connected else 'not connected'}); see 'journalctl -u "
                     "llmgw-agent' on it"
                 )
-            self.sleep(1)
+            self.sleep(POLL_INTERVAL)
 
     def revoke_token(self) -> None:
         """Revoke the token minted here, unless it was spent (then there is nothing left to
