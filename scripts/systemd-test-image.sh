@@ -18,9 +18,15 @@
 # neither. Made for the cgroup v1 hosts MACHINES.md describes: on a cgroup v2 host the nested
 # dockerd would also need its processes moved out of the container's root cgroup.
 #
-# Usage: scripts/systemd-test-image.sh [--suite bookworm|bullseye] [--docker] [IMAGE]
+# --ssh: the node also runs sshd (openssh-server), for `llmgw ctl onboard` over ssh
+# (tests/dryrun/test_onboard.py). The rootfs keeps no host key: each container makes its own at
+# its first boot (a test-only unit before ssh.service), so that no two share one and a test can
+# pin each container's key in its own known_hosts.
+#
+# Usage: scripts/systemd-test-image.sh [--suite bookworm|bullseye] [--docker | --ssh] [IMAGE]
 #        (default IMAGE llmgw-test-systemd:local, llmgw-test-systemd-bullseye:local,
-#        with --docker llmgw-test-systemd-docker:local, llmgw-test-systemd-bullseye-docker:local)
+#        with --docker llmgw-test-systemd-docker:local, llmgw-test-systemd-bullseye-docker:local,
+#        with --ssh llmgw-test-systemd-ssh:local, llmgw-test-systemd-bullseye-ssh:local)
 #
 # Environment: LLMGW_TEST_SUITE (the suite when --suite is not given), LLMGW_TEST_CACHE
 # (default /var/cache/llmgw-test), LLMGW_DEBIAN_MIRROR (default: the first Debian mirror in
@@ -61,6 +67,7 @@ image_is_current() {
 ensure_rootfs() {
     flavour=systemd
     [ "$DOCKER" = 0 ] || flavour=systemd-docker
+    [ "$SSH" = 0 ] || flavour=systemd-ssh
     ROOTFS_TAR=$CACHE/rootfs-$SUITE-$flavour-$KEY.tar
     rootfs_tarball "$ROOTFS_TAR" "$SUITE" "$INCLUDE" "" fit_for_containers
 }
@@ -74,6 +81,30 @@ fit_for_containers() {
     # Installed, not running: ufw or plain nft are the other tests' firewalls.
     ln -sf /dev/null "$1/etc/systemd/system/firewalld.service"
     [ "$DOCKER" = 0 ] || fit_for_nested_docker "$1"
+    [ "$SSH" = 0 ] || fit_for_sshd "$1"
+}
+
+# --ssh: no host key in the image; each container makes its own before sshd starts.
+fit_for_sshd() {
+    rm -f "$1"/etc/ssh/ssh_host_*
+    units=$1/etc/systemd/system
+    cat >"$units/llmgw-test-ssh-hostkeys.service" <<'EOF'
+[Unit]
+Description=Test image only: this container's own ssh host keys
+DefaultDependencies=no
+Before=ssh.service
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/bin/ssh-keygen -A
+EOF
+    mkdir -p "$units/ssh.service.d"
+    cat >"$units/ssh.service.d/llmgw-test.conf" <<'EOF'
+[Unit]
+Requires=llmgw-test-ssh-hostkeys.service
+After=llmgw-test-ssh-hostkeys.service
+EOF
 }
 
 # The two test-only arrangements of --docker (see the head of this file).
@@ -121,6 +152,7 @@ import_image() {
 default_image() {
     suffix=""
     [ "$DOCKER" = 0 ] || suffix=-docker
+    [ "$SSH" = 0 ] || suffix=-ssh
     case $1 in
         bookworm) echo "llmgw-test-systemd$suffix:local" ;;
         *) echo "llmgw-test-systemd-$1$suffix:local" ;;
@@ -131,10 +163,15 @@ parse_args() {
     SUITE=${LLMGW_TEST_SUITE:-bookworm}
     IMAGE=""
     DOCKER=0
+    SSH=0
     while [ $# -gt 0 ]; do
         case $1 in
             --docker)
                 DOCKER=1
+                shift
+                ;;
+            --ssh)
+                SSH=1
                 shift
                 ;;
             --suite)
@@ -142,9 +179,9 @@ parse_args() {
                 SUITE=$2
                 shift 2
                 ;;
-            -*) fatal "usage: $0 [--suite bookworm|bullseye] [--docker] [IMAGE] (unknown option '$1')" ;;
+            -*) fatal "usage: $0 [--suite bookworm|bullseye] [--docker | --ssh] [IMAGE] (unknown option '$1')" ;;
             *)
-                [ -z "$IMAGE" ] || fatal "usage: $0 [--suite bookworm|bullseye] [--docker] [IMAGE] (one IMAGE)"
+                [ -z "$IMAGE" ] || fatal "usage: $0 [--suite bookworm|bullseye] [--docker | --ssh] [IMAGE] (one IMAGE)"
                 IMAGE=$1
                 shift
                 ;;
@@ -154,6 +191,7 @@ parse_args() {
         *" $SUITE "*) ;;
         *) fatal "suite '$SUITE' is not one of: $SUITES" ;;
     esac
+    [ "$DOCKER" = 0 ] || [ "$SSH" = 0 ] || fatal "--docker and --ssh are two images; give one"
     [ -n "$IMAGE" ] || IMAGE=$(default_image "$SUITE")
 }
 
@@ -165,6 +203,10 @@ main() {
     if [ "$DOCKER" = 1 ]; then
         INCLUDE=$INCLUDE,docker.io
         variant="; nested docker: /var/lib/docker tmpfs, cgroups remounted rw"
+    fi
+    if [ "$SSH" = 1 ]; then
+        INCLUDE=$INCLUDE,openssh-server
+        variant="; sshd: host keys made at first boot"
     fi
     KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s; getty off; no sources; firewalld masked%s\n' \
         "$INCLUDE" "$SUITE" "$(uname -m)" "$variant" | sha)

@@ -79,12 +79,14 @@ def install_script(command: str) -> str:
 
 @dataclass(frozen=True)
 class HostPlan:
-    """One host to onboard: its node id, where to ssh and how, and its node facts."""
+    """One host to onboard: its node id, where to ssh and how, its node facts, and the
+    signed repository to install the package from (``install-agent.sh package``) if any."""
 
     node: str
     target: SshTarget
     sudo: bool
     facts: NodeFacts
+    package: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,8 @@ class Onboarding:
         body: dict[str, Any] = {"node": self.plan.node, "ttl": TOKEN_TTL}
         if self.plan.facts.as_json():
             body["facts"] = self.plan.facts.as_json()
+        if self.plan.package:
+            body["package"] = dict(self.plan.package)
         data: dict[str, Any] = self.c.call("POST", "/api/join-tokens", body)
         self.token_id = data["id"]
         if "/agent/bundles/" not in data["command"]:
@@ -319,7 +323,10 @@ def onboard_host(
 
 
 def plan_hosts(
-    entries: Sequence[HostEntry], defaults: Mapping[str, Any], ssh_defaults: Mapping[str, Any]
+    entries: Sequence[HostEntry],
+    defaults: Mapping[str, Any],
+    ssh_defaults: Mapping[str, Any],
+    package: dict[str, str] | None = None,
 ) -> list[HostPlan]:
     """Each entry's plan: the command line's options, those the entry sets replacing them."""
     plans = []
@@ -342,7 +349,9 @@ def plan_hosts(
         except ConfigError as exc:
             raise ConfigError(f"{entry.node} (line {entry.line}): {exc}") from None
         sudo = bool(entry.settings.get("sudo", ssh_defaults["sudo"]))
-        plans.append(HostPlan(node=entry.node, target=target, sudo=sudo, facts=facts))
+        plans.append(
+            HostPlan(node=entry.node, target=target, sudo=sudo, facts=facts, package=package)
+        )
     return plans
 
 
@@ -364,6 +373,18 @@ def plan_hosts(
     "StrictHostKeyChecking).",
 )
 @click.option("--sudo", is_flag=True, help="Run the installer with sudo -n (passwordless).")
+@click.option(
+    "--package",
+    is_flag=True,
+    help="Install the signed llmgw-agent package (install-agent.sh package, apt or dnf) from "
+    "--repo-url instead of the bundle's binary.",
+)
+@click.option("--repo-url", metavar="URL", help="With --package: the signed repository's URL.")
+@click.option(
+    "--repo-key",
+    metavar="FILE|URL",
+    help="With --package: its public key (a path on the host, or a URL).",
+)
 @click.option(
     "--wait-ssh",
     type=Duration(),
@@ -402,6 +423,9 @@ def onboard(
     identity: Path | None,
     ssh_options: tuple[str, ...],
     sudo: bool,
+    package: bool,
+    repo_url: str | None,
+    repo_key: str | None,
     wait_ssh: float,
     timeout: float,
     hosts_file: Path | None,
@@ -413,6 +437,12 @@ def onboard(
     machine is the one meant); the token goes to the host on ssh's standard input only, and
     the node is approved only when the key it enrolled with is the one on that host. A node
     online already is left as it is."""
+    if package != bool(repo_url) or package != bool(repo_key):
+        raise click.UsageError(
+            "--package installs from a signed repository: give it with --repo-url URL and "
+            "--repo-key FILE|URL (and those two only with --package)"
+        )
+    source = {"repo_url": repo_url, "repo_key": repo_key} if repo_url and repo_key else None
     if hosts_file is not None:
         if node or destination or port:
             raise click.UsageError(
@@ -424,6 +454,7 @@ def onboard(
             entries,
             facts,
             {"identity": identity, "options": ssh_options, "sudo": sudo},
+            source,
         )
     else:
         if not node or not destination:
@@ -442,7 +473,7 @@ def onboard(
             )
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from None
-        plans = [HostPlan(node=node, target=target, sudo=sudo, facts=parsed_facts)]
+        plans = [HostPlan(node=node, target=target, sudo=sudo, facts=parsed_facts, package=source)]
     if shutil.which("ssh") is None:
         raise OnboardError(
             "no ssh client on this machine; install OpenSSH's (apt-get install openssh-client)"

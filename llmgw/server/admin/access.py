@@ -8,6 +8,7 @@ console's Add node page both call."""
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -326,6 +327,7 @@ async def create_join_token(
             "To change them on a joined node, run its installer again: install-agent.sh "
             "install with them"
         )
+    package = _package_source(body.get("package"), rekey=rekey and not lost_state)
     host, http_port = _join_address(ctx, host_header, body.get("address"))
     warning = None
     node_uid = None
@@ -354,6 +356,12 @@ async def create_join_token(
     # rekey its 'rekey' verb, which stops the agent, rekeys and starts it again).
     bundles = [] if ctx.bundles is None else await ctx.bundles.bundles()
     installer_only = facts.given(INSTALLER_FACTS)
+    if package and not bundles:
+        raise BadRequest(
+            "'package' installs through the bundle's install-agent.sh, and this control plane "
+            "serves no agent bundles; copy llmgw-agent-*-linux-<arch>.tar.gz into its "
+            "bundle_dir (make dist)"
+        )
     if installer_only and not bundles:
         raise BadRequest(
             f"{', '.join(installer_only)} are options of the installer, and this control "
@@ -386,8 +394,8 @@ async def create_join_token(
             # A new node does not trust the cluster CA yet, and curl cannot pin one by
             # its key hash: the download's integrity is the SHA-256 in the command.
             verify_tls=tls is None or not tls.cluster,
-            verb="rekey" if rekey and not lost_state else "install",
-            extra_args=[*repair, *facts.args()],
+            verb="rekey" if rekey and not lost_state else ("package" if package else "install"),
+            extra_args=[*package, *repair, *facts.args()],
         )
     # Everything in a command for an operator to paste is quoted for the shell, whatever
     # validation it went through.
@@ -510,3 +518,43 @@ def _totals(rows: Iterable[UsageRow]) -> dict[str, int]:
         for name in USAGE_COUNTS:
             totals[name] += getattr(row, name)
     return totals
+
+
+# What a repository URL and its key's file or URL may hold: they are quoted into a command,
+# but a value a shell or apt would take apart is refused before that.
+_SOURCE = re.compile(r"^[A-Za-z0-9._~:/?&=%+@-]+$")
+
+
+def _package_source(value: object, *, rekey: bool) -> list[str]:
+    """``body['package']`` (``{"repo_url": URL, "repo_key": FILE|URL}``: the one-liner runs
+    ``install-agent.sh package`` with them, which installs the signed package instead of the
+    bundle's binary) as the installer's options; none when absent. BadRequest when wrong."""
+    if value is None:
+        return []
+    if rekey:
+        raise BadRequest("'package' goes with a join: a rekey keeps what the node has installed")
+    if not isinstance(value, dict) or set(value) != {"repo_url", "repo_key"}:
+        raise BadRequest(
+            '\'package\' is {"repo_url": URL, "repo_key": FILE|URL}: the signed repository '
+            "(scripts/repo.sh's --url) and its public key"
+        )
+    url, key = value["repo_url"], value["repo_key"]
+    if (
+        not isinstance(url, str)
+        or not url.startswith(("https://", "http://"))
+        or not _SOURCE.match(url)
+    ):
+        raise BadRequest(
+            f"package repo_url {url!r} is not an http(s) URL of plain characters; give the URL "
+            "the repository is served at, e.g. https://repo.example.net/llmgw"
+        )
+    if (
+        not isinstance(key, str)
+        or not _SOURCE.match(key)
+        or not key.startswith(("/", "https://", "http://"))
+    ):
+        raise BadRequest(
+            f"package repo_key {key!r} is neither an absolute path on the node nor an http(s) "
+            "URL of plain characters; give where the repository's public key is"
+        )
+    return ["--repo-url", url, "--repo-key", key]

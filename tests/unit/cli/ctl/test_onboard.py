@@ -316,6 +316,8 @@ def test_sudo_runs_the_script_under_sudo_n(api: FakeAPI) -> None:
         ),
         (["gpu-01", "--ssh", "h", "--fabric", "bad"], "--fabric"),
         (["gpu-01", "--hosts", "f"], "give it without NODE, --ssh and --port"),
+        (["gpu-01", "--ssh", "h", "--package"], "--package installs from a signed repository"),
+        (["gpu-01", "--ssh", "h", "--repo-url", "https://r"], "and those two only with --package"),
     ],
 )
 def test_usage(api: FakeAPI, args: list[str], says: str) -> None:
@@ -378,3 +380,15 @@ def test_a_bad_hosts_file_touches_nothing(api: FakeAPI, tmp_path: Path) -> None:
     assert out.exit_code == 2
     assert "line 2: node gpu-01 is listed already (line 1)" in out.stderr
     assert api.calls == [] and ssh_log(api) == ""
+
+
+def test_package_asks_for_the_package_verb(api: FakeAPI) -> None:
+    out = onboard(
+        "onboard", "gpu-01", "--ssh", "h1", "--package",
+        "--repo-url", "https://repo.example.net/llmgw", "--repo-key", "/etc/llmgw/repo.asc",
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert api.calls[1][2]["package"] == {
+        "repo_url": "https://repo.example.net/llmgw",
+        "repo_key": "/etc/llmgw/repo.asc",
+    }
