@@ -439,8 +439,8 @@ wanted = {
     "psycopg_binary/_psycopg.": "psycopg-binary",
     "psycopg_binary.libs/libpq-": "psycopg-binary",
     "uvloop/loop.": "uvloop",
-    "llmgw/server/console/templates/base.html": "the console's templates (llmgw.spec's datas)",
-    "llmgw/server/console/static/console.js": "the console's static files (llmgw.spec's datas)",
+    "llmgw/server/console/templates/base.html": "the console templates (datas in llmgw.spec)",
+    "llmgw/server/console/static/console.js": "the console static files (datas in llmgw.spec)",
 }
 for prefix, package in wanted.items():
     if not any(name.startswith(prefix) for name in names):
