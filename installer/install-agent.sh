@@ -11,7 +11,9 @@
 #       previous one kept; /usr/local/bin/llmgw links to it), the unit and its drop-in, the
 #       update helper, the configuration; with the join options: 'llmgw agent join' (the
 #       token from LLMGW_JOIN_TOKEN, else a prompt), start, wait until the agent listens.
-#       Re-running it with the same options changes nothing and restarts nothing.
+#       Re-running it with the same options changes nothing and restarts nothing. A run that
+#       fails (the join refused, the agent not up in time, ^C) removes what it created, and
+#       only that: a failed fresh install leaves nothing installed.
 #       --node-uid UID: re-pair a node whose state directory is gone, keeping its record
 #       (the uid and lost-state token 'llmgw ctl join-command --rekey NODE --lost-state'
 #       prints); it is approved by fingerprint again.
@@ -371,11 +373,22 @@ check_systemd_version() {
         || fatal "systemd $version is older than $MIN_SYSTEMD, which the agent's hardened unit needs; upgrade the OS (Debian 11, Ubuntu 22.04, RHEL 9 or later ship a newer one). Nothing was changed"
 }
 
-# Staging area for everything written atomically, removed at exit.
+# Staging area for everything written atomically, removed at exit; a failed install first
+# undoes what it created (undo_created).
 make_stage() {
     STAGE=$(mktemp -d)
-    trap 'rm -rf "$STAGE"' EXIT
+    trap 'on_exit' EXIT
     trap 'exit 130' INT TERM
+}
+
+on_exit() {
+    exit_status=$?
+    set +e
+    if [ "$exit_status" -ne 0 ] && [ -n "${UNDO:-}" ]; then
+        undo_created
+    fi
+    rm -rf "$STAGE"
+    exit "$exit_status"
 }
 
 sum_of() { sha256sum "$1" 2>/dev/null | cut -c1-64; }
@@ -392,6 +405,7 @@ put_file() {
     if [ -f "$dest" ] && cmp -s "$src" "$dest" && same_mode "$dest" "$mode" "$owner"; then
         return 0
     fi
+    note_created "$dest"
     mkdir -p "$(dirname "$dest")"
     tmp=$(dirname "$dest")/.$(basename "$dest").new.$$
     cp "$src" "$tmp"
@@ -420,6 +434,7 @@ put_dir() {
         fatal "$dir is a symlink (to $(readlink "$dir")); root does not follow it. Remove the link (rm $dir) and run this again"
     fi
     if [ ! -e "$dir" ]; then
+        note_created "$dir"
         mkdir -p "$dir"
     elif [ ! -d "$dir" ]; then
         fatal "$dir is not a directory; move it away and run this again"
@@ -592,6 +607,130 @@ render_unit() {
         || fatal "$src has no 'ExecStart=.../llmgw' line to point at $bin; the bundle is broken"
 }
 
+# ------------------------------------------------------------------------------ a failed install's undo
+# install writes down what it creates as it goes, one 'KIND WHAT' a line in STAGE/created: a
+# path that was not there (the topmost of it and the directories mkdir -p makes above it),
+# the user, the group, lingering, firewall rules. A failure anywhere after that (the EXIT
+# trap: a fatal, a failed command, ^C) takes back exactly those, newest first: a fresh install
+# that fails leaves the host as it found it, and a failed re-run over an earlier install
+# removes nothing that install had (it created nothing of it).
+arm_undo() {
+    FRESH=yes
+    if [ -e "$LIB_DIR/llmgw" ] || has_identity || [ -n "$(mode_recorded)" ]; then FRESH=""; fi
+    UNDO=$STAGE/created
+    : >"$UNDO"
+    # Made by systemd (the proxy's StateDirectory=) or the update helper, not by this script,
+    # but only because of this run when they are not there before it.
+    for path in $UPDATE_STATE $PROXY_STATE; do
+        [ -e "$path" ] || [ -L "$path" ] || note_undo path "$path"
+    done
+}
+
+note_undo() { [ -z "${UNDO:-}" ] || printf '%s %s\n' "$1" "$2" >>"$UNDO"; }
+
+# PATH is about to be made (its own variable names: sh has no local ones, and the callers
+# use path, dir, dest).
+note_created() {
+    [ -n "${UNDO:-}" ] || return 0
+    nc_path=$1 nc_top=""
+    while [ "$nc_path" != / ] && [ ! -e "$nc_path" ] && [ ! -L "$nc_path" ]; do
+        nc_top=$nc_path
+        nc_path=$(dirname "$nc_path")
+    done
+    [ -z "$nc_top" ] || note_undo path "$nc_top"
+}
+
+# 0 when this run made PATH (it, or a directory above it, is in the list).
+was_created() {
+    while read -r wc_kind wc_what; do
+        [ "$wc_kind" = path ] || continue
+        case $1 in
+            "$wc_what" | "$wc_what"/*) return 0 ;;
+        esac
+    done <"${UNDO_LIST:-$UNDO}"
+    return 1
+}
+
+make_dir() {
+    note_created "$1"
+    mkdir -p "$1"
+}
+
+# The service user and what runs as it: its manager, its processes. 1 when userdel fails.
+remove_user() {
+    loginctl disable-linger "$SERVICE_USER" >/dev/null 2>&1 || true
+    rm -f "$LINGER_DIR/$SERVICE_USER"
+    getent passwd "$SERVICE_USER" >/dev/null 2>&1 || return 0
+    uid=$(id -u "$SERVICE_USER")
+    systemctl stop "user@$uid.service" >/dev/null 2>&1 || true
+    # Whatever still runs as the user (engines started outside the unit) ends with it.
+    pkill -TERM -u "$uid" >/dev/null 2>&1 || true
+    waited=0
+    while pgrep -u "$uid" >/dev/null 2>&1 && [ "$waited" -lt 10 ]; do
+        sleep 1
+        waited=$((waited + 1))
+    done
+    pkill -KILL -u "$uid" >/dev/null 2>&1 || true
+    userdel "$SERVICE_USER" >/dev/null 2>&1 || userdel -f "$SERVICE_USER"
+}
+
+# Run by the EXIT trap after a failed install (set -e is off there): the reason is said
+# already, above; this says what was taken back.
+undo_created() {
+    UNDO_LIST=$UNDO
+    UNDO=""
+    if [ ! -s "$UNDO_LIST" ]; then
+        [ -z "${FRESH:-}" ] || printf 'error: install failed before it changed anything: nothing was left installed\n' >&2
+        return 0
+    fi
+    info "rollback: the install failed; removing what it created"
+    # The units it put in place stop first: the agent (and engines in its cgroup), the proxy.
+    for name in llmgw-agent-update.path llmgw-agent-update.service $UNIT $PROXY_UNIT; do
+        was_created "$UNIT_DIR/$name" || continue
+        systemctl disable --now "$name" >/dev/null 2>&1
+        systemctl kill --signal=SIGKILL "$name" >/dev/null 2>&1
+    done
+    if grep -qx 'firewall rules' "$UNDO_LIST"; then
+        # Rules added before a failed one are only in the new record yet.
+        [ ! -f "$INSTALL_STATE/firewall.new" ] || mv -f "$INSTALL_STATE/firewall.new" "$INSTALL_STATE/firewall"
+        firewall_clear
+    fi
+    joined=""
+    was_created "$STATE_DIR" && [ -f "$STATE_DIR/node.crt" ] && joined=yes
+    removed="" left=""
+    tac "$UNDO_LIST" >"$STAGE/undo"
+    while read -r kind what; do
+        case $kind in
+            path)
+                # (One systemd was to make may never have come.)
+                if [ -e "$what" ] || [ -L "$what" ]; then
+                    case $what in
+                        /?*) rm -rf "$what" && removed="$removed, $what" || left="$left $what" ;;
+                    esac
+                fi
+                ;;
+            user) remove_user && removed="$removed, user $what" || left="$left user:$what" ;;
+            group)
+                if getent group "$what" >/dev/null 2>&1; then
+                    groupdel "$what" >/dev/null 2>&1 || left="$left group:$what"
+                fi
+                ;;
+            linger) loginctl disable-linger "$what" >/dev/null 2>&1 ;;
+            firewall) removed="$removed, its firewall rules" ;;
+        esac
+    done <"$STAGE/undo"
+    systemctl daemon-reload >/dev/null 2>&1
+    systemctl reset-failed "$UNIT" >/dev/null 2>&1
+    [ -z "$joined" ] || warn "this node had joined as $NODE_ID before the failure: its enrolment stays on the control plane; reject it there (llmgw ctl reject $NODE_ID) or join again with a new token from 'llmgw ctl join-command --node $NODE_ID'"
+    if [ -n "$left" ]; then
+        printf 'error: rolled back, but could not remove:%s (above); remove them by hand\n' "$left" >&2
+    elif [ -n "${FRESH:-}" ]; then
+        printf 'error: rolled back (removed %s): nothing was left installed\n' "${removed#, }" >&2
+    else
+        printf 'error: rolled back what this run added (removed %s); the install that was here before is kept\n' "${removed#, }" >&2
+    fi
+}
+
 # ------------------------------------------------------------------------------ install steps
 # Numbered in the order install runs them (the run order is at the end of this file). A step
 # that changes what the agent runs with sets RESTART=yes: the units are reloaded and the agent
@@ -602,7 +741,11 @@ render_unit() {
 ensure_user() {
     if ! getent passwd "$SERVICE_USER" >/dev/null 2>&1; then
         info "user: creating system user $SERVICE_USER"
-        getent group "$SERVICE_USER" >/dev/null 2>&1 || groupadd --system "$SERVICE_USER"
+        if ! getent group "$SERVICE_USER" >/dev/null 2>&1; then
+            note_undo group "$SERVICE_USER"
+            groupadd --system "$SERVICE_USER"
+        fi
+        note_undo user "$SERVICE_USER"
         useradd --system --gid "$SERVICE_USER" --no-create-home --home-dir /nonexistent \
             --shell /usr/sbin/nologin --comment "llmgw node agent" "$SERVICE_USER"
     fi
@@ -612,9 +755,11 @@ ensure_user() {
 ensure_linger() {
     [ -e "$LINGER_DIR/$SERVICE_USER" ] && return 0
     info "user: lingering on for $SERVICE_USER"
+    note_undo linger "$SERVICE_USER"
     if ! loginctl enable-linger "$SERVICE_USER" >/dev/null 2>&1; then
         # No logind: the flag file is what it reads when it starts.
-        mkdir -p "$LINGER_DIR"
+        make_dir "$LINGER_DIR"
+        note_created "$LINGER_DIR/$SERVICE_USER"
         : >"$LINGER_DIR/$SERVICE_USER"
     fi
 }
@@ -787,7 +932,7 @@ configure_docker() {
             DOCKER_CHANGED=yes
         fi
     fi
-    mkdir -p "$INSTALL_STATE"
+    make_dir "$INSTALL_STATE"
     printf '%s\n' "${DOCKER:-none}" >"$STAGE/docker"
     put_file "$STAGE/docker" "$INSTALL_STATE/docker" 0644 root:root
     if [ "$DOCKER_CHANGED" = yes ]; then
@@ -1077,7 +1222,7 @@ record_facts() {
         [ -z "$NVIDIA_SMI" ] || echo "nvidia_smi $NVIDIA_SMI"
         [ -z "$IB_ROOT" ] || echo "ib_root $IB_ROOT"
     } >"$STAGE/facts.record"
-    mkdir -p "$INSTALL_STATE"
+    make_dir "$INSTALL_STATE"
     put_file "$STAGE/facts.record" "$FACTS_RECORD" 0644 root:root
 }
 
@@ -1133,7 +1278,8 @@ link_command() {
         warn "$COMMAND_LINK exists and is not this installer's link to $target; it is left as it is (run $target directly, or remove $COMMAND_LINK and install again)"
         return 0
     fi
-    mkdir -p "$(dirname "$COMMAND_LINK")"
+    make_dir "$(dirname "$COMMAND_LINK")"
+    note_created "$COMMAND_LINK"
     ln -s "$target" "$COMMAND_LINK"
     info "binary: $COMMAND_LINK -> $target"
 }
@@ -1315,7 +1461,9 @@ configure_firewall() {
         [ -n "$missing" ] || return 0
     fi
     firewall_clear
-    mkdir -p "$INSTALL_STATE"
+    make_dir "$INSTALL_STATE"
+    # Rules of this run's own; a re-run's replace rules an earlier install made, kept.
+    [ -n "$recorded" ] || note_undo firewall rules
     : >"$INSTALL_STATE/firewall.new"
     while read -r source ports; do
         info "firewall ($backend): $(ports_said "$ports") from $source"
@@ -1360,7 +1508,7 @@ start_agent() {
 
 # How llmgw came here (tarball or package), for the verbs that come after.
 record_mode() {
-    mkdir -p "$INSTALL_STATE"
+    make_dir "$INSTALL_STATE"
     chmod 0755 "$INSTALL_STATE"
     printf '%s\n' "$1" >"$STAGE/mode"
     put_file "$STAGE/mode" "$INSTALL_STATE/mode" 0644 root:root
@@ -1533,22 +1681,7 @@ purge_everything() {
     info "purge: configuration, identity, drop-ins, update trust and state, user"
     rm -rf "$DROPIN_DIR" "$STATE_DIR" "$TMP_DIR" "$UPDATE_TRUST_DIR" "$UPDATE_STATE" "$CONFIG"
     rmdir /etc/llmgw 2>/dev/null || true
-    if getent passwd "$SERVICE_USER" >/dev/null 2>&1; then
-        loginctl disable-linger "$SERVICE_USER" >/dev/null 2>&1 || true
-        rm -f "$LINGER_DIR/$SERVICE_USER"
-        uid=$(id -u "$SERVICE_USER")
-        systemctl stop "user@$uid.service" >/dev/null 2>&1 || true
-        # Whatever still runs as the user (engines started outside the unit) ends with it.
-        pkill -TERM -u "$uid" >/dev/null 2>&1 || true
-        waited=0
-        while pgrep -u "$uid" >/dev/null 2>&1 && [ "$waited" -lt 10 ]; do
-            sleep 1
-            waited=$((waited + 1))
-        done
-        pkill -KILL -u "$uid" >/dev/null 2>&1 || true
-        userdel "$SERVICE_USER" >/dev/null 2>&1 || userdel -f "$SERVICE_USER" \
-            || fatal "could not delete the user $SERVICE_USER (userdel above)"
-    fi
+    remove_user || fatal "could not delete the user $SERVICE_USER (userdel above)"
     rm -f "$LINGER_DIR/$SERVICE_USER"
     if getent group "$SERVICE_USER" >/dev/null 2>&1; then
         groupdel "$SERVICE_USER" >/dev/null 2>&1 || true
@@ -1625,6 +1758,7 @@ verb_install() {
     resolve_facts
     check_facts "$BUNDLE/llmgw"
     preflight
+    arm_undo
     ensure_user    # 1
     ensure_linger  # 2
     ensure_dirs    # 3
@@ -1632,6 +1766,7 @@ verb_install() {
     link_command
     record_mode tarball
     configure_and_start
+    UNDO=""
     info "done: llmgw $NEW_VERSION installed ($LIB_DIR/llmgw)"
 }
 

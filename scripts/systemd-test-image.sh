@@ -23,10 +23,18 @@
 # its first boot (a test-only unit before ssh.service), so that no two share one and a test can
 # pin each container's key in its own known_hosts.
 #
-# Usage: scripts/systemd-test-image.sh [--suite bookworm|bullseye] [--docker | --ssh] [IMAGE]
-#        (default IMAGE llmgw-test-systemd:local, llmgw-test-systemd-bullseye:local,
+# --cloud-init: the node also has Debian's cloud-init, for the dry run of the user-data
+# 'llmgw ctl join-command --cloud-init' prints (tests/dryrun/test_cloud_init.py): the NoCloud
+# datasource only (a test puts its seed in /var/lib/cloud/seed/nocloud), enabled in a
+# container (/etc/cloud/cloud-init.enabled; else its generator turns it off there), and
+# the locale module off (the minimal rootfs has no locales, and it would fail). A test runs
+# 'cloud-init clean' and restarts the container: that is the machine's first boot.
+#
+# Usage: scripts/systemd-test-image.sh [--suite bookworm|bullseye] [--docker | --ssh | --cloud-init]
+#        [IMAGE] (default IMAGE llmgw-test-systemd:local, llmgw-test-systemd-bullseye:local,
 #        with --docker llmgw-test-systemd-docker:local, llmgw-test-systemd-bullseye-docker:local,
-#        with --ssh llmgw-test-systemd-ssh:local, llmgw-test-systemd-bullseye-ssh:local)
+#        with --ssh llmgw-test-systemd-ssh:local, llmgw-test-systemd-bullseye-ssh:local,
+#        with --cloud-init llmgw-test-systemd-cloudinit:local, ...-bullseye-cloudinit:local)
 #
 # Environment: LLMGW_TEST_SUITE (the suite when --suite is not given), LLMGW_TEST_CACHE
 # (default /var/cache/llmgw-test), LLMGW_DEBIAN_MIRROR (default: the first Debian mirror in
@@ -68,11 +76,14 @@ ensure_rootfs() {
     flavour=systemd
     [ "$DOCKER" = 0 ] || flavour=systemd-docker
     [ "$SSH" = 0 ] || flavour=systemd-ssh
+    [ "$CLOUD_INIT" = 0 ] || flavour=systemd-cloudinit
     ROOTFS_TAR=$CACHE/rootfs-$SUITE-$flavour-$KEY.tar
     rootfs_tarball "$ROOTFS_TAR" "$SUITE" "$INCLUDE" "" fit_for_containers
 }
 
 fit_for_containers() {
+    # With the sources debootstrap wrote, still.
+    [ "$CLOUD_INIT" = 0 ] || fit_for_cloud_init "$1"
     # No network in the tests' containers: apt knows only the sources a test adds.
     rm -f "$1/etc/apt/sources.list"
     # A container has no console to log in on, and its machine id is made at boot.
@@ -105,6 +116,28 @@ EOF
 Requires=llmgw-test-ssh-hostkeys.service
 After=llmgw-test-ssh-hostkeys.service
 EOF
+}
+
+# --cloud-init's arrangements (see the head of this file). cloud-init is installed by apt in
+# the rootfs, not by debootstrap's --include, whose resolver fails to configure its Python
+# dependencies (python3-cryptography) in bookworm.
+fit_for_cloud_init() {
+    cp /etc/resolv.conf "$1/etc/resolv.conf"
+    mount -t proc proc "$1/proc"
+    rc=0
+    chroot "$1" sh -c 'export DEBIAN_FRONTEND=noninteractive; apt-get update -q >/dev/null &&
+        apt-get install -y -q --no-install-recommends cloud-init >/dev/null' || rc=$?
+    umount "$1/proc"
+    [ "$rc" -eq 0 ] || fatal "apt-get install cloud-init failed in the rootfs (exit $rc); is the mirror reachable?"
+    drop_apt_caches "$1"
+    : >"$1/etc/resolv.conf"
+    mkdir -p "$1/etc/cloud/cloud.cfg.d"
+    cat >"$1/etc/cloud/cloud.cfg.d/90-llmgw-test.cfg" <<'EOF'
+# Test image only: the seed a test writes, and no locale (the rootfs has none).
+datasource_list: [ NoCloud, None ]
+locale: false
+EOF
+    : >"$1/etc/cloud/cloud-init.enabled"
 }
 
 # The two test-only arrangements of --docker (see the head of this file).
@@ -153,6 +186,7 @@ default_image() {
     suffix=""
     [ "$DOCKER" = 0 ] || suffix=-docker
     [ "$SSH" = 0 ] || suffix=-ssh
+    [ "$CLOUD_INIT" = 0 ] || suffix=-cloudinit
     case $1 in
         bookworm) echo "llmgw-test-systemd$suffix:local" ;;
         *) echo "llmgw-test-systemd-$1$suffix:local" ;;
@@ -164,6 +198,7 @@ parse_args() {
     IMAGE=""
     DOCKER=0
     SSH=0
+    CLOUD_INIT=0
     while [ $# -gt 0 ]; do
         case $1 in
             --docker)
@@ -174,14 +209,18 @@ parse_args() {
                 SSH=1
                 shift
                 ;;
+            --cloud-init)
+                CLOUD_INIT=1
+                shift
+                ;;
             --suite)
                 [ $# -ge 2 ] || fatal "--suite needs one of: $SUITES"
                 SUITE=$2
                 shift 2
                 ;;
-            -*) fatal "usage: $0 [--suite bookworm|bullseye] [--docker | --ssh] [IMAGE] (unknown option '$1')" ;;
+            -*) fatal "usage: $0 [--suite bookworm|bullseye] [--docker | --ssh | --cloud-init] [IMAGE] (unknown option '$1')" ;;
             *)
-                [ -z "$IMAGE" ] || fatal "usage: $0 [--suite bookworm|bullseye] [--docker | --ssh] [IMAGE] (one IMAGE)"
+                [ -z "$IMAGE" ] || fatal "usage: $0 [--suite bookworm|bullseye] [--docker | --ssh | --cloud-init] [IMAGE] (one IMAGE)"
                 IMAGE=$1
                 shift
                 ;;
@@ -191,7 +230,7 @@ parse_args() {
         *" $SUITE "*) ;;
         *) fatal "suite '$SUITE' is not one of: $SUITES" ;;
     esac
-    [ "$DOCKER" = 0 ] || [ "$SSH" = 0 ] || fatal "--docker and --ssh are two images; give one"
+    [ "$((DOCKER + SSH + CLOUD_INIT))" -le 1 ] || fatal "--docker, --ssh and --cloud-init make different images: give one"
     [ -n "$IMAGE" ] || IMAGE=$(default_image "$SUITE")
 }
 
@@ -207,6 +246,9 @@ main() {
     if [ "$SSH" = 1 ]; then
         INCLUDE=$INCLUDE,openssh-server
         variant="; sshd: host keys made at first boot"
+    fi
+    if [ "$CLOUD_INIT" = 1 ]; then
+        variant="; cloud-init by apt: NoCloud only, enabled, no locale"
     fi
     KEY=$(printf 'debootstrap --variant=minbase --include=%s %s %s; getty off; no sources; firewalld masked%s\n' \
         "$INCLUDE" "$SUITE" "$(uname -m)" "$variant" | sha)

@@ -28,6 +28,8 @@ __all__ = [
     "Bundle",
     "BundleStore",
     "add_bundle_routes",
+    "fetch_steps",
+    "installer_step",
     "one_liner",
 ]
 
@@ -225,6 +227,31 @@ def one_liner(
     bundle's integrity never came from TLS but from the SHA-256 in the command."""
     if verb not in _VERBS:
         raise ValueError(f"the one-liner runs install-agent.sh {' or '.join(_VERBS)}, not {verb!r}")
+    steps = [
+        "set -eu",
+        *([f"export LLMGW_JOIN_TOKEN={shlex.quote(token)}"] if token else []),
+        *fetch_steps(base_url, bundles, verify_tls=verify_tls),
+        's=""; [ "$(id -u)" -eq 0 ] || s="sudo --preserve-env=LLMGW_JOIN_TOKEN"',
+        "$s " + installer_step(verb, node_id, enroll_url, ca_hash, extra_args),
+    ]
+    return "(" + "; ".join(steps) + ")"
+
+
+def installer_step(
+    verb: str, node_id: str, enroll_url: str, ca_hash: str, extra_args: Sequence[str]
+) -> str:
+    """The unpacked bundle's ``install-agent.sh VERB`` with its options, each quoted (after
+    :func:`fetch_steps`, in its directory)."""
+    return f'sh ./llmgw-agent-*-"$r"/install-agent.sh {verb} ' + shlex.join(
+        ["--node-id", node_id, "--enroll-url", enroll_url, "--ca-hash", ca_hash, *extra_args]
+    )
+
+
+def fetch_steps(base_url: str, bundles: Sequence[Bundle], *, verify_tls: bool) -> list[str]:
+    """The shell steps that pick the bundle for ``uname -m``, download it from
+    ``base_url`` into a temporary directory (removed at exit, by a trap of its own), check it
+    against the SHA-256 embedded here and unpack it there: the one-liner's and the cloud-init
+    user-data's (:mod:`llmgw.server.cloudinit`). NotFound when there is no bundle at all."""
     if not bundles:
         raise NotFound(
             "the control plane has no agent bundle to join nodes with; copy "
@@ -237,9 +264,7 @@ def one_liner(
         cases.append(f"{names}) r={bundle.rid} h={bundle.sha256};;")
     known = ", ".join(sorted(b.rid for b in bundles))
     url = q(base_url.rstrip("/") + "/agent/bundles/") + '"$r.tar.gz"'
-    steps = [
-        "set -eu",
-        *([f"export LLMGW_JOIN_TOKEN={q(token)}"] if token else []),
+    return [
         f'case "$(uname -m)" in {" ".join(cases)} '
         f'*) echo "llmgw: no agent bundle for $(uname -m) (this control plane has {known})" >&2; '
         "exit 1;; esac",
@@ -255,10 +280,4 @@ def one_liner(
         + "; fi",
         'echo "$h  agent.tar.gz" | sha256sum -c -',
         "tar -xzf agent.tar.gz",
-        's=""; [ "$(id -u)" -eq 0 ] || s="sudo --preserve-env=LLMGW_JOIN_TOKEN"',
-        f'$s sh ./llmgw-agent-*-"$r"/install-agent.sh {verb} '
-        + shlex.join(
-            ["--node-id", node_id, "--enroll-url", enroll_url, "--ca-hash", ca_hash, *extra_args]
-        ),
     ]
-    return "(" + "; ".join(steps) + ")"

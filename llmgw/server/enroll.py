@@ -37,7 +37,7 @@ from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport
 from llmgw.server.states import NodeState, TokenKind
-from llmgw.server.store import Certificate, Node, Store
+from llmgw.server.store import Certificate, JoinToken, Node, Store
 
 __all__ = [
     "MAX_BODY",
@@ -311,6 +311,26 @@ class Enroller:
                 keys.add(cert.fingerprint)
         return keys
 
+    def _auto_approve(self, token: JoinToken, node: Node, fp: str, serial: str) -> Node:
+        """A fresh join with an auto-approve token: the node is approved on this first use
+        (the operator chose trust on first use for this token when minting it), in the
+        enrolment's transaction; the events and the token keep the key that was trusted."""
+        store = self.store
+        store.add_event(
+            "node_enrolled",
+            node.id,
+            f"joined with key {fp}, certificate {serial}, by auto-approve token {token.id}",
+        )
+        store.set_node_state(node.id, NodeState.APPROVED)
+        store.record_auto_approval(token.id, fp)
+        store.add_event(
+            "node_approved",
+            node.id,
+            f"key {fp}, trusted on first use of auto-approve token {token.id}",
+            f"auto-approve:{token.id}",
+        )
+        return store.get_node(node.id)
+
     def enrol(self, req: EnrolRequest, *, peer: str = "") -> dict[str, Any]:
         """Use the token, check the CSR, record the node and its certificate, and return the
         response body. Any refusal (an :class:`EnrolmentError`) leaves the store untouched."""
@@ -360,6 +380,8 @@ class Enroller:
                         node.id,
                         f"new key {fp}, certificate {serial}; older certificates revoked",
                     )
+                elif token.auto_approve:
+                    node = self._auto_approve(token, node, fp, serial)
                 else:
                     store.add_event(
                         "node_enrolled",

@@ -62,6 +62,8 @@ class JoinToken:
     used_at: float | None
     revoked_at: float | None
     lost_state: bool = False
+    auto_approve: bool = False
+    approved_fingerprint: str | None = None
     as_of: float = field(default=0.0, compare=False, repr=False)
 
     @property
@@ -109,12 +111,24 @@ def check_new(
     node_uid: str | None,
     lost_state: bool = False,
     require_approval: bool = False,
+    auto_approve: bool = False,
 ) -> TokenKind:
     """Refuse (ValueError) a token that could never be spent: a rekey token binds the
     node's current uid, a join token none; a lost-state token is a rekey token that needs
-    approval again; the ttl is a positive number of seconds."""
+    approval again; an auto-approve token is a fresh join's only (trust on first use of a
+    new machine, never a key swapped under a known node's name); the ttl is a positive
+    number of seconds."""
     validate_node_id(node_id)
     token_kind = check_kind(kind)
+    if auto_approve and token_kind != TokenKind.JOIN:
+        raise ValueError(
+            f"auto_approve goes with a fresh join only: a rekey{' (lost state)' if lost_state else ''} "
+            f"token's new key is the node's own proof or is approved by its fingerprint; mint "
+            f"it without auto_approve, or a join token ('llmgw ctl join-command --node "
+            f"{node_id} --auto-approve') for a machine joining afresh"
+        )
+    if auto_approve and require_approval:
+        raise ValueError("auto_approve and require_approval contradict each other: leave one out")
     if lost_state and token_kind != TokenKind.REKEY:
         raise ValueError("lost_state goes with rekey tokens only (a join needs no old key)")
     if lost_state and not require_approval:

@@ -427,6 +427,32 @@ def docker_node_image() -> str:
     return DOCKER_NODE_IMAGE
 
 
+CLOUD_INIT_IMAGE_ENV = "LLMGW_TEST_SYSTEMD_CLOUDINIT_IMAGE"
+CLOUD_INIT_IMAGE = "llmgw-test-systemd-cloudinit:local"
+
+
+def cloud_init_image() -> str:
+    """The Debian 12 systemd image with cloud-init (NoCloud; ``scripts/systemd-test-image.sh
+    --cloud-init`` says how it is set up): the one ``$LLMGW_TEST_SYSTEMD_CLOUDINIT_IMAGE``
+    names, else built here (debootstrap once)."""
+    name = os.environ.get(CLOUD_INIT_IMAGE_ENV)
+    if name:
+        inspect = ["docker", "image", "inspect", name]
+        if subprocess.run(inspect, capture_output=True, check=False).returncode != 0:
+            unavailable(f"${CLOUD_INIT_IMAGE_ENV} names {name}, which is not on this machine")
+        return name
+    build = subprocess.run(
+        [str(ROOT / "scripts" / "systemd-test-image.sh"), "--cloud-init", CLOUD_INIT_IMAGE],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if build.returncode != 0:
+        unavailable(f"could not build {CLOUD_INIT_IMAGE}: {build.stderr.strip()[-600:]}")
+    return CLOUD_INIT_IMAGE
+
+
 def engine_image() -> str:
     """The image of the ``sim`` engine for ``runtime: docker`` (llmgw installed in Debian 12),
     the one the docker runtime's integration tests use: ``$LLMGW_TEST_DOCKER_IMAGE`` (.ci/run

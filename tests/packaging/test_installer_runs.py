@@ -401,3 +401,74 @@ def test_a_restart_is_waited_for_as_a_new_invocation(sandbox: Sandbox) -> None:
     assert "==> service: llmgw-agent.service is active and listens on :9443" in sandbox.said(moved)
     # Had it not waited, the restart's job would still be a second away at its exit.
     assert invocation.read_text().strip() == "2"
+
+
+def tree(root: Path) -> set[str]:
+    """Every path under the sandbox host but the sandbox's own (bundles, stand-ins, calls)."""
+    own = {"b1", "b2", "bin", "sc", "calls", "repo.key"}
+    own |= {"render-facts-args", "join-args", "update-trust-args"}  # the stand-in llmgw's
+    return {
+        str(path.relative_to(root))
+        for path in root.rglob("*")
+        if path.relative_to(root).parts[0] not in own
+    }
+
+
+def test_a_fresh_install_that_fails_removes_what_it_created(sandbox: Sandbox) -> None:
+    """The agent does not come up after the join: everything this run made (folders, units,
+    binary, link, configuration, identity, records) is removed, the units it enabled are
+    disabled again, and it says so; a folder that was there before is kept."""
+    kept = sandbox.root / "srv" / "llmgw" / "models"
+    kept.mkdir(parents=True)
+    (kept / "weights.bin").write_text("an operator's model\n")
+    before = tree(sandbox.root)
+    (sandbox.root / "sc" / "fail").touch()
+    failed = sandbox.run("install", *JOIN, token="t0ken")
+    assert failed.returncode == 1
+    said = sandbox.said(failed)
+    assert "==> rollback: the install failed; removing what it created" in said
+    assert said[-1].startswith("error: rolled back (removed "), said
+    assert said[-1].endswith(": nothing was left installed"), said
+    assert "@/usr/local/lib/llmgw-agent" in said[-1]
+    assert any(line.startswith("warning: this node had joined as n1") for line in said), said
+    assert tree(sandbox.root) == before
+    assert (kept / "weights.bin").read_text() == "an operator's model\n"
+    calls = sandbox.calls()
+    assert "systemctl disable --now llmgw-agent.service" in calls
+    assert "systemctl disable --now llmgw-agent-update.path" in calls
+    # Nothing is left for the next run to trip over: it installs afresh.
+    (sandbox.root / "sc" / "fail").unlink()
+    again = sandbox.run("install", *JOIN, token="t0ken")
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_failure_before_anything_is_made_says_nothing_was_left(sandbox: Sandbox) -> None:
+    before = tree(sandbox.root)
+    no_token = sandbox.run("install", *JOIN)  # the join has no token: refused at step 8
+    assert no_token.returncode == 1
+    said = sandbox.said(no_token)
+    assert any(line.startswith("error: no join token") for line in said), said
+    assert said[-1].endswith("nothing was left installed"), said
+    assert tree(sandbox.root) == before
+
+
+def test_a_failed_rerun_keeps_the_install_that_was_there(sandbox: Sandbox) -> None:
+    """Over an existing install a failing run takes back only what it added itself (here a
+    new model folder) and never the install: binary, units, configuration, identity stay."""
+    assert sandbox.run("install", *JOIN, token="t0ken").returncode == 0
+    before = tree(sandbox.root)
+    (sandbox.root / "sc" / "fail").touch()
+    (sandbox.root / "sc" / "active-llmgw-agent.service").unlink()
+    new_root = sandbox.root / "srv" / "m2"
+    failed = sandbox.run("install", *JOIN, "--models-root", str(new_root))
+    assert failed.returncode == 1
+    said = sandbox.said(failed)
+    assert said[-1] == (
+        "error: rolled back what this run added (removed @/srv/m2); "
+        "the install that was here before is kept"
+    ), said
+    assert not new_root.exists()
+    # The install is all there (its drop-in and config name the new root: they were rewritten,
+    # not created, and the next good run writes them again).
+    assert tree(sandbox.root) == before
+    assert "systemctl disable --now llmgw-agent.service" not in sandbox.calls()

@@ -97,9 +97,8 @@ def parse_facts(values: dict[str, Any]) -> NodeFacts:
 @click.option(
     "--ttl",
     type=Duration(),
-    default="1h",
-    show_default=True,
-    help="How long the token is valid (30m, 1h, 2d).",
+    default=None,
+    help="How long the token is valid (30m, 1h, 2d; default 1h, with --cloud-init 24h).",
 )
 @click.option(
     "--address",
@@ -117,16 +116,31 @@ def parse_facts(values: dict[str, Any]) -> NodeFacts:
     "it by its uid (printed in the command: agent join --node-uid UID), keeping its record "
     "and history; it needs approval by fingerprint again.",
 )
+@click.option(
+    "--auto-approve",
+    is_flag=True,
+    help="With --node: approve the node that spends this token on first use, without "
+    "comparing its fingerprint (trust on first use; recorded on the token and in the events).",
+)
+@click.option(
+    "--cloud-init",
+    "cloud_init",
+    is_flag=True,
+    help="With --node: print #cloud-config user-data that installs and joins the machine on "
+    "its first boot (pass it as the new machine's user-data), instead of a command.",
+)
 @fact_options
 @pass_ctl
 def join_command(
     c: Ctl,
     node: str | None,
     rekey_node: str | None,
-    ttl: float,
+    ttl: float | None,
     address: str | None,
     require_approval: bool,
     lost_state: bool,
+    auto_approve: bool,
+    cloud_init: bool,
     fabrics: tuple[str, ...],
     nvidia_smi: str | None,
     ib_root: str | None,
@@ -140,7 +154,9 @@ def join_command(
     on the control plane, a one-liner that downloads and checks the bundle and runs its
     install-agent.sh (install, or rekey); else 'llmgw agent join'. Node facts (--fabric,
     --nvidia-smi, --ib-root, --engine; for the installer also --models-root, --cache-root,
-    --firewall-from, --fabric-peers) are appended to it."""
+    --firewall-from, --fabric-peers) are appended to it. --cloud-init prints user-data
+    instead (the token in a root-only file, removed after use); --auto-approve skips the
+    approval by fingerprint for the machine that spends the token first."""
     if bool(node) == bool(rekey_node):
         raise click.UsageError("give exactly one of --node NODE (a new node) or --rekey NODE")
     if require_approval and not rekey_node:
@@ -151,6 +167,17 @@ def join_command(
         raise click.UsageError(
             "--lost-state goes with --rekey NODE: it re-pairs a joined node whose state "
             "directory is gone (a new node needs none: --node NODE)"
+        )
+    if auto_approve and rekey_node:
+        raise click.UsageError(
+            "--auto-approve goes with --node (a fresh join): a rekey's new key is proved by the "
+            "old one, a lost-state re-pair's approved by its fingerprint; for a machine joining "
+            f"afresh: --node {rekey_node} --auto-approve"
+        )
+    if cloud_init and rekey_node:
+        raise click.UsageError(
+            "--cloud-init goes with --node: the user-data joins a machine on its first boot; a "
+            f"rekey runs on the joined node (--rekey {rekey_node} prints its command)"
         )
     try:
         facts = NodeFacts.parse(
@@ -173,10 +200,17 @@ def join_command(
         )
     body: dict[str, Any] = {
         "node": node or rekey_node,
-        "ttl": ttl,
         "rekey": bool(rekey_node),
         "require_approval": require_approval,
     }
+    if ttl is not None:
+        body["ttl"] = ttl
+    elif not cloud_init:
+        body["ttl"] = 3600.0
+    if auto_approve:
+        body["auto_approve"] = True
+    if cloud_init:
+        body["cloud_init"] = True
     if lost_state:
         body["lost_state"] = True
     if facts.as_json():
@@ -189,6 +223,10 @@ def join_command(
         return
     if data.get("warning"):
         click.echo(f"warning: {data['warning']}", err=True)
+    if cloud_init:
+        # Only the user-data on stdout: it is redirected into a file or a provisioning tool.
+        click.echo(data["user_data"], nl=False)
+        return
     expires = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(data["expires_at"]))
     what = "rekey" if data["kind"] == "rekey" else "join"
     if data.get("lost_state"):
@@ -205,6 +243,12 @@ def join_command(
     click.echo("")
     click.echo(f"  {data['command']}")
     click.echo("")
+    if data.get("auto_approve"):
+        click.echo(
+            "the node is approved when it joins (auto-approve: trust on first use of this "
+            "token); 'llmgw ctl events' records the fingerprint it was approved with"
+        )
+        return
     click.echo(
         "then compare the fingerprint it prints and approve: llmgw ctl approve "
         f"{shlex.quote(data['node'])} --fingerprint sha256:…"
@@ -228,6 +272,8 @@ def tokens(ctx: click.Context, include_all: bool) -> None:
         return
 
     def state(t: dict[str, Any]) -> str:
+        if t["used_at"] and t.get("approved_fingerprint"):
+            return f"used, approved {t['approved_fingerprint']}"
         if t["used_at"]:
             return "used"
         if t["revoked_at"]:
@@ -238,7 +284,9 @@ def tokens(ctx: click.Context, include_all: bool) -> None:
         [
             t["id"],
             t["node"],
-            t["kind"] + (" (lost-state)" if t.get("lost_state") else ""),
+            t["kind"]
+            + (" (lost-state)" if t.get("lost_state") else "")
+            + (" (auto-approve)" if t.get("auto_approve") else ""),
             t["prefix"] + "…",
             until(t["expires_at"]),
             state(t),

@@ -30,6 +30,7 @@ from llmgw.contracts.keypolicy import (
 from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, INSTALLER_FACTS, NodeFacts
 from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.netaddr import check_node_id_free, format_hostport, parse_hostport
+from llmgw.server import cloudinit
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
 from llmgw.server.bundles import one_liner
 from llmgw.server.principals import principal_of
@@ -226,6 +227,8 @@ class AccessRoutes:
                     "node": t.node_id,
                     "kind": t.kind,
                     "lost_state": t.lost_state,
+                    "auto_approve": t.auto_approve,
+                    "approved_fingerprint": t.approved_fingerprint,
                     "created_at": t.created_at,
                     "expires_at": t.expires_at,
                     "used_at": t.used_at,
@@ -266,6 +269,8 @@ class JoinToken:
     agent_command: str
     one_liner: str | None
     warning: str | None
+    auto_approve: bool = False
+    user_data: str | None = None
 
     @property
     def command(self) -> str:
@@ -279,6 +284,7 @@ class JoinToken:
             "node": self.node,
             "kind": self.kind,
             "lost_state": self.lost_state,
+            "auto_approve": self.auto_approve,
             "node_uid": self.node_uid if self.lost_state else None,
             "token": self.secret,
             "expires_at": self.expires_at,
@@ -287,6 +293,7 @@ class JoinToken:
             "facts": self.facts,
             "command": self.command,
             "warning": self.warning,
+            **({"user_data": self.user_data} if self.user_data is not None else {}),
         }
 
 
@@ -294,10 +301,13 @@ async def create_join_token(
     ctx: AdminContext, body: Mapping[str, Any], *, host_header: str, actor: str
 ) -> JoinToken:
     """Mint a join token as ``body`` asks (``node``, ``ttl``, ``rekey``, ``lost_state``,
-    ``require_approval``, ``facts``, ``address``: ``POST /api/join-tokens``' JSON, which the
-    console's Add node form is turned into), recorded in the events as ``actor``'s. The host
-    nodes reach the control plane at is ``address``, else the first ``advertise`` name,
-    else ``host_header``'s host. BadRequest, Conflict or NotFound mint nothing."""
+    ``require_approval``, ``auto_approve``, ``cloud_init``, ``facts``, ``address``: ``POST
+    /api/join-tokens``' JSON, which the console's Add node form is turned into), recorded in
+    the events as ``actor``'s. The host nodes reach the control plane at is ``address``, else
+    the first ``advertise`` name, else ``host_header``'s host. ``auto_approve``: the node
+    that spends the token is approved on first use (fresh joins only); ``cloud_init``: the
+    answer carries ``user_data`` (llmgw.server.cloudinit; default ttl 24 h). BadRequest,
+    Conflict or NotFound mint nothing."""
     node_id = body.get("node")
     if not isinstance(node_id, str):
         raise BadRequest("'node' (the node id to join) is required")
@@ -305,7 +315,9 @@ async def create_join_token(
         check_node_id_free(node_id, ctx.control_plane_names)
     except ConfigError as exc:
         raise BadRequest(str(exc)) from None
-    ttl = body.get("ttl", 3600)
+    auto_approve = _flag(body, "auto_approve")
+    cloud_init = _flag(body, "cloud_init")
+    ttl = body.get("ttl", CLOUD_INIT_TTL if cloud_init else 3600)
     if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 60 <= ttl <= 7 * 86400:
         raise BadRequest("ttl must be between 60 seconds and 7 days")
     rekey = bool(body.get("rekey", False))
@@ -315,6 +327,26 @@ async def create_join_token(
         raise BadRequest(
             "lost_state goes with rekey: re-pairing a node whose state directory is gone is "
             f"'llmgw ctl join-command --rekey {node_id} --lost-state'"
+        )
+    if auto_approve and rekey:
+        raise BadRequest(
+            "auto_approve goes with a fresh join only (trust on first use of a new machine): "
+            f"a {'lost-state ' if lost_state else ''}rekey keeps {node_id}'s record, and its "
+            f"new key is {'approved by its fingerprint' if lost_state else 'proved by the old one'}; "
+            f"leave auto_approve out, or join the machine afresh: 'llmgw ctl join-command "
+            f"--node {node_id} --auto-approve'"
+        )
+    if auto_approve and require_approval:
+        raise BadRequest(
+            "auto_approve and require_approval contradict each other: leave require_approval "
+            "out for a token whose node is approved on first use, or auto_approve out for the "
+            "normal approval by fingerprint"
+        )
+    if cloud_init and rekey:
+        raise BadRequest(
+            "cloud_init user-data joins a machine on its first boot (a fresh join); a rekey "
+            f"runs on the joined node: 'llmgw ctl join-command --rekey {node_id}' prints its "
+            "command"
         )
     try:
         facts = NodeFacts.from_json(body.get("facts"))
@@ -362,6 +394,12 @@ async def create_join_token(
             "serves no agent bundles; copy llmgw-agent-*-linux-<arch>.tar.gz into its "
             "bundle_dir (make dist)"
         )
+    if cloud_init and not bundles:
+        raise BadRequest(
+            "cloud-init user-data downloads the agent bundle, and this control plane serves "
+            "none; copy llmgw-agent-*-linux-<arch>.tar.gz into its bundle_dir (make dist), "
+            "then mint the user-data again"
+        )
     if installer_only and not bundles:
         raise BadRequest(
             f"{', '.join(installer_only)} are options of the installer, and this control "
@@ -376,24 +414,41 @@ async def create_join_token(
         node_uid=node_uid,
         require_approval=require_approval,
         lost_state=lost_state,
+        auto_approve=auto_approve,
     )
     enroll_url = f"https://{format_hostport(host, ctx.listening.enroll_port)}"
     ca_hash = ctx.ca.ca_hash()
     # A re-pair names the uid it keeps: the node has no state directory to read it from.
     repair = ["--node-uid", node_uid] if lost_state and node_uid else []
     command = None
-    if bundles:
-        tls = ctx.tls
-        command = one_liner(
-            f"{ctx.http_scheme}://{format_hostport(host, http_port)}",
+    user_data = None
+    base_url = f"{ctx.http_scheme}://{format_hostport(host, http_port)}"
+    # A new node does not trust the cluster CA yet, and curl cannot pin one by its key hash:
+    # the download's integrity is the SHA-256 in the command.
+    verify_tls = ctx.tls is None or not ctx.tls.cluster
+    if cloud_init:
+        user_data = cloudinit.user_data(
+            base_url,
             bundles,
             node_id=node_id,
             enroll_url=enroll_url,
             ca_hash=ca_hash,
             token=secret,
-            # A new node does not trust the cluster CA yet, and curl cannot pin one by
-            # its key hash: the download's integrity is the SHA-256 in the command.
-            verify_tls=tls is None or not tls.cluster,
+            token_id=token.id,
+            expires_at=token.expires_at,
+            auto_approve=auto_approve,
+            verify_tls=verify_tls,
+            extra_args=facts.args(),
+        )
+    if bundles:
+        command = one_liner(
+            base_url,
+            bundles,
+            node_id=node_id,
+            enroll_url=enroll_url,
+            ca_hash=ca_hash,
+            token=secret,
+            verify_tls=verify_tls,
             verb="rekey" if rekey and not lost_state else ("package" if package else "install"),
             extra_args=[*package, *repair, *facts.args()],
         )
@@ -415,10 +470,13 @@ async def create_join_token(
     ]
     agent_command = f"LLMGW_JOIN_TOKEN={shlex.quote(secret)} " + shlex.join(args)
     what = "lost-state rekey" if lost_state else str(token.kind)
+    if auto_approve:
+        what = "auto-approve join"
     ctx.store.add_event(
         "join_token_created",
         node_id,
-        f"{what} token {token.id}, expires in {ttl:.0f}s",
+        f"{what} token {token.id}, expires in {ttl:.0f}s"
+        + (" (cloud-init user-data)" if cloud_init else ""),
         actor,
     )
     return JoinToken(
@@ -435,7 +493,23 @@ async def create_join_token(
         agent_command=agent_command,
         one_liner=command,
         warning=warning,
+        auto_approve=token.auto_approve,
+        user_data=user_data,
     )
+
+
+CLOUD_INIT_TTL = 86400
+"""A cloud-init token's default ttl: the user-data waits for a machine to boot, and the
+token sits in cloud-init's copy of it (root only) until it expires unspent."""
+
+
+def _flag(body: Mapping[str, Any], name: str) -> bool:
+    """A boolean field of the body (absent: false); anything but true or false is refused,
+    since a string "false" would otherwise turn on what it names."""
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, not {value!r}")
+    return value
 
 
 def _join_address(ctx: AdminContext, header: str, address: object) -> tuple[str, int]:

@@ -182,13 +182,15 @@ class JoinTokens:
         node_uid: str | None = None,
         require_approval: bool = False,
         lost_state: bool = False,
+        auto_approve: bool = False,
     ) -> tuple[JoinToken, str]:
         """Mint a one-time token for *node_id*, valid *ttl* seconds; return its row and the
         secret, which is shown once and stored only as a hash.
 
         A ``rekey`` token is bound to the node's current uid (*node_uid*); with
         *require_approval* the rekeyed node goes back to pending. A *lost_state* rekey token
-        is spent without the old identity (it needs *require_approval*).
+        is spent without the old identity (it needs *require_approval*). An *auto_approve*
+        join token approves the node that spends it (:meth:`record_auto_approval`).
         """
         token_kind = tokens.check_new(
             node_id,
@@ -197,6 +199,7 @@ class JoinTokens:
             node_uid=node_uid,
             lost_state=lost_state,
             require_approval=require_approval,
+            auto_approve=auto_approve,
         )
         secret = tokens.new_secret()
         now = self._db.clock()
@@ -204,8 +207,8 @@ class JoinTokens:
             token_id = self._db.unused_id("join_tokens", lambda: secrets.token_hex(4))
             self._db.execute(
                 "INSERT INTO join_tokens(id, hash, prefix, node_id, kind, node_uid, "
-                "require_approval, created_at, expires_at, lost_state) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "require_approval, created_at, expires_at, lost_state, auto_approve) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     token_id,
                     tokens.hash_secret(secret),
@@ -217,6 +220,7 @@ class JoinTokens:
                     now,
                     now + float(ttl),
                     int(lost_state),
+                    int(auto_approve),
                 ),
             )
             row = self._db.one("SELECT * FROM join_tokens WHERE id = ?", (token_id,))
@@ -262,6 +266,21 @@ class JoinTokens:
                 "UPDATE join_tokens SET revoked_at = ? WHERE id = ?", (self._db.clock(), token.id)
             )
             return self.get_join_token(token.id)
+
+    def record_auto_approval(self, token_id: str, fingerprint: str) -> None:
+        """Keep on an auto-approve token the key of the node it approved (its listing shows
+        which machine was trusted on first use)."""
+        with self._db.write():
+            cur = self._db.execute(
+                "UPDATE join_tokens SET approved_fingerprint = ? "
+                "WHERE id = ? AND auto_approve = 1 AND approved_fingerprint IS NULL",
+                (fingerprint, token_id),
+            )
+            if cur.rowcount != 1:
+                raise Conflict(
+                    f"join token {token_id} is not an unspent auto-approve token; nothing was "
+                    "approved by it"
+                )
 
     def consume_join_token(
         self,

@@ -483,6 +483,8 @@ def join_token_from_row(row: Row, as_of: float) -> JoinToken:
         used_at=row["used_at"],
         revoked_at=row["revoked_at"],
         lost_state=bool(row["lost_state"]),
+        auto_approve=bool(row["auto_approve"]),
+        approved_fingerprint=row["approved_fingerprint"],
         as_of=as_of,
     )
 

@@ -323,6 +323,12 @@ MIGRATIONS: list[str] = [
         locked_until REAL NOT NULL DEFAULT 0
     );
     """,
+    # 13: auto-approve join tokens (issue 18: machines that boot into the fleet): the node
+    # that spends one is approved on first use, and the token keeps the key it approved
+    """
+    ALTER TABLE join_tokens ADD COLUMN auto_approve INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE join_tokens ADD COLUMN approved_fingerprint TEXT;
+    """,
 ]
 
 

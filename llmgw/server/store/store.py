@@ -249,6 +249,7 @@ class Store:
     get_join_token = _Table("_join_tokens", JoinTokens.get_join_token)
     revoke_join_token = _Table("_join_tokens", JoinTokens.revoke_join_token)
     consume_join_token = _Table("_join_tokens", JoinTokens.consume_join_token)
+    record_auto_approval = _Table("_join_tokens", JoinTokens.record_auto_approval)
 
     add_certificate = _Table("_certificates", Certificates.add_certificate)
     latest_certificate = _Table("_certificates", Certificates.latest_certificate)

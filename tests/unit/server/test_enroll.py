@@ -1028,3 +1028,55 @@ def test_record_certificate_keeps_serial_key_and_validity(env: Env, cluster_pki:
     assert row.not_after == cert.not_valid_after_utc.timestamp()
     assert row.revoked_at is None
     assert env.store.list_certificates(NODE) == [row]
+
+
+# --------------------------------------------------------------------------- auto-approve
+
+
+def test_an_auto_approve_token_approves_the_node_on_first_use(env: Env, cluster_pki: PKI) -> None:
+    secret = env.mint(auto_approve=True)
+    key = pki.new_private_key()
+
+    async def body(env: Env) -> None:
+        status, answer = await post(env, request(secret, key=key))
+        assert status == 200, answer
+        fp = pki.fingerprint(key.public_key())
+        assert answer["state"] == "approved" == env.store.get_node(NODE).state
+        [token] = env.store.list_join_tokens(include_inactive=True)
+        assert token.used and token.auto_approve and token.approved_fingerprint == fp
+        approved, enrolled = env.store.list_events(subject=NODE)  # newest first
+        assert enrolled.kind == "node_enrolled" and token.id in enrolled.message
+        assert approved.kind == "node_approved"
+        assert approved.actor == f"auto-approve:{token.id}"
+        assert fp in approved.message and "trusted on first use" in approved.message
+        assert env.enrolled[0].state == "approved"
+
+    serve(env, cluster_pki, body)
+
+
+def test_a_plain_join_token_still_leaves_the_node_pending(env: Env, cluster_pki: PKI) -> None:
+    secret = env.mint()
+
+    async def body(env: Env) -> None:
+        status, answer = await post(env, request(secret))
+        assert status == 200 and answer["state"] == "pending"
+        [token] = env.store.list_join_tokens(include_inactive=True)
+        assert not token.auto_approve and token.approved_fingerprint is None
+        assert [e.kind for e in env.store.list_events(subject=NODE)] == ["node_enrolled"]
+
+    serve(env, cluster_pki, body)
+
+
+def test_a_refused_auto_approve_join_approves_nothing(env: Env, cluster_pki: PKI) -> None:
+    """A CSR for another node id is refused: the token stays unspent, the node unmade."""
+    secret = env.mint(auto_approve=True)
+    before = env.snapshot()
+
+    async def body(env: Env) -> None:
+        status, answer = await post(env, request(secret, cn="other-node"))
+        assert status == 400, answer
+        assert env.snapshot() == before
+        [token] = env.store.list_join_tokens()
+        assert token.active and token.approved_fingerprint is None
+
+    serve(env, cluster_pki, body)

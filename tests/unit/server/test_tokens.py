@@ -199,3 +199,27 @@ def test_lost_state_refusals_say_what_to_do() -> None:
     err = refusal(TOKEN)
     assert err.code == "token_wrong_kind"
     assert "--node-uid re-pairs a node with a lost-state rekey token" in str(err)
+
+
+def test_auto_approve_goes_with_a_fresh_join_only() -> None:
+    assert (
+        tokens.check_new("gpu-1", kind="join", ttl=60, node_uid=None, auto_approve=True)
+        is TokenKind.JOIN
+    )
+    with pytest.raises(ValueError, match="auto_approve goes with a fresh join only") as rekey:
+        tokens.check_new("gpu-1", kind="rekey", ttl=60, node_uid="u1", auto_approve=True)
+    assert "llmgw ctl join-command --node gpu-1 --auto-approve" in str(rekey.value)
+    with pytest.raises(ValueError, match=r"a rekey \(lost state\) token"):
+        tokens.check_new(
+            "gpu-1",
+            kind="rekey",
+            ttl=60,
+            node_uid="u1",
+            lost_state=True,
+            require_approval=True,
+            auto_approve=True,
+        )
+    with pytest.raises(ValueError, match="contradict each other"):
+        tokens.check_new(
+            "gpu-1", kind="join", ttl=60, node_uid=None, require_approval=True, auto_approve=True
+        )

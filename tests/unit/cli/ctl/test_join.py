@@ -212,3 +212,72 @@ def test_tokens_lists_a_lost_state_rekey_token_as_such(monkeypatch: pytest.Monke
     rows = out.stdout.splitlines()[1:]
     assert rows[0].split()[:4] == ["jt1", "gpu-01", "rekey", "(lost-state)"]
     assert rows[1].split()[:4] == ["jt2", "gpu-02", "rekey", "llmgwjt_ghijkl…"]
+
+
+def test_auto_approve_is_sent_and_the_operator_told_no_approval_follows(
+    monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, str, Any]]
+) -> None:
+    monkeypatch.setitem(ANSWER, "auto_approve", True)
+    out = join("--node", "gpu-01", "--auto-approve")
+    assert out.exit_code == 0, out.output
+    assert calls[0][2]["auto_approve"] is True and calls[0][2]["ttl"] == 3600.0
+    assert "approved when it joins (auto-approve: trust on first use" in out.stdout
+    assert "llmgw ctl approve" not in out.stdout
+
+
+def test_cloud_init_prints_only_the_user_data_and_leaves_the_ttl_to_the_server(
+    monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, str, Any]]
+) -> None:
+    user_data = "#cloud-config\nwrite_files: []\n"
+    monkeypatch.setitem(ANSWER, "user_data", user_data)
+    out = join("--node", "gpu-01", "--cloud-init", "--fabric", "ib-a:mlx5_0")
+    assert out.exit_code == 0, out.output
+    body = calls[0][2]
+    assert body["cloud_init"] is True and "ttl" not in body  # the server's default: 24 h
+    assert body["facts"] == {"fabrics": ["ib-a:mlx5_0"]}
+    assert out.stdout == user_data
+    assert join("--node", "gpu-01", "--cloud-init", "--ttl", "2h").exit_code == 0
+    assert calls[1][2]["ttl"] == 7200.0
+
+
+@pytest.mark.parametrize(
+    ("args", "piece"),
+    [
+        (["--rekey", "gpu-01", "--auto-approve"], "--auto-approve goes with --node (a fresh join)"),
+        (["--rekey", "gpu-01", "--lost-state", "--auto-approve"], "--node gpu-01 --auto-approve"),
+        (["--rekey", "gpu-01", "--cloud-init"], "--cloud-init goes with --node"),
+    ],
+)
+def test_auto_approve_and_cloud_init_refuse_a_rekey_before_any_call(
+    calls: list[tuple[str, str, Any]], args: list[str], piece: str
+) -> None:
+    out = join(*args)
+    assert out.exit_code == 2
+    assert piece in out.stderr
+    assert calls == []
+
+
+def test_tokens_show_an_auto_approve_token_and_the_key_it_approved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    listed = [
+        {
+            "id": "jt3",
+            "node": "gpu-03",
+            "kind": "join",
+            "lost_state": False,
+            "auto_approve": True,
+            "approved_fingerprint": "sha256:feed",
+            "prefix": "llmgwjt_mnopqr",
+            "expires_at": 4_000_000_000,
+            "used_at": 3_000_000_000,
+            "revoked_at": None,
+            "active": False,
+        },
+    ]
+    monkeypatch.setattr(Ctl, "call", lambda self, *a, **k: listed)
+    out = CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", "tokens", "--all"])
+    assert out.exit_code == 0, out.output
+    row = out.stdout.splitlines()[1]
+    assert row.split()[:4] == ["jt3", "gpu-03", "join", "(auto-approve)"]
+    assert row.rstrip().endswith("used, approved sha256:feed")

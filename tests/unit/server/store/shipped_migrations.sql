@@ -254,3 +254,7 @@ ALTER TABLE replicas ADD COLUMN profile TEXT;
         locked_until REAL NOT NULL DEFAULT 0
     );
     
+
+-- migration 13
+    ALTER TABLE join_tokens ADD COLUMN auto_approve INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE join_tokens ADD COLUMN approved_fingerprint TEXT;

@@ -529,3 +529,20 @@ def test_deleted_node_serials_stay_denied(store: Store) -> None:
     store.delete_node(node.id)
     assert store.is_revoked("a1")
     assert store.revoked_serials() == {"a1"}
+
+
+def test_an_auto_approve_token_keeps_the_key_it_approved_once(store: Store) -> None:
+    token, secret = store.create_join_token("n1", ttl=60, auto_approve=True)
+    assert token.auto_approve and token.approved_fingerprint is None
+    store.consume_join_token(secret, node_id="n1", kind="join", node_uid=None)
+    store.record_auto_approval(token.id, "sha256:aa")
+    assert store.get_join_token(token.id).approved_fingerprint == "sha256:aa"
+    with pytest.raises(Conflict, match="not an unspent auto-approve token"):
+        store.record_auto_approval(token.id, "sha256:bb")  # never a second key
+    assert store.get_join_token(token.id).approved_fingerprint == "sha256:aa"
+    plain, _ = store.create_join_token("n2", ttl=60)
+    with pytest.raises(Conflict, match="not an unspent auto-approve token"):
+        store.record_auto_approval(plain.id, "sha256:aa")
+    assert store.get_join_token(plain.id).approved_fingerprint is None
+    with pytest.raises(ValueError, match="fresh join only"):
+        store.create_join_token("n1", kind="rekey", node_uid="u", ttl=60, auto_approve=True)
