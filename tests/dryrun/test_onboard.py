@@ -7,8 +7,9 @@ lab's control plane, in order:
    either side while it ran (every /proc/*/cmdline sampled) and in no file left behind;
 2. the same command again changes nothing (no token, no restart);
 3. a host whose key changed is refused before anything runs there (no login, no token);
-4. a failure mid-install (the bundle URL unreachable from the host) leaves the host clean
-   and the token revoked;
+4. a failure mid-install (the bundle URL unreachable from the host; then the enrolment
+   port, so that the installer's join fails and it rolls back what it created) leaves the
+   host clean and the token revoked;
 5. ``--hosts`` with three hosts, one unreachable: two online, one reported with its error,
    exit status non-zero; a re-run skips the two.
 """
@@ -318,6 +319,31 @@ def test_a_failed_install_leaves_the_host_clean_and_revokes_the_token(steps: Ste
     assert f"the install on root@{node.ip} failed at download" in run.stderr
     [token] = [t for t in steps.tokens() if t["node"] == "ssh-two"]
     assert token["revoked_at"] and not token["used_at"], token
+    assert node.sh(f"ls -d {INSTALLED} 2>/dev/null", check=False).stdout == ""
+    assert node.sh("getent passwd llmgw-agent", check=False).returncode != 0
+    assert leftovers(node) == temporary
+    assert steps.lab.node_state("ssh-two") is None
+
+
+def test_a_join_that_fails_inside_the_installer_is_rolled_back(steps: Steps) -> None:
+    """The enrolment port unreachable: the bundle is installed, its join fails, and the
+    installer takes back all it created (its rollback of a failed fresh install)."""
+    node = steps.hosts["ssh-two"]
+    temporary = leftovers(node)
+    node.sh(
+        "nft add table inet llmgwtest && nft add chain inet llmgwtest out "
+        "'{ type filter hook output priority 0; }' && "
+        f"nft add rule inet llmgwtest out tcp dport {steps.lab.enroll_port} reject"
+    )
+    try:
+        run = steps.onboard("ssh-two", "--ssh", f"root@{node.ip}")
+    finally:
+        node.sh("nft delete table inet llmgwtest")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"the install on root@{node.ip} failed at join" in run.stderr, run.stderr
+    assert "nothing was left installed" in run.stderr, run.stderr
+    tokens = [t for t in steps.tokens() if t["node"] == "ssh-two"]
+    assert tokens and all(t["revoked_at"] and not t["used_at"] for t in tokens), tokens
     assert node.sh(f"ls -d {INSTALLED} 2>/dev/null", check=False).stdout == ""
     assert node.sh("getent passwd llmgw-agent", check=False).returncode != 0
     assert leftovers(node) == temporary
