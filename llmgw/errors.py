@@ -25,9 +25,15 @@
     ├── EngineError                 an engine's own arguments or behaviour
     ├── UpdateError                 a signed self-update refused or failed; ``state`` says which
     ├── PasswordError               the admin password is wrong or unacceptable
-    └── ClientError                 ``llmgw ctl`` talking to the control plane
-        ├── ConnectError            nothing answered at any address tried (retryable)
-        └── APIError                the control plane answered with an error
+    ├── ClientError                 ``llmgw ctl`` talking to the control plane
+    │   ├── ConnectError            nothing answered at any address tried (retryable)
+    │   └── APIError                the control plane answered with an error
+    ├── SshError                    running a script on another machine over ssh
+    │   ├── HostKeyError            its host key is unknown or changed (never retried)
+    │   ├── SshAuthError            ssh could not log in (user, key)
+    │   ├── SudoPasswordRequired    sudo there wants a password (never typed through ssh)
+    │   └── SshUnreachable          nothing answers ssh there yet (retryable)
+    └── OnboardError                ``ctl onboard``: an install, join, approval or wait failed
 
 Every message says what is wrong and then what to do about it.
 """
@@ -256,6 +262,32 @@ class APIError(ClientError):
         self.code = code
 
 
+class SshError(LlmgwError):
+    """ssh to another machine failed, or what ran there did."""
+
+
+class HostKeyError(SshError):
+    """The machine's host key is not the one known_hosts pins (or none is pinned)."""
+
+
+class SshAuthError(SshError):
+    """ssh reached the machine but could not log in."""
+
+
+class SudoPasswordRequired(SshError):
+    """``sudo -n`` on the machine refused: it wants a password."""
+
+
+class SshUnreachable(SshError):
+    """Nothing answered ssh (refused, timed out, no route): a booting machine, perhaps."""
+
+    retryable = True
+
+
+class OnboardError(LlmgwError):
+    """Onboarding a node over ssh failed at one of its steps; the message names it."""
+
+
 __all__ = [
     "APIError",
     "ArchiveError",
@@ -269,18 +301,24 @@ __all__ = [
     "EngineError",
     "EnrolmentError",
     "FileError",
+    "HostKeyError",
     "IdentityMismatch",
     "LlmgwError",
     "NoAuthority",
     "NotFound",
+    "OnboardError",
     "PKIError",
     "PasswordError",
     "PinMismatch",
     "ShardError",
+    "SshAuthError",
+    "SshError",
+    "SshUnreachable",
     "StaleEpoch",
     "StartupError",
     "StoreError",
     "StreamError",
+    "SudoPasswordRequired",
     "TokenError",
     "UpdateError",
     "WeakPassword",

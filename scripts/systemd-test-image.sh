@@ -18,6 +18,11 @@
 # neither. Made for the cgroup v1 hosts MACHINES.md describes: on a cgroup v2 host the nested
 # dockerd would also need its processes moved out of the container's root cgroup.
 #
+# --ssh: the node also runs sshd (openssh-server), for `llmgw ctl onboard` over ssh
+# (tests/dryrun/test_onboard.py). The rootfs keeps no host key: each container makes its own at
+# its first boot (a test-only unit before ssh.service), so that no two share one and a test can
+# pin each container's key in its own known_hosts.
+#
 # --cloud-init: the node also has Debian's cloud-init, for the dry run of the user-data
 # 'llmgw ctl join-command --cloud-init' prints (tests/dryrun/test_cloud_init.py): the NoCloud
 # datasource only (a test puts its seed in /var/lib/cloud/seed/nocloud), enabled in a
@@ -25,9 +30,10 @@
 # the locale module off (the minimal rootfs has no locales, and it would fail). A test runs
 # 'cloud-init clean' and restarts the container: that is the machine's first boot.
 #
-# Usage: scripts/systemd-test-image.sh [--suite bookworm|bullseye] [--docker | --cloud-init] [IMAGE]
-#        (default IMAGE llmgw-test-systemd:local, llmgw-test-systemd-bullseye:local,
+# Usage: scripts/systemd-test-image.sh [--suite bookworm|bullseye] [--docker | --ssh | --cloud-init]
+#        [IMAGE] (default IMAGE llmgw-test-systemd:local, llmgw-test-systemd-bullseye:local,
 #        with --docker llmgw-test-systemd-docker:local, llmgw-test-systemd-bullseye-docker:local,
+#        with --ssh llmgw-test-systemd-ssh:local, llmgw-test-systemd-bullseye-ssh:local,
 #        with --cloud-init llmgw-test-systemd-cloudinit:local, ...-bullseye-cloudinit:local)
 #
 # Environment: LLMGW_TEST_SUITE (the suite when --suite is not given), LLMGW_TEST_CACHE
@@ -69,6 +75,7 @@ image_is_current() {
 ensure_rootfs() {
     flavour=systemd
     [ "$DOCKER" = 0 ] || flavour=systemd-docker
+    [ "$SSH" = 0 ] || flavour=systemd-ssh
     [ "$CLOUD_INIT" = 0 ] || flavour=systemd-cloudinit
     ROOTFS_TAR=$CACHE/rootfs-$SUITE-$flavour-$KEY.tar
     rootfs_tarball "$ROOTFS_TAR" "$SUITE" "$INCLUDE" "" fit_for_containers
@@ -85,6 +92,30 @@ fit_for_containers() {
     # Installed, not running: ufw or plain nft are the other tests' firewalls.
     ln -sf /dev/null "$1/etc/systemd/system/firewalld.service"
     [ "$DOCKER" = 0 ] || fit_for_nested_docker "$1"
+    [ "$SSH" = 0 ] || fit_for_sshd "$1"
+}
+
+# --ssh: no host key in the image; each container makes its own before sshd starts.
+fit_for_sshd() {
+    rm -f "$1"/etc/ssh/ssh_host_*
+    units=$1/etc/systemd/system
+    cat >"$units/llmgw-test-ssh-hostkeys.service" <<'EOF'
+[Unit]
+Description=Test image only: this container's own ssh host keys
+DefaultDependencies=no
+Before=ssh.service
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/bin/ssh-keygen -A
+EOF
+    mkdir -p "$units/ssh.service.d"
+    cat >"$units/ssh.service.d/llmgw-test.conf" <<'EOF'
+[Unit]
+Requires=llmgw-test-ssh-hostkeys.service
+After=llmgw-test-ssh-hostkeys.service
+EOF
 }
 
 # --cloud-init's arrangements (see the head of this file). cloud-init is installed by apt in
@@ -154,6 +185,7 @@ import_image() {
 default_image() {
     suffix=""
     [ "$DOCKER" = 0 ] || suffix=-docker
+    [ "$SSH" = 0 ] || suffix=-ssh
     [ "$CLOUD_INIT" = 0 ] || suffix=-cloudinit
     case $1 in
         bookworm) echo "llmgw-test-systemd$suffix:local" ;;
@@ -165,11 +197,16 @@ parse_args() {
     SUITE=${LLMGW_TEST_SUITE:-bookworm}
     IMAGE=""
     DOCKER=0
+    SSH=0
     CLOUD_INIT=0
     while [ $# -gt 0 ]; do
         case $1 in
             --docker)
                 DOCKER=1
+                shift
+                ;;
+            --ssh)
+                SSH=1
                 shift
                 ;;
             --cloud-init)
@@ -181,9 +218,9 @@ parse_args() {
                 SUITE=$2
                 shift 2
                 ;;
-            -*) fatal "usage: $0 [--suite bookworm|bullseye] [--docker] [IMAGE] (unknown option '$1')" ;;
+            -*) fatal "usage: $0 [--suite bookworm|bullseye] [--docker | --ssh | --cloud-init] [IMAGE] (unknown option '$1')" ;;
             *)
-                [ -z "$IMAGE" ] || fatal "usage: $0 [--suite bookworm|bullseye] [--docker] [IMAGE] (one IMAGE)"
+                [ -z "$IMAGE" ] || fatal "usage: $0 [--suite bookworm|bullseye] [--docker | --ssh | --cloud-init] [IMAGE] (one IMAGE)"
                 IMAGE=$1
                 shift
                 ;;
@@ -193,7 +230,7 @@ parse_args() {
         *" $SUITE "*) ;;
         *) fatal "suite '$SUITE' is not one of: $SUITES" ;;
     esac
-    [ "$DOCKER$CLOUD_INIT" != 11 ] || fatal "--docker and --cloud-init make two images: give one"
+    [ "$((DOCKER + SSH + CLOUD_INIT))" -le 1 ] || fatal "--docker, --ssh and --cloud-init make different images: give one"
     [ -n "$IMAGE" ] || IMAGE=$(default_image "$SUITE")
 }
 
@@ -205,6 +242,10 @@ main() {
     if [ "$DOCKER" = 1 ]; then
         INCLUDE=$INCLUDE,docker.io
         variant="; nested docker: /var/lib/docker tmpfs, cgroups remounted rw"
+    fi
+    if [ "$SSH" = 1 ]; then
+        INCLUDE=$INCLUDE,openssh-server
+        variant="; sshd: host keys made at first boot"
     fi
     if [ "$CLOUD_INIT" = 1 ]; then
         variant="; cloud-init by apt: NoCloud only, enabled, no locale"

@@ -36,6 +36,8 @@ TOOL_PACKAGES = {
     "rpmsign": "rpm",
     "sha256sum": "coreutils",
     "shellcheck": "shellcheck",
+    "ssh": "openssh-client",
+    "ssh-keygen": "openssh-client",
     "systemd-analyze": "systemd",
 }
 

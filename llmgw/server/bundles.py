@@ -42,7 +42,7 @@ _FILE = re.compile(
     rf"^llmgw-agent-(?P<version>{VERSION_PATTERN})-(?P<rid>linux-(?:x64|arm64))\.tar\.gz$"
 )
 _CHUNK = 1 << 20
-_VERBS = ("install", "rekey")
+_VERBS = ("install", "rekey", "package")
 
 log = logging.getLogger("llmgw.server.bundles")
 
@@ -206,9 +206,11 @@ def one_liner(
 ) -> str:
     """The command an operator pastes on a node (DESIGN §4): pick the bundle for
     ``uname -m``, download it from ``base_url``, check it against the SHA-256 embedded here
-    (one per architecture), unpack it and run its ``install-agent.sh VERB`` (``install``, or
-    ``rekey`` for a node that is joined already) with ``--node-id``, ``--enroll-url``,
-    ``--ca-hash`` and then ``extra_args`` (``--node-uid``, node facts), each quoted.
+    (one per architecture), unpack it and run its ``install-agent.sh VERB`` (``install``;
+    ``rekey`` for a node that is joined already; ``package``, which installs the signed
+    package from ``--repo-url`` instead of the bundle's binary) with ``--node-id``,
+    ``--enroll-url``, ``--ca-hash`` and then ``extra_args`` (``--repo-url``/``--repo-key``,
+    ``--node-uid``, node facts), each quoted.
 
     The join token reaches the installer only through the environment, never an argv that
     ``ps`` shows: the command exports ``LLMGW_JOIN_TOKEN`` in a subshell (a builtin, no

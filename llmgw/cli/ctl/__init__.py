@@ -3,7 +3,7 @@
 This module builds the ``ctl`` group (its options make the ``Ctl`` object each command
 receives, see ``context``); each command group lives in a module of its own: ``nodes`` (list,
 approve, reject, revoke, drain, uncordon), ``models`` (models, deploy, undeploy, replicas),
-``keys`` (with their policies), ``usage`` (the keys' usage), ``join`` (join-command, tokens),
+``keys`` (with their policies), ``usage`` (the keys' usage), ``join`` (join-command, tokens), ``onboard`` (over ssh, one host or a file of them),
 ``events``, ``engines``, ``updates`` (update, admin password), ``cert``, ``instances`` (the
 control-plane instances on PostgreSQL, retire), ``users`` (operator accounts), ``login``
 (login, logout, whoami: ctl acting as an account) and ``engine_check``. A new command goes in the module of its group, or
@@ -28,6 +28,7 @@ from llmgw.cli.ctl.keys import keys
 from llmgw.cli.ctl.login import login, logout, whoami
 from llmgw.cli.ctl.models import deploy, models, replicas, undeploy
 from llmgw.cli.ctl.nodes import approve, drain, nodes, reject, revoke, uncordon
+from llmgw.cli.ctl.onboard import onboard
 from llmgw.cli.ctl.updates import admin, update
 from llmgw.cli.ctl.usage import usage
 from llmgw.cli.ctl.users import users
@@ -100,6 +101,7 @@ for _command in (
     usage,
     events,
     join_command,
+    onboard,
     tokens,
     approve,
     reject,

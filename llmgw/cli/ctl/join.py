@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -15,7 +16,74 @@ from llmgw.cli.ctl.output import echo_json, table, until
 from llmgw.contracts.nodefacts import FACT_OPTIONS, NodeFacts
 from llmgw.errors import ConfigError
 
-__all__ = ["join_command", "tokens"]
+__all__ = ["FACT_PARAMS", "fact_options", "join_command", "parse_facts", "tokens"]
+
+
+_FACT_OPTIONS = [
+    click.option(
+        "--fabric",
+        "fabrics",
+        multiple=True,
+        metavar="NAME:HCA[,HCA...]",
+        help="A fabric the node is on and its adapters, as in /sys/class/infiniband "
+        "(repeatable; 'none' alone: no fabric).",
+    ),
+    click.option("--nvidia-smi", metavar="PATH", help="nvidia-smi's absolute path on the node."),
+    click.option(
+        "--ib-root",
+        metavar="DIR",
+        help="The InfiniBand sysfs root (default /sys/class/infiniband).",
+    ),
+    click.option(
+        "--engine",
+        "engines",
+        multiple=True,
+        metavar="NAME=PATH",
+        help="An engine's program on the node, e.g. vllm=/opt/vllm/bin/vllm (repeatable; 'none' "
+        "alone: no engine program).",
+    ),
+    click.option("--models-root", metavar="DIR", help="Installer: where the node keeps models."),
+    click.option("--cache-root", metavar="DIR", help="Installer: the node's cache folder."),
+    click.option(
+        "--firewall-from",
+        multiple=True,
+        metavar="CIDR",
+        help="Installer: open the agent's ports to this address or network (repeatable).",
+    ),
+    click.option(
+        "--fabric-peers",
+        multiple=True,
+        metavar="CIDR",
+        help="Installer: the fabric's own network, allowed the multi-node ports (repeatable).",
+    ),
+]
+FACT_PARAMS = (
+    "fabrics",
+    "nvidia_smi",
+    "ib_root",
+    "engines",
+    "models_root",
+    "cache_root",
+    "firewall_from",
+    "fabric_peers",
+)
+
+
+def fact_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The node facts' options (--fabric, --nvidia-smi, --ib-root, --engine, and the
+    installer's --models-root, --cache-root, --firewall-from, --fabric-peers), as
+    join-command and onboard both take them; their values go to :func:`parse_facts`."""
+    for option in reversed(_FACT_OPTIONS):
+        command = option(command)
+    return command
+
+
+def parse_facts(values: dict[str, Any]) -> NodeFacts:
+    """The facts of :func:`fact_options`' values, checked; a usage error names the option."""
+    try:
+        return NodeFacts.parse(**{k: values[k] for k in FACT_PARAMS})
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 @click.command("join-command")
@@ -61,40 +129,7 @@ __all__ = ["join_command", "tokens"]
     help="With --node: print #cloud-config user-data that installs and joins the machine on "
     "its first boot (pass it as the new machine's user-data), instead of a command.",
 )
-@click.option(
-    "--fabric",
-    "fabrics",
-    multiple=True,
-    metavar="NAME:HCA[,HCA...]",
-    help="A fabric the node is on and its adapters, as in /sys/class/infiniband "
-    "(repeatable; 'none' alone: no fabric).",
-)
-@click.option("--nvidia-smi", metavar="PATH", help="nvidia-smi's absolute path on the node.")
-@click.option(
-    "--ib-root", metavar="DIR", help="The InfiniBand sysfs root (default /sys/class/infiniband)."
-)
-@click.option(
-    "--engine",
-    "engines",
-    multiple=True,
-    metavar="NAME=PATH",
-    help="An engine's program on the node, e.g. vllm=/opt/vllm/bin/vllm (repeatable; 'none' "
-    "alone: no engine program).",
-)
-@click.option("--models-root", metavar="DIR", help="Installer: where the node keeps models.")
-@click.option("--cache-root", metavar="DIR", help="Installer: the node's cache folder.")
-@click.option(
-    "--firewall-from",
-    multiple=True,
-    metavar="CIDR",
-    help="Installer: open the agent's ports to this address or network (repeatable).",
-)
-@click.option(
-    "--fabric-peers",
-    multiple=True,
-    metavar="CIDR",
-    help="Installer: the fabric's own network, allowed the multi-node ports (repeatable).",
-)
+@fact_options
 @pass_ctl
 def join_command(
     c: Ctl,

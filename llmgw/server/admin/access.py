@@ -9,6 +9,7 @@ code too: :func:`create_key`, :func:`revoke_key`, :func:`key_detail` and :func:`
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -380,6 +381,7 @@ async def create_join_token(
             "To change them on a joined node, run its installer again: install-agent.sh "
             "install with them"
         )
+    package = _package_source(body.get("package"), rekey=rekey and not lost_state)
     host, http_port = _join_address(ctx, host_header, body.get("address"))
     warning = None
     node_uid = None
@@ -408,6 +410,12 @@ async def create_join_token(
     # rekey its 'rekey' verb, which stops the agent, rekeys and starts it again).
     bundles = [] if ctx.bundles is None else await ctx.bundles.bundles()
     installer_only = facts.given(INSTALLER_FACTS)
+    if package and not bundles:
+        raise BadRequest(
+            "'package' installs through the bundle's install-agent.sh, and this control plane "
+            "serves no agent bundles; copy llmgw-agent-*-linux-<arch>.tar.gz into its "
+            "bundle_dir (make dist)"
+        )
     if cloud_init and not bundles:
         raise BadRequest(
             "cloud-init user-data downloads the agent bundle, and this control plane serves "
@@ -463,8 +471,8 @@ async def create_join_token(
             ca_hash=ca_hash,
             token=secret,
             verify_tls=verify_tls,
-            verb="rekey" if rekey and not lost_state else "install",
-            extra_args=[*repair, *facts.args()],
+            verb="rekey" if rekey and not lost_state else ("package" if package else "install"),
+            extra_args=[*package, *repair, *facts.args()],
         )
     # Everything in a command for an operator to paste is quoted for the shell, whatever
     # validation it went through.
@@ -606,3 +614,43 @@ def _totals(rows: Iterable[UsageRow]) -> dict[str, int]:
         for name in USAGE_COUNTS:
             totals[name] += getattr(row, name)
     return totals
+
+
+# What a repository URL and its key's file or URL may hold: they are quoted into a command,
+# but a value a shell or apt would take apart is refused before that.
+_SOURCE = re.compile(r"^[A-Za-z0-9._~:/?&=%+@-]+$")
+
+
+def _package_source(value: object, *, rekey: bool) -> list[str]:
+    """``body['package']`` (``{"repo_url": URL, "repo_key": FILE|URL}``: the one-liner runs
+    ``install-agent.sh package`` with them, which installs the signed package instead of the
+    bundle's binary) as the installer's options; none when absent. BadRequest when wrong."""
+    if value is None:
+        return []
+    if rekey:
+        raise BadRequest("'package' goes with a join: a rekey keeps what the node has installed")
+    if not isinstance(value, dict) or set(value) != {"repo_url", "repo_key"}:
+        raise BadRequest(
+            '\'package\' is {"repo_url": URL, "repo_key": FILE|URL}: the signed repository '
+            "(scripts/repo.sh's --url) and its public key"
+        )
+    url, key = value["repo_url"], value["repo_key"]
+    if (
+        not isinstance(url, str)
+        or not url.startswith(("https://", "http://"))
+        or not _SOURCE.match(url)
+    ):
+        raise BadRequest(
+            f"package repo_url {url!r} is not an http(s) URL of plain characters; give the URL "
+            "the repository is served at, e.g. https://repo.example.net/llmgw"
+        )
+    if (
+        not isinstance(key, str)
+        or not _SOURCE.match(key)
+        or not key.startswith(("/", "https://", "http://"))
+    ):
+        raise BadRequest(
+            f"package repo_key {key!r} is neither an absolute path on the node nor an http(s) "
+            "URL of plain characters; give where the repository's public key is"
+        )
+    return ["--repo-url", url, "--repo-key", key]

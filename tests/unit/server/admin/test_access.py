@@ -317,3 +317,61 @@ def test_a_lost_state_token_for_a_revoked_or_unknown_node_is_refused(
         in (data["error"]["message"])
     )
     assert store.list_join_tokens(include_inactive=True) == []
+
+
+REPO = {"repo_url": "https://repo.example.net/llmgw", "repo_key": "/etc/llmgw/repo.asc"}
+
+
+def test_a_package_join_runs_the_installers_package_verb(
+    store: Store, ca: pki.Authority, tmp_path: Path
+) -> None:
+    """``package`` (ctl onboard --package): the same checked one-liner, ending in
+    'install-agent.sh package' with the repository and its key."""
+    body = {"node": NODE, "package": REPO, "facts": {"models_root": "/data/models"}}
+    data = one(store, ca, body, bundle_dir=bundle_dir(tmp_path))
+    assert "sha256sum -c -" in data["command"]
+    assert installer_argv(data["command"]) == [
+        "package", "--node-id", NODE,
+        "--enroll-url", "https://cp.example.net:8443", "--ca-hash", ca.ca_hash(),
+        "--repo-url", "https://repo.example.net/llmgw", "--repo-key", "/etc/llmgw/repo.asc",
+        "--models-root", "/data/models",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "bundles", "piece"),
+    [
+        ({"node": NODE, "package": REPO}, False, "serves no agent bundles"),
+        ({"node": NODE, "rekey": True, "package": REPO}, True, "'package' goes with a join"),
+        ({"node": NODE, "package": {"repo_url": "x"}}, True, "'package' is {\"repo_url\""),
+        ({"node": NODE, "package": "https://r"}, True, "'package' is {\"repo_url\""),
+        (
+            {"node": NODE, "package": REPO | {"repo_url": "ftp://r/x"}},
+            True,
+            "package repo_url 'ftp://r/x' is not an http(s) URL",
+        ),
+        (
+            {"node": NODE, "package": REPO | {"repo_url": "https://r/x;reboot"}},
+            True,
+            "is not an http(s) URL of plain characters",
+        ),
+        (
+            {"node": NODE, "package": REPO | {"repo_key": "repo.asc"}},
+            True,
+            "package repo_key 'repo.asc' is neither an absolute path",
+        ),
+        (
+            {"node": NODE, "package": REPO | {"repo_key": "/k $(id)"}},
+            True,
+            "is neither an absolute path on the node nor an http(s) URL",
+        ),
+    ],
+)
+def test_package_refusals_mint_nothing(
+    store: Store, ca: pki.Authority, tmp_path: Path, body: dict[str, Any], bundles: bool, piece: str
+) -> None:
+    joined(store)
+    [(status, data)] = call(store, ca, [body], bundle_dir=bundle_dir(tmp_path) if bundles else None)
+    assert status == 400, data
+    assert piece in data["error"]["message"]
+    assert store.list_join_tokens(include_inactive=True) == []

@@ -1,0 +1,394 @@
+"""``llmgw ctl onboard``: the steps a user sees, what is asked of the admin API (and what is
+not: no token before ssh is proven, none left unrevoked after a failure, no approval of a
+key that is not the host's), and the hosts-file run with its table. ssh is a stand-in on
+PATH that runs the script it reads with sh, as a host would; the admin API records calls."""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from llmgw import pki
+from llmgw.cli import main
+from llmgw.cli.ctl.context import Ctl
+from llmgw.errors import APIError
+
+# The module, not the command of that name the ctl package exports.
+onboard_module = importlib.import_module("llmgw.cli.ctl.onboard")
+
+SECRET = "llmgw_jt_s3cr3t-token-value"
+
+# The stand-in ssh: checks our two safety options, logs its argv, fails as FAKE_SSH_HOSTS
+# says for a host (refuse, hostkey, flaky: refused until its second try, nonroot), else runs
+# the script from stdin with sh, the agent's state directory moved under $FAKE_ROOT/HOST.
+FAKE_SSH = r"""#!/bin/sh
+printf '%s\n' "$*" >>"$FAKE_ROOT/ssh.log"
+[ "$2" = BatchMode=yes ] && [ "$4" = StrictHostKeyChecking=yes ] || exit 254
+while [ "$1" != -- ]; do shift; done
+host=${2#*@}
+case " ${FAKE_SSH_HOSTS:-} " in
+    *" $host=refuse "*) echo "ssh: connect to host $host port 22: Connection refused" >&2; exit 255 ;;
+    *" $host=hostkey "*) echo "Host key verification failed." >&2; exit 255 ;;
+    *" $host=flaky "*)
+        if [ ! -e "$FAKE_ROOT/$host.tried" ]; then
+            : >"$FAKE_ROOT/$host.tried"
+            echo "ssh: connect to host $host port 22: Connection refused" >&2; exit 255
+        fi ;;
+esac
+bin=$FAKE_ROOT/bin-root
+case " ${FAKE_SSH_HOSTS:-} " in *" $host=nonroot "*) bin=$FAKE_ROOT/bin-user ;; esac
+mkdir -p "$FAKE_ROOT/$host"
+sed "s#/var/lib/llmgw-agent#$FAKE_ROOT/$host#g" | PATH="$bin:$PATH" FAKE_HOST=$host sh -s
+"""
+
+
+def _cert(key: ec.EllipticCurvePrivateKey) -> bytes:
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpu-01")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(now)
+        .not_valid_after(now + dt.timedelta(days=1))
+        .sign(key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+class FakeAPI:
+    """The admin API's nodes and join tokens, as far as onboard uses them. A node enrols when
+    the one-liner (run by the stand-in ssh) writes its certificate into its state dir."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.calls: list[tuple[str, str, Any]] = []
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.enrolled_fp: dict[str, str] = {}  # a node's fingerprint as the enrolment saw it
+        self.revoked: list[str] = []
+        self.minted = 0
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        self.calls.append((method, path, body))
+        parts = path.strip("/").split("/")
+        if (method, path) == ("POST", "/api/join-tokens"):
+            self.minted += 1
+            node = body["node"]
+            host = self.root / "host-of" / node
+            # What the stand-in one-liner does: "download", "verify", "install", "join".
+            command = (
+                "(set -eu; : fetch https://cp:8080/agent/bundles/linux-x64.tar.gz; "
+                f"export LLMGW_JOIN_TOKEN={SECRET}; "
+                f'test "$(cat {self.root}/fail 2>/dev/null)" != {node} || '
+                "{ echo 'curl: (7) Failed to connect to cp port 8080' >&2; exit 7; }; "
+                "echo 'agent.tar.gz: OK'; echo '==> 3. binary' >&2; "
+                f"echo '==> join: node {node} at https://cp:8443' >&2; "
+                f'cp "$FAKE_ROOT/$FAKE_HOST.crt" /var/lib/llmgw-agent/node.crt; '
+                f'echo "$FAKE_HOST" >{host})'
+            )
+            return {"id": f"jt{self.minted}", "node": node, "command": command}
+        if method == "DELETE" and parts[:2] == ["api", "join-tokens"]:
+            self.revoked.append(parts[2])
+            return {"id": parts[2]}
+        if parts[:2] == ["api", "nodes"]:
+            node = parts[2]
+            if len(parts) == 4:
+                action = parts[3]
+                if action == "approve":
+                    assert body["fingerprint"] == self.nodes[node]["fingerprint"]
+                self.nodes[node]["state"] = "approved" if action == "approve" else "rejected"
+                self.nodes[node]["cpus"] = 8
+                return {"node": node}
+            enrolled = (self.root / "host-of" / node).is_file()
+            if enrolled and node not in self.nodes:
+                host = (self.root / "host-of" / node).read_text().strip()
+                self.nodes[node] = {
+                    "state": "pending",
+                    "connected": True,
+                    "fingerprint": self.enrolled_fp.get(node, self.fingerprints[host]),
+                    "cpus": None,
+                    "gpus": [],
+                    "health": "healthy",
+                }
+            if node not in self.nodes:
+                raise APIError(f"no node {node}", status=404)
+            return dict(self.nodes[node])
+        raise AssertionError(f"unexpected call {method} {path}")
+
+    fingerprints: dict[str, str] = {}
+
+
+@pytest.fixture
+def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeAPI:
+    root = tmp_path / "fake"
+    (root / "host-of").mkdir(parents=True)
+    for name, uid in (("bin-root", 0), ("bin-user", 1000)):
+        (root / name).mkdir()
+        (root / name / "id").write_text(f"#!/bin/sh\necho {uid}\n")
+        (root / name / "id").chmod(0o755)
+    ssh = root / "bin" / "ssh"
+    ssh.parent.mkdir()
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{ssh.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_ROOT", str(root))
+    monkeypatch.delenv("FAKE_SSH_HOSTS", raising=False)
+    monkeypatch.setattr(onboard_module, "RETRY_INTERVAL", 0.01)
+    fake = FakeAPI(root)
+    fake.fingerprints = {}
+    for host in ("h1", "h2", "h3"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        (root / f"{host}.crt").write_bytes(_cert(key))
+        fake.fingerprints[host] = pki.fingerprint(key.public_key())
+    monkeypatch.setattr(
+        Ctl, "call", lambda self, method, path, body=None, **_: fake.call(method, path, body)
+    )
+    return fake
+
+
+def onboard(*args: str) -> Result:
+    return CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", *args])
+
+
+def ssh_log(api: FakeAPI) -> str:
+    path = api.root / "ssh.log"
+    return path.read_text() if path.exists() else ""
+
+
+def test_one_host_step_by_step(api: FakeAPI) -> None:
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--port", "2222")
+    assert out.exit_code == 0, out.output
+    fp = api.fingerprints["h1"]
+    assert out.output == (
+        "gpu-01  connect: root@h1:2222\n"
+        "gpu-01  download\n"
+        "gpu-01  verify: SHA-256 matches the one the token's command holds\n"
+        "gpu-01  install\n"
+        "gpu-01  install: 3. binary\n"
+        "gpu-01  join\n"
+        f"gpu-01  approve: {fp}\n"
+        "gpu-01  online: 8 CPUs, 0 GPUs, healthy\n"
+    )
+    assert [(m, p) for m, p, _ in api.calls] == [
+        ("GET", "/api/nodes/gpu-01"),
+        ("POST", "/api/join-tokens"),
+        ("GET", "/api/nodes/gpu-01"),
+        ("POST", "/api/nodes/gpu-01/approve"),
+        ("GET", "/api/nodes/gpu-01"),
+    ]
+    assert api.calls[1][2] == {"node": "gpu-01", "ttl": 1800}
+    assert api.calls[3][2] == {"fingerprint": fp}
+    # Two sessions (the probe, the install), the script on stdin: the token on no argv.
+    log = ssh_log(api).splitlines()
+    assert len(log) == 2 and all(line.endswith("-- root@h1 sh -s") for line in log)
+    assert "-p 2222" in log[0]
+    assert SECRET not in ssh_log(api)
+    assert api.revoked == []
+
+
+def test_node_facts_go_with_the_token(api: FakeAPI) -> None:
+    out = onboard(
+        "onboard", "gpu-01", "--ssh", "h1", "--fabric", "ib0:mlx5_0", "--models-root", "/srv/m"
+    )
+    assert out.exit_code == 0, out.output
+    facts = api.calls[1][2]["facts"]
+    assert facts["models_root"] == "/srv/m" and facts["fabrics"] == ["ib0:mlx5_0"]
+
+
+def test_json(api: FakeAPI) -> None:
+    out = onboard("--json", "onboard", "gpu-01", "--ssh", "root@h1")
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["node"] == "gpu-01" and data["result"] == "online"
+    assert data["fingerprint"] == api.fingerprints["h1"]
+    assert data["steps"] == [
+        "connect",
+        "download",
+        "verify",
+        "install",
+        "join",
+        "approve",
+        "online",
+    ]
+    assert "gpu-01  connect" in out.stderr
+
+
+def test_a_key_that_is_not_the_hosts_is_rejected_not_approved(api: FakeAPI) -> None:
+    api.enrolled_fp["gpu-01"] = "sha256:" + "ab" * 32
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    assert out.exit_code == 1
+    assert (
+        f"node gpu-01 enrolled with key sha256:{'ab' * 32}, but the key on root@h1 is "
+        f"{api.fingerprints['h1']}: someone else used its token. The node is rejected"
+    ) in out.stderr
+    paths = [(m, p) for m, p, _ in api.calls]
+    assert ("POST", "/api/nodes/gpu-01/reject") in paths
+    assert ("POST", "/api/nodes/gpu-01/approve") not in paths
+
+
+def test_a_failed_install_revokes_the_token(api: FakeAPI) -> None:
+    (api.root / "fail").write_text("gpu-01")
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    assert out.exit_code == 1
+    assert "the install on root@h1 failed at download (exit 7):" in out.stderr
+    assert "curl: (7) Failed to connect to cp port 8080" in out.stderr
+    assert api.revoked == ["jt1"]
+    assert ("POST", "/api/nodes/gpu-01/approve") not in [(m, p) for m, p, _ in api.calls]
+
+
+def test_a_node_online_already_is_left_alone(api: FakeAPI) -> None:
+    api.nodes["gpu-01"] = {"state": "approved", "connected": True, "cpus": 8}
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    assert out.exit_code == 0, out.output
+    assert out.output == "gpu-01  skipped: already online; nothing done\n"
+    assert api.calls == [("GET", "/api/nodes/gpu-01", None)]
+    assert ssh_log(api) == ""
+
+
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [
+        ("hostkey", "ssh refused ops@h1's host key (Host key verification failed.)"),
+        ("nonroot", "ops on h1 is not root, and the installer needs root: add --sudo"),
+        (
+            "refuse",
+            "ssh could not reach ops@h1 (ssh: connect to host h1 port 22: Connection refused)",
+        ),
+    ],
+)
+def test_refusals_before_any_token(
+    api: FakeAPI, monkeypatch: pytest.MonkeyPatch, mode: str, says: str
+) -> None:
+    monkeypatch.setenv("FAKE_SSH_HOSTS", f"h1={mode}")
+    out = onboard("onboard", "gpu-01", "--ssh", "ops@h1")
+    assert out.exit_code == 1
+    assert says in out.stderr
+    assert api.minted == 0
+    assert len(ssh_log(api).splitlines()) == 1  # no retry without --wait-ssh
+
+
+def test_wait_ssh_retries_a_host_that_does_not_answer_yet(
+    api: FakeAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_SSH_HOSTS", "h1=flaky")
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--wait-ssh", "1m")
+    assert out.exit_code == 0, out.output
+    assert "gpu-01  connect: root@h1: no answer yet, trying again\n" in out.output
+
+
+def test_a_host_key_refusal_is_not_retried(api: FakeAPI, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_SSH_HOSTS", "h1=hostkey")
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--wait-ssh", "1m")
+    assert out.exit_code == 1
+    assert len(ssh_log(api).splitlines()) == 1
+
+
+def test_sudo_runs_the_script_under_sudo_n(api: FakeAPI) -> None:
+    out = onboard("onboard", "gpu-01", "--ssh", "ops@h1", "--sudo")
+    assert out.exit_code == 0, out.output
+    log = ssh_log(api).splitlines()
+    assert len(log) == 2 and all(line.endswith("-- ops@h1 sudo -n sh -s") for line in log)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ([], "give NODE --ssh [USER@]HOST (one host), or --hosts FILE (many)"),
+        (["gpu-01"], "give NODE --ssh [USER@]HOST"),
+        (["gpu-01", "--ssh", "root@"], "has no host"),
+        (["gpu-01", "--ssh", "h:22", "--port", "23"], "name two ports"),
+        (
+            ["gpu-01", "--ssh", "h", "--ssh-option", "StrictHostKeyChecking=accept-new"],
+            "would change StrictHostKeyChecking=yes",
+        ),
+        (["gpu-01", "--ssh", "h", "--fabric", "bad"], "--fabric"),
+        (["gpu-01", "--hosts", "f"], "give it without NODE, --ssh and --port"),
+        (["gpu-01", "--ssh", "h", "--package"], "--package installs from a signed repository"),
+        (["gpu-01", "--ssh", "h", "--repo-url", "https://r"], "and those two only with --package"),
+    ],
+)
+def test_usage(api: FakeAPI, args: list[str], says: str) -> None:
+    out = onboard("onboard", *args)
+    assert out.exit_code == 2, out.output
+    assert says in out.stderr
+    assert api.calls == [] and ssh_log(api) == ""
+
+
+def test_many_hosts_one_failing(
+    api: FakeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_SSH_HOSTS", "h2=refuse")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("gpu-01 root@h1\ngpu-02 root@h2\ngpu-03 root@h3\n")
+    out = onboard("onboard", "--hosts", str(hosts), "--parallel", "3")
+    assert out.exit_code == 1
+    table = out.stdout[out.stdout.index("NODE  ") :].splitlines()
+    assert table[0].split() == ["NODE", "RESULT", "TIME", "ERROR"]
+    assert table[1].split()[:2] == ["gpu-01", "online"]
+    assert table[2].split()[:2] == ["gpu-02", "failed"]
+    assert "ssh could not reach root@h2 (ssh: connect to host h2 port 22" in table[2]
+    assert table[3].split()[:2] == ["gpu-03", "online"]
+    assert "1 of 3 hosts failed: gpu-02; their tokens are revoked" in out.stderr
+    assert {n: v["state"] for n, v in api.nodes.items()} == {
+        "gpu-01": "approved",
+        "gpu-03": "approved",
+    }
+    # Run again: the two online are skipped, the third tried again.
+    monkeypatch.setenv("FAKE_SSH_HOSTS", "")
+    api.calls.clear()
+    again = onboard("onboard", "--hosts", str(hosts))
+    assert again.exit_code == 0, again.output
+    assert "gpu-01  skipped: already online; nothing done" in again.stdout
+    posts = [p for m, p, _ in api.calls if m == "POST"]
+    assert posts == ["/api/join-tokens", "/api/nodes/gpu-02/approve"]
+
+
+def test_per_host_options_replace_the_command_lines(api: FakeAPI, tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(
+        "- node: gpu-01\n  ssh: root@h1\n  models_root: /srv/a\n"
+        "- node: gpu-02\n  ssh: root@h2\n  ssh_option: [ConnectTimeout=3]\n"
+    )
+    out = onboard("onboard", "--hosts", str(hosts), "--models-root", "/srv/all")
+    assert out.exit_code == 0, out.output
+    minted = {
+        b["node"]: b["facts"]["models_root"] for m, p, b in api.calls if p == "/api/join-tokens"
+    }
+    assert minted == {"gpu-01": "/srv/a", "gpu-02": "/srv/all"}
+    assert "ConnectTimeout=3" in next(
+        line for line in ssh_log(api).splitlines() if "root@h2" in line
+    )
+
+
+def test_a_bad_hosts_file_touches_nothing(api: FakeAPI, tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("gpu-01 root@h1\ngpu-01 root@h2\n")
+    out = onboard("onboard", "--hosts", str(hosts))
+    assert out.exit_code == 2
+    assert "line 2: node gpu-01 is listed already (line 1)" in out.stderr
+    assert api.calls == [] and ssh_log(api) == ""
+
+
+def test_package_asks_for_the_package_verb(api: FakeAPI) -> None:
+    out = onboard(
+        "onboard", "gpu-01", "--ssh", "h1", "--package",
+        "--repo-url", "https://repo.example.net/llmgw", "--repo-key", "/etc/llmgw/repo.asc",
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert api.calls[1][2]["package"] == {
+        "repo_url": "https://repo.example.net/llmgw",
+        "repo_key": "/etc/llmgw/repo.asc",
+    }
