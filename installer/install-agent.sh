@@ -644,17 +644,23 @@ note_created() {
     [ -z "$nc_top" ] || note_undo path "$nc_top"
 }
 
-# 0 when the package manager has llmgw-agent installed (a half-installed or removed one,
-# its configuration left, is not).
-package_installed() {
-    if command -v dpkg-query >/dev/null 2>&1; then
-        [ "$(dpkg-query -W -f '${db:Status-Status}' llmgw-agent 2>/dev/null)" = installed ]
-    elif command -v rpm >/dev/null 2>&1; then
-        rpm -q llmgw-agent >/dev/null 2>&1
-    else
-        return 1
+# llmgw-agent in the package manager install_package uses (dpkg where apt-get is, else rpm):
+# installed, config-files (removed, its configuration left), partly (half-installed or
+# half-configured), or nothing when it has none.
+package_state() {
+    if command -v apt-get >/dev/null 2>&1; then
+        case $(dpkg-query -W -f '${db:Status-Status}' llmgw-agent 2>/dev/null) in
+            installed) echo installed ;;
+            config-files) echo config-files ;;
+            "" | not-installed) ;;
+            *) echo partly ;;
+        esac
+    elif command -v rpm >/dev/null 2>&1 && rpm -q llmgw-agent >/dev/null 2>&1; then
+        echo installed
     fi
 }
+
+package_installed() { [ "$(package_state)" = installed ]; }
 
 # Before 'package' installs llmgw-agent, when it is not installed yet: what the package's own
 # scripts make besides its files (preinst: the group and user; postinst: lingering, the
@@ -672,22 +678,16 @@ note_package() {
         note_created "$path"
     done
     action=purge
-    if command -v dpkg-query >/dev/null 2>&1 \
-        && [ "$(dpkg-query -W -f '${db:Status-Status}' llmgw-agent 2>/dev/null)" = config-files ]; then
-        action=remove
-    fi
+    [ "$(package_state)" != config-files ] || action=remove
     note_undo package "$action"
 }
 
-# 0 when the package manager knows llmgw-agent in any state but gone (half-installed too).
-package_known() {
-    if command -v dpkg-query >/dev/null 2>&1; then
-        case $(dpkg-query -W -f '${db:Status-Status}' llmgw-agent 2>/dev/null) in
-            "" | not-installed) return 1 ;;
-        esac
-    else
-        rpm -q llmgw-agent >/dev/null 2>&1
-    fi
+# 0 when there is a package to take out as ACTION: this run got it (partly) in.
+package_to_undo() {
+    case $(package_state) in
+        "") return 1 ;;
+        config-files) [ "$1" = purge ] ;;
+    esac
 }
 
 # 0 when the undo list has the package: this run installed it.
@@ -697,7 +697,7 @@ package_undone() { grep -q '^package ' "${UNDO_LIST:-$UNDO}"; }
 # remove) after its units were stopped; 1 when the package manager fails. Its maintainer
 # scripts get no standard input (the undo loop reads its list there).
 undo_package() {
-    if command -v dpkg >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
         # dpkg, not apt-get: offline, and it takes a half-installed package too.
         DEBIAN_FRONTEND=noninteractive dpkg --"$1" llmgw-agent >"$STAGE/undo-package.log" 2>&1 </dev/null \
             || { cat "$STAGE/undo-package.log" >&2; return 1; }
@@ -788,7 +788,7 @@ undo_created() {
                 ;;
             linger) loginctl disable-linger "$what" >/dev/null 2>&1 ;;
             package)
-                package_known || continue
+                package_to_undo "$what" || continue
                 undo_package "$what" && removed="$removed, package llmgw-agent" || left="$left package:llmgw-agent"
                 ;;
             firewall) removed="$removed, its firewall rules" ;;
