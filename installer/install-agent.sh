@@ -52,7 +52,8 @@
 #   package --repo-url URL --repo-key FILE|URL [the options of install]
 #                Install llmgw-agent with apt-get or dnf from the signed repository served
 #                at URL (scripts/repo.sh's --url: URL/apt, URL/yum), then configure, join and
-#                start as install does.
+#                start as install does. A failed run rolls back as install's does, and
+#                purges the package when that run installed it.
 #   status       Versions, the unit, the port, the identity, the node facts, the firewall
 #                rules (:9443 and the multi-node range).
 #
@@ -613,10 +614,13 @@ render_unit() {
 # the user, the group, lingering, firewall rules. A failure anywhere after that (the EXIT
 # trap: a fatal, a failed command, ^C) takes back exactly those, newest first: a fresh install
 # that fails leaves the host as it found it, and a failed re-run over an earlier install
-# removes nothing that install had (it created nothing of it).
+# removes nothing that install had (it created nothing of it). 'package' records the same
+# way, and the package itself (note_package) when this run is the one that installs it.
 arm_undo() {
     FRESH=yes
-    if [ -e "$LIB_DIR/llmgw" ] || has_identity || [ -n "$(mode_recorded)" ]; then FRESH=""; fi
+    if [ -e "$LIB_DIR/llmgw" ] || has_identity || [ -n "$(mode_recorded)" ] || package_installed; then
+        FRESH=""
+    fi
     UNDO=$STAGE/created
     : >"$UNDO"
     # Made by systemd (the proxy's StateDirectory=) or the update helper, not by this script,
@@ -638,6 +642,68 @@ note_created() {
         nc_path=$(dirname "$nc_path")
     done
     [ -z "$nc_top" ] || note_undo path "$nc_top"
+}
+
+# llmgw-agent in the package manager install_package uses (dpkg where apt-get is, else rpm):
+# installed, config-files (removed, its configuration left), partly (half-installed or
+# half-configured), or nothing when it has none.
+package_state() {
+    if command -v apt-get >/dev/null 2>&1; then
+        case $(dpkg-query -W -f '${db:Status-Status}' llmgw-agent 2>/dev/null) in
+            installed) echo installed ;;
+            config-files) echo config-files ;;
+            "" | not-installed) ;;
+            *) echo partly ;;
+        esac
+    elif command -v rpm >/dev/null 2>&1 && rpm -q llmgw-agent >/dev/null 2>&1; then
+        echo installed
+    fi
+}
+
+package_installed() { [ "$(package_state)" = installed ]; }
+
+# Before 'package' installs llmgw-agent, when it is not installed yet: what the package's own
+# scripts make besides its files (preinst: the group and user; postinst: lingering, the
+# default data folders; the state and /etc/llmgw the agent and this script fill), as
+# note_created would have, then the package, so that the undo (newest first) purges the
+# package before it removes those. A package that is installed already is left out: a failed
+# re-run keeps it. Removed with its configuration left (dpkg's config-files), it goes back
+# to that state.
+note_package() {
+    package_installed && return 0
+    getent group "$SERVICE_USER" >/dev/null 2>&1 || note_undo group "$SERVICE_USER"
+    getent passwd "$SERVICE_USER" >/dev/null 2>&1 || note_undo user "$SERVICE_USER"
+    [ -e "$LINGER_DIR/$SERVICE_USER" ] || note_undo linger "$SERVICE_USER"
+    for path in /etc/llmgw "$STATE_DIR" "$TMP_DIR" "$MODELS_ROOT" "$CACHE_ROOT"; do
+        note_created "$path"
+    done
+    action=purge
+    [ "$(package_state)" != config-files ] || action=remove
+    note_undo package "$action"
+}
+
+# 0 when there is a package to take out as ACTION: this run got it (partly) in.
+package_to_undo() {
+    case $(package_state) in
+        "") return 1 ;;
+        config-files) [ "$1" = purge ] ;;
+    esac
+}
+
+# 0 when the undo list has the package: this run installed it.
+package_undone() { grep -q '^package ' "${UNDO_LIST:-$UNDO}"; }
+
+# The package this run installed, taken out again as note_package recorded (ACTION: purge or
+# remove) after its units were stopped; 1 when the package manager fails. Its maintainer
+# scripts get no standard input (the undo loop reads its list there).
+undo_package() {
+    if command -v apt-get >/dev/null 2>&1; then
+        # dpkg, not apt-get: offline, and it takes a half-installed package too.
+        DEBIAN_FRONTEND=noninteractive dpkg --"$1" llmgw-agent >"$STAGE/undo-package.log" 2>&1 </dev/null \
+            || { cat "$STAGE/undo-package.log" >&2; return 1; }
+    else
+        rpm -e llmgw-agent >&2 </dev/null
+    fi
 }
 
 # 0 when this run made PATH (it, or a directory above it, is in the list).
@@ -684,9 +750,10 @@ undo_created() {
         return 0
     fi
     info "rollback: the install failed; removing what it created"
-    # The units it put in place stop first: the agent (and engines in its cgroup), the proxy.
+    # The units it put in place stop first: the agent (and engines in its cgroup), the proxy;
+    # all of them when the package came with this run (its units, enabled by this run).
     for name in llmgw-agent-update.path llmgw-agent-update.service $UNIT $PROXY_UNIT; do
-        was_created "$UNIT_DIR/$name" || continue
+        was_created "$UNIT_DIR/$name" || package_undone || continue
         systemctl disable --now "$name" >/dev/null 2>&1
         systemctl kill --signal=SIGKILL "$name" >/dev/null 2>&1
     done
@@ -709,13 +776,21 @@ undo_created() {
                     esac
                 fi
                 ;;
-            user) remove_user && removed="$removed, user $what" || left="$left user:$what" ;;
+            user)
+                # ('package' notes it before the package's preinst makes it, which may not come.)
+                getent passwd "$what" >/dev/null 2>&1 || continue
+                remove_user </dev/null && removed="$removed, user $what" || left="$left user:$what"
+                ;;
             group)
                 if getent group "$what" >/dev/null 2>&1; then
                     groupdel "$what" >/dev/null 2>&1 || left="$left group:$what"
                 fi
                 ;;
             linger) loginctl disable-linger "$what" >/dev/null 2>&1 ;;
+            package)
+                package_to_undo "$what" || continue
+                undo_package "$what" && removed="$removed, package llmgw-agent" || left="$left package:llmgw-agent"
+                ;;
             firewall) removed="$removed, its firewall rules" ;;
         esac
     done <"$STAGE/undo"
@@ -1803,16 +1878,19 @@ verb_package() {
         check_facts "$BUNDLE/llmgw"
     fi
     preflight
+    arm_undo
+    note_package
     install_package # 4
     record_mode package
     NEW_VERSION=$(version_of "$PACKAGE_BIN")
-    check_facts "$PACKAGE_BIN" "The package is installed; nothing else was changed: run package again with the facts fixed"
+    check_facts "$PACKAGE_BIN" "Run package again with the facts fixed"
     ensure_user   # 1
     ensure_linger # 2
     ensure_dirs   # 3
     # No update helper with packages: the package manager updates them.
     UPDATE_UNITS=""
     configure_and_start
+    UNDO=""
     info "done: llmgw $NEW_VERSION installed from the package ($PACKAGE_BIN)"
 }
 

@@ -36,6 +36,8 @@ SPOOL = "/var/lib/llmgw-agent/update"  # the agent's update spool, the root help
 STALE_AFTER_S = 3 * 3600
 ONEFILE = ROOT / "dist" / "llmgw-linux-x64"
 ONEDIR = ROOT / "dist" / "llmgw-onedir-x64"
+# Where serve_repo serves the signed package repository, on a node's loopback.
+REPO_URL = "http://127.0.0.1:8000"
 
 
 def read_version() -> str:
@@ -274,6 +276,53 @@ class Lab:
             tar.extractall(dest, filter="tar")
         (top,) = list(dest.iterdir())
         return f"{MOUNT}/{name}/{top.name}"
+
+    def package_repo(self) -> str:
+        """The signed apt repository of the one-folder build (scripts/packages.sh, then
+        scripts/repo.sh with a throwaway key), made once for the package's modules under the
+        lab directory; its folder as a container sees it. :meth:`serve_repo` serves it."""
+        repo = self.dir / "repo"
+        if (repo / "apt" / "InRelease").is_file():
+            return f"{MOUNT}/repo"
+        require_tools("dpkg-deb", "apt-ftparchive", "gpg")
+        if not (ONEDIR / "llmgw").is_file():
+            unavailable(f"no {ONEDIR}; build it first: make dist")
+        from tests.packaging.pkgcheck import nfpm_path
+
+        packages = self.tmp / "packages"
+        run(
+            ROOT / "scripts" / "packages.sh",
+            "--binary",
+            ONEDIR,
+            "--out",
+            packages,
+            NFPM=nfpm_path(),
+        )
+        run(
+            ROOT / "scripts" / "repo.sh",
+            "--packages",
+            packages,
+            "--out",
+            repo,
+            "--url",
+            REPO_URL,
+            LLMGW_THROWAWAY_KEY=str(self.tmp / "release-key" / "throwaway.asc"),
+        )
+        return f"{MOUNT}/repo"
+
+    def serve_repo(self, node: Node) -> tuple[str, str]:
+        """The repository served on the node's own loopback (REPO_URL, as an operator's
+        mirror would be): its URL and its key file there, for 'install-agent.sh package'."""
+        folder = self.package_repo()
+        if node.sh(f"curl -fsS {REPO_URL}/apt/llmgw.list >/dev/null", check=False).returncode:
+            node.sh(
+                f"setsid python3 -m http.server --bind 127.0.0.1 --directory {folder} 8000 "
+                ">/dev/null 2>&1 < /dev/null &"
+            )
+            node.container.wait_for(
+                f"curl -fsS {REPO_URL}/apt/llmgw.list >/dev/null", "the repository"
+            )
+        return REPO_URL, f"{folder}/apt/llmgw.gpg"
 
     # -- the control plane ----------------------------------------------------------------------
 

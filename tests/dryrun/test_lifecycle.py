@@ -19,11 +19,10 @@ from typing import Any
 import pytest
 
 from llmgw import pki
-from tests.ci import require_tools
 from tests.integration.harness import wait_for
-from tests.packaging.pkgcheck import ROOT, systemd_image_of
+from tests.packaging.pkgcheck import systemd_image_of
 
-from .lab import MOUNT, ONEDIR, SPOOL, Lab, Node, OrderedSteps, next_version, node_of, run
+from .lab import MOUNT, SPOOL, Lab, Node, OrderedSteps, next_version, node_of, run
 
 NODE = "dry-12"
 MODEL = "dry"
@@ -461,36 +460,13 @@ def test_12_purge_leaves_only_the_models(steps: Steps, lab: Lab) -> None:
     assert node.out("systemctl list-unit-files 'llmgw*' --no-legend | wc -l") == "0"
 
 
-def test_13_package_from_the_signed_apt_repository(steps: Steps, lab: Lab, tmp_path: Path) -> None:
-    require_tools("dpkg-deb", "apt-ftparchive", "gpg")
+def test_13_package_from_the_signed_apt_repository(steps: Steps, lab: Lab) -> None:
     node = node_of(steps)
-    if not (ONEDIR / "llmgw").is_file():
-        pytest.fail(f"no {ONEDIR}; build it first: make dist")
-    packages = tmp_path / "packages"
-    from tests.packaging.pkgcheck import nfpm_path
-
-    run(ROOT / "scripts" / "packages.sh", "--binary", ONEDIR, "--out", packages, NFPM=nfpm_path())
-    repo = lab.dir / "repo"
-    run(
-        ROOT / "scripts" / "repo.sh",
-        "--packages",
-        packages,
-        "--out",
-        repo,
-        "--url",
-        "http://127.0.0.1:8000",
-        LLMGW_THROWAWAY_KEY=str(tmp_path / "key" / "throwaway.asc"),
-    )
-    node.sh(
-        f"setsid python3 -m http.server --bind 127.0.0.1 --directory {MOUNT}/repo 8000 >/dev/null 2>&1 < /dev/null &"
-    )
-    node.container.wait_for(
-        "curl -fsS http://127.0.0.1:8000/apt/llmgw.list >/dev/null", "the repository"
-    )
+    url, key = lab.serve_repo(node)
     join = lab.join_command(NODE)
     result = node.sh(
         f"LLMGW_JOIN_TOKEN={shlex.quote(join['token'])} sh {steps.bundle_n}/{INSTALLER} package "
-        f"--repo-url http://127.0.0.1:8000 --repo-key {MOUNT}/repo/apt/llmgw.gpg --node-id {NODE} "
+        f"--repo-url {url} --repo-key {key} --node-id {NODE} "
         f"--enroll-url {join['enroll_url']} --ca-hash {join['ca_hash']} "
         f"--firewall-from {lab.gateway}"
     )

@@ -11,7 +11,10 @@ lab's control plane, in order:
    port, so that the installer's join fails and it rolls back what it created) leaves the
    host clean and the token revoked;
 5. ``--hosts`` with three hosts, one unreachable: two online, one reported with its error,
-   exit status non-zero; a re-run skips the two.
+   exit status non-zero; a re-run skips the two;
+6. ``--package`` from the signed apt repository (served on the host's loopback): its join
+   failing after the package went in leaves no package, user or folder and the token
+   revoked; then the same command brings the host online from the package.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ SSH_IMAGE = "llmgw-test-systemd-ssh:local"
 INSTALLED = (
     "/usr/local/lib/llmgw-agent /usr/local/bin/llmgw /etc/llmgw /var/lib/llmgw-agent "
     "/var/lib/llmgw-agent-install /etc/systemd/system/llmgw-agent.service"
+)
+# What the llmgw-agent package and its repository put on a node besides those.
+PACKAGED = (
+    "/usr/bin/llmgw /usr/lib/llmgw /lib/systemd/system/llmgw-agent.service "
+    "/etc/apt/sources.list.d/llmgw.list /usr/share/keyrings/llmgw.gpg /srv/llmgw"
 )
 # Every process's command line, collected until the stop file appears (python3 is in the
 # image); printed once at the end, one per line, NULs as spaces.
@@ -376,3 +384,50 @@ def test_many_hosts_one_unreachable(steps: Steps) -> None:
     assert again.returncode == 1
     assert "ssh-two    skipped: already online; nothing done" in again.stdout
     assert "ssh-three  skipped: already online; nothing done" in again.stdout
+
+
+def package_source(steps: Steps, node: Node) -> list[str]:
+    url, key = steps.lab.serve_repo(node)
+    return ["--package", "--repo-url", url, "--repo-key", key]
+
+
+def test_a_package_onboard_that_fails_at_its_join_leaves_no_package(steps: Steps) -> None:
+    node = steps.boot("ssh-pkg")
+    source = package_source(steps, node)
+    temporary = leftovers(node)
+    node.sh(
+        "nft add table inet llmgwtest && nft add chain inet llmgwtest out "
+        "'{ type filter hook output priority 0; }' && "
+        f"nft add rule inet llmgwtest out tcp dport {steps.lab.enroll_port} reject"
+    )
+    try:
+        run = steps.onboard("ssh-pkg", "--ssh", f"root@{node.ip}", *source)
+    finally:
+        node.sh("nft delete table inet llmgwtest")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"the install on root@{node.ip} failed at join" in run.stderr, run.stderr
+    assert "package llmgw-agent" in run.stderr and "nothing was left installed" in run.stderr
+    tokens = [t for t in steps.tokens() if t["node"] == "ssh-pkg"]
+    assert tokens and all(t["revoked_at"] and not t["used_at"] for t in tokens), tokens
+    status = "dpkg-query -W -f '${db:Status-Status}' llmgw-agent 2>/dev/null || true"
+    assert node.out(status) in ("", "not-installed")
+    assert node.sh(f"ls -d {INSTALLED} {PACKAGED} 2>/dev/null", check=False).stdout == ""
+    assert node.sh("getent passwd llmgw-agent", check=False).returncode != 0
+    assert leftovers(node) == temporary
+    assert steps.lab.node_state("ssh-pkg") is None
+
+
+def test_a_package_onboard_brings_the_host_online(steps: Steps) -> None:
+    node = steps.hosts["ssh-pkg"]
+    run = steps.onboard(
+        "ssh-pkg", "--ssh", f"root@{node.ip}", *package_source(steps, node), as_json=True
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(run.stdout)
+    assert result["result"] == "online", result
+    assert node.out("dpkg-query -W -f '${db:Status-Status}' llmgw-agent") == "installed"
+    assert node.out("readlink -f /usr/bin/llmgw") == "/usr/lib/llmgw/llmgw"
+    assert node.sh("test -e /usr/local/lib/llmgw-agent", check=False).returncode != 0
+    state = steps.lab.node_state("ssh-pkg")
+    assert state is not None and state["state"] == "approved" and state["connected"]
+    assert state["fingerprint"] == result["fingerprint"]
