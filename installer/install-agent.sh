@@ -503,12 +503,14 @@ agent_run() {
     # The token goes through a pipe (printf is a builtin) to the inner sh, which reads it into
     # the agent's environment (read and export are builtins too): on env's argv it would be
     # in /proc/PID/cmdline, readable by every user of the machine, for as long as env ran.
-    # The agent's standard input is that pipe, at its end once the token is read.
+    # Once the token is read, the agent's program gets /dev/null as its standard input, as
+    # before: nothing of the installer's (nor an operator's terminal) reaches it.
     # shellcheck disable=SC2016 # $t and $@ are the inner sh's
     printf '%s\n' "$token" | (cd / && exec setsid -w env -i PATH="$AGENT_PATH" \
         HOME=/nonexistent LANG=C.UTF-8 TMPDIR="$TMP_DIR" sh -c 'IFS= read -r t || true
 if [ -n "$t" ]; then LLMGW_JOIN_TOKEN=$t; export LLMGW_JOIN_TOKEN; fi
 unset t
+exec </dev/null
 exec setpriv --reuid="$0" --regid="$0" --init-groups -- "$@"' "$SERVICE_USER" "$@") \
         >"$out" 2>&1 || rc=$?
     tr -d '\000-\010\013-\037\177' <"$out" >&2
