@@ -116,6 +116,13 @@ case $1 in
             shift
         done
         [ -n "$LLMGW_JOIN_TOKEN" ] || exit 4
+        if [ -e "$T/sc/plant" ]; then
+            # What an agent that turned hostile could leave in the folder it owns: links to
+            # root's things, which the rollback's rm -rf must take as links, never follow.
+            ln -s "$T/srv/keep" "$state/to-dir"
+            ln -s "$T/srv/keep/file" "$state/to-file"
+            mkdir "$state/sub" && ln -s "$T/srv/keep" "$state/sub/deeper"
+        fi
         echo crt >"$state/node.crt"
         echo ca >"$state/ca.crt"
         [ -f "$config" ] || printf 'server: cp:7443\nnode_id: %s\n' "$node" >"$config"
@@ -440,6 +447,24 @@ def test_a_fresh_install_that_fails_removes_what_it_created(sandbox: Sandbox) ->
     (sandbox.root / "sc" / "fail").unlink()
     again = sandbox.run("install", *JOIN, token="t0ken")
     assert again.returncode == 0, again.stderr
+
+
+def test_the_rollback_never_follows_links_the_agent_left_in_its_folders(
+    sandbox: Sandbox,
+) -> None:
+    """The agent user owns its state folder, which a failed fresh install removes as root: a
+    link planted there (to a folder, to a file, one level down) goes, what it points at stays."""
+    keep = sandbox.root / "srv" / "keep"
+    keep.mkdir(parents=True)
+    (keep / "file").write_text("root's own\n")
+    before = tree(sandbox.root)
+    (sandbox.root / "sc" / "plant").touch()
+    (sandbox.root / "sc" / "fail").touch()
+    failed = sandbox.run("install", *JOIN, token="t0ken")
+    assert failed.returncode == 1
+    assert sandbox.said(failed)[-1].endswith(": nothing was left installed")
+    assert (keep / "file").read_text() == "root's own\n"
+    assert tree(sandbox.root) == before
 
 
 def test_a_failure_before_anything_is_made_says_nothing_was_left(sandbox: Sandbox) -> None:
