@@ -454,26 +454,31 @@ DOCKER_NODE_IMAGE_ENV = "LLMGW_TEST_SYSTEMD_DOCKER_IMAGE"
 DOCKER_NODE_IMAGE = "llmgw-test-systemd-docker:local"
 
 
-def docker_node_image() -> str:
-    """The Debian 12 systemd image whose node also runs dockerd (nested in the test container;
-    ``scripts/systemd-test-image.sh --docker`` says what that takes and why it is test-only):
-    the one ``$LLMGW_TEST_SYSTEMD_DOCKER_IMAGE`` names, else built here (debootstrap once)."""
-    name = os.environ.get(DOCKER_NODE_IMAGE_ENV)
-    if name:
-        inspect = ["docker", "image", "inspect", name]
+def systemd_image(env: str, name: str, flag: str) -> str:
+    """A variant of the Debian 12 systemd test image (``scripts/systemd-test-image.sh FLAG``):
+    the one ``$ENV`` names, else ``name`` built here (debootstrap once)."""
+    given = os.environ.get(env)
+    if given:
+        inspect = ["docker", "image", "inspect", given]
         if subprocess.run(inspect, capture_output=True, check=False).returncode != 0:
-            unavailable(f"${DOCKER_NODE_IMAGE_ENV} names {name}, which is not on this machine")
-        return name
+            unavailable(f"${env} names {given}, which is not on this machine")
+        return given
     build = subprocess.run(
-        [str(ROOT / "scripts" / "systemd-test-image.sh"), "--docker", DOCKER_NODE_IMAGE],
+        [str(ROOT / "scripts" / "systemd-test-image.sh"), flag, name],
         capture_output=True,
         text=True,
         timeout=900,
         check=False,
     )
     if build.returncode != 0:
-        unavailable(f"could not build {DOCKER_NODE_IMAGE}: {build.stderr.strip()[-600:]}")
-    return DOCKER_NODE_IMAGE
+        unavailable(f"could not build {name}: {build.stderr.strip()[-600:]}")
+    return name
+
+
+def docker_node_image() -> str:
+    """The Debian 12 systemd image whose node also runs dockerd (nested in the test container;
+    ``scripts/systemd-test-image.sh --docker`` says what that takes and why it is test-only)."""
+    return systemd_image(DOCKER_NODE_IMAGE_ENV, DOCKER_NODE_IMAGE, "--docker")
 
 
 CLOUD_INIT_IMAGE_ENV = "LLMGW_TEST_SYSTEMD_CLOUDINIT_IMAGE"
@@ -482,24 +487,8 @@ CLOUD_INIT_IMAGE = "llmgw-test-systemd-cloudinit:local"
 
 def cloud_init_image() -> str:
     """The Debian 12 systemd image with cloud-init (NoCloud; ``scripts/systemd-test-image.sh
-    --cloud-init`` says how it is set up): the one ``$LLMGW_TEST_SYSTEMD_CLOUDINIT_IMAGE``
-    names, else built here (debootstrap once)."""
-    name = os.environ.get(CLOUD_INIT_IMAGE_ENV)
-    if name:
-        inspect = ["docker", "image", "inspect", name]
-        if subprocess.run(inspect, capture_output=True, check=False).returncode != 0:
-            unavailable(f"${CLOUD_INIT_IMAGE_ENV} names {name}, which is not on this machine")
-        return name
-    build = subprocess.run(
-        [str(ROOT / "scripts" / "systemd-test-image.sh"), "--cloud-init", CLOUD_INIT_IMAGE],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    if build.returncode != 0:
-        unavailable(f"could not build {CLOUD_INIT_IMAGE}: {build.stderr.strip()[-600:]}")
-    return CLOUD_INIT_IMAGE
+    --cloud-init`` says how it is set up)."""
+    return systemd_image(CLOUD_INIT_IMAGE_ENV, CLOUD_INIT_IMAGE, "--cloud-init")
 
 
 def engine_image() -> str:

@@ -28,11 +28,10 @@ from typing import Any
 
 import pytest
 
-from tests.ci import require_tools, unavailable
+from tests.ci import require_tools
 from tests.integration.harness import LLMGW, wait_for
-from tests.packaging.pkgcheck import ROOT
 
-from .lab import Lab, Node, OrderedSteps
+from .lab import Lab, Node, OrderedSteps, systemd_image
 
 SSH_IMAGE_ENV = "LLMGW_TEST_SYSTEMD_SSH_IMAGE"
 SSH_IMAGE = "llmgw-test-systemd-ssh:local"
@@ -67,24 +66,8 @@ pytestmark = pytest.mark.usefixtures("in_order")
 
 
 def ssh_image() -> str:
-    """The Debian 12 systemd image with sshd (``scripts/systemd-test-image.sh --ssh``): the
-    one ``$LLMGW_TEST_SYSTEMD_SSH_IMAGE`` names, else built here (debootstrap once)."""
-    name = os.environ.get(SSH_IMAGE_ENV)
-    if name:
-        inspect = ["docker", "image", "inspect", name]
-        if subprocess.run(inspect, capture_output=True, check=False).returncode != 0:
-            unavailable(f"${SSH_IMAGE_ENV} names {name}, which is not on this machine")
-        return name
-    build = subprocess.run(
-        [str(ROOT / "scripts" / "systemd-test-image.sh"), "--ssh", SSH_IMAGE],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    if build.returncode != 0:
-        unavailable(f"could not build {SSH_IMAGE}: {build.stderr.strip()[-600:]}")
-    return SSH_IMAGE
+    """The Debian 12 systemd image with sshd (``scripts/systemd-test-image.sh --ssh``)."""
+    return systemd_image(SSH_IMAGE_ENV, SSH_IMAGE, "--ssh")
 
 
 class Steps(OrderedSteps):
