@@ -36,12 +36,10 @@ from llmgw.server.passwords import (
 )
 from llmgw.server.store import Operator, Store, hash_session_token
 
-__all__ = ["FIRST_ADMIN", "TOKEN_ACTOR", "OperatorAccounts"]
+__all__ = ["FIRST_ADMIN", "OperatorAccounts"]
 
 FIRST_ADMIN = "admin"
 """The account that is the admin password."""
-TOKEN_ACTOR = "token"
-"""The actor an event names when the admin token, not an account, made the change."""
 
 
 @functools.cache
