@@ -323,3 +323,7 @@ __all__ = [
     "UpdateError",
     "WeakPassword",
 ]
+
+
+class KvEventError(EngineError):
+    """An engine's KV cache event (vLLM's format) could not be read."""

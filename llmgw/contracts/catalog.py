@@ -49,9 +49,12 @@ from llmgw.errors import ConfigError, EngineError
 
 __all__ = [
     "DEFAULT_PROFILE",
+    "DEFAULT_ROUTING",
     "MODEL_NAME",
     "PLACEMENTS",
+    "ROUTINGS",
     "Catalog",
+    "FileRef",
     "ModelSpec",
     "Profile",
     "Sidecar",
@@ -63,6 +66,7 @@ __all__ = [
     "parse_profile",
     "profile_body_limit",
     "profile_max_concurrency",
+    "profile_routing",
     "profile_tasks",
 ]
 
@@ -96,7 +100,25 @@ _PROFILE_KEYS = (
     "max_request_body",
     "task",
     "max_concurrency",
+    "routing",
+    "tokenizer",
+    "chat_template",
 )
+_FILE_KEYS = ("url", "path", "sha256")
+
+ROUTINGS: tuple[str, ...] = (
+    "least-outstanding",
+    "round-robin",
+    "session",
+    "prefix-approx",
+    "kv-events",
+)
+"""How the gateway picks a replica of a model (a profile's ``routing``): the fewest requests
+in flight (the default); in turn; the replica a conversation (``user`` or ``x-session-id``)
+last used; the replica the gateway last sent the prompt's prefix to; the replica whose
+engine reports holding the most of the prompt's prefix in its KV cache. Each weighs the
+load too (:mod:`llmgw.server.prefixes`)."""
+DEFAULT_ROUTING = "least-outstanding"
 _SIDECAR_KEYS = ("name", "command", "health", "timeout", "ready_after")
 
 _MEMORY_UNITS = {"mib": 1, "gib": 1024, "tib": 1024 * 1024}
@@ -125,6 +147,26 @@ class Sidecar:
 
 
 @dataclass(frozen=True)
+class FileRef:
+    """A file the control plane reads for a profile (its tokenizer, its chat template): an
+    absolute path on the control plane, or a URL fetched once and checked by its SHA-256
+    (a path may give one too, and is then checked as well)."""
+
+    location: str
+    sha256: str = ""
+
+    @property
+    def is_url(self) -> bool:
+        return "://" in self.location
+
+    def to_value(self) -> dict[str, str]:
+        out = {"url" if self.is_url else "path": self.location}
+        if self.sha256:
+            out["sha256"] = self.sha256
+        return out
+
+
+@dataclass(frozen=True)
 class Profile:
     """One way to run a model. ``gpus`` and ``gpu_memory_mib`` are per shard and per GPU;
     a replica has ``nodes`` shards, one per node."""
@@ -146,6 +188,15 @@ class Profile:
     # As the catalog gives them; None: the engine's defaults (:attr:`tasks`, :attr:`concurrency`).
     task: tuple[str, ...] | None = None
     max_concurrency: int | None = None
+    routing: str | None = None
+    # What the gateway keys a prompt's blocks with for routing: kv-events (vLLM, SGLang).
+    tokenizer: FileRef | None = None
+    chat_template: FileRef | None = None
+
+    @property
+    def routing_policy(self) -> str:
+        """How the gateway picks a replica: ``routing``, else least-outstanding."""
+        return self.routing or DEFAULT_ROUTING
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -193,6 +244,12 @@ class Profile:
             out["task"] = list(self.task)
         if self.max_concurrency is not None:
             out["max_concurrency"] = self.max_concurrency
+        if self.routing is not None:
+            out["routing"] = self.routing
+        if self.tokenizer is not None:
+            out["tokenizer"] = self.tokenizer.to_value()
+        if self.chat_template is not None:
+            out["chat_template"] = self.chat_template.to_value()
         return out
 
 
@@ -400,6 +457,17 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
     max_concurrency = None
     if raw.get("max_concurrency") is not None:
         max_concurrency = _whole(check, raw["max_concurrency"], at("max_concurrency"), minimum=1)
+    tokenizer = None
+    if raw.get("tokenizer") is not None:
+        tokenizer = _file_ref(check, raw["tokenizer"], at("tokenizer"), "tokenizer.json")
+    chat_template = None
+    if raw.get("chat_template") is not None:
+        chat_template = _file_ref(
+            check, raw["chat_template"], at("chat_template"), "chat_template.jinja"
+        )
+    routing = None
+    if raw.get("routing") is not None:
+        routing = _routing(check, raw["routing"], at("routing"), engine, tokenizer)
     return Profile(
         engine=engine,
         source=source.text if source is not None else None,
@@ -414,7 +482,74 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         max_request_body=max_body,
         task=task,
         max_concurrency=max_concurrency,
+        routing=routing,
+        tokenizer=tokenizer,
+        chat_template=chat_template,
     )
+
+
+def _routing(
+    check: Checker, value: object, key: str, engine: str, tokenizer: FileRef | None
+) -> str:
+    if not isinstance(value, str):
+        check.fail(key, f"must be one of {', '.join(ROUTINGS)}; got {type_name(value)}")
+    if value not in ROUTINGS:
+        check.fail(key, unknown_key_message(value, ROUTINGS, noun="routing"))
+    if value == "kv-events":
+        spec = get_engine(engine)
+        if not spec.kv_events:
+            with_events = ", ".join(n for n in engine_names() if get_engine(n).kv_events)
+            check.fail(
+                key,
+                f"kv-events needs an engine that publishes its KV cache events ({with_events}); "
+                f"engine {engine} does not: use routing: prefix-approx",
+            )
+        if spec.tokenizer_needed and tokenizer is None:
+            check.fail(
+                key,
+                f"kv-events with engine {engine} needs the model's tokenizer, so that the "
+                "gateway keys a prompt as the engine does: add tokenizer: {url: https://…/"
+                "tokenizer.json, sha256: …} (or an absolute path on the control plane)",
+            )
+    return value
+
+
+def _file_ref(check: Checker, value: object, key: str, example: str) -> FileRef:
+    """An absolute path on the control plane, or {url, sha256} (or {path, sha256})."""
+    if isinstance(value, str):
+        value = {"url" if "://" in value else "path": value}
+    if not isinstance(value, Mapping):
+        check.fail(
+            key,
+            f"must be an absolute path on the control plane or {{url: https://…/{example}, "
+            f"sha256: …}}; got {type_name(value)}",
+        )
+    raw = check.mapping(value, key, accepted=_FILE_KEYS)
+    url, path, sha256 = raw.get("url"), raw.get("path"), raw.get("sha256")
+    if (url is None) == (path is None):
+        check.fail(
+            key,
+            f"give one of url (with its sha256) or path, e.g. {{url: https://…/{example}, sha256: …}}",
+        )
+    digest = ""
+    if sha256 is not None:
+        digest = check.string(sha256, join_key(key, "sha256")).lower()
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            check.fail(join_key(key, "sha256"), "must be 64 hexadecimal digits (a SHA-256)")
+    if url is not None:
+        location = _url(check, url, join_key(key, "url"))
+        if not digest:
+            check.fail(
+                join_key(key, "sha256"),
+                f"is missing: a fetched file is checked by its SHA-256 (sha256sum {example})",
+            )
+        return FileRef(location, digest)
+    location = check.string(path, join_key(key, "path"))
+    if not location.startswith("/") or "\0" in location:
+        check.fail(
+            join_key(key, "path"), f"{location!r} must be an absolute path on the control plane"
+        )
+    return FileRef(location, digest)
 
 
 def _tasks(check: Checker, value: object, key: str) -> tuple[str, ...]:
@@ -476,6 +611,12 @@ def profile_max_concurrency(profile: Mapping[str, Any] | None) -> int:
         params if isinstance(params, Mapping) else {},
         [str(a) for a in args] if isinstance(args, list) else [],
     )
+
+
+def profile_routing(profile: Mapping[str, Any] | None) -> str:
+    """A stored profile's (:meth:`Profile.to_dict`) ``routing``, else least-outstanding."""
+    value = profile.get("routing") if profile else None
+    return value if isinstance(value, str) and value in ROUTINGS else DEFAULT_ROUTING
 
 
 _UNKNOWN_ENGINE = Engine("", "", multi_node=False)

@@ -119,6 +119,11 @@ class Engine:
     profile says no ``max_concurrency``, unless the profile sets the engine's own limit on
     concurrent sequences: the parameter ``slots_param`` or, in the profile's args, one of
     ``slots_flags`` (the args come after the parameters on the command line, so they win).
+
+    ``kv_events``: the builder can make the engine publish its KV cache events in vLLM's
+    format (:mod:`llmgw.engines.kvevents`), so a profile may route on them (``routing:
+    kv-events``). ``tokenizer_needed``: the gateway needs the model's tokenizer to key a
+    prompt's blocks (False for sim, whose tokenizer is this llmgw's own).
     """
 
     name: str
@@ -138,6 +143,8 @@ class Engine:
     default_max_concurrency: int = 256
     slots_param: str | None = None
     slots_flags: tuple[str, ...] = ()
+    kv_events: bool = False
+    tokenizer_needed: bool = True
 
     def can_serve_together(self, tasks: Sequence[str]) -> bool:
         """Whether one replica of this engine can do every one of ``tasks`` (known tasks)."""
@@ -180,6 +187,8 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 default_tasks=TASKS,
                 task_sets=(frozenset(TASKS),),
                 default_max_concurrency=64,
+                kv_events=True,
+                tokenizer_needed=False,
             ),
             Engine(
                 "vllm",
@@ -198,6 +207,7 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 default_max_concurrency=256,
                 slots_param="max_num_seqs",
                 slots_flags=("--max-num-seqs",),
+                kv_events=True,
             ),
             Engine(
                 "sglang",
@@ -215,6 +225,7 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 default_max_concurrency=256,
                 slots_param="max_running_requests",
                 slots_flags=("--max-running-requests",),
+                kv_events=True,
             ),
             Engine(
                 "llamacpp",

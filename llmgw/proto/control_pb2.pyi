@@ -21,7 +21,7 @@ SHARD_FAILED: ShardState
 SHARD_EXITED: ShardState
 
 class AgentMessage(_message.Message):
-    __slots__ = ("hello", "heartbeat", "inventory", "shard_status", "op_result", "cert_request", "draining", "update_status")
+    __slots__ = ("hello", "heartbeat", "inventory", "shard_status", "op_result", "cert_request", "draining", "update_status", "kv_events")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class AgentMessage(_message.Message):
     CERT_REQUEST_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     UPDATE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     heartbeat: Heartbeat
     inventory: Inventory
@@ -38,7 +39,24 @@ class AgentMessage(_message.Message):
     cert_request: CertificateRequest
     draining: Draining
     update_status: UpdateStatus
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., shard_status: _Optional[_Union[ShardStatus, _Mapping]] = ..., op_result: _Optional[_Union[OperationResult, _Mapping]] = ..., cert_request: _Optional[_Union[CertificateRequest, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ..., update_status: _Optional[_Union[UpdateStatus, _Mapping]] = ...) -> None: ...
+    kv_events: KvEvents
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., inventory: _Optional[_Union[Inventory, _Mapping]] = ..., shard_status: _Optional[_Union[ShardStatus, _Mapping]] = ..., op_result: _Optional[_Union[OperationResult, _Mapping]] = ..., cert_request: _Optional[_Union[CertificateRequest, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ..., update_status: _Optional[_Union[UpdateStatus, _Mapping]] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ...) -> None: ...
+
+class KvEvents(_message.Message):
+    __slots__ = ("shard_id", "block_size", "cleared", "stored", "removed", "lost")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    block_size: int
+    cleared: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    lost: int
+    def __init__(self, shard_id: _Optional[str] = ..., block_size: _Optional[int] = ..., cleared: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., lost: _Optional[int] = ...) -> None: ...
 
 class Draining(_message.Message):
     __slots__ = ("deadline_s",)
@@ -383,7 +401,7 @@ class OrderMeta(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., op_id: _Optional[str] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("meta", "shard_id", "replica_id", "model", "engine", "rank", "params", "extra_args", "gpus", "nodes", "dist_init_addr", "source", "gpu_memory_mib", "sidecars", "profile", "worker_addrs", "listen_addr", "source_sha256")
+    __slots__ = ("meta", "shard_id", "replica_id", "model", "engine", "rank", "params", "extra_args", "gpus", "nodes", "dist_init_addr", "source", "gpu_memory_mib", "sidecars", "profile", "worker_addrs", "listen_addr", "source_sha256", "kv_events")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -409,6 +427,7 @@ class StartShard(_message.Message):
     WORKER_ADDRS_FIELD_NUMBER: _ClassVar[int]
     LISTEN_ADDR_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     meta: OrderMeta
     shard_id: str
     replica_id: str
@@ -427,7 +446,8 @@ class StartShard(_message.Message):
     worker_addrs: _containers.RepeatedScalarFieldContainer[str]
     listen_addr: str
     source_sha256: str
-    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., dist_init_addr: _Optional[str] = ..., source: _Optional[str] = ..., gpu_memory_mib: _Optional[int] = ..., sidecars: _Optional[_Iterable[_Union[Sidecar, _Mapping]]] = ..., profile: _Optional[str] = ..., worker_addrs: _Optional[_Iterable[str]] = ..., listen_addr: _Optional[str] = ..., source_sha256: _Optional[str] = ...) -> None: ...
+    kv_events: bool
+    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., dist_init_addr: _Optional[str] = ..., source: _Optional[str] = ..., gpu_memory_mib: _Optional[int] = ..., sidecars: _Optional[_Iterable[_Union[Sidecar, _Mapping]]] = ..., profile: _Optional[str] = ..., worker_addrs: _Optional[_Iterable[str]] = ..., listen_addr: _Optional[str] = ..., source_sha256: _Optional[str] = ..., kv_events: _Optional[bool] = ...) -> None: ...
 
 class Sidecar(_message.Message):
     __slots__ = ("name", "argv", "health_url", "timeout_s", "ready_after_s")
