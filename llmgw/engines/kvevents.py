@@ -143,6 +143,8 @@ def decode_batch(payload: bytes) -> EventBatch:
 
 def _event(raw: Any, index: int) -> Event:
     where = f"events[{index}]"
+    tag: object
+    fields: dict[str, Any]
     if isinstance(raw, list):
         if not raw or not isinstance(raw[0], str):
             raise KvEventError(f"{where}: an event array starts with its type's name")

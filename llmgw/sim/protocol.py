@@ -16,6 +16,7 @@ __all__ = [
     "ROLES",
     "SSE_HEADERS",
     "BadRequest",
+    "chat_prompt",
     "dumps",
     "error_response",
     "gone",
@@ -111,3 +112,52 @@ def gone(request: web.Request) -> bool:
     """Whether the client has hung up."""
     transport = request.transport
     return transport is None or transport.is_closing()
+
+
+def chat_prompt(messages: object) -> str:
+    """The prompt text of a chat request's ``messages``: the text of each message's content
+    joined by newlines (the sim engine's chat template; the gateway keys a sim prompt's blocks
+    from the same text). BadRequest says what is wrong with them."""
+    if messages is None:
+        raise missing("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(
+            "'messages' must be a non-empty array of {role, content} objects", "messages"
+        )
+    parts: list[str] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise BadRequest(f"'{where}' must be an object with 'role' and 'content'", where)
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise BadRequest(
+                f"'{where}.role' must be one of {', '.join(sorted(ROLES))}; got {role!r}",
+                f"{where}.role",
+            )
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise BadRequest(
+                        f"'{where}.content[{j}]' must be an object with a 'type'",
+                        f"{where}.content[{j}]",
+                    )
+                if part["type"] == "text":
+                    text = part.get("text")
+                    if not isinstance(text, str):
+                        raise BadRequest(
+                            f"'{where}.content[{j}].text' must be a string",
+                            f"{where}.content[{j}].text",
+                        )
+                    parts.append(text)
+        elif content is None and role == "assistant":
+            continue
+        else:
+            raise BadRequest(
+                f"'{where}.content' must be a string or an array of content parts",
+                f"{where}.content",
+            )
+    return "\n".join(parts)

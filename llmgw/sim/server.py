@@ -53,6 +53,7 @@ from llmgw.sim.protocol import (
     ROLES,
     SSE_HEADERS,
     BadRequest,
+    chat_prompt,
     dumps,
     error_response,
     gone,
@@ -74,52 +75,6 @@ _SSE_DONE = b"data: [DONE]\n\n"
 
 
 # --------------------------------------------------------------------------- request parsing
-
-
-def _chat_prompt(messages: object) -> str:
-    if messages is None:
-        raise missing("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest(
-            "'messages' must be a non-empty array of {role, content} objects", "messages"
-        )
-    parts: list[str] = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise BadRequest(f"'{where}' must be an object with 'role' and 'content'", where)
-        role = message.get("role")
-        if not isinstance(role, str) or role not in ROLES:
-            raise BadRequest(
-                f"'{where}.role' must be one of {', '.join(sorted(ROLES))}; got {role!r}",
-                f"{where}.role",
-            )
-        content = message.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise BadRequest(
-                        f"'{where}.content[{j}]' must be an object with a 'type'",
-                        f"{where}.content[{j}]",
-                    )
-                if part["type"] == "text":
-                    text = part.get("text")
-                    if not isinstance(text, str):
-                        raise BadRequest(
-                            f"'{where}.content[{j}].text' must be a string",
-                            f"{where}.content[{j}].text",
-                        )
-                    parts.append(text)
-        elif content is None and role == "assistant":
-            continue
-        else:
-            raise BadRequest(
-                f"'{where}.content' must be a string or an array of content parts",
-                f"{where}.content",
-            )
-    return "\n".join(parts)
 
 
 def _completion_prompts(prompt: object) -> list[str]:
@@ -236,7 +191,7 @@ class _Handlers:
         try:
             body = parse_body(raw, self.cfg.model)
             if chat:
-                prompts = [_chat_prompt(body.get("messages"))]
+                prompts = [chat_prompt(body.get("messages"))]
             else:
                 prompts = _completion_prompts(body.get("prompt"))
             opts = _options(body, self.cfg, chat=chat)
