@@ -50,7 +50,6 @@ from llmgw.sim.generate import TOKEN_JSON, draw
 from llmgw.sim.pooling import PoolingHandlers
 from llmgw.sim.protocol import (
     DISCONNECT_POLL_S,
-    ROLES,
     SSE_HEADERS,
     BadRequest,
     chat_prompt,
