@@ -42,6 +42,7 @@ from llmgw.bodies import (
 )
 from llmgw.configfile import format_size
 from llmgw.contracts.endpoints import ALIASES, PATHS, endpoint_refusal
+from llmgw.contracts.kvblocks import BLOCK_SIZE, block_keys
 from llmgw.errors import ConfigError
 from llmgw.http.errors import (
     UpstreamConnectError,
@@ -58,9 +59,10 @@ from llmgw.server.history import RequestHistory
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.limits import Grant, Limits, Refusal
 from llmgw.server.metrics import Metrics
+from llmgw.server.prefixes import APPROX_CHUNK, RouteHint, session_of, text_keys, text_of
 from llmgw.server.queueing import Admission, QueueTimeout
 from llmgw.server.routing import Endpoint, Router
-from llmgw.server.serving import ServingCache
+from llmgw.server.serving import ServedModel, ServingCache
 from llmgw.server.store.rows import ApiKey
 from llmgw.server.usage import UsageBook
 
@@ -252,8 +254,11 @@ class Gateway:
         usage: UsageBook | None = None,
         history: RequestHistory | None = None,
         clock: Callable[[], float] = time.time,
+        tokenizers: Any = None,
     ) -> None:
         self.router = router
+        # Each model's prompt tokenizer for routing: kv-events (llmgw.server.tokenizing).
+        self.tokenizers = tokenizers
         # What /healthz adds (several instances: this one's role, the leader, the database).
         self.health = health
         self.metrics = metrics
@@ -276,12 +281,20 @@ class Gateway:
         # Each model's last hour for the console's charts (None: not kept).
         self.history = history
         self.clock = clock
+        router.prefixes.metrics = metrics
+        metrics.index_sizes = self._index_sizes
         self.admission = Admission(
             router,
             lambda model: self.serving.max_concurrency(model),
             metrics,
             fair=limits.fair_queueing,
         )
+
+    def _index_sizes(self) -> dict[tuple[str, str], int]:
+        prefixes = self.router.prefixes
+        sizes = {(m, "events"): n for m, n in prefixes.indexed_blocks().items()}
+        sizes.update({(m, "approx"): n for m, n in prefixes.approx_blocks().items()})
+        return sizes
 
     def retrust(self, client_ssl: ssl.SSLContext) -> None:
         """The TLS towards agents changed (a CA rotation or the drop of the old CA): new
@@ -526,7 +539,6 @@ class Gateway:
             )
         stream = payload.get("stream") is True
         estimate = len(body) // 4 + _max_output(payload)
-        del payload  # a parsed body can take many times its size: hold it no longer
         limit = self.serving.body_limits.get(model, self.limits.max_request_body)
         if len(body) > limit:
             return self._too_large(len(body), limit, model)
@@ -568,15 +580,56 @@ class Gateway:
                 code=grant.code,
                 headers=grant.headers,
             )
+        hint = self._hint(request, served, path, payload)
+        del payload  # a parsed body can take many times its size: hold it no longer
         outcome = _Outcome()
         try:
             return await self._route(
-                request, key, grant, model, path, body, started, stream, limit, outcome
+                request, key, grant, model, path, body, started, stream, limit, outcome, hint
             )
         finally:
             tokens = outcome.prompt + outcome.completion if outcome.reported else None
             grant.settle(tokens, self.policy.clock())
             self._account(key, model, outcome.status or 499, outcome)
+
+    def _hint(
+        self, request: web.Request, served: ServedModel, path: str, payload: dict[str, Any]
+    ) -> RouteHint | None:
+        """What the model's routing policy needs of the request (None: least outstanding):
+        its session, and for the prefix policies its prompt's block keys."""
+        policy = served.routing
+        if policy == "least-outstanding":
+            return None
+        session = session_of(payload, request.headers.get("x-session-id"))
+        if policy in ("round-robin", "session"):
+            return RouteHint(policy, session=session)
+        began = time.perf_counter()
+        model = served.name
+        if policy == "prefix-approx":
+            self.router.prefixes.set_capacity(model, served.approx_capacity)
+            text = text_of(path, payload)
+            keys = text_keys(text) if text else []
+            hint = RouteHint(
+                policy,
+                keys,
+                unit=APPROX_CHUNK // 4,
+                tokens=len(text) // 4 if text else 0,
+                session=session,
+            )
+        else:
+            tokenizer = self.tokenizers.for_model(model) if self.tokenizers is not None else None
+            ids = tokenizer.token_ids(path, payload) if tokenizer is not None else None
+            if ids is None:
+                self.metrics.routing.inc((model, policy, "no_tokenizer"))
+                return RouteHint(policy, session=session)
+            size = self.router.prefixes.block_size.get(model, BLOCK_SIZE)
+            try:
+                keys = block_keys(ids, size)
+            except ValueError:
+                keys = []
+            hint = RouteHint(policy, keys, unit=size, tokens=len(ids), session=session)
+        self.metrics.decision.observe((model, "keys"), time.perf_counter() - began)
+        return hint
 
     def _account(
         self, key: ApiKey, model: str, status: int, outcome: _Outcome | None = None
@@ -615,15 +668,17 @@ class Gateway:
         stream: bool,
         limit: int,
         outcome: _Outcome,
+        hint: RouteHint | None = None,
     ) -> web.StreamResponse:
         """Take a place on a replica of ``model`` (waiting in the key's queue when all are
-        full) and forward; another replica when one cannot be reached."""
+        full; the one ``hint``'s policy chooses) and forward; another replica when one cannot
+        be reached."""
         tried: set[str] = set()
         busy = 0  # replicas whose agent had no room for the body
         admission = self.admission
         while True:
             exclude = frozenset(tried)
-            ep = admission.try_acquire(model, exclude)
+            ep = admission.try_acquire(model, exclude, hint)
             if ep is None:
                 if not self.router.has_ready(model, exclude):
                     if not tried:
@@ -635,7 +690,12 @@ class Gateway:
                         return self._no_replica(model, tried, busy)
                 try:
                     ep = await admission.acquire(
-                        model, key.id, key.policy.weight, exclude, self.limits.queue_timeout
+                        model,
+                        key.id,
+                        key.policy.weight,
+                        exclude,
+                        self.limits.queue_timeout,
+                        hint,
                     )
                 except QueueTimeout as exc:
                     outcome.status = 503
@@ -671,6 +731,7 @@ class Gateway:
                     limit=limit,
                     outcome=outcome,
                     headers=headers,
+                    hint=hint,
                 )
             except _ConnectFailed as exc:
                 busy += exc.busy
@@ -680,6 +741,8 @@ class Gateway:
                 )
                 continue
             finally:
+                if hint is not None:
+                    hint.settle()
                 admission.release(ep)
 
     def _no_replica(self, model: str, tried: set[str], busy: int) -> web.Response:
@@ -720,6 +783,7 @@ class Gateway:
         limit: int,
         outcome: _Outcome,
         headers: dict[str, str] | None = None,
+        hint: RouteHint | None = None,
     ) -> web.StreamResponse:
         labels = (ep.model, ep.replica_id)
         metrics = self.metrics
@@ -760,9 +824,15 @@ class Gateway:
             try:
                 status = upstream.status
                 if counter is not None and upstream.content_type == "text/event-stream":
-                    resp = await relay(
-                        request, upstream, on_chunk=counter.feed, extra_headers=headers
-                    )
+                    feed = counter.feed
+                    if hint is not None and hint.charged_to is not None:
+                        # The prefill queued on the replica ends with the first token.
+                        def feed(chunk: bytes, counter: StreamTokenCounter = counter) -> None:
+                            counter.feed(chunk)
+                            if counter.first_at is not None:
+                                hint.settle()
+
+                    resp = await relay(request, upstream, on_chunk=feed, extra_headers=headers)
                     failed = resp.get(STREAM_ERROR)
                     if failed is not None:
                         status = 502
@@ -773,12 +843,12 @@ class Gateway:
                     if counter.first_at is not None:
                         ttft = counter.first_at - started
                         metrics.ttft.observe(labels, ttft)
-                    self._count_stream_tokens(ep.model, counter, outcome)
+                    self._count_stream_tokens(ep, counter, outcome)
                 else:
                     resp = await relay(
                         request,
                         upstream,
-                        on_chunk=lambda b: self._count_body_tokens(ep.model, b, outcome),
+                        on_chunk=lambda b: self._count_body_tokens(ep, b, outcome),
                         extra_headers=headers,
                     )
             finally:
@@ -803,7 +873,7 @@ class Gateway:
                 if self.history is not None:
                     self.history.record(ep.model, ttft=ttft, error=status >= 500)
 
-    def _count_body_tokens(self, model: str, body: bytes, outcome: _Outcome) -> None:
+    def _count_body_tokens(self, ep: Endpoint, body: bytes, outcome: _Outcome) -> None:
         at = body.rfind(b'"usage":')
         if at < 0:
             return
@@ -813,28 +883,33 @@ class Gateway:
         except (ValueError, UnicodeDecodeError):
             return
         if isinstance(usage, dict):
-            self._add_usage(model, usage, outcome)
+            self._add_usage(ep, usage, outcome)
 
     def _count_stream_tokens(
-        self, model: str, counter: StreamTokenCounter, outcome: _Outcome
+        self, ep: Endpoint, counter: StreamTokenCounter, outcome: _Outcome
     ) -> None:
         if counter.usage is not None:
-            self._add_usage(model, counter.usage, outcome)
+            self._add_usage(ep, counter.usage, outcome)
         else:
             # No usage in the stream (no stream_options.include_usage): each content event
             # is a token; the prompt's are unknown.
             outcome.completion = counter.events
-            self.metrics.tokens.inc((model, "completion"), counter.events)
+            self.metrics.tokens.inc((ep.model, "completion"), counter.events)
 
-    def _add_usage(self, model: str, usage: dict[str, Any], outcome: _Outcome) -> None:
+    def _add_usage(self, ep: Endpoint, usage: dict[str, Any], outcome: _Outcome) -> None:
         prompt, completion, cached = usage_numbers(usage)
         outcome.prompt, outcome.completion, outcome.cached = prompt, completion, cached
         outcome.reported = True
+        model = ep.model
         tokens = self.metrics.tokens
         tokens.inc((model, "prompt"), prompt)
         tokens.inc((model, "completion"), completion)
         if cached:
             tokens.inc((model, "cached"), cached)
+        if prompt:
+            by_replica = self.metrics.replica_tokens
+            by_replica.inc((model, ep.replica_id, "prompt"), prompt)
+            by_replica.inc((model, ep.replica_id, "cached"), min(cached, prompt))
 
 
 class _Outcome:

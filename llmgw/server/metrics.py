@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
+from collections.abc import Callable
 
 __all__ = ["Counter", "Gauge", "Histogram", "Metrics"]
 
@@ -30,6 +31,7 @@ LATENCY_BUCKETS = (
     60,
     120,
 )
+DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05)
 
 
 def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
@@ -163,6 +165,63 @@ class Metrics:
             "Tokens by API key, model and kind (prompt, completion, cached).",
             ("key", "model", "kind"),
         )
+        # Cache-aware routing (llmgw.server.prefixes).
+        self.replica_tokens = Counter(
+            "llmgw_replica_prompt_tokens_total",
+            "Prompt tokens by model and replica, as the engine reported them (kind: prompt, "
+            "and cached: those its prefix cache already held).",
+            (*mr, "kind"),
+        )
+        self.routing = Counter(
+            "llmgw_routing_decisions_total",
+            "Replica choices by model, routing policy and reason (prefix_hit, spread, "
+            "session, session_moved, no_prefix, least_outstanding, round_robin, no_tokenizer).",
+            ("model", "policy", "reason"),
+        )
+        self.decision = Histogram(
+            "llmgw_routing_decision_seconds",
+            "Time to route a request by its prefix, by phase: keys (tokenise and hash the "
+            "prompt) and choose (index lookup and scoring).",
+            ("model", "phase"),
+            DECISION_BUCKETS,
+        )
+        # Set by the gateway: model -> block keys in its event index and approximate index.
+        self.index_sizes: Callable[[], dict[tuple[str, str], int]] = dict
+
+    def hit_ratio(self, model: str, replica: str | None = None) -> float | None:
+        """The share of prompt tokens the engines had cached, for a model (or one replica of
+        it) since this instance started; None before any prompt token was reported."""
+        prompt = cached = 0.0
+        for (m, r, kind), value in self.replica_tokens.values.items():
+            if m != model or (replica is not None and r != replica):
+                continue
+            if kind == "prompt":
+                prompt += value
+            else:
+                cached += value
+        return cached / prompt if prompt else None
+
+    def _derived(self) -> list[str]:
+        out = [
+            "# HELP llmgw_prefix_cache_hit_ratio Share of prompt tokens the replica's engine "
+            "had in its prefix cache, since this instance started.",
+            "# TYPE llmgw_prefix_cache_hit_ratio gauge",
+        ]
+        replicas = sorted({(m, r) for m, r, _ in self.replica_tokens.values})
+        for model, replica in replicas:
+            ratio = self.hit_ratio(model, replica)
+            if ratio is not None:
+                labels = _labels(("model", "replica"), (model, replica))
+                out.append(f"llmgw_prefix_cache_hit_ratio{labels} {_fmt(ratio)}")
+        out += [
+            "# HELP llmgw_prefix_index_blocks Block keys the gateway's prefix index holds, by "
+            "model and index (events: reported by the engines; approx: what it sent where).",
+            "# TYPE llmgw_prefix_index_blocks gauge",
+        ]
+        for (model, index), count in sorted(self.index_sizes().items()):
+            labels = _labels(("model", "index"), (model, index))
+            out.append(f"llmgw_prefix_index_blocks{labels} {count}")
+        return out
 
     def render(self) -> str:
         lines: list[str] = []
@@ -178,6 +237,10 @@ class Metrics:
             self.queue_wait,
             self.key_requests,
             self.key_tokens,
+            self.replica_tokens,
+            self.routing,
+            self.decision,
         ):
             lines.extend(metric.render())
+        lines.extend(self._derived())
         return "\n".join(lines) + "\n"

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 
 from llmgw.server.metrics import Metrics
+from llmgw.server.prefixes import RouteHint
 from llmgw.server.routing import Endpoint, Router
 
 __all__ = ["Admission", "QueueTimeout"]
@@ -38,12 +39,19 @@ class QueueTimeout(Exception):
 
 
 class _Waiter:
-    __slots__ = ("enqueued", "exclude", "future", "key")
+    __slots__ = ("enqueued", "exclude", "future", "hint", "key")
 
-    def __init__(self, key: str, exclude: frozenset[str], future: asyncio.Future[Endpoint]) -> None:
+    def __init__(
+        self,
+        key: str,
+        exclude: frozenset[str],
+        future: asyncio.Future[Endpoint],
+        hint: RouteHint | None,
+    ) -> None:
         self.key = key
         self.exclude = exclude
         self.future = future
+        self.hint = hint
         self.enqueued = time.perf_counter()
 
 
@@ -153,31 +161,40 @@ class Admission:
         queue = self._queues.get(model)
         return queue.size if queue is not None else 0
 
-    def try_acquire(self, model: str, exclude: frozenset[str] = frozenset()) -> Endpoint | None:
-        """A place on the least busy replica that has one, taken; None when all are full
-        (or requests are already waiting for this model: they go first)."""
+    def try_acquire(
+        self, model: str, exclude: frozenset[str] = frozenset(), hint: RouteHint | None = None
+    ) -> Endpoint | None:
+        """A place on the least busy replica that has one (or the one ``hint``'s policy
+        chooses), taken; None when all are full (or requests are already waiting for this
+        model: they go first)."""
         queue = self._queues.get(model)
         if queue is not None and queue.size:
             return None
-        ep = self.router.pick_free(model, self.limit_of(model), exclude)
+        ep = self.router.pick_free(model, self.limit_of(model), exclude, hint)
         if ep is not None:
             ep.inflight += 1
         return ep
 
     async def acquire(
-        self, model: str, key: str, weight: int, exclude: frozenset[str], timeout: float
+        self,
+        model: str,
+        key: str,
+        weight: int,
+        exclude: frozenset[str],
+        timeout: float,
+        hint: RouteHint | None = None,
     ) -> Endpoint:
         """A place on a replica of ``model``, waiting in ``key``'s queue for up to
         ``timeout`` seconds (:class:`QueueTimeout`). The caller checked that the model has
         ready replicas."""
-        ep = self.try_acquire(model, exclude)
+        ep = self.try_acquire(model, exclude, hint)
         if ep is not None:
             return ep
         queue = self._queues.get(model)
         if queue is None:
             queue = self._queues[model] = _ModelQueue()
         future: asyncio.Future[Endpoint] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(key, exclude, future)
+        waiter = _Waiter(key, exclude, future, hint)
         queue.push(waiter, weight, self.fair)
         self.metrics.queued.set((model,), queue.size)
         got: Endpoint | None = None
@@ -190,6 +207,8 @@ class Admission:
             if got is None:
                 if future.done() and not future.cancelled():
                     # Granted as the timeout or a cancellation struck: give the place back.
+                    if hint is not None:
+                        hint.settle()
                     self.release(future.result())
                 else:
                     future.cancel()
@@ -221,7 +240,7 @@ class Admission:
             if waiter.future.done():  # its timeout or cancellation is being handled
                 queue.pop(waiter, fair)
                 continue
-            ep = self.router.pick_free(model, limit, waiter.exclude)
+            ep = self.router.pick_free(model, limit, waiter.exclude, waiter.hint)
             if ep is None:
                 break
             queue.pop(waiter, fair)

@@ -1,4 +1,6 @@
-"""Where the gateway sends a request: the ready replicas of each model, least outstanding first.
+"""Where the gateway sends a request: the ready replicas of each model, least outstanding first,
+or as the model's routing policy chooses (:mod:`llmgw.server.prefixes`) when the request
+carries a hint.
 
 This table lives in memory and is updated by the stream handlers as shards become ready,
 fail, stop or lose their node, so the request path never touches the state store.
@@ -9,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from llmgw.server.prefixes import PrefixRouting, RouteHint
 
 __all__ = ["Endpoint", "Router"]
 
@@ -23,13 +27,17 @@ class Endpoint:
     node_id: str
     addr: str  # host:port of the node's data plane
     inflight: int = 0
+    # Uncached prompt tokens of the requests sent here that have no first token yet.
+    pending: int = 0
 
     def url(self, path: str) -> str:
         return f"https://{self.addr}/s/{self.shard_id}{path}"
 
 
 class Router:
-    def __init__(self) -> None:
+    def __init__(self, prefixes: PrefixRouting | None = None) -> None:
+        self.prefixes = prefixes if prefixes is not None else PrefixRouting()
+        self.prefixes.shard_of = self._where
         self._by_model: dict[str, list[Endpoint]] = {}
         self._by_shard: dict[str, Endpoint] = {}
         self._tiebreak: dict[str, int] = {}
@@ -51,10 +59,15 @@ class Router:
                 waiter.set_result(None)
         self.on_ready(ep.model)
 
+    def _where(self, shard_id: str) -> tuple[str, str] | None:
+        ep = self._by_shard.get(shard_id)
+        return None if ep is None else (ep.model, ep.node_id)
+
     def remove_shard(self, shard_id: str) -> None:
         ep = self._by_shard.pop(shard_id, None)
         if ep is None:
             return
+        self.prefixes.drop_shard(shard_id, ep.model)
         eps = self._by_model.get(ep.model, [])
         if ep in eps:
             eps.remove(ep)
@@ -74,13 +87,27 @@ class Router:
         return self.pick_free(model, None, exclude)
 
     def pick_free(
-        self, model: str, limit: int | None, exclude: frozenset[str] = frozenset()
+        self,
+        model: str,
+        limit: int | None,
+        exclude: frozenset[str] = frozenset(),
+        hint: RouteHint | None = None,
     ) -> Endpoint | None:
         """The ready replica with the fewest requests in flight, fewer than ``limit`` (None:
-        any), not among ``exclude``; ties rotate."""
+        any), not among ``exclude``; ties rotate. With a ``hint``, the one its policy
+        chooses among those (:meth:`PrefixRouting.choose`, which charges the choice)."""
         eps = self._by_model.get(model)
         if not eps:
             return None
+        if hint is not None:
+            candidates = [
+                ep
+                for ep in eps
+                if ep.shard_id not in exclude and (limit is None or ep.inflight < limit)
+            ]
+            if not candidates:
+                return None
+            return self.prefixes.choose(model, candidates, eps, hint)
         if len(eps) == 1:  # the common case, without the scan
             ep = eps[0]
             if (limit is not None and ep.inflight >= limit) or ep.shard_id in exclude:

@@ -14,9 +14,11 @@ from llmgw.contracts.catalog import (
     adhoc_profile,
     profile_body_limit,
     profile_max_concurrency,
+    profile_routing,
     profile_tasks,
 )
 from llmgw.contracts.endpoints import served_paths
+from llmgw.server.prefixes import APPROX_CAPACITY, APPROX_CHUNK
 from llmgw.server.store import Store
 from llmgw.server.store.rows import ApiKey, Model
 
@@ -34,6 +36,10 @@ class ServedModel:
     paths: frozenset[str]
     max_concurrency: int
     body_limit: int | None
+    # How the gateway picks among its replicas (llmgw.contracts.catalog.ROUTINGS).
+    routing: str = "least-outstanding"
+    # A replica's prefix capacity in chunks of the approximate index (prefix-approx).
+    approx_capacity: int = APPROX_CAPACITY
 
     @classmethod
     def of(cls, model: Model) -> ServedModel:
@@ -48,7 +54,22 @@ class ServedModel:
             paths=served_paths(model.engine, tasks),
             max_concurrency=profile_max_concurrency(profile),
             body_limit=profile_body_limit(profile),
+            routing=profile_routing(profile),
+            approx_capacity=_approx_capacity(profile),
         )
+
+
+def _approx_capacity(profile: Mapping[str, Any]) -> int:
+    """What a replica's engine keeps of prompts, in chunks of the approximate index: a
+    llama.cpp profile's ``ctx_size`` (the KV cache its slots share, in tokens; about 4 bytes
+    of text a token), else :data:`APPROX_CAPACITY`."""
+    params = profile.get("params")
+    ctx = params.get("ctx_size") if isinstance(params, Mapping) else None
+    try:
+        tokens = int(str(ctx)) if ctx is not None else 0
+    except ValueError:
+        tokens = 0
+    return max(1, tokens * 4 // APPROX_CHUNK) if tokens > 0 else APPROX_CAPACITY
 
 
 class ServingCache:

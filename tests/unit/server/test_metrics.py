@@ -164,6 +164,11 @@ def test_empty_metrics_render_help_and_type_only() -> None:
         "llmgw_queue_wait_seconds",
         "llmgw_key_requests_total",
         "llmgw_key_tokens_total",
+        "llmgw_replica_prompt_tokens_total",
+        "llmgw_routing_decisions_total",
+        "llmgw_routing_decision_seconds",
+        "llmgw_prefix_cache_hit_ratio",
+        "llmgw_prefix_index_blocks",
     }
     assert families["llmgw_requests_total"].type == "counter"
     assert families["llmgw_request_duration_seconds"].type == "histogram"
