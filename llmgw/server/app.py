@@ -942,6 +942,7 @@ class ControlPlane:
             http_scheme=cfg.http_scheme,
             advertise=cfg.advertise,
             instance_stale_after=cfg.instance_stale_after,
+            metrics=self.metrics,
             pending_usage=self._pending_usage,
             history=self.history,
         )

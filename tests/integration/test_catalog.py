@@ -103,9 +103,21 @@ def test_apply_deploy_and_refusals(cluster: tuple[Server, Agent], tmp_path: Path
         "NODES",
         "DESIRED",
         "READY",
+        "ROUTING",
+        "CACHED",
         "PROBLEM",
     ]
-    assert listed.stdout.splitlines()[1].split() == ["chat", "default", "sim", "0", "1", "0", "0"]
+    assert listed.stdout.splitlines()[1].split() == [
+        "chat",
+        "default",
+        "sim",
+        "0",
+        "1",
+        "0",
+        "0",
+        "least-outstanding",
+        "-",
+    ]
 
     # Deploy a profile; the sim needs no GPUs, so its replicas come up.
     deployed = ctl(server, tmp_path, "deploy", "chat", "--profile", "fast", "--replicas", "2")

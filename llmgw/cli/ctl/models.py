@@ -40,6 +40,8 @@ def models(ctx: click.Context) -> None:
             m["nodes"],
             m["replicas"],
             m["ready"],
+            m.get("routing") or "least-outstanding",
+            "-" if m.get("cache_hit_rate") is None else f"{100 * m['cache_hit_rate']:.0f}%",
             m["unplaceable"]
             or (
                 f"{m['older_profile_replicas']} replica(s) of an older profile being replaced"
@@ -50,7 +52,21 @@ def models(ctx: click.Context) -> None:
         for m in data
     ]
     click.echo(
-        table(["MODEL", "PROFILE", "ENGINE", "GPUS", "NODES", "DESIRED", "READY", "PROBLEM"], rows)
+        table(
+            [
+                "MODEL",
+                "PROFILE",
+                "ENGINE",
+                "GPUS",
+                "NODES",
+                "DESIRED",
+                "READY",
+                "ROUTING",
+                "CACHED",
+                "PROBLEM",
+            ],
+            rows,
+        )
     )
 
 

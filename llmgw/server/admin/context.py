@@ -40,6 +40,7 @@ from llmgw.server.history import RequestHistory
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.installs import EngineInstalls
 from llmgw.server.logins import Logins
+from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import AdminPassword
@@ -124,6 +125,8 @@ class AdminContext:
     pending_usage: Callable[[], list[UsageRow]] = field(default=lambda: [])
     # Each model's last hour of requests and TTFT, as this instance's gateway saw them.
     history: RequestHistory = field(default_factory=RequestHistory)
+    # This instance's gateway metrics (each model's prefix cache hit rate).
+    metrics: Metrics = field(default_factory=Metrics)
 
 
 def error_response(status: int, message: str, code: str) -> web.Response:

@@ -12,8 +12,10 @@ from llmgw.contracts.catalog import (
     DEFAULT_PROFILE,
     MODEL_NAME,
     adhoc_profile,
+    deployed_profile,
     parse_catalog,
     parse_profile,
+    profile_routing,
 )
 from llmgw.engines.registry import engine_names
 from llmgw.errors import ConfigError, Conflict, NotFound
@@ -68,6 +70,12 @@ def model_json(ctx: AdminContext, model: Model) -> dict[str, Any]:
             if r.profile is not None and r.profile != model.profile
         ),
         "created_at": model.created_at,
+        # How the gateway picks a replica, and the share of prompt tokens the replicas'
+        # engines had cached (None before any was reported; this instance's gateway only).
+        "routing": profile_routing(
+            deployed_profile(profiles, model.profile, model.engine, model.params)
+        ),
+        "cache_hit_rate": ctx.metrics.hit_ratio(model.name),
     }
 
 
