@@ -442,3 +442,88 @@ def test_engine_check_fails_on_a_truncated_help(wrapper: Path, tmp_path: Path) -
     assert "warning" not in result.stderr
     for flag in ("--alias", "--host", "--port", "--parallel"):
         assert flag in result.stderr
+
+
+# --------------------------------------------------------------------------- (d) prefix-approx
+
+
+def served_by(server: Server, model: str) -> dict[str, int]:
+    """Requests answered 200 per replica of ``model``, from the gateway's /metrics."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    pattern = re.compile(
+        r'^llmgw_requests_total\{model="'
+        + re.escape(model)
+        + r'",replica="([^"]+)",code="200"\} (\d+)$',
+        re.M,
+    )
+    return {replica: int(count) for replica, count in pattern.findall(text)}
+
+
+def test_prefix_approx_sends_a_shared_prefix_back_to_the_llama_server_that_cached_it(
+    fleet: tuple[Server, str], model: Path
+) -> None:
+    """Two llama-server replicas (one slot each, which keeps its last prompt's KV cache);
+    routing: prefix-approx. The second request with the same long prefix goes to the replica
+    the first went to, and llama-server reports the prefix's tokens as cached."""
+    server, key = fleet
+    name = "tiny-approx"
+    server.api(
+        "PUT",
+        "/api/catalog",
+        {
+            "models": {
+                name: {
+                    "profiles": {
+                        "default": {
+                            "engine": "llamacpp",
+                            "source": model.name,
+                            "gpus": 0,
+                            "params": PARAMS,
+                            "routing": "prefix-approx",
+                        }
+                    }
+                }
+            }
+        },
+    )
+    server.api("POST", "/api/models", {"name": name, "profile": "default", "replicas": 2})
+    wait_for(
+        lambda: [r["state"] for r in server.replicas(name)] == ["ready", "ready"],
+        timeout=READY_S,
+        what="two llama.cpp replicas ready",
+    )
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    # About 170 of the tiny model's tokens: inside its 256-token context with the answer.
+    system = (
+        "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron "
+        "pi rho sigma tau upsilon phi chi psi omega"
+    )
+
+    def ask(question: str) -> int:
+        reply = client.chat.completions.create(
+            model=name,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=4,
+            temperature=0,
+        )
+        assert reply.usage is not None
+        details = reply.usage.prompt_tokens_details
+        return details.cached_tokens or 0 if details is not None else 0
+
+    assert ask("one") == 0
+    first = served_by(server, name)
+    assert sum(first.values()) == 1, first
+    cached = ask("two two")
+    after = served_by(server, name)
+    assert after == {replica: 2 for replica in first}, (first, after)  # the same replica
+    assert cached > 100, f"llama-server reported {cached} cached prompt tokens"
+    models = {m["name"]: m for m in server.api("GET", "/api/models")}
+    assert models[name]["routing"] == "prefix-approx"
+    assert models[name]["cache_hit_rate"] > 0.3
+    pids = [r["pid"] for r in server.replicas(name)]
+    server.api("DELETE", f"/api/models/{name}")
+    wait_for(
+        lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids),
+        what="the engines stopped",
+    )
