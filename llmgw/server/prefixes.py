@@ -31,7 +31,7 @@ Both indexes are one :class:`BlockIndex` per model: block key -> a bit mask of t
 holding it (each replica a bit), so that a lookup is one dict probe per block, whatever the
 size of the index, and the leading run of every candidate is found in the same pass. The
 index is bounded (:data:`MAX_INDEX_BLOCKS` keys per model; the oldest forgotten first); each
-key costs about 100 bytes (``bench/routing.py`` measures it).
+key costs about 170 bytes with its replica's set (``bench/routing.py`` measures it).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import islice
+from itertools import islice, repeat
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from llmgw.contracts.kvblocks import BLOCK_SIZE
@@ -85,7 +85,7 @@ gives no better one (llama.cpp's ``ctx_size``)."""
 MAX_APPROX_TEXT = 4 * 1024 * 1024
 
 MAX_INDEX_BLOCKS = 2_000_000
-"""The most block keys one model's index keeps (about 200 MB)."""
+"""The most block keys one model's index keeps (about 340 MB)."""
 _SWEEP_CHUNK = 20_000
 
 
@@ -257,6 +257,17 @@ class BlockIndex:
         out: dict[int, int] = {}
         if not alive:
             return out
+        if (self.live | self._retiring) < 256:
+            # Eight bits or fewer in use: every mask is a byte, so the probes run in C (one
+            # dict lookup a key) and each replica's run is one translate and find.
+            masks = bytes(map(self.blocks.get, keys, repeat(0)))
+            n = len(masks)
+            while alive:
+                low = alive & -alive
+                at = masks.translate(_HAS[low]).find(0)
+                out[low] = n if at < 0 else at
+                alive ^= low
+            return out
         get = self.blocks.get
         for at, key in enumerate(keys):
             mask = get(key, 0) & alive
@@ -269,13 +280,16 @@ class BlockIndex:
                 alive = mask
                 if not alive:
                     return out
-        else:
-            at = len(keys)
         while alive:
             low = alive & -alive
-            out[low] = at
+            out[low] = len(keys)
             alive ^= low
         return out
+
+
+# For each of the eight low bits: a byte table mapping a mask to 1 when it has the bit, to 0
+# when it does not.
+_HAS = {1 << b: bytes(1 if m & (1 << b) else 0 for m in range(256)) for b in range(8)}
 
 
 class _Approx:
