@@ -62,6 +62,7 @@ from llmgw.server.queueing import Admission, QueueTimeout
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServingCache
 from llmgw.server.store.rows import ApiKey
+from llmgw.server.tokenizing import Tokenizers
 from llmgw.server.usage import UsageBook
 
 __all__ = ["Gateway", "GatewayLimits", "StreamTokenCounter", "openai_error"]
@@ -251,6 +252,7 @@ class Gateway:
         policy: Limits | None = None,
         usage: UsageBook | None = None,
         history: RequestHistory | None = None,
+        tokenizers: Tokenizers | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.router = router
@@ -275,6 +277,8 @@ class Gateway:
         self.usage = usage
         # Each model's last hour for the console's charts (None: not kept).
         self.history = history
+        # Each model's prompt tokenizer, for cache-aware routing (none: no model has one).
+        self.tokenizers = tokenizers if tokenizers is not None else Tokenizers(None)
         self.clock = clock
         self.admission = Admission(
             router,
