@@ -23,6 +23,7 @@
     │   └── ArchiveError            an archive is unreadable or unsafe to unpack; ``code`` says which
     ├── ShardError                  starting or stopping an engine process
     ├── EngineError                 an engine's own arguments or behaviour
+    ├── TokenizerError              a model's tokenizer or chat template cannot be loaded (retryable)
     ├── UpdateError                 a signed self-update refused or failed; ``state`` says which
     ├── PasswordError               the admin password is wrong or unacceptable
     ├── ClientError                 ``llmgw ctl`` talking to the control plane
@@ -225,6 +226,13 @@ class EngineError(LlmgwError):
     """An engine rejected its arguments or behaved unexpectedly."""
 
 
+class TokenizerError(LlmgwError):
+    """A model's tokenizer or chat template could not be read, fetched, checked or parsed;
+    the gateway routes the model without its prompts' prefixes meanwhile, and tries again."""
+
+    retryable = True
+
+
 class UpdateError(LlmgwError):
     """A signed self-update was refused (``state`` "refused": forged, replayed, expired,
     downgrading, for another node) or could not be carried out (``state`` "failed")."""
@@ -320,6 +328,7 @@ __all__ = [
     "StreamError",
     "SudoPasswordRequired",
     "TokenError",
+    "TokenizerError",
     "UpdateError",
     "WeakPassword",
 ]

@@ -65,6 +65,7 @@ __all__ = [
     "parse_memory_mib",
     "parse_profile",
     "profile_body_limit",
+    "profile_file",
     "profile_max_concurrency",
     "profile_routing",
     "profile_tasks",
@@ -617,6 +618,19 @@ def profile_routing(profile: Mapping[str, Any] | None) -> str:
     """A stored profile's (:meth:`Profile.to_dict`) ``routing``, else least-outstanding."""
     value = profile.get("routing") if profile else None
     return value if isinstance(value, str) and value in ROUTINGS else DEFAULT_ROUTING
+
+
+def profile_file(profile: Mapping[str, Any] | None, key: str) -> FileRef | None:
+    """A stored profile's (:meth:`Profile.to_dict`) file ``key`` (``tokenizer``,
+    ``chat_template``) as a FileRef; None when it has none (or not in that form)."""
+    value = profile.get(key) if profile else None
+    if not isinstance(value, Mapping):
+        return None
+    location = value.get("url", value.get("path"))
+    sha256 = value.get("sha256", "")
+    if not isinstance(location, str) or not location or not isinstance(sha256, str):
+        return None
+    return FileRef(location, sha256)
 
 
 _UNKNOWN_ENGINE = Engine("", "", multi_node=False)

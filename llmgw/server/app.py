@@ -89,6 +89,7 @@ from llmgw.server.stream import (
     start_stream_server,
 )
 from llmgw.server.tls import ServingCertificate, serving_certificate
+from llmgw.server.tokenizing import Tokenizers
 from llmgw.server.updates import Updates
 from llmgw.server.usage import UsageBook
 
@@ -159,6 +160,9 @@ class ControlPlane:
         # Each model's last hour of requests and TTFT, this instance's gateway's (the
         # console's charts and GET /api/metrics/history).
         self.history = RequestHistory()
+        # Each model's prompt tokenizer (cache-aware routing), loaded in the background when
+        # the models change; fetched files kept by their SHA-256 (either role's gateway).
+        self.tokenizers = Tokenizers(cfg.state_dir / "tokenizers")
         # The body bytes the process holds at once (gateway and admin API together).
         self.bodies = BodyBudget(cfg.max_inflight_body_bytes)
         # Each API key's limits and the usage not stored yet: the process's, whatever its
@@ -512,6 +516,7 @@ class ControlPlane:
         cfg = self.cfg
         self.serving = ServingCache(self.store, max_request_body=cfg.max_request_body)
         self.serving.on_keys = self.key_limits.forget
+        self.serving.on_models = self.tokenizers.set_models
         follower = self._follower = RouteFollower(
             self.store,
             self.router,
@@ -535,6 +540,7 @@ class ControlPlane:
             policy=self.key_limits,
             usage=self._start_usage(),
             history=self.history,
+            tokenizers=self.tokenizers,
         )
         self.http_tls = serving_certificate(cfg.tls, self.server_identity)
         # The admin token every instance holds (the CA export carries it): the MAC of the
@@ -556,6 +562,7 @@ class ControlPlane:
         self._standby_tasks = [
             asyncio.create_task(follower.run(), name="follow"),
             asyncio.create_task(follower.listen(), name="follow-notify"),
+            asyncio.create_task(self.tokenizers.run(), name="tokenizers"),
         ]
         self._register_addresses()
 
@@ -708,6 +715,7 @@ class ControlPlane:
         self._tasks.append(asyncio.create_task(self.sessions.store_last_seen(), name="last-seen"))
         self._tasks.append(asyncio.create_task(self.authority.run(), name="ca-rotation"))
         self._tasks.append(asyncio.create_task(self._prune_logins(), name="prune-logins"))
+        self._tasks.append(asyncio.create_task(self.tokenizers.run(), name="tokenizers"))
         if self._keeper is not None:
             self._register_addresses()
             self._tasks.append(asyncio.create_task(self._keep_lease(), name="lease"))
@@ -745,6 +753,7 @@ class ControlPlane:
         cfg, store, router = self.cfg, self.store, self.router
         self.serving = ServingCache(store, max_request_body=cfg.max_request_body)
         self.serving.on_keys = self.key_limits.forget
+        self.serving.on_models = self.tokenizers.set_models
         self.serving.refresh_keys()
         self.serving.refresh_models()
         self.installs = EngineInstalls(store, sessions=self.live, epoch=self.epoch)
@@ -771,6 +780,7 @@ class ControlPlane:
             policy=self.key_limits,
             usage=self._start_usage(),
             history=self.history,
+            tokenizers=self.tokenizers,
         )
         self.membership = Membership(
             store,

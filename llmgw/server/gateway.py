@@ -64,6 +64,7 @@ from llmgw.server.queueing import Admission, QueueTimeout
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel, ServingCache
 from llmgw.server.store.rows import ApiKey
+from llmgw.server.tokenizing import Tokenizers
 from llmgw.server.usage import UsageBook
 
 __all__ = ["Gateway", "GatewayLimits", "StreamTokenCounter", "openai_error"]
@@ -253,12 +254,10 @@ class Gateway:
         policy: Limits | None = None,
         usage: UsageBook | None = None,
         history: RequestHistory | None = None,
+        tokenizers: Tokenizers | None = None,
         clock: Callable[[], float] = time.time,
-        tokenizers: Any = None,
     ) -> None:
         self.router = router
-        # Each model's prompt tokenizer for routing: kv-events (llmgw.server.tokenizing).
-        self.tokenizers = tokenizers
         # What /healthz adds (several instances: this one's role, the leader, the database).
         self.health = health
         self.metrics = metrics
@@ -280,6 +279,8 @@ class Gateway:
         self.usage = usage
         # Each model's last hour for the console's charts (None: not kept).
         self.history = history
+        # Each model's prompt tokenizer, for cache-aware routing (none: no model has one).
+        self.tokenizers = tokenizers if tokenizers is not None else Tokenizers(None)
         self.clock = clock
         router.prefixes.metrics = metrics
         metrics.index_sizes = self._index_sizes
@@ -617,7 +618,7 @@ class Gateway:
                 session=session,
             )
         else:
-            tokenizer = self.tokenizers.for_model(model) if self.tokenizers is not None else None
+            tokenizer = self.tokenizers.for_model(model)
             ids = tokenizer.token_ids(path, payload) if tokenizer is not None else None
             if ids is None:
                 self.metrics.routing.inc((model, policy, "no_tokenizer"))

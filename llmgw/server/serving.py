@@ -11,8 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw.contracts.catalog import (
+    DEFAULT_ROUTING,
+    FileRef,
     adhoc_profile,
     profile_body_limit,
+    profile_file,
     profile_max_concurrency,
     profile_routing,
     profile_tasks,
@@ -36,8 +39,11 @@ class ServedModel:
     paths: frozenset[str]
     max_concurrency: int
     body_limit: int | None
-    # How the gateway picks among its replicas (llmgw.contracts.catalog.ROUTINGS).
-    routing: str = "least-outstanding"
+    # How the gateway picks its replica, and the files it keys a prompt with
+    # (llmgw.server.tokenizing): the profile's routing, tokenizer and chat_template.
+    routing: str = DEFAULT_ROUTING
+    tokenizer: FileRef | None = None
+    chat_template: FileRef | None = None
     # A replica's prefix capacity in chunks of the approximate index (prefix-approx).
     approx_capacity: int = APPROX_CAPACITY
 
@@ -55,6 +61,8 @@ class ServedModel:
             max_concurrency=profile_max_concurrency(profile),
             body_limit=profile_body_limit(profile),
             routing=profile_routing(profile),
+            tokenizer=profile_file(profile, "tokenizer"),
+            chat_template=profile_file(profile, "chat_template"),
             approx_capacity=_approx_capacity(profile),
         )
 
@@ -82,6 +90,8 @@ class ServingCache:
         self.keys: dict[str, ApiKey] = {}
         # Told the ids of the active keys at each refresh (the limits forget the others).
         self.on_keys: Callable[[set[str]], None] = lambda _ids: None
+        # Told the deployed models at each refresh (their tokenizers load in the background).
+        self.on_models: Callable[[list[ServedModel]], None] = lambda _served: None
         self.models: dict[str, ServedModel] = {}
         # Request body limits raised by a deployed profile (model -> bytes), and the
         # largest limit of any model.
@@ -107,6 +117,7 @@ class ServingCache:
         self.models = {m.name: m for m in served}
         self.body_limits = {m.name: m.body_limit for m in served if m.body_limit is not None}
         self.largest_body_limit = max([self.max_request_body, *self.body_limits.values()])
+        self.on_models(served)
 
     def max_concurrency(self, model: str) -> int:
         served = self.models.get(model)
