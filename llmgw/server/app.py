@@ -953,6 +953,7 @@ class ControlPlane:
             advertise=cfg.advertise,
             instance_stale_after=cfg.instance_stale_after,
             metrics=self.metrics,
+            tokenizer_problem=self.tokenizers.problem,
             pending_usage=self._pending_usage,
             history=self.history,
         )

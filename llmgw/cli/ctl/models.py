@@ -44,6 +44,11 @@ def models(ctx: click.Context) -> None:
             "-" if m.get("cache_hit_rate") is None else f"{100 * m['cache_hit_rate']:.0f}%",
             m["unplaceable"]
             or (
+                f"no tokenizer, routed by session: {m['tokenizer_problem']}"
+                if m.get("tokenizer_problem")
+                else ""
+            )
+            or (
                 f"{m['older_profile_replicas']} replica(s) of an older profile being replaced"
                 if m.get("older_profile_replicas")
                 else ""

@@ -127,6 +127,9 @@ class AdminContext:
     history: RequestHistory = field(default_factory=RequestHistory)
     # This instance's gateway metrics (each model's prefix cache hit rate).
     metrics: Metrics = field(default_factory=Metrics)
+    # Why a model routed on its prompt's tokens has no tokenizer loaded (None: it has one,
+    # or needs none).
+    tokenizer_problem: Callable[[str], str | None] = field(default=lambda _model: None)
 
 
 def error_response(status: int, message: str, code: str) -> web.Response:

@@ -76,6 +76,7 @@ def model_json(ctx: AdminContext, model: Model) -> dict[str, Any]:
             deployed_profile(profiles, model.profile, model.engine, model.params)
         ),
         "cache_hit_rate": ctx.metrics.hit_ratio(model.name),
+        "tokenizer_problem": ctx.tokenizer_problem(model.name),
     }
 
 
