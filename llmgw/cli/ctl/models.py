@@ -44,7 +44,7 @@ def models(ctx: click.Context) -> None:
             "-" if m.get("cache_hit_rate") is None else f"{100 * m['cache_hit_rate']:.0f}%",
             m["unplaceable"]
             or (
-                f"no tokenizer, routed by session: {m['tokenizer_problem']}"
+                f"no tokenizer (routed by load and session): {m['tokenizer_problem']}"
                 if m.get("tokenizer_problem")
                 else ""
             )
