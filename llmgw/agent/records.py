@@ -157,9 +157,18 @@ def parse_record(shard_id: str, obj: object) -> ShardRecord:
             worker_addrs=_strings(obj, "worker_addrs"),
             listen_addr=_get(obj, "listen_addr", (str,), ""),
             log_offset=_get(obj, "log_offset", (int,), 0),
+            kv_events=_get(obj, "kv_events", (bool,), False),
+            kv_events_port=_port(obj, "kv_events_port"),
         )
     except ValueError as exc:
         raise ValueError(f"shard {shard_id!r}: {exc}") from None
+
+
+def _port(obj: dict[str, Any], key: str) -> int:
+    port = _get(obj, key, (int,), 0)
+    if not 0 <= port < 65536:
+        raise ValueError(f"{key!r} {port} is not a port (0..65535)")
+    return int(port)
 
 
 def _strings(obj: dict[str, Any], key: str) -> tuple[str, ...]:

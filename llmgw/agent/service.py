@@ -26,6 +26,7 @@ from llmgw.agent.dataplane import DataPlane, server_ssl_context
 from llmgw.agent.gpu_sampler import GpuSampler
 from llmgw.agent.installs import download_ssl_context, install_engine, remove_leftovers
 from llmgw.agent.inventory import InventoryWatcher
+from llmgw.agent.kvevents import KvEventsHub
 from llmgw.agent.models_dir import SourceStore
 from llmgw.agent.oplog import OperationLog
 from llmgw.agent.renewal import Renewer, recover_identity
@@ -157,6 +158,7 @@ class Agent:
         self.notifier = Notifier()
         self.stopping = asyncio.Event()
         self.shards: ShardManager | None = None
+        self.kv_events: KvEventsHub | None = None
         self.inventory: InventoryWatcher | None = None
         self.dataplane: DataPlane | None = None
         self.stream: StreamClient | None = None
@@ -216,9 +218,14 @@ class Agent:
         """The shard supervisor, with the engines a previous agent left running: engines
         outlive the agent, and the next one takes them back."""
         cfg = self.cfg
+        kv_events = KvEventsHub(self._send, runtime=runtime.name)
+        # Closed after the shards (the stack unwinds in reverse): their stop sends cleared.
+        running.push_async_callback(kv_events.aclose)
+        self.kv_events = kv_events
         shards = ShardManager(
             cfg.state_dir,
             runtime,
+            kv_events=kv_events,
             make_launch=self._docker_launch if runtime.name == "docker" else None,
             on_status=self._report_shard,
             multinode_ports=cfg.multinode_ports,
@@ -368,9 +375,10 @@ class Agent:
             self.stream.report_shard(shard)
 
     def _send_inventory(self, inventory: pb.Inventory) -> bool:
-        if self.stream is None:
-            return False
-        return self.stream.send(pb.AgentMessage(inventory=inventory))
+        return self._send(pb.AgentMessage(inventory=inventory))
+
+    def _send(self, msg: pb.AgentMessage) -> bool:
+        return self.stream is not None and self.stream.send(msg)
 
     def _docker_launch(self, spec: ShardSpec, port: int, log_path: Path) -> Launch:
         cfg = self.cfg
@@ -404,6 +412,9 @@ class Agent:
             if self.spooler is not None:
                 self.spooler.connected()
             self.notifier.status(f"connected to {server}, {count} shards")
+            if self.kv_events is not None:
+                # After the Hello (its shard reports): the whole set of every shard's blocks.
+                self.kv_events.resync()
             if not self._ready_sent:
                 self._ready_sent = True
                 self.notifier.ready()

@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from llmgw.agent.kvevents import KvEventsHub, engine_config
 from llmgw.agent.models_dir import Located, SourceStore
 from llmgw.agent.records import ShardRecords
 from llmgw.agent.runtimes import Handle, Launch, Runtime
@@ -136,6 +137,11 @@ class ShardSpec:
     """A worker of such an engine: the host:port its endpoint binds."""
     source_sha256: str = ""
     """With ``source`` a URL: its SHA-256 (the agent fetches it into cache_root first)."""
+    kv_events: bool = False
+    """Forward the engine's KV cache events (a profile with ``routing: kv-events``)."""
+    kv_events_port: int = 0
+    """The loopback port of the agent's socket the engine publishes them to (set on the spec
+    a launch is built from; 0: none)."""
 
     @classmethod
     def from_order(cls, order: pb.StartShard) -> ShardSpec:
@@ -159,6 +165,7 @@ class ShardSpec:
             worker_addrs=tuple(order.worker_addrs),
             listen_addr=order.listen_addr,
             source_sha256=order.source_sha256,
+            kv_events=order.kv_events,
         )
 
     @classmethod
@@ -181,6 +188,7 @@ class ShardSpec:
             profile=record.profile,
             worker_addrs=record.worker_addrs,
             listen_addr=record.listen_addr,
+            kv_events=record.kv_events,
         )
 
     @property
@@ -214,6 +222,8 @@ class Shard:
     stop_grace: float = 10.0
     fetching: asyncio.Future[Path] | None = None
     """The download of its source, while it runs (stopping the shard cancels it)."""
+    kv_events_port: int = 0
+    """Where the agent receives its engine's KV cache events (0: it does not)."""
 
     @property
     def shard_id(self) -> str:
@@ -248,6 +258,8 @@ class Shard:
             worker_addrs=spec.worker_addrs,
             listen_addr=spec.listen_addr,
             log_offset=self.log_offset,
+            kv_events=spec.kv_events,
+            kv_events_port=self.kv_events_port,
         )
 
 
@@ -291,8 +303,11 @@ class ShardManager:
         worker_grace: float = 1.0,
         sources: SourceStore | None = None,
         multinode_ports: PortRange = DEFAULT_MULTINODE_PORTS,
+        kv_events: KvEventsHub | None = None,
     ) -> None:
         self.state_dir = state_dir
+        # The engines' KV cache events, for shards ordered with kv_events (None: ignored).
+        self.kv_events = kv_events
         # agent.yaml's range: where a shard may bind its replica's rendezvous port.
         self.multinode_ports = multinode_ports
         # models_root and cache_root; None (tests): a source is handed to the engine as is.
@@ -328,6 +343,7 @@ class ShardManager:
                     extra_args=spec.extra_args,
                     peers=spec.worker_addrs,
                     listen_addr=spec.listen_addr,
+                    kv_events_config=engine_config(spec.shard_id, spec.kv_events_port),
                 )
             )
         except EngineError as exc:
@@ -382,6 +398,8 @@ class ShardManager:
         self._notify(shard)
 
     def _notify(self, shard: Shard) -> None:
+        if self.kv_events is not None and shard.state in (ShardState.FAILED, ShardState.EXITED):
+            self.kv_events.close(shard.shard_id)
         try:
             self.on_status(shard)
         except Exception:
@@ -427,9 +445,19 @@ class ShardManager:
         launched = spec
         if located is not None:
             launched = dataclasses.replace(spec, source=str(located.path))
-        launch = self.make_launch(launched, port, log_path)
+        # Bound before the engine starts: the engine dials it.
+        events_port = self._subscribe(spec)
+        if events_port:
+            launched = dataclasses.replace(launched, kv_events_port=events_port)
+        try:
+            launch = self.make_launch(launched, port, log_path)
+        except LlmgwError:
+            if events_port and self.kv_events is not None:
+                self.kv_events.close(spec.shard_id)
+            raise
         # A worker serves nothing: it has no port to report.
         shard = Shard(spec=spec, port=0 if spec.worker else port, sidecars=sidecars)
+        shard.kv_events_port = events_port
         shard.log_offset = _log_size(log_path)
         self.shards[spec.shard_id] = shard
         fetch = located.fetch if located is not None else None
@@ -452,6 +480,13 @@ class ShardManager:
             raise
         shard.task = asyncio.create_task(self._watch(shard), name=f"shard-{spec.shard_id}")
         return shard
+
+    def _subscribe(self, spec: ShardSpec, port: int = 0) -> int:
+        """The port of the shard's socket for its engine's KV cache events (on ``port``:
+        an adopted shard's), or 0 when it has none."""
+        if not spec.kv_events or self.kv_events is None:
+            return 0
+        return self.kv_events.open(spec.shard_id, nodes=spec.nodes, rank=spec.rank, port=port)
 
     async def _start_engine(self, shard: Shard, launch: Launch) -> None:
         spec = shard.spec
@@ -608,6 +643,9 @@ class ShardManager:
             shard.pid = handle.pid
             shard.start_time = handle.start_time
             shard.container_id = handle.container_id
+            if record.kv_events_port:
+                # The engine's publisher dials this port again by itself.
+                shard.kv_events_port = self._subscribe(spec, record.kv_events_port)
             log.info(
                 "shard adopted",
                 extra=kv(shard=spec.shard_id, model=spec.model, pid=shard.pid, port=shard.port),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 import llmgw
+from llmgw.engines.kvevents import events_config
 from llmgw.engines.launch import build_command, engine_module, self_argv
 from llmgw.engines.registry import AVAILABLE_ENGINES, get_engine
 from llmgw.engines.spec import EngineSpec
@@ -132,10 +133,12 @@ def command_flags(argv: Sequence[str], prefix: Sequence[str]) -> list[str]:
 
 def widest_specs(engine: str, binary: str = "") -> list[tuple[str, EngineSpec]]:
     """The shards whose commands carry every flag llmgw may emit for ``engine``: rank 0 of a
-    two-node replica with two GPUs a node and every parameter set, its worker, then rank 0
+    two-node replica with two GPUs a node, every parameter set and (for an engine with KV
+    events) publishing them, its worker, then rank 0
     with the flags of each task (``rank 0, task embed``; tasks that share their flags in one
     form, ``task embed/rerank``), which a profile's ``task`` puts before its args."""
     module = engine_module(engine)
+    events = events_config("tcp://127.0.0.1:5557", "engine-check")
     rank0 = EngineSpec(
         engine=engine,
         model="engine-check",
@@ -148,6 +151,7 @@ def widest_specs(engine: str, binary: str = "") -> list[tuple[str, EngineSpec]]:
         dist_init_addr="10.0.0.1:29500",
         params={key: param.sample for key, param in module.PARAMS.items()},
         peers=("10.0.0.2:50052",),
+        kv_events_config=events if get_engine(engine).kv_events else "",
     )
     # The worker as the control plane orders it: its own endpoint, not rank 0's list.
     worker = replace(rank0, rank=1, peers=(), listen_addr=rank0.peers[0])

@@ -13,7 +13,7 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 
-from llmgw.engines.registry import get_engine
+from llmgw.engines.registry import engine_names, get_engine
 from llmgw.engines.spec import EngineCommand, EngineModule, EngineSpec, Param, rendezvous_addr
 from llmgw.errors import EngineError
 
@@ -158,3 +158,9 @@ def _check_shape(spec: EngineSpec) -> None:
                 f"a {spec.nodes}-node replica needs dist_init_addr (rank 0's host:port)"
             )
         rendezvous_addr(spec.dist_init_addr, "dist_init_addr")
+    if spec.kv_events_config and not get_engine(spec.engine).kv_events:
+        with_events = ", ".join(n for n in engine_names() if get_engine(n).kv_events)
+        raise EngineError(
+            f"engine {spec.engine} publishes no KV cache events; run it without "
+            f"kv_events_config, or use an engine that does ({with_events})"
+        )

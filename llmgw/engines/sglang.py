@@ -21,6 +21,7 @@ from llmgw.engines.spec import (
     EngineSpec,
     Param,
     gpu_env,
+    kv_events_flags,
     param_flags,
     weights,
 )
@@ -74,6 +75,14 @@ def build(spec: EngineSpec) -> EngineCommand:
         argv += ["--nnodes", str(spec.nodes), "--node-rank", str(spec.rank)]
         argv += ["--dist-init-addr", spec.dist_init_addr]
     argv += param_flags(spec, PARAMS)
+    if spec.kv_events_config and not spec.worker:
+        # --kv-events-config: "Config in json format for NVIDIA dynamo KV event publishing.
+        # Publishing will be enabled if this flag is used." (sgl-project/sglang,
+        # python/sglang/srt/server_args.py); the same KVEventsConfig JSON and ZeroMQ
+        # publisher as vLLM's. --enable-cache-report: "Return number of cached tokens in
+        # usage.prompt_tokens_details for each openai request." (same file), so that the
+        # gateway sees what the cache-aware routing saved.
+        argv += [*kv_events_flags(spec), "--enable-cache-report"]
     argv += spec.extra_args
     if spec.worker:
         return EngineCommand(argv=argv, env=gpu_env(spec), serves=False, health_path="")

@@ -8,7 +8,14 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from llmgw.engines.launch import self_argv
-from llmgw.engines.spec import LOOPBACK, EngineCommand, EngineSpec, Param, gpu_env
+from llmgw.engines.spec import (
+    LOOPBACK,
+    EngineCommand,
+    EngineSpec,
+    Param,
+    gpu_env,
+    kv_events_flags,
+)
 from llmgw.sim.config import MAX_EMBEDDING_DIM
 
 NAME = "sim"
@@ -46,6 +53,8 @@ def build(spec: EngineSpec) -> EngineCommand:
     if spec.multi_node:
         argv += ["--nodes", str(spec.nodes), "--rank", str(spec.rank)]
         argv += ["--dist-init-addr", spec.dist_init_addr]
+    # --kv-events-config: vLLM's JSON, its events published as vLLM does (llmgw.sim).
+    argv += kv_events_flags(spec)
     argv += spec.extra_args
     env = gpu_env(spec) if spec.gpus else {}
     if spec.worker:

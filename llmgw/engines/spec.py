@@ -28,6 +28,7 @@ __all__ = [
     "EngineSpec",
     "Param",
     "gpu_env",
+    "kv_events_flags",
     "param_flags",
     "rendezvous_addr",
     "weights",
@@ -54,6 +55,9 @@ class EngineSpec:
     engine whose rank 0 dials them (llama.cpp, the registry's ``dials_workers``) bind an
     endpoint instead: rank 0 gets every worker's ``host:port`` in ``peers`` (rank order), a
     worker the one it binds in ``listen_addr`` (when that is empty, ``peers[rank - 1]``).
+    ``kv_events_config``: the ``--kv-events-config`` JSON
+    (:func:`llmgw.engines.kvevents.events_config`) that makes an engine with KV events (the
+    registry's ``kv_events``) publish them; "" publishes none.
     """
 
     engine: str
@@ -69,6 +73,7 @@ class EngineSpec:
     extra_args: tuple[str, ...] = ()
     peers: tuple[str, ...] = ()
     listen_addr: str = ""
+    kv_events_config: str = ""
 
     @property
     def multi_node(self) -> bool:
@@ -152,3 +157,12 @@ def param_flags(spec: EngineSpec, table: Mapping[str, Param]) -> list[str]:
         if key in spec.params and param.flag:
             argv += [param.flag, str(spec.params[key])]
     return argv
+
+
+def kv_events_flags(spec: EngineSpec) -> list[str]:
+    """``--kv-events-config JSON`` when the shard publishes its KV cache events, else none
+    (vLLM, SGLang and the sim spell the flag alike). Workers publish none: rank 0's
+    scheduler owns the prefix cache."""
+    if not spec.kv_events_config or spec.worker:
+        return []
+    return ["--kv-events-config", spec.kv_events_config]

@@ -22,6 +22,7 @@ from llmgw.engines.spec import (
     EngineSpec,
     Param,
     gpu_env,
+    kv_events_flags,
     param_flags,
     rendezvous_addr,
     weights,
@@ -84,6 +85,10 @@ def build(spec: EngineSpec) -> EngineCommand:
             # --headless: run the engine without the API server (workers serve nothing).
             argv.append("--headless")
     argv += param_flags(spec, PARAMS)
+    # --kv-events-config (VllmConfig.kv_events_config, vllm/config/kv_events.py): publish the
+    # prefix cache's BlockStored/BlockRemoved events over ZeroMQ; V1 caches prefixes by
+    # default, so nothing else is needed.
+    argv += kv_events_flags(spec)
     argv += spec.extra_args
     if spec.worker:
         return EngineCommand(argv=argv, env=gpu_env(spec), serves=False, health_path="")

@@ -19,6 +19,11 @@ stream is bounded here before any of it reaches the store:
   recorded as an event and a log line at :data:`REFUSAL_RATE` per certificate name.
 - **Gross abuse.** A node that has more than :data:`ABUSE_DROPS` messages dropped within
   :data:`ABUSE_WINDOW` seconds has its stream closed with ``RESOURCE_EXHAUSTED``.
+- **KV cache events** (:func:`kv_events_problem`): from approved nodes only, at most
+  :data:`MAX_KV_KEYS` keys stored and removed together, a block size in
+  1..:data:`~llmgw.contracts.kvblocks.MAX_BLOCK_SIZE`, a shard id of 1..:data:`MAX_SHARD_ID`
+  characters; their own bucket (:data:`KV_EVENTS_RATE`: every kv-events shard sends a batch
+  each 50 ms, and a new stream the whole set).
 - **Heartbeats** carry each GPU's utilisation; what the session keeps of it (in memory only,
   never stored) is bounded by :func:`heartbeat_utilization`.
 - **Pending nodes** (never approved) may send only what approval needs: heartbeats, the
@@ -35,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmgw.contracts.inventory import MAX_GPU_UUID, MAX_HEARTBEAT_GPUS
+from llmgw.contracts.kvblocks import MAX_BLOCK_SIZE
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 
@@ -42,14 +48,18 @@ __all__ = [
     "ABUSE_DROPS",
     "HELLO_RATE",
     "KIND_LIMITS",
+    "KV_EVENTS_RATE",
     "MAX_HELLO_BYTES",
+    "MAX_KV_KEYS",
     "MAX_MESSAGE_BYTES",
     "MAX_PENDING_INVENTORY_BYTES",
+    "MAX_SHARD_ID",
     "MAX_TEXT",
     "Intake",
     "TokenBucket",
     "heartbeat_utilization",
     "hello_problem",
+    "kv_events_problem",
     "pending_inventory",
     "trim_hello",
 ]
@@ -65,6 +75,11 @@ MAX_PENDING_INVENTORY_BYTES = 16 * 1024
 """What is stored of a pending node's inventory: enough to judge it before approving."""
 MAX_TEXT = 2000
 """Characters of free text (reasons, errors) kept from one message."""
+MAX_KV_KEYS = 65536
+"""Block keys (stored and removed together) one KvEvents may carry; the agent sends at most
+16384 a message."""
+MAX_SHARD_ID = 128
+"""Characters of a shard id (the scheduler's are ``<replica id>-s<rank>``)."""
 
 KIND_LIMITS: dict[str, int] = {
     "hello": MAX_HELLO_BYTES,
@@ -77,6 +92,8 @@ KIND_LIMITS: dict[str, int] = {
     # MAX_GPU_UUID characters) is under 4.5 KiB.
     "heartbeat": 8192,
     "draining": 1024,
+    # MAX_KV_KEYS fixed64 keys (8 bytes each, packed) and the few other fields.
+    "kv_events": MAX_KV_KEYS * 8 + 1024,
 }
 """Serialized bytes one message of each kind may have."""
 
@@ -90,6 +107,9 @@ MESSAGE_RATE = (256.0, 32.0)
 HELLO_RATE = (20.0, 0.5)
 REFUSAL_RATE = (5.0, 1.0 / 30.0)
 INVENTORY_RATE = (4.0, 0.2)
+# A node of 8 kv-events shards sends 160 batches a second at most (one each 50 ms), and on a
+# new stream each shard's whole set (a full cache of 4M blocks in 256 messages).
+KV_EVENTS_RATE = (2048.0, 256.0)
 RENEWAL_BURST = 3.0
 LOG_EVERY = 30.0
 ABUSE_WINDOW = 10.0
@@ -142,6 +162,20 @@ def hello_problem(hello: pb.Hello) -> str | None:
             f"the Hello lists {len(hello.shards)} shards, over the limit of "
             f"{MAX_HELLO_SHARDS}; stop the engines the node should not run and restart the agent"
         )
+    return None
+
+
+def kv_events_problem(events: pb.KvEvents) -> str | None:
+    """Why a node's KvEvents is refused (over its bounds), or None."""
+    if not events.shard_id:
+        return "no shard id"
+    if len(events.shard_id) > MAX_SHARD_ID:
+        return f"shard id over {MAX_SHARD_ID} characters"
+    if not 1 <= events.block_size <= MAX_BLOCK_SIZE:
+        return f"block size {events.block_size} not in 1..{MAX_BLOCK_SIZE}"
+    keys = len(events.stored) + len(events.removed)
+    if keys > MAX_KV_KEYS:
+        return f"{keys} keys, over {MAX_KV_KEYS}"
     return None
 
 
@@ -230,6 +264,7 @@ class Intake:
             ("refusal", REFUSAL_RATE),
             ("message", MESSAGE_RATE),
             ("inventory", INVENTORY_RATE),
+            ("kv_events", KV_EVENTS_RATE),
             ("renewal", (RENEWAL_BURST, 1.0 / max(self.renewal_interval, 0.001))),
         ):
             self._buckets[name] = TokenBucket(burst, rate, clock=self.clock)
@@ -267,8 +302,12 @@ class Intake:
             return self._drop(kind, "not expected here")
         if msg.ByteSize() > limit:
             return self._drop(kind, f"over {limit} bytes")
-        bucket = {"inventory": "inventory", "cert_request": "renewal"}.get(kind, "message")
-        if not self._buckets[bucket].take():
+        if kind == "kv_events":
+            problem = kv_events_problem(msg.kv_events)
+            if problem is not None:
+                return self._drop(kind, problem)
+        bucket = {"inventory": "inventory", "cert_request": "renewal", "kv_events": "kv_events"}
+        if not self._buckets[bucket.get(kind, "message")].take():
             return self._drop(kind, "rate limit")
         _trim_text(msg)
         return True

@@ -705,6 +705,7 @@ class Scheduler:
             profile=model.profile,
             worker_addrs=worker_addrs,
             listen_addr=listen_addr,
+            kv_events=profile.routing_policy == "kv-events",
         )
         store.update_shard(
             shard.id, state=ShardState.STARTING, op_id=op_id, reason="", exit_code=None

@@ -114,6 +114,7 @@ class NodeSession:
         profile: str = "",
         worker_addrs: list[str] | None = None,
         listen_addr: str = "",
+        kv_events: bool = False,
     ) -> str:
         meta = self._meta()
         self.queue.put_nowait(
@@ -137,6 +138,7 @@ class NodeSession:
                     profile=profile,
                     worker_addrs=worker_addrs or [],
                     listen_addr=listen_addr,
+                    kv_events=kv_events,
                 )
             )
         )

@@ -102,6 +102,11 @@ class ShardRecord:
     listen_addr: str = ""
     log_offset: int = 0
     """Where this engine's output starts in the shard's log (it is appended to across runs)."""
+    kv_events: bool = False
+    """The order asked for the engine's KV cache events."""
+    kv_events_port: int = 0
+    """The loopback port the engine publishes them to, which an adopting agent binds again
+    (0: none)."""
 
 
 class Runtime(abc.ABC):

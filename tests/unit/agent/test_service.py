@@ -15,10 +15,12 @@ import pytest
 from llmgw import pki
 from llmgw.agent.config import AgentConfig, parse_agent_config
 from llmgw.agent.dataplane import DataPlane
+from llmgw.agent.kvevents import KvEventsHub
 from llmgw.agent.service import Agent, step
 from llmgw.agent.shards import ShardManager
 from llmgw.agent.stream import StreamClient
 from llmgw.errors import ConfigError, StartupError, StreamError
+from llmgw.proto import control_pb2 as pb
 
 
 @pytest.fixture
@@ -133,6 +135,7 @@ def test_stops_in_the_reverse_order_of_start_up(
     record(ShardManager, "open", "shards open")
     record(ShardManager, "stop_all", "shards stop all")
     record(ShardManager, "close", "shards close")
+    record(KvEventsHub, "aclose", "kv events close")
     record(DataPlane, "start", "data plane start")
     record(DataPlane, "drain", "data plane drain")
     record(DataPlane, "stop", "data plane stop")
@@ -158,7 +161,23 @@ def test_stops_in_the_reverse_order_of_start_up(
         "data plane stop",
         "shards stop all",
         "shards close",
+        # After the shards: stopping them sends each one's cleared through it.
+        "kv events close",
     ]
+
+
+def test_a_new_stream_gets_the_kv_events_snapshot_after_its_hello(tmp_path: Path) -> None:
+    agent = Agent(config(tmp_path))
+    hub = KvEventsHub(lambda msg: True)
+    resyncs: list[str] = []
+    hub.resync = lambda: resyncs.append("resync")  # type: ignore[method-assign]
+    agent.kv_events = hub
+    agent._on_stream_state("disconnected", "cp:7443")
+    assert resyncs == []
+    agent._on_stream_state("connected", "cp:7443")
+    assert resyncs == ["resync"]
+    # With no stream the hub's sends are refused: dropped, the snapshot covers them.
+    assert agent._send(pb.AgentMessage(kv_events=pb.KvEvents(shard_id="s"))) is False
 
 
 def test_a_step_wraps_our_errors_and_os_errors_keeping_exit_code_and_retryability() -> None:

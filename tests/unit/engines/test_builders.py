@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from llmgw.engines import launch
+from llmgw.engines.kvevents import events_config
 from llmgw.engines.launch import build_argv, build_command, check_params, self_argv
 from llmgw.engines.registry import AVAILABLE_ENGINES
 from llmgw.engines.spec import EngineCommand, EngineSpec
@@ -625,3 +626,37 @@ def test_task_args_refuse_what_one_process_cannot_do(
     with pytest.raises(EngineError) as info:
         launch.task_args(engine, tasks)
     assert str(info.value).startswith(message)
+
+
+# --------------------------------------------------------------------------- KV cache events
+
+_EVENTS = events_config("tcp://127.0.0.1:45000", "shard-1")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "sim"])
+def test_an_engine_publishing_kv_events_gets_its_config(engine: str) -> None:
+    argv = build_command(_spec(engine, nodes=1, dist_init_addr="", kv_events_config=_EVENTS)).argv
+    assert argv[argv.index("--kv-events-config") + 1] == _EVENTS
+    assert argv.count("--kv-events-config") == 1
+    assert ("--enable-cache-report" in argv) is (engine == "sglang")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "sim"])
+def test_without_a_kv_events_config_the_flag_is_absent(engine: str) -> None:
+    argv = build_command(_spec(engine, nodes=1, dist_init_addr="")).argv
+    assert "--kv-events-config" not in argv
+    assert "--enable-cache-report" not in argv
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "sim"])
+def test_a_worker_publishes_no_kv_events(engine: str) -> None:
+    # rank 0's scheduler owns the prefix cache; a worker has none of its own to report.
+    argv = build_command(_spec(engine, rank=1, kv_events_config=_EVENTS)).argv
+    assert "--kv-events-config" not in argv
+    rank0 = build_command(_spec(engine, rank=0, kv_events_config=_EVENTS)).argv
+    assert "--kv-events-config" in rank0
+
+
+def test_an_engine_without_kv_events_refuses_a_config() -> None:
+    with pytest.raises(EngineError, match=r"llamacpp publishes no KV cache events.*sim, vllm"):
+        build_command(_spec("llamacpp", kv_events_config=_EVENTS))

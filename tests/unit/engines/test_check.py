@@ -119,6 +119,7 @@ def test_vllm_widest_flags() -> None:
         ("--max-num-seqs", ("rank 0", "worker")),
         ("--dtype", ("rank 0", "worker")),
         ("--quantization", ("rank 0", "worker")),
+        ("--kv-events-config", ("rank 0",)),
         ("--headless", ("worker",)),
         # embed and rerank run the same pooling runner: one form for both.
         ("--runner", ("rank 0, task embed/rerank",)),
@@ -200,7 +201,7 @@ def test_cli_passes_on_a_fixture(tmp_path: Path) -> None:
     assert lines[3].split() == ["FLAG", "USED", "BY", "HELP"]
     assert lines[4].split() == ["--served-model-name", "rank", "0", "ok"]
     assert ["--headless", "worker", "ok"] in [line.split() for line in lines]
-    assert lines[-1] == "ok: all 16 flags are documented"
+    assert lines[-1] == "ok: all 17 flags are documented"
 
 
 def test_cli_fails_listing_missing_flags_and_version(tmp_path: Path) -> None:
@@ -310,6 +311,24 @@ def test_live_check_without_the_engine_says_how_to_give_it(
     result = _invoke("llamacpp")
     assert result.exit_code == 1
     assert "llama-server is not on PATH; pass --binary PROGRAM" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("engine", "flags"),
+    [
+        ("vllm", ["--kv-events-config"]),
+        ("sglang", ["--kv-events-config", "--enable-cache-report"]),
+    ],
+)
+def test_the_kv_events_flags_are_checked_and_documented(engine: str, flags: list[str]) -> None:
+    report = check_help(engine, _text(engine), source="test")
+    checked = {c.flag: c for c in report.flags}
+    for flag in flags:
+        assert checked[flag].used_by == ("rank 0",)  # workers publish nothing
+        assert checked[flag].documented
+    # An engine's help that predates the flag fails the check, naming it.
+    older = "\n".join(line for line in _text(engine).splitlines() if flags[0] not in line)
+    assert flags[0] in check_help(engine, older, source="test").missing
 
 
 def test_the_built_in_sim_documents_every_flag_llmgw_passes_it() -> None:

@@ -13,12 +13,16 @@ from llmgw.server.intake import (
     ABUSE_DROPS,
     HELLO_RATE,
     KIND_LIMITS,
+    KV_EVENTS_RATE,
+    MAX_KV_KEYS,
     MAX_PENDING_INVENTORY_BYTES,
+    MAX_SHARD_ID,
     MAX_TEXT,
     Intake,
     TokenBucket,
     heartbeat_utilization,
     hello_problem,
+    kv_events_problem,
     pending_inventory,
     trim_hello,
 )
@@ -252,3 +256,69 @@ def test_a_heartbeat_of_the_most_gpus_kept_is_admitted_one_over_its_limit_is_not
     )
     assert pb.AgentMessage(heartbeat=full).ByteSize() > KIND_LIMITS["heartbeat"]
     assert not intake.admit(pb.AgentMessage(heartbeat=full), approved=True)
+
+
+def kv_events(**fields: object) -> pb.AgentMessage:
+    values: dict[str, object] = {"shard_id": "r1-s0", "block_size": 16, **fields}
+    return pb.AgentMessage(kv_events=pb.KvEvents(**values))  # type: ignore[arg-type]
+
+
+def test_kv_events_of_an_approved_node_within_their_bounds_are_admitted() -> None:
+    intake = Intake("gpu-1", clock=Clock())
+    half = MAX_KV_KEYS // 2
+    widest = kv_events(
+        shard_id="s" * MAX_SHARD_ID,
+        block_size=1024,
+        cleared=True,
+        stored=[2**64 - 1 - i for i in range(half)],
+        removed=list(range(1, half + 1)),
+        lost=3,
+    )
+    assert widest.ByteSize() <= KIND_LIMITS["kv_events"]
+    assert intake.admit(widest, approved=True)
+    assert intake.admit(kv_events(block_size=1, cleared=True), approved=True)
+    assert intake.dropped == 0
+
+
+def test_a_pending_node_may_not_send_kv_events() -> None:
+    intake = Intake("gpu-1", clock=Clock())
+    assert not intake.admit(kv_events(stored=[1, 2]), approved=False)
+    assert intake.dropped == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"shard_id": ""}, "no shard id"),
+        ({"shard_id": "s" * (MAX_SHARD_ID + 1)}, f"shard id over {MAX_SHARD_ID} characters"),
+        ({"block_size": 0}, "block size 0 not in 1..1024"),
+        ({"block_size": 1025}, "block size 1025 not in 1..1024"),
+        (
+            {"stored": list(range(MAX_KV_KEYS // 2 + 1)), "removed": list(range(MAX_KV_KEYS // 2))},
+            f"{MAX_KV_KEYS + 1} keys, over {MAX_KV_KEYS}",
+        ),
+    ],
+)
+def test_kv_events_out_of_bounds_are_refused(
+    fields: dict[str, object], problem: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    msg = kv_events(**fields)
+    assert kv_events_problem(msg.kv_events) == problem
+    intake = Intake("gpu-1", clock=Clock())
+    with caplog.at_level(logging.WARNING, logger="llmgw.server.intake"):
+        assert not intake.admit(msg, approved=True)
+    assert intake.dropped == 1
+    (line,) = [r for r in caplog.records if r.getMessage() == "dropped messages from a node"]
+    assert f"kv_events ({problem}): 1" in str(line.__dict__["fields"]["dropped"])
+
+
+def test_kv_events_have_a_bucket_of_their_own() -> None:
+    clock = Clock()
+    intake = Intake("gpu-1", clock=clock)
+    burst, rate = KV_EVENTS_RATE
+    assert all(intake.admit(kv_events(stored=[1]), approved=True) for _ in range(int(burst)))
+    assert not intake.admit(kv_events(stored=[1]), approved=True)
+    # The other messages' bucket is untouched by them.
+    assert intake.admit(status(), approved=True)
+    clock.t += 1 / rate
+    assert intake.admit(kv_events(stored=[1]), approved=True)

@@ -605,3 +605,19 @@ def test_refusals_on_a_node_are_placements_own_lines_for_it(cp: SchedulerRig) ->
     assert scheduler.refusals_on("n2") == []
     assert set(scheduler.unplaceable) == {"two"}  # read only: the next pass places it
     assert cp.store.list_replicas("two") == []
+
+
+@pytest.mark.parametrize(("routing", "expected"), [("kv-events", True), (None, False)])
+def test_a_kv_events_profile_orders_its_shards_to_forward_events(
+    cp: SchedulerRig, routing: str | None, expected: bool
+) -> None:
+    """Only a profile that routes on KV events asks the agent to subscribe to them."""
+    _join(cp, "n1", "10.0.0.1")
+    profile: dict[str, object] = {"engine": "sim", "gpus": 1, "source": "/models/m.gguf"}
+    if routing is not None:
+        profile["routing"] = routing
+    cp.store.put_catalog_model("kv", {"default": profile})
+    cp.store.deploy_model("kv", profile="default", replicas=1)
+    cp.scheduler().reconcile()
+    (order,) = _orders(cp).values()
+    assert order.kv_events is expected

@@ -570,3 +570,28 @@ def test_a_shard_reported_again_unchanged_writes_nothing_and_stays_routable(
         wired.sessions.close_all()
 
     asyncio.run(main())
+
+
+def test_kv_events_go_to_the_index_callback_and_its_failure_spares_the_stream(
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    wired = Wired(tmp_path, store)
+    session = wired.connect(wired.cert(tmp_path, "gpu-1"))
+    events = pb.KvEvents(shard_id="r1-s0", block_size=16, stored=[5, 6], removed=[7])
+    # Without an index wired, they are taken and go nowhere.
+    wired.sessions.on_message(session, pb.AgentMessage(kv_events=events))
+    got: list[tuple[str, pb.KvEvents]] = []
+    wired.sessions.on_kv_events = lambda node, msg: got.append((node, msg))
+    wired.sessions.on_message(session, pb.AgentMessage(kv_events=events))
+    assert got == [("gpu-1", events)]
+
+    def broken(node_id: str, msg: pb.KvEvents) -> None:
+        raise RuntimeError("index bug")
+
+    wired.sessions.on_kv_events = broken
+    with caplog.at_level(logging.ERROR, logger="llmgw.server.sessions"):
+        wired.sessions.on_message(session, pb.AgentMessage(kv_events=events))
+    assert "cannot apply KV cache events" in caplog.text
+    # The stream's other reports still go on.
+    wired.sessions.on_message(session, pb.AgentMessage(draining=pb.Draining()))
+    assert session.draining

@@ -1,0 +1,614 @@
+"""The engines' KV cache events at the agent (llmgw.agent.kvevents): vLLM's batches, made
+by hand from its schema, re-keyed into KvEvents; a real ZeroMQ publisher dialling the
+agent's socket; the snapshot of a new stream; a shard's stop; and the shards it is wired
+into (the engine's flag, the record, adoption, docker)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import zlib
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from llmgw.agent import kvevents as kvevents_module
+from llmgw.agent.kvevents import (
+    SNAPSHOT_CHUNK,
+    BlockMap,
+    KvEventsHub,
+    Pending,
+    engine_config,
+)
+from llmgw.agent.records import parse_record, record_json
+from llmgw.agent.runtimes import Handle, Launch, Runtime
+from llmgw.agent.runtimes.base import ShardRecord
+from llmgw.agent.runtimes.containers import launch_for
+from llmgw.agent.shards import ShardManager, ShardSpec, ShardState
+from llmgw.contracts.kvblocks import ROOT, block_keys, chain
+from llmgw.engines.kvevents import BlockStored, EventBatch, decode_batch, encode_batch
+from llmgw.proto import control_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+WAIT_S = 10.0
+TOKENS = list(range(100, 148))  # three blocks of 16
+H = [bytes([i]) * 32 for i in range(1, 8)]  # vLLM's SHA-256 block hashes
+
+
+# --------------------------------------------------------------------------- vLLM's batches
+
+
+def array_batch(*events: list[Any], ts: float = 1.5) -> bytes:
+    """``KVEventBatch`` as vLLM up to 0.11 encodes it (``array_like``, tagged by name)."""
+    return msgpack.packb([ts, list(events), None], use_bin_type=True)
+
+
+def stored_array(
+    hashes: list[Any], parent: Any, tokens: list[int], medium: Any = "GPU"
+) -> list[Any]:
+    return ["BlockStored", hashes, parent, tokens, 16, None, medium, None]
+
+
+def removed_array(hashes: list[Any], medium: Any = "GPU") -> list[Any]:
+    return ["BlockRemoved", hashes, medium]
+
+
+def map_batch(*events: dict[str, Any]) -> bytes:
+    """The newest releases' form: maps, the tag under "type"."""
+    return msgpack.packb(
+        {"ts": 2.0, "events": list(events), "data_parallel_rank": None}, use_bin_type=True
+    )
+
+
+def stored_map(hashes: list[Any], parent: Any, tokens: list[int], **more: Any) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": None,
+        "group_idx": 0,
+        **more,
+    }
+
+
+def translate(*payloads: bytes, blocks: BlockMap | None = None) -> list[pb.KvEvents]:
+    """The payloads through one shard's map, coalesced into the messages sent for them."""
+    blocks = blocks if blocks is not None else BlockMap()
+    pending = Pending()
+    for payload in payloads:
+        for event in decode_batch(payload).events:
+            blocks.apply(event, pending)
+    return pending.take("r1-s0", 16)
+
+
+@pytest.mark.parametrize("form", ["array", "map"])
+@pytest.mark.parametrize("hashes", [H[:3], [11, -12, 2**63]], ids=["bytes", "int"])
+def test_stored_blocks_are_keyed_as_the_gateway_keys_a_prompt(form: str, hashes: list[Any]) -> None:
+    # One event for the first two blocks, one for the third (its parent: the second).
+    if form == "array":
+        payload = array_batch(
+            stored_array(hashes[:2], None, TOKENS[:32]),
+            stored_array(hashes[2:], hashes[1], TOKENS[32:]),
+        )
+    else:
+        payload = map_batch(
+            stored_map(hashes[:2], None, TOKENS[:32]),
+            stored_map(hashes[2:], hashes[1], TOKENS[32:]),
+        )
+    (msg,) = translate(payload)
+    assert list(msg.stored) == block_keys(TOKENS, 16)
+    assert (msg.shard_id, msg.block_size, msg.cleared, list(msg.removed), msg.lost) == (
+        "r1-s0",
+        16,
+        False,
+        [],
+        0,
+    )
+
+
+def test_removed_blocks_are_translated_by_the_shards_map() -> None:
+    blocks = BlockMap()
+    translate(array_batch(stored_array(H[:3], None, TOKENS)), blocks=blocks)
+    (msg,) = translate(array_batch(removed_array([H[2], H[0]])), blocks=blocks)
+    keys = block_keys(TOKENS, 16)
+    assert list(msg.removed) == [keys[2], keys[0]]
+    assert list(msg.stored) == [] and len(blocks) == 1
+    # A hash the map never held (its store was lost, or another medium's) is no change.
+    assert translate(array_batch(removed_array([H[6]])), blocks=blocks) == []
+
+
+def test_a_block_whose_parent_is_unknown_is_lost_with_its_children() -> None:
+    blocks = BlockMap()
+    (msg,) = translate(array_batch(stored_array(H[1:3], H[0], TOKENS[16:])), blocks=blocks)
+    assert (list(msg.stored), msg.lost) == ([], 2)
+    assert len(blocks) == 0
+
+
+def test_all_blocks_cleared_empties_the_map_and_sends_cleared() -> None:
+    blocks = BlockMap()
+    translate(array_batch(stored_array(H[:2], None, TOKENS[:32])), blocks=blocks)
+    (msg,) = translate(
+        array_batch(["AllBlocksCleared"], stored_array(H[3:4], None, TOKENS[:16])), blocks=blocks
+    )
+    assert msg.cleared
+    assert list(msg.stored) == [chain(ROOT, TOKENS[:16])]  # what came after the clear
+    assert blocks.held() == [chain(ROOT, TOKENS[:16])]
+
+
+def test_a_store_and_remove_in_one_batch_cancel_out() -> None:
+    payload = array_batch(
+        stored_array(H[:2], None, TOKENS[:32]), removed_array([H[1]]), removed_array([H[0]])
+    )
+    assert translate(payload) == []
+    # Removed then stored again before a flush: the index keeps it, nothing is sent.
+    blocks = BlockMap()
+    translate(array_batch(stored_array(H[:1], None, TOKENS[:16])), blocks=blocks)
+    again = array_batch(removed_array([H[0]]), stored_array(H[1:2], None, TOKENS[:16]))
+    assert translate(again, blocks=blocks) == []
+
+
+def test_two_engine_blocks_of_one_key_are_removed_with_the_last() -> None:
+    blocks = BlockMap()
+    (first,) = translate(
+        array_batch(
+            stored_array(H[:1], None, TOKENS[:16]), stored_array(H[1:2], None, TOKENS[:16])
+        ),
+        blocks=blocks,
+    )
+    assert list(first.stored) == [chain(ROOT, TOKENS[:16])]
+    assert translate(array_batch(removed_array([H[0]])), blocks=blocks) == []
+    (last,) = translate(array_batch(removed_array([H[1]])), blocks=blocks)
+    assert list(last.removed) == [chain(ROOT, TOKENS[:16])]
+
+
+def test_other_media_and_lora_blocks_are_ignored() -> None:
+    blocks = BlockMap()
+    payload = array_batch(
+        stored_array(H[:1], None, TOKENS[:16], medium="CPU"),
+        ["BlockStored", H[1:2], None, TOKENS[:16], 16, 3, "GPU"],  # a LoRA adapter's
+    )
+    assert translate(payload, blocks=blocks) == []
+    assert blocks.ignored == 2 and len(blocks) == 0
+    # vLLM before media existed says nothing (nil): the GPU's.
+    (msg,) = translate(array_batch(stored_array(H[:1], None, TOKENS[:16], medium=None)))
+    assert len(msg.stored) == 1
+
+
+def test_a_full_map_forgets_its_oldest_blocks_and_counts_them() -> None:
+    blocks = BlockMap(limit=2)
+    (msg,) = translate(array_batch(stored_array(H[:3], None, TOKENS)), blocks=blocks)
+    keys = block_keys(TOKENS, 16)
+    # The first block is forgotten at once: stored and removed in one flush, no change.
+    assert (list(msg.stored), list(msg.removed), msg.lost) == (keys[1:], [], 1)
+    assert (len(blocks), blocks.forgotten) == (2, 1)
+
+
+def test_a_large_change_is_sent_in_chunks_of_keys() -> None:
+    pending = Pending()
+    for key in range(1, SNAPSHOT_CHUNK + 11):
+        pending.store(key)
+    pending.lost = 4
+    first, second = pending.take("s", 16)
+    assert (len(first.stored), first.lost, len(second.stored), second.lost) == (
+        SNAPSHOT_CHUNK,
+        4,
+        10,
+        0,
+    )
+    assert not pending and pending.take("s", 16) == []
+
+
+def test_packed_keys_are_a_twelfth_of_the_engines_and_zlib_adds_nothing() -> None:
+    rng = random.Random(7)
+    count = 16384
+    packed = pb.KvEvents(
+        shard_id="r1-s0", block_size=16, stored=[rng.getrandbits(64) for _ in range(count)]
+    ).SerializeToString()
+    for level in (1, 6, 9):
+        # Random 64-bit keys do not compress: zlib makes them larger (0.04 %), not smaller.
+        assert len(zlib.compress(packed, level)) >= len(packed)
+    engine = encode_batch(
+        EventBatch(
+            0.0,
+            (
+                BlockStored(
+                    tuple(rng.randbytes(32) for _ in range(count)),
+                    None,
+                    tuple(rng.randrange(150_000) for _ in range(16 * count)),
+                    16,
+                    None,
+                    "GPU",
+                ),
+            ),
+        )
+    )
+    assert len(packed) / count < 8.1
+    assert len(engine) / len(packed) > 10  # about 100 bytes a block against 8
+    assert len(zlib.compress(engine, 6)) / len(packed) > 8
+
+
+# --------------------------------------------------------------------------- a real publisher
+
+
+class Sender:
+    """The stream client's send: what went out, and whether a stream is up."""
+
+    def __init__(self) -> None:
+        self.sent: list[pb.KvEvents] = []
+        self.up = True
+        self._changed = asyncio.Event()
+
+    def __call__(self, msg: pb.AgentMessage) -> bool:
+        assert msg.WhichOneof("msg") == "kv_events"
+        if not self.up:
+            return False
+        self.sent.append(msg.kv_events)
+        self._changed.set()
+        return True
+
+    async def wait(self, count: int) -> list[pb.KvEvents]:
+        async def until() -> None:
+            while len(self.sent) < count:
+                self._changed.clear()
+                await self._changed.wait()
+
+        await asyncio.wait_for(until(), WAIT_S)
+        return self.sent
+
+
+class Publisher:
+    """An engine's publisher dialling the agent, as vLLM's does (an XPUB, so that the test
+    knows when the agent's subscription has arrived: ZeroMQ drops what is published before)."""
+
+    def __init__(self, context: zmq.asyncio.Context, port: int, topic: str = "r1-s0") -> None:
+        self.socket = context.socket(zmq.XPUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(f"tcp://127.0.0.1:{port}")
+        self.topic = topic.encode()
+
+    async def subscribed(self) -> None:
+        assert await asyncio.wait_for(self.socket.recv(), WAIT_S) == b"\x01"
+
+    async def publish(self, seq: int, payload: bytes, topic: bytes | None = None) -> None:
+        await self.socket.send_multipart([topic or self.topic, seq.to_bytes(8, "big"), payload])
+
+
+def with_hub(
+    body: Callable[[KvEventsHub, Sender, zmq.asyncio.Context], Awaitable[None]], **hub: Any
+) -> None:
+    async def main() -> None:
+        sender = Sender()
+        events = KvEventsHub(sender, **hub)
+        context = zmq.asyncio.Context()
+        try:
+            await body(events, sender, context)
+        finally:
+            await events.aclose()
+            context.destroy(linger=0)
+
+    asyncio.run(main())
+
+
+def test_frames_from_a_real_publisher_come_out_as_kv_events() -> None:
+    async def body(hub: KvEventsHub, sender: Sender, context: zmq.asyncio.Context) -> None:
+        port = hub.open("r1-s0")
+        assert port > 0
+        assert json.loads(engine_config("r1-s0", port)) == {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{port}",
+            "topic": "r1-s0",
+        }
+        pub = Publisher(context, port)
+        await pub.subscribed()
+        await pub.publish(0, array_batch(stored_array(H[:2], None, TOKENS[:32])))
+        await pub.publish(1, map_batch(stored_map(H[2:3], H[1], TOKENS[32:])))
+        await pub.publish(2, array_batch(removed_array([H[0]])))
+        (msg,) = await sender.wait(1)  # one flush for the three batches
+        keys = block_keys(TOKENS, 16)
+        assert (list(msg.stored), list(msg.removed), msg.lost) == (keys[1:], [], 0)
+        await asyncio.sleep(0.15)
+        assert len(sender.sent) == 1
+
+    with_hub(body)
+
+
+def test_a_gap_in_the_sequence_is_counted_lost_and_the_feed_goes_on() -> None:
+    async def body(hub: KvEventsHub, sender: Sender, context: zmq.asyncio.Context) -> None:
+        pub = Publisher(context, hub.open("r1-s0"))
+        await pub.subscribed()
+        await pub.publish(0, array_batch(stored_array(H[:1], None, TOKENS[:16])))
+        await pub.publish(4, array_batch(stored_array(H[1:2], H[0], TOKENS[16:32])))
+        (msg,) = await sender.wait(1)
+        assert msg.lost == 3  # batches 1, 2 and 3 never came
+        assert list(msg.stored) == block_keys(TOKENS[:32], 16)
+
+    with_hub(body)
+
+
+def test_a_bad_payload_is_logged_and_counted_and_the_next_good_one_applied(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def body(hub: KvEventsHub, sender: Sender, context: zmq.asyncio.Context) -> None:
+        pub = Publisher(context, hub.open("r1-s0"))
+        await pub.subscribed()
+        await pub.publish(0, b"\xc1 not msgpack")
+        await pub.publish(1, array_batch(["NewEventType", 1]))
+        # Another publisher's topic, and a message that is not (topic, seq, payload): bad,
+        # and no number of this shard's sequence.
+        await pub.publish(2, array_batch(stored_array(H[:1], None, TOKENS[:16])), topic=b"other")
+        await pub.socket.send_multipart([b"r1-s0", b"short"])
+        await pub.publish(2, array_batch(stored_array(H[:1], None, TOKENS[:16])))
+        (msg,) = await sender.wait(1)
+        assert msg.lost == 4
+        assert list(msg.stored) == [chain(ROOT, TOKENS[:16])]
+
+    with caplog.at_level(logging.WARNING, logger="llmgw.agent.kvevents"):
+        with_hub(body)
+    bad = [r for r in caplog.records if "bad KV cache event" in r.getMessage()]
+    assert len(bad) == 1  # once a minute per shard, however many
+    assert "not msgpack" in str(bad[0].__dict__["fields"]["problem"])
+
+
+def test_a_new_stream_gets_every_shards_whole_set() -> None:
+    async def body(hub: KvEventsHub, sender: Sender, context: zmq.asyncio.Context) -> None:
+        pub = Publisher(context, hub.open("r1-s0"))
+        await pub.subscribed()
+        sender.up = False  # no stream: the changes are dropped
+        tokens = list(range(SNAPSHOT_CHUNK + 5))
+        hashes = list(range(1, len(tokens) + 1))
+        stored = ["BlockStored", hashes, None, tokens, 1, None, "GPU"]
+        await pub.publish(0, array_batch(stored))
+        await pub.publish(3, array_batch(removed_array([hashes[-1]])))
+        await asyncio.sleep(0.2)
+        assert sender.sent == []
+        sender.up = True
+        hub.resync()  # the Welcome of a new stream
+        head, first, second = sender.sent
+        assert (head.cleared, head.lost, list(head.stored), head.block_size) == (True, 2, [], 1)
+        assert not first.cleared and len(first.stored) == SNAPSHOT_CHUNK
+        assert set(first.stored) | set(second.stored) == set(block_keys(tokens[:-1], 1))
+        await asyncio.sleep(0.1)
+        assert len(sender.sent) == 3  # nothing pending was sent again after it
+
+    with_hub(body)
+
+
+def test_a_stopped_shard_sends_cleared_once_and_closes_its_socket() -> None:
+    async def body(hub: KvEventsHub, sender: Sender, context: zmq.asyncio.Context) -> None:
+        port = hub.open("r1-s0")
+        pub = Publisher(context, port)
+        await pub.subscribed()
+        await pub.publish(0, array_batch(stored_array(H[:1], None, TOKENS[:16])))
+        await sender.wait(1)
+        feed = hub.feeds["r1-s0"]
+        hub.close("r1-s0")
+        hub.close("r1-s0")  # once only
+        assert [(m.shard_id, m.cleared, list(m.stored)) for m in sender.sent[1:]] == [
+            ("r1-s0", True, [])
+        ]
+        assert feed.socket.closed and "r1-s0" not in hub.feeds
+        await asyncio.sleep(0.1)
+        assert sender.sent[1:] == [sender.sent[1]]  # nothing more from it
+        # The port is free again (ZeroMQ closes it in its own thread, soon after).
+        assert await rebind(hub, "r1-s0", port) == port
+
+    with_hub(body)
+
+
+async def rebind(hub: KvEventsHub, shard_id: str, port: int) -> int:
+    for _ in range(100):
+        bound = hub.open(shard_id, port=port)
+        if bound:
+            return bound
+        await asyncio.sleep(0.02)
+    return 0
+
+
+def test_an_adopted_shard_binds_its_port_again_and_takes_the_sequence_as_it_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def body(hub: KvEventsHub, sender: Sender, context: zmq.asyncio.Context) -> None:
+        port = hub.open("r1-s0")
+        hub.close("r1-s0")
+        sender.sent.clear()
+        assert await rebind(hub, "r1-s0", port) == port
+        pub = Publisher(context, port)
+        await pub.subscribed()
+        await pub.publish(812, array_batch(stored_array(H[:1], None, TOKENS[:16])))
+        (msg,) = await sender.wait(1)
+        assert msg.lost == 0  # where the engine is now is no gap
+        # A port something else holds now: the shard runs without events.
+        taken = context.socket(zmq.SUB)
+        other = taken.bind_to_random_port("tcp://127.0.0.1")
+        with caplog.at_level(logging.WARNING, logger="llmgw.agent.kvevents"):
+            assert hub.open("r2-s0", port=other) == 0
+        assert "r2-s0" not in hub.feeds
+        assert "cannot bind" in caplog.text
+        taken.close(linger=0)
+
+    with_hub(body)
+
+
+def test_docker_bridge_shards_run_without_events_and_say_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def body(hub: KvEventsHub, sender: Sender, context: zmq.asyncio.Context) -> None:
+        with caplog.at_level(logging.WARNING, logger="llmgw.agent.kvevents"):
+            assert hub.open("r1-s0") == 0
+            assert hub.open("r1-s0") == 0
+        assert len([r for r in caplog.records if "bridge network" in r.getMessage()]) == 1
+        # A multi-node replica's containers share the host's network: rank 0 gets events,
+        # a worker publishes none.
+        assert hub.open("r2-s0", nodes=2, rank=0) > 0
+        assert hub.open("r2-s1", nodes=2, rank=1) == 0
+        assert sorted(hub.feeds) == ["r2-s0"]
+
+    with_hub(body, runtime="docker")
+
+
+# --------------------------------------------------------------------------- the shards
+
+
+class IdleRuntime(Runtime):
+    """An engine that runs until stopped and serves nothing (the shard stays starting);
+    what it was launched with is kept."""
+
+    name = "process"
+
+    def __init__(self) -> None:
+        self.launches: list[Launch] = []
+        self._ended: dict[str, asyncio.Event] = {}
+
+    async def start(self, launch: Launch) -> Handle:
+        self.launches.append(launch)
+        self._ended[launch.shard_id] = asyncio.Event()
+        return Handle(launch.shard_id, os.getpid(), launch.port)
+
+    async def wait(self, handle: Handle) -> int | None:
+        await self._ended.setdefault(handle.shard_id, asyncio.Event()).wait()
+        return 0
+
+    async def stop(self, handle: Handle, grace: float) -> None:
+        self._ended.setdefault(handle.shard_id, asyncio.Event()).set()
+
+    def alive(self, handle: Handle) -> bool:
+        return not self._ended.setdefault(handle.shard_id, asyncio.Event()).is_set()
+
+    async def adopt(self, record: ShardRecord) -> Handle | None:
+        return Handle(record.shard_id, record.pid, record.port)
+
+
+def _order(**changes: Any) -> ShardSpec:
+    values: dict[str, Any] = {
+        "shard_id": "r1-s0",
+        "replica_id": "r1",
+        "model": "m",
+        "engine": "sim",
+        "kv_events": True,
+        **changes,
+    }
+    return ShardSpec(**values)
+
+
+def test_a_kv_events_order_reaches_the_spec() -> None:
+    order = pb.StartShard(shard_id="r1-s0", replica_id="r1", model="m", engine="sim")
+    assert not ShardSpec.from_order(order).kv_events
+    order.kv_events = True
+    assert ShardSpec.from_order(order).kv_events
+
+
+def test_a_kv_events_shard_tells_its_engine_where_to_publish_and_records_the_port(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        sender = Sender()
+        hub = KvEventsHub(sender)
+        runtime = IdleRuntime()
+        manager = ShardManager(tmp_path, runtime, lambda shard: None, kv_events=hub)
+        await manager.open()
+        try:
+            shard = await manager.start(_order())
+            plain = await manager.start(_order(shard_id="r2-s0", kv_events=False))
+            port = shard.kv_events_port
+            assert port > 0 and plain.kv_events_port == 0
+            argv = list(runtime.launches[0].argv)
+            assert argv[argv.index("--kv-events-config") + 1] == engine_config("r1-s0", port)
+            assert "--kv-events-config" not in runtime.launches[1].argv
+            saved = json.loads((tmp_path / "shards.json").read_text())
+            assert (saved["r1-s0"]["kv_events"], saved["r1-s0"]["kv_events_port"]) == (True, port)
+            assert sorted(hub.feeds) == ["r1-s0"]
+            await manager.stop("r1-s0")
+            assert "r1-s0" not in hub.feeds
+            assert [(m.shard_id, m.cleared) for m in sender.sent] == [("r1-s0", True)]
+        finally:
+            await manager.stop_all()
+            await manager.close()
+            await hub.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_adopting_agent_subscribes_on_the_recorded_port(tmp_path: Path) -> None:
+    async def main() -> None:
+        first = KvEventsHub(Sender())
+        manager = ShardManager(tmp_path, IdleRuntime(), lambda shard: None, kv_events=first)
+        await manager.open()
+        port = (await manager.start(_order())).kv_events_port
+        await manager.close()  # the agent goes; the engine runs on
+        await first.aclose()
+        hub = KvEventsHub(Sender())
+        again = ShardManager(tmp_path, IdleRuntime(), lambda shard: None, kv_events=hub)
+        await again.open()
+        try:
+            (adopted,), dead = await again.adopt_all()
+            assert dead == [] and adopted.state == ShardState.STARTING
+            assert adopted.kv_events_port == port and hub.feeds["r1-s0"].port == port
+            assert adopted.spec.kv_events
+        finally:
+            await again.stop_all()
+            await again.close()
+            await hub.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_failing_launch_closes_the_shards_socket(tmp_path: Path) -> None:
+    async def main() -> None:
+        hub = KvEventsHub(Sender())
+        manager = ShardManager(tmp_path, IdleRuntime(), lambda shard: None, kv_events=hub)
+        with pytest.raises(Exception, match="publishes no KV cache events"):
+            await manager.start(_order(engine="llamacpp", source="/m.gguf"))
+        assert hub.feeds == {}
+        await hub.aclose()
+
+    asyncio.run(main())
+
+
+def test_the_record_keeps_the_kv_events_port_and_refuses_a_bad_one() -> None:
+    record = ShardRecord("r1-s0", "r1", "m", "sim", kv_events=True, kv_events_port=40123)
+    data = record_json(record)
+    assert parse_record("r1-s0", data) == record
+    older = {k: v for k, v in data.items() if not k.startswith("kv_events")}
+    assert parse_record("r1-s0", older).kv_events_port == 0  # an older agent's record
+    with pytest.raises(ValueError, match="'kv_events_port' 70000 is not a port"):
+        parse_record("r1-s0", {**data, "kv_events_port": 70000})
+
+
+def test_containers_carry_the_config_only_in_the_hosts_network() -> None:
+    def launch(spec: ShardSpec) -> Launch:
+        return launch_for(
+            spec,
+            port=41000,
+            log_path=Path("/tmp/x.log"),
+            node_id="n1",
+            cluster_id="c",
+            images={"sim": "llmgw-sim:0.1"},
+        )
+
+    multi = _order(nodes=2, dist_init_addr="10.0.0.1:29500", kv_events_port=40123)
+    host = launch(multi)
+    assert host.host_network
+    assert engine_config("r1-s0", 40123) in host.argv
+    # On the bridge network the hub binds nothing, so the spec never has a port; no flag.
+    single = launch(_order())
+    assert "--kv-events-config" not in single.argv
+
+
+def test_the_module_docstring_states_the_measured_figure() -> None:
+    doc = kvevents_module.__doc__ or ""
+    assert "0.04 %" in doc and "bridge network" in doc
