@@ -57,6 +57,7 @@ import zmq.asyncio
 
 from llmgw.contracts.kvblocks import BLOCK_SIZE, MAX_BLOCK_SIZE, ROOT, chain
 from llmgw.engines.kvevents import (
+    MAX_PAYLOAD,
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
@@ -97,7 +98,7 @@ MAX_BLOCKS = 4 * 1024 * 1024
 an 8B model: about 40,000)."""
 BAD_LOG_EVERY = 60.0
 """Seconds between two log lines about one shard's bad messages."""
-_RCVHWM = 100_000  # batches queued in the socket (vLLM's own publisher queue holds as many)
+_RCVHWM = 10_000  # batches queued in the socket (an engine step's events are one batch)
 _APPLIED_MEDIA = (None, "GPU")
 
 
@@ -456,6 +457,9 @@ class KvEventsHub:
         sock = self._context.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")  # the topic is checked per message
         sock.setsockopt(zmq.RCVHWM, _RCVHWM)
+        # A peer sending a message over the largest batch read is disconnected by ZeroMQ
+        # before the agent holds it (any local process may connect to a loopback port).
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             if port:

@@ -813,6 +813,8 @@ class ControlPlane:
             loss_timeout=cfg.loss_timeout,
             on_routes_changed=self._count_ready,
         )
+        # The engines' KV cache events, forwarded by the agents: the gateway's prefix index.
+        self.sessions.on_kv_events = router.prefixes.apply
         self.updates = Updates(
             store,
             accounts=self.operators,
