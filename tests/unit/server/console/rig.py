@@ -23,6 +23,7 @@ from llmgw.proto import control_pb2 as pb
 from llmgw.server.admin.context import AdminContext
 from llmgw.server.console import Console, add_console_routes
 from llmgw.server.history import RequestHistory
+from llmgw.server.metrics import Metrics
 from llmgw.server.httpapi import error_middleware
 from llmgw.server.logins import LoginPolicy, Logins
 from llmgw.server.nodes import Membership
@@ -91,6 +92,8 @@ class ConsoleRig:
                 http_scheme=scheme,
                 logins=self.logins,
                 admin_token=ADMIN_TOKEN,
+                metrics=Metrics(),
+                tokenizer_problem=lambda _model: None,
             ),
         )
 
