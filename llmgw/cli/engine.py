@@ -109,6 +109,35 @@ def engine() -> None:
     type=Duration(),
     help="The silence after which a rank counts as dead; 5s, 1m.",
 )
+@click.option(
+    "--block-size",
+    default=SimConfig.block_size,
+    show_default=True,
+    type=int,
+    help="Tokens per KV cache block of the prefix cache (1..1024).",
+)
+@click.option(
+    "--kv-blocks",
+    default=SimConfig.kv_blocks,
+    show_default=True,
+    type=int,
+    help="Blocks the prefix cache holds; the least recently used go first.",
+)
+@click.option(
+    "--prefill-us-per-token",
+    default=SimConfig.prefill_us_per_token,
+    show_default=True,
+    type=float,
+    help="Prefill cost of each uncached prompt token, microseconds, on one lane served in "
+    "arrival order; 0 = free.",
+)
+@click.option(
+    "--kv-events-config",
+    default=SimConfig.kv_events_config,
+    metavar="JSON",
+    help='Publish KV cache events as vLLM does: {"enable_kv_cache_events": true, '
+    '"publisher": "zmq", "endpoint": "tcp://HOST:PORT", "topic": "..."}.',
+)
 def sim(
     host: str,
     port: int,
@@ -124,6 +153,10 @@ def sim(
     join_timeout: float,
     heartbeat_interval: float,
     heartbeat_timeout: float,
+    block_size: int,
+    kv_blocks: int,
+    prefill_us_per_token: float,
+    kv_events_config: str,
 ) -> None:
     """A simulated OpenAI-compatible engine with deterministic output: chat, completions
     and responses, embeddings, rerank and score, tokenize and detokenize.
@@ -131,6 +164,10 @@ def sim(
     With --nodes N (N > 1) it is one shard of a multi-node replica: rank 0 binds
     --dist-init-addr and opens --port only once ranks 1..N-1 have joined; it exits with an
     error naming the rank when a worker goes away. Workers join and serve nothing.
+
+    The prefix cache keeps --kv-blocks blocks of --block-size tokens; answers report its hits
+    as usage.prompt_tokens_details.cached_tokens, and --kv-events-config publishes its
+    changes to a ZeroMQ endpoint in vLLM's KV event format.
     """
     cfg = SimConfig(
         host=host,
@@ -147,5 +184,9 @@ def sim(
         join_timeout_s=join_timeout,
         heartbeat_s=heartbeat_interval,
         peer_timeout_s=heartbeat_timeout,
+        block_size=block_size,
+        kv_blocks=kv_blocks,
+        prefill_us_per_token=prefill_us_per_token,
+        kv_events_config=kv_events_config,
     )
     run(cfg)

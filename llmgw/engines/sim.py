@@ -16,7 +16,7 @@ from llmgw.engines.spec import (
     gpu_env,
     kv_events_flags,
 )
-from llmgw.sim.config import MAX_EMBEDDING_DIM
+from llmgw.sim.config import MAX_BLOCK_SIZE, MAX_EMBEDDING_DIM
 
 NAME = "sim"
 PROGRAM = ""  # this llmgw (launch.self_argv)
@@ -32,6 +32,11 @@ PARAMS: Mapping[str, Param] = MappingProxyType(
         "embedding_dim": Param(
             "--embedding-dim", int, minimum=1, maximum=MAX_EMBEDDING_DIM, sample="384"
         ),
+        # The prefix cache and the prefill cost (llmgw.sim.kvcache); --kv-events-config is
+        # the agent's to add, as for vLLM, not a profile's.
+        "block_size": Param("--block-size", int, minimum=1, maximum=MAX_BLOCK_SIZE, sample="16"),
+        "kv_blocks": Param("--kv-blocks", int, minimum=1, sample="8192"),
+        "prefill_us_per_token": Param("--prefill-us-per-token", float, minimum=0, sample="50"),
     }
 )
 

@@ -1,17 +1,57 @@
-"""The settings of one ``sim`` engine (:class:`SimConfig`), checked when it is made."""
+"""The settings of one ``sim`` engine (:class:`SimConfig`), checked when it is made, and the
+``--kv-events-config`` JSON it takes as vLLM does (:class:`KvEventsSettings`)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from llmgw.errors import ConfigError, EngineError
 from llmgw.netaddr import parse_hostport
 
-__all__ = ["MAX_EMBEDDING_DIM", "SimConfig", "is_int"]
+__all__ = [
+    "DEFAULT_HWM",
+    "MAX_BLOCK_SIZE",
+    "MAX_EMBEDDING_DIM",
+    "KvEventsSettings",
+    "SimConfig",
+    "is_int",
+    "kv_events_settings",
+]
 
 MAX_EMBEDDING_DIM = 16384
 """The longest embedding a sim engine makes (the largest real models' are 4096-8192)."""
+MAX_BLOCK_SIZE = 1024
+"""The largest KV cache block a sim engine takes (llmgw keys blocks of up to as many)."""
+DEFAULT_HWM = 100_000
+"""The publisher's high-water mark when the config gives none (vLLM's ``hwm`` default)."""
+
+_EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+# The keys of vLLM's KVEventsConfig (vllm/config/kv_events.py) the sim reads or may be given.
+_EVENT_KEYS = frozenset(
+    {
+        "enable_kv_cache_events",
+        "publisher",
+        "endpoint",
+        "topic",
+        "hwm",
+        "replay_endpoint",
+        "buffer_steps",
+        "max_queue_size",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsSettings:
+    """Where a sim engine publishes its KV cache events: a ZeroMQ ``endpoint``, the
+    ``topic`` of every message and the PUB socket's high-water mark ``hwm``."""
+
+    endpoint: str
+    topic: str = ""
+    hwm: int = DEFAULT_HWM
 
 
 @dataclass(frozen=True)
@@ -24,6 +64,11 @@ class SimConfig:
     ``peer_timeout_s`` is gone. ``dist_init_addr`` is ignored when ``nodes`` is 1.
     ``embedding_dim``: the length of the vectors ``/v1/embeddings`` answers (a request's
     ``dimensions`` may ask for fewer).
+
+    The prefix cache (:mod:`llmgw.sim.kvcache`): ``kv_blocks`` blocks of ``block_size``
+    tokens; each uncached prompt token costs ``prefill_us_per_token`` microseconds of the
+    engine's one prefill lane. ``kv_events_config``: vLLM's ``--kv-events-config`` JSON
+    (:func:`kv_events_settings`), "" for no KV cache events.
     """
 
     host: str = "127.0.0.1"
@@ -40,6 +85,10 @@ class SimConfig:
     join_timeout_s: float = 300.0
     heartbeat_s: float = 1.0
     peer_timeout_s: float = 5.0
+    block_size: int = 16
+    kv_blocks: int = 8192
+    prefill_us_per_token: float = 0.0
+    kv_events_config: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -93,6 +142,28 @@ class SimConfig:
                 f"sim: peer_timeout_s ({self.peer_timeout_s:g}) must exceed heartbeat_s "
                 f"({self.heartbeat_s:g}), or every peer would look silent"
             )
+        if not is_int(self.block_size) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise EngineError(
+                f"sim: block_size must be an integer in 1..{MAX_BLOCK_SIZE}, got "
+                f"{self.block_size!r}; vLLM's default is 16"
+            )
+        if not is_int(self.kv_blocks) or self.kv_blocks < 1:
+            raise EngineError(
+                f"sim: kv_blocks must be a positive integer (the prefix cache's size in "
+                f"blocks), got {self.kv_blocks!r}"
+            )
+        value = self.prefill_us_per_token
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            raise EngineError(
+                f"sim: prefill_us_per_token must be a finite number >= 0, got {value!r}; "
+                "0 means prefill costs nothing"
+            )
+        kv_events_settings(self.kv_events_config)
         if self.nodes > 1:
             try:
                 parse_hostport(self.dist_init_addr)
@@ -103,9 +174,80 @@ class SimConfig:
                 ) from None
 
     @property
+    def kv_events(self) -> KvEventsSettings | None:
+        """Where this engine publishes its KV cache events; None when it publishes none."""
+        return kv_events_settings(self.kv_events_config)
+
+    @property
     def worker(self) -> bool:
         """Whether this is a worker of a multi-node replica (it serves nothing)."""
         return self.nodes > 1 and self.rank > 0
+
+
+def kv_events_settings(config: str) -> KvEventsSettings | None:
+    """What ``--kv-events-config`` (vLLM's JSON: ``{"enable_kv_cache_events": true,
+    "publisher": "zmq", "endpoint": "tcp://...", "topic": "..."}``) asks for; None when it
+    is empty or disables the events. EngineError says what is wrong with it."""
+    if not isinstance(config, str):
+        raise EngineError(f"sim: kv_events_config must be a JSON string, got {config!r}")
+    if not config.strip():
+        return None
+    fix = (
+        'give e.g. {"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://127.0.0.1:5557", "topic": "kv"}, or nothing for no events'
+    )
+    try:
+        data: Any = json.loads(config)
+    except (ValueError, RecursionError) as exc:
+        raise EngineError(f"sim: --kv-events-config is not valid JSON ({exc}); {fix}") from None
+    if not isinstance(data, dict):
+        raise EngineError(f"sim: --kv-events-config must be a JSON object; {fix}")
+    unknown = sorted(set(data) - _EVENT_KEYS)
+    if unknown:
+        raise EngineError(
+            f"sim: --kv-events-config has unknown key(s) {', '.join(unknown)}; it takes "
+            f"{', '.join(sorted(_EVENT_KEYS))}"
+        )
+    enabled = data.get("enable_kv_cache_events", False)
+    if not isinstance(enabled, bool):
+        raise EngineError(
+            f"sim: --kv-events-config's enable_kv_cache_events must be true or false, got "
+            f"{enabled!r}"
+        )
+    publisher = data.get("publisher", "zmq" if enabled else "null")
+    if not enabled and publisher in ("null", None):
+        return None
+    if publisher != "zmq":
+        raise EngineError(
+            f'sim: --kv-events-config\'s publisher must be "zmq" (the only one the sim '
+            f"engine has), got {publisher!r}"
+        )
+    endpoint = data.get("endpoint")
+    if endpoint is None:
+        raise EngineError(
+            "sim: --kv-events-config has no endpoint; name where to publish, e.g. "
+            '"endpoint": "tcp://127.0.0.1:5557" (connects) or "tcp://*:5557" (binds)'
+        )
+    if not isinstance(endpoint, str) or not endpoint.startswith(_EVENT_SCHEMES):
+        raise EngineError(
+            f"sim: --kv-events-config's endpoint must be a tcp://, ipc:// or inproc:// "
+            f"ZeroMQ address, got {endpoint!r}"
+        )
+    if len(endpoint) == len(next(s for s in _EVENT_SCHEMES if endpoint.startswith(s))):
+        raise EngineError(
+            f"sim: --kv-events-config's endpoint {endpoint!r} has no address after its scheme"
+        )
+    topic = data.get("topic", "")
+    if not isinstance(topic, str):
+        raise EngineError(f"sim: --kv-events-config's topic must be a string, got {topic!r}")
+    hwm = data.get("hwm", DEFAULT_HWM)
+    if not is_int(hwm) or hwm < 0:
+        raise EngineError(
+            f"sim: --kv-events-config's hwm must be an integer >= 0 (0: no limit), got {hwm!r}"
+        )
+    if not enabled:
+        return None
+    return KvEventsSettings(endpoint, topic, hwm)
 
 
 def is_int(value: object) -> bool:

@@ -11,7 +11,9 @@ OpenAI's do; otherwise ``completed`` and ``response.completed``. A stream is
 response.output_item.added, response.content_part.added, one response.output_text.delta per
 token, response.output_text.done, response.content_part.done, response.output_item.done,
 then the final event carrying the whole response and its usage; each has its
-``sequence_number``. sim keeps no responses: ``previous_response_id`` is refused.
+``sequence_number``. sim keeps no responses: ``previous_response_id`` is refused. Its usage
+counts the prompt's tokens by the sim's tokenizer, as chat does, but the prompt stays outside
+the engine's prefix cache (no cached tokens, no prefill cost).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw.sim.config import SimConfig
-from llmgw.sim.generate import TOKEN_JSON, draw
+from llmgw.sim.generate import TOKEN_JSON, draw, tokenize
 from llmgw.sim.protocol import (
     DISCONNECT_POLL_S,
     ROLES,
@@ -80,7 +82,7 @@ class ResponsesHandlers:
         tokens, finish = draw(req.prompt, req.max_tokens, self.cfg.seed)
         ids = _Ids(os.urandom(12).hex())
         created = int(time.time())
-        input_tokens = len(req.prompt.split())
+        input_tokens = len(tokenize(req.prompt))  # as chat counts it; outside the prefix cache
         usage = {
             "input_tokens": input_tokens,
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},

@@ -16,8 +16,23 @@ pre-serialised pieces. The other endpoints live beside it: the Responses API in
 Endpoints: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
 ``POST /v1/embeddings``, ``POST /v1/rerank``, ``POST /v1/score``, ``POST /tokenize``,
-``POST /detokenize``. It serves all of them whatever the catalog profile's ``task``
+``POST /detokenize``, ``POST /reset_prefix_cache`` (as vLLM's: the prefix cache emptied). It serves all of them whatever the catalog profile's ``task``
 says: the gateway routes each path only to replicas deployed for its task.
+
+The prefix cache and the cost of a prompt: chat and completions prompts (each prompt of a
+list; with ``n`` > 1 once per prompt) go through the engine's prefix cache
+(:mod:`llmgw.sim.kvcache`), whose changes are published as vLLM's KV cache events when
+``kv_events_config`` asks for them (:mod:`llmgw.sim.publisher`). ``usage.prompt_tokens`` is
+the prompts' length by the sim's tokenizer and ``usage.prompt_tokens_details.cached_tokens``
+the tokens found cached, as vLLM reports them. Prefill is modelled as a GPU does it,
+compute-bound and one request at a time: each request's uncached prompt tokens cost
+``prefill_us_per_token`` each on the engine's one prefill lane, served in arrival order in
+virtual time (start = max(arrival, lane free), lane free = start + cost; the request sleeps
+until then, and one whose client left still used its slot). Its first token comes
+``ttft_ms`` after its prefill ends, the others at ``tps``. So a replica has a finite prefill
+capacity and a queue builds under load, which is what cache-aware routing saves. The
+Responses API stays outside the cache: its prompts cost no prefill and report no cached
+tokens.
 
 Multi-node (``nodes`` > 1): the replica assembles over TCP first
 (:mod:`llmgw.sim.rendezvous`). Rank 0 binds ``dist_init_addr`` and opens its HTTP port
@@ -36,17 +51,19 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from llmgw.engines.kvevents import Event
 from llmgw.errors import EngineError
 from llmgw.loop import run as run_loop
 from llmgw.netaddr import parse_hostport
 from llmgw.sim.config import SimConfig, is_int
-from llmgw.sim.generate import TOKEN_JSON, draw
+from llmgw.sim.generate import TOKEN_JSON, draw, tokenize
+from llmgw.sim.kvcache import PrefixCache
 from llmgw.sim.pooling import PoolingHandlers
 from llmgw.sim.protocol import (
     DISCONNECT_POLL_S,
@@ -61,6 +78,7 @@ from llmgw.sim.protocol import (
     positive_int,
     unknown_model_message,
 )
+from llmgw.sim.publisher import EventPublisher
 from llmgw.sim.rendezvous import Leader, Worker
 from llmgw.sim.responses import ResponsesHandlers
 
@@ -158,6 +176,11 @@ class _Handlers:
         self.model_body = dumps(model_obj).encode()
         self.models_body = dumps({"object": "list", "data": [model_obj]}).encode()
         self.health_body = b'{"status":"ok"}'
+        self.cache = PrefixCache(cfg.block_size, cfg.kv_blocks)
+        self.publisher: EventPublisher | None = None  # set while the app runs
+        self.prefill_s_per_token = cfg.prefill_us_per_token / 1e6
+        # The loop time the prefill lane is next free at (see the module docstring).
+        self.lane_free_at = 0.0
 
     # ----------------------------------------------------------------- simple endpoints
 
@@ -174,6 +197,13 @@ class _Handlers:
                 404, unknown_model_message(name, self.cfg.model), "model", "model_not_found"
             )
         return web.Response(body=self.model_body, content_type="application/json")
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.StreamResponse:
+        # vLLM's POST /reset_prefix_cache: every block dropped, AllBlocksCleared published.
+        events = self.cache.clear()
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
+        return web.Response(status=200)
 
     # ----------------------------------------------------------------- completions
 
@@ -200,20 +230,34 @@ class _Handlers:
         jobs = [
             draw(prompt, opts.max_tokens, opts.seed, j) for prompt in prompts for j in range(opts.n)
         ]
-        prompt_tokens = sum(len(p.split()) for p in prompts)
+        prompt_tokens = cached = 0
+        events: list[Event] = []
+        for prompt in prompts:
+            ids = tokenize(prompt)
+            prompt_tokens += len(ids)
+            found = self.cache.lookup(ids)
+            cached += found.cached_tokens
+            events += found.events
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
+        # The prefill lane: one request's uncached tokens at a time, in arrival order.
+        start = max(t0, self.lane_free_at)
+        self.lane_free_at = start + (prompt_tokens - cached) * self.prefill_s_per_token
+        first_at = self.lane_free_at + self.ttft_s
         completion_tokens = sum(len(tokens) for tokens, _ in jobs)
-        usage = {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
         rid = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
         created = int(time.time())
         if opts.stream:
             return await self._stream(
-                request, chat, rid, created, jobs, usage if opts.include_usage else None, t0
+                request, chat, rid, created, jobs, usage if opts.include_usage else None, first_at
             )
-        return await self._respond(request, chat, rid, created, jobs, usage, t0)
+        return await self._respond(request, chat, rid, created, jobs, usage, first_at)
 
     async def _respond(
         self,
@@ -222,11 +266,11 @@ class _Handlers:
         rid: str,
         created: int,
         jobs: list[tuple[list[str], str]],
-        usage: dict[str, int],
-        t0: float,
+        usage: dict[str, Any],
+        first_at: float,
     ) -> web.StreamResponse:
         steps = max(len(tokens) for tokens, _ in jobs)
-        deadline = t0 + self.ttft_s + (steps - 1) * self.interval_s
+        deadline = first_at + (steps - 1) * self.interval_s
         loop = asyncio.get_running_loop()
         while (remaining := deadline - loop.time()) > 0:
             if gone(request):
@@ -265,8 +309,8 @@ class _Handlers:
         rid: str,
         created: int,
         jobs: list[tuple[list[str], str]],
-        usage: dict[str, int] | None,
-        t0: float,
+        usage: dict[str, Any] | None,
+        first_at: float,
     ) -> web.StreamResponse:
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = (
@@ -300,7 +344,7 @@ class _Handlers:
         try:
             await response.prepare(request)
             for k in range(steps):
-                delay = t0 + self.ttft_s + k * self.interval_s - loop.time()
+                delay = first_at + k * self.interval_s - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 if gone(request):
@@ -340,8 +384,22 @@ def build_app(cfg: SimConfig) -> web.Application:
     app.router.add_get("/v1/models/{model_id:.+}", sim.model)
     app.router.add_post("/v1/chat/completions", sim.chat_completions)
     app.router.add_post("/v1/completions", sim.completions)
+    app.router.add_post("/reset_prefix_cache", sim.reset_prefix_cache)
     app.router.add_routes(ResponsesHandlers(cfg).routes())
     app.router.add_routes(PoolingHandlers(cfg).routes())
+
+    async def kv_events(_app: web.Application) -> AsyncIterator[None]:
+        settings = cfg.kv_events
+        if settings is not None:
+            sim.publisher = EventPublisher(settings)
+        try:
+            yield
+        finally:
+            if sim.publisher is not None:
+                sim.publisher.close()
+                sim.publisher = None
+
+    app.cleanup_ctx.append(kv_events)
     return app
 
 
@@ -428,11 +486,17 @@ async def _serve_http(
                 "choose another port or stop what holds it"
             ) from e
         port = int(runner.addresses[0][1])
+        kv = cfg.kv_events
         log.info(
-            "sim engine listening on %s:%d model=%s",
+            "sim engine listening on %s:%d model=%s block_size=%d kv_blocks=%d "
+            "prefill_us_per_token=%g kv_events=%s",
             cfg.host,
             port,
             cfg.model,
+            cfg.block_size,
+            cfg.kv_blocks,
+            cfg.prefill_us_per_token,
+            kv.endpoint if kv is not None else "off",
             extra={
                 "engine": "sim",
                 "host": cfg.host,
@@ -443,6 +507,11 @@ async def _serve_http(
                 "tps": cfg.tps,
                 "max_tokens": cfg.max_tokens,
                 "nodes": cfg.nodes,
+                "block_size": cfg.block_size,
+                "kv_blocks": cfg.kv_blocks,
+                "prefill_us_per_token": cfg.prefill_us_per_token,
+                "kv_events_endpoint": kv.endpoint if kv is not None else "",
+                "kv_events_topic": kv.topic if kv is not None else "",
             },
         )
         if on_bound is not None:

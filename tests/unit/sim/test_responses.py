@@ -69,6 +69,7 @@ def test_a_whole_response(client: openai.OpenAI) -> None:
     )
     usage = response.usage
     assert usage is not None
+    # By the sim's tokenizer: every word of the prompt is one of its words.
     assert (usage.input_tokens, usage.output_tokens) == (5, len(text.split()))
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert usage.input_tokens_details.cached_tokens == 0

@@ -24,7 +24,7 @@ import pytest
 
 from llmgw.errors import EngineError
 from llmgw.sim.config import SimConfig
-from llmgw.sim.generate import generate
+from llmgw.sim.generate import generate, tokenize
 from llmgw.sim.rendezvous import RendezvousError
 from llmgw.sim.server import serve
 from tests.unit.sim.running import running
@@ -160,9 +160,10 @@ def test_chat_non_stream(client: openai.OpenAI) -> None:
     assert choice.message.content == "".join(tokens)
     assert choice.finish_reason == finish
     assert resp.usage is not None
-    assert resp.usage.prompt_tokens == 8
+    # The sim's tokenizer: one token per known word, one per byte of the others (" a").
+    assert resp.usage.prompt_tokens == 15 == len(tokenize(USER[0]["content"]))
     assert resp.usage.completion_tokens == len(tokens)
-    assert resp.usage.total_tokens == 8 + len(tokens)
+    assert resp.usage.total_tokens == 15 + len(tokens)
 
 
 def test_chat_uses_engine_seed_by_default(client: openai.OpenAI) -> None:
@@ -202,7 +203,7 @@ def test_chat_stream_reassembles_to_non_stream(client: openai.OpenAI) -> None:
     last = chunks[-1]
     assert last.choices[0].finish_reason == "stop" == full.choices[0].finish_reason
     assert last.choices[0].delta.content is None
-    assert full.usage.prompt_tokens == 6  # "You are terse.\nName a colour"
+    assert full.usage.prompt_tokens == 25  # "You are terse.\nName a colour", tokenized
 
 
 def test_chat_different_seeds_differ(client: openai.OpenAI) -> None:
@@ -248,9 +249,9 @@ def test_chat_include_usage(client: openai.OpenAI) -> None:
     assert usage_chunk.choices == []
     assert usage_chunk.usage is not None
     n_tokens = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
-    assert usage_chunk.usage.prompt_tokens == 8
+    assert usage_chunk.usage.prompt_tokens == 15
     assert usage_chunk.usage.completion_tokens == n_tokens
-    assert usage_chunk.usage.total_tokens == 8 + n_tokens
+    assert usage_chunk.usage.total_tokens == 15 + n_tokens
     assert all(c.usage is None for c in chunks[:-1])
     plain = list(client.chat.completions.create(model=MODEL, messages=USER, stream=True))
     assert all(c.choices for c in plain)
@@ -316,8 +317,8 @@ def test_completions_non_stream_and_stream(client: openai.OpenAI) -> None:
     assert choice.finish_reason == finish == "stop"
     assert choice.logprobs is None
     assert full.usage is not None
-    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (4, len(tokens))
-    assert full.usage.total_tokens == 4 + len(tokens)
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (9, len(tokens))
+    assert full.usage.total_tokens == 9 + len(tokens)
 
     chunks = list(
         client.completions.create(
@@ -342,7 +343,7 @@ def test_completions_prompt_list_and_length(client: openai.OpenAI) -> None:
     assert all(c.finish_reason == "length" for c in resp.choices)
     assert resp.choices[1].text == "".join(generate(SimConfig(), "c d e", max_tokens=4, seed=2)[0])
     assert resp.usage is not None
-    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (5, 8)
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (3 + 5, 8)
 
 
 def test_completions_bad_prompt(client: openai.OpenAI) -> None:
