@@ -257,6 +257,8 @@ class BlockIndex:
         out: dict[int, int] = {}
         if not alive:
             return out
+        if len(keys) > _BISECT_FROM:
+            return self._bisect(keys, alive)
         if (self.live | self._retiring) < 256:
             # Eight bits or fewer in use: every mask is a byte, so the probes run in C (one
             # dict lookup a key) and each replica's run is one translate and find.
@@ -286,6 +288,51 @@ class BlockIndex:
             alive ^= low
         return out
 
+    def _bisect(self, keys: Sequence[int], alive: int) -> dict[int, int]:
+        """:meth:`depths` of a long prompt in a few probes: each replica's run ends where
+        its bit leaves the masks, found by bisection for all replicas at once (the replicas
+        whose runs end inside a range are split at its middle). It takes a replica that holds
+        a block to hold its parents too, as the engines keep them: vLLM frees a request's
+        blocks tail first (its free queue's order), so the tail of a chain goes before its
+        head. A replica holding a chain with a hole in it may be credited past the hole."""
+        get = self.blocks.get
+        out: dict[int, int] = {}
+        first = get(keys[0], 0)
+        gone = alive & ~first
+        while gone:
+            low = gone & -gone
+            out[low] = 0
+            gone ^= low
+        alive &= first
+        last = len(keys) - 1
+        if alive:
+            full = alive & get(keys[last], 0)
+            rest = alive & ~full
+            while full:
+                low = full & -full
+                out[low] = len(keys)
+                full ^= low
+            # Each range (lo, hi, bits): the bits hold keys[lo] and not keys[hi].
+            ranges = [(0, last, rest)] if rest else []
+            while ranges:
+                lo, hi, bits = ranges.pop()
+                if hi - lo == 1:
+                    while bits:
+                        low = bits & -bits
+                        out[low] = hi
+                        bits ^= low
+                    continue
+                mid = (lo + hi) // 2
+                held = bits & get(keys[mid], 0)
+                if held:
+                    ranges.append((mid, hi, held))
+                if bits & ~held:
+                    ranges.append((lo, mid, bits & ~held))
+        return out
+
+
+_BISECT_FROM = 64
+"""Prompts of more blocks than this are matched by bisection (:meth:`BlockIndex._bisect`)."""
 
 # For each of the eight low bits: a byte table mapping a mask to 1 when it has the bit, to 0
 # when it does not.

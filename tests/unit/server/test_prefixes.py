@@ -353,3 +353,33 @@ def test_text_keys_chain_so_that_a_shared_prefix_shares_keys() -> None:
     assert ka[:4] == kb[:4]
     assert len(ka) == len(a) // APPROX_CHUNK
     assert text_keys(b"z" + a)[:4] != ka[:4]
+
+
+def test_long_prompts_are_matched_by_bisection_with_the_same_runs() -> None:
+    import random
+
+    rng = random.Random(3)
+    keys = list(range(1000, 1300))  # 300 blocks: bisected
+    for _ in range(50):
+        index = BlockIndex()
+        runs = {
+            f"s{r}": rng.choice([0, 1, 2, 64, 65, 150, 299, 300, rng.randrange(301)])
+            for r in range(8)
+        }
+        for shard, run in runs.items():
+            index.add(shard, keys[:run])
+            index.add(shard, [rng.getrandbits(40) for _ in range(5)])  # other prompts' blocks
+        got = index.depths(keys, index.live)
+        assert got == {index.bits[s]: run for s, run in runs.items()}
+        short = keys[:40]  # not bisected: the same answer
+        assert index.depths(short, index.live) == {
+            index.bits[s]: min(run, 40) for s, run in runs.items()
+        }
+
+
+def test_bisection_credits_a_replica_with_a_hole_past_it_as_documented() -> None:
+    index = BlockIndex()
+    keys = list(range(1, 201))
+    index.add("a", keys[:50] + keys[60:])  # a hole at 50..59, which engines do not keep
+    assert index.depths(keys[:60], index.live) == {index.bits["a"]: 50}  # linear: exact
+    assert index.depths(keys, index.live)[index.bits["a"]] >= 50
