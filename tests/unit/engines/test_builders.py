@@ -430,6 +430,21 @@ def test_sim_single_node_is_what_build_argv_always_built() -> None:
     assert (cmd.env, cmd.serves) == ({}, True)
 
 
+def test_sim_cache_params_become_its_flags_within_their_bounds() -> None:
+    params = {"block_size": "32", "kv_blocks": "64", "prefill_us_per_token": "2.5"}
+    check_params("sim", params)
+    argv = build_command(EngineSpec(engine="sim", model="m", port=5, params=params)).argv
+    assert argv[-6:] == ["--block-size", "32", "--kv-blocks", "64", "--prefill-us-per-token", "2.5"]
+    with pytest.raises(EngineError, match=r"block_size='2048' must be at most 1024"):
+        check_params("sim", {"block_size": "2048"})
+    with pytest.raises(EngineError, match=r"kv_blocks='0' must be at least 1"):
+        check_params("sim", {"kv_blocks": "0"})
+    with pytest.raises(EngineError, match=r"prefill_us_per_token='-1' must be at least 0"):
+        check_params("sim", {"prefill_us_per_token": "-1"})
+    with pytest.raises(EngineError, match="kv_events_config"):
+        check_params("sim", {"kv_events_config": "{}"})  # the agent's to add, not a profile's
+
+
 def test_sim_multi_node_rank0_and_worker() -> None:
     rank0 = EngineSpec(
         engine="sim",
