@@ -166,7 +166,8 @@ def test_a_conversation_follows_its_cache_spreads_when_full_and_forgets_a_restar
     os.kill(pid, signal.SIGKILL)
     wait_for(
         lambda: any(
-            r["replica"] == home and r["routable"] and r["pid"] != pid for r in server.replicas(MODEL)
+            r["replica"] == home and r["routable"] and r["pid"] != pid
+            for r in server.replicas(MODEL)
         ),
         timeout=60,
         what="the home replica restarted",

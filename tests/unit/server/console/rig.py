@@ -23,9 +23,9 @@ from llmgw.proto import control_pb2 as pb
 from llmgw.server.admin.context import AdminContext
 from llmgw.server.console import Console, add_console_routes
 from llmgw.server.history import RequestHistory
-from llmgw.server.metrics import Metrics
 from llmgw.server.httpapi import error_middleware
 from llmgw.server.logins import LoginPolicy, Logins
+from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
