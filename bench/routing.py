@@ -342,19 +342,21 @@ class Cluster:
                 "kv_blocks": str(KV_BLOCKS),
             },
         }
+        self.profile = profile
+        self.key = str(self.server.api("POST", "/api/keys", {"name": "bench"})["key"])
+
+    def deploy(self, model: str) -> None:
+        # Again each time: undeploying a model takes it out of the catalog.
         self.server.api(
             "PUT",
             "/api/catalog",
             {
                 "models": {
-                    f"chat-{policy}": {"profiles": {"default": {**profile, "routing": policy}}}
+                    f"chat-{policy}": {"profiles": {"default": {**self.profile, "routing": policy}}}
                     for policy in POLICIES
                 }
             },
         )
-        self.key = str(self.server.api("POST", "/api/keys", {"name": "bench"})["key"])
-
-    def deploy(self, model: str) -> None:
         self.server.api(
             "POST", "/api/models", {"name": model, "profile": "default", "replicas": REPLICAS}
         )
