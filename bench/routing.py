@@ -385,15 +385,19 @@ def fleet_phases(args: argparse.Namespace) -> dict[str, Any]:
     capacity = workload.capacity()
     out: dict[str, Any] = {"capacity_rps": round(capacity, 2), "loads": {}}
     cluster = Cluster(Path(tempfile.mkdtemp(prefix="llmgw-bench-routing-")) / "cluster")
+    phases: list[tuple[str, float]] = [(f"{load:.0%}", load) for load in args.loads]
+    if args.users:
+        phases.append((f"saturated ({args.users} users)", 0.0))
     try:
-        for load in args.loads:
+        for label, load in phases:
             figures: dict[str, Any] = {}
             for policy in POLICIES:
                 model = f"chat-{policy}"
                 cluster.deploy(model)
-                say(f"load {load:.0%} ({load * capacity:.1f} req/s), {policy}")
-                results, start, cpu = asyncio.run(
-                    drive(
+                idle = idle_cpu_rate(cluster.server)
+                say(f"{label}: {policy}")
+                if load:
+                    job = drive(
                         cluster.server,
                         cluster.key,
                         model,
@@ -402,11 +406,22 @@ def fleet_phases(args: argparse.Namespace) -> dict[str, Any]:
                         seed=int(load * 100),
                         workload=workload,
                     )
-                )
-                figures[policy] = summary(results, start, args.warmup, cpu)
+                else:
+                    job = drive_closed(
+                        cluster.server,
+                        cluster.key,
+                        model,
+                        args.users,
+                        args.duration,
+                        seed=7,
+                        workload=workload,
+                    )
+                results, start, cpu = asyncio.run(job)
+                busy = cpu - idle * (time.perf_counter() - start)
+                figures[policy] = summary(results, start, args.warmup, max(busy, 0.0))
                 say(f"  {figures[policy]}")
                 cluster.undeploy(model)
-            out["loads"][f"{load:.0%}"] = figures
+            out["loads"][label] = figures
     finally:
         cluster.stop()
     return out
@@ -521,12 +536,11 @@ def render(fig: dict[str, Any]) -> str:
                 )
             elif kv.get("ok") and lo.get("ok"):
                 ttft = lo["ttft_p90_ms"] / kv["ttft_p90_ms"] if kv["ttft_p90_ms"] else math.inf
-                tps = kv["output_tps"] / lo["output_tps"] if lo["output_tps"] else math.inf
+                # Below capacity both serve the whole offered load: throughput is compared
+                # at saturation.
                 lines.append(
                     f"  kv-events vs least-outstanding: p90 TTFT {ttft:.1f}x lower (target >= "
-                    f"{TARGET_TTFT_RATIO:g}x: {'met' if ttft >= TARGET_TTFT_RATIO else 'MISSED'}), "
-                    f"throughput {tps:.2f}x (target >= {TARGET_THROUGHPUT_RATIO:g}x: "
-                    f"{'met' if tps >= TARGET_THROUGHPUT_RATIO else 'MISSED'})"
+                    f"{TARGET_TTFT_RATIO:g}x: {'met' if ttft >= TARGET_TTFT_RATIO else 'MISSED'})"
                 )
     d = fig["decision"]
     lines += [
@@ -548,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds not counted")
     parser.add_argument(
         "--loads",
-        type=lambda s: [float(x) for x in s.split(",")],
+        type=lambda s: [float(x) for x in s.split(",") if x],
         default=[0.7, 0.9],
         help="shares of capacity, comma-separated",
     )
