@@ -15,7 +15,10 @@ from pathlib import Path
 
 __all__ = ["ONEDIR_START_TARGET", "ONEFILE_SIZE_TARGET", "ONEFILE_START_TARGET", "start_times"]
 
-ONEFILE_SIZE_TARGET = 40 * 1000 * 1000  # bytes
+# Bytes. 40 MB until cache-aware routing: the control plane's tokenizer (the tokenizers
+# library, 11 MB of Rust unpacked, about 7 MB in the archive) and ZeroMQ came in with it, and
+# the one binary carries every command.
+ONEFILE_SIZE_TARGET = 48 * 1000 * 1000
 ONEFILE_START_TARGET = 1.0  # seconds
 ONEDIR_START_TARGET = 0.4
 
