@@ -139,7 +139,17 @@ def test_apply_deploy_and_refusals(cluster: tuple[Server, Agent], tmp_path: Path
     }
     assert model["params"] == {"ttft_ms": "0", "tps": "2000"}
     listed = ctl(server, tmp_path, "models")
-    assert listed.stdout.splitlines()[1].split() == ["chat", "fast", "sim", "0", "1", "2", "2"]
+    assert listed.stdout.splitlines()[1].split() == [
+        "chat",
+        "fast",
+        "sim",
+        "0",
+        "1",
+        "2",
+        "2",
+        "least-outstanding",
+        "-",
+    ]
 
     # Changing the running profile's settings (not its engine) applies, with a note.
     path.write_text(CATALOG.replace('tps: "2000"', 'tps: "1000"'))
