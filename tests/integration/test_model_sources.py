@@ -121,7 +121,7 @@ def test_models_land_where_their_source_is_and_ctl_says_why_not(
     listed = ctl(server, tmp_path, "models")
     assert listed.returncode == 0, listed.stderr
     row = next(line for line in listed.stdout.splitlines() if line.startswith("nowhere "))
-    assert row.split(None, 7)[7] == why
+    assert row.split(None, 9)[9] == why  # after ROUTING and CACHED
     assert server.replicas("nowhere") == []
 
     # The weights arrive on a: the next inventory offers them, and the model is placed there.
