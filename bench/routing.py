@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
+from bench.tenants import cpu_seconds, percentile, say  # noqa: E402
 from llmgw.sim.generate import tokenize  # noqa: E402
 from tests.integration.harness import (  # noqa: E402
     Server,
@@ -82,7 +83,6 @@ MAX_CONCURRENCY = 64
 TARGET_TTFT_RATIO = 5.0
 TARGET_THROUGHPUT_RATIO = 1.5
 TARGET_DECISION_US = 100.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 _VOCAB = (
     "the of and to in is was for that on with as by at from it be this are or an have not "
@@ -90,22 +90,6 @@ _VOCAB = (
     "these so would other into has her two like him see could no make than first been its who "
     "now people my made over did down only way find use may water long little very after words"
 ).split()
-
-
-def say(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def words(rng: random.Random, n: int) -> str:

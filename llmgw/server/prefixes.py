@@ -457,11 +457,6 @@ class PrefixRouting:
         if approx is not None:
             approx.drop(shard_id)
 
-    def forget_model(self, model: str) -> None:
-        self.events.pop(model, None)
-        self.block_size.pop(model, None)
-        self.approx.pop(model, None)
-
     def set_capacity(self, model: str, blocks: int) -> None:
         """A replica of ``model`` holds about ``blocks`` chunks of the approximate index."""
         blocks = max(1, blocks)

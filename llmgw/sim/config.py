@@ -101,7 +101,7 @@ class SimConfig:
             raise EngineError(f"sim: model must be a non-empty string, got {self.model!r}")
         if not is_int(self.seed):
             raise EngineError(f"sim: seed must be an integer, got {self.seed!r}")
-        for name in ("ttft_ms", "tps"):
+        for name in ("ttft_ms", "tps", "prefill_us_per_token"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -151,17 +151,6 @@ class SimConfig:
             raise EngineError(
                 f"sim: kv_blocks must be a positive integer (the prefix cache's size in "
                 f"blocks), got {self.kv_blocks!r}"
-            )
-        value = self.prefill_us_per_token
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-            or value < 0
-        ):
-            raise EngineError(
-                f"sim: prefill_us_per_token must be a finite number >= 0, got {value!r}; "
-                "0 means prefill costs nothing"
             )
         kv_events_settings(self.kv_events_config)
         if self.nodes > 1:
