@@ -54,7 +54,7 @@ SUITES="bookworm bullseye"
 # What install-agent.sh uses on a node: curl, ca-certificates, sudo, iproute2 (ss),
 # dbus-user-session and libpam-systemd (lingering), ufw, nftables and firewalld (--firewall-from;
 # firewalld is masked: a test that wants it unmasks and starts it, the others see plain nft).
-INCLUDE=systemd,systemd-sysv,dbus,dbus-user-session,libpam-systemd,procps,python3,rpm,curl,ca-certificates,sudo,iproute2,ufw,nftables,firewalld
+INCLUDE=systemd,systemd-sysv,dbus,dbus-user-session,libpam-systemd,procps,python3,rpm,curl,ca-certificates,sudo,iproute2,ufw,nftables,firewalld,bash-completion,man-db
 KEY_LABEL=llmgw.test-systemd.key
 
 # shellcheck source=lib/common.sh
