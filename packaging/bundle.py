@@ -3,13 +3,16 @@ frozen one-file llmgw, and ``SHA256SUMS`` over what dist/ holds.
 
 The bundle has one top folder, ``llmgw-agent-<version>-linux-<arch>/``, holding ``llmgw``,
 the installer (everything in installer/: ``install-agent.sh`` and what it needs), the agent's
-systemd units from systemd/ under ``systemd/``, ``agent.example.yaml``, ``README.md`` and
-``BUILD-INFO``. It is reproducible: sorted names, every mtime SOURCE_DATE_EPOCH (the
+systemd units from systemd/ under ``systemd/``, ``agent.example.yaml``, ``README.md``,
+``BUILD-INFO``, and what scripts/dist.sh generates for it (``--docs``): ``LICENSES`` (the
+copyright file of everything the binary carries), the manual pages under ``man/man1/`` and
+the shell completions under ``completions/``. It is reproducible: sorted names, every mtime SOURCE_DATE_EPOCH (the
 commit's time by default), owner root:root, gzip without a name or a timestamp; two builds
 from the same binary and sources are byte-identical.
 
 usage: bundle.py build --binary PATH --arch x64|arm64 [--version V] [--revision R]
                        [--glibc-floor 2.31] [--out dist] [--allow-missing-installer]
+                       [--docs DIR]
        bundle.py sums DIR
 """
 
@@ -112,8 +115,11 @@ def collect_members(
     *,
     root: Path = ROOT,
     allow_missing_installer: bool = False,
+    docs: Path | None = None,
 ) -> tuple[list[Member], list[str]]:
-    """The bundle's files (BUILD-INFO aside) and the warnings about what was left out."""
+    """The bundle's files (BUILD-INFO aside) and the warnings about what was left out.
+    ``docs`` is a directory of generated files that go in as they lie there: LICENSES,
+    man/man1/*.1.gz, completions/*."""
     warnings: list[str] = []
     members = [Member("llmgw", binary.read_bytes(), 0o755)]
 
@@ -146,6 +152,14 @@ def collect_members(
         warnings.append(f"{message}: the bundle has no agent unit")
     members += [Member(f"systemd/{p.name}", p.read_bytes(), 0o644) for p in units]
 
+    if docs is not None:
+        if not (docs / "LICENSES").is_file():
+            raise BundleError(
+                f"{docs} has no LICENSES (packaging/licenses.py copyright writes it); the "
+                "bundle must say what it carries"
+            )
+        for path in sorted(p for p in docs.rglob("*") if p.is_file()):
+            members.append(Member(path.relative_to(docs).as_posix(), path.read_bytes(), 0o644))
     for source, name in (
         (root / "packaging" / "agent.example.yaml", "agent.example.yaml"),
         (root / "README.md", "README.md"),
@@ -227,6 +241,7 @@ def build_bundle(
     glibc_max: str | None = None,
     allow_missing_installer: bool = False,
     root: Path = ROOT,
+    docs: Path | None = None,
 ) -> tuple[Path, list[str]]:
     """Write the bundle for ``binary`` into ``out_dir``; returns its path and the warnings."""
     if arch not in ARCHES:
@@ -247,7 +262,7 @@ def build_bundle(
             "library needs what)"
         )
     members, warnings = collect_members(
-        binary, root=root, allow_missing_installer=allow_missing_installer
+        binary, root=root, allow_missing_installer=allow_missing_installer, docs=docs
     )
     members.append(
         Member(
@@ -311,6 +326,11 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="build even without installer/install-agent.sh or the agent's unit",
     )
+    build.add_argument(
+        "--docs",
+        type=Path,
+        help="generated files to carry (LICENSES, man/, completions/), as they lie in DIR",
+    )
     sums = sub.add_parser("sums", help="write DIR/SHA256SUMS")
     sums.add_argument("directory", type=Path)
     sums.add_argument(
@@ -333,6 +353,7 @@ def main(argv: list[str]) -> int:
             revision=args.revision,
             glibc_max=args.glibc_max,
             allow_missing_installer=args.allow_missing_installer,
+            docs=args.docs,
         )
     except (BundleError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

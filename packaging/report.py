@@ -1,7 +1,8 @@
 """The figures `make dist` prints: each artifact's size, and how long `llmgw --version` takes
 to start (median of 5 runs) for the one-file and the one-folder build, against the targets.
 
-usage: report.py --onefile FILE --onedir DIR [--bundle FILE] [--runs 5] [--no-timing]
+usage: report.py --onefile FILE --onedir DIR [--bundle FILE] [--strip FILE] [--runs 5]
+                 [--no-timing]
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--onefile", type=Path, required=True)
     parser.add_argument("--onedir", type=Path, required=True)
     parser.add_argument("--bundle", type=Path)
+    parser.add_argument(
+        "--strip", type=Path, help="what the build's strip step recorded (files, before, after)"
+    )
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument(
         "--no-timing", action="store_true", help="sizes only (binaries of another architecture)"
@@ -65,6 +69,17 @@ def main(argv: list[str]) -> int:
     rows.append((args.onefile.name, _mb(size), target))
     size, count = _size(args.onedir)
     rows.append((args.onedir.name + "/", _mb(size), f"{count} files"))
+    if args.strip is not None and args.strip.is_file():
+        figures = dict(line.split() for line in args.strip.read_text().splitlines() if line)
+        before, after = int(figures["before"]), int(figures["after"])
+        rows.append(
+            (
+                "  its shared objects, stripped",
+                f"{_mb(after)}",
+                f"from {_mb(before)} ({figures['files']} files, "
+                f"-{(before - after) / max(before, 1):.0%})",
+            )
+        )
     if args.bundle is not None and args.bundle.is_file():
         rows.append((args.bundle.name, _mb(_size(args.bundle)[0]), ""))
     timed = (

@@ -48,7 +48,9 @@ PYINSTALLER_SHA256=05eb2f5615503e72939a7224d68b4aff572c6b0438ee4a17d0a4b481f3993
 SYSTEMD_PYTHON_VERSION=235
 SYSTEMD_PYTHON_SHA256=4e57f39797fd5d9e2d22b8806a252d7c0106c936039d1e71c8c6b8008e695c0a
 # Debian packages the build tools need beyond the rootfs recipe (installed with the tools).
-TOOLS_PACKAGES="libsystemd-dev pkg-config"
+# chrpath: CPython's extension modules and python-systemd's are linked with the rootfs's
+# RUNPATH /opt/python/lib (the build's LDFLAGS), which the frozen program must not carry.
+TOOLS_PACKAGES="libsystemd-dev pkg-config chrpath"
 INCLUDE=build-essential,ca-certificates,patch,libssl-dev,zlib1g-dev,libffi-dev,libbz2-dev,liblzma-dev,libsqlite3-dev,uuid-dev
 # arm64's CPython is cross-compiled in a copy of the x64 rootfs, with these.
 CROSS_TRIPLET=aarch64-linux-gnu
@@ -122,7 +124,7 @@ setup() {
     } | sha)
     INPUTS=$({
         printf '%s\n' "$TOOLS_KEY" "$VERSION" "stamped:$STAMP"
-        sha256sum scripts/dist.sh packaging/llmgw.spec README.md
+        sha256sum scripts/dist.sh packaging/llmgw.spec packaging/inventory.py README.md
         find llmgw -type f -name '*.py' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum
     } | sha)
     ONEFILE=$OUT/llmgw-linux-$ARCH
@@ -380,6 +382,13 @@ python3.11 -m venv /opt/llmgw-build
 /opt/llmgw-build/bin/pip install --quiet --no-binary systemd-python --require-hashes \
     -r systemd-python.txt
 /opt/llmgw-build/bin/python -c 'from systemd import journal; journal.send'
+# The libraries a build freezes keep no RUNPATH into this rootfs (/opt/python/lib does not
+# exist on a target; the bootloader loads libpython itself). The interpreter keeps its own.
+for library in /opt/python/lib/libpython3.11.so.1.0 /opt/python/lib/python3.11/lib-dynload/*.so \
+    /opt/llmgw-build/lib/python3.11/site-packages/systemd/*.so; do
+    if chrpath -l "\$library" >/dev/null 2>&1; then chrpath -d "\$library"; fi
+done
+/opt/llmgw-build/bin/python -c 'import ssl, sqlite3, lzma, bz2, ctypes, uuid, json; from systemd import journal'
 /opt/llmgw-build/bin/pip download --quiet --no-deps --no-binary :all: --require-hashes \
     -r pyinstaller.txt -d .
 tar -xzf pyinstaller-$PYINSTALLER_VERSION.tar.gz
@@ -400,7 +409,8 @@ build_binaries() {
     mkdir -p "$ROOTFS/build/src/packaging"
     tar -cf - --exclude=__pycache__ --exclude='*.pyc' pyproject.toml README.md llmgw \
         | tar -C "$ROOTFS/build/src" -xf -
-    cp packaging/llmgw.spec "$ROOTFS/build/src/packaging/"
+    cp packaging/llmgw.spec packaging/inventory.py packaging/pyinstaller-runtime-dir.patch \
+        "$ROOTFS/build/src/packaging/"
     [ -z "$STAMP" ] || stamp_version "$ROOTFS/build/src/llmgw/__init__.py"
     log=$(mktemp)
     TO_CLEAN="$TO_CLEAN $log"
@@ -410,9 +420,34 @@ build_binaries() {
     in_rootfs "$ROOTFS" SOURCE_DATE_EPOCH="$SOURCE_DATE_EPOCH" PYTHONHASHSEED=0 >"$log" 2>&1 <<EOF || { tail -n 40 "$log" >&2; fatal "PyInstaller failed (log above)"; }
 cd /build/src
 for mode in onefile onedir; do
-    /opt/llmgw-build/bin/pyinstaller --noconfirm --log-level WARN --distpath /build/out/\$mode \\
-        --workpath /build/work/\$mode packaging/llmgw.spec -- --mode \$mode
+    LLMGW_TOC_OUT=/build/out/toc-\$mode.json /opt/llmgw-build/bin/pyinstaller --noconfirm \\
+        --log-level WARN --distpath /build/out/\$mode --workpath /build/work/\$mode \\
+        packaging/llmgw.spec -- --mode \$mode
 done
+# Both variants bundle the very same files (one analysis each, of the same sources).
+/opt/llmgw-build/bin/python -c '
+import json, sys
+names = [sorted(e[0] for k in ("pure", "binaries", "datas") for e in json.load(open(p))[k])
+         for p in sys.argv[1:]]
+sys.exit(0 if names[0] == names[1] else "the one-file and one-folder analyses bundle different files")
+' /build/out/toc-onefile.json /build/out/toc-onedir.json
+# Where every bundled file comes from (the copyright file, LICENSES and the SBOMs say it).
+/opt/llmgw-build/bin/python packaging/inventory.py --toc /build/out/toc-onefile.json \\
+    --python-prefix /opt/python --source /build/src --work /build/work \\
+    --patch packaging/pyinstaller-runtime-dir.patch --out /build/out/contents.json
+# The one-folder build's shared objects lose their symbol tables (Debian policy; what dh_strip
+# does). Never the executables: a PyInstaller executable carries its archive appended, which
+# strip would cut off (the one-file binary is all archive).
+find /build/out/onedir/llmgw/_internal -type f \\( -name '*.so' -o -name '*.so.*' \\) \\
+    | LC_ALL=C sort >/build/out/shared-objects
+before=\$(xargs -d '\\n' cat </build/out/shared-objects | wc -c)
+xargs -d '\\n' strip --remove-section=.comment --remove-section=.note --strip-unneeded \\
+    </build/out/shared-objects
+# ... and are not executable (Debian policy: 0644; the loader maps them without it).
+xargs -d '\\n' chmod 0644 </build/out/shared-objects
+after=\$(xargs -d '\\n' cat </build/out/shared-objects | wc -c)
+printf 'files %s\\nbefore %s\\nafter %s\\n' "\$(wc -l </build/out/shared-objects)" "\$before" "\$after" \\
+    >/build/out/strip
 for binary in /build/out/onefile/llmgw /build/out/onedir/llmgw/llmgw; do
     said=\$(\$binary --version)
     [ "\$said" = "llmgw $VERSION" ] || { echo "\$binary --version says '\$said', expected 'llmgw $VERSION'" >&2; exit 1; }
@@ -452,6 +487,8 @@ EOF
     rm -rf "$ONEFILE" "$ONEDIR" "$OUT/.inputs-$ARCH"
     cp "$ROOTFS/build/out/onefile/llmgw" "$ONEFILE"
     cp -a "$ROOTFS/build/out/onedir/llmgw" "$ONEDIR"
+    cp "$ROOTFS/build/out/contents.json" "$OUT/.contents-$ARCH.json"
+    cp "$ROOTFS/build/out/strip" "$OUT/.strip-$ARCH"
     rm -rf "$ROOTFS/build"
     printf '%s\n' "$INPUTS" >"$OUT/.inputs-$ARCH"
 }
@@ -510,9 +547,28 @@ make_wheel() {
 }
 
 # 8. the bundle, SHA256SUMS, and the figures
+# The bundle carries LICENSES (everything the binary bundles, from the build's inventory),
+# the manual pages and the shell completions (from the click definitions); its CycloneDX SBOM
+# goes beside it, into SHA256SUMS.
 make_bundle() {
+    docs=$(mktemp -d)
+    TO_CLEAN="$TO_CLEAN $docs"
+    contents=$OUT/.contents-$ARCH.json
+    "$PYTHON" packaging/licenses.py copyright --contents "$contents" --out "$docs/LICENSES" \
+        || fatal "no LICENSES for the bundle (above)"
+    "$PYTHON" packaging/manpages.py --version "$VERSION" \
+        --date "$(date -u -d "@$SOURCE_DATE_EPOCH" +%Y-%m-%d)" --out "$docs/man/man1" \
+        || fatal "the manual pages did not generate (above)"
+    "$PYTHON" packaging/completions.py --out "$docs/completions" \
+        || fatal "the shell completions did not generate (above)"
     "$PYTHON" packaging/bundle.py build --binary "$ONEFILE" --arch "$ARCH" --version "$VERSION" \
-        --revision "$REVISION" --glibc-floor "$GLIBC_FLOOR" --out "$OUT" $ALLOW_MISSING_INSTALLER
+        --revision "$REVISION" --glibc-floor "$GLIBC_FLOOR" --out "$OUT" $ALLOW_MISSING_INSTALLER \
+        --docs "$docs"
+    bundle=$OUT/llmgw-agent-$VERSION-linux-$ARCH.tar.gz
+    "$PYTHON" packaging/licenses.py sbom --contents "$contents" --artifact "$bundle" \
+        --name llmgw-agent --version "$VERSION" \
+        --purl "pkg:generic/llmgw-agent@$VERSION?arch=linux-$ARCH" --arch "$DEB_ARCH" \
+        --out "$bundle.cdx.json" || fatal "no SBOM for $bundle (above)"
     if [ -n "$STAMP" ]; then
         "$PYTHON" packaging/bundle.py sums "$OUT"
     else
@@ -524,7 +580,8 @@ report() {
     info "figures for linux-$ARCH:"
     # Start-up times under emulation say nothing about an arm64 machine: not measured.
     "$PYTHON" packaging/report.py --onefile "$ONEFILE" --onedir "$ONEDIR" \
-        --bundle "$OUT/llmgw-agent-$VERSION-linux-$ARCH.tar.gz" ${QEMU:+--no-timing} >&2
+        --bundle "$OUT/llmgw-agent-$VERSION-linux-$ARCH.tar.gz" --strip "$OUT/.strip-$ARCH" \
+        ${QEMU:+--no-timing} >&2
 }
 
 main() {

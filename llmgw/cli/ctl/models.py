@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from llmgw.cli.common import ReportingGroup
+from llmgw.cli.ctl.complete import MODELS
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import echo_json, table
 from llmgw.contracts.catalog import load_catalog
@@ -196,7 +197,7 @@ def deploy(
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", shell_complete=MODELS)
 @pass_ctl
 def undeploy(c: Ctl, model: str) -> None:
     """Stop every replica of MODEL and remove it."""
@@ -208,7 +209,7 @@ def undeploy(c: Ctl, model: str) -> None:
 
 
 @click.command()
-@click.argument("model", required=False)
+@click.argument("model", required=False, shell_complete=MODELS)
 @pass_ctl
 def replicas(c: Ctl, model: str | None) -> None:
     """List replicas (of MODEL) with their node, state and last failure."""

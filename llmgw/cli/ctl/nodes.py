@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from llmgw.cli.common import Duration
+from llmgw.cli.ctl.complete import ALL_NODES, PENDING_NODES
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import ago, echo_json, table, until
 from llmgw.versions import MINORS_SUPPORTED, newer_release, too_old
@@ -25,7 +26,7 @@ def _gpus_cell(n: dict[str, Any]) -> str:
 
 
 @click.command()
-@click.argument("node", required=False)
+@click.argument("node", required=False, shell_complete=ALL_NODES)
 @pass_ctl
 def nodes(c: Ctl, node: str | None) -> None:
     """List nodes: state, health, connection, shards, GPUs (or why there are none).
@@ -217,7 +218,7 @@ def _show_node(c: Ctl, node: str) -> None:
 
 
 @click.command()
-@click.argument("node")
+@click.argument("node", shell_complete=PENDING_NODES)
 @click.option(
     "--fingerprint",
     "fp",
@@ -235,7 +236,7 @@ def approve(c: Ctl, node: str, fp: str) -> None:
 
 
 @click.command()
-@click.argument("node")
+@click.argument("node", shell_complete=PENDING_NODES)
 @pass_ctl
 def reject(c: Ctl, node: str) -> None:
     """Remove a pending NODE and deny its certificate."""
@@ -247,7 +248,7 @@ def reject(c: Ctl, node: str) -> None:
 
 
 @click.command()
-@click.argument("node")
+@click.argument("node", shell_complete=ALL_NODES)
 @pass_ctl
 def revoke(c: Ctl, node: str) -> None:
     """Revoke NODE: deny its certificates, cut its stream, rebuild its replicas elsewhere."""
@@ -262,7 +263,7 @@ def revoke(c: Ctl, node: str) -> None:
 
 
 @click.command()
-@click.argument("node")
+@click.argument("node", shell_complete=ALL_NODES)
 @click.option(
     "--wait/--no-wait",
     default=True,
@@ -312,7 +313,7 @@ def drain(c: Ctl, node: str, wait: bool, timeout: float) -> None:
 
 
 @click.command()
-@click.argument("node")
+@click.argument("node", shell_complete=ALL_NODES)
 @pass_ctl
 def uncordon(c: Ctl, node: str) -> None:
     """Let a drained NODE take replicas again."""
