@@ -10,7 +10,7 @@ The packages are native (their version has no Debian revision), so Debian policy
 file ``/usr/share/doc/<package>/changelog.gz``, which is what lintian checks for.
 
 usage: changelog.py --package NAME --version V --maintainer 'Name <mail>' [--changelog FILE]
-                    --out FILE.gz
+                    --out FILE.gz [--chglog FILE.yml]
 """
 
 from __future__ import annotations
@@ -120,6 +120,41 @@ def debian_changelog(
     return "\n\n".join(blocks) + "\n"
 
 
+def chglog(
+    releases: list[Release],
+    *,
+    package: str,
+    version: str,
+    maintainer: str,
+    epoch: int,
+    release: str = "1",
+) -> str:
+    """The same entries as nfpm's changelog file (chglog YAML), which nfpm turns into the
+    rpm's %changelog; each version with the rpm's ``release`` (0.1.0-1), as rpm's own
+    %changelog entries say it."""
+    import yaml
+
+    text = debian_changelog(
+        releases, package=package, version=version, maintainer=maintainer, epoch=epoch
+    )
+    entries = []
+    for block in text.strip().split("\n\n" + f"{package} ("):
+        header, _, rest = block.partition("\n")
+        entry_version = header.removeprefix(f"{package} (").split(")")[0]
+        stamp = rest.rsplit("  ", 1)[-1].strip()
+        day = email.utils.parsedate_to_datetime(stamp)
+        items = re.findall(r"^  \* (.*(?:\n    .*)*)", rest, re.MULTILINE)
+        entries.append(
+            {
+                "semver": f"{entry_version}-{release}",
+                "date": day.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "packager": maintainer,
+                "changes": [{"note": " ".join(i.split())} for i in items],
+            }
+        )
+    return yaml.safe_dump(entries, sort_keys=False, width=1000)
+
+
 def gzipped(text: str) -> bytes:
     raw = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz:
@@ -134,6 +169,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--maintainer", required=True)
     parser.add_argument("--changelog", type=Path, default=ROOT / "CHANGELOG.md")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--chglog", type=Path, help="also nfpm's changelog YAML (the rpm's)")
+    parser.add_argument("--release", default="1", help="the rpm's release, for --chglog")
     args = parser.parse_args(argv)
     epoch = int(os.environ.get("SOURCE_DATE_EPOCH") or 0)
     try:
@@ -147,6 +184,18 @@ def main(argv: list[str]) -> int:
         )
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_bytes(gzipped(text))
+        if args.chglog is not None:
+            args.chglog.write_text(
+                chglog(
+                    releases,
+                    package=args.package,
+                    version=args.version,
+                    maintainer=args.maintainer,
+                    epoch=epoch,
+                    release=args.release,
+                ),
+                encoding="utf-8",
+            )
     except (ChangelogError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

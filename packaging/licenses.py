@@ -23,6 +23,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -45,6 +46,20 @@ PROJECT_URL = "https://llmgw.dev"
 DEFAULT_CONTACT = "llmgw developers <packages@llmgw.dev>"
 ROOT = Path(__file__).resolve().parent.parent
 DEP5_FORMAT = "https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/"
+FIRST_YEAR = 2026
+# llmgw's own licence, by reference (Debian policy 12.5: the common licences are not copied);
+# the file LICENSE of the sources and of the wheel holds its text.
+PROJECT_LICENCE_NOTE = (
+    "Licensed under the Apache License, Version 2.0 (the \"License\"); you may not use this "
+    "software except in compliance with the License. You may obtain a copy of the License at "
+    "https://www.apache.org/licenses/LICENSE-2.0\n\n"
+    "Unless required by applicable law or agreed to in writing, software distributed under "
+    "the License is distributed on an \"AS IS\" BASIS, WITHOUT WARRANTIES OR CONDITIONS OF "
+    "ANY KIND, either express or implied. See the License for the specific language "
+    "governing permissions and limitations under the License.\n\n"
+    "On Debian systems, the complete text of the Apache License, Version 2.0 is in "
+    "/usr/share/common-licenses/Apache-2.0."
+)
 
 # Trove classifiers -> SPDX (the classifiers that name one licence unambiguously).
 TROVE = {
@@ -331,12 +346,9 @@ def copyright_text(
     *,
     package: str = "llmgw-agent",
     contact: str = DEFAULT_CONTACT,
-    project_licence_text: str | None = None,
 ) -> str:
     """The DEP-5 copyright file of ``package`` (llmgw-agent and the bundle: everything the
     frozen program carries; llmgw-server: llmgw alone, whose program is llmgw-agent's)."""
-    if project_licence_text is None:
-        project_licence_text = (ROOT / "LICENSE").read_text(encoding="utf-8")
     bundles = package != "llmgw-server"
     header = [
         f"Format: {DEP5_FORMAT}",
@@ -359,13 +371,17 @@ def copyright_text(
         comment += " The llmgw program and what it bundles come with the llmgw-agent package."
     header.append(f"Comment:\n{_field_text(comment)}")
     paragraphs = ["\n".join(header)]
+    year = datetime.fromtimestamp(int(os.environ.get("SOURCE_DATE_EPOCH") or 0), UTC).year
+    years = f"{FIRST_YEAR}-{year}" if year > FIRST_YEAR else str(FIRST_YEAR)
     paragraphs.append(
         "\n".join(
             [
                 "Files: *",
-                "Copyright: llmgw developers",
+                f"Copyright: {years} llmgw developers",
                 f"License: {PROJECT_LICENCE}",
-                _field_text(project_licence_text),
+                _field_text(
+                    "\n\n".join(textwrap.fill(p, 78) for p in PROJECT_LICENCE_NOTE.split("\n\n"))
+                ),
             ]
         )
     )

@@ -231,7 +231,7 @@ render_docs() {
     "$PYTHON" packaging/licenses.py copyright --contents "$CONTENTS" --package "$package" \
         --contact "$MAINTAINER" --out "$dir/doc/copyright" || fatal "no copyright file for $package (above)"
     "$PYTHON" packaging/changelog.py --package "$package" --version "$VERSION" \
-        --maintainer "$MAINTAINER" --out "$dir/doc/changelog.gz" \
+        --maintainer "$MAINTAINER" --out "$dir/doc/changelog.gz" --chglog "$dir/doc/changelog.yml" --release 1 \
         || fatal "no changelog for $package (above): fix CHANGELOG.md"
     [ -f "packaging/lintian/$package" ] || fatal "packaging/lintian/$package is missing"
     cp "packaging/lintian/$package" "$dir/lintian/$package"
@@ -239,6 +239,10 @@ render_docs() {
         date=$(date -u -d "@$SOURCE_DATE_EPOCH" +%Y-%m-%d)
         "$PYTHON" packaging/manpages.py --version "$VERSION" --date "$date" --out "$dir/man" \
             || fatal "the manual pages did not generate (above)"
+        for page in "$dir/man"/*.1.gz; do
+            grep -qx "  - src: man/$(basename "$page")" packaging/nfpm-agent.yaml \
+                || fatal "packaging/nfpm-agent.yaml does not list man/$(basename "$page") for the rpm; add its entry beside the others"
+        done
         "$PYTHON" packaging/completions.py --out "$dir/completions" \
             || fatal "the shell completions did not generate (above)"
     fi
@@ -248,8 +252,15 @@ render_docs() {
 build_package() {
     package=$1 recipe=$2
     mkdir -p "$STAGE/out"
+    # nfpm would also turn the changelog into a .deb's (misnamed, unparsable) changelog.Debian.gz:
+    # the rpm's recipe alone names it.
+    # nfpm expands no variable in 'license:': the expression goes into the staged recipes.
+    sed "s|\${LLMGW_PKG_LICENSE}|$LLMGW_PKG_LICENSE|" "$recipe" >"$STAGE/$package/nfpm-deb.yaml"
+    { cat "$STAGE/$package/nfpm-deb.yaml" && printf '\nchangelog: doc/changelog.yml\n'; } \
+        >"$STAGE/$package/nfpm-rpm.yaml"
     for format in deb rpm; do
-        (cd "$STAGE/$package" && "$NFPM" package --config "$SOURCE/$recipe" \
+        config=$STAGE/$package/nfpm-$format.yaml
+        (cd "$STAGE/$package" && "$NFPM" package --config "$config" \
             --packager "$format" --target "$STAGE/out/") >"$STAGE/nfpm.log" 2>&1 \
             || { cat "$STAGE/nfpm.log" >&2; fatal "nfpm could not build the $package $format"; }
     done
