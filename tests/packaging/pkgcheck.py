@@ -10,6 +10,8 @@ the real one-folder build is checked by its own test when ``dist/`` holds one.
 
 from __future__ import annotations
 
+import json
+
 import os
 import shutil
 import subprocess
@@ -97,7 +99,18 @@ def make_standin(directory: Path, version: str) -> Path:
     program = directory / "llmgw"
     program.write_text(text.replace(marker, f'STANDIN_VERSION = "{version}"'))
     program.chmod(0o755)
+    write_standin_contents(directory.parent)
     return directory
+
+
+def write_standin_contents(where: Path) -> Path:
+    """The inventory scripts/packages.sh reads beside a build (make dist writes the real
+    one): the stand-in is llmgw's own script and bundles nothing else."""
+    path = where / ".contents-x64.json"
+    path.write_text(
+        json.dumps({"project": {"kind": "project", "name": "llmgw", "files": []}, "components": []})
+    )
+    return path
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ def test_deb_holds_its_unit_and_only_its_etc_file_as_conffile(
         )
         assert listing["/usr/lib/llmgw/llmgw"][0] == "-rwxr-xr-x"
         assert listing["/usr/bin/llmgw"][0].startswith("l")
-        assert listing["/usr/bin/llmgw"][2] == "/usr/lib/llmgw/llmgw"
+        assert listing["/usr/bin/llmgw"][2] == "../lib/llmgw/llmgw"  # relative (Debian policy 10.5)
         assert deb_field(deb, "Depends") == ""  # the stand-in needs no C library
     else:
         assert not any(p.startswith("/usr/lib/llmgw") for p in listing)
@@ -204,7 +204,18 @@ def test_deb_maintainer_scripts_branch_on_their_argument(
         assert "[ -d /run/systemd/system ] || return 0" in text
         assert not re.search(rf"systemctl (--no-reload )?(enable|start) .*{unit}", text)
     postinst = (control / "postinst").read_text()
-    assert "systemctl try-restart" in postinst
+    assert f"invoke try-restart {unit}" in postinst
+    # Through init-system-helpers (policy-rc.d honoured); systemctl itself, but for
+    # daemon-reload, only in the fallback function (lintian's maintainer-script-calls-systemctl
+    # rule, which the package's override names).
+    assert "deb-systemd-invoke" in postinst and "deb-systemd-helper enable" in postinst
+    for script in ("postinst", "prerm", "postrm"):
+        calls = [
+            line
+            for line in (control / script).read_text().splitlines()
+            if re.match(r"^(?:.+;)?\s*systemctl\b", line) and "daemon-reload" not in line
+        ]
+        assert calls in ([], ['    systemctl "$@"']), f"{script} calls systemctl: {calls}"
     assert '[ -n "$previous" ] || enable_path_units' in postinst
     expected = "llmgw-agent-update.path" if name == "llmgw-agent" else ""
     for script in ("postinst", "prerm", "postrm"):
@@ -372,7 +383,7 @@ def test_deb_install_upgrade_remove_purge(
         c.out("stat -c '%U %a' /srv/llmgw/models /srv/llmgw/cache").split("\n")
         == ["llmgw-agent 755"] * 2
     )
-    assert c.out("readlink /usr/bin/llmgw") == "/usr/lib/llmgw/llmgw"
+    assert c.out("readlink -f /usr/bin/llmgw") == "/usr/lib/llmgw/llmgw"
     assert c.out("llmgw --version") == f"llmgw {PREVIOUS}"
     assert c.out(f"test -f /lib/systemd/system/{unit} && echo yes") == "yes"
     assert unit_state(c, unit) == ("disabled", "inactive")
@@ -605,6 +616,71 @@ def test_rpm_install_upgrade_erase(
     assert c.sh(f"systemctl is-active {UPDATE_UNITS[0]}", check=False).stdout.strip() != "active"
     assert c.out("tail -n 1 /etc/llmgw/agent.yaml.rpmsave") == EDIT
     assert c.out("getent passwd llmgw-agent").startswith("llmgw-agent:")
+
+
+def test_rpm_first_install_follows_the_preset_policy(
+    container: Container, standin_packages: dict[str, Packages]
+) -> None:
+    """%post applies presets, not an unconditional enable: the package's own preset enables
+    the update trigger, and an administrator's preset that disables it wins."""
+    c = container
+    current = standin_packages[CURRENT]
+    rpm = "rpm --nodeps --force-debian"
+    c.sh("mkdir -p /etc/systemd/system-preset")
+    c.sh(f"echo 'disable {UPDATE_UNITS[0]}' >/etc/systemd/system-preset/10-site.preset")
+    c.sh(f"{rpm} -i {current.mounted('llmgw-agent', 'rpm')}")
+    assert c.out("ls /usr/lib/systemd/system-preset/80-llmgw-agent.preset")
+    assert unit_state(c, UPDATE_UNITS[0]) == ("disabled", "inactive")
+    assert unit_state(c, "llmgw-agent.service") == ("disabled", "inactive")
+    c.sh("rpm -e llmgw-agent && rm /etc/systemd/system-preset/10-site.preset")
+    # Debian's own default policy is 'enable *': the package's preset keeps the service off.
+    c.sh(f"{rpm} -i {current.mounted('llmgw-agent', 'rpm')}")
+    assert unit_state(c, UPDATE_UNITS[0]) == ("enabled", "active")
+    assert unit_state(c, "llmgw-agent.service") == ("disabled", "inactive")
+    assert unit_state(c, "llmgw-docker-proxy.service")[0] == "disabled"
+
+
+HELPER_STATE = "/var/lib/systemd/deb-systemd-helper-enabled"
+
+
+def test_deb_policy_rc_d_101_installs_without_starting_anything(
+    container: Container, standin_packages: dict[str, Packages]
+) -> None:
+    """An image build's policy-rc.d (exit 101) keeps every unit stopped during the install;
+    the enablement is in place for the machine that boots the image."""
+    c = container
+    current = standin_packages[CURRENT]
+    c.sh(
+        "printf '#!/bin/sh\\nexit 101\\n' >/usr/sbin/policy-rc.d && chmod 0755 /usr/sbin/policy-rc.d"
+    )
+    c.sh(f"dpkg -i {current.mounted('llmgw-agent', 'deb')}")
+    assert unit_state(c, UPDATE_UNITS[0]) == ("enabled", "inactive")
+    assert unit_state(c, "llmgw-agent.service") == ("disabled", "inactive")
+    # deb-systemd-helper recorded what it enabled (purge removes exactly that).
+    assert UPDATE_UNITS[0] in c.out(f"ls {HELPER_STATE}")
+    c.sh("rm /usr/sbin/policy-rc.d")
+    c.sh(f"systemctl start {UPDATE_UNITS[0]}")
+    assert unit_state(c, UPDATE_UNITS[0]) == ("enabled", "active")
+    c.sh("dpkg -P llmgw-agent")
+    assert "llmgw" not in c.sh(f"ls -R {HELPER_STATE}", check=False).stdout
+    assert c.sh(f"ls /etc/systemd/system/*.wants/{UPDATE_UNITS[0]}", check=False).returncode != 0
+
+
+def test_deb_without_init_system_helpers_falls_back_to_systemctl(
+    container: Container, standin_packages: dict[str, Packages]
+) -> None:
+    """Where init-system-helpers is missing, the scripts do the same with systemctl."""
+    c = container
+    current = standin_packages[CURRENT]
+    for helper in ("deb-systemd-helper", "deb-systemd-invoke"):
+        c.sh(f"mv /usr/bin/{helper} /usr/bin/{helper}.away")
+    c.sh(f"dpkg -i {current.mounted('llmgw-agent', 'deb')}")
+    assert unit_state(c, UPDATE_UNITS[0]) == ("enabled", "active")
+    assert unit_state(c, "llmgw-agent.service") == ("disabled", "inactive")
+    c.sh("dpkg -r llmgw-agent")
+    assert c.sh(f"systemctl is-active {UPDATE_UNITS[0]}", check=False).stdout.strip() != "active"
+    c.sh("dpkg -P llmgw-agent")
+    assert c.sh(f"ls /etc/systemd/system/*.wants/{UPDATE_UNITS[0]}", check=False).returncode != 0
 
 
 # ------------------------------------------------------------ the real one-folder build
