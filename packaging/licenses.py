@@ -50,11 +50,11 @@ FIRST_YEAR = 2026
 # llmgw's own licence, by reference (Debian policy 12.5: the common licences are not copied);
 # the file LICENSE of the sources and of the wheel holds its text.
 PROJECT_LICENCE_NOTE = (
-    "Licensed under the Apache License, Version 2.0 (the \"License\"); you may not use this "
+    'Licensed under the Apache License, Version 2.0 (the "License"); you may not use this '
     "software except in compliance with the License. You may obtain a copy of the License at "
     "https://www.apache.org/licenses/LICENSE-2.0\n\n"
     "Unless required by applicable law or agreed to in writing, software distributed under "
-    "the License is distributed on an \"AS IS\" BASIS, WITHOUT WARRANTIES OR CONDITIONS OF "
+    'the License is distributed on an "AS IS" BASIS, WITHOUT WARRANTIES OR CONDITIONS OF '
     "ANY KIND, either express or implied. See the License for the specific language "
     "governing permissions and limitations under the License.\n\n"
     "On Debian systems, the complete text of the Apache License, Version 2.0 is in "

@@ -11,7 +11,6 @@ the real one-folder build is checked by its own test when ``dist/`` holds one.
 from __future__ import annotations
 
 import json
-
 import os
 import shutil
 import subprocess
