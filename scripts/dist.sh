@@ -3,7 +3,13 @@
 # binary (the agent bundles' binary), a one-folder build (for the packages), the bundle
 # llmgw-agent-<version>-linux-<arch>.tar.gz, the wheel llmgw-<version>-py3-none-any.whl (the
 # operator CLI where there is no binary: pipx install), SHA256SUMS over dist/, and the figures:
-# each artifact's size and the median start-up time of `llmgw --version`.
+# each artifact's size (and what stripping the one-folder build's shared objects saved) and
+# the median start-up time of `llmgw --version`.
+# The bundle carries LICENSES (the DEP-5 copyright file of everything the binary bundles), the
+# manual pages and the shell completions; beside it goes its CycloneDX SBOM
+# (<bundle>.cdx.json). Both come from the build's inventory, dist/.contents-<arch>.json, which
+# packaging/inventory.py writes in the rootfs (every bundled file traced to its owner), and
+# which scripts/packages.sh reads for the packages' copyright files and SBOMs.
 #
 # Usage: scripts/dist.sh [--allow-missing-installer] [--version V] [x64|arm64]
 #                                              (make dist [ARCH=arm64] [VERSION=V])
@@ -484,7 +490,7 @@ for prefix, package in wanted.items():
 EOF
     info "binaries: built in $(($(date +%s) - started)) s"
     lock_out
-    rm -rf "$ONEFILE" "$ONEDIR" "$OUT/.inputs-$ARCH"
+    rm -rf "$ONEFILE" "$ONEDIR" "$OUT/.inputs-$ARCH" "$OUT/.contents-$ARCH.json" "$OUT/.strip-$ARCH"
     cp "$ROOTFS/build/out/onefile/llmgw" "$ONEFILE"
     cp -a "$ROOTFS/build/out/onedir/llmgw" "$ONEDIR"
     cp "$ROOTFS/build/out/contents.json" "$OUT/.contents-$ARCH.json"
@@ -511,8 +517,8 @@ stamp_version() {
 }
 
 binaries_are_current() {
-    [ -x "$ONEFILE" ] && [ -x "$ONEDIR/llmgw" ] \
-        && [ "$(cat "$OUT/.inputs-$ARCH" 2>/dev/null)" = "$INPUTS" ]
+    [ -x "$ONEFILE" ] && [ -x "$ONEDIR/llmgw" ] && [ -f "$OUT/.contents-$ARCH.json" ] \
+        && [ -f "$OUT/.strip-$ARCH" ] && [ "$(cat "$OUT/.inputs-$ARCH" 2>/dev/null)" = "$INPUTS" ]
 }
 
 # 6. each binary says its version, run here when it is of this machine's architecture (the

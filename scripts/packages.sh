@@ -204,12 +204,12 @@ render_agent_units() {
 # manual pages and completions of the program (llmgw-agent's)
 check_maintainer() {
     case $MAINTAINER in
-        *" <"*@*.*">") ;;
-        *) fatal "LLMGW_MAINTAINER '$MAINTAINER' is not 'Name <address@domain>'" ;;
-    esac
-    case $MAINTAINER in
         *@localhost* | *@*.local">" | *@*.localdomain">")
             fatal "LLMGW_MAINTAINER '$MAINTAINER' has no real mail host (Debian reads it as bogus); give the project's address" ;;
+    esac
+    case $MAINTAINER in
+        *" <"*@*.*">") ;;
+        *) fatal "LLMGW_MAINTAINER '$MAINTAINER' is not 'Name <address@domain>'" ;;
     esac
 }
 

@@ -279,3 +279,80 @@ def test_after_apt_install_man_completion_and_copyright(
     assert c.out("zcat /usr/share/doc/llmgw-agent/changelog.gz | head -n 1").startswith(
         f"llmgw-agent ({built.version})"
     )
+
+
+# ---------------------------------------------------------------------------- build settings
+
+
+def test_the_maintainer_is_a_build_setting_and_a_bogus_one_is_refused(tmp_path: Path) -> None:
+    from .pkgcheck import make_standin, nfpm_path
+
+    standin = make_standin(tmp_path / "standin", "0.1.0")
+    script = ROOT / "scripts" / "packages.sh"
+    base = {**os.environ, "NFPM": str(nfpm_path())}
+    out = tmp_path / "out"
+    refused = subprocess.run(
+        [str(script), "--binary", str(standin), "--out", str(out)],
+        env={**base, "LLMGW_MAINTAINER": "llmgw <llmgw@localhost>"},
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode != 0 and "no real mail host" in refused.stderr
+    assert not out.exists() or not list(out.iterdir()), "nothing is written when refused"
+    refused = subprocess.run(
+        [str(script), "--binary", str(standin), "--out", str(out)],
+        env={**base, "LLMGW_MAINTAINER": "just a name"},
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode != 0 and "is not 'Name <address@domain>'" in refused.stderr
+    # Given, it is the packages' maintainer; by default the project's address.
+    (out / "SHA256SUMS").parent.mkdir(parents=True, exist_ok=True)
+    (out / "SHA256SUMS").write_text("")
+    made = subprocess.run(
+        [str(script), "--binary", str(standin), "--out", str(out)],
+        env={**base, "LLMGW_MAINTAINER": "Ops Team <ops@example.org>"},
+        capture_output=True,
+        text=True,
+    )
+    assert made.returncode == 0, made.stderr
+    packages = Packages("0.1.0", out)
+    deb = packages.path("llmgw-agent", "deb")
+    maintainer = run("dpkg-deb", "-f", deb, "Maintainer").stdout.strip()
+    assert maintainer == "Ops Team <ops@example.org>"
+    # An OUT that keeps a SHA256SUMS (dist/) gets it rewritten over the packages and SBOMs.
+    sums = (out / "SHA256SUMS").read_text()
+    assert f"  {deb.name}\n" in sums and f"  {deb.name}.cdx.json\n" in sums
+    default = tmp_path / "default"
+    made = subprocess.run(
+        [str(script), "--binary", str(standin), "--out", str(default)],
+        env={k: v for k, v in base.items() if k != "LLMGW_MAINTAINER"},
+        capture_output=True,
+        text=True,
+    )
+    assert made.returncode == 0, made.stderr
+    deb = Packages("0.1.0", default).path("llmgw-server", "deb")
+    assert run("dpkg-deb", "-f", deb, "Maintainer").stdout.strip() == (
+        "llmgw developers <packages@llmgw.dev>"
+    )
+
+
+def test_packages_without_the_builds_inventory_are_refused(tmp_path: Path) -> None:
+    from .pkgcheck import make_standin, nfpm_path
+
+    standin = make_standin(tmp_path / "standin", "0.1.0")
+    (tmp_path / ".contents-x64.json").unlink()
+    result = subprocess.run(
+        [
+            str(ROOT / "scripts" / "packages.sh"),
+            "--binary",
+            str(standin),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        env={**os.environ, "NFPM": str(nfpm_path())},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0
+    assert "no inventory of the build" in result.stderr and "--contents" in result.stderr
