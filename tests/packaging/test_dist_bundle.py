@@ -138,6 +138,22 @@ def test_without_the_agent_unit_it_refuses_unless_told(tmp_path: Path) -> None:
     assert not any("/systemd/" in name for name in members(out))
 
 
+def test_generated_docs_go_in_as_they_lie_and_licenses_are_required(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    (docs / "man" / "man1").mkdir(parents=True)
+    (docs / "man" / "man1" / "llmgw.1.gz").write_bytes(b"page")
+    with pytest.raises(bundle.BundleError, match="has no LICENSES"):
+        bundle.build_bundle(a_binary(tmp_path), arch="x64", out_dir=tmp_path / "out", docs=docs)
+    (docs / "LICENSES").write_text("Format: ...\n")
+    out, _ = bundle.build_bundle(
+        a_binary(tmp_path), arch="x64", out_dir=tmp_path / "out", docs=docs
+    )
+    found = members(out)
+    top = next(iter(found)).split("/")[0]
+    assert found[f"{top}/LICENSES"].mode == 0o644
+    assert f"{top}/man/man1/llmgw.1.gz" in found
+
+
 def test_a_binary_above_the_glibc_floor_is_refused(tmp_path: Path) -> None:
     root = fake_tree(tmp_path / "src", installer=True, unit=True)
     with pytest.raises(bundle.BundleError, match=r"needs glibc 2\.\d+, above the floor of 2\.1\b"):
@@ -202,6 +218,16 @@ def test_the_dist_bundle(dist_x64: Dist) -> None:
     assert {name.split("/")[0] for name in found} == {top}
     names = {name.removeprefix(f"{top}/") for name in found}
     assert {"llmgw", "agent.example.yaml", "README.md", "BUILD-INFO"} <= names
+    # What the build generates for it: the licences of everything bundled, the manual pages
+    # and the shell completions (tests/packaging/test_lint.py checks what they say).
+    assert {
+        "LICENSES",
+        "man/man1/llmgw.1.gz",
+        "man/man1/llmgw-ctl.1.gz",
+        "completions/llmgw.bash",
+        "completions/_llmgw",
+        "completions/llmgw.fish",
+    } <= names
     # The installer and the agent's units: exactly what the checkout has.
     installer = ROOT / "installer" / "install-agent.sh"
     assert "install-agent.sh" in names, "the bundle has no installer: build it with 'make dist'"
@@ -232,7 +258,12 @@ def test_dist_sha256sums_check(dist_x64: Dist) -> None:
     with open(sums.parent / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_SH)
         listed = {line.split("  ", 1)[1] for line in sums.read_text().splitlines()}
-        assert {dist_x64.onefile.name, dist_x64.bundle.name, "llmgw-onedir-x64/llmgw"} <= listed
+        assert {
+            dist_x64.onefile.name,
+            dist_x64.bundle.name,
+            f"{dist_x64.bundle.name}.cdx.json",
+            "llmgw-onedir-x64/llmgw",
+        } <= listed
         subprocess.run(
             ["sha256sum", "--check", "--quiet", "SHA256SUMS"], cwd=sums.parent, check=True
         )
