@@ -236,7 +236,6 @@ parse_args() {
 
 main() {
     parse_args "$@"
-    SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
     CACHE=$TEST_CACHE
     variant=""
     if [ "$DOCKER" = 1 ]; then
@@ -256,8 +255,10 @@ main() {
 
     check_tools
     if ! image_is_current; then
-        # One build at a time (test runs may start together), locked on this very script.
-        exec 9<"$SELF"
+        # One build of an image at a time (test runs, or .ci/run's parallel builds, may start
+        # together); images of other recipes build beside it.
+        mkdir -p "$CACHE"
+        exec 9>"$CACHE/.systemd-image-$KEY.lock"
         flock 9
         if ! image_is_current; then
             ensure_rootfs
