@@ -255,10 +255,15 @@ main() {
 
     check_tools
     if ! image_is_current; then
-        # One build of an image at a time (test runs, or .ci/run's parallel builds, may start
-        # together); images of other recipes build beside it.
-        mkdir -p "$CACHE"
-        exec 9>"$CACHE/.systemd-image-$KEY.lock"
+        # One build of an image at a time (test runs, or .ci/run's side-by-side builds, may
+        # start together): a lock per recipe in the cache, so that other images build beside
+        # it. Where the cache is not writable (root filled it; this run only imports a cached
+        # rootfs), a read-only lock on this very script, which needs no writable place.
+        if mkdir -p "$CACHE" 2>/dev/null && [ -w "$CACHE" ]; then
+            exec 9>"$CACHE/.systemd-image-$KEY.lock"
+        else
+            exec 9<"$0"
+        fi
         flock 9
         if ! image_is_current; then
             ensure_rootfs
