@@ -11,7 +11,8 @@ few and small; the gateway's request path never writes.
 
 When the database stops answering (a restart, a fail-over), calls fail at once with
 :class:`~llmgw.errors.StoreUnavailable` instead of each waiting out a timeout on the event
-loop, and a background thread probes until it answers again (:attr:`unreachable_since`).
+loop, and a background thread probes until it answers again (:attr:`unreachable_since`), then
+puts a new pool in place of the broken one, whose own reconnection has backed off meanwhile.
 libpq's multiple hosts with ``target_session_attrs=read-write`` find the new primary.
 """
 
@@ -121,6 +122,27 @@ def _conninfo(location: Location, **extra: str) -> str:
     return psycopg.conninfo.make_conninfo(**params)
 
 
+def _open_pool(location: Location) -> ConnectionPool:
+    """The store's pool, open with its first connection (PoolTimeout when none comes)."""
+    pool = ConnectionPool(
+        _conninfo(location),
+        min_size=1,
+        max_size=4,
+        open=False,
+        timeout=POOL_TIMEOUT,
+        configure=_configure,
+        check=ConnectionPool.check_connection,
+        kwargs={"autocommit": True, "row_factory": _row_factory},
+        name="llmgw-store",
+    )
+    try:
+        pool.open(wait=True, timeout=POOL_TIMEOUT * 2)
+    except PoolTimeout:
+        pool.close()
+        raise
+    return pool
+
+
 def connect_once(location: Location, **extra: str) -> psycopg.Connection[Any]:
     """One connection outside the pool (start-up checks, the migrate command, LISTEN), its
     failure as the error that says which of the usual causes it is."""
@@ -150,6 +172,7 @@ class PostgresDatabase(Database):
         self.recovered_at: float | None = None
         self.last_error = ""
         self._probe: threading.Thread | None = None
+        self._swap = threading.Lock()  # the probe's new pool against close()
 
     @classmethod
     def open(
@@ -158,21 +181,9 @@ class PostgresDatabase(Database):
         """Connect (one connection first, so that a refusal says why), then open the pool."""
         first = connect_once(location)
         first.close()
-        pool = ConnectionPool(
-            _conninfo(location),
-            min_size=1,
-            max_size=4,
-            open=False,
-            timeout=POOL_TIMEOUT,
-            configure=_configure,
-            check=ConnectionPool.check_connection,
-            kwargs={"autocommit": True, "row_factory": _row_factory},
-            name="llmgw-store",
-        )
         try:
-            pool.open(wait=True, timeout=POOL_TIMEOUT * 2)
+            pool = _open_pool(location)
         except PoolTimeout as exc:
-            pool.close()
             raise StoreUnavailable(
                 f"database {location.display} accepted one connection but the pool could not "
                 "open; check the server's max_connections and retry"
@@ -180,8 +191,9 @@ class PostgresDatabase(Database):
         return cls(pool, location, clock=clock)
 
     def close(self) -> None:
-        if self._pool is not None:
+        with self._swap:
             pool, self._pool = self._pool, None
+        if pool is not None:
             pool.close(timeout=2.0)
 
     @property
@@ -231,6 +243,8 @@ class PostgresDatabase(Database):
                 continue
             except ConfigError:
                 continue
+            if not self._renew_pool():
+                continue
             down = time.time() - (self.unreachable_since or time.time())
             self.recovered_at = time.monotonic()
             self.unreachable_since = None
@@ -238,15 +252,35 @@ class PostgresDatabase(Database):
                 "the database answers again", extra=kv(database=self.path, down_s=round(down, 1))
             )
 
+    def _renew_pool(self) -> bool:
+        """Put a new pool, opened, in place of the one the outage broke: after an outage of
+        seconds the old pool's own reconnection backs off for as long again, and every call
+        meanwhile would find it empty and report the database away once more. False when the
+        new pool cannot open yet (the probe tries again) or the database was closed."""
+        try:
+            fresh = _open_pool(self.location)
+        except (PoolTimeout, ConfigError) as exc:
+            self.last_error = _first_line(exc)
+            return False
+        with self._swap:
+            old, self._pool = self._pool, (fresh if self._pool is not None else None)
+        if old is None:
+            fresh.close(timeout=2.0)
+            return False
+        # Connections still out are closed as they come back.
+        old.close(timeout=2.0)
+        return True
+
     @contextlib.contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[Any]]:
         if self._tx is not None:
             yield self._tx
             return
+        pool = self.pool  # a closed store says so, outage or not
         if self.unreachable_since is not None:
             raise self._unavailable()
         try:
-            with self.pool.connection() as conn:
+            with pool.connection() as conn:
                 yield conn
         except PoolTimeout as exc:
             raise self._lost(exc) from exc

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psycopg_pool.base
 import pytest
 
 from llmgw.errors import ConfigError, StoreError, StoreUnavailable
@@ -142,6 +143,54 @@ def test_an_outage_fails_calls_at_once_and_heals(pg_cluster: Any, tmp_path: Path
         store.put_model("m2", engine="sim", params={}, replicas=1)
     finally:
         store.close()
+
+
+def test_once_the_database_answers_again_calls_succeed_at_once(
+    pg_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After a long outage the pool's own reconnection has backed off for about as long (1,
+    # 2, 4, 8, 16 s ...). Set its first delay to 60 s: what a minute away leaves. Once the
+    # store says the database answers again, the next call must not find that pool empty,
+    # fail, and report the database away once more.
+    monkeypatch.setattr(psycopg_pool.base.AttemptWithBackoff, "INITIAL_DELAY", 60.0)
+    store = Store.open(_location(pg_cluster, tmp_path))
+    database: Any = store.database
+    try:
+        store.put_model("m", engine="sim", params={}, replicas=1)
+        pg_cluster.stop()
+        try:
+            with pytest.raises(StoreUnavailable):
+                store.list_models()
+        finally:
+            pg_cluster.start()
+        deadline = time.monotonic() + 30
+        while database.unreachable_since is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert database.unreachable_since is None, "the probe did not see the database back"
+        assert [m.name for m in store.list_models()] == ["m"]
+        store.put_model("m2", engine="sim", params={}, replicas=1)
+        assert database.unreachable_since is None
+    finally:
+        store.close()
+
+
+def test_a_store_closed_during_an_outage_stays_closed(pg_cluster: Any, tmp_path: Path) -> None:
+    # The probe must not put a new pool into a store closed meanwhile.
+    store = Store.open(_location(pg_cluster, tmp_path))
+    database: Any = store.database
+    pg_cluster.stop()
+    try:
+        with pytest.raises(StoreUnavailable):
+            store.list_models()
+        store.close()
+    finally:
+        pg_cluster.start()
+    probe = database._probe
+    if probe is not None:
+        probe.join(timeout=10)
+        assert not probe.is_alive()
+    with pytest.raises(StoreError, match="is closed"):
+        store.list_models()
 
 
 def test_a_closed_store_says_so(pg_cluster: Any, tmp_path: Path) -> None:
