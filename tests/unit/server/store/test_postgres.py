@@ -175,7 +175,9 @@ def test_once_the_database_answers_again_calls_succeed_at_once(
 
 
 def test_a_store_closed_during_an_outage_stays_closed(pg_cluster: Any, tmp_path: Path) -> None:
-    # The probe must not put a new pool into a store closed meanwhile.
+    # Closed mid-outage, the store says it is closed (not that the database is away), its
+    # probe ends, and a new pool the probe opens once the database answers (close() coming
+    # between the probe's connect and its swap) is closed, not put in place.
     store = Store.open(_location(pg_cluster, tmp_path))
     database: Any = store.database
     pg_cluster.stop()
@@ -186,9 +188,10 @@ def test_a_store_closed_during_an_outage_stays_closed(pg_cluster: Any, tmp_path:
     finally:
         pg_cluster.start()
     probe = database._probe
-    if probe is not None:
-        probe.join(timeout=10)
-        assert not probe.is_alive()
+    assert probe is not None, "the outage started no probe"
+    probe.join(timeout=10)
+    assert not probe.is_alive()
+    assert database._renew_pool() is False
     with pytest.raises(StoreError, match="is closed"):
         store.list_models()
 
