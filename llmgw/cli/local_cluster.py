@@ -315,6 +315,10 @@ class LocalCluster:
         ]
 
     async def stop(self) -> None:
+        if self._lock_fd is None:
+            # Never started: the state directory may be another 'llmgw up''s, whose engines
+            # and agent are not ours to stop.
+            return
         if self.agent is not None and self.agent.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.agent.send_signal(signal.SIGTERM)

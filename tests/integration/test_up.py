@@ -15,6 +15,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from llmgw.agent.records import ShardRecords
+from llmgw.procutil import process_start_time
 from tests.integration.harness import (
     LLMGW,
     Up,
@@ -231,6 +233,16 @@ def test_up_refuses_a_state_dir_in_use(up: Up) -> None:
     )
     assert out.returncode == 2
     assert f"another 'llmgw up' is running on {up.state_dir}" in out.stderr
+    # Refused before anything else: the first cluster's engines are untouched and serve.
+    assert "left behind" not in out.stderr
+    engines = [(r.pid, r.start_time) for r in ShardRecords(up.state_dir / "agent").load()]
+    assert engines
+    assert all(process_start_time(pid) == start for pid, start in engines)
+    client = openai.OpenAI(base_url=up.base_url, api_key=up.api_key)
+    reply = client.chat.completions.create(
+        model="llmgw-sim", messages=[{"role": "user", "content": "still there?"}]
+    )
+    assert reply.choices[0].message.content
 
 
 def test_sigterm_stops_it_too(tmp_path: Path) -> None:
