@@ -12,6 +12,7 @@ a new module added below.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -120,3 +121,31 @@ for _command in (
     engine_check,
 ):
     ctl.add_command(_command)
+
+
+def _json_after(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    c = ctx.find_object(Ctl)
+    if value and c is not None:
+        c.as_json = True
+
+
+def _every_command(group: click.Group) -> Iterator[click.Command]:
+    for command in group.commands.values():
+        yield command
+        if isinstance(command, click.Group):
+            yield from _every_command(command)
+
+
+# Users put --json where they put every other option, after the subcommand: each command takes
+# it there too ('ctl nodes --json' as 'ctl --json nodes'), unless it has a --json of its own.
+for _command in _every_command(ctl):
+    if not any("--json" in p.opts for p in _command.params):
+        _command.params.append(
+            click.Option(
+                ["--json"],
+                is_flag=True,
+                expose_value=False,
+                callback=_json_after,
+                help="Print JSON for scripts instead of text (as 'llmgw ctl --json').",
+            )
+        )

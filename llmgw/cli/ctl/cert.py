@@ -14,7 +14,7 @@ import click
 from llmgw import caexport, netaddr, pki
 from llmgw.cli.common import Duration, ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
-from llmgw.cli.ctl.output import echo_json, until
+from llmgw.cli.ctl.output import echo_json, until, wants_json
 from llmgw.cli.prompts import read_secret
 from llmgw.client import ADMIN_PASSWORD_ENV
 from llmgw.errors import ClientError, FileError
@@ -206,6 +206,9 @@ def _check_out(out: Path, force: bool) -> None:
 def init_ca(directory: Path) -> None:
     """Create a new cluster CA in --dir (refuses to overwrite an existing one)."""
     authority = pki.init_ca(directory)
+    if wants_json():
+        echo_json({"directory": str(authority.directory), "ca_hash": authority.ca_hash()})
+        return
     click.echo(f"created CA in {authority.directory}")
     click.echo(f"ca-hash: {authority.ca_hash()}")
 
@@ -229,6 +232,16 @@ def issue_client(node: str, directory: Path, out_dir: Path) -> None:
         netaddr.check_node_id_free(node, pki.control_plane_names(pki.load_cert(server_cert)))
     identity = pki.issue_node_cert(authority, node, out_dir)
     key_fp = pki.fingerprint(pki.load_cert(identity.cert).public_key())
+    if wants_json():
+        echo_json(
+            {
+                "certificate": str(identity.cert),
+                "key": str(identity.key),
+                "ca": str(identity.ca),
+                "fingerprint": key_fp,
+            }
+        )
+        return
     click.echo(f"certificate: {identity.cert}")
     click.echo(f"key:         {identity.key}")
     click.echo(f"ca:          {identity.ca}")

@@ -3,13 +3,14 @@ pass it, against the engine's own ``--help`` (run here, or given)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import click
 
 from llmgw.cli.common import Duration, ReportingCommand
-from llmgw.cli.ctl.output import table
+from llmgw.cli.ctl.output import echo_json, table, wants_json
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG
 from llmgw.engines.check import AgentEngines, CheckReport, FoundEngine, check_engine
 from llmgw.engines.registry import AVAILABLE_ENGINES
@@ -111,7 +112,10 @@ def engine_check(
 
         agent = AgentEngines(agent_config, find)
     report = check_engine(engine, help_text=text, binary=binary, agent=agent, timeout=timeout)
-    click.echo(render(report))
+    if wants_json():
+        echo_json({**dataclasses.asdict(report), "missing": report.missing})
+    else:
+        click.echo(render(report))
     for warning in report.warnings:
         click.echo(f"warning: {warning}", err=True)
     missing = report.missing
@@ -121,4 +125,5 @@ def engine_check(
             f"may pass it: {', '.join(missing)} (engine version: {report.version}); upgrade "
             "the engine to one that has them, or deploy its models with another engine"
         )
-    click.echo(f"ok: all {len(report.flags)} flags are documented")
+    if not wants_json():
+        click.echo(f"ok: all {len(report.flags)} flags are documented")

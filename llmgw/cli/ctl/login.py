@@ -52,6 +52,9 @@ def logout(c: Ctl) -> None:
     """End this server's login (here and at the control plane)."""
     target = c.client.candidates[0]
     if target.account is None:
+        if c.as_json:
+            echo_json({"server": target.server, "account": None, "signed_out": False})
+            return
         click.echo(f"not signed in to {target.server}; nothing to do")
         return
     try:
@@ -60,6 +63,9 @@ def logout(c: Ctl) -> None:
         if exc.status != 401:  # 401: it had ended there already
             raise
     forget_login(target.server)
+    if c.as_json:
+        echo_json({"server": target.server, "account": target.account, "signed_out": True})
+        return
     click.echo(f"signed out of {target.server} ({target.account})")
 
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import click
 
-__all__ = ["ago", "count", "echo_json", "table", "until"]
+__all__ = ["ago", "count", "echo_json", "table", "until", "wants_json"]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -58,3 +58,11 @@ def until(ts: float | None) -> str:
 
 def echo_json(data: object) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+def wants_json() -> bool:
+    """Whether ``--json`` was given, before or after the subcommand: for the commands that
+    need no control plane and so take no ``Ctl`` (``cert init-ca``, ``engine-check``)."""
+    ctx = click.get_current_context(silent=True)
+    obj = None if ctx is None else ctx.obj
+    return bool(getattr(obj, "as_json", False))
