@@ -25,7 +25,7 @@ from llmgw.server.states import ReplicaState, ShardState, health_change
 from llmgw.server.store import Store
 from llmgw.server.stream import NodeSession
 
-__all__ = ["AgentReports", "record_health", "store_inventory"]
+__all__ = ["AgentReports", "inventory_changes", "record_health", "store_inventory"]
 
 log = logging.getLogger("llmgw.server.reports")
 
@@ -45,6 +45,119 @@ def _inventory_summary(inv: pb.Inventory) -> str:
     return text
 
 
+def _gib(n: Any) -> str:
+    return f"{int(n or 0) / 2**30:.1f} GiB"
+
+
+def _listed(label: str, before: Any, after: Any) -> list[str]:
+    """``label: +x -y`` for what a list gained and lost, or nothing."""
+    old, new = list(before or []), list(after or [])
+    gained = [x for x in new if x not in old]
+    lost = [x for x in old if x not in new]
+    if not gained and not lost:
+        return []
+    return [f"{label}: " + " ".join([*(f"+{x}" for x in gained), *(f"-{x}" for x in lost)])]
+
+
+def _gpu_changes(before: Any, after: Any) -> list[str]:
+    old = {g.get("uuid") or str(g.get("index")): g for g in before or []}
+    new = {g.get("uuid") or str(g.get("index")): g for g in after or []}
+    changes = []
+    for key, gpu in new.items():
+        was = old.get(key)
+        if was is None:
+            changes.append(f"GPU {gpu.get('index')} found ({gpu.get('name')})")
+        elif (was.get("name"), was.get("memory_total_mib")) != (
+            gpu.get("name"),
+            gpu.get("memory_total_mib"),
+        ):
+            changes.append(
+                f"GPU {gpu.get('index')}: {was.get('name')} {was.get('memory_total_mib')} MiB "
+                f"-> {gpu.get('name')} {gpu.get('memory_total_mib')} MiB"
+            )
+    changes.extend(f"GPU {gpu.get('index')} lost" for key, gpu in old.items() if key not in new)
+    return changes
+
+
+def _engine_changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
+    def versions(inv: Mapping[str, Any]) -> dict[str, str]:
+        found = {str(name): "" for name in inv.get("engines") or []}
+        for detail in inv.get("engine_details") or []:
+            if detail.get("name") in found:
+                found[detail["name"]] = str(detail.get("version") or "")
+        return found
+
+    old, new = versions(before), versions(after)
+    parts = [f"+{name} {new[name]}".rstrip() for name in new if name not in old]
+    parts += [f"-{name}" for name in old if name not in new]
+    parts += [
+        f"{name} {old[name] or '?'} -> {new[name] or '?'}"
+        for name in new
+        if name in old and old[name] != new[name]
+    ]
+    return ["engines: " + ", ".join(parts)] if parts else []
+
+
+def _port_states(inv: Mapping[str, Any]) -> dict[str, str]:
+    return {
+        f"{a.get('name')} port {p.get('port')}": str(p.get("state"))
+        for a in inv.get("ib_adapters") or []
+        for p in a.get("ports") or []
+    }
+
+
+def inventory_changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
+    """What an operator would want told about a node's new inventory: GPUs found, lost or
+    changed, engines added, removed or upgraded, the driver, the fabric ports' states, model
+    sources, warnings. Volatile figures (free disk and memory, GPU memory in use) are none
+    of it: they change with every report and would flood the events."""
+    changes: list[str] = []
+    for key, label in (("hostname", "host name"), ("arch", "architecture"), ("cpus", "CPUs")):
+        if before.get(key) != after.get(key):
+            changes.append(f"{label}: {before.get(key)} -> {after.get(key)}")
+    for key, label in (("memory_total_bytes", "memory"), ("disk_total_bytes", "disk")):
+        if before.get(key) != after.get(key):
+            changes.append(f"{label}: {_gib(before.get(key))} -> {_gib(after.get(key))}")
+    changes.extend(_gpu_changes(before.get("gpus"), after.get("gpus")))
+    for key, label in (("gpu_status", "GPU status"), ("driver_version", "driver")):
+        if (before.get(key) or "") != (after.get(key) or ""):
+            changes.append(f"{label}: {before.get(key) or '-'} -> {after.get(key) or '-'}")
+    changes.extend(_engine_changes(before, after))
+    old_ports, new_ports = _port_states(before), _port_states(after)
+    changes.extend(
+        f"{port}: {old_ports.get(port, 'absent')} -> {new_ports.get(port, 'absent')}"
+        for port in sorted(set(old_ports) | set(new_ports))
+        if old_ports.get(port) != new_ports.get(port)
+    )
+    changes.extend(
+        _listed(
+            "fabrics",
+            [
+                f"{f.get('name')}{'' if f.get('healthy') else ' (unhealthy)'}"
+                for f in before.get("fabrics") or []
+            ],
+            [
+                f"{f.get('name')}{'' if f.get('healthy') else ' (unhealthy)'}"
+                for f in after.get("fabrics") or []
+            ],
+        )
+    )
+    changes.extend(
+        _listed(
+            "model sources",
+            [e.get("name") for e in (before.get("sources") or {}).get("entries") or []],
+            [e.get("name") for e in (after.get("sources") or {}).get("entries") or []],
+        )
+    )
+    changes.extend(_listed("warnings", before.get("warnings"), after.get("warnings")))
+    if (before.get("multinode_ports") or "") != (after.get("multinode_ports") or ""):
+        changes.append(
+            f"multi-node ports: {before.get('multinode_ports') or 'default'} -> "
+            f"{after.get('multinode_ports') or 'default'}"
+        )
+    return changes
+
+
 def store_inventory(store: Store, session: NodeSession, inv: pb.Inventory) -> None:
     """Record an approved node's inventory (the caller lets the scheduler look at it)."""
     session.engines = frozenset(inv.engines)
@@ -57,7 +170,12 @@ def store_inventory(store: Store, session: NodeSession, inv: pb.Inventory) -> No
         inventory=stored,
         connected=True,
     )
-    store.add_event("inventory_changed", session.node_id, _inventory_summary(inv))
+    if not node.inventory:
+        store.add_event("inventory_changed", session.node_id, _inventory_summary(inv))
+    else:
+        changes = inventory_changes(node.inventory, stored)
+        if changes:
+            store.add_event("inventory_changed", session.node_id, "; ".join(changes))
     record_health(store, session.node_id, node.inventory, stored)
 
 
