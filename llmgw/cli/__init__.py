@@ -13,12 +13,20 @@ stderr and the error's exit code.
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from llmgw import __version__
 from llmgw.cli.common import LazyCommand, LazyGroup
 
 __all__ = ["COMMANDS", "main"]
+
+# gRPC's fork handlers serve programs that fork and go on using gRPC in the child; llmgw only
+# forks to exec another program, and with them on, every such fork while gRPC is busy prints
+# "fork_posix.cc ... skipping fork() handlers" (before 'llmgw up''s banner). Read by gRPC's
+# core when it starts, so set before any subcommand imports grpc; an operator's value wins.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
 # Plain import statements (not importlib with a module name), so that PyInstaller's analysis

@@ -19,9 +19,14 @@ configuration files.
 
 from __future__ import annotations
 
+import contextlib
+import shlex
+import shutil
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import click
@@ -29,7 +34,14 @@ import click
 from llmgw.durations import format_duration, parse_duration
 from llmgw.errors import ConfigError, LlmgwError
 
-__all__ = ["Duration", "LazyCommand", "LazyGroup", "ReportingCommand", "ReportingGroup"]
+__all__ = [
+    "Duration",
+    "LazyCommand",
+    "LazyGroup",
+    "ReportingCommand",
+    "ReportingGroup",
+    "typed_command",
+]
 
 
 @contextmanager
@@ -143,3 +155,28 @@ class Duration(click.ParamType):
                 self.fail(f"must be a whole number of seconds; got {value!r}", param, ctx)
             return int(seconds)
         return seconds
+
+
+def typed_command() -> str:
+    """How the user can type this very llmgw in the shell they started it from: ``llmgw``
+    when that is what their PATH finds, else its path (``.venv/bin/llmgw`` after ``make
+    run``, whose venv is not activated), or ``PYTHON -m llmgw``; shell-quoted."""
+    if getattr(sys, "frozen", False):
+        me, module = Path(sys.executable), False
+    else:
+        me = Path(sys.argv[0] or "llmgw")
+        module = me.name == "__main__.py"
+        if module:
+            me = Path(sys.executable)
+    if not module:
+        found = shutil.which("llmgw")
+        with contextlib.suppress(OSError):
+            if found and Path(found).resolve() == me.resolve():
+                return "llmgw"
+    here = Path.cwd()
+    try:
+        path = str(me.absolute().relative_to(here))
+        path = path if "/" in path else f"./{path}"
+    except ValueError:
+        path = str(me.absolute())
+    return f"{shlex.quote(path)} -m llmgw" if module else shlex.quote(path)

@@ -27,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from llmgw.agent.records import ShardRecords
+from llmgw.cli.common import typed_command
 from llmgw.client import default_up_state_dir, write_ctl_config
 from llmgw.contracts.endpoints import PATHS
 from llmgw.contracts.ports import (
@@ -260,7 +261,7 @@ class LocalCluster:
             await asyncio.sleep(0.05)
         raise LlmgwError(
             f"model {UP_MODEL} was not ready after {self.opts.ready_timeout:.0f}s; see "
-            f"{self.opts.state_dir / 'logs'} and 'llmgw ctl replicas'"
+            f"{self.opts.state_dir / 'logs'} and '{typed_command()} ctl replicas'"
         )
 
     def banner(self) -> str:
@@ -270,10 +271,11 @@ class LocalCluster:
         q = shlex.quote
         base = f"http://{self.cp.http_addr}/v1"
         body = json.dumps({"model": UP_MODEL, "messages": [{"role": "user", "content": "Hello!"}]})
-        # ctl finds this cluster's ctl.yaml by itself in the default state directory only.
-        ctl = "llmgw ctl"
+        # ctl finds this cluster's ctl.yaml by itself in the default state directory only; and
+        # the llmgw that 'make run' started is in .venv/bin, which is not on the PATH.
+        ctl = f"{typed_command()} ctl"
         if self.opts.state_dir != default_up_state_dir().expanduser().absolute():
-            ctl = f"LLMGW_STATE_DIR={q(str(self.opts.state_dir))} llmgw ctl"
+            ctl = f"LLMGW_STATE_DIR={q(str(self.opts.state_dir))} {ctl}"
         return "\n".join(
             [
                 "llmgw is up: control plane, one agent, model llmgw-sim.",

@@ -54,6 +54,14 @@ def json_error(
     return web.json_response(body, status=status)
 
 
+def _browser_at_root(request: web.Request) -> bool:
+    return (
+        request.path == "/"
+        and request.method in ("GET", "HEAD")
+        and "text/html" in request.headers.get("Accept", "")
+    )
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -61,6 +69,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise  # a redirect, or an error that already has its JSON body
+        if exc.status == 404 and _browser_at_root(request):
+            # Someone typed the control plane's address into a browser: the console is there.
+            raise web.HTTPFound("/ui/") from None
         code = _CODES.get(exc.status, "bad_request" if exc.status < 500 else "server_error")
         path = request.path[:100]
         log.info(
@@ -74,7 +85,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             ),
         )
         hint = (
-            "see GET /v1/models and the admin API under /api"
+            "the OpenAI API is under /v1 (GET /v1/models), the web console at /ui/ and the "
+            "admin API under /api"
             if exc.status in (404, 405)
             else "see the API's documentation"
         )

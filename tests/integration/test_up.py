@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +46,16 @@ def test_banner_has_url_key_and_curl_line(up: Up) -> None:
     assert up.base_url.startswith("http://127.0.0.1:") and up.base_url.endswith("/v1")
     assert up.api_key.startswith("sk-llmgw-")
     assert f"curl -s {up.base_url}/chat/completions -H 'Authorization: Bearer {up.api_key}'" in text
+    # A quiet start: nothing of gRPC's own (its fork handlers' "skipping fork() handlers").
+    assert "fork_posix" not in text and "fork()" not in text, text
+
+
+def test_a_browser_at_the_root_lands_on_the_console(up: Up) -> None:
+    root = up.base_url.removesuffix("/v1") + "/"
+    page = urllib.request.urlopen(urllib.request.Request(root, headers={"Accept": "text/html"}))
+    assert page.status == 200
+    assert urllib.parse.urlsplit(page.url).path.startswith("/ui/"), page.url
+    assert "text/html" in page.headers["Content-Type"]
 
 
 def test_the_model_up_deploys_answers_embeddings_and_responses(up: Up) -> None:
@@ -140,21 +152,36 @@ def test_ctl_finds_the_cluster_from_the_state_dir(up: Up) -> None:
 
 def test_ctl_finds_the_cluster_through_llmgw_state_dir_as_the_banner_says(up: Up) -> None:
     text = "".join(up.output)
-    assert f"LLMGW_STATE_DIR={shlex.quote(str(up.state_dir))} llmgw ctl nodes" in text
+    # The command exactly as printed, typed into a shell from where 'llmgw up' was started:
+    # this test runs 'python -m llmgw', which is not 'llmgw' on the PATH.
+    line = next(line for line in up.output if "Operator view:" in line)
+    command = line.split("Operator view:", 1)[1].split("   (also", 1)[0].strip()
+    assert command == (
+        f"LLMGW_STATE_DIR={shlex.quote(str(up.state_dir))} {typed(sys.executable)} -m llmgw "
+        "ctl nodes"
+    ), text
     env = dict(
         os.environ,
         XDG_CONFIG_HOME=str(up.state_dir / "xdg"),
         XDG_DATA_HOME=str(up.state_dir / "not-here"),
-        LLMGW_STATE_DIR=str(up.state_dir),
     )
     env.pop("LLMGW_CTL_CONFIG", None)
     env.pop("LLMGW_SERVER", None)
     out = subprocess.run(
-        [*LLMGW, "ctl", "nodes"], capture_output=True, text=True, env=env, timeout=60
+        ["/bin/sh", "-c", command], capture_output=True, text=True, env=env, timeout=60
     )
     assert out.returncode == 0, out.stderr
     node, state, _health, connected = out.stdout.splitlines()[1].split()[:4]
     assert (node, state, connected) == ("local", "approved", "yes")
+
+
+def typed(path: str) -> str:
+    """A path as the banner prints it: relative to the current directory when under it."""
+    try:
+        shown = str(Path(path).absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return shlex.quote(path)
+    return shlex.quote(shown if "/" in shown else f"./{shown}")
 
 
 def test_metrics_count_requests_tokens_and_ttft(up: Up) -> None:
@@ -251,3 +278,18 @@ def test_sigterm_stops_it_too(tmp_path: Path) -> None:
     assert stop_process(cluster.proc, signal.SIGTERM, timeout=60) == 0
     assert time.monotonic() - started < 60
     assert sys.executable  # the interpreter the cluster ran under
+
+
+def test_the_readmes_python_snippet_runs_as_written(up: Up) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    after = readme.split("and any OpenAI client works against it", 1)[1]
+    assert ".venv/bin/pip install openai" in after.split("```python", 1)[0]
+    snippet = after.split("```python\n", 1)[1].split("```", 1)[0]
+    # Only the two values the banner prints differ from a default 'make run'.
+    assert snippet.count("http://127.0.0.1:8080/v1") == 1 and snippet.count("sk-llmgw-…") == 1
+    code = snippet.replace("http://127.0.0.1:8080/v1", up.base_url).replace(
+        "sk-llmgw-…", up.api_key
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ChatCompletion(") and "llmgw-sim" in out.stdout, out.stdout

@@ -16,6 +16,7 @@ import pytest
 
 from llmgw.agent.records import ShardRecords
 from llmgw.agent.runtimes.base import ShardRecord
+from llmgw.cli import local_cluster
 from llmgw.cli.local_cluster import UP_MODEL, LocalCluster, UpOptions
 from llmgw.contracts.endpoints import TASKS, served_paths
 from llmgw.procutil import process_start_time
@@ -25,6 +26,13 @@ RECORDER = (
     '#!/bin/sh\n: >"$RECORD"\nfor a in "$@"; do printf "%s\\n" "$a" >>"$RECORD"; done\n'
     'printf "%s" "${LLMGW_STATE_DIR-<unset>}" >"$RECORD.state"\n'
 )
+
+
+@pytest.fixture(autouse=True)
+def llmgw_on_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The banner's commands as for an llmgw the PATH finds (tests/unit/cli/
+    test_typed_command.py has the others)."""
+    monkeypatch.setattr(local_cluster, "typed_command", lambda: "llmgw")
 
 
 def banner_of(state_dir: Path, *, password: bool = False) -> str:
@@ -106,6 +114,19 @@ def test_the_default_state_dir_needs_no_variable(
     text = banner_of(tmp_path / "llmgw")
     assert "  Operator view:   llmgw ctl nodes   (also: models, replicas, events)" in text
     assert "LLMGW_STATE_DIR" not in text
+
+
+def test_make_runs_llmgw_is_printed_as_typed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(local_cluster, "typed_command", lambda: ".venv/bin/llmgw")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    (tmp_path / "llmgw").mkdir()
+    text = banner_of(tmp_path / "llmgw", password=True)
+    assert "  Operator view:   .venv/bin/llmgw ctl nodes   (also:" in text
+    assert (
+        "(.venv/bin/llmgw ctl update asks for it; change it with .venv/bin/llmgw ctl admin" in text
+    )
 
 
 def test_the_banner_names_the_console_beside_the_base_url(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ not answer themselves."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
@@ -108,3 +109,30 @@ def test_aiohttp_refusals_and_bugs_become_json_errors(caplog: pytest.LogCaptureF
     records = [r for r in caplog.records if r.name == "llmgw.server.http"]
     assert len(records) == 4
     assert [bool(r.exc_info) for r in records] == [False, False, False, True]
+
+
+def test_a_browser_at_the_root_goes_to_the_console_and_an_api_client_is_told_where_to_go() -> None:
+    seen: dict[str, tuple[int, str, str]] = {}
+
+    async def body(client: TestClient[Any, Any]) -> None:
+        for name, method, accept in (
+            ("browser", "GET", "text/html,application/xhtml+xml,*/*;q=0.8"),
+            ("head", "HEAD", "text/html"),
+            ("api", "GET", "application/json"),
+            ("curl", "GET", "*/*"),
+            ("post", "POST", "text/html"),
+        ):
+            resp = await client.request(
+                method, "/", headers={"Accept": accept}, allow_redirects=False
+            )
+            seen[name] = (resp.status, resp.headers.get("Location", ""), await resp.text())
+
+    _serve(body)
+    assert seen["browser"][:2] == (302, "/ui/")
+    assert seen["head"][:2] == (302, "/ui/")
+    for name in ("api", "curl"):
+        status, _, text = seen[name]
+        assert status == 404
+        message = json.loads(text)["error"]["message"]
+        assert "/v1" in message and "/ui/" in message, message
+    assert seen["post"][0] == 404  # only a page view is sent to the console
