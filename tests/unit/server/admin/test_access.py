@@ -6,6 +6,7 @@ nothing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shlex
 import shutil
 import subprocess
@@ -375,3 +376,30 @@ def test_package_refusals_mint_nothing(
     assert status == 400, data
     assert piece in data["error"]["message"]
     assert store.list_join_tokens(include_inactive=True) == []
+
+
+FLAGS = ("rekey", "lost_state", "require_approval", "auto_approve", "cloud_init")
+
+
+@pytest.mark.parametrize("value", ["false", 0, None], ids=["string-false", "zero", "null"])
+@pytest.mark.parametrize("flag", FLAGS)
+def test_every_flag_is_a_json_boolean(
+    store: Store, ca: pki.Authority, flag: str, value: object
+) -> None:
+    """Python's truth of "false" turned a fresh join into a rekey; null is refused as well
+    (not read as the default), so a client that sends a placeholder learns so."""
+    joined(store)
+    [(status, data)] = call(store, ca, [{"node": NODE, flag: value}])
+    assert status == 400, data
+    shown = "null" if value is None else json.dumps(value)
+    assert data["error"]["message"] == (
+        f"'{flag}' must be true or false (a JSON boolean), not {shown}; leave it out for false"
+    )
+    assert store.list_join_tokens(include_inactive=True) == []
+
+
+def test_false_flags_mint_a_fresh_join(store: Store, ca: pki.Authority) -> None:
+    joined(store)
+    data = one(store, ca, {"node": NODE, "rekey": False, "lost_state": False})
+    assert data["kind"] == "join" and data["lost_state"] is False
+    assert data["warning"] is not None  # a fresh join of an existing node says what it does
