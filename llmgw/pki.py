@@ -28,8 +28,9 @@ Node certificates are built here from the node id alone (never from what a CSR a
 :func:`check_csr` refuses a request that asks for that usage or a reserved name, so neither
 can reach a node. Every client of the control plane checks one or the other: the agent's
 stream pins the TLS name to :data:`CONTROL_PLANE_NAME` (the gRPC library cannot check an
-extended key usage), the join client, the update download and the data plane check the OID
-with :func:`control_plane_problem` once the handshake is done.
+extended key usage), the join client, the update download, the data plane, ``llmgw ctl`` and
+a standby forwarding to the leader check the OID with :func:`control_plane_problem` once the
+handshake is done (the last three through :mod:`llmgw.controlpeer`).
 
 Every file is written atomically (llmgw.fsutil); private keys are created 0600 and are never
 readable by anyone else, not even for an instant. Node ids and host names are checked by

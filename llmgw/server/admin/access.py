@@ -334,7 +334,7 @@ async def create_join_token(
     if not isinstance(node_id, str):
         raise BadRequest("'node' (the node id to join) is required")
     try:
-        check_node_id_free(node_id, ctx.control_plane_names)
+        check_node_id_free(node_id, ctx.control_plane_names, instances=ctx.store.instance_names())
     except ConfigError as exc:
         raise BadRequest(str(exc)) from None
     auto_approve = read_flag(body, "auto_approve")
