@@ -319,6 +319,8 @@ def test_the_control_plane_and_a_company_cas_server_are_trusted_as_before(
     for ident, cafile in ((server, ca_dir / pki.CA_CERT), (own, tmp_path / "company" / "ca.crt")):
         for stub in _run_stub(ServingCertificate(ident.cert, ident.key)):
             url = f"https://cp.example:{stub.port}"
-            out = ctl(env, "--server", url, "--token", TOKEN, "--ca", str(cafile), "--json", "nodes")
+            out = ctl(
+                env, "--server", url, "--token", TOKEN, "--ca", str(cafile), "--json", "nodes"
+            )
             assert out.exit_code == 0, out.stderr
             assert [s["auth"] for s in stub.seen] == [f"Bearer {TOKEN}"]

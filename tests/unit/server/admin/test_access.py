@@ -422,7 +422,9 @@ def test_a_node_named_like_another_instance_is_refused(store: Store, ca: pki.Aut
     answers = call(
         store, ca, [{"node": "cp2.example.net"}, {"node": "api.example.net"}, {"node": "cp2"}]
     )
-    for node, (status, data) in zip(("cp2.example.net", "api.example.net", "cp2"), answers):
+    for node, (status, data) in zip(
+        ("cp2.example.net", "api.example.net", "cp2"), answers, strict=True
+    ):
         assert status == 400, data
         assert data["error"]["message"] == (
             f"node_id: invalid node id {node!r}: control-plane instance cp2 answers to that "
