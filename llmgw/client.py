@@ -38,9 +38,10 @@ import yaml
 
 from llmgw.contracts.paths import DEFAULT_SERVER_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_HTTP_PORT
-from llmgw.controlpeer import NotControlPlane, cluster_cas_in, read_cas, require_control_plane
+from llmgw.controlpeer import NotControlPlane, cluster_cas_in, require_control_plane
 from llmgw.errors import APIError, CertificateError, ClientError, ConfigError, ConnectError
 from llmgw.fsutil import write_private
+from llmgw.pki import load_bundle
 
 __all__ = [
     "ADMIN_PASSWORD_ENV",
@@ -415,7 +416,7 @@ class AdminClient:
         ca = self.ca or target.ca
         try:
             context = ssl.create_default_context(cafile=str(ca) if ca else None)
-            cluster = [] if ca is None else cluster_cas_in(read_cas(ca))
+            cluster = [] if ca is None else cluster_cas_in(load_bundle(ca))
         except (OSError, ssl.SSLError, CertificateError) as exc:
             where = "--ca/LLMGW_CA" if self.ca else f"ca in {target.source}"
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

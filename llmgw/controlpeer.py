@@ -24,13 +24,12 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.x509.oid import NameOID
 
 from llmgw.errors import CertificateError
-from llmgw.pki import DEFAULT_CA_CN, control_plane_problem
+from llmgw.pki import DEFAULT_CA_CN, control_plane_problem, load_bundle
 
 __all__ = [
     "NotControlPlane",
     "cluster_cas_in",
     "cluster_peer_problem",
-    "read_cas",
     "require_control_plane",
 ]
 
@@ -48,23 +47,6 @@ class NotControlPlane(ssl.SSLCertVerificationError):
 
     def __str__(self) -> str:
         return self.problem
-
-
-def read_cas(path: Path) -> list[x509.Certificate]:
-    """Every certificate of a PEM file (a trust bundle holds more than one); CertificateError
-    naming the file when it cannot be read or holds none."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise CertificateError(
-            f"cannot read CA certificate {path}: {exc.strerror or exc}; check the path and its "
-            "permissions"
-        ) from exc
-    try:
-        certs = x509.load_pem_x509_certificates(data)
-    except ValueError as exc:
-        raise CertificateError(f"{path} holds no PEM certificate: {exc}; give a CA file") from exc
-    return certs
 
 
 def cluster_cas_in(certs: Sequence[x509.Certificate]) -> list[x509.Certificate]:
@@ -89,7 +71,7 @@ def cluster_peer_problem(der: bytes | None, cas: Cas) -> str | None:
     if der is None:
         return "it presented no certificate"
     try:
-        authorities = read_cas(cas) if isinstance(cas, Path) else cas
+        authorities = load_bundle(cas) if isinstance(cas, Path) else cas
     except CertificateError as exc:
         return str(exc)
     try:
