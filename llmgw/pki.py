@@ -991,12 +991,16 @@ def cross_certificates(directory: Path) -> list[x509.Certificate]:
     return [load_cert(path)] if path.exists() else []
 
 
+def rotation_json(rotation: Rotation) -> bytes:
+    """What ``rotation.json`` holds for ``rotation``."""
+    return (json.dumps(rotation.to_json(), sort_keys=True, indent=2) + "\n").encode()
+
+
 def write_rotation(
     directory: Path, rotation: Rotation, *, owner: tuple[int, int] | None = None
 ) -> None:
     """``rotation.json`` of ``directory`` (0600; ``owner`` (uid, gid): given to them)."""
-    data = json.dumps(rotation.to_json(), sort_keys=True, indent=2) + "\n"
-    atomic_write(Path(directory) / ROTATION_FILE, data.encode(), mode=0o600, owner=owner)
+    atomic_write(Path(directory) / ROTATION_FILE, rotation_json(rotation), mode=0o600, owner=owner)
 
 
 def _write_trust(directory: Path) -> list[x509.Certificate]:
@@ -1239,6 +1243,7 @@ __all__ = [
     "new_private_key",
     "read_rotation",
     "rotate_ca",
+    "rotation_json",
     "serial_hex",
     "sign_csr",
     "trust_certificates",

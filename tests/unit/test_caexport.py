@@ -414,3 +414,56 @@ def test_run_as_root_the_files_go_to_the_state_directory_owner(tmp_path: Path) -
     installed(tmp_path, export)
     for path in (state / "pki", *(state / "pki").iterdir(), state / "admin.token"):
         assert (path.stat().st_uid, path.stat().st_gid) == expected, path
+
+
+def _tree(directory: Path) -> dict[str, tuple[int, bytes | None]]:
+    """Every entry under ``directory`` (itself included): its mode and a file's bytes."""
+    found: dict[str, tuple[int, bytes | None]] = {".": (mode(directory), None)}
+    for p in sorted(directory.rglob("*")):
+        found[str(p.relative_to(directory))] = (
+            mode(p),
+            p.read_bytes() if p.is_file() else None,
+        )
+    return found
+
+
+def test_a_symlinked_pki_directory_is_not_followed(tmp_path: Path) -> None:
+    """The control plane's user may have replaced STATE/pki with a link (to /etc, say): run as
+    root, the import chmodded the target 0700 and wrote the CA key into it."""
+    _, export = exported(tmp_path)
+    state = tmp_path / "new" / "state"
+    state.mkdir(parents=True)
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o755)
+    target.chmod(0o755)
+    (target / "passwd").write_text("root:x:0:0\n")
+    before = _tree(target)
+    (state / "pki").symlink_to(target)
+    with pytest.raises(CAExportError) as info:
+        installed(tmp_path, export)
+    assert str(info.value) == (
+        f"{state / 'pki'} is a symlink or not what it should be (a directory for the PKI, a "
+        "file for the rest); the import does not follow links there. Nothing was imported; "
+        f"move {state / 'pki'} aside, then import again"
+    )
+    assert _tree(target) == before
+    assert sorted(p.name for p in state.iterdir()) == ["pki"]  # no token written either
+
+
+def test_symlinks_inside_the_state_directory_are_not_followed(tmp_path: Path) -> None:
+    """A linked ca.key (read, or written through) and a linked admin token are refused;
+    the files they point at are untouched."""
+    _, export = exported(tmp_path)
+    state = tmp_path / "new" / "state"
+    (state / "pki").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.write_text("not a key\n")
+    (state / "pki" / "ca.key").symlink_to(outside)
+    with pytest.raises(CAExportError, match=r"pki/ca\.key is a symlink"):
+        installed(tmp_path, export)
+    (state / "pki" / "ca.key").unlink()
+    (state / "admin.token").symlink_to(outside)
+    with pytest.raises(CAExportError, match=r"admin\.token is a symlink"):
+        installed(tmp_path, export)
+    assert outside.read_text() == "not a key\n"
+    assert list((state / "pki").iterdir()) == []
