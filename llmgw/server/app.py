@@ -443,8 +443,9 @@ class ControlPlane:
                 )
 
     def _register_addresses(self) -> None:
-        """Where agents, clients and the other instances reach this instance, and the
-        serials of its own certificates (those its retirement would have agents refuse)."""
+        """Where agents, clients and the other instances reach this instance, the serials of
+        its own certificates (those its retirement would have agents refuse), and the names
+        it answers to (which no node id may take; a node that took one already is named)."""
         if self._keeper is None:
             return
         host, _ = parse_hostport(self.stream_addresses()[0], allow_zero=True)
@@ -460,7 +461,8 @@ class ControlPlane:
                 names=self._own_names(),
             )
         if self.role != "leader":  # the leader's start named them already
-            self._warn_of_nodes_named_like_the_control_plane(own_only=True)
+            with contextlib.suppress(StoreError):
+                self._warn_of_nodes_named_like_the_control_plane(own_only=True)
 
     def _own_names(self) -> list[str]:
         """The host names of this instance's server certificate (host name, FQDN,
