@@ -1,6 +1,7 @@
 """The cluster CA's export, for another control-plane instance to sign and verify as this one
-does: what it carries (:class:`CAExport`), read from one instance's PKI directory and written
-into another's, and sealed under a passphrase (scrypt, then AES-256-GCM).
+does: what it carries (:class:`CAExport`), read from one instance's PKI directory (written
+into another's by :mod:`llmgw.caimport`), and sealed under a passphrase (scrypt, then
+AES-256-GCM).
 
 ``llmgw ctl cert export-ca`` has a running instance seal it (:mod:`llmgw.server.admin.ca`);
 ``llmgw server --import-ca FILE`` opens it and installs it (:mod:`llmgw.cli.server`). The
@@ -50,8 +51,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from llmgw import pki
-from llmgw.errors import CAExportError, ConfigError, FileError, PKIError
-from llmgw.fsutil import atomic_write, make_dir
+from llmgw.errors import CAExportError, ConfigError, FileError
 
 __all__ = [
     "CA_PASSPHRASE_ENV",
@@ -60,10 +60,8 @@ __all__ = [
     "MIN_PASSPHRASE",
     "CAExport",
     "Header",
-    "Installed",
     "check_passphrase",
     "collect",
-    "install",
     "read_export",
     "read_header",
     "seal",
@@ -85,9 +83,6 @@ _HEADER_KEYS = frozenset(
 # What a file's kdf may ask for: memory 128 * n * r bytes, time about n * r * p.
 _MAX_N, _MIN_N, _MAX_R, _MAX_P = 2**20, 2**14, 32, 16
 _MAX_MEMORY = 256 * 1024 * 1024
-# This instance's own certificates: an export never carries them, and a directory that
-# takes an export has no CA, so any of them there is no certificate of this instance.
-_OWN_FILES = ("server.crt", "server.key", "client.crt", "client.key")
 
 
 @dataclass(frozen=True)
@@ -405,138 +400,3 @@ def read_export(path: Path) -> bytes:
     if len(data) > MAX_EXPORT:
         raise _altered(str(path), f"it is larger than {MAX_EXPORT} bytes")
     return data
-
-
-# -- installing ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Installed:
-    """What :func:`install` wrote: the CA material (False: this instance had that CA
-    already) and the admin token (False: its file held that token already)."""
-
-    ca: bool
-    token: bool
-
-
-def _owner(state_dir: Path) -> tuple[int, int] | None:
-    """Whom written files are given to: when root writes them, the owner of the state
-    directory (the control plane's user, who must read its CA key); else nobody else."""
-    if os.geteuid() != 0:
-        return None
-    try:
-        st = state_dir.stat()
-    except OSError:
-        return None
-    return None if st.st_uid == 0 else (st.st_uid, st.st_gid)
-
-
-def _make_dir(directory: Path, owner: tuple[int, int] | None, *, tighten: bool = False) -> None:
-    """``directory``, made 0700 (and given to ``owner``) when missing; ``tighten``: an
-    existing one made 0700 too (the PKI directory, as :mod:`llmgw.pki` keeps it)."""
-    existed = directory.is_dir()
-    make_dir(directory, mode=0o700, tighten=tighten)
-    if owner is not None and not existed:
-        try:
-            os.chown(directory, *owner)
-        except OSError as exc:
-            raise FileError(
-                f"cannot give {directory} to uid {owner[0]}: {exc.strerror or exc}",
-                path=str(directory),
-            ) from exc
-
-
-def _present_ca(pki_dir: Path) -> str | None:
-    """The hash of the CA ``pki_dir`` holds, None when it holds none."""
-    if not ((pki_dir / pki.CA_CERT).exists() or (pki_dir / pki.CA_KEY).exists()):
-        return None
-    try:
-        return pki.load_ca(pki_dir).ca_hash()
-    except PKIError as exc:
-        raise CAExportError(
-            f"{pki_dir} holds a CA that cannot be used ({exc}); nothing was imported. Move "
-            f"{pki_dir} aside, then import again"
-        ) from exc
-
-
-def _present_token(path: Path) -> str | None:
-    try:
-        token = path.read_text().strip()
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else "it is not text"
-        raise FileError(
-            f"cannot read the admin token {path}: {why}; nothing was imported. Make it "
-            "readable, or move it aside",
-            path=str(path),
-        ) from exc
-    return token or None
-
-
-def install(export: CAExport, *, pki_dir: Path, token_file: Path) -> Installed:
-    """Make ``pki_dir`` hold the export's CA material (ca.crt 0644, ca.key 0600, the
-    rotation's files) and ``token_file`` its admin token (0600), checking both before
-    either is written: CAExportError (nothing written) when the directory holds another CA
-    or the file another token. What is there already is left alone, so that importing the
-    same export again changes nothing. Run as root, the files go to the state directory's
-    owner."""
-    pki_dir, token_file = Path(pki_dir), Path(token_file)
-    have = _present_ca(pki_dir)
-    if have is not None and have != export.ca_hash:
-        raise CAExportError(
-            f"this instance already has CA {have} (in {pki_dir}); the export is "
-            f"{export.ca_hash}, of another cluster or of a CA rotated since. Nothing was "
-            f"imported; move {pki_dir} aside if this instance should join that cluster "
-            "(it makes its own certificates at start), then import again"
-        )
-    token = _present_token(token_file)
-    if token is not None and token != export.admin_token:
-        raise CAExportError(
-            f"{token_file} holds another admin token than the export's; nothing was imported. "
-            f"Move {token_file} aside if this instance should join the export's cluster "
-            "(llmgw ctl then needs that cluster's token here too), then import again"
-        )
-    owner = _owner(pki_dir.parent)
-    if have is None:
-        _write_pki(export, pki_dir, owner)
-    if token is None:
-        _make_dir(token_file.parent, owner)
-        atomic_write(token_file, (export.admin_token + "\n").encode(), mode=0o600, owner=owner)
-    return Installed(ca=have is None, token=token is None)
-
-
-def _write_pki(export: CAExport, pki_dir: Path, owner: tuple[int, int] | None) -> None:
-    _make_dir(pki_dir.parent, owner)
-    _make_dir(pki_dir, owner, tighten=True)
-    # Files of no CA (the directory has none): a rotation's, or certificates that are not
-    # this instance's. The CA's key goes last but one and its certificate last: a crash
-    # before then leaves no CA, or one that load_ca reports.
-    stale = (pki.PREVIOUS_CA_CERT, pki.PREVIOUS_CA_KEY, pki.CROSS_CERT, pki.ROTATION_FILE)
-    for name in (*stale, pki.TRUST_BUNDLE, *_OWN_FILES):
-        path = pki_dir / name
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise FileError(
-                f"cannot remove {path}: {exc.strerror or exc}; remove it by hand, then import "
-                "again",
-                path=str(path),
-            ) from exc
-    if export.rotation is not None:
-        pki.write_rotation(pki_dir, export.rotation, owner=owner)
-    trust = [export.ca_cert]
-    if export.previous_ca_cert is not None:
-        trust.append(export.previous_ca_cert)
-        _public(pki_dir / pki.PREVIOUS_CA_CERT, pki.cert_pem(export.previous_ca_cert), owner)
-    if export.cross_cert is not None:
-        _public(pki_dir / pki.CROSS_CERT, pki.cert_pem(export.cross_cert), owner)
-    _public(pki_dir / pki.TRUST_BUNDLE, pki.bundle_pem(trust), owner)
-    atomic_write(pki_dir / pki.CA_KEY, pki.key_pem(export.ca_key), mode=0o600, owner=owner)
-    _public(pki_dir / pki.CA_CERT, pki.cert_pem(export.ca_cert), owner)
-
-
-def _public(path: Path, data: bytes, owner: tuple[int, int] | None) -> None:
-    atomic_write(path, data, mode=0o644, owner=owner)

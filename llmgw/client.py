@@ -12,7 +12,9 @@ given by flag or environment, the account signed in to that server with ``llmgw 
 that what an operator does is recorded under their own name.
 
 An https server is verified against the system trust store, or the CA given with ``--ca``
-(``LLMGW_CA``) or the ``ca:`` of the ctl.yaml it came from. The admin token and password
+(``LLMGW_CA``) or the ``ca:`` of the ctl.yaml it came from; a server that an llmgw cluster CA
+in that file certified must carry the control plane's identity (:mod:`llmgw.controlpeer`),
+checked before anything is sent. The admin token and password
 never go over plain HTTP to anything but a loopback address (``localhost``, 127.0.0.0/8,
 ``::1``, as written in the URL; a name is not looked up to decide) unless
 ``--insecure-http`` says so.
@@ -36,8 +38,10 @@ import yaml
 
 from llmgw.contracts.paths import DEFAULT_SERVER_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_HTTP_PORT
-from llmgw.errors import APIError, ClientError, ConfigError, ConnectError
+from llmgw.controlpeer import NotControlPlane, cluster_cas_in, require_control_plane
+from llmgw.errors import APIError, CertificateError, ClientError, ConfigError, ConnectError
 from llmgw.fsutil import write_private
+from llmgw.pki import load_bundle
 
 __all__ = [
     "ADMIN_PASSWORD_ENV",
@@ -363,6 +367,12 @@ class AdminClient:
                 raise _api_error(exc, target) from None
             except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
                 reason = getattr(exc, "reason", exc)
+                if isinstance(reason, NotControlPlane):
+                    raise ClientError(
+                        f"refusing {target.server} (from {target.source}): the cluster CA "
+                        f"certified it, but not as the control plane: {reason}; nothing was "
+                        "sent. Check the address: a node may hold a certificate for that name"
+                    ) from exc
                 if isinstance(reason, ssl.SSLCertVerificationError):
                     raise self._unverified(target, reason) from exc
                 hint = ""
@@ -400,16 +410,21 @@ class AdminClient:
         )
 
     def _ssl_context(self, target: Target) -> ssl.SSLContext:
+        """Trust the CA given (else the system's); a server certified by an llmgw cluster CA
+        among them must also carry the control plane's identity (a node's certificate from
+        that CA passes TLS for any name the node was enrolled under)."""
         ca = self.ca or target.ca
         try:
-            return ssl.create_default_context(cafile=str(ca) if ca else None)
-        except (OSError, ssl.SSLError) as exc:
+            context = ssl.create_default_context(cafile=str(ca) if ca else None)
+            cluster = [] if ca is None else cluster_cas_in(load_bundle(ca))
+        except (OSError, ssl.SSLError, CertificateError) as exc:
             where = "--ca/LLMGW_CA" if self.ca else f"ca in {target.source}"
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise ConfigError(
                 f"cannot load the CA certificate {ca} ({where}): {reason}; give the PEM file "
                 "of the CA that signed the control plane's certificate"
             ) from exc
+        return require_control_plane(context, cluster) if cluster else context
 
     def _unverified(self, target: Target, exc: ssl.SSLCertVerificationError) -> ClientError:
         ca = self.ca or target.ca

@@ -24,6 +24,7 @@
     ├── ShardError                  starting or stopping an engine process
     ├── EngineError                 an engine's own arguments or behaviour
     ├── TokenizerError              a model's tokenizer or chat template cannot be loaded (retryable)
+    │   └── ChatTemplateRefused     a chat template tried what its sandbox forbids (not run)
     ├── UpdateError                 a signed self-update refused or failed; ``state`` says which
     ├── PasswordError               the admin password is wrong or unacceptable
     ├── ClientError                 ``llmgw ctl`` talking to the control plane
@@ -233,6 +234,14 @@ class TokenizerError(LlmgwError):
     retryable = True
 
 
+class ChatTemplateRefused(TokenizerError):
+    """A model's chat template (third-party code) tried what Jinja's sandbox forbids (an
+    attribute such as ``__class__``, changing a list): it was stopped, and the request it
+    was rendering is refused as the engine's own rendering would refuse it."""
+
+    retryable = False
+
+
 class UpdateError(LlmgwError):
     """A signed self-update was refused (``state`` "refused": forged, replayed, expired,
     downgrading, for another node) or could not be carried out (``state`` "failed")."""
@@ -302,6 +311,7 @@ __all__ = [
     "CAExportError",
     "CSRError",
     "CertificateError",
+    "ChatTemplateRefused",
     "ClientError",
     "ConfigError",
     "Conflict",

@@ -13,7 +13,7 @@ import ipaddress
 import re
 import socket
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from llmgw.errors import ConfigError
@@ -214,17 +214,32 @@ def validate_node_id(node_id: str) -> str:
     return node_id
 
 
-def check_node_id_free(node_id: str, taken: Iterable[str]) -> str:
+def check_node_id_free(
+    node_id: str, taken: Iterable[str], *, instances: Mapping[str, str] | None = None
+) -> str:
     """:func:`validate_node_id`, then refuse (ConfigError) a node id among ``taken``, the names
-    the control plane answers to (``pki.control_plane_names`` of its certificate): a node
-    certificate for such a name would match wherever an agent dials the control plane."""
+    the control plane answers to (``pki.control_plane_names`` of its certificate), or among
+    ``instances`` (name -> the id of the control-plane instance that answers to it, for the
+    other instances sharing its database): a node certificate for such a name would match
+    wherever an agent or an operator dials that control plane."""
     validate_node_id(node_id)
+    fix = (
+        "give this machine another node id (node_id in its agent.yaml, 'llmgw ctl "
+        "join-command --node OTHER-ID')"
+    )
     if node_id in {name.lower().rstrip(".") for name in taken}:
         raise ConfigError(
             f"invalid node id {node_id!r}: the control plane answers to that name (it is in the "
             "control plane's TLS certificate), and a node under it could pose as the control "
-            "plane; give this machine another node id (node_id in its agent.yaml, "
-            "'llmgw ctl join-command --node OTHER-ID')",
+            f"plane; {fix}",
+            key="node_id",
+        )
+    owner = (instances or {}).get(node_id)
+    if owner is not None:
+        raise ConfigError(
+            f"invalid node id {node_id!r}: control-plane instance {owner} answers to that name "
+            "(it is in that instance's TLS certificate), and a node under it could pose as "
+            f"that instance; {fix}",
             key="node_id",
         )
     return node_id

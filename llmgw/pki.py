@@ -28,8 +28,9 @@ Node certificates are built here from the node id alone (never from what a CSR a
 :func:`check_csr` refuses a request that asks for that usage or a reserved name, so neither
 can reach a node. Every client of the control plane checks one or the other: the agent's
 stream pins the TLS name to :data:`CONTROL_PLANE_NAME` (the gRPC library cannot check an
-extended key usage), the join client, the update download and the data plane check the OID
-with :func:`control_plane_problem` once the handshake is done.
+extended key usage), the join client, the update download, the data plane, ``llmgw ctl`` and
+a standby forwarding to the leader check the OID with :func:`control_plane_problem` once the
+handshake is done (the last three through :mod:`llmgw.controlpeer`).
 
 Every file is written atomically (llmgw.fsutil); private keys are created 0600 and are never
 readable by anyone else, not even for an instant. Node ids and host names are checked by
@@ -990,12 +991,16 @@ def cross_certificates(directory: Path) -> list[x509.Certificate]:
     return [load_cert(path)] if path.exists() else []
 
 
+def rotation_json(rotation: Rotation) -> bytes:
+    """What ``rotation.json`` holds for ``rotation``."""
+    return (json.dumps(rotation.to_json(), sort_keys=True, indent=2) + "\n").encode()
+
+
 def write_rotation(
     directory: Path, rotation: Rotation, *, owner: tuple[int, int] | None = None
 ) -> None:
     """``rotation.json`` of ``directory`` (0600; ``owner`` (uid, gid): given to them)."""
-    data = json.dumps(rotation.to_json(), sort_keys=True, indent=2) + "\n"
-    atomic_write(Path(directory) / ROTATION_FILE, data.encode(), mode=0o600, owner=owner)
+    atomic_write(Path(directory) / ROTATION_FILE, rotation_json(rotation), mode=0o600, owner=owner)
 
 
 def _write_trust(directory: Path) -> list[x509.Certificate]:
@@ -1238,6 +1243,7 @@ __all__ = [
     "new_private_key",
     "read_rotation",
     "rotate_ca",
+    "rotation_json",
     "serial_hex",
     "sign_csr",
     "trust_certificates",

@@ -1,7 +1,8 @@
 """A throwaway PostgreSQL cluster for the tests: ``initdb`` + ``pg_ctl`` in a temporary
 directory, as an unprivileged user (``postgres`` when the tests run as root: PostgreSQL
 refuses to run as root), on a free port of 127.0.0.1, with password authentication for the
-role the control plane uses.
+role the control plane uses, and TLS on (a certificate for 127.0.0.1 and localhost from a CA
+of its own, :attr:`Cluster.tls_ca`, so that a test can connect with sslmode=verify-full).
 
 One cluster per test session (:func:`cluster`); each test that wants a clean database asks for
 a fresh one (:meth:`Cluster.fresh_database`), which is much cheaper than a cluster. Debian's
@@ -55,6 +56,7 @@ class Cluster:
         self.root = root
         self.data = root / "data"
         self.sockets = root / "sock"
+        self.tls_ca = root / "tls" / "ca.crt"
         self.bindir = bindir
         self.user = user  # run the programs as this user (None: as ourselves)
         self.port = _free_port()
@@ -93,9 +95,11 @@ class Cluster:
             "--encoding=UTF8",
             "--no-sync",
         )
+        cert, key = self._make_tls()
         conf = self.data / "postgresql.conf"
         with conf.open("a") as f:
             f.write(
+                f"ssl = on\nssl_cert_file = '{cert}'\nssl_key_file = '{key}'\n"
                 f"listen_addresses = '127.0.0.1'\nport = {self.port}\n"
                 f"unix_socket_directories = '{self.sockets}'\n"
                 "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n"
@@ -105,6 +109,20 @@ class Cluster:
         self.psql(
             f"CREATE ROLE {ROLE} LOGIN PASSWORD '{PASSWORD}' CREATEDB",
         )
+
+    def _make_tls(self) -> tuple[Path, Path]:
+        """The server's certificate and key (the key the server's user's own, 0600, as
+        PostgreSQL insists), issued by a CA made for this cluster."""
+        from llmgw import pki
+
+        directory = self.tls_ca.parent
+        ca = pki.init_ca(directory)
+        ident = pki.issue_server_cert(ca, directory, hosts=["127.0.0.1", "localhost"])
+        if self.user is not None:
+            entry = pwd.getpwnam(self.user)
+            for path in (directory, ident.cert, ident.key):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+        return ident.cert, ident.key
 
     def start(self) -> None:
         self._run(

@@ -25,9 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cryptography import x509
-from cryptography.exceptions import InvalidSignature
-
 from llmgw.contracts.update_order import (
     BUNDLE_FILE,
     MAX_BUNDLE,
@@ -38,9 +35,9 @@ from llmgw.contracts.update_order import (
     STATUS,
     parse_order,
 )
-from llmgw.errors import CertificateError, FileError, UpdateError
+from llmgw.controlpeer import NotControlPlane, require_control_plane
+from llmgw.errors import FileError, UpdateError
 from llmgw.fsutil import atomic_write, fsync_dir
-from llmgw.pki import control_plane_problem, load_cert
 
 __all__ = ["NotControlPlane", "Spooler", "read_status"]
 
@@ -161,7 +158,7 @@ class Spooler:
         if url.startswith("https:"):
             ssl_arg = self.ssl_context()
             if self.cluster_ca is not None:
-                ssl_arg.sslobject_class = _control_plane_only(self.cluster_ca)
+                require_control_plane(ssl_arg, self.cluster_ca)
         try:
             async with (
                 aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session,
@@ -245,48 +242,6 @@ class Spooler:
         while True:
             await asyncio.sleep(self.poll_interval)
             self.poll()
-
-
-class NotControlPlane(ssl.SSLCertVerificationError):
-    """The TLS peer holds a certificate from the cluster CA that is not the control plane's."""
-
-    def __init__(self, problem: str) -> None:
-        super().__init__(problem)
-        self.problem = problem
-
-    def __str__(self) -> str:
-        return self.problem
-
-
-def _control_plane_only(ca_path: Path) -> type[ssl.SSLObject]:
-    """An SSLObject class that ends the handshake, before a byte of the request is sent, with a
-    peer certified by the cluster CA but not as the control plane (ssl cannot check an EKU)."""
-
-    class ControlPlaneOnly(ssl.SSLObject):
-        def do_handshake(self) -> None:
-            super().do_handshake()
-            problem = _cluster_peer_problem(self.getpeercert(binary_form=True), ca_path)
-            if problem is not None:
-                raise NotControlPlane(problem)
-
-    return ControlPlaneOnly
-
-
-def _cluster_peer_problem(der: bytes | None, ca_path: Path) -> str | None:
-    """Why an https peer is unacceptable: None for a certificate the cluster CA did not issue
-    (the TLS context's trust judged it) or one that carries the control plane's identity."""
-    if der is None:
-        return "it presented no certificate"
-    try:
-        ca = load_cert(ca_path)
-    except CertificateError as exc:
-        return str(exc)
-    try:
-        cert = x509.load_der_x509_certificate(der)
-        cert.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, InvalidSignature):
-        return None
-    return control_plane_problem(cert)
 
 
 def _request_pending(spool: Path) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from llmgw import caexport
+from llmgw import caexport, caimport
 from llmgw.cli.common import ReportingGroup
 from llmgw.cli.prompts import read_secret
 from llmgw.contracts.paths import DEFAULT_SERVER_CONFIG
@@ -105,7 +105,7 @@ def _import_ca(cfg: ServerConfig, path: Path) -> None:
         what="passphrase of the CA export",
     )
     export = caexport.unseal(data, passphrase, source=str(path))
-    done = caexport.install(export, pki_dir=cfg.pki_dir, token_file=cfg.admin_token_file)
+    done = caimport.install(export, pki_dir=cfg.pki_dir, token_file=cfg.admin_token_file)
     if done.ca:
         click.echo(
             f"imported CA {export.ca_hash} of cluster {export.cluster_id} into {cfg.pki_dir}"

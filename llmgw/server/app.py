@@ -30,11 +30,18 @@ from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.client import write_ctl_config
 from llmgw.contracts.control_planes import MAX_RETIRED_SERIALS, ControlPlaneList
 from llmgw.contracts.keypolicy import UsageRow
+from llmgw.controlpeer import require_control_plane
 from llmgw.errors import CertificateError, ConfigError, LlmgwError, StoreError
 from llmgw.fsutil import write_private
 from llmgw.listener import GuardedSite, listening_socket
 from llmgw.log import kv
-from llmgw.netaddr import RESERVED_NAMES, format_hostport, local_addresses, parse_hostport
+from llmgw.netaddr import (
+    RESERVED_NAMES,
+    format_hostport,
+    is_ip_address,
+    local_addresses,
+    parse_hostport,
+)
 from llmgw.pki import (
     CA_CERT,
     Authority,
@@ -436,8 +443,9 @@ class ControlPlane:
                 )
 
     def _register_addresses(self) -> None:
-        """Where agents, clients and the other instances reach this instance, and the
-        serials of its own certificates (those its retirement would have agents refuse)."""
+        """Where agents, clients and the other instances reach this instance, the serials of
+        its own certificates (those its retirement would have agents refuse), and the names
+        it answers to (which no node id may take; a node that took one already is named)."""
         if self._keeper is None:
             return
         host, _ = parse_hostport(self.stream_addresses()[0], allow_zero=True)
@@ -450,7 +458,19 @@ class ControlPlane:
                 ca_hash=self.cluster_ca_hash,
                 client_serial=_serial(self.client_identity.cert) if self.client_identity else "",
                 server_serial=_serial(self.server_identity.cert) if self.server_identity else "",
+                names=self._own_names(),
             )
+        if self.role != "leader":  # the leader's start named them already
+            with contextlib.suppress(StoreError):
+                self._warn_of_nodes_named_like_the_control_plane(own_only=True)
+
+    def _own_names(self) -> list[str]:
+        """The host names of this instance's server certificate (host name, FQDN,
+        ``advertise``): those no node may take, recorded for the other instances."""
+        if self.server_identity is None:
+            return []
+        names = control_plane_names(load_cert(self.server_identity.cert)) - RESERVED_NAMES
+        return sorted(n for n in names if not is_ip_address(n) and n != "localhost")
 
     async def _keep_lease(self) -> None:
         assert self._keeper is not None
@@ -645,7 +665,10 @@ class ControlPlane:
         if self.cfg.tls is None:
             return False
         if self.cfg.tls.cluster:
-            return ssl.create_default_context(cafile=str(self.pki_dir / CA_CERT))
+            # A node's certificate from the same CA passes for the leader's host name:
+            # only the control plane's identity lets the operator's token through.
+            cafile = self.pki_dir / CA_CERT
+            return require_control_plane(ssl.create_default_context(cafile=str(cafile)), cafile)
         return True
 
     def _health(self) -> dict[str, object]:
@@ -790,6 +813,7 @@ class ControlPlane:
             ca=ca,
             cert_lifetime=cfg.cert_lifetime,
             forget_node=self.gateway.forget_node,
+            control_plane_names=lambda: self.control_plane_names,
         )
         self.membership.load()
         self.reports = AgentReports(
@@ -834,16 +858,23 @@ class ControlPlane:
             on_reissued=self._on_ca_reissued,
         )
 
-    def _warn_of_nodes_named_like_the_control_plane(self) -> None:
-        """Nodes that joined before such ids were refused keep their certificates, which no
-        longer pass for the control plane's; the operator should still rename them."""
+    def _warn_of_nodes_named_like_the_control_plane(self, *, own_only: bool = False) -> None:
+        """Nodes that joined under a name this instance or another registered one answers
+        to (before such ids were refused, or before that instance was registered) keep their
+        certificates, which do not pass for a control plane's; the operator should still
+        rename them. ``own_only``: this instance's names alone (a standby registering)."""
+        names = dict.fromkeys(self._own_names() if own_only else self.control_plane_names, "")
+        if not own_only:
+            with contextlib.suppress(StoreError):
+                names.update(self.store.instance_names())
         for node in self.store.list_nodes():
-            if node.id in self.control_plane_names and node.state != NodeState.REVOKED:
+            if node.id in names and node.state != NodeState.REVOKED:
                 log.warning(
                     "a node has the control plane's name as its id; it can no longer pose as "
                     "the control plane, but give it another id",
                     extra=kv(
                         node=node.id,
+                        instance=names[node.id] or self.cfg.instance,
                         hint=f"llmgw ctl revoke {node.id}, then join the machine under another "
                         "node id",
                     ),

@@ -245,10 +245,13 @@ class Enroller:
         self.ca_pem = ca.cert.public_bytes(serialization.Encoding.PEM).decode("ascii")
 
     def _check_node_id_free(self, node_id: str) -> None:
-        """Refuse a node id the control plane answers to (a token minted before such ids were
-        refused, or by an older version, may still name one)."""
+        """Refuse a node id the control plane or another registered instance answers to (a
+        token minted before such ids were refused, by an older version, or before that
+        instance was registered, may still name one); a rekey too."""
         try:
-            netaddr.check_node_id_free(node_id, self._control_plane_names())
+            netaddr.check_node_id_free(
+                node_id, self._control_plane_names(), instances=self.store.instance_names()
+            )
         except ConfigError as exc:
             raise EnrolmentError(
                 exc.message.removeprefix("node_id: ") + "; this token cannot be used",

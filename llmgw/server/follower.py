@@ -21,12 +21,17 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import secrets
+import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
+from llmgw.controlpeer import NotControlPlane
 from llmgw.errors import StoreError
 from llmgw.log import kv
 from llmgw.server.routing import Endpoint, Router
@@ -38,9 +43,11 @@ __all__ = [
     "CHANNEL",
     "CLIENT_ADDR_HEADER",
     "CLIENT_MAC_HEADER",
+    "MAC_WINDOW",
     "LeaderProxy",
     "RouteFollower",
     "client_addr",
+    "sign_client_addr",
 ]
 
 log = logging.getLogger("llmgw.server.follower")
@@ -172,26 +179,96 @@ _HOP_HEADERS = frozenset(
 CLIENT_ADDR_HEADER = "X-Llmgw-Client-Addr"
 """The address of the client a standby forwards for (the console's login limits count it)."""
 CLIENT_MAC_HEADER = "X-Llmgw-Client-Mac"
-"""HMAC-SHA256 of that address under the admin token, which every instance holds: a
-client cannot claim another address by sending the header itself."""
+"""``TIME:NONCE:MAC``: when the standby signed (Unix seconds), a random nonce, and the
+HMAC-SHA256 under the admin token, which every instance holds, of the address, the time, the
+nonce, the method and the raw path: a client cannot claim another address by sending the
+headers itself, and headers seen once (on a network without TLS) cannot be replayed, later
+or on another request."""
+MAC_WINDOW = 30.0
+"""Seconds a signed address is believed after (and before) it was signed. A forward takes
+milliseconds, but the instances' clocks are their own (NTP keeps them within a second or
+two; a VM resumed from a pause may lag more): 30 s tolerates that skew, and a nonce seen
+within it is refused a second time, so a replay gains nothing in the window either."""
 # Without a total timeout (only between reads): the console's live event stream.
 _STREAMS = frozenset({"/ui/events/stream"})
 _STREAM_READ_TIMEOUT = 60.0
 
 
-def _client_mac(secret: str, addr: str) -> str:
-    return hmac.new(secret.encode(), b"client-addr:" + addr.encode(), hashlib.sha256).hexdigest()
+def _client_mac(secret: str, addr: str, stamp: str, nonce: str, method: str, raw_path: str) -> str:
+    signed = "\n".join(("client-addr/2", addr, stamp, nonce, method, raw_path))
+    return hmac.new(secret.encode(), signed.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_client_addr(
+    secret: str, addr: str, method: str, raw_path: str, *, now: float | None = None
+) -> dict[str, str]:
+    """The headers a standby adds for the leader: ``addr`` signed for this one request."""
+    stamp = str(int(time.time() if now is None else now))
+    nonce = secrets.token_hex(12)
+    mac = _client_mac(secret, addr, stamp, nonce, method, raw_path)
+    return {CLIENT_ADDR_HEADER: addr, CLIENT_MAC_HEADER: f"{stamp}:{nonce}:{mac}"}
+
+
+class _Nonces:
+    """The nonces of signed addresses believed within the last :data:`MAC_WINDOW`, so that
+    each is believed once (bounded: only a holder of the admin token can make one)."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self._seen: dict[str, float] = {}
+        self._limit = limit
+
+    def first_use(self, nonce: str, now: float) -> bool:
+        # Oldest first, up to the first one still in its window (a stamp may be up to a
+        # window ahead of this clock, so a nonce stays refusable for two).
+        while self._seen:
+            old, at = next(iter(self._seen.items()))
+            if now - at <= 2 * MAC_WINDOW and len(self._seen) < self._limit:
+                break
+            del self._seen[old]
+        if nonce in self._seen:
+            return False
+        self._seen[nonce] = now
+        return True
+
+
+_NONCES = _Nonces()
 
 
 def client_addr(request: web.Request, secret: str) -> str:
     """The client's address: the one a standby forwarded for, when its MAC under ``secret``
-    (the admin token) holds, else the connection's own."""
+    (the admin token) holds for this request's method and raw path, was made within
+    :data:`MAC_WINDOW` and its nonce is new; else the connection's own."""
     addr = request.headers.get(CLIENT_ADDR_HEADER)
-    mac = request.headers.get(CLIENT_MAC_HEADER)
-    if addr and mac and secret:
-        if hmac.compare_digest(mac.encode(), _client_mac(secret, addr).encode()):
-            return addr
+    signed = request.headers.get(CLIENT_MAC_HEADER, "")
+    stamp, _, rest = signed.partition(":")
+    nonce, _, mac = rest.partition(":")
+    if not (addr and mac and secret and stamp.isdigit() and len(stamp) <= 12):
+        return request.remote or ""
+    now = time.time()
+    want = _client_mac(secret, addr, stamp, nonce, request.method, request.raw_path)
+    if (
+        hmac.compare_digest(mac.encode(), want.encode())
+        and abs(now - int(stamp)) <= MAC_WINDOW
+        and _NONCES.first_use(nonce, now)
+    ):
+        return addr
     return request.remote or ""
+
+
+def _forwardable(raw_path: str) -> str | None:
+    """``raw_path`` (the request target as the client sent it) when it is under /api or /ui
+    as sent, with no encoded slash or backslash and no dot-segment, plain or encoded; else
+    None. The leader gets these very bytes: what was checked is what is forwarded, and no
+    decoding or normalising on either side can make it another path."""
+    path = raw_path.partition("?")[0].partition("#")[0]
+    if not (path in ("/api", "/ui") or path.startswith(("/api/", "/ui/"))):
+        return None
+    lowered = path.lower()
+    if "%2f" in lowered or "%5c" in lowered or "\\" in path:
+        return None
+    if any(unquote(segment) in (".", "..") for segment in path.split("/")):
+        return None
+    return raw_path
 
 
 class LeaderProxy:
@@ -227,6 +304,20 @@ class LeaderProxy:
         app.router.add_route("*", "/ui", self.forward)
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        target = _forwardable(request.raw_path)
+        if target is None:
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "this path is not forwarded to the leader: a standby "
+                        "forwards /api/... and /ui/... as sent, without encoded slashes "
+                        "(%2F, %5C) or '.'/'..' segments; send the plain path",
+                        "type": "invalid_request_error",
+                        "code": "bad_path",
+                    }
+                },
+                status=400,
+            )
         leader = self.leader_http()
         if not leader:
             return _no_leader()
@@ -249,8 +340,7 @@ class LeaderProxy:
         # Sign-ins are counted per client address: the console's and 'ctl login's.
         secret = self.secret()
         if secret and request.remote:
-            headers[CLIENT_ADDR_HEADER] = request.remote
-            headers[CLIENT_MAC_HEADER] = _client_mac(secret, request.remote)
+            headers.update(sign_client_addr(secret, request.remote, request.method, target))
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout), auto_decompress=False
@@ -263,7 +353,7 @@ class LeaderProxy:
         try:
             async with self._session.request(
                 request.method,
-                leader + request.rel_url.path_qs,
+                URL(leader.rstrip("/") + target, encoded=True),
                 data=body,
                 headers=headers,
                 ssl=self.ssl(),
@@ -281,6 +371,16 @@ class LeaderProxy:
                     out.headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
                 return out
         except (aiohttp.ClientError, TimeoutError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorCertificateError) and isinstance(
+                exc.certificate_error, NotControlPlane
+            ):
+                log.warning(
+                    "refused to forward an admin request: the leader's address answers with a "
+                    "certificate of the cluster CA that is not the control plane's (a node's?); "
+                    "nothing was sent",
+                    extra=kv(leader=leader, reason=str(exc.certificate_error)),
+                )
+                return _no_leader(leader)
             log.warning(
                 "cannot forward an admin request to the leader",
                 extra=kv(leader=leader, error=str(exc) or type(exc).__name__),

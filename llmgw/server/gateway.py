@@ -43,7 +43,7 @@ from llmgw.bodies import (
 from llmgw.configfile import format_size
 from llmgw.contracts.endpoints import ALIASES, PATHS, endpoint_refusal
 from llmgw.contracts.kvblocks import BLOCK_SIZE, block_keys
-from llmgw.errors import ConfigError
+from llmgw.errors import ChatTemplateRefused, ConfigError
 from llmgw.http.errors import (
     UpstreamConnectError,
     UpstreamError,
@@ -581,7 +581,12 @@ class Gateway:
                 code=grant.code,
                 headers=grant.headers,
             )
-        hint = self._hint(request, served, path, payload)
+        try:
+            hint = self._hint(request, served, path, payload)
+        except ChatTemplateRefused as exc:  # the engine's own rendering would refuse it too
+            grant.settle(None, self.policy.clock())
+            self._account(key, model, 400)
+            return openai_error(400, f"{exc}.", code="chat_template_refused")
         del payload  # a parsed body can take many times its size: hold it no longer
         outcome = _Outcome()
         try:

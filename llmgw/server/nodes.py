@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from cryptography import x509
 
-from llmgw.errors import Conflict, LlmgwError, NotFound
+from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound
 from llmgw.log import kv
+from llmgw.netaddr import RESERVED_NAMES, check_node_id_free
 from llmgw.pki import Authority, check_csr, fingerprint, load_csr, serial_hex, sign_csr
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.enroll import RENEWED, record_certificate
@@ -45,8 +46,11 @@ class Membership:
         ca: Authority,
         cert_lifetime: float,
         forget_node: Callable[[str], None] = lambda node_id: None,
+        control_plane_names: Callable[[], Iterable[str]] = lambda: RESERVED_NAMES,
     ) -> None:
         self.store = store
+        # The names this control plane answers to; the other instances' are in the store.
+        self.control_plane_names = control_plane_names
         self.scheduler = scheduler
         self.router = router
         self.sessions = sessions
@@ -152,6 +156,15 @@ class Membership:
                 f"fingerprint {fp} does not match node {node_id}'s key {node.fingerprint}; do not "
                 "approve: compare with what 'llmgw agent join' printed on the node"
             )
+        try:  # an instance registered since the node enrolled may answer to its name
+            check_node_id_free(
+                node_id, self.control_plane_names(), instances=store.instance_names()
+            )
+        except ConfigError as exc:
+            raise Conflict(
+                f"{exc.message.removeprefix('node_id: ')}; do not approve it: reject it "
+                f"('llmgw ctl reject {node_id}') and join the machine under another id"
+            ) from None
         store.set_node_state(node_id, NodeState.APPROVED)
         store.add_event("node_approved", node_id, f"key {node.fingerprint}", actor)
         log.info("node approved", extra=kv(node=node_id, actor=actor))

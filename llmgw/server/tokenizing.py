@@ -10,7 +10,10 @@ checked by its SHA-256, in the background when the models change, never on a req
 path; a failure is recorded (:meth:`Tokenizers.problem`) and retried with backoff.
 
 A tokenizer never raises on what a client sent and never logs it: a body it cannot key
-gives None, and the router routes that request without its prefix.
+gives None, and the router routes that request without its prefix. A chat template is
+third-party code, rendered in Jinja's ImmutableSandboxedEnvironment as transformers renders
+it: one that tries what the sandbox forbids raises :class:`~llmgw.errors.ChatTemplateRefused`
+(the gateway answers 400), as the engine's own rendering would refuse the request.
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from llmgw.contracts.catalog import FileRef
 from llmgw.engines.registry import get_engine
-from llmgw.errors import EngineError, FileError, TokenizerError
+from llmgw.errors import ChatTemplateRefused, EngineError, FileError, TokenizerError
 from llmgw.fsutil import atomic_write, make_dir
 from llmgw.log import kv
 from llmgw.server.serving import ServedModel
@@ -82,7 +86,8 @@ class PromptTokenizer(ABC):
         """The token ids of the prompt of ``payload`` sent to the gateway's ``path``
         (/v1/chat/completions, /v1/completions, /v1/responses); None when this tokenizer
         cannot say (a shape it does not key, a prompt over :data:`MAX_PROMPT_CHARS`).
-        Never raises on what a client sent."""
+        Never raises on what a client sent; :class:`~llmgw.errors.ChatTemplateRefused` when
+        the model's chat template tries what its sandbox forbids."""
 
 
 # --- sim -----------------------------------------------------------------------------------
@@ -227,7 +232,7 @@ class HfTokenizer(PromptTokenizer):
 
     def render(self, messages: object, *, add_generation_prompt: bool = True) -> str | None:
         """The prompt text of a chat's ``messages`` (None: no template, or messages it does
-        not key)."""
+        not key); ChatTemplateRefused when the template tries what the sandbox forbids."""
         if self._template is None:
             return None
         checked = _template_messages(messages)
@@ -240,6 +245,14 @@ class HfTokenizer(PromptTokenizer):
                 tools=None,
                 **self.specials,
             )
+        except SecurityError as exc:
+            # Third-party code trying what the sandbox forbids: stopped, and the engine's
+            # own rendering (the same sandbox, transformers') would refuse it as well.
+            raise ChatTemplateRefused(
+                f"the model's chat template tried what its sandbox forbids ({exc}); it was "
+                "not run. The operator should replace the profile's chat_template with the "
+                "model's own"
+            ) from None
         except Exception:
             # A template refusing a request (raise_exception, a missing key) is the
             # request's shape, not an error: it is routed without its prefix.

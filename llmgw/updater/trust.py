@@ -4,7 +4,9 @@ id they must name, in a directory only root writes (``/etc/llmgw/update``).
 
 The CA is written there only when its public key hashes to a pin the operator gave
 (``--ca-hash`` of an install or rekey) or the one recorded at the first install, never on
-the agent's word: the agent's copy of the CA is just a candidate.
+the agent's word: the agent's copy of the CA is just a candidate. The pin names a key, and a
+certificate carrying that key can be made by anyone: only a CA certificate (basic
+constraints) that is self-issued and whose signature that very key made is trusted.
 """
 
 from __future__ import annotations
@@ -103,16 +105,26 @@ def install_trust(ca_file: Path, trust: Path = DEFAULT_TRUST, pin: str | None = 
                 "--ca-hash from 'llmgw ctl join-command'",
                 state="refused",
             )
-        by_pin: dict[str, x509.Certificate] = {}
-        for c in sorted(cas, key=lambda c: not issued_by(c, c)):  # self-signed first
-            by_pin.setdefault(fingerprint(c.public_key()), c)
-        cert = by_pin.get(wanted)
-        if cert is None:
+        by_pin: dict[str, list[x509.Certificate]] = {}
+        for c in cas:
+            by_pin.setdefault(fingerprint(c.public_key()), []).append(c)
+        if wanted not in by_pin:
             got = ", ".join(by_pin)
             raise UpdateError(
                 f"the CA in {ca_file} has the hash {got}, not {wanted} ({source}); the update "
                 "helper keeps the CA it trusts. If the cluster CA really changed, rekey the "
                 "node with the new --ca-hash ('llmgw ctl join-command --rekey NODE')",
+                state="refused",
+            )
+        # The pin names a key, which anyone may put in a certificate of their own making:
+        # only the CA's own certificate (self-issued, signed by that very key) is trusted.
+        cert = next((c for c in by_pin[wanted] if issued_by(c, c)), None)
+        if cert is None:
+            raise UpdateError(
+                f"the certificate in {ca_file} with the key {wanted} ({source}) is not the CA's "
+                "own: it is not self-issued, or its signature is not made by that key (a "
+                "cross-certificate, or one made to pass for the CA); the update helper keeps "
+                "the CA it trusts. Give the cluster CA's ca.crt",
                 state="refused",
             )
         cert_pem = cert.public_bytes(serialization.Encoding.PEM)

@@ -274,3 +274,53 @@ def test_cannot_reach_ends_with_a_newline(env: dict[str, str]) -> None:
         "\nstart one ('llmgw up' or 'llmgw server') or pass --server URL / set LLMGW_SERVER\n"
     )
     assert not out.stderr.endswith("\n\n")
+
+
+@pytest.fixture
+def resolve_to_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cp.example resolves to 127.0.0.1 (where the stub listens); nothing else changes."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: object, *args: Any, **kwargs: Any) -> Any:
+        return real("127.0.0.1" if host == "cp.example" else host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def test_a_node_certified_for_the_servers_name_is_not_the_control_plane(
+    env: dict[str, str], ca_dir: Path, tmp_path: Path, resolve_to_loopback: None
+) -> None:
+    """A node enrolled as cp.example holds a certificate of the cluster CA for that name:
+    TLS passes, and only the control plane's usage (which it lacks) tells them apart. The
+    token is never sent to it."""
+    node = pki.issue_node_cert(pki.load_ca(ca_dir), "cp.example", tmp_path / "node")
+    for stub in _run_stub(ServingCertificate(node.cert, node.key)):
+        url = f"https://cp.example:{stub.port}"
+        cafile = str(ca_dir / pki.CA_CERT)
+        out = ctl(env, "--server", url, "--token", TOKEN, "--ca", cafile, "nodes")
+        assert out.exit_code == 1
+        assert out.stderr.startswith(
+            f"error: refusing {url} (from --server/LLMGW_SERVER): the cluster CA certified it, "
+            "but not as the control plane: its certificate (CN=cp.example, serial "
+        )
+        assert pki.CONTROL_PLANE_OID.dotted_string in out.stderr
+        assert "nothing was sent" in out.stderr
+        assert stub.seen == []
+
+
+def test_the_control_plane_and_a_company_cas_server_are_trusted_as_before(
+    env: dict[str, str], ca_dir: Path, tmp_path: Path, resolve_to_loopback: None
+) -> None:
+    """The control plane's own certificate passes; so does a server certificate of an
+    operator's own CA (tls: {cert, key}), which carries no llmgw usage and needs none."""
+    server = pki.issue_server_cert(pki.load_ca(ca_dir), tmp_path / "cp", hosts=["cp.example"])
+    company = pki.init_ca(tmp_path / "company", common_name="Example Corp CA")
+    own = pki.issue_node_cert(company, "cp.example", tmp_path / "own")  # no llmgw usage
+    for ident, cafile in ((server, ca_dir / pki.CA_CERT), (own, tmp_path / "company" / "ca.crt")):
+        for stub in _run_stub(ServingCertificate(ident.cert, ident.key)):
+            url = f"https://cp.example:{stub.port}"
+            out = ctl(
+                env, "--server", url, "--token", TOKEN, "--ca", str(cafile), "--json", "nodes"
+            )
+            assert out.exit_code == 0, out.stderr
+            assert [s["auth"] for s in stub.seen] == [f"Bearer {TOKEN}"]

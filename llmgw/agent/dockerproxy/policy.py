@@ -117,13 +117,23 @@ class Route:
 def route(method: str, target: str) -> Route:
     """The route of a request line's method and target (path and query), or :class:`Refused`."""
     found = _route(method, target)
-    query = target.split("?", 1)[1] if "?" in target else ""
-    names = {name for name, _ in parse_qsl(query, keep_blank_values=True)}
-    unknown = names - _QUERY[found.operation or found.kind]
+    path, _, query = target.partition("?")
+    if ";" in query:  # Go's query parser drops such a pair where Python's keeps it
+        raise Refused(f"{method} {path}: a ';' in the query is refused; separate with '&'")
+    names = [name for name, _ in parse_qsl(query, keep_blank_values=True)]
+    unknown = set(names) - _QUERY[found.operation or found.kind]
     if unknown:
         raise Refused(
-            f"{method} {target.split('?', 1)[0]}: the parameter(s) {', '.join(sorted(unknown))} "
+            f"{method} {path}: the parameter(s) {', '.join(sorted(unknown))} "
             "are not allowed on this socket"
+        )
+    # dockerd reads the first of a repeated parameter, where a check may have read another
+    # (a blank 'filters' first, the label filter second, listed every container).
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise Refused(
+            f"{method} {path}: the parameter(s) {', '.join(repeated)} are given more than once; "
+            "give each once"
         )
     return found
 
@@ -164,7 +174,8 @@ def _route(method: str, target: str) -> Route:
 def check_list(target: str) -> None:
     """A container list must ask for llmgw's containers only (a label filter on llmgw.shard)."""
     query = target.split("?", 1)[1] if "?" in target else ""
-    raw = parse_qs(query).get("filters", [])
+    # Blank values kept: a blank 'filters' is one dockerd reads (and ignores) all the same.
+    raw = parse_qs(query, keep_blank_values=True).get("filters", [])
     # dockerd reads the first 'filters' only: one more could hide the label filter from it.
     for text in raw[:1] if len(raw) == 1 else ():
         try:

@@ -32,7 +32,7 @@ from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, INSTALLER_FACTS
 from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.netaddr import check_node_id_free, format_hostport, parse_hostport
 from llmgw.server import cloudinit
-from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.admin.context import AdminContext, BadRequest, read_flag, read_json
 from llmgw.server.bundles import one_liner
 from llmgw.server.principals import principal_of
 from llmgw.server.states import NodeState, TokenKind
@@ -334,17 +334,17 @@ async def create_join_token(
     if not isinstance(node_id, str):
         raise BadRequest("'node' (the node id to join) is required")
     try:
-        check_node_id_free(node_id, ctx.control_plane_names)
+        check_node_id_free(node_id, ctx.control_plane_names, instances=ctx.store.instance_names())
     except ConfigError as exc:
         raise BadRequest(str(exc)) from None
-    auto_approve = _flag(body, "auto_approve")
-    cloud_init = _flag(body, "cloud_init")
+    auto_approve = read_flag(body, "auto_approve")
+    cloud_init = read_flag(body, "cloud_init")
     ttl = body.get("ttl", CLOUD_INIT_TTL if cloud_init else 3600)
     if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 60 <= ttl <= 7 * 86400:
         raise BadRequest("ttl must be between 60 seconds and 7 days")
-    rekey = bool(body.get("rekey", False))
-    lost_state = bool(body.get("lost_state", False))
-    require_approval = bool(body.get("require_approval", False)) or lost_state
+    rekey = read_flag(body, "rekey")
+    lost_state = read_flag(body, "lost_state")
+    require_approval = read_flag(body, "require_approval") or lost_state
     if lost_state and not rekey:
         raise BadRequest(
             "lost_state goes with rekey: re-pairing a node whose state directory is gone is "
@@ -523,15 +523,6 @@ async def create_join_token(
 CLOUD_INIT_TTL = 86400
 """A cloud-init token's default ttl: the user-data waits for a machine to boot, and the
 token sits in cloud-init's copy of it (root only) until it expires unspent."""
-
-
-def _flag(body: Mapping[str, Any], name: str) -> bool:
-    """A boolean field of the body (absent: false); anything but true or false is refused,
-    since a string "false" would otherwise turn on what it names."""
-    value = body.get(name, False)
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false, not {value!r}")
-    return value
 
 
 def _join_address(ctx: AdminContext, header: str, address: object) -> tuple[str, int]:

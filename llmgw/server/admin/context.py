@@ -63,6 +63,7 @@ __all__ = [
     "error_response",
     "guarded",
     "login_token",
+    "read_flag",
     "read_json",
 ]
 
@@ -263,3 +264,16 @@ async def read_json(ctx: AdminContext, request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
+
+
+def read_flag(body: Mapping[str, Any], name: str) -> bool:
+    """A boolean field of a request body, false when absent. Only JSON true and false are
+    read: ``"false"``, ``0`` and ``null`` are refused, since Python's truth of ``"false"``
+    would turn on what it names (a rekey, an update of every node)."""
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise BadRequest(
+            f"'{name}' must be true or false (a JSON boolean), not {json.dumps(value)[:40]}; "
+            f"leave it out for false"
+        )
+    return value

@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.admin.context import AdminContext, BadRequest, read_flag, read_json
 from llmgw.server.installs import INSTALLABLE, Build
 from llmgw.server.principals import principal_of
 from llmgw.server.updates import DEFAULT_ORDER_TTL
@@ -124,7 +124,7 @@ class SoftwareRoutes:
         if not isinstance(version, str) or not version:
             raise BadRequest("'version' (the agent version to install) is required")
         nodes = body.get("nodes")
-        if body.get("all"):
+        if read_flag(body, "all"):
             if nodes:
                 raise BadRequest("give 'nodes' or 'all': true, not both")
             nodes = None

@@ -15,6 +15,7 @@ agents, whose data planes refuse them.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -61,6 +62,7 @@ class Instance:
     started_at: float
     seen_at: float
     retired_at: float | None
+    names: tuple[str, ...] = ()
 
     @classmethod
     def from_row(cls, row: Row) -> Instance:
@@ -77,6 +79,7 @@ class Instance:
             started_at=float(row["started_at"]),
             seen_at=float(row["seen_at"]),
             retired_at=None if row["retired_at"] is None else float(row["retired_at"]),
+            names=tuple(str(n) for n in json.loads(str(row["names"] or "[]"))),
         )
 
     @property
@@ -241,14 +244,34 @@ class Leases:
         ca_hash: str,
         client_serial: str,
         server_serial: str,
+        names: Sequence[str] = (),
     ) -> None:
-        """Where this instance is reached, and the serials of its own certificates."""
+        """Where this instance is reached, the serials of its own certificates, and the
+        names it answers to (its server certificate's DNS names), which no node may take."""
         with self._db.unfenced(), self._db.write():
             self._db.execute(
                 "UPDATE instances SET stream_addr = ?, http_addr = ?, enroll_addr = ?, "
-                "ca_hash = ?, client_serial = ?, server_serial = ? WHERE id = ?",
-                (stream, http, enroll, ca_hash, client_serial, server_serial, instance_id),
+                "ca_hash = ?, client_serial = ?, server_serial = ?, names = ? WHERE id = ?",
+                (
+                    stream,
+                    http,
+                    enroll,
+                    ca_hash,
+                    client_serial,
+                    server_serial,
+                    json.dumps(sorted(set(names))),
+                    instance_id,
+                ),
             )
+
+    def instance_names(self) -> dict[str, str]:
+        """Every name a registered instance (not retired) answers to, lower-cased without a
+        final dot, and the id of the instance that answers to it: no node may take one."""
+        found: dict[str, str] = {}
+        for instance in self.list_instances():
+            for name in instance.names:
+                found.setdefault(name.lower().rstrip("."), instance.id)
+        return found
 
     def touch_instance(self, instance_id: str, process: str) -> bool:
         """This instance is alive; False when another process has taken its id since."""

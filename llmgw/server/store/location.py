@@ -5,10 +5,19 @@ password, parsed and checked, and said back without any secret.
 A password is never part of the URL (it would be in the configuration's readers' view, in
 ``ps`` when given to a command, and in logs): it comes from ``password_file`` or libpq's own
 ``PGPASSFILE`` (``~/.pgpass``).
+
+Whoever can write the database owns the cluster (an operator's row, the leader's address the
+standbys forward passwords to), so a database reached over the network must be the one meant:
+libpq's default ``sslmode=prefer`` takes any certificate, or none. A URL naming a host that is
+not loopback or a Unix socket needs ``sslmode=verify-full`` (with ``sslrootcert``, the CA that
+signed the server's certificate), or an ``sslmode=`` stated explicitly, which is the
+operator's choice of less.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +46,15 @@ class Location:
     @property
     def is_postgresql(self) -> bool:
         return self.engine == "postgresql"
+
+    @property
+    def unverified_network_hosts(self) -> list[str]:
+        """The hosts reached over the network without libpq checking the server's
+        certificate and name (an explicit ``sslmode`` below ``verify-full``): what the start
+        warns of. Empty for SQLite, verify-full, and loopback or socket hosts alone."""
+        if not self.is_postgresql or self.conninfo.get("sslmode") == "verify-full":
+            return []
+        return _network_hosts(self.conninfo)
 
     def hosts(self) -> list[str]:
         """host:port of each server the URL names (for messages)."""
@@ -137,12 +155,44 @@ def _postgres(url: str, password_file: Path | None, key: str) -> Location:
             key=key,
         )
     conninfo = {str(k): str(v) for k, v in params.items()}
+    remote = _network_hosts(conninfo)
+    if remote and "sslmode" not in conninfo:
+        raise ConfigError(
+            f"reaches {', '.join(remote)} over the network without checking that the server "
+            "is the one meant (libpq's default sslmode=prefer takes any certificate, or "
+            "none), and whoever answers there owns the cluster; add "
+            "sslmode=verify-full&sslrootcert=/etc/llmgw/db-ca.crt to the URL (the CA that "
+            "signed the database server's certificate, readable by the control plane's "
+            "user; sslrootcert=system: the system's trust store), or state another sslmode= "
+            "to accept less (the README's 'The database connection' says what each means)",
+            key=key,
+        )
     return Location(
         "postgresql",
         _display(conninfo),
         conninfo=conninfo,
         password_file=password_file,
     )
+
+
+def _network_hosts(conninfo: dict[str, str]) -> list[str]:
+    """The hosts (and hostaddrs) of a libpq conninfo that are reached over the network: not a
+    Unix socket directory, not ``localhost``, not a loopback address. Without ``host`` libpq
+    reads PGHOST, else it uses the Unix socket."""
+    entries = conninfo.get("host", os.environ.get("PGHOST", "")).split(",")
+    entries += conninfo.get("hostaddr", os.environ.get("PGHOSTADDR", "")).split(",")
+    return [h.strip() for h in entries if not _is_local(h.strip())]
+
+
+def _is_local(host: str) -> bool:
+    if not host or host.startswith(("/", "@")):  # the default socket, a socket directory
+        return True
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _display(conninfo: dict[str, str]) -> str:

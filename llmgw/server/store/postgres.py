@@ -179,6 +179,18 @@ class PostgresDatabase(Database):
         cls, location: Location, *, clock: Callable[[], float] = time.time
     ) -> PostgresDatabase:
         """Connect (one connection first, so that a refusal says why), then open the pool."""
+        unverified = location.unverified_network_hosts
+        if unverified:  # parse_location let it through: sslmode was stated in the URL
+            log.warning(
+                "the database is reached over the network without verifying its server's "
+                "certificate and name, as the URL's sslmode says; use sslmode=verify-full "
+                "with sslrootcert unless the network between is trusted",
+                extra=kv(
+                    database=location.display,
+                    hosts=",".join(unverified),
+                    sslmode=location.conninfo.get("sslmode", ""),
+                ),
+            )
         first = connect_once(location)
         first.close()
         try:
@@ -432,6 +444,16 @@ def _translate(exc: psycopg.Error, where: str) -> StoreError:
     return StoreError(f"database {where}: {_first_line(exc)}; check the database and retry")
 
 
+# What libpq says when the server's certificate or the settings to check it are wrong.
+_TLS_SIGNS = (
+    "certificate verify failed",
+    "does not match host name",
+    "root certificate file",
+    "server does not support SSL",
+    "sslrootcert",
+)
+
+
 def _connect_error(exc: psycopg.Error, location: Location) -> StoreError | ConfigError:
     text = str(exc)
     hosts = ", ".join(location.hosts())
@@ -455,6 +477,14 @@ def _connect_error(exc: psycopg.Error, location: Location) -> StoreError | Confi
     if "role" in text and "does not exist" in text:
         return ConfigError(
             f"role {user!r} does not exist on {hosts}; create it: createuser --pwprompt {user}",
+            key="database",
+        )
+    if any(sign in text for sign in _TLS_SIGNS):
+        return ConfigError(
+            f"database {location.display} at {hosts} failed the TLS check the URL asks for "
+            f"(sslmode={location.conninfo.get('sslmode', 'prefer')}): {first}; sslrootcert "
+            "must name the CA that signed the server's certificate (readable by the control "
+            "plane's user), and that certificate must name the host the URL gives",
             key="database",
         )
     if "no pg_hba.conf entry" in text:

@@ -329,6 +329,12 @@ MIGRATIONS: list[str] = [
     ALTER TABLE join_tokens ADD COLUMN auto_approve INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE join_tokens ADD COLUMN approved_fingerprint TEXT;
     """,
+    # 14: the names each control-plane instance answers to (the DNS names of its server
+    # certificate: host name, FQDN, advertise entries; a JSON list), which no node may take
+    # as its id: a node under an instance's name could pose as that instance
+    """
+    ALTER TABLE instances ADD COLUMN names TEXT NOT NULL DEFAULT '[]';
+    """,
 ]
 
 

@@ -292,6 +292,7 @@ class Store:
     retired_serials = _Table("_leases", Leases.retired_serials)
     get_instance = _Table("_leases", Leases.get_instance)
     list_instances = _Table("_leases", Leases.list_instances)
+    instance_names = _Table("_leases", Leases.instance_names)
 
     # -------------------------------------------------------------------- usage
 

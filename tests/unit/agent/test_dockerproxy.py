@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import docker
 import pytest
@@ -129,6 +130,9 @@ def test_everything_else_is_refused(method: str, target: str) -> None:
     assert target.split("?")[0] in info.value.message
 
 
+LABEL_FILTER = quote(json.dumps({"label": ["llmgw.shard"]}, separators=(",", ":")))
+
+
 def test_container_list_needs_llmgw_s_label_filter() -> None:
     ok = json.dumps({"label": ["llmgw.node=n1", "llmgw.shard"]})
     check_list(f"/v1.41/containers/json?all=1&filters={ok}")
@@ -144,9 +148,30 @@ def test_container_list_needs_llmgw_s_label_filter() -> None:
         + json.dumps({"status": ["running"]})
         + "&filters="
         + json.dumps({"label": ["llmgw.shard"]}),
+        # A blank first one: parse_qs dropped it and read the second, dockerd reads the blank.
+        "/containers/json?filters=&filters=" + json.dumps({"label": ["llmgw.shard"]}),
     ):
         with pytest.raises(Refused, match=r"label filter on llmgw\.shard"):
             check_list(target)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/v1.41/containers/json?filters=&filters=" + LABEL_FILTER,
+        "/v1.41/containers/json?all=1&all=0&filters=" + LABEL_FILTER,
+        "/v1.41/containers/json?filters=" + LABEL_FILTER + "&filters",
+        "/v1.41/containers/abc/logs?stdout=1&stdout=0",
+    ],
+)
+def test_a_repeated_parameter_is_refused(target: str) -> None:
+    with pytest.raises(Refused, match=r"given more than once; give each once"):
+        route("GET", target)
+
+
+def test_a_semicolon_in_the_query_is_refused() -> None:
+    with pytest.raises(Refused, match="a ';' in the query is refused"):
+        route("GET", "/v1.41/containers/json?filters=" + LABEL_FILTER + ";all=1")
 
 
 # ------------------------------------------------------------------------------ create
@@ -503,6 +528,20 @@ def test_relay_socket_mode_and_refusals(proxied: tuple[Path, StandInDockerd]) ->
     status, body = ask(listen, get("/v1.41/containers/create", "POST", privileged))
     assert status == 403 and "Privileged" in json.loads(body)["message"]
     assert dockerd.seen == []  # nothing refused reached dockerd
+
+
+def test_relay_refuses_a_blank_filters_before_the_label_filter(
+    proxied: tuple[Path, StandInDockerd],
+) -> None:
+    """?filters=&filters={label}: the check read the label filter (parse_qs dropped the
+    blank), dockerd reads the blank one and lists every container on the host."""
+    listen, dockerd = proxied
+    status, body = ask(listen, get("/v1.41/containers/json?filters=&filters=" + LABEL_FILTER))
+    assert status == 403
+    assert "filters are given more than once" in json.loads(body)["message"]
+    assert dockerd.seen == []
+    status, _ = ask(listen, get("/v1.41/containers/json?all=1&filters=" + LABEL_FILTER))
+    assert status == 200 and len(dockerd.seen) == 1  # the runtime's own list goes through
 
 
 def test_relay_refuses_a_key_twice_in_one_object(proxied: tuple[Path, StandInDockerd]) -> None:

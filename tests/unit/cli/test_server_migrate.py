@@ -132,7 +132,7 @@ def test_a_source_in_use_is_refused_naming_the_fix(
 
 
 def test_a_missing_source_is_a_usage_error(tmp_path: Path) -> None:
-    out = _migrate("--from", f"sqlite://{tmp_path}/none.db", "--to", "postgresql://u@h/db")
+    out = _migrate("--from", f"sqlite://{tmp_path}/none.db", "--to", "postgresql://u@/db")
     assert (out.exit_code, out.stdout) == (2, "")
     assert out.stderr == (
         f"error: there is no state database at {tmp_path}/none.db; give the control plane's "

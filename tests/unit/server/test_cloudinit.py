@@ -264,8 +264,11 @@ def test_cloud_init_schema_accepts_the_user_data(
             "fingerprint",
         ),
         ({"auto_approve": True, "require_approval": True}, "contradict each other"),
-        ({"auto_approve": "false"}, "auto_approve must be true or false, not 'false'"),
-        ({"cloud_init": 1}, "cloud_init must be true or false"),
+        (
+            {"auto_approve": "false"},
+            "'auto_approve' must be true or false (a JSON boolean), not \"false\"",
+        ),
+        ({"cloud_init": 1}, "'cloud_init' must be true or false"),
     ],
 )
 def test_refusals_mint_nothing(

@@ -101,7 +101,7 @@ def test_database_forms(tmp_path: Path) -> None:
             tmp_path,
             """\
             database:
-              url: postgresql://llmgw@db1,db2/llmgw?target_session_attrs=read-write
+              url: postgresql://llmgw@db1,db2/llmgw?target_session_attrs=read-write&sslmode=verify-full
               password_file: db-password
             instance_id: cp2
             lease: 6s

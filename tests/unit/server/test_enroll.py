@@ -987,6 +987,60 @@ def test_a_node_id_the_control_plane_answers_to_is_refused(
     assert enroller.enrol(parse_enrol_request(json.dumps(request(env.mint())).encode()))
 
 
+def register_instance(store: Store, instance_id: str, names: list[str]) -> None:
+    """Another control-plane instance on the same database, answering to ``names``."""
+    store.register_instance(instance_id, f"host/{instance_id}", stale_after=30, version="0.1.0")
+    store.set_instance_addresses(
+        instance_id,
+        stream=f"{names[0]}:7443",
+        http=f"https://{names[0]}:8080",
+        enroll=f"{names[0]}:8443",
+        ca_hash="sha256:" + "0" * 64,
+        client_serial="",
+        server_serial="",
+        names=names,
+    )
+
+
+@pytest.mark.parametrize("rekey", [False, True], ids=["join", "rekey"])
+def test_a_node_id_another_instance_answers_to_is_refused(env: Env, rekey: bool) -> None:
+    """cp-2.example is the name of another instance on the database (registered after the
+    token was minted): this instance's own names do not hold it, the registry does. A rekey
+    of a node that took the name before the instance existed is refused as well."""
+    old_key = pki.new_private_key()
+    uid = None
+    if rekey:
+        first = env.mint("cp-2.example")
+        joined = make_enroller(env).enrol(
+            parse_enrol_request(json.dumps(request(first, "cp-2.example", key=old_key)).encode())
+        )
+        uid = joined["node_uid"]
+    secret = (
+        env.mint("cp-2.example", kind="rekey", node_uid=uid) if rekey else env.mint("cp-2.example")
+    )
+    register_instance(env.store, "cp2", ["cp-2", "cp-2.example"])
+    body = (
+        proved(secret, old_key, str(uid), "cp-2.example")
+        if rekey
+        else request(secret, "cp-2.example")
+    )
+    before = env.snapshot()
+    with pytest.raises(EnrolmentError) as info:
+        make_enroller(env).enrol(parse_enrol_request(json.dumps(body).encode()))
+    assert (info.value.code, info.value.status) == ("node_id_reserved", 403)
+    assert str(info.value) == (
+        "invalid node id 'cp-2.example': control-plane instance cp2 answers to that name (it "
+        "is in that instance's TLS certificate), and a node under it could pose as that "
+        "instance; give this machine another node id (node_id in its agent.yaml, 'llmgw ctl "
+        "join-command --node OTHER-ID'); this token cannot be used"
+    )
+    assert env.snapshot() == before
+    # Once that instance is retired, its names are free again (its machine may become a node).
+    with env.store.database.unfenced():
+        env.store.database.execute("UPDATE instances SET retired_at = 1 WHERE id = 'cp2'")
+    assert make_enroller(env).enrol(parse_enrol_request(json.dumps(body).encode()))
+
+
 def test_a_csr_asking_for_the_control_plane_identity_is_refused(env: Env, cluster_pki: PKI) -> None:
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import NameOID

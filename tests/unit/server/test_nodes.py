@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives import serialization
 
 from llmgw import pki
 from llmgw.bodies import BodyBudget
+from llmgw.errors import Conflict
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.config import load_server_config
 from llmgw.server.gateway import Gateway, GatewayLimits
@@ -179,3 +180,32 @@ def test_events_follow_the_reasons_not_every_inventory(tmp_path: Path, store: St
     assert _events(store, "node_healthy") == [
         f"no longer degraded (was: {BROKEN_VLLM.message}; {NO_DOCKER.message})"
     ]
+
+
+def test_a_node_whose_name_an_instance_took_since_it_joined_is_not_approved(
+    tmp_path: Path, store: Store
+) -> None:
+    """gpu-1 enrolled, then a control-plane instance answering to gpu-1 was registered: the
+    pending node's approval is refused with the way out, and nothing changes."""
+    fleet = Fleet(tmp_path, store)
+    store.register_instance("cp2", "host/1", stale_after=30, version="0.1.0")
+    store.set_instance_addresses(
+        "cp2",
+        stream="gpu-1:7443",
+        http="https://gpu-1:8080",
+        enroll="gpu-1:8443",
+        ca_hash="",
+        client_serial="",
+        server_serial="",
+        names=["gpu-1", "gpu-1.example"],
+    )
+    with pytest.raises(Conflict) as info:
+        fleet.approve()
+    assert str(info.value) == (
+        "invalid node id 'gpu-1': control-plane instance cp2 answers to that name (it is in "
+        "that instance's TLS certificate), and a node under it could pose as that instance; "
+        "give this machine another node id (node_id in its agent.yaml, 'llmgw ctl join-command "
+        "--node OTHER-ID'); do not approve it: reject it ('llmgw ctl reject gpu-1') and join "
+        "the machine under another id"
+    )
+    assert store.get_node("gpu-1").state == "pending"

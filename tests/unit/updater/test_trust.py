@@ -1,15 +1,20 @@
 """The helper's trust (``install_trust``, ``llmgw agent update-trust``): the CA is written only
-when it matches the operator's pin (or the one recorded, or the CA trusted now), and nothing
-is read or written through a symlink."""
+when it matches the operator's pin (or the one recorded, or the CA trusted now) and is the
+CA's own self-signed certificate, and nothing is read or written through a symlink."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.x509.oid import NameOID
 
 from llmgw import pki
 from llmgw.contracts.update_order import MAX_SMALL
@@ -201,3 +206,54 @@ def test_a_bundle_without_the_pinned_ca_names_what_it_holds(
     assert authority.ca_hash() in caught.value.message
     assert other_authority.ca_hash() in caught.value.message
     assert not (trust_dir / "ca.pem").exists()
+
+
+def _forged(
+    authority: Authority, *, ca: bool, signer: Any, issuer: str = "llmgw cluster CA"
+) -> bytes:
+    """A certificate carrying the cluster CA's public key (which is public): the pin matches
+    it, whoever made it."""
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "llmgw cluster CA")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+        .public_key(authority.cert.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=3650))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .sign(signer, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("signed-by-another-key", "is not the CA's own: it is not self-issued, or its signature"),
+        ("not-self-issued", "is not the CA's own: it is not self-issued, or its signature"),
+        ("not-a-ca", "is not a CA certificate"),
+    ],
+)
+def test_a_certificate_that_only_carries_the_pinned_key_is_refused(
+    tmp_path: Path, trust_dir: Path, authority: Authority, what: str, message: str
+) -> None:
+    """The pin compared only the public key: a certificate anyone made around the CA's
+    public key (with basic constraints CA, but signed by another key, or not self-issued)
+    became the trusted ca.pem."""
+    if what == "signed-by-another-key":
+        pem = _forged(authority, ca=True, signer=pki.new_private_key())
+    elif what == "not-self-issued":
+        pem = _forged(authority, ca=True, signer=authority.key, issuer="someone else")
+    else:
+        pem = _forged(authority, ca=False, signer=authority.key)
+    with pytest.raises(UpdateError) as caught:
+        install_trust(staged(tmp_path, pem), trust_dir, authority.ca_hash())
+    assert message in caught.value.message
+    assert list(trust_dir.iterdir()) == []
+    # With the real CA beside it, the real one is what is trusted.
+    both = staged(tmp_path, pem + ca_pem(authority), "both.crt")
+    assert install_trust(both, trust_dir, authority.ca_hash()) is True
+    assert (trust_dir / "ca.pem").read_bytes() == ca_pem(authority)

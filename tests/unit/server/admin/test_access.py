@@ -6,6 +6,7 @@ nothing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shlex
 import shutil
 import subprocess
@@ -375,3 +376,62 @@ def test_package_refusals_mint_nothing(
     assert status == 400, data
     assert piece in data["error"]["message"]
     assert store.list_join_tokens(include_inactive=True) == []
+
+
+FLAGS = ("rekey", "lost_state", "require_approval", "auto_approve", "cloud_init")
+
+
+@pytest.mark.parametrize("value", ["false", 0, None], ids=["string-false", "zero", "null"])
+@pytest.mark.parametrize("flag", FLAGS)
+def test_every_flag_is_a_json_boolean(
+    store: Store, ca: pki.Authority, flag: str, value: object
+) -> None:
+    """Python's truth of "false" turned a fresh join into a rekey; null is refused as well
+    (not read as the default), so a client that sends a placeholder learns so."""
+    joined(store)
+    [(status, data)] = call(store, ca, [{"node": NODE, flag: value}])
+    assert status == 400, data
+    shown = "null" if value is None else json.dumps(value)
+    assert data["error"]["message"] == (
+        f"'{flag}' must be true or false (a JSON boolean), not {shown}; leave it out for false"
+    )
+    assert store.list_join_tokens(include_inactive=True) == []
+
+
+def test_false_flags_mint_a_fresh_join(store: Store, ca: pki.Authority) -> None:
+    joined(store)
+    data = one(store, ca, {"node": NODE, "rekey": False, "lost_state": False})
+    assert data["kind"] == "join" and data["lost_state"] is False
+    assert data["warning"] is not None  # a fresh join of an existing node says what it does
+
+
+def test_a_node_named_like_another_instance_is_refused(store: Store, ca: pki.Authority) -> None:
+    """cp.example.net is this instance's name; cp2.example.net (and its advertise entry
+    api.example.net) another instance's on the same database: neither is a node id."""
+    store.register_instance("cp2", "host/1", stale_after=30, version="0.1.0")
+    store.set_instance_addresses(
+        "cp2",
+        stream="cp2.example.net:7443",
+        http="https://cp2.example.net:8080",
+        enroll="cp2.example.net:8443",
+        ca_hash="",
+        client_serial="",
+        server_serial="",
+        names=["cp2", "cp2.example.net", "api.example.net"],
+    )
+    answers = call(
+        store, ca, [{"node": "cp2.example.net"}, {"node": "api.example.net"}, {"node": "cp2"}]
+    )
+    for node, (status, data) in zip(
+        ("cp2.example.net", "api.example.net", "cp2"), answers, strict=True
+    ):
+        assert status == 400, data
+        assert data["error"]["message"] == (
+            f"node_id: invalid node id {node!r}: control-plane instance cp2 answers to that "
+            "name (it is "
+            "in that instance's TLS certificate), and a node under it could pose as that "
+            "instance; give this machine another node id (node_id in its agent.yaml, 'llmgw "
+            "ctl join-command --node OTHER-ID')"
+        )
+    assert store.list_join_tokens(include_inactive=True) == []
+    assert call(store, ca, [{"node": "gpu-02"}])[0][0] == 201

@@ -1,15 +1,23 @@
 """The desired-engine routes' reading of a request body: one node or all, and the builds
-(a list, or one from url/sha256/arch), each malformed shape refused with what to send."""
+(a list, or one from url/sha256/arch), each malformed shape refused with what to send; an
+update order's ``all`` read as a JSON boolean only."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
+from llmgw.bodies import BodyBudget
 from llmgw.errors import ConfigError
-from llmgw.server.admin.context import BadRequest
-from llmgw.server.admin.software import MAX_BUILDS, _builds, _target
+from llmgw.server.admin.context import AdminContext, BadRequest, guarded
+from llmgw.server.admin.software import MAX_BUILDS, SoftwareRoutes, _builds, _target
 from llmgw.server.installs import Build
 
 SHA = "d" * 64
@@ -56,3 +64,56 @@ def test_malformed_builds_are_refused(body: dict[str, Any], message: str) -> Non
 def test_a_build_the_nodes_cannot_use_is_a_config_error_answered_400() -> None:
     with pytest.raises(ConfigError):
         _builds({"url": "s3://bucket/x.tgz", "sha256": SHA})
+
+
+class _Updates:
+    """The signing edge: records what it was asked to sign."""
+
+    def __init__(self) -> None:
+        self.orders: list[list[str] | None] = []
+
+    async def order(self, nodes: list[str] | None, **_: object) -> list[dict[str, Any]]:
+        self.orders.append(nodes)
+        return []
+
+
+def _order(body: dict[str, Any]) -> tuple[int, dict[str, Any], _Updates]:
+    updates = _Updates()
+    ctx = cast(
+        AdminContext,
+        SimpleNamespace(
+            bodies=BodyBudget(1 << 20),
+            updates=updates,
+            admin_token="admin-secret",
+            admin_token_file=Path("/s/token"),
+        ),
+    )
+    app = web.Application()
+    app.router.add_post("/api/updates", guarded(ctx, SoftwareRoutes(ctx).order_update))
+
+    async def main() -> tuple[int, dict[str, Any]]:
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.post(
+                "/api/updates", json=body, headers={"Authorization": "Bearer admin-secret"}
+            )
+            return resp.status, await resp.json()
+
+    status, data = asyncio.run(main())
+    return status, data, updates
+
+
+@pytest.mark.parametrize("value", ["false", 0, None], ids=["string-false", "zero", "null"])
+def test_an_update_order_reads_all_as_a_json_boolean(value: object) -> None:
+    """``"all": "false"`` signed an update for every node."""
+    status, data, updates = _order({"version": "0.0.2", "all": value, "password": "pw"})
+    assert status == 400, data
+    shown = "null" if value is None else json.dumps(value)
+    assert data["error"]["message"] == (
+        f"'all' must be true or false (a JSON boolean), not {shown}; leave it out for false"
+    )
+    assert updates.orders == []
+
+
+def test_an_update_order_for_all_or_for_named_nodes() -> None:
+    assert _order({"version": "0.0.2", "all": True})[2].orders == [None]
+    assert _order({"version": "0.0.2", "all": False, "nodes": ["gpu-1"]})[2].orders == [["gpu-1"]]

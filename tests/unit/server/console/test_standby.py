@@ -1,7 +1,8 @@
 """The console through a standby (llmgw.server.follower.LeaderProxy): every /ui/ request goes
 to the leader whole, the Host along so that the Origin check holds, the event stream relayed
 as it comes, and the browser's address signed under the admin token so that the leader's
-login limits count the browser; an address a client claims itself is not believed."""
+login limits count the browser; an address a client claims itself is not believed, nor a
+signed one replayed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,14 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
-from llmgw.server.follower import CLIENT_ADDR_HEADER, CLIENT_MAC_HEADER, LeaderProxy, client_addr
+from llmgw.server.follower import (
+    CLIENT_ADDR_HEADER,
+    CLIENT_MAC_HEADER,
+    MAC_WINDOW,
+    LeaderProxy,
+    client_addr,
+    sign_client_addr,
+)
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
 from tests.unit.server.console.rig import ADMIN_TOKEN, Browser, ConsoleRig, csrf_of
@@ -28,10 +37,6 @@ def rig(store: Store, clock: Clock, tmp_path: Path) -> ConsoleRig:
     rig = ConsoleRig(store, clock, tmp_path)
     rig.add_node("gpu-1")
     return rig
-
-
-def _mac(addr: str, secret: str = ADMIN_TOKEN) -> str:
-    return hmac.new(secret.encode(), b"client-addr:" + addr.encode(), hashlib.sha256).hexdigest()
 
 
 def through_standby(rig: ConsoleRig, scenario: Any) -> Any:
@@ -98,7 +103,7 @@ def test_a_client_cannot_claim_an_address_through_a_standby(rig: ConsoleRig, sto
         await b.post(
             "/ui/login",
             {"csrf": csrf_of(page), "name": "admin", "password": rig.admin_pw},
-            headers={CLIENT_ADDR_HEADER: "203.0.113.7", CLIENT_MAC_HEADER: _mac("203.0.113.7")},
+            headers=sign_client_addr(ADMIN_TOKEN, "203.0.113.7", "POST", "/ui/login"),
         )
 
     through_standby(rig, scenario)
@@ -107,17 +112,41 @@ def test_a_client_cannot_claim_an_address_through_a_standby(rig: ConsoleRig, sto
     assert login.message == "console login from 127.0.0.1"
 
 
-def test_the_client_address_a_standby_signs() -> None:
-    def request(**headers: str) -> web.Request:
-        return make_mocked_request("POST", "/ui/login", headers=headers)
+ADDR = "203.0.113.7"
 
-    signed = request(**{CLIENT_ADDR_HEADER: "203.0.113.7", CLIENT_MAC_HEADER: _mac("203.0.113.7")})
-    assert client_addr(signed, ADMIN_TOKEN) == "203.0.113.7"
-    forged = request(**{CLIENT_ADDR_HEADER: "203.0.113.7", CLIENT_MAC_HEADER: _mac("203.0.113.8")})
-    other_key = request(
-        **{CLIENT_ADDR_HEADER: "203.0.113.7", CLIENT_MAC_HEADER: _mac("203.0.113.7", "other")}
-    )
-    bare = request(**{CLIENT_ADDR_HEADER: "203.0.113.7"})
-    for req in (forged, other_key, bare):
-        assert client_addr(req, ADMIN_TOKEN) != "203.0.113.7"
-    assert client_addr(signed, "") != "203.0.113.7"  # no secret: nothing is believed
+
+def _request(headers: dict[str, str], method: str = "POST", path: str = "/ui/login") -> web.Request:
+    return make_mocked_request(method, path, headers=headers)
+
+
+def test_the_client_address_a_standby_signs() -> None:
+    signed = sign_client_addr(ADMIN_TOKEN, ADDR, "POST", "/ui/login")
+    assert client_addr(_request(signed), ADMIN_TOKEN) == ADDR
+    forged = {**sign_client_addr(ADMIN_TOKEN, ADDR, "POST", "/ui/login"), CLIENT_ADDR_HEADER: "x"}
+    other_key = sign_client_addr("other", ADDR, "POST", "/ui/login")
+    bare = {CLIENT_ADDR_HEADER: ADDR}
+    for headers in (forged, other_key, bare):
+        assert client_addr(_request(headers), ADMIN_TOKEN) != ADDR
+    unsigned = sign_client_addr(ADMIN_TOKEN, ADDR, "POST", "/ui/login")
+    assert client_addr(_request(unsigned), "") != ADDR  # no secret: nothing is believed
+
+
+def test_a_signed_address_cannot_be_replayed() -> None:
+    """The MAC covered only the address: headers seen once were good for any request, for
+    ever. Now they hold for one method and raw path, within MAC_WINDOW, once."""
+    signed = sign_client_addr(ADMIN_TOKEN, ADDR, "POST", "/ui/login")
+    assert client_addr(_request(signed), ADMIN_TOKEN) == ADDR
+    assert client_addr(_request(signed), ADMIN_TOKEN) != ADDR  # the same headers again
+    for method, path in (("POST", "/api/login"), ("GET", "/ui/login"), ("POST", "/ui/login?x")):
+        fresh = sign_client_addr(ADMIN_TOKEN, ADDR, "POST", "/ui/login")
+        assert client_addr(_request(fresh, method, path), ADMIN_TOKEN) != ADDR, (method, path)
+    now = time.time()
+    for skew in (-MAC_WINDOW - 5, MAC_WINDOW + 5):  # signed too long ago, or too far ahead
+        stale = sign_client_addr(ADMIN_TOKEN, ADDR, "POST", "/ui/login", now=now + skew)
+        assert client_addr(_request(stale), ADMIN_TOKEN) != ADDR, skew
+    skewed = sign_client_addr(ADMIN_TOKEN, ADDR, "POST", "/ui/login", now=now - MAC_WINDOW + 5)
+    assert client_addr(_request(skewed), ADMIN_TOKEN) == ADDR  # clocks a little apart
+    # The MAC of the last release (the address alone) is believed no more.
+    old = hmac.new(ADMIN_TOKEN.encode(), b"client-addr:" + ADDR.encode(), hashlib.sha256)
+    headers = {CLIENT_ADDR_HEADER: ADDR, CLIENT_MAC_HEADER: old.hexdigest()}
+    assert client_addr(_request(headers), ADMIN_TOKEN) != ADDR

@@ -102,6 +102,32 @@ def test_an_instance_id_is_one_process_at_a_time(store: Store, clock: Clock) -> 
     assert not store.touch_instance("cp1", "host/9/z")
 
 
+def test_the_names_instances_answer_to_are_kept_until_retired(store: Store, clock: Clock) -> None:
+    """What a node id may not be: every name of every instance not retired, with its id."""
+    for instance, names in (("cp1", ["cp-1", "CP-1.example."]), ("cp2", ["cp-2", "api.example"])):
+        store.register_instance(instance, f"host/{instance}", stale_after=30, version="1.0.0")
+        store.set_instance_addresses(
+            instance,
+            stream="",
+            http="",
+            enroll="",
+            ca_hash="",
+            client_serial="",
+            server_serial="",
+            names=names,
+        )
+    assert store.get_instance("cp2").names == ("api.example", "cp-2")  # type: ignore[union-attr]
+    assert store.instance_names() == {
+        "cp-1": "cp1",
+        "cp-1.example": "cp1",
+        "cp-2": "cp2",
+        "api.example": "cp2",
+    }
+    _lapse(store, clock, 0.2)
+    store.retire_instance("cp2", silent_for=0.1)
+    assert store.instance_names() == {"cp-1": "cp1", "cp-1.example": "cp1"}
+
+
 def test_a_silent_instance_id_may_be_taken_over(store: Store, clock: Clock) -> None:
     store.register_instance("cp1", "host/1/a", stale_after=0.3, version="1.0.0")
     _lapse(store, clock, 0.5)

@@ -23,7 +23,8 @@ def test_sqlite_url_and_plain_path() -> None:
 
 def test_postgresql_url_with_several_hosts() -> None:
     loc = parse_location(
-        "postgresql://llmgw@db1,db2:5433/llmgw?target_session_attrs=read-write",
+        "postgresql://llmgw@db1,db2:5433/llmgw?target_session_attrs=read-write"
+        "&sslmode=verify-full&sslrootcert=/etc/llmgw/db-ca.crt",
         password_file=Path("/etc/llmgw/db-password"),
     )
     assert loc.engine == "postgresql"
@@ -32,7 +33,7 @@ def test_postgresql_url_with_several_hosts() -> None:
     assert loc.hosts() == ["db1:5432", "db2:5433"]
     assert loc.display == "postgresql://llmgw@db1,db2:5433/llmgw"
     assert loc.password_file == Path("/etc/llmgw/db-password")
-    assert parse_location("postgres://u@h/d").engine == "postgresql"
+    assert parse_location("postgres://u@h/d?sslmode=verify-full").engine == "postgresql"
 
 
 @pytest.mark.parametrize(
@@ -62,13 +63,13 @@ def test_a_password_file_for_sqlite_is_refused() -> None:
 def test_the_password_file_is_read_and_checked(tmp_path: Path) -> None:
     pw = tmp_path / "pw"
     pw.write_text("s3cret\n")
-    loc = parse_location("postgresql://u@h/d", password_file=pw)
+    loc = parse_location("postgresql://u@localhost/d", password_file=pw)
     assert loc.read_password() == "s3cret"
     pw.write_text("\n")
     with pytest.raises(ConfigError, match="must hold the database password alone, on one line"):
         loc.read_password()
     with pytest.raises(ConfigError, match="cannot read the database password file"):
-        parse_location("postgresql://u@h/d", password_file=tmp_path / "none").read_password()
+        parse_location("postgresql://u@/d", password_file=tmp_path / "none").read_password()
 
 
 def test_a_postgresql_url_without_the_driver_says_what_to_install(
@@ -80,3 +81,73 @@ def test_a_postgresql_url_without_the_driver_says_what_to_install(
     with pytest.raises(ConfigError, match=r"no PostgreSQL driver .*pip install 'psycopg\[binary"):
         parse_location("postgresql://u@h/d")
     assert parse_location("sqlite:///x.db").engine == "sqlite"  # SQLite needs none
+
+
+REFUSAL = (
+    "database: reaches {hosts} over the network without checking that the server is the one "
+    "meant (libpq's default sslmode=prefer takes any certificate, or none), and whoever "
+    "answers there owns the cluster; add sslmode=verify-full&sslrootcert=/etc/llmgw/db-ca.crt "
+    "to the URL (the CA that signed the database server's certificate, readable by the "
+    "control plane's user; sslrootcert=system: the system's trust store), or state another "
+    "sslmode= to accept less (the README's 'The database connection' says what each means)"
+)
+
+
+@pytest.mark.parametrize(
+    ("url", "hosts"),
+    [
+        ("postgresql://llmgw@db1.example.net/llmgw", "db1.example.net"),
+        ("postgresql://llmgw@127.0.0.1,db2:5433/llmgw", "db2"),  # one remote host is enough
+        ("postgresql://llmgw@10.0.0.5/llmgw", "10.0.0.5"),
+        ("postgresql://llmgw@[fd00::5]/llmgw", "fd00::5"),
+        ("postgresql://llmgw@localhost/llmgw?hostaddr=10.0.0.5", "10.0.0.5"),
+        ("postgresql:///llmgw?host=db1", "db1"),
+    ],
+)
+def test_a_network_host_without_sslmode_is_refused(url: str, hosts: str) -> None:
+    """libpq's default sslmode=prefer was used and never checked: whoever answers on the
+    network path owns the cluster."""
+    with pytest.raises(ConfigError) as info:
+        parse_location(url)
+    assert str(info.value) == REFUSAL.format(hosts=hosts)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://llmgw@127.0.0.1:5432/llmgw",
+        "postgresql://llmgw@127.8.9.1/llmgw",
+        "postgresql://llmgw@[::1]/llmgw",
+        "postgresql://llmgw@localhost/llmgw",
+        "postgresql://llmgw@/llmgw",  # the default Unix socket
+        "postgresql:///llmgw?host=/var/run/postgresql",
+        "postgresql://llmgw@%2Fvar%2Frun%2Fpostgresql/llmgw",
+    ],
+)
+def test_loopback_and_unix_sockets_stay_as_they_were(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PGHOST", raising=False)
+    monkeypatch.delenv("PGHOSTADDR", raising=False)
+    loc = parse_location(url)
+    assert "sslmode" not in loc.conninfo
+    assert loc.unverified_network_hosts == []
+
+
+def test_an_explicit_sslmode_is_the_operators_choice() -> None:
+    """verify-full checks; another sslmode stated in the URL is accepted, and the start
+    warns of the hosts it leaves unverified."""
+    full = parse_location(
+        "postgresql://llmgw@db1/llmgw?sslmode=verify-full&sslrootcert=/etc/llmgw/db-ca.crt"
+    )
+    assert full.conninfo["sslrootcert"] == "/etc/llmgw/db-ca.crt"
+    assert full.unverified_network_hosts == []
+    for mode in ("require", "verify-ca", "disable"):
+        loc = parse_location(f"postgresql://llmgw@db1,127.0.0.1/llmgw?sslmode={mode}")
+        assert loc.unverified_network_hosts == ["db1"]
+
+
+def test_pghost_counts_when_the_url_names_no_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PGHOST", "db9.example.net")
+    with pytest.raises(ConfigError, match=r"reaches db9\.example\.net over the network"):
+        parse_location("postgresql://llmgw@/llmgw")

@@ -5,6 +5,7 @@ fails calls at once and heals by itself."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -14,6 +15,7 @@ from typing import Any
 import psycopg_pool.base
 import pytest
 
+from llmgw import pki
 from llmgw.errors import ConfigError, StoreError, StoreUnavailable
 from llmgw.server.store import MIGRATIONS, Store
 from llmgw.server.store.location import Location, parse_location
@@ -45,6 +47,64 @@ def test_missing_database_refused_with_the_command_that_makes_it(
 ) -> None:
     with pytest.raises(ConfigError, match=r"database 'nosuchdb' does not exist on 127\.0\.0\.1:"):
         Store.open(_location(pg_cluster, tmp_path, "nosuchdb"))
+
+
+def test_a_verified_connection_and_the_refusal_of_a_server_the_ca_did_not_sign(
+    pg_cluster: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """sslmode=verify-full with sslrootcert: the store opens over TLS, the server's certificate
+    and name checked; against another CA (or another name) it is refused as a TLS problem
+    with what sslrootcert must be, not as an unreachable server."""
+    name = pg_cluster.fresh_database()
+    store = Store.open(
+        _location(
+            pg_cluster, tmp_path, name, sslmode="verify-full", sslrootcert=str(pg_cluster.tls_ca)
+        )
+    )
+    try:
+        row = store.database.one("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()", ())
+        assert row is not None and row["ssl"] is True
+    finally:
+        store.close()
+    assert not [r for r in caplog.records if "without verifying" in r.getMessage()]
+    other = pki.init_ca(tmp_path / "other")
+    with pytest.raises(ConfigError) as info:
+        Store.open(
+            _location(
+                pg_cluster,
+                tmp_path,
+                name,
+                sslmode="verify-full",
+                sslrootcert=str(other.directory / "ca.crt"),
+            )
+        )
+    assert str(info.value).startswith(
+        f"database: database postgresql://{ROLE}@127.0.0.1:{pg_cluster.port}/{name} at "
+        f"127.0.0.1:{pg_cluster.port} failed the TLS check the URL asks for "
+        "(sslmode=verify-full): "
+    )
+    assert "certificate verify failed" in str(info.value)
+    assert "sslrootcert must name the CA that signed the server's certificate" in str(info.value)
+
+
+def test_an_explicit_weaker_sslmode_connects_and_is_warned_of(
+    pg_cluster: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The override the README explains: stated in the URL, accepted, said at start. Loopback
+    needs none, so the warning is checked on a location that names a network host too
+    (127.0.0.1 answers first)."""
+    name = pg_cluster.fresh_database()
+    port = pg_cluster.port
+    url = pg_cluster.url(name, password=False, sslmode="require").replace(
+        f"@127.0.0.1:{port}", f"@127.0.0.1:{port},db.invalid:{port}"
+    )
+    where = parse_location(url, password_file=pg_cluster.password_file(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="llmgw.server.store"):
+        store = Store.open(where)
+    store.close()
+    (line,) = [r for r in caplog.records if "without verifying" in r.getMessage()]
+    fields = line.fields  # type: ignore[attr-defined]
+    assert (fields["hosts"], fields["sslmode"]) == ("db.invalid", "require")
 
 
 def test_unreachable_server_names_host_and_port(pg_cluster: Any, tmp_path: Path) -> None:
