@@ -31,9 +31,9 @@ from llmgw.server.console.security import (
     set_cookie,
 )
 from llmgw.server.console.site import SESSION, Site, html_response
-from llmgw.server.follower import client_addr
 from llmgw.server.logins import LoginRefused, LoginSession, LoginThrottled
 from llmgw.server.principals import PRINCIPAL
+from llmgw.server.proxies import login_source
 
 __all__ = ["FORM", "ConsoleAuth", "form_of"]
 
@@ -207,6 +207,7 @@ class ConsoleAuth:
             notice=notice,
             name=name,
             refresh_s=self.site.refresh_s,
+            cleartext=self.site.cleartext,
         )
         response = html_response(body, status=status)
         for key, value in (headers or {}).items():
@@ -258,7 +259,7 @@ class ConsoleAuth:
                 name,
                 password[:MAX_PASSWORD],
                 # Through a standby, the browser's (LeaderProxy signs it), not the standby's.
-                addr=client_addr(request, site.ctx.admin_token),
+                addr=login_source(request, site.ctx.admin_token),
                 kind=KIND,
                 agent=request.headers.get("User-Agent", "")[:200],
             )

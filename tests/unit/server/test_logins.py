@@ -356,8 +356,8 @@ def test_an_account_locks_after_its_failures_and_refuses_its_right_password(
     locked = rig.refused("bob", BOB_PW, addr="198.51.100.77")
     assert isinstance(locked, LoginThrottled) and locked.retry_after == 900
     assert str(locked).startswith(
-        "too many failed logins for account 'bob'; logins are locked for 15 min: try again "
-        "then (at "
+        "too many failed logins for account 'bob'; logins and password confirmations are "
+        "locked for 15 min: try again then (at "
     )
     assert rig.verified == checked  # the password was not even checked
     clock.advance(899)
@@ -385,15 +385,14 @@ def test_the_failures_count_within_the_window_only(
     assert isinstance(rig.refused("bob", BOB_PW), LoginThrottled)
 
 
-def test_a_success_clears_the_account_s_count_not_the_address_s(rig: Rig) -> None:
+def test_a_success_takes_back_its_own_attempt_only(rig: Rig) -> None:
     for _ in range(4):
         rig.refused()
     rig.login()
-    assert rig.store.login_failures("account:bob") == 0
+    # The four failures still count in their window, on the account and on the address.
+    assert rig.store.login_failures("account:bob") == 4
     assert rig.store.login_failures(f"addr:{ADDR}") == 4
-    for _ in range(4):
-        assert isinstance(rig.refused(), LoginRefused)  # a fresh count of five
-    assert isinstance(rig.refused(), LoginRefused)
+    assert isinstance(rig.refused(), LoginRefused)  # the fifth failure locks
     assert isinstance(rig.refused("bob", BOB_PW), LoginThrottled)
 
 
@@ -404,7 +403,7 @@ def test_an_address_locks_for_every_name(store: Store, clock: Clock, tmp_path: P
     checked = rig.verified
     locked = rig.refused("carol", CAROL_PW)
     assert isinstance(locked, LoginThrottled) and locked.retry_after == 120
-    assert str(locked).startswith(f"too many failed logins from address {ADDR}; logins are ")
+    assert str(locked).startswith(f"too many failed logins from address {ADDR}; logins and ")
     assert rig.verified == checked
     rig.login("carol", CAROL_PW, addr="192.0.2.1")  # another address logs in
     clock.advance(120)
@@ -421,7 +420,9 @@ def test_a_lock_is_one_event(store: Store, clock: Clock, tmp_path: Path) -> None
     assert len(locks) == 1
     subject, message, actor = locks[0]
     assert (subject, actor) == ("bob", "")
-    assert message.startswith("account locked after 3 failed logins (the last from 192.0.2.1)")
+    assert message.startswith(
+        "account locked after 3 failed logins (the last a login from 192.0.2.1)"
+    )
     # An unknown name locks too, but only the log says so.
     for _ in range(3):
         rig.refused("nobody", "some guess here", addr="192.0.2.3")
@@ -441,21 +442,40 @@ def test_a_lock_is_one_event(store: Store, clock: Clock, tmp_path: Path) -> None
     }
 
 
-def test_a_lock_taken_while_the_password_was_checked_refuses_the_login(
-    rig: Rig, clock: Clock
+def test_a_right_password_checked_as_the_limit_is_reached_lifts_the_lock_it_shared(
+    store: Store, clock: Clock, tmp_path: Path
 ) -> None:
-    # Another instance locks the account while this login's scrypt check runs.
+    rig = _small(store, clock, tmp_path, failures_per_account=3)
     verify = rig.accounts.verify
+    # Two guesses arrive while bob's own login is checked: the third attempt locks, the
+    # account is locked until the answers come in, and a fourth is refused unchecked.
+    during: list[Exception] = []
 
     async def meanwhile(name: object, password: object) -> Any:
-        found = await verify(name, password)
-        rig.store.count_login_failure("account:bob", clock(), window=900, limit=1, lockout=900)
-        return found
+        if password == BOB_PW:
+            for guess in ("guess one here", "guess two here"):
+                during.append(await _refusal(rig.logins.login("bob", guess, addr=ADDR, kind="cli")))
+            during.append(await _refusal(rig.logins.login("bob", BOB_PW, addr=ADDR, kind="cli")))
+        return await verify(name, password)
 
     rig.accounts.verify = meanwhile  # type: ignore[method-assign]
+    rig.login()
+    assert [type(e) for e in during] == [LoginRefused, LoginRefused, LoginThrottled]
+    # Two failures of three: bob's right password does not leave the account locked.
+    assert rig.store.login_failures("account:bob") == 2
+    assert rig.store.login_locked_until(["account:bob"], clock()) is None
+    assert len(rig.events("login_locked")) == 1  # it was locked while bob's was checked
+    assert isinstance(rig.refused(), LoginRefused)  # the third failure locks it now
     assert isinstance(rig.refused("bob", BOB_PW), LoginThrottled)
-    assert rig.store.list_login_sessions() == []
-    assert rig.events("operator_login") == []
+    assert len(rig.events("login_locked")) == 2
+
+
+async def _refusal(login: Any) -> Exception:
+    try:
+        await login
+    except (LoginRefused, LoginThrottled) as exc:
+        return exc
+    raise AssertionError("the login was let in")
 
 
 # --------------------------------------------------------------------- prune
