@@ -6,6 +6,8 @@ before any password is checked, and a lock is one event."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
 from llmgw.server.principals import VIA_CLI, VIA_CONSOLE, Principal
 from llmgw.server.store import LOGIN_KINDS, Store, hash_session_token
-from llmgw.server.store.location import parse_location
+from llmgw.server.store.location import Location, parse_location
 from tests.unit.clock import Clock
 
 BOB_PW = "bob's long password"
@@ -34,16 +36,19 @@ ADDR = "203.0.113.9"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path, clock: Clock) -> Iterator[Store]:
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
     if request.param == "sqlite":
-        where = parse_location(f"sqlite://{tmp_path}/state.db")
-    else:
-        cluster = request.getfixturevalue("pg_cluster")
-        where = parse_location(
-            cluster.url(cluster.fresh_database(), password=False),
-            password_file=cluster.password_file(tmp_path),
-        )
-    s = Store.open(where, clock=clock)
+        return parse_location(f"sqlite://{tmp_path}/state.db")
+    cluster = request.getfixturevalue("pg_cluster")
+    return parse_location(
+        cluster.url(cluster.fresh_database(), password=False),
+        password_file=cluster.password_file(tmp_path),
+    )
+
+
+@pytest.fixture
+def store(location: Location, clock: Clock) -> Iterator[Store]:
+    s = Store.open(location, clock=clock)
     yield s
     s.close()
 
@@ -88,9 +93,13 @@ class Rig:
         return info.value
 
     def events(self, kind: str) -> list[tuple[str, str, str]]:
+        return self.events_of(self.store, kind)
+
+    @staticmethod
+    def events_of(store: Store, kind: str) -> list[tuple[str, str, str]]:
         return [
             (e.subject, e.message, e.actor)
-            for e in reversed(self.store.list_events(limit=1000))
+            for e in reversed(store.list_events(limit=1000))
             if e.kind == kind
         ]
 
@@ -476,6 +485,83 @@ async def _refusal(login: Any) -> Exception:
     except (LoginRefused, LoginThrottled) as exc:
         return exc
     raise AssertionError("the login was let in")
+
+
+def test_logins_at_once_on_several_instances_are_checked_at_most_the_limit(
+    store: Store, location: Location, clock: Clock, tmp_path: Path
+) -> None:
+    """Four control-plane instances on one database (threads, a store each), 39 wrong
+    passwords for bob sent at once, spread over them, and held in their checks: five are
+    checked, the others refused unchecked; then the right password, sent while the five are
+    still being checked, gets the very answer the wrong ones got, and does after them too."""
+    Rig(store, clock, tmp_path, LoginPolicy())  # the accounts, in the shared database
+    gate = threading.Event()
+    lock = threading.Lock()
+    checked: list[str] = []
+    answers: list[object] = []
+    instances: list[tuple[Store, Logins]] = []
+    for _ in range(5):  # the fifth sends the right password
+        mine = Store.open(location, clock=clock)
+        accounts = OperatorAccounts(mine)
+        verify = accounts.verify
+
+        async def held(name: object, password: object, verify: Any = verify) -> Any:
+            with lock:
+                checked.append(str(password))
+            await asyncio.to_thread(gate.wait, 60)
+            return await verify(name, password)
+
+        accounts.verify = held  # type: ignore[method-assign]
+        instances.append((mine, Logins(mine, accounts, LoginPolicy(), clock=clock)))
+
+    def instance(index: int, passwords: list[str]) -> None:
+        async def attempt(logins: Logins, password: str) -> None:
+            try:
+                answer: object = await logins.login("bob", password, addr=ADDR, kind="cli")
+            except (LoginRefused, LoginThrottled) as exc:
+                answer = exc
+            with lock:
+                answers.append(answer)
+
+        async def all_of_them() -> None:
+            await asyncio.gather(*(attempt(instances[index][1], pw) for pw in passwords))
+
+        asyncio.run(all_of_them())
+
+    wrong = [f"wrong guess {i:02}" for i in range(39)]
+    threads = [
+        threading.Thread(target=instance, args=(i, wrong[i::4]), daemon=True) for i in range(4)
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while len(checked) + len(answers) < 39 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(checked) == 5 and len(answers) == 34
+        refusals = {str(a) for a in answers}
+        assert all(isinstance(a, LoginThrottled) for a in answers) and len(refusals) == 1
+        # The right password while the five are checked: refused alike, never checked.
+        right = threading.Thread(target=instance, args=(4, [BOB_PW]))
+        right.start()
+        right.join(timeout=30)
+        assert len(checked) == 5 and len(answers) == 35
+        assert isinstance(answers[-1], LoginThrottled) and str(answers[-1]) in refusals
+        gate.set()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert sorted(type(a).__name__ for a in answers[-5:]) == ["LoginRefused"] * 5
+        after = threading.Thread(target=instance, args=(4, [BOB_PW]))
+        after.start()
+        after.join(timeout=30)
+        assert isinstance(answers[-1], LoginThrottled) and str(answers[-1]) in refusals
+        assert [e[0] for e in Rig.events_of(store, "login_locked")] == ["bob"]
+    finally:
+        gate.set()
+        for thread in threads:
+            thread.join(timeout=60)
+        for mine, _ in instances:
+            mine.close()
 
 
 # --------------------------------------------------------------------- prune
