@@ -207,7 +207,12 @@ class ServerConfig:
         host = self.http_listen.rpartition(":")[0].strip("[]")
         if host == "localhost":
             return False
-        return not (is_ip_address(host) and ipaddress.ip_address(host).is_loopback)
+        if not is_ip_address(host):
+            return True  # a name: whatever it resolves to, it is meant to be reached
+        ip = ipaddress.ip_address(host)
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return not ip.is_loopback
 
     @property
     def pki_dir(self) -> Path:

@@ -141,13 +141,14 @@ class Lockout:
         addr: str,
         verify: Callable[[], Awaitable[T]],
         *,
-        what: str = "login",
+        what: str = "a login",
         vouched: bool = False,
     ) -> T:
         """``verify()``'s answer (falsy: a wrong password), counted against *account* and
         *addr* while it runs: :class:`LoginThrottled` while either is locked, unchecked.
-        *what* names the check in the log and the events ("login", "password confirmation");
-        *vouched*: the request carries a valid ctl credential of *account*."""
+        *what* names the check in the log and the events ("a login", "a password
+        confirmation"); *vouched*: the request carries a valid ctl credential of
+        *account*."""
         attempt = self.reserve(account, addr, vouched=vouched)
         # An error or a cancel (the client went away) leaves the attempt counted: a guess
         # whose answer was not read is a guess all the same.
@@ -213,8 +214,9 @@ class Lockout:
                     locked.append(counted.key)
                     self._lock_event(attempt, counted, what, now)
         log.warning(
-            f"{what} failed",
+            "password check failed",
             extra=kv(
+                what=what,
                 account=account_key(attempt.account).removeprefix(_ACCOUNT),
                 addr=attempt.addr,
                 locked=",".join(locked),
@@ -254,7 +256,7 @@ class Lockout:
             )
         else:
             message = (
-                f"account locked after {counted.limit} failed logins (the last a {what} from "
+                f"account locked after {counted.limit} failed logins (the last {what} from "
                 f"{source}); {until}"
             )
         self.store.add_event("login_locked", name, message)

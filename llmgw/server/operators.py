@@ -89,7 +89,7 @@ class OperatorAccounts:
                 name,
                 source,
                 lambda: self.verify(name, password),
-                what=f"password confirmation ({refused})",
+                what=f"a password confirmation ({refused})",
             )
         if found is None:
             raise PasswordError(

@@ -137,7 +137,7 @@ class AdminPassword:
                 ADMIN_ACCOUNT,
                 source,
                 lambda: asyncio.to_thread(check_password, stored, password),
-                what=f"admin password confirmation ({refused})",
+                what=f"an admin password confirmation ({refused})",
             )
         if not ok:
             raise PasswordError(

@@ -33,7 +33,10 @@ def parse_hop(text: str) -> IPAddress | None:
     forms with a port some proxies write (``192.0.2.1:5678``, ``[2001:db8::1]:443``)."""
     text = text.strip()
     if text.startswith("["):
-        text = text[1:].partition("]")[0]
+        inside, bracket, _port = text[1:].partition("]")
+        if not bracket:
+            return None
+        text = inside
     elif text.count(":") == 1:
         text = text.partition(":")[0]
     try:

@@ -419,6 +419,17 @@ def test_an_address_locks_for_every_name(store: Store, clock: Clock, tmp_path: P
     rig.login("carol", CAROL_PW)
 
 
+def test_an_ipv6_64_locks_as_one_address(store: Store, clock: Clock, tmp_path: Path) -> None:
+    rig = _small(store, clock, tmp_path, failures_per_address=3)
+    for host, name in (("::1", "dave"), ("::2", "erin"), ("::3", "frank")):  # names probed
+        assert isinstance(rig.refused(name, "some guess", addr=f"2001:db8:1:2{host}"), LoginRefused)
+    locked = rig.refused("carol", CAROL_PW, addr="2001:db8:1:2:ffff:ffff:ffff:ffff")
+    assert isinstance(locked, LoginThrottled)
+    assert str(locked).startswith("too many failed logins from addresses 2001:db8:1:2::/64; ")
+    rig.login("carol", CAROL_PW, addr="2001:db8:1:3::1")  # the next /64 is another address
+    assert rig.events("login_locked")[0][0] == "2001:db8:1:2::/64"
+
+
 def test_a_lock_is_one_event(store: Store, clock: Clock, tmp_path: Path) -> None:
     rig = _small(store, clock, tmp_path, failures_per_account=3, failures_per_address=5)
     for _ in range(3):
