@@ -44,7 +44,7 @@ from llmgw.netaddr import format_hostport
 from llmgw.pki import issue_node_cert, load_ca, load_cert
 from llmgw.procutil import process_start_time
 from llmgw.server.app import ControlPlane
-from llmgw.server.config import load_server_config
+from llmgw.server.config import ServerConfig, load_server_config
 from llmgw.server.store import hash_api_key
 
 __all__ = ["UP_MODEL", "LocalCluster", "UpOptions"]
@@ -67,6 +67,23 @@ class UpOptions:
     ttft_ms: float = 0.0
     tps: float = 0.0
     ready_timeout: float = 120.0
+
+
+def server_config(opts: UpOptions) -> ServerConfig:
+    """The control plane of ``llmgw up``: on loopback unless ``--host`` says otherwise (plain
+    HTTP beyond loopback carries the admin password and tokens in clear; the control plane
+    warns of it at start)."""
+    return load_server_config(
+        None,
+        overrides={
+            "state_dir": str(opts.state_dir / "server"),
+            "http_listen": format_hostport(opts.host, opts.http_port),
+            "grpc_listen": format_hostport("127.0.0.1", opts.grpc_port),
+            "enroll_listen": format_hostport(opts.host, opts.enroll_port),
+            "heartbeat_interval": 2.0,
+            "loss_timeout": 10.0,
+        },
+    )
 
 
 class LocalCluster:
@@ -109,17 +126,7 @@ class LocalCluster:
             ) from exc
         self._lock()
         # 1. control plane
-        cfg = load_server_config(
-            None,
-            overrides={
-                "state_dir": str(opts.state_dir / "server"),
-                "http_listen": format_hostport(opts.host, opts.http_port),
-                "grpc_listen": format_hostport("127.0.0.1", opts.grpc_port),
-                "enroll_listen": format_hostport(opts.host, opts.enroll_port),
-                "heartbeat_interval": 2.0,
-                "loss_timeout": 10.0,
-            },
-        )
+        cfg = server_config(opts)
         self.cp = ControlPlane(cfg)
         await self.cp.start()
         # 2. the local node's identity and configuration

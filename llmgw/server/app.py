@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from cryptography import x509
 
 from llmgw import __version__
@@ -76,11 +77,13 @@ from llmgw.server.leadership import (
     try_leadership,
 )
 from llmgw.server.limits import Limits
+from llmgw.server.lockout import Lockout
 from llmgw.server.logins import Logins
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
+from llmgw.server.proxies import TrustedProxies, forwarded_middleware
 from llmgw.server.reports import AgentReports
 from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
@@ -255,6 +258,16 @@ class ControlPlane:
                 key="state_dir",
                 file=str(cfg.source) if cfg.source else None,
             ) from exc
+        if cfg.cleartext_exposed:
+            log.warning(
+                "http_listen serves plain HTTP beyond loopback: console passwords and cookies, "
+                "the admin token and API keys travel in clear",
+                extra=kv(
+                    listen=cfg.http_listen,
+                    fix="add 'tls: cluster' (or tls: {cert: FILE, key: FILE}) to server.yaml, "
+                    "or listen on 127.0.0.1 behind a TLS proxy",
+                ),
+            )
         # 0. leadership: on PostgreSQL a lease among the instances; on SQLite a second
         # control plane on this state directory is a standby
         if cfg.shared_database:
@@ -571,7 +584,7 @@ class ControlPlane:
             ssl=self._leader_ssl,
             secret=lambda: token,
         )
-        app = web.Application(client_max_size=1024 * 1024, middlewares=[error_middleware])
+        app = web.Application(client_max_size=1024 * 1024, middlewares=self._middlewares())
         self.gateway.add_routes(app)
         self.bundles = add_bundle_routes(app, cfg.bundle_dir)
         proxy.add_routes(app)
@@ -659,6 +672,11 @@ class ControlPlane:
         self._app_inflight.pop(key, None)
         await app.cleanup()
 
+    def _middlewares(self) -> list[Middleware]:
+        """Of :8080's application, a leader's or a standby's: the client behind a trusted
+        proxy in place of the proxy, then the JSON errors."""
+        return [forwarded_middleware(TrustedProxies(self.cfg.trusted_proxies)), error_middleware]
+
     def _leader_ssl(self) -> ssl.SSLContext | bool:
         """TLS towards the leader's admin API: its certificate is the cluster CA's (tls:
         cluster) or the operator's, which the system's trust store verifies."""
@@ -710,7 +728,12 @@ class ControlPlane:
         )
         self._warn_of_nodes_named_like_the_control_plane()
         self.admin_token = _read_or_create_token(cfg.admin_token_file)
-        self.password = AdminPassword(self.store, cfg.admin_token_file.parent / PASSWORD_FILE)
+        # Its checks count in the logins' lockout, under server.yaml's limits.
+        self.password = AdminPassword(
+            self.store,
+            cfg.admin_token_file.parent / PASSWORD_FILE,
+            lockout=Lockout(self.store, cfg.console),
+        )
         self.password.start()
         # The first operator account is the admin password (new stores and upgraded ones).
         self.operators = OperatorAccounts(self.store, self.password)
@@ -956,7 +979,7 @@ class ControlPlane:
         self.http_tls = serving_certificate(cfg.tls, self.server_identity)
         return_large_buffers()  # large bodies' memory goes back to the system once freed
         # Bodies are read through llmgw.bodies; this only bounds any other reader.
-        app = web.Application(client_max_size=1024 * 1024, middlewares=[error_middleware])
+        app = web.Application(client_max_size=1024 * 1024, middlewares=self._middlewares())
         self.gateway.add_routes(app)
         self.bundles = add_bundle_routes(app, cfg.bundle_dir)
         admin = AdminContext(
@@ -991,7 +1014,7 @@ class ControlPlane:
             history=self.history,
         )
         add_admin_routes(app, admin, self.authority)
-        add_console_routes(app, admin)
+        add_console_routes(app, admin, cleartext=cfg.cleartext_exposed)
         gateway = self.gateway
         app.on_cleanup.append(lambda _app: gateway.close())
         if self._keeper is not None:

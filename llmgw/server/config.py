@@ -26,6 +26,7 @@ from llmgw.netaddr import format_hostport, is_hostname, is_ip_address
 from llmgw.server.logins import LoginPolicy
 from llmgw.server.store.location import Location, parse_location
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 DEFAULT_HTTP_LISTEN = f"0.0.0.0:{DEFAULT_HTTP_PORT}"
 DEFAULT_GRPC_LISTEN = f"0.0.0.0:{DEFAULT_GRPC_PORT}"
 DEFAULT_HEARTBEAT_INTERVAL = 5.0
@@ -70,6 +71,7 @@ _KEYS = (
     "lease_renew",
     "resync_interval",
     "console",
+    "trusted_proxies",
 )
 _TLS_KEYS = ("cert", "key")
 _DATABASE_KEYS = ("url", "password_file")
@@ -161,6 +163,8 @@ class ServerConfig:
     # The console's and ctl login's sessions (idle and absolute expiry) and the failed
     # logins that lock an address or an account.
     console: LoginPolicy = field(default_factory=LoginPolicy)
+    # The reverse proxies (CIDRs) whose X-Forwarded-For names the client (llmgw.server.proxies).
+    trusted_proxies: tuple[Network, ...] = ()
     source: Path | None = None
 
     @property
@@ -193,6 +197,22 @@ class ServerConfig:
     @property
     def http_scheme(self) -> str:
         return "http" if self.tls is None else "https"
+
+    @property
+    def cleartext_exposed(self) -> bool:
+        """Whether http_listen serves plain HTTP beyond loopback: the console's password and
+        cookie, the admin token, the API keys travel in clear."""
+        if self.tls is not None:
+            return False
+        host = self.http_listen.rpartition(":")[0].strip("[]")
+        if host == "localhost":
+            return False
+        if not is_ip_address(host):
+            return True  # a name: whatever it resolves to, it is meant to be reached
+        ip = ipaddress.ip_address(host)
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return not ip.is_loopback
 
     @property
     def pki_dir(self) -> Path:
@@ -378,6 +398,7 @@ def _parse(
         resync_interval=resync,
         reattach_grace=reattach_grace,
         console=_console(check, top.get("console")),
+        trusted_proxies=_trusted_proxies(check, top.get("trusted_proxies")),
         source=source,
     )
 
@@ -427,6 +448,27 @@ def _console(check: Checker, value: object) -> LoginPolicy:
                 f"before it could be idle that long; make {idle} at most {lifetime}",
             )
     return policy
+
+
+def _trusted_proxies(check: Checker, value: object) -> tuple[Network, ...]:
+    """``trusted_proxies:`` absent (none: X-Forwarded-For is ignored), or a list of
+    addresses and CIDRs (``10.0.0.0/8``, ``2001:db8::/48``, ``192.0.2.7``)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        check.fail("trusted_proxies", f"must be a list of addresses or CIDRs, e.g. [{value}]")
+    found: list[Network] = []
+    for index, text in enumerate(check.strings(value, "trusted_proxies")):
+        try:
+            network = ipaddress.ip_network(text.strip(), strict=True)
+        except ValueError as exc:
+            check.fail(
+                index_key("trusted_proxies", index),
+                f"{text!r} is not an address or a CIDR ({exc}); write e.g. 10.0.0.0/8 or "
+                "2001:db8::/48, with no host bits set past the prefix",
+            )
+        found.append(network)
+    return tuple(found)
 
 
 def _database(check: Checker, value: object) -> Location | None:

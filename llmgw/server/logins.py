@@ -16,19 +16,15 @@ effect at once; a removal, a role change or a password change ends the account's
 :meth:`~llmgw.server.passwords.AdminPassword.change` do it, in the change's transaction).
 
 Failed logins count against the source address and the account name (an unknown name
-too, so probing names is limited as well). A key that reaches its limit within the
-failure window is locked for the lockout: a login then is refused with
-:class:`LoginThrottled` before the password is checked, the right password included, so a
-locked account cannot be guessed at. The counters live in the store, so the limit holds
-across the control-plane instances that share a PostgreSQL database. Failures are logged;
-only a lock is an event (``login_locked``, once per lock of an existing account or of an
-address), so that a guesser cannot flood the events.
+too, so that probing names is limited as well), in :mod:`llmgw.server.lockout`: each login
+is counted before its password is checked and taken back when it was right, so a locked
+address or account is refused with :class:`LoginThrottled` before any password is checked,
+the right password included, however many logins arrive at once.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import time
 from collections.abc import Callable
@@ -37,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from llmgw.errors import LlmgwError
 from llmgw.log import kv
+from llmgw.server.lockout import Lockout, LockoutPolicy, LoginThrottled
 from llmgw.server.principals import Principal
 from llmgw.server.store import LOGIN_KINDS, StoredLogin, hash_session_token
 
@@ -57,11 +54,11 @@ log = logging.getLogger("llmgw.server.logins")
 
 SEEN_EVERY = 60.0
 """Seconds between two writes of a session's last use (its idle expiry's precision)."""
-_MAX_NAME = 64  # an operator name's longest: a longer one is no account's, counted cut
+_MAX_AGENT = 200
 
 
 @dataclass(frozen=True)
-class LoginPolicy:
+class LoginPolicy(LockoutPolicy):
     """How long sessions last and how many failed logins lock (server.yaml's ``console:``);
     every duration in seconds."""
 
@@ -72,13 +69,6 @@ class LoginPolicy:
     cli_idle: float = 7 * 86400.0
     """An ``llmgw ctl login`` token unused this long lapses."""
     cli_lifetime: float = 30 * 86400.0
-    failures_per_address: int = 20
-    """Failed logins from one address within :attr:`failure_window` that lock it."""
-    failures_per_account: int = 5
-    """Failed logins for one account name within :attr:`failure_window` that lock it."""
-    failure_window: float = 900.0
-    lockout: float = 900.0
-    """How long a locked address or account stays locked."""
 
     def idle(self, kind: str) -> float:
         return self.session_idle if kind == "console" else self.cli_idle
@@ -111,15 +101,6 @@ class LoginRefused(LlmgwError):
     """The account name or the password is wrong (the message never says which)."""
 
 
-class LoginThrottled(LlmgwError):
-    """Too many failed logins from the address or for the account: ``retry_after`` seconds
-    until the lock lifts."""
-
-    def __init__(self, message: str, *, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
 class Logins:
     """The login sessions and login rate limits of one control plane, over ``store``."""
 
@@ -135,31 +116,36 @@ class Logins:
         self.operators = operators
         self.policy = policy
         self.clock = clock
+        self.lockout = Lockout(store, policy, clock=clock)
 
     async def login(
-        self, name: str, password: str, *, addr: str, kind: str, agent: str = ""
+        self,
+        name: str,
+        password: str,
+        *,
+        addr: str,
+        kind: str,
+        agent: str = "",
+        vouched: bool = False,
     ) -> tuple[str, LoginSession]:
         """A new session for account *name* when *password* is its password: the token
         (given to the caller once, never stored) and the session. :class:`LoginThrottled`
         while the address or the account is locked (the password unchecked),
-        :class:`LoginRefused` for a wrong name or password."""
+        :class:`LoginRefused` for a wrong name or password. *vouched*: the request carries
+        a valid ctl credential of *name* (see :mod:`llmgw.server.lockout`)."""
         _check_kind(kind)
-        keys = _keys(name, addr)
-        self._refuse_if_locked(keys, self.clock())  # before the (slow) scrypt check
-        found = await self.operators.verify(name, password)
-        now = self.clock()
+        found = await self.lockout.check(
+            name, addr, lambda: self.operators.verify(name, password), vouched=vouched
+        )
         if found is None:
-            self._count_failure(name, addr, kind, now)
             raise LoginRefused(
                 "wrong account name or password; check both and try again (repeated "
                 "failures lock logins for a while)"
             )
+        now = self.clock()
         token = secrets.token_urlsafe(32)
         csrf = secrets.token_urlsafe(32) if kind == "console" else ""
         with self.store.transaction():
-            # Another instance, or a concurrent attempt, may have locked it meanwhile.
-            self._refuse_if_locked(keys, now)
-            self.store.clear_login_failures(keys[1], now)
             stored = self.store.add_login_session(
                 hash_session_token(token),
                 found.id,
@@ -167,8 +153,8 @@ class Logins:
                 csrf=csrf,
                 now=now,
                 expires_at=now + self.policy.lifetime(kind),
-                addr=addr,
-                agent=agent,
+                addr=_printable(addr),
+                agent=_printable(agent)[:_MAX_AGENT],
             )
             self.store.add_event(
                 "operator_login", found.name, f"{kind} login from {addr or 'unknown'}", found.name
@@ -180,7 +166,7 @@ class Logins:
         """The session *token* stands for, or None: unknown, lapsed (idle or absolute),
         of another kind, or its account removed. Records the use (at most once every
         :data:`SEEN_EVERY` seconds)."""
-        if not isinstance(token, str) or not token or kind not in LOGIN_KINDS:
+        if not _token_like(token) or kind not in LOGIN_KINDS:
             return None
         token_hash = hash_session_token(token)
         stored = self.store.find_login_session(token_hash)
@@ -198,7 +184,7 @@ class Logins:
 
     def logout(self, token: str) -> None:
         """End the session *token* stands for (nothing when there is none)."""
-        if not isinstance(token, str) or not token:
+        if not _token_like(token):
             return
         stored = self.store.find_login_session(hash_session_token(token))
         if stored is not None and self.store.delete_login_session(stored.token_hash):
@@ -243,86 +229,18 @@ class Logins:
             idle_expires_at=idle_end,
         )
 
-    def _refuse_if_locked(self, keys: list[str], now: float) -> None:
-        locked = self.store.login_locked_until(keys, now)
-        if locked is None:
-            return
-        key, until = locked
-        wait = max(1, math.ceil(until - now))
-        what = (
-            f"from address {key.removeprefix('addr:')}"
-            if key.startswith("addr:")
-            else f"for account {key.removeprefix('account:')!r}"
-        )
-        raise LoginThrottled(
-            f"too many failed logins {what}; logins are locked for {_span(wait)}: try again "
-            f"then (at {_utc(until)}), or ask an admin to check the events",
-            retry_after=wait,
-        )
 
-    def _count_failure(self, name: str, addr: str, kind: str, now: float) -> None:
-        policy = self.policy
-        addr_key, account_key = _keys(name, addr)
-        with self.store.transaction():
-            addr_locked = self.store.count_login_failure(
-                addr_key,
-                now,
-                window=policy.failure_window,
-                limit=policy.failures_per_address,
-                lockout=policy.lockout,
-            )
-            account_locked = self.store.count_login_failure(
-                account_key,
-                now,
-                window=policy.failure_window,
-                limit=policy.failures_per_account,
-                lockout=policy.lockout,
-            )
-            until = f"locked until {_utc(now + policy.lockout)}"
-            if addr_locked:
-                self.store.add_event(
-                    "login_locked",
-                    addr or "unknown",
-                    f"address locked after {policy.failures_per_address} failed logins; {until}",
-                )
-            # An unknown name's lock is logged only: names made up by a guesser would
-            # otherwise fill the events.
-            known = isinstance(name, str) and self.store.find_operator(name) is not None
-            if account_locked and known:
-                self.store.add_event(
-                    "login_locked",
-                    name,
-                    f"account locked after {policy.failures_per_account} failed logins "
-                    f"(the last from {addr or 'unknown'}); {until}",
-                )
-        log.warning(
-            "login failed",
-            extra=kv(
-                account=account_key.removeprefix("account:"),
-                addr=addr,
-                kind=kind,
-                address_locked=addr_locked,
-                account_locked=account_locked,
-            ),
-        )
+def _token_like(token: object) -> bool:
+    """Whether *token* could be a session token: a cookie or header that is not even ASCII
+    (aiohttp keeps undecodable bytes as surrogates) names no session."""
+    return isinstance(token, str) and bool(token) and token.isascii()
 
 
-def _keys(name: str, addr: str) -> list[str]:
-    """The failure counters a login from *addr* for *name* counts against."""
-    account = name[:_MAX_NAME] if isinstance(name, str) else ""
-    return [f"addr:{addr}", f"account:{account}"]
+def _printable(text: str) -> str:
+    """A header's text as the store can keep it: bytes that were not UTF-8 replaced."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _check_kind(kind: str) -> None:
     if kind not in LOGIN_KINDS:
         raise ValueError(f"unknown login kind {kind!r}; use one of {', '.join(LOGIN_KINDS)}")
-
-
-def _span(seconds: int) -> str:
-    if seconds < 120:
-        return f"{seconds} s"
-    return f"{math.ceil(seconds / 60)} min"
-
-
-def _utc(when: float) -> str:
-    return time.strftime("%H:%M:%S UTC", time.gmtime(when))

@@ -15,6 +15,10 @@ power (an admin account added, a viewer promoted, an admin's password set) is co
 the password of whoever makes it (:meth:`OperatorAccounts.confirm`): the admin password for
 the admin token, an account's own for an account.
 
+Every such confirmation counts in the logins' lockout (:mod:`llmgw.server.lockout`), against
+the confirming account and the source address, so that it cannot be guessed at more than a
+login can.
+
 A removal, a role change or a password change ends the account's login sessions
 (:mod:`llmgw.server.logins`) in the change's own transaction: a stolen cookie does not
 outlive the password it was made with, and a session never carries a role the account no
@@ -27,6 +31,7 @@ import asyncio
 import functools
 
 from llmgw.errors import Conflict, PasswordError, WeakPassword
+from llmgw.server.lockout import Lockout
 from llmgw.server.passwords import (
     MIN_PASSWORD,
     PASSWORD_META,
@@ -51,18 +56,42 @@ def _dummy_hash() -> str:
 class OperatorAccounts:
     """The operator accounts of one control plane, over ``store``."""
 
-    def __init__(self, store: Store, admin_password: AdminPassword | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        admin_password: AdminPassword | None = None,
+        *,
+        lockout: Lockout | None = None,
+    ) -> None:
         self.store = store
         # Checks ``admin``'s password with the message that says where it was first written.
         self.admin_password = admin_password
+        if lockout is None:  # the admin password's, else the default limits: never none
+            if admin_password is not None:
+                lockout = admin_password.lockout
+            else:
+                lockout = Lockout(store)
+        self.lockout = lockout
 
-    async def confirm(self, name: str, password: object, *, refused: str) -> None:
+    async def confirm(self, name: str, password: object, *, refused: str, source: str = "") -> None:
         """PasswordError unless *password* is the password of the account *name* (who is
-        acting: ``admin`` for the admin token); *refused* says what was not done."""
+        acting: ``admin`` for the admin token); *refused* says what was not done. Counted
+        against *name* and *source* (the client's address): while either is locked,
+        :class:`~llmgw.server.lockout.LoginThrottled` whatever the password."""
         if name == FIRST_ADMIN and self.admin_password is not None:
-            await self.admin_password.check(password, refused=refused)
+            await self.admin_password.check(password, refused=refused, source=source)
             return
-        if await self.verify(name, password) is None:
+        if not isinstance(password, str) or not password:
+            self.lockout.refuse_if_locked(name, source)
+            found = None
+        else:
+            found = await self.lockout.check(
+                name,
+                source,
+                lambda: self.verify(name, password),
+                what=f"a password confirmation ({refused})",
+            )
+        if found is None:
             raise PasswordError(
                 f"wrong password for the account {name!r}; {refused}. Give your own account's "
                 "password (the admin password when acting with the admin token)"
@@ -101,9 +130,11 @@ class OperatorAccounts:
         actor: str,
         confirm_as: str = "",
         confirm_password: object = None,
+        source: str = "",
     ) -> Operator:
         """Add an account; one with role admin can sign updates, so *confirm_password* must
-        be the password of *confirm_as* (the acting account, ``admin`` for the token)."""
+        be the password of *confirm_as* (the acting account, ``admin`` for the token), from
+        *source* (the client's address)."""
         if name == FIRST_ADMIN:  # always there: never removed (see remove)
             raise Conflict(
                 f"operator {FIRST_ADMIN!r} exists already: it is the admin password's account; "
@@ -111,7 +142,9 @@ class OperatorAccounts:
             )
         stored = await _hashed(password)
         if role == "admin":
-            await self._confirm_grant(confirm_as, confirm_password, f"{name!r} was not added")
+            await self._confirm_grant(
+                confirm_as, confirm_password, f"{name!r} was not added", source
+            )
         with self.store.transaction():
             made = self.store.add_operator(name, role, stored, actor)
             self.store.add_event("operator_added", name, f"role {role}", actor)
@@ -126,6 +159,7 @@ class OperatorAccounts:
         confirm_as: str = "",
         confirm_password: object = None,
         keep_session: str | None = None,
+        source: str = "",
     ) -> Operator:
         """Change *name*'s password (not ``admin``'s: that is the admin password, changed
         with its old one by :meth:`AdminPassword.change`); its sessions end, but for the
@@ -137,6 +171,7 @@ class OperatorAccounts:
             confirm_as=confirm_as,
             confirm_password=confirm_password,
             keep_session=keep_session,
+            source=source,
         )
 
     async def set_role(
@@ -147,9 +182,15 @@ class OperatorAccounts:
         actor: str,
         confirm_as: str = "",
         confirm_password: object = None,
+        source: str = "",
     ) -> Operator:
         return await self.update(
-            name, role=role, actor=actor, confirm_as=confirm_as, confirm_password=confirm_password
+            name,
+            role=role,
+            actor=actor,
+            confirm_as=confirm_as,
+            confirm_password=confirm_password,
+            source=source,
         )
 
     async def update(
@@ -162,6 +203,7 @@ class OperatorAccounts:
         confirm_as: str = "",
         confirm_password: object = None,
         keep_session: str | None = None,
+        source: str = "",
     ) -> Operator:
         """Change *name*'s role, password or both, all or nothing (the password is checked
         before anything is written). Making an admin (a promotion, or a new password for an
@@ -175,7 +217,9 @@ class OperatorAccounts:
         new_admin_password = stored is not None and (role or current.role) == "admin"
         if promoted or new_admin_password:
             what = "promoted" if promoted else "given a new password"
-            await self._confirm_grant(confirm_as, confirm_password, f"{name!r} was not {what}")
+            await self._confirm_grant(
+                confirm_as, confirm_password, f"{name!r} was not {what}", source
+            )
         with self.store.transaction():
             changed = self.store.get_operator(name)
             if role is not None:
@@ -187,15 +231,19 @@ class OperatorAccounts:
                 self.store.add_event("operator_password_changed", name, "password changed", actor)
         return changed
 
-    async def _confirm_grant(self, account: str, password: object, refused: str) -> None:
+    async def _confirm_grant(
+        self, account: str, password: object, refused: str, source: str
+    ) -> None:
         """An admin account can sign updates: making one is confirmed like a signing."""
         if not account or password is None or password == "":
+            if account:  # a locked account answers as locked, password or none
+                self.lockout.refuse_if_locked(account, source)
             raise PasswordError(
                 f"{refused}: an admin account can sign updates, so making one needs your own "
                 "password (the admin password when acting with the admin token); give it at "
                 "the prompt or in LLMGW_ADMIN_PASSWORD"
             )
-        await self.confirm(account, password, refused=refused)
+        await self.confirm(account, password, refused=refused, source=source)
 
     def _set_role(self, name: str, role: str, actor: str) -> Operator:
         current = self.store.get_operator(name)

@@ -6,6 +6,10 @@ kept in the store only as a scrypt hash; the admin token alone cannot update nod
 changed with the old one, after which the first password's file is removed. It is also the
 password of the operator account ``admin``, whose login sessions a change ends (but the one
 it was made through).
+
+Each check of it counts in the logins' lockout (:mod:`llmgw.server.lockout`), against the
+account ``admin`` and the source address: a guesser holding the admin token, or a stolen
+session, gets as few tries at it as at a login.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from llmgw.errors import ConfigError, PasswordError
 from llmgw.fsutil import write_private
 from llmgw.log import kv
+from llmgw.server.lockout import Lockout
 from llmgw.server.store import Store, hash_session_token
 
 __all__ = [
@@ -37,6 +42,8 @@ __all__ = [
 log = logging.getLogger("llmgw.server.passwords")
 
 PASSWORD_FILE = "admin.password"
+ADMIN_ACCOUNT = "admin"
+"""The operator account whose password the admin password is (llmgw.server.operators)."""
 PASSWORD_META = "admin_password_hash"
 MIN_PASSWORD = 12
 # scrypt: 16 MiB and about 50 ms per check: cheap for an operator, dear for a guesser.
@@ -81,9 +88,14 @@ class AdminPassword:
     """The admin password of one control plane: its hash in ``store``, its first value in
     ``password_file``."""
 
-    def __init__(self, store: Store, password_file: Path) -> None:
+    def __init__(
+        self, store: Store, password_file: Path, *, lockout: Lockout | None = None
+    ) -> None:
         self.store = store
         self.password_file = password_file
+        if lockout is None:  # the default limits, so that no check is ever unlimited
+            lockout = Lockout(store)
+        self.lockout = lockout
 
     def start(self) -> None:
         """Make the admin password at the first start: into admin.password (0600) and, as a
@@ -108,13 +120,25 @@ class AdminPassword:
         self.store.set_meta(PASSWORD_META, hash_password(password))
         log.info("admin password created", extra=kv(file=str(path)))
 
-    async def check(self, password: object, *, refused: str = "nothing was signed") -> None:
+    async def check(
+        self, password: object, *, refused: str = "nothing was signed", source: str = ""
+    ) -> None:
         """PasswordError unless ``password`` is the admin password; ``refused`` says what
-        was not done."""
+        was not done. The check counts against ``admin`` and *source* (the client's address):
+        :class:`~llmgw.server.lockout.LoginThrottled` while either is locked, whatever the
+        password."""
         stored = self.store.get_meta(PASSWORD_META) or ""
-        ok = isinstance(password, str) and bool(password)
-        if ok:
-            ok = await asyncio.to_thread(check_password, stored, str(password))
+        if not isinstance(password, str) or not password:
+            # No guess to count, but a locked account answers as locked all the same.
+            self.lockout.refuse_if_locked(ADMIN_ACCOUNT, source)
+            ok = False
+        else:
+            ok = await self.lockout.check(
+                ADMIN_ACCOUNT,
+                source,
+                lambda: asyncio.to_thread(check_password, stored, password),
+                what=f"an admin password confirmation ({refused})",
+            )
         if not ok:
             raise PasswordError(
                 f"wrong admin password; {refused}. It was made at the control plane's "
@@ -123,12 +147,18 @@ class AdminPassword:
             )
 
     async def change(
-        self, old: object, new: object, *, actor: str, keep_session: str | None = None
+        self,
+        old: object,
+        new: object,
+        *,
+        actor: str,
+        keep_session: str | None = None,
+        source: str = "",
     ) -> None:
-        """Change the admin password from *old* to *new* (``actor`` made the change); the
-        account ``admin``'s login sessions end, but for the one whose token is
-        *keep_session* (the session the change was made through, if any)."""
-        await self.check(old)
+        """Change the admin password from *old* to *new* (``actor`` made the change, from
+        *source*); the account ``admin``'s login sessions end, but for the one whose token
+        is *keep_session* (the session the change was made through, if any)."""
+        await self.check(old, refused="nothing was changed", source=source)
         if not isinstance(new, str) or len(new) < MIN_PASSWORD:
             raise PasswordError(
                 f"the new admin password must have at least {MIN_PASSWORD} characters; "
@@ -140,9 +170,9 @@ class AdminPassword:
         with self.store.transaction():
             self.store.set_meta(PASSWORD_META, stored)
             # The operator account 'admin' is this password (llmgw.server.operators).
-            account = self.store.find_operator("admin")
+            account = self.store.find_operator(ADMIN_ACCOUNT)
             if account is not None:
-                self.store.set_operator_password("admin", stored)
+                self.store.set_operator_password(ADMIN_ACCOUNT, stored)
                 keep = None if keep_session is None else hash_session_token(keep_session)
                 self.store.delete_login_sessions_of(account.id, keep=keep)
         # The first password's file would now mislead (and leak nothing but an old secret).

@@ -139,13 +139,15 @@ class Updates:
         account: str,
         actor: str,
         ttl: int = DEFAULT_ORDER_TTL,
+        source: str = "",
     ) -> list[dict[str, Any]]:
         """Sign and send (or keep for the reconnect) an update to ``version`` for each node
         (None: every approved node). All is checked before anything is signed: ``password``
         (``account``'s, who orders; ``admin``, the admin password, for the admin token), the
         nodes, that ``version`` is not of a newer release than this control plane, and that
-        it serves ``version`` for each node's architecture. ``actor`` is recorded."""
-        await self.accounts.confirm(account, password, refused="nothing was signed")
+        it serves ``version`` for each node's architecture. ``actor`` is recorded; the
+        password's check counts against ``account`` and *source* (the client's address)."""
+        await self.accounts.confirm(account, password, refused="nothing was signed", source=source)
         too_new = version_problem(version, self.server_version)
         if too_new is not None:
             raise Conflict(too_new)

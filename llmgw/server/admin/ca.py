@@ -15,6 +15,7 @@ from llmgw.pki import DEFAULT_OVERLAP
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
 from llmgw.server.authority import ClusterAuthority
 from llmgw.server.principals import principal_of
+from llmgw.server.proxies import login_source
 
 __all__ = ["CARoutes"]
 
@@ -74,7 +75,11 @@ class CARoutes:
             raise BadRequest(
                 f"unknown field(s) {', '.join(unknown)}; send only 'password' and 'passphrase'"
             )
-        await self.ctx.password.check(body.get("password"), refused="nothing was exported")
+        await self.ctx.password.check(
+            body.get("password"),
+            refused="nothing was exported",
+            source=login_source(request, self.ctx.admin_token),
+        )
         passphrase = caexport.check_passphrase(body.get("passphrase"))
         export = self.authority.export(
             cluster_id=self.ctx.cluster_id, admin_token=self.ctx.admin_token

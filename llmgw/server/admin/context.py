@@ -39,7 +39,7 @@ from llmgw.server.config import TLSConfig
 from llmgw.server.history import RequestHistory
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.installs import EngineInstalls
-from llmgw.server.logins import Logins
+from llmgw.server.logins import Logins, LoginThrottled
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.operators import OperatorAccounts
@@ -146,6 +146,7 @@ _ANSWERS: tuple[tuple[type[LlmgwError], int, str], ...] = (
     (BodyIncomplete, 400, "incomplete_body"),
     (BodyTimeout, 408, "body_timeout"),
     (PasswordError, 403, "wrong_password"),
+    (LoginThrottled, 429, "too_many_attempts"),
     (StoreUnavailable, 503, "database_unreachable"),
     (Fenced, 503, "no_leader"),
     (NotFound, 404, "not_found"),
@@ -239,7 +240,10 @@ def answered(handler: Handler) -> Handler:
             )
         except LlmgwError as exc:
             status, code = next((st, c) for kind, st, c in _ANSWERS if isinstance(exc, kind))
-            return error_response(status, str(exc), code)
+            answer = error_response(status, str(exc), code)
+            if isinstance(exc, LoginThrottled):
+                answer.headers["Retry-After"] = str(exc.retry_after)
+            return answer
 
     return wrapped
 

@@ -1,8 +1,13 @@
 """The admin API's sign-in for ``llmgw ctl login``: ``POST /api/login`` trades an account's
 name and password for a token of the account's own (a login session of kind ``cli``, with
 the idle and absolute expiry of server.yaml's ``console:`` section), rate-limited per source
-address and per account like the console's sign-in (:mod:`llmgw.server.logins`);
-``POST /api/logout`` ends the token it is sent with (a viewer's too)."""
+address and per account like the console's sign-in (:mod:`llmgw.server.lockout`);
+``POST /api/logout`` ends the token it is sent with (a viewer's too).
+
+A login sent with a valid ctl credential of the account it signs in to (``llmgw ctl login``
+sends the token it holds: the account's own login, or the admin token for ``admin``) is
+*vouched*: from an address that has not failed, it is checked although the account is
+locked, so that a guesser who keeps an account locked does not lock its owner out."""
 
 from __future__ import annotations
 
@@ -11,14 +16,15 @@ from aiohttp import web
 from llmgw.server.admin.context import (
     AdminContext,
     BadRequest,
+    authenticate,
     error_response,
     login_token,
     read_json,
 )
-from llmgw.server.follower import client_addr
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.logins import LoginRefused, LoginThrottled
 from llmgw.server.principals import VIA_CLI
+from llmgw.server.proxies import login_source
 
 __all__ = ["LoginRoutes"]
 
@@ -39,14 +45,16 @@ class LoginRoutes:
         name, password = body.get("name"), body.get("password")
         if not isinstance(name, str) or not name or not isinstance(password, str):
             raise BadRequest("a login takes 'name' (the account) and 'password', both strings")
+        holder = authenticate(self.ctx, request)  # the credential ctl already holds
         try:
             token, session = await self.ctx.logins.login(
                 name,
                 password,
                 # Through a standby, the client's (LeaderProxy signs it), not the standby's.
-                addr=client_addr(request, self.ctx.admin_token),
+                addr=login_source(request, self.ctx.admin_token),
                 kind=VIA_CLI,
                 agent=request.headers.get("User-Agent", "")[:MAX_AGENT],
+                vouched=holder is not None and holder.password_account == name,
             )
         except LoginThrottled as exc:
             answer = error_response(429, str(exc), "too_many_logins")

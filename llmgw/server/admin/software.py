@@ -11,6 +11,7 @@ from aiohttp import web
 from llmgw.server.admin.context import AdminContext, BadRequest, read_flag, read_json
 from llmgw.server.installs import INSTALLABLE, Build
 from llmgw.server.principals import principal_of
+from llmgw.server.proxies import login_source
 from llmgw.server.updates import DEFAULT_ORDER_TTL
 
 __all__ = ["SoftwareRoutes"]
@@ -141,6 +142,7 @@ class SoftwareRoutes:
             account=by.password_account,
             actor=by.actor,
             ttl=ttl,
+            source=login_source(request, self.ctx.admin_token),
         )
         return web.json_response(out, status=202)
 
@@ -152,6 +154,9 @@ class SoftwareRoutes:
     async def change_password(self, request: web.Request) -> web.Response:
         body = await read_json(self.ctx, request)
         await self.ctx.password.change(
-            body.get("old"), body.get("new"), actor=principal_of(request).actor
+            body.get("old"),
+            body.get("new"),
+            actor=principal_of(request).actor,
+            source=login_source(request, self.ctx.admin_token),
         )
         return web.json_response({"changed": True, "removed": str(self.ctx.password.password_file)})

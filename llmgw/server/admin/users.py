@@ -13,6 +13,7 @@ from aiohttp import web
 from llmgw.errors import WeakPassword
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
 from llmgw.server.principals import principal_of
+from llmgw.server.proxies import login_source
 from llmgw.server.store import Operator
 
 __all__ = ["UserRoutes", "operator_json"]
@@ -57,6 +58,7 @@ class UserRoutes:
                 actor=by.actor,
                 confirm_as=by.password_account,
                 confirm_password=body.get("confirm_password"),
+                source=login_source(request, self.ctx.admin_token),
             )
         return web.json_response(operator_json(made), status=201)
 
@@ -77,6 +79,7 @@ class UserRoutes:
                 actor=by.actor,
                 confirm_as=by.password_account,
                 confirm_password=body.get("confirm_password"),
+                source=login_source(request, self.ctx.admin_token),
             )
         return web.json_response(operator_json(operator))
 

@@ -43,9 +43,21 @@ STATIC_CACHE = "public, max-age=31536000, immutable"
 class Console:
     """The console's parts, built once per application."""
 
-    def __init__(self, ctx: AdminContext, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        ctx: AdminContext,
+        *,
+        clock: Callable[[], float] = time.time,
+        cleartext: bool = False,
+    ) -> None:
         assets = Assets()
-        self.site = Site(ctx=ctx, logins=ctx.logins, renderer=Renderer(assets), flash=Flash())
+        self.site = Site(
+            ctx=ctx,
+            logins=ctx.logins,
+            renderer=Renderer(assets),
+            flash=Flash(),
+            cleartext=cleartext,
+        )
         self.assets = assets
         self.auth = ConsoleAuth(self.site)
         self.pages = Pages(self.site, clock=clock)
@@ -91,11 +103,16 @@ class Console:
 
 
 def add_console_routes(
-    app: web.Application, ctx: AdminContext, *, clock: Callable[[], float] = time.time
+    app: web.Application,
+    ctx: AdminContext,
+    *,
+    clock: Callable[[], float] = time.time,
+    cleartext: bool = False,
 ) -> Console:
     """The console's routes on ``app``, every one answering HTML with the security headers
-    (``clock``: the charts' "now", a test's)."""
-    console = Console(ctx, clock=clock)
+    (``clock``: the charts' "now", a test's; ``cleartext``: the listener serves plain HTTP
+    beyond loopback, which the login page says)."""
+    console = Console(ctx, clock=clock, cleartext=cleartext)
     auth, pages, site = console.auth, console.pages, console.site
     models, keys = console.models, console.keys
     r = app.router

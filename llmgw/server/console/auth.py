@@ -31,9 +31,9 @@ from llmgw.server.console.security import (
     set_cookie,
 )
 from llmgw.server.console.site import SESSION, Site, html_response
-from llmgw.server.follower import client_addr
 from llmgw.server.logins import LoginRefused, LoginSession, LoginThrottled
 from llmgw.server.principals import PRINCIPAL
+from llmgw.server.proxies import login_source
 
 __all__ = ["FORM", "ConsoleAuth", "form_of"]
 
@@ -79,6 +79,12 @@ async def read_form(site: Site, request: web.Request) -> dict[str, str]:
     return fields
 
 
+def _malformed(request: web.Request) -> bool:
+    """Whether the session cookie is there but not even ASCII (no token ever is)."""
+    token = request.cookies.get(SESSION_COOKIE)
+    return token is not None and not token.isascii()
+
+
 def _wait_text(seconds: int) -> str:
     """A lock's remaining time as a person reads it: ``45 s``, ``15 min``."""
     return f"{seconds} s" if seconds < 120 else f"{math.ceil(seconds / 60)} min"
@@ -98,6 +104,25 @@ class ConsoleAuth:
             return None
         session = self.site.logins.resolve(token, KIND)
         return None if session is None else (token, session)
+
+    def bad_cookie(self, request: web.Request) -> web.Response | None:
+        """400 for a session cookie that is no text at all (bytes that are not UTF-8): no
+        session was ever given one, so it is a broken or forged cookie, cleared here."""
+        if not _malformed(request):
+            return None
+        log.info(
+            "refused a console request with a malformed session cookie",
+            extra=kv(path=request.path[:100], peer=request.remote or ""),
+        )
+        out = self.site.error_page(
+            request,
+            400,
+            "Bad cookie",
+            "this browser sent a session cookie that is not valid text; it has been cleared: "
+            "sign in again at /ui/login",
+        )
+        clear_cookie(out, SESSION_COOKIE, secure=self.site.secure)
+        return out
 
     def _sign_in(self, request: web.Request, token: str, session: LoginSession) -> None:
         request[SESSION] = (token, session)
@@ -122,7 +147,7 @@ class ConsoleAuth:
         async def guarded(request: web.Request) -> web.StreamResponse:
             found = self.session_of(request)
             if found is None:
-                return self.to_login(request)
+                return self.bad_cookie(request) or self.to_login(request)
             self._sign_in(request, *found)
             return await handler(request)
 
@@ -149,7 +174,7 @@ class ConsoleAuth:
                 )
             found = self.session_of(request)
             if found is None:
-                return self.to_login(request)
+                return self.bad_cookie(request) or self.to_login(request)
             self._sign_in(request, *found)
             form = await read_form(site, request)
             request[FORM] = form
@@ -207,6 +232,7 @@ class ConsoleAuth:
             notice=notice,
             name=name,
             refresh_s=self.site.refresh_s,
+            cleartext=self.site.cleartext,
         )
         response = html_response(body, status=status)
         for key, value in (headers or {}).items():
@@ -223,7 +249,10 @@ class ConsoleAuth:
         )
         if request.query.get("signed_out") == "1":
             notice = "signed out"
-        return self._login_page(request, next_path=next_path, notice=notice)
+        page = self._login_page(request, next_path=next_path, notice=notice)
+        if _malformed(request):  # the form still shows; the broken cookie goes
+            clear_cookie(page, SESSION_COOKIE, secure=self.site.secure)
+        return page
 
     async def login(self, request: web.Request) -> web.StreamResponse:
         site = self.site
@@ -258,7 +287,7 @@ class ConsoleAuth:
                 name,
                 password[:MAX_PASSWORD],
                 # Through a standby, the browser's (LeaderProxy signs it), not the standby's.
-                addr=client_addr(request, site.ctx.admin_token),
+                addr=login_source(request, site.ctx.admin_token),
                 kind=KIND,
                 agent=request.headers.get("User-Agent", "")[:200],
             )

@@ -76,10 +76,14 @@ def clear_cookie(response: web.StreamResponse, name: str, *, secure: bool) -> No
 
 
 def csrf_matches(sent: str | None, expected: str) -> bool:
-    """Whether the token a request sent is the session's, in constant time."""
+    """Whether the token a request sent is the session's, in constant time. Either may come
+    from a cookie that was not UTF-8 (aiohttp keeps such bytes as surrogates): compared as
+    the bytes sent, it can only fail."""
     if not sent or not expected:
         return False
-    return hmac.compare_digest(sent.encode("utf-8", "surrogateescape"), expected.encode())
+    return hmac.compare_digest(
+        sent.encode("utf-8", "surrogateescape"), expected.encode("utf-8", "surrogateescape")
+    )
 
 
 def foreign_origin(origin: str | None, host: str | None, scheme: str) -> bool:

@@ -28,7 +28,7 @@ from llmgw.log import kv
 from llmgw.server.admin.context import AdminContext, BadRequest
 from llmgw.server.console.render import Renderer
 from llmgw.server.console.security import secure_headers
-from llmgw.server.logins import Logins, LoginSession
+from llmgw.server.logins import Logins, LoginSession, LoginThrottled
 from llmgw.server.principals import PRINCIPAL
 
 __all__ = ["NAV", "SESSION", "Flash", "Handler", "Site", "handled"]
@@ -91,6 +91,9 @@ class Site:
     flash: Flash = field(default_factory=Flash)
     # Seconds between two fragment fetches of a live part of a page (console.js reads it).
     refresh_s: int = 5
+    # The listener serves plain HTTP beyond loopback: the login page says the password
+    # travels in clear.
+    cleartext: bool = False
 
     @property
     def secure(self) -> bool:
@@ -155,6 +158,9 @@ def handled(site: Site, handler: Handler) -> Handler:
             response = site.error_page(request, 400, "Not accepted", str(exc))
         except PasswordError as exc:
             response = site.error_page(request, 403, "Wrong password", str(exc))
+        except LoginThrottled as exc:
+            response = site.error_page(request, 429, "Locked", str(exc))
+            response.headers["Retry-After"] = str(exc.retry_after)
         except NotFound as exc:
             response = site.error_page(request, 404, "Not found", str(exc))
         except Conflict as exc:

@@ -17,7 +17,9 @@ from llmgw.log import kv
 from llmgw.server.bundles import Bundle
 from llmgw.server.console.auth import MAX_PASSWORD, form_of
 from llmgw.server.console.site import SESSION, Site
+from llmgw.server.logins import LoginThrottled
 from llmgw.server.principals import principal_of
+from llmgw.server.proxies import login_source
 from llmgw.server.states import NodeState
 from llmgw.versions import version_key
 
@@ -129,7 +131,11 @@ class UpdateNow:
                 password=password,
                 account=principal.password_account,
                 actor=principal.actor,
+                source=login_source(request, self.site.ctx.admin_token),
             )
+        except LoginThrottled as exc:
+            log.info("a console update refused: locked", extra=kv(actor=principal.actor))
+            return await refused(429, f"nothing signed: {exc}")
         except PasswordError as exc:
             log.info("a console update refused: wrong password", extra=kv(actor=principal.actor))
             return await refused(403, str(exc))

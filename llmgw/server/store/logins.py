@@ -5,7 +5,9 @@ A session is stored by the SHA-256 of its token, never the token, so that a copy
 database logs nobody in. The failure counters live here rather than in memory so that a
 lockout holds on every control-plane instance sharing a PostgreSQL database; each counter's
 read-then-write runs under the writers' lock, so two instances counting at once lose no
-failure. The policy (how long a session lasts, how many failures lock) is the caller's
+attempt. An attempt is counted before its password is checked and taken back when the
+password was right (:mod:`llmgw.server.lockout`), so that attempts made at once cannot all
+be checked before the first failure is counted. The policy (how long a session lasts, how many failures lock) is the caller's
 (:mod:`llmgw.server.logins`): these methods take the times and limits they apply.
 """
 
@@ -25,7 +27,7 @@ _MAX_ADDR = 255
 
 def hash_session_token(token: str) -> str:
     """The hex SHA-256 of a session token: what the store keeps and looks it up by."""
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 class LoginTables:
@@ -149,28 +151,37 @@ class LoginTables:
         )
         return None if row is None else (str(row["key"]), float(row["locked_until"]))
 
-    def count_login_failure(
+    def login_counter(self, key: str) -> tuple[int, float, float] | None:
+        """*key*'s counter as stored: (attempts counted, when its window began, until when it
+        is locked; 0: not), or None when nothing is counted against it."""
+        row = self._db.one(
+            "SELECT failures, first_at, locked_until FROM login_failures WHERE key = ?", (key,)
+        )
+        if row is None:
+            return None
+        return int(row["failures"]), float(row["first_at"]), float(row["locked_until"])
+
+    def count_login_attempt(
         self, key: str, now: float, *, window: float, limit: int, lockout: float
-    ) -> bool:
-        """Count one failed login against *key*; at the *limit*-th failure within *window*
-        seconds of the first, lock it until *now* + *lockout* (its count starts again).
-        True when this failure locked it."""
+    ) -> tuple[float, bool]:
+        """Count one attempt against *key* before its password is checked (a success takes
+        it back: :meth:`refund_login_attempt`). A count starts afresh when *window* seconds
+        have passed since its first attempt or its lock has lifted; the *limit*-th attempt
+        within the window locks *key* until *now* + *lockout*, the count kept (so that a
+        refund can tell whether the failures alone reach the limit). The caller has checked,
+        in the same transaction, that *key* is not locked. Returns when this count began
+        (what a refund names) and whether this attempt locked *key*."""
         with self._db.write():
-            row = self._db.one(
-                "SELECT failures, first_at, locked_until FROM login_failures WHERE key = ?",
-                (key,),
-            )
-            if row is None:
+            found = self.login_counter(key)
+            locked_until = 0.0
+            if found is None or _spent(found, now, window):
                 failures, first_at = 1, now
-            elif float(row["first_at"]) + window <= now:
-                failures, first_at = 1, now  # the window has passed: a new count
             else:
-                failures, first_at = int(row["failures"]) + 1, float(row["first_at"])
-            locks = failures >= limit
+                failures, first_at, locked_until = found[0] + 1, found[1], found[2]
+            # A lock in force is never pushed back (the caller should not count then).
+            locks = failures >= limit and locked_until <= now
             if locks:
-                failures, first_at, locked_until = 0, now, now + lockout
-            else:  # not locked now: callers do not count while a lock holds
-                locked_until = 0.0 if row is None else float(row["locked_until"])
+                locked_until = now + lockout
             self._db.execute(
                 "INSERT INTO login_failures(key, failures, first_at, locked_until) "
                 "VALUES (?, ?, ?, ?) ON CONFLICT(key) DO UPDATE SET failures = "
@@ -178,20 +189,35 @@ class LoginTables:
                 "locked_until = excluded.locked_until",
                 (key, failures, first_at, locked_until),
             )
-        return locks
+        return first_at, locks
+
+    def refund_login_attempt(self, key: str, began: float, *, limit: int) -> bool:
+        """Take back one attempt counted against *key* in the count that began at *began*
+        (its password was right): a lock lifts when the attempts left fall below *limit*,
+        since a lock is earned by failures, and this attempt was none. A count begun since
+        (the window passed, the lock lifted) is left alone. True when a lock lifted."""
+        with self._db.write():
+            found = self.login_counter(key)
+            if found is None or found[1] != began:
+                return False
+            failures, _first_at, locked_until = found
+            failures = max(0, failures - 1)
+            lifts = locked_until > 0 and failures < limit
+            if failures == 0 and (lifts or locked_until == 0):
+                # Nothing counted any more: as if no attempt had been made.
+                self._db.execute("DELETE FROM login_failures WHERE key = ?", (key,))
+            else:
+                self._db.execute(
+                    "UPDATE login_failures SET failures = ?, locked_until = ? WHERE key = ?",
+                    (failures, 0.0 if lifts else locked_until, key),
+                )
+        return lifts
 
     def login_failures(self, key: str) -> int:
-        """The failures counted against *key* in its current window (0: none, or locked)."""
+        """The attempts counted against *key* in its current count (failures, and attempts
+        whose password is being checked); 0 for none."""
         row = self._db.one("SELECT failures FROM login_failures WHERE key = ?", (key,))
         return 0 if row is None else int(row["failures"])
-
-    def clear_login_failures(self, key: str, now: float) -> None:
-        """Forget *key*'s failures (a success), unless it is locked at *now*: a lock runs
-        its course."""
-        with self._db.write():
-            self._db.execute(
-                "DELETE FROM login_failures WHERE key = ? AND locked_until <= ?", (key, now)
-            )
 
     def prune_login_failures(self, now: float, *, window: float) -> int:
         """Delete the counters that no longer count: no lock in force and their window
@@ -202,3 +228,9 @@ class LoginTables:
                 (now, now - window),
             )
         return cur.rowcount
+
+
+def _spent(counter: tuple[int, float, float], now: float, window: float) -> bool:
+    """Whether a counter no longer counts: its window is over, or its lock has lifted."""
+    _failures, first_at, locked_until = counter
+    return first_at + window <= now or 0 < locked_until <= now

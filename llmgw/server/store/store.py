@@ -321,9 +321,10 @@ class Store:
     delete_login_sessions_of = _Table("_logins", LoginTables.delete_login_sessions_of)
     prune_login_sessions = _Table("_logins", LoginTables.prune_login_sessions)
     login_locked_until = _Table("_logins", LoginTables.login_locked_until)
-    count_login_failure = _Table("_logins", LoginTables.count_login_failure)
+    login_counter = _Table("_logins", LoginTables.login_counter)
+    count_login_attempt = _Table("_logins", LoginTables.count_login_attempt)
+    refund_login_attempt = _Table("_logins", LoginTables.refund_login_attempt)
     login_failures = _Table("_logins", LoginTables.login_failures)
-    clear_login_failures = _Table("_logins", LoginTables.clear_login_failures)
     prune_login_failures = _Table("_logins", LoginTables.prune_login_failures)
 
     # ------------------------------------------------------------------- events

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmgw.cli import up as up_cli
-from llmgw.cli.local_cluster import UpOptions
+from llmgw.cli.local_cluster import UpOptions, server_config
 
 
 def started_with(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> UpOptions:
@@ -37,3 +37,12 @@ def test_up_options_reach_the_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path:
     args = ["--state-dir", str(tmp_path), "--port", "0", "--enroll-port", "0", "--replicas", "2"]
     opts = started_with(monkeypatch, args)
     assert opts == UpOptions(state_dir=tmp_path, http_port=0, enroll_port=0, replicas=2)
+
+
+def test_up_keeps_its_control_plane_on_loopback(tmp_path: Path) -> None:
+    cfg = server_config(UpOptions(state_dir=tmp_path))
+    for listen in (cfg.http_listen, cfg.grpc_listen, cfg.enroll_listen):
+        assert listen.startswith("127.0.0.1:"), listen
+    assert not cfg.cleartext_exposed  # no warning, no notice on the login page
+    # Shared on purpose (--host 0.0.0.0) without TLS: the control plane says so.
+    assert server_config(UpOptions(state_dir=tmp_path, host="0.0.0.0")).cleartext_exposed

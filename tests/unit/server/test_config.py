@@ -475,3 +475,55 @@ def test_console_refusals_name_the_key(tmp_path: Path, text: str, key: str, frag
         load_server_config(path)
     assert info.value.key == key
     assert str(info.value).startswith(f"{path}: {key}: ") and fragment in str(info.value)
+
+
+# ------------------------------------------------------- trusted_proxies, plain HTTP
+
+
+def test_trusted_proxies_default_to_none_and_take_addresses_and_cidrs(tmp_path: Path) -> None:
+    assert load_server_config(None).trusted_proxies == ()
+    path = write(tmp_path, "trusted_proxies: [10.0.0.0/8, 192.0.2.7, '2001:db8::/48']\n")
+    assert [str(n) for n in load_server_config(path).trusted_proxies] == [
+        "10.0.0.0/8",
+        "192.0.2.7/32",
+        "2001:db8::/48",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "fragment"),
+    [
+        ("trusted_proxies: 10.0.0.0/8\n", "trusted_proxies", "must be a list"),
+        ("trusted_proxies: [10.0.0.1/8]\n", "trusted_proxies[0]", "no host bits set"),
+        ("trusted_proxies: [10.0.0.0/8, proxy.local]\n", "trusted_proxies[1]", "'proxy.local'"),
+        ("trusted_proxies: [7]\n", "trusted_proxies[0]", "must be a list of strings"),
+    ],
+)
+def test_trusted_proxies_refusals_name_the_key(
+    tmp_path: Path, text: str, key: str, fragment: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_server_config(path)
+    assert info.value.key == key
+    assert str(info.value).startswith(f"{path}: {key}: ") and fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("listen", "tls", "exposed"),
+    [
+        ("0.0.0.0:8080", None, True),
+        ("[::]:8080", None, True),
+        ("192.0.2.10:8080", None, True),
+        ("cp.example.net:8080", None, True),
+        ("127.0.0.1:8080", None, False),
+        ("127.0.0.2:8080", None, False),
+        ("[::1]:8080", None, False),
+        ("[::ffff:127.0.0.1]:8080", None, False),
+        ("localhost:8080", None, False),
+        ("0.0.0.0:8080", "cluster", False),
+    ],
+)
+def test_plain_http_beyond_loopback_is_known(listen: str, tls: str | None, exposed: bool) -> None:
+    cfg = load_server_config(None, overrides={"http_listen": listen, "tls": tls})
+    assert cfg.cleartext_exposed is exposed

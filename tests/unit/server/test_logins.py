@@ -6,6 +6,8 @@ before any password is checked, and a lock is one event."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
 from llmgw.server.principals import VIA_CLI, VIA_CONSOLE, Principal
 from llmgw.server.store import LOGIN_KINDS, Store, hash_session_token
-from llmgw.server.store.location import parse_location
+from llmgw.server.store.location import Location, parse_location
 from tests.unit.clock import Clock
 
 BOB_PW = "bob's long password"
@@ -34,16 +36,19 @@ ADDR = "203.0.113.9"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path, clock: Clock) -> Iterator[Store]:
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
     if request.param == "sqlite":
-        where = parse_location(f"sqlite://{tmp_path}/state.db")
-    else:
-        cluster = request.getfixturevalue("pg_cluster")
-        where = parse_location(
-            cluster.url(cluster.fresh_database(), password=False),
-            password_file=cluster.password_file(tmp_path),
-        )
-    s = Store.open(where, clock=clock)
+        return parse_location(f"sqlite://{tmp_path}/state.db")
+    cluster = request.getfixturevalue("pg_cluster")
+    return parse_location(
+        cluster.url(cluster.fresh_database(), password=False),
+        password_file=cluster.password_file(tmp_path),
+    )
+
+
+@pytest.fixture
+def store(location: Location, clock: Clock) -> Iterator[Store]:
+    s = Store.open(location, clock=clock)
     yield s
     s.close()
 
@@ -88,9 +93,13 @@ class Rig:
         return info.value
 
     def events(self, kind: str) -> list[tuple[str, str, str]]:
+        return self.events_of(self.store, kind)
+
+    @staticmethod
+    def events_of(store: Store, kind: str) -> list[tuple[str, str, str]]:
         return [
             (e.subject, e.message, e.actor)
-            for e in reversed(self.store.list_events(limit=1000))
+            for e in reversed(store.list_events(limit=1000))
             if e.kind == kind
         ]
 
@@ -356,8 +365,8 @@ def test_an_account_locks_after_its_failures_and_refuses_its_right_password(
     locked = rig.refused("bob", BOB_PW, addr="198.51.100.77")
     assert isinstance(locked, LoginThrottled) and locked.retry_after == 900
     assert str(locked).startswith(
-        "too many failed logins for account 'bob'; logins are locked for 15 min: try again "
-        "then (at "
+        "too many failed logins for account 'bob'; logins and password confirmations are "
+        "locked for 15 min: try again then (at "
     )
     assert rig.verified == checked  # the password was not even checked
     clock.advance(899)
@@ -385,15 +394,14 @@ def test_the_failures_count_within_the_window_only(
     assert isinstance(rig.refused("bob", BOB_PW), LoginThrottled)
 
 
-def test_a_success_clears_the_account_s_count_not_the_address_s(rig: Rig) -> None:
+def test_a_success_takes_back_its_own_attempt_only(rig: Rig) -> None:
     for _ in range(4):
         rig.refused()
     rig.login()
-    assert rig.store.login_failures("account:bob") == 0
+    # The four failures still count in their window, on the account and on the address.
+    assert rig.store.login_failures("account:bob") == 4
     assert rig.store.login_failures(f"addr:{ADDR}") == 4
-    for _ in range(4):
-        assert isinstance(rig.refused(), LoginRefused)  # a fresh count of five
-    assert isinstance(rig.refused(), LoginRefused)
+    assert isinstance(rig.refused(), LoginRefused)  # the fifth failure locks
     assert isinstance(rig.refused("bob", BOB_PW), LoginThrottled)
 
 
@@ -404,11 +412,22 @@ def test_an_address_locks_for_every_name(store: Store, clock: Clock, tmp_path: P
     checked = rig.verified
     locked = rig.refused("carol", CAROL_PW)
     assert isinstance(locked, LoginThrottled) and locked.retry_after == 120
-    assert str(locked).startswith(f"too many failed logins from address {ADDR}; logins are ")
+    assert str(locked).startswith(f"too many failed logins from address {ADDR}; logins and ")
     assert rig.verified == checked
     rig.login("carol", CAROL_PW, addr="192.0.2.1")  # another address logs in
     clock.advance(120)
     rig.login("carol", CAROL_PW)
+
+
+def test_an_ipv6_64_locks_as_one_address(store: Store, clock: Clock, tmp_path: Path) -> None:
+    rig = _small(store, clock, tmp_path, failures_per_address=3)
+    for host, name in (("::1", "dave"), ("::2", "erin"), ("::3", "frank")):  # names probed
+        assert isinstance(rig.refused(name, "some guess", addr=f"2001:db8:1:2{host}"), LoginRefused)
+    locked = rig.refused("carol", CAROL_PW, addr="2001:db8:1:2:ffff:ffff:ffff:ffff")
+    assert isinstance(locked, LoginThrottled)
+    assert str(locked).startswith("too many failed logins from addresses 2001:db8:1:2::/64; ")
+    rig.login("carol", CAROL_PW, addr="2001:db8:1:3::1")  # the next /64 is another address
+    assert rig.events("login_locked")[0][0] == "2001:db8:1:2::/64"
 
 
 def test_a_lock_is_one_event(store: Store, clock: Clock, tmp_path: Path) -> None:
@@ -421,7 +440,9 @@ def test_a_lock_is_one_event(store: Store, clock: Clock, tmp_path: Path) -> None
     assert len(locks) == 1
     subject, message, actor = locks[0]
     assert (subject, actor) == ("bob", "")
-    assert message.startswith("account locked after 3 failed logins (the last from 192.0.2.1)")
+    assert message.startswith(
+        "account locked after 3 failed logins (the last a login from 192.0.2.1)"
+    )
     # An unknown name locks too, but only the log says so.
     for _ in range(3):
         rig.refused("nobody", "some guess here", addr="192.0.2.3")
@@ -441,21 +462,117 @@ def test_a_lock_is_one_event(store: Store, clock: Clock, tmp_path: Path) -> None
     }
 
 
-def test_a_lock_taken_while_the_password_was_checked_refuses_the_login(
-    rig: Rig, clock: Clock
+def test_a_right_password_checked_as_the_limit_is_reached_lifts_the_lock_it_shared(
+    store: Store, clock: Clock, tmp_path: Path
 ) -> None:
-    # Another instance locks the account while this login's scrypt check runs.
+    rig = _small(store, clock, tmp_path, failures_per_account=3)
     verify = rig.accounts.verify
+    # Two guesses arrive while bob's own login is checked: the third attempt locks, the
+    # account is locked until the answers come in, and a fourth is refused unchecked.
+    during: list[Exception] = []
 
     async def meanwhile(name: object, password: object) -> Any:
-        found = await verify(name, password)
-        rig.store.count_login_failure("account:bob", clock(), window=900, limit=1, lockout=900)
-        return found
+        if password == BOB_PW:
+            for guess in ("guess one here", "guess two here"):
+                during.append(await _refusal(rig.logins.login("bob", guess, addr=ADDR, kind="cli")))
+            during.append(await _refusal(rig.logins.login("bob", BOB_PW, addr=ADDR, kind="cli")))
+        return await verify(name, password)
 
     rig.accounts.verify = meanwhile  # type: ignore[method-assign]
+    rig.login()
+    assert [type(e) for e in during] == [LoginRefused, LoginRefused, LoginThrottled]
+    # Two failures of three: bob's right password does not leave the account locked.
+    assert rig.store.login_failures("account:bob") == 2
+    assert rig.store.login_locked_until(["account:bob"], clock()) is None
+    assert len(rig.events("login_locked")) == 1  # it was locked while bob's was checked
+    assert isinstance(rig.refused(), LoginRefused)  # the third failure locks it now
     assert isinstance(rig.refused("bob", BOB_PW), LoginThrottled)
-    assert rig.store.list_login_sessions() == []
-    assert rig.events("operator_login") == []
+    assert len(rig.events("login_locked")) == 2
+
+
+async def _refusal(login: Any) -> Exception:
+    try:
+        await login
+    except (LoginRefused, LoginThrottled) as exc:
+        return exc
+    raise AssertionError("the login was let in")
+
+
+def test_logins_at_once_on_several_instances_are_checked_at_most_the_limit(
+    store: Store, location: Location, clock: Clock, tmp_path: Path
+) -> None:
+    """Four control-plane instances on one database (threads, a store each), 39 wrong
+    passwords for bob sent at once, spread over them, and held in their checks: five are
+    checked, the others refused unchecked; then the right password, sent while the five are
+    still being checked, gets the very answer the wrong ones got, and does after them too."""
+    Rig(store, clock, tmp_path, LoginPolicy())  # the accounts, in the shared database
+    gate = threading.Event()
+    lock = threading.Lock()
+    checked: list[str] = []
+    answers: list[object] = []
+    instances: list[tuple[Store, Logins]] = []
+    for _ in range(5):  # the fifth sends the right password
+        mine = Store.open(location, clock=clock)
+        accounts = OperatorAccounts(mine)
+        verify = accounts.verify
+
+        async def held(name: object, password: object, verify: Any = verify) -> Any:
+            with lock:
+                checked.append(str(password))
+            await asyncio.to_thread(gate.wait, 60)
+            return await verify(name, password)
+
+        accounts.verify = held  # type: ignore[method-assign]
+        instances.append((mine, Logins(mine, accounts, LoginPolicy(), clock=clock)))
+
+    def instance(index: int, passwords: list[str]) -> None:
+        async def attempt(logins: Logins, password: str) -> None:
+            try:
+                answer: object = await logins.login("bob", password, addr=ADDR, kind="cli")
+            except (LoginRefused, LoginThrottled) as exc:
+                answer = exc
+            with lock:
+                answers.append(answer)
+
+        async def all_of_them() -> None:
+            await asyncio.gather(*(attempt(instances[index][1], pw) for pw in passwords))
+
+        asyncio.run(all_of_them())
+
+    wrong = [f"wrong guess {i:02}" for i in range(39)]
+    threads = [
+        threading.Thread(target=instance, args=(i, wrong[i::4]), daemon=True) for i in range(4)
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while len(checked) + len(answers) < 39 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(checked) == 5 and len(answers) == 34
+        refusals = {str(a) for a in answers}
+        assert all(isinstance(a, LoginThrottled) for a in answers) and len(refusals) == 1
+        # The right password while the five are checked: refused alike, never checked.
+        right = threading.Thread(target=instance, args=(4, [BOB_PW]))
+        right.start()
+        right.join(timeout=30)
+        assert len(checked) == 5 and len(answers) == 35
+        assert isinstance(answers[-1], LoginThrottled) and str(answers[-1]) in refusals
+        gate.set()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert sorted(type(a).__name__ for a in answers[-5:]) == ["LoginRefused"] * 5
+        after = threading.Thread(target=instance, args=(4, [BOB_PW]))
+        after.start()
+        after.join(timeout=30)
+        assert isinstance(answers[-1], LoginThrottled) and str(answers[-1]) in refusals
+        assert [e[0] for e in Rig.events_of(store, "login_locked")] == ["bob"]
+    finally:
+        gate.set()
+        for thread in threads:
+            thread.join(timeout=60)
+        for mine, _ in instances:
+            mine.close()
 
 
 # --------------------------------------------------------------------- prune

@@ -97,7 +97,7 @@ class _Accounts:
     """The orderer's password, accepted (the checks themselves are
     tests/unit/server/test_operators.py's)."""
 
-    async def confirm(self, name: str, password: object, *, refused: str) -> None:
+    async def confirm(self, name: str, password: object, *, refused: str, source: str = "") -> None:
         assert (name, password, refused) == ("admin", "pw", "nothing was signed")
 
 

@@ -159,7 +159,9 @@ class Password:
     def __init__(self) -> None:
         self.refused: list[str] = []
 
-    async def check(self, password: object, *, refused: str = "nothing was signed") -> None:
+    async def check(
+        self, password: object, *, refused: str = "nothing was signed", source: str = ""
+    ) -> None:
         if password != PASSWORD:
             self.refused.append(refused)
             raise PasswordError(f"wrong admin password; {refused}. (stand-in)")

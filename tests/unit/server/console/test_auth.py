@@ -78,6 +78,7 @@ def test_csrf_compare() -> None:
     assert not csrf_matches(None, "abc")
     assert not csrf_matches("abc", "")  # a session without a token (ctl) never matches
     assert not csrf_matches("\udcff", "abc")  # bytes that are not UTF-8 still compare
+    assert not csrf_matches("abc", "ab\udcff")  # on either side (the login form's cookie)
 
 
 # ---------------------------------------------------------------- redirects and login
@@ -92,6 +93,7 @@ def test_a_page_without_a_session_goes_to_the_login_and_back(rig: ConsoleRig) ->
         status, page, resp = await b.get(resp.headers["Location"])
         assert status == 200
         assert 'name="next" value="/ui/nodes?state=pending"' in page
+        assert "login-cleartext" not in page  # loopback or TLS: nothing to warn of
         login_cookie = _cookie(resp, LOGIN_COOKIE)
         assert "HttpOnly" in login_cookie and "SameSite=Strict" in login_cookie
         assert "Path=/ui/" in login_cookie

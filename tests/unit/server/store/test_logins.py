@@ -92,38 +92,68 @@ def test_touch_and_prune_sessions(store: Store) -> None:
     assert store.prune_login_sessions(4000.0, idle={"console": 1000.0, "cli": 3000.0}) == 2
 
 
-def test_failures_lock_at_the_limit_within_the_window(store: Store) -> None:
-    count = store.count_login_failure
-    assert not count("account:bob", 100.0, window=60, limit=3, lockout=500)
-    assert not count("account:bob", 110.0, window=60, limit=3, lockout=500)
+def test_attempts_lock_at_the_limit_within_the_window(store: Store) -> None:
+    count = store.count_login_attempt
+    assert count("account:bob", 100.0, window=60, limit=3, lockout=500) == (100.0, False)
+    assert count("account:bob", 110.0, window=60, limit=3, lockout=500) == (100.0, False)
     assert store.login_failures("account:bob") == 2
-    # The window counts from the first failure: at 160 a new count begins.
-    assert not count("account:bob", 160.0, window=60, limit=3, lockout=500)
+    # The window counts from the first attempt: at 160 a new count begins.
+    assert count("account:bob", 160.0, window=60, limit=3, lockout=500) == (160.0, False)
     assert store.login_failures("account:bob") == 1
-    assert not count("account:bob", 170.0, window=60, limit=3, lockout=500)
+    assert not count("account:bob", 170.0, window=60, limit=3, lockout=500)[1]
     assert store.login_locked_until(["account:bob"], 170.0) is None
-    assert count("account:bob", 180.0, window=60, limit=3, lockout=500)
+    assert count("account:bob", 180.0, window=60, limit=3, lockout=500) == (160.0, True)
     assert store.login_locked_until(["account:bob", "addr:x"], 180.0) == ("account:bob", 680.0)
+    assert store.login_counter("account:bob") == (3, 160.0, 680.0)  # the count is kept
     assert store.login_locked_until(["account:bob"], 680.0) is None
     assert store.login_locked_until([], 180.0) is None
+    # Once the lock has lifted, a new count begins.
+    assert count("account:bob", 690.0, window=60, limit=3, lockout=500) == (690.0, False)
+    assert store.login_counter("account:bob") == (1, 690.0, 0.0)
     # The longest lock of several is the one that says when to come back.
     count("addr:x", 300.0, window=60, limit=1, lockout=900)
-    assert store.login_locked_until(["account:bob", "addr:x"], 300.0) == ("addr:x", 1200.0)
+    count("account:carol", 300.0, window=60, limit=1, lockout=500)
+    assert store.login_locked_until(["account:carol", "addr:x"], 300.0) == ("addr:x", 1200.0)
 
 
-def test_a_success_clears_a_count_but_not_a_lock(store: Store) -> None:
-    store.count_login_failure("account:bob", 100.0, window=60, limit=3, lockout=500)
-    store.clear_login_failures("account:bob", 101.0)
-    assert store.login_failures("account:bob") == 0
-    store.count_login_failure("account:carol", 100.0, window=60, limit=1, lockout=500)
-    store.clear_login_failures("account:carol", 101.0)
-    assert store.login_locked_until(["account:carol"], 101.0) == ("account:carol", 600.0)
+def test_a_refund_takes_an_attempt_back_and_lifts_a_lock_failures_did_not_earn(
+    store: Store,
+) -> None:
+    count = store.count_login_attempt
+    began, _ = count("account:bob", 100.0, window=60, limit=3, lockout=500)
+    count("account:bob", 101.0, window=60, limit=3, lockout=500)
+    assert count("account:bob", 102.0, window=60, limit=3, lockout=500) == (100.0, True)
+    # One of the three was a right password: two failures do not lock.
+    assert store.refund_login_attempt("account:bob", began, limit=3)
+    assert store.login_counter("account:bob") == (2, 100.0, 0.0)
+    assert store.login_locked_until(["account:bob"], 103.0) is None
+    # A refund without a lock takes the attempt back only; the last one deletes the row.
+    assert not store.refund_login_attempt("account:bob", began, limit=3)
+    assert store.login_failures("account:bob") == 1
+    assert not store.refund_login_attempt("account:bob", began, limit=3)
+    assert store.login_counter("account:bob") is None
+    assert not store.refund_login_attempt("account:bob", began, limit=3)  # nothing left
+
+
+def test_a_refund_leaves_a_later_count_and_an_earned_lock_alone(store: Store) -> None:
+    count = store.count_login_attempt
+    old, _ = count("account:bob", 100.0, window=60, limit=2, lockout=500)
+    # The window passes while the first attempt's password is checked: a new count.
+    assert count("account:bob", 170.0, window=60, limit=2, lockout=500) == (170.0, False)
+    assert count("account:bob", 171.0, window=60, limit=2, lockout=500) == (170.0, True)
+    assert not store.refund_login_attempt("account:bob", old, limit=2)
+    assert store.login_counter("account:bob") == (2, 170.0, 671.0)
+    # Three attempts where two lock: a refund of one leaves the two failures' lock.
+    for at in (200.0, 201.0, 202.0):
+        count("addr:x", at, window=60, limit=2, lockout=500)
+    assert not store.refund_login_attempt("addr:x", 200.0, limit=2)
+    assert store.login_locked_until(["addr:x"], 203.0) == ("addr:x", 701.0)
 
 
 def test_prune_failures_keeps_locks_and_open_windows(store: Store) -> None:
-    store.count_login_failure("account:spent", 100.0, window=60, limit=5, lockout=500)
-    store.count_login_failure("account:open", 150.0, window=60, limit=5, lockout=500)
-    store.count_login_failure("account:locked", 100.0, window=60, limit=1, lockout=500)
+    store.count_login_attempt("account:spent", 100.0, window=60, limit=5, lockout=500)
+    store.count_login_attempt("account:open", 150.0, window=60, limit=5, lockout=500)
+    store.count_login_attempt("account:locked", 100.0, window=60, limit=1, lockout=500)
     assert store.prune_login_failures(200.0, window=60) == 1
     assert store.login_failures("account:open") == 1
     assert store.login_locked_until(["account:locked"], 200.0) is not None
@@ -136,9 +166,11 @@ def test_a_lock_counted_by_one_instance_holds_on_another(
     other = Store.open(db_location, clock=clock)
     try:
         for at in (100.0, 101.0):
-            store.count_login_failure("addr:192.0.2.7", at, window=60, limit=3, lockout=500)
-        # The third failure, counted by the other instance, adds to the first two.
-        assert other.count_login_failure("addr:192.0.2.7", 102.0, window=60, limit=3, lockout=500)
+            store.count_login_attempt("addr:192.0.2.7", at, window=60, limit=3, lockout=500)
+        # The third attempt, counted by the other instance, adds to the first two.
+        assert other.count_login_attempt(
+            "addr:192.0.2.7", 102.0, window=60, limit=3, lockout=500
+        ) == (100.0, True)
         assert store.login_locked_until(["addr:192.0.2.7"], 103.0) == ("addr:192.0.2.7", 602.0)
     finally:
         other.close()

@@ -213,7 +213,7 @@ def populated(source: Location) -> Iterator[Store]:
         addr="203.0.113.9",
         agent="Mozilla/5.0 ✓",
     )
-    s.count_login_failure("addr:203.0.113.7", 1_700_000_000.5, window=900, limit=1, lockout=900)
+    s.count_login_attempt("addr:203.0.113.7", 1_700_000_000.5, window=900, limit=1, lockout=900)
     # The leader's epoch, as seven take-overs left it; an instance row.
     for _ in range(7):
         s.bump_epoch()
