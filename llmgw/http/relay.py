@@ -88,9 +88,9 @@ class UsageChunkDropper:
 
     Nothing is buffered but the part of an event a chunk ends inside (rare: engines write
     whole events), held until the event ends, at most ``max_event`` bytes (then passed on).
-    A chunk that ends an event and carries no ``"usage"`` goes as it came, searched twice
-    in C and never copied. A stream with CR line ends goes on with LF ones (the same
-    events to an SSE reader)."""
+    A chunk that ends an event and carries no ``"usage"`` goes as it came, never copied;
+    once the usage chunk is dropped, every byte does. A stream with CR line ends goes on
+    with LF ones (the same events to an SSE reader)."""
 
     __slots__ = ("_cr", "_held", "dropped", "max_event")
 
@@ -102,8 +102,6 @@ class UsageChunkDropper:
 
     def feed(self, chunk: bytes) -> bytes:
         """What of ``chunk`` to send now."""
-        if self.dropped:
-            return chunk
         if self._cr:
             self._cr = False
             if chunk[:1] == b"\n":
@@ -114,6 +112,8 @@ class UsageChunkDropper:
         if self._held:
             chunk = self._held + chunk
             self._held = b""
+        if self.dropped:
+            return chunk
         if chunk.endswith(b"\n\n"):
             done = chunk
         else:
@@ -126,7 +126,10 @@ class UsageChunkDropper:
             self._held = rest
         if b'"usage"' not in done:
             return done
-        return self._drop(done)
+        done = self._drop(done)
+        if self.dropped and self._held:  # from here on every byte goes as it comes
+            done, self._held = done + self._held, b""
+        return done
 
     def end(self) -> bytes:
         """What is still held when the stream ends."""

@@ -440,9 +440,17 @@ def _tokenizer_sources(check: Checker, value: object) -> tuple[SourcePrefix, ...
         try:
             prefix = parse_prefix(item)
         except ValueError as exc:
-            check.fail(key, f"{item!r} is not a URL prefix: {exc}")
+            check.fail(
+                key,
+                f"{item!r} is not a URL prefix: {exc}; give the start of the URLs tokenizers "
+                "may come from, e.g. http://10.0.0.2:8000/tokenizers/",
+            )
         if prefix.scheme not in ("https", "http"):
-            check.fail(key, f"{item!r}: a tokenizer comes from an https:// or http:// URL")
+            check.fail(
+                key,
+                f"{item!r}: a tokenizer comes from an https:// or http:// URL; for a file on "
+                "the control plane give the profile's tokenizer.path",
+            )
         prefixes.append(prefix)
     return tuple(prefixes)
 
