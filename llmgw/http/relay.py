@@ -102,6 +102,12 @@ class UsageChunkDropper:
 
     def feed(self, chunk: bytes) -> bytes:
         """What of ``chunk`` to send now."""
+        if not self._held and not self._cr and chunk[-2:] == b"\n\n" and b'"usage"' not in chunk:
+            # Nearly every chunk: whole events (it ends at one's end), none of them ours.
+            return chunk
+        return self._feed(chunk)
+
+    def _feed(self, chunk: bytes) -> bytes:
         if self._cr:
             self._cr = False
             if chunk[:1] == b"\n":

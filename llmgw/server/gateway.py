@@ -432,9 +432,6 @@ class Gateway:
             return openai_error(
                 400, "The request needs a 'model' (a string).", param="model", code="missing_model"
             )
-        refusal = self._shape_refusal(payload)
-        if refusal is not None:
-            return refusal
         stream = payload.get("stream") is True
         limit = self.serving.body_limits.get(model, self.limits.max_request_body)
         if len(body) > limit:
@@ -463,6 +460,10 @@ class Gateway:
                 endpoint_refusal(model, path, served.engine, served.tasks) + ".",
                 code="unsupported_endpoint",
             )
+        refusal = self._shape_refusal(path, payload)
+        if refusal is not None:
+            self._account(key, model, 400)
+            return refusal
         tokenizer = self.tokenizers.for_model(model)
         work = partial(self._prompt_of, served, tokenizer, path, payload)
         if len(body) < LONG_PROMPT_BYTES or (tokenizer is None and served.routing != APPROX):
@@ -509,9 +510,10 @@ class Gateway:
             grant.settle(outcome.charge(cost), self.policy.clock())
             self._account(key, model, outcome.status or 499, outcome)
 
-    def _shape_refusal(self, payload: dict[str, Any]) -> web.Response | None:
+    def _shape_refusal(self, path: str, payload: dict[str, Any]) -> web.Response | None:
         """The 400 for a body whose ``stream`` is not a boolean, or that carries more
-        messages than ``max_messages``; None when neither."""
+        messages (a chat's, a response's input items) than ``max_messages``; None when
+        neither."""
         stream = payload.get("stream")
         if stream is not None and not isinstance(stream, bool):
             return openai_error(
@@ -521,7 +523,7 @@ class Gateway:
                 code="invalid_type",
             )
         cap = self.limits.max_messages
-        for name in ("messages", "input"):
+        for name in ("messages", "input") if path == RESPONSES else ("messages",):
             items = payload.get(name)
             if isinstance(items, list) and len(items) > cap:
                 return openai_error(
@@ -890,6 +892,7 @@ class Gateway:
 
 
 APPROX = "prefix-approx"
+RESPONSES = "/v1/responses"
 
 
 class _Prompt:
