@@ -129,17 +129,20 @@ def with_usage(path: str, body: bytes, payload: Mapping[str, Any]) -> bytes | No
     when it already does, or when ``path`` reports usage without being asked.
 
     Without ``stream_options`` (nearly every client) the member is appended to the JSON text
-    as it is, never re-serialised; a client's own ``stream_options`` keep their other
-    members. ``stream_options`` that are not an object are left for the engine to refuse."""
+    as it is, never re-serialised; a client's own ``stream_options`` (or null) keep their
+    other members. ``stream_options`` that are not an object are left for the engine to
+    refuse."""
     if path not in _STREAM_OPTIONS or asks_usage(payload):
         return None
-    options = payload.get("stream_options")
-    if options is None:
+    if "stream_options" not in payload:
         end = len(body)
         while end and body[end - 1] in b" \t\r\n":
             end -= 1
         # A parsed JSON object with a model ends in '}' after at least one member.
         return body[: end - 1] + b',"stream_options":{"include_usage":true}}'
+    options = payload["stream_options"]
+    if options is None:
+        options = {}  # null: as absent (re-serialised: the key is there once)
     if not isinstance(options, Mapping):
         return None
     return json.dumps(

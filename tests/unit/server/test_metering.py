@@ -32,6 +32,10 @@ def test_a_stream_asks_for_usage_keeping_the_clients_own_options() -> None:
         "include_usage": True,
         "continuous_usage_stats": True,
     }
+    null = {**plain, "stream_options": None}
+    out = with_usage(CHAT, json.dumps(null).encode(), null)
+    assert out is not None and out.count(b'"stream_options"') == 1
+    assert json.loads(out)["stream_options"] == {"include_usage": True}
     # Asked already, not a path whose streams need asking, options the engine will refuse.
     assert _asked(CHAT, {**plain, "stream_options": {"include_usage": True}}) is None
     assert _asked("/v1/responses", {"model": "m", "input": "x", "stream": True}) is None
