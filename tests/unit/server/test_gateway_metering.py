@@ -264,7 +264,7 @@ def test_a_second_request_in_flight_is_refused_against_a_small_tpm() -> None:
         body,
         KeyPolicy(tpm=1000),
         engine="vllm",  # no tokenizer, no cap: bytes / 4 and the default reserve
-        sim=SimConfig(model="m", seed=5, ttft_ms=300),
+        sim=SimConfig(model="m", seed=5, ttft_ms=800),
     )
 
 
@@ -287,7 +287,7 @@ def test_a_second_request_in_flight_is_refused_against_a_budget_the_first_may_sp
     run(
         body,
         KeyPolicy(budget=Budget(3000, "day")),
-        sim=SimConfig(model="m", seed=5, ttft_ms=300),
+        sim=SimConfig(model="m", seed=5, ttft_ms=800),
     )
 
 
