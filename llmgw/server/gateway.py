@@ -465,6 +465,8 @@ class Gateway:
             self._account(key, model, 400)
             return refusal
         tokenizer = self.tokenizers.for_model(model)
+        if served.routing not in TOKEN_ROUTINGS and policy.tpm is None and policy.budget is None:
+            tokenizer = None  # no limit reads this key's estimate: bytes / 4 costs nothing
         work = partial(self._prompt_of, served, tokenizer, path, payload)
         if len(body) < LONG_PROMPT_BYTES or (tokenizer is None and served.routing != APPROX):
             prompt = work()

@@ -4,7 +4,8 @@ answer reports (or its stream's chunks count), and what is settled when it ends.
 A request is charged an :class:`Estimate` up front (:meth:`llmgw.server.limits.Limits.admit`
 debits it from the key's token bucket and holds it against the key's budget while the
 request is in flight): its prompt's tokens, counted by the model's tokenizer where the
-gateway has one (:mod:`llmgw.server.tokenizing`) or the body's bytes / 4, plus what it may
+gateway has one (:mod:`llmgw.server.tokenizing`; for a key whose limits read the estimate,
+or a model whose routing needs the tokens anyway) or the body's bytes / 4, plus what it may
 generate (its ``max_tokens``, ``max_completion_tokens`` or ``max_output_tokens`` times ``n``,
 else the model's cap or :data:`DEFAULT_OUTPUT_RESERVE`). It is settled on the usage the
 engine reports: the gateway asks every stream for it (:func:`with_usage`), and the relay

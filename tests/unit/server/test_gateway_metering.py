@@ -219,7 +219,13 @@ def test_a_stream_cut_short_is_charged_its_prompt_estimate_and_the_tokens_it_car
         assert expected is not None and prompt == len(expected)
         assert 3 <= completion < 30
 
-    run(body, KeyPolicy(), sim=SimConfig(model="m", seed=5, tps=40.0, max_tokens=64))
+    # A key with a budget: its prompts are counted by the tokenizer (for one without any
+    # limit the estimate decides nothing, and is the body's bytes / 4).
+    run(
+        body,
+        KeyPolicy(budget=Budget(10**9, "day")),
+        sim=SimConfig(model="m", seed=5, tps=40.0, max_tokens=64),
+    )
 
 
 def test_a_stream_that_is_not_a_boolean_is_400_before_any_engine() -> None:
