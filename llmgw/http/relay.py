@@ -7,6 +7,9 @@ streams are written as they arrive, never buffered and never compressed; other b
 read whole (up to the pool's ``max_body``) and sent with a Content-Length. A stream that
 fails half-way (the upstream stalls, dies or sends what a consumer refuses) ends with an
 OpenAI-shaped error event and a proper end of the body, which clients report as an error.
+
+The gateway asks every stream for its usage; for a client that did not, the relay drops that
+one chunk again (:class:`UsageChunkDropper`) and passes every other byte as it comes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ NOT_PROCESSED = "X-Llmgw-Not-Processed"
 # (aiohttp responses are mappings for such per-request data).
 STREAM_ERROR: web.ResponseKey[UpstreamError] = web.ResponseKey("llmgw_stream_error", UpstreamError)
 
-__all__ = ["NOT_PROCESSED", "STREAM_ERROR", "error_event", "is_event_stream", "relay"]
+__all__ = [
+    "NOT_PROCESSED",
+    "STREAM_ERROR",
+    "UsageChunkDropper",
+    "error_event",
+    "is_event_stream",
+    "relay",
+]
 
 # Headers that describe one hop's connection, not the content.
 _HOP_HEADERS = frozenset(
@@ -70,12 +80,98 @@ def error_event(message: str, code: str = "upstream_error") -> bytes:
     return b"\n\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
+class UsageChunkDropper:
+    """Takes OpenAI's usage chunk out of an event stream: the event whose data has empty
+    ``choices`` and a ``usage`` object, sent before ``[DONE]`` when ``stream_options.
+    include_usage`` asks for it (a client that did not ask may read ``choices[0]`` of every
+    chunk). Every other event passes unchanged, the first usage chunk only is dropped.
+
+    Nothing is buffered but the part of an event a chunk ends inside (rare: engines write
+    whole events), held until the event ends, at most ``max_event`` bytes (then passed on).
+    A chunk that ends an event and carries no ``"usage"`` goes as it came, never copied;
+    once the usage chunk is dropped, every byte does. A stream with CR line ends goes on
+    with LF ones (the same events to an SSE reader)."""
+
+    __slots__ = ("_cr", "_held", "dropped", "max_event")
+
+    def __init__(self, max_event: int = 1024 * 1024) -> None:
+        self.max_event = max_event
+        self._held = b""  # the start of an event not ended yet
+        self._cr = False  # the last chunk ended in a CR: a LF first in the next is its pair
+        self.dropped = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of ``chunk`` to send now."""
+        if not self._held and not self._cr and chunk[-2:] == b"\n\n" and b'"usage"' not in chunk:
+            # Nearly every chunk: whole events (it ends at one's end), none of them ours.
+            return chunk
+        return self._feed(chunk)
+
+    def _feed(self, chunk: bytes) -> bytes:
+        if self._cr:
+            self._cr = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
+        if b"\r" in chunk:
+            self._cr = chunk[-1:] == b"\r"
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if self._held:
+            chunk = self._held + chunk
+            self._held = b""
+        if self.dropped:
+            return chunk
+        if chunk.endswith(b"\n\n"):
+            done = chunk
+        else:
+            cut = chunk.rfind(b"\n\n") + 2  # 1: no complete event in it
+            if cut == 1 and chunk == b"\n":
+                return chunk  # the blank line of an event already sent whole
+            done, rest = (chunk[:cut], chunk[cut:]) if cut > 1 else (b"", chunk)
+            if len(rest) > self.max_event:
+                return chunk  # no event of ours is this long: not held any longer
+            self._held = rest
+        if b'"usage"' not in done:
+            return done
+        done = self._drop(done)
+        if self.dropped and self._held:  # from here on every byte goes as it comes
+            done, self._held = done + self._held, b""
+        return done
+
+    def end(self) -> bytes:
+        """What is still held when the stream ends."""
+        held, self._held = self._held, b""
+        return held
+
+    def _drop(self, done: bytes) -> bytes:
+        events = done.split(b"\n\n")
+        for i, event in enumerate(events):
+            if b'"usage"' in event and _is_usage_chunk(event):
+                self.dropped = True
+                del events[i]
+                return b"\n\n".join(events)
+        return done
+
+
+def _is_usage_chunk(event: bytes) -> bool:
+    at = event.find(b"data:")
+    if at < 0 or (at > 0 and event[at - 1 : at] != b"\n"):
+        return False
+    try:
+        data = json.loads(event[at + 5 :].split(b"\n", 1)[0])
+    except ValueError:
+        return False
+    return (
+        isinstance(data, dict) and data.get("choices") == [] and isinstance(data.get("usage"), dict)
+    )
+
+
 async def relay(
     request: web.BaseRequest,
     upstream: UpstreamResponse,
     *,
     on_chunk: Callable[[bytes], None] | None = None,
     extra_headers: dict[str, str] | None = None,
+    drop_usage: bool = False,
 ) -> web.StreamResponse:
     """Send ``upstream``'s status, headers and body to ``request``'s client.
 
@@ -84,7 +180,8 @@ async def relay(
     body read whole propagates (nothing was sent yet: the caller answers 502); one during an
     event stream, from the upstream or from ``on_chunk``, ends the client's stream with
     :func:`error_event` and is left on the returned response under :data:`STREAM_ERROR`
-    (``upstream.complete`` is then false).
+    (``upstream.complete`` is then false). ``drop_usage``: the stream's usage chunk, which
+    the gateway asked for on the client's behalf, is not sent (:class:`UsageChunkDropper`).
     """
     if upstream.content_type != "text/event-stream":
         body = await upstream.read()
@@ -96,16 +193,24 @@ async def relay(
     replace = {**extra_headers, **_SSE_HEADERS} if extra_headers else _SSE_HEADERS
     resp = web.StreamResponse(status=upstream.status, headers=_copy_headers(upstream, replace))
     await resp.prepare(request)
+    dropper = UsageChunkDropper() if drop_usage else None
     try:
         async for chunk in upstream.iter_chunks():
             if on_chunk is not None:
                 on_chunk(chunk)
+            if dropper is not None:
+                chunk = dropper.feed(chunk)
+                if not chunk:
+                    continue
             await resp.write(chunk)
+        if dropper is not None and (held := dropper.end()):
+            await resp.write(held)
     except UpstreamError as exc:
         # The client has the status line and part of the stream: an error response is no
         # longer possible, an error event is (OpenAI's clients raise it).
         resp[STREAM_ERROR] = exc
+        held = dropper.end() if dropper is not None else b""
         with contextlib.suppress(ConnectionError):  # the client may be gone too
-            await resp.write(error_event(f"the stream ended early: {exc}"))
+            await resp.write(held + error_event(f"the stream ended early: {exc}"))
     # aiohttp ends the stream once the handler returns, quietly if the client has gone.
     return resp

@@ -114,7 +114,7 @@ INSTANCE_KEPT = 3600.0
 LOGIN_PRUNE_EVERY = 600.0
 
 
-def _read_or_create_token(path: Path) -> str:
+def _read_or_create_token(path: Path, what: str = "admin") -> str:
     try:
         token = path.read_text().strip()
         if token:
@@ -123,11 +123,11 @@ def _read_or_create_token(path: Path) -> str:
         pass
     except OSError as exc:
         raise ConfigError(
-            f"cannot read the admin token: {exc.strerror}; it must be readable by the control "
+            f"cannot read the {what} token: {exc.strerror}; it must be readable by the control "
             "plane's user",
             file=str(path),
         ) from exc
-    token = "llmgw-admin-" + secrets.token_urlsafe(32)
+    token = f"llmgw-{what}-" + secrets.token_urlsafe(32)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     write_private(path, (token + "\n").encode())
     return token
@@ -172,7 +172,9 @@ class ControlPlane:
         self.history = RequestHistory()
         # Each model's prompt tokenizer (cache-aware routing), loaded in the background when
         # the models change; fetched files kept by their SHA-256 (either role's gateway).
-        self.tokenizers = Tokenizers(cfg.state_dir / "tokenizers")
+        self.tokenizers = Tokenizers(
+            cfg.state_dir / "tokenizers", sources=cfg.tokenizer_sources, private=cfg.private_paths
+        )
         # The body bytes the process holds at once (gateway and admin API together).
         self.bodies = BodyBudget(cfg.max_inflight_body_bytes)
         # Each API key's limits and the usage not stored yet: the process's, whatever its
@@ -574,6 +576,7 @@ class ControlPlane:
             usage=self._start_usage(),
             history=self.history,
             tokenizers=self.tokenizers,
+            readers=self._probe_readers(),
         )
         self.http_tls = serving_certificate(cfg.tls, self.server_identity)
         # The admin token every instance holds (the CA export carries it): the MAC of the
@@ -688,6 +691,13 @@ class ControlPlane:
             cafile = self.pki_dir / CA_CERT
             return require_control_plane(ssl.create_default_context(cafile=str(cafile)), cafile)
         return True
+
+    def _probe_readers(self) -> tuple[str, ...]:
+        """The tokens that read /metrics and /healthz's details (llmgw.server.probes)."""
+        return (
+            _read_or_create_token(self.cfg.metrics_token_path, "metrics"),
+            _read_or_create_token(self.cfg.admin_token_file),
+        )
 
     def _health(self) -> dict[str, object]:
         """What /healthz says of this instance among several: its role, the leader, and the
@@ -827,6 +837,7 @@ class ControlPlane:
             usage=self._start_usage(),
             history=self.history,
             tokenizers=self.tokenizers,
+            readers=self._probe_readers(),
         )
         self.membership = Membership(
             store,

@@ -20,6 +20,7 @@ from llmgw.bodies import (
 from llmgw.configfile import Checker, apply_overrides, index_key, load_yaml, type_name
 from llmgw.contracts.paths import DEFAULT_SERVER_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+from llmgw.contracts.sources import SourcePrefix, parse_prefix
 from llmgw.errors import ConfigError
 from llmgw.listener import ListenerLimits, parse_listener_limits
 from llmgw.netaddr import format_hostport, is_hostname, is_ip_address
@@ -72,6 +73,9 @@ _KEYS = (
     "resync_interval",
     "console",
     "trusted_proxies",
+    "max_messages",
+    "metrics_token_file",
+    "tokenizer_sources",
 )
 _TLS_KEYS = ("cert", "key")
 _DATABASE_KEYS = ("url", "password_file")
@@ -96,6 +100,11 @@ DEFAULT_CERT_LIFETIME = 30 * 86400.0
 # once from behind one NAT (or a benchmark on loopback) raises it.
 DEFAULT_ENROLL_CONNECTIONS_PER_SOURCE = 64
 MIN_CERT_LIFETIME = 10.0
+# The most messages (a chat's, a response's input items) one request may carry: OpenAI's own
+# limit, so that no client written for it is refused, while a body of hundreds of thousands
+# of tiny messages never reaches a chat template.
+DEFAULT_MAX_MESSAGES = 2048
+MAX_MAX_MESSAGES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -166,6 +175,12 @@ class ServerConfig:
     # The reverse proxies (CIDRs) whose X-Forwarded-For names the client (llmgw.server.proxies).
     trusted_proxies: tuple[Network, ...] = ()
     source: Path | None = None
+    # The gateway: the most messages a request may carry; the token Prometheus presents for
+    # /metrics (None: STATE/metrics.token, made at first start); the URL prefixes a
+    # tokenizer may be fetched from over http:// or from a private address.
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    metrics_token_file: Path | None = None
+    tokenizer_sources: tuple[SourcePrefix, ...] = ()
 
     @property
     def database_location(self) -> Location:
@@ -213,6 +228,23 @@ class ServerConfig:
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
         return not ip.is_loopback
+
+    @property
+    def metrics_token_path(self) -> Path:
+        return self.metrics_token_file or self.state_dir / "metrics.token"
+
+    @property
+    def private_paths(self) -> tuple[Path, ...]:
+        """What a profile's tokenizer path may not name: the state directory, this file, and
+        the secrets it names."""
+        paths = [self.state_dir, self.admin_token_file, self.metrics_token_path]
+        if self.database is not None and self.database.password_file is not None:
+            paths.append(self.database.password_file)
+        if self.tls is not None and self.tls.key is not None:
+            paths.append(self.tls.key)
+        if self.source is not None:
+            paths.append(self.source)
+        return tuple(paths)
 
     @property
     def pki_dir(self) -> Path:
@@ -367,6 +399,14 @@ def _parse(
                 f"must be more than 0 and at most half the lease ({lease / 2:g} s), so that "
                 "one late renewal does not lose the leadership",
             )
+    max_messages = DEFAULT_MAX_MESSAGES
+    if top.get("max_messages") is not None:
+        max_messages = int(
+            check.number(top["max_messages"], "max_messages", minimum=1, maximum=MAX_MAX_MESSAGES)
+        )
+        if not isinstance(top["max_messages"], int):
+            check.fail("max_messages", f"must be a whole number, got {top['max_messages']!r}")
+
     resync = DEFAULT_RESYNC_INTERVAL
     if top.get("resync_interval") is not None:
         resync = check.duration(top["resync_interval"], "resync_interval")
@@ -400,7 +440,40 @@ def _parse(
         console=_console(check, top.get("console")),
         trusted_proxies=_trusted_proxies(check, top.get("trusted_proxies")),
         source=source,
+        max_messages=max_messages,
+        metrics_token_file=(
+            check.path(top["metrics_token_file"], "metrics_token_file")
+            if top.get("metrics_token_file") is not None
+            else None
+        ),
+        tokenizer_sources=_tokenizer_sources(check, top.get("tokenizer_sources")),
     )
+
+
+def _tokenizer_sources(check: Checker, value: object) -> tuple[SourcePrefix, ...]:
+    """URL prefixes (agent.yaml's install_sources syntax) a tokenizer may come from over
+    http:// or from a loopback or private address."""
+    if value is None:
+        return ()
+    prefixes: list[SourcePrefix] = []
+    for index, item in enumerate(check.strings(value, "tokenizer_sources")):
+        key = index_key("tokenizer_sources", index)
+        try:
+            prefix = parse_prefix(item)
+        except ValueError as exc:
+            check.fail(
+                key,
+                f"{item!r} is not a URL prefix: {exc}; give the start of the URLs tokenizers "
+                "may come from, e.g. http://10.0.0.2:8000/tokenizers/",
+            )
+        if prefix.scheme not in ("https", "http"):
+            check.fail(
+                key,
+                f"{item!r}: a tokenizer comes from an https:// or http:// URL; for a file on "
+                "the control plane give the profile's tokenizer.path",
+            )
+        prefixes.append(prefix)
+    return tuple(prefixes)
 
 
 def _console(check: Checker, value: object) -> LoginPolicy:

@@ -12,20 +12,25 @@ upstream request (or takes it out of the queue).
 
 Request bodies are read under limits (:mod:`llmgw.bodies`): server.yaml's
 ``max_request_body`` or the deployed profile's own, passed on to the data plane, and
-``max_inflight_body_bytes`` for all requests together (over it: 503). Answers from agents
-are bounded too: ``max_response_body`` for one read whole, ``upstream_idle_timeout`` for
-silence, and :data:`MAX_SSE_EVENT` for one event of a stream.
+``max_inflight_body_bytes`` for all requests together (over it: 503); a request carries at
+most ``max_messages`` messages. Answers from agents are bounded too: ``max_response_body``
+for one read whole, ``upstream_idle_timeout`` for silence, and
+:data:`llmgw.server.metering.MAX_SSE_EVENT` for one event of a stream. What a request is
+charged, and how a stream is made to report its usage, is :mod:`llmgw.server.metering`'s;
+/healthz and /metrics are :mod:`llmgw.server.probes`'.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import ssl
 import time
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -47,27 +52,40 @@ from llmgw.errors import ChatTemplateRefused, ConfigError
 from llmgw.http.errors import (
     UpstreamConnectError,
     UpstreamError,
-    UpstreamProtocolError,
     UpstreamTimeout,
 )
 from llmgw.http.pool import UpstreamPool
 from llmgw.http.relay import NOT_PROCESSED, STREAM_ERROR, relay
 from llmgw.log import kv
 from llmgw.netaddr import parse_hostport
-from llmgw.server.config import ServerConfig
+from llmgw.server.config import DEFAULT_MAX_MESSAGES, ServerConfig
 from llmgw.server.history import RequestHistory
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.limits import Grant, Limits, Refusal
+from llmgw.server.metering import (
+    NOTHING,
+    Outcome,
+    StreamTokenCounter,
+    estimate,
+    usage_numbers,
+    with_usage,
+)
 from llmgw.server.metrics import Metrics
 from llmgw.server.prefixes import APPROX_CHUNK, RouteHint, session_of, text_keys, text_of
+from llmgw.server.probes import Probes
 from llmgw.server.queueing import Admission, QueueTimeout
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel, ServingCache
 from llmgw.server.store.rows import ApiKey
-from llmgw.server.tokenizing import Tokenizers
+from llmgw.server.tokenizing import (
+    LONG_PROMPT_BYTES,
+    TOKEN_ROUTINGS,
+    PromptTokenizer,
+    Tokenizers,
+)
 from llmgw.server.usage import UsageBook
 
-__all__ = ["Gateway", "GatewayLimits", "StreamTokenCounter", "openai_error"]
+__all__ = ["Gateway", "GatewayLimits", "openai_error"]
 
 log = logging.getLogger("llmgw.server.gateway")
 
@@ -88,129 +106,6 @@ def openai_error(
     return web.json_response(body, status=status, headers=headers)
 
 
-MAX_SSE_EVENT = 1024 * 1024
-"""The most bytes of an event stream the gateway holds without the blank line that ends an
-event; OpenAI-style events are a few KiB. A stream past it is ended with an error event."""
-
-
-class StreamTokenCounter:
-    """Counts completion tokens in an SSE stream without parsing every event.
-
-    A chunk carrying ``usage`` (``stream_options.include_usage``) is authoritative; otherwise
-    each event with non-empty content or text counts as one token.
-
-    Linear in the stream: each chunk's line ends are normalised once, only the chunk is
-    searched for the end of an event, and an incomplete event is held as a list of pieces
-    (joined once, when it ends). An event longer than ``max_event`` bytes raises
-    :class:`~llmgw.http.errors.UpstreamProtocolError`, which ends the stream.
-    """
-
-    def __init__(self, max_event: int = MAX_SSE_EVENT) -> None:
-        self.max_event = max_event
-        self._pending: list[bytes] = []  # the incomplete event, line ends already LF
-        self._pending_len = 0
-        self._cr = False  # the last byte fed was a CR: a LF first in the next chunk is its pair
-        self.events = 0
-        self.usage: dict[str, Any] | None = None
-        self.first_at: float | None = None
-
-    @property
-    def buf(self) -> bytes:
-        """The incomplete event held (line ends as LF)."""
-        return b"".join(self._pending)
-
-    def feed(self, chunk: bytes) -> None:
-        if self.first_at is None:
-            self.first_at = time.perf_counter()
-        if self._cr:
-            self._cr = False
-            if chunk[:1] == b"\n":
-                chunk = chunk[1:]
-        if b"\r" in chunk:
-            # SSE allows CRLF and CR line ends; a CR at the end may be half of a CRLF.
-            self._cr = chunk[-1:] == b"\r"
-            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        if not chunk:
-            return
-        pending = self._pending
-        cut = chunk.rfind(b"\n\n")
-        if cut >= 0:
-            done = b"".join((*pending, chunk[: cut + 2])) if pending else chunk[: cut + 2]
-            rest = chunk[cut + 2 :]
-        elif pending and chunk[:1] == b"\n" and pending[-1][-1:] == b"\n":
-            done, rest = b"".join((*pending, b"\n")), chunk[1:]  # the blank line spans two
-        else:
-            self._hold(chunk)
-            return
-        pending.clear()
-        self._pending_len = 0
-        # Count in C over the whole run of complete events instead of event by event.
-        self.events += (
-            done.count(b'"content":"')
-            - done.count(b'"content":""')
-            + done.count(b'"text":"')
-            - done.count(b'"text":""')
-        )
-        if b'"usage"' in done:
-            for event in done.split(b"\n\n"):
-                if b'"usage"' in event:
-                    usage = _event_usage(event)
-                    if usage is not None:
-                        self.usage = usage
-        if rest:
-            self._hold(rest)  # after counting what came complete
-
-    def _hold(self, piece: bytes) -> None:
-        self._pending_len += len(piece)
-        if self._pending_len > self.max_event:
-            raise UpstreamProtocolError(
-                f"the engine's event stream sent more than {self.max_event} bytes without "
-                "ending an event (a blank line); the gateway ended the stream"
-            )
-        self._pending.append(piece)
-
-
-def _event_usage(event: bytes) -> dict[str, Any] | None:
-    """The ``usage`` an SSE event's data carries: at its top (chat and completion chunks) or
-    in its ``response`` (the Responses API's ``response.completed``)."""
-    at = event.find(b"data:")
-    if at < 0 or (at > 0 and event[at - 1 : at] != b"\n"):
-        return None
-    line = event[at + 5 :].split(b"\n", 1)[0]
-    try:
-        data = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(data, dict):
-        return None
-    usage = data.get("usage")
-    if usage is None and isinstance(data.get("response"), dict):
-        usage = data["response"].get("usage")
-    return usage if isinstance(usage, dict) else None
-
-
-def usage_numbers(usage: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(prompt, completion, cached) tokens from an engine's ``usage``, whatever the endpoint:
-    chat and completions (``prompt_tokens``, ``completion_tokens``,
-    ``prompt_tokens_details.cached_tokens``), the Responses API (``input_tokens``,
-    ``output_tokens``, ``input_tokens_details``), embeddings, rerank and score (their
-    ``prompt_tokens`` or ``total_tokens``: all input)."""
-    prompt = usage.get("prompt_tokens")
-    if not isinstance(prompt, int):
-        prompt = usage.get("input_tokens")
-    completion = usage.get("completion_tokens")
-    if not isinstance(completion, int):
-        completion = usage.get("output_tokens")
-    if not isinstance(completion, int):
-        completion = 0
-    if not isinstance(prompt, int):
-        total = usage.get("total_tokens")
-        prompt = total - completion if isinstance(total, int) else 0
-    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return max(prompt, 0), max(completion, 0), cached if isinstance(cached, int) else 0
-
-
 @dataclass(frozen=True)
 class GatewayLimits:
     """The settings of server.yaml the request path applies."""
@@ -222,6 +117,7 @@ class GatewayLimits:
     replica_wait: float
     queue_timeout: float = 30.0
     fair_queueing: bool = True
+    max_messages: int = DEFAULT_MAX_MESSAGES
 
     @classmethod
     def of(cls, cfg: ServerConfig) -> GatewayLimits:
@@ -233,6 +129,7 @@ class GatewayLimits:
             replica_wait=cfg.replica_wait,
             queue_timeout=cfg.queue_timeout,
             fair_queueing=cfg.fair_queueing,
+            max_messages=cfg.max_messages,
         )
 
 
@@ -255,12 +152,16 @@ class Gateway:
         usage: UsageBook | None = None,
         history: RequestHistory | None = None,
         tokenizers: Tokenizers | None = None,
+        readers: Iterable[str] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.router = router
         # What /healthz adds (several instances: this one's role, the leader, the database).
         self.health = health
         self.metrics = metrics
+        # /healthz and /metrics; ``readers``: the tokens that read /metrics and /healthz's
+        # details (the metrics token, the admin token).
+        self.probes = Probes(metrics, self._health_details, readers)
         self.serving = serving
         # The body bytes the process holds at once (the admin API's bodies too).
         self.bodies = bodies
@@ -308,8 +209,7 @@ class Gateway:
         app.router.add_get("/v1/models/{model:.+}", self.model)
         for path in (*PATHS, *ALIASES):
             app.router.add_post(path, self.completions)
-        app.router.add_get("/healthz", self.healthz)
-        app.router.add_get("/metrics", self.metrics_page)
+        self.probes.add_routes(app)
 
     @property
     def session(self) -> UpstreamPool:
@@ -393,19 +293,17 @@ class Gateway:
 
     # -- handlers ------------------------------------------------------------------------------
 
-    async def healthz(self, request: web.Request) -> web.Response:
+    def _health_details(self) -> dict[str, object]:
+        """What /healthz says to a reader (its role to anyone)."""
         body: dict[str, object] = {
-            "status": "ok",
+            "role": "leader",
             "epoch": self.epoch,
             "nodes": self.nodes_connected(),
             "models": self.router.models(),
         }
         if self.health is not None:
             body.update(self.health())
-        return web.json_response(body)
-
-    async def metrics_page(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+        return body
 
     def _model_entry(self, name: str) -> dict[str, object]:
         entry: dict[str, object] = {
@@ -539,7 +437,6 @@ class Gateway:
                 400, "The request needs a 'model' (a string).", param="model", code="missing_model"
             )
         stream = payload.get("stream") is True
-        estimate = len(body) // 4 + _max_output(payload)
         limit = self.serving.body_limits.get(model, self.limits.max_request_body)
         if len(body) > limit:
             return self._too_large(len(body), limit, model)
@@ -567,7 +464,24 @@ class Gateway:
                 endpoint_refusal(model, path, served.engine, served.tasks) + ".",
                 code="unsupported_endpoint",
             )
-        grant = self.policy.admit(key, estimate)
+        refusal = self._shape_refusal(path, payload)
+        if refusal is not None:
+            self._account(key, model, 400)
+            return refusal
+        tokenizer = self.tokenizers.for_model(model)
+        if served.routing not in TOKEN_ROUTINGS and policy.tpm is None and policy.budget is None:
+            tokenizer = None  # no limit reads this key's estimate: bytes / 4 costs nothing
+        work = partial(self._prompt_of, served, tokenizer, path, payload)
+        try:
+            if len(body) < LONG_PROMPT_BYTES or (tokenizer is None and served.routing != APPROX):
+                prompt = work()
+            else:
+                prompt = await self.tokenizers.off_loop(work)
+        except ChatTemplateRefused as exc:  # the engine's own rendering would refuse it too
+            self._account(key, model, 400)
+            return openai_error(400, f"{exc}.", code="chat_template_refused")
+        cost = estimate(path, payload, len(body), prompt.tokens, served.output_cap)
+        grant = self.policy.admit(key, cost.total)
         if isinstance(grant, Refusal):
             self._account(key, model, grant.status)
             log.info(
@@ -581,25 +495,85 @@ class Gateway:
                 code=grant.code,
                 headers=grant.headers,
             )
-        try:
-            hint = self._hint(request, served, path, payload)
-        except ChatTemplateRefused as exc:  # the engine's own rendering would refuse it too
-            grant.settle(None, self.policy.clock())
-            self._account(key, model, 400)
-            return openai_error(400, f"{exc}.", code="chat_template_refused")
+        hint = self._hint(request, served, payload, prompt)
+        # Every stream reports its usage (what the key is charged); the client that did not
+        # ask for it does not see it.
+        asked = with_usage(path, body, payload) if stream else None
         del payload  # a parsed body can take many times its size: hold it no longer
-        outcome = _Outcome()
+        outcome = Outcome()
         try:
             return await self._route(
-                request, key, grant, model, path, body, started, stream, limit, outcome, hint
+                request,
+                key,
+                grant,
+                model,
+                path,
+                body if asked is None else asked,
+                started,
+                stream,
+                limit,
+                outcome,
+                hint,
+                drop_usage=asked is not None,
             )
         finally:
-            tokens = outcome.prompt + outcome.completion if outcome.reported else None
-            grant.settle(tokens, self.policy.clock())
+            grant.settle(outcome.charge(cost), self.policy.clock())
             self._account(key, model, outcome.status or 499, outcome)
 
+    def _shape_refusal(self, path: str, payload: dict[str, Any]) -> web.Response | None:
+        """The 400 for a body whose ``stream`` is not a boolean, or that carries more
+        messages (a chat's, a response's input items) than ``max_messages``; None when
+        neither."""
+        stream = payload.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            return openai_error(
+                400,
+                f"'stream' must be true or false, got {json.dumps(stream)[:40]}.",
+                param="stream",
+                code="invalid_type",
+            )
+        cap = self.limits.max_messages
+        for name in ("messages", "input") if path == RESPONSES else ("messages",):
+            items = payload.get(name)
+            if isinstance(items, list) and len(items) > cap:
+                return openai_error(
+                    400,
+                    f"The request has {len(items)} {name}; this gateway takes at most {cap} "
+                    "in one request (max_messages in server.yaml).",
+                    param=name,
+                    code="too_many_messages",
+                )
+        return None
+
+    def _prompt_of(
+        self,
+        served: ServedModel,
+        tokenizer: PromptTokenizer | None,
+        path: str,
+        payload: dict[str, Any],
+    ) -> _Prompt:
+        """The prompt's token ids (where the model has a tokenizer) and the keys its
+        routing policy looks up: work for a thread when the prompt is long."""
+        began = time.perf_counter()
+        prompt = _Prompt()
+        if tokenizer is not None:
+            ids = tokenizer.token_ids(path, payload)
+            if ids is not None:
+                prompt.tokens = len(ids)
+                if served.routing in TOKEN_ROUTINGS:
+                    size = self.router.prefixes.block_size.get(served.name, BLOCK_SIZE)
+                    with contextlib.suppress(ValueError):
+                        prompt.keys = block_keys(ids, size)
+                    prompt.unit = size
+        if served.routing == APPROX:
+            text = text_of(path, payload)
+            prompt.keys = text_keys(text) if text else []
+            prompt.text_tokens = len(text) // 4 if text else 0
+        prompt.seconds = time.perf_counter() - began
+        return prompt
+
     def _hint(
-        self, request: web.Request, served: ServedModel, path: str, payload: dict[str, Any]
+        self, request: web.Request, served: ServedModel, payload: dict[str, Any], prompt: _Prompt
     ) -> RouteHint | None:
         """What the model's routing policy needs of the request (None: least outstanding):
         its session, and for the prefix policies its prompt's block keys."""
@@ -609,41 +583,29 @@ class Gateway:
         session = session_of(payload, request.headers.get("x-session-id"))
         if policy in ("round-robin", "session"):
             return RouteHint(policy, session=session)
-        began = time.perf_counter()
         model = served.name
-        if policy == "prefix-approx":
+        if policy == APPROX:
             self.router.prefixes.set_capacity(model, served.approx_capacity)
-            text = text_of(path, payload)
-            keys = text_keys(text) if text else []
             hint = RouteHint(
                 policy,
-                keys,
+                prompt.keys,
                 unit=APPROX_CHUNK // 4,
-                tokens=len(text) // 4 if text else 0,
+                tokens=prompt.text_tokens,
                 session=session,
             )
         else:
-            tokenizer = self.tokenizers.for_model(model)
-            ids = tokenizer.token_ids(path, payload) if tokenizer is not None else None
-            if ids is None:
+            if prompt.tokens is None:
                 self.metrics.routing.inc((model, policy, "no_tokenizer"))
                 return RouteHint(policy, session=session)
-            size = self.router.prefixes.block_size.get(model, BLOCK_SIZE)
-            try:
-                keys = block_keys(ids, size)
-            except ValueError:
-                keys = []
-            hint = RouteHint(policy, keys, unit=size, tokens=len(ids), session=session)
-        self.metrics.decision.observe((model, "keys"), time.perf_counter() - began)
+            hint = RouteHint(
+                policy, prompt.keys, unit=prompt.unit, tokens=prompt.tokens, session=session
+            )
+        self.metrics.decision.observe((model, "keys"), prompt.seconds)
         return hint
 
-    def _account(
-        self, key: ApiKey, model: str, status: int, outcome: _Outcome | None = None
-    ) -> None:
+    def _account(self, key: ApiKey, model: str, status: int, outcome: Outcome = NOTHING) -> None:
         """One request of ``key`` to ``model`` ended with ``status`` (without an outcome: a
         refusal, no tokens): its usage and metrics."""
-        if outcome is None:
-            outcome = _NOTHING
         self.metrics.key_requests.inc((key.name, model, str(status)))
         if outcome.prompt or outcome.completion:
             tokens = self.metrics.key_tokens
@@ -673,12 +635,15 @@ class Gateway:
         started: float,
         stream: bool,
         limit: int,
-        outcome: _Outcome,
+        outcome: Outcome,
         hint: RouteHint | None = None,
+        *,
+        drop_usage: bool = False,
     ) -> web.StreamResponse:
         """Take a place on a replica of ``model`` (waiting in the key's queue when all are
         full; the one ``hint``'s policy chooses) and forward; another replica when one cannot
-        be reached."""
+        be reached. ``drop_usage``: the usage chunk of the stream is the gateway's, not the
+        client's."""
         tried: set[str] = set()
         busy = 0  # replicas whose agent had no room for the body
         admission = self.admission
@@ -738,6 +703,7 @@ class Gateway:
                     outcome=outcome,
                     headers=headers,
                     hint=hint,
+                    drop_usage=drop_usage,
                 )
             except _ConnectFailed as exc:
                 busy += exc.busy
@@ -787,9 +753,10 @@ class Gateway:
         *,
         stream: bool,
         limit: int,
-        outcome: _Outcome,
+        outcome: Outcome,
         headers: dict[str, str] | None = None,
         hint: RouteHint | None = None,
+        drop_usage: bool = False,
     ) -> web.StreamResponse:
         labels = (ep.model, ep.replica_id)
         metrics = self.metrics
@@ -800,17 +767,22 @@ class Gateway:
         try:
             try:
                 host, port = self._hostport(ep.addr)
+                # From here the engine may be working on it (a client that leaves still
+                # pays for its prompt), unless the agent says it never passed it on.
+                outcome.handed = True
                 upstream = await self.session.request(
                     "POST",
                     host,
                     port,
                     f"/s/{ep.shard_id}{path}",
                     body=body,
-                    headers=(*_JSON_HEADERS, (MAX_BODY_HEADER, str(limit))),
+                    # The body asking for usage may be a few bytes over the model's limit.
+                    headers=(*_JSON_HEADERS, (MAX_BODY_HEADER, str(max(limit, len(body))))),
                     server_hostname=ep.node_id,
                 )
             except UpstreamError as exc:
                 if exc.retryable:  # not a byte of answer: another replica may take it
+                    outcome.handed = False
                     raise _ConnectFailed(str(exc)) from exc
                 raise
             if upstream.status in (502, 503) and upstream.header(NOT_PROCESSED):
@@ -826,10 +798,12 @@ class Gateway:
                     if busy
                     else "draining"
                 )
+                outcome.handed = False
                 raise _ConnectFailed(f"{ep.node_id} did not process the request ({why})", busy)
             try:
-                status = upstream.status
+                status = outcome.engine_status = upstream.status
                 if counter is not None and upstream.content_type == "text/event-stream":
+                    outcome.streamed = True
                     feed = counter.feed
                     if hint is not None and hint.charged_to is not None:
                         # The prefill queued on the replica ends with the first token.
@@ -838,7 +812,17 @@ class Gateway:
                             if counter.first_at is not None:
                                 hint.settle()
 
-                    resp = await relay(request, upstream, on_chunk=feed, extra_headers=headers)
+                    try:
+                        resp = await relay(
+                            request,
+                            upstream,
+                            on_chunk=feed,
+                            extra_headers=headers,
+                            drop_usage=drop_usage,
+                        )
+                    finally:
+                        # Counted also when the client left mid-stream (the handler cancelled).
+                        self._count_stream_tokens(ep, counter, outcome)
                     failed = resp.get(STREAM_ERROR)
                     if failed is not None:
                         status = 502
@@ -849,7 +833,6 @@ class Gateway:
                     if counter.first_at is not None:
                         ttft = counter.first_at - started
                         metrics.ttft.observe(labels, ttft)
-                    self._count_stream_tokens(ep, counter, outcome)
                 else:
                     resp = await relay(
                         request,
@@ -879,7 +862,7 @@ class Gateway:
                 if self.history is not None:
                     self.history.record(ep.model, ttft=ttft, error=status >= 500)
 
-    def _count_body_tokens(self, ep: Endpoint, body: bytes, outcome: _Outcome) -> None:
+    def _count_body_tokens(self, ep: Endpoint, body: bytes, outcome: Outcome) -> None:
         at = body.rfind(b'"usage":')
         if at < 0:
             return
@@ -892,17 +875,17 @@ class Gateway:
             self._add_usage(ep, usage, outcome)
 
     def _count_stream_tokens(
-        self, ep: Endpoint, counter: StreamTokenCounter, outcome: _Outcome
+        self, ep: Endpoint, counter: StreamTokenCounter, outcome: Outcome
     ) -> None:
         if counter.usage is not None:
             self._add_usage(ep, counter.usage, outcome)
         else:
-            # No usage in the stream (no stream_options.include_usage): each content event
-            # is a token; the prompt's are unknown.
+            # No usage in the stream (cut short, or an engine that does not report it):
+            # each content event is a token; the prompt is charged its estimate.
             outcome.completion = counter.events
             self.metrics.tokens.inc((ep.model, "completion"), counter.events)
 
-    def _add_usage(self, ep: Endpoint, usage: dict[str, Any], outcome: _Outcome) -> None:
+    def _add_usage(self, ep: Endpoint, usage: dict[str, Any], outcome: Outcome) -> None:
         prompt, completion, cached = usage_numbers(usage)
         outcome.prompt, outcome.completion, outcome.cached = prompt, completion, cached
         outcome.reported = True
@@ -918,30 +901,23 @@ class Gateway:
             by_replica.inc((model, ep.replica_id, "cached"), min(cached, prompt))
 
 
-class _Outcome:
-    """What one request came to: the status answered and the tokens the engine reported."""
+APPROX = "prefix-approx"
+RESPONSES = "/v1/responses"
 
-    __slots__ = ("cached", "completion", "prompt", "reported", "status")
+
+class _Prompt:
+    """What the gateway made of a request's prompt: its tokens by the model's tokenizer
+    (None: it has none, or the shape is not one it counts), the block keys its routing looks
+    up, their unit, the approximate index's token count, and the time it took."""
+
+    __slots__ = ("keys", "seconds", "text_tokens", "tokens", "unit")
 
     def __init__(self) -> None:
-        self.status = 0
-        self.prompt = 0
-        self.completion = 0
-        self.cached = 0
-        self.reported = False
-
-
-_NOTHING = _Outcome()
-"""The outcome of a request refused before it reached a replica: no tokens (never changed)."""
-
-
-def _max_output(payload: dict[str, Any]) -> int:
-    """The most tokens the request asks the engine to generate, as far as it says."""
-    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
-        value = payload.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 0
+        self.tokens: int | None = None
+        self.keys: list[int] = []
+        self.unit = BLOCK_SIZE
+        self.text_tokens = 0
+        self.seconds = 0.0
 
 
 def _sentence(exc: Exception) -> str:

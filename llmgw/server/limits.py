@@ -2,11 +2,13 @@
 (token buckets), requests in flight, and the token budget of its calendar period.
 
 Nothing here touches the store. A request is admitted (:meth:`Limits.admit`) with an
-estimate of its tokens, debited from the key's token bucket up front, and settled
-(:meth:`Grant.settle`) on the tokens the engine reported, so that the bucket ends up charged
-what the request really cost. A budget is checked against what the key spent in its period:
-the store's total (every gateway instance's flushed usage, read back by
-:mod:`llmgw.server.usage` at each flush) plus what this instance settled since.
+estimate of its tokens (:mod:`llmgw.server.metering`), debited from the key's token bucket
+up front, and settled (:meth:`Grant.settle`) on what it cost, so that the bucket ends up
+charged what the request really cost. A budget is checked against what the key spent in its
+period, the store's total (every gateway instance's flushed usage, read back by
+:mod:`llmgw.server.usage` at each flush) plus what this instance settled since, and against
+the estimates of the key's requests in flight here (``reserved``): a key cannot start many
+large requests at once on a budget that has room for one.
 
 With several gateway instances (the control-plane instances on PostgreSQL), each enforces
 its share of a key's ``rpm``, ``tpm`` and ``max_concurrent`` (the limit divided by the
@@ -102,6 +104,7 @@ class KeyState:
         "name",
         "policy",
         "requests",
+        "reserved",
         "share",
         "tokens",
         "unconfirmed",
@@ -113,6 +116,8 @@ class KeyState:
         self.policy: KeyPolicy = key.policy
         self.share = share
         self.inflight = 0
+        # The estimates of its requests in flight, held against its budget until they settle.
+        self.reserved = 0
         self.requests: _Bucket | None = None
         self.tokens: _Bucket | None = None
         # The budget period's first day, the store's total for it (every instance's flushed
@@ -173,17 +178,18 @@ class Grant:
         self.estimate = estimate
 
     def settle(self, tokens: int | None, now: float) -> None:
-        """The request ended having cost ``tokens`` (prompt + completion; None: the engine
-        did not say, the estimate stands)."""
+        """The request ended having cost ``tokens`` (prompt + completion, as its usage is
+        recorded; None: the estimate stands)."""
         state = self.state
         state.inflight -= 1
+        state.reserved -= self.estimate
         used = self.estimate if tokens is None else tokens
         bucket = state.tokens
         if bucket is not None and used != self.estimate:
             bucket.refill(now)
             bucket.level = min(bucket.level + self.estimate - used, bucket.capacity)
-        if state.policy.budget is not None and tokens:
-            state.unconfirmed += tokens
+        if state.policy.budget is not None and used:
+            state.unconfirmed += used
 
 
 class Limits:
@@ -264,17 +270,8 @@ class Limits:
                 state.budget_base = self.budget_spent(state.id, period)
                 state.unconfirmed = 0
             spent = state.budget_base + state.unconfirmed
-            if spent >= policy.budget.tokens:
-                return Refusal(
-                    429,
-                    "insufficient_quota",
-                    "insufficient_quota",
-                    f"Key '{state.name}' has spent its budget of {policy.budget} tokens "
-                    f"({spent} used since {period}, UTC); it renews at the start of the next "
-                    f"{policy.budget.period}, or the operator raises it ('llmgw ctl keys "
-                    "update KEY --budget TOKENS/PERIOD').",
-                    {"Retry-After": str(self._until_next(policy.budget.period))},
-                )
+            if spent + state.reserved >= policy.budget.tokens:
+                return self._budget_refusal(state, spent, period)
         requests = state.requests
         if requests is not None and requests.refill(now) < 1.0:
             wait = requests.wait_for(1.0)
@@ -288,7 +285,33 @@ class Limits:
         if requests is not None:
             requests.level -= 1.0
         state.inflight += 1
+        state.reserved += estimate
         return Grant(state, estimate)
+
+    def _budget_refusal(self, state: KeyState, spent: int, period: str) -> Refusal:
+        budget = state.policy.budget
+        assert budget is not None
+        if spent < budget.tokens:
+            why = (
+                f"has {state.inflight} requests in flight estimated at {state.reserved} "
+                f"tokens, which with the {spent} used since {period} (UTC) reach its budget "
+                f"of {budget} tokens; retry when they finish"
+            )
+            retry = 1
+        else:
+            why = (
+                f"has spent its budget of {budget} tokens ({spent} used since {period}, UTC); "
+                f"it renews at the start of the next {budget.period}"
+            )
+            retry = self._until_next(budget.period)
+        return Refusal(
+            429,
+            "insufficient_quota",
+            "insufficient_quota",
+            f"Key '{state.name}' {why}, or the operator raises it ('llmgw ctl keys update "
+            "KEY --budget TOKENS/PERIOD').",
+            {"Retry-After": str(retry)},
+        )
 
     def _rate_refusal(
         self, state: KeyState, kind: str, limit: int | None, unit: str, wait: float

@@ -6,6 +6,7 @@ every change it reads."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from llmgw.contracts.endpoints import served_paths
 from llmgw.server.prefixes import APPROX_CAPACITY, APPROX_CHUNK
 from llmgw.server.store import Store
 from llmgw.server.store.rows import ApiKey, Model
+from llmgw.sim.config import SimConfig
 
 __all__ = ["ServedModel", "ServingCache"]
 
@@ -46,6 +48,9 @@ class ServedModel:
     chat_template: FileRef | None = None
     # A replica's prefix capacity in chunks of the approximate index (prefix-approx).
     approx_capacity: int = APPROX_CAPACITY
+    # The most tokens one answer may have, as the profile says (llmgw.server.metering);
+    # None: not said.
+    output_cap: int | None = None
 
     @classmethod
     def of(cls, model: Model) -> ServedModel:
@@ -64,7 +69,23 @@ class ServedModel:
             tokenizer=profile_file(profile, "tokenizer"),
             chat_template=profile_file(profile, "chat_template"),
             approx_capacity=_approx_capacity(profile),
+            output_cap=_output_cap(model.engine, profile),
         )
+
+
+_CAP_PARAMS = ("max_model_len", "context_length", "ctx_size", "max_tokens")
+"""The profile params that bound one answer's tokens: vLLM's and SGLang's context length,
+llama.cpp's context (all its slots'), the sim's max_tokens."""
+
+
+def _output_cap(engine: str, profile: Mapping[str, Any]) -> int | None:
+    params = profile.get("params")
+    params = params if isinstance(params, Mapping) else {}
+    for name in _CAP_PARAMS:
+        with contextlib.suppress(TypeError, ValueError):
+            if (cap := int(str(params.get(name)))) > 0:
+                return cap
+    return SimConfig.max_tokens if engine == "sim" else None
 
 
 def _approx_capacity(profile: Mapping[str, Any]) -> int:

@@ -5,9 +5,12 @@ for the prompt, so that the gateway can cut them into blocks
 A sim model's tokenizer is llmgw's own (:class:`SimTokenizer`); a vLLM or SGLang model's is
 the ``tokenizer.json`` its profile names, with its chat template (:class:`HfTokenizer`).
 :class:`Tokenizers` keeps one per deployed model: it reads the profile's files from the
-control plane's disk, or fetches them once into ``<state_dir>/tokenizers/<sha256>``, each
-checked by its SHA-256, in the background when the models change, never on a request's
-path; a failure is recorded (:meth:`Tokenizers.problem`) and retried with backoff.
+control plane's disk, or fetches them once into ``<state_dir>/tokenizers/<sha256>``
+(:mod:`llmgw.server.tokenizer_files`: where from, and what a failure says), in the
+background when the models change, never on a request's path; a failure is recorded
+(:meth:`Tokenizers.problem`) and retried with backoff. The gateway also counts a prompt's
+tokens with them for what it charges the key (:mod:`llmgw.server.metering`); a long prompt
+is tokenized in :meth:`Tokenizers.off_loop`'s threads, so that the event loop stays free.
 
 A tokenizer never raises on what a client sent and never logs it: a body it cannot key
 gives None, and the router routes that request without its prefix. A chat template is
@@ -20,18 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
+import re
 import time
-import urllib.error
-import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 import jinja2.ext
@@ -40,15 +42,17 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from llmgw.contracts.catalog import FileRef
+from llmgw.contracts.sources import SourcePrefix
 from llmgw.engines.registry import get_engine
-from llmgw.errors import ChatTemplateRefused, EngineError, FileError, TokenizerError
-from llmgw.fsutil import atomic_write, make_dir
+from llmgw.errors import ChatTemplateRefused, EngineError, TokenizerError
 from llmgw.log import kv
 from llmgw.server.serving import ServedModel
+from llmgw.server.tokenizer_files import MAX_FILE_BYTES, TokenizerFiles
 from llmgw.sim.generate import tokenize
 from llmgw.sim.protocol import BadRequest, chat_prompt
 
 __all__ = [
+    "LONG_PROMPT_BYTES",
     "MAX_FILE_BYTES",
     "MAX_PROMPT_CHARS",
     "TOKEN_ROUTINGS",
@@ -69,13 +73,15 @@ MAX_PROMPT_CHARS = 1 << 20
 prefix) rather than hold the request path while it is tokenized."""
 MAX_PROMPT_IDS = 1 << 20
 """The most token ids a token-id prompt (/v1/completions) may give to be keyed."""
-MAX_FILE_BYTES = 64 << 20
-"""The largest tokenizer or chat template file read or fetched (a tokenizer.json is a few
-MiB; Llama 3's is 9)."""
+LONG_PROMPT_BYTES = 16 << 10
+"""A request body at least this long has its prompt tokenized off the event loop: the sim's
+tokenizer takes about 2 ms for 16 KiB of text, a chat template of 2,048 messages longer."""
+_SLICE_CHARS = 16 << 10
 TOKEN_ROUTINGS = frozenset({"kv-events"})
 """The routing policies that key a prompt by its token ids: a model with another one loads no
 tokenizer (a sim model's costs nothing and is always there)."""
 _MAX_TOKEN_ID = (1 << 32) - 1
+_T = TypeVar("_T")
 
 
 class PromptTokenizer(ABC):
@@ -104,7 +110,28 @@ class SimTokenizer(PromptTokenizer):
         text = _sim_text(path, payload)
         if text is None or len(text) > MAX_PROMPT_CHARS:
             return None
+        return _tokenize_sliced(text)
+
+
+_CUT = re.compile(r"\S\s")
+
+
+def _tokenize_sliced(text: str) -> list[int]:
+    """:func:`llmgw.sim.generate.tokenize` of ``text``, a slice of about
+    :data:`_SLICE_CHARS` at a time, each cut where white space follows a word (no piece of
+    the sim's tokenizer spans such a place): its regular expression holds the interpreter
+    for the whole text it is given, so in a thread a long prompt would stall the event loop
+    as much as on it."""
+    if len(text) <= _SLICE_CHARS:
         return tokenize(text)
+    ids: list[int] = []
+    start = 0
+    while start < len(text):
+        found = _CUT.search(text, start + _SLICE_CHARS)
+        end = found.start() + 1 if found is not None else len(text)
+        ids += tokenize(text[start:end])
+        start = end
+    return ids
 
 
 def _sim_text(path: str, payload: Mapping[str, Any]) -> str | None:
@@ -294,7 +321,10 @@ class HfTokenizer(PromptTokenizer):
     def _encode(self, text: str, add_special_tokens: bool) -> list[int] | None:
         if len(text) > MAX_PROMPT_CHARS:
             return None
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch lets go of the interpreter while it encodes (encode holds it): in a
+        # thread, a long prompt costs the event loop nothing.
+        [encoding] = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
 
 def _is_token_id(value: object) -> bool:
@@ -443,21 +473,29 @@ class Tokenizers:
     :meth:`set_models` is told the deployed models at every refresh (ServingCache.on_models);
     :meth:`run` loads what they need in the background, a model at a time, each file read or
     fetched in a thread. ``cache_dir`` (``<state_dir>/tokenizers``) holds the files fetched
-    from URLs by their SHA-256; None: a URL is refused (only paths are read)."""
+    from URLs by their SHA-256; None: a URL is refused (only paths are read). ``sources``
+    (server.yaml's ``tokenizer_sources``) and ``private`` (the paths never read) are
+    :class:`~llmgw.server.tokenizer_files.TokenizerFiles`'."""
 
     def __init__(
         self,
         cache_dir: Path | None,
         *,
+        sources: Iterable[SourcePrefix] = (),
+        private: Iterable[Path] = (),
         fetch_timeout: float = 30.0,
         max_bytes: int = MAX_FILE_BYTES,
         retry_initial: float = 5.0,
         retry_max: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.cache_dir = cache_dir
-        self.fetch_timeout = fetch_timeout
-        self.max_bytes = max_bytes
+        self.files = TokenizerFiles(
+            cache_dir,
+            sources=sources,
+            private=private,
+            fetch_timeout=fetch_timeout,
+            max_bytes=max_bytes,
+        )
         self.retry_initial = retry_initial
         self.retry_max = retry_max
         self.clock = clock
@@ -466,9 +504,22 @@ class Tokenizers:
         self._own: set[str] = set()
         self._entries: dict[str, _Entry] = {}
         self._wake = asyncio.Event()
-        # Loads done and fetches made (what tests and the admin API count).
+        # Loads done (what tests and the admin API count).
         self.loads = 0
-        self.fetches = 0
+        # Where long prompts are tokenized: a few threads of their own, so that tokenizing
+        # never waits behind (or holds up) the other work the loop hands to threads.
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def fetches(self) -> int:
+        """The URLs fetched (or tried)."""
+        return self.files.fetches
+
+    def off_loop(self, work: Callable[[], _T]) -> asyncio.Future[_T]:
+        """``work`` (tokenizing a long prompt) run in one of the tokenizers' threads."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="llmgw-tokenize")
+        return asyncio.get_running_loop().run_in_executor(self._pool, work)
 
     def set_models(self, served: Iterable[ServedModel]) -> None:
         """The deployed models are ``served``: a model's tokenizer is kept while its files
@@ -540,9 +591,10 @@ class Tokenizers:
                 log.info("loaded a model's tokenizer", extra=kv(model=name))
 
     def _load(self, model: str, want: _Want) -> HfTokenizer:
-        data = self._read(want.tokenizer, model, "tokenizer")
+        files = self.files
+        data = files.read(want.tokenizer, model, "tokenizer")
         template = (
-            self._read(want.chat_template, model, "chat_template")
+            files.read(want.chat_template, model, "chat_template")
             if want.chat_template is not None
             else None
         )
@@ -550,110 +602,6 @@ class Tokenizers:
             return HfTokenizer.from_files(data, template)
         except TokenizerError as exc:
             raise TokenizerError(f"model {model}: {exc.message}") from exc
-
-    def _read(self, ref: FileRef, model: str, key: str) -> bytes:
-        """The bytes of ``ref`` (the profile's ``key``), checked by its SHA-256."""
-        if not ref.is_url:
-            data = self._read_path(Path(ref.location), model, key)
-            _check(
-                data,
-                ref,
-                model,
-                key,
-                fix=f"put the right file at {ref.location}, or set {key}.sha256 to its digest",
-            )
-            return data
-        if self.cache_dir is None:
-            raise TokenizerError(
-                f"model {model}: {key} {ref.location} is a URL and this control plane keeps "
-                f"no cache of fetched files; give {key}.path (an absolute path here) instead"
-            )
-        cached = self.cache_dir / ref.sha256
-        if cached.exists():
-            data = self._read_path(cached, model, key)
-            if hashlib.sha256(data).hexdigest() == ref.sha256:
-                return data
-            log.warning(
-                "a cached tokenizer file does not match its SHA-256; fetching it again",
-                extra=kv(model=model, path=str(cached)),
-            )
-            with contextlib.suppress(OSError):
-                cached.unlink()
-        data = self._fetch(ref.location, model, key)
-        _check(
-            data,
-            ref,
-            model,
-            key,
-            fix=f"if the file there changed, check it (sha256sum) and set {key}.sha256 in "
-            "the catalog to its digest, or point the url at the release you meant",
-        )
-        try:
-            make_dir(self.cache_dir)
-            atomic_write(cached, data, mode=0o600)
-        except FileError as exc:
-            # Still usable now; fetched again at the next start.
-            log.warning(
-                "cannot keep a fetched tokenizer file", extra=kv(model=model, error=exc.message)
-            )
-        return data
-
-    def _read_path(self, path: Path, model: str, key: str) -> bytes:
-        try:
-            with path.open("rb") as f:
-                data = f.read(self.max_bytes + 1)
-        except OSError as exc:
-            raise TokenizerError(
-                f"model {model}: cannot read {key} {path}: {exc.strerror or exc}; put the file "
-                "there, readable by the control plane's user, or fix the profile's "
-                f"{key}.path"
-            ) from exc
-        if len(data) > self.max_bytes:
-            raise TokenizerError(
-                f"model {model}: {key} {path} is over {self.max_bytes >> 20} MiB; give the "
-                f"model's own {key} file"
-            )
-        return data
-
-    def _fetch(self, url: str, model: str, key: str) -> bytes:
-        if not url.startswith(("https://", "http://")):
-            raise TokenizerError(
-                f"model {model}: {key} {url} is not an http(s) URL; give an https:// URL or "
-                f"{key}.path"
-            )
-        self.fetches += 1
-        request = urllib.request.Request(url, headers={"User-Agent": "llmgw"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.fetch_timeout) as response:
-                data: bytes = response.read(self.max_bytes + 1)
-        except urllib.error.HTTPError as exc:
-            raise TokenizerError(
-                f"model {model}: fetching {key} {url} failed: HTTP {exc.code} {exc.reason}; "
-                "check that the URL serves the file to this control plane"
-            ) from exc
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-            raise TokenizerError(
-                f"model {model}: cannot fetch {key} {url}: {reason}; check that this control "
-                f"plane reaches it (proxy, firewall), or copy the file here and give {key}.path"
-            ) from exc
-        if len(data) > self.max_bytes:
-            raise TokenizerError(
-                f"model {model}: {key} {url} is over {self.max_bytes >> 20} MiB; give the "
-                f"model's own {key} file"
-            )
-        return data
-
-
-def _check(data: bytes, ref: FileRef, model: str, key: str, *, fix: str) -> None:
-    if not ref.sha256:
-        return
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != ref.sha256:
-        raise TokenizerError(
-            f"model {model}: {key} {ref.location} has SHA-256 {digest}, the catalog says "
-            f"{ref.sha256}; nothing was kept: {fix}"
-        )
 
 
 def _tokenizer_needed(engine: str) -> bool:

@@ -89,8 +89,12 @@ def start(tmp: Path, name: str, cfg: Path, state: Path, http: int, grpc: int) ->
 
 
 def health(server: Server) -> tuple[int, dict[str, Any]]:
+    """/healthz in full: with the admin token (a stranger sees its status and role only)."""
+    token = server.state_dir / "admin.token"
+    headers = {"Authorization": f"Bearer {token.read_text().strip()}"} if token.exists() else {}
+    request = urllib.request.Request(server.url + "/healthz", headers=headers)
     try:
-        with urllib.request.urlopen(server.url + "/healthz", timeout=2) as resp:
+        with urllib.request.urlopen(request, timeout=2) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())

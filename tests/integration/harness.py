@@ -84,6 +84,18 @@ class Server:
     def admin_token(self) -> str:
         return (self.state_dir / "admin.token").read_text().strip()
 
+    @property
+    def metrics_token(self) -> str:
+        return (self.state_dir / "metrics.token").read_text().strip()
+
+    def metrics(self) -> str:
+        """/metrics as Prometheus scrapes it: with the metrics token."""
+        req = urllib.request.Request(
+            self.url + "/metrics", headers={"Authorization": f"Bearer {self.metrics_token}"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return str(resp.read().decode())
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 

@@ -75,7 +75,7 @@ def test_two_replicas_land_on_two_agents_and_both_get_traffic(fleet: Fleet) -> N
         client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=2
         )
-    metrics = urllib.request.urlopen(fleet.server.url + "/metrics", timeout=5).read().decode()
+    metrics = fleet.server.metrics()
     served: Counter[str] = Counter()
     for line in metrics.splitlines():
         if line.startswith('llmgw_requests_total{model="m"'):

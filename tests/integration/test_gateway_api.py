@@ -311,8 +311,49 @@ def test_ctl_usage_equals_what_the_client_counted(cluster: Cluster) -> None:
     assert by_model["gen"]["errors"] == 1 and by_model["sim"]["errors"] == 0
     shown = cluster.ctl("keys", "show", "counted")
     assert shown["usage"]["today"]["requests"] == requests
-    metrics = urllib.request.urlopen(cluster.server.url + "/metrics", timeout=10).read().decode()
+    metrics = cluster.server.metrics()
     assert 'llmgw_key_requests_total{key="counted",model="sim",code="200"} 8' in metrics
+
+
+def test_a_stream_without_include_usage_is_charged_its_prompt_against_the_budget(
+    cluster: Cluster,
+) -> None:
+    """Issue 36: such a stream used to be charged its completion tokens only (5 streams of
+    108k prompt tokens cost 5 tokens of a 2k budget). The gateway asks the engine for the
+    usage and keeps the chunk from a client that did not ask."""
+    client = cluster.client(cluster.key("streamer", budget="6k/day"))
+    messages: Any = [{"role": "user", "content": " ".join(["the river runs to the sea"] * 430)}]
+    whole = client.chat.completions.create(model="sim", messages=messages, max_tokens=8)
+    assert whole.usage is not None and whole.usage.prompt_tokens > 3000
+    chunks = list(
+        client.chat.completions.create(model="sim", messages=messages, max_tokens=8, stream=True)
+    )
+    assert chunks and all(c.usage is None and len(c.choices) == 1 for c in chunks)
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.code == "insufficient_quota"
+    rows = wait_for(
+        lambda: (
+            [r for r in cluster.ctl("usage", "--key", "streamer") if r["requests"] >= 3] or None
+        ),
+        what="the key's usage",
+    )
+    assert sum(r["prompt_tokens"] for r in rows) == 2 * whole.usage.prompt_tokens
+
+
+def test_metrics_and_healthz_say_less_to_strangers(cluster: Cluster) -> None:
+    url = cluster.server.url
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url + "/metrics", timeout=10)
+    assert refused.value.code == 401
+    assert "llmgw_requests_total" in cluster.server.metrics()  # STATE/metrics.token
+    as_admin = urllib.request.Request(
+        url + "/metrics", headers={"Authorization": f"Bearer {cluster.server.admin_token}"}
+    )
+    with urllib.request.urlopen(as_admin, timeout=10) as resp:
+        assert resp.status == 200
+    with urllib.request.urlopen(url + "/healthz", timeout=10) as resp:
+        assert json.loads(resp.read()) == {"status": "ok", "role": "leader"}
 
 
 def test_a_control_plane_killed_loses_at_most_its_last_flush(tmp_path: Path) -> None:
@@ -413,7 +454,7 @@ def test_a_lone_caller_is_served_within_a_few_requests_of_a_flood(cluster: Clust
 
 
 def _queued(server: Server, model: str) -> float:
-    text = urllib.request.urlopen(server.url + "/metrics", timeout=5).read().decode()
+    text = server.metrics()
     for line in text.splitlines():
         if line.startswith(f'llmgw_queued_requests{{model="{model}"}}'):
             return float(line.rsplit(" ", 1)[1])

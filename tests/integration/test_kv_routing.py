@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import threading
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,8 +33,7 @@ SYSTEM = "You are a careful assistant. " + " ".join(
 
 
 def metrics(server: Server) -> str:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
-        return resp.read().decode()
+    return server.metrics()
 
 
 def served_by(server: Server) -> dict[str, int]:

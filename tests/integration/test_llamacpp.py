@@ -449,8 +449,7 @@ def test_engine_check_fails_on_a_truncated_help(wrapper: Path, tmp_path: Path) -
 
 def served_by(server: Server, model: str) -> dict[str, int]:
     """Requests answered 200 per replica of ``model``, from the gateway's /metrics."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    text = server.metrics()
     pattern = re.compile(
         r'^llmgw_requests_total\{model="'
         + re.escape(model)

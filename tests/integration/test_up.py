@@ -190,10 +190,16 @@ def test_metrics_count_requests_tokens_and_ttft(up: Up) -> None:
         model="llmgw-sim", messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=4
     ):
         del chunk
+    import urllib.error
     import urllib.request
 
     root = up.base_url.removesuffix("/v1")
-    text = urllib.request.urlopen(root + "/metrics", timeout=5).read().decode()
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(root + "/metrics", timeout=5)
+    assert refused.value.code == 401
+    token = (up.state_dir / "server" / "metrics.token").read_text().strip()
+    scrape = urllib.request.Request(root + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    text = urllib.request.urlopen(scrape, timeout=5).read().decode()
     assert re.search(
         r'llmgw_requests_total\{model="llmgw-sim",replica="[^"]+",code="200"\} \d+', text
     )

@@ -42,9 +42,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def healthz(port: int) -> dict[str, Any] | None:
+def healthz(port: int, token: str = "") -> dict[str, Any] | None:
+    """/healthz: its status and role, and with a reader's token (the admin token) the rest."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/healthz", headers=headers)
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+        with urllib.request.urlopen(request, timeout=2) as resp:
             return dict(json.loads(resp.read()))
     except (urllib.error.URLError, OSError):
         return None
@@ -108,7 +111,9 @@ def lead_and_stop(
             )
             time.sleep(0.2)
             health = healthz(http_port)
-        assert health["status"] == "ok", health
+        assert health == {"status": "ok", "role": "leader"}, health  # all a stranger sees
+        health = healthz(http_port, (files / "state" / "admin.token").read_text().strip())
+        assert health is not None and health["status"] == "ok", health
         assert health["epoch"] == 1, health
         text = log_path.read_text()
         assert 'msg="control plane started"' in text and "epoch=1" in text, text

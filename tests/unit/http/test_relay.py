@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -12,11 +13,13 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from yarl import URL
 
 from llmgw.http.errors import UpstreamError
 from llmgw.http.pool import UpstreamPool
-from llmgw.http.relay import error_event, relay
+from llmgw.http.relay import UsageChunkDropper, error_event, relay
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("each_loop")]
 
@@ -273,3 +276,51 @@ def test_error_event_is_one_event_after_any_partial_one() -> None:
             "code": "upstream_timeout",
         }
     }
+
+
+# --------------------------------------------------------------------------- the usage chunk
+
+_CHUNK = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"%s"}}],"usage":null}\n\n'
+_USAGE = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}\n\n'
+_STREAM = [*(_CHUNK % w for w in (b"a", b"b", b"c")), _USAGE, b"data: [DONE]\n\n"]
+
+
+def _dropped(pieces: list[bytes]) -> tuple[bytes, list[bytes]]:
+    dropper = UsageChunkDropper()
+    sent = [dropper.feed(p) for p in pieces]
+    return b"".join(sent) + dropper.end(), sent
+
+
+def test_the_usage_chunk_is_dropped_and_nothing_else() -> None:
+    whole = b"".join(_STREAM)
+    assert _dropped([whole])[0] == whole.replace(_USAGE, b"")
+    # Chunks that end events go on as they came, each at once.
+    _, sent = _dropped(_STREAM)
+    assert sent == [*_STREAM[:3], b"", _STREAM[4]]
+    # A chunk whose choices are not empty keeps its usage (llama.cpp's last chunk).
+    last = b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"usage":{"a":1}}\n\n'
+    assert _dropped([last, _USAGE, b"data: [DONE]\n\n"])[0] == last + b"data: [DONE]\n\n"
+    # Only the first usage chunk: a client's own would never be dropped (it is not asked).
+    assert _dropped([_USAGE, _USAGE])[0] == _USAGE
+    # CRLF line ends: the same events, LF.
+    crlf = whole.replace(b"\n", b"\r\n")
+    assert _dropped([crlf[:7], crlf[7:]])[0] == whole.replace(_USAGE, b"")
+
+
+@settings(max_examples=300, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=30))
+def test_any_chunking_drops_the_same_and_holds_only_an_unfinished_event(cuts: list[int]) -> None:
+    whole = b"".join(_STREAM)
+    points = sorted({0, len(whole), *(min(c, len(whole)) for c in cuts)})
+    pieces = [whole[a:b] for a, b in itertools.pairwise(points)]
+    dropper = UsageChunkDropper()
+    expected = whole.replace(_USAGE, b"")
+    fed = sent = b""
+    for piece in pieces:
+        fed += piece
+        sent += dropper.feed(piece)
+        # Every event complete in what came is sent (but the usage chunk), nothing more;
+        # once it is dropped, every byte as it comes.
+        complete = fed[: fed.rfind(b"\n\n") + 2] if b"\n\n" in fed else b""
+        assert sent == (fed if dropper.dropped else complete).replace(_USAGE, b"")
+    assert sent + dropper.end() == expected

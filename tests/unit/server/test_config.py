@@ -527,3 +527,51 @@ def test_trusted_proxies_refusals_name_the_key(
 def test_plain_http_beyond_loopback_is_known(listen: str, tls: str | None, exposed: bool) -> None:
     cfg = load_server_config(None, overrides={"http_listen": listen, "tls": tls})
     assert cfg.cleartext_exposed is exposed
+
+
+def test_gateway_settings_default_parse_and_name_their_key(tmp_path: Path) -> None:
+    """max_messages, metrics_token_file and tokenizer_sources (issue 36): the shipped
+    server.yaml's commented lines are the defaults (and an example source)."""
+    defaults = load_server_config(None)
+    assert defaults.max_messages == 2048 and defaults.tokenizer_sources == ()
+    assert defaults.metrics_token_path == Path("/var/lib/llmgw/metrics.token")
+    shipped = (ROOT / "packaging" / "config" / "server.yaml").read_text()
+    for key in ("max_messages", "metrics_token_file", "tokenizer_sources"):
+        line = next(x for x in shipped.splitlines() if x.startswith(f"# {key}: "))
+        cfg = load_server_config(write(tmp_path, line.removeprefix("# ") + "\n"))
+        if key != "tokenizer_sources":
+            assert getattr(cfg, key) in (getattr(defaults, key), defaults.metrics_token_path)
+    assert [p.text for p in cfg.tokenizer_sources] == ["http://10.0.0.2:8000/tokenizers/"]
+    for text, key, fragment in (
+        ("max_messages: 0\n", "max_messages", "must be from 1 to"),
+        ("max_messages: 2.5\n", "max_messages", "must be a whole number"),
+        ("tokenizer_sources: [ftp://x/]\n", "tokenizer_sources[0]", "is not a URL prefix"),
+        ("tokenizer_sources: [file:///srv/t/]\n", "tokenizer_sources[0]", "https:// or http://"),
+        ("tokenizer_sources: http://x/\n", "tokenizer_sources", "list"),
+    ):
+        path = write(tmp_path, text)
+        with pytest.raises(ConfigError) as info:
+            load_server_config(path)
+        assert info.value.key == key, text
+        assert str(info.value).startswith(f"{path}: {key}: ") and fragment in str(info.value)
+
+
+def test_what_no_tokenizer_path_may_name(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """\
+        state_dir: /srv/llmgw
+        admin_token_file: /etc/llmgw/admin.token
+        metrics_token_file: /etc/llmgw/metrics.token
+        database: {url: "postgresql://llmgw@db/llmgw", password_file: /etc/llmgw/db-password}
+        tls: {cert: /etc/llmgw/tls.crt, key: /etc/llmgw/tls.key}
+        """,
+    )
+    assert load_server_config(path).private_paths == (
+        Path("/srv/llmgw"),
+        Path("/etc/llmgw/admin.token"),
+        Path("/etc/llmgw/metrics.token"),
+        Path("/etc/llmgw/db-password"),
+        Path("/etc/llmgw/tls.key"),
+        path,
+    )

@@ -250,3 +250,23 @@ def test_forget_drops_revoked_keys_not_in_flight() -> None:
 )
 def test_reset_times_are_said_as_openai_says_them(seconds: float, text: str) -> None:
     assert format_reset(seconds) == text
+
+
+def test_requests_in_flight_hold_their_estimates_against_the_budget() -> None:
+    clock = Clock()
+    lim = limits(clock, budget_spent=lambda _k, _since: 0)
+    k = key(KeyPolicy(budget=Budget(1000, "day")))
+    big = granted(lim.admit(k, 600))
+    other = granted(lim.admit(k, 500))  # 600 held, under 1,000: admitted (it may overshoot)
+    r = refused(lim.admit(k, 1))  # 1,100 held
+    assert (r.status, r.code) == (429, "insufficient_quota")
+    assert "has 2 requests in flight estimated at 1100 tokens" in r.message
+    assert r.headers["Retry-After"] == "1"  # not the next period: they may cost less
+    big.settle(100, clock.now)  # it cost 100: 500 held + 100 spent
+    granted(lim.admit(k, 1)).settle(1, clock.now)
+    other.settle(None, clock.now)  # no usage known: its estimate stands, and is spent
+    state = lim.states["k1"]
+    assert (state.reserved, state.unconfirmed, state.inflight) == (0, 601, 0)
+    granted(lim.admit(k, 1)).settle(399, clock.now)  # 1,000 spent
+    r = refused(lim.admit(k, 1))
+    assert "has spent its budget" in r.message

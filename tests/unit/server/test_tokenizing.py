@@ -22,6 +22,7 @@ from tokenizers.trainers import WordLevelTrainer
 
 from llmgw.contracts.catalog import FileRef
 from llmgw.contracts.endpoints import served_paths
+from llmgw.contracts.sources import parse_prefix
 from llmgw.errors import TokenizerError
 from llmgw.server.serving import ServedModel, ServingCache
 from llmgw.server.store import Store
@@ -319,6 +320,15 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _download_failed(url: str, model: str = "m", key: str = "tokenizer") -> str:
+    return (
+        f"model {model}: {key} {url}: download failed (the control plane's log says why); "
+        "check that the URL serves the file to this control plane, that an http:// URL or "
+        "one on a private network is under a prefix of tokenizer_sources in server.yaml, or "
+        f"copy the file here and give {key}.path"
+    )
+
+
 class _Files(ThreadingHTTPServer):
     """A local HTTP server of fixed files, counting the requests it answers."""
 
@@ -384,10 +394,10 @@ def test_a_path_with_its_sha256_loads_and_a_wrong_one_is_refused(
     assert tokenizers.problem("good") is None
     assert good.token_ids(CHAT, {"messages": [{"role": "user", "content": "hi"}]})
     assert tokenizers.for_model("bad") is None
+    # Not the file's digest: a path's problem is no oracle of what the file holds.
     assert tokenizers.problem("bad") == (
-        f"model bad: tokenizer {path} has SHA-256 {_sha(tokenizer_json)}, the catalog says "
-        f"{wrong}; nothing was kept: put the right file at {path}, or set tokenizer.sha256 "
-        "to its digest"
+        f"model bad: tokenizer {path}: checksum mismatch; nothing was kept: put the right "
+        f"file at {path}, or set tokenizer.sha256 to its digest"
     )
     assert tokenizers.loads == 1 and tokenizers.fetches == 0
 
@@ -400,9 +410,10 @@ def test_a_missing_path_is_reported_and_retried_with_backoff(
     tokenizers = Tokenizers(None, clock=clock, retry_initial=5.0, retry_max=8.0)
     tokenizers.set_models([_served("m", FileRef(str(path)))])
     asyncio.run(tokenizers.load_due())
-    problem = tokenizers.problem("m")
-    assert problem is not None and problem.startswith(f"model m: cannot read tokenizer {path}: ")
-    assert "fix the profile's tokenizer.path" in problem
+    assert tokenizers.problem("m") == (
+        f"model m: tokenizer {path}: read failed (the control plane's log says why); put the "
+        "file there, readable by the control plane's user, or fix the profile's tokenizer.path"
+    )
     path.write_bytes(tokenizer_json)
     clock.now += 4.9  # not due yet
     asyncio.run(tokenizers.load_due())
@@ -425,7 +436,8 @@ def test_a_url_is_fetched_once_into_the_state_dir_and_reused(
         FileRef(f"{files_server.base}/tok/chat.jinja", template_digest),
     )
     cache = tmp_path / "state" / "tokenizers"
-    first = Tokenizers(cache)
+    listed = (parse_prefix(files_server.base + "/tok/"),)
+    first = Tokenizers(cache, sources=listed)
     first.set_models([served])
     asyncio.run(first.load_due())
     assert isinstance(first.for_model("m"), HfTokenizer)
@@ -434,14 +446,14 @@ def test_a_url_is_fetched_once_into_the_state_dir_and_reused(
     assert (cache / template_digest).read_bytes() == CHATML.encode()
     assert (cache / digest).stat().st_mode & 0o777 == 0o600
     # The same files again (another model, the next start): read from the cache.
-    second = Tokenizers(cache)
+    second = Tokenizers(cache, sources=listed)
     second.set_models([served])
     asyncio.run(second.load_due())
     assert isinstance(second.for_model("m"), HfTokenizer)
     assert len(files_server.requests) == 2 and second.fetches == 0
     # A cached file that no longer matches its digest is fetched again, and replaced.
     (cache / digest).write_bytes(b"damaged")
-    third = Tokenizers(cache)
+    third = Tokenizers(cache, sources=listed)
     third.set_models([served])
     asyncio.run(third.load_due())
     assert isinstance(third.for_model("m"), HfTokenizer)
@@ -456,17 +468,15 @@ def test_a_url_whose_bytes_do_not_match_is_refused_and_nothing_kept(
     expected = _sha(b"another release")
     url = f"{files_server.base}/tokenizer.json"
     cache = tmp_path / "tokenizers"
-    tokenizers = Tokenizers(cache)
+    tokenizers = Tokenizers(cache, sources=(parse_prefix(files_server.base),))
     tokenizers.set_models([_served("m", FileRef(url, expected))])
     asyncio.run(tokenizers.load_due())
     assert tokenizers.for_model("m") is None
     problem = tokenizers.problem("m")
     assert problem is not None
-    assert problem.startswith(
-        f"model m: tokenizer {url} has SHA-256 {_sha(tokenizer_json)}, the catalog says "
-        f"{expected}; nothing was kept: "
-    )
+    assert problem.startswith(f"model m: tokenizer {url}: checksum mismatch; nothing was kept: ")
     assert "set tokenizer.sha256 in the catalog" in problem
+    assert _sha(tokenizer_json) not in problem
     assert not cache.exists() or list(cache.iterdir()) == []
 
 
@@ -476,12 +486,15 @@ def test_an_unreachable_url_is_reported_and_retried(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/tokenizer.json"
     clock = _Clock()
-    tokenizers = Tokenizers(tmp_path / "tokenizers", clock=clock, fetch_timeout=5.0)
+    tokenizers = Tokenizers(
+        tmp_path / "tokenizers",
+        clock=clock,
+        fetch_timeout=5.0,
+        sources=(parse_prefix(f"http://127.0.0.1:{port}/"),),
+    )
     tokenizers.set_models([_served("m", FileRef(url, "a" * 64))])
     asyncio.run(tokenizers.load_due())
-    problem = tokenizers.problem("m")
-    assert problem is not None and problem.startswith(f"model m: cannot fetch tokenizer {url}: ")
-    assert "check that this control plane reaches it" in problem
+    assert tokenizers.problem("m") == _download_failed(url)
     assert tokenizers.fetches == 1
     asyncio.run(tokenizers.load_due())  # not due: no new attempt
     assert tokenizers.fetches == 1
@@ -497,15 +510,13 @@ def test_an_http_error_and_a_url_without_a_cache_are_reported(
     tmp_path: Path, files_server: _Files
 ) -> None:
     url = f"{files_server.base}/missing.json"
-    tokenizers = Tokenizers(tmp_path / "tokenizers")
-    no_cache = Tokenizers(None)
+    listed = (parse_prefix(files_server.base),)
+    tokenizers = Tokenizers(tmp_path / "tokenizers", sources=listed)
+    no_cache = Tokenizers(None, sources=listed)
     for t in (tokenizers, no_cache):
         t.set_models([_served("m", FileRef(url, "b" * 64))])
         asyncio.run(t.load_due())
-    assert tokenizers.problem("m") == (
-        f"model m: fetching tokenizer {url} failed: HTTP 404 Not Found; check that the URL "
-        "serves the file to this control plane"
-    )
+    assert tokenizers.problem("m") == _download_failed(url)  # not the status: the log's
     assert no_cache.problem("m") == (
         f"model m: tokenizer {url} is a URL and this control plane keeps no cache of fetched "
         "files; give tokenizer.path (an absolute path here) instead"
