@@ -563,7 +563,7 @@ def test_what_no_tokenizer_path_may_name(tmp_path: Path) -> None:
         state_dir: /srv/llmgw
         admin_token_file: /etc/llmgw/admin.token
         metrics_token_file: /etc/llmgw/metrics.token
-        database: {url: "postgresql://llmgw@db/llmgw", password_file: /etc/llmgw/db-password}
+        database: {url: "postgresql://llmgw@db/llmgw?sslmode=verify-full&sslrootcert=/etc/llmgw/db-ca.crt", password_file: /etc/llmgw/db-password}
         tls: {cert: /etc/llmgw/tls.crt, key: /etc/llmgw/tls.key}
         """,
     )
