@@ -346,6 +346,8 @@ class _Reader:
     def scalar(self) -> Any:
         """The next value, which must be no container (an empty one reads as ``[]``/``{}``,
         which no field takes)."""
+        if self.kind() != "scalar":
+            raise KvEventError("a list or a map where vLLM's schema has a single value")
         return self._unpacker.unpack()
 
     def leaves(self, what: str, kinds: tuple[type, ...], noun: str) -> list[Any] | None:
@@ -354,13 +356,18 @@ class _Reader:
         if self.kind() != "array":
             self.skip()
             return None
+        unpack = self._unpacker.unpack
         items = []
         for _ in range(self.array(MAX_ITEMS, what)):
-            item = self.scalar()
-            if type(item) not in kinds:  # stop at the first wrong one, however long the rest
-                raise KvEventError(
-                    f"{what} must be a list of {noun}; it holds a {type(item).__name__}"
-                )
+            try:
+                item = unpack()
+            except ValueError:
+                if self.kind() == "scalar":  # bad bytes, not a container: said as they are
+                    raise
+                item = []  # the unpacker takes no container, and stays before it
+            if type(item) not in kinds:  # stop at the first wrong one, whatever follows
+                held = "list or a map" if isinstance(item, list | dict) else type(item).__name__
+                raise KvEventError(f"{what} must be a list of {noun}; it holds a {held}")
             items.append(item)
         return items
 

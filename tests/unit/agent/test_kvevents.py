@@ -35,12 +35,17 @@ from llmgw.agent.runtimes.containers import launch_for
 from llmgw.agent.shards import ShardManager, ShardSpec, ShardState
 from llmgw.contracts.kvblocks import ROOT, block_keys, chain
 from llmgw.engines.kvevents import (
+    MAX_EVENTS,
+    MAX_ITEMS,
+    MAX_LEAF_BYTES,
+    MAX_PAYLOAD,
     BlockStored,
     EventBatch,
     decode_batch,
     encode_batch,
     publisher_binds,
 )
+from llmgw.errors import KvEventError
 from llmgw.proto import control_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -216,6 +221,79 @@ def test_a_large_change_is_sent_in_chunks_of_keys() -> None:
         0,
     )
     assert not pending and pending.take("s", 16) == []
+
+
+def _head(count: int) -> bytes:
+    """An array 32 header of ``count`` items (the items themselves may be left out: a bound
+    is checked on the header, before one is read)."""
+    return b"\xdd" + count.to_bytes(4, "big")
+
+
+@pytest.mark.parametrize(
+    ("payload", "problem"),
+    [
+        pytest.param(
+            array_batch(stored_array(H[:1], None, [[]] * 16)),  # type: ignore[list-item]
+            "events[0].token_ids must be a list of integers; it holds a list or a map",
+            id="a-container-for-a-token",
+        ),
+        pytest.param(
+            array_batch(stored_array([[b"x" * 32]], None, TOKENS[:16])),
+            "events[0].block_hashes must be a list of block hashes (bytes or integers); it "
+            "holds a list or a map",
+            id="a-container-for-a-hash",
+        ),
+        pytest.param(
+            b"\x93" + msgpack.packb(1.0) + _head(MAX_EVENTS + 1),
+            f"a KV event batch's events has {MAX_EVENTS + 1} items, over the {MAX_EVENTS} read",
+            id="too-many-events",
+        ),
+        pytest.param(
+            b"\x93"
+            + msgpack.packb(1.0)
+            + b"\x91\x97"
+            + msgpack.packb("BlockStored")
+            + _head(MAX_ITEMS + 1),
+            f"events[0].block_hashes has {MAX_ITEMS + 1} items, over the {MAX_ITEMS} read",
+            id="too-many-hashes",
+        ),
+        pytest.param(
+            array_batch(stored_array(H[:1], None, TOKENS[:16], medium="G" * (MAX_LEAF_BYTES + 1))),
+            f"{MAX_LEAF_BYTES + 1} exceeds max_str_len({MAX_LEAF_BYTES})",
+            id="a-long-string",
+        ),
+        pytest.param(
+            array_batch(stored_array(H[:1], None, TOKENS[:16])) + b"\xc0",
+            "a KV event batch has bytes after its end",
+            id="bytes-after-the-end",
+        ),
+        pytest.param(
+            array_batch(stored_array(H[:1], None, TOKENS[:16]))[:-5],
+            "a KV event batch",
+            id="cut-short",
+        ),
+        pytest.param(
+            b"\x00" * (MAX_PAYLOAD + 1),
+            f"a KV event batch of {MAX_PAYLOAD + 1} bytes is over {MAX_PAYLOAD}",
+            id="over-the-largest",
+        ),
+    ],
+)
+def test_a_batch_is_read_within_bounds(payload: bytes, problem: str) -> None:
+    with pytest.raises(KvEventError) as info:
+        decode_batch(payload)
+    assert problem in str(info.value)
+
+
+def test_fields_the_agent_does_not_read_are_skipped_unbuilt() -> None:
+    # vLLM's newer fields (lora_name, extra_keys, group_idx, ...) in either form, holding
+    # whatever they hold: skipped, the event read.
+    deep = [[[[]] * 50_000]] * 2
+    stored = [*stored_array(H[:1], None, TOKENS[:16]), "adapter", deep, 3, "full", None, "x"]
+    (event,) = decode_batch(array_batch(stored)).events
+    assert event == BlockStored((H[0],), None, tuple(TOKENS[:16]), 16, None, "GPU")
+    mapped = stored_map(H[:1], None, TOKENS[:16], extra_keys=deep, kv_cache_spec_kind="full")
+    assert decode_batch(map_batch(mapped)).events == (event,)
 
 
 def test_packed_keys_are_a_twelfth_of_the_engines_and_zlib_adds_nothing() -> None:

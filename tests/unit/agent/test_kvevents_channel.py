@@ -279,6 +279,7 @@ endpoint, topic, kind = sys.argv[1], sys.argv[2].encode(), sys.argv[3]
 good = bytes.fromhex(sys.argv[4])
 pub = zmq.Context().socket(zmq.XPUB)
 pub.setsockopt(zmq.LINGER, 2000)
+pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, a second one from a new dial too
 binds = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 (pub.bind if binds else pub.connect)(endpoint)
 assert pub.poll(20000) and pub.recv() == b"\x01"
@@ -304,8 +305,8 @@ else:  # under 4 MiB, costly: nested empty arrays, then 3 Mi token ids
 for payload in payloads:
     pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
     seq += 1
-    if kind == "huge" and pub.poll(5000):  # dropped with its connection: dialled again?
-        while pub.poll(1000) and pub.recv() != b"\x01":
+    if kind == "huge":  # dropped with its connection: dialled again?
+        while pub.poll(5000) and pub.recv() != b"\x01":
             pass
 pub.send_multipart([topic, seq.to_bytes(8, "big"), good])
 print("sent", flush=True)
