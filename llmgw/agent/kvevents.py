@@ -58,6 +58,7 @@ import zmq.asyncio
 from llmgw.agent.kvmap import MAX_BLOCKS, SNAPSHOT_CHUNK, BlockMap, Pending
 from llmgw.agent.kvsockets import (
     check_socket_dir,
+    check_state_dir,
     prepare_socket_dir,
     prune_socket_dirs,
     remove_socket_dir,
@@ -71,7 +72,7 @@ from llmgw.engines.kvevents import (
     events_config,
     parse_frames,
 )
-from llmgw.errors import KvEventError
+from llmgw.errors import KvEventError, ShardError
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 
@@ -159,7 +160,7 @@ class _Feed:
         self.monitor: zmq.asyncio.Socket | None = None
         self.closed = False
         self.handled = 0
-        """Messages handled (applied or refused), for tests that wait on the worker."""
+        """Messages handled (applied or refused) and settled back on the loop."""
         self._timer: asyncio.TimerHandle | None = None
         self._busy = False
         self._resync = False
@@ -193,6 +194,7 @@ class _Feed:
                 self._busy = False
             if not self.closed:
                 self._settle(problem)
+                self.handled += 1
 
     async def redial(self, monitor: zmq.asyncio.Socket) -> None:
         """Dial the engine again whenever its connection drops (``monitor`` reports that):
@@ -214,21 +216,18 @@ class _Feed:
         """One message of the engine's publisher: checked, decoded, applied (in the worker);
         what is wrong with it, or "" when nothing is."""
         try:
-            try:
-                message = parse_frames(frames)
-            except KvEventError as exc:
-                return str(exc)
-            if message.topic != self.shard_id:
-                return f"topic {message.topic!r} is not this shard's"
-            self._sequence(message.seq)
-            try:
-                batch = decode_batch(message.payload)
-            except KvEventError as exc:
-                return str(exc)
-            self.apply(batch)
-            return ""
-        finally:
-            self.handled += 1
+            message = parse_frames(frames)
+        except KvEventError as exc:
+            return str(exc)
+        if message.topic != self.shard_id:
+            return f"topic {message.topic!r} is not this shard's"
+        self._sequence(message.seq)
+        try:
+            batch = decode_batch(message.payload)
+        except KvEventError as exc:
+            return str(exc)
+        self.apply(batch)
+        return ""
 
     def _settle(self, problem: str) -> None:
         """Back on the loop after a message: log, send what the worker left, schedule."""
@@ -366,6 +365,10 @@ class KvEventsHub:
         self.feeds: dict[str, _Feed] = {}
         self._context: zmq.asyncio.Context | None = None
         self._warned: set[str] = set()
+        try:
+            check_state_dir(state_dir)
+        except ShardError as exc:  # said once at start; each kv-events shard refuses with it
+            log.warning("kv-events shards cannot start here", extra=kv(error=exc.message))
 
     def open(self, shard_id: str, *, nodes: int = 1, rank: int = 0) -> str:
         """Make the shard's private socket directory and dial the socket its engine will

@@ -38,6 +38,7 @@ __all__ = [
     "MAX_STATE_DIR",
     "SOCKET_NAME",
     "check_socket_dir",
+    "check_state_dir",
     "kv_endpoint",
     "kv_socket_dir",
     "kv_socket_path",
@@ -75,7 +76,7 @@ def kv_endpoint(state_dir: Path, shard_id: str) -> str:
 def prepare_socket_dir(state_dir: Path, shard_id: str) -> str:
     """Make the shard's socket directory ready for a new engine (0700, the agent's, no socket
     left by an earlier one); its endpoint. ShardError says what is wrong and the fix."""
-    _check_length(state_dir, shard_id)
+    check_state_dir(state_dir)
     try:
         make_dir(state_dir)
     except FileError as exc:
@@ -114,7 +115,7 @@ def check_socket_dir(state_dir: Path, shard_id: str, endpoint: str, *, bound: bo
             f"its endpoint {endpoint} is not this agent's private socket {expected} (was the "
             "state directory moved?)"
         )
-    _check_length(state_dir, shard_id)
+    check_state_dir(state_dir)
     for directory in (state_dir / KV_DIR, kv_socket_dir(state_dir, shard_id)):
         _check_private(directory, tighten=False)
     if not bound:
@@ -149,12 +150,14 @@ def prune_socket_dirs(state_dir: Path, keep: Iterable[str]) -> list[Path]:
     return removed
 
 
-def _check_length(state_dir: Path, shard_id: str) -> None:
-    path = kv_socket_path(state_dir, shard_id)
+def check_state_dir(state_dir: Path) -> None:
+    """Whether the sockets of ``state_dir``'s shards fit a unix socket's path (the length
+    depends on the state directory alone); ShardError with the fix when they do not."""
+    path = kv_socket_path(state_dir, "")
     size = len(os.fsencode(str(path)))
     if size > MAX_SOCKET_PATH:
         raise ShardError(
-            f"the socket for the engine's KV cache events would be {path}, {size} bytes: a "
+            f"the socket for an engine's KV cache events would be {path}, {size} bytes: a "
             f"unix socket's path is at most {MAX_SOCKET_PATH}; give the agent a state_dir of "
             f"at most {MAX_STATE_DIR} bytes (agent.yaml state_dir, now "
             f"{len(os.fsencode(str(state_dir)))})"

@@ -375,6 +375,16 @@ class Publisher:
         await self.socket.send_multipart([topic or self.topic, seq.to_bytes(8, "big"), payload])
 
 
+async def handled(feed: Any, count: int) -> None:
+    """Wait until ``feed`` has handled ``count`` messages (each in its worker, then settled
+    back on the loop)."""
+    for _ in range(int(WAIT_S / 0.01)):
+        if feed.handled >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the feed handled {feed.handled} messages, not {count}")
+
+
 def with_hub(
     body: Callable[[KvEventsHub, Sender, zmq.asyncio.Context], Awaitable[None]], **hub: Any
 ) -> None:
@@ -469,7 +479,7 @@ def test_a_new_stream_gets_every_shards_whole_set() -> None:
         stored = ["BlockStored", hashes, None, tokens, 1, None, "GPU"]
         await pub.publish(0, array_batch(stored))
         await pub.publish(3, array_batch(removed_array([hashes[-1]])))
-        await asyncio.sleep(0.2)
+        await handled(hub.feeds["r1-s0"], 2)
         assert sender.sent == []
         sender.up = True
         hub.resync()  # the Welcome of a new stream

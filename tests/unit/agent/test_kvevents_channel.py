@@ -151,17 +151,25 @@ def test_a_socket_directory_of_another_user_is_refused(short_dir: Path) -> None:
         prepare_socket_dir(state, "r1-s0")
 
 
-def test_a_state_directory_too_long_for_a_socket_path_is_refused_with_the_fix() -> None:
+def test_a_state_directory_too_long_for_a_socket_path_is_refused_with_the_fix(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     state = Path("/var/lib/" + "x" * (MAX_STATE_DIR - len("/var/lib/")))
     assert kv_endpoint(state, "r1-s0").startswith("ipc://")  # the longest that fits
     longer = Path(str(state) + "y")
     with pytest.raises(ShardError) as info:
         prepare_socket_dir(longer, "r1-s0")
     assert str(info.value) == (
-        f"the socket for the engine's KV cache events would be {kv_socket_path(longer, 'r1-s0')}"
-        ", 108 bytes: a unix socket's path is at most 107; give the agent a state_dir of at "
+        f"the socket for an engine's KV cache events would be {kv_socket_path(longer, '')}, "
+        "108 bytes: a unix socket's path is at most 107; give the agent a state_dir of at "
         "most 79 bytes (agent.yaml state_dir, now 80)"
     )
+    # The agent says so when it starts, before any shard asks.
+    with caplog.at_level(logging.WARNING, logger="llmgw.agent.kvevents"):
+        KvEventsHub(Sender(), state_dir=longer)
+        KvEventsHub(Sender(), state_dir=state)
+    (line,) = [r for r in caplog.records if "cannot start here" in r.getMessage()]
+    assert line.__dict__["fields"]["error"] == str(info.value)
 
 
 def test_a_shard_whose_socket_directory_cannot_be_made_is_not_started(tmp_path: Path) -> None:
