@@ -40,7 +40,10 @@ next agent adopts them from ``shards.json`` (:meth:`ShardManager.adopt_all`); th
 ended meanwhile are reported failed so that the control plane starts them again. Sidecars
 are adopted with their shard by pid and start time; a sidecar that ended while the agent
 was down fails its shard (engine stopped), and the sidecars of a shard whose engine is gone
-are stopped.
+are stopped. A kv-events shard whose engine's event socket cannot be dialled again as
+privately as it was made (or that an older agent had publish to a loopback TCP port) is
+stopped and reported failed with the reason, so that the control plane starts it again on a
+fresh socket (:mod:`llmgw.agent.kvevents`).
 """
 
 from __future__ import annotations

@@ -288,7 +288,7 @@ def test_a_batch_is_read_within_bounds(payload: bytes, problem: str) -> None:
 def test_fields_the_agent_does_not_read_are_skipped_unbuilt() -> None:
     # vLLM's newer fields (lora_name, extra_keys, group_idx, ...) in either form, holding
     # whatever they hold: skipped, the event read.
-    deep = [[[[]] * 50_000]] * 2
+    deep: list[Any] = [[[[]] * 50_000]] * 2
     stored = [*stored_array(H[:1], None, TOKENS[:16]), "adapter", deep, 3, "full", None, "x"]
     (event,) = decode_batch(array_batch(stored)).events
     assert event == BlockStored((H[0],), None, tuple(TOKENS[:16]), 16, None, "GPU")
