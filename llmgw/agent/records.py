@@ -104,6 +104,8 @@ def record_json(record: ShardRecord) -> dict[str, Any]:
     data["sidecars"] = [{**asdict(s), "argv": list(s.argv)} for s in record.sidecars]
     if record.container_id is None:
         del data["container_id"]
+    if not record.kv_events_port:
+        del data["kv_events_port"]  # only an older agent's records hold one
     return data
 
 
@@ -158,6 +160,7 @@ def parse_record(shard_id: str, obj: object) -> ShardRecord:
             listen_addr=_get(obj, "listen_addr", (str,), ""),
             log_offset=_get(obj, "log_offset", (int,), 0),
             kv_events=_get(obj, "kv_events", (bool,), False),
+            kv_events_endpoint=_get(obj, "kv_events_endpoint", (str,), ""),
             kv_events_port=_port(obj, "kv_events_port"),
         )
     except ValueError as exc:

@@ -218,7 +218,7 @@ class Agent:
         """The shard supervisor, with the engines a previous agent left running: engines
         outlive the agent, and the next one takes them back."""
         cfg = self.cfg
-        kv_events = KvEventsHub(self._send, runtime=runtime.name)
+        kv_events = KvEventsHub(self._send, state_dir=cfg.state_dir, runtime=runtime.name)
         # Closed after the shards (the stack unwinds in reverse): their stop sends cleared.
         running.push_async_callback(kv_events.aclose)
         self.kv_events = kv_events

@@ -40,7 +40,10 @@ next agent adopts them from ``shards.json`` (:meth:`ShardManager.adopt_all`); th
 ended meanwhile are reported failed so that the control plane starts them again. Sidecars
 are adopted with their shard by pid and start time; a sidecar that ended while the agent
 was down fails its shard (engine stopped), and the sidecars of a shard whose engine is gone
-are stopped.
+are stopped. A kv-events shard whose engine's event socket cannot be dialled again as
+privately as it was made (or that an older agent had publish to a loopback TCP port) is
+stopped and reported failed with the reason, so that the control plane starts it again on a
+fresh socket (:mod:`llmgw.agent.kvevents`).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DIED_WHILE_DOWN",
     "EXITED_WHILE_ADOPTED",
+    "KV_EVENTS_RESTART",
     "NEVER_STARTED",
     "Shard",
     "ShardManager",
@@ -109,6 +113,10 @@ DIED_WHILE_DOWN = "engine exited while the agent was down"
 EXITED_WHILE_ADOPTED = "engine exited while adopted (exit code unknown to a new agent)"
 NEVER_STARTED = (
     "the agent stopped while the shard's sidecars were starting; the engine was never started"
+)
+KV_EVENTS_RESTART = (
+    "stopped after an agent restart so that it starts again on a private KV event socket: "
+    "its events cannot be received again as they were"
 )
 
 
@@ -139,9 +147,9 @@ class ShardSpec:
     """With ``source`` a URL: its SHA-256 (the agent fetches it into cache_root first)."""
     kv_events: bool = False
     """Forward the engine's KV cache events (a profile with ``routing: kv-events``)."""
-    kv_events_port: int = 0
-    """The loopback port of the agent's socket the engine publishes them to (set on the spec
-    a launch is built from; 0: none)."""
+    kv_events_endpoint: str = ""
+    """The ``ipc://`` socket the engine publishes them to (set on the spec a launch is built
+    from; "": none)."""
 
     @classmethod
     def from_order(cls, order: pb.StartShard) -> ShardSpec:
@@ -222,8 +230,8 @@ class Shard:
     stop_grace: float = 10.0
     fetching: asyncio.Future[Path] | None = None
     """The download of its source, while it runs (stopping the shard cancels it)."""
-    kv_events_port: int = 0
-    """Where the agent receives its engine's KV cache events (0: it does not)."""
+    kv_events_endpoint: str = ""
+    """Where the agent receives its engine's KV cache events ("": it does not)."""
 
     @property
     def shard_id(self) -> str:
@@ -259,7 +267,7 @@ class Shard:
             listen_addr=spec.listen_addr,
             log_offset=self.log_offset,
             kv_events=spec.kv_events,
-            kv_events_port=self.kv_events_port,
+            kv_events_endpoint=self.kv_events_endpoint,
         )
 
 
@@ -343,7 +351,7 @@ class ShardManager:
                     extra_args=spec.extra_args,
                     peers=spec.worker_addrs,
                     listen_addr=spec.listen_addr,
-                    kv_events_config=engine_config(spec.shard_id, spec.kv_events_port),
+                    kv_events_config=engine_config(spec.shard_id, spec.kv_events_endpoint),
                 )
             )
         except EngineError as exc:
@@ -445,19 +453,19 @@ class ShardManager:
         launched = spec
         if located is not None:
             launched = dataclasses.replace(spec, source=str(located.path))
-        # Bound before the engine starts: the engine dials it.
-        events_port = self._subscribe(spec)
-        if events_port:
-            launched = dataclasses.replace(launched, kv_events_port=events_port)
+        # The engine's private socket directory, made before it starts (it binds there).
+        events = self._subscribe(spec)
+        if events:
+            launched = dataclasses.replace(launched, kv_events_endpoint=events)
         try:
             launch = self.make_launch(launched, port, log_path)
         except LlmgwError:
-            if events_port and self.kv_events is not None:
+            if events and self.kv_events is not None:
                 self.kv_events.close(spec.shard_id)
             raise
         # A worker serves nothing: it has no port to report.
         shard = Shard(spec=spec, port=0 if spec.worker else port, sidecars=sidecars)
-        shard.kv_events_port = events_port
+        shard.kv_events_endpoint = events
         shard.log_offset = _log_size(log_path)
         self.shards[spec.shard_id] = shard
         fetch = located.fetch if located is not None else None
@@ -481,12 +489,47 @@ class ShardManager:
         shard.task = asyncio.create_task(self._watch(shard), name=f"shard-{spec.shard_id}")
         return shard
 
-    def _subscribe(self, spec: ShardSpec, port: int = 0) -> int:
-        """The port of the shard's socket for its engine's KV cache events (on ``port``:
-        an adopted shard's), or 0 when it has none."""
+    def _subscribe(self, spec: ShardSpec) -> str:
+        """The endpoint of the shard's socket for its engine's KV cache events, or "" when it
+        has none; ShardError when its directory cannot be made private."""
         if not spec.kv_events or self.kv_events is None:
-            return 0
-        return self.kv_events.open(spec.shard_id, nodes=spec.nodes, rank=spec.rank, port=port)
+            return ""
+        return self.kv_events.open(spec.shard_id, nodes=spec.nodes, rank=spec.rank)
+
+    def _resubscribe(self, spec: ShardSpec, record: ShardRecord) -> str:
+        """Dial an adopted engine's KV event socket again; ShardError when it cannot be, as
+        privately as it was made (the shard must be restarted)."""
+        if not spec.kv_events or self.kv_events is None:
+            return ""
+        if record.kv_events_port and not record.kv_events_endpoint:
+            raise ShardError(
+                f"its engine publishes them to loopback TCP port {record.kv_events_port}, as "
+                "an older agent had it do, where any local user may listen"
+            )
+        return self.kv_events.adopt(
+            spec.shard_id,
+            record.kv_events_endpoint,
+            nodes=spec.nodes,
+            rank=spec.rank,
+            ready=record.state == ShardState.READY,
+        )
+
+    async def _restart_for_events(self, shard: Shard, why: str) -> None:
+        """An adopted engine whose KV cache events cannot be received again as privately as
+        they were: stopped and reported failed, so that the control plane starts it again on
+        a fresh private socket, rather than running on without events (or publishing them
+        to a port anyone may take)."""
+        assert shard.handle is not None
+        shard.reason = f"{KV_EVENTS_RESTART}: {why}"
+        log.warning("shard restarted", extra=kv(shard=shard.shard_id, reason=shard.reason))
+        try:
+            await self.runtime.stop(shard.handle, shard.stop_grace)
+        except LlmgwError as exc:  # reported failed all the same: the control plane decides
+            log.warning("cannot stop the engine", extra=kv(shard=shard.shard_id, error=str(exc)))
+        if shard.sidecars is not None:
+            await shard.sidecars.stop(5.0)
+        shard.state = ShardState.FAILED
+        self._notify(shard)
 
     async def _start_engine(self, shard: Shard, launch: Launch) -> None:
         spec = shard.spec
@@ -593,12 +636,15 @@ class ShardManager:
         """Take over the engines a previous agent left running; call it after :meth:`open`.
 
         Returns the shards adopted (starting, then ready once healthy, as after a fresh
-        start) and the records whose engine ended while no agent watched it. Those stay here
-        as failed shards, so the next Hello reports them and the control plane starts them
-        again; nothing is started here. Records of exited or failed shards are dropped.
+        start) and the records whose engine ended while no agent watched it, or was stopped
+        here because its KV cache events could not be received again as privately as they
+        were (:meth:`_restart_for_events`). Those stay here as failed shards, so the next
+        Hello reports them and the control plane starts them again; nothing is started here.
+        Records of exited or failed shards are dropped.
         """
         adopted: list[Shard] = []
         dead: list[ShardRecord] = []
+        restart: list[tuple[Shard, str]] = []
         for record in self.records.load():
             if (
                 record.state not in (ShardState.STARTING, ShardState.READY)
@@ -643,15 +689,21 @@ class ShardManager:
             shard.pid = handle.pid
             shard.start_time = handle.start_time
             shard.container_id = handle.container_id
-            if record.kv_events_port:
-                # The engine's publisher dials this port again by itself.
-                shard.kv_events_port = self._subscribe(spec, record.kv_events_port)
+            try:
+                shard.kv_events_endpoint = self._resubscribe(spec, record)
+            except ShardError as exc:
+                restart.append((shard, str(exc)))
+                dead.append(record)
+                continue
             log.info(
                 "shard adopted",
                 extra=kv(shard=spec.shard_id, model=spec.model, pid=shard.pid, port=shard.port),
             )
             self._notify(shard)
             adopted.append(shard)
+        await asyncio.gather(*(self._restart_for_events(s, why) for s, why in restart))
+        if self.kv_events is not None:
+            self.kv_events.prune()
         # Saved once all are known: a save in between (a watcher's) would drop the records
         # not yet read if this agent died before the end.
         self._save_records()

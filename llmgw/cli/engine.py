@@ -136,7 +136,8 @@ def engine() -> None:
     default=SimConfig.kv_events_config,
     metavar="JSON",
     help='Publish KV cache events as vLLM does: {"enable_kv_cache_events": true, '
-    '"publisher": "zmq", "endpoint": "tcp://HOST:PORT", "topic": "..."}.',
+    '"publisher": "zmq", "endpoint": "ipc:///PATH", "topic": "..."}; an ipc:// or '
+    "wildcard tcp:// endpoint is bound, another dialled, as vLLM does.",
 )
 def sim(
     host: str,

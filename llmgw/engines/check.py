@@ -138,7 +138,7 @@ def widest_specs(engine: str, binary: str = "") -> list[tuple[str, EngineSpec]]:
     with the flags of each task (``rank 0, task embed``; tasks that share their flags in one
     form, ``task embed/rerank``), which a profile's ``task`` puts before its args."""
     module = engine_module(engine)
-    events = events_config("tcp://127.0.0.1:5557", "engine-check")
+    events = events_config("ipc:///var/lib/llmgw-agent/kv/0123456789abcdef/kv.sock", "engine-check")
     rank0 = EngineSpec(
         engine=engine,
         model="engine-check",

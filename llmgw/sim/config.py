@@ -175,15 +175,17 @@ class SimConfig:
 
 def kv_events_settings(config: str) -> KvEventsSettings | None:
     """What ``--kv-events-config`` (vLLM's JSON: ``{"enable_kv_cache_events": true,
-    "publisher": "zmq", "endpoint": "tcp://...", "topic": "..."}``) asks for; None when it
-    is empty or disables the events. EngineError says what is wrong with it."""
+    "publisher": "zmq", "endpoint": "ipc:///...", "topic": "..."}``) asks for; None when it
+    is empty or disables the events. EngineError says what is wrong with it. The endpoint is
+    bound or dialled as vLLM does (the agent hands its engines an ``ipc://`` one, which they
+    bind)."""
     if not isinstance(config, str):
         raise EngineError(f"sim: kv_events_config must be a JSON string, got {config!r}")
     if not config.strip():
         return None
     fix = (
         'give e.g. {"enable_kv_cache_events": true, "publisher": "zmq", '
-        '"endpoint": "tcp://127.0.0.1:5557", "topic": "kv"}, or nothing for no events'
+        '"endpoint": "ipc:///run/kv/kv.sock", "topic": "kv"}, or nothing for no events'
     )
     try:
         data: Any = json.loads(config)
@@ -215,7 +217,8 @@ def kv_events_settings(config: str) -> KvEventsSettings | None:
     if endpoint is None:
         raise EngineError(
             "sim: --kv-events-config has no endpoint; name where to publish, e.g. "
-            '"endpoint": "tcp://127.0.0.1:5557" (connects) or "tcp://*:5557" (binds)'
+            '"endpoint": "ipc:///run/kv/kv.sock" or "tcp://*:5557" (binds), '
+            '"tcp://127.0.0.1:5557" (connects)'
         )
     if not isinstance(endpoint, str) or not endpoint.startswith(_EVENT_SCHEMES):
         raise EngineError(

@@ -104,9 +104,12 @@ class ShardRecord:
     """Where this engine's output starts in the shard's log (it is appended to across runs)."""
     kv_events: bool = False
     """The order asked for the engine's KV cache events."""
+    kv_events_endpoint: str = ""
+    """The ``ipc://`` socket the engine publishes them to, which an adopting agent dials
+    again ("": none)."""
     kv_events_port: int = 0
-    """The loopback port the engine publishes them to, which an adopting agent binds again
-    (0: none)."""
+    """An older agent's: the loopback TCP port its engine publishes them to (read, never
+    written; such a shard is restarted on adoption)."""
 
 
 class Runtime(abc.ABC):

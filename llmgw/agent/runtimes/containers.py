@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from llmgw.agent.kvevents import engine_config
 from llmgw.agent.runtimes.base import Launch
 from llmgw.engines.launch import build_argv, build_command, self_argv
 from llmgw.engines.spec import EngineSpec
@@ -75,8 +74,6 @@ class _SpecLike(Protocol):
     def worker_addrs(self) -> tuple[str, ...]: ...
     @property
     def listen_addr(self) -> str: ...
-    @property
-    def kv_events_port(self) -> int: ...
 
 
 def container_name(shard_id: str, node_id: str | None = None) -> str:
@@ -138,8 +135,8 @@ def launch_for(
                     extra_args=spec.extra_args,
                     peers=spec.worker_addrs,
                     listen_addr=spec.listen_addr,
-                    # In the host's network namespace: the agent's loopback socket is there.
-                    kv_events_config=engine_config(spec.shard_id, spec.kv_events_port),
+                    # No KV events: a container cannot reach the agent's private socket
+                    # directory (llmgw.agent.kvevents).
                 )
             )
             argv, env = command.argv, command.env

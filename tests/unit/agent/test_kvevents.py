@@ -1,7 +1,8 @@
 """The engines' KV cache events at the agent (llmgw.agent.kvevents): vLLM's batches, made
-by hand from its schema, re-keyed into KvEvents; a real ZeroMQ publisher dialling the
-agent's socket; the snapshot of a new stream; a shard's stop; and the shards it is wired
-into (the engine's flag, the record, adoption, docker)."""
+by hand from its schema, re-keyed into KvEvents; a real ZeroMQ publisher binding the socket
+the agent dials; the snapshot of a new stream; a shard's stop; and the shards it is wired
+into (the engine's flag, the record, adoption, docker). What keeps the channel private and
+the agent's loop free: test_kvevents_channel.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import json
 import logging
 import os
 import random
+import shutil
+import tempfile
 import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -21,20 +24,28 @@ import zmq
 import zmq.asyncio
 
 from llmgw.agent import kvevents as kvevents_module
-from llmgw.agent.kvevents import (
-    SNAPSHOT_CHUNK,
-    BlockMap,
-    KvEventsHub,
-    Pending,
-    engine_config,
-)
+from llmgw.agent import kvmap as kvmap_module
+from llmgw.agent.kvevents import KvEventsHub, engine_config
+from llmgw.agent.kvmap import SNAPSHOT_CHUNK, BlockMap, Pending
+from llmgw.agent.kvsockets import kv_endpoint, kv_socket_dir
 from llmgw.agent.records import parse_record, record_json
 from llmgw.agent.runtimes import Handle, Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord
 from llmgw.agent.runtimes.containers import launch_for
 from llmgw.agent.shards import ShardManager, ShardSpec, ShardState
 from llmgw.contracts.kvblocks import ROOT, block_keys, chain
-from llmgw.engines.kvevents import BlockStored, EventBatch, decode_batch, encode_batch
+from llmgw.engines.kvevents import (
+    MAX_EVENTS,
+    MAX_ITEMS,
+    MAX_LEAF_BYTES,
+    MAX_PAYLOAD,
+    BlockStored,
+    EventBatch,
+    decode_batch,
+    encode_batch,
+    publisher_binds,
+)
+from llmgw.errors import KvEventError
 from llmgw.proto import control_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -212,6 +223,79 @@ def test_a_large_change_is_sent_in_chunks_of_keys() -> None:
     assert not pending and pending.take("s", 16) == []
 
 
+def _head(count: int) -> bytes:
+    """An array 32 header of ``count`` items (the items themselves may be left out: a bound
+    is checked on the header, before one is read)."""
+    return b"\xdd" + count.to_bytes(4, "big")
+
+
+@pytest.mark.parametrize(
+    ("payload", "problem"),
+    [
+        pytest.param(
+            array_batch(stored_array(H[:1], None, [[]] * 16)),  # type: ignore[list-item]
+            "events[0].token_ids must be a list of integers; it holds a list or a map",
+            id="a-container-for-a-token",
+        ),
+        pytest.param(
+            array_batch(stored_array([[b"x" * 32]], None, TOKENS[:16])),
+            "events[0].block_hashes must be a list of block hashes (bytes or integers); it "
+            "holds a list or a map",
+            id="a-container-for-a-hash",
+        ),
+        pytest.param(
+            b"\x93" + msgpack.packb(1.0) + _head(MAX_EVENTS + 1),
+            f"a KV event batch's events has {MAX_EVENTS + 1} items, over the {MAX_EVENTS} read",
+            id="too-many-events",
+        ),
+        pytest.param(
+            b"\x93"
+            + msgpack.packb(1.0)
+            + b"\x91\x97"
+            + msgpack.packb("BlockStored")
+            + _head(MAX_ITEMS + 1),
+            f"events[0].block_hashes has {MAX_ITEMS + 1} items, over the {MAX_ITEMS} read",
+            id="too-many-hashes",
+        ),
+        pytest.param(
+            array_batch(stored_array(H[:1], None, TOKENS[:16], medium="G" * (MAX_LEAF_BYTES + 1))),
+            f"{MAX_LEAF_BYTES + 1} exceeds max_str_len({MAX_LEAF_BYTES})",
+            id="a-long-string",
+        ),
+        pytest.param(
+            array_batch(stored_array(H[:1], None, TOKENS[:16])) + b"\xc0",
+            "a KV event batch has bytes after its end",
+            id="bytes-after-the-end",
+        ),
+        pytest.param(
+            array_batch(stored_array(H[:1], None, TOKENS[:16]))[:-5],
+            "a KV event batch",
+            id="cut-short",
+        ),
+        pytest.param(
+            b"\x00" * (MAX_PAYLOAD + 1),
+            f"a KV event batch of {MAX_PAYLOAD + 1} bytes is over {MAX_PAYLOAD}",
+            id="over-the-largest",
+        ),
+    ],
+)
+def test_a_batch_is_read_within_bounds(payload: bytes, problem: str) -> None:
+    with pytest.raises(KvEventError) as info:
+        decode_batch(payload)
+    assert problem in str(info.value)
+
+
+def test_fields_the_agent_does_not_read_are_skipped_unbuilt() -> None:
+    # vLLM's newer fields (lora_name, extra_keys, group_idx, ...) in either form, holding
+    # whatever they hold: skipped, the event read.
+    deep: list[Any] = [[[[]] * 50_000]] * 2
+    stored = [*stored_array(H[:1], None, TOKENS[:16]), "adapter", deep, 3, "full", None, "x"]
+    (event,) = decode_batch(array_batch(stored)).events
+    assert event == BlockStored((H[0],), None, tuple(TOKENS[:16]), 16, None, "GPU")
+    mapped = stored_map(H[:1], None, TOKENS[:16], extra_keys=deep, kv_cache_spec_kind="full")
+    assert decode_batch(map_batch(mapped)).events == (event,)
+
+
 def test_packed_keys_are_a_twelfth_of_the_engines_and_zlib_adds_nothing() -> None:
     rng = random.Random(7)
     count = 16384
@@ -271,13 +355,17 @@ class Sender:
 
 
 class Publisher:
-    """An engine's publisher dialling the agent, as vLLM's does (an XPUB, so that the test
-    knows when the agent's subscription has arrived: ZeroMQ drops what is published before)."""
+    """An engine's publisher, binding or dialling ``endpoint`` by vLLM's rule (an XPUB, so
+    that the test knows when the agent's subscription has arrived: ZeroMQ drops what is
+    published before)."""
 
-    def __init__(self, context: zmq.asyncio.Context, port: int, topic: str = "r1-s0") -> None:
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str, topic: str = "r1-s0") -> None:
         self.socket = context.socket(zmq.XPUB)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(f"tcp://127.0.0.1:{port}")
+        if publisher_binds(endpoint):
+            self.socket.bind(endpoint)
+        else:
+            self.socket.connect(endpoint)
         self.topic = topic.encode()
 
     async def subscribed(self) -> None:
@@ -287,12 +375,26 @@ class Publisher:
         await self.socket.send_multipart([topic or self.topic, seq.to_bytes(8, "big"), payload])
 
 
+async def handled(feed: Any, count: int) -> None:
+    """Wait until ``feed`` has handled ``count`` messages (each in its worker, then settled
+    back on the loop)."""
+    for _ in range(int(WAIT_S / 0.01)):
+        if feed.handled >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the feed handled {feed.handled} messages, not {count}")
+
+
 def with_hub(
     body: Callable[[KvEventsHub, Sender, zmq.asyncio.Context], Awaitable[None]], **hub: Any
 ) -> None:
+    """``body`` with a hub whose state directory is short (a unix socket's path is at most
+    107 bytes, and pytest's tmp_path is long)."""
+    state_dir = Path(tempfile.mkdtemp(prefix="llmgw-kv-"))
+
     async def main() -> None:
         sender = Sender()
-        events = KvEventsHub(sender, **hub)
+        events = KvEventsHub(sender, state_dir=state_dir, **hub)
         context = zmq.asyncio.Context()
         try:
             await body(events, sender, context)
@@ -300,20 +402,23 @@ def with_hub(
             await events.aclose()
             context.destroy(linger=0)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def test_frames_from_a_real_publisher_come_out_as_kv_events() -> None:
     async def body(hub: KvEventsHub, sender: Sender, context: zmq.asyncio.Context) -> None:
-        port = hub.open("r1-s0")
-        assert port > 0
-        assert json.loads(engine_config("r1-s0", port)) == {
+        endpoint = hub.open("r1-s0")
+        assert endpoint == kv_endpoint(hub.state_dir, "r1-s0")
+        assert json.loads(engine_config("r1-s0", endpoint)) == {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://127.0.0.1:{port}",
+            "endpoint": f"ipc://{hub.state_dir}/kv/{kv_socket_dir(Path(), 'r1-s0').name}/kv.sock",
             "topic": "r1-s0",
         }
-        pub = Publisher(context, port)
+        pub = Publisher(context, endpoint)
         await pub.subscribed()
         await pub.publish(0, array_batch(stored_array(H[:2], None, TOKENS[:32])))
         await pub.publish(1, map_batch(stored_map(H[2:3], H[1], TOKENS[32:])))
@@ -374,7 +479,7 @@ def test_a_new_stream_gets_every_shards_whole_set() -> None:
         stored = ["BlockStored", hashes, None, tokens, 1, None, "GPU"]
         await pub.publish(0, array_batch(stored))
         await pub.publish(3, array_batch(removed_array([hashes[-1]])))
-        await asyncio.sleep(0.2)
+        await handled(hub.feeds["r1-s0"], 2)
         assert sender.sent == []
         sender.up = True
         hub.resync()  # the Welcome of a new stream
@@ -390,8 +495,8 @@ def test_a_new_stream_gets_every_shards_whole_set() -> None:
 
 def test_a_stopped_shard_sends_cleared_once_and_closes_its_socket() -> None:
     async def body(hub: KvEventsHub, sender: Sender, context: zmq.asyncio.Context) -> None:
-        port = hub.open("r1-s0")
-        pub = Publisher(context, port)
+        endpoint = hub.open("r1-s0")
+        pub = Publisher(context, endpoint)
         await pub.subscribed()
         await pub.publish(0, array_batch(stored_array(H[:1], None, TOKENS[:16])))
         await sender.wait(1)
@@ -402,63 +507,55 @@ def test_a_stopped_shard_sends_cleared_once_and_closes_its_socket() -> None:
             ("r1-s0", True, [])
         ]
         assert feed.socket.closed and "r1-s0" not in hub.feeds
+        # Its engine is gone: so is its socket directory.
+        assert not kv_socket_dir(hub.state_dir, "r1-s0").exists()
         await asyncio.sleep(0.1)
         assert sender.sent[1:] == [sender.sent[1]]  # nothing more from it
-        # The port is free again (ZeroMQ closes it in its own thread, soon after).
-        assert await rebind(hub, "r1-s0", port) == port
 
     with_hub(body)
 
 
-async def rebind(hub: KvEventsHub, shard_id: str, port: int) -> int:
-    for _ in range(100):
-        bound = hub.open(shard_id, port=port)
-        if bound:
-            return bound
-        await asyncio.sleep(0.02)
-    return 0
-
-
-def test_an_adopted_shard_binds_its_port_again_and_takes_the_sequence_as_it_is(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_an_adopted_shard_dials_its_engine_again_and_takes_the_sequence_as_it_is() -> None:
     async def body(hub: KvEventsHub, sender: Sender, context: zmq.asyncio.Context) -> None:
-        port = hub.open("r1-s0")
-        hub.close("r1-s0")
-        sender.sent.clear()
-        assert await rebind(hub, "r1-s0", port) == port
-        pub = Publisher(context, port)
+        endpoint = hub.open("r1-s0")
+        pub = Publisher(context, endpoint)
+        await pub.subscribed()
+        await hub.aclose()  # the agent goes; the engine and its socket stay
+        assert await asyncio.wait_for(pub.socket.recv(), WAIT_S) == b"\x00"
+        assert hub.adopt("r1-s0", endpoint, ready=True) == endpoint
         await pub.subscribed()
         await pub.publish(812, array_batch(stored_array(H[:1], None, TOKENS[:16])))
         (msg,) = await sender.wait(1)
         assert msg.lost == 0  # where the engine is now is no gap
-        # A port something else holds now: the shard runs without events.
-        taken = context.socket(zmq.SUB)
-        other = taken.bind_to_random_port("tcp://127.0.0.1")
-        with caplog.at_level(logging.WARNING, logger="llmgw.agent.kvevents"):
-            assert hub.open("r2-s0", port=other) == 0
-        assert "r2-s0" not in hub.feeds
-        assert "cannot bind" in caplog.text
-        taken.close(linger=0)
 
     with_hub(body)
 
 
-def test_docker_bridge_shards_run_without_events_and_say_so_once(
+def test_docker_shards_run_without_events_and_say_so_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     async def body(hub: KvEventsHub, sender: Sender, context: zmq.asyncio.Context) -> None:
         with caplog.at_level(logging.WARNING, logger="llmgw.agent.kvevents"):
-            assert hub.open("r1-s0") == 0
-            assert hub.open("r1-s0") == 0
-        assert len([r for r in caplog.records if "bridge network" in r.getMessage()]) == 1
-        # A multi-node replica's containers share the host's network: rank 0 gets events,
-        # a worker publishes none.
-        assert hub.open("r2-s0", nodes=2, rank=0) > 0
-        assert hub.open("r2-s1", nodes=2, rank=1) == 0
-        assert sorted(hub.feeds) == ["r2-s0"]
+            assert hub.open("r1-s0") == ""
+            assert hub.open("r1-s0") == ""
+            # A multi-node replica's containers too (in the host's network namespace, but
+            # still without the agent's socket directory).
+            assert hub.open("r2-s0", nodes=2, rank=0) == ""
+            assert hub.adopt("r3-s0", "", ready=True) == ""
+        warned = [r for r in caplog.records if "cannot reach" in r.getMessage()]
+        assert [r.__dict__["fields"]["shard"] for r in warned] == ["r1-s0", "r2-s0", "r3-s0"]
+        assert hub.feeds == {} and not (hub.state_dir / "kv").exists()
 
     with_hub(body, runtime="docker")
+
+
+def test_a_worker_publishes_nothing() -> None:
+    async def body(hub: KvEventsHub, sender: Sender, context: zmq.asyncio.Context) -> None:
+        assert hub.open("r2-s1", nodes=2, rank=1) == ""
+        assert hub.open("r2-s0", nodes=2, rank=0).startswith("ipc://")
+        assert sorted(hub.feeds) == ["r2-s0"]
+
+    with_hub(body)
 
 
 # --------------------------------------------------------------------------- the shards
@@ -512,25 +609,26 @@ def test_a_kv_events_order_reaches_the_spec() -> None:
     assert ShardSpec.from_order(order).kv_events
 
 
-def test_a_kv_events_shard_tells_its_engine_where_to_publish_and_records_the_port(
+def test_a_kv_events_shard_tells_its_engine_where_to_publish_and_records_the_endpoint(
     tmp_path: Path,
 ) -> None:
     async def main() -> None:
         sender = Sender()
-        hub = KvEventsHub(sender)
+        hub = KvEventsHub(sender, state_dir=tmp_path)
         runtime = IdleRuntime()
         manager = ShardManager(tmp_path, runtime, lambda shard: None, kv_events=hub)
         await manager.open()
         try:
             shard = await manager.start(_order())
             plain = await manager.start(_order(shard_id="r2-s0", kv_events=False))
-            port = shard.kv_events_port
-            assert port > 0 and plain.kv_events_port == 0
+            endpoint = shard.kv_events_endpoint
+            assert endpoint == kv_endpoint(tmp_path, "r1-s0") and plain.kv_events_endpoint == ""
             argv = list(runtime.launches[0].argv)
-            assert argv[argv.index("--kv-events-config") + 1] == engine_config("r1-s0", port)
+            assert argv[argv.index("--kv-events-config") + 1] == engine_config("r1-s0", endpoint)
             assert "--kv-events-config" not in runtime.launches[1].argv
-            saved = json.loads((tmp_path / "shards.json").read_text())
-            assert (saved["r1-s0"]["kv_events"], saved["r1-s0"]["kv_events_port"]) == (True, port)
+            saved = json.loads((tmp_path / "shards.json").read_text())["r1-s0"]
+            assert (saved["kv_events"], saved["kv_events_endpoint"]) == (True, endpoint)
+            assert "kv_events_port" not in saved
             assert sorted(hub.feeds) == ["r1-s0"]
             await manager.stop("r1-s0")
             assert "r1-s0" not in hub.feeds
@@ -543,22 +641,30 @@ def test_a_kv_events_shard_tells_its_engine_where_to_publish_and_records_the_por
     asyncio.run(main())
 
 
-def test_an_adopting_agent_subscribes_on_the_recorded_port(tmp_path: Path) -> None:
+def test_an_adopting_agent_subscribes_to_the_recorded_endpoint(tmp_path: Path) -> None:
     async def main() -> None:
-        first = KvEventsHub(Sender())
+        first = KvEventsHub(Sender(), state_dir=tmp_path)
         manager = ShardManager(tmp_path, IdleRuntime(), lambda shard: None, kv_events=first)
         await manager.open()
-        port = (await manager.start(_order())).kv_events_port
-        await manager.close()  # the agent goes; the engine runs on
+        await manager.start(_order(shard_id="r9-s0"))  # its engine ends while no agent runs
+        endpoint = (await manager.start(_order())).kv_events_endpoint
+        await manager.close()  # the agent goes; the engines run on
         await first.aclose()
-        hub = KvEventsHub(Sender())
+        records = json.loads((tmp_path / "shards.json").read_text())
+        del records["r9-s0"]
+        (tmp_path / "shards.json").write_text(json.dumps(records))
+        hub = KvEventsHub(Sender(), state_dir=tmp_path)
         again = ShardManager(tmp_path, IdleRuntime(), lambda shard: None, kv_events=hub)
         await again.open()
         try:
             (adopted,), dead = await again.adopt_all()
             assert dead == [] and adopted.state == ShardState.STARTING
-            assert adopted.kv_events_port == port and hub.feeds["r1-s0"].port == port
+            assert adopted.kv_events_endpoint == endpoint == hub.feeds["r1-s0"].endpoint
             assert adopted.spec.kv_events
+            # The directory of the shard that is gone went with it.
+            assert [d.name for d in (tmp_path / "kv").iterdir()] == [
+                kv_socket_dir(tmp_path, "r1-s0").name
+            ]
         finally:
             await again.stop_all()
             await again.close()
@@ -569,27 +675,35 @@ def test_an_adopting_agent_subscribes_on_the_recorded_port(tmp_path: Path) -> No
 
 def test_a_failing_launch_closes_the_shards_socket(tmp_path: Path) -> None:
     async def main() -> None:
-        hub = KvEventsHub(Sender())
+        hub = KvEventsHub(Sender(), state_dir=tmp_path)
         manager = ShardManager(tmp_path, IdleRuntime(), lambda shard: None, kv_events=hub)
         with pytest.raises(Exception, match="publishes no KV cache events"):
             await manager.start(_order(engine="llamacpp", source="/m.gguf"))
         assert hub.feeds == {}
+        assert not kv_socket_dir(tmp_path, "r1-s0").exists()
         await hub.aclose()
 
     asyncio.run(main())
 
 
-def test_the_record_keeps_the_kv_events_port_and_refuses_a_bad_one() -> None:
-    record = ShardRecord("r1-s0", "r1", "m", "sim", kv_events=True, kv_events_port=40123)
+def test_the_record_keeps_the_kv_events_endpoint_and_reads_an_older_agents_port() -> None:
+    record = ShardRecord(
+        "r1-s0", "r1", "m", "sim", kv_events=True, kv_events_endpoint="ipc:///s/kv/ab/kv.sock"
+    )
     data = record_json(record)
+    assert "kv_events_port" not in data
     assert parse_record("r1-s0", data) == record
     older = {k: v for k, v in data.items() if not k.startswith("kv_events")}
-    assert parse_record("r1-s0", older).kv_events_port == 0  # an older agent's record
+    assert parse_record("r1-s0", older).kv_events_endpoint == ""  # before kv events
+    legacy = {**older, "kv_events": True, "kv_events_port": 40123}  # the TCP channel's
+    assert parse_record("r1-s0", legacy).kv_events_port == 40123
     with pytest.raises(ValueError, match="'kv_events_port' 70000 is not a port"):
         parse_record("r1-s0", {**data, "kv_events_port": 70000})
+    with pytest.raises(ValueError, match="'kv_events_endpoint' is a int"):
+        parse_record("r1-s0", {**data, "kv_events_endpoint": 5})
 
 
-def test_containers_carry_the_config_only_in_the_hosts_network() -> None:
+def test_containers_carry_no_kv_events_config() -> None:
     def launch(spec: ShardSpec) -> Launch:
         return launch_for(
             spec,
@@ -600,15 +714,12 @@ def test_containers_carry_the_config_only_in_the_hosts_network() -> None:
             images={"sim": "llmgw-sim:0.1"},
         )
 
-    multi = _order(nodes=2, dist_init_addr="10.0.0.1:29500", kv_events_port=40123)
-    host = launch(multi)
-    assert host.host_network
-    assert engine_config("r1-s0", 40123) in host.argv
-    # On the bridge network the hub binds nothing, so the spec never has a port; no flag.
-    single = launch(_order())
-    assert "--kv-events-config" not in single.argv
+    # The hub hands a docker shard no endpoint; in the host's network or not, no flag.
+    multi = launch(_order(nodes=2, dist_init_addr="10.0.0.1:29500"))
+    assert multi.host_network and "--kv-events-config" not in multi.argv
+    assert "--kv-events-config" not in launch(_order()).argv
 
 
-def test_the_module_docstring_states_the_measured_figure() -> None:
-    doc = kvevents_module.__doc__ or ""
-    assert "0.04 %" in doc and "bridge network" in doc
+def test_the_module_docstrings_state_the_measured_figure_and_docker() -> None:
+    assert "0.04 %" in (kvmap_module.__doc__ or "")
+    assert "docker" in (kvevents_module.__doc__ or "")

@@ -168,7 +168,7 @@ def test_stops_in_the_reverse_order_of_start_up(
 
 def test_a_new_stream_gets_the_kv_events_snapshot_after_its_hello(tmp_path: Path) -> None:
     agent = Agent(config(tmp_path))
-    hub = KvEventsHub(lambda msg: True)
+    hub = KvEventsHub(lambda msg: True, state_dir=tmp_path)
     resyncs: list[str] = []
     hub.resync = lambda: resyncs.append("resync")  # type: ignore[method-assign]
     agent.kv_events = hub

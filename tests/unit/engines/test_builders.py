@@ -645,7 +645,7 @@ def test_task_args_refuse_what_one_process_cannot_do(
 
 # --------------------------------------------------------------------------- KV cache events
 
-_EVENTS = events_config("tcp://127.0.0.1:45000", "shard-1")
+_EVENTS = events_config("ipc:///var/lib/llmgw-agent/kv/0123456789abcdef/kv.sock", "shard-1")
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "sim"])
