@@ -51,6 +51,7 @@ import dataclasses
 import enum
 import functools
 import logging
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -65,9 +66,11 @@ from llmgw.agent.models_dir import Located, SourceStore
 from llmgw.agent.records import ShardRecords
 from llmgw.agent.runtimes import Handle, Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
+from llmgw.agent.sandbox import Sandboxed, Sandboxes, hidden_path_reason
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
 from llmgw.contracts.model_sources import SourceSpec
 from llmgw.contracts.ports import DEFAULT_MULTINODE_PORTS, PortRange
+from llmgw.contracts.sandbox import SandboxPolicy
 from llmgw.engines.launch import build_command
 from llmgw.engines.registry import ENGINES, get_engine
 from llmgw.engines.spec import EngineSpec
@@ -142,6 +145,8 @@ class ShardSpec:
     kv_events_port: int = 0
     """The loopback port of the agent's socket the engine publishes them to (set on the spec
     a launch is built from; 0: none)."""
+    sandbox: SandboxPolicy = field(default_factory=SandboxPolicy)
+    """What the engine's sandbox sees beyond the agent's own choice (the profile's key)."""
 
     @classmethod
     def from_order(cls, order: pb.StartShard) -> ShardSpec:
@@ -166,6 +171,8 @@ class ShardSpec:
             listen_addr=order.listen_addr,
             source_sha256=order.source_sha256,
             kv_events=order.kv_events,
+            # An order of a control plane before sandboxes says nothing: sandboxed.
+            sandbox=SandboxPolicy.from_order(order.sandbox),
         )
 
     @classmethod
@@ -189,6 +196,7 @@ class ShardSpec:
             worker_addrs=record.worker_addrs,
             listen_addr=record.listen_addr,
             kv_events=record.kv_events,
+            sandbox=record.sandbox,
         )
 
     @property
@@ -224,6 +232,10 @@ class Shard:
     """The download of its source, while it runs (stopping the shard cancels it)."""
     kv_events_port: int = 0
     """Where the agent receives its engine's KV cache events (0: it does not)."""
+    sandbox: Sandboxed | None = None
+    """The sandbox this agent started its engine in (None: none, or adopted)."""
+    sandboxed: bool = False
+    """Its engine runs under bubblewrap (``pid`` is bwrap's)."""
 
     @property
     def shard_id(self) -> str:
@@ -260,6 +272,8 @@ class Shard:
             log_offset=self.log_offset,
             kv_events=spec.kv_events,
             kv_events_port=self.kv_events_port,
+            sandbox=spec.sandbox,
+            sandboxed=self.sandboxed,
         )
 
 
@@ -304,8 +318,11 @@ class ShardManager:
         sources: SourceStore | None = None,
         multinode_ports: PortRange = DEFAULT_MULTINODE_PORTS,
         kv_events: KvEventsHub | None = None,
+        sandboxes: Sandboxes | None = None,
     ) -> None:
         self.state_dir = state_dir
+        # Process engines' sandboxes (None: engines run as they are: docker, tests).
+        self.sandboxes = sandboxes
         # The engines' KV cache events, for shards ordered with kv_events (None: ignored).
         self.kv_events = kv_events
         # agent.yaml's range: where a shard may bind its replica's rendezvous port.
@@ -429,6 +446,9 @@ class ShardManager:
         _check_shape(spec)
         _check_rendezvous_port(spec, self.multinode_ports)
         located = self._locate_source(spec)
+        launched = spec
+        if located is not None:
+            launched = dataclasses.replace(spec, source=str(located.path))
         port = pick_port()
         log_path = self.log_path(spec.shard_id)
         sidecars = (
@@ -442,21 +462,25 @@ class ShardManager:
             if spec.sidecars
             else None
         )
-        launched = spec
-        if located is not None:
-            launched = dataclasses.replace(spec, source=str(located.path))
         # Bound before the engine starts: the engine dials it.
         events_port = self._subscribe(spec)
         if events_port:
             launched = dataclasses.replace(launched, kv_events_port=events_port)
         try:
             launch = self.make_launch(launched, port, log_path)
+            sandboxed = await self._sandbox(launched, located, launch.argv[0])
+            if sandboxed is not None:
+                launch = sandboxed.launch(launch)
+                if sidecars is not None:
+                    sidecars.sandbox = sandboxed
         except LlmgwError:
             if events_port and self.kv_events is not None:
                 self.kv_events.close(spec.shard_id)
             raise
         # A worker serves nothing: it has no port to report.
-        shard = Shard(spec=spec, port=0 if spec.worker else port, sidecars=sidecars)
+        shard = Shard(
+            spec=spec, port=0 if spec.worker else port, sidecars=sidecars, sandbox=sandboxed
+        )
         shard.kv_events_port = events_port
         shard.log_offset = _log_size(log_path)
         self.shards[spec.shard_id] = shard
@@ -481,6 +505,22 @@ class ShardManager:
         shard.task = asyncio.create_task(self._watch(shard), name=f"shard-{spec.shard_id}")
         return shard
 
+    async def _sandbox(
+        self, spec: ShardSpec, located: Located | None, program: str
+    ) -> Sandboxed | None:
+        """The sandbox of ``spec``'s engine, ``program`` (its command's first word); None
+        without sandboxes. Its weights: the located source (perhaps not fetched yet), else
+        a model_path parameter that names a file or folder of this node."""
+        if self.sandboxes is None:
+            return None
+        return await self.sandboxes.prepare(
+            spec.shard_id,
+            spec.sandbox,
+            program=None if get_engine(spec.engine).builtin else program,
+            model=_weights(spec, located),
+            multi_node=spec.nodes > 1,
+        )
+
     def _subscribe(self, spec: ShardSpec, port: int = 0) -> int:
         """The port of the shard's socket for its engine's KV cache events (on ``port``:
         an adopted shard's), or 0 when it has none."""
@@ -494,6 +534,7 @@ class ShardManager:
         shard.pid = shard.handle.pid
         shard.start_time = shard.handle.start_time
         shard.container_id = shard.handle.container_id
+        shard.sandboxed = shard.handle.sandboxed
         log.info(
             "shard starting",
             extra=kv(
@@ -643,6 +684,7 @@ class ShardManager:
             shard.pid = handle.pid
             shard.start_time = handle.start_time
             shard.container_id = handle.container_id
+            shard.sandboxed = handle.sandboxed
             if record.kv_events_port:
                 # The engine's publisher dials this port again by itself.
                 shard.kv_events_port = self._subscribe(spec, record.kv_events_port)
@@ -708,6 +750,9 @@ class ShardManager:
                 how = f"engine killed by signal {-code}"
             else:
                 how = f"engine exited with code {code}"
+            hidden = self._hidden_path(shard)
+            if hidden:
+                how = f"{hidden}; {how}"
             shard.reason = shard.reason or how + (f"; log: {tail}" if tail else "")
             log.warning(
                 "shard failed",
@@ -717,6 +762,18 @@ class ShardManager:
             # After the engine, whatever ended it: a restart must find their ports free.
             await shard.sidecars.stop(shard.stop_grace)
         self._emit(shard)
+
+    def _hidden_path(self, shard: Shard) -> str:
+        """What the failed engine could not open because its sandbox hides it ("": none)."""
+        if shard.sandbox is None:
+            return ""
+        try:
+            with open(self.log_path(shard.shard_id), "rb") as f:
+                f.seek(max(shard.log_offset, f.seek(0, 2) - 16384))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return hidden_path_reason(shard.sandbox.plan, text)
 
     def _not_ready_reason(self, shard: Shard) -> str:
         where = f"see {self.log_path(shard.shard_id)}"
@@ -785,12 +842,23 @@ class ShardManager:
             self._emit(shard)
         self.shards.pop(shard_id, None)
         self._save_records()
+        if self.sandboxes is not None:
+            self.sandboxes.forget(shard_id)
         return shard
 
     async def stop_all(self, grace: float = 10.0) -> None:
         await asyncio.gather(
             *(self.stop(sid, grace) for sid in list(self.shards)), return_exceptions=True
         )
+
+
+def _weights(spec: ShardSpec, located: Located | None) -> Path | None:
+    """The shard's weights on this node: its located source (perhaps not fetched yet), else
+    a model_path parameter that names a file or folder here."""
+    if located is not None:
+        return located.path
+    weights = spec.params.get("model_path", "")
+    return Path(weights) if weights.startswith("/") and os.path.exists(weights) else None
 
 
 async def _always() -> bool:
