@@ -115,7 +115,7 @@ def test_agent_unit() -> None:
     # path inside a tree the agent owns).
     assert Path(tmpdir).parent == AGENT_STATE_DIR.parent
     assert one(s, "Service.LimitMEMLOCK") == "infinity"
-    writable = one(s, "Service.ReadWritePaths").split()
+    writable = " ".join(s["Service.ReadWritePaths"]).split()
     assert str(AGENT_STATE_DIR) in writable
     data_root = DEFAULT_MODELS_ROOT.parent
     assert DEFAULT_CACHE_ROOT.parent == data_root
@@ -129,8 +129,10 @@ def test_agent_unit() -> None:
         "~@privileged",
         "capset chroot pivot_root",
     ]
-    # An uncovered proc mount, so that bwrap may mount each sandbox a fresh /proc.
+    # An uncovered proc mount, so that bwrap may mount each sandbox a fresh /proc, and the
+    # user.* limits it sets in each sandbox's user namespace (--disable-userns).
     assert one(s, "Service.BindPaths") == "/proc:/run/llmgw-agent/proc:norbind"
+    assert s["Service.ReadWritePaths"][1:] == ["/proc/sys/user"]
     for words in ("bubblewrap", "RestrictNamespaces=user mnt pid ipc", "uncovered"):
         assert words in text, words
     for key, reason in AGENT_WITHOUT.items():
