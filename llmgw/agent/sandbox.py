@@ -13,7 +13,7 @@ A sandbox sees, each at its own path:
 - the model's folder (or file), read-only;
 - its scratch directory ``STATE/scratch/<shard>``, read-write: ``HOME``, ``TMPDIR``,
   ``/var/tmp`` and the caches (Hugging Face, XDG, Triton, vLLM, CUDA) point there; ``/tmp``
-  is a small tmpfs of its own;
+  is a tmpfs of its own;
 - the profile's ``sandbox.extra_ro`` and ``sandbox.extra_rw``
   (:class:`~llmgw.contracts.sandbox.SandboxPolicy`).
 
@@ -35,7 +35,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -102,7 +102,7 @@ class SandboxPlan:
     def visible(self, path: Path) -> Seen | None:
         """How the node's ``path`` is seen inside: read-only, read-write, a device; None
         when the sandbox hides it (not bound, covered, or its place holds something else:
-        /tmp is the scratch's)."""
+        /var/tmp is the scratch's)."""
         seen: Seen | None = None
         for mount in self.mounts:
             if mount.kind == "symlink" or not _within(path, mount.path):
@@ -115,11 +115,6 @@ class SandboxPlan:
             else:
                 seen = None
         return seen
-
-    def with_program(self, roots: Iterable[Path]) -> SandboxPlan:
-        """This plan with more program folders read-only (a sidecar's program)."""
-        extra = tuple(Mount("ro", r) for r in roots if self.visible(r) is None)
-        return SandboxPlan(mounts=self.mounts + extra, scratch=self.scratch, env=self.env)
 
     def command(self, argv: Sequence[str], features: BwrapFeatures) -> list[str]:
         """bwrap's command line that runs ``argv`` in this sandbox.
@@ -437,6 +432,8 @@ class Sandboxed:
     state_dir: Path
     """Where engine installs live (``STATE/engines``): a program there gets its version's
     folder."""
+    remake: Callable[[Iterable[Path]], SandboxPlan]
+    """The shard's plan again with more program folders (its covers laid after them)."""
 
     def launch(self, launch: Launch) -> Launch:
         """``launch`` run inside the sandbox, with the scratch's environment."""
@@ -449,8 +446,7 @@ class Sandboxed:
 
     def for_program(self, program: str) -> Sandboxed:
         """The same sandbox with ``program``'s folders too (a sidecar's)."""
-        roots = program_roots(program, self.state_dir)
-        return dataclasses.replace(self, plan=self.plan.with_program(roots))
+        return dataclasses.replace(self, plan=self.remake(program_roots(program, self.state_dir)))
 
 
 class Sandboxes:
@@ -486,16 +482,21 @@ class Sandboxes:
         features = await self.bwrap.features()
         state_dir = self.layout.state_dir
         programs = builtin_roots() if program is None else program_roots(program, state_dir)
-        plan = self.layout.plan(
-            shard_id,
-            programs=programs,
-            model=model,
-            policy=policy,
-            multi_node=multi_node,
-            shard_rw=shard_rw,
-        )
+        shard_rw = tuple(shard_rw)
+
+        def remake(more: Iterable[Path]) -> SandboxPlan:
+            return self.layout.plan(
+                shard_id,
+                programs=[*programs, *more],
+                model=model,
+                policy=policy,
+                multi_node=multi_node,
+                shard_rw=shard_rw,
+            )
+
+        plan = remake(())
         make_scratch(plan)
-        return Sandboxed(plan, features, state_dir)
+        return Sandboxed(plan, features, state_dir, remake)
 
     def forget(self, shard_id: str) -> None:
         """A shard stopped for good: its scratch goes."""

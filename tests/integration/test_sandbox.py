@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,8 +88,26 @@ def _catalog(fleet_dir: Path, agent: Agent) -> dict[str, Any]:
                 sandbox={"extra_ro": [str(data)]},
             ),
             "open": sim(args=["--probe-path", str(agent.dir / "pki" / "node.key")], sandbox=False),
+            "sided": sim(
+                sidecars=[
+                    {
+                        "name": "peek",
+                        "command": [sys.executable, "-c", SIDECAR, str(agent.dir / "pki")],
+                        "ready_after": 0.5,
+                    }
+                ]
+            ),
         }
     }
+
+
+# A sidecar that says whether it can see the agent's key folder and where its HOME is, then
+# keeps running (it is healthy once it has run for ready_after).
+SIDECAR = """
+import os, sys, time
+print("key folder seen:", os.path.exists(sys.argv[1]), "home:", os.environ["HOME"], flush=True)
+time.sleep(3600)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +247,20 @@ def test_sandbox_false_runs_the_engine_unconfined_and_says_so(fleet: Fleet) -> N
     assert probe_lines(shard_log(fleet, replica["shard"])) == {str(key): "readable"}
     assert "engine not sandboxed: its profile says sandbox: false" in fleet.agent.log()
     undeploy(fleet, "open", replica["pid"])
+
+
+def test_a_sidecar_runs_in_a_sandbox_of_its_own_with_the_shards_scratch(fleet: Fleet) -> None:
+    replica = deploy(fleet, "sided")
+    shard = replica["shard"]
+    log = fleet.state / "logs" / f"{shard}.peek.log"
+    wait_for(lambda: log.exists() and "key folder seen" in log.read_text(), what="the sidecar")
+    home = fleet.state / "scratch" / shard / "home"
+    assert log.read_text().splitlines()[-1] == f"key folder seen: False home: {home}"
+    record = fleet.agent.shard_records()[shard]["sidecars"][0]
+    assert record["sandboxed"] is True
+    assert cmdline(record["pid"]).startswith(("bwrap ", "/usr/bin/bwrap "))
+    undeploy(fleet, "sided", replica["pid"])
+    wait_for(lambda: not pids_of_session(record["pid"]), what="the sidecar's sandbox gone")
 
 
 def test_a_restarted_agent_adopts_the_sandboxed_engine_and_stops_it(fleet: Fleet) -> None:

@@ -198,11 +198,15 @@ def test_where_a_fresh_proc_cannot_be_mounted_the_hosts_is_bound_and_the_agent_i
     paths make) and no uncovered proc mount: the kernel refuses a fresh /proc to bwrap. The
     sandbox binds the host's, in a pid namespace of its own, and the agent is made
     non-dumpable: the engine can neither read the agent's /proc entries nor signal it."""
-    require_tools("bwrap", "unshare", "mount")
+    require_tools("bwrap", "unshare", "mount", "findmnt")
     if os.geteuid() != 0:
         unavailable("covering /proc/sys in a mount namespace needs root")
     result = run_child(
-        "unshare -m --propagation private sh -c 'mount --bind /proc/sys /proc/sys && "
+        # Any other proc mount of this machine (a chroot's, a debootstrap's) would be an
+        # uncovered one: out of this mount namespace with them.
+        "unshare -m --propagation private sh -c 'for m in $(findmnt -rn -t proc -o TARGET); "
+        'do [ "$m" = /proc ] || umount -l "$m"; done; '
+        "mount --bind /proc/sys /proc/sys && "
         'mount -o remount,bind,ro /proc/sys && exec "$0" "$1"\' "$0" "$1"',
         HOST_PROC,
         tmp_path,
