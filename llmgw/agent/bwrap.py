@@ -71,9 +71,9 @@ _USERNS_SETTINGS: tuple[tuple[str, str, Callable[[str], bool], str], ...] = (
         "kernel/apparmor_restrict_unprivileged_userns",
         "kernel.apparmor_restrict_unprivileged_userns",
         lambda v: v == "1",
-        "allow bwrap alone an unprivileged user namespace with an AppArmor profile: write "
-        "'abi <abi/4.0>, include <tunables/global> profile bwrap /usr/bin/bwrap "
-        "flags=(unconfined) { userns, }' to /etc/apparmor.d/bwrap and run "
+        "allow bwrap alone an unprivileged user namespace with an AppArmor profile: "
+        "printf 'abi <abi/4.0>,\\ninclude <tunables/global>\\nprofile bwrap /usr/bin/bwrap "
+        "flags=(unconfined) {\\n  userns,\\n}\\n' >/etc/apparmor.d/bwrap && "
         "apparmor_parser -r /etc/apparmor.d/bwrap",
     ),
     (
