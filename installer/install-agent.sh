@@ -58,7 +58,9 @@
 #                rules (:9443 and the multi-node range).
 #
 # Before it changes anything, install checks systemd >= 247 (the unit's hardening needs it)
-# and warns, naming the package, when what the node is set to run lacks nvidia-smi (NVIDIA
+# and bubblewrap (bwrap: the engines' sandbox; not for a node with runtime: docker), warns
+# with the fix when the host turns off the unprivileged user namespaces bwrap needs, and
+# warns, naming the package, when what the node is set to run lacks nvidia-smi (NVIDIA
 # GPUs on its PCI bus, or --nvidia-smi), Docker (--docker, --docker-group, runtime: docker)
 # or the NVIDIA Container Toolkit (Docker and NVIDIA GPUs); the agent then reports the node
 # degraded, with the same reasons, until it is fixed.
@@ -87,6 +89,8 @@ CACHE_ROOT=/srv/llmgw/cache
 COMMAND_LINK=/usr/local/bin/llmgw
 # Where NVIDIA GPUs are looked for before the driver is there (vendor 0x10de, class 0x03...).
 PCI_DEVICES=/sys/bus/pci/devices
+# The kernel settings that may turn off the user namespaces the engines' sandbox needs.
+PROC_SYS=/proc/sys
 # The oldest systemd the agent's unit runs under as written (its sandboxing directives).
 MIN_SYSTEMD=247
 # agent.yaml's multinode_ports when there is no agent.yaml yet to ask (the agent's default).
@@ -1305,7 +1309,41 @@ record_facts() {
 
 # Pre-flight, before anything changes: warnings (naming the package) for what the node is
 # set to run and lacks; the agent reports it degraded with the same reasons once it runs.
+# The agent runs process engines in a bubblewrap sandbox (README "Engine sandbox"): bwrap
+# must be installed, and the host must allow unprivileged user namespaces. A node set to run
+# only Docker engines needs neither. Each setting that turns them off is named with its fix,
+# in the agent's words (llmgw/agent/bwrap.py, userns_problem), then a trial run says whether
+# bwrap works for an unprivileged user at all (a seccomp profile, a container).
+check_sandbox() {
+    if [ -f "$CONFIG" ] && grep -Eq '^runtime:[[:space:]]*["'"'"']?docker' "$CONFIG"; then
+        return 0
+    fi
+    bwrap=$(command -v bwrap 2>/dev/null || true)
+    [ -n "$bwrap" ] \
+        || fatal "bubblewrap (bwrap) is not installed, and the agent runs process engines in its sandbox: apt-get install -y bubblewrap (or dnf install -y bubblewrap), then run this again. Nothing was changed"
+    off=""
+    setting=$(cat "$PROC_SYS/kernel/unprivileged_userns_clone" 2>/dev/null || true)
+    [ "$setting" != 0 ] \
+        || off="$off; kernel.unprivileged_userns_clone=0: sysctl -w kernel.unprivileged_userns_clone=1 and keep it in /etc/sysctl.d/90-llmgw-userns.conf"
+    setting=$(cat "$PROC_SYS/kernel/apparmor_restrict_unprivileged_userns" 2>/dev/null || true)
+    [ "$setting" != 1 ] \
+        || off="$off; kernel.apparmor_restrict_unprivileged_userns=1: allow bwrap alone an unprivileged user namespace with an AppArmor profile: printf 'abi <abi/4.0>,\ninclude <tunables/global>\nprofile bwrap /usr/bin/bwrap flags=(unconfined) {\n  userns,\n}\n' >/etc/apparmor.d/bwrap && apparmor_parser -r /etc/apparmor.d/bwrap"
+    setting=$(cat "$PROC_SYS/user/max_user_namespaces" 2>/dev/null || true)
+    [ "$setting" != 0 ] \
+        || off="$off; user.max_user_namespaces=0: sysctl -w user.max_user_namespaces=15000 and keep it in /etc/sysctl.d/90-llmgw-userns.conf"
+    if [ -n "$off" ]; then
+        warn "engines run in a bubblewrap sandbox, which needs unprivileged user namespaces, and this host turns them off: ${off#; }; or set sandbox: false in the profile to run its engine unconfined. Until then the agent refuses to start process engines here"
+        return 0
+    fi
+    # As nobody, as the agent will be (not root: root needs no user namespace).
+    if ! setpriv --reuid=65534 --regid=65534 --clear-groups -- "$bwrap" --unshare-user --unshare-pid \
+        --ro-bind / / --dev /dev --ro-bind /proc /proc --chdir / /bin/true >"$STAGE/bwrap.log" 2>&1; then
+        warn "engines run in a bubblewrap sandbox, which needs unprivileged user namespaces, and bwrap could not make one (bwrap: $(tail -n 1 "$STAGE/bwrap.log")); a seccomp or AppArmor policy of this host (or of the container it runs in) must allow them. Until then the agent refuses to start process engines here"
+    fi
+}
+
 preflight() {
+    check_sandbox
     gpus=0
     for device in "$PCI_DEVICES"/*; do
         [ -f "$device/vendor" ] || continue

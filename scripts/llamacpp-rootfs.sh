@@ -2,16 +2,16 @@
 # Make a real llama.cpp engine for the tests without building it: a Debian forky (testing)
 # minbase rootfs with Debian's llama.cpp-tools (not in bookworm or trixie; it needs a newer
 # glibc than this host has), and a `llama-server` wrapper that runs the rootfs's llama-server
-# in a chroot.
+# through the rootfs's own dynamic loader and libraries.
 #
 # Usage: scripts/llamacpp-rootfs.sh DIR
 #   DIR            the rootfs (made if missing, refreshed if an older recipe made it)
 #   DIR/../bin/llama-server   the wrapper; its path is printed on stdout
+#   DIR/../lib     a link to the rootfs's /usr/lib: DIR/.. is then an install prefix
 #
-# The wrapper takes llama-server's own arguments. The model file (-m/--model, an absolute
-# path) is bind-mounted at the same path inside the chroot, with /proc, in a mount namespace
-# of its own that ends with the server: nothing is left mounted when the engine exits or is
-# killed. It needs root (chroot, mount), as does the first build (debootstrap).
+# The wrapper takes llama-server's own arguments; paths (the model) are the host's. It runs
+# as any user, with no chroot or mount, so llmgw's unprivileged engine sandbox can run it (a
+# chroot cannot run there). The first build needs root (debootstrap).
 #
 # Environment: LLMGW_TEST_CACHE (default /var/cache/llmgw-test), LLMGW_DEBIAN_MIRROR (default:
 # the first Debian mirror in /etc/apt/sources.list*).
@@ -31,9 +31,9 @@ MARKER=.llmgw-llamacpp-rootfs
 
 # 1. what is needed, whatever the caches hold
 check_tools() {
-    [ "$(id -u)" -eq 0 ] || fatal "the llama.cpp rootfs needs root (chroot, mount); run as root"
-    for tool in chroot unshare mount tar flock; do
-        command -v "$tool" >/dev/null 2>&1 || fatal "no $tool command; apt-get install -y util-linux coreutils tar"
+    [ "$(id -u)" -eq 0 ] || fatal "the llama.cpp rootfs needs root (debootstrap, its files' owners); run as root"
+    for tool in tar flock find; do
+        command -v "$tool" >/dev/null 2>&1 || fatal "no $tool command; apt-get install -y util-linux findutils tar"
     done
 }
 
@@ -77,6 +77,8 @@ unpack_rootfs() {
 install_wrapper() {
     bindir=$(dirname "$ROOTFS")/bin
     mkdir -p "$bindir"
+    # bin/ beside lib/: an install prefix, which llmgw's engine sandbox binds whole.
+    ln -sfn "$(basename "$ROOTFS")/usr/lib" "$(dirname "$ROOTFS")/lib"
     WRAPPER=$bindir/llama-server
     staged=$(mktemp "$bindir/.llama-server.XXXXXX")
     TO_CLEAN="$TO_CLEAN $staged"
@@ -92,49 +94,38 @@ install_wrapper() {
 
 write_wrapper() {
     quoted=$(printf '%s' "$ROOTFS" | sed "s/'/'\\\\''/g")
+    loader=$(find_loader)
+    triplet=$(basename "$(find "$ROOTFS/usr/lib" -maxdepth 1 -name '*-linux-gnu' | head -n 1)")
     cat <<EOF
 #!/bin/sh
-# llama-server of the $SUITE rootfs below, run in a chroot; made by scripts/llamacpp-rootfs.sh.
-# The model file (-m/--model) is bind-mounted at the same path inside, with /proc, in a mount
-# namespace of its own: the mounts end with the server.
+# llama-server of the $SUITE rootfs below, run by that rootfs's own dynamic loader with its
+# libraries; made by scripts/llamacpp-rootfs.sh. No chroot and no mounts: it runs as any user,
+# inside llmgw's unprivileged engine sandbox too (which binds this folder's parent, the
+# engine's install prefix: bin/, lib/ and the rootfs).
 set -eu
 ROOTFS='$quoted'
+LIB="\$ROOTFS/usr/lib/$triplet"
+LOADER="\$ROOTFS$loader"
 EOF
     cat <<'EOF'
-model=""
-previous=""
-for arg in "$@"; do
-    case $previous in -m | --model) model=$arg ;; esac
-    case $arg in --model=*) model=${arg#--model=} ;; esac
-    previous=$arg
-done
-if [ -z "$model" ]; then
-    # --help, --version, an rpc-only run: nothing to show it.
-    exec chroot "$ROOTFS" /usr/bin/llama-server "$@"
-fi
-case $model in
-    /*) ;;
-    *)
-        printf 'llama-server (chroot wrapper): the model path must be absolute, got %s\n' "$model" >&2
-        exit 2
-        ;;
-esac
-[ -f "$model" ] || {
-    printf 'llama-server (chroot wrapper): no model file %s\n' "$model" >&2
-    exit 2
-}
-# unshare without --fork and exec all the way: the server keeps this process's pid, so the
-# agent's signals reach it.
-exec unshare --mount --propagation private /bin/sh -c '
-set -eu
-root=$1 dir=$2
-shift 2
-mkdir -p "$root$dir"
-mount --bind "$dir" "$root$dir"
-mount -t proc proc "$root/proc"
-exec chroot "$root" /usr/bin/llama-server "$@"
-' llama-server "$ROOTFS" "$(dirname "$model")" "$@"
+# ggml looks for its CPU back-ends in the folder it was built for, which is the rootfs's, not
+# this host's: name the baseline one (every x86-64 runs it).
+GGML_BACKEND_PATH="$LIB/ggml/backends0/libggml-cpu-x64.so"
+export GGML_BACKEND_PATH
+# exec all the way: the server keeps this process's pid, so the agent's signals reach it.
+exec "$LOADER" --library-path "$LIB/llama:$LIB" "$ROOTFS/usr/bin/llama-server" "$@"
 EOF
+}
+
+# The rootfs's dynamic loader, as a path inside it (/usr/lib64/ld-linux-x86-64.so.2).
+find_loader() {
+    for candidate in "$ROOTFS"/usr/lib64/ld-linux*.so.* "$ROOTFS"/usr/lib/ld-linux*.so.*; do
+        if [ -f "$candidate" ]; then
+            printf '%s\n' "${candidate#"$ROOTFS"}"
+            return 0
+        fi
+    done
+    fatal "no dynamic loader (ld-linux*.so.*) in $ROOTFS/usr/lib64 or $ROOTFS/usr/lib"
 }
 
 main() {

@@ -53,8 +53,9 @@ SUITES="bookworm bullseye"
 # python3: the stand-in program and the repository's HTTP server; rpm: the .rpm scriptlets.
 # What install-agent.sh uses on a node: curl, ca-certificates, sudo, iproute2 (ss),
 # dbus-user-session and libpam-systemd (lingering), ufw, nftables and firewalld (--firewall-from;
-# firewalld is masked: a test that wants it unmasks and starts it, the others see plain nft).
-INCLUDE=systemd,systemd-sysv,dbus,dbus-user-session,libpam-systemd,procps,python3,rpm,curl,ca-certificates,sudo,iproute2,ufw,nftables,firewalld,bash-completion,man-db
+# firewalld is masked: a test that wants it unmasks and starts it, the others see plain nft),
+# bubblewrap (the agent runs process engines in its sandbox; the packages depend on it).
+INCLUDE=systemd,systemd-sysv,dbus,dbus-user-session,libpam-systemd,procps,python3,rpm,curl,ca-certificates,sudo,iproute2,ufw,nftables,firewalld,bash-completion,man-db,bubblewrap
 KEY_LABEL=llmgw.test-systemd.key
 
 # shellcheck source=lib/common.sh

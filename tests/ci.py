@@ -23,6 +23,7 @@ CI_NOTE = "CI=true: .ci/run provides what every test needs, so none may skip"
 # Debian packages of the tools tests look for, for the message of require_tools.
 TOOL_PACKAGES = {
     "apt-ftparchive": "apt-utils",
+    "bwrap": "bubblewrap",
     "cloud-init": "cloud-init",
     "createrepo_c": "createrepo-c",
     "curl": "curl",

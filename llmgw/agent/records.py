@@ -22,6 +22,7 @@ from typing import Any
 
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sidecars import SidecarSpec
+from llmgw.contracts.sandbox import SandboxPolicy
 from llmgw.errors import FileError, ShardError
 from llmgw.fsutil import atomic_write, make_dir
 from llmgw.log import kv
@@ -102,6 +103,7 @@ def record_json(record: ShardRecord) -> dict[str, Any]:
     data["gpus"] = list(record.gpus)
     data["worker_addrs"] = list(record.worker_addrs)
     data["sidecars"] = [{**asdict(s), "argv": list(s.argv)} for s in record.sidecars]
+    data["sandbox"] = record.sandbox.to_json()
     if record.container_id is None:
         del data["container_id"]
     if not record.kv_events_port:
@@ -162,6 +164,9 @@ def parse_record(shard_id: str, obj: object) -> ShardRecord:
             kv_events=_get(obj, "kv_events", (bool,), False),
             kv_events_endpoint=_get(obj, "kv_events_endpoint", (str,), ""),
             kv_events_port=_port(obj, "kv_events_port"),
+            # A record of an agent before sandboxes: its engine ran unconfined.
+            sandbox=SandboxPolicy.from_json(_get(obj, "sandbox", (dict,), {})),
+            sandboxed=_get(obj, "sandboxed", (bool,), False),
         )
     except ValueError as exc:
         raise ValueError(f"shard {shard_id!r}: {exc}") from None
@@ -193,6 +198,7 @@ def _parse_sidecar(index: int, obj: object) -> SidecarRecord:
             ready_after_s=float(_get(obj, "ready_after_s", (int, float), 0.0)),
             pid=_get(obj, "pid", (int,), 0),
             start_time=_get(obj, "start_time", (int, type(None)), None),
+            sandboxed=_get(obj, "sandboxed", (bool,), False),
         )
         SidecarSpec.from_record(record)  # what adoption will build from it
     except (ValueError, ShardError) as exc:

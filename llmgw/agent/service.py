@@ -21,6 +21,7 @@ import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
+from llmgw.agent.bwrap import Bubblewrap
 from llmgw.agent.config import AgentConfig, TLSConfig
 from llmgw.agent.dataplane import DataPlane, server_ssl_context
 from llmgw.agent.gpu_sampler import GpuSampler
@@ -32,6 +33,7 @@ from llmgw.agent.oplog import OperationLog
 from llmgw.agent.renewal import Renewer, recover_identity
 from llmgw.agent.runtimes import Launch, Runtime, get_runtime
 from llmgw.agent.runtimes.containers import launch_for
+from llmgw.agent.sandbox import Sandboxes, SandboxLayout
 from llmgw.agent.servers import KnownServers
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec
 from llmgw.agent.stream import Credentials, StreamClient, StreamState
@@ -227,6 +229,8 @@ class Agent:
             runtime,
             kv_events=kv_events,
             make_launch=self._docker_launch if runtime.name == "docker" else None,
+            # Docker engines are isolated by their containers; process engines by bubblewrap.
+            sandboxes=self._sandboxes() if runtime.name == "process" else None,
             on_status=self._report_shard,
             multinode_ports=cfg.multinode_ports,
             sources=SourceStore(
@@ -245,6 +249,17 @@ class Agent:
         if adopted or dead:
             log.info("shards after restart", extra=kv(adopted=len(adopted), dead=len(dead)))
         return shards
+
+    def _sandboxes(self) -> Sandboxes:
+        cfg = self.cfg
+        layout = SandboxLayout.for_node(
+            cfg.state_dir,
+            config_file=cfg.source,
+            key_file=cfg.tls.key,
+            models_root=cfg.models_root,
+            cache_root=cfg.cache_root,
+        )
+        return Sandboxes(layout, Bubblewrap())
 
     async def _start_inventory(self, shards: ShardManager) -> InventoryWatcher:
         """What this node has; runs the engines' checks once, off the event loop."""

@@ -54,6 +54,7 @@ import dataclasses
 import enum
 import functools
 import logging
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -68,9 +69,11 @@ from llmgw.agent.models_dir import Located, SourceStore
 from llmgw.agent.records import ShardRecords
 from llmgw.agent.runtimes import Handle, Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
+from llmgw.agent.sandbox import Sandboxed, Sandboxes, hidden_path_reason
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
 from llmgw.contracts.model_sources import SourceSpec
 from llmgw.contracts.ports import DEFAULT_MULTINODE_PORTS, PortRange
+from llmgw.contracts.sandbox import SandboxPolicy
 from llmgw.engines.launch import build_command
 from llmgw.engines.registry import ENGINES, get_engine
 from llmgw.engines.spec import EngineSpec
@@ -150,6 +153,8 @@ class ShardSpec:
     kv_events_endpoint: str = ""
     """The ``ipc://`` socket the engine publishes them to (set on the spec a launch is built
     from; "": none)."""
+    sandbox: SandboxPolicy = field(default_factory=SandboxPolicy)
+    """What the engine's sandbox sees beyond the agent's own choice (the profile's key)."""
 
     @classmethod
     def from_order(cls, order: pb.StartShard) -> ShardSpec:
@@ -174,6 +179,8 @@ class ShardSpec:
             listen_addr=order.listen_addr,
             source_sha256=order.source_sha256,
             kv_events=order.kv_events,
+            # An order of a control plane before sandboxes says nothing: sandboxed.
+            sandbox=SandboxPolicy.from_order(order.sandbox),
         )
 
     @classmethod
@@ -197,6 +204,7 @@ class ShardSpec:
             worker_addrs=record.worker_addrs,
             listen_addr=record.listen_addr,
             kv_events=record.kv_events,
+            sandbox=record.sandbox,
         )
 
     @property
@@ -232,6 +240,10 @@ class Shard:
     """The download of its source, while it runs (stopping the shard cancels it)."""
     kv_events_endpoint: str = ""
     """Where the agent receives its engine's KV cache events ("": it does not)."""
+    sandbox: Sandboxed | None = None
+    """The sandbox this agent started its engine in (None: none, or adopted)."""
+    sandboxed: bool = False
+    """Its engine runs under bubblewrap (``pid`` is bwrap's)."""
 
     @property
     def shard_id(self) -> str:
@@ -268,6 +280,8 @@ class Shard:
             log_offset=self.log_offset,
             kv_events=spec.kv_events,
             kv_events_endpoint=self.kv_events_endpoint,
+            sandbox=spec.sandbox,
+            sandboxed=self.sandboxed,
         )
 
 
@@ -312,8 +326,11 @@ class ShardManager:
         sources: SourceStore | None = None,
         multinode_ports: PortRange = DEFAULT_MULTINODE_PORTS,
         kv_events: KvEventsHub | None = None,
+        sandboxes: Sandboxes | None = None,
     ) -> None:
         self.state_dir = state_dir
+        # Process engines' sandboxes (None: engines run as they are: docker, tests).
+        self.sandboxes = sandboxes
         # The engines' KV cache events, for shards ordered with kv_events (None: ignored).
         self.kv_events = kv_events
         # agent.yaml's range: where a shard may bind its replica's rendezvous port.
@@ -437,6 +454,9 @@ class ShardManager:
         _check_shape(spec)
         _check_rendezvous_port(spec, self.multinode_ports)
         located = self._locate_source(spec)
+        launched = spec
+        if located is not None:
+            launched = dataclasses.replace(spec, source=str(located.path))
         port = pick_port()
         log_path = self.log_path(spec.shard_id)
         sidecars = (
@@ -450,21 +470,25 @@ class ShardManager:
             if spec.sidecars
             else None
         )
-        launched = spec
-        if located is not None:
-            launched = dataclasses.replace(spec, source=str(located.path))
         # The engine's private socket directory, made before it starts (it binds there).
         events = self._subscribe(spec)
         if events:
             launched = dataclasses.replace(launched, kv_events_endpoint=events)
         try:
             launch = self.make_launch(launched, port, log_path)
+            sandboxed = await self._sandbox(launched, located, launch.argv[0])
+            if sandboxed is not None:
+                launch = sandboxed.launch(launch)
+                if sidecars is not None:
+                    sidecars.sandbox = sandboxed
         except LlmgwError:
             if events and self.kv_events is not None:
                 self.kv_events.close(spec.shard_id)
             raise
         # A worker serves nothing: it has no port to report.
-        shard = Shard(spec=spec, port=0 if spec.worker else port, sidecars=sidecars)
+        shard = Shard(
+            spec=spec, port=0 if spec.worker else port, sidecars=sidecars, sandbox=sandboxed
+        )
         shard.kv_events_endpoint = events
         shard.log_offset = _log_size(log_path)
         self.shards[spec.shard_id] = shard
@@ -488,6 +512,28 @@ class ShardManager:
             raise
         shard.task = asyncio.create_task(self._watch(shard), name=f"shard-{spec.shard_id}")
         return shard
+
+    async def _sandbox(
+        self, spec: ShardSpec, located: Located | None, program: str
+    ) -> Sandboxed | None:
+        """The sandbox of ``spec``'s engine, ``program`` (its command's first word); None
+        without sandboxes. Its weights: the located source (perhaps not fetched yet), else
+        a model_path parameter that names a file or folder of this node."""
+        if self.sandboxes is None:
+            return None
+        # The one folder of the agent's state the engine sees: its KV events' socket's.
+        events = spec.kv_events_endpoint
+        sockets = (
+            [Path(events.removeprefix("ipc://")).parent] if events.startswith("ipc://") else []
+        )
+        return await self.sandboxes.prepare(
+            spec.shard_id,
+            spec.sandbox,
+            program=None if get_engine(spec.engine).builtin else program,
+            model=_weights(spec, located),
+            multi_node=spec.nodes > 1,
+            shard_rw=sockets,
+        )
 
     def _subscribe(self, spec: ShardSpec) -> str:
         """The endpoint of the shard's socket for its engine's KV cache events, or "" when it
@@ -537,6 +583,7 @@ class ShardManager:
         shard.pid = shard.handle.pid
         shard.start_time = shard.handle.start_time
         shard.container_id = shard.handle.container_id
+        shard.sandboxed = shard.handle.sandboxed
         log.info(
             "shard starting",
             extra=kv(
@@ -695,6 +742,7 @@ class ShardManager:
                 restart.append((shard, str(exc)))
                 dead.append(record)
                 continue
+            shard.sandboxed = handle.sandboxed
             log.info(
                 "shard adopted",
                 extra=kv(shard=spec.shard_id, model=spec.model, pid=shard.pid, port=shard.port),
@@ -760,6 +808,9 @@ class ShardManager:
                 how = f"engine killed by signal {-code}"
             else:
                 how = f"engine exited with code {code}"
+            hidden = self._hidden_path(shard)
+            if hidden:
+                how = f"{hidden}; {how}"
             shard.reason = shard.reason or how + (f"; log: {tail}" if tail else "")
             log.warning(
                 "shard failed",
@@ -769,6 +820,18 @@ class ShardManager:
             # After the engine, whatever ended it: a restart must find their ports free.
             await shard.sidecars.stop(shard.stop_grace)
         self._emit(shard)
+
+    def _hidden_path(self, shard: Shard) -> str:
+        """What the failed engine could not open because its sandbox hides it ("": none)."""
+        if shard.sandbox is None:
+            return ""
+        try:
+            with open(self.log_path(shard.shard_id), "rb") as f:
+                f.seek(max(shard.log_offset, f.seek(0, 2) - 16384))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return hidden_path_reason(shard.sandbox.plan, text)
 
     def _not_ready_reason(self, shard: Shard) -> str:
         where = f"see {self.log_path(shard.shard_id)}"
@@ -837,12 +900,23 @@ class ShardManager:
             self._emit(shard)
         self.shards.pop(shard_id, None)
         self._save_records()
+        if self.sandboxes is not None:
+            self.sandboxes.forget(shard_id)
         return shard
 
     async def stop_all(self, grace: float = 10.0) -> None:
         await asyncio.gather(
             *(self.stop(sid, grace) for sid in list(self.shards)), return_exceptions=True
         )
+
+
+def _weights(spec: ShardSpec, located: Located | None) -> Path | None:
+    """The shard's weights on this node: its located source (perhaps not fetched yet), else
+    a model_path parameter that names a file or folder here."""
+    if located is not None:
+        return located.path
+    weights = spec.params.get("model_path", "")
+    return Path(weights) if weights.startswith("/") and os.path.exists(weights) else None
 
 
 async def _always() -> bool:

@@ -11,7 +11,9 @@ stop in the reverse order, after the engine.
 
 Sidecars are processes of the node whatever runtime runs the engine, and they see
 ``LLMGW_SHARD_ID``, ``LLMGW_SIDECAR`` and ``LLMGW_ENGINE_PORT`` (the engine's loopback
-port) in their environment. Like engines they outlive the agent: the shard's record keeps
+port) in their environment. A sandboxed shard's sidecars run in a sandbox each, made like the
+engine's (the same model, scratch and extra paths) with their own program's folders
+(:mod:`llmgw.agent.sandbox`). Like engines they outlive the agent: the shard's record keeps
 their pid and start time, and a restarted agent takes them back (:meth:`SidecarSet.adopt`).
 """
 
@@ -34,6 +36,7 @@ from llmgw.agent.runtimes.process import ProcessRuntime
 from llmgw.errors import ShardError
 
 if TYPE_CHECKING:
+    from llmgw.agent.sandbox import Sandboxed
     from llmgw.proto import control_pb2 as pb
 
 __all__ = [
@@ -141,6 +144,8 @@ class Sidecar:
     exit_code: int | None = None
     gone: bool = False
     """Its process has ended (or was not found by a restarted agent)."""
+    sandboxed: bool = False
+    """Its process is the bubblewrap its sidecar runs under."""
 
     @property
     def name(self) -> str:
@@ -156,6 +161,7 @@ class Sidecar:
             ready_after_s=spec.ready_after_s,
             pid=self.pid,
             start_time=self.start_time,
+            sandboxed=self.sandboxed,
         )
 
     def describe_exit(self, context: str = "") -> str:
@@ -184,6 +190,7 @@ class SidecarSet:
         *,
         env: Mapping[str, str] | None = None,
         poll_s: float = _POLL_S,
+        sandbox: Sandboxed | None = None,
     ) -> None:
         names = [s.name for s in specs]
         twice = sorted({n for n in names if names.count(n) > 1})
@@ -195,6 +202,8 @@ class SidecarSet:
         self.shard_id = shard_id
         self.env = dict(env or {})
         self.poll_s = poll_s
+        # The shard's sandbox; each sidecar runs in it with its own program's folders too.
+        self.sandbox = sandbox
         self.runtime = ProcessRuntime()
         self.sidecars = [Sidecar(spec, log_dir / f"{shard_id}.{spec.name}.log") for spec in specs]
 
@@ -246,6 +255,8 @@ class SidecarSet:
             log_path=sidecar.log_path,
             env=env,
         )
+        if self.sandbox is not None:
+            launch = self.sandbox.for_program(sidecar.spec.argv[0]).launch(launch)
         try:
             handle = await self.runtime.start(launch)
         except ShardError as exc:
@@ -256,6 +267,7 @@ class SidecarSet:
         sidecar.handle = handle
         sidecar.pid = handle.pid
         sidecar.start_time = handle.start_time
+        sidecar.sandboxed = handle.sandboxed
         sidecar.started_at = time.time()
 
     async def _wait_healthy(
@@ -344,6 +356,7 @@ class SidecarSet:
         sidecars = cls(shard_id, [SidecarSpec.from_record(r) for r in records], log_dir)
         for sidecar, record in zip(sidecars.sidecars, records, strict=True):
             sidecar.pid, sidecar.start_time = record.pid, record.start_time
+            sidecar.sandboxed = record.sandboxed
             found = ShardRecord(
                 shard_id=f"{shard_id}.{record.name}",
                 replica_id="",
@@ -351,6 +364,7 @@ class SidecarSet:
                 engine="",
                 pid=record.pid,
                 start_time=record.start_time,
+                sandboxed=record.sandboxed,
             )
             sidecar.handle = await sidecars.runtime.adopt(found)
             sidecar.gone = sidecar.handle is None

@@ -139,6 +139,20 @@ def engine() -> None:
     '"publisher": "zmq", "endpoint": "ipc:///PATH", "topic": "..."}; an ipc:// or '
     "wildcard tcp:// endpoint is bound, another dialled, as vLLM does.",
 )
+@click.option(
+    "--probe-path",
+    "probe_path",
+    multiple=True,
+    metavar="PATH",
+    help="A path to try to open (read a file, list a folder) at start, logging whether it "
+    "could: what an engine's sandbox shows. Repeatable.",
+)
+@click.option(
+    "--probe-required",
+    is_flag=True,
+    help="Exit with the error when a --probe-path cannot be opened, as an engine that needs "
+    "the file would.",
+)
 def sim(
     host: str,
     port: int,
@@ -158,6 +172,8 @@ def sim(
     kv_blocks: int,
     prefill_us_per_token: float,
     kv_events_config: str,
+    probe_path: tuple[str, ...],
+    probe_required: bool,
 ) -> None:
     """A simulated OpenAI-compatible engine with deterministic output: chat, completions
     and responses, embeddings, rerank and score, tokenize and detokenize.
@@ -189,5 +205,7 @@ def sim(
         kv_blocks=kv_blocks,
         prefill_us_per_token=prefill_us_per_token,
         kv_events_config=kv_events_config,
+        probe_paths=probe_path,
+        probe_required=probe_required,
     )
     run(cfg)

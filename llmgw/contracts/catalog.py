@@ -9,7 +9,8 @@ parameters, placement, sidecars started before the engine (a model's sidecars go
 each of its profiles; a profile's own sidecar of the same name replaces it), what a replica
 does (``task``: generate, embed, rerank; the endpoints that follow are
 :mod:`llmgw.contracts.endpoints`) and how many requests the gateway sends it at once
-(``max_concurrency``). Every error is a
+(``max_concurrency``) and what a process engine's sandbox also sees (``sandbox``:
+:mod:`llmgw.contracts.sandbox`). Every error is a
 :class:`~llmgw.errors.ConfigError` naming the file and the dotted key, which holds the model
 and the profile: ``catalog.yaml: models.llama-3-8b.profiles.big.nodes: ...``.
 
@@ -37,6 +38,7 @@ from llmgw.configfile import (
     unknown_key_message,
 )
 from llmgw.contracts.model_sources import SourceSpec, parse_source
+from llmgw.contracts.sandbox import SandboxPolicy, parse_sandbox
 from llmgw.engines.launch import check_params, task_args
 from llmgw.engines.registry import (
     TASKS,
@@ -104,6 +106,7 @@ _PROFILE_KEYS = (
     "routing",
     "tokenizer",
     "chat_template",
+    "sandbox",
 )
 _FILE_KEYS = ("url", "path", "sha256")
 
@@ -193,6 +196,8 @@ class Profile:
     # What the gateway keys a prompt's blocks with for routing: kv-events (vLLM, SGLang).
     tokenizer: FileRef | None = None
     chat_template: FileRef | None = None
+    # What a process engine's sandbox sees beyond the agent's choice (contracts.sandbox).
+    sandbox: SandboxPolicy = field(default_factory=SandboxPolicy)
 
     @property
     def routing_policy(self) -> str:
@@ -251,6 +256,8 @@ class Profile:
             out["tokenizer"] = self.tokenizer.to_value()
         if self.chat_template is not None:
             out["chat_template"] = self.chat_template.to_value()
+        if not self.sandbox.is_default:
+            out["sandbox"] = self.sandbox.to_value()
         return out
 
 
@@ -469,6 +476,9 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
     routing = None
     if raw.get("routing") is not None:
         routing = _routing(check, raw["routing"], at("routing"), engine, tokenizer)
+    sandbox = SandboxPolicy()
+    if raw.get("sandbox") is not None:
+        sandbox = parse_sandbox(check, raw["sandbox"], at("sandbox"))
     return Profile(
         engine=engine,
         source=source.text if source is not None else None,
@@ -486,6 +496,7 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         routing=routing,
         tokenizer=tokenizer,
         chat_template=chat_template,
+        sandbox=sandbox,
     )
 
 

@@ -401,7 +401,7 @@ class OrderMeta(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., op_id: _Optional[str] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("meta", "shard_id", "replica_id", "model", "engine", "rank", "params", "extra_args", "gpus", "nodes", "dist_init_addr", "source", "gpu_memory_mib", "sidecars", "profile", "worker_addrs", "listen_addr", "source_sha256", "kv_events")
+    __slots__ = ("meta", "shard_id", "replica_id", "model", "engine", "rank", "params", "extra_args", "gpus", "nodes", "dist_init_addr", "source", "gpu_memory_mib", "sidecars", "profile", "worker_addrs", "listen_addr", "source_sha256", "kv_events", "sandbox")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -428,6 +428,7 @@ class StartShard(_message.Message):
     LISTEN_ADDR_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SHA256_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
     meta: OrderMeta
     shard_id: str
     replica_id: str
@@ -447,7 +448,18 @@ class StartShard(_message.Message):
     listen_addr: str
     source_sha256: str
     kv_events: bool
-    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., dist_init_addr: _Optional[str] = ..., source: _Optional[str] = ..., gpu_memory_mib: _Optional[int] = ..., sidecars: _Optional[_Iterable[_Union[Sidecar, _Mapping]]] = ..., profile: _Optional[str] = ..., worker_addrs: _Optional[_Iterable[str]] = ..., listen_addr: _Optional[str] = ..., source_sha256: _Optional[str] = ..., kv_events: _Optional[bool] = ...) -> None: ...
+    sandbox: Sandbox
+    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., dist_init_addr: _Optional[str] = ..., source: _Optional[str] = ..., gpu_memory_mib: _Optional[int] = ..., sidecars: _Optional[_Iterable[_Union[Sidecar, _Mapping]]] = ..., profile: _Optional[str] = ..., worker_addrs: _Optional[_Iterable[str]] = ..., listen_addr: _Optional[str] = ..., source_sha256: _Optional[str] = ..., kv_events: _Optional[bool] = ..., sandbox: _Optional[_Union[Sandbox, _Mapping]] = ...) -> None: ...
+
+class Sandbox(_message.Message):
+    __slots__ = ("disabled", "extra_ro", "extra_rw")
+    DISABLED_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_RO_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_RW_FIELD_NUMBER: _ClassVar[int]
+    disabled: bool
+    extra_ro: _containers.RepeatedScalarFieldContainer[str]
+    extra_rw: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, disabled: _Optional[bool] = ..., extra_ro: _Optional[_Iterable[str]] = ..., extra_rw: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Sidecar(_message.Message):
     __slots__ = ("name", "argv", "health_url", "timeout_s", "ready_after_s")

@@ -706,6 +706,7 @@ class Scheduler:
             worker_addrs=worker_addrs,
             listen_addr=listen_addr,
             kv_events=profile.routing_policy == "kv-events",
+            sandbox=profile.sandbox,
         )
         store.update_shard(
             shard.id, state=ShardState.STARTING, op_id=op_id, reason="", exit_code=None

@@ -30,6 +30,7 @@ from llmgw.contracts.control_planes import (
     check_control_planes,
     check_retired_serials,
 )
+from llmgw.contracts.sandbox import SandboxPolicy
 from llmgw.errors import ConfigError, LlmgwError, StoreUnavailable
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
@@ -115,6 +116,7 @@ class NodeSession:
         worker_addrs: list[str] | None = None,
         listen_addr: str = "",
         kv_events: bool = False,
+        sandbox: SandboxPolicy | None = None,
     ) -> str:
         meta = self._meta()
         self.queue.put_nowait(
@@ -139,6 +141,7 @@ class NodeSession:
                     worker_addrs=worker_addrs or [],
                     listen_addr=listen_addr,
                     kv_events=kv_events,
+                    sandbox=(sandbox or SandboxPolicy()).to_order(),
                 )
             )
         )

@@ -68,7 +68,9 @@ class SimConfig:
     The prefix cache (:mod:`llmgw.sim.kvcache`): ``kv_blocks`` blocks of ``block_size``
     tokens; each uncached prompt token costs ``prefill_us_per_token`` microseconds of the
     engine's one prefill lane. ``kv_events_config``: vLLM's ``--kv-events-config`` JSON
-    (:func:`kv_events_settings`), "" for no KV cache events.
+    (:func:`kv_events_settings`), "" for no KV cache events. ``probe_paths``: paths it
+    tries to open at start and logs what it could (:mod:`llmgw.sim.probe`); with
+    ``probe_required`` one it cannot open ends it.
     """
 
     host: str = "127.0.0.1"
@@ -89,6 +91,8 @@ class SimConfig:
     kv_blocks: int = 8192
     prefill_us_per_token: float = 0.0
     kv_events_config: str = ""
+    probe_paths: tuple[str, ...] = ()
+    probe_required: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:

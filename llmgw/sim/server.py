@@ -65,6 +65,7 @@ from llmgw.sim.config import SimConfig, is_int
 from llmgw.sim.generate import TOKEN_JSON, draw, tokenize
 from llmgw.sim.kvcache import PrefixCache
 from llmgw.sim.pooling import PoolingHandlers
+from llmgw.sim.probe import probe_paths
 from llmgw.sim.protocol import (
     DISCONNECT_POLL_S,
     SSE_HEADERS,
@@ -567,6 +568,7 @@ def run(cfg: SimConfig) -> None:
             stream=sys.stderr,
             format="%(asctime)s %(levelname)s %(name)s %(message)s",
         )
+    probe_paths(cfg.probe_paths, required=cfg.probe_required)
     run_loop(_serve_until_signalled(cfg), process="sim")
 
 

@@ -1,5 +1,6 @@
 """The agent's whole life on Debian 12 (systemd), in order, in one container: the one-liner,
-join, approve, a sim shard serving through the gateway, a re-run that changes nothing, an
+join, approve, a sim shard serving through the gateway (in its bubblewrap sandbox, under the
+hardened unit), a re-run that changes nothing, an
 upgrade N -> N+1, an upgrade that rolls itself back, a rollback by hand, a signed update
 through the root helper and four hostile orders it refuses, rekey, ufw rules, uninstall,
 purge, and the same node installed from the signed apt repository with 'package'.
@@ -137,6 +138,36 @@ def test_02_approve_and_serve_through_the_gateway(steps: Steps, lab: Lab) -> Non
     steps.key = lab.server.api_key("dryrun")
     lab.deploy(MODEL)
     serves(steps)
+
+
+def test_02b_the_sim_replica_runs_sandboxed_under_the_hardened_unit(steps: Steps, lab: Lab) -> None:
+    """Under the agent's hardened unit (RestrictNamespaces=, the system call filter, a /proc
+    that ProtectKernelTunables= and Docker both cover), the sim engine runs in its bubblewrap
+    sandbox with a fresh /proc of its own, and sees neither the node's key nor /etc/llmgw."""
+    node = node_of(steps)
+    assert lab.server is not None
+    (replica,) = [r for r in lab.server.replicas(MODEL) if r["node"] == NODE]
+    bwrap = replica["pid"]  # the recorded process: bubblewrap, leading the engine's session
+    assert node.out(f"cat /proc/{bwrap}/comm") == "bwrap"
+    assert node.out(f"stat -c %U /proc/{bwrap}") == "llmgw-agent"  # no privilege
+    engines = node.out(f"ps -o pid=,comm= --sid {bwrap} | awk '$2 != \"bwrap\" {{print $1}}'")
+    engine = engines.split()[0]
+    inside = f"nsenter -t {engine} -m"  # the engine's own view of the files
+    # Present on the node, absent in the sandbox.
+    for path in ("/var/lib/llmgw-agent/node.key", "/etc/llmgw/agent.yaml"):
+        assert node.sh(f"test -e {path}", check=False).returncode == 0, path
+        assert node.sh(f"{inside} test -e {path}", check=False).returncode != 0, path
+    # Its own state directory holds only its shard's scratch.
+    assert node.out(f"{inside} ls /var/lib/llmgw-agent") == "scratch"
+    assert node.out(f"{inside} ls /var/lib/llmgw-agent/scratch") == replica["shard"]
+    # A fresh /proc of its own pid namespace: pid 1 there is bwrap's reaper, not systemd, so
+    # the unit's uncovered /proc bind did its work (no fallback to the host's /proc).
+    assert node.out(f"{inside} cat /proc/1/comm") == "bwrap"
+    assert "engine sandbox weakened" not in node.journal(lines=400)
+    # The unit as installed is the hardened one, loosened only for bwrap.
+    unit = node.out("cat /etc/systemd/system/llmgw-agent.service")
+    assert "\nRestrictNamespaces=user mnt pid ipc\n" in unit
+    assert "\nBindPaths=/proc:/run/llmgw-agent/proc:norbind\n" in unit
 
 
 def test_03_install_again_changes_nothing(steps: Steps, lab: Lab) -> None:

@@ -2,11 +2,12 @@
 
 ``scripts/llamacpp-rootfs.sh`` makes a forky rootfs with llama.cpp-tools (debootstrap, about
 45 s the first time on a machine, cached in /var/cache/llmgw-test) and a ``llama-server``
-wrapper that runs it in a chroot. Tests: the command llmgw builds, run directly; a control
-plane and an agent serving it through the gateway to the official openai client; and
-engine-check against the real ``--help``. They need root (chroot, mount) and, the first
-time, debootstrap and the Debian mirror: without those they skip, saying why, except under
-``CI=true``, where they fail: CI must run them.
+wrapper that runs it through the rootfs's own dynamic loader (no chroot: the agent runs it in
+its unprivileged engine sandbox). Tests: the command llmgw builds, run directly; a control
+plane and an agent serving it, sandboxed, through the gateway to the official openai client;
+and engine-check against the real ``--help``. They need root (debootstrap) and, the first
+time, the Debian mirror: without those they skip, saying why, except under ``CI=true``, where
+they fail: CI must run them.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ READY_S = 120.0
 def wrapper(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The ``llama-server`` wrapper of a fresh copy of the (cached) forky rootfs."""
     if os.geteuid() != 0:
-        unavailable("the llama.cpp rootfs needs root (debootstrap, chroot, mount)")
+        unavailable("the llama.cpp rootfs needs root (debootstrap)")
     rootfs = tmp_path_factory.mktemp("llamacpp") / "rootfs"
     started = time.monotonic()
     try:
@@ -193,9 +194,20 @@ def chat_both_ways(client: openai.OpenAI) -> tuple[str, str]:
     return reply.choices[0].message.content or "", "".join(parts)
 
 
-def mounts_under(path: Path) -> list[str]:
-    with open("/proc/self/mounts") as f:
-        return [line for line in f if str(path) in line]
+def engine_in_sandbox(bwrap_pid: int) -> list[bytes]:
+    """The command line of the llama-server that the sandbox (bwrap, ``bwrap_pid``) runs."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == bwrap_pid:
+            continue
+        try:
+            if os.getsid(int(entry)) != bwrap_pid:
+                continue
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.endswith(b"/usr/bin/llama-server") for arg in argv):
+            return argv
+    raise AssertionError(f"no llama-server in the session of {bwrap_pid}")
 
 
 # --------------------------------------------------------------------------- (a) the command
@@ -239,8 +251,6 @@ def test_the_built_command_serves_health_and_chat(wrapper: Path, model: Path) ->
         # The wrapper execs all the way: this pid is llama-server, and TERM stops it.
         code = stop_process(proc, signal.SIGTERM, timeout=30)
     assert code == 0, log.read_text(errors="replace")[-2000:]
-    # Its mounts lived in a namespace of its own and ended with it.
-    assert mounts_under(wrapper.parent.parent) == []
 
 
 # --------------------------------------------------------------------------- (b) end to end
@@ -307,16 +317,16 @@ def test_agent_offers_llamacpp_and_the_gateway_serves_it(
     text, streamed = chat_both_ways(client)
     assert text and streamed == text
 
-    # The engine is the real llama-server, from the rootfs, on a loopback port.
+    # The engine is the real llama-server, from the rootfs, on a loopback port, in its
+    # sandbox: the recorded process is bubblewrap, the server runs in its session.
     replica = server.replicas(MODEL)[0]
-    exe = os.readlink(f"/proc/{replica['pid']}/exe")
-    assert exe.endswith("/usr/bin/llama-server"), exe
-    cmdline = Path(f"/proc/{replica['pid']}/cmdline").read_bytes().split(b"\0")
+    assert os.readlink(f"/proc/{replica['pid']}/exe").endswith("/bwrap")
+    cmdline = engine_in_sandbox(replica["pid"])
+    assert str(wrapper.parent.parent / "rootfs" / "usr/bin/llama-server").encode() in cmdline
     assert [b"--host", b"127.0.0.1"] == cmdline[cmdline.index(b"--host") :][:2]
 
     server.api("DELETE", f"/api/models/{MODEL}")
     wait_for(lambda: not os.path.exists(f"/proc/{replica['pid']}"), what="the engine stopped")
-    assert mounts_under(wrapper.parent.parent) == []
 
 
 def test_an_embedding_profile_of_the_gguf_serves_embeddings_through_the_gateway(

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ci import require_tools
+
 from .test_installer_runs import JOIN, Sandbox, sandbox
 
 __all__ = ["sandbox"]  # the fixture, imported to be used here
@@ -289,6 +291,55 @@ def test_preflight_warns_naming_what_to_install(sandbox: Sandbox, tmp_path: Path
     assert "NVIDIA GPU(s) on its PCI bus" not in " ".join(sandbox.said(given))
     missing = sandbox.run("install", *JOIN, "--nvidia-smi", "/opt/none/nvidia-smi", path=path)
     assert "--nvidia-smi is /opt/none/nvidia-smi but it is not an executable" in missing.stderr
+
+
+def test_preflight_requires_bubblewrap_and_says_how_to_allow_its_user_namespaces(
+    sandbox: Sandbox, tmp_path: Path
+) -> None:
+    """The agent runs process engines under bwrap: without it nothing is installed, and a
+    host that turns unprivileged user namespaces off is told which setting and its fix, in
+    the agent's own words (llmgw.agent.bwrap.userns_problem)."""
+    from llmgw.agent.bwrap import userns_problem
+
+    require_tools("bwrap", "setpriv")
+    missing = sandbox.run("install", *JOIN, token="t0ken", path=path_without(tmp_path, "bwrap"))
+    assert missing.returncode != 0
+    assert sandbox.said(missing)[-1] == (
+        "error: bubblewrap (bwrap) is not installed, and the agent runs process engines in its "
+        "sandbox: apt-get install -y bubblewrap (or dnf install -y bubblewrap), then run this "
+        "again. Nothing was changed"
+    )
+    assert not (sandbox.root / "usr/local/lib/llmgw-agent").exists()
+    proc_sys = sandbox.root / "proc" / "sys"
+    for rel, value in (
+        ("kernel/unprivileged_userns_clone", "0"),
+        ("kernel/apparmor_restrict_unprivileged_userns", "1"),
+        ("user/max_user_namespaces", "0"),
+    ):
+        (proc_sys / rel).parent.mkdir(parents=True, exist_ok=True)
+        (proc_sys / rel).write_text(value + "\n")
+    off = sandbox.run("install", *JOIN, token="t0ken")
+    assert off.returncode == 0, off.stderr
+    # (The sandbox moves /etc/ under its root, in the installer's words too.)
+    warnings = [
+        line.replace("@/etc/", "/etc/") for line in sandbox.said(off) if line.startswith("warning:")
+    ]
+    agent_says = userns_problem(proc_sys)
+    assert warnings == [
+        f"warning: {agent_says}. Until then the agent refuses to start process engines here"
+    ]
+    for setting in (
+        "kernel.unprivileged_userns_clone=0: sysctl -w kernel.unprivileged_userns_clone=1",
+        "kernel.apparmor_restrict_unprivileged_userns=1: allow bwrap alone",
+        "user.max_user_namespaces=0: sysctl -w user.max_user_namespaces=15000",
+    ):
+        assert setting in warnings[0]
+    # A node that runs only Docker engines needs no bwrap.
+    (sandbox.root / CONFIG).write_text(config(sandbox) + "runtime: docker\n")
+    (tmp_path / "again").mkdir()
+    docker = sandbox.run("install", *JOIN, path=path_without(tmp_path / "again", "bwrap"))
+    assert docker.returncode == 0, docker.stderr
+    assert "bubblewrap" not in docker.stderr
 
 
 def test_the_multi_node_range_is_opened_from_the_allowed_sources_only(sandbox: Sandbox) -> None:

@@ -207,6 +207,7 @@ def sandbox(tmp_path: Path) -> Sandbox:
     body = body.replace(
         "PCI_DEVICES=/sys/bus/pci/devices", f"PCI_DEVICES={root}/sys/bus/pci/devices"
     )
+    body = body.replace("PROC_SYS=/proc/sys", f"PROC_SYS={root}/proc/sys")
     for name, version in (("b1", "1.0.0"), ("b2", "1.1.0")):
         bundle = root / name
         (bundle / "systemd").mkdir(parents=True)

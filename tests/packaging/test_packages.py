@@ -163,7 +163,8 @@ def test_deb_holds_its_unit_and_only_its_etc_file_as_conffile(
         assert listing["/usr/lib/llmgw/llmgw"][0] == "-rwxr-xr-x"
         assert listing["/usr/bin/llmgw"][0].startswith("l")
         assert listing["/usr/bin/llmgw"][2] == "../lib/llmgw/llmgw"  # relative (Debian policy 10.5)
-        assert deb_field(deb, "Depends") == ""  # the stand-in needs no C library
+        # The stand-in needs no C library; the engines' sandbox is bubblewrap's.
+        assert deb_field(deb, "Depends") == "bubblewrap"
     else:
         assert not any(p.startswith("/usr/lib/llmgw") for p in listing)
         assert not any("update" in p for p in listing)
@@ -265,6 +266,7 @@ def test_rpm_holds_its_unit_and_only_its_etc_file_as_conffile(
             assert files[f"/usr/lib/systemd/system/{helper}"] == ("-rw-r--r--", "root/root", "")
         assert files["/usr/bin/llmgw"][0].startswith("l")
         assert not any(r.startswith("glibc") for r in requires)
+        assert "bubblewrap" in requires
 
 
 def test_packages_depend_on_the_c_library_the_build_needs(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from llmgw.contracts.sandbox import SandboxPolicy
 from llmgw.errors import ShardError
 
 __all__ = ["Handle", "Launch", "Runtime", "ShardRecord", "SidecarRecord", "open_shard_log"]
@@ -43,6 +44,9 @@ class Launch:
     # multi-node replica, whose rendezvous binds (or dials) the node's own address. The
     # engine then listens on the host's 127.0.0.1:``port`` itself.
     host_network: bool = False
+    # The process runtime: argv starts bubblewrap, which runs the engine in its sandbox
+    # (llmgw.agent.sandbox); the pid is bwrap's, and a stop signals the engine past it.
+    sandboxed: bool = False
 
 
 @dataclass
@@ -57,6 +61,8 @@ class Handle:
     """The process's start time (clock ticks since boot), so that a reused pid is never adopted."""
     container_id: str | None = None
     """The container the engine runs in, for runtimes that use containers."""
+    sandboxed: bool = False
+    """``pid`` is bubblewrap's, the engine runs under it (:attr:`Launch.sandboxed`)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class SidecarRecord:
     ready_after_s: float = 0.0
     pid: int = 0
     start_time: int | None = None
+    sandboxed: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,10 @@ class ShardRecord:
     kv_events_port: int = 0
     """An older agent's: the loopback TCP port its engine publishes them to (read, never
     written; such a shard is restarted on adoption)."""
+    sandbox: SandboxPolicy = field(default_factory=SandboxPolicy)
+    """The order's sandbox (the profile's ``sandbox`` key)."""
+    sandboxed: bool = False
+    """``pid`` is the bubblewrap that runs the engine in its sandbox."""
 
 
 class Runtime(abc.ABC):

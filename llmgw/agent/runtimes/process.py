@@ -4,6 +4,13 @@ Engines outlive the agent: each leads its own session, reads /dev/null, writes t
 file and holds nothing else of the agent's, so a restarted agent adopts it by pid and start
 time. The agent waits for a process through a pidfd (polling /proc where there is none)
 rather than as its parent, since an adopted engine is no longer its child.
+
+A sandboxed engine (:mod:`llmgw.agent.sandbox`) is bubblewrap's child: the pid the agent
+records, adopts and waits for is bwrap's, which leads the session and ends with the engine
+(its exit code the engine's, 128 + N for a signal N). bwrap dies of a SIGTERM at once while
+its sandbox runs on, so a stop sends SIGTERM to every other process of the group (the
+sandbox's pid 1 ignores it; the engine gets its grace) and SIGKILL to the whole group after
+it: killing the sandbox's pid 1 ends everything in the sandbox's pid namespace.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class EngineProcess:
     start_time: int | None
     popen: subprocess.Popen[bytes] | None = None
     """The child this agent started; None when adopted (its exit code is unknowable)."""
+    sandboxed: bool = False
+    """``pid`` is bubblewrap's; the engine runs under it."""
 
     def running(self) -> bool:
         if self.popen is not None:
@@ -80,6 +89,21 @@ class EngineProcess:
                 loop.remove_reader(pidfd)
         finally:
             os.close(pidfd)
+
+
+def _signal_group(pgid: int, sig: int, *, spare: int) -> None:
+    """``sig`` to every process of group ``pgid`` but ``spare`` (read from /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == spare:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            # Fields after the command's closing parenthesis: state, ppid, pgrp, ...
+            if int(stat[stat.rindex(b")") + 2 :].split()[2]) == pgid:
+                os.kill(int(entry), sig)
+        except (OSError, ValueError, IndexError):
+            continue
 
 
 def _engine(handle: Handle) -> EngineProcess:
@@ -127,8 +151,9 @@ class ProcessRuntime(Runtime):
             shard_id=launch.shard_id,
             pid=popen.pid,
             port=launch.port,
-            ref=EngineProcess(popen.pid, start_time, popen),
+            ref=EngineProcess(popen.pid, start_time, popen, sandboxed=launch.sandboxed),
             start_time=start_time,
+            sandboxed=launch.sandboxed,
         )
 
     async def adopt(self, record: ShardRecord) -> Handle | None:
@@ -147,8 +172,9 @@ class ProcessRuntime(Runtime):
             shard_id=record.shard_id,
             pid=record.pid,
             port=record.port,
-            ref=EngineProcess(record.pid, record.start_time),
+            ref=EngineProcess(record.pid, record.start_time, sandboxed=record.sandboxed),
             start_time=record.start_time,
+            sandboxed=record.sandboxed,
         )
 
     async def wait(self, handle: Handle) -> int | None:
@@ -157,7 +183,10 @@ class ProcessRuntime(Runtime):
         if engine.popen is None:
             return None
         # Ended already: this only collects the exit status.
-        return engine.popen.wait()
+        code = engine.popen.wait()
+        if engine.sandboxed and 128 < code <= 128 + 64:
+            return -(code - 128)  # bwrap's words for an engine killed by a signal
+        return code
 
     def alive(self, handle: Handle) -> bool:
         return _engine(handle).running()
@@ -167,9 +196,12 @@ class ProcessRuntime(Runtime):
         if not engine.running():
             return
         # The engine leads its own process group: signal the whole group so that helpers
-        # it forked (tokenizer workers, sidecars) go with it.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(engine.pid, signal.SIGTERM)
+        # it forked (tokenizer workers, sidecars) go with it. Under bwrap, all but bwrap.
+        if engine.sandboxed:
+            _signal_group(engine.pid, signal.SIGTERM, spare=engine.pid)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(engine.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(engine.gone(), timeout=grace)
         except TimeoutError:

@@ -10,6 +10,7 @@ import pytest
 
 from llmgw.agent.records import RECORDS_FILE, ShardRecords, parse_record, record_json
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
+from llmgw.contracts.sandbox import SandboxPolicy
 
 FULL = ShardRecord(
     shard_id="s1",
@@ -39,11 +40,14 @@ FULL = ShardRecord(
             ready_after_s=0.0,
             pid=77,
             start_time=5,
+            sandboxed=True,
         ),
     ),
     worker_addrs=("10.0.0.2:50052",),
     listen_addr="0.0.0.0:50052",
     log_offset=42,
+    sandbox=SandboxPolicy(extra_ro=("/opt/data",), extra_rw=("/scratch",)),
+    sandboxed=True,
 )
 MINIMAL = ShardRecord(shard_id="s2", replica_id="r2", model="m", engine="sim")
 
@@ -58,6 +62,14 @@ def test_save_then_load_gives_the_same_records(tmp_path: Path) -> None:
     assert sorted(p.name for p in path.parent.iterdir()) == [RECORDS_FILE]  # no temporary left
     # No container, no key: what an older agent wrote reads the same.
     assert "container_id" not in json.loads(path.read_text())["s2"]
+
+
+def test_a_record_of_an_agent_before_sandboxes_is_an_unconfined_engine() -> None:
+    entry = record_json(MINIMAL)
+    del entry["sandbox"], entry["sandboxed"]
+    record = parse_record("s2", entry)
+    assert not record.sandboxed  # stopped with its whole group, as that agent did
+    assert record.sandbox == SandboxPolicy()  # a restart is sandboxed
 
 
 def test_save_replaces_the_whole_file(tmp_path: Path) -> None:
@@ -81,6 +93,9 @@ def test_no_file_is_no_records(tmp_path: Path) -> None:
         ({"gpus": [0]}, "shard 's1': 'gpus' is not a list of strings"),
         ({"rank": True}, "shard 's1': 'rank' is a bool"),
         ({"sidecars": [{"name": "bad name", "argv": ["x"]}]}, "shard 's1': sidecar 0: "),
+        ({"sandboxed": 1}, "shard 's1': 'sandboxed' is a int"),
+        ({"sandbox": {"extra_ro": "/opt"}}, "shard 's1': 'sandbox.extra_ro' is not a list"),
+        ({"sandbox": {"enabled": "no"}}, "shard 's1': 'sandbox.enabled' is not a boolean"),
     ],
 )
 def test_an_entry_that_is_not_what_was_written_is_refused(

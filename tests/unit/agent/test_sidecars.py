@@ -354,6 +354,7 @@ def test_engine_starts_only_after_its_sidecar_is_healthy(tmp_path: Path, files: 
                 "ready_after_s": DEFAULT_READY_AFTER_S,
                 "pid": sidecar.pid,
                 "start_time": sidecar.start_time,
+                "sandboxed": False,
             }
         ]
 
