@@ -24,6 +24,7 @@ $(STAMP): $(RUN_STAMP)
 venv: $(STAMP)
 
 run: $(RUN_STAMP)
+	@./scripts/ensure-python.sh --optional bwrap bubblewrap
 	$(VENV)/bin/llmgw up $(ARGS)
 
 test: $(STAMP)

@@ -71,6 +71,7 @@ _TOP_KEYS = (
     "cache_root",
     "state_dir",
     "stop_shards_on_exit",
+    "sandbox",
     "runtime",
     "docker",
     "install_sources",
@@ -173,6 +174,10 @@ class AgentConfig:
     cache_root: Path
     state_dir: Path
     stop_shards_on_exit: bool = False
+    # Process engines run in their bubblewrap sandbox: "required" (a node refuses to start an
+    # engine where bubblewrap cannot run), or "if-available" (llmgw up on a developer's
+    # machine: unconfined, with a warning that names the fix, where it cannot).
+    sandbox: str = "required"
     runtime: str = "process"
     docker: DockerConfig = field(default_factory=DockerConfig)
     # Where engine installs may download from besides https:// (llmgw.contracts.sources).
@@ -282,6 +287,7 @@ def _parse(
             if top.get("stop_shards_on_exit") is None
             else check.boolean(top["stop_shards_on_exit"], "stop_shards_on_exit")
         ),
+        sandbox=_sandbox(check, top.get("sandbox")),
         runtime=runtime,
         docker=_docker(check, top.get("docker"), runtime),
         install_sources=_install_sources(check, top.get("install_sources")),
@@ -540,6 +546,23 @@ def _install_sources(check: Checker, value: object) -> tuple[SourcePrefix, ...]:
             )
         prefixes.append(prefix)
     return tuple(prefixes)
+
+
+SANDBOX_MODES = ("required", "if-available")
+
+
+def _sandbox(check: Checker, value: object) -> str:
+    if value is None:
+        return "required"
+    mode = check.string(value, "sandbox")
+    if mode not in SANDBOX_MODES:
+        check.fail(
+            "sandbox",
+            f"must be required (the default: engines never run unconfined) or if-available "
+            f"(unconfined, with a warning, where bubblewrap cannot run), not {mode!r}; a "
+            "profile's own sandbox key (catalog) widens or turns off one model's",
+        )
+    return mode
 
 
 def _runtime(check: Checker, value: object) -> str:

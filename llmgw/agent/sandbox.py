@@ -452,9 +452,13 @@ class Sandboxed:
 class Sandboxes:
     """The sandboxes of this node's shards: its layout, and bubblewrap probed once."""
 
-    def __init__(self, layout: SandboxLayout, bwrap: Bubblewrap) -> None:
+    def __init__(self, layout: SandboxLayout, bwrap: Bubblewrap, *, required: bool = True) -> None:
         self.layout = layout
         self.bwrap = bwrap
+        # False ('sandbox: if-available', llmgw up): where bubblewrap cannot run, engines run
+        # unconfined, said once as a warning with the fix.
+        self.required = required
+        self._unavailable_said = False
 
     async def prepare(
         self,
@@ -479,7 +483,20 @@ class Sandboxes:
                 extra=kv(shard=shard_id),
             )
             return None
-        features = await self.bwrap.features()
+        try:
+            features = await self.bwrap.features()
+        except ShardError as exc:
+            if self.required:
+                raise
+            if not self._unavailable_said:
+                self._unavailable_said = True
+                log.warning(
+                    "engines not sandboxed: bubblewrap cannot run here (agent.yaml says "
+                    "sandbox: if-available); they run as the agent's user and can read what "
+                    "it reads",
+                    extra=kv(reason=str(exc)),
+                )
+            return None
         state_dir = self.layout.state_dir
         programs = builtin_roots() if program is None else program_roots(program, state_dir)
         shard_rw = tuple(shard_rw)

@@ -259,7 +259,7 @@ class Agent:
             models_root=cfg.models_root,
             cache_root=cfg.cache_root,
         )
-        return Sandboxes(layout, Bubblewrap())
+        return Sandboxes(layout, Bubblewrap(), required=cfg.sandbox == "required")
 
     async def _start_inventory(self, shards: ShardManager) -> InventoryWatcher:
         """What this node has; runs the engines' checks once, off the event loop."""

@@ -168,6 +168,8 @@ class LocalCluster:
             "state_dir": str(d),
             "tls": {"cert": str(cert), "key": str(key), "ca": str(d / "ca.crt")},
             "stop_shards_on_exit": True,
+            # A developer's machine may lack bubblewrap: the sim runs there all the same.
+            "sandbox": "if-available",
         }
         path = d / "agent.yaml"
         write_private(path, yaml.safe_dump(config, sort_keys=False).encode())

@@ -221,3 +221,48 @@ def test_where_a_fresh_proc_cannot_be_mounted_the_hosts_is_bound_and_the_agent_i
     ], result.stdout + result.stderr
     assert "engine sandbox weakened" in result.stderr
     assert "one engine can read another's files through /proc/<pid>/root" in HOST_PROC_WARNING
+
+
+def _layout(tmp_path: Path) -> object:
+    from llmgw.agent.sandbox import SandboxLayout
+
+    (tmp_path / "state").mkdir(exist_ok=True)
+    return SandboxLayout.for_node(
+        tmp_path / "state",
+        config_file=tmp_path / "agent.yaml",
+        key_file=tmp_path / "state" / "node.key",
+        models_root=tmp_path / "models",
+        cache_root=tmp_path / "cache",
+    )
+
+
+def test_without_bubblewrap_a_node_refuses_and_llmgw_up_runs_unconfined_saying_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+    import logging
+
+    from llmgw.agent.bwrap import Bubblewrap
+    from llmgw.agent.sandbox import Sandboxes
+    from llmgw.contracts.sandbox import SandboxPolicy
+    from llmgw.errors import ShardError
+
+    missing = str(tmp_path / "no-bwrap")
+
+    def prepare(sandboxes: Sandboxes, shard: str) -> object:
+        return asyncio.run(
+            sandboxes.prepare(
+                shard, SandboxPolicy(), program=sys.executable, model=None, multi_node=False
+            )
+        )
+
+    required = Sandboxes(_layout(tmp_path), Bubblewrap(missing))  # type: ignore[arg-type]
+    with pytest.raises(ShardError, match="bubblewrap"):
+        prepare(required, "s1")
+    relaxed = Sandboxes(_layout(tmp_path), Bubblewrap(missing), required=False)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="llmgw.agent.sandbox"):
+        assert prepare(relaxed, "s1") is None
+        assert prepare(relaxed, "s2") is None
+    said = [r for r in caplog.records if "engines not sandboxed" in r.getMessage()]
+    assert len(said) == 1  # once, not per shard
+    assert "bubblewrap" in said[0].__dict__["fields"]["reason"]  # the fix, from the probe

@@ -169,6 +169,8 @@ INVALID = [
     ("server: cp1\nstate_dir: 1\n", "state_dir", "got int"),
     ("server: cp1\nstop_shards_on_exit: 1\n", "stop_shards_on_exit", "true or false, got int"),
     ("server: cp1\nstop_shards_on_exit: 'no'\n", "stop_shards_on_exit", "got string"),
+    ("server: cp1\nsandbox: false\n", "sandbox", "must be a string, got bool"),
+    ("server: cp1\nsandbox: maybe\n", "sandbox", "must be required (the default"),
     ("server: cp1\nmax_request_body: 8MB\n", "max_request_body", "ambiguous; use binary units"),
     ("server: cp1\nmax_request_body: 100\n", "max_request_body", "at least 1 KiB"),
     ("server: cp1\nmax_request_body: lots\n", "max_request_body", "a size like 8MiB"),
@@ -689,3 +691,12 @@ def test_node_id_problem() -> None:
     assert node_id_problem("llmgw-x") is not None
     assert node_id_problem("GPU") is not None
     assert node_id_problem("") is not None
+
+
+def test_the_sandbox_is_required_unless_said_otherwise(tmp_path: Path) -> None:
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("server: cp1\n")
+    assert load_agent_config(plain).sandbox == "required"
+    relaxed = tmp_path / "relaxed.yaml"
+    relaxed.write_text("server: cp1\nsandbox: if-available\n")
+    assert load_agent_config(relaxed).sandbox == "if-available"
