@@ -41,7 +41,7 @@ def test_a_refresh_of_the_models_loads_their_tokenizers(tmp_path: Path) -> None:
         await cp.start()
         try:
             assert cp.gateway.tokenizers is cp.tokenizers
-            assert cp.tokenizers.cache_dir == tmp_path / "server" / "tokenizers"
+            assert cp.tokenizers.files.cache_dir == tmp_path / "server" / "tokenizers"
             profile = {
                 "engine": "vllm",
                 "gpus": 1,
