@@ -325,3 +325,15 @@ def test_the_readmes_python_snippet_runs_as_written(up: Up) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ChatCompletion(") and "llmgw-sim" in out.stdout, out.stdout
+
+
+def test_add_node_on_a_loopback_cluster_says_no_other_machine_can_join(up: Up) -> None:
+    out = subprocess.run(
+        [*LLMGW, "ctl", "--state-dir", str(up.state_dir), "join-command", "--node", "gpu-2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "warning: this control plane takes joins on loopback only" in out.stderr
+    assert "'llmgw up --host 0.0.0.0'" in out.stderr
