@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import itertools
 import json
@@ -77,7 +78,7 @@ def server_config(opts: UpOptions) -> ServerConfig:
     """The control plane of ``llmgw up``: on loopback unless ``--host`` says otherwise (plain
     HTTP beyond loopback carries the admin password and tokens in clear; the control plane
     warns of it at start)."""
-    return load_server_config(
+    cfg = load_server_config(
         None,
         overrides={
             "state_dir": str(opts.state_dir / "server"),
@@ -88,6 +89,8 @@ def server_config(opts: UpOptions) -> ServerConfig:
             "loss_timeout": 10.0,
         },
     )
+    # The gateway's hints name ctl as the banner does: as this llmgw can be typed.
+    return dataclasses.replace(cfg, ctl_command=f"{typed_command()} ctl")
 
 
 class LocalCluster:

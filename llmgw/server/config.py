@@ -186,6 +186,10 @@ class ServerConfig:
     max_messages: int = DEFAULT_MAX_MESSAGES
     metrics_token_file: Path | None = None
     tokenizer_sources: tuple[SourcePrefix, ...] = ()
+    # How an operator runs 'llmgw ctl' on this machine, in the fixes the gateway's refusals
+    # name: 'llmgw ctl', or (llmgw up) the llmgw the user started, as they can type it. Not a
+    # server.yaml key.
+    ctl_command: str = "llmgw ctl"
 
     @property
     def database_location(self) -> Location:

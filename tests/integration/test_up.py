@@ -124,7 +124,8 @@ def test_wrong_key_is_an_authentication_error(up: Up) -> None:
         client.chat.completions.create(
             model="llmgw-sim", messages=[{"role": "user", "content": "hi"}]
         )
-    assert "llmgw ctl keys create" in str(info.value)
+    # The fix named as the banner names ctl: as the user can type it (here python -m llmgw).
+    assert f"'{typed(sys.executable)} -m llmgw ctl keys create NAME'" in str(info.value)
 
 
 def test_unknown_model_is_not_found_naming_the_models(up: Up) -> None:
