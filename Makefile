@@ -52,8 +52,20 @@ bench: $(STAMP)
 # the bundle even without installer/install-agent.sh. VERSION=V (on the command line) builds
 # the same sources stamped version V into dist/vV/, for upgrade tests.
 ARCH ?= x64
-.PHONY: dist
-dist: $(VENV)/bin/python
+# The wheel builds without isolation (no index needed), from the venv's own setuptools: a
+# fresh venv's (Debian 12's python3.11: 66) predates license-files, which pyproject uses.
+WHEEL_STAMP := $(VENV)/.installed-wheel
+WHEEL_OUT ?= dist
+
+$(WHEEL_STAMP): $(VENV)/bin/python
+	$(PY) -m pip install --quiet 'setuptools>=77'
+	@touch $(WHEEL_STAMP)
+
+.PHONY: dist wheel
+wheel: $(WHEEL_STAMP)
+	PYTHON=$(PY) ./scripts/dist.sh --wheel "$(WHEEL_OUT)" $(if $(filter command line,$(origin VERSION)),--version $(VERSION))
+
+dist: $(WHEEL_STAMP)
 	PYTHON=$(PY) ./scripts/dist.sh $(if $(ALLOW_MISSING_INSTALLER),--allow-missing-installer) $(if $(filter command line,$(origin VERSION)),--version $(VERSION)) $(ARCH)
 
 clean:

@@ -9,7 +9,10 @@ same machine conditions:
 2. throughput at concurrency 64 (non-streamed, fixed duration, two rounds);
 3. SSE at concurrency 1 with 64 tokens: time to first content chunk and inter-chunk gaps;
 4. 256 concurrent SSE streams through the gateway, twice (the first burst opens new
-   gateway -> agent connections, the second reuses them): chunks received vs expected.
+   gateway -> agent connections, the second reuses them): chunks received vs expected;
+5. long answers: 512-token streams (vLLM's ``ignore_eos``) at concurrency 8, direct and
+   proxied, and the CPU each process spends per streamed chunk: each hop's cost of relaying
+   a realistic answer, not of a request's set-up.
 
 Throughput also reports the CPU each process spends per request (from /proc), which says
 where the time goes and what ratio a CPU-bound machine allows, and each hop's (the gateway's
@@ -61,6 +64,9 @@ CONCURRENCY = 64
 THROUGHPUT_ROUNDS = 2
 THROUGHPUT_WARMUP_S = 0.5
 MANY_STREAMS = 256
+LONG_TOKENS = 512
+LONG_STREAMS = 32
+LONG_CONCURRENCY = 8
 SEED_SEARCH = range(1001)
 
 STARTUP_TIMEOUT_S = 120.0
@@ -302,11 +308,19 @@ def stream_prompt() -> tuple[str, int, list[str]]:
     raise BenchError(f"no seed in {SEED_SEARCH} gives {STREAM_TOKENS} tokens for {prompt!r}")
 
 
-def chat_body(prompt: str, *, max_tokens: int, stream: bool, seed: int | None = None) -> bytes:
+def chat_body(
+    prompt: str,
+    *,
+    max_tokens: int,
+    stream: bool,
+    seed: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> bytes:
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
+        **(extra or {}),
     }
     if seed is not None:
         body["seed"] = seed
@@ -688,6 +702,60 @@ async def phase_many_streams(
     }
 
 
+async def phase_long_streams(
+    direct: Target, proxied: Target, pids: dict[str, int], n: int = LONG_STREAMS
+) -> dict[str, Any]:
+    """``n`` streams of ``LONG_TOKENS`` tokens per target, ``LONG_CONCURRENCY`` at a time,
+    direct then proxied, and the CPU microseconds each process spent per chunk received."""
+    body = chat_body(
+        "Tell me a long story.",
+        max_tokens=LONG_TOKENS,
+        stream=True,
+        seed=1,
+        extra={"ignore_eos": True},
+    )
+    out: dict[str, Any] = {
+        "streams_each": n,
+        "tokens": LONG_TOKENS,
+        "concurrency": LONG_CONCURRENCY,
+    }
+    errors: Counter[str] = Counter()
+    for target in (direct, proxied):
+        gate = asyncio.Semaphore(LONG_CONCURRENCY)
+
+        async def one(target: Target = target, gate: asyncio.Semaphore = gate) -> StreamResult:
+            async with gate:
+                return await stream(target, body)
+
+        before = cpu_seconds(pids)
+        t0 = time.monotonic()
+        results = await run_all([one() for _ in range(n)], PHASE_TIMEOUT_S)
+        wall = time.monotonic() - t0
+        after = cpu_seconds(pids)
+        chunks = 0
+        for res in results:
+            if isinstance(res, BaseException):
+                errors[_error_key(res)] += 1
+            else:
+                chunks += res.chunks
+        out[target.name] = {
+            "chunks": chunks,
+            "wall_s": round(wall, 2),
+            "chunks_per_s": round(chunks / wall, 1) if wall else math.nan,
+            "cpu_us_per_chunk": {
+                k: round((after[k] - before[k]) / chunks * 1e6, 2) if chunks else math.nan
+                for k in after
+                if k in before
+            },
+        }
+    out["chunks_expected"] = n * LONG_TOKENS
+    out["cpu_us_per_chunk_per_hop"] = {
+        k: out["proxied"]["cpu_us_per_chunk"].get(k, math.nan) for k in ("gateway", "agent")
+    }
+    out["errors"] = dict(errors)
+    return out
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -805,6 +873,27 @@ def render(fig: dict[str, Any]) -> str:
                 f" | CPU {cpu}"
             )
         lines.append("  errors: none" if not m["errors"] else _errors_line(m["errors"]))
+    g = fig.get("long_streams")
+    if g:
+        lines.append(
+            f"long answers   {g['streams_each']} streams of {g['tokens']} tokens each, "
+            f"c={g['concurrency']} (ignore_eos)"
+        )
+        for name in ("direct", "proxied"):
+            r = g[name]
+            us = r["cpu_us_per_chunk"]
+            procs = " ".join(
+                f"{k} {us[k]:.1f}" for k in ("client", "gateway", "agent", "engine") if k in us
+            )
+            lines.append(
+                f"  {name:<8} {r['chunks']} of {g['chunks_expected']} chunks in {r['wall_s']:.1f} s"
+                f" ({r['chunks_per_s']:.0f}/s) | CPU us/chunk {procs}"
+            )
+        hop = g["cpu_us_per_chunk_per_hop"]
+        lines.append(
+            f"  CPU us per streamed chunk per hop: gateway {hop['gateway']:.1f}, "
+            f"agent {hop['agent']:.1f}" + _errors_line(g["errors"])
+        )
     lines.append(f"total run {fig['run_s']:.1f} s")
     return "\n".join(lines)
 
@@ -875,6 +964,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "many_streams",
                     f"{MANY_STREAMS} concurrent streams through the gateway, 2 bursts",
                     lambda: phase_many_streams(proxied, cluster.pids),
+                ),
+                (
+                    "long_streams",
+                    f"{LONG_STREAMS} streams of {LONG_TOKENS} tokens each, c={LONG_CONCURRENCY}",
+                    lambda: phase_long_streams(direct, proxied, cluster.pids),
                 ),
             ]
             for key, what, phase in phases:

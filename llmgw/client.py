@@ -23,7 +23,6 @@ never go over plain HTTP to anything but a loopback address (``localhost``, 127.
 from __future__ import annotations
 
 import http.client
-import ipaddress
 import json
 import os
 import ssl
@@ -41,6 +40,7 @@ from llmgw.contracts.ports import DEFAULT_HTTP_PORT
 from llmgw.controlpeer import NotControlPlane, cluster_cas_in, require_control_plane
 from llmgw.errors import APIError, CertificateError, ClientError, ConfigError, ConnectError
 from llmgw.fsutil import write_private
+from llmgw.netaddr import is_loopback_host
 from llmgw.pki import load_bundle
 
 __all__ = [
@@ -173,15 +173,7 @@ def is_loopback_url(url: str) -> bool:
         host = urllib.parse.urlsplit(url).hostname
     except ValueError:
         return False
-    if not host:
-        return False
-    host = host.rstrip(".").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return bool(host) and is_loopback_host(host or "")
 
 
 def _read_ctl_file(

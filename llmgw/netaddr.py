@@ -27,6 +27,7 @@ __all__ = [
     "format_hostport",
     "is_hostname",
     "is_ip_address",
+    "is_loopback_host",
     "local_addresses",
     "parse_host",
     "parse_hostport",
@@ -157,6 +158,22 @@ def format_hostport(host: str, port: int) -> str:
     if ":" in host:
         return f"[{host}]:{port}"
     return f"{host}:{port}"
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` as written (brackets allowed) is reached from this machine alone:
+    ``localhost``, 127.0.0.0/8, ``::1`` or an IPv4-mapped loopback address. No name is
+    resolved: what a name resolves to can change between the check and its use."""
+    bare = host.strip().strip("[]").split("%", 1)[0].rstrip(".").lower()
+    if bare == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 def parse_host(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | str | None:

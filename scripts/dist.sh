@@ -72,19 +72,25 @@ ROOTFS_RECIPE=1
 parse_args() {
     ALLOW_MISSING_INSTALLER=""
     CHECK=""
+    WHEEL_ONLY=""
     ARCH=x64
     STAMP=""
     while [ $# -gt 0 ]; do
         case $1 in
             --allow-missing-installer) ALLOW_MISSING_INSTALLER=--allow-missing-installer ;;
             --check) CHECK=1 ;;
+            --wheel)
+                [ $# -ge 2 ] || fatal "--wheel needs a directory, e.g. --wheel dist"
+                WHEEL_ONLY=$2
+                shift
+                ;;
             --version)
                 [ $# -ge 2 ] || fatal "--version needs a value, e.g. --version 0.1.1"
                 STAMP=$2
                 shift
                 ;;
             x64 | arm64) ARCH=$1 ;;
-            *) fatal "usage: $0 [--allow-missing-installer | --check] [--version V] [x64|arm64] (got '$1')" ;;
+            *) fatal "usage: $0 [--allow-missing-installer | --check | --wheel DIR] [--version V] [x64|arm64] (got '$1')" ;;
         esac
         shift
     done
@@ -537,7 +543,8 @@ check_version() {
 make_wheel() {
     work=$(mktemp -d)
     TO_CLEAN="$TO_CLEAN $work"
-    tar -cf - --exclude=__pycache__ --exclude='*.pyc' pyproject.toml README.md llmgw \
+    # LICENSE too: pyproject's license-files names it, and the wheel carries it.
+    tar -cf - --exclude=__pycache__ --exclude='*.pyc' pyproject.toml README.md LICENSE llmgw \
         | tar -C "$work" -xf -
     [ -z "$STAMP" ] || stamp_version "$work/llmgw/__init__.py"
     python=$PYTHON
@@ -593,6 +600,14 @@ report() {
 main() {
     parse_args "$@"
     setup
+    if [ -n "$WHEEL_ONLY" ]; then
+        # 'make wheel': the wheel alone, into the directory given (no root, no build rootfs).
+        OUT=$WHEEL_ONLY
+        mkdir -p "$OUT"
+        remove_on_exit
+        make_wheel
+        exit 0
+    fi
     if [ -n "$CHECK" ]; then
         if binaries_are_current; then
             info "$ONEFILE and $ONEDIR are current"

@@ -55,9 +55,17 @@ def engine() -> None:
 @click.option(
     "--max-tokens",
     default=SimConfig.max_tokens,
+    type=int,
+    help="The limit of a request that sets none (max_tokens, max_completion_tokens, "
+    "max_output_tokens). Default: none, the rest of --max-length.",
+)
+@click.option(
+    "--max-length",
+    default=SimConfig.max_length,
     show_default=True,
     type=int,
-    help="Default max_tokens of a request.",
+    help="The model's context in tokens, prompt and answer (vLLM's --max-model-len): a "
+    "request that does not fit is refused, one that sets no limit may be answered up to it.",
 )
 @click.option(
     "--embedding-dim",
@@ -160,7 +168,8 @@ def sim(
     seed: int,
     ttft_ms: float,
     tps: float,
-    max_tokens: int,
+    max_tokens: int | None,
+    max_length: int,
     embedding_dim: int,
     nodes: int,
     rank: int,
@@ -194,6 +203,7 @@ def sim(
         ttft_ms=ttft_ms,
         tps=tps,
         max_tokens=max_tokens,
+        max_length=max_length,
         embedding_dim=embedding_dim,
         nodes=nodes,
         rank=rank,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import itertools
 import json
@@ -53,6 +54,8 @@ log = logging.getLogger("llmgw.up")
 
 UP_MODEL = "llmgw-sim"
 UP_NODE = "local"
+UP_ACTOR = "llmgw up"
+"""Who the events ``llmgw up`` causes name as their actor."""
 
 
 @dataclass(frozen=True)
@@ -63,9 +66,11 @@ class UpOptions:
     grpc_port: int = DEFAULT_GRPC_PORT
     agent_port: int = DEFAULT_DATA_PORT
     enroll_port: int = DEFAULT_ENROLL_PORT
-    replicas: int = 1
-    ttft_ms: float = 0.0
-    tps: float = 0.0
+    # None: not given. A fresh state directory gets one replica and no simulated delays; a
+    # reused one keeps what it has, whatever an operator changed since (console, ctl).
+    replicas: int | None = None
+    ttft_ms: float | None = None
+    tps: float | None = None
     ready_timeout: float = 120.0
 
 
@@ -73,7 +78,7 @@ def server_config(opts: UpOptions) -> ServerConfig:
     """The control plane of ``llmgw up``: on loopback unless ``--host`` says otherwise (plain
     HTTP beyond loopback carries the admin password and tokens in clear; the control plane
     warns of it at start)."""
-    return load_server_config(
+    cfg = load_server_config(
         None,
         overrides={
             "state_dir": str(opts.state_dir / "server"),
@@ -84,6 +89,8 @@ def server_config(opts: UpOptions) -> ServerConfig:
             "loss_timeout": 10.0,
         },
     )
+    # The gateway's hints name ctl as the banner does: as this llmgw can be typed.
+    return dataclasses.replace(cfg, ctl_command=f"{typed_command()} ctl")
 
 
 class LocalCluster:
@@ -196,23 +203,39 @@ class LocalCluster:
         log.info("agent started", extra=kv(pid=self.agent.pid))
 
     def _deploy(self) -> None:
+        """Deploy llmgw-sim; on a reused state directory change only what was given on the
+        command line, and record what changed as ``llmgw up``'s doing."""
         assert self.cp is not None
         store = self.cp.store
-        params: dict[str, object] = {}
-        if self.opts.ttft_ms:
-            params["ttft_ms"] = self.opts.ttft_ms
-        if self.opts.tps:
-            params["tps"] = self.opts.tps
+        opts = self.opts
         try:
             existing = store.get_model(UP_MODEL)
         except NotFound:
             existing = None
-        if existing is not None and existing.params != params:
+        params: dict[str, object] = dict(existing.params) if existing is not None else {}
+        for name, value in (("ttft_ms", opts.ttft_ms), ("tps", opts.tps)):
+            if value is not None:
+                params.pop(name, None)
+                if value:
+                    params[name] = value
+        if existing is None:
+            replicas = opts.replicas or 1
+            store.put_model(UP_MODEL, engine="sim", params=params, replicas=replicas)
+            what = f"sim, {replicas} replicas"
+        elif existing.params != params:
             for replica in store.list_replicas(UP_MODEL):
                 self.cp.scheduler.remove_replica(
-                    replica.id, why="llmgw up with other engine settings"
+                    replica.id, why="llmgw up with other engine settings", actor=UP_ACTOR
                 )
-        store.put_model(UP_MODEL, engine="sim", params=params, replicas=self.opts.replicas)
+            replicas = existing.replicas if opts.replicas is None else opts.replicas
+            store.put_model(UP_MODEL, engine="sim", params=params, replicas=replicas)
+            what = f"sim with {params or 'no simulated delays'}, {replicas} replicas"
+        elif opts.replicas is not None and opts.replicas != existing.replicas:
+            store.deploy_model(UP_MODEL, profile=existing.profile, replicas=opts.replicas)
+            what = f"{opts.replicas} replicas (was {existing.replicas})"
+        else:
+            return  # as it was left: nothing to deploy, nothing to record
+        store.add_event("model_deployed", UP_MODEL, what, UP_ACTOR)
         self.cp.serving.refresh_models()
         self.cp.scheduler.kick()
 
@@ -238,7 +261,7 @@ class LocalCluster:
         assert self.cp is not None
         node = self.cp.store.get_node(UP_NODE)
         if node.state == "pending":
-            self.cp.membership.approve(UP_NODE, node.fingerprint or "", actor="llmgw up")
+            self.cp.membership.approve(UP_NODE, node.fingerprint or "", actor=UP_ACTOR)
 
     async def _wait_connected(self) -> None:
         assert self.cp is not None and self.agent is not None
@@ -259,8 +282,10 @@ class LocalCluster:
     async def _wait_ready(self) -> None:
         assert self.cp is not None and self.agent is not None
         deadline = time.monotonic() + self.opts.ready_timeout
+        # The count deployed, which an operator may have set to 0 on a reused state directory.
+        wanted = min(1, self.cp.store.get_model(UP_MODEL).replicas)
         while time.monotonic() < deadline:
-            if len(self.cp.router.endpoints(UP_MODEL)) >= min(1, self.opts.replicas):
+            if len(self.cp.router.endpoints(UP_MODEL)) >= wanted:
                 return
             if self.agent.returncode is not None:
                 raise LlmgwError(

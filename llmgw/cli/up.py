@@ -79,24 +79,21 @@ def _setup_up_logging(state_dir: Path, verbose: bool) -> None:
 )
 @click.option(
     "--replicas",
-    default=UpOptions.replicas,
-    show_default=True,
+    default=None,
     type=click.IntRange(1, 16),
-    help="Replicas of llmgw-sim.",
+    help="Replicas of llmgw-sim (default 1; a state directory in use keeps its count, which the console or ctl may have changed, unless this is given).",
 )
 @click.option(
     "--ttft-ms",
-    default=UpOptions.ttft_ms,
-    show_default=True,
+    default=None,
     type=float,
-    help="Simulated time to first token.",
+    help="Simulated time to first token (default 0; a state directory in use keeps its setting unless this is given).",
 )
 @click.option(
     "--tps",
-    default=UpOptions.tps,
-    show_default=True,
+    default=None,
     type=float,
-    help="Simulated tokens per second (0: no delay).",
+    help="Simulated tokens per second (default 0: no delay; a state directory in use keeps its setting unless this is given).",
 )
 @click.option(
     "-v", "--verbose", is_flag=True, help="Show info logs on the terminal (always in STATE/logs)."
@@ -108,9 +105,9 @@ def up(
     grpc_port: int,
     agent_port: int,
     enroll_port: int,
-    replicas: int,
-    ttft_ms: float,
-    tps: float,
+    replicas: int | None,
+    ttft_ms: float | None,
+    tps: float | None,
     verbose: bool,
 ) -> None:
     """Start a one-machine cluster and print the OpenAI base URL; Ctrl-C stops it all."""

@@ -29,6 +29,7 @@ PARAMS: Mapping[str, Param] = MappingProxyType(
         "ttft_ms": Param("--ttft-ms", float, minimum=0, sample="10"),
         "tps": Param("--tps", float, minimum=0, sample="100"),
         "max_tokens": Param("--max-tokens", int, minimum=1, sample="16"),
+        "max_length": Param("--max-length", int, minimum=2, sample="8192"),
         "embedding_dim": Param(
             "--embedding-dim", int, minimum=1, maximum=MAX_EMBEDDING_DIM, sample="384"
         ),

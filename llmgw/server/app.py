@@ -1019,6 +1019,7 @@ class ControlPlane:
             http_scheme=cfg.http_scheme,
             advertise=cfg.advertise,
             instance_stale_after=cfg.instance_stale_after,
+            enroll_loopback_only=cfg.enroll_loopback_only,
             metrics=self.metrics,
             tokenizer_problem=self.tokenizers.problem,
             pending_usage=self._pending_usage,

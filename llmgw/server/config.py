@@ -23,7 +23,7 @@ from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT, DEFAUL
 from llmgw.contracts.sources import SourcePrefix, parse_prefix
 from llmgw.errors import ConfigError
 from llmgw.listener import ListenerLimits, parse_listener_limits
-from llmgw.netaddr import format_hostport, is_hostname, is_ip_address
+from llmgw.netaddr import format_hostport, is_hostname, is_ip_address, is_loopback_host
 from llmgw.server.logins import LoginPolicy
 from llmgw.server.store.location import Location, parse_location
 
@@ -121,6 +121,11 @@ class TLSConfig:
         return self.cert is None
 
 
+def loopback_only(listen: str) -> bool:
+    """Whether a host:port listen address is reached from this machine alone."""
+    return is_loopback_host(listen.rpartition(":")[0])
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything ``server.yaml`` says, validated; relative paths already made absolute."""
@@ -181,6 +186,10 @@ class ServerConfig:
     max_messages: int = DEFAULT_MAX_MESSAGES
     metrics_token_file: Path | None = None
     tokenizer_sources: tuple[SourcePrefix, ...] = ()
+    # How an operator runs 'llmgw ctl' on this machine, in the fixes the gateway's refusals
+    # name: 'llmgw ctl', or (llmgw up) the llmgw the user started, as they can type it. Not a
+    # server.yaml key.
+    ctl_command: str = "llmgw ctl"
 
     @property
     def database_location(self) -> Location:
@@ -217,17 +226,13 @@ class ServerConfig:
     def cleartext_exposed(self) -> bool:
         """Whether http_listen serves plain HTTP beyond loopback: the console's password and
         cookie, the admin token, the API keys travel in clear."""
-        if self.tls is not None:
-            return False
-        host = self.http_listen.rpartition(":")[0].strip("[]")
-        if host == "localhost":
-            return False
-        if not is_ip_address(host):
-            return True  # a name: whatever it resolves to, it is meant to be reached
-        ip = ipaddress.ip_address(host)
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        return not ip.is_loopback
+        return self.tls is None and not loopback_only(self.http_listen)
+
+    @property
+    def enroll_loopback_only(self) -> bool:
+        """Whether joining nodes can reach this control plane only from this very machine
+        (enroll_listen on loopback: what 'llmgw up' does unless given --host)."""
+        return loopback_only(self.enroll_listen)
 
     @property
     def metrics_token_path(self) -> Path:

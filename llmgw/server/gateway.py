@@ -118,6 +118,8 @@ class GatewayLimits:
     queue_timeout: float = 30.0
     fair_queueing: bool = True
     max_messages: int = DEFAULT_MAX_MESSAGES
+    # How an operator runs ctl here, in the fixes the gateway's refusals name.
+    ctl: str = "llmgw ctl"
 
     @classmethod
     def of(cls, cfg: ServerConfig) -> GatewayLimits:
@@ -130,6 +132,7 @@ class GatewayLimits:
             queue_timeout=cfg.queue_timeout,
             fair_queueing=cfg.fair_queueing,
             max_messages=cfg.max_messages,
+            ctl=cfg.ctl_command,
         )
 
 
@@ -273,8 +276,8 @@ class Gateway:
             return openai_error(
                 401,
                 f"The API key '{key.name}' expired on {when}. Ask the operator for a new key "
-                f"('llmgw ctl keys create NAME') or to extend this one ('llmgw ctl keys "
-                f"update {key.name} --expires 90d').",
+                f"('{self.limits.ctl} keys create NAME') or to extend this one "
+                f"('{self.limits.ctl} keys update {key.name} --expires 90d').",
                 code="expired_api_key",
             )
         return key
@@ -287,7 +290,7 @@ class Gateway:
         return openai_error(
             401,
             "Incorrect or missing API key. Pass 'Authorization: Bearer <key>'; an operator "
-            "creates keys with 'llmgw ctl keys create NAME'.",
+            f"creates keys with '{self.limits.ctl} keys create NAME'.",
             code="invalid_api_key",
         )
 
@@ -387,7 +390,7 @@ class Gateway:
         cfg = self.limits
         if model is not None and model in self.serving.body_limits:
             taken = f"model '{model}' takes at most {format_size(limit)}"
-            fix = "its catalog profile's max_request_body sets it ('llmgw ctl models apply')"
+            fix = f"its catalog profile's max_request_body sets it ('{cfg.ctl} models apply')"
         elif limit == cfg.max_inflight_body_bytes and limit < self.serving.largest_body_limit:
             taken = f"this gateway holds at most {format_size(limit)} of bodies at once"
             fix = "raise max_inflight_body_bytes in server.yaml"
@@ -449,8 +452,8 @@ class Gateway:
             return openai_error(
                 403,
                 f"The API key '{key.name}' may not use the model '{model}'; it may use "
-                f"{', '.join(policy.models)}. The operator changes that with 'llmgw ctl keys "
-                f"update {key.name} --models ...'.",
+                f"{', '.join(policy.models)}. The operator changes that with "
+                f"'{self.limits.ctl} keys update {key.name} --models ...'.",
                 type_="permission_error",
                 param="model",
                 code="model_not_allowed",
@@ -680,7 +683,7 @@ class Gateway:
                         f"{self.serving.max_concurrency(model)} each) and this request waited "
                         f"{exc.waited:.1f} s (queue_timeout in server.yaml) with "
                         f"{exc.depth} others; retry in a moment, or the operator adds replicas "
-                        f"('llmgw ctl scale {model} N').",
+                        f"('{self.limits.ctl} deploy {model} --replicas N').",
                         type_="server_error",
                         code="model_overloaded",
                         headers={"Retry-After": "1"},
@@ -737,7 +740,7 @@ class Gateway:
         return openai_error(
             503,
             f"The model '{model}' has no ready replica right now; retry after a few seconds "
-            f"('llmgw ctl replicas {model}' shows why).",
+            f"('{self.limits.ctl} replicas {model}' shows why).",
             type_="server_error",
             code="model_not_ready",
             headers={"Retry-After": "5"},

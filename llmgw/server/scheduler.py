@@ -727,8 +727,9 @@ class Scheduler:
 
     # -- feedback from agents ------------------------------------------------------------------
 
-    def remove_replica(self, replica_id: str, *, why: str) -> None:
-        """Stop a replica's shards where they run, forget them and delete the replica."""
+    def remove_replica(self, replica_id: str, *, why: str, actor: str = "") -> None:
+        """Stop a replica's shards where they run, forget them and delete the replica; the
+        event names ``actor`` when an operator's order (not the control plane) removed it."""
         for shard in self.store.list_shards(replica_id=replica_id):
             self.router.remove_shard(shard.id)
             session = self.sessions.get(shard.node_id)
@@ -736,7 +737,7 @@ class Scheduler:
                 session.stop_shard(shard.id)
             self.forget(shard.id)
         self.store.delete_replica(replica_id)
-        self.store.add_event("replica_removed", replica_id, why)
+        self.store.add_event("replica_removed", replica_id, why, actor)
         self.on_routes_changed()
 
     def shard_failed(self, shard_id: str) -> None:

@@ -73,9 +73,9 @@ class ServedModel:
         )
 
 
-_CAP_PARAMS = ("max_model_len", "context_length", "ctx_size", "max_tokens")
+_CAP_PARAMS = ("max_model_len", "context_length", "ctx_size", "max_tokens", "max_length")
 """The profile params that bound one answer's tokens: vLLM's and SGLang's context length,
-llama.cpp's context (all its slots'), the sim's max_tokens."""
+llama.cpp's context (all its slots'), the sim's default limit or its context."""
 
 
 def _output_cap(engine: str, profile: Mapping[str, Any]) -> int | None:
@@ -85,7 +85,7 @@ def _output_cap(engine: str, profile: Mapping[str, Any]) -> int | None:
         with contextlib.suppress(TypeError, ValueError):
             if (cap := int(str(params.get(name)))) > 0:
                 return cap
-    return SimConfig.max_tokens if engine == "sim" else None
+    return SimConfig.max_length if engine == "sim" else None
 
 
 def _approx_capacity(profile: Mapping[str, Any]) -> int:

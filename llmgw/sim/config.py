@@ -13,6 +13,7 @@ from llmgw.netaddr import parse_hostport
 
 __all__ = [
     "DEFAULT_HWM",
+    "DEFAULT_MAX_LENGTH",
     "MAX_BLOCK_SIZE",
     "MAX_EMBEDDING_DIM",
     "KvEventsSettings",
@@ -25,6 +26,8 @@ MAX_EMBEDDING_DIM = 16384
 """The longest embedding a sim engine makes (the largest real models' are 4096-8192)."""
 MAX_BLOCK_SIZE = 1024
 """The largest KV cache block a sim engine takes (llmgw keys blocks of up to as many)."""
+DEFAULT_MAX_LENGTH = 8192
+"""The sim model's context in tokens, prompt and answer (vLLM's --max-model-len)."""
 DEFAULT_HWM = 100_000
 """The publisher's high-water mark when the config gives none (vLLM's ``hwm`` default)."""
 
@@ -63,7 +66,10 @@ class SimConfig:
     ``join_timeout_s``; heartbeats go both ways every ``heartbeat_s`` and a peer silent for
     ``peer_timeout_s`` is gone. ``dist_init_addr`` is ignored when ``nodes`` is 1.
     ``embedding_dim``: the length of the vectors ``/v1/embeddings`` answers (a request's
-    ``dimensions`` may ask for fewer).
+    ``dimensions`` may ask for fewer). ``max_length``: the model's context in tokens (vLLM's
+    ``--max-model-len``): a prompt and its answer together fit in it, and a request that
+    sets no limit may be answered up to it; ``max_tokens``: the limit of a request that sets
+    none (None: the context's rest), as a model's generation config sets one.
 
     The prefix cache (:mod:`llmgw.sim.kvcache`): ``kv_blocks`` blocks of ``block_size``
     tokens; each uncached prompt token costs ``prefill_us_per_token`` microseconds of the
@@ -79,7 +85,8 @@ class SimConfig:
     seed: int = 0
     ttft_ms: float = 0.0
     tps: float = 0.0
-    max_tokens: int = 32
+    max_tokens: int | None = None
+    max_length: int = DEFAULT_MAX_LENGTH
     embedding_dim: int = 384
     nodes: int = 1
     rank: int = 0
@@ -116,9 +123,15 @@ class SimConfig:
                 raise EngineError(
                     f"sim: {name} must be a finite number >= 0, got {value!r}; 0 means no delay"
                 )
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise EngineError(
-                f"sim: max_tokens must be a positive integer, got {self.max_tokens!r}"
+                f"sim: max_tokens must be a positive integer, got {self.max_tokens!r}; leave it "
+                "out for answers up to the model's length"
+            )
+        if not is_int(self.max_length) or self.max_length < 2:
+            raise EngineError(
+                f"sim: max_length must be an integer of at least 2 (the model's context in "
+                f"tokens, prompt and answer), got {self.max_length!r}"
             )
         if not is_int(self.embedding_dim) or not 1 <= self.embedding_dim <= MAX_EMBEDDING_DIM:
             raise EngineError(

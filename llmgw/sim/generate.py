@@ -3,8 +3,13 @@
 Determinism: the seed is the request's ``seed`` or else :attr:`SimConfig.seed`;
 the generator is ``random.Random`` seeded with a BLAKE2b digest of the seed and
 the prompt text (chat: the message contents joined by newlines). It draws a
-length in [8, 64]; when that exceeds ``max_tokens`` exactly ``max_tokens`` tokens
-are emitted with finish reason ``length``, otherwise all of them with ``stop``.
+length in [8, 64], where the answer ends by itself (its end-of-sequence token),
+at least ``min_tokens`` (vLLM's: no end before that many), never with ``ignore_eos``
+(vLLM's: the answer runs to its limit). When that exceeds ``max_tokens`` (the
+request's limit, else the rest of the model's context) exactly ``max_tokens``
+tokens are emitted with finish reason ``length``, otherwise all of them with
+``stop``. The tokens are drawn one after the other from the one generator, so a
+longer answer to the same prompt and seed starts with the shorter one.
 The first token is a capitalised word and every later one a space followed by a
 word, so the streamed deltas concatenate to the non-streamed text exactly.
 With ``n`` > 1, choice ``i`` > 0 uses a generator keyed on ``i`` as well;
@@ -92,15 +97,24 @@ def _rng(seed: int, prompt: str, choice: int) -> random.Random:
     return random.Random(int.from_bytes(digest, "big"))
 
 
-def draw(prompt: str, max_tokens: int, seed: int, choice: int = 0) -> tuple[list[str], str]:
+def draw(
+    prompt: str,
+    max_tokens: int,
+    seed: int,
+    choice: int = 0,
+    *,
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
+) -> tuple[list[str], str]:
     """:func:`generate` for choice ``choice``, without checking its arguments (the server's
     request path has checked them)."""
     rng = _rng(seed, prompt, choice)
-    length = rng.randint(MIN_LENGTH, MAX_LENGTH)
-    count = min(length, max_tokens)
+    length = rng.randint(MIN_LENGTH, MAX_LENGTH)  # drawn always: the words do not depend on it
+    ends = None if ignore_eos else max(length, min_tokens)
+    count = max_tokens if ends is None else min(ends, max_tokens)
     tokens = [_FIRST[rng.randrange(len(_FIRST))]]
     tokens += rng.choices(_LATER, k=count - 1)
-    return tokens, ("length" if length > max_tokens else "stop")
+    return tokens, ("length" if ends is None or ends > max_tokens else "stop")
 
 
 def tokenize(text: str) -> list[int]:
@@ -136,7 +150,13 @@ def detokenize(ids: Sequence[int]) -> str:
 
 
 def generate(
-    cfg: SimConfig, prompt: str, *, max_tokens: int, seed: int | None
+    cfg: SimConfig,
+    prompt: str,
+    *,
+    max_tokens: int,
+    seed: int | None,
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
 ) -> tuple[list[str], str]:
     """The tokens the engine emits for ``prompt`` and the finish reason.
 
@@ -146,4 +166,12 @@ def generate(
         raise EngineError(f"sim: max_tokens must be a positive integer, got {max_tokens!r}")
     if seed is not None and not is_int(seed):
         raise EngineError(f"sim: seed must be an integer or None, got {seed!r}")
-    return draw(prompt, max_tokens, cfg.seed if seed is None else seed)
+    if not is_int(min_tokens) or min_tokens < 0:
+        raise EngineError(f"sim: min_tokens must be an integer >= 0, got {min_tokens!r}")
+    return draw(
+        prompt,
+        max_tokens,
+        cfg.seed if seed is None else seed,
+        min_tokens=min_tokens,
+        ignore_eos=ignore_eos,
+    )

@@ -16,6 +16,7 @@ __all__ = [
     "ROLES",
     "SSE_HEADERS",
     "BadRequest",
+    "answer_limit",
     "chat_prompt",
     "dumps",
     "error_response",
@@ -106,6 +107,34 @@ def positive_int(body: dict[str, Any], name: str) -> int | None:
     if not is_int(value) or value < 1:
         raise BadRequest(f"'{name}' must be a positive integer, got {value!r}", name)
     return int(value)
+
+
+def answer_limit(
+    max_length: int, default: int | None, prompt_tokens: int, asked: int | None, name: str
+) -> int:
+    """The most tokens an answer to a prompt of ``prompt_tokens`` may have: what the request
+    ``asked`` (its ``name``), else the engine's ``default``, else the rest of the model's
+    context of ``max_length`` tokens, as vLLM does; the refusal in vLLM's words when the
+    prompt, or the prompt and what was asked, do not fit in the context."""
+    rest = max_length - prompt_tokens
+    if asked is not None and asked > rest:
+        raise BadRequest(
+            f"This model's maximum context length is {max_length} tokens. However, you "
+            f"requested {prompt_tokens + asked} tokens ({prompt_tokens} in the messages, "
+            f"{asked} in the completion). Please reduce the length of the messages or "
+            "completion.",
+            name,
+        )
+    if rest < 1:
+        raise BadRequest(
+            f"This model's maximum context length is {max_length} tokens. However, your "
+            f"messages resulted in {prompt_tokens} tokens. Please reduce the length of the "
+            "messages.",
+            "messages",
+        )
+    if asked is not None:
+        return asked
+    return rest if default is None else min(default, rest)
 
 
 def gone(request: web.Request) -> bool:

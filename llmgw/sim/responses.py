@@ -3,10 +3,11 @@ text, streamed as its typed events or answered whole.
 
 The text is the chat endpoint's for the same conversation (:func:`llmgw.sim.generate.draw`
 of the instructions and the input's texts, one a line, with the engine's seed), paced the
-same way: ``ttft_ms`` to the first token, ``tps`` after it. Cut short by
-``max_output_tokens`` (else the engine's ``max_tokens``), a response is ``incomplete``
-(reason ``max_output_tokens``) and its stream ends with ``response.incomplete``, as
-OpenAI's do; otherwise ``completed`` and ``response.completed``. A stream is
+same way: ``ttft_ms`` to the first token, ``tps`` after it. An answer ends by itself
+(``completed``, its stream with ``response.completed``) unless ``max_output_tokens`` (else
+the engine's ``max_tokens``, else the rest of the model's context) cuts it short: then it
+is ``incomplete`` (reason ``max_output_tokens``) and its stream ends with
+``response.incomplete``, as OpenAI's do. A stream is
 ``event: TYPE`` / ``data: JSON`` pairs: response.created, response.in_progress,
 response.output_item.added, response.content_part.added, one response.output_text.delta per
 token, response.output_text.done, response.content_part.done, response.output_item.done,
@@ -36,6 +37,7 @@ from llmgw.sim.protocol import (
     ROLES,
     SSE_HEADERS,
     BadRequest,
+    answer_limit,
     dumps,
     gone,
     missing,
@@ -55,7 +57,7 @@ _IGNORED_ITEMS = frozenset({"function_call", "reasoning", "item_reference"})
 @dataclass(frozen=True, slots=True)
 class _Request:
     prompt: str
-    max_tokens: int
+    max_tokens: int | None  # as asked; None: the engine's default, else the context's rest
     stream: bool
     echo: dict[str, Any]  # the request's settings, as the response repeats them
 
@@ -79,10 +81,17 @@ class ResponsesHandlers:
             req = _parse(body, self.cfg)
         except BadRequest as e:
             return e.response()
-        tokens, finish = draw(req.prompt, req.max_tokens, self.cfg.seed)
+        input_tokens = len(tokenize(req.prompt))  # as chat counts it; outside the prefix cache
+        cfg = self.cfg
+        try:
+            limit = answer_limit(
+                cfg.max_length, cfg.max_tokens, input_tokens, req.max_tokens, "max_output_tokens"
+            )
+        except BadRequest as e:
+            return e.response()
+        tokens, finish = draw(req.prompt, limit, cfg.seed)
         ids = _Ids(os.urandom(12).hex())
         created = int(time.time())
-        input_tokens = len(tokenize(req.prompt))  # as chat counts it; outside the prefix cache
         usage = {
             "input_tokens": input_tokens,
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -282,7 +291,7 @@ def _parse(body: dict[str, Any], cfg: SimConfig) -> _Request:
     }
     return _Request(
         prompt="\n".join(texts),
-        max_tokens=max_output_tokens or cfg.max_tokens,
+        max_tokens=max_output_tokens,
         stream=stream,
         echo=echo,
     )

@@ -70,6 +70,7 @@ from llmgw.sim.protocol import (
     DISCONNECT_POLL_S,
     SSE_HEADERS,
     BadRequest,
+    answer_limit,
     chat_prompt,
     dumps,
     error_response,
@@ -111,7 +112,10 @@ def _completion_prompts(prompt: object) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class _Options:
-    max_tokens: int
+    max_tokens: int | None  # as asked; None: the engine's default, else the context's rest
+    limit_name: str  # the member that asked it, named in a refusal
+    min_tokens: int
+    ignore_eos: bool
     seed: int
     n: int
     stream: bool
@@ -119,11 +123,28 @@ class _Options:
 
 
 def _options(body: dict[str, Any], cfg: SimConfig, *, chat: bool) -> _Options:
-    max_tokens = positive_int(body, "max_completion_tokens") if chat else None
+    limit_name = "max_completion_tokens"
+    max_tokens = positive_int(body, limit_name) if chat else None
     if max_tokens is None:
-        max_tokens = positive_int(body, "max_tokens")
-    if max_tokens is None:
-        max_tokens = cfg.max_tokens
+        limit_name = "max_tokens"
+        max_tokens = positive_int(body, limit_name)
+    # vLLM's sampling parameters for long answers: no end before min_tokens, none at all
+    # with ignore_eos (the answer runs to its limit).
+    min_tokens = body.get("min_tokens")
+    if min_tokens is None:
+        min_tokens = 0
+    elif not is_int(min_tokens) or min_tokens < 0:
+        raise BadRequest(f"'min_tokens' must be an integer >= 0, got {min_tokens!r}", "min_tokens")
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise BadRequest(
+            f"min_tokens must be less than or equal to {limit_name}={max_tokens}, got {min_tokens}",
+            "min_tokens",
+        )
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is None:
+        ignore_eos = False
+    elif not isinstance(ignore_eos, bool):
+        raise BadRequest(f"'ignore_eos' must be a boolean, got {ignore_eos!r}", "ignore_eos")
 
     seed = body.get("seed")
     if seed is None:
@@ -154,7 +175,7 @@ def _options(body: dict[str, Any], cfg: SimConfig, *, chat: bool) -> _Options:
             )
         include_usage = bool(value)
 
-    return _Options(max_tokens, seed, n, stream, include_usage)
+    return _Options(max_tokens, limit_name, min_tokens, ignore_eos, seed, n, stream, include_usage)
 
 
 # --------------------------------------------------------------------------- the server
@@ -228,13 +249,32 @@ class _Handlers:
         except BadRequest as e:
             return error_response(e.status, e.message, e.param, e.code)
 
+        cfg = self.cfg
+        prompt_ids = [tokenize(prompt) for prompt in prompts]
+        try:
+            limits = [
+                answer_limit(
+                    cfg.max_length, cfg.max_tokens, len(ids), opts.max_tokens, opts.limit_name
+                )
+                for ids in prompt_ids
+            ]
+        except BadRequest as e:
+            return error_response(e.status, e.message, e.param, e.code)
         jobs = [
-            draw(prompt, opts.max_tokens, opts.seed, j) for prompt in prompts for j in range(opts.n)
+            draw(
+                prompt,
+                limit,
+                opts.seed,
+                j,
+                min_tokens=min(opts.min_tokens, limit),
+                ignore_eos=opts.ignore_eos,
+            )
+            for prompt, limit in zip(prompts, limits, strict=True)
+            for j in range(opts.n)
         ]
         prompt_tokens = cached = 0
         events: list[Event] = []
-        for prompt in prompts:
-            ids = tokenize(prompt)
+        for ids in prompt_ids:
             prompt_tokens += len(ids)
             found = self.cache.lookup(ids)
             cached += found.cached_tokens
@@ -507,6 +547,7 @@ async def _serve_http(
                 "ttft_ms": cfg.ttft_ms,
                 "tps": cfg.tps,
                 "max_tokens": cfg.max_tokens,
+                "max_length": cfg.max_length,
                 "nodes": cfg.nodes,
                 "block_size": cfg.block_size,
                 "kv_blocks": cfg.kv_blocks,

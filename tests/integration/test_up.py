@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -123,7 +124,8 @@ def test_wrong_key_is_an_authentication_error(up: Up) -> None:
         client.chat.completions.create(
             model="llmgw-sim", messages=[{"role": "user", "content": "hi"}]
         )
-    assert "llmgw ctl keys create" in str(info.value)
+    # The fix named as the banner names ctl: as the user can type it (here python -m llmgw).
+    assert f"'{typed(sys.executable)} -m llmgw ctl keys create NAME'" in str(info.value)
 
 
 def test_unknown_model_is_not_found_naming_the_models(up: Up) -> None:
@@ -211,8 +213,6 @@ def test_metrics_count_requests_tokens_and_ttft(up: Up) -> None:
 def test_ctrl_c_leaves_no_process_and_second_up_reuses_ca_and_key(tmp_path: Path) -> None:
     first = start_up(tmp_path / "state")
     ca_before = (tmp_path / "state" / "server" / "pki" / "ca.crt").read_bytes()
-    import json
-
     records = json.loads((tmp_path / "state" / "agent" / "shards.json").read_text())
     engine_pids = [r["pid"] for r in records.values()]
     assert engine_pids
@@ -222,6 +222,15 @@ def test_ctrl_c_leaves_no_process_and_second_up_reuses_ca_and_key(tmp_path: Path
         if p.isdigit() and cmdline(int(p)).count(str(tmp_path / "state" / "agent" / "agent.yaml"))
     ]
     assert agent_pids
+    # The operator scales the model (as the console's Scale does); the next up keeps it.
+    ctl = [*LLMGW, "ctl", "--state-dir", str(tmp_path / "state")]
+    scaled = subprocess.run(
+        [*ctl, "deploy", "llmgw-sim", "--replicas", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert scaled.returncode == 0, scaled.stderr
     code = stop_process(first.proc, signal.SIGINT, timeout=60)
     assert code == 0, "".join(first.output)
     assert "stopped." in "".join(first.output)
@@ -240,6 +249,24 @@ def test_ctrl_c_leaves_no_process_and_second_up_reuses_ca_and_key(tmp_path: Path
         assert second.api_key == first.api_key
         client = openai.OpenAI(base_url=second.base_url, api_key=second.api_key)
         assert [m.id for m in client.models.list()] == ["llmgw-sim"]
+        shown = subprocess.run(
+            [*LLMGW, "ctl", "--state-dir", str(tmp_path / "state"), "--json", "models"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0, shown.stderr
+        (model,) = json.loads(shown.stdout)
+        assert model["replicas"] == 2  # not the default 1 re-applied
+        events = subprocess.run(
+            [*LLMGW, "ctl", "--state-dir", str(tmp_path / "state"), "--json", "events"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        deployed = [e for e in json.loads(events.stdout) if e["kind"] == "model_deployed"]
+        # Newest first: the operator's scale; up's first deploy, named as up's.
+        assert [e["actor"] for e in deployed] == ["token", "llmgw up"], deployed
     finally:
         assert stop_process(second.proc, signal.SIGINT, timeout=60) == 0
 
@@ -299,3 +326,15 @@ def test_the_readmes_python_snippet_runs_as_written(up: Up) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ChatCompletion(") and "llmgw-sim" in out.stdout, out.stdout
+
+
+def test_add_node_on_a_loopback_cluster_says_no_other_machine_can_join(up: Up) -> None:
+    out = subprocess.run(
+        [*LLMGW, "ctl", "--state-dir", str(up.state_dir), "join-command", "--node", "gpu-2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "warning: this control plane takes joins on loopback only" in out.stderr
+    assert "'llmgw up --host 0.0.0.0'" in out.stderr

@@ -169,3 +169,29 @@ def test_pipx_installs_the_operator_cli(wheel: Path, tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert str(tmp_path / "pipx") in where.stdout
+
+
+def test_make_wheel_from_a_fresh_venv_carries_the_licence(tmp_path: Path) -> None:
+    """`make dist`'s wheel step on a fresh clone: its venv is a bare `python3 -m venv`, whose
+    setuptools predates license-files (Debian 12's is 66); the step brings its own, and the
+    wheel is built from a copy that holds LICENSE, as pyproject's license-files says."""
+    venv = tmp_path / "venv"
+    out = tmp_path / "out"
+    made = subprocess.run(
+        ["make", "--no-print-directory", "wheel", f"VENV={venv}", f"WHEEL_OUT={out}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "license-files" not in made.stderr  # setuptools' "matched nothing" warning
+    (wheel,) = out.glob("llmgw-*-py3-none-any.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        licence = next(n for n in names if n.endswith(".dist-info/licenses/LICENSE"))
+        assert zf.read(licence) == (ROOT / "LICENSE").read_bytes()
+        metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-File: LICENSE" in metadata
+    assert "License-Expression: Apache-2.0" in metadata

@@ -30,7 +30,7 @@ from llmgw.contracts.keypolicy import (
 )
 from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, INSTALLER_FACTS, NodeFacts
 from llmgw.errors import ConfigError, Conflict, NotFound
-from llmgw.netaddr import check_node_id_free, format_hostport, parse_hostport
+from llmgw.netaddr import check_node_id_free, format_hostport, is_loopback_host, parse_hostport
 from llmgw.server import cloudinit
 from llmgw.server.admin.context import AdminContext, BadRequest, read_flag, read_json
 from llmgw.server.bundles import one_liner
@@ -439,6 +439,9 @@ async def create_join_token(
         auto_approve=auto_approve,
     )
     enroll_url = f"https://{format_hostport(host, ctx.listening.enroll_port)}"
+    unreachable = _unreachable_warning(ctx, host)
+    if unreachable is not None:
+        warning = unreachable if warning is None else f"{warning}. Also: {unreachable}"
     ca_hash = ctx.ca.ca_hash()
     # A re-pair names the uid it keeps: the node has no state directory to read it from.
     repair = ["--node-uid", node_uid] if lost_state and node_uid else []
@@ -523,6 +526,26 @@ async def create_join_token(
 CLOUD_INIT_TTL = 86400
 """A cloud-init token's default ttl: the user-data waits for a machine to boot, and the
 token sits in cloud-init's copy of it (root only) until it expires unspent."""
+
+
+def _unreachable_warning(ctx: AdminContext, host: str) -> str | None:
+    """What to tell an operator whose join command only this machine could run: the
+    control plane takes joins on loopback only, or the command names a loopback host."""
+    if ctx.enroll_loopback_only:
+        return (
+            "this control plane takes joins on loopback only, so no other machine can reach "
+            "it and the command works on this machine alone; for a cluster other machines "
+            "join, start it on an address they reach: 'llmgw up --host 0.0.0.0' (or this "
+            "machine's address), or 'llmgw server' with http_listen and enroll_listen on it "
+            "in server.yaml"
+        )
+    if is_loopback_host(host):
+        return (
+            f"the command names {host}, which only this machine reaches; give the address "
+            "other machines reach the control plane at ('llmgw ctl join-command --address "
+            "HOST', the Add node form's address, or advertise: in server.yaml)"
+        )
+    return None
 
 
 def _join_address(ctx: AdminContext, header: str, address: object) -> tuple[str, int]:

@@ -121,6 +121,8 @@ class AdminContext:
     advertise: tuple[str, ...]
     # Seconds an instance must have been silent before it may be retired (on PostgreSQL).
     instance_stale_after: float
+    # Whether the enrolment listener is on loopback only: no other machine can join.
+    enroll_loopback_only: bool = False
     # This instance's usage counts not flushed to the store yet (the gateway's usage
     # book): what the key and usage routes add to the stored rows.
     pending_usage: Callable[[], list[UsageRow]] = field(default=lambda: [])

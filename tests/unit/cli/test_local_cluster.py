@@ -199,3 +199,58 @@ def test_the_banner_lists_every_endpoint_the_model_answers(tmp_path: Path) -> No
     line = next(x for x in banner_of(tmp_path).splitlines() if "answers every endpoint" in x)
     for path in ("/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/rerank"):
         assert path in line
+
+
+class _Deployed:
+    """A LocalCluster's deploy step against a real store, the scheduler and serving stand-ins
+    recording what they were asked."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        from llmgw.server.store import Store
+
+        self.store = Store.open(tmp_path / "llmgw.db")
+        self.removed: list[tuple[str, str]] = []
+
+        def remove_replica(replica_id: str, *, why: str, actor: str = "") -> None:
+            self.removed.append((replica_id, actor))
+            self.store.delete_replica(replica_id)
+
+        self.cp: Any = SimpleNamespace(
+            store=self.store,
+            scheduler=SimpleNamespace(kick=lambda: None, remove_replica=remove_replica),
+            serving=SimpleNamespace(refresh_models=lambda: None),
+        )
+
+    def up(self, tmp_path: Path, **given: Any) -> None:
+        cluster = LocalCluster(UpOptions(state_dir=tmp_path, **given), say=print)
+        cluster.cp = self.cp
+        cluster._deploy()
+
+    def deployed(self) -> list[tuple[str, str]]:
+        """(message, actor) of each model_deployed event, oldest first."""
+        events = reversed(self.store.list_events(kind="model_deployed"))
+        return [(e.message, e.actor) for e in events]
+
+
+def test_up_changes_only_what_it_is_given_and_says_so_as_itself(tmp_path: Path) -> None:
+    rig = _Deployed(tmp_path)
+    rig.up(tmp_path)
+    model = rig.store.get_model(UP_MODEL)
+    assert (model.replicas, model.params) == (1, {})
+    assert rig.deployed() == [("sim, 1 replicas", "llmgw up")]
+    # An operator scales it and slows it down; a plain 'up' again changes nothing.
+    rig.store.put_model(UP_MODEL, engine="sim", params={"ttft_ms": 50.0}, replicas=3)
+    rig.store.add_replica(UP_MODEL)
+    rig.up(tmp_path)
+    model = rig.store.get_model(UP_MODEL)
+    assert (model.replicas, model.params) == (3, {"ttft_ms": 50.0})
+    assert len(rig.deployed()) == 1 and rig.removed == []
+    # Given on the command line: applied, and recorded as up's doing.
+    rig.up(tmp_path, replicas=2)
+    assert rig.store.get_model(UP_MODEL).replicas == 2
+    assert rig.deployed()[-1] == ("2 replicas (was 3)", "llmgw up")
+    rig.up(tmp_path, ttft_ms=0.0, tps=20.0)  # other engine settings: its replicas restart
+    model = rig.store.get_model(UP_MODEL)
+    assert (model.replicas, model.params) == (2, {"tps": 20.0})
+    assert [actor for _replica, actor in rig.removed] == ["llmgw up"]
+    assert rig.deployed()[-1] == ("sim with {'tps': 20.0}, 2 replicas", "llmgw up")

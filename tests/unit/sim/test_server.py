@@ -168,7 +168,7 @@ def test_chat_non_stream(client: openai.OpenAI) -> None:
 
 def test_chat_uses_engine_seed_by_default(client: openai.OpenAI) -> None:
     resp = client.chat.completions.create(model=MODEL, messages=USER)
-    tokens, _ = generate(SimConfig(seed=7), USER[0]["content"], max_tokens=32, seed=None)
+    tokens, _ = generate(SimConfig(seed=7), USER[0]["content"], max_tokens=1000, seed=None)
     assert resp.choices[0].message.content == "".join(tokens)
 
 

@@ -56,6 +56,7 @@ def context(store: Store, ca: pki.Authority, bundle_dir: Path | None) -> AdminCo
             tls=None,
             http_scheme="http",
             advertise=("cp.example.net",),
+            enroll_loopback_only=False,
             control_plane_names=frozenset({"cp.example.net"}),
             admin_token=ADMIN,
             admin_token_file=Path("/s/token"),
@@ -435,3 +436,35 @@ def test_a_node_named_like_another_instance_is_refused(store: Store, ca: pki.Aut
         )
     assert store.list_join_tokens(include_inactive=True) == []
     assert call(store, ca, [{"node": "gpu-02"}])[0][0] == 201
+
+
+def test_a_join_command_only_this_machine_can_run_says_so(store: Store, ca: pki.Authority) -> None:
+    assert one(store, ca, {"node": NODE})["warning"] is None  # cp.example.net: reachable
+    loopback = one(store, ca, {"node": "gpu-02", "address": "127.0.0.1"})
+    assert loopback["enroll_url"] == "https://127.0.0.1:8443"
+    assert loopback["warning"].startswith("the command names 127.0.0.1, which only this machine")
+    assert "--address HOST" in loopback["warning"]
+
+
+def test_a_cluster_taking_joins_on_loopback_says_how_to_start_one_others_reach(
+    store: Store, ca: pki.Authority
+) -> None:
+    ctx = context(store, ca, None)
+    ctx.enroll_loopback_only = True  # type: ignore[misc]
+    app = web.Application()
+    app.router.add_post("/api/join-tokens", guarded(ctx, AccessRoutes(ctx).create_join_token))
+
+    async def main() -> dict[str, Any]:
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.post(
+                "/api/join-tokens",
+                json={"node": NODE},
+                headers={"Authorization": f"Bearer {ADMIN}"},
+            )
+            assert resp.status == 201
+            data: dict[str, Any] = await resp.json()
+            return data
+
+    warning = asyncio.run(main())["warning"]
+    assert warning.startswith("this control plane takes joins on loopback only, so no other")
+    assert "'llmgw up --host 0.0.0.0'" in warning

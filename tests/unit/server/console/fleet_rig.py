@@ -51,6 +51,7 @@ class FleetRig(ConsoleRig):
             ("bundles", bundles),
             ("tls", None),
             ("advertise", ("cp.example.net",)),
+            ("enroll_loopback_only", False),
             ("control_plane_names", frozenset({"cp.example.net"})),
             ("updates", self.updates),
         ):
