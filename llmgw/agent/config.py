@@ -38,7 +38,7 @@ from llmgw.contracts.ports import (
     DEFAULT_MULTINODE_PORTS,
     PortRange,
 )
-from llmgw.contracts.sources import SourcePrefix, parse_prefix
+from llmgw.contracts.sources import SourcePrefix, parse_prefixes
 from llmgw.engines.registry import ENGINES, engine_names
 from llmgw.errors import ConfigError
 from llmgw.listener import ListenerLimits, parse_listener_limits
@@ -530,22 +530,14 @@ def _engines(check: Checker, value: object) -> EnginesConfig:
 
 
 def _install_sources(check: Checker, value: object) -> tuple[SourcePrefix, ...]:
-    if value is None:
-        return ()
-    prefixes: list[SourcePrefix] = []
-    for index, item in enumerate(check.strings(value, "install_sources")):
-        key = index_key("install_sources", index)
-        try:
-            prefix = parse_prefix(item)
-        except ValueError as exc:
-            check.fail(
-                key,
-                f"{item!r} is not a source prefix: {exc}; give the start of the URLs engine "
-                "builds may come from, e.g. https://releases.example.net/llama.cpp/, "
-                "http://10.0.0.2:8000/engines/ or file:///srv/engines/",
-            )
-        prefixes.append(prefix)
-    return tuple(prefixes)
+    """Where engine builds may come from besides https:// (llmgw.contracts.sources)."""
+    return parse_prefixes(
+        check,
+        value,
+        "install_sources",
+        example="https://releases.example.net/llama.cpp/, http://10.0.0.2:8000/engines/ or "
+        "file:///srv/engines/",
+    )
 
 
 SANDBOX_MODES = ("required", "if-available")

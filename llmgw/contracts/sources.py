@@ -17,12 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
+from llmgw.configfile import Checker, index_key
+
 __all__ = [
     "SOURCE_SCHEMES",
     "SourcePrefix",
     "allowed",
     "fetchable",
     "parse_prefix",
+    "parse_prefixes",
     "split_url",
 ]
 
@@ -86,6 +89,30 @@ def parse_prefix(text: str) -> SourcePrefix:
         raise ValueError("a prefix ends at the path: no '?query' or '#fragment'")
     scheme, host, port, path = split_url(text)
     return SourcePrefix(scheme=scheme, host=host, port=port, path=path, text=text.strip())
+
+
+def parse_prefixes(
+    check: Checker, value: object, key: str, *, example: str, schemes: tuple[str, ...] = ()
+) -> tuple[SourcePrefix, ...]:
+    """A settings file's list of source prefixes at ``key`` (none when absent), each checked,
+    and of one of ``schemes`` when given; the refusal names the entry and shows ``example``."""
+    if value is None:
+        return ()
+    prefixes: list[SourcePrefix] = []
+    for index, item in enumerate(check.strings(value, key)):
+        entry = index_key(key, index)
+        try:
+            prefix = parse_prefix(item)
+        except ValueError as exc:
+            check.fail(entry, f"{item!r} is not a URL prefix: {exc}; give one like {example}")
+        if schemes and prefix.scheme not in schemes:
+            check.fail(
+                entry,
+                f"{item!r} has scheme {prefix.scheme}; {key} takes "
+                f"{' or '.join(s + '://' for s in schemes)} URLs, like {example}",
+            )
+        prefixes.append(prefix)
+    return tuple(prefixes)
 
 
 def allowed(url: str, prefixes: tuple[SourcePrefix, ...], *, schemes: tuple[str, ...]) -> bool:

@@ -34,6 +34,7 @@ STREAM_ERROR: web.ResponseKey[UpstreamError] = web.ResponseKey("llmgw_stream_err
 __all__ = [
     "NOT_PROCESSED",
     "STREAM_ERROR",
+    "LineEnds",
     "UsageChunkDropper",
     "error_event",
     "is_event_stream",
@@ -80,6 +81,27 @@ def error_event(message: str, code: str = "upstream_error") -> bytes:
     return b"\n\ndata: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
+class LineEnds:
+    """An event stream's line ends made LF across its chunks: SSE allows CRLF and CR too,
+    and a CR that ends a chunk may be the first half of a CRLF. ``cr``: the last chunk ended
+    in one (a LF first in the next is its pair)."""
+
+    __slots__ = ("cr",)
+
+    def __init__(self) -> None:
+        self.cr = False
+
+    def lf(self, chunk: bytes) -> bytes:
+        if self.cr:
+            self.cr = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
+        if b"\r" in chunk:
+            self.cr = chunk[-1:] == b"\r"
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        return chunk
+
+
 class UsageChunkDropper:
     """Takes OpenAI's usage chunk out of an event stream: the event whose data has empty
     ``choices`` and a ``usage`` object, sent before ``[DONE]`` when ``stream_options.
@@ -92,29 +114,28 @@ class UsageChunkDropper:
     once the usage chunk is dropped, every byte does. A stream with CR line ends goes on
     with LF ones (the same events to an SSE reader)."""
 
-    __slots__ = ("_cr", "_held", "dropped", "max_event")
+    __slots__ = ("_ends", "_held", "dropped", "max_event")
 
     def __init__(self, max_event: int = 1024 * 1024) -> None:
         self.max_event = max_event
         self._held = b""  # the start of an event not ended yet
-        self._cr = False  # the last chunk ended in a CR: a LF first in the next is its pair
+        self._ends = LineEnds()
         self.dropped = False
 
     def feed(self, chunk: bytes) -> bytes:
         """What of ``chunk`` to send now."""
-        if not self._held and not self._cr and chunk[-2:] == b"\n\n" and b'"usage"' not in chunk:
+        if (
+            not self._held
+            and not self._ends.cr
+            and chunk[-2:] == b"\n\n"
+            and b'"usage"' not in chunk
+        ):
             # Nearly every chunk: whole events (it ends at one's end), none of them ours.
             return chunk
         return self._feed(chunk)
 
     def _feed(self, chunk: bytes) -> bytes:
-        if self._cr:
-            self._cr = False
-            if chunk[:1] == b"\n":
-                chunk = chunk[1:]
-        if b"\r" in chunk:
-            self._cr = chunk[-1:] == b"\r"
-            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        chunk = self._ends.lf(chunk)
         if self._held:
             chunk = self._held + chunk
             self._held = b""

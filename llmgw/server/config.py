@@ -20,7 +20,7 @@ from llmgw.bodies import (
 from llmgw.configfile import Checker, apply_overrides, index_key, load_yaml, type_name
 from llmgw.contracts.paths import DEFAULT_SERVER_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
-from llmgw.contracts.sources import SourcePrefix, parse_prefix
+from llmgw.contracts.sources import SourcePrefix, parse_prefixes
 from llmgw.errors import ConfigError
 from llmgw.listener import ListenerLimits, parse_listener_limits
 from llmgw.netaddr import format_hostport, is_hostname, is_ip_address, is_loopback_host
@@ -457,28 +457,15 @@ def _parse(
 
 def _tokenizer_sources(check: Checker, value: object) -> tuple[SourcePrefix, ...]:
     """URL prefixes (agent.yaml's install_sources syntax) a tokenizer may come from over
-    http:// or from a loopback or private address."""
-    if value is None:
-        return ()
-    prefixes: list[SourcePrefix] = []
-    for index, item in enumerate(check.strings(value, "tokenizer_sources")):
-        key = index_key("tokenizer_sources", index)
-        try:
-            prefix = parse_prefix(item)
-        except ValueError as exc:
-            check.fail(
-                key,
-                f"{item!r} is not a URL prefix: {exc}; give the start of the URLs tokenizers "
-                "may come from, e.g. http://10.0.0.2:8000/tokenizers/",
-            )
-        if prefix.scheme not in ("https", "http"):
-            check.fail(
-                key,
-                f"{item!r}: a tokenizer comes from an https:// or http:// URL; for a file on "
-                "the control plane give the profile's tokenizer.path",
-            )
-        prefixes.append(prefix)
-    return tuple(prefixes)
+    http:// or from a loopback or private address; a file on the control plane is a
+    profile's tokenizer.path, not a source."""
+    return parse_prefixes(
+        check,
+        value,
+        "tokenizer_sources",
+        example="http://10.0.0.2:8000/tokenizers/",
+        schemes=("https", "http"),
+    )
 
 
 def _console(check: Checker, value: object) -> LoginPolicy:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw.http.errors import UpstreamProtocolError
+from llmgw.http.relay import LineEnds
 
 __all__ = [
     "DEFAULT_OUTPUT_RESERVE",
@@ -171,7 +172,7 @@ class StreamTokenCounter:
         self.max_event = max_event
         self._pending: list[bytes] = []  # the incomplete event, line ends already LF
         self._pending_len = 0
-        self._cr = False  # the last byte fed was a CR: a LF first in the next chunk is its pair
+        self._ends = LineEnds()
         self.events = 0
         self.usage: dict[str, Any] | None = None
         self.first_at: float | None = None
@@ -184,14 +185,7 @@ class StreamTokenCounter:
     def feed(self, chunk: bytes) -> None:
         if self.first_at is None:
             self.first_at = time.perf_counter()
-        if self._cr:
-            self._cr = False
-            if chunk[:1] == b"\n":
-                chunk = chunk[1:]
-        if b"\r" in chunk:
-            # SSE allows CRLF and CR line ends; a CR at the end may be half of a CRLF.
-            self._cr = chunk[-1:] == b"\r"
-            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        chunk = self._ends.lf(chunk)
         if not chunk:
             return
         pending = self._pending

@@ -1,13 +1,15 @@
 """Fixtures shared by the unit tests of every package: a clock the test moves, cluster CAs
 (``authority``, and ``other_authority`` that signs what must not be trusted), umask 000
-for tests of the modes files are written with, and ``each_loop`` for tests of what must work
-on both event loops."""
+for tests of the modes files are written with, ``each_loop`` for tests of what must work
+on both event loops, and ``resolve_to_loopback`` (cp.example is 127.0.0.1)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -62,3 +64,14 @@ def each_loop(request: pytest.FixtureRequest) -> Iterator[str]:
         yield "uvloop"
     finally:
         asyncio.set_event_loop_policy(None)
+
+
+@pytest.fixture
+def resolve_to_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cp.example resolves to 127.0.0.1 (where a stand-in listens); nothing else changes."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: object, *args: Any, **kwargs: Any) -> Any:
+        return real("127.0.0.1" if host == "cp.example" else host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)

@@ -276,17 +276,6 @@ def test_cannot_reach_ends_with_a_newline(env: dict[str, str]) -> None:
     assert not out.stderr.endswith("\n\n")
 
 
-@pytest.fixture
-def resolve_to_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
-    """cp.example resolves to 127.0.0.1 (where the stub listens); nothing else changes."""
-    real = socket.getaddrinfo
-
-    def getaddrinfo(host: object, *args: Any, **kwargs: Any) -> Any:
-        return real("127.0.0.1" if host == "cp.example" else host, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-
-
 def test_a_node_certified_for_the_servers_name_is_not_the_control_plane(
     env: dict[str, str], ca_dir: Path, tmp_path: Path, resolve_to_loopback: None
 ) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -138,16 +137,6 @@ def _serving(ident: pki.Identity) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(ident.cert, ident.key)
     return ctx
-
-
-@pytest.fixture
-def resolve_to_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = socket.getaddrinfo
-
-    def getaddrinfo(host: object, *args: Any, **kwargs: Any) -> Any:
-        return real("127.0.0.1" if host == "cp.example" else host, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
 
 def test_a_node_certified_for_the_leaders_name_gets_nothing(
