@@ -28,6 +28,7 @@ from llmgw.agent.discovery.gpus import (
     NVML_VERSION_MISMATCH,
     GpuFacts,
     discover_gpus,
+    each_source,
     nvidia_pci_gpus,
     parse_nvidia_smi,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "check_engines",
     "discover_gpus",
     "discover_ib",
+    "each_source",
     "engine_candidates",
     "fabric_status",
     "missing_libraries",

@@ -30,6 +30,7 @@ __all__ = [
     "GpuFacts",
     "GpuSource",
     "discover_gpus",
+    "each_source",
     "nvidia_pci_gpus",
     "parse_nvidia_smi",
 ]
@@ -128,6 +129,21 @@ def _discover_gpus(nvidia_smi: Path | None) -> GpuFacts:
         if nvml.no_driver is not None:  # NVML knows better than nvidia-smi's words
             facts.no_driver = nvml.no_driver
     return facts
+
+
+def each_source(nvidia_smi: Path | None = None) -> dict[str, GpuFacts]:
+    """What each way of looking sees, side by side (``llmgw agent inventory --sources``,
+    scripts/gpu-check.sh): NVML, and ``nvidia_smi`` (else the one on PATH). Never raises."""
+    nvml = _from_nvml()
+    if not isinstance(nvml, GpuFacts):
+        nvml = GpuFacts(status=nvml.text, no_driver=bool(nvml.no_driver))
+    program = str(nvidia_smi) if nvidia_smi is not None else shutil.which("nvidia-smi")
+    smi = (
+        _from_nvidia_smi(program)
+        if program is not None
+        else GpuFacts(status="no nvidia-smi on PATH", no_driver=True)
+    )
+    return {"nvml": nvml, "nvidia-smi": smi}
 
 
 def nvidia_pci_gpus(pci_root: Path = DEFAULT_PCI_ROOT) -> list[str]:

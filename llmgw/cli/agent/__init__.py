@@ -45,6 +45,12 @@ def _render_facts() -> object:
     return render_facts
 
 
+def _inventory() -> object:
+    from llmgw.cli.agent.inventory import inventory
+
+    return inventory
+
+
 def _docker_proxy() -> object:
     from llmgw.cli.agent.docker_proxy import docker_proxy
 
@@ -66,6 +72,11 @@ NODE_COMMANDS: dict[str, LazyCommand] = {
         "Print the agent.yaml keys (fabrics, discovery, engines) of these node facts, as "
         "install-agent.sh writes them; 'none' alone clears fabrics or engine programs "
         "(nothing is printed for them). Exit 2 when a fact is not valid, saying which and why.",
+    ),
+    "inventory": LazyCommand(
+        _inventory,
+        "Print what this node's agent would report (GPUs, driver, engines, fabrics), looked "
+        "up now; with --sources, NVML's and nvidia-smi's views side by side.",
     ),
     "docker-proxy": LazyCommand(
         _docker_proxy,
