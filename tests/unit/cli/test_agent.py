@@ -79,13 +79,13 @@ def test_agent_help_lists_the_node_commands_without_loading_the_agent() -> None:
 
 def test_the_node_commands_are_listed_and_load_when_named() -> None:
     group = agent_cli.agent
-    names = ["docker-proxy", "join", "render-facts", "update-apply", "update-trust"]
+    names = ["docker-proxy", "inventory", "join", "render-facts", "update-apply", "update-trust"]
     assert group.list_commands(click.Context(group)) == names
     out = CliRunner().invoke(main, ["agent", "--help"], prog_name="llmgw")
     assert out.exit_code == 0
     rows = out.output.split("Commands:\n", 1)[1].splitlines()
     assert [row.split()[0] for row in rows if row.startswith("  ")] == names
-    for name in ("join", "docker-proxy", "render-facts"):
+    for name in ("join", "docker-proxy", "render-facts", "inventory"):
         out = CliRunner().invoke(main, ["agent", name, "--help"], prog_name="llmgw")
         assert out.exit_code == 0 and out.output.startswith(f"Usage: llmgw agent {name} ")
 
