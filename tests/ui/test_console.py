@@ -484,6 +484,8 @@ ACTIONS = (
     "/ui/nodes/gpu-a/drain",
     "/ui/nodes/gpu-a/uncordon",
     "/ui/nodes/gpu-a/revoke",
+    "/ui/nodes/gpu-a/rekey",
+    "/ui/nodes/gpu-a/repair",
     "/ui/nodes/gpu-a/approve",
     "/ui/nodes/gpu-a/reject",
     "/ui/add-node",

@@ -245,8 +245,11 @@
     time.setAttribute("datetime", data.time + "Z");
     time.textContent = data.time;
     var cells = [time, data.kind, data.subject, data.actor, data.message];
-    cells.forEach(function (value) {
+    cells.forEach(function (value, index) {
       var cell = document.createElement("td");
+      if (index === 0) {
+        cell.className = "when";
+      }
       if (typeof value === "string") {
         cell.textContent = value; // text, never HTML
       } else {
