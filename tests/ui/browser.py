@@ -32,6 +32,7 @@ __all__ = [
     "axe_violations",
     "check_accessibility",
     "check_fits_phone",
+    "check_tables",
     "chromium_executable",
     "expect",
     "launch_options",
@@ -196,6 +197,129 @@ def check_fits_phone(page: Page, what: str) -> None:
             f"scrolls sideways; wrap what is wider in a .scroll box or let it wrap: "
             f"{', '.join(found['wide']) or 'no single element found'}"
         )
+
+
+_TABLES = """async () => {
+  // Measured after the layout and console.js have caught up with the last resize.
+  await new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)));
+  const name = el => {
+    const id = el.id ? "#" + el.id : "";
+    const cls = el.classList.length ? "." + Array.from(el.classList).join(".") : "";
+    return el.tagName.toLowerCase() + id + cls;
+  };
+  const shown = el => { const b = el.getBoundingClientRect(); return b.width > 0 && b.height > 0; };
+  const textBox = el => { const r = document.createRange(); r.selectNodeContents(el); return r.getBoundingClientRect(); };
+  const cellName = (table, cell) => `${name(table)} row ${cell.parentElement.rowIndex + 1} ` +
+    `column ${cell.cellIndex + 1} (${JSON.stringify(cell.textContent.trim().slice(0, 40))})`;
+  const width = document.documentElement.clientWidth;
+  const cut = [], misaligned = [], boxes = [];
+  for (const table of document.querySelectorAll("table")) {
+    if (!shown(table)) { continue; }
+    // A cell may lie anywhere its scrolling box scrolls to, else on the screen.
+    const scroller = table.closest(".scroll");
+    let left = 0, right = width;
+    if (scroller) {
+      const outer = scroller.getBoundingClientRect();
+      left = outer.left + scroller.clientLeft - scroller.scrollLeft;
+      right = left + scroller.scrollWidth;
+    }
+    for (const cell of table.querySelectorAll("th, td")) {
+      if (!shown(cell)) { continue; }
+      const box = cell.getBoundingClientRect();
+      if (box.left < left - 1 || box.right > right + 1) {
+        cut.push(`${cellName(table, cell)} lies beyond ${scroller ? "its scrolling box" : "the screen"}`);
+      } else if (cell.scrollWidth > cell.clientWidth + 1) {
+        cut.push(`${cellName(table, cell)} spills out of its cell`);
+      }
+    }
+    // Each value under its header: a number's right edge on its header's, any other
+    // value overlapping its header.
+    const rows = table.tHead ? table.tHead.rows : [];
+    const heads = rows.length ? Array.from(rows[rows.length - 1].cells) : [];
+    for (const body of table.tBodies) {
+      for (const row of body.rows) {
+        if (row.cells.length !== heads.length) { continue; }
+        for (const cell of row.cells) {
+          const head = heads[cell.cellIndex];
+          if (!cell.textContent.trim() || !shown(cell)) { continue; }
+          const a = textBox(head), b = textBox(cell);
+          const number = cell.classList.contains("num");
+          const off = number ? Math.abs(a.right - b.right) : Math.max(a.left - b.right, b.left - a.right);
+          if (off > 2 || (!number && off > 0)) {
+            misaligned.push(`${cellName(table, cell)} is ${Math.round(off)} px off its header ` +
+              JSON.stringify(head.textContent.trim()) +
+              (number ? " (a number: their right edges)" : " (they do not overlap)"));
+          }
+        }
+      }
+    }
+  }
+  for (const box of document.querySelectorAll(".scroll")) {
+    if (!shown(box)) { continue; }
+    const hidden = box.scrollWidth - box.clientWidth;
+    const style = getComputedStyle(box);
+    let scrolls = false;
+    if (hidden > 1) {
+      const before = box.scrollLeft;
+      box.scrollLeft = before + hidden;
+      scrolls = box.scrollLeft > before;
+      box.scrollLeft = before;
+    }
+    boxes.push({
+      name: name(box) + (box.querySelector("table[id]") ? " of table#" + box.querySelector("table[id]").id : ""),
+      hidden: hidden > 1 ? hidden : 0,
+      scrolls: scrolls,
+      start: box.scrollLeft <= 1,
+      more: box.getAttribute("data-more") || "",
+      mask: style.maskImage || style.webkitMaskImage || "none",
+    });
+  }
+  return {cut: cut, misaligned: misaligned, boxes: boxes};
+}"""
+
+
+def check_tables(page: Page, what: str) -> None:
+    """At each of :data:`SIZES`: no table cell is cut off (each lies inside its ``.scroll``
+    box's scrolled area, else on the screen, and its content inside it), each value lines
+    up with its header (a ``td.num`` on its right edge, any other overlapping it), and a
+    ``.scroll`` box wider than the screen scrolls and shows its cue (``data-more`` naming
+    the hidden side, the edge faded by a mask) while one that fits shows none. Fails
+    listing every finding; the viewport is given back after."""
+    before = page.viewport_size
+    findings: list[str] = []
+    try:
+        for size, (width, height) in SIZES.items():
+            page.set_viewport_size({"width": width, "height": height})
+            found = page.evaluate(_TABLES)
+            at = f"at {width} px ({size})"
+            findings += [f"{at}: {c}" for c in found["cut"]]
+            findings += [f"{at}: {m}" for m in found["misaligned"]]
+            for box in found["boxes"]:
+                findings += [f"{at}: {p}" for p in _scroll_problems(box)]
+    finally:
+        if before is not None:
+            page.set_viewport_size(before)
+    if findings:
+        listed = "\n".join(f"  {f}" for f in findings)
+        raise AssertionError(f"{what} ({page.url}) has tables that do not read well:\n{listed}")
+
+
+def _scroll_problems(box: dict[str, Any]) -> list[str]:
+    name, hidden, more, mask = box["name"], box["hidden"], box["more"], box["mask"]
+    if not hidden:
+        if more or mask != "none":
+            return [f"{name} fits, yet shows a cue of more to see (data-more={more!r})"]
+        return []
+    problems = []
+    if not box["scrolls"]:
+        problems.append(f"{name} hides {hidden} px of its table and does not scroll")
+    wanted = ("right",) if box["start"] else ("left", "both")
+    if more not in wanted or mask == "none":
+        problems.append(
+            f"{name} hides {hidden} px of its table with no cue (data-more={more!r}, "
+            f"mask {mask!r}): console.js marks the side, the style fades it"
+        )
+    return problems
 
 
 # --------------------------------------------------------------------------- CSP

@@ -6,6 +6,7 @@ fails a form field without a label, and the screenshots come at both sizes."""
 from __future__ import annotations
 
 import asyncio
+import re
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 from aiohttp import web
 
+from llmgw.server.console.render import STATIC_DIR
 from tests.ui import browser as helpers
 from tests.ui.browser import (
     CHROMIUM_ENV,
@@ -24,7 +26,9 @@ from tests.ui.browser import (
     axe_violations,
     check_accessibility,
     check_fits_phone,
+    check_tables,
     chromium_executable,
+    expect,
     launch_options,
 )
 
@@ -45,6 +49,14 @@ def _page(body: str, *, head: str = "") -> str:
 
 
 _SHEET = '<link rel="stylesheet" href="/site.css">'
+# Six columns of a few words each: wider than a phone, narrower than a laptop.
+_WIDE_TABLE = (
+    '<div class="scroll"><table id="wide"><thead><tr>'
+    + "".join(f"<th>Column {i}</th>" for i in range(6))
+    + "</tr></thead><tbody><tr>"
+    + "".join(f"<td>value number {i}</td>" for i in range(6))
+    + "</tr></tbody></table></div>"
+)
 PAGES = {
     # A script from 'self' runs: it marks the page, so a test sees the policy let it through.
     "/clean": _page(
@@ -62,9 +74,34 @@ PAGES = {
     "/wide-in-scroll": _page(
         '<div class="scroll"><pre id="wide-text">' + "x" * 300 + "</pre></div>", head=_SHEET
     ),
+    "/table-spill": _page(
+        '<table id="spill"><thead><tr><th>Node</th><th>Message</th></tr></thead><tbody>'
+        '<tr><td>gpu-1</td><td class="clip">' + "sha256:" + "ab" * 32 + "</td></tr>"
+        "</tbody></table>",
+        head=_SHEET,
+    ),
+    "/table-misaligned": _page(
+        '<table id="models" class="full"><thead><tr><th>Model</th>'
+        "<th>Replicas ready / desired</th></tr></thead>"
+        '<tbody><tr><td>chat</td><td class="num">1 / 1</td></tr></tbody></table>',
+        head=_SHEET,
+    ),
+    "/table-wide-bare": _page(_WIDE_TABLE, head=_SHEET),
+    # The console's own style sheet and script: the cue they give passes.
+    "/table-wide-console": _page(
+        _WIDE_TABLE,
+        head='<link rel="stylesheet" href="/console.css"><script src="/console.js" defer></script>',
+    ),
 }
 APP_JS = "document.body.dataset.external = 'ran';\n"
-SITE_CSS = ".scroll { overflow-x: auto; }\n"
+SITE_CSS = (
+    ".scroll { overflow-x: auto; }\n"
+    "td.clip { max-width: 4rem; overflow: hidden; white-space: nowrap; }\n"
+    "table.full { width: 100%; }\n"
+    "td.num { text-align: right; }\n"
+    ".scroll table { width: max-content; }\n"
+)
+CONSOLE_FILES = {"/console.css": "text/css", "/console.js": "text/javascript"}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +113,9 @@ def site() -> Iterator[str]:
             return web.Response(text=APP_JS, content_type="text/javascript")
         if request.path == "/site.css":
             return web.Response(text=SITE_CSS, content_type="text/css")
+        if request.path in CONSOLE_FILES:
+            body = (STATIC_DIR / request.path.lstrip("/")).read_text()
+            return web.Response(text=body, content_type=CONSOLE_FILES[request.path])
         if request.path not in PAGES:
             raise web.HTTPNotFound()
         return web.Response(
@@ -292,6 +332,54 @@ def test_a_page_wider_than_a_phone_is_refused_a_scroll_box_is_not(page: Page, si
     check_fits_phone(page, "the page whose wide part scrolls in its box")
     page.goto(site + "/clean")
     check_fits_phone(page, "the clean page")
+
+
+def test_a_cut_off_cell_a_number_off_its_header_and_a_wide_table_without_cue_are_refused(
+    page: Page, site: str
+) -> None:
+    page.goto(site + "/table-spill")
+    with pytest.raises(AssertionError) as failure:
+        check_tables(page, "the spilling table")
+    message = str(failure.value)
+    assert f"the spilling table ({site}/table-spill) has tables that do not read well" in message
+    assert 'at 1366 px (laptop): table#spill row 2 column 2 ("sha256:abab' in message
+    assert "spills out of its cell" in message
+
+    page.goto(site + "/table-misaligned")
+    with pytest.raises(AssertionError) as failure:
+        check_tables(page, "the misaligned table")
+    message = str(failure.value)
+    assert re.search(
+        r'at 1366 px \(laptop\): table#models\.full row 2 column 2 \("1 / 1"\) is \d{3} px off '
+        r'its header "Replicas ready / desired" \(a number: their right edges\)',
+        message,
+    ), message
+
+    page.goto(site + "/table-wide-bare")
+    with pytest.raises(AssertionError) as failure:
+        check_tables(page, "the wide table")
+    message = str(failure.value)
+    assert "at 390 px (phone): div.scroll of table#wide hides " in message
+    assert "px of its table with no cue (data-more='', mask 'none')" in message
+    assert "laptop" not in message  # it fits a laptop: nothing to say there
+    assert page.viewport_size == {"width": 1366, "height": 900}
+
+
+def test_the_consoles_cue_passes_and_follows_the_scroll(page: Page, site: str) -> None:
+    page.goto(site + "/table-wide-console")
+    check_tables(page, "a wide table with the console's style and script")
+    box = page.locator(".scroll")
+    expect(box).not_to_have_attribute("data-more", re.compile(".*"))  # it fits a laptop
+    page.set_viewport_size({"width": 390, "height": 844})
+    expect(box).to_have_attribute("data-more", "right")
+    expect(box).to_have_attribute("tabindex", "0")  # the keyboard scrolls it too
+    box.evaluate("b => { b.scrollLeft = 40 }")
+    expect(box).to_have_attribute("data-more", "both")
+    box.evaluate("b => { b.scrollLeft = b.scrollWidth }")
+    expect(box).to_have_attribute("data-more", "left")
+    page.set_viewport_size({"width": 1366, "height": 900})
+    expect(box).not_to_have_attribute("data-more", re.compile(".*"))
+    expect(box).not_to_have_attribute("tabindex", re.compile(".*"))
 
 
 # --------------------------------------------------------------------------- the browser

@@ -35,7 +35,13 @@ from tests.integration.harness import (
     stop_process,
     wait_for,
 )
-from tests.ui.browser import CspViolations, check_accessibility, check_fits_phone, expect
+from tests.ui.browser import (
+    CspViolations,
+    check_accessibility,
+    check_fits_phone,
+    check_tables,
+    expect,
+)
 
 if TYPE_CHECKING:
     from playwright.sync_api import BrowserContext, Page
@@ -214,11 +220,13 @@ def text_of(answer: Any) -> str:
 
 
 def checked(page: Page, screenshot: Shots, name: str, what: str) -> None:
-    """The page photographed at both sizes, then checked: axe-core's rules, and a phone's
-    width without scrolling sideways."""
+    """The page photographed at both sizes, then checked: axe-core's rules, a phone's
+    width without scrolling sideways, and its tables at both sizes (no cell cut off, values
+    under their headers, a wide table scrolling in its box with a cue)."""
     screenshot(page, name)
     check_accessibility(page, what)
     check_fits_phone(page, what)
+    check_tables(page, what)
 
 
 # --------------------------------------------------------------------------- the operator path
@@ -367,6 +375,11 @@ def test_revoke_asks_naming_the_node_and_cuts_it(
     fleet.server.approve("gpu-c")
     page = signed_in(new_context, fleet, ADMIN, "/ui/nodes/gpu-c")
     expect(page.locator("#node-state")).to_have_text("approved")
+    # No GPU, no driver: its card says so on a phone as on a desktop, never an empty box.
+    page.set_viewport_size({"width": 390, "height": 844})
+    expect(page.locator("#node-driver")).to_have_text("none found")
+    expect(page.locator("#node-driver")).to_be_in_viewport()
+    checked(page, screenshot, "node-no-gpu", "the page of a node without GPUs")
 
     asked: list[str] = []
     page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.dismiss()))
@@ -395,6 +408,17 @@ def test_the_events_page_receives_new_events_live(
     page = signed_in(new_context, fleet, ADMIN, "/ui/events")
     expect(page.locator("#events tbody tr").first).to_be_visible()
     checked(page, screenshot, "events", "the Events page")
+    # On a phone the messages are off to the right: the box says so, and scrolls to them.
+    page.set_viewport_size({"width": 390, "height": 844})
+    box = page.locator(".scroll", has=page.locator("#events"))
+    expect(box).to_have_attribute("data-more", "right")
+    message = page.locator("#events tbody tr").first.locator("td").nth(4)
+    expect(message).not_to_be_in_viewport()
+    box.evaluate("b => { b.scrollLeft = b.scrollWidth }")
+    expect(box).to_have_attribute("data-more", "left")
+    expect(message).to_be_in_viewport()
+    page.set_viewport_size({"width": 1366, "height": 900})
+    expect(box).not_to_have_attribute("data-more", re.compile(".*"))
     mark(page)
 
     # Another operator signs in, and an admin drains a node from its page and uncordons it:
@@ -460,6 +484,8 @@ ACTIONS = (
     "/ui/nodes/gpu-a/drain",
     "/ui/nodes/gpu-a/uncordon",
     "/ui/nodes/gpu-a/revoke",
+    "/ui/nodes/gpu-a/rekey",
+    "/ui/nodes/gpu-a/repair",
     "/ui/nodes/gpu-a/approve",
     "/ui/nodes/gpu-a/reject",
     "/ui/add-node",

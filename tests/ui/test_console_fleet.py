@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from tests.integration.harness import (
     start_agent,
     start_server_with,
     stop_process,
+    wait_for,
 )
 from tests.integration.test_updates import make_bundle
 from tests.ui.browser import expect
@@ -99,28 +101,35 @@ def signed_in(new_context: Callable[..., BrowserContext], plane: Plane, path: st
     return page
 
 
-def run_join(plane: Plane, command: str, node_id: str) -> tuple[Agent, str]:
-    """The join command the page showed, run as the operator would on the node (``llmgw``
-    being this checkout's, its config and state in the test's directory); the agent it
-    configured, started; and the fingerprint the join printed."""
+def join_on(command: str, d: Path) -> str:
+    """The ``llmgw agent join`` command a page showed, run as the operator would on the node
+    whose config and state are in ``d`` (``llmgw`` being this checkout's); the fingerprint
+    it printed."""
     words = shlex.split(command)
     assert words[0].startswith("LLMGW_JOIN_TOKEN=") and words[1:3] == ["llmgw", "agent"], words
-    d = plane.tmp / f"agent-{node_id}"
-    config, state = d / "agent.yaml", d / "state"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
     env["LLMGW_JOIN_TOKEN"] = words[0].split("=", 1)[1]
-    argv = [*LLMGW, *words[2:], "--config", str(config), "--state-dir", str(state)]
+    argv = [*LLMGW, *words[2:], "--config", str(d / "agent.yaml"), "--state-dir", str(d / "state")]
     out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=WAIT, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     found = re.search(r"^fingerprint: (sha256:[0-9a-f]{64})$", out.stdout, re.M)
     assert found, out.stdout
+    return found.group(1)
+
+
+def run_join(plane: Plane, command: str, node_id: str) -> tuple[Agent, str]:
+    """The join command the page showed, run on a new node (:func:`join_on`, in the test's
+    directory); the agent it configured, started; and the fingerprint the join printed."""
+    d = plane.tmp / f"agent-{node_id}"
+    config = d / "agent.yaml"
+    fingerprint = join_on(command, d)
     data = yaml.safe_load(config.read_text())
     data["listen"] = "127.0.0.1:0"
     data["stop_shards_on_exit"] = True
     config.write_text(yaml.safe_dump(data, sort_keys=False))
     agent = start_agent(Agent(node_id, d, config, 0))
     plane.agents.append(agent)
-    return agent, found.group(1)
+    return agent, fingerprint
 
 
 def make_command(page: Page, node_id: str, **facts: str) -> str:
@@ -315,6 +324,107 @@ def test_a_new_node_appears_on_approve_live_and_is_rejected_through_the_dialog(
     checked(page, screenshot, "fleet-approve-empty", "the Approve page with nothing pending")
 
 
+def test_rekey_and_repair_a_node_from_its_page(
+    new_context: Callable[..., BrowserContext], plane: Plane, screenshot: Shots
+) -> None:
+    node_id = "gpu-keys"
+    maker = signed_in(new_context, plane, "/ui/add-node")
+    agent, first = run_join(
+        plane, make_command(maker, node_id, nvidia_smi=str(FIXTURES / "one-gpu")), node_id
+    )
+    plane.server.approve(node_id)
+    page = signed_in(new_context, plane, f"/ui/nodes/{node_id}")
+    expect(page.locator("#node-fingerprint")).to_have_text(first)
+
+    # Rekey, behind the dialog that names the node: dismissed, nothing is made.
+    asked: list[str] = []
+    page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.dismiss()))
+    page.click("#button-rekey")
+    assert asked == [
+        f"Rekey node {node_id}? A one-time token and the command to run on the node are "
+        "shown next; the node keeps its uid, history and replicas with a new key."
+    ]
+    assert rekey_tokens(plane, node_id) == []
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#button-rekey")
+    expect(page.locator("#made-heading")).to_have_text(f"Rekey node {node_id}")
+    expect(page.locator("#shown-once")).to_be_visible()
+    liner = page.locator("#one-liner-text").input_value()
+    command = page.locator("#join-command-text").input_value()
+    assert f"install-agent.sh rekey --node-id {node_id} " in liner
+    assert command.endswith(" --rekey")
+    secret = shlex.split(command)[0].split("=", 1)[1]
+    assert secret in liner
+    assert [(t["kind"], t["lost_state"]) for t in rekey_tokens(plane, node_id)] == [
+        ("rekey", False)
+    ]
+    checked(page, screenshot, "fleet-node-rekey", "a node's rekey command, shown once")
+    followed = page.context.request.get(plane.url(f"/ui/nodes/{node_id}"))
+    assert followed.ok and secret not in followed.text()  # shown once
+
+    # The node runs it and restarts with its new key: approved still, online, live.
+    mark(page)
+    second = join_on(command, agent.dir)
+    assert second != first
+    assert agent.proc is not None
+    stop_process(agent.proc)
+    start_agent(agent)
+    expect(page.locator("#node-fingerprint")).to_have_text(second, timeout=LIVE)
+    expect(page.locator("#node-state")).to_have_text("approved")
+    wait_for(
+        lambda: (plane.node(node_id) or {}).get("connected") is True,
+        timeout=WAIT,
+        what=f"{node_id} connected with its new key",
+    )
+    assert not_reloaded(page)
+
+    # Re-pair: its state directory is lost. The command names the uid it keeps; the node
+    # waits for approval again, which the page shows live, and is approved by fingerprint.
+    page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.accept()))
+    page.click("#button-repair")
+    assert asked[-1] == (
+        f"Re-pair node {node_id}? Only for a node whose state directory is lost: it gets a "
+        "new key, keeps its record and must be approved again; its old certificates are "
+        "revoked."
+    )
+    expect(page.locator("#made-heading")).to_have_text(f"Re-pair node {node_id}")
+    command = page.locator("#join-command-text").input_value()
+    uid = (plane.node(node_id) or {})["uid"]
+    assert command.endswith(f" --node-uid {uid}")
+    checked(page, screenshot, "fleet-node-repair", "a node's re-pair command, shown once")
+    stop_process(agent.proc)
+    shutil.rmtree(agent.dir)
+    mark(page)
+    agent, third = run_join(plane, command, node_id)
+    expect(page.locator("#node-state")).to_have_text("pending", timeout=LIVE)
+    expect(page.locator("#node-fingerprint")).to_have_text(third)
+    assert not_reloaded(page)
+    page.click("#node-approve")
+    item = pending_item(page, node_id)
+    item.locator("input[name=fingerprint]").fill(third)
+    item.locator("button.approve").click()
+    expect(page).to_have_url(plane.url(f"/ui/nodes/{node_id}"))
+    expect(page.locator("#node-state")).to_have_text("approved")
+    assert (plane.node(node_id) or {})["uid"] == uid
+    kinds = [
+        (e["kind"], e["actor"])
+        for e in plane.server.api("GET", f"/api/events?subject={node_id}")
+        if e["kind"] in ("join_token_created", "node_rekeyed", "node_repaired")
+    ]
+    assert kinds == [
+        ("node_repaired", ""),
+        ("join_token_created", ADMIN.name),
+        ("node_rekeyed", ""),
+        ("join_token_created", ADMIN.name),
+        ("join_token_created", ADMIN.name),
+    ]
+
+
+def rekey_tokens(plane: Plane, node_id: str) -> list[dict[str, Any]]:
+    tokens = plane.server.api("GET", "/api/join-tokens?all=1")
+    return [t for t in tokens if t["node"] == node_id and t["kind"] == "rekey"]
+
+
 def test_a_viewer_sees_no_form_and_its_posts_are_refused(
     new_context: Callable[..., BrowserContext], plane: Plane
 ) -> None:
@@ -332,6 +442,8 @@ def test_a_viewer_sees_no_form_and_its_posts_are_refused(
         ("/ui/add-node", {"node": "gpu-viewer", "ttl": "1h"}),
         ("/ui/update", {"target": "all", "version": VERSION, "password": VIEWER.password}),
         (f"/ui/nodes/{quote('gpu-new')}/approve", {"fingerprint": "sha256:" + "0" * 64}),
+        (f"/ui/nodes/{quote('gpu-new')}/rekey", {"confirm": "gpu-new"}),
+        (f"/ui/nodes/{quote('gpu-new')}/repair", {"confirm": "gpu-new"}),
     ):
         answer = page.context.request.post(
             plane.url(path), form={"csrf": csrf, **form}, headers={"Origin": plane.server.url}

@@ -6,12 +6,12 @@ headers, cookies, CSRF and Origin checks), :mod:`.site` (what the handlers share
 answers and error pages), :mod:`.auth` (sessions, the guards, login and logout),
 :mod:`.pages` (Overview, Nodes, a node, Events, and their live fragments), :mod:`.stream`
 (the events as server-sent events), :mod:`.actions` (drain, uncordon, revoke a node),
-:mod:`.joining` (Add node: a join token, its command shown once), :mod:`.approval`
-(Approve: pending nodes by fingerprint, reject), :mod:`.updating` (Update now: a signed
-agent update behind the account's password), :mod:`.models` (the catalog, the deployed
-models, a model's replicas; deploy, scale, switch profile, undeploy), :mod:`.keys` (API
-keys with their usage; create, shown once, and revoke). A new page is a handler and a row
-in the table below.
+:mod:`.joining` (Add node: a join token, its command shown once; a node's rekey and
+re-pair the same way), :mod:`.approval` (Approve: pending nodes by fingerprint, reject),
+:mod:`.updating` (Update now: a signed agent update behind the account's password),
+:mod:`.models` (the catalog, the deployed models, a model's replicas; deploy, scale, switch
+profile, undeploy), :mod:`.keys` (API keys with their usage; create, shown once, and
+revoke). A new page is a handler and a row in the table below.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from llmgw.server.admin.context import AdminContext
 from llmgw.server.console.actions import ACTIONS, NodeActions
 from llmgw.server.console.approval import Approval
 from llmgw.server.console.auth import ConsoleAuth
-from llmgw.server.console.joining import AddNode
+from llmgw.server.console.joining import REKEYS, AddNode, RekeyNode
 from llmgw.server.console.keys import KeyPages
 from llmgw.server.console.models import ModelPages
 from llmgw.server.console.pages import Pages
@@ -67,6 +67,7 @@ class Console:
         self.approval = Approval(self.site)
         self.update_now = UpdateNow(self.site)
         self.models = ModelPages(self.site, self.pages)
+        self.rekey = RekeyNode(self.site, self.pages)
         self.keys = KeyPages(self.site, self.pages)
 
     async def static(self, request: web.Request) -> web.StreamResponse:
@@ -130,6 +131,10 @@ def add_console_routes(
         *(
             ("POST", f"/ui/nodes/{{node}}/{action}", auth.action(console.actions.handler(action)))
             for action in ACTIONS
+        ),
+        *(
+            ("POST", f"/ui/nodes/{{node}}/{action}", auth.action(console.rekey.handler(action)))
+            for action in REKEYS
         ),
         ("GET", "/ui/add-node", auth.page(console.add_node.show)),
         ("POST", "/ui/add-node", auth.action(console.add_node.create)),

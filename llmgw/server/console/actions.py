@@ -21,7 +21,7 @@ from llmgw.server.console.auth import form_of
 from llmgw.server.console.site import SESSION, Handler, Site
 from llmgw.server.principals import principal_of
 
-__all__ = ["ACTIONS", "NodeActions"]
+__all__ = ["ACTIONS", "NodeActions", "node_path", "unconfirmed"]
 
 log = logging.getLogger("llmgw.server.console")
 
@@ -56,17 +56,11 @@ class NodeActions:
 
     async def act(self, request: web.Request, action: str) -> web.StreamResponse:
         node_id = request.match_info["node"]
-        form = form_of(request)
+        refused = unconfirmed(self.site, request, node_id, action)
+        if refused is not None:
+            return refused
         token, _session = request[SESSION]
-        back = f"/ui/nodes/{quote(node_id, safe='')}"
-        if form.get("confirm", "").strip() != node_id:
-            self.site.flash.put(
-                token,
-                f"nothing done: to {action} node {node_id}, confirm with its id "
-                f"({node_id!r}) in the form's confirmation field",
-                level="error",
-            )
-            return web.Response(status=303, headers={"Location": back})
+        back = node_path(node_id)
         principal = principal_of(request)
         try:
             message = self._done(node_id, action, principal.actor)
@@ -83,6 +77,25 @@ class NodeActions:
         )
         self.site.flash.put(token, message, level=level)
         return web.Response(status=303, headers={"Location": back})
+
+
+def node_path(node_id: str) -> str:
+    return f"/ui/nodes/{quote(node_id, safe='')}"
+
+
+def unconfirmed(site: Site, request: web.Request, node_id: str, action: str) -> web.Response | None:
+    """None when the form's ``confirm`` is the node's id; else the answer that does
+    nothing: back to the node's page, whose flash says how to confirm."""
+    if form_of(request).get("confirm", "").strip() == node_id:
+        return None
+    token, _session = request[SESSION]
+    site.flash.put(
+        token,
+        f"nothing done: to {action} node {node_id}, confirm with its id "
+        f"({node_id!r}) in the form's confirmation field",
+        level="error",
+    )
+    return web.Response(status=303, headers={"Location": node_path(node_id)})
 
 
 def _progress(progress: dict[str, object]) -> str:

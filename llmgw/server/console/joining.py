@@ -20,11 +20,13 @@ from llmgw.errors import ConfigError, LlmgwError, NotFound
 from llmgw.log import kv
 from llmgw.server.admin.access import create_join_token
 from llmgw.server.admin.context import BadRequest
+from llmgw.server.console.actions import node_path, unconfirmed
 from llmgw.server.console.auth import form_of
-from llmgw.server.console.site import Site
+from llmgw.server.console.pages import Pages
+from llmgw.server.console.site import SESSION, Handler, Site
 from llmgw.server.principals import principal_of
 
-__all__ = ["FACT_FIELDS", "AddNode", "JoinForm"]
+__all__ = ["FACT_FIELDS", "REKEYS", "AddNode", "JoinForm", "RekeyNode"]
 
 log = logging.getLogger("llmgw.server.console")
 
@@ -41,6 +43,10 @@ FACT_FIELDS: Final = (
     "fabric_peers",
 )
 """The form's fields of node facts, named as the admin API's ``facts`` keys."""
+REKEYS: Final = {"rekey": "rekey", "repair": "re-pair"}
+"""A node page's ways to replace its key (the POST's last segment: what the page calls it):
+a rekey (``llmgw ctl join-command --rekey NODE``) and a re-pair, for a node whose state
+directory is lost (``--lost-state``)."""
 LIST_FACTS: Final = ("fabrics", "engines", "firewall_from", "fabric_peers")
 # A fabric's adapters are comma-separated (ib-a:mlx5_0,mlx5_1): fabrics and engines are one
 # per line or space; addresses may be separated by commas too.
@@ -189,5 +195,58 @@ class AddNode:
             made=made,
             watch=made.node,
         )
+        response.headers["Cache-Control"] = "no-store"
+        return response
+
+
+class RekeyNode:
+    """``POST /ui/nodes/{node}/rekey`` and ``.../repair`` (:data:`REKEYS`): a rekey token
+    for a joined node, minted by the admin API's own function as ``llmgw ctl join-command
+    --rekey NODE [--lost-state]`` mints it. Confirmed with the node's id as revoke is; the
+    command is shown once, on the node's page that answers the POST (never cached, never
+    redirected to)."""
+
+    def __init__(self, site: Site, pages: Pages) -> None:
+        self.site = site
+        self.pages = pages
+
+    def handler(self, action: str) -> Handler:
+        async def rekey(request: web.Request) -> web.StreamResponse:
+            return await self.rekey(request, action)
+
+        return rekey
+
+    async def rekey(self, request: web.Request, action: str) -> web.StreamResponse:
+        node_id = request.match_info["node"]
+        refused = unconfirmed(self.site, request, node_id, REKEYS[action])
+        if refused is not None:
+            return refused
+        principal = principal_of(request)
+        body = {
+            "node": node_id,
+            "rekey": True,
+            "lost_state": action == "repair",
+            "ttl": parse_duration(DEFAULT_TTL),
+        }
+        try:
+            made = await create_join_token(
+                self.site.ctx,
+                body,
+                host_header=request.headers.get("Host", ""),
+                actor=principal.actor,
+            )
+        except NotFound as exc:
+            return self.site.error_page(request, 404, "Not found", str(exc))
+        except (BadRequest, LlmgwError) as exc:  # revoked: it comes back only by a fresh join
+            token, _session = request[SESSION]
+            self.site.flash.put(token, f"nothing made: {exc}", level="error")
+            return web.Response(status=303, headers={"Location": node_path(node_id)})
+        log.info(
+            "a rekey token made in the console",
+            extra=kv(
+                node=node_id, token=made.id, lost_state=made.lost_state, actor=principal.actor
+            ),
+        )
+        response = self.pages.node_page(request, node_id, status=201, made=made)
         response.headers["Cache-Control"] = "no-store"
         return response

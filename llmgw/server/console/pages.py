@@ -235,7 +235,13 @@ class Pages:
         )
 
     async def node(self, request: web.Request) -> web.Response:
-        node_id = request.match_info["node"]
+        return self.node_page(request, request.match_info["node"])
+
+    def node_page(
+        self, request: web.Request, node_id: str, *, status: int = 200, made: Any = None
+    ) -> web.Response:
+        """A node's page, or its live part (``made``: the rekey token a POST just minted,
+        whose command this answer alone shows)."""
 
         def values() -> dict[str, Any]:
             ctx = self.ctx
@@ -264,8 +270,10 @@ class Pages:
             "node.html",
             {"detail": "_node_detail.html"},
             values,
+            status=status,
             page="nodes",
             is_admin=self._is_admin(request),
+            made=made,
         )
 
     # -- events -------------------------------------------------------------------------------

@@ -46,6 +46,7 @@
     el.innerHTML = html; // server-rendered, every value escaped there
     restoreValues(el, kept);
     bindConfirms(el);
+    markScrollers();
   }
 
   function refreshLive() {
@@ -97,6 +98,46 @@
         refreshLive();
       }
     });
+  }
+
+  // -- wide tables ----------------------------------------------------------------------
+  // A .scroll box whose table is wider than the box names the side(s) where columns hide
+  // (data-more: right, left or both), which the style fades: on a phone, the cue that it
+  // scrolls sideways. Such a box takes the keyboard's focus, so that arrows scroll it too.
+  function markScroller(box) {
+    var hidden = box.scrollWidth - box.clientWidth;
+    var more = "";
+    if (hidden > 1) {
+      var left = box.scrollLeft > 1;
+      var right = box.scrollLeft < hidden - 1;
+      more = left && right ? "both" : (left ? "left" : "right");
+    }
+    if (more) {
+      box.setAttribute("data-more", more);
+      if (!box.hasAttribute("tabindex")) {
+        box.setAttribute("tabindex", "0");
+      }
+    } else if (box.hasAttribute("data-more")) {
+      box.removeAttribute("data-more");
+      box.removeAttribute("tabindex");
+    }
+  }
+
+  function markScrollers() {
+    Array.prototype.forEach.call(document.querySelectorAll(".scroll"), markScroller);
+  }
+
+  function startScrollers() {
+    markScrollers();
+    window.addEventListener("resize", markScrollers);
+    window.addEventListener("load", markScrollers); // fonts and images change widths
+    // Scroll events do not bubble: caught on their way down instead.
+    document.addEventListener("scroll", function (event) {
+      var box = event.target;
+      if (box.classList && box.classList.contains("scroll")) {
+        markScroller(box);
+      }
+    }, true);
   }
 
   // -- confirmations --------------------------------------------------------------------
@@ -204,8 +245,11 @@
     time.setAttribute("datetime", data.time + "Z");
     time.textContent = data.time;
     var cells = [time, data.kind, data.subject, data.actor, data.message];
-    cells.forEach(function (value) {
+    cells.forEach(function (value, index) {
       var cell = document.createElement("td");
+      if (index === 0) {
+        cell.className = "when";
+      }
       if (typeof value === "string") {
         cell.textContent = value; // text, never HTML
       } else {
@@ -244,6 +288,7 @@
       while (body.rows.length > MAX_ROWS) {
         body.deleteRow(body.rows.length - 1);
       }
+      markScrollers();
     };
     source.addEventListener("session-ended", function () {
       source.close();
@@ -258,6 +303,7 @@
 
   document.addEventListener("DOMContentLoaded", function () {
     bindConfirms(document);
+    startScrollers();
     startCopies();
     startDependentChoices();
     startLive();

@@ -119,6 +119,24 @@ def test_deploy_a_profile_then_see_its_replica_on_the_model_page(
     assert refreshed == ["models"]
 
 
+def test_a_deployed_models_page_without_events_kept_says_so(rig: ConsoleRig, store: Store) -> None:
+    # Its model_deployed event trimmed long ago (the newest events are kept): the page must
+    # not tell the operator that events come "as models are deployed".
+    store.put_model(
+        "chat", engine="sim", params={}, replicas=1, profiles={"default": PROFILES["small"]}
+    )
+
+    async def scenario(b: Browser) -> tuple[str, str]:
+        await b.login()
+        _, page, _ = await b.get("/ui/models/chat")
+        _, live, _ = await b.get("/ui/models/chat?fragment=detail")
+        return page, live
+
+    for page in rig.run(scenario):
+        assert "No recent event about this model." in page
+        assert "as models are deployed" not in page
+
+
 def test_deploy_refusals_keep_the_form(rig: ConsoleRig, store: Store) -> None:
     async def scenario(b: Browser) -> list[tuple[int, str]]:
         await b.login()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import re
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,59 @@ def test_a_node_page_says_why_a_waiting_model_is_not_placed_there(
     assert re.search(r"<strong>huge</strong>: 2 of 2 GPUs free, needs 5", page), page
     assert "<strong>big</strong>" not in page  # placed: it waits for nothing
     assert "<strong>huge</strong>: pending" in result["/ui/nodes/new-1"][1]
+
+
+class _Tables(HTMLParser):
+    """Each table's header row and, per body row, the classes of its cells."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: list[tuple[list[str], list[list[str]]]] = []
+        self._part = ""
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        classes = dict(attrs).get("class") or ""
+        if tag == "table":
+            self.tables.append(([], []))
+        elif tag in ("thead", "tbody"):
+            self._part = tag
+        elif tag == "tr" and self._part == "tbody":
+            self.tables[-1][1].append([])
+        elif tag in ("th", "td") and self.tables:
+            head, rows = self.tables[-1]
+            (head if self._part == "thead" else rows[-1]).append(classes)
+
+
+def test_numbers_and_their_headers_share_the_right_edge(rig: ConsoleRig, store: Store) -> None:
+    # A right-aligned number under a left-aligned header sat 400 px from it on a desktop.
+    _deploy(store, "chat")
+    replica = store.add_replica("chat")
+    store.add_shard(replica.id, "gpu-1", rank=0)
+    result = pages(rig, "/ui/", "/ui/nodes", "/ui/nodes/gpu-1")
+    numbers = 0
+    for path, (_status, body) in result.items():
+        parser = _Tables()
+        parser.feed(body)
+        for head, rows in parser.tables:
+            for row in rows:
+                for index, classes in enumerate(row):
+                    if "num" in classes.split():
+                        numbers += 1
+                        assert "num" in head[index].split(), (path, index, head)
+    assert numbers >= 8  # the models' ready/desired, the nodes' shards, a node's GPUs, shards
+
+
+def test_empty_facts_and_events_say_so_in_their_context(rig: ConsoleRig, store: Store) -> None:
+    _deploy(store, "quiet")  # deployed, its events since trimmed (none kept about it)
+    result = pages(rig, "/ui/nodes/new-1", "/ui/events?kind=no_such_kind", "/ui/events")
+    node_page = result["/ui/nodes/new-1"][1]
+    assert '<dd id="node-driver">none found</dd>' in node_page
+    assert "<dd></dd>" not in node_page  # no empty card
+    assert "No recent event about this node." in node_page
+    assert "No event matches these filters." in result["/ui/events?kind=no_such_kind"][1]
+    assert "No event matches" not in result["/ui/events"][1]
+    for page in (node_page, result["/ui/events?kind=no_such_kind"][1]):
+        assert "as nodes join and models are deployed" not in page
 
 
 def test_an_unknown_node_is_an_html_404(rig: ConsoleRig) -> None:
