@@ -1,8 +1,9 @@
 """A shard's KV cache blocks as llmgw keys them: the map from an engine's block hashes to
 llmgw's keys, and the changes not sent yet (:mod:`llmgw.agent.kvevents` feeds them).
 
-**Re-keying.** vLLM keys a block by SHA-256 under a per-process random seed, so the gateway
-cannot compute the engine's hashes; but ``BlockStored`` carries the token ids, so each stored
+**Re-keying.** vLLM keys a block by a hash of its tokens and the request's extra keys (LoRA,
+images, ``cache_salt``) under a seed that ``PYTHONHASHSEED`` changes, so the gateway cannot
+compute the engine's hashes; but ``BlockStored`` carries the token ids, so each stored
 block is keyed :func:`llmgw.contracts.kvblocks.chain` (its parent's key, its tokens), the
 parent found by the event's ``parent_block_hash`` in the shard's map engine hash -> key
 (:class:`BlockMap`; no parent: ``ROOT``), which also translates ``BlockRemoved``. A block

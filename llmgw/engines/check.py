@@ -15,7 +15,7 @@ import re
 import shlex
 import shutil
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -210,15 +210,22 @@ def check_help(
 # --------------------------------------------------------------------------- running it
 
 
-def _run(argv: Sequence[str], timeout: float) -> Finished:
-    """Run ``argv`` to the end, stdout and stderr together, in the C locale; its failures
-    to start or finish in time as EngineErrors."""
+def _run(argv: Sequence[str], timeout: float, env: Mapping[str, str]) -> Finished:
+    """Run ``argv`` to the end, stdout and stderr together, in the C locale with ``env``
+    added; its failures to start or finish in time as EngineErrors."""
     try:
-        return run_to_end(argv, timeout, env={**os.environ, "LC_ALL": "C"}, merge_stderr=True)
+        return run_to_end(
+            argv, timeout, env={**os.environ, "LC_ALL": "C", **env}, merge_stderr=True
+        )
     except OSError as exc:
         raise EngineError(f"cannot run {argv[0]}: {exc.strerror or exc}") from exc
     except subprocess.TimeoutExpired:
-        raise EngineError(f"'{shlex.join(argv)}' did not finish within {timeout:g} s") from None
+        raise EngineError(f"'{_shown(argv, env)}' did not finish within {timeout:g} s") from None
+
+
+def _shown(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """``argv`` as a shell would run it, after the variables ``env`` sets."""
+    return shlex.join([*(f"{key}={value}" for key, value in env.items()), *argv])
 
 
 def _tail(text: str, lines: int = 3) -> str:
@@ -262,8 +269,9 @@ def locate_engine(
 def engine_help(engine: str, binary: str, timeout: float = RUN_TIMEOUT) -> tuple[str, str]:
     """``(help text, the command that printed it)`` from running the engine."""
     argv = _help_argv(engine, binary)
-    output = _run(argv, timeout)
-    shown = shlex.join(argv)
+    env = engine_module(engine).CHECK_ENV
+    output = _run(argv, timeout, env)
+    shown = _shown(argv, env)
     if output.returncode != 0:
         raise EngineError(
             f"'{shown}' failed (exit {output.returncode}): {_tail(output.stdout)}; check the "
@@ -286,12 +294,12 @@ def engine_version(engine: str, binary: str, timeout: float = RUN_TIMEOUT) -> st
         return llmgw.__version__
     argv = [binary or module.PROGRAM, *module.VERSION_ARGS]
     try:
-        output = _run(argv, timeout)
+        output = _run(argv, timeout, module.CHECK_ENV)
     except EngineError as exc:
         return f"unknown ({exc})"
     lines = [line.strip() for line in output.stdout.splitlines() if line.strip()]
     if output.returncode != 0 or not lines:
-        return f"unknown ('{shlex.join(argv)}' failed: {_tail(output.stdout, 1)})"
+        return f"unknown ('{_shown(argv, module.CHECK_ENV)}' failed: {_tail(output.stdout, 1)})"
     # llama-server says "version: 0.7.0 (build 11669, ...)"; the label is ours to print.
     return re.sub(r"^version\b[:\s]*", "", lines[0], flags=re.IGNORECASE)[:_VERSION_LIMIT]
 

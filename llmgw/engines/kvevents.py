@@ -17,10 +17,13 @@ declare them ``array_like=True``, so a batch is ``[ts, [event, ...], dp_rank]`` 
 ``["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, ...]``; the newest
 drop ``array_like`` and encode maps with the tag under ``"type"``. :func:`decode_batch` reads
 both; :func:`encode_batch` writes the array form (the sim engine's, and what the tests record).
-A block hash is ``bytes`` (SHA-256, the default since 0.11) or an ``int``
-(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``): ``ExternalBlockHash`` in
-vllm/v1/core/kv_cache_utils.py. SGLang's publisher (``--kv-events-config`` too) sends the
-same array form; its ``block_size`` is its page size.
+A block hash is an ``int`` (the low 64 bits of the block's SHA-256, unsigned:
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, on by default in 0.34) or the 32 ``bytes`` of it
+(that variable 0): ``ExternalBlockHash`` in vllm/v1/core/kv_cache_utils.py. SGLang's
+publisher (``--kv-events-config`` too) sends the same batch array and event maps, one
+``BlockStored`` a page, its hashes signed 64-bit integers and its ``block_size`` the page's
+tokens (sglang/srt/mem_cache/events.py, 0.5.23). Frames captured from both are
+tests/fixtures/engines/kvevents/.
 
 Where the publisher connects or binds follows vLLM's own rule (``_socket_setup``): it binds
 an endpoint with ``*`` or ``::`` in it and ``ipc://`` / ``inproc://`` ones, and connects to

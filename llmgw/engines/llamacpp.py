@@ -39,6 +39,7 @@ PROGRAM = "llama-server"
 WORKER_PROGRAM = "rpc-server"
 HELP_ARGS = ("--help",)
 VERSION_ARGS = ("--version",)
+CHECK_ENV: Mapping[str, str] = MappingProxyType({})
 
 ALL_LAYERS = "999"
 """``--n-gpu-layers`` for "every layer": a count above any model's, which every llama.cpp

@@ -30,6 +30,7 @@ NAME = "sglang"
 PROGRAM = "python3"
 HELP_ARGS = ("-m", "sglang.launch_server", "--help")
 VERSION_ARGS = ("-c", "import sglang; print(sglang.__version__)")
+CHECK_ENV: Mapping[str, str] = MappingProxyType({})
 
 # llmgw parameter -> launch_server flag (server_arguments.html, "Model and tokenizer",
 # "Memory and scheduling", "Quantization and data type").

@@ -22,6 +22,7 @@ NAME = "sim"
 PROGRAM = ""  # this llmgw (launch.self_argv)
 HELP_ARGS = ("engine", "sim", "--help")
 VERSION_ARGS = ("--version",)
+CHECK_ENV: Mapping[str, str] = MappingProxyType({})
 
 PARAMS: Mapping[str, Param] = MappingProxyType(
     {

@@ -114,6 +114,9 @@ class EngineModule(Protocol):
     PROGRAM: str  # the default program, looked up on PATH ("": this llmgw)
     HELP_ARGS: tuple[str, ...]  # after the program: print every flag
     VERSION_ARGS: tuple[str, ...]  # after the program: print the version
+    # The environment engine-check adds when it runs those two: what lets the engine print
+    # them on any machine (vLLM refuses both where it finds no GPU).
+    CHECK_ENV: Mapping[str, str]
     PARAMS: Mapping[str, Param]
     # The flags that run the engine for a task (a catalog profile's ``task``), before the
     # profile's own args; a task it runs in its default mode has none.

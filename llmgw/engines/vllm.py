@@ -34,6 +34,11 @@ PROGRAM = "vllm"
 # (vllm/entrypoints/cli/serve.py: "Use `--help=all` to show all available flags at once").
 HELP_ARGS = ("serve", "--help=all")
 VERSION_ARGS = ("--version",)
+# vLLM picks its platform before it parses a flag: where it finds no GPU (a build machine,
+# a node whose driver is down) `vllm --version` and `vllm serve --help=all` both stop with
+# "Failed to infer device type" (vllm/config/device.py, 0.33 and 0.34). Its CPU platform
+# prints the same flags (the one difference: --mm-processor-device lists no "cuda").
+CHECK_ENV: Mapping[str, str] = MappingProxyType({"VLLM_TARGET_DEVICE": "cpu"})
 
 # llmgw parameter -> `vllm serve` flag (serve_args.html, groups ModelConfig, CacheConfig,
 # SchedulerConfig).

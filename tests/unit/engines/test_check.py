@@ -304,6 +304,36 @@ def test_live_check_reports_a_failing_help(tmp_path: Path) -> None:
         check_engine("vllm", binary=str(binary))
 
 
+def test_live_check_of_vllm_on_a_machine_without_a_gpu(tmp_path: Path) -> None:
+    # vLLM 0.33/0.34 pick a platform before they parse a flag: with no GPU to find, even
+    # `vllm --version` and `vllm serve --help=all` stop (vllm/config/device.py). Its CPU
+    # platform prints the same flags, so engine-check asks for it.
+    (tmp_path / "help.txt").write_text(_text("vllm"))
+    binary = tmp_path / "vllm"
+    binary.write_text(
+        textwrap.dedent(
+            f"""\
+            #!/bin/sh
+            if [ "${{VLLM_TARGET_DEVICE:-cuda}}" != cpu ]; then
+                echo 'RuntimeError: Failed to infer device type, please set the environment \
+            variable `VLLM_LOGGING_LEVEL=DEBUG` to turn on verbose logging' >&2
+                exit 1
+            fi
+            case "$*" in
+                "serve --help=all") cat '{tmp_path / "help.txt"}' ;;
+                --version) echo 0.34.0 ;;
+                *) echo "unexpected: $*" >&2; exit 3 ;;
+            esac
+            """
+        )
+    )
+    binary.chmod(0o755)
+    report = check_engine("vllm", binary=str(binary))
+    assert report.ok, report.missing
+    assert report.version == "0.34.0"
+    assert report.source == f"VLLM_TARGET_DEVICE=cpu {binary} serve --help=all"
+
+
 def test_live_check_without_the_engine_says_how_to_give_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
