@@ -47,8 +47,8 @@ def node_facts(
             node_address=node_address,
             mgmt_interface=mgmt_interface,
         )
-        ib_root = Path(facts.ib_root) if facts.ib_root else DEFAULT_IB_ROOT
-        return facts.with_active_adapters(active_ib_adapters(ib_root), str(ib_root))
+        sysfs = Path(facts.ib_root) if facts.ib_root else DEFAULT_IB_ROOT
+        return facts.with_active_adapters(active_ib_adapters(sysfs), str(sysfs))
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
 
