@@ -1318,9 +1318,12 @@ resolve_fabrics() { # BIN
     set --
     for value in $FABRICS; do set -- "$@" --fabric "$value"; done
     [ -z "$IB_ROOT" ] || set -- "$@" --ib-root "$IB_ROOT"
-    if ! TMPDIR=$STAGE "$rf_bin" agent render-facts --resolved-fabrics "$@" >"$STAGE/fabrics" 2>"$STAGE/fabrics.err"; then
+    # Bounded: it reads the --ib-root tree as root (sysfs, unless an operator named another).
+    if ! TMPDIR=$STAGE timeout 60 "$rf_bin" agent render-facts --resolved-fabrics "$@" >"$STAGE/fabrics" 2>"$STAGE/fabrics.err"; then
         why=$(sed -n 's/^Error: //p' "$STAGE/fabrics.err" | tr -d '\000-\010\013-\037\177')
-        fatal "node facts: ${why:-$(tr -d '\000-\010\013-\037\177' <"$STAGE/fabrics.err")}. Nothing was changed"
+        [ -n "$why" ] || why=$(tr -d '\000-\010\013-\037\177' <"$STAGE/fabrics.err")
+        [ -n "$why" ] || why="the adapters in ${IB_ROOT:-/sys/class/infiniband} could not be read within 60 s"
+        fatal "node facts: $why. Nothing was changed"
     fi
     rf_found=""
     while IFS= read -r value; do

@@ -69,7 +69,8 @@ NODE_COMMANDS: dict[str, LazyCommand] = {
         _render_facts,
         "Print the agent.yaml keys (fabrics, discovery, engines) of these node facts, as "
         "install-agent.sh writes them; 'none' alone clears fabrics or engine programs "
-        "(nothing is printed for them). Exit 2 when a fact is not valid, saying which and why.",
+        "(nothing is printed for them); a bare fabric name takes this node's active "
+        "InfiniBand adapters. Exit 2 when a fact is not valid, saying which and why.",
     ),
     "docker-proxy": LazyCommand(
         _docker_proxy,
