@@ -201,7 +201,9 @@ def test_a_script_runs_from_stdin_and_its_lines_come_as_they_are_printed(
 
 def test_ssh_failures_become_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "log"))
-    monkeypatch.setenv("FAKE_SSH_HOSTS", "down=refuse moved=hostkey locked=password dropped=dropped")
+    monkeypatch.setenv(
+        "FAKE_SSH_HOSTS", "down=refuse moved=hostkey locked=password dropped=dropped"
+    )
     ssh = str(fake_ssh(tmp_path))
     with pytest.raises(SshUnreachable):
         RemoteRun(SshTarget(host="down", ssh=ssh)).run("echo hi\n", timeout=30)
