@@ -4,7 +4,8 @@
 # the signed apt/yum repository.
 #
 # Usage: install-agent.sh VERB [OPTIONS]           (as root)
-#   install [--node-id ID --enroll-url URL --ca-hash HASH [--node-uid UID]] [--address IP]
+#   install [--node-id ID --enroll-url URL --ca-hash HASH [--node-uid UID]]
+#           [--node-address IP | --mgmt-interface NAME]
 #           [--firewall-from IP|CIDR]... [--fabric-peers CIDR]...
 #           [--models-root DIR] [--cache-root DIR] [NODE FACTS] [--docker | --docker-group]
 #       The service user, lingering, the binary (under /usr/local/lib/llmgw-agent, the
@@ -17,11 +18,17 @@
 #       --node-uid UID: re-pair a node whose state directory is gone, keeping its record
 #       (the uid and lost-state token 'llmgw ctl join-command --rekey NODE --lost-state'
 #       prints); it is approved by fingerprint again.
+#       --node-address IP: this node's own address, where the control plane reaches its
+#       data plane (agent.yaml mgmt_addr); --mgmt-interface NAME: the interface to take it
+#       from (mgmt_interface; the agent refuses to start when it has no address). Neither:
+#       the agent's route towards the control plane decides. Kept in agent.yaml; 'none'
+#       clears. (--address is the old name of --node-address.)
 #       NODE FACTS, written to agent.yaml and remembered (a re-run without them keeps them;
-#       one with other values changes them and says so): --fabric NAME:HCA[,HCA...]
-#       (repeatable; 'none' clears), --nvidia-smi PATH, --ib-root DIR ('none' clears
-#       either), --engine NAME=PATH (repeatable; 'none' clears). --models-root and
-#       --cache-root are remembered the same way.
+#       one with other values changes them and says so): --fabric NAME[:HCA,...]
+#       (repeatable; a bare NAME takes this node's active InfiniBand adapters, found now and
+#       listed; 'none' clears), --nvidia-smi PATH, --ib-root DIR ('none' clears either),
+#       --engine NAME=PATH (repeatable; 'none' clears). --models-root and --cache-root are
+#       kept the same way; agent.yaml is the truth: a root edited there by hand is kept.
 #       --firewall-from: :9443 (the gateway) and the multi-node port range (agent.yaml's
 #       multinode_ports, default 29500-29999) from these sources only; --fabric-peers: the
 #       multi-node range only, from the fabric's own network. Both are remembered like the
@@ -151,7 +158,8 @@ parse_args() {
             ;;
     esac
     [ "$VERB" != --rekey ] || VERB=rekey # the guides' spelling of the verb
-    NODE_ID="" ENROLL_URL="" CA_HASH="" ADDRESS="" FIREWALL_FROM="" PURGE=""
+    NODE_ID="" ENROLL_URL="" CA_HASH="" NODE_ADDRESS="" MGMT_IFACE="" MGMT_GIVEN=""
+    FIREWALL_FROM="" PURGE=""
     REPO_URL="" REPO_KEY="" DOCKER="" NODE_UID="" FABRIC_PEERS=""
     MODELS="" CACHE="" MODELS_GIVEN="" CACHE_GIVEN="" FIREWALL_GIVEN="" PEERS_GIVEN=""
     # Node facts: each list (space-separated checked values) with a flag saying it was given.
@@ -173,9 +181,9 @@ parse_args() {
                 continue
                 ;;
             -h | --help) usage ;;
-            --node-id | --enroll-url | --ca-hash | --address | --firewall-from | --models-root | \
-                --cache-root | --repo-url | --repo-key | --node-uid | --fabric-peers | --fabric | \
-                --nvidia-smi | --ib-root | --engine)
+            --node-id | --enroll-url | --ca-hash | --node-address | --address | --mgmt-interface | \
+                --firewall-from | --models-root | --cache-root | --repo-url | --repo-key | \
+                --node-uid | --fabric-peers | --fabric | --nvidia-smi | --ib-root | --engine)
                 if [ $# -lt 2 ] || [ -z "$2" ]; then fatal "$1 needs a value (see: $0 --help)"; fi
                 ;;
             *) fatal "unknown option '$1' for '$VERB' (see: $0 --help)" ;;
@@ -184,7 +192,16 @@ parse_args() {
             --node-id) NODE_ID=$2 ;;
             --enroll-url) ENROLL_URL=$2 ;;
             --ca-hash) CA_HASH=$2 ;;
-            --address) ADDRESS=$2 ;;
+            --node-address | --address)
+                [ "$1" = --node-address ] \
+                    || warn "--address is now --node-address (this node's own address; 'llmgw ctl join-command --address' is the control plane's); --address still works, for now"
+                [ -z "$NODE_ADDRESS" ] || fatal "--node-address is given twice; give it once"
+                NODE_ADDRESS=$2
+                ;;
+            --mgmt-interface)
+                [ -z "$MGMT_IFACE" ] || fatal "--mgmt-interface is given twice; give it once"
+                MGMT_IFACE=$2
+                ;;
             --firewall-from) FIREWALL_FROM="$FIREWALL_FROM $(check_source "$1" "$2")" FIREWALL_GIVEN=1 ;;
             --fabric-peers) FABRIC_PEERS="$FABRIC_PEERS $(check_source "$1" "$2")" PEERS_GIVEN=1 ;;
             --models-root) MODELS=$(check_dir_option "$1" "$2") MODELS_GIVEN=1 ;;
@@ -228,15 +245,15 @@ parse_args() {
                 || fatal "rekey needs --enroll-url and --ca-hash (from 'llmgw ctl join-command --rekey NODE')"
             ;;
         upgrade)
-            [ -z "$NODE_ID$ENROLL_URL$ADDRESS$FIREWALL_FROM$REPO_URL$REPO_KEY$DOCKER$NODE_UID$FABRIC_PEERS$MODELS_GIVEN$CACHE_GIVEN" ] \
+            [ -z "$NODE_ID$ENROLL_URL$NODE_ADDRESS$MGMT_IFACE$FIREWALL_FROM$REPO_URL$REPO_KEY$DOCKER$NODE_UID$FABRIC_PEERS$MODELS_GIVEN$CACHE_GIVEN" ] \
                 || fatal "'upgrade' takes no options but --ca-hash (the cluster CA's pin after a CA rotation, from 'llmgw ctl cert') and the node facts (--fabric, --nvidia-smi, --ib-root, --engine); the others are install's: run install again with them"
             ;;
         *)
-            [ -z "$NODE_ID$ENROLL_URL$CA_HASH$ADDRESS$FIREWALL_FROM$REPO_URL$REPO_KEY$DOCKER$NODE_UID$FABRIC_PEERS$MODELS_GIVEN$CACHE_GIVEN$FACTS_GIVEN" ] \
+            [ -z "$NODE_ID$ENROLL_URL$CA_HASH$NODE_ADDRESS$MGMT_IFACE$FIREWALL_FROM$REPO_URL$REPO_KEY$DOCKER$NODE_UID$FABRIC_PEERS$MODELS_GIVEN$CACHE_GIVEN$FACTS_GIVEN" ] \
                 || fatal "'$VERB' takes no options but --purge (uninstall)"
             ;;
     esac
-    if [ "$VERB" = rekey ] && [ -n "$NODE_UID$FABRIC_PEERS$MODELS_GIVEN$CACHE_GIVEN$FACTS_GIVEN$FIREWALL_FROM$ADDRESS" ]; then
+    if [ "$VERB" = rekey ] && [ -n "$NODE_UID$FABRIC_PEERS$MODELS_GIVEN$CACHE_GIVEN$FACTS_GIVEN$FIREWALL_FROM$NODE_ADDRESS$MGMT_IFACE" ]; then
         [ -z "$NODE_UID" ] \
             || fatal "rekey replaces the key of a node that has its state directory; a node whose state directory is gone re-pairs with 'install --node-uid UID' (the command 'llmgw ctl join-command --rekey NODE --lost-state' prints)"
         fatal "rekey keeps agent.yaml, the drop-in and the firewall as they are; change them with install (the same options) before or after the rekey"
@@ -252,9 +269,7 @@ parse_args() {
     elif [ -n "$REPO_URL$REPO_KEY" ]; then
         fatal "--repo-url and --repo-key go with 'package' only"
     fi
-    if [ -n "$ADDRESS" ]; then
-        check_address "$ADDRESS" || fatal "--address $ADDRESS is not an IP address (e.g. 10.0.0.5 or fd00::5)"
-    fi
+    check_node_address
     HEALTH_TIMEOUT=${LLMGW_AGENT_HEALTH_TIMEOUT:-$DEFAULT_HEALTH_TIMEOUT}
     case $HEALTH_TIMEOUT in
         '' | *[!0-9]*) fatal "LLMGW_AGENT_HEALTH_TIMEOUT='$HEALTH_TIMEOUT' is not a number of seconds" ;;
@@ -263,6 +278,26 @@ parse_args() {
     case $SETTLE in
         '' | *[!0-9]*) fatal "LLMGW_AGENT_SETTLE_SECONDS='$SETTLE' is not a number of seconds" ;;
     esac
+}
+
+# --node-address and --mgmt-interface: one or the other ('none' clears what agent.yaml has).
+check_node_address() {
+    if [ -n "$NODE_ADDRESS" ] && [ -n "$MGMT_IFACE" ]; then
+        fatal "--node-address and --mgmt-interface both say where this node is reached; give one: the address itself, or the interface to take it from"
+    fi
+    if [ -n "$NODE_ADDRESS" ] && [ "$NODE_ADDRESS" != none ]; then
+        check_address "$NODE_ADDRESS" || fatal "--node-address $NODE_ADDRESS is not an IP address (e.g. 10.0.0.5 or fd00::5)"
+    fi
+    if [ -n "$MGMT_IFACE" ] && [ "$MGMT_IFACE" != none ]; then
+        check_iface "$MGMT_IFACE" || fatal "--mgmt-interface '$MGMT_IFACE' is not a network interface name: at most 15 letters, digits and _ . - (as 'ip -brief link' lists them)"
+    fi
+    return 0
+}
+
+# A network interface name, of the characters that can go into agent.yaml unquoted-safe
+# and into sed and awk (llmgw.contracts.nodefacts takes the same).
+check_iface() {
+    printf '%s\n' "$1" | grep -Eq '^[A-Za-z0-9_.-]{1,15}$'
 }
 
 check_address() {
@@ -488,8 +523,9 @@ root_owned_path() {
 
 # Run a program of the agent's as the service user, detached from root's terminal and
 # environment: a new session (setsid: no controlling terminal to inject into), stdin from
-# /dev/null, the environment reset to PATH, HOME, LANG and its TMPDIR (plus the token, for
-# as_agent_with_token only). Its output reaches root's terminal only after the fact, with
+# /dev/null, the environment reset to PATH, HOME, LANG, its TMPDIR and LLMGW_BY_INSTALLER=1
+# ('llmgw agent join' then leaves agent.yaml and the start to this script, which says them
+# with the real paths), plus the token, for as_agent_with_token only. Its output reaches root's terminal only after the fact, with
 # control characters removed, so nothing the agent's code prints can drive that terminal.
 as_agent() {
     agent_run "" "$@"
@@ -511,7 +547,7 @@ agent_run() {
     # before: nothing of the installer's (nor an operator's terminal) reaches it.
     # shellcheck disable=SC2016 # $t and $@ are the inner sh's
     printf '%s\n' "$token" | (cd / && exec setsid -w env -i PATH="$AGENT_PATH" \
-        HOME=/nonexistent LANG=C.UTF-8 TMPDIR="$TMP_DIR" sh -c 'IFS= read -r t || true
+        HOME=/nonexistent LANG=C.UTF-8 TMPDIR="$TMP_DIR" LLMGW_BY_INSTALLER=1 sh -c 'IFS= read -r t || true
 if [ -n "$t" ]; then LLMGW_JOIN_TOKEN=$t; export LLMGW_JOIN_TOKEN; fi
 unset t
 exec </dev/null
@@ -1112,7 +1148,8 @@ node_id_now() {
 }
 
 # 9. agent.yaml: what the join wrote (server(s), node_id, state_dir) or the operator's file,
-# with the installer's own lines (the model and cache roots, --address) at the end.
+# with the installer's own lines (the model and cache roots, the node's address or interface,
+# the node facts) at the end.
 ensure_config() {
     if [ -f "$STAGE/joined.yaml" ]; then
         write_config "$STAGE/joined.yaml"
@@ -1142,11 +1179,12 @@ write_config() {
     done
     {
         # Drop the lines a previous install wrote, and the keys the options set: after the
-        # mark, the fact keys with their indented lines too.
-        awk -v mark="$MANAGED_MARK" -v address="$ADDRESS" '
+        # mark, the fact keys with their indented lines too; the node's address or interface
+        # wherever it is when one of them is given (they exclude each other).
+        awk -v mark="$MANAGED_MARK" -v address="$MGMT_GIVEN" '
             $0 == mark { managed = 1; next }
             /^(models_root|cache_root):/ { next }
-            address != "" && /^(mgmt_addr|mgmt_interface):/ { next }
+            (address != "" || managed) && /^(mgmt_addr|mgmt_interface):/ { next }
             managed && /^(fabrics|discovery|engines):/ { skipping = 1; next }
             skipping && /^([ \t]|- |-$)/ { next }
             { skipping = 0; print }
@@ -1154,13 +1192,15 @@ write_config() {
         echo "$MANAGED_MARK"
         echo "models_root: $MODELS"
         echo "cache_root: $CACHE"
-        [ -z "$ADDRESS" ] || echo "mgmt_addr: $ADDRESS"
+        # Quoted: YAML would read 1:2:3:4:5:6:7:8 as a number, and 'on' as a boolean.
+        [ -z "$NODE_ADDRESS" ] || echo "mgmt_addr: \"$NODE_ADDRESS\""
+        [ -z "$MGMT_IFACE" ] || echo "mgmt_interface: \"$MGMT_IFACE\""
         cat "$STAGE/facts.yaml"
     } >"$STAGE/agent.yaml"
     # The managed lines come as one block at the end: re-runs find them in place.
     awk -v mark="$MANAGED_MARK" '
         $0 == mark { seen = 1; next }
-        seen && /^(models_root|cache_root|mgmt_addr|fabrics|discovery|engines):/ { next }
+        seen && /^(models_root|cache_root|mgmt_addr|mgmt_interface|fabrics|discovery|engines):/ { next }
         seen && /^([ \t]|- |-$)/ { next }
         seen { exit 1 }
     ' "$STAGE/agent.yaml" || fatal "could not compose $CONFIG"
@@ -1168,9 +1208,11 @@ write_config() {
         TMPDIR=$STAGE "$(agent_bin)" agent --check --config "$STAGE/agent.yaml" >&2 || true
         fatal "the configuration composed from $base is not valid (above); fix $base and run again"
     }
+    written=written
+    [ ! -f "$CONFIG" ] || written=updated
     put_file "$STAGE/agent.yaml" "$CONFIG" 0640 "root:$SERVICE_USER"
     if [ "$CHANGED" = yes ]; then
-        info "config: $CONFIG"
+        info "config: $CONFIG ($written)"
         RESTART=yes
     fi
 }
@@ -1188,7 +1230,21 @@ managed_value() { # KEY: its value in agent.yaml's managed block
     awk -v mark="$MANAGED_MARK" -v key="$1" '
         $0 == mark { managed = 1; next }
         managed && index($0, key ": ") == 1 { print substr($0, length(key) + 3); exit }
-    ' "$CONFIG"
+    ' "$CONFIG" | unquote
+}
+
+# KEY: its value in agent.yaml, wherever the key is set at the top level (the agent refuses
+# a key set twice), as the operator may have edited it: a comment and quotes removed. Only
+# read, never run; each caller checks the value as it checks the option it stands for.
+config_value() {
+    [ -f "$CONFIG" ] && [ -r "$CONFIG" ] || return 0
+    awk -v key="$1" 'index($0, key ":") == 1 { print substr($0, length(key) + 2) }' "$CONFIG" \
+        | tail -n 1 | sed 's/[[:space:]]#.*$//' | unquote
+}
+
+# A YAML scalar as written: surrounding blanks and one pair of quotes removed.
+unquote() {
+    sed "s/^[[:space:]]*//; s/[[:space:]]*\$//; s/^\"\(.*\)\"\$/\1/; s/^'\(.*\)'\$/\1/"
 }
 
 # OPTION GIVEN NOW BEFORE: say what happens to one fact. NOW is the value it will have.
@@ -1204,15 +1260,83 @@ say_fact() {
     fi
 }
 
-resolve_facts() {
+resolve_facts() { # [BIN: finds a bare fabric name's adapters now, to say what changes]
     MODELS=$(resolve_root models_root --models-root "$MODELS_GIVEN" "$MODELS" "$MODELS_ROOT")
     CACHE=$(resolve_root cache_root --cache-root "$CACHE_GIVEN" "$CACHE" "$CACHE_ROOT")
+    resolve_mgmt
     resolve_list FIREWALL_FROM "$FIREWALL_GIVEN" firewall_from --firewall-from
     resolve_list FABRIC_PEERS "$PEERS_GIVEN" fabric_peers --fabric-peers
-    resolve_list FABRICS "$FABRICS_GIVEN" fabric --fabric
-    resolve_list ENGINES "$ENGINES_GIVEN" engine --engine
     resolve_one NVIDIA_SMI nvidia_smi --nvidia-smi
     resolve_one IB_ROOT ib_root --ib-root
+    [ -z "${1:-}" ] || resolve_fabrics "$1"
+    resolve_list FABRICS "$FABRICS_GIVEN" fabric --fabric
+    resolve_list ENGINES "$ENGINES_GIVEN" engine --engine
+}
+
+# The node's own address or interface (agent.yaml's mgmt_addr or mgmt_interface): given
+# ('none' clears), else what the managed block holds. One set by hand above the block stays
+# as it is, unless an option replaces it.
+resolve_mgmt() {
+    MGMT_GIVEN=$NODE_ADDRESS$MGMT_IFACE
+    rm_addr=$(config_value mgmt_addr) rm_iface=$(config_value mgmt_interface)
+    rm_was=none
+    [ -z "$rm_addr" ] || rm_was="--node-address $rm_addr"
+    [ -z "$rm_iface" ] || rm_was="--mgmt-interface $rm_iface"
+    if [ -n "$MGMT_GIVEN" ]; then
+        [ "$NODE_ADDRESS" != none ] || NODE_ADDRESS=""
+        [ "$MGMT_IFACE" != none ] || MGMT_IFACE=""
+        rm_now=none
+        [ -z "$NODE_ADDRESS" ] || rm_now="--node-address $NODE_ADDRESS"
+        [ -z "$MGMT_IFACE" ] || rm_now="--mgmt-interface $MGMT_IFACE"
+        if [ "$rm_now" != "$rm_was" ]; then
+            info "address: $rm_now (was $rm_was in $CONFIG)"
+        fi
+        return 0
+    fi
+    NODE_ADDRESS=$(managed_value mgmt_addr)
+    MGMT_IFACE=$(managed_value mgmt_interface)
+    if [ -n "$NODE_ADDRESS" ] && ! check_address "$NODE_ADDRESS"; then
+        fatal "mgmt_addr '$NODE_ADDRESS' in $CONFIG is not an IP address; give --node-address again (or --node-address none); nothing was changed"
+    fi
+    if [ -n "$MGMT_IFACE" ] && ! check_iface "$MGMT_IFACE"; then
+        fatal "mgmt_interface '$MGMT_IFACE' in $CONFIG is not a network interface name; give --mgmt-interface again (or --mgmt-interface none); nothing was changed"
+    fi
+    if [ "$rm_was" != none ]; then
+        info "address: keeping $rm_was from $CONFIG"
+    fi
+}
+
+# A bare fabric name (--fabric ib-b): this node's active InfiniBand adapters, found in sysfs
+# now by BIN's 'llmgw agent render-facts' (the one parser of node facts) and listed; what
+# was found is what agent.yaml and the record keep, never looked for again.
+resolve_fabrics() { # BIN
+    rf_bin=$1 rf_bare=""
+    for value in $FABRICS; do
+        case $value in *:* | none) ;; *) rf_bare="$rf_bare $value" ;; esac
+    done
+    [ -n "$rf_bare" ] || return 0
+    set --
+    for value in $FABRICS; do set -- "$@" --fabric "$value"; done
+    [ -z "$IB_ROOT" ] || set -- "$@" --ib-root "$IB_ROOT"
+    # Bounded: it reads the --ib-root tree as root (sysfs, unless an operator named another).
+    if ! TMPDIR=$STAGE timeout 60 "$rf_bin" agent render-facts --resolved-fabrics "$@" >"$STAGE/fabrics" 2>"$STAGE/fabrics.err"; then
+        why=$(sed -n 's/^Error: //p' "$STAGE/fabrics.err" | tr -d '\000-\010\013-\037\177')
+        [ -n "$why" ] || why=$(tr -d '\000-\010\013-\037\177' <"$STAGE/fabrics.err")
+        [ -n "$why" ] || why="the adapters in ${IB_ROOT:-/sys/class/infiniband} could not be read within 60 s"
+        fatal "node facts: $why. Nothing was changed"
+    fi
+    rf_found=""
+    while IFS= read -r value; do
+        rf_found="$rf_found $(check_fact --fabric "$value")"
+    done <"$STAGE/fabrics"
+    FABRICS=${rf_found# }
+    for value in $FABRICS; do
+        case " $rf_bare " in
+            *" ${value%%:*} "*)
+                info "facts: --fabric ${value%%:*} takes the active InfiniBand adapters in ${IB_ROOT:-/sys/class/infiniband}: $(printf '%s\n' "${value#*:}" | sed 's/,/, /g') (kept as --fabric $value)"
+                ;;
+        esac
+    done
 }
 
 # What a re-run keeps is checked again as if given (the record or agent.yaml may have been
@@ -1226,20 +1350,36 @@ check_remembered() {
         fabric | engine) cr_check=check_fact ;;
         firewall_from | fabric_peers) cr_check=check_source ;;
     esac
-    cr_from=$FACTS_RECORD
-    [ -f "$FACTS_RECORD" ] || cr_from="$CONFIG and $INSTALL_STATE/firewall (an older install)"
+    cr_from="remembered from the last install ($FACTS_RECORD)"
+    [ -f "$FACTS_RECORD" ] || cr_from="remembered from the last install ($CONFIG and $INSTALL_STATE/firewall, an older install)"
+    [ -z "${CR_FILE:-}" ] || cr_from="set as $1 in $CR_FILE"
     for cr_value in $2; do
         ("$cr_check" "$cr_option" "$cr_value") >/dev/null 2>"$STAGE/remembered.err" \
-            || fatal "$cr_option $cr_value, remembered from the last install ($cr_from), is not valid: $(sed 's/^error: //' "$STAGE/remembered.err"). Give $cr_option again (or $cr_option none, where it clears); nothing was changed"
+            || fatal "$cr_option $cr_value, $cr_from, is not valid: $(sed 's/^error: //' "$STAGE/remembered.err"). Give $cr_option again (or $cr_option none, where it clears); nothing was changed"
     done
 }
 
+# A root (run in a subshell: its variables stay there): given, else agent.yaml's (the file
+# is the truth: a root edited there by hand is kept, and said), else the last install's.
 resolve_root() { # KEY OPTION GIVEN VALUE DEFAULT: the root to use (said on stderr)
     before=$(recorded "$1")
     [ -f "$FACTS_RECORD" ] || before=$(managed_value "$1")
+    in_file=$(config_value "$1")
+    in_file=${in_file%/}
     now=$4
+    if [ -z "$3" ] && [ -n "$in_file" ]; then
+        CR_FILE=$CONFIG
+        check_remembered "$1" "$in_file"
+        if [ -n "$before" ] && [ "$in_file" != "$before" ]; then
+            info "facts: keeping $2 $in_file from $CONFIG (edited there; the last install had $before)"
+            printf '%s\n' "$in_file"
+            return 0
+        fi
+        before=$in_file
+    fi
     [ -n "$3" ] || check_remembered "$1" "$before"
     [ -n "$3" ] || now=${before:-$5}
+    [ -z "$3" ] || [ -z "$in_file" ] || before=$in_file
     shown=$now
     # The default, not given, is nothing to keep.
     [ -n "$3" ] || [ "$now" != "$5" ] || shown=""
@@ -1280,6 +1420,7 @@ resolve_one() { # VARIABLE KEY OPTION
 check_facts() { # BIN [WHAT_CHANGED: said after the reason; default: nothing]
     bin=$1
     changed=${2:-Nothing was changed}
+    resolve_fabrics "$bin"
     set --
     for value in $FABRICS; do set -- "$@" --fabric "$value"; done
     for value in $ENGINES; do set -- "$@" --engine "$value"; done
@@ -1593,8 +1734,10 @@ configure_firewall() {
 # 12. enable the units; (re)start only when something changed (RESTART) or the agent is not
 # running.
 start_agent() {
+    enabled=""
     if [ "$(systemctl is-enabled "$UNIT" 2>/dev/null)" != enabled ]; then
         systemctl enable "$UNIT" >/dev/null 2>&1 || fatal "systemctl enable $UNIT failed"
+        enabled=" (enabled: it starts at boot)"
     fi
     if [ "$(mode_recorded)" != package ] || [ -f "$UNIT_DIR/llmgw-agent-update.path" ]; then
         if [ "$(systemctl is-enabled llmgw-agent-update.path 2>/dev/null)" != enabled ] \
@@ -1607,11 +1750,15 @@ start_agent() {
         info "not started: this node has no identity yet. Run this again with --node-id, --enroll-url and --ca-hash (the token in LLMGW_JOIN_TOKEN)"
         return 0
     fi
-    if [ "$RESTART" = no ] && [ "$(systemctl is-active "$UNIT" 2>/dev/null)" = active ]; then
-        info "service: $UNIT runs and nothing changed; not restarted"
-        return 0
+    if [ "$(systemctl is-active "$UNIT" 2>/dev/null)" = active ]; then
+        if [ "$RESTART" = no ]; then
+            info "service: $UNIT runs and nothing changed; not restarted"
+            return 0
+        fi
+        info "service: restarting $UNIT (what it runs with changed, above)"
+    else
+        info "service: starting $UNIT$enabled"
     fi
-    info "service: (re)starting $UNIT"
     systemctl reset-failed "$UNIT" >/dev/null 2>&1 || true
     restart_agent
     if ! wait_listening "$HEALTH_TIMEOUT"; then
@@ -1841,6 +1988,15 @@ print_status() {
     else
         echo "identity:   none (not joined)"
     fi
+    if [ -r "$CONFIG" ]; then
+        if [ -n "$(config_value mgmt_addr)" ]; then
+            echo "address:    $(config_value mgmt_addr) (mgmt_addr in $CONFIG)"
+        elif [ -n "$(config_value mgmt_interface)" ]; then
+            echo "address:    that of $(config_value mgmt_interface) (mgmt_interface in $CONFIG)"
+        else
+            echo "address:    the route's towards the control plane (no mgmt_addr or mgmt_interface in $CONFIG)"
+        fi
+    fi
     echo "docker:     $(docker_access)"
     if [ -f "$FACTS_RECORD" ]; then
         while read -r key value; do
@@ -1870,7 +2026,7 @@ verb_install() {
     [ "$(mode_recorded)" != package ] \
         || fatal "llmgw-agent was installed from a package here; use 'package' (or uninstall first)"
     info "install: llmgw $NEW_VERSION from $BUNDLE"
-    resolve_facts
+    resolve_facts "$BUNDLE/llmgw"
     check_facts "$BUNDLE/llmgw"
     preflight
     arm_undo
@@ -1911,11 +2067,13 @@ verb_package() {
     BUNDLE=$(cd "$(dirname "$0")" && pwd)
     [ -f "$LIB_DIR/llmgw" ] && [ "$(mode_recorded)" != package ] \
         && fatal "llmgw-agent is installed from a bundle here ($LIB_DIR); uninstall it first, then run package"
-    resolve_facts
     # Checked before the package goes in when this script sits in a bundle, and always with
-    # the package's own binary once it is in.
+    # the package's own binary once it is in (a bare fabric name is found by the first).
     if [ -x "$BUNDLE/llmgw" ] && [ -n "$(version_of "$BUNDLE/llmgw")" ]; then
+        resolve_facts "$BUNDLE/llmgw"
         check_facts "$BUNDLE/llmgw"
+    else
+        resolve_facts ""
     fi
     preflight
     arm_undo
@@ -1941,7 +2099,7 @@ verb_upgrade() {
     check_installed
     bundle_dir
     if [ -n "$FACTS_GIVEN" ]; then
-        resolve_facts
+        resolve_facts "$BUNDLE/llmgw"
         check_facts "$BUNDLE/llmgw"
         config_is_valid "$CONFIG" \
             || fatal "node facts go into $CONFIG, which is missing or not valid ('$LIB_DIR/llmgw agent --check' says why); fix it, or run install with them. Nothing was changed"
@@ -1955,6 +2113,7 @@ verb_upgrade() {
         fi
         upgrade_trust
         upgrade_facts
+        warn_roots_apart
         info "llmgw $NEW_VERSION is installed already; nothing to upgrade"
         return 0
     fi
@@ -1987,6 +2146,7 @@ verb_upgrade() {
                 # An install older than the link gets it from an upgrade run as root (the
                 # signed-update helper may not write /usr/local/bin, and does without).
                 if [ -w "$(dirname "$COMMAND_LINK")" ]; then link_command; fi
+                warn_roots_apart
                 info "done: llmgw $NEW_VERSION runs and listens on :$AGENT_PORT (llmgw ${old:-?} kept for rollback)"
                 return 0
             fi
@@ -2008,6 +2168,19 @@ verb_upgrade() {
     fi
     journal_tail
     fatal "upgrade to llmgw $NEW_VERSION failed and the rolled-back llmgw ${old:-?} does not come up either (journal above); see: journalctl -u $UNIT"
+}
+
+# The model and cache roots are agent.yaml's (the file is the truth, and an upgrade keeps
+# them), but the agent's unit may write only where install's drop-in says: say when the two
+# part (a root edited by hand since the last install), and how to apply it.
+warn_roots_apart() {
+    [ -f "$DROPIN" ] || return 0
+    wr_models=$(config_value models_root) wr_cache=$(config_value cache_root)
+    wr_models=${wr_models%/} wr_cache=${wr_cache%/}
+    wr_models=${wr_models:-$MODELS_ROOT} wr_cache=${wr_cache:-$CACHE_ROOT}
+    wr_unit=$(sed -n 's/^ReadWritePaths=//p' "$DROPIN" | tail -n 1)
+    [ "$wr_unit" != "-$wr_models -$wr_cache" ] || return 0
+    warn "$CONFIG names models_root $wr_models and cache_root $wr_cache, and the agent's unit may write $wr_unit ($DROPIN); run 'install-agent.sh install' (no options needed: it keeps agent.yaml's roots) to make their folders and let the agent write there"
 }
 
 # After a CA rotation: 'upgrade --ca-hash NEW' moves the update helper's trust to the CA of
@@ -2079,7 +2252,7 @@ verb_rekey() {
     [ -n "$NODE_ID" ] || fatal "no node_id in $CONFIG; pass --node-id"
     read_join_token "no rekey token: export LLMGW_JOIN_TOKEN=<token from 'llmgw ctl join-command --rekey $NODE_ID'> and run again with 'sudo --preserve-env=LLMGW_JOIN_TOKEN'"
     bin=$(agent_bin)
-    info "rekey: stopping $UNIT"
+    info "rekey: stopping $UNIT; it starts again when the rekey is done, or fails"
     systemctl stop "$UNIT"
     status=0
     as_agent_with_token "$bin" agent join --rekey --node-id "$NODE_ID" --enroll-url "$ENROLL_URL" \
@@ -2088,6 +2261,7 @@ verb_rekey() {
         # The agent is stopped: a failure here must not end the script before it starts again.
         install_update_trust \
             || warn "update helper: its trust may not be updated (above); run 'install-agent.sh install' again to update it"
+        info "service: starting $UNIT on its new identity ($STATE_DIR/node.crt)"
     else
         warn "'llmgw agent join --rekey' failed (above); starting the agent again on its old identity"
     fi

@@ -25,6 +25,7 @@ __all__ = [
     "RESERVED_PREFIX",
     "check_node_id_free",
     "format_hostport",
+    "interface_address",
     "is_hostname",
     "is_ip_address",
     "is_loopback_host",
@@ -46,6 +47,11 @@ _PORT = re.compile(r"[0-9]{1,5}")
 _CERT_HOST = re.compile(r"[A-Za-z0-9_*.-]+")
 _IF_INET6 = Path("/proc/net/if_inet6")
 _SIOCGIFADDR = 0x8915
+# /proc/net/if_inet6's scope field for global addresses (ULAs included), and the flags of an
+# address that cannot be used yet or any longer: tentative (DAD running), deprecated, DAD
+# failed.
+_SCOPE_GLOBAL = 0x00
+_IFA_UNUSABLE = 0x40 | 0x20 | 0x08
 _NODE_ID_RULE = (
     "a node id must be a DNS name: lowercase letters, digits, '-' and '.', labels of 1-63 "
     "characters that neither start nor end with '-', at most 253 characters in all, not an IP "
@@ -266,24 +272,11 @@ def check_node_id_free(
 
 
 def _ipv4_addresses() -> list[str]:
-    found: list[str] = []
     try:
         interfaces = socket.if_nameindex()
     except OSError:
-        return found
-    try:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    except OSError:
-        return found
-    with sock:
-        for _, ifname in interfaces:
-            request = struct.pack("256s", ifname.encode()[:15])
-            try:
-                reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
-            except OSError:  # no IPv4 address on this interface, or it vanished
-                continue
-            found.append(socket.inet_ntoa(reply[20:24]))
-    return found
+        return []
+    return [addr for _, ifname in interfaces if (addr := _interface_ipv4(ifname)) is not None]
 
 
 def _ipv6_addresses() -> list[str]:
@@ -303,6 +296,65 @@ def _ipv6_addresses() -> list[str]:
         if addr.is_link_local:
             continue
         found.append(str(addr))
+    return found
+
+
+def _interface_ipv4(name: str) -> str | None:
+    try:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    with sock:
+        request = struct.pack("256s", name.encode()[:15])
+        try:
+            reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
+        except OSError:  # no IPv4 address on it (EADDRNOTAVAIL), or it vanished
+            return None
+    return socket.inet_ntoa(reply[20:24])
+
+
+def _interface_ipv6(name: str) -> str | None:
+    try:
+        lines = _IF_INET6.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) != 6 or fields[5] != name:
+            continue
+        try:
+            addr = ipaddress.IPv6Address(bytes.fromhex(fields[0]))
+            scope, flags = int(fields[3], 16), int(fields[4], 16)
+        except ValueError:
+            continue
+        if scope == _SCOPE_GLOBAL and not flags & _IFA_UNUSABLE and not addr.is_link_local:
+            return str(addr)
+    return None
+
+
+def interface_address(name: str) -> str:
+    """The address of network interface ``name`` a peer should dial: its IPv4 address, else
+    its first global IPv6 address (link-local ones are never it). ConfigError, saying what to
+    do, when there is no such interface or it has no such address."""
+    try:
+        socket.if_nametoindex(name)
+    except OSError:
+        try:
+            present = ", ".join(sorted(n for _, n in socket.if_nameindex()))
+        except OSError:
+            present = "?"
+        raise ConfigError(
+            f"this machine has no network interface {name!r} (it has: {present}); name the "
+            "one the control plane reaches this node on ('ip -brief address' lists them), or "
+            "set mgmt_addr: ADDRESS instead"
+        ) from None
+    found = _interface_ipv4(name) or _interface_ipv6(name)
+    if found is None:
+        raise ConfigError(
+            f"network interface {name!r} has no IPv4 or global IPv6 address (is it up and "
+            f"configured? 'ip address show {name}'); give it one, name another interface, or "
+            "set mgmt_addr: ADDRESS instead"
+        )
     return found
 
 

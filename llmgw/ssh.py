@@ -5,8 +5,12 @@ The script goes on ssh's standard input (the remote command line is only ``sh -s
 ``sudo -n sh -s``), so a secret inside it is on no command line at either end. The client
 runs with ``BatchMode=yes`` (nothing is ever typed through it) and
 ``StrictHostKeyChecking=yes``: the host key is what authenticates the machine, so an unknown
-or changed one is refused before anything runs, never accepted on first use. What ssh says
-when it fails is translated into the errors below; only an unreachable host is retryable.
+or changed one is refused before anything runs. Only where the operator asks for it
+(``accept_new_host_key``, as ``StrictHostKeyChecking=accept-new`` does) is an unknown key
+accepted and added to known_hosts, its fingerprint read from ssh's own account of the key
+exchange (``-v``) for the operator to compare; a changed key is refused all the same. What
+ssh says when it fails is translated into the errors below; only an unreachable host (or a
+session cut off, as when sshd restarts) is retryable.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from llmgw.netaddr import format_hostport, parse_hostport
 
 __all__ = [
     "SSH_EXIT",
+    "HostKey",
     "RemoteResult",
     "RemoteRun",
     "SshTarget",
@@ -45,8 +50,13 @@ SSH_EXIT = 255
 # Options of ours that --ssh-option may not change: they are what makes the run safe.
 _FIXED = {
     "batchmode": "BatchMode=yes (nothing is typed through ssh)",
-    "stricthostkeychecking": "StrictHostKeyChecking=yes (the host key authenticates the machine)",
+    "stricthostkeychecking": "StrictHostKeyChecking=yes (the host key authenticates the "
+    "machine; --accept-new-host-key accepts an unknown one, never a changed one)",
 }
+# What ssh -v says of the key the server proved (the target's is the last one: a jump
+# host's comes first), and what it says when it added an unknown key to known_hosts.
+_SERVER_KEY = re.compile(r"^debug1: Server host key: (\S+) (\S+:\S+)", re.MULTILINE)
+_ADDED = re.compile(r"^Warning: Permanently added .* to the list of known hosts", re.MULTILINE)
 _OPTION = re.compile(r"^[A-Za-z][A-Za-z0-9]*=.+$")
 _USER = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
 
@@ -69,6 +79,9 @@ _UNREACHABLE = (
     "kex_exchange_identification",
     "could not resolve hostname",
     "temporary failure in name resolution",
+    # A session cut off under way (sshd restarted, the machine rebooted).
+    "closed by remote host",
+    "broken pipe",
 )
 
 
@@ -108,6 +121,7 @@ class SshTarget:
     identity: Path | None = None
     options: tuple[str, ...] = ()  # K=V, as -o takes them
     ssh: str = "ssh"  # the client program
+    accept_new_host_key: bool = False  # StrictHostKeyChecking=accept-new instead of yes
 
     def __post_init__(self) -> None:
         for option in self.options:
@@ -131,20 +145,26 @@ class SshTarget:
         where = format_hostport(self.host, self.port) if self.port else self.host
         return f"{self.user}@{where}" if self.user else where
 
-    def argv(self, remote_command: str, *, connect_timeout: float = 15) -> list[str]:
+    def argv(
+        self, remote_command: str, *, connect_timeout: float = 15, verbose: bool = False
+    ) -> list[str]:
         """The ssh command line: our fixed options first (ssh keeps the first value it is
         given for an option, so neither ~/.ssh/config nor a later -o can loosen them), then
-        the operator's, then the destination and ``remote_command``."""
+        the operator's, then the destination and ``remote_command``. ``verbose``: -v, for
+        the server's host key (:attr:`RemoteResult.host_key`)."""
+        checking = "accept-new" if self.accept_new_host_key else "yes"
         args = [
             self.ssh,
             "-o",
             "BatchMode=yes",
             "-o",
-            "StrictHostKeyChecking=yes",
+            f"StrictHostKeyChecking={checking}",
             "-o",
             f"ConnectTimeout={max(1, round(connect_timeout))}",
             "-T",
         ]
+        if verbose:
+            args.append("-v")
         if self.port:
             args += ["-p", str(self.port)]
         if self.identity is not None:
@@ -166,13 +186,24 @@ def classify_failure(target: SshTarget, stderr: str, *, sudo: bool) -> SshError:
             "NOPASSWD: ALL' in /etc/sudoers.d/), or ssh as root"
         )
     if any(marker in said for marker in _HOST_KEY):
+        changed = "identification has changed" in said
+        what = (
+            "it is not the one known_hosts pins, and a changed key is never accepted"
+            if changed
+            else "it is unknown or not the one known_hosts pins"
+        )
+        unknown = (
+            ""
+            if changed or target.accept_new_host_key
+            else " (or let onboard accept an unknown key with --accept-new-host-key: it "
+            "prints the fingerprint to compare)"
+        )
         return HostKeyError(
-            f"ssh refused {where}'s host key ({last}): it is unknown or not the one known_hosts "
-            "pins, and onboard never accepts a host key on first use. Get the key "
+            f"ssh refused {where}'s host key ({last}): {what}. Get the key "
             f"(ssh-keyscan {_keyscan_args(target)}), compare its fingerprint (ssh-keygen -lf) "
             "with the machine's own, read on its console or from the provisioning system, "
-            "then add it to known_hosts; if the machine was reinstalled, first remove the old "
-            f"key: ssh-keygen -R {_known_hosts_name(target)}"
+            f"then add it to known_hosts{unknown}; if the machine was reinstalled, first "
+            f"remove the old key: ssh-keygen -R {_known_hosts_name(target)}"
         )
     if "permission denied" in said or "too many authentication failures" in said:
         return SshAuthError(
@@ -202,13 +233,25 @@ def _known_hosts_name(target: SshTarget) -> str:
 
 
 @dataclass(frozen=True)
+class HostKey:
+    """The host key the server proved (from ``ssh -v``): its type and SHA-256 fingerprint,
+    and whether ssh added it to known_hosts just now (it was unknown)."""
+
+    type: str
+    fingerprint: str
+    added: bool
+
+
+@dataclass(frozen=True)
 class RemoteResult:
     """How a remote script ended: its exit status and its output (stdout and stderr merged
-    by the script's ``exec 2>&1``), and what ssh itself said on its stderr."""
+    by the script's ``exec 2>&1``), and what ssh itself said on its stderr (its -v debug
+    lines left out); with ``verbose``, the host key the server proved."""
 
     returncode: int
     output: list[str]
     ssh_stderr: str
+    host_key: HostKey | None = None
 
 
 class RemoteRun:
@@ -230,10 +273,14 @@ class RemoteRun:
         timeout: float,
         on_line: Callable[[str], None] = lambda line: None,
         connect_timeout: float = 15,
+        verbose: bool = False,
     ) -> RemoteResult:
         """Run ``script``; the RemoteResult of a script that ran (whatever its status), or the
-        SshError of an ssh that failed (exit 255, or sudo's refusal)."""
-        argv = self.target.argv(self.remote_command, connect_timeout=connect_timeout)
+        SshError of an ssh that failed (exit 255, or sudo's refusal). ``verbose``: read the
+        server's host key from ssh -v."""
+        argv = self.target.argv(
+            self.remote_command, connect_timeout=connect_timeout, verbose=verbose
+        )
         try:
             proc = subprocess.Popen(
                 argv,
@@ -280,7 +327,16 @@ class RemoteRun:
                 proc.kill()
                 proc.wait()
             reader.join(timeout=5)
-        stderr = "".join(errors)
+        raw = "".join(errors)
+        keys = _SERVER_KEY.findall(raw)
+        host_key = (
+            HostKey(type=keys[-1][0], fingerprint=keys[-1][1], added=bool(_ADDED.search(raw)))
+            if keys
+            else None
+        )
+        stderr = "".join(
+            line for line in raw.splitlines(keepends=True) if not line.startswith("debug")
+        )
         if killed.is_set():
             raise SshError(
                 f"the script on {self.target.describe()} did not finish within {timeout:.0f}s "
@@ -288,7 +344,9 @@ class RemoteRun:
             )
         if returncode == SSH_EXIT or (self.sudo and returncode == 1 and _sudo_refused(stderr)):
             raise classify_failure(self.target, stderr, sudo=self.sudo)
-        return RemoteResult(returncode=returncode, output=lines, ssh_stderr=stderr)
+        return RemoteResult(
+            returncode=returncode, output=lines, ssh_stderr=stderr, host_key=host_key
+        )
 
 
 def _sudo_refused(stderr: str) -> bool:

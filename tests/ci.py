@@ -32,6 +32,7 @@ TOOL_PACKAGES = {
     "gcc": "gcc",
     "gpg": "gnupg",
     "gpgv": "gpgv",
+    "ip": "iproute2",
     "readelf": "binutils",
     "rpm": "rpm",
     "rpmsign": "rpm",

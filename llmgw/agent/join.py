@@ -715,7 +715,8 @@ def join(
     if given and config_exists:
         raise ConfigError(
             f"{', '.join(given)} go into the agent.yaml this join writes, but {paths.config} "
-            "exists already and is kept as it is; set them in it (fabrics, discovery, engines), "
+            "exists already and is kept as it is; set them in it (fabrics, discovery, engines, "
+            "mgmt_addr, mgmt_interface), "
             "or pass another --config"
         )
     facts_config = facts.agent_config() if given else {}

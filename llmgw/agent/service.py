@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
-import socket
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
+from llmgw.agent.address import DataplaneAddress
 from llmgw.agent.bwrap import Bubblewrap
 from llmgw.agent.config import AgentConfig, TLSConfig
 from llmgw.agent.dataplane import DataPlane, server_ssl_context
@@ -42,7 +41,7 @@ from llmgw.errors import CertificateError, LlmgwError, StartupError
 from llmgw.fsutil import make_dir
 from llmgw.log import kv
 from llmgw.loop import run as run_loop
-from llmgw.netaddr import format_hostport, parse_hostport
+from llmgw.netaddr import format_hostport
 from llmgw.notify import Notifier
 from llmgw.proto import control_pb2 as pb
 
@@ -88,19 +87,6 @@ def bundle_download_ssl_context(cert: Path, key: Path, ca: Path) -> ssl.SSLConte
     ctx = download_ssl_context(ca)
     ctx.load_cert_chain(cert, key)
     return ctx
-
-
-def _source_address_towards(server: str) -> str:
-    """The local address this machine uses to reach ``server`` (no packet is sent)."""
-    host, port = parse_hostport(server)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-        family, _, _, _, addr = infos[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(addr)
-            return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
 
 
 class NodeIdentity:
@@ -164,6 +150,7 @@ class Agent:
         self.inventory: InventoryWatcher | None = None
         self.dataplane: DataPlane | None = None
         self.stream: StreamClient | None = None
+        self.address: DataplaneAddress | None = None
         self.spooler: Spooler | None = None
         self._ready_sent = False
 
@@ -189,6 +176,8 @@ class Agent:
                 shards = await self._start_shards(runtime, running)
             with step("inventory"):
                 inventory = await self._start_inventory(shards)
+            with step("management address"):
+                self.address = DataplaneAddress(cfg)
             with step("data plane listener"):
                 dataplane = await self._start_dataplane(identity, shards, servers, running)
             with step("control-plane stream"):
@@ -409,16 +398,10 @@ class Agent:
         )
 
     def _dataplane_addr(self, server: str) -> str:
-        assert self.dataplane is not None
+        assert self.dataplane is not None and self.address is not None
         if self.cfg.advertise:
             return self.cfg.advertise
-        host = self.dataplane.host
-        if self.cfg.mgmt_addr:
-            host = self.cfg.mgmt_addr
-        else:
-            with contextlib.suppress(ValueError):
-                if ipaddress.ip_address(host).is_unspecified:
-                    host = _source_address_towards(server)
+        host = self.address.host(self.dataplane.host, server)
         return format_hostport(host, self.dataplane.bound_port)
 
     def _on_stream_state(self, state: StreamState, server: str | None) -> None:

@@ -1,7 +1,11 @@
 """Node facts given when a node is installed or joined: the one parser of ``--fabric
-NAME:HCA[,HCA...]``, ``--engine NAME=PATH`` and the path and CIDR options that ``llmgw ctl
-join-command``, the control plane and ``llmgw agent join`` all accept, with the same syntax as
-``install-agent.sh install``.
+NAME[:HCA,...]``, ``--engine NAME=PATH``, ``--node-address``/``--mgmt-interface`` and the path
+and CIDR options that ``llmgw ctl join-command``, the control plane and ``llmgw agent join``
+all accept, with the same syntax as ``install-agent.sh install``.
+
+A bare fabric name (``--fabric ib-b``) means the node's active InfiniBand adapters, found on
+the node itself when it is installed or joined (:meth:`NodeFacts.with_active_adapters`); what
+was found is written down, never looked for again.
 
 Each value is checked where it is given and again where it is used, and always by this module,
 so that what ctl accepts the control plane accepts, and what ends up in the command an operator
@@ -11,6 +15,7 @@ naming the option.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import re
 from collections.abc import Iterable, Mapping
@@ -27,6 +32,8 @@ __all__ = [
     "FabricFact",
     "NodeFacts",
     "check_cidr",
+    "check_interface",
+    "check_ip",
     "check_path",
     "parse_engine",
     "parse_fabric",
@@ -41,6 +48,9 @@ _ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 # to YAML, a shell or a unit file.
 _PATH = re.compile(r"/[A-Za-z0-9_./+-]*")
 _CIDR = re.compile(r"[0-9A-Fa-f:.]+(/[0-9]{1,3})?")
+# A network interface name as the installer writes it into agent.yaml (its IFACE_RE): at
+# most 15 characters (IFNAMSIZ - 1), none that YAML, a shell or sed would read otherwise.
+_INTERFACE = re.compile(r"[A-Za-z0-9_.-]{1,15}")
 MAX_VALUE = 4096
 NONE = "none"
 """``--fabric none`` / ``--engine none``, alone: no fabric, no engine program (the installer
@@ -55,11 +65,14 @@ FACT_OPTIONS: Mapping[str, str] = {
     "cache_root": "--cache-root",
     "firewall_from": "--firewall-from",
     "fabric_peers": "--fabric-peers",
+    "node_address": "--node-address",
+    "mgmt_interface": "--mgmt-interface",
 }
 """Each fact, by its JSON key (the admin API's), and the option that gives it."""
 
-AGENT_FACTS = ("fabrics", "nvidia_smi", "ib_root", "engines")
-"""The facts ``llmgw agent join`` writes into agent.yaml itself."""
+AGENT_FACTS = ("fabrics", "nvidia_smi", "ib_root", "engines", "node_address", "mgmt_interface")
+"""The facts ``llmgw agent join`` writes into agent.yaml itself (the node's own address,
+``--node-address``, as ``mgmt_addr``; ``--mgmt-interface`` as ``mgmt_interface``)."""
 
 INSTALLER_FACTS = ("models_root", "cache_root", "firewall_from", "fabric_peers")
 """The facts only the installer applies (the unit's drop-in, the firewall)."""
@@ -80,19 +93,25 @@ def _text(value: object, option: str) -> str:
 
 @dataclass(frozen=True)
 class FabricFact:
-    """``--fabric NAME:HCA[,HCA...]``: a fabric this node is on and its adapters, stated,
-    never guessed (as agent.yaml's ``fabrics``); ``none`` (no adapters): no fabric."""
+    """``--fabric NAME:HCA[,HCA...]``: a fabric this node is on and its adapters (as
+    agent.yaml's ``fabrics``); a bare ``NAME``: the node's active InfiniBand adapters, found
+    on the node (:attr:`bare`); ``none``: no fabric."""
 
     name: str
     hcas: tuple[str, ...] = ()
+
+    @property
+    def bare(self) -> bool:
+        """A name without adapters: they are the ones found active on the node."""
+        return self.name != NONE and not self.hcas
 
     def __str__(self) -> str:
         return self.name + (":" + ",".join(self.hcas) if self.hcas else "")
 
 
 def parse_fabric(value: object, option: str = "--fabric") -> FabricFact:
-    """``NAME:HCA[,HCA...]`` (or ``none``) as a :class:`FabricFact`; ConfigError says what
-    is wrong."""
+    """``NAME:HCA[,HCA...]``, a bare ``NAME`` or ``none``, as a :class:`FabricFact`;
+    ConfigError says what is wrong."""
     text = _text(value, option)
     if text == NONE:
         return FabricFact(NONE)
@@ -102,15 +121,11 @@ def parse_fabric(value: object, option: str = "--fabric") -> FabricFact:
             option,
             text,
             "does not start with a fabric name (lowercase letters, digits, '-', '_' and '.'); "
-            "give NAME:HCA,HCA, e.g. ib-b:mlx5_2,mlx5_3",
+            "give NAME (the node's active InfiniBand adapters) or NAME:HCA,HCA, e.g. "
+            "ib-b:mlx5_2,mlx5_3",
         )
     if not sep:
-        raise _fail(
-            option,
-            text,
-            f"names no adapters; list them as in /sys/class/infiniband (--fabric "
-            f"{name}:mlx5_0,mlx5_1): a fabric is stated, never guessed",
-        )
+        return FabricFact(name=name)
     hcas: list[str] = []
     if sep:
         for hca in rest.split(","):
@@ -173,6 +188,31 @@ def parse_engine(value: object, option: str = "--engine") -> tuple[str, str]:
     return name, check_path(path, f"{option} {name}")
 
 
+def check_ip(value: object, option: str) -> str:
+    """An IP address (``10.0.0.5``, ``fd00::5``), as agent.yaml's ``mgmt_addr`` takes it and
+    the installer's own check (check_address) does."""
+    text = _text(value, option)
+    try:
+        if not _CIDR.fullmatch(text) or "/" in text:
+            raise ValueError(text)
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise _fail(option, text, "is not an IP address; give e.g. 10.0.0.5 or fd00::5") from None
+
+
+def check_interface(value: object, option: str) -> str:
+    """A network interface name (``eth1``, ``enp1s0f0np0``, ``bond0.100``)."""
+    text = _text(value, option)
+    if not _INTERFACE.fullmatch(text):
+        raise _fail(
+            option,
+            text,
+            "is not a network interface name: at most 15 letters, digits and _ . - (as 'ip "
+            "-brief link' lists them)",
+        )
+    return text
+
+
 def check_cidr(value: object, option: str) -> str:
     """An IP address or network (``10.0.0.5``, ``10.0.0.0/24``, ``fd00::/64``), as given."""
     text = _text(value, option)
@@ -203,6 +243,8 @@ class NodeFacts:
     cache_root: str | None = None
     firewall_from: tuple[str, ...] = ()
     fabric_peers: tuple[str, ...] = ()
+    node_address: str | None = None
+    mgmt_interface: str | None = None
 
     @classmethod
     def parse(
@@ -216,11 +258,27 @@ class NodeFacts:
         cache_root: object = None,
         firewall_from: Iterable[object] = (),
         fabric_peers: Iterable[object] = (),
+        node_address: object = None,
+        mgmt_interface: object = None,
     ) -> NodeFacts:
         """The facts from option values (strings in the options' syntax), each checked, and
-        checked together: a fabric or an engine given twice, an adapter on two fabrics,
-        ``none`` beside another."""
+        checked together: a fabric or an engine given twice, an adapter on two fabrics, two
+        bare fabric names, ``none`` beside another, the node's address and its interface."""
         parsed = tuple(parse_fabric(f) for f in fabrics)
+        bare = [f.name for f in parsed if f.bare]
+        if len(bare) > 1:
+            raise ConfigError(
+                f"fabrics {bare[0]} and {bare[1]} both name no adapters, and a bare name takes "
+                "all the node's active InfiniBand adapters; list the adapters of all but one "
+                f"(--fabric {bare[1]}:HCA,HCA)",
+                key="--fabric",
+            )
+        if node_address is not None and mgmt_interface is not None:
+            raise ConfigError(
+                "--node-address and --mgmt-interface both say where the node is reached; give "
+                "one: the address itself, or the interface to take it from",
+                key="--mgmt-interface",
+            )
         names: set[str] = set()
         owner: dict[str, str] = {}
         if len(parsed) > 1 and any(f.name == NONE for f in parsed):
@@ -266,7 +324,31 @@ class NodeFacts:
             cache_root=None if cache_root is None else check_path(cache_root, "--cache-root"),
             firewall_from=_unique(check_cidr(c, "--firewall-from") for c in firewall_from),
             fabric_peers=_unique(check_cidr(c, "--fabric-peers") for c in fabric_peers),
+            node_address=None if node_address is None else check_ip(node_address, "--node-address"),
+            mgmt_interface=None
+            if mgmt_interface is None
+            else check_interface(mgmt_interface, "--mgmt-interface"),
         )
+
+    def with_active_adapters(self, active: Iterable[str], where: str) -> NodeFacts:
+        """These facts with a bare fabric name's adapters filled in: ``active``, the node's
+        active InfiniBand adapters (found in ``where``), less those another fabric lists.
+        ConfigError when none is left."""
+        fabric = next((f for f in self.fabrics if f.bare), None)
+        if fabric is None:
+            return self
+        listed = {hca for f in self.fabrics for hca in f.hcas}
+        found = tuple(hca for hca in active if hca not in listed)
+        if not found:
+            others = " not listed under another fabric" if listed else ""
+            raise ConfigError(
+                f"{fabric.name} names no adapters, so it takes this node's active InfiniBand "
+                f"adapters, and {where} has none{others}; bring their links up (ibstat), or "
+                f"list the adapters: --fabric {fabric.name}:HCA,HCA",
+                key="--fabric",
+            )
+        filled = tuple(FabricFact(f.name, found) if f.bare else f for f in self.fabrics)
+        return dataclasses.replace(self, fabrics=filled)
 
     @classmethod
     def from_json(cls, data: object) -> NodeFacts:
@@ -294,6 +376,8 @@ class NodeFacts:
             ib_root=data.get("ib_root"),
             models_root=data.get("models_root"),
             cache_root=data.get("cache_root"),
+            node_address=data.get("node_address"),
+            mgmt_interface=data.get("mgmt_interface"),
             **lists,
         )
 
@@ -308,6 +392,9 @@ class NodeFacts:
             data["ib_root"] = self.ib_root
         if self.engines:
             data["engines"] = [_engine_text(name, path) for name, path in self.engines]
+        for key in ("node_address", "mgmt_interface"):
+            if getattr(self, key) is not None:
+                data[key] = getattr(self, key)
         for key in INSTALLER_FACTS:
             value = getattr(self, key)
             if value:
@@ -318,8 +405,15 @@ class NodeFacts:
         """The agent facts as agent.yaml keys (``fabrics``, ``discovery``, ``engines``), as
         ``llmgw agent join`` writes them into a fresh agent.yaml and ``install-agent.sh``
         into its managed block (through ``llmgw agent render-facts``); ``none`` and facts not
-        given are left out."""
+        given are left out. A bare fabric name must have been filled in first
+        (:meth:`with_active_adapters`)."""
         data: dict[str, object] = {}
+        bare = [f.name for f in self.fabrics if f.bare]
+        if bare:
+            raise ConfigError(
+                f"{bare[0]} names no adapters and none were found for it on this node",
+                key="--fabric",
+            )
         fabrics = [f for f in self.fabrics if f.name != NONE]
         if fabrics:
             data["fabrics"] = [{"name": f.name, "hcas": list(f.hcas)} for f in fabrics]
@@ -335,6 +429,10 @@ class NodeFacts:
             data["engines"] = {
                 name: {str(ENGINES[name].program_setting): path} for name, path in engines
             }
+        if self.node_address is not None:
+            data["mgmt_addr"] = self.node_address
+        if self.mgmt_interface is not None:
+            data["mgmt_interface"] = self.mgmt_interface
         return data
 
     def given(self, keys: Iterable[str]) -> list[str]:

@@ -8,10 +8,15 @@ runcmd but never the disk, and a reboot before runcmd loses it (the token expire
 cloud-init itself keeps the user-data, token included, under ``/var/lib/cloud/`` (root
 only): the protection there is that the token is single-use and short-lived. The token is
 never on a command line: the script names only the file.
+
+One name for a node: with ``set_hostname`` the machine's host name becomes the node id
+(cloud-init's ``hostname``, and ``/etc/hosts``' 127.0.1.1 line, before runcmd); the script
+warns, in cloud-init's output log, when they differ.
 """
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -46,6 +51,7 @@ def join_script(
     ca_hash: str,
     verify_tls: bool,
     extra_args: Sequence[str] = (),
+    set_hostname: bool = False,
 ) -> str:
     """runcmd's script: the token read from :data:`TOKEN_FILE` into the environment (a
     builtin, no process), the file removed at once (and by a trap if the read fails), then
@@ -61,10 +67,28 @@ def join_script(
         '[ -n "$LLMGW_JOIN_TOKEN" ] || { echo "llmgw: no join token in $t (write_files did not '
         f'write it); boot the machine with new user-data: {retry}" >&2; exit 1; }}',
         "export LLMGW_JOIN_TOKEN",
+        _hostname_warning(node_id, set_hostname),
         *fetch_steps(base_url, bundles, verify_tls=verify_tls),
         installer_step("install", node_id, enroll_url, ca_hash, extra_args),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _hostname_warning(node_id: str, set_hostname: bool) -> str:
+    """A line of the script that warns (in cloud-init's log) when the machine's host name is
+    not the node id: one name for host, node and certificate is what the guides use."""
+    fix = (
+        "cloud-init did not set it (preserve_hostname: true in /etc/cloud/cloud.cfg?); set it "
+        f"with hostnamectl set-hostname {node_id}"
+        if set_hostname
+        else f"set it (hostnamectl set-hostname {node_id}), or mint the user-data with "
+        "--set-hostname"
+    )
+    return (
+        f'h=$(uname -n); [ "$h" = {shlex.quote(node_id)} ] || echo "llmgw: warning: this '
+        f"machine is called $h but joins as node {node_id}; one name for host, node and "
+        f'certificate keeps logs, alerts and the console in step: {fix}" >&2'
+    )
 
 
 def user_data(
@@ -80,9 +104,11 @@ def user_data(
     auto_approve: bool,
     verify_tls: bool = True,
     extra_args: Sequence[str] = (),
+    set_hostname: bool = False,
 ) -> str:
     """``#cloud-config`` user-data that installs the agent on first boot and joins it as
-    ``node_id`` with ``token`` (see the module's docstring for where the token lives)."""
+    ``node_id`` with ``token`` (see the module's docstring for where the token lives);
+    ``set_hostname``: the machine is named ``node_id`` too."""
     script = join_script(
         base_url,
         bundles,
@@ -91,6 +117,7 @@ def user_data(
         ca_hash=ca_hash,
         verify_tls=verify_tls,
         extra_args=extra_args,
+        set_hostname=set_hostname,
     )
     expires = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires_at))
     approval = (
@@ -98,7 +125,10 @@ def user_data(
         if auto_approve
         else f"then waits for approval: llmgw ctl approve {node_id} --fingerprint ..."
     )
-    config: dict[str, Any] = {
+    config: dict[str, Any] = {}
+    if set_hostname:
+        config.update(hostname=node_id, preserve_hostname=False, manage_etc_hosts="localhost")
+    config |= {
         "write_files": [
             {
                 "path": TOKEN_FILE,
@@ -111,7 +141,9 @@ def user_data(
     }
     header = [
         "#cloud-config",
-        f"# llmgw: on first boot this machine installs the agent and joins as {node_id};",
+        f"# llmgw: on first boot this machine installs the agent and joins as {node_id}"
+        + (f" (its host name set to {node_id})" if set_hostname else "")
+        + ";",
         f"# {approval}.",
         f"# Join token {token_id}: one use, valid until {expires}. cloud-init keeps this",
         "# user-data under /var/lib/cloud (root only); the token file is removed after use.",

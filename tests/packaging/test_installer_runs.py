@@ -67,7 +67,7 @@ chown() { log chown "$@"; }
 getent() { [ "$1 $2" != "group docker" ] || return 1; command getent "$@"; }
 mode_of() { stat -c '%a root:root' "$1" 2>/dev/null || true; }
 same_mode() { [ "$(mode_of "$1")" = "${2#0} root:root" ]; }
-as_agent_with_token() { LLMGW_JOIN_TOKEN=$JOIN_TOKEN "$@"; }
+as_agent_with_token() { LLMGW_JOIN_TOKEN=$JOIN_TOKEN LLMGW_BY_INSTALLER=1 "$@" >&2; }
 agent_read() { cp "$1" "$2" 2>/dev/null || : >"$2"; }
 main "$@"
 """
@@ -123,9 +123,21 @@ case $1 in
             ln -s "$T/srv/keep/file" "$state/to-file"
             mkdir "$state/sub" && ln -s "$T/srv/keep" "$state/sub/deeper"
         fi
+        # A rekey names no --state-dir: the agent's, in the sandbox.
+        [ -n "$state" ] || state=$T/var/lib/llmgw-agent
         echo crt >"$state/node.crt"
         echo ca >"$state/ca.crt"
-        [ -f "$config" ] || printf 'server: cp:7443\nnode_id: %s\n' "$node" >"$config"
+        written="kept as it was"
+        [ -f "$config" ] || { printf 'server: cp:7443\nnode_id: %s\n' "$node" >"$config"; written=written; }
+        # The real join's report (llmgw.cli.agent.join): its config and start lines only
+        # when no installer runs it (LLMGW_BY_INSTALLER).
+        echo "node $node joined"
+        echo "state: pending"
+        echo "next: ask the operator to approve it: llmgw ctl approve $node --fingerprint sha256:f"
+        if [ "${LLMGW_BY_INSTALLER:-}" != 1 ]; then
+            echo "config:      $config ($written)"
+            echo "then start the agent: sudo systemctl enable --now llmgw-agent"
+        fi
         ;;
     update-trust) shift; echo "$*" >"$T/update-trust-args"; echo "trust: written" ;;
 esac
@@ -263,9 +275,9 @@ def test_join_then_a_rerun_restarts_nothing_and_a_new_drop_in_restarts(sandbox: 
     said = sandbox.said(joined)
     order = [
         "==> join: node n1 at https://cp:7443",  # 8
-        "==> config: @/etc/llmgw/agent.yaml",  # 9
+        "==> config: @/etc/llmgw/agent.yaml (written)",  # 9
         "==> update helper: trusts the cluster CA in @/etc/llmgw/update/ca.pem",  # 10
-        "==> service: (re)starting llmgw-agent.service",  # 12
+        "==> service: starting llmgw-agent.service (enabled: it starts at boot)",  # 12
         "==> service: llmgw-agent.service is active and listens on :9443",
     ]
     assert [line for line in said if line in order] == order
@@ -279,7 +291,11 @@ def test_join_then_a_rerun_restarts_nothing_and_a_new_drop_in_restarts(sandbox: 
     ]
     moved = sandbox.run("install", "--models-root", str(sandbox.root / "srv" / "m2"))
     assert moved.returncode == 0, moved.stderr
-    assert "==> service: (re)starting llmgw-agent.service" in sandbox.said(moved)
+    assert "==> config: @/etc/llmgw/agent.yaml (updated)" in sandbox.said(moved)
+    assert (
+        "==> service: restarting llmgw-agent.service (what it runs with changed, above)"
+        in sandbox.said(moved)
+    )
     assert "systemctl daemon-reload" in sandbox.calls()
     refused = sandbox.run("install", "--node-id", "n2", *JOIN[2:])
     assert refused.returncode == 1

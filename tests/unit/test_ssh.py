@@ -17,7 +17,7 @@ from llmgw.errors import (
     SshUnreachable,
     SudoPasswordRequired,
 )
-from llmgw.ssh import RemoteRun, SshTarget, classify_failure, parse_destination
+from llmgw.ssh import HostKey, RemoteRun, SshTarget, classify_failure, parse_destination
 
 
 @pytest.mark.parametrize(
@@ -82,6 +82,12 @@ def test_the_command_line_puts_our_options_first() -> None:
         "sh -s",
     ]
     assert SshTarget(host="gpu-01").argv("x")[-3:] == ["--", "gpu-01", "x"]
+    # Only where asked: an unknown key accepted (a changed one never), and ssh -v to read it.
+    accepting = SshTarget(host="gpu-01", accept_new_host_key=True).argv("x", verbose=True)
+    assert accepting[1:9] == [
+        "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new",
+        "-o", "ConnectTimeout=15", "-T", "-v",
+    ]  # fmt: skip
     assert target.describe() == "ops@10.0.0.5:2222"
     assert SshTarget(host="fd00::5", port=22).describe() == "[fd00::5]:22"
 
@@ -119,7 +125,10 @@ def test_a_host_key_refusal_says_how_to_pin_the_key(said: str) -> None:
     assert "(Host key verification failed.)" in text
     assert "ssh-keyscan -p 2222 10.0.0.5" in text
     assert "ssh-keygen -R '[10.0.0.5]:2222'" in text
-    assert "never accepts a host key on first use" in text
+    if said is CHANGED:
+        assert "a changed key is never accepted" in text and "--accept-new" not in text
+    else:
+        assert "let onboard accept an unknown key with --accept-new-host-key" in text
 
 
 def test_other_failures() -> None:
@@ -151,6 +160,14 @@ host=${dest#*@}
 case " ${FAKE_SSH_HOSTS:-} " in
     *" $host=refuse "*) echo "ssh: connect to host $host port 22: Connection refused" >&2; exit 255 ;;
     *" $host=hostkey "*) echo "Host key verification failed." >&2; exit 255 ;;
+    *" $host=dropped "*) echo "Connection to $host closed by remote host." >&2; exit 255 ;;
+    *" $host=newkey "*)
+        # What OpenSSH's ssh -v says of a jump host's key, then of the target's, then that
+        # it added the target's (StrictHostKeyChecking=accept-new).
+        echo "debug1: Server host key: ssh-ed25519 SHA256:jumpjumpjump" >&2
+        echo "debug1: Server host key: ecdsa-sha2-nistp256 SHA256:targettarget" >&2
+        echo "Warning: Permanently added '$host' (ECDSA) to the list of known hosts." >&2
+        echo "debug1: Sending command: sh -s" >&2 ;;
 esac
 if [ "$remote" = "sudo -n sh -s" ]; then
     case " ${FAKE_SSH_HOSTS:-} " in
@@ -184,7 +201,9 @@ def test_a_script_runs_from_stdin_and_its_lines_come_as_they_are_printed(
 
 def test_ssh_failures_become_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "log"))
-    monkeypatch.setenv("FAKE_SSH_HOSTS", "down=refuse moved=hostkey locked=password")
+    monkeypatch.setenv(
+        "FAKE_SSH_HOSTS", "down=refuse moved=hostkey locked=password dropped=dropped"
+    )
     ssh = str(fake_ssh(tmp_path))
     with pytest.raises(SshUnreachable):
         RemoteRun(SshTarget(host="down", ssh=ssh)).run("echo hi\n", timeout=30)
@@ -193,6 +212,24 @@ def test_ssh_failures_become_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     with pytest.raises(SudoPasswordRequired):
         RemoteRun(SshTarget(host="locked", ssh=ssh), sudo=True).run("echo hi\n", timeout=30)
     assert "sudo -n sh -s" in (tmp_path / "log").read_text().splitlines()
+    # A session cut off under way (sshd restarting) is worth another try.
+    with pytest.raises(SshUnreachable):
+        RemoteRun(SshTarget(host="dropped", ssh=ssh)).run("echo hi\n", timeout=30)
+
+
+def test_the_host_key_the_server_proved_is_read_from_ssh_v(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "log"))
+    monkeypatch.setenv("FAKE_SSH_HOSTS", "h=newkey")
+    target = SshTarget(host="h", ssh=str(fake_ssh(tmp_path)))
+    result = RemoteRun(target).run("echo hi\n", timeout=30, verbose=True)
+    assert result.host_key == HostKey("ecdsa-sha2-nistp256", "SHA256:targettarget", added=True)
+    # ssh's own debug lines are not what it "said".
+    assert (
+        result.ssh_stderr == "Warning: Permanently added 'h' (ECDSA) to the list of known hosts.\n"
+    )
+    assert result.output == ["hi"]
 
 
 def test_a_script_that_does_not_end_is_stopped(

@@ -15,7 +15,7 @@ from typing import Any
 from llmgw.agent.config import DEFAULT_IB_ROOT, FabricConfig
 from llmgw.proto import control_pb2 as pb
 
-__all__ = ["MAX_GIDS", "ZERO_GID", "discover_ib", "fabric_status"]
+__all__ = ["MAX_GIDS", "ZERO_GID", "active_ib_adapters", "discover_ib", "fabric_status"]
 
 ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 MAX_GIDS = 16
@@ -76,6 +76,20 @@ def discover_ib(ib_root: Path = DEFAULT_IB_ROOT) -> list[pb.IbAdapter]:
 def _state_name(state: str) -> str:
     # sysfs writes "4: ACTIVE"; keep the name.
     return state.partition(":")[2].strip().upper() if ":" in state else state.strip().upper()
+
+
+def active_ib_adapters(ib_root: Path = DEFAULT_IB_ROOT) -> list[str]:
+    """The adapters in ``ib_root`` with an ACTIVE InfiniBand port, in natural order: what a
+    bare fabric name (``--fabric ib-b``) takes at install. RoCE adapters (an Ethernet link
+    layer) are left out: they are on an Ethernet network, named with their adapters."""
+    return [
+        adapter.name
+        for adapter in discover_ib(ib_root)
+        if any(
+            _state_name(port.state) == _ACTIVE and port.link_layer.lower() == "infiniband"
+            for port in adapter.ports
+        )
+    ]
 
 
 def _port_hint(adapter: pb.IbAdapter) -> str:

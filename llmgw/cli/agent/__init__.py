@@ -20,6 +20,7 @@ listed by ``--help`` without being imported.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -28,6 +29,9 @@ from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG
 from llmgw.contracts.update_order import DEFAULT_SPOOL
 from llmgw.updater.apply import DEFAULT_INSTALLED_BINARY, DEFAULT_STATE, apply_request
 from llmgw.updater.trust import DEFAULT_TRUST, install_trust
+
+if TYPE_CHECKING:
+    from llmgw.agent.config import AgentConfig
 
 __all__ = ["NODE_COMMANDS", "PRINTABLE_KEYS", "agent"]
 
@@ -71,7 +75,8 @@ NODE_COMMANDS: dict[str, LazyCommand] = {
         _render_facts,
         "Print the agent.yaml keys (fabrics, discovery, engines) of these node facts, as "
         "install-agent.sh writes them; 'none' alone clears fabrics or engine programs "
-        "(nothing is printed for them). Exit 2 when a fact is not valid, saying which and why.",
+        "(nothing is printed for them); a bare fabric name takes this node's active "
+        "InfiniBand adapters. Exit 2 when a fact is not valid, saying which and why.",
     ),
     "inventory": LazyCommand(
         _inventory,
@@ -132,10 +137,27 @@ def agent(
         if print_key == "multinode_ports":
             click.echo(str(cfg.multinode_ports))
         else:
-            click.echo(f"{config_path}: ok (node {cfg.node_id}, servers {', '.join(cfg.servers)})")
+            click.echo(
+                f"{config_path}: ok (node {cfg.node_id}, servers {', '.join(cfg.servers)}"
+                f"{_reported_address(cfg)})"
+            )
         return
     setup_logging(log_level)
     run_agent(cfg)
+
+
+def _reported_address(cfg: AgentConfig) -> str:
+    """What ``--check`` says of the data-plane address agent.yaml chooses (nothing when it
+    leaves it to the route); ConfigError (the check fails) when mgmt_interface is missing
+    here or has no address."""
+    from llmgw.agent.address import configured_host
+
+    host = configured_host(cfg)
+    if host is None:
+        return ""
+    if cfg.mgmt_interface is not None:
+        return f", data plane address {host} from {cfg.mgmt_interface}"
+    return f", data plane address {host}"
 
 
 @agent.command("update-apply")

@@ -9,11 +9,10 @@ import click
 from click.core import ParameterSource
 
 from llmgw.agent.join import JoinResult, join
+from llmgw.cli.agent.facts import node_facts
 from llmgw.cli.prompts import read_secret
-from llmgw.contracts.nodefacts import NodeFacts
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT
-from llmgw.errors import ConfigError
 
 __all__ = ["TOKEN_ENV", "join_command"]
 
@@ -74,9 +73,10 @@ TOKEN_ENV = "LLMGW_JOIN_TOKEN"
     "--fabric",
     "fabrics",
     multiple=True,
-    metavar="NAME:HCA[,HCA...]",
-    help="A fabric this node is on and its adapters, as in /sys/class/infiniband "
-    "(repeatable; 'none' alone: no fabric). Written to the agent.yaml this join writes.",
+    metavar="NAME[:HCA,...]",
+    help="A fabric this node is on and its adapters, as in /sys/class/infiniband; a bare "
+    "NAME takes this node's active InfiniBand adapters (repeatable; 'none' alone: no "
+    "fabric). Written to the agent.yaml this join writes.",
 )
 @click.option("--nvidia-smi", metavar="PATH", help="nvidia-smi's absolute path (discovery).")
 @click.option("--ib-root", metavar="DIR", help="The InfiniBand sysfs root (discovery).")
@@ -86,6 +86,25 @@ TOKEN_ENV = "LLMGW_JOIN_TOKEN"
     multiple=True,
     metavar="NAME=PATH",
     help="An engine's program, e.g. vllm=/opt/vllm/bin/vllm (repeatable).",
+)
+@click.option(
+    "--node-address",
+    metavar="IP",
+    help="The address the control plane reaches this node's data plane at (agent.yaml "
+    "mgmt_addr; default: the route's source address towards the control plane).",
+)
+@click.option(
+    "--mgmt-interface",
+    metavar="NAME",
+    help="The network interface to take that address from (agent.yaml mgmt_interface).",
+)
+@click.option(
+    "--by-installer",
+    is_flag=True,
+    hidden=True,
+    envvar="LLMGW_BY_INSTALLER",
+    help="install-agent.sh runs this join: it writes agent.yaml and starts the agent itself, "
+    "and says so; the report leaves both out.",
 )
 @click.pass_context
 def join_command(
@@ -101,6 +120,9 @@ def join_command(
     nvidia_smi: str | None,
     ib_root: str | None,
     engines: tuple[str, ...],
+    node_address: str | None,
+    mgmt_interface: str | None,
+    by_installer: bool,
 ) -> None:
     """Enrol this node with the control plane; the join token comes from LLMGW_JOIN_TOKEN
     or a prompt, never from an argument."""
@@ -110,12 +132,14 @@ def join_command(
             "give --rekey (the node has its state directory) or --node-uid UID (it is gone), "
             "not both"
         )
-    try:
-        facts = NodeFacts.parse(
-            fabrics=fabrics, nvidia_smi=nvidia_smi, ib_root=ib_root, engines=engines
-        )
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
+    facts = node_facts(
+        fabrics=fabrics,
+        nvidia_smi=nvidia_smi,
+        ib_root=ib_root,
+        engines=engines,
+        node_address=node_address,
+        mgmt_interface=mgmt_interface,
+    )
     result = join(
         node_id=node_id,
         enroll_url=enroll_url,
@@ -127,7 +151,7 @@ def join_command(
         node_uid=node_uid,
         facts=facts,
     )
-    click.echo(_report(result))
+    click.echo(_report(result, by_installer=by_installer))
 
 
 def _config_path(ctx: click.Context, join_config: Path | None) -> Path:
@@ -148,7 +172,10 @@ def _config_path(ctx: click.Context, join_config: Path | None) -> Path:
     return join_config
 
 
-def _report(result: JoinResult) -> str:
+def _report(result: JoinResult, *, by_installer: bool = False) -> str:
+    """What the join did and what comes next. ``by_installer``: install-agent.sh writes
+    agent.yaml (the config this join wrote is its staging copy) and starts or restarts the
+    agent itself, so neither is said here; the installer says both, with the real paths."""
     paths = result.paths
     verb = "re-paired" if result.repaired else ("rekeyed" if result.rekeyed else "joined")
     lines = [
@@ -164,8 +191,9 @@ def _report(result: JoinResult) -> str:
     if result.old_key is not None or result.old_cert is not None:
         kept = ", ".join(str(p) for p in (result.old_key, result.old_cert) if p is not None)
         lines.append(f"previous:    {kept}")
-    config_note = "written" if result.config_written else "kept as it was"
-    lines.append(f"config:      {paths.config} ({config_note})")
+    if not by_installer:
+        config_note = "written" if result.config_written else "kept as it was"
+        lines.append(f"config:      {paths.config} ({config_note})")
     if result.rekeyed or result.repaired:
         start = "restart the agent to use the new identity: sudo systemctl restart llmgw-agent"
     else:
@@ -178,7 +206,8 @@ def _report(result: JoinResult) -> str:
             f"next: ask the operator to approve it: llmgw ctl approve "
             f"{shlex.quote(result.node_id)} --fingerprint {shlex.quote(result.fingerprint)}"
         )
-        lines.append(f"then {start}")
-    else:
+        if not by_installer:
+            lines.append(f"then {start}")
+    elif not by_installer:
         lines.append(f"next: {start}")
     return "\n".join(lines)

@@ -46,6 +46,8 @@ FACT_KEYS: dict[str, bool] = {
     "cache_root": False,
     "firewall_from": True,
     "fabric_peers": True,
+    "node_address": False,
+    "mgmt_interface": False,
 }
 # The ssh options a host may set, and their types.
 HOST_KEYS: dict[str, type] = {

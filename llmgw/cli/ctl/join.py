@@ -24,8 +24,9 @@ _FACT_OPTIONS = [
         "--fabric",
         "fabrics",
         multiple=True,
-        metavar="NAME:HCA[,HCA...]",
-        help="A fabric the node is on and its adapters, as in /sys/class/infiniband "
+        metavar="NAME[:HCA,...]",
+        help="A fabric the node is on and its adapters, as in /sys/class/infiniband; a bare "
+        "NAME takes the node's active InfiniBand adapters, found when it is installed "
         "(repeatable; 'none' alone: no fabric).",
     ),
     click.option("--nvidia-smi", metavar="PATH", help="nvidia-smi's absolute path on the node."),
@@ -56,6 +57,18 @@ _FACT_OPTIONS = [
         metavar="CIDR",
         help="Installer: the fabric's own network, allowed the multi-node ports (repeatable).",
     ),
+    click.option(
+        "--node-address",
+        metavar="IP",
+        help="The node's own address, where the control plane reaches its data plane "
+        "(agent.yaml mgmt_addr; default: its route towards the control plane).",
+    ),
+    click.option(
+        "--mgmt-interface",
+        metavar="NAME",
+        help="The node's network interface to take that address from (agent.yaml "
+        "mgmt_interface, e.g. eth1).",
+    ),
 ]
 FACT_PARAMS = (
     "fabrics",
@@ -66,13 +79,16 @@ FACT_PARAMS = (
     "cache_root",
     "firewall_from",
     "fabric_peers",
+    "node_address",
+    "mgmt_interface",
 )
 
 
 def fact_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """The node facts' options (--fabric, --nvidia-smi, --ib-root, --engine, and the
-    installer's --models-root, --cache-root, --firewall-from, --fabric-peers), as
-    join-command and onboard both take them; their values go to :func:`parse_facts`."""
+    """The node facts' options (--fabric, --nvidia-smi, --ib-root, --engine, --node-address,
+    --mgmt-interface, and the installer's --models-root, --cache-root, --firewall-from,
+    --fabric-peers), as join-command and onboard both take them; their values go to
+    :func:`parse_facts`."""
     for option in reversed(_FACT_OPTIONS):
         command = option(command)
     return command
@@ -102,7 +118,9 @@ def parse_facts(values: dict[str, Any]) -> NodeFacts:
 )
 @click.option(
     "--address",
-    help="HOST or HOST:PORT (IPv6 in brackets) the node reaches the control plane at; a PORT is the gateway's, for the bundle download (default: the server's first advertise, else the host ctl used).",
+    help="HOST or HOST:PORT (IPv6 in brackets) the node reaches the control plane at; a PORT "
+    "is the gateway's, for the bundle download (default: the server's first advertise, else "
+    "the host ctl used). The node's own address is --node-address.",
 )
 @click.option(
     "--require-approval",
@@ -129,6 +147,12 @@ def parse_facts(values: dict[str, Any]) -> NodeFacts:
     help="With --node: print #cloud-config user-data that installs and joins the machine on "
     "its first boot (pass it as the new machine's user-data), instead of a command.",
 )
+@click.option(
+    "--set-hostname",
+    is_flag=True,
+    help="With --cloud-init: the machine's host name becomes the node id (one name for node, "
+    "host and certificate).",
+)
 @fact_options
 @pass_ctl
 def join_command(
@@ -141,6 +165,7 @@ def join_command(
     lost_state: bool,
     auto_approve: bool,
     cloud_init: bool,
+    set_hostname: bool,
     fabrics: tuple[str, ...],
     nvidia_smi: str | None,
     ib_root: str | None,
@@ -149,12 +174,14 @@ def join_command(
     cache_root: str | None,
     firewall_from: tuple[str, ...],
     fabric_peers: tuple[str, ...],
+    node_address: str | None,
+    mgmt_interface: str | None,
 ) -> None:
     """Mint a one-time token and print the command to paste on the node: with agent bundles
     on the control plane, a one-liner that downloads and checks the bundle and runs its
     install-agent.sh (install, or rekey); else 'llmgw agent join'. Node facts (--fabric,
-    --nvidia-smi, --ib-root, --engine; for the installer also --models-root, --cache-root,
-    --firewall-from, --fabric-peers) are appended to it. --cloud-init prints user-data
+    --nvidia-smi, --ib-root, --engine, --node-address, --mgmt-interface; for the installer
+    also --models-root, --cache-root, --firewall-from, --fabric-peers) are appended to it. --cloud-init prints user-data
     instead (the token in a root-only file, removed after use); --auto-approve skips the
     approval by fingerprint for the machine that spends the token first."""
     if bool(node) == bool(rekey_node):
@@ -179,19 +206,26 @@ def join_command(
             "--cloud-init goes with --node: the user-data joins a machine on its first boot; a "
             f"rekey runs on the joined node (--rekey {rekey_node} prints its command)"
         )
-    try:
-        facts = NodeFacts.parse(
-            fabrics=fabrics,
-            nvidia_smi=nvidia_smi,
-            ib_root=ib_root,
-            engines=engines,
-            models_root=models_root,
-            cache_root=cache_root,
-            firewall_from=firewall_from,
-            fabric_peers=fabric_peers,
+    if set_hostname and not cloud_init:
+        raise click.UsageError(
+            "--set-hostname goes with --cloud-init (the user-data sets the host name on first "
+            "boot); where you paste the command, run 'hostnamectl set-hostname NODE' first, or "
+            "let 'llmgw ctl onboard --set-hostname' do it"
         )
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
+    facts = parse_facts(
+        {
+            "fabrics": fabrics,
+            "nvidia_smi": nvidia_smi,
+            "ib_root": ib_root,
+            "engines": engines,
+            "models_root": models_root,
+            "cache_root": cache_root,
+            "firewall_from": firewall_from,
+            "fabric_peers": fabric_peers,
+            "node_address": node_address,
+            "mgmt_interface": mgmt_interface,
+        }
+    )
     if rekey_node and not lost_state and facts.given(FACT_OPTIONS):
         raise click.UsageError(
             f"{', '.join(facts.given(FACT_OPTIONS))} go with --node (a join) or --rekey NODE "
@@ -211,6 +245,8 @@ def join_command(
         body["auto_approve"] = True
     if cloud_init:
         body["cloud_init"] = True
+    if set_hostname:
+        body["set_hostname"] = True
     if lost_state:
         body["lost_state"] = True
     if facts.as_json():

@@ -16,14 +16,27 @@ from llmgw.cli.ctl.output import table
 
 __all__ = ["STEPS", "Display", "HostResult", "summary"]
 
-STEPS = ("connect", "download", "verify", "install", "join", "approve", "online")
-"""The steps of one host, in order."""
+STEPS = (
+    "connect",
+    "hostname",
+    "download",
+    "verify",
+    "install",
+    "join",
+    "rekey",
+    "approve",
+    "engines",
+    "online",
+)
+"""The steps of one host, in order (hostname with --set-hostname, rekey instead of join,
+engines when the control plane installs some)."""
 
 
 @dataclass
 class HostResult:
     """How one host's onboarding ended: ``online``, ``skipped`` (it was already) or
-    ``failed``, with the error's message, the node's fingerprint and the time it took."""
+    ``failed``, with the error's message, the node's fingerprint, the time it took and what
+    it warned about."""
 
     node: str
     destination: str
@@ -32,6 +45,7 @@ class HostResult:
     error: str | None = None
     fingerprint: str | None = None
     steps: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -42,6 +56,7 @@ class HostResult:
             "error": self.error,
             "fingerprint": self.fingerprint,
             "steps": list(self.steps),
+            "warnings": list(self.warnings),
         }
 
 

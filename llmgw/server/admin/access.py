@@ -323,7 +323,8 @@ async def create_join_token(
     ctx: AdminContext, body: Mapping[str, Any], *, host_header: str, actor: str
 ) -> JoinToken:
     """Mint a join token as ``body`` asks (``node``, ``ttl``, ``rekey``, ``lost_state``,
-    ``require_approval``, ``auto_approve``, ``cloud_init``, ``facts``, ``address``: ``POST
+    ``require_approval``, ``auto_approve``, ``cloud_init`` (with ``set_hostname``), ``facts``,
+    ``address``: ``POST
     /api/join-tokens``' JSON, which the console's Add node form is turned into), recorded in
     the events as ``actor``'s. The host nodes reach the control plane at is ``address``, else
     the first ``advertise`` name, else ``host_header``'s host. ``auto_approve``: the node
@@ -339,6 +340,7 @@ async def create_join_token(
         raise BadRequest(str(exc)) from None
     auto_approve = read_flag(body, "auto_approve")
     cloud_init = read_flag(body, "cloud_init")
+    set_hostname = read_flag(body, "set_hostname")
     ttl = body.get("ttl", CLOUD_INIT_TTL if cloud_init else 3600)
     if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 60 <= ttl <= 7 * 86400:
         raise BadRequest("ttl must be between 60 seconds and 7 days")
@@ -363,6 +365,11 @@ async def create_join_token(
             "auto_approve and require_approval contradict each other: leave require_approval "
             "out for a token whose node is approved on first use, or auto_approve out for the "
             "normal approval by fingerprint"
+        )
+    if set_hostname and not cloud_init:
+        raise BadRequest(
+            "set_hostname goes with cloud_init (the user-data sets the host name to the node "
+            "id on first boot); a pasted command leaves the host name to you"
         )
     if cloud_init and rekey:
         raise BadRequest(
@@ -464,6 +471,7 @@ async def create_join_token(
             auto_approve=auto_approve,
             verify_tls=verify_tls,
             extra_args=facts.args(),
+            set_hostname=set_hostname,
         )
     if bundles:
         command = one_liner(

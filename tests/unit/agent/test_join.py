@@ -924,23 +924,31 @@ def test_cli_node_facts_and_node_uid(fake: Fake, node: Path) -> None:
     base += ["--ca-hash", fake.ca.ca_hash(), "--config", str(node / "etc" / "agent.yaml")]
     base += ["--state-dir", str(node / "state")]
     env = {"LLMGW_JOIN_TOKEN": TOKEN}
-    out = CliRunner().invoke(main, [*base, "--fabric", "ib-a"], env=env)
+    no_ib = node / "no-ib"
+    out = CliRunner().invoke(main, [*base, "--fabric", "ib-a", "--ib-root", str(no_ib)], env=env)
     assert out.exit_code == 2
-    assert "--fabric: 'ib-a' names no adapters" in out.stderr
+    assert "--fabric: ib-a names no adapters, so it takes this node's active InfiniBand " in (
+        out.stderr
+    )
+    assert f"and {no_ib} has none" in out.stderr
     out = CliRunner().invoke(main, [*base, "--engine", "sim=/usr/bin/llmgw"], env=env)
     assert out.exit_code == 2 and "built in and takes no program" in out.stderr
     out = CliRunner().invoke(main, [*base, "--rekey", "--node-uid", "u1"], env=env)
     assert out.exit_code == 2 and "not both" in out.stderr
     assert fake.requests == []
-    out = CliRunner().invoke(
-        main,
-        [*base, "--fabric", "ib-a:mlx5_0", "--ib-root", "/x/ib", "--engine", "vllm=/opt/v/vllm"],
-        env=env,
-    )
+    # A bare fabric name takes the active adapters of the sysfs tree (mlx5_1's port is down);
+    # install-agent.sh's join (LLMGW_BY_INSTALLER) leaves the config and the start to it.
+    ib = Path(__file__).resolve().parents[2] / "fixtures" / "ib"
+    facts = ["--fabric", "ib-a", "--ib-root", str(ib), "--engine", "vllm=/opt/v/vllm"]
+    facts += ["--node-address", "10.0.0.5"]
+    out = CliRunner().invoke(main, [*base, *facts], env={**env, "LLMGW_BY_INSTALLER": "1"})
     assert out.exit_code == 0, out.output
     data = yaml.safe_load((node / "etc" / "agent.yaml").read_text())
     assert data["fabrics"] == [{"name": "ib-a", "hcas": ["mlx5_0"]}]
     assert data["engines"] == {"vllm": {"bin": "/opt/v/vllm"}}
+    assert data["mgmt_addr"] == "10.0.0.5"
+    assert "config:" not in out.stdout and "start the agent" not in out.stdout
+    assert out.stdout.splitlines()[-1].startswith("next: ask the operator to approve it: ")
     uid = (node / "state" / "node.uid").read_text().strip()
     for path in (node / "state").iterdir():
         path.unlink()

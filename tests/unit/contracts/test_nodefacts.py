@@ -24,6 +24,7 @@ from llmgw.errors import ConfigError
     ("text", "fact"),
     [
         ("none", FabricFact("none")),
+        ("ib-b", FabricFact("ib-b")),
         ("ib-b:mlx5_2,mlx5_3", FabricFact("ib-b", ("mlx5_2", "mlx5_3"))),
         ("roce.0:eth_1", FabricFact("roce.0", ("eth_1",))),
     ],
@@ -37,11 +38,6 @@ def test_fabric_syntax(text: str, fact: FabricFact) -> None:
     ("text", "piece"),
     [
         ("IB-A:mlx5_0", "does not start with a fabric name"),
-        (
-            "ib-a",
-            "names no adapters; list them as in /sys/class/infiniband (--fabric "
-            "ib-a:mlx5_0,mlx5_1): a fabric is stated, never guessed",
-        ),
         ("ib a", "does not start with a fabric name"),
         ("", "must be 1-4096 characters"),
         ("ib-a:", "names adapter '', which is not an adapter name"),
@@ -125,6 +121,60 @@ def test_facts_checked_together() -> None:
     assert facts.args() == [
         "--fabric", "none", "--engine", "none", "--firewall-from", "10.0.0.0/24"
     ]  # fmt: skip
+
+
+def test_a_bare_fabric_name_takes_the_active_adapters_found_on_the_node() -> None:
+    facts = NodeFacts.parse(fabrics=["ib-b"])
+    assert facts.fabrics[0].bare and facts.args() == ["--fabric", "ib-b"]
+    found = facts.with_active_adapters(["mlx5_0", "mlx5_1"], "/sys/class/infiniband")
+    assert found.fabrics == (FabricFact("ib-b", ("mlx5_0", "mlx5_1")),)
+    assert found.agent_config() == {"fabrics": [{"name": "ib-b", "hcas": ["mlx5_0", "mlx5_1"]}]}
+    # Beside a listed fabric it takes what that one does not list.
+    both = NodeFacts.parse(fabrics=["ib-a:mlx5_0", "ib-b"])
+    assert both.with_active_adapters(["mlx5_0", "mlx5_1"], "/ib").fabrics[1].hcas == ("mlx5_1",)
+    with pytest.raises(ConfigError) as info:
+        both.with_active_adapters(["mlx5_0"], "/ib")
+    assert str(info.value) == (
+        "--fabric: ib-b names no adapters, so it takes this node's active InfiniBand adapters, "
+        "and /ib has none not listed under another fabric; bring their links up (ibstat), or "
+        "list the adapters: --fabric ib-b:HCA,HCA"
+    )
+    with pytest.raises(ConfigError, match="fabrics ib-a and ib-b both name no adapters"):
+        NodeFacts.parse(fabrics=["ib-a", "ib-b"])
+    # Never written unfilled: agent.yaml would get a fabric without adapters.
+    with pytest.raises(ConfigError, match="ib-b names no adapters and none were found"):
+        facts.agent_config()
+    # A fact without a bare name is left as it is.
+    listed = NodeFacts.parse(fabrics=["ib-a:mlx5_0"])
+    assert listed.with_active_adapters([], "/ib") is listed
+
+
+def test_the_nodes_address_or_its_interface() -> None:
+    by_address = NodeFacts.from_json({"node_address": "FD00::0005"})
+    assert by_address.node_address == "fd00::5"
+    assert by_address.as_json() == {"node_address": "fd00::5"}
+    assert by_address.args(AGENT_FACTS) == ["--node-address", "fd00::5"]
+    assert by_address.agent_config() == {"mgmt_addr": "fd00::5"}
+    by_interface = NodeFacts.parse(mgmt_interface="enp1s0f0np0")
+    assert by_interface.args() == ["--mgmt-interface", "enp1s0f0np0"]
+    assert by_interface.agent_config() == {"mgmt_interface": "enp1s0f0np0"}
+    config = {"server": "cp:7443", "node_id": "gpu-01"}
+    assert parse_agent_config({**config, **by_address.agent_config()}).mgmt_addr == "fd00::5"
+    for bad, piece in (
+        ({"node_address": "10.0.0.300"}, "--node-address: '10.0.0.300' is not an IP address"),
+        ({"node_address": "10.0.0.0/24"}, "is not an IP address; give e.g. 10.0.0.5"),
+        ({"node_address": "gpu-01.example"}, "is not an IP address"),
+        ({"mgmt_interface": "eth 1"}, "--mgmt-interface: 'eth 1' is not a network interface"),
+        ({"mgmt_interface": "enp1s0f0np0abcde"}, "at most 15 letters"),
+        ({"mgmt_interface": "eth1;reboot"}, "is not a network interface name"),
+        (
+            {"node_address": "10.0.0.5", "mgmt_interface": "eth1"},
+            "--node-address and --mgmt-interface both say where the node is reached; give one",
+        ),
+    ):
+        with pytest.raises(ConfigError) as info:
+            NodeFacts.from_json(bad)
+        assert piece in str(info.value)
 
 
 FULL = {

@@ -117,6 +117,24 @@ def test_auto_approve_and_facts_are_carried(store: Store, ca: pki.Authority, ser
     assert event.message.startswith(f"auto-approve join token {token.id}")
 
 
+def test_set_hostname_names_the_machine_as_the_node(
+    store: Store, ca: pki.Authority, served: Path
+) -> None:
+    data = one(
+        store, ca, {"node": NODE, "cloud_init": True, "set_hostname": True}, bundle_dir=served
+    )
+    config = parsed(data["user_data"])
+    assert (config["hostname"], config["preserve_hostname"]) == (NODE, False)
+    assert config["manage_etc_hosts"] == "localhost"  # 127.0.1.1 resolves the new name
+    assert f"joins as {NODE} (its host name set to {NODE});" in data["user_data"]
+    # Still checked when the script runs: an image that keeps its name is said.
+    assert "cloud-init did not set it (preserve_hostname: true" in script_of(config)
+    plain = parsed(
+        one(store, ca, {"node": "gpu-02", "cloud_init": True}, bundle_dir=served)["user_data"]
+    )
+    assert "hostname" not in plain and "manage_etc_hosts" not in plain
+
+
 def write_files(token_file: Path, entry: dict[str, Any], tamper: Path | None) -> None:
     """What write_files does with the entry; then the served bundles replaced, if asked."""
     token_file.write_text(entry["content"])
@@ -176,6 +194,12 @@ def test_runcmd_installs_with_the_token_from_the_file_and_removes_it(
     result, data, token_file = run_user_data(tmp_path, store, ca, served)
     assert result.returncode == 0, result.stderr
     assert "agent.tar.gz: OK" in result.stdout
+    # The machine (uname -n answers x86_64 here) is not called as the node: said, not fatal.
+    assert (
+        f"llmgw: warning: this machine is called x86_64 but joins as node {NODE}; one name for "
+        "host, node and certificate keeps logs, alerts and the console in step: set it "
+        f"(hostnamectl set-hostname {NODE}), or mint the user-data with --set-hostname"
+    ) in result.stderr
     record = tmp_path / "record"
     assert Path(f"{record}.token").read_text() == data["token"]
     assert Path(f"{record}.argv").read_text().splitlines() == [
@@ -234,6 +258,7 @@ def test_without_its_token_file_runcmd_stops_and_says_what_to_do(tmp_path: Path)
             },
         },
         {"cloud_init": True, "address": "[fd00::1]:8080"},
+        {"cloud_init": True, "set_hostname": True, "facts": {"mgmt_interface": "eth1"}},
     ],
 )
 def test_cloud_init_schema_accepts_the_user_data(
@@ -269,6 +294,7 @@ def test_cloud_init_schema_accepts_the_user_data(
             "'auto_approve' must be true or false (a JSON boolean), not \"false\"",
         ),
         ({"cloud_init": 1}, "'cloud_init' must be true or false"),
+        ({"set_hostname": True}, "set_hostname goes with cloud_init"),
     ],
 )
 def test_refusals_mint_nothing(

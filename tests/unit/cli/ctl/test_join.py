@@ -137,9 +137,11 @@ def test_node_facts_are_checked_here_and_sent(calls: list[tuple[str, str, Any]])
         "--engine", "vllm=/opt/vllm/bin/vllm",
         "--models-root", "/data/models", "--cache-root", "/data/cache",
         "--firewall-from", "10.0.0.1", "--fabric-peers", "192.168.50.0/24",
+        "--node-address", "10.0.0.5",
     )  # fmt: skip
     assert out.exit_code == 0, out.output
     assert calls[0][2]["facts"] == {
+        "node_address": "10.0.0.5",
         "fabrics": ["ib-a:mlx5_0,mlx5_1", "ib-b:mlx5_2"],
         "nvidia_smi": "/usr/bin/nvidia-smi",
         "ib_root": "/sys/class/infiniband",
@@ -155,7 +157,11 @@ def test_node_facts_are_checked_here_and_sent(calls: list[tuple[str, str, Any]])
     ("args", "piece"),
     [
         (["--fabric", "IB:mlx5_0"], "--fabric: 'IB:mlx5_0' does not start with a fabric name"),
-        (["--fabric", "ib-a"], "names no adapters"),
+        (["--fabric", "ib-a", "--fabric", "ib-b"], "fabrics ib-a and ib-b both name no adapters"),
+        (["--node-address", "gpu-01.lan"], "--node-address: 'gpu-01.lan' is not an IP address"),
+        (["--node-address", "10.0.0.5", "--mgmt-interface", "eth1"], "give one"),
+        (["--mgmt-interface", "eth1 up"], "is not a network interface name"),
+        (["--set-hostname"], "--set-hostname goes with --cloud-init"),
         (["--nvidia-smi", "/opt/nv smi"], "other than letters, digits"),
         (["--engine", "sim=/x"], "built in and takes no program"),
         (["--engine", "tgi=/x"], "names no engine llmgw knows"),
@@ -238,6 +244,11 @@ def test_cloud_init_prints_only_the_user_data_and_leaves_the_ttl_to_the_server(
     assert out.stdout == user_data
     assert join("--node", "gpu-01", "--cloud-init", "--ttl", "2h").exit_code == 0
     assert calls[1][2]["ttl"] == 7200.0
+    assert "set_hostname" not in calls[1][2]
+    named = join("--node", "gpu-01", "--cloud-init", "--set-hostname", "--fabric", "ib-b")
+    assert named.exit_code == 0, named.output
+    assert calls[2][2]["set_hostname"] is True
+    assert calls[2][2]["facts"] == {"fabrics": ["ib-b"]}  # found on the node at install
 
 
 @pytest.mark.parametrize(

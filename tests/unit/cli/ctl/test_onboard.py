@@ -24,19 +24,24 @@ from llmgw.cli import main
 from llmgw.cli.ctl.context import Ctl
 from llmgw.errors import APIError
 
-# The module, not the command of that name the ctl package exports.
-onboard_module = importlib.import_module("llmgw.cli.ctl.onboard")
+# The steps' module (its retry interval is shortened here).
+onboarding_module = importlib.import_module("llmgw.cli.ctl.onboarding")
 
 SECRET = "llmgw_jt_s3cr3t-token-value"
 
 # The stand-in ssh: checks our two safety options, logs its argv, fails as FAKE_SSH_HOSTS
-# says for a host (refuse, hostkey, flaky: refused until its second try, nonroot), else runs
-# the script from stdin with sh, the agent's state directory moved under $FAKE_ROOT/HOST.
+# says for a host (refuse, hostkey, flaky: refused until its second try, nonroot, newkey: an
+# unknown key, accepted only with accept-new; cut: its install session cut off once, as when
+# sshd restarts), else runs the script from stdin with sh, the agent's state directory and
+# /etc/hostname and /etc/hosts moved under $FAKE_ROOT/HOST, uname -n saying HOST.hostname.
 FAKE_SSH = r"""#!/bin/sh
 printf '%s\n' "$*" >>"$FAKE_ROOT/ssh.log"
-[ "$2" = BatchMode=yes ] && [ "$4" = StrictHostKeyChecking=yes ] || exit 254
+[ "$2" = BatchMode=yes ] || exit 254
+case $4 in StrictHostKeyChecking=yes | StrictHostKeyChecking=accept-new) ;; *) exit 254 ;; esac
+checking=${4#*=}
 while [ "$1" != -- ]; do shift; done
 host=${2#*@}
+script=$(cat)
 case " ${FAKE_SSH_HOSTS:-} " in
     *" $host=refuse "*) echo "ssh: connect to host $host port 22: Connection refused" >&2; exit 255 ;;
     *" $host=hostkey "*) echo "Host key verification failed." >&2; exit 255 ;;
@@ -45,11 +50,39 @@ case " ${FAKE_SSH_HOSTS:-} " in
             : >"$FAKE_ROOT/$host.tried"
             echo "ssh: connect to host $host port 22: Connection refused" >&2; exit 255
         fi ;;
+    *" $host=newkey "*)
+        if [ ! -e "$FAKE_ROOT/$host.known" ]; then
+            if [ "$checking" = yes ]; then
+                echo "No ED25519 host key is known for $host and you have requested strict checking." >&2
+                echo "Host key verification failed." >&2; exit 255
+            fi
+            echo "debug1: Server host key: ssh-ed25519 SHA256:newnewnew" >&2
+            echo "Warning: Permanently added '$host' (ED25519) to the list of known hosts." >&2
+            : >"$FAKE_ROOT/$host.known"
+        fi ;;
+    *" $host=cut "*)
+        case $script in *"@@llmgw download"*)
+            if [ ! -e "$FAKE_ROOT/$host.cut" ]; then
+                : >"$FAKE_ROOT/$host.cut"
+                echo "Connection to $host closed by remote host." >&2; exit 255
+            fi ;;
+        esac ;;
 esac
 bin=$FAKE_ROOT/bin-root
 case " ${FAKE_SSH_HOSTS:-} " in *" $host=nonroot "*) bin=$FAKE_ROOT/bin-user ;; esac
 mkdir -p "$FAKE_ROOT/$host"
-sed "s#/var/lib/llmgw-agent#$FAKE_ROOT/$host#g" | PATH="$bin:$PATH" FAKE_HOST=$host sh -s
+printf '%s\n' "$script" | sed -e "s#/var/lib/llmgw-agent#$FAKE_ROOT/$host#g" \
+    -e "s#/etc/hostname#$FAKE_ROOT/$host/hostname#g" -e "s#/etc/hosts#$FAKE_ROOT/$host/hosts#g" \
+    | PATH="$bin:$PATH" FAKE_HOST=$host sh -s
+"""
+# uname -n and hostnamectl on the fake hosts: the name is $FAKE_ROOT/HOST.hostname.
+UNAME = """#!/bin/sh
+[ "$1" = -n ] || exec /bin/uname "$@"
+cat "$FAKE_ROOT/$FAKE_HOST.hostname"
+"""
+HOSTNAMECTL = """#!/bin/sh
+[ "$1" = set-hostname ] || exit 1
+echo "$2" >"$FAKE_ROOT/$FAKE_HOST.hostname"
 """
 
 
@@ -77,6 +110,9 @@ class FakeAPI:
         self.root = root
         self.calls: list[tuple[str, str, Any]] = []
         self.nodes: dict[str, dict[str, Any]] = {}
+        self.engines: list[dict[str, Any]] = []  # GET /api/engines' rows
+        self.inventory: dict[str, Any] = {}  # what an approved node reports (health...)
+        self.rekeyed: dict[str, bool] = {}  # node -> whether it is re-paired (lost state)
         self.enrolled_fp: dict[str, str] = {}  # a node's fingerprint as the enrolment saw it
         self.revoked: list[str] = []
         self.minted = 0
@@ -84,10 +120,15 @@ class FakeAPI:
     def call(self, method: str, path: str, body: Any = None) -> Any:
         self.calls.append((method, path, body))
         parts = path.strip("/").split("/")
+        if path.startswith("/api/engines?"):
+            return {"desired": [], "nodes": self.engines}
         if (method, path) == ("POST", "/api/join-tokens"):
             self.minted += 1
             node = body["node"]
             host = self.root / "host-of" / node
+            verb = "rekey" if body.get("rekey") and not body.get("lost_state") else "join"
+            if body.get("rekey"):
+                self.rekeyed[node] = bool(body.get("lost_state"))
             # What the stand-in one-liner does: "download", "verify", "install", "join".
             command = (
                 "(set -eu; : fetch https://cp:8080/agent/bundles/linux-x64.tar.gz; "
@@ -95,7 +136,7 @@ class FakeAPI:
                 f'test "$(cat {self.root}/fail 2>/dev/null)" != {node} || '
                 "{ echo 'curl: (7) Failed to connect to cp port 8080' >&2; exit 7; }; "
                 "echo 'agent.tar.gz: OK'; echo '==> 3. binary' >&2; "
-                f"echo '==> join: node {node} at https://cp:8443' >&2; "
+                f"echo '==> {verb}: node {node} at https://cp:8443' >&2; "
                 f'cp "$FAKE_ROOT/$FAKE_HOST.crt" /var/lib/llmgw-agent/node.crt; '
                 f'echo "$FAKE_HOST" >{host})'
             )
@@ -111,8 +152,16 @@ class FakeAPI:
                     assert body["fingerprint"] == self.nodes[node]["fingerprint"]
                 self.nodes[node]["state"] = "approved" if action == "approve" else "rejected"
                 self.nodes[node]["cpus"] = 8
+                self.nodes[node].update(self.inventory)
                 return {"node": node}
             enrolled = (self.root / "host-of" / node).is_file()
+            if enrolled and node in self.rekeyed:
+                # A rekey (or re-pair) replaced the key of the record it keeps.
+                host = (self.root / "host-of" / node).read_text().strip()
+                self.nodes[node]["fingerprint"] = self.fingerprints[host]
+                self.nodes[node]["connected"] = True
+                if self.rekeyed.pop(node):
+                    self.nodes[node]["state"] = "pending"  # a re-pair is approved again
             if enrolled and node not in self.nodes:
                 host = (self.root / "host-of" / node).read_text().strip()
                 self.nodes[node] = {
@@ -138,7 +187,10 @@ def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeAPI:
     for name, uid in (("bin-root", 0), ("bin-user", 1000)):
         (root / name).mkdir()
         (root / name / "id").write_text(f"#!/bin/sh\necho {uid}\n")
-        (root / name / "id").chmod(0o755)
+        for tool, text in (("uname", UNAME), ("hostnamectl", HOSTNAMECTL)):
+            (root / name / tool).write_text(text)
+        for tool in (root / name).iterdir():
+            tool.chmod(0o755)
     ssh = root / "bin" / "ssh"
     ssh.parent.mkdir()
     ssh.write_text(FAKE_SSH)
@@ -146,10 +198,12 @@ def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeAPI:
     monkeypatch.setenv("PATH", f"{ssh.parent}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_ROOT", str(root))
     monkeypatch.delenv("FAKE_SSH_HOSTS", raising=False)
-    monkeypatch.setattr(onboard_module, "RETRY_INTERVAL", 0.01)
+    monkeypatch.setattr(onboarding_module, "RETRY_INTERVAL", 0.01)
     fake = FakeAPI(root)
     fake.fingerprints = {}
-    for host in ("h1", "h2", "h3"):
+    for number, host in enumerate(("h1", "h2", "h3"), start=1):
+        # Each machine is called as the node the tests onboard it as (gpu-0N on hN).
+        (root / f"{host}.hostname").write_text(f"gpu-0{number}\n")
         key = ec.generate_private_key(ec.SECP256R1())
         (root / f"{host}.crt").write_bytes(_cert(key))
         fake.fingerprints[host] = pki.fingerprint(key.public_key())
@@ -188,6 +242,7 @@ def test_one_host_step_by_step(api: FakeAPI) -> None:
         ("GET", "/api/nodes/gpu-01"),
         ("POST", "/api/nodes/gpu-01/approve"),
         ("GET", "/api/nodes/gpu-01"),
+        ("GET", "/api/engines?node=gpu-01"),
     ]
     assert api.calls[1][2] == {"node": "gpu-01", "ttl": 1800}
     assert api.calls[3][2] == {"fingerprint": fp}
@@ -273,20 +328,23 @@ def test_refusals_before_any_token(
     api: FakeAPI, monkeypatch: pytest.MonkeyPatch, mode: str, says: str
 ) -> None:
     monkeypatch.setenv("FAKE_SSH_HOSTS", f"h1={mode}")
-    out = onboard("onboard", "gpu-01", "--ssh", "ops@h1")
+    out = onboard("onboard", "gpu-01", "--ssh", "ops@h1", "--wait-ssh", "0")
     assert out.exit_code == 1
     assert says in out.stderr
     assert api.minted == 0
-    assert len(ssh_log(api).splitlines()) == 1  # no retry without --wait-ssh
+    assert len(ssh_log(api).splitlines()) == 1  # no retry with --wait-ssh 0
 
 
 def test_wait_ssh_retries_a_host_that_does_not_answer_yet(
     api: FakeAPI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_SSH_HOSTS", "h1=flaky")
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--wait-ssh", "1m")
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")  # the default: 2 minutes
     assert out.exit_code == 0, out.output
-    assert "gpu-01  connect: root@h1: no answer yet, trying again\n" in out.output
+    assert (
+        "gpu-01  connect: root@h1: no answer yet, or cut off (sshd restarting?); trying again\n"
+        in out.output
+    )
 
 
 def test_a_host_key_refusal_is_not_retried(api: FakeAPI, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -314,7 +372,14 @@ def test_sudo_runs_the_script_under_sudo_n(api: FakeAPI) -> None:
             ["gpu-01", "--ssh", "h", "--ssh-option", "StrictHostKeyChecking=accept-new"],
             "would change StrictHostKeyChecking=yes",
         ),
-        (["gpu-01", "--ssh", "h", "--fabric", "bad"], "--fabric"),
+        (["gpu-01", "--ssh", "h", "--fabric", "ib-a", "--fabric", "ib-b"], "both name no"),
+        (["gpu-01", "--ssh", "h", "--rekey", "--lost-state"], "not both"),
+        (["gpu-01", "--ssh", "h", "--rekey", "--fabric", "ib-a:mlx5_0"], "--rekey keeps the"),
+        (
+            ["gpu-01", "--ssh", "h", "--rekey", "--package", "--repo-url", "u", "--repo-key", "k"],
+            "--package goes with a join",
+        ),
+        (["a" * 65, "--ssh", "h", "--set-hostname"], "a host name at most 64"),
         (["gpu-01", "--hosts", "f"], "give it without NODE, --ssh and --port"),
         (["gpu-01", "--ssh", "h", "--package"], "--package installs from a signed repository"),
         (["gpu-01", "--ssh", "h", "--repo-url", "https://r"], "and those two only with --package"),
@@ -333,7 +398,7 @@ def test_many_hosts_one_failing(
     monkeypatch.setenv("FAKE_SSH_HOSTS", "h2=refuse")
     hosts = tmp_path / "hosts"
     hosts.write_text("gpu-01 root@h1\ngpu-02 root@h2\ngpu-03 root@h3\n")
-    out = onboard("onboard", "--hosts", str(hosts), "--parallel", "3")
+    out = onboard("onboard", "--hosts", str(hosts), "--parallel", "3", "--wait-ssh", "0")
     assert out.exit_code == 1
     table = out.stdout[out.stdout.index("NODE  ") :].splitlines()
     assert table[0].split() == ["NODE", "RESULT", "TIME", "ERROR"]
@@ -392,3 +457,164 @@ def test_package_asks_for_the_package_verb(api: FakeAPI) -> None:
         "repo_url": "https://repo.example.net/llmgw",
         "repo_key": "/etc/llmgw/repo.asc",
     }
+
+
+OFFLINE = {
+    "state": "approved",
+    "connected": False,
+    "fingerprint": "sha256:" + "0" * 64,
+    "cpus": 8,
+    "gpus": [],
+    "health": "healthy",
+}
+
+
+@pytest.mark.parametrize("state", ["approved", "pending"])
+def test_a_node_id_that_exists_is_refused_without_rekey_or_lost_state(
+    api: FakeAPI, state: str
+) -> None:
+    """Today's trap: onboarding gpu-01 again silently joined it afresh (a new uid, its old
+    certificates denied). Now nothing is minted and nothing runs on the host."""
+    api.nodes["gpu-01"] = {**OFFLINE, "state": state}
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    assert out.exit_code == 1
+    assert (
+        f"node gpu-01 exists already ({state}, not connected), and onboarding it again would "
+        "join it afresh: a new uid, its old certificates denied. If root@h1 is that node, add "
+        "--rekey (its state directory /var/lib/llmgw-agent is there) or --lost-state (it is "
+        "gone); to put another machine under this id, revoke the old node first: llmgw ctl "
+        "revoke gpu-01"
+    ) in out.stderr
+    assert api.minted == 0 and ssh_log(api) == ""
+
+
+def test_rekey_mints_a_rekey_token_and_keeps_the_approval(api: FakeAPI) -> None:
+    api.nodes["gpu-01"] = dict(OFFLINE)
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--rekey")
+    assert out.exit_code == 0, out.output
+    assert api.calls[1] == (
+        "POST",
+        "/api/join-tokens",
+        {"node": "gpu-01", "ttl": 1800, "rekey": True},
+    )
+    fp = api.fingerprints["h1"]
+    assert "gpu-01  rekey\n" in out.output
+    assert f"gpu-01  approve: {fp} (approved already: a rekey keeps its approval)\n" in out.output
+    assert ("POST", "/api/nodes/gpu-01/approve") not in [(m, p) for m, p, _ in api.calls]
+    assert out.output.endswith("gpu-01  online: 8 CPUs, 0 GPUs, healthy\n")
+
+
+def test_lost_state_re_pairs_and_approves_by_fingerprint(api: FakeAPI) -> None:
+    api.nodes["gpu-01"] = dict(OFFLINE)
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--lost-state")
+    assert out.exit_code == 0, out.output
+    assert api.calls[1][2] == {"node": "gpu-01", "ttl": 1800, "rekey": True, "lost_state": True}
+    assert api.calls[3] == (
+        "POST", "/api/nodes/gpu-01/approve", {"fingerprint": api.fingerprints["h1"]}
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("record", "says"),
+    [
+        (None, "node gpu-01 does not exist on this control plane, so there is nothing to rekey"),
+        ({**OFFLINE, "state": "revoked"}, "node gpu-01 is revoked, and a revoked node comes"),
+    ],
+)
+def test_rekey_needs_a_node_to_rekey(
+    api: FakeAPI, record: dict[str, Any] | None, says: str
+) -> None:
+    if record is not None:
+        api.nodes["gpu-01"] = record
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--rekey")
+    assert out.exit_code == 1
+    assert says in out.stderr
+    assert api.minted == 0 and ssh_log(api) == ""
+
+
+def test_wait_ssh_retries_an_install_session_that_is_cut_off(
+    api: FakeAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sshd restarting under cloud-init, between the probe and the install (where the
+    guide's own script stalled): the install session is tried again, with the same token."""
+    monkeypatch.setenv("FAKE_SSH_HOSTS", "h1=cut")
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    assert out.exit_code == 0, out.output
+    assert (
+        "gpu-01  install: root@h1: no answer yet, or cut off (sshd restarting?); trying again\n"
+        in out.output
+    )
+    assert api.minted == 1 and api.revoked == []
+    (api.root / "h1.cut").unlink()
+    api.nodes.clear()
+    (api.root / "host-of" / "gpu-01").unlink()
+    once = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--wait-ssh", "0")
+    assert once.exit_code == 1
+    assert "ssh could not reach root@h1 (Connection to h1 closed by remote host.)" in once.stderr
+    assert api.revoked == ["jt2"]
+
+
+def test_a_new_host_key_is_accepted_only_when_asked_and_its_fingerprint_shown(
+    api: FakeAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_SSH_HOSTS", "h1=newkey")
+    refused = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    assert refused.exit_code == 1
+    assert "let onboard accept an unknown key with --accept-new-host-key" in refused.stderr
+    assert api.minted == 0
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--accept-new-host-key")
+    assert out.exit_code == 0, out.output
+    assert (
+        "gpu-01  connect: root@h1: accepted its new host key SHA256:newnewnew (ssh-ed25519) into "
+        "known_hosts; compare it with the machine's own (ssh-keygen -lf "
+        "/etc/ssh/ssh_host_*_key.pub on its console, or its provisioning system's)\n"
+    ) in out.output
+    sessions = ssh_log(api).splitlines()[1:]
+    assert all("StrictHostKeyChecking=accept-new" in line for line in sessions)
+    assert " -v " in sessions[0] and " -v " not in sessions[1]  # ssh -v for the probe only
+
+
+def test_one_name_for_host_and_node(api: FakeAPI) -> None:
+    """A machine called otherwise is warned about; --set-hostname names it after the node
+    (and its 127.0.1.1 line in /etc/hosts, so that the name resolves)."""
+    etc_hosts = Path("/etc/hosts").read_bytes()
+    (api.root / "h1.hostname").write_text("ip-10-0-0-5\n")
+    warned = onboard("--json", "onboard", "gpu-01", "--ssh", "root@h1")
+    assert warned.exit_code == 0, warned.output
+    warning = (
+        "root@h1 is called ip-10-0-0-5, not gpu-01: one name for host, node and certificate "
+        "keeps logs, alerts and the console in step; --set-hostname names it gpu-01"
+    )
+    assert f"gpu-01  connect: warning: {warning}\n" in warned.stderr
+    assert json.loads(warned.stdout)["warnings"] == [warning]
+    api.nodes.clear()
+    (api.root / "host-of" / "gpu-01").unlink()
+    (api.root / "h1").mkdir(exist_ok=True)
+    (api.root / "h1" / "hosts").write_text("127.0.0.1\tlocalhost\n127.0.1.1\tip-10-0-0-5\n")
+    named = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--set-hostname")
+    assert named.exit_code == 0, named.output
+    assert "warning" not in named.output
+    assert "gpu-01  hostname: gpu-01 (was ip-10-0-0-5)\n" in named.output
+    assert (api.root / "h1.hostname").read_text() == "gpu-01\n"
+    assert (api.root / "h1" / "hosts").read_text() == "127.0.0.1\tlocalhost\n127.0.1.1\tgpu-01\n"
+    assert Path("/etc/hosts").read_bytes() == etc_hosts  # the test machine's own, untouched
+
+
+def test_a_degraded_node_says_why_and_engines_being_installed_are_said(api: FakeAPI) -> None:
+    why = (
+        "engine vllm (/opt/vllm/bin/vllm) will not run: exit 127; ldd: libcudart.so.12 => "
+        "not found; install its CUDA runtime"
+    )
+    api.inventory = {"health": "degraded", "degraded": [{"code": "engine", "message": why}]}
+    api.engines = [
+        {"node": "gpu-01", "engine": "vllm", "desired": "0.33.0", "state": "installing"},
+        {"node": "gpu-01", "engine": "sglang", "desired": "0.5.0", "state": "no-build",
+         "reason": "no sglang 0.5.0 build for its architecture arm64"},
+    ]  # fmt: skip
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    assert out.exit_code == 0, out.output
+    assert out.output.splitlines()[-2:] == [
+        "gpu-01  engines: installing vllm 0.33.0; no sglang 0.5.0 build for its architecture "
+        "arm64 (the control plane's desired engines: follow them with 'llmgw ctl engines')",
+        f"gpu-01  online: 8 CPUs, 0 GPUs, degraded: {why}",
+    ]

@@ -54,4 +54,5 @@ def test_the_summary_table() -> None:
         "error": "ssh could not reach root@h2\x07",
         "fingerprint": None,
         "steps": [],
+        "warnings": [],
     }

@@ -287,7 +287,7 @@ def test_the_rekey_one_liner_runs_the_bundles_installer_with_the_token_in_its_en
         ),
         ({"node": NODE, "facts": {"engines": ["sim=/x"]}}, "built in and takes no program"),
         ({"node": NODE, "facts": {"fabrics": ["ib a"]}}, "--fabric: 'ib a' does not start"),
-        ({"node": NODE, "facts": {"fabrics": ["ib-a"]}}, "--fabric: 'ib-a' names no adapters"),
+        ({"node": NODE, "facts": {"fabrics": ["ib-a", "ib-b"]}}, "both name no adapters"),
         (
             {"node": NODE, "facts": {"nvidia_smi": "/opt/nv;reboot"}},
             "--nvidia-smi: '/opt/nv;reboot' holds a character other than",

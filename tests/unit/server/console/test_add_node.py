@@ -145,7 +145,7 @@ def test_node_facts_go_on_the_command(rig: FleetRig) -> None:
         ({"node": "gpu-1", "ttl": "soon"}, 400, "TTL must be seconds, or a duration"),
         ({"node": "gpu-1", "ttl": "10"}, 400, "ttl must be between 60 seconds and 7 days"),
         ({"node": "gpu-1", "ttl": "8d"}, 400, "ttl must be between 60 seconds and 7 days"),
-        ({"node": "gpu-1", "ttl": "1h", "fabrics": "ib-a"}, 400, "names no adapters"),
+        ({"node": "gpu-1", "ttl": "1h", "fabrics": "ib-a\nib-b"}, 400, "both name no adapters"),
         ({"node": "gpu-1", "ttl": "1h", "nvidia_smi": "smi"}, 400, "is not an absolute path"),
         (
             {"node": "gpu-1", "ttl": "1h", "models_root": "/data/models"},
