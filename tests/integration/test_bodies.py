@@ -70,7 +70,16 @@ def test_limits_per_model_reach_the_data_plane(cluster: tuple[Server, Agent]) ->
         {
             "models": {
                 "chat": {"profiles": {"default": {"engine": "sim"}}},
-                "long": {"profiles": {"default": {"engine": "sim", "max_request_body": "512KiB"}}},
+                # A long context too: 300 KiB of 'x' is a token a byte to the sim.
+                "long": {
+                    "profiles": {
+                        "default": {
+                            "engine": "sim",
+                            "max_request_body": "512KiB",
+                            "params": {"max_length": "1000000"},
+                        }
+                    }
+                },
             }
         },
     )
