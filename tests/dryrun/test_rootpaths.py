@@ -208,7 +208,10 @@ def test_05_programs_of_the_agent_get_no_terminal_and_no_environment(steps: Step
     said = result.stdout.replace("\r", "")
     lines = said.split("\n")
     names = set(lines[0].split())
-    assert names <= {"PATH", "HOME", "LANG", "TMPDIR", "PWD", "SHLVL", "_"}, lines[0]
+    # The installer marks what it runs (llmgw agent join reads it), nothing else of its own.
+    assert names <= {"PATH", "HOME", "LANG", "TMPDIR", "PWD", "SHLVL", "_", "LLMGW_BY_INSTALLER"}, (
+        lines[0]
+    )
     sid, tty = lines[1].split()
     assert tty == "?", said  # no controlling terminal
     assert lines[2] == f"pid={sid}", said  # a session of its own
