@@ -389,15 +389,41 @@ async def stream(target: Target, body: bytes, *, keep_text: bool = False) -> Str
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process below it: an engine in its sandbox is bwrap's grandchild,
+    and the engine's own CPU is theirs, not bwrap's."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                children.setdefault(int(_stat(int(entry.name))[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """CPU time (user + system) used so far by this process ("client") and by ``pids``."""
+    """CPU time (user + system) used so far by this process ("client") and by ``pids``; the
+    engine's with every process below it (its sandbox)."""
     out = {"client": time.process_time()}
     for name, pid in pids.items():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            out[name] = (int(fields[11]) + int(fields[12])) / _CLK_TCK
-        except (OSError, ValueError, IndexError):
-            continue
+        total, seen = 0.0, False
+        for member in _tree(pid) if name == "engine" else [pid]:
+            try:
+                fields = _stat(member)
+                total += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+                seen = True
+            except (OSError, ValueError, IndexError):
+                continue
+        if seen:
+            out[name] = total
     return out
 
 
