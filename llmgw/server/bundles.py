@@ -2,7 +2,8 @@
 fetches one (DESIGN §4).
 
 ``GET /agent/bundles`` lists the newest bundle of each architecture found in the bundle
-directory (server.yaml ``bundle_dir``); ``GET /agent/bundles/linux-<arch>.tar.gz`` streams it.
+directory (server.yaml ``bundle_dir``, the operator's) and in the llmgw-agent-bundles
+package's (``PACKAGED_BUNDLE_DIR``); ``GET /agent/bundles/linux-<arch>.tar.gz`` streams it.
 Both are anonymous: a node checks what it downloads against the SHA-256 in its join command.
 """
 
@@ -24,6 +25,8 @@ from llmgw.log import kv
 from llmgw.versions import VERSION_PATTERN, version_key
 
 __all__ = [
+    "ADD_BUNDLES",
+    "BUNDLES_PACKAGE",
     "RIDS",
     "Bundle",
     "BundleStore",
@@ -43,6 +46,16 @@ _FILE = re.compile(
 )
 _CHUNK = 1 << 20
 _VERBS = ("install", "rekey", "package")
+
+BUNDLES_PACKAGE = "llmgw-agent-bundles"
+"""The package that installs the release's bundles into ``PACKAGED_BUNDLE_DIR`` (the
+llmgw-server package recommends it)."""
+ADD_BUNDLES = (
+    f"install the {BUNDLES_PACKAGE} package (apt-get install {BUNDLES_PACKAGE}, or dnf), or "
+    "copy llmgw-agent-*-linux-<arch>.tar.gz (make dist) into the bundle_dir of server.yaml"
+)
+"""How an operator gives a control plane bundles to serve: the end of every message that
+says it has none."""
 
 log = logging.getLogger("llmgw.server.bundles")
 
@@ -72,23 +85,29 @@ class Bundle:
 
 
 class BundleStore:
-    """The bundles in one directory. A file's SHA-256 is computed once, and again only when
-    its size, mtime or inode change (a new copy over the old one)."""
+    """The bundles in the operator's directory and, after it, the package's (``packaged``).
+    The newest version of each architecture wins; of one version in both, the operator's
+    copy. A file's SHA-256 is computed once, and again only when its size, mtime or inode
+    change (a new copy over the old one)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, packaged: Path | None = None) -> None:
         self.directory = directory
+        self.packaged = packaged
         self._hashes: dict[Path, tuple[tuple[int, int, int], str]] = {}
 
-    def _candidates(self) -> dict[str, list[tuple[str, Path]]]:
-        found: dict[str, list[tuple[str, Path]]] = {}
-        try:
-            entries = list(self.directory.iterdir())
-        except (FileNotFoundError, NotADirectoryError):
-            return found
-        for path in entries:
-            match = _FILE.match(path.name)
-            if match and path.is_file():
-                found.setdefault(match["rid"], []).append((match["version"], path))
+    def _candidates(self) -> dict[str, list[tuple[str, int, Path]]]:
+        """rid -> (version, 1 for the operator's directory or 0 for the package's, path)."""
+        found: dict[str, list[tuple[str, int, Path]]] = {}
+        places = [(self.directory, 1)] + ([(self.packaged, 0)] if self.packaged else [])
+        for directory, rank in places:
+            try:
+                entries = list(directory.iterdir())
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for path in entries:
+                match = _FILE.match(path.name)
+                if match and path.is_file():
+                    found.setdefault(match["rid"], []).append((match["version"], rank, path))
         return found
 
     def _sha256(self, path: Path) -> tuple[str, int]:
@@ -109,7 +128,9 @@ class BundleStore:
         bundles = []
         candidates = self._candidates()
         for rid in sorted(candidates):
-            version, path = max(candidates[rid], key=lambda c: (version_key(c[0]), _mtime(c[1])))
+            version, _rank, path = max(
+                candidates[rid], key=lambda c: (version_key(c[0]), c[1], _mtime(c[2]))
+            )
             try:
                 sha256, size = self._sha256(path)
             except FileNotFoundError:
@@ -129,8 +150,9 @@ class BundleStore:
         arch = rid.removeprefix("linux-")
         make = "make dist" + (" ARCH=arm64" if arch == "arm64" else "")
         return (
-            f"no {rid} bundle on this control plane; its operator copies "
-            f"llmgw-agent-*-{rid}.tar.gz ({make}) into the bundle_dir of server.yaml"
+            f"no {rid} bundle on this control plane; its operator installs the "
+            f"{BUNDLES_PACKAGE} package, or copies llmgw-agent-*-{rid}.tar.gz ({make}) into "
+            "the bundle_dir of server.yaml"
         )
 
 
@@ -149,10 +171,13 @@ def _base_url(request: web.Request) -> str:
     return f"{request.scheme}://{request.host}"
 
 
-def add_bundle_routes(app: web.Application, directory: Path) -> BundleStore:
+def add_bundle_routes(
+    app: web.Application, directory: Path, packaged: Path | None = None
+) -> BundleStore:
     """Mount ``GET /agent/bundles`` and ``GET /agent/bundles/{rid}.tar.gz`` (HEAD too) on
-    ``app``, serving ``directory``; returns the store (for :func:`one_liner`)."""
-    store = BundleStore(directory)
+    ``app``, serving ``directory`` and then ``packaged``; returns the store (for
+    :func:`one_liner`)."""
+    store = BundleStore(directory, packaged)
 
     async def listing(request: web.Request) -> web.Response:
         base = _base_url(request)
@@ -172,7 +197,12 @@ def add_bundle_routes(app: web.Application, directory: Path) -> BundleStore:
             # The directory goes to the log, for the operator, never to the client.
             log.warning(
                 "a bundle was asked for but there is none",
-                extra=kv(rid=rid, bundle_dir=str(store.directory), peer=request.remote or ""),
+                extra=kv(
+                    rid=rid,
+                    bundle_dir=str(store.directory),
+                    packaged=str(store.packaged or ""),
+                    peer=request.remote or "",
+                ),
             )
             return _error(404, store.missing_message(rid), "not_found")
         return web.FileResponse(
@@ -253,10 +283,7 @@ def fetch_steps(base_url: str, bundles: Sequence[Bundle], *, verify_tls: bool) -
     against the SHA-256 embedded here and unpack it there: the one-liner's and the cloud-init
     user-data's (:mod:`llmgw.server.cloudinit`). NotFound when there is no bundle at all."""
     if not bundles:
-        raise NotFound(
-            "the control plane has no agent bundle to join nodes with; copy "
-            "llmgw-agent-*-linux-<arch>.tar.gz into its bundle_dir (make dist)"
-        )
+        raise NotFound(f"the control plane has no agent bundle to join nodes with; {ADD_BUNDLES}")
     q = shlex.quote
     cases = []
     for bundle in sorted(bundles, key=lambda b: b.rid):

@@ -34,7 +34,7 @@ from llmgw.errors import Conflict, NotFound
 from llmgw.log import kv
 from llmgw.pki import Authority, cert_pem, cross_certificates
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.bundles import RIDS, Bundle
+from llmgw.server.bundles import BUNDLES_PACKAGE, RIDS, Bundle
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.states import NodeState
 from llmgw.server.store import NodeUpdate, Store
@@ -182,7 +182,8 @@ class Updates:
                     f"this control plane does not serve version {version} for linux-{arch} "
                     f"(node {node.id}); it serves {have}. Copy "
                     f"llmgw-agent-{version}-linux-{arch}.tar.gz into "
-                    f"{self.bundle_dir} (the newest of each architecture is served)"
+                    f"{self.bundle_dir}, or install the {BUNDLES_PACKAGE} package of "
+                    f"{version} (the newest of each architecture is served)"
                 )
             plan.append((node, arch, bundle))
         expires = int(time.time()) + ttl

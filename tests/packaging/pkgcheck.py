@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import tarfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -99,7 +100,26 @@ def make_standin(directory: Path, version: str) -> Path:
     program.write_text(text.replace(marker, f'STANDIN_VERSION = "{version}"'))
     program.chmod(0o755)
     write_standin_contents(directory.parent)
+    for arch in BUNDLE_ARCHS:
+        write_standin_bundle(directory.parent, version, arch, program)
     return directory
+
+
+BUNDLE_ARCHS = ("x64", "arm64")  # what llmgw-agent-bundles carries by default
+
+
+def write_standin_bundle(where: Path, version: str, arch: str, program: Path) -> Path:
+    """A bundle beside the stand-in's build, as make dist leaves the real ones beside theirs:
+    its top folder holds the stand-in as llmgw and an install-agent.sh."""
+    top = f"llmgw-agent-{version}-linux-{arch}"
+    path = where / f"{top}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(program, f"{top}/llmgw")
+        installer = where / f".install-agent-{version}-{arch}.sh"
+        installer.write_text(f"#!/bin/sh\necho 'stand-in installer of {top}'\n")
+        installer.chmod(0o755)
+        tar.add(installer, f"{top}/install-agent.sh")
+    return path
 
 
 def write_standin_contents(where: Path) -> Path:

@@ -285,8 +285,9 @@ class Onboarding:
             self.revoke_token()
             raise OnboardError(
                 "the control plane serves no agent bundles, and onboard installs from one; "
-                "copy llmgw-agent-*-linux-<arch>.tar.gz (make dist) into the bundle_dir of "
-                "its server.yaml, then run onboard again"
+                "install the llmgw-agent-bundles package on it, or copy "
+                "llmgw-agent-*-linux-<arch>.tar.gz (make dist) into the bundle_dir of its "
+                "server.yaml, then run onboard again"
             )
         return data
 

@@ -33,7 +33,7 @@ from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.netaddr import check_node_id_free, format_hostport, is_loopback_host, parse_hostport
 from llmgw.server import cloudinit
 from llmgw.server.admin.context import AdminContext, BadRequest, read_flag, read_json
-from llmgw.server.bundles import one_liner
+from llmgw.server.bundles import ADD_BUNDLES, one_liner
 from llmgw.server.principals import principal_of
 from llmgw.server.states import NodeState, TokenKind
 from llmgw.server.store import ApiKey
@@ -420,21 +420,18 @@ async def create_join_token(
     if package and not bundles:
         raise BadRequest(
             "'package' installs through the bundle's install-agent.sh, and this control plane "
-            "serves no agent bundles; copy llmgw-agent-*-linux-<arch>.tar.gz into its "
-            "bundle_dir (make dist)"
+            f"serves no agent bundles; {ADD_BUNDLES}"
         )
     if cloud_init and not bundles:
         raise BadRequest(
             "cloud-init user-data downloads the agent bundle, and this control plane serves "
-            "none; copy llmgw-agent-*-linux-<arch>.tar.gz into its bundle_dir (make dist), "
-            "then mint the user-data again"
+            f"none; {ADD_BUNDLES}, then mint the user-data again"
         )
     if installer_only and not bundles:
         raise BadRequest(
             f"{', '.join(installer_only)} are options of the installer, and this control "
-            "plane serves no agent bundles to print its one-liner with; copy "
-            "llmgw-agent-*-linux-<arch>.tar.gz into its bundle_dir (make dist), or leave "
-            "them out and pass them to install-agent.sh on the node"
+            f"plane serves no agent bundles to print its one-liner with; {ADD_BUNDLES}; or "
+            "leave them out and pass them to install-agent.sh on the node"
         )
     token, secret = ctx.store.create_join_token(
         node_id,

@@ -118,7 +118,8 @@ class UpdateNow:
                 f"nothing ordered: this control plane serves no bundle of version "
                 f"{version or '(none chosen)'}; it serves {have}. Choose one of those, or copy "
                 f"llmgw-agent-VERSION-linux-ARCH.tar.gz into "
-                f"{self.site.ctx.updates.bundle_dir}",
+                f"{self.site.ctx.updates.bundle_dir}, or install that version's "
+                "llmgw-agent-bundles package",
             )
         if not password:
             return await refused(

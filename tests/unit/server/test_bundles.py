@@ -117,7 +117,8 @@ def test_missing_bundles_are_404_saying_what_to_copy_where(
         assert str(tmp_path) not in text
         assert await response.json() == {
             "error": {
-                "message": "no linux-arm64 bundle on this control plane; its operator copies "
+                "message": "no linux-arm64 bundle on this control plane; its operator "
+                "installs the llmgw-agent-bundles package, or copies "
                 "llmgw-agent-*-linux-arm64.tar.gz (make dist ARCH=arm64) into the bundle_dir "
                 "of server.yaml",
                 "code": "not_found",
@@ -135,9 +136,51 @@ def test_missing_bundles_are_404_saying_what_to_copy_where(
 
     serve(tmp_path, body)
     assert BundleStore(tmp_path / "empty").missing_message("linux-x64") == (
-        "no linux-x64 bundle on this control plane; its operator copies "
-        "llmgw-agent-*-linux-x64.tar.gz (make dist) into the bundle_dir of server.yaml"
+        "no linux-x64 bundle on this control plane; its operator installs the "
+        "llmgw-agent-bundles package, or copies llmgw-agent-*-linux-x64.tar.gz (make dist) "
+        "into the bundle_dir of server.yaml"
     )
+
+
+def test_the_packages_bundles_are_served_beside_the_operators(tmp_path: Path) -> None:
+    """The llmgw-agent-bundles package's directory (read-only, the package manager's) is
+    served after bundle_dir: the newest version of each architecture wins wherever it is,
+    and of one version in both, the operator's copy."""
+    operator, packaged = tmp_path / "bundle_dir", tmp_path / "packaged"
+    operator.mkdir()
+    packaged.mkdir()
+    arm64 = make_bundle(packaged, "0.2.0", "linux-arm64")
+    x64_packaged = make_bundle(packaged, "0.2.0", "linux-x64")
+    make_bundle(operator, "0.1.0", "linux-x64")  # older than the package's: not served
+    store = BundleStore(operator, packaged)
+    assert [(b.rid, b.version, b.path) for b in store.scan()] == [
+        ("linux-arm64", "0.2.0", arm64),
+        ("linux-x64", "0.2.0", x64_packaged),
+    ]
+    # The operator's copy of the same version wins; a newer one of theirs, too.
+    same = make_bundle(operator, "0.2.0", "linux-x64", installer=INSTALLER + "# theirs\n")
+    assert store.scan()[1].path == same and store.scan()[1].sha256 == sha(same)
+    newer = make_bundle(operator, "0.3.0", "linux-x64")
+    assert store.scan()[1].path == newer
+    # Without the package's directory (none given, or not there): only the operator's.
+    assert [b.rid for b in BundleStore(operator).scan()] == ["linux-x64"]
+    assert [b.rid for b in BundleStore(operator, tmp_path / "none").scan()] == ["linux-x64"]
+
+    async def body(client: TestClient[Any, Any], store: BundleStore) -> None:
+        listing = await (await client.get("/agent/bundles")).json()
+        assert [(b["rid"], b["sha256"]) for b in listing] == [("linux-arm64", sha(arm64))]
+        download = await client.get("/agent/bundles/linux-arm64.tar.gz")
+        assert download.status == 200 and await download.read() == arm64.read_bytes()
+        assert download.headers["X-Llmgw-Bundle-Sha256"] == sha(arm64)
+
+    async def main() -> None:
+        app = web.Application()
+        store = add_bundle_routes(app, tmp_path / "no-bundle-dir", packaged)
+        (packaged / x64_packaged.name).unlink()
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            await body(client, store)
+
+    asyncio.run(main())
 
 
 def test_hashes_are_cached_until_the_file_changes(tmp_path: Path) -> None:

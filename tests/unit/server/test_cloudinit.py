@@ -312,7 +312,9 @@ def test_cloud_init_without_bundles_is_refused_with_the_fix(
 ) -> None:
     [(status, data)] = call(store, ca, [{"node": NODE, "cloud_init": True}])
     assert status == 400, data
-    assert "copy llmgw-agent-*-linux-<arch>.tar.gz into its bundle_dir" in data["error"]["message"]
+    message = data["error"]["message"]
+    assert "install the llmgw-agent-bundles package" in message
+    assert "copy llmgw-agent-*-linux-<arch>.tar.gz (make dist) into the bundle_dir" in message
     assert store.list_join_tokens(include_inactive=True) == []
 
 
