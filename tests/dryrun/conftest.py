@@ -17,6 +17,7 @@ import pytest
 from tests.ci import unavailable
 from tests.packaging.pkgcheck import ROOT
 
+from . import hostcheck
 from .lab import ONEFILE, Lab, OrderedSteps, docker_ready, next_version, read_version
 
 
@@ -39,6 +40,23 @@ def build_next() -> Path:
             f"{built.stderr[-3000:]}"
         )
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def host_untouched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The dry run touches nothing on the host but its own Docker objects and its temporary
+    directory: the host's containers, images, networks, volumes and mounts are listed before
+    the session and after it, and a change outside llmgw's own (hostcheck.py says which those
+    are) fails the session, naming it."""
+    own_dirs = (str(tmp_path_factory.getbasetemp()), hostcheck.docker_root(), "/run/docker")
+    before = hostcheck.take()
+    yield
+    changed = hostcheck.changes(before, hostcheck.take(), own_dirs=own_dirs)
+    if changed:
+        pytest.fail(
+            "the session changed the host outside its own objects (names and labels "
+            f"{hostcheck.PREFIX}*, its temporary directory):\n  " + "\n  ".join(changed)
+        )
 
 
 @pytest.fixture(scope="package")

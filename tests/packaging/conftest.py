@@ -33,14 +33,15 @@ def packages_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def standin_packages(packages_root: Path) -> dict[str, Packages]:
-    """The four packages around the stand-in, for PREVIOUS and CURRENT."""
+    """The six packages around the stand-in (and its stand-in bundles), for PREVIOUS and
+    CURRENT."""
     require_tools("dpkg-deb")
     built = {}
     for version in (PREVIOUS, CURRENT):
         payload = make_standin(packages_root / f"standin-{version}", version)
         out = packages_root / f"v{version}"
         files = build_packages(payload, out)
-        assert len(files) == 4, files
+        assert len(files) == 6, files
         built[version] = Packages(version, out)
     return built
 

@@ -134,7 +134,8 @@ def write_standin_contents(where: Path) -> Path:
 
 @dataclass(frozen=True)
 class Packages:
-    """The four packages of one version, in one directory."""
+    """The six packages of one version (llmgw-agent, llmgw-server, llmgw-agent-bundles), in
+    one directory."""
 
     version: str
     directory: Path
@@ -149,11 +150,16 @@ class Packages:
         return f"{MOUNT}/{self.directory.name}/{self.path(name, fmt).name}"
 
 
-def build_packages(binary: Path, out: Path, *, version: str | None = None) -> list[Path]:
-    """scripts/packages.sh; the paths it printed."""
+def build_packages(
+    binary: Path, out: Path, *, version: str | None = None, bundle_archs: str | None = None
+) -> list[Path]:
+    """scripts/packages.sh; the paths it printed. ``bundle_archs``: the bundles that
+    llmgw-agent-bundles carries (default: every architecture's, beside ``binary``)."""
     args: list[str | Path] = [ROOT / "scripts" / "packages.sh", "--binary", binary, "--out", out]
     if version is not None:
         args += ["--version", version]
+    if bundle_archs is not None:
+        args += ["--bundle-archs", bundle_archs]
     result = run(*args, env={"NFPM": nfpm_path()})
     return [Path(line) for line in result.stdout.split()]
 

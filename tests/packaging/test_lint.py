@@ -33,13 +33,15 @@ pytestmark = pytest.mark.timeout(900)
 LINTIAN_LINE = re.compile(r"^(?P<level>[EW]): (?P<package>[^:]+): (?P<tag>\S+)(?P<rest>.*)$")
 RPMLINT_LINE = re.compile(r"^(?P<package>\S+): (?P<level>[EW]): (?P<tag>\S+)(?P<rest>.*)$")
 TEST_CACHE = Path(os.environ.get("LLMGW_TEST_CACHE", "/var/cache/llmgw-test"))
+PACKAGES = ("llmgw-agent", "llmgw-server", "llmgw-agent-bundles")
 
 
 @pytest.fixture(scope="module")
 def built(dist_x64: Dist, packages_root: Path) -> Packages:
-    """The four packages of the real one-folder build, with their SBOMs beside them."""
+    """The six packages of the real one-folder build, with their SBOMs beside them (the
+    bundles package with the x64 bundle alone: the arm64 build may still be running)."""
     out = packages_root / "lint"
-    build_packages(dist_x64.onedir, out)
+    build_packages(dist_x64.onedir, out, bundle_archs="x64")
     said = run(dist_x64.onedir_binary, "--version").stdout.strip()
     return Packages(said.removeprefix("llmgw "), out)
 
@@ -69,7 +71,7 @@ def contents() -> dict:
 
 def test_lintian_reports_no_error_or_warning_that_is_not_overridden(built: Packages) -> None:
     require_tools("lintian")
-    debs = [built.path(name, "deb") for name in ("llmgw-agent", "llmgw-server")]
+    debs = [built.path(name, "deb") for name in PACKAGES]
     result = subprocess.run(
         ["lintian", "--tag-display-limit", "0", "--display-info", *map(str, debs)],
         capture_output=True,
@@ -85,7 +87,7 @@ def test_lintian_reports_no_error_or_warning_that_is_not_overridden(built: Packa
     stale = [line for line in lines if "unused-override" in line or "mismatched-override" in line]
     assert stale == [], "overrides that no longer apply:\n" + "\n".join(stale)
     # Each override line has a comment above it saying why.
-    for name in ("llmgw-agent", "llmgw-server"):
+    for name in PACKAGES:
         text = deb_file(built.path(name, "deb"), f"/usr/share/lintian/overrides/{name}").decode()
         previous = ""
         for line in text.splitlines():
@@ -99,7 +101,7 @@ def test_lintian_reports_no_error_or_warning_that_is_not_overridden(built: Packa
 
 def test_rpmlint_reports_no_error_or_unfiltered_warning(built: Packages) -> None:
     require_tools("rpmlint")
-    rpms = [built.path(name, "rpm") for name in ("llmgw-agent", "llmgw-server")]
+    rpms = [built.path(name, "rpm") for name in PACKAGES]
     result = subprocess.run(
         ["rpmlint", "-c", str(ROOT / "packaging" / "rpmlint.toml"), *map(str, rpms)],
         capture_output=True,
@@ -135,6 +137,9 @@ def test_rpm_license_tag_is_the_spdx_expression_of_everything_bundled(built: Pac
         assert needed in tag, f"{needed} missing from License: {tag}"
     server = run("rpm", "-qp", "--qf", "%{LICENSE}", built.path("llmgw-server", "rpm")).stdout
     assert server == "Apache-2.0"
+    # The bundles carry the same program, and so the same licences.
+    bundles = built.path("llmgw-agent-bundles", "rpm")
+    assert run("rpm", "-qp", "--qf", "%{LICENSE}", bundles).stdout == tag
 
 
 # ---------------------------------------------------------------------------- licences
@@ -158,8 +163,10 @@ def test_copyright_is_dep5_names_every_bundled_distribution_and_is_the_bundles_l
     for paragraph in parsed.all_files_paragraphs():
         assert paragraph.license is not None and paragraph.license.synopsis
         assert paragraph.copyright
-    # The bundle carries the same text, and the rpm (as %license).
+    # The bundle carries the same text, and the rpm (as %license), and the bundles package.
     assert bundle_file(dist_x64.bundle, "LICENSES") == text
+    bundles = built.path("llmgw-agent-bundles", "deb")
+    assert deb_file(bundles, "/usr/share/doc/llmgw-agent-bundles/copyright") == text
     server = deb_file(built.path("llmgw-server", "deb"), "/usr/share/doc/llmgw-server/copyright")
     assert Copyright(io.StringIO(server.decode()), strict=True).header.upstream_name == "llmgw"
 
@@ -232,6 +239,8 @@ def test_sbom_lists_every_python_distribution_inside_the_binary(
         Path(f"{dist_x64.bundle}.cdx.json"),
         Path(f"{built.path('llmgw-agent', 'deb')}.cdx.json"),
         Path(f"{built.path('llmgw-agent', 'rpm')}.cdx.json"),
+        Path(f"{built.path('llmgw-agent-bundles', 'deb')}.cdx.json"),
+        Path(f"{built.path('llmgw-agent-bundles', 'rpm')}.cdx.json"),
     ]
     for path in sbom_paths:
         sbom = json.loads(path.read_text())

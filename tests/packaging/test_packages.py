@@ -8,12 +8,14 @@ plane on PostgreSQL.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
 import re
 import shlex
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -22,13 +24,16 @@ from click.testing import CliRunner
 
 from llmgw.agent.config import load_agent_config
 from llmgw.cli import main as llmgw_main
+from llmgw.contracts.paths import PACKAGED_BUNDLE_DIR
 from llmgw.errors import ConfigError
+from llmgw.server.bundles import BundleStore
 from llmgw.server.config import load_server_config
 from tests.ci import require_tools, unavailable
 from tests.pg import PASSWORD as PG_PASSWORD
 from tests.pg import ROLE as PG_ROLE
 from tests.pg import Cluster
 
+from .distcheck import DIST, Dist, version
 from .pkgcheck import (
     CURRENT,
     PREVIOUS,
@@ -309,6 +314,133 @@ def test_packages_sh_refuses_a_version_the_program_does_not_say(tmp_path: Path) 
     assert missing.returncode == 1
     assert "run 'make dist' first" in missing.stderr
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------ llmgw-agent-bundles
+
+BUNDLES = "llmgw-agent-bundles"
+
+
+def served_from(directory: Path) -> dict[str, str]:
+    """rid -> SHA-256 of what a control plane serves from ``directory`` as the package's."""
+    return {
+        b.rid: b.sha256 for b in BundleStore(directory.parent / "no-bundle-dir", directory).scan()
+    }
+
+
+def test_bundles_package_carries_every_bundle_where_the_control_plane_serves_them(
+    standin_packages: dict[str, Packages], packages_root: Path, tmp_path: Path
+) -> None:
+    """llmgw-agent-bundles: arch all (noarch), no script, no conffile, the bundles beside the
+    build byte for byte in PACKAGED_BUNDLE_DIR; llmgw-server recommends it, of its version."""
+    require_tools("dpkg-deb", "rpm")
+    current = standin_packages[CURRENT]
+    deb = current.path(BUNDLES, "deb")
+    assert deb_field(deb, "Architecture") == "all"
+    assert deb_field(deb, "Version") == CURRENT
+    assert deb_field(deb, "Depends") == ""
+    assert "(linux-x64, linux-arm64)" in deb_field(deb, "Description")
+    control = deb_control(deb, tmp_path / "control")
+    assert sorted(p.name for p in control.iterdir()) == ["control", "md5sums"]
+    names = [f"llmgw-agent-{CURRENT}-linux-{arch}.tar.gz" for arch in ("arm64", "x64")]
+    listing = deb_listing(deb)
+    shipped = sorted(p for p in listing if p.startswith(f"{PACKAGED_BUNDLE_DIR}/"))
+    assert shipped == [f"{PACKAGED_BUNDLE_DIR}/{name}" for name in names]
+    assert {listing[p][:2] for p in shipped} == {("-rw-r--r--", "root/root")}
+    run("dpkg-deb", "--extract", deb, tmp_path / "root")
+    packaged = tmp_path / "root" / PACKAGED_BUNDLE_DIR.relative_to("/")
+    for name in names:
+        assert (packaged / name).read_bytes() == (packages_root / name).read_bytes()
+    # What the control plane then serves: each architecture's, with its own SHA-256.
+    assert served_from(packaged) == {
+        f"linux-{arch}": hashlib.sha256(
+            (packages_root / f"llmgw-agent-{CURRENT}-linux-{arch}.tar.gz").read_bytes()
+        ).hexdigest()
+        for arch in ("x64", "arm64")
+    }
+    server = current.path("llmgw-server", "deb")
+    assert deb_field(server, "Recommends") == f"{BUNDLES} (= {CURRENT})"
+
+    rpm = current.path(BUNDLES, "rpm")
+    assert rpm.name == f"{BUNDLES}-{CURRENT}-1.noarch.rpm"
+    files = rpm_query(rpm, "--list").split()
+    assert [f for f in files if f.startswith(f"{PACKAGED_BUNDLE_DIR}/")] == [
+        f"{PACKAGED_BUNDLE_DIR}/{name}" for name in names
+    ]
+    assert rpm_query(rpm, "--scripts").strip() == ""
+    assert rpm_query(rpm, "--configfiles").strip() == ""
+    recommends = rpm_query(current.path("llmgw-server", "rpm"), "--recommends").split("\n")
+    assert f"{BUNDLES} = {CURRENT}" in recommends
+
+
+def test_packages_sh_refuses_a_missing_or_wrong_bundle_and_packages_those_asked_for(
+    tmp_path: Path,
+) -> None:
+    """Without an architecture's bundle nothing is built, and the error names the file and
+    how to build it; a bundle that SHA256SUMS does not vouch for, or that is not a bundle of
+    this version, is refused; --bundle-archs packages the bundles named."""
+    payload = make_standin(tmp_path / "standin", CURRENT)
+    out = tmp_path / "out"
+    script = [str(ROOT / "scripts" / "packages.sh"), "--binary", str(payload), "--out", str(out)]
+
+    def packages(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*script, *args], capture_output=True, text=True, timeout=300)
+
+    arm64 = tmp_path / f"llmgw-agent-{CURRENT}-linux-arm64.tar.gz"
+    arm64.rename(tmp_path / "aside.tar.gz")
+    refused = packages()
+    assert refused.returncode == 1
+    assert f"{arm64} (sudo make dist ARCH=arm64)" in refused.stderr, refused.stderr
+    assert "--bundle-archs (make packages BUNDLE_ARCHS=x64)" in refused.stderr
+    assert not out.exists()
+
+    x64 = tmp_path / f"llmgw-agent-{CURRENT}-linux-x64.tar.gz"
+    (tmp_path / "SHA256SUMS").write_text(f"{'0' * 64}  {x64.name}\n")
+    refused = packages("--bundle-archs", "x64")
+    assert refused.returncode == 1
+    assert f"{x64} does not match its line in {tmp_path}/SHA256SUMS" in refused.stderr
+    (tmp_path / "SHA256SUMS").unlink()
+    (tmp_path / "aside.tar.gz").rename(arm64)
+    with tarfile.open(arm64, "w:gz") as tar:
+        tar.add(payload / "llmgw", "something-else/llmgw")
+    refused = packages()
+    assert refused.returncode == 1
+    assert f"{arm64} is not an agent bundle of llmgw {CURRENT} for linux-arm64" in refused.stderr
+    assert packages("--bundle-archs", "riscv64").returncode == 1
+    assert not out.exists()
+
+    made = packages("--bundle-archs", "x64")
+    assert made.returncode == 0, made.stderr
+    deb = Packages(CURRENT, out).path(BUNDLES, "deb")
+    assert "(linux-x64)" in deb_field(deb, "Description")
+    shipped = [p for p in deb_listing(deb) if p.startswith(f"{PACKAGED_BUNDLE_DIR}/")]
+    assert shipped == [f"{PACKAGED_BUNDLE_DIR}/{x64.name}"]
+
+
+def test_release_bundles_package_carries_both_architectures_of_make_dist(
+    dist_x64: Dist, dist_arm64: Dist, tmp_path: Path
+) -> None:
+    """make packages from make dist's builds (x64 and arm64): the bundles package carries both
+    bundles, the very files dist/SHA256SUMS lists, and a control plane serves both. One
+    copyright file and SBOM cover both: the two builds bundle the same components."""
+    require_tools("dpkg-deb")
+    out = tmp_path / "out"
+    build_packages(dist_x64.onedir, out)
+    deb = Packages(version(), out).path(BUNDLES, "deb")
+    run("dpkg-deb", "--extract", deb, tmp_path / "root")
+    packaged = tmp_path / "root" / PACKAGED_BUNDLE_DIR.relative_to("/")
+    sums = dict(
+        reversed(line.split("  ", 1)) for line in (DIST / "SHA256SUMS").read_text().splitlines()
+    )
+    assert served_from(packaged) == {
+        f"linux-{d.arch}": sums[d.bundle.name] for d in (dist_x64, dist_arm64)
+    }
+
+    def components(arch: str) -> set[tuple[str, str, str]]:
+        inventory = json.loads((DIST / f".contents-{arch}.json").read_text())
+        return {(c["kind"], c["name"], c["version"]) for c in inventory["components"]}
+
+    assert components("x64") == components("arm64")
 
 
 def test_shipped_agent_yaml_is_valid_once_server_is_set(tmp_path: Path) -> None:
@@ -705,7 +837,7 @@ def real_packages(packages_root: Path) -> tuple[Path, Packages]:
     """The one-folder build, and its packages (built once for the tests that install them)."""
     onedir = real_onedir()
     out = packages_root / "real"
-    build_packages(onedir, out)
+    build_packages(onedir, out, bundle_archs="x64")
     said = run(onedir / "llmgw", "--version").stdout.strip()
     return onedir, Packages(said.removeprefix("llmgw "), out)
 

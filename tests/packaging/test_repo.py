@@ -80,7 +80,9 @@ def test_apt_repository_is_signed_and_lists_the_packages(repo: Path, tmp_path: P
     listed = re.findall(r"^ [0-9a-f]{64} +[0-9]+ (\S+)$", release, re.MULTILINE)
     assert sorted(listed) == ["main/binary-amd64/Packages", "main/binary-amd64/Packages.gz"]
     packages = (dists / "main" / "binary-amd64" / "Packages").read_text()
+    # llmgw-agent-bundles (Architecture: all) is in the architecture's own index.
     assert sorted(re.findall(r"^Filename: (\S+)$", packages, re.MULTILINE)) == [
+        f"pool/main/llmgw-agent-bundles_{CURRENT}_all.deb",
         f"pool/main/llmgw-agent_{CURRENT}_amd64.deb",
         f"pool/main/llmgw-server_{CURRENT}_amd64.deb",
     ]
@@ -96,10 +98,11 @@ def test_yum_repository_holds_signed_packages_and_signed_metadata(
     db = tmp_path / "rpmdb"
     db.mkdir()
     run("rpm", "--dbpath", db, "--import", yum / "RPM-GPG-KEY-llmgw")
-    signed = sorted((yum / "x86_64").glob("*.rpm"))
+    signed = sorted((yum / "x86_64").glob("*.rpm")) + sorted((yum / "noarch").glob("*.rpm"))
     assert [p.name for p in signed] == [
         f"llmgw-agent-{CURRENT}-1.x86_64.rpm",
         f"llmgw-server-{CURRENT}-1.x86_64.rpm",
+        f"llmgw-agent-bundles-{CURRENT}-1.noarch.rpm",
     ]
     for rpm in signed:
         assert (
