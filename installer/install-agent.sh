@@ -1918,6 +1918,23 @@ stop_everything() {
     systemctl kill --signal=SIGKILL "$UNIT" >/dev/null 2>&1 || true
 }
 
+# Docker engines (runtime: docker) are dockerd's containers, not processes of the agent's unit:
+# uninstall leaves them running, as it leaves the models, and names them. An agent on the kept
+# identity adopts them again (engines outlive the agent); after --purge none will.
+report_docker_engines() {
+    command -v docker >/dev/null 2>&1 || return 0
+    engines=$(docker ps --filter label=llmgw.shard --format '{{.Names}}' 2>/dev/null | tr '\n' ' ')
+    engines=${engines% }
+    [ -n "$engines" ] || return 0
+    # shellcheck disable=SC2016 # a command for the operator to run, printed as it is
+    remove='docker rm -f $(docker ps -aq --filter label=llmgw.shard)'
+    if [ -n "$PURGE" ]; then
+        warn "uninstall: these Docker engine containers keep running, and without this node's identity no agent adopts them: $engines; remove them: $remove"
+    else
+        info "uninstall: these Docker engine containers keep running (they are dockerd's, not the agent's): $engines; an install on this node's identity adopts them, or remove them: $remove"
+    fi
+}
+
 # llmgw-agent removed (purged with --purge) by the package manager it came with.
 remove_package() {
     if command -v apt-get >/dev/null 2>&1; then
@@ -2280,6 +2297,7 @@ verb_uninstall() {
     mode=$(mode_recorded)
     info "uninstall: stopping and disabling $UNIT and the update helper"
     stop_everything
+    report_docker_engines
     firewall_clear
     if [ "$mode" = package ]; then
         remove_package

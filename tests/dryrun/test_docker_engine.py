@@ -5,8 +5,12 @@ docker group), ``agent.yaml`` says ``runtime: docker``, and a ``sim`` replica ru
 container in the node's dockerd and serves through the gateway. Code running as the agent user
 is refused the daemon's socket, and through the proxy a privileged container and exec into the
 engine's; a restart of the agent adopts the container (engines outlive the agent) and it serves
-again; a re-run of the install keeps ``runtime: docker``; undeploy removes the container and
-leaves the engine's output in the shard's log.
+again; a re-run of the install keeps ``runtime: docker``; ``uninstall`` leaves the engine's
+container running and the model and cache folders in place (README: "keeps agent.yaml,
+identity, models"), says so, and an install on the kept identity adopts the container again;
+undeploy removes the container and leaves the engine's output in the shard's log; ``uninstall
+--purge`` too leaves a running engine's container and the models, and names the command that
+removes the container.
 
 The node's dockerd is nested in the test container (no ``--privileged`` here): the image
 ``scripts/systemd-test-image.sh --docker`` builds gives it a tmpfs for /var/lib/docker and
@@ -34,7 +38,7 @@ MODEL = "drydocker"
 PROXY = "llmgw-docker-proxy.service"
 PROXY_SOCKET = "/run/llmgw-docker-proxy/docker.sock"
 
-# About 20 s once the images exist; unless .ci/run made it, the first run on a machine also
+# About 60 s once the images exist; unless .ci/run made it, the first run on a machine also
 # builds the node's image (debootstrap with docker.io, about 100 s).
 pytestmark = pytest.mark.timeout(600)
 
@@ -88,13 +92,14 @@ def test_a_docker_replica_serves_from_the_installed_hardened_unit(lab: Lab) -> N
     # Placement may choose only this node: other modules' nodes are drained meanwhile.
     others = lab.set_aside_others(NODE)
     try:
-        serve_restart_undeploy(lab, node, image, install)
+        serve_restart_undeploy(lab, node, image, install, folder)
+        purge_leaves_the_engine_and_the_models(lab, node, folder)
     finally:
         for other in others:
             lab.ctl("uncordon", other)
 
 
-def serve_restart_undeploy(lab: Lab, node: Node, image: str, install: str) -> None:
+def serve_restart_undeploy(lab: Lab, node: Node, image: str, install: str, folder: str) -> None:
     assert lab.server is not None
     # 3. the replica: a container of the node's dockerd, serving through the gateway
     lab.deploy(MODEL)
@@ -159,12 +164,19 @@ def serve_restart_undeploy(lab: Lab, node: Node, image: str, install: str) -> No
     after = engine_of(lab, node)
     assert (after["ID"], after["State"]) == (shard["ID"], "running"), (shard, after)
     assert "shards after restart" in node.journal(lines=200)
+    shard_started = started_at(node, shard["ID"])
+    for kept in MODEL_FILES:
+        node.sh(f"echo weights >{kept}")
 
     # 7. the same install again keeps the operator's runtime lines and restarts nothing
     again = node.sh(install)
     assert "nothing changed; not restarted" in again.stderr, again.stderr
     config = node.out("cat /etc/llmgw/agent.yaml")
     assert "runtime: docker" in config and f"sim: {image}" in config, config
+
+    uninstall_keeps_the_engine_and_an_install_adopts_it(
+        lab, node, install, folder, key, after, shard_started
+    )
 
     # 8. undeployed: the container is stopped and removed; what the engine wrote is in the
     # shard's log under the agent's state directory
@@ -177,3 +189,79 @@ def serve_restart_undeploy(lab: Lab, node: Node, image: str, install: str) -> No
     shard_id = dict(kv.split("=", 1) for kv in after["Labels"].split(","))["llmgw.shard"]
     logs = node.out(f"cat /var/lib/llmgw-agent/logs/{shard_id}.log")
     assert "sim engine listening on 0.0.0.0:8000" in logs, logs[-2000:]
+
+
+def uninstall_keeps_the_engine_and_an_install_adopts_it(
+    lab: Lab,
+    node: Node,
+    install: str,
+    folder: str,
+    key: str,
+    engine: dict[str, Any],
+    engine_started: str,
+) -> None:
+    # 7b. uninstall: the agent, its units and its proxy go; the engine's container (dockerd's)
+    # runs on, named, and the model and cache folders stay
+    uninstalled = node.sh(f"sh {folder}/install-agent.sh uninstall")
+    assert (
+        "uninstall: these Docker engine containers keep running (they are dockerd's, not the "
+        f"agent's): {engine['Names']}; an install on this node's identity adopts them"
+    ) in uninstalled.stderr, uninstalled.stderr
+    # The very container, never restarted.
+    assert engine_state(node, engine["ID"]) == ("running", engine_started)
+    for kept in MODEL_FILES:
+        assert node.out(f"cat {kept}") == "weights", kept
+    assert node.sh("systemctl cat llmgw-agent.service", check=False).returncode != 0
+    assert node.sh(f"systemctl cat {PROXY}", check=False).returncode != 0
+    assert node.out("systemctl is-active docker") == "active"  # Docker itself is not the agent's
+    assert not node.listening()
+
+    # 7c. an install on the identity uninstall kept adopts the same container, which serves
+    node.sh(install)
+    wait_for(node.listening, what=f"{NODE} listening after the reinstall", timeout=60)
+    lab.wait_routable(MODEL, NODE)
+    assert lab.complete(MODEL, key)
+    adopted = engine_of(lab, node)
+    assert (adopted["ID"], adopted["State"]) == (engine["ID"], "running"), (engine, adopted)
+
+
+MODEL_FILES = ("/srv/llmgw/models/keep.bin", "/srv/llmgw/cache/keep.bin")
+
+
+def started_at(node: Node, container: str) -> str:
+    return node.out(f"docker inspect -f '{{{{.State.StartedAt}}}}' {container}")
+
+
+def engine_state(node: Node, container: str) -> tuple[str, str]:
+    """(status, started at) of a container of the node's dockerd."""
+    status, started = node.out(
+        f"docker inspect -f '{{{{.State.Status}}}} {{{{.State.StartedAt}}}}' {container}"
+    ).split()
+    return status, started
+
+
+def purge_leaves_the_engine_and_the_models(lab: Lab, node: Node, folder: str) -> None:
+    """9. deployed again, then 'uninstall --purge': the identity, configuration and user go;
+    the engine's container runs on (nothing adopts it now: the installer says so and how to
+    remove it) and the model and cache folders stay."""
+    lab.deploy(MODEL)
+    try:
+        lab.wait_routable(MODEL, NODE)
+        engine = engine_of(lab, node)
+        purged = node.sh(f"sh {folder}/install-agent.sh uninstall --purge")
+        said = (
+            "uninstall: these Docker engine containers keep running, and without this node's "
+            f"identity no agent adopts them: {engine['Names']}; remove them: docker rm -f "
+            "$(docker ps -aq --filter label=llmgw.shard)"
+        )
+        assert said in purged.stderr, purged.stderr
+        assert engine_state(node, engine["ID"])[0] == "running"
+        for kept in MODEL_FILES:
+            assert node.out(f"cat {kept}") == "weights", kept
+        assert node.sh("test -e /var/lib/llmgw-agent/node.key", check=False).returncode != 0
+        assert node.sh("getent passwd llmgw-agent", check=False).returncode != 0
+        # The command it printed removes exactly llmgw's containers.
+        node.sh("docker rm -f $(docker ps -aq --filter label=llmgw.shard)")
+        assert containers(node) == []
+    finally:
+        lab.ctl("undeploy", MODEL)

@@ -279,6 +279,15 @@ def join_command(
     click.echo("")
     click.echo(f"  {data['command']}")
     click.echo("")
+    if " llmgw agent join " in data["command"]:
+        # No bundles to serve: the command needs llmgw on the node already.
+        click.echo(
+            "(this control plane serves no agent bundles, so the node needs llmgw installed "
+            "first; for the one-line install, install the llmgw-agent-bundles package on the "
+            "control plane, or copy llmgw-agent-*-linux-<arch>.tar.gz (make dist) into its "
+            "bundle_dir)",
+            err=True,
+        )
     if data.get("auto_approve"):
         click.echo(
             "the node is approved when it joins (auto-approve: trust on first use of this "

@@ -292,3 +292,19 @@ def test_tokens_show_an_auto_approve_token_and_the_key_it_approved(
     row = out.stdout.splitlines()[1]
     assert row.split()[:4] == ["jt3", "gpu-03", "join", "(auto-approve)"]
     assert row.rstrip().endswith("used, approved sha256:feed")
+
+
+def test_without_bundles_it_says_how_to_get_the_one_liner(
+    calls: list[tuple[str, str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control plane serves no bundles: the command is 'llmgw agent join', and ctl says
+    where a one-line install comes from (the bundles package, or bundle_dir)."""
+    agent_join = "LLMGW_JOIN_TOKEN=s3cret llmgw agent join --node-id gpu-01 --enroll-url x"
+    monkeypatch.setitem(ANSWER, "command", agent_join)
+    out = join("--node", "gpu-01")
+    assert out.exit_code == 0, out.output
+    assert f"  {agent_join}\n" in out.stdout
+    assert "install the llmgw-agent-bundles package on the control plane" in out.stderr
+    # With bundles, the one-liner alone.
+    monkeypatch.setitem(ANSWER, "command", "(set -eu; ... /agent/bundles/ ...)")
+    assert "llmgw-agent-bundles" not in join("--node", "gpu-01").stderr
