@@ -76,7 +76,7 @@ compute_keys() {
     ROOTFS_KEY=$(printf '%s\n' "$RECIPE" "$SUITE" "$INCLUDE" "$AGENT_UID" "$PROXY_UID" "$(uname -m)" \
         | sha)
     HASH=$({
-        printf '%s\n' "$ROOTFS_KEY" "$IMAGE"
+        printf '%s\n' "$ROOTFS_KEY"
         sha256sum "$SELF" "$BINARY" | cut -c1-64
     } | sha)
 }
@@ -162,9 +162,11 @@ LABEL $HASH_LABEL=$HASH \\
       org.opencontainers.image.revision="$revision" \\
       org.opencontainers.image.licenses="Apache-2.0"
 COPY llmgw /usr/bin/llmgw
+# LLMGW_AGENT_CONTAINER: 'llmgw agent join' then says to start the container, not a unit.
 ENV PATH=/usr/bin:/bin:/usr/sbin:/sbin \\
     TMPDIR=/var/lib/llmgw-agent-tmp \\
-    LLMGW_AGENT_CONFIG=/etc/llmgw/agent.yaml
+    LLMGW_AGENT_CONFIG=/etc/llmgw/agent.yaml \\
+    LLMGW_AGENT_CONTAINER=1
 USER $AGENT_UID:$AGENT_UID
 WORKDIR /var/lib/llmgw-agent
 # No ENTRYPOINT: a command is a whole llmgw command line, as printed ('docker run IMAGE llmgw

@@ -69,7 +69,8 @@ def _seconds(duration: str) -> int:
 @dataclass
 class Overrides:
     """What a test changes: named volumes -> the test's own, bind sources (as written in the
-    file) -> folders of the test, variables, and whether GPUs and ulimits are asked for."""
+    file) -> folders of the test, variables, whether GPUs and ulimits are asked for, the
+    security options, the command; and what it adds: labels, environment."""
 
     volumes: dict[str, str] = field(default_factory=dict)
     binds: dict[str, str] = field(default_factory=dict)
@@ -78,6 +79,9 @@ class Overrides:
     ulimits: bool = True
     security_opt: list[str] | None = None
     command: list[str] | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    # None: the value comes from docker's own environment (-e NAME), out of its argv.
+    environment: dict[str, str | None] = field(default_factory=dict)
 
 
 def _volume(spec: str, project: str, base: Path, over: Overrides) -> str:
@@ -107,9 +111,16 @@ def _ulimit(name: str, value: Any) -> str:
 
 
 def run_argv(
-    service: str, *, name: str, overrides: Overrides | None = None, path: Path = COMPOSE
+    service: str,
+    *,
+    name: str,
+    overrides: Overrides | None = None,
+    oneoff: bool = False,
+    path: Path = COMPOSE,
 ) -> list[str]:
-    """``docker run -d --name NAME ...`` for ``service`` of the compose file at ``path``."""
+    """``docker run -d --name NAME ...`` for ``service`` of the compose file at ``path``;
+    ``oneoff``: ``docker run --rm`` in the foreground, as ``docker compose run --rm`` (which
+    leaves out the restart policy)."""
     over = overrides or Overrides()
     data = load(path)
     spec = data["services"][service]
@@ -119,10 +130,12 @@ def run_argv(
     env = {**os.environ, **over.env}
     base = path.parent
     project = data.get("name", base.name)
-    argv = ["docker", "run", "-d", "--name", name]
+    argv = ["docker", "run", "--rm" if oneoff else "-d", "--name", name]
+    for label, value in over.labels.items():
+        argv += ["--label", f"{label}={value}"]
     if spec.get("init"):
         argv.append("--init")
-    if "restart" in spec:
+    if "restart" in spec and not oneoff:
         argv += ["--restart", spec["restart"]]
     if "stop_grace_period" in spec:
         argv += ["--stop-timeout", str(_seconds(spec["stop_grace_period"]))]
@@ -146,6 +159,8 @@ def run_argv(
             argv += ["--ulimit", _ulimit(limit, value)]
     for key, value in spec.get("environment", {}).items():
         argv += ["-e", f"{key}={interpolate(str(value), env)}"]
+    for key, value in over.environment.items():
+        argv += ["-e", key if value is None else f"{key}={value}"]
     for volume in spec.get("volumes", []):
         argv += ["-v", _volume(volume, project, base, over)]
     devices = spec.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
