@@ -9,6 +9,7 @@ import click
 from click.core import ParameterSource
 
 from llmgw.agent.join import JoinResult, join
+from llmgw.agent.update_spool import CONTAINER_ENV
 from llmgw.cli.agent.facts import node_facts
 from llmgw.cli.prompts import read_secret
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
@@ -110,7 +111,7 @@ TOKEN_ENV = "LLMGW_JOIN_TOKEN"
     "--in-container",
     is_flag=True,
     hidden=True,
-    envvar="LLMGW_AGENT_CONTAINER",
+    envvar=CONTAINER_ENV,
     help="The agent's image runs this join (its environment says so): the agent starts as "
     "its container, and the report says how.",
 )
