@@ -138,7 +138,11 @@ def test_run_argv_is_the_agent_service_as_docker_run(tmp_path: Path) -> None:
     argv = run_argv(
         "agent",
         name="x",
-        overrides=Overrides(volumes={"state": "vol-1"}, binds={"./agent.yaml": "/t/a.yaml"}),
+        overrides=Overrides(
+            volumes={"state": "vol-1"},
+            binds={"./agent.yaml": "/t/a.yaml"},
+            env={"LLMGW_AGENT_IMAGE": ""},  # unset or empty: the file's default
+        ),
     )
     pairs = list(itertools.pairwise(argv))
     assert ("--security-opt", f"seccomp={PROFILE}") in pairs
@@ -154,7 +158,12 @@ def test_run_argv_is_the_agent_service_as_docker_run(tmp_path: Path) -> None:
         "--config",
         "/etc/llmgw/agent.yaml",
     ]
-    proxy = run_argv("docker-proxy", name="y", overrides=Overrides(env={"LLMGW_DOCKER_GID": "989"}))
+    proxy = run_argv(
+        "docker-proxy",
+        name="y",
+        overrides=Overrides(env={"LLMGW_DOCKER_GID": "989", "LLMGW_AGENT_IMAGE": "img:1"}),
+    )
+    assert "img:1" in proxy
     assert ("--group-add", "989") in list(itertools.pairwise(proxy))
 
 

@@ -166,7 +166,7 @@ class Box:
         proxy = self.name(f"{node}-proxy")
         if proxy not in self.volumes:
             self.volume(f"{node}-proxy")
-        return Overrides(
+        over = Overrides(
             volumes={"state": state, "docker-proxy": proxy},
             binds={
                 "./agent.yaml": str(config),
@@ -178,6 +178,8 @@ class Box:
             labels={LABEL: self.run},
             **more,
         )
+        over.env.setdefault("LLMGW_AGENT_IMAGE", self.image)  # compose's own variable
+        return over
 
     def start(self, service: str, name: str, over: Overrides) -> str:
         docker(*run_argv(service, name=name, overrides=over)[1:])
@@ -329,6 +331,7 @@ def test_a_node_in_a_container_serves_a_sim_replica_from_its_sandbox(box: Box, n
     box.server.api("POST", "/api/models", {"name": MODEL, "engine": "sim", "replicas": 1})
     box.ready(MODEL, node.id)
     assert box.chat(MODEL)
+    assert json.loads(docker("inspect", node.container))[0]["Config"]["Image"] == box.image
     processes = box.processes(node.container)
     assert {user for _, user, _ in processes} == {AGENT_UID}, processes
     # PID 1 reaps and forwards signals (init: true); the engine runs in bubblewrap with a
