@@ -68,6 +68,14 @@ wheel: $(WHEEL_STAMP)
 dist: $(WHEEL_STAMP)
 	PYTHON=$(PY) ./scripts/dist.sh $(if $(ALLOW_MISSING_INSTALLER),--allow-missing-installer) $(if $(filter command line,$(origin VERSION)),--version $(VERSION)) $(ARCH)
 
+# The agent as a container (README "The agent as a container"): the OCI image
+# llmgw-agent:VERSION (also :latest) from dist/llmgw-linux-x64 on a minimal Debian, with no
+# registry (scripts/agent-image.sh; IMAGE=NAME:TAG another name). Move it with docker save/load.
+IMAGE ?=
+.PHONY: image
+image: dist
+	./scripts/agent-image.sh $(if $(IMAGE),--tag "$(IMAGE)")
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info
 

@@ -54,7 +54,8 @@ HOST_PROC_WARNING = (
     "still in a pid namespace of its own and the agent not dumpable, so no engine can signal "
     "the agent or read its files, but one engine can read another's files through "
     "/proc/<pid>/root; run the agent under the packaged llmgw-agent unit (it binds an "
-    "uncovered /proc for bubblewrap) to close that"
+    "uncovered /proc for bubblewrap), or its container with --security-opt "
+    'systempaths=unconfined (README "The agent as a container"), to close that'
 )
 
 # What each setting that turns user namespaces off says, and its fix. The installer's
@@ -120,8 +121,9 @@ def userns_problem(proc_sys: Path = _PROC_SYS, bwrap_said: str = "") -> str:
         "engines run in a bubblewrap sandbox, which needs unprivileged user namespaces, and "
         f"bwrap could not make one{said}; under systemd the llmgw-agent unit must allow them "
         "(RestrictNamespaces=user mnt pid ipc, as the packaged unit does), and in a container "
-        "its seccomp profile must too; or set sandbox: false in the profile to run its "
-        "engine unconfined"
+        "its seccomp profile must too (llmgw's compose file gives the agent's container "
+        'packaging/compose/seccomp-agent.json: README "The agent as a container"); or set '
+        "sandbox: false in the profile to run its engine unconfined"
     )
 
 

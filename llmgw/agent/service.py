@@ -36,7 +36,7 @@ from llmgw.agent.sandbox import Sandboxes, SandboxLayout
 from llmgw.agent.servers import KnownServers
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec
 from llmgw.agent.stream import Credentials, StreamClient, StreamState
-from llmgw.agent.update_spool import Spooler
+from llmgw.agent.update_spool import CONTAINER_ENV, IN_CONTAINER, Spooler
 from llmgw.errors import CertificateError, LlmgwError, StartupError
 from llmgw.fsutil import make_dir
 from llmgw.log import kv
@@ -328,6 +328,7 @@ class Agent:
             report=self._send_update_status,
             ssl_context=identity.download_ssl_context,
             cluster_ca=cfg.tls.ca,
+            refusal=IN_CONTAINER if os.environ.get(CONTAINER_ENV) else None,
         )
         renewer = Renewer(cfg.tls, cfg.node_id, send=stream.send, on_renewed=identity.reload)
         stream.on_renewal_answer = renewer.answer

@@ -6,7 +6,9 @@ verifying the signature is the helper's), downloads the bundle (over https only 
 control plane, when the server's certificate comes from the cluster CA), checks its SHA-256
 and renames a finished directory to ``<spool>/request``: ``llmgw-agent-update.path`` then
 starts the root helper (``llmgw.updater``). What the helper writes to ``status.json`` is
-reported to the control plane as it changes.
+reported to the control plane as it changes. An agent in its container image
+(``CONTAINER_ENV`` set) has no helper to apply a request: it refuses orders, saying how such a
+node is upgraded (:data:`IN_CONTAINER`).
 """
 
 from __future__ import annotations
@@ -39,11 +41,19 @@ from llmgw.controlpeer import NotControlPlane, require_control_plane
 from llmgw.errors import FileError, UpdateError
 from llmgw.fsutil import atomic_write, fsync_dir
 
-__all__ = ["NotControlPlane", "Spooler", "read_status"]
+__all__ = ["CONTAINER_ENV", "IN_CONTAINER", "NotControlPlane", "Spooler", "read_status"]
 
 log = logging.getLogger("llmgw.agent.update_spool")
 
 _CHUNK = 1 << 20
+
+# Set by the agent's container image (scripts/agent-image.sh): this agent is its container.
+CONTAINER_ENV = "LLMGW_AGENT_CONTAINER"
+IN_CONTAINER = (
+    "this agent runs in its container image, where no update helper applies a spooled "
+    "update; nothing was downloaded: load the new image on the node (docker load) and "
+    'recreate the container (docker compose up -d; README "The agent as a container")'
+)
 
 
 def read_status(spool: Path) -> dict[str, Any] | None:
@@ -83,6 +93,8 @@ class Spooler:
     # operator's or ACME certificate) are left to the context's trust; the order's SHA-256
     # vouches for the bytes either way.
     cluster_ca: Path | None = None
+    # Why this agent cannot apply an update at all (IN_CONTAINER); orders are refused with it.
+    refusal: str | None = None
 
     def __post_init__(self) -> None:
         self._op_ids: dict[int, str] = {}
@@ -95,6 +107,8 @@ class Spooler:
             order = parse_order(order_bytes)
             counter, version = int(order["counter"]), str(order["version"])
             self._op_ids[counter] = op_id
+            if self.refusal is not None:
+                raise UpdateError(self.refusal)
             if order["node_id"] != self.node_id:
                 raise UpdateError(
                     f"the update order is for node {order['node_id']}, and this is "

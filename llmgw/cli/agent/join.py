@@ -9,6 +9,7 @@ import click
 from click.core import ParameterSource
 
 from llmgw.agent.join import JoinResult, join
+from llmgw.agent.update_spool import CONTAINER_ENV
 from llmgw.cli.agent.facts import node_facts
 from llmgw.cli.prompts import read_secret
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
@@ -106,6 +107,14 @@ TOKEN_ENV = "LLMGW_JOIN_TOKEN"
     help="install-agent.sh runs this join: it writes agent.yaml and starts the agent itself, "
     "and says so; the report leaves both out.",
 )
+@click.option(
+    "--in-container",
+    is_flag=True,
+    hidden=True,
+    envvar=CONTAINER_ENV,
+    help="The agent's image runs this join (its environment says so): the agent starts as "
+    "its container, and the report says how.",
+)
 @click.pass_context
 def join_command(
     ctx: click.Context,
@@ -123,6 +132,7 @@ def join_command(
     node_address: str | None,
     mgmt_interface: str | None,
     by_installer: bool,
+    in_container: bool,
 ) -> None:
     """Enrol this node with the control plane; the join token comes from LLMGW_JOIN_TOKEN
     or a prompt, never from an argument."""
@@ -151,7 +161,7 @@ def join_command(
         node_uid=node_uid,
         facts=facts,
     )
-    click.echo(_report(result, by_installer=by_installer))
+    click.echo(_report(result, by_installer=by_installer, in_container=in_container))
 
 
 def _config_path(ctx: click.Context, join_config: Path | None) -> Path:
@@ -172,10 +182,12 @@ def _config_path(ctx: click.Context, join_config: Path | None) -> Path:
     return join_config
 
 
-def _report(result: JoinResult, *, by_installer: bool = False) -> str:
+def _report(result: JoinResult, *, by_installer: bool = False, in_container: bool = False) -> str:
     """What the join did and what comes next. ``by_installer``: install-agent.sh writes
     agent.yaml (the config this join wrote is its staging copy) and starts or restarts the
-    agent itself, so neither is said here; the installer says both, with the real paths."""
+    agent itself, so neither is said here; the installer says both, with the real paths.
+    ``in_container``: the join ran in the agent's image, whose agent starts as its container
+    (README "The agent as a container"), not as a unit."""
     paths = result.paths
     verb = "re-paired" if result.repaired else ("rekeyed" if result.rekeyed else "joined")
     lines = [
@@ -194,7 +206,13 @@ def _report(result: JoinResult, *, by_installer: bool = False) -> str:
     if not by_installer:
         config_note = "written" if result.config_written else "kept as it was"
         lines.append(f"config:      {paths.config} ({config_note})")
-    if result.rekeyed or result.repaired:
+    if in_container:
+        start = (
+            "restart the agent's container to use the new identity: docker compose restart agent"
+            if result.rekeyed or result.repaired
+            else "start the agent's container: docker compose up -d"
+        )
+    elif result.rekeyed or result.repaired:
         start = "restart the agent to use the new identity: sudo systemctl restart llmgw-agent"
     else:
         start = (

@@ -811,6 +811,28 @@ def test_cli_rekey_of_an_approved_node_says_restart(
     )
 
 
+def test_cli_join_in_the_agents_image_says_to_start_its_container(
+    fake: Fake, node: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image sets LLMGW_AGENT_CONTAINER: its agent is the container, not a unit."""
+    monkeypatch.setenv("LLMGW_JOIN_TOKEN", TOKEN)
+    monkeypatch.setenv("LLMGW_AGENT_CONTAINER", "1")
+    args = ["agent", "join", "--node-id", NODE, "--enroll-url", fake.url]
+    args += ["--ca-hash", fake.ca.ca_hash(), "--config", str(node / "etc" / "agent.yaml")]
+    args += ["--state-dir", str(node / "state")]
+    out = CliRunner().invoke(main, args)
+    assert out.exit_code == 0, out.output
+    assert "systemctl" not in out.stdout
+    assert out.stdout.endswith("then start the agent's container: docker compose up -d\n")
+    fake.state = "approved"
+    out = CliRunner().invoke(main, [*args[:-2], "--rekey"])
+    assert out.exit_code == 0, out.output
+    assert out.stdout.endswith(
+        "next: restart the agent's container to use the new identity: "
+        "docker compose restart agent\n"
+    )
+
+
 # --------------------------------------------------------------------------- re-pair (--node-uid)
 
 

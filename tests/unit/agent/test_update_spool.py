@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from llmgw import pki
-from llmgw.agent.update_spool import Spooler
+from llmgw.agent.update_spool import IN_CONTAINER, Spooler
 from llmgw.contracts.update_order import REQUEST, STATUS
 from llmgw.errors import UpdateError
 from llmgw.pki import Authority, Identity
@@ -180,6 +180,21 @@ def test_an_order_that_cannot_be_spooled_is_reported_and_leaves_nothing(
     assert words in reports[-1][4]
     spool = tmp_path / "state" / "update"
     assert not spool.exists() or os.listdir(spool) == []
+
+
+def test_an_agent_in_its_container_refuses_updates_and_says_how_it_is_upgraded(
+    tmp_path: Path, authority: Authority, node_identity: Identity, bundles: BundleServer
+) -> None:
+    """No root helper in the agent's image: a spooled request would wait there for ever."""
+    reports = Reports()
+    s = spooler(tmp_path, node_identity, reports)
+    s.refusal = IN_CONTAINER
+    data, sig = sign_order(authority.key, order_for(bundles.url))
+    with pytest.raises(UpdateError, match="load the new image"):
+        run(bundles, lambda: s.handle("op-9", data, sig))
+    assert reports.states == ["refused"] and "docker compose up -d" in reports[0][4]
+    assert bundles.requests == 0
+    assert not (tmp_path / "state" / "update").exists()
 
 
 def test_a_server_the_cluster_ca_did_not_sign_is_not_trusted(
