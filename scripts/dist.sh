@@ -269,7 +269,9 @@ rootfs_workdir() {
 
 debootstrap_into() { # DIR DEB_ARCH [--foreign]
     info "rootfs: debootstrap --arch=$2 --variant=minbase $SUITE from $mirror"
+    step_started=$(date +%s)
     run_debootstrap ${3:+"$3"} --arch="$2" --variant=minbase --include="$INCLUDE" "$SUITE" "$1" "$mirror"
+    info "rootfs: debootstrap --arch=$2${3:+ $3} ready in $(($(date +%s) - step_started)) s"
 }
 
 # No -g (the default OPT has it): the frozen binaries carry libpython.
@@ -309,7 +311,9 @@ make_foreign_rootfs() {
     debootstrap_into "$new" "$DEB_ARCH" --foreign
     install_qemu "$new"
     info "rootfs: debootstrap's second stage, emulated (several minutes)"
+    step_started=$(date +%s)
     debootstrap_second_stage "$new"
+    info "rootfs: debootstrap's second stage (emulated) ready in $(($(date +%s) - step_started)) s"
     drop_apt_caches "$new"
 
     started=$(date +%s)
@@ -382,6 +386,7 @@ with open("pyproject.toml", "rb") as f:
         >"$ROOTFS/build/systemd-python.txt"
     log=$(mktemp)
     TO_CLEAN="$TO_CLEAN $log"
+    step_started=$(date +%s)
     in_rootfs "$ROOTFS" >"$log" 2>&1 <<EOF || { tail -n 30 "$log" >&2; fatal "installing the build tools failed (log above)"; }
 cd /build
 apt-get update -q
@@ -412,6 +417,7 @@ cd /
 rm -rf /build
 EOF
     printf '%s\n' "$TOOLS_KEY" >"$ROOTFS/opt/llmgw-build/.key"
+    info "tools: built in $(($(date +%s) - step_started)) s"
 }
 
 # 5. the binaries: PyInstaller in the rootfs, on a clean copy of the sources

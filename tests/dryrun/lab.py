@@ -409,14 +409,40 @@ class Lab:
         self.server.api("POST", "/api/models", {"name": model, "engine": "sim", "replicas": 1})
 
     def wait_routable(self, model: str, node_id: str, timeout: float = 120) -> None:
+        """A routable replica of ``model`` on ``node_id``; a timeout says what the control plane
+        saw instead (the model's replicas, the node, the node's and the model's last events),
+        so that a slow machine's failure names the step that did not come."""
         assert self.server is not None
         server = self.server
-        wait_for(
-            lambda: any(r["node"] == node_id and r["routable"] for r in server.replicas(model)),
-            what=f"a routable replica of {model} on {node_id}",
-            timeout=timeout,
-            interval=0.5,
-        )
+        try:
+            wait_for(
+                lambda: any(r["node"] == node_id and r["routable"] for r in server.replicas(model)),
+                what=f"a routable replica of {model} on {node_id}",
+                timeout=timeout,
+                interval=0.5,
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.placement_report(model, node_id)}") from None
+
+    def placement_report(self, model: str, node_id: str) -> str:
+        """What the control plane says of ``model`` and ``node_id``: for a failure message."""
+        assert self.server is not None
+        lines = []
+        for what, path in (
+            ("replicas", f"/api/replicas?model={model}"),
+            ("nodes", "/api/nodes"),
+            (f"last events of {node_id}", f"/api/events?limit=12&subject={node_id}"),
+            (f"last events of {model}", f"/api/events?limit=12&subject={model}"),
+        ):
+            try:
+                found = self.server.api("GET", path)
+            except OSError as exc:  # the control plane itself may be what is wrong
+                lines.append(f"{what}: {path} failed: {exc}")
+                continue
+            if what == "nodes":
+                found = [n for n in found if n.get("id") == node_id]
+            lines.append(f"{what}: {json.dumps(found, default=str)}")
+        return "\n".join(lines)
 
     def complete(self, model: str, key: str) -> str:
         """One completion through the gateway, with the official openai client."""
