@@ -72,6 +72,24 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         built.stop()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def module_leaves_nothing_up(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A module that uses the lab leaves no node of its own running, nor a model it deployed
+    (Lab.end_module): the next modules start on a quiet lab."""
+    uses_lab = any(
+        "lab" in item.fixturenames
+        for item in request.session.items
+        if item.module is request.module
+    )
+    if not uses_lab:
+        yield
+        return
+    lab: Lab = request.getfixturevalue("lab")
+    mark = lab.module_mark()
+    yield
+    lab.end_module(mark)
+
+
 @pytest.fixture(scope="package")
 def bundle_next(lab: Lab) -> Path:
     """The N+1 build's bundle (the control plane runs its binary)."""

@@ -111,8 +111,11 @@ class Node:
     ip: str
 
     def sh(
-        self, script: str, *, check: bool = True, timeout: float = 600
+        self, script: str, *, check: bool = True, timeout: float = 270
     ) -> subprocess.CompletedProcess[str]:
+        """``script`` as root on the node; past ``timeout`` (below pytest's 300 s, so that the
+        failure is this one) it fails, saying what the script had printed and what systemd
+        was doing."""
         return self.container.sh(script, check=check, timeout=timeout)
 
     def out(self, script: str) -> str:
@@ -385,6 +388,33 @@ class Lab:
         node = Node(container, node_id, ip)
         self.nodes.append(node)
         return node
+
+    def module_mark(self) -> tuple[int, frozenset[str]]:
+        """Where a test module starts: the nodes booted and the models deployed so far (for
+        :meth:`end_module`)."""
+        models = (
+            frozenset(m["name"] for m in self.server.api("GET", "/api/models"))
+            if (self.server is not None)
+            else frozenset()
+        )
+        return len(self.nodes), models
+
+    def end_module(self, mark: tuple[int, frozenset[str]]) -> None:
+        """A test module is over: the models it deployed are undeployed and the nodes it booted
+        removed. Left up, every module's systemd containers (with their agents and engines)
+        ran to the end of the package: about fifteen of them, whose inotify instances (one
+        budget for every container's root) ran out, and whose load slowed every later step."""
+        booted, models = mark
+        if self.server is not None:
+            for model in self.server.api("GET", "/api/models"):
+                if model["name"] not in models:
+                    try:
+                        self.server.api("DELETE", f"/api/models/{model['name']}")
+                    except OSError:
+                        pass  # gone meanwhile, or the server is what failed: said elsewhere
+        for node in self.nodes[booted:]:
+            node.container.remove()
+        del self.nodes[booted:]
 
     def set_aside_others(self, node_id: str) -> list[str]:
         """Drain (without waiting) every other approved, connected node that still takes

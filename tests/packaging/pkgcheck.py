@@ -299,19 +299,42 @@ class Container:
     ) -> subprocess.CompletedProcess[str]:
         """Run ``script`` with sh -c inside; with ``check``, a failure shows its output."""
         env = "DEBIAN_FRONTEND=noninteractive"
-        result = subprocess.run(
-            ["docker", "exec", "-e", env, self.name, "sh", "-c", script],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
+        try:
+            result = subprocess.run(
+                ["docker", "exec", "-e", env, self.name, "sh", "-c", script],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(self._timed_out(script, timeout, exc)) from None
         if check:
             assert result.returncode == 0, (
                 f"in the container: {script}\nexited {result.returncode}\n"
                 f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
             )
         return result
+
+    def _timed_out(self, script: str, timeout: float, exc: subprocess.TimeoutExpired) -> str:
+        """What a command that ran past its timeout had said, and what systemd in the
+        container was doing then (its queued jobs, the journal's end): on a slow or shared
+        machine, the step that did not come."""
+
+        def text(value: str | bytes | None) -> str:
+            said = value.decode(errors="replace") if isinstance(value, bytes) else value or ""
+            return said[-3000:]
+
+        try:
+            jobs = self.sh("systemctl list-jobs --no-pager", check=False, timeout=30).stdout
+            journal = self.sh("journalctl --no-pager -n 40", check=False, timeout=30).stdout
+        except AssertionError as again:  # the container itself does not answer
+            jobs, journal = "", f"(no journal: {again})"
+        return (
+            f"in the container {self.name}: {script}\nstill running after {timeout:g} s\n"
+            f"stdout so far:\n{text(exc.stdout)}\nstderr so far:\n{text(exc.stderr)}\n"
+            f"systemd's jobs:\n{jobs}\nthe journal's end:\n{journal}"
+        )
 
     def out(self, script: str) -> str:
         return self.sh(script).stdout.strip()
