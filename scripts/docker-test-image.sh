@@ -52,14 +52,7 @@ ensure_rootfs() {
 
 # 4. the base image, imported from the rootfs
 ensure_base_image() {
-    BASE=llmgw-test-base:$(printf '%s' "$ROOTFS_KEY" | cut -c1-12)
-    if docker image inspect "$BASE" >/dev/null 2>&1; then
-        info "base image: $BASE exists"
-        return 0
-    fi
-    ensure_rootfs
-    info "base image: docker import $ROOTFS_TAR $BASE"
-    docker import "$ROOTFS_TAR" "$BASE" >/dev/null
+    import_base_image llmgw-test-base
 }
 
 # 5. wheels of llmgw and its dependencies for CPython 3.11 on x86-64 Linux

@@ -140,3 +140,16 @@ rootfs_tarball() {
     tar --numeric-owner -C "$work/rootfs" -cf "$work/rootfs.tar" .
     mv "$work/rootfs.tar" "$1"
 }
+
+# The base image $1:<the first 12 characters of $ROOTFS_KEY>, docker-imported once from the
+# tarball the caller's ensure_rootfs makes as $ROOTFS_TAR; sets BASE.
+import_base_image() {
+    BASE=$1:$(printf '%s' "$ROOTFS_KEY" | cut -c1-12)
+    if docker image inspect "$BASE" >/dev/null 2>&1; then
+        info "base image: $BASE exists"
+        return 0
+    fi
+    ensure_rootfs
+    info "base image: docker import $ROOTFS_TAR $BASE"
+    docker import "$ROOTFS_TAR" "$BASE" >/dev/null
+}
