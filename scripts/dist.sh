@@ -437,20 +437,15 @@ build_binaries() {
     # with an arm64 userland).
     in_rootfs "$ROOTFS" SOURCE_DATE_EPOCH="$SOURCE_DATE_EPOCH" PYTHONHASHSEED=0 >"$log" 2>&1 <<EOF || { tail -n 40 "$log" >&2; fatal "PyInstaller failed (log above)"; }
 cd /build/src
-for mode in onefile onedir; do
-    LLMGW_TOC_OUT=/build/out/toc-\$mode.json /opt/llmgw-build/bin/pyinstaller --noconfirm \\
-        --log-level WARN --distpath /build/out/\$mode --workpath /build/work/\$mode \\
-        packaging/llmgw.spec -- --mode \$mode
-done
-# Both variants bundle the very same files (one analysis each, of the same sources).
-/opt/llmgw-build/bin/python -c '
-import json, sys
-names = [sorted(e[0] for k in ("pure", "binaries", "datas") for e in json.load(open(p))[k])
-         for p in sys.argv[1:]]
-sys.exit(0 if names[0] == names[1] else "the one-file and one-folder analyses bundle different files")
-' /build/out/toc-onefile.json /build/out/toc-onedir.json
+# Both variants from one analysis (packaging/llmgw.spec --mode both): the same files in each.
+LLMGW_TOC_OUT=/build/out/toc.json /opt/llmgw-build/bin/pyinstaller --noconfirm \\
+    --log-level WARN --distpath /build/out/bin --workpath /build/work \\
+    packaging/llmgw.spec -- --mode both
+mkdir -p /build/out/onefile /build/out/onedir
+mv /build/out/bin/llmgw-onefile /build/out/onefile/llmgw
+mv /build/out/bin/llmgw /build/out/onedir/llmgw
 # Where every bundled file comes from (the copyright file, LICENSES and the SBOMs say it).
-/opt/llmgw-build/bin/python packaging/inventory.py --toc /build/out/toc-onefile.json \\
+/opt/llmgw-build/bin/python packaging/inventory.py --toc /build/out/toc.json \\
     --python-prefix /opt/python --source /build/src --work /build/work \\
     --patch packaging/pyinstaller-runtime-dir.patch --out /build/out/contents.json
 # The one-folder build's shared objects lose their symbol tables (Debian policy; what dh_strip
