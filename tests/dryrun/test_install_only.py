@@ -5,11 +5,16 @@ condition, until an identity exists. Then purge."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.packaging.pkgcheck import systemd_image_of
 
 from .lab import Lab
 
 NODE = "dry-bare"
+
+# Two installer runs, each bounded by Node.sh's 270 s with its own message (see test_bullseye).
+pytestmark = pytest.mark.timeout(600)
 
 
 def test_install_without_join_options_installs_but_starts_nothing(lab: Lab) -> None:
