@@ -34,7 +34,7 @@ from tests.integration.harness import (
     stop_process,
     wait_for,
 )
-from tests.integration.test_updates import ARCH, make_bundle
+from tests.tarballs import ARCH, make_bundle
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.contracts.update_order import REQUEST, machine_arch, verify_order
+from llmgw.contracts.update_order import REQUEST, verify_order
 from llmgw.updater.apply import read_counter
 from tests.integration.harness import (
     LLMGW,
@@ -31,33 +31,12 @@ from tests.integration.harness import (
     stop_process,
     wait_for,
 )
-from tests.tarballs import write_bundle
+from tests.tarballs import ARCH, make_bundle
 
 pytestmark = pytest.mark.integration
 
 NODE = "gpu-upd"
-ARCH = machine_arch() or "x64"
 WAIT = 60.0
-
-
-def make_bundle(directory: Path, version: str, marker: Path) -> Path:
-    """llmgw-agent-<version>-linux-<arch>.tar.gz with the layout of packaging/bundle.py; its
-    installer writes ``marker``."""
-    top = f"llmgw-agent-{version}-linux-{ARCH}"
-    files = {
-        "BUILD-INFO": (
-            f"name: llmgw-agent\nversion: {version}\narchitecture: linux-{ARCH}\n".encode(),
-            0o644,
-        ),
-        "install-agent.sh": (
-            f'#!/bin/sh\nset -eu\necho "$*" > {marker}\necho "upgraded" >&2\n'.encode(),
-            0o755,
-        ),
-        "llmgw": (f"#!/bin/sh\necho 'llmgw {version}'\n".encode(), 0o755),
-        "README.md": (b"test bundle\n", 0o644),
-    }
-    directory.mkdir(parents=True, exist_ok=True)
-    return write_bundle(directory / f"{top}.tar.gz", top, files)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Fixtures of the packaging tests: the stand-in packages and a systemd container to install
-them in (pkgcheck.py has the helpers), and the real builds under dist/ (distcheck.py)."""
+them in (pkgcheck.py has the helpers), the real builds under dist/ (distcheck.py), and the
+installer's sandbox host (installer_sandbox.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from tests.ci import require_tools, unavailable
 
 from .distcheck import Dist, current_dist, dist_for, root_rootfs
+from .installer_sandbox import Sandbox, make_sandbox
 from .pkgcheck import (
     CURRENT,
     PREVIOUS,
@@ -113,3 +115,9 @@ def noexec_dir(tmp_path: Path) -> Iterator[Path | None]:
         yield target
     finally:
         subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> Sandbox:
+    """install-agent.sh's sandbox host (installer_sandbox.py)."""
+    return make_sandbox(tmp_path)

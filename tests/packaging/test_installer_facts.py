@@ -14,30 +14,9 @@ import pytest
 
 from tests.ci import require_tools
 
-from .test_installer_runs import JOIN, Sandbox, sandbox
+from .installer_sandbox import CONFIG, DROPIN, JOIN, RECORD, Sandbox, config, managed, restarted
 
-__all__ = ["sandbox"]  # the fixture, imported to be used here
-
-CONFIG = Path("etc/llmgw/agent.yaml")
-RECORD = Path("var/lib/llmgw-agent-install/facts")
-DROPIN = Path("etc/systemd/system/llmgw-agent.service.d/10-install.conf")
 LINK = Path("usr/local/bin/llmgw")
-
-
-def config(sandbox: Sandbox) -> str:
-    return (sandbox.root / CONFIG).read_text()
-
-
-def managed(sandbox: Sandbox) -> list[str]:
-    """agent.yaml's lines from the installer's mark on."""
-    lines = config(sandbox).splitlines()
-    marks = [i for i, line in enumerate(lines) if line.startswith("# install-agent.sh: set from")]
-    assert len(marks) == 1, lines
-    return lines[marks[0] + 1 :]
-
-
-def restarted(sandbox: Sandbox) -> bool:
-    return "systemctl restart --no-block llmgw-agent.service" in sandbox.calls()
 
 
 def test_node_facts_go_into_agent_yaml_and_are_remembered(sandbox: Sandbox) -> None:

@@ -14,10 +14,17 @@ from pathlib import Path
 
 from tests.ci import require_tools, unavailable
 
-from .test_installer_facts import CONFIG, DROPIN, RECORD, config, managed, restarted
-from .test_installer_runs import INSTALLER, JOIN, Sandbox, sandbox
-
-__all__ = ["sandbox"]  # the fixture, imported to be used here
+from .installer_sandbox import (
+    CONFIG,
+    DROPIN,
+    INSTALLER,
+    JOIN,
+    RECORD,
+    Sandbox,
+    config,
+    managed,
+    restarted,
+)
 
 LLMGW = Path(sys.executable).parent / "llmgw"
 

@@ -36,9 +36,9 @@ from tests.integration.harness import (
     stop_process,
     wait_for,
 )
-from tests.integration.test_updates import make_bundle
+from tests.tarballs import make_bundle
 from tests.ui.browser import expect
-from tests.ui.test_console import (
+from tests.ui.console_rig import (
     ADMIN,
     FIXTURES,
     LIVE,

@@ -20,7 +20,7 @@ import pytest
 
 from tests.integration.harness import Agent, Server, start_server_with, stop_process, wait_for
 from tests.ui.browser import expect
-from tests.ui.test_console import (
+from tests.ui.console_rig import (
     LIVE,
     Account,
     add_accounts,

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -16,34 +14,13 @@ import pytest
 from llmgw import caexport, pki
 from llmgw.caexport import KDF, CAExport
 from llmgw.errors import CAExportError, ConfigError
+from tests.unit.caexport_rig import TOKEN, exported
 
 pytestmark = pytest.mark.usefixtures("open_umask")
 
 # The cheapest cost a file may ask for: these tests seal many times.
 FAST = KDF(n=2**14, r=8, p=1)
 PASS = "correct horse battery"
-TOKEN = "llmgw-admin-t0ken"
-
-
-def mode(path: Path) -> int:
-    return stat.S_IMODE(os.stat(path).st_mode)
-
-
-def snapshot(directory: Path) -> dict[str, tuple[bytes, int, int]]:
-    return {
-        str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns, mode(p))
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
-def exported(tmp: Path, *, rotate: bool = False, cluster: str = "c-1") -> tuple[Path, CAExport]:
-    d = tmp / "source" / "pki"
-    pki.ensure_server_identity(d, hosts=["cp-1.example"])
-    if rotate:
-        pki.rotate_ca(d, overlap=3600)
-    ca = pki.load_ca(d)
-    return d, caexport.collect(d, ca, cluster_id=cluster, admin_token=TOKEN)
 
 
 def sealed(tmp: Path, **kw: Any) -> tuple[CAExport, bytes]:

@@ -13,7 +13,7 @@ from llmgw import caimport, pki
 from llmgw.caexport import CAExport
 from llmgw.caimport import Installed
 from llmgw.errors import CAExportError
-from tests.unit.test_caexport import TOKEN, exported, mode, snapshot
+from tests.unit.caexport_rig import TOKEN, exported, mode, snapshot
 
 pytestmark = pytest.mark.usefixtures("open_umask")
 

@@ -405,3 +405,39 @@ def test_a_cycle_is_caught_with_its_path(tmp_path: Path) -> None:
         "import cycle: pkg.server.admin -> pkg.server.app -> pkg.server.admin (one of the cycles "
         "among these 4: pkg.server.admin, pkg.server.app, pkg.server.gateway, pkg.server.nodes)",
     ]
+
+
+# --- the tests' own imports: no test module imports from another test module. What several
+# test modules share lives in a helper module (``*_rig.py``, ``fakes.py``, ``clock.py``, …) or,
+# for a fixture, in a ``conftest.py``: a test module is read alone, and moving or deleting one
+# breaks nothing else.
+
+
+def _test_module(name: str) -> bool:
+    return name.rsplit(".", 1)[-1].startswith("test_")
+
+
+def cross_imports(root: Path) -> list[Edge]:
+    """Imports of a test module by another module of ``tests/`` (conftest.py included)."""
+    return [e for e in import_edges(root, "tests") if _test_module(e.imported)]
+
+
+def test_no_test_module_imports_another() -> None:
+    found = cross_imports(ROOT)
+    assert found == [], "move what is shared into a helper module:\n" + "\n".join(map(str, found))
+
+
+def test_a_planted_import_of_a_test_module_is_caught(tmp_path: Path) -> None:
+    write_tree(
+        tmp_path,
+        {
+            "tests/__init__.py": "",
+            "tests/unit/__init__.py": "",
+            "tests/unit/rig.py": "def helper() -> None: ...\n",
+            "tests/unit/test_a.py": "from tests.unit.rig import helper\nTABLE = 1\n",
+            "tests/unit/test_b.py": "def f() -> None:\n    from .test_a import TABLE\n",
+        },
+    )
+    assert [(e.importer, e.imported, e.line) for e in cross_imports(tmp_path)] == [
+        ("tests.unit.test_b", "tests.unit.test_a", 2)
+    ]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
 import shutil
 import tempfile
@@ -29,7 +28,7 @@ from llmgw.agent.kvevents import KvEventsHub, engine_config
 from llmgw.agent.kvmap import SNAPSHOT_CHUNK, BlockMap, Pending
 from llmgw.agent.kvsockets import kv_endpoint, kv_socket_dir
 from llmgw.agent.records import parse_record, record_json
-from llmgw.agent.runtimes import Handle, Launch, Runtime
+from llmgw.agent.runtimes import Launch
 from llmgw.agent.runtimes.base import ShardRecord
 from llmgw.agent.runtimes.containers import launch_for
 from llmgw.agent.shards import ShardManager, ShardSpec, ShardState
@@ -43,30 +42,25 @@ from llmgw.engines.kvevents import (
     EventBatch,
     decode_batch,
     encode_batch,
-    publisher_binds,
 )
 from llmgw.errors import KvEventError
 from llmgw.proto import control_pb2 as pb
+from tests.unit.agent.kvevents_rig import (
+    TOKENS,
+    WAIT_S,
+    H,
+    IdleRuntime,
+    Publisher,
+    Sender,
+    array_batch,
+    kv_order,
+    stored_array,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
-WAIT_S = 10.0
-TOKENS = list(range(100, 148))  # three blocks of 16
-H = [bytes([i]) * 32 for i in range(1, 8)]  # vLLM's SHA-256 block hashes
-
 
 # --------------------------------------------------------------------------- vLLM's batches
-
-
-def array_batch(*events: list[Any], ts: float = 1.5) -> bytes:
-    """``KVEventBatch`` as vLLM up to 0.11 encodes it (``array_like``, tagged by name)."""
-    return msgpack.packb([ts, list(events), None], use_bin_type=True)
-
-
-def stored_array(
-    hashes: list[Any], parent: Any, tokens: list[int], medium: Any = "GPU"
-) -> list[Any]:
-    return ["BlockStored", hashes, parent, tokens, 16, None, medium, None]
 
 
 def removed_array(hashes: list[Any], medium: Any = "GPU") -> list[Any]:
@@ -328,53 +322,6 @@ def test_packed_keys_are_a_twelfth_of_the_engines_and_zlib_adds_nothing() -> Non
 # --------------------------------------------------------------------------- a real publisher
 
 
-class Sender:
-    """The stream client's send: what went out, and whether a stream is up."""
-
-    def __init__(self) -> None:
-        self.sent: list[pb.KvEvents] = []
-        self.up = True
-        self._changed = asyncio.Event()
-
-    def __call__(self, msg: pb.AgentMessage) -> bool:
-        assert msg.WhichOneof("msg") == "kv_events"
-        if not self.up:
-            return False
-        self.sent.append(msg.kv_events)
-        self._changed.set()
-        return True
-
-    async def wait(self, count: int) -> list[pb.KvEvents]:
-        async def until() -> None:
-            while len(self.sent) < count:
-                self._changed.clear()
-                await self._changed.wait()
-
-        await asyncio.wait_for(until(), WAIT_S)
-        return self.sent
-
-
-class Publisher:
-    """An engine's publisher, binding or dialling ``endpoint`` by vLLM's rule (an XPUB, so
-    that the test knows when the agent's subscription has arrived: ZeroMQ drops what is
-    published before)."""
-
-    def __init__(self, context: zmq.asyncio.Context, endpoint: str, topic: str = "r1-s0") -> None:
-        self.socket = context.socket(zmq.XPUB)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        if publisher_binds(endpoint):
-            self.socket.bind(endpoint)
-        else:
-            self.socket.connect(endpoint)
-        self.topic = topic.encode()
-
-    async def subscribed(self) -> None:
-        assert await asyncio.wait_for(self.socket.recv(), WAIT_S) == b"\x01"
-
-    async def publish(self, seq: int, payload: bytes, topic: bytes | None = None) -> None:
-        await self.socket.send_multipart([topic or self.topic, seq.to_bytes(8, "big"), payload])
-
-
 async def handled(feed: Any, count: int) -> None:
     """Wait until ``feed`` has handled ``count`` messages (each in its worker, then settled
     back on the loop)."""
@@ -561,47 +508,6 @@ def test_a_worker_publishes_nothing() -> None:
 # --------------------------------------------------------------------------- the shards
 
 
-class IdleRuntime(Runtime):
-    """An engine that runs until stopped and serves nothing (the shard stays starting);
-    what it was launched with is kept."""
-
-    name = "process"
-
-    def __init__(self) -> None:
-        self.launches: list[Launch] = []
-        self._ended: dict[str, asyncio.Event] = {}
-
-    async def start(self, launch: Launch) -> Handle:
-        self.launches.append(launch)
-        self._ended[launch.shard_id] = asyncio.Event()
-        return Handle(launch.shard_id, os.getpid(), launch.port)
-
-    async def wait(self, handle: Handle) -> int | None:
-        await self._ended.setdefault(handle.shard_id, asyncio.Event()).wait()
-        return 0
-
-    async def stop(self, handle: Handle, grace: float) -> None:
-        self._ended.setdefault(handle.shard_id, asyncio.Event()).set()
-
-    def alive(self, handle: Handle) -> bool:
-        return not self._ended.setdefault(handle.shard_id, asyncio.Event()).is_set()
-
-    async def adopt(self, record: ShardRecord) -> Handle | None:
-        return Handle(record.shard_id, record.pid, record.port)
-
-
-def _order(**changes: Any) -> ShardSpec:
-    values: dict[str, Any] = {
-        "shard_id": "r1-s0",
-        "replica_id": "r1",
-        "model": "m",
-        "engine": "sim",
-        "kv_events": True,
-        **changes,
-    }
-    return ShardSpec(**values)
-
-
 def test_a_kv_events_order_reaches_the_spec() -> None:
     order = pb.StartShard(shard_id="r1-s0", replica_id="r1", model="m", engine="sim")
     assert not ShardSpec.from_order(order).kv_events
@@ -619,8 +525,8 @@ def test_a_kv_events_shard_tells_its_engine_where_to_publish_and_records_the_end
         manager = ShardManager(tmp_path, runtime, lambda shard: None, kv_events=hub)
         await manager.open()
         try:
-            shard = await manager.start(_order())
-            plain = await manager.start(_order(shard_id="r2-s0", kv_events=False))
+            shard = await manager.start(kv_order())
+            plain = await manager.start(kv_order(shard_id="r2-s0", kv_events=False))
             endpoint = shard.kv_events_endpoint
             assert endpoint == kv_endpoint(tmp_path, "r1-s0") and plain.kv_events_endpoint == ""
             argv = list(runtime.launches[0].argv)
@@ -646,8 +552,8 @@ def test_an_adopting_agent_subscribes_to_the_recorded_endpoint(tmp_path: Path) -
         first = KvEventsHub(Sender(), state_dir=tmp_path)
         manager = ShardManager(tmp_path, IdleRuntime(), lambda shard: None, kv_events=first)
         await manager.open()
-        await manager.start(_order(shard_id="r9-s0"))  # its engine ends while no agent runs
-        endpoint = (await manager.start(_order())).kv_events_endpoint
+        await manager.start(kv_order(shard_id="r9-s0"))  # its engine ends while no agent runs
+        endpoint = (await manager.start(kv_order())).kv_events_endpoint
         await manager.close()  # the agent goes; the engines run on
         await first.aclose()
         records = json.loads((tmp_path / "shards.json").read_text())
@@ -678,7 +584,7 @@ def test_a_failing_launch_closes_the_shards_socket(tmp_path: Path) -> None:
         hub = KvEventsHub(Sender(), state_dir=tmp_path)
         manager = ShardManager(tmp_path, IdleRuntime(), lambda shard: None, kv_events=hub)
         with pytest.raises(Exception, match="publishes no KV cache events"):
-            await manager.start(_order(engine="llamacpp", source="/m.gguf"))
+            await manager.start(kv_order(engine="llamacpp", source="/m.gguf"))
         assert hub.feeds == {}
         assert not kv_socket_dir(tmp_path, "r1-s0").exists()
         await hub.aclose()
@@ -715,9 +621,9 @@ def test_containers_carry_no_kv_events_config() -> None:
         )
 
     # The hub hands a docker shard no endpoint; in the host's network or not, no flag.
-    multi = launch(_order(nodes=2, dist_init_addr="10.0.0.1:29500"))
+    multi = launch(kv_order(nodes=2, dist_init_addr="10.0.0.1:29500"))
     assert multi.host_network and "--kv-events-config" not in multi.argv
-    assert "--kv-events-config" not in launch(_order()).argv
+    assert "--kv-events-config" not in launch(kv_order()).argv
 
 
 def test_the_module_docstrings_state_the_measured_figure_and_docker() -> None:

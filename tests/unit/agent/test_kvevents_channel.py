@@ -39,15 +39,15 @@ from llmgw.errors import ShardError
 from llmgw.sim.config import kv_events_settings
 from llmgw.sim.publisher import EventPublisher
 from tests.ci import unavailable
-from tests.unit.agent.test_kvevents import (
+from tests.unit.agent.kvevents_rig import (
     TOKENS,
     WAIT_S,
     H,
     IdleRuntime,
     Publisher,
     Sender,
-    _order,
     array_batch,
+    kv_order,
     stored_array,
 )
 
@@ -182,7 +182,7 @@ def test_a_shard_whose_socket_directory_cannot_be_made_is_not_started(tmp_path: 
         await manager.open()
         try:
             with pytest.raises(ShardError, match="is not a directory"):
-                await manager.start(_order())
+                await manager.start(kv_order())
             assert runtime.launches == [] and hub.feeds == {}
         finally:
             await manager.close()
@@ -408,7 +408,7 @@ def test_an_adopting_agent_dials_the_same_endpoint_and_the_sims_publisher_reache
         engine_runtime = IdleRuntime()
         first, first_hub, _ = agent(short_dir, engine_runtime)
         await first.open()
-        await first.start(_order())
+        await first.start(kv_order())
         argv = list(engine_runtime.launches[0].argv)
         # The engine, as the sim runs it from its flag: it binds the agent's endpoint.
         settings = kv_events_settings(argv[argv.index("--kv-events-config") + 1])
@@ -449,7 +449,7 @@ def restart_after(
     async def main() -> tuple[Shard, IdleRuntime, list[Shard]]:
         first, first_hub, _ = agent(state, IdleRuntime())
         await first.open()
-        await first.start(_order())
+        await first.start(kv_order())
         await first.close()
         await first_hub.aclose()
         records = json.loads((state / "shards.json").read_text())

@@ -1,5 +1,5 @@
 """Fixtures shared by the server's unit tests: a store on a fresh database, and the scheduler's
-rig on one (``cp``)."""
+rig on one (``cp``), a tokenizer.json (``tokenizer_json``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
 from tests.unit.server.scheduler_rig import SchedulerRig
+from tests.unit.server.tokenizer_rig import word_level_tokenizer
 
 
 @pytest.fixture
@@ -32,3 +33,9 @@ def cp(tmp_path: Path) -> Iterator[SchedulerRig]:
     store = Store.open(tmp_path / "state.db")
     yield SchedulerRig(store)
     store.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json() -> bytes:
+    """The JSON of tokenizer_rig's word-level tokenizer, as a tokenizer.json file holds it."""
+    return word_level_tokenizer().to_str().encode()

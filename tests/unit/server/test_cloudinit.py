@@ -26,7 +26,7 @@ from llmgw.server.store import Store
 from tests.ci import require_tools
 from tests.oneliner import make_bundle, run_one_liner
 from tests.unit.clock import Clock
-from tests.unit.server.admin.test_access import ADMIN, NODE, call, context, joined, one
+from tests.unit.server.admin.access_rig import ADMIN, NODE, call, context, joined, one
 
 NOW = 1_700_000_000.0  # test_access's store clock
 

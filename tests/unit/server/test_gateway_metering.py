@@ -35,8 +35,7 @@ from llmgw.server.usage import UsageBook
 from llmgw.sim.config import SimConfig
 from llmgw.sim.server import build_app
 from tests.unit.gateway_rig import gateway_of, serving_of
-from tests.unit.server.test_gateway_policy import api_key
-from tests.unit.server.test_usage import FakeStore
+from tests.unit.server.fakes import FakeStore, api_key
 from tests.unit.serving import serving
 
 pytestmark = pytest.mark.timeout(60)

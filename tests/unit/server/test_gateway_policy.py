@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -33,7 +32,7 @@ from llmgw.server.serving import ServedModel
 from llmgw.server.store.rows import ApiKey
 from llmgw.server.usage import UsageBook
 from tests.unit.gateway_rig import gateway_of, serving_of
-from tests.unit.server.test_usage import FakeStore
+from tests.unit.server.fakes import FakeStore, api_key
 from tests.unit.serving import serving
 
 pytestmark = pytest.mark.timeout(60)
@@ -89,13 +88,6 @@ def engine_app(engine: Engine) -> web.Application:
     app = web.Application()
     app.router.add_post("/s/{shard}/{tail:.*}", handle)
     return app
-
-
-def api_key(name: str, policy: KeyPolicy) -> tuple[ApiKey, str]:
-    secret = f"sk-{name}"
-    return ApiKey(
-        name, name, secret, hashlib.sha256(secret.encode()).hexdigest(), 0.0, None, policy=policy
-    ), secret
 
 
 @dataclass

@@ -27,7 +27,7 @@ from llmgw.server.serving import ServedModel
 from llmgw.server.store.rows import ApiKey
 from llmgw.server.tokenizing import HfTokenizer, Tokenizers
 from tests.unit.gateway_rig import gateway_of, serving_of
-from tests.unit.server.test_tokenizing import CHATML, _tokenizer
+from tests.unit.server.tokenizer_rig import CHATML, word_level_tokenizer
 from tests.unit.serving import serving
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,7 +44,7 @@ ESCAPES = {
 
 
 def _hf(template: str) -> HfTokenizer:
-    return HfTokenizer.from_files(_tokenizer().to_str().encode(), template.encode())
+    return HfTokenizer.from_files(word_level_tokenizer().to_str().encode(), template.encode())
 
 
 @pytest.mark.parametrize("name", sorted(ESCAPES))

@@ -18,17 +18,10 @@ from llmgw.server.history import (
     ttft_bin,
     ttft_quantile,
 )
+from tests.unit.clock import Clock
 
 BOUND = TTFT_ERROR + 1e-9
 T0 = 1_800_000_000.0  # a multiple of 10 s: bucket edges fall on whole tens
-
-
-class Clock:
-    def __init__(self, at: float = T0) -> None:
-        self.at = at
-
-    def __call__(self) -> float:
-        return self.at
 
 
 def test_a_request_lands_in_its_bucket_and_the_hour_has_every_step() -> None:
@@ -49,27 +42,27 @@ def test_a_request_lands_in_its_bucket_and_the_hour_has_every_step() -> None:
 
 
 def test_buckets_rotate_and_an_hour_old_bucket_reads_empty() -> None:
-    clock = Clock()
+    clock = Clock(T0)
     history = RequestHistory(clock=clock)
     history.record("m")
-    clock.at = T0 + 25  # two buckets later
+    clock.t = T0 + 25  # two buckets later
     history.record("m")
     history.record("m")
     points = history.series("m", now=T0 + 29)
     assert [p.requests for p in points[-3:]] == [1, 0, 2]
     assert points[-3].rps == pytest.approx(1 / BUCKET_S)
     # An hour on, the first bucket's slot is that of the new bucket: its old count is gone.
-    clock.at = T0 + BUCKETS * BUCKET_S
+    clock.t = T0 + BUCKETS * BUCKET_S
     history.record("m", ttft=1.0)
     points = history.series("m")
     assert points[-1].requests == 1 and points[-1].ttft_p99 is not None
     assert sum(p.requests for p in points) == 3  # the two at T0+25 still inside the hour
-    clock.at += 30
+    clock.t += 30
     assert sum(p.requests for p in history.series("m")) == 1
 
 
 def test_a_reader_never_sees_a_slot_of_an_older_hour() -> None:
-    clock = Clock()
+    clock = Clock(T0)
     history = RequestHistory(clock=clock)
     history.record("m")
     # Nothing written for 1.5 hours: the slot the reader maps to holds T0's bucket.
@@ -78,10 +71,10 @@ def test_a_reader_never_sees_a_slot_of_an_older_hour() -> None:
 
 
 def test_steps_add_up_buckets() -> None:
-    clock = Clock()
+    clock = Clock(T0)
     history = RequestHistory(clock=clock)
     for i in range(6):
-        clock.at = T0 + i * BUCKET_S
+        clock.t = T0 + i * BUCKET_S
         for _ in range(i + 1):
             history.record("m", ttft=0.1)
     points = history.series("m", now=T0 + 59.9, step=60)
@@ -95,7 +88,7 @@ def test_steps_add_up_buckets() -> None:
 
 
 def test_an_unknown_model_reads_as_an_hour_of_zeros() -> None:
-    points = RequestHistory(clock=Clock()).series("never")
+    points = RequestHistory(clock=Clock(T0)).series("never")
     assert len(points) == BUCKETS and not any(p.requests for p in points)
 
 
@@ -128,32 +121,32 @@ def test_quantile_bins_at_the_edges() -> None:
 
 
 def test_memory_per_model_is_fixed() -> None:
-    history = RequestHistory(clock=Clock())
+    history = RequestHistory(clock=Clock(T0))
     history.record("m")
     series = history._series["m"]
     before = series.nbytes()
     assert before == BUCKETS * (TTFT_BINS + 2) * 4 + BUCKETS * 8 == 80_640
     for i in range(5000):
-        history.clock.at = T0 + i  # type: ignore[attr-defined]
+        history.clock.t = T0 + i  # type: ignore[attr-defined]
         history.record("m", ttft=i / 1000, error=i % 3 == 0)
     assert series.nbytes() == before
     assert _Series().nbytes() == before
 
 
 def test_series_are_capped_and_a_silent_model_is_dropped_after_its_hour() -> None:
-    clock = Clock()
+    clock = Clock(T0)
     history = RequestHistory(max_series=2, clock=clock)
     history.record("a")
     history.record("b")
     history.record("c")  # past the cap while a and b are live: not kept
     assert history.models() == ["a", "b"] and history.dropped == 1
-    clock.at = T0 + BUCKETS * BUCKET_S - 1
+    clock.t = T0 + BUCKETS * BUCKET_S - 1
     history.record("b")
     history.record("c")  # a's hour is not over yet
     assert history.models() == ["a", "b"] and history.dropped == 2
-    clock.at = T0 + BUCKETS * BUCKET_S
+    clock.t = T0 + BUCKETS * BUCKET_S
     history.record("c")  # a has been silent an hour: dropped for c
     assert history.models() == ["b", "c"]
     # Read alone, the list drops the silent too.
-    clock.at += 2 * BUCKETS * BUCKET_S
+    clock.t += 2 * BUCKETS * BUCKET_S
     assert history.models() == []

@@ -11,16 +11,9 @@ import pytest
 from llmgw.contracts.keypolicy import Budget, KeyPolicy
 from llmgw.server.limits import Grant, Limits, Refusal, format_reset
 from llmgw.server.store.rows import ApiKey
+from tests.unit.clock import Clock
 
 DAY = calendar.timegm((2026, 12, 2, 0, 0, 0))
-
-
-class Clock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def key(policy: KeyPolicy, name: str = "alice", key_id: str = "k1") -> ApiKey:
@@ -65,7 +58,7 @@ def test_rpm_refuses_the_request_that_crosses_it_and_refills() -> None:
     lim = limits(clock)
     k = key(KeyPolicy(rpm=3))
     for _ in range(3):
-        granted(lim.admit(k, 1)).settle(1, clock.now)
+        granted(lim.admit(k, 1)).settle(1, clock.t)
     r = refused(lim.admit(k, 1))
     assert (r.status, r.type, r.code) == (429, "requests", "rate_limit_exceeded")
     assert r.headers["x-ratelimit-limit-requests"] == "3"
@@ -73,9 +66,9 @@ def test_rpm_refuses_the_request_that_crosses_it_and_refills() -> None:
     assert r.headers["x-ratelimit-reset-requests"] == "1m0s"
     assert r.headers["Retry-After"] == "20"  # one request every 20 s at 3 RPM
     assert "'alice'" in r.message and "--rpm" in r.message
-    clock.now += 19.9
+    clock.t += 19.9
     refused(lim.admit(k, 1))
-    clock.now += 0.2
+    clock.t += 0.2
     granted(lim.admit(k, 1))
     refused(lim.admit(k, 1))
 
@@ -90,14 +83,14 @@ def test_tpm_debits_the_estimate_and_settles_on_the_real_tokens() -> None:
     assert (r.type, r.code) == ("tokens", "rate_limit_exceeded")
     assert r.headers["x-ratelimit-remaining-tokens"] == "20"
     assert r.headers["Retry-After"] == "6"  # 10 tokens at 100/min
-    g.settle(10, clock.now)  # it cost 10, not 80: 70 back
+    g.settle(10, clock.t)  # it cost 10, not 80: 70 back
     assert lim.states["k1"].headers()["x-ratelimit-remaining-tokens"] == "90"
-    granted(lim.admit(k, 30)).settle(200, clock.now)  # cost far more: the bucket owes
+    granted(lim.admit(k, 30)).settle(200, clock.t)  # cost far more: the bucket owes
     state = lim.states["k1"]
     assert state.tokens is not None and state.tokens.level == pytest.approx(-110)
     assert state.headers()["x-ratelimit-remaining-tokens"] == "0"
     refused(lim.admit(k, 1))
-    clock.now += 67  # 111.67 tokens refilled
+    clock.t += 67  # 111.67 tokens refilled
     granted(lim.admit(k, 1))
 
 
@@ -105,9 +98,9 @@ def test_an_estimate_over_the_whole_bucket_waits_for_a_full_one() -> None:
     clock = Clock()
     lim = limits(clock)
     k = key(KeyPolicy(tpm=100))
-    granted(lim.admit(k, 500)).settle(None, clock.now)  # full bucket: admitted, owes 400
+    granted(lim.admit(k, 500)).settle(None, clock.t)  # full bucket: admitted, owes 400
     refused(lim.admit(k, 500))
-    clock.now += 300  # refilled to 100 (capped)
+    clock.t += 300  # refilled to 100 (capped)
     granted(lim.admit(k, 500))
 
 
@@ -119,10 +112,10 @@ def test_max_concurrent_counts_until_settled() -> None:
     r = refused(lim.admit(k, 1))
     assert (r.status, r.code) == (429, "concurrency_limit_exceeded")
     assert r.headers["Retry-After"] == "1"
-    a.settle(1, clock.now)
+    a.settle(1, clock.t)
     c = granted(lim.admit(k, 1))
-    b.settle(1, clock.now)
-    c.settle(None, clock.now)
+    b.settle(1, clock.t)
+    c.settle(None, clock.t)
     assert lim.states["k1"].inflight == 0
 
 
@@ -149,7 +142,7 @@ def test_budget_from_the_store_then_local_then_confirmed() -> None:
     k = key(KeyPolicy(budget=Budget(1000, "day")))
     g = granted(lim.admit(k, 10))
     assert read == [("k1", "2026-12-02")]
-    g.settle(150, clock.now)  # 900 + 150 >= 1000
+    g.settle(150, clock.t)  # 900 + 150 >= 1000
     r = refused(lim.admit(k, 10))
     assert (r.status, r.type, r.code) == (429, "insufficient_quota", "insufficient_quota")
     assert "1k/day" in r.message and "2026-12-02" in r.message
@@ -168,7 +161,7 @@ def test_budget_resets_when_its_period_ends() -> None:
     lim = limits(clock, wall, budget_spent=lambda _k, since: totals[since])
     k = key(KeyPolicy(budget=Budget(1000, "day")))
     refused(lim.admit(k, 1))
-    wall.now += 2  # 00:00:01 UTC the next day
+    wall.t += 2  # 00:00:01 UTC the next day
     granted(lim.admit(k, 1))
 
 
@@ -181,7 +174,7 @@ def test_monthly_budget_counts_from_the_first_of_the_month() -> None:
     r = refused(lim.admit(k, 1))
     assert seen == ["2026-12-01"]
     assert r.headers["Retry-After"] == "3600"  # until 2027-01-01 00:00 UTC
-    wall.now += 3600
+    wall.t += 3600
     granted(lim.admit(k, 1))
     assert seen[-1] == "2027-01-01"
 
@@ -201,7 +194,7 @@ def test_a_policy_update_resizes_the_buckets_keeping_what_was_used() -> None:
     r = refused(lim.admit(k3, 1))  # the level is kept (none left), the capacity raised
     assert r.headers["x-ratelimit-limit-requests"] == "120"
     assert r.headers["Retry-After"] == "1"  # two a second now
-    clock.now += 0.5
+    clock.t += 0.5
     granted(lim.admit(k3, 1))
 
 
@@ -214,9 +207,9 @@ def test_each_instance_enforces_its_share() -> None:
     r = refused(lim.admit(k, 1))
     assert r.code == "concurrency_limit_exceeded" and "2 on this gateway instance" in r.message
     for g in grants:
-        g.settle(1, clock.now)
-    granted(lim.admit(k, 1)).settle(1, clock.now)  # rpm 10/3 -> 4 per instance
-    granted(lim.admit(k, 1)).settle(1, clock.now)
+        g.settle(1, clock.t)
+    granted(lim.admit(k, 1)).settle(1, clock.t)  # rpm 10/3 -> 4 per instance
+    granted(lim.admit(k, 1)).settle(1, clock.t)
     r = refused(lim.admit(k, 1))
     assert r.headers["x-ratelimit-limit-requests"] == "4"
     instances[0] = 1
@@ -262,11 +255,11 @@ def test_requests_in_flight_hold_their_estimates_against_the_budget() -> None:
     assert (r.status, r.code) == (429, "insufficient_quota")
     assert "has 2 requests in flight estimated at 1100 tokens" in r.message
     assert r.headers["Retry-After"] == "1"  # not the next period: they may cost less
-    big.settle(100, clock.now)  # it cost 100: 500 held + 100 spent
-    granted(lim.admit(k, 1)).settle(1, clock.now)
-    other.settle(None, clock.now)  # no usage known: its estimate stands, and is spent
+    big.settle(100, clock.t)  # it cost 100: 500 held + 100 spent
+    granted(lim.admit(k, 1)).settle(1, clock.t)
+    other.settle(None, clock.t)  # no usage known: its estimate stands, and is spent
     state = lim.states["k1"]
     assert (state.reserved, state.unconfirmed, state.inflight) == (0, 601, 0)
-    granted(lim.admit(k, 1)).settle(399, clock.now)  # 1,000 spent
+    granted(lim.admit(k, 1)).settle(399, clock.t)  # 1,000 spent
     r = refused(lim.admit(k, 1))
     assert "has spent its budget" in r.message

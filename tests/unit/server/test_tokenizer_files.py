@@ -26,9 +26,6 @@ from llmgw.server.app import ControlPlane
 from llmgw.server.config import load_server_config
 from llmgw.server.serving import ServedModel
 from llmgw.server.tokenizing import HfTokenizer, Tokenizers
-from tests.unit.server.test_tokenizing import tokenizer_json
-
-__all__ = ["tokenizer_json"]  # the fixture, shared
 
 SECRET = b"llmgw-admin-the-secret\n"
 

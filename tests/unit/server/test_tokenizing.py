@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, pre_tokenizers, processors
-from tokenizers.models import WordLevel
-from tokenizers.trainers import WordLevelTrainer
+from tokenizers import Tokenizer
 
 from llmgw.contracts.catalog import FileRef
 from llmgw.contracts.endpoints import served_paths
@@ -34,54 +32,18 @@ from llmgw.server.tokenizing import (
 )
 from llmgw.sim.generate import tokenize
 from llmgw.sim.protocol import chat_prompt
+from tests.unit.clock import Clock
+from tests.unit.server.tokenizer_rig import CHATML
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
-
-SPECIALS = ["[UNK]", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-SENTENCES = [
-    "hello world",
-    "the quick brown fox jumps over the lazy dog",
-    "you are a helpful assistant",
-    "user system assistant",
-    "tell me a joke about the world",
-]
-# ChatML with a leading bos_token, written over several lines as HF templates are: only
-# trim_blocks and lstrip_blocks make it render without the blocks' newlines and indents.
-CHATML = """{{ bos_token }}{% for message in messages %}
-  {% if message['role'] == 'tool' %}
-    {{ raise_exception('tool messages are not supported') }}
-  {% endif %}
-<|im_start|>{{ message['role'] }}
-{{ message['content'] }}<|im_end|>
-{% endfor %}
-{% if add_generation_prompt %}
-<|im_start|>assistant
-{% endif %}
-"""
 
 
 def _chatml_by_hand(messages: list[dict[str, str]], bos: str = "<s>") -> str:
     """What CHATML renders ``messages`` to, built without Jinja."""
     turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return f"{bos}{turns}<|im_start|>assistant\n"
-
-
-def _tokenizer() -> Tokenizer:
-    tok = Tokenizer(WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(SENTENCES, WordLevelTrainer(special_tokens=SPECIALS))
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>",
-        special_tokens=[("<s>", tok.token_to_id("<s>")), ("</s>", tok.token_to_id("</s>"))],
-    )
-    return tok
-
-
-@pytest.fixture(scope="module")
-def tokenizer_json() -> bytes:
-    return _tokenizer().to_str().encode()
 
 
 def _id(tok: Tokenizer, token: str) -> int:
@@ -286,14 +248,6 @@ def test_files_that_are_not_a_tokenizer_or_a_template_are_refused(tokenizer_json
 # --- Tokenizers ------------------------------------------------------------------------------
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _served(
     name: str,
     tokenizer: FileRef | None,
@@ -379,7 +333,7 @@ def test_a_path_with_its_sha256_loads_and_a_wrong_one_is_refused(
     template = tmp_path / "chat_template.jinja"
     template.write_bytes(CHATML.encode())
     wrong = "0" * 64
-    tokenizers = Tokenizers(tmp_path / "state" / "tokenizers", clock=_Clock())
+    tokenizers = Tokenizers(tmp_path / "state" / "tokenizers", clock=Clock())
     tokenizers.set_models(
         [
             _served("good", FileRef(str(path), _sha(tokenizer_json)), FileRef(str(template))),
@@ -406,7 +360,7 @@ def test_a_missing_path_is_reported_and_retried_with_backoff(
     tmp_path: Path, tokenizer_json: bytes
 ) -> None:
     path = tmp_path / "tokenizer.json"
-    clock = _Clock()
+    clock = Clock()
     tokenizers = Tokenizers(None, clock=clock, retry_initial=5.0, retry_max=8.0)
     tokenizers.set_models([_served("m", FileRef(str(path)))])
     asyncio.run(tokenizers.load_due())
@@ -415,10 +369,10 @@ def test_a_missing_path_is_reported_and_retried_with_backoff(
         "file there, readable by the control plane's user, or fix the profile's tokenizer.path"
     )
     path.write_bytes(tokenizer_json)
-    clock.now += 4.9  # not due yet
+    clock.t += 4.9  # not due yet
     asyncio.run(tokenizers.load_due())
     assert tokenizers.for_model("m") is None
-    clock.now += 0.2
+    clock.t += 0.2
     asyncio.run(tokenizers.load_due())
     assert isinstance(tokenizers.for_model("m"), HfTokenizer)
     assert tokenizers.problem("m") is None
@@ -485,7 +439,7 @@ def test_an_unreachable_url_is_reported_and_retried(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/tokenizer.json"
-    clock = _Clock()
+    clock = Clock()
     tokenizers = Tokenizers(
         tmp_path / "tokenizers",
         clock=clock,
@@ -498,10 +452,10 @@ def test_an_unreachable_url_is_reported_and_retried(tmp_path: Path) -> None:
     assert tokenizers.fetches == 1
     asyncio.run(tokenizers.load_due())  # not due: no new attempt
     assert tokenizers.fetches == 1
-    clock.now += 5.0
+    clock.t += 5.0
     asyncio.run(tokenizers.load_due())
     assert tokenizers.fetches == 2
-    clock.now += 5.0  # the backoff doubled: 10 s now
+    clock.t += 5.0  # the backoff doubled: 10 s now
     asyncio.run(tokenizers.load_due())
     assert tokenizers.fetches == 2
 

@@ -4,7 +4,6 @@ store refuses, and the budgets' totals read back at each flush."""
 from __future__ import annotations
 
 import calendar
-from collections.abc import Collection, Iterable
 
 import pytest
 
@@ -13,56 +12,19 @@ from llmgw.errors import StoreUnavailable
 from llmgw.server.limits import Grant, Limits
 from llmgw.server.store.rows import ApiKey
 from llmgw.server.usage import UsageBook
+from tests.unit.clock import Clock
+from tests.unit.server.fakes import FakeStore
 
 NOON = calendar.timegm((2026, 12, 2, 12, 0, 0))
 
 
-class FakeStore:
-    def __init__(self) -> None:
-        self.rows: dict[tuple[str, str, str], UsageRow] = {}
-        self.writes = 0
-        self.fail = False
-
-    def add_usage(self, rows: Iterable[UsageRow]) -> None:
-        if self.fail:
-            raise StoreUnavailable("the database is away")
-        self.writes += 1
-        for r in rows:
-            old = self.rows.get((r.day, r.key_id, r.model))
-            if old is None:
-                self.rows[(r.day, r.key_id, r.model)] = UsageRow(r.day, r.key_id, r.model)
-                old = self.rows[(r.day, r.key_id, r.model)]
-            old.requests += r.requests
-            old.prompt_tokens += r.prompt_tokens
-            old.completion_tokens += r.completion_tokens
-            old.cached_tokens += r.cached_tokens
-            old.errors += r.errors
-
-    def tokens_since(
-        self, since_day: str, key_ids: Collection[str] | None = None
-    ) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for r in self.rows.values():
-            if r.day >= since_day and (key_ids is None or r.key_id in key_ids):
-                out[r.key_id] = out.get(r.key_id, 0) + r.prompt_tokens + r.completion_tokens
-        return out
-
-
-class Wall:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_requests_add_up_per_key_model_and_day_and_flush_in_one_write() -> None:
-    store, wall = FakeStore(), Wall(NOON)
+    store, wall = FakeStore(), Clock(NOON)
     book = UsageBook(store, wall=wall)
     book.record("k1", "alice", "m", prompt=10, completion=5, cached=4)
     book.record("k1", "alice", "m", prompt=1, completion=1, error=True)
     book.record("k2", "bob", "m", prompt=7)
-    wall.now += 86400  # the next UTC day: a row of its own
+    wall.t += 86400  # the next UTC day: a row of its own
     book.record("k1", "alice", "m", prompt=3)
     assert {(r.day, r.key_id, r.requests) for r in book.pending()} == {
         ("2026-12-02", "k1", 2),
@@ -86,7 +48,7 @@ def test_requests_add_up_per_key_model_and_day_and_flush_in_one_write() -> None:
 
 def test_a_refused_flush_keeps_the_counts_for_the_next() -> None:
     store = FakeStore()
-    book = UsageBook(store, wall=Wall(NOON))
+    book = UsageBook(store, wall=Clock(NOON))
     book.record("k1", "alice", "m", prompt=10)
     store.fail = True
     with pytest.raises(StoreUnavailable):
@@ -99,7 +61,7 @@ def test_a_refused_flush_keeps_the_counts_for_the_next() -> None:
 
 
 def test_each_flush_refreshes_the_budgets_from_every_instances_counts() -> None:
-    store, wall = FakeStore(), Wall(NOON)
+    store, wall = FakeStore(), Clock(NOON)
     limits = Limits(wall=wall, budget_spent=lambda k, since: store.tokens_since(since).get(k, 0))
     book = UsageBook(store, limits, wall=wall)
     key = ApiKey(

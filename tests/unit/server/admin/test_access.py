@@ -11,25 +11,21 @@ import shlex
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from llmgw import pki
-from llmgw.bodies import BodyBudget
 from llmgw.server.admin.access import AccessRoutes
-from llmgw.server.admin.context import AdminContext, guarded
-from llmgw.server.bundles import BundleStore, add_bundle_routes
+from llmgw.server.admin.context import guarded
+from llmgw.server.bundles import add_bundle_routes
 from llmgw.server.store import Store
 from tests.ci import require_tools
 from tests.oneliner import make_bundle, run_one_liner
 from tests.unit.clock import Clock
-
-ADMIN = "admin-secret"
-NODE = "gpu-01"
+from tests.unit.server.admin.access_rig import ADMIN, NODE, call, context, joined, one
 
 
 @pytest.fixture(scope="module")
@@ -42,64 +38,6 @@ def store(tmp_path: Path) -> Any:
     s = Store.open(tmp_path / "state.db", clock=Clock(1_700_000_000.0))
     yield s
     s.close()
-
-
-def context(store: Store, ca: pki.Authority, bundle_dir: Path | None) -> AdminContext:
-    return cast(
-        AdminContext,
-        SimpleNamespace(
-            store=store,
-            ca=ca,
-            bodies=BodyBudget(1 << 20),
-            listening=SimpleNamespace(http_port=8080, enroll_port=8443),
-            bundles=None if bundle_dir is None else BundleStore(bundle_dir),
-            tls=None,
-            http_scheme="http",
-            advertise=("cp.example.net",),
-            enroll_loopback_only=False,
-            control_plane_names=frozenset({"cp.example.net"}),
-            admin_token=ADMIN,
-            admin_token_file=Path("/s/token"),
-        ),
-    )
-
-
-def call(
-    store: Store,
-    ca: pki.Authority,
-    bodies: list[dict[str, Any]],
-    *,
-    bundle_dir: Path | None = None,
-) -> list[tuple[int, dict[str, Any]]]:
-    ctx = context(store, ca, bundle_dir)
-    app = web.Application()
-    app.router.add_post("/api/join-tokens", guarded(ctx, AccessRoutes(ctx).create_join_token))
-
-    async def main() -> list[tuple[int, dict[str, Any]]]:
-        async with TestClient(TestServer(app)) as client:
-            out = []
-            for body in bodies:
-                resp = await client.post(
-                    "/api/join-tokens", json=body, headers={"Authorization": f"Bearer {ADMIN}"}
-                )
-                out.append((resp.status, await resp.json()))
-            return out
-
-    return asyncio.run(main())
-
-
-def one(store: Store, ca: pki.Authority, body: dict[str, Any], **kw: Any) -> dict[str, Any]:
-    [(status, data)] = call(store, ca, [body], **kw)
-    assert status == 201, data
-    return data
-
-
-def joined(store: Store, state: str = "approved") -> str:
-    node = store.enrol_node(
-        NODE, fingerprint="sha256:" + "1" * 64, rekey=False, node_uid=None, require_approval=True
-    )
-    store.set_node_state(NODE, state)
-    return node.uid
 
 
 def bare(command: str) -> tuple[str, list[str]]:

@@ -206,3 +206,46 @@ class Browser:
             assert status2 == 200, page
             self.csrf = csrf_of(page)
         return resp
+
+
+_FLASH = re.compile(
+    r'<p class="flash flash-(\w+)" role="(?:status|alert)" id="(?:flash|problem)">([^<]*)</p>'
+)
+
+
+def flash_of(page: str) -> str:
+    """The page's flash message or refusal, as the operator reads it ("" when none)."""
+    found = _FLASH.search(page)
+    return f"{found.group(1)}: {html.unescape(found.group(2))}" if found else ""
+
+
+async def sse_messages(resp: Any, count: int, timeout: float = 5.0) -> list[dict[str, str]]:
+    """The next ``count`` SSE blocks (comments as {"comment": ...})."""
+    out: list[dict[str, str]] = []
+    block: dict[str, str] = {}
+
+    async def read() -> None:
+        while len(out) < count:
+            raw = await resp.content.readline()
+            if not raw:
+                return
+            line = raw.decode().rstrip("\n")
+            if not line:
+                if block:
+                    out.append(dict(block))
+                    block.clear()
+                continue
+            if line.startswith(":"):
+                block["comment"] = line[1:].strip()
+                continue
+            name, _, value = line.partition(": ")
+            block[name] = value
+
+    await asyncio.wait_for(read(), timeout)
+    return out
+
+
+def box(page: str, box_id: str) -> str | None:
+    """The text of a read-only command box, as the browser shows it."""
+    found = re.search(rf'<textarea id="{box_id}-text"[^>]*>([^<]*)</textarea>', page)
+    return None if found is None else html.unescape(found.group(1))

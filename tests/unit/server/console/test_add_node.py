@@ -20,7 +20,7 @@ from llmgw import pki
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
 from tests.unit.server.console.fleet_rig import FINGERPRINT, FleetRig
-from tests.unit.server.console.rig import HOSTILE, VIEWER_PW, Browser
+from tests.unit.server.console.rig import HOSTILE, VIEWER_PW, Browser, box
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +31,6 @@ def ca(tmp_path_factory: pytest.TempPathFactory) -> pki.Authority:
 @pytest.fixture
 def rig(store: Store, clock: Clock, tmp_path: Path, ca: pki.Authority) -> FleetRig:
     return FleetRig(store, clock, tmp_path, ca)
-
-
-def box(page: str, box_id: str) -> str | None:
-    """The text of a read-only command box, as the browser shows it."""
-    found = re.search(rf'<textarea id="{box_id}-text"[^>]*>([^<]*)</textarea>', page)
-    return None if found is None else html.unescape(found.group(1))
 
 
 def problem(page: str) -> str:

@@ -17,8 +17,7 @@ import pytest
 from llmgw.contracts.keypolicy import Budget, KeyPolicy, UsageRow, usage_day
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
-from tests.unit.server.console.rig import HOSTILE, VIEWER_PW, Browser, ConsoleRig
-from tests.unit.server.console.test_models import flash_of
+from tests.unit.server.console.rig import HOSTILE, VIEWER_PW, Browser, ConsoleRig, flash_of
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 from llmgw.server.routing import Endpoint
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
-from tests.unit.server.console.rig import HOSTILE, VIEWER_PW, Browser, ConsoleRig
+from tests.unit.server.console.rig import HOSTILE, VIEWER_PW, Browser, ConsoleRig, flash_of
 
 PROFILES: dict[str, Any] = {
     "small": {"engine": "sim", "gpus": 1},
@@ -45,17 +45,6 @@ def rig(store: Store, clock: Clock, tmp_path: Path, refreshed: list[str]) -> Con
     store.put_catalog_model("chat", PROFILES)
     store.put_catalog_model("embed", {"default": {"engine": "sim"}})
     return rig
-
-
-_FLASH = re.compile(
-    r'<p class="flash flash-(\w+)" role="(?:status|alert)" id="(?:flash|problem)">([^<]*)</p>'
-)
-
-
-def flash_of(page: str) -> str:
-    """The page's flash message or refusal, as the operator reads it ("" when none)."""
-    found = _FLASH.search(page)
-    return f"{found.group(1)}: {html.unescape(found.group(2))}" if found else ""
 
 
 def _ready(rig: ConsoleRig, model: str) -> None:

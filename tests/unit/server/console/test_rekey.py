@@ -20,8 +20,7 @@ from llmgw import pki
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
 from tests.unit.server.console.fleet_rig import FleetRig
-from tests.unit.server.console.rig import HOSTILE, VIEWER_PW, Browser
-from tests.unit.server.console.test_add_node import box
+from tests.unit.server.console.rig import HOSTILE, VIEWER_PW, Browser, box
 
 
 @pytest.fixture(scope="module")

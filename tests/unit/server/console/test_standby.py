@@ -28,8 +28,7 @@ from llmgw.server.follower import (
 )
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
-from tests.unit.server.console.rig import ADMIN_TOKEN, Browser, ConsoleRig, csrf_of
-from tests.unit.server.console.test_stream import _messages
+from tests.unit.server.console.rig import ADMIN_TOKEN, Browser, ConsoleRig, csrf_of, sse_messages
 
 
 @pytest.fixture
@@ -72,9 +71,9 @@ def test_the_console_works_through_a_standby(rig: ConsoleRig, store: Store) -> N
             headers={"Origin": b.origin},
         )
         stream = await b.client.get("/ui/events/stream")
-        await _messages(stream, 1)  # retry
+        await sse_messages(stream, 1)  # retry
         store.add_event("node_uncordon", "gpu-1", "live through the standby", "admin")
-        live = await _messages(stream, 1)
+        live = await sse_messages(stream, 1)
         stream.close()
         return status, page, drained, live
 

@@ -15,7 +15,7 @@ from llmgw.server.console import Console
 from llmgw.server.console.security import CSP
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
-from tests.unit.server.console.rig import Browser, ConsoleRig
+from tests.unit.server.console.rig import Browser, ConsoleRig, sse_messages
 
 
 @pytest.fixture
@@ -27,32 +27,6 @@ def _fast(console: Console) -> None:
     console.stream.poll_s = 0.02
     console.stream.session_check_s = 0.05
     console.stream.heartbeat_s = 0.1
-
-
-async def _messages(resp: Any, count: int, timeout: float = 5.0) -> list[dict[str, str]]:
-    """The next ``count`` SSE blocks (comments as {"comment": ...})."""
-    out: list[dict[str, str]] = []
-    block: dict[str, str] = {}
-
-    async def read() -> None:
-        while len(out) < count:
-            raw = await resp.content.readline()
-            if not raw:
-                return
-            line = raw.decode().rstrip("\n")
-            if not line:
-                if block:
-                    out.append(dict(block))
-                    block.clear()
-                continue
-            if line.startswith(":"):
-                block["comment"] = line[1:].strip()
-                continue
-            name, _, value = line.partition(": ")
-            block[name] = value
-
-    await asyncio.wait_for(read(), timeout)
-    return out
 
 
 def test_the_stream_yields_new_events_and_honours_last_event_id(
@@ -67,9 +41,9 @@ def test_the_stream_yields_new_events_and_honours_last_event_id(
         # Resumed after the first: the second comes at once, then what happens next.
         resp = await b.client.get("/ui/events/stream", headers={"Last-Event-ID": str(first.id)})
         assert resp.status == 200
-        resumed = await _messages(resp, 2)
+        resumed = await sse_messages(resp, 2)
         store.add_event("node_drain", "gpu-2", "drain started", "carol")
-        live = await _messages(resp, 1)
+        live = await sse_messages(resp, 1)
         resp.close()
         return resumed, live, resp
 
@@ -91,9 +65,9 @@ def test_without_a_resume_point_the_stream_starts_from_now(rig: ConsoleRig, stor
     async def scenario(b: Browser) -> list[dict[str, str]]:
         await b.login()
         resp = await b.client.get("/ui/events/stream")
-        await _messages(resp, 1)  # retry
+        await sse_messages(resp, 1)  # retry
         store.add_event("node_drain", "gpu-1", "new", "admin")
-        got = await _messages(resp, 1)
+        got = await sse_messages(resp, 1)
         resp.close()
         return got
 
@@ -110,7 +84,7 @@ def test_the_stream_filters_like_the_page(rig: ConsoleRig, store: Store) -> None
         store.add_event("node_drain", "gpu-1", "by admin", "admin")
         store.add_event("node_revoked", "gpu-1", "by carol, another kind", "carol")
         store.add_event("node_drain", "gpu-2", "by carol", "carol")
-        got = await _messages(resp, 2)
+        got = await sse_messages(resp, 2)
         resp.close()
         return got
 
@@ -122,7 +96,7 @@ def test_a_heartbeat_keeps_an_idle_stream_open(rig: ConsoleRig) -> None:
     async def scenario(b: Browser) -> list[dict[str, str]]:
         await b.login()
         resp = await b.client.get("/ui/events/stream")
-        got = await _messages(resp, 2)
+        got = await sse_messages(resp, 2)
         resp.close()
         return got
 
@@ -134,10 +108,10 @@ def test_the_stream_ends_with_the_session(rig: ConsoleRig) -> None:
     async def scenario(b: Browser) -> tuple[list[dict[str, str]], bytes]:
         await b.login()
         resp = await b.client.get("/ui/events/stream")
-        await _messages(resp, 1)
+        await sse_messages(resp, 1)
         (token,) = [c.value for c in b.client.session.cookie_jar if c.key == "llmgw_session"]
         rig.logins.logout(token)
-        got = [m for m in await _messages(resp, 3) if "comment" not in m][:1]
+        got = [m for m in await sse_messages(resp, 3) if "comment" not in m][:1]
         rest = await asyncio.wait_for(resp.content.read(), 5)  # the server closed it
         return got, rest
 
