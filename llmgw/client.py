@@ -300,6 +300,32 @@ def _signed_in(token: str | None, server: str, ca: Path | None) -> Target | None
     )
 
 
+@dataclass(frozen=True)
+class Reply:
+    """An HTTP answer of the admin API, error statuses included: ``reason`` is its status
+    line's phrase."""
+
+    status: int
+    body: bytes
+    reason: str = ""
+
+
+class Transport:
+    """Sends one request of :class:`AdminClient` and returns the answer, whatever its status;
+    a server that cannot be reached raises (``URLError``, ``OSError``). This one speaks HTTP
+    with urllib; a caller may hand ``AdminClient`` another, as httpx's clients take a transport
+    (the ctl tests answer in process: ``CliRunner().invoke(main, args, obj=transport)``)."""
+
+    def send(
+        self, request: urllib.request.Request, *, timeout: float, context: ssl.SSLContext | None
+    ) -> Reply:
+        try:
+            with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
+                return Reply(resp.status, resp.read(), str(resp.reason))
+        except urllib.error.HTTPError as exc:
+            return Reply(exc.code, exc.read(), str(exc.reason))
+
+
 class AdminClient:
     """Calls the admin API of the first control plane that answers.
 
@@ -314,11 +340,13 @@ class AdminClient:
         *,
         ca: Path | None = None,
         insecure_http: bool = False,
+        transport: Transport | None = None,
     ) -> None:
         self.candidates = candidates
         self.timeout = timeout
         self.ca = ca
         self.insecure_http = insecure_http
+        self.transport = transport or Transport()
         self.target: Target | None = None
 
     def request(
@@ -350,13 +378,7 @@ class AdminClient:
                 req.add_header("Authorization", f"Bearer {target.token}")
             context = self._ssl_context(target) if scheme == "https" else None
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout, context=context) as resp:
-                    self.target = target
-                    raw = resp.read()
-                    return json.loads(raw) if raw else None
-            except urllib.error.HTTPError as exc:
-                self.target = target
-                raise _api_error(exc, target) from None
+                reply = self.transport.send(req, timeout=self.timeout, context=context)
             except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
                 reason = getattr(exc, "reason", exc)
                 if isinstance(reason, NotControlPlane):
@@ -373,6 +395,11 @@ class AdminClient:
                 ):
                     hint = " (a control plane with tls: in server.yaml speaks https://)"
                 tried.append(f"{target.server} (from {target.source}): {reason}{hint}")
+                continue
+            self.target = target
+            if reply.status >= 400:
+                raise _api_error(reply, target)
+            return json.loads(reply.body) if reply.body else None
         raise ConnectError(
             "cannot reach a control plane; tried:\n  "
             + "\n  ".join(tried)
@@ -428,23 +455,23 @@ class AdminClient:
         )
 
 
-def _api_error(exc: urllib.error.HTTPError, target: Target) -> APIError:
+def _api_error(reply: Reply, target: Target) -> APIError:
     try:
-        payload = json.loads(exc.read() or b"{}")
+        payload = json.loads(reply.body or b"{}")
         err = payload.get("error", {})
-        message, code = err.get("message") or exc.reason, err.get("code")
+        message, code = err.get("message") or reply.reason, err.get("code")
     except (ValueError, AttributeError):
-        message, code = str(exc.reason), None
+        message, code = reply.reason, None
     # A refused sign-in (code wrong_login) says itself what was wrong.
-    if exc.code == 401 and code == "unauthorized" and target.account is not None:
+    if reply.status == 401 and code == "unauthorized" and target.account is not None:
         message = (
             f"the login of {target.account!r} at {target.server} has expired or was ended; "
             f"sign in again with 'llmgw ctl login {target.account}' (or give --token)"
         )
-    elif exc.code == 401 and code == "unauthorized" and not target.token:
+    elif reply.status == 401 and code == "unauthorized" and not target.token:
         message = (
             f"{target.server} wants an admin token and none was found; pass --token or set "
             "LLMGW_TOKEN (it is in the control plane's state directory, admin.token), or sign "
             "in as your account with 'llmgw ctl login NAME'"
         )
-    return APIError(str(message), status=exc.code, code=code)
+    return APIError(str(message), status=reply.status, code=code)

@@ -33,6 +33,7 @@ from llmgw.cli.ctl.onboard import onboard
 from llmgw.cli.ctl.updates import admin, update
 from llmgw.cli.ctl.usage import usage
 from llmgw.cli.ctl.users import users
+from llmgw.client import Transport
 
 __all__ = ["ctl"]
 
@@ -81,6 +82,8 @@ def ctl(
     as_json: bool,
 ) -> None:
     """Operate a cluster: nodes, models, replicas, API keys, certificates."""
+    # A transport handed in as the invocation's object (the tests' in-process admin API).
+    transport = ctx.find_object(Transport)
     ctx.obj = Ctl(
         server=server,
         token=token,
@@ -89,6 +92,7 @@ def ctl(
         state_dir=state_dir.expanduser().absolute() if state_dir else None,
         ca=ca,
         insecure_http=insecure_http,
+        transport=transport,
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from llmgw.cli.prompts import read_secret
-from llmgw.client import ADMIN_PASSWORD_ENV, AdminClient, find_target
+from llmgw.client import ADMIN_PASSWORD_ENV, AdminClient, Transport, find_target
 
 __all__ = ["OWN_PASSWORD_ENV", "Ctl", "pass_ctl"]
 
@@ -27,6 +27,7 @@ class Ctl:
     state_dir: Path | None = None
     ca: Path | None = None
     insecure_http: bool = False
+    transport: Transport | None = None
     _client: AdminClient | None = None
 
     @property
@@ -36,6 +37,7 @@ class Ctl:
                 find_target(self.server, self.token, self.config, self.state_dir),
                 ca=self.ca,
                 insecure_http=self.insecure_http,
+                transport=self.transport,
             )
         return self._client
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,8 @@ from click.testing import CliRunner, Result
 from llmgw import caexport, pki
 from llmgw.cli import main, prompts
 from llmgw.cli.ctl.cert import cert
-from llmgw.cli.ctl.context import Ctl
 from llmgw.errors import APIError
+from tests.unit.cli.ctl.fakeapi import SERVER, FakeAPI
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -138,31 +137,20 @@ def rotating(left: list[str]) -> dict[str, Any]:
 
 
 @pytest.fixture
-def api(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
+def api() -> FakeAPI:
     """The admin API as a stand-in: records each call, answers a rotation in progress."""
-    seen: list[tuple[str, str, Any]] = []
     answers: dict[str, Any] = {
         "/api/ca": rotating(["gpu-2"]),
         "/api/ca/rotate": rotating(["gpu-1", "gpu-2"]),
         "/api/ca/finish": {**rotating([]), "previous": None},
     }
-
-    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
-        seen.append((method, path, body))
-        return answers[path]
-
-    monkeypatch.setattr(Ctl, "call", call)
-    return seen
+    return FakeAPI(lambda method, path, body: answers[path])
 
 
-def ctl(*args: str) -> Result:
-    return CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", *args])
-
-
-def test_cert_alone_shows_both_cas_and_who_is_left(api: list[tuple[str, str, Any]]) -> None:
-    out = ctl("cert")
+def test_cert_alone_shows_both_cas_and_who_is_left(api: FakeAPI) -> None:
+    out = api.ctl("cert")
     assert out.exit_code == 0, out.output
-    assert api == [("GET", "/api/ca", None)]
+    assert api.calls == [("GET", "/api/ca", None)]
     lines = out.stdout.splitlines()
     assert lines[0].startswith(f"CA:          {NEW}  (valid until 2036-")
     assert lines[1].startswith(f"old CA:      {OLD}  (trusted too; dropped 2033-05-18 03:33 UTC")
@@ -170,34 +158,32 @@ def test_cert_alone_shows_both_cas_and_who_is_left(api: list[tuple[str, str, Any
 
 
 def test_rotate_ca_sends_the_overlap_and_says_what_follows(
-    api: list[tuple[str, str, Any]],
+    api: FakeAPI,
 ) -> None:
-    out = ctl("cert", "rotate-ca", "--overlap", "2d")
+    out = api.ctl("cert", "rotate-ca", "--overlap", "2d")
     assert out.exit_code == 0, out.output
-    assert api == [("POST", "/api/ca/rotate", {"overlap": 172800.0})]
+    assert api.calls == [("POST", "/api/ca/rotate", {"overlap": 172800.0})]
     assert f"rotated: the new CA is {NEW}" in out.stdout
     assert f"the old CA {OLD} is dropped 2033-05-18 03:33 UTC" in out.stdout
     assert f"'install-agent.sh upgrade --ca-hash {NEW}'" in out.stdout
-    assert ctl("cert", "rotate-ca").exit_code == 0
-    assert api[-1][2] == {"overlap": 7 * 86400.0}  # the default: 7 days
+    assert api.ctl("cert", "rotate-ca").exit_code == 0
+    assert api.calls[-1][2] == {"overlap": 7 * 86400.0}  # the default: 7 days
 
 
 @pytest.mark.parametrize("overlap", ["30s", "1x", "-1d"])
-def test_rotate_ca_refuses_a_bad_overlap_before_any_call(
-    api: list[tuple[str, str, Any]], overlap: str
-) -> None:
-    out = ctl("cert", "rotate-ca", "--overlap", overlap)
+def test_rotate_ca_refuses_a_bad_overlap_before_any_call(api: FakeAPI, overlap: str) -> None:
+    out = api.ctl("cert", "rotate-ca", "--overlap", overlap)
     assert out.exit_code == 2
     assert "Invalid value for '--overlap'" in out.stderr
-    assert api == []
+    assert api.calls == []
 
 
-def test_finish_rotation_forwards_force(api: list[tuple[str, str, Any]]) -> None:
-    out = ctl("cert", "finish-rotation")
+def test_finish_rotation_forwards_force(api: FakeAPI) -> None:
+    out = api.ctl("cert", "finish-rotation")
     assert out.exit_code == 0, out.output
     assert out.stdout == f"dropped the old CA; only {NEW} is trusted now\n"
-    assert ctl("cert", "finish-rotation", "--force").exit_code == 0
-    assert [c[2] for c in api] == [{"force": False}, {"force": True}]
+    assert api.ctl("cert", "finish-rotation", "--force").exit_code == 0
+    assert [c[2] for c in api.calls] == [{"force": False}, {"force": True}]
 
 
 # --------------------------------------------------------------------------- export-ca
@@ -208,44 +194,43 @@ NO_SECRETS: dict[str, str | None] = {"LLMGW_ADMIN_PASSWORD": None, "LLMGW_CA_PAS
 SECRETS = {"LLMGW_ADMIN_PASSWORD": PASSWORD, "LLMGW_CA_PASSPHRASE": PASSPHRASE}
 
 
-@dataclass
-class ExportAPI:
+class ExportAPI(FakeAPI):
     """``POST /api/ca/export`` as a stand-in: a real export file of a real CA, or an error."""
 
-    sealed: bytes
-    ca_hash: str
-    calls: list[Any]
-    error: Exception | None = None
-    answer: dict[str, Any] | None = None
+    def __init__(self, sealed: bytes, ca_hash: str) -> None:
+        super().__init__(self.export)
+        self.sealed, self.ca_hash = sealed, ca_hash
+        self.error: APIError | None = None
+        self.answer: dict[str, Any] | None = None
+
+    def export(self, method: str, path: str, body: Any) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.answer or {
+            "ca_hash": self.ca_hash,
+            "cluster_id": "c-9",
+            "rotation": None,
+            "file": self.sealed.decode(),
+        }
 
 
 @pytest.fixture
-def export_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ExportAPI:
+def export_api(tmp_path: Path) -> ExportAPI:
     ca = pki.init_ca(tmp_path / "cp-pki")
     export = caexport.collect(tmp_path / "cp-pki", ca, cluster_id="c-9", admin_token="tok")
     sealed = caexport.seal(export, PASSPHRASE, kdf=caexport.KDF(n=2**14))
-    api = ExportAPI(sealed, ca.ca_hash(), [])
-
-    def call(self: Ctl, method: str, path: str, body: Any = None, **kw: Any) -> Any:
-        api.calls.append((method, path, body, kw))
-        if api.error is not None:
-            raise api.error
-        return api.answer or {
-            "ca_hash": api.ca_hash,
-            "cluster_id": "c-9",
-            "rotation": None,
-            "file": api.sealed.decode(),
-        }
-
-    monkeypatch.setattr(Ctl, "call", call)
-    return api
+    return ExportAPI(sealed, ca.ca_hash())
 
 
-def export_ca(*args: str, env: dict[str, str | None] | None = None) -> Result:
-    return CliRunner().invoke(
-        main,
-        ["ctl", "--server", "http://127.0.0.1:9", "cert", "export-ca", *args],
+def export_ca(
+    api: ExportAPI, *args: str, env: dict[str, str | None] | None = None, server: str = SERVER
+) -> Result:
+    return api.ctl(
+        "cert",
+        "export-ca",
+        *args,
         env={**NO_SECRETS, **(env if env is not None else SECRETS)},
+        server=server,
     )
 
 
@@ -253,14 +238,13 @@ def test_export_ca_writes_the_file_0600_and_says_what_next(
     export_api: ExportAPI, tmp_path: Path
 ) -> None:
     out = tmp_path / "ca.llmgw"
-    result = export_ca("--out", str(out))
+    result = export_ca(export_api, "--out", str(out))
     assert (result.exit_code, result.stderr) == (0, "")
     assert export_api.calls == [
         (
             "POST",
             "/api/ca/export",
             {"password": PASSWORD, "passphrase": PASSPHRASE},
-            {"password": True},  # kept off plain HTTP to anything but loopback
         )
     ]
     assert out.read_bytes() == export_api.sealed
@@ -273,6 +257,16 @@ def test_export_ca_writes_the_file_0600_and_says_what_next(
     )
 
 
+def test_export_ca_keeps_the_admin_password_off_plain_http_to_another_host(
+    export_api: ExportAPI, tmp_path: Path
+) -> None:
+    out = tmp_path / "ca.llmgw"
+    result = export_ca(export_api, "--out", str(out), server="http://cp.example.net:8080")
+    assert result.exit_code == 1
+    assert "refusing to send the admin password in clear over plain HTTP" in result.stderr
+    assert export_api.calls == [] and not out.exists()
+
+
 def test_export_ca_json_and_a_rotation_under_way(export_api: ExportAPI, tmp_path: Path) -> None:
     rotation = {"previous": OLD, "current": export_api.ca_hash, "started": 1.0}
     rotation |= {"drop_at": DROP_AT, "dropped": None}
@@ -282,13 +276,13 @@ def test_export_ca_json_and_a_rotation_under_way(export_api: ExportAPI, tmp_path
         "rotation": rotation,
         "file": export_api.sealed.decode(),
     }
-    result = export_ca("--out", str(tmp_path / "a"))
+    result = export_ca(export_api, "--out", str(tmp_path / "a"))
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[1].startswith(
         f"with the CA rotation under way: the old CA {OLD} is trusted until 2033-05-18 03:33 UTC"
     )
-    args = ["ctl", "--server", "http://127.0.0.1:9", "--json", "cert", "export-ca"]
-    result = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "b")], env=SECRETS)
+    args = ["--json", "cert", "export-ca", "--out", str(tmp_path / "b")]
+    result = export_api.ctl(*args, env={**NO_SECRETS, **SECRETS})
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {
         "ca_hash": export_api.ca_hash,
@@ -303,14 +297,14 @@ def test_export_ca_refuses_an_existing_file_before_asking_anything(
 ) -> None:
     out = tmp_path / "ca.llmgw"
     out.write_text("keep me")
-    result = export_ca("--out", str(out))
+    result = export_ca(export_api, "--out", str(out))
     assert (result.exit_code, result.stdout) == (1, "")
     assert result.stderr == (
         f"error: {out} exists; nothing was exported. Choose another --out, or pass --force to "
         "replace it\n"
     )
     assert export_api.calls == [] and out.read_text() == "keep me"
-    result = export_ca("--out", str(out), "--force")
+    result = export_ca(export_api, "--out", str(out), "--force")
     assert result.exit_code == 0, result.output
     assert out.read_bytes() == export_api.sealed
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
@@ -319,13 +313,13 @@ def test_export_ca_refuses_an_existing_file_before_asking_anything(
 def test_export_ca_refuses_a_directory_or_a_missing_one(
     export_api: ExportAPI, tmp_path: Path
 ) -> None:
-    result = export_ca("--out", str(tmp_path / "nope" / "ca.llmgw"))
+    result = export_ca(export_api, "--out", str(tmp_path / "nope" / "ca.llmgw"))
     assert result.exit_code == 1
     assert result.stderr == (
         f"error: {tmp_path / 'nope'} does not exist; nothing was exported. Create it, or give "
         "--out a file in an existing directory\n"
     )
-    result = export_ca("--out", str(tmp_path), "--force")
+    result = export_ca(export_api, "--out", str(tmp_path), "--force")
     assert result.exit_code == 2  # click: --out is a file
     assert "is a directory" in result.stderr
     assert export_api.calls == []
@@ -335,7 +329,9 @@ def test_export_ca_refuses_a_short_passphrase_before_the_call(
     export_api: ExportAPI, tmp_path: Path
 ) -> None:
     out = tmp_path / "ca.llmgw"
-    result = export_ca("--out", str(out), env={**SECRETS, "LLMGW_CA_PASSPHRASE": "x" * 11})
+    result = export_ca(
+        export_api, "--out", str(out), env={**SECRETS, "LLMGW_CA_PASSPHRASE": "x" * 11}
+    )
     assert (result.exit_code, result.stdout) == (2, "")
     assert result.stderr == (
         "error: the passphrase of a CA export must have at least 12 characters (it alone "
@@ -357,7 +353,7 @@ def test_export_ca_asks_for_both_secrets_in_a_terminal_and_the_passphrase_twice(
     monkeypatch.setattr(prompts, "stdin_is_tty", lambda: True)
     monkeypatch.setattr(prompts.getpass, "getpass", getpass)
     out = tmp_path / "ca.llmgw"
-    result = export_ca("--out", str(out), env={})
+    result = export_ca(export_api, "--out", str(out), env={})
     assert result.exit_code == 2
     assert result.stderr == (
         "error: the two passphrases differ; nothing was done. Run it again and type the same "
@@ -370,20 +366,22 @@ def test_export_ca_asks_for_both_secrets_in_a_terminal_and_the_passphrase_twice(
     ]
     assert export_api.calls == [] and not out.exists()
     answers[:] = [PASSWORD, PASSPHRASE, PASSPHRASE]
-    assert export_ca("--out", str(out), env={}).exit_code == 0
+    assert export_ca(export_api, "--out", str(out), env={}).exit_code == 0
     assert export_api.calls[0][2] == {"password": PASSWORD, "passphrase": PASSPHRASE}
 
 
 def test_export_ca_without_a_terminal_names_the_variables(
     export_api: ExportAPI, tmp_path: Path
 ) -> None:
-    result = export_ca("--out", str(tmp_path / "f"), env={})
+    result = export_ca(export_api, "--out", str(tmp_path / "f"), env={})
     assert result.exit_code == 2
     assert result.stderr == (
         "error: no admin password: set LLMGW_ADMIN_PASSWORD or run in a terminal to be "
         "prompted; never pass it as an argument\n"
     )
-    result = export_ca("--out", str(tmp_path / "f"), env={"LLMGW_ADMIN_PASSWORD": PASSWORD})
+    result = export_ca(
+        export_api, "--out", str(tmp_path / "f"), env={"LLMGW_ADMIN_PASSWORD": PASSWORD}
+    )
     assert result.stderr == (
         "error: no passphrase: set LLMGW_CA_PASSPHRASE or run in a terminal to be prompted; "
         "never pass it as an argument\n"
@@ -397,7 +395,7 @@ def test_export_ca_with_a_wrong_admin_password_writes_nothing(
     message = "wrong admin password; nothing was exported. It was made at the first start"
     export_api.error = APIError(message, status=403, code="wrong_password")
     out = tmp_path / "ca.llmgw"
-    result = export_ca("--out", str(out))
+    result = export_ca(export_api, "--out", str(out))
     assert (result.exit_code, result.stdout, result.stderr) == (1, "", f"error: {message}\n")
     assert not out.exists()
 
@@ -407,14 +405,14 @@ def test_export_ca_checks_the_answer_before_writing_it(
 ) -> None:
     out = tmp_path / "ca.llmgw"
     export_api.answer = {"ca_hash": NEW, "file": export_api.sealed.decode()}
-    result = export_ca("--out", str(out))
+    result = export_ca(export_api, "--out", str(out))
     assert result.exit_code == 1
     assert result.stderr == (
         f"error: the control plane answered an export of CA {export_api.ca_hash} for CA {NEW}; "
         "nothing was written. Try again\n"
     )
     export_api.answer = {"ca_hash": NEW, "file": "<html>proxy error</html>"}
-    result = export_ca("--out", str(out))
+    result = export_ca(export_api, "--out", str(out))
     assert result.exit_code == 1
     assert result.stderr.startswith(
         "error: the control plane's export is not a readable CA export (it is not JSON)"

@@ -5,14 +5,11 @@ stand-in answering each call from a script."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
 
-from llmgw.cli import main
-from llmgw.cli.ctl.context import Ctl
+from tests.unit.cli.ctl.fakeapi import FakeAPI
 
 # The module (the package's attribute of that name is the click group).
 engines_module = importlib.import_module("llmgw.cli.ctl.engines")
@@ -20,26 +17,12 @@ engines_module = importlib.import_module("llmgw.cli.ctl.engines")
 SHA = "a" * 64
 URL = "https://pub.example/llama-b1-x64.tar.gz"
 
-Answer = Callable[[str, str, Any], Any]
-
 
 @pytest.fixture
-def api(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[str, str, Any]], list[Answer]]:
-    """The calls made, and the answerer a test sets (``api[1].append(fn)``)."""
-    seen: list[tuple[str, str, Any]] = []
-    answer: list[Answer] = []
-
-    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
-        seen.append((method, path, body))
-        return answer[-1](method, path, body)
-
-    monkeypatch.setattr(Ctl, "call", call)
+def api(monkeypatch: pytest.MonkeyPatch) -> FakeAPI:
+    """The admin API; a test sets its answers (``api.handler = fn``)."""
     monkeypatch.setattr(engines_module.time, "sleep", lambda _s: None)
-    return seen, answer
-
-
-def ctl(*args: str) -> Result:
-    return CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", *args])
+    return FakeAPI(lambda method, path, body: pytest.fail(f"unexpected {method} {path}"))
 
 
 def row(
@@ -63,9 +46,9 @@ def row(
 
 
 def test_install_all_records_waits_for_the_connected_and_shows_each_node(
-    api: tuple[list[tuple[str, str, Any]], list[Answer]],
+    api: FakeAPI,
 ) -> None:
-    seen, answer = api
+    seen = api.calls
     polls = iter(
         [
             [{"op_id": "op1", "node": "gpu-1", "state": "installing", "error": ""}],
@@ -84,8 +67,8 @@ def test_install_all_records_waits_for_the_connected_and_shows_each_node(
             }
         return next(polls)
 
-    answer.append(reply)
-    out = ctl("engines", "install", "--all", "llamacpp", "b1", "--url", URL, "--sha256", SHA)
+    api.handler = reply
+    out = api.ctl("engines", "install", "--all", "llamacpp", "b1", "--url", URL, "--sha256", SHA)
     assert out.exit_code == 0, out.output
     assert seen[0] == (
         "POST",
@@ -107,17 +90,17 @@ def test_install_all_records_waits_for_the_connected_and_shows_each_node(
 
 
 def test_install_on_one_node_with_a_build_per_arch_and_a_failure_exits_1(
-    api: tuple[list[tuple[str, str, Any]], list[Answer]],
+    api: FakeAPI,
 ) -> None:
-    seen, answer = api
+    seen = api.calls
 
     def reply(method: str, path: str, body: Any) -> Any:
         if method == "POST":
             return {"replaced": False, "nodes": [row("gpu-1", "installing", op="op9")]}
         return [{"op_id": "op9", "node": "gpu-1", "state": "failed", "error": "checksum mismatch"}]
 
-    answer.append(reply)
-    out = ctl(
+    api.handler = reply
+    out = api.ctl(
         "engines",
         "install",
         "gpu-1",
@@ -141,16 +124,14 @@ def test_install_on_one_node_with_a_build_per_arch_and_a_failure_exits_1(
 
 
 def test_install_without_waiting_and_a_node_without_a_build_exits_1(
-    api: tuple[list[tuple[str, str, Any]], list[Answer]],
+    api: FakeAPI,
 ) -> None:
-    seen, answer = api
-    answer.append(
-        lambda m, p, b: {
-            "replaced": False,
-            "nodes": [row("arm-1", "no-build", "no llamacpp b1 build for aarch64", arch="aarch64")],
-        }
-    )
-    out = ctl("--json", "engines", "install", "--all", "llamacpp", "b1", "--url", URL,
+    seen = api.calls
+    api.handler = lambda m, p, b: {
+        "replaced": False,
+        "nodes": [row("arm-1", "no-build", "no llamacpp b1 build for aarch64", arch="aarch64")],
+    }
+    out = api.ctl("--json", "engines", "install", "--all", "llamacpp", "b1", "--url", URL,
               "--sha256", SHA, "--arch", "x86_64", "--no-wait")  # fmt: skip
     assert out.exit_code == 1
     assert len(seen) == 1
@@ -167,54 +148,50 @@ def test_install_without_waiting_and_a_node_without_a_build_exits_1(
         (["--all", "llamacpp", "b1", "--url", URL, "--sha256", SHA, "--build", "x86_64", URL, SHA], "give --build ARCH URL SHA256, or --url/--sha256/--arch"),
     ],
 )  # fmt: skip
-def test_install_usage_refusals_send_nothing(
-    api: tuple[list[tuple[str, str, Any]], list[Answer]], args: list[str], message: str
-) -> None:
-    seen, _answer = api
-    out = ctl("engines", "install", *args)
+def test_install_usage_refusals_send_nothing(api: FakeAPI, args: list[str], message: str) -> None:
+    seen = api.calls
+    out = api.ctl("engines", "install", *args)
     assert out.exit_code == 2
     assert f"Error: {message}" in out.output
     assert seen == []
 
 
-def test_forget_one_arch_everywhere(api: tuple[list[tuple[str, str, Any]], list[Answer]]) -> None:
-    seen, answer = api
-    answer.append(lambda m, p, b: {"removed": 1})
-    out = ctl("engines", "forget", "--all", "vllm", "--arch", "aarch64")
+def test_forget_one_arch_everywhere(api: FakeAPI) -> None:
+    seen = api.calls
+    api.handler = lambda m, p, b: {"removed": 1}
+    out = api.ctl("engines", "forget", "--all", "vllm", "--arch", "aarch64")
     assert out.exit_code == 0, out.output
     assert seen == [
         ("POST", "/api/engines/forget", {"engine": "vllm", "all": True, "arch": "aarch64"})
     ]
     assert out.output == "vllm is no longer desired on every node (1 build(s) removed)\n"
-    out = ctl("engines", "forget", "gpu-1")
+    out = api.ctl("engines", "forget", "gpu-1")
     assert out.exit_code == 2 and "give NODE ENGINE, or --all ENGINE" in out.output
 
 
 def test_the_listing_shows_the_desired_set_then_each_node(
-    api: tuple[list[tuple[str, str, Any]], list[Answer]],
+    api: FakeAPI,
 ) -> None:
-    seen, answer = api
-    answer.append(
-        lambda m, p, b: {
-            "desired": [
-                {
-                    "node": None,
-                    "engine": "llamacpp",
-                    "version": "b1",
-                    "builds": [
-                        {"arch": "x86_64", "url": URL, "sha256": SHA},
-                        {"arch": "", "url": "https://pub.example/any.tgz?…", "sha256": "b" * 64},
-                    ],
-                }
-            ],
-            "nodes": [
-                row("gpu-1", "ready", installed="b1"),
-                row("gpu-2", "failed", "llamacpp b1 failed to install: download failed"),
-                row("gpu-2", "offered", engine="vllm", desired="", arch=""),
-            ],
-        }
-    )
-    out = ctl("engines")
+    seen = api.calls
+    api.handler = lambda m, p, b: {
+        "desired": [
+            {
+                "node": None,
+                "engine": "llamacpp",
+                "version": "b1",
+                "builds": [
+                    {"arch": "x86_64", "url": URL, "sha256": SHA},
+                    {"arch": "", "url": "https://pub.example/any.tgz?…", "sha256": "b" * 64},
+                ],
+            }
+        ],
+        "nodes": [
+            row("gpu-1", "ready", installed="b1"),
+            row("gpu-2", "failed", "llamacpp b1 failed to install: download failed"),
+            row("gpu-2", "offered", engine="vllm", desired="", arch=""),
+        ],
+    }
+    out = api.ctl("engines")
     assert out.exit_code == 0, out.output
     assert seen == [("GET", "/api/engines", None)]
     assert out.output == (
@@ -231,11 +208,10 @@ def test_the_listing_shows_the_desired_set_then_each_node(
 
 
 def test_the_listing_says_how_to_desire_when_nothing_is(
-    api: tuple[list[tuple[str, str, Any]], list[Answer]],
+    api: FakeAPI,
 ) -> None:
-    _seen, answer = api
-    answer.append(lambda m, p, b: {"desired": [], "nodes": []})
-    out = ctl("engines")
+    api.handler = lambda m, p, b: {"desired": [], "nodes": []}
+    out = api.ctl("engines")
     assert out.output.splitlines()[0] == (
         "no engine is desired; 'llmgw ctl engines install --all ENGINE VERSION ...'"
     )

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
 
-from llmgw.cli import main
-from llmgw.cli.ctl.context import Ctl
 from llmgw.errors import APIError
+from tests.unit.cli.ctl.fakeapi import FakeAPI
 
 
 def _instance(instance_id: str, role: str, seen: float, **extra: Any) -> dict[str, Any]:
@@ -48,20 +45,14 @@ def _list() -> list[dict[str, Any]]:
 RETIRED = {**_instance("cp3", "retired", 650), "retired_serials": ["5e3", "c13"]}
 
 
-@dataclass
-class API:
+class API(FakeAPI):
     """The stand-in admin API: what it was asked, and the list it answers."""
 
-    calls: list[str] = field(default_factory=list)
-    listed: list[dict[str, Any]] = field(default_factory=_list)
+    def __init__(self) -> None:
+        super().__init__(self.answer)
+        self.listed: list[dict[str, Any]] = _list()
 
-
-@pytest.fixture
-def api(monkeypatch: pytest.MonkeyPatch) -> API:
-    fake = API()
-
-    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
-        fake.calls.append(f"{method} {path}")
+    def answer(self, method: str, path: str, body: Any) -> Any:
         if path == "/api/instances/cp1/retire":
             raise APIError(
                 "instance cp1 is the leader; stop it first: systemctl stop llmgw-server on "
@@ -70,20 +61,18 @@ def api(monkeypatch: pytest.MonkeyPatch) -> API:
                 status=409,
                 code="conflict",
             )
-        return RETIRED if method == "POST" else fake.listed
-
-    monkeypatch.setattr(Ctl, "call", call)
-    return fake
+        return RETIRED if method == "POST" else self.listed
 
 
-def ctl(*args: str) -> Result:
-    return CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", *args])
+@pytest.fixture
+def api() -> API:
+    return API()
 
 
 def test_the_list_shows_each_instance_and_how_to_retire_a_silent_one(api: API) -> None:
-    out = ctl("instances")
+    out = api.ctl("instances")
     assert out.exit_code == 0, out.output
-    assert api.calls == ["GET /api/instances"]
+    assert api.requests == ["GET /api/instances"]
     assert out.output == (
         "ID   ROLE     STREAM         HTTP                  VERSION  LAST SEEN  RETIRED\n"
         "cp1  leader   10.0.0.1:7443  http://10.0.0.1:8080  0.4.0    0s ago     -\n"
@@ -95,9 +84,9 @@ def test_the_list_shows_each_instance_and_how_to_retire_a_silent_one(api: API) -
 
 
 def test_retire_says_what_the_agents_do_and_that_the_id_is_gone(api: API) -> None:
-    out = ctl("instances", "retire", "cp3")
+    out = api.ctl("instances", "retire", "cp3")
     assert out.exit_code == 0, out.output
-    assert api.calls == ["POST /api/instances/cp3/retire"]
+    assert api.requests == ["POST /api/instances/cp3/retire"]
     assert out.output == (
         "retired instance cp3; the leader tells the agents, whose data planes refuse its "
         "certificates from now on (serials 5e3, c13)\n"
@@ -115,20 +104,20 @@ def test_retire_says_what_the_agents_do_and_that_the_id_is_gone(api: API) -> Non
     ],
 )
 def test_retire_json(api: API, args: tuple[str, ...]) -> None:
-    out = ctl(*args)
+    out = api.ctl(*args)
     assert out.exit_code == 0, out.output
     assert json.loads(out.output) == RETIRED
 
 
 def test_the_list_as_json(api: API) -> None:
     for args in (("instances", "--json"), ("--json", "instances")):
-        out = ctl(*args)
+        out = api.ctl(*args)
         assert out.exit_code == 0, out.output
         assert json.loads(out.output) == api.listed
 
 
 def test_a_refusal_is_reported_with_its_fix(api: API) -> None:
-    out = ctl("instances", "retire", "cp1")
+    out = api.ctl("instances", "retire", "cp1")
     assert out.exit_code == 1
     assert "instance cp1 is the leader; stop it first: systemctl stop llmgw-server" in out.output
     assert "retired instance" not in out.output

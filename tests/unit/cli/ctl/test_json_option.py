@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import click
-import pytest
 from click.testing import CliRunner
+
+from tests.unit.cli.ctl.fakeapi import FakeAPI
 
 
 def _leaves(group: click.Group, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -35,21 +35,13 @@ def test_every_ctl_command_takes_json_after_its_name() -> None:
     assert lacking == []
 
 
-def test_json_after_the_subcommand_prints_what_the_group_option_prints(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from llmgw.cli import main
-    from llmgw.cli.ctl.context import Ctl
-
+def test_json_after_the_subcommand_prints_what_the_group_option_prints() -> None:
     nodes = [{"id": "gpu-1", "state": "approved", "health": "healthy", "degraded": []}]
-
-    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
-        return {"version": "0.1.0"} if path == "/api/status" else nodes
-
-    monkeypatch.setattr(Ctl, "call", call)
-    base = ["ctl", "--server", "http://127.0.0.1:9"]
-    after = CliRunner().invoke(main, [*base, "nodes", "--json"])
-    before = CliRunner().invoke(main, [*base, "--json", "nodes"])
+    api = FakeAPI(
+        lambda method, path, body: {"version": "0.1.0"} if path == "/api/status" else nodes
+    )
+    after = api.ctl("nodes", "--json")
+    before = api.ctl("--json", "nodes")
     assert after.exit_code == 0, after.output
     assert json.loads(after.output) == nodes
     assert after.output == before.output

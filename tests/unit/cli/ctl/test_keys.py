@@ -9,16 +9,12 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
 
-from llmgw.cli import main
-from llmgw.cli.ctl.context import Ctl
 from llmgw.contracts.keypolicy import KeyPolicy, UsageRow, usage_day
-from llmgw.errors import APIError
 from llmgw.server.store import Store
+from tests.unit.cli.ctl.fakeapi import FakeAPI, Status
 from tests.unit.clock import Clock
 from tests.unit.server.admin.keys_rig import Admin
 
@@ -39,27 +35,17 @@ def store(tmp_path: Path, clock: Clock) -> Iterator[Store]:
 
 
 @pytest.fixture
-def admin(store: Store, monkeypatch: pytest.MonkeyPatch) -> Admin:
-    rig = Admin(store)
-    rig.calls: list[tuple[str, str, Any]] = []  # type: ignore[misc]
-
-    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
-        rig.calls.append((method, path, body))
-        status, data = rig.call(method, path, body)
-        if status >= 400:
-            raise APIError(data["error"]["message"], status=status, code=data["error"]["code"])
-        return data
-
-    monkeypatch.setattr(Ctl, "call", call)
-    return rig
+def admin(store: Store) -> Admin:
+    return Admin(store)
 
 
-def ctl(*args: str) -> Result:
-    return CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", *args])
+@pytest.fixture
+def api(admin: Admin) -> FakeAPI:
+    return FakeAPI(lambda method, path, body: Status(*admin.call(method, path, body)))
 
 
-def ok(*args: str) -> str:
-    out = ctl(*args)
+def ok(api: FakeAPI, *args: str) -> str:
+    out = api.ctl(*args)
     assert out.exit_code == 0, out.output
     return out.output
 
@@ -67,13 +53,15 @@ def ok(*args: str) -> str:
 # ------------------------------------------------------------------------------ create
 
 
-def test_create_sends_the_policy_and_shows_it_with_the_key(admin: Admin, store: Store) -> None:
-    out = ok(
+def test_create_sends_the_policy_and_shows_it_with_the_key(
+    api: FakeAPI, admin: Admin, store: Store
+) -> None:
+    out = ok(api,
         "keys", "create", "ci", "--models", "llama,qwen", "--rpm", "60", "--tpm", "100k",
         "--max-concurrent", "4", "--budget", "10M/day", "--priority", "high", "--expires", "90d",
     )  # fmt: skip
     key = store.get_api_key("ci")
-    assert admin.calls == [
+    assert api.calls == [
         (
             "POST",
             "/api/keys",
@@ -101,9 +89,11 @@ def test_create_sends_the_policy_and_shows_it_with_the_key(admin: Admin, store: 
     assert key.policy.budget is not None and key.policy.budget.tokens == 10_000_000
 
 
-def test_create_without_options_makes_an_unlimited_key(admin: Admin, store: Store) -> None:
-    out = ok("keys", "create", "laptop")
-    assert admin.calls == [("POST", "/api/keys", {"name": "laptop"})]
+def test_create_without_options_makes_an_unlimited_key(
+    api: FakeAPI, admin: Admin, store: Store
+) -> None:
+    out = ok(api, "keys", "create", "laptop")
+    assert api.calls == [("POST", "/api/keys", {"name": "laptop"})]
     assert out.endswith("policy: unlimited\n")
     assert store.get_api_key("laptop").policy == KeyPolicy()
 
@@ -127,26 +117,30 @@ def test_create_without_options_makes_an_unlimited_key(admin: Admin, store: Stor
     ],
 )
 def test_a_bad_option_makes_no_key(
-    admin: Admin, store: Store, args: tuple[str, ...], message: str
+    api: FakeAPI, admin: Admin, store: Store, args: tuple[str, ...], message: str
 ) -> None:
-    out = ctl("keys", "create", "ci", *args)
+    out = api.ctl("keys", "create", "ci", *args)
     assert (out.exit_code, out.output) == (1, message)
     assert store.list_api_keys() == []
 
 
-def test_an_unknown_priority_is_refused_before_the_server_is_asked(admin: Admin) -> None:
-    out = ctl("keys", "create", "ci", "--priority", "urgent")
+def test_an_unknown_priority_is_refused_before_the_server_is_asked(
+    api: FakeAPI, admin: Admin
+) -> None:
+    out = api.ctl("keys", "create", "ci", "--priority", "urgent")
     assert out.exit_code == 2
     assert "Invalid value for '--priority': 'urgent' is not one of 'high', 'normal', 'low'." in (
         out.output
     )
-    assert admin.calls == []
+    assert api.calls == []
 
 
-def test_a_name_an_active_key_has_is_refused_with_the_fix(admin: Admin, store: Store) -> None:
-    ok("keys", "create", "ci")
+def test_a_name_an_active_key_has_is_refused_with_the_fix(
+    api: FakeAPI, admin: Admin, store: Store
+) -> None:
+    ok(api, "keys", "create", "ci")
     key = store.get_api_key("ci")
-    out = ctl("keys", "create", "ci")
+    out = api.ctl("keys", "create", "ci")
     assert (out.exit_code, out.output) == (
         1,
         f"error: an active API key is named ci already ({key.id}); choose another name, or "
@@ -157,11 +151,13 @@ def test_a_name_an_active_key_has_is_refused_with_the_fix(admin: Admin, store: S
 # ------------------------------------------------------------------------------ update
 
 
-def test_update_changes_what_is_given_and_none_clears(admin: Admin, store: Store) -> None:
-    ok("keys", "create", "ci", "--rpm", "60", "--models", "llama", "--expires", "30d")
+def test_update_changes_what_is_given_and_none_clears(
+    api: FakeAPI, admin: Admin, store: Store
+) -> None:
+    ok(api, "keys", "create", "ci", "--rpm", "60", "--models", "llama", "--expires", "30d")
     key = store.get_api_key("ci")
-    out = ok("keys", "update", "ci", "--rpm", "120", "--budget", "1M/month")
-    assert admin.calls[-1] == (
+    out = ok(api, "keys", "update", "ci", "--rpm", "120", "--budget", "1M/month")
+    assert api.calls[-1] == (
         "PATCH",
         "/api/keys/ci",
         {"rpm": "120", "budget": "1M/month"},
@@ -170,35 +166,35 @@ def test_update_changes_what_is_given_and_none_clears(admin: Admin, store: Store
         f"updated key {key.id} (ci): rpm 60 -> 120, budget none -> 1M/month\n"
         "policy: models llama, rpm 120, budget 1M/month (expires in 30d)\n"
     )
-    out = ok(
+    out = ok(api,
         "keys", "update", key.prefix, "--rpm", "none", "--budget", "none", "--models", "all",
         "--expires", "never",
     )  # fmt: skip
-    assert admin.calls[-1][2] == {"rpm": None, "budget": None, "models": None, "expires": "never"}
+    assert api.calls[-1][2] == {"rpm": None, "budget": None, "models": None, "expires": "never"}
     assert out.startswith(f"updated key {key.id} (ci): models llama -> all, rpm 120 -> none, ")
     assert out.endswith("policy: unlimited\n")
     assert store.get_api_key(key.id).policy == KeyPolicy()
-    out = ok("keys", "update", "ci", "--priority", "normal")
+    out = ok(api, "keys", "update", "ci", "--priority", "normal")
     assert out == (
         f"key {key.id} (ci) already has that policy; nothing changed\npolicy: unlimited\n"
     )
 
 
-def test_update_without_a_change_is_a_usage_error(admin: Admin) -> None:
-    out = ctl("keys", "update", "ci")
+def test_update_without_a_change_is_a_usage_error(api: FakeAPI, admin: Admin) -> None:
+    out = api.ctl("keys", "update", "ci")
     assert out.exit_code == 2
     assert (
         "nothing to change; give one or more of --models, --rpm, --tpm, --max-concurrent, "
         "--budget, --priority, --expires"
     ) in out.output
-    assert admin.calls == []
+    assert api.calls == []
 
 
-def test_update_of_a_revoked_key_is_refused(admin: Admin, store: Store) -> None:
-    ok("keys", "create", "ci")
+def test_update_of_a_revoked_key_is_refused(api: FakeAPI, admin: Admin, store: Store) -> None:
+    ok(api, "keys", "create", "ci")
     key = store.get_api_key("ci")
-    ok("keys", "revoke", "ci")
-    out = ctl("keys", "update", "ci", "--rpm", "5")
+    ok(api, "keys", "revoke", "ci")
+    out = api.ctl("keys", "update", "ci", "--rpm", "5")
     assert (out.exit_code, out.output) == (
         1,
         f"error: API key {key.id} (ci) is revoked, and a revoked key stays revoked; create a "
@@ -206,10 +202,12 @@ def test_update_of_a_revoked_key_is_refused(admin: Admin, store: Store) -> None:
     )
 
 
-def test_a_name_with_odd_characters_travels_quoted(admin: Admin, store: Store) -> None:
-    ok("keys", "create", "team a/b")
-    ok("keys", "update", "team a/b", "--rpm", "5")
-    assert admin.calls[-1][1] == "/api/keys/team%20a%2Fb"
+def test_a_name_with_odd_characters_travels_quoted(
+    api: FakeAPI, admin: Admin, store: Store
+) -> None:
+    ok(api, "keys", "create", "team a/b")
+    ok(api, "keys", "update", "team a/b", "--rpm", "5")
+    assert api.calls[-1][1] == "/api/keys/team%20a%2Fb"
     assert store.get_api_key("team a/b").policy.rpm == 5
 
 
@@ -217,23 +215,25 @@ def test_a_name_with_odd_characters_travels_quoted(admin: Admin, store: Store) -
 
 
 def test_the_list_has_a_policy_and_an_expiry_column(
-    admin: Admin, store: Store, clock: Clock
+    api: FakeAPI, admin: Admin, store: Store, clock: Clock
 ) -> None:
-    ok("keys", "create", "ci", "--rpm", "60", "--budget", "10M/day")
+    ok(api, "keys", "create", "ci", "--rpm", "60", "--budget", "10M/day")
     clock.advance(1)
-    ok("keys", "create", "lab", "--expires", "12h")
+    ok(api, "keys", "create", "lab", "--expires", "12h")
     ci, lab = store.get_api_key("ci"), store.get_api_key("lab")
-    out = ok("keys", "list")
+    out = ok(api, "keys", "list")
     assert out == (
         "ID            NAME  PREFIX         POLICY                  EXPIRES  CREATED  STATE\n"
         f"{ci.id}  ci    {ci.prefix}…  rpm 60, budget 10M/day  never    0s ago   active\n"
         f"{lab.id}  lab   {lab.prefix}…  unlimited               in 12h   0s ago   active\n"
     )
-    assert [k["name"] for k in json.loads(ok("--json", "keys", "list"))] == ["ci", "lab"]
+    assert [k["name"] for k in json.loads(ok(api, "--json", "keys", "list"))] == ["ci", "lab"]
 
 
-def test_show_gives_the_limits_and_the_usage(admin: Admin, store: Store, clock: Clock) -> None:
-    ok("keys", "create", "ci", "--rpm", "60", "--budget", "1M/day", "--models", "llama,qwen")
+def test_show_gives_the_limits_and_the_usage(
+    api: FakeAPI, admin: Admin, store: Store, clock: Clock
+) -> None:
+    ok(api, "keys", "create", "ci", "--rpm", "60", "--budget", "1M/day", "--models", "llama,qwen")
     key = store.get_api_key("ci")
     today, yesterday = usage_day(clock.t), usage_day(clock.t - DAY)
     week = usage_day(clock.t - 6 * DAY)
@@ -244,7 +244,7 @@ def test_show_gives_the_limits_and_the_usage(admin: Admin, store: Store, clock: 
         ]
     )
     admin.pending = [UsageRow(today, key.id, "llama", 1, 500, 500)]
-    out = ok("keys", "show", "ci")
+    out = ok(api, "keys", "show", "ci")
     assert out == (
         f"key             ci ({key.id}, {key.prefix}…)\n"
         "state           active, created 0s ago\n"
@@ -264,13 +264,15 @@ def test_show_gives_the_limits_and_the_usage(admin: Admin, store: Store, clock: 
         "qwen   2         20      30          0       0\n"
     )
     for args in (("keys", "show", key.id, "--json"), ("--json", "keys", "show", key.prefix)):
-        data = json.loads(ok(*args))
+        data = json.loads(ok(api, *args))
         assert data["usage"]["budget"]["remaining"] == 995_000
 
 
-def test_show_of_an_unused_expiring_key(admin: Admin, store: Store, clock: Clock) -> None:
-    ok("keys", "create", "lab", "--expires", "90d", "--max-concurrent", "2")
-    lines = ok("keys", "show", "lab").splitlines()
+def test_show_of_an_unused_expiring_key(
+    api: FakeAPI, admin: Admin, store: Store, clock: Clock
+) -> None:
+    ok(api, "keys", "create", "lab", "--expires", "90d", "--max-concurrent", "2")
+    lines = ok(api, "keys", "show", "lab").splitlines()
     expires = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(clock.t + 90 * DAY))
     assert lines[5:10] == [
         "max concurrent  2 requests at once",
@@ -287,8 +289,8 @@ def test_show_of_an_unused_expiring_key(admin: Admin, store: Store, clock: Clock
     ]
 
 
-def test_show_of_an_unknown_key_says_how_to_list_them(admin: Admin) -> None:
-    out = ctl("keys", "show", "nope")
+def test_show_of_an_unknown_key_says_how_to_list_them(api: FakeAPI, admin: Admin) -> None:
+    out = api.ctl("keys", "show", "nope")
     assert (out.exit_code, out.output) == (
         1,
         "error: no API key with id, prefix or name nope; 'llmgw ctl keys list --all' lists them\n",
@@ -299,9 +301,9 @@ def test_show_of_an_unknown_key_says_how_to_list_them(admin: Admin) -> None:
 
 
 @pytest.fixture
-def used(admin: Admin, store: Store, clock: Clock) -> dict[str, str]:
-    ok("keys", "create", "ci")
-    ok("keys", "create", "lab")
+def used(api: FakeAPI, admin: Admin, store: Store, clock: Clock) -> dict[str, str]:
+    ok(api, "keys", "create", "ci")
+    ok(api, "keys", "create", "lab")
     ci, lab = store.get_api_key("ci").id, store.get_api_key("lab").id
     today, yesterday = usage_day(clock.t), usage_day(clock.t - DAY)
     old = usage_day(clock.t - 30 * DAY)
@@ -318,10 +320,10 @@ def used(admin: Admin, store: Store, clock: Clock) -> dict[str, str]:
 
 
 def test_usage_sums_the_window_per_key_and_model_with_a_total(
-    admin: Admin, used: dict[str, str]
+    api: FakeAPI, admin: Admin, used: dict[str, str]
 ) -> None:
-    out = ok("usage")
-    assert admin.calls[-1] == ("GET", "/api/usage?since=7d", None)
+    out = ok(api, "usage")
+    assert api.calls[-1] == ("GET", "/api/usage?since=7d", None)
     assert out == (
         "KEY    MODEL  REQUESTS  PROMPT  COMPLETION  CACHED  ERRORS\n"
         "ci     llama  3         4,000   6,000       500     1\n"
@@ -331,9 +333,11 @@ def test_usage_sums_the_window_per_key_and_model_with_a_total(
     )
 
 
-def test_usage_by_day_for_one_key_and_model(admin: Admin, used: dict[str, str]) -> None:
-    out = ok("usage", "--key", "ci", "--model", "llama", "--since", "60d", "--by-day")
-    assert admin.calls[-1][1] == "/api/usage?key=ci&model=llama&since=60d"
+def test_usage_by_day_for_one_key_and_model(
+    api: FakeAPI, admin: Admin, used: dict[str, str]
+) -> None:
+    out = ok(api, "usage", "--key", "ci", "--model", "llama", "--since", "60d", "--by-day")
+    assert api.calls[-1][1] == "/api/usage?key=ci&model=llama&since=60d"
     assert out == (
         "DAY         KEY  MODEL  REQUESTS  PROMPT  COMPLETION  CACHED  ERRORS\n"
         f"{used['old']}  ci   llama  100       100     100         0       0\n"
@@ -343,9 +347,9 @@ def test_usage_by_day_for_one_key_and_model(admin: Admin, used: dict[str, str]) 
     )
 
 
-def test_usage_as_json_is_the_rows(admin: Admin, used: dict[str, str]) -> None:
+def test_usage_as_json_is_the_rows(api: FakeAPI, admin: Admin, used: dict[str, str]) -> None:
     for args in (("usage", "--json", "--until", "1d"), ("--json", "usage", "--until", "1d")):
-        rows = json.loads(ok(*args))
+        rows = json.loads(ok(api, *args))
         assert rows == [
             {
                 "day": used["yesterday"],
@@ -361,22 +365,24 @@ def test_usage_as_json_is_the_rows(admin: Admin, used: dict[str, str]) -> None:
         ]
 
 
-def test_usage_tells_keys_of_one_name_apart(admin: Admin, store: Store, clock: Clock) -> None:
-    ok("keys", "create", "ci")
+def test_usage_tells_keys_of_one_name_apart(
+    api: FakeAPI, admin: Admin, store: Store, clock: Clock
+) -> None:
+    ok(api, "keys", "create", "ci")
     old = store.get_api_key("ci").id
-    ok("keys", "revoke", "ci")
-    ok("keys", "create", "ci")
+    ok(api, "keys", "revoke", "ci")
+    ok(api, "keys", "create", "ci")
     new = store.get_api_key("ci").id
     today = usage_day(clock.t)
     store.add_usage([UsageRow(today, old, "m", 1, 1, 1), UsageRow(today, new, "m", 2, 2, 2)])
-    lines = ok("usage").splitlines()
+    lines = ok(api, "usage").splitlines()
     assert sorted(line.split("  ")[0] for line in lines[1:3]) == sorted(
         [f"ci ({old})", f"ci ({new})"]
     )
 
 
-def test_usage_of_an_empty_window_says_so(admin: Admin, used: dict[str, str]) -> None:
-    assert ok("usage", "--model", "mistral") == "no usage since 7d\n"
+def test_usage_of_an_empty_window_says_so(api: FakeAPI, admin: Admin, used: dict[str, str]) -> None:
+    assert ok(api, "usage", "--model", "mistral") == "no usage since 7d\n"
 
 
 @pytest.mark.parametrize(
@@ -393,7 +399,7 @@ def test_usage_of_an_empty_window_says_so(admin: Admin, used: dict[str, str]) ->
     ],
 )
 def test_a_bad_usage_option_is_refused_naming_the_forms(
-    admin: Admin, used: dict[str, str], args: tuple[str, ...], message: str
+    api: FakeAPI, admin: Admin, used: dict[str, str], args: tuple[str, ...], message: str
 ) -> None:
-    out = ctl("usage", *args)
+    out = api.ctl("usage", *args)
     assert (out.exit_code, out.output) == (1, message)

@@ -6,10 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
 
-from llmgw.cli import main
-from llmgw.cli.ctl.context import Ctl
+from tests.unit.cli.ctl.fakeapi import FakeAPI
 
 ENGINE = {
     "code": "engine",
@@ -78,25 +76,22 @@ DETAIL = _node(
 
 
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    seen: list[str] = []
-
-    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
-        seen.append(f"{method} {path}")
+def api() -> FakeAPI:
+    def answer(method: str, path: str, body: Any) -> Any:
         if path == "/api/status":
             return {"version": "0.1.0"}
         return DETAIL if path == "/api/nodes/gpu-2" else NODES
 
-    monkeypatch.setattr(Ctl, "call", call)
-    return seen
+    return FakeAPI(answer)
 
 
-def ctl(*args: str) -> Result:
-    return CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", *args])
+@pytest.fixture
+def calls(api: FakeAPI) -> list[str]:
+    return api.requests
 
 
-def test_the_list_shows_health_and_a_line_per_degraded_node(calls: list[str]) -> None:
-    out = ctl("nodes")
+def test_the_list_shows_health_and_a_line_per_degraded_node(api: FakeAPI, calls: list[str]) -> None:
+    out = api.ctl("nodes")
     assert out.exit_code == 0, out.output
     assert calls == ["GET /api/nodes", "GET /api/status"]
     lines = out.output.splitlines()
@@ -112,8 +107,8 @@ def test_the_list_shows_health_and_a_line_per_degraded_node(calls: list[str]) ->
     ]
 
 
-def test_one_node_says_why_it_is_degraded_and_what_to_fix(calls: list[str]) -> None:
-    out = ctl("nodes", "gpu-2")
+def test_one_node_says_why_it_is_degraded_and_what_to_fix(api: FakeAPI, calls: list[str]) -> None:
+    out = api.ctl("nodes", "gpu-2")
     assert out.exit_code == 0, out.output
     assert calls == ["GET /api/nodes/gpu-2", "GET /api/status"]
     assert out.output == (
@@ -138,28 +133,32 @@ def test_one_node_says_why_it_is_degraded_and_what_to_fix(calls: list[str]) -> N
     )
 
 
-def test_one_node_as_json(calls: list[str]) -> None:
-    out = ctl("--json", "nodes", "gpu-2")
+def test_one_node_as_json(api: FakeAPI, calls: list[str]) -> None:
+    out = api.ctl("--json", "nodes", "gpu-2")
     assert out.exit_code == 0, out.output
     assert '"health": "degraded"' in out.output and '"code": "fabric"' in out.output
 
 
-def test_what_a_node_wrote_cannot_drive_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_what_a_node_wrote_cannot_drive_the_terminal(
+    api: FakeAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sly = dict(ENGINE, message="will not run\x1b]0;owned\x07\nhealth: healthy")
     node = _node("gpu-2", "degraded", [sly], warnings=["\x1b[2Jcleared"])
 
-    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
+    def answer(method: str, path: str, body: Any) -> Any:
         return {"version": "0.1.0"} if path == "/api/status" else node
 
-    monkeypatch.setattr(Ctl, "call", call)
-    out = ctl("nodes", "gpu-2")
+    api.handler = answer
+    out = api.ctl("nodes", "gpu-2")
     assert out.exit_code == 0, out.output
     assert "\x1b" not in out.output and "\x07" not in out.output
     assert "  - engine vllm: will not run\ufffd]0;owned\ufffd\ufffdhealth: healthy\n" in out.output
     assert "  - \ufffd[2Jcleared\n" in out.output
 
 
-def test_one_node_shows_each_gpus_memory_and_utilisation(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_node_shows_each_gpus_memory_and_utilisation(
+    api: FakeAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def gpu(index: int, used: int, busy: int | None) -> dict[str, Any]:
         return {
             "index": index,
@@ -172,11 +171,11 @@ def test_one_node_shows_each_gpus_memory_and_utilisation(monkeypatch: pytest.Mon
 
     node = _node("gpu-1", "healthy", [], gpus=[gpu(0, 74213, 94), gpu(1, 0, 0), gpu(2, 0, None)])
 
-    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
+    def answer(method: str, path: str, body: Any) -> Any:
         return {"version": "0.1.0"} if path == "/api/status" else node
 
-    monkeypatch.setattr(Ctl, "call", call)
-    out = ctl("nodes", "gpu-1")
+    api.handler = answer
+    out = api.ctl("nodes", "gpu-1")
     assert out.exit_code == 0, out.output
     assert "GPUs:         3\n" in out.output
     # An idle GPU is 0%; one that cannot tell (or a node away) is unknown, never 0%.
@@ -188,20 +187,21 @@ def test_one_node_shows_each_gpus_memory_and_utilisation(monkeypatch: pytest.Mon
     ) in out.output
     # What the node named its GPU cannot drive the terminal either.
     node["gpus"] = [dict(gpu(0, 1, 5), name="\x1b[2Jcleared")]
-    out = ctl("nodes", "gpu-1")
+    out = api.ctl("nodes", "gpu-1")
     assert "  - 0 \ufffd[2Jcleared: memory 1/81559 MiB, utilisation 5%\n" in out.output
 
 
 def test_a_control_plane_before_utilisation_shows_it_unknown(
+    api: FakeAPI,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     old = {"index": 0, "uuid": "GPU-0", "name": "A", "memory_total_mib": 8, "memory_used_mib": 1}
     node = _node("gpu-1", "healthy", [], gpus=[old])
 
-    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
+    def answer(method: str, path: str, body: Any) -> Any:
         return {"version": "0.1.0"} if path == "/api/status" else node
 
-    monkeypatch.setattr(Ctl, "call", call)
-    out = ctl("nodes", "gpu-1")
+    api.handler = answer
+    out = api.ctl("nodes", "gpu-1")
     assert out.exit_code == 0, out.output
     assert "  - 0 A: memory 1/8 MiB, utilisation unknown\n" in out.output

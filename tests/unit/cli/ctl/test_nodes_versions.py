@@ -8,11 +8,9 @@ import json
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
 
-from llmgw.cli import main
-from llmgw.cli.ctl.context import Ctl
-from llmgw.errors import NotFound
+from llmgw.errors import APIError
+from tests.unit.cli.ctl.fakeapi import FakeAPI
 
 SERVER_VERSION = "0.5.0"
 
@@ -48,11 +46,8 @@ NODES = [
 
 
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    seen: list[str] = []
-
-    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
-        seen.append(f"{method} {path}")
+def api() -> FakeAPI:
+    def answer(method: str, path: str, body: Any) -> Any:
         if path == "/api/status":
             return {"version": SERVER_VERSION}
         if path == "/api/nodes":
@@ -61,14 +56,16 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         for node in NODES:
             if node["id"] == node_id:
                 return node
-        raise NotFound(f"no node {node_id!r}; 'llmgw ctl nodes' lists them")
+        raise APIError(
+            f"no node {node_id!r}; 'llmgw ctl nodes' lists them", status=404, code="not_found"
+        )
 
-    monkeypatch.setattr(Ctl, "call", call)
-    return seen
+    return FakeAPI(answer)
 
 
-def ctl(*args: str) -> Result:
-    return CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", *args])
+@pytest.fixture
+def calls(api: FakeAPI) -> list[str]:
+    return api.requests
 
 
 N3_WARNING = (
@@ -81,8 +78,10 @@ NEW_WARNING = (
 )
 
 
-def test_the_table_marks_and_explains_the_agents_out_of_the_window(calls: list[str]) -> None:
-    out = ctl("nodes")
+def test_the_table_marks_and_explains_the_agents_out_of_the_window(
+    api: FakeAPI, calls: list[str]
+) -> None:
+    out = api.ctl("nodes")
     assert out.exit_code == 0, out.output
     assert calls == ["GET /api/nodes", "GET /api/status"]
     rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
@@ -93,28 +92,28 @@ def test_the_table_marks_and_explains_the_agents_out_of_the_window(calls: list[s
     assert out.stderr.splitlines() == [N3_WARNING, NEW_WARNING]
 
 
-def test_one_node_says_its_version_and_the_warning(calls: list[str]) -> None:
-    out = ctl("nodes", "gpu-n3")
+def test_one_node_says_its_version_and_the_warning(api: FakeAPI, calls: list[str]) -> None:
+    out = api.ctl("nodes", "gpu-n3")
     assert out.exit_code == 0, out.output
     assert "version:      0.2.4 (control plane: 0.5.0)" in out.stdout.splitlines()
     assert "node:         gpu-n3" in out.stdout.splitlines()
     assert out.stderr.splitlines() == [N3_WARNING]
 
 
-def test_one_node_within_the_window_has_no_warning(calls: list[str]) -> None:
-    out = ctl("nodes", "gpu-n2")
+def test_one_node_within_the_window_has_no_warning(api: FakeAPI, calls: list[str]) -> None:
+    out = api.ctl("nodes", "gpu-n2")
     assert out.exit_code == 0, out.output
     assert out.stderr == ""
     assert "version:      0.3.0 (control plane: 0.5.0)" in out.stdout.splitlines()
 
 
-def test_an_unknown_node_is_refused_naming_the_listing(calls: list[str]) -> None:
-    out = ctl("nodes", "gpu-x")
+def test_an_unknown_node_is_refused_naming_the_listing(api: FakeAPI, calls: list[str]) -> None:
+    out = api.ctl("nodes", "gpu-x")
     assert out.exit_code == 1
     assert "no node 'gpu-x'; 'llmgw ctl nodes' lists them" in out.stderr
 
 
-def test_json_of_one_node_is_the_api_record(calls: list[str]) -> None:
-    out = ctl("--json", "nodes", "gpu-new")
+def test_json_of_one_node_is_the_api_record(api: FakeAPI, calls: list[str]) -> None:
+    out = api.ctl("--json", "nodes", "gpu-new")
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout) == _node("gpu-new", "0.6.0rc1")

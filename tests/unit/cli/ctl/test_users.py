@@ -9,17 +9,13 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
 
-from llmgw.cli import main
-from llmgw.cli.ctl.context import Ctl
-from llmgw.errors import APIError
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import PASSWORD_META, check_password, hash_password
 from llmgw.server.store import Store
+from tests.unit.cli.ctl.fakeapi import FakeAPI, Status
 from tests.unit.clock import Clock
 from tests.unit.server.admin.keys_rig import Admin
 
@@ -34,21 +30,13 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 
 @pytest.fixture
-def admin(store: Store, monkeypatch: pytest.MonkeyPatch) -> Admin:
-    rig = Admin(store)
-
-    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
-        status, data = rig.call(method, path, body)
-        if status >= 400:
-            raise APIError(data["error"]["message"], status=status, code=data["error"]["code"])
-        return data
-
-    monkeypatch.setattr(Ctl, "call", call)
-    return rig
+def admin(store: Store) -> Admin:
+    return Admin(store)
 
 
-def ctl(*args: str, stdin: str | None = None) -> Result:
-    return CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", *args], input=stdin)
+@pytest.fixture
+def api(admin: Admin) -> FakeAPI:
+    return FakeAPI(lambda method, path, body: Status(*admin.call(method, path, body)))
 
 
 def _verify(store: Store, name: str, password: str) -> bool:
@@ -56,48 +44,50 @@ def _verify(store: Store, name: str, password: str) -> bool:
 
 
 def test_add_list_role_password_remove(
-    admin: Admin, store: Store, monkeypatch: pytest.MonkeyPatch
+    api: FakeAPI, admin: Admin, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    out = ctl(
+    out = api.ctl(
         "users", "add", "bob", "--role", "viewer", "--password-stdin", stdin="bob's password\n"
     )
     assert (out.exit_code, out.output) == (0, "added bob (viewer)\n")
     assert _verify(store, "bob", "bob's password")
 
-    out = ctl("users", "list")
+    out = api.ctl("users", "list")
     assert out.exit_code == 0, out.output
     lines = out.output.splitlines()
     assert lines[0].split() == ["NAME", "ROLE", "CREATED", "BY", "PASSWORD", "CHANGED"]
     assert [line.split()[:2] for line in lines[1:]] == [["admin", "admin"], ["bob", "viewer"]]
-    listed = json.loads(ctl("users", "list", "--json").output)
+    listed = json.loads(api.ctl("users", "list", "--json").output)
     assert [u["name"] for u in listed] == ["admin", "bob"]
 
     # Making an admin asks the maker's own password: the admin password, with the token.
-    out = ctl("users", "role", "bob", "admin")
+    out = api.ctl("users", "role", "bob", "admin")
     assert (out.exit_code, out.output) == (
         2,
         "error: no admin password: set LLMGW_ADMIN_PASSWORD or run in a terminal to be "
         "prompted; never pass it as an argument\n",
     )
     monkeypatch.setenv("LLMGW_ADMIN_PASSWORD", "not the admin password")
-    out = ctl("users", "role", "bob", "admin")
+    out = api.ctl("users", "role", "bob", "admin")
     assert (
         out.exit_code == 1
         and "password for the account 'admin'; 'bob' was not promoted" in out.output
     )
     assert store.get_operator("bob").role == "viewer"
     monkeypatch.setenv("LLMGW_ADMIN_PASSWORD", "the first admin password")
-    assert ctl("users", "role", "bob", "admin").output == "bob is now admin\n"
-    out = ctl("users", "password", "bob", "--password-stdin", stdin="bob's second one\n")
+    assert api.ctl("users", "role", "bob", "admin").output == "bob is now admin\n"
+    out = api.ctl("users", "password", "bob", "--password-stdin", stdin="bob's second one\n")
     assert out.output == "changed the password of bob\n"
     assert _verify(store, "bob", "bob's second one")
-    assert ctl("users", "remove", "bob").output == "removed bob\n"
+    assert api.ctl("users", "remove", "bob").output == "removed bob\n"
     assert [o.name for o in store.list_operators()] == ["admin"]
 
 
-def test_admin_s_password_is_changed_only_as_the_admin_password(admin: Admin, store: Store) -> None:
+def test_admin_s_password_is_changed_only_as_the_admin_password(
+    api: FakeAPI, admin: Admin, store: Store
+) -> None:
     before = store.get_meta(PASSWORD_META)
-    out = ctl("users", "password", "admin", "--password-stdin", stdin="a new admin password\n")
+    out = api.ctl("users", "password", "admin", "--password-stdin", stdin="a new admin password\n")
     assert (out.exit_code, out.output) == (
         1,
         "error: the password of 'admin' is the admin password; change it with 'llmgw ctl "
@@ -107,10 +97,10 @@ def test_admin_s_password_is_changed_only_as_the_admin_password(admin: Admin, st
     assert not check_password(before or "", "a new admin password")
 
 
-def test_a_password_from_the_environment(admin: Admin, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_password_from_the_environment(api: FakeAPI, admin: Admin, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setenv("LLMGW_USER_PASSWORD", "carol's password")
     monkeypatch.setenv("LLMGW_ADMIN_PASSWORD", "the first admin password")  # makes an admin
-    assert ctl("users", "add", "carol", "--role", "admin").exit_code == 0
+    assert api.ctl("users", "add", "carol", "--role", "admin").exit_code == 0
     assert _verify(store, "carol", "carol's password")
 
 
@@ -135,24 +125,30 @@ def test_a_password_from_the_environment(admin: Admin, store: Store, monkeypatch
     ],
 )  # fmt: skip
 def test_refusals_say_what_to_do(
-    admin: Admin, store: Store, args: tuple[str, ...], stdin: str | None, code: int, message: str
+    api: FakeAPI,
+    admin: Admin,
+    store: Store,
+    args: tuple[str, ...],
+    stdin: str | None,
+    code: int,
+    message: str,
 ) -> None:
     # 2: what the command was given cannot be used (ConfigError); 1: the server refused.
-    out = ctl(*args, stdin=stdin)
+    out = api.ctl(*args, stdin=stdin)
     assert (out.exit_code, out.output) == (code, message)
     assert [o.name for o in store.list_operators()] == ["admin"]
 
 
-def test_an_unknown_role_is_refused_before_the_server_is_asked(admin: Admin) -> None:
-    out = ctl("users", "add", "bob", "--role", "root", "--password-stdin", stdin="x" * 12)
+def test_an_unknown_role_is_refused_before_the_server_is_asked(api: FakeAPI, admin: Admin) -> None:
+    out = api.ctl("users", "add", "bob", "--role", "root", "--password-stdin", stdin="x" * 12)
     assert out.exit_code == 2 and "'root' is not one of 'admin', 'viewer'" in out.output
 
 
-def test_ctl_events_shows_who_did_it(admin: Admin, store: Store) -> None:
-    ctl("users", "add", "bob", "--role", "viewer", "--password-stdin", stdin="bob's password\n")
-    out = ctl("events", "--subject", "bob")
+def test_ctl_events_shows_who_did_it(api: FakeAPI, admin: Admin, store: Store) -> None:
+    api.ctl("users", "add", "bob", "--role", "viewer", "--password-stdin", stdin="bob's password\n")
+    out = api.ctl("events", "--subject", "bob")
     assert out.exit_code == 0, out.output
     header, row = out.output.splitlines()
     assert header.split() == ["TIME", "KIND", "SUBJECT", "BY", "MESSAGE"]
     assert row.split()[1:] == ["operator_added", "bob", "token", "role", "viewer"]
-    assert json.loads(ctl("--json", "events").output)[0]["actor"] == "token"
+    assert json.loads(api.ctl("--json", "events").output)[0]["actor"] == "token"
