@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import platform
-import re
 import shutil
 import ssl
 import stat
@@ -39,12 +38,13 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, ParamSpec, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import aiohttp
 from yarl import URL
 
 from llmgw.agent.discovery import ENGINE_MANIFEST, check_engine_binary
+from llmgw.contracts.install_order import SHA256, VERSION, canonical_arch, display_url, url_problem
 from llmgw.contracts.sources import SourcePrefix, allowed, split_url
 from llmgw.engines.registry import get_engine, installable_engines
 from llmgw.errors import ArchiveError, EngineError
@@ -73,9 +73,6 @@ _CHUNK = 1 << 20
 MAX_REDIRECTS = 5
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _TMP_PREFIX = ".tmp-"
-_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
-_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
-_ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
 _TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tar")
 
 
@@ -112,9 +109,9 @@ async def install_engine(
     that install again and returns it without downloading. Every refusal is an
     :class:`EngineError` saying what was wrong and what to do.
     """
-    machine = _canonical_arch(arch or platform.machine())
+    machine = canonical_arch(arch or platform.machine())
     engine, version, url, want = _validate(order, machine, sources)
-    shown = _display_url(url)
+    shown = display_url(url)
     root = _engines_root(Path(state_dir))
     final = root / engine / version
 
@@ -235,31 +232,31 @@ def _validate(
             f"cannot install engine {engine!r}: installable engines are {', '.join(ENGINES)}; "
             "fix the order's engine"
         )
-    if not _VERSION.fullmatch(version):
+    if not VERSION.fullmatch(version):
         raise EngineError(
             f"cannot install {engine} version {version!r}: a version is 1-64 letters, digits, "
             "'.', '_', '+' and '-', starting with a letter or digit; fix the order's version"
         )
-    try:
-        scheme = split_url(url)[0]
-    except ValueError as exc:
+    problem = url_problem(url)
+    if problem is not None:
         raise EngineError(
-            f"cannot install {engine} {version} from {_display_url(url)!r}: {exc}; fix the "
+            f"cannot install {engine} {version} from {display_url(url)!r}: {problem}; fix the "
             "order's url"
-        ) from None
+        )
+    scheme = split_url(url)[0]
     if scheme != "https" and not allowed(url, sources, schemes=(scheme,)):
         raise EngineError(
-            f"cannot install {engine} {version} from {_display_url(url)}: {scheme}:// URLs are "
+            f"cannot install {engine} {version} from {display_url(url)}: {scheme}:// URLs are "
             "fetched only from places listed in install_sources in agent.yaml (e.g. "
             f"'install_sources: [{_suggested_prefix(url)}]'); list it there and restart the "
             "agent, or order an https:// URL"
         )
-    if not _SHA256.fullmatch(sha256):
+    if not SHA256.fullmatch(sha256):
         raise EngineError(
             f"cannot install {engine} {version}: sha256 {order.sha256!r} is not 64 hex "
             "digits; give the SHA-256 the publisher lists for the build"
         )
-    if order.arch and _canonical_arch(order.arch) != machine:
+    if order.arch and canonical_arch(order.arch) != machine:
         raise EngineError(
             f"cannot install {engine} {version}: the order is for {order.arch} but this node "
             f"is {machine}; send the build for {machine}"
@@ -269,28 +266,8 @@ def _validate(
 
 def _suggested_prefix(url: str) -> str:
     """The folder of ``url``: what an operator would list to allow it."""
-    shown = _display_url(url).split("?", 1)[0]
+    shown = display_url(url).split("?", 1)[0]
     return shown.rsplit("/", 1)[0] + "/"
-
-
-def _canonical_arch(name: str) -> str:
-    name = name.strip().lower()
-    return _ARCH_ALIASES.get(name, name)
-
-
-def _display_url(url: str) -> str:
-    """The URL without user info or query, which may carry credentials (signed URLs)."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = parts.port
-    except ValueError:
-        return url.split("?", 1)[0]
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{host}:{port}" if port is not None else host
-    query = "…" if parts.query else ""
-    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 
 
 def _engines_root(state_dir: Path) -> Path:
@@ -415,7 +392,7 @@ async def _download(
                     if resp.status in _REDIRECTS:
                         target = _redirect_target(current, resp.headers.get("Location", ""))
                         if hop == MAX_REDIRECTS or not allowed(target, sources, schemes=("https",)):
-                            raise _redirect_refused(shown, _display_url(target))
+                            raise _redirect_refused(shown, display_url(target))
                         current = target
                         continue
                     if resp.status != 200:
