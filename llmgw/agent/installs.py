@@ -120,13 +120,7 @@ async def install_engine(
         _refuse_other_build(manifest, final, engine, version, want)
         return await _installed_info(final, manifest, engine, version)
 
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=root))
-    except OSError as exc:
-        raise EngineError(
-            f"cannot make a temporary folder in {root}: {exc.strerror}; check that the state "
-            "directory belongs to the agent's user and has free space"
-        ) from exc
+    tmp = _temporary_folder(root)
     try:
         archive = tmp / "download"
         got = await _download(
@@ -138,16 +132,7 @@ async def install_engine(
             sources=sources,
             ssl_context=ssl_context,
         )
-        if not hmac.compare_digest(got, want):
-            log.warning(
-                "engine download does not match the order's SHA-256",
-                extra=kv(url=shown, got=got, want=want, size=archive.stat().st_size),
-            )
-            raise EngineError(
-                f"checksum mismatch for {shown}: the download is not the build the order's "
-                "SHA-256 names; it was deleted; check the SHA-256 the publisher gives for "
-                "this build and send the order again"
-            )
+        _check_digest(got, want, shown, archive)
         staging = tmp / "root"
         kind = _archive_kind(urlsplit(url).path, archive, shown)
         await _in_thread(_unpack, kind, archive, staging, shown, max_unpacked_bytes)
@@ -168,17 +153,7 @@ async def install_engine(
             "installed_at": datetime.now(UTC).isoformat(),
             "url": shown,
         }
-        await _in_thread(_write_manifest, staging, manifest)
-        if not await _in_thread(_commit, staging, final):
-            # Another install of this version finished while we downloaded.
-            existing = await _in_thread(_read_manifest, final)
-            if existing is None:
-                raise EngineError(
-                    f"could not move {engine} {version} into {final}: it vanished while "
-                    "being replaced; send the order again"
-                )
-            _refuse_other_build(existing, final, engine, version, want)
-            manifest = existing
+        manifest = await _put_in_place(staging, final, manifest)
         log.info("installed %s %s from %s into %s", engine, version, shown, final)
         return pb.EngineInfo(
             name=engine,
@@ -188,6 +163,51 @@ async def install_engine(
         )
     finally:
         await _in_thread(_remove_tree, tmp)
+
+
+def _temporary_folder(root: Path) -> Path:
+    """A fresh folder for one install's download and unpacking, under the engines' root (so
+    that the finished install is renamed into place, on the same file system)."""
+    try:
+        return Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=root))
+    except OSError as exc:
+        raise EngineError(
+            f"cannot make a temporary folder in {root}: {exc.strerror}; check that the state "
+            "directory belongs to the agent's user and has free space"
+        ) from exc
+
+
+def _check_digest(got: str, want: str, shown: str, archive: Path) -> None:
+    """Refuse a download that is not the build the order names; what it was goes to the
+    agent's log only (the control plane hears 'checksum mismatch')."""
+    if not hmac.compare_digest(got, want):
+        log.warning(
+            "engine download does not match the order's SHA-256",
+            extra=kv(url=shown, got=got, want=want, size=archive.stat().st_size),
+        )
+        raise EngineError(
+            f"checksum mismatch for {shown}: the download is not the build the order's "
+            "SHA-256 names; it was deleted; check the SHA-256 the publisher gives for "
+            "this build and send the order again"
+        )
+
+
+async def _put_in_place(staging: Path, final: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Write ``manifest`` into the staged install and move it to ``final``; the manifest in
+    place after (the one of an install of the same build that finished first)."""
+    await _in_thread(_write_manifest, staging, manifest)
+    if await _in_thread(_commit, staging, final):
+        return manifest
+    # Another install of this version finished while we downloaded.
+    engine, version = manifest["engine"], manifest["version"]
+    existing = await _in_thread(_read_manifest, final)
+    if existing is None:
+        raise EngineError(
+            f"could not move {engine} {version} into {final}: it vanished while "
+            "being replaced; send the order again"
+        )
+    _refuse_other_build(existing, final, engine, version, manifest["sha256"])
+    return existing
 
 
 def download_ssl_context(cluster_ca: Path | None) -> ssl.SSLContext:
