@@ -266,6 +266,24 @@ class RemoteRun:
     def remote_command(self) -> str:
         return "sudo -n sh -s" if self.sudo else "sh -s"
 
+    def _start(self, argv: list[str]) -> subprocess.Popen[str]:
+        """ssh started, its three pipes open, in a session of its own (killed as a group)."""
+        try:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+            )
+        except FileNotFoundError:
+            raise SshError(
+                f"no ssh client ({self.target.ssh}) on this machine; install OpenSSH's "
+                "client (apt-get install openssh-client)"
+            ) from None
+
     def run(
         self,
         script: str,
@@ -281,21 +299,7 @@ class RemoteRun:
         argv = self.target.argv(
             self.remote_command, connect_timeout=connect_timeout, verbose=verbose
         )
-        try:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                errors="replace",
-                start_new_session=True,
-            )
-        except FileNotFoundError:
-            raise SshError(
-                f"no ssh client ({self.target.ssh}) on this machine; install OpenSSH's "
-                "client (apt-get install openssh-client)"
-            ) from None
+        proc = self._start(argv)
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         errors: list[str] = []
         stderr_pipe = proc.stderr
@@ -327,16 +331,7 @@ class RemoteRun:
                 proc.kill()
                 proc.wait()
             reader.join(timeout=5)
-        raw = "".join(errors)
-        keys = _SERVER_KEY.findall(raw)
-        host_key = (
-            HostKey(type=keys[-1][0], fingerprint=keys[-1][1], added=bool(_ADDED.search(raw)))
-            if keys
-            else None
-        )
-        stderr = "".join(
-            line for line in raw.splitlines(keepends=True) if not line.startswith("debug")
-        )
+        host_key, stderr = _read_stderr("".join(errors))
         if killed.is_set():
             raise SshError(
                 f"the script on {self.target.describe()} did not finish within {timeout:.0f}s "
@@ -357,3 +352,16 @@ def _sudo_refused(stderr: str) -> bool:
 def last_lines(lines: Sequence[str], limit: int = 12) -> str:
     """The last ``limit`` lines of a remote script's output, for a message."""
     return "\n".join(lines[-limit:])
+
+
+def _read_stderr(raw: str) -> tuple[HostKey | None, str]:
+    """What ssh wrote to stderr: the server's host key (from ssh -v's debug lines, the last
+    one named), and the rest without those debug lines."""
+    keys = _SERVER_KEY.findall(raw)
+    host_key = (
+        HostKey(type=keys[-1][0], fingerprint=keys[-1][1], added=bool(_ADDED.search(raw)))
+        if keys
+        else None
+    )
+    stderr = "".join(line for line in raw.splitlines(keepends=True) if not line.startswith("debug"))
+    return host_key, stderr

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import platform
-import re
 import shutil
 import ssl
 import stat
@@ -39,12 +38,13 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, ParamSpec, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import aiohttp
 from yarl import URL
 
 from llmgw.agent.discovery import ENGINE_MANIFEST, check_engine_binary
+from llmgw.contracts.install_order import SHA256, VERSION, canonical_arch, display_url, url_problem
 from llmgw.contracts.sources import SourcePrefix, allowed, split_url
 from llmgw.engines.registry import get_engine, installable_engines
 from llmgw.errors import ArchiveError, EngineError
@@ -73,9 +73,6 @@ _CHUNK = 1 << 20
 MAX_REDIRECTS = 5
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _TMP_PREFIX = ".tmp-"
-_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
-_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
-_ARCH_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
 _TAR_SUFFIXES = (".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tar")
 
 
@@ -112,9 +109,9 @@ async def install_engine(
     that install again and returns it without downloading. Every refusal is an
     :class:`EngineError` saying what was wrong and what to do.
     """
-    machine = _canonical_arch(arch or platform.machine())
+    machine = canonical_arch(arch or platform.machine())
     engine, version, url, want = _validate(order, machine, sources)
-    shown = _display_url(url)
+    shown = display_url(url)
     root = _engines_root(Path(state_dir))
     final = root / engine / version
 
@@ -123,13 +120,7 @@ async def install_engine(
         _refuse_other_build(manifest, final, engine, version, want)
         return await _installed_info(final, manifest, engine, version)
 
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=root))
-    except OSError as exc:
-        raise EngineError(
-            f"cannot make a temporary folder in {root}: {exc.strerror}; check that the state "
-            "directory belongs to the agent's user and has free space"
-        ) from exc
+    tmp = _temporary_folder(root)
     try:
         archive = tmp / "download"
         got = await _download(
@@ -141,16 +132,7 @@ async def install_engine(
             sources=sources,
             ssl_context=ssl_context,
         )
-        if not hmac.compare_digest(got, want):
-            log.warning(
-                "engine download does not match the order's SHA-256",
-                extra=kv(url=shown, got=got, want=want, size=archive.stat().st_size),
-            )
-            raise EngineError(
-                f"checksum mismatch for {shown}: the download is not the build the order's "
-                "SHA-256 names; it was deleted; check the SHA-256 the publisher gives for "
-                "this build and send the order again"
-            )
+        _check_digest(got, want, shown, archive)
         staging = tmp / "root"
         kind = _archive_kind(urlsplit(url).path, archive, shown)
         await _in_thread(_unpack, kind, archive, staging, shown, max_unpacked_bytes)
@@ -171,17 +153,7 @@ async def install_engine(
             "installed_at": datetime.now(UTC).isoformat(),
             "url": shown,
         }
-        await _in_thread(_write_manifest, staging, manifest)
-        if not await _in_thread(_commit, staging, final):
-            # Another install of this version finished while we downloaded.
-            existing = await _in_thread(_read_manifest, final)
-            if existing is None:
-                raise EngineError(
-                    f"could not move {engine} {version} into {final}: it vanished while "
-                    "being replaced; send the order again"
-                )
-            _refuse_other_build(existing, final, engine, version, want)
-            manifest = existing
+        manifest = await _put_in_place(staging, final, manifest)
         log.info("installed %s %s from %s into %s", engine, version, shown, final)
         return pb.EngineInfo(
             name=engine,
@@ -191,6 +163,51 @@ async def install_engine(
         )
     finally:
         await _in_thread(_remove_tree, tmp)
+
+
+def _temporary_folder(root: Path) -> Path:
+    """A fresh folder for one install's download and unpacking, under the engines' root (so
+    that the finished install is renamed into place, on the same file system)."""
+    try:
+        return Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=root))
+    except OSError as exc:
+        raise EngineError(
+            f"cannot make a temporary folder in {root}: {exc.strerror}; check that the state "
+            "directory belongs to the agent's user and has free space"
+        ) from exc
+
+
+def _check_digest(got: str, want: str, shown: str, archive: Path) -> None:
+    """Refuse a download that is not the build the order names; what it was goes to the
+    agent's log only (the control plane hears 'checksum mismatch')."""
+    if not hmac.compare_digest(got, want):
+        log.warning(
+            "engine download does not match the order's SHA-256",
+            extra=kv(url=shown, got=got, want=want, size=archive.stat().st_size),
+        )
+        raise EngineError(
+            f"checksum mismatch for {shown}: the download is not the build the order's "
+            "SHA-256 names; it was deleted; check the SHA-256 the publisher gives for "
+            "this build and send the order again"
+        )
+
+
+async def _put_in_place(staging: Path, final: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Write ``manifest`` into the staged install and move it to ``final``; the manifest in
+    place after (the one of an install of the same build that finished first)."""
+    await _in_thread(_write_manifest, staging, manifest)
+    if await _in_thread(_commit, staging, final):
+        return manifest
+    # Another install of this version finished while we downloaded.
+    engine, version = manifest["engine"], manifest["version"]
+    existing = await _in_thread(_read_manifest, final)
+    if existing is None:
+        raise EngineError(
+            f"could not move {engine} {version} into {final}: it vanished while "
+            "being replaced; send the order again"
+        )
+    _refuse_other_build(existing, final, engine, version, manifest["sha256"])
+    return existing
 
 
 def download_ssl_context(cluster_ca: Path | None) -> ssl.SSLContext:
@@ -235,31 +252,31 @@ def _validate(
             f"cannot install engine {engine!r}: installable engines are {', '.join(ENGINES)}; "
             "fix the order's engine"
         )
-    if not _VERSION.fullmatch(version):
+    if not VERSION.fullmatch(version):
         raise EngineError(
             f"cannot install {engine} version {version!r}: a version is 1-64 letters, digits, "
             "'.', '_', '+' and '-', starting with a letter or digit; fix the order's version"
         )
-    try:
-        scheme = split_url(url)[0]
-    except ValueError as exc:
+    problem = url_problem(url)
+    if problem is not None:
         raise EngineError(
-            f"cannot install {engine} {version} from {_display_url(url)!r}: {exc}; fix the "
+            f"cannot install {engine} {version} from {display_url(url)!r}: {problem}; fix the "
             "order's url"
-        ) from None
+        )
+    scheme = split_url(url)[0]
     if scheme != "https" and not allowed(url, sources, schemes=(scheme,)):
         raise EngineError(
-            f"cannot install {engine} {version} from {_display_url(url)}: {scheme}:// URLs are "
+            f"cannot install {engine} {version} from {display_url(url)}: {scheme}:// URLs are "
             "fetched only from places listed in install_sources in agent.yaml (e.g. "
             f"'install_sources: [{_suggested_prefix(url)}]'); list it there and restart the "
             "agent, or order an https:// URL"
         )
-    if not _SHA256.fullmatch(sha256):
+    if not SHA256.fullmatch(sha256):
         raise EngineError(
             f"cannot install {engine} {version}: sha256 {order.sha256!r} is not 64 hex "
             "digits; give the SHA-256 the publisher lists for the build"
         )
-    if order.arch and _canonical_arch(order.arch) != machine:
+    if order.arch and canonical_arch(order.arch) != machine:
         raise EngineError(
             f"cannot install {engine} {version}: the order is for {order.arch} but this node "
             f"is {machine}; send the build for {machine}"
@@ -269,28 +286,8 @@ def _validate(
 
 def _suggested_prefix(url: str) -> str:
     """The folder of ``url``: what an operator would list to allow it."""
-    shown = _display_url(url).split("?", 1)[0]
+    shown = display_url(url).split("?", 1)[0]
     return shown.rsplit("/", 1)[0] + "/"
-
-
-def _canonical_arch(name: str) -> str:
-    name = name.strip().lower()
-    return _ARCH_ALIASES.get(name, name)
-
-
-def _display_url(url: str) -> str:
-    """The URL without user info or query, which may carry credentials (signed URLs)."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = parts.port
-    except ValueError:
-        return url.split("?", 1)[0]
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{host}:{port}" if port is not None else host
-    query = "…" if parts.query else ""
-    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 
 
 def _engines_root(state_dir: Path) -> Path:
@@ -415,7 +412,7 @@ async def _download(
                     if resp.status in _REDIRECTS:
                         target = _redirect_target(current, resp.headers.get("Location", ""))
                         if hop == MAX_REDIRECTS or not allowed(target, sources, schemes=("https",)):
-                            raise _redirect_refused(shown, _display_url(target))
+                            raise _redirect_refused(shown, display_url(target))
                         current = target
                         continue
                     if resp.status != 200:

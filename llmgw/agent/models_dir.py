@@ -30,7 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw.agent.installs import _display_url, _download
+from llmgw.agent.installs import _download
+from llmgw.contracts.install_order import display_url
 from llmgw.contracts.model_sources import (
     CACHE_DIR,
     MAX_CACHED,
@@ -229,7 +230,7 @@ class SourceStore:
         return Located(Path(real))
 
     def _locate_url(self, spec: SourceSpec) -> Located:
-        shown = _display_url(spec.text)
+        shown = display_url(spec.text)
         if not fetchable(spec.text, self.install_sources):
             scheme = spec.text.split(":", 1)[0].lower()
             raise ShardError(
@@ -249,7 +250,7 @@ class SourceStore:
             if final.is_file():
                 return final
             base = self.cache_root / CACHE_DIR
-            shown = _display_url(spec.text)
+            shown = display_url(spec.text)
             try:
                 base.mkdir(parents=True, exist_ok=True)
                 if not self._cleaned:

@@ -92,6 +92,26 @@ class Credentials:
     ca: bytes
 
 
+_CHANNEL_OPTIONS = (
+    # Whatever address we dial, only a certificate naming CONTROL_PLANE_NAME passes
+    # the handshake: control-plane certificates carry it, a node's never can (its id
+    # may equal the host name we dial). Nothing is read from the stream before that,
+    # so no epoch or order from anyone else ever reaches the operation log.
+    ("grpc.ssl_target_name_override", CONTROL_PLANE_NAME),
+    # A retired instance's server certificate (KnownServers.is_retired) is not
+    # refused here, unlike its client certificate on the data plane: gRPC Python
+    # shows a client neither the server's certificate nor its auth context (a
+    # Call has no auth_context(), the credentials take no verify callback). The
+    # leader stops naming a retired instance, and its id and certificates are
+    # refused at start, so reaching one takes an agent.yaml seed that still names
+    # it and its files run outside the cluster's database.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
 class StreamClient:
     """Keeps one Connect stream to the first control plane that accepts this node."""
 
@@ -244,25 +264,7 @@ class StreamClient:
             private_key=current.key,
             certificate_chain=current.cert,
         )
-        options = [
-            # Whatever address we dial, only a certificate naming CONTROL_PLANE_NAME passes
-            # the handshake: control-plane certificates carry it, a node's never can (its id
-            # may equal the host name we dial). Nothing is read from the stream before that,
-            # so no epoch or order from anyone else ever reaches the operation log.
-            ("grpc.ssl_target_name_override", CONTROL_PLANE_NAME),
-            # A retired instance's server certificate (KnownServers.is_retired) is not
-            # refused here, unlike its client certificate on the data plane: gRPC Python
-            # shows a client neither the server's certificate nor its auth context (a
-            # Call has no auth_context(), the credentials take no verify callback). The
-            # leader stops naming a retired instance, and its id and certificates are
-            # refused at start, so reaching one takes an agent.yaml seed that still names
-            # it and its files run outside the cluster's database.
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),
-        ]
-        async with grpc.aio.secure_channel(server, creds, options=options) as channel:
+        async with grpc.aio.secure_channel(server, creds, options=_CHANNEL_OPTIONS) as channel:
             await _connected(channel, server)
             stub = pb_grpc.ControlPlaneStub(channel)
             queue: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
@@ -275,46 +277,8 @@ class StreamClient:
             try:
                 async for msg in call:
                     self._heard = time.monotonic()
-                    kind = msg.WhichOneof("msg")
-                    if kind == "refuse":
-                        raise Refused(msg.refuse.leader, msg.refuse.message)
-                    if kind == "welcome":
-                        self._welcome(msg.welcome, server)
-                        if heartbeat is None:
-                            heartbeat = asyncio.create_task(self._heartbeats(queue, call))
-                    elif kind == "node_state":
-                        self._set_node_state(msg.node_state.state, msg.node_state.message)
-                    elif kind == "renew_certificate":
-                        self.on_renewal_answer(msg.renew_certificate)
-                    elif kind == "trust_bundle":
-                        self.on_trust_bundle(msg.trust_bundle)
-                    elif kind == "control_planes":
-                        self._control_planes(msg.control_planes, server)
-                    elif kind == "heartbeat_ack":
-                        pass  # heard: that is all it is for
-                    elif kind == "start_shard":
-                        self._spawn_order(
-                            msg.start_shard.meta,
-                            msg.start_shard.shard_id,
-                            self._start(msg.start_shard),
-                        )
-                    elif kind == "install_engine":
-                        order = msg.install_engine
-                        self._spawn_order(
-                            order.meta, f"install:{order.engine}", self.installer(order)
-                        )
-                    elif kind == "update_order":
-                        order = msg.update_order
-                        self._spawn_order(order.meta, "update", self.updater(order))
-                    elif kind == "stop_shard":
-                        self._spawn_order(
-                            msg.stop_shard.meta, msg.stop_shard.shard_id, self._stop(msg.stop_shard)
-                        )
-                    else:
-                        log.warning(
-                            "ignoring an unknown message from the control plane",
-                            extra=kv(kind=kind),
-                        )
+                    if self._on_message(msg, server) and heartbeat is None:
+                        heartbeat = asyncio.create_task(self._heartbeats(queue, call))
             except (asyncio.CancelledError, grpc.aio.AioRpcError):
                 task = asyncio.current_task()
                 if self._silent and not (task is not None and task.cancelling()):
@@ -331,6 +295,48 @@ class StreamClient:
                     heartbeat.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await heartbeat
+
+    def _on_message(self, msg: pb.ServerMessage, server: str) -> bool:
+        """Act on one message of the control plane's; True for its welcome (after which the
+        heartbeats start). A refusal ends the stream (Refused)."""
+        kind = msg.WhichOneof("msg")
+        if kind == "refuse":
+            raise Refused(msg.refuse.leader, msg.refuse.message)
+        if kind == "welcome":
+            self._welcome(msg.welcome, server)
+            return True
+        elif kind == "node_state":
+            self._set_node_state(msg.node_state.state, msg.node_state.message)
+        elif kind == "renew_certificate":
+            self.on_renewal_answer(msg.renew_certificate)
+        elif kind == "trust_bundle":
+            self.on_trust_bundle(msg.trust_bundle)
+        elif kind == "control_planes":
+            self._control_planes(msg.control_planes, server)
+        elif kind == "heartbeat_ack":
+            pass  # heard: that is all it is for
+        elif kind == "start_shard":
+            self._spawn_order(
+                msg.start_shard.meta,
+                msg.start_shard.shard_id,
+                self._start(msg.start_shard),
+            )
+        elif kind == "install_engine":
+            install = msg.install_engine
+            self._spawn_order(install.meta, f"install:{install.engine}", self.installer(install))
+        elif kind == "update_order":
+            update = msg.update_order
+            self._spawn_order(update.meta, "update", self.updater(update))
+        elif kind == "stop_shard":
+            self._spawn_order(
+                msg.stop_shard.meta, msg.stop_shard.shard_id, self._stop(msg.stop_shard)
+            )
+        else:
+            log.warning(
+                "ignoring an unknown message from the control plane",
+                extra=kv(kind=kind),
+            )
+        return False
 
     def _hello(self, server: str) -> pb.Hello:
         return pb.Hello(

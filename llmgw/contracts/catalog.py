@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -369,75 +369,10 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
     def at(name: str) -> str:
         return join_key(key, name)
 
-    if "engine" not in raw:
-        check.fail(at("engine"), f"is missing: choose one of {', '.join(engine_names())}")
-    engine = raw["engine"]
-    if not isinstance(engine, str):
-        check.fail(at("engine"), f"must be a string, got {type_name(engine)}")
-    if engine not in engine_names():
-        check.fail(at("engine"), unknown_key_message(engine, engine_names(), noun="engine"))
-
-    source = None
-    if raw.get("source") is not None:
-        try:
-            source = parse_source(raw["source"])
-        except ConfigError as exc:
-            _relay(check, at("source"), exc)
-    elif not get_engine(engine).builtin:
-        check.fail(
-            at("source"),
-            f"is missing: engine {engine} needs its weights: a name under the node's "
-            "models_root (e.g. llama-3-8b), or {url: https://…, sha256: …}",
-        )
-
-    if "gpus" in raw:
-        gpus = _whole(check, raw["gpus"], at("gpus"), minimum=0)
-    elif get_engine(engine).builtin:
-        gpus = 0
-    else:
-        check.fail(
-            at("gpus"),
-            f"is missing: engine {engine} needs the number of GPUs per shard (0 runs it "
-            "without GPUs)",
-        )
-    nodes = 1 if raw.get("nodes") is None else _whole(check, raw["nodes"], at("nodes"), minimum=1)
-    if nodes > 1 and gpus < 1:
-        check.fail(
-            at("nodes"),
-            f"{nodes} nodes need gpus >= 1 (multi-node replicas shard GPUs across nodes)",
-        )
-    if nodes > 1 and not get_engine(engine).multi_node:
-        check.fail(
-            at("nodes"),
-            f"engine {engine} has no multi-node form; use nodes: 1 or one of "
-            f"{', '.join(multi_node_engines())}",
-        )
-
-    memory = None
-    if raw.get("gpu_memory") is not None:
-        memory = _memory(check, raw["gpu_memory"], at("gpu_memory"))
-        if gpus == 0:
-            check.fail(
-                at("gpu_memory"),
-                "is memory per GPU but gpus is 0; give gpus >= 1 or drop gpu_memory",
-            )
-
-    args: tuple[str, ...] = ()
-    if raw.get("args") is not None:
-        args = _strings(check, raw["args"], at("args"))
-    params: dict[str, str] = {}
-    if raw.get("params") is not None:
-        params = _params(check, raw["params"], at("params"))
-    if "model_path" in params:
-        check.fail(
-            join_key(at("params"), "model_path"),
-            "is the profile's source; give the weights' path there",
-        )
-    try:
-        check_params(engine, params)
-    except EngineError as exc:
-        check.fail(at("params"), exc.message)
-
+    engine = _profile_engine(check, raw, at)
+    source = _profile_source(check, raw, at, engine)
+    gpus, nodes, memory = _profile_shape(check, raw, at, engine)
+    args, params = _profile_engine_args(check, raw, at, engine)
     placement = "binpack"
     if raw.get("placement") is not None:
         given = raw["placement"]
@@ -498,6 +433,95 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         chat_template=chat_template,
         sandbox=sandbox,
     )
+
+
+def _profile_engine(check: Checker, raw: Mapping[str, Any], at: Callable[[str], str]) -> str:
+    """The profile's engine: given, and one llmgw knows."""
+    if "engine" not in raw:
+        check.fail(at("engine"), f"is missing: choose one of {', '.join(engine_names())}")
+    engine = raw["engine"]
+    if not isinstance(engine, str):
+        check.fail(at("engine"), f"must be a string, got {type_name(engine)}")
+    if engine not in engine_names():
+        check.fail(at("engine"), unknown_key_message(engine, engine_names(), noun="engine"))
+    return engine
+
+
+def _profile_source(
+    check: Checker, raw: Mapping[str, Any], at: Callable[[str], str], engine: str
+) -> SourceSpec | None:
+    """Where the weights come from; only a built-in engine needs none."""
+    if raw.get("source") is not None:
+        try:
+            return parse_source(raw["source"])
+        except ConfigError as exc:
+            _relay(check, at("source"), exc)
+    if not get_engine(engine).builtin:
+        check.fail(
+            at("source"),
+            f"is missing: engine {engine} needs its weights: a name under the node's "
+            "models_root (e.g. llama-3-8b), or {url: https://…, sha256: …}",
+        )
+    return None
+
+
+def _profile_shape(
+    check: Checker, raw: Mapping[str, Any], at: Callable[[str], str], engine: str
+) -> tuple[int, int, int | None]:
+    """GPUs per shard, nodes per replica, and the memory each GPU must have (MiB, or None)."""
+    if "gpus" in raw:
+        gpus = _whole(check, raw["gpus"], at("gpus"), minimum=0)
+    elif get_engine(engine).builtin:
+        gpus = 0
+    else:
+        check.fail(
+            at("gpus"),
+            f"is missing: engine {engine} needs the number of GPUs per shard (0 runs it "
+            "without GPUs)",
+        )
+    nodes = 1 if raw.get("nodes") is None else _whole(check, raw["nodes"], at("nodes"), minimum=1)
+    if nodes > 1 and gpus < 1:
+        check.fail(
+            at("nodes"),
+            f"{nodes} nodes need gpus >= 1 (multi-node replicas shard GPUs across nodes)",
+        )
+    if nodes > 1 and not get_engine(engine).multi_node:
+        check.fail(
+            at("nodes"),
+            f"engine {engine} has no multi-node form; use nodes: 1 or one of "
+            f"{', '.join(multi_node_engines())}",
+        )
+    memory = None
+    if raw.get("gpu_memory") is not None:
+        memory = _memory(check, raw["gpu_memory"], at("gpu_memory"))
+        if gpus == 0:
+            check.fail(
+                at("gpu_memory"),
+                "is memory per GPU but gpus is 0; give gpus >= 1 or drop gpu_memory",
+            )
+    return gpus, nodes, memory
+
+
+def _profile_engine_args(
+    check: Checker, raw: Mapping[str, Any], at: Callable[[str], str], engine: str
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The engine's extra arguments and its parameters, checked against the engine."""
+    args: tuple[str, ...] = ()
+    if raw.get("args") is not None:
+        args = _strings(check, raw["args"], at("args"))
+    params: dict[str, str] = {}
+    if raw.get("params") is not None:
+        params = _params(check, raw["params"], at("params"))
+    if "model_path" in params:
+        check.fail(
+            join_key(at("params"), "model_path"),
+            "is the profile's source; give the weights' path there",
+        )
+    try:
+        check_params(engine, params)
+    except EngineError as exc:
+        check.fail(at("params"), exc.message)
+    return args, params
 
 
 def _routing(

@@ -231,6 +231,62 @@ def check_cidr(value: object, option: str) -> str:
     return text
 
 
+def _parse_fabrics(values: Iterable[object]) -> tuple[FabricFact, ...]:
+    """The --fabric options, each checked, and together: at most one bare name, ``none``
+    alone, no fabric twice, no adapter on two fabrics."""
+    parsed = tuple(parse_fabric(f) for f in values)
+    bare = [f.name for f in parsed if f.bare]
+    if len(bare) > 1:
+        raise ConfigError(
+            f"fabrics {bare[0]} and {bare[1]} both name no adapters, and a bare name takes "
+            "all the node's active InfiniBand adapters; list the adapters of all but one "
+            f"(--fabric {bare[1]}:HCA,HCA)",
+            key="--fabric",
+        )
+    if len(parsed) > 1 and any(f.name == NONE for f in parsed):
+        raise ConfigError(
+            "--fabric none clears the fabrics: give it alone, not with other --fabric options",
+            key="--fabric",
+        )
+    names: set[str] = set()
+    owner: dict[str, str] = {}
+    for fabric in parsed:
+        if fabric.name in names:
+            raise ConfigError(
+                f"fabric {fabric.name} is given twice; give it once with all its adapters "
+                f"({fabric.name}:HCA,HCA)",
+                key="--fabric",
+            )
+        names.add(fabric.name)
+        for hca in fabric.hcas:
+            if hca in owner:
+                raise ConfigError(
+                    f"adapter {hca} is on fabrics {owner[hca]} and {fabric.name}; an "
+                    "adapter belongs to one fabric",
+                    key="--fabric",
+                )
+            owner[hca] = fabric.name
+    return parsed
+
+
+def _parse_engines(values: Iterable[object]) -> tuple[tuple[str, str], ...]:
+    """The --engine options, each checked, and together: ``none`` alone, no engine twice."""
+    engine_list = tuple(parse_engine(e) for e in values)
+    if len(engine_list) > 1 and any(name == NONE for name, _ in engine_list):
+        raise ConfigError(
+            "--engine none clears the engine programs: give it alone, not with other "
+            "--engine options",
+            key="--engine",
+        )
+    seen = [name for name, _ in engine_list]
+    twice = sorted({n for n in seen if seen.count(n) > 1})
+    if twice:
+        raise ConfigError(
+            f"engine {twice[0]} is given twice; give one program per engine", key="--engine"
+        )
+    return engine_list
+
+
 @dataclass(frozen=True)
 class NodeFacts:
     """Everything a node can be told at install time that it cannot find out itself."""
@@ -264,57 +320,14 @@ class NodeFacts:
         """The facts from option values (strings in the options' syntax), each checked, and
         checked together: a fabric or an engine given twice, an adapter on two fabrics, two
         bare fabric names, ``none`` beside another, the node's address and its interface."""
-        parsed = tuple(parse_fabric(f) for f in fabrics)
-        bare = [f.name for f in parsed if f.bare]
-        if len(bare) > 1:
-            raise ConfigError(
-                f"fabrics {bare[0]} and {bare[1]} both name no adapters, and a bare name takes "
-                "all the node's active InfiniBand adapters; list the adapters of all but one "
-                f"(--fabric {bare[1]}:HCA,HCA)",
-                key="--fabric",
-            )
+        parsed = _parse_fabrics(fabrics)
         if node_address is not None and mgmt_interface is not None:
             raise ConfigError(
                 "--node-address and --mgmt-interface both say where the node is reached; give "
                 "one: the address itself, or the interface to take it from",
                 key="--mgmt-interface",
             )
-        names: set[str] = set()
-        owner: dict[str, str] = {}
-        if len(parsed) > 1 and any(f.name == NONE for f in parsed):
-            raise ConfigError(
-                "--fabric none clears the fabrics: give it alone, not with other --fabric options",
-                key="--fabric",
-            )
-        for fabric in parsed:
-            if fabric.name in names:
-                raise ConfigError(
-                    f"fabric {fabric.name} is given twice; give it once with all its adapters "
-                    f"({fabric.name}:HCA,HCA)",
-                    key="--fabric",
-                )
-            names.add(fabric.name)
-            for hca in fabric.hcas:
-                if hca in owner:
-                    raise ConfigError(
-                        f"adapter {hca} is on fabrics {owner[hca]} and {fabric.name}; an "
-                        "adapter belongs to one fabric",
-                        key="--fabric",
-                    )
-                owner[hca] = fabric.name
-        engine_list = tuple(parse_engine(e) for e in engines)
-        if len(engine_list) > 1 and any(name == NONE for name, _ in engine_list):
-            raise ConfigError(
-                "--engine none clears the engine programs: give it alone, not with other "
-                "--engine options",
-                key="--engine",
-            )
-        seen = [name for name, _ in engine_list]
-        twice = sorted({n for n in seen if seen.count(n) > 1})
-        if twice:
-            raise ConfigError(
-                f"engine {twice[0]} is given twice; give one program per engine", key="--engine"
-            )
+        engine_list = _parse_engines(engines)
         return cls(
             fabrics=parsed,
             nvidia_smi=None if nvidia_smi is None else check_path(nvidia_smi, "--nvidia-smi"),

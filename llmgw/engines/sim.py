@@ -16,9 +16,14 @@ from llmgw.engines.spec import (
     gpu_env,
     kv_events_flags,
 )
-from llmgw.sim.config import MAX_BLOCK_SIZE, MAX_EMBEDDING_DIM
 
 NAME = "sim"
+# The sim's limits live here, with its parameters, and llmgw.sim.config reads them: the sim
+# is an engine, so llmgw.sim imports engines/ (and the KV events format), never the reverse.
+MAX_EMBEDDING_DIM = 16384
+"""The longest embedding a sim engine makes (the largest real models' are 4096-8192)."""
+MAX_BLOCK_SIZE = 1024
+"""The largest KV cache block a sim engine takes (llmgw keys blocks of up to as many)."""
 PROGRAM = ""  # this llmgw (launch.self_argv)
 HELP_ARGS = ("engine", "sim", "--help")
 VERSION_ARGS = ("--version",)

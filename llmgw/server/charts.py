@@ -82,21 +82,10 @@ def line_chart(
     ``width`` x ``height`` is the viewBox (and the default size); the chart scales to any
     width the page gives it (the class ``chart``: a stylesheet's ``width: 100%``), so that
     at 480 its 11-unit text stays readable on a 390 px phone."""
-    plot_w = width - _LEFT - _RIGHT
-    plot_h = height - _TOP - _BOTTOM
-    start = now - span_s
-    runs = [_runs(line.points, start, now) for line in lines]
+    runs = [_runs(line.points, now - span_s, now) for line in lines]
     values = [v for line_runs in runs for run in line_runs for _t, v in run]
     ticks = nice_ticks(max(values, default=0.0))
-    step = ticks[1] - ticks[0]
-    y_top = ticks[-1]
-
-    def x_of(t: float) -> float:
-        return _LEFT + (t - start) / span_s * plot_w
-
-    def y_of(v: float) -> float:
-        return _TOP + plot_h - v / y_top * plot_h
-
+    frame = _Frame(now - span_s, span_s, width, height, ticks[-1])
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {width} {height}" '
         f'width="{width}" height="{height}" role="img" aria-label="{_text(title)}" '
@@ -104,38 +93,89 @@ def line_chart(
         f"<title>{_text(title)}</title>",
         f'<text class="chart-title" x="{_LEFT}" y="14" font-size="13" font-weight="bold">'
         f"{_text(title)}</text>",
+        *_y_axis(frame, ticks, unit),
+        *_x_axis(frame, now),
+        *_plot(frame, runs),
     ]
-    # The y axis: grid lines and labels, the unit above them.
-    out.append(f'<text class="chart-unit" x="4" y="{_TOP - 12}">{_text(unit)}</text>')
-    for tick in ticks:
-        y = _num(y_of(tick))
+    if not values:
         out.append(
-            f'<line class="chart-grid" x1="{_LEFT}" y1="{y}" x2="{width - _RIGHT}" y2="{y}" '
-            'stroke="#d4d4d8" stroke-width="1"/>'
+            f'<text class="chart-empty" x="{_num(_LEFT + frame.plot_w / 2)}" '
+            f'y="{_num(_TOP + frame.plot_h / 2)}" text-anchor="middle" fill="#71717a">no data</text>'
+        )
+    out.extend(_legend(lines))
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """Where a time and a value land in the chart: the plot inside the margins."""
+
+    start: float
+    span_s: float
+    width: int
+    height: int
+    y_top: float
+
+    @property
+    def plot_w(self) -> int:
+        return self.width - _LEFT - _RIGHT
+
+    @property
+    def plot_h(self) -> int:
+        return self.height - _TOP - _BOTTOM
+
+    def x_of(self, t: float) -> float:
+        return _LEFT + (t - self.start) / self.span_s * self.plot_w
+
+    def y_of(self, v: float) -> float:
+        return _TOP + self.plot_h - v / self.y_top * self.plot_h
+
+
+def _y_axis(frame: _Frame, ticks: list[float], unit: str) -> list[str]:
+    """Grid lines and their labels, the unit above them."""
+    step = ticks[1] - ticks[0]
+    out = [f'<text class="chart-unit" x="4" y="{_TOP - 12}">{_text(unit)}</text>']
+    for tick in ticks:
+        y = _num(frame.y_of(tick))
+        out.append(
+            f'<line class="chart-grid" x1="{_LEFT}" y1="{y}" x2="{frame.width - _RIGHT}" '
+            f'y2="{y}" stroke="#d4d4d8" stroke-width="1"/>'
         )
         out.append(
             f'<text class="chart-tick" x="{_LEFT - 4}" y="{y}" text-anchor="end" '
             f'dominant-baseline="middle">{_label(tick, step)}</text>'
         )
-    # The x axis: minutes ago, every 15 minutes of the span, "now" at the right.
-    minutes = int(span_s // 60)
+    return out
+
+
+def _x_axis(frame: _Frame, now: float) -> list[str]:
+    """Minutes ago, every 15 minutes of the span, "now" at the right; the axis line at 0."""
+    out = []
+    minutes = int(frame.span_s // 60)
     for ago in range(0, minutes + 1, _X_TICK_MIN):
-        x = _num(x_of(now - ago * 60))
+        x = _num(frame.x_of(now - ago * 60))
         anchor = "end" if ago == 0 else "start" if ago == minutes else "middle"
         label = "now" if ago == 0 else f"{ago} min ago"
         out.append(
-            f'<text class="chart-tick" x="{x}" y="{height - 6}" text-anchor="{anchor}">'
+            f'<text class="chart-tick" x="{x}" y="{frame.height - 6}" text-anchor="{anchor}">'
             f"{label}</text>"
         )
+    zero = _num(frame.y_of(0))
     out.append(
-        f'<line class="chart-axis" x1="{_LEFT}" y1="{_num(y_of(0))}" x2="{width - _RIGHT}" '
-        f'y2="{_num(y_of(0))}" stroke="#71717a" stroke-width="1"/>'
+        f'<line class="chart-axis" x1="{_LEFT}" y1="{zero}" x2="{frame.width - _RIGHT}" '
+        f'y2="{zero}" stroke="#71717a" stroke-width="1"/>'
     )
-    # The lines, broken at each gap; a point alone between gaps as a dot.
+    return out
+
+
+def _plot(frame: _Frame, runs: list[list[list[tuple[float, float]]]]) -> list[str]:
+    """The lines, broken at each gap; a point alone between gaps as a dot."""
+    out = []
     for n, line_runs in enumerate(runs):
         colour = PALETTE[n % len(PALETTE)]
         for run in line_runs:
-            coords = [(_num(x_of(t)), _num(y_of(max(v, 0.0)))) for t, v in run]
+            coords = [(_num(frame.x_of(t)), _num(frame.y_of(max(v, 0.0)))) for t, v in run]
             if len(coords) == 1:
                 (x, y), *_ = coords
                 out.append(f'<circle class="line-{n}" cx="{x}" cy="{y}" r="1.5" fill="{colour}"/>')
@@ -145,12 +185,12 @@ def line_chart(
                     f'<path class="line-{n}" d="{d}" fill="none" stroke="{colour}" '
                     'stroke-width="1.5" stroke-linejoin="round"/>'
                 )
-    if not values:
-        out.append(
-            f'<text class="chart-empty" x="{_num(_LEFT + plot_w / 2)}" '
-            f'y="{_num(_TOP + plot_h / 2)}" text-anchor="middle" fill="#71717a">no data</text>'
-        )
-    # The legend, one row under the title.
+    return out
+
+
+def _legend(lines: Sequence[Line]) -> list[str]:
+    """One row under the title: each line's colour and label."""
+    out = []
     legend_x = _LEFT
     for n, line in enumerate(lines):
         colour = PALETTE[n % len(PALETTE)]
@@ -163,8 +203,7 @@ def line_chart(
             f"{_text(line.label)}</text>"
         )
         legend_x += 26 + 7 * len(line.label)
-    out.append("</svg>")
-    return "\n".join(out)
+    return out
 
 
 def _runs(

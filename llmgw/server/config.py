@@ -9,6 +9,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypedDict
 
 from llmgw.bodies import (
     DEFAULT_MAX_INFLIGHT_BODY_BYTES,
@@ -298,13 +299,106 @@ def _parse(
         value = top.get(name)
         return default if value is None else check.path(value, name)
 
+    state_dir = path("state_dir", DEFAULT_SERVER_STATE_DIR)
+    addresses = _listen_addresses(check, top)
+    cert_lifetime = DEFAULT_CERT_LIFETIME
+    if top.get("cert_lifetime") is not None:
+        cert_lifetime = check.duration(top["cert_lifetime"], "cert_lifetime")
+        if cert_lifetime < MIN_CERT_LIFETIME:
+            check.fail("cert_lifetime", f"must be at least {MIN_CERT_LIFETIME:g}s")
+    replica_wait = _bounded_duration(
+        check, top, "replica_wait", 10.0, (0, 600), "must be between 0 and 600 seconds"
+    )
+    bodies = parse_body_limits(check, top)
+    timing = _node_timing(check, top)
+    queueing = _queueing(check, top)
+    listeners, caps = parse_listener_limits(
+        check,
+        top.get("listeners"),
+        "listeners",
+        extra={"enroll_connections_per_source": DEFAULT_ENROLL_CONNECTIONS_PER_SOURCE},
+    )
+    return ServerConfig(
+        state_dir=state_dir,
+        **addresses,
+        advertise=_advertise(check, top.get("advertise")),
+        **timing,
+        admin_token_file=path("admin_token_file", state_dir / "admin.token"),
+        cert_lifetime=cert_lifetime,
+        bundle_dir=path("bundle_dir", state_dir / "bundles"),
+        replica_wait=replica_wait,
+        **queueing,
+        tls=_tls(check, top.get("tls")),
+        listeners=listeners,
+        enroll_connections_per_source=caps["enroll_connections_per_source"],
+        **bodies,
+        database=_database(check, top.get("database")),
+        instance_id=_instance_id(check, top.get("instance_id")),
+        **_leadership_timing(check, top),
+        console=_console(check, top.get("console")),
+        trusted_proxies=_trusted_proxies(check, top.get("trusted_proxies")),
+        source=source,
+        max_messages=_max_messages(check, top),
+        metrics_token_file=(
+            check.path(top["metrics_token_file"], "metrics_token_file")
+            if top.get("metrics_token_file") is not None
+            else None
+        ),
+        tokenizer_sources=_tokenizer_sources(check, top.get("tokenizer_sources")),
+    )
+
+
+class _Addresses(TypedDict):
+    http_listen: str
+    grpc_listen: str
+    enroll_listen: str
+
+
+class _NodeTiming(TypedDict):
+    heartbeat_interval: float
+    loss_timeout: float
+    reattach_grace: float
+
+
+class _Queueing(TypedDict):
+    queue_timeout: float
+    fair_queueing: bool
+
+
+class _LeadershipTiming(TypedDict):
+    lease: float
+    lease_renew: float
+    resync_interval: float
+
+
+def _bounded_duration(
+    check: Checker,
+    top: Mapping[str, Any],
+    key: str,
+    default: float,
+    bounds: tuple[float, float],
+    why: str,
+) -> float:
+    """The duration at ``key`` (``default`` when not given); ``why`` when it is out of
+    ``bounds`` (both included)."""
+    if top.get(key) is None:
+        return default
+    value = check.duration(top[key], key)
+    if not bounds[0] <= value <= bounds[1]:
+        check.fail(key, why)
+    return value
+
+
+def _listen_addresses(check: Checker, top: Mapping[str, Any]) -> _Addresses:
+    """The three listening addresses (the gateway's, the agents' stream's, enrolment's),
+    each on a port of its own."""
+
     def listen(name: str, default_port: int) -> tuple[str, int]:
         value = top.get(name)
         if value is None:
             return "0.0.0.0", default_port
         return check.hostport_pair(value, name, default_port=default_port, allow_zero=True)
 
-    state_dir = path("state_dir", DEFAULT_SERVER_STATE_DIR)
     http_host, http_port = listen("http_listen", DEFAULT_HTTP_PORT)
     grpc_host, grpc_port = listen("grpc_listen", DEFAULT_GRPC_PORT)
     if (
@@ -317,7 +411,6 @@ def _parse(
             f"port {grpc_port} is also http_listen's; the gateway (8080) and the agents' "
             "stream (7443) need ports of their own",
         )
-
     enroll_host, enroll_port = listen("enroll_listen", DEFAULT_ENROLL_PORT)
     if enroll_port != 0 and enroll_port in (http_port, grpc_port):
         check.fail(
@@ -325,20 +418,16 @@ def _parse(
             f"port {enroll_port} is already used by http_listen or grpc_listen; enrolment "
             "(8443) needs a port of its own",
         )
-    cert_lifetime = DEFAULT_CERT_LIFETIME
-    if top.get("cert_lifetime") is not None:
-        cert_lifetime = check.duration(top["cert_lifetime"], "cert_lifetime")
-        if cert_lifetime < MIN_CERT_LIFETIME:
-            check.fail("cert_lifetime", f"must be at least {MIN_CERT_LIFETIME:g}s")
+    return {
+        "http_listen": format_hostport(http_host, http_port),
+        "grpc_listen": format_hostport(grpc_host, grpc_port),
+        "enroll_listen": format_hostport(enroll_host, enroll_port),
+    }
 
-    replica_wait = 10.0
-    if top.get("replica_wait") is not None:
-        replica_wait = check.duration(top["replica_wait"], "replica_wait")
-        if not 0 <= replica_wait <= 600:
-            check.fail("replica_wait", "must be between 0 and 600 seconds")
 
-    bodies = parse_body_limits(check, top)
-
+def _node_timing(check: Checker, top: Mapping[str, Any]) -> _NodeTiming:
+    """How often a node beats, how long before it counts as lost, and how long the nodes
+    have to reattach after a restart."""
     heartbeat = DEFAULT_HEARTBEAT_INTERVAL
     if top.get("heartbeat_interval") is not None:
         heartbeat = check.number(
@@ -359,42 +448,43 @@ def _parse(
             f"({heartbeat:g} s), so one late heartbeat does not lose a node; "
             f"set it to {3 * heartbeat:g} or more",
         )
+    reattach_grace = _bounded_duration(
+        check,
+        top,
+        "reattach_grace",
+        DEFAULT_REATTACH_GRACE,
+        (0, 3600),
+        "must be between 0 s (the loss timeout only) and 1 hour; a fleet of thousands "
+        "needs about a minute to reattach after a restart",
+    )
+    return {
+        "heartbeat_interval": heartbeat,
+        "loss_timeout": loss_timeout,
+        "reattach_grace": reattach_grace,
+    }
 
-    reattach_grace = DEFAULT_REATTACH_GRACE
-    if top.get("reattach_grace") is not None:
-        reattach_grace = check.duration(top["reattach_grace"], "reattach_grace")
-        if not 0 <= reattach_grace <= 3600:
-            check.fail(
-                "reattach_grace",
-                "must be between 0 s (the loss timeout only) and 1 hour; a fleet of thousands "
-                "needs about a minute to reattach after a restart",
-            )
 
-    queue_timeout = DEFAULT_QUEUE_TIMEOUT
-    if top.get("queue_timeout") is not None:
-        queue_timeout = check.duration(top["queue_timeout"], "queue_timeout")
-        if not 0 <= queue_timeout <= 600:
-            check.fail(
-                "queue_timeout",
-                "must be between 0 s (no waiting: 503 at once when every replica is full) "
-                "and 10 minutes",
-            )
+def _queueing(check: Checker, top: Mapping[str, Any]) -> _Queueing:
+    """How long a request waits for a free replica, and whether keys take turns."""
+    queue_timeout = _bounded_duration(
+        check,
+        top,
+        "queue_timeout",
+        DEFAULT_QUEUE_TIMEOUT,
+        (0, 600),
+        "must be between 0 s (no waiting: 503 at once when every replica is full) and 10 minutes",
+    )
     fair_queueing = True
     if top.get("fair_queueing") is not None:
         fair_queueing = check.boolean(top["fair_queueing"], "fair_queueing")
+    return {"queue_timeout": queue_timeout, "fair_queueing": fair_queueing}
 
-    listeners, caps = parse_listener_limits(
-        check,
-        top.get("listeners"),
-        "listeners",
-        extra={"enroll_connections_per_source": DEFAULT_ENROLL_CONNECTIONS_PER_SOURCE},
+
+def _leadership_timing(check: Checker, top: Mapping[str, Any]) -> _LeadershipTiming:
+    """The leader's lease and its renewal, and how often a standby reads the store again."""
+    lease = _bounded_duration(
+        check, top, "lease", DEFAULT_LEASE, (2, 300), "must be between 2 s and 5 minutes"
     )
-
-    lease = DEFAULT_LEASE
-    if top.get("lease") is not None:
-        lease = check.duration(top["lease"], "lease")
-        if not 2 <= lease <= 300:
-            check.fail("lease", "must be between 2 s and 5 minutes")
     lease_renew = min(DEFAULT_LEASE_RENEW, lease / 3)
     if top.get("lease_renew") is not None:
         lease_renew = check.duration(top["lease_renew"], "lease_renew")
@@ -404,55 +494,26 @@ def _parse(
                 f"must be more than 0 and at most half the lease ({lease / 2:g} s), so that "
                 "one late renewal does not lose the leadership",
             )
-    max_messages = DEFAULT_MAX_MESSAGES
-    if top.get("max_messages") is not None:
-        max_messages = int(
-            check.number(top["max_messages"], "max_messages", minimum=1, maximum=MAX_MAX_MESSAGES)
-        )
-        if not isinstance(top["max_messages"], int):
-            check.fail("max_messages", f"must be a whole number, got {top['max_messages']!r}")
-
-    resync = DEFAULT_RESYNC_INTERVAL
-    if top.get("resync_interval") is not None:
-        resync = check.duration(top["resync_interval"], "resync_interval")
-        if not 0.5 <= resync <= 300:
-            check.fail("resync_interval", "must be between 0.5 s and 5 minutes")
-
-    return ServerConfig(
-        state_dir=state_dir,
-        http_listen=format_hostport(http_host, http_port),
-        grpc_listen=format_hostport(grpc_host, grpc_port),
-        advertise=_advertise(check, top.get("advertise")),
-        heartbeat_interval=heartbeat,
-        loss_timeout=loss_timeout,
-        admin_token_file=path("admin_token_file", state_dir / "admin.token"),
-        enroll_listen=format_hostport(enroll_host, enroll_port),
-        cert_lifetime=cert_lifetime,
-        bundle_dir=path("bundle_dir", state_dir / "bundles"),
-        replica_wait=replica_wait,
-        queue_timeout=queue_timeout,
-        fair_queueing=fair_queueing,
-        tls=_tls(check, top.get("tls")),
-        listeners=listeners,
-        enroll_connections_per_source=caps["enroll_connections_per_source"],
-        **bodies,
-        database=_database(check, top.get("database")),
-        instance_id=_instance_id(check, top.get("instance_id")),
-        lease=lease,
-        lease_renew=lease_renew,
-        resync_interval=resync,
-        reattach_grace=reattach_grace,
-        console=_console(check, top.get("console")),
-        trusted_proxies=_trusted_proxies(check, top.get("trusted_proxies")),
-        source=source,
-        max_messages=max_messages,
-        metrics_token_file=(
-            check.path(top["metrics_token_file"], "metrics_token_file")
-            if top.get("metrics_token_file") is not None
-            else None
-        ),
-        tokenizer_sources=_tokenizer_sources(check, top.get("tokenizer_sources")),
+    resync = _bounded_duration(
+        check,
+        top,
+        "resync_interval",
+        DEFAULT_RESYNC_INTERVAL,
+        (0.5, 300),
+        "must be between 0.5 s and 5 minutes",
     )
+    return {"lease": lease, "lease_renew": lease_renew, "resync_interval": resync}
+
+
+def _max_messages(check: Checker, top: Mapping[str, Any]) -> int:
+    if top.get("max_messages") is None:
+        return DEFAULT_MAX_MESSAGES
+    value = int(
+        check.number(top["max_messages"], "max_messages", minimum=1, maximum=MAX_MAX_MESSAGES)
+    )
+    if not isinstance(top["max_messages"], int):
+        check.fail("max_messages", f"must be a whole number, got {top['max_messages']!r}")
+    return value
 
 
 def _tokenizer_sources(check: Checker, value: object) -> tuple[SourcePrefix, ...]:

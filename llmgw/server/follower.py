@@ -306,18 +306,7 @@ class LeaderProxy:
     async def forward(self, request: web.Request) -> web.StreamResponse:
         target = _forwardable(request.raw_path)
         if target is None:
-            return web.json_response(
-                {
-                    "error": {
-                        "message": "this path is not forwarded to the leader: a standby "
-                        "forwards /api/... and /ui/... as sent, without encoded slashes "
-                        "(%2F, %5C) or '.'/'..' segments; send the plain path",
-                        "type": "invalid_request_error",
-                        "code": "bad_path",
-                    }
-                },
-                status=400,
-            )
+            return _bad_path()
         leader = self.leader_http()
         if not leader:
             return _no_leader()
@@ -327,20 +316,7 @@ class LeaderProxy:
                 status=413,
             )
         body = await request.read() if request.can_read_body else None
-        headers = {
-            k: v
-            for k, v in request.headers.items()
-            if k.lower() not in _HOP_HEADERS
-            and k.lower() not in (CLIENT_ADDR_HEADER.lower(), CLIENT_MAC_HEADER.lower())
-        }
-        headers["X-Forwarded-For"] = request.remote or ""
-        console = request.path == "/ui" or request.path.startswith("/ui/")
-        if console and request.host:
-            headers["Host"] = request.host
-        # Sign-ins are counted per client address: the console's and 'ctl login's.
-        secret = self.secret()
-        if secret and request.remote:
-            headers.update(sign_client_addr(secret, request.remote, request.method, target))
+        headers = self._headers(request, target)
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout), auto_decompress=False
@@ -362,14 +338,7 @@ class LeaderProxy:
             ) as upstream:
                 if upstream.content_type == "text/event-stream":
                     return await _stream(request, upstream)
-                payload = await upstream.read()
-                out = web.Response(status=upstream.status, body=payload)
-                for k, v in upstream.headers.items():
-                    if k.lower() not in _HOP_HEADERS and k.lower() != "content-encoding":
-                        out.headers.add(k, v)  # Set-Cookie may come twice
-                if "Content-Encoding" in upstream.headers:
-                    out.headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
-                return out
+                return await _whole(upstream)
         except (aiohttp.ClientError, TimeoutError) as exc:
             if isinstance(exc, aiohttp.ClientConnectorCertificateError) and isinstance(
                 exc.certificate_error, NotControlPlane
@@ -386,6 +355,25 @@ class LeaderProxy:
                 extra=kv(leader=leader, error=str(exc) or type(exc).__name__),
             )
             return _no_leader(leader)
+
+    def _headers(self, request: web.Request, target: str) -> dict[str, str]:
+        """The request's headers for the leader: no hop-by-hop ones nor a client's own
+        claim of its address; the address signed instead, and the console's Host kept."""
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() not in _HOP_HEADERS
+            and k.lower() not in (CLIENT_ADDR_HEADER.lower(), CLIENT_MAC_HEADER.lower())
+        }
+        headers["X-Forwarded-For"] = request.remote or ""
+        console = request.path == "/ui" or request.path.startswith("/ui/")
+        if console and request.host:
+            headers["Host"] = request.host
+        # Sign-ins are counted per client address: the console's and 'ctl login's.
+        secret = self.secret()
+        if secret and request.remote:
+            headers.update(sign_client_addr(secret, request.remote, request.method, target))
+        return headers
 
     async def close(self) -> None:
         if self._session is not None:
@@ -420,3 +408,31 @@ def _no_leader(leader: str = "") -> web.Response:
         status=503,
         headers={"Retry-After": "2"},
     )
+
+
+def _bad_path() -> web.Response:
+    return web.json_response(
+        {
+            "error": {
+                "message": "this path is not forwarded to the leader: a standby "
+                "forwards /api/... and /ui/... as sent, without encoded slashes "
+                "(%2F, %5C) or '.'/'..' segments; send the plain path",
+                "type": "invalid_request_error",
+                "code": "bad_path",
+            }
+        },
+        status=400,
+    )
+
+
+async def _whole(upstream: aiohttp.ClientResponse) -> web.Response:
+    """The leader's answer, read whole, with its end-to-end headers (its encoding kept:
+    the body is passed on as it came)."""
+    payload = await upstream.read()
+    out = web.Response(status=upstream.status, body=payload)
+    for k, v in upstream.headers.items():
+        if k.lower() not in _HOP_HEADERS and k.lower() != "content-encoding":
+            out.headers.add(k, v)  # Set-Cookie may come twice
+    if "Content-Encoding" in upstream.headers:
+        out.headers["Content-Encoding"] = upstream.headers["Content-Encoding"]
+    return out

@@ -18,15 +18,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-from llmgw.contracts.update_order import ARCHES
+from llmgw.contracts.install_order import (
+    ARCH,
+    SHA256,
+    VERSION,
+    canonical_arch,
+    display_url,
+    url_problem,
+    url_shape_ok,
+)
 from llmgw.engines.registry import installable_engines
 from llmgw.errors import ConfigError, Fenced, NotFound, StoreUnavailable
 from llmgw.log import kv
@@ -35,44 +42,14 @@ from llmgw.server.states import InstallState, NodeState
 from llmgw.server.store import ALL_NODES, DesiredBuild, Node, NodeEngine, Store
 from llmgw.server.stream import NodeSession
 
-__all__ = ["Build", "Desired", "EngineInstalls", "canonical_arch", "display_url"]
+__all__ = ["Build", "Desired", "EngineInstalls"]
 
 log = logging.getLogger("llmgw.server.installs")
 
 INSTALLABLE = installable_engines()
-SCHEMES = ("https", "http", "file")
-"""What the agent fetches: https:// always, http:// and file:// from its install_sources."""
-
-_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")  # the agent's rule
-_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
-_ARCH = re.compile(r"[a-z0-9_]{1,32}")
-MAX_URL = 4096
 
 Holds = dict[str, tuple[tuple[str, str], ...]]
 """Per node id, the engines held back from it and why (placement's ``held_engines``)."""
-
-
-def canonical_arch(name: str) -> str:
-    """``uname -m`` spelling of an architecture: amd64 and x64 are x86_64, arm64 aarch64."""
-    name = name.strip().lower()
-    for bundle, machines in ARCHES.items():
-        if name == bundle or name in machines:
-            return machines[0]
-    return name
-
-
-def display_url(url: str) -> str:
-    """``url`` without user info or query (a signed URL's credentials), for showing."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = parts.port
-    except ValueError:
-        return url.split("?", 1)[0]
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{host}:{port}" if port is not None else host
-    return urlunsplit((parts.scheme, netloc, parts.path, "…" if parts.query else "", ""))
 
 
 @dataclass(frozen=True)
@@ -87,14 +64,13 @@ class Build:
     def checked(cls, arch: str, url: str, sha256: str) -> Build:
         """A build from what an operator typed; ConfigError saying what to fix."""
         arch = canonical_arch(arch) if arch else ""
-        if arch and not _ARCH.fullmatch(arch):
+        if arch and not ARCH.fullmatch(arch):
             raise ConfigError(
                 f"arch {arch[:40]!r} is not an architecture; give what 'uname -m' prints on "
                 "the nodes (x86_64, aarch64), or no arch for a build that runs on any"
             )
         url = url.strip()
-        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-        if scheme not in SCHEMES or len(url) > MAX_URL or not url.isprintable() or " " in url:
+        if not url_shape_ok(url):
             raise ConfigError(
                 f"the nodes do not fetch {display_url(url)[:200]!r}: give an https:// URL (or "
                 "http:// or file:// from a place the nodes list in install_sources in "
@@ -104,9 +80,17 @@ class Build:
             host = urlsplit(url).hostname
         except ValueError:  # a malformed [IPv6] host
             host = None
-        if scheme != "file" and not host:
+        if not url.lower().startswith("file:") and not host:
             raise ConfigError(f"{display_url(url)[:200]!r} names no host; give the full URL")
-        if not _SHA256.fullmatch(sha256.strip()):
+        # What the agent refuses too (a port that is no number, '..' in the path, a host in a
+        # file:// URL): refused here, before any node is ordered to fetch it.
+        problem = url_problem(url)
+        if problem is not None:
+            raise ConfigError(
+                f"the nodes do not fetch {display_url(url)[:200]!r}: {problem}; give the URL "
+                "of the build itself"
+            )
+        if not SHA256.fullmatch(sha256.strip()):
             raise ConfigError(
                 f"sha256 {sha256[:80]!r} is not 64 hex digits; give the SHA-256 the publisher "
                 f"lists for the {arch or 'any-architecture'} build"
@@ -287,7 +271,7 @@ class EngineInstalls:
                 f"cannot install engine {engine!r}: installable engines are "
                 f"{', '.join(INSTALLABLE)}; name one of them"
             )
-        if not _VERSION.fullmatch(version):
+        if not VERSION.fullmatch(version):
             raise ConfigError(
                 f"version {version[:80]!r} is not a version: 1-64 letters, digits, '.', '_', "
                 "'+' and '-', starting with a letter or digit"

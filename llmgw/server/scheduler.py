@@ -198,7 +198,6 @@ class Scheduler:
     # -- one pass ------------------------------------------------------------------------------
 
     def reconcile(self) -> None:
-        store = self.store
         # A pass that goes on where the last one ran out of time keeps its view (at a
         # fleet's size building it is most of a pass, on PostgreSQL more than its budget)
         # while it is fresh and no node came, went or was lost meanwhile.
@@ -212,6 +211,13 @@ class Scheduler:
         # Built again after the drain's removals, and only if this pass places a replica.
         self._pass_cluster = carried if not self.moves else None
         self._roll_step()
+        self._scale_models()
+        self._tend_shards()
+
+    def _scale_models(self) -> None:
+        """Each model to as many replicas as it wants: the missing placed (within the pass's
+        budget), the extra stopped."""
+        store = self.store
         replacements = set(self.moves.values()) | set(self.rolls.values())
         moving = set(self.moves) | set(self.rolls) | replacements
         counts = store.count_replicas()
@@ -229,23 +235,7 @@ class Scheduler:
             in_moves = sum(1 for r in replicas if r.id in replacements)
             missing = model.replicas - (len(replicas) - in_moves)
             if missing > 0:
-                for _ in range(missing):
-                    if not self._placed_in_pass:
-                        self._pass_started = time.monotonic()  # the view built: placing starts
-                    elif time.monotonic() - self._pass_started > PASS_BUDGET:
-                        # The rest in the next pass: the event loop (the gateway's requests,
-                        # the agents' heartbeats) is not held for a thousand placements.
-                        self.unfinished = True
-                        break
-                    self._placed_in_pass += 1
-                    try:
-                        placed = self._place_replica(model)
-                    except ConfigError as exc:
-                        # A stored profile this llmgw cannot read: say so, keep the others going.
-                        self._note_unplaceable(model.name, f"profile {model.profile}: {exc}")
-                        break
-                    if placed is None:
-                        break
+                self._place_missing(model, missing)
             elif missing < 0:
                 # Stop the least useful first: not ready before ready, newest first.
                 candidates = [r for r in replicas if r.id not in moving]
@@ -256,9 +246,34 @@ class Scheduler:
                     self.remove_replica(replica.id, why=f"scaled {model.name} to {model.replicas}")
             if missing <= 0 and model.name not in self.rolling:
                 self.unplaceable.pop(model.name, None)
+
+    def _place_missing(self, model: Model, missing: int) -> None:
+        """Place up to ``missing`` replicas of ``model``, until one cannot be placed or the
+        pass's time is up (the rest in the next pass)."""
+        for _ in range(missing):
+            if not self._placed_in_pass:
+                self._pass_started = time.monotonic()  # the view built: placing starts
+            elif time.monotonic() - self._pass_started > PASS_BUDGET:
+                # The rest in the next pass: the event loop (the gateway's requests,
+                # the agents' heartbeats) is not held for a thousand placements.
+                self.unfinished = True
+                return
+            self._placed_in_pass += 1
+            try:
+                placed = self._place_replica(model)
+            except ConfigError as exc:
+                # A stored profile this llmgw cannot read: say so, keep the others going.
+                self._note_unplaceable(model.name, f"profile {model.profile}: {exc}")
+                return
+            if placed is None:
+                return
+
+    def _tend_shards(self) -> None:
+        """Work on the shards that need it: a failed one restarted (after its delay) or its
+        replica rebuilt, a pending one started."""
         now = time.monotonic()
         # Only a failed shard (a restart, a rebuild) or a pending one (its start) needs work.
-        for shard in store.list_shards(states=(ShardState.FAILED, ShardState.PENDING)):
+        for shard in self.store.list_shards(states=(ShardState.FAILED, ShardState.PENDING)):
             session = self.sessions.get(shard.node_id)
             if session is None or not session.approved:
                 # A pending node gets no orders, and what it says of shards is not heard

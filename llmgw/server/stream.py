@@ -379,6 +379,39 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 "the first message on a stream must be Hello; upgrade the agent to match the control plane",
             )
         hello = first.hello
+        cert = await self._admit(context, peer, hello)
+        intake = self._intake(hello.node_id)
+        too_often = intake.admit_stream()
+        if too_often is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_often)
+        session = self.sessions.open(hello, peer, cert)
+        session.intake = intake
+        await self._greet(context, session)
+        self.sessions.after_hello(session, hello)
+        # An update ordered while the node was away goes out now (unless it expired).
+        self.updates.on_connect(session)
+        reader = asyncio.create_task(self._read(context, session), name=f"read-{session.node_id}")
+        try:
+            while True:
+                msg = await session.queue.get()
+                if msg is None:
+                    break
+                await context.write(msg)
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            self.sessions.close(session)
+        if session.intake is not None and session.intake.abuse is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, session.intake.abuse)
+        if session.garbage is not None:
+            await _refuse_garbage(context, peer, session.node_id, session.garbage)
+
+    async def _admit(
+        self, context: grpc.aio.ServicerContext, peer: str, hello: pb.Hello
+    ) -> x509.Certificate:
+        """The certificate of a stream whose Hello may open a session: its id the
+        certificate's, its fields within bounds, the node neither refused nor newer than
+        this control plane. Anything else aborts the call (and is logged, rate-limited)."""
         cn = peer_common_name(context)
         if cn != hello.node_id:
             claimed = hello.node_id[:253]
@@ -420,12 +453,11 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 self.store.add_event("stream_refused", hello.node_id, too_new)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, too_new)
         assert cert is not None
-        intake = self._intake(hello.node_id)
-        too_often = intake.admit_stream()
-        if too_often is not None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_often)
-        session = self.sessions.open(hello, peer, cert)
-        session.intake = intake
+        return cert
+
+    async def _greet(self, context: grpc.aio.ServicerContext, session: NodeSession) -> None:
+        """The Welcome, then the list of control planes (second on the stream, whatever was
+        queued meanwhile)."""
         await context.write(
             pb.ServerMessage(
                 welcome=pb.Welcome(
@@ -439,26 +471,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             )
         )
         planes = self._control_planes(session)
-        if planes is not None:  # second on the stream, whatever was queued meanwhile
+        if planes is not None:
             await context.write(pb.ServerMessage(control_planes=control_planes_message(planes)))
-        self.sessions.after_hello(session, hello)
-        # An update ordered while the node was away goes out now (unless it expired).
-        self.updates.on_connect(session)
-        reader = asyncio.create_task(self._read(context, session), name=f"read-{session.node_id}")
-        try:
-            while True:
-                msg = await session.queue.get()
-                if msg is None:
-                    break
-                await context.write(msg)
-        finally:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
-            self.sessions.close(session)
-        if session.intake is not None and session.intake.abuse is not None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, session.intake.abuse)
-        if session.garbage is not None:
-            await _refuse_garbage(context, peer, session.node_id, session.garbage)
 
     def _control_planes(self, session: NodeSession) -> ControlPlaneList | None:
         # A list that cannot be had now costs the agent only this connection's copy (it

@@ -37,7 +37,7 @@ from llmgw.proto import control_pb2 as pb
 from llmgw.server.bundles import BUNDLES_PACKAGE, RIDS, Bundle
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.states import NodeState
-from llmgw.server.store import NodeUpdate, Store
+from llmgw.server.store import Node, NodeUpdate, Store
 from llmgw.server.stream import NodeSession
 from llmgw.versions import newer_release
 
@@ -151,19 +151,33 @@ class Updates:
         too_new = version_problem(version, self.server_version)
         if too_new is not None:
             raise Conflict(too_new)
-        store = self.store
+        nodes = self._nodes_to_update(node_ids)
+        plan = await self._bundles_for(nodes, version)
+        expires = int(time.time()) + ttl
+        return [
+            self._order_one(node, arch, bundle, version, expires, actor)
+            for node, arch, bundle in plan
+        ]
+
+    def _nodes_to_update(self, node_ids: list[str] | None) -> list[Node]:
+        """The nodes named (each approved), or every approved node (at least one)."""
         if node_ids is None:
-            nodes = [n for n in store.list_nodes() if n.state == NodeState.APPROVED]
+            nodes = [n for n in self.store.list_nodes() if n.state == NodeState.APPROVED]
             if not nodes:
                 raise NotFound("there is no approved node to update; 'llmgw ctl nodes' lists them")
-        else:
-            nodes = [store.get_node(n) for n in node_ids]
-            for node in nodes:
-                if node.state != NodeState.APPROVED:
-                    raise Conflict(
-                        f"node {node.id} is {node.state}; only approved nodes are updated "
-                        f"('llmgw ctl approve {node.id} --fingerprint ...' first)"
-                    )
+            return nodes
+        nodes = [self.store.get_node(n) for n in node_ids]
+        for node in nodes:
+            if node.state != NodeState.APPROVED:
+                raise Conflict(
+                    f"node {node.id} is {node.state}; only approved nodes are updated "
+                    f"('llmgw ctl approve {node.id} --fingerprint ...' first)"
+                )
+        return nodes
+
+    async def _bundles_for(self, nodes: list[Node], version: str) -> list[tuple[Node, str, Bundle]]:
+        """Each node with its architecture and the bundle of ``version`` served for it;
+        Conflict, before anything is signed, for a node without one."""
         served = await self.served()
         by_arch = {b.rid.removeprefix("linux-"): b for b in served}
         have = ", ".join(f"{b.version} ({b.rid})" for b in served) or "no bundle at all"
@@ -186,47 +200,56 @@ class Updates:
                     f"{version} (the newest of each architecture is served)"
                 )
             plan.append((node, arch, bundle))
-        expires = int(time.time()) + ttl
-        out = []
-        for node, arch, bundle in plan:
-            with store.transaction():
-                counter = store.next_update_counter(node.id)
-                order = {
-                    "node_id": node.id,
-                    "version": version,
-                    "counter": counter,
-                    "sha256": bundle.sha256,
-                    "url": self.bundle_url(bundle),
-                    "arch": arch,
-                    "expires": expires,
-                    **rotation_fields(self.ca),
-                }
-                data, signature = sign_order(self.ca.key, order)
-                op_id = uuid.uuid4().hex
-                store.put_update(
-                    node.id,
-                    counter=counter,
-                    version=version,
-                    state="queued",
-                    message="waiting for the node to connect",
-                    op_id=op_id,
-                    order=data,
-                    signature=signature,
-                    expires=expires,
-                )
-            store.add_event(
-                "update_ordered",
+        return plan
+
+    def _order_one(
+        self,
+        node: Node,
+        arch: str,
+        bundle: Bundle,
+        version: str,
+        expires: int,
+        actor: str,
+    ) -> dict[str, Any]:
+        """Sign ``node``'s order with its next counter, keep it, and send it if the node is
+        connected; the update as the admin API shows it."""
+        store = self.store
+        with store.transaction():
+            counter = store.next_update_counter(node.id)
+            order = {
+                "node_id": node.id,
+                "version": version,
+                "counter": counter,
+                "sha256": bundle.sha256,
+                "url": self.bundle_url(bundle),
+                "arch": arch,
+                "expires": expires,
+                **rotation_fields(self.ca),
+            }
+            data, signature = sign_order(self.ca.key, order)
+            store.put_update(
                 node.id,
-                f"version {version}, counter {counter} ({bundle.rid})",
-                actor,
+                counter=counter,
+                version=version,
+                state="queued",
+                message="waiting for the node to connect",
+                op_id=uuid.uuid4().hex,
+                order=data,
+                signature=signature,
+                expires=expires,
             )
-            session = self.sessions.get(node.id)
-            if session is not None:
-                self._send(session, store.get_update(node.id))
-            update = store.get_update(node.id)
-            assert update is not None
-            out.append(update_json(update))
-        return out
+        store.add_event(
+            "update_ordered",
+            node.id,
+            f"version {version}, counter {counter} ({bundle.rid})",
+            actor,
+        )
+        session = self.sessions.get(node.id)
+        if session is not None:
+            self._send(session, store.get_update(node.id))
+        update = store.get_update(node.id)
+        assert update is not None
+        return update_json(update)
 
     def _send(self, session: NodeSession, update: NodeUpdate | None) -> None:
         if update is None or update.order is None or update.signature is None:

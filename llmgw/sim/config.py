@@ -8,24 +8,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw.engines.sim import MAX_BLOCK_SIZE, MAX_EMBEDDING_DIM
 from llmgw.errors import ConfigError, EngineError
 from llmgw.netaddr import parse_hostport
 
 __all__ = [
     "DEFAULT_HWM",
     "DEFAULT_MAX_LENGTH",
-    "MAX_BLOCK_SIZE",
-    "MAX_EMBEDDING_DIM",
     "KvEventsSettings",
     "SimConfig",
     "is_int",
     "kv_events_settings",
 ]
 
-MAX_EMBEDDING_DIM = 16384
-"""The longest embedding a sim engine makes (the largest real models' are 4096-8192)."""
-MAX_BLOCK_SIZE = 1024
-"""The largest KV cache block a sim engine takes (llmgw keys blocks of up to as many)."""
 DEFAULT_MAX_LENGTH = 8192
 """The sim model's context in tokens, prompt and answer (vLLM's --max-model-len)."""
 DEFAULT_HWM = 100_000

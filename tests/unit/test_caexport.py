@@ -14,7 +14,11 @@ import pytest
 from llmgw import caexport, pki
 from llmgw.caexport import KDF, CAExport
 from llmgw.errors import CAExportError, ConfigError
+<<<<<<< HEAD
 from tests.unit.caexport_rig import TOKEN, exported
+=======
+from llmgw.pki.certs import load_key
+>>>>>>> shape-pieces
 
 pytestmark = pytest.mark.usefixtures("open_umask")
 
@@ -216,7 +220,7 @@ def test_during_a_rotation_the_old_ca_and_cross_certificate_go_along_but_not_its
     assert export.previous_ca_cert is not None and export.cross_cert is not None
     assert pki.fingerprint(export.previous_ca_cert.public_key()) == rotation.previous
     payload = json.dumps(export.to_json())
-    old_key = pki.key_pem(pki._load_key(src / pki.PREVIOUS_CA_KEY)).decode()
+    old_key = pki.key_pem(load_key(src / pki.PREVIOUS_CA_KEY)).decode()
     assert old_key not in payload
     back = caexport.unseal(caexport.seal(export, PASS, kdf=FAST), PASS, source="f")
     assert back.to_json() == export.to_json()

@@ -21,6 +21,7 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("server", "agent", "the control plane and the node agent share only contracts/"),
     ("agent", "server", "the node agent and the control plane share only contracts/"),
     ("engines", "agent", "engines run under the agent; what both need lives in contracts/"),
+    ("engines", "sim", "the sim is an engine: it imports engines/ (KV events), not the reverse"),
     ("cli.ctl", "server", "ctl is a client of the server's API, not of its code (nor sqlite3)"),
     ("contracts", "agent", "contracts belong to neither side"),
     ("contracts", "server", "contracts belong to neither side"),
@@ -404,6 +405,26 @@ def test_a_cycle_is_caught_with_its_path(tmp_path: Path) -> None:
         "import cycle: pkg.cli.a -> pkg.cli.b -> pkg.cli.c -> pkg.cli.a",
         "import cycle: pkg.server.admin -> pkg.server.app -> pkg.server.admin (one of the cycles "
         "among these 4: pkg.server.admin, pkg.server.app, pkg.server.gateway, pkg.server.nodes)",
+    ]
+
+
+def test_the_engines_never_import_the_sim(tmp_path: Path) -> None:
+    # The sim imports engines/ (the KV events format, its own parameters); engines/sim.py
+    # describes the sim without loading it. Planted the other way, the rule fires.
+    write_tree(
+        tmp_path,
+        {
+            **PACKAGES,
+            "pkg/engines/__init__.py": "",
+            "pkg/engines/sim.py": "from pkg.sim.config import LIMIT\n",
+            "pkg/sim/__init__.py": "",
+            "pkg/sim/config.py": "LIMIT = 1\n",
+        },
+    )
+    why = {edge[:2]: edge[2] for edge in FORBIDDEN}
+    assert problems(tmp_path, "pkg") == [
+        "pkg.engines.sim -> pkg.sim.config (pkg/engines/sim.py:1): engines may not import sim: "
+        + why["engines", "sim"]
     ]
 
 

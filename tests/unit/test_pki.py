@@ -21,6 +21,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from llmgw import fsutil, netaddr, pki
 from llmgw.errors import CertificateError, ConfigError, CSRError, NoAuthority, PKIError
+from llmgw.pki import issue
 
 # Umask 000, so the modes checked are the ones the code sets itself.
 pytestmark = pytest.mark.usefixtures("open_umask")
@@ -683,7 +684,7 @@ def _old_control_plane_identity(ca: pki.Authority, d: Path) -> None:
         ("client", pki.CONTROL_PLANE_CN, [], ExtendedKeyUsageOID.CLIENT_AUTH),
     ):
         key = pki.new_private_key()
-        cert = pki._leaf(
+        cert = issue._leaf(
             ca,
             key.public_key(),
             common_name=cn,
@@ -691,7 +692,7 @@ def _old_control_plane_identity(ca: pki.Authority, d: Path) -> None:
             usages=[usage],
             lifetime=dt.timedelta(days=365),
         )
-        pki._write_identity(ca, d, name, key, cert)
+        issue._write_identity(ca, d, name, key, cert)
 
 
 def test_control_plane_certificates_carry_the_oid_and_node_certificates_never(
@@ -756,7 +757,7 @@ def test_a_server_certificate_with_the_oid_but_not_the_name_is_reissued(tmp_path
     d = tmp_path / "cp"
     ca = pki.init_ca(d)
     key = pki.new_private_key()
-    cert = pki._leaf(
+    cert = issue._leaf(
         ca,
         key.public_key(),
         common_name="llmgw control plane",
@@ -764,7 +765,7 @@ def test_a_server_certificate_with_the_oid_but_not_the_name_is_reissued(tmp_path
         usages=[ExtendedKeyUsageOID.SERVER_AUTH, pki.CONTROL_PLANE_OID],
         lifetime=dt.timedelta(days=365),
     )
-    pki._write_identity(ca, d, "server", key, cert)
+    issue._write_identity(ca, d, "server", key, cert)
     _, server, _ = pki.ensure_server_identity(d, hosts=["cp"])
     assert x509.DNSName(netaddr.CONTROL_PLANE_NAME) in sans(pki.load_cert(server.cert))
 
@@ -952,7 +953,7 @@ def test_ensure_server_identity_drops_the_old_ca_after_the_overlap(
     import time as time_module
 
     real = time_module.time
-    monkeypatch.setattr(pki.time, "time", lambda: real() + 61)
+    monkeypatch.setattr(time_module, "time", lambda: real() + 61)
     _, server, _ = pki.ensure_server_identity(d, hosts=["cp.example.com"])
     rotation = pki.read_rotation(d)
     assert rotation is not None and not rotation.active

@@ -12,8 +12,9 @@ from __future__ import annotations
 import enum
 import json
 import re
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Self, TypeVar
 
 from llmgw.contracts.catalog import DEFAULT_PROFILE
 from llmgw.contracts.keypolicy import Budget, KeyPolicy, UsageRow
@@ -29,25 +30,96 @@ __all__ = [
     "Certificate",
     "DesiredBuild",
     "Event",
+    "FromRow",
     "Model",
     "Node",
     "NodeEngine",
     "NodeUpdate",
     "Operator",
     "Replica",
+    "RowMap",
     "Shard",
     "StoredLogin",
     "check_operator_name",
     "check_state",
     "dump_json",
     "join_token_from_row",
+    "optional_bytes",
     "policy_columns",
+    "row_to",
     "usage_from_row",
 ]
 
 
+# ------------------------------------------------------------------------ row -> dataclass
+
+
+@dataclass(frozen=True, eq=False)
+class RowMap:
+    """How a row becomes a dataclass: each field from the column of its name, unless
+    ``columns`` names another; through ``convert``'s function of that column's value where
+    there is one; a field made of several columns by ``derived``'s function of the row."""
+
+    convert: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    columns: Mapping[str, str] = field(default_factory=dict)
+    derived: Mapping[str, Callable[[Row], Any]] = field(default_factory=dict)
+
+
+_Readers = tuple[tuple[str, Callable[[Row], Any]], ...]
+_PLANS: dict[tuple[type, RowMap], _Readers] = {}
+
+
+def _column(name: str, convert: Callable[[Any], Any] | None) -> Callable[[Row], Any]:
+    if convert is None:
+        return lambda row: row[name]
+    return lambda row: convert(row[name])
+
+
+def _plan(cls: type, rows: RowMap) -> _Readers:
+    """One reader per field of ``cls`` (made once per class and map: rows are read often)."""
+    key = (cls, rows)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = tuple(
+            (
+                f.name,
+                rows.derived.get(f.name)
+                or _column(rows.columns.get(f.name, f.name), rows.convert.get(f.name)),
+            )
+            for f in fields(cls)
+            if f.init
+        )
+        _PLANS[key] = plan
+    return plan
+
+
+_T = TypeVar("_T")
+
+
+def row_to(cls: type[_T], row: Row, rows: RowMap, **given: Any) -> _T:
+    """``row`` as a ``cls`` (a dataclass) by the map ``rows``; ``given`` fields are taken as
+    they are, not read from the row."""
+    values = {name: read(row) for name, read in _plan(cls, rows) if name not in given}
+    return cls(**values, **given)
+
+
+class FromRow:
+    """A row type read by its :data:`ROW` map: ``Type.from_row(row)``."""
+
+    ROW: ClassVar[RowMap] = RowMap()
+
+    @classmethod
+    def from_row(cls, row: Row) -> Self:
+        return row_to(cls, row, cls.ROW)
+
+
+def optional_bytes(value: Any) -> bytes | None:
+    """A BLOB column that may be NULL (the drivers hand out memoryview or bytes)."""
+    return None if value is None else bytes(value)
+
+
 @dataclass(frozen=True)
-class Node:
+class Node(FromRow):
     id: str
     uid: str
     state: NodeState
@@ -62,29 +134,27 @@ class Node:
     lost: bool = False
     lost_at: float | None = None
 
+    ROW: ClassVar[RowMap] = RowMap(
+        convert={
+            "state": NodeState,
+            "connected": bool,
+            "inventory": json.loads,
+            "draining": bool,
+            "lost": bool,
+        }
+    )
+
     @classmethod
     def from_row(cls, row: Row, inventory: dict[str, Any] | None = None) -> Node:
         """The row as a Node; ``inventory``, when given, is the row's inventory already
         parsed (llmgw.server.store.nodes keeps them: shared, never to be changed)."""
-        return cls(
-            id=row["id"],
-            uid=row["uid"],
-            state=NodeState(row["state"]),
-            connected=bool(row["connected"]),
-            dataplane_addr=row["dataplane_addr"],
-            agent_version=row["agent_version"],
-            inventory=json.loads(row["inventory"]) if inventory is None else inventory,
-            fingerprint=row["fingerprint"],
-            draining=bool(row["draining"]),
-            last_seen=row["last_seen"],
-            created_at=row["created_at"],
-            lost=bool(row["lost"]),
-            lost_at=row["lost_at"],
-        )
+        if inventory is None:
+            return row_to(cls, row, cls.ROW)
+        return row_to(cls, row, cls.ROW, inventory=inventory)
 
 
 @dataclass(frozen=True)
-class NodeUpdate:
+class NodeUpdate(FromRow):
     """A node's latest update order and what the node reported about it."""
 
     node_id: str
@@ -99,25 +169,14 @@ class NodeUpdate:
     ordered_at: float | None
     updated_at: float
 
-    @classmethod
-    def from_row(cls, row: Row) -> NodeUpdate:
-        return cls(
-            node_id=row["node_id"],
-            counter=int(row["counter"]),
-            version=row["version"],
-            state=row["state"],
-            message=row["message"],
-            op_id=row["op_id"],
-            order=None if row["order_json"] is None else bytes(row["order_json"]),
-            signature=None if row["signature"] is None else bytes(row["signature"]),
-            expires=row["expires"],
-            ordered_at=row["ordered_at"],
-            updated_at=row["updated_at"],
-        )
+    ROW: ClassVar[RowMap] = RowMap(
+        convert={"counter": int, "order": optional_bytes, "signature": optional_bytes},
+        columns={"order": "order_json"},
+    )
 
 
 @dataclass(frozen=True)
-class DesiredBuild:
+class DesiredBuild(FromRow):
     """One architecture's build of an engine desired for a scope."""
 
     scope: str
@@ -128,21 +187,11 @@ class DesiredBuild:
     sha256: str
     updated_at: float
 
-    @classmethod
-    def from_row(cls, row: Row) -> DesiredBuild:
-        return cls(
-            scope=row["scope"],
-            engine=row["engine"],
-            version=row["version"],
-            arch=row["arch"],
-            url=row["url"],
-            sha256=row["sha256"],
-            updated_at=row["updated_at"],
-        )
+    ROW: ClassVar[RowMap] = RowMap()
 
 
 @dataclass(frozen=True)
-class NodeEngine:
+class NodeEngine(FromRow):
     """The install of a desired engine build on one node: the last one ordered there."""
 
     node_id: str
@@ -154,22 +203,11 @@ class NodeEngine:
     op_id: str
     updated_at: float
 
-    @classmethod
-    def from_row(cls, row: Row) -> NodeEngine:
-        return cls(
-            node_id=row["node_id"],
-            engine=row["engine"],
-            version=row["version"],
-            sha256=row["sha256"],
-            state=InstallState(row["state"]),
-            error=row["error"],
-            op_id=row["op_id"],
-            updated_at=row["updated_at"],
-        )
+    ROW: ClassVar[RowMap] = RowMap(convert={"state": InstallState})
 
 
 @dataclass(frozen=True)
-class Model:
+class Model(FromRow):
     """A model: its catalog ``profiles`` (name -> the profile's JSON), the ``profile``
     deployed, and that profile's ``engine`` and ``params`` (its params, plus its args as
     ``extra_args``), which is what starting a shard reads.
@@ -187,22 +225,11 @@ class Model:
     profiles: dict[str, Any] = field(default_factory=dict)
     profile: str = DEFAULT_PROFILE
 
-    @classmethod
-    def from_row(cls, row: Row) -> Model:
-        return cls(
-            name=row["name"],
-            engine=row["engine"],
-            params=json.loads(row["params"]),
-            replicas=row["replicas"],
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            profiles=json.loads(row["profiles"]),
-            profile=row["profile"],
-        )
+    ROW: ClassVar[RowMap] = RowMap(convert={"params": json.loads, "profiles": json.loads})
 
 
 @dataclass(frozen=True)
-class Replica:
+class Replica(FromRow):
     id: str
     model: str
     state: ReplicaState
@@ -211,20 +238,11 @@ class Replica:
     # The model's profile when it was placed (None: placed before llmgw recorded it).
     profile: str | None = None
 
-    @classmethod
-    def from_row(cls, row: Row) -> Replica:
-        return cls(
-            id=row["id"],
-            model=row["model"],
-            state=ReplicaState(row["state"]),
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            profile=row["profile"],
-        )
+    ROW: ClassVar[RowMap] = RowMap(convert={"state": ReplicaState})
 
 
 @dataclass(frozen=True)
-class Shard:
+class Shard(FromRow):
     id: str
     replica_id: str
     node_id: str
@@ -242,28 +260,26 @@ class Shard:
     dist_init_addr: str = ""
     """host:port where rank 0 of a multi-node replica waits for the other shards."""
 
-    @classmethod
-    def from_row(cls, row: Row) -> Shard:
-        return cls(
-            id=row["id"],
-            replica_id=row["replica_id"],
-            node_id=row["node_id"],
-            rank=row["rank"],
-            state=ShardState(row["state"]),
-            port=row["port"],
-            pid=row["pid"],
-            exit_code=row["exit_code"],
-            reason=row["reason"],
-            restarts=row["restarts"],
-            op_id=row["op_id"],
-            updated_at=row["updated_at"],
-            gpus=tuple(json.loads(row["gpus"])),
-            dist_init_addr=row["dist_init_addr"],
-        )
+    ROW: ClassVar[RowMap] = RowMap(
+        convert={"state": ShardState, "gpus": lambda value: tuple(json.loads(value))}
+    )
+
+
+def _policy_from_row(row: Row) -> KeyPolicy:
+    tokens, period = row["budget_tokens"], row["budget_period"]
+    return KeyPolicy(
+        models=tuple(json.loads(row["models"])),
+        rpm=row["rpm"],
+        tpm=row["tpm"],
+        max_concurrent=row["max_concurrent"],
+        budget=None if tokens is None or period is None else Budget(tokens, period),
+        priority=row["priority"],
+        expires_at=row["expires_at"],
+    )
 
 
 @dataclass(frozen=True)
-class ApiKey:
+class ApiKey(FromRow):
     id: str
     name: str
     prefix: str
@@ -277,27 +293,7 @@ class ApiKey:
     def revoked(self) -> bool:
         return self.revoked_at is not None
 
-    @classmethod
-    def from_row(cls, row: Row) -> ApiKey:
-        tokens, period = row["budget_tokens"], row["budget_period"]
-        return cls(
-            id=row["id"],
-            name=row["name"],
-            prefix=row["prefix"],
-            hash=row["hash"],
-            created_at=row["created_at"],
-            revoked_at=row["revoked_at"],
-            policy=KeyPolicy(
-                models=tuple(json.loads(row["models"])),
-                rpm=row["rpm"],
-                tpm=row["tpm"],
-                max_concurrent=row["max_concurrent"],
-                budget=None if tokens is None or period is None else Budget(tokens, period),
-                priority=row["priority"],
-                expires_at=row["expires_at"],
-            ),
-            updated_at=row["updated_at"],
-        )
+    ROW: ClassVar[RowMap] = RowMap(derived={"policy": _policy_from_row})
 
 
 def policy_columns(policy: KeyPolicy) -> dict[str, Any]:
@@ -315,24 +311,30 @@ def policy_columns(policy: KeyPolicy) -> dict[str, Any]:
     }
 
 
+_USAGE_ROW = RowMap(
+    convert={
+        "day": str,
+        "key_id": str,
+        "model": str,
+        "requests": int,
+        "prompt_tokens": int,
+        "completion_tokens": int,
+        "cached_tokens": int,
+        "errors": int,
+    },
+    derived={
+        "key_name": lambda row: str(row["key_name"] or "") if "key_name" in row.keys() else ""
+    },
+)
+
+
 def usage_from_row(row: Row) -> UsageRow:
     """A usage row, its key's name from the ``key_name`` column a join adds ('' without)."""
-    keys = row.keys()
-    return UsageRow(
-        day=str(row["day"]),
-        key_id=str(row["key_id"]),
-        model=str(row["model"]),
-        requests=int(row["requests"]),
-        prompt_tokens=int(row["prompt_tokens"]),
-        completion_tokens=int(row["completion_tokens"]),
-        cached_tokens=int(row["cached_tokens"]),
-        errors=int(row["errors"]),
-        key_name=str(row["key_name"] or "") if "key_name" in keys else "",
-    )
+    return row_to(UsageRow, row, _USAGE_ROW)
 
 
 @dataclass(frozen=True)
-class Event:
+class Event(FromRow):
     id: int
     ts: float
     kind: str
@@ -342,16 +344,7 @@ class Event:
     """Who took the action: an operator's name, ``token`` (the admin token), or '' (the
     control plane itself)."""
 
-    @classmethod
-    def from_row(cls, row: Row) -> Event:
-        return cls(
-            id=row["id"],
-            ts=row["ts"],
-            kind=row["kind"],
-            subject=row["subject"],
-            message=row["message"],
-            actor=row["actor"],
-        )
+    ROW: ClassVar[RowMap] = RowMap()
 
 
 OPERATOR_ROLES = ("admin", "viewer")
@@ -370,7 +363,7 @@ def check_operator_name(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class Operator:
+class Operator(FromRow):
     """An operator account; ``password_hash`` is scrypt's (:mod:`llmgw.server.passwords`)."""
 
     id: int
@@ -382,18 +375,7 @@ class Operator:
     password_changed_at: float
     removed_at: float | None
 
-    @classmethod
-    def from_row(cls, row: Row) -> Operator:
-        return cls(
-            id=row["id"],
-            name=row["name"],
-            role=row["role"],
-            password_hash=row["password_hash"],
-            created_at=row["created_at"],
-            created_by=row["created_by"],
-            password_changed_at=row["password_changed_at"],
-            removed_at=row["removed_at"],
-        )
+    ROW: ClassVar[RowMap] = RowMap()
 
 
 LOGIN_KINDS = ("console", "cli")
@@ -401,7 +383,7 @@ LOGIN_KINDS = ("console", "cli")
 
 
 @dataclass(frozen=True)
-class StoredLogin:
+class StoredLogin(FromRow):
     """A login session as stored (by its token's hash), with its account as it is now:
     ``operator`` and ``role`` are read from the operators row with the session, and
     ``active`` is False once that account was removed."""
@@ -419,26 +401,14 @@ class StoredLogin:
     addr: str
     agent: str
 
-    @classmethod
-    def from_row(cls, row: Row) -> StoredLogin:
-        return cls(
-            token_hash=row["token_hash"],
-            operator_id=row["operator_id"],
-            operator=row["name"],
-            role=row["role"],
-            active=row["removed_at"] is None,
-            kind=row["kind"],
-            csrf=row["csrf"],
-            created_at=row["created_at"],
-            seen_at=row["seen_at"],
-            expires_at=row["expires_at"],
-            addr=row["addr"],
-            agent=row["agent"],
-        )
+    ROW: ClassVar[RowMap] = RowMap(
+        columns={"operator": "name"},
+        derived={"active": lambda row: row["removed_at"] is None},
+    )
 
 
 @dataclass(frozen=True)
-class Certificate:
+class Certificate(FromRow):
     """A certificate issued to a node, by serial (lowercase hex)."""
 
     serial: str
@@ -454,39 +424,22 @@ class Certificate:
     def revoked(self) -> bool:
         return self.revoked_at is not None
 
-    @classmethod
-    def from_row(cls, row: Row) -> Certificate:
-        return cls(
-            serial=row["serial"],
-            node_id=row["node_id"],
-            fingerprint=row["fingerprint"],
-            not_before=row["not_before"],
-            not_after=row["not_after"],
-            issued_at=row["issued_at"],
-            revoked_at=row["revoked_at"],
-            reason=row["reason"],
-        )
+    ROW: ClassVar[RowMap] = RowMap()
+
+
+_JOIN_TOKEN_ROW = RowMap(
+    convert={
+        "kind": TokenKind,
+        "require_approval": bool,
+        "lost_state": bool,
+        "auto_approve": bool,
+    }
+)
 
 
 def join_token_from_row(row: Row, as_of: float) -> JoinToken:
     """A join token row, read at *as_of* (the store's clock), as a :class:`JoinToken`."""
-    return JoinToken(
-        id=row["id"],
-        hash=row["hash"],
-        prefix=row["prefix"],
-        node_id=row["node_id"],
-        kind=TokenKind(row["kind"]),
-        node_uid=row["node_uid"],
-        require_approval=bool(row["require_approval"]),
-        created_at=row["created_at"],
-        expires_at=row["expires_at"],
-        used_at=row["used_at"],
-        revoked_at=row["revoked_at"],
-        lost_state=bool(row["lost_state"]),
-        auto_approve=bool(row["auto_approve"]),
-        approved_fingerprint=row["approved_fingerprint"],
-        as_of=as_of,
-    )
+    return row_to(JoinToken, row, _JOIN_TOKEN_ROW, as_of=as_of)
 
 
 _State = TypeVar("_State", bound=enum.StrEnum)

@@ -18,6 +18,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from llmgw import pki
 from llmgw.agent.dataplane import DataPlane, server_ssl_context
+from llmgw.pki import issue
 
 pytestmark = pytest.mark.usefixtures("each_loop")
 
@@ -112,7 +113,7 @@ def test_the_control_plane_name_without_the_oid_is_refused(
     issuance might), and is refused until the control plane's restart reissues it."""
     ca, agent = cluster
     key = pki.new_private_key()
-    cert = pki._leaf(
+    cert = issue._leaf(
         ca,
         key.public_key(),
         common_name=pki.CONTROL_PLANE_CN,
@@ -121,7 +122,7 @@ def test_the_control_plane_name_without_the_oid_is_refused(
         lifetime=dt.timedelta(days=30),
     )
     (tmp_path / "named").mkdir()
-    named = pki._write_identity(ca, tmp_path / "named", "client", key, cert)
+    named = issue._write_identity(ca, tmp_path / "named", "client", key, cert)
     ((status, body),) = _serve_and_ask(agent, named)
     assert status == 403, body
     assert body["error"]["code"] == "forbidden"  # type: ignore[index]

@@ -593,8 +593,20 @@ def test_version_folder_without_manifest_is_refused(tmp_path: Path) -> None:
         ({"url": "ftp://example.com/x.tar.gz"}, "only https://, http:// and file:// URLs"),
         ({"sha256": "abc"}, "sha256 'abc' is not 64 hex digits"),
         ({"sha256": "g" * 64}, "is not 64 hex digits"),
+        # The install-order contract's rule, which the control plane kept alone before.
+        ({"url": "https://pub.example/" + "x" * 4096}, "a URL is at most 4096 characters"),
     ],
-    ids=["engine", "dotdot", "slash", "long", "file-url", "ftp-url", "short-sha", "hex-sha"],
+    ids=[
+        "engine",
+        "dotdot",
+        "slash",
+        "long",
+        "file-url",
+        "ftp-url",
+        "short-sha",
+        "hex-sha",
+        "long-url",
+    ],
 )
 def test_invalid_order_is_refused(tmp_path: Path, fields: dict[str, str], expected: str) -> None:
     async def scenario(pub: Publisher, base: str, state: Path) -> None:

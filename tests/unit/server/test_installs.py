@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from llmgw.contracts.install_order import canonical_arch, display_url
 from llmgw.errors import ConfigError, NotFound
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.installs import Build, EngineInstalls, canonical_arch, display_url
+from llmgw.server.installs import Build, EngineInstalls
 from llmgw.server.states import InstallState, NodeState
 from llmgw.server.store import Store
 from llmgw.server.stream import NodeSession
@@ -121,6 +122,21 @@ def fleet(store: Store) -> Fleet:
             "the nodes do not fetch 'https://h/x\\x00.tgz': give an https:// URL (or "
             "http:// or file:// from a place the nodes list in install_sources in agent.yaml), "
             "at most 4096 characters, without spaces",
+        ),
+        # Accepted here before the install-order contract, refused by every agent.
+        (
+            "",
+            "https://pub.example/a/../x.tgz",
+            X86,
+            "the nodes do not fetch 'https://pub.example/a/../x.tgz': the path must not have "
+            "'.' or '..' segments or backslashes; give the URL of the build itself",
+        ),
+        (
+            "",
+            "file://host/srv/x.tgz",
+            X86,
+            "the nodes do not fetch 'file://host/srv/x.tgz': a file:// URL names a path on "
+            "this node: file:///DIR/…; give the URL of the build itself",
         ),
         (
             "x86_64",

@@ -25,6 +25,7 @@ from llmgw.agent.update_spool import read_status
 from llmgw.contracts.update_order import REQUEST, STATUS
 from llmgw.errors import UpdateError
 from llmgw.pki import Authority
+from llmgw.pki.certs import load_key
 from llmgw.server.updates import sign_order
 from llmgw.updater import bundle as helper_bundle
 from llmgw.updater.apply import ApplyResult, apply_request, read_counter
@@ -563,7 +564,7 @@ def test_the_agent_cannot_sign_orders_with_its_node_key(rotated: Rotated, tmp_pa
     an order the agent signs with its own key and vouches for with it is refused."""
     node = rotated.node
     ident = pki.issue_node_cert(rotated.old, NODE, tmp_path / "agent")
-    agent_key = pki._load_key(ident.key)
+    agent_key = load_key(ident.key)
     as_ca = Authority(cert=pki.load_cert(ident.cert), key=agent_key, directory=ident.cert.parent)
     bundle, sha = good_bundle(node)
     fields = {
