@@ -46,7 +46,7 @@ FACT_FIELDS: Final = (
 REKEYS: Final = {"rekey": "rekey", "repair": "re-pair"}
 """A node page's ways to replace its key (the POST's last segment: what the page calls it):
 a rekey (``llmgw ctl join-command --rekey NODE``) and a re-pair, for a node whose state
-directory is lost (``--lost-state``)."""
+directory is lost (``--re-pair``)."""
 LIST_FACTS: Final = ("fabrics", "engines", "firewall_from", "fabric_peers")
 # A fabric's adapters are comma-separated (ib-a:mlx5_0,mlx5_1): fabrics and engines are one
 # per line or space; addresses may be separated by commas too.
@@ -202,7 +202,7 @@ class AddNode:
 class RekeyNode:
     """``POST /ui/nodes/{node}/rekey`` and ``.../repair`` (:data:`REKEYS`): a rekey token
     for a joined node, minted by the admin API's own function as ``llmgw ctl join-command
-    --rekey NODE [--lost-state]`` mints it. Confirmed with the node's id as revoke is; the
+    --rekey NODE [--re-pair]`` mints it. Confirmed with the node's id as revoke is; the
     command is shown once, on the node's page that answers the POST (never cached, never
     redirected to)."""
 
@@ -225,7 +225,7 @@ class RekeyNode:
         body = {
             "node": node_id,
             "rekey": True,
-            "lost_state": action == "repair",
+            "re_pair": action == "repair",
             "ttl": parse_duration(DEFAULT_TTL),
         }
         try:
@@ -244,7 +244,7 @@ class RekeyNode:
         log.info(
             "a rekey token made in the console",
             extra=kv(
-                node=node_id, token=made.id, lost_state=made.lost_state, actor=principal.actor
+                node=node_id, token=made.id, re_pair=made.re_pair, actor=principal.actor
             ),
         )
         response = self.pages.node_page(request, node_id, status=201, made=made)
