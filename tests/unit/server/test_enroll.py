@@ -379,9 +379,9 @@ def test_re_pair_refusals_store_nothing(env: Env, cluster_pki: PKI) -> None:
             assert env.snapshot() == before
             return str(answer["error"]["message"])
 
-        # A plain rekey token without the old state: it needs a lost-state one.
+        # A plain rekey token without the old state: it needs a re-pair one.
         message = await refused(plain, "token_needs_old_key")
-        assert f"'llmgw ctl join-command --rekey {NODE} --lost-state'" in message
+        assert f"'llmgw ctl join-command --rekey {NODE} --re-pair'" in message
         assert "give --node-uid" in await refused(lost, "node_uid_mismatch", node_uid="f" * 32)
         await refused(lost, "token_wrong_node", "gpu-2")
         await refused(other, "token_wrong_kind", "gpu-2")
