@@ -1,5 +1,5 @@
 """The console's Add node page: a form that mints a join token (the admin API's own
-:func:`llmgw.server.admin.access.create_join_token`), the command to paste on the node shown
+:func:`llmgw.server.admin.jointokens.create_join_token`), the command to paste on the node shown
 once, and the node's enrolment followed live.
 
 The secret is in one answer only: the POST's own page (``Cache-Control: no-store``), never a
@@ -18,8 +18,8 @@ from aiohttp import web
 from llmgw.durations import parse_duration
 from llmgw.errors import ConfigError, LlmgwError, NotFound
 from llmgw.log import kv
-from llmgw.server.admin.access import create_join_token
 from llmgw.server.admin.context import BadRequest
+from llmgw.server.admin.jointokens import create_join_token
 from llmgw.server.console.actions import node_path, unconfirmed
 from llmgw.server.console.auth import form_of
 from llmgw.server.console.pages import Pages
@@ -243,9 +243,7 @@ class RekeyNode:
             return web.Response(status=303, headers={"Location": node_path(node_id)})
         log.info(
             "a rekey token made in the console",
-            extra=kv(
-                node=node_id, token=made.id, re_pair=made.re_pair, actor=principal.actor
-            ),
+            extra=kv(node=node_id, token=made.id, re_pair=made.re_pair, actor=principal.actor),
         )
         response = self.pages.node_page(request, node_id, status=201, made=made)
         response.headers["Cache-Control"] = "no-store"
