@@ -187,15 +187,8 @@ class JoinOptions:
 
     @property
     def re_pair(self) -> bool:
+        """A node without its old state: it names its uid and is approved again."""
         return self.kind is JoinKind.REPAIR
-
-    @property
-    def needs_approval(self) -> bool:
-        """Whether the node goes back to approval: a join (unless auto-approve), a re-pair,
-        a rekey asked to."""
-        if self.kind is JoinKind.JOIN:
-            return not self.auto_approve
-        return self.re_pair or self.require_approval
 
     def check(self) -> JoinOptions:
         """These options, or the :class:`JoinRefused` of the first that does not go with the

@@ -93,10 +93,6 @@ class JoinAsk:
     package: list[str]
     warning: str | None = None
 
-    @property
-    def node(self) -> str:
-        return self.options.node
-
 
 @dataclass(frozen=True)
 class Minted:

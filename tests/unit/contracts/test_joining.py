@@ -131,12 +131,10 @@ def test_a_package_goes_with_a_join_or_a_repair() -> None:
     JoinOptions(REPAIR, package=True).check()
 
 
-def test_what_goes_together_passes_and_says_what_needs_approval() -> None:
-    assert JoinOptions(JOIN).check().needs_approval
-    assert not JoinOptions(JOIN, auto_approve=True).check().needs_approval
-    assert not JoinOptions(REKEY).check().needs_approval
-    assert JoinOptions(REKEY, require_approval=True).check().needs_approval
-    assert JoinOptions(REPAIR).check().needs_approval
+def test_what_goes_together_passes() -> None:
+    options = JoinOptions(JOIN, "gpu-1", auto_approve=True, cloud_init=True, set_hostname=True)
+    assert options.check() is options
+    assert JoinOptions(REPAIR, require_approval=True, package=True, facts=("--fabric",)).check()
 
 
 # -- flags read from JSON ---------------------------------------------------------------------

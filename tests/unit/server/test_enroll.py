@@ -27,15 +27,13 @@ from llmgw.contracts.rekeyproof import proof_message, sign_proof
 from llmgw.errors import EnrolmentError, StoreError
 from llmgw.server import enroll
 from llmgw.server.enroll import (
-    MAX_BODY,
     RENEWED,
     Enroller,
     EnrolmentServer,
-    EnrolRequest,
-    parse_enrol_request,
     record_certificate,
     server_ssl_context,
 )
+from llmgw.server.enrolrequest import MAX_BODY, EnrolRequest, parse_enrol_request
 from llmgw.server.store import Node, Store
 from tests.unit.clock import Clock
 
