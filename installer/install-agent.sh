@@ -16,7 +16,7 @@
 #       fails (the join refused, the agent not up in time, ^C) removes what it created, and
 #       only that: a failed fresh install leaves nothing installed.
 #       --node-uid UID: re-pair a node whose state directory is gone, keeping its record
-#       (the uid and lost-state token 'llmgw ctl join-command --rekey NODE --lost-state'
+#       (the uid and re-pair token 'llmgw ctl join-command --rekey NODE --re-pair'
 #       prints); it is approved by fingerprint again.
 #       --node-address IP: this node's own address, where the control plane reaches its
 #       data plane (agent.yaml mgmt_addr); --mgmt-interface NAME: the interface to take it
@@ -236,7 +236,7 @@ parse_args() {
                 fatal "joining needs --node-id, --enroll-url and --ca-hash together (the command 'llmgw ctl join-command' prints has all three)"
             fi
             if [ -n "$NODE_UID" ] && [ -z "$NODE_ID" ]; then
-                fatal "--node-uid re-pairs a node: it goes with --node-id, --enroll-url and --ca-hash and a lost-state token (all in the command 'llmgw ctl join-command --rekey NODE --lost-state' prints)"
+                fatal "--node-uid re-pairs a node: it goes with --node-id, --enroll-url and --ca-hash and a re-pair token (all in the command 'llmgw ctl join-command --rekey NODE --re-pair' prints)"
             fi
             ;;
         rekey)
@@ -255,7 +255,7 @@ parse_args() {
     esac
     if [ "$VERB" = rekey ] && [ -n "$NODE_UID$FABRIC_PEERS$MODELS_GIVEN$CACHE_GIVEN$FACTS_GIVEN$FIREWALL_FROM$NODE_ADDRESS$MGMT_IFACE" ]; then
         [ -z "$NODE_UID" ] \
-            || fatal "rekey replaces the key of a node that has its state directory; a node whose state directory is gone re-pairs with 'install --node-uid UID' (the command 'llmgw ctl join-command --rekey NODE --lost-state' prints)"
+            || fatal "rekey replaces the key of a node that has its state directory; a node whose state directory is gone re-pairs with 'install --node-uid UID' (the command 'llmgw ctl join-command --rekey NODE --re-pair' prints)"
         fatal "rekey keeps agent.yaml, the drop-in and the firewall as they are; change them with install (the same options) before or after the rekey"
     fi
     check_fact_lists
@@ -369,7 +369,7 @@ check_fact() {
 
 check_node_uid() {
     printf '%s\n' "$1" | grep -Eq '^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$' \
-        || fatal "--node-uid '$1' is not a node uid; give the one 'llmgw ctl join-command --rekey NODE --lost-state' prints (also in 'llmgw ctl nodes --json')"
+        || fatal "--node-uid '$1' is not a node uid; give the one 'llmgw ctl join-command --rekey NODE --re-pair' prints (also in 'llmgw ctl nodes --json')"
     printf '%s\n' "$1"
 }
 
@@ -1081,7 +1081,7 @@ ensure_joined() {
         [ -z "$said" ] || [ "$said" = "$NODE_ID" ] \
             || fatal "this node is already joined as '$said', not '$NODE_ID'; uninstall --purge first to join it as another node"
         [ -z "$NODE_UID" ] \
-            || fatal "this node still has its identity ($STATE_DIR/node.crt): --node-uid re-pairs a node whose state directory is gone. Rekey it instead with the command 'llmgw ctl join-command --rekey $NODE_ID' prints (the lost-state token is left unspent)"
+            || fatal "this node still has its identity ($STATE_DIR/node.crt): --node-uid re-pairs a node whose state directory is gone. Rekey it instead with the command 'llmgw ctl join-command --rekey $NODE_ID' prints (the re-pair token is left unspent)"
     fi
 }
 

@@ -8,7 +8,7 @@ one for the very host name dialled, does not). Nothing is written until the retu
 certificate has been checked, and then every file is replaced atomically (llmgw.fsutil).
 
 A node whose state directory is gone re-pairs with ``node_uid`` (``--node-uid``) and a
-lost-state rekey token: the same node record, a new key, approval by fingerprint again. Node
+re-pair token: the same node record, a new key, approval by fingerprint again. Node
 facts (``--fabric``, ``--nvidia-smi``, ``--ib-root``, ``--engine``) go into the agent.yaml
 written when there is none (``none`` for a fabric or an engine: the key is left out).
 
@@ -48,6 +48,7 @@ from llmgw import netaddr, pki
 from llmgw.agent.config import load_agent_config, parse_agent_config
 from llmgw.agent.servers import SERVERS_FILE, servers_json
 from llmgw.contracts.control_planes import check_control_planes
+from llmgw.contracts.joining import REPAIR_FIELD, REPAIR_FLAG, JoinKind, JoinOptions
 from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, NodeFacts
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT, DEFAULT_GRPC_PORT
@@ -596,7 +597,7 @@ def _check_node_uid(node_uid: str) -> str:
     if not _UID.fullmatch(text):
         raise ConfigError(
             f"{node_uid[:80]!r} is not a node uid; give the one printed by 'llmgw ctl "
-            "join-command --rekey NODE --lost-state' (also in 'llmgw ctl nodes --json')",
+            f"join-command --rekey NODE {REPAIR_FLAG}' (also in 'llmgw ctl nodes --json')",
             key="--node-uid",
         )
     return text
@@ -607,7 +608,7 @@ def _old_private_key(
 ) -> ec.EllipticCurvePrivateKey:
     """The key a rekey proves; refused (before the token is sent) when there is none."""
     repair = (
-        f"re-pair it instead: 'llmgw ctl join-command --rekey {node_id} --lost-state', then "
+        f"re-pair it instead: 'llmgw ctl join-command --rekey {node_id} {REPAIR_FLAG}', then "
         f"'llmgw agent join --node-uid {uid}' (or install-agent.sh install --node-uid {uid}) "
         "once the state directory is moved aside"
     )
@@ -669,6 +670,31 @@ def _write_config_if_missing(path: Path, text: str) -> bool:
 # --------------------------------------------------------------------------- join
 
 
+@dataclass(frozen=True)
+class _Prior:
+    """What a rekey or re-pair keeps of the node's identity: its uid (read here for a rekey,
+    given for a re-pair), its old key and certificate (kept as *.old), and the key that
+    proves a rekey."""
+
+    uid: str | None = None
+    key: bytes | None = None
+    cert: bytes | None = None
+    proving_key: ec.EllipticCurvePrivateKey | None = None
+
+
+@dataclass(frozen=True)
+class _Enrolled:
+    """The control plane's answer, checked, with the key and CA it is for."""
+
+    key: ec.EllipticCurvePrivateKey
+    ca_pem: bytes
+    cert: x509.Certificate
+    uid: str
+    state: str
+    expires_at: float
+    learnt: tuple[str, ...]
+
+
 def join(
     *,
     node_id: str,
@@ -692,26 +718,11 @@ def join(
     url = parse_enroll_url(enroll_url)
     token = _check_token(token)
     facts = facts or NodeFacts()
-    if rekey and node_uid is not None:
-        raise ConfigError(
-            "--rekey and --node-uid go alone: --rekey replaces the key of a node that has its "
-            "state directory, --node-uid re-pairs one whose state directory is gone"
-        )
+    options = _check_options(node_id, rekey, node_uid, facts)
     if node_uid is not None:
         node_uid = _check_node_uid(node_uid)
-    other = facts.given(set(FACT_OPTIONS) - set(AGENT_FACTS))
-    if other:
-        raise ConfigError(
-            f"{', '.join(other)} are options of install-agent.sh, not of 'llmgw agent join'; "
-            "give them to the installer"
-        )
-    given = facts.given(AGENT_FACTS)
-    if given and rekey:
-        raise ConfigError(
-            f"{', '.join(given)} go with a join; a rekey keeps agent.yaml as it is: edit it "
-            "to change them"
-        )
     paths, config_exists = _resolve_paths(node_id, config_path, state_dir)
+    given = facts.given(AGENT_FACTS)
     if given and config_exists:
         raise ConfigError(
             f"{', '.join(given)} go into the agent.yaml this join writes, but {paths.config} "
@@ -719,12 +730,62 @@ def join(
             "mgmt_addr, mgmt_interface), "
             "or pass another --config"
         )
-    facts_config = facts.agent_config() if given else {}
+    prior = _prior_identity(paths, options, node_uid)
+    learnt_path = paths.state_dir / SERVERS_FILE
+    targets = [paths.key, paths.cert, paths.ca, paths.uid]
+    targets.append(learnt_path if config_exists else paths.config)
+    for target in targets:
+        _check_writable(target)
 
-    old_uid: str | None = None
-    old_key = old_cert = None
-    proving_key: ec.EllipticCurvePrivateKey | None = None
-    if node_uid is not None:
+    enrolled = _enrol(url, pin, token, options, prior, timeout)
+    servers = enrolled.learnt or (format_hostport(url.host, DEFAULT_GRPC_PORT),)
+    config_text = None
+    if not config_exists:
+        facts_config = facts.agent_config() if given else {}
+        config_text = _config_text(node_id, servers, paths.state_dir, facts_config)
+    kept_key, kept_cert = _save_identity(paths, enrolled, prior, config_exists)
+    written = _write_config_if_missing(paths.config, config_text) if config_text else False
+    return JoinResult(
+        node_id=node_id,
+        node_uid=enrolled.uid,
+        fingerprint=pki.fingerprint(enrolled.key.public_key()),
+        state=enrolled.state,
+        expires_at=enrolled.expires_at,
+        not_after=enrolled.cert.not_valid_after_utc,
+        servers=servers,
+        paths=paths,
+        config_written=written,
+        rekeyed=options.kind is JoinKind.REKEY,
+        repaired=options.re_pair,
+        old_key=kept_key,
+        old_cert=kept_cert,
+    )
+
+
+def _check_options(
+    node_id: str, rekey: bool, node_uid: str | None, facts: NodeFacts
+) -> JoinOptions:
+    """The join's kind and facts checked by the join contract; the installer's own facts
+    refused (this join writes only agent.yaml)."""
+    other = facts.given(set(FACT_OPTIONS) - set(AGENT_FACTS))
+    if other:
+        raise ConfigError(
+            f"{', '.join(other)} are options of install-agent.sh, not of 'llmgw agent join'; "
+            "give them to the installer"
+        )
+    return JoinOptions.of_modes(
+        node=node_id,
+        rekey=rekey,
+        re_pair=node_uid is not None,
+        facts=tuple(facts.given(AGENT_FACTS)),
+    ).check()
+
+
+def _prior_identity(paths: JoinPaths, options: JoinOptions, node_uid: str | None) -> _Prior:
+    """What this node has of an identity, as its kind needs it: none for a join or a
+    re-pair (refused when there is one), its uid, key and certificate for a rekey."""
+    if options.re_pair:
+        assert node_uid is not None
         if paths.key.exists():
             raise EnrolmentError(
                 f"this node still has its identity in {paths.state_dir} ({paths.key} exists); "
@@ -736,28 +797,37 @@ def join(
         if paths.uid.exists() and (kept := _read_uid(paths.uid, paths.state_dir)) != node_uid:
             raise EnrolmentError(
                 f"{paths.uid} names uid {kept}, not {node_uid}: this state directory is another "
-                f"identity's; move it aside, or give --node-uid {kept} with a lost-state token "
+                f"identity's; move it aside, or give --node-uid {kept} with a re-pair token "
                 "for that node",
                 code="already_joined",
             )
-    elif rekey:
+        return _Prior(uid=node_uid)
+    if options.rekey:
         old_uid = _read_uid(paths.uid, paths.state_dir)
         old_key, old_cert = _read_optional(paths.key), _read_optional(paths.cert)
         # The rekey proves the key this node has now; without one it can only re-pair.
-        proving_key = _old_private_key(old_key, paths.key, node_id, old_uid)
-    elif paths.uid.exists():
+        proving = _old_private_key(old_key, paths.key, options.node, old_uid)
+        return _Prior(uid=old_uid, key=old_key, cert=old_cert, proving_key=proving)
+    if paths.uid.exists():
         raise EnrolmentError(
             f"this node already has an identity in {paths.state_dir} ({paths.uid} exists); to "
             "replace its key use a rekey token with --rekey, or move the directory aside to "
             "join as a new node",
             code="already_joined",
         )
-    learnt_path = paths.state_dir / SERVERS_FILE
-    targets = [paths.key, paths.cert, paths.ca, paths.uid]
-    targets.append(learnt_path if config_exists else paths.config)
-    for target in targets:
-        _check_writable(target)
+    return _Prior()
 
+
+def _enrol(
+    url: EnrollURL,
+    pin: str,
+    token: str,
+    options: JoinOptions,
+    prior: _Prior,
+    timeout: float,
+) -> _Enrolled:
+    """Fetch the CA and check it against the pin, then (only then) send the token with a
+    new key's CSR (and for a rekey the old key's proof); the answer, checked."""
     ca = _fetch_ca(url, timeout)
     presented = pki.fingerprint(ca.public_key())
     if not hmac.compare_digest(presented.encode(), pin.encode()):
@@ -766,74 +836,59 @@ def join(
             "token was NOT sent. Check the address, or ask for a fresh join command"
         )
     ca_pem = pki.cert_pem(ca)
-
+    node_id = options.node
     key, csr_pem = _new_key_and_csr(node_id)
     payload: dict[str, object] = {
         "token": token,
         "node_id": node_id,
         "csr": csr_pem.decode("ascii"),
-        "rekey": rekey or node_uid is not None,
-        "node_uid": old_uid or node_uid,
+        "rekey": options.rekey,
+        "node_uid": prior.uid,
     }
-    if node_uid is not None:
-        payload["lost_state"] = True
-    elif rekey:
-        assert old_uid is not None and proving_key is not None
+    if options.re_pair:
+        payload[REPAIR_FIELD] = True
+    elif prior.proving_key is not None:
+        assert prior.uid is not None
         message = proof_message(
             node_id=node_id,
-            node_uid=old_uid,
+            node_uid=prior.uid,
             new_key_fingerprint=pki.fingerprint(key.public_key()),
             token=token,
         )
-        payload["proof"] = sign_proof(proving_key, message)
+        payload["proof"] = sign_proof(prior.proving_key, message)
     answer = _post_enroll(url, ca_pem, payload, timeout)
-    cert, uid, state, expires_at, servers = _check_answer(
-        answer, node_id=node_id, key=key, ca=ca, old_uid=old_uid or node_uid
+    cert, uid, state, expires_at, learnt = _check_answer(
+        answer, node_id=node_id, key=key, ca=ca, old_uid=prior.uid
     )
-    learnt = servers
-    if not servers:
-        servers = (format_hostport(url.host, DEFAULT_GRPC_PORT),)
-    config_text = (
-        None if config_exists else _config_text(node_id, servers, paths.state_dir, facts_config)
-    )
+    return _Enrolled(key, ca_pem, cert, uid, state, expires_at, learnt)
 
+
+def _save_identity(
+    paths: JoinPaths, enrolled: _Enrolled, prior: _Prior, config_exists: bool
+) -> tuple[Path | None, Path | None]:
+    """Write the new identity (the old key and certificate kept as *.old), and the
+    instances the enrolment named beside it when agent.yaml is the operator's; the *.old
+    paths written."""
     for directory in {paths.state_dir, paths.key.parent, paths.cert.parent, paths.ca.parent}:
         _make_dir(directory, 0o700)
-    key_pem = pki.key_pem(key)
     files: list[tuple[Path, bytes, int]] = []
     kept_key = kept_cert = None
-    if old_key is not None:
+    if prior.key is not None:
         kept_key = paths.key.with_name(paths.key.name + ".old")
-        files.append((kept_key, old_key, 0o600))
-    if old_cert is not None:
+        files.append((kept_key, prior.key, 0o600))
+    if prior.cert is not None:
         kept_cert = paths.cert.with_name(paths.cert.name + ".old")
-        files.append((kept_cert, old_cert, 0o644))
+        files.append((kept_cert, prior.cert, 0o644))
     files += [
-        (paths.ca, ca_pem, 0o644),
-        (paths.key, key_pem, 0o600),
-        (paths.cert, pki.cert_pem(cert), 0o644),
+        (paths.ca, enrolled.ca_pem, 0o644),
+        (paths.key, pki.key_pem(enrolled.key), 0o600),
+        (paths.cert, pki.cert_pem(enrolled.cert), 0o644),
     ]
-    if old_uid is None:
-        files.append((paths.uid, (uid + "\n").encode(), 0o644))
-    if config_exists and learnt:
+    if prior.proving_key is None:  # a rekey keeps the uid file it read
+        files.append((paths.uid, (enrolled.uid + "\n").encode(), 0o644))
+    if config_exists and enrolled.learnt:
         # agent.yaml is the operator's (root's) and kept: the agent finds the instances
         # the enrolment named beside its identity instead.
-        files.append((learnt_path, servers_json(learnt), 0o600))
+        files.append((paths.state_dir / SERVERS_FILE, servers_json(enrolled.learnt), 0o600))
     _write_files(files)
-
-    written = _write_config_if_missing(paths.config, config_text) if config_text else False
-    return JoinResult(
-        node_id=node_id,
-        node_uid=uid,
-        fingerprint=pki.fingerprint(key.public_key()),
-        state=state,
-        expires_at=expires_at,
-        not_after=cert.not_valid_after_utc,
-        servers=servers,
-        paths=paths,
-        config_written=written,
-        rekeyed=rekey,
-        repaired=node_uid is not None,
-        old_key=kept_key,
-        old_cert=kept_cert,
-    )
+    return kept_key, kept_cert

@@ -3,9 +3,9 @@ message naming itself, its uid, the new key and the token, and the control plane
 the rekey only if that key is one it issued a live certificate for.
 
 A rekey token is bound to the node's uid, but a uid is no secret (``ctl nodes`` shows it, a
-lost-state command prints it): without this proof anyone holding a plain rekey token could
+re-pair command prints it): without this proof anyone holding a plain rekey token could
 put their own key on an approved node. A node whose state directory is gone has no old key
-and re-pairs with a lost-state token instead, which sends the node back to approval.
+and re-pairs with a re-pair token instead, which sends the node back to approval.
 """
 
 from __future__ import annotations

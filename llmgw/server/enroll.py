@@ -5,9 +5,9 @@ HTTPS (the control plane's server certificate, no client certificate) on ``enrol
 ``GET /enroll/ca``
     the cluster CA certificate (PEM), which the agent checks against its ``--ca-hash`` pin.
 ``POST /enroll``
-    JSON ``{"token", "node_id", "csr", "rekey"?, "node_uid"?, "lost_state"?}`` (at most
-    64 KiB; ``lost_state``: a rekey by a node whose state directory is gone, which names its
-    uid itself and needs a lost-state rekey token) ->
+    JSON ``{"token", "node_id", "csr", "rekey"?, "node_uid"?, "re_pair"?}`` (at most
+    64 KiB; ``re_pair``, old name ``lost_state``: a rekey by a node whose state directory is
+    gone, which names its uid itself and needs a re-pair token) ->
     ``{"certificate", "ca", "node_id", "node_uid", "fingerprint", "state", "expires_at",
     "servers"}``; refusals are ``{"error": {"code", "message"}}`` with the error's HTTP status.
 
@@ -18,12 +18,10 @@ recorded, event added) or leaves the store exactly as it was.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 import ssl
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -31,29 +29,25 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from llmgw import netaddr, pki
+from llmgw.contracts.joining import REPAIR_FLAG
 from llmgw.contracts.rekeyproof import proof_message, verify_proof
 from llmgw.errors import CertificateError, ConfigError, EnrolmentError, LlmgwError, NotFound
 from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport
-from llmgw.server.states import NodeState, TokenKind
+from llmgw.server.enrolrequest import MAX_BODY, EnrolRequest, parse_enrol_request, too_large
+from llmgw.server.states import NodeState
 from llmgw.server.store import Certificate, JoinToken, Node, Store
 
 __all__ = [
-    "MAX_BODY",
     "RENEWED",
-    "EnrolRequest",
     "Enroller",
     "EnrolmentServer",
-    "parse_enrol_request",
     "record_certificate",
     "server_ssl_context",
 ]
 
 log = logging.getLogger("llmgw.server.enroll")
-
-MAX_BODY = 64 * 1024
-"""Largest request body accepted; a P-256 CSR in PEM is under 1 KiB."""
 
 
 def record_certificate(store: Store, node_id: str, cert: x509.Certificate) -> Certificate:
@@ -75,152 +69,6 @@ until the node took the renewed one (it may not have, if it stopped in between).
 
 READ_TIMEOUT = 30.0
 """Seconds a client may take to send its request body."""
-
-_FIELDS = {
-    "token": str,
-    "node_id": str,
-    "csr": str,
-    "rekey": bool,
-    "node_uid": str,
-    "lost_state": bool,
-    "proof": dict,
-}
-_REQUIRED = ("token", "node_id", "csr")
-_JSON_TYPE = {str: "a string", bool: "true or false", dict: "an object"}
-_NODE_UID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_FIELD_HELP = {
-    "token": "give the token printed by 'llmgw ctl join-command'",
-    "node_id": "give the node's id (a DNS name, e.g. gpu-1)",
-    "csr": "give the PEM certificate request made with the node's own key",
-    "rekey": "true for a rekey, false (or left out) for a join",
-    "node_uid": "give the uid the node got when it joined, or null for a join",
-    "lost_state": "true for a rekey by a node whose state directory is gone, else false",
-    "proof": "give the old key's signature that 'llmgw agent join --rekey' makes",
-}
-
-
-def _bad_request(message: str) -> EnrolmentError:
-    return EnrolmentError(message, code="bad_request", status=400)
-
-
-def _too_large(size: int | None = None) -> EnrolmentError:
-    got = f" ({size} bytes)" if size is not None else ""
-    return EnrolmentError(
-        f"the request body is larger than {MAX_BODY} bytes{got}; send only the token, node id "
-        "and CSR that 'llmgw agent join' sends",
-        code="body_too_large",
-        status=413,
-    )
-
-
-def _json_kind(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
-
-
-@dataclass(frozen=True)
-class EnrolRequest:
-    """A parsed ``POST /enroll`` body; the token never shows in its repr."""
-
-    token: str = field(repr=False)
-    node_id: str
-    csr: str = field(repr=False)
-    rekey: bool = False
-    node_uid: str | None = None
-    lost_state: bool = False
-    proof: dict[str, Any] | None = field(default=None, repr=False)
-
-    @property
-    def kind(self) -> str:
-        return TokenKind.REKEY if self.rekey else TokenKind.JOIN
-
-
-def parse_enrol_request(body: bytes) -> EnrolRequest:
-    """Check a ``POST /enroll`` body's shape; raises only :class:`EnrolmentError`
-    (``body_too_large``, ``bad_json``, ``bad_request``)."""
-    if len(body) > MAX_BODY:
-        raise _too_large(len(body))
-    try:
-        data = json.loads(body.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError too
-        raise EnrolmentError(
-            f"the request body is not JSON ({type(exc).__name__}: {str(exc)[:200]}); send a "
-            'JSON object such as {"token": "...", "node_id": "...", "csr": "..."}',
-            code="bad_json",
-            status=400,
-        ) from exc
-    if not isinstance(data, dict):
-        raise _bad_request(
-            f"the request body is {_json_kind(data)}, not a JSON object; send "
-            '{"token": "...", "node_id": "...", "csr": "..."}'
-        )
-    unknown = sorted(k for k in data if k not in _FIELDS)
-    if unknown:
-        names = ", ".join(repr(k[:40]) for k in unknown[:5])
-        raise _bad_request(
-            f"unknown field(s) {names}; an enrolment request has only {', '.join(_FIELDS)}"
-        )
-    for name in _REQUIRED:
-        if name not in data:
-            raise _bad_request(f"field '{name}' is missing; {_FIELD_HELP[name]}")
-    for name, kind in _FIELDS.items():
-        if name not in data:
-            continue
-        value = data[name]
-        if name == "node_uid" and value is None:
-            continue
-        if not isinstance(value, kind):
-            raise _bad_request(
-                f"field '{name}' is {_json_kind(value)}, not {_JSON_TYPE[kind]}; "
-                f"{_FIELD_HELP[name]}"
-            )
-    token, node_id, csr = data["token"], data["node_id"], data["csr"]
-    rekey = bool(data.get("rekey", False))
-    lost_state = bool(data.get("lost_state", False))
-    node_uid: str | None = data.get("node_uid")
-    if not token:
-        raise _bad_request(f"field 'token' is empty; {_FIELD_HELP['token']}")
-    if not csr:
-        raise _bad_request(f"field 'csr' is empty; {_FIELD_HELP['csr']}")
-    try:
-        netaddr.validate_node_id(node_id)
-    except ConfigError as exc:
-        reason = exc.message.removeprefix("node_id: ")  # ConfigError names the key itself
-        raise _bad_request(f"field 'node_id': {reason}") from exc
-    if lost_state and not rekey:
-        raise _bad_request(
-            "field 'lost_state' is true but 'rekey' is not; a node that lost its state "
-            "directory re-pairs by a rekey with the uid it had ('llmgw agent join --node-uid')"
-        )
-    if rekey:
-        if not node_uid:
-            raise _bad_request(
-                "field 'node_uid' is missing; a rekey names the uid the node got when it "
-                "joined (kept in the agent's state directory)"
-            )
-        if not _NODE_UID.fullmatch(node_uid):
-            raise _bad_request(
-                "field 'node_uid' is not a node uid (1-64 letters, digits, '_' or '-'); give "
-                "the uid the node got when it joined"
-            )
-    return EnrolRequest(
-        token=token,
-        node_id=node_id,
-        csr=csr,
-        rekey=rekey,
-        node_uid=node_uid if rekey else None,
-        lost_state=lost_state,
-        proof=data.get("proof") if rekey else None,
-    )
 
 
 class Enroller:
@@ -271,7 +119,7 @@ class Enroller:
             return
         repair = (
             f"if its key is gone, re-pair it: 'llmgw ctl join-command --rekey {node.id} "
-            f"--lost-state', then 'llmgw agent join --node-uid {node.uid}' on the node"
+            f"{REPAIR_FLAG}', then 'llmgw agent join --node-uid {node.uid}' on the node"
         )
         if req.proof is None:
             raise EnrolmentError(
@@ -338,60 +186,9 @@ class Enroller:
         """Use the token, check the CSR, record the node and its certificate, and return the
         response body. Any refusal (an :class:`EnrolmentError`) leaves the store untouched."""
         servers = list(self._servers())  # before anything is written: it cannot undo a join
-        store = self.store
         try:
-            with store.transaction():
-                # The token first: an unknown one is refused before any parsing work.
-                token = store.consume_join_token(
-                    req.token,
-                    node_id=req.node_id,
-                    kind=req.kind,
-                    node_uid=req.node_uid,
-                    lost_state=req.lost_state,
-                )
-                self._check_node_id_free(token.node_id)
-                csr = pki.load_csr(req.csr)
-                pki.check_csr(csr, token.node_id)
-                fp = pki.fingerprint(csr.public_key())
-                if req.rekey and not token.lost_state:
-                    self._check_old_key(req, fp)
-                node = store.enrol_node(
-                    token.node_id,
-                    fingerprint=fp,
-                    rekey=req.rekey,
-                    node_uid=req.node_uid,
-                    # A node without its old key proves nothing but the token: the operator
-                    # approves the new key by its fingerprint.
-                    require_approval=token.require_approval or token.lost_state,
-                )
-                cert = pki.sign_csr(self.ca, csr, node_id=node.id, lifetime=self.lifetime)
-                serial = record_certificate(store, node.id, cert).serial
-                if req.rekey and token.lost_state:
-                    store.revoke_certificates(node.id, reason="re-paired", except_serial=serial)
-                    store.add_event(
-                        "node_repaired",
-                        node.id,
-                        f"re-paired {'without' if req.lost_state else 'with'} its old state "
-                        f"(uid {node.uid} kept): new key {fp}, certificate {serial}; older "
-                        "certificates revoked; compare the fingerprint and approve it with "
-                        f"'llmgw ctl approve {node.id}'",
-                    )
-                elif req.rekey:
-                    store.revoke_certificates(node.id, reason="rekeyed", except_serial=serial)
-                    store.add_event(
-                        "node_rekeyed",
-                        node.id,
-                        f"new key {fp}, certificate {serial}; older certificates revoked",
-                    )
-                elif token.auto_approve:
-                    node = self._auto_approve(token, node, fp, serial)
-                else:
-                    store.add_event(
-                        "node_enrolled",
-                        node.id,
-                        f"joined with key {fp}, certificate {serial}; compare the fingerprint "
-                        f"and approve it with 'llmgw ctl approve {node.id}'",
-                    )
+            with self.store.transaction():
+                done = self._enrol(req)
         except EnrolmentError as exc:
             log.warning(
                 "enrolment refused",
@@ -400,17 +197,18 @@ class Enroller:
                 ),
             )
             raise
+        node = done.node
         log.info(
             "node enrolled"
             if not req.rekey
-            else ("node re-paired" if token.lost_state else "node rekeyed"),
+            else ("node re-paired" if done.token.lost_state else "node rekeyed"),
             extra=kv(
                 node=node.id,
                 uid=node.uid,
                 state=node.state,
-                fingerprint=fp,
-                serial=serial,
-                token=token.id,
+                fingerprint=done.fingerprint,
+                serial=done.serial,
+                token=done.token.id,
                 peer=peer,
             ),
         )
@@ -420,15 +218,93 @@ class Enroller:
             except Exception:  # the node is enrolled; a listener's bug must not undo that
                 log.exception("on_enrolled failed", extra=kv(node=node.id))
         return {
-            "certificate": cert.public_bytes(serialization.Encoding.PEM).decode("ascii"),
+            "certificate": done.cert.public_bytes(serialization.Encoding.PEM).decode("ascii"),
             "ca": self.ca_pem,
             "node_id": node.id,
             "node_uid": node.uid,
-            "fingerprint": fp,
+            "fingerprint": done.fingerprint,
             "state": node.state,
-            "expires_at": cert.not_valid_after_utc.timestamp(),
+            "expires_at": done.cert.not_valid_after_utc.timestamp(),
             "servers": servers,
         }
+
+    def _enrol(self, req: EnrolRequest) -> _Enrolled:
+        """The enrolment's writes, in the caller's transaction: the token spent, the node
+        recorded, its certificate issued and recorded."""
+        store = self.store
+        # The token first: an unknown one is refused before any parsing work.
+        token = store.consume_join_token(
+            req.token,
+            node_id=req.node_id,
+            kind=req.kind,
+            node_uid=req.node_uid,
+            lost_state=req.re_pair,
+        )
+        self._check_node_id_free(token.node_id)
+        csr = pki.load_csr(req.csr)
+        pki.check_csr(csr, token.node_id)
+        fp = pki.fingerprint(csr.public_key())
+        if req.rekey and not token.lost_state:
+            self._check_old_key(req, fp)
+        node = store.enrol_node(
+            token.node_id,
+            fingerprint=fp,
+            rekey=req.rekey,
+            node_uid=req.node_uid,
+            # A node without its old key proves nothing but the token: the operator
+            # approves the new key by its fingerprint.
+            require_approval=token.require_approval or token.lost_state,
+        )
+        cert = pki.sign_csr(self.ca, csr, node_id=node.id, lifetime=self.lifetime)
+        serial = record_certificate(store, node.id, cert).serial
+        node = self._record_kind(req, token, node, fp, serial)
+        return _Enrolled(token=token, node=node, fingerprint=fp, serial=serial, cert=cert)
+
+    def _record_kind(
+        self, req: EnrolRequest, token: JoinToken, node: Node, fp: str, serial: str
+    ) -> Node:
+        """What this kind of enrolment does after the certificate: a rekey or re-pair revokes
+        the node's older certificates, an auto-approve join approves the node; each says so
+        in the events."""
+        store = self.store
+        if req.rekey and token.lost_state:
+            store.revoke_certificates(node.id, reason="re-paired", except_serial=serial)
+            store.add_event(
+                "node_repaired",
+                node.id,
+                f"re-paired {'without' if req.re_pair else 'with'} its old state "
+                f"(uid {node.uid} kept): new key {fp}, certificate {serial}; older "
+                "certificates revoked; compare the fingerprint and approve it with "
+                f"'llmgw ctl approve {node.id}'",
+            )
+        elif req.rekey:
+            store.revoke_certificates(node.id, reason="rekeyed", except_serial=serial)
+            store.add_event(
+                "node_rekeyed",
+                node.id,
+                f"new key {fp}, certificate {serial}; older certificates revoked",
+            )
+        elif token.auto_approve:
+            return self._auto_approve(token, node, fp, serial)
+        else:
+            store.add_event(
+                "node_enrolled",
+                node.id,
+                f"joined with key {fp}, certificate {serial}; compare the fingerprint "
+                f"and approve it with 'llmgw ctl approve {node.id}'",
+            )
+        return node
+
+
+@dataclass(frozen=True)
+class _Enrolled:
+    """What one enrolment wrote: the token it spent, the node, its new certificate."""
+
+    token: JoinToken
+    node: Node
+    fingerprint: str
+    serial: str
+    cert: x509.Certificate
 
 
 def server_ssl_context(identity: pki.Identity) -> ssl.SSLContext:
@@ -562,14 +438,14 @@ async def _read_body(request: web.Request) -> bytes:
     """The body, refused as soon as it is known to exceed MAX_BODY (header or bytes read)."""
     declared = request.content_length
     if declared is not None and declared > MAX_BODY:
-        raise _too_large(declared)
+        raise too_large(declared)
     buf = bytearray()
     try:
         async with asyncio.timeout(READ_TIMEOUT):
             async for chunk in request.content.iter_chunked(16 * 1024):
                 buf += chunk
                 if len(buf) > MAX_BODY:
-                    raise _too_large()
+                    raise too_large()
     except TimeoutError as exc:
         raise EnrolmentError(
             f"the request body did not arrive within {READ_TIMEOUT:g} s; check the network "

@@ -2,8 +2,9 @@
 
 A join token is a one-time secret (``llmgwjt_`` + 43 random characters) that lets one
 node join, or rekey, once, before it expires. A rekey token is bound to the node's uid and
-spent by a node that still has its state directory (its uid read from there); a *lost-state*
-rekey token (``join-command --rekey NODE --lost-state``) is spent by a node whose state
+spent by a node that still has its state directory (its uid read from there); a *re-pair*
+token, a rekey token stored with ``lost_state`` (``join-command --rekey NODE --re-pair``), is
+spent by a node whose state
 directory is gone, which names its uid itself (``llmgw agent join --node-uid UID``): same
 node record, new key, and the node waits for approval by fingerprint again. The store keeps only its hash and its
 prefix (:mod:`llmgw.server.store` persists them as :class:`JoinToken` rows); this module makes the secrets,
@@ -19,6 +20,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from llmgw.contracts.joining import REPAIR_FLAG, JoinOptions, JoinRefused
 from llmgw.errors import Conflict, TokenError
 from llmgw.netaddr import validate_node_id
 from llmgw.server.states import NodeState, TokenKind
@@ -114,26 +116,28 @@ def check_new(
     auto_approve: bool = False,
 ) -> TokenKind:
     """Refuse (ValueError) a token that could never be spent: a rekey token binds the
-    node's current uid, a join token none; a lost-state token is a rekey token that needs
+    node's current uid, a join token none; a re-pair token is a rekey token that needs
     approval again; an auto-approve token is a fresh join's only (trust on first use of a
     new machine, never a key swapped under a known node's name); the ttl is a positive
     number of seconds."""
     validate_node_id(node_id)
     token_kind = check_kind(kind)
-    if auto_approve and token_kind != TokenKind.JOIN:
-        raise ValueError(
-            f"auto_approve goes with a fresh join only: a rekey{' (lost state)' if lost_state else ''} "
-            f"token's new key is the node's own proof or is approved by its fingerprint; mint "
-            f"it without auto_approve, or a join token ('llmgw ctl join-command --node "
-            f"{node_id} --auto-approve') for a machine joining afresh"
-        )
-    if auto_approve and require_approval:
-        raise ValueError("auto_approve and require_approval contradict each other: leave one out")
     if lost_state and token_kind != TokenKind.REKEY:
         raise ValueError("lost_state goes with rekey tokens only (a join needs no old key)")
+    try:
+        JoinOptions.of_flags(
+            node=node_id,
+            rekey=token_kind == TokenKind.REKEY,
+            re_pair=lost_state,
+            auto_approve=auto_approve,
+            # A join token needs approval whatever it says; only the contradiction counts.
+            require_approval=require_approval and (token_kind == TokenKind.REKEY or auto_approve),
+        ).check()
+    except JoinRefused as exc:
+        raise ValueError(str(exc)) from None
     if lost_state and not require_approval:
         raise ValueError(
-            "a lost-state rekey token needs require_approval: the node's new key is approved "
+            "a re-pair token needs require_approval: the node's new key is approved "
             "by its fingerprint again"
         )
     if token_kind == TokenKind.REKEY and not node_uid:
@@ -179,8 +183,7 @@ def check_use(
         elif lost_state:
             message = (
                 f"this is a join token for {token.node_id}; --node-uid re-pairs a node with a "
-                f"lost-state rekey token: 'llmgw ctl join-command --rekey {token.node_id} "
-                "--lost-state'"
+                f"re-pair token: 'llmgw ctl join-command --rekey {token.node_id} {REPAIR_FLAG}'"
             )
         else:
             message = (
@@ -192,7 +195,7 @@ def check_use(
         raise TokenError(
             f"rekey token {token.id} for {token.node_id} needs the node's old identity (its "
             "state directory), which this node does not have; for a node whose state directory "
-            f"is gone mint 'llmgw ctl join-command --rekey {token.node_id} --lost-state'",
+            f"is gone mint 'llmgw ctl join-command --rekey {token.node_id} {REPAIR_FLAG}'",
             code="token_needs_old_key",
         )
     if kind == TokenKind.REKEY and token.node_uid != node_uid:
@@ -200,7 +203,7 @@ def check_use(
             raise TokenError(
                 f"rekey token {token.id} re-pairs {token.node_id} with uid {token.node_uid}, "
                 f"not {node_uid or '(none)'}; give --node-uid {token.node_uid} as printed by "
-                "'llmgw ctl join-command --rekey NODE --lost-state'",
+                f"'llmgw ctl join-command --rekey NODE {REPAIR_FLAG}'",
                 code="node_uid_mismatch",
             )
         raise TokenError(
@@ -272,7 +275,7 @@ def used_refusal(token: JoinToken, used_at: float | None) -> TokenError:
 
 def _mint_hint(token: JoinToken) -> str:
     if token.lost_state:
-        return f"mint a new one with 'llmgw ctl join-command --rekey {token.node_id} --lost-state'"
+        return f"mint a new one with 'llmgw ctl join-command --rekey {token.node_id} {REPAIR_FLAG}'"
     if token.kind == TokenKind.REKEY:
         return (
             f"mint a new rekey token for {token.node_id}, or join it afresh with "

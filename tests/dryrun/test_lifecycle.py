@@ -438,7 +438,7 @@ def test_10b_re_pair_a_node_whose_state_directory_is_gone(steps: Steps, lab: Lab
     before = lab.node_state(NODE)
     assert before is not None
     node.sh("systemctl stop llmgw-agent.service && rm -rf /var/lib/llmgw-agent")
-    repair = json.loads(lab.ctl("--json", "join-command", "--rekey", NODE, "--lost-state").stdout)
+    repair = json.loads(lab.ctl("--json", "join-command", "--rekey", NODE, "--re-pair").stdout)
     command = repair["command"]
     assert "install-agent.sh install" in command and f"--node-uid {before['uid']}" in command
     result = node.sh(command)

@@ -92,7 +92,7 @@ class JoinCommand:
 def join_command(
     server: Server, tmp: Path, node_id: str, *, rekey: bool = False, lost_state: bool = False
 ) -> JoinCommand:
-    extra = ["--lost-state"] if lost_state else []
+    extra = ["--re-pair"] if lost_state else []
     data = ctl_json(server, tmp, "join-command", "--rekey" if rekey else "--node", node_id, *extra)
     words = shlex.split(data["command"])
     # LLMGW_JOIN_TOKEN=… llmgw agent join --node-id N --enroll-url U --ca-hash H [--rekey]
@@ -752,7 +752,7 @@ def test_a_node_that_lost_its_state_directory_re_pairs_as_the_same_node(
     run = agent_join(tmp_path, plain, config=n.config, rekey=False, node_uid=uid)
     assert run.returncode == 1
     assert "(token_needs_old_key)" in run.stderr, run.stderr
-    assert "'llmgw ctl join-command --rekey gpu-01 --lost-state'" in run.stderr
+    assert "'llmgw ctl join-command --rekey gpu-01 --re-pair'" in run.stderr
     assert not n.state.exists() or not (n.state / "node.uid").exists()
 
     cmd = join_command(server, tmp_path, "gpu-01", rekey=True, lost_state=True)

@@ -12,6 +12,7 @@ from llmgw.agent.join import JoinResult, join
 from llmgw.agent.update_spool import CONTAINER_ENV
 from llmgw.cli.agent.facts import node_facts
 from llmgw.cli.prompts import read_secret
+from llmgw.contracts.joining import JoinOptions, JoinRefused
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_AGENT_STATE_DIR
 from llmgw.contracts.ports import DEFAULT_ENROLL_PORT
 
@@ -67,7 +68,7 @@ TOKEN_ENV = "LLMGW_JOIN_TOKEN"
     "--node-uid",
     metavar="UID",
     help="Re-pair a node whose state directory is gone, keeping its record: the uid and the "
-    "lost-state rekey token printed by 'llmgw ctl join-command --rekey NODE --lost-state'. "
+    "re-pair token printed by 'llmgw ctl join-command --rekey NODE --re-pair'. "
     "It needs approval by fingerprint again.",
 )
 @click.option(
@@ -137,11 +138,10 @@ def join_command(
     """Enrol this node with the control plane; the join token comes from LLMGW_JOIN_TOKEN
     or a prompt, never from an argument."""
     config_path = _config_path(ctx, join_config)
-    if rekey and node_uid is not None:
-        raise click.UsageError(
-            "give --rekey (the node has its state directory) or --node-uid UID (it is gone), "
-            "not both"
-        )
+    try:  # before the token is asked for
+        JoinOptions.of_modes(rekey=rekey, re_pair=node_uid is not None)
+    except JoinRefused as exc:
+        raise click.UsageError(str(exc)) from None
     facts = node_facts(
         fabrics=fabrics,
         nvidia_smi=nvidia_smi,

@@ -13,10 +13,28 @@ import click
 from llmgw.cli.common import Duration, ReportingGroup
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import echo_json, table, until
+from llmgw.contracts.joining import (
+    OLD_REPAIR_FIELD,
+    OLD_REPAIR_FLAG,
+    REPAIR_FIELD,
+    REPAIR_FLAG,
+    JoinOptions,
+    JoinRefused,
+)
 from llmgw.contracts.nodefacts import FACT_OPTIONS, NodeFacts
 from llmgw.errors import ConfigError
 
-__all__ = ["FACT_PARAMS", "fact_options", "join_command", "parse_facts", "tokens"]
+__all__ = [
+    "FACT_PARAMS",
+    "fact_options",
+    "join_body",
+    "join_command",
+    "parse_facts",
+    "read_repair_flags",
+    "repair_options",
+    "show_join_token",
+    "tokens",
+]
 
 
 _FACT_OPTIONS = [
@@ -102,6 +120,29 @@ def parse_facts(values: dict[str, Any]) -> NodeFacts:
         raise click.UsageError(str(exc)) from None
 
 
+def repair_options(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--re-pair`` (with ``help_text``) and its old name ``--lost-state``, hidden, which
+    still works and warns; the command reads both with :func:`read_repair_flags`."""
+
+    def add(command: Callable[..., Any]) -> Callable[..., Any]:
+        command = click.option(
+            OLD_REPAIR_FLAG, "old_repair", is_flag=True, hidden=True, help="Old --re-pair."
+        )(command)
+        return click.option(REPAIR_FLAG, "re_pair", is_flag=True, help=help_text)(command)
+
+    return add
+
+
+def read_repair_flags(re_pair: bool, old_repair: bool) -> bool:
+    """Whether a re-pair was asked for, by its name or its old one (which warns)."""
+    if old_repair:
+        click.echo(
+            f"warning: {OLD_REPAIR_FLAG} is the old name of {REPAIR_FLAG}; use {REPAIR_FLAG}",
+            err=True,
+        )
+    return re_pair or old_repair
+
+
 @click.command("join-command")
 @click.option("--node", "node", help="Id of the node to join (DNS name, e.g. gpu-01).")
 @click.option(
@@ -127,12 +168,10 @@ def parse_facts(values: dict[str, Any]) -> NodeFacts:
     is_flag=True,
     help="With --rekey: the node needs approval again after rekeying.",
 )
-@click.option(
-    "--lost-state",
-    is_flag=True,
-    help="With --rekey: the node's state directory is gone (no old key): the token re-pairs "
+@repair_options(
+    "With --rekey: the node's state directory is gone (no old key): the token re-pairs "
     "it by its uid (printed in the command: agent join --node-uid UID), keeping its record "
-    "and history; it needs approval by fingerprint again.",
+    "and history; it needs approval by fingerprint again (old name: --lost-state)."
 )
 @click.option(
     "--auto-approve",
@@ -161,21 +200,9 @@ def join_command(
     rekey_node: str | None,
     ttl: float | None,
     address: str | None,
-    require_approval: bool,
-    lost_state: bool,
-    auto_approve: bool,
-    cloud_init: bool,
-    set_hostname: bool,
-    fabrics: tuple[str, ...],
-    nvidia_smi: str | None,
-    ib_root: str | None,
-    engines: tuple[str, ...],
-    models_root: str | None,
-    cache_root: str | None,
-    firewall_from: tuple[str, ...],
-    fabric_peers: tuple[str, ...],
-    node_address: str | None,
-    mgmt_interface: str | None,
+    re_pair: bool,
+    old_repair: bool,
+    **flags: Any,
 ) -> None:
     """Mint a one-time token and print the command to paste on the node: with agent bundles
     on the control plane, a one-liner that downloads and checks the bundle and runs its
@@ -186,77 +213,53 @@ def join_command(
     approval by fingerprint for the machine that spends the token first."""
     if bool(node) == bool(rekey_node):
         raise click.UsageError("give exactly one of --node NODE (a new node) or --rekey NODE")
-    if require_approval and not rekey_node:
-        raise click.UsageError(
-            "--require-approval goes with --rekey (a fresh join always needs approval)"
-        )
-    if lost_state and not rekey_node:
-        raise click.UsageError(
-            "--lost-state goes with --rekey NODE: it re-pairs a joined node whose state "
-            "directory is gone (a new node needs none: --node NODE)"
-        )
-    if auto_approve and rekey_node:
-        raise click.UsageError(
-            "--auto-approve goes with --node (a fresh join): a rekey's new key is proved by the "
-            "old one, a lost-state re-pair's approved by its fingerprint; for a machine joining "
-            f"afresh: --node {rekey_node} --auto-approve"
-        )
-    if cloud_init and rekey_node:
-        raise click.UsageError(
-            "--cloud-init goes with --node: the user-data joins a machine on its first boot; a "
-            f"rekey runs on the joined node (--rekey {rekey_node} prints its command)"
-        )
-    if set_hostname and not cloud_init:
-        raise click.UsageError(
-            "--set-hostname goes with --cloud-init (the user-data sets the host name on first "
-            "boot); where you paste the command, run 'hostnamectl set-hostname NODE' first, or "
-            "let 'llmgw ctl onboard --set-hostname' do it"
-        )
-    facts = parse_facts(
-        {
-            "fabrics": fabrics,
-            "nvidia_smi": nvidia_smi,
-            "ib_root": ib_root,
-            "engines": engines,
-            "models_root": models_root,
-            "cache_root": cache_root,
-            "firewall_from": firewall_from,
-            "fabric_peers": fabric_peers,
-            "node_address": node_address,
-            "mgmt_interface": mgmt_interface,
-        }
-    )
-    if rekey_node and not lost_state and facts.given(FACT_OPTIONS):
-        raise click.UsageError(
-            f"{', '.join(facts.given(FACT_OPTIONS))} go with --node (a join) or --rekey NODE "
-            "--lost-state (a re-pair); a rekey keeps the node's agent.yaml: to change its facts "
-            "run install-agent.sh install with them on the node"
-        )
+    facts = parse_facts(flags)
+    try:
+        options = JoinOptions.of_flags(
+            node=node or rekey_node or "NODE",
+            rekey=bool(rekey_node),
+            re_pair=read_repair_flags(re_pair, old_repair),
+            facts=tuple(facts.given(FACT_OPTIONS)),
+            **{k: flags[k] for k in _MODE_FLAGS},
+        ).check()
+    except JoinRefused as exc:
+        raise click.UsageError(str(exc)) from None
+    data = c.call("POST", "/api/join-tokens", join_body(options, facts, ttl, address))
+    if c.as_json:
+        echo_json(data)
+        return
+    show_join_token(data, cloud_init=options.cloud_init)
+
+
+_MODE_FLAGS = ("require_approval", "auto_approve", "cloud_init", "set_hostname")
+
+
+def join_body(
+    options: JoinOptions, facts: NodeFacts, ttl: float | None, address: str | None
+) -> dict[str, Any]:
+    """``POST /api/join-tokens``' body for checked ``options``."""
     body: dict[str, Any] = {
-        "node": node or rekey_node,
-        "rekey": bool(rekey_node),
-        "require_approval": require_approval,
+        "node": options.node,
+        "rekey": options.rekey,
+        "require_approval": options.require_approval,
     }
     if ttl is not None:
         body["ttl"] = ttl
-    elif not cloud_init:
+    elif not options.cloud_init:
         body["ttl"] = 3600.0
-    if auto_approve:
-        body["auto_approve"] = True
-    if cloud_init:
-        body["cloud_init"] = True
-    if set_hostname:
-        body["set_hostname"] = True
-    if lost_state:
-        body["lost_state"] = True
+    for flag in ("auto_approve", "cloud_init", "set_hostname", REPAIR_FIELD):
+        if getattr(options, flag):
+            body[flag] = True
     if facts.as_json():
         body["facts"] = facts.as_json()
     if address:
         body["address"] = address
-    data = c.call("POST", "/api/join-tokens", body)
-    if c.as_json:
-        echo_json(data)
-        return
+    return body
+
+
+def show_join_token(data: dict[str, Any], *, cloud_init: bool = False) -> None:
+    """The minted token as an operator reads it: what it is, the command to paste and
+    what comes next (the cloud-init user-data alone on stdout)."""
     if data.get("warning"):
         click.echo(f"warning: {data['warning']}", err=True)
     if cloud_init:
@@ -265,8 +268,8 @@ def join_command(
         return
     expires = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(data["expires_at"]))
     what = "rekey" if data["kind"] == "rekey" else "join"
-    if data.get("lost_state"):
-        what = "lost-state rekey"
+    if data.get(REPAIR_FIELD, data.get(OLD_REPAIR_FIELD)) is True:
+        what = "re-pair"
     click.echo(
         f"{what} token {data['id']} for node {data['node']}, valid until {expires} (one use)"
     )
@@ -288,7 +291,7 @@ def join_command(
             "bundle_dir)",
             err=True,
         )
-    if data.get("auto_approve"):
+    if data.get("auto_approve") is True:
         click.echo(
             "the node is approved when it joins (auto-approve: trust on first use of this "
             "token); 'llmgw ctl events' records the fingerprint it was approved with"
@@ -330,8 +333,8 @@ def tokens(ctx: click.Context, include_all: bool) -> None:
             t["id"],
             t["node"],
             t["kind"]
-            + (" (lost-state)" if t.get("lost_state") else "")
-            + (" (auto-approve)" if t.get("auto_approve") else ""),
+            + (" (re-pair)" if t.get(REPAIR_FIELD, t.get(OLD_REPAIR_FIELD)) is True else "")
+            + (" (auto-approve)" if t.get("auto_approve") is True else ""),
             t["prefix"] + "…",
             until(t["expires_at"]),
             state(t),

@@ -2,7 +2,7 @@
 them, without pasting anything; each host's steps are :mod:`llmgw.cli.ctl.onboarding`'s.
 
 A host that fails has its token revoked; the others go on. A node online already is left
-as it is; one that exists otherwise is refused unless ``--rekey`` or ``--lost-state`` says
+as it is; one that exists otherwise is refused unless ``--rekey`` or ``--re-pair`` says
 what the machine is.
 """
 
@@ -21,10 +21,17 @@ import click
 from llmgw.cli.common import Duration
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.hostsfile import HostEntry, read_hosts
-from llmgw.cli.ctl.join import FACT_PARAMS, fact_options, parse_facts
+from llmgw.cli.ctl.join import (
+    FACT_PARAMS,
+    fact_options,
+    parse_facts,
+    read_repair_flags,
+    repair_options,
+)
 from llmgw.cli.ctl.onboarding import MAX_HOSTNAME, HostPlan, Mode, Onboarding, Timing
 from llmgw.cli.ctl.output import echo_json
 from llmgw.cli.ctl.progress import Display, HostResult, summary
+from llmgw.contracts.joining import JoinOptions, JoinRefused
 from llmgw.contracts.nodefacts import FACT_OPTIONS, NodeFacts
 from llmgw.errors import ConfigError, LlmgwError, OnboardError
 from llmgw.ssh import SshTarget, parse_destination
@@ -106,21 +113,15 @@ def plan_hosts(
     return plans
 
 
-def _check_modes(rekey: bool, lost_state: bool, package: bool, facts: NodeFacts) -> Mode:
-    """The mode the flags ask for, refusing what does not go with it (before anything)."""
-    if rekey and lost_state:
-        raise click.UsageError(
-            "give --rekey (the node's state directory is there) or --lost-state (it is gone), "
-            "not both"
-        )
-    if rekey and package:
-        raise click.UsageError("--package goes with a join: a rekey keeps what the node has")
-    if rekey and facts.as_json():
-        raise click.UsageError(
-            f"{', '.join(facts.given(FACT_OPTIONS))} go with a join or --lost-state; --rekey "
-            "keeps the node's agent.yaml (run install-agent.sh install with them there)"
-        )
-    return Mode.REKEY if rekey else (Mode.LOST_STATE if lost_state else Mode.JOIN)
+def _check_modes(rekey: bool, re_pair: bool, package: bool, facts: NodeFacts) -> Mode:
+    """The mode the flags ask for, checked by the join contract (before anything)."""
+    try:
+        options = JoinOptions.of_modes(
+            rekey=rekey, re_pair=re_pair, package=package, facts=tuple(facts.given(FACT_OPTIONS))
+        ).check()
+    except JoinRefused as exc:
+        raise click.UsageError(str(exc)) from None
+    return options.kind
 
 
 @click.command("onboard")
@@ -165,11 +166,10 @@ def _check_modes(rekey: bool, lost_state: bool, package: bool, facts: NodeFacts)
     help="The machine is that node, its state directory kept: give it a new key (same uid, "
     "history and approval). Needed for a node id that exists.",
 )
-@click.option(
-    "--lost-state",
-    is_flag=True,
-    help="The machine is that node but its state directory is gone: re-pair it by its uid "
-    "(approved by fingerprint again). Needed for a node id that exists.",
+@repair_options(
+    "The machine is that node but its state directory is gone: re-pair it by its uid "
+    "(approved by fingerprint again). Needed for a node id that exists (old name: "
+    "--lost-state)."
 )
 @click.option(
     "--set-hostname",
@@ -222,7 +222,8 @@ def onboard(
     repo_url: str | None,
     repo_key: str | None,
     rekey: bool,
-    lost_state: bool,
+    re_pair: bool,
+    old_repair: bool,
     set_hostname: bool,
     wait_ssh: float,
     timeout: float,
@@ -235,14 +236,15 @@ def onboard(
     machine is the one meant), unless --accept-new-host-key; the token goes to the host on
     ssh's standard input only, and the node is approved only when the key it enrolled with
     is the one on that host. A node online already is left as it is; a node id that exists
-    otherwise needs --rekey or --lost-state."""
+    otherwise needs --rekey or --re-pair."""
     if package != bool(repo_url) or package != bool(repo_key):
         raise click.UsageError(
             "--package installs from a signed repository: give it with --repo-url URL and "
             "--repo-key FILE|URL (and those two only with --package)"
         )
     source = {"repo_url": repo_url, "repo_key": repo_key} if repo_url and repo_key else None
-    mode = _check_modes(rekey, lost_state, package, parse_facts(facts))
+    re_pair = read_repair_flags(re_pair, old_repair)
+    mode = _check_modes(rekey, re_pair, package, parse_facts(facts))
     ssh_defaults = {
         "identity": identity,
         "options": ssh_options,
@@ -262,20 +264,7 @@ def onboard(
     else:
         if not node or not destination:
             raise click.UsageError("give NODE --ssh [USER@]HOST (one host), or --hosts FILE (many)")
-        try:
-            user, host, dest_port = parse_destination(destination)
-            if dest_port and port and dest_port != port:
-                raise ConfigError(f"--ssh {destination} and --port {port} name two ports")
-            target = SshTarget(
-                host=host,
-                user=user,
-                port=port or dest_port,
-                identity=identity.expanduser() if identity else None,
-                options=ssh_options,
-                accept_new_host_key=accept_new_host_key,
-            )
-        except ConfigError as exc:
-            raise click.UsageError(str(exc)) from None
+        target = _one_target(destination, port, ssh_defaults)
         plans = [
             HostPlan(
                 node=node,
@@ -288,32 +277,67 @@ def onboard(
             )
         ]
     if set_hostname:
-        long = [p.node for p in plans if len(p.node) > MAX_HOSTNAME]
-        if long:
-            raise click.UsageError(
-                f"node id {long[0]} has {len(long[0])} characters, and a host name at most "
-                f"{MAX_HOSTNAME}; leave out --set-hostname, or choose a shorter node id"
-            )
+        _check_host_names(plans)
     if shutil.which("ssh") is None:
         raise OnboardError(
             "no ssh client on this machine; install OpenSSH's (apt-get install openssh-client)"
         )
     timing = Timing(wait_ssh=wait_ssh, install=timeout, online=timeout)
+    _onboard_all(c, plans, timing, many=hosts_file is not None, parallel=parallel)
+
+
+def _one_target(destination: str, port: int | None, ssh_defaults: Mapping[str, Any]) -> SshTarget:
+    """Where ``--ssh [USER@]HOST[:PORT]`` (and ``--port``) say to ssh; a usage error when
+    they contradict each other."""
+    try:
+        user, host, dest_port = parse_destination(destination)
+        if dest_port and port and dest_port != port:
+            raise ConfigError(f"--ssh {destination} and --port {port} name two ports")
+        identity = ssh_defaults["identity"]
+        return SshTarget(
+            host=host,
+            user=user,
+            port=port or dest_port,
+            identity=identity.expanduser() if identity else None,
+            options=ssh_defaults["options"],
+            accept_new_host_key=ssh_defaults["accept_new"],
+        )
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _check_host_names(plans: Sequence[HostPlan]) -> None:
+    """--set-hostname: every node id must fit in a host name."""
+    long = [p.node for p in plans if len(p.node) > MAX_HOSTNAME]
+    if long:
+        raise click.UsageError(
+            f"node id {long[0]} has {len(long[0])} characters, and a host name at most "
+            f"{MAX_HOSTNAME}; leave out --set-hostname, or choose a shorter node id"
+        )
+
+
+def _onboard_all(
+    c: Ctl, plans: Sequence[HostPlan], timing: Timing, *, many: bool, parallel: int
+) -> None:
+    """Onboard every plan (``many``: a hosts file's, ``parallel`` at once, with a table at
+    the end), then say what failed: the one host's own error, or how many of many."""
     out = sys.stderr if c.as_json else sys.stdout
-    live = hosts_file is not None and out.isatty()
     display = Display(
-        out, [p.node for p in plans], live=live, columns=shutil.get_terminal_size().columns
+        out,
+        [p.node for p in plans],
+        live=many and out.isatty(),
+        columns=shutil.get_terminal_size().columns,
     )
-    with ThreadPoolExecutor(max_workers=parallel if hosts_file else 1) as pool:
+    with ThreadPoolExecutor(max_workers=parallel if many else 1) as pool:
         done = list(pool.map(lambda p: onboard_host(c, p, timing, display), plans))
     results = [r for r, _ in done]
     failures = [(r, e) for r, e in done if e is not None]
     if c.as_json:
-        echo_json([r.as_json() for r in results] if hosts_file else results[0].as_json())
-    elif hosts_file is not None:
+        echo_json([r.as_json() for r in results] if many else results[0].as_json())
+    elif many:
         click.echo("")
         click.echo(summary(results))
-    if hosts_file is None:
+    if not many:
         if failures:
             error = failures[0][1]
             assert error is not None

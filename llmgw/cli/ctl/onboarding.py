@@ -10,7 +10,7 @@ Both sessions are tried again while ssh cannot reach the host or is cut off (``w
 machine booting, sshd restarting under cloud-init); the install script is safe to run again
 (the installer skips a join that is done). A node id that exists already is joined afresh
 only when it is revoked: a machine that is that node is rekeyed (``rekey``) or re-paired
-(``lost-state``), never silently given a new identity.
+(``re-pair``), never silently given a new identity.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from cryptography import x509
 
 from llmgw import pki
 from llmgw.cli.ctl.context import Ctl
+from llmgw.contracts.joining import REPAIR_FIELD, REPAIR_FLAG, JoinKind
 from llmgw.contracts.nodefacts import NodeFacts
 from llmgw.errors import APIError, OnboardError, SshUnreachable
 from llmgw.ssh import RemoteResult, RemoteRun, SshTarget, last_lines
@@ -51,13 +51,10 @@ _BUSY = ("waiting", "installing")
 _STUCK = ("failed", "no-build")
 
 
-class Mode(StrEnum):
-    """What onboarding does with the node id: join a new node, or, for a machine that is an
-    existing node, rekey it (its state directory is there) or re-pair it (it is gone)."""
-
-    JOIN = "join"
-    REKEY = "rekey"
-    LOST_STATE = "lost-state"
+Mode = JoinKind
+"""What onboarding does with the node id (the join contract's kinds): join a new node, or,
+for a machine that is an existing node, rekey it (its state directory is there) or re-pair it
+(it is gone); ``--{mode}`` is onboard's flag of each."""
 
 
 def probe_script() -> str:
@@ -181,7 +178,7 @@ class Onboarding:
                 f"node {plan.node} exists already ({node['state']}, {connected}), and "
                 "onboarding it again would join it afresh: a new uid, its old certificates "
                 f"denied. If {plan.target.describe()} is that node, add --rekey (its state "
-                f"directory {STATE_DIR} is there) or --lost-state (it is gone); to put another "
+                f"directory {STATE_DIR} is there) or {REPAIR_FLAG} (it is gone); to put another "
                 f"machine under this id, revoke the old node first: llmgw ctl revoke {plan.node}"
             )
         if node is None:
@@ -273,8 +270,8 @@ class Onboarding:
         body: dict[str, Any] = {"node": plan.node, "ttl": TOKEN_TTL}
         if plan.mode != Mode.JOIN:
             body["rekey"] = True
-        if plan.mode == Mode.LOST_STATE:
-            body["lost_state"] = True
+        if plan.mode == Mode.REPAIR:
+            body[REPAIR_FIELD] = True
         if plan.facts.as_json():
             body["facts"] = plan.facts.as_json()
         if plan.package:

@@ -3,20 +3,19 @@ key may do, :mod:`llmgw.contracts.keypolicy`) and their usage (the store's rows 
 instance's counts not flushed yet), and join tokens (with the command that joins a node)
 for the enrolment service.
 
-Minting a join token is :func:`create_join_token`, which ``POST /api/join-tokens`` and the
-console's Add node page both call; what the console shows and does to API keys is the same
+Minting a join token is :func:`llmgw.server.admin.jointokens.create_join_token`, which
+``POST /api/join-tokens`` and the console's Add node page both call; what the console shows and does to API keys is the same
 code too: :func:`create_key`, :func:`revoke_key`, :func:`key_detail` and :func:`usage_rows`."""
 
 from __future__ import annotations
 
-import re
-import shlex
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
+from llmgw.contracts.joining import OLD_REPAIR_FIELD, REPAIR_FIELD
 from llmgw.contracts.keypolicy import (
     POLICY_FIELDS,
     USAGE_COUNTS,
@@ -28,22 +27,15 @@ from llmgw.contracts.keypolicy import (
     usage_day,
     usage_day_from,
 )
-from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, INSTALLER_FACTS, NodeFacts
-from llmgw.errors import ConfigError, Conflict, NotFound
-from llmgw.netaddr import check_node_id_free, format_hostport, is_loopback_host, parse_hostport
-from llmgw.server import cloudinit
-from llmgw.server.admin.context import AdminContext, BadRequest, read_flag, read_json
-from llmgw.server.bundles import ADD_BUNDLES, one_liner
+from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.admin.jointokens import create_join_token
 from llmgw.server.principals import principal_of
-from llmgw.server.states import NodeState, TokenKind
 from llmgw.server.store import ApiKey
 
 __all__ = [
     "DEFAULT_USAGE_SINCE",
     "AccessRoutes",
-    "JoinToken",
     "add_usage_rows",
-    "create_join_token",
     "create_key",
     "key_detail",
     "key_json",
@@ -153,7 +145,8 @@ class AccessRoutes:
                     "prefix": t.prefix,
                     "node": t.node_id,
                     "kind": t.kind,
-                    "lost_state": t.lost_state,
+                    REPAIR_FIELD: t.lost_state,
+                    OLD_REPAIR_FIELD: t.lost_state,
                     "auto_approve": t.auto_approve,
                     "approved_fingerprint": t.approved_fingerprint,
                     "created_at": t.created_at,
@@ -271,324 +264,6 @@ def key_detail(ctx: AdminContext, key: ApiKey) -> dict[str, Any]:
     return {**key_json(key, now), "usage": usage}
 
 
-@dataclass(frozen=True)
-class JoinToken:
-    """A join token just minted, with what an operator pastes on the node: ``agent_command``
-    (``llmgw agent join ...``, for a node that has llmgw) and, when the control plane serves
-    agent bundles, ``one_liner`` (download, check, install). ``secret`` is shown once, here,
-    and never stored (the store keeps its hash)."""
-
-    id: str
-    node: str
-    kind: str
-    lost_state: bool
-    node_uid: str | None
-    secret: str
-    expires_at: float
-    enroll_url: str
-    ca_hash: str
-    facts: dict[str, object]
-    agent_command: str
-    one_liner: str | None
-    warning: str | None
-    auto_approve: bool = False
-    user_data: str | None = None
-
-    @property
-    def command(self) -> str:
-        """The one command to paste: the one-liner where there are bundles."""
-        return self.one_liner or self.agent_command
-
-    def as_json(self) -> dict[str, Any]:
-        """``POST /api/join-tokens``' answer."""
-        return {
-            "id": self.id,
-            "node": self.node,
-            "kind": self.kind,
-            "lost_state": self.lost_state,
-            "auto_approve": self.auto_approve,
-            "node_uid": self.node_uid if self.lost_state else None,
-            "token": self.secret,
-            "expires_at": self.expires_at,
-            "enroll_url": self.enroll_url,
-            "ca_hash": self.ca_hash,
-            "facts": self.facts,
-            "command": self.command,
-            "warning": self.warning,
-            **({"user_data": self.user_data} if self.user_data is not None else {}),
-        }
-
-
-async def create_join_token(
-    ctx: AdminContext, body: Mapping[str, Any], *, host_header: str, actor: str
-) -> JoinToken:
-    """Mint a join token as ``body`` asks (``node``, ``ttl``, ``rekey``, ``lost_state``,
-    ``require_approval``, ``auto_approve``, ``cloud_init`` (with ``set_hostname``), ``facts``,
-    ``address``: ``POST
-    /api/join-tokens``' JSON, which the console's Add node form is turned into), recorded in
-    the events as ``actor``'s. The host nodes reach the control plane at is ``address``, else
-    the first ``advertise`` name, else ``host_header``'s host. ``auto_approve``: the node
-    that spends the token is approved on first use (fresh joins only); ``cloud_init``: the
-    answer carries ``user_data`` (llmgw.server.cloudinit; default ttl 24 h). BadRequest,
-    Conflict or NotFound mint nothing."""
-    node_id = body.get("node")
-    if not isinstance(node_id, str):
-        raise BadRequest("'node' (the node id to join) is required")
-    try:
-        check_node_id_free(node_id, ctx.control_plane_names, instances=ctx.store.instance_names())
-    except ConfigError as exc:
-        raise BadRequest(str(exc)) from None
-    auto_approve = read_flag(body, "auto_approve")
-    cloud_init = read_flag(body, "cloud_init")
-    set_hostname = read_flag(body, "set_hostname")
-    ttl = body.get("ttl", CLOUD_INIT_TTL if cloud_init else 3600)
-    if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not 60 <= ttl <= 7 * 86400:
-        raise BadRequest("ttl must be between 60 seconds and 7 days")
-    rekey = read_flag(body, "rekey")
-    lost_state = read_flag(body, "lost_state")
-    require_approval = read_flag(body, "require_approval") or lost_state
-    if lost_state and not rekey:
-        raise BadRequest(
-            "lost_state goes with rekey: re-pairing a node whose state directory is gone is "
-            f"'llmgw ctl join-command --rekey {node_id} --lost-state'"
-        )
-    if auto_approve and rekey:
-        raise BadRequest(
-            "auto_approve goes with a fresh join only (trust on first use of a new machine): "
-            f"a {'lost-state ' if lost_state else ''}rekey keeps {node_id}'s record, and its "
-            f"new key is {'approved by its fingerprint' if lost_state else 'proved by the old one'}; "
-            f"leave auto_approve out, or join the machine afresh: 'llmgw ctl join-command "
-            f"--node {node_id} --auto-approve'"
-        )
-    if auto_approve and require_approval:
-        raise BadRequest(
-            "auto_approve and require_approval contradict each other: leave require_approval "
-            "out for a token whose node is approved on first use, or auto_approve out for the "
-            "normal approval by fingerprint"
-        )
-    if set_hostname and not cloud_init:
-        raise BadRequest(
-            "set_hostname goes with cloud_init (the user-data sets the host name to the node "
-            "id on first boot); a pasted command leaves the host name to you"
-        )
-    if cloud_init and rekey:
-        raise BadRequest(
-            "cloud_init user-data joins a machine on its first boot (a fresh join); a rekey "
-            f"runs on the joined node: 'llmgw ctl join-command --rekey {node_id}' prints its "
-            "command"
-        )
-    try:
-        facts = NodeFacts.from_json(body.get("facts"))
-    except ConfigError as exc:
-        raise BadRequest(f"{exc}; fix the option and run join-command again") from None
-    if rekey and not lost_state and facts.as_json():
-        raise BadRequest(
-            f"node facts ({', '.join(facts.given(FACT_OPTIONS))}) go with a join (--node) "
-            "or a re-pair (--rekey NODE --lost-state); a rekey keeps the node's agent.yaml. "
-            "To change them on a joined node, run its installer again: install-agent.sh "
-            "install with them"
-        )
-    package = _package_source(body.get("package"), rekey=rekey and not lost_state)
-    host, http_port = _join_address(ctx, host_header, body.get("address"))
-    warning = None
-    node_uid = None
-    if rekey:
-        node = ctx.store.get_node(node_id)
-        if node.state == NodeState.REVOKED:
-            raise Conflict(
-                f"node {node_id} is revoked; it can come back only through a fresh join "
-                f"('llmgw ctl join-command --node {node_id}')"
-            )
-        node_uid = node.uid
-    else:
-        try:
-            existing = ctx.store.get_node(node_id)
-        except NotFound:
-            existing = None
-        if existing is not None and existing.state != NodeState.REVOKED:
-            warning = (
-                f"node {node_id} already exists ({existing.state}); a fresh join gives it a new "
-                "identity, denies its old certificates and needs approval again. To replace "
-                f"only its key use 'llmgw ctl join-command --rekey {node_id}' (with "
-                "--lost-state if its state directory is gone)"
-            )
-    # With agent bundles to serve, a node needs nothing but curl: the one-liner downloads
-    # the bundle for its architecture, checks its hash and runs the installer (for a
-    # rekey its 'rekey' verb, which stops the agent, rekeys and starts it again).
-    bundles = [] if ctx.bundles is None else await ctx.bundles.bundles()
-    installer_only = facts.given(INSTALLER_FACTS)
-    if package and not bundles:
-        raise BadRequest(
-            "'package' installs through the bundle's install-agent.sh, and this control plane "
-            f"serves no agent bundles; {ADD_BUNDLES}"
-        )
-    if cloud_init and not bundles:
-        raise BadRequest(
-            "cloud-init user-data downloads the agent bundle, and this control plane serves "
-            f"none; {ADD_BUNDLES}, then mint the user-data again"
-        )
-    if installer_only and not bundles:
-        raise BadRequest(
-            f"{', '.join(installer_only)} are options of the installer, and this control "
-            f"plane serves no agent bundles to print its one-liner with; {ADD_BUNDLES}; or "
-            "leave them out and pass them to install-agent.sh on the node"
-        )
-    token, secret = ctx.store.create_join_token(
-        node_id,
-        kind=TokenKind.REKEY if rekey else TokenKind.JOIN,
-        ttl=float(ttl),
-        node_uid=node_uid,
-        require_approval=require_approval,
-        lost_state=lost_state,
-        auto_approve=auto_approve,
-    )
-    enroll_url = f"https://{format_hostport(host, ctx.listening.enroll_port)}"
-    unreachable = _unreachable_warning(ctx, host)
-    if unreachable is not None:
-        warning = unreachable if warning is None else f"{warning}. Also: {unreachable}"
-    ca_hash = ctx.ca.ca_hash()
-    # A re-pair names the uid it keeps: the node has no state directory to read it from.
-    repair = ["--node-uid", node_uid] if lost_state and node_uid else []
-    command = None
-    user_data = None
-    base_url = f"{ctx.http_scheme}://{format_hostport(host, http_port)}"
-    # A new node does not trust the cluster CA yet, and curl cannot pin one by its key hash:
-    # the download's integrity is the SHA-256 in the command.
-    verify_tls = ctx.tls is None or not ctx.tls.cluster
-    if cloud_init:
-        user_data = cloudinit.user_data(
-            base_url,
-            bundles,
-            node_id=node_id,
-            enroll_url=enroll_url,
-            ca_hash=ca_hash,
-            token=secret,
-            token_id=token.id,
-            expires_at=token.expires_at,
-            auto_approve=auto_approve,
-            verify_tls=verify_tls,
-            extra_args=facts.args(),
-            set_hostname=set_hostname,
-        )
-    if bundles:
-        command = one_liner(
-            base_url,
-            bundles,
-            node_id=node_id,
-            enroll_url=enroll_url,
-            ca_hash=ca_hash,
-            token=secret,
-            verify_tls=verify_tls,
-            verb="rekey" if rekey and not lost_state else ("package" if package else "install"),
-            extra_args=[*package, *repair, *facts.args()],
-        )
-    # Everything in a command for an operator to paste is quoted for the shell, whatever
-    # validation it went through.
-    args = [
-        "llmgw",
-        "agent",
-        "join",
-        "--node-id",
-        node_id,
-        "--enroll-url",
-        enroll_url,
-        "--ca-hash",
-        ca_hash,
-        *(["--rekey"] if rekey and not lost_state else []),
-        *repair,
-        *facts.args(AGENT_FACTS),
-    ]
-    agent_command = f"LLMGW_JOIN_TOKEN={shlex.quote(secret)} " + shlex.join(args)
-    what = "lost-state rekey" if lost_state else str(token.kind)
-    if auto_approve:
-        what = "auto-approve join"
-    ctx.store.add_event(
-        "join_token_created",
-        node_id,
-        f"{what} token {token.id}, expires in {ttl:.0f}s"
-        + (" (cloud-init user-data)" if cloud_init else ""),
-        actor,
-    )
-    return JoinToken(
-        id=token.id,
-        node=node_id,
-        kind=str(token.kind),
-        lost_state=token.lost_state,
-        node_uid=node_uid,
-        secret=secret,
-        expires_at=token.expires_at,
-        enroll_url=enroll_url,
-        ca_hash=ca_hash,
-        facts=facts.as_json(),
-        agent_command=agent_command,
-        one_liner=command,
-        warning=warning,
-        auto_approve=token.auto_approve,
-        user_data=user_data,
-    )
-
-
-CLOUD_INIT_TTL = 86400
-"""A cloud-init token's default ttl: the user-data waits for a machine to boot, and the
-token sits in cloud-init's copy of it (root only) until it expires unspent."""
-
-
-def _unreachable_warning(ctx: AdminContext, host: str) -> str | None:
-    """What to tell an operator whose join command only this machine could run: the
-    control plane takes joins on loopback only, or the command names a loopback host."""
-    if ctx.enroll_loopback_only:
-        return (
-            "this control plane takes joins on loopback only, so no other machine can reach "
-            "it and the command works on this machine alone; for a cluster other machines "
-            "join, start it on an address they reach: 'llmgw up --host 0.0.0.0' (or this "
-            "machine's address), or 'llmgw server' with http_listen and enroll_listen on it "
-            "in server.yaml"
-        )
-    if is_loopback_host(host):
-        return (
-            f"the command names {host}, which only this machine reaches; give the address "
-            "other machines reach the control plane at ('llmgw ctl join-command --address "
-            "HOST', the Add node form's address, or advertise: in server.yaml)"
-        )
-    return None
-
-
-def _join_address(ctx: AdminContext, header: str, address: object) -> tuple[str, int]:
-    """The host a new node reaches the control plane at, and the gateway port it
-    downloads the bundle from: ``address`` (host[:port], IPv6 in brackets), else the
-    first ``advertise`` name, else the host of the request's Host ``header``. Anything that
-    is not a host[:port] is refused (it would end up in a command run as root)."""
-    port = ctx.listening.http_port
-    if address is not None:
-        if not isinstance(address, str):
-            raise BadRequest(
-                "address must be a string host[:port] (IPv6 in brackets), e.g. "
-                "cp.example.net or [fd00::1]:8080"
-            )
-        try:
-            return parse_hostport(address, default_port=port)
-        except ConfigError as exc:
-            raise BadRequest(
-                f"address {exc.message}; give host[:port] (IPv6 in brackets), e.g. "
-                "--address cp.example.net"
-            ) from None
-    if ctx.advertise:
-        return ctx.advertise[0], port
-    if not header:
-        return "127.0.0.1", port
-    try:
-        host, _port = parse_hostport(header, default_port=port)
-    except ConfigError as exc:
-        raise BadRequest(
-            f"the request's Host header {exc.message}; give the address nodes reach the "
-            "control plane at ('llmgw ctl join-command --address HOST', or advertise in "
-            "server.yaml)"
-        ) from None
-    # The port in Host is the one this request came in through (a tunnel, a proxy);
-    # a node dials the gateway's own.
-    return host, port
-
-
 def key_json(key: ApiKey, now: float) -> dict[str, Any]:
     """A key as the admin API lists it: never its secret, nor its hash."""
     if key.revoked:
@@ -633,43 +308,3 @@ def _totals(rows: Iterable[UsageRow]) -> dict[str, int]:
         for name in USAGE_COUNTS:
             totals[name] += getattr(row, name)
     return totals
-
-
-# What a repository URL and its key's file or URL may hold: they are quoted into a command,
-# but a value a shell or apt would take apart is refused before that.
-_SOURCE = re.compile(r"^[A-Za-z0-9._~:/?&=%+@-]+$")
-
-
-def _package_source(value: object, *, rekey: bool) -> list[str]:
-    """``body['package']`` (``{"repo_url": URL, "repo_key": FILE|URL}``: the one-liner runs
-    ``install-agent.sh package`` with them, which installs the signed package instead of the
-    bundle's binary) as the installer's options; none when absent. BadRequest when wrong."""
-    if value is None:
-        return []
-    if rekey:
-        raise BadRequest("'package' goes with a join: a rekey keeps what the node has installed")
-    if not isinstance(value, dict) or set(value) != {"repo_url", "repo_key"}:
-        raise BadRequest(
-            '\'package\' is {"repo_url": URL, "repo_key": FILE|URL}: the signed repository '
-            "(scripts/repo.sh's --url) and its public key"
-        )
-    url, key = value["repo_url"], value["repo_key"]
-    if (
-        not isinstance(url, str)
-        or not url.startswith(("https://", "http://"))
-        or not _SOURCE.match(url)
-    ):
-        raise BadRequest(
-            f"package repo_url {url!r} is not an http(s) URL of plain characters; give the URL "
-            "the repository is served at, e.g. https://repo.example.net/llmgw"
-        )
-    if (
-        not isinstance(key, str)
-        or not _SOURCE.match(key)
-        or not key.startswith(("/", "https://", "http://"))
-    ):
-        raise BadRequest(
-            f"package repo_key {key!r} is neither an absolute path on the node nor an http(s) "
-            "URL of plain characters; give where the repository's public key is"
-        )
-    return ["--repo-url", url, "--repo-key", key]

@@ -1,5 +1,5 @@
 """The console's Add node page: a form that mints a join token (the admin API's own
-:func:`llmgw.server.admin.access.create_join_token`), the command to paste on the node shown
+:func:`llmgw.server.admin.jointokens.create_join_token`), the command to paste on the node shown
 once, and the node's enrolment followed live.
 
 The secret is in one answer only: the POST's own page (``Cache-Control: no-store``), never a
@@ -18,8 +18,8 @@ from aiohttp import web
 from llmgw.durations import parse_duration
 from llmgw.errors import ConfigError, LlmgwError, NotFound
 from llmgw.log import kv
-from llmgw.server.admin.access import create_join_token
 from llmgw.server.admin.context import BadRequest
+from llmgw.server.admin.jointokens import create_join_token
 from llmgw.server.console.actions import node_path, unconfirmed
 from llmgw.server.console.auth import form_of
 from llmgw.server.console.pages import Pages
@@ -46,7 +46,7 @@ FACT_FIELDS: Final = (
 REKEYS: Final = {"rekey": "rekey", "repair": "re-pair"}
 """A node page's ways to replace its key (the POST's last segment: what the page calls it):
 a rekey (``llmgw ctl join-command --rekey NODE``) and a re-pair, for a node whose state
-directory is lost (``--lost-state``)."""
+directory is lost (``--re-pair``)."""
 LIST_FACTS: Final = ("fabrics", "engines", "firewall_from", "fabric_peers")
 # A fabric's adapters are comma-separated (ib-a:mlx5_0,mlx5_1): fabrics and engines are one
 # per line or space; addresses may be separated by commas too.
@@ -202,7 +202,7 @@ class AddNode:
 class RekeyNode:
     """``POST /ui/nodes/{node}/rekey`` and ``.../repair`` (:data:`REKEYS`): a rekey token
     for a joined node, minted by the admin API's own function as ``llmgw ctl join-command
-    --rekey NODE [--lost-state]`` mints it. Confirmed with the node's id as revoke is; the
+    --rekey NODE [--re-pair]`` mints it. Confirmed with the node's id as revoke is; the
     command is shown once, on the node's page that answers the POST (never cached, never
     redirected to)."""
 
@@ -225,7 +225,7 @@ class RekeyNode:
         body = {
             "node": node_id,
             "rekey": True,
-            "lost_state": action == "repair",
+            "re_pair": action == "repair",
             "ttl": parse_duration(DEFAULT_TTL),
         }
         try:
@@ -243,9 +243,7 @@ class RekeyNode:
             return web.Response(status=303, headers={"Location": node_path(node_id)})
         log.info(
             "a rekey token made in the console",
-            extra=kv(
-                node=node_id, token=made.id, lost_state=made.lost_state, actor=principal.actor
-            ),
+            extra=kv(node=node_id, token=made.id, re_pair=made.re_pair, actor=principal.actor),
         )
         response = self.pages.node_page(request, node_id, status=201, made=made)
         response.headers["Cache-Control"] = "no-store"

@@ -31,6 +31,7 @@ from llmgw.agent.config import load_agent_config
 from llmgw.agent.join import JoinResult, join
 from llmgw.agent.servers import KnownServers
 from llmgw.cli import main, prompts
+from llmgw.contracts.joining import refusal
 from llmgw.contracts.nodefacts import NodeFacts
 from llmgw.contracts.rekeyproof import proof_message, verify_proof
 from llmgw.errors import ConfigError, CSRError, EnrolmentError, PinMismatch, TokenError
@@ -535,7 +536,7 @@ def test_rekey_keeps_the_uid_and_the_previous_identity(fake: Fake, node: Path) -
         token=TOKEN,
     )
     assert verify_proof(post["proof"], message) == first.fingerprint
-    assert "lost_state" not in post
+    assert "re_pair" not in post and "lost_state" not in post
     assert (state / "node.key.old").read_bytes() == old_key
     assert (state / "node.crt.old").read_bytes() == old_cert
     assert mode(state / "node.key.old") == 0o600 and mode(state / "node.crt.old") == 0o644
@@ -583,7 +584,7 @@ def test_a_rekey_without_its_key_says_re_pair_and_sends_nothing(
     with pytest.raises(EnrolmentError) as info:
         do_join(fake, node, rekey=True)
     assert f"'llmgw agent join --node-uid {first.node_uid}'" in str(info.value)
-    assert "--lost-state" in str(info.value)
+    assert "--re-pair" in str(info.value)
     assert len(fake.posts) == 1 and snapshot(node) == before
     if damage == "not a key":  # moved aside first, as the message says
         with pytest.raises(EnrolmentError, match="still has its identity"):
@@ -593,7 +594,7 @@ def test_a_rekey_without_its_key_says_re_pair_and_sends_nothing(
     with pytest.raises(EnrolmentError, match="this state directory is another identity's"):
         do_join(fake, node, state_dir=None, node_uid="0" * 32)
     again = do_join(fake, node, state_dir=None, node_uid=first.node_uid)
-    assert again.repaired and fake.posts[-1]["lost_state"] is True
+    assert again.repaired and fake.posts[-1]["re_pair"] is True
     assert "proof" not in fake.posts[-1]
 
 
@@ -847,7 +848,7 @@ def test_a_node_that_lost_its_state_re_pairs_with_its_uid(fake: Fake, node: Path
 
     assert again.repaired and not again.rekeyed and again.node_uid == first.node_uid
     post = fake.posts[-1]
-    assert (post["rekey"], post["node_uid"], post["lost_state"]) == (True, first.node_uid, True)
+    assert (post["rekey"], post["node_uid"], post["re_pair"]) == (True, first.node_uid, True)
     state = node / "state"
     assert (state / "node.uid").read_text() == first.node_uid + "\n"
     key = serialization.load_pem_private_key((state / "node.key").read_bytes(), None)
@@ -862,8 +863,9 @@ def test_a_re_pair_refusals_send_nothing_or_write_nothing(fake: Fake, node: Path
     # The state is still there: that is a rekey.
     with pytest.raises(EnrolmentError, match=r"still has its identity in .*rekey it with --rekey"):
         do_join(fake, node, state_dir=None, node_uid=first.node_uid)
-    with pytest.raises(ConfigError, match="--rekey and --node-uid go alone"):
+    with pytest.raises(ConfigError) as both:
         do_join(fake, node, state_dir=None, node_uid=first.node_uid, rekey=True)
+    assert str(both.value) == refusal("rekey_and_repair")
     with pytest.raises(ConfigError, match="--node-uid: 'a b' is not a node uid"):
         do_join(fake, node / "other", node_uid="a b")
     assert len(fake.posts) == 1 and snapshot(node) == before
@@ -923,8 +925,9 @@ def test_node_facts_refusals_come_before_the_token_is_sent(fake: Fake, node: Pat
     assert fake.requests == []
     do_join(fake, node)
     before = snapshot(node)
-    with pytest.raises(ConfigError, match=r"a rekey keeps agent\.yaml as it is"):
+    with pytest.raises(ConfigError) as refused:
         do_join(fake, node, rekey=True, facts=NodeFacts.parse(nvidia_smi="/bin/nvidia-smi"))
+    assert str(refused.value) == refusal("facts_on_rekey", facts="--nvidia-smi")
     # A config that exists is kept as it is: the facts would be lost, so they are refused.
     other = node / "again"
     other.mkdir()
@@ -956,7 +959,7 @@ def test_cli_node_facts_and_node_uid(fake: Fake, node: Path) -> None:
     out = CliRunner().invoke(main, [*base, "--engine", "sim=/usr/bin/llmgw"], env=env)
     assert out.exit_code == 2 and "built in and takes no program" in out.stderr
     out = CliRunner().invoke(main, [*base, "--rekey", "--node-uid", "u1"], env=env)
-    assert out.exit_code == 2 and "not both" in out.stderr
+    assert out.exit_code == 2 and refusal("rekey_and_repair") in " ".join(out.stderr.split())
     assert fake.requests == []
     # A bare fabric name takes the active adapters of the sysfs tree (mlx5_1's port is down);
     # install-agent.sh's join (LLMGW_BY_INSTALLER) leaves the config and the start to it.

@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from llmgw import pki
+from llmgw.contracts.joining import refusal
 from llmgw.server.admin.access import AccessRoutes
 from llmgw.server.admin.context import guarded
 from llmgw.server.bundles import Bundle, add_bundle_routes
@@ -281,12 +282,19 @@ def test_cloud_init_schema_accepts_the_user_data(
 @pytest.mark.parametrize(
     ("body", "piece"),
     [
-        ({"cloud_init": True, "rekey": True}, "cloud_init user-data joins a machine on its first"),
-        ({"auto_approve": True, "rekey": True}, "auto_approve goes with a fresh join only"),
         (
-            {"auto_approve": True, "rekey": True, "lost_state": True},
-            "a lost-state rekey keeps gpu-01's record, and its new key is approved by its "
-            "fingerprint",
+            {"cloud_init": True, "rekey": True},
+            refusal("cloud_init_on_rekey", node="gpu-01", kind="rekey", repair_flag=""),
+        ),
+        (
+            {"auto_approve": True, "rekey": True},
+            refusal(
+                "auto_approve_on_rekey", node="gpu-01", kind="rekey", proof="proved by the old one"
+            ),
+        ),
+        (
+            {"auto_approve": True, "rekey": True, "re_pair": True},
+            "a re-pair keeps gpu-01's record, and its new key is approved by its fingerprint",
         ),
         ({"auto_approve": True, "require_approval": True}, "contradict each other"),
         (
@@ -294,7 +302,7 @@ def test_cloud_init_schema_accepts_the_user_data(
             "'auto_approve' must be true or false (a JSON boolean), not \"false\"",
         ),
         ({"cloud_init": 1}, "'cloud_init' must be true or false"),
-        ({"set_hostname": True}, "set_hostname goes with cloud_init"),
+        ({"set_hostname": True}, refusal("set_hostname_without_cloud_init", node="gpu-01")),
     ],
 )
 def test_refusals_mint_nothing(

@@ -22,19 +22,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw import pki
+from llmgw.contracts.joining import refusal
 from llmgw.contracts.rekeyproof import proof_message, sign_proof
 from llmgw.errors import EnrolmentError, StoreError
 from llmgw.server import enroll
 from llmgw.server.enroll import (
-    MAX_BODY,
     RENEWED,
     Enroller,
     EnrolmentServer,
-    EnrolRequest,
-    parse_enrol_request,
     record_certificate,
     server_ssl_context,
 )
+from llmgw.server.enrolrequest import MAX_BODY, EnrolRequest, parse_enrol_request
 from llmgw.server.store import Node, Store
 from tests.unit.clock import Clock
 
@@ -339,7 +338,7 @@ def test_a_node_that_lost_its_state_re_pairs_by_its_uid(env: Env, cluster_pki: P
         key = pki.new_private_key()
         secret = env.mint(kind="rekey", node_uid=uid, lost_state=True, require_approval=True)
         status, answer = await post(
-            env, request(secret, key=key, rekey=True, node_uid=uid, lost_state=True)
+            env, request(secret, key=key, rekey=True, node_uid=uid, re_pair=True)
         )
         assert status == 200, answer
         check_certificate(env, answer, key)
@@ -372,19 +371,19 @@ def test_re_pair_refusals_store_nothing(env: Env, cluster_pki: PKI) -> None:
             before = env.snapshot()
             kw.setdefault("node_uid", uid)
             status, answer = await post(
-                env, request(secret, node_id, rekey=True, lost_state=True, **kw)
+                env, request(secret, node_id, rekey=True, re_pair=True, **kw)
             )
             assert (status, answer["error"]["code"]) == (403, code), answer
             assert env.snapshot() == before
             return str(answer["error"]["message"])
 
-        # A plain rekey token without the old state: it needs a lost-state one.
+        # A plain rekey token without the old state: it needs a re-pair one.
         message = await refused(plain, "token_needs_old_key")
-        assert f"'llmgw ctl join-command --rekey {NODE} --lost-state'" in message
+        assert f"'llmgw ctl join-command --rekey {NODE} --re-pair'" in message
         assert "give --node-uid" in await refused(lost, "node_uid_mismatch", node_uid="f" * 32)
         await refused(lost, "token_wrong_node", "gpu-2")
         await refused(other, "token_wrong_kind", "gpu-2")
-        status, _ = await post(env, request(lost, rekey=True, node_uid=uid, lost_state=True))
+        status, _ = await post(env, request(lost, rekey=True, node_uid=uid, re_pair=True))
         assert status == 200
         await refused(lost, "token_used")
         expiring = env.mint(
@@ -399,23 +398,25 @@ def test_re_pair_refusals_store_nothing(env: Env, cluster_pki: PKI) -> None:
     serve(env, cluster_pki, body)
 
 
-def test_lost_state_without_rekey_is_a_bad_request() -> None:
-    body = json.dumps(
-        {"token": "t", "node_id": NODE, "csr": "x", "node_uid": "ab", "lost_state": True}
-    ).encode()
-    with pytest.raises(EnrolmentError, match="'lost_state' is true but 'rekey' is not"):
+def test_re_pair_without_rekey_is_refused_in_the_contracts_words() -> None:
+    base = {"token": "t", "node_id": NODE, "csr": "x", "node_uid": "ab"}
+    for name in ("re_pair", "lost_state"):  # the old name is read too
+        body = json.dumps({**base, name: True}).encode()
+        with pytest.raises(EnrolmentError) as caught:
+            parse_enrol_request(body)
+        assert str(caught.value) == refusal("repair_without_rekey", node=NODE)
+        assert caught.value.code == "bad_request"
+        assert parse_enrol_request(json.dumps({**base, "rekey": True, name: True}).encode()).re_pair
+
+
+@pytest.mark.parametrize("name", ["rekey", "re_pair", "lost_state"])
+def test_a_string_false_is_refused_not_read_as_true(name: str) -> None:
+    """Python's truth of "false" would make a join a rekey (or a rekey a re-pair): the
+    enroller reads its flags through the join contract, as the admin API does."""
+    body = json.dumps({"token": "t", "node_id": NODE, "csr": "x", name: "false"}).encode()
+    with pytest.raises(EnrolmentError) as caught:
         parse_enrol_request(body)
-    body = json.dumps(
-        {
-            "token": "t",
-            "node_id": NODE,
-            "csr": "x",
-            "rekey": True,
-            "node_uid": "ab",
-            "lost_state": True,
-        }
-    ).encode()
-    assert parse_enrol_request(body).lost_state
+    assert str(caught.value) == refusal("not_a_flag", name=name, value='"false"')
 
 
 def test_a_node_that_missed_its_renewal_proves_the_key_before_it(
@@ -795,7 +796,7 @@ def test_parse_never_shows_the_token() -> None:
     [
         ({"token": "", "node_id": NODE, "csr": "x"}, "field 'token' is empty"),
         ({"token": "t", "node_id": NODE, "csr": ""}, "field 'csr' is empty"),
-        ({"token": "t", "node_id": NODE, "csr": "x", "rekey": 1}, "'rekey' is a number"),
+        ({"token": "t", "node_id": NODE, "csr": "x", "rekey": 1}, "'rekey' must be true or false"),
         ({"token": "t", "node_id": 7, "csr": "x"}, "field 'node_id' is a number"),
         ({"token": None, "node_id": NODE, "csr": "x"}, "field 'token' is null"),
         (

@@ -10,6 +10,7 @@ import hashlib
 
 import pytest
 
+from llmgw.contracts.joining import refusal
 from llmgw.errors import Conflict, TokenError
 from llmgw.server import tokens
 from llmgw.server.states import NodeState, TokenKind
@@ -168,7 +169,7 @@ def test_a_plain_rekey_token_still_needs_the_old_state() -> None:
     assert str(info.value) == (
         "rekey token ab12cd34 for gpu-1 needs the node's old identity (its state directory), "
         "which this node does not have; for a node whose state directory is gone mint "
-        "'llmgw ctl join-command --rekey gpu-1 --lost-state'"
+        "'llmgw ctl join-command --rekey gpu-1 --re-pair'"
     )
 
 
@@ -190,15 +191,13 @@ def test_lost_state_refusals_say_what_to_do() -> None:
     assert refusal(LOST, "gpu-2").code == "token_wrong_node"
     err = refusal(dataclasses.replace(LOST, used_at=T0))
     assert err.code == "token_used"
-    assert str(err).endswith(
-        "mint a new one with 'llmgw ctl join-command --rekey gpu-1 --lost-state'"
-    )
+    assert str(err).endswith("mint a new one with 'llmgw ctl join-command --rekey gpu-1 --re-pair'")
     err = refusal(dataclasses.replace(LOST, as_of=T0 + 3600))
     assert err.code == "token_expired"
-    assert "'llmgw ctl join-command --rekey gpu-1 --lost-state'" in str(err)
+    assert "'llmgw ctl join-command --rekey gpu-1 --re-pair'" in str(err)
     err = refusal(TOKEN)
     assert err.code == "token_wrong_kind"
-    assert "--node-uid re-pairs a node with a lost-state rekey token" in str(err)
+    assert "--node-uid re-pairs a node with a re-pair token" in str(err)
 
 
 def test_auto_approve_goes_with_a_fresh_join_only() -> None:
@@ -206,10 +205,12 @@ def test_auto_approve_goes_with_a_fresh_join_only() -> None:
         tokens.check_new("gpu-1", kind="join", ttl=60, node_uid=None, auto_approve=True)
         is TokenKind.JOIN
     )
-    with pytest.raises(ValueError, match="auto_approve goes with a fresh join only") as rekey:
+    with pytest.raises(ValueError) as rekey:
         tokens.check_new("gpu-1", kind="rekey", ttl=60, node_uid="u1", auto_approve=True)
-    assert "llmgw ctl join-command --node gpu-1 --auto-approve" in str(rekey.value)
-    with pytest.raises(ValueError, match=r"a rekey \(lost state\) token"):
+    assert str(rekey.value) == refusal(
+        "auto_approve_on_rekey", node="gpu-1", kind="rekey", proof="proved by the old one"
+    )
+    with pytest.raises(ValueError, match="contradict each other"):
         tokens.check_new(
             "gpu-1",
             kind="rekey",

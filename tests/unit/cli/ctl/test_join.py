@@ -11,6 +11,14 @@ from click.testing import CliRunner, Result
 
 from llmgw.cli import main
 from llmgw.cli.ctl.context import Ctl
+from llmgw.contracts.joining import refusal
+
+
+def said(out: Result) -> str:
+    """What the command said on stderr, its lines joined (click does not wrap an error,
+    but a terminal's width must not decide a test)."""
+    return " ".join(out.stderr.split())
+
 
 ANSWER = {
     "id": "jt1",
@@ -98,34 +106,46 @@ def test_node_and_rekey_go_alone(calls: list[tuple[str, str, Any]]) -> None:
     assert "give exactly one of --node NODE (a new node) or --rekey NODE" in out.stderr
     out = join("--node", "a", "--require-approval")
     assert out.exit_code == 2
-    assert "--require-approval goes with --rekey" in out.stderr
+    assert refusal("require_approval_on_join", node="a") in said(out)
     assert calls == []
 
 
-def test_lost_state_goes_with_rekey(calls: list[tuple[str, str, Any]]) -> None:
-    out = join("--node", "gpu-01", "--lost-state")
+@pytest.mark.parametrize("flag", ["--re-pair", "--lost-state"])
+def test_re_pair_goes_with_rekey(calls: list[tuple[str, str, Any]], flag: str) -> None:
+    out = join("--node", "gpu-01", flag)
     assert out.exit_code == 2
-    assert "--lost-state goes with --rekey NODE: it re-pairs a joined node" in out.stderr
+    assert refusal("repair_without_rekey", node="gpu-01") in said(out)
     assert calls == []
+
+
+def test_lost_state_is_re_pairs_old_name_and_warns(
+    calls: list[tuple[str, str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    answer = dict(ANSWER, kind="rekey", re_pair=True, node_uid="0123abcd")
+    monkeypatch.setattr(Ctl, "call", lambda self, *a, **k: calls.append(a) or answer)
+    out = join("--rekey", "gpu-01", "--lost-state")
+    assert out.exit_code == 0, out.output
+    assert calls[0][2]["re_pair"] is True and "lost_state" not in calls[0][2]
+    assert "warning: --lost-state is the old name of --re-pair; use --re-pair" in out.stderr
 
 
 def test_lost_state_is_sent_and_the_uid_shown(
     calls: list[tuple[str, str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    answer = dict(ANSWER, kind="rekey", lost_state=True, node_uid="0123abcd")
+    answer = dict(ANSWER, kind="rekey", re_pair=True, node_uid="0123abcd")
     monkeypatch.setattr(Ctl, "call", lambda self, *a, **k: calls.append(a) or answer)
-    out = join("--rekey", "gpu-01", "--lost-state", "--fabric", "ib-a:mlx5_0")
+    out = join("--rekey", "gpu-01", "--re-pair", "--fabric", "ib-a:mlx5_0")
     assert out.exit_code == 0, out.output
     assert calls[0][2] == {
         "node": "gpu-01",
         "ttl": 3600.0,
         "rekey": True,
         "require_approval": False,
-        "lost_state": True,
+        "re_pair": True,
         "facts": {"fabrics": ["ib-a:mlx5_0"]},
     }
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("lost-state rekey token jt1 for node gpu-01, valid until ")
+    assert lines[0].startswith("re-pair token jt1 for node gpu-01, valid until ")
     assert lines[1] == "node uid:  0123abcd (kept: same record, history and placement)"
 
 
@@ -161,7 +181,7 @@ def test_node_facts_are_checked_here_and_sent(calls: list[tuple[str, str, Any]])
         (["--node-address", "gpu-01.lan"], "--node-address: 'gpu-01.lan' is not an IP address"),
         (["--node-address", "10.0.0.5", "--mgmt-interface", "eth1"], "give one"),
         (["--mgmt-interface", "eth1 up"], "is not a network interface name"),
-        (["--set-hostname"], "--set-hostname goes with --cloud-init"),
+        (["--set-hostname"], refusal("set_hostname_without_cloud_init", node="gpu-01")),
         (["--nvidia-smi", "/opt/nv smi"], "other than letters, digits"),
         (["--engine", "sim=/x"], "built in and takes no program"),
         (["--engine", "tgi=/x"], "names no engine llmgw knows"),
@@ -176,24 +196,24 @@ def test_bad_node_facts_are_refused_before_any_call(
 ) -> None:
     out = join("--node", "gpu-01", *args)
     assert out.exit_code == 2
-    assert piece in out.stderr
+    assert piece in said(out)
     assert calls == []
 
 
 def test_a_plain_rekey_takes_no_node_facts(calls: list[tuple[str, str, Any]]) -> None:
     out = join("--rekey", "gpu-01", "--fabric", "ib-a:mlx5_0")
     assert out.exit_code == 2
-    assert "--fabric go with --node (a join) or --rekey NODE --lost-state" in out.stderr
+    assert refusal("facts_on_rekey", facts="--fabric") in said(out)
     assert calls == []
 
 
-def test_tokens_lists_a_lost_state_rekey_token_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tokens_lists_a_re_pair_token_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
     listed = [
         {
             "id": "jt1",
             "node": "gpu-01",
             "kind": "rekey",
-            "lost_state": True,
+            "re_pair": True,
             "prefix": "llmgwjt_abcdef",
             "expires_at": 4_000_000_000,
             "used_at": None,
@@ -216,7 +236,7 @@ def test_tokens_lists_a_lost_state_rekey_token_as_such(monkeypatch: pytest.Monke
     out = CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", "tokens"])
     assert out.exit_code == 0, out.output
     rows = out.stdout.splitlines()[1:]
-    assert rows[0].split()[:4] == ["jt1", "gpu-01", "rekey", "(lost-state)"]
+    assert rows[0].split()[:4] == ["jt1", "gpu-01", "rekey", "(re-pair)"]
     assert rows[1].split()[:4] == ["jt2", "gpu-02", "rekey", "llmgwjt_ghijkl…"]
 
 
@@ -254,9 +274,17 @@ def test_cloud_init_prints_only_the_user_data_and_leaves_the_ttl_to_the_server(
 @pytest.mark.parametrize(
     ("args", "piece"),
     [
-        (["--rekey", "gpu-01", "--auto-approve"], "--auto-approve goes with --node (a fresh join)"),
-        (["--rekey", "gpu-01", "--lost-state", "--auto-approve"], "--node gpu-01 --auto-approve"),
-        (["--rekey", "gpu-01", "--cloud-init"], "--cloud-init goes with --node"),
+        (
+            ["--rekey", "gpu-01", "--auto-approve"],
+            refusal(
+                "auto_approve_on_rekey", node="gpu-01", kind="rekey", proof="proved by the old one"
+            ),
+        ),
+        (["--rekey", "gpu-01", "--re-pair", "--auto-approve"], "--node gpu-01 --auto-approve"),
+        (
+            ["--rekey", "gpu-01", "--cloud-init"],
+            refusal("cloud_init_on_rekey", node="gpu-01", kind="rekey", repair_flag=""),
+        ),
     ],
 )
 def test_auto_approve_and_cloud_init_refuse_a_rekey_before_any_call(
@@ -264,7 +292,7 @@ def test_auto_approve_and_cloud_init_refuse_a_rekey_before_any_call(
 ) -> None:
     out = join(*args)
     assert out.exit_code == 2
-    assert piece in out.stderr
+    assert piece in said(out)
     assert calls == []
 
 

@@ -22,6 +22,7 @@ from cryptography.x509.oid import NameOID
 from llmgw import pki
 from llmgw.cli import main
 from llmgw.cli.ctl.context import Ctl
+from llmgw.contracts.joining import refusal
 from llmgw.errors import APIError
 
 # The steps' module (its retry interval is shortened here).
@@ -126,9 +127,9 @@ class FakeAPI:
             self.minted += 1
             node = body["node"]
             host = self.root / "host-of" / node
-            verb = "rekey" if body.get("rekey") and not body.get("lost_state") else "join"
+            verb = "rekey" if body.get("rekey") and body.get("re_pair") is not True else "join"
             if body.get("rekey"):
-                self.rekeyed[node] = bool(body.get("lost_state"))
+                self.rekeyed[node] = body.get("re_pair") is True
             # What the stand-in one-liner does: "download", "verify", "install", "join".
             command = (
                 "(set -eu; : fetch https://cp:8080/agent/bundles/linux-x64.tar.gz; "
@@ -373,11 +374,15 @@ def test_sudo_runs_the_script_under_sudo_n(api: FakeAPI) -> None:
             "would change StrictHostKeyChecking=yes",
         ),
         (["gpu-01", "--ssh", "h", "--fabric", "ib-a", "--fabric", "ib-b"], "both name no"),
-        (["gpu-01", "--ssh", "h", "--rekey", "--lost-state"], "not both"),
-        (["gpu-01", "--ssh", "h", "--rekey", "--fabric", "ib-a:mlx5_0"], "--rekey keeps the"),
+        (["gpu-01", "--ssh", "h", "--rekey", "--re-pair"], refusal("rekey_and_repair")),
+        (["gpu-01", "--ssh", "h", "--rekey", "--lost-state"], refusal("rekey_and_repair")),
+        (
+            ["gpu-01", "--ssh", "h", "--rekey", "--fabric", "ib-a:mlx5_0"],
+            refusal("facts_on_rekey", facts="--fabric"),
+        ),
         (
             ["gpu-01", "--ssh", "h", "--rekey", "--package", "--repo-url", "u", "--repo-key", "k"],
-            "--package goes with a join",
+            refusal("package_on_rekey"),
         ),
         (["a" * 65, "--ssh", "h", "--set-hostname"], "a host name at most 64"),
         (["gpu-01", "--hosts", "f"], "give it without NODE, --ssh and --port"),
@@ -388,7 +393,7 @@ def test_sudo_runs_the_script_under_sudo_n(api: FakeAPI) -> None:
 def test_usage(api: FakeAPI, args: list[str], says: str) -> None:
     out = onboard("onboard", *args)
     assert out.exit_code == 2, out.output
-    assert says in out.stderr
+    assert says in " ".join(out.stderr.split())
     assert api.calls == [] and ssh_log(api) == ""
 
 
@@ -470,7 +475,7 @@ OFFLINE = {
 
 
 @pytest.mark.parametrize("state", ["approved", "pending"])
-def test_a_node_id_that_exists_is_refused_without_rekey_or_lost_state(
+def test_a_node_id_that_exists_is_refused_without_rekey_or_re_pair(
     api: FakeAPI, state: str
 ) -> None:
     """Today's trap: onboarding gpu-01 again silently joined it afresh (a new uid, its old
@@ -481,7 +486,7 @@ def test_a_node_id_that_exists_is_refused_without_rekey_or_lost_state(
     assert (
         f"node gpu-01 exists already ({state}, not connected), and onboarding it again would "
         "join it afresh: a new uid, its old certificates denied. If root@h1 is that node, add "
-        "--rekey (its state directory /var/lib/llmgw-agent is there) or --lost-state (it is "
+        "--rekey (its state directory /var/lib/llmgw-agent is there) or --re-pair (it is "
         "gone); to put another machine under this id, revoke the old node first: llmgw ctl "
         "revoke gpu-01"
     ) in out.stderr
@@ -504,11 +509,14 @@ def test_rekey_mints_a_rekey_token_and_keeps_the_approval(api: FakeAPI) -> None:
     assert out.output.endswith("gpu-01  online: 8 CPUs, 0 GPUs, healthy\n")
 
 
-def test_lost_state_re_pairs_and_approves_by_fingerprint(api: FakeAPI) -> None:
+@pytest.mark.parametrize("flag", ["--re-pair", "--lost-state"])
+def test_re_pair_re_pairs_and_approves_by_fingerprint(api: FakeAPI, flag: str) -> None:
     api.nodes["gpu-01"] = dict(OFFLINE)
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--lost-state")
+    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", flag)
     assert out.exit_code == 0, out.output
-    assert api.calls[1][2] == {"node": "gpu-01", "ttl": 1800, "rekey": True, "lost_state": True}
+    old = "warning: --lost-state is the old name of --re-pair; use --re-pair"
+    assert (old in out.stderr) is (flag == "--lost-state")
+    assert api.calls[1][2] == {"node": "gpu-01", "ttl": 1800, "rekey": True, "re_pair": True}
     assert api.calls[3] == (
         "POST", "/api/nodes/gpu-01/approve", {"fingerprint": api.fingerprints["h1"]}
     )  # fmt: skip

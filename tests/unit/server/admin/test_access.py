@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from llmgw import pki
+from llmgw.contracts.joining import refusal
 from llmgw.server.admin.access import AccessRoutes
 from llmgw.server.admin.context import guarded
 from llmgw.server.bundles import add_bundle_routes
@@ -63,14 +64,14 @@ def test_without_bundles_a_rekey_is_the_bare_agent_join(store: Store, ca: pki.Au
         "llmgw", "agent", "join", "--node-id", NODE,
         "--enroll-url", "https://cp.example.net:8443", "--ca-hash", ca.ca_hash(), "--rekey",
     ]  # fmt: skip
-    assert (data["kind"], data["lost_state"], data["node_uid"]) == ("rekey", False, None)
+    assert (data["kind"], data["re_pair"], data["node_uid"]) == ("rekey", False, None)
 
 
 def test_without_bundles_a_lost_state_re_pair_names_the_uid_and_the_facts(
     store: Store, ca: pki.Authority
 ) -> None:
     uid = joined(store)
-    data = one(store, ca, {"node": NODE, "rekey": True, "lost_state": True, "facts": FACTS})
+    data = one(store, ca, {"node": NODE, "rekey": True, "re_pair": True, "facts": FACTS})
     _, argv = bare(data["command"])
     assert "--rekey" not in argv
     assert argv[9:] == [
@@ -79,7 +80,7 @@ def test_without_bundles_a_lost_state_re_pair_names_the_uid_and_the_facts(
         "--nvidia-smi", "/usr/bin/nvidia-smi",
         "--engine", "vllm=/opt/vllm/bin/vllm",
     ]  # fmt: skip
-    assert (data["lost_state"], data["node_uid"], data["facts"]) == (True, uid, FACTS)
+    assert (data["re_pair"], data["node_uid"], data["facts"]) == (True, uid, FACTS)
     token = store.list_join_tokens()[-1]
     assert (token.kind, token.node_uid, token.lost_state, token.require_approval) == (
         "rekey",
@@ -87,7 +88,7 @@ def test_without_bundles_a_lost_state_re_pair_names_the_uid_and_the_facts(
         True,
         True,
     )
-    assert store.list_events(limit=1)[0].message.startswith("lost-state rekey token ")
+    assert store.list_events(limit=1)[0].message.startswith("re-pair token ")
 
 
 def test_join_facts_go_on_the_bare_command(store: Store, ca: pki.Authority) -> None:
@@ -138,7 +139,7 @@ def test_with_bundles_a_re_pair_installs_with_the_uid_and_every_fact(
         firewall_from=["10.0.0.1"],
         fabric_peers=["192.168.50.0/24"],
     )
-    body = {"node": NODE, "rekey": True, "lost_state": True, "facts": facts}
+    body = {"node": NODE, "rekey": True, "re_pair": True, "facts": facts}
     data = one(store, ca, body, bundle_dir=bundle_dir(tmp_path))
     assert installer_argv(data["command"])[0] == "install"
     assert installer_argv(data["command"])[7:] == [
@@ -170,7 +171,7 @@ def test_the_rekey_one_liner_runs_the_bundles_installer_with_the_token_in_its_en
     node_uid = joined(store)
     body: dict[str, Any] = {"node": NODE, "rekey": True}
     if lost_state:
-        body |= {"lost_state": True, "facts": {"fabrics": ["ib-a:mlx5_0"]}}
+        body |= {"re_pair": True, "facts": {"fabrics": ["ib-a:mlx5_0"]}}
     served = bundle_dir(tmp_path)
 
     async def main() -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
@@ -213,10 +214,10 @@ def test_the_rekey_one_liner_runs_the_bundles_installer_with_the_token_in_its_en
 @pytest.mark.parametrize(
     ("body", "piece"),
     [
-        ({"node": NODE, "lost_state": True}, "lost_state goes with rekey"),
+        ({"node": NODE, "re_pair": True}, refusal("repair_without_rekey", node=NODE)),
         (
             {"node": NODE, "rekey": True, "facts": {"fabrics": ["ib-a:mlx5_0"]}},
-            "node facts (--fabric) go with a join (--node) or a re-pair",
+            refusal("facts_on_rekey", facts="--fabric"),
         ),
         (
             {"node": NODE, "facts": {"models_root": "/data/models"}},
@@ -247,10 +248,10 @@ def test_refusals_mint_nothing(
 def test_a_lost_state_token_for_a_revoked_or_unknown_node_is_refused(
     store: Store, ca: pki.Authority
 ) -> None:
-    [(status, data)] = call(store, ca, [{"node": NODE, "rekey": True, "lost_state": True}])
+    [(status, data)] = call(store, ca, [{"node": NODE, "rekey": True, "re_pair": True}])
     assert status == 404, data
     joined(store, "revoked")
-    [(status, data)] = call(store, ca, [{"node": NODE, "rekey": True, "lost_state": True}])
+    [(status, data)] = call(store, ca, [{"node": NODE, "rekey": True, "re_pair": True}])
     assert status == 409
     assert (
         "only through a fresh join ('llmgw ctl join-command --node gpu-01')"
@@ -282,7 +283,7 @@ def test_a_package_join_runs_the_installers_package_verb(
     ("body", "bundles", "piece"),
     [
         ({"node": NODE, "package": REPO}, False, "serves no agent bundles"),
-        ({"node": NODE, "rekey": True, "package": REPO}, True, "'package' goes with a join"),
+        ({"node": NODE, "rekey": True, "package": REPO}, True, refusal("package_on_rekey")),
         ({"node": NODE, "package": {"repo_url": "x"}}, True, "'package' is {\"repo_url\""),
         ({"node": NODE, "package": "https://r"}, True, "'package' is {\"repo_url\""),
         (
@@ -317,7 +318,7 @@ def test_package_refusals_mint_nothing(
     assert store.list_join_tokens(include_inactive=True) == []
 
 
-FLAGS = ("rekey", "lost_state", "require_approval", "auto_approve", "cloud_init")
+FLAGS = ("rekey", "re_pair", "lost_state", "require_approval", "auto_approve", "cloud_init")
 
 
 @pytest.mark.parametrize("value", ["false", 0, None], ids=["string-false", "zero", "null"])
@@ -339,9 +340,18 @@ def test_every_flag_is_a_json_boolean(
 
 def test_false_flags_mint_a_fresh_join(store: Store, ca: pki.Authority) -> None:
     joined(store)
-    data = one(store, ca, {"node": NODE, "rekey": False, "lost_state": False})
-    assert data["kind"] == "join" and data["lost_state"] is False
+    data = one(store, ca, {"node": NODE, "rekey": False, "re_pair": False})
+    assert data["kind"] == "join" and data["re_pair"] is False
     assert data["warning"] is not None  # a fresh join of an existing node says what it does
+
+
+def test_lost_state_is_re_pairs_old_name_and_warns(store: Store, ca: pki.Authority) -> None:
+    """An old client's ``lost_state`` still re-pairs, and the answer says the new name (and
+    carries the old one for old clients)."""
+    joined(store)
+    data = one(store, ca, {"node": NODE, "rekey": True, "lost_state": True})
+    assert (data["re_pair"], data["lost_state"]) == (True, True)
+    assert "'lost_state' is the old name of 're_pair'; send re_pair" in data["warning"]
 
 
 def test_a_node_named_like_another_instance_is_refused(store: Store, ca: pki.Authority) -> None:

@@ -1,6 +1,6 @@
 """A node page's Rekey and Re-pair (llmgw.server.console.joining.RekeyNode): each mints a
 rekey token through the admin API's own function (as ``llmgw ctl join-command --rekey NODE
-[--lost-state]`` does), behind the node's id as confirmation like revoke, and shows its
+[--re-pair]`` does), behind the node's id as confirmation like revoke, and shows its
 command once, in the POST's own answer (the node's page, never cached); the page that
 follows shows no secret. Refusals (no confirmation, a revoked node, an unknown node, a node
 id no command may carry, a viewer, no CSRF token) mint nothing."""
