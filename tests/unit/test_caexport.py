@@ -14,11 +14,8 @@ import pytest
 from llmgw import caexport, pki
 from llmgw.caexport import KDF, CAExport
 from llmgw.errors import CAExportError, ConfigError
-<<<<<<< HEAD
-from tests.unit.caexport_rig import TOKEN, exported
-=======
 from llmgw.pki.certs import load_key
->>>>>>> shape-pieces
+from tests.unit.caexport_rig import TOKEN, exported
 
 pytestmark = pytest.mark.usefixtures("open_umask")
 
