@@ -84,6 +84,7 @@ from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
+from llmgw.server.prefixes import PrefixRouting
 from llmgw.server.proxies import TrustedProxies, forwarded_middleware
 from llmgw.server.reports import AgentReports
 from llmgw.server.routing import Router
@@ -166,8 +167,8 @@ class ControlPlane:
         # read by the scheduler, the membership, the updates and the admin API.
         self.live: dict[str, NodeSession] = {}
         self.lost: set[str] = set()
-        self.router = Router()
         self.metrics = Metrics()
+        self.router = Router(PrefixRouting(self.metrics))
         # Each model's last hour of requests and TTFT, this instance's gateway's (the
         # console's charts and GET /api/metrics/history).
         self.history = RequestHistory()

@@ -164,7 +164,9 @@ class Gateway:
         self.metrics = metrics
         # /healthz and /metrics; ``readers``: the tokens that read /metrics and /healthz's
         # details (the metrics token, the admin token).
-        self.probes = Probes(metrics, self._health_details, readers)
+        self.probes = Probes(
+            metrics, self._health_details, readers, index_sizes=router.prefixes.index_sizes
+        )
         self.serving = serving
         # The body bytes the process holds at once (the admin API's bodies too).
         self.bodies = bodies
@@ -186,20 +188,12 @@ class Gateway:
         # Each model's prompt tokenizer, for cache-aware routing (none: no model has one).
         self.tokenizers = tokenizers if tokenizers is not None else Tokenizers(None)
         self.clock = clock
-        router.prefixes.metrics = metrics
-        metrics.index_sizes = self._index_sizes
         self.admission = Admission(
             router,
             lambda model: self.serving.max_concurrency(model),
             metrics,
             fair=limits.fair_queueing,
         )
-
-    def _index_sizes(self) -> dict[tuple[str, str], int]:
-        prefixes = self.router.prefixes
-        sizes = {(m, "events"): n for m, n in prefixes.indexed_blocks().items()}
-        sizes.update({(m, "approx"): n for m, n in prefixes.approx_blocks().items()})
-        return sizes
 
     def retrust(self, client_ssl: ssl.SSLContext) -> None:
         """The TLS towards agents changed (a CA rotation or the drop of the old CA): new
@@ -256,6 +250,7 @@ class Gateway:
         return hostport
 
     async def close(self) -> None:
+        self.admission.close()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -477,6 +477,13 @@ class PrefixRouting:
     def approx_blocks(self) -> dict[str, int]:
         return {model: len(a.index) for model, a in self.approx.items()}
 
+    def index_sizes(self) -> dict[tuple[str, str], int]:
+        """(model, index) -> block keys held: ``events`` what the engines reported,
+        ``approx`` what the gateway sent where (the /metrics gauge)."""
+        sizes = {(m, "events"): n for m, n in self.indexed_blocks().items()}
+        sizes.update({(m, "approx"): n for m, n in self.approx_blocks().items()})
+        return sizes
+
     # ----------------------------------------------------------------- the choice
 
     def choose(

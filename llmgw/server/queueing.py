@@ -155,7 +155,13 @@ class Admission:
         self.metrics = metrics
         self.fair = fair
         self._queues: dict[str, _ModelQueue] = {}
-        router.on_ready = self.dispatch
+        # Subscribed, not set: a retiring gateway's admission keeps hearing of new replicas
+        # for the requests still queued in it until it closes.
+        self._unsubscribe = router.on_ready(self.dispatch)
+
+    def close(self) -> None:
+        """Stop hearing of replicas becoming ready (the gateway closed)."""
+        self._unsubscribe()
 
     def depth(self, model: str) -> int:
         queue = self._queues.get(model)

@@ -42,9 +42,9 @@ class Router:
         self._by_shard: dict[str, Endpoint] = {}
         self._tiebreak: dict[str, int] = {}
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
-        # Told the model whose replica just became ready (the admission's queues take the
-        # new places).
-        self.on_ready: Callable[[str], None] = lambda _model: None
+        # Told the model whose replica just became ready (each gateway's admission: its
+        # queues take the new places). Several at once while a retiring gateway drains.
+        self._on_ready: list[Callable[[str], None]] = []
 
     def set_ready(self, ep: Endpoint) -> None:
         old = self._by_shard.get(ep.shard_id)
@@ -57,7 +57,19 @@ class Router:
         for waiter in self._waiters.pop(ep.model, []):
             if not waiter.done():
                 waiter.set_result(None)
-        self.on_ready(ep.model)
+        for listener in list(self._on_ready):
+            listener(ep.model)
+
+    def on_ready(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``listener`` with the model of each replica that becomes ready; returns what
+        stops it (its owner calls that when it closes)."""
+        self._on_ready.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._on_ready:
+                self._on_ready.remove(listener)
+
+        return unsubscribe
 
     def _where(self, shard_id: str) -> tuple[str, str] | None:
         ep = self._by_shard.get(shard_id)
