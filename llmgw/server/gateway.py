@@ -15,7 +15,7 @@ Request bodies are read under limits (:mod:`llmgw.bodies`): server.yaml's
 ``max_inflight_body_bytes`` for all requests together (over it: 503); a request carries at
 most ``max_messages`` messages. Answers from agents are bounded too: ``max_response_body``
 for one read whole, ``upstream_idle_timeout`` for silence, and
-:data:`llmgw.server.metering.MAX_SSE_EVENT` for one event of a stream. What a request is
+:data:`llmgw.server.usage.MAX_SSE_EVENT` for one event of a stream. What a request is
 charged, and how a stream is made to report its usage, is :mod:`llmgw.server.metering`'s;
 /healthz and /metrics are :mod:`llmgw.server.probes`'.
 """
@@ -62,14 +62,7 @@ from llmgw.server.config import DEFAULT_MAX_MESSAGES, ServerConfig
 from llmgw.server.history import RequestHistory
 from llmgw.server.httpapi import bearer_token
 from llmgw.server.limits import Grant, Limits, Refusal
-from llmgw.server.metering import (
-    NOTHING,
-    Outcome,
-    StreamTokenCounter,
-    estimate,
-    usage_numbers,
-    with_usage,
-)
+from llmgw.server.metering import NOTHING, Outcome, estimate, with_usage
 from llmgw.server.metrics import Metrics
 from llmgw.server.prefixes import APPROX_CHUNK, RouteHint, session_of, text_keys, text_of
 from llmgw.server.probes import Probes
@@ -83,13 +76,12 @@ from llmgw.server.tokenizing import (
     PromptTokenizer,
     Tokenizers,
 )
-from llmgw.server.usage import UsageBook
+from llmgw.server.usage import StreamTokenCounter, UsageBook, body_usage, usage_numbers
 
 __all__ = ["Gateway", "GatewayLimits", "openai_error"]
 
 log = logging.getLogger("llmgw.server.gateway")
 
-_DECODER = json.JSONDecoder()
 _JSON_HEADERS = (("Content-Type", "application/json"),)
 
 
@@ -861,15 +853,8 @@ class Gateway:
                     self.history.record(ep.model, ttft=ttft, error=status >= 500)
 
     def _count_body_tokens(self, ep: Endpoint, body: bytes, outcome: Outcome) -> None:
-        at = body.rfind(b'"usage":')
-        if at < 0:
-            return
-        # Decode only the usage object, not the whole answer.
-        try:
-            usage, _ = _DECODER.raw_decode(body[at + 8 :].decode().lstrip())
-        except (ValueError, UnicodeDecodeError):
-            return
-        if isinstance(usage, dict):
+        usage = body_usage(body)
+        if usage is not None:
             self._add_usage(ep, usage, outcome)
 
     def _count_stream_tokens(

@@ -29,11 +29,11 @@ from llmgw.bodies import MAX_BODY_HEADER, BodyBudget
 from llmgw.http.relay import NOT_PROCESSED
 from llmgw.server.config import load_server_config
 from llmgw.server.gateway import Gateway, GatewayLimits
-from llmgw.server.metering import MAX_SSE_EVENT
 from llmgw.server.metrics import Metrics
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel
 from llmgw.server.store.rows import ApiKey
+from llmgw.server.usage import MAX_SSE_EVENT
 from tests.unit.gateway_rig import serving_of
 from tests.unit.serving import serving
 
