@@ -61,7 +61,7 @@ from llmgw.netaddr import parse_hostport
 from llmgw.server.config import DEFAULT_MAX_MESSAGES, ServerConfig
 from llmgw.server.history import RequestHistory
 from llmgw.server.httpapi import bearer_token
-from llmgw.server.limits import Grant, Limits, Refusal
+from llmgw.server.limits import Grant, KeyLimits, Refusal
 from llmgw.server.metering import NOTHING, Outcome, estimate, with_usage
 from llmgw.server.metrics import Metrics
 from llmgw.server.prefixes import APPROX_CHUNK, RouteHint, session_of, text_keys, text_of
@@ -78,7 +78,7 @@ from llmgw.server.tokenizing import (
 )
 from llmgw.server.usage import StreamTokenCounter, UsageBook, body_usage, usage_numbers
 
-__all__ = ["Gateway", "GatewayLimits", "openai_error"]
+__all__ = ["Gateway", "GatewaySettings", "openai_error"]
 
 log = logging.getLogger("llmgw.server.gateway")
 
@@ -99,8 +99,9 @@ def openai_error(
 
 
 @dataclass(frozen=True)
-class GatewayLimits:
-    """The settings of server.yaml the request path applies."""
+class GatewaySettings:
+    """The settings of server.yaml the request path applies (a key's own limits are
+    :class:`~llmgw.server.limits.KeyLimits`')."""
 
     max_request_body: int
     max_inflight_body_bytes: int
@@ -114,7 +115,7 @@ class GatewayLimits:
     ctl: str = "llmgw ctl"
 
     @classmethod
-    def of(cls, cfg: ServerConfig) -> GatewayLimits:
+    def of(cls, cfg: ServerConfig) -> GatewaySettings:
         return cls(
             max_request_body=cfg.max_request_body,
             max_inflight_body_bytes=cfg.max_inflight_body_bytes,
@@ -135,7 +136,7 @@ class Gateway:
         metrics: Metrics,
         serving: ServingCache,
         bodies: BodyBudget,
-        limits: GatewayLimits,
+        settings: GatewaySettings,
         *,
         revoked: Callable[[], Set[str]],
         client_ssl: Callable[[], ssl.SSLContext | None],
@@ -143,7 +144,7 @@ class Gateway:
         epoch: int,
         started_at: float,
         health: Callable[[], Mapping[str, object]] | None = None,
-        policy: Limits | None = None,
+        key_limits: KeyLimits | None = None,
         usage: UsageBook | None = None,
         history: RequestHistory | None = None,
         tokenizers: Tokenizers | None = None,
@@ -162,7 +163,7 @@ class Gateway:
         self.serving = serving
         # The body bytes the process holds at once (the admin API's bodies too).
         self.bodies = bodies
-        self.limits = limits
+        self.settings = settings
         # The certificate serials the control plane denies (llmgw.server.nodes).
         self.revoked = revoked
         # The TLS the gateway presents to agents' data planes (None: plain, in tests).
@@ -173,7 +174,7 @@ class Gateway:
         self._session: UpstreamPool | None = None
         self._hostports: dict[str, tuple[str, int]] = {}
         # Each key's limits, the usage to store, and the places on replicas with their queues.
-        self.policy = policy or Limits()
+        self.key_limits = key_limits or KeyLimits()
         self.usage = usage
         # Each model's last hour for the console's charts (None: not kept).
         self.history = history
@@ -184,7 +185,7 @@ class Gateway:
             router,
             lambda model: self.serving.max_concurrency(model),
             metrics,
-            fair=limits.fair_queueing,
+            fair=settings.fair_queueing,
         )
 
     def retrust(self, client_ssl: ssl.SSLContext) -> None:
@@ -210,8 +211,8 @@ class Gateway:
                 connect_timeout=5.0,
                 # Shorter than the data plane keeps idle connections (300 s), so we close first.
                 idle_timeout=290.0,
-                read_timeout=self.limits.upstream_idle_timeout,
-                max_body=self.limits.max_response_body,
+                read_timeout=self.settings.upstream_idle_timeout,
+                max_body=self.settings.max_response_body,
             )
         return self._session
 
@@ -263,8 +264,8 @@ class Gateway:
             return openai_error(
                 401,
                 f"The API key '{key.name}' expired on {when}. Ask the operator for a new key "
-                f"('{self.limits.ctl} keys create NAME') or to extend this one "
-                f"('{self.limits.ctl} keys update {key.name} --expires 90d').",
+                f"('{self.settings.ctl} keys create NAME') or to extend this one "
+                f"('{self.settings.ctl} keys update {key.name} --expires 90d').",
                 code="expired_api_key",
             )
         return key
@@ -277,7 +278,7 @@ class Gateway:
         return openai_error(
             401,
             "Incorrect or missing API key. Pass 'Authorization: Bearer <key>'; an operator "
-            f"creates keys with '{self.limits.ctl} keys create NAME'.",
+            f"creates keys with '{self.settings.ctl} keys create NAME'.",
             code="invalid_api_key",
         )
 
@@ -347,7 +348,7 @@ class Gateway:
             return key
         # The model is in the body: read up to the largest limit any model has, then hold
         # the body to its own model's.
-        limit = min(self.serving.largest_body_limit, self.limits.max_inflight_body_bytes)
+        limit = min(self.serving.largest_body_limit, self.settings.max_inflight_body_bytes)
         budget = self.bodies
         try:
             body = await read_body(request, limit, budget)
@@ -374,7 +375,7 @@ class Gateway:
 
     def _too_large(self, size: int | None, limit: int, model: str | None) -> web.Response:
         what = f"{size} bytes" if size is not None else f"more than {format_size(limit)}"
-        cfg = self.limits
+        cfg = self.settings
         if model is not None and model in self.serving.body_limits:
             taken = f"model '{model}' takes at most {format_size(limit)}"
             fix = f"its catalog profile's max_request_body sets it ('{cfg.ctl} models apply')"
@@ -427,7 +428,7 @@ class Gateway:
                 400, "The request needs a 'model' (a string).", param="model", code="missing_model"
             )
         stream = payload.get("stream") is True
-        limit = self.serving.body_limits.get(model, self.limits.max_request_body)
+        limit = self.serving.body_limits.get(model, self.settings.max_request_body)
         if len(body) > limit:
             return self._too_large(len(body), limit, model)
         served = self.serving.models.get(model)
@@ -440,7 +441,7 @@ class Gateway:
                 403,
                 f"The API key '{key.name}' may not use the model '{model}'; it may use "
                 f"{', '.join(policy.models)}. The operator changes that with "
-                f"'{self.limits.ctl} keys update {key.name} --models ...'.",
+                f"'{self.settings.ctl} keys update {key.name} --models ...'.",
                 type_="permission_error",
                 param="model",
                 code="model_not_allowed",
@@ -471,7 +472,7 @@ class Gateway:
             self._account(key, model, 400)
             return openai_error(400, f"{exc}.", code="chat_template_refused")
         cost = estimate(path, payload, len(body), prompt.tokens, served.output_cap)
-        grant = self.policy.admit(key, cost.total)
+        grant = self.key_limits.admit(key, cost.total)
         if isinstance(grant, Refusal):
             self._account(key, model, grant.status)
             log.info(
@@ -507,7 +508,7 @@ class Gateway:
                 drop_usage=asked is not None,
             )
         finally:
-            grant.settle(outcome.charge(cost), self.policy.clock())
+            grant.settle(outcome.charge(cost), self.key_limits.clock())
             self._account(key, model, outcome.status or 499, outcome)
 
     def _shape_refusal(self, path: str, payload: dict[str, Any]) -> web.Response | None:
@@ -522,7 +523,7 @@ class Gateway:
                 param="stream",
                 code="invalid_type",
             )
-        cap = self.limits.max_messages
+        cap = self.settings.max_messages
         for name in ("messages", "input") if path == RESPONSES else ("messages",):
             items = payload.get(name)
             if isinstance(items, list) and len(items) > cap:
@@ -645,7 +646,7 @@ class Gateway:
                     if not tried:
                         # No ready replica now (its agent may be restarting, a drain may be
                         # moving it): wait a while for one rather than failing at once.
-                        await self.router.wait_ready(model, self.limits.replica_wait)
+                        await self.router.wait_ready(model, self.settings.replica_wait)
                     if not self.router.has_ready(model, exclude):
                         outcome.status = 503 if not tried or busy == len(tried) else 502
                         return self._no_replica(model, tried, busy)
@@ -655,7 +656,7 @@ class Gateway:
                         key.id,
                         key.policy.weight,
                         exclude,
-                        self.limits.queue_timeout,
+                        self.settings.queue_timeout,
                         hint,
                     )
                 except QueueTimeout as exc:
@@ -670,7 +671,7 @@ class Gateway:
                         f"{self.serving.max_concurrency(model)} each) and this request waited "
                         f"{exc.waited:.1f} s (queue_timeout in server.yaml) with "
                         f"{exc.depth} others; retry in a moment, or the operator adds replicas "
-                        f"('{self.limits.ctl} deploy {model} --replicas N').",
+                        f"('{self.settings.ctl} deploy {model} --replicas N').",
                         type_="server_error",
                         code="model_overloaded",
                         headers={"Retry-After": "1"},
@@ -727,7 +728,7 @@ class Gateway:
         return openai_error(
             503,
             f"The model '{model}' has no ready replica right now; retry after a few seconds "
-            f"('{self.limits.ctl} replicas {model}' shows why).",
+            f"('{self.settings.ctl} replicas {model}' shows why).",
             type_="server_error",
             code="model_not_ready",
             headers={"Retry-After": "5"},

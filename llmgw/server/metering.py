@@ -1,8 +1,8 @@
 """What a request costs its key: the estimate charged when it is admitted, the tokens its
 answer reports (or its stream's chunks count), and what is settled when it ends.
 
-A request is charged an :class:`Estimate` up front (:meth:`llmgw.server.limits.Limits.admit`
-debits it from the key's token bucket and holds it against the key's budget while the
+A request is charged an :class:`Estimate` up front
+(:meth:`llmgw.server.limits.KeyLimits.admit` debits it from the key's token bucket and holds it against the key's budget while the
 request is in flight): its prompt's tokens, counted by the model's tokenizer where the
 gateway has one (:mod:`llmgw.server.tokenizing`; for a key whose limits read the estimate,
 or a model whose routing needs the tokens anyway) or the body's bytes / 4, plus what it may

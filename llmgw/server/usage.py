@@ -10,7 +10,7 @@ SIGKILL, a power cut) loses at most the last interval's counts. A flush the stor
 (the database is away) keeps the counts for the next.
 
 Each flush also reads back, for the keys with a budget, what they spent in their period
-across all instances (:meth:`llmgw.server.limits.Limits.confirm`).
+across all instances (:meth:`llmgw.server.limits.KeyLimits.confirm`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from llmgw.errors import LlmgwError
 from llmgw.http.errors import UpstreamProtocolError
 from llmgw.http.relay import LineEnds
 from llmgw.log import kv
-from llmgw.server.limits import Limits
+from llmgw.server.limits import KeyLimits
 
 __all__ = [
     "FLUSH_EVERY",
@@ -199,12 +199,12 @@ class UsageBook:
     def __init__(
         self,
         store: UsageStore,
-        limits: Limits | None = None,
+        key_limits: KeyLimits | None = None,
         *,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
-        self.limits = limits
+        self.key_limits = key_limits
         self.wall = wall
         self._pending: dict[tuple[str, str, str], list[int]] = {}
         self._names: dict[str, str] = {}
@@ -274,16 +274,16 @@ class UsageBook:
                 self._put_back(taken)
                 raise
         self.flushes += 1
-        if self.limits is not None:
+        if self.key_limits is not None:
             flushed: dict[str, int] = {}
             for (_day, key_id, _model), v in taken.items():
                 flushed[key_id] = flushed.get(key_id, 0) + v[_PROMPT] + v[_COMPLETION]
-            budgeted = self.limits.budgeted()
+            budgeted = self.key_limits.budgeted()
             totals = {
                 since: self.store.tokens_since(since, [s.id for s in states])
                 for since, states in budgeted.items()
             }
-            self.limits.confirm(flushed, totals)
+            self.key_limits.confirm(flushed, totals)
         return len(rows)
 
     def _put_back(self, taken: dict[tuple[str, str, str], list[int]]) -> None:
@@ -300,7 +300,7 @@ class UsageBook:
         shutdown."""
         while True:
             await asyncio.sleep(every)
-            if not self._pending and (self.limits is None or not self.limits.budgeted()):
+            if not self._pending and (self.key_limits is None or not self.key_limits.budgeted()):
                 continue
             try:
                 self.flush()

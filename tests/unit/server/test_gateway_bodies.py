@@ -28,7 +28,7 @@ from llmgw import bodies
 from llmgw.bodies import MAX_BODY_HEADER, BodyBudget
 from llmgw.http.relay import NOT_PROCESSED
 from llmgw.server.config import load_server_config
-from llmgw.server.gateway import Gateway, GatewayLimits
+from llmgw.server.gateway import Gateway, GatewaySettings
 from llmgw.server.metrics import Metrics
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel
@@ -220,7 +220,7 @@ def run(body: Callable[[Rig], Awaitable[None]], **cfg_changes: Any) -> None:
                 cp.metrics,
                 cp.serving,
                 cp.bodies,
-                GatewayLimits.of(cp.cfg),
+                GatewaySettings.of(cp.cfg),
                 revoked=set,
                 client_ssl=lambda: None,  # plain HTTP to the stand-in data plane
                 nodes_connected=lambda: 0,

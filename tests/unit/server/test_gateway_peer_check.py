@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import serialization
 from llmgw import pki
 from llmgw.bodies import BodyBudget
 from llmgw.server.config import load_server_config
-from llmgw.server.gateway import Gateway, GatewayLimits
+from llmgw.server.gateway import Gateway, GatewaySettings
 from llmgw.server.metrics import Metrics
 from llmgw.server.routing import Router
 
@@ -30,7 +30,7 @@ def gateway(revoked: set[str]) -> Gateway:
         Metrics(),
         cast(Any, None),  # no request is served
         BodyBudget(1024),
-        GatewayLimits.of(load_server_config(None)),
+        GatewaySettings.of(load_server_config(None)),
         revoked=lambda: revoked,
         client_ssl=lambda: None,
         nodes_connected=lambda: 0,
