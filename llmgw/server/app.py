@@ -84,7 +84,7 @@ from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
-from llmgw.server.prefixes import PrefixRouting
+from llmgw.server.policies import RoutingPolicies
 from llmgw.server.proxies import TrustedProxies, forwarded_middleware
 from llmgw.server.reports import AgentReports
 from llmgw.server.routing import Router
@@ -168,7 +168,7 @@ class ControlPlane:
         self.live: dict[str, NodeSession] = {}
         self.lost: set[str] = set()
         self.metrics = Metrics()
-        self.router = Router(PrefixRouting(self.metrics))
+        self.router = Router(RoutingPolicies(self.metrics))
         # Each model's last hour of requests and TTFT, this instance's gateway's (the
         # console's charts and GET /api/metrics/history).
         self.history = RequestHistory()

@@ -22,7 +22,6 @@ charged, and how a stream is made to report its usage, is :mod:`llmgw.server.met
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -47,7 +46,6 @@ from llmgw.bodies import (
 )
 from llmgw.configfile import format_size
 from llmgw.contracts.endpoints import ALIASES, PATHS, endpoint_refusal
-from llmgw.contracts.kvblocks import BLOCK_SIZE, block_keys
 from llmgw.errors import ChatTemplateRefused, ConfigError
 from llmgw.http.errors import (
     UpstreamConnectError,
@@ -64,16 +62,15 @@ from llmgw.server.httpapi import bearer_token
 from llmgw.server.limits import Grant, KeyLimits, Refusal
 from llmgw.server.metering import NOTHING, Outcome, estimate, with_usage
 from llmgw.server.metrics import Metrics
-from llmgw.server.prefixes import APPROX_CHUNK, RouteHint, session_of, text_keys, text_of
+from llmgw.server.policies import RouteHint, session_of
 from llmgw.server.probes import Probes
 from llmgw.server.queueing import Admission, QueueTimeout
 from llmgw.server.routing import Endpoint, Router
-from llmgw.server.serving import ServedModel, ServingCache
+from llmgw.server.serving import ServingCache
 from llmgw.server.store.rows import ApiKey
 from llmgw.server.tokenizing import (
     LONG_PROMPT_BYTES,
     TOKEN_ROUTINGS,
-    PromptTokenizer,
     Tokenizers,
 )
 from llmgw.server.usage import StreamTokenCounter, UsageBook, body_usage, usage_numbers
@@ -462,9 +459,12 @@ class Gateway:
         tokenizer = self.tokenizers.for_model(model)
         if served.routing not in TOKEN_ROUTINGS and policy.tpm is None and policy.budget is None:
             tokenizer = None  # no limit reads this key's estimate: bytes / 4 costs nothing
-        work = partial(self._prompt_of, served, tokenizer, path, payload)
+        policies = self.router.policies
+        work = partial(policies.prompt_of, served, tokenizer, path, payload)
         try:
-            if len(body) < LONG_PROMPT_BYTES or (tokenizer is None and served.routing != APPROX):
+            if len(body) < LONG_PROMPT_BYTES or (
+                tokenizer is None and not policies.reads_text(served.routing)
+            ):
                 prompt = work()
             else:
                 prompt = await self.tokenizers.off_loop(work)
@@ -486,7 +486,9 @@ class Gateway:
                 code=grant.code,
                 headers=grant.headers,
             )
-        hint = self._hint(request, served, payload, prompt)
+        hint = policies.hint(
+            served, prompt, session_of(payload, request.headers.get("x-session-id"))
+        )
         # Every stream reports its usage (what the key is charged); the client that did not
         # ask for it does not see it.
         asked = with_usage(path, body, payload) if stream else None
@@ -535,64 +537,6 @@ class Gateway:
                     code="too_many_messages",
                 )
         return None
-
-    def _prompt_of(
-        self,
-        served: ServedModel,
-        tokenizer: PromptTokenizer | None,
-        path: str,
-        payload: dict[str, Any],
-    ) -> _Prompt:
-        """The prompt's token ids (where the model has a tokenizer) and the keys its
-        routing policy looks up: work for a thread when the prompt is long."""
-        began = time.perf_counter()
-        prompt = _Prompt()
-        if tokenizer is not None:
-            ids = tokenizer.token_ids(path, payload)
-            if ids is not None:
-                prompt.tokens = len(ids)
-                if served.routing in TOKEN_ROUTINGS:
-                    size = self.router.prefixes.block_size.get(served.name, BLOCK_SIZE)
-                    with contextlib.suppress(ValueError):
-                        prompt.keys = block_keys(ids, size)
-                    prompt.unit = size
-        if served.routing == APPROX:
-            text = text_of(path, payload)
-            prompt.keys = text_keys(text) if text else []
-            prompt.text_tokens = len(text) // 4 if text else 0
-        prompt.seconds = time.perf_counter() - began
-        return prompt
-
-    def _hint(
-        self, request: web.Request, served: ServedModel, payload: dict[str, Any], prompt: _Prompt
-    ) -> RouteHint | None:
-        """What the model's routing policy needs of the request (None: least outstanding):
-        its session, and for the prefix policies its prompt's block keys."""
-        policy = served.routing
-        if policy == "least-outstanding":
-            return None
-        session = session_of(payload, request.headers.get("x-session-id"))
-        if policy in ("round-robin", "session"):
-            return RouteHint(policy, session=session)
-        model = served.name
-        if policy == APPROX:
-            self.router.prefixes.set_capacity(model, served.approx_capacity)
-            hint = RouteHint(
-                policy,
-                prompt.keys,
-                unit=APPROX_CHUNK // 4,
-                tokens=prompt.text_tokens,
-                session=session,
-            )
-        else:
-            if prompt.tokens is None:
-                self.metrics.routing.inc((model, policy, "no_tokenizer"))
-                return RouteHint(policy, session=session)
-            hint = RouteHint(
-                policy, prompt.keys, unit=prompt.unit, tokens=prompt.tokens, session=session
-            )
-        self.metrics.decision.observe((model, "keys"), prompt.seconds)
-        return hint
 
     def _account(self, key: ApiKey, model: str, status: int, outcome: Outcome = NOTHING) -> None:
         """One request of ``key`` to ``model`` ended with ``status`` (without an outcome: a
@@ -885,23 +829,7 @@ class Gateway:
             by_replica.inc((model, ep.replica_id, "cached"), min(cached, prompt))
 
 
-APPROX = "prefix-approx"
 RESPONSES = "/v1/responses"
-
-
-class _Prompt:
-    """What the gateway made of a request's prompt: its tokens by the model's tokenizer
-    (None: it has none, or the shape is not one it counts), the block keys its routing looks
-    up, their unit, the approximate index's token count, and the time it took."""
-
-    __slots__ = ("keys", "seconds", "text_tokens", "tokens", "unit")
-
-    def __init__(self) -> None:
-        self.tokens: int | None = None
-        self.keys: list[int] = []
-        self.unit = BLOCK_SIZE
-        self.text_tokens = 0
-        self.seconds = 0.0
 
 
 def _sentence(exc: Exception) -> str:

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 
 from llmgw.server.metrics import Metrics
-from llmgw.server.prefixes import RouteHint
+from llmgw.server.policies import RouteHint
 from llmgw.server.routing import Endpoint, Router
 
 __all__ = ["Admission", "QueueTimeout"]
