@@ -213,9 +213,7 @@ class Admission:
             if got is None:
                 if future.done() and not future.cancelled():
                     # Granted as the timeout or a cancellation struck: give the place back.
-                    if hint is not None:
-                        hint.settle()
-                    self.release(future.result())
+                    self.release(future.result(), hint)
                 else:
                     future.cancel()
                     queue.remove(waiter, self.fair)
@@ -225,8 +223,12 @@ class Admission:
         self.metrics.queue_wait.observe((model,), time.perf_counter() - waiter.enqueued)
         return got
 
-    def release(self, ep: Endpoint) -> None:
-        """A request on ``ep`` ended: its place goes to the next waiting request, if any."""
+    def release(self, ep: Endpoint, hint: RouteHint | None = None) -> None:
+        """A request on ``ep`` ended: the prefill its routing charged ``ep`` is given back
+        (:meth:`RouteHint.settle`, unless its first token did already), and its place goes
+        to the next waiting request, if any."""
+        if hint is not None:
+            hint.settle()
         ep.inflight -= 1
         queue = self._queues.get(ep.model)
         if queue is not None and queue.size:

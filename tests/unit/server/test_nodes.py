@@ -121,8 +121,8 @@ def test_a_renewal_puts_the_replaced_serial_on_the_deny_list(tmp_path: Path, sto
         epoch=1,
         started_at=0.0,
     )
-    assert gateway._agent_certificate_problem(der(fleet.cert), "gpu-1") is not None
-    assert gateway._agent_certificate_problem(der(renewed), "gpu-1") is None
+    assert gateway.forwarder.agent_certificate_problem(der(fleet.cert), "gpu-1") is not None
+    assert gateway.forwarder.agent_certificate_problem(der(renewed), "gpu-1") is None
     # A second renewal replaces the first renewed certificate too.
     again = fleet.renew()
     newer = pki.serial_hex(x509.load_pem_x509_certificate(again.certificate_pem.encode()))
