@@ -60,14 +60,14 @@ from llmgw.server.limits import KeyLimits, Refusal
 from llmgw.server.metering import NOTHING, Outcome, estimate, with_usage
 from llmgw.server.metrics import Metrics
 from llmgw.server.modelrequest import Charge, ModelRequest
-from llmgw.server.policies import Prompt, session_of
+from llmgw.server.policies import TOKEN_ROUTINGS, Prompt, session_of
 from llmgw.server.probes import Probes
 from llmgw.server.queueing import Admission, QueueTimeout
 from llmgw.server.refusals import openai_error
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel, ServingCache
 from llmgw.server.store.rows import ApiKey
-from llmgw.server.tokenizing import LONG_PROMPT_BYTES, TOKEN_ROUTINGS, Tokenizers
+from llmgw.server.tokenizing import LONG_PROMPT_BYTES, Tokenizers
 from llmgw.server.usage import UsageBook
 
 __all__ = ["Gateway", "GatewaySettings"]

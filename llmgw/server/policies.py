@@ -46,6 +46,7 @@ __all__ = [
     "POLICIES",
     "SESSION_SLACK",
     "SESSION_TTL",
+    "TOKEN_ROUTINGS",
     "Prompt",
     "RouteHint",
     "RoutingPolicies",
@@ -269,6 +270,10 @@ POLICIES: dict[Routing, _Policy] = {
 }
 """Each routing policy: what it reads, the hint it makes, the choice it makes."""
 
+TOKEN_ROUTINGS = frozenset(r for r, policy in POLICIES.items() if policy.reads == "tokens")
+"""The routing policies that key a prompt by its token ids: a model with another one loads no
+tokenizer (a sim model's costs nothing and is always there)."""
+
 
 class RoutingPolicies:
     """The state the policies keep (the prefix indexes, the sessions, the turns) and the
@@ -335,6 +340,7 @@ class RoutingPolicies:
         Charges the choice to the replica (:meth:`RouteHint.charge`)."""
         began = time.perf_counter()
         routing = hint.routing
+        # A least-outstanding hint (none is made) would choose as a session without one.
         chooser = POLICIES[routing].choose or _by_session
         session = self.sessions.replica(hint.session, candidates) if hint.session else None
         chosen, reason = chooser(self, _Choice(model, candidates, every, hint, session))

@@ -11,7 +11,14 @@ from llmgw.contracts.catalog import ROUTINGS, Routing
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.kvblocks import block_keys
 from llmgw.server.metrics import Metrics
-from llmgw.server.policies import POLICIES, Prompt, RouteHint, RoutingPolicies
+from llmgw.server.policies import (
+    POLICIES,
+    SESSION_SLACK,
+    Prompt,
+    RouteHint,
+    RoutingPolicies,
+    session_of,
+)
 from llmgw.server.queueing import Admission
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel
@@ -89,3 +96,47 @@ def test_the_prefix_policies_read_the_prompt_and_the_others_do_not(routing: Rout
     assert bool(prompt.keys) is (routing == Routing.PREFIX_APPROX)  # no tokenizer: no ids
     plain = policies.prompt_of(served(Routing.SESSION), None, "/v1/chat/completions", payload)
     assert not plain.keys and plain.tokens is None
+
+
+# --------------------------------------------------------------------------- session
+
+
+def test_session_keeps_a_conversation_on_its_replica_within_the_slack() -> None:
+    router, _eps = router_of(2)
+    hint = RouteHint("session", session="u1")
+    home = router.pick_free(MODEL, 16, hint=hint)
+    assert home is not None
+    home.inflight = SESSION_SLACK  # busier, but within the slack
+    assert router.pick_free(MODEL, 16, hint=RouteHint("session", session="u1")) is home
+    home.inflight = SESSION_SLACK + 1
+    moved = RouteHint("session", session="u1")
+    other = router.pick_free(MODEL, 16, hint=moved)
+    assert other is not home and moved.reason == "session_moved"
+    assert router.policies.sessions.last["u1"][0] == other.shard_id  # it stays on the new one
+
+
+def test_sessions_expire() -> None:
+    now = [0.0]
+    router = Router(RoutingPolicies(clock=lambda: now[0], session_ttl=10))
+    eps = [Endpoint(MODEL, f"r{i}", f"s{i}", f"n{i}", "h:1") for i in range(2)]
+    for ep in eps:
+        router.set_ready(ep)
+    home = router.pick_free(MODEL, 16, hint=RouteHint("session", session="u"))
+    now[0] = 11
+    hint = RouteHint("session", session="u")
+    router.pick_free(MODEL, 16, hint=hint)
+    assert hint.reason == "least_outstanding"
+    assert home is not None
+
+
+def test_round_robin_takes_each_in_turn() -> None:
+    router, _eps = router_of(3)
+    seen = [router.pick_free(MODEL, 8, hint=RouteHint("round-robin")) for _ in range(6)]
+    assert [ep.shard_id for ep in seen if ep] == ["s0", "s1", "s2", "s0", "s1", "s2"]
+
+
+def test_session_of_prefers_the_header_and_bounds_the_length() -> None:
+    assert session_of({"user": "alice"}, None) == "alice"
+    assert session_of({"user": "alice"}, "conv-9") == "conv-9"
+    assert session_of({"user": "a" * 300}, None) is None
+    assert session_of({"user": 7}, None) is None
