@@ -342,14 +342,14 @@ class Gateway:
         session = session_of(payload, request.headers.get("x-session-id"))
         del payload  # a parsed body can take many times its size: hold it no longer
         req = ModelRequest(
-            request,
-            key,
-            model,
-            path,
-            body if asked is None else asked,
-            limit,
-            started,
-            stream,
+            http=request,
+            key=key,
+            model=model,
+            path=path,
+            body=body if asked is None else asked,
+            body_limit=limit,
+            started=started,
+            stream=stream,
             drop_usage=asked is not None,
             hint=self.router.policies.hint(served, prompt, session),
         )
