@@ -420,7 +420,8 @@ def decision_figures(blocks: int = 1_000_000, decisions: int = 20_000) -> dict[s
     from llmgw.contracts.kvblocks import block_keys
     from llmgw.proto import control_pb2 as pb
     from llmgw.server.metrics import Metrics
-    from llmgw.server.prefixes import BlockIndex, PrefixRouting, RouteHint
+    from llmgw.server.policies import RouteHint, RoutingPolicies
+    from llmgw.server.prefixes import BlockIndex
     from llmgw.server.routing import Endpoint, Router
 
     rng = random.Random(5)
@@ -437,7 +438,7 @@ def decision_figures(blocks: int = 1_000_000, decisions: int = 20_000) -> dict[s
     per_block = grown / len(keys)
     del index, keys
 
-    router = Router(PrefixRouting(Metrics()))
+    router = Router(RoutingPolicies(Metrics()))
     eps = [Endpoint("m", f"r{i}", f"s{i}", f"n{i}", "h:1") for i in range(REPLICAS)]
     for ep in eps:
         router.set_ready(ep)

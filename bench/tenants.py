@@ -253,7 +253,7 @@ def policy_path_us(rounds: int = 200_000) -> dict[str, float]:
     """The policy path alone, in this process: what a request of a key with every limit set
     (none hit) costs on top of relaying it."""
     from llmgw.contracts.keypolicy import Budget, KeyPolicy
-    from llmgw.server.limits import Grant, Limits
+    from llmgw.server.limits import Grant, KeyLimits
     from llmgw.server.metrics import Metrics
     from llmgw.server.queueing import Admission
     from llmgw.server.routing import Endpoint, Router
@@ -271,7 +271,7 @@ def policy_path_us(rounds: int = 200_000) -> dict[str, float]:
     router.set_ready(Endpoint("m", "r", "s", "n", "127.0.0.1:1"))
     metrics = Metrics()
     admission = Admission(router, lambda _m: 64, metrics)
-    limits = Limits()
+    limits = KeyLimits()
     usage = UsageBook(NoStore(), limits)
     policy = KeyPolicy(
         models=("m",), rpm=10**12, tpm=10**14, max_concurrent=10**6, budget=Budget(10**14, "day")

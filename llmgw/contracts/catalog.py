@@ -25,6 +25,7 @@ import re
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -59,6 +60,7 @@ __all__ = [
     "FileRef",
     "ModelSpec",
     "Profile",
+    "Routing",
     "Sidecar",
     "adhoc_profile",
     "deployed_profile",
@@ -110,19 +112,24 @@ _PROFILE_KEYS = (
 )
 _FILE_KEYS = ("url", "path", "sha256")
 
-ROUTINGS: tuple[str, ...] = (
-    "least-outstanding",
-    "round-robin",
-    "session",
-    "prefix-approx",
-    "kv-events",
-)
-"""How the gateway picks a replica of a model (a profile's ``routing``): the fewest requests
-in flight (the default); in turn; the replica a conversation (``user`` or ``x-session-id``)
-last used; the replica the gateway last sent the prompt's prefix to; the replica whose
-engine reports holding the most of the prompt's prefix in its KV cache. Each weighs the
-load too (:mod:`llmgw.server.prefixes`)."""
-DEFAULT_ROUTING = "least-outstanding"
+
+class Routing(StrEnum):
+    """How the gateway picks a replica of a model (a profile's ``routing``): the fewest
+    requests in flight (the default); in turn; the replica a conversation (``user`` or
+    ``x-session-id``) last used; the replica the gateway last sent the prompt's prefix to; the
+    replica whose engine reports holding the most of the prompt's prefix in its KV cache. Each
+    weighs the load too (:mod:`llmgw.server.policies`)."""
+
+    LEAST_OUTSTANDING = "least-outstanding"
+    ROUND_ROBIN = "round-robin"
+    SESSION = "session"
+    PREFIX_APPROX = "prefix-approx"
+    KV_EVENTS = "kv-events"
+
+
+ROUTINGS: tuple[str, ...] = tuple(Routing)
+"""The names of :class:`Routing`, in the order the errors list them."""
+DEFAULT_ROUTING = Routing.LEAST_OUTSTANDING
 _SIDECAR_KEYS = ("name", "command", "health", "timeout", "ready_after")
 
 _MEMORY_UNITS = {"mib": 1, "gib": 1024, "tib": 1024 * 1024}
@@ -649,10 +656,10 @@ def profile_max_concurrency(profile: Mapping[str, Any] | None) -> int:
     )
 
 
-def profile_routing(profile: Mapping[str, Any] | None) -> str:
+def profile_routing(profile: Mapping[str, Any] | None) -> Routing:
     """A stored profile's (:meth:`Profile.to_dict`) ``routing``, else least-outstanding."""
     value = profile.get("routing") if profile else None
-    return value if isinstance(value, str) and value in ROUTINGS else DEFAULT_ROUTING
+    return Routing(value) if isinstance(value, str) and value in ROUTINGS else DEFAULT_ROUTING
 
 
 def profile_file(profile: Mapping[str, Any] | None, key: str) -> FileRef | None:

@@ -64,7 +64,7 @@ from llmgw.server.config import ServerConfig
 from llmgw.server.console import add_console_routes
 from llmgw.server.enroll import Enroller, EnrolmentServer
 from llmgw.server.follower import LeaderProxy, RouteFollower
-from llmgw.server.gateway import Gateway, GatewayLimits
+from llmgw.server.gateway import Gateway, GatewaySettings
 from llmgw.server.history import RequestHistory
 from llmgw.server.httpapi import error_middleware
 from llmgw.server.installs import EngineInstalls
@@ -77,13 +77,14 @@ from llmgw.server.leadership import (
     await_leadership,
     try_leadership,
 )
-from llmgw.server.limits import Limits
+from llmgw.server.limits import KeyLimits
 from llmgw.server.lockout import Lockout
 from llmgw.server.logins import Logins
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.operators import OperatorAccounts
 from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
+from llmgw.server.policies import RoutingPolicies
 from llmgw.server.proxies import TrustedProxies, forwarded_middleware
 from llmgw.server.reports import AgentReports
 from llmgw.server.routing import Router
@@ -166,8 +167,8 @@ class ControlPlane:
         # read by the scheduler, the membership, the updates and the admin API.
         self.live: dict[str, NodeSession] = {}
         self.lost: set[str] = set()
-        self.router = Router()
         self.metrics = Metrics()
+        self.router = Router(RoutingPolicies(self.metrics))
         # Each model's last hour of requests and TTFT, this instance's gateway's (the
         # console's charts and GET /api/metrics/history).
         self.history = RequestHistory()
@@ -182,7 +183,7 @@ class ControlPlane:
         # role (a standby's gateway serves and counts too). On PostgreSQL each instance
         # enforces its share of a key's rate limits (the instances seen alive).
         self._serving_instances = 1
-        self.key_limits = Limits(
+        self.key_limits = KeyLimits(
             instances=lambda: self._serving_instances, budget_spent=self._budget_spent
         )
         self.usage: UsageBook | None = None
@@ -566,14 +567,14 @@ class ControlPlane:
             self.metrics,
             self.serving,
             self.bodies,
-            GatewayLimits.of(cfg),
+            GatewaySettings.of(cfg),
             revoked=lambda: follower.revoked,
             client_ssl=self._client_ssl_context,
             nodes_connected=lambda: 0,
             epoch=self._keeper.epoch,
             started_at=self.started_at,
             health=self._health,
-            policy=self.key_limits,
+            key_limits=self.key_limits,
             usage=self._start_usage(),
             history=self.history,
             tokenizers=self.tokenizers,
@@ -827,14 +828,14 @@ class ControlPlane:
             self.metrics,
             self.serving,
             self.bodies,
-            GatewayLimits.of(cfg),
+            GatewaySettings.of(cfg),
             revoked=lambda: self.membership.revoked,
             client_ssl=self._client_ssl_context,
             nodes_connected=lambda: len(self.live),
             epoch=self.epoch,
             started_at=self.started_at,
             health=self._health if self._keeper is not None else None,
-            policy=self.key_limits,
+            key_limits=self.key_limits,
             usage=self._start_usage(),
             history=self.history,
             tokenizers=self.tokenizers,

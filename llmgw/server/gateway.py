@@ -15,14 +15,19 @@ Request bodies are read under limits (:mod:`llmgw.bodies`): server.yaml's
 ``max_inflight_body_bytes`` for all requests together (over it: 503); a request carries at
 most ``max_messages`` messages. Answers from agents are bounded too: ``max_response_body``
 for one read whole, ``upstream_idle_timeout`` for silence, and
-:data:`llmgw.server.metering.MAX_SSE_EVENT` for one event of a stream. What a request is
+:data:`llmgw.server.usage.MAX_SSE_EVENT` for one event of a stream. What a request is
 charged, and how a stream is made to report its usage, is :mod:`llmgw.server.metering`'s;
 /healthz and /metrics are :mod:`llmgw.server.probes`'.
+
+A request goes down the chain as one object: read and checked (:meth:`Gateway._complete`),
+it is admitted as a frozen :class:`~llmgw.server.modelrequest.ModelRequest` with its
+:class:`~llmgw.server.modelrequest.Charge`, given a place on a replica by the model's routing
+policy (:mod:`llmgw.server.policies`, :meth:`Gateway._route`), and forwarded
+(:mod:`llmgw.server.forwarding`); the charge is settled once, when it ends.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -34,10 +39,8 @@ from functools import partial
 from typing import Any
 
 from aiohttp import web
-from cryptography import x509
 
 from llmgw.bodies import (
-    MAX_BODY_HEADER,
     BodiesBusy,
     BodyBudget,
     BodyIncomplete,
@@ -45,70 +48,39 @@ from llmgw.bodies import (
     BodyTooLarge,
     read_body,
 )
-from llmgw.configfile import format_size
 from llmgw.contracts.endpoints import ALIASES, PATHS, endpoint_refusal
-from llmgw.contracts.kvblocks import BLOCK_SIZE, block_keys
-from llmgw.errors import ChatTemplateRefused, ConfigError
-from llmgw.http.errors import (
-    UpstreamConnectError,
-    UpstreamError,
-    UpstreamTimeout,
-)
-from llmgw.http.pool import UpstreamPool
-from llmgw.http.relay import NOT_PROCESSED, STREAM_ERROR, relay
+from llmgw.errors import ChatTemplateRefused
 from llmgw.log import kv
-from llmgw.netaddr import parse_hostport
+from llmgw.server import refusals
 from llmgw.server.config import DEFAULT_MAX_MESSAGES, ServerConfig
+from llmgw.server.forwarding import ConnectFailed, Forwarder
 from llmgw.server.history import RequestHistory
 from llmgw.server.httpapi import bearer_token
-from llmgw.server.limits import Grant, Limits, Refusal
-from llmgw.server.metering import (
-    NOTHING,
-    Outcome,
-    StreamTokenCounter,
-    estimate,
-    usage_numbers,
-    with_usage,
-)
+from llmgw.server.limits import KeyLimits, Refusal
+from llmgw.server.metering import NOTHING, Outcome, estimate, with_usage
 from llmgw.server.metrics import Metrics
-from llmgw.server.prefixes import APPROX_CHUNK, RouteHint, session_of, text_keys, text_of
+from llmgw.server.modelrequest import Charge, ModelRequest
+from llmgw.server.policies import TOKEN_ROUTINGS, Prompt, session_of
 from llmgw.server.probes import Probes
 from llmgw.server.queueing import Admission, QueueTimeout
+from llmgw.server.refusals import openai_error
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel, ServingCache
 from llmgw.server.store.rows import ApiKey
-from llmgw.server.tokenizing import (
-    LONG_PROMPT_BYTES,
-    TOKEN_ROUTINGS,
-    PromptTokenizer,
-    Tokenizers,
-)
+from llmgw.server.tokenizing import LONG_PROMPT_BYTES, Tokenizers
 from llmgw.server.usage import UsageBook
 
-__all__ = ["Gateway", "GatewayLimits", "openai_error"]
+__all__ = ["Gateway", "GatewaySettings"]
 
 log = logging.getLogger("llmgw.server.gateway")
 
-_DECODER = json.JSONDecoder()
-_JSON_HEADERS = (("Content-Type", "application/json"),)
-
-
-def openai_error(
-    status: int,
-    message: str,
-    *,
-    type_: str = "invalid_request_error",
-    code: str | None = None,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return web.json_response(body, status=status, headers=headers)
+RESPONSES = "/v1/responses"
 
 
 @dataclass(frozen=True)
-class GatewayLimits:
-    """The settings of server.yaml the request path applies."""
+class GatewaySettings:
+    """The settings of server.yaml the request path applies (a key's own limits are
+    :class:`~llmgw.server.limits.KeyLimits`')."""
 
     max_request_body: int
     max_inflight_body_bytes: int
@@ -122,7 +94,7 @@ class GatewayLimits:
     ctl: str = "llmgw ctl"
 
     @classmethod
-    def of(cls, cfg: ServerConfig) -> GatewayLimits:
+    def of(cls, cfg: ServerConfig) -> GatewaySettings:
         return cls(
             max_request_body=cfg.max_request_body,
             max_inflight_body_bytes=cfg.max_inflight_body_bytes,
@@ -143,7 +115,7 @@ class Gateway:
         metrics: Metrics,
         serving: ServingCache,
         bodies: BodyBudget,
-        limits: GatewayLimits,
+        settings: GatewaySettings,
         *,
         revoked: Callable[[], Set[str]],
         client_ssl: Callable[[], ssl.SSLContext | None],
@@ -151,7 +123,7 @@ class Gateway:
         epoch: int,
         started_at: float,
         health: Callable[[], Mapping[str, object]] | None = None,
-        policy: Limits | None = None,
+        key_limits: KeyLimits | None = None,
         usage: UsageBook | None = None,
         history: RequestHistory | None = None,
         tokenizers: Tokenizers | None = None,
@@ -164,48 +136,51 @@ class Gateway:
         self.metrics = metrics
         # /healthz and /metrics; ``readers``: the tokens that read /metrics and /healthz's
         # details (the metrics token, the admin token).
-        self.probes = Probes(metrics, self._health_details, readers)
+        self.probes = Probes(
+            metrics, self._health_details, readers, index_sizes=router.prefixes.index_sizes
+        )
         self.serving = serving
         # The body bytes the process holds at once (the admin API's bodies too).
         self.bodies = bodies
-        self.limits = limits
-        # The certificate serials the control plane denies (llmgw.server.nodes).
-        self.revoked = revoked
-        # The TLS the gateway presents to agents' data planes (None: plain, in tests).
-        self.client_ssl = client_ssl
+        self.settings = settings
         self.nodes_connected = nodes_connected
         self.epoch = epoch
         self.started_at = started_at
-        self._session: UpstreamPool | None = None
-        self._hostports: dict[str, tuple[str, int]] = {}
         # Each key's limits, the usage to store, and the places on replicas with their queues.
-        self.policy = policy or Limits()
+        self.key_limits = key_limits or KeyLimits()
         self.usage = usage
-        # Each model's last hour for the console's charts (None: not kept).
-        self.history = history
         # Each model's prompt tokenizer, for cache-aware routing (none: no model has one).
         self.tokenizers = tokenizers if tokenizers is not None else Tokenizers(None)
         self.clock = clock
-        router.prefixes.metrics = metrics
-        metrics.index_sizes = self._index_sizes
         self.admission = Admission(
             router,
             lambda model: self.serving.max_concurrency(model),
             metrics,
-            fair=limits.fair_queueing,
+            fair=settings.fair_queueing,
         )
-
-    def _index_sizes(self) -> dict[tuple[str, str], int]:
-        prefixes = self.router.prefixes
-        sizes = {(m, "events"): n for m, n in prefixes.indexed_blocks().items()}
-        sizes.update({(m, "approx"): n for m, n in prefixes.approx_blocks().items()})
-        return sizes
+        # The last hop, to the agents' data planes; ``history``: each model's last hour for
+        # the console's charts (None: not kept).
+        self.forwarder = Forwarder(
+            metrics,
+            read_timeout=settings.upstream_idle_timeout,
+            max_body=settings.max_response_body,
+            revoked=revoked,
+            client_ssl=client_ssl,
+            history=history,
+        )
 
     def retrust(self, client_ssl: ssl.SSLContext) -> None:
         """The TLS towards agents changed (a CA rotation or the drop of the old CA): new
         connections use ``client_ssl``; those open now are closed once free."""
-        if self._session is not None:
-            self._session.retrust(client_ssl)
+        self.forwarder.retrust(client_ssl)
+
+    def forget_node(self, node_id: str) -> None:
+        """Drop pooled connections to a node whose certificates were just revoked."""
+        self.forwarder.forget_node(node_id)
+
+    async def close(self) -> None:
+        self.admission.close()
+        await self.forwarder.close()
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -213,52 +188,6 @@ class Gateway:
         for path in (*PATHS, *ALIASES):
             app.router.add_post(path, self.completions)
         self.probes.add_routes(app)
-
-    @property
-    def session(self) -> UpstreamPool:
-        """Keep-alive mTLS connections to the agents' data planes (made on first use)."""
-        if self._session is None:
-            self._session = UpstreamPool(
-                ssl=self.client_ssl(),
-                peer_check=self._agent_certificate_problem,
-                connect_timeout=5.0,
-                # Shorter than the data plane keeps idle connections (300 s), so we close first.
-                idle_timeout=290.0,
-                read_timeout=self.limits.upstream_idle_timeout,
-                max_body=self.limits.max_response_body,
-            )
-        return self._session
-
-    def _agent_certificate_problem(self, der: bytes, node_id: str | None) -> str | None:
-        """The data plane's certificate must not be one the control plane revoked (an old
-        identity after a rekey, or a revoked node's): the CA alone still trusts those."""
-        serial = format(x509.load_der_x509_certificate(der).serial_number, "x")
-        if serial in self.revoked():
-            return (
-                f"the data plane of node {node_id} presented certificate {serial}, which was "
-                f"revoked; refusing it (the node must join again: llmgw ctl join-command "
-                f"--node {node_id})"
-            )
-        return None
-
-    def forget_node(self, node_id: str) -> None:
-        """Drop pooled connections to a node whose certificates were just revoked."""
-        if self._session is not None:
-            self._session.forget(node_id)
-
-    def _hostport(self, addr: str) -> tuple[str, int]:
-        hostport = self._hostports.get(addr)
-        if hostport is None:
-            try:
-                hostport = self._hostports[addr] = parse_hostport(addr)
-            except ConfigError as exc:
-                raise UpstreamConnectError(f"data plane address {addr!r}: {exc}") from exc
-        return hostport
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     # -- auth ----------------------------------------------------------------------------------
 
@@ -269,30 +198,15 @@ class Gateway:
         if token is not None:
             key = self.serving.keys.get(hashlib.sha256(token).hexdigest())
         if key is None:
-            return self._unauthorized(request)
+            log.info(
+                "refused a request without a valid API key",
+                extra=kv(path=request.path[:100], peer=request.remote or ""),
+            )
+            return refusals.unauthorized(self.settings.ctl)
         expires = key.policy.expires_at
         if expires is not None and self.clock() >= expires:
-            when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires))
-            return openai_error(
-                401,
-                f"The API key '{key.name}' expired on {when}. Ask the operator for a new key "
-                f"('{self.limits.ctl} keys create NAME') or to extend this one "
-                f"('{self.limits.ctl} keys update {key.name} --expires 90d').",
-                code="expired_api_key",
-            )
+            return refusals.expired_key(key.name, expires, self.settings.ctl)
         return key
-
-    def _unauthorized(self, request: web.Request) -> web.Response:
-        log.info(
-            "refused a request without a valid API key",
-            extra=kv(path=request.path[:100], peer=request.remote or ""),
-        )
-        return openai_error(
-            401,
-            "Incorrect or missing API key. Pass 'Authorization: Bearer <key>'; an operator "
-            f"creates keys with '{self.limits.ctl} keys create NAME'.",
-            code="invalid_api_key",
-        )
 
     # -- handlers ------------------------------------------------------------------------------
 
@@ -344,13 +258,7 @@ class Gateway:
 
     def _no_such_model(self, model: str, key: ApiKey) -> web.Response:
         names = sorted(n for n in self.serving.models if key.policy.allows(n))
-        return openai_error(
-            404,
-            f"The model '{model}' does not exist. Models on this gateway: "
-            f"{', '.join(names) or 'none'}.",
-            param="model",
-            code="model_not_found",
-        )
+        return refusals.no_such_model(model, names)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """Every POST endpoint: the body's model chooses the replicas."""
@@ -360,22 +268,14 @@ class Gateway:
             return key
         # The model is in the body: read up to the largest limit any model has, then hold
         # the body to its own model's.
-        limit = min(self.serving.largest_body_limit, self.limits.max_inflight_body_bytes)
+        limit = min(self.serving.largest_body_limit, self.settings.max_inflight_body_bytes)
         budget = self.bodies
         try:
             body = await read_body(request, limit, budget)
         except BodyTooLarge as exc:
             return self._too_large(exc.size, limit, None)
         except BodiesBusy:
-            return openai_error(
-                503,
-                f"The gateway is holding as many request bodies as it may at once "
-                f"({format_size(budget.capacity)}, max_inflight_body_bytes in server.yaml); "
-                "retry in a moment.",
-                type_="server_error",
-                code="overloaded",
-                headers={"Retry-After": "1"},
-            )
+            return refusals.bodies_busy(budget.capacity)
         except BodyIncomplete as exc:
             return openai_error(400, _sentence(exc), code="incomplete_body")
         except BodyTimeout as exc:
@@ -386,105 +286,42 @@ class Gateway:
             budget.give(len(body))
 
     def _too_large(self, size: int | None, limit: int, model: str | None) -> web.Response:
-        what = f"{size} bytes" if size is not None else f"more than {format_size(limit)}"
-        cfg = self.limits
-        if model is not None and model in self.serving.body_limits:
-            taken = f"model '{model}' takes at most {format_size(limit)}"
-            fix = f"its catalog profile's max_request_body sets it ('{cfg.ctl} models apply')"
-        elif limit == cfg.max_inflight_body_bytes and limit < self.serving.largest_body_limit:
-            taken = f"this gateway holds at most {format_size(limit)} of bodies at once"
-            fix = "raise max_inflight_body_bytes in server.yaml"
-        elif model is None and limit > cfg.max_request_body:
-            taken = f"no model on this gateway takes more than {format_size(limit)}"
-            fix = "a model's catalog profile sets its own with max_request_body"
-        else:
-            whose = f"model '{model}'" if model is not None else "this gateway"
-            taken = f"{whose} takes at most {format_size(limit)}"
-            fix = (
-                "max_request_body in server.yaml sets it; for long contexts a model's catalog "
-                "profile may raise it with its own max_request_body"
-            )
-        return openai_error(
-            413,
-            f"The request body is {what}; {taken} ({fix}).",
-            code="request_too_large",
+        cfg = self.settings
+        return refusals.too_large(
+            size,
+            limit,
+            model,
+            own_limit=model in self.serving.body_limits,
+            inflight_cap=cfg.max_inflight_body_bytes,
+            largest=self.serving.largest_body_limit,
+            default=cfg.max_request_body,
+            ctl=cfg.ctl,
         )
+
+    # -- one request down the chain: read, admit, route, forward --------------------------------
 
     async def _complete(
         self, request: web.Request, key: ApiKey, body: bytes, started: float
     ) -> web.StreamResponse:
-        try:
-            payload = json.loads(body)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
-            why = "nested too deep" if isinstance(exc, RecursionError) else "not valid JSON"
-            log.info(
-                "refused a request body",
-                extra=kv(path=request.path[:100], peer=request.remote or "", reason=why),
-            )
-            return openai_error(
-                400,
-                f"The request body is {why}; send a JSON object such as "
-                '{"model": "...", "messages": [...]}.',
-                code="invalid_json",
-            )
-        if not isinstance(payload, dict):
-            return openai_error(
-                400,
-                "The request body must be a JSON object such as "
-                '{"model": "...", "messages": [...]}.',
-                code="invalid_json",
-            )
-        model = payload.get("model")
-        if not isinstance(model, str) or not model:
-            return openai_error(
-                400, "The request needs a 'model' (a string).", param="model", code="missing_model"
-            )
-        stream = payload.get("stream") is True
-        limit = self.serving.body_limits.get(model, self.limits.max_request_body)
+        payload = _payload(request, body)
+        if isinstance(payload, web.Response):
+            return payload
+        model: str = payload["model"]
+        limit = self.serving.body_limits.get(model, self.settings.max_request_body)
         if len(body) > limit:
             return self._too_large(len(body), limit, model)
         served = self.serving.models.get(model)
-        policy = key.policy
         if served is None:
             return self._no_such_model(model, key)
-        if not policy.allows(model):
-            self._account(key, model, 403)
-            return openai_error(
-                403,
-                f"The API key '{key.name}' may not use the model '{model}'; it may use "
-                f"{', '.join(policy.models)}. The operator changes that with "
-                f"'{self.limits.ctl} keys update {key.name} --models ...'.",
-                type_="permission_error",
-                param="model",
-                code="model_not_allowed",
-            )
-        path = request.path
-        path = ALIASES.get(path, path)
-        if path not in served.paths:
-            self._account(key, model, 400)
-            return openai_error(
-                400,
-                endpoint_refusal(model, path, served.engine, served.tasks) + ".",
-                code="unsupported_endpoint",
-            )
-        refusal = self._shape_refusal(path, payload)
+        path = ALIASES.get(request.path, request.path)
+        refusal = self._refusal(key, served, path, payload)
         if refusal is not None:
-            self._account(key, model, 400)
             return refusal
-        tokenizer = self.tokenizers.for_model(model)
-        if served.routing not in TOKEN_ROUTINGS and policy.tpm is None and policy.budget is None:
-            tokenizer = None  # no limit reads this key's estimate: bytes / 4 costs nothing
-        work = partial(self._prompt_of, served, tokenizer, path, payload)
-        try:
-            if len(body) < LONG_PROMPT_BYTES or (tokenizer is None and served.routing != APPROX):
-                prompt = work()
-            else:
-                prompt = await self.tokenizers.off_loop(work)
-        except ChatTemplateRefused as exc:  # the engine's own rendering would refuse it too
-            self._account(key, model, 400)
-            return openai_error(400, f"{exc}.", code="chat_template_refused")
+        prompt = await self._prompt(key, served, path, payload, len(body))
+        if isinstance(prompt, web.Response):
+            return prompt
         cost = estimate(path, payload, len(body), prompt.tokens, served.output_cap)
-        grant = self.policy.admit(key, cost.total)
+        grant = self.key_limits.admit(key, cost.total)
         if isinstance(grant, Refusal):
             self._account(key, model, grant.status)
             log.info(
@@ -498,30 +335,72 @@ class Gateway:
                 code=grant.code,
                 headers=grant.headers,
             )
-        hint = self._hint(request, served, payload, prompt)
+        stream = payload.get("stream") is True
         # Every stream reports its usage (what the key is charged); the client that did not
         # ask for it does not see it.
         asked = with_usage(path, body, payload) if stream else None
+        session = session_of(payload, request.headers.get("x-session-id"))
         del payload  # a parsed body can take many times its size: hold it no longer
-        outcome = Outcome()
+        req = ModelRequest(
+            http=request,
+            key=key,
+            model=model,
+            path=path,
+            body=body if asked is None else asked,
+            body_limit=limit,
+            started=started,
+            stream=stream,
+            drop_usage=asked is not None,
+            hint=self.router.policies.hint(served, prompt, session),
+        )
+        charge = Charge(grant, cost)
         try:
-            return await self._route(
-                request,
-                key,
-                grant,
-                model,
-                path,
-                body if asked is None else asked,
-                started,
-                stream,
-                limit,
-                outcome,
-                hint,
-                drop_usage=asked is not None,
-            )
+            return await self._route(req, charge)
         finally:
-            grant.settle(outcome.charge(cost), self.policy.clock())
+            outcome = charge.settle(self.key_limits.clock())
             self._account(key, model, outcome.status or 499, outcome)
+
+    def _refusal(
+        self, key: ApiKey, served: ServedModel, path: str, payload: dict[str, Any]
+    ) -> web.Response | None:
+        """The answer to a request ``key`` may not make, or that ``served`` does not take;
+        None when it may go on."""
+        model = served.name
+        if not key.policy.allows(model):
+            self._account(key, model, 403)
+            return refusals.model_not_allowed(key.name, model, key.policy.models, self.settings.ctl)
+        if path not in served.paths:
+            self._account(key, model, 400)
+            return openai_error(
+                400,
+                endpoint_refusal(model, path, served.engine, served.tasks) + ".",
+                code="unsupported_endpoint",
+            )
+        refusal = self._shape_refusal(path, payload)
+        if refusal is not None:
+            self._account(key, model, 400)
+        return refusal
+
+    async def _prompt(
+        self, key: ApiKey, served: ServedModel, path: str, payload: dict[str, Any], size: int
+    ) -> Prompt | web.Response:
+        """What the routing policy and the estimate read of the prompt (tokenized off the
+        event loop when long); the 400 when the chat template refuses it."""
+        policy = key.policy
+        tokenizer = self.tokenizers.for_model(served.name)
+        if served.routing not in TOKEN_ROUTINGS and policy.tpm is None and policy.budget is None:
+            tokenizer = None  # no limit reads this key's estimate: bytes / 4 costs nothing
+        policies = self.router.policies
+        work = partial(policies.prompt_of, served, tokenizer, path, payload)
+        try:
+            if size < LONG_PROMPT_BYTES or (
+                tokenizer is None and not policies.reads_text(served.routing)
+            ):
+                return work()
+            return await self.tokenizers.off_loop(work)
+        except ChatTemplateRefused as exc:  # the engine's own rendering would refuse it too
+            self._account(key, served.name, 400)
+            return openai_error(400, f"{exc}.", code="chat_template_refused")
 
     def _shape_refusal(self, path: str, payload: dict[str, Any]) -> web.Response | None:
         """The 400 for a body whose ``stream`` is not a boolean, or that carries more
@@ -535,7 +414,7 @@ class Gateway:
                 param="stream",
                 code="invalid_type",
             )
-        cap = self.limits.max_messages
+        cap = self.settings.max_messages
         for name in ("messages", "input") if path == RESPONSES else ("messages",):
             items = payload.get(name)
             if isinstance(items, list) and len(items) > cap:
@@ -547,64 +426,6 @@ class Gateway:
                     code="too_many_messages",
                 )
         return None
-
-    def _prompt_of(
-        self,
-        served: ServedModel,
-        tokenizer: PromptTokenizer | None,
-        path: str,
-        payload: dict[str, Any],
-    ) -> _Prompt:
-        """The prompt's token ids (where the model has a tokenizer) and the keys its
-        routing policy looks up: work for a thread when the prompt is long."""
-        began = time.perf_counter()
-        prompt = _Prompt()
-        if tokenizer is not None:
-            ids = tokenizer.token_ids(path, payload)
-            if ids is not None:
-                prompt.tokens = len(ids)
-                if served.routing in TOKEN_ROUTINGS:
-                    size = self.router.prefixes.block_size.get(served.name, BLOCK_SIZE)
-                    with contextlib.suppress(ValueError):
-                        prompt.keys = block_keys(ids, size)
-                    prompt.unit = size
-        if served.routing == APPROX:
-            text = text_of(path, payload)
-            prompt.keys = text_keys(text) if text else []
-            prompt.text_tokens = len(text) // 4 if text else 0
-        prompt.seconds = time.perf_counter() - began
-        return prompt
-
-    def _hint(
-        self, request: web.Request, served: ServedModel, payload: dict[str, Any], prompt: _Prompt
-    ) -> RouteHint | None:
-        """What the model's routing policy needs of the request (None: least outstanding):
-        its session, and for the prefix policies its prompt's block keys."""
-        policy = served.routing
-        if policy == "least-outstanding":
-            return None
-        session = session_of(payload, request.headers.get("x-session-id"))
-        if policy in ("round-robin", "session"):
-            return RouteHint(policy, session=session)
-        model = served.name
-        if policy == APPROX:
-            self.router.prefixes.set_capacity(model, served.approx_capacity)
-            hint = RouteHint(
-                policy,
-                prompt.keys,
-                unit=APPROX_CHUNK // 4,
-                tokens=prompt.text_tokens,
-                session=session,
-            )
-        else:
-            if prompt.tokens is None:
-                self.metrics.routing.inc((model, policy, "no_tokenizer"))
-                return RouteHint(policy, session=session)
-            hint = RouteHint(
-                policy, prompt.keys, unit=prompt.unit, tokens=prompt.tokens, session=session
-            )
-        self.metrics.decision.observe((model, "keys"), prompt.seconds)
-        return hint
 
     def _account(self, key: ApiKey, model: str, status: int, outcome: Outcome = NOTHING) -> None:
         """One request of ``key`` to ``model`` ended with ``status`` (without an outcome: a
@@ -627,312 +448,96 @@ class Gateway:
                 error=not 200 <= status < 300,
             )
 
-    async def _route(
-        self,
-        request: web.Request,
-        key: ApiKey,
-        grant: Grant,
-        model: str,
-        path: str,
-        body: bytes,
-        started: float,
-        stream: bool,
-        limit: int,
-        outcome: Outcome,
-        hint: RouteHint | None = None,
-        *,
-        drop_usage: bool = False,
-    ) -> web.StreamResponse:
-        """Take a place on a replica of ``model`` (waiting in the key's queue when all are
-        full; the one ``hint``'s policy chooses) and forward; another replica when one cannot
-        be reached. ``drop_usage``: the usage chunk of the stream is the gateway's, not the
-        client's."""
+    async def _route(self, req: ModelRequest, charge: Charge) -> web.StreamResponse:
+        """Take a place on a replica of the model (the one its routing policy chooses;
+        waiting in the key's queue when all are full) and forward; another replica when one
+        cannot be reached."""
         tried: set[str] = set()
         busy = 0  # replicas whose agent had no room for the body
-        admission = self.admission
         while True:
-            exclude = frozenset(tried)
-            ep = admission.try_acquire(model, exclude, hint)
-            if ep is None:
-                if not self.router.has_ready(model, exclude):
-                    if not tried:
-                        # No ready replica now (its agent may be restarting, a drain may be
-                        # moving it): wait a while for one rather than failing at once.
-                        await self.router.wait_ready(model, self.limits.replica_wait)
-                    if not self.router.has_ready(model, exclude):
-                        outcome.status = 503 if not tried or busy == len(tried) else 502
-                        return self._no_replica(model, tried, busy)
-                try:
-                    ep = await admission.acquire(
-                        model,
-                        key.id,
-                        key.policy.weight,
-                        exclude,
-                        self.limits.queue_timeout,
-                        hint,
-                    )
-                except QueueTimeout as exc:
-                    outcome.status = 503
-                    log.info(
-                        "a request waited its whole queue_timeout",
-                        extra=kv(key=key.name, model=model, waited=round(exc.waited, 3)),
-                    )
-                    return openai_error(
-                        503,
-                        f"Every replica of '{model}' is busy (max_concurrency "
-                        f"{self.serving.max_concurrency(model)} each) and this request waited "
-                        f"{exc.waited:.1f} s (queue_timeout in server.yaml) with "
-                        f"{exc.depth} others; retry in a moment, or the operator adds replicas "
-                        f"('{self.limits.ctl} deploy {model} --replicas N').",
-                        type_="server_error",
-                        code="model_overloaded",
-                        headers={"Retry-After": "1"},
-                    )
+            ep = await self._place(req, frozenset(tried), busy)
+            if isinstance(ep, web.Response):
+                charge.outcome.status = ep.status
+                return ep
             tried.add(ep.shard_id)
             try:
-                headers = (
-                    grant.state.headers()
-                    if grant.state.requests is not None or grant.state.tokens is not None
-                    else None
-                )
-                return await self._forward(
-                    request,
-                    ep,
-                    path,
-                    body,
-                    started,
-                    stream=stream,
-                    limit=limit,
-                    outcome=outcome,
-                    headers=headers,
-                    hint=hint,
-                    drop_usage=drop_usage,
-                )
-            except _ConnectFailed as exc:
+                return await self.forwarder.forward(req, ep, charge)
+            except ConnectFailed as exc:
                 busy += exc.busy
                 log.warning(
                     "replica unreachable; trying another",
-                    extra=kv(model=model, shard=ep.shard_id, error=str(exc)),
+                    extra=kv(model=req.model, shard=ep.shard_id, error=str(exc)),
                 )
-                continue
             finally:
-                if hint is not None:
-                    hint.settle()
-                admission.release(ep)
+                self.admission.release(ep, req.hint)
 
-    def _no_replica(self, model: str, tried: set[str], busy: int) -> web.Response:
-        if tried and busy == len(tried):
-            return openai_error(
-                503,
-                f"Every replica of '{model}' is holding as many request bodies as it "
-                "may (max_inflight_body_bytes in agent.yaml); retry in a moment.",
-                type_="server_error",
-                code="overloaded",
-                headers={"Retry-After": "1"},
+    async def _place(
+        self, req: ModelRequest, tried: frozenset[str], busy: int
+    ) -> Endpoint | web.Response:
+        """A place on a replica of ``req``'s model not among ``tried`` (``busy`` of which
+        had no room for the body), or the refusal: no replica ready, or none free within
+        queue_timeout."""
+        model, admission, router = req.model, self.admission, self.router
+        ep = admission.try_acquire(model, tried, req.hint)
+        if ep is not None:
+            return ep
+        if not router.has_ready(model, tried):
+            if not tried:
+                # No ready replica now (its agent may be restarting, a drain may be moving
+                # it): wait a while for one rather than failing at once.
+                await router.wait_ready(model, self.settings.replica_wait)
+            if not router.has_ready(model, tried):
+                return refusals.no_replica(model, len(tried), busy, self.settings.ctl)
+        key = req.key
+        try:
+            return await admission.acquire(
+                model, key.id, key.policy.weight, tried, self.settings.queue_timeout, req.hint
             )
-        if tried:
-            return openai_error(
-                502,
-                f"No replica of '{model}' answered ({len(tried)} tried); try again shortly.",
-                type_="server_error",
-                code="upstream_unavailable",
+        except QueueTimeout as exc:
+            log.info(
+                "a request waited its whole queue_timeout",
+                extra=kv(key=key.name, model=model, waited=round(exc.waited, 3)),
             )
-        return openai_error(
-            503,
-            f"The model '{model}' has no ready replica right now; retry after a few seconds "
-            f"('{self.limits.ctl} replicas {model}' shows why).",
-            type_="server_error",
-            code="model_not_ready",
-            headers={"Retry-After": "5"},
+            return refusals.queue_timeout(
+                model,
+                self.serving.max_concurrency(model),
+                exc.waited,
+                exc.depth,
+                self.settings.ctl,
+            )
+
+
+def _payload(request: web.Request, body: bytes) -> dict[str, Any] | web.Response:
+    """The body as a JSON object with a ``model`` (a string), or the 400 to answer."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        why = "nested too deep" if isinstance(exc, RecursionError) else "not valid JSON"
+        log.info(
+            "refused a request body",
+            extra=kv(path=request.path[:100], peer=request.remote or "", reason=why),
         )
-
-    async def _forward(
-        self,
-        request: web.Request,
-        ep: Endpoint,
-        path: str,
-        body: bytes,
-        started: float,
-        *,
-        stream: bool,
-        limit: int,
-        outcome: Outcome,
-        headers: dict[str, str] | None = None,
-        hint: RouteHint | None = None,
-        drop_usage: bool = False,
-    ) -> web.StreamResponse:
-        labels = (ep.model, ep.replica_id)
-        metrics = self.metrics
-        metrics.inflight.inc(labels)
-        status = 0
-        ttft: float | None = None
-        counter = StreamTokenCounter() if stream else None
-        try:
-            try:
-                host, port = self._hostport(ep.addr)
-                # From here the engine may be working on it (a client that leaves still
-                # pays for its prompt), unless the agent says it never passed it on.
-                outcome.handed = True
-                upstream = await self.session.request(
-                    "POST",
-                    host,
-                    port,
-                    f"/s/{ep.shard_id}{path}",
-                    body=body,
-                    # The body asking for usage may be a few bytes over the model's limit.
-                    headers=(*_JSON_HEADERS, (MAX_BODY_HEADER, str(max(limit, len(body))))),
-                    server_hostname=ep.node_id,
-                )
-            except UpstreamError as exc:
-                if exc.retryable:  # not a byte of answer: another replica may take it
-                    outcome.handed = False
-                    raise _ConnectFailed(str(exc)) from exc
-                raise
-            if upstream.status in (502, 503) and upstream.header(NOT_PROCESSED):
-                # The agent did not hand it to an engine (it is draining, has no room for the
-                # body, or its engine refused the connection: stopping): another replica may
-                # take it, as if the connection had been refused.
-                busy = upstream.header("Retry-After") is not None
-                upstream.release()
-                why = (
-                    "its engine is not accepting"
-                    if upstream.status == 502
-                    else "no room for the body"
-                    if busy
-                    else "draining"
-                )
-                outcome.handed = False
-                raise _ConnectFailed(f"{ep.node_id} did not process the request ({why})", busy)
-            try:
-                status = outcome.engine_status = upstream.status
-                if counter is not None and upstream.content_type == "text/event-stream":
-                    outcome.streamed = True
-                    feed = counter.feed
-                    if hint is not None and hint.charged_to is not None:
-                        # The prefill queued on the replica ends with the first token.
-                        def feed(chunk: bytes, counter: StreamTokenCounter = counter) -> None:
-                            counter.feed(chunk)
-                            if counter.first_at is not None:
-                                hint.settle()
-
-                    try:
-                        resp = await relay(
-                            request,
-                            upstream,
-                            on_chunk=feed,
-                            extra_headers=headers,
-                            drop_usage=drop_usage,
-                        )
-                    finally:
-                        # Counted also when the client left mid-stream (the handler cancelled).
-                        self._count_stream_tokens(ep, counter, outcome)
-                    failed = resp.get(STREAM_ERROR)
-                    if failed is not None:
-                        status = 502
-                        log.warning(
-                            "a stream ended early",
-                            extra=kv(model=ep.model, shard=ep.shard_id, error=str(failed)),
-                        )
-                    if counter.first_at is not None:
-                        ttft = counter.first_at - started
-                        metrics.ttft.observe(labels, ttft)
-                else:
-                    resp = await relay(
-                        request,
-                        upstream,
-                        on_chunk=lambda b: self._count_body_tokens(ep, b, outcome),
-                        extra_headers=headers,
-                    )
-            finally:
-                # Back to the pool when read to the end, else closed: a cancelled handler
-                # (the client went away) closes the connection, and the agent sees it.
-                upstream.release()
-            return resp
-        except UpstreamError as exc:
-            status = 502
-            return openai_error(
-                502,
-                f"The replica {ep.replica_id} failed mid-request: {exc}",
-                type_="server_error",
-                code="upstream_timeout" if isinstance(exc, UpstreamTimeout) else "upstream_error",
-            )
-        finally:
-            metrics.inflight.dec(labels)
-            if status:
-                outcome.status = status
-                metrics.requests.inc((ep.model, ep.replica_id, str(status)))
-                metrics.latency.observe(labels, time.perf_counter() - started)
-                if self.history is not None:
-                    self.history.record(ep.model, ttft=ttft, error=status >= 500)
-
-    def _count_body_tokens(self, ep: Endpoint, body: bytes, outcome: Outcome) -> None:
-        at = body.rfind(b'"usage":')
-        if at < 0:
-            return
-        # Decode only the usage object, not the whole answer.
-        try:
-            usage, _ = _DECODER.raw_decode(body[at + 8 :].decode().lstrip())
-        except (ValueError, UnicodeDecodeError):
-            return
-        if isinstance(usage, dict):
-            self._add_usage(ep, usage, outcome)
-
-    def _count_stream_tokens(
-        self, ep: Endpoint, counter: StreamTokenCounter, outcome: Outcome
-    ) -> None:
-        if counter.usage is not None:
-            self._add_usage(ep, counter.usage, outcome)
-        else:
-            # No usage in the stream (cut short, or an engine that does not report it):
-            # each content event is a token; the prompt is charged its estimate.
-            outcome.completion = counter.events
-            self.metrics.tokens.inc((ep.model, "completion"), counter.events)
-
-    def _add_usage(self, ep: Endpoint, usage: dict[str, Any], outcome: Outcome) -> None:
-        prompt, completion, cached = usage_numbers(usage)
-        outcome.prompt, outcome.completion, outcome.cached = prompt, completion, cached
-        outcome.reported = True
-        model = ep.model
-        tokens = self.metrics.tokens
-        tokens.inc((model, "prompt"), prompt)
-        tokens.inc((model, "completion"), completion)
-        if cached:
-            tokens.inc((model, "cached"), cached)
-        if prompt:
-            by_replica = self.metrics.replica_tokens
-            by_replica.inc((model, ep.replica_id, "prompt"), prompt)
-            by_replica.inc((model, ep.replica_id, "cached"), min(cached, prompt))
-
-
-APPROX = "prefix-approx"
-RESPONSES = "/v1/responses"
-
-
-class _Prompt:
-    """What the gateway made of a request's prompt: its tokens by the model's tokenizer
-    (None: it has none, or the shape is not one it counts), the block keys its routing looks
-    up, their unit, the approximate index's token count, and the time it took."""
-
-    __slots__ = ("keys", "seconds", "text_tokens", "tokens", "unit")
-
-    def __init__(self) -> None:
-        self.tokens: int | None = None
-        self.keys: list[int] = []
-        self.unit = BLOCK_SIZE
-        self.text_tokens = 0
-        self.seconds = 0.0
+        return openai_error(
+            400,
+            f"The request body is {why}; send a JSON object such as "
+            '{"model": "...", "messages": [...]}.',
+            code="invalid_json",
+        )
+    if not isinstance(payload, dict):
+        return openai_error(
+            400,
+            'The request body must be a JSON object such as {"model": "...", "messages": [...]}.',
+            code="invalid_json",
+        )
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        return openai_error(
+            400, "The request needs a 'model' (a string).", param="model", code="missing_model"
+        )
+    return payload
 
 
 def _sentence(exc: Exception) -> str:
     """An error's message as a sentence (capital first, full stop), like the gateway's own."""
     text = str(exc)
     return f"{text[:1].upper()}{text[1:]}."
-
-
-class _ConnectFailed(Exception):
-    """The replica could not be reached, or went away before answering, or its agent had no
-    room for the body (``busy``); another may be tried."""
-
-    def __init__(self, message: str, busy: bool = False) -> None:
-        super().__init__(message)
-        self.busy = busy

@@ -1,7 +1,7 @@
 """Each API key's limits on the request path, kept in memory: requests and tokens per minute
 (token buckets), requests in flight, and the token budget of its calendar period.
 
-Nothing here touches the store. A request is admitted (:meth:`Limits.admit`) with an
+Nothing here touches the store. A request is admitted (:meth:`KeyLimits.admit`) with an
 estimate of its tokens (:mod:`llmgw.server.metering`), debited from the key's token bucket
 up front, and settled (:meth:`Grant.settle`) on what it cost, so that the bucket ends up
 charged what the request really cost. A budget is checked against what the key spent in its
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from llmgw.contracts.keypolicy import KeyPolicy, period_start
 from llmgw.server.store.rows import ApiKey
 
-__all__ = ["Grant", "KeyState", "Limits", "Refusal", "format_reset"]
+__all__ = ["Grant", "KeyLimits", "KeyState", "Refusal", "format_reset"]
 
 
 def format_reset(seconds: float) -> str:
@@ -192,8 +192,10 @@ class Grant:
             state.unconfirmed += used
 
 
-class Limits:
-    """The limit state of every key this instance has served, by key id."""
+class KeyLimits:
+    """The limit state of every key this instance has served, by key id: what enforces each
+    key's :class:`~llmgw.contracts.keypolicy.KeyPolicy` (its rpm, tpm, concurrency and
+    budget); not server.yaml's request limits (:class:`llmgw.server.gateway.GatewaySettings`)."""
 
     def __init__(
         self,

@@ -1,8 +1,8 @@
 """What a request costs its key: the estimate charged when it is admitted, the tokens its
 answer reports (or its stream's chunks count), and what is settled when it ends.
 
-A request is charged an :class:`Estimate` up front (:meth:`llmgw.server.limits.Limits.admit`
-debits it from the key's token bucket and holds it against the key's budget while the
+A request is charged an :class:`Estimate` up front
+(:meth:`llmgw.server.limits.KeyLimits.admit` debits it from the key's token bucket and holds it against the key's budget while the
 request is in flight): its prompt's tokens, counted by the model's tokenizer where the
 gateway has one (:mod:`llmgw.server.tokenizing`; for a key whose limits read the estimate,
 or a model whose routing needs the tokens anyway) or the body's bytes / 4, plus what it may
@@ -19,23 +19,16 @@ received costs nothing.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmgw.http.errors import UpstreamProtocolError
-from llmgw.http.relay import LineEnds
-
 __all__ = [
     "DEFAULT_OUTPUT_RESERVE",
-    "MAX_SSE_EVENT",
     "Estimate",
     "Outcome",
-    "StreamTokenCounter",
     "asks_usage",
     "estimate",
-    "usage_numbers",
     "with_usage",
 ]
 
@@ -53,10 +46,6 @@ DEFAULT_OUTPUT_RESERVE = 1024
 unless its model's cap is lower: most answers are shorter (the reserve is given back when the
 request settles), and a larger one would let a key with a small ``--tpm`` hold only one such
 request at a time."""
-
-MAX_SSE_EVENT = 1024 * 1024
-"""The most bytes of an event stream the gateway holds without the blank line that ends an
-event; OpenAI-style events are a few KiB. A stream past it is ended with an error event."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,120 +140,6 @@ def with_usage(path: str, body: bytes, payload: Mapping[str, Any]) -> bytes | No
         {**payload, "stream_options": {**options, "include_usage": True}},
         separators=(",", ":"),
     ).encode()
-
-
-# --- what the answer says --------------------------------------------------------------------
-
-
-class StreamTokenCounter:
-    """Counts completion tokens in an SSE stream without parsing every event.
-
-    A chunk carrying ``usage`` (``stream_options.include_usage``) is authoritative; otherwise
-    each event with non-empty content or text counts as one token.
-
-    Linear in the stream: each chunk's line ends are normalised once, only the chunk is
-    searched for the end of an event, and an incomplete event is held as a list of pieces
-    (joined once, when it ends). An event longer than ``max_event`` bytes raises
-    :class:`~llmgw.http.errors.UpstreamProtocolError`, which ends the stream.
-    """
-
-    def __init__(self, max_event: int = MAX_SSE_EVENT) -> None:
-        self.max_event = max_event
-        self._pending: list[bytes] = []  # the incomplete event, line ends already LF
-        self._pending_len = 0
-        self._ends = LineEnds()
-        self.events = 0
-        self.usage: dict[str, Any] | None = None
-        self.first_at: float | None = None
-
-    @property
-    def buf(self) -> bytes:
-        """The incomplete event held (line ends as LF)."""
-        return b"".join(self._pending)
-
-    def feed(self, chunk: bytes) -> None:
-        if self.first_at is None:
-            self.first_at = time.perf_counter()
-        chunk = self._ends.lf(chunk)
-        if not chunk:
-            return
-        pending = self._pending
-        cut = chunk.rfind(b"\n\n")
-        if cut >= 0:
-            done = b"".join((*pending, chunk[: cut + 2])) if pending else chunk[: cut + 2]
-            rest = chunk[cut + 2 :]
-        elif pending and chunk[:1] == b"\n" and pending[-1][-1:] == b"\n":
-            done, rest = b"".join((*pending, b"\n")), chunk[1:]  # the blank line spans two
-        else:
-            self._hold(chunk)
-            return
-        pending.clear()
-        self._pending_len = 0
-        # Count in C over the whole run of complete events instead of event by event.
-        self.events += (
-            done.count(b'"content":"')
-            - done.count(b'"content":""')
-            + done.count(b'"text":"')
-            - done.count(b'"text":""')
-        )
-        if b'"usage"' in done:
-            for event in done.split(b"\n\n"):
-                if b'"usage"' in event:
-                    usage = event_usage(event)
-                    if usage is not None:
-                        self.usage = usage
-        if rest:
-            self._hold(rest)  # after counting what came complete
-
-    def _hold(self, piece: bytes) -> None:
-        self._pending_len += len(piece)
-        if self._pending_len > self.max_event:
-            raise UpstreamProtocolError(
-                f"the engine's event stream sent more than {self.max_event} bytes without "
-                "ending an event (a blank line); the gateway ended the stream"
-            )
-        self._pending.append(piece)
-
-
-def event_usage(event: bytes) -> dict[str, Any] | None:
-    """The ``usage`` an SSE event's data carries: at its top (chat and completion chunks) or
-    in its ``response`` (the Responses API's ``response.completed``)."""
-    at = event.find(b"data:")
-    if at < 0 or (at > 0 and event[at - 1 : at] != b"\n"):
-        return None
-    line = event[at + 5 :].split(b"\n", 1)[0]
-    try:
-        data = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(data, dict):
-        return None
-    usage = data.get("usage")
-    if usage is None and isinstance(data.get("response"), dict):
-        usage = data["response"].get("usage")
-    return usage if isinstance(usage, dict) else None
-
-
-def usage_numbers(usage: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(prompt, completion, cached) tokens from an engine's ``usage``, whatever the endpoint:
-    chat and completions (``prompt_tokens``, ``completion_tokens``,
-    ``prompt_tokens_details.cached_tokens``), the Responses API (``input_tokens``,
-    ``output_tokens``, ``input_tokens_details``), embeddings, rerank and score (their
-    ``prompt_tokens`` or ``total_tokens``: all input)."""
-    prompt = usage.get("prompt_tokens")
-    if not isinstance(prompt, int):
-        prompt = usage.get("input_tokens")
-    completion = usage.get("completion_tokens")
-    if not isinstance(completion, int):
-        completion = usage.get("output_tokens")
-    if not isinstance(completion, int):
-        completion = 0
-    if not isinstance(prompt, int):
-        total = usage.get("total_tokens")
-        prompt = total - completion if isinstance(total, int) else 0
-    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return max(prompt, 0), max(completion, 0), cached if isinstance(cached, int) else 0
 
 
 class Outcome:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Mapping
 
 __all__ = ["Counter", "Gauge", "Histogram", "Metrics"]
 
@@ -185,8 +185,6 @@ class Metrics:
             ("model", "phase"),
             DECISION_BUCKETS,
         )
-        # Set by the gateway: model -> block keys in its event index and approximate index.
-        self.index_sizes: Callable[[], dict[tuple[str, str], int]] = dict
 
     def hit_ratio(self, model: str, replica: str | None = None) -> float | None:
         """The share of prompt tokens the engines had cached, for a model (or one replica of
@@ -201,7 +199,7 @@ class Metrics:
                 cached += value
         return cached / prompt if prompt else None
 
-    def _derived(self) -> list[str]:
+    def _derived(self, index_sizes: Mapping[tuple[str, str], int]) -> list[str]:
         out = [
             "# HELP llmgw_prefix_cache_hit_ratio Share of prompt tokens the replica's engine "
             "had in its prefix cache, since this instance started.",
@@ -218,12 +216,14 @@ class Metrics:
             "model and index (events: reported by the engines; approx: what it sent where).",
             "# TYPE llmgw_prefix_index_blocks gauge",
         ]
-        for (model, index), count in sorted(self.index_sizes().items()):
+        for (model, index), count in sorted(index_sizes.items()):
             labels = _labels(("model", "index"), (model, index))
             out.append(f"llmgw_prefix_index_blocks{labels} {count}")
         return out
 
-    def render(self) -> str:
+    def render(self, index_sizes: Mapping[tuple[str, str], int] | None = None) -> str:
+        """The exposition; ``index_sizes``: (model, index) -> block keys in the gateway's
+        prefix indexes (:meth:`llmgw.server.prefixes.PrefixRouting.index_sizes`)."""
         lines: list[str] = []
         for metric in (
             self.requests,
@@ -242,5 +242,5 @@ class Metrics:
             self.decision,
         ):
             lines.extend(metric.render())
-        lines.extend(self._derived())
+        lines.extend(self._derived(index_sizes or {}))
         return "\n".join(lines) + "\n"

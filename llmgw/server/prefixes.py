@@ -1,13 +1,8 @@
 """Cache-aware routing: which ready replica of a model takes a request, weighing what each
 already holds of the prompt's prefix against the work already queued on it.
 
-A profile's ``routing`` (:data:`llmgw.contracts.catalog.ROUTINGS`) chooses the policy:
+The two prefix policies (:mod:`llmgw.server.policies` holds them all):
 
-- ``least-outstanding`` (the default) and ``round-robin`` never look at the prompt
-  (:meth:`llmgw.server.routing.Router.pick_free` alone);
-- ``session``: a conversation (the request's ``user``, or its ``x-session-id`` header) goes
-  back to the replica it last used while that one is not much busier than the least busy
-  (:data:`SESSION_SLACK` requests more), else to the least busy, which it then keeps;
 - ``prefix-approx``: for engines that publish nothing of their cache (llama.cpp), the
   gateway remembers which replica it sent each prefix to: the prompt text cut into chunks of
   :data:`APPROX_CHUNK` bytes, each chunk's key chained to the one before (a prefix tree kept
@@ -16,8 +11,7 @@ A profile's ``routing`` (:data:`llmgw.contracts.catalog.ROUTINGS`) chooses the p
 - ``kv-events``: the replicas' engines say what they hold (vLLM's KV events, forwarded by
   the agents, :class:`PrefixRouting.apply`), keyed by :mod:`llmgw.contracts.kvblocks` from
   token ids, and the gateway keys the prompt the same way (the model's tokenizer,
-  :mod:`llmgw.server.tokenizing`). An instance that hears no events for the model (a standby:
-  the agents stream to the leader) routes it as ``session`` would.
+  :mod:`llmgw.server.tokenizing`).
 
 The prefix policies choose the replica with the least estimated work before the request's
 first token, in tokens: its own uncached prompt tokens plus the uncached tokens of the
@@ -51,29 +45,19 @@ from llmgw.log import kv
 
 if TYPE_CHECKING:
     from llmgw.proto import control_pb2 as pb
-    from llmgw.server.metrics import Metrics
 
 __all__ = [
     "APPROX_CHUNK",
     "APPROX_TTL",
     "MAX_INDEX_BLOCKS",
-    "SESSION_SLACK",
     "BlockIndex",
     "PrefixRouting",
-    "RouteHint",
-    "session_of",
+    "Replica",
     "text_keys",
     "text_of",
 ]
 
 log = logging.getLogger("llmgw.server.prefixes")
-
-SESSION_SLACK = 2
-"""How many more requests in flight than the least busy replica a session's replica may
-have and still keep the session."""
-SESSION_TTL = 1800.0
-MAX_SESSIONS = 100_000
-MAX_SESSION_ID = 256
 
 APPROX_CHUNK = 64
 """Bytes of prompt text per key of the approximate index (about 16 tokens)."""
@@ -100,47 +84,14 @@ class Replica(Protocol):
 Endpoint = TypeVar("Endpoint", bound=Replica)
 
 
-class RouteHint:
-    """What the router may know of one request: its prompt's block keys, its session, and
-    (once a replica is chosen) what was charged to that replica until the first token."""
+class Hint(Protocol):
+    """What the prefix choice reads of a request (:class:`llmgw.server.policies.RouteHint`)
+    and what it sets: the leading blocks its replica holds."""
 
-    __slots__ = (
-        "charged",
-        "charged_to",
-        "keys",
-        "matched",
-        "policy",
-        "reason",
-        "session",
-        "tokens",
-        "unit",
-    )
-
-    def __init__(
-        self,
-        policy: str,
-        keys: Sequence[int] | None = None,
-        *,
-        unit: int = BLOCK_SIZE,
-        tokens: int = 0,
-        session: str | None = None,
-    ) -> None:
-        self.policy = policy
-        self.keys = keys or ()
-        self.unit = unit  # tokens per key
-        self.tokens = max(tokens, len(self.keys) * unit)
-        self.session = session
-        self.charged = 0
-        self.charged_to: Replica | None = None
-        self.matched = 0  # leading blocks the chosen replica holds
-        self.reason = ""
-
-    def settle(self) -> None:
-        """The request has its first token (or ended): its prefill is no longer queued."""
-        ep = self.charged_to
-        if ep is not None:
-            ep.pending -= self.charged
-            self.charged_to = None
+    keys: Sequence[int]
+    tokens: int
+    unit: int
+    matched: int
 
 
 class BlockIndex:
@@ -387,28 +338,22 @@ class _Approx:
 
 
 class PrefixRouting:
-    """The prefix indexes and sessions of every model, and the choice they make."""
+    """The prefix indexes of every model, and the choice they make."""
 
     def __init__(
         self,
-        metrics: Metrics | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
         approx_ttl: float = APPROX_TTL,
-        session_ttl: float = SESSION_TTL,
         max_blocks: int = MAX_INDEX_BLOCKS,
     ) -> None:
-        self.metrics = metrics
         self.clock = clock
         self.approx_ttl = approx_ttl
-        self.session_ttl = session_ttl
         self.max_blocks = max_blocks
         self.events: dict[str, BlockIndex] = {}  # model -> what its engines report
         self.block_size: dict[str, int] = {}  # model -> tokens per block, as reported
         self.approx: dict[str, _Approx] = {}
         self.capacity: dict[str, int] = {}  # model -> a replica's capacity estimate
-        self.sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        self._turn: dict[str, int] = {}
         self.lost: dict[str, int] = {}  # model -> events the agents could not place
         self.refused = 0  # messages for a shard this node does not run
         # The router's shards: shard id -> (model, node id) of a ready replica.
@@ -477,52 +422,35 @@ class PrefixRouting:
     def approx_blocks(self) -> dict[str, int]:
         return {model: len(a.index) for model, a in self.approx.items()}
 
+    def index_sizes(self) -> dict[tuple[str, str], int]:
+        """(model, index) -> block keys held: ``events`` what the engines reported,
+        ``approx`` what the gateway sent where (the /metrics gauge)."""
+        sizes = {(m, "events"): n for m, n in self.indexed_blocks().items()}
+        sizes.update({(m, "approx"): n for m, n in self.approx_blocks().items()})
+        return sizes
+
     # ----------------------------------------------------------------- the choice
 
-    def choose(
-        self, model: str, candidates: list[Endpoint], every: list[Endpoint], hint: RouteHint
-    ) -> Endpoint:
-        """The replica among ``candidates`` (not empty: each below its limit and not
-        excluded) for the request of ``hint``; ``every`` is all the model's ready replicas
-        (to tell a prefix hit from a spread). Charges the choice to the replica."""
-        began = time.perf_counter()
-        policy = hint.policy
-        session = self._session_ep(hint.session, candidates) if hint.session else None
-        if policy == "round-robin":
-            chosen, reason = self._in_turn(model, candidates), "round_robin"
-        elif policy == "session" or (policy == "kv-events" and not self.has_events(model)):
-            chosen, reason = self._by_session(model, candidates, session)
-        else:
-            chosen, reason = self._by_prefix(model, candidates, every, hint, session)
-        if hint.session:
-            self._remember(hint.session, chosen.shard_id)
-        if policy == "prefix-approx" and hint.keys:
-            self._approx(model).record(chosen.shard_id, hint.keys)
-        uncached = max(0, hint.tokens - hint.matched * hint.unit)
-        chosen.pending += uncached
-        hint.charged, hint.charged_to = uncached, chosen
-        hint.reason = reason
-        if self.metrics is not None:
-            self.metrics.routing.inc((model, policy, reason))
-            self.metrics.decision.observe((model, "choose"), time.perf_counter() - began)
-        return chosen
+    def approx_index(self, model: str, shard_ids: Iterable[str]) -> _Approx:
+        """The approximate index of ``model``, what ``shard_ids`` last used too long ago
+        forgotten."""
+        approx = self._approx(model)
+        now = self.clock()
+        for shard_id in shard_ids:
+            approx.expire(shard_id, now)
+        return approx
 
-    def _by_prefix(
+    def by_prefix(
         self,
-        model: str,
+        index: BlockIndex | None,
         candidates: list[Endpoint],
         every: list[Endpoint],
-        hint: RouteHint,
+        hint: Hint,
         session: Endpoint | None,
+        in_turn: Callable[[list[Endpoint]], Endpoint],
     ) -> tuple[Endpoint, str]:
-        if hint.policy == "kv-events":
-            index = self.events.get(model)
-        else:
-            approx = self._approx(model)
-            now = self.clock()
-            for ep in every:
-                approx.expire(ep.shard_id, now)
-            index = approx.index
+        """The candidate with the least estimated work before the request's first token by
+        ``index`` (ties: the session's, the fewest in flight, then ``in_turn``), and why."""
         depth_of: dict[int, int] = {}
         bits: dict[str, int] = {}
         if index is not None and hint.keys:
@@ -548,7 +476,7 @@ class PrefixRouting:
                 ties.append(ep)
         assert best is not None
         if len(ties) > 1:
-            best = self._in_turn(model, ties)
+            best = in_turn(ties)
         depth = depth_of.get(bits.get(best.shard_id, 0), 0)
         hint.matched = depth
         deepest = max(depth_of.values(), default=0)
@@ -560,21 +488,6 @@ class PrefixRouting:
             reason = "spread"  # a replica holding more was full or had more queued
         return best, reason
 
-    def _by_session(
-        self, model: str, candidates: list[Endpoint], session: Endpoint | None
-    ) -> tuple[Endpoint, str]:
-        least = min(ep.inflight for ep in candidates)
-        if session is not None and session.inflight <= least + SESSION_SLACK:
-            return session, "session"
-        tied = [ep for ep in candidates if ep.inflight == least]
-        chosen = tied[0] if len(tied) == 1 else self._in_turn(model, tied)
-        return chosen, "session_moved" if session is not None else "least_outstanding"
-
-    def _in_turn(self, model: str, eps: list[Endpoint]) -> Endpoint:
-        turn = self._turn.get(model, 0)
-        self._turn[model] = turn + 1
-        return eps[turn % len(eps)]
-
     def _approx(self, model: str) -> _Approx:
         approx = self.approx.get(model)
         if approx is None:
@@ -583,39 +496,8 @@ class PrefixRouting:
             )
         return approx
 
-    # ----------------------------------------------------------------- sessions
-
-    def _session_ep(self, session: str, candidates: list[Endpoint]) -> Endpoint | None:
-        entry = self.sessions.get(session)
-        if entry is None:
-            return None
-        shard_id, at = entry
-        if self.clock() - at > self.session_ttl:
-            del self.sessions[session]
-            return None
-        for ep in candidates:
-            if ep.shard_id == shard_id:
-                return ep
-        return None
-
-    def _remember(self, session: str, shard_id: str) -> None:
-        sessions = self.sessions
-        sessions[session] = (shard_id, self.clock())
-        sessions.move_to_end(session)
-        if len(sessions) > MAX_SESSIONS:
-            sessions.popitem(last=False)
-
 
 # --------------------------------------------------------------------- reading a request
-
-
-def session_of(payload: Mapping[str, Any], header: str | None) -> str | None:
-    """A request's conversation: its ``x-session-id`` header, else its ``user`` field (each
-    at most :data:`MAX_SESSION_ID` characters; longer ones are not sessions)."""
-    for value in (header, payload.get("user")):
-        if isinstance(value, str) and 0 < len(value) <= MAX_SESSION_ID:
-            return value
-    return None
 
 
 def text_of(path: str, payload: Mapping[str, Any]) -> bytes | None:

@@ -32,15 +32,18 @@ _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="llmgw"'}
 
 class Probes:
     """The two handlers. ``details`` is what /healthz says to a reader (its ``role`` is told
-    to anyone); ``readers`` the tokens that may read."""
+    to anyone); ``readers`` the tokens that may read; ``index_sizes`` the block keys of the
+    gateway's prefix indexes, read at each scrape."""
 
     def __init__(
         self,
         metrics: Metrics,
         details: Callable[[], Mapping[str, object]],
         readers: Iterable[str],
+        index_sizes: Callable[[], Mapping[tuple[str, str], int]] = dict,
     ) -> None:
         self.metrics = metrics
+        self.index_sizes = index_sizes
         self.details = details
         self.readers = tuple(r.encode() for r in readers if r)
 
@@ -81,4 +84,5 @@ class Probes:
             )
             response.headers.update(_CHALLENGE)
             return response
-        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+        text = self.metrics.render(self.index_sizes())
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 
 from llmgw.server.metrics import Metrics
-from llmgw.server.prefixes import RouteHint
+from llmgw.server.policies import RouteHint
 from llmgw.server.routing import Endpoint, Router
 
 __all__ = ["Admission", "QueueTimeout"]
@@ -155,7 +155,13 @@ class Admission:
         self.metrics = metrics
         self.fair = fair
         self._queues: dict[str, _ModelQueue] = {}
-        router.on_ready = self.dispatch
+        # Subscribed, not set: a retiring gateway's admission keeps hearing of new replicas
+        # for the requests still queued in it until it closes.
+        self._unsubscribe = router.on_ready(self.dispatch)
+
+    def close(self) -> None:
+        """Stop hearing of replicas becoming ready (the gateway closed)."""
+        self._unsubscribe()
 
     def depth(self, model: str) -> int:
         queue = self._queues.get(model)
@@ -207,9 +213,7 @@ class Admission:
             if got is None:
                 if future.done() and not future.cancelled():
                     # Granted as the timeout or a cancellation struck: give the place back.
-                    if hint is not None:
-                        hint.settle()
-                    self.release(future.result())
+                    self.release(future.result(), hint)
                 else:
                     future.cancel()
                     queue.remove(waiter, self.fair)
@@ -219,8 +223,12 @@ class Admission:
         self.metrics.queue_wait.observe((model,), time.perf_counter() - waiter.enqueued)
         return got
 
-    def release(self, ep: Endpoint) -> None:
-        """A request on ``ep`` ended: its place goes to the next waiting request, if any."""
+    def release(self, ep: Endpoint, hint: RouteHint | None = None) -> None:
+        """A request on ``ep`` ended: the prefill its routing charged ``ep`` is given back
+        (:meth:`RouteHint.settle`, unless its first token did already), and its place goes
+        to the next waiting request, if any."""
+        if hint is not None:
+            hint.settle()
         ep.inflight -= 1
         queue = self._queues.get(ep.model)
         if queue is not None and queue.size:

@@ -1,5 +1,5 @@
 """Where the gateway sends a request: the ready replicas of each model, least outstanding first,
-or as the model's routing policy chooses (:mod:`llmgw.server.prefixes`) when the request
+or as the model's routing policy chooses (:mod:`llmgw.server.policies`) when the request
 carries a hint.
 
 This table lives in memory and is updated by the stream handlers as shards become ready,
@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmgw.server.prefixes import PrefixRouting, RouteHint
+from llmgw.server.policies import RouteHint, RoutingPolicies
 
 __all__ = ["Endpoint", "Router"]
 
@@ -35,16 +35,18 @@ class Endpoint:
 
 
 class Router:
-    def __init__(self, prefixes: PrefixRouting | None = None) -> None:
-        self.prefixes = prefixes if prefixes is not None else PrefixRouting()
+    def __init__(self, policies: RoutingPolicies | None = None) -> None:
+        self.policies = policies if policies is not None else RoutingPolicies()
+        # The prefix indexes place an engine's KV events by the shard's model and node.
+        self.prefixes = self.policies.prefixes
         self.prefixes.shard_of = self._where
         self._by_model: dict[str, list[Endpoint]] = {}
         self._by_shard: dict[str, Endpoint] = {}
         self._tiebreak: dict[str, int] = {}
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
-        # Told the model whose replica just became ready (the admission's queues take the
-        # new places).
-        self.on_ready: Callable[[str], None] = lambda _model: None
+        # Told the model whose replica just became ready (each gateway's admission: its
+        # queues take the new places). Several at once while a retiring gateway drains.
+        self._on_ready: list[Callable[[str], None]] = []
 
     def set_ready(self, ep: Endpoint) -> None:
         old = self._by_shard.get(ep.shard_id)
@@ -57,7 +59,19 @@ class Router:
         for waiter in self._waiters.pop(ep.model, []):
             if not waiter.done():
                 waiter.set_result(None)
-        self.on_ready(ep.model)
+        for listener in list(self._on_ready):
+            listener(ep.model)
+
+    def on_ready(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``listener`` with the model of each replica that becomes ready; returns what
+        stops it (its owner calls that when it closes)."""
+        self._on_ready.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._on_ready:
+                self._on_ready.remove(listener)
+
+        return unsubscribe
 
     def _where(self, shard_id: str) -> tuple[str, str] | None:
         ep = self._by_shard.get(shard_id)
@@ -95,7 +109,7 @@ class Router:
     ) -> Endpoint | None:
         """The ready replica with the fewest requests in flight, fewer than ``limit`` (None:
         any), not among ``exclude``; ties rotate. With a ``hint``, the one its policy
-        chooses among those (:meth:`PrefixRouting.choose`, which charges the choice)."""
+        chooses among those (:meth:`RoutingPolicies.choose`, which charges the choice)."""
         eps = self._by_model.get(model)
         if not eps:
             return None
@@ -107,7 +121,7 @@ class Router:
             ]
             if not candidates:
                 return None
-            return self.prefixes.choose(model, candidates, eps, hint)
+            return self.policies.choose(model, candidates, eps, hint)
         if len(eps) == 1:  # the common case, without the scan
             ep = eps[0]
             if (limit is not None and ep.inflight >= limit) or ep.shard_id in exclude:

@@ -14,6 +14,7 @@ from typing import Any
 from llmgw.contracts.catalog import (
     DEFAULT_ROUTING,
     FileRef,
+    Routing,
     adhoc_profile,
     profile_body_limit,
     profile_file,
@@ -43,7 +44,7 @@ class ServedModel:
     body_limit: int | None
     # How the gateway picks its replica, and the files it keys a prompt with
     # (llmgw.server.tokenizing): the profile's routing, tokenizer and chat_template.
-    routing: str = DEFAULT_ROUTING
+    routing: Routing = DEFAULT_ROUTING
     tokenizer: FileRef | None = None
     chat_template: FileRef | None = None
     # A replica's prefix capacity in chunks of the approximate index (prefix-approx).

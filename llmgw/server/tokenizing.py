@@ -46,6 +46,7 @@ from llmgw.contracts.sources import SourcePrefix
 from llmgw.engines.registry import get_engine
 from llmgw.errors import ChatTemplateRefused, EngineError, TokenizerError
 from llmgw.log import kv
+from llmgw.server.policies import TOKEN_ROUTINGS
 from llmgw.server.serving import ServedModel
 from llmgw.server.tokenizer_files import MAX_FILE_BYTES, TokenizerFiles
 from llmgw.sim.generate import tokenize
@@ -55,7 +56,6 @@ __all__ = [
     "LONG_PROMPT_BYTES",
     "MAX_FILE_BYTES",
     "MAX_PROMPT_CHARS",
-    "TOKEN_ROUTINGS",
     "HfTokenizer",
     "PromptTokenizer",
     "SimTokenizer",
@@ -77,9 +77,6 @@ LONG_PROMPT_BYTES = 16 << 10
 """A request body at least this long has its prompt tokenized off the event loop: the sim's
 tokenizer takes about 2 ms for 16 KiB of text, a chat template of 2,048 messages longer."""
 _SLICE_CHARS = 16 << 10
-TOKEN_ROUTINGS = frozenset({"kv-events"})
-"""The routing policies that key a prompt by its token ids: a model with another one loads no
-tokenizer (a sim model's costs nothing and is always there)."""
 _MAX_TOKEN_ID = (1 << 32) - 1
 _T = TypeVar("_T")
 

@@ -1,5 +1,6 @@
-"""Usage accounting: each key's requests, tokens and errors per model and UTC day, added up
-in memory on the request path and flushed to the store once a second.
+"""Usage accounting: what an answer reports of its tokens (:func:`usage_numbers`, counted in
+a stream by :class:`StreamTokenCounter`), and each key's requests, tokens and errors per model
+and UTC day, added up in memory on the request path and flushed to the store once a second.
 
 Never a database write per request: :meth:`UsageBook.record` adds to a dict, and
 :meth:`UsageBook.flush` (every ``FLUSH_EVERY`` seconds, and once more at shutdown) writes
@@ -9,30 +10,179 @@ SIGKILL, a power cut) loses at most the last interval's counts. A flush the stor
 (the database is away) keeps the counts for the next.
 
 Each flush also reads back, for the keys with a budget, what they spent in their period
-across all instances (:meth:`llmgw.server.limits.Limits.confirm`).
+across all instances (:meth:`llmgw.server.limits.KeyLimits.confirm`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
-from typing import Protocol
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any, Protocol
 
 from llmgw.contracts.keypolicy import UsageRow, usage_day
 from llmgw.errors import LlmgwError
+from llmgw.http.errors import UpstreamProtocolError
+from llmgw.http.relay import LineEnds
 from llmgw.log import kv
-from llmgw.server.limits import Limits
+from llmgw.server.limits import KeyLimits
 
-__all__ = ["FLUSH_EVERY", "UsageBook", "UsageStore"]
+__all__ = [
+    "FLUSH_EVERY",
+    "MAX_SSE_EVENT",
+    "StreamTokenCounter",
+    "UsageBook",
+    "UsageStore",
+    "body_usage",
+    "event_usage",
+    "usage_numbers",
+]
 
 log = logging.getLogger("llmgw.server.usage")
 
 FLUSH_EVERY = 1.0
 """Seconds between flushes: what a crash may lose."""
 
+MAX_SSE_EVENT = 1024 * 1024
+"""The most bytes of an event stream the gateway holds without the blank line that ends an
+event; OpenAI-style events are a few KiB. A stream past it is ended with an error event."""
+
+
+_DECODER = json.JSONDecoder()
+
 _REQUESTS, _PROMPT, _COMPLETION, _CACHED, _ERRORS = range(5)
+
+
+# --- what an answer reports --------------------------------------------------------------------
+
+
+class StreamTokenCounter:
+    """Counts completion tokens in an SSE stream without parsing every event.
+
+    A chunk carrying ``usage`` (``stream_options.include_usage``) is authoritative; otherwise
+    each event with non-empty content or text counts as one token.
+
+    Linear in the stream: each chunk's line ends are normalised once, only the chunk is
+    searched for the end of an event, and an incomplete event is held as a list of pieces
+    (joined once, when it ends). An event longer than ``max_event`` bytes raises
+    :class:`~llmgw.http.errors.UpstreamProtocolError`, which ends the stream.
+    """
+
+    def __init__(self, max_event: int = MAX_SSE_EVENT) -> None:
+        self.max_event = max_event
+        self._pending: list[bytes] = []  # the incomplete event, line ends already LF
+        self._pending_len = 0
+        self._ends = LineEnds()
+        self.events = 0
+        self.usage: dict[str, Any] | None = None
+        self.first_at: float | None = None
+
+    @property
+    def buf(self) -> bytes:
+        """The incomplete event held (line ends as LF)."""
+        return b"".join(self._pending)
+
+    def feed(self, chunk: bytes) -> None:
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
+        chunk = self._ends.lf(chunk)
+        if not chunk:
+            return
+        pending = self._pending
+        cut = chunk.rfind(b"\n\n")
+        if cut >= 0:
+            done = b"".join((*pending, chunk[: cut + 2])) if pending else chunk[: cut + 2]
+            rest = chunk[cut + 2 :]
+        elif pending and chunk[:1] == b"\n" and pending[-1][-1:] == b"\n":
+            done, rest = b"".join((*pending, b"\n")), chunk[1:]  # the blank line spans two
+        else:
+            self._hold(chunk)
+            return
+        pending.clear()
+        self._pending_len = 0
+        # Count in C over the whole run of complete events instead of event by event.
+        self.events += (
+            done.count(b'"content":"')
+            - done.count(b'"content":""')
+            + done.count(b'"text":"')
+            - done.count(b'"text":""')
+        )
+        if b'"usage"' in done:
+            for event in done.split(b"\n\n"):
+                if b'"usage"' in event:
+                    usage = event_usage(event)
+                    if usage is not None:
+                        self.usage = usage
+        if rest:
+            self._hold(rest)  # after counting what came complete
+
+    def _hold(self, piece: bytes) -> None:
+        self._pending_len += len(piece)
+        if self._pending_len > self.max_event:
+            raise UpstreamProtocolError(
+                f"the engine's event stream sent more than {self.max_event} bytes without "
+                "ending an event (a blank line); the gateway ended the stream"
+            )
+        self._pending.append(piece)
+
+
+def event_usage(event: bytes) -> dict[str, Any] | None:
+    """The ``usage`` an SSE event's data carries: at its top (chat and completion chunks) or
+    in its ``response`` (the Responses API's ``response.completed``)."""
+    at = event.find(b"data:")
+    if at < 0 or (at > 0 and event[at - 1 : at] != b"\n"):
+        return None
+    line = event[at + 5 :].split(b"\n", 1)[0]
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    usage = data.get("usage")
+    if usage is None and isinstance(data.get("response"), dict):
+        usage = data["response"].get("usage")
+    return usage if isinstance(usage, dict) else None
+
+
+def usage_numbers(usage: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens from an engine's ``usage``, whatever the endpoint:
+    chat and completions (``prompt_tokens``, ``completion_tokens``,
+    ``prompt_tokens_details.cached_tokens``), the Responses API (``input_tokens``,
+    ``output_tokens``, ``input_tokens_details``), embeddings, rerank and score (their
+    ``prompt_tokens`` or ``total_tokens``: all input)."""
+    prompt = usage.get("prompt_tokens")
+    if not isinstance(prompt, int):
+        prompt = usage.get("input_tokens")
+    completion = usage.get("completion_tokens")
+    if not isinstance(completion, int):
+        completion = usage.get("output_tokens")
+    if not isinstance(completion, int):
+        completion = 0
+    if not isinstance(prompt, int):
+        total = usage.get("total_tokens")
+        prompt = total - completion if isinstance(total, int) else 0
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return max(prompt, 0), max(completion, 0), cached if isinstance(cached, int) else 0
+
+
+def body_usage(body: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a whole (not streamed) answer, decoded alone, not the whole
+    answer; None when it has none."""
+    at = body.rfind(b'"usage":')
+    if at < 0:
+        return None
+    try:
+        usage, _ = _DECODER.raw_decode(body[at + 8 :].decode().lstrip())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+# --- what each key used ----------------------------------------------------------------------
 
 
 class UsageStore(Protocol):
@@ -49,12 +199,12 @@ class UsageBook:
     def __init__(
         self,
         store: UsageStore,
-        limits: Limits | None = None,
+        key_limits: KeyLimits | None = None,
         *,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
-        self.limits = limits
+        self.key_limits = key_limits
         self.wall = wall
         self._pending: dict[tuple[str, str, str], list[int]] = {}
         self._names: dict[str, str] = {}
@@ -124,16 +274,16 @@ class UsageBook:
                 self._put_back(taken)
                 raise
         self.flushes += 1
-        if self.limits is not None:
+        if self.key_limits is not None:
             flushed: dict[str, int] = {}
             for (_day, key_id, _model), v in taken.items():
                 flushed[key_id] = flushed.get(key_id, 0) + v[_PROMPT] + v[_COMPLETION]
-            budgeted = self.limits.budgeted()
+            budgeted = self.key_limits.budgeted()
             totals = {
                 since: self.store.tokens_since(since, [s.id for s in states])
                 for since, states in budgeted.items()
             }
-            self.limits.confirm(flushed, totals)
+            self.key_limits.confirm(flushed, totals)
         return len(rows)
 
     def _put_back(self, taken: dict[tuple[str, str, str], list[int]]) -> None:
@@ -150,7 +300,7 @@ class UsageBook:
         shutdown."""
         while True:
             await asyncio.sleep(every)
-            if not self._pending and (self.limits is None or not self.limits.budgeted()):
+            if not self._pending and (self.key_limits is None or not self.key_limits.budgeted()):
                 continue
             try:
                 self.flush()

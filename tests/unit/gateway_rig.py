@@ -9,8 +9,8 @@ from typing import Any, cast
 
 from llmgw.bodies import BodyBudget
 from llmgw.server.config import ServerConfig
-from llmgw.server.gateway import Gateway, GatewayLimits
-from llmgw.server.limits import Limits
+from llmgw.server.gateway import Gateway, GatewaySettings
+from llmgw.server.limits import KeyLimits
 from llmgw.server.metrics import Metrics
 from llmgw.server.routing import Router
 from llmgw.server.serving import ServedModel, ServingCache
@@ -33,7 +33,7 @@ def gateway_of(
     cache: ServingCache,
     *,
     metrics: Metrics | None = None,
-    policy: Limits | None = None,
+    key_limits: KeyLimits | None = None,
     usage: UsageBook | None = None,
     **more: Any,
 ) -> Gateway:
@@ -42,13 +42,13 @@ def gateway_of(
         metrics or Metrics(),
         cache,
         BodyBudget(cfg.max_inflight_body_bytes),
-        GatewayLimits.of(cfg),
+        GatewaySettings.of(cfg),
         revoked=set,
         client_ssl=lambda: None,  # plain HTTP to the stand-in data plane
         nodes_connected=lambda: 0,
         epoch=1,
         started_at=time.time(),
-        policy=policy,
+        key_limits=key_limits,
         usage=usage,
         **more,
     )

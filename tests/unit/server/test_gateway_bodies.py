@@ -28,12 +28,12 @@ from llmgw import bodies
 from llmgw.bodies import MAX_BODY_HEADER, BodyBudget
 from llmgw.http.relay import NOT_PROCESSED
 from llmgw.server.config import load_server_config
-from llmgw.server.gateway import Gateway, GatewayLimits
-from llmgw.server.metering import MAX_SSE_EVENT
+from llmgw.server.gateway import Gateway, GatewaySettings
 from llmgw.server.metrics import Metrics
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel
 from llmgw.server.store.rows import ApiKey
+from llmgw.server.usage import MAX_SSE_EVENT
 from tests.unit.gateway_rig import serving_of
 from tests.unit.serving import serving
 
@@ -220,7 +220,7 @@ def run(body: Callable[[Rig], Awaitable[None]], **cfg_changes: Any) -> None:
                 cp.metrics,
                 cp.serving,
                 cp.bodies,
-                GatewayLimits.of(cp.cfg),
+                GatewaySettings.of(cp.cfg),
                 revoked=set,
                 client_ssl=lambda: None,  # plain HTTP to the stand-in data plane
                 nodes_connected=lambda: 0,

@@ -27,7 +27,7 @@ from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import Budget, KeyPolicy
 from llmgw.server.config import DEFAULT_MAX_MESSAGES, load_server_config
 from llmgw.server.gateway import Gateway
-from llmgw.server.limits import Limits
+from llmgw.server.limits import KeyLimits
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel
 from llmgw.server.tokenizing import SimTokenizer, Tokenizers
@@ -111,10 +111,10 @@ def run(
             tokenizers = Tokenizers(None)
             tokenizers.set_models([served])
             store = FakeStore()
-            limits = Limits(budget_spent=lambda k, since: store.tokens_since(since).get(k, 0))
+            limits = KeyLimits(budget_spent=lambda k, since: store.tokens_since(since).get(k, 0))
             usage = UsageBook(store, limits)
             gateway = gateway_of(
-                cfg, router, cache, policy=limits, usage=usage, tokenizers=tokenizers
+                cfg, router, cache, key_limits=limits, usage=usage, tokenizers=tokenizers
             )
             app = web.Application()
             gateway.add_routes(app)

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import serialization
 from llmgw import pki
 from llmgw.bodies import BodyBudget
 from llmgw.server.config import load_server_config
-from llmgw.server.gateway import Gateway, GatewayLimits
+from llmgw.server.gateway import Gateway, GatewaySettings
 from llmgw.server.metrics import Metrics
 from llmgw.server.routing import Router
 
@@ -30,7 +30,7 @@ def gateway(revoked: set[str]) -> Gateway:
         Metrics(),
         cast(Any, None),  # no request is served
         BodyBudget(1024),
-        GatewayLimits.of(load_server_config(None)),
+        GatewaySettings.of(load_server_config(None)),
         revoked=lambda: revoked,
         client_ssl=lambda: None,
         nodes_connected=lambda: 0,
@@ -41,12 +41,12 @@ def gateway(revoked: set[str]) -> Gateway:
 
 def test_a_current_certificate_passes(tmp_path: Path) -> None:
     der, _ = der_of(tmp_path, "gpu-1")
-    assert gateway(set())._agent_certificate_problem(der, "gpu-1") is None
+    assert gateway(set()).forwarder.agent_certificate_problem(der, "gpu-1") is None
 
 
 def test_a_revoked_certificate_is_refused_with_the_way_back(tmp_path: Path) -> None:
     der, serial = der_of(tmp_path, "gpu-1")
-    problem = gateway({serial})._agent_certificate_problem(der, "gpu-1")
+    problem = gateway({serial}).forwarder.agent_certificate_problem(der, "gpu-1")
     assert problem is not None
     assert f"certificate {serial}" in problem and "revoked" in problem
     assert "llmgw ctl join-command --node gpu-1" in problem

@@ -25,7 +25,7 @@ from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import Budget, KeyPolicy
 from llmgw.server.config import load_server_config
 from llmgw.server.gateway import Gateway
-from llmgw.server.limits import Limits
+from llmgw.server.limits import KeyLimits
 from llmgw.server.metrics import Metrics
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel
@@ -147,11 +147,11 @@ def run(
             ]
             cache = serving_of(cfg, list(keys.values()), models)
             store = FakeStore()
-            limits = Limits(budget_spent=lambda k, since: store.tokens_since(since).get(k, 0))
+            limits = KeyLimits(budget_spent=lambda k, since: store.tokens_since(since).get(k, 0))
             usage = UsageBook(store, limits)
             metrics = Metrics()
             gateway = gateway_of(
-                cfg, router, cache, metrics=metrics, policy=limits, usage=usage, clock=clock
+                cfg, router, cache, metrics=metrics, key_limits=limits, usage=usage, clock=clock
             )
             app = web.Application()
             gateway.add_routes(app)
@@ -275,7 +275,7 @@ def test_rpm_429_with_openai_headers_then_refills() -> None:
         assert headers["x-ratelimit-remaining-requests"] == "0"
         assert headers["x-ratelimit-reset-requests"].endswith("s")
         # The bucket refills: fast-forward it.
-        state = rig.gateway.policy.states["alice"]
+        state = rig.gateway.key_limits.states["alice"]
         assert state.requests is not None
         state.requests.at -= 30
         status, _, _ = await rig.post("alice", chat())
@@ -289,7 +289,7 @@ def test_tpm_settles_on_the_reported_usage() -> None:
         status, _, headers = await rig.post("alice", chat(max_tokens=500))
         assert status == 200
         # Debited ~500+ up front, settled on the 10 reported: the next may ask 500 again.
-        state = rig.gateway.policy.states["alice"]
+        state = rig.gateway.key_limits.states["alice"]
         assert state.tokens is not None and state.tokens.level == pytest.approx(990, abs=1)
         status, _, headers = await rig.post("alice", chat(max_tokens=2000))
         assert status == 429

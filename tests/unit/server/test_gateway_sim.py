@@ -25,7 +25,7 @@ from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.server.config import load_server_config
 from llmgw.server.history import RequestHistory
-from llmgw.server.limits import Limits
+from llmgw.server.limits import KeyLimits
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel
 from llmgw.server.usage import UsageBook
@@ -85,10 +85,12 @@ def run(body: Callable[[Rig], Awaitable[None]], profiles: dict[str, dict[str, An
             key = api_key("alice", KeyPolicy())[0]
             cache = serving_of(cfg, [key], models)
             store = FakeStore()
-            limits = Limits(budget_spent=lambda k, since: 0)
+            limits = KeyLimits(budget_spent=lambda k, since: 0)
             usage = UsageBook(store, limits)
             history = RequestHistory()
-            gateway = gateway_of(cfg, router, cache, policy=limits, usage=usage, history=history)
+            gateway = gateway_of(
+                cfg, router, cache, key_limits=limits, usage=usage, history=history
+            )
             app = web.Application()
             gateway.add_routes(app)
             app.on_cleanup.append(lambda _app: gateway.close())

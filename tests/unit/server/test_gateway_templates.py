@@ -21,7 +21,7 @@ from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.errors import ChatTemplateRefused
 from llmgw.server.config import load_server_config
-from llmgw.server.limits import Limits
+from llmgw.server.limits import KeyLimits
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.serving import ServedModel
 from llmgw.server.store.rows import ApiKey
@@ -95,7 +95,7 @@ def _gateway_answers(template: str, requests: int) -> tuple[list[tuple[int, Any]
                 cfg,
                 router,
                 serving_of(cfg, [key], [model]),
-                policy=Limits(),
+                key_limits=KeyLimits(),
                 tokenizers=tokenizers,
             )
             gw = web.Application()

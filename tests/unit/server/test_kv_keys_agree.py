@@ -17,7 +17,7 @@ from llmgw.agent.kvevents import BlockMap, Pending
 from llmgw.contracts.kvblocks import block_keys
 from llmgw.engines.kvevents import decode_batch
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.prefixes import RouteHint
+from llmgw.server.policies import RouteHint
 from llmgw.server.routing import Endpoint, Router
 from llmgw.server.tokenizing import HfTokenizer
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from llmgw.contracts.keypolicy import Budget, KeyPolicy
-from llmgw.server.limits import Grant, Limits, Refusal, format_reset
+from llmgw.server.limits import Grant, KeyLimits, Refusal, format_reset
 from llmgw.server.store.rows import ApiKey
 from tests.unit.clock import Clock
 
@@ -28,8 +28,8 @@ def key(policy: KeyPolicy, name: str = "alice", key_id: str = "k1") -> ApiKey:
     )
 
 
-def limits(clock: Clock, wall: Clock | None = None, **kw: object) -> Limits:
-    return Limits(clock=clock, wall=wall or Clock(DAY + 3600), **kw)  # type: ignore[arg-type]
+def limits(clock: Clock, wall: Clock | None = None, **kw: object) -> KeyLimits:
+    return KeyLimits(clock=clock, wall=wall or Clock(DAY + 3600), **kw)  # type: ignore[arg-type]
 
 
 def granted(result: Grant | Refusal) -> Grant:

@@ -18,7 +18,7 @@ from llmgw.bodies import BodyBudget
 from llmgw.errors import Conflict
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.config import load_server_config
-from llmgw.server.gateway import Gateway, GatewayLimits
+from llmgw.server.gateway import Gateway, GatewaySettings
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
 from llmgw.server.routing import Router
@@ -114,15 +114,15 @@ def test_a_renewal_puts_the_replaced_serial_on_the_deny_list(tmp_path: Path, sto
         Metrics(),
         ServingCache(store, max_request_body=1024),
         BodyBudget(1024),
-        GatewayLimits.of(load_server_config(None)),
+        GatewaySettings.of(load_server_config(None)),
         revoked=lambda: fleet.membership.revoked,
         client_ssl=lambda: None,
         nodes_connected=lambda: 1,
         epoch=1,
         started_at=0.0,
     )
-    assert gateway._agent_certificate_problem(der(fleet.cert), "gpu-1") is not None
-    assert gateway._agent_certificate_problem(der(renewed), "gpu-1") is None
+    assert gateway.forwarder.agent_certificate_problem(der(fleet.cert), "gpu-1") is not None
+    assert gateway.forwarder.agent_certificate_problem(der(renewed), "gpu-1") is None
     # A second renewal replaces the first renewed certificate too.
     again = fleet.renew()
     newer = pki.serial_hex(x509.load_pem_x509_certificate(again.certificate_pem.encode()))

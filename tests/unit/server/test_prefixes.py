@@ -10,23 +10,15 @@ import pytest
 from llmgw.contracts.kvblocks import block_keys
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.metrics import Metrics
-from llmgw.server.prefixes import (
-    APPROX_CHUNK,
-    SESSION_SLACK,
-    BlockIndex,
-    PrefixRouting,
-    RouteHint,
-    session_of,
-    text_keys,
-    text_of,
-)
+from llmgw.server.policies import RouteHint, RoutingPolicies
+from llmgw.server.prefixes import APPROX_CHUNK, BlockIndex, PrefixRouting, text_keys, text_of
 from llmgw.server.routing import Endpoint, Router
 
 MODEL = "m"
 
 
 def router_of(n: int, metrics: Metrics | None = None) -> tuple[Router, list[Endpoint]]:
-    router = Router(PrefixRouting(metrics))
+    router = Router(RoutingPolicies(metrics))
     eps = [Endpoint(MODEL, f"r{i}", f"s{i}", f"n{i}", f"10.0.0.{i}:9443") for i in range(n)]
     for ep in eps:
         router.set_ready(ep)
@@ -223,45 +215,8 @@ def test_the_session_breaks_a_tie_between_equal_holders() -> None:
     ids = tokens(256)
     for i in range(3):
         router.prefixes.apply(f"n{i}", stored(f"s{i}", block_keys(ids)))
-    router.prefixes.sessions["conv"] = ("s2", router.prefixes.clock())
+    router.policies.sessions.last["conv"] = ("s2", router.policies.sessions.clock())
     assert router.pick_free(MODEL, 8, hint=kv_hint(ids, session="conv")) is eps[2]
-
-
-# --------------------------------------------------------------------------- session
-
-
-def test_session_keeps_a_conversation_on_its_replica_within_the_slack() -> None:
-    router, _eps = router_of(2)
-    hint = RouteHint("session", session="u1")
-    home = router.pick_free(MODEL, 16, hint=hint)
-    assert home is not None
-    home.inflight = SESSION_SLACK  # busier, but within the slack
-    assert router.pick_free(MODEL, 16, hint=RouteHint("session", session="u1")) is home
-    home.inflight = SESSION_SLACK + 1
-    moved = RouteHint("session", session="u1")
-    other = router.pick_free(MODEL, 16, hint=moved)
-    assert other is not home and moved.reason == "session_moved"
-    assert router.prefixes.sessions["u1"][0] == other.shard_id  # it stays on the new one
-
-
-def test_sessions_expire() -> None:
-    now = [0.0]
-    router = Router(PrefixRouting(clock=lambda: now[0], session_ttl=10))
-    eps = [Endpoint(MODEL, f"r{i}", f"s{i}", f"n{i}", "h:1") for i in range(2)]
-    for ep in eps:
-        router.set_ready(ep)
-    home = router.pick_free(MODEL, 16, hint=RouteHint("session", session="u"))
-    now[0] = 11
-    hint = RouteHint("session", session="u")
-    router.pick_free(MODEL, 16, hint=hint)
-    assert hint.reason == "least_outstanding"
-    assert home is not None
-
-
-def test_round_robin_takes_each_in_turn() -> None:
-    router, _eps = router_of(3)
-    seen = [router.pick_free(MODEL, 8, hint=RouteHint("round-robin")) for _ in range(6)]
-    assert [ep.shard_id for ep in seen if ep] == ["s0", "s1", "s2", "s0", "s1", "s2"]
 
 
 # --------------------------------------------------------------------------- prefix-approx
@@ -287,7 +242,7 @@ def test_prefix_approx_sends_a_prefix_back_where_it_went() -> None:
 
 def test_prefix_approx_forgets_after_its_ttl_and_beyond_capacity() -> None:
     now = [0.0]
-    router = Router(PrefixRouting(clock=lambda: now[0], approx_ttl=60))
+    router = Router(RoutingPolicies(prefixes=PrefixRouting(clock=lambda: now[0], approx_ttl=60)))
     eps = [Endpoint(MODEL, f"r{i}", f"s{i}", f"n{i}", "h:1") for i in range(2)]
     for ep in eps:
         router.set_ready(ep)
@@ -306,13 +261,6 @@ def test_prefix_approx_forgets_after_its_ttl_and_beyond_capacity() -> None:
 
 
 # --------------------------------------------------------------------------- requests
-
-
-def test_session_of_prefers_the_header_and_bounds_the_length() -> None:
-    assert session_of({"user": "alice"}, None) == "alice"
-    assert session_of({"user": "alice"}, "conv-9") == "conv-9"
-    assert session_of({"user": "a" * 300}, None) is None
-    assert session_of({"user": 7}, None) is None
 
 
 @pytest.mark.parametrize(

@@ -195,6 +195,32 @@ def test_a_new_replica_takes_waiting_requests() -> None:
     run(body)
 
 
+def test_a_retiring_admission_still_hears_of_new_replicas_until_it_closes() -> None:
+    """After a role change the new gateway's admission shares the router; the requests still
+    queued in the retiring one must still get the replicas that become ready."""
+
+    async def body() -> None:
+        router, old, _ = rig(limit=1)
+        await old.acquire("m", "a", 2, frozenset(), 5)
+        waiting = asyncio.create_task(old.acquire("m", "b", 2, frozenset(), 5))
+        await asyncio.sleep(0.01)
+        new = Admission(router, lambda _m: 1, Metrics())
+        router.set_ready(Endpoint("m", "r9", "s9", "n9", "127.0.0.1:9009"))
+        ep = await asyncio.wait_for(waiting, 1)
+        assert ep.shard_id == "s9"
+        # Closed: the old one hears no more; the new one still does.
+        old.close()
+        queued_old = asyncio.create_task(old.acquire("m", "c", 2, frozenset(), 0.2))
+        queued_new = asyncio.create_task(new.acquire("m", "e", 2, frozenset(), 5))
+        await asyncio.sleep(0.01)
+        router.set_ready(Endpoint("m", "r8", "s8", "n8", "127.0.0.1:9008"))
+        assert (await asyncio.wait_for(queued_new, 1)).shard_id == "s8"
+        with pytest.raises(QueueTimeout):
+            await queued_old
+
+    run(body)
+
+
 def test_an_excluded_replica_is_not_given() -> None:
     async def body() -> None:
         _, adm, _ = rig(replicas=2, limit=1)

@@ -9,7 +9,7 @@ import pytest
 
 from llmgw.contracts.keypolicy import Budget, KeyPolicy, UsageRow
 from llmgw.errors import StoreUnavailable
-from llmgw.server.limits import Grant, Limits
+from llmgw.server.limits import Grant, KeyLimits
 from llmgw.server.store.rows import ApiKey
 from llmgw.server.usage import UsageBook
 from tests.unit.clock import Clock
@@ -62,7 +62,7 @@ def test_a_refused_flush_keeps_the_counts_for_the_next() -> None:
 
 def test_each_flush_refreshes_the_budgets_from_every_instances_counts() -> None:
     store, wall = FakeStore(), Clock(NOON)
-    limits = Limits(wall=wall, budget_spent=lambda k, since: store.tokens_since(since).get(k, 0))
+    limits = KeyLimits(wall=wall, budget_spent=lambda k, since: store.tokens_since(since).get(k, 0))
     book = UsageBook(store, limits, wall=wall)
     key = ApiKey(
         id="k1",
