@@ -307,6 +307,11 @@ class Agent:
             lambda: bool(inventory.current.gpus),
             interval=lambda: stream.heartbeat_interval,
         )
+        # Its requests ride on the stream, which hands it the answers: each is given the
+        # other at construction (the stream is bound by the time the renewal runs).
+        renewer = Renewer(
+            cfg.tls, cfg.node_id, send=lambda msg: stream.send(msg), on_renewed=identity.reload
+        )
         stream = StreamClient(
             node_id=cfg.node_id,
             servers=servers,
@@ -320,6 +325,8 @@ class Agent:
             on_state=self._on_stream_state,
             installer=self._install,
             updater=self._update,
+            on_renewal_answer=renewer.answer,
+            on_trust_bundle=renewer.trust,
         )
         self.stream = stream
         self.spooler = Spooler(
@@ -330,9 +337,6 @@ class Agent:
             cluster_ca=cfg.tls.ca,
             refusal=IN_CONTAINER if os.environ.get(CONTAINER_ENV) else None,
         )
-        renewer = Renewer(cfg.tls, cfg.node_id, send=stream.send, on_renewed=identity.reload)
-        stream.on_renewal_answer = renewer.answer
-        stream.on_trust_bundle = renewer.trust
         tasks = [
             asyncio.create_task(renewer.run(), name="renewal"),
             asyncio.create_task(inventory.run(), name="inventory"),

@@ -46,6 +46,7 @@ from llmgw.pki import issue_node_cert, load_ca, load_cert
 from llmgw.procutil import process_start_time
 from llmgw.server.app import ControlPlane
 from llmgw.server.config import ServerConfig, load_server_config
+from llmgw.server.leader import Leader
 from llmgw.server.store import hash_api_key
 
 __all__ = ["UP_MODEL", "LocalCluster", "UpOptions"]
@@ -224,7 +225,7 @@ class LocalCluster:
             what = f"sim, {replicas} replicas"
         elif existing.params != params:
             for replica in store.list_replicas(UP_MODEL):
-                self.cp.scheduler.remove_replica(
+                self._leader().scheduler.remove_replica(
                     replica.id, why="llmgw up with other engine settings", actor=UP_ACTOR
                 )
             replicas = existing.replicas if opts.replicas is None else opts.replicas
@@ -237,7 +238,12 @@ class LocalCluster:
             return  # as it was left: nothing to deploy, nothing to record
         store.add_event("model_deployed", UP_MODEL, what, UP_ACTOR)
         self.cp.serving.refresh_models()
-        self.cp.scheduler.kick()
+        self._leader().scheduler.kick()
+
+    def _leader(self) -> Leader:
+        """The control plane's leader parts (on its own state directory it always leads)."""
+        assert self.cp is not None and self.cp.leader is not None
+        return self.cp.leader
 
     def _api_key(self) -> str:
         assert self.cp is not None
@@ -261,7 +267,7 @@ class LocalCluster:
         assert self.cp is not None
         node = self.cp.store.get_node(UP_NODE)
         if node.state == "pending":
-            self.cp.membership.approve(UP_NODE, node.fingerprint or "", actor=UP_ACTOR)
+            self._leader().membership.approve(UP_NODE, node.fingerprint or "", actor=UP_ACTOR)
 
     async def _wait_connected(self) -> None:
         assert self.cp is not None and self.agent is not None
@@ -342,7 +348,7 @@ class LocalCluster:
     def _password_line(self, ctl: str) -> list[str]:
         """Where the first admin password is (``ctl update`` asks for it), while it is there."""
         assert self.cp is not None
-        path = self.cp.password.password_file
+        path = self._leader().password.password_file
         if not path.exists():
             return []
         return [

@@ -34,6 +34,7 @@ __all__ = [
     "fetch_steps",
     "installer_step",
     "one_liner",
+    "serve_bundles",
 ]
 
 # Runtime identifiers, and the `uname -m` names of each.
@@ -178,6 +179,13 @@ def add_bundle_routes(
     ``app``, serving ``directory`` and then ``packaged``; returns the store (for
     :func:`one_liner`)."""
     store = BundleStore(directory, packaged)
+    serve_bundles(app, store)
+    return store
+
+
+def serve_bundles(app: web.Application, store: BundleStore) -> None:
+    """Mount the bundle routes on ``app`` for ``store`` (one store for every application
+    the process serves in turn: its hashes are kept)."""
 
     async def listing(request: web.Request) -> web.Response:
         base = _base_url(request)
@@ -219,7 +227,6 @@ def add_bundle_routes(
 
     app.router.add_get("/agent/bundles", listing)
     app.router.add_get("/agent/bundles/{rid}.tar.gz", download)
-    return store
 
 
 def one_liner(

@@ -8,10 +8,11 @@ until an operator approves it (llmgw.server.nodes).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from llmgw.contracts.inventory import inventory_dict
 from llmgw.errors import NotFound
@@ -23,9 +24,16 @@ from llmgw.server.routing import Endpoint, Router
 from llmgw.server.scheduler import Scheduler
 from llmgw.server.states import ReplicaState, ShardState, health_change
 from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
+from llmgw.server.stream import MessageHandler, NodeSession
 
-__all__ = ["AgentReports", "inventory_changes", "record_health", "store_inventory"]
+__all__ = [
+    "AgentReports",
+    "UpdateStatus",
+    "agent_messages",
+    "inventory_changes",
+    "record_health",
+    "store_inventory",
+]
 
 log = logging.getLogger("llmgw.server.reports")
 
@@ -218,41 +226,48 @@ class AgentReports:
         self.renew = renew
         self.on_routes_changed = on_routes_changed
 
-    def on_message(self, session: NodeSession, msg: pb.AgentMessage) -> None:
-        kind = msg.WhichOneof("msg")
+    def handlers(self) -> dict[str, MessageHandler]:
+        """The reports this applies, by message kind (its rows of :func:`agent_messages`)."""
+        kinds: dict[str, MessageHandler] = {
+            "heartbeat": self._heartbeat,
+            "shard_status": lambda session, msg: self.apply_status(session, msg.shard_status),
+            "op_result": lambda session, msg: self._apply_result(session, msg.op_result),
+            "draining": self._draining,
+            "cert_request": lambda session, msg: self.renew(session, msg.cert_request.csr_pem),
+            "inventory": self._inventory,
+        }
+        return {kind: functools.partial(self._report, apply) for kind, apply in kinds.items()}
+
+    def _report(self, apply: MessageHandler, session: NodeSession, msg: pb.AgentMessage) -> None:
         session.last_heartbeat = time.monotonic()
         # Liveness stays in memory: a store write per heartbeat was most of what a fleet
         # cost (400 a second at 2,000 agents); Sessions.flush_last_seen stores it in batches.
         session.seen_at = self.store.database.clock()
-        if kind == "heartbeat":
-            session.inflight = msg.heartbeat.inflight
-            # The GPUs' utilisation too stays in memory: it changes every second.
-            session.gpu_utilization = heartbeat_utilization(msg.heartbeat)
-            session.send(pb.ServerMessage(heartbeat_ack=pb.HeartbeatAck(seq=msg.heartbeat.seq)))
-        elif kind == "shard_status":
-            self.apply_status(session, msg.shard_status)
-        elif kind == "op_result":
-            self._apply_result(session, msg.op_result)
-        elif kind == "draining":
-            session.draining = True
-            self.router.remove_node(session.node_id)
-            if session.approved:
-                self.store.add_event(
-                    "node_draining", session.node_id, "agent stopping; no new requests sent to it"
-                )
-            log.info("agent is stopping; routing around it", extra=kv(node=session.node_id))
-            self.on_routes_changed()
-        elif kind == "cert_request":
-            self.renew(session, msg.cert_request.csr_pem)
-        elif kind == "inventory":
-            if session.approved:
-                store_inventory(self.store, session, msg.inventory)
-                self.scheduler.kick()
-            else:
-                # No churn stored before approval: the latest is stored on approval.
-                session.held_inventory = msg.inventory
+        apply(session, msg)
+
+    def _heartbeat(self, session: NodeSession, msg: pb.AgentMessage) -> None:
+        session.inflight = msg.heartbeat.inflight
+        # The GPUs' utilisation too stays in memory: it changes every second.
+        session.gpu_utilization = heartbeat_utilization(msg.heartbeat)
+        session.send(pb.ServerMessage(heartbeat_ack=pb.HeartbeatAck(seq=msg.heartbeat.seq)))
+
+    def _draining(self, session: NodeSession, _msg: pb.AgentMessage) -> None:
+        session.draining = True
+        self.router.remove_node(session.node_id)
+        if session.approved:
+            self.store.add_event(
+                "node_draining", session.node_id, "agent stopping; no new requests sent to it"
+            )
+        log.info("agent is stopping; routing around it", extra=kv(node=session.node_id))
+        self.on_routes_changed()
+
+    def _inventory(self, session: NodeSession, msg: pb.AgentMessage) -> None:
+        if session.approved:
+            store_inventory(self.store, session, msg.inventory)
+            self.scheduler.kick()
         else:
-            log.warning("unexpected message on a stream", extra=kv(node=session.node_id, kind=kind))
+            # No churn stored before approval: the latest is stored on approval.
+            session.held_inventory = msg.inventory
 
     def apply_status(self, session: NodeSession, status: pb.ShardStatus) -> None:
         state = _PB_STATE.get(status.state)
@@ -332,3 +347,36 @@ class AgentReports:
                 self.store.set_replica_state(shard.replica_id, ReplicaState.FAILED)
                 self.scheduler.shard_failed(shard.id)
                 self.store.add_event("shard_failed", shard.id, result.error)
+
+
+class UpdateStatus(Protocol):
+    """Where an agent's progress on its update order goes (llmgw.server.updates)."""
+
+    def on_status(self, session: NodeSession, status: pb.UpdateStatus) -> None: ...
+
+
+def agent_messages(
+    reports: AgentReports,
+    *,
+    kv_events: Callable[[str, pb.KvEvents], None],
+    updates: UpdateStatus,
+) -> dict[str, MessageHandler]:
+    """The one table the Connect stream reads: each kind of message an agent sends after its
+    Hello, and its handler (an unknown kind is logged and skipped)."""
+
+    def kv_events_of(session: NodeSession, msg: pb.AgentMessage) -> None:
+        session.last_heartbeat = time.monotonic()
+        try:
+            kv_events(session.node_id, msg.kv_events)
+        except Exception:
+            # The index's fault, not the node's: the stream and its other reports go on.
+            log.exception(
+                "cannot apply KV cache events",
+                extra=kv(node=session.node_id, shard=msg.kv_events.shard_id),
+            )
+
+    def update_status(session: NodeSession, msg: pb.AgentMessage) -> None:
+        session.last_heartbeat = time.monotonic()
+        updates.on_status(session, msg.update_status)
+
+    return {**reports.handlers(), "kv_events": kv_events_of, "update_status": update_status}

@@ -174,7 +174,7 @@ class Scheduler:
                     self.paused_since = time.time()
                     log.warning("scheduling paused: the database is away", extra=kv(error=str(exc)))
             except Fenced:
-                pass  # another instance leads: this one steps down (llmgw.server.leadership)
+                pass  # another instance leads: this one steps down (llmgw.server.ha.roles)
             except Exception:
                 log.exception("reconcile failed; trying again")
             took = time.monotonic() - started

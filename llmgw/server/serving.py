@@ -105,15 +105,22 @@ def _approx_capacity(profile: Mapping[str, Any]) -> int:
 class ServingCache:
     """In-memory copies of what the request path needs, refreshed from ``store``."""
 
-    def __init__(self, store: Store, *, max_request_body: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        max_request_body: int,
+        on_keys: Callable[[set[str]], None] = lambda _ids: None,
+        on_models: Callable[[list[ServedModel]], None] = lambda _served: None,
+    ) -> None:
         self.store = store
         self.max_request_body = max_request_body
         # The active keys by the hex SHA-256 of their secret.
         self.keys: dict[str, ApiKey] = {}
         # Told the ids of the active keys at each refresh (the limits forget the others).
-        self.on_keys: Callable[[set[str]], None] = lambda _ids: None
+        self.on_keys = on_keys
         # Told the deployed models at each refresh (their tokenizers load in the background).
-        self.on_models: Callable[[list[ServedModel]], None] = lambda _served: None
+        self.on_models = on_models
         self.models: dict[str, ServedModel] = {}
         # Request body limits raised by a deployed profile (model -> bytes), and the
         # largest limit of any model.

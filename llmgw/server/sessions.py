@@ -1,10 +1,10 @@
 """The life cycle of agent sessions: a stream opens (the node admitted, its Hello reconciled
-with the store), its messages are handed on, it closes; a node away for the loss timeout is
-lost and its replicas are rebuilt elsewhere; streams whose heartbeats stopped are cut.
+with the store), it closes; a node away for the loss timeout is lost and its replicas are
+rebuilt elsewhere; streams whose heartbeats stopped are cut. The messages in between go to
+their handlers through one table (:func:`llmgw.server.reports.agent_messages`).
 
 The table of live sessions and the set of lost nodes are owned here; the scheduler, the
-membership and the update orders are given them to read. A node's KV cache events (admitted
-by :mod:`llmgw.server.intake`) go to :attr:`Sessions.on_kv_events`, the gateway's index.
+membership and the update orders are given them to read.
 """
 
 from __future__ import annotations
@@ -49,10 +49,6 @@ HEARTBEAT_CHECK_MAX = 1.0
 HEARTBEAT_CHECK_SLACK = 0.01
 
 
-def _ignore_kv_events(node_id: str, events: pb.KvEvents) -> None:
-    """No index to keep: a control plane without cache-aware routing wired."""
-
-
 class Sessions:
     """The live streams, one :class:`NodeSession` per connected agent (the
     :class:`~llmgw.server.stream.SessionHandler` of the Connect stream)."""
@@ -89,9 +85,6 @@ class Sessions:
         self.stopping = False
         # node id -> the seen_at last stored for it (Sessions.flush_last_seen).
         self._stored_seen: dict[str, float] = {}
-        # Where a node's KV cache events go (the index of cache-aware routing, set by the
-        # wiring); none kept until it is set.
-        self.on_kv_events: Callable[[str, pb.KvEvents], None] = _ignore_kv_events
 
     # -- a stream opens --------------------------------------------------------------------------
 
@@ -186,20 +179,6 @@ class Sessions:
                     reason="not running on the node after reconnect",
                 )
         self.scheduler.kick()
-
-    def on_message(self, session: NodeSession, msg: pb.AgentMessage) -> None:
-        if msg.WhichOneof("msg") == "kv_events":
-            session.last_heartbeat = time.monotonic()
-            try:
-                self.on_kv_events(session.node_id, msg.kv_events)
-            except Exception:
-                # The index's fault, not the node's: the stream and its other reports go on.
-                log.exception(
-                    "cannot apply KV cache events",
-                    extra=kv(node=session.node_id, shard=msg.kv_events.shard_id),
-                )
-            return
-        self.reports.on_message(session, msg)
 
     def broadcast_control_planes(self, planes: ControlPlaneList) -> int:
         """Tell every live agent the changed list of control-plane instances (an instance

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -44,6 +44,7 @@ from llmgw.versions import newer_release
 
 __all__ = [
     "ControlPlaneService",
+    "MessageHandler",
     "NodeSession",
     "SessionHandler",
     "UpdateHandler",
@@ -55,6 +56,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("llmgw.server.stream")
+
+# What one kind of an agent's messages after its Hello is given: the session and the message.
+MessageHandler = Callable[["NodeSession", pb.AgentMessage], None]
 
 
 @dataclass(eq=False)
@@ -183,15 +187,11 @@ class SessionHandler(Protocol):
 
     def close(self, session: NodeSession) -> None: ...
 
-    def on_message(self, session: NodeSession, msg: pb.AgentMessage) -> None: ...
-
 
 class UpdateHandler(Protocol):
     """What a stream tells the update orders (llmgw.server.updates)."""
 
     def on_connect(self, session: NodeSession) -> None: ...
-
-    def on_status(self, session: NodeSession, status: pb.UpdateStatus) -> None: ...
 
 
 async def _refuse_garbage(
@@ -310,7 +310,8 @@ async def start_stream_server(
 
 
 class ControlPlaneService(pb_grpc.ControlPlaneServicer):
-    """Accepts agent streams and hands their messages to the session life cycle."""
+    """Accepts agent streams: their Hello to the session life cycle, then each message to
+    its kind's handler in one table (``messages``, llmgw.server.reports.agent_messages)."""
 
     def __init__(
         self,
@@ -318,6 +319,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         sessions: SessionHandler,
         updates: UpdateHandler,
         *,
+        messages: Mapping[str, MessageHandler],
         cluster_id: str,
         epoch: int,
         heartbeat_interval: float,
@@ -328,6 +330,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self.store = store
         self.sessions = sessions
         self.updates = updates
+        self.messages = messages
         self.cluster_id = cluster_id
         self.epoch = epoch
         self.heartbeat_interval = heartbeat_interval
@@ -506,17 +509,20 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                         self.store.add_event("stream_closed", session.node_id, intake.abuse)
                         break
                     continue
-                if msg.WhichOneof("msg") == "update_status":
-                    session.last_heartbeat = time.monotonic()
-                    self.updates.on_status(session, msg.update_status)
+                kind = msg.WhichOneof("msg") or ""
+                handler = self.messages.get(kind)
+                if handler is None:
+                    log.warning(
+                        "unexpected message on a stream", extra=kv(node=session.node_id, kind=kind)
+                    )
                     continue
                 try:
-                    self.sessions.on_message(session, msg)
+                    handler(session, msg)
                 except StoreUnavailable as exc:
                     # The database is away (a restart, a fail-over): the stream stays, so the
                     # gateway keeps its routes; what the message said is asked for again by
                     # reconnecting the agent once the database answers (its Hello).
-                    if msg.WhichOneof("msg") != "heartbeat":
+                    if kind != "heartbeat":
                         session.unstored += 1
                     if session.unstored in (0, 1):
                         log.warning(

@@ -104,15 +104,17 @@ def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     thread = threading.Thread(target=loop.run_forever, name="control-plane", daemon=True)
     thread.start()
     plane = ControlPlane(cfg)
-    plane._http_sock = listening_socket("127.0.0.1", 0)
-    port = plane._http_sock.getsockname()[1]
+    plane.http_sock = listening_socket("127.0.0.1", 0)
+    port = plane.http_sock.getsockname()[1]
     running = Running(plane, loop, f"http://127.0.0.1:{port}", port, "", "", records)
     try:
         running.call(plane.start)
         running.admin_token = (tmp / "server" / "admin.token").read_text().strip()
         running.admin_pw = (tmp / "server" / "admin.password").read_text().strip()
         for name in ("ops", "ops-console", "ops-ctl", "ops-proxied"):
-            running.call(lambda n=name: plane.operators.add(n, "viewer", OPS_PW, actor="admin"))
+            running.call(
+                lambda n=name: plane.leader.operators.add(n, "viewer", OPS_PW, actor="admin")
+            )
         yield running
     finally:
         running.call(plane.stop)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import llmgw.server.app as app_module
+import llmgw.server.leader as leader_module
 from llmgw.server.app import ControlPlane
 from llmgw.server.config import load_server_config
 from llmgw.server.store import hash_session_token
@@ -21,7 +21,7 @@ from llmgw.server.store import hash_session_token
 def test_the_control_plane_logs_in_and_prunes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(app_module, "LOGIN_PRUNE_EVERY", 0.05)
+    monkeypatch.setattr(leader_module, "LOGIN_PRUNE_EVERY", 0.05)
     cfg = load_server_config(
         None,
         overrides={
@@ -39,12 +39,14 @@ def test_the_control_plane_logs_in_and_prunes(
         cp = ControlPlane(cfg)
         await cp.start()
         try:
-            assert cp.logins.policy.session_idle == 600.0
-            assert cp.logins.policy.failures_per_account == 2
+            assert cp.leader.logins.policy.session_idle == 600.0
+            assert cp.leader.logins.policy.failures_per_account == 2
             password = (tmp_path / "server" / "admin.password").read_text().strip()
-            token, session = await cp.logins.login("admin", password, addr="127.0.0.1", kind="cli")
+            token, session = await cp.leader.logins.login(
+                "admin", password, addr="127.0.0.1", kind="cli"
+            )
             assert (session.operator, session.role) == ("admin", "admin")
-            assert cp.logins.resolve(token, "cli") == session
+            assert cp.leader.logins.resolve(token, "cli") == session
             # A session that lapsed an hour ago goes at the next prune.
             admin_id = cp.store.get_operator("admin").id
             lapsed = hash_session_token("lapsed")
@@ -63,7 +65,7 @@ def test_the_control_plane_logs_in_and_prunes(
                     break
                 await asyncio.sleep(0.05)
             assert cp.store.find_login_session(lapsed) is None
-            assert cp.logins.resolve(token, "cli") is not None
+            assert cp.leader.logins.resolve(token, "cli") is not None
         finally:
             await cp.stop()
 

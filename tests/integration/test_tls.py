@@ -32,7 +32,7 @@ from llmgw.agent.service import bundle_download_ssl_context
 from llmgw.cli import main
 from llmgw.server.app import ControlPlane
 from llmgw.server.config import load_server_config
-from llmgw.server.leadership import LEADER_HTTP
+from llmgw.server.ha import LEADER_HTTP, Role
 from tests.ci import require_tools
 from tests.oneliner import make_bundle, run_one_liner
 
@@ -103,7 +103,7 @@ def test_update_orders_download_over_https_with_tls_cluster(tmp_path: Path) -> N
     async def body(cp: ControlPlane) -> None:
         assert cp.bundles is not None and cp.ca is not None
         (bundle,) = await cp.bundles.bundles()
-        url = cp.updates.bundle_url(bundle)
+        url = cp.leader.updates.bundle_url(bundle)
         assert url == f"https://127.0.0.1:{cp.http_port}/agent/bundles/linux-x64.tar.gz"
         # What the agent downloads it with: its identity, trusting the cluster CA.
         node = pki.issue_node_cert(cp.ca, "gpu-01", tmp_path / "node")
@@ -217,7 +217,7 @@ def test_the_operators_certificate_is_reloaded_when_its_files_change(
         (bundle,) = await cp.bundles.bundles()
         node = pki.issue_node_cert(cp.ca, "gpu-02", tmp_path / "node")
         context = bundle_download_ssl_context(node.cert, node.key, node.ca)
-        fetched = await asyncio.to_thread(fetch, cp.updates.bundle_url(bundle), context)
+        fetched = await asyncio.to_thread(fetch, cp.leader.updates.bundle_url(bundle), context)
         assert fetched == bundle.path.read_bytes()
 
     run_cp(tmp_path, body, tls={"cert": str(live / "cert.pem"), "key": str(live / "key.pem")})
@@ -374,7 +374,7 @@ def test_a_standby_answers_over_https_too(tmp_path: Path) -> None:
         standby = ControlPlane(cp.cfg)  # the same state directory: it waits as a standby
         await standby.start()
         try:
-            assert standby.role == "standby"
+            assert standby.roles.role is Role.STANDBY
             ca = cp.pki_dir / pki.CA_CERT
             status, data = await asyncio.to_thread(
                 get, f"https://127.0.0.1:{standby.http_port}/healthz", ca=ca

@@ -26,6 +26,8 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("contracts", "agent", "contracts belong to neither side"),
     ("contracts", "server", "contracts belong to neither side"),
     ("contracts", "cli", "contracts belong to neither side"),
+    ("server.store", "server.ha", "HA stands on the store; what both need lives in the store"),
+    ("server.ha", "server.app", "HA runs the roles' parts it is given, never the wiring"),
 )
 
 # A package that loads nothing but itself and these, through its own imports and those of

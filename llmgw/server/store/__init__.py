@@ -18,6 +18,7 @@ says what to do. The package:
   ``operators``, ``logins``: one class per group of tables, holding their SQL;
 - ``store``     :class:`Store`, which composes them;
 - ``transfer``  a whole database copied from one engine to another (``llmgw server migrate``).
+- ``lock``      the state directory's lock (the SQLite leader's, and ``migrate``'s).
 
 The tables' SQL is plain and runs on both engines unchanged but for its ``?`` parameter
 markers.

@@ -188,7 +188,7 @@ class Store:
 
     def bump_epoch(self) -> int:
         """Atomically add one to the epoch and return the new value (a leader that holds
-        its state directory's lock: SQLite; on PostgreSQL :mod:`llmgw.server.leadership`
+        its state directory's lock: SQLite; on PostgreSQL :mod:`llmgw.server.ha.lease`
         takes the lease, which bumps it)."""
         with self._db.unfenced(), self._db.write():
             self._db.execute("UPDATE leader_lease SET epoch = epoch + 1 WHERE id = 1")

@@ -36,16 +36,15 @@ from typing import Any
 
 from llmgw.contracts.paths import DEFAULT_SERVER_STATE_DIR
 from llmgw.errors import ConfigError, Conflict, StoreError
-from llmgw.server.leadership import try_leadership
 from llmgw.server.store.database import Database, Row
 from llmgw.server.store.location import Location
+from llmgw.server.store.lock import LOCK_FILE, try_lock
 from llmgw.server.store.schema import MIGRATIONS, migrate
 from llmgw.server.store.sqlite import SQLiteDatabase
 from llmgw.server.store.store import Store
 
 __all__ = ["Transfer", "copy_database", "migrate_to_postgresql"]
 
-LOCK_FILE = "leader.lock"
 _NAME = re.compile(r"[a-z_][a-z0-9_]*")
 
 
@@ -143,7 +142,7 @@ def _stopped(state_dir: Path) -> Iterator[None]:
     lock = state_dir / LOCK_FILE
     existed = lock.exists()
     try:
-        fd = try_leadership(state_dir)
+        fd = try_lock(state_dir)
     except OSError as exc:
         raise StoreError(
             f"cannot open {lock} ({exc.strerror}) to see whether a control plane runs there; "

@@ -44,7 +44,7 @@ def banner_of(state_dir: Path, *, password: bool = False) -> str:
     sim = ServedModel(UP_MODEL, "sim", TASKS, served_paths("sim", TASKS), 64, None)
     stand_in: Any = SimpleNamespace(
         http_addr="127.0.0.1:18080",
-        password=SimpleNamespace(password_file=password_file),
+        leader=SimpleNamespace(password=SimpleNamespace(password_file=password_file)),
         serving=SimpleNamespace(models={UP_MODEL: sim}),
     )
     cluster.cp = stand_in
@@ -217,7 +217,9 @@ class _Deployed:
 
         self.cp: Any = SimpleNamespace(
             store=self.store,
-            scheduler=SimpleNamespace(kick=lambda: None, remove_replica=remove_replica),
+            leader=SimpleNamespace(
+                scheduler=SimpleNamespace(kick=lambda: None, remove_replica=remove_replica)
+            ),
             serving=SimpleNamespace(refresh_models=lambda: None),
         )
 

@@ -21,8 +21,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from yarl import URL
 
 from llmgw import pki
-from llmgw.server.app import ControlPlane
 from llmgw.server.follower import LeaderProxy
+from llmgw.server.ha import leader_ssl
 
 
 class Leader:
@@ -129,8 +129,7 @@ def test_the_raw_path_and_query_reach_the_leader_as_sent() -> None:
 
 def _leader_ssl(pki_dir: Path) -> Any:
     """The context the standby's proxy uses with ``tls: cluster`` (ControlPlane's own)."""
-    cp = SimpleNamespace(cfg=SimpleNamespace(tls=SimpleNamespace(cluster=True)), pki_dir=pki_dir)
-    return ControlPlane._leader_ssl(cast(Any, cp))
+    return leader_ssl(cast(Any, SimpleNamespace(cluster=True)), pki_dir)
 
 
 def _serving(ident: pki.Identity) -> ssl.SSLContext:

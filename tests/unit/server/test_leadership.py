@@ -1,4 +1,4 @@
-"""Leadership (llmgw.server.leadership): one holder of the leader lock per state directory;
+"""Leadership (llmgw.server.ha): one holder of the leader lock per state directory;
 a standby gets it once the leader's descriptor is closed, and reads where the leader serves."""
 
 from __future__ import annotations
@@ -10,27 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.server.leadership import (
-    LEADER_HTTP,
-    LEADER_STREAM,
-    await_leadership,
-    read_leader,
-    try_leadership,
-)
+from llmgw.server.ha.leadership import await_lock
+from llmgw.server.ha.standby import LEADER_HTTP, LEADER_STREAM, read_leader
 from llmgw.server.store import Store
+from llmgw.server.store.lock import try_lock
 
 
 def test_one_leader_per_state_directory_and_the_standby_follows(tmp_path: Path) -> None:
     async def main() -> None:
-        leader = try_leadership(tmp_path)
+        leader = try_lock(tmp_path)
         assert leader is not None
-        assert try_leadership(tmp_path) is None  # a second control plane is a standby
-        waiting = asyncio.create_task(await_leadership(tmp_path, interval=0.01))
+        assert try_lock(tmp_path) is None  # a second control plane is a standby
+        waiting = asyncio.create_task(await_lock(tmp_path, interval=0.01))
         await asyncio.sleep(0.05)
         assert not waiting.done()
         os.close(leader)  # the leader's process ends
         fd = await asyncio.wait_for(waiting, timeout=5)
-        assert try_leadership(tmp_path) is None
+        assert try_lock(tmp_path) is None
         os.close(fd)
 
     asyncio.run(main())
@@ -52,6 +48,6 @@ def test_the_lock_is_never_opened_through_a_link(tmp_path: Path) -> None:
     target.write_text("not a lock\n")
     (tmp_path / "leader.lock").symlink_to(target)
     with pytest.raises(OSError) as info:
-        try_leadership(tmp_path)
+        try_lock(tmp_path)
     assert info.value.errno == errno.ELOOP
     assert target.read_text() == "not a lock\n"

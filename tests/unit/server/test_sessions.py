@@ -11,6 +11,8 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from cryptography import x509
@@ -23,7 +25,7 @@ from llmgw.proto import control_pb2 as pb
 from llmgw.server.installs import Build, EngineInstalls
 from llmgw.server.metrics import Metrics
 from llmgw.server.nodes import Membership
-from llmgw.server.reports import AgentReports
+from llmgw.server.reports import AgentReports, agent_messages
 from llmgw.server.routing import Router
 from llmgw.server.scheduler import Scheduler
 from llmgw.server.sessions import HEARTBEAT_CHECK_MAX, HEARTBEAT_CHECK_SLACK, Sessions
@@ -89,6 +91,17 @@ class Wired:
             loss_timeout=loss_timeout,
             on_routes_changed=self.changed,
         )
+        # The stream's table of handlers, as the leader wires it (no index: events dropped).
+        self.kv_events: list[tuple[str, pb.KvEvents]] = []
+        self.messages = agent_messages(
+            self.reports,
+            kv_events=lambda node, events: self.kv_events.append((node, events)),
+            updates=cast(Any, None),
+        )
+
+    def tell(self, session: NodeSession, msg: pb.AgentMessage) -> None:
+        """What the stream does with a message after the Hello."""
+        self.messages[msg.WhichOneof("msg") or ""](session, msg)
 
     def changed(self) -> None:
         self.routes_changed += 1
@@ -314,12 +327,12 @@ def test_a_ready_rank0_shard_becomes_routable_and_a_failed_one_leaves(
     store.put_model("m", engine="sim", params={}, replicas=1)
     shard = store.add_shard(store.add_replica("m").id, "gpu-1")
     ready = pb.ShardStatus(shard_id=shard.id, state=pb.SHARD_READY, port=8001)
-    wired.sessions.on_message(session, pb.AgentMessage(shard_status=ready))
+    wired.tell(session, pb.AgentMessage(shard_status=ready))
     assert [e.shard_id for e in wired.router.endpoints("m")] == [shard.id]
     assert store.get_shard(shard.id).state == ShardState.READY
     assert wired.routes_changed == 1
     exited = pb.ShardStatus(shard_id=shard.id, state=pb.SHARD_EXITED, reason="killed")
-    wired.sessions.on_message(session, pb.AgentMessage(shard_status=exited))
+    wired.tell(session, pb.AgentMessage(shard_status=exited))
     assert wired.router.endpoints("m") == []
     # An exit nobody ordered is a failure.
     assert store.get_shard(shard.id).state == ShardState.FAILED
@@ -332,12 +345,12 @@ def test_a_draining_agent_is_routed_around(tmp_path: Path, store: Store) -> None
     store.put_model("m", engine="sim", params={}, replicas=1)
     shard = store.add_shard(store.add_replica("m").id, "gpu-1")
     ready = pb.ShardStatus(shard_id=shard.id, state=pb.SHARD_READY, port=8001)
-    wired.sessions.on_message(session, pb.AgentMessage(shard_status=ready))
+    wired.tell(session, pb.AgentMessage(shard_status=ready))
     assert wired.router.endpoints("m") != []
-    wired.sessions.on_message(session, pb.AgentMessage(draining=pb.Draining()))
+    wired.tell(session, pb.AgentMessage(draining=pb.Draining()))
     assert session.draining and wired.router.endpoints("m") == []
     # A ready report from a draining agent does not make it routable again.
-    wired.sessions.on_message(session, pb.AgentMessage(shard_status=ready))
+    wired.tell(session, pb.AgentMessage(shard_status=ready))
     assert wired.router.endpoints("m") == []
 
 
@@ -366,7 +379,7 @@ def test_a_desired_engine_is_ordered_once_approved_and_its_failure_recorded(
     assert order is not None and order.WhichOneof("msg") == "install_engine"
     assert order.install_engine.meta.epoch == 7
     result = pb.OperationResult(op_id=order.install_engine.meta.op_id, ok=False, error="disk full")
-    wired.sessions.on_message(session, pb.AgentMessage(op_result=result))
+    wired.tell(session, pb.AgentMessage(op_result=result))
     installed = store.get_node_engine("gpu-1", "vllm")
     assert installed is not None
     assert (installed.state, installed.error) == ("failed", "disk full")
@@ -426,8 +439,8 @@ def test_heartbeats_write_nothing_and_last_seen_is_stored_in_one_batch(
         heartbeat = pb.AgentMessage(heartbeat=pb.Heartbeat(seq=1))
         for second in range(1, 4):
             clock[0] = 5000.0 + second
-            wired.sessions.on_message(sessions["gpu-1"], heartbeat)
-            wired.sessions.on_message(sessions["gpu-2"], heartbeat)
+            wired.tell(sessions["gpu-1"], heartbeat)
+            wired.tell(sessions["gpu-2"], heartbeat)
         assert writes == []  # heartbeats are answered from memory
         assert sessions["gpu-1"].queue.qsize() == 3  # each one acknowledged
         assert {n: store.get_node(n).last_seen for n in sessions} == stored
@@ -439,12 +452,12 @@ def test_heartbeats_write_nothing_and_last_seen_is_stored_in_one_batch(
         assert store.get_node("gpu-3").last_seen == stored["gpu-3"]
         assert wired.sessions.flush_last_seen() == 0  # nothing new heard: nothing written
         clock[0] = 5009.0
-        wired.sessions.on_message(sessions["gpu-3"], heartbeat)
+        wired.tell(sessions["gpu-3"], heartbeat)
         assert wired.sessions.flush_last_seen() == 1
         assert store.get_node("gpu-3").last_seen == 5009.0
         # A stream that closes stores its own last-seen time at once.
         clock[0] = 5012.0
-        wired.sessions.on_message(sessions["gpu-2"], heartbeat)
+        wired.tell(sessions["gpu-2"], heartbeat)
         wired.sessions.close(sessions["gpu-2"])
         assert store.get_node("gpu-2").last_seen == 5012.0
         wired.sessions.close_all()
@@ -462,7 +475,7 @@ def test_gpu_utilisation_is_kept_in_the_session_and_never_written(
 
         def beat(seq: int, *samples: pb.GpuUtilization) -> None:
             msg = pb.AgentMessage(heartbeat=pb.Heartbeat(seq=seq, gpu_utilization=samples))
-            wired.sessions.on_message(session, msg)
+            wired.tell(session, msg)
 
         for seq, busy in enumerate((5, 60, 99, 0), 1):  # a busy GPU: every second another
             beat(
@@ -534,7 +547,7 @@ def test_a_flush_in_slices_stores_each_node_once(tmp_path: Path, store: Store) -
         sessions = [wired.connect(wired.cert(tmp_path, n), n) for n in names]
         clock[0] = 7001.0
         for session in sessions:
-            wired.sessions.on_message(session, pb.AgentMessage(heartbeat=pb.Heartbeat(seq=1)))
+            wired.tell(session, pb.AgentMessage(heartbeat=pb.Heartbeat(seq=1)))
         assert [wired.sessions.flush_last_seen(limit=2) for _ in range(4)] == [2, 2, 1, 0]
         assert {store.get_node(n).last_seen for n in names} == {7001.0}
         wired.sessions.close_all()
@@ -554,16 +567,16 @@ def test_a_shard_reported_again_unchanged_writes_nothing_and_stays_routable(
         replica = store.add_replica("m")
         shard = store.add_shard(replica.id, "gpu-1")
         ready = pb.ShardStatus(shard_id=shard.id, state=pb.SHARD_READY, port=5000, pid=42)
-        wired.sessions.on_message(session, pb.AgentMessage(shard_status=ready))
+        wired.tell(session, pb.AgentMessage(shard_status=ready))
         assert [e.shard_id for e in wired.router.endpoints("m")] == [shard.id]
         events = len(store.list_events())
         writes, real_execute = _spy_writes(store)
         wired.router.remove_node("gpu-1")  # a restarted control plane: no routes yet
-        wired.sessions.on_message(session, pb.AgentMessage(shard_status=ready))
+        wired.tell(session, pb.AgentMessage(shard_status=ready))
         assert writes == [] and len(store.list_events()) == events
         assert [e.shard_id for e in wired.router.endpoints("m")] == [shard.id]
         moved = pb.ShardStatus(shard_id=shard.id, state=pb.SHARD_READY, port=5001, pid=43)
-        wired.sessions.on_message(session, pb.AgentMessage(shard_status=moved))
+        wired.tell(session, pb.AgentMessage(shard_status=moved))
         store.database.execute = real_execute  # type: ignore[method-assign]
         assert writes and store.get_shard(shard.id).port == 5001
         assert len(store.list_events()) == events + 1
@@ -578,20 +591,30 @@ def test_kv_events_go_to_the_index_callback_and_its_failure_spares_the_stream(
     wired = Wired(tmp_path, store)
     session = wired.connect(wired.cert(tmp_path, "gpu-1"))
     events = pb.KvEvents(shard_id="r1-s0", block_size=16, stored=[5, 6], removed=[7])
-    # Without an index wired, they are taken and go nowhere.
-    wired.sessions.on_message(session, pb.AgentMessage(kv_events=events))
-    got: list[tuple[str, pb.KvEvents]] = []
-    wired.sessions.on_kv_events = lambda node, msg: got.append((node, msg))
-    wired.sessions.on_message(session, pb.AgentMessage(kv_events=events))
-    assert got == [("gpu-1", events)]
+    wired.tell(session, pb.AgentMessage(kv_events=events))
+    assert wired.kv_events == [("gpu-1", events)]
 
     def broken(node_id: str, msg: pb.KvEvents) -> None:
         raise RuntimeError("index bug")
 
-    wired.sessions.on_kv_events = broken
-    with caplog.at_level(logging.ERROR, logger="llmgw.server.sessions"):
-        wired.sessions.on_message(session, pb.AgentMessage(kv_events=events))
+    wired.messages = agent_messages(wired.reports, kv_events=broken, updates=cast(Any, None))
+    with caplog.at_level(logging.ERROR, logger="llmgw.server.reports"):
+        wired.tell(session, pb.AgentMessage(kv_events=events))
     assert "cannot apply KV cache events" in caplog.text
     # The stream's other reports still go on.
-    wired.sessions.on_message(session, pb.AgentMessage(draining=pb.Draining()))
+    wired.tell(session, pb.AgentMessage(draining=pb.Draining()))
     assert session.draining
+
+
+def test_every_message_after_the_hello_has_one_handler_in_the_table(
+    tmp_path: Path, store: Store
+) -> None:
+    wired = Wired(tmp_path, store)
+    kinds = {f.name for f in pb.AgentMessage.DESCRIPTOR.oneofs_by_name["msg"].fields}
+    assert set(wired.messages) == kinds - {"hello"}
+    told: list[tuple[str, int]] = []
+    updates = SimpleNamespace(on_status=lambda s, status: told.append((s.node_id, status.counter)))
+    table = agent_messages(wired.reports, kv_events=lambda *_: None, updates=updates)
+    session = wired.connect(wired.cert(tmp_path, "gpu-1"))
+    table["update_status"](session, pb.AgentMessage(update_status=pb.UpdateStatus(counter=3)))
+    assert told == [("gpu-1", 3)]

@@ -144,13 +144,9 @@ class _Sessions:
 
     def close(self, session: NodeSession) -> None: ...
 
-    def on_message(self, session: NodeSession, msg: pb.AgentMessage) -> None: ...
-
 
 class _Updates:
     def on_connect(self, session: NodeSession) -> None: ...
-
-    def on_status(self, session: NodeSession, status: pb.UpdateStatus) -> None: ...
 
 
 @dataclass
@@ -174,6 +170,7 @@ def _stream(
         cast(Store, events),
         sessions,
         _Updates(),
+        messages={},
         cluster_id="c1",
         epoch=1,
         heartbeat_interval=1.0,

@@ -16,12 +16,12 @@ import pytest
 from llmgw.contracts.catalog import parse_catalog
 from llmgw.contracts.keypolicy import Budget, KeyPolicy, UsageRow
 from llmgw.errors import ConfigError, Conflict, StoreError, StoreUnavailable
-from llmgw.server.leadership import try_leadership
 from llmgw.server.passwords import PASSWORD_META
 from llmgw.server.states import InstallState, NodeState, ReplicaState, ShardState, TokenKind
 from llmgw.server.store import MIGRATIONS, Store
 from llmgw.server.store.database import Database
 from llmgw.server.store.location import Location, parse_location
+from llmgw.server.store.lock import try_lock
 from llmgw.server.store.postgres import PostgresDatabase
 from llmgw.server.store.schema import split_sql
 from llmgw.server.store.transfer import Transfer, migrate_to_postgresql
@@ -319,7 +319,7 @@ def test_a_populated_cluster_arrives_row_for_row(
     with Store.open(source) as s:
         assert _contents(s.database) == before
     # The lock was held for the copy and no longer.
-    fd = try_leadership(state_dir)
+    fd = try_lock(state_dir)
     assert fd is not None
     os.close(fd)
 
@@ -407,7 +407,7 @@ def test_the_lock_is_looked_for_in_the_state_directory_given(
     _small(source)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    fd = try_leadership(elsewhere)
+    fd = try_lock(elsewhere)
     assert fd is not None
     try:
         with pytest.raises(StoreError, match=r"a control plane is running on .*/elsewhere"):

@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import pytest
 
-from llmgw.server.app import ControlPlane
+from llmgw.server.ha.instances import warn_of_nodes_named_like_the_control_plane
 
 
 def test_nodes_named_like_the_control_plane_are_named_at_start(
@@ -22,15 +22,12 @@ def test_nodes_named_like_the_control_plane_are_named_at_start(
         SimpleNamespace(id="cp-1", state="revoked"),  # already cut off: nothing to say
         SimpleNamespace(id="cp-2.example", state="approved"),  # another instance's name
     ]
-    cp = SimpleNamespace(
-        store=SimpleNamespace(
-            list_nodes=lambda: nodes, instance_names=lambda: {"cp-2.example": "cp2"}
-        ),
-        control_plane_names=frozenset({"cp-1.example", "cp-1", "llmgw-control-plane"}),
-        cfg=SimpleNamespace(instance="cp1"),
+    store = SimpleNamespace(
+        list_nodes=lambda: nodes, instance_names=lambda: {"cp-2.example": "cp2"}
     )
+    names = frozenset({"cp-1.example", "cp-1", "llmgw-control-plane"})
     with caplog.at_level(logging.WARNING, logger="llmgw.server"):
-        ControlPlane._warn_of_nodes_named_like_the_control_plane(cast(Any, cp))
+        warn_of_nodes_named_like_the_control_plane(cast(Any, store), names, "cp1")
     first, second = caplog.records
     assert first.getMessage().startswith("a node has the control plane's name as its id")
     fields = first.fields  # type: ignore[attr-defined]
@@ -51,13 +48,11 @@ def test_a_standby_registering_names_the_nodes_under_its_own_names(
         SimpleNamespace(id="cp-3.example", state="pending"),
         SimpleNamespace(id="gpu-1", state="approved"),
     ]
-    cp = SimpleNamespace(
-        store=SimpleNamespace(list_nodes=lambda: nodes),
-        _own_names=lambda: ["cp-3", "cp-3.example"],
-        cfg=SimpleNamespace(instance="cp3"),
-    )
+    store = SimpleNamespace(list_nodes=lambda: nodes)
     with caplog.at_level(logging.WARNING, logger="llmgw.server"):
-        ControlPlane._warn_of_nodes_named_like_the_control_plane(cast(Any, cp), own_only=True)
+        warn_of_nodes_named_like_the_control_plane(
+            cast(Any, store), ["cp-3", "cp-3.example"], "cp3", others=False
+        )
     (line,) = caplog.records
     fields = line.fields  # type: ignore[attr-defined]
     assert (fields["node"], fields["instance"]) == ("cp-3.example", "cp3")

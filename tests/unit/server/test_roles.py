@@ -1,0 +1,118 @@
+"""The role machine (llmgw.server.ha.roles): lead when the leadership is free, else stand by;
+step down when it is lost, take over when it is free again; one Role read throughout."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any, cast
+
+from llmgw.server.ha import Role, Roles
+
+_STORE: Any = SimpleNamespace(database=SimpleNamespace())  # a database that answers
+
+
+class _Leadership:
+    shared = True
+
+    def __init__(self, *, free: bool) -> None:
+        self.epoch = 0
+        self.free = free
+        self.lost = asyncio.Event()
+        self.taken = asyncio.Event()
+        self.ended = 0
+
+    def try_take(self) -> bool:
+        return self.free
+
+    async def take(self) -> None:
+        await self.taken.wait()
+        self.epoch += 1
+
+    def begin(self, _store: object) -> int:
+        return self.epoch
+
+    async def keep(self) -> str:
+        await self.lost.wait()
+        self.lost.clear()
+        return "the lease was taken by cp2 (epoch 9) since"
+
+    def end(self) -> None:
+        self.ended += 1
+
+    def release(self) -> None: ...
+
+    def leader_addresses(self) -> tuple[str, str]:
+        return "10.0.0.2:7443", "https://10.0.0.2:8080"
+
+
+class _Parts:
+    def __init__(self, roles: list[Roles]) -> None:
+        self.calls: list[tuple[str, Role]] = []
+        self.roles = roles
+
+    def _saw(self, what: str) -> None:
+        self.calls.append((what, self.roles[0].role))
+
+    async def lead(self) -> None:
+        self._saw("lead")
+
+    async def stop_leading(self) -> None:
+        self._saw("stop_leading")
+
+    async def stand_by(self) -> None:
+        self._saw("stand_by")
+
+    async def stop_standing_by(self) -> None:
+        self._saw("stop_standing_by")
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_leader_steps_down_then_takes_over_again() -> None:
+    async def main() -> None:
+        leadership = _Leadership(free=True)
+        box: list[Roles] = []
+        parts = _Parts(box)
+        roles = Roles(cast(Any, leadership), parts, instance="cp1")
+        box.append(roles)
+        assert roles.role is Role.STARTING
+        await roles.start()
+        assert roles.role is Role.LEADER
+        leadership.lost.set()  # another instance took the lease
+        await _settle()
+        assert roles.role is Role.STANDBY and leadership.ended == 1
+        assert roles.health(_STORE)["leader"] == "https://10.0.0.2:8080"
+        leadership.taken.set()  # the lease is free again
+        await _settle()
+        assert roles.role is Role.LEADER
+        await roles.stop()
+        assert parts.calls == [
+            ("lead", Role.LEADER),
+            ("stop_leading", Role.LEADER),
+            ("stand_by", Role.STANDBY),
+            ("stop_standing_by", Role.STANDBY),
+            ("lead", Role.LEADER),
+            ("stop_leading", Role.LEADER),
+        ]
+
+    asyncio.run(main())
+
+
+def test_a_standby_stops_what_it_served() -> None:
+    async def main() -> None:
+        box: list[Roles] = []
+        parts = _Parts(box)
+        roles = Roles(cast(Any, _Leadership(free=False)), parts, instance="cp2")
+        box.append(roles)
+        await roles.start()
+        assert roles.role is Role.STANDBY
+        health = roles.health(_STORE)
+        assert (health["role"], health["instance"]) == ("standby", "cp2")
+        await roles.stop()
+        assert [what for what, _ in parts.calls] == ["stand_by", "stop_standing_by"]
+
+    asyncio.run(main())
