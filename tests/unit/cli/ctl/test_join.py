@@ -7,11 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import Result
 
-from llmgw.cli import main
-from llmgw.cli.ctl.context import Ctl
 from llmgw.contracts.joining import refusal
+from tests.unit.cli.ctl.fakeapi import FakeAPI
 
 
 def said(out: Result) -> str:
@@ -32,29 +31,23 @@ ANSWER = {
 
 
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
-    seen: list[tuple[str, str, Any]] = []
-
-    def call(self: Ctl, method: str, path: str, body: Any = None, **_: Any) -> Any:
-        seen.append((method, path, body))
-        return ANSWER
-
-    monkeypatch.setattr(Ctl, "call", call)
-    return seen
+def api() -> FakeAPI:
+    return FakeAPI(lambda method, path, body: ANSWER)
 
 
-def join(*args: str) -> Result:
-    return CliRunner().invoke(
-        main, ["ctl", "--server", "http://127.0.0.1:9", "join-command", *args]
-    )
+@pytest.fixture
+def calls(api: FakeAPI) -> list[tuple[str, str, Any]]:
+    return api.calls
 
 
 @pytest.mark.parametrize(
     ("ttl", "seconds"),
     [("1h", 3600.0), ("90", 90.0), ("30m", 1800.0), ("2d", 172800.0), ("500ms", 0.5)],
 )
-def test_ttl_is_a_duration(calls: list[tuple[str, str, Any]], ttl: str, seconds: float) -> None:
-    out = join("--node", "gpu-01", "--ttl", ttl)
+def test_ttl_is_a_duration(
+    api: FakeAPI, calls: list[tuple[str, str, Any]], ttl: str, seconds: float
+) -> None:
+    out = api.ctl("join-command", "--node", "gpu-01", "--ttl", ttl)
     assert out.exit_code == 0, out.output
     assert calls == [
         (
@@ -65,23 +58,25 @@ def test_ttl_is_a_duration(calls: list[tuple[str, str, Any]], ttl: str, seconds:
     ]
 
 
-def test_the_default_ttl_is_an_hour(calls: list[tuple[str, str, Any]]) -> None:
-    assert join("--node", "gpu-01").exit_code == 0
+def test_the_default_ttl_is_an_hour(api: FakeAPI, calls: list[tuple[str, str, Any]]) -> None:
+    assert api.ctl("join-command", "--node", "gpu-01").exit_code == 0
     assert calls[0][2]["ttl"] == 3600.0
 
 
 @pytest.mark.parametrize("ttl", ["1x", "-5m", "1e3", "h", ""])
 def test_a_ttl_that_is_not_a_duration_is_refused_before_any_call(
-    calls: list[tuple[str, str, Any]], ttl: str
+    api: FakeAPI, calls: list[tuple[str, str, Any]], ttl: str
 ) -> None:
-    out = join("--node", "gpu-01", "--ttl", ttl)
+    out = api.ctl("join-command", "--node", "gpu-01", "--ttl", ttl)
     assert out.exit_code == 2
     assert "Invalid value for '--ttl': must be seconds, or a duration like 500ms, 30s" in out.stderr
     assert calls == []
 
 
-def test_rekey_and_what_the_operator_reads(calls: list[tuple[str, str, Any]]) -> None:
-    out = join("--rekey", "gpu-01", "--require-approval", "--address", "cp.example:8080")
+def test_rekey_and_what_the_operator_reads(api: FakeAPI, calls: list[tuple[str, str, Any]]) -> None:
+    out = api.ctl(
+        "join-command", "--rekey", "gpu-01", "--require-approval", "--address", "cp.example:8080"
+    )
     assert out.exit_code == 0, out.output
     assert calls[0][2] == {
         "node": "gpu-01",
@@ -100,41 +95,43 @@ def test_rekey_and_what_the_operator_reads(calls: list[tuple[str, str, Any]]) ->
     )
 
 
-def test_node_and_rekey_go_alone(calls: list[tuple[str, str, Any]]) -> None:
-    out = join("--node", "a", "--rekey", "b")
+def test_node_and_rekey_go_alone(api: FakeAPI, calls: list[tuple[str, str, Any]]) -> None:
+    out = api.ctl("join-command", "--node", "a", "--rekey", "b")
     assert out.exit_code == 2
     assert "give exactly one of --node NODE (a new node) or --rekey NODE" in out.stderr
-    out = join("--node", "a", "--require-approval")
+    out = api.ctl("join-command", "--node", "a", "--require-approval")
     assert out.exit_code == 2
     assert refusal("require_approval_on_join", node="a") in said(out)
     assert calls == []
 
 
 @pytest.mark.parametrize("flag", ["--re-pair", "--lost-state"])
-def test_re_pair_goes_with_rekey(calls: list[tuple[str, str, Any]], flag: str) -> None:
-    out = join("--node", "gpu-01", flag)
+def test_re_pair_goes_with_rekey(
+    api: FakeAPI, calls: list[tuple[str, str, Any]], flag: str
+) -> None:
+    out = api.ctl("join-command", "--node", "gpu-01", flag)
     assert out.exit_code == 2
     assert refusal("repair_without_rekey", node="gpu-01") in said(out)
     assert calls == []
 
 
 def test_lost_state_is_re_pairs_old_name_and_warns(
-    calls: list[tuple[str, str, Any]], monkeypatch: pytest.MonkeyPatch
+    api: FakeAPI, calls: list[tuple[str, str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     answer = dict(ANSWER, kind="rekey", re_pair=True, node_uid="0123abcd")
-    monkeypatch.setattr(Ctl, "call", lambda self, *a, **k: calls.append(a) or answer)
-    out = join("--rekey", "gpu-01", "--lost-state")
+    api.handler = lambda method, path, body: answer
+    out = api.ctl("join-command", "--rekey", "gpu-01", "--lost-state")
     assert out.exit_code == 0, out.output
     assert calls[0][2]["re_pair"] is True and "lost_state" not in calls[0][2]
     assert "warning: --lost-state is the old name of --re-pair; use --re-pair" in out.stderr
 
 
 def test_lost_state_is_sent_and_the_uid_shown(
-    calls: list[tuple[str, str, Any]], monkeypatch: pytest.MonkeyPatch
+    api: FakeAPI, calls: list[tuple[str, str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     answer = dict(ANSWER, kind="rekey", re_pair=True, node_uid="0123abcd")
-    monkeypatch.setattr(Ctl, "call", lambda self, *a, **k: calls.append(a) or answer)
-    out = join("--rekey", "gpu-01", "--re-pair", "--fabric", "ib-a:mlx5_0")
+    api.handler = lambda method, path, body: answer
+    out = api.ctl("join-command", "--rekey", "gpu-01", "--re-pair", "--fabric", "ib-a:mlx5_0")
     assert out.exit_code == 0, out.output
     assert calls[0][2] == {
         "node": "gpu-01",
@@ -149,8 +146,10 @@ def test_lost_state_is_sent_and_the_uid_shown(
     assert lines[1] == "node uid:  0123abcd (kept: same record, history and placement)"
 
 
-def test_node_facts_are_checked_here_and_sent(calls: list[tuple[str, str, Any]]) -> None:
-    out = join(
+def test_node_facts_are_checked_here_and_sent(
+    api: FakeAPI, calls: list[tuple[str, str, Any]]
+) -> None:
+    out = api.ctl("join-command",
         "--node", "gpu-01",
         "--fabric", "ib-a:mlx5_0,mlx5_1", "--fabric", "ib-b:mlx5_2",
         "--nvidia-smi", "/usr/bin/nvidia-smi", "--ib-root", "/sys/class/infiniband",
@@ -192,16 +191,16 @@ def test_node_facts_are_checked_here_and_sent(calls: list[tuple[str, str, Any]])
     ],
 )
 def test_bad_node_facts_are_refused_before_any_call(
-    calls: list[tuple[str, str, Any]], args: list[str], piece: str
+    api: FakeAPI, calls: list[tuple[str, str, Any]], args: list[str], piece: str
 ) -> None:
-    out = join("--node", "gpu-01", *args)
+    out = api.ctl("join-command", "--node", "gpu-01", *args)
     assert out.exit_code == 2
     assert piece in said(out)
     assert calls == []
 
 
-def test_a_plain_rekey_takes_no_node_facts(calls: list[tuple[str, str, Any]]) -> None:
-    out = join("--rekey", "gpu-01", "--fabric", "ib-a:mlx5_0")
+def test_a_plain_rekey_takes_no_node_facts(api: FakeAPI, calls: list[tuple[str, str, Any]]) -> None:
+    out = api.ctl("join-command", "--rekey", "gpu-01", "--fabric", "ib-a:mlx5_0")
     assert out.exit_code == 2
     assert refusal("facts_on_rekey", facts="--fabric") in said(out)
     assert calls == []
@@ -232,8 +231,7 @@ def test_tokens_lists_a_re_pair_token_as_such(monkeypatch: pytest.MonkeyPatch) -
             "active": True,
         },
     ]
-    monkeypatch.setattr(Ctl, "call", lambda self, *a, **k: listed)
-    out = CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", "tokens"])
+    out = FakeAPI(lambda method, path, body: listed).ctl("tokens")
     assert out.exit_code == 0, out.output
     rows = out.stdout.splitlines()[1:]
     assert rows[0].split()[:4] == ["jt1", "gpu-01", "rekey", "(re-pair)"]
@@ -241,10 +239,10 @@ def test_tokens_lists_a_re_pair_token_as_such(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_auto_approve_is_sent_and_the_operator_told_no_approval_follows(
-    monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, str, Any]]
+    api: FakeAPI, monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, str, Any]]
 ) -> None:
     monkeypatch.setitem(ANSWER, "auto_approve", True)
-    out = join("--node", "gpu-01", "--auto-approve")
+    out = api.ctl("join-command", "--node", "gpu-01", "--auto-approve")
     assert out.exit_code == 0, out.output
     assert calls[0][2]["auto_approve"] is True and calls[0][2]["ttl"] == 3600.0
     assert "approved when it joins (auto-approve: trust on first use" in out.stdout
@@ -252,20 +250,22 @@ def test_auto_approve_is_sent_and_the_operator_told_no_approval_follows(
 
 
 def test_cloud_init_prints_only_the_user_data_and_leaves_the_ttl_to_the_server(
-    monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, str, Any]]
+    api: FakeAPI, monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, str, Any]]
 ) -> None:
     user_data = "#cloud-config\nwrite_files: []\n"
     monkeypatch.setitem(ANSWER, "user_data", user_data)
-    out = join("--node", "gpu-01", "--cloud-init", "--fabric", "ib-a:mlx5_0")
+    out = api.ctl("join-command", "--node", "gpu-01", "--cloud-init", "--fabric", "ib-a:mlx5_0")
     assert out.exit_code == 0, out.output
     body = calls[0][2]
     assert body["cloud_init"] is True and "ttl" not in body  # the server's default: 24 h
     assert body["facts"] == {"fabrics": ["ib-a:mlx5_0"]}
     assert out.stdout == user_data
-    assert join("--node", "gpu-01", "--cloud-init", "--ttl", "2h").exit_code == 0
+    assert api.ctl("join-command", "--node", "gpu-01", "--cloud-init", "--ttl", "2h").exit_code == 0
     assert calls[1][2]["ttl"] == 7200.0
     assert "set_hostname" not in calls[1][2]
-    named = join("--node", "gpu-01", "--cloud-init", "--set-hostname", "--fabric", "ib-b")
+    named = api.ctl(
+        "join-command", "--node", "gpu-01", "--cloud-init", "--set-hostname", "--fabric", "ib-b"
+    )
     assert named.exit_code == 0, named.output
     assert calls[2][2]["set_hostname"] is True
     assert calls[2][2]["facts"] == {"fabrics": ["ib-b"]}  # found on the node at install
@@ -288,9 +288,9 @@ def test_cloud_init_prints_only_the_user_data_and_leaves_the_ttl_to_the_server(
     ],
 )
 def test_auto_approve_and_cloud_init_refuse_a_rekey_before_any_call(
-    calls: list[tuple[str, str, Any]], args: list[str], piece: str
+    api: FakeAPI, calls: list[tuple[str, str, Any]], args: list[str], piece: str
 ) -> None:
-    out = join(*args)
+    out = api.ctl("join-command", *args)
     assert out.exit_code == 2
     assert piece in said(out)
     assert calls == []
@@ -314,8 +314,7 @@ def test_tokens_show_an_auto_approve_token_and_the_key_it_approved(
             "active": False,
         },
     ]
-    monkeypatch.setattr(Ctl, "call", lambda self, *a, **k: listed)
-    out = CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", "tokens", "--all"])
+    out = FakeAPI(lambda method, path, body: listed).ctl("tokens", "--all")
     assert out.exit_code == 0, out.output
     row = out.stdout.splitlines()[1]
     assert row.split()[:4] == ["jt3", "gpu-03", "join", "(auto-approve)"]
@@ -323,16 +322,16 @@ def test_tokens_show_an_auto_approve_token_and_the_key_it_approved(
 
 
 def test_without_bundles_it_says_how_to_get_the_one_liner(
-    calls: list[tuple[str, str, Any]], monkeypatch: pytest.MonkeyPatch
+    api: FakeAPI, calls: list[tuple[str, str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The control plane serves no bundles: the command is 'llmgw agent join', and ctl says
     where a one-line install comes from (the bundles package, or bundle_dir)."""
     agent_join = "LLMGW_JOIN_TOKEN=s3cret llmgw agent join --node-id gpu-01 --enroll-url x"
     monkeypatch.setitem(ANSWER, "command", agent_join)
-    out = join("--node", "gpu-01")
+    out = api.ctl("join-command", "--node", "gpu-01")
     assert out.exit_code == 0, out.output
     assert f"  {agent_join}\n" in out.stdout
     assert "install the llmgw-agent-bundles package on the control plane" in out.stderr
     # With bundles, the one-liner alone.
     monkeypatch.setitem(ANSWER, "command", "(set -eu; ... /agent/bundles/ ...)")
-    assert "llmgw-agent-bundles" not in join("--node", "gpu-01").stderr
+    assert "llmgw-agent-bundles" not in api.ctl("join-command", "--node", "gpu-01").stderr

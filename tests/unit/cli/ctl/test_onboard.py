@@ -13,17 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from llmgw import pki
-from llmgw.cli import main
-from llmgw.cli.ctl.context import Ctl
 from llmgw.contracts.joining import refusal
 from llmgw.errors import APIError
+from tests.unit.cli.ctl.fakeapi import FakeAPI
 
 # The steps' module (its retry interval is shortened here).
 onboarding_module = importlib.import_module("llmgw.cli.ctl.onboarding")
@@ -103,13 +101,13 @@ def _cert(key: ec.EllipticCurvePrivateKey) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
-class FakeAPI:
+class OnboardAPI(FakeAPI):
     """The admin API's nodes and join tokens, as far as onboard uses them. A node enrols when
     the one-liner (run by the stand-in ssh) writes its certificate into its state dir."""
 
     def __init__(self, root: Path) -> None:
+        super().__init__(self.answer)
         self.root = root
-        self.calls: list[tuple[str, str, Any]] = []
         self.nodes: dict[str, dict[str, Any]] = {}
         self.engines: list[dict[str, Any]] = []  # GET /api/engines' rows
         self.inventory: dict[str, Any] = {}  # what an approved node reports (health...)
@@ -118,8 +116,7 @@ class FakeAPI:
         self.revoked: list[str] = []
         self.minted = 0
 
-    def call(self, method: str, path: str, body: Any = None) -> Any:
-        self.calls.append((method, path, body))
+    def answer(self, method: str, path: str, body: Any) -> Any:
         parts = path.strip("/").split("/")
         if path.startswith("/api/engines?"):
             return {"desired": [], "nodes": self.engines}
@@ -182,7 +179,7 @@ class FakeAPI:
 
 
 @pytest.fixture
-def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeAPI:
+def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> OnboardAPI:
     root = tmp_path / "fake"
     (root / "host-of").mkdir(parents=True)
     for name, uid in (("bin-root", 0), ("bin-user", 1000)):
@@ -200,7 +197,7 @@ def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeAPI:
     monkeypatch.setenv("FAKE_ROOT", str(root))
     monkeypatch.delenv("FAKE_SSH_HOSTS", raising=False)
     monkeypatch.setattr(onboarding_module, "RETRY_INTERVAL", 0.01)
-    fake = FakeAPI(root)
+    fake = OnboardAPI(root)
     fake.fingerprints = {}
     for number, host in enumerate(("h1", "h2", "h3"), start=1):
         # Each machine is called as the node the tests onboard it as (gpu-0N on hN).
@@ -208,23 +205,16 @@ def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeAPI:
         key = ec.generate_private_key(ec.SECP256R1())
         (root / f"{host}.crt").write_bytes(_cert(key))
         fake.fingerprints[host] = pki.fingerprint(key.public_key())
-    monkeypatch.setattr(
-        Ctl, "call", lambda self, method, path, body=None, **_: fake.call(method, path, body)
-    )
     return fake
 
 
-def onboard(*args: str) -> Result:
-    return CliRunner().invoke(main, ["ctl", "--server", "http://127.0.0.1:9", *args])
-
-
-def ssh_log(api: FakeAPI) -> str:
+def ssh_log(api: OnboardAPI) -> str:
     path = api.root / "ssh.log"
     return path.read_text() if path.exists() else ""
 
 
-def test_one_host_step_by_step(api: FakeAPI) -> None:
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--port", "2222")
+def test_one_host_step_by_step(api: OnboardAPI) -> None:
+    out = api.ctl("onboard", "gpu-01", "--ssh", "root@h1", "--port", "2222")
     assert out.exit_code == 0, out.output
     fp = api.fingerprints["h1"]
     assert out.output == (
@@ -255,8 +245,8 @@ def test_one_host_step_by_step(api: FakeAPI) -> None:
     assert api.revoked == []
 
 
-def test_node_facts_go_with_the_token(api: FakeAPI) -> None:
-    out = onboard(
+def test_node_facts_go_with_the_token(api: OnboardAPI) -> None:
+    out = api.ctl(
         "onboard", "gpu-01", "--ssh", "h1", "--fabric", "ib0:mlx5_0", "--models-root", "/srv/m"
     )
     assert out.exit_code == 0, out.output
@@ -264,8 +254,8 @@ def test_node_facts_go_with_the_token(api: FakeAPI) -> None:
     assert facts["models_root"] == "/srv/m" and facts["fabrics"] == ["ib0:mlx5_0"]
 
 
-def test_json(api: FakeAPI) -> None:
-    out = onboard("--json", "onboard", "gpu-01", "--ssh", "root@h1")
+def test_json(api: OnboardAPI) -> None:
+    out = api.ctl("--json", "onboard", "gpu-01", "--ssh", "root@h1")
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert data["node"] == "gpu-01" and data["result"] == "online"
@@ -282,9 +272,9 @@ def test_json(api: FakeAPI) -> None:
     assert "gpu-01  connect" in out.stderr
 
 
-def test_a_key_that_is_not_the_hosts_is_rejected_not_approved(api: FakeAPI) -> None:
+def test_a_key_that_is_not_the_hosts_is_rejected_not_approved(api: OnboardAPI) -> None:
     api.enrolled_fp["gpu-01"] = "sha256:" + "ab" * 32
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    out = api.ctl("onboard", "gpu-01", "--ssh", "root@h1")
     assert out.exit_code == 1
     assert (
         f"node gpu-01 enrolled with key sha256:{'ab' * 32}, but the key on root@h1 is "
@@ -295,9 +285,9 @@ def test_a_key_that_is_not_the_hosts_is_rejected_not_approved(api: FakeAPI) -> N
     assert ("POST", "/api/nodes/gpu-01/approve") not in paths
 
 
-def test_a_failed_install_revokes_the_token(api: FakeAPI) -> None:
+def test_a_failed_install_revokes_the_token(api: OnboardAPI) -> None:
     (api.root / "fail").write_text("gpu-01")
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    out = api.ctl("onboard", "gpu-01", "--ssh", "root@h1")
     assert out.exit_code == 1
     assert "the install on root@h1 failed at download (exit 7):" in out.stderr
     assert "curl: (7) Failed to connect to cp port 8080" in out.stderr
@@ -305,9 +295,9 @@ def test_a_failed_install_revokes_the_token(api: FakeAPI) -> None:
     assert ("POST", "/api/nodes/gpu-01/approve") not in [(m, p) for m, p, _ in api.calls]
 
 
-def test_a_node_online_already_is_left_alone(api: FakeAPI) -> None:
+def test_a_node_online_already_is_left_alone(api: OnboardAPI) -> None:
     api.nodes["gpu-01"] = {"state": "approved", "connected": True, "cpus": 8}
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    out = api.ctl("onboard", "gpu-01", "--ssh", "root@h1")
     assert out.exit_code == 0, out.output
     assert out.output == "gpu-01  skipped: already online; nothing done\n"
     assert api.calls == [("GET", "/api/nodes/gpu-01", None)]
@@ -326,10 +316,10 @@ def test_a_node_online_already_is_left_alone(api: FakeAPI) -> None:
     ],
 )
 def test_refusals_before_any_token(
-    api: FakeAPI, monkeypatch: pytest.MonkeyPatch, mode: str, says: str
+    api: OnboardAPI, monkeypatch: pytest.MonkeyPatch, mode: str, says: str
 ) -> None:
     monkeypatch.setenv("FAKE_SSH_HOSTS", f"h1={mode}")
-    out = onboard("onboard", "gpu-01", "--ssh", "ops@h1", "--wait-ssh", "0")
+    out = api.ctl("onboard", "gpu-01", "--ssh", "ops@h1", "--wait-ssh", "0")
     assert out.exit_code == 1
     assert says in out.stderr
     assert api.minted == 0
@@ -337,10 +327,10 @@ def test_refusals_before_any_token(
 
 
 def test_wait_ssh_retries_a_host_that_does_not_answer_yet(
-    api: FakeAPI, monkeypatch: pytest.MonkeyPatch
+    api: OnboardAPI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_SSH_HOSTS", "h1=flaky")
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")  # the default: 2 minutes
+    out = api.ctl("onboard", "gpu-01", "--ssh", "root@h1")  # the default: 2 minutes
     assert out.exit_code == 0, out.output
     assert (
         "gpu-01  connect: root@h1: no answer yet, or cut off (sshd restarting?); trying again\n"
@@ -348,15 +338,17 @@ def test_wait_ssh_retries_a_host_that_does_not_answer_yet(
     )
 
 
-def test_a_host_key_refusal_is_not_retried(api: FakeAPI, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_host_key_refusal_is_not_retried(
+    api: OnboardAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FAKE_SSH_HOSTS", "h1=hostkey")
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--wait-ssh", "1m")
+    out = api.ctl("onboard", "gpu-01", "--ssh", "root@h1", "--wait-ssh", "1m")
     assert out.exit_code == 1
     assert len(ssh_log(api).splitlines()) == 1
 
 
-def test_sudo_runs_the_script_under_sudo_n(api: FakeAPI) -> None:
-    out = onboard("onboard", "gpu-01", "--ssh", "ops@h1", "--sudo")
+def test_sudo_runs_the_script_under_sudo_n(api: OnboardAPI) -> None:
+    out = api.ctl("onboard", "gpu-01", "--ssh", "ops@h1", "--sudo")
     assert out.exit_code == 0, out.output
     log = ssh_log(api).splitlines()
     assert len(log) == 2 and all(line.endswith("-- ops@h1 sudo -n sh -s") for line in log)
@@ -390,20 +382,20 @@ def test_sudo_runs_the_script_under_sudo_n(api: FakeAPI) -> None:
         (["gpu-01", "--ssh", "h", "--repo-url", "https://r"], "and those two only with --package"),
     ],
 )
-def test_usage(api: FakeAPI, args: list[str], says: str) -> None:
-    out = onboard("onboard", *args)
+def test_usage(api: OnboardAPI, args: list[str], says: str) -> None:
+    out = api.ctl("onboard", *args)
     assert out.exit_code == 2, out.output
     assert says in " ".join(out.stderr.split())
     assert api.calls == [] and ssh_log(api) == ""
 
 
 def test_many_hosts_one_failing(
-    api: FakeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    api: OnboardAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_SSH_HOSTS", "h2=refuse")
     hosts = tmp_path / "hosts"
     hosts.write_text("gpu-01 root@h1\ngpu-02 root@h2\ngpu-03 root@h3\n")
-    out = onboard("onboard", "--hosts", str(hosts), "--parallel", "3", "--wait-ssh", "0")
+    out = api.ctl("onboard", "--hosts", str(hosts), "--parallel", "3", "--wait-ssh", "0")
     assert out.exit_code == 1
     table = out.stdout[out.stdout.index("NODE  ") :].splitlines()
     assert table[0].split() == ["NODE", "RESULT", "TIME", "ERROR"]
@@ -419,20 +411,20 @@ def test_many_hosts_one_failing(
     # Run again: the two online are skipped, the third tried again.
     monkeypatch.setenv("FAKE_SSH_HOSTS", "")
     api.calls.clear()
-    again = onboard("onboard", "--hosts", str(hosts))
+    again = api.ctl("onboard", "--hosts", str(hosts))
     assert again.exit_code == 0, again.output
     assert "gpu-01  skipped: already online; nothing done" in again.stdout
     posts = [p for m, p, _ in api.calls if m == "POST"]
     assert posts == ["/api/join-tokens", "/api/nodes/gpu-02/approve"]
 
 
-def test_per_host_options_replace_the_command_lines(api: FakeAPI, tmp_path: Path) -> None:
+def test_per_host_options_replace_the_command_lines(api: OnboardAPI, tmp_path: Path) -> None:
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text(
         "- node: gpu-01\n  ssh: root@h1\n  models_root: /srv/a\n"
         "- node: gpu-02\n  ssh: root@h2\n  ssh_option: [ConnectTimeout=3]\n"
     )
-    out = onboard("onboard", "--hosts", str(hosts), "--models-root", "/srv/all")
+    out = api.ctl("onboard", "--hosts", str(hosts), "--models-root", "/srv/all")
     assert out.exit_code == 0, out.output
     minted = {
         b["node"]: b["facts"]["models_root"] for m, p, b in api.calls if p == "/api/join-tokens"
@@ -443,17 +435,17 @@ def test_per_host_options_replace_the_command_lines(api: FakeAPI, tmp_path: Path
     )
 
 
-def test_a_bad_hosts_file_touches_nothing(api: FakeAPI, tmp_path: Path) -> None:
+def test_a_bad_hosts_file_touches_nothing(api: OnboardAPI, tmp_path: Path) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text("gpu-01 root@h1\ngpu-01 root@h2\n")
-    out = onboard("onboard", "--hosts", str(hosts))
+    out = api.ctl("onboard", "--hosts", str(hosts))
     assert out.exit_code == 2
     assert "line 2: node gpu-01 is listed already (line 1)" in out.stderr
     assert api.calls == [] and ssh_log(api) == ""
 
 
-def test_package_asks_for_the_package_verb(api: FakeAPI) -> None:
-    out = onboard(
+def test_package_asks_for_the_package_verb(api: OnboardAPI) -> None:
+    out = api.ctl(
         "onboard", "gpu-01", "--ssh", "h1", "--package",
         "--repo-url", "https://repo.example.net/llmgw", "--repo-key", "/etc/llmgw/repo.asc",
     )  # fmt: skip
@@ -476,12 +468,12 @@ OFFLINE = {
 
 @pytest.mark.parametrize("state", ["approved", "pending"])
 def test_a_node_id_that_exists_is_refused_without_rekey_or_re_pair(
-    api: FakeAPI, state: str
+    api: OnboardAPI, state: str
 ) -> None:
     """Today's trap: onboarding gpu-01 again silently joined it afresh (a new uid, its old
     certificates denied). Now nothing is minted and nothing runs on the host."""
     api.nodes["gpu-01"] = {**OFFLINE, "state": state}
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    out = api.ctl("onboard", "gpu-01", "--ssh", "root@h1")
     assert out.exit_code == 1
     assert (
         f"node gpu-01 exists already ({state}, not connected), and onboarding it again would "
@@ -493,9 +485,9 @@ def test_a_node_id_that_exists_is_refused_without_rekey_or_re_pair(
     assert api.minted == 0 and ssh_log(api) == ""
 
 
-def test_rekey_mints_a_rekey_token_and_keeps_the_approval(api: FakeAPI) -> None:
+def test_rekey_mints_a_rekey_token_and_keeps_the_approval(api: OnboardAPI) -> None:
     api.nodes["gpu-01"] = dict(OFFLINE)
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--rekey")
+    out = api.ctl("onboard", "gpu-01", "--ssh", "root@h1", "--rekey")
     assert out.exit_code == 0, out.output
     assert api.calls[1] == (
         "POST",
@@ -510,9 +502,9 @@ def test_rekey_mints_a_rekey_token_and_keeps_the_approval(api: FakeAPI) -> None:
 
 
 @pytest.mark.parametrize("flag", ["--re-pair", "--lost-state"])
-def test_re_pair_re_pairs_and_approves_by_fingerprint(api: FakeAPI, flag: str) -> None:
+def test_re_pair_re_pairs_and_approves_by_fingerprint(api: OnboardAPI, flag: str) -> None:
     api.nodes["gpu-01"] = dict(OFFLINE)
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", flag)
+    out = api.ctl("onboard", "gpu-01", "--ssh", "root@h1", flag)
     assert out.exit_code == 0, out.output
     old = "warning: --lost-state is the old name of --re-pair; use --re-pair"
     assert (old in out.stderr) is (flag == "--lost-state")
@@ -530,23 +522,23 @@ def test_re_pair_re_pairs_and_approves_by_fingerprint(api: FakeAPI, flag: str) -
     ],
 )
 def test_rekey_needs_a_node_to_rekey(
-    api: FakeAPI, record: dict[str, Any] | None, says: str
+    api: OnboardAPI, record: dict[str, Any] | None, says: str
 ) -> None:
     if record is not None:
         api.nodes["gpu-01"] = record
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--rekey")
+    out = api.ctl("onboard", "gpu-01", "--ssh", "root@h1", "--rekey")
     assert out.exit_code == 1
     assert says in out.stderr
     assert api.minted == 0 and ssh_log(api) == ""
 
 
 def test_wait_ssh_retries_an_install_session_that_is_cut_off(
-    api: FakeAPI, monkeypatch: pytest.MonkeyPatch
+    api: OnboardAPI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """sshd restarting under cloud-init, between the probe and the install (where the
     guide's own script stalled): the install session is tried again, with the same token."""
     monkeypatch.setenv("FAKE_SSH_HOSTS", "h1=cut")
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    out = api.ctl("onboard", "gpu-01", "--ssh", "root@h1")
     assert out.exit_code == 0, out.output
     assert (
         "gpu-01  install: root@h1: no answer yet, or cut off (sshd restarting?); trying again\n"
@@ -556,21 +548,21 @@ def test_wait_ssh_retries_an_install_session_that_is_cut_off(
     (api.root / "h1.cut").unlink()
     api.nodes.clear()
     (api.root / "host-of" / "gpu-01").unlink()
-    once = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--wait-ssh", "0")
+    once = api.ctl("onboard", "gpu-01", "--ssh", "root@h1", "--wait-ssh", "0")
     assert once.exit_code == 1
     assert "ssh could not reach root@h1 (Connection to h1 closed by remote host.)" in once.stderr
     assert api.revoked == ["jt2"]
 
 
 def test_a_new_host_key_is_accepted_only_when_asked_and_its_fingerprint_shown(
-    api: FakeAPI, monkeypatch: pytest.MonkeyPatch
+    api: OnboardAPI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_SSH_HOSTS", "h1=newkey")
-    refused = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    refused = api.ctl("onboard", "gpu-01", "--ssh", "root@h1")
     assert refused.exit_code == 1
     assert "let onboard accept an unknown key with --accept-new-host-key" in refused.stderr
     assert api.minted == 0
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--accept-new-host-key")
+    out = api.ctl("onboard", "gpu-01", "--ssh", "root@h1", "--accept-new-host-key")
     assert out.exit_code == 0, out.output
     assert (
         "gpu-01  connect: root@h1: accepted its new host key SHA256:newnewnew (ssh-ed25519) into "
@@ -582,12 +574,12 @@ def test_a_new_host_key_is_accepted_only_when_asked_and_its_fingerprint_shown(
     assert " -v " in sessions[0] and " -v " not in sessions[1]  # ssh -v for the probe only
 
 
-def test_one_name_for_host_and_node(api: FakeAPI) -> None:
+def test_one_name_for_host_and_node(api: OnboardAPI) -> None:
     """A machine called otherwise is warned about; --set-hostname names it after the node
     (and its 127.0.1.1 line in /etc/hosts, so that the name resolves)."""
     etc_hosts = Path("/etc/hosts").read_bytes()
     (api.root / "h1.hostname").write_text("ip-10-0-0-5\n")
-    warned = onboard("--json", "onboard", "gpu-01", "--ssh", "root@h1")
+    warned = api.ctl("--json", "onboard", "gpu-01", "--ssh", "root@h1")
     assert warned.exit_code == 0, warned.output
     warning = (
         "root@h1 is called ip-10-0-0-5, not gpu-01: one name for host, node and certificate "
@@ -599,7 +591,7 @@ def test_one_name_for_host_and_node(api: FakeAPI) -> None:
     (api.root / "host-of" / "gpu-01").unlink()
     (api.root / "h1").mkdir(exist_ok=True)
     (api.root / "h1" / "hosts").write_text("127.0.0.1\tlocalhost\n127.0.1.1\tip-10-0-0-5\n")
-    named = onboard("onboard", "gpu-01", "--ssh", "root@h1", "--set-hostname")
+    named = api.ctl("onboard", "gpu-01", "--ssh", "root@h1", "--set-hostname")
     assert named.exit_code == 0, named.output
     assert "warning" not in named.output
     assert "gpu-01  hostname: gpu-01 (was ip-10-0-0-5)\n" in named.output
@@ -608,7 +600,7 @@ def test_one_name_for_host_and_node(api: FakeAPI) -> None:
     assert Path("/etc/hosts").read_bytes() == etc_hosts  # the test machine's own, untouched
 
 
-def test_a_degraded_node_says_why_and_engines_being_installed_are_said(api: FakeAPI) -> None:
+def test_a_degraded_node_says_why_and_engines_being_installed_are_said(api: OnboardAPI) -> None:
     why = (
         "engine vllm (/opt/vllm/bin/vllm) will not run: exit 127; ldd: libcudart.so.12 => "
         "not found; install its CUDA runtime"
@@ -619,7 +611,7 @@ def test_a_degraded_node_says_why_and_engines_being_installed_are_said(api: Fake
         {"node": "gpu-01", "engine": "sglang", "desired": "0.5.0", "state": "no-build",
          "reason": "no sglang 0.5.0 build for its architecture arm64"},
     ]  # fmt: skip
-    out = onboard("onboard", "gpu-01", "--ssh", "root@h1")
+    out = api.ctl("onboard", "gpu-01", "--ssh", "root@h1")
     assert out.exit_code == 0, out.output
     assert out.output.splitlines()[-2:] == [
         "gpu-01  engines: installing vllm 0.33.0; no sglang 0.5.0 build for its architecture "
