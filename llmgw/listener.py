@@ -34,7 +34,10 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import EMPTY_PAYLOAD
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
 from llmgw.configfile import Checker, join_key
@@ -305,6 +308,18 @@ class _Handler(RequestHandler):
         return resp
 
 
+def _refuse_targetless(messages: collections.deque[Any], new: int) -> None:
+    """The new requests in ``messages`` whose target aiohttp's parser left without a URL (a
+    CONNECT without host:port) become parse errors, answered by _Handler.handle_error: aiohttp
+    3.14's request factory fails on them outside its own error handling, and the connection
+    would stay open with no answer."""
+    for i in range(max(0, len(messages) - new), len(messages)):
+        message, _payload = messages[i]
+        if isinstance(message, RawRequestMessage) and message.url is None:
+            problem = BadHttpMessage(f"{message.method} without a host:port target")
+            messages[i] = (_ErrInfo(400, problem, problem.message), EMPTY_PAYLOAD)
+
+
 class _Gate(asyncio.Protocol):
     """One accepted connection: admission, TLS, header timing; then aiohttp's handler."""
 
@@ -456,6 +471,7 @@ class _Gate(asyncio.Protocol):
         handler.data_received(data)
         if handler._request_count != before:
             messages = handler._messages
+            _refuse_targetless(messages, handler._request_count - before)
             self._payload = messages[-1][1] if messages else None
             self._disarm()
         elif starting:

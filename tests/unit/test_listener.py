@@ -398,6 +398,10 @@ def test_parse_listener_limits_defaults_values_and_refusals() -> None:
         b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: -5\r\n\r\n",
         b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
         b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n",
+        # A CONNECT without a host:port: aiohttp 3.14's request factory failed on it outside
+        # its error handling, and the connection stayed open, unanswered (the fuzz found it).
+        b"CONNECT  \r\nHost: t\r\nContent-Length: 1\r\nConnection: close\r\n\r\nX",
+        b"CONNECT  \r\nHost: t\r\n\r\n",
     ],
 )
 def test_malformed_requests_get_a_json_400_and_one_line_without_traceback(
