@@ -245,8 +245,15 @@ def test_policy_refusals_through_the_official_client(cluster: Cluster) -> None:
 
 def test_concurrency_limit_counts_streams_until_their_last_chunk(cluster: Cluster) -> None:
     client = cluster.client(cluster.key("one-at-a-time", max_concurrent=1))
+    # 3,000 tokens at the slow model's 1,000 a second: the stream is still running when the
+    # second request arrives, however loaded the machine (32 tokens once ended in 30 ms, and
+    # the second request sometimes came after).
     stream = client.chat.completions.create(
-        model="slow", messages=[{"role": "user", "content": "hi"}], max_tokens=32, stream=True
+        model="slow",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3000,
+        stream=True,
+        extra_body={"min_tokens": 3000, "ignore_eos": True},
     )
     first = next(iter(stream))
     assert first is not None
