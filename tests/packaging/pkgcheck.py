@@ -36,8 +36,8 @@ SYSTEMD_IMAGES = {
 }
 MOUNT = "/pkgs"  # where a container sees the test's packages and repositories (read-only)
 
-# What runs a systemd container: --privileged where it works, else the capability set
-# MACHINES.md found (the VM's bounding set lacks CAP_SYS_RESOURCE).
+# What runs a systemd container: --privileged where it works, else a capability set that
+# works where Docker refuses --privileged (a VM whose bounding set lacks CAP_SYS_RESOURCE).
 COMMON_RUN = (
     "--cgroupns=private",
     "--tmpfs",
@@ -248,7 +248,7 @@ class Container:
     ) -> Container:
         """Boot ``image``'s systemd with ``mount`` read-only at ``mount_at`` (and each of
         ``also``, a folder here and where it appears inside, read-only too): --privileged
-        where that works, else the capability set MACHINES.md found to work."""
+        where that works, else the capability set of COMMON_RUN."""
         volumes = [f"{mount}:{mount_at}:ro"] + [f"{here}:{inside}:ro" for here, inside in also]
         errors = []
         for variant in PRIVILEGE_VARIANTS:

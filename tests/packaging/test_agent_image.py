@@ -14,8 +14,8 @@ the agent's.
 The tests run in file order on one module-wide control plane and node: each takes the node
 as the one before left it. What the tests change from the compose file: the names of volumes,
 host folders (models, cache, agent.yaml under the test's temporary directory), no GPU request
-(there is none here), and no ulimits where this machine cannot raise them (MACHINES.md: the
-VM's bounding set lacks CAP_SYS_RESOURCE, so runc cannot set memlock or nofile above dockerd's).
+(there is none here), and no ulimits where this machine cannot raise them (a VM whose
+bounding set lacks CAP_SYS_RESOURCE, so runc cannot set memlock or nofile above dockerd's).
 Nothing on the host is touched but the containers and volumes labelled ``LABEL``, removed
 afterwards, the engine containers of this run's node, and the image ``IMAGE``.
 """
