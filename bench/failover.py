@@ -49,7 +49,7 @@ from tests.integration.ha import (  # noqa: E402
 from tests.integration.harness import Client, wait_for  # noqa: E402
 from tests.pg import start_cluster  # noqa: E402
 
-DEFAULT_LEASE = 8.0  # the default of server.yaml (llmgw.server.config)
+DEFAULT_LEASE = 8.0  # the default of server.yaml (llmgw.server.common.config)
 
 
 def _fence(agent: Any) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Benchmark: what recording one request in the gateway's request history costs
-(:meth:`llmgw.server.history.RequestHistory.record`, on the request path once per relayed
+(:meth:`llmgw.server.gateway.history.RequestHistory.record`, on the request path once per relayed
 request), and what reading a model's hour costs (the console's and the admin API's read).
 
 Recording is timed on a warm series: with a TTFT (a streamed answer), without one, and an
@@ -16,7 +16,7 @@ import argparse
 import time
 from collections.abc import Callable
 
-from llmgw.server.history import RequestHistory
+from llmgw.server.gateway.history import RequestHistory
 
 TARGET_NS = 3000  # "a few µs at most" on the request path
 

@@ -3,7 +3,7 @@
 
 1,000 nodes of 8 GPUs (80 GiB each) on 4 fabrics; 2,000 replicas of mixed profiles (1, 2, 4
 and 8 GPUs per shard, 1 and 2 nodes per replica) placed one after another into one
-:class:`~llmgw.server.placement.Cluster`, once with ``binpack`` and once with ``spread``. The
+:class:`~llmgw.server.fleet.placement.Cluster`, once with ``binpack`` and once with ``spread``. The
 mix asks for more GPUs than the cluster has, so the last placements fail, which times the
 refusals (their reasons told per group of nodes). It also times building the cluster view
 from the allocations placed (what every reconcile pass starts with; the best of three), and
@@ -25,7 +25,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from llmgw.server.placement import (
+from llmgw.server.fleet.placement import (
     Allocation,
     Cluster,
     GpuView,

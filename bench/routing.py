@@ -419,10 +419,10 @@ def decision_figures(blocks: int = 1_000_000, decisions: int = 20_000) -> dict[s
     prompt length; bytes per indexed block."""
     from llmgw.contracts.kvblocks import block_keys
     from llmgw.proto import control_pb2 as pb
-    from llmgw.server.metrics import Metrics
-    from llmgw.server.policies import RouteHint, RoutingPolicies
-    from llmgw.server.prefixes import BlockIndex
-    from llmgw.server.routing import Endpoint, Router
+    from llmgw.server.common.metrics import Metrics
+    from llmgw.server.gateway.policies import RouteHint, RoutingPolicies
+    from llmgw.server.gateway.prefixes import BlockIndex
+    from llmgw.server.gateway.routing import Endpoint, Router
 
     rng = random.Random(5)
     # Bytes per block: an index of 200k keys over 8 replicas, measured by tracemalloc.

@@ -253,12 +253,12 @@ def policy_path_us(rounds: int = 200_000) -> dict[str, float]:
     """The policy path alone, in this process: what a request of a key with every limit set
     (none hit) costs on top of relaying it."""
     from llmgw.contracts.keypolicy import Budget, KeyPolicy
-    from llmgw.server.limits import Grant, KeyLimits
-    from llmgw.server.metrics import Metrics
-    from llmgw.server.queueing import Admission
-    from llmgw.server.routing import Endpoint, Router
+    from llmgw.server.common.metrics import Metrics
+    from llmgw.server.gateway.limits import Grant, KeyLimits
+    from llmgw.server.gateway.queueing import Admission
+    from llmgw.server.gateway.routing import Endpoint, Router
+    from llmgw.server.gateway.usage import UsageBook
     from llmgw.server.store.rows import ApiKey
-    from llmgw.server.usage import UsageBook
 
     class NoStore:
         def add_usage(self, rows: Any) -> None:

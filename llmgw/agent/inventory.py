@@ -6,7 +6,7 @@ A node is **degraded** (DESIGN §5) when it declares GPUs (agent.yaml names ``nv
 NVIDIA GPUs are on its PCI bus) and none is usable, when an engine it has will not run, when
 a fabric it is stated to be on is down, or when its runtime is docker and dockerd cannot be
 reached. Each reason says what to install or fix; the control plane keeps the node from what
-a reason names (llmgw.server.placement) and places the rest there as before.
+a reason names (llmgw.server.fleet.placement) and places the rest there as before.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from llmgw.netaddr import format_hostport
 from llmgw.pki import issue_node_cert, load_ca, load_cert
 from llmgw.procutil import process_start_time
 from llmgw.server.app import ControlPlane
-from llmgw.server.config import ServerConfig, load_server_config
+from llmgw.server.common.config import ServerConfig, load_server_config
 from llmgw.server.leader import Leader
 from llmgw.server.store import hash_api_key
 

@@ -23,7 +23,7 @@ from llmgw.contracts.paths import DEFAULT_SERVER_CONFIG
 from llmgw.log import setup_logging
 from llmgw.loop import run as run_loop
 from llmgw.server.app import ControlPlane
-from llmgw.server.config import ServerConfig, load_server_config
+from llmgw.server.common.config import ServerConfig, load_server_config
 from llmgw.server.store.location import parse_location
 from llmgw.server.store.transfer import migrate_to_postgresql
 

@@ -118,7 +118,7 @@ class Routing(StrEnum):
     requests in flight (the default); in turn; the replica a conversation (``user`` or
     ``x-session-id``) last used; the replica the gateway last sent the prompt's prefix to; the
     replica whose engine reports holding the most of the prompt's prefix in its KV cache. Each
-    weighs the load too (:mod:`llmgw.server.policies`)."""
+    weighs the load too (:mod:`llmgw.server.gateway.policies`)."""
 
     LEAST_OUTSTANDING = "least-outstanding"
     ROUND_ROBIN = "round-robin"

@@ -34,7 +34,7 @@ __all__ = [
 MAX_HEARTBEAT_GPUS = 64
 """GPUs whose utilisation one heartbeat carries (and the control plane keeps): more than any
 board has (8 or 16); the agent sends no more, so that its heartbeat stays under the
-control plane's size limit for it (llmgw.server.intake.KIND_LIMITS)."""
+control plane's size limit for it (llmgw.server.fleet.intake.KIND_LIMITS)."""
 MAX_GPU_UUID = 64
 """Characters of a GPU uuid in a heartbeat (NVIDIA's are 40: GPU-8-4-4-4-12); a longer one is
 no uuid of NVIDIA's, left out by both ends."""

@@ -3,7 +3,7 @@ priority in the gateway's queues and its expiry; and one day of its usage, as st
 
 The admin API takes the policy as JSON (``llmgw ctl keys create|update`` send it), the store
 keeps it in the key's row, and the gateway's request path reads it from memory
-(:mod:`llmgw.server.serving`). One parser here serves all three, so that a limit means the
+(:mod:`llmgw.server.gateway.serving`). One parser here serves all three, so that a limit means the
 same thing everywhere:
 
 - ``rpm`` / ``tpm``: requests / tokens (prompt + completion) per minute, enforced as token

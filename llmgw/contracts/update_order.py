@@ -2,7 +2,7 @@
 signs, the checks every side runs on it, and the spool through which the agent hands an
 order to the root helper.
 
-The control plane (``llmgw.server.updates``) signs an order, the canonical JSON of
+The control plane (``llmgw.server.fleet.updates``) signs an order, the canonical JSON of
 ``{node_id, version, counter, sha256, url, arch, expires}``, with the cluster CA's key
 (ECDSA P-256, SHA-256, DER). The agent (``llmgw.agent.update_spool``), never root, reads
 where to download the bundle from (:func:`parse_order`), and renames a finished directory

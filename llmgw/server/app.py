@@ -30,11 +30,18 @@ from llmgw.log import kv
 from llmgw.netaddr import RESERVED_NAMES, format_hostport, local_addresses, parse_hostport
 from llmgw.pki import Authority, Identity, control_plane_names, ensure_server_identity, load_cert
 from llmgw.server.admin import AdminContext, add_admin_routes
-from llmgw.server.bundles import BundleStore, serve_bundles
-from llmgw.server.config import ServerConfig
+from llmgw.server.common.config import ServerConfig
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.common.tls import ServingCertificate, serving_certificate
 from llmgw.server.console import add_console_routes
-from llmgw.server.follower import LeaderProxy, RouteFollower
-from llmgw.server.gateway import Gateway, GatewaySettings
+from llmgw.server.fleet.stream import NodeSession
+from llmgw.server.gateway.gateway import Gateway, GatewaySettings
+from llmgw.server.gateway.history import RequestHistory
+from llmgw.server.gateway.limits import KeyLimits
+from llmgw.server.gateway.policies import RoutingPolicies
+from llmgw.server.gateway.routing import Router
+from llmgw.server.gateway.serving import ServingCache
+from llmgw.server.gateway.tokenizing import Tokenizers
 from llmgw.server.ha import (
     LEADER_HTTP,
     LEADER_STREAM,
@@ -48,12 +55,10 @@ from llmgw.server.ha import (
     Standby,
     leader_ssl,
 )
+from llmgw.server.ha.follower import LeaderProxy, RouteFollower
 from llmgw.server.ha.instances import warn_of_nodes_named_like_the_control_plane
-from llmgw.server.history import RequestHistory
+from llmgw.server.joining.bundles import BundleStore, serve_bundles
 from llmgw.server.leader import Leader, LeaderHooks
-from llmgw.server.limits import KeyLimits
-from llmgw.server.metrics import Metrics
-from llmgw.server.policies import RoutingPolicies
 from llmgw.server.process import (
     DataPlaneTLS,
     UsageFlusher,
@@ -62,12 +67,7 @@ from llmgw.server.process import (
     read_or_create_token,
     write_ctl_yaml,
 )
-from llmgw.server.routing import Router
-from llmgw.server.serving import ServingCache
 from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
-from llmgw.server.tls import ServingCertificate, serving_certificate
-from llmgw.server.tokenizing import Tokenizers
 
 __all__ = ["ControlPlane"]
 

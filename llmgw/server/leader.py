@@ -22,31 +22,31 @@ from llmgw.errors import ConfigError, StoreError
 from llmgw.log import kv
 from llmgw.netaddr import parse_hostport
 from llmgw.pki import Authority, Identity, cert_pem
-from llmgw.server.authority import ClusterAuthority
-from llmgw.server.bundles import Bundle
-from llmgw.server.config import ServerConfig
-from llmgw.server.enroll import Enroller, EnrolmentServer
-from llmgw.server.installs import EngineInstalls
-from llmgw.server.intake import MAX_MESSAGE_BYTES
-from llmgw.server.lockout import Lockout
-from llmgw.server.logins import Logins
-from llmgw.server.metrics import Metrics
-from llmgw.server.nodes import Membership
-from llmgw.server.operators import OperatorAccounts
-from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
-from llmgw.server.reports import AgentReports, agent_messages
-from llmgw.server.routing import Router
-from llmgw.server.scheduler import Scheduler
-from llmgw.server.sessions import Sessions
-from llmgw.server.store import Store
-from llmgw.server.stream import (
+from llmgw.server.accounts.lockout import Lockout
+from llmgw.server.accounts.logins import Logins
+from llmgw.server.accounts.operators import OperatorAccounts
+from llmgw.server.accounts.passwords import PASSWORD_FILE, AdminPassword
+from llmgw.server.common.config import ServerConfig
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.common.tls import ServingCertificate
+from llmgw.server.fleet.authority import ClusterAuthority
+from llmgw.server.fleet.installs import EngineInstalls
+from llmgw.server.fleet.intake import MAX_MESSAGE_BYTES
+from llmgw.server.fleet.nodes import Membership
+from llmgw.server.fleet.reports import AgentReports, agent_messages
+from llmgw.server.fleet.scheduler import Scheduler
+from llmgw.server.fleet.sessions import Sessions
+from llmgw.server.fleet.stream import (
     ControlPlaneService,
     NodeSession,
     UpdateHandler,
     start_stream_server,
 )
-from llmgw.server.tls import ServingCertificate
-from llmgw.server.updates import Updates
+from llmgw.server.fleet.updates import Updates
+from llmgw.server.gateway.routing import Router
+from llmgw.server.joining.bundles import Bundle
+from llmgw.server.joining.enroll import Enroller, EnrolmentServer
+from llmgw.server.store import Store
 
 __all__ = ["Leader", "LeaderHooks"]
 
@@ -56,7 +56,7 @@ log = logging.getLogger("llmgw.server")
 LOGIN_PRUNE_EVERY = 600.0
 
 # The Connect stream's keep-alive, and its largest message (larger ones end the stream with
-# RESOURCE_EXHAUSTED, llmgw.server.intake).
+# RESOURCE_EXHAUSTED, llmgw.server.fleet.intake).
 STREAM_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),

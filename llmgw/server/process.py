@@ -20,13 +20,13 @@ from llmgw.fsutil import write_private
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.pki import CA_CERT, Identity, load_cert
-from llmgw.server.config import ServerConfig
-from llmgw.server.httpapi import error_middleware
-from llmgw.server.limits import KeyLimits
-from llmgw.server.proxies import TrustedProxies, forwarded_middleware
+from llmgw.server.common.config import ServerConfig
+from llmgw.server.common.httpapi import error_middleware
+from llmgw.server.common.tls import ServingCertificate
+from llmgw.server.gateway.limits import KeyLimits
+from llmgw.server.gateway.usage import UsageBook
+from llmgw.server.ha.proxies import TrustedProxies, forwarded_middleware
 from llmgw.server.store import Store
-from llmgw.server.tls import ServingCertificate
-from llmgw.server.usage import UsageBook
 
 __all__ = [
     "DataPlaneTLS",
@@ -75,7 +75,7 @@ def middlewares(cfg: ServerConfig) -> list[Middleware]:
 
 
 def probe_readers(cfg: ServerConfig) -> tuple[str, ...]:
-    """The tokens that read /metrics and /healthz's details (llmgw.server.probes)."""
+    """The tokens that read /metrics and /healthz's details (llmgw.server.gateway.probes)."""
     return (
         read_or_create_token(cfg.metrics_token_path, "metrics"),
         read_or_create_token(cfg.admin_token_file),

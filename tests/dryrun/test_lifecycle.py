@@ -320,7 +320,7 @@ def test_08_signed_update_through_the_helper(steps: Steps, lab: Lab, bundle_next
 def drop_order(steps: Steps, order: dict[str, Any], bundle: Path) -> dict[str, Any]:
     """Sign ``order`` with the dev control plane's CA, spool it as the agent would (as its
     user, then one rename), and return the helper's status.json."""
-    from llmgw.server.updates import sign_order
+    from llmgw.server.fleet.updates import sign_order
 
     lab, node = steps.lab, node_of(steps)
     assert lab.server is not None
@@ -363,7 +363,7 @@ def test_09_hostile_orders_are_refused(steps: Steps, lab: Lab, bundle_next: Path
         "arch": "x64",
         "expires": int(time.time()) + 600,
     }
-    from llmgw.server.updates import sign_order
+    from llmgw.server.fleet.updates import sign_order
 
     assert lab.server is not None
     ca = pki.load_ca(lab.server.pki_dir)

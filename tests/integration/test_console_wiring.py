@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 
 from llmgw.server.app import ControlPlane
-from llmgw.server.config import load_server_config
+from llmgw.server.common.config import load_server_config
 from llmgw.server.console.security import CSP
 
 

@@ -31,7 +31,7 @@ import pytest
 
 from llmgw.listener import listening_socket
 from llmgw.server.app import ControlPlane
-from llmgw.server.config import load_server_config
+from llmgw.server.common.config import load_server_config
 
 T = TypeVar("T")
 

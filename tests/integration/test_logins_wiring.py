@@ -14,7 +14,7 @@ import pytest
 
 import llmgw.server.leader as leader_module
 from llmgw.server.app import ControlPlane
-from llmgw.server.config import load_server_config
+from llmgw.server.common.config import load_server_config
 from llmgw.server.store import hash_session_token
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from llmgw.server.config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LOSS_TIMEOUT
+from llmgw.server.common.config import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_LOSS_TIMEOUT
 from tests.integration.harness import (
     Agent,
     Server,

@@ -28,7 +28,7 @@ from llmgw import pki
 from llmgw.agent.join import join
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
-from llmgw.server.intake import HELLO_RATE
+from llmgw.server.fleet.intake import HELLO_RATE
 from tests.integration.harness import Server, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -31,7 +31,7 @@ from llmgw import pki
 from llmgw.agent.service import bundle_download_ssl_context
 from llmgw.cli import main
 from llmgw.server.app import ControlPlane
-from llmgw.server.config import load_server_config
+from llmgw.server.common.config import load_server_config
 from llmgw.server.ha import LEADER_HTTP, Role
 from tests.ci import require_tools
 from tests.oneliner import make_bundle, run_one_liner

@@ -15,8 +15,8 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 
 from llmgw.server.app import ControlPlane
-from llmgw.server.config import load_server_config
-from llmgw.server.tokenizing import HfTokenizer, SimTokenizer
+from llmgw.server.common.config import load_server_config
+from llmgw.server.gateway.tokenizing import HfTokenizer, SimTokenizer
 
 
 def test_a_refresh_of_the_models_loads_their_tokenizers(tmp_path: Path) -> None:

@@ -26,8 +26,8 @@ from llmgw.agent.config import load_agent_config
 from llmgw.cli import main as llmgw_main
 from llmgw.contracts.paths import PACKAGED_BUNDLE_DIR
 from llmgw.errors import ConfigError
-from llmgw.server.bundles import BundleStore
-from llmgw.server.config import load_server_config
+from llmgw.server.common.config import load_server_config
+from llmgw.server.joining.bundles import BundleStore
 from tests.ci import require_tools, unavailable
 from tests.pg import PASSWORD as PG_PASSWORD
 from tests.pg import ROLE as PG_ROLE

@@ -8,15 +8,15 @@ import time
 from typing import Any, cast
 
 from llmgw.bodies import BodyBudget
-from llmgw.server.config import ServerConfig
-from llmgw.server.gateway import Gateway, GatewaySettings
-from llmgw.server.limits import KeyLimits
-from llmgw.server.metrics import Metrics
-from llmgw.server.routing import Router
-from llmgw.server.serving import ServedModel, ServingCache
+from llmgw.server.common.config import ServerConfig
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.gateway.gateway import Gateway, GatewaySettings
+from llmgw.server.gateway.limits import KeyLimits
+from llmgw.server.gateway.routing import Router
+from llmgw.server.gateway.serving import ServedModel, ServingCache
+from llmgw.server.gateway.usage import UsageBook
 from llmgw.server.store import Store
 from llmgw.server.store.rows import ApiKey
-from llmgw.server.usage import UsageBook
 
 
 def serving_of(cfg: ServerConfig, keys: list[ApiKey], models: list[ServedModel]) -> ServingCache:

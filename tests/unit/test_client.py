@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from llmgw import pki
 from llmgw.cli import main
 from llmgw.client import is_loopback_url
-from llmgw.server.tls import ServingCertificate
+from llmgw.server.common.tls import ServingCertificate
 
 TOKEN = "llmgw-admin-test-token"
 

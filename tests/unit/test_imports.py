@@ -30,6 +30,20 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("server.ha", "server.app", "HA runs the roles' parts it is given, never the wiring"),
 )
 
+# The control plane's wings, lowest first: a module of one may import its own wing and those
+# below, never one above. What is in none (app, leader, process, admin/, console/: the wiring
+# and the operators' surfaces) stands on them all.
+#   WING              WHAT IT HOLDS
+WINGS: tuple[tuple[str, str], ...] = (
+    ("server.store", "the state store, the states its rows take, join tokens"),
+    ("server.accounts", "operators' accounts, passwords, logins and their lockout"),
+    ("server.common", "server.yaml, TLS, the HTTP API's errors, /metrics"),
+    ("server.gateway", "the request path: routing, queues, limits, usage, tokenizers"),
+    ("server.joining", "enrolment, the agent bundles, cloud-init"),
+    ("server.fleet", "nodes' streams and reports, the scheduler, installs, updates, the CA"),
+    ("server.ha", "who leads, the standby's forwarding, the kept socket, the instances"),
+)
+
 # A package that loads nothing but itself and these, through its own imports and those of
 # every module they reach: the root update helper, which runs as root and is audited alone
 # (nothing of the agent, the control plane or the CLI). "stdlib" is Python's standard
@@ -139,6 +153,33 @@ def rule_violations(edges: list[Edge], package: str) -> list[str]:
                 edge.imported, f"{package}.{imported}"
             ):
                 found.append(f"{edge}: {importer} may not import {imported}: {why}")
+    return found
+
+
+def wing_of(module: str, package: str) -> int | None:
+    """The index in WINGS of ``module``'s wing; None for a module in no wing."""
+    for index, (wing, _what) in enumerate(WINGS):
+        if _under(module, f"{package}.{wing}"):
+            return index
+    return None
+
+
+def wing_violations(edges: list[Edge], package: str) -> list[str]:
+    """The edges that run up between the server's wings (a module in no wing of the server
+    counts as above them all)."""
+    found: list[str] = []
+    for edge in edges:
+        if not _under(edge.importer, f"{package}.server"):
+            continue
+        low, high = wing_of(edge.importer, package), wing_of(edge.imported, package)
+        if high is None or (low is not None and high <= low):
+            continue
+        if low is None:
+            continue  # the wiring and the surfaces stand on every wing
+        found.append(
+            f"{edge}: the wing {WINGS[low][0]} may not import {WINGS[high][0]}, a wing above it "
+            "(move what both need down, or pass it in)"
+        )
     return found
 
 
@@ -254,7 +295,11 @@ def _path_back(graph: Mapping[str, set[str]], part: set[str], start: str) -> lis
 def problems(root: Path, package: str) -> list[str]:
     """What is wrong with ``package``'s import graph, one line each (none: all is well)."""
     edges = import_edges(root, package)
-    found = rule_violations(edges, package) + only_violations(edges, package)
+    found = (
+        rule_violations(edges, package)
+        + wing_violations(edges, package)
+        + only_violations(edges, package)
+    )
     for cycle, part in cycles(edges):
         line = "import cycle: " + " -> ".join(cycle)
         if len(part) > len(cycle) - 1:
@@ -407,6 +452,30 @@ def test_a_cycle_is_caught_with_its_path(tmp_path: Path) -> None:
         "import cycle: pkg.cli.a -> pkg.cli.b -> pkg.cli.c -> pkg.cli.a",
         "import cycle: pkg.server.admin -> pkg.server.app -> pkg.server.admin (one of the cycles "
         "among these 4: pkg.server.admin, pkg.server.app, pkg.server.gateway, pkg.server.nodes)",
+    ]
+
+
+def test_an_import_up_between_the_servers_wings_is_caught(tmp_path: Path) -> None:
+    # The store reading the fleet's states (as the first sketch of the wings had it): refused.
+    # Down (the fleet reading the store) and from the wiring (app) into any wing: allowed.
+    write_tree(
+        tmp_path,
+        {
+            **PACKAGES,
+            "pkg/server/app.py": "from pkg.server.fleet.nodes import N\n",
+            "pkg/server/store/__init__.py": "",
+            "pkg/server/store/rows.py": "from pkg.server.fleet.states import S\n",
+            "pkg/server/fleet/__init__.py": "",
+            "pkg/server/fleet/states.py": "S = 1\n",
+            "pkg/server/fleet/nodes.py": "N = 1\n",
+            "pkg/server/ha/__init__.py": "",
+            "pkg/server/ha/roles.py": "from pkg.server.store import rows\n",
+        },
+    )
+    assert problems(tmp_path, "pkg") == [
+        "pkg.server.store.rows -> pkg.server.fleet.states (pkg/server/store/rows.py:1): the wing "
+        "server.store may not import server.fleet, a wing above it (move what both need down, "
+        "or pass it in)"
     ]
 
 

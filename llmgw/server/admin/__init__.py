@@ -32,7 +32,7 @@ from llmgw.server.admin.models import ModelRoutes
 from llmgw.server.admin.nodes import NodeRoutes
 from llmgw.server.admin.software import SoftwareRoutes
 from llmgw.server.admin.users import UserRoutes
-from llmgw.server.authority import ClusterAuthority
+from llmgw.server.fleet.authority import ClusterAuthority
 
 __all__ = ["ADMIN_MAX_BODY", "AdminContext", "Listening", "add_admin_routes"]
 

@@ -27,9 +27,9 @@ from llmgw.contracts.keypolicy import (
     usage_day,
     usage_day_from,
 )
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
 from llmgw.server.admin.jointokens import create_join_token
-from llmgw.server.principals import principal_of
 from llmgw.server.store import ApiKey
 
 __all__ = [

@@ -1,5 +1,5 @@
 """Admin routes about the cluster CA: what it is, its rotation, dropping the old CA
-(:mod:`llmgw.server.authority` does the work), and its encrypted export for another
+(:mod:`llmgw.server.fleet.authority` does the work), and its encrypted export for another
 control-plane instance (:mod:`llmgw.caexport`)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from llmgw import caexport
 from llmgw.durations import format_duration, parse_duration
 from llmgw.errors import ConfigError
 from llmgw.pki import DEFAULT_OVERLAP
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
-from llmgw.server.authority import ClusterAuthority
-from llmgw.server.principals import principal_of
-from llmgw.server.proxies import login_source
+from llmgw.server.fleet.authority import ClusterAuthority
+from llmgw.server.ha.proxies import login_source
 
 __all__ = ["CARoutes"]
 

@@ -34,23 +34,23 @@ from llmgw.errors import (
 )
 from llmgw.log import kv
 from llmgw.pki import Authority
-from llmgw.server.bundles import BundleStore
-from llmgw.server.config import TLSConfig
-from llmgw.server.history import RequestHistory
-from llmgw.server.httpapi import bearer_token
-from llmgw.server.installs import EngineInstalls
-from llmgw.server.logins import Logins, LoginThrottled
-from llmgw.server.metrics import Metrics
-from llmgw.server.nodes import Membership
-from llmgw.server.operators import OperatorAccounts
-from llmgw.server.passwords import AdminPassword
-from llmgw.server.principals import PRINCIPAL, VIA_CLI, Principal
-from llmgw.server.routing import Router
-from llmgw.server.scheduler import Scheduler
-from llmgw.server.serving import ServingCache
+from llmgw.server.accounts.logins import Logins, LoginThrottled
+from llmgw.server.accounts.operators import OperatorAccounts
+from llmgw.server.accounts.passwords import AdminPassword
+from llmgw.server.accounts.principals import PRINCIPAL, VIA_CLI, Principal
+from llmgw.server.common.config import TLSConfig
+from llmgw.server.common.httpapi import bearer_token
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.fleet.installs import EngineInstalls
+from llmgw.server.fleet.nodes import Membership
+from llmgw.server.fleet.scheduler import Scheduler
+from llmgw.server.fleet.stream import NodeSession
+from llmgw.server.fleet.updates import Updates
+from llmgw.server.gateway.history import RequestHistory
+from llmgw.server.gateway.routing import Router
+from llmgw.server.gateway.serving import ServingCache
+from llmgw.server.joining.bundles import BundleStore
 from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
-from llmgw.server.updates import Updates
 
 __all__ = [
     "ADMIN_MAX_BODY",

@@ -13,8 +13,8 @@ from typing import Any
 from aiohttp import web
 
 from llmgw.errors import Conflict
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext
-from llmgw.server.principals import principal_of
 from llmgw.server.store import Store
 from llmgw.server.store.instances import Instance
 

@@ -23,11 +23,11 @@ from llmgw.contracts.joining import (
 from llmgw.contracts.nodefacts import AGENT_FACTS, FACT_OPTIONS, INSTALLER_FACTS, NodeFacts
 from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.netaddr import check_node_id_free, format_hostport, is_loopback_host, parse_hostport
-from llmgw.server import cloudinit
 from llmgw.server.admin.context import AdminContext, BadRequest
-from llmgw.server.bundles import ADD_BUNDLES, Bundle, one_liner
-from llmgw.server.states import NodeState, TokenKind
+from llmgw.server.joining import cloudinit
+from llmgw.server.joining.bundles import ADD_BUNDLES, Bundle, one_liner
 from llmgw.server.store import JoinToken as StoredToken
+from llmgw.server.store.states import NodeState, TokenKind
 
 __all__ = ["CLOUD_INIT_TTL", "JoinAsk", "JoinToken", "create_join_token", "parse_join_ask"]
 
@@ -117,7 +117,7 @@ async def create_join_token(
     ``actor``'s. The host nodes reach the control plane at is ``address``, else the first
     ``advertise`` name, else ``host_header``'s host. ``auto_approve``: the node that spends
     the token is approved on first use (fresh joins only); ``cloud_init``: the answer
-    carries ``user_data`` (llmgw.server.cloudinit; default ttl 24 h). BadRequest, Conflict
+    carries ``user_data`` (llmgw.server.joining.cloudinit; default ttl 24 h). BadRequest, Conflict
     or NotFound mint nothing."""
     ask = parse_join_ask(ctx, body)
     host, http_port = _join_address(ctx, host_header, body.get("address"))

@@ -1,7 +1,7 @@
 """The admin API's sign-in for ``llmgw ctl login``: ``POST /api/login`` trades an account's
 name and password for a token of the account's own (a login session of kind ``cli``, with
 the idle and absolute expiry of server.yaml's ``console:`` section), rate-limited per source
-address and per account like the console's sign-in (:mod:`llmgw.server.lockout`);
+address and per account like the console's sign-in (:mod:`llmgw.server.accounts.lockout`);
 ``POST /api/logout`` ends the token it is sent with (a viewer's too).
 
 A login sent with a valid ctl credential of the account it signs in to (``llmgw ctl login``
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from llmgw.server.accounts.logins import LoginRefused, LoginThrottled
+from llmgw.server.accounts.principals import VIA_CLI
 from llmgw.server.admin.context import (
     AdminContext,
     BadRequest,
@@ -21,10 +23,8 @@ from llmgw.server.admin.context import (
     login_token,
     read_json,
 )
-from llmgw.server.httpapi import bearer_token
-from llmgw.server.logins import LoginRefused, LoginThrottled
-from llmgw.server.principals import VIA_CLI
-from llmgw.server.proxies import login_source
+from llmgw.server.common.httpapi import bearer_token
+from llmgw.server.ha.proxies import login_source
 
 __all__ = ["LoginRoutes"]
 

@@ -1,5 +1,5 @@
 """Admin route of the gateway's recent traffic: a model's last hour of requests per second,
-errors and TTFT p50/p99 (:mod:`llmgw.server.history`), as this instance's gateway saw them.
+errors and TTFT p50/p99 (:mod:`llmgw.server.gateway.history`), as this instance's gateway saw them.
 
 A model is known when it is deployed or has a request in the last hour; a deployed model
 without traffic answers its hour of zeros, any other name 404 naming the known ones."""
@@ -10,7 +10,7 @@ from aiohttp import web
 
 from llmgw.errors import NotFound
 from llmgw.server.admin.context import AdminContext, BadRequest
-from llmgw.server.history import BUCKET_S
+from llmgw.server.gateway.history import BUCKET_S
 
 __all__ = ["MetricsRoutes"]
 

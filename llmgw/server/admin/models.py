@@ -19,8 +19,8 @@ from llmgw.contracts.catalog import (
 )
 from llmgw.engines.registry import engine_names
 from llmgw.errors import ConfigError, Conflict, NotFound
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
-from llmgw.server.principals import principal_of
 from llmgw.server.store import Model, Shard
 
 __all__ = ["ModelRoutes"]

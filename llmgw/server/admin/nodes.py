@@ -17,16 +17,16 @@ from aiohttp import web
 from llmgw import __version__
 from llmgw.contracts.inventory import DegradedReason, degraded_reasons
 from llmgw.errors import Conflict
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
-from llmgw.server.principals import principal_of
-from llmgw.server.states import NodeState, node_health
+from llmgw.server.fleet.stream import NodeSession
 from llmgw.server.store import Certificate, Node
-from llmgw.server.stream import NodeSession
+from llmgw.server.store.states import NodeState, node_health
 
 __all__ = ["NodeRoutes", "drain", "list_nodes", "node_detail", "node_summary", "uncordon"]
 
 # How much of a pending node's reasons is shown (the rest of its inventory is a stored
-# summary, llmgw.server.intake.pending_inventory).
+# summary, llmgw.server.fleet.intake.pending_inventory).
 PENDING_REASONS = 8
 PENDING_REASON_CHARS = 1000
 

@@ -8,11 +8,11 @@ from typing import Any
 
 from aiohttp import web
 
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest, read_flag, read_json
-from llmgw.server.installs import INSTALLABLE, Build
-from llmgw.server.principals import principal_of
-from llmgw.server.proxies import login_source
-from llmgw.server.updates import DEFAULT_ORDER_TTL
+from llmgw.server.fleet.installs import INSTALLABLE, Build
+from llmgw.server.fleet.updates import DEFAULT_ORDER_TTL
+from llmgw.server.ha.proxies import login_source
 
 __all__ = ["SoftwareRoutes"]
 

@@ -2,7 +2,7 @@
 caller (an account, or the admin token) is the actor these routes record. Making an admin
 (adding one, promoting one, setting an admin's password) also takes ``confirm_password``:
 the caller's own password (the admin password with the admin token), since an admin
-account's password signs updates (llmgw.server.operators)."""
+account's password signs updates (llmgw.server.accounts.operators)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 from aiohttp import web
 
 from llmgw.errors import WeakPassword
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
-from llmgw.server.principals import principal_of
-from llmgw.server.proxies import login_source
+from llmgw.server.ha.proxies import login_source
 from llmgw.server.store import Operator
 
 __all__ = ["UserRoutes", "operator_json"]

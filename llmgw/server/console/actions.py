@@ -4,7 +4,7 @@
 Each form carries ``confirm``, which must equal the node's id: console.js fills it in once the
 operator has confirmed a dialog naming the node; without script the operator types it. A
 stray click (or a replayed form for another node) changes nothing. The work is the admin
-API's own (:mod:`llmgw.server.admin.nodes`, :class:`llmgw.server.nodes.Membership`)."""
+API's own (:mod:`llmgw.server.admin.nodes`, :class:`llmgw.server.fleet.nodes.Membership`)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from aiohttp import web
 
 from llmgw.errors import Conflict, LlmgwError, NotFound
 from llmgw.log import kv
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin import nodes as node_actions
 from llmgw.server.console.auth import form_of
 from llmgw.server.console.site import SESSION, Handler, Site
-from llmgw.server.principals import principal_of
 
 __all__ = ["ACTIONS", "NodeActions", "node_path", "unconfirmed"]
 

@@ -1,6 +1,6 @@
 """The console's Approve page: the pending nodes with their key fingerprints and degraded
 reasons (as ``GET /api/nodes`` shows them), live; approving one needs the fingerprint the
-node printed, pasted or typed, which :meth:`llmgw.server.nodes.Membership.approve` compares
+node printed, pasted or typed, which :meth:`llmgw.server.fleet.nodes.Membership.approve` compares
 (a mismatch approves nothing, as ``llmgw ctl approve``); rejecting needs a confirmation that
 names the node (console.js's dialog, or its id typed)."""
 
@@ -14,11 +14,11 @@ from aiohttp import web
 
 from llmgw.errors import Conflict, LlmgwError, NotFound
 from llmgw.log import kv
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.nodes import list_nodes
 from llmgw.server.console.auth import form_of
 from llmgw.server.console.site import SESSION, Site
-from llmgw.server.principals import principal_of
-from llmgw.server.states import NodeState
+from llmgw.server.store.states import NodeState
 
 __all__ = ["Approval"]
 

@@ -21,6 +21,8 @@ from aiohttp import web
 from llmgw.bodies import read_body
 from llmgw.errors import LlmgwError
 from llmgw.log import kv
+from llmgw.server.accounts.logins import LoginRefused, LoginSession, LoginThrottled
+from llmgw.server.accounts.principals import PRINCIPAL
 from llmgw.server.console.security import (
     LOGIN_COOKIE,
     SESSION_COOKIE,
@@ -31,9 +33,7 @@ from llmgw.server.console.security import (
     set_cookie,
 )
 from llmgw.server.console.site import SESSION, Site, html_response
-from llmgw.server.logins import LoginRefused, LoginSession, LoginThrottled
-from llmgw.server.principals import PRINCIPAL
-from llmgw.server.proxies import login_source
+from llmgw.server.ha.proxies import login_source
 
 __all__ = ["FORM", "ConsoleAuth", "form_of"]
 

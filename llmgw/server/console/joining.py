@@ -18,13 +18,13 @@ from aiohttp import web
 from llmgw.durations import parse_duration
 from llmgw.errors import ConfigError, LlmgwError, NotFound
 from llmgw.log import kv
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import BadRequest
 from llmgw.server.admin.jointokens import create_join_token
 from llmgw.server.console.actions import node_path, unconfirmed
 from llmgw.server.console.auth import form_of
 from llmgw.server.console.pages import Pages
 from llmgw.server.console.site import SESSION, Handler, Site
-from llmgw.server.principals import principal_of
 
 __all__ = ["FACT_FIELDS", "REKEYS", "AddNode", "JoinForm", "RekeyNode"]
 

@@ -27,12 +27,12 @@ from llmgw.contracts.keypolicy import (
 )
 from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.log import kv
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.access import create_key, key_detail, key_json, revoke_key, usage_rows
 from llmgw.server.admin.context import AdminContext, BadRequest
 from llmgw.server.console.auth import form_of
 from llmgw.server.console.pages import Pages
 from llmgw.server.console.site import SESSION, Site
-from llmgw.server.principals import principal_of
 from llmgw.server.store import ApiKey
 
 __all__ = ["KEY_FORM_FIELDS", "KeyPages"]

@@ -19,12 +19,12 @@ from aiohttp import web
 from llmgw.contracts.catalog import profile_tasks
 from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound
 from llmgw.log import kv
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest
 from llmgw.server.admin.models import catalog_json, deploy, model_json, replica_rows, undeploy
 from llmgw.server.console.auth import form_of
 from llmgw.server.console.pages import RECENT_EVENTS, Pages, event_json, model_path
 from llmgw.server.console.site import SESSION, Site
-from llmgw.server.principals import principal_of
 
 __all__ = ["MODEL_ACTIONS", "ModelPages"]
 

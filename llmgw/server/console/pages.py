@@ -17,13 +17,13 @@ from urllib.parse import quote
 from aiohttp import web
 
 from llmgw.errors import NotFound
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext
 from llmgw.server.admin.nodes import list_nodes, node_detail
-from llmgw.server.charts import Line, line_chart
+from llmgw.server.console.charts import Line, line_chart
 from llmgw.server.console.site import Site
-from llmgw.server.principals import principal_of
-from llmgw.server.states import NodeState, ReplicaState
 from llmgw.server.store import Event
+from llmgw.server.store.states import NodeState, ReplicaState
 
 __all__ = ["EVENT_FILTERS", "Pages", "event_json", "matches", "model_path"]
 

@@ -1,7 +1,7 @@
 """What every console handler shares: the collaborators (:class:`Site`), the HTML answer
 with its security headers and the page's common parts (the nav, the signed-in account, the
 flash message), and the HTML error pages a /ui/ failure is answered with (the JSON error
-middleware of :mod:`llmgw.server.httpapi` answers everywhere else)."""
+middleware of :mod:`llmgw.server.common.httpapi` answers everywhere else)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ from llmgw.errors import (
     WeakPassword,
 )
 from llmgw.log import kv
+from llmgw.server.accounts.logins import Logins, LoginSession, LoginThrottled
+from llmgw.server.accounts.principals import PRINCIPAL
 from llmgw.server.admin.context import AdminContext, BadRequest
 from llmgw.server.console.render import Renderer
 from llmgw.server.console.security import secure_headers
-from llmgw.server.logins import Logins, LoginSession, LoginThrottled
-from llmgw.server.principals import PRINCIPAL
 
 __all__ = ["NAV", "SESSION", "Flash", "Handler", "Site", "handled"]
 

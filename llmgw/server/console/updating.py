@@ -1,6 +1,6 @@
 """The console's Update now page: a signed agent update ordered on one node or on every
 approved node, to a version of the bundles this control plane serves, behind the signed-in
-account's own password asked again (:meth:`llmgw.server.updates.Updates.order`, as ``POST
+account's own password asked again (:meth:`llmgw.server.fleet.updates.Updates.order`, as ``POST
 /api/updates``: a wrong one signs nothing); then each node's update state, live (queued,
 sent, spooled, done, rolled-back, refused with the node's reason)."""
 
@@ -14,13 +14,13 @@ from aiohttp import web
 
 from llmgw.errors import Conflict, LlmgwError, NotFound, PasswordError
 from llmgw.log import kv
-from llmgw.server.bundles import Bundle
+from llmgw.server.accounts.logins import LoginThrottled
+from llmgw.server.accounts.principals import principal_of
 from llmgw.server.console.auth import MAX_PASSWORD, form_of
 from llmgw.server.console.site import SESSION, Site
-from llmgw.server.logins import LoginThrottled
-from llmgw.server.principals import principal_of
-from llmgw.server.proxies import login_source
-from llmgw.server.states import NodeState
+from llmgw.server.ha.proxies import login_source
+from llmgw.server.joining.bundles import Bundle
+from llmgw.server.store.states import NodeState
 from llmgw.versions import version_key
 
 __all__ = ["UpdateNow", "served_versions"]

@@ -26,11 +26,11 @@ from llmgw.pki import (
     load_cert,
     serial_hex,
 )
-from llmgw.server.config import ServerConfig
-from llmgw.server.sessions import Sessions
-from llmgw.server.states import NodeState
+from llmgw.server.common.config import ServerConfig
+from llmgw.server.fleet.sessions import Sessions
 from llmgw.server.store import Store
 from llmgw.server.store.instances import process_gone, process_name
+from llmgw.server.store.states import NodeState
 
 __all__ = ["Instances", "own_names", "warn_of_nodes_named_like_the_control_plane"]
 

@@ -26,9 +26,9 @@ from llmgw.netaddr import parse_hostport
 from llmgw.pki import CA_CERT, Identity
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
-from llmgw.server.config import TLSConfig
-from llmgw.server.stream import start_stream_server
-from llmgw.server.tls import serving_certificate
+from llmgw.server.common.config import TLSConfig
+from llmgw.server.common.tls import serving_certificate
+from llmgw.server.fleet.stream import start_stream_server
 
 __all__ = ["LEADER_HTTP", "LEADER_STREAM", "Standby", "leader_ssl", "read_leader"]
 
@@ -103,7 +103,7 @@ class Standby:
 
     async def start(self, *, serve_http: bool = True) -> None:
         """Refuse agents' streams; with *serve_http*, answer HTTP with 503 naming the leader
-        (on PostgreSQL a standby serves the gateway itself, :mod:`llmgw.server.follower`)."""
+        (on PostgreSQL a standby serves the gateway itself, :mod:`llmgw.server.ha.follower`)."""
         self._grpc, self.grpc_port = await start_stream_server(
             self.identity,
             self.grpc_listen,

@@ -53,7 +53,7 @@ from llmgw.server.store.rows import (
 )
 from llmgw.server.store.schema import MIGRATIONS
 from llmgw.server.store.store import Store
-from llmgw.server.tokens import JoinToken
+from llmgw.server.store.tokens import JoinToken
 
 __all__ = [
     "ALL_NODES",

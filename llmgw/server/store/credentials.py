@@ -10,11 +10,11 @@ from typing import Any
 
 from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.errors import Conflict, NotFound
-from llmgw.server import tokens
-from llmgw.server.states import TokenKind
+from llmgw.server.store import tokens
 from llmgw.server.store.database import Database
 from llmgw.server.store.rows import ApiKey, Certificate, join_token_from_row, policy_columns
-from llmgw.server.tokens import JoinToken
+from llmgw.server.store.states import TokenKind
+from llmgw.server.store.tokens import JoinToken
 
 __all__ = ["API_KEY_PREFIX", "ApiKeys", "Certificates", "JoinTokens", "hash_api_key"]
 
@@ -167,7 +167,7 @@ class ApiKeys:
 
 
 class JoinTokens:
-    """The join tokens minted; :mod:`llmgw.server.tokens` says what they are and when one
+    """The join tokens minted; :mod:`llmgw.server.store.tokens` says what they are and when one
     may be spent."""
 
     def __init__(self, db: Database) -> None:

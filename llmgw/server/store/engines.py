@@ -10,9 +10,9 @@ replaces the architectures given.
 
 from __future__ import annotations
 
-from llmgw.server.states import InstallState
 from llmgw.server.store.database import Database
 from llmgw.server.store.rows import DesiredBuild, NodeEngine
+from llmgw.server.store.states import InstallState
 
 __all__ = ["ALL_NODES", "EngineTables"]
 

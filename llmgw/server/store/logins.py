@@ -6,9 +6,9 @@ database logs nobody in. The failure counters live here rather than in memory so
 lockout holds on every control-plane instance sharing a PostgreSQL database; each counter's
 read-then-write runs under the writers' lock, so two instances counting at once lose no
 attempt. An attempt is counted before its password is checked and taken back when the
-password was right (:mod:`llmgw.server.lockout`), so that attempts made at once cannot all
+password was right (:mod:`llmgw.server.accounts.lockout`), so that attempts made at once cannot all
 be checked before the first failure is counted. The policy (how long a session lasts, how many failures lock) is the caller's
-(:mod:`llmgw.server.logins`): these methods take the times and limits they apply.
+(:mod:`llmgw.server.accounts.logins`): these methods take the times and limits they apply.
 """
 
 from __future__ import annotations

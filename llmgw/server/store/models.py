@@ -14,10 +14,10 @@ from collections.abc import Collection
 from typing import Any
 
 from llmgw.errors import Conflict, NotFound
-from llmgw.server.states import ReplicaState, ShardState
 from llmgw.server.store.database import Database
 from llmgw.server.store.nodes import Nodes
 from llmgw.server.store.rows import DEFAULT_PROFILE, Model, Replica, Shard, check_state, dump_json
+from llmgw.server.store.states import ReplicaState, ShardState
 
 __all__ = ["SHARD_FIELDS", "Models"]
 

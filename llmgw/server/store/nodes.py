@@ -9,11 +9,11 @@ from typing import Any
 
 from llmgw.errors import Conflict, NotFound
 from llmgw.netaddr import validate_node_id
-from llmgw.server import tokens
-from llmgw.server.states import NodeState
+from llmgw.server.store import tokens
 from llmgw.server.store.credentials import Certificates
 from llmgw.server.store.database import Database
 from llmgw.server.store.rows import Node, check_state, dump_json
+from llmgw.server.store.states import NodeState
 
 __all__ = ["Nodes", "no_node"]
 
@@ -164,7 +164,7 @@ class Nodes:
         A join makes the node, or gives an existing one (reinstalled, or revoked and coming
         back) a fresh uid, state pending and revokes its older certificates. A rekey keeps
         the uid, which must be *node_uid*, and the state (pending with *require_approval*);
-        :func:`llmgw.server.tokens.check_rekey` says when it is refused.
+        :func:`llmgw.server.store.tokens.check_rekey` says when it is refused.
         """
         validate_node_id(node_id)
         now = self._db.clock()

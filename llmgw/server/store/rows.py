@@ -1,10 +1,10 @@
 """The rows of the state store: one frozen dataclass per table, built from a row, and
 the checks a value passes before it is written to a column.
 
-(A join token's row is :class:`llmgw.server.tokens.JoinToken`, with the rules of its use.)
+(A join token's row is :class:`llmgw.server.store.tokens.JoinToken`, with the rules of its use.)
 They are plain values: the store reads them, callers compare and pass them around, and
 nothing writes through them. State columns come back as the enums of
-:mod:`llmgw.server.states`, which equal their strings.
+:mod:`llmgw.server.store.states`, which equal their strings.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any, ClassVar, Self, TypeVar
 
 from llmgw.contracts.catalog import DEFAULT_PROFILE
 from llmgw.contracts.keypolicy import Budget, KeyPolicy, UsageRow
-from llmgw.server.states import InstallState, NodeState, ReplicaState, ShardState, TokenKind
+from llmgw.server.store.states import InstallState, NodeState, ReplicaState, ShardState, TokenKind
 from llmgw.server.store.database import Row
-from llmgw.server.tokens import JoinToken
+from llmgw.server.store.tokens import JoinToken
 
 __all__ = [
     "DEFAULT_PROFILE",
@@ -364,7 +364,7 @@ def check_operator_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class Operator(FromRow):
-    """An operator account; ``password_hash`` is scrypt's (:mod:`llmgw.server.passwords`)."""
+    """An operator account; ``password_hash`` is scrypt's (:mod:`llmgw.server.accounts.passwords`)."""
 
     id: int
     name: str

@@ -3,7 +3,7 @@
 Migration *n* takes a database from schema version *n - 1* (SQLite's ``user_version``,
 PostgreSQL's ``llmgw_schema`` table) to *n*. The statements are SQLite's; PostgreSQL runs
 them as :mod:`.dialect` translates them, so that one set of migrations serves both. A migration that has shipped is history: it never changes, because databases out
-there already ran it. A change to the schema (a new state in :mod:`llmgw.server.states`
+there already ran it. A change to the schema (a new state in :mod:`llmgw.server.store.states`
 included: its CHECK constraints are generated from those enums) is a new migration at the
 end of :data:`MIGRATIONS`; ``tests/unit/server/store/test_schema.py`` holds the shipped
 ones and fails when one of them changes.
@@ -15,7 +15,8 @@ import sqlite3
 
 from llmgw.contracts.keypolicy import BUDGET_PERIODS, PRIORITIES
 from llmgw.errors import StoreError
-from llmgw.server.states import (
+from llmgw.server.store.database import Database
+from llmgw.server.store.states import (
     InstallState,
     NodeState,
     ReplicaState,
@@ -23,7 +24,6 @@ from llmgw.server.states import (
     TokenKind,
     sql_check,
 )
-from llmgw.server.store.database import Database
 
 __all__ = ["MIGRATIONS", "migrate", "schema_version", "split_sql"]
 

@@ -14,7 +14,7 @@ from llmgw.agent.discovery import GpuFacts, discover_gpus
 from llmgw.agent.gpu_sampler import GpuSampler, utilization_of
 from llmgw.contracts.inventory import MAX_GPU_UUID, MAX_HEARTBEAT_GPUS
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.intake import KIND_LIMITS
+from llmgw.server.fleet.intake import KIND_LIMITS
 
 from .fake_nvml import FakeNvml, eight_gpus
 

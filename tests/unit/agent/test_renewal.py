@@ -44,7 +44,7 @@ class Node:
         return pki.load_ca(self.pki_dir)
 
     def bundle(self, *, drop: bool = False) -> pb.TrustBundle:
-        """What the control plane sends (llmgw.server.authority)."""
+        """What the control plane sends (llmgw.server.fleet.authority)."""
         cas = pki.trust_certificates(self.pki_dir)
         crosses = [] if drop else pki.cross_certificates(self.pki_dir)
         return pb.TrustBundle(

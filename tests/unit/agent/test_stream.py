@@ -29,7 +29,7 @@ from llmgw.contracts.ports import PortRange
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 
-# What a control plane at 0.1.0 says to an agent at 0.2.0 (llmgw.server.stream.version_refusal).
+# What a control plane at 0.1.0 says to an agent at 0.2.0 (llmgw.server.fleet.stream.version_refusal).
 REFUSAL = (
     "this agent is llmgw 0.2.0, newer than the control plane's llmgw 0.1.0; upgrade the "
     "control plane to 0.2.0 or later first (control plane first, then agents), or reinstall "

@@ -23,7 +23,7 @@ from llmgw.agent.update_spool import IN_CONTAINER, Spooler
 from llmgw.contracts.update_order import REQUEST, STATUS
 from llmgw.errors import UpdateError
 from llmgw.pki import Authority, Identity
-from llmgw.server.updates import sign_order
+from llmgw.server.fleet.updates import sign_order
 
 NODE = "gpu-1"
 BUNDLE = b"pretend this is a bundle" * 1000

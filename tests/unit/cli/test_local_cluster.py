@@ -20,7 +20,7 @@ from llmgw.cli import local_cluster
 from llmgw.cli.local_cluster import UP_MODEL, LocalCluster, UpOptions
 from llmgw.contracts.endpoints import TASKS, served_paths
 from llmgw.procutil import process_start_time
-from llmgw.server.serving import ServedModel
+from llmgw.server.gateway.serving import ServedModel
 
 RECORDER = (
     '#!/bin/sh\n: >"$RECORD"\nfor a in "$@"; do printf "%s\\n" "$a" >>"$RECORD"; done\n'

@@ -12,7 +12,7 @@ from llmgw.contracts.paths import (
     DEFAULT_SERVER_STATE_DIR,
 )
 from llmgw.contracts.update_order import DEFAULT_SPOOL
-from llmgw.server.config import parse_server_config
+from llmgw.server.common.config import parse_server_config
 
 
 def test_the_paths_are_designs() -> None:

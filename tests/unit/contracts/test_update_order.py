@@ -21,7 +21,7 @@ from llmgw.contracts.update_order import (
 )
 from llmgw.errors import UpdateError
 from llmgw.pki import Authority, cert_pem, init_ca, load_ca, rotate_ca
-from llmgw.server.updates import sign_order
+from llmgw.server.fleet.updates import sign_order
 from tests.unit.orders import order_for
 
 

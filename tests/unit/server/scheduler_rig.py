@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, cast
 
-from llmgw.server.routing import Router
-from llmgw.server.scheduler import Scheduler
+from llmgw.server.fleet.scheduler import Scheduler
+from llmgw.server.fleet.stream import NodeSession
+from llmgw.server.gateway.routing import Router
 from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The cluster CA's rotation on the control plane (llmgw.server.authority): the shared
+"""The cluster CA's rotation on the control plane (llmgw.server.fleet.authority): the shared
 Authority moves to the new CA so every part signs with it, agents get the trust bundle,
 the old CA is dropped early only when no node still holds its certificates (unless forced),
 and by itself when the overlap ends."""
@@ -18,11 +18,11 @@ from cryptography.hazmat.primitives import serialization
 from llmgw import pki
 from llmgw.errors import Conflict
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.authority import ClusterAuthority
-from llmgw.server.nodes import Membership
-from llmgw.server.routing import Router
+from llmgw.server.fleet.authority import ClusterAuthority
+from llmgw.server.fleet.nodes import Membership
+from llmgw.server.fleet.stream import NodeSession
+from llmgw.server.gateway.routing import Router
 from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
 
 
 @pytest.fixture

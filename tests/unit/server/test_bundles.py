@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from llmgw.errors import NotFound
-from llmgw.server.bundles import Bundle, BundleStore, add_bundle_routes, one_liner
+from llmgw.server.joining.bundles import Bundle, BundleStore, add_bundle_routes, one_liner
 from tests.ci import require_tools
 from tests.oneliner import INSTALLER, make_bundle, run_one_liner
 
@@ -125,7 +125,7 @@ def test_missing_bundles_are_404_saying_what_to_copy_where(
             }
         }
         # ... the log does, once, for the operator.
-        lines = [r for r in caplog.records if r.name == "llmgw.server.bundles"]
+        lines = [r for r in caplog.records if r.name == "llmgw.server.joining.bundles"]
         assert len(lines) == 1
         assert lines[0].fields["bundle_dir"] == str(tmp_path)  # type: ignore[attr-defined]
         response = await client.get("/agent/bundles/linux-riscv64.tar.gz")

@@ -1,4 +1,4 @@
-"""The console's SVG line charts (llmgw.server.charts): valid XML, every text escaped, no
+"""The console's SVG line charts (llmgw.server.console.charts): valid XML, every text escaped, no
 style attribute, nice ticks, gaps, the legend and the x axis in minutes ago."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from llmgw.server.charts import Line, line_chart, nice_ticks
+from llmgw.server.console.charts import Line, line_chart, nice_ticks
 
 NS = "{http://www.w3.org/2000/svg}"
 NOW = 1_800_000_000.0

@@ -21,8 +21,8 @@ from llmgw import pki
 from llmgw.contracts.joining import refusal
 from llmgw.server.admin.access import AccessRoutes
 from llmgw.server.admin.context import guarded
-from llmgw.server.bundles import Bundle, add_bundle_routes
-from llmgw.server.cloudinit import TOKEN_FILE, join_script
+from llmgw.server.joining.bundles import Bundle, add_bundle_routes
+from llmgw.server.joining.cloudinit import TOKEN_FILE, join_script
 from llmgw.server.store import Store
 from tests.ci import require_tools
 from tests.oneliner import make_bundle, run_one_liner

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from llmgw.errors import ConfigError
-from llmgw.server.config import (
+from llmgw.server.accounts.logins import LoginPolicy
+from llmgw.server.common.config import (
     ServerConfig,
     load_server_config,
     parse_server_config,
 )
-from llmgw.server.logins import LoginPolicy
 
 DEFAULTS = ServerConfig(
     state_dir=Path("/var/lib/llmgw"),
@@ -259,7 +259,7 @@ def test_body_limits_default_and_accept_sizes(tmp_path: Path) -> None:
 
 def test_replica_wait_accepts_durations_and_refuses_out_of_range(tmp_path: Path) -> None:
     from llmgw.errors import ConfigError
-    from llmgw.server.config import load_server_config
+    from llmgw.server.common.config import load_server_config
 
     cfg = tmp_path / "server.yaml"
     cfg.write_text("replica_wait: 30s\n")
@@ -272,7 +272,7 @@ def test_replica_wait_accepts_durations_and_refuses_out_of_range(tmp_path: Path)
 
 def test_queue_timeout_and_fair_queueing(tmp_path: Path) -> None:
     from llmgw.errors import ConfigError
-    from llmgw.server.config import load_server_config
+    from llmgw.server.common.config import load_server_config
 
     cfg = tmp_path / "server.yaml"
     cfg.write_text("{}\n")
@@ -295,7 +295,7 @@ def test_durations_take_the_one_syntax_of_llmgw_durations(tmp_path: Path) -> Non
     """New with issue 12: server.yaml reads durations as catalog.yaml and ctl do, so
     milliseconds and a quoted number of seconds are accepted, a negative one refused."""
     from llmgw.errors import ConfigError
-    from llmgw.server.config import load_server_config
+    from llmgw.server.common.config import load_server_config
 
     cfg = tmp_path / "server.yaml"
     cfg.write_text('replica_wait: 500ms\nupstream_idle_timeout: "90"\ncert_lifetime: 30d\n')
@@ -310,7 +310,7 @@ def test_durations_take_the_one_syntax_of_llmgw_durations(tmp_path: Path) -> Non
 
 
 def test_tls_is_off_by_default_cluster_or_the_operators_files(tmp_path: Path) -> None:
-    from llmgw.server.config import TLSConfig
+    from llmgw.server.common.config import TLSConfig
 
     assert load_server_config(write(tmp_path, "{}\n")).tls is None
     assert load_server_config(write(tmp_path, "{}\n")).http_scheme == "http"

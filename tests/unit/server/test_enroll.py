@@ -25,15 +25,15 @@ from llmgw import pki
 from llmgw.contracts.joining import refusal
 from llmgw.contracts.rekeyproof import proof_message, sign_proof
 from llmgw.errors import EnrolmentError, StoreError
-from llmgw.server import enroll
-from llmgw.server.enroll import (
+from llmgw.server.joining import enroll
+from llmgw.server.joining.enroll import (
     RENEWED,
     Enroller,
     EnrolmentServer,
     record_certificate,
     server_ssl_context,
 )
-from llmgw.server.enrolrequest import MAX_BODY, EnrolRequest, parse_enrol_request
+from llmgw.server.joining.enrolrequest import MAX_BODY, EnrolRequest, parse_enrol_request
 from llmgw.server.store import Node, Store
 from tests.unit.clock import Clock
 

@@ -21,8 +21,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from yarl import URL
 
 from llmgw import pki
-from llmgw.server.follower import LeaderProxy
 from llmgw.server.ha import leader_ssl
+from llmgw.server.ha.follower import LeaderProxy
 
 
 class Leader:
@@ -170,7 +170,7 @@ def test_a_node_certified_for_the_leaders_name_gets_nothing(
         leader, (status, body) = run(node)
     assert status == 503 and body["error"]["code"] == "no_leader"
     assert leader.seen == []
-    (line,) = [r for r in caplog.records if r.name == "llmgw.server.follower"]
+    (line,) = [r for r in caplog.records if r.name == "llmgw.server.ha.follower"]
     assert line.getMessage().startswith("refused to forward an admin request: the leader's")
     assert pki.CONTROL_PLANE_OID.dotted_string in line.fields["reason"]  # type: ignore[attr-defined]
     leader, (status, _) = run(server)

@@ -27,13 +27,13 @@ from aiohttp import web
 from llmgw import bodies
 from llmgw.bodies import MAX_BODY_HEADER, BodyBudget
 from llmgw.http.relay import NOT_PROCESSED
-from llmgw.server.config import load_server_config
-from llmgw.server.gateway import Gateway, GatewaySettings
-from llmgw.server.metrics import Metrics
-from llmgw.server.routing import Endpoint, Router
-from llmgw.server.serving import ServedModel
+from llmgw.server.common.config import load_server_config
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.gateway.gateway import Gateway, GatewaySettings
+from llmgw.server.gateway.routing import Endpoint, Router
+from llmgw.server.gateway.serving import ServedModel
+from llmgw.server.gateway.usage import MAX_SSE_EVENT
 from llmgw.server.store.rows import ApiKey
-from llmgw.server.usage import MAX_SSE_EVENT
 from tests.unit.gateway_rig import serving_of
 from tests.unit.serving import serving
 

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmgw.http.errors import UpstreamProtocolError
-from llmgw.server.refusals import openai_error
-from llmgw.server.usage import MAX_SSE_EVENT, StreamTokenCounter
+from llmgw.server.gateway.refusals import openai_error
+from llmgw.server.gateway.usage import MAX_SSE_EVENT, StreamTokenCounter
 from llmgw.sim.config import SimConfig
 from llmgw.sim.server import serve
 

@@ -25,13 +25,13 @@ from aiohttp import web
 
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import Budget, KeyPolicy
-from llmgw.server.config import DEFAULT_MAX_MESSAGES, load_server_config
-from llmgw.server.gateway import Gateway
-from llmgw.server.limits import KeyLimits
-from llmgw.server.routing import Endpoint, Router
-from llmgw.server.serving import ServedModel
-from llmgw.server.tokenizing import SimTokenizer, Tokenizers
-from llmgw.server.usage import UsageBook
+from llmgw.server.common.config import DEFAULT_MAX_MESSAGES, load_server_config
+from llmgw.server.gateway.gateway import Gateway
+from llmgw.server.gateway.limits import KeyLimits
+from llmgw.server.gateway.routing import Endpoint, Router
+from llmgw.server.gateway.serving import ServedModel
+from llmgw.server.gateway.tokenizing import SimTokenizer, Tokenizers
+from llmgw.server.gateway.usage import UsageBook
 from llmgw.sim.config import SimConfig
 from llmgw.sim.server import build_app
 from tests.unit.gateway_rig import gateway_of, serving_of

@@ -11,10 +11,10 @@ from cryptography.hazmat.primitives import serialization
 
 from llmgw import pki
 from llmgw.bodies import BodyBudget
-from llmgw.server.config import load_server_config
-from llmgw.server.gateway import Gateway, GatewaySettings
-from llmgw.server.metrics import Metrics
-from llmgw.server.routing import Router
+from llmgw.server.common.config import load_server_config
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.gateway.gateway import Gateway, GatewaySettings
+from llmgw.server.gateway.routing import Router
 
 
 def der_of(tmp_path: Path, node_id: str) -> tuple[bytes, str]:

@@ -23,14 +23,14 @@ from aiohttp import web
 
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import Budget, KeyPolicy
-from llmgw.server.config import load_server_config
-from llmgw.server.gateway import Gateway
-from llmgw.server.limits import KeyLimits
-from llmgw.server.metrics import Metrics
-from llmgw.server.routing import Endpoint, Router
-from llmgw.server.serving import ServedModel
+from llmgw.server.common.config import load_server_config
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.gateway.gateway import Gateway
+from llmgw.server.gateway.limits import KeyLimits
+from llmgw.server.gateway.routing import Endpoint, Router
+from llmgw.server.gateway.serving import ServedModel
+from llmgw.server.gateway.usage import UsageBook
 from llmgw.server.store.rows import ApiKey
-from llmgw.server.usage import UsageBook
 from tests.unit.gateway_rig import gateway_of, serving_of
 from tests.unit.server.fakes import FakeStore, api_key
 from tests.unit.serving import serving

@@ -23,12 +23,12 @@ from aiohttp import web
 from llmgw.contracts.catalog import profile_max_concurrency, profile_tasks
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import KeyPolicy
-from llmgw.server.config import load_server_config
-from llmgw.server.history import RequestHistory
-from llmgw.server.limits import KeyLimits
-from llmgw.server.routing import Endpoint, Router
-from llmgw.server.serving import ServedModel
-from llmgw.server.usage import UsageBook
+from llmgw.server.common.config import load_server_config
+from llmgw.server.gateway.history import RequestHistory
+from llmgw.server.gateway.limits import KeyLimits
+from llmgw.server.gateway.routing import Endpoint, Router
+from llmgw.server.gateway.serving import ServedModel
+from llmgw.server.gateway.usage import UsageBook
 from llmgw.sim.config import SimConfig
 from llmgw.sim.server import build_app
 from tests.unit.gateway_rig import gateway_of, serving_of

@@ -20,12 +20,12 @@ from aiohttp import web
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.errors import ChatTemplateRefused
-from llmgw.server.config import load_server_config
-from llmgw.server.limits import KeyLimits
-from llmgw.server.routing import Endpoint, Router
-from llmgw.server.serving import ServedModel
+from llmgw.server.common.config import load_server_config
+from llmgw.server.gateway.limits import KeyLimits
+from llmgw.server.gateway.routing import Endpoint, Router
+from llmgw.server.gateway.serving import ServedModel
+from llmgw.server.gateway.tokenizing import HfTokenizer, Tokenizers
 from llmgw.server.store.rows import ApiKey
-from llmgw.server.tokenizing import HfTokenizer, Tokenizers
 from tests.unit.gateway_rig import gateway_of, serving_of
 from tests.unit.server.tokenizer_rig import CHATML, word_level_tokenizer
 from tests.unit.serving import serving

@@ -12,10 +12,10 @@ import aiohttp
 from aiohttp import web
 
 from llmgw.listener import ListenerLimits, listening_socket
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.gateway.queueing import Admission
+from llmgw.server.gateway.routing import Endpoint, Router
 from llmgw.server.ha import Handover
-from llmgw.server.metrics import Metrics
-from llmgw.server.queueing import Admission
-from llmgw.server.routing import Endpoint, Router
 
 
 def _role_app(router: Router, name: str) -> tuple[web.Application, Admission]:

@@ -1,4 +1,4 @@
-"""The in-memory hour of each model's traffic (llmgw.server.history): buckets rotating under
+"""The in-memory hour of each model's traffic (llmgw.server.gateway.history): buckets rotating under
 an injected clock, gaps, TTFT quantiles within the stated bound, and the memory bounds."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from llmgw.server.history import (
+from llmgw.server.gateway.history import (
     BUCKET_S,
     BUCKETS,
     TTFT_BINS,

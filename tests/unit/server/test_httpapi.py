@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from multidict import CIMultiDict
 
-from llmgw.server.httpapi import bearer_token, error_middleware
+from llmgw.server.common.httpapi import bearer_token, error_middleware
 
 
 def _token(header: str | None) -> bytes | None:

@@ -1,4 +1,4 @@
-"""Desired engines (llmgw.server.installs) on a real store with sessions as the stream keeps
+"""Desired engines (llmgw.server.fleet.installs) on a real store with sessions as the stream keeps
 them: what an operator may record and each refusal, the order each approved stream gets (the
 build of its architecture, once per stream, re-sent on a reconnect without losing a checked
 install), the answers, what placement is told to wait for and why, and the per-node view."""
@@ -13,10 +13,10 @@ import pytest
 from llmgw.contracts.install_order import canonical_arch, display_url
 from llmgw.errors import ConfigError, NotFound
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.installs import Build, EngineInstalls
-from llmgw.server.states import InstallState, NodeState
+from llmgw.server.fleet.installs import Build, EngineInstalls
+from llmgw.server.fleet.stream import NodeSession
 from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
+from llmgw.server.store.states import InstallState, NodeState
 
 X86, ARM = "a" * 64, "b" * 64
 URL_X86 = "https://pub.example/llama-b1-x64.tar.gz"
@@ -24,7 +24,7 @@ URL_ARM = "https://pub.example/llama-b1-arm64.tar.gz"
 
 
 class Fleet:
-    """Nodes in the store and their live streams, as llmgw.server.sessions keeps them."""
+    """Nodes in the store and their live streams, as llmgw.server.fleet.sessions keeps them."""
 
     def __init__(self, store: Store) -> None:
         self.store = store

@@ -1,5 +1,5 @@
 """What a node may send on its stream: size limits, per-node token buckets, what a pending
-node may send, and when a flood closes the stream (llmgw.server.intake)."""
+node may send, and when a flood closes the stream (llmgw.server.fleet.intake)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from llmgw.contracts.inventory import MAX_GPU_UUID, MAX_HEARTBEAT_GPUS
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.intake import (
+from llmgw.server.fleet.intake import (
     ABUSE_DROPS,
     HELLO_RATE,
     KIND_LIMITS,

@@ -17,9 +17,9 @@ from llmgw.agent.kvevents import BlockMap, Pending
 from llmgw.contracts.kvblocks import block_keys
 from llmgw.engines.kvevents import decode_batch
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.policies import RouteHint
-from llmgw.server.routing import Endpoint, Router
-from llmgw.server.tokenizing import HfTokenizer
+from llmgw.server.gateway.policies import RouteHint
+from llmgw.server.gateway.routing import Endpoint, Router
+from llmgw.server.gateway.tokenizing import HfTokenizer
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from llmgw.contracts.keypolicy import Budget, KeyPolicy
-from llmgw.server.limits import Grant, KeyLimits, Refusal, format_reset
+from llmgw.server.gateway.limits import Grant, KeyLimits, Refusal, format_reset
 from llmgw.server.store.rows import ApiKey
 from tests.unit.clock import Clock
 

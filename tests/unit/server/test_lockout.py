@@ -1,4 +1,4 @@
-"""The lockout (llmgw.server.lockout): addresses keyed per IPv4 address and per IPv6 /64, a
+"""The lockout (llmgw.server.accounts.lockout): addresses keyed per IPv4 address and per IPv6 /64, a
 locked account's owner still signing in from a fresh address with its ctl credential (and
 nobody else), and the second secrets (the admin password's checks, account confirmations)
 counted in the same lockout as logins, a locked one answered alike whatever the secret."""
@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-import llmgw.server.passwords as passwords_module
+import llmgw.server.accounts.passwords as passwords_module
 from llmgw.errors import PasswordError
-from llmgw.server.lockout import Lockout, LockoutPolicy, LoginThrottled, address_key
-from llmgw.server.logins import LoginPolicy, LoginRefused, Logins
-from llmgw.server.operators import OperatorAccounts
-from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
+from llmgw.server.accounts.lockout import Lockout, LockoutPolicy, LoginThrottled, address_key
+from llmgw.server.accounts.logins import LoginPolicy, LoginRefused, Logins
+from llmgw.server.accounts.operators import OperatorAccounts
+from llmgw.server.accounts.passwords import PASSWORD_FILE, AdminPassword
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
 

@@ -1,4 +1,4 @@
-"""Login sessions and login rate limits (llmgw.server.logins), on both engines: a token
+"""Login sessions and login rate limits (llmgw.server.accounts.logins), on both engines: a token
 resolves to its account (its role as it is now) until it lapses, idle or at its lifetime;
 the account's changes end its sessions; failed logins lock the address and the account,
 before any password is checked, and a lock is one event."""
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from llmgw.errors import PasswordError
-from llmgw.server.logins import (
+from llmgw.server.accounts.logins import (
     SEEN_EVERY,
     LoginPolicy,
     LoginRefused,
@@ -23,9 +23,9 @@ from llmgw.server.logins import (
     LoginSession,
     LoginThrottled,
 )
-from llmgw.server.operators import OperatorAccounts
-from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
-from llmgw.server.principals import VIA_CLI, VIA_CONSOLE, Principal
+from llmgw.server.accounts.operators import OperatorAccounts
+from llmgw.server.accounts.passwords import PASSWORD_FILE, AdminPassword
+from llmgw.server.accounts.principals import VIA_CLI, VIA_CONSOLE, Principal
 from llmgw.server.store import LOGIN_KINDS, Store, hash_session_token
 from llmgw.server.store.location import Location, parse_location
 from tests.unit.clock import Clock

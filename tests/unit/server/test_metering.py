@@ -1,4 +1,4 @@
-"""What a request is charged (llmgw.server.metering): the estimate at admission, the body
+"""What a request is charged (llmgw.server.gateway.metering): the estimate at admission, the body
 that asks a stream for its usage, and what an outcome without usage settles on."""
 
 from __future__ import annotations
@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from llmgw.server.metering import DEFAULT_OUTPUT_RESERVE, Estimate, Outcome, estimate, with_usage
+from llmgw.server.gateway.metering import (
+    DEFAULT_OUTPUT_RESERVE,
+    Estimate,
+    Outcome,
+    estimate,
+    with_usage,
+)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

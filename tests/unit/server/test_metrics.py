@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.server.metrics import LATENCY_BUCKETS, Counter, Gauge, Histogram, Metrics
+from llmgw.server.common.metrics import LATENCY_BUCKETS, Counter, Gauge, Histogram, Metrics
 
 METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from llmgw.contracts.keypolicy import KeyPolicy
-from llmgw.server.limits import Grant, KeyLimits
-from llmgw.server.metering import Estimate
-from llmgw.server.modelrequest import Charge
+from llmgw.server.gateway.limits import Grant, KeyLimits
+from llmgw.server.gateway.metering import Estimate
+from llmgw.server.gateway.modelrequest import Charge
 from llmgw.server.store.rows import ApiKey
 
 

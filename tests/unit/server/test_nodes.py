@@ -1,4 +1,4 @@
-"""Renewal over the stream (llmgw.server.nodes): only for approved nodes, and the renewed
+"""Renewal over the stream (llmgw.server.fleet.nodes): only for approved nodes, and the renewed
 certificate replaces the old one everywhere: its serial is on the deny list the stream and
 the gateway's data-plane check read."""
 
@@ -17,14 +17,14 @@ from llmgw import pki
 from llmgw.bodies import BodyBudget
 from llmgw.errors import Conflict
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.config import load_server_config
-from llmgw.server.gateway import Gateway, GatewaySettings
-from llmgw.server.metrics import Metrics
-from llmgw.server.nodes import Membership
-from llmgw.server.routing import Router
-from llmgw.server.serving import ServingCache
+from llmgw.server.common.config import load_server_config
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.fleet.nodes import Membership
+from llmgw.server.fleet.stream import NodeSession
+from llmgw.server.gateway.gateway import Gateway, GatewaySettings
+from llmgw.server.gateway.routing import Router
+from llmgw.server.gateway.serving import ServingCache
 from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
 
 
 @pytest.fixture
@@ -164,7 +164,7 @@ def test_a_node_approved_degraded_says_so_in_an_event(tmp_path: Path, store: Sto
 
 
 def test_events_follow_the_reasons_not_every_inventory(tmp_path: Path, store: Store) -> None:
-    from llmgw.server.reports import store_inventory
+    from llmgw.server.fleet.reports import store_inventory
 
     fleet = Fleet(tmp_path, store)
     fleet.approve()

@@ -1,4 +1,4 @@
-"""Operator accounts (llmgw.server.operators): the first admin is the admin password, one
+"""Operator accounts (llmgw.server.accounts.operators): the first admin is the admin password, one
 secret changed from either side; verify answers for right, wrong, unknown and removed
 accounts; every change is an event naming its actor."""
 
@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 
 from llmgw.errors import Conflict, PasswordError
-from llmgw.server.operators import OperatorAccounts
-from llmgw.server.passwords import PASSWORD_FILE, PASSWORD_META, AdminPassword, hash_password
+from llmgw.server.accounts.operators import OperatorAccounts
+from llmgw.server.accounts.passwords import (
+    PASSWORD_FILE,
+    PASSWORD_META,
+    AdminPassword,
+    hash_password,
+)
 from llmgw.server.store import Store
 
 

@@ -1,4 +1,4 @@
-"""The admin password (llmgw.server.passwords): a scrypt hash, made once, changed only with
+"""The admin password (llmgw.server.accounts.passwords): a scrypt hash, made once, changed only with
 the old one; its errors are not update errors."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.errors import LlmgwError, PasswordError, UpdateError
-from llmgw.server.passwords import (
+from llmgw.server.accounts.passwords import (
     PASSWORD_FILE,
     PASSWORD_META,
     AdminPassword,

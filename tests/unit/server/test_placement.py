@@ -19,7 +19,7 @@ from hypothesis.stateful import (
 )
 
 from llmgw.contracts.inventory import DegradedCode, DegradedReason
-from llmgw.server.placement import (
+from llmgw.server.fleet.placement import (
     Allocation,
     Cluster,
     GpuView,
@@ -871,7 +871,7 @@ def test_reason_names_the_approval_state_when_known() -> None:
     assert result.reasons == ("n1: pending", "n2: revoked")
 
 
-# -- engines held back until their desired build is installed (llmgw.server.installs) ---------
+# -- engines held back until their desired build is installed (llmgw.server.fleet.installs) ---------
 
 
 def test_a_held_engine_is_not_placed_and_the_reason_is_the_holds() -> None:

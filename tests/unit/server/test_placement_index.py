@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from llmgw.contracts.inventory import DegradedCode, DegradedReason
 from llmgw.contracts.model_sources import NodeSources, SourceSpec
-from llmgw.server.placement import (
+from llmgw.server.fleet.placement import (
     Allocation,
     Cluster,
     GpuView,

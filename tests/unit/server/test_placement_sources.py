@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmgw.contracts.model_sources import NodeSources, SourceSpec
-from llmgw.server.placement import Cluster, GpuView, NodeView, Placement, Profile, Unplaceable
+from llmgw.server.fleet.placement import Cluster, GpuView, NodeView, Placement, Profile, Unplaceable
 
 ROOT = "/srv/llmgw/models"
 SHA = "ab" * 32

@@ -10,8 +10,8 @@ import pytest
 from llmgw.contracts.catalog import ROUTINGS, Routing
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.kvblocks import block_keys
-from llmgw.server.metrics import Metrics
-from llmgw.server.policies import (
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.gateway.policies import (
     POLICIES,
     SESSION_SLACK,
     Prompt,
@@ -19,9 +19,9 @@ from llmgw.server.policies import (
     RoutingPolicies,
     session_of,
 )
-from llmgw.server.queueing import Admission
-from llmgw.server.routing import Endpoint, Router
-from llmgw.server.serving import ServedModel
+from llmgw.server.gateway.queueing import Admission
+from llmgw.server.gateway.routing import Endpoint, Router
+from llmgw.server.gateway.serving import ServedModel
 
 MODEL = "m"
 

@@ -1,4 +1,4 @@
-"""Cache-aware routing's choice (llmgw.server.prefixes): the block index, the events that
+"""Cache-aware routing's choice (llmgw.server.gateway.prefixes): the block index, the events that
 fill it, each policy's pick, and how load spreads a hot prefix."""
 
 from __future__ import annotations
@@ -9,10 +9,16 @@ import pytest
 
 from llmgw.contracts.kvblocks import block_keys
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.metrics import Metrics
-from llmgw.server.policies import RouteHint, RoutingPolicies
-from llmgw.server.prefixes import APPROX_CHUNK, BlockIndex, PrefixRouting, text_keys, text_of
-from llmgw.server.routing import Endpoint, Router
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.gateway.policies import RouteHint, RoutingPolicies
+from llmgw.server.gateway.prefixes import (
+    APPROX_CHUNK,
+    BlockIndex,
+    PrefixRouting,
+    text_keys,
+    text_of,
+)
+from llmgw.server.gateway.routing import Endpoint, Router
 
 MODEL = "m"
 

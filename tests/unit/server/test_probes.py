@@ -1,4 +1,4 @@
-"""/healthz and /metrics (llmgw.server.probes) on the gateway's listener: a stranger gets the
+"""/healthz and /metrics (llmgw.server.gateway.probes) on the gateway's listener: a stranger gets the
 status and role a load balancer needs and no metrics; the metrics token or the admin token,
 as Prometheus sends it (Authorization: Bearer), gets both in full."""
 
@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from llmgw.server.config import load_server_config
-from llmgw.server.metrics import Metrics
-from llmgw.server.routing import Endpoint, Router
+from llmgw.server.common.config import load_server_config
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.gateway.routing import Endpoint, Router
 from tests.unit.gateway_rig import gateway_of, serving_of
 from tests.unit.serving import serving
 

@@ -1,4 +1,4 @@
-"""Who a request comes from behind proxies (llmgw.server.proxies): X-Forwarded-For read only
+"""Who a request comes from behind proxies (llmgw.server.ha.proxies): X-Forwarded-For read only
 from a trusted proxy, from the right past every trusted hop; the client put in the request's
 ``remote`` by the middleware; the address logins count against."""
 
@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
-from llmgw.server.follower import CLIENT_ADDR_HEADER, CLIENT_MAC_HEADER
-from llmgw.server.proxies import TrustedProxies, forwarded_middleware, login_source, parse_hop
+from llmgw.server.ha.follower import CLIENT_ADDR_HEADER, CLIENT_MAC_HEADER
+from llmgw.server.ha.proxies import TrustedProxies, forwarded_middleware, login_source, parse_hop
 
 TRUSTED = TrustedProxies(
     [ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("2001:db8:ffff::/48")]

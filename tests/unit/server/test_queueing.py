@@ -8,9 +8,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from llmgw.server.metrics import Metrics
-from llmgw.server.queueing import Admission, QueueTimeout
-from llmgw.server.routing import Endpoint, Router
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.gateway.queueing import Admission, QueueTimeout
+from llmgw.server.gateway.routing import Endpoint, Router
 
 pytestmark = pytest.mark.timeout(30)
 

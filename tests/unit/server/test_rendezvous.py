@@ -1,9 +1,9 @@
-"""llmgw.server.rendezvous: a multi-node replica's port, inside every node's multinode_ports
+"""llmgw.server.fleet.rendezvous: a multi-node replica's port, inside every node's multinode_ports
 and free on all of them, or the reason there is none."""
 
 from __future__ import annotations
 
-from llmgw.server.rendezvous import NoPort, rendezvous_port
+from llmgw.server.fleet.rendezvous import NoPort, rendezvous_port
 
 FIX = "re-run install-agent.sh there so that the firewall follows"
 

@@ -1,4 +1,4 @@
-"""What a node's new inventory is worth in the events (llmgw.server.reports): the first one
+"""What a node's new inventory is worth in the events (llmgw.server.fleet.reports): the first one
 in full, then only what changed in words an operator reads ("engines: +vllm 0.33.0", "GPU 1
 lost"); volatile figures (free disk and memory, GPU memory in use) are never an event."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.reports import inventory_changes, store_inventory
+from llmgw.server.fleet.reports import inventory_changes, store_inventory
+from llmgw.server.fleet.stream import NodeSession
 from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
 
 GIB = 2**30
 

@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.server.routing import Endpoint, Router
+from llmgw.server.gateway.routing import Endpoint, Router
 
 
 def ep(shard: str, model: str = "m", node: str = "n1", addr: str = "10.0.0.1:9443") -> Endpoint:
@@ -232,7 +232,7 @@ def test_pick_never_returns_removed_and_is_least_loaded(steps: list[tuple]) -> N
 def test_wait_ready_returns_a_replica_that_becomes_ready_in_time() -> None:
     import asyncio
 
-    from llmgw.server.routing import Endpoint, Router
+    from llmgw.server.gateway.routing import Endpoint, Router
 
     async def main() -> tuple[Endpoint | None, Endpoint | None]:
         router = Router()

@@ -11,10 +11,10 @@ import pytest
 from llmgw.engines.launch import build_command
 from llmgw.engines.spec import EngineSpec
 from llmgw.proto import control_pb2 as pb
-from llmgw.server import scheduler as scheduler_module
-from llmgw.server.installs import Build, EngineInstalls
-from llmgw.server.routing import Router
-from llmgw.server.scheduler import Scheduler
+from llmgw.server.fleet import scheduler as scheduler_module
+from llmgw.server.fleet.installs import Build, EngineInstalls
+from llmgw.server.fleet.scheduler import Scheduler
+from llmgw.server.gateway.routing import Router
 from tests.unit.server.scheduler_rig import SchedulerRig
 
 

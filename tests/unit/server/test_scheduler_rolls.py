@@ -5,7 +5,7 @@ with the reason shown."""
 
 from __future__ import annotations
 
-from llmgw.server.scheduler import Scheduler
+from llmgw.server.fleet.scheduler import Scheduler
 from tests.unit.server.scheduler_rig import SchedulerRig
 
 

@@ -1,11 +1,11 @@
-"""The request path's caches (llmgw.server.serving): active key hashes, deployed model names,
+"""The request path's caches (llmgw.server.gateway.serving): active key hashes, deployed model names,
 and the body limits deployed profiles raise above server.yaml's."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from llmgw.server.serving import ServingCache
+from llmgw.server.gateway.serving import ServingCache
 from llmgw.server.store import Store, hash_api_key
 
 

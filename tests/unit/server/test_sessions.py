@@ -1,5 +1,5 @@
-"""The session life cycle (llmgw.server.sessions) and the agent reports it hands on
-(llmgw.server.reports), wired as the control plane wires them, on a real store and CA: a
+"""The session life cycle (llmgw.server.fleet.sessions) and the agent reports it hands on
+(llmgw.server.fleet.reports), wired as the control plane wires them, on a real store and CA: a
 stream opens and closes, a node away for the loss timeout is lost and loses its replicas,
 a rank-0 shard that turns ready becomes routable."""
 
@@ -22,16 +22,16 @@ from llmgw.contracts.control_planes import ControlPlaneList
 from llmgw.contracts.inventory import multinode_ports
 from llmgw.contracts.ports import PortRange
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.installs import Build, EngineInstalls
-from llmgw.server.metrics import Metrics
-from llmgw.server.nodes import Membership
-from llmgw.server.reports import AgentReports, agent_messages
-from llmgw.server.routing import Router
-from llmgw.server.scheduler import Scheduler
-from llmgw.server.sessions import HEARTBEAT_CHECK_MAX, HEARTBEAT_CHECK_SLACK, Sessions
-from llmgw.server.states import NodeState, ShardState
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.fleet.installs import Build, EngineInstalls
+from llmgw.server.fleet.nodes import Membership
+from llmgw.server.fleet.reports import AgentReports, agent_messages
+from llmgw.server.fleet.scheduler import Scheduler
+from llmgw.server.fleet.sessions import HEARTBEAT_CHECK_MAX, HEARTBEAT_CHECK_SLACK, Sessions
+from llmgw.server.fleet.stream import NodeSession
+from llmgw.server.gateway.routing import Router
 from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
+from llmgw.server.store.states import NodeState, ShardState
 
 
 @pytest.fixture

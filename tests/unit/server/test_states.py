@@ -3,7 +3,7 @@ stored inventory, and the event a change of those reasons is worth."""
 
 from __future__ import annotations
 
-from llmgw.server.states import NodeHealth, NodeState, health_change, node_health
+from llmgw.server.store.states import NodeHealth, NodeState, health_change, node_health
 
 DOCKER = {"code": "docker", "message": "dockerd cannot be reached", "engine": "", "fabric": ""}
 VLLM = {"code": "engine", "message": "engine vllm will not run", "engine": "vllm", "fabric": ""}

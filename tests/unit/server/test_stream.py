@@ -1,4 +1,4 @@
-"""llmgw.server.stream: the Connect stream's gRPC listener (mutual TLS), and the refusal of
+"""llmgw.server.fleet.stream: the Connect stream's gRPC listener (mutual TLS), and the refusal of
 an agent of a newer release than the control plane."""
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from llmgw.contracts.control_planes import ControlPlaneList
 from llmgw.errors import ConfigError, StoreError
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
-from llmgw.server.store import Store
-from llmgw.server.stream import (
+from llmgw.server.fleet.stream import (
     ControlPlaneService,
     NodeSession,
     start_stream_server,
     version_refusal,
 )
+from llmgw.server.store import Store
 
 NEEDLE = "the test servicer answered"
 
@@ -274,7 +274,7 @@ def test_no_list_is_sent_when_there_is_none_the_agents_would_take(
     assert error is None
     assert [m.WhichOneof("msg") for m in got] == ["welcome"]
     assert sessions.opened == ["0.1.0"]
-    said = [r.getMessage() for r in caplog.records if r.name == "llmgw.server.stream"]
+    said = [r.getMessage() for r in caplog.records if r.name == "llmgw.server.fleet.stream"]
     assert said == ([warning] if warning else [])
 
 

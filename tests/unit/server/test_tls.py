@@ -19,8 +19,8 @@ from cryptography import x509
 from llmgw import pki
 from llmgw.errors import CertificateError
 from llmgw.pki import Identity
-from llmgw.server.config import TLSConfig
-from llmgw.server.tls import ServingCertificate, serving_certificate
+from llmgw.server.common.config import TLSConfig
+from llmgw.server.common.tls import ServingCertificate, serving_certificate
 
 
 def issue(ca: pki.Authority, directory: Path, name: str) -> Identity:
@@ -148,7 +148,7 @@ def test_what_tls_in_server_yaml_serves(tmp_path: Path, ca: pki.Authority) -> No
 def test_the_stream_takes_a_rotated_certificate_and_trust_without_a_restart(
     tmp_path: Path,
 ) -> None:
-    """llmgw.server.tls.StreamCredentials under a real gRPC server: after a CA rotation new
+    """llmgw.server.common.tls.StreamCredentials under a real gRPC server: after a CA rotation new
     streams get the reissued certificate (which an agent trusting only the old CA accepts
     through the cross-certificate) and nodes of the new CA are accepted; after the drop, a
     node certificate of the old CA is refused."""
@@ -157,7 +157,7 @@ def test_the_stream_takes_a_rotated_certificate_and_trust_without_a_restart(
     from llmgw.netaddr import CONTROL_PLANE_NAME
     from llmgw.proto import control_pb2 as pb
     from llmgw.proto import control_pb2_grpc as pb_grpc
-    from llmgw.server.stream import start_stream_server
+    from llmgw.server.fleet.stream import start_stream_server
 
     d = tmp_path / "cp"
     old, server_id, _ = pki.ensure_server_identity(d, hosts=["127.0.0.1"])

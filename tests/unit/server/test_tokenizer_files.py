@@ -1,5 +1,5 @@
 """Where the control plane fetches a model's tokenizer files from, and what a failure says
-(llmgw.server.tokenizer_files, through llmgw.server.tokenizing.Tokenizers): no loopback or
+(llmgw.server.gateway.tokenizer_files, through llmgw.server.gateway.tokenizing.Tokenizers): no loopback or
 private target unless server.yaml's tokenizer_sources lists it (checked on the name and on
 the connected socket), no redirect to another host, no path inside the state directory or
 naming a secret, and a problem that says "download failed", "read failed" or "checksum
@@ -23,9 +23,9 @@ from llmgw.contracts.catalog import FileRef
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.sources import parse_prefix
 from llmgw.server.app import ControlPlane
-from llmgw.server.config import load_server_config
-from llmgw.server.serving import ServedModel
-from llmgw.server.tokenizing import HfTokenizer, Tokenizers
+from llmgw.server.common.config import load_server_config
+from llmgw.server.gateway.serving import ServedModel
+from llmgw.server.gateway.tokenizing import HfTokenizer, Tokenizers
 
 SECRET = b"llmgw-admin-the-secret\n"
 

@@ -1,4 +1,4 @@
-"""The gateway's prompt tokenizers (llmgw.server.tokenizing): the sim engine's own text and
+"""The gateway's prompt tokenizers (llmgw.server.gateway.tokenizing): the sim engine's own text and
 tokenizer, a Hugging Face tokenizer.json with its chat template applied as vLLM applies it,
 and the control plane's cache of them per model (paths, URLs fetched once into the state
 directory, each checked by its SHA-256; failures recorded and retried)."""
@@ -22,14 +22,14 @@ from llmgw.contracts.catalog import FileRef
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.sources import parse_prefix
 from llmgw.errors import TokenizerError
-from llmgw.server.serving import ServedModel, ServingCache
-from llmgw.server.store import Store
-from llmgw.server.tokenizing import (
+from llmgw.server.gateway.serving import ServedModel, ServingCache
+from llmgw.server.gateway.tokenizing import (
     MAX_PROMPT_CHARS,
     HfTokenizer,
     SimTokenizer,
     Tokenizers,
 )
+from llmgw.server.store import Store
 from llmgw.sim.generate import tokenize
 from llmgw.sim.protocol import chat_prompt
 from tests.unit.clock import Clock

@@ -12,9 +12,9 @@ import pytest
 
 from llmgw.contracts.joining import refusal
 from llmgw.errors import Conflict, TokenError
-from llmgw.server import tokens
-from llmgw.server.states import NodeState, TokenKind
-from llmgw.server.tokens import JoinToken
+from llmgw.server.store import tokens
+from llmgw.server.store.states import NodeState, TokenKind
+from llmgw.server.store.tokens import JoinToken
 
 T0 = 1_700_000_000.0
 

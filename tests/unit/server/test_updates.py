@@ -12,11 +12,11 @@ import pytest
 
 from llmgw import pki
 from llmgw.errors import Conflict
-from llmgw.server.bundles import Bundle
-from llmgw.server.operators import OperatorAccounts
-from llmgw.server.states import NodeState
+from llmgw.server.accounts.operators import OperatorAccounts
+from llmgw.server.fleet.updates import Updates, version_problem
+from llmgw.server.joining.bundles import Bundle
 from llmgw.server.store import MIGRATIONS, Store
-from llmgw.server.updates import Updates, version_problem
+from llmgw.server.store.states import NodeState
 
 ORDER = {"order": b'{"counter":1}', "signature": b"sig", "expires": 2000.0}
 
@@ -185,7 +185,7 @@ def test_orders_carry_the_rotation_only_while_it_lasts(tmp_path: Path) -> None:
     before a rotation or after the old CA was dropped (older helpers refuse unknown fields)."""
     from llmgw import pki
     from llmgw.contracts.update_order import trust_move, verify_order
-    from llmgw.server.updates import rotation_fields, sign_order
+    from llmgw.server.fleet.updates import rotation_fields, sign_order
     from tests.unit.orders import order_for
 
     d = tmp_path / "pki"

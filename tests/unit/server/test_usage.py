@@ -9,9 +9,9 @@ import pytest
 
 from llmgw.contracts.keypolicy import Budget, KeyPolicy, UsageRow
 from llmgw.errors import StoreUnavailable
-from llmgw.server.limits import Grant, KeyLimits
+from llmgw.server.gateway.limits import Grant, KeyLimits
+from llmgw.server.gateway.usage import UsageBook
 from llmgw.server.store.rows import ApiKey
-from llmgw.server.usage import UsageBook
 from tests.unit.clock import Clock
 from tests.unit.server.fakes import FakeStore
 

@@ -26,7 +26,7 @@ from llmgw.contracts.update_order import REQUEST, STATUS
 from llmgw.errors import UpdateError
 from llmgw.pki import Authority
 from llmgw.pki.certs import load_key
-from llmgw.server.updates import sign_order
+from llmgw.server.fleet.updates import sign_order
 from llmgw.updater import bundle as helper_bundle
 from llmgw.updater.apply import ApplyResult, apply_request, read_counter
 from tests.unit.orders import NODE, order_for

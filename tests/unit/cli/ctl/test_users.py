@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.server.operators import OperatorAccounts
-from llmgw.server.passwords import PASSWORD_META, check_password, hash_password
+from llmgw.server.accounts.operators import OperatorAccounts
+from llmgw.server.accounts.passwords import PASSWORD_META, check_password, hash_password
 from llmgw.server.store import Store
 from tests.unit.cli.ctl.fakeapi import FakeAPI, Status
 from tests.unit.clock import Clock

@@ -15,7 +15,7 @@ from llmgw import pki
 from llmgw.bodies import BodyBudget
 from llmgw.server.admin.access import AccessRoutes
 from llmgw.server.admin.context import AdminContext, guarded
-from llmgw.server.bundles import BundleStore
+from llmgw.server.joining.bundles import BundleStore
 from llmgw.server.store import Store
 
 ADMIN = "admin-secret"

@@ -14,10 +14,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from llmgw.bodies import BodyBudget
 from llmgw.contracts.keypolicy import UsageRow
+from llmgw.server.accounts.logins import LoginPolicy, Logins
+from llmgw.server.accounts.operators import OperatorAccounts
 from llmgw.server.admin import add_admin_routes
 from llmgw.server.admin.context import AdminContext
-from llmgw.server.logins import LoginPolicy, Logins
-from llmgw.server.operators import OperatorAccounts
 from llmgw.server.store import Store
 
 ADMIN = "admin-secret"

@@ -21,7 +21,7 @@ from llmgw import pki
 from llmgw.contracts.joining import refusal
 from llmgw.server.admin.access import AccessRoutes
 from llmgw.server.admin.context import guarded
-from llmgw.server.bundles import add_bundle_routes
+from llmgw.server.joining.bundles import add_bundle_routes
 from llmgw.server.store import Store
 from tests.ci import require_tools
 from tests.oneliner import make_bundle, run_one_liner

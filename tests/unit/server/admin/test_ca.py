@@ -19,7 +19,7 @@ from llmgw.bodies import BodyBudget
 from llmgw.errors import Conflict, PasswordError
 from llmgw.server.admin.ca import CARoutes
 from llmgw.server.admin.context import AdminContext, guarded
-from llmgw.server.authority import ClusterAuthority
+from llmgw.server.fleet.authority import ClusterAuthority
 from llmgw.server.store import Store
 
 TOKEN = "admin-secret"

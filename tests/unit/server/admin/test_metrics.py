@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from llmgw.bodies import BodyBudget
 from llmgw.server.admin.context import AdminContext, guarded
 from llmgw.server.admin.metrics import MetricsRoutes
-from llmgw.server.history import BUCKETS, RequestHistory
+from llmgw.server.gateway.history import BUCKETS, RequestHistory
 
 TOKEN = "admin-secret"
 NOW = 1_800_000_000.0

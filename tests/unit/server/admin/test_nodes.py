@@ -17,8 +17,8 @@ from llmgw.errors import NotFound
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.admin.context import AdminContext
 from llmgw.server.admin.nodes import NodeRoutes
+from llmgw.server.fleet.stream import NodeSession
 from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
 
 BROKEN = pb.DegradedReason(
     code="engine",

@@ -18,7 +18,7 @@ from llmgw.bodies import BodyBudget
 from llmgw.errors import ConfigError
 from llmgw.server.admin.context import AdminContext, BadRequest, guarded
 from llmgw.server.admin.software import MAX_BUILDS, SoftwareRoutes, _builds, _target
-from llmgw.server.installs import Build
+from llmgw.server.fleet.installs import Build
 
 SHA = "d" * 64
 

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from llmgw.server.operators import OperatorAccounts
-from llmgw.server.passwords import PASSWORD_META, check_password, hash_password
+from llmgw.server.accounts.operators import OperatorAccounts
+from llmgw.server.accounts.passwords import PASSWORD_META, check_password, hash_password
 from llmgw.server.store import Store
 from tests.unit.server.admin.keys_rig import Admin
 

@@ -1,6 +1,6 @@
 """The console rig with what Add node, Approve and Update now need besides: the cluster CA,
 the listeners' ports and the agent bundles a join command and an update order are made from,
-and the real :class:`llmgw.server.updates.Updates` (signing with that CA, behind the
+and the real :class:`llmgw.server.fleet.updates.Updates` (signing with that CA, behind the
 accounts' passwords)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 from llmgw import pki
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.bundles import BundleStore
-from llmgw.server.operators import OperatorAccounts
+from llmgw.server.accounts.operators import OperatorAccounts
+from llmgw.server.fleet.stream import NodeSession
+from llmgw.server.fleet.updates import Updates
+from llmgw.server.joining.bundles import BundleStore
 from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
-from llmgw.server.updates import Updates
 from tests.oneliner import make_bundle
 from tests.unit.clock import Clock
 from tests.unit.server.console.rig import ConsoleRig

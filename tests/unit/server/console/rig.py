@@ -20,19 +20,19 @@ from llmgw.bodies import BodyBudget
 from llmgw.contracts.inventory import inventory_dict
 from llmgw.pki import Authority
 from llmgw.proto import control_pb2 as pb
+from llmgw.server.accounts.logins import LoginPolicy, Logins
+from llmgw.server.accounts.operators import OperatorAccounts
+from llmgw.server.accounts.passwords import PASSWORD_FILE, AdminPassword
 from llmgw.server.admin.context import AdminContext
+from llmgw.server.common.httpapi import error_middleware
+from llmgw.server.common.metrics import Metrics
 from llmgw.server.console import Console, add_console_routes
-from llmgw.server.history import RequestHistory
-from llmgw.server.httpapi import error_middleware
-from llmgw.server.logins import LoginPolicy, Logins
-from llmgw.server.metrics import Metrics
-from llmgw.server.nodes import Membership
-from llmgw.server.operators import OperatorAccounts
-from llmgw.server.passwords import PASSWORD_FILE, AdminPassword
-from llmgw.server.routing import Router
-from llmgw.server.scheduler import Scheduler
+from llmgw.server.fleet.nodes import Membership
+from llmgw.server.fleet.scheduler import Scheduler
+from llmgw.server.fleet.stream import NodeSession
+from llmgw.server.gateway.history import RequestHistory
+from llmgw.server.gateway.routing import Router
 from llmgw.server.store import Store
-from llmgw.server.stream import NodeSession
 from tests.unit.clock import Clock
 
 VIEWER_PW = "vera's long password"

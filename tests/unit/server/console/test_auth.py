@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.server.accounts.logins import LoginPolicy
 from llmgw.server.console.security import (
     CSP,
     LOGIN_COOKIE,
@@ -17,7 +18,6 @@ from llmgw.server.console.security import (
     foreign_origin,
     local_next,
 )
-from llmgw.server.logins import LoginPolicy
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
 from tests.unit.server.console.rig import VIEWER_PW, Browser, ConsoleRig, csrf_of

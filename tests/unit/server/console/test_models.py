@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.server.routing import Endpoint
+from llmgw.server.gateway.routing import Endpoint
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
 from tests.unit.server.console.rig import HOSTILE, VIEWER_PW, Browser, ConsoleRig, flash_of

@@ -1,4 +1,4 @@
-"""The console through a standby (llmgw.server.follower.LeaderProxy): every /ui/ request goes
+"""The console through a standby (llmgw.server.ha.follower.LeaderProxy): every /ui/ request goes
 to the leader whole, the Host along so that the Origin check holds, the event stream relayed
 as it comes, and the browser's address signed under the admin token so that the leader's
 login limits count the browser; an address a client claims itself is not believed, nor a
@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
-from llmgw.server.follower import (
+from llmgw.server.ha.follower import (
     CLIENT_ADDR_HEADER,
     CLIENT_MAC_HEADER,
     MAC_WINDOW,

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from llmgw.errors import StoreError
-from llmgw.server.states import InstallState
 from llmgw.server.store import ALL_NODES, MIGRATIONS, DesiredBuild, NodeEngine, Store
 from llmgw.server.store.schema import split_sql
+from llmgw.server.store.states import InstallState
 from tests.unit.clock import Clock
 
 A, B = "a" * 64, "b" * 64

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llmgw.server.states import ShardState
 from llmgw.server.store import Node, Store
+from llmgw.server.store.states import ShardState
 
 
 def test_counts_and_draining_nodes_match_the_full_listings(

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from llmgw.contracts.keypolicy import Budget, KeyPolicy, UsageRow
-from llmgw.server.states import InstallState, NodeState, ReplicaState, ShardState, TokenKind
 from llmgw.server.store import Store
 from llmgw.server.store import rows as rows_module
 from llmgw.server.store.rows import (
@@ -34,7 +33,8 @@ from llmgw.server.store.rows import (
     policy_columns,
     usage_from_row,
 )
-from llmgw.server.tokens import JoinToken
+from llmgw.server.store.states import InstallState, NodeState, ReplicaState, ShardState, TokenKind
+from llmgw.server.store.tokens import JoinToken
 
 
 def test_state_columns_come_back_as_the_enums_and_equal_their_names(store: Store) -> None:

@@ -12,7 +12,6 @@ import pytest
 
 from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.errors import Conflict, NotFound, StoreError
-from llmgw.server.states import NodeState, ReplicaState, ShardState, TokenKind, sql_check
 from llmgw.server.store import (
     MIGRATIONS,
     Model,
@@ -20,6 +19,7 @@ from llmgw.server.store import (
 )
 from llmgw.server.store.location import Location, parse_location
 from llmgw.server.store.schema import split_sql
+from llmgw.server.store.states import NodeState, ReplicaState, ShardState, TokenKind, sql_check
 
 
 def test_migrations_idempotent(db_location: Location) -> None:
@@ -219,7 +219,7 @@ def _words(sql: str) -> str:
 
 
 def test_the_shipped_migrations_are_unchanged() -> None:
-    # Their CHECKs are generated from llmgw.server.states: a state added there must come
+    # Their CHECKs are generated from llmgw.server.store.states: a state added there must come
     # with a new migration, never change one that databases out there already ran.
     shipped = _shipped()
     assert len(MIGRATIONS) >= len(shipped) == 13

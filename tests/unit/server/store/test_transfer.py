@@ -16,14 +16,14 @@ import pytest
 from llmgw.contracts.catalog import parse_catalog
 from llmgw.contracts.keypolicy import Budget, KeyPolicy, UsageRow
 from llmgw.errors import ConfigError, Conflict, StoreError, StoreUnavailable
-from llmgw.server.passwords import PASSWORD_META
-from llmgw.server.states import InstallState, NodeState, ReplicaState, ShardState, TokenKind
+from llmgw.server.accounts.passwords import PASSWORD_META
 from llmgw.server.store import MIGRATIONS, Store
 from llmgw.server.store.database import Database
 from llmgw.server.store.location import Location, parse_location
 from llmgw.server.store.lock import try_lock
 from llmgw.server.store.postgres import PostgresDatabase
 from llmgw.server.store.schema import split_sql
+from llmgw.server.store.states import InstallState, NodeState, ReplicaState, ShardState, TokenKind
 from llmgw.server.store.transfer import Transfer, migrate_to_postgresql
 from tests.pg import PASSWORD, ROLE
 from tests.unit.clock import Clock

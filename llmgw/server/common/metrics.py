@@ -1,0 +1,246 @@
+"""Prometheus metrics of the gateway, rendered in the text exposition format by hand.
+
+Counters, gauges and histograms keyed by label tuples; cheap enough for the request path
+(a dict lookup and a bisect per observation).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+
+__all__ = ["Counter", "Gauge", "Histogram", "Metrics"]
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+)
+DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05)
+
+
+def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
+    pairs = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
+    if extra:
+        pairs.append(extra)
+    return "{" + ",".join(pairs) + "}" if pairs else ""
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _fmt(value: float) -> str:
+    """Exact sample values: whole numbers without exponent, floats round-trippable."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value == int(value):
+        return str(int(value))
+    return repr(value)
+
+
+class Counter:
+    kind = "counter"
+
+    def __init__(self, name: str, help_: str, labels: tuple[str, ...]) -> None:
+        self.name, self.help, self.labelnames = name, help_, labels
+        self.values: dict[tuple[str, ...], float] = defaultdict(float)
+
+    def inc(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        self.values[labels] += amount
+
+    def render(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        for key, value in sorted(self.values.items()):
+            out.append(f"{self.name}{_labels(self.labelnames, key)} {_fmt(value)}")
+        return out
+
+
+class Gauge(Counter):
+    kind = "gauge"
+
+    def set(self, labels: tuple[str, ...], value: float) -> None:
+        self.values[labels] = value
+
+    def dec(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        self.values[labels] -= amount
+
+
+class Histogram:
+    def __init__(
+        self,
+        name: str,
+        help_: str,
+        labels: tuple[str, ...],
+        buckets: tuple[float, ...] = LATENCY_BUCKETS,
+    ) -> None:
+        self.name, self.help, self.labelnames, self.buckets = name, help_, labels, buckets
+        self.counts: dict[tuple[str, ...], list[int]] = {}
+        self.sums: dict[tuple[str, ...], float] = defaultdict(float)
+
+    def observe(self, labels: tuple[str, ...], value: float) -> None:
+        counts = self.counts.get(labels)
+        if counts is None:
+            counts = self.counts[labels] = [0] * (len(self.buckets) + 1)
+        counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sums[labels] += value
+
+    def render(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        for key, counts in sorted(self.counts.items()):
+            running = 0
+            for bound, count in zip(self.buckets, counts, strict=False):
+                running += count
+                le = 'le="%g"' % bound
+                out.append(f"{self.name}_bucket{_labels(self.labelnames, key, le)} {running}")
+            running += counts[-1]
+            inf = 'le="+Inf"'
+            out.append(f"{self.name}_bucket{_labels(self.labelnames, key, inf)} {running}")
+            out.append(f"{self.name}_sum{_labels(self.labelnames, key)} {self.sums[key]:.6f}")
+            out.append(f"{self.name}_count{_labels(self.labelnames, key)} {running}")
+        return out
+
+
+class Metrics:
+    """Every metric the control plane exports."""
+
+    def __init__(self) -> None:
+        mr = ("model", "replica")
+        self.requests = Counter(
+            "llmgw_requests_total",
+            "Gateway requests by model, replica and HTTP status.",
+            ("model", "replica", "code"),
+        )
+        self.latency = Histogram(
+            "llmgw_request_duration_seconds", "Time from request to the end of the response.", mr
+        )
+        self.ttft = Histogram(
+            "llmgw_time_to_first_token_seconds",
+            "Time from request to the first streamed chunk.",
+            mr,
+        )
+        self.tokens = Counter(
+            "llmgw_tokens_total",
+            "Tokens by model and kind (prompt, completion, cached).",
+            ("model", "kind"),
+        )
+        self.inflight = Gauge("llmgw_requests_in_flight", "Requests being served now.", mr)
+        self.nodes = Gauge("llmgw_nodes", "Nodes by state (connected, disconnected).", ("state",))
+        self.ready_replicas = Gauge("llmgw_ready_replicas", "Ready replicas by model.", ("model",))
+        self.queued = Gauge(
+            "llmgw_queued_requests",
+            "Requests waiting in the gateway for a place on a replica (every replica full).",
+            ("model",),
+        )
+        self.queue_wait = Histogram(
+            "llmgw_queue_wait_seconds",
+            "Time requests waited in the gateway's queue before a replica took them.",
+            ("model",),
+        )
+        # By the key's name (the operator's, never the users' free text): bounded by the keys.
+        self.key_requests = Counter(
+            "llmgw_key_requests_total",
+            "Gateway requests by API key, model and HTTP status.",
+            ("key", "model", "code"),
+        )
+        self.key_tokens = Counter(
+            "llmgw_key_tokens_total",
+            "Tokens by API key, model and kind (prompt, completion, cached).",
+            ("key", "model", "kind"),
+        )
+        # Cache-aware routing (llmgw.server.gateway.prefixes).
+        self.replica_tokens = Counter(
+            "llmgw_replica_prompt_tokens_total",
+            "Prompt tokens by model and replica, as the engine reported them (kind: prompt, "
+            "and cached: those its prefix cache already held).",
+            (*mr, "kind"),
+        )
+        self.routing = Counter(
+            "llmgw_routing_decisions_total",
+            "Replica choices by model, routing policy and reason (prefix_hit, spread, "
+            "session, session_moved, no_prefix, least_outstanding, round_robin, no_tokenizer).",
+            ("model", "policy", "reason"),
+        )
+        self.decision = Histogram(
+            "llmgw_routing_decision_seconds",
+            "Time to route a request by its prefix, by phase: keys (tokenise and hash the "
+            "prompt) and choose (index lookup and scoring).",
+            ("model", "phase"),
+            DECISION_BUCKETS,
+        )
+
+    def hit_ratio(self, model: str, replica: str | None = None) -> float | None:
+        """The share of prompt tokens the engines had cached, for a model (or one replica of
+        it) since this instance started; None before any prompt token was reported."""
+        prompt = cached = 0.0
+        for (m, r, kind), value in self.replica_tokens.values.items():
+            if m != model or (replica is not None and r != replica):
+                continue
+            if kind == "prompt":
+                prompt += value
+            else:
+                cached += value
+        return cached / prompt if prompt else None
+
+    def _derived(self, index_sizes: Mapping[tuple[str, str], int]) -> list[str]:
+        out = [
+            "# HELP llmgw_prefix_cache_hit_ratio Share of prompt tokens the replica's engine "
+            "had in its prefix cache, since this instance started.",
+            "# TYPE llmgw_prefix_cache_hit_ratio gauge",
+        ]
+        replicas = sorted({(m, r) for m, r, _ in self.replica_tokens.values})
+        for model, replica in replicas:
+            ratio = self.hit_ratio(model, replica)
+            if ratio is not None:
+                labels = _labels(("model", "replica"), (model, replica))
+                out.append(f"llmgw_prefix_cache_hit_ratio{labels} {_fmt(ratio)}")
+        out += [
+            "# HELP llmgw_prefix_index_blocks Block keys the gateway's prefix index holds, by "
+            "model and index (events: reported by the engines; approx: what it sent where).",
+            "# TYPE llmgw_prefix_index_blocks gauge",
+        ]
+        for (model, index), count in sorted(index_sizes.items()):
+            labels = _labels(("model", "index"), (model, index))
+            out.append(f"llmgw_prefix_index_blocks{labels} {count}")
+        return out
+
+    def render(self, index_sizes: Mapping[tuple[str, str], int] | None = None) -> str:
+        """The exposition; ``index_sizes``: (model, index) -> block keys in the gateway's
+        prefix indexes (:meth:`llmgw.server.gateway.prefixes.PrefixRouting.index_sizes`)."""
+        lines: list[str] = []
+        for metric in (
+            self.requests,
+            self.latency,
+            self.ttft,
+            self.tokens,
+            self.inflight,
+            self.nodes,
+            self.ready_replicas,
+            self.queued,
+            self.queue_wait,
+            self.key_requests,
+            self.key_tokens,
+            self.replica_tokens,
+            self.routing,
+            self.decision,
+        ):
+            lines.extend(metric.render())
+        lines.extend(self._derived(index_sizes or {}))
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,291 @@
+"""The gateway's last hop: a request sent over mTLS to the agent of the replica it was given,
+its answer relayed to the client (an event stream chunk by chunk), and the tokens the answer
+reports counted (:mod:`llmgw.server.gateway.usage`) into the request's outcome and the metrics.
+
+A replica that did not take the request (no connection, or its agent said it never passed it
+on: draining, no room for the body, its engine stopping) raises :class:`ConnectFailed`, so
+that the gateway tries another; one that failed mid-answer is the client's 502.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import time
+from collections.abc import Callable, Set
+from typing import Any
+
+from aiohttp import web
+from cryptography import x509
+
+from llmgw.bodies import MAX_BODY_HEADER
+from llmgw.errors import ConfigError
+from llmgw.http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+from llmgw.http.pool import UpstreamPool, UpstreamResponse
+from llmgw.http.relay import NOT_PROCESSED, STREAM_ERROR, relay
+from llmgw.log import kv
+from llmgw.netaddr import parse_hostport
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.gateway.history import RequestHistory
+from llmgw.server.gateway.metering import Outcome
+from llmgw.server.gateway.modelrequest import Charge, ModelRequest
+from llmgw.server.gateway.refusals import openai_error
+from llmgw.server.gateway.routing import Endpoint
+from llmgw.server.gateway.usage import StreamTokenCounter, body_usage, usage_numbers
+
+__all__ = ["ConnectFailed", "Forwarder"]
+
+# The gateway's logger: what an operator filters on for the request path.
+log = logging.getLogger("llmgw.server.gateway")
+
+_JSON_HEADERS = (("Content-Type", "application/json"),)
+
+
+class ConnectFailed(Exception):
+    """The replica could not be reached, or went away before answering, or its agent had no
+    room for the body (``busy``); another may be tried."""
+
+    def __init__(self, message: str, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy
+
+
+class Forwarder:
+    """Keep-alive mTLS connections to the agents' data planes, and the requests sent on
+    them."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        *,
+        read_timeout: float,
+        max_body: int,
+        revoked: Callable[[], Set[str]],
+        client_ssl: Callable[[], ssl.SSLContext | None],
+        history: RequestHistory | None = None,
+    ) -> None:
+        self.metrics = metrics
+        self.read_timeout = read_timeout  # upstream_idle_timeout
+        self.max_body = max_body  # max_response_body
+        # The certificate serials the control plane denies (llmgw.server.fleet.nodes).
+        self.revoked = revoked
+        # The TLS the gateway presents to agents' data planes (None: plain, in tests).
+        self.client_ssl = client_ssl
+        self.history = history
+        self._session: UpstreamPool | None = None
+        self._hostports: dict[str, tuple[str, int]] = {}
+
+    @property
+    def session(self) -> UpstreamPool:
+        """The connections (made on first use)."""
+        if self._session is None:
+            self._session = UpstreamPool(
+                ssl=self.client_ssl(),
+                peer_check=self.agent_certificate_problem,
+                connect_timeout=5.0,
+                # Shorter than the data plane keeps idle connections (300 s), so we close first.
+                idle_timeout=290.0,
+                read_timeout=self.read_timeout,
+                max_body=self.max_body,
+            )
+        return self._session
+
+    def agent_certificate_problem(self, der: bytes, node_id: str | None) -> str | None:
+        """The data plane's certificate must not be one the control plane revoked (an old
+        identity after a rekey, or a revoked node's): the CA alone still trusts those."""
+        serial = format(x509.load_der_x509_certificate(der).serial_number, "x")
+        if serial in self.revoked():
+            return (
+                f"the data plane of node {node_id} presented certificate {serial}, which was "
+                f"revoked; refusing it (the node must join again: llmgw ctl join-command "
+                f"--node {node_id})"
+            )
+        return None
+
+    def retrust(self, client_ssl: ssl.SSLContext) -> None:
+        if self._session is not None:
+            self._session.retrust(client_ssl)
+
+    def forget_node(self, node_id: str) -> None:
+        if self._session is not None:
+            self._session.forget(node_id)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _hostport(self, addr: str) -> tuple[str, int]:
+        hostport = self._hostports.get(addr)
+        if hostport is None:
+            try:
+                hostport = self._hostports[addr] = parse_hostport(addr)
+            except ConfigError as exc:
+                raise UpstreamConnectError(f"data plane address {addr!r}: {exc}") from exc
+        return hostport
+
+    # -- one request ---------------------------------------------------------------------------
+
+    async def forward(self, req: ModelRequest, ep: Endpoint, charge: Charge) -> web.StreamResponse:
+        """``req`` sent to ``ep`` and its answer relayed; :class:`ConnectFailed` when the
+        replica did not take it."""
+        labels = (ep.model, ep.replica_id)
+        metrics = self.metrics
+        outcome = charge.outcome
+        metrics.inflight.inc(labels)
+        status = 0
+        ttft: float | None = None
+        try:
+            upstream = await self._send(req, ep, outcome)
+            try:
+                status = outcome.engine_status = upstream.status
+                headers = charge.rate_headers()
+                if req.stream and upstream.content_type == "text/event-stream":
+                    resp, ttft = await self._relay_stream(req, ep, upstream, outcome, headers)
+                    if resp.get(STREAM_ERROR) is not None:
+                        status = 502
+                else:
+                    resp = await relay(
+                        req.http,
+                        upstream,
+                        on_chunk=lambda b: self._count_body_tokens(ep, b, outcome),
+                        extra_headers=headers,
+                    )
+            finally:
+                # Back to the pool when read to the end, else closed: a cancelled handler
+                # (the client went away) closes the connection, and the agent sees it.
+                upstream.release()
+            return resp
+        except UpstreamError as exc:
+            status = 502
+            return openai_error(
+                502,
+                f"The replica {ep.replica_id} failed mid-request: {exc}",
+                type_="server_error",
+                code="upstream_timeout" if isinstance(exc, UpstreamTimeout) else "upstream_error",
+            )
+        finally:
+            metrics.inflight.dec(labels)
+            if status:
+                outcome.status = status
+                metrics.requests.inc((ep.model, ep.replica_id, str(status)))
+                metrics.latency.observe(labels, time.perf_counter() - req.started)
+                if self.history is not None:
+                    self.history.record(ep.model, ttft=ttft, error=status >= 500)
+
+    async def _send(self, req: ModelRequest, ep: Endpoint, outcome: Outcome) -> UpstreamResponse:
+        """The agent's answer to ``req``'s POST, its status and headers read."""
+        body = req.body
+        try:
+            host, port = self._hostport(ep.addr)
+            # From here the engine may be working on it (a client that leaves still pays for
+            # its prompt), unless the agent says it never passed it on.
+            outcome.handed = True
+            upstream = await self.session.request(
+                "POST",
+                host,
+                port,
+                f"/s/{ep.shard_id}{req.path}",
+                body=body,
+                # The body asking for usage may be a few bytes over the model's limit.
+                headers=(
+                    *_JSON_HEADERS,
+                    (MAX_BODY_HEADER, str(max(req.body_limit, len(body)))),
+                ),
+                server_hostname=ep.node_id,
+            )
+        except UpstreamError as exc:
+            if exc.retryable:  # not a byte of answer: another replica may take it
+                outcome.handed = False
+                raise ConnectFailed(str(exc)) from exc
+            raise
+        if upstream.status in (502, 503) and upstream.header(NOT_PROCESSED):
+            # The agent did not hand it to an engine (it is draining, has no room for the
+            # body, or its engine refused the connection: stopping): another replica may
+            # take it, as if the connection had been refused.
+            busy = upstream.header("Retry-After") is not None
+            upstream.release()
+            why = (
+                "its engine is not accepting"
+                if upstream.status == 502
+                else "no room for the body"
+                if busy
+                else "draining"
+            )
+            outcome.handed = False
+            raise ConnectFailed(f"{ep.node_id} did not process the request ({why})", busy)
+        return upstream
+
+    async def _relay_stream(
+        self,
+        req: ModelRequest,
+        ep: Endpoint,
+        upstream: UpstreamResponse,
+        outcome: Outcome,
+        headers: dict[str, str] | None,
+    ) -> tuple[web.StreamResponse, float | None]:
+        """An event stream relayed, its tokens counted; with the time to its first token."""
+        outcome.streamed = True
+        counter = StreamTokenCounter()
+        feed = counter.feed
+        hint = req.hint
+        if hint is not None and hint.charged_to is not None:
+            # The prefill queued on the replica ends with the first token.
+            def feed(chunk: bytes) -> None:
+                counter.feed(chunk)
+                if counter.first_at is not None:
+                    hint.settle()
+
+        try:
+            resp = await relay(
+                req.http,
+                upstream,
+                on_chunk=feed,
+                extra_headers=headers,
+                drop_usage=req.drop_usage,
+            )
+        finally:
+            # Counted also when the client left mid-stream (the handler cancelled).
+            self._count_stream_tokens(ep, counter, outcome)
+        failed = resp.get(STREAM_ERROR)
+        if failed is not None:
+            log.warning(
+                "a stream ended early",
+                extra=kv(model=ep.model, shard=ep.shard_id, error=str(failed)),
+            )
+        ttft = None
+        if counter.first_at is not None:
+            ttft = counter.first_at - req.started
+            self.metrics.ttft.observe((ep.model, ep.replica_id), ttft)
+        return resp, ttft
+
+    def _count_body_tokens(self, ep: Endpoint, body: bytes, outcome: Outcome) -> None:
+        usage = body_usage(body)
+        if usage is not None:
+            self._add_usage(ep, usage, outcome)
+
+    def _count_stream_tokens(
+        self, ep: Endpoint, counter: StreamTokenCounter, outcome: Outcome
+    ) -> None:
+        if counter.usage is not None:
+            self._add_usage(ep, counter.usage, outcome)
+        else:
+            # No usage in the stream (cut short, or an engine that does not report it):
+            # each content event is a token; the prompt is charged its estimate.
+            outcome.completion = counter.events
+            self.metrics.tokens.inc((ep.model, "completion"), counter.events)
+
+    def _add_usage(self, ep: Endpoint, usage: dict[str, Any], outcome: Outcome) -> None:
+        prompt, completion, cached = usage_numbers(usage)
+        outcome.prompt, outcome.completion, outcome.cached = prompt, completion, cached
+        outcome.reported = True
+        model = ep.model
+        tokens = self.metrics.tokens
+        tokens.inc((model, "prompt"), prompt)
+        tokens.inc((model, "completion"), completion)
+        if cached:
+            tokens.inc((model, "cached"), cached)
+        if prompt:
+            by_replica = self.metrics.replica_tokens
+            by_replica.inc((model, ep.replica_id, "prompt"), prompt)
+            by_replica.inc((model, ep.replica_id, "cached"), min(cached, prompt))
