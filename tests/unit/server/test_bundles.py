@@ -125,7 +125,7 @@ def test_missing_bundles_are_404_saying_what_to_copy_where(
             }
         }
         # ... the log does, once, for the operator.
-        lines = [r for r in caplog.records if r.name == "llmgw.server.joining.bundles"]
+        lines = [r for r in caplog.records if r.name == "llmgw.server.bundles"]
         assert len(lines) == 1
         assert lines[0].fields["bundle_dir"] == str(tmp_path)  # type: ignore[attr-defined]
         response = await client.get("/agent/bundles/linux-riscv64.tar.gz")

@@ -170,7 +170,7 @@ def test_a_node_certified_for_the_leaders_name_gets_nothing(
         leader, (status, body) = run(node)
     assert status == 503 and body["error"]["code"] == "no_leader"
     assert leader.seen == []
-    (line,) = [r for r in caplog.records if r.name == "llmgw.server.ha.follower"]
+    (line,) = [r for r in caplog.records if r.name == "llmgw.server.follower"]
     assert line.getMessage().startswith("refused to forward an admin request: the leader's")
     assert pki.CONTROL_PLANE_OID.dotted_string in line.fields["reason"]  # type: ignore[attr-defined]
     leader, (status, _) = run(server)

@@ -274,7 +274,7 @@ def test_no_list_is_sent_when_there_is_none_the_agents_would_take(
     assert error is None
     assert [m.WhichOneof("msg") for m in got] == ["welcome"]
     assert sessions.opened == ["0.1.0"]
-    said = [r.getMessage() for r in caplog.records if r.name == "llmgw.server.fleet.stream"]
+    said = [r.getMessage() for r in caplog.records if r.name == "llmgw.server.stream"]
     assert said == ([warning] if warning else [])
 
 
