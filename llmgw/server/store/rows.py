@@ -18,8 +18,8 @@ from typing import Any, ClassVar, Self, TypeVar
 
 from llmgw.contracts.catalog import DEFAULT_PROFILE
 from llmgw.contracts.keypolicy import Budget, KeyPolicy, UsageRow
-from llmgw.server.store.states import InstallState, NodeState, ReplicaState, ShardState, TokenKind
 from llmgw.server.store.database import Row
+from llmgw.server.store.states import InstallState, NodeState, ReplicaState, ShardState, TokenKind
 from llmgw.server.store.tokens import JoinToken
 
 __all__ = [
