@@ -450,7 +450,7 @@ def decision_figures(blocks: int = 1_000_000, decisions: int = 20_000) -> dict[s
     for r, ep in enumerate(eps):
         mine = [k for i, chain in enumerate(hot) if i % 2 == r % 2 for k in chain]
         filler = [rng.getrandbits(64) | 1 for _ in range(max(0, per - len(mine)))]
-        router.prefixes.apply(
+        router.kv_events(
             ep.node_id, pb.KvEvents(shard_id=ep.shard_id, block_size=16, stored=mine + filler)
         )
     indexed = sum(router.prefixes.indexed_blocks().values())

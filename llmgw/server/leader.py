@@ -164,9 +164,7 @@ class Leader:
             bundle_dir=cfg.bundle_dir,
         )
         # The agents' messages after their Hello, by kind (KV cache events: the prefix index).
-        self.messages = agent_messages(
-            reports, kv_events=router.prefixes.apply, updates=self.updates
-        )
+        self.messages = agent_messages(reports, kv_events=router.kv_events, updates=self.updates)
         self.authority = ClusterAuthority(
             cfg.state_dir / "pki",
             ca,

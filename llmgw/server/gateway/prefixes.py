@@ -356,14 +356,13 @@ class PrefixRouting:
         self.capacity: dict[str, int] = {}  # model -> a replica's capacity estimate
         self.lost: dict[str, int] = {}  # model -> events the agents could not place
         self.refused = 0  # messages for a shard this node does not run
-        # The router's shards: shard id -> (model, node id) of a ready replica.
-        self.shard_of: Callable[[str], tuple[str, str] | None] = lambda _s: None
 
     # ----------------------------------------------------------------- the indexes
 
-    def apply(self, node_id: str, msg: pb.KvEvents) -> None:
-        """One batch of a shard's engine's cache changes, from its agent."""
-        where = self.shard_of(msg.shard_id)
+    def apply(self, node_id: str, msg: pb.KvEvents, where: tuple[str, str] | None) -> None:
+        """One batch of a shard's engine's cache changes, from its agent; ``where``: the
+        model and node of that shard's ready replica as the router has it (None: no such
+        shard is ready), which the router passes (Router.kv_events)."""
         if where is None or where[1] != node_id:
             self.refused += 1
             return

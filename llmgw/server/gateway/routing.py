@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmgw.proto import control_pb2 as pb
 from llmgw.server.gateway.policies import RouteHint, RoutingPolicies
 
 __all__ = ["Endpoint", "Router"]
@@ -37,9 +38,7 @@ class Endpoint:
 class Router:
     def __init__(self, policies: RoutingPolicies | None = None) -> None:
         self.policies = policies if policies is not None else RoutingPolicies()
-        # The prefix indexes place an engine's KV events by the shard's model and node.
         self.prefixes = self.policies.prefixes
-        self.prefixes.shard_of = self._where
         self._by_model: dict[str, list[Endpoint]] = {}
         self._by_shard: dict[str, Endpoint] = {}
         self._tiebreak: dict[str, int] = {}
@@ -72,6 +71,11 @@ class Router:
                 self._on_ready.remove(listener)
 
         return unsubscribe
+
+    def kv_events(self, node_id: str, msg: pb.KvEvents) -> None:
+        """A shard's engine's cache changes, from the agent of ``node_id``: the prefix
+        indexes place them by the model and node the router has for the shard."""
+        self.prefixes.apply(node_id, msg, self._where(msg.shard_id))
 
     def _where(self, shard_id: str) -> tuple[str, str] | None:
         ep = self._by_shard.get(shard_id)

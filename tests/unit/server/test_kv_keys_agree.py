@@ -71,8 +71,8 @@ def test_the_gateway_keys_a_prompt_as_the_agent_keys_the_engines_events() -> Non
     eps = [Endpoint("m", f"r{i}", f"s{i}", f"n{i}", "h:1") for i in range(3)]
     for ep in eps:
         router.set_ready(ep)
-    router.prefixes.apply("n1", message)
-    router.prefixes.apply("n0", pb.KvEvents(shard_id="s0", block_size=16))
+    router.kv_events("n1", message)
+    router.kv_events("n0", pb.KvEvents(shard_id="s0", block_size=16))
     keys = block_keys(ids, 16)
     assert sorted(message.stored) == sorted(keys)
 

@@ -108,30 +108,30 @@ def test_events_fill_the_index_only_from_the_node_that_runs_the_shard() -> None:
     router, _eps = router_of(2)
     prefixes = router.prefixes
     keys = block_keys(tokens(64))
-    prefixes.apply("n0", stored("s0", keys))
-    prefixes.apply("n1", stored("s0", keys))  # n1 does not run s0: refused
+    router.kv_events("n0", stored("s0", keys))
+    router.kv_events("n1", stored("s0", keys))  # n1 does not run s0: refused
     assert prefixes.refused == 1
     index = prefixes.events[MODEL]
     assert index.depths(keys, index.live) == {index.bits["s0"]: 4}
-    prefixes.apply("n0", pb.KvEvents(shard_id="s0", block_size=16, removed=keys[2:]))
+    router.kv_events("n0", pb.KvEvents(shard_id="s0", block_size=16, removed=keys[2:]))
     assert index.depths(keys, index.live) == {index.bits["s0"]: 2}
-    prefixes.apply("n0", pb.KvEvents(shard_id="s0", block_size=16, cleared=True))
+    router.kv_events("n0", pb.KvEvents(shard_id="s0", block_size=16, cleared=True))
     assert index.depths(keys, index.live) == {index.bits["s0"]: 0}
-    prefixes.apply("nx", stored("nope", keys))
+    router.kv_events("nx", stored("nope", keys))
     assert prefixes.refused == 2
 
 
 def test_a_replica_of_another_block_size_is_not_indexed() -> None:
     router, _ = router_of(2)
     prefixes = router.prefixes
-    prefixes.apply("n0", stored("s0", [1, 2]))
-    prefixes.apply("n1", pb.KvEvents(shard_id="s1", block_size=32, stored=[1, 2]))
+    router.kv_events("n0", stored("s0", [1, 2]))
+    router.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=32, stored=[1, 2]))
     assert "s1" not in prefixes.events[MODEL].bits
 
 
 def test_lost_events_are_counted_per_model() -> None:
     router, _ = router_of(1)
-    router.prefixes.apply("n0", pb.KvEvents(shard_id="s0", block_size=16, lost=3))
+    router.kv_events("n0", pb.KvEvents(shard_id="s0", block_size=16, lost=3))
     assert router.prefixes.lost == {MODEL: 3}
 
 
@@ -142,8 +142,8 @@ def test_kv_events_sends_a_prompt_to_the_replica_holding_its_prefix() -> None:
     metrics = Metrics()
     router, eps = router_of(3, metrics)
     ids = tokens(4096)
-    router.prefixes.apply("n1", stored("s1", block_keys(ids)[:200]))
-    router.prefixes.apply("n0", stored("s0", block_keys(ids)[:10]))
+    router.kv_events("n1", stored("s1", block_keys(ids)[:200]))
+    router.kv_events("n0", stored("s0", block_keys(ids)[:10]))
     hint = kv_hint(ids + tokens(100, 9000))
     assert router.pick_free(MODEL, 8, hint=hint) is eps[1]
     assert hint.reason == "prefix_hit"
@@ -158,8 +158,8 @@ def test_kv_events_sends_a_prompt_to_the_replica_holding_its_prefix() -> None:
 def test_a_saturated_holder_is_passed_over_and_the_choice_says_spread() -> None:
     router, eps = router_of(2)
     ids = tokens(1024)
-    router.prefixes.apply("n0", stored("s0", block_keys(ids)))
-    router.prefixes.apply("n1", stored("s1", []))
+    router.kv_events("n0", stored("s0", block_keys(ids)))
+    router.kv_events("n1", stored("s1", []))
     eps[0].inflight = 4  # at its max_concurrency
     hint = kv_hint(ids)
     assert router.pick_free(MODEL, 4, hint=hint) is eps[1]
@@ -171,8 +171,8 @@ def test_a_saturated_holder_is_passed_over_and_the_choice_says_spread() -> None:
 def test_a_hot_prefix_spreads_once_the_prefill_queued_on_its_holder_exceeds_a_full_one() -> None:
     router, _eps = router_of(2)
     system = tokens(4096)
-    router.prefixes.apply("n0", stored("s0", block_keys(system)))
-    router.prefixes.apply("n1", stored("s1", []))
+    router.kv_events("n0", stored("s0", block_keys(system)))
+    router.kv_events("n1", stored("s1", []))
     chosen = []
     for turn in range(40):
         hint = kv_hint(system + tokens(400, 100_000 + 1000 * turn))
@@ -190,8 +190,8 @@ def test_a_hot_prefix_spreads_once_the_prefill_queued_on_its_holder_exceeds_a_fu
 def test_a_restarted_replica_is_no_longer_preferred() -> None:
     router, eps = router_of(2)
     ids = tokens(512)
-    router.prefixes.apply("n0", stored("s0", block_keys(ids)))
-    router.prefixes.apply("n1", stored("s1", []))
+    router.kv_events("n0", stored("s0", block_keys(ids)))
+    router.kv_events("n1", stored("s1", []))
     assert router.pick_free(MODEL, 8, hint=kv_hint(ids)) is eps[0]
     eps[0].pending = 0
     router.remove_shard("s0")  # failed; it comes back empty
@@ -220,7 +220,7 @@ def test_the_session_breaks_a_tie_between_equal_holders() -> None:
     router, eps = router_of(3)
     ids = tokens(256)
     for i in range(3):
-        router.prefixes.apply(f"n{i}", stored(f"s{i}", block_keys(ids)))
+        router.kv_events(f"n{i}", stored(f"s{i}", block_keys(ids)))
     router.policies.sessions.last["conv"] = ("s2", router.policies.sessions.clock())
     assert router.pick_free(MODEL, 8, hint=kv_hint(ids, session="conv")) is eps[2]
 
