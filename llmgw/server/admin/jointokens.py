@@ -144,6 +144,10 @@ def parse_join_ask(ctx: AdminContext, body: Mapping[str, Any]) -> JoinAsk:
             name: read_flag(body, name)
             for name in ("rekey", "require_approval", "auto_approve", "set_hostname")
         }
+        if not flags["rekey"] and not re_pair and not flags["auto_approve"]:
+            # A join always waits for approval by fingerprint: asked for, it is what the join
+            # does. The API has always taken it (scripts send it); ctl refuses the flag.
+            flags["require_approval"] = False
         facts = _facts_of(body.get("facts"))
         options = JoinOptions.of_flags(
             node=node_id,

@@ -416,3 +416,17 @@ def test_a_cluster_taking_joins_on_loopback_says_how_to_start_one_others_reach(
     warning = asyncio.run(main())["warning"]
     assert warning.startswith("this control plane takes joins on loopback only, so no other")
     assert "'llmgw up --host 0.0.0.0'" in warning
+
+
+def test_require_approval_on_a_fresh_join_is_taken_as_what_a_join_does(
+    store: Store, ca: pki.Authority
+) -> None:
+    """Scripts (bench/fleet.py among them) send it; the API has always taken it. ctl refuses
+    the flag with --node (tests/unit/cli/ctl/test_join.py)."""
+    data = one(store, ca, {"node": NODE, "require_approval": True})
+    token = store.list_join_tokens()[-1]
+    assert (data["kind"], token.kind, token.auto_approve) == ("join", "join", False)
+    [(status, error)] = call(
+        store, ca, [{"node": "gpu-02", "require_approval": True, "auto_approve": True}]
+    )
+    assert status == 400 and "contradict each other" in error["error"]["message"]
