@@ -30,6 +30,7 @@ from pathlib import Path
 from aiohttp import HttpVersion11, hdrs, web
 from cryptography import x509
 
+from llmgw.agent.traffic import ShardTraffic
 from llmgw.bodies import (
     DEFAULT_MAX_INFLIGHT_BODY_BYTES,
     DEFAULT_MAX_REQUEST_BODY,
@@ -105,6 +106,7 @@ class DataPlane:
         max_response_body: int = DEFAULT_MAX_RESPONSE_BODY,
         upstream_idle_timeout: float = DEFAULT_UPSTREAM_IDLE_TIMEOUT,
         retired: Callable[[str], bool] = lambda _serial: False,
+        traffic: ShardTraffic | None = None,
     ) -> None:
         self.host, self.port = parse_hostport(listen, allow_zero=True)
         self.limits = limits or ListenerLimits()
@@ -117,6 +119,8 @@ class DataPlane:
         # Whether a certificate serial is a retired control-plane instance's.
         self.retired = retired
         self.inflight = 0
+        # Per shard, what a retired shard's drain waits on (llmgw.agent.traffic).
+        self.traffic = traffic if traffic is not None else ShardTraffic()
         self.accepting = True
         self._idle = asyncio.Event()
         self._runner: web.ServerRunner | None = None
@@ -300,6 +304,7 @@ class DataPlane:
             target += "?" + url.raw_query_string
         ctype = request.headers.get("Content-Type")
         self.inflight += 1
+        self.traffic.enter(shard_id)
         try:
             upstream = await self._session.request(
                 request.method,
@@ -330,6 +335,7 @@ class DataPlane:
             )
         finally:
             self.inflight -= 1
+            self.traffic.leave(shard_id)
             if not self.inflight:
                 self._idle.set()
 

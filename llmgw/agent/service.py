@@ -36,6 +36,7 @@ from llmgw.agent.sandbox import Sandboxes, SandboxLayout
 from llmgw.agent.servers import KnownServers
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec
 from llmgw.agent.stream import Credentials, StreamClient, StreamState
+from llmgw.agent.traffic import ShardTraffic
 from llmgw.agent.update_spool import CONTAINER_ENV, IN_CONTAINER, Spooler
 from llmgw.errors import CertificateError, LlmgwError, StartupError
 from llmgw.fsutil import make_dir
@@ -152,6 +153,8 @@ class Agent:
         self.stream: StreamClient | None = None
         self.address: DataplaneAddress | None = None
         self.spooler: Spooler | None = None
+        # The requests in flight per shard: the data plane counts, a drained stop waits.
+        self.traffic = ShardTraffic()
         self._ready_sent = False
 
     async def run(self) -> None:
@@ -221,6 +224,7 @@ class Agent:
             # Docker engines are isolated by their containers; process engines by bubblewrap.
             sandboxes=self._sandboxes() if runtime.name == "process" else None,
             on_status=self._report_shard,
+            traffic=self.traffic,
             multinode_ports=cfg.multinode_ports,
             sources=SourceStore(
                 cfg.models_root,
@@ -280,6 +284,7 @@ class Agent:
             max_response_body=cfg.max_response_body,
             upstream_idle_timeout=cfg.upstream_idle_timeout,
             retired=servers.is_retired,
+            traffic=self.traffic,
         )
         await dataplane.start()
         running.push_async_callback(dataplane.stop)

@@ -71,6 +71,7 @@ from llmgw.agent.runtimes import Handle, Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sandbox import Sandboxed, Sandboxes, hidden_path_reason
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
+from llmgw.agent.traffic import ShardTraffic
 from llmgw.contracts.model_sources import SourceSpec
 from llmgw.contracts.ports import DEFAULT_MULTINODE_PORTS, PortRange
 from llmgw.contracts.sandbox import SandboxPolicy
@@ -236,6 +237,8 @@ class Shard:
     ready_before: bool = False
     """Adopted from a previous agent that had seen it ready."""
     stop_grace: float = 10.0
+    draining: bool = False
+    """Retired: new requests are refused while those in flight end, then it stops."""
     fetching: asyncio.Future[Path] | None = None
     """The download of its source, while it runs (stopping the shard cancels it)."""
     kv_events_endpoint: str = ""
@@ -327,8 +330,12 @@ class ShardManager:
         multinode_ports: PortRange = DEFAULT_MULTINODE_PORTS,
         kv_events: KvEventsHub | None = None,
         sandboxes: Sandboxes | None = None,
+        traffic: ShardTraffic | None = None,
     ) -> None:
         self.state_dir = state_dir
+        # The requests in flight on each shard, as the data plane relays them: what a
+        # drained stop waits on.
+        self.traffic = traffic if traffic is not None else ShardTraffic()
         # Process engines' sandboxes (None: engines run as they are: docker, tests).
         self.sandboxes = sandboxes
         # The engines' KV cache events, for shards ordered with kv_events (None: ignored).
@@ -416,6 +423,8 @@ class ShardManager:
         shard = self.shards.get(shard_id)
         if shard is None or shard.state != ShardState.READY or shard.spec.worker:
             return None
+        if shard.draining:
+            return None  # retired: its requests in flight end, new ones go elsewhere
         return shard.port
 
     def _emit(self, shard: Shard) -> None:
@@ -879,11 +888,27 @@ class ShardManager:
                 return resp.status == 200
         return False
 
-    async def stop(self, shard_id: str, grace: float = 10.0) -> Shard | None:
-        """Stop a shard and forget it; returns the final state, or None if it was unknown."""
+    async def stop(self, shard_id: str, grace: float = 10.0, drain: float = 0.0) -> Shard | None:
+        """Stop a shard and forget it; returns the final state, or None if it was unknown.
+        ``drain``: first refuse new requests for it (the data plane answers them as not
+        taken) and wait up to that many seconds for those in flight to end."""
         shard = self.shards.get(shard_id)
         if shard is None:
             return None
+        if drain > 0 and not shard.stopping:
+            shard.draining = True
+            began = time.monotonic()
+            idle = await self.traffic.idle(shard_id, drain)
+            log.info(
+                "shard drained" if idle else "shard drain timed out; stopping it with requests",
+                extra=kv(
+                    shard=shard_id,
+                    waited=round(time.monotonic() - began, 3),
+                    inflight=self.traffic.inflight(shard_id),
+                ),
+            )
+            if self.shards.get(shard_id) is not shard:
+                return shard  # stopped meanwhile by another order
         shard.stopping = True
         shard.stop_grace = grace
         if shard.fetching is not None:

@@ -479,7 +479,9 @@ class StreamClient:
         await self.shards.start(ShardSpec.from_order(order))
 
     async def _stop(self, order: pb.StopShard) -> None:
-        shard = await self.shards.stop(order.shard_id, grace=order.grace_s or 10.0)
+        shard = await self.shards.stop(
+            order.shard_id, grace=order.grace_s or 10.0, drain=max(0.0, order.drain_s)
+        )
         if shard is None:
             # Unknown here: tell the control plane it is gone so it can forget it.
             self.send(

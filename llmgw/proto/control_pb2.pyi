@@ -476,14 +476,16 @@ class Sidecar(_message.Message):
     def __init__(self, name: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., health_url: _Optional[str] = ..., timeout_s: _Optional[float] = ..., ready_after_s: _Optional[float] = ...) -> None: ...
 
 class StopShard(_message.Message):
-    __slots__ = ("meta", "shard_id", "grace_s")
+    __slots__ = ("meta", "shard_id", "grace_s", "drain_s")
     META_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_S_FIELD_NUMBER: _ClassVar[int]
     meta: OrderMeta
     shard_id: str
     grace_s: float
-    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., grace_s: _Optional[float] = ...) -> None: ...
+    drain_s: float
+    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., grace_s: _Optional[float] = ..., drain_s: _Optional[float] = ...) -> None: ...
 
 class UpdateOrder(_message.Message):
     __slots__ = ("meta", "order", "signature")

@@ -285,6 +285,7 @@ class ControlPlane:
                 served=self.bundles.bundles,
                 download_base=self._download_base,
                 on_reissued=self._on_ca_reissued,
+                capacity=self.gateway.capacity,
             ),
         )
         if self.leadership.shared:
@@ -456,6 +457,7 @@ class ControlPlane:
             admin = AdminContext(
                 store=self.store,
                 scheduler=leader.scheduler,
+                planner=leader.planner,
                 router=self.router,
                 membership=leader.membership,
                 updates=leader.updates,

@@ -33,6 +33,7 @@ from llmgw.server.fleet.authority import ClusterAuthority
 from llmgw.server.fleet.installs import EngineInstalls
 from llmgw.server.fleet.intake import MAX_MESSAGE_BYTES
 from llmgw.server.fleet.nodes import Membership
+from llmgw.server.fleet.planner import Planner
 from llmgw.server.fleet.reports import AgentReports, agent_messages
 from llmgw.server.fleet.scheduler import Scheduler
 from llmgw.server.fleet.sessions import Sessions
@@ -43,6 +44,7 @@ from llmgw.server.fleet.stream import (
     start_stream_server,
 )
 from llmgw.server.fleet.updates import Updates
+from llmgw.server.gateway.capacity import Capacity
 from llmgw.server.gateway.routing import Router
 from llmgw.server.joining.bundles import Bundle
 from llmgw.server.joining.enroll import Enroller, EnrolmentServer
@@ -83,6 +85,9 @@ class LeaderHooks:
     download_base: Callable[[], str]
     # A CA rotation reissued this control plane's certificates.
     on_reissued: Callable[[], None]
+    # The gateway's requests waiting for a replica to exist, and its demand: what the
+    # planner scales by; the scheduler tells it when a model cannot be placed.
+    capacity: Capacity
 
 
 class Leader:
@@ -120,7 +125,16 @@ class Leader:
             lost=lost,
             on_routes_changed=hooks.count_ready,
             engine_holds=self.installs.holds,
+            capacity=hooks.capacity,
         )
+        self.planner = Planner(
+            store,
+            demand=hooks.capacity.demand,
+            kick_scheduler=self.scheduler.kick,
+            metrics=metrics,
+            why_unplaceable=self._why_unplaceable,
+        )
+        self._unsubscribe_planner = hooks.capacity.on_waiting(self.planner.kick)
         self.membership = Membership(
             store,
             self.scheduler,
@@ -229,6 +243,7 @@ class Leader:
                 self.sessions.start_loss_timer(node_id, grace)
         for name, loop in (
             ("scheduler", self.scheduler.run()),
+            ("planner", self.planner.run()),
             ("engine-installs", self.installs.run()),
             ("heartbeats", self.sessions.watch_heartbeats()),
             ("last-seen", self.sessions.store_last_seen()),
@@ -244,8 +259,13 @@ class Leader:
         if self._enroll_tls is not None:
             self._enroll_tls.reload_if_changed()
 
+    def _why_unplaceable(self, model: str) -> str | None:
+        unplaceable = self.scheduler.unplaceable.get(model)
+        return unplaceable.reason if unplaceable is not None else None
+
     async def stop(self) -> None:
         """Stop the loops, the streams and the listeners (the store stays open)."""
+        self._unsubscribe_planner()
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from llmgw.cli.common import ReportingGroup
+from llmgw.cli.common import Duration, ReportingGroup
 from llmgw.cli.ctl.complete import MODELS
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import echo_json, table
@@ -39,11 +39,12 @@ def models(ctx: click.Context) -> None:
             m["engine"],
             m["gpus"],
             m["nodes"],
-            m["replicas"],
+            _desired(m),
             m["ready"],
             m.get("routing") or "least-outstanding",
             "-" if m.get("cache_hit_rate") is None else f"{100 * m['cache_hit_rate']:.0f}%",
             m["unplaceable"]
+            or ((m.get("scaling") or {}).get("holding") or "")
             or (
                 f"no tokenizer (routed by load and session): {m['tokenizer_problem']}"
                 if m.get("tokenizer_problem")
@@ -121,6 +122,44 @@ def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
     return params
 
 
+def _replicas_option(value: str | None, scaling: dict[str, Any]) -> int | dict[str, Any] | None:
+    """--replicas N, or MIN-MAX with the scaling options, as the API takes it."""
+    if value is None:
+        if scaling:
+            raise click.UsageError(
+                f"--{next(iter(scaling)).replace('_', '-')} goes with --replicas MIN-MAX "
+                "(e.g. --replicas 0-8): it tunes scaling by demand"
+            )
+        return None
+    low, dash, high = value.partition("-")
+    if not dash:
+        if not value.isdigit() or not 0 <= int(value) <= 1000:
+            raise click.BadParameter(
+                f"{value!r}: give a whole number from 0 to 1000, or MIN-MAX (e.g. 0-8) to "
+                "scale by demand",
+                param_hint="--replicas",
+            )
+        if scaling:
+            raise click.UsageError(
+                f"--{next(iter(scaling)).replace('_', '-')} tunes scaling by demand; give "
+                f"--replicas as MIN-MAX (e.g. 0-{value}), not a fixed {value}"
+            )
+        return int(value)
+    if not (low.isdigit() and high.isdigit()):
+        raise click.BadParameter(
+            f"{value!r}: give MIN-MAX as two whole numbers, e.g. 0-8", param_hint="--replicas"
+        )
+    return {"min": int(low), "max": int(high), **scaling}
+
+
+def _desired(m: dict[str, Any]) -> str:
+    """A model's desired count, with its range when it scales by demand: ``2 (0-8)``."""
+    scaling = m.get("scaling")
+    if scaling and "min" in scaling:
+        return f"{m['replicas']} ({scaling['min']}-{scaling['max']})"
+    return str(m["replicas"])
+
+
 @click.command()
 @click.argument("model")
 @click.option(
@@ -130,9 +169,34 @@ def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
 )
 @click.option(
     "--replicas",
-    type=click.IntRange(0, 1000),
+    metavar="N|MIN-MAX",
     default=None,
-    help="Replica count (default: 1 for a new model; a deployed model keeps its count).",
+    help="Replica count, or MIN-MAX to scale by demand between them (0-8: to zero when "
+    "idle). Default: 1 for a new model; a deployed model keeps its count or range.",
+)
+@click.option(
+    "--target-inflight",
+    type=click.IntRange(1, 1000),
+    default=None,
+    help="With MIN-MAX: requests in flight plus queued one replica is meant to carry (default 8).",
+)
+@click.option(
+    "--ttft-slo",
+    type=Duration(minimum=0.001),
+    default=None,
+    help="With MIN-MAX: one replica more while the gateways' TTFT p90 is over it, e.g. 2s.",
+)
+@click.option(
+    "--scale-down-after",
+    type=Duration(),
+    default=None,
+    help="With MIN-MAX: how long demand stays low before one replica goes (default 5m).",
+)
+@click.option(
+    "--cold-start-timeout",
+    type=Duration(minimum=0.001),
+    default=None,
+    help="With MIN-MAX: how long a request waits for a replica to start (default 5m).",
 )
 @click.option(
     "--engine",
@@ -151,12 +215,23 @@ def deploy(
     c: Ctl,
     model: str,
     profile: str | None,
-    replicas: int | None,
+    replicas: str | None,
+    target_inflight: int | None,
+    ttft_slo: float | None,
+    scale_down_after: float | None,
+    cold_start_timeout: float | None,
     engine: str | None,
     params: tuple[str, ...],
 ) -> None:
     """Deploy MODEL: a profile of a catalog model, or an ad-hoc one with --engine/--param;
-    or change its replica count."""
+    or change its replica count (a fixed N, or MIN-MAX by demand)."""
+    scaling = {
+        "target_inflight": target_inflight,
+        "ttft_slo": ttft_slo,
+        "scale_down_after": scale_down_after,
+        "cold_start_timeout": cold_start_timeout,
+    }
+    count = _replicas_option(replicas, {k: v for k, v in scaling.items() if v is not None})
     adhoc = engine is not None or bool(params)
     if profile is not None and adhoc:
         raise click.UsageError(
@@ -165,8 +240,8 @@ def deploy(
             "'llmgw ctl models apply -f catalog.yaml')"
         )
     body: dict[str, Any] = {"name": model}
-    if replicas is not None:
-        body["replicas"] = replicas
+    if count is not None:
+        body["replicas"] = count
     if profile is not None:
         body["profile"] = profile
     if adhoc:
@@ -183,10 +258,13 @@ def deploy(
             f"profile {data['profile']} (engine {data['engine']}, {data['gpus']} GPU(s) x "
             f"{data['nodes']} node(s))"
         )
-    click.echo(
-        f"deployed {data['name']}: {data['replicas']} replicas of {shape} ({data['ready']} "
-        "ready now)"
+    scaled = data.get("scaling")
+    count_text = (
+        f"{scaled['min']}-{scaled['max']} replicas by demand ({data['replicas']} now)"
+        if scaled and "min" in scaled
+        else f"{data['replicas']} replicas"
     )
+    click.echo(f"deployed {data['name']}: {count_text} of {shape} ({data['ready']} ready now)")
     older = data.get("older_profile_replicas") or 0
     if older:
         click.echo(

@@ -43,6 +43,7 @@ from llmgw.server.common.httpapi import bearer_token
 from llmgw.server.common.metrics import Metrics
 from llmgw.server.fleet.installs import EngineInstalls
 from llmgw.server.fleet.nodes import Membership
+from llmgw.server.fleet.planner import Planner
 from llmgw.server.fleet.scheduler import Scheduler
 from llmgw.server.fleet.stream import NodeSession
 from llmgw.server.fleet.updates import Updates
@@ -130,6 +131,9 @@ class AdminContext:
     history: RequestHistory = field(default_factory=RequestHistory)
     # This instance's gateway metrics (each model's prefix cache hit rate).
     metrics: Metrics = field(default_factory=Metrics)
+    # The planner: what it thinks of each model that scales by demand (None: tests
+    # without one).
+    planner: Planner | None = None
     # Why a model routed on its prompt's tokens has no tokenizer loaded (None: it has one,
     # or needs none).
     tokenizer_problem: Callable[[str], str | None] = field(default=lambda _model: None)

@@ -17,6 +17,7 @@ from llmgw.contracts.catalog import (
     parse_profile,
     profile_routing,
 )
+from llmgw.contracts.scaling import ScalingPolicy, parse_replicas, policy_of
 from llmgw.engines.registry import engine_names
 from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.server.accounts.principals import principal_of
@@ -55,6 +56,9 @@ def model_json(ctx: AdminContext, model: Model) -> dict[str, Any]:
         "source": spec.get("source"),
         "replicas": model.replicas,
         "ready": ready,
+        # The scaling policy with the planner's view (demand, wanted, why it holds back);
+        # None: a fixed count.
+        "scaling": _scaling_json(ctx, model),
         "params": model.params,
         "unplaceable": (
             None
@@ -80,6 +84,17 @@ def model_json(ctx: AdminContext, model: Model) -> dict[str, Any]:
     }
 
 
+def _scaling_json(ctx: AdminContext, model: Model) -> dict[str, Any] | None:
+    try:
+        policy = policy_of(model.scaling)
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    if policy is None:
+        return None
+    plan = ctx.planner.plans.get(model.name) if ctx.planner is not None else None
+    return plan.to_json() if plan is not None else policy.to_json()
+
+
 def catalog_json(ctx: AdminContext) -> dict[str, dict[str, Any]]:
     """Every model the control plane knows (from the catalog or deployed ad hoc), deployed
     or not, with its profiles: ``{name: {"profiles": {profile: spec}}}``."""
@@ -97,11 +112,14 @@ def deploy(ctx: AdminContext, body: Mapping[str, Any], *, actor: str) -> tuple[M
             "model name must be 1-128 characters of letters, digits and . _ : / -, "
             "starting with a letter or digit"
         )
-    replicas = body.get("replicas")
-    if replicas is not None and (
-        not isinstance(replicas, int) or isinstance(replicas, bool) or not 0 <= replicas <= 1000
-    ):
-        raise BadRequest("replicas must be a whole number from 0 to 1000")
+    given = body.get("replicas")
+    policy: ScalingPolicy | None = None
+    if given is not None:
+        try:
+            parsed = parse_replicas(given)
+        except ConfigError as exc:
+            raise BadRequest(str(exc)) from None
+        policy = parsed if isinstance(parsed, ScalingPolicy) else None
     profile = body.get("profile")
     adhoc = "engine" in body or "params" in body
     if profile is not None and adhoc:
@@ -115,10 +133,16 @@ def deploy(ctx: AdminContext, body: Mapping[str, Any], *, actor: str) -> tuple[M
         existing = ctx.store.get_model(name)
     except NotFound:
         existing = None
-    if replicas is None:
-        # Not given: a deployed model keeps its count (e.g. a profile switch), a new one
-        # gets one replica.
+    if given is None:
+        # Not given: a deployed model keeps its count or policy (e.g. a profile switch), a
+        # new one gets one replica.
         replicas = existing.replicas if existing is not None else 1
+    elif policy is not None:
+        # By demand: from the count it has, within the bounds (a new one: its min).
+        replicas = policy.clamp(existing.replicas if existing is not None else policy.min)
+    else:
+        assert isinstance(given, int)
+        replicas = given
     if not adhoc and (profile is not None or existing is not None):
         if existing is None:
             raise NotFound(
@@ -130,8 +154,16 @@ def deploy(ctx: AdminContext, body: Mapping[str, Any], *, actor: str) -> tuple[M
     else:
         model = _deploy_adhoc(ctx, name, body, replicas, existing)
         what = model.engine
+    if given is not None:
+        model = ctx.store.set_scaling(
+            name, policy.to_json() if policy is not None else {}, replicas=replicas
+        )
+    scaling = policy_of(model.scaling) if given is None else policy
+    count = scaling.describe() if scaling is not None else f"{replicas}"
     ctx.serving.refresh_models()
-    ctx.store.add_event("model_deployed", name, f"{what}, {replicas} replicas", actor)
+    ctx.store.add_event("model_deployed", name, f"{what}, {count} replicas", actor)
+    if ctx.planner is not None:
+        ctx.planner.kick()
     ctx.scheduler.kick()
     return model, existing is None
 

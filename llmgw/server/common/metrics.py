@@ -154,6 +154,28 @@ class Metrics:
             "Time requests waited in the gateway's queue before a replica took them.",
             ("model",),
         )
+        # Serving by demand (llmgw.server.gateway.capacity, llmgw.server.fleet.planner).
+        self.capacity_waiting = Gauge(
+            "llmgw_capacity_waiting_requests",
+            "Requests waiting for a model to have a ready replica at all (a cold start).",
+            ("model",),
+        )
+        self.capacity_wait = Histogram(
+            "llmgw_capacity_wait_seconds",
+            "Time requests waited for a replica of their model to exist (cold starts).",
+            ("model",),
+        )
+        self.desired_replicas = Gauge(
+            "llmgw_desired_replicas",
+            "Replicas each model wants, as deployed or as the planner set it by demand.",
+            ("model",),
+        )
+        self.scaling_decisions = Counter(
+            "llmgw_scaling_decisions_total",
+            "The planner's changes of a model's replica count, by direction (up, down) and "
+            "reason (demand, ttft_slo, min, idle).",
+            ("model", "direction", "reason"),
+        )
         # By the key's name (the operator's, never the users' free text): bounded by the keys.
         self.key_requests = Counter(
             "llmgw_key_requests_total",
@@ -235,6 +257,10 @@ class Metrics:
             self.ready_replicas,
             self.queued,
             self.queue_wait,
+            self.capacity_waiting,
+            self.capacity_wait,
+            self.desired_replicas,
+            self.scaling_decisions,
             self.key_requests,
             self.key_tokens,
             self.replica_tokens,

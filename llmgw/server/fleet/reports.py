@@ -279,6 +279,12 @@ class AgentReports:
             return  # a shard we already forgot (stopped or undeployed)
         if shard.node_id != session.node_id:
             return
+        if shard.state == ShardState.STOPPING:
+            # Retired by a scale-down (llmgw.server.fleet.retiring): never routed again,
+            # whatever it says; gone once it exited.
+            if state in (ShardState.EXITED, ShardState.FAILED):
+                self.scheduler.retirements.shard_ended(shard)
+            return
         if state == ShardState.EXITED:
             # We delete shards we stop, so an exit we did not order is a failure.
             state = ShardState.FAILED

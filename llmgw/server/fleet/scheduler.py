@@ -38,7 +38,9 @@ from llmgw.server.fleet.placement import Allocation, Cluster, GpuView, NodeView,
 from llmgw.server.fleet.placement import Profile as PlacementProfile
 from llmgw.server.fleet.placement import Unplaceable as PlacementUnplaceable
 from llmgw.server.fleet.rendezvous import NoPort, rendezvous_port
+from llmgw.server.fleet.retiring import Retirements
 from llmgw.server.fleet.stream import NodeSession
+from llmgw.server.gateway.capacity import Capacity
 from llmgw.server.gateway.routing import Router
 from llmgw.server.store import Model, Node, Shard, Store
 from llmgw.server.store.states import NodeState, ReplicaState, ShardState
@@ -115,9 +117,13 @@ class Scheduler:
         on_routes_changed: Callable[[], None] = lambda: None,
         engine_holds: Callable[[Sequence[Node]], Mapping[str, tuple[tuple[str, str], ...]]]
         | None = None,
+        capacity: Capacity | None = None,
         interval: float = 5.0,
     ) -> None:
         self.store = store
+        # The gateway's requests waiting for a replica to exist: told when a model cannot
+        # be placed (they are answered at once) and when it can again.
+        self.capacity = capacity
         self.router = router
         # The live streams (node id -> session) and the nodes lost, as llmgw.server.fleet.sessions
         # keeps them; read only here.
@@ -138,6 +144,14 @@ class Scheduler:
         self.moves: dict[str, str] = {}
         self.move_nodes: dict[str, str] = {}
         self.drain_blocked: dict[str, str] = {}
+        # Replicas a scale-down retires: drained, then stopped (llmgw.server.fleet.retiring).
+        self.retirements = Retirements(
+            store,
+            router,
+            sessions,
+            remove=lambda replica_id, why: self.remove_replica(replica_id, why=why),
+            on_routes_changed=on_routes_changed,
+        )
         # Profile switches: a replica of an older profile -> its replacement.
         self.rolls: dict[str, str] = {}
         # Models with replicas of an older profile still running (their unplaceable reason,
@@ -208,6 +222,7 @@ class Scheduler:
         self._placed_in_pass = 0
         self.unfinished = False
         self._drain_step()
+        self.retirements.step()
         # Built again after the drain's removals, and only if this pass places a replica.
         self._pass_cluster = carried if not self.moves else None
         self._roll_step()
@@ -228,9 +243,12 @@ class Scheduler:
                 and model.name not in self.rolling
             ):
                 # As many as wanted and nothing moving: a fleet's usual pass reads no more.
-                self.unplaceable.pop(model.name, None)
+                self._placeable(model.name)
                 continue
-            replicas = store.list_replicas(model.name)
+            # Those a scale-down retires are going: they count no more.
+            replicas = [
+                r for r in store.list_replicas(model.name) if r.state != ReplicaState.STOPPING
+            ]
             # A replica being moved and its replacement count as one until the move is done.
             in_moves = sum(1 for r in replicas if r.id in replacements)
             missing = model.replicas - (len(replicas) - in_moves)
@@ -242,10 +260,15 @@ class Scheduler:
                 order = sorted(
                     candidates, key=lambda r: (r.state == ReplicaState.READY, -r.created_at)
                 )
+                why = f"scaled {model.name} to {model.replicas}"
                 for replica in order[:-missing]:
-                    self.remove_replica(replica.id, why=f"scaled {model.name} to {model.replicas}")
+                    if model.scaling:
+                        # By demand: drained first, so that no request fails.
+                        self.retirements.retire(replica.id, why=why)
+                    else:
+                        self.remove_replica(replica.id, why=why)
             if missing <= 0 and model.name not in self.rolling:
-                self.unplaceable.pop(model.name, None)
+                self._placeable(model.name)
 
     def _place_missing(self, model: Model, missing: int) -> None:
         """Place up to ``missing`` replicas of ``model``, until one cannot be placed or the
@@ -421,7 +444,7 @@ class Scheduler:
         except Exception:
             cluster.release(replica.id)
             raise
-        self.unplaceable.pop(model.name, None)
+        self._placeable(model.name)
         where = ", ".join(
             f"{sh.node_id}{'[' + ','.join(sh.gpus) + ']' if sh.gpus else ''}" for sh in shards
         )
@@ -457,7 +480,17 @@ class Scheduler:
                 out.append((name, line[len(prefix) :]))
         return out
 
+    def _placeable(self, model: str) -> None:
+        """Nothing of ``model`` waits for room (now)."""
+        self.unplaceable.pop(model, None)
+        if self.capacity is not None:
+            self.capacity.placed(model)
+
     def _note_unplaceable(self, model: str, reason: str) -> None:
+        if self.capacity is not None and not self.store.count_replicas().get(model):
+            # None placed, none coming: the requests waiting for a replica of it are
+            # answered now, with why.
+            self.capacity.refuse(model, reason)
         previous = self.unplaceable.get(model)
         if previous is None or previous.reason != reason:
             self.unplaceable[model] = Unplaceable(model, reason, time.time())
@@ -550,7 +583,13 @@ class Scheduler:
         for node in draining:
             if any(self.move_nodes.get(o) == node.id for o in self.moves):
                 continue  # one replica at a time per node
-            replicas = sorted({s.replica_id for s in store.list_shards(node_id=node.id)})
+            replicas = sorted(
+                {
+                    s.replica_id
+                    for s in store.list_shards(node_id=node.id)
+                    if s.state != ShardState.STOPPING  # retiring: it goes by itself
+                }
+            )
             if not replicas:
                 self.drain_blocked.pop(node.id, None)
                 continue
@@ -607,7 +646,10 @@ class Scheduler:
             stale = [
                 r
                 for r in store.list_replicas(model.name)
-                if r.profile is not None and r.profile != model.profile and r.id not in moving
+                if r.profile is not None
+                and r.profile != model.profile
+                and r.id not in moving
+                and r.state != ReplicaState.STOPPING
             ]
             if not stale and model.name not in busy:
                 continue

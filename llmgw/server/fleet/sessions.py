@@ -157,8 +157,14 @@ class Sessions:
         """Reconcile what the node says it runs with what the store says it should."""
         known = {s.id: s for s in self.store.list_shards(node_id=session.node_id)}
         reported = {s.shard_id: s for s in hello.shards}
+        retirements = self.scheduler.retirements
         for shard_id, status in reported.items():
-            if shard_id in known:
+            if shard_id in known and known[shard_id].state == ShardState.STOPPING:
+                if status.state in (pb.SHARD_EXITED, pb.SHARD_FAILED):
+                    retirements.shard_ended(known[shard_id])
+                else:  # retired while the agent was away: the order again
+                    retirements.order_stop(known[shard_id])
+            elif shard_id in known:
                 self.reports.apply_status(session, status)
             elif status.state in (pb.SHARD_STARTING, pb.SHARD_READY, pb.SHARD_FAILED):
                 log.info(
@@ -167,7 +173,9 @@ class Sessions:
                 )
                 session.stop_shard(shard_id)
         for shard_id, shard in known.items():
-            if shard_id not in reported and shard.state in (
+            if shard_id not in reported and shard.state == ShardState.STOPPING:
+                retirements.shard_ended(shard)  # retired, and gone meanwhile
+            elif shard_id not in reported and shard.state in (
                 ShardState.STARTING,
                 ShardState.READY,
                 ShardState.PENDING,

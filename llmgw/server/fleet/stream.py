@@ -151,10 +151,14 @@ class NodeSession:
         )
         return meta.op_id
 
-    def stop_shard(self, shard_id: str, grace: float = 10.0) -> str:
+    def stop_shard(self, shard_id: str, grace: float = 10.0, drain: float = 0.0) -> str:
+        """Order a shard stopped: after its requests in flight ended (``drain`` seconds at
+        most; 0: now), SIGTERM, and SIGKILL after ``grace``."""
         meta = self._meta()
         self.queue.put_nowait(
-            pb.ServerMessage(stop_shard=pb.StopShard(meta=meta, shard_id=shard_id, grace_s=grace))
+            pb.ServerMessage(
+                stop_shard=pb.StopShard(meta=meta, shard_id=shard_id, grace_s=grace, drain_s=drain)
+            )
         )
         return meta.op_id
 

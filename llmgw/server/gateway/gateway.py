@@ -55,6 +55,7 @@ from llmgw.server.common.config import DEFAULT_MAX_MESSAGES, ServerConfig
 from llmgw.server.common.httpapi import bearer_token
 from llmgw.server.common.metrics import Metrics
 from llmgw.server.gateway import refusals
+from llmgw.server.gateway.capacity import Capacity, NoRoom
 from llmgw.server.gateway.forwarding import ConnectFailed, Forwarder
 from llmgw.server.gateway.history import RequestHistory
 from llmgw.server.gateway.limits import KeyLimits, Refusal
@@ -158,6 +159,12 @@ class Gateway:
             metrics,
             fair=settings.fair_queueing,
         )
+        # The requests waiting for a replica to exist, counted as demand for the planner.
+        self.capacity = Capacity(
+            router,
+            history if history is not None else RequestHistory(),
+            queued=self.admission.depth,
+        )
         # The last hop, to the agents' data planes; ``history``: each model's last hour for
         # the console's charts (None: not kept).
         self.forwarder = Forwarder(
@@ -180,6 +187,7 @@ class Gateway:
 
     async def close(self) -> None:
         self.admission.close()
+        self.capacity.close()
         await self.forwarder.close()
 
     def add_routes(self, app: web.Application) -> None:
@@ -483,9 +491,9 @@ class Gateway:
             return ep
         if not router.has_ready(model, tried):
             if not tried:
-                # No ready replica now (its agent may be restarting, a drain may be moving
-                # it): wait a while for one rather than failing at once.
-                await router.wait_ready(model, self.settings.replica_wait)
+                refusal = await self._wait_for_replica(model)
+                if refusal is not None:
+                    return refusal
             if not router.has_ready(model, tried):
                 return refusals.no_replica(model, len(tried), busy, self.settings.ctl)
         key = req.key
@@ -505,6 +513,26 @@ class Gateway:
                 exc.depth,
                 self.settings.ctl,
             )
+
+    async def _wait_for_replica(self, model: str) -> web.Response | None:
+        """No ready replica now: wait for one (a model that scales by demand: its
+        cold_start_timeout, while the planner places one; otherwise replica_wait, as its
+        agent may be restarting or a drain moving it). The 503 naming why at once when the
+        scheduler cannot place one; None when one is ready, or the wait ran out."""
+        timeout = self.serving.cold_start_timeout(model)
+        if timeout is None:
+            await self.router.wait_ready(model, self.settings.replica_wait)
+            return None
+        started = time.perf_counter()
+        self.metrics.capacity_waiting.inc((model,))
+        try:
+            await self.capacity.wait(model, timeout)
+        except NoRoom as exc:
+            return refusals.no_room(model, exc.reason, self.settings.ctl)
+        finally:
+            self.metrics.capacity_waiting.dec((model,))
+            self.metrics.capacity_wait.observe((model,), time.perf_counter() - started)
+        return None
 
 
 def _payload(request: web.Request, body: bytes) -> dict[str, Any] | web.Response:

@@ -231,3 +231,22 @@ class RequestHistory:
                 )
             )
         return points
+
+    def recent_ttft(
+        self, model: str, q: float, *, seconds: int = 60, now: float | None = None
+    ) -> float | None:
+        """``model``'s TTFT ``q`` quantile over the last ``seconds`` (whole buckets, the one
+        filling included); None when no streamed answer was recorded in them."""
+        series = self._series.get(model)
+        if series is None:
+            return None
+        current = int(self.clock() if now is None else now) // BUCKET_S
+        bins = [0] * TTFT_BINS
+        for bucket in range(current - max(1, seconds // BUCKET_S) + 1, current + 1):
+            slot = bucket % BUCKETS
+            if series.stamps[slot] != bucket:
+                continue
+            base = slot * TTFT_BINS
+            for i in range(TTFT_BINS):
+                bins[i] += series.ttft[base + i]
+        return ttft_quantile(bins, q)

@@ -171,3 +171,15 @@ def no_replica(model: str, tried: int, busy: int, ctl: str) -> web.Response:
         code="model_not_ready",
         headers={"Retry-After": "5"},
     )
+
+
+def no_room(model: str, reason: str, ctl: str) -> web.Response:
+    """``model`` has no ready replica and none can be placed now: said at once, with why."""
+    return openai_error(
+        503,
+        f"The model '{model}' has no ready replica and none can be placed now: {reason}. "
+        f"Retry later, or free GPUs for it ('{ctl} models' shows what each model holds).",
+        type_="server_error",
+        code="no_capacity",
+        headers={"Retry-After": "30"},
+    )

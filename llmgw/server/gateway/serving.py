@@ -23,6 +23,8 @@ from llmgw.contracts.catalog import (
     profile_tasks,
 )
 from llmgw.contracts.endpoints import served_paths
+from llmgw.contracts.scaling import policy_of
+from llmgw.errors import ConfigError
 from llmgw.server.gateway.prefixes import APPROX_CAPACITY, APPROX_CHUNK
 from llmgw.server.store import Store
 from llmgw.server.store.rows import ApiKey, Model
@@ -52,6 +54,9 @@ class ServedModel:
     # The most tokens one answer may have, as the profile says (llmgw.server.gateway.metering);
     # None: not said.
     output_cap: int | None = None
+    # How long a request waits for a replica to exist (a model that scales by demand: its
+    # cold_start_timeout, llmgw.contracts.scaling); None: server.yaml's replica_wait.
+    cold_start_timeout: float | None = None
 
     @classmethod
     def of(cls, model: Model) -> ServedModel:
@@ -71,12 +76,21 @@ class ServedModel:
             chat_template=profile_file(profile, "chat_template"),
             approx_capacity=_approx_capacity(profile),
             output_cap=_output_cap(model.engine, profile),
+            cold_start_timeout=_cold_start_timeout(model),
         )
 
 
 _CAP_PARAMS = ("max_model_len", "context_length", "ctx_size", "max_tokens", "max_length")
 """The profile params that bound one answer's tokens: vLLM's and SGLang's context length,
 llama.cpp's context (all its slots'), the sim's default limit or its context."""
+
+
+def _cold_start_timeout(model: Model) -> float | None:
+    try:
+        policy = policy_of(model.scaling)
+    except ConfigError:
+        return None  # a policy this llmgw cannot read: the planner says so; wait as fixed
+    return policy.cold_start_timeout if policy is not None else None
 
 
 def _output_cap(engine: str, profile: Mapping[str, Any]) -> int | None:
@@ -147,6 +161,10 @@ class ServingCache:
         self.body_limits = {m.name: m.body_limit for m in served if m.body_limit is not None}
         self.largest_body_limit = max([self.max_request_body, *self.body_limits.values()])
         self.on_models(served)
+
+    def cold_start_timeout(self, model: str) -> float | None:
+        served = self.models.get(model)
+        return served.cold_start_timeout if served is not None else None
 
     def max_concurrency(self, model: str) -> int:
         served = self.models.get(model)

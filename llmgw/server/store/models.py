@@ -153,6 +153,32 @@ class Models:
             )
             return self.get_model(name)
 
+    def set_scaling(self, name: str, scaling: dict[str, Any], *, replicas: int) -> Model:
+        """Store a model's scaling policy (its JSON; ``{}``: a fixed count) with the replica
+        count it starts from."""
+        _check_replicas(name, replicas)
+        blob = dump_json(scaling, f"model {name} scaling")
+        with self._db.write():
+            cur = self._db.execute(
+                "UPDATE models SET scaling = ?, replicas = ?, updated_at = ? WHERE name = ?",
+                (blob, replicas, self._db.clock(), name),
+            )
+            if cur.rowcount == 0:
+                raise _no_model(name)
+            return self.get_model(name)
+
+    def set_replicas(self, name: str, replicas: int) -> Model:
+        """The replica count the planner wants for a model that scales by demand."""
+        _check_replicas(name, replicas)
+        with self._db.write():
+            cur = self._db.execute(
+                "UPDATE models SET replicas = ?, updated_at = ? WHERE name = ?",
+                (replicas, self._db.clock(), name),
+            )
+            if cur.rowcount == 0:
+                raise _no_model(name)
+            return self.get_model(name)
+
     def _replica_count(self, model: str) -> int:
         row = self._db.one("SELECT count(*) FROM replicas WHERE model = ?", (model,))
         assert row is not None
@@ -213,8 +239,12 @@ class Models:
         return {row[0] for row in rows}
 
     def count_replicas(self) -> dict[str, int]:
-        """How many replicas each model has (models without any are absent)."""
-        rows = self._db.all("SELECT model, count(*) FROM replicas GROUP BY model")
+        """How many replicas each model has, less those stopping (a scale-down's, still
+        finishing their requests); models without any are absent."""
+        rows = self._db.all(
+            "SELECT model, count(*) FROM replicas WHERE state != ? GROUP BY model",
+            (ReplicaState.STOPPING,),
+        )
         return {row[0]: int(row[1]) for row in rows}
 
     def set_replica_state(self, replica_id: str, state: str) -> None:

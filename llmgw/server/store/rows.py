@@ -224,8 +224,12 @@ class Model(FromRow):
     updated_at: float
     profiles: dict[str, Any] = field(default_factory=dict)
     profile: str = DEFAULT_PROFILE
+    # The scaling policy's JSON (llmgw.contracts.scaling); {} for a fixed count.
+    scaling: dict[str, Any] = field(default_factory=dict)
 
-    ROW: ClassVar[RowMap] = RowMap(convert={"params": json.loads, "profiles": json.loads})
+    ROW: ClassVar[RowMap] = RowMap(
+        convert={"params": json.loads, "profiles": json.loads, "scaling": json.loads}
+    )
 
 
 @dataclass(frozen=True)

@@ -335,6 +335,12 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE instances ADD COLUMN names TEXT NOT NULL DEFAULT '[]';
     """,
+    # 15: a model's scaling policy (issue 39: replicas by demand), its JSON
+    # (llmgw.contracts.scaling); '{}' for a fixed count, which the replicas column holds
+    # either way (the planner writes the count it wants)
+    """
+    ALTER TABLE models ADD COLUMN scaling TEXT NOT NULL DEFAULT '{}';
+    """,
 ]
 
 

@@ -217,6 +217,8 @@ class Store:
     put_model = _Table("_models", Models.put_model)
     put_catalog_model = _Table("_models", Models.put_catalog_model)
     deploy_model = _Table("_models", Models.deploy_model)
+    set_scaling = _Table("_models", Models.set_scaling)
+    set_replicas = _Table("_models", Models.set_replicas)
     get_model = _Table("_models", Models.get_model)
     list_models = _Table("_models", Models.list_models)
     delete_model = _Table("_models", Models.delete_model)

@@ -1,0 +1,212 @@
+"""The planner: each model that scales by demand (``replicas: {min, max, ...}``,
+:mod:`llmgw.contracts.scaling`) gets the replica count its demand asks for; the scheduler
+then places or retires replicas to that count.
+
+Runs on the leader, once a second and at once when a request starts waiting for a model with
+no ready replica (a cold start). Demand is what the gateways see (requests in flight, queued
+for a place, waiting for a replica to exist; :class:`~llmgw.server.gateway.capacity.Demand`),
+summed over the instances whose figures reach the leader. Up: at once, to what demand asks
+(``ceil(demand / target_inflight)`` within min and max), one more while the TTFT p90 is over
+``ttft_slo``. Down: only after demand stayed below the current count for
+``scale_down_after``, one replica at a time (each step waits the window again), and the
+scheduler drains the replica it retires before stopping it (make-before-break). Every change
+is an event with its figures. A model with a fixed count is never touched.
+
+The count it sets is the model's stored ``replicas``: a new leader starts from it (nothing
+restarted, nothing flaps); the windows start again there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from llmgw.contracts.scaling import ScalingPolicy, policy_of
+from llmgw.durations import format_duration
+from llmgw.errors import ConfigError, Fenced, StoreUnavailable
+from llmgw.log import kv
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.gateway.capacity import Demand
+from llmgw.server.store import Model, Store
+
+__all__ = ["Plan", "Planner"]
+
+log = logging.getLogger("llmgw.server.planner")
+
+INTERVAL = 1.0  # seconds between passes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the planner thinks of one model now, for ``ctl models`` and the console."""
+
+    policy: ScalingPolicy
+    demand: Demand
+    wanted: int  # what demand asks for, within the bounds
+    replicas: int  # the count set now
+    # Why the count is not what demand alone would make it ("max reached", "cooling down
+    # 2m", ...); '' when it is.
+    holding: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            **self.policy.to_json(),
+            "demand": {
+                "inflight": self.demand.inflight,
+                "queued": self.demand.queued,
+                "waiting": self.demand.waiting,
+                "ttft_p90": self.demand.ttft_p90,
+            },
+            "wanted": self.wanted,
+            "holding": self.holding,
+        }
+
+
+class Planner:
+    """Sets the replica count of each model that scales by demand."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        demand: Callable[[], Mapping[str, Demand]],
+        kick_scheduler: Callable[[], None],
+        metrics: Metrics | None = None,
+        why_unplaceable: Callable[[str], str | None] = lambda _model: None,
+        clock: Callable[[], float] = time.monotonic,
+        interval: float = INTERVAL,
+    ) -> None:
+        self.store = store
+        self.demand = demand
+        self.kick_scheduler = kick_scheduler
+        self.metrics = metrics
+        self.why_unplaceable = why_unplaceable
+        self.clock = clock
+        self.interval = interval
+        # Since when each model's demand stayed below its count (monotonic), or since its
+        # last step down.
+        self.low_since: dict[str, float] = {}
+        self.plans: dict[str, Plan] = {}
+        self._kick = asyncio.Event()
+
+    def kick(self, _model: str = "") -> None:
+        """Plan now (a request waits for a model with no ready replica)."""
+        self._kick.set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                self.plan()
+            except (StoreUnavailable, Fenced):
+                pass  # the scheduler says so; a leader that lost its lease steps down
+            except Exception:
+                log.exception("planning failed; trying again")
+            try:
+                await asyncio.wait_for(self._kick.wait(), timeout=self.interval)
+            except TimeoutError:
+                pass
+            self._kick.clear()
+
+    def plan(self) -> None:
+        """One pass over every model."""
+        demand = self.demand()
+        plans: dict[str, Plan] = {}
+        for model in self.store.list_models():
+            try:
+                policy = policy_of(model.scaling)
+            except ConfigError as exc:
+                log.warning(
+                    "a stored scaling policy this llmgw cannot read; the model keeps its count",
+                    extra=kv(model=model.name, error=str(exc)),
+                )
+                continue
+            if self.metrics is not None:
+                self.metrics.desired_replicas.set((model.name,), model.replicas)
+            if policy is None:
+                self.low_since.pop(model.name, None)
+                continue
+            plans[model.name] = self._plan_model(model, policy, demand.get(model.name, Demand()))
+        for gone in set(self.low_since) - set(plans):
+            del self.low_since[gone]
+        self.plans = plans
+
+    def _plan_model(self, model: Model, policy: ScalingPolicy, demand: Demand) -> Plan:
+        current = model.replicas
+        wanted = policy.wanted(demand.total)
+        reason = "demand"
+        slow = (
+            policy.ttft_slo is not None
+            and demand.ttft_p90 is not None
+            and demand.total > 0
+            and demand.ttft_p90 > policy.ttft_slo
+        )
+        if slow and wanted <= current:
+            wanted = policy.clamp(current + 1)
+            reason = "ttft_slo"
+        if current < policy.min or current > policy.max:
+            wanted = policy.clamp(current)
+            reason = "bounds"
+        holding = self._holding(model, policy, demand, wanted)
+        if wanted > current:
+            self.low_since.pop(model.name, None)
+            self._set(model, current, wanted, policy, demand, reason)
+            return Plan(policy, demand, wanted, wanted, holding)
+        if wanted == current:
+            self.low_since.pop(model.name, None)
+            return Plan(policy, demand, wanted, current, holding)
+        now = self.clock()
+        since = self.low_since.setdefault(model.name, now)
+        left = policy.scale_down_after - (now - since)
+        if left > 0 and reason != "bounds":
+            holding = f"cooling down: {format_duration(max(1, round(left)))} before one fewer"
+            return Plan(policy, demand, wanted, current, holding)
+        step = policy.clamp(current - 1) if reason != "bounds" else wanted
+        self.low_since[model.name] = now  # the next step waits the window again
+        self._set(model, current, step, policy, demand, "idle" if reason == "demand" else reason)
+        return Plan(policy, demand, wanted, step, holding)
+
+    def _holding(self, model: Model, policy: ScalingPolicy, demand: Demand, wanted: int) -> str:
+        """Why the count stays under what demand asks for, as an operator reads it."""
+        asked = -(-demand.total // policy.target_inflight) if demand.total else 0
+        if asked > policy.max:
+            return f"max reached ({policy.max})"
+        reason = self.why_unplaceable(model.name)
+        if reason is not None and wanted > 0:
+            return f"cannot place: {reason}"
+        return ""
+
+    def _set(
+        self,
+        model: Model,
+        current: int,
+        count: int,
+        policy: ScalingPolicy,
+        demand: Demand,
+        reason: str,
+    ) -> None:
+        self.store.set_replicas(model.name, count)
+        direction = "up" if count > current else "down"
+        figures = f"{demand.describe()}, target {policy.target_inflight} per replica"
+        if reason == "ttft_slo":
+            assert demand.ttft_p90 is not None and policy.ttft_slo is not None
+            figures += (
+                f"; TTFT p90 {demand.ttft_p90:.2f} s over the objective "
+                f"{format_duration(policy.ttft_slo)}"
+            )
+        elif reason == "idle":
+            figures += f"; low for {format_duration(policy.scale_down_after)}"
+        elif reason == "bounds":
+            figures = f"outside {policy.min}-{policy.max}"
+        text = f"{model.name} {current} → {count}: {figures}"
+        self.store.add_event(f"scaled_{direction}", model.name, text, "planner")
+        log.info(
+            "scaled a model by demand",
+            extra=kv(model=model.name, before=current, after=count, reason=reason),
+        )
+        if self.metrics is not None:
+            self.metrics.scaling_decisions.inc((model.name, direction, reason))
+            self.metrics.desired_replicas.set((model.name,), count)
+        self.kick_scheduler()

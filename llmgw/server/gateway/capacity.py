@@ -1,0 +1,174 @@
+"""Requests waiting for a model to have a ready replica at all (a cold start: a model scaled
+to zero, or one whose replicas are all starting), and why a model cannot get one.
+
+The gateway counts such a request here while it waits (:meth:`Capacity.wait`), so that the
+planner sees it as demand (:meth:`Capacity.demand`) and is told at once
+(:meth:`Capacity.on_waiting`): a
+model at zero replicas gets one placed. The wait ends when a replica of the model becomes
+ready (the router says so), when the scheduler finds no room for one
+(:meth:`Capacity.refuse`: the waiters get the reason at once, not after their timeout), or
+at the timeout. A model the scheduler cannot place now is refused at once
+(:meth:`Capacity.refusal`) until a replica of it is placed (:meth:`Capacity.placed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmgw.server.gateway.history import RequestHistory
+from llmgw.server.gateway.routing import Router
+
+__all__ = ["Capacity", "Demand", "NoRoom"]
+
+# The TTFT p90 the planner compares with a model's ttft_slo is over this many seconds.
+TTFT_WINDOW = 60
+
+
+class NoRoom(Exception):
+    """No replica of the model can be placed now: ``reason`` says why."""
+
+    def __init__(self, model: str, reason: str) -> None:
+        super().__init__(reason)
+        self.model = model
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Demand:
+    """A model's demand as one gateway sees it: requests on its replicas, queued for a place
+    on one, and waiting for a replica to exist; the TTFT p90 of the last minute (None:
+    no streamed answer in it)."""
+
+    inflight: int = 0
+    queued: int = 0
+    waiting: int = 0
+    ttft_p90: float | None = None
+
+    @property
+    def total(self) -> int:
+        return self.inflight + self.queued + self.waiting
+
+    def __add__(self, other: Demand) -> Demand:
+        ttft = [t for t in (self.ttft_p90, other.ttft_p90) if t is not None]
+        return Demand(
+            self.inflight + other.inflight,
+            self.queued + other.queued,
+            self.waiting + other.waiting,
+            max(ttft) if ttft else None,
+        )
+
+    def describe(self) -> str:
+        text = f"{self.inflight} in flight + {self.queued} queued"
+        if self.waiting:
+            text += f" + {self.waiting} waiting for a replica"
+        return text
+
+
+class Capacity:
+    """The requests waiting for a replica to exist, per model, and the models that cannot get
+    one now."""
+
+    def __init__(
+        self,
+        router: Router,
+        history: RequestHistory,
+        *,
+        queued: Callable[[str], int] = lambda _model: 0,
+    ) -> None:
+        self.router = router
+        self.history = history
+        self.queued = queued
+        # Told when a request starts waiting for a model with no ready replica (the
+        # leader's planner, subscribed while it leads: a model at zero gets one at once).
+        self._listeners: list[Callable[[str], None]] = []
+        self._waiting: dict[str, set[asyncio.Future[None]]] = {}
+        self._refusals: dict[str, str] = {}
+        self._unsubscribe = router.on_ready(self._ready)
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+    def on_waiting(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``listener(model)`` when a request starts waiting for ``model``; returns the
+        unsubscribe."""
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def waiting(self, model: str) -> int:
+        return len(self._waiting.get(model, ()))
+
+    def refusal(self, model: str) -> str | None:
+        """Why no replica of ``model`` can be placed now (None: nothing known against it)."""
+        return self._refusals.get(model)
+
+    def refuse(self, model: str, reason: str) -> None:
+        """The scheduler found no room for a replica of ``model``: the requests waiting for
+        one are answered with ``reason`` now, and so are new ones until one is placed."""
+        self._refusals[model] = reason
+        for future in self._waiting.get(model, ()):
+            if not future.done():
+                future.set_exception(NoRoom(model, reason))
+
+    def placed(self, model: str) -> None:
+        """A replica of ``model`` was placed: requests may wait for it again."""
+        self._refusals.pop(model, None)
+
+    def forget(self, model: str) -> None:
+        self._refusals.pop(model, None)
+
+    async def wait(self, model: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` for a ready replica of ``model``: True when one is ready,
+        False at the timeout; :class:`NoRoom` when none can be placed (at once, if that is
+        known already)."""
+        if self.router.has_ready(model):
+            return True
+        reason = self._refusals.get(model)
+        if reason is not None:
+            raise NoRoom(model, reason)
+        if timeout <= 0:
+            return False
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters = self._waiting.setdefault(model, set())
+        waiters.add(future)
+        try:
+            for listener in list(self._listeners):
+                listener(model)
+            async with asyncio.timeout(timeout):
+                await future
+            return True
+        except TimeoutError:
+            return self.router.has_ready(model)
+        finally:
+            waiters.discard(future)
+            if not waiters and self._waiting.get(model) is waiters:
+                del self._waiting[model]
+
+    def _ready(self, model: str) -> None:
+        for future in self._waiting.get(model, ()):
+            if not future.done():
+                future.set_result(None)
+
+    def demand(self, now: float | None = None) -> dict[str, Demand]:
+        """Each model's demand as this gateway sees it now (models with none left out,
+        except those whose TTFT was measured in the last minute)."""
+        inflight: dict[str, int] = {}
+        for ep in self.router.endpoints():
+            if ep.inflight:
+                inflight[ep.model] = inflight.get(ep.model, 0) + ep.inflight
+        models = set(inflight) | set(self._waiting) | set(self.router.models())
+        out = {}
+        at = time.time() if now is None else now
+        for model in models:
+            ttft = self.history.recent_ttft(model, 0.9, seconds=TTFT_WINDOW, now=at)
+            demand = Demand(inflight.get(model, 0), self.queued(model), self.waiting(model), ttft)
+            if demand.total or ttft is not None:
+                out[model] = demand
+        return out
