@@ -140,6 +140,15 @@ def engine() -> None:
     "arrival order; 0 = free.",
 )
 @click.option(
+    "--load-seconds",
+    "load_s",
+    default=SimConfig.load_s,
+    show_default=True,
+    type=float,
+    help="Seconds it takes to start serving (its port opens after them), as a real engine "
+    "loads its weights; 0 = at once.",
+)
+@click.option(
     "--kv-events-config",
     default=SimConfig.kv_events_config,
     metavar="JSON",
@@ -180,6 +189,7 @@ def sim(
     block_size: int,
     kv_blocks: int,
     prefill_us_per_token: float,
+    load_s: float,
     kv_events_config: str,
     probe_path: tuple[str, ...],
     probe_required: bool,
@@ -214,6 +224,7 @@ def sim(
         block_size=block_size,
         kv_blocks=kv_blocks,
         prefill_us_per_token=prefill_us_per_token,
+        load_s=load_s,
         kv_events_config=kv_events_config,
         probe_paths=probe_path,
         probe_required=probe_required,

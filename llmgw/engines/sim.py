@@ -44,6 +44,8 @@ PARAMS: Mapping[str, Param] = MappingProxyType(
         "block_size": Param("--block-size", int, minimum=1, maximum=MAX_BLOCK_SIZE, sample="16"),
         "kv_blocks": Param("--kv-blocks", int, minimum=1, sample="8192"),
         "prefill_us_per_token": Param("--prefill-us-per-token", float, minimum=0, sample="50"),
+        # Its start-up as a weights load would take (llmgw.sim.config: load_s).
+        "load_s": Param("--load-seconds", float, minimum=0, sample="2"),
     }
 )
 

@@ -134,7 +134,7 @@ class Leader:
             metrics=metrics,
             why_unplaceable=self._why_unplaceable,
         )
-        self._unsubscribe_planner = hooks.capacity.on_waiting(self.planner.kick)
+        self._unsubscribe_planner = hooks.capacity.on_waiting(self._capacity_wanted)
         self.membership = Membership(
             store,
             self.scheduler,
@@ -258,6 +258,12 @@ class Leader:
             self._enroller.ca_pem = cert_pem(self.ca.cert).decode("ascii")
         if self._enroll_tls is not None:
             self._enroll_tls.reload_if_changed()
+
+    def _capacity_wanted(self, model: str) -> None:
+        """A request waits for a replica of ``model`` to exist: the planner gives a model at
+        zero one, the scheduler tries what is missing (and says at once if it has no room)."""
+        self.planner.kick(model)
+        self.scheduler.kick()
 
     def _why_unplaceable(self, model: str) -> str | None:
         unplaceable = self.scheduler.unplaceable.get(model)

@@ -92,6 +92,9 @@ class SimConfig:
     block_size: int = 16
     kv_blocks: int = 8192
     prefill_us_per_token: float = 0.0
+    # Seconds before it listens, as an engine loading its weights (the demand benchmark's
+    # cold starts); 0: at once.
+    load_s: float = 0.0
     kv_events_config: str = ""
     probe_paths: tuple[str, ...] = ()
     probe_required: bool = False
@@ -107,7 +110,7 @@ class SimConfig:
             raise EngineError(f"sim: model must be a non-empty string, got {self.model!r}")
         if not is_int(self.seed):
             raise EngineError(f"sim: seed must be an integer, got {self.seed!r}")
-        for name in ("ttft_ms", "tps", "prefill_us_per_token"):
+        for name in ("ttft_ms", "tps", "prefill_us_per_token", "load_s"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)

@@ -515,6 +515,10 @@ async def _serve_http(
     on_bound: Callable[[int], None] | None,
     leader: Leader | None,
 ) -> None:
+    if cfg.load_s:
+        # A real engine opens its port once its weights are loaded: nothing answers before.
+        log.info("sim engine loading for %gs", cfg.load_s, extra={"engine": "sim"})
+        await asyncio.sleep(cfg.load_s)
     runner = web.AppRunner(build_app(cfg), access_log=None, shutdown_timeout=_SHUTDOWN_GRACE_S)
     await runner.setup()
     try:

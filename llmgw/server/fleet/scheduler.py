@@ -121,8 +121,8 @@ class Scheduler:
         interval: float = 5.0,
     ) -> None:
         self.store = store
-        # The gateway's requests waiting for a replica to exist: told when a model cannot
-        # be placed (they are answered at once) and when it can again.
+        # The gateway's requests waiting for a replica to exist: told when a model with
+        # none placed cannot be placed (they are answered then, with why).
         self.capacity = capacity
         self.router = router
         # The live streams (node id -> session) and the nodes lost, as llmgw.server.fleet.sessions
@@ -483,8 +483,6 @@ class Scheduler:
     def _placeable(self, model: str) -> None:
         """Nothing of ``model`` waits for room (now)."""
         self.unplaceable.pop(model, None)
-        if self.capacity is not None:
-            self.capacity.placed(model)
 
     def _note_unplaceable(self, model: str, reason: str) -> None:
         if self.capacity is not None and not self.store.count_replicas().get(model):

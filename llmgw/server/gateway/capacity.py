@@ -2,19 +2,17 @@
 to zero, or one whose replicas are all starting), and why a model cannot get one.
 
 The gateway counts such a request here while it waits (:meth:`Capacity.wait`), so that the
-planner sees it as demand (:meth:`Capacity.demand`) and is told at once
-(:meth:`Capacity.on_waiting`): a
-model at zero replicas gets one placed. The wait ends when a replica of the model becomes
-ready (the router says so), when the scheduler finds no room for one
-(:meth:`Capacity.refuse`: the waiters get the reason at once, not after their timeout), or
-at the timeout. A model the scheduler cannot place now is refused at once
-(:meth:`Capacity.refusal`) until a replica of it is placed (:meth:`Capacity.placed`).
+planner sees it as demand (:meth:`Capacity.demand`), and the leader is told at once
+(:meth:`Capacity.on_waiting`): its planner gives a model at zero a replica, its scheduler
+tries to place what is missing. The wait ends when a replica of the model becomes ready (the
+router says so), when the scheduler finds no room for one (:meth:`Capacity.refuse`: the
+waiters get the reason then, within a pass, not after their timeout), or at the timeout.
+Nothing is refused from an earlier pass's verdict: room may have come free since.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,7 +83,6 @@ class Capacity:
         # leader's planner, subscribed while it leads: a model at zero gets one at once).
         self._listeners: list[Callable[[str], None]] = []
         self._waiting: dict[str, set[asyncio.Future[None]]] = {}
-        self._refusals: dict[str, str] = {}
         self._unsubscribe = router.on_ready(self._ready)
 
     def close(self) -> None:
@@ -105,34 +102,18 @@ class Capacity:
     def waiting(self, model: str) -> int:
         return len(self._waiting.get(model, ()))
 
-    def refusal(self, model: str) -> str | None:
-        """Why no replica of ``model`` can be placed now (None: nothing known against it)."""
-        return self._refusals.get(model)
-
     def refuse(self, model: str, reason: str) -> None:
-        """The scheduler found no room for a replica of ``model``: the requests waiting for
-        one are answered with ``reason`` now, and so are new ones until one is placed."""
-        self._refusals[model] = reason
+        """The scheduler found no room for a replica of ``model`` (none placed, none
+        coming): the requests waiting for one are answered now, with ``reason``."""
         for future in self._waiting.get(model, ()):
             if not future.done():
                 future.set_exception(NoRoom(model, reason))
 
-    def placed(self, model: str) -> None:
-        """A replica of ``model`` was placed: requests may wait for it again."""
-        self._refusals.pop(model, None)
-
-    def forget(self, model: str) -> None:
-        self._refusals.pop(model, None)
-
     async def wait(self, model: str, timeout: float) -> bool:
         """Wait up to ``timeout`` for a ready replica of ``model``: True when one is ready,
-        False at the timeout; :class:`NoRoom` when none can be placed (at once, if that is
-        known already)."""
+        False at the timeout; :class:`NoRoom` when the scheduler finds none can be placed."""
         if self.router.has_ready(model):
             return True
-        reason = self._refusals.get(model)
-        if reason is not None:
-            raise NoRoom(model, reason)
         if timeout <= 0:
             return False
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -163,11 +144,12 @@ class Capacity:
         for ep in self.router.endpoints():
             if ep.inflight:
                 inflight[ep.model] = inflight.get(ep.model, 0) + ep.inflight
+        history = self.history
         models = set(inflight) | set(self._waiting) | set(self.router.models())
+        models |= set(history.models(now))
         out = {}
-        at = time.time() if now is None else now
         for model in models:
-            ttft = self.history.recent_ttft(model, 0.9, seconds=TTFT_WINDOW, now=at)
+            ttft = history.recent_ttft(model, 0.9, seconds=TTFT_WINDOW, now=now)
             demand = Demand(inflight.get(model, 0), self.queued(model), self.waiting(model), ttft)
             if demand.total or ttft is not None:
                 out[model] = demand

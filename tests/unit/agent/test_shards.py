@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import stat
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 from llmgw.agent.runtimes import Launch
 from llmgw.agent.runtimes.process import ProcessRuntime
 from llmgw.agent.shards import Shard, ShardManager, ShardSpec, ShardState
+from llmgw.agent.traffic import ShardTraffic
 from llmgw.contracts.ports import PortRange
 from llmgw.errors import ShardError
 from llmgw.procutil import process_start_time
@@ -501,3 +503,64 @@ def test_without_a_range_the_manager_holds_to_the_default(tmp_path: Path) -> Non
     assert manager.multinode_ports == PortRange(29500, 29999)
     with pytest.raises(ShardError, match="outside this node's multinode_ports 29500-29999"):
         _start(manager, _multi("sim", 0, dist_init_addr="10.1.0.5:30000"))
+
+
+# -- a drained stop (a shard retired make-before-break: llmgw.agent.traffic) ----------------
+
+
+def test_idle_at_once_without_requests_and_when_the_last_one_ends() -> None:
+    async def main() -> None:
+        traffic = ShardTraffic()
+        assert await traffic.idle("s1", 5) is True
+        traffic.enter("s1")
+        traffic.enter("s1")
+        traffic.enter("s2")
+        waiter = asyncio.create_task(traffic.idle("s1", 5))
+        await asyncio.sleep(0.01)
+        traffic.leave("s1")
+        await asyncio.sleep(0.01)
+        assert not waiter.done() and traffic.inflight("s1") == 1
+        traffic.leave("s1")
+        assert await asyncio.wait_for(waiter, 1) is True
+        assert traffic.inflight("s2") == 1  # another shard's requests are its own
+        assert await traffic.idle("s2", 0.05) is False  # the timeout: still one in flight
+
+    asyncio.run(main())
+
+
+def test_a_drained_stop_waits_for_the_requests_in_flight(tmp_path: Path) -> None:
+    async def main() -> None:
+        traffic = ShardTraffic()
+        recorder = Recorder()
+        manager = ShardManager(
+            tmp_path, ProcessRuntime(), recorder, startup_timeout=WAIT_S, traffic=traffic
+        )
+        await manager.open()
+        try:
+            shard = await manager.start(spec())
+            await recorder.wait_for("s1", ShardState.READY)
+            port = manager.ready_port("s1")
+            assert port == shard.port
+            traffic.enter("s1")  # a request the data plane is relaying
+            stopping = asyncio.create_task(manager.stop("s1", grace=5.0, drain=30.0))
+            await asyncio.sleep(0.2)
+            assert manager.ready_port("s1") is None  # new requests: not taken here
+            assert not stopping.done() and pid_alive(shard.pid)
+            traffic.leave("s1")
+            stopped = await asyncio.wait_for(stopping, WAIT_S)
+            assert stopped is not None and stopped.state == ShardState.EXITED
+            assert "s1" not in manager.shards
+
+            # A drain that runs out stops the engine all the same.
+            other = await manager.start(spec("s2"))
+            await recorder.wait_for("s2", ShardState.READY)
+            traffic.enter("s2")
+            began = time.monotonic()
+            await manager.stop("s2", grace=5.0, drain=0.3)
+            assert time.monotonic() - began >= 0.3
+            assert not pid_alive(other.pid)
+        finally:
+            await manager.stop_all(grace=5.0)
+            await manager.close()
+
+    asyncio.run(main())

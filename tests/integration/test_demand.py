@@ -1,0 +1,202 @@
+"""Serving by demand with a real control plane, agent and sim engines, through the official
+``openai`` client: a model at zero gets a replica for the request that waits for it; a model
+with no room is refused at once with why; a model scales up under load and back down after
+its window, its retired replicas drained first, with no failed request."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.integration.harness import (
+    LLMGW,
+    Agent,
+    Client,
+    Server,
+    make_agent,
+    start_agent,
+    start_server,
+    stop_process,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+ONE_GPU = Path(__file__).resolve().parent.parent / "fixtures" / "nvidia-smi" / "one-gpu"
+
+
+class Fleet:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.server: Server = start_server(tmp)
+        self.agent: Agent = start_agent(
+            make_agent(tmp, self.server, "dm-a", extra={"discovery": {"nvidia_smi": str(ONE_GPU)}})
+        )
+        wait_for(lambda: any(n["connected"] for n in self.server.nodes()), what="agent")
+        self.server.approve_pending(1)
+        wait_for(lambda: any(n["engines"] for n in self.server.nodes()), what="agent with engines")
+        self.key = self.server.api_key()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=self.server.url + "/v1", api_key=self.key, max_retries=0, timeout=120
+        )
+
+    def deploy(self, name: str, replicas: Any, **extra: Any) -> dict[str, Any]:
+        body = {"name": name, "engine": "sim", "replicas": replicas, **extra}
+        return dict(self.server.api("POST", "/api/models", body))
+
+    def model(self, name: str) -> dict[str, Any]:
+        return next(m for m in self.server.api("GET", "/api/models") if m["name"] == name)
+
+    def events(self, subject: str) -> list[dict[str, Any]]:
+        return list(self.server.api("GET", f"/api/events?subject={subject}&limit=200"))
+
+    def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+        env.update(
+            LLMGW_SERVER=self.server.url,
+            LLMGW_TOKEN=self.server.admin_token,
+            XDG_CONFIG_HOME=str(self.tmp / "xdg"),
+        )
+        return subprocess.run(
+            [*LLMGW, "ctl", *args], capture_output=True, text=True, env=env, timeout=60
+        )
+
+    def stop(self) -> None:
+        if self.agent.proc is not None:
+            stop_process(self.agent.proc)
+        for rec in self.agent.shard_records().values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rec["pid"], signal.SIGKILL)
+        stop_process(self.server.proc)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("demand"))
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+def test_a_model_at_zero_is_started_for_the_request_that_waits_and_others_refused_at_once(
+    fleet: Fleet,
+) -> None:
+    # The node's one GPU for "cold", which takes 2 s to load; "big" wants it too.
+    policy = {"min": 0, "max": 1, "scale_down_after": "2s"}
+    deployed = fleet.deploy("cold", policy, gpus=1, params={"load_s": 2, "tps": 500})
+    assert deployed["replicas"] == 0 and deployed["scaling"]["min"] == 0
+    fleet.deploy("big", {"min": 0, "max": 1}, gpus=1)
+    assert fleet.server.replicas("cold") == []
+    listed = fleet.ctl("models")
+    assert listed.returncode == 0, listed.stderr
+    assert "0 (0-1)" in listed.stdout
+
+    client = fleet.client()
+    began = time.monotonic()
+    out = client.chat.completions.create(
+        model="cold", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    waited = time.monotonic() - began
+    assert out.choices[0].message.content
+    assert waited >= 2.0  # the engine's load: the request waited for it, was not refused
+    up = [e["message"] for e in fleet.events("cold") if e["kind"] == "scaled_up"]
+    assert up == [
+        "cold 0 → 1: 0 in flight + 0 queued + 1 waiting for a replica, target 8 per replica"
+    ]
+    assert 'llmgw_capacity_wait_seconds_count{model="cold"} 1' in fleet.server.metrics()
+
+    # No GPU left for "big": refused at once, with why and when to retry.
+    began = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(
+            model="big", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    assert time.monotonic() - began < 30  # not its cold_start_timeout (5 min)
+    assert refused.value.status_code == 503
+    assert refused.value.response.headers["Retry-After"] == "30"
+    body = refused.value.response.json()["error"]
+    assert body["code"] == "no_capacity"
+    assert "none can be placed now: dm-a: 0 of 1 GPUs free, needs 1" in body["message"]
+
+    # Idle for its window: "cold" goes back to zero, drained, and its GPU comes free; then a
+    # request for "big" gets it.
+    wait_for(lambda: fleet.model("cold")["replicas"] == 0, timeout=60, what="cold back to 0")
+    wait_for(lambda: fleet.server.replicas("cold") == [], timeout=60, what="cold's replica gone")
+    removed = [e["message"] for e in fleet.events("") if e["kind"] == "replica_removed"]
+    assert any(m == "scaled cold to 0; its requests ended" for m in removed), removed
+    out = client.chat.completions.create(
+        model="big", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert out.choices[0].message.content
+
+
+def test_load_scales_up_and_the_scale_down_fails_no_request(fleet: Fleet) -> None:
+    # No GPU: as many replicas as wanted fit on the node.
+    policy = {"min": 1, "max": 3, "target_inflight": 2, "scale_down_after": "3s"}
+    fleet.deploy("busy", policy, params={"tps": 20})  # 8 tokens: ~0.4 s a request
+    wait_for(lambda: fleet.model("busy")["ready"] == 1, timeout=60, what="busy's first replica")
+    clients = [Client(fleet.server.url + "/v1", fleet.key, "busy") for _ in range(6)]
+    for c in clients:
+        c.start()
+    try:
+        wait_for(lambda: fleet.model("busy")["ready"] == 3, timeout=90, what="scaled up to 3")
+    finally:
+        for c in clients[1:]:
+            c.stop.set()
+    # One client goes on through the scale-down: every one of its requests answered.
+    wait_for(lambda: fleet.model("busy")["replicas"] == 1, timeout=90, what="scaled down to 1")
+    wait_for(lambda: len(fleet.server.replicas("busy")) == 1, timeout=90, what="retired ones gone")
+    time.sleep(1)
+    clients[0].stop.set()
+    for c in clients:
+        c.join(timeout=60)
+    failures = [f for c in clients for f in c.failures]
+    assert failures == []
+    assert sum(c.ok for c in clients) > 20
+    kinds = [e["kind"] for e in fleet.events("busy")]
+    assert "scaled_up" in kinds and kinds.count("scaled_down") == 2
+    metrics = fleet.server.metrics()
+    assert 'llmgw_scaling_decisions_total{model="busy",direction="down",reason="idle"} 2' in (
+        metrics
+    )
+    assert 'llmgw_desired_replicas{model="busy"} 1' in metrics
+
+
+def test_a_client_that_gives_up_leaves_the_wait(fleet: Fleet) -> None:
+    """A waiting request whose client goes away is no demand any more."""
+    fleet.deploy("gone", {"min": 0, "max": 1}, params={"load_s": 30})
+    client = openai.OpenAI(
+        base_url=fleet.server.url + "/v1", api_key=fleet.key, max_retries=0, timeout=1.5
+    )
+    errors: list[Exception] = []
+
+    def ask() -> None:
+        try:
+            client.chat.completions.create(
+                model="gone", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        except Exception as exc:  # the client's own timeout
+            errors.append(exc)
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    thread.join(timeout=30)
+    assert errors and isinstance(errors[0], openai.APITimeoutError)
+    wait_for(
+        lambda: 'llmgw_capacity_waiting_requests{model="gone"} 0' in fleet.server.metrics(),
+        timeout=30,
+        what="the wait left",
+    )

@@ -1,0 +1,79 @@
+"""A deployment's replicas: a fixed count or a scaling policy, one parser for ctl, the admin
+API, the console and the catalog."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw.contracts.scaling import ScalingPolicy, parse_replicas, policy_of
+from llmgw.errors import ConfigError
+
+
+def test_a_whole_number_is_a_fixed_count() -> None:
+    assert parse_replicas(0) == 0
+    assert parse_replicas(1000) == 1000
+
+
+@pytest.mark.parametrize("value", [-1, 1001, True, 1.5, "2", None, [1, 2]])
+def test_other_counts_are_refused_with_the_forms_taken(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"^replicas: must be a whole number"):
+        parse_replicas(value)
+
+
+def test_a_policy_with_its_defaults() -> None:
+    policy = parse_replicas({"min": 0, "max": 8})
+    assert policy == ScalingPolicy(min=0, max=8)
+    assert isinstance(policy, ScalingPolicy)
+    assert (policy.target_inflight, policy.scale_down_after, policy.cold_start_timeout) == (
+        8,
+        300.0,
+        300.0,
+    )
+    assert policy.ttft_slo is None
+
+
+def test_a_policy_with_every_key_and_durations_in_llmgws_syntax() -> None:
+    policy = parse_replicas(
+        {
+            "min": 1,
+            "max": 4,
+            "target_inflight": 16,
+            "ttft_slo": "2s",
+            "scale_down_after": "90s",
+            "cold_start_timeout": "1m",
+        }
+    )
+    assert policy == ScalingPolicy(1, 4, 16, 2.0, 90.0, 60.0)
+    assert parse_replicas(policy.to_json()) == policy  # stored and read back as it was
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"max": 8}, "needs both min and max"),
+        ({"min": 3, "max": 2}, r"min \(3\) is above max \(2\)"),
+        ({"min": 0, "max": 0}, r"replicas\.max: must be a whole number from 1"),
+        ({"min": 0, "max": 2, "target_inflight": 0}, r"replicas\.target_inflight"),
+        ({"min": 0, "max": 2, "ttft_slo": "0s"}, r"replicas\.ttft_slo: must be more than 0 s"),
+        ({"min": 0, "max": 2, "scale_down_after": "soon"}, r"replicas\.scale_down_after"),
+        ({"min": 0, "max": 2, "burst": 3}, r"unknown key 'burst'; a scaling policy takes min"),
+    ],
+)
+def test_a_policy_that_cannot_be_followed_is_refused_naming_the_key(
+    value: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_replicas(value)
+
+
+def test_what_demand_asks_for_within_the_bounds() -> None:
+    policy = ScalingPolicy(min=0, max=4, target_inflight=10)
+    assert [policy.wanted(d) for d in (0, 1, 10, 11, 35, 400)] == [0, 1, 1, 2, 4, 4]
+    assert ScalingPolicy(min=2, max=4).wanted(0) == 2
+
+
+def test_the_stored_json_reads_back() -> None:
+    assert policy_of({}) is None
+    assert policy_of({"min": 0, "max": 3}) == ScalingPolicy(0, 3)
+    assert "0-3 by demand (8 in flight each)" == ScalingPolicy(0, 3).describe()
+    assert "TTFT p90 <= 2s" in ScalingPolicy(0, 3, ttft_slo=2.0).describe()

@@ -1,0 +1,117 @@
+"""Requests waiting for a model to have a ready replica at all: counted as demand, the
+planner told at once, answered when one is ready, refused at once with why when none can be
+placed, and gone from the count when they leave."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from llmgw.server.gateway.capacity import Capacity, Demand, NoRoom
+from llmgw.server.gateway.history import RequestHistory
+from llmgw.server.gateway.routing import Endpoint, Router
+
+
+def _run(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    """The test on a loop of its own (the suite's async tests run their loop themselves)."""
+
+    @functools.wraps(test)
+    def run() -> None:
+        asyncio.run(test())
+
+    return run
+
+
+def _capacity(queued: dict[str, int] | None = None) -> tuple[Router, Capacity, list[str]]:
+    router = Router()
+    capacity = Capacity(router, RequestHistory(), queued=lambda m: (queued or {}).get(m, 0))
+    told: list[str] = []
+    capacity.on_waiting(told.append)
+    return router, capacity, told
+
+
+def _ready(router: Router, model: str, shard: str = "s1") -> Endpoint:
+    ep = Endpoint(model=model, replica_id=f"r-{shard}", shard_id=shard, node_id="n1", addr="a:1")
+    router.set_ready(ep)
+    return ep
+
+
+@_run
+async def test_a_waiting_request_is_demand_and_is_answered_when_a_replica_is_ready() -> None:
+    router, capacity, told = _capacity()
+    waiter = asyncio.create_task(capacity.wait("cold", 30))
+    await asyncio.sleep(0)
+    assert told == ["cold"]
+    assert capacity.demand()["cold"] == Demand(waiting=1)
+    _ready(router, "cold")
+    assert await waiter is True
+    assert capacity.waiting("cold") == 0
+    assert "cold" not in capacity.demand()
+
+
+@_run
+async def test_no_room_answers_the_waiting_then_and_a_later_request_waits_again() -> None:
+    router, capacity, told = _capacity()
+    waiter = asyncio.create_task(capacity.wait("big", 300))
+    await asyncio.sleep(0)
+    capacity.refuse("big", "no node has 8 free GPUs")
+    with pytest.raises(NoRoom, match="no node has 8 free GPUs"):
+        await asyncio.wait_for(waiter, 1)
+    assert capacity.waiting("big") == 0
+    # Room may have come free since: a later request waits for the next pass's verdict.
+    late = asyncio.create_task(capacity.wait("big", 300))
+    await asyncio.sleep(0)
+    assert capacity.waiting("big") == 1 and told == ["big", "big"]
+    _ready(router, "big")
+    assert await late is True
+
+
+@_run
+async def test_the_timeout_and_a_client_that_leaves_take_it_out_of_the_count() -> None:
+    _, capacity, _ = _capacity()
+    assert await capacity.wait("m", 0.01) is False
+    gone = asyncio.create_task(capacity.wait("m", 30))
+    await asyncio.sleep(0)
+    assert capacity.waiting("m") == 1
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert capacity.waiting("m") == 0
+
+
+@_run
+async def test_a_ready_replica_needs_no_wait() -> None:
+    router, capacity, told = _capacity()
+    _ready(router, "warm")
+    assert await capacity.wait("warm", 30) is True
+    assert told == []
+
+
+@_run
+async def test_demand_sums_in_flight_queued_and_waiting() -> None:
+    router, capacity, _ = _capacity(queued={"m": 4})
+    a, b = _ready(router, "m", "s1"), _ready(router, "m", "s2")
+    a.inflight, b.inflight = 3, 5
+    assert capacity.demand()["m"] == Demand(inflight=8, queued=4)
+    assert capacity.demand()["m"].total == 12
+    both = Demand(1, 2, 3, 0.5) + Demand(4, 5, 6, 2.0)
+    assert both == Demand(5, 7, 9, 2.0)
+    assert both.describe() == "5 in flight + 7 queued + 9 waiting for a replica"
+
+
+def test_the_ttft_p90_of_the_last_minute() -> None:
+    now = [10_000.0]
+    history = RequestHistory(clock=lambda: now[0])
+    capacity = Capacity(Router(), history)
+    for _ in range(9):
+        history.record("m", ttft=0.1)
+    history.record("m", ttft=5.0)
+    history.record("m", ttft=5.0)
+    p90 = capacity.demand()["m"].ttft_p90
+    assert p90 is not None and 4.0 < p90 < 6.0
+    now[0] += 120  # two minutes later: out of the window
+    assert "m" not in capacity.demand()

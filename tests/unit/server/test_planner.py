@@ -1,0 +1,178 @@
+"""The planner: a model that scales by demand gets the count its demand asks for, up at once,
+down one step after the window; a fixed count is never touched; each change an event with
+its figures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.contracts.scaling import ScalingPolicy
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.fleet.planner import Planner
+from llmgw.server.gateway.capacity import Demand
+from llmgw.server.store import Store
+
+
+class Rig:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.demand: dict[str, Demand] = {}
+        self.now = 1000.0
+        self.kicks = 0
+        self.unplaceable: dict[str, str] = {}
+        self.metrics = Metrics()
+        self.planner = Planner(
+            store,
+            demand=lambda: self.demand,
+            kick_scheduler=self._kick,
+            metrics=self.metrics,
+            why_unplaceable=self.unplaceable.get,
+            clock=lambda: self.now,
+        )
+
+    def _kick(self) -> None:
+        self.kicks += 1
+
+    def deploy(self, name: str, policy: ScalingPolicy | None, replicas: int) -> None:
+        self.store.put_model(name, engine="sim", params={}, replicas=replicas)
+        self.store.set_scaling(name, policy.to_json() if policy else {}, replicas=replicas)
+
+    def count(self, name: str) -> int:
+        return self.store.get_model(name).replicas
+
+    def events(self, kind: str) -> list[str]:
+        return [e.message for e in self.store.list_events(limit=100) if e.kind == kind]
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    store = Store.open(tmp_path / "state.db")
+    yield Rig(store)
+    store.close()
+
+
+def test_demand_scales_up_at_once_with_an_event_that_gives_the_figures(rig: Rig) -> None:
+    rig.deploy("llama", ScalingPolicy(min=0, max=8, target_inflight=16), replicas=2)
+    rig.demand["llama"] = Demand(inflight=61, queued=12)
+    rig.planner.plan()
+    assert rig.count("llama") == 5  # ceil(73 / 16)
+    assert rig.kicks == 1
+    assert rig.events("scaled_up") == [
+        "llama 2 → 5: 61 in flight + 12 queued, target 16 per replica"
+    ]
+    assert rig.metrics.scaling_decisions.values[("llama", "up", "demand")] == 1
+
+
+def test_never_above_max_and_the_plan_says_why(rig: Rig) -> None:
+    rig.deploy("m", ScalingPolicy(min=0, max=3, target_inflight=1), replicas=0)
+    rig.demand["m"] = Demand(inflight=0, waiting=9)
+    rig.planner.plan()
+    assert rig.count("m") == 3
+    assert rig.planner.plans["m"].holding == "max reached (3)"
+    assert "9 waiting for a replica" in rig.events("scaled_up")[0]
+
+
+def test_a_request_waiting_for_a_model_at_zero_gets_it_one(rig: Rig) -> None:
+    rig.deploy("cold", ScalingPolicy(min=0, max=2), replicas=0)
+    rig.planner.plan()
+    assert rig.count("cold") == 0  # no demand, nothing placed
+    rig.demand["cold"] = Demand(waiting=1)
+    rig.planner.plan()
+    assert rig.count("cold") == 1
+
+
+def test_down_only_after_the_window_one_step_at_a_time(rig: Rig) -> None:
+    policy = ScalingPolicy(min=0, max=8, target_inflight=4, scale_down_after=300)
+    rig.deploy("m", policy, replicas=3)
+    rig.demand["m"] = Demand(inflight=1)  # asks for 1
+    rig.planner.plan()
+    assert rig.count("m") == 3
+    assert rig.planner.plans["m"].holding == "cooling down: 5m before one fewer"
+    rig.now += 299
+    rig.planner.plan()
+    assert rig.count("m") == 3
+    rig.now += 1
+    rig.planner.plan()
+    assert rig.count("m") == 2  # one step
+    assert rig.events("scaled_down") == [
+        "m 3 → 2: 1 in flight + 0 queued, target 4 per replica; low for 5m"
+    ]
+    rig.now += 100
+    rig.planner.plan()
+    assert rig.count("m") == 2  # the next step waits the window again
+    rig.now += 200
+    rig.planner.plan()
+    assert rig.count("m") == 1
+    rig.now += 1000
+    rig.planner.plan()
+    assert rig.count("m") == 1  # what demand asks for: no further
+
+
+def test_demand_that_comes_back_restarts_the_window(rig: Rig) -> None:
+    rig.deploy("m", ScalingPolicy(min=0, max=8, target_inflight=4, scale_down_after=60), 2)
+    rig.planner.plan()  # no demand: the window starts
+    rig.now += 50
+    rig.demand["m"] = Demand(inflight=8)  # asks for 2: as many as it has
+    rig.planner.plan()
+    rig.demand["m"] = Demand()
+    rig.planner.plan()  # low again: the window starts again
+    rig.now += 50
+    rig.planner.plan()
+    assert rig.count("m") == 2  # low for 50 s since it came back, not 100
+    rig.now += 10
+    rig.planner.plan()
+    assert rig.count("m") == 1
+
+
+def test_to_zero_and_never_below_min(rig: Rig) -> None:
+    rig.deploy("zero", ScalingPolicy(min=0, max=2, scale_down_after=0), replicas=1)
+    rig.deploy("one", ScalingPolicy(min=1, max=2, scale_down_after=0), replicas=1)
+    rig.planner.plan()
+    assert (rig.count("zero"), rig.count("one")) == (0, 1)
+
+
+def test_a_ttft_over_the_objective_adds_a_replica(rig: Rig) -> None:
+    rig.deploy("m", ScalingPolicy(min=1, max=4, target_inflight=100, ttft_slo=2.0), 1)
+    rig.demand["m"] = Demand(inflight=3, ttft_p90=3.5)
+    rig.planner.plan()
+    assert rig.count("m") == 2
+    assert "TTFT p90 3.50 s over the objective 2s" in rig.events("scaled_up")[0]
+    rig.demand["m"] = Demand(inflight=0, ttft_p90=3.5)  # slow but idle: nothing to add
+    rig.planner.plan()
+    assert rig.count("m") == 2
+
+
+def test_a_fixed_count_is_never_touched(rig: Rig) -> None:
+    rig.deploy("fixed", None, replicas=3)
+    rig.demand["fixed"] = Demand(inflight=500)
+    rig.planner.plan()
+    rig.demand["fixed"] = Demand()
+    rig.now += 10_000
+    rig.planner.plan()
+    assert rig.count("fixed") == 3
+    assert rig.kicks == 0
+    assert "fixed" not in rig.planner.plans
+
+
+def test_a_count_outside_the_bounds_is_brought_inside(rig: Rig) -> None:
+    rig.deploy("m", ScalingPolicy(min=2, max=4), replicas=6)
+    rig.planner.plan()
+    assert rig.count("m") == 4
+    assert rig.events("scaled_down") == ["m 6 → 4: outside 2-4"]
+
+
+def test_the_plan_says_what_placement_holds_back(rig: Rig) -> None:
+    rig.deploy("m", ScalingPolicy(min=0, max=4), replicas=1)
+    rig.demand["m"] = Demand(waiting=1)
+    rig.unplaceable["m"] = "no node has 1 free GPU"
+    rig.planner.plan()
+    assert rig.planner.plans["m"].holding == "cannot place: no node has 1 free GPU"
+    assert rig.planner.plans["m"].to_json()["demand"] == {
+        "inflight": 0,
+        "queued": 0,
+        "waiting": 1,
+        "ttft_p90": None,
+    }
