@@ -64,6 +64,9 @@ CROSS_PACKAGES="crossbuild-essential-arm64 libssl-dev:arm64 zlib1g-dev:arm64 lib
 GLIBC_FLOOR=2.31
 # Bump when the rootfs recipe below changes in a way the variables above do not show.
 ROOTFS_RECIPE=1
+# Likewise for the build tools installed in it (ensure_tools). 2: PyInstaller's source
+# fetched outside the rootfs, nothing byte-compiled at install.
+TOOLS_RECIPE=2
 
 # shellcheck source=lib/common.sh
 . "$(dirname "$0")/lib/common.sh"
@@ -130,7 +133,7 @@ setup() {
     CACHE=$TEST_CACHE/dist
     ROOTFS=$(rootfs_path "$DEB_ARCH")
     TOOLS_KEY=$({
-        printf '%s\n' "$ROOTFS" "$PYINSTALLER_VERSION" "$PYINSTALLER_SHA256" \
+        printf '%s\n' "$ROOTFS" "$TOOLS_RECIPE" "$PYINSTALLER_VERSION" "$PYINSTALLER_SHA256" \
             "$SYSTEMD_PYTHON_VERSION" "$SYSTEMD_PYTHON_SHA256" "$TOOLS_PACKAGES"
         cat packaging/pyinstaller-runtime-dir.patch pyproject.toml
     } | sha)
@@ -387,6 +390,12 @@ with open("pyproject.toml", "rb") as f:
     log=$(mktemp)
     TO_CLEAN="$TO_CLEAN $log"
     step_started=$(date +%s)
+    # PyInstaller's sdist is fetched here, not in the rootfs: pip prepares an sdist's
+    # metadata in a build environment of its own, which under qemu took 92 s of an arm64
+    # build's 330 s of tools (issue 37 point 22); natively, a few seconds.
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: --require-hashes \
+        -r "$ROOTFS/build/pyinstaller.txt" -d "$ROOTFS/build" >"$log" 2>&1 \
+        || { tail -n 30 "$log" >&2; fatal "downloading PyInstaller's source failed (log above)"; }
     in_rootfs "$ROOTFS" >"$log" 2>&1 <<EOF || { tail -n 30 "$log" >&2; fatal "installing the build tools failed (log above)"; }
 cd /build
 apt-get update -q
@@ -394,7 +403,9 @@ DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $TO
 rm -rf /var/cache/apt/archives/*.deb /var/lib/apt/lists/*
 python3.11 -m venv /opt/llmgw-build
 /opt/llmgw-build/bin/pip install --quiet --upgrade pip
-/opt/llmgw-build/bin/pip install --quiet -r requirements.txt
+# --no-compile: PyInstaller compiles what it bundles itself; byte-compiling every installed
+# package under qemu is a third of this step's time there.
+/opt/llmgw-build/bin/pip install --quiet --no-compile -r requirements.txt
 # From its source (there is no wheel), against this rootfs's libsystemd.
 /opt/llmgw-build/bin/pip install --quiet --no-binary systemd-python --require-hashes \
     -r systemd-python.txt
@@ -406,13 +417,11 @@ for library in /opt/python/lib/libpython3.11.so.1.0 /opt/python/lib/python3.11/l
     if chrpath -l "\$library" >/dev/null 2>&1; then chrpath -d "\$library"; fi
 done
 /opt/llmgw-build/bin/python -c 'import ssl, sqlite3, lzma, bz2, ctypes, uuid, json; from systemd import journal'
-/opt/llmgw-build/bin/pip download --quiet --no-deps --no-binary :all: --require-hashes \
-    -r pyinstaller.txt -d .
 tar -xzf pyinstaller-$PYINSTALLER_VERSION.tar.gz
 cd pyinstaller-$PYINSTALLER_VERSION
 patch -p1 <../pyinstaller-runtime-dir.patch
 # The sdist has no Linux bootloader: installing it compiles one, from the patched source.
-/opt/llmgw-build/bin/pip install --quiet .
+/opt/llmgw-build/bin/pip install --quiet --no-compile .
 cd /
 rm -rf /build
 EOF
