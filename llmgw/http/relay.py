@@ -30,9 +30,16 @@ NOT_PROCESSED = "X-Llmgw-Not-Processed"
 # Where relay() leaves the error that ended an event stream early, on the response it returns
 # (aiohttp responses are mappings for such per-request data).
 STREAM_ERROR: web.ResponseKey[UpstreamError] = web.ResponseKey("llmgw_stream_error", UpstreamError)
+# An event stream the gateway began before it had a replica (SSE comments while a cold start
+# kept the request waiting): the answer goes on in it, status and headers already sent.
+STARTED_STREAM: web.RequestKey[web.StreamResponse] = web.RequestKey(
+    "llmgw_started_stream", web.StreamResponse
+)
 
 __all__ = [
     "NOT_PROCESSED",
+    "SSE_HEADERS",
+    "STARTED_STREAM",
     "STREAM_ERROR",
     "LineEnds",
     "UsageChunkDropper",
@@ -71,7 +78,7 @@ def _copy_headers(
     return [(k, v) for k, v in upstream.headers if k.lower() not in drop] + list(replace.items())
 
 
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def error_event(message: str, code: str = "upstream_error") -> bytes:
@@ -204,16 +211,23 @@ async def relay(
     (``upstream.complete`` is then false). ``drop_usage``: the stream's usage chunk, which
     the gateway asked for on the client's behalf, is not sent (:class:`UsageChunkDropper`).
     """
+    started = request.get(STARTED_STREAM) if isinstance(request, web.Request) else None
     if upstream.content_type != "text/event-stream":
         body = await upstream.read()
         if on_chunk is not None:
             on_chunk(body)
+        if started is not None:  # the client has a 200 and an event stream already
+            await started.write(error_event(_error_message(body, upstream.status)))
+            return started
         return web.Response(
             status=upstream.status, body=body, headers=_copy_headers(upstream, extra_headers)
         )
-    replace = {**extra_headers, **_SSE_HEADERS} if extra_headers else _SSE_HEADERS
-    resp = web.StreamResponse(status=upstream.status, headers=_copy_headers(upstream, replace))
-    await resp.prepare(request)
+    if started is not None:
+        resp = started
+    else:
+        replace = {**extra_headers, **SSE_HEADERS} if extra_headers else SSE_HEADERS
+        resp = web.StreamResponse(status=upstream.status, headers=_copy_headers(upstream, replace))
+        await resp.prepare(request)
     dropper = UsageChunkDropper() if drop_usage else None
     try:
         async for chunk in upstream.iter_chunks():
@@ -235,3 +249,16 @@ async def relay(
             await resp.write(held + error_event(f"the stream ended early: {exc}"))
     # aiohttp ends the stream once the handler returns, quietly if the client has gone.
     return resp
+
+
+def _error_message(body: bytes, status: int) -> str:
+    """What an engine's error answer says (OpenAI's shape), for an error event."""
+    try:
+        error = json.loads(body).get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+    except (ValueError, AttributeError):
+        pass
+    return f"the replica answered {status}"

@@ -6,11 +6,13 @@ its window, its retired replicas drained first, with no failed request."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -200,3 +202,31 @@ def test_a_client_that_gives_up_leaves_the_wait(fleet: Fleet) -> None:
         timeout=30,
         what="the wait left",
     )
+
+
+def test_a_stream_that_waits_for_a_cold_start_is_kept_alive_then_answered(fleet: Fleet) -> None:
+    fleet.deploy("slow", {"min": 0, "max": 1}, params={"load_s": 2.5, "tps": 500})
+    body = json.dumps(
+        {
+            "model": "slow",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "stream": True,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        fleet.server.url + "/v1/chat/completions",
+        data=body,
+        headers={"Authorization": f"Bearer {fleet.key}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        lines = [line.decode().rstrip("\n") for line in resp]
+    comments = [line for line in lines if line.startswith(":")]
+    data = [line for line in lines if line.startswith("data: ")]
+    assert comments and comments[0] == ": waiting for a replica of slow to start"
+    assert lines.index(comments[0]) < lines.index(data[0])  # before the answer, not in it
+    assert data[-1] == "data: [DONE]"
+    chunks = [json.loads(d[6:]) for d in data[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])

@@ -28,6 +28,8 @@ policy (:mod:`llmgw.server.gateway.policies`, :meth:`Gateway._route`), and forwa
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -50,6 +52,7 @@ from llmgw.bodies import (
 )
 from llmgw.contracts.endpoints import ALIASES, PATHS, endpoint_refusal
 from llmgw.errors import ChatTemplateRefused
+from llmgw.http.relay import SSE_HEADERS, STARTED_STREAM, error_event
 from llmgw.log import kv
 from llmgw.server.common.config import DEFAULT_MAX_MESSAGES, ServerConfig
 from llmgw.server.common.httpapi import bearer_token
@@ -74,6 +77,12 @@ from llmgw.server.store.rows import ApiKey
 __all__ = ["Gateway", "GatewaySettings"]
 
 log = logging.getLogger("llmgw.server.gateway")
+
+# A stream waiting for a replica to start gets its event stream begun after KEEPALIVE_AFTER
+# seconds, and an SSE comment every KEEPALIVE_EVERY (proxies close a silent connection
+# after 60 s by default: nginx, haproxy's timeout server as the README sets it).
+KEEPALIVE_AFTER = 1.0
+KEEPALIVE_EVERY = 10.0
 
 RESPONSES = "/v1/responses"
 
@@ -464,12 +473,12 @@ class Gateway:
         busy = 0  # replicas whose agent had no room for the body
         while True:
             ep = await self._place(req, frozenset(tried), busy)
-            if isinstance(ep, web.Response):
+            if isinstance(ep, web.StreamResponse):
                 charge.outcome.status = ep.status
-                return ep
+                return await _in_started_stream(req, ep)
             tried.add(ep.shard_id)
             try:
-                return await self.forwarder.forward(req, ep, charge)
+                return await _in_started_stream(req, await self.forwarder.forward(req, ep, charge))
             except ConnectFailed as exc:
                 busy += exc.busy
                 log.warning(
@@ -481,7 +490,7 @@ class Gateway:
 
     async def _place(
         self, req: ModelRequest, tried: frozenset[str], busy: int
-    ) -> Endpoint | web.Response:
+    ) -> Endpoint | web.StreamResponse:
         """A place on a replica of ``req``'s model not among ``tried`` (``busy`` of which
         had no room for the body), or the refusal: no replica ready, or none free within
         queue_timeout."""
@@ -491,7 +500,7 @@ class Gateway:
             return ep
         if not router.has_ready(model, tried):
             if not tried:
-                refusal = await self._wait_for_replica(model)
+                refusal = await self._wait_for_replica(req)
                 if refusal is not None:
                     return refusal
             if not router.has_ready(model, tried):
@@ -514,25 +523,69 @@ class Gateway:
                 self.settings.ctl,
             )
 
-    async def _wait_for_replica(self, model: str) -> web.Response | None:
+    async def _wait_for_replica(self, req: ModelRequest) -> web.StreamResponse | None:
         """No ready replica now: wait for one (a model that scales by demand: its
         cold_start_timeout, while the planner places one; otherwise replica_wait, as its
-        agent may be restarting or a drain moving it). The 503 naming why at once when the
+        agent may be restarting or a drain moving it). A stream that waits long gets its
+        event stream begun, with comments to keep it open. The 503 naming why when the
         scheduler cannot place one; None when one is ready, or the wait ran out."""
+        model = req.model
         timeout = self.serving.cold_start_timeout(model)
         if timeout is None:
             await self.router.wait_ready(model, self.settings.replica_wait)
             return None
         started = time.perf_counter()
         self.metrics.capacity_waiting.inc((model,))
+        waiting = asyncio.ensure_future(self.capacity.wait(model, timeout))
         try:
-            await self.capacity.wait(model, timeout)
+            if req.stream:
+                await self._keep_alive(req, waiting)
+            await waiting
         except NoRoom as exc:
             return refusals.no_room(model, exc.reason, self.settings.ctl)
         finally:
+            waiting.cancel()
             self.metrics.capacity_waiting.dec((model,))
             self.metrics.capacity_wait.observe((model,), time.perf_counter() - started)
         return None
+
+    async def _keep_alive(self, req: ModelRequest, waiting: asyncio.Future[bool]) -> None:
+        """While ``waiting`` (for a replica to exist) goes on past KEEPALIVE_AFTER, the
+        client's event stream is begun and an SSE comment sent every KEEPALIVE_EVERY, so
+        that neither it nor a proxy between takes the silence for a dead connection."""
+        pause = KEEPALIVE_AFTER
+        while not waiting.done():
+            await asyncio.wait({waiting}, timeout=pause)
+            if waiting.done():
+                return
+            http = req.http
+            stream = http.get(STARTED_STREAM)
+            if stream is None:
+                stream = web.StreamResponse(
+                    status=200,
+                    headers={"Content-Type": "text/event-stream", **SSE_HEADERS},
+                )
+                await stream.prepare(http)
+                http[STARTED_STREAM] = stream
+            await stream.write(f": waiting for a replica of {req.model} to start\n\n".encode())
+            pause = KEEPALIVE_EVERY
+
+
+async def _in_started_stream(req: ModelRequest, answer: web.StreamResponse) -> web.StreamResponse:
+    """``answer`` as the client can still get it: in the event stream begun while it waited
+    for a replica (a refusal as an error event), else as it is."""
+    started = req.http.get(STARTED_STREAM)
+    if started is None or answer is started:
+        return answer
+    message = f"the request was refused ({answer.status})"
+    body = answer.body if isinstance(answer, web.Response) else None
+    if isinstance(body, bytes):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            message = str(json.loads(body)["error"]["message"])
+    code = "no_capacity" if answer.status == 503 else "upstream_error"
+    with contextlib.suppress(ConnectionError):  # the client may be gone
+        await started.write(error_event(message, code))
+    return started
 
 
 def _payload(request: web.Request, body: bytes) -> dict[str, Any] | web.Response:
