@@ -382,6 +382,8 @@ class ControlPlane:
             ("follow", follower.run()),
             ("follow-notify", follower.listen()),
             ("tokenizers", self.tokenizers.run()),
+            # What this gateway sees, for the leader's planner (serving by demand).
+            ("demand", self.gateway.capacity.publish(self.store, cfg.instance)),
         ):
             self._tasks.append(asyncio.create_task(run, name=name))
         self._record_addresses()

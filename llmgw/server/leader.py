@@ -44,7 +44,7 @@ from llmgw.server.fleet.stream import (
     start_stream_server,
 )
 from llmgw.server.fleet.updates import Updates
-from llmgw.server.gateway.capacity import Capacity
+from llmgw.server.gateway.capacity import Capacity, fleet_demand
 from llmgw.server.gateway.routing import Router
 from llmgw.server.joining.bundles import Bundle
 from llmgw.server.joining.enroll import Enroller, EnrolmentServer
@@ -129,7 +129,7 @@ class Leader:
         )
         self.planner = Planner(
             store,
-            demand=hooks.capacity.demand,
+            demand=lambda: fleet_demand(hooks.capacity.demand(), store, cfg.instance),
             kick_scheduler=self.scheduler.kick,
             metrics=metrics,
             why_unplaceable=self._why_unplaceable,

@@ -107,6 +107,8 @@ def test_a_model_at_zero_is_started_for_the_request_that_waits_and_others_refuse
     assert "0 (0-1)" in listed.stdout
 
     client = fleet.client()
+    # Listed at zero: the first request starts it.
+    assert {"cold", "big"} <= {m.id for m in client.models.list()}
     began = time.monotonic()
     out = client.chat.completions.create(
         model="cold", messages=[{"role": "user", "content": "hi"}], max_tokens=4

@@ -13,16 +13,25 @@ Nothing is refused from an earlier pass's verdict: room may have come free since
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from llmgw.errors import StoreError
+from llmgw.log import kv
 from llmgw.server.gateway.history import RequestHistory
 from llmgw.server.gateway.routing import Router
+from llmgw.server.store import Store
 
-__all__ = ["Capacity", "Demand", "NoRoom"]
+log = logging.getLogger("llmgw.server.gateway")
+
+__all__ = ["Capacity", "Demand", "NoRoom", "fleet_demand"]
 
 # The TTFT p90 the planner compares with a model's ttft_slo is over this many seconds.
 TTFT_WINDOW = 60
+PUBLISH_EVERY = 1.0  # seconds: a standby's demand written for the leader's planner
+FRESH_FOR = 3.0  # seconds: another instance's demand counts while written within these
 
 
 class NoRoom(Exception):
@@ -154,3 +163,34 @@ class Capacity:
             if demand.total or ttft is not None:
                 out[model] = demand
         return out
+
+    async def publish(self, store: Store, instance: str) -> None:
+        """A standby's loop: its demand written for the leader's planner every second
+        (while it has any; once more when it has none left)."""
+        said: dict[str, Demand] = {}
+        while True:
+            now = self.demand()
+            if now or said:
+                try:
+                    store.put_demand(
+                        instance,
+                        {m: (d.inflight, d.queued, d.waiting, d.ttft_p90) for m, d in now.items()},
+                        time.time(),
+                    )
+                    said = now
+                except StoreError as exc:
+                    log.warning("cannot store this gateway's demand", extra=kv(error=str(exc)))
+            await asyncio.sleep(PUBLISH_EVERY)
+
+
+def fleet_demand(
+    own: Mapping[str, Demand], store: Store, instance: str, *, now: float | None = None
+) -> dict[str, Demand]:
+    """``own`` (this instance's) plus what the other instances wrote in the last
+    :data:`FRESH_FOR` seconds, per model."""
+    total = dict(own)
+    since = (time.time() if now is None else now) - FRESH_FOR
+    for row in store.list_demand(since=since, excluding=instance):
+        theirs = Demand(row.inflight, row.queued, row.waiting, row.ttft_p90)
+        total[row.model] = total[row.model] + theirs if row.model in total else theirs
+    return total

@@ -261,7 +261,11 @@ class Gateway:
         if isinstance(key, web.Response):
             return key
         policy = key.policy
-        data = [self._model_entry(name) for name in self.router.models() if policy.allows(name)]
+        # Those with a ready replica, and those that scale by demand (at zero now, started
+        # by the first request).
+        names = set(self.router.models())
+        names.update(m for m, s in self.serving.models.items() if s.cold_start_timeout)
+        data = [self._model_entry(name) for name in sorted(names) if policy.allows(name)]
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:

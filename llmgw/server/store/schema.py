@@ -341,6 +341,21 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE models ADD COLUMN scaling TEXT NOT NULL DEFAULT '{}';
     """,
+    # 16: each gateway instance's demand per model (requests in flight, queued, waiting for a
+    # replica to exist, TTFT p90), written about once a second by the standbys on
+    # PostgreSQL and summed by the leader's planner (issue 39); unfenced, as usage is
+    """
+    CREATE TABLE demand (
+        instance   TEXT NOT NULL,
+        model      TEXT NOT NULL,
+        inflight   INTEGER NOT NULL CHECK (inflight >= 0),
+        queued     INTEGER NOT NULL CHECK (queued >= 0),
+        waiting    INTEGER NOT NULL CHECK (waiting >= 0),
+        ttft_p90   REAL,
+        at         REAL NOT NULL,
+        PRIMARY KEY (instance, model)
+    );
+    """,
 ]
 
 

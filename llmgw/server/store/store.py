@@ -19,6 +19,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from llmgw.server.store.credentials import ApiKeys, Certificates, JoinTokens
 from llmgw.server.store.database import Database
+from llmgw.server.store.demand import DemandTable
 from llmgw.server.store.engines import EngineTables
 from llmgw.server.store.events import Events
 from llmgw.server.store.instances import Leases
@@ -81,6 +82,7 @@ class Store:
         self._leases = Leases(db)
         self._engines = EngineTables(db)
         self._usage = Usage(db)
+        self._demand = DemandTable(db)
         self._operators = Operators(db)
         self._logins = LoginTables(db)
 
@@ -299,6 +301,8 @@ class Store:
     # -------------------------------------------------------------------- usage
 
     add_usage = _Table("_usage", Usage.add_usage)
+    put_demand = _Table("_demand", DemandTable.put_demand)
+    list_demand = _Table("_demand", DemandTable.list_demand)
     list_usage = _Table("_usage", Usage.list_usage)
     tokens_since = _Table("_usage", Usage.tokens_since)
 

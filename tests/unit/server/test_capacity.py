@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from llmgw.server.gateway.capacity import Capacity, Demand, NoRoom
+from llmgw.server.gateway.capacity import Capacity, Demand, NoRoom, fleet_demand
 from llmgw.server.gateway.history import RequestHistory
 from llmgw.server.gateway.routing import Endpoint, Router
+from llmgw.server.store import Store
 
 
 def _run(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
@@ -115,3 +117,19 @@ def test_the_ttft_p90_of_the_last_minute() -> None:
     assert p90 is not None and 4.0 < p90 < 6.0
     now[0] += 120  # two minutes later: out of the window
     assert "m" not in capacity.demand()
+
+
+def test_the_other_instances_demand_counts_while_fresh(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "state.db")
+    try:
+        store.put_demand("b", {"m": (2, 1, 0, 0.5), "n": (0, 0, 1, None)}, at=1000.0)
+        store.put_demand("c", {"m": (3, 0, 0, 2.0)}, at=990.0)  # silent for 10 s: gone
+        store.put_demand("a", {"m": (50, 0, 0, None)}, at=1000.0)  # this instance's own row
+        own = {"m": Demand(inflight=1)}
+        total = fleet_demand(own, store, "a", now=1001.0)
+        assert total == {"m": Demand(3, 1, 0, 0.5), "n": Demand(0, 0, 1, None)}
+        # Each write replaces what the instance said before.
+        store.put_demand("b", {}, at=1001.0)
+        assert fleet_demand({}, store, "a", now=1001.5) == {}
+    finally:
+        store.close()
