@@ -190,11 +190,10 @@ def test_a_deploy_refused_says_why_in_the_form(
 ) -> None:
     page = signed_in(new_context, fleet, ADMIN, "/ui/models?name=sim-chat&profile=small")
     page.fill("#deploy-replicas", "5000")
-    # The browser's own check (max=1000) would stop the form: the server's is tested here.
-    page.evaluate("() => document.getElementById('deploy-replicas').removeAttribute('max')")
     page.click("#deploy-button")
     expect(page.locator("#problem")).to_have_text(
-        "replicas must be a whole number from 0 to 1000; got '5000'"
+        "replicas must be a whole number from 0 to 1000 (or MIN-MAX, e.g. 0-8, to scale by "
+        "demand); got '5000'"
     )
     expect(page.locator("#deploy-replicas")).to_have_value("5000")
 

@@ -59,14 +59,27 @@ def _source(spec: Mapping[str, Any]) -> str:
     return "" if source is None else str(source)
 
 
-def _replicas_value(raw: str) -> int:
-    """A form's replica count; refused (BadRequest) unless a whole number from 0 to 1000."""
+def _replicas_value(raw: str) -> int | dict[str, int]:
+    """A form's replicas: a whole number from 0 to 1000, or MIN-MAX (``0-8``) to scale by
+    demand between them (the API checks the bounds); refused (BadRequest) otherwise."""
     text = raw.strip()
+    low, dash, high = text.partition("-")
+    if dash and low.isdigit() and high.isdigit():
+        return {"min": int(low), "max": int(high)}
     if not text.isdigit() or int(text) > MAX_REPLICAS:
         raise BadRequest(
-            f"replicas must be a whole number from 0 to {MAX_REPLICAS}; got {text[:20]!r}"
+            f"replicas must be a whole number from 0 to {MAX_REPLICAS} (or MIN-MAX, e.g. 0-8, "
+            f"to scale by demand); got {text[:20]!r}"
         )
     return int(text)
+
+
+def _replicas_shown(model: Mapping[str, Any]) -> str:
+    """What the scale form shows: the count, or the range of a model that scales by demand."""
+    scaling = model.get("scaling")
+    if isinstance(scaling, Mapping) and "min" in scaling:
+        return f"{scaling['min']}-{scaling['max']}"
+    return str(model["replicas"])
 
 
 class ModelPages:
@@ -191,7 +204,7 @@ class ModelPages:
             action_url=model_path(name),
             other_profiles=[p for p in model["profiles"] if p != model["profile"]],
             chosen={
-                "replicas": (form or {}).get("replicas", str(model["replicas"])),
+                "replicas": (form or {}).get("replicas", _replicas_shown(model)),
                 "profile": (form or {}).get("profile", ""),
             },
         )
@@ -272,6 +285,12 @@ class ModelPages:
         if action == "scale":
             replicas = _replicas_value(form.get("replicas", ""))
             model, _created = deploy(ctx, {"name": name, "replicas": replicas}, actor=actor)
+            if isinstance(replicas, dict):
+                return (
+                    f"model {name}: {replicas['min']}-{replicas['max']} replicas by demand "
+                    f"({model.replicas} now)",
+                    model_path(name),
+                )
             return f"model {name}: {model.replicas} replica(s) wanted", model_path(name)
         profile = form.get("profile", "").strip()
         if not profile:

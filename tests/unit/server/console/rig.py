@@ -83,6 +83,7 @@ class ConsoleRig:
             SimpleNamespace(
                 store=store,
                 scheduler=self.scheduler,
+                planner=None,
                 membership=membership,
                 updates=SimpleNamespace(status_of=lambda node_id: None, all_status=dict),
                 sessions=self.sessions,

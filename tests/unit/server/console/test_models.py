@@ -143,7 +143,8 @@ def test_deploy_refusals_keep_the_form(rig: ConsoleRig, store: Store) -> None:
 
     (unknown, p1), (missing, p2), (word, p3), (many, p4), (empty, p5) = rig.run(scenario)
     assert unknown == 404 and "huge" in flash_of(p1) and "big, small" in flash_of(p1)
-    assert 'id="deploy-replicas" name="replicas" type="number" min="0" max="1000" value="2"' in p1
+    assert 'id="deploy-replicas" name="replicas" type="text" inputmode="numeric"' in p1
+    assert 'size="9" value="2"' in p1
     assert missing == 404 and "no model named nobody" in flash_of(p2)
     assert "llmgw ctl models apply" in flash_of(p2)  # what to do
     assert word == 400 and "replicas must be a whole number from 0 to 1000" in flash_of(p3)
@@ -362,3 +363,26 @@ def test_a_refused_actions_page_keeps_its_replicas_live(rig: ConsoleRig, store: 
     status, url, live_status, live = rig.run(scenario)
     assert status == 400 and url == "/ui/models/chat?fragment=detail"
     assert live_status == 200 and 'id="model-ready"' in live and "<html" not in live
+
+
+def test_scale_by_demand_through_the_model_page(rig: ConsoleRig, store: Store) -> None:
+    store.deploy_model("chat", profile="small", replicas=1)
+
+    async def scenario(b: Browser) -> list[tuple[int, str, str]]:
+        await b.login()
+        out = []
+        for fields in ({"replicas": "3-1"}, {"replicas": "0-3"}, {"replicas": "2"}):
+            status, body, _ = await b.post("/ui/models/chat/scale", {"csrf": b.csrf, **fields})
+            if status == 303:
+                _, body, _ = await b.get("/ui/models/chat")
+            out.append((status, flash_of(body), body))
+        return out
+
+    (backwards, b1, _), (ranged, r1, page), (fixed, f1, again) = rig.run(scenario)
+    assert backwards == 400 and "min (3) is above max (1); give min <= max" in b1
+    assert ranged == 303 and r1 == "info: model chat: 0-3 replicas by demand (1 now)"
+    assert 'id="model-scaling">0-3 replicas, 8 in flight each' in page
+    assert 'value="0-3"' in page  # the form shows the range it scales in
+    assert fixed == 303 and f1 == "info: model chat: 2 replica(s) wanted"
+    assert 'id="model-scaling"' not in again  # a fixed count again
+    assert store.get_model("chat").scaling == {}
