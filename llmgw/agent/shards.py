@@ -231,6 +231,8 @@ class Shard:
     stopping: bool = False
     task: asyncio.Task[None] | None = None
     started_at: float = field(default_factory=time.time)
+    startup_s: float = 0.0
+    """Seconds from its start to its health check passing (0: not seen here)."""
     sidecars: SidecarSet | None = None
     log_offset: int = 0
     """Where this engine's output starts in the shard's log (appended to across runs)."""
@@ -780,7 +782,13 @@ class ShardManager:
             ready = await self._wait_ready(shard, watched)
             if ready:
                 shard.state = ShardState.READY
-                log.info("shard ready", extra=kv(shard=shard.shard_id, port=shard.port))
+                shard.startup_s = max(0.0, time.time() - shard.started_at)
+                log.info(
+                    "shard ready",
+                    extra=kv(
+                        shard=shard.shard_id, port=shard.port, startup_s=round(shard.startup_s, 3)
+                    ),
+                )
                 self._emit(shard)
             elif not any(t.done() for t in watched) and not shard.stopping:
                 shard.reason = self._not_ready_reason(shard)

@@ -60,6 +60,7 @@ def shard_status(shard: Shard) -> pb.ShardStatus:
         exit_code=shard.exit_code or 0,
         has_exit_code=shard.exit_code is not None,
         pid=shard.pid,
+        startup_s=shard.startup_s,
     )
 
 

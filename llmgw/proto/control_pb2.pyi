@@ -241,7 +241,7 @@ class Fabric(_message.Message):
     def __init__(self, name: _Optional[str] = ..., hcas: _Optional[_Iterable[str]] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard_id", "replica_id", "state", "port", "reason", "exit_code", "has_exit_code", "pid", "model")
+    __slots__ = ("shard_id", "replica_id", "state", "port", "reason", "exit_code", "has_exit_code", "pid", "model", "startup_s")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,7 @@ class ShardStatus(_message.Message):
     HAS_EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_S_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     replica_id: str
     state: ShardState
@@ -260,7 +261,8 @@ class ShardStatus(_message.Message):
     has_exit_code: bool
     pid: int
     model: str
-    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., port: _Optional[int] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    startup_s: float
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., port: _Optional[int] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., startup_s: _Optional[float] = ...) -> None: ...
 
 class OperationResult(_message.Message):
     __slots__ = ("op_id", "ok", "error", "epoch", "duplicate")

@@ -153,6 +153,7 @@ class Leader:
             installs=self.installs,
             renew=self.membership.renew,
             on_routes_changed=hooks.count_ready,
+            metrics=metrics,
         )
         self.sessions = Sessions(
             store,

@@ -120,7 +120,15 @@ def test_a_model_at_zero_is_started_for_the_request_that_waits_and_others_refuse
     assert up == [
         "cold 0 → 1: 0 in flight + 0 queued + 1 waiting for a replica, target 8 per replica"
     ]
-    assert 'llmgw_capacity_wait_seconds_count{model="cold"} 1' in fleet.server.metrics()
+    metrics = fleet.server.metrics()
+    assert 'llmgw_capacity_wait_seconds_count{model="cold"} 1' in metrics
+    # The start in its two parts: the engine's (its 2 s load, as the agent measured it)
+    # and llmgw's (the rest, placement to routable).
+    assert 'llmgw_replica_start_seconds_count{model="cold",part="llmgw"} 1' in metrics
+    engine = metrics.split('llmgw_replica_start_seconds_sum{model="cold",part="engine"} ')[1]
+    assert float(engine.split()[0]) >= 2.0
+    ready = [e["message"] for e in fleet.events("") if e["kind"] == "shard_ready"]
+    assert any("after placement (engine 2." in m for m in ready), ready
 
     # No GPU left for "big": refused at once, with why and when to retry.
     began = time.monotonic()

@@ -31,6 +31,8 @@ LATENCY_BUCKETS = (
     60,
     120,
 )
+# Replica starts: llmgw's own part (tens of ms) to an engine loading a large model (minutes).
+START_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05)
 
 
@@ -170,6 +172,14 @@ class Metrics:
             "Replicas each model wants, as deployed or as the planner set it by demand.",
             ("model",),
         )
+        self.replica_start = Histogram(
+            "llmgw_replica_start_seconds",
+            "Time from a replica's placement to its being routable, by part: engine (its "
+            "process start to its health check passing, as its agent measured) and llmgw "
+            "(the rest: the order, the agent, the report, the route).",
+            ("model", "part"),
+            START_BUCKETS,
+        )
         self.scaling_decisions = Counter(
             "llmgw_scaling_decisions_total",
             "The planner's changes of a model's replica count, by direction (up, down) and "
@@ -260,6 +270,7 @@ class Metrics:
             self.capacity_waiting,
             self.capacity_wait,
             self.desired_replicas,
+            self.replica_start,
             self.scaling_decisions,
             self.key_requests,
             self.key_tokens,

@@ -18,12 +18,13 @@ from llmgw.contracts.inventory import inventory_dict
 from llmgw.errors import NotFound
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
+from llmgw.server.common.metrics import Metrics
 from llmgw.server.fleet.installs import EngineInstalls
 from llmgw.server.fleet.intake import heartbeat_utilization
 from llmgw.server.fleet.scheduler import Scheduler
 from llmgw.server.fleet.stream import MessageHandler, NodeSession
 from llmgw.server.gateway.routing import Endpoint, Router
-from llmgw.server.store import Store
+from llmgw.server.store import Replica, Shard, Store
 from llmgw.server.store.states import ReplicaState, ShardState, health_change
 
 __all__ = [
@@ -217,8 +218,11 @@ class AgentReports:
         installs: EngineInstalls,
         renew: Callable[[NodeSession, str], None],
         on_routes_changed: Callable[[], None],
+        metrics: Metrics | None = None,
     ) -> None:
         self.store = store
+        # Each replica start's time, in its two parts (llmgw's and the engine's).
+        self.metrics = metrics
         self.router = router
         self.scheduler = scheduler
         self.installs = installs
@@ -323,8 +327,9 @@ class AgentReports:
             )
             self.scheduler.shard_ready(shard.id)
             if not unchanged:
+                took = self._start_time(replica, shard, status)
                 self.store.add_event(
-                    "shard_ready", shard.id, f"on {session.node_id} port {status.port}"
+                    "shard_ready", shard.id, f"on {session.node_id} port {status.port}{took}"
                 )
         else:
             self.router.remove_shard(shard.id)
@@ -332,6 +337,19 @@ class AgentReports:
                 self.scheduler.shard_failed(shard.id)
                 self.store.add_event("shard_failed", shard.id, status.reason or "failed")
         self.on_routes_changed()
+
+    def _start_time(self, replica: Replica, shard: Shard, status: pb.ShardStatus) -> str:
+        """A replica's first start, placed to routable, in its two parts: the engine's (its
+        agent measured it) and llmgw's (the rest); observed, and said for its event. '' for
+        a restart or a shard that was ready before (an agent reattaching)."""
+        if shard.restarts or replica.state != ReplicaState.STARTING or not status.startup_s:
+            return ""
+        total = max(0.0, self.store.database.clock() - replica.created_at)
+        engine = min(total, status.startup_s)
+        if self.metrics is not None:
+            self.metrics.replica_start.observe((replica.model, "engine"), engine)
+            self.metrics.replica_start.observe((replica.model, "llmgw"), total - engine)
+        return f"; ready {total:.2f} s after placement (engine {engine:.2f} s, llmgw {total - engine:.2f} s)"
 
     def _apply_result(self, session: NodeSession, result: pb.OperationResult) -> None:
         if self.installs.on_result(session, result):
