@@ -12,7 +12,9 @@ the catalog, so that each refuses a policy in the same words. The policy's keys:
 - ``scale_down_after``: how long demand must stay below the current count before one replica
   goes (default 5 min), one step at a time;
 - ``cold_start_timeout``: how long a request for a model with no ready replica waits for one
-  to be placed and become ready (default 5 min).
+  to be placed and become ready (default 5 min);
+- ``priority``: ``high``, ``normal`` (default) or ``low``: when GPUs are short, a model's
+  demand takes them from models of a lower priority (never below their ``min``).
 
 It is stored as its JSON (:meth:`ScalingPolicy.to_json`) beside the model; a fixed count
 stores none.
@@ -33,6 +35,7 @@ __all__ = [
     "DEFAULT_SCALE_DOWN_AFTER",
     "DEFAULT_TARGET_INFLIGHT",
     "MAX_REPLICAS",
+    "PRIORITIES",
     "ScalingPolicy",
     "parse_replicas",
     "policy_of",
@@ -42,7 +45,17 @@ MAX_REPLICAS = 1000
 DEFAULT_TARGET_INFLIGHT = 8
 DEFAULT_SCALE_DOWN_AFTER = 300.0
 DEFAULT_COLD_START_TIMEOUT = 300.0
-_KEYS = ("min", "max", "target_inflight", "ttft_slo", "scale_down_after", "cold_start_timeout")
+_KEYS = (
+    "min",
+    "max",
+    "target_inflight",
+    "ttft_slo",
+    "scale_down_after",
+    "cold_start_timeout",
+    "priority",
+)
+PRIORITIES = ("high", "normal", "low")
+"""Highest first."""
 _EXAMPLE = "e.g. replicas: 2, or replicas: {min: 0, max: 8, target_inflight: 16}"
 
 
@@ -56,6 +69,12 @@ class ScalingPolicy:
     ttft_slo: float | None = None  # seconds
     scale_down_after: float = DEFAULT_SCALE_DOWN_AFTER
     cold_start_timeout: float = DEFAULT_COLD_START_TIMEOUT
+    priority: str = "normal"
+
+    @property
+    def rank(self) -> int:
+        """Higher for a higher priority (high 2, normal 1, low 0)."""
+        return len(PRIORITIES) - 1 - PRIORITIES.index(self.priority)
 
     def wanted(self, demand: float) -> int:
         """The replicas ``demand`` (requests in flight plus queued) asks for, within the
@@ -72,6 +91,7 @@ class ScalingPolicy:
             "target_inflight": self.target_inflight,
             "scale_down_after": self.scale_down_after,
             "cold_start_timeout": self.cold_start_timeout,
+            "priority": self.priority,
         }
         if self.ttft_slo is not None:
             out["ttft_slo"] = self.ttft_slo
@@ -80,6 +100,8 @@ class ScalingPolicy:
     def describe(self) -> str:
         """One line for ``ctl models`` and events: ``0-8 by demand (16 in flight each)``."""
         text = f"{self.min}-{self.max} by demand ({self.target_inflight} in flight each"
+        if self.priority != "normal":
+            text += f", priority {self.priority}"
         if self.ttft_slo is not None:
             text += f", TTFT p90 <= {format_duration(self.ttft_slo)}"
         return text + ")"
@@ -112,6 +134,11 @@ def parse_replicas(value: object, *, key: str = "replicas") -> int | ScalingPoli
         value.get("target_inflight", DEFAULT_TARGET_INFLIGHT), f"{key}.target_inflight", 1
     )
     slo = value.get("ttft_slo")
+    priority = value.get("priority", "normal")
+    if priority not in PRIORITIES:
+        raise ConfigError(
+            f"must be one of {', '.join(PRIORITIES)}; got {priority!r}", key=f"{key}.priority"
+        )
     return ScalingPolicy(
         min=low,
         max=high,
@@ -124,6 +151,7 @@ def parse_replicas(value: object, *, key: str = "replicas") -> int | ScalingPoli
             value.get("cold_start_timeout", DEFAULT_COLD_START_TIMEOUT),
             f"{key}.cold_start_timeout",
         ),
+        priority=str(priority),
     )
 
 

@@ -34,6 +34,7 @@ from llmgw.server.fleet.installs import EngineInstalls
 from llmgw.server.fleet.intake import MAX_MESSAGE_BYTES
 from llmgw.server.fleet.nodes import Membership
 from llmgw.server.fleet.planner import Planner
+from llmgw.server.fleet.preemption import Preemption
 from llmgw.server.fleet.reports import AgentReports, agent_messages
 from llmgw.server.fleet.scheduler import Scheduler
 from llmgw.server.fleet.sessions import Sessions
@@ -125,7 +126,7 @@ class Leader:
             lost=lost,
             on_routes_changed=hooks.count_ready,
             engine_holds=self.installs.holds,
-            capacity=hooks.capacity,
+            on_unplaceable=lambda model: self.planner.no_room(model),
         )
         self.planner = Planner(
             store,
@@ -133,6 +134,8 @@ class Leader:
             kick_scheduler=self.scheduler.kick,
             metrics=metrics,
             why_unplaceable=self._why_unplaceable,
+            preemption=Preemption(self.scheduler),
+            capacity=hooks.capacity,
         )
         self._unsubscribe_planner = hooks.capacity.on_waiting(self._capacity_wanted)
         self.membership = Membership(

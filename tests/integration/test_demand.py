@@ -240,3 +240,29 @@ def test_a_stream_that_waits_for_a_cold_start_is_kept_alive_then_answered(fleet:
     assert data[-1] == "data: [DONE]"
     chunks = [json.loads(d[6:]) for d in data[:-1]]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def test_a_high_priority_takes_the_gpu_from_a_normal_one(fleet: Fleet) -> None:
+    # "big" (normal priority) holds the node's one GPU since the first test.
+    wait_for(lambda: fleet.model("big")["ready"] == 1, timeout=60, what="big holds the GPU")
+    deployed = fleet.ctl(
+        "deploy", "vip", "--engine", "sim", "--replicas", "0-1", "--priority", "high"
+    )
+    assert deployed.returncode == 0, deployed.stderr
+    fleet.server.api(
+        "POST",
+        "/api/models",
+        {
+            "name": "vip",
+            "gpus": 1,
+            "engine": "sim",
+            "replicas": {"min": 0, "max": 1, "priority": "high"},
+        },
+    )
+    out = fleet.client().chat.completions.create(
+        model="vip", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert out.choices[0].message.content
+    preempted = [e["message"] for e in fleet.events("big") if e["kind"] == "preempted"]
+    assert preempted and "gives way to vip (priority high)" in preempted[0], preempted
+    assert fleet.model("big")["replicas"] == 0

@@ -199,6 +199,13 @@ def _desired(m: dict[str, Any]) -> str:
     help="With MIN-MAX: how long a request waits for a replica to start (default 5m).",
 )
 @click.option(
+    "--priority",
+    type=click.Choice(["high", "normal", "low"]),
+    default=None,
+    help="With MIN-MAX: when GPUs are short, a model's demand takes them from models of a "
+    "lower priority (default normal).",
+)
+@click.option(
     "--engine",
     type=click.Choice(list(engine_names())),
     help="Engine of a model deployed without the catalog (default: sim).",
@@ -220,6 +227,7 @@ def deploy(
     ttft_slo: float | None,
     scale_down_after: float | None,
     cold_start_timeout: float | None,
+    priority: str | None,
     engine: str | None,
     params: tuple[str, ...],
 ) -> None:
@@ -230,6 +238,7 @@ def deploy(
         "ttft_slo": ttft_slo,
         "scale_down_after": scale_down_after,
         "cold_start_timeout": cold_start_timeout,
+        "priority": priority,
     }
     count = _replicas_option(replicas, {k: v for k, v in scaling.items() if v is not None})
     adhoc = engine is not None or bool(params)

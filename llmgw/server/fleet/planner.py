@@ -29,7 +29,8 @@ from llmgw.durations import format_duration
 from llmgw.errors import ConfigError, Fenced, StoreUnavailable
 from llmgw.log import kv
 from llmgw.server.common.metrics import Metrics
-from llmgw.server.gateway.capacity import Demand
+from llmgw.server.fleet.preemption import Preemption
+from llmgw.server.gateway.capacity import Capacity, Demand
 from llmgw.server.store import Model, Store
 
 __all__ = ["Plan", "Planner"]
@@ -76,6 +77,8 @@ class Planner:
         kick_scheduler: Callable[[], None],
         metrics: Metrics | None = None,
         why_unplaceable: Callable[[str], str | None] = lambda _model: None,
+        preemption: Preemption | None = None,
+        capacity: Capacity | None = None,
         clock: Callable[[], float] = time.monotonic,
         interval: float = INTERVAL,
     ) -> None:
@@ -84,6 +87,11 @@ class Planner:
         self.kick_scheduler = kick_scheduler
         self.metrics = metrics
         self.why_unplaceable = why_unplaceable
+        # Room for a model's demand taken from lower priorities (None: not shared so).
+        self.preemption = preemption
+        # The gateway's requests waiting for a replica to exist: answered with why when no
+        # room can be had (None: nobody waits here).
+        self.capacity = capacity
         self.clock = clock
         self.interval = interval
         # Since when each model's demand stayed below its count (monotonic), or since its
@@ -91,9 +99,18 @@ class Planner:
         self.low_since: dict[str, float] = {}
         self.plans: dict[str, Plan] = {}
         self._kick = asyncio.Event()
+        # The models a scheduler pass found no room for since the last plan: only such a
+        # fresh verdict answers a waiting request (room may have come free since an older).
+        self._no_room: set[str] = set()
 
     def kick(self, _model: str = "") -> None:
         """Plan now (a request waits for a model with no ready replica)."""
+        self._kick.set()
+
+    def no_room(self, model: str) -> None:
+        """A scheduler pass just found no room for a replica of ``model``: plan now (room
+        from a lower priority, else the requests waiting for it are answered)."""
+        self._no_room.add(model)
         self._kick.set()
 
     async def run(self) -> None:
@@ -132,6 +149,26 @@ class Planner:
         for gone in set(self.low_since) - set(plans):
             del self.low_since[gone]
         self.plans = plans
+        if self.preemption is not None:
+            self.preemption.step({name: plan.demand for name, plan in plans.items()})
+        self._refuse_the_waiting(plans)
+
+    def _refuse_the_waiting(self, plans: Mapping[str, Plan]) -> None:
+        """The requests waiting for a model that has no replica, none coming and no room
+        (none to be had from a lower priority either) are answered now, with why."""
+        capacity, fresh = self.capacity, self._no_room
+        self._no_room = set()
+        if capacity is None:
+            return
+        waiting = [name for name in plans if name in fresh and capacity.waiting(name)]
+        if not waiting:
+            return
+        counts = self.store.count_replicas()
+        making_room = self.preemption.making_room if self.preemption is not None else {}
+        for name in waiting:
+            reason = self.why_unplaceable(name)
+            if reason is not None and not counts.get(name) and name not in making_room:
+                capacity.refuse(name, reason)
 
     def _plan_model(self, model: Model, policy: ScalingPolicy, demand: Demand) -> Plan:
         current = model.replicas

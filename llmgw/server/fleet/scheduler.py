@@ -40,7 +40,6 @@ from llmgw.server.fleet.placement import Unplaceable as PlacementUnplaceable
 from llmgw.server.fleet.rendezvous import NoPort, rendezvous_port
 from llmgw.server.fleet.retiring import Retirements
 from llmgw.server.fleet.stream import NodeSession
-from llmgw.server.gateway.capacity import Capacity
 from llmgw.server.gateway.routing import Router
 from llmgw.server.store import Model, Node, Shard, Store
 from llmgw.server.store.states import NodeState, ReplicaState, ShardState
@@ -117,13 +116,13 @@ class Scheduler:
         on_routes_changed: Callable[[], None] = lambda: None,
         engine_holds: Callable[[Sequence[Node]], Mapping[str, tuple[tuple[str, str], ...]]]
         | None = None,
-        capacity: Capacity | None = None,
+        on_unplaceable: Callable[[str], None] = lambda _model: None,
         interval: float = 5.0,
     ) -> None:
         self.store = store
-        # The gateway's requests waiting for a replica to exist: told when a model with
-        # none placed cannot be placed (they are answered then, with why).
-        self.capacity = capacity
+        # Told of each model a pass could not place (the planner: room from a lower
+        # priority, else the requests waiting for one answered with why).
+        self.on_unplaceable = on_unplaceable
         self.router = router
         # The live streams (node id -> session) and the nodes lost, as llmgw.server.fleet.sessions
         # keeps them; read only here.
@@ -484,11 +483,21 @@ class Scheduler:
         """Nothing of ``model`` waits for room (now)."""
         self.unplaceable.pop(model, None)
 
+    def fits_without(self, model: Model, replica_ids: Set[str]) -> bool:
+        """Whether a replica of ``model`` would be placed were ``replica_ids`` gone: asked of
+        a view of its own, nothing recorded (preemption's trial)."""
+        try:
+            profile = self._profile(model)
+        except ConfigError:
+            return False
+        cluster = self._cluster()
+        for replica_id in replica_ids:
+            cluster.release(replica_id)
+        result = cluster.place(_wanted(profile), strategy=profile.placement)
+        return not isinstance(result, PlacementUnplaceable)
+
     def _note_unplaceable(self, model: str, reason: str) -> None:
-        if self.capacity is not None and not self.store.count_replicas().get(model):
-            # None placed, none coming: the requests waiting for a replica of it are
-            # answered now, with why.
-            self.capacity.refuse(model, reason)
+        self.on_unplaceable(model)
         previous = self.unplaceable.get(model)
         if previous is None or previous.reason != reason:
             self.unplaceable[model] = Unplaceable(model, reason, time.time())

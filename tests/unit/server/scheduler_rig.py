@@ -16,16 +16,19 @@ from llmgw.server.store import Store
 @dataclass(frozen=True)
 class Endpoint:
     replica_id: str
+    inflight: int = 0
 
 
 class FakeRouter:
-    """Routable: the replicas a test says are (as the real router learns from the agents)."""
+    """Routable: the replicas a test says are (as the real router learns from the agents),
+    with the requests in flight a test says each has."""
 
     def __init__(self) -> None:
         self.routable: set[str] = set()
+        self.inflight: dict[str, int] = {}
 
     def endpoints(self, model: str | None = None) -> list[Any]:
-        return [Endpoint(r) for r in sorted(self.routable)]
+        return [Endpoint(r, self.inflight.get(r, 0)) for r in sorted(self.routable)]
 
     def remove_shard(self, shard_id: str) -> None:
         pass  # the replica leaves ``routable`` as a whole (RecordingScheduler)
