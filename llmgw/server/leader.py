@@ -136,6 +136,7 @@ class Leader:
             why_unplaceable=self._why_unplaceable,
             preemption=Preemption(self.scheduler),
             capacity=hooks.capacity,
+            ready=lambda model: len(router.endpoints(model)),
         )
         self._unsubscribe_planner = hooks.capacity.on_waiting(self._capacity_wanted)
         self.membership = Membership(

@@ -23,6 +23,7 @@ from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest
 from llmgw.server.admin.models import catalog_json, deploy, model_json, replica_rows, undeploy
 from llmgw.server.console.auth import form_of
+from llmgw.server.console.charts import Line, line_chart
 from llmgw.server.console.pages import RECENT_EVENTS, Pages, event_json, model_path
 from llmgw.server.console.site import SESSION, Site
 
@@ -176,10 +177,29 @@ class ModelPages:
         return {
             "model": model,
             "replicas": replicas,
+            "scaling_chart": self._scaling_chart(name),
             "events": [
                 event_json(e) for e in ctx.store.list_events(limit=RECENT_EVENTS, subject=name)
             ],
         }
+
+    def _scaling_chart(self, name: str) -> str:
+        """A model that scales by demand: its replicas (wanted, ready) against its demand
+        over the last hour, as the planner sampled them; '' for a fixed count."""
+        planner = self.ctx.planner
+        samples = planner.history.get(name) if planner is not None else None
+        if not samples:
+            return ""
+        return line_chart(
+            f"{name}: replicas and demand",
+            [
+                Line("wanted", [(p.t, float(p.replicas)) for p in samples]),
+                Line("ready", [(p.t, float(p.ready)) for p in samples]),
+                Line("demand", [(p.t, float(p.demand)) for p in samples]),
+            ],
+            unit="",
+            now=samples[-1].t,
+        )
 
     def _model_page(
         self,

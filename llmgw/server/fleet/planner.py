@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -33,11 +34,25 @@ from llmgw.server.fleet.preemption import Preemption
 from llmgw.server.gateway.capacity import Capacity, Demand
 from llmgw.server.store import Model, Store
 
-__all__ = ["Plan", "Planner"]
+__all__ = ["Plan", "Planner", "Sample"]
 
 log = logging.getLogger("llmgw.server.planner")
 
 INTERVAL = 1.0  # seconds between passes
+
+
+HISTORY_STEP = 10.0  # seconds between the points of a model's last hour
+HISTORY_POINTS = 360
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One point of a model's last hour: its count, its ready replicas and its demand."""
+
+    t: float  # UNIX seconds
+    replicas: int
+    ready: int
+    demand: int
 
 
 @dataclass(frozen=True)
@@ -79,7 +94,9 @@ class Planner:
         why_unplaceable: Callable[[str], str | None] = lambda _model: None,
         preemption: Preemption | None = None,
         capacity: Capacity | None = None,
+        ready: Callable[[str], int] = lambda _model: 0,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         interval: float = INTERVAL,
     ) -> None:
         self.store = store
@@ -99,6 +116,12 @@ class Planner:
         self.low_since: dict[str, float] = {}
         self.plans: dict[str, Plan] = {}
         self._kick = asyncio.Event()
+        # Each model's last hour (one sample per HISTORY_STEP), for the console's chart of
+        # its replicas against its demand; and the ready replicas of a model, to sample.
+        self.ready = ready
+        self.wall_clock = wall_clock
+        self.history: dict[str, deque[Sample]] = {}
+        self._sampled = 0.0
         # The models a scheduler pass found no room for since the last plan: only such a
         # fresh verdict answers a waiting request (room may have come free since an older).
         self._no_room: set[str] = set()
@@ -149,9 +172,23 @@ class Planner:
         for gone in set(self.low_since) - set(plans):
             del self.low_since[gone]
         self.plans = plans
+        self._sample(plans)
         if self.preemption is not None:
             self.preemption.step({name: plan.demand for name, plan in plans.items()})
         self._refuse_the_waiting(plans)
+
+    def _sample(self, plans: Mapping[str, Plan]) -> None:
+        now = self.wall_clock()
+        if now - self._sampled < HISTORY_STEP:
+            return
+        self._sampled = now
+        for name, plan in plans.items():
+            ring = self.history.get(name)
+            if ring is None:
+                ring = self.history[name] = deque(maxlen=HISTORY_POINTS)
+            ring.append(Sample(now, plan.replicas, self.ready(name), plan.demand.total))
+        for gone in set(self.history) - set(plans):
+            del self.history[gone]
 
     def _refuse_the_waiting(self, plans: Mapping[str, Plan]) -> None:
         """The requests waiting for a model that has no replica, none coming and no room

@@ -176,3 +176,28 @@ def test_the_plan_says_what_placement_holds_back(rig: Rig) -> None:
         "waiting": 1,
         "ttft_p90": None,
     }
+
+
+def test_each_model_by_demand_is_sampled_every_ten_seconds_for_an_hour(rig: Rig) -> None:
+    wall = [5000.0]
+    rig.planner.wall_clock = lambda: wall[0]
+    rig.planner.ready = lambda model: 1
+    rig.deploy("m", ScalingPolicy(min=0, max=8, target_inflight=4), replicas=1)
+    rig.deploy("fixed", None, replicas=1)
+    rig.demand["m"] = Demand(inflight=3)
+    rig.planner.plan()
+    wall[0] += 5
+    rig.planner.plan()  # within the step: no new point
+    wall[0] += 5
+    rig.demand["m"] = Demand(inflight=6)
+    rig.planner.plan()
+    points = list(rig.planner.history["m"])
+    assert [(p.t, p.replicas, p.ready, p.demand) for p in points] == [
+        (5000.0, 1, 1, 3),
+        (5010.0, 2, 1, 6),
+    ]
+    assert "fixed" not in rig.planner.history
+    for _ in range(400):
+        wall[0] += 10
+        rig.planner.plan()
+    assert len(rig.planner.history["m"]) == 360  # the last hour

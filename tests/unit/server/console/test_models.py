@@ -14,10 +14,12 @@ from typing import Any
 
 import pytest
 
+from llmgw.server.fleet.planner import Planner
+from llmgw.server.gateway.capacity import Demand
 from llmgw.server.gateway.routing import Endpoint
 from llmgw.server.store import Store
 from tests.unit.clock import Clock
-from tests.unit.server.console.rig import HOSTILE, VIEWER_PW, Browser, ConsoleRig, flash_of
+from tests.unit.server.console.rig import HOSTILE, NOW, VIEWER_PW, Browser, ConsoleRig, flash_of
 
 PROFILES: dict[str, Any] = {
     "small": {"engine": "sim", "gpus": 1},
@@ -386,3 +388,34 @@ def test_scale_by_demand_through_the_model_page(rig: ConsoleRig, store: Store) -
     assert fixed == 303 and f1 == "info: model chat: 2 replica(s) wanted"
     assert 'id="model-scaling"' not in again  # a fixed count again
     assert store.get_model("chat").scaling == {}
+
+
+def test_a_model_by_demand_charts_its_replicas_against_its_demand(
+    rig: ConsoleRig, store: Store
+) -> None:
+    store.deploy_model("chat", profile="small", replicas=1)
+    store.set_scaling("chat", {"min": 0, "max": 3}, replicas=1)
+    wall = [NOW - 600.0]
+    demand = {"chat": Demand(inflight=5)}
+    planner = Planner(
+        store,
+        demand=lambda: demand,
+        kick_scheduler=lambda: None,
+        ready=lambda model: 1,
+        wall_clock=lambda: wall[0],
+    )
+    rig.ctx.planner = planner
+    for _ in range(3):
+        planner.plan()
+        wall[0] += 10
+
+    async def scenario(b: Browser) -> str:
+        await b.login()
+        _, page, _ = await b.get("/ui/models/chat")
+        return page
+
+    page = rig.run(scenario)
+    assert 'id="model-scaling-chart"' in page
+    assert "chat: replicas and demand" in page
+    assert ">wanted<" in page and ">demand<" in page
+    assert "now 5 in flight, 0 queued, 0 waiting for a replica" in page
