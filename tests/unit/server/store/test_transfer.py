@@ -223,6 +223,8 @@ def populated(source: Location) -> Iterator[Store]:
             "VALUES (?, ?, ?, ?, ?, ?)",
             ("cp1", "cp1:1234", "cp1:7443", "http://cp1:8080", 1.5, 2.5),
         )
+    # A standby's demand for the leader's planner.
+    s.put_demand("cp2", {"chat": (3, 1, 0, 0.25), "cold": (0, 0, 2, None)}, at=1_700_000_001.5)
     empty = [t for t in s.database.table_names() if not _rows(s.database, t)]
     assert empty == [], f"the fixture leaves {empty} empty: give each table a row"
     s.close()
