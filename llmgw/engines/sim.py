@@ -44,12 +44,24 @@ PARAMS: Mapping[str, Param] = MappingProxyType(
         "block_size": Param("--block-size", int, minimum=1, maximum=MAX_BLOCK_SIZE, sample="16"),
         "kv_blocks": Param("--kv-blocks", int, minimum=1, sample="8192"),
         "prefill_us_per_token": Param("--prefill-us-per-token", float, minimum=0, sample="50"),
+        # Sleep mode's costs (llmgw.sim.sleep): falling asleep, waking from each level (level
+        # 2's is a weights load), and the host memory the weights take while asleep at 1.
+        "sleep_seconds": Param("--sleep-seconds", float, minimum=0, sample="0.1"),
+        "wake_seconds": Param("--wake-seconds", float, minimum=0, sample="0.5"),
+        "wake_seconds_level2": Param("--wake-seconds-level2", float, minimum=0, sample="2"),
+        "sleep_host_mib": Param("--sleep-host-mib", int, minimum=0, sample="1024"),
     }
 )
 
 
 # sim answers every endpoint whatever the profile's task; the gateway routes by the task.
 TASK_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType({})
+
+
+# As vLLM's: one flag for both levels, the level is the /sleep call's.
+SLEEP_FLAGS: Mapping[int, tuple[str, ...]] = MappingProxyType(
+    {1: ("--enable-sleep-mode",), 2: ("--enable-sleep-mode",)}
+)
 
 
 def prefix(binary: str) -> list[str]:
