@@ -71,6 +71,7 @@ from llmgw.agent.runtimes import Handle, Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sandbox import Sandboxed, Sandboxes, hidden_path_reason
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
+from llmgw.agent.sleeping import adopted_state, put_to_sleep, wake
 from llmgw.contracts.model_sources import SourceSpec
 from llmgw.contracts.ports import DEFAULT_MULTINODE_PORTS, PortRange
 from llmgw.contracts.sandbox import SandboxPolicy
@@ -110,6 +111,22 @@ class ShardState(enum.StrEnum):
     """It ended without being told to, or could not be started; ``reason`` says why."""
     EXITED = "exited"
     """It was stopped as ordered."""
+    FALLING_ASLEEP = "falling_asleep"
+    """Its engine is giving its GPU memory back (:mod:`llmgw.agent.sleeping`)."""
+    ASLEEP = "asleep"
+    """Its engine runs without its GPU memory; it serves nothing until woken."""
+    WAKING = "waking"
+    """Its engine is taking its GPU memory back; ready once it has."""
+
+
+ALIVE = (
+    ShardState.STARTING,
+    ShardState.READY,
+    ShardState.FALLING_ASLEEP,
+    ShardState.ASLEEP,
+    ShardState.WAKING,
+)
+"""The states of a shard whose engine runs (or is being started): what an agent adopts."""
 
 
 DIED_WHILE_DOWN = "engine exited while the agent was down"
@@ -244,6 +261,14 @@ class Shard:
     """The sandbox this agent started its engine in (None: none, or adopted)."""
     sandboxed: bool = False
     """Its engine runs under bubblewrap (``pid`` is bwrap's)."""
+    sleep_level: int = 0
+    """Asleep (or falling asleep, waking): the level it sleeps at."""
+    host_memory_mib: int = 0
+    """Asleep: the host memory its engine says it holds."""
+    transition_ms: int = 0
+    """How long its last sleep or wake took."""
+    recorded_state: str = ""
+    """Adopted: the state the previous agent recorded."""
 
     @property
     def shard_id(self) -> str:
@@ -282,6 +307,7 @@ class Shard:
             kv_events_endpoint=self.kv_events_endpoint,
             sandbox=spec.sandbox,
             sandboxed=self.sandboxed,
+            sleep_level=self.sleep_level,
         )
 
 
@@ -693,10 +719,7 @@ class ShardManager:
         dead: list[ShardRecord] = []
         restart: list[tuple[Shard, str]] = []
         for record in self.records.load():
-            if (
-                record.state not in (ShardState.STARTING, ShardState.READY)
-                or record.shard_id in self.shards
-            ):
+            if record.state not in ALIVE or record.shard_id in self.shards:
                 continue
             spec = ShardSpec.from_record(record)
             shard = Shard(
@@ -706,7 +729,9 @@ class ShardManager:
                 start_time=record.start_time,
                 container_id=record.container_id,
                 log_offset=record.log_offset,
-                ready_before=record.state == ShardState.READY,
+                ready_before=record.state not in (ShardState.STARTING, ""),
+                sleep_level=record.sleep_level,
+                recorded_state=record.state,
             )
             self.shards[spec.shard_id] = shard
             if record.sidecars:
@@ -771,6 +796,11 @@ class ShardManager:
             ready = await self._wait_ready(shard, watched)
             if ready:
                 shard.state = ShardState.READY
+                if shard.recorded_state and self._session is not None:
+                    # Adopted: an engine left asleep answers its health check asleep.
+                    shard.state = await adopted_state(
+                        shard, shard.recorded_state, self._session, ShardState
+                    )
                 log.info("shard ready", extra=kv(shard=shard.shard_id, port=shard.port))
                 self._emit(shard)
             elif not any(t.done() for t in watched) and not shard.stopping:
@@ -878,6 +908,27 @@ class ShardManager:
             async with self._session.get(url) as resp:
                 return resp.status == 200
         return False
+
+    async def sleep(self, shard_id: str, level: int) -> Shard:
+        """Put a ready shard's engine to sleep at ``level`` (:mod:`llmgw.agent.sleeping`);
+        ShardError says why it cannot."""
+        shard = self._known(shard_id)
+        assert self._session is not None
+        await put_to_sleep(shard, level, self._session, self._emit, ShardState)
+        return shard
+
+    async def wake(self, shard_id: str) -> Shard:
+        """Wake an asleep shard's engine; ShardError says why it cannot."""
+        shard = self._known(shard_id)
+        assert self._session is not None
+        await wake(shard, self._session, self._emit, ShardState, self.startup_timeout)
+        return shard
+
+    def _known(self, shard_id: str) -> Shard:
+        shard = self.shards.get(shard_id)
+        if shard is None:
+            raise ShardError(f"shard {shard_id} is not running on this node")
+        return shard
 
     async def stop(self, shard_id: str, grace: float = 10.0) -> Shard | None:
         """Stop a shard and forget it; returns the final state, or None if it was unknown."""
