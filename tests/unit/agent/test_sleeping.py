@@ -188,7 +188,7 @@ def test_sleep_and_wake_orders_are_answered_with_the_reason_the_node_refuses(
             self.results: list[pb.OperationResult] = []
             self.done = asyncio.Event()
 
-        async def Connect(  # noqa: N802 - gRPC's name
+        async def Connect(
             self, request_iterator: AsyncIterator[pb.AgentMessage], context: Any
         ) -> AsyncIterator[pb.ServerMessage]:
             await request_iterator.__anext__()
