@@ -51,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import functools
 import logging
 import os
@@ -70,6 +69,7 @@ from llmgw.agent.records import ShardRecords
 from llmgw.agent.runtimes import Handle, Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sandbox import Sandboxed, Sandboxes, hidden_path_reason
+from llmgw.agent.shardstate import ShardState
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
 from llmgw.agent.sleeping import adopted_state, put_to_sleep, wake
 from llmgw.contracts.model_sources import SourceSpec
@@ -98,25 +98,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("llmgw.agent.shards")
-
-
-class ShardState(enum.StrEnum):
-    """Where a shard is, as the agent reports it (``ShardStatus.state``'s SHARD_* values)
-    and records it in shards.json; a member equals its string."""
-
-    STARTING = "starting"
-    """Its sidecars or engine were started; not yet healthy (a worker: not yet joined)."""
-    READY = "ready"
-    FAILED = "failed"
-    """It ended without being told to, or could not be started; ``reason`` says why."""
-    EXITED = "exited"
-    """It was stopped as ordered."""
-    FALLING_ASLEEP = "falling_asleep"
-    """Its engine is giving its GPU memory back (:mod:`llmgw.agent.sleeping`)."""
-    ASLEEP = "asleep"
-    """Its engine runs without its GPU memory; it serves nothing until woken."""
-    WAKING = "waking"
-    """Its engine is taking its GPU memory back; ready once it has."""
 
 
 ALIVE = (
@@ -798,9 +779,7 @@ class ShardManager:
                 shard.state = ShardState.READY
                 if shard.recorded_state and self._session is not None:
                     # Adopted: an engine left asleep answers its health check asleep.
-                    shard.state = await adopted_state(
-                        shard, shard.recorded_state, self._session, ShardState
-                    )
+                    shard.state = await adopted_state(shard, shard.recorded_state, self._session)
                 log.info("shard ready", extra=kv(shard=shard.shard_id, port=shard.port))
                 self._emit(shard)
             elif not any(t.done() for t in watched) and not shard.stopping:
@@ -914,14 +893,14 @@ class ShardManager:
         ShardError says why it cannot."""
         shard = self._known(shard_id)
         assert self._session is not None
-        await put_to_sleep(shard, level, self._session, self._emit, ShardState)
+        await put_to_sleep(shard, level, self._session, self._emit)
         return shard
 
     async def wake(self, shard_id: str) -> Shard:
         """Wake an asleep shard's engine; ShardError says why it cannot."""
         shard = self._known(shard_id)
         assert self._session is not None
-        await wake(shard, self._session, self._emit, ShardState, self.startup_timeout)
+        await wake(shard, self._session, self._emit, self.startup_timeout)
         return shard
 
     def _known(self, shard_id: str) -> Shard:

@@ -20,23 +20,49 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 import aiohttp
 
+from llmgw.agent.shardstate import ShardState
 from llmgw.engines.registry import get_engine
 from llmgw.engines.sleep import SleepApi, SleepCall, is_sleeping_call, sleep_call, wake_calls
 from llmgw.errors import EngineError, ShardError
 from llmgw.log import kv
-
-if TYPE_CHECKING:
-    from llmgw.agent.shards import Shard, ShardState
 
 __all__ = ["adopted_state", "put_to_sleep", "wake"]
 
 log = logging.getLogger("llmgw.agent.sleeping")
 
 SLEEP_TIMEOUT = 120.0  # seconds: a level-1 sleep copies the weights to host memory
+
+
+class _Spec(Protocol):
+    @property
+    def shard_id(self) -> str: ...
+    @property
+    def engine(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def worker(self) -> bool: ...
+
+
+class Shard(Protocol):
+    """What this reads and sets of a shard (:class:`llmgw.agent.shards.Shard`)."""
+
+    state: ShardState
+    reason: str
+    sleep_level: int
+    host_memory_mib: int
+    transition_ms: int
+
+    @property
+    def spec(self) -> _Spec: ...
+    @property
+    def shard_id(self) -> str: ...
+    @property
+    def port(self) -> int: ...
 
 
 def _api(shard: Shard, level: int | None) -> SleepApi:
@@ -106,35 +132,37 @@ async def _host_memory(session: aiohttp.ClientSession, shard: Shard, api: SleepA
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
+S = TypeVar("S", bound=Shard)
+
+
 async def put_to_sleep(
-    shard: Shard,
+    shard: S,
     level: int,
     session: aiohttp.ClientSession,
-    emit: Callable[[Shard], None],
-    states: type[ShardState],
+    emit: Callable[[S], None],
 ) -> None:
     """Put ``shard`` to sleep at ``level``; a shard asleep at that level already is left as
     it is. ShardError (the shard as it was) when it cannot."""
     api = _api(shard, level)
-    if shard.state == states.ASLEEP and shard.sleep_level == level:
+    if shard.state == ShardState.ASLEEP and shard.sleep_level == level:
         return
-    if shard.state != states.READY:
+    if shard.state != ShardState.READY:
         raise ShardError(
             f"shard {shard.shard_id} is {shard.state}, not ready: only a ready shard can be put "
             "to sleep"
         )
-    shard.state, shard.sleep_level, shard.reason = states.FALLING_ASLEEP, level, ""
+    shard.state, shard.sleep_level, shard.reason = ShardState.FALLING_ASLEEP, level, ""
     emit(shard)
     began = time.monotonic()
     try:
         await _call(session, shard, sleep_call(api, level), SLEEP_TIMEOUT)
     except ShardError:
-        shard.state, shard.sleep_level = states.READY, 0
+        shard.state, shard.sleep_level = ShardState.READY, 0
         emit(shard)
         raise
     shard.transition_ms = round((time.monotonic() - began) * 1000)
     shard.host_memory_mib = await _host_memory(session, shard, api)
-    shard.state = states.ASLEEP
+    shard.state = ShardState.ASLEEP
     log.info(
         "shard asleep",
         extra=kv(shard=shard.shard_id, level=level, ms=shard.transition_ms),
@@ -143,59 +171,56 @@ async def put_to_sleep(
 
 
 async def wake(
-    shard: Shard,
+    shard: S,
     session: aiohttp.ClientSession,
-    emit: Callable[[Shard], None],
-    states: type[ShardState],
+    emit: Callable[[S], None],
     timeout: float,
 ) -> None:
     """Wake ``shard``; a ready shard is left as it is. ShardError when it cannot (a shard not
     asleep; an engine whose wake failed stays asleep, its answer in the error)."""
     api = _api(shard, None)
-    if shard.state == states.READY:
+    if shard.state == ShardState.READY:
         return
-    if shard.state != states.ASLEEP:
+    if shard.state != ShardState.ASLEEP:
         raise ShardError(
             f"shard {shard.shard_id} is {shard.state}, not asleep: only an asleep shard can be "
             "woken"
         )
-    shard.state, shard.reason = states.WAKING, ""
+    shard.state, shard.reason = ShardState.WAKING, ""
     emit(shard)
     began = time.monotonic()
     try:
         for call in wake_calls(api, shard.sleep_level):
             await _call(session, shard, call, timeout)
     except ShardError as exc:
-        shard.state, shard.reason = states.ASLEEP, str(exc)
+        shard.state, shard.reason = ShardState.ASLEEP, str(exc)
         emit(shard)
         raise
     shard.transition_ms = round((time.monotonic() - began) * 1000)
-    shard.state, shard.sleep_level, shard.host_memory_mib = states.READY, 0, 0
+    shard.state, shard.sleep_level, shard.host_memory_mib = ShardState.READY, 0, 0
     log.info("shard awake", extra=kv(shard=shard.shard_id, ms=shard.transition_ms))
     emit(shard)
 
 
-async def adopted_state(
-    shard: Shard, recorded: str, session: aiohttp.ClientSession, states: type[ShardState]
-) -> ShardState:
+async def adopted_state(shard: Shard, recorded: str, session: aiohttp.ClientSession) -> ShardState:
     """The state of a healthy engine adopted from a previous agent: asleep when it sleeps
     (its engine asked where it can say, else as recorded), else ready."""
     engine = get_engine(shard.spec.engine) if shard.spec.engine else None
     api = engine.sleep_api if engine is not None else None
-    was_sleeping = recorded in (states.ASLEEP, states.WAKING, states.FALLING_ASLEEP)
+    was_sleeping = recorded in (ShardState.ASLEEP, ShardState.WAKING, ShardState.FALLING_ASLEEP)
     if api is None or shard.spec.worker:
-        return states.READY
+        return ShardState.READY
     call = is_sleeping_call(api)
     if call is None:
-        return states.ASLEEP if was_sleeping else states.READY
+        return ShardState.ASLEEP if was_sleeping else ShardState.READY
     try:
         body = await _call(session, shard, call, 5.0)
     except ShardError:
-        return states.ASLEEP if was_sleeping else states.READY
+        return ShardState.ASLEEP if was_sleeping else ShardState.READY
     if body.get("is_sleeping") is True:
         level = body.get("level")
         if isinstance(level, int) and level in (1, 2):
             shard.sleep_level = level
         shard.host_memory_mib = await _host_memory(session, shard, api)
-        return states.ASLEEP
-    return states.READY
+        return ShardState.ASLEEP
+    return ShardState.READY

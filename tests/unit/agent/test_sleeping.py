@@ -5,22 +5,76 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import aiohttp
+import grpc
 import pytest
 
+from llmgw import pki
+from llmgw.agent.oplog import OperationLog
 from llmgw.agent.runtimes.process import ProcessRuntime
-from llmgw.agent.shards import ShardManager, ShardSpec, ShardState
-from llmgw.agent.stream import shard_status
+from llmgw.agent.servers import KnownServers
+from llmgw.agent.shards import Shard, ShardManager, ShardSpec, ShardState
+from llmgw.agent.stream import Backoff, Credentials, StreamClient, shard_status
 from llmgw.errors import ShardError
 from llmgw.proto import control_pb2 as pb
-from tests.unit.agent.test_shards import WAIT_S, Recorder, records, run_with_manager
+from llmgw.proto import control_pb2_grpc as pb_grpc
+
+WAIT_S = 30.0
 
 pytestmark = pytest.mark.timeout(60)
+
+
+class Recorder:
+    """The on_status callback: every state a shard was reported in, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, shard: Shard) -> None:
+        self.events.append((shard.shard_id, shard.state))
+        self._changed.set()
+
+    def states(self, shard_id: str) -> list[str]:
+        return [state for sid, state in self.events if sid == shard_id]
+
+    async def wait_for(self, shard_id: str, state: str) -> None:
+        async def scan() -> None:
+            while (shard_id, state) not in self.events:
+                self._changed.clear()
+                await self._changed.wait()
+
+        await asyncio.wait_for(scan(), WAIT_S)
+
+
+def run_with_manager(
+    state_dir: Path, body: Callable[[ShardManager, Recorder], Awaitable[None]]
+) -> None:
+    async def main() -> None:
+        recorder = Recorder()
+        manager = ShardManager(state_dir, ProcessRuntime(), recorder, startup_timeout=WAIT_S)
+        await manager.open()
+        try:
+            await body(manager, recorder)
+        finally:
+            await manager.stop_all(grace=5.0)
+            await manager.close()
+
+    asyncio.run(main())
+
+
+def records(state_dir: Path) -> dict[str, Any]:
+    return dict(json.loads((state_dir / "shards.json").read_text()))
+
 
 SLEEPY = ("--enable-sleep-mode",)
 
@@ -115,22 +169,21 @@ def test_refusals_name_the_reason(tmp_path: Path) -> None:
 
 
 def test_an_engine_that_cannot_sleep_and_a_shard_not_ready_are_refused(tmp_path: Path) -> None:
-    from llmgw.agent.shards import Shard
     from llmgw.agent.sleeping import put_to_sleep, wake
 
     async def main() -> None:
         async with aiohttp.ClientSession() as session:
             llama = Shard(ShardSpec("l", "r", "m", "llamacpp"), state=ShardState.READY)
             with pytest.raises(ShardError, match="engine llamacpp cannot sleep"):
-                await put_to_sleep(llama, 1, session, lambda s: None, ShardState)
+                await put_to_sleep(llama, 1, session, lambda s: None)
             worker = Shard(ShardSpec("w", "r", "m", "sim", rank=1, nodes=2))
             with pytest.raises(ShardError, match="only rank 0's engine sleeps"):
-                await put_to_sleep(worker, 1, session, lambda s: None, ShardState)
+                await put_to_sleep(worker, 1, session, lambda s: None)
             starting = Shard(ShardSpec("s", "r", "m", "sim"))
             with pytest.raises(ShardError, match="shard s is starting, not ready"):
-                await put_to_sleep(starting, 1, session, lambda s: None, ShardState)
+                await put_to_sleep(starting, 1, session, lambda s: None)
             with pytest.raises(ShardError, match="shard s is starting, not asleep"):
-                await wake(starting, session, lambda s: None, ShardState, 5.0)
+                await wake(starting, session, lambda s: None, 5.0)
 
     asyncio.run(main())
 
@@ -177,12 +230,6 @@ def test_a_new_agent_adopts_a_sleeping_engine_asleep(tmp_path: Path) -> None:
 def test_sleep_and_wake_orders_are_answered_with_the_reason_the_node_refuses(
     tmp_path: Path,
 ) -> None:
-    from collections.abc import AsyncIterator
-    from typing import Any
-
-    from llmgw.proto import control_pb2_grpc as pb_grpc
-    from tests.unit.agent.test_stream import _client, _serve
-
     class Orders(pb_grpc.ControlPlaneServicer):  # type: ignore[misc]
         def __init__(self) -> None:
             self.results: list[pb.OperationResult] = []
@@ -230,3 +277,35 @@ def test_sleep_and_wake_orders_are_answered_with_the_reason_the_node_refuses(
         ("op-s", False, "shard gone is not running on this node"),
         ("op-w", False, "shard gone is not running on this node"),
     ]
+
+
+async def _serve(pki_dir: Path, servicer: pb_grpc.ControlPlaneServicer) -> tuple[Any, int]:
+    _ca, ident, _ = pki.ensure_server_identity(pki_dir, hosts=["127.0.0.1"])
+    server = grpc.aio.server()
+    pb_grpc.add_ControlPlaneServicer_to_server(servicer, server)
+    creds = grpc.ssl_server_credentials(
+        [(ident.key.read_bytes(), ident.cert.read_bytes())],
+        root_certificates=ident.ca.read_bytes(),
+        require_client_auth=True,
+    )
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    await server.start()
+    return server, port
+
+
+def _client(pki_dir: Path, tmp_path: Path, port: int) -> StreamClient:
+    ca = pki.load_ca(pki_dir)
+    ident = pki.issue_node_cert(ca, "gpu-1", tmp_path / "agent")
+    client = StreamClient(
+        node_id="gpu-1",
+        servers=KnownServers((f"127.0.0.1:{port}",), tmp_path / "agent"),
+        credentials=lambda: Credentials(
+            cert=ident.cert.read_bytes(), key=ident.key.read_bytes(), ca=ident.ca.read_bytes()
+        ),
+        shards=cast(Any, SimpleNamespace(snapshot=list)),
+        oplog=OperationLog(tmp_path / "agent" / "oplog.json"),
+        inventory=pb.Inventory,
+        dataplane_addr=lambda server: "127.0.0.1:9443",
+    )
+    client.backoff = Backoff(base=0.05, cap=0.2)
+    return client
