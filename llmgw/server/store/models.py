@@ -220,6 +220,11 @@ class Models:
         rows = self._db.all("SELECT model, count(*) FROM replicas GROUP BY model")
         return {row[0]: int(row[1]) for row in rows}
 
+    def count_replicas_by_state(self) -> dict[tuple[str, str], int]:
+        """(model, state) -> how many replicas of the model are in that state."""
+        rows = self._db.all("SELECT model, state, count(*) FROM replicas GROUP BY model, state")
+        return {(row[0], row[1]): int(row[2]) for row in rows}
+
     def set_replica_state(self, replica_id: str, state: str) -> None:
         """Set a :class:`ReplicaState` (pending, starting, ready, failed, stopping, and the
         sleep states); other values are a ValueError."""
