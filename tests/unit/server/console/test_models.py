@@ -362,3 +362,22 @@ def test_a_refused_actions_page_keeps_its_replicas_live(rig: ConsoleRig, store: 
     status, url, live_status, live = rig.run(scenario)
     assert status == 400 and url == "/ui/models/chat?fragment=detail"
     assert live_status == 200 and 'id="model-ready"' in live and "<html" not in live
+
+
+def test_an_asleep_replica_shows_its_level_and_host_memory(rig: ConsoleRig, store: Store) -> None:
+    async def scenario(b: Browser) -> str:
+        await b.login()
+        await deploy(b, name="chat", profile="small", replicas="1")
+        rig.scheduler.reconcile()
+        (replica,) = store.list_replicas("chat")
+        store.set_replica_state(replica.id, "asleep")
+        for shard in store.list_shards(replica_id=replica.id):
+            store.update_shard(shard.id, state="asleep", sleep_level=1, host_memory_mib=512)
+        _, live, _ = await b.get("/ui/models/chat?fragment=detail")
+        return live
+
+    live = rig.run(scenario)
+    assert (
+        '<span class="replica-state state-asleep">asleep</span> (level 1, 512 MiB host memory)'
+        in live
+    )
