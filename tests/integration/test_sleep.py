@@ -52,7 +52,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
     tmp = tmp_path_factory.mktemp("sleep")
     # A request for a model with no ready replica waits this long, then is refused.
     server = start_server_with(tmp, replica_wait=1)
-    agent = start_agent(make_agent(tmp, server, "node-a"))
+    # Engines outlive the agent, as in production: a restarted agent adopts them.
+    agent = start_agent(make_agent(tmp, server, "node-a", extra={"stop_shards_on_exit": False}))
     try:
         wait_for(lambda: any(n["connected"] for n in server.nodes()), what="the agent")
         server.approve_pending(1)
@@ -142,3 +143,33 @@ def test_sleep_takes_a_replica_out_and_wake_brings_it_back(
     # Awake: nothing to wake.
     refused = ctl(server, tmp, "replicas", "wake", replica)
     assert refused.returncode == 1 and "needs no waking" in refused.stderr
+
+
+def test_an_agent_restart_keeps_a_sleeping_replica_asleep(
+    cluster: tuple[Server, Agent, Path],
+) -> None:
+    server, agent, tmp = cluster
+    key = server.api_key()
+    (row,) = server.replicas("sleepy")
+    replica, shard = row["replica"], row["shard"]
+    assert ctl(server, tmp, "replicas", "sleep", replica).returncode == 0
+    wait_for(lambda: _state(server) == "asleep", what="the replica asleep")
+    pid = agent.shard_records()[shard]["pid"]
+    assert agent.proc is not None
+    stop_process(agent.proc)
+    start_agent(agent)
+    wait_for(
+        lambda: "shard adopted" in agent.log() and any(n["connected"] for n in server.nodes()),
+        what="the agent back, its engine adopted",
+    )
+    # Adopted asleep (starting until its health check): the same engine, routed nowhere.
+    wait_for(lambda: agent.shard_records()[shard]["state"] == "asleep", what="adopted asleep")
+    wait_for(lambda: _state(server) == "asleep", what="reported asleep")
+    (row,) = server.replicas("sleepy")
+    assert (row["state"], row["pid"], row["routable"]) == ("asleep", pid, False)
+    assert agent.shard_records()[shard]["state"] == "asleep"
+    assert ctl(server, tmp, "replicas", "wake", replica).returncode == 0
+    wait_for(lambda: _routable(server), what="the replica routable again")
+    assert chat(server, key)[0] == 200
+    (row,) = server.replicas("sleepy")
+    assert (row["pid"], row["restarts"]) == (pid, 0)  # woken, never restarted
