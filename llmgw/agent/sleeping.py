@@ -203,20 +203,25 @@ async def wake(
 
 
 async def adopted_state(shard: Shard, recorded: str, session: aiohttp.ClientSession) -> ShardState:
-    """The state of a healthy engine adopted from a previous agent: asleep when it sleeps
-    (its engine asked where it can say, else as recorded), else ready."""
-    engine = get_engine(shard.spec.engine) if shard.spec.engine else None
-    api = engine.sleep_api if engine is not None else None
+    """The state of a healthy engine adopted from a previous agent: asleep when the record
+    says it sleeps (or was between sleeping and awake) and the engine, asked where it can
+    say, agrees; else ready."""
     was_sleeping = recorded in (ShardState.ASLEEP, ShardState.WAKING, ShardState.FALLING_ASLEEP)
+    if not was_sleeping:
+        return ShardState.READY  # only an order makes it sleep, and none was carried out
+    try:
+        api = get_engine(shard.spec.engine).sleep_api
+    except EngineError:
+        api = None
     if api is None or shard.spec.worker:
         return ShardState.READY
     call = is_sleeping_call(api)
     if call is None:
-        return ShardState.ASLEEP if was_sleeping else ShardState.READY
+        return ShardState.ASLEEP
     try:
         body = await _call(session, shard, call, 5.0)
     except ShardError:
-        return ShardState.ASLEEP if was_sleeping else ShardState.READY
+        return ShardState.ASLEEP
     if body.get("is_sleeping") is True:
         level = body.get("level")
         if isinstance(level, int) and level in (1, 2):

@@ -309,3 +309,35 @@ def _client(pki_dir: Path, tmp_path: Path, port: int) -> StreamClient:
     )
     client.backoff = Backoff(base=0.05, cap=0.2)
     return client
+
+
+@pytest.mark.parametrize(
+    ("recorded", "engine_sleeps", "expected"),
+    [
+        ("ready", True, ShardState.READY),  # no order carried out: not even asked
+        ("asleep", True, ShardState.ASLEEP),
+        ("falling_asleep", False, ShardState.READY),  # the agent died as the sleep failed
+        ("waking", False, ShardState.READY),  # ... or as the wake succeeded
+    ],
+)
+def test_an_adopted_engine_is_asleep_only_when_the_record_and_the_engine_agree(
+    recorded: str, engine_sleeps: bool, expected: ShardState
+) -> None:
+    from llmgw.agent.sleeping import adopted_state
+    from llmgw.sim.config import SimConfig
+    from tests.unit.sim.running import running
+
+    with running(SimConfig(port=0, sleep_mode=True, sleep_host_mib=64)) as url:
+        port = int(url.rsplit(":", 1)[1])
+
+        async def main() -> ShardState:
+            async with aiohttp.ClientSession() as session:
+                if engine_sleeps:
+                    await session.post(f"{url}/sleep", params={"level": "1"})
+                shard = Shard(sleepy(), port=port)
+                state = await adopted_state(shard, recorded, session)
+                if state == ShardState.ASLEEP:
+                    assert (shard.sleep_level, shard.host_memory_mib) == (1, 64)
+                return state
+
+        assert asyncio.run(main()) == expected
