@@ -6,8 +6,9 @@ What the engines offer, read from their sources:
 
 - vLLM (``--enable-sleep-mode``; the routes exist only with ``VLLM_SERVER_DEV_MODE=1`` in the
   server's environment: vllm/entrypoints/serve/dev/api_router.py attaches them only then):
-  ``POST /sleep?level=1|2`` (default 1; since 0.22 also ``mode=abort|wait``, default abort:
-  requests in flight are aborted), ``POST /wake_up`` (optional repeated ``tags=weights`` /
+  ``POST /sleep?level=1|2`` (default 1; recent releases also take ``mode=abort|wait|keep``,
+  vllm/v1/engine PauseMode, default abort: requests in flight are aborted; llmgw asks
+  ``wait``), ``POST /wake_up`` (optional repeated ``tags=weights`` /
   ``tags=kv_cache`` to wake one part; none wakes all), ``GET /is_sleeping`` answering
   ``{"is_sleeping": bool}``. Level 1 offloads the weights to host memory and discards the
   KV cache (waking copies the weights back); level 2 discards both (buffers such as rope
@@ -66,7 +67,11 @@ def sleep_call(api: SleepApi, level: int) -> SleepCall:
     """The call that puts an engine speaking ``api`` to sleep at ``level``."""
     if api is SleepApi.SGLANG:
         return SleepCall("POST", "/release_memory_occupation", body={"tags": None})
-    return SleepCall("POST", "/sleep", query=MappingProxyType({"level": str(level)}))
+    # mode=wait: the requests in flight (the gateway routes no new ones) finish first, rather
+    # than vLLM's default abort; a vLLM before the parameter ignores it.
+    return SleepCall(
+        "POST", "/sleep", query=MappingProxyType({"level": str(level), "mode": "wait"})
+    )
 
 
 def wake_calls(api: SleepApi, level: int) -> tuple[SleepCall, ...]:

@@ -1,7 +1,9 @@
 """The sim's sleep mode: vLLM's routes (and SGLang's names) with configurable costs.
 
 What each engine does is in :mod:`llmgw.engines.sleep`; the sim plays vLLM's part:
-``POST /sleep?level=1|2`` takes ``sleep_s`` and leaves the engine asleep, ``POST /wake_up``
+``POST /sleep?level=1|2`` takes ``sleep_s`` and leaves the engine asleep (with
+``mode=wait`` once the generation requests it is answering have finished; with vLLM's
+default ``abort`` the sim lets them finish too, having nothing to abort them with), ``POST /wake_up``
 takes ``wake_s``; after a level-2 sleep the weights are gone, so the engine answers no
 generation until ``POST /collective_rpc {"method": "reload_weights"}`` has reloaded them
 (``wake_level2_s``, a weights load). ``GET /is_sleeping`` answers vLLM's
@@ -60,6 +62,10 @@ class SleepMode:
         self.phase = Phase.AWAKE
         self.level = 0
         self._lock = asyncio.Lock()
+        # Generation requests being answered, for a sleep with mode=wait.
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @property
     def host_memory_mib(self) -> int:
@@ -80,26 +86,43 @@ class SleepMode:
     @web.middleware
     async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Refuse the generation routes unless the engine is awake."""
-        if self.phase is not Phase.AWAKE and request.path in GENERATION_PATHS:
+        if request.path not in GENERATION_PATHS:
+            return await handler(request)
+        if self.phase is not Phase.AWAKE:
             return error_response(
                 503,
                 f"the model is sleeping ({self.phase}); POST /wake_up first",
                 None,
                 "model_sleeping",
             )
-        return await handler(request)
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            return await handler(request)
+        finally:
+            self.inflight -= 1
+            if not self.inflight:
+                self._idle.set()
 
     async def sleep(self, request: web.Request) -> web.StreamResponse:
         raw = request.query.get("level", "1")
         if raw not in ("1", "2"):
             return error_response(400, f"level must be 1 or 2, got {raw!r}", "level", None)
-        return await self._sleep(int(raw))
+        mode = request.query.get("mode", "abort")
+        if mode not in ("abort", "wait", "keep"):
+            return error_response(
+                400, f"mode must be abort, wait or keep, got {mode!r}", "mode", None
+            )
+        return await self._sleep(int(raw), wait=mode == "wait")
 
-    async def _sleep(self, level: int) -> web.StreamResponse:
+    async def _sleep(self, level: int, *, wait: bool = False) -> web.StreamResponse:
         async with self._lock:
             if self.phase is Phase.ASLEEP:
                 return web.Response(status=200)  # vLLM: sleeping again is a no-op
             self.phase, self.level = Phase.FALLING_ASLEEP, level
+            if wait:
+                # New requests are refused from here; those being answered finish first.
+                await self._idle.wait()
             await asyncio.sleep(self.cfg.sleep_s)
             self.phase = Phase.ASLEEP
         return web.Response(status=200)

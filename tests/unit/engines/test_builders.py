@@ -725,7 +725,7 @@ def test_the_sleep_calls_of_each_protocol() -> None:
     from llmgw.engines.sleep import SleepApi, is_sleeping_call, sleep_call, wake_calls
 
     assert sleep_call(SleepApi.VLLM, 2).path == "/sleep"
-    assert dict(sleep_call(SleepApi.VLLM, 2).query) == {"level": "2"}
+    assert dict(sleep_call(SleepApi.VLLM, 2).query) == {"level": "2", "mode": "wait"}
     assert [c.path for c in wake_calls(SleepApi.VLLM, 1)] == ["/wake_up"]
     # Level 2 dropped the weights: reloaded, and the prefix cache that indexed them reset.
     assert [c.path for c in wake_calls(SleepApi.VLLM, 2)] == [

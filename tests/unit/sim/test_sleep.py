@@ -122,3 +122,24 @@ def test_a_negative_cost_is_refused(name: str) -> None:
 def test_a_negative_host_memory_is_refused() -> None:
     with pytest.raises(EngineError, match="sleep_host_mib"):
         SimConfig(sleep_host_mib=-1)
+
+
+def test_a_sleep_with_mode_wait_lets_the_requests_in_flight_finish() -> None:
+    import threading
+
+    cfg = SimConfig(port=0, sleep_mode=True, ttft_ms=600)
+    with running(cfg) as base:
+        answers: list[int] = []
+        slow = threading.Thread(
+            target=lambda: answers.append(call(f"{base}/v1/chat/completions", CHAT)[0])
+        )
+        slow.start()
+        time.sleep(0.2)  # the request is being answered
+        began = time.monotonic()
+        assert call(f"{base}/sleep?level=1&mode=wait")[0] == 200
+        assert time.monotonic() - began >= 0.3  # it waited for the request
+        slow.join()
+        assert answers == [200]
+        assert call(f"{base}/wake_up")[0] == 200
+        status, body = call(f"{base}/sleep?level=1&mode=later")
+        assert status == 400 and "mode must be abort, wait or keep" in body["error"]["message"]
