@@ -338,7 +338,7 @@ class AgentReports:
             # A checked install may let a replica of that engine be placed now.
             self.scheduler.kick()
             return
-        if self.scheduler.sleeps.on_result(result):
+        if self.scheduler.sleeps.on_result(session, result):
             return
         if result.ok:
             return

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 from llmgw.contracts.catalog import deployed_profile, profile_sleep_level
 from llmgw.engines.registry import sleeping_engines
-from llmgw.errors import Conflict
+from llmgw.errors import Conflict, NotFound
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.fleet.stream import NodeSession
-from llmgw.server.gateway.routing import Router
+from llmgw.server.gateway.routing import Endpoint, Router
 from llmgw.server.store import Replica, Shard, Store
 from llmgw.server.store.states import ReplicaState, ShardState
 
@@ -191,17 +191,41 @@ class Sleeps:
             message = f"awake in {took:.2f}s (engine {engine_s:.2f}s): {order.why}"
             self.store.add_event("replica_awake", order.replica_id, message, order.actor)
 
-    def on_result(self, result: pb.OperationResult) -> bool:
+    def on_result(self, session: NodeSession, result: pb.OperationResult) -> bool:
         """An order's result; True when it was a sleep or wake order of this. A refused one
-        is an event with the node's reason (the agent reported the shard as it stays)."""
+        is an event with the node's reason, and the shard as it was before the order when
+        the agent reported no change (it refused before touching the engine)."""
         order = self._orders.get(result.op_id)
         if order is None:
             return False
-        if not result.ok:
-            self._forget(order.shard_id)
-            self.store.add_event(
-                f"replica_{order.kind}_refused", order.replica_id, result.error, order.actor
-            )
+        if result.ok:
+            return True
+        self._forget(order.shard_id)
+        self.store.add_event(
+            f"replica_{order.kind}_refused", order.replica_id, result.error, order.actor
+        )
+        try:
+            shard = self.store.get_shard(order.shard_id)
+        except NotFound:
+            return True
+        if order.kind == "sleep" and shard.state == ShardState.FALLING_ASLEEP:
+            self.store.update_shard(shard.id, state=ShardState.READY)
+            self.store.set_replica_state(order.replica_id, ReplicaState.READY)
+            if not session.draining:
+                replica = self.store.get_replica(order.replica_id)
+                self.router.set_ready(
+                    Endpoint(
+                        model=replica.model,
+                        replica_id=replica.id,
+                        shard_id=shard.id,
+                        node_id=session.node_id,
+                        addr=session.dataplane_addr,
+                    )
+                )
+                self.on_routes_changed()
+        elif order.kind == "wake" and shard.state == ShardState.WAKING:
+            self.store.update_shard(shard.id, state=ShardState.ASLEEP)
+            self.store.set_replica_state(order.replica_id, ReplicaState.ASLEEP)
         return True
 
     def _forget(self, shard_id: str) -> None:

@@ -145,6 +145,27 @@ def test_a_refused_order_is_an_event_with_the_nodes_reason(rig: Rig) -> None:
     assert rig.store.get_shard(shard).state == "ready"  # not failed: it serves
 
 
+def test_an_order_refused_before_the_engine_was_touched_leaves_the_replica_as_it_was(
+    rig: Rig,
+) -> None:
+    replica, shard = rig.replica("m", SLEEPY)
+
+    def refuse(op: str) -> None:
+        result = pb.OperationResult(op_id=op, ok=False, error="shard is starting, not ready")
+        rig.reports.handlers()["op_result"](rig.session, pb.AgentMessage(op_result=result))
+
+    refuse(rig.scheduler.sleep_replica(replica, 1, why="idle"))
+    assert rig.store.get_replica(replica).state == "ready"
+    assert rig.store.get_shard(shard).state == "ready"
+    assert rig.routed("m") == [replica]  # routed again
+    rig.scheduler.sleep_replica(replica, 1, why="idle")
+    rig.report(shard, replica, pb.SHARD_ASLEEP, sleep_level=1)
+    refuse(rig.scheduler.wake_replica(replica, why="a request"))
+    assert rig.store.get_replica(replica).state == "asleep"
+    assert rig.store.get_shard(shard).state == "asleep"
+    assert len(rig.events("replica_wake_refused")) == 1
+
+
 def test_refusals(rig: Rig) -> None:
     plain, _ = rig.replica("plain", PLAIN)
     sleepy, shard = rig.replica("sleepy", SLEEPY)
