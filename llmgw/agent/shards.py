@@ -37,7 +37,8 @@ order outside it is refused before anything starts.
 
 Engines outlive the agent: stopping the agent (or killing it) leaves them running, and the
 next agent adopts them from ``shards.json`` (:meth:`ShardManager.adopt_all`); those that
-ended meanwhile are reported failed so that the control plane starts them again. Sidecars
+ended meanwhile are reported failed so that the control plane starts them again. An engine
+put to sleep (:mod:`llmgw.agent.sleeping`) is adopted asleep. Sidecars
 are adopted with their shard by pid and start time; a sidecar that ended while the agent
 was down fails its shard (engine stopped), and the sidecars of a shard whose engine is gone
 are stopped. A kv-events shard whose engine's event socket cannot be dialled again as
@@ -780,7 +781,7 @@ class ShardManager:
                 if shard.recorded_state and self._session is not None:
                     # Adopted: an engine left asleep answers its health check asleep.
                     shard.state = await adopted_state(shard, shard.recorded_state, self._session)
-                log.info("shard ready", extra=kv(shard=shard.shard_id, port=shard.port))
+                log.info(f"shard {shard.state}", extra=kv(shard=shard.shard_id, port=shard.port))
                 self._emit(shard)
             elif not any(t.done() for t in watched) and not shard.stopping:
                 shard.reason = self._not_ready_reason(shard)
