@@ -167,6 +167,7 @@ def parse_record(shard_id: str, obj: object) -> ShardRecord:
             # A record of an agent before sandboxes: its engine ran unconfined.
             sandbox=SandboxPolicy.from_json(_get(obj, "sandbox", (dict,), {})),
             sandboxed=_get(obj, "sandboxed", (bool,), False),
+            sleep_level=_get(obj, "sleep_level", (int,), 0),
         )
     except ValueError as exc:
         raise ValueError(f"shard {shard_id!r}: {exc}") from None

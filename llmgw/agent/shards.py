@@ -37,7 +37,8 @@ order outside it is refused before anything starts.
 
 Engines outlive the agent: stopping the agent (or killing it) leaves them running, and the
 next agent adopts them from ``shards.json`` (:meth:`ShardManager.adopt_all`); those that
-ended meanwhile are reported failed so that the control plane starts them again. Sidecars
+ended meanwhile are reported failed so that the control plane starts them again. An engine
+put to sleep (:mod:`llmgw.agent.sleeping`) is adopted asleep. Sidecars
 are adopted with their shard by pid and start time; a sidecar that ended while the agent
 was down fails its shard (engine stopped), and the sidecars of a shard whose engine is gone
 are stopped. A kv-events shard whose engine's event socket cannot be dialled again as
@@ -51,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import functools
 import logging
 import os
@@ -70,8 +70,10 @@ from llmgw.agent.records import ShardRecords
 from llmgw.agent.runtimes import Handle, Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sandbox import Sandboxed, Sandboxes, hidden_path_reason
+from llmgw.agent.shardstate import ShardState
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
 from llmgw.agent.traffic import ShardTraffic
+from llmgw.agent.sleeping import adopted_state, put_to_sleep, wake
 from llmgw.contracts.model_sources import SourceSpec
 from llmgw.contracts.ports import DEFAULT_MULTINODE_PORTS, PortRange
 from llmgw.contracts.sandbox import SandboxPolicy
@@ -100,17 +102,14 @@ __all__ = [
 log = logging.getLogger("llmgw.agent.shards")
 
 
-class ShardState(enum.StrEnum):
-    """Where a shard is, as the agent reports it (``ShardStatus.state``'s SHARD_* values)
-    and records it in shards.json; a member equals its string."""
-
-    STARTING = "starting"
-    """Its sidecars or engine were started; not yet healthy (a worker: not yet joined)."""
-    READY = "ready"
-    FAILED = "failed"
-    """It ended without being told to, or could not be started; ``reason`` says why."""
-    EXITED = "exited"
-    """It was stopped as ordered."""
+ALIVE = (
+    ShardState.STARTING,
+    ShardState.READY,
+    ShardState.FALLING_ASLEEP,
+    ShardState.ASLEEP,
+    ShardState.WAKING,
+)
+"""The states of a shard whose engine runs (or is being started): what an agent adopts."""
 
 
 DIED_WHILE_DOWN = "engine exited while the agent was down"
@@ -249,6 +248,14 @@ class Shard:
     """The sandbox this agent started its engine in (None: none, or adopted)."""
     sandboxed: bool = False
     """Its engine runs under bubblewrap (``pid`` is bwrap's)."""
+    sleep_level: int = 0
+    """Asleep (or falling asleep, waking): the level it sleeps at."""
+    host_memory_mib: int = 0
+    """Asleep: the host memory its engine says it holds."""
+    transition_ms: int = 0
+    """How long its last sleep or wake took."""
+    recorded_state: str = ""
+    """Adopted: the state the previous agent recorded."""
 
     @property
     def shard_id(self) -> str:
@@ -287,6 +294,7 @@ class Shard:
             kv_events_endpoint=self.kv_events_endpoint,
             sandbox=spec.sandbox,
             sandboxed=self.sandboxed,
+            sleep_level=self.sleep_level,
         )
 
 
@@ -704,10 +712,7 @@ class ShardManager:
         dead: list[ShardRecord] = []
         restart: list[tuple[Shard, str]] = []
         for record in self.records.load():
-            if (
-                record.state not in (ShardState.STARTING, ShardState.READY)
-                or record.shard_id in self.shards
-            ):
+            if record.state not in ALIVE or record.shard_id in self.shards:
                 continue
             spec = ShardSpec.from_record(record)
             shard = Shard(
@@ -717,7 +722,9 @@ class ShardManager:
                 start_time=record.start_time,
                 container_id=record.container_id,
                 log_offset=record.log_offset,
-                ready_before=record.state == ShardState.READY,
+                ready_before=record.state not in (ShardState.STARTING, ""),
+                sleep_level=record.sleep_level,
+                recorded_state=record.state,
             )
             self.shards[spec.shard_id] = shard
             if record.sidecars:
@@ -783,8 +790,11 @@ class ShardManager:
             if ready:
                 shard.state = ShardState.READY
                 shard.startup_s = max(0.0, time.time() - shard.started_at)
+                if shard.recorded_state and self._session is not None:
+                    # Adopted: an engine left asleep answers its health check asleep.
+                    shard.state = await adopted_state(shard, shard.recorded_state, self._session)
                 log.info(
-                    "shard ready",
+                    f"shard {shard.state}",
                     extra=kv(
                         shard=shard.shard_id, port=shard.port, startup_s=round(shard.startup_s, 3)
                     ),
@@ -895,6 +905,27 @@ class ShardManager:
             async with self._session.get(url) as resp:
                 return resp.status == 200
         return False
+
+    async def sleep(self, shard_id: str, level: int) -> Shard:
+        """Put a ready shard's engine to sleep at ``level`` (:mod:`llmgw.agent.sleeping`);
+        ShardError says why it cannot."""
+        shard = self._known(shard_id)
+        assert self._session is not None
+        await put_to_sleep(shard, level, self._session, self._emit)
+        return shard
+
+    async def wake(self, shard_id: str) -> Shard:
+        """Wake an asleep shard's engine; ShardError says why it cannot."""
+        shard = self._known(shard_id)
+        assert self._session is not None
+        await wake(shard, self._session, self._emit, self.startup_timeout)
+        return shard
+
+    def _known(self, shard_id: str) -> Shard:
+        shard = self.shards.get(shard_id)
+        if shard is None:
+            raise ShardError(f"shard {shard_id} is not running on this node")
+        return shard
 
     async def stop(self, shard_id: str, grace: float = 10.0, drain: float = 0.0) -> Shard | None:
         """Stop a shard and forget it; returns the final state, or None if it was unknown.

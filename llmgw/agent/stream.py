@@ -46,6 +46,9 @@ _STATE_TO_PB = {
     ShardState.READY: pb.SHARD_READY,
     ShardState.FAILED: pb.SHARD_FAILED,
     ShardState.EXITED: pb.SHARD_EXITED,
+    ShardState.FALLING_ASLEEP: pb.SHARD_FALLING_ASLEEP,
+    ShardState.ASLEEP: pb.SHARD_ASLEEP,
+    ShardState.WAKING: pb.SHARD_WAKING,
 }
 
 
@@ -61,6 +64,9 @@ def shard_status(shard: Shard) -> pb.ShardStatus:
         has_exit_code=shard.exit_code is not None,
         pid=shard.pid,
         startup_s=shard.startup_s,
+        sleep_level=shard.sleep_level,
+        host_memory_mib=shard.host_memory_mib,
+        transition_ms=shard.transition_ms,
     )
 
 
@@ -331,6 +337,17 @@ class StreamClient:
         elif kind == "stop_shard":
             self._spawn_order(
                 msg.stop_shard.meta, msg.stop_shard.shard_id, self._stop(msg.stop_shard)
+            )
+        elif kind == "sleep_shard":
+            order = msg.sleep_shard
+            self._spawn_order(
+                order.meta, order.shard_id, self.shards.sleep(order.shard_id, order.level)
+            )
+        elif kind == "wake_shard":
+            self._spawn_order(
+                msg.wake_shard.meta,
+                msg.wake_shard.shard_id,
+                self.shards.wake(msg.wake_shard.shard_id),
             )
         else:
             log.warning(

@@ -170,6 +170,41 @@ def engine() -> None:
     help="Exit with the error when a --probe-path cannot be opened, as an engine that needs "
     "the file would.",
 )
+@click.option(
+    "--enable-sleep-mode",
+    "sleep_mode",
+    is_flag=True,
+    help="Serve vLLM's sleep routes (POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping, "
+    "and SGLang's /release_memory_occupation, /resume_memory_occupation).",
+)
+@click.option(
+    "--sleep-seconds",
+    default=SimConfig.sleep_s,
+    show_default=True,
+    type=float,
+    help="What falling asleep takes.",
+)
+@click.option(
+    "--wake-seconds",
+    default=SimConfig.wake_s,
+    show_default=True,
+    type=float,
+    help="What a wake takes (level 1: the weights copied back from host memory).",
+)
+@click.option(
+    "--wake-seconds-level2",
+    default=SimConfig.wake_level2_s,
+    show_default=True,
+    type=float,
+    help="What reloading the weights after a level-2 wake takes (a weights load).",
+)
+@click.option(
+    "--sleep-host-mib",
+    default=SimConfig.sleep_host_mib,
+    show_default=True,
+    type=int,
+    help="Host memory held asleep at level 1 (the weights), MiB.",
+)
 def sim(
     host: str,
     port: int,
@@ -193,6 +228,11 @@ def sim(
     kv_events_config: str,
     probe_path: tuple[str, ...],
     probe_required: bool,
+    sleep_mode: bool,
+    sleep_seconds: float,
+    wake_seconds: float,
+    wake_seconds_level2: float,
+    sleep_host_mib: int,
 ) -> None:
     """A simulated OpenAI-compatible engine with deterministic output: chat, completions
     and responses, embeddings, rerank and score, tokenize and detokenize.
@@ -228,5 +268,10 @@ def sim(
         kv_events_config=kv_events_config,
         probe_paths=probe_path,
         probe_required=probe_required,
+        sleep_mode=sleep_mode,
+        sleep_s=sleep_seconds,
+        wake_s=wake_seconds,
+        wake_level2_s=wake_seconds_level2,
+        sleep_host_mib=sleep_host_mib,
     )
     run(cfg)

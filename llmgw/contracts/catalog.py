@@ -40,7 +40,7 @@ from llmgw.configfile import (
 )
 from llmgw.contracts.model_sources import SourceSpec, parse_source
 from llmgw.contracts.sandbox import SandboxPolicy, parse_sandbox
-from llmgw.engines.launch import check_params, task_args
+from llmgw.engines.launch import check_params, sleep_args, task_args
 from llmgw.engines.registry import (
     TASKS,
     Engine,
@@ -72,6 +72,7 @@ __all__ = [
     "profile_file",
     "profile_max_concurrency",
     "profile_routing",
+    "profile_sleep_level",
     "profile_tasks",
 ]
 
@@ -109,8 +110,10 @@ _PROFILE_KEYS = (
     "tokenizer",
     "chat_template",
     "sandbox",
+    "sleep",
 )
 _FILE_KEYS = ("url", "path", "sha256")
+_SLEEP_KEYS = ("level",)
 
 
 class Routing(StrEnum):
@@ -205,6 +208,9 @@ class Profile:
     chat_template: FileRef | None = None
     # What a process engine's sandbox sees beyond the agent's choice (contracts.sandbox).
     sandbox: SandboxPolicy = field(default_factory=SandboxPolicy)
+    # ``sleep: {level: N}``: its replicas may be put to sleep at level N (llmgw.engines.sleep);
+    # None: they are only started and stopped.
+    sleep_level: int | None = None
 
     @property
     def routing_policy(self) -> str:
@@ -229,7 +235,8 @@ class Profile:
         """The extra arguments a shard's engine gets: the flags of the profile's task (e.g.
         llama.cpp's --embedding), then ``args``. They travel as StartShard's extra_args, so
         an agent of any version runs the engine in that mode."""
-        return (*task_args(self.engine, self.tasks), *self.args)
+        sleep = sleep_args(self.engine, self.sleep_level) if self.sleep_level else []
+        return (*task_args(self.engine, self.tasks), *sleep, *self.args)
 
     @property
     def source_spec(self) -> SourceSpec | None:
@@ -265,6 +272,8 @@ class Profile:
             out["chat_template"] = self.chat_template.to_value()
         if not self.sandbox.is_default:
             out["sandbox"] = self.sandbox.to_value()
+        if self.sleep_level is not None:
+            out["sleep"] = {"level": self.sleep_level}
         return out
 
 
@@ -421,6 +430,9 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
     sandbox = SandboxPolicy()
     if raw.get("sandbox") is not None:
         sandbox = parse_sandbox(check, raw["sandbox"], at("sandbox"))
+    sleep_level = None
+    if raw.get("sleep") is not None:
+        sleep_level = _sleep(check, raw["sleep"], at("sleep"), engine, nodes)
     return Profile(
         engine=engine,
         source=source.text if source is not None else None,
@@ -439,7 +451,27 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         tokenizer=tokenizer,
         chat_template=chat_template,
         sandbox=sandbox,
+        sleep_level=sleep_level,
     )
+
+
+def _sleep(check: Checker, value: object, key: str, engine: str, nodes: int) -> int:
+    """``sleep: {level: N}``: the level, one the engine sleeps at, on one node."""
+    raw = check.mapping(value, key, accepted=_SLEEP_KEYS)
+    if "level" not in raw:
+        check.fail(join_key(key, "level"), "is missing: give 1 (weights kept in host memory) or 2")
+    level = _whole(check, raw["level"], join_key(key, "level"), minimum=1)
+    try:
+        sleep_args(engine, level)
+    except EngineError as exc:
+        check.fail(key, exc.message)
+    if nodes > 1:
+        check.fail(
+            key,
+            f"a replica of {nodes} nodes cannot sleep (only one node's engine serves the sleep "
+            "routes); drop 'sleep' or use nodes: 1",
+        )
+    return level
 
 
 def _profile_engine(check: Checker, raw: Mapping[str, Any], at: Callable[[str], str]) -> str:
@@ -660,6 +692,16 @@ def profile_routing(profile: Mapping[str, Any] | None) -> Routing:
     """A stored profile's (:meth:`Profile.to_dict`) ``routing``, else least-outstanding."""
     value = profile.get("routing") if profile else None
     return Routing(value) if isinstance(value, str) and value in ROUTINGS else DEFAULT_ROUTING
+
+
+def profile_sleep_level(profile: Mapping[str, Any] | None) -> int:
+    """A stored profile's (:meth:`Profile.to_dict`) sleep level; 0 when its replicas
+    cannot sleep (no ``sleep``, or a level its engine does not sleep at)."""
+    value = profile.get("sleep") if profile else None
+    level = value.get("level") if isinstance(value, Mapping) else None
+    if not isinstance(level, int) or isinstance(level, bool):
+        return 0
+    return level if level in _stored_engine(profile).sleep_levels else 0
 
 
 def profile_file(profile: Mapping[str, Any] | None, key: str) -> FileRef | None:

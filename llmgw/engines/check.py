@@ -136,7 +136,8 @@ def widest_specs(engine: str, binary: str = "") -> list[tuple[str, EngineSpec]]:
     two-node replica with two GPUs a node, every parameter set and (for an engine with KV
     events) publishing them, its worker, then rank 0
     with the flags of each task (``rank 0, task embed``; tasks that share their flags in one
-    form, ``task embed/rerank``), which a profile's ``task`` puts before its args."""
+    form, ``task embed/rerank``), which a profile's ``task`` puts before its args, and with
+    those of each sleep level (``rank 0, sleep level 1/2``), which its ``sleep`` puts there."""
     module = engine_module(engine)
     events = events_config("ipc:///var/lib/llmgw-agent/kv/0123456789abcdef/kv.sock", "engine-check")
     rank0 = EngineSpec(
@@ -161,6 +162,14 @@ def widest_specs(engine: str, binary: str = "") -> list[tuple[str, EngineSpec]]:
         groups.setdefault(tuple(flags), []).append(task)
     for flags, tasks in groups.items():
         forms.append((f"rank 0, task {'/'.join(tasks)}", replace(rank0, extra_args=flags)))
+    # A profile's ``sleep`` puts its flags before the args too; levels that share their
+    # flags in one form.
+    sleeps: dict[tuple[str, ...], list[str]] = {}
+    for level, flags in module.SLEEP_FLAGS.items():
+        sleeps.setdefault(tuple(flags), []).append(str(level))
+    for flags, levels in sleeps.items():
+        form = f"rank 0, sleep level {'/'.join(levels)}"
+        forms.append((form, replace(rank0, extra_args=flags)))
     return forms
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "dials_workers",
     "engine_module",
     "self_argv",
+    "sleep_args",
     "task_args",
 ]
 
@@ -96,6 +97,22 @@ def task_args(engine: str, tasks: Sequence[str]) -> list[str]:
         if group and group not in groups:
             groups.append(group)
     return [flag for group in groups for flag in group]
+
+
+def sleep_args(engine: str, level: int) -> list[str]:
+    """The flags that let ``engine`` sleep at ``level`` (before a profile's own args);
+    EngineError naming the fix when it cannot."""
+    row = get_engine(engine)
+    if level not in row.sleep_levels:
+        able = [n for n in engine_names() if get_engine(n).sleep_levels]
+        if not row.sleep_levels:
+            raise EngineError(
+                f"engine {engine} cannot sleep (it scales by start and stop only); drop "
+                f"'sleep', or deploy the model with one of {', '.join(able)}"
+            )
+        levels = " or ".join(str(n) for n in row.sleep_levels)
+        raise EngineError(f"engine {engine} sleeps at level {levels}, not {level}")
+    return list(engine_module(engine).SLEEP_FLAGS[level])
 
 
 def check_params(engine: str, params: Mapping[str, str]) -> None:

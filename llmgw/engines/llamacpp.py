@@ -65,6 +65,10 @@ TASK_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
 )
 
 
+# llama-server has no sleep: it scales by start and stop only.
+SLEEP_FLAGS: Mapping[int, tuple[str, ...]] = MappingProxyType({})
+
+
 def prefix(binary: str) -> list[str]:
     return [binary or PROGRAM]
 

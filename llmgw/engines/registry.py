@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import cast
 
+from llmgw.engines.sleep import SleepApi
 from llmgw.engines.spec import EngineModule
 from llmgw.errors import EngineError
 
@@ -31,6 +32,7 @@ __all__ = [
     "get_engine",
     "installable_engines",
     "multi_node_engines",
+    "sleeping_engines",
 ]
 
 
@@ -124,6 +126,10 @@ class Engine:
     format (:mod:`llmgw.engines.kvevents`), so a profile may route on them (``routing:
     kv-events``). ``tokenizer_needed``: the gateway needs the model's tokenizer to key a
     prompt's blocks (False for sim, whose tokenizer is this llmgw's own).
+
+    ``sleep_api``: the protocol of the engine's sleep mode (:mod:`llmgw.engines.sleep`);
+    None: it cannot sleep (it scales by start and stop only). ``sleep_levels``: the levels
+    llmgw runs it at; the builder module's ``SLEEP_FLAGS`` are what enable each.
     """
 
     name: str
@@ -145,6 +151,8 @@ class Engine:
     slots_flags: tuple[str, ...] = ()
     kv_events: bool = False
     tokenizer_needed: bool = True
+    sleep_api: SleepApi | None = None
+    sleep_levels: tuple[int, ...] = ()
 
     def can_serve_together(self, tasks: Sequence[str]) -> bool:
         """Whether one replica of this engine can do every one of ``tasks`` (known tasks)."""
@@ -189,6 +197,9 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 default_max_concurrency=64,
                 kv_events=True,
                 tokenizer_needed=False,
+                # vLLM's protocol, both levels, with configurable costs (llmgw.sim.sleep).
+                sleep_api=SleepApi.VLLM,
+                sleep_levels=(1, 2),
             ),
             Engine(
                 "vllm",
@@ -208,6 +219,8 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 slots_param="max_num_seqs",
                 slots_flags=("--max-num-seqs",),
                 kv_events=True,
+                sleep_api=SleepApi.VLLM,
+                sleep_levels=(1, 2),
             ),
             Engine(
                 "sglang",
@@ -226,6 +239,10 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 slots_param="max_running_requests",
                 slots_flags=("--max-running-requests",),
                 kv_events=True,
+                # Its memory saver with the weights backed up in host memory: vLLM's level 1.
+                # Without the backup a resume needs the weights reloaded by another route.
+                sleep_api=SleepApi.SGLANG,
+                sleep_levels=(1,),
             ),
             Engine(
                 "llamacpp",
@@ -285,6 +302,11 @@ def installable_engines() -> tuple[str, ...]:
 def multi_node_engines() -> tuple[str, ...]:
     """The engines with a multi-node form, sorted."""
     return tuple(sorted(name for name, engine in ENGINES.items() if engine.multi_node))
+
+
+def sleeping_engines() -> tuple[str, ...]:
+    """The engines that can sleep, sorted."""
+    return tuple(sorted(name for name, engine in ENGINES.items() if engine.sleep_levels))
 
 
 def get_engine(name: str) -> Engine:

@@ -56,6 +56,15 @@ TASK_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
 )
 
 
+# --enable-memory-saver: "Allow saving memory using release_memory_occupation and
+# resume_memory_occupation"; --enable-weights-cpu-backup: "Save model weights ... to CPU
+# memory during release ... and resume" (server_args.py), which makes a resume a copy back
+# rather than a reload: vLLM's level 1, the one llmgw runs SGLang at.
+SLEEP_FLAGS: Mapping[int, tuple[str, ...]] = MappingProxyType(
+    {1: ("--enable-memory-saver", "--enable-weights-cpu-backup")}
+)
+
+
 def prefix(binary: str) -> list[str]:
     return [binary or PROGRAM, "-m", "sglang.launch_server"]
 

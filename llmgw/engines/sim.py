@@ -46,12 +46,24 @@ PARAMS: Mapping[str, Param] = MappingProxyType(
         "prefill_us_per_token": Param("--prefill-us-per-token", float, minimum=0, sample="50"),
         # Its start-up as a weights load would take (llmgw.sim.config: load_s).
         "load_s": Param("--load-seconds", float, minimum=0, sample="2"),
+        # Sleep mode's costs (llmgw.sim.sleep): falling asleep, waking from each level (level
+        # 2's is a weights load), and the host memory the weights take while asleep at 1.
+        "sleep_seconds": Param("--sleep-seconds", float, minimum=0, sample="0.1"),
+        "wake_seconds": Param("--wake-seconds", float, minimum=0, sample="0.5"),
+        "wake_seconds_level2": Param("--wake-seconds-level2", float, minimum=0, sample="2"),
+        "sleep_host_mib": Param("--sleep-host-mib", int, minimum=0, sample="1024"),
     }
 )
 
 
 # sim answers every endpoint whatever the profile's task; the gateway routes by the task.
 TASK_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType({})
+
+
+# As vLLM's: one flag for both levels, the level is the /sleep call's.
+SLEEP_FLAGS: Mapping[int, tuple[str, ...]] = MappingProxyType(
+    {1: ("--enable-sleep-mode",), 2: ("--enable-sleep-mode",)}
+)
 
 
 def prefix(binary: str) -> list[str]:

@@ -121,6 +121,9 @@ class EngineModule(Protocol):
     # The flags that run the engine for a task (a catalog profile's ``task``), before the
     # profile's own args; a task it runs in its default mode has none.
     TASK_FLAGS: Mapping[str, tuple[str, ...]]
+    # The flags that let the engine sleep at each level (the registry's ``sleep_levels``),
+    # before the profile's own args; empty for an engine that cannot sleep.
+    SLEEP_FLAGS: Mapping[int, tuple[str, ...]]
 
     def prefix(self, binary: str) -> list[str]:
         """The argv up to the engine's own flags (program and subcommand)."""

@@ -66,6 +66,14 @@ TASK_FLAGS: Mapping[str, tuple[str, ...]] = MappingProxyType(
 )
 
 
+# Sleep mode (vllm/config/model.py enable_sleep_mode: "only cuda and hip platforms"); its
+# HTTP routes are dev routes, served only with VLLM_SERVER_DEV_MODE=1, which build() sets
+# when the flag is given. Both levels need only the flag: the level is the /sleep call's.
+SLEEP_FLAG = "--enable-sleep-mode"
+SLEEP_FLAGS: Mapping[int, tuple[str, ...]] = MappingProxyType({1: (SLEEP_FLAG,), 2: (SLEEP_FLAG,)})
+DEV_MODE_ENV: Mapping[str, str] = MappingProxyType({"VLLM_SERVER_DEV_MODE": "1"})
+
+
 def prefix(binary: str) -> list[str]:
     return [binary or PROGRAM, "serve"]
 
@@ -95,6 +103,12 @@ def build(spec: EngineSpec) -> EngineCommand:
     # default, so nothing else is needed.
     argv += kv_events_flags(spec)
     argv += spec.extra_args
+    env = gpu_env(spec)
+    if SLEEP_FLAG in spec.extra_args and not spec.worker:
+        # /sleep, /wake_up and /is_sleeping exist only in dev mode. It also opens
+        # /collective_rpc and the like: the engine listens on 127.0.0.1 only, and the
+        # agent's data plane forwards the OpenAI paths alone.
+        env = {**env, **DEV_MODE_ENV}
     if spec.worker:
-        return EngineCommand(argv=argv, env=gpu_env(spec), serves=False, health_path="")
-    return EngineCommand(argv=argv, env=gpu_env(spec), serves=True)
+        return EngineCommand(argv=argv, env=env, serves=False, health_path="")
+    return EngineCommand(argv=argv, env=env, serves=True)

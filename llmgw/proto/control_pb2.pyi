@@ -14,11 +14,17 @@ class ShardState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SHARD_READY: _ClassVar[ShardState]
     SHARD_FAILED: _ClassVar[ShardState]
     SHARD_EXITED: _ClassVar[ShardState]
+    SHARD_ASLEEP: _ClassVar[ShardState]
+    SHARD_WAKING: _ClassVar[ShardState]
+    SHARD_FALLING_ASLEEP: _ClassVar[ShardState]
 SHARD_STATE_UNSPECIFIED: ShardState
 SHARD_STARTING: ShardState
 SHARD_READY: ShardState
 SHARD_FAILED: ShardState
 SHARD_EXITED: ShardState
+SHARD_ASLEEP: ShardState
+SHARD_WAKING: ShardState
+SHARD_FALLING_ASLEEP: ShardState
 
 class AgentMessage(_message.Message):
     __slots__ = ("hello", "heartbeat", "inventory", "shard_status", "op_result", "cert_request", "draining", "update_status", "kv_events")
@@ -241,7 +247,7 @@ class Fabric(_message.Message):
     def __init__(self, name: _Optional[str] = ..., hcas: _Optional[_Iterable[str]] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard_id", "replica_id", "state", "port", "reason", "exit_code", "has_exit_code", "pid", "model", "startup_s")
+    __slots__ = ("shard_id", "replica_id", "state", "port", "reason", "exit_code", "has_exit_code", "pid", "model", "startup_s", "sleep_level", "host_memory_mib", "transition_ms")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +258,9 @@ class ShardStatus(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STARTUP_S_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    TRANSITION_MS_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     replica_id: str
     state: ShardState
@@ -262,7 +271,10 @@ class ShardStatus(_message.Message):
     pid: int
     model: str
     startup_s: float
-    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., port: _Optional[int] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., startup_s: _Optional[float] = ...) -> None: ...
+    sleep_level: int
+    host_memory_mib: int
+    transition_ms: int
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., port: _Optional[int] = ..., reason: _Optional[str] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., startup_s: _Optional[float] = ..., sleep_level: _Optional[int] = ..., host_memory_mib: _Optional[int] = ..., transition_ms: _Optional[int] = ...) -> None: ...
 
 class OperationResult(_message.Message):
     __slots__ = ("op_id", "ok", "error", "epoch", "duplicate")
@@ -285,7 +297,7 @@ class CertificateRequest(_message.Message):
     def __init__(self, csr_pem: _Optional[str] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("welcome", "start_shard", "stop_shard", "renew_certificate", "node_state", "refuse", "install_engine", "update_order", "trust_bundle", "control_planes", "heartbeat_ack")
+    __slots__ = ("welcome", "start_shard", "stop_shard", "renew_certificate", "node_state", "refuse", "install_engine", "update_order", "trust_bundle", "control_planes", "heartbeat_ack", "sleep_shard", "wake_shard")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     START_SHARD_FIELD_NUMBER: _ClassVar[int]
     STOP_SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +309,8 @@ class ServerMessage(_message.Message):
     TRUST_BUNDLE_FIELD_NUMBER: _ClassVar[int]
     CONTROL_PLANES_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_SHARD_FIELD_NUMBER: _ClassVar[int]
+    WAKE_SHARD_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     start_shard: StartShard
     stop_shard: StopShard
@@ -308,7 +322,9 @@ class ServerMessage(_message.Message):
     trust_bundle: TrustBundle
     control_planes: ControlPlanes
     heartbeat_ack: HeartbeatAck
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., install_engine: _Optional[_Union[InstallEngine, _Mapping]] = ..., update_order: _Optional[_Union[UpdateOrder, _Mapping]] = ..., trust_bundle: _Optional[_Union[TrustBundle, _Mapping]] = ..., control_planes: _Optional[_Union[ControlPlanes, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
+    sleep_shard: SleepShard
+    wake_shard: WakeShard
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., install_engine: _Optional[_Union[InstallEngine, _Mapping]] = ..., update_order: _Optional[_Union[UpdateOrder, _Mapping]] = ..., trust_bundle: _Optional[_Union[TrustBundle, _Mapping]] = ..., control_planes: _Optional[_Union[ControlPlanes, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., sleep_shard: _Optional[_Union[SleepShard, _Mapping]] = ..., wake_shard: _Optional[_Union[WakeShard, _Mapping]] = ...) -> None: ...
 
 class HeartbeatAck(_message.Message):
     __slots__ = ("seq",)
@@ -488,6 +504,24 @@ class StopShard(_message.Message):
     grace_s: float
     drain_s: float
     def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., grace_s: _Optional[float] = ..., drain_s: _Optional[float] = ...) -> None: ...
+
+class SleepShard(_message.Message):
+    __slots__ = ("meta", "shard_id", "level")
+    META_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    meta: OrderMeta
+    shard_id: str
+    level: int
+    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., level: _Optional[int] = ...) -> None: ...
+
+class WakeShard(_message.Message):
+    __slots__ = ("meta", "shard_id")
+    META_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    meta: OrderMeta
+    shard_id: str
+    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ...) -> None: ...
 
 class UpdateOrder(_message.Message):
     __slots__ = ("meta", "order", "signature")

@@ -12,6 +12,7 @@ listener, then run the reconcile loops. No part sees this object.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -24,7 +25,7 @@ from llmgw import __version__
 from llmgw.bodies import BodyBudget, return_large_buffers
 from llmgw.contracts.control_planes import ControlPlaneList
 from llmgw.contracts.paths import PACKAGED_BUNDLE_DIR
-from llmgw.errors import ConfigError
+from llmgw.errors import ConfigError, StoreError
 from llmgw.listener import GuardedSite, listening_socket
 from llmgw.log import kv
 from llmgw.netaddr import RESERVED_NAMES, format_hostport, local_addresses, parse_hostport
@@ -550,6 +551,9 @@ class ControlPlane:
         """The ready-replicas gauge, after the routable replicas changed."""
         for model in self.serving.models:
             self.metrics.ready_replicas.set((model,), len(self.router.endpoints(model)))
+        # By state, sleeping ones included (one GROUP BY: it runs at each route change).
+        with contextlib.suppress(StoreError):
+            self.metrics.set_replica_states(self.store.count_replicas_by_state())
 
     def _download_base(self) -> str:
         """Where nodes download bundles: the HTTP listener, at the host they dial for the

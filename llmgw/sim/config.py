@@ -72,6 +72,12 @@ class SimConfig:
     (:func:`kv_events_settings`), "" for no KV cache events. ``probe_paths``: paths it
     tries to open at start and logs what it could (:mod:`llmgw.sim.probe`); with
     ``probe_required`` one it cannot open ends it.
+
+    Sleep mode (:mod:`llmgw.sim.sleep`, vLLM's ``--enable-sleep-mode``): ``sleep_mode``
+    serves vLLM's sleep routes (and SGLang's names); falling asleep takes ``sleep_s``, a wake
+    from level 1 ``wake_s``, the weights' reload after a level-2 wake ``wake_level2_s`` (a
+    weights load); asleep at level 1 it holds ``sleep_host_mib`` of host memory (the
+    weights), at level 2 none.
     """
 
     host: str = "127.0.0.1"
@@ -98,6 +104,11 @@ class SimConfig:
     kv_events_config: str = ""
     probe_paths: tuple[str, ...] = ()
     probe_required: bool = False
+    sleep_mode: bool = False
+    sleep_s: float = 0.0
+    wake_s: float = 0.0
+    wake_level2_s: float = 0.0
+    sleep_host_mib: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -110,7 +121,15 @@ class SimConfig:
             raise EngineError(f"sim: model must be a non-empty string, got {self.model!r}")
         if not is_int(self.seed):
             raise EngineError(f"sim: seed must be an integer, got {self.seed!r}")
-        for name in ("ttft_ms", "tps", "prefill_us_per_token", "load_s"):
+        for name in (
+            "ttft_ms",
+            "tps",
+            "prefill_us_per_token",
+            "load_s",
+            "sleep_s",
+            "wake_s",
+            "wake_level2_s",
+        ):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -161,6 +180,11 @@ class SimConfig:
             raise EngineError(
                 f"sim: block_size must be an integer in 1..{MAX_BLOCK_SIZE}, got "
                 f"{self.block_size!r}; vLLM's default is 16"
+            )
+        if not is_int(self.sleep_host_mib) or self.sleep_host_mib < 0:
+            raise EngineError(
+                f"sim: sleep_host_mib must be an integer >= 0 (MiB of host memory held asleep "
+                f"at level 1), got {self.sleep_host_mib!r}"
             )
         if not is_int(self.kv_blocks) or self.kv_blocks < 1:
             raise EngineError(

@@ -16,7 +16,8 @@ pre-serialised pieces. The other endpoints live beside it: the Responses API in
 Endpoints: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
 ``POST /v1/embeddings``, ``POST /v1/rerank``, ``POST /v1/score``, ``POST /tokenize``,
-``POST /detokenize``, ``POST /reset_prefix_cache`` (as vLLM's: the prefix cache emptied). It serves all of them whatever the catalog profile's ``task``
+``POST /detokenize``, ``POST /reset_prefix_cache`` (as vLLM's: the prefix cache emptied);
+with ``sleep_mode``, vLLM's sleep routes (:mod:`llmgw.sim.sleep`). It serves all of them whatever the catalog profile's ``task``
 says: the gateway routes each path only to replicas deployed for its task.
 
 The prefix cache and the cost of a prompt: chat and completions prompts (each prompt of a
@@ -83,6 +84,7 @@ from llmgw.sim.protocol import (
 from llmgw.sim.publisher import EventPublisher
 from llmgw.sim.rendezvous import Leader, Worker
 from llmgw.sim.responses import ResponsesHandlers
+from llmgw.sim.sleep import SleepMode
 
 log = logging.getLogger("llmgw.engine.sim")
 
@@ -419,7 +421,13 @@ class _Handlers:
 def build_app(cfg: SimConfig) -> web.Application:
     """The aiohttp application of a ``sim`` engine serving ``cfg.model``."""
     sim = _Handlers(cfg)
-    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+    # The sleep guard is a middleware only where sleep mode is on: the request path of a
+    # sim without it stays as lean as before.
+    sleep = SleepMode(cfg) if cfg.sleep_mode else None
+    middlewares = [sleep.guard] if sleep is not None else []
+    app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=middlewares)
+    if sleep is not None:
+        app.router.add_routes(sleep.routes())
     app.router.add_get("/health", sim.health)
     app.router.add_get("/v1/models", sim.models)
     app.router.add_get("/v1/models/{model_id:.+}", sim.model)

@@ -121,6 +121,8 @@ class ShardRecord:
     """The order's sandbox (the profile's ``sandbox`` key)."""
     sandboxed: bool = False
     """``pid`` is the bubblewrap that runs the engine in its sandbox."""
+    sleep_level: int = 0
+    """Asleep (or falling asleep, waking): the level its engine sleeps at."""
 
 
 class Runtime(abc.ABC):

@@ -295,11 +295,29 @@ def undeploy(c: Ctl, model: str) -> None:
     click.echo(f"undeployed {model}")
 
 
-@click.command()
-@click.argument("model", required=False, shell_complete=MODELS)
-@pass_ctl
-def replicas(c: Ctl, model: str | None) -> None:
-    """List replicas (of MODEL) with their node, state and last failure."""
+class _ReplicasGroup(ReportingGroup):
+    """``replicas [MODEL]`` lists; ``replicas sleep|wake REPLICA`` orders. A first word that
+    is not a subcommand is the model to list (so no model may be called sleep or wake here;
+    name it with ``--model``)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and not args[0].startswith("-") and args[0] not in self.commands:
+            ctx.meta["replicas.model"] = args[0]
+            args = args[1:]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_ReplicasGroup, invoke_without_command=True)
+@click.option("--model", "model_option", default=None, help="List the replicas of this model.")
+@click.pass_context
+def replicas(ctx: click.Context, model_option: str | None) -> None:
+    """List replicas ([MODEL]'s) with their node, state (asleep, waking...) and last failure;
+    'replicas sleep REPLICA' and 'replicas wake REPLICA' put one to sleep and wake it."""
+    if ctx.invoked_subcommand is not None:
+        return
+    c = ctx.find_object(Ctl)
+    assert c is not None
+    model = model_option or ctx.meta.get("replicas.model")
     path = "/api/replicas" + (f"?model={model}" if model else "")
     data = c.call("GET", path)
     if c.as_json:
@@ -309,7 +327,7 @@ def replicas(c: Ctl, model: str | None) -> None:
         [
             r["replica"],
             r["model"],
-            r["state"],
+            _state(r),
             r["node"],
             r["port"],
             r["restarts"],
@@ -322,3 +340,48 @@ def replicas(c: Ctl, model: str | None) -> None:
     click.echo(
         table(["REPLICA", "MODEL", "STATE", "NODE", "PORT", "RESTARTS", "INFLIGHT", "REASON"], rows)
     )
+
+
+def _state(row: dict[str, Any]) -> str:
+    """The state, with the level and the host memory held of one that sleeps."""
+    level = row.get("sleep_level") or 0
+    if row["state"] != "asleep" or not level:
+        return str(row["state"])
+    held = row.get("host_memory_mib") or 0
+    return f"asleep (level {level}" + (f", {held} MiB host)" if held else ")")
+
+
+@replicas.command("sleep")
+@click.argument("replica")
+@click.option(
+    "--level",
+    type=click.IntRange(1, 2),
+    default=None,
+    help="1: the weights kept in host memory (a fast wake); 2: dropped (a wake reloads "
+    "them). Default: the level the replica's profile sleeps at.",
+)
+@pass_ctl
+def replicas_sleep(c: Ctl, replica: str, level: int | None) -> None:
+    """Put a ready REPLICA to sleep: its engine keeps running without its GPU memory, and
+    the gateway sends it nothing until it is woken."""
+    body: dict[str, Any] = {} if level is None else {"level": level}
+    data = c.call("POST", f"/api/replicas/{replica}/sleep", body)
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(
+        f"{replica} is falling asleep at level {data['level']}; "
+        f"wake it with 'llmgw ctl replicas wake {replica}'"
+    )
+
+
+@replicas.command("wake")
+@click.argument("replica")
+@pass_ctl
+def replicas_wake(c: Ctl, replica: str) -> None:
+    """Wake an asleep REPLICA: it serves again once its engine has its GPU memory back."""
+    data = c.call("POST", f"/api/replicas/{replica}/wake", {})
+    if c.as_json:
+        echo_json(data)
+        return
+    click.echo(f"{replica} is waking; it is routed again once ready ('llmgw ctl replicas')")

@@ -64,6 +64,8 @@ def add_admin_routes(
         ("GET", "/api/catalog", models.catalog),
         ("PUT", "/api/catalog", models.apply_catalog),
         ("GET", "/api/replicas", models.replicas),
+        ("POST", "/api/replicas/{replica}/sleep", models.sleep),
+        ("POST", "/api/replicas/{replica}/wake", models.wake),
         ("GET", "/api/keys", access.keys),
         ("POST", "/api/keys", access.create_key),
         ("GET", "/api/keys/{key}", access.key),

@@ -16,6 +16,7 @@ from llmgw.contracts.catalog import (
     parse_catalog,
     parse_profile,
     profile_routing,
+    profile_sleep_level,
 )
 from llmgw.contracts.scaling import ScalingPolicy, parse_replicas, policy_of
 from llmgw.engines.registry import engine_names
@@ -225,6 +226,28 @@ def undeploy(ctx: AdminContext, name: str, *, actor: str) -> None:
     ctx.store.add_event("model_undeployed", name, "undeployed", actor)
 
 
+def sleep_replica(
+    ctx: AdminContext, replica_id: str, level: int | None, *, actor: str
+) -> dict[str, Any]:
+    """Order a ready replica to sleep (at ``level``, else its profile's); NotFound, or
+    Conflict saying why it cannot (llmgw.server.fleet.sleeps)."""
+    if level is None:
+        replica = ctx.store.get_replica(replica_id)
+        model = ctx.store.get_model(replica.model)
+        stored = deployed_profile(
+            model.profiles, replica.profile or model.profile, model.engine, model.params
+        )
+        level = profile_sleep_level(stored) or 1
+    op_id = ctx.scheduler.sleep_replica(replica_id, level, why="an operator's order", actor=actor)
+    return {"replica": replica_id, "level": level, "state": "falling_asleep", "op_id": op_id}
+
+
+def wake_replica(ctx: AdminContext, replica_id: str, *, actor: str) -> dict[str, Any]:
+    """Order an asleep replica to wake; NotFound, or Conflict saying why it cannot."""
+    op_id = ctx.scheduler.wake_replica(replica_id, why="an operator's order", actor=actor)
+    return {"replica": replica_id, "state": "waking", "op_id": op_id}
+
+
 def replica_rows(ctx: AdminContext, model: str | None = None) -> list[dict[str, Any]]:
     """Every shard of every replica (of ``model``, else of all models), with its node,
     state, restarts and last reason, as ``GET /api/replicas`` lists them."""
@@ -255,6 +278,8 @@ def replica_rows(ctx: AdminContext, model: str | None = None) -> list[dict[str, 
                     "reason": shard.reason,
                     "inflight": ep.inflight if ep else 0,
                     "routable": ep is not None,
+                    "sleep_level": shard.sleep_level,
+                    "host_memory_mib": shard.host_memory_mib,
                 }
             )
     return out
@@ -343,3 +368,20 @@ class ModelRoutes:
 
     async def replicas(self, request: web.Request) -> web.Response:
         return web.json_response(replica_rows(self.ctx, request.query.get("model") or None))
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        """``POST /api/replicas/{replica}/sleep`` with ``{"level": N}`` (default: the level
+        its profile sleeps at): :func:`sleep_replica`."""
+        body = await read_json(self.ctx, request)
+        level = body.get("level")
+        if level is not None and (not isinstance(level, int) or isinstance(level, bool)):
+            raise BadRequest("level must be 1 or 2")
+        replica = request.match_info["replica"]
+        actor = principal_of(request).actor
+        return web.json_response(sleep_replica(self.ctx, replica, level, actor=actor))
+
+    async def wake(self, request: web.Request) -> web.Response:
+        """``POST /api/replicas/{replica}/wake``: :func:`wake_replica`."""
+        replica = request.match_info["replica"]
+        actor = principal_of(request).actor
+        return web.json_response(wake_replica(self.ctx, replica, actor=actor))

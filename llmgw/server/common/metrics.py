@@ -146,6 +146,12 @@ class Metrics:
         self.inflight = Gauge("llmgw_requests_in_flight", "Requests being served now.", mr)
         self.nodes = Gauge("llmgw_nodes", "Nodes by state (connected, disconnected).", ("state",))
         self.ready_replicas = Gauge("llmgw_ready_replicas", "Ready replicas by model.", ("model",))
+        self.replica_states = Gauge(
+            "llmgw_replicas",
+            "Replicas by model and state (ready; asleep, waking, falling_asleep: sleeping "
+            "replicas; starting, pending, failed, stopping).",
+            ("model", "state"),
+        )
         self.queued = Gauge(
             "llmgw_queued_requests",
             "Requests waiting in the gateway for a place on a replica (every replica full).",
@@ -218,6 +224,18 @@ class Metrics:
             DECISION_BUCKETS,
         )
 
+    def set_replica_states(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """``llmgw_replicas`` as the store counts them now ((model, state) -> replicas): a
+        state no replica is in any more reads 0 until its model goes."""
+        models = {model for model, _ in counts}
+        for key in list(self.replica_states.values):
+            if key[0] not in models:
+                del self.replica_states.values[key]
+            elif key not in counts:
+                self.replica_states.values[key] = 0
+        for key, n in counts.items():
+            self.replica_states.set(key, n)
+
     def hit_ratio(self, model: str, replica: str | None = None) -> float | None:
         """The share of prompt tokens the engines had cached, for a model (or one replica of
         it) since this instance started; None before any prompt token was reported."""
@@ -265,6 +283,7 @@ class Metrics:
             self.inflight,
             self.nodes,
             self.ready_replicas,
+            self.replica_states,
             self.queued,
             self.queue_wait,
             self.capacity_waiting,

@@ -2,7 +2,8 @@
 op results, inventory, draining and certificate requests.
 
 A shard that turns ready on rank 0 becomes routable; one that fails or exits unordered is
-failed (the scheduler restarts it). Inventory from a pending node is held, not stored,
+failed (the scheduler restarts it); one falling asleep, asleep or waking is out of routing
+until ready again (llmgw.server.fleet.sleeps). Inventory from a pending node is held, not stored,
 until an operator approves it (llmgw.server.fleet.nodes).
 """
 
@@ -43,6 +44,9 @@ _PB_STATE = {
     pb.SHARD_READY: ShardState.READY,
     pb.SHARD_FAILED: ShardState.FAILED,
     pb.SHARD_EXITED: ShardState.EXITED,
+    pb.SHARD_FALLING_ASLEEP: ShardState.FALLING_ASLEEP,
+    pb.SHARD_ASLEEP: ShardState.ASLEEP,
+    pb.SHARD_WAKING: ShardState.WAKING,
 }
 
 
@@ -302,6 +306,8 @@ class AgentReports:
             and shard.exit_code == exit_code
             and (shard.reason or "") == status.reason
         )
+        # Sleep and wake (llmgw.server.fleet.sleeps): their level, memory and events.
+        self.scheduler.sleeps.on_status(shard, state, status)
         if not unchanged:
             self.store.update_shard(
                 shard.id,
@@ -355,6 +361,8 @@ class AgentReports:
         if self.installs.on_result(session, result):
             # A checked install may let a replica of that engine be placed now.
             self.scheduler.kick()
+            return
+        if self.scheduler.sleeps.on_result(session, result):
             return
         if result.ok:
             return

@@ -39,6 +39,7 @@ from llmgw.server.fleet.placement import Profile as PlacementProfile
 from llmgw.server.fleet.placement import Unplaceable as PlacementUnplaceable
 from llmgw.server.fleet.rendezvous import NoPort, rendezvous_port
 from llmgw.server.fleet.retiring import Retirements
+from llmgw.server.fleet.sleeps import Sleeps
 from llmgw.server.fleet.stream import NodeSession
 from llmgw.server.gateway.routing import Router
 from llmgw.server.store import Model, Node, Shard, Store
@@ -170,6 +171,8 @@ class Scheduler:
         # node id -> its NodeView and what it was made of (the stored inventory, the same
         # object while it is unchanged: llmgw.server.store.nodes), reused while none changed.
         self._views: dict[str, tuple[dict[str, Any], tuple[Any, ...], NodeView]] = {}
+        # Sleep and wake orders in flight (llmgw.server.fleet.sleeps).
+        self.sleeps = Sleeps(store, router, sessions, on_routes_changed)
 
     def kick(self) -> None:
         self._kick.set()
@@ -813,6 +816,17 @@ class Scheduler:
         self.failures.pop(shard_id, None)
         self.failed_at.pop(shard_id, None)
         self.kick()  # it may be the replacement a drain or a profile switch waits for
+
+    # -- sleeping replicas (issue 39): the planner's and the operators' orders ------------------
+
+    def sleep_replica(self, replica_id: str, level: int, *, why: str, actor: str = "") -> str:
+        """Put a ready replica to sleep at ``level`` (:meth:`Sleeps.sleep_replica`); its
+        shards are then neither restarted nor rebuilt until woken. Returns the op id."""
+        return self.sleeps.sleep_replica(replica_id, level, why=why, actor=actor)
+
+    def wake_replica(self, replica_id: str, *, why: str, actor: str = "") -> str:
+        """Wake an asleep replica (:meth:`Sleeps.wake_replica`); routable once ready."""
+        return self.sleeps.wake_replica(replica_id, why=why, actor=actor)
 
     def forget(self, shard_id: str) -> None:
         self.failures.pop(shard_id, None)

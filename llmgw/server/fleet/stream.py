@@ -162,6 +162,19 @@ class NodeSession:
         )
         return meta.op_id
 
+    def sleep_shard(self, shard_id: str, level: int) -> str:
+        meta = self._meta()
+        order = pb.SleepShard(meta=meta, shard_id=shard_id, level=level)
+        self.queue.put_nowait(pb.ServerMessage(sleep_shard=order))
+        return meta.op_id
+
+    def wake_shard(self, shard_id: str) -> str:
+        meta = self._meta()
+        self.queue.put_nowait(
+            pb.ServerMessage(wake_shard=pb.WakeShard(meta=meta, shard_id=shard_id))
+        )
+        return meta.op_id
+
     def send_control_planes(self, planes: ControlPlaneList | None) -> bool:
         """Tell the agent every current control-plane instance and the retired ones'
         serials (``planes``, as :func:`checked_control_planes` passed them); nothing is sent

@@ -22,7 +22,10 @@ from llmgw.server.store.states import ReplicaState, ShardState
 __all__ = ["SHARD_FIELDS", "Models"]
 
 SHARD_FIELDS: frozenset[str] = frozenset(
-    {"state", "port", "pid", "exit_code", "reason", "restarts", "op_id", "gpus", "dist_init_addr"}
+    {
+        *("state", "port", "pid", "exit_code", "reason", "restarts", "op_id", "gpus"),
+        *("dist_init_addr", "sleep_level", "host_memory_mib"),
+    }
 )
 """The columns of a shard :meth:`Models.update_shard` may set."""
 
@@ -247,8 +250,14 @@ class Models:
         )
         return {row[0]: int(row[1]) for row in rows}
 
+    def count_replicas_by_state(self) -> dict[tuple[str, str], int]:
+        """(model, state) -> how many replicas of the model are in that state."""
+        rows = self._db.all("SELECT model, state, count(*) FROM replicas GROUP BY model, state")
+        return {(row[0], row[1]): int(row[2]) for row in rows}
+
     def set_replica_state(self, replica_id: str, state: str) -> None:
-        """Set pending / starting / ready / failed / stopping; other values are a ValueError."""
+        """Set a :class:`ReplicaState` (pending, starting, ready, failed, stopping, and the
+        sleep states); other values are a ValueError."""
         value = check_state(state, ReplicaState, "replica")
         with self._db.write():
             cur = self._db.execute(

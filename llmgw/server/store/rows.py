@@ -263,6 +263,10 @@ class Shard(FromRow):
     """UUIDs of the GPUs given to this shard."""
     dist_init_addr: str = ""
     """host:port where rank 0 of a multi-node replica waits for the other shards."""
+    sleep_level: int = 0
+    """Asleep (or falling asleep, waking): the level its engine sleeps at."""
+    host_memory_mib: int = 0
+    """Asleep: the host memory its engine says it holds (the weights, at level 1)."""
 
     ROW: ClassVar[RowMap] = RowMap(
         convert={"state": ShardState, "gpus": lambda value: tuple(json.loads(value))}

@@ -33,6 +33,21 @@ def _check(column: str, values: tuple[str, ...]) -> str:
     return f"CHECK ({column} IN ({', '.join(repr(v) for v in values)}))"
 
 
+# The states of replicas and shards as migration 1 wrote its CHECKs (migration 17 widened
+# them to every state of llmgw.server.store.states): a shipped migration never changes.
+_REPLICA_STATES_1 = ("pending", "starting", "ready", "failed", "stopping")
+_SHARD_STATES_1 = ("pending", "starting", "ready", "failed", "exited", "stopping", "stopped")
+
+# Migration 17 rebuilds replicas and shards on SQLite (a CHECK cannot be altered there):
+# the tables are renamed aside first, so that dropping the old ones deletes no row through
+# their ON DELETE CASCADE (SQLite >= 3.26 points the child's reference at the renamed
+# parent), and their indexes are made again.
+_REPLICAS_17 = "id, model, state, created_at, updated_at, profile"
+_SHARDS_17 = (
+    "id, replica_id, node_id, rank, state, port, pid, exit_code, reason, restarts, op_id, "
+    "updated_at, gpus, dist_init_addr"
+)
+
 MIGRATIONS: list[str] = [
     # 1: initial schema
     f"""
@@ -69,7 +84,7 @@ MIGRATIONS: list[str] = [
         id         TEXT PRIMARY KEY,
         model      TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
         state      TEXT NOT NULL
-                   {sql_check("state", ReplicaState)},
+                   {_check("state", _REPLICA_STATES_1)},
         created_at REAL NOT NULL,
         updated_at REAL NOT NULL
     );
@@ -81,7 +96,7 @@ MIGRATIONS: list[str] = [
         node_id    TEXT NOT NULL REFERENCES nodes(id),
         rank       INTEGER NOT NULL DEFAULT 0,
         state      TEXT NOT NULL
-                   {sql_check("state", ShardState)},
+                   {_check("state", _SHARD_STATES_1)},
         port       INTEGER,
         pid        INTEGER,
         exit_code  INTEGER,
@@ -355,6 +370,53 @@ MIGRATIONS: list[str] = [
         at         REAL NOT NULL,
         PRIMARY KEY (instance, model)
     );
+    # 17: sleeping replicas (issue 39): the states falling_asleep, asleep and waking of
+    # replicas and shards, and a sleeping shard's level and the host memory it holds
+    f"""
+    /* sqlite */ ALTER TABLE shards RENAME TO shards_old;
+    /* sqlite */ ALTER TABLE replicas RENAME TO replicas_old;
+    /* sqlite */ CREATE TABLE replicas (
+        id         TEXT PRIMARY KEY,
+        model      TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
+        state      TEXT NOT NULL
+                   {sql_check("state", ReplicaState)},
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        profile    TEXT
+    );
+    /* sqlite */ INSERT INTO replicas({_REPLICAS_17}) SELECT {_REPLICAS_17} FROM replicas_old;
+    /* sqlite */ CREATE TABLE shards (
+        id             TEXT PRIMARY KEY,
+        replica_id     TEXT NOT NULL REFERENCES replicas(id) ON DELETE CASCADE,
+        node_id        TEXT NOT NULL REFERENCES nodes(id),
+        rank           INTEGER NOT NULL DEFAULT 0,
+        state          TEXT NOT NULL
+                       {sql_check("state", ShardState)},
+        port           INTEGER,
+        pid            INTEGER,
+        exit_code      INTEGER,
+        reason         TEXT NOT NULL DEFAULT '',
+        restarts       INTEGER NOT NULL DEFAULT 0,
+        op_id          TEXT,
+        updated_at     REAL NOT NULL,
+        gpus           TEXT NOT NULL DEFAULT '[]',
+        dist_init_addr TEXT NOT NULL DEFAULT ''
+    );
+    /* sqlite */ INSERT INTO shards({_SHARDS_17}) SELECT {_SHARDS_17} FROM shards_old;
+    /* sqlite */ DROP TABLE shards_old;
+    /* sqlite */ DROP TABLE replicas_old;
+    /* sqlite */ CREATE INDEX replicas_by_model ON replicas(model);
+    /* sqlite */ CREATE INDEX shards_by_node ON shards(node_id);
+    /* sqlite */ CREATE UNIQUE INDEX shards_by_replica ON shards(replica_id, rank);
+    /* sqlite */ CREATE INDEX shards_by_state ON shards(state);
+    /* postgresql */ ALTER TABLE replicas DROP CONSTRAINT replicas_state_check;
+    /* postgresql */ ALTER TABLE replicas ADD CONSTRAINT replicas_state_check
+        {sql_check("state", ReplicaState)};
+    /* postgresql */ ALTER TABLE shards DROP CONSTRAINT shards_state_check;
+    /* postgresql */ ALTER TABLE shards ADD CONSTRAINT shards_state_check
+        {sql_check("state", ShardState)};
+    ALTER TABLE shards ADD COLUMN sleep_level INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE shards ADD COLUMN host_memory_mib INTEGER NOT NULL DEFAULT 0;
     """,
 ]
 

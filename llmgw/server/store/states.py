@@ -22,6 +22,7 @@ from typing import Any
 from llmgw.contracts.inventory import degraded_reasons
 
 __all__ = [
+    "SLEEP_STATES",
     "InstallState",
     "NodeHealth",
     "NodeState",
@@ -85,6 +86,12 @@ class ReplicaState(enum.StrEnum):
     READY = "ready"
     FAILED = "failed"
     STOPPING = "stopping"
+    FALLING_ASLEEP = "falling_asleep"
+    """Its engine gives its GPU memory back (a SleepShard order); routed no more."""
+    ASLEEP = "asleep"
+    """Its engine runs without its GPU memory: not routed, not restarted, woken on order."""
+    WAKING = "waking"
+    """Its engine takes its GPU memory back; routed again once ready."""
 
 
 class ShardState(enum.StrEnum):
@@ -97,6 +104,16 @@ class ShardState(enum.StrEnum):
     EXITED = "exited"
     STOPPING = "stopping"
     STOPPED = "stopped"
+    FALLING_ASLEEP = "falling_asleep"
+    ASLEEP = "asleep"
+    WAKING = "waking"
+
+
+SLEEP_STATES: frozenset[str] = frozenset(
+    {ShardState.FALLING_ASLEEP, ShardState.ASLEEP, ShardState.WAKING}
+)
+"""A replica or shard whose engine runs but serves nothing: it sleeps, or is between
+sleeping and awake (the same names in both enums)."""
 
 
 class TokenKind(enum.StrEnum):

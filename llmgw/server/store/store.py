@@ -228,6 +228,7 @@ class Store:
     get_replica = _Table("_models", Models.get_replica)
     list_replicas = _Table("_models", Models.list_replicas)
     count_replicas = _Table("_models", Models.count_replicas)
+    count_replicas_by_state = _Table("_models", Models.count_replicas_by_state)
     models_with_stale_replicas = _Table("_models", Models.models_with_stale_replicas)
     set_replica_state = _Table("_models", Models.set_replica_state)
     delete_replica = _Table("_models", Models.delete_replica)

@@ -675,3 +675,65 @@ def test_a_worker_publishes_no_kv_events(engine: str) -> None:
 def test_an_engine_without_kv_events_refuses_a_config() -> None:
     with pytest.raises(EngineError, match=r"llamacpp publishes no KV cache events.*sim, vllm"):
         build_command(_spec("llamacpp", kv_events_config=_EVENTS))
+
+
+# --- sleep mode ------------------------------------------------------------------------
+
+
+def test_vllm_with_sleep_mode_serves_its_sleep_routes_in_dev_mode() -> None:
+    from llmgw.engines.launch import sleep_args
+
+    flags = sleep_args("vllm", 1)
+    assert flags == ["--enable-sleep-mode"]
+    spec = EngineSpec(engine="vllm", model="m", port=8000, source="/w", extra_args=tuple(flags))
+    command = build_command(spec)
+    assert "--enable-sleep-mode" in command.argv
+    # The sleep routes are dev routes (vllm/entrypoints/serve/dev/api_router.py).
+    assert command.env["VLLM_SERVER_DEV_MODE"] == "1"
+    plain = build_command(EngineSpec(engine="vllm", model="m", port=8000, source="/w"))
+    assert "VLLM_SERVER_DEV_MODE" not in plain.env
+
+
+def test_sglang_sleeps_at_level_1_with_the_weights_backed_up() -> None:
+    from llmgw.engines.launch import sleep_args
+
+    assert sleep_args("sglang", 1) == ["--enable-memory-saver", "--enable-weights-cpu-backup"]
+    with pytest.raises(EngineError, match="engine sglang sleeps at level 1, not 2"):
+        sleep_args("sglang", 2)
+
+
+def test_llamacpp_cannot_sleep_and_the_refusal_names_the_engines_that_can() -> None:
+    from llmgw.engines.launch import sleep_args
+
+    with pytest.raises(EngineError, match="engine llamacpp cannot sleep") as caught:
+        sleep_args("llamacpp", 1)
+    assert "sglang, sim, vllm" in str(caught.value) or "sim, vllm, sglang" in str(caught.value)
+
+
+def test_the_registry_says_which_engines_sleep_at_which_levels() -> None:
+    from llmgw.engines.registry import get_engine, sleeping_engines
+    from llmgw.engines.sleep import SleepApi
+
+    assert sleeping_engines() == ("sglang", "sim", "vllm")
+    assert get_engine("vllm").sleep_levels == (1, 2)
+    assert get_engine("vllm").sleep_api is SleepApi.VLLM
+    assert get_engine("sglang").sleep_api is SleepApi.SGLANG
+    assert get_engine("llamacpp").sleep_api is None
+
+
+def test_the_sleep_calls_of_each_protocol() -> None:
+    from llmgw.engines.sleep import SleepApi, is_sleeping_call, sleep_call, wake_calls
+
+    assert sleep_call(SleepApi.VLLM, 2).path == "/sleep"
+    assert dict(sleep_call(SleepApi.VLLM, 2).query) == {"level": "2", "mode": "wait"}
+    assert [c.path for c in wake_calls(SleepApi.VLLM, 1)] == ["/wake_up"]
+    # Level 2 dropped the weights: reloaded, and the prefix cache that indexed them reset.
+    assert [c.path for c in wake_calls(SleepApi.VLLM, 2)] == [
+        "/wake_up",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+    ]
+    assert sleep_call(SleepApi.SGLANG, 1).path == "/release_memory_occupation"
+    assert [c.path for c in wake_calls(SleepApi.SGLANG, 1)] == ["/resume_memory_occupation"]
+    assert is_sleeping_call(SleepApi.SGLANG) is None
+    assert is_sleeping_call(SleepApi.VLLM) is not None

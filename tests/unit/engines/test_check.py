@@ -123,6 +123,8 @@ def test_vllm_widest_flags() -> None:
         ("--headless", ("worker",)),
         # embed and rerank run the same pooling runner: one form for both.
         ("--runner", ("rank 0, task embed/rerank",)),
+        # Both sleep levels need the one flag: one form for both.
+        ("--enable-sleep-mode", ("rank 0, sleep level 1/2",)),
     ]
     assert report.ok and not report.warnings and not report.skipped
 
@@ -142,9 +144,10 @@ def test_vllm_widest_flags() -> None:
 def test_each_task_with_flags_of_its_own_is_a_form_checked(
     engine: str, forms: list[tuple[str, list[str]]]
 ) -> None:
-    got = [(form, list(spec.extra_args)) for form, spec in widest_specs(engine)[2:]]
+    tasks = [(f, s) for f, s in widest_specs(engine)[2:] if ", task " in f]
+    got = [(form, list(spec.extra_args)) for form, spec in tasks]
     assert got == forms
-    for _, spec in widest_specs(engine)[2:]:
+    for _, spec in tasks:
         argv = build_command(spec).argv
         assert argv[-len(spec.extra_args) :] == list(spec.extra_args)
 
@@ -201,7 +204,7 @@ def test_cli_passes_on_a_fixture(tmp_path: Path) -> None:
     assert lines[3].split() == ["FLAG", "USED", "BY", "HELP"]
     assert lines[4].split() == ["--served-model-name", "rank", "0", "ok"]
     assert ["--headless", "worker", "ok"] in [line.split() for line in lines]
-    assert lines[-1] == "ok: all 17 flags are documented"
+    assert lines[-1] == "ok: all 18 flags are documented"
 
 
 def test_cli_fails_listing_missing_flags_and_version(tmp_path: Path) -> None:
@@ -398,3 +401,41 @@ def test_the_agents_engines_name_the_program_or_why_not(tmp_path: Path) -> None:
         locate_engine("llamacpp", agent=AgentEngines(config, lambda: broken))
     with pytest.raises(EngineError, match=f"sglang is not configured in {config}, not on PATH"):
         locate_engine("sglang", agent=AgentEngines(config, lambda: found))
+
+
+@pytest.mark.parametrize(
+    ("engine", "forms"),
+    [
+        ("sim", [("rank 0, sleep level 1/2", ["--enable-sleep-mode"])]),
+        ("vllm", [("rank 0, sleep level 1/2", ["--enable-sleep-mode"])]),
+        (
+            "sglang",
+            [("rank 0, sleep level 1", ["--enable-memory-saver", "--enable-weights-cpu-backup"])],
+        ),
+        ("llamacpp", []),
+    ],
+)
+def test_each_sleep_level_is_a_form_checked(
+    engine: str, forms: list[tuple[str, list[str]]]
+) -> None:
+    got = [(f, list(s.extra_args)) for f, s in widest_specs(engine)[2:] if "sleep" in f]
+    assert got == forms
+
+
+@pytest.mark.parametrize(
+    ("engine", "flag"),
+    [
+        ("vllm", "--enable-sleep-mode"),
+        ("sglang", "--enable-memory-saver"),
+        ("sglang", "--enable-weights-cpu-backup"),
+    ],
+)
+def test_the_sleep_flags_are_documented_and_an_engine_without_them_fails(
+    engine: str, flag: str
+) -> None:
+    report = check_help(engine, _text(engine), source="test")
+    checked = {c.flag: c for c in report.flags}
+    assert checked[flag].documented
+    assert checked[flag].used_by == (next(f for f in checked[flag].used_by if "sleep" in f),)
+    older = _text(engine).replace(flag, "--something-else")
+    assert flag in check_help(engine, older, source="test").missing

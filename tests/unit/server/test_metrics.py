@@ -160,6 +160,7 @@ def test_empty_metrics_render_help_and_type_only() -> None:
         "llmgw_requests_in_flight",
         "llmgw_nodes",
         "llmgw_ready_replicas",
+        "llmgw_replicas",
         "llmgw_queued_requests",
         "llmgw_queue_wait_seconds",
         "llmgw_capacity_waiting_requests",
@@ -314,3 +315,15 @@ def test_large_counter_values_are_exact() -> None:
     second = parse_exposition("\n".join(c.render()) + "\n")["llmgw_tokens_total"].samples
     assert first[0][2] == 1_234_567
     assert second[0][2] == 1_234_570
+
+
+def test_replicas_by_state_count_the_sleeping_and_forget_what_is_gone() -> None:
+    m = Metrics()
+    m.set_replica_states({("a", "ready"): 2, ("a", "asleep"): 1, ("b", "waking"): 1})
+    text = m.render()
+    assert 'llmgw_replicas{model="a",state="asleep"} 1' in text
+    assert 'llmgw_replicas{model="b",state="waking"} 1' in text
+    m.set_replica_states({("a", "ready"): 3})
+    text = m.render()
+    assert 'llmgw_replicas{model="a",state="asleep"} 0' in text  # none asleep now
+    assert 'model="b"' not in text  # its model went

@@ -419,3 +419,20 @@ def test_a_model_by_demand_charts_its_replicas_against_its_demand(
     assert "chat: replicas and demand" in page
     assert ">wanted<" in page and ">demand<" in page
     assert "now 5 in flight, 0 queued, 0 waiting for a replica" in page
+def test_an_asleep_replica_shows_its_level_and_host_memory(rig: ConsoleRig, store: Store) -> None:
+    async def scenario(b: Browser) -> str:
+        await b.login()
+        await deploy(b, name="chat", profile="small", replicas="1")
+        rig.scheduler.reconcile()
+        (replica,) = store.list_replicas("chat")
+        store.set_replica_state(replica.id, "asleep")
+        for shard in store.list_shards(replica_id=replica.id):
+            store.update_shard(shard.id, state="asleep", sleep_level=1, host_memory_mib=512)
+        _, live, _ = await b.get("/ui/models/chat?fragment=detail")
+        return live
+
+    live = rig.run(scenario)
+    assert (
+        '<span class="replica-state state-asleep">asleep</span> (level 1, 512 MiB host memory)'
+        in live
+    )

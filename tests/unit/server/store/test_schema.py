@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,7 @@ import pytest
 
 from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.errors import Conflict, NotFound, StoreError
-from llmgw.server.store import (
-    MIGRATIONS,
-    Model,
-    Store,
-)
+from llmgw.server.store import MIGRATIONS, Model, Replica, Shard, Store
 from llmgw.server.store.location import Location, parse_location
 from llmgw.server.store.schema import split_sql
 from llmgw.server.store.states import NodeState, ReplicaState, ShardState, TokenKind, sql_check
@@ -229,10 +226,17 @@ def test_the_shipped_migrations_are_unchanged() -> None:
 
 def test_the_checks_name_the_states_of_llmgw_server_states() -> None:
     first, second = MIGRATIONS[0], MIGRATIONS[1]
-    for table, states in (("nodes", NodeState), ("replicas", ReplicaState), ("shards", ShardState)):
-        body = first.split(f"CREATE TABLE {table} (", 1)[1].split(");", 1)[0]
-        assert sql_check("state", states) in _words(body)
+    body = first.split("CREATE TABLE nodes (", 1)[1].split(");", 1)[0]
+    assert sql_check("state", NodeState) in _words(body)
     assert sql_check("kind", TokenKind) in _words(second)
+    # The states of replicas and shards, as the last migration to rebuild them wrote them.
+    rebuilt = next(m for m in reversed(MIGRATIONS) if "CREATE TABLE shards (" in m)
+    for table, states in (("replicas", ReplicaState), ("shards", ShardState)):
+        body = rebuilt.split(f"CREATE TABLE {table} (", 1)[1].split(");", 1)[0]
+        assert sql_check("state", states) in _words(body)
+        assert _words(f"ADD CONSTRAINT {table}_state_check {sql_check('state', states)}") in (
+            _words(rebuilt)
+        )
 
 
 def _schema(path: Path) -> list[tuple[str, str, str]]:
@@ -261,3 +265,18 @@ def test_a_database_migrated_from_a_shipped_version_equals_a_fresh_one(
     Store.open(fresh).close()
     assert _schema(old) == _schema(fresh)
     assert len(_schema(fresh)) > 10
+
+
+def test_migration_17_lets_replicas_and_shards_sleep_on_both_engines(
+    store: Store, replica_with_shards: Callable[[], tuple[Replica, list[Shard]]]
+) -> None:
+    # The CHECKs widened (a table rebuild on SQLite, the constraint replaced on PostgreSQL).
+    replica, (shard, *_) = replica_with_shards()
+    for state in ("falling_asleep", "asleep", "waking", "ready"):
+        store.set_replica_state(replica.id, state)
+        assert store.get_replica(replica.id).state == state
+    store.update_shard(shard.id, state="asleep", sleep_level=1, host_memory_mib=512)
+    got = store.get_shard(shard.id)
+    assert (got.state, got.sleep_level, got.host_memory_mib) == ("asleep", 1, 512)
+    with pytest.raises(ValueError):
+        store.set_replica_state(replica.id, "dozing")
