@@ -72,8 +72,8 @@ from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sandbox import Sandboxed, Sandboxes, hidden_path_reason
 from llmgw.agent.shardstate import ShardState
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec, log_tail
-from llmgw.agent.traffic import ShardTraffic
 from llmgw.agent.sleeping import adopted_state, put_to_sleep, wake
+from llmgw.agent.traffic import ShardTraffic
 from llmgw.contracts.model_sources import SourceSpec
 from llmgw.contracts.ports import DEFAULT_MULTINODE_PORTS, PortRange
 from llmgw.contracts.sandbox import SandboxPolicy

@@ -370,6 +370,7 @@ MIGRATIONS: list[str] = [
         at         REAL NOT NULL,
         PRIMARY KEY (instance, model)
     );
+    """,
     # 17: sleeping replicas (issue 39): the states falling_asleep, asleep and waking of
     # replicas and shards, and a sleeping shard's level and the host memory it holds
     f"""

@@ -419,6 +419,8 @@ def test_a_model_by_demand_charts_its_replicas_against_its_demand(
     assert "chat: replicas and demand" in page
     assert ">wanted<" in page and ">demand<" in page
     assert "now 5 in flight, 0 queued, 0 waiting for a replica" in page
+
+
 def test_an_asleep_replica_shows_its_level_and_host_memory(rig: ConsoleRig, store: Store) -> None:
     async def scenario(b: Browser) -> str:
         await b.login()
