@@ -120,6 +120,7 @@ class Leader:
             lost=lost,
             on_routes_changed=hooks.count_ready,
             engine_holds=self.installs.holds,
+            gpu_counts=metrics.set_gpus,
         )
         self.membership = Membership(
             store,

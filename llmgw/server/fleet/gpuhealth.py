@@ -179,14 +179,42 @@ class GpuStates:
         self.loaded = False
         # node id -> GPU key -> (its name, why it is unhealthy)
         self.unhealthy: dict[str, dict[str, tuple[str, str]]] = {}
+        # node id -> how many GPUs its inventory lists, and their sum (kept as they change:
+        # the gauge is set each pass).
+        self.totals: dict[str, int] = {}
+        self.total = 0
 
     def load(self, nodes: Iterable[tuple[str, Mapping[str, Any]]]) -> None:
         for node_id, inventory in nodes:
             self.note(node_id, inventory)
         self.loaded = True
 
+    def keep(self, node_ids: Iterable[str]) -> None:
+        """Forget the nodes not among ``node_ids`` (deleted)."""
+        keep = set(node_ids)
+        for node_id in [n for n in self.totals if n not in keep]:
+            self.total -= self.totals.pop(node_id)
+            self.unhealthy.pop(node_id, None)
+
+    def counts(self, cordons: Iterable[GpuCordon]) -> dict[str, int]:
+        """GPUs by state over every node (:data:`GPU_STATES`), with these cordons."""
+        unhealthy = sum(len(bad) for bad in self.unhealthy.values())
+        cordoned = sum(
+            1
+            for c in cordons
+            if c.node_id in self.totals and c.gpu_uuid not in self.unhealthy.get(c.node_id, {})
+        )
+        return {
+            "healthy": max(self.total - unhealthy - cordoned, 0),
+            "unhealthy": unhealthy,
+            "cordoned": cordoned,
+        }
+
     def note(self, node_id: str, inventory: Mapping[str, Any]) -> None:
         """The node's stored inventory is now ``inventory``."""
+        count = len(inventory.get("gpus") or [])
+        self.total += count - self.totals.get(node_id, 0)
+        self.totals[node_id] = count
         bad = {
             gpu_key(g): (gpu_name(g), str(g["health"]))
             for g in inventory.get("gpus") or []

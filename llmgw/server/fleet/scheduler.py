@@ -117,8 +117,11 @@ class Scheduler:
         engine_holds: Callable[[Sequence[Node]], Mapping[str, tuple[tuple[str, str], ...]]]
         | None = None,
         interval: float = 5.0,
+        gpu_counts: Callable[[Mapping[str, int]], None] = lambda counts: None,
     ) -> None:
         self.store = store
+        # Told each pass how many GPUs are healthy, unhealthy, cordoned (the /metrics gauge).
+        self.gpu_counts = gpu_counts
         self.router = router
         # The live streams (node id -> session) and the nodes lost, as llmgw.server.fleet.sessions
         # keeps them; read only here.
@@ -348,6 +351,7 @@ class Scheduler:
             cache[node.id] = (node.inventory, inputs, view)
             views.append(view)
         self._views = cache
+        self.gpus.keep(cache)
         allocations = [
             Allocation(
                 replica_id=sh.replica_id, shard_id=sh.id, node_id=sh.node_id, gpus=tuple(sh.gpus)
@@ -607,6 +611,7 @@ class Scheduler:
         if not self.gpus.loaded:
             self.gpus.load((n.id, n.inventory) for n in store.list_nodes())
         cordons = store.list_gpu_cordons()
+        self.gpu_counts(self.gpus.counts(cordons))
         if not self.gpus.unhealthy and not cordons:
             self.gpu_blocked.clear()
             return  # a fleet's usual pass: one small read

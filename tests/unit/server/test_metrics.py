@@ -159,6 +159,7 @@ def test_empty_metrics_render_help_and_type_only() -> None:
         "llmgw_tokens_total",
         "llmgw_requests_in_flight",
         "llmgw_nodes",
+        "llmgw_gpus",
         "llmgw_ready_replicas",
         "llmgw_queued_requests",
         "llmgw_queue_wait_seconds",
@@ -309,3 +310,12 @@ def test_large_counter_values_are_exact() -> None:
     second = parse_exposition("\n".join(c.render()) + "\n")["llmgw_tokens_total"].samples
     assert first[0][2] == 1_234_567
     assert second[0][2] == 1_234_570
+
+
+def test_the_gpus_gauge_by_state() -> None:
+    metrics = Metrics()
+    metrics.set_gpus({"healthy": 6, "unhealthy": 1, "cordoned": 1})
+    text = metrics.render()
+    assert 'llmgw_gpus{state="healthy"} 6' in text
+    assert 'llmgw_gpus{state="unhealthy"} 1' in text
+    assert 'llmgw_gpus{state="cordoned"} 1' in text

@@ -122,3 +122,20 @@ def test_unhealthy_gpus_are_read_from_the_store_by_a_fresh_scheduler(cp: Schedul
     assert f"n1: 1 of 2 GPUs free (GPU 1 unhealthy: {XID}), needs 2" in (
         scheduler.unplaceable["m"].reason
     )
+
+
+def test_each_pass_counts_the_gpus_by_state(cp: SchedulerRig) -> None:
+    cp.join(
+        "n1",
+        _inventory(3, {2: XID}),
+        dataplane_addr="10.0.0.1:9443",
+        engines=frozenset({"sim"}),
+    )
+    cp.join("n2", _inventory(2), dataplane_addr="10.0.0.2:9443", engines=frozenset({"sim"}))
+    cp.store.cordon_gpus("n1", ["GPU-0", "GPU-2"], reason="", actor="alice")
+    told: list[dict[str, int]] = []
+    scheduler = cp.scheduler()
+    scheduler.gpu_counts = lambda counts: told.append(dict(counts))
+    scheduler.reconcile()
+    # GPU-2 is unhealthy and cordoned: counted once, as unhealthy.
+    assert told[-1] == {"healthy": 3, "unhealthy": 1, "cordoned": 1}
