@@ -562,11 +562,13 @@ class Scheduler:
             except NotFound:
                 # The original went away by itself (undeploy, loss): nothing left to move.
                 del self.moves[original]
+                self.move_whys.pop(original, None)
                 continue
             try:
                 store.get_replica(replacement)
             except NotFound:
                 del self.moves[original]  # the replacement was lost; try again next pass
+                self.move_whys.pop(original, None)
                 continue
             if any(ep.replica_id == replacement for ep in self.router.endpoints()):
                 del self.moves[original]

@@ -7,6 +7,7 @@ from typing import Any
 
 from llmgw.errors import APIError
 from tests.unit.cli.ctl.fakeapi import FakeAPI
+from tests.unit.cli.ctl.test_nodes import _node
 
 N1 = {
     "node": "gpu-1",
@@ -133,3 +134,34 @@ def test_refusals_say_what_exists() -> None:
     assert out.exit_code == 2
     assert "name GPUs by index or uuid" in out.output
     assert len(api.calls) == 2  # the bad list was never sent
+
+
+def test_ctl_nodes_counts_and_names_unhealthy_gpus() -> None:
+    gpus = [
+        {"index": 0, "uuid": "GPU-a", "name": "H100", "memory_total_mib": 8, "memory_used_mib": 1},
+        {
+            "index": 1,
+            "uuid": "GPU-b",
+            "name": "H100",
+            "memory_total_mib": 8,
+            "memory_used_mib": 0,
+            "health": "XID 79: GPU has fallen off the bus",
+        },
+    ]
+    node = _node("gpu-1", "healthy", [], gpus=gpus)
+
+    def answer(method: str, path: str, body: Any) -> Any:
+        if path == "/api/status":
+            return {"version": "0.1.0"}
+        return [node] if path == "/api/nodes" else node
+
+    api = FakeAPI(answer)
+    out = api.ctl("nodes")
+    assert out.exit_code == 0, out.output
+    assert "2 (1 unhealthy)" in out.output
+    out = api.ctl("nodes", "gpu-1")
+    assert "GPUs:         2 (1 unhealthy)\n" in out.output
+    assert (
+        "  - 1 H100: memory 0/8 MiB, utilisation unknown, unhealthy: XID 79: GPU has fallen "
+        "off the bus\n"
+    ) in out.output
