@@ -628,7 +628,8 @@ class Scheduler:
                 if hit is None or shard.replica_id in gone:
                     continue
                 gone.add(shard.replica_id)
-                self.moves.pop(shard.replica_id, None)
+                for moves in (self.moves, self.move_nodes, self.move_whys):
+                    moves.pop(shard.replica_id, None)  # a move it was in is void
                 self.remove_replica(
                     shard.replica_id,
                     why=f"{bad[hit][0]} of {node_id} is unhealthy: {bad[hit][1]}; "

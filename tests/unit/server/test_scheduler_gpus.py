@@ -139,3 +139,25 @@ def test_each_pass_counts_the_gpus_by_state(cp: SchedulerRig) -> None:
     scheduler.reconcile()
     # GPU-2 is unhealthy and cordoned: counted once, as unhealthy.
     assert told[-1] == {"healthy": 3, "unhealthy": 1, "cordoned": 1}
+
+
+def test_a_moving_replica_whose_gpu_turns_unhealthy_is_dropped_at_once(cp: SchedulerRig) -> None:
+    scheduler = _setup(cp, gpus=2)
+    [original] = _on(cp)
+    cp.router.routable.add(original)
+    cp.store.cordon_gpus("n1", ["GPU-0"], reason="", actor="alice")
+    scheduler.reconcile()
+    [replacement] = [r for r in _on(cp) if r != original]
+    inventory = _inventory(2, {0: XID})
+    cp.store.upsert_node(
+        "n1",
+        dataplane_addr="10.0.0.1:9443",
+        agent_version="0.1.0",
+        inventory=inventory,
+        connected=True,
+    )
+    scheduler.gpus.note("n1", inventory)
+    scheduler.reconcile()
+    assert cp.removed == [original]
+    assert _on(cp) == {replacement: ["GPU-1"]}
+    assert scheduler.moves == {} and scheduler.move_whys == {} and scheduler.move_nodes == {}
