@@ -7,7 +7,6 @@ from typing import Any
 
 from llmgw.errors import APIError
 from tests.unit.cli.ctl.fakeapi import FakeAPI
-from tests.unit.cli.ctl.test_nodes import _node
 
 N1 = {
     "node": "gpu-1",
@@ -148,7 +147,26 @@ def test_ctl_nodes_counts_and_names_unhealthy_gpus() -> None:
             "health": "XID 79: GPU has fallen off the bus",
         },
     ]
-    node = _node("gpu-1", "healthy", [], gpus=gpus)
+    node = {
+        "id": "gpu-1",
+        "uid": "u-gpu-1",
+        "state": "approved",
+        "health": "healthy",
+        "degraded": [],
+        "connected": True,
+        "draining": False,
+        "lost": False,
+        "dataplane_addr": "10.0.0.1:9443",
+        "agent_version": "0.1.0",
+        "last_seen": None,
+        "shards": 1,
+        "engines": ["sim"],
+        "gpus": gpus,
+        "gpu_status": "",
+        "fingerprint": "sha256:" + "ab" * 32,
+        "cert_expires_at": None,
+        "update": None,
+    }
 
     def answer(method: str, path: str, body: Any) -> Any:
         if path == "/api/status":
