@@ -64,7 +64,11 @@ def _rows(node: str, gpus: list[dict[str, Any]]) -> list[list[object]]:
     ]
 
 
-@click.group(cls=_NodeOrCommand, invoke_without_command=True)
+@click.group(
+    cls=_NodeOrCommand,
+    invoke_without_command=True,
+    subcommand_metavar="[NODE | cordon NODE GPU[,GPU] | uncordon NODE GPU[,GPU]]",
+)
 @pass_ctl
 @click.pass_context
 def gpus(ctx: click.Context, c: Ctl) -> None:
