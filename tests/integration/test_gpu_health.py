@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -131,14 +132,32 @@ def test_a_cordoned_gpu_s_replica_moves_and_the_node_keeps_serving(rig: Rig) -> 
     moved = next(r for r, (gpus, _) in before.items() if gpus == [UUIDS[0]])
     stays = next(r for r in before if r != moved)
 
+    # Requests all along: make-before-break fails none of them.
+    done, failures, answered = threading.Event(), [], []
+
+    def load() -> None:
+        while not done.is_set():
+            try:
+                answered.append(rig.chat())
+            except Exception as exc:
+                failures.append(repr(exc))
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
     out = rig.ctl("gpus", "cordon", "g1", "0", "--reason", "fan noise")
     assert out.returncode == 0, out.stderr
-    # Make-before-break: the original serves until its replacement on GPU 2 is routable.
-    after = wait_for(
-        lambda: (p := rig.placed()) and moved not in p and len(p) == 2 and p,
-        timeout=60,
-        what="the replica on GPU 0 moved",
-    )
+    # The original serves until its replacement on GPU 2 is routable.
+    try:
+        after = wait_for(
+            lambda: (p := rig.placed()) and moved not in p and len(p) == 2 and p,
+            timeout=60,
+            what="the replica on GPU 0 moved",
+        )
+    finally:
+        done.set()
+        loader.join(timeout=30)
+    assert failures == []
+    assert answered
     assert after[stays] == ([UUIDS[1]], True)
     [new] = [r for r in after if r != stays]
     assert after[new] == ([UUIDS[2]], True)
