@@ -17,7 +17,7 @@ import os
 import platform
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from llmgw.agent.config import AgentConfig
@@ -85,13 +85,17 @@ def collect_inventory(
     *,
     engines: Sequence[pb.EngineInfo] | None = None,
     pci_root: Path = DEFAULT_PCI_ROOT,
+    gpu_health: Mapping[str, str] | None = None,
 ) -> pb.Inventory:
     """Look at the node now. ``engines`` are engine checks already made (the watcher reuses
     them while the programs are unchanged); without them the engines are run here. Without
     ``cfg`` only what needs no configuration is reported (default GPU discovery, sim), and
-    nothing is called degraded. ``pci_root`` is where the PCI bus is read (sysfs)."""
+    nothing is called degraded. ``pci_root`` is where the PCI bus is read (sysfs).
+    ``gpu_health``: why GPUs are unhealthy, by uuid (llmgw.agent.discovery.xid)."""
     mem = meminfo()
     gpus = discover_gpus(cfg.discovery.nvidia_smi if cfg is not None else None)
+    for gpu in gpus.gpus:
+        gpu.health = (gpu_health or {}).get(gpu.uuid, "")
     inv = pb.Inventory(
         hostname=socket.gethostname(),
         arch=platform.machine(),
@@ -281,8 +285,10 @@ class InventoryWatcher:
         interval: float = 30.0,
         engine_interval: float = 600.0,
         pci_root: Path = DEFAULT_PCI_ROOT,
+        gpu_health: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         self.cfg = cfg
+        self.gpu_health = gpu_health
         self.send = send
         self.interval = interval
         self.engine_interval = engine_interval
@@ -307,7 +313,9 @@ class InventoryWatcher:
         ):
             self._engines = [sim_engine(), *(check_candidate(c) for c in candidates)]
             self._engine_key, self._engines_at = key, now
-        return collect_inventory(self.cfg, engines=self._engines, pci_root=self.pci_root)
+        return collect_inventory(
+            self.cfg, engines=self._engines, pci_root=self.pci_root, gpu_health=self.gpu_health()
+        )
 
     def update(self, inv: pb.Inventory) -> bool:
         """Take a fresh inventory; send it when worth telling. True when it was."""

@@ -23,6 +23,7 @@ from llmgw.agent.address import DataplaneAddress
 from llmgw.agent.bwrap import Bubblewrap
 from llmgw.agent.config import AgentConfig, TLSConfig
 from llmgw.agent.dataplane import DataPlane, server_ssl_context
+from llmgw.agent.discovery.xid import XidWatch
 from llmgw.agent.gpu_sampler import GpuSampler
 from llmgw.agent.installs import download_ssl_context, install_engine, remove_leftovers
 from llmgw.agent.inventory import InventoryWatcher
@@ -149,6 +150,8 @@ class Agent:
         self.shards: ShardManager | None = None
         self.kv_events: KvEventsHub | None = None
         self.inventory: InventoryWatcher | None = None
+        self.xids = XidWatch()
+        self._watching_xids = False
         self.dataplane: DataPlane | None = None
         self.stream: StreamClient | None = None
         self.address: DataplaneAddress | None = None
@@ -255,8 +258,14 @@ class Agent:
         return Sandboxes(layout, Bubblewrap(), required=cfg.sandbox == "required")
 
     async def _start_inventory(self, shards: ShardManager) -> InventoryWatcher:
-        """What this node has; runs the engines' checks once, off the event loop."""
-        watcher = await asyncio.to_thread(InventoryWatcher, self.cfg, self._send_inventory)
+        """What this node has; runs the engines' checks once, off the event loop. Its GPUs'
+        XIDs are watched from now on (NVML's events), each GPU's health in the inventory."""
+        self._watching_xids = await asyncio.to_thread(self.xids.start)
+        if self.xids.problem:
+            log.info("GPU XIDs", extra=kv(status=self.xids.problem))
+        watcher = await asyncio.to_thread(
+            InventoryWatcher, self.cfg, self._send_inventory, gpu_health=self.xids.health
+        )
         self.inventory = watcher
         # The engines this node runs are the ones discovery checked, at the paths it found.
         shards.binary_of = lambda engine: next(
@@ -351,6 +360,8 @@ class Agent:
             asyncio.create_task(self.notifier.watchdog_loop(), name="watchdog"),
             asyncio.create_task(self._watch_parent(), name="parent"),
         ]
+        if self._watching_xids:
+            tasks.append(asyncio.create_task(self.xids.run(self._gpus_changed), name="gpu-xids"))
         running.push_async_callback(stream.close)
         running.push_async_callback(_cancel, tasks)
         running.push_async_callback(self._drain, stream, dataplane)
@@ -446,6 +457,12 @@ class Agent:
         # Offer it now rather than at the next periodic look.
         watcher = self.inventory
         watcher.update(await asyncio.to_thread(watcher.collect))
+
+    async def _gpus_changed(self) -> None:
+        """A GPU turned unhealthy: the control plane is told now, not at the next look."""
+        watcher = self.inventory
+        if watcher is not None:
+            watcher.update(await asyncio.to_thread(watcher.collect))
 
     async def _update(self, order: pb.UpdateOrder) -> None:
         assert self.spooler is not None

@@ -128,6 +128,8 @@ def inventory_dict(inv: pb.Inventory) -> dict[str, Any]:
                 "name": g.name,
                 "memory_total_mib": g.memory_total_mib,
                 "memory_used_mib": g.memory_used_mib,
+                # Only when unhealthy: a healthy GPU's stored form is as it always was.
+                **({"health": g.health} if g.health else {}),
             }
             for g in inv.gpus
         ],

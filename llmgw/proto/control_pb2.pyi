@@ -105,20 +105,22 @@ class GpuUtilization(_message.Message):
     def __init__(self, uuid: _Optional[str] = ..., percent: _Optional[int] = ...) -> None: ...
 
 class Gpu(_message.Message):
-    __slots__ = ("index", "uuid", "name", "memory_total_mib", "memory_used_mib", "utilization_percent")
+    __slots__ = ("index", "uuid", "name", "memory_total_mib", "memory_used_mib", "utilization_percent", "health")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_MIB_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_MIB_FIELD_NUMBER: _ClassVar[int]
     UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     name: str
     memory_total_mib: int
     memory_used_mib: int
     utilization_percent: int
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., utilization_percent: _Optional[int] = ...) -> None: ...
+    health: str
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., utilization_percent: _Optional[int] = ..., health: _Optional[str] = ...) -> None: ...
 
 class Inventory(_message.Message):
     __slots__ = ("hostname", "arch", "cpus", "memory_total_bytes", "memory_available_bytes", "gpus", "gpu_status", "engines", "driver_version", "gpu_source", "disk_total_bytes", "disk_free_bytes", "engine_details", "ib_adapters", "fabrics", "warnings", "sources", "degraded", "multinode_ports")

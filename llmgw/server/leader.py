@@ -127,6 +127,7 @@ class Leader:
             on_routes_changed=hooks.count_ready,
             engine_holds=self.installs.holds,
             on_unplaceable=lambda model: self.planner.no_room(model),
+            gpu_counts=metrics.set_gpus,
         )
         self.planner = Planner(
             store,

@@ -216,11 +216,12 @@ def make_agent(
     return Agent(node_id, d, path, port)
 
 
-def start_agent(agent: Agent) -> Agent:
+def start_agent(agent: Agent, *, env: dict[str, str] | None = None) -> Agent:
+    """Start ``agent``'s process; ``env``: its environment (default: this one's)."""
     agent.log_path = agent.dir / "agent.log"
     with open(agent.log_path, "ab") as out:
         agent.proc = subprocess.Popen(
-            [*LLMGW, "agent", "--config", str(agent.config)], stdout=out, stderr=out
+            [*LLMGW, "agent", "--config", str(agent.config)], stdout=out, stderr=out, env=env
         )
     return agent
 

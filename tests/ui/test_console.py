@@ -398,6 +398,8 @@ ACTIONS = (
     "/ui/nodes/gpu-a/revoke",
     "/ui/nodes/gpu-a/rekey",
     "/ui/nodes/gpu-a/repair",
+    "/ui/nodes/gpu-a/gpus/cordon",
+    "/ui/nodes/gpu-a/gpus/uncordon",
     "/ui/nodes/gpu-a/approve",
     "/ui/nodes/gpu-a/reject",
     "/ui/add-node",
@@ -426,6 +428,7 @@ def fleet_state(fleet: Fleet) -> Any:
         sorted(k["name"] for k in api("GET", "/api/keys")),
         len(api("GET", "/api/join-tokens")),
         len(api("GET", "/api/updates")),
+        [[g["state"] for g in n["gpus"]] for n in api("GET", "/api/gpus")],
     )
 
 

@@ -2,7 +2,7 @@
 
 This module builds the ``ctl`` group (its options make the ``Ctl`` object each command
 receives, see ``context``); each command group lives in a module of its own: ``nodes`` (list,
-approve, reject, revoke, drain, uncordon), ``models`` (models, deploy, undeploy, replicas),
+approve, reject, revoke, drain, uncordon), ``gpus`` (list, cordon, uncordon), ``models`` (models, deploy, undeploy, replicas),
 ``keys`` (with their policies), ``usage`` (the keys' usage), ``join`` (join-command, tokens), ``onboard`` (over ssh, one host or a file of them),
 ``events``, ``engines``, ``updates`` (update, admin password), ``cert``, ``instances`` (the
 control-plane instances on PostgreSQL, retire), ``users`` (operator accounts), ``login``
@@ -23,6 +23,7 @@ from llmgw.cli.ctl.context import Ctl
 from llmgw.cli.ctl.engine_check import engine_check
 from llmgw.cli.ctl.engines import engines
 from llmgw.cli.ctl.events import events
+from llmgw.cli.ctl.gpus import gpus
 from llmgw.cli.ctl.instances import instances
 from llmgw.cli.ctl.join import join_command, tokens
 from llmgw.cli.ctl.keys import keys
@@ -114,6 +115,7 @@ for _command in (
     engines,
     drain,
     uncordon,
+    gpus,
     update,
     admin,
     cert,

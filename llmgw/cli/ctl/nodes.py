@@ -21,7 +21,9 @@ __all__ = ["approve", "drain", "nodes", "reject", "revoke", "uncordon", "version
 
 def _gpus_cell(n: dict[str, Any]) -> str:
     if n["gpus"]:
-        return str(len(n["gpus"]))
+        unhealthy = sum(1 for g in n["gpus"] if g.get("health"))
+        # Cordoned GPUs: 'llmgw ctl gpus' (they are the operator's own doing).
+        return f"{len(n['gpus'])} ({unhealthy} unhealthy)" if unhealthy else str(len(n["gpus"]))
     return f"0 ({_plain(n['gpu_status'])})" if n["gpu_status"] else "0"
 
 
@@ -136,10 +138,11 @@ def _gpu_line(gpu: dict[str, Any]) -> str:
     from the node's heartbeats; unknown when the GPU cannot tell or the node is away)."""
     busy = gpu.get("utilization_percent")
     utilisation = f"{busy}%" if isinstance(busy, int) else "unknown"
+    health = f", unhealthy: {_plain(gpu['health'])}" if gpu.get("health") else ""
     return (
         f"{gpu.get('index', '?')} {_plain(gpu.get('name') or '?')}: memory "
         f"{gpu.get('memory_used_mib', 0)}/{gpu.get('memory_total_mib', 0)} MiB, "
-        f"utilisation {utilisation}"
+        f"utilisation {utilisation}{health}"
     )
 
 

@@ -25,6 +25,7 @@ from llmgw.server.admin.context import (
     answered,
     guarded,
 )
+from llmgw.server.admin.gpus import GpuRoutes
 from llmgw.server.admin.instances import InstanceRoutes
 from llmgw.server.admin.logins import LoginRoutes
 from llmgw.server.admin.metrics import MetricsRoutes
@@ -43,6 +44,7 @@ def add_admin_routes(
     """The admin routes; those of the cluster CA only when ``authority`` is given (the
     leader's, which owns the CA)."""
     nodes = NodeRoutes(ctx)
+    gpus = GpuRoutes(ctx)
     models = ModelRoutes(ctx)
     access = AccessRoutes(ctx)
     software = SoftwareRoutes(ctx)
@@ -82,6 +84,10 @@ def add_admin_routes(
         ("POST", "/api/nodes/{node}/drain", nodes.drain),
         ("GET", "/api/nodes/{node}/drain", nodes.drain_status),
         ("POST", "/api/nodes/{node}/uncordon", nodes.uncordon),
+        ("GET", "/api/gpus", gpus.all_gpus),
+        ("GET", "/api/nodes/{node}/gpus", gpus.gpus),
+        ("POST", "/api/nodes/{node}/gpus/cordon", gpus.cordon),
+        ("POST", "/api/nodes/{node}/gpus/uncordon", gpus.uncordon),
         ("GET", "/api/engines", software.engines),
         ("POST", "/api/engines/install", software.install_engine),
         ("POST", "/api/engines/forget", software.forget_engine),

@@ -145,6 +145,12 @@ class Metrics:
         )
         self.inflight = Gauge("llmgw_requests_in_flight", "Requests being served now.", mr)
         self.nodes = Gauge("llmgw_nodes", "Nodes by state (connected, disconnected).", ("state",))
+        self.gpus = Gauge(
+            "llmgw_gpus",
+            "GPUs of all nodes by state (healthy, unhealthy: an XID or vanished from NVML, "
+            "cordoned by an operator).",
+            ("state",),
+        )
         self.ready_replicas = Gauge("llmgw_ready_replicas", "Ready replicas by model.", ("model",))
         self.replica_states = Gauge(
             "llmgw_replicas",
@@ -236,6 +242,11 @@ class Metrics:
         for key, n in counts.items():
             self.replica_states.set(key, n)
 
+    def set_gpus(self, counts: Mapping[str, int]) -> None:
+        """The GPUs gauge: how many GPUs are in each state now."""
+        for state, count in counts.items():
+            self.gpus.set((state,), count)
+
     def hit_ratio(self, model: str, replica: str | None = None) -> float | None:
         """The share of prompt tokens the engines had cached, for a model (or one replica of
         it) since this instance started; None before any prompt token was reported."""
@@ -282,6 +293,7 @@ class Metrics:
             self.tokens,
             self.inflight,
             self.nodes,
+            self.gpus,
             self.ready_replicas,
             self.replica_states,
             self.queued,

@@ -5,7 +5,7 @@ Modules: :mod:`.render` (templates, static files under hashed URLs), :mod:`.secu
 headers, cookies, CSRF and Origin checks), :mod:`.site` (what the handlers share, the HTML
 answers and error pages), :mod:`.auth` (sessions, the guards, login and logout),
 :mod:`.pages` (Overview, Nodes, a node, Events, and their live fragments), :mod:`.stream`
-(the events as server-sent events), :mod:`.actions` (drain, uncordon, revoke a node),
+(the events as server-sent events), :mod:`.actions` (drain, uncordon, revoke a node), :mod:`.gpus` (cordon, uncordon a GPU),
 :mod:`.joining` (Add node: a join token, its command shown once; a node's rekey and
 re-pair the same way), :mod:`.approval` (Approve: pending nodes by fingerprint, reject),
 :mod:`.updating` (Update now: a signed agent update behind the account's password),
@@ -25,6 +25,7 @@ from llmgw.server.admin.context import AdminContext
 from llmgw.server.console.actions import ACTIONS, NodeActions
 from llmgw.server.console.approval import Approval
 from llmgw.server.console.auth import ConsoleAuth
+from llmgw.server.console.gpus import GPU_ACTIONS, GpuActions
 from llmgw.server.console.joining import REKEYS, AddNode, RekeyNode
 from llmgw.server.console.keys import KeyPages
 from llmgw.server.console.models import ModelPages
@@ -63,6 +64,7 @@ class Console:
         self.pages = Pages(self.site, clock=clock)
         self.stream = EventStream(self.site)
         self.actions = NodeActions(self.site)
+        self.gpu_actions = GpuActions(self.site)
         self.add_node = AddNode(self.site)
         self.approval = Approval(self.site)
         self.update_now = UpdateNow(self.site)
@@ -131,6 +133,14 @@ def add_console_routes(
         *(
             ("POST", f"/ui/nodes/{{node}}/{action}", auth.action(console.actions.handler(action)))
             for action in ACTIONS
+        ),
+        *(
+            (
+                "POST",
+                f"/ui/nodes/{{node}}/gpus/{action}",
+                auth.action(console.gpu_actions.handler(action)),
+            )
+            for action in GPU_ACTIONS
         ),
         *(
             ("POST", f"/ui/nodes/{{node}}/{action}", auth.action(console.rekey.handler(action)))

@@ -19,6 +19,7 @@ from aiohttp import web
 from llmgw.errors import NotFound
 from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext
+from llmgw.server.admin.gpus import node_gpus
 from llmgw.server.admin.nodes import list_nodes, node_detail
 from llmgw.server.console.charts import Line, line_chart
 from llmgw.server.console.site import Site
@@ -246,6 +247,7 @@ class Pages:
         def values() -> dict[str, Any]:
             ctx = self.ctx
             node = node_detail(ctx, node_id)  # NotFound: the 404 page names it
+            gpus = node_gpus(ctx, node_id)
             replicas = {r.id: r for r in ctx.store.list_replicas()}
             shards = [
                 {
@@ -263,6 +265,9 @@ class Pages:
                 ],
                 "refusals": ctx.scheduler.refusals_on(node_id),
                 "drain": ctx.scheduler.drain_progress(node_id) if node["draining"] else None,
+                # Each GPU's state by uuid (else index), and why a move off one waits.
+                "gpu_states": {str(g["uuid"] or g["index"]): g for g in gpus["gpus"]},
+                "gpu_blocked": gpus["blocked"],
             }
 
         return self._answer(

@@ -20,6 +20,7 @@ from llmgw.errors import NotFound
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.common.metrics import Metrics
+from llmgw.server.fleet.gpuhealth import VANISHED, gpu_key, note_gpu_health
 from llmgw.server.fleet.installs import EngineInstalls
 from llmgw.server.fleet.intake import heartbeat_utilization
 from llmgw.server.fleet.scheduler import Scheduler
@@ -73,8 +74,9 @@ def _listed(label: str, before: Any, after: Any) -> list[str]:
 
 
 def _gpu_changes(before: Any, after: Any) -> list[str]:
-    old = {g.get("uuid") or str(g.get("index")): g for g in before or []}
-    new = {g.get("uuid") or str(g.get("index")): g for g in after or []}
+    # A vanished GPU is kept in the stored inventory (unhealthy): here it is lost.
+    old = {gpu_key(g): g for g in before or [] if g.get("health") != VANISHED}
+    new = {gpu_key(g): g for g in after or [] if g.get("health") != VANISHED}
     changes = []
     for key, gpu in new.items():
         was = old.get(key)
@@ -171,11 +173,13 @@ def inventory_changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> li
     return changes
 
 
-def store_inventory(store: Store, session: NodeSession, inv: pb.Inventory) -> None:
-    """Record an approved node's inventory (the caller lets the scheduler look at it)."""
+def store_inventory(store: Store, session: NodeSession, inv: pb.Inventory) -> dict[str, Any]:
+    """Record an approved node's inventory (the caller lets the scheduler look at it); the
+    inventory as stored (with the GPUs that vanished: llmgw.server.fleet.gpuhealth)."""
     session.engines = frozenset(inv.engines)
     node = store.get_node(session.node_id)
     stored = inventory_dict(inv)
+    note_gpu_health(store, session.node_id, node.inventory, stored)
     store.upsert_node(
         session.node_id,
         dataplane_addr=session.dataplane_addr,
@@ -190,6 +194,7 @@ def store_inventory(store: Store, session: NodeSession, inv: pb.Inventory) -> No
         if changes:
             store.add_event("inventory_changed", session.node_id, "; ".join(changes))
     record_health(store, session.node_id, node.inventory, stored)
+    return stored
 
 
 def record_health(
@@ -271,7 +276,8 @@ class AgentReports:
 
     def _inventory(self, session: NodeSession, msg: pb.AgentMessage) -> None:
         if session.approved:
-            store_inventory(self.store, session, msg.inventory)
+            stored = store_inventory(self.store, session, msg.inventory)
+            self.scheduler.gpus.note(session.node_id, stored)
             self.scheduler.kick()
         else:
             # No churn stored before approval: the latest is stored on approval.

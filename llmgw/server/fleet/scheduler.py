@@ -34,6 +34,7 @@ from llmgw.engines.launch import dials_workers
 from llmgw.errors import ConfigError, Fenced, NotFound, StoreUnavailable
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
+from llmgw.server.fleet.gpuhealth import GpuStates, blocked_gpus
 from llmgw.server.fleet.placement import Allocation, Cluster, GpuView, NodeView, degraded_refusal
 from llmgw.server.fleet.placement import Profile as PlacementProfile
 from llmgw.server.fleet.placement import Unplaceable as PlacementUnplaceable
@@ -119,11 +120,14 @@ class Scheduler:
         | None = None,
         on_unplaceable: Callable[[str], None] = lambda _model: None,
         interval: float = 5.0,
+        gpu_counts: Callable[[Mapping[str, int]], None] = lambda counts: None,
     ) -> None:
         self.store = store
         # Told of each model a pass could not place (the planner: room from a lower
         # priority, else the requests waiting for one answered with why).
         self.on_unplaceable = on_unplaceable
+        # Told each pass how many GPUs are healthy, unhealthy, cordoned (the /metrics gauge).
+        self.gpu_counts = gpu_counts
         self.router = router
         # The live streams (node id -> session) and the nodes lost, as llmgw.server.fleet.sessions
         # keeps them; read only here.
@@ -157,6 +161,12 @@ class Scheduler:
         # Models with replicas of an older profile still running (their unplaceable reason,
         # if any, stays shown while they wait for room).
         self.rolling: set[str] = set()
+        # Unhealthy GPUs per node (llmgw.server.fleet.gpuhealth), told of each inventory;
+        # and why each move off a cordoned GPU (rather than a drain) was made.
+        self.gpus = GpuStates()
+        self.move_whys: dict[str, str] = {}
+        # node id -> why a replica on its cordoned GPU cannot move (no room elsewhere).
+        self.gpu_blocked: dict[str, str] = {}
         self._pass_cluster: Cluster | None = None
         self._pass_started = 0.0
         self._placed_in_pass = 0
@@ -225,6 +235,7 @@ class Scheduler:
         self.unfinished = False
         self._drain_step()
         self.retirements.step()
+        self._gpu_step()
         # Built again after the drain's removals, and only if this pass places a replica.
         self._pass_cluster = carried if not self.moves else None
         self._roll_step()
@@ -338,6 +349,9 @@ class Scheduler:
         views = []
         nodes = store.list_nodes()
         holds = self.engine_holds(nodes) if self.engine_holds is not None else {}
+        cordoned: dict[str, frozenset[str]] = {}
+        for c in store.list_gpu_cordons():
+            cordoned[c.node_id] = cordoned.get(c.node_id, frozenset()) | {c.gpu_uuid}
         cache: dict[str, tuple[dict[str, Any], tuple[Any, ...], NodeView]] = {}
         for node in nodes:
             session = self.sessions.get(node.id)
@@ -349,15 +363,20 @@ class Scheduler:
                 session.engines if session is not None else frozenset(),
                 node.id in self.lost,
                 holds.get(node.id, ()),
+                cordoned.get(node.id, frozenset()),
             )
             known = self._views.get(node.id)
             if known is not None and known[0] is node.inventory and known[1] == inputs:
                 view = known[2]  # nothing it is made of changed: a fleet's usual pass
             else:
-                view = self._node_view(node, session, holds.get(node.id, ()))
+                view = self._node_view(
+                    node, session, holds.get(node.id, ()), cordoned.get(node.id, frozenset())
+                )
+                self.gpus.note(node.id, node.inventory)  # an inventory stored by any path
             cache[node.id] = (node.inventory, inputs, view)
             views.append(view)
         self._views = cache
+        self.gpus.keep(cache)
         allocations = [
             Allocation(
                 replica_id=sh.replica_id, shard_id=sh.id, node_id=sh.node_id, gpus=tuple(sh.gpus)
@@ -367,9 +386,14 @@ class Scheduler:
         return Cluster(views, allocations)
 
     def _node_view(
-        self, node: Node, session: NodeSession | None, held: tuple[tuple[str, str], ...]
+        self,
+        node: Node,
+        session: NodeSession | None,
+        held: tuple[tuple[str, str], ...],
+        cordoned: frozenset[str] = frozenset(),
     ) -> NodeView:
         inv = node.inventory
+        blocked = blocked_gpus(inv, cordoned)
         return NodeView(
             id=node.id,
             approved=node.state == NodeState.APPROVED,
@@ -381,6 +405,8 @@ class Scheduler:
                 GpuView(
                     uuid=str(g.get("uuid") or g.get("index")),
                     memory_total_mib=int(g.get("memory_total_mib") or 0),
+                    index=int(g.get("index") or 0),
+                    blocked=blocked.get(str(g.get("uuid") or g.get("index")), ""),
                 )
                 for g in inv.get("gpus", [])
             ),
@@ -579,16 +605,19 @@ class Scheduler:
             except NotFound:
                 # The original went away by itself (undeploy, loss): nothing left to move.
                 del self.moves[original]
+                self.move_whys.pop(original, None)
                 continue
             try:
                 store.get_replica(replacement)
             except NotFound:
                 del self.moves[original]  # the replacement was lost; try again next pass
+                self.move_whys.pop(original, None)
                 continue
             if any(ep.replica_id == replacement for ep in self.router.endpoints()):
                 del self.moves[original]
                 from_node = self.move_nodes.pop(original, "?")
-                self.remove_replica(original, why=f"moved off {from_node} (drain)")
+                why = self.move_whys.pop(original, f"moved off {from_node} (drain)")
+                self.remove_replica(original, why=why)
                 store.add_event("drain_moved", from_node, f"{original} -> {replacement}")
         for node in draining:
             if any(self.move_nodes.get(o) == node.id for o in self.moves):
@@ -622,6 +651,80 @@ class Scheduler:
                 "moving a replica off a draining node",
                 extra=kv(node=node.id, replica=original, to=placed),
             )
+
+    def _gpu_step(self) -> None:
+        """Work off blocked GPUs (llmgw.server.fleet.gpuhealth), the rest of their node
+        serving on: a replica on an unhealthy GPU is rebuilt elsewhere at once (as a failed
+        shard on a degraded node is: what runs there cannot be trusted); one on a cordoned
+        GPU is moved as a drain moves it, its replacement routable before it stops, one at
+        a time per node."""
+        store = self.store
+        if not self.gpus.loaded:
+            self.gpus.load((n.id, n.inventory) for n in store.list_nodes())
+        cordons = store.list_gpu_cordons()
+        self.gpu_counts(self.gpus.counts(cordons))
+        if not self.gpus.unhealthy and not cordons:
+            self.gpu_blocked.clear()
+            return  # a fleet's usual pass: one small read
+        cordoned = {(c.node_id, c.gpu_uuid) for c in cordons}
+        moving = set(self.moves) | set(self.moves.values())
+        for node_id in sorted(set(self.gpus.unhealthy) | {c.node_id for c in cordons}):
+            bad = self.gpus.unhealthy.get(node_id, {})
+            gone: set[str] = set()
+            shards = store.list_shards(node_id=node_id)
+            for shard in shards:
+                hit = next((g for g in shard.gpus if g in bad), None)
+                if hit is None or shard.replica_id in gone:
+                    continue
+                gone.add(shard.replica_id)
+                for moves in (self.moves, self.move_nodes, self.move_whys):
+                    moves.pop(shard.replica_id, None)  # a move it was in is void
+                self.remove_replica(
+                    shard.replica_id,
+                    why=f"{bad[hit][0]} of {node_id} is unhealthy: {bad[hit][1]}; "
+                    "rebuilding it elsewhere",
+                )
+                self.kick()
+            if any(self.move_nodes.get(o) == node_id for o in self.moves):
+                continue  # one move at a time per node, as a drain
+            hit_shard = next(
+                (
+                    sh
+                    for sh in shards
+                    if sh.replica_id not in gone | moving
+                    and sh.state != ShardState.STOPPING  # retiring: it goes by itself
+                    and any((node_id, g) in cordoned for g in sh.gpus)
+                ),
+                None,
+            )
+            if hit_shard is None:
+                self.gpu_blocked.pop(node_id, None)
+            else:
+                self._move_off_gpu(hit_shard)
+
+    def _move_off_gpu(self, shard: Shard) -> None:
+        """Start moving ``shard``'s replica off its node's cordoned GPU: a replacement placed
+        (never on a blocked GPU) and, once it is routable, the original stopped."""
+        store = self.store
+        original = shard.replica_id
+        model = store.get_model(store.get_replica(original).model)
+        placed = self._place_replica(model)
+        if placed is None:  # tried again each pass
+            why = self.unplaceable.get(model.name)
+            self.gpu_blocked[shard.node_id] = (
+                f"cannot move {original} off a cordoned GPU: "
+                f"{why.reason if why is not None else 'no capacity'}"
+            )
+            return
+        self.gpu_blocked.pop(shard.node_id, None)
+        self.moves[original] = placed
+        self.move_nodes[original] = shard.node_id
+        self.move_whys[original] = f"moved off a cordoned GPU of {shard.node_id}"
+        store.add_event("gpu_moving", shard.node_id, f"{original} -> {placed} (off a cordoned GPU)")
+        log.info(
+            "moving a replica off a cordoned GPU",
+            extra=kv(node=shard.node_id, replica=original, to=placed),
+        )
 
     # -- profile switch: replacement first, one replica at a time per model -------------------
 

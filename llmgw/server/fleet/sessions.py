@@ -23,6 +23,7 @@ from llmgw.log import kv
 from llmgw.pki import serial_hex
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.common.metrics import Metrics
+from llmgw.server.fleet.gpuhealth import note_gpu_health
 from llmgw.server.fleet.intake import pending_inventory
 from llmgw.server.fleet.nodes import Membership
 from llmgw.server.fleet.reports import AgentReports, record_health
@@ -108,6 +109,9 @@ class Sessions:
             hello.inventory if approved else pending_inventory(hello.inventory)
         )
         before = self.store.get_node(node_id).inventory if approved else {}
+        if approved:
+            note_gpu_health(self.store, node_id, before, inventory)
+            self.scheduler.gpus.note(node_id, inventory)
         stored = self.store.upsert_node(
             node_id,
             dataplane_addr=hello.dataplane_addr,

@@ -15,7 +15,7 @@ says what to do. The package:
 - ``schema``    the versioned migrations and how they are applied;
 - ``rows``      the row types the store hands out;
 - ``nodes``, ``models``, ``credentials``, ``usage``, ``updates``, ``engines``, ``events``,
-  ``operators``, ``logins``: one class per group of tables, holding their SQL;
+  ``operators``, ``logins``, ``gpus``: one class per group of tables, holding their SQL;
 - ``store``     :class:`Store`, which composes them;
 - ``transfer``  a whole database copied from one engine to another (``llmgw server migrate``).
 - ``lock``      the state directory's lock (the SQLite leader's, and ``migrate``'s).
@@ -32,6 +32,7 @@ from llmgw.server.store.events import (
     MAX_EVENT_SUBJECT,
     MAX_EVENTS,
 )
+from llmgw.server.store.gpus import GpuCordon
 from llmgw.server.store.logins import hash_session_token
 from llmgw.server.store.models import SHARD_FIELDS
 from llmgw.server.store.rows import (
@@ -71,6 +72,7 @@ __all__ = [
     "Certificate",
     "DesiredBuild",
     "Event",
+    "GpuCordon",
     "JoinToken",
     "Model",
     "Node",

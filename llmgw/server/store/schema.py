@@ -419,6 +419,18 @@ MIGRATIONS: list[str] = [
     ALTER TABLE shards ADD COLUMN sleep_level INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE shards ADD COLUMN host_memory_mib INTEGER NOT NULL DEFAULT 0;
     """,
+    # 18: GPUs an operator cordoned (issue 39): placement gives them no work and moves what
+    # runs on them, while the rest of their node keeps serving; gone with their node
+    """
+    CREATE TABLE gpu_cordons (
+        node_id  TEXT NOT NULL REFERENCES nodes(id) ON DELETE CASCADE,
+        gpu_uuid TEXT NOT NULL,
+        reason   TEXT NOT NULL DEFAULT '',
+        actor    TEXT NOT NULL DEFAULT '',
+        at       REAL NOT NULL,
+        PRIMARY KEY (node_id, gpu_uuid)
+    );
+    """,
 ]
 
 

@@ -22,6 +22,7 @@ from llmgw.server.store.database import Database
 from llmgw.server.store.demand import DemandTable
 from llmgw.server.store.engines import EngineTables
 from llmgw.server.store.events import Events
+from llmgw.server.store.gpus import GpuCordons
 from llmgw.server.store.instances import Leases
 from llmgw.server.store.location import Location, parse_location
 from llmgw.server.store.logins import LoginTables
@@ -79,6 +80,7 @@ class Store:
         self._join_tokens = JoinTokens(db)
         self._updates = NodeUpdates(db)
         self._events = Events(db)
+        self._gpu_cordons = GpuCordons(db)
         self._leases = Leases(db)
         self._engines = EngineTables(db)
         self._usage = Usage(db)
@@ -339,6 +341,9 @@ class Store:
     add_event = _Table("_events", Events.add_event)
     list_events = _Table("_events", Events.list_events)
     events_after = _Table("_events", Events.events_after)
+    cordon_gpus = _Table("_gpu_cordons", GpuCordons.cordon_gpus)
+    uncordon_gpus = _Table("_gpu_cordons", GpuCordons.uncordon_gpus)
+    list_gpu_cordons = _Table("_gpu_cordons", GpuCordons.list_gpu_cordons)
 
 
 def _location(where: Location | Path | str) -> Location:

@@ -50,6 +50,7 @@ def full_inventory() -> pb.Inventory:
                 memory_total_mib=24564,
                 memory_used_mib=1093,
                 utilization_percent=37,
+                health="XID 79: GPU has fallen off the bus",
             )
         ],
         gpu_status="",
@@ -114,6 +115,7 @@ def test_inventory_dict_has_every_field() -> None:
             "name": "NVIDIA GeForce RTX 4090",
             "memory_total_mib": 24564,
             "memory_used_mib": 1093,
+            "health": "XID 79: GPU has fallen off the bus",
         }
     ]  # its utilisation (37) is not stored: it is old by the time anyone reads it
     assert data["engine_details"][1] == {

@@ -159,6 +159,7 @@ def test_empty_metrics_render_help_and_type_only() -> None:
         "llmgw_tokens_total",
         "llmgw_requests_in_flight",
         "llmgw_nodes",
+        "llmgw_gpus",
         "llmgw_ready_replicas",
         "llmgw_replicas",
         "llmgw_queued_requests",
@@ -327,3 +328,12 @@ def test_replicas_by_state_count_the_sleeping_and_forget_what_is_gone() -> None:
     text = m.render()
     assert 'llmgw_replicas{model="a",state="asleep"} 0' in text  # none asleep now
     assert 'model="b"' not in text  # its model went
+
+
+def test_the_gpus_gauge_by_state() -> None:
+    metrics = Metrics()
+    metrics.set_gpus({"healthy": 6, "unhealthy": 1, "cordoned": 1})
+    text = metrics.render()
+    assert 'llmgw_gpus{state="healthy"} 6' in text
+    assert 'llmgw_gpus{state="unhealthy"} 1' in text
+    assert 'llmgw_gpus{state="cordoned"} 1' in text

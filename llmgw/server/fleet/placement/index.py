@@ -65,6 +65,7 @@ class NodeState:
 
     __slots__ = (
         "allocs",
+        "blocked",
         "engines",
         "fabrics",
         "free",
@@ -92,7 +93,12 @@ class NodeState:
         # How many allocations hold each GPU held; more than one only if the caller's
         # allocations already conflict, and then it stays taken until every one is released.
         self.held: dict[str, int] = {}
-        self.free = len(self.order)
+        # A cordoned or unhealthy GPU is held for good (one hold no release undoes), and
+        # named where a refusal counts the node's free GPUs.
+        self.blocked = tuple([g.blocked_text() for g in gpus if g.blocked])
+        if self.blocked:
+            self.held = {g.uuid: 1 for g in gpus if g.blocked}
+        self.free = len(self.order) - len(self.held)
         self.allocs = 0
         fabrics = view.fabrics
         self.fabrics = fabrics if len(fabrics) < 2 else tuple(sorted(set(fabrics)))
@@ -395,7 +401,13 @@ class Pool:
         for (free, _allocs, total, large), ids in self.buckets.items():
             if large == total:
                 if free < need:
-                    add(f"{free} of {total} GPUs free, needs {need}", _without(ids, avoided, True))
+                    runs = _without(ids, avoided, True)
+                    plain = [i for i in runs if not nodes[i].blocked]
+                    add(f"{free} of {total} GPUs free, needs {need}", plain)
+                    for node_id in runs:
+                        if nodes[node_id].blocked:
+                            why = ", ".join(nodes[node_id].blocked)
+                            add(f"{free} of {total} GPUs free ({why}), needs {need}", [node_id])
             elif large < need:
                 add(
                     f"{large} of {total} GPUs have {size}, needs {need}",

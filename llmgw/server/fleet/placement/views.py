@@ -29,6 +29,15 @@ STRATEGIES = ("binpack", "spread")
 class GpuView:
     uuid: str
     memory_total_mib: int
+    index: int = -1
+    # Why placement may not use it ("cordoned", "unhealthy: XID 79"); "" when it may. Its
+    # node keeps its other GPUs (llmgw.server.fleet.gpuhealth).
+    blocked: str = ""
+
+    def blocked_text(self) -> str:
+        """``GPU 3 cordoned``: the blocked GPU as a refusal names it."""
+        name = f"GPU {self.index}" if self.index >= 0 else f"GPU {self.uuid}"
+        return f"{name} {self.blocked}"
 
 
 @dataclass(frozen=True)

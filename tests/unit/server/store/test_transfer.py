@@ -96,6 +96,7 @@ def populated(source: Location) -> Iterator[Store]:
     )
     s.set_node_lost("gpu2", True)
     s.set_node_draining("gpu2", True)
+    s.cordon_gpus("gpu1", ["GPU-0"], reason="fan noise ✓", actor="admin")
     s.enrol_node("gpu3", fingerprint="sha256:cc", rekey=False, node_uid=None, require_approval=True)
     s.enrol_node(
         "gpu4", fingerprint="sha256:dd", rekey=False, node_uid=None, require_approval=False
