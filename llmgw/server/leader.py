@@ -129,16 +129,7 @@ class Leader:
             on_unplaceable=lambda model: self.planner.no_room(model),
             gpu_counts=metrics.set_gpus,
         )
-        self.planner = Planner(
-            store,
-            demand=lambda: fleet_demand(hooks.capacity.demand(), store, cfg.instance),
-            kick_scheduler=self.scheduler.kick,
-            metrics=metrics,
-            why_unplaceable=self._why_unplaceable,
-            preemption=Preemption(self.scheduler),
-            capacity=hooks.capacity,
-            ready=lambda model: len(router.endpoints(model)),
-        )
+        self.planner = self._planner(cfg.instance, router, metrics, hooks.capacity)
         self._unsubscribe_planner = hooks.capacity.on_waiting(self._capacity_wanted)
         self.membership = Membership(
             store,
@@ -264,6 +255,23 @@ class Leader:
             self._enroller.ca_pem = cert_pem(self.ca.cert).decode("ascii")
         if self._enroll_tls is not None:
             self._enroll_tls.reload_if_changed()
+
+    def _planner(
+        self, instance: str, router: Router, metrics: Metrics, capacity: Capacity
+    ) -> Planner:
+        """Serving by demand: the planner, with every instance's demand and the room a
+        lower priority gives."""
+        store = self.store
+        return Planner(
+            store,
+            demand=lambda: fleet_demand(capacity.demand(), store, instance),
+            kick_scheduler=self.scheduler.kick,
+            metrics=metrics,
+            why_unplaceable=self._why_unplaceable,
+            preemption=Preemption(self.scheduler),
+            capacity=capacity,
+            ready=lambda model: len(router.endpoints(model)),
+        )
 
     def _capacity_wanted(self, model: str) -> None:
         """A request waits for a replica of ``model`` to exist: the planner gives a model at

@@ -121,25 +121,7 @@ class SimConfig:
             raise EngineError(f"sim: model must be a non-empty string, got {self.model!r}")
         if not is_int(self.seed):
             raise EngineError(f"sim: seed must be an integer, got {self.seed!r}")
-        for name in (
-            "ttft_ms",
-            "tps",
-            "prefill_us_per_token",
-            "load_s",
-            "sleep_s",
-            "wake_s",
-            "wake_level2_s",
-        ):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value < 0
-            ):
-                raise EngineError(
-                    f"sim: {name} must be a finite number >= 0, got {value!r}; 0 means no delay"
-                )
+        self._check_delays()
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise EngineError(
                 f"sim: max_tokens must be a positive integer, got {self.max_tokens!r}; leave it "
@@ -162,20 +144,7 @@ class SimConfig:
                 f"sim: rank must be an integer in 0..{self.nodes - 1} for {self.nodes} node(s), "
                 f"got {self.rank!r}"
             )
-        for name in ("join_timeout_s", "heartbeat_s", "peer_timeout_s"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise EngineError(f"sim: {name} must be a finite number > 0, got {value!r}")
-        if self.peer_timeout_s <= self.heartbeat_s:
-            raise EngineError(
-                f"sim: peer_timeout_s ({self.peer_timeout_s:g}) must exceed heartbeat_s "
-                f"({self.heartbeat_s:g}), or every peer would look silent"
-            )
+        self._check_rendezvous_times()
         if not is_int(self.block_size) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
             raise EngineError(
                 f"sim: block_size must be an integer in 1..{MAX_BLOCK_SIZE}, got "
@@ -200,6 +169,47 @@ class SimConfig:
                     f"sim: a replica of {self.nodes} nodes needs dist_init_addr HOST:PORT "
                     f"(rank 0 binds it, workers dial it): {exc}"
                 ) from None
+
+    def _check_delays(self) -> None:
+        """The costs it models (its answers' pace, its prefill, its load, its sleep): each a
+        finite number of 0 or more."""
+        for name in (
+            "ttft_ms",
+            "tps",
+            "prefill_us_per_token",
+            "load_s",
+            "sleep_s",
+            "wake_s",
+            "wake_level2_s",
+        ):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise EngineError(
+                    f"sim: {name} must be a finite number >= 0, got {value!r}; 0 means no delay"
+                )
+
+    def _check_rendezvous_times(self) -> None:
+        """A multi-node replica's times: each above 0, a peer judged silent only after more
+        than a heartbeat."""
+        for name in ("join_timeout_s", "heartbeat_s", "peer_timeout_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise EngineError(f"sim: {name} must be a finite number > 0, got {value!r}")
+        if self.peer_timeout_s <= self.heartbeat_s:
+            raise EngineError(
+                f"sim: peer_timeout_s ({self.peer_timeout_s:g}) must exceed heartbeat_s "
+                f"({self.heartbeat_s:g}), or every peer would look silent"
+            )
 
     @property
     def kv_events(self) -> KvEventsSettings | None:

@@ -14,6 +14,8 @@ group's module and in the table below.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from aiohttp import web
 
 from llmgw.server.admin.access import AccessRoutes
@@ -21,6 +23,7 @@ from llmgw.server.admin.ca import CARoutes
 from llmgw.server.admin.context import (
     ADMIN_MAX_BODY,
     AdminContext,
+    Handler,
     Listening,
     answered,
     guarded,
@@ -43,6 +46,41 @@ def add_admin_routes(
 ) -> None:
     """The admin routes; those of the cluster CA only when ``authority`` is given (the
     leader's, which owns the CA)."""
+    logins = LoginRoutes(ctx)
+    r = app.router
+    # Signing in needs no credential; signing out only the login's own (a viewer's too).
+    r.add_route("POST", "/api/login", answered(logins.login))
+    r.add_route("POST", "/api/logout", answered(logins.logout))
+    _add_guarded(app, ctx, _routes(ctx))
+    if authority is None:
+        return
+    ca = CARoutes(ctx, authority)
+    _add_guarded(
+        app,
+        ctx,
+        (
+            ("GET", "/api/ca", ca.status),
+            ("POST", "/api/ca/rotate", ca.rotate),
+            ("POST", "/api/ca/finish", ca.finish),
+            ("POST", "/api/ca/export", ca.export),
+        ),
+    )
+
+
+def _add_guarded(
+    app: web.Application, ctx: AdminContext, routes: Iterable[tuple[str, str, Handler]]
+) -> None:
+    """``routes`` behind the admin guard (llmgw.server.admin.context.guarded)."""
+    r = app.router
+    for method, path, handler in routes:
+        if method == "GET":
+            r.add_get(path, guarded(ctx, handler))  # HEAD too, as aiohttp's add_get does
+        else:
+            r.add_route(method, path, guarded(ctx, handler))
+
+
+def _routes(ctx: AdminContext) -> tuple[tuple[str, str, Handler], ...]:
+    """Every guarded admin route but the CA's: (method, path, handler)."""
     nodes = NodeRoutes(ctx)
     gpus = GpuRoutes(ctx)
     models = ModelRoutes(ctx)
@@ -51,12 +89,7 @@ def add_admin_routes(
     instances = InstanceRoutes(ctx)
     metrics = MetricsRoutes(ctx)
     users = UserRoutes(ctx)
-    logins = LoginRoutes(ctx)
-    r = app.router
-    # Signing in needs no credential; signing out only the login's own (a viewer's too).
-    r.add_route("POST", "/api/login", answered(logins.login))
-    r.add_route("POST", "/api/logout", answered(logins.logout))
-    for method, path, handler in (
+    return (
         ("GET", "/api/status", nodes.status),
         ("GET", "/api/nodes", nodes.nodes),
         ("GET", "/api/nodes/{node}", nodes.node),
@@ -103,21 +136,4 @@ def add_admin_routes(
         ("DELETE", "/api/users/{name}", users.remove_user),
         ("POST", "/api/instances/{instance}/retire", instances.retire),
         ("GET", "/api/metrics/history", metrics.history),
-    ):
-        if method == "GET":
-            r.add_get(path, guarded(ctx, handler))  # HEAD too, as aiohttp's add_get does
-        else:
-            r.add_route(method, path, guarded(ctx, handler))
-    if authority is None:
-        return
-    ca = CARoutes(ctx, authority)
-    for method, path, handler in (
-        ("GET", "/api/ca", ca.status),
-        ("POST", "/api/ca/rotate", ca.rotate),
-        ("POST", "/api/ca/finish", ca.finish),
-        ("POST", "/api/ca/export", ca.export),
-    ):
-        if method == "GET":
-            r.add_get(path, guarded(ctx, handler))  # HEAD too, as aiohttp's add_get does
-        else:
-            r.add_route(method, path, guarded(ctx, handler))
+    )

@@ -168,36 +168,7 @@ class Metrics:
             "Time requests waited in the gateway's queue before a replica took them.",
             ("model",),
         )
-        # Serving by demand (llmgw.server.gateway.capacity, llmgw.server.fleet.planner).
-        self.capacity_waiting = Gauge(
-            "llmgw_capacity_waiting_requests",
-            "Requests waiting for a model to have a ready replica at all (a cold start).",
-            ("model",),
-        )
-        self.capacity_wait = Histogram(
-            "llmgw_capacity_wait_seconds",
-            "Time requests waited for a replica of their model to exist (cold starts).",
-            ("model",),
-        )
-        self.desired_replicas = Gauge(
-            "llmgw_desired_replicas",
-            "Replicas each model wants, as deployed or as the planner set it by demand.",
-            ("model",),
-        )
-        self.replica_start = Histogram(
-            "llmgw_replica_start_seconds",
-            "Time from a replica's placement to its being routable, by part: engine (its "
-            "process start to its health check passing, as its agent measured) and llmgw "
-            "(the rest: the order, the agent, the report, the route).",
-            ("model", "part"),
-            START_BUCKETS,
-        )
-        self.scaling_decisions = Counter(
-            "llmgw_scaling_decisions_total",
-            "The planner's changes of a model's replica count, by direction (up, down) and "
-            "reason (demand, ttft_slo, min, idle).",
-            ("model", "direction", "reason"),
-        )
+        self._demand_metrics()
         # By the key's name (the operator's, never the users' free text): bounded by the keys.
         self.key_requests = Counter(
             "llmgw_key_requests_total",
@@ -246,6 +217,38 @@ class Metrics:
         """The GPUs gauge: how many GPUs are in each state now."""
         for state, count in counts.items():
             self.gpus.set((state,), count)
+
+    def _demand_metrics(self) -> None:
+        """Serving by demand (llmgw.server.gateway.capacity, llmgw.server.fleet.planner)."""
+        self.capacity_waiting = Gauge(
+            "llmgw_capacity_waiting_requests",
+            "Requests waiting for a model to have a ready replica at all (a cold start).",
+            ("model",),
+        )
+        self.capacity_wait = Histogram(
+            "llmgw_capacity_wait_seconds",
+            "Time requests waited for a replica of their model to exist (cold starts).",
+            ("model",),
+        )
+        self.desired_replicas = Gauge(
+            "llmgw_desired_replicas",
+            "Replicas each model wants, as deployed or as the planner set it by demand.",
+            ("model",),
+        )
+        self.replica_start = Histogram(
+            "llmgw_replica_start_seconds",
+            "Time from a replica's placement to its being routable, by part: engine (its "
+            "process start to its health check passing, as its agent measured) and llmgw "
+            "(the rest: the order, the agent, the report, the route).",
+            ("model", "part"),
+            START_BUCKETS,
+        )
+        self.scaling_decisions = Counter(
+            "llmgw_scaling_decisions_total",
+            "The planner's changes of a model's replica count, by direction (up, down) and "
+            "reason (demand, ttft_slo, min, idle).",
+            ("model", "direction", "reason"),
+        )
 
     def hit_ratio(self, model: str, replica: str | None = None) -> float | None:
         """The share of prompt tokens the engines had cached, for a model (or one replica of

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from llmgw.errors import NotFound
 from llmgw.log import kv
@@ -21,12 +21,14 @@ from llmgw.server.gateway.routing import Router
 from llmgw.server.store import Model, Shard, Store
 from llmgw.server.store.states import ReplicaState, ShardState
 
-if TYPE_CHECKING:
-    from llmgw.server.fleet.scheduler import Unplaceable
-
 __all__ = ["Moves"]
 
 log = logging.getLogger("llmgw.server.scheduler")
+
+
+class _Unplaceable(Protocol):
+    @property
+    def reason(self) -> str: ...
 
 
 class _Scheduling(Protocol):
@@ -34,7 +36,6 @@ class _Scheduling(Protocol):
 
     store: Store
     router: Router
-    unplaceable: dict[str, Unplaceable]
     moves: dict[str, str]
     move_nodes: dict[str, str]
     move_whys: dict[str, str]
@@ -44,6 +45,9 @@ class _Scheduling(Protocol):
     gpus: GpuStates
     gpu_blocked: dict[str, str]
     gpu_counts: Callable[[Mapping[str, int]], None]
+
+    @property
+    def unplaceable(self) -> Mapping[str, _Unplaceable]: ...
 
     def kick(self) -> None: ...
 
