@@ -14,7 +14,10 @@ the catalog, so that each refuses a policy in the same words. The policy's keys:
 - ``cold_start_timeout``: how long a request for a model with no ready replica waits for one
   to be placed and become ready (default 5 min);
 - ``priority``: ``high``, ``normal`` (default) or ``low``: when GPUs are short, a model's
-  demand takes them from models of a lower priority (never below their ``min``).
+  demand takes them from models of a lower priority (never below their ``min``);
+- ``sleep_after``: optional; a replica idle this long is put to sleep (its profile must say
+  ``sleep: {level: N}``): its GPU memory is free for others, its process kept, and the next
+  request wakes it.
 
 It is stored as its JSON (:meth:`ScalingPolicy.to_json`) beside the model; a fixed count
 stores none.
@@ -53,6 +56,7 @@ _KEYS = (
     "scale_down_after",
     "cold_start_timeout",
     "priority",
+    "sleep_after",
 )
 PRIORITIES = ("high", "normal", "low")
 """Highest first."""
@@ -70,6 +74,7 @@ class ScalingPolicy:
     scale_down_after: float = DEFAULT_SCALE_DOWN_AFTER
     cold_start_timeout: float = DEFAULT_COLD_START_TIMEOUT
     priority: str = "normal"
+    sleep_after: float | None = None  # seconds; None: its replicas never sleep
 
     @property
     def rank(self) -> int:
@@ -95,6 +100,8 @@ class ScalingPolicy:
         }
         if self.ttft_slo is not None:
             out["ttft_slo"] = self.ttft_slo
+        if self.sleep_after is not None:
+            out["sleep_after"] = self.sleep_after
         return out
 
     def describe(self) -> str:
@@ -102,6 +109,8 @@ class ScalingPolicy:
         text = f"{self.min}-{self.max} by demand ({self.target_inflight} in flight each"
         if self.priority != "normal":
             text += f", priority {self.priority}"
+        if self.sleep_after is not None:
+            text += f", asleep after {format_duration(self.sleep_after)} idle"
         if self.ttft_slo is not None:
             text += f", TTFT p90 <= {format_duration(self.ttft_slo)}"
         return text + ")"
@@ -134,6 +143,7 @@ def parse_replicas(value: object, *, key: str = "replicas") -> int | ScalingPoli
         value.get("target_inflight", DEFAULT_TARGET_INFLIGHT), f"{key}.target_inflight", 1
     )
     slo = value.get("ttft_slo")
+    sleep_after = value.get("sleep_after")
     priority = value.get("priority", "normal")
     if priority not in PRIORITIES:
         raise ConfigError(
@@ -152,6 +162,7 @@ def parse_replicas(value: object, *, key: str = "replicas") -> int | ScalingPoli
             f"{key}.cold_start_timeout",
         ),
         priority=str(priority),
+        sleep_after=None if sleep_after is None else _duration(sleep_after, f"{key}.sleep_after"),
     )
 
 

@@ -30,6 +30,7 @@ from llmgw.server.common.config import ServerConfig
 from llmgw.server.common.metrics import Metrics
 from llmgw.server.common.tls import ServingCertificate
 from llmgw.server.fleet.authority import ClusterAuthority
+from llmgw.server.fleet.dozing import Dozing
 from llmgw.server.fleet.installs import EngineInstalls
 from llmgw.server.fleet.intake import MAX_MESSAGE_BYTES
 from llmgw.server.fleet.nodes import Membership
@@ -269,6 +270,7 @@ class Leader:
             metrics=metrics,
             why_unplaceable=self._why_unplaceable,
             preemption=Preemption(self.scheduler),
+            dozing=Dozing(self.scheduler),
             capacity=capacity,
             ready=lambda model: len(router.endpoints(model)),
         )

@@ -173,3 +173,38 @@ def test_an_agent_restart_keeps_a_sleeping_replica_asleep(
     assert chat(server, key)[0] == 200
     (row,) = server.replicas("sleepy")
     assert (row["pid"], row["restarts"]) == (pid, 0)  # woken, never restarted
+
+
+def test_an_idle_replica_sleeps_by_itself_and_the_next_request_wakes_it(
+    cluster: tuple[Server, Agent, Path],
+) -> None:
+    """Serving by demand with sleep_after: the planner puts the idle replica to sleep and a
+    request wakes it (the wake's cost, not a start's): the same engine process serves."""
+    server, _agent, _tmp = cluster
+    catalog = {"models": {"dozy": CATALOG["models"]["sleepy"]}}
+    server.api("PUT", "/api/catalog", catalog)
+    policy = {"min": 1, "max": 1, "sleep_after": "1s"}
+    server.api("POST", "/api/models", {"name": "dozy", "profile": "default", "replicas": policy})
+    wait_for(lambda: [r["routable"] for r in server.replicas("dozy")] == [True], what="dozy up")
+    (before,) = server.replicas("dozy")
+    wait_for(
+        lambda: [r["state"] for r in server.replicas("dozy")] == ["asleep"],
+        timeout=30,
+        what="dozy asleep after a second idle",
+    )
+    events = server.api("GET", f"/api/events?subject={before['replica']}&limit=50")
+    assert any(e["kind"] == "replica_asleep" for e in events), events
+    key = server.api_key("dozy")
+    body = {"model": "dozy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    request = urllib.request.Request(
+        server.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    began = time.monotonic()
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        assert json.loads(resp.read())["choices"][0]["message"]["content"]
+    assert time.monotonic() - began >= WAKE_S  # it waited for the wake
+    (after,) = server.replicas("dozy")
+    assert (after["replica"], after["pid"]) == (before["replica"], before["pid"])  # woken
+    assert after["restarts"] == 0

@@ -199,6 +199,13 @@ def _desired(m: dict[str, Any]) -> str:
     help="With MIN-MAX: how long a request waits for a replica to start (default 5m).",
 )
 @click.option(
+    "--sleep-after",
+    type=Duration(minimum=0.001),
+    default=None,
+    help="With MIN-MAX: put a replica idle this long to sleep (its profile says sleep: "
+    "{level: N}); the next request wakes it.",
+)
+@click.option(
     "--priority",
     type=click.Choice(["high", "normal", "low"]),
     default=None,
@@ -227,6 +234,7 @@ def deploy(
     ttft_slo: float | None,
     scale_down_after: float | None,
     cold_start_timeout: float | None,
+    sleep_after: float | None,
     priority: str | None,
     engine: str | None,
     params: tuple[str, ...],
@@ -238,6 +246,7 @@ def deploy(
         "ttft_slo": ttft_slo,
         "scale_down_after": scale_down_after,
         "cold_start_timeout": cold_start_timeout,
+        "sleep_after": sleep_after,
         "priority": priority,
     }
     count = _replicas_option(replicas, {k: v for k, v in scaling.items() if v is not None})

@@ -30,6 +30,7 @@ from llmgw.durations import format_duration
 from llmgw.errors import ConfigError, Fenced, StoreUnavailable
 from llmgw.log import kv
 from llmgw.server.common.metrics import Metrics
+from llmgw.server.fleet.dozing import Dozing
 from llmgw.server.fleet.preemption import Preemption
 from llmgw.server.gateway.capacity import Capacity, Demand
 from llmgw.server.store import Model, Store
@@ -93,6 +94,7 @@ class Planner:
         metrics: Metrics | None = None,
         why_unplaceable: Callable[[str], str | None] = lambda _model: None,
         preemption: Preemption | None = None,
+        dozing: Dozing | None = None,
         capacity: Capacity | None = None,
         ready: Callable[[str], int] = lambda _model: 0,
         clock: Callable[[], float] = time.monotonic,
@@ -106,6 +108,8 @@ class Planner:
         self.why_unplaceable = why_unplaceable
         # Room for a model's demand taken from lower priorities (None: not shared so).
         self.preemption = preemption
+        # Idle replicas put to sleep, woken by demand (None: none sleep).
+        self.dozing = dozing
         # The gateway's requests waiting for a replica to exist: answered with why when no
         # room can be had (None: nobody waits here).
         self.capacity = capacity
@@ -175,6 +179,8 @@ class Planner:
         self._sample(plans)
         if self.preemption is not None:
             self.preemption.step({name: plan.demand for name, plan in plans.items()})
+        if self.dozing is not None:
+            self.dozing.step({name: plan.demand.total for name, plan in plans.items()})
         self._refuse_the_waiting(plans)
 
     def _sample(self, plans: Mapping[str, Plan]) -> None:

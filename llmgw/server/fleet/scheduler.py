@@ -383,6 +383,9 @@ class Scheduler(Moves):
                 replica_id=sh.replica_id, shard_id=sh.id, node_id=sh.node_id, gpus=tuple(sh.gpus)
             )
             for sh in store.list_shards()
+            # An asleep replica gave its GPU memory back: its GPUs are free for others until
+            # it wakes (llmgw.server.fleet.dozing takes them back first).
+            if sh.state != ShardState.ASLEEP
         ]
         return Cluster(views, allocations)
 
