@@ -19,7 +19,10 @@ is played against:
   compressed like the day (5 min -> 1 s at 360x, at least 1 s), so that a model at zero is
   started by its first request.
 
-(Sleeping replicas are a third run once the sleep mechanism is merged; not here yet.)
+- with sleep: the same, and the profiles sleep at level 1 (a wake takes 0.3 s); an idle
+  replica sleeps after a compressed minute (its GPU free for others) and is stopped only
+  after a compressed half hour, so that most requests for a quiet model wake it rather
+  than start it.
 
 Reported per run: SLO attainment (the share of requests with a TTFT of at most 2 s, not
 compressed: a user's wait is not), failed requests, the GPU-hours held (replicas of any
@@ -31,6 +34,8 @@ at <= 60% of its GPU-hours, 0 failed, llmgw's part <= 300 ms p99.
 
 It prints figures next to their targets; it is not a pass/fail test. Everything shares this
 machine's CPUs.
+
+A cold request's TTFT counts its wait for the replica (a start or a wake).
 
 Usage: python bench/demand.py [--nodes 8] [--models 24] [--day 240] [--peak 10] [--json]
 """
@@ -70,6 +75,7 @@ from tests.integration.harness import (  # noqa: E402
 EIGHT_GPUS = ROOT / "tests" / "fixtures" / "nvidia-smi" / "eight-h100"
 SIZES = (("small", 1.0), ("medium", 2.0), ("large", 4.0))
 SLO_S = 2.0
+WAKE_S = 0.3  # a level-1 wake (weights back from host memory), compressed as the loads are
 MAX_TOKENS = 16
 TARGET_SHARE = 0.6
 TARGET_LLMGW_P99 = 0.3
@@ -155,9 +161,19 @@ class Fleet:
         )
         self.key = str(self.server.api("POST", "/api/keys", {"name": "bench"})["key"])
 
-    def deploy(self, name: str, load_s: float, replicas: Any) -> None:
+    def deploy(self, name: str, load_s: float, replicas: Any, *, sleeps: bool) -> None:
+        """``name`` from the catalog: one GPU a replica, its load ``load_s``; ``sleeps``: its
+        profile sleeps at level 1 (waking takes WAKE_S)."""
         params = {"load_s": load_s, "ttft_ms": 50, "tps": 50, "max_tokens": MAX_TOKENS}
-        body = {"name": name, "engine": "sim", "gpus": 1, "params": params, "replicas": replicas}
+        profile: dict[str, Any] = {"engine": "sim", "gpus": 1}
+        if sleeps:
+            params["wake_seconds"] = WAKE_S
+            profile["sleep"] = {"level": 1}
+        profile["params"] = {k: str(v) for k, v in params.items()}
+        self.server.api(
+            "PUT", "/api/catalog", {"models": {name: {"profiles": {"default": profile}}}}
+        )
+        body = {"name": name, "profile": "default", "replicas": replicas}
         self.server.api("POST", "/api/models", body)
 
     def undeploy_all(self) -> None:
@@ -219,10 +235,11 @@ async def play(fleet: Fleet, reqs: list[Request], outcome: Outcome) -> None:
 
 
 def held_gpu_seconds(fleet: Fleet, stop: threading.Event, out: list[float]) -> None:
-    """Each second, the replicas placed (any state but gone), one GPU each."""
+    """Each second, the replicas holding a GPU (any state but asleep or gone), one each."""
     while not stop.wait(1.0):
         try:
-            out.append(float(len({r["replica"] for r in fleet.server.replicas()})))
+            rows = fleet.server.replicas()
+            out.append(float(len({r["replica"] for r in rows if r["state"] != "asleep"})))
         except Exception:  # the server is busy: the next sample counts
             continue
 
@@ -240,13 +257,19 @@ def llmgw_parts(fleet: Fleet, since: float) -> list[float]:
 
 
 def run(
-    fleet: Fleet, name: str, reqs: list[Request], deploy: dict[str, Any], day: float
+    fleet: Fleet,
+    name: str,
+    reqs: list[Request],
+    deploy: dict[str, Any],
+    day: float,
+    *,
+    sleeps: bool = False,
 ) -> dict[str, Any]:
     say(f"{name}: deploying {len(deploy)} models")
     since = time.time()
     sizes = {m: SIZES[i % len(SIZES)][1] for i, m in enumerate(sorted(deploy))}
     for model, replicas in deploy.items():
-        fleet.deploy(model, sizes[model], replicas)
+        fleet.deploy(model, sizes[model], replicas, sleeps=sleeps)
     if name == "static":
         wanted = sum(deploy.values())
         wait_for(
@@ -264,6 +287,13 @@ def run(
     stop.set()
     sampler.join()
     parts = llmgw_parts(fleet, since)
+    wakes = len(
+        [
+            e
+            for e in fleet.server.api("GET", "/api/events?limit=5000")
+            if e["kind"] == "replica_awake" and e["ts"] >= since
+        ]
+    )
     fleet.undeploy_all()
     ttft = outcome.ttft
     return {
@@ -281,16 +311,20 @@ def run(
         "starts": len(parts),
         "llmgw_start_p50": percentile(parts, 50),
         "llmgw_start_p99": percentile(parts, 99),
+        "wakes": wakes,
     }
 
 
+RUNS = (("static", "static"), ("demand", "by demand"), ("sleep", "with sleep"))
+
+
 def render(fig: dict[str, Any]) -> str:
-    static, demand = fig["static"], fig["demand"]
-    share = demand["gpu_seconds"] / max(1e-9, static["gpu_seconds"])
+    static, sleep = fig["static"], fig["sleep"]
+    share = sleep["gpu_seconds"] / max(1e-9, static["gpu_seconds"])
     lines = [
         f"fleet: {fig['gpus']} GPUs on {fig['nodes']} nodes, {fig['models']} models; a day in "
         f"{fig['day']:g} s ({fig['compression']:.0f}x), {static['requests']} requests",
-        f"{'':14}{'static':>12}{'by demand':>12}",
+        f"{'':16}" + "".join(f"{label:>12}" for _, label in RUNS),
     ]
     for key, label, fmt in (
         ("slo_attainment", "SLO (<=2 s)", "{:.1%}"),
@@ -304,19 +338,22 @@ def render(fig: dict[str, Any]) -> str:
         ("starts", "starts", "{}"),
         ("llmgw_start_p50", "llmgw start p50", "{:.3f}"),
         ("llmgw_start_p99", "llmgw start p99", "{:.3f}"),
+        ("wakes", "wakes", "{}"),
     ):
         cells = []
-        for run_ in (static, demand):
+        for run_ in (fig[name] for name, _ in RUNS):
             value = run_[key]
             if fmt == "gpuh":
                 cells.append(f"{value * fig['compression'] / 3600:.1f}")
             else:
                 cells.append(fmt.format(value))
-        lines.append(f"{label:14}{cells[0]:>12}{cells[1]:>12}")
+        lines.append(f"{label:16}" + "".join(f"{c:>12}" for c in cells))
     lines.append(
-        f"by demand holds {share:.0%} of static's GPU-hours (target with sleep <= "
-        f"{TARGET_SHARE:.0%}); llmgw's part of a start p99 {demand['llmgw_start_p99']:.3f} s "
-        f"(target <= {TARGET_LLMGW_P99} s)"
+        f"with sleep: {share:.0%} of static's GPU-hours (target <= {TARGET_SHARE:.0%}) at "
+        f"{sleep['slo_attainment']:.1%} SLO attainment (static's: "
+        f"{static['slo_attainment']:.1%}); llmgw's part of a start p99 "
+        f"{max(fig['demand']['llmgw_start_p99'], sleep['llmgw_start_p99']):.3f} s (target <= "
+        f"{TARGET_LLMGW_P99} s)"
     )
     return "\n".join(lines)
 
@@ -351,6 +388,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             fig["static"] = run(fleet, "static", reqs, static_split(reqs, models, gpus), args.day)
             fig["demand"] = run(fleet, "demand", reqs, dict.fromkeys(models, policy), args.day)
+            # With sleep: idle replicas sleep after a compressed minute and are stopped only
+            # after a compressed half hour.
+            sleepy = {
+                **policy,
+                "sleep_after": max(0.5, 60 / compression),
+                "scale_down_after": max(2.0, 1800 / compression),
+            }
+            fig["sleep"] = run(
+                fleet, "sleep", reqs, dict.fromkeys(models, sleepy), args.day, sleeps=True
+            )
         finally:
             fleet.stop()
     print(json.dumps(fig, indent=2) if args.json else render(fig))

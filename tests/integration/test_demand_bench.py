@@ -1,6 +1,7 @@
 """bench/demand.py on a small fleet: the benchmark keeps working, and what holds at any size
-holds: no request fails either way, the fixed split answers every request within the SLO,
-serving by demand holds fewer GPUs and its starts are measured. Bounds are generous (the
+holds: no request fails in any of the three runs, the fixed split answers every request
+within the SLO, serving by demand (with and without sleep) holds fewer GPUs and its starts
+are measured. Bounds are generous (the
 figures themselves are the benchmark's)."""
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ def test_the_demand_benchmark_runs_both_ways_on_a_small_fleet() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     fig = json.loads(proc.stdout)
-    static, demand = fig["static"], fig["demand"]
-    assert static["requests"] == demand["requests"] > 0
-    assert static["failed"] == demand["failed"] == 0, (static["failures"], demand["failures"])
+    static, demand, sleep = fig["static"], fig["demand"], fig["sleep"]
+    assert static["requests"] == demand["requests"] == sleep["requests"] > 0
+    failures = (static["failures"], demand["failures"], sleep["failures"])
+    assert static["failed"] == demand["failed"] == sleep["failed"] == 0, failures
     assert static["slo_attainment"] == 1.0
     assert demand["gpu_seconds"] < static["gpu_seconds"]
     assert demand["starts"] > 0 and demand["cold_requests"] > 0
     assert 0 <= demand["llmgw_start_p99"] < 30  # measured; its target is the benchmark's
+    assert sleep["gpu_seconds"] < static["gpu_seconds"]
