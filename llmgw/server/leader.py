@@ -129,6 +129,7 @@ class Leader:
             engine_holds=self.installs.holds,
             on_unplaceable=lambda model: self.planner.no_room(model),
             gpu_counts=metrics.set_gpus,
+            metrics=metrics,
         )
         self.planner = self._planner(cfg.instance, router, metrics, hooks.capacity)
         self._unsubscribe_planner = hooks.capacity.on_waiting(self._capacity_wanted)

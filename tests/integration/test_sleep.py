@@ -208,3 +208,8 @@ def test_an_idle_replica_sleeps_by_itself_and_the_next_request_wakes_it(
     (after,) = server.replicas("dozy")
     assert (after["replica"], after["pid"]) == (before["replica"], before["pid"])  # woken
     assert after["restarts"] == 0
+    # The wake measured in its two parts: the engine's (its wake cost) and llmgw's.
+    metrics = server.metrics()
+    assert 'llmgw_replica_wake_seconds_count{model="dozy",part="llmgw"} 1' in metrics
+    engine = metrics.split('llmgw_replica_wake_seconds_sum{model="dozy",part="engine"} ')[1]
+    assert float(engine.split()[0]) >= WAKE_S

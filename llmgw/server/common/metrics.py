@@ -243,6 +243,13 @@ class Metrics:
             ("model", "part"),
             START_BUCKETS,
         )
+        self.replica_wake = Histogram(
+            "llmgw_replica_wake_seconds",
+            "Time from a wake order to the replica being routable again, by part: engine "
+            "(its agent's call to the engine's answer) and llmgw (the rest).",
+            ("model", "part"),
+            START_BUCKETS,
+        )
         self.scaling_decisions = Counter(
             "llmgw_scaling_decisions_total",
             "The planner's changes of a model's replica count, by direction (up, down) and "
@@ -305,6 +312,7 @@ class Metrics:
             self.capacity_wait,
             self.desired_replicas,
             self.replica_start,
+            self.replica_wake,
             self.scaling_decisions,
             self.key_requests,
             self.key_tokens,

@@ -34,6 +34,7 @@ from llmgw.engines.launch import dials_workers
 from llmgw.errors import ConfigError, Fenced, NotFound, StoreUnavailable
 from llmgw.log import kv
 from llmgw.netaddr import format_hostport, parse_hostport
+from llmgw.server.common.metrics import Metrics
 from llmgw.server.fleet.gpuhealth import GpuStates, blocked_gpus
 from llmgw.server.fleet.moves import Moves
 from llmgw.server.fleet.placement import Allocation, Cluster, GpuView, NodeView, degraded_refusal
@@ -122,6 +123,7 @@ class Scheduler(Moves):
         on_unplaceable: Callable[[str], None] = lambda _model: None,
         interval: float = 5.0,
         gpu_counts: Callable[[Mapping[str, int]], None] = lambda counts: None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.store = store
         # Told of each model a pass could not place (the planner: room from a lower
@@ -183,7 +185,7 @@ class Scheduler(Moves):
         # object while it is unchanged: llmgw.server.store.nodes), reused while none changed.
         self._views: dict[str, tuple[dict[str, Any], tuple[Any, ...], NodeView]] = {}
         # Sleep and wake orders in flight (llmgw.server.fleet.sleeps).
-        self.sleeps = Sleeps(store, router, sessions, on_routes_changed)
+        self.sleeps = Sleeps(store, router, sessions, on_routes_changed, metrics=metrics)
 
     def kick(self) -> None:
         self._kick.set()

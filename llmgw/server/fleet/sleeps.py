@@ -23,6 +23,7 @@ from llmgw.contracts.catalog import deployed_profile, profile_sleep_level
 from llmgw.engines.registry import sleeping_engines
 from llmgw.errors import Conflict, NotFound
 from llmgw.proto import control_pb2 as pb
+from llmgw.server.common.metrics import Metrics
 from llmgw.server.fleet.stream import NodeSession
 from llmgw.server.gateway.routing import Endpoint, Router
 from llmgw.server.store import Replica, Shard, Store
@@ -51,8 +52,11 @@ class Sleeps:
         router: Router,
         sessions: Mapping[str, NodeSession],
         on_routes_changed: Callable[[], None],
+        metrics: Metrics | None = None,
     ) -> None:
         self.store = store
+        # Each wake's time in its two parts (llmgw_replica_wake_seconds).
+        self.metrics = metrics
         self.router = router
         self.sessions = sessions
         self.on_routes_changed = on_routes_changed
@@ -188,6 +192,11 @@ class Sleeps:
             )
             self.store.add_event("replica_asleep", order.replica_id, message, order.actor)
         else:
+            if self.metrics is not None:
+                model = self.store.get_replica(order.replica_id).model
+                engine = min(took, engine_s)
+                self.metrics.replica_wake.observe((model, "engine"), engine)
+                self.metrics.replica_wake.observe((model, "llmgw"), took - engine)
             message = f"awake in {took:.2f}s (engine {engine_s:.2f}s): {order.why}"
             self.store.add_event("replica_awake", order.replica_id, message, order.actor)
 

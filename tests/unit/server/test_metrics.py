@@ -168,6 +168,7 @@ def test_empty_metrics_render_help_and_type_only() -> None:
         "llmgw_capacity_wait_seconds",
         "llmgw_desired_replicas",
         "llmgw_replica_start_seconds",
+        "llmgw_replica_wake_seconds",
         "llmgw_scaling_decisions_total",
         "llmgw_key_requests_total",
         "llmgw_key_tokens_total",
