@@ -40,6 +40,7 @@ from llmgw.configfile import (
 )
 from llmgw.contracts.model_sources import SourceSpec, parse_source
 from llmgw.contracts.sandbox import SandboxPolicy, parse_sandbox
+from llmgw.contracts.scaling import ScalingPolicy, parse_replicas
 from llmgw.engines.launch import check_params, sleep_args, task_args
 from llmgw.engines.registry import (
     TASKS,
@@ -92,7 +93,7 @@ MAX_BODY_LIMIT = 1024**3
 """The most a profile's ``max_request_body`` may say (1 GiB)."""
 
 _TOP_KEYS = ("models",)
-_MODEL_KEYS = ("profiles", "sidecars")
+_MODEL_KEYS = ("profiles", "sidecars", "replicas")
 _PROFILE_KEYS = (
     "engine",
     "source",
@@ -281,10 +282,18 @@ class Profile:
 class ModelSpec:
     name: str
     profiles: dict[str, Profile]
+    # How many replicas it runs when deployed without saying (llmgw.contracts.scaling): a
+    # fixed count, or a range by demand; None: the catalog does not say.
+    replicas: int | ScalingPolicy | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Model-level sidecars are already folded into each profile."""
-        return {"profiles": {name: p.to_dict() for name, p in self.profiles.items()}}
+        out: dict[str, Any] = {"profiles": {name: p.to_dict() for name, p in self.profiles.items()}}
+        if isinstance(self.replicas, ScalingPolicy):
+            out["replicas"] = self.replicas.to_json()
+        elif self.replicas is not None:
+            out["replicas"] = self.replicas
+        return out
 
 
 @dataclass(frozen=True)
@@ -376,7 +385,13 @@ def _model(check: Checker, name: str, value: object, key: str) -> ModelSpec:
                 "a letter or digit",
             )
         profiles[pname] = _profile(check, pvalue, join_key(pkey, pname), shared)
-    return ModelSpec(name, profiles)
+    replicas: int | ScalingPolicy | None = None
+    if raw.get("replicas") is not None:
+        try:
+            replicas = parse_replicas(raw["replicas"], key=join_key(key, "replicas"))
+        except ConfigError as exc:
+            raise ConfigError(str(exc), file=check.file) from None
+    return ModelSpec(name, profiles, replicas)
 
 
 def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...]) -> Profile:

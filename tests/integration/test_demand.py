@@ -266,3 +266,24 @@ def test_a_high_priority_takes_the_gpu_from_a_normal_one(fleet: Fleet) -> None:
     preempted = [e["message"] for e in fleet.events("big") if e["kind"] == "preempted"]
     assert preempted and "gives way to vip (priority high)" in preempted[0], preempted
     assert fleet.model("big")["replicas"] == 0
+
+
+def test_a_catalog_model_scales_by_demand_as_the_catalog_says(fleet: Fleet) -> None:
+    path = fleet.tmp / "catalog.yaml"
+    path.write_text(
+        "models:\n"
+        "  listed:\n"
+        "    replicas: {min: 0, max: 2, target_inflight: 4}\n"
+        "    profiles:\n"
+        "      default: {engine: sim, params: {tps: '500'}}\n"
+    )
+    applied = fleet.ctl("models", "apply", "-f", str(path))
+    assert applied.returncode == 0, applied.stderr
+    model = fleet.model("listed")
+    assert (model["replicas"], model["scaling"]["max"]) == (0, 2)
+    out = fleet.client().chat.completions.create(
+        model="listed", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert out.choices[0].message.content
+    events = [e["message"] for e in fleet.events("listed") if e["kind"] == "catalog_applied"]
+    assert events == ["added: profiles default; 0-2 by demand (4 in flight each) replicas"]

@@ -23,7 +23,7 @@ from llmgw.engines.registry import engine_names
 from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
-from llmgw.server.store import Model, Shard
+from llmgw.server.store import Model, Shard, Store
 
 __all__ = ["ModelRoutes"]
 
@@ -94,6 +94,28 @@ def _scaling_json(ctx: AdminContext, model: Model) -> dict[str, Any] | None:
         return None
     plan = ctx.planner.plans.get(model.name) if ctx.planner is not None else None
     return plan.to_json() if plan is not None else policy.to_json()
+
+
+def _catalog_replicas(store: Store, model: Model, replicas: int | ScalingPolicy) -> Model | None:
+    """The catalog's ``replicas`` for ``model``, stored as a deploy's would be (a range: its
+    scaling policy, from its count within the bounds; a count: fixed); None when the model
+    has it already."""
+    if isinstance(replicas, ScalingPolicy):
+        scaling, count = replicas.to_json(), replicas.clamp(model.replicas)
+    else:
+        scaling, count = {}, replicas
+    if model.scaling == scaling and model.replicas == count:
+        return None
+    return store.set_scaling(model.name, scaling, replicas=count)
+
+
+def _count_text(model: Model) -> str:
+    """A model's replicas as ctl and the events say them: ``2``, or ``0-8 by demand (...)``."""
+    try:
+        policy = policy_of(model.scaling)
+    except ConfigError:
+        policy = None
+    return policy.describe() if policy is not None else str(model.replicas)
 
 
 def catalog_json(ctx: AdminContext) -> dict[str, dict[str, Any]]:
@@ -322,6 +344,11 @@ class ModelRoutes:
                 else:
                     change = "added" if before is None else "updated"
                     after = store.put_catalog_model(name, profiles)
+                if spec.replicas is not None:
+                    scaled = _catalog_replicas(store, after, spec.replicas)
+                    if scaled is not None:
+                        after = scaled
+                        change = "updated" if change == "unchanged" else change
                 running = len(store.list_replicas(name))
                 note = None
                 if (
@@ -339,6 +366,7 @@ class ModelRoutes:
                         "change": change,
                         "profiles": sorted(profiles),
                         "profile": after.profile,
+                        "replicas": _count_text(after),
                         "note": note,
                     }
                 )
@@ -347,11 +375,14 @@ class ModelRoutes:
                 store.add_event(
                     "catalog_applied",
                     row["name"],
-                    f"{row['change']}: profiles {', '.join(row['profiles'])}",
+                    f"{row['change']}: profiles {', '.join(row['profiles'])}; "
+                    f"{row['replicas']} replicas",
                     principal_of(request).actor,
                 )
         self.ctx.serving.refresh_models()
         self.ctx.scheduler.kick()
+        if self.ctx.planner is not None:
+            self.ctx.planner.kick()
         return web.json_response({"models": changes})
 
     async def deploy(self, request: web.Request) -> web.Response:

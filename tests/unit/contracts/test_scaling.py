@@ -77,3 +77,41 @@ def test_the_stored_json_reads_back() -> None:
     assert policy_of({"min": 0, "max": 3}) == ScalingPolicy(0, 3)
     assert "0-3 by demand (8 in flight each)" == ScalingPolicy(0, 3).describe()
     assert "TTFT p90 <= 2s" in ScalingPolicy(0, 3, ttft_slo=2.0).describe()
+
+
+def test_a_catalog_model_says_how_many_replicas_it_runs() -> None:
+    from llmgw.contracts.catalog import parse_catalog
+
+    catalog = parse_catalog(
+        {
+            "models": {
+                "chat": {
+                    "replicas": {"min": 0, "max": 4, "priority": "high", "sleep_after": "5m"},
+                    "profiles": {"default": {"engine": "sim"}},
+                },
+                "fixed": {"replicas": 2, "profiles": {"default": {"engine": "sim"}}},
+                "silent": {"profiles": {"default": {"engine": "sim"}}},
+            }
+        },
+        source="catalog.yaml",
+    )
+    chat = catalog.models["chat"]
+    assert chat.replicas == ScalingPolicy(0, 4, priority="high", sleep_after=300.0)
+    assert chat.to_dict()["replicas"]["max"] == 4
+    assert catalog.models["fixed"].replicas == 2
+    assert catalog.models["silent"].replicas is None
+    assert "replicas" not in catalog.models["silent"].to_dict()
+    with pytest.raises(
+        ConfigError, match=r"^catalog.yaml: models\.chat\.replicas: min \(5\) is above max"
+    ):
+        parse_catalog(
+            {
+                "models": {
+                    "chat": {
+                        "replicas": {"min": 5, "max": 4},
+                        "profiles": {"default": {"engine": "sim"}},
+                    }
+                }
+            },
+            source="catalog.yaml",
+        )
