@@ -8,7 +8,8 @@ demand keeps at least one replica while any model has more than one (so that one
 burst cannot take every GPU from the others). The victim is chosen only if the wanted
 replica would then fit (placement asked on a view of its own); its model's count goes one
 down (the planner's count: it holds there, as the wanted model's priority holds the GPUs)
-and the replica is retired make-before-break, its requests drained. One victim at a time per
+and the replica is retired make-before-break, its requests drained (an idle one whose profile
+sleeps is put to sleep instead: its GPUs free, its process and count kept). One victim at a time per
 model: the next only once it is gone and the model still has no room. Each preemption is an
 event naming both models.
 """
@@ -18,13 +19,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from llmgw.contracts.catalog import deployed_profile, profile_sleep_level
 from llmgw.contracts.scaling import ScalingPolicy, policy_of
-from llmgw.errors import ConfigError, NotFound
+from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.log import kv
 from llmgw.server.fleet.scheduler import Scheduler
 from llmgw.server.gateway.capacity import Demand
 from llmgw.server.store import Model, Replica
-from llmgw.server.store.states import ReplicaState
+from llmgw.server.store.states import SLEEP_STATES, ReplicaState
 
 __all__ = ["Preemption"]
 
@@ -44,9 +46,12 @@ class Preemption:
         store = self.store
         for model_name, replica_id in list(self.making_room.items()):
             try:
-                store.get_replica(replica_id)
+                state = store.get_replica(replica_id).state
             except NotFound:
                 del self.making_room[model_name]  # gone: its room is there for the next pass
+                continue
+            if state == ReplicaState.ASLEEP:
+                del self.making_room[model_name]  # asleep: its GPUs are free to placement
         wanting = sorted(self.scheduler.unplaceable)
         if not wanting:
             return
@@ -86,8 +91,8 @@ class Preemption:
             if have == 1 and crowded and demand.get(other, Demand()).total > 0:
                 continue  # a model with demand keeps one while another has more than one
             for replica in self.store.list_replicas(other):
-                if replica.state == ReplicaState.STOPPING:
-                    continue
+                if replica.state == ReplicaState.STOPPING or replica.state in SLEEP_STATES:
+                    continue  # going, or its GPUs free (asleep) or about to be
                 inflight = busy.get(replica.id, 0)
                 candidates.append((theirs.rank, inflight, -replica.created_at, replica))
         for *_, replica in sorted(candidates, key=lambda c: c[:3]):
@@ -104,22 +109,43 @@ class Preemption:
         counts: dict[str, int],
     ) -> None:
         other = models[victim.model]
-        have = counts.get(other.name, 0)
-        self.store.set_replicas(other.name, max(0, have - 1))
-        counts[other.name] = have - 1
         theirs = _policy(other)
         why = (
             f"{victim.id} of {other.name} (priority {theirs.priority if theirs else '?'}) gives "
             f"way to {model.name} (priority {policy.priority}), which has no room"
         )
-        self.store.add_event("preempted", other.name, f"{why}; {other.name} {have} → {have - 1}")
-        self.store.add_event("preempting", model.name, why)
+        self.making_room[model.name] = victim.id
         log.info(
             "a lower priority gives way",
             extra=kv(model=model.name, victim=victim.id, victim_model=other.name),
         )
+        self.store.add_event("preempting", model.name, why)
+        if self._put_to_sleep(victim, other, why):
+            self.store.add_event("preempted", other.name, f"{why}; it sleeps")
+            return
+        have = counts.get(other.name, 0)
+        self.store.set_replicas(other.name, max(0, have - 1))
+        counts[other.name] = have - 1
+        self.store.add_event("preempted", other.name, f"{why}; {other.name} {have} → {have - 1}")
         self.scheduler.retirements.retire(victim.id, why=f"giving way to {model.name}")
-        self.making_room[model.name] = victim.id
+
+    def _put_to_sleep(self, victim: Replica, other: Model, why: str) -> bool:
+        """An idle victim whose profile sleeps is put to sleep (its GPU memory freed, its
+        process kept): whether it was."""
+        if victim.state != ReplicaState.READY:
+            return False
+        busy = {ep.replica_id: ep.inflight for ep in self.scheduler.router.endpoints()}
+        if busy.get(victim.id, 0):
+            return False
+        profile = deployed_profile(other.profiles, other.profile, other.engine, other.params)
+        level = profile_sleep_level(profile)
+        if not level:
+            return False
+        try:
+            self.scheduler.sleep_replica(victim.id, level, why=why, actor="planner")
+        except (Conflict, NotFound):
+            return False
+        return True
 
 
 def _policy(model: Model) -> ScalingPolicy | None:

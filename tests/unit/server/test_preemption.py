@@ -113,3 +113,32 @@ def test_a_fixed_count_is_never_taken(cp: SchedulerRig) -> None:
     scheduler.reconcile()
     Preemption(scheduler).step({})
     assert len(_placed(cp, "fixed")) == 1 and _placed(cp, "high") == []
+
+
+def test_an_idle_victim_that_can_sleep_is_put_to_sleep_not_stopped(cp: SchedulerRig) -> None:
+    _join(cp, 1)
+    cp.store.put_catalog_model(
+        "low", {"default": {"engine": "sim", "gpus": 1, "sleep": {"level": 1}}}
+    )
+    cp.store.deploy_model("low", profile="default", replicas=1)
+    cp.store.set_scaling("low", LOW.to_json(), replicas=1)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    _serving(cp)
+    (victim,) = _placed(cp, "low")
+    _deploy(cp, "high", HIGH, 1)
+    scheduler.reconcile()
+    preemption = Preemption(scheduler)
+    preemption.step({})
+    assert cp.store.get_replica(victim).state == ReplicaState.FALLING_ASLEEP
+    assert cp.store.get_model("low").replicas == 1  # its count kept: it sleeps
+    events = {e.kind: e.message for e in cp.store.list_events()}
+    assert events["preempted"].endswith("which has no room; it sleeps")
+    # Asleep, its GPU is free: the next pass places the high priority's replica there.
+    for shard in cp.store.list_shards(replica_id=victim):
+        cp.store.update_shard(shard.id, state=ShardState.ASLEEP)
+    cp.store.set_replica_state(victim, ReplicaState.ASLEEP)
+    preemption.step({})
+    assert preemption.making_room == {}
+    scheduler.reconcile()
+    assert len(_placed(cp, "high")) == 1
