@@ -33,6 +33,9 @@ __all__ = ["Dozing"]
 log = logging.getLogger("llmgw.server.planner")
 
 _AWAKE = (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.PENDING, ReplicaState.WAKING)
+HOST_SHARE = 0.5
+"""The share of a node's memory the weights of its level-1 sleepers may hold."""
+_MIB = 1 << 20
 
 
 class Dozing:
@@ -48,6 +51,9 @@ class Dozing:
         self.idle_since: dict[str, float] = {}
         # replica to wake -> the replicas giving its GPUs back
         self.making_room: dict[str, set[str]] = {}
+        # model -> the host memory (MiB) a replica of it held asleep at level 1, as the
+        # engines said: what the next one will hold
+        self.host_mib: dict[str, int] = {}
 
     def step(self, demand_of: Mapping[str, int]) -> None:
         """One pass: ``demand_of`` is each model's demand (in flight, queued, waiting)."""
@@ -57,6 +63,7 @@ class Dozing:
         for replica in store.list_replicas():
             replicas.setdefault(replica.model, []).append(replica)
         now = self.clock()
+        self._learn_host_memory(replicas)
         seen: set[str] = set()
         for model in store.list_models():
             policy, level = _sleeping(model)
@@ -95,6 +102,10 @@ class Dozing:
             since = self.idle_since.setdefault(replica.id, now)
             if spare <= 0 or now - since < policy.sleep_after:
                 continue
+            full = self._host_full(replica, level)
+            if full:
+                log.info("an idle replica stays awake", extra=kv(replica=replica.id, why=full))
+                continue
             try:
                 self.scheduler.sleep_replica(
                     replica.id,
@@ -107,6 +118,50 @@ class Dozing:
                 continue
             self.idle_since.pop(replica.id, None)
             spare -= 1
+
+    def _learn_host_memory(self, replicas: Mapping[str, list[Replica]]) -> None:
+        asleep = {
+            r.id: model
+            for model, rs in replicas.items()
+            for r in rs
+            if r.state == ReplicaState.ASLEEP
+        }
+        if not asleep:
+            return
+        for shard in self.store.list_shards(states=(ShardState.ASLEEP,)):
+            model = asleep.get(shard.replica_id)
+            if model is not None and shard.host_memory_mib:
+                self.host_mib[model] = max(self.host_mib.get(model, 0), shard.host_memory_mib)
+
+    def _host_full(self, replica: Replica, level: int) -> str:
+        """Why ``replica`` may not sleep at ``level`` on its node for want of host memory
+        ('' when it may): a level-1 sleeper keeps its weights in the node's memory, and the
+        sleepers of a node may hold at most HOST_SHARE of it."""
+        if level != 1:
+            return ""  # level 2 drops its weights
+        shards = [s for s in self.store.list_shards(replica_id=replica.id) if s.rank == 0]
+        if not shards:
+            return ""
+        node_id = shards[0].node_id
+        try:
+            total = int(self.store.get_node(node_id).inventory.get("memory_total_bytes") or 0)
+        except NotFound:
+            return ""
+        need = self.host_mib.get(replica.model, 0)
+        if not total or not need:
+            return ""  # unknown: it may (its engine will say what it holds)
+        held = sum(
+            s.host_memory_mib
+            for s in self.store.list_shards(node_id=node_id)
+            if s.state == ShardState.ASLEEP
+        )
+        budget = int(total / _MIB * HOST_SHARE)
+        if held + need <= budget:
+            return ""
+        return (
+            f"its node {node_id}'s sleepers hold {held} MiB of host memory; {need} MiB more "
+            f"would pass {HOST_SHARE:.0%} of its {total // _MIB} MiB"
+        )
 
     # -- awake -------------------------------------------------------------------------------
 

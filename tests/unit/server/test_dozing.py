@@ -156,3 +156,31 @@ def test_an_equal_priority_keeps_the_gpu_and_the_sleeper_gives_its_place_up(
     assert _kinds(cp) == ["stop_shard"]
     assert cp.store.get_replica(sleeper.id).state == ReplicaState.STOPPING
     assert cp.store.get_replica(occupant.id).state == ReplicaState.READY
+
+
+def test_the_sleepers_of_a_node_hold_at_most_half_its_memory(cp: SchedulerRig) -> None:
+    inventory = {
+        "gpus": [{"uuid": f"GPU-{i}", "memory_total_mib": 81920} for i in range(3)],
+        "memory_total_bytes": 64 << 30,  # 64 GiB: 32 GiB for sleeping weights
+    }
+    cp.join("n1", inventory, dataplane_addr="127.0.0.1:9443", engines=frozenset({"sim"}))
+    _deploy(cp, "m", ScalingPolicy(min=0, max=3, sleep_after=1), 3)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    first, second, third = cp.store.list_replicas("m")
+    for r in (first, second, third):
+        _set(cp, r.id, ShardState.READY)
+    # The first sleeps already, holding 20 GiB (as its engine said).
+    _set(cp, first.id, ShardState.ASLEEP)
+    for shard in cp.store.list_shards(replica_id=first.id):
+        cp.store.update_shard(shard.id, sleep_level=1, host_memory_mib=20 * 1024)
+    _orders(cp)
+    now = [0.0]
+    dozing = Dozing(scheduler, clock=lambda: now[0])
+    dozing.step({})
+    now[0] += 5
+    dozing.step({})
+    # Another 20 GiB would pass 32: both stay awake.
+    assert _kinds(cp) == []
+    assert dozing.host_mib == {"m": 20 * 1024}
+    assert cp.store.get_replica(second.id).state == ReplicaState.READY
