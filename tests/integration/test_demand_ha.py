@@ -69,9 +69,15 @@ def test_a_standbys_waiting_request_scales_from_zero_and_a_take_over_keeps_the_c
         os.kill(first.server.proc.pid, signal.SIGKILL)
         first.server.proc.wait()
         new = wait_for(lambda: leader([standby]), timeout=30, what="the standby leads")
-        time.sleep(5)  # the new planner's passes: no window has run out, nothing changes
-        cold = next(m for m in new.server.api("GET", "/api/models") if m["name"] == "cold")
-        assert cold["replicas"] == 1 and cold["ready"] == 1
+
+        def cold() -> dict[str, Any]:
+            return next(m for m in new.server.api("GET", "/api/models") if m["name"] == "cold")
+
+        # The agents reattach to the new leader; its planner's passes change nothing (no
+        # window has run out).
+        wait_for(lambda: cold()["ready"] == 1, timeout=60, what="cold ready under the new leader")
+        time.sleep(3)
+        assert cold()["replicas"] == 1
         assert {a.node_id: engine_pids(a) for a in agents} == pids  # no replica restarted
         events = new.server.api("GET", "/api/events?subject=cold&limit=50")
         assert [e["kind"] for e in events].count("scaled_down") == 0
