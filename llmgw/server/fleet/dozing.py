@@ -58,6 +58,11 @@ class Dozing:
     def step(self, demand_of: Mapping[str, int]) -> None:
         """One pass: ``demand_of`` is each model's demand (in flight, queued, waiting)."""
         store = self.store
+        sleepy = [(m, *_sleeping(m)) for m in store.list_models()]
+        sleepy = [(m, policy, level) for m, policy, level in sleepy if policy and level]
+        if not sleepy:  # a fleet where nothing sleeps: nothing more is read
+            self.idle_since.clear()
+            return
         busy = {ep.replica_id: ep.inflight for ep in self.scheduler.router.endpoints()}
         replicas: dict[str, list[Replica]] = {}
         for replica in store.list_replicas():
@@ -65,10 +70,8 @@ class Dozing:
         now = self.clock()
         self._learn_host_memory(replicas)
         seen: set[str] = set()
-        for model in store.list_models():
-            policy, level = _sleeping(model)
-            if policy is None:
-                continue
+        for model, policy, level in sleepy:
+            assert policy is not None
             mine = replicas.get(model.name, [])
             seen.update(r.id for r in mine)
             wanted = policy.wanted(demand_of.get(model.name, 0)) if demand_of.get(model.name) else 0
@@ -76,7 +79,7 @@ class Dozing:
             asleep = [r for r in mine if r.state == ReplicaState.ASLEEP]
             for replica in asleep[: max(0, wanted - len(awake))]:
                 self._wake(replica, model, policy)
-            if level and policy.sleep_after is not None:
+            if policy.sleep_after is not None:
                 self._sleep_idle(model, policy, level, awake, wanted, busy, now)
         for gone in set(self.idle_since) - seen:
             del self.idle_since[gone]
