@@ -157,6 +157,20 @@ class Server:
         return str(self.api("POST", "/api/keys", {"name": name})["key"])
 
 
+def run_ctl(server: Server, config_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``llmgw ctl ARGS`` against ``server`` as its admin, with ``config_dir`` as its
+    XDG_CONFIG_HOME and no other LLMGW_ variable of this environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    env.update(
+        LLMGW_SERVER=server.url,
+        LLMGW_TOKEN=server.admin_token,
+        XDG_CONFIG_HOME=str(config_dir),
+    )
+    return subprocess.run(
+        [*LLMGW, "ctl", *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
 def start_server(tmp: Path, *, heartbeat: float = 1.0) -> Server:
     """A control plane on free loopback ports, state under ``tmp/server``, ready to serve."""
     return start_server_with(tmp, heartbeat=heartbeat)

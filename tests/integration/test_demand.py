@@ -21,11 +21,11 @@ import openai
 import pytest
 
 from tests.integration.harness import (
-    LLMGW,
     Agent,
     Client,
     Server,
     make_agent,
+    run_ctl,
     start_agent,
     start_server,
     stop_process,
@@ -65,15 +65,7 @@ class Fleet:
         return list(self.server.api("GET", f"/api/events?subject={subject}&limit=200"))
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
-        env.update(
-            LLMGW_SERVER=self.server.url,
-            LLMGW_TOKEN=self.server.admin_token,
-            XDG_CONFIG_HOME=str(self.tmp / "xdg"),
-        )
-        return subprocess.run(
-            [*LLMGW, "ctl", *args], capture_output=True, text=True, env=env, timeout=60
-        )
+        return run_ctl(self.server, self.tmp / "xdg", *args)
 
     def stop(self) -> None:
         if self.agent.proc is not None:

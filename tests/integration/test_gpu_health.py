@@ -18,10 +18,10 @@ import openai
 import pytest
 
 from tests.integration.harness import (
-    LLMGW,
     Agent,
     Server,
     make_agent,
+    run_ctl,
     start_agent,
     start_server,
     stop_process,
@@ -55,15 +55,7 @@ class Rig:
         return [e for e in reversed(events) if e["kind"] == kind]
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        env = dict(
-            os.environ,
-            LLMGW_SERVER=self.server.url,
-            LLMGW_TOKEN=self.server.admin_token,
-            XDG_CONFIG_HOME=str(self.tmp),
-        )
-        return subprocess.run(
-            [*LLMGW, "ctl", *args], capture_output=True, text=True, env=env, timeout=60
-        )
+        return run_ctl(self.server, self.tmp, *args)
 
     key = ""
 
