@@ -357,6 +357,9 @@ def render(fig: dict[str, Any]) -> str:
         f"{max(fig['demand']['llmgw_start_p99'], sleep['llmgw_start_p99']):.3f} s (target <= "
         f"{TARGET_LLMGW_P99} s)"
     )
+    for name, label in RUNS:
+        for failure in fig[name]["failures"]:
+            lines.append(f"failed ({label}): {failure[:300]}")
     return "\n".join(lines)
 
 
