@@ -31,13 +31,13 @@ from typing import Any, NoReturn
 
 from llmgw.configfile import (
     Checker,
-    binary_amount,
     index_key,
     join_key,
     load_yaml,
     type_name,
     unknown_key_message,
 )
+from llmgw.contracts.memory import parse_memory_mib
 from llmgw.contracts.model_sources import SourceSpec, parse_source
 from llmgw.contracts.sandbox import SandboxPolicy, parse_sandbox
 from llmgw.contracts.scaling import ScalingPolicy, parse_replicas
@@ -112,6 +112,7 @@ _PROFILE_KEYS = (
     "chat_template",
     "sandbox",
     "sleep",
+    "host_memory",
 )
 _FILE_KEYS = ("url", "path", "sha256")
 _SLEEP_KEYS = ("level",)
@@ -135,8 +136,6 @@ ROUTINGS: tuple[str, ...] = tuple(Routing)
 """The names of :class:`Routing`, in the order the errors list them."""
 DEFAULT_ROUTING = Routing.LEAST_OUTSTANDING
 _SIDECAR_KEYS = ("name", "command", "health", "timeout", "ready_after")
-
-_MEMORY_UNITS = {"mib": 1, "gib": 1024, "tib": 1024 * 1024}
 
 
 # --- the parsed catalog --------------------------------------------------------------------
@@ -212,6 +211,9 @@ class Profile:
     # ``sleep: {level: N}``: its replicas may be put to sleep at level N (llmgw.engines.sleep);
     # None: they are only started and stopped.
     sleep_level: int | None = None
+    # ``host_memory``: the node memory (MiB) a replica needs beside its GPUs; placement
+    # checks it against what the node's sleepers and replicas hold. None: not checked.
+    host_memory_mib: int | None = None
 
     @property
     def routing_policy(self) -> str:
@@ -275,6 +277,8 @@ class Profile:
             out["sandbox"] = self.sandbox.to_value()
         if self.sleep_level is not None:
             out["sleep"] = {"level": self.sleep_level}
+        if self.host_memory_mib is not None:
+            out["host_memory"] = self.host_memory_mib
         return out
 
 
@@ -448,6 +452,7 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
     sleep_level = None
     if raw.get("sleep") is not None:
         sleep_level = _sleep(check, raw["sleep"], at("sleep"), engine, nodes)
+    host = raw.get("host_memory")
     return Profile(
         engine=engine,
         source=source.text if source is not None else None,
@@ -467,6 +472,7 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         chat_template=chat_template,
         sandbox=sandbox,
         sleep_level=sleep_level,
+        host_memory_mib=None if host is None else _memory(check, host, at("host_memory")),
     )
 
 
@@ -809,22 +815,6 @@ def _sidecar(check: Checker, value: object, key: str) -> Sidecar:
 
 
 # --- values --------------------------------------------------------------------------------
-
-
-def parse_memory_mib(value: object) -> int:
-    """MiB from a number of MiB or a string like '40GiB', '40960MiB', '1.5TiB'.
-
-    Raises :class:`ConfigError` without key or file; :func:`parse_catalog` adds them."""
-    mib = binary_amount(
-        value,
-        _MEMORY_UNITS,
-        base="MiB",
-        names="MiB, GiB or TiB",
-        shape="memory like 40GiB or 40960MiB, or a whole number of MiB",
-    )
-    if mib < 1:
-        raise ConfigError(f"must be at least 1 MiB, got {value!r}")
-    return mib
 
 
 def _named(check: Checker, value: object, key: str) -> dict[str, object]:

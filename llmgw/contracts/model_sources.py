@@ -216,6 +216,25 @@ class NodeSources:
                 continue  # the agent checked it; one it could not have sent is no prefix
         return tuple(out)
 
+    def size_bytes(self, source: SourceSpec) -> int:
+        """The size of ``source``'s weights as listed here: its entry's size (a folder: the
+        files listed under it, summed where the agent left the folder's own size out); 0
+        when not listed (a URL, a name deeper than the listing, another models_root)."""
+        name = source.name_under(self.models_root)
+        if name is None or name not in self.names:
+            return 0
+        entries = self.data.get("entries") or ()
+        entry = next(e for e in entries if str(e.get("name")) == name)
+        size = int(entry.get("size_bytes") or 0)
+        if size or not entry.get("dir"):
+            return size
+        inside = name + "/"
+        return sum(
+            int(e.get("size_bytes") or 0)
+            for e in entries
+            if not e.get("dir") and str(e.get("name")).startswith(inside)
+        )
+
     def problem(self, source: SourceSpec) -> str:
         """Why this node cannot serve ``source``; "" when it has it, may fetch it, or cannot
         tell (a name deeper than its listing reached)."""

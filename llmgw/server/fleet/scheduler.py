@@ -30,17 +30,22 @@ from llmgw.contracts.catalog import Profile as CatalogProfile
 from llmgw.contracts.catalog import adhoc_profile, parse_profile
 from llmgw.contracts.inventory import degraded_reasons
 from llmgw.contracts.model_sources import NodeSources
-from llmgw.engines.launch import dials_workers
 from llmgw.errors import ConfigError, Fenced, NotFound, StoreUnavailable
 from llmgw.log import kv
-from llmgw.netaddr import format_hostport, parse_hostport
 from llmgw.server.common.metrics import Metrics
 from llmgw.server.fleet.gpuhealth import GpuStates, blocked_gpus
+from llmgw.server.fleet.hostmem import host_use, plan_room, retire_why
+from llmgw.server.fleet.meeting import (
+    NoPortError,
+    awaits_workers,
+    dist_init_addr,
+    endpoints,
+    host_of,
+)
 from llmgw.server.fleet.moves import Moves
 from llmgw.server.fleet.placement import Allocation, Cluster, GpuView, NodeView, degraded_refusal
 from llmgw.server.fleet.placement import Profile as PlacementProfile
 from llmgw.server.fleet.placement import Unplaceable as PlacementUnplaceable
-from llmgw.server.fleet.rendezvous import NoPort, rendezvous_port
 from llmgw.server.fleet.retiring import Retirements
 from llmgw.server.fleet.sleeps import Sleeps
 from llmgw.server.fleet.stream import NodeSession
@@ -57,20 +62,6 @@ PACE = 3.0
 MAX_PACE = 1.0  # seconds
 PASS_BUDGET = 0.2  # seconds of placements in one pass (the first always goes ahead)
 CARRY_VIEW_FOR = 2.0  # seconds a view is carried into the pass that goes on with its work
-
-
-def _host_of(addr: str) -> str:
-    try:
-        return parse_hostport(addr, allow_zero=True)[0] if addr else ""
-    except ConfigError:
-        return ""
-
-
-def _port_of(addr: str) -> int:
-    try:
-        return parse_hostport(addr, allow_zero=True)[1] if addr else 0
-    except ConfigError:
-        return 0
 
 
 def restart_delay(failures: int) -> float:
@@ -92,6 +83,7 @@ def _wanted(profile: CatalogProfile) -> PlacementProfile:
         nodes=profile.nodes,
         gpu_memory_mib=profile.gpu_memory_mib or 0,
         source=profile.source_spec,
+        host_memory_mib=profile.host_memory_mib or 0,
     )
 
 
@@ -99,14 +91,6 @@ class _NoRoom(Exception):
     def __init__(self, why: PlacementUnplaceable) -> None:
         super().__init__(why.summary())
         self.why = why
-
-
-class _NoPort(Exception):
-    """The nodes placement chose share no free port in their ``multinode_ports``."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 class Scheduler(Moves):
@@ -380,16 +364,22 @@ class Scheduler(Moves):
             views.append(view)
         self._views = cache
         self.gpus.keep(cache)
+        host = host_use(store)  # nothing read while no profile declares host_memory
         allocations = [
             Allocation(
-                replica_id=sh.replica_id, shard_id=sh.id, node_id=sh.node_id, gpus=tuple(sh.gpus)
+                replica_id=sh.replica_id,
+                shard_id=sh.id,
+                node_id=sh.node_id,
+                gpus=tuple(sh.gpus),
+                host_memory_mib=host.needs.get(sh.replica_id, 0),
             )
             for sh in store.list_shards()
             # An asleep replica gave its GPU memory back: its GPUs are free for others until
-            # it wakes (llmgw.server.fleet.dozing takes them back first).
+            # it wakes (llmgw.server.fleet.dozing takes them back first); what it holds of
+            # host memory is counted apart (llmgw.server.fleet.hostmem).
             if sh.state != ShardState.ASLEEP
         ]
-        return Cluster(views, allocations)
+        return Cluster(views, allocations, host.sleepers)
 
     def _node_view(
         self,
@@ -417,11 +407,12 @@ class Scheduler(Moves):
                 for g in inv.get("gpus", [])
             ),
             fabrics=tuple(f["name"] for f in inv.get("fabrics", []) if f.get("healthy")),
-            mgmt_addr=_host_of(node.dataplane_addr or ""),
+            mgmt_addr=host_of(node.dataplane_addr or ""),
             state=node.state,
             held_engines=held,
             sources=NodeSources.from_inventory(inv),
             degraded=degraded_reasons(inv),
+            host_total_mib=int(inv.get("memory_total_bytes") or 0) >> 20,
         )
 
     def _view(self) -> Cluster:
@@ -447,7 +438,7 @@ class Scheduler(Moves):
             stored = adhoc_profile(model.engine, model.params)
         return parse_profile(stored, model=model.name, profile=model.profile, source="<store>")
 
-    def _place_replica(self, model: Model) -> str | None:
+    def _place_replica(self, model: Model, *, retry: bool = True) -> str | None:
         store = self.store
         profile = self._profile(model)
         cluster = self._view()
@@ -463,13 +454,15 @@ class Scheduler(Moves):
                     shard = store.add_shard(replica.id, sp.node_id, rank=sp.rank)
                     shards.append(store.update_shard(shard.id, gpus=list(sp.gpus)))
                 if len(shards) > 1:
-                    addr = self._dist_init_addr([sh.node_id for sh in shards])
+                    addr = dist_init_addr(store, [sh.node_id for sh in shards])
                     shards = [store.update_shard(sh.id, dist_init_addr=addr) for sh in shards]
                 store.set_replica_state(replica.id, ReplicaState.STARTING)
         except _NoRoom as exc:
+            if retry and self._retire_sleepers(model, wanted, profile.placement, cluster):
+                return self._place_replica(model, retry=False)
             self._note_unplaceable(model.name, exc.why.summary(limit=8))
             return None
-        except _NoPort as exc:
+        except NoPortError as exc:
             # The transaction took the replica and its shard rows back; free its GPUs in this
             # pass's view too, so that the next model may have them.
             cluster.release(replica.id)
@@ -487,6 +480,21 @@ class Scheduler(Moves):
         for sh in shards:
             self._send_start(sh)
         return replica.id
+
+    def _retire_sleepers(
+        self, model: Model, wanted: PlacementProfile, strategy: str, cluster: Cluster
+    ) -> bool:
+        """Where only sleepers' host memory keeps a replica of ``model`` off, retire the
+        lowest-priority ones (:func:`plan_room`), each model's count one less, as a sleeper
+        whose GPUs are taken back is; True when some were."""
+        plan = plan_room(self.store, cluster, wanted, strategy, model)
+        for sleeper in plan or ():
+            self.store.set_replicas(
+                sleeper.model, max(0, self.store.get_model(sleeper.model).replicas - 1)
+            )
+            self.remove_replica(sleeper.replica_id, why=retire_why(sleeper, model, wanted))
+            cluster.sleeper_gone(sleeper.node_id, sleeper.mib)
+        return bool(plan)
 
     def refusals_on(self, node_id: str) -> list[tuple[str, str]]:
         """Why ``node_id`` takes no replica of each model waiting for room (those in
@@ -539,66 +547,6 @@ class Scheduler(Moves):
             self.store.add_event("unplaceable", model, f"cannot place a replica: {reason}")
             log.warning("cannot place a replica", extra=kv(model=model, reason=reason))
 
-    def _dist_init_addr(self, node_ids: list[str]) -> str:
-        """A multi-node replica's rendezvous: rank 0's management address and its port
-        (:meth:`_rendezvous_port`). Every shard row of a replica keeps it, so the ports
-        taken on a node are those of the replicas it has shards of."""
-        host = _host_of(self.store.get_node(node_ids[0]).dataplane_addr or "") or "127.0.0.1"
-        return format_hostport(host, self._rendezvous_port(node_ids))
-
-    def _rendezvous_port(self, node_ids: list[str]) -> int:
-        """The replica's port (:func:`llmgw.server.fleet.rendezvous.rendezvous_port`): inside the
-        ``multinode_ports`` of every node, free on all of them; :class:`_NoPort` with the
-        reason when there is none."""
-        store = self.store
-        nodes = set(node_ids)
-        used = {
-            _port_of(sh.dist_init_addr)
-            for node_id in nodes
-            for sh in store.list_shards(node_id=node_id)
-            if sh.dist_init_addr
-        }
-        inventories = {node_id: store.get_node(node_id).inventory for node_id in nodes}
-        port = rendezvous_port(node_ids, inventories, used)
-        if isinstance(port, NoPort):
-            raise _NoPort(port.reason)
-        return port
-
-    def _awaits_workers(self, shard: Shard, engine: str) -> bool:
-        """Rank 0 of an engine that dials its workers waits for them: llama-server gives up
-        on an ``--rpc`` endpoint that does not answer yet, so it starts only once every
-        worker's endpoint is up (its shard ready)."""
-        if shard.rank != 0 or not shard.dist_init_addr or not dials_workers(engine):
-            return False
-        return any(
-            sh.rank > 0 and sh.state != ShardState.READY
-            for sh in self.store.list_shards(replica_id=shard.replica_id)
-        )
-
-    def _endpoints(self, shard: Shard, engine: str) -> tuple[list[str], str]:
-        """``(worker_addrs, listen_addr)`` of a shard's StartShard: for an engine whose
-        rank 0 dials its workers, rank 0 gets every worker's endpoint in rank order and a
-        worker the one it binds, each its node's management address and the replica's
-        port; empty for the others."""
-        if not dials_workers(engine) or not shard.dist_init_addr:
-            return [], ""
-        store = self.store
-        port = _port_of(shard.dist_init_addr)
-        if not port:
-            return [], ""  # the engine's builder refuses the shard, saying what is missing
-
-        def endpoint(node_id: str) -> str:
-            host = _host_of(store.get_node(node_id).dataplane_addr or "") or "127.0.0.1"
-            return format_hostport(host, port)
-
-        if shard.rank > 0:
-            return [], endpoint(shard.node_id)
-        workers = sorted(
-            (sh for sh in store.list_shards(replica_id=shard.replica_id) if sh.rank > 0),
-            key=lambda sh: sh.rank,
-        )
-        return [endpoint(sh.node_id) for sh in workers], ""
-
     def _degraded_for(self, shard: Shard) -> str:
         """Why the shard's node, as its agent last reported, cannot run the shard's model
         (``degraded: ...``); '' when nothing it reported stands in the way."""
@@ -629,9 +577,9 @@ class Scheduler(Moves):
         replica = store.get_replica(shard.replica_id)
         model = store.get_model(replica.model)
         profile = self._profile(model)
-        if self._awaits_workers(shard, profile.engine):
+        if awaits_workers(store, shard, profile.engine):
             return  # stays pending; a later pass sends it once every worker is ready
-        worker_addrs, listen_addr = self._endpoints(shard, profile.engine)
+        worker_addrs, listen_addr = endpoints(store, shard, profile.engine)
         op_id = session.start_shard(
             shard_id=shard.id,
             replica_id=replica.id,

@@ -4,7 +4,7 @@ shards go, or why no node can take it)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import islice
 from operator import attrgetter
 
@@ -39,9 +39,17 @@ class Cluster:
     may use are indexed on its first request (:class:`~llmgw.server.fleet.placement.index.Pool`),
     so a placement walks them best-first and usually stops at the first one, and a refusal
     is told per group of nodes (:class:`~llmgw.server.fleet.placement.refusal.Unplaceable`).
+
+    ``sleepers``: node -> the host memory (MiB) its sleeping replicas hold, which a
+    profile's ``host_memory`` is checked against (with the allocations' own).
     """
 
-    def __init__(self, nodes: Iterable[NodeView], allocations: Iterable[Allocation]) -> None:
+    def __init__(
+        self,
+        nodes: Iterable[NodeView],
+        allocations: Iterable[Allocation],
+        sleepers: Mapping[str, int] | None = None,
+    ) -> None:
         self._nodes: dict[str, NodeState] = {}
         # Nodes that take nothing: reason -> their ids, in id order.
         self._unusable: dict[str, list[str]] = {}
@@ -70,7 +78,10 @@ class Cluster:
         for alloc in self._allocations:
             holder = find(alloc.node_id)
             if holder is not None:
-                holder.hold(alloc.gpus)
+                holder.hold(alloc.gpus, alloc.host_memory_mib)
+        for node_id, mib in (sleepers or {}).items():
+            if node_id in self._nodes:
+                self._nodes[node_id].host_sleepers = mib
         self._kinds: list[Kind] = kinds_of(usable)
         self._pools: dict[Signature, Pool] = {}
 
@@ -82,6 +93,22 @@ class Cluster:
         if node is None:
             raise KeyError(f"no node {node_id} in this cluster view")
         return node.free_gpus()
+
+    def sleepers_hold(self) -> bool:
+        """Whether any node's sleepers hold host memory (as this view was given it)."""
+        return any(node.host_sleepers for node in self._nodes.values())
+
+    def host_short(self, node_id: str, need_mib: int) -> int:
+        """How much (MiB) the node lacks of ``need_mib`` host memory, counting what its
+        sleepers hold; 0 when it has it (or its memory is unknown)."""
+        room = self._nodes[node_id].host_room()
+        return 0 if room is None else max(0, need_mib - room)
+
+    def sleeper_gone(self, node_id: str, mib: int) -> None:
+        """A sleeper of the node holding ``mib`` was retired: its host memory is free."""
+        node = self._nodes.get(node_id)
+        if node is not None:
+            node.host_sleepers = max(0, node.host_sleepers - mib)
 
     def release(self, replica_id: str) -> None:
         """Forget every shard of the replica and free its GPUs; unknown ids are a no-op."""
@@ -96,7 +123,7 @@ class Cluster:
         for alloc in self._by_replica.pop(replica_id, ()):
             node = self._nodes.get(alloc.node_id)
             if node is not None:
-                self._count(node, alloc.gpus, -1)
+                self._count(node, alloc.gpus, -1, alloc.host_memory_mib)
 
     def place(
         self,
@@ -105,9 +132,12 @@ class Cluster:
         strategy: str = "binpack",
         avoid: frozenset[str] = frozenset(),
         replica_id: str | None = None,
+        sleepers_free: bool = False,
     ) -> Placement | Unplaceable:
         """Choose nodes and GPUs for one replica of ``profile`` and record them under
-        ``replica_id`` (a provisional id when None), or say why no node can take it."""
+        ``replica_id`` (a provisional id when None), or say why no node can take it.
+        ``sleepers_free``: the host memory sleepers hold counts as free (the trial of
+        whether retiring some would make room)."""
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
         if replica_id is not None and replica_id in self._replica_ids:
@@ -115,12 +145,14 @@ class Cluster:
         pool = self._pool(profile)
         fits: dict[str, int] = {}
         if profile.nodes == 1:
-            walk = pool.walk(pool.buckets, profile.gpus, strategy, avoid, self._nodes)
+            walk = pool.walk(
+                pool.buckets, profile.gpus, strategy, avoid, self._nodes, sleepers_free
+            )
             first = next(walk, None)
             fabric = None
             chosen = [first] if first is not None else []
         else:
-            fabric, chosen = self._multi(pool, profile, strategy, avoid, fits)
+            fabric, chosen = self._multi(pool, profile, strategy, avoid, fits, sleepers_free)
         if not chosen:
             return self._refusal(pool, profile, avoid, fits)
         if replica_id is None:
@@ -138,10 +170,15 @@ class Cluster:
         )
         for shard, node in zip(shards, chosen, strict=True):
             alloc = Allocation(
-                replica_id, f"{replica_id}-s{shard.rank}", shard.node_id, shard.gpus, memory
+                replica_id,
+                f"{replica_id}-s{shard.rank}",
+                shard.node_id,
+                shard.gpus,
+                memory,
+                profile.host_memory_mib,
             )
             allocs.append(alloc)
-            self._count(node, alloc.gpus, +1)
+            self._count(node, alloc.gpus, +1, alloc.host_memory_mib)
         return Placement(shards, replica_id)
 
     # -- choosing ------------------------------------------------------------------------------
@@ -160,6 +197,7 @@ class Cluster:
         strategy: str,
         avoid: frozenset[str],
         fits: dict[str, int],
+        sleepers_free: bool = False,
     ) -> tuple[str | None, list[NodeState]]:
         """The fabric and nodes of a multi-node replica (none when no fabric has enough);
         ``fits`` gets how many nodes could take a shard, per fabric."""
@@ -167,9 +205,9 @@ class Cluster:
         avoided = [self._nodes[a] for a in avoid if a in self._nodes]
         best: tuple[int, str] | None = None
         for fabric, buckets in pool.by_fabric.items():
-            fit = pool.count(buckets, need, self._nodes)
+            fit = pool.count(buckets, need, self._nodes, sleepers_free)
             for node in avoided:
-                if fabric in node.fabrics and pool.takes(node, need):
+                if fabric in node.fabrics and pool.takes(node, need, sleepers_free):
                     fit -= 1
             fits[fabric] = fit
             if fit < profile.nodes:
@@ -181,7 +219,7 @@ class Cluster:
         if best is None:
             return None, []
         fabric = best[1]
-        walk = pool.walk(pool.by_fabric[fabric], need, strategy, avoid, self._nodes)
+        walk = pool.walk(pool.by_fabric[fabric], need, strategy, avoid, self._nodes, sleepers_free)
         return fabric, list(islice(walk, profile.nodes))
 
     def _provisional_id(self) -> str:
@@ -193,7 +231,7 @@ class Cluster:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _count(self, node: NodeState, gpus: Sequence[str], sign: int) -> None:
+    def _count(self, node: NodeState, gpus: Sequence[str], sign: int, host_mib: int = 0) -> None:
         """An allocation added or released, and the node moved in every pool it is in."""
         kind = node.kind
         homes = (
@@ -201,7 +239,7 @@ class Cluster:
         )
         for pool, shape in homes:
             pool.remove(node, shape)
-        node.count(gpus, sign)
+        node.count(gpus, sign, host_mib)
         for pool, shape in homes:
             pool.insert(node, shape)
 

@@ -36,15 +36,22 @@ __all__ = [
 # A node's place in a pool: (free GPUs, allocations, GPUs, GPUs large enough for the pool).
 Key = tuple[int, int, int, int]
 Buckets = dict[Key, list[str]]
-# What a pool is for: (engine, needs GPUs, multi-node, GPU memory, source).
-Signature = tuple[str, bool, bool, int, SourceSpec | None]
+# What a pool is for: (engine, needs GPUs, multi-node, GPU memory, source, host memory).
+Signature = tuple[str, bool, bool, int, SourceSpec | None, int]
 # GPU sizes as nodes report them, each with its minimum: a few serve every node of a view.
 Sizes = dict[tuple[int, ...], tuple[tuple[int, ...], int]]
 
 
 def signature(profile: Profile) -> Signature:
     memory = profile.gpu_memory_mib if profile.gpus else 0
-    return (profile.engine, profile.gpus > 0, profile.nodes > 1, memory, profile.source)
+    return (
+        profile.engine,
+        profile.gpus > 0,
+        profile.nodes > 1,
+        memory,
+        profile.source,
+        profile.host_memory_mib,
+    )
 
 
 def unusable_reason(view: NodeView) -> str:
@@ -70,6 +77,9 @@ class NodeState:
         "fabrics",
         "free",
         "held",
+        "host_sleepers",
+        "host_total",
+        "host_used",
         "id",
         "kind",
         "min_mem",
@@ -106,11 +116,44 @@ class NodeState:
         # Its kind's index in the view's kinds (-1: not usable). An index, not the kind, so
         # that a view holds no reference cycle and is freed as soon as it is dropped.
         self.kind = -1
+        # Host memory (MiB): the node's (0: unknown), what its sleepers hold, and what its
+        # allocations' profiles declare.
+        self.host_total = view.host_total_mib
+        self.host_sleepers = 0
+        self.host_used = 0
 
-    def hold(self, gpus: Iterable[str]) -> None:
+    def host_room(self, sleepers_free: bool = False) -> int | None:
+        """The host memory (MiB) neither its sleepers (unless ``sleepers_free``) nor its
+        allocations hold; None when the node's is unknown."""
+        if not self.host_total:
+            return None
+        held = self.host_used + (0 if sleepers_free else self.host_sleepers)
+        return self.host_total - held
+
+    def host_fits(self, need: int, sleepers_free: bool = False) -> bool:
+        """Whether ``need`` MiB of host memory is free (always, when unknown or not asked)."""
+        if not need:
+            return True
+        room = self.host_room(sleepers_free)
+        return room is None or room >= need
+
+    def host_refusal(self, need: int) -> str:
+        """Why ``need`` MiB of host memory is not free here, as a refusal says it."""
+        parts = []
+        if self.host_sleepers:
+            parts.append(f"sleepers hold {size_text(self.host_sleepers)}")
+        if self.host_used:
+            verb = "and replicas" if parts else "replicas hold"
+            parts.append(f"{verb} {size_text(self.host_used)}")
+        held = f"{' '.join(parts)} of " if parts else ""
+        total = size_text(self.host_total)
+        return f"{held}{total} host memory; needs {size_text(need)}"
+
+    def hold(self, gpus: Iterable[str], host_mib: int = 0) -> None:
         """An allocation of ``gpus`` added: :meth:`count` with +1, for the many allocations
         a view starts with."""
         self.allocs += 1
+        self.host_used += host_mib
         held = self.held
         order = self.order
         for uuid in gpus:
@@ -120,9 +163,11 @@ class NodeState:
                 held[uuid] = 1
         self.free = len(order) - len(held)
 
-    def count(self, gpus: Iterable[str], sign: int) -> None:
-        """An allocation of ``gpus`` added (+1) or released (-1)."""
+    def count(self, gpus: Iterable[str], sign: int, host_mib: int = 0) -> None:
+        """An allocation of ``gpus`` (and ``host_mib`` of host memory) added (+1) or
+        released (-1)."""
         self.allocs += sign
+        self.host_used += sign * host_mib
         held = self.held
         for uuid in gpus:
             if uuid not in self.order:
@@ -217,8 +262,9 @@ class Pool:
     bucket in id order; and the others, grouped by why they may not."""
 
     def __init__(self, profile: Profile, kinds: Sequence[Kind]) -> None:
-        engine, gpus, multi, memory, source = signature(profile)
+        engine, gpus, multi, memory, source, host = signature(profile)
         self.memory = memory
+        self.host = host
         self.buckets: Buckets = {}
         self.by_fabric: dict[str, Buckets] = {}
         # Per kind in the pool (by index), its nodes' (GPUs, GPUs large enough).
@@ -318,10 +364,16 @@ class Pool:
             if by_fabric is not None:
                 _drop(by_fabric, key, node.id)
 
-    def takes(self, node: NodeState, need: int) -> bool:
-        """Whether the node is in the pool and has ``need`` free GPUs large enough."""
+    def takes(self, node: NodeState, need: int, sleepers_free: bool = False) -> bool:
+        """Whether the node is in the pool and has ``need`` free GPUs large enough (and the
+        pool's host memory free)."""
         shape = self.shape(node)
-        return shape is not None and shape[1] >= need and node.fit(self.memory) >= need
+        return (
+            shape is not None
+            and shape[1] >= need
+            and node.fit(self.memory) >= need
+            and node.host_fits(self.host, sleepers_free)
+        )
 
     # -- choosing ------------------------------------------------------------------------------
 
@@ -332,9 +384,11 @@ class Pool:
         strategy: str,
         avoid: frozenset[str],
         nodes: Mapping[str, NodeState],
+        sleepers_free: bool = False,
     ) -> Iterator[NodeState]:
-        """The nodes of ``buckets`` with ``need`` free GPUs large enough, not in ``avoid``,
-        best first for the strategy."""
+        """The nodes of ``buckets`` with ``need`` free GPUs large enough and the pool's host
+        memory free (counting what sleepers hold unless ``sleepers_free``), not in
+        ``avoid``, best first for the strategy."""
         keys = [k for k in buckets if k[0] >= need and k[3] >= need]
         rank: Callable[[Key], object]
         if strategy == "binpack":
@@ -346,7 +400,7 @@ class Pool:
         else:  # spread: most free GPUs, then fewest allocations; with none, the reverse
             rank = _spread if need else _spread_none
             keys.sort(key=rank)
-        memory = self.memory
+        memory, host = self.memory, self.host
         for _rank, same in groupby(keys, key=rank):
             lists = [buckets[k] for k in same]
             for node_id in lists[0] if len(lists) == 1 else heapq.merge(*lists):
@@ -355,16 +409,32 @@ class Pool:
                 node = nodes[node_id]
                 if memory > node.min_mem and node.fit(memory) < need:
                     continue
+                if host and not node.host_fits(host, sleepers_free):
+                    continue
                 yield node
 
-    def count(self, buckets: Buckets, need: int, nodes: Mapping[str, NodeState]) -> int:
-        """How many nodes of ``buckets`` have ``need`` free GPUs large enough."""
+    def count(
+        self,
+        buckets: Buckets,
+        need: int,
+        nodes: Mapping[str, NodeState],
+        sleepers_free: bool = False,
+    ) -> int:
+        """How many nodes of ``buckets`` have ``need`` free GPUs large enough (and the
+        pool's host memory)."""
         fits = 0
-        memory = self.memory
+        memory, host = self.memory, self.host
         for (free, _allocs, total, large), ids in buckets.items():
             if free < need or large < need:
                 continue
-            if large == total:
+            if host:
+                fits += sum(
+                    1
+                    for node_id in ids
+                    if nodes[node_id].fit(memory) >= need
+                    and nodes[node_id].host_fits(host, sleepers_free)
+                )
+            elif large == total:
                 fits += len(ids)
             else:
                 fits += sum(1 for node_id in ids if nodes[node_id].fit(memory) >= need)
@@ -390,8 +460,10 @@ class Pool:
 
         for why, ids in self.refused.items():
             add(why, _without(ids, avoided))
+        if self.host:
+            self._explain_host(add, need, set(avoided), nodes)
         if not need:
-            return  # every node in the pool fits
+            return  # every node in the pool has the GPUs (none)
         memory = self.memory
         add(f"no GPUs, needs {need}", _without(self.gpuless, avoided))
         size = size_text(memory) if memory else ""
@@ -418,6 +490,24 @@ class Pool:
                     fit = nodes[node_id].fit(memory)
                     if fit < need and node_id not in skip:
                         add(f"{fit} of {large} GPUs with {size} free, needs {need}", [node_id])
+
+    def _explain_host(
+        self,
+        add: Callable[[str, Sequence[str]], None],
+        need: int,
+        skip: set[str],
+        nodes: Mapping[str, NodeState],
+    ) -> None:
+        """The nodes of the pool with the GPUs a shard needs but not the host memory."""
+        for (free, _allocs, _total, large), ids in self.buckets.items():
+            if free < need or large < need:
+                continue  # their line says what GPUs they lack
+            for node_id in ids:
+                node = nodes[node_id]
+                if node_id in skip or node.fit(self.memory) < need:
+                    continue
+                if not node.host_fits(self.host):
+                    add(node.host_refusal(self.host), [node_id])
 
 
 _free = itemgetter(0)

@@ -62,6 +62,9 @@ class NodeView:
     sources: NodeSources | None = None
     # Why the node is degraded, as its agent reported (llmgw.contracts.inventory).
     degraded: tuple[DegradedReason, ...] = ()
+    # Its memory (MiB), as its agent reported; 0: unknown (a profile's host_memory is then
+    # not checked on it).
+    host_total_mib: int = 0
 
 
 def offered_engines(view: NodeView) -> frozenset[str]:
@@ -74,7 +77,9 @@ def offered_engines(view: NodeView) -> frozenset[str]:
 @dataclass(frozen=True)
 class Profile:
     """What one replica needs: ``nodes`` shards of ``gpus`` GPUs each running ``engine``;
-    ``gpu_memory_mib`` > 0 admits only GPUs at least that large (ignored when ``gpus == 0``)."""
+    ``gpu_memory_mib`` > 0 admits only GPUs at least that large (ignored when ``gpus == 0``);
+    ``host_memory_mib`` > 0 admits only nodes with that much memory that neither their
+    sleepers nor their replicas' own ``host_memory`` hold (0: not checked)."""
 
     engine: str
     gpus: int
@@ -82,6 +87,7 @@ class Profile:
     gpu_memory_mib: int = 0
     # The weights every shard's node must have under its models_root, or may fetch.
     source: SourceSpec | None = None
+    host_memory_mib: int = 0
 
     def __post_init__(self) -> None:
         if self.gpus < 0:
@@ -90,6 +96,8 @@ class Profile:
             raise ValueError(f"a profile needs 1 or more nodes per replica, not {self.nodes}")
         if self.gpu_memory_mib < 0:
             raise ValueError(f"gpu_memory_mib must be 0 or more, not {self.gpu_memory_mib}")
+        if self.host_memory_mib < 0:
+            raise ValueError(f"host_memory_mib must be 0 or more, not {self.host_memory_mib}")
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,8 @@ class Allocation:
     node_id: str
     gpus: tuple[str, ...]
     gpu_memory_mib: int = 0
+    # The host memory its profile declares (``host_memory``): taken from its node's.
+    host_memory_mib: int = 0
 
 
 @dataclass(frozen=True)
