@@ -151,6 +151,12 @@ class Metrics:
             "cordoned by an operator).",
             ("state",),
         )
+        self.sleepers_host_memory = Gauge(
+            "llmgw_sleepers_host_memory_bytes",
+            "Host memory the sleeping replicas of a node hold (level 1 keeps the weights): "
+            "as their engines said, else their weights' size as the node lists them.",
+            ("node",),
+        )
         self.ready_replicas = Gauge("llmgw_ready_replicas", "Ready replicas by model.", ("model",))
         self.replica_states = Gauge(
             "llmgw_replicas",
@@ -304,6 +310,7 @@ class Metrics:
             self.inflight,
             self.nodes,
             self.gpus,
+            self.sleepers_host_memory,
             self.ready_replicas,
             self.replica_states,
             self.queued,

@@ -11,6 +11,13 @@ priority: the occupant is put to sleep if it is idle and can, else retired (drai
 the wake follows once its GPUs are free; from an equal or higher priority it does not: the
 asleep replica is retired instead, and the scheduler places the model's replica where there
 is room (or a lower priority gives way: :mod:`llmgw.server.fleet.preemption`).
+
+A level-1 sleeper keeps its weights in its node's memory: the sleepers of a node hold at
+most :data:`HOST_SHARE` of it. What a replica will hold asleep is what its model's sleepers
+held as their engines said, else the size of its weights as its node lists them
+(:mod:`llmgw.server.fleet.hostmem`), else unknown (it may sleep). An idle replica that would
+pass the share sleeps at level 2 instead where its engine can (vLLM, the sim: the weights
+dropped, reloaded by its wake), and stays awake where it cannot (SGLang).
 """
 
 from __future__ import annotations
@@ -18,13 +25,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
-from llmgw.contracts.catalog import deployed_profile, profile_sleep_level
-from llmgw.contracts.scaling import ScalingPolicy, policy_of
+from llmgw.contracts.catalog import deployed_profile
+from llmgw.contracts.scaling import ScalingPolicy
 from llmgw.durations import format_duration
-from llmgw.errors import ConfigError, Conflict, NotFound
+from llmgw.errors import Conflict, NotFound
 from llmgw.log import kv
+from llmgw.server.fleet.hostmem import Sleeper, rank_of, sleepers, sleeping, weights_mib
 from llmgw.server.fleet.scheduler import Scheduler
+from llmgw.server.fleet.sleeps import sleeps_at
 from llmgw.server.store import Model, Replica, Shard
 from llmgw.server.store.states import ReplicaState, ShardState
 
@@ -54,14 +64,19 @@ class Dozing:
         # model -> the host memory (MiB) a replica of it held asleep at level 1, as the
         # engines said: what the next one will hold
         self.host_mib: dict[str, int] = {}
+        # This pass's sleepers (hostmem), read once per pass where something sleeps.
+        self._asleep: list[Sleeper] = []
+        # The nodes the sleepers' host memory gauge was last set for.
+        self._shown: set[str] = set()
 
     def step(self, demand_of: Mapping[str, int]) -> None:
         """One pass: ``demand_of`` is each model's demand (in flight, queued, waiting)."""
         store = self.store
-        sleepy = [(m, *_sleeping(m)) for m in store.list_models()]
+        sleepy = [(m, *sleeping(m)) for m in store.list_models()]
         sleepy = [(m, policy, level) for m, policy, level in sleepy if policy and level]
         if not sleepy:  # a fleet where nothing sleeps: nothing more is read
             self.idle_since.clear()
+            self._show_held([])
             return
         busy = {ep.replica_id: ep.inflight for ep in self.scheduler.router.endpoints()}
         replicas: dict[str, list[Replica]] = {}
@@ -69,6 +84,7 @@ class Dozing:
             replicas.setdefault(replica.model, []).append(replica)
         now = self.clock()
         self._learn_host_memory(replicas)
+        self._show_held(self._asleep)
         seen: set[str] = set()
         for model, policy, level in sleepy:
             assert policy is not None
@@ -105,17 +121,19 @@ class Dozing:
             since = self.idle_since.setdefault(replica.id, now)
             if spare <= 0 or now - since < policy.sleep_after:
                 continue
-            full = self._host_full(replica, level)
-            if full:
+            why = f"idle for {format_duration(policy.sleep_after)}"
+            at = level
+            full = self._host_full(replica, model, level)
+            if full and sleeps_at(_profile(model, replica), 2):
+                at, why = 2, f"{why}; slept at level 2: {full}"
+                log.info(
+                    "an idle replica sleeps at level 2", extra=kv(replica=replica.id, why=full)
+                )
+            elif full:
                 log.info("an idle replica stays awake", extra=kv(replica=replica.id, why=full))
                 continue
             try:
-                self.scheduler.sleep_replica(
-                    replica.id,
-                    level,
-                    why=f"idle for {format_duration(policy.sleep_after)}",
-                    actor="planner",
-                )
+                self.scheduler.sleep_replica(replica.id, at, why=why, actor="planner")
             except (Conflict, NotFound) as exc:
                 log.info("an idle replica cannot sleep", extra=kv(replica=replica.id, why=str(exc)))
                 continue
@@ -123,23 +141,38 @@ class Dozing:
             spare -= 1
 
     def _learn_host_memory(self, replicas: Mapping[str, list[Replica]]) -> None:
-        asleep = {
-            r.id: model
-            for model, rs in replicas.items()
-            for r in rs
-            if r.state == ReplicaState.ASLEEP
-        }
-        if not asleep:
+        """This pass's sleepers, and what the level-1 ones of each model said they hold."""
+        if not any(r.state == ReplicaState.ASLEEP for rs in replicas.values() for r in rs):
+            self._asleep = []
             return
-        for shard in self.store.list_shards(states=(ShardState.ASLEEP,)):
-            model = asleep.get(shard.replica_id)
-            if model is not None and shard.host_memory_mib:
-                self.host_mib[model] = max(self.host_mib.get(model, 0), shard.host_memory_mib)
+        self._asleep = sleepers(self.store)
+        said = {
+            s.replica_id: s.host_memory_mib
+            for s in self.store.list_shards(states=(ShardState.ASLEEP,))
+            if s.rank == 0 and s.host_memory_mib and s.sleep_level != 2
+        }
+        for sleeper in self._asleep:
+            mib = said.get(sleeper.replica_id, 0)
+            if mib:
+                self.host_mib[sleeper.model] = max(self.host_mib.get(sleeper.model, 0), mib)
 
-    def _host_full(self, replica: Replica, level: int) -> str:
+    def _show_held(self, asleep: list[Sleeper]) -> None:
+        """The sleepers' host memory gauge, per node (0 for a node whose sleepers left)."""
+        metrics = self.scheduler.sleeps.metrics
+        if metrics is None:
+            return
+        held: dict[str, int] = {}
+        for sleeper in asleep:
+            held[sleeper.node_id] = held.get(sleeper.node_id, 0) + sleeper.mib
+        for node_id in self._shown | set(held):
+            metrics.sleepers_host_memory.set((node_id,), held.get(node_id, 0) * _MIB)
+        self._shown = set(held)
+
+    def _host_full(self, replica: Replica, model: Model, level: int) -> str:
         """Why ``replica`` may not sleep at ``level`` on its node for want of host memory
         ('' when it may): a level-1 sleeper keeps its weights in the node's memory, and the
-        sleepers of a node may hold at most HOST_SHARE of it."""
+        sleepers of a node may hold at most HOST_SHARE of it. What it will hold: what its
+        model's sleepers said, else its weights' size as the node lists them."""
         if level != 1:
             return ""  # level 2 drops its weights
         shards = [s for s in self.store.list_shards(replica_id=replica.id) if s.rank == 0]
@@ -147,17 +180,16 @@ class Dozing:
             return ""
         node_id = shards[0].node_id
         try:
-            total = int(self.store.get_node(node_id).inventory.get("memory_total_bytes") or 0)
+            inventory = self.store.get_node(node_id).inventory
         except NotFound:
             return ""
-        need = self.host_mib.get(replica.model, 0)
+        total = int(inventory.get("memory_total_bytes") or 0)
+        need = self.host_mib.get(replica.model, 0) or weights_mib(
+            inventory, _profile(model, replica)
+        )
         if not total or not need:
             return ""  # unknown: it may (its engine will say what it holds)
-        held = sum(
-            s.host_memory_mib
-            for s in self.store.list_shards(node_id=node_id)
-            if s.state == ShardState.ASLEEP
-        )
+        held = sum(s.mib for s in self._asleep if s.node_id == node_id)
         budget = int(total / _MIB * HOST_SHARE)
         if held + need <= budget:
             return ""
@@ -188,7 +220,7 @@ class Dozing:
             return
         theirs = {r.id: r for r in (store.get_replica(o) for o in occupants)}
         models = {m.name: m for m in store.list_models()}
-        if all(_rank(models.get(r.model)) < policy.rank for r in theirs.values()):
+        if all(rank_of(models.get(r.model)) < policy.rank for r in theirs.values()):
             self._take_back(replica, model, shard, list(theirs.values()), models)
             return
         # Held by an equal or higher priority: this one gives its place up; the scheduler
@@ -222,7 +254,7 @@ class Dozing:
             if other.state == ReplicaState.STOPPING or other.state == ReplicaState.FALLING_ASLEEP:
                 continue  # on its way out already
             why = f"giving GPUs of {shard.node_id} back to {replica.id} of {model.name}, waking"
-            _policy, level = _sleeping(models[other.model])
+            _policy, level = sleeping(models[other.model])
             if level and not busy.get(other.id, 0) and other.state == ReplicaState.READY:
                 try:
                     self.scheduler.sleep_replica(other.id, level, why=why, actor="planner")
@@ -248,18 +280,8 @@ class Dozing:
         self.making_room[replica.id] = {o.id for o in occupants}
 
 
-def _sleeping(model: Model) -> tuple[ScalingPolicy | None, int]:
-    """A model's scaling policy and the level its deployed profile sleeps at (0: none)."""
-    try:
-        policy = policy_of(model.scaling)
-    except ConfigError:
-        return None, 0
-    profile = deployed_profile(model.profiles, model.profile, model.engine, model.params)
-    return policy, profile_sleep_level(profile)
-
-
-def _rank(model: Model | None) -> int:
-    """A model's priority rank; a fixed count's above every other (it neither takes nor
-    gives)."""
-    policy, _level = _sleeping(model) if model is not None else (None, 0)
-    return policy.rank if policy is not None else 99
+def _profile(model: Model, replica: Replica) -> Mapping[str, Any]:
+    """The stored profile ``replica`` runs."""
+    return deployed_profile(
+        model.profiles, replica.profile or model.profile, model.engine, model.params
+    )

@@ -18,10 +18,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from llmgw.contracts.catalog import deployed_profile, profile_sleep_level
+from llmgw.engines.launch import sleep_args
 from llmgw.engines.registry import sleeping_engines
-from llmgw.errors import Conflict, NotFound
+from llmgw.errors import Conflict, EngineError, NotFound
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.common.metrics import Metrics
 from llmgw.server.fleet.stream import NodeSession
@@ -29,7 +31,21 @@ from llmgw.server.gateway.routing import Endpoint, Router
 from llmgw.server.store import Replica, Shard, Store
 from llmgw.server.store.states import ReplicaState, ShardState
 
-__all__ = ["Sleeps"]
+__all__ = ["Sleeps", "sleeps_at"]
+
+
+def sleeps_at(profile: Mapping[str, Any], level: int) -> bool:
+    """Whether a replica of the stored ``profile`` may sleep at ``level``: its own level,
+    or another its engine sleeps at with the flags it was started with (vLLM and the sim
+    take level 2 as well as 1; SGLang has its one level)."""
+    able = profile_sleep_level(profile)
+    if not able or level == able:
+        return bool(able)
+    engine = str(profile.get("engine") or "")
+    try:
+        return sleep_args(engine, level) == sleep_args(engine, able)
+    except EngineError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -68,7 +84,8 @@ class Sleeps:
     def sleep_replica(self, replica_id: str, level: int, *, why: str, actor: str = "") -> str:
         """Order a ready replica's engine to sleep at ``level``; returns the op id. NotFound
         for an unknown replica; Conflict, saying why and what to do, when it cannot sleep."""
-        replica, shard, able = self._replica(replica_id)
+        replica, shard, profile = self._replica(replica_id)
+        able = profile_sleep_level(profile)
         if not able:
             raise Conflict(
                 f"replica {replica_id} of model {replica.model} cannot sleep: its profile has "
@@ -77,10 +94,11 @@ class Sleeps:
             )
         if level not in (1, 2):
             raise Conflict(f"sleep level must be 1 or 2, not {level}")
-        if level != able:
+        if not sleeps_at(profile, level):
             raise Conflict(
                 f"replica {replica_id} was started to sleep at level {able} (its profile's "
-                f"sleep.level), not {level}: give --level {able}"
+                f"sleep.level), and its engine cannot sleep at {level} with that start: give "
+                f"--level {able}"
             )
         if replica.state == ReplicaState.ASLEEP:
             raise Conflict(f"replica {replica_id} is asleep already")
@@ -104,7 +122,7 @@ class Sleeps:
     def wake_replica(self, replica_id: str, *, why: str, actor: str = "") -> str:
         """Order an asleep replica's engine to wake; returns the op id. NotFound for an
         unknown replica; Conflict when it is not asleep."""
-        replica, shard, _able = self._replica(replica_id)
+        replica, shard, _profile = self._replica(replica_id)
         if replica.state in (ReplicaState.READY, ReplicaState.WAKING):
             raise Conflict(f"replica {replica_id} is {replica.state}: it needs no waking")
         if replica.state != ReplicaState.ASLEEP:
@@ -122,8 +140,8 @@ class Sleeps:
         self.store.update_shard(shard.id, state=ShardState.WAKING)
         return op_id
 
-    def _replica(self, replica_id: str) -> tuple[Replica, Shard, int]:
-        """The replica, its rank 0, and the level its profile sleeps at (0: none)."""
+    def _replica(self, replica_id: str) -> tuple[Replica, Shard, Mapping[str, Any]]:
+        """The replica, its rank 0, and its stored profile."""
         replica = self.store.get_replica(replica_id)
         model = self.store.get_model(replica.model)
         profile = deployed_profile(
@@ -133,7 +151,7 @@ class Sleeps:
         rank0 = next((s for s in shards if s.rank == 0), None)
         if rank0 is None:
             raise Conflict(f"replica {replica_id} has no shard placed yet; try again once ready")
-        return replica, rank0, profile_sleep_level(profile)
+        return replica, rank0, profile
 
     def _session(self, shard: Shard) -> NodeSession:
         session = self.sessions.get(shard.node_id)

@@ -22,8 +22,10 @@ def _join(cp: SchedulerRig, gpus: int = 1) -> None:
     cp.join("n1", inventory, dataplane_addr="127.0.0.1:9443", engines=frozenset({"sim"}))
 
 
-def _deploy(cp: SchedulerRig, name: str, policy: ScalingPolicy, replicas: int = 1) -> None:
-    cp.store.put_catalog_model(name, {"default": dict(SLEEPY)})
+def _deploy(
+    cp: SchedulerRig, name: str, policy: ScalingPolicy, replicas: int = 1, **profile: Any
+) -> None:
+    cp.store.put_catalog_model(name, {"default": {**SLEEPY, **profile}})
     cp.store.deploy_model(name, profile="default", replicas=replicas)
     cp.store.set_scaling(name, policy.to_json(), replicas=replicas)
 
@@ -158,13 +160,23 @@ def test_an_equal_priority_keeps_the_gpu_and_the_sleeper_gives_its_place_up(
     assert cp.store.get_replica(occupant.id).state == ReplicaState.READY
 
 
-def test_the_sleepers_of_a_node_hold_at_most_half_its_memory(cp: SchedulerRig) -> None:
+def test_the_sleepers_of_a_node_hold_at_most_half_its_memory_sglang_stays_awake(
+    cp: SchedulerRig,
+) -> None:
+    # SGLang sleeps at its one level (weights kept): past the share it stays awake (the sim
+    # and vLLM sleep at level 2 instead: test_dozing_hostmem).
     inventory = {
         "gpus": [{"uuid": f"GPU-{i}", "memory_total_mib": 81920} for i in range(3)],
         "memory_total_bytes": 64 << 30,  # 64 GiB: 32 GiB for sleeping weights
+        "sources": {
+            "models_root": "/srv/models",
+            "entries": [{"name": "m", "size_bytes": 20 << 30, "dir": True}],
+            "listed_depth": 3,
+        },
     }
-    cp.join("n1", inventory, dataplane_addr="127.0.0.1:9443", engines=frozenset({"sim"}))
-    _deploy(cp, "m", ScalingPolicy(min=0, max=3, sleep_after=1), 3)
+    cp.join("n1", inventory, dataplane_addr="127.0.0.1:9443", engines=frozenset({"sglang"}))
+    policy = ScalingPolicy(min=0, max=3, sleep_after=1)
+    _deploy(cp, "m", policy, 3, engine="sglang", source="m")
     scheduler = cp.scheduler()
     scheduler.reconcile()
     first, second, third = cp.store.list_replicas("m")

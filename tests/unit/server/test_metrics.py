@@ -160,6 +160,7 @@ def test_empty_metrics_render_help_and_type_only() -> None:
         "llmgw_requests_in_flight",
         "llmgw_nodes",
         "llmgw_gpus",
+        "llmgw_sleepers_host_memory_bytes",
         "llmgw_ready_replicas",
         "llmgw_replicas",
         "llmgw_queued_requests",

@@ -166,6 +166,21 @@ def test_an_order_refused_before_the_engine_was_touched_leaves_the_replica_as_it
     assert len(rig.events("replica_wake_refused")) == 1
 
 
+def test_a_replica_started_for_level_1_may_sleep_at_level_2_where_its_engine_can(
+    rig: Rig,
+) -> None:
+    # The sim (as vLLM) is started with the same flag for both levels: level 2 drops the
+    # weights (what the planner falls back to when the node's sleepers hold enough).
+    replica, shard = rig.replica("m", SLEEPY)
+    op = rig.scheduler.sleep_replica(replica, 2, why="host memory")
+    order = rig.orders()[-1]
+    assert order.sleep_shard.shard_id == shard and order.sleep_shard.level == 2
+    rig.report(shard, replica, pb.SHARD_ASLEEP, sleep_level=2, transition_ms=5)
+    assert op and rig.store.get_shard(shard).sleep_level == 2
+    (event,) = rig.events("replica_asleep")
+    assert "asleep at level 2 in " in event.message and event.message.endswith("host memory")
+
+
 def test_refusals(rig: Rig) -> None:
     plain, _ = rig.replica("plain", PLAIN)
     sleepy, shard = rig.replica("sleepy", SLEEPY)
@@ -173,8 +188,12 @@ def test_refusals(rig: Rig) -> None:
         rig.scheduler.sleep_replica("nope", 1, why="x")
     with pytest.raises(Conflict, match="cannot sleep: its profile has no 'sleep'"):
         rig.scheduler.sleep_replica(plain, 1, why="x")
+    # SGLang sleeps at its one level: a level-2 order is refused, naming the fix.
+    sglang, _ = rig.replica("sglang", {**SLEEPY, "engine": "sglang"})
     with pytest.raises(Conflict, match=r"was started to sleep at level 1 .*give --level 1"):
-        rig.scheduler.sleep_replica(sleepy, 2, why="x")
+        rig.scheduler.sleep_replica(sglang, 2, why="x")
+    with pytest.raises(Conflict, match="sleep level must be 1 or 2, not 3"):
+        rig.scheduler.sleep_replica(sleepy, 3, why="x")
     with pytest.raises(Conflict, match=r"is ready, not asleep|needs no waking"):
         rig.scheduler.wake_replica(sleepy, why="x")
     rig.scheduler.sleep_replica(sleepy, 1, why="x")
