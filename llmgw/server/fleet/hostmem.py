@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw.contracts.catalog import deployed_profile, profile_sleep_level
-from llmgw.contracts.memory import mib_text
+from llmgw.contracts.memory import mib_text, parse_memory_mib
 from llmgw.contracts.model_sources import NodeSources, SourceSpec
 from llmgw.contracts.scaling import ScalingPolicy, policy_of
 from llmgw.errors import ConfigError, NotFound
@@ -164,8 +164,15 @@ def host_use(store: Store) -> HostUse:
 
 
 def _declared(model: Model, replica: Replica | None = None) -> int:
+    """The ``host_memory`` (MiB) a replica's stored profile declares; 0: none (or one this
+    llmgw cannot read, which the scheduler's own parse refuses, saying why)."""
     value = _profile(model, replica).get("host_memory")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    if value is None:
+        return 0
+    try:
+        return parse_memory_mib(value)
+    except ConfigError:
+        return 0
 
 
 def plan_room(

@@ -67,7 +67,7 @@ def _steps(dozing: Dozing, now: list[float]) -> None:
 
 def test_the_weights_size_is_the_estimate_before_any_engine_said(cp: SchedulerRig) -> None:
     _node(cp)
-    scheduler, (first, second, third) = _ready(cp, "m", 3)
+    scheduler, (first, _second, _third) = _ready(cp, "m", 3)
     inventory = cp.store.get_node("n1").inventory
     assert weights_mib(inventory, {"source": "llama"}) == 20 * 1024  # the files summed
     assert weights_mib(inventory, {"source": "missing"}) == 0
@@ -86,7 +86,7 @@ def test_the_weights_size_is_the_estimate_before_any_engine_said(cp: SchedulerRi
 
 def test_the_engines_word_comes_before_the_estimate(cp: SchedulerRig) -> None:
     _node(cp)
-    scheduler, (first, second, third) = _ready(cp, "m", 3)
+    scheduler, (first, _second, _third) = _ready(cp, "m", 3)
     # Its engine said 4 GiB (a quantised copy, say): the next ones will hold as much.
     _asleep(cp, first.id, said=4 * 1024)
     now = [0.0]
@@ -119,7 +119,7 @@ def test_past_the_share_the_sim_sleeps_at_level_2_and_the_event_says_why(
 
 def test_within_the_share_a_level_1_sleep_stays_level_1(cp: SchedulerRig) -> None:
     _node(cp, gpus=2, weights=8 * GIB)
-    scheduler, (first, second) = _ready(cp, "m", 2)
+    scheduler, (first, _second) = _ready(cp, "m", 2)
     _asleep(cp, first.id)  # holds 8 GiB (estimated); 8 more is within 32
     now = [0.0]
     dozing = Dozing(scheduler, clock=lambda: now[0])
@@ -129,7 +129,7 @@ def test_within_the_share_a_level_1_sleep_stays_level_1(cp: SchedulerRig) -> Non
 
 def test_the_gauge_shows_each_nodes_sleepers_host_memory(cp: SchedulerRig) -> None:
     _node(cp, gpus=2)
-    scheduler, (first, second) = _ready(cp, "m", 2)
+    scheduler, (first, _second) = _ready(cp, "m", 2)
     metrics = Metrics()
     scheduler.sleeps.metrics = metrics
     _asleep(cp, first.id, said=3 * 1024)
