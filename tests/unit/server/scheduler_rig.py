@@ -11,6 +11,7 @@ from llmgw.server.fleet.scheduler import Scheduler
 from llmgw.server.fleet.stream import NodeSession
 from llmgw.server.gateway.routing import Router
 from llmgw.server.store import Store
+from llmgw.server.store.states import ShardState
 
 
 @dataclass(frozen=True)
@@ -86,3 +87,31 @@ class SchedulerRig:
             engines=engines,
             approved=True,
         )
+
+
+def set_state(cp: SchedulerRig, replica_id: str, state: str) -> None:
+    """A replica and its shards in ``state`` (routed when ready), as its agent would say."""
+    for shard in cp.store.list_shards(replica_id=replica_id):
+        cp.store.update_shard(shard.id, state=state)
+    cp.store.set_replica_state(replica_id, state)
+    if state == ShardState.READY:
+        cp.router.routable.add(replica_id)
+    else:
+        cp.router.routable.discard(replica_id)
+
+
+def orders(cp: SchedulerRig) -> list[tuple[str, Any]]:
+    """The orders sent to every node since the last call: (kind, order)."""
+    out = []
+    for session in cp.sessions.values():
+        while not session.queue.empty():
+            msg = session.queue.get_nowait()
+            if msg is not None:
+                kind = msg.WhichOneof("msg")
+                out.append((kind, getattr(msg, kind)))
+    return out
+
+
+def order_kinds(cp: SchedulerRig) -> list[str]:
+    """The kinds of the sleep, wake and stop orders sent since the last call."""
+    return [k for k, _ in orders(cp) if k in ("sleep_shard", "wake_shard", "stop_shard")]

@@ -13,6 +13,9 @@ from llmgw.proto import control_pb2 as pb
 from llmgw.server.fleet.dozing import Dozing
 from llmgw.server.store.states import ReplicaState, ShardState
 from tests.unit.server.scheduler_rig import SchedulerRig
+from tests.unit.server.scheduler_rig import order_kinds as _kinds
+from tests.unit.server.scheduler_rig import orders as _orders
+from tests.unit.server.scheduler_rig import set_state as _set
 
 SLEEPY = {"engine": "sim", "gpus": 1, "sleep": {"level": 1}}
 
@@ -28,31 +31,6 @@ def _deploy(
     cp.store.put_catalog_model(name, {"default": {**SLEEPY, **profile}})
     cp.store.deploy_model(name, profile="default", replicas=replicas)
     cp.store.set_scaling(name, policy.to_json(), replicas=replicas)
-
-
-def _set(cp: SchedulerRig, replica_id: str, state: str) -> None:
-    for shard in cp.store.list_shards(replica_id=replica_id):
-        cp.store.update_shard(shard.id, state=state)
-    cp.store.set_replica_state(replica_id, state)
-    if state == ShardState.READY:
-        cp.router.routable.add(replica_id)
-    else:
-        cp.router.routable.discard(replica_id)
-
-
-def _orders(cp: SchedulerRig) -> list[tuple[str, Any]]:
-    out = []
-    for session in cp.sessions.values():
-        while not session.queue.empty():
-            msg = session.queue.get_nowait()
-            if msg is not None:
-                kind = msg.WhichOneof("msg")
-                out.append((kind, getattr(msg, kind)))
-    return out
-
-
-def _kinds(cp: SchedulerRig) -> list[str]:
-    return [k for k, _ in _orders(cp) if k in ("sleep_shard", "wake_shard", "stop_shard")]
 
 
 def test_an_idle_replica_sleeps_after_sleep_after_and_demand_wakes_it(cp: SchedulerRig) -> None:

@@ -14,7 +14,8 @@ from llmgw.server.fleet.dozing import Dozing
 from llmgw.server.fleet.hostmem import sleepers, weights_mib
 from llmgw.server.store.states import ReplicaState, ShardState
 from tests.unit.server.scheduler_rig import SchedulerRig
-from tests.unit.server.test_dozing import _deploy, _orders, _set
+from tests.unit.server.scheduler_rig import orders as _orders
+from tests.unit.server.scheduler_rig import set_state as _set
 
 GIB = 1 << 30
 
@@ -40,7 +41,11 @@ def _node(cp: SchedulerRig, *, gpus: int = 3, weights: int = 20 * GIB) -> None:
 
 
 def _ready(cp: SchedulerRig, name: str, count: int) -> tuple[Any, list[Any]]:
-    _deploy(cp, name, ScalingPolicy(min=0, max=count, sleep_after=1), count, source="llama")
+    profile = {"engine": "sim", "gpus": 1, "source": "llama", "sleep": {"level": 1}}
+    cp.store.put_catalog_model(name, {"default": profile})
+    cp.store.deploy_model(name, profile="default", replicas=count)
+    policy = ScalingPolicy(min=0, max=count, sleep_after=1)
+    cp.store.set_scaling(name, policy.to_json(), replicas=count)
     scheduler = cp.scheduler()
     scheduler.reconcile()
     replicas = cp.store.list_replicas(name)

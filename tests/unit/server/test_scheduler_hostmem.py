@@ -10,7 +10,8 @@ from typing import Any
 from llmgw.contracts.scaling import ScalingPolicy
 from llmgw.server.store.states import ShardState
 from tests.unit.server.scheduler_rig import SchedulerRig
-from tests.unit.server.test_dozing import _kinds, _set
+from tests.unit.server.scheduler_rig import order_kinds as _kinds
+from tests.unit.server.scheduler_rig import set_state as _set
 
 GIB = 1 << 30
 
