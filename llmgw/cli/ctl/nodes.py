@@ -164,6 +164,15 @@ def _degraded_lines(data: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def _host_memory_cell(n: dict[str, Any]) -> str:
+    """``256.0 GiB, sleepers hold 180.0 GiB``: the node's memory and what its sleeping
+    replicas hold of it (their weights, at level 1)."""
+    total = n.get("memory_total_bytes") or 0
+    held = n.get("sleepers_host_memory_bytes") or 0
+    text = f"{total / 2**30:.1f} GiB" if total else "unknown"
+    return f"{text}, sleepers hold {held / 2**30:.1f} GiB" if held else text
+
+
 def _show_node(c: Ctl, node: str) -> None:
     n = c.call("GET", f"/api/nodes/{node}")
     if c.as_json:
@@ -181,6 +190,7 @@ def _show_node(c: Ctl, node: str) -> None:
         ("last seen", ago(n["last_seen"])),
         ("shards", n["shards"]),
         ("GPUs", _gpus_cell(n)),
+        ("host memory", _host_memory_cell(n)),
         ("engines", ", ".join(n["engines"]) or "none"),
         ("fingerprint", n["fingerprint"] or "-"),
         ("cert expires", until(n["cert_expires_at"])),

@@ -19,6 +19,7 @@ from llmgw.contracts.inventory import DegradedReason, degraded_reasons
 from llmgw.errors import Conflict
 from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.fleet.hostmem import sleepers
 from llmgw.server.fleet.stream import NodeSession
 from llmgw.server.store import Certificate, Node
 from llmgw.server.store.states import NodeState, node_health
@@ -136,6 +137,8 @@ def node_detail(ctx: AdminContext, node_id: str) -> dict[str, Any]:
         driver_version=inv.get("driver_version", ""),
         engine_details=inv.get("engine_details", []),
         warnings=inv.get("warnings", []),
+        # What its sleeping replicas hold of its memory (llmgw.server.fleet.hostmem).
+        sleepers_host_memory_bytes=sum(s.mib for s in sleepers(ctx.store, node.id)) << 20,
     )
     return data
 

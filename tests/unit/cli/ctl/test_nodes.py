@@ -72,6 +72,8 @@ DETAIL = _node(
     ],
     warnings=["fabric ib-a: adapter mlx5_0 has no ACTIVE port"],
     driver_version="",
+    memory_total_bytes=256 << 30,
+    sleepers_host_memory_bytes=180 << 30,
 )
 
 
@@ -121,6 +123,7 @@ def test_one_node_says_why_it_is_degraded_and_what_to_fix(api: FakeAPI, calls: l
         "last seen:    -\n"
         "shards:       1\n"
         "GPUs:         0\n"
+        "host memory:  256.0 GiB, sleepers hold 180.0 GiB\n"
         "engines:      sim\n"
         f"fingerprint:  sha256:{'ab' * 32}\n"
         "cert expires: -\n"

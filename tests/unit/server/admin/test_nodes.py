@@ -130,6 +130,13 @@ def test_one_node_in_full(fleet: Fleet) -> None:
     }
     assert node["fabrics"] == [{"name": "ib-a", "hcas": ["mlx5_0"], "healthy": False}]
     assert node["warnings"] == ["fabric ib-a: adapter mlx5_0 has no ACTIVE port"]
+    assert node["sleepers_host_memory_bytes"] == 0
+    # A replica asleep there holding 512 MiB, as its engine said.
+    fleet.store.put_model("m", engine="sim", params={}, replicas=1)
+    shard = fleet.store.add_shard(fleet.store.add_replica("m").id, "bad", rank=0)
+    fleet.store.update_shard(shard.id, state="asleep", sleep_level=1, host_memory_mib=512)
+    node = fleet.get("/api/nodes/bad", node="bad")
+    assert node["sleepers_host_memory_bytes"] == 512 << 20
     # A pending node: its reasons from its session, the rest from the summary stored.
     pending = fleet.get("/api/nodes/new", node="new")
     assert (pending["health"], pending["engine_details"]) == ("degraded", [])
