@@ -5,7 +5,9 @@ Filter, then score. A node takes a shard when it is approved, connected, not dra
 lost, offers the engine (and does not hold it back: a desired build not yet installed and
 checked there, see :func:`offered_engines`), has the profile's source under its models_root
 or may fetch it (:mod:`llmgw.contracts.model_sources`), is not in ``avoid``, is not degraded
-for it (:func:`degraded_refusal`) and has enough free GPUs; the shards of a multi-node
+for it (:func:`degraded_refusal`) and has enough free GPUs (and, for a profile with
+``host_memory``, that much of its memory left by its sleepers and its replicas' own
+``host_memory``: the scheduler tells the view what sleepers hold); the shards of a multi-node
 replica go to distinct nodes that share one healthy fabric. ``binpack`` fills nodes up
 (fewest free GPUs that still fit, and for multi-node the fabric with the fewest spare nodes);
 ``spread`` prefers the emptiest nodes and fabrics.
