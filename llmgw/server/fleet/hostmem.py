@@ -178,10 +178,10 @@ def _declared(model: Model, replica: Replica | None = None) -> int:
 def plan_room(
     store: Store, cluster: Cluster, wanted: PlacementProfile, strategy: str, model: Model
 ) -> list[Sleeper] | None:
-    """The sleepers to retire so that a replica of ``wanted`` is placed (lowest priority
-    first, none of a higher priority than ``model``'s nor of ``model`` itself, only as many
-    as needed); None when
-    retiring sleepers would not make room (or nothing stands in the way but them)."""
+    """The level-1 sleepers to retire so that a replica of ``wanted`` is placed: lowest
+    priority first, none of a higher priority than ``model``'s nor of ``model`` itself
+    (woken rather), only as many as needed. None when retiring them would not make room,
+    or when no sleeper stands in the way."""
     need = wanted.host_memory_mib
     if not need or not cluster.sleepers_hold():
         return None
@@ -199,7 +199,7 @@ def plan_room(
             (
                 s
                 for s in sleepers(store, shard.node_id)
-                if s.mib and s.rank <= mine and s.model != model.name  # its own: woken
+                if s.level == 1 and s.mib and s.rank <= mine and s.model != model.name
             ),
             key=lambda s: (s.rank, -s.mib, s.replica_id),
         )

@@ -110,3 +110,28 @@ def test_a_need_the_sleepers_leave_room_for_retires_none(cp: SchedulerRig) -> No
     cp.scheduler().reconcile()
     assert cp.removed == []
     assert len(cp.store.list_replicas("small")) == 1
+
+
+def test_no_sleeper_is_retired_where_that_would_not_make_room(cp: SchedulerRig) -> None:
+    _node(cp)
+    sleeper = _sleeper(cp)
+    _deploy(cp, "huge", host_memory="70GiB")  # more than the node's 64 GiB
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    assert cp.removed == [] and cp.store.get_replica(sleeper).state == "asleep"
+    assert scheduler.unplaceable["huge"].reason == (
+        "n1: sleepers hold 40 GiB of 64 GiB host memory; needs 70 GiB"
+    )
+
+
+def test_a_sleeper_of_the_model_itself_is_not_retired_for_it(cp: SchedulerRig) -> None:
+    _node(cp)
+    sleeper = _sleeper(cp)
+    model = cp.store.get_model("low")
+    profile = {**model.profiles["default"], "host_memory": 32 * 1024}
+    cp.store.put_catalog_model("low", {"default": profile})
+    cp.store.deploy_model("low", profile="default", replicas=2)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    assert cp.removed == [] and cp.store.get_replica(sleeper).state == "asleep"
+    assert "sleepers hold 40 GiB of 64 GiB host memory" in scheduler.unplaceable["low"].reason
