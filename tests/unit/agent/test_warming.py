@@ -80,7 +80,7 @@ def test_it_is_read_again_each_interval(tmp_path: Path, monkeypatch: pytest.Monk
         task = asyncio.create_task(warmer.run())
         warmer.want([("llama", "")])
         deadline = time.monotonic() + 10
-        while len(passes) < 3 and time.monotonic() < deadline:
+        while len(passes) < 3 and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded poll
             await asyncio.sleep(0.05)
         task.cancel()
 
