@@ -348,6 +348,26 @@ class Scheduler(Moves):
 
     def _cluster(self) -> Cluster:
         """What the placement engine sees this pass."""
+        views = self.node_views()
+        allocations = [
+            Allocation(
+                replica_id=sh.replica_id, shard_id=sh.id, node_id=sh.node_id, gpus=tuple(sh.gpus)
+            )
+            for sh in self.store.list_shards()
+            # An asleep replica gave its GPU memory back: its GPUs are free for others until
+            # it wakes (llmgw.server.fleet.dozing takes them back first).
+            if sh.state != ShardState.ASLEEP
+        ]
+        return Cluster(views, allocations)
+
+    def placement_profile(self, model: Model) -> PlacementProfile:
+        """What placement is asked for a replica of ``model``'s deployed profile;
+        ConfigError for a stored profile this llmgw cannot read."""
+        return _wanted(self._profile(model))
+
+    def node_views(self) -> list[NodeView]:
+        """Every node as placement sees it now (each view reused while what it is made of
+        is unchanged)."""
         store = self.store
         views = []
         nodes = store.list_nodes()
@@ -380,16 +400,7 @@ class Scheduler(Moves):
             views.append(view)
         self._views = cache
         self.gpus.keep(cache)
-        allocations = [
-            Allocation(
-                replica_id=sh.replica_id, shard_id=sh.id, node_id=sh.node_id, gpus=tuple(sh.gpus)
-            )
-            for sh in store.list_shards()
-            # An asleep replica gave its GPU memory back: its GPUs are free for others until
-            # it wakes (llmgw.server.fleet.dozing takes them back first).
-            if sh.state != ShardState.ASLEEP
-        ]
-        return Cluster(views, allocations)
+        return views
 
     def _node_view(
         self,
