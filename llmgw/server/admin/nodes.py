@@ -122,7 +122,8 @@ def list_nodes(ctx: AdminContext) -> list[dict[str, Any]]:
 
 def node_detail(ctx: AdminContext, node_id: str) -> dict[str, Any]:
     """One node, with what its inventory says beyond the list's columns: its warnings, its
-    engines as checked, its fabrics (NotFound when there is no such node)."""
+    engines as checked, its fabrics, the sources it keeps warm (NotFound when there is no
+    such node)."""
     node = ctx.store.get_node(node_id)
     inv = node.inventory
     data = node_summary(
@@ -136,6 +137,8 @@ def node_detail(ctx: AdminContext, node_id: str) -> dict[str, Any]:
         driver_version=inv.get("driver_version", ""),
         engine_details=inv.get("engine_details", []),
         warnings=inv.get("warnings", []),
+        # The sources it keeps in its page cache for models with prefetch (as it reported).
+        warm=inv.get("warm", []),
     )
     return data
 
