@@ -153,6 +153,8 @@ class Warmer:
         self.on_change = on_change
         self._wanted: dict[tuple[str, str], _Source] = {}
         self._wake = asyncio.Event()
+        # A source left the set since the inventory was last told (run() tells it).
+        self._dropped = False
 
     # -- what the leader says, what the inventory reports -----------------------------------
 
@@ -174,6 +176,7 @@ class Warmer:
         for key, gone in self._wanted.items():
             if key not in kept:
                 gone.stop.set()
+                self._dropped = True
                 log.info("no longer keeping a source warm", extra=kv(source=gone.source))
         self._wanted = kept
         self._wake.set()
@@ -186,6 +189,10 @@ class Warmer:
     async def run(self) -> None:
         """Warm until cancelled."""
         while True:
+            if self._dropped:
+                self._dropped = False
+                if self.on_change is not None:
+                    await self.on_change()
             entry = self._next_due()
             if entry is None:
                 self._wake.clear()

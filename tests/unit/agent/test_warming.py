@@ -246,3 +246,29 @@ def test_the_warm_statuses_and_the_set_survive_the_wire() -> None:
     assert got.HasField("warm") and got.warm.sources[0].source == "a"
     plain = pb.HeartbeatAck.FromString(pb.HeartbeatAck(seq=1).SerializeToString())
     assert not plain.HasField("warm")
+
+
+def test_the_inventory_is_told_when_a_source_leaves_the_set(tmp_path: Path) -> None:
+    warmer, models = _warmer(tmp_path)
+    _weights(models, files=1, size=64 * 1024)
+    told: list[list[str]] = []
+
+    async def changed() -> None:
+        told.append([s.source for s in warmer.status()])
+
+    warmer.on_change = changed
+
+    async def main() -> None:
+        task = asyncio.create_task(warmer.run())
+        warmer.want([("llama", "")])
+        await asyncio.wait_for(_until(lambda: told == [["llama"]]), timeout=10)
+        warmer.want([])
+        await asyncio.wait_for(_until(lambda: told[-1:] == [[]]), timeout=10)
+        task.cancel()
+
+    asyncio.run(main())
+
+
+async def _until(done: Any) -> None:
+    while not done():  # noqa: ASYNC110 - bounded by the caller's wait_for
+        await asyncio.sleep(0.02)
