@@ -3,6 +3,8 @@ API, the console and the catalog."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from llmgw.contracts.scaling import ScalingPolicy, parse_replicas, policy_of
@@ -142,3 +144,16 @@ def test_prefetch_that_is_not_a_boolean_is_refused_naming_the_key(value: object)
     with pytest.raises(ConfigError, match=r"^replicas\.prefetch: must be true or false") as exc:
         parse_replicas({"min": 0, "max": 4, "prefetch": value})
     assert repr(value) in str(exc.value)
+
+
+def test_the_catalogs_replicas_map_takes_prefetch_and_refuses_a_bad_one() -> None:
+    from llmgw.contracts.catalog import parse_catalog
+
+    def catalog(replicas: object) -> object:
+        data = {"models": {"m": {"replicas": replicas, "profiles": {"default": {"engine": "sim"}}}}}
+        return parse_catalog(data, source="catalog.yaml")
+
+    parsed: Any = catalog({"min": 0, "max": 2, "prefetch": True})
+    assert parsed.models["m"].replicas == ScalingPolicy(0, 2, prefetch=True)
+    with pytest.raises(ConfigError, match=r"models\.m\.replicas\.prefetch: must be true or false"):
+        catalog({"min": 0, "max": 2, "prefetch": "on"})
