@@ -59,7 +59,7 @@ MEMORY_MARGIN = 1024**3
 """Free memory a pass leaves beside the source's size."""
 
 CHUNK = 8 * 1024**2
-MAX_WARM_SOURCES = 256
+MAX_WARM_SOURCES = 64
 """The most sources one set may name; the rest are ignored, with a warning."""
 
 WARMING, WARM, SKIPPED = "warming", "warm", "skipped"
