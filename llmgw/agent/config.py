@@ -12,7 +12,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from llmgw.agent.runtimes import RUNTIME_NAMES
 from llmgw.bodies import (
@@ -48,6 +48,8 @@ DEFAULT_LISTEN = f"0.0.0.0:{DEFAULT_DATA_PORT}"
 DEFAULT_MODELS_ROOT = Path("/srv/llmgw/models")
 DEFAULT_CACHE_ROOT = Path("/srv/llmgw/cache")
 DEFAULT_IB_ROOT = Path("/sys/class/infiniband")
+DEFAULT_PREFETCH_RATE = 256 * 1024**2  # bytes a second
+DEFAULT_PREFETCH_INTERVAL = 600.0
 RESERVED_NODE_PREFIX = "llmgw-"
 MAX_INTERFACE_NAME = 15  # IFNAMSIZ - 1
 
@@ -81,6 +83,8 @@ _TOP_KEYS = (
     "max_response_body",
     "upstream_idle_timeout",
     "multinode_ports",
+    "prefetch_rate",
+    "prefetch_interval",
 )
 _TLS_KEYS = ("cert", "key", "ca")
 _FABRIC_KEYS = ("name", "hcas")
@@ -195,6 +199,10 @@ class AgentConfig:
     # dist-init port, a llama.cpp worker's rpc-server endpoint): reported in the inventory,
     # placed inside by the control plane, opened in the firewall by the installer.
     multinode_ports: PortRange = DEFAULT_MULTINODE_PORTS
+    # Keeping the sources of models with prefetch: true in the page cache
+    # (llmgw.agent.warming): bytes read a second at most, and how often each is read again.
+    prefetch_rate: int = DEFAULT_PREFETCH_RATE
+    prefetch_interval: float = DEFAULT_PREFETCH_INTERVAL
     source: Path | None = None
 
 
@@ -294,8 +302,29 @@ def _parse(
         listeners=parse_listener_limits(check, top.get("listeners"), "listeners")[0],
         **parse_body_limits(check, top),
         multinode_ports=_multinode_ports(check, top.get("multinode_ports"), listen_port),
+        **_prefetch(check, top),
         source=source,
     )
+
+
+def _prefetch(check: Checker, top: Mapping[str, object]) -> dict[str, Any]:
+    rate, every = top.get("prefetch_rate"), top.get("prefetch_interval")
+    interval = DEFAULT_PREFETCH_INTERVAL
+    if every is not None:
+        interval = check.duration(every, "prefetch_interval")
+        if not 60 <= interval <= 86400:
+            check.fail(
+                "prefetch_interval",
+                "must be from 1m to 1d: how often a warm source is read again",
+            )
+    return {
+        "prefetch_rate": (
+            DEFAULT_PREFETCH_RATE
+            if rate is None
+            else check.size(rate, "prefetch_rate", minimum=1024**2)
+        ),
+        "prefetch_interval": interval,
+    }
 
 
 def _multinode_ports(check: Checker, value: object, listen_port: int) -> PortRange:

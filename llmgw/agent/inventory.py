@@ -86,12 +86,14 @@ def collect_inventory(
     engines: Sequence[pb.EngineInfo] | None = None,
     pci_root: Path = DEFAULT_PCI_ROOT,
     gpu_health: Mapping[str, str] | None = None,
+    warm: Sequence[pb.WarmStatus] = (),
 ) -> pb.Inventory:
     """Look at the node now. ``engines`` are engine checks already made (the watcher reuses
     them while the programs are unchanged); without them the engines are run here. Without
     ``cfg`` only what needs no configuration is reported (default GPU discovery, sim), and
     nothing is called degraded. ``pci_root`` is where the PCI bus is read (sysfs).
-    ``gpu_health``: why GPUs are unhealthy, by uuid (llmgw.agent.discovery.xid)."""
+    ``gpu_health``: why GPUs are unhealthy, by uuid (llmgw.agent.discovery.xid); ``warm``:
+    the sources kept in the page cache (llmgw.agent.warming)."""
     mem = meminfo()
     gpus = discover_gpus(cfg.discovery.nvidia_smi if cfg is not None else None)
     for gpu in gpus.gpus:
@@ -126,6 +128,7 @@ def collect_inventory(
         _add_sources(inv, cfg)
         inv.multinode_ports = str(cfg.multinode_ports)
     inv.engine_details.extend(details)
+    inv.warm.extend(warm)
     inv.engines.extend(e.name for e in details if e.ok and e.name in AVAILABLE_ENGINES)
     inv.warnings.extend(
         f"engine {e.name}{f' ({e.path})' if e.path else ''} will not run: {e.problem}"
@@ -286,9 +289,12 @@ class InventoryWatcher:
         engine_interval: float = 600.0,
         pci_root: Path = DEFAULT_PCI_ROOT,
         gpu_health: Callable[[], Mapping[str, str]] = dict,
+        warm: Callable[[], Sequence[pb.WarmStatus]] = tuple,
     ) -> None:
         self.cfg = cfg
         self.gpu_health = gpu_health
+        # The sources kept warm (llmgw.agent.warming), read at each look.
+        self.warm = warm
         self.send = send
         self.interval = interval
         self.engine_interval = engine_interval
@@ -314,7 +320,11 @@ class InventoryWatcher:
             self._engines = [sim_engine(), *(check_candidate(c) for c in candidates)]
             self._engine_key, self._engines_at = key, now
         return collect_inventory(
-            self.cfg, engines=self._engines, pci_root=self.pci_root, gpu_health=self.gpu_health()
+            self.cfg,
+            engines=self._engines,
+            pci_root=self.pci_root,
+            gpu_health=self.gpu_health(),
+            warm=self.warm(),
         )
 
     def update(self, inv: pb.Inventory) -> bool:

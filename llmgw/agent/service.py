@@ -39,6 +39,7 @@ from llmgw.agent.shards import Shard, ShardManager, ShardSpec
 from llmgw.agent.stream import Credentials, StreamClient, StreamState
 from llmgw.agent.traffic import ShardTraffic
 from llmgw.agent.update_spool import CONTAINER_ENV, IN_CONTAINER, Spooler
+from llmgw.agent.warming import Warmer
 from llmgw.errors import CertificateError, LlmgwError, StartupError
 from llmgw.fsutil import make_dir
 from llmgw.log import kv
@@ -150,6 +151,9 @@ class Agent:
         self.shards: ShardManager | None = None
         self.kv_events: KvEventsHub | None = None
         self.inventory: InventoryWatcher | None = None
+        self.sources: SourceStore | None = None
+        # Keeps the sources of models with prefetch: true in the page cache.
+        self.warmer: Warmer | None = None
         self.xids = XidWatch()
         self._watching_xids = False
         self.dataplane: DataPlane | None = None
@@ -215,6 +219,18 @@ class Agent:
         """The shard supervisor, with the engines a previous agent left running: engines
         outlive the agent, and the next one takes them back."""
         cfg = self.cfg
+        sources = self.sources = SourceStore(
+            cfg.models_root,
+            cfg.cache_root,
+            install_sources=cfg.install_sources,
+            ssl_context=lambda: download_ssl_context(cfg.tls.ca),
+        )
+        self.warmer = Warmer(
+            sources,
+            rate=cfg.prefetch_rate,
+            interval=cfg.prefetch_interval,
+            on_change=self._inventory_now,
+        )
         kv_events = KvEventsHub(self._send, state_dir=cfg.state_dir, runtime=runtime.name)
         # Closed after the shards (the stack unwinds in reverse): their stop sends cleared.
         running.push_async_callback(kv_events.aclose)
@@ -229,12 +245,7 @@ class Agent:
             on_status=self._report_shard,
             traffic=self.traffic,
             multinode_ports=cfg.multinode_ports,
-            sources=SourceStore(
-                cfg.models_root,
-                cfg.cache_root,
-                install_sources=cfg.install_sources,
-                ssl_context=lambda: download_ssl_context(cfg.tls.ca),
-            ),
+            sources=sources,
         )
         await shards.open()
         running.push_async_callback(shards.close)
@@ -263,8 +274,13 @@ class Agent:
         self._watching_xids = await asyncio.to_thread(self.xids.start)
         if self.xids.problem:
             log.info("GPU XIDs", extra=kv(status=self.xids.problem))
+        warmer = self.warmer
         watcher = await asyncio.to_thread(
-            InventoryWatcher, self.cfg, self._send_inventory, gpu_health=self.xids.health
+            InventoryWatcher,
+            self.cfg,
+            self._send_inventory,
+            gpu_health=self.xids.health,
+            warm=lambda: warmer.status() if warmer is not None else [],
         )
         self.inventory = watcher
         # The engines this node runs are the ones discovery checked, at the paths it found.
@@ -341,6 +357,7 @@ class Agent:
             updater=self._update,
             on_renewal_answer=renewer.answer,
             on_trust_bundle=renewer.trust,
+            on_warm=self.warmer.want if self.warmer is not None else lambda sources: None,
         )
         self.stream = stream
         self.spooler = Spooler(
@@ -360,6 +377,8 @@ class Agent:
             asyncio.create_task(self.notifier.watchdog_loop(), name="watchdog"),
             asyncio.create_task(self._watch_parent(), name="parent"),
         ]
+        if self.warmer is not None:
+            tasks.append(asyncio.create_task(self.warmer.run(), name="prefetch"))
         if self._watching_xids:
             tasks.append(asyncio.create_task(self.xids.run(self._gpus_changed), name="gpu-xids"))
         running.push_async_callback(stream.close)
@@ -457,6 +476,12 @@ class Agent:
         # Offer it now rather than at the next periodic look.
         watcher = self.inventory
         watcher.update(await asyncio.to_thread(watcher.collect))
+
+    async def _inventory_now(self) -> None:
+        """A source turned warm (or was skipped): the control plane is told now."""
+        watcher = self.inventory
+        if watcher is not None:
+            watcher.update(await asyncio.to_thread(watcher.collect))
 
     async def _gpus_changed(self) -> None:
         """A GPU turned unhealthy: the control plane is told now, not at the next look."""

@@ -139,6 +139,7 @@ class StreamClient:
         on_trust_bundle: Callable[[pb.TrustBundle], object] = lambda msg: None,
         installer: Callable[[pb.InstallEngine], Awaitable[None]] | None = None,
         updater: Callable[[pb.UpdateOrder], Awaitable[None]] | None = None,
+        on_warm: Callable[[list[tuple[str, str]]], None] = lambda sources: None,
     ) -> None:
         self.node_id = node_id
         self.servers = servers
@@ -156,6 +157,9 @@ class StreamClient:
         self.on_trust_bundle = on_trust_bundle
         self.installer = installer or _no_installer
         self.updater = updater or _no_updater
+        # The sources to keep in the page cache, as each HeartbeatAck names them
+        # (llmgw.agent.warming.Warmer.want).
+        self.on_warm = on_warm
         self.node_state = "unknown"
         self.cluster_id = ""
         self.backoff = Backoff()
@@ -321,7 +325,11 @@ class StreamClient:
         elif kind == "control_planes":
             self._control_planes(msg.control_planes, server)
         elif kind == "heartbeat_ack":
-            pass  # heard: that is all it is for
+            # Heard; and, from a leader that says it, the set of sources to keep warm (the
+            # welcoming leader's only: no ack comes before the heartbeats it starts).
+            ack = msg.heartbeat_ack
+            if ack.HasField("warm") and self.connected_to == server:
+                self.on_warm([(w.source, w.sha256) for w in ack.warm.sources])
         elif kind == "start_shard":
             self._spawn_order(
                 msg.start_shard.meta,

@@ -168,4 +168,16 @@ def inventory_dict(inv: pb.Inventory) -> dict[str, Any]:
         ],
         # "": an agent that predates it (multinode_ports() reads that as the default).
         "multinode_ports": inv.multinode_ports,
+        # The sources kept in the node's page cache (llmgw.agent.warming); [] when none.
+        "warm": [
+            {
+                "source": w.source,
+                "state": w.state,
+                "reason": w.reason,
+                "bytes": w.bytes,
+                "pass_seconds": round(w.pass_seconds, 3),
+                "last_pass_at": w.last_pass_at,
+            }
+            for w in inv.warm
+        ],
     }

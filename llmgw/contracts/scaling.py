@@ -17,7 +17,11 @@ the catalog, so that each refuses a policy in the same words. The policy's keys:
   demand takes them from models of a lower priority (never below their ``min``);
 - ``sleep_after``: optional; a replica idle this long is put to sleep (its profile must say
   ``sleep: {level: N}``): its GPU memory is free for others, its process kept, and the next
-  request wakes it.
+  request wakes it;
+- ``prefetch``: ``true`` or ``false`` (default): keep the weights of its profile's source in
+  the page cache of every node it may be placed on (:mod:`llmgw.server.fleet.warming`), so
+  that a replica placed there (a scale-up from zero, a move) loads them from memory rather
+  than disk. A fixed count asks for it as ``{min: N, max: N, prefetch: true}``.
 
 It is stored as its JSON (:meth:`ScalingPolicy.to_json`) beside the model; a fixed count
 stores none.
@@ -57,6 +61,7 @@ _KEYS = (
     "cold_start_timeout",
     "priority",
     "sleep_after",
+    "prefetch",
 )
 PRIORITIES = ("high", "normal", "low")
 """Highest first."""
@@ -75,6 +80,7 @@ class ScalingPolicy:
     cold_start_timeout: float = DEFAULT_COLD_START_TIMEOUT
     priority: str = "normal"
     sleep_after: float | None = None  # seconds; None: its replicas never sleep
+    prefetch: bool = False  # its source kept in the page cache of the nodes it may go to
 
     @property
     def rank(self) -> int:
@@ -102,11 +108,15 @@ class ScalingPolicy:
             out["ttft_slo"] = self.ttft_slo
         if self.sleep_after is not None:
             out["sleep_after"] = self.sleep_after
+        if self.prefetch:
+            out["prefetch"] = True
         return out
 
     def describe(self) -> str:
         """One line for ``ctl models`` and events: ``0-8 by demand (16 in flight each)``."""
         text = f"{self.min}-{self.max} by demand ({self.target_inflight} in flight each"
+        if self.prefetch:
+            text += ", prefetch"
         if self.priority != "normal":
             text += f", priority {self.priority}"
         if self.sleep_after is not None:
@@ -145,6 +155,13 @@ def parse_replicas(value: object, *, key: str = "replicas") -> int | ScalingPoli
     slo = value.get("ttft_slo")
     sleep_after = value.get("sleep_after")
     priority = value.get("priority", "normal")
+    prefetch = value.get("prefetch", False)
+    if not isinstance(prefetch, bool):
+        raise ConfigError(
+            f"must be true or false (keep the weights in the page cache of the nodes the "
+            f"model may be placed on); got {prefetch!r}",
+            key=f"{key}.prefetch",
+        )
     if priority not in PRIORITIES:
         raise ConfigError(
             f"must be one of {', '.join(PRIORITIES)}; got {priority!r}", key=f"{key}.priority"
@@ -163,6 +180,7 @@ def parse_replicas(value: object, *, key: str = "replicas") -> int | ScalingPoli
         ),
         priority=str(priority),
         sleep_after=None if sleep_after is None else _duration(sleep_after, f"{key}.sleep_after"),
+        prefetch=prefetch,
     )
 
 

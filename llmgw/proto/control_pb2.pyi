@@ -123,7 +123,7 @@ class Gpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., utilization_percent: _Optional[int] = ..., health: _Optional[str] = ...) -> None: ...
 
 class Inventory(_message.Message):
-    __slots__ = ("hostname", "arch", "cpus", "memory_total_bytes", "memory_available_bytes", "gpus", "gpu_status", "engines", "driver_version", "gpu_source", "disk_total_bytes", "disk_free_bytes", "engine_details", "ib_adapters", "fabrics", "warnings", "sources", "degraded", "multinode_ports")
+    __slots__ = ("hostname", "arch", "cpus", "memory_total_bytes", "memory_available_bytes", "gpus", "gpu_status", "engines", "driver_version", "gpu_source", "disk_total_bytes", "disk_free_bytes", "engine_details", "ib_adapters", "fabrics", "warnings", "sources", "degraded", "multinode_ports", "warm")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     CPUS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class Inventory(_message.Message):
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     MULTINODE_PORTS_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     arch: str
     cpus: int
@@ -162,7 +163,24 @@ class Inventory(_message.Message):
     sources: ModelSources
     degraded: _containers.RepeatedCompositeFieldContainer[DegradedReason]
     multinode_ports: str
-    def __init__(self, hostname: _Optional[str] = ..., arch: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_status: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., driver_version: _Optional[str] = ..., gpu_source: _Optional[str] = ..., disk_total_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., engine_details: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., ib_adapters: _Optional[_Iterable[_Union[IbAdapter, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., sources: _Optional[_Union[ModelSources, _Mapping]] = ..., degraded: _Optional[_Iterable[_Union[DegradedReason, _Mapping]]] = ..., multinode_ports: _Optional[str] = ...) -> None: ...
+    warm: _containers.RepeatedCompositeFieldContainer[WarmStatus]
+    def __init__(self, hostname: _Optional[str] = ..., arch: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_status: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., driver_version: _Optional[str] = ..., gpu_source: _Optional[str] = ..., disk_total_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., engine_details: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., ib_adapters: _Optional[_Iterable[_Union[IbAdapter, _Mapping]]] = ..., fabrics: _Optional[_Iterable[_Union[Fabric, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., sources: _Optional[_Union[ModelSources, _Mapping]] = ..., degraded: _Optional[_Iterable[_Union[DegradedReason, _Mapping]]] = ..., multinode_ports: _Optional[str] = ..., warm: _Optional[_Iterable[_Union[WarmStatus, _Mapping]]] = ...) -> None: ...
+
+class WarmStatus(_message.Message):
+    __slots__ = ("source", "state", "reason", "bytes", "pass_seconds", "last_pass_at")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PASS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_PASS_AT_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    state: str
+    reason: str
+    bytes: int
+    pass_seconds: float
+    last_pass_at: float
+    def __init__(self, source: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., bytes: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., last_pass_at: _Optional[float] = ...) -> None: ...
 
 class DegradedReason(_message.Message):
     __slots__ = ("code", "message", "engine", "fabric")
@@ -329,10 +347,26 @@ class ServerMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., renew_certificate: _Optional[_Union[RenewCertificate, _Mapping]] = ..., node_state: _Optional[_Union[NodeState, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., install_engine: _Optional[_Union[InstallEngine, _Mapping]] = ..., update_order: _Optional[_Union[UpdateOrder, _Mapping]] = ..., trust_bundle: _Optional[_Union[TrustBundle, _Mapping]] = ..., control_planes: _Optional[_Union[ControlPlanes, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[HeartbeatAck, _Mapping]] = ..., sleep_shard: _Optional[_Union[SleepShard, _Mapping]] = ..., wake_shard: _Optional[_Union[WakeShard, _Mapping]] = ...) -> None: ...
 
 class HeartbeatAck(_message.Message):
-    __slots__ = ("seq",)
+    __slots__ = ("seq", "warm")
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
     seq: int
-    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+    warm: WarmSources
+    def __init__(self, seq: _Optional[int] = ..., warm: _Optional[_Union[WarmSources, _Mapping]] = ...) -> None: ...
+
+class WarmSources(_message.Message):
+    __slots__ = ("sources",)
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedCompositeFieldContainer[WarmSource]
+    def __init__(self, sources: _Optional[_Iterable[_Union[WarmSource, _Mapping]]] = ...) -> None: ...
+
+class WarmSource(_message.Message):
+    __slots__ = ("source", "sha256")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    sha256: str
+    def __init__(self, source: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class ControlPlanes(_message.Message):
     __slots__ = ("servers", "retired_serials")

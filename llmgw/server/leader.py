@@ -46,6 +46,7 @@ from llmgw.server.fleet.stream import (
     start_stream_server,
 )
 from llmgw.server.fleet.updates import Updates
+from llmgw.server.fleet.warming import Warming
 from llmgw.server.gateway.capacity import Capacity, fleet_demand
 from llmgw.server.gateway.routing import Router
 from llmgw.server.joining.bundles import Bundle
@@ -144,6 +145,10 @@ class Leader:
             control_plane_names=hooks.control_plane_names,
         )
         self.membership.load()
+        # Which sources each node keeps in its page cache (models with prefetch: true).
+        self.warming = Warming(
+            store, views=self.scheduler.node_views, profile=self.scheduler.placement_profile
+        )
         reports = AgentReports(
             store,
             router,
@@ -152,6 +157,7 @@ class Leader:
             renew=self.membership.renew,
             on_routes_changed=hooks.count_ready,
             metrics=metrics,
+            warm=self.warming.for_node,
         )
         self.sessions = Sessions(
             store,
@@ -243,6 +249,7 @@ class Leader:
         for name, loop in (
             ("scheduler", self.scheduler.run()),
             ("planner", self.planner.run()),
+            ("warming", self.warming.run()),
             ("engine-installs", self.installs.run()),
             ("heartbeats", self.sessions.watch_heartbeats()),
             ("last-seen", self.sessions.store_last_seen()),

@@ -122,13 +122,19 @@ def _parse_params(values: tuple[str, ...]) -> dict[str, Any]:
     return params
 
 
-def _replicas_option(value: str | None, scaling: dict[str, Any]) -> int | dict[str, Any] | None:
-    """--replicas N, or MIN-MAX with the scaling options, as the API takes it."""
+def _replicas_option(
+    value: str | None, scaling: dict[str, Any], prefetch: bool | None = None
+) -> int | dict[str, Any] | None:
+    """--replicas N, or MIN-MAX with the scaling options, as the API takes it. --prefetch
+    goes with either: a fixed N with it is sent as the bounds N-N (a count that does not
+    move, its weights kept warm)."""
     if value is None:
-        if scaling:
+        if scaling or prefetch is not None:
+            flag = next(iter(scaling)).replace("_", "-") if scaling else "prefetch"
             raise click.UsageError(
-                f"--{next(iter(scaling)).replace('_', '-')} goes with --replicas MIN-MAX "
-                "(e.g. --replicas 0-8): it tunes scaling by demand"
+                f"--{flag} goes with --replicas MIN-MAX (e.g. --replicas 0-8)"
+                + (" or N" if not scaling else "")
+                + ": it is part of the model's replica policy, given whole each time"
             )
         return None
     low, dash, high = value.partition("-")
@@ -144,19 +150,24 @@ def _replicas_option(value: str | None, scaling: dict[str, Any]) -> int | dict[s
                 f"--{next(iter(scaling)).replace('_', '-')} tunes scaling by demand; give "
                 f"--replicas as MIN-MAX (e.g. 0-{value}), not a fixed {value}"
             )
+        if prefetch:
+            return {"min": int(value), "max": int(value), "prefetch": True}
         return int(value)
     if not (low.isdigit() and high.isdigit()):
         raise click.BadParameter(
             f"{value!r}: give MIN-MAX as two whole numbers, e.g. 0-8", param_hint="--replicas"
         )
-    return {"min": int(low), "max": int(high), **scaling}
+    extra = {} if prefetch is None else {"prefetch": prefetch}
+    return {"min": int(low), "max": int(high), **scaling, **extra}
 
 
 def _desired(m: dict[str, Any]) -> str:
-    """A model's desired count, with its range when it scales by demand: ``2 (0-8)``."""
+    """A model's desired count, with its range when it scales by demand: ``2 (0-8)``, and
+    whether its weights are kept warm: ``2 (2-2, prefetch)``."""
     scaling = m.get("scaling")
     if scaling and "min" in scaling:
-        return f"{m['replicas']} ({scaling['min']}-{scaling['max']})"
+        warm = ", prefetch" if scaling.get("prefetch") else ""
+        return f"{m['replicas']} ({scaling['min']}-{scaling['max']}{warm})"
     return str(m["replicas"])
 
 
@@ -213,6 +224,13 @@ def _desired(m: dict[str, Any]) -> str:
     "lower priority (default normal).",
 )
 @click.option(
+    "--prefetch/--no-prefetch",
+    default=None,
+    help="With --replicas: keep the profile's weights in the page cache of every node the "
+    "model may be placed on, so that a replica starting there loads them from memory "
+    "(default: off).",
+)
+@click.option(
     "--engine",
     type=click.Choice(list(engine_names())),
     help="Engine of a model deployed without the catalog (default: sim).",
@@ -236,6 +254,7 @@ def deploy(
     cold_start_timeout: float | None,
     sleep_after: float | None,
     priority: str | None,
+    prefetch: bool | None,
     engine: str | None,
     params: tuple[str, ...],
 ) -> None:
@@ -249,7 +268,9 @@ def deploy(
         "sleep_after": sleep_after,
         "priority": priority,
     }
-    count = _replicas_option(replicas, {k: v for k, v in scaling.items() if v is not None})
+    count = _replicas_option(
+        replicas, {k: v for k, v in scaling.items() if v is not None}, prefetch
+    )
     adhoc = engine is not None or bool(params)
     if profile is not None and adhoc:
         raise click.UsageError(
@@ -277,11 +298,12 @@ def deploy(
             f"{data['nodes']} node(s))"
         )
     scaled = data.get("scaling")
-    count_text = (
-        f"{scaled['min']}-{scaled['max']} replicas by demand ({data['replicas']} now)"
-        if scaled and "min" in scaled
-        else f"{data['replicas']} replicas"
-    )
+    if scaled and "min" in scaled and scaled["min"] != scaled["max"]:
+        count_text = f"{scaled['min']}-{scaled['max']} replicas by demand ({data['replicas']} now)"
+    else:
+        count_text = f"{data['replicas']} replicas"
+    if scaled and scaled.get("prefetch"):
+        count_text += " (weights kept warm where it may go)"
     click.echo(f"deployed {data['name']}: {count_text} of {shape} ({data['ready']} ready now)")
     older = data.get("older_profile_replicas") or 0
     if older:

@@ -34,7 +34,8 @@ def nodes(c: Ctl, node: str | None) -> None:
     """List nodes: state, health, connection, shards, GPUs (or why there are none).
 
     With NODE, that node in full: its GPUs (memory, utilisation), why it is degraded and
-    what to fix, its engines as checked, its fabrics and warnings. Warns about agents newer than the control plane
+    what to fix, its engines as checked, its fabrics, the sources it keeps warm and its
+    warnings. Warns about agents newer than the control plane
     (their streams are refused) or more than two minor releases behind it."""
     if node is not None:
         _show_node(c, node)
@@ -146,6 +147,20 @@ def _gpu_line(gpu: dict[str, Any]) -> str:
     )
 
 
+def _warm_line(source: dict[str, Any]) -> str:
+    """``llama: warm, 14.9 GiB, read in 62.0 s, 3 min ago``; a skipped one with why."""
+    text = f"{_plain(source.get('source', ''))}: {_plain(source.get('state', ''))}"
+    size = int(source.get("bytes") or 0)
+    if size:
+        text += f", {size / 1024**3:.1f} GiB"
+    if source.get("last_pass_at"):
+        text += f", read in {float(source.get('pass_seconds') or 0):.1f} s, "
+        text += ago(source["last_pass_at"])
+    if source.get("reason"):
+        text += f" ({_plain(source['reason'])})"
+    return text
+
+
 def _subject(reason: dict[str, Any]) -> str:
     """What a degraded reason is about: ``engine vllm``, ``fabric ib-a``, ``gpus``, ``docker``."""
     code = str(reason.get("code") or "?")
@@ -220,6 +235,11 @@ def _show_node(c: Ctl, node: str) -> None:
             "fabrics: "
             + ", ".join(f"{f['name']} ({'up' if f.get('healthy') else 'down'})" for f in fabrics)
         )
+    warm = n.get("warm") or []
+    if warm:
+        click.echo("warm sources (prefetch: kept in the page cache):")
+        for source in warm:
+            click.echo(f"  - {_warm_line(source)}")
     warnings = n.get("warnings") or []
     if warnings:
         click.echo("warnings:")

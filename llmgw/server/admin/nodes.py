@@ -123,7 +123,8 @@ def list_nodes(ctx: AdminContext) -> list[dict[str, Any]]:
 
 def node_detail(ctx: AdminContext, node_id: str) -> dict[str, Any]:
     """One node, with what its inventory says beyond the list's columns: its warnings, its
-    engines as checked, its fabrics (NotFound when there is no such node)."""
+    engines as checked, its fabrics, the sources it keeps warm (NotFound when there is no
+    such node)."""
     node = ctx.store.get_node(node_id)
     inv = node.inventory
     data = node_summary(
@@ -139,6 +140,8 @@ def node_detail(ctx: AdminContext, node_id: str) -> dict[str, Any]:
         warnings=inv.get("warnings", []),
         # What its sleeping replicas hold of its memory (llmgw.server.fleet.hostmem).
         sleepers_host_memory_bytes=sum(s.mib for s in sleepers(ctx.store, node.id)) << 20,
+        # The sources it keeps in its page cache for models with prefetch (as it reported).
+        warm=inv.get("warm", []),
     )
     return data
 

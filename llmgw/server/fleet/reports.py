@@ -228,8 +228,11 @@ class AgentReports:
         renew: Callable[[NodeSession, str], None],
         on_routes_changed: Callable[[], None],
         metrics: Metrics | None = None,
+        warm: Callable[[str], pb.WarmSources | None] = lambda node_id: None,
     ) -> None:
         self.store = store
+        # The sources a node keeps warm, for its acks (llmgw.server.fleet.warming).
+        self.warm = warm
         # Each replica start's time, in its two parts (llmgw's and the engine's).
         self.metrics = metrics
         self.router = router
@@ -262,7 +265,13 @@ class AgentReports:
         session.inflight = msg.heartbeat.inflight
         # The GPUs' utilisation too stays in memory: it changes every second.
         session.gpu_utilization = heartbeat_utilization(msg.heartbeat)
-        session.send(pb.ServerMessage(heartbeat_ack=pb.HeartbeatAck(seq=msg.heartbeat.seq)))
+        ack = pb.HeartbeatAck(seq=msg.heartbeat.seq)
+        # The set of sources to keep warm rides on every ack: a node told nothing (pending,
+        # or before this leader's first look) keeps what it has.
+        warm = self.warm(session.node_id) if session.approved else None
+        if warm is not None:
+            ack.warm.CopyFrom(warm)
+        session.send(pb.ServerMessage(heartbeat_ack=ack))
 
     def _draining(self, session: NodeSession, _msg: pb.AgentMessage) -> None:
         session.draining = True

@@ -332,6 +332,33 @@ class Scheduler(Moves):
 
     def _cluster(self) -> Cluster:
         """What the placement engine sees this pass."""
+        views = self.node_views()
+        store = self.store
+        host = host_use(store)  # nothing read while no profile declares host_memory
+        allocations = [
+            Allocation(
+                replica_id=sh.replica_id,
+                shard_id=sh.id,
+                node_id=sh.node_id,
+                gpus=tuple(sh.gpus),
+                host_memory_mib=host.needs.get(sh.replica_id, 0),
+            )
+            for sh in store.list_shards()
+            # An asleep replica gave its GPU memory back: its GPUs are free for others until
+            # it wakes (llmgw.server.fleet.dozing takes them back first); what it holds of
+            # host memory is counted apart (llmgw.server.fleet.hostmem).
+            if sh.state != ShardState.ASLEEP
+        ]
+        return Cluster(views, allocations, host.sleepers)
+
+    def placement_profile(self, model: Model) -> PlacementProfile:
+        """What placement is asked for a replica of ``model``'s deployed profile;
+        ConfigError for a stored profile this llmgw cannot read."""
+        return _wanted(self._profile(model))
+
+    def node_views(self) -> list[NodeView]:
+        """Every node as placement sees it now (each view reused while what it is made of
+        is unchanged)."""
         store = self.store
         views = []
         nodes = store.list_nodes()
@@ -364,22 +391,7 @@ class Scheduler(Moves):
             views.append(view)
         self._views = cache
         self.gpus.keep(cache)
-        host = host_use(store)  # nothing read while no profile declares host_memory
-        allocations = [
-            Allocation(
-                replica_id=sh.replica_id,
-                shard_id=sh.id,
-                node_id=sh.node_id,
-                gpus=tuple(sh.gpus),
-                host_memory_mib=host.needs.get(sh.replica_id, 0),
-            )
-            for sh in store.list_shards()
-            # An asleep replica gave its GPU memory back: its GPUs are free for others until
-            # it wakes (llmgw.server.fleet.dozing takes them back first); what it holds of
-            # host memory is counted apart (llmgw.server.fleet.hostmem).
-            if sh.state != ShardState.ASLEEP
-        ]
-        return Cluster(views, allocations, host.sleepers)
+        return views
 
     def _node_view(
         self,

@@ -266,6 +266,11 @@ INVALID = [
         "80-8000: port 80 is outside 1024-65535; give a range of unprivileged ports",
     ),
     ("server: cp1\nmultinode_ports: 60000-65536\n", "multinode_ports", "port 65536 is outside"),
+    # prefetch: a read rate of 1 MiB/s or more, an interval from 1m to 1d
+    ("server: cp1\nprefetch_rate: 1KiB\n", "prefetch_rate", "must be at least 1 MiB"),
+    ("server: cp1\nprefetch_rate: fast\n", "prefetch_rate", "a size like 8MiB"),
+    ("server: cp1\nprefetch_interval: 10s\n", "prefetch_interval", "must be from 1m to 1d"),
+    ("server: cp1\nprefetch_interval: soon\n", "prefetch_interval", "a duration like"),
     (
         "server: cp1\nmultinode_ports: 9000-9999\n",
         "multinode_ports",
@@ -700,3 +705,10 @@ def test_the_sandbox_is_required_unless_said_otherwise(tmp_path: Path) -> None:
     relaxed = tmp_path / "relaxed.yaml"
     relaxed.write_text("server: cp1\nsandbox: if-available\n")
     assert load_agent_config(relaxed).sandbox == "if-available"
+
+
+def test_prefetch_settings_and_their_defaults() -> None:
+    cfg = parse_agent_config({"server": "cp1"})
+    assert (cfg.prefetch_rate, cfg.prefetch_interval) == (256 * 1024**2, 600.0)
+    cfg = parse_agent_config({"server": "cp1", "prefetch_rate": "64MiB", "prefetch_interval": "1h"})
+    assert (cfg.prefetch_rate, cfg.prefetch_interval) == (64 * 1024**2, 3600.0)

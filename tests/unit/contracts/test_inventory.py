@@ -94,6 +94,16 @@ def full_inventory() -> pb.Inventory:
             pb.DegradedReason(code="fabric", message="fabric ib-a is down", fabric="ib-a"),
         ],
         multinode_ports="40000-40099",
+        warm=[
+            pb.WarmStatus(
+                source="llama",
+                state="warm",
+                reason="",
+                bytes=5 << 30,
+                pass_seconds=20.5,
+                last_pass_at=1.7e9,
+            )
+        ],
     )
 
 

@@ -3,6 +3,8 @@ API, the console and the catalog."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from llmgw.contracts.scaling import ScalingPolicy, parse_replicas, policy_of
@@ -115,3 +117,43 @@ def test_a_catalog_model_says_how_many_replicas_it_runs() -> None:
             },
             source="catalog.yaml",
         )
+
+
+def test_prefetch_is_off_by_default_and_stored_only_when_on() -> None:
+    off = parse_replicas({"min": 0, "max": 4})
+    on = parse_replicas({"min": 0, "max": 4, "prefetch": True})
+    assert isinstance(off, ScalingPolicy) and isinstance(on, ScalingPolicy)
+    assert (off.prefetch, on.prefetch) == (False, True)
+    assert "prefetch" not in off.to_json()
+    assert on.to_json()["prefetch"] is True
+    assert policy_of(on.to_json()) == on
+    assert on.describe() == "0-4 by demand (8 in flight each, prefetch)"
+    assert parse_replicas({"min": 0, "max": 4, "prefetch": False}) == off
+
+
+def test_a_fixed_count_asks_for_prefetch_as_equal_bounds() -> None:
+    # What `ctl deploy --replicas 2 --prefetch` sends: the count cannot move, the weights
+    # are kept warm.
+    policy = parse_replicas({"min": 2, "max": 2, "prefetch": True})
+    assert isinstance(policy, ScalingPolicy)
+    assert (policy.wanted(0), policy.wanted(100), policy.prefetch) == (2, 2, True)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, "true", None])
+def test_prefetch_that_is_not_a_boolean_is_refused_naming_the_key(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"^replicas\.prefetch: must be true or false") as exc:
+        parse_replicas({"min": 0, "max": 4, "prefetch": value})
+    assert repr(value) in str(exc.value)
+
+
+def test_the_catalogs_replicas_map_takes_prefetch_and_refuses_a_bad_one() -> None:
+    from llmgw.contracts.catalog import parse_catalog
+
+    def catalog(replicas: object) -> object:
+        data = {"models": {"m": {"replicas": replicas, "profiles": {"default": {"engine": "sim"}}}}}
+        return parse_catalog(data, source="catalog.yaml")
+
+    parsed: Any = catalog({"min": 0, "max": 2, "prefetch": True})
+    assert parsed.models["m"].replicas == ScalingPolicy(0, 2, prefetch=True)
+    with pytest.raises(ConfigError, match=r"models\.m\.replicas\.prefetch: must be true or false"):
+        catalog({"min": 0, "max": 2, "prefetch": "on"})

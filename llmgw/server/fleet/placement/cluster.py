@@ -110,6 +110,19 @@ class Cluster:
         if node is not None:
             node.host_sleepers = max(0, node.host_sleepers - mib)
 
+    def eligible(self, profile: Profile) -> list[str]:
+        """The nodes (in id order) that may take a shard of ``profile``, their free GPUs
+        aside: usable, offering its engine, with GPUs large enough, its source there or
+        fetchable, not degraded for it. The pool :meth:`place` chooses from, all of it."""
+        pool = self._pool(profile)
+        return [
+            node.id
+            for kind in self._kinds
+            if kind.index in pool.shapes
+            for node in kind.members
+            if pool.shape(node) is not None
+        ]
+
     def release(self, replica_id: str) -> None:
         """Forget every shard of the replica and free its GPUs; unknown ids are a no-op."""
         if replica_id not in self._replica_ids:

@@ -76,3 +76,41 @@ def test_refusals_name_what_to_give_and_send_nothing() -> None:
         assert result.exit_code == 2, (args, result.output)
         assert words in result.output, (args, result.output)
         assert api.calls == [], args
+
+
+def test_prefetch_goes_into_a_range_policy() -> None:
+    api = FakeAPI(_answer)
+    result = api.ctl("deploy", "m", "--replicas", "0-4", "--prefetch")
+    assert result.exit_code == 0, result.output
+    assert api.calls == [
+        ("POST", "/api/models", {"name": "m", "replicas": {"min": 0, "max": 4, "prefetch": True}})
+    ]
+    assert "deployed m: 0-4 replicas by demand (0 now) (weights kept warm where it may go)" in (
+        result.output
+    )
+
+
+def test_a_fixed_count_with_prefetch_is_sent_as_equal_bounds() -> None:
+    # What an operator means by --replicas 2 --prefetch: two replicas, weights kept warm.
+    api = FakeAPI(_answer)
+    result = api.ctl("deploy", "m", "--replicas", "2", "--prefetch")
+    assert result.exit_code == 0, result.output
+    assert api.calls == [
+        ("POST", "/api/models", {"name": "m", "replicas": {"min": 2, "max": 2, "prefetch": True}})
+    ]
+    assert "deployed m: 2 replicas (weights kept warm where it may go)" in result.output
+
+
+def test_no_prefetch_turns_it_off() -> None:
+    api = FakeAPI(_answer)
+    assert api.ctl("deploy", "m", "--replicas", "2", "--no-prefetch").exit_code == 0
+    assert api.ctl("deploy", "m", "--replicas", "0-4", "--no-prefetch").exit_code == 0
+    assert [c[2]["replicas"] for c in api.calls] == [2, {"min": 0, "max": 4, "prefetch": False}]
+
+
+def test_prefetch_without_replicas_is_refused_and_sends_nothing() -> None:
+    api = FakeAPI(_answer)
+    result = api.ctl("deploy", "m", "--prefetch")
+    assert result.exit_code == 2, result.output
+    assert "--prefetch goes with --replicas MIN-MAX (e.g. --replicas 0-8) or N" in result.output
+    assert api.calls == []

@@ -208,3 +208,38 @@ def test_a_control_plane_before_utilisation_shows_it_unknown(
     out = api.ctl("nodes", "gpu-1")
     assert out.exit_code == 0, out.output
     assert "  - 0 A: memory 1/8 MiB, utilisation unknown\n" in out.output
+
+
+def test_one_node_lists_the_sources_it_keeps_warm(api: FakeAPI) -> None:
+    import time
+
+    warm = [
+        {
+            "source": "llama",
+            "state": "warm",
+            "reason": "",
+            "bytes": 16 * 1024**3,
+            "pass_seconds": 62.04,
+            "last_pass_at": time.time() - 180,
+        },
+        {
+            "source": "big",
+            "state": "skipped",
+            "reason": "the node is short of memory: 3.0 GiB available",
+            "bytes": 0,
+            "pass_seconds": 0.0,
+            "last_pass_at": 0.0,
+        },
+    ]
+    node = _node("gpu-1", "healthy", [], warm=warm)
+    api.handler = lambda method, path, body: {"version": "0.1.0"} if path == "/api/status" else node
+    out = api.ctl("nodes", "gpu-1")
+    assert out.exit_code == 0, out.output
+    assert (
+        "warm sources (prefetch: kept in the page cache):\n"
+        "  - llama: warm, 16.0 GiB, read in 62.0 s, 3m ago\n"
+        "  - big: skipped (the node is short of memory: 3.0 GiB available)\n"
+    ) in out.output
+    # A node that keeps none (or an older control plane) shows no such section.
+    node.pop("warm")
+    assert "warm sources" not in api.ctl("nodes", "gpu-1").output
