@@ -57,13 +57,20 @@ class Dozing:
         self.scheduler = scheduler
         self.store = scheduler.store
         self.clock = clock
-        # replica id -> since when nothing was in flight on it (monotonic)
+        # replica id -> since when nothing was in flight on it (monotonic). Not kept in the
+        # store: it changes with every request that starts or ends on an idle replica (a
+        # write a second per replica), and a new leader that starts it again only lets its
+        # replicas sleep up to sleep_after later: nothing restarts, nothing flaps.
         self.idle_since: dict[str, float] = {}
         # replica to wake -> the replicas giving its GPUs back
         self.making_room: dict[str, set[str]] = {}
         # model -> the host memory (MiB) a replica of it held asleep at level 1, as the
-        # engines said: what the next one will hold
+        # engines said: what the next one will hold. Kept in the store (written when it
+        # grows, read on the first pass that something sleeps): a new leader that fell back
+        # to the weights' size could let a node's sleepers pass HOST_SHARE (an engine holds
+        # more than its weights), or wrongly send one to level 2, until one slept again.
         self.host_mib: dict[str, int] = {}
+        self._host_mib_read = False
         # This pass's sleepers (hostmem), read once per pass where something sleeps.
         self._asleep: list[Sleeper] = []
         # The nodes the sleepers' host memory gauge was last set for.
@@ -78,6 +85,9 @@ class Dozing:
             self.idle_since.clear()
             self._show_held([])
             return
+        if not self._host_mib_read:
+            self.host_mib = {**store.learnt_host_memory(), **self.host_mib}
+            self._host_mib_read = True
         busy = {ep.replica_id: ep.inflight for ep in self.scheduler.router.endpoints()}
         replicas: dict[str, list[Replica]] = {}
         for replica in store.list_replicas():
@@ -153,8 +163,9 @@ class Dozing:
         }
         for sleeper in self._asleep:
             mib = said.get(sleeper.replica_id, 0)
-            if mib:
-                self.host_mib[sleeper.model] = max(self.host_mib.get(sleeper.model, 0), mib)
+            if mib > self.host_mib.get(sleeper.model, 0):
+                self.host_mib[sleeper.model] = mib
+                self.store.set_learnt_host_memory(sleeper.model, mib)
 
     def _show_held(self, asleep: list[Sleeper]) -> None:
         """The sleepers' host memory gauge, per node (0 for a node whose sleepers left)."""

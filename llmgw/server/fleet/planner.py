@@ -13,7 +13,9 @@ scheduler drains the replica it retires before stopping it (make-before-break). 
 is an event with its figures. A model with a fixed count is never touched.
 
 The count it sets is the model's stored ``replicas``: a new leader starts from it (nothing
-restarted, nothing flaps); the windows start again there.
+restarted, nothing flaps). Each model's scale-down window is in the store too (wall-clock
+time, written when it starts, steps or ends): a new leader continues it rather than waiting
+a whole window again.
 """
 
 from __future__ import annotations
@@ -116,8 +118,9 @@ class Planner:
         self.clock = clock
         self.interval = interval
         # Since when each model's demand stayed below its count (monotonic), or since its
-        # last step down.
+        # last step down; kept in the store as wall-clock time, read on the first pass.
         self.low_since: dict[str, float] = {}
+        self._windows_read = False
         self.plans: dict[str, Plan] = {}
         self._kick = asyncio.Event()
         # Each model's last hour (one sample per HISTORY_STEP), for the console's chart of
@@ -156,6 +159,8 @@ class Planner:
 
     def plan(self) -> None:
         """One pass over every model."""
+        if not self._windows_read:
+            self._read_windows()
         demand = self.demand()
         plans: dict[str, Plan] = {}
         for model in self.store.list_models():
@@ -170,11 +175,11 @@ class Planner:
             if self.metrics is not None:
                 self.metrics.desired_replicas.set((model.name,), model.replicas)
             if policy is None:
-                self.low_since.pop(model.name, None)
+                self._end_window(model.name)
                 continue
             plans[model.name] = self._plan_model(model, policy, demand.get(model.name, Demand()))
         for gone in set(self.low_since) - set(plans):
-            del self.low_since[gone]
+            self._end_window(gone)
         self.plans = plans
         self._sample(plans)
         if self.preemption is not None:
@@ -182,6 +187,31 @@ class Planner:
         if self.dozing is not None:
             self.dozing.step({name: plan.demand.total for name, plan in plans.items()})
         self._refuse_the_waiting(plans)
+
+    def _read_windows(self) -> None:
+        """The windows a former leader left in the store, continued: each stored start
+        (wall clock) made this clock's (monotonic), none later than now (another
+        instance's clock may be ahead)."""
+        now, wall = self.clock(), self.wall_clock()
+        stored = self.store.scale_down_windows()
+        for name, since in stored.items():
+            self.low_since[name] = now - max(0.0, wall - since)
+        self._windows_read = True
+        if stored:
+            log.info(
+                "scale-down windows continued from the store",
+                extra=kv(models=",".join(sorted(stored))),
+            )
+
+    def _start_window(self, name: str, now: float) -> None:
+        """``name``'s window (re)starts at ``now``, here and in the store."""
+        self.low_since[name] = now
+        self.store.set_scale_down_window(name, self.wall_clock())
+
+    def _end_window(self, name: str) -> None:
+        """``name``'s window ends (demand came back, or it no longer scales by demand)."""
+        if self.low_since.pop(name, None) is not None:
+            self.store.set_scale_down_window(name, None)
 
     def _sample(self, plans: Mapping[str, Plan]) -> None:
         now = self.wall_clock()
@@ -231,20 +261,24 @@ class Planner:
             reason = "bounds"
         holding = self._holding(model, policy, demand, wanted)
         if wanted > current:
-            self.low_since.pop(model.name, None)
+            self._end_window(model.name)
             self._set(model, current, wanted, policy, demand, reason)
             return Plan(policy, demand, wanted, wanted, holding)
         if wanted == current:
-            self.low_since.pop(model.name, None)
+            self._end_window(model.name)
             return Plan(policy, demand, wanted, current, holding)
         now = self.clock()
-        since = self.low_since.setdefault(model.name, now)
+        since = self.low_since.get(model.name)
+        if since is None:
+            since = now
+            self._start_window(model.name, now)
         left = policy.scale_down_after - (now - since)
         if left > 0 and reason != "bounds":
             holding = f"cooling down: {format_duration(max(1, round(left)))} before one fewer"
             return Plan(policy, demand, wanted, current, holding)
         step = policy.clamp(current - 1) if reason != "bounds" else wanted
-        self.low_since[model.name] = now  # the next step waits the window again
+        if since != now:
+            self._start_window(model.name, now)  # the next step waits the window again
         self._set(model, current, step, policy, demand, "idle" if reason == "demand" else reason)
         return Plan(policy, demand, wanted, step, holding)
 

@@ -15,7 +15,8 @@ says what to do. The package:
 - ``schema``    the versioned migrations and how they are applied;
 - ``rows``      the row types the store hands out;
 - ``nodes``, ``models``, ``credentials``, ``usage``, ``updates``, ``engines``, ``events``,
-  ``operators``, ``logins``, ``gpus``: one class per group of tables, holding their SQL;
+  ``operators``, ``logins``, ``gpus``, ``scaling``: one class per group of tables, holding
+  their SQL;
 - ``store``     :class:`Store`, which composes them;
 - ``transfer``  a whole database copied from one engine to another (``llmgw server migrate``).
 - ``lock``      the state directory's lock (the SQLite leader's, and ``migrate``'s).

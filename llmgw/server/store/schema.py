@@ -431,6 +431,17 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (node_id, gpu_uuid)
     );
     """,
+    # 19: what the leader's planner learnt of each model that a new leader should not learn
+    # again (issue 39: a take-over keeps scaling state): since when its demand stayed below
+    # its count (UNIX seconds; NULL: no scale-down window runs), and the host memory (MiB) a
+    # replica of it held asleep at level 1, as its engines said; gone with its model
+    """
+    CREATE TABLE scaling_state (
+        model          TEXT PRIMARY KEY REFERENCES models(name) ON DELETE CASCADE,
+        low_since      REAL,
+        sleep_host_mib INTEGER NOT NULL DEFAULT 0 CHECK (sleep_host_mib >= 0)
+    );
+    """,
 ]
 
 

@@ -29,6 +29,7 @@ from llmgw.server.store.logins import LoginTables
 from llmgw.server.store.models import Models
 from llmgw.server.store.nodes import Nodes
 from llmgw.server.store.operators import Operators
+from llmgw.server.store.scaling import ScalingState
 from llmgw.server.store.schema import migrate as migrate_schema
 from llmgw.server.store.schema import schema_version as read_schema_version
 from llmgw.server.store.updates import NodeUpdates
@@ -85,6 +86,7 @@ class Store:
         self._engines = EngineTables(db)
         self._usage = Usage(db)
         self._demand = DemandTable(db)
+        self._scaling = ScalingState(db)
         self._operators = Operators(db)
         self._logins = LoginTables(db)
 
@@ -306,6 +308,10 @@ class Store:
     add_usage = _Table("_usage", Usage.add_usage)
     put_demand = _Table("_demand", DemandTable.put_demand)
     list_demand = _Table("_demand", DemandTable.list_demand)
+    scale_down_windows = _Table("_scaling", ScalingState.scale_down_windows)
+    set_scale_down_window = _Table("_scaling", ScalingState.set_scale_down_window)
+    learnt_host_memory = _Table("_scaling", ScalingState.learnt_host_memory)
+    set_learnt_host_memory = _Table("_scaling", ScalingState.set_learnt_host_memory)
     list_usage = _Table("_usage", Usage.list_usage)
     tokens_since = _Table("_usage", Usage.tokens_since)
 

@@ -99,6 +99,47 @@ def test_the_engines_word_comes_before_the_estimate(cp: SchedulerRig) -> None:
     _steps(dozing, now)
     assert dozing.host_mib == {"m": 4 * 1024}
     assert _sleep_levels(cp) == [1, 1]  # 4 held, 4 more each: within 32 (the step's view)
+    assert cp.store.learnt_host_memory() == {"m": 4 * 1024}  # for a new leader
+
+
+def test_a_new_leader_keeps_what_the_engines_said_rather_than_the_estimate(
+    cp: SchedulerRig,
+) -> None:
+    _node(cp)
+    scheduler, (first, _second, _third) = _ready(cp, "m", 3)
+    # A former leader learnt that a sleeper of m holds 4 GiB; the one asleep now is of an
+    # engine that says nothing (its weights' size counts: 20 GiB held).
+    cp.store.set_learnt_host_memory("m", 4 * 1024)
+    _asleep(cp, first.id)
+    now = [0.0]
+    dozing = Dozing(scheduler, clock=lambda: now[0])
+    _steps(dozing, now)
+    assert dozing.host_mib == {"m": 4 * 1024}
+    # 20 held + 4 each: within 32, level 1 (the estimate, 20 more, would have passed it).
+    assert _sleep_levels(cp) == [1, 1]
+
+
+def test_the_learnt_host_memory_is_written_only_when_it_grows(cp: SchedulerRig) -> None:
+    _node(cp)
+    scheduler, (first, second, _third) = _ready(cp, "m", 3)
+    cp.store.set_learnt_host_memory("m", 6 * 1024)
+    written: list[int] = []
+    real = cp.store.set_learnt_host_memory
+
+    def counted(model: str, mib: int) -> None:
+        written.append(mib)
+        real(model, mib)
+
+    cp.store.set_learnt_host_memory = counted
+    _asleep(cp, first.id, said=4 * 1024)  # less than what was learnt: kept at 6
+    now = [0.0]
+    dozing = Dozing(scheduler, clock=lambda: now[0])
+    _steps(dozing, now)
+    assert written == [] and dozing.host_mib == {"m": 6 * 1024}
+    _asleep(cp, second.id, said=8 * 1024)
+    _steps(dozing, now)
+    _steps(dozing, now)
+    assert written == [8 * 1024] and cp.store.learnt_host_memory() == {"m": 8 * 1024}
 
 
 def test_past_the_share_the_sim_sleeps_at_level_2_and_the_event_says_why(

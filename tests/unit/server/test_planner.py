@@ -20,7 +20,8 @@ class Rig:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.demand: dict[str, Demand] = {}
-        self.now = 1000.0
+        self.now = 1000.0  # monotonic
+        self.wall = 1_700_000_000.0  # UNIX seconds
         self.kicks = 0
         self.unplaceable: dict[str, str] = {}
         self.metrics = Metrics()
@@ -31,6 +32,22 @@ class Rig:
             metrics=self.metrics,
             why_unplaceable=self.unplaceable.get,
             clock=lambda: self.now,
+            wall_clock=lambda: self.wall,
+        )
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.wall += seconds
+
+    def new_leader(self, clock: float) -> Planner:
+        """The planner a new leader builds on the same store: its own monotonic clock."""
+        self.now = clock
+        return Planner(
+            self.store,
+            demand=lambda: self.demand,
+            kick_scheduler=self._kick,
+            clock=lambda: self.now,
+            wall_clock=lambda: self.wall,
         )
 
     def _kick(self) -> None:
@@ -201,3 +218,92 @@ def test_each_model_by_demand_is_sampled_every_ten_seconds_for_an_hour(rig: Rig)
         wall[0] += 10
         rig.planner.plan()
     assert len(rig.planner.history["m"]) == 360  # the last hour
+
+
+def test_a_new_leaders_planner_continues_the_window_a_former_leader_stored(rig: Rig) -> None:
+    rig.deploy("m", ScalingPolicy(min=0, max=8, target_inflight=4, scale_down_after=300), 3)
+    rig.demand["m"] = Demand(inflight=1)  # asks for 1
+    rig.planner.plan()  # the window starts
+    assert rig.store.scale_down_windows() == {"m": rig.wall}
+    rig.advance(200)
+    rig.planner.plan()
+    # The leader dies; another takes over, its monotonic clock unrelated to the first's.
+    planner = rig.new_leader(clock=7.0)
+    planner.plan()
+    assert rig.count("m") == 3
+    assert planner.plans["m"].holding == "cooling down: 100s before one fewer"  # not 5m
+    rig.advance(99)
+    planner.plan()
+    assert rig.count("m") == 3
+    rig.advance(1)
+    planner.plan()
+    assert rig.count("m") == 2  # the first leader's window, continued
+    assert rig.events("scaled_down") == [
+        "m 3 → 2: 1 in flight + 0 queued, target 4 per replica; low for 5m"
+    ]
+    assert rig.store.scale_down_windows() == {"m": rig.wall}  # the next step's window
+
+
+def test_the_stored_window_is_cleared_when_demand_returns(rig: Rig) -> None:
+    rig.deploy("m", ScalingPolicy(min=0, max=8, target_inflight=4, scale_down_after=60), 2)
+    rig.planner.plan()  # no demand: the window starts
+    assert set(rig.store.scale_down_windows()) == {"m"}
+    rig.advance(50)
+    rig.demand["m"] = Demand(inflight=8)  # asks for 2: as many as it has
+    rig.planner.plan()
+    assert rig.store.scale_down_windows() == {}
+    # A new leader now starts a whole window when demand falls again.
+    rig.advance(50)
+    planner = rig.new_leader(clock=3.0)
+    rig.demand["m"] = Demand()
+    planner.plan()
+    assert planner.plans["m"].holding == "cooling down: 1m before one fewer"
+    rig.advance(59)
+    planner.plan()
+    assert rig.count("m") == 2
+
+
+def test_the_window_is_written_only_when_it_changes(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes: list[tuple[str, float | None]] = []
+    real = rig.store.set_scale_down_window
+
+    def counted(model: str, since: float | None) -> None:
+        writes.append((model, since))
+        real(model, since)
+
+    monkeypatch.setattr(rig.store, "set_scale_down_window", counted)
+    rig.deploy("m", ScalingPolicy(min=0, max=8, target_inflight=4, scale_down_after=60), 2)
+    rig.deploy("fixed", None, replicas=2)
+    start = rig.wall
+    for _ in range(5):  # low for 40 s: one write, when the window starts
+        rig.planner.plan()
+        rig.advance(10)
+    assert writes == [("m", start)]
+    rig.advance(20)
+    rig.planner.plan()  # a step: the window again, from now
+    assert writes[1:] == [("m", rig.wall)] and rig.count("m") == 1
+    rig.demand["m"] = Demand(inflight=4)  # asks for 1: as many as it has
+    rig.planner.plan()
+    rig.planner.plan()
+    assert writes[2:] == [("m", None)]  # cleared once
+
+
+def test_a_window_stored_for_a_model_that_no_longer_scales_by_demand_is_cleared(
+    rig: Rig,
+) -> None:
+    rig.deploy("m", ScalingPolicy(min=0, max=8, scale_down_after=60), 2)
+    rig.planner.plan()
+    rig.store.set_scaling("m", {}, replicas=2)  # a fixed count now
+    planner = rig.new_leader(clock=1.0)
+    planner.plan()
+    assert rig.store.scale_down_windows() == {} and planner.low_since == {}
+
+
+def test_a_stored_start_ahead_of_this_instances_clock_starts_the_window_now(rig: Rig) -> None:
+    rig.deploy("m", ScalingPolicy(min=0, max=8, scale_down_after=60), 2)
+    rig.store.set_scale_down_window("m", rig.wall + 30)  # the former leader's clock ran ahead
+    planner = rig.new_leader(clock=1.0)
+    planner.plan()
+    assert planner.plans["m"].holding == "cooling down: 1m before one fewer"
