@@ -157,6 +157,12 @@ class Metrics:
             "as their engines said, else their weights' size as the node lists them.",
             ("node",),
         )
+        self.warm_source_bytes = Gauge(
+            "llmgw_warm_source_bytes",
+            "Bytes of model sources a node reports warm in its page cache (prefetch: true), "
+            "as its last inventory said; 0 for a node that had some and has none now.",
+            ("node",),
+        )
         self.ready_replicas = Gauge("llmgw_ready_replicas", "Ready replicas by model.", ("model",))
         self.replica_states = Gauge(
             "llmgw_replicas",
@@ -218,6 +224,12 @@ class Metrics:
                 self.replica_states.values[key] = 0
         for key, n in counts.items():
             self.replica_states.set(key, n)
+
+    def show_warm_bytes(self, node_id: str, size: int) -> None:
+        """``llmgw_warm_source_bytes`` for a node's new inventory: no series for a node that
+        never kept anything warm (most of a fleet), 0 once it had some and has none."""
+        if size or (node_id,) in self.warm_source_bytes.values:
+            self.warm_source_bytes.set((node_id,), size)
 
     def set_gpus(self, counts: Mapping[str, int]) -> None:
         """The GPUs gauge: how many GPUs are in each state now."""
@@ -311,6 +323,7 @@ class Metrics:
             self.nodes,
             self.gpus,
             self.sleepers_host_memory,
+            self.warm_source_bytes,
             self.ready_replicas,
             self.replica_states,
             self.queued,

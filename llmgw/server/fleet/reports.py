@@ -36,6 +36,8 @@ __all__ = [
     "inventory_changes",
     "record_health",
     "store_inventory",
+    "warm_bytes",
+    "warm_changes",
 ]
 
 log = logging.getLogger("llmgw.server.reports")
@@ -193,8 +195,38 @@ def store_inventory(store: Store, session: NodeSession, inv: pb.Inventory) -> di
         changes = inventory_changes(node.inventory, stored)
         if changes:
             store.add_event("inventory_changed", session.node_id, "; ".join(changes))
+    for kind, message in warm_changes(node.inventory, stored):
+        store.add_event(kind, session.node_id, message)
     record_health(store, session.node_id, node.inventory, stored)
     return stored
+
+
+def warm_changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The events of a node's prefetch (llmgw.agent.warming): ``source_warm`` for a source
+    newly warm in its page cache, ``source_skipped`` for one newly skipped, with why. Only a
+    change of state is one: the stored inventory is the previous report's (a reconnect, or a
+    new leader, tells nothing again), and a warm source read again is not news."""
+    old = {str(w.get("source")): w.get("state") for w in before.get("warm") or []}
+    events = []
+    for entry in after.get("warm") or []:
+        source, state = str(entry.get("source")), entry.get("state")
+        if state == old.get(source):
+            continue
+        if state == "warm":
+            text = f"{source} warm in the page cache: {_gib(entry.get('bytes'))}"
+            if entry.get("pass_seconds"):
+                text += f", read in {float(entry['pass_seconds']):.1f} s"
+            events.append(("source_warm", text))
+        elif state == "skipped":
+            events.append(("source_skipped", f"{source} not kept warm: {entry.get('reason')}"))
+    return events
+
+
+def warm_bytes(inventory: Mapping[str, Any]) -> int:
+    """The bytes of the sources a node reports warm in its page cache."""
+    return sum(
+        int(w.get("bytes") or 0) for w in inventory.get("warm") or [] if w.get("state") == "warm"
+    )
 
 
 def record_health(
@@ -287,6 +319,8 @@ class AgentReports:
         if session.approved:
             stored = store_inventory(self.store, session, msg.inventory)
             self.scheduler.gpus.note(session.node_id, stored)
+            if self.metrics is not None:
+                self.metrics.show_warm_bytes(session.node_id, warm_bytes(stored))
             self.scheduler.kick()
         else:
             # No churn stored before approval: the latest is stored on approval.

@@ -8,6 +8,7 @@ from typing import Any
 
 from llmgw.contracts.scaling import ScalingPolicy
 from llmgw.proto import control_pb2 as pb
+from llmgw.server.common.metrics import Metrics
 from llmgw.server.fleet.placement import Cluster, Placement
 from llmgw.server.fleet.reports import AgentReports
 from llmgw.server.fleet.warming import Warming
@@ -155,3 +156,63 @@ def test_the_heartbeat_ack_carries_it_to_approved_nodes_only(cp: SchedulerRig) -
     handler(session, pb.AgentMessage(heartbeat=pb.Heartbeat(seq=8)))
     ack = session.queue.get_nowait()
     assert ack is not None and not ack.heartbeat_ack.HasField("warm")
+
+
+def _warm_report(*entries: tuple[str, str, int, str]) -> pb.AgentMessage:
+    """An inventory whose prefetch says (source, state, bytes, reason) of each source."""
+    return pb.AgentMessage(
+        inventory=pb.Inventory(
+            hostname="n1",
+            warm=[
+                pb.WarmStatus(source=s, state=st, bytes=n, reason=why, pass_seconds=2.5)
+                for s, st, n, why in entries
+            ],
+        )
+    )
+
+
+def test_what_nodes_report_warm_is_a_gauge_and_each_change_of_state_one_event(
+    cp: SchedulerRig,
+) -> None:
+    _join(cp, "n1", "llama")
+    _join(cp, "n2", "llama")
+    metrics = Metrics()
+    reports = AgentReports(
+        cp.store,
+        cp.router,  # type: ignore[arg-type]
+        cp.scheduler(),
+        installs=None,  # type: ignore[arg-type]
+        renew=lambda session, csr: None,
+        on_routes_changed=lambda: None,
+        metrics=metrics,
+    )
+    inventory = reports.handlers()["inventory"]
+    n1 = cp.sessions["n1"]
+
+    def events() -> list[tuple[str, str]]:
+        kinds = ("source_warm", "source_skipped")
+        listed = cp.store.list_events(limit=100, subject="n1")
+        return [(e.kind, e.message) for e in reversed(listed) if e.kind in kinds]
+
+    inventory(n1, _warm_report(("llama", "warming", 0, "")))
+    assert events() == [] and ("n1",) not in metrics.warm_source_bytes.values
+    inventory(cp.sessions["n2"], _warm_report())
+    gib = 1 << 30
+    inventory(n1, _warm_report(("llama", "warm", 15 * gib, ""), ("qwen", "warming", 0, "")))
+    inventory(n1, _warm_report(("llama", "warm", 15 * gib, ""), ("qwen", "warm", 3 * gib, "")))
+    # Read again (a later pass): no news.
+    inventory(n1, _warm_report(("llama", "warm", 15 * gib, ""), ("qwen", "warm", 3 * gib, "")))
+    assert events() == [
+        ("source_warm", "llama warm in the page cache: 15.0 GiB, read in 2.5 s"),
+        ("source_warm", "qwen warm in the page cache: 3.0 GiB, read in 2.5 s"),
+    ]
+    assert metrics.warm_source_bytes.values[("n1",)] == 18 * gib
+    assert 'llmgw_warm_source_bytes{node="n1"} 19327352832' in metrics.render()
+    short = "the node is short of memory: 2.0 GiB available"
+    inventory(
+        n1, _warm_report(("llama", "skipped", 15 * gib, short), ("qwen", "warm", 3 * gib, ""))
+    )
+    inventory(n1, _warm_report(("llama", "skipped", 15 * gib, short)))
+    assert events()[2:] == [("source_skipped", f"llama not kept warm: {short}")]
+    assert metrics.warm_source_bytes.values[("n1",)] == 0  # had some, has none now
+    assert ("n2",) not in metrics.warm_source_bytes.values  # never had any: no series
