@@ -156,6 +156,18 @@ def test_deploy_from_the_catalog_switch_profile_scale_and_undeploy(
     page.click("#button-scale")
     expect(page.locator("#flash")).to_have_text("model sim-chat: 2 replica(s) wanted")
     expect(page.locator("#model-ready")).to_have_text("2 / 2", timeout=LIVE)
+    expect(page.locator("#scale-prefetch")).not_to_be_checked()
+    # Prefetch rides on the same scale call: a count N is sent as {min: N, max: N}.
+    page.check("#scale-prefetch")
+    page.click("#button-scale")
+    expect(page.locator("#flash")).to_have_text("model sim-chat: 2 replica(s) wanted, prefetch")
+    expect(page.locator("#model-prefetch")).to_have_text("prefetch")
+    expect(page.locator("#scale-prefetch")).to_be_checked()
+    expect(page.locator("#scale-replicas")).to_have_value("2")
+    scaling = next(m for m in fleet.server.api("GET", "/api/models") if m["name"] == "sim-chat")
+    assert (scaling["scaling"]["min"], scaling["scaling"]["max"]) == (2, 2)
+    assert scaling["scaling"]["prefetch"] is True
+    expect(page.locator("#model-ready")).to_have_text("2 / 2", timeout=LIVE)
 
     # The Models page shows it deployed, ready/desired live.
     page.goto(fleet.url("/ui/models"))

@@ -75,10 +75,28 @@ def _replicas_value(raw: str) -> int | dict[str, int]:
     return int(text)
 
 
+def _with_prefetch(replicas: int | dict[str, Any], form: Mapping[str, str]) -> int | dict[str, Any]:
+    """The scale form's replicas with its prefetch checkbox: a range with ``prefetch: true``
+    when ticked (a count N as ``{min: N, max: N}``, which cannot move, as ctl sends it)."""
+    if not form.get("prefetch"):
+        return replicas
+    if isinstance(replicas, int):
+        return {"min": replicas, "max": replicas, "prefetch": True}
+    return {**replicas, "prefetch": True}
+
+
+def _prefetch_shown(model: Mapping[str, Any]) -> bool:
+    """Whether the scale form's prefetch checkbox starts ticked: the model's policy asks."""
+    scaling = model.get("scaling")
+    return isinstance(scaling, Mapping) and scaling.get("prefetch") is True
+
+
 def _replicas_shown(model: Mapping[str, Any]) -> str:
     """What the scale form shows: the count, or the range of a model that scales by demand."""
     scaling = model.get("scaling")
     if isinstance(scaling, Mapping) and "min" in scaling:
+        if scaling["min"] == scaling["max"]:
+            return str(scaling["min"])  # a count with prefetch: the box says the rest
         return f"{scaling['min']}-{scaling['max']}"
     return str(model["replicas"])
 
@@ -225,6 +243,8 @@ class ModelPages:
             other_profiles=[p for p in model["profiles"] if p != model["profile"]],
             chosen={
                 "replicas": (form or {}).get("replicas", _replicas_shown(model)),
+                # A refused form keeps what the operator ticked (an unticked box sends nothing).
+                "prefetch": bool(form.get("prefetch")) if form else _prefetch_shown(model),
                 "profile": (form or {}).get("profile", ""),
             },
         )
@@ -303,15 +323,19 @@ class ModelPages:
             undeploy(ctx, name, actor=actor)
             return f"model {name} is undeployed: its replicas are stopping", "/ui/models"
         if action == "scale":
-            replicas = _replicas_value(form.get("replicas", ""))
+            replicas = _with_prefetch(_replicas_value(form.get("replicas", "")), form)
             model, _created = deploy(ctx, {"name": name, "replicas": replicas}, actor=actor)
-            if isinstance(replicas, dict):
-                return (
+            if isinstance(replicas, int):
+                return f"model {name}: {model.replicas} replica(s) wanted", model_path(name)
+            prefetch = ", prefetch" if replicas.get("prefetch") else ""
+            if replicas["min"] == replicas["max"] and prefetch:
+                text = f"model {name}: {model.replicas} replica(s) wanted{prefetch}"
+            else:
+                text = (
                     f"model {name}: {replicas['min']}-{replicas['max']} replicas by demand "
-                    f"({model.replicas} now)",
-                    model_path(name),
+                    f"({model.replicas} now){prefetch}"
                 )
-            return f"model {name}: {model.replicas} replica(s) wanted", model_path(name)
+            return text, model_path(name)
         profile = form.get("profile", "").strip()
         if not profile:
             raise BadRequest(f"choose the profile model {name} should run")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import html
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TypeVar, cast
@@ -111,6 +111,7 @@ class ConsoleRig:
         connected: bool = True,
         gpus: int = 2,
         name: str = "NVIDIA H100",
+        warm: Sequence[pb.WarmStatus] = (),
     ) -> None:
         inv = pb.Inventory(
             hostname=node_id,
@@ -123,6 +124,7 @@ class ConsoleRig:
                 for i in range(gpus)
             ],
             fabrics=[pb.Fabric(name="ib-a", hcas=["mlx5_0"], healthy=True)],
+            warm=warm,
         )
         self.store.upsert_node(
             node_id,

@@ -390,6 +390,43 @@ def test_scale_by_demand_through_the_model_page(rig: ConsoleRig, store: Store) -
     assert store.get_model("chat").scaling == {}
 
 
+def test_the_scale_field_sends_prefetch_with_the_policy_and_the_page_shows_it(
+    rig: ConsoleRig, store: Store
+) -> None:
+    store.deploy_model("chat", profile="small", replicas=1)
+    forms = (
+        {"replicas": "0-3", "prefetch": "on"},
+        {"replicas": "2", "prefetch": "on"},
+        {"replicas": "9-1", "prefetch": "on"},  # refused: the form keeps the tick
+        {"replicas": "0-3"},  # unticked: prefetch off again
+    )
+
+    async def scenario(b: Browser) -> list[tuple[int, str, str, Any]]:
+        await b.login()
+        out = []
+        for fields in forms:
+            status, body, _ = await b.post("/ui/models/chat/scale", {"csrf": b.csrf, **fields})
+            if status == 303:
+                _, body, _ = await b.get("/ui/models/chat")
+            out.append((status, flash_of(body), body, store.get_model("chat").scaling))
+        return out
+
+    ranged, fixed, refused, off = rig.run(scenario)
+    assert ranged[:2] == (303, "info: model chat: 0-3 replicas by demand (1 now), prefetch")
+    assert (ranged[3]["min"], ranged[3]["max"], ranged[3]["prefetch"]) == (0, 3, True)
+    assert '<span id="model-prefetch">prefetch</span>' in ranged[2]
+    assert re.search(r'id="scale-prefetch"[^>]* checked>', ranged[2])
+    assert fixed[:2] == (303, "info: model chat: 2 replica(s) wanted, prefetch")
+    assert (fixed[3]["min"], fixed[3]["max"], fixed[3]["prefetch"]) == (2, 2, True)
+    assert 'value="2"' in fixed[2] and re.search(r'id="scale-prefetch"[^>]* checked>', fixed[2])
+    assert refused[0] == 400 and "min (9) is above max (1)" in refused[1]
+    assert re.search(r'id="scale-prefetch"[^>]* checked>', refused[2])
+    assert off[0] == 303 and "prefetch" not in off[3]
+    assert 'id="model-prefetch"' not in off[2]
+    assert re.search(r'id="scale-prefetch"[^>]*>', off[2])
+    assert not re.search(r'id="scale-prefetch"[^>]* checked>', off[2])
+
+
 def test_a_model_by_demand_charts_its_replicas_against_its_demand(
     rig: ConsoleRig, store: Store
 ) -> None:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import html
 import re
+import time
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
 from llmgw.errors import ConfigError, Conflict, NotFound, PasswordError
+from llmgw.proto import control_pb2 as pb
 from llmgw.server.admin.context import BadRequest
 from llmgw.server.console.render import STATIC_DIR, Assets, Renderer, ago
 from llmgw.server.store import Store
@@ -202,6 +204,46 @@ def test_numbers_and_their_headers_share_the_right_edge(rig: ConsoleRig, store: 
                         numbers += 1
                         assert "num" in head[index].split(), (path, index, head)
     assert numbers >= 8  # the models' ready/desired, the nodes' shards, a node's GPUs, shards
+
+
+def test_a_node_page_shows_its_warm_sources_and_what_its_sleepers_hold(
+    rig: ConsoleRig, store: Store
+) -> None:
+    rig.add_node(
+        "gpu-3",
+        warm=[
+            pb.WarmStatus(
+                source="org/llama",
+                state="warm",
+                bytes=15 << 30,
+                pass_seconds=62.0,
+                last_pass_at=time.time() - 180,  # the ago filter reads the real clock
+            ),
+            pb.WarmStatus(
+                source="qwen", state="skipped", reason="the node is short of memory: 2.0 GiB"
+            ),
+        ],
+    )
+    _deploy(store, "chat")
+    replica = store.add_replica("chat")
+    shard = store.add_shard(replica.id, "gpu-3", rank=0)
+    store.set_replica_state(replica.id, "asleep")
+    store.update_shard(shard.id, state="asleep", sleep_level=1, host_memory_mib=3 * 1024)
+    result = pages(rig, "/ui/nodes/gpu-3", "/ui/nodes/gpu-1")
+    page = result["/ui/nodes/gpu-3"][1]
+    assert '<dd id="node-sleepers-memory">3.0 GiB of host memory</dd>' in page
+    rows = re.findall(
+        r"<tr><td><code>([^<]*)</code></td><td class=\"warm-state\">(\w+)</td>"
+        r"<td class=\"num\">([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td>",
+        page,
+    )
+    assert rows == [
+        ("org/llama", "warm", "15.0 GiB", "in 62.0 s, 3 min ago", ""),
+        ("qwen", "skipped", "", "not yet", "the node is short of memory: 2.0 GiB"),
+    ]
+    other = result["/ui/nodes/gpu-1"][1]
+    assert '<dd id="node-sleepers-memory">no host memory</dd>' in other
+    assert 'id="no-warm"' in other and 'id="node-warm"' not in other
 
 
 def test_empty_facts_and_events_say_so_in_their_context(rig: ConsoleRig, store: Store) -> None:
