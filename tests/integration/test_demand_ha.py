@@ -1,7 +1,8 @@
 """Serving by demand across instances on PostgreSQL: a request that waits at a standby's
 gateway is demand the leader's planner sees (through the database), and a leader killed
-mid-way hands over its scaling state: the new leader keeps the count, restarts no replica
-and does not flap."""
+mid-way hands over its scaling state: the new leader keeps the count, restarts no replica,
+does not flap, and continues the scale-down window the first leader started (kept in the
+database) rather than starting it again."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from llmgw.server.store import Store
+from llmgw.server.store.location import parse_location
 from tests.integration.ha import cluster, engine_pids, fleet, leader, role, stop_all
 from tests.integration.harness import wait_for
 
@@ -65,6 +69,13 @@ def test_a_standbys_waiting_request_scales_from_zero_and_a_take_over_keeps_the_c
         up = [e["message"] for e in events if e["kind"] == "scaled_up"]
         assert up and "1 waiting for a replica" in up[0], up
         pids = {a.node_id: engine_pids(a) for a in agents}
+        # Served, its demand gone: the leader's planner starts cold's 10m window, in the store.
+        started = wait_for(
+            lambda: _windows(standby).get("cold"),
+            timeout=30,
+            interval=0.5,
+            what="cold's scale-down window",
+        )
 
         os.kill(first.server.proc.pid, signal.SIGKILL)
         first.server.proc.wait()
@@ -81,9 +92,18 @@ def test_a_standbys_waiting_request_scales_from_zero_and_a_take_over_keeps_the_c
         assert {a.node_id: engine_pids(a) for a in agents} == pids  # no replica restarted
         events = new.server.api("GET", "/api/events?subject=cold&limit=50")
         assert [e["kind"] for e in events].count("scaled_down") == 0
+        assert _windows(new) == {"cold": started}  # continued, not started again
         assert _ask(new.server.url, key, "cold")
     finally:
         stop_all(procs)
+
+
+def _windows(instance: Any) -> dict[str, float]:
+    """The scale-down windows in the instances' database (model -> since, UNIX seconds)."""
+    database = yaml.safe_load(instance.config.read_text())["database"]
+    location = parse_location(database["url"], password_file=Path(database["password_file"]))
+    with Store.open(location) as store:
+        return store.scale_down_windows()
 
 
 def _knows(url: str, key: str, model: str) -> bool:
