@@ -161,6 +161,7 @@ def test_empty_metrics_render_help_and_type_only() -> None:
         "llmgw_nodes",
         "llmgw_gpus",
         "llmgw_sleepers_host_memory_bytes",
+        "llmgw_warm_source_bytes",
         "llmgw_ready_replicas",
         "llmgw_replicas",
         "llmgw_queued_requests",
