@@ -324,6 +324,15 @@ class ModelPages:
             return f"model {name} is undeployed: its replicas are stopping", "/ui/models"
         if action == "scale":
             replicas = _with_prefetch(_replicas_value(form.get("replicas", "")), form)
+            if isinstance(replicas, dict):
+                # The form sets the range and prefetch; the rest of the policy (target,
+                # windows, priority, sleep) stays as the model has it.
+                kept = {
+                    k: v
+                    for k, v in (ctx.store.get_model(name).scaling or {}).items()
+                    if k not in ("min", "max", "prefetch")
+                }
+                replicas = {**kept, **replicas}
             model, _created = deploy(ctx, {"name": name, "replicas": replicas}, actor=actor)
             if isinstance(replicas, int):
                 return f"model {name}: {model.replicas} replica(s) wanted", model_path(name)

@@ -390,6 +390,35 @@ def test_scale_by_demand_through_the_model_page(rig: ConsoleRig, store: Store) -
     assert store.get_model("chat").scaling == {}
 
 
+def test_the_scale_field_keeps_the_rest_of_the_models_policy(rig: ConsoleRig, store: Store) -> None:
+    # The field sets the range (and prefetch); the target, windows, priority and sleep set
+    # by ctl or the API stay: a new range is not a new policy.
+    store.deploy_model("chat", profile="small", replicas=1)
+    policy = {
+        "min": 0,
+        "max": 3,
+        "target_inflight": 4,
+        "scale_down_after": 60.0,
+        "cold_start_timeout": 30.0,
+        "priority": "high",
+        "sleep_after": 120.0,
+        "ttft_slo": 2.0,
+    }
+    store.set_scaling("chat", policy, replicas=1)
+
+    async def scenario(b: Browser) -> list[tuple[int, Any]]:
+        await b.login()
+        out = []
+        for fields in ({"replicas": "1-5"}, {"replicas": "2"}):
+            status, _, _ = await b.post("/ui/models/chat/scale", {"csrf": b.csrf, **fields})
+            out.append((status, store.get_model("chat").scaling))
+        return out
+
+    (ranged, kept), (fixed, dropped) = rig.run(scenario)
+    assert ranged == 303 and kept == {**policy, "min": 1, "max": 5}
+    assert fixed == 303 and dropped == {}  # a fixed count has no policy
+
+
 def test_the_scale_field_sends_prefetch_with_the_policy_and_the_page_shows_it(
     rig: ConsoleRig, store: Store
 ) -> None:
