@@ -42,10 +42,10 @@ class RecordingScheduler(Scheduler):
         super().__init__(cp.store, cast(Router, cp.router), sessions=cp.sessions, lost=cp.lost)
         self.cp = cp
 
-    def remove_replica(self, replica_id: str, *, why: str) -> None:
+    def remove_replica(self, replica_id: str, *, why: str, actor: str = "") -> None:
         self.cp.removed.append(replica_id)
         self.cp.router.routable.discard(replica_id)
-        super().remove_replica(replica_id, why=why)
+        super().remove_replica(replica_id, why=why, actor=actor)
 
 
 class SchedulerRig:

@@ -62,7 +62,7 @@ class Rig:
         self.report(shard.id, replica.id, pb.SHARD_READY)
         return replica.id, shard.id
 
-    def report(self, shard_id: str, replica_id: str, state: int, **fields: Any) -> None:
+    def report(self, shard_id: str, replica_id: str, state: pb.ShardState, **fields: Any) -> None:
         status = pb.ShardStatus(
             shard_id=shard_id, replica_id=replica_id, state=state, port=9, **fields
         )
