@@ -96,6 +96,7 @@ class Outcome:
     failed: list[str] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
     cold: list[float] = field(default_factory=list)  # TTFTs of requests that waited (start/wake)
+    misses: list[str] = field(default_factory=list)  # those over the SLO: model, when, TTFT
 
 
 def trace(models: list[str], day: float, peak: float, seed: int) -> list[Request]:
@@ -232,6 +233,8 @@ async def play(fleet: Fleet, reqs: list[Request], outcome: Outcome) -> None:
             outcome.ttft.append(first)
             if waited or first > WAITED_S:
                 outcome.cold.append(first)
+            if first > SLO_S:
+                outcome.misses.append(f"{r.model} at {r.at:.1f} s: TTFT {first:.2f} s")
 
         await asyncio.gather(*(one(r) for r in reqs))
 
@@ -272,12 +275,17 @@ def run(
     sizes = {m: SIZES[i % len(SIZES)][1] for i, m in enumerate(sorted(deploy))}
     for model, replicas in deploy.items():
         fleet.deploy(model, sizes[model], replicas, sleeps=sleeps)
-    if name == "static":
-        wanted = sum(deploy.values())
+    # A run starts as its fleet stands: static with its split placed, with sleep with each
+    # model's floor of one (min: 1) loaded; by demand from nothing (min: 0).
+    wanted = sum(floor(r) for r in deploy.values())
+    if wanted:
         wait_for(
-            lambda: sum(1 for r in fleet.server.replicas() if r["routable"]) == wanted,
+            lambda: (
+                sum(1 for r in fleet.server.replicas() if r["routable"] or r["state"] == "asleep")
+                == wanted
+            ),
             timeout=300,
-            what=f"{wanted} static replicas",
+            what=f"{wanted} replicas of {name}",
         )
     samples: list[float] = []
     stop = threading.Event()
@@ -289,13 +297,16 @@ def run(
     stop.set()
     sampler.join()
     parts = llmgw_parts(fleet, since)
-    wakes = len(
-        [
-            e
-            for e in fleet.server.api("GET", "/api/events?limit=5000")
-            if e["kind"] == "replica_awake" and e["ts"] >= since
-        ]
-    )
+    events = [e for e in fleet.server.api("GET", "/api/events?limit=5000") if e["ts"] >= since]
+    kinds: dict[str, int] = {}
+    for e in events:
+        kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+    wakes = kinds.get("replica_awake", 0)
+    retired: dict[str, int] = {}  # why replicas were retired, their figures left out
+    for e in events:
+        if e["kind"] == "replica_retiring":
+            why = re.sub(r"[0-9a-f]{6,}|\b\d+\b|m\d\d", "#", e["message"])
+            retired[why] = retired.get(why, 0) + 1
     fleet.undeploy_all()
     ttft = outcome.ttft
     return {
@@ -314,19 +325,27 @@ def run(
         "llmgw_start_p50": percentile(parts, 50),
         "llmgw_start_p99": percentile(parts, 99),
         "wakes": wakes,
+        "misses": outcome.misses[:200],
+        "events": dict(sorted(kinds.items())),
+        "retired": retired,
     }
+
+
+def floor(replicas: Any) -> int:
+    """The replicas a deployment's ``replicas`` keeps at the least."""
+    return int(replicas["min"]) if isinstance(replicas, dict) else int(replicas)
 
 
 RUNS = (("static", "static"), ("demand", "by demand"), ("sleep", "with sleep"))
 
 
 def render(fig: dict[str, Any]) -> str:
-    static, sleep = fig["static"], fig["sleep"]
-    share = sleep["gpu_seconds"] / max(1e-9, static["gpu_seconds"])
+    ran = [(name, label) for name, label in RUNS if name in fig]
+    first = fig[ran[0][0]]
     lines = [
         f"fleet: {fig['gpus']} GPUs on {fig['nodes']} nodes, {fig['models']} models; a day in "
-        f"{fig['day']:g} s ({fig['compression']:.0f}x), {static['requests']} requests",
-        f"{'':20}" + "".join(f"{label:>12}" for _, label in RUNS),
+        f"{fig['day']:g} s ({fig['compression']:.0f}x), {first['requests']} requests",
+        f"{'':20}" + "".join(f"{label:>12}" for _, label in ran),
     ]
     for key, label, fmt in (
         ("slo_attainment", "SLO (<=2 s)", "{:.1%}"),
@@ -343,23 +362,29 @@ def render(fig: dict[str, Any]) -> str:
         ("wakes", "wakes", "{}"),
     ):
         cells = []
-        for run_ in (fig[name] for name, _ in RUNS):
+        for run_ in (fig[name] for name, _ in ran):
             value = run_[key]
             if fmt == "gpuh":
                 cells.append(f"{value * fig['compression'] / 3600:.1f}")
             else:
                 cells.append(fmt.format(value))
         lines.append(f"{label:20}" + "".join(f"{c:>12}" for c in cells))
-    lines.append(
-        f"with sleep: {share:.0%} of static's GPU-hours (target <= {TARGET_SHARE:.0%}) at "
-        f"{sleep['slo_attainment']:.1%} SLO attainment (static's: "
-        f"{static['slo_attainment']:.1%}); llmgw's part of a start p99 "
-        f"{max(fig['demand']['llmgw_start_p99'], sleep['llmgw_start_p99']):.3f} s (target <= "
-        f"{TARGET_LLMGW_P99} s)"
-    )
-    for name, label in RUNS:
+    if "static" in fig and "sleep" in fig:
+        static, sleep = fig["static"], fig["sleep"]
+        share = sleep["gpu_seconds"] / max(1e-9, static["gpu_seconds"])
+        parts = [fig[n]["llmgw_start_p99"] for n in ("demand", "sleep") if n in fig]
+        lines.append(
+            f"with sleep: {share:.0%} of static's GPU-hours (target <= {TARGET_SHARE:.0%}) at "
+            f"{sleep['slo_attainment']:.1%} SLO attainment (static's: "
+            f"{static['slo_attainment']:.1%}); llmgw's part of a start p99 "
+            f"{max(parts):.3f} s (target <= {TARGET_LLMGW_P99} s)"
+        )
+    for name, label in ran:
         for failure in fig[name]["failures"]:
             lines.append(f"failed ({label}): {failure[:300]}")
+        misses = fig[name]["misses"]
+        if misses and name != "static":
+            lines.append(f"over the SLO ({label}), first {len(misses)}: " + "; ".join(misses[:8]))
     return "\n".join(lines)
 
 
@@ -370,8 +395,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--day", type=float, default=240.0, help="seconds a day takes")
     parser.add_argument("--peak", type=float, default=10.0, help="requests/s at the peak")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--runs", default="static,demand,sleep", help="which runs, comma-separated (all three)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = sorted(set(runs) - {name for name, _ in RUNS})
+    if unknown or not runs:
+        parser.error(f"--runs: unknown {', '.join(unknown) or 'nothing'}; give static,demand,sleep")
     gpus = 8 * args.nodes
     if args.models > gpus:
         parser.error(f"--models {args.models} is more than the fleet's {gpus} GPUs")
@@ -388,23 +420,26 @@ def main(argv: list[str] | None = None) -> int:
         "day": args.day,
         "compression": compression,
     }
+    # With sleep: every model keeps one replica, asleep when idle (a compressed minute), so
+    # that a quiet model's request wakes it rather than starts it; the replicas above it are
+    # stopped after a compressed half hour.
+    sleepy = {
+        **policy,
+        "min": 1,
+        "sleep_after": max(0.5, 60 / compression),
+        "scale_down_after": max(2.0, 1800 / compression),
+    }
+    plans = {
+        "static": (static_split(reqs, models, gpus), False),
+        "demand": (dict.fromkeys(models, policy), False),
+        "sleep": (dict.fromkeys(models, sleepy), True),
+    }
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-demand-") as tmp:
         fleet = Fleet(Path(tmp), args.nodes)
         try:
-            fig["static"] = run(fleet, "static", reqs, static_split(reqs, models, gpus), args.day)
-            fig["demand"] = run(fleet, "demand", reqs, dict.fromkeys(models, policy), args.day)
-            # With sleep: every model keeps one replica, asleep when idle (a compressed
-            # minute), so that a quiet model's request wakes it rather than starts it; the
-            # replicas above it are stopped after a compressed half hour.
-            sleepy = {
-                **policy,
-                "min": 1,
-                "sleep_after": max(0.5, 60 / compression),
-                "scale_down_after": max(2.0, 1800 / compression),
-            }
-            fig["sleep"] = run(
-                fleet, "sleep", reqs, dict.fromkeys(models, sleepy), args.day, sleeps=True
-            )
+            for name in runs:
+                deploy, sleeps = plans[name]
+                fig[name] = run(fleet, name, reqs, deploy, args.day, sleeps=sleeps)
         finally:
             fleet.stop()
     print(json.dumps(fig, indent=2) if args.json else render(fig))

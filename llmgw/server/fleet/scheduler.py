@@ -335,21 +335,25 @@ class Scheduler(Moves):
         views = self.node_views()
         store = self.store
         host = host_use(store)  # nothing read while no profile declares host_memory
-        allocations = [
-            Allocation(
-                replica_id=sh.replica_id,
-                shard_id=sh.id,
-                node_id=sh.node_id,
-                gpus=tuple(sh.gpus),
-                host_memory_mib=host.needs.get(sh.replica_id, 0),
+        allocations = []
+        dozing: dict[str, list[str]] = {}
+        for sh in store.list_shards():
+            if sh.state == ShardState.ASLEEP:
+                # An asleep replica gave its GPU memory back: its GPUs are free for others
+                # until it wakes (llmgw.server.fleet.dozing takes them back first), used
+                # last; what it holds of host memory is counted apart (fleet.hostmem).
+                dozing.setdefault(sh.node_id, []).extend(sh.gpus)
+                continue
+            allocations.append(
+                Allocation(
+                    replica_id=sh.replica_id,
+                    shard_id=sh.id,
+                    node_id=sh.node_id,
+                    gpus=tuple(sh.gpus),
+                    host_memory_mib=host.needs.get(sh.replica_id, 0),
+                )
             )
-            for sh in store.list_shards()
-            # An asleep replica gave its GPU memory back: its GPUs are free for others until
-            # it wakes (llmgw.server.fleet.dozing takes them back first); what it holds of
-            # host memory is counted apart (llmgw.server.fleet.hostmem).
-            if sh.state != ShardState.ASLEEP
-        ]
-        return Cluster(views, allocations, host.sleepers)
+        return Cluster(views, allocations, host.sleepers, dozing)
 
     def placement_profile(self, model: Model) -> PlacementProfile:
         """What placement is asked for a replica of ``model``'s deployed profile;

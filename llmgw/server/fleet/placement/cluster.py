@@ -41,7 +41,9 @@ class Cluster:
     is told per group of nodes (:class:`~llmgw.server.fleet.placement.refusal.Unplaceable`).
 
     ``sleepers``: node -> the host memory (MiB) its sleeping replicas hold, which a
-    profile's ``host_memory`` is checked against (with the allocations' own).
+    profile's ``host_memory`` is checked against (with the allocations' own). ``dozing``:
+    node -> the GPUs of its asleep replicas: free, but used last (on the node, and nodes
+    with room elsewhere first), since a sleeper whose GPUs are taken cannot wake there.
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class Cluster:
         nodes: Iterable[NodeView],
         allocations: Iterable[Allocation],
         sleepers: Mapping[str, int] | None = None,
+        dozing: Mapping[str, Iterable[str]] | None = None,
     ) -> None:
         self._nodes: dict[str, NodeState] = {}
         # Nodes that take nothing: reason -> their ids, in id order.
@@ -82,6 +85,9 @@ class Cluster:
         for node_id, mib in (sleepers or {}).items():
             if node_id in self._nodes:
                 self._nodes[node_id].host_sleepers = mib
+        for node_id, gpus in (dozing or {}).items():
+            if node_id in self._nodes:
+                self._nodes[node_id].dozing = frozenset(gpus)
         self._kinds: list[Kind] = kinds_of(usable)
         self._pools: dict[Signature, Pool] = {}
 

@@ -73,6 +73,7 @@ class NodeState:
     __slots__ = (
         "allocs",
         "blocked",
+        "dozing",
         "engines",
         "fabrics",
         "free",
@@ -121,6 +122,9 @@ class NodeState:
         self.host_total = view.host_total_mib
         self.host_sleepers = 0
         self.host_used = 0
+        # The GPUs of its asleep replicas: free, but taken back when they wake, so used
+        # last (a replica placed on one makes its sleeper's wake a start elsewhere).
+        self.dozing: frozenset[str] = frozenset()
 
     def host_room(self, sleepers_free: bool = False) -> int | None:
         """The host memory (MiB) neither its sleepers (unless ``sleepers_free``) nor its
@@ -193,6 +197,15 @@ class NodeState:
             if m >= memory_mib and u not in held
         )
 
+    def awake_fit(self, memory_mib: int) -> int:
+        """Free GPUs with at least ``memory_mib`` that no asleep replica will take back."""
+        held, dozing = self.held, self.dozing
+        return sum(
+            1
+            for u, m in zip(self.order, self.sizes, strict=True)
+            if m >= memory_mib and u not in held and u not in dozing
+        )
+
     def pick(self, count: int, memory_mib: int) -> tuple[str, ...]:
         held = self.held
         free = [
@@ -203,6 +216,9 @@ class NodeState:
         if memory_mib > 0:
             # Best fit: the smallest GPUs that are large enough keep the large ones free.
             free.sort(key=lambda g: g[0])
+        if self.dozing:
+            dozing = self.dozing
+            free.sort(key=lambda g: g[1] in dozing)  # stable: best fit within each
         return tuple(u for _m, u in free[:count])
 
     def free_gpus(self) -> tuple[str, ...]:
@@ -401,6 +417,9 @@ class Pool:
             rank = _spread if need else _spread_none
             keys.sort(key=rank)
         memory, host = self.memory, self.host
+        # Nodes that have room only on GPUs their asleep replicas will take back: after
+        # every other (a wake that finds its GPUs taken becomes a start elsewhere).
+        later: list[NodeState] = []
         for _rank, same in groupby(keys, key=rank):
             lists = [buckets[k] for k in same]
             for node_id in lists[0] if len(lists) == 1 else heapq.merge(*lists):
@@ -411,7 +430,11 @@ class Pool:
                     continue
                 if host and not node.host_fits(host, sleepers_free):
                     continue
+                if node.dozing and need and node.awake_fit(memory) < need:
+                    later.append(node)
+                    continue
                 yield node
+        yield from later
 
     def count(
         self,
