@@ -26,8 +26,7 @@ def view(node_id: str, gpus: int = 4, memory: tuple[int, ...] = ()) -> NodeView:
         engines=frozenset({"sim"}),
         fabrics=(),
         gpus=tuple(
-            GpuView(f"{node_id}-g{i}", memory[i] if memory else 81920, index=i)
-            for i in range(gpus)
+            GpuView(f"{node_id}-g{i}", memory[i] if memory else 81920, index=i) for i in range(gpus)
         ),
     )
 
@@ -53,9 +52,7 @@ def test_a_node_whose_only_room_is_a_sleepers_comes_after_one_with_room() -> Non
     assert gpus_of(cluster.place(Profile("sim", 1))) == [("b", ("b-g0",))]
     # Spread likewise.
     cluster = Cluster([view("a"), view("b", gpus=2)], [], dozing={"a": ["a-g0", "a-g1", "a-g2"]})
-    assert gpus_of(cluster.place(Profile("sim", 2), strategy="spread")) == [
-        ("b", ("b-g0", "b-g1"))
-    ]
+    assert gpus_of(cluster.place(Profile("sim", 2), strategy="spread")) == [("b", ("b-g0", "b-g1"))]
 
 
 def test_best_fit_holds_within_the_gpus_no_sleeper_takes_back() -> None:
