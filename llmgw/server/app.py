@@ -375,6 +375,7 @@ class ControlPlane:
             lambda: self.leadership.leader_addresses()[1],
             ssl=lambda: leader_ssl(cfg.tls, self.pki_dir),
             secret=lambda: token,
+            database_away=lambda: getattr(self.store.database, "unreachable_since", None),
         )
         proxy.add_routes(app)
         app.on_cleanup.append(lambda _app: proxy.close())
