@@ -258,6 +258,13 @@ def test_postgresql_away_for_30s_under_load(tmp_path: Path, pg_cluster: Any) -> 
         pids = {a.node_id: engine_pids(a) for a in agents}
         key = leader.server.api_key("steady")
         wait_for(lambda: models(standby) == ["m"], timeout=30, what="the standby routes m")
+        # Each instance writes the ctl.yaml naming its own :8080, the standby included.
+        for inst in instances:
+            ctl = yaml.safe_load((inst.server.state_dir / "ctl.yaml").read_text())
+            assert ctl["server"] == inst.server.url, ctl
+        epoch = leader.server.api("GET", "/api/status")["epoch"]
+        body = health(standby.server)[1]
+        assert (body["role"], body["epoch"], body["nodes"]) == ("standby", epoch, 2), body
         clients = [Client(i.server.url + "/v1", key, "m") for i in instances]
         for c in clients:
             c.start()
@@ -274,10 +281,30 @@ def test_postgresql_away_for_30s_under_load(tmp_path: Path, pg_cluster: Any) -> 
                 )
                 assert body["database"].startswith("unreachable since ")
                 assert "scheduling and admin writes pause" in body["database"]
-            # The admin API says why it cannot answer (what ctl nodes prints).
+            # The leader lists the nodes from memory, the standby forwards to it (it names
+            # the leader it last read, not "no instance leads now"), and ctl nodes at either
+            # shows the table with a line saying the database is away.
+            for inst in instances:
+                listed = inst.server.nodes()
+                assert sorted((n["id"], n["connected"]) for n in listed) == [
+                    ("gpu-a", True),
+                    ("gpu-b", True),
+                ]
+                shown = run(
+                    tmp_path, "ctl", "nodes",
+                    LLMGW_SERVER=inst.server.url, LLMGW_TOKEN=inst.server.admin_token,
+                )  # fmt: skip
+                assert shown.returncode == 0, shown.stderr
+                assert "gpu-a" in shown.stdout and "gpu-b" in shown.stdout
+                assert "warning: database unreachable since" in shown.stderr
+                assert "no instance leads now" not in shown.stderr
+            # The standby's /healthz says the cluster's epoch and nodes, as last read.
+            body = health(standby.server)[1]
+            assert (body["epoch"], body["nodes"]) == (epoch, 2), body
+            # A write still says why it cannot be made.
             try:
-                leader.server.nodes()
-                raise AssertionError("the admin API answered without its database")
+                leader.server.api("POST", "/api/models", {"name": "x", "engine": "sim"})
+                raise AssertionError("the admin API wrote without its database")
             except urllib.error.HTTPError as exc:
                 assert exc.code == 503
                 error = json.loads(exc.read())["error"]
