@@ -190,6 +190,49 @@ def test_a_paused_leader_is_fenced_and_steps_down(tmp_path: Path, pg_cluster: An
         stop_all(procs)
 
 
+def test_a_paused_leaders_agents_are_on_the_new_one_within_15s_with_the_defaults(
+    tmp_path: Path, pg_cluster: Any
+) -> None:
+    """The README's promise with the defaults (heartbeat 5 s, lease 8 s renewed every 2 s):
+    after a pause (its connections open, so the agents must notice its silence) both agents
+    accept the new leader's epoch within 15 s. Earlier releases took 19-20 s."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        instances = cluster(tmp_path, pg_cluster, lease=8.0, heartbeat=5.0, renew=2.0)
+        procs.extend(i.server.proc for i in instances)
+        agents = fleet(tmp_path, instances, procs)
+        old = instances[0]
+        epoch = old.server.api("GET", "/api/status")["epoch"]
+
+        def fence(agent: Any) -> int:
+            try:
+                return int(
+                    json.loads((agent.dir / "state" / "oplog.json").read_text())["max_epoch"]
+                )
+            except (OSError, ValueError, KeyError):
+                return 0
+
+        paused = time.monotonic()
+        os.kill(old.server.proc.pid, signal.SIGSTOP)
+        try:
+            wait_for(
+                lambda: all(fence(a) > epoch for a in agents),
+                timeout=40,
+                interval=0.1,
+                what="both agents on the new leader",
+            )
+            took = time.monotonic() - paused
+        finally:
+            os.kill(old.server.proc.pid, signal.SIGCONT)
+        print(f"agents on the new leader after a pause: {took:.1f} s")
+        assert took < 15, took
+        for agent in agents:
+            assert "sent nothing for" in agent.log()
+            assert "most likely refused this node's certificate" not in agent.log()
+    finally:
+        stop_all(procs)
+
+
 def test_bad_configurations_are_refused_at_start(tmp_path: Path, pg_cluster: Any) -> None:
     procs: list[subprocess.Popen[bytes]] = []
     try:
