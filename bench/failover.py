@@ -13,11 +13,16 @@ listing all three, and a sim model with two replicas. Then, ``--kills`` times:
    through the surviving gateways meanwhile;
 4. the killed instance is started again (it joins as a standby).
 
+With ``--pause`` the leader is paused (``SIGSTOP``) instead of killed: its TCP connections
+stay open, so the agents must notice its silence themselves; once both agents are on the new
+leader it is woken (``SIGCONT``) and steps down to a standby on its own. Instances and agents
+run with the defaults (heartbeat every 5 s, lease 8 s renewed every 2 s).
+
 Last, unary latency at concurrency 1 (non-streamed, 8 tokens) through the leader's gateway
 and a standby's, alternating, so that both see the same machine conditions.
 
 It prints figures (a table, or ``--json``); it is not a pass/fail test. Usage:
-python bench/failover.py [--kills N] [--requests N] [--json]
+python bench/failover.py [--kills N] [--pause] [--requests N] [--json]
 """
 
 from __future__ import annotations
@@ -49,7 +54,10 @@ from tests.integration.ha import (  # noqa: E402
 from tests.integration.harness import Client, wait_for  # noqa: E402
 from tests.pg import start_cluster  # noqa: E402
 
-DEFAULT_LEASE = 8.0  # the default of server.yaml (llmgw.server.common.config)
+# The defaults of server.yaml (llmgw.server.common.config).
+DEFAULT_LEASE = 8.0
+DEFAULT_RENEW = 2.0
+DEFAULT_HEARTBEAT = 5.0
 
 
 def _fence(agent: Any) -> int:
@@ -83,6 +91,9 @@ def _latency(url: str, key: str, n: int) -> list[float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument(
+        "--pause", action="store_true", help="pause the leader (SIGSTOP) instead of killing it"
+    )
     parser.add_argument("--requests", type=int, default=300, help="per gateway, for latency")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -92,7 +103,9 @@ def main() -> int:
     procs: list[Any] = []
     rounds: list[dict[str, Any]] = []
     try:
-        instances = cluster(tmp, pg, 3, lease=DEFAULT_LEASE)
+        instances = cluster(
+            tmp, pg, 3, lease=DEFAULT_LEASE, heartbeat=DEFAULT_HEARTBEAT, renew=DEFAULT_RENEW
+        )
         procs.extend(i.server.proc for i in instances)
         agents = fleet(tmp, instances, procs)
         key = instances[0].server.api_key("bench")
@@ -109,8 +122,9 @@ def main() -> int:
                 what="requests",
             )
             killed = time.monotonic()
-            os.kill(old.server.proc.pid, signal.SIGKILL)
-            old.server.proc.wait()
+            os.kill(old.server.proc.pid, signal.SIGSTOP if args.pause else signal.SIGKILL)
+            if not args.pause:
+                old.server.proc.wait()
             new = wait_for(
                 lambda others=others: leader(others), timeout=60, interval=0.02, what="leader"
             )
@@ -122,6 +136,8 @@ def main() -> int:
                 what="the agents on the new epoch",
             )
             accepted = time.monotonic() - killed
+            if args.pause:
+                os.kill(old.server.proc.pid, signal.SIGCONT)
             time.sleep(1.0)
             for c in clients:
                 c.stop.set()
@@ -131,6 +147,7 @@ def main() -> int:
                 {
                     "round": round_no + 1,
                     "killed": old.name,
+                    "fault": "paused" if args.pause else "killed",
                     "new_leader": new.name,
                     "elected_s": round(elected, 2),
                     "agents_accepted_s": round(accepted, 2),
@@ -142,13 +159,16 @@ def main() -> int:
             if not args.json:
                 r = rounds[-1]
                 print(
-                    f"kill {r['round']:2d}: {r['killed']} -> {r['new_leader']}  elected "
+                    f"{r['fault']} {r['round']:2d}: {r['killed']} -> {r['new_leader']}  elected "
                     f"{r['elected_s']:5.2f} s  agents on it {r['agents_accepted_s']:5.2f} s  "
                     f"requests {r['requests']:5d}  failed {r['failed']}",
                     flush=True,
                 )
                 for failure in r["failures"]:
                     print(f"    failed: {failure[:300]}", flush=True)
+            if args.pause:  # the woken instance steps down on its own
+                wait_for(lambda old=old: role(old) == "standby", timeout=60, what="a standby")
+                continue
             # The killed instance comes back as a standby.
             again = start(tmp, old.name, old.config, *_ports(old))
             procs.append(again.server.proc)
@@ -177,6 +197,7 @@ def main() -> int:
     accepted = [r["agents_accepted_s"] for r in rounds]
     summary = {
         "lease_s": DEFAULT_LEASE,
+        "fault": "paused" if args.pause else "killed",
         "kills": len(rounds),
         "elected_s": {"mean": round(statistics.mean(elected), 2), "max": max(elected)},
         "agents_accepted_s": {"mean": round(statistics.mean(accepted), 2), "max": max(accepted)},
@@ -190,7 +211,9 @@ def main() -> int:
         return 0
     print()
     print(
-        f"lease {DEFAULT_LEASE:g} s, {len(rounds)} kills of the leader (target: take-over < 15 s)"
+        f"lease {DEFAULT_LEASE:g} s, heartbeat {DEFAULT_HEARTBEAT:g} s, {len(rounds)} "
+        f"{'pauses' if args.pause else 'kills'} of the leader (target: agents on the new "
+        "leader within 15 s)"
     )
     print(
         f"  new leader elected:      mean {summary['elected_s']['mean']:.2f} s, "

@@ -34,7 +34,14 @@ from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.versions import MINORS_SUPPORTED, too_old
 
-__all__ = ["Backoff", "Credentials", "StreamClient", "StreamState", "shard_status"]
+__all__ = [
+    "Backoff",
+    "Credentials",
+    "StreamClient",
+    "StreamState",
+    "shard_status",
+    "silence_limit",
+]
 
 log = logging.getLogger("llmgw.agent.stream")
 
@@ -71,8 +78,25 @@ def shard_status(shard: Shard) -> pb.ShardStatus:
 
 
 SILENCE_FLOOR = 3.0  # seconds: never judged silent sooner, however short the interval
+# Heartbeat intervals without a word from the control plane after which it is judged gone
+# (paused or cut off): every heartbeat is answered at once, so two intervals of silence are a
+# whole heartbeat unanswered for an interval. With the default 5 s and the default lease
+# (8 s, renewed every 2 s) a paused leader is noticed 5-10 s after the pause, when its lease
+# has lapsed or is about to: the agents are on its successor within 15 s.
+SILENCE_BEATS = 2
+
+
+def silence_limit(interval: float) -> float:
+    """Seconds of silence on a stream whose heartbeats go every *interval* that end it."""
+    return max(SILENCE_BEATS * interval, SILENCE_FLOOR)
+
+
 CONNECT_TIMEOUT = 5.0  # seconds for TCP and TLS to a control plane
 STANDBY_PACE_FOR = 60.0  # seconds after a standby's refusal that retries stay short
+# Seconds during which a standby's refusal naming the control plane that just fell silent is
+# not followed: its lease has not lapsed yet, so standbys still name it, and dialling a
+# paused process costs CONNECT_TIMEOUT; the others are tried first (it stays in the rotation).
+SUSPECT_FOR = 30.0
 
 
 @dataclass
@@ -171,6 +195,12 @@ class StreamClient:
         self._heard = 0.0  # time.monotonic() of the last message from the control plane
         self._silent = 0.0  # seconds of silence that ended the stream (0: it did not)
         self._standby_seen = -STANDBY_PACE_FOR  # time.monotonic() of a standby's last refusal
+        # The control plane that last fell silent and when (time.monotonic()); None once
+        # another has welcomed this node.
+        self._suspect: tuple[str, float] | None = None
+        # Whether the last dial completed its TLS handshake (the channel was ready): a
+        # connection closed after that was lost, not refused for this node's certificate.
+        self._established = False
 
     @property
     def heartbeat_interval(self) -> float:
@@ -231,7 +261,13 @@ class StreamClient:
             except Refused as exc:
                 refused = True
                 reason = f"{server} refused: {exc.message}"
-                if exc.leader and exc.leader != server:
+                if exc.leader and exc.leader != server and self._suspected(exc.leader):
+                    log.warning(
+                        "control plane is a standby naming the leader that fell silent (its "
+                        "lease not lapsed yet); trying the others first",
+                        extra=kv(server=server, leader=exc.leader),
+                    )
+                elif exc.leader and exc.leader != server:
                     named_leader = exc.leader
                     log.warning(
                         "control plane is a standby; moving to the leader it names",
@@ -240,7 +276,7 @@ class StreamClient:
             except StaleEpoch as exc:
                 reason = str(exc)
             except grpc.aio.AioRpcError as exc:
-                reason = _describe_rpc_error(exc, server)
+                reason = _describe_rpc_error(exc, server, established=self._established)
             except (OSError, LlmgwError) as exc:
                 reason = str(exc)
             finally:
@@ -275,8 +311,9 @@ class StreamClient:
             private_key=current.key,
             certificate_chain=current.cert,
         )
+        self._established = False
         async with grpc.aio.secure_channel(server, creds, options=_CHANNEL_OPTIONS) as channel:
-            await _connected(channel, server)
+            self._established = await _connected(channel, server)
             stub = pb_grpc.ControlPlaneStub(channel)
             queue: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
             call = stub.Connect(self._outgoing(queue))
@@ -293,6 +330,7 @@ class StreamClient:
             except (asyncio.CancelledError, grpc.aio.AioRpcError):
                 task = asyncio.current_task()
                 if self._silent and not (task is not None and task.cancelling()):
+                    self._suspect = (server, time.monotonic())
                     raise StreamError(
                         f"{server} sent nothing for {self._silent:.0f} s, not even the answer "
                         "to a heartbeat (a paused or cut-off control plane); looking for the "
@@ -306,6 +344,14 @@ class StreamClient:
                     heartbeat.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await heartbeat
+
+    def _suspected(self, server: str) -> bool:
+        """Whether *server* fell silent on this node within SUSPECT_FOR seconds."""
+        return (
+            self._suspect is not None
+            and self._suspect[0] == server
+            and time.monotonic() - self._suspect[1] < SUSPECT_FOR
+        )
 
     def _on_message(self, msg: pb.ServerMessage, server: str) -> bool:
         """Act on one message of the control plane's; True for its welcome (after which the
@@ -380,6 +426,7 @@ class StreamClient:
         self._heartbeat_interval = welcome.heartbeat_interval_s or 5.0
         self.connected_to = server
         self.backoff.reset()
+        self._suspect = None
         log.info(
             "connected to the control plane",
             extra=kv(
@@ -433,15 +480,24 @@ class StreamClient:
         self, queue: asyncio.Queue[pb.AgentMessage | None], call: grpc.aio.Call
     ) -> None:
         """Send a heartbeat each interval; end the stream when the control plane has said
-        nothing (each heartbeat is answered) for three of them."""
+        nothing (each heartbeat is answered) for :func:`silence_limit`. It wakes at whichever
+        comes first, the next heartbeat or the moment the silence reaches the limit, so a
+        paused control plane is noticed at the limit, not up to an interval later."""
         seq = 0
+        interval = self._heartbeat_interval
+        limit = silence_limit(interval)
+        beat_at = time.monotonic() + interval
         while True:
-            await asyncio.sleep(self._heartbeat_interval)
-            silent = time.monotonic() - self._heard
-            if silent > max(3 * self._heartbeat_interval, SILENCE_FLOOR):
+            await asyncio.sleep(max(0.0, min(beat_at, self._heard + limit) - time.monotonic()))
+            now = time.monotonic()
+            silent = now - self._heard
+            if silent >= limit:
                 self._silent = silent
                 call.cancel()
                 return
+            if now < beat_at:
+                continue  # woken for the silence, which a message has ended since
+            beat_at = now + interval
             seq += 1
             queue.put_nowait(
                 pb.AgentMessage(
@@ -536,22 +592,22 @@ async def _no_updater(order: pb.UpdateOrder) -> None:
     raise UpdateError("this agent cannot update itself (no update spool configured)")
 
 
-async def _connected(channel: grpc.aio.Channel, server: str) -> None:
-    """Wait until *channel* is connected or has failed (a stopped control plane, a TLS
-    refusal: the call then fails at once, saying why); one that never completes (a paused
-    control plane: its kernel takes the TCP connection, its TLS never comes) fails after
-    CONNECT_TIMEOUT. Either way the next control plane is tried instead of gRPC's retries."""
+async def _connected(channel: grpc.aio.Channel, server: str) -> bool:
+    """Wait until *channel* is connected (True: its TLS handshake completed) or has failed
+    (False: a stopped control plane, a TLS refusal; the call then fails at once, saying why);
+    one that never completes (a paused control plane: its kernel takes the TCP connection, its
+    TLS never comes) fails after CONNECT_TIMEOUT. Either way the next control plane is tried
+    instead of gRPC's retries."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + CONNECT_TIMEOUT
     # Polled, not awaited with wait_for_state_change: a cancelled state watcher can keep the
     # channel from closing (an agent asked to stop while it dials).
     while True:
         state = channel.get_state(try_to_connect=True)
-        if state in (
-            grpc.ChannelConnectivity.READY,
-            grpc.ChannelConnectivity.TRANSIENT_FAILURE,  # the call fails at once, saying why
-        ):
-            return
+        if state is grpc.ChannelConnectivity.READY:
+            return True
+        if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            return False  # the call fails at once, saying why
         if loop.time() >= deadline:
             raise StreamError(
                 f"{server} did not complete a connection within {CONNECT_TIMEOUT:g} s "
@@ -569,7 +625,10 @@ class Refused(Exception):
         self.message = message
 
 
-def _describe_rpc_error(exc: grpc.aio.AioRpcError, server: str) -> str:
+def _describe_rpc_error(exc: grpc.aio.AioRpcError, server: str, *, established: bool) -> str:
+    """Why the stream to *server* ended, with what to check; *established*: the connection
+    had completed its TLS handshake (then a closed socket is a lost connection, never a
+    refused certificate)."""
     code = exc.code()
     details = exc.details() or ""
     if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
@@ -596,7 +655,13 @@ def _describe_rpc_error(exc: grpc.aio.AioRpcError, server: str) -> str:
                 f"TLS with {server} failed ({details}); check that tls.ca in agent.yaml is the "
                 "cluster CA and that the node certificate was issued by it"
             )
-        if "socket closed" in details.lower() or "connection reset" in details.lower():
+        closed = "socket closed" in lowered or "connection reset" in lowered
+        if closed and established:
+            return (
+                f"the connection to {server} was lost ({details}): the control plane stopped "
+                "or the network between failed; looking for the leader among the control planes"
+            )
+        if closed:
             return (
                 f"{server} closed the connection during the TLS handshake ({details}); it most "
                 "likely refused this node's certificate: check that tls.cert in agent.yaml was "

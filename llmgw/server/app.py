@@ -299,7 +299,6 @@ class ControlPlane:
         await leader.start(self.server_identity, self.cluster_id)
         self.grpc_port, self.enroll_port = leader.grpc_port, leader.enroll_port
         await self._serve_http(app, leader)
-        write_ctl_yaml(cfg, self.http_addr, self.http_tls)
         # 6. reconcile; nodes that do not come back within the reattach grace are lost
         leader.run(grace=max(cfg.loss_timeout, cfg.reattach_grace))
         self._tasks.append(asyncio.create_task(self.tokenizers.run(), name="tokenizers"))
@@ -375,6 +374,7 @@ class ControlPlane:
             lambda: self.leadership.leader_addresses()[1],
             ssl=lambda: leader_ssl(cfg.tls, self.pki_dir),
             secret=lambda: token,
+            database_away=lambda: getattr(self.store.database, "unreachable_since", None),
         )
         proxy.add_routes(app)
         app.on_cleanup.append(lambda _app: proxy.close())
@@ -451,7 +451,12 @@ class ControlPlane:
 
     async def _serve_http(self, app: web.Application, leader: Leader | None) -> None:
         """:8080: the bundles, the leader's admin API and console, on the kept socket
-        (PostgreSQL) or a listener of its own."""
+        (PostgreSQL) or a listener of its own; then ``STATE/ctl.yaml`` naming it, whichever
+        the role (a standby's admin API forwards to the leader)."""
+        await self._listen_http(app, leader)
+        write_ctl_yaml(self.cfg, self.http_addr, self.http_tls)
+
+    async def _listen_http(self, app: web.Application, leader: Leader | None) -> None:
         cfg = self.cfg
         assert self.server_identity is not None and self.ca is not None
         self.http_tls = serving_certificate(cfg.tls, self.server_identity)

@@ -32,7 +32,6 @@ from llmgw.server.common.tls import ServingCertificate
 from llmgw.server.fleet.authority import ClusterAuthority
 from llmgw.server.fleet.dozing import Dozing
 from llmgw.server.fleet.installs import EngineInstalls
-from llmgw.server.fleet.intake import MAX_MESSAGE_BYTES
 from llmgw.server.fleet.nodes import Membership
 from llmgw.server.fleet.planner import Planner
 from llmgw.server.fleet.preemption import Preemption
@@ -59,16 +58,6 @@ log = logging.getLogger("llmgw.server")
 
 # Seconds between two clean-ups of lapsed login sessions and spent failure counters.
 LOGIN_PRUNE_EVERY = 600.0
-
-# The Connect stream's keep-alive, and its largest message (larger ones end the stream with
-# RESOURCE_EXHAUSTED, llmgw.server.fleet.intake).
-STREAM_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +202,6 @@ class Leader:
             cfg.grpc_listen,
             service,
             handshake_timeout=cfg.listeners.handshake_timeout,
-            options=STREAM_OPTIONS,
         )
         enroller = self._enroller = Enroller(
             self.store,

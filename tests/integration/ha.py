@@ -50,7 +50,13 @@ def clean_env(tmp: Path, **more: str) -> dict[str, str]:
 
 
 def config(
-    tmp: Path, name: str, database: dict[str, str], *, lease: float = LEASE
+    tmp: Path,
+    name: str,
+    database: dict[str, str],
+    *,
+    lease: float = LEASE,
+    heartbeat: float = 1.0,
+    renew: float = 1.0,
 ) -> tuple[Path, Path, int, int]:
     state = tmp / name / "state"
     state.mkdir(parents=True)
@@ -63,12 +69,12 @@ def config(
                 "http_listen": f"127.0.0.1:{http_port}",
                 "grpc_listen": f"127.0.0.1:{grpc_port}",
                 "enroll_listen": "127.0.0.1:0",
-                "heartbeat_interval": 1.0,
+                "heartbeat_interval": heartbeat,
                 "loss_timeout": 30.0,
                 "database": database,
                 "instance_id": name,
                 "lease": f"{lease}s",
-                "lease_renew": "1s",
+                "lease_renew": f"{renew}s",
             }
         )
     )
@@ -113,14 +119,25 @@ def run(tmp: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def cluster(tmp: Path, pg: Any, count: int = 3, *, lease: float = LEASE) -> list[Instance]:
-    """*count* instances on one fresh database; the first leads, the CA imported by the rest."""
+def cluster(
+    tmp: Path,
+    pg: Any,
+    count: int = 3,
+    *,
+    lease: float = LEASE,
+    heartbeat: float = 1.0,
+    renew: float = 1.0,
+) -> list[Instance]:
+    """*count* instances on one fresh database; the first leads, the CA imported by the rest
+    (*heartbeat*: the agents' heartbeat interval, short here so that the tests wait less;
+    bench/failover.py takes the defaults, 5 s and a renewal every 2 s, as what an agent
+    notices of a paused leader scales with them)."""
     name = pg.fresh_database()
     database = {
         "url": pg.url(name, password=False),
         "password_file": str(pg.password_file(tmp)),
     }
-    first_cfg = config(tmp, "cp1", database, lease=lease)
+    first_cfg = config(tmp, "cp1", database, lease=lease, heartbeat=heartbeat, renew=renew)
     first = start(tmp, "cp1", *first_cfg)
     wait_for(lambda: role(first) == "leader", timeout=60, what="cp1 leads")
     export = tmp / "ca.llmgw"
@@ -139,7 +156,7 @@ def cluster(tmp: Path, pg: Any, count: int = 3, *, lease: float = LEASE) -> list
     assert done.returncode == 0, done.stderr
     instances = [first]
     for i in range(2, count + 1):
-        cfg = config(tmp, f"cp{i}", database, lease=lease)
+        cfg = config(tmp, f"cp{i}", database, lease=lease, heartbeat=heartbeat, renew=renew)
         imported = run(
             tmp, "server", "--config", str(cfg[0]), "--import-ca", str(export),
             LLMGW_CA_PASSPHRASE=PASSPHRASE,

@@ -44,7 +44,8 @@ def nodes(c: Ctl, node: str | None) -> None:
     if c.as_json:
         echo_json(data)
         return
-    server_version = _server_version(c)
+    status = c.call("GET", "/api/status")
+    server_version = str(status.get("version") or "")
     warnings = {n["id"]: version_warning(n, server_version) for n in data}
     rows = []
     for n in data:
@@ -92,6 +93,8 @@ def nodes(c: Ctl, node: str | None) -> None:
     for node_id, warning in warnings.items():
         if warning:
             click.echo(f"warning: node {node_id} {warning}", err=True)
+    if status.get("database"):
+        click.echo(f"warning: database {status['database']}", err=True)
 
 
 def _server_version(c: Ctl) -> str:

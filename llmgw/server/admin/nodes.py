@@ -9,14 +9,15 @@ these handlers and by :mod:`llmgw.server.console`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
 
 from llmgw import __version__
 from llmgw.contracts.inventory import DegradedReason, degraded_reasons
-from llmgw.errors import Conflict
+from llmgw.errors import Conflict, StoreUnavailable
 from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
 from llmgw.server.fleet.hostmem import sleepers
@@ -121,6 +122,59 @@ def list_nodes(ctx: AdminContext) -> list[dict[str, Any]]:
     ]
 
 
+def remembered_nodes(ctx: AdminContext, listed: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The list while the database is away: the last one read, each node's connection,
+    health and last word from the live sessions, and a node connected since with what its
+    session knows (no shards, certificate or inventory)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for old in listed:
+        rows[old["id"]] = dict(old)
+    for node_id, live in ctx.sessions.items():
+        rows.setdefault(node_id, _session_row(live))
+    for node_id, row in rows.items():
+        session = ctx.sessions.get(node_id)
+        row["connected"] = session is not None
+        row["lost"] = node_id in ctx.lost
+        row["health"] = node_health(session is not None and not row["lost"], bool(row["degraded"]))
+        if session is not None:
+            row["last_seen"] = session.seen_at
+    return [rows[k] for k in sorted(rows)]
+
+
+def _session_row(session: NodeSession) -> dict[str, Any]:
+    return {
+        "id": session.node_id,
+        "uid": "",
+        "state": NodeState.APPROVED if session.approved else NodeState.PENDING,
+        "degraded": [],
+        "draining": session.draining,
+        "dataplane_addr": session.dataplane_addr,
+        "agent_version": "",
+        "shards": 0,
+        "cpus": None,
+        "memory_total_bytes": None,
+        "gpus": [],
+        "gpu_status": "",
+        "engines": sorted(session.engines),
+        "fabrics": [],
+        "fingerprint": "",
+        "cert_expires_at": None,
+        "cert_serial": None,
+        "update": None,
+    }
+
+
+def database_note(ctx: AdminContext) -> str | None:
+    """ "unreachable since ..." while the database is away, else None."""
+    since = getattr(ctx.store.database, "unreachable_since", None)
+    if since is None:
+        return None
+    return (
+        f"unreachable since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}; "
+        "scheduling and admin writes pause, lists are the leader's memory"
+    )
+
+
 def node_detail(ctx: AdminContext, node_id: str) -> dict[str, Any]:
     """One node, with what its inventory says beyond the list's columns: its warnings, its
     engines as checked, its fabrics, the sources it keeps warm (NotFound when there is no
@@ -172,25 +226,36 @@ class NodeRoutes:
 
     def __init__(self, ctx: AdminContext) -> None:
         self.ctx = ctx
+        # The list as last read (the console polls it), shown with the live sessions while
+        # the database is away; before any read, the sessions alone.
+        self._listed: list[dict[str, Any]] = []
 
     # -- status ---------------------------------------------------------------------------------
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "version": __version__,
-                "cluster_id": self.ctx.cluster_id,
-                "epoch": self.ctx.epoch,
-                "nodes_connected": len(self.ctx.sessions),
-                "http": self.ctx.listening.http_addr,
-                "grpc_port": self.ctx.listening.grpc_port,
-            }
-        )
+        body: dict[str, Any] = {
+            "version": __version__,
+            "cluster_id": self.ctx.cluster_id,
+            "epoch": self.ctx.epoch,
+            "nodes_connected": len(self.ctx.sessions),
+            "http": self.ctx.listening.http_addr,
+            "grpc_port": self.ctx.listening.grpc_port,
+        }
+        note = database_note(self.ctx)
+        if note is not None:
+            body["database"] = note
+        return web.json_response(body)
 
     # -- nodes ----------------------------------------------------------------------------------
 
     async def nodes(self, request: web.Request) -> web.Response:
-        return web.json_response(list_nodes(self.ctx))
+        try:
+            self._listed = list_nodes(self.ctx)
+        except StoreUnavailable:
+            # The leader leads on without its database: the table it last read, with the
+            # connections it holds now (/api/status says the database is away).
+            return web.json_response(remembered_nodes(self.ctx, self._listed))
+        return web.json_response(self._listed)
 
     async def node(self, request: web.Request) -> web.Response:
         return web.json_response(node_detail(self.ctx, request.match_info["node"]))

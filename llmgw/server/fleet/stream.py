@@ -38,11 +38,12 @@ from llmgw.pki import Identity
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
 from llmgw.server.common.tls import StreamCredentials
-from llmgw.server.fleet.intake import Intake, hello_problem, trim_hello
+from llmgw.server.fleet.intake import MAX_MESSAGE_BYTES, Intake, hello_problem, trim_hello
 from llmgw.server.store import Store
 from llmgw.versions import newer_release
 
 __all__ = [
+    "STREAM_OPTIONS",
     "ControlPlaneService",
     "MessageHandler",
     "NodeSession",
@@ -290,6 +291,22 @@ def peer_common_name(context: grpc.aio.ServicerContext) -> str | None:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+# The Connect stream's keep-alive, the same whatever the instance's role: agents ping every
+# control plane they dial every 10 s, with or without a call (llmgw.agent.stream's channel
+# options), a standby included (before its refusal ends the call, and while the channel
+# closes), and a server that takes pings less often answers GOAWAY too_many_pings. And the
+# largest message (larger ones end the stream with RESOURCE_EXHAUSTED, llmgw.server.fleet.intake).
+STREAM_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    # At most every 5 s from a client, with or without a call: half the agents' interval,
+    # so that a ping a little early (timers, a busy agent) is no strike.
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
 async def start_stream_server(
     identity: Identity,
     listen: str,
@@ -300,13 +317,15 @@ async def start_stream_server(
 ) -> tuple[grpc.aio.Server, int]:
     """Serve ``servicer`` on ``listen`` (host:port; port 0 binds a free one) over mutual TLS:
     ``identity`` is the certificate presented, and every client must present one its CA
-    issued. A connection that has not completed its handshake within ``handshake_timeout``
+    issued, with :data:`STREAM_OPTIONS` (and ``options`` after them) whichever role serves.
+    A connection that has not completed its handshake within ``handshake_timeout``
     seconds is closed. Returns the started server and the port bound; ConfigError (key
     ``grpc_listen``) when the address cannot be bound."""
     # Read again when the files change (a CA rotation): llmgw.server.common.tls.
     creds = StreamCredentials(identity).credentials
     server = grpc.aio.server(
         options=[
+            *STREAM_OPTIONS,
             *options,
             # A connection that never completes its TLS handshake (and HTTP/2 preface)
             # is closed instead of held (grpc's own default is two minutes).

@@ -289,8 +289,12 @@ class LeaderProxy:
         timeout: float = 120.0,
         max_body: int = 64 * 1024 * 1024,
         secret: Callable[[], str] = lambda: "",
+        database_away: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.leader_http = leader_http
+        # Since when (time.time()) the database does not answer, None while it does: a
+        # refusal then says so rather than that no instance leads (the leader leads on).
+        self.database_away = database_away
         self.ssl = ssl
         self.timeout = timeout
         self.max_body = max_body
@@ -309,7 +313,7 @@ class LeaderProxy:
             return _bad_path()
         leader = self.leader_http()
         if not leader:
-            return _no_leader()
+            return _no_leader(away=self.database_away())
         if request.content_length is not None and request.content_length > self.max_body:
             return web.json_response(
                 {"error": {"message": "request body too large", "type": "invalid_request_error"}},
@@ -349,12 +353,12 @@ class LeaderProxy:
                     "nothing was sent",
                     extra=kv(leader=leader, reason=str(exc.certificate_error)),
                 )
-                return _no_leader(leader)
+                return _no_leader(leader, away=self.database_away())
             log.warning(
                 "cannot forward an admin request to the leader",
                 extra=kv(leader=leader, error=str(exc) or type(exc).__name__),
             )
-            return _no_leader(leader)
+            return _no_leader(leader, away=self.database_away())
 
     def _headers(self, request: web.Request, target: str) -> dict[str, str]:
         """The request's headers for the leader: no hop-by-hop ones nor a client's own
@@ -394,15 +398,32 @@ async def _stream(request: web.Request, upstream: aiohttp.ClientResponse) -> web
     return out
 
 
-def _no_leader(leader: str = "") -> web.Response:
-    where = f"the leader at {leader} does not answer" if leader else "no instance leads now"
+def _no_leader(leader: str = "", *, away: float | None = None) -> web.Response:
+    if away is not None:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(away))
+        where = (
+            f"the database is unreachable since {since}, so it cannot tell which instance "
+            "leads (the leader leads on meanwhile)"
+            if not leader
+            else f"the leader at {leader} does not answer, and the database is unreachable "
+            f"since {since}"
+        )
+        message = (
+            f"this instance is a standby and {where}; point llmgw ctl at the leader, or "
+            "retry once PostgreSQL answers"
+        )
+    else:
+        where = f"the leader at {leader} does not answer" if leader else "no instance leads now"
+        message = (
+            f"this instance is a standby and {where} (a take-over takes seconds); retry, or "
+            "point llmgw ctl at another instance"
+        )
     return web.json_response(
         {
             "error": {
-                "message": f"this instance is a standby and {where} (a take-over takes "
-                "seconds); retry, or point llmgw ctl at another instance",
+                "message": message,
                 "type": "server_error",
-                "code": "no_leader",
+                "code": "no_leader" if away is None else "database_unreachable",
             }
         },
         status=503,

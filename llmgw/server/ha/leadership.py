@@ -69,6 +69,10 @@ class Leadership(Protocol):
         """The leader's stream and HTTP addresses ("" when not known)."""
         ...
 
+    def cluster_epoch(self) -> int:
+        """The epoch the cluster is led under, whoever leads (a standby's /healthz)."""
+        ...
+
 
 async def await_lock(state_dir: Path, *, interval: float = 1.0) -> int:
     """Wait until this process holds the state directory's lock (the leader's process
@@ -118,3 +122,7 @@ class FileLock:
     def leader_addresses(self) -> tuple[str, str]:
         """As the leader recorded them in the store (read-only)."""
         return read_leader(self.state_dir / "llmgw.db")
+
+    def cluster_epoch(self) -> int:
+        """This process's (a standby on SQLite serves no /healthz of its own)."""
+        return self.epoch

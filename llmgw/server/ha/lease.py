@@ -40,6 +40,10 @@ class LeaseKeeper:
         self.lost = asyncio.Event()
         self.reason = ""
         self._renewed = 0.0  # time.monotonic() of the last renewal that succeeded
+        # The leader's addresses and the lease's epoch as last read: what a standby says
+        # while the database is away (nobody can take the lease then, so they still hold).
+        self._known_leader = ("", "")
+        self._known_epoch = 0
 
     def try_take(self) -> bool:
         """Take the lease if it is free or lapsed; True when this process now leads.
@@ -129,14 +133,27 @@ class LeaseKeeper:
             self.store.release_lease(self.holder, self.epoch)
 
     def leader_addresses(self) -> tuple[str, str]:
-        """The current leader's stream and HTTP addresses ("" when none holds a live lease)."""
+        """The current leader's stream and HTTP addresses ("" when none holds a live lease);
+        while the database is away, the last ones read (it leads on: nobody can take the
+        lease meanwhile)."""
         try:
             lease = self.store.lease()
+            self._known_epoch = lease.epoch
             if lease.expires_at <= self.store.database.server_time():
+                self._known_leader = ("", "")
                 return "", ""  # lapsed: whoever takes it next leads; naming it would mislead
             instance = self.store.get_instance(lease.holder) if lease.holder else None
+        except StoreUnavailable:
+            return self._known_leader
         except StoreError:
             return "", ""
-        if instance is None:
-            return "", ""
-        return instance.stream_addr, instance.http_addr
+        known = ("", "") if instance is None else (instance.stream_addr, instance.http_addr)
+        self._known_leader = known
+        return known
+
+    def cluster_epoch(self) -> int:
+        """The epoch the cluster is led under (the lease's; the last read while the
+        database is away)."""
+        with contextlib.suppress(StoreError):
+            self._known_epoch = self.store.lease().epoch
+        return self._known_epoch

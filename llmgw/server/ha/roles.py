@@ -5,10 +5,12 @@ control plane's (:class:`RoleParts`); when, and the one :class:`Role` read, are 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Protocol
 
+from llmgw.errors import StoreError
 from llmgw.log import kv
 from llmgw.server.ha.leadership import Leadership, Role
 from llmgw.server.store import Store
@@ -49,6 +51,7 @@ class Roles:
         self._keeping: asyncio.Task[None] | None = None
         self._stepping: asyncio.Task[None] | None = None
         self._promotion: asyncio.Task[None] | None = None
+        self._nodes = 0  # nodes connected to the leader, as a standby last read them
 
     async def start(self) -> None:
         if self.leadership.try_take():
@@ -101,11 +104,16 @@ class Roles:
 
     def health(self, store: Store) -> dict[str, object]:
         """What /healthz says of this instance among several: its role, the leader, and the
-        database when it is away."""
+        database when it is away. A standby says the cluster's epoch and connected nodes
+        (the leader's, from the database; the last read while it is away), not its own."""
         out: dict[str, object] = {"role": str(self.role), "instance": self.instance}
         out["epoch"] = self.leadership.epoch
         if self.role is not Role.LEADER:
             out["leader"] = self.leadership.leader_addresses()[1]
+            out["epoch"] = self.leadership.cluster_epoch()
+            with contextlib.suppress(StoreError):
+                self._nodes = store.count_connected_nodes()
+            out["nodes"] = self._nodes
         down = getattr(store.database, "unreachable_since", None)
         if down is not None:
             out["database"] = (

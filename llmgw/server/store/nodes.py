@@ -108,6 +108,12 @@ class Nodes:
         else:
             self._update_node(node_id, "lost = 0, lost_at = NULL", ())
 
+    def count_connected_nodes(self) -> int:
+        """How many nodes have a stream to the leader, as it recorded them (what a standby's
+        /healthz says of the cluster)."""
+        row = self._db.one("SELECT COUNT(*) AS n FROM nodes WHERE connected != 0")
+        return 0 if row is None else int(row["n"])
+
     def set_all_disconnected(self) -> None:
         """Mark every node disconnected (at server start, before any stream exists)."""
         with self._db.write():

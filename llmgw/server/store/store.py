@@ -210,6 +210,7 @@ class Store:
     set_node_draining = _Table("_nodes", Nodes.set_node_draining)
     set_node_fingerprint = _Table("_nodes", Nodes.set_node_fingerprint)
     set_node_lost = _Table("_nodes", Nodes.set_node_lost)
+    count_connected_nodes = _Table("_nodes", Nodes.count_connected_nodes)
     set_all_disconnected = _Table("_nodes", Nodes.set_all_disconnected)
     get_node = _Table("_nodes", Nodes.get_node)
     list_nodes = _Table("_nodes", Nodes.list_nodes)

@@ -6,9 +6,12 @@ the reason."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
+import struct
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -537,3 +540,202 @@ def test_each_heartbeat_carries_the_latest_gpu_utilisation(tmp_path: Path) -> No
     # Read again for each heartbeat: a later one carries the newer figure (0: idle, known).
     later = servicer.heartbeats[-1].gpu_utilization[0]
     assert later.HasField("percent") and later.percent == 0
+
+
+# ------------------------------------------------------------- a control plane that falls silent
+
+
+@dataclass
+class Answering(pb_grpc.ControlPlaneServicer):
+    """Welcomes the stream with a heartbeat interval of ``interval`` and answers the first
+    ``answer`` heartbeats, then none (a paused control plane: the connection stays open)."""
+
+    interval: float = 0.5
+    answer: int = 0
+    hellos: list[pb.Hello] = field(default_factory=list)
+    last_word: float = 0.0  # time.monotonic() of the last message it sent
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[pb.AgentMessage], context: Any
+    ) -> AsyncIterator[pb.ServerMessage]:
+        first = await request_iterator.__anext__()
+        self.hellos.append(first.hello)
+        self.last_word = time.monotonic()
+        yield pb.ServerMessage(
+            welcome=pb.Welcome(
+                cluster_id="c", epoch=1, node_state="approved", heartbeat_interval_s=self.interval
+            )
+        )
+        answered = 0
+        async for msg in request_iterator:
+            if msg.WhichOneof("msg") == "heartbeat" and answered < self.answer:
+                answered += 1
+                self.last_word = time.monotonic()
+                yield pb.ServerMessage(heartbeat_ack=pb.HeartbeatAck(seq=msg.heartbeat.seq))
+
+
+def test_a_control_plane_that_stops_answering_is_left_after_two_heartbeat_intervals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Answered heartbeats keep the stream; once they go unanswered the stream ends when
+    the silence reaches two intervals, not at the first heartbeat after three (up to four
+    intervals), which made agents reach a paused leader's successor late."""
+    monkeypatch.setattr(stream, "SILENCE_FLOOR", 0.0)
+    pki_dir = tmp_path / "pki"
+    servicer = Answering(interval=0.5, answer=3)
+    ended: list[float] = []
+
+    async def main() -> None:
+        server, port = await _serve(pki_dir, servicer)
+        client = _client(pki_dir, tmp_path, port)
+        client.on_state = lambda state, _server: (
+            ended.append(time.monotonic()) if state == "disconnected" else None
+        )
+        task = asyncio.create_task(client.run())
+        try:
+            await _until(lambda: ended, "the silent stream left", timeout=10)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(None)
+
+    asyncio.run(main())
+    assert stream.silence_limit(0.5) == 1.0
+    assert stream.silence_limit(5.0) == 10.0  # the default interval: 10 s, not 15-20 s
+    silence = ended[0] - servicer.last_word
+    assert 1.0 - 0.05 <= silence < 1.4, silence  # at the limit, not at a heartbeat after it
+
+
+def test_the_floor_keeps_a_short_interval_from_judging_too_soon() -> None:
+    assert stream.silence_limit(0.5) == stream.SILENCE_FLOOR == 3.0
+    assert stream.silence_limit(1.0) == 3.0
+    assert stream.silence_limit(2.0) == 4.0
+
+
+def test_a_standby_naming_the_leader_that_fell_silent_is_not_followed_back_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The leader falls silent (paused); the standby dialled next still names it (its lease
+    has not lapsed): the agent tries the next control plane rather than the paused one (a
+    connection timeout's worth of seconds), and reaches the new leader there."""
+    monkeypatch.setattr(stream, "SILENCE_FLOOR", 0.0)
+    pki_dir = tmp_path / "pki"
+    silent = Answering(interval=0.3)
+    standby = Scripted([])
+    successor = Scripted([_welcome(epoch=2)], hold=5.0)
+
+    async def main() -> tuple[list[str], str]:
+        servers = [await _serve(pki_dir, s) for s in (silent, standby, successor)]
+        a, b, c = (f"127.0.0.1:{port}" for _server, port in servers)
+        standby.script = [pb.ServerMessage(refuse=pb.Refuse(leader=a, message="a standby"))]
+        client, welcomed = _agent(pki_dir, tmp_path, (a, b, c))
+        task = asyncio.create_task(client.run())
+        try:
+            await _until(lambda: len(welcomed) >= 2, "the successor's welcome")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            for server, _port in servers:
+                await server.stop(None)
+        return [w.replace(a, "a").replace(c, "c") for w in welcomed], b
+
+    with caplog.at_level(logging.INFO, logger="llmgw.agent.stream"):
+        welcomed, b = asyncio.run(main())
+    assert welcomed[:2] == ["a", "c"]
+    assert len(silent.hellos) == 1 and len(standby.hellos) == 1
+    skipped = _lines(
+        caplog,
+        "control plane is a standby naming the leader that fell silent (its lease not lapsed "
+        "yet); trying the others first",
+    )
+    assert [r.fields["server"] for r in skipped] == [b]  # type: ignore[attr-defined]
+    reasons = [r.fields["reason"] for r in _lines(caplog, RECONNECTING)]  # type: ignore[attr-defined]
+    assert "sent nothing for" in reasons[0] and "paused or cut-off" in reasons[0]
+
+
+# ---------------------------------------------------------------- why a stream ended, in words
+
+
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details
+    )
+
+
+@pytest.mark.parametrize("details", ["Socket closed", "recvmsg:Connection reset by peer"])
+def test_a_connection_lost_after_its_handshake_blames_the_connection(details: str) -> None:
+    reason = stream._describe_rpc_error(_unavailable(details), "cp1:7443", established=True)
+    assert reason == (
+        f"the connection to cp1:7443 was lost ({details}): the control plane stopped or the "
+        "network between failed; looking for the leader among the control planes"
+    )
+    assert "certificate" not in reason
+
+
+def test_a_connection_closed_during_the_handshake_still_points_at_the_certificate() -> None:
+    reason = stream._describe_rpc_error(
+        _unavailable("Socket closed"), "cp1:7443", established=False
+    )
+    assert "most likely refused this node's certificate" in reason
+    assert "tls.cert" in reason
+
+
+class _Cutter:
+    """A TCP relay to 127.0.0.1:*port* whose connections :meth:`cut` resets (RST, as the
+    kernel does for a killed process's sockets)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        for writer in self.writers:
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        self.server.close()
+
+
+def test_a_leader_that_goes_away_mid_stream_is_not_blamed_on_the_certificate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real stream whose connection is reset under it (a killed leader): the reason logged
+    says the connection was lost, never the node's certificate."""
+    pki_dir = tmp_path / "pki"
+    servicer = Scripted([_welcome()], hold=30.0)
+
+    async def main() -> None:
+        server, port = await _serve(pki_dir, servicer)
+        cutter = _Cutter(port)
+        relay = await cutter.start()
+        client, welcomed = _agent(pki_dir, tmp_path, (f"127.0.0.1:{relay}",))
+        task = asyncio.create_task(client.run())
+        try:
+            await _until(lambda: welcomed, "the welcome")
+            cutter.cut()
+            await _until(lambda: _lines(caplog, RECONNECTING), "the stream's end")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(None)
+
+    with caplog.at_level(logging.INFO, logger="llmgw.agent.stream"):
+        asyncio.run(main())
+    reason = _lines(caplog, RECONNECTING)[0].fields["reason"]  # type: ignore[attr-defined]
+    assert "was lost" in reason and "certificate" not in reason, reason

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -176,3 +177,33 @@ def test_a_node_certified_for_the_leaders_name_gets_nothing(
     leader, (status, _) = run(server)
     assert status == 200
     assert leader.seen == [("GET", "/api/nodes", "Bearer the-operators-token")]
+
+
+def test_with_the_database_away_a_standby_says_so_rather_than_that_nobody_leads() -> None:
+    """The standby cannot read the lease while PostgreSQL is away; its refusal said "no
+    instance leads now" though the leader leads on. It says the database is away."""
+
+    async def main() -> list[dict[str, Any]]:
+        bodies = []
+        for leader, away in (("", time.time()), ("", None), ("http://127.0.0.1:9", time.time())):
+            proxy = LeaderProxy(lambda leader=leader: leader, database_away=lambda a=away: a)
+            standby = web.Application()
+            proxy.add_routes(standby)
+            try:
+                async with TestClient(TestServer(standby)) as client:
+                    resp = await client.get("/api/nodes")
+                    assert resp.status == 503
+                    bodies.append((await resp.json())["error"])
+            finally:
+                await proxy.close()
+        return bodies
+
+    away, nobody, silent = asyncio.run(main())
+    assert away["code"] == "database_unreachable"
+    assert "the database is unreachable since " in away["message"]
+    assert "no instance leads now" not in away["message"]
+    assert "point llmgw ctl at the leader" in away["message"]
+    assert nobody["code"] == "no_leader"
+    assert "no instance leads now" in nobody["message"]  # the database answers: it is true
+    assert silent["code"] == "database_unreachable"
+    assert "the leader at http://127.0.0.1:9 does not answer" in silent["message"]

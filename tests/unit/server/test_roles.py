@@ -4,12 +4,16 @@ step down when it is lost, take over when it is free again; one Role read throug
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 from typing import Any, cast
 
+from llmgw.errors import StoreUnavailable
 from llmgw.server.ha import Role, Roles
+from llmgw.server.ha.lease import LeaseKeeper
 
-_STORE: Any = SimpleNamespace(database=SimpleNamespace())  # a database that answers
+# A database that answers, with two nodes connected to the leader.
+_STORE: Any = SimpleNamespace(database=SimpleNamespace(), count_connected_nodes=lambda: 2)
 
 
 class _Leadership:
@@ -44,6 +48,9 @@ class _Leadership:
 
     def leader_addresses(self) -> tuple[str, str]:
         return "10.0.0.2:7443", "https://10.0.0.2:8080"
+
+    def cluster_epoch(self) -> int:
+        return 9
 
 
 class _Parts:
@@ -116,3 +123,48 @@ def test_a_standby_stops_what_it_served() -> None:
         assert [what for what, _ in parts.calls] == ["stand_by", "stop_standing_by"]
 
     asyncio.run(main())
+
+
+class _LeaseStore:
+    """The lease and the nodes as the database holds them (cp1 leads at epoch 7, two nodes
+    on it), or StoreUnavailable for every read while ``away``."""
+
+    def __init__(self) -> None:
+        self.away = False
+        self.database = SimpleNamespace(server_time=lambda: 100.0, unreachable_since=None)
+
+    def _read(self) -> None:
+        if self.away:
+            raise StoreUnavailable("database unreachable since 12:00:00")
+
+    def lease(self) -> Any:
+        self._read()
+        return SimpleNamespace(holder="cp1", epoch=7, expires_at=105.0)
+
+    def get_instance(self, _id: str) -> Any:
+        self._read()
+        return SimpleNamespace(stream_addr="10.0.0.1:7443", http_addr="https://10.0.0.1:8080")
+
+    def count_connected_nodes(self) -> int:
+        self._read()
+        return 2
+
+
+def test_a_standbys_health_says_the_clusters_epoch_and_nodes_the_database_away_included() -> None:
+    """A standby's /healthz said epoch 0 (its own, never having led) and the gateway's 0
+    nodes: it says the lease's epoch and the nodes on the leader; while the database is away
+    it says what it read last, the leader included (it leads on: nobody can take the lease)."""
+    store = _LeaseStore()
+    keeper = LeaseKeeper(cast(Any, store), "cp2", duration=8.0, renew=2.0)
+    roles = Roles(keeper, _Parts([]), instance="cp2")
+    roles.role = Role.STANDBY
+    health = roles.health(cast(Any, store))
+    assert (health["epoch"], health["nodes"], health["leader"]) == (7, 2, "https://10.0.0.1:8080")
+    assert "database" not in health
+
+    store.away = True
+    store.database.unreachable_since = time.time()
+    health = roles.health(cast(Any, store))
+    assert (health["epoch"], health["nodes"], health["leader"]) == (7, 2, "https://10.0.0.1:8080")
+    assert str(health["database"]).startswith("unreachable since ")
+    assert keeper.leader_addresses() == ("10.0.0.1:7443", "https://10.0.0.1:8080")

@@ -16,16 +16,21 @@ import pytest
 from cryptography import x509
 
 from llmgw import pki
+from llmgw.agent import stream as agent_stream
 from llmgw.contracts.control_planes import ControlPlaneList
 from llmgw.errors import ConfigError, StoreError
+from llmgw.listener import ListenerLimits
 from llmgw.proto import control_pb2 as pb
 from llmgw.proto import control_pb2_grpc as pb_grpc
+from llmgw.server.fleet.intake import MAX_MESSAGE_BYTES
 from llmgw.server.fleet.stream import (
+    STREAM_OPTIONS,
     ControlPlaneService,
     NodeSession,
     start_stream_server,
     version_refusal,
 )
+from llmgw.server.ha.standby import Standby
 from llmgw.server.store import Store
 
 NEEDLE = "the test servicer answered"
@@ -287,3 +292,50 @@ def test_a_session_sends_a_list_only_when_it_names_one() -> None:
     msg = session.queue.get_nowait()
     assert msg is not None and list(msg.control_planes.servers) == ["cp-1.example:7443"]
     assert list(msg.control_planes.retired_serials) == ["ab"]
+
+
+# ------------------------------------------------------- keep-alive: every role takes the pings
+
+
+def test_a_standby_takes_the_agents_pings_as_the_leader_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agents ping every control plane they dial (with or without a call); a server
+    that allows pings less often, or none without a call (gRPC's defaults: 5 min, none),
+    answers GOAWAY too_many_pings. The standby's stream server gets the leader's options."""
+    server_id, _ = _identities(tmp_path)
+    started: list[dict[str, Any]] = []
+    real = grpc.aio.server
+
+    def spy(*args: Any, options: Any = (), **kwargs: Any) -> grpc.aio.Server:
+        started.append(dict(options))
+        return real(*args, options=options, **kwargs)
+
+    monkeypatch.setattr(grpc.aio, "server", spy)
+
+    async def scenario() -> None:
+        standby = Standby(
+            server_id,
+            state_dir=tmp_path,
+            grpc_listen="127.0.0.1:0",
+            http_listen="127.0.0.1:0",
+            tls=None,
+            listeners=ListenerLimits(),
+            leader=lambda: ("", ""),
+        )
+        await standby.start(serve_http=False)
+        await standby.stop()
+
+    asyncio.run(scenario())
+    [options] = started
+    agent = dict(agent_stream._CHANNEL_OPTIONS)
+    assert options["grpc.keepalive_permit_without_calls"] == 1
+    assert agent["grpc.keepalive_permit_without_calls"] == 1
+    # Half the agents' interval at most: a ping a little early is no strike.
+    assert (
+        2 * options["grpc.http2.min_ping_interval_without_data_ms"]
+        <= agent["grpc.keepalive_time_ms"]
+    )
+    assert options["grpc.max_receive_message_length"] == MAX_MESSAGE_BYTES
+    for key, value in STREAM_OPTIONS:
+        assert options[key] == value

@@ -243,3 +243,19 @@ def test_one_node_lists_the_sources_it_keeps_warm(api: FakeAPI) -> None:
     # A node that keeps none (or an older control plane) shows no such section.
     node.pop("warm")
     assert "warm sources" not in api.ctl("nodes", "gpu-1").output
+
+
+def test_with_the_database_away_the_table_comes_with_a_warning_saying_so() -> None:
+    """The leader answers the list from memory while PostgreSQL is away; /api/status says
+    since when, and ctl nodes says it under the table and exits 0."""
+    away = "unreachable since 2026-01-02 03:04:05; scheduling and admin writes pause"
+
+    def answer(method: str, path: str, body: Any) -> Any:
+        if path == "/api/status":
+            return {"version": "0.1.0", "database": away}
+        return NODES
+
+    out = FakeAPI(answer).ctl("nodes")
+    assert out.exit_code == 0, out.output
+    assert out.output.splitlines()[0].split()[:2] == ["NODE", "STATE"]
+    assert f"warning: database {away}" in out.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -13,7 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from llmgw.contracts.inventory import inventory_dict
-from llmgw.errors import NotFound
+from llmgw.errors import NotFound, StoreUnavailable
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.admin.context import AdminContext
 from llmgw.server.admin.nodes import NodeRoutes
@@ -188,3 +189,51 @@ def test_each_gpu_shows_its_utilisation_live_from_the_session(store: Store) -> N
     one = fleet.get("/api/nodes/up", node="up")
     assert [g["utilization_percent"] for g in one["gpus"]] == [3, None, None]
     assert "utilization_percent" not in store.get_node("up").inventory["gpus"][0]
+
+
+class _Away:
+    """The store with its database away: every read raises as PostgreSQL's does then."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.database = SimpleNamespace(unreachable_since=time.time())
+
+    def __getattr__(self, name: str) -> Any:
+        def unavailable(*_args: Any, **_kwargs: Any) -> Any:
+            raise StoreUnavailable("database llmgw unreachable since 03:04:05")
+
+        return unavailable
+
+
+def test_the_leader_lists_the_nodes_from_memory_while_the_database_is_away(fleet: Fleet) -> None:
+    """The list once read; then the database goes away, "ok" drops its stream and a node
+    connects anew: the list is the one read, with the connections as they are now."""
+    before = {n["id"]: n for n in fleet.get("/api/nodes")}
+    ctx = cast(Any, fleet.routes.ctx)
+    ctx.store = _Away(fleet.store)
+    del fleet.sessions["ok"]
+    fleet.sessions["late"] = NodeSession(
+        node_id="late", dataplane_addr="10.0.0.9:9443", epoch=1, engines=frozenset({"sim"}),
+        approved=True,
+    )  # fmt: skip
+    nodes = {n["id"]: n for n in fleet.get("/api/nodes")}
+    assert sorted(nodes) == ["bad", "gone", "late", "new", "ok"]
+    assert (nodes["ok"]["connected"], nodes["ok"]["health"]) == (False, "offline")
+    assert (nodes["bad"]["health"], nodes["bad"]["shards"]) == ("degraded", before["bad"]["shards"])
+    assert nodes["bad"]["fingerprint"] == before["bad"]["fingerprint"]
+    assert (nodes["late"]["state"], nodes["late"]["health"]) == ("approved", "healthy")
+    assert nodes["late"]["dataplane_addr"] == "10.0.0.9:9443"
+
+
+def test_status_says_the_database_is_away(fleet: Fleet) -> None:
+    ctx = cast(Any, fleet.routes.ctx)
+    ctx.cluster_id, ctx.epoch = "c", 3
+    ctx.listening = SimpleNamespace(http_addr="127.0.0.1:8080", grpc_port=7443)
+
+    def status() -> dict[str, Any]:
+        response = asyncio.run(fleet.routes.status(make_mocked_request("GET", "/api/status")))
+        return cast(dict[str, Any], json.loads(cast(bytes, response.body)))
+
+    assert "database" not in status()
+    ctx.store = _Away(fleet.store)
+    assert status()["database"].startswith("unreachable since ")
