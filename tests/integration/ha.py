@@ -50,8 +50,16 @@ def clean_env(tmp: Path, **more: str) -> dict[str, str]:
 
 
 def config(
-    tmp: Path, name: str, database: dict[str, str], *, lease: float = LEASE
+    tmp: Path,
+    name: str,
+    database: dict[str, str],
+    *,
+    lease: float = LEASE,
+    drain_grace: float = 0,
+    drain_timeout: float = 120,
 ) -> tuple[Path, Path, int, int]:
+    """An instance's server.yaml (no drain grace unless given: no load balancer checks
+    /healthz but the drain's own tests'), its state directory and its two ports."""
     state = tmp / name / "state"
     state.mkdir(parents=True)
     http_port, grpc_port = free_port(), free_port()
@@ -69,6 +77,8 @@ def config(
                 "instance_id": name,
                 "lease": f"{lease}s",
                 "lease_renew": "1s",
+                "drain_grace": drain_grace,
+                "drain_timeout": drain_timeout,
             }
         )
     )

@@ -293,6 +293,9 @@ def start_server_with(tmp: Path, *, heartbeat: float = 1.0, **extra: Any) -> Ser
         # Long enough that an agent restart is not a loss; loss tests shorten it.
         "loss_timeout": max(10.0, heartbeat * 3),
         "replica_wait": 2,
+        # No load balancer checks /healthz here: a stop waits for no grace (the drain's own
+        # tests set one).
+        "drain_grace": 0,
         **extra,
     }
     cfg = tmp / "server.yaml"
