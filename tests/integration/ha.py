@@ -123,14 +123,17 @@ def run(tmp: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def cluster(tmp: Path, pg: Any, count: int = 3, *, lease: float = LEASE) -> list[Instance]:
-    """*count* instances on one fresh database; the first leads, the CA imported by the rest."""
+def cluster(
+    tmp: Path, pg: Any, count: int = 3, *, lease: float = LEASE, **drain: float
+) -> list[Instance]:
+    """*count* instances on one fresh database; the first leads, the CA imported by the rest
+    (*drain*: drain_grace, drain_timeout for :func:`config`)."""
     name = pg.fresh_database()
     database = {
         "url": pg.url(name, password=False),
         "password_file": str(pg.password_file(tmp)),
     }
-    first_cfg = config(tmp, "cp1", database, lease=lease)
+    first_cfg = config(tmp, "cp1", database, lease=lease, **drain)
     first = start(tmp, "cp1", *first_cfg)
     wait_for(lambda: role(first) == "leader", timeout=60, what="cp1 leads")
     export = tmp / "ca.llmgw"
@@ -149,7 +152,7 @@ def cluster(tmp: Path, pg: Any, count: int = 3, *, lease: float = LEASE) -> list
     assert done.returncode == 0, done.stderr
     instances = [first]
     for i in range(2, count + 1):
-        cfg = config(tmp, f"cp{i}", database, lease=lease)
+        cfg = config(tmp, f"cp{i}", database, lease=lease, **drain)
         imported = run(
             tmp, "server", "--config", str(cfg[0]), "--import-ca", str(export),
             LLMGW_CA_PASSPHRASE=PASSPHRASE,
@@ -195,7 +198,13 @@ def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
         stop_process(proc)
 
 
-def fleet(tmp: Path, instances: list[Instance], procs: list[subprocess.Popen[bytes]]) -> list[Any]:
+def fleet(
+    tmp: Path,
+    instances: list[Instance],
+    procs: list[subprocess.Popen[bytes]],
+    *,
+    params: dict[str, str] | None = None,
+) -> list[Any]:
     servers = [f"127.0.0.1:{i.server.grpc_port}" for i in instances]
     leader = instances[0].server
     agents = []
@@ -211,7 +220,10 @@ def fleet(tmp: Path, instances: list[Instance], procs: list[subprocess.Popen[byt
         what="both agents on the leader",
     )
     leader.approve_pending(expected=2)
-    leader.api("POST", "/api/models", {"name": "m", "engine": "sim", "replicas": 2})
+    model: dict[str, Any] = {"name": "m", "engine": "sim", "replicas": 2}
+    if params:
+        model["params"] = params
+    leader.api("POST", "/api/models", model)
     wait_for(
         lambda: [r["state"] for r in leader.replicas("m")] == ["ready", "ready"],
         timeout=90,

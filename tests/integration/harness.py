@@ -321,9 +321,12 @@ def start_server_with(tmp: Path, *, heartbeat: float = 1.0, **extra: Any) -> Ser
 class Client(threading.Thread):
     """Sends requests through the gateway until stopped, alternating streamed and not."""
 
-    def __init__(self, base_url: str, key: str, model: str, *, streams: bool = True) -> None:
+    def __init__(
+        self, base_url: str, key: str, model: str, *, streams: bool = True, max_tokens: int = 8
+    ) -> None:
         super().__init__(daemon=True)
         self.streams = streams
+        self.max_tokens = max_tokens
         self.client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30)
         self.model = model
         self.stop = threading.Event()
@@ -339,7 +342,7 @@ class Client(threading.Thread):
                     out = self.client.chat.completions.create(
                         model=self.model,
                         messages=[{"role": "user", "content": f"q{i}"}],
-                        max_tokens=8,
+                        max_tokens=self.max_tokens,
                     )
                     assert out.choices[0].message.content
                 else:
@@ -348,7 +351,7 @@ class Client(threading.Thread):
                         for c in self.client.chat.completions.create(
                             model=self.model,
                             messages=[{"role": "user", "content": f"s{i}"}],
-                            max_tokens=8,
+                            max_tokens=self.max_tokens,
                             stream=True,
                         )
                         if c.choices
