@@ -322,11 +322,19 @@ class Client(threading.Thread):
     """Sends requests through the gateway until stopped, alternating streamed and not."""
 
     def __init__(
-        self, base_url: str, key: str, model: str, *, streams: bool = True, max_tokens: int = 8
+        self,
+        base_url: str,
+        key: str,
+        model: str,
+        *,
+        streams: bool = True,
+        max_tokens: int = 8,
+        extra_body: dict[str, object] | None = None,
     ) -> None:
         super().__init__(daemon=True)
         self.streams = streams
         self.max_tokens = max_tokens
+        self.extra_body = extra_body
         self.client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30)
         self.model = model
         self.stop = threading.Event()
@@ -343,6 +351,7 @@ class Client(threading.Thread):
                         model=self.model,
                         messages=[{"role": "user", "content": f"q{i}"}],
                         max_tokens=self.max_tokens,
+                        extra_body=self.extra_body,
                     )
                     assert out.choices[0].message.content
                 else:
@@ -352,6 +361,7 @@ class Client(threading.Thread):
                             model=self.model,
                             messages=[{"role": "user", "content": f"s{i}"}],
                             max_tokens=self.max_tokens,
+                            extra_body=self.extra_body,
                             stream=True,
                         )
                         if c.choices
