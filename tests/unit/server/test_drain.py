@@ -110,7 +110,6 @@ def run(body: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
-
 async def _read_stream(http: aiohttp.ClientSession, url: str, rig: Rig) -> list[bytes]:
     lines = []
     async with http.get(url + "/v1/stream") as resp:
