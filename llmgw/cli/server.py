@@ -82,14 +82,23 @@ def server(
     async def main() -> None:
         cp = ControlPlane(cfg)
         stop = asyncio.Event()
+
+        def signalled() -> None:
+            # The first signal drains (llmgw.server.ha.drain); a second stops at once.
+            if stop.is_set():
+                cp.drain.hurry()
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, signalled)
         await cp.start()
         try:
             await stop.wait()
-        finally:
+        except BaseException:
             await cp.stop()
+            raise
+        await cp.drain_then_stop()
 
     run_loop(main(), process="server")
 

@@ -46,6 +46,8 @@ from llmgw.server.gateway.tokenizing import Tokenizers
 from llmgw.server.ha import (
     LEADER_HTTP,
     LEADER_STREAM,
+    Drain,
+    DrainOutcome,
     FileLock,
     Handover,
     Instances,
@@ -55,6 +57,7 @@ from llmgw.server.ha import (
     Roles,
     Standby,
     leader_ssl,
+    stop_accepting,
 )
 from llmgw.server.ha.follower import LeaderProxy, RouteFollower
 from llmgw.server.ha.instances import warn_of_nodes_named_like_the_control_plane
@@ -135,6 +138,9 @@ class ControlPlane:
         self.leadership: Leadership = FileLock(cfg.state_dir)
         self.roles = Roles(self.leadership, self, instance=cfg.instance)
         self._standby: Standby | None = None
+        # A stop's drain (SIGTERM): /healthz 503, then no new connection, then the requests
+        # in flight awaited (llmgw.server.ha.drain).
+        self.drain = Drain(grace=cfg.drain_grace, timeout=cfg.drain_timeout)
 
     @property
     def pki_dir(self) -> Path:
@@ -208,7 +214,48 @@ class ControlPlane:
         )
         self._tasks.append(asyncio.create_task(keep, name="instance"))
 
-    async def stop(self) -> None:
+    async def drain_then_stop(self) -> DrainOutcome:
+        """A stop that drops no request (SIGTERM): the drain, then :meth:`stop` (the
+        leader's lease handed over at once). A second signal hurries it
+        (``self.drain.hurry()``)."""
+        self.drain.begin()  # /healthz 503 before anything that may wait on the store
+        await self.roles.stay()  # a draining standby takes no leadership
+        self._event(
+            "instance_draining",
+            f"/healthz answers 503 for {self.cfg.drain_grace:g} s, then the requests in flight "
+            f"have {self.cfg.drain_timeout:g} s to end",
+        )
+        try:
+            outcome = await self.drain.run(self._stop_accepting)
+        except BaseException:
+            await self.stop()
+            raise
+        ended = f"drained in {outcome.seconds:g} s: {outcome.finished} requests ended"
+        if outcome.cut:
+            ended += f", {outcome.cut} cut ({outcome.streams_cut} streams)"
+        await self.stop(ended)
+        return outcome
+
+    async def _stop_accepting(self) -> None:
+        """:8080 takes no new connection (either role's listener)."""
+        if self.handover is not None:
+            await self.handover.stop_accepting()
+            self.http_sock = None  # closed with it
+        elif self._runner is not None:
+            await stop_accepting(self._runner)
+
+    def _event(self, kind: str, message: str) -> None:
+        """An event of this instance, when it has the store open and the store answers."""
+        store = getattr(self, "store", None)
+        if store is None or (not self.leadership.shared and self.roles.role is not Role.LEADER):
+            return
+        subject = self.cfg.instance if self.leadership.shared else "control-plane"
+        try:
+            store.add_event(kind, subject, message)
+        except StoreError as exc:
+            log.warning("cannot record an event", extra=kv(kind=kind, error=str(exc)))
+
+    async def stop(self, why: str = "") -> None:
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
@@ -220,6 +267,8 @@ class ControlPlane:
         if leading or self.leadership.shared:
             await self.usage.stop()
             self.leadership.end()
+            if why:
+                self._event("instance_stopped", why)
             if leading and self.leadership.shared:
                 self.leadership.release()  # a standby takes over at its next poll
             self.store.close()
@@ -414,7 +463,8 @@ class ControlPlane:
         cfg = self.cfg
         return_large_buffers()  # large bodies' memory goes back to the system once freed
         # Bodies are read through llmgw.bodies; this only bounds any other reader.
-        app = web.Application(client_max_size=1024 * 1024, middlewares=middlewares(cfg))
+        app = web.Application(client_max_size=1024 * 1024, middlewares=middlewares(cfg, self.drain))
+        app.on_response_prepare.append(self.drain.on_prepare)
         self.serving = ServingCache(
             self.store,
             max_request_body=cfg.max_request_body,
@@ -438,6 +488,7 @@ class ControlPlane:
             history=self.history,
             tokenizers=self.tokenizers,
             readers=probe_readers(cfg),
+            draining=self.drain.status,
         )
         gateway.add_routes(app)
 

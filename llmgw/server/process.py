@@ -25,6 +25,7 @@ from llmgw.server.common.httpapi import error_middleware
 from llmgw.server.common.tls import ServingCertificate
 from llmgw.server.gateway.limits import KeyLimits
 from llmgw.server.gateway.usage import UsageBook
+from llmgw.server.ha.drain import Drain
 from llmgw.server.ha.proxies import TrustedProxies, forwarded_middleware
 from llmgw.server.store import Store
 
@@ -68,10 +69,15 @@ def _dns_names(cert: Path) -> list[str]:
     return [n for n in san.value.get_values_for_type(x509.DNSName) if "*" not in n]
 
 
-def middlewares(cfg: ServerConfig) -> list[Middleware]:
-    """Of :8080's application, a leader's or a standby's: the client behind a trusted proxy in
-    place of the proxy, then the JSON errors."""
-    return [forwarded_middleware(TrustedProxies(cfg.trusted_proxies)), error_middleware]
+def middlewares(cfg: ServerConfig, drain: Drain) -> list[Middleware]:
+    """Of :8080's application, a leader's or a standby's: the requests in flight counted for
+    a stop's drain, the client behind a trusted proxy in place of the proxy, then the JSON
+    errors."""
+    return [
+        drain.middleware,
+        forwarded_middleware(TrustedProxies(cfg.trusted_proxies)),
+        error_middleware,
+    ]
 
 
 def probe_readers(cfg: ServerConfig) -> tuple[str, ...]:

@@ -57,7 +57,11 @@ def config(
     lease: float = LEASE,
     heartbeat: float = 1.0,
     renew: float = 1.0,
+    drain_grace: float = 0,
+    drain_timeout: float = 120,
 ) -> tuple[Path, Path, int, int]:
+    """An instance's server.yaml (no drain grace unless given: no load balancer checks
+    /healthz but the drain's own tests'), its state directory and its two ports."""
     state = tmp / name / "state"
     state.mkdir(parents=True)
     http_port, grpc_port = free_port(), free_port()
@@ -75,6 +79,8 @@ def config(
                 "instance_id": name,
                 "lease": f"{lease}s",
                 "lease_renew": f"{renew}s",
+                "drain_grace": drain_grace,
+                "drain_timeout": drain_timeout,
             }
         )
     )
@@ -127,17 +133,19 @@ def cluster(
     lease: float = LEASE,
     heartbeat: float = 1.0,
     renew: float = 1.0,
+    **drain: float,
 ) -> list[Instance]:
     """*count* instances on one fresh database; the first leads, the CA imported by the rest
     (*heartbeat*: the agents' heartbeat interval, short here so that the tests wait less;
     bench/failover.py takes the defaults, 5 s and a renewal every 2 s, as what an agent
-    notices of a paused leader scales with them)."""
+    notices of a paused leader scales with them; *drain*: drain_grace, drain_timeout for
+    :func:`config`)."""
     name = pg.fresh_database()
     database = {
         "url": pg.url(name, password=False),
         "password_file": str(pg.password_file(tmp)),
     }
-    first_cfg = config(tmp, "cp1", database, lease=lease, heartbeat=heartbeat, renew=renew)
+    first_cfg = config(tmp, "cp1", database, lease=lease, heartbeat=heartbeat, renew=renew, **drain)
     first = start(tmp, "cp1", *first_cfg)
     wait_for(lambda: role(first) == "leader", timeout=60, what="cp1 leads")
     export = tmp / "ca.llmgw"
@@ -156,7 +164,9 @@ def cluster(
     assert done.returncode == 0, done.stderr
     instances = [first]
     for i in range(2, count + 1):
-        cfg = config(tmp, f"cp{i}", database, lease=lease, heartbeat=heartbeat, renew=renew)
+        cfg = config(
+            tmp, f"cp{i}", database, lease=lease, heartbeat=heartbeat, renew=renew, **drain
+        )
         imported = run(
             tmp, "server", "--config", str(cfg[0]), "--import-ca", str(export),
             LLMGW_CA_PASSPHRASE=PASSPHRASE,
@@ -202,7 +212,13 @@ def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
         stop_process(proc)
 
 
-def fleet(tmp: Path, instances: list[Instance], procs: list[subprocess.Popen[bytes]]) -> list[Any]:
+def fleet(
+    tmp: Path,
+    instances: list[Instance],
+    procs: list[subprocess.Popen[bytes]],
+    *,
+    params: dict[str, str] | None = None,
+) -> list[Any]:
     servers = [f"127.0.0.1:{i.server.grpc_port}" for i in instances]
     leader = instances[0].server
     agents = []
@@ -218,7 +234,10 @@ def fleet(tmp: Path, instances: list[Instance], procs: list[subprocess.Popen[byt
         what="both agents on the leader",
     )
     leader.approve_pending(expected=2)
-    leader.api("POST", "/api/models", {"name": "m", "engine": "sim", "replicas": 2})
+    model: dict[str, Any] = {"name": "m", "engine": "sim", "replicas": 2}
+    if params:
+        model["params"] = params
+    leader.api("POST", "/api/models", model)
     wait_for(
         lambda: [r["state"] for r in leader.replicas("m")] == ["ready", "ready"],
         timeout=90,

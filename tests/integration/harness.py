@@ -293,6 +293,9 @@ def start_server_with(tmp: Path, *, heartbeat: float = 1.0, **extra: Any) -> Ser
         # Long enough that an agent restart is not a loss; loss tests shorten it.
         "loss_timeout": max(10.0, heartbeat * 3),
         "replica_wait": 2,
+        # No load balancer checks /healthz here: a stop waits for no grace (the drain's own
+        # tests set one).
+        "drain_grace": 0,
         **extra,
     }
     cfg = tmp / "server.yaml"
@@ -318,9 +321,20 @@ def start_server_with(tmp: Path, *, heartbeat: float = 1.0, **extra: Any) -> Ser
 class Client(threading.Thread):
     """Sends requests through the gateway until stopped, alternating streamed and not."""
 
-    def __init__(self, base_url: str, key: str, model: str, *, streams: bool = True) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        key: str,
+        model: str,
+        *,
+        streams: bool = True,
+        max_tokens: int = 8,
+        extra_body: dict[str, object] | None = None,
+    ) -> None:
         super().__init__(daemon=True)
         self.streams = streams
+        self.max_tokens = max_tokens
+        self.extra_body = extra_body
         self.client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=30)
         self.model = model
         self.stop = threading.Event()
@@ -336,7 +350,8 @@ class Client(threading.Thread):
                     out = self.client.chat.completions.create(
                         model=self.model,
                         messages=[{"role": "user", "content": f"q{i}"}],
-                        max_tokens=8,
+                        max_tokens=self.max_tokens,
+                        extra_body=self.extra_body,
                     )
                     assert out.choices[0].message.content
                 else:
@@ -345,7 +360,8 @@ class Client(threading.Thread):
                         for c in self.client.chat.completions.create(
                             model=self.model,
                             messages=[{"role": "user", "content": f"s{i}"}],
-                            max_tokens=8,
+                            max_tokens=self.max_tokens,
+                            extra_body=self.extra_body,
                             stream=True,
                         )
                         if c.choices

@@ -48,6 +48,7 @@ def _server(tmp: Path, name: str, state: Path, grpc_listen: str, **extra: object
                 "enroll_listen": "127.0.0.1:0",
                 "heartbeat_interval": 1.0,
                 "loss_timeout": 30.0,
+                "drain_grace": 0,  # no load balancer here: a stop waits for no grace
                 **extra,
             }
         )

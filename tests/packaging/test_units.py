@@ -14,6 +14,7 @@ from llmgw.agent.service import DRAIN_TIMEOUT
 from llmgw.contracts.paths import DEFAULT_AGENT_CONFIG, DEFAULT_SERVER_CONFIG
 from llmgw.contracts.paths import DEFAULT_AGENT_STATE_DIR as AGENT_STATE_DIR
 from llmgw.contracts.paths import DEFAULT_SERVER_STATE_DIR as SERVER_STATE_DIR
+from llmgw.server.common.config import DEFAULT_DRAIN_GRACE, DEFAULT_DRAIN_TIMEOUT
 from tests.ci import require_tools
 
 from .pkgcheck import CURRENT, UNITS, Container, Packages, run, stand_in_units, unit_files
@@ -163,6 +164,8 @@ def test_server_unit() -> None:
         assert one(s, f"Service.{key}") == value, key
     assert s["Service.SystemCallFilter"] == ["@system-service", "~@privileged @resources"]
     assert one(s, "Install.WantedBy") == "multi-user.target"
+    # A stop's drain (llmgw.server.ha.drain) ends before systemd's SIGKILL.
+    assert float(one(s, "Service.TimeoutStopSec")) > DEFAULT_DRAIN_GRACE + DEFAULT_DRAIN_TIMEOUT
     # Either store: the network for a remote PostgreSQL, after a local one (ordering only:
     # nothing that would pull PostgreSQL into a machine on SQLite, or fail without it).
     assert one(s, "Unit.Wants") == "network-online.target"

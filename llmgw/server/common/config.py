@@ -77,6 +77,8 @@ _KEYS = (
     "max_messages",
     "metrics_token_file",
     "tokenizer_sources",
+    "drain_grace",
+    "drain_timeout",
 )
 _TLS_KEYS = ("cert", "key")
 _DATABASE_KEYS = ("url", "password_file")
@@ -95,6 +97,11 @@ _CONSOLE_KEYS = (
 DEFAULT_LEASE = 8.0
 DEFAULT_LEASE_RENEW = 2.0
 DEFAULT_RESYNC_INTERVAL = 5.0
+# A stop (SIGTERM): /healthz answers 503 this long so that load balancers take the instance
+# out, then the requests in flight have this long to end (llmgw.server.ha.drain); the
+# systemd unit's TimeoutStopSec exceeds their sum.
+DEFAULT_DRAIN_GRACE = 10.0
+DEFAULT_DRAIN_TIMEOUT = 120.0
 _INSTANCE_ID = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?")
 DEFAULT_CERT_LIFETIME = 30 * 86400.0
 # Concurrent connections one address may hold on the enrolment port; a fleet enrolled at
@@ -175,6 +182,10 @@ class ServerConfig:
     # After this instance starts leading: how long a node holding shards has to reattach
     # before it is lost (never less than loss_timeout).
     reattach_grace: float = DEFAULT_REATTACH_GRACE
+    # A stop's drain: /healthz 503 for drain_grace, then the requests in flight finish within
+    # drain_timeout (the rest are cut).
+    drain_grace: float = DEFAULT_DRAIN_GRACE
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     # The console's and ctl login's sessions (idle and absolute expiry) and the failed
     # logins that lock an address or an account.
     console: LoginPolicy = field(default_factory=LoginPolicy)
@@ -335,6 +346,7 @@ def _parse(
         database=_database(check, top.get("database")),
         instance_id=_instance_id(check, top.get("instance_id")),
         **_leadership_timing(check, top),
+        **_draining(check, top),
         console=_console(check, top.get("console")),
         trusted_proxies=_trusted_proxies(check, top.get("trusted_proxies")),
         source=source,
@@ -363,6 +375,11 @@ class _NodeTiming(TypedDict):
 class _Queueing(TypedDict):
     queue_timeout: float
     fair_queueing: bool
+
+
+class _Draining(TypedDict):
+    drain_grace: float
+    drain_timeout: float
 
 
 class _LeadershipTiming(TypedDict):
@@ -503,6 +520,29 @@ def _leadership_timing(check: Checker, top: Mapping[str, Any]) -> _LeadershipTim
         "must be between 0.5 s and 5 minutes",
     )
     return {"lease": lease, "lease_renew": lease_renew, "resync_interval": resync}
+
+
+def _draining(check: Checker, top: Mapping[str, Any]) -> _Draining:
+    """A stop's two waits: the load balancers' (/healthz 503) and the requests' in flight."""
+    grace = _bounded_duration(
+        check,
+        top,
+        "drain_grace",
+        DEFAULT_DRAIN_GRACE,
+        (0, 300),
+        "must be between 0 s (no load balancer checks /healthz) and 5 minutes; give it a few "
+        "of the load balancer's health-check intervals",
+    )
+    timeout = _bounded_duration(
+        check,
+        top,
+        "drain_timeout",
+        DEFAULT_DRAIN_TIMEOUT,
+        (0, 3600),
+        "must be between 0 s (cut what is in flight) and 1 hour; the systemd unit's "
+        "TimeoutStopSec must exceed drain_grace + drain_timeout (systemctl edit llmgw-server)",
+    )
+    return {"drain_grace": grace, "drain_timeout": timeout}
 
 
 def _max_messages(check: Checker, top: Mapping[str, Any]) -> int:

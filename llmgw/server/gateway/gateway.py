@@ -138,6 +138,7 @@ class Gateway:
         history: RequestHistory | None = None,
         tokenizers: Tokenizers | None = None,
         readers: Iterable[str] = (),
+        draining: Callable[[], Mapping[str, object] | None] = lambda: None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.router = router
@@ -145,9 +146,14 @@ class Gateway:
         self.health = health
         self.metrics = metrics
         # /healthz and /metrics; ``readers``: the tokens that read /metrics and /healthz's
-        # details (the metrics token, the admin token).
+        # details (the metrics token, the admin token); ``draining``: what it says while a
+        # stop drains the instance (503).
         self.probes = Probes(
-            metrics, self._health_details, readers, index_sizes=router.prefixes.index_sizes
+            metrics,
+            self._health_details,
+            readers,
+            index_sizes=router.prefixes.index_sizes,
+            draining=draining,
         )
         self.serving = serving
         # The body bytes the process holds at once (the admin API's bodies too).

@@ -2,7 +2,9 @@
 much each tells whom.
 
 ``/healthz`` answers anyone with what a health check needs: ``{"status": "ok", "role":
-"leader"|"standby"}`` (200 on every instance that serves). The details (the leader's epoch,
+"leader"|"standby"}`` (200 on every instance that serves), or 503 with ``"status":
+"draining"`` while a stop drains it (:mod:`llmgw.server.ha.drain`: load balancers take it
+out while it still serves what they send). The details (the leader's epoch,
 the nodes connected, the models routed, the leader's address, the database's state) go only
 to a caller that presents a reader's token. ``/metrics`` (every key's name and usage) is
 served only to such a caller: ``Authorization: Bearer <token>``, what Prometheus sends with
@@ -33,7 +35,8 @@ _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="llmgw"'}
 class Probes:
     """The two handlers. ``details`` is what /healthz says to a reader (its ``role`` is told
     to anyone); ``readers`` the tokens that may read; ``index_sizes`` the block keys of the
-    gateway's prefix indexes, read at each scrape."""
+    gateway's prefix indexes, read at each scrape; ``draining`` what /healthz says while a
+    stop drains the instance (None while it serves)."""
 
     def __init__(
         self,
@@ -41,8 +44,10 @@ class Probes:
         details: Callable[[], Mapping[str, object]],
         readers: Iterable[str],
         index_sizes: Callable[[], Mapping[tuple[str, str], int]] = dict,
+        draining: Callable[[], Mapping[str, object] | None] = lambda: None,
     ) -> None:
         self.metrics = metrics
+        self.draining = draining
         self.index_sizes = index_sizes
         self.details = details
         self.readers = tuple(r.encode() for r in readers if r)
@@ -64,9 +69,13 @@ class Probes:
 
     async def healthz(self, request: web.Request) -> web.Response:
         details = self.details()
+        drain = self.draining()
+        status, code = ("ok", 200) if drain is None else ("draining", 503)
         if self._reader(request):
-            return web.json_response({"status": "ok", **details})
-        return web.json_response({"status": "ok", "role": details.get("role", "leader")})
+            return web.json_response({"status": status, **details, **(drain or {})}, status=code)
+        return web.json_response(
+            {"status": status, "role": details.get("role", "leader")}, status=code
+        )
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         if not self._reader(request):

@@ -6,9 +6,12 @@
 - ``roles``       the role machine: lead, stand by, step down, take over;
 - ``standby``     what a standby serves (agents' streams refused, naming the leader);
 - ``handover``    :8080's socket kept across changes of role (PostgreSQL);
-- ``instances``   the instances' registry in the shared database.
+- ``instances``   the instances' registry in the shared database;
+- ``drain``       a stop that drops no request (/healthz 503, listeners closed, in-flight
+  requests awaited).
 """
 
+from llmgw.server.ha.drain import Drain, DrainOutcome, stop_accepting
 from llmgw.server.ha.handover import Handover
 from llmgw.server.ha.instances import Instances
 from llmgw.server.ha.leadership import FileLock, Leadership, Role
@@ -19,6 +22,8 @@ from llmgw.server.ha.standby import LEADER_HTTP, LEADER_STREAM, Standby, leader_
 __all__ = [
     "LEADER_HTTP",
     "LEADER_STREAM",
+    "Drain",
+    "DrainOutcome",
     "FileLock",
     "Handover",
     "Instances",
@@ -29,4 +34,5 @@ __all__ = [
     "Roles",
     "Standby",
     "leader_ssl",
+    "stop_accepting",
 ]

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from llmgw.listener import GuardedSite, ListenerLimits
 from llmgw.netaddr import parse_hostport
+from llmgw.server.ha.drain import stop_accepting
 
 __all__ = ["Handover"]
 
@@ -102,6 +103,14 @@ class Handover:
             await asyncio.sleep(0.1)
         self._inflight.pop(key, None)
         await app.cleanup()
+
+    async def stop_accepting(self) -> None:
+        """A stop's drain: no new connection (the kept socket closed with the site's
+        duplicate of it), idle keep-alive connections closed; the requests in flight go on."""
+        if self._runner is not None:
+            await stop_accepting(self._runner, self.sock)
+        else:
+            self.sock.close()
 
     async def close(self) -> None:
         """Stop serving: the server, the applications being retired, then the current one

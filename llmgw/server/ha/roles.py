@@ -90,6 +90,16 @@ class Roles:
         await self.parts.stop_standing_by()
         await self._lead()
 
+    async def stay(self) -> None:
+        """Take no leadership from now on (a standby draining before its stop); the current
+        role goes on."""
+        task, self._promotion = self._promotion, None
+        if task is not None and self.role is Role.STANDBY:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        elif task is not None:
+            self._promotion = task
+
     async def stop(self) -> None:
         """Stop the role's parts and the changes under way (the leadership is the
         caller's to release, after its last write)."""

@@ -91,6 +91,36 @@ def test_reattach_grace_defaults_to_a_minute_and_takes_a_duration(tmp_path: Path
     assert load_server_config(write(tmp_path, "reattach_grace: 0\n")).reattach_grace == 0.0
 
 
+def test_drain_grace_and_timeout_default_to_10s_and_2m_and_take_durations(
+    tmp_path: Path,
+) -> None:
+    default = load_server_config(None)
+    assert (default.drain_grace, default.drain_timeout) == (10.0, 120.0)
+    cfg = load_server_config(write(tmp_path, "drain_grace: 2s\ndrain_timeout: 5m\n"))
+    assert (cfg.drain_grace, cfg.drain_timeout) == (2.0, 300.0)
+    none = load_server_config(write(tmp_path, "drain_grace: 0\ndrain_timeout: 0s\n"))
+    assert (none.drain_grace, none.drain_timeout) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "words"),
+    [
+        ("drain_grace: 6m\n", "drain_grace", "between 0 s"),
+        ("drain_grace: -1\n", "drain_grace", ""),
+        ("drain_grace: soon\n", "drain_grace", ""),
+        ("drain_timeout: 2h\n", "drain_timeout", "TimeoutStopSec"),
+        ("drain_timeout: [1]\n", "drain_timeout", ""),
+    ],
+)
+def test_drain_refusals_name_the_key(tmp_path: Path, text: str, key: str, words: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_server_config(path)
+    assert err.value.key == key
+    assert words in str(err.value)
+    assert str(path) in str(err.value)
+
+
 def test_database_forms(tmp_path: Path) -> None:
     default = load_server_config(None)
     assert default.database_location.path == "/var/lib/llmgw/llmgw.db"

@@ -97,6 +97,28 @@ def test_healthz_tells_a_stranger_only_its_status_and_role() -> None:
     run(body, health=lambda: health)
 
 
+def test_healthz_answers_503_draining_while_a_stop_drains_the_instance() -> None:
+    draining: dict[str, object] | None = None
+
+    async def body(url: str, http: aiohttp.ClientSession) -> None:
+        nonlocal draining
+        async with http.get(url + "/healthz") as resp:
+            assert resp.status == 200
+        draining = {"status": "draining", "phase": "draining", "in_flight": 2}
+        async with http.get(url + "/healthz") as resp:
+            assert resp.status == 503
+            assert await resp.json() == {"status": "draining", "role": "leader"}
+        async with http.get(url + "/healthz", headers=bearer(ADMIN_TOKEN)) as resp:
+            assert resp.status == 503
+            got = await resp.json()
+            assert got["status"] == "draining" and got["in_flight"] == 2
+            assert got["models"] == ["m"] and got["role"] == "leader"
+        async with http.get(url + "/metrics", headers=bearer(ADMIN_TOKEN)) as resp:
+            assert resp.status == 200  # Prometheus still scrapes a draining instance
+
+    run(body, draining=lambda: draining)
+
+
 def test_a_single_instance_is_the_leader() -> None:
     async def body(url: str, http: aiohttp.ClientSession) -> None:
         async with http.get(url + "/healthz") as resp:
