@@ -138,7 +138,8 @@ class Drain:
         self.phase = Phase.DRAINING
         self._since = time.monotonic()
         log.info(
-            "draining: /healthz answers 503 so that load balancers take this instance out",
+            "draining: /healthz answers 503 so that load balancers take this instance out; "
+            "a second stop signal (Ctrl-C again) stops at once",
             extra=kv(grace=self.grace, timeout=self.timeout, in_flight=self.in_flight),
         )
 
