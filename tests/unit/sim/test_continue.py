@@ -4,6 +4,9 @@ answer for the seed; vLLM's refusals of the bad combinations."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,10 +16,20 @@ import pytest
 from llmgw.sim.config import SimConfig
 from llmgw.sim.generate import draw, own_tokens, resume, split_own
 from tests.unit.sim.running import running
-from tests.unit.sim.test_server import post
 
 MODEL = "llmgw-sim"
 USER: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell a tale"}]
+
+
+def post(url: str, body: Any) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 @pytest.fixture(scope="module")
