@@ -133,8 +133,8 @@ class Metrics:
         self.stream_resumes = Counter(
             "llmgw_stream_resumes_total",
             "Streams that broke after their first token and were continued on another replica, "
-            "by model, cause (reset: the connection broke; error: the replica sent an error "
-            "event; eof: it ended without [DONE]) and outcome (completed, broken: it broke "
+            "by model, cause (reset: the connection broke; timeout: the replica went silent; "
+            "error: the replica sent an error event; eof: it ended without [DONE]) and outcome (completed, broken: it broke "
             "again, no_replica, refused: the other replica did not take it).",
             ("model", "cause", "outcome"),
         )

@@ -70,9 +70,10 @@ from llmgw.server.gateway.queueing import Admission, QueueTimeout
 from llmgw.server.gateway.refusals import openai_error
 from llmgw.server.gateway.resume import (
     RESUMABLE_PATHS,
-    StreamSplice,
-    plan,
+    cause_of,
+    ended_early,
     resumed_body,
+    splice_for,
 )
 from llmgw.server.gateway.routing import Endpoint, Router
 from llmgw.server.gateway.serving import ServedModel, ServingCache
@@ -367,7 +368,7 @@ class Gateway:
         # ask for it does not see it.
         asked = with_usage(path, body, payload) if stream else None
         session = session_of(payload, request.headers.get("x-session-id"))
-        splice = _splice(path, payload, served)
+        splice = splice_for(path, payload, served.engine, served.max_resumes)
         del payload  # a parsed body can take many times its size: hold it no longer
         req = ModelRequest(
             http=request,
@@ -484,12 +485,15 @@ class Gateway:
         tried: set[str] = set()
         busy = 0  # replicas whose agent had no room for the body
         cause = ""  # why the stream is being resumed ("" while it is not)
+        failure: Exception | None = None  # what broke it
         while True:
             ep = await self._place(req, frozenset(tried), busy)
             if isinstance(ep, web.StreamResponse):
                 charge.outcome.status = ep.status
-                if cause:
+                if cause and failure is not None:
+                    # No other replica to go on with: the stream ends as it would have.
                     self._stream_end(req, cause, "no_replica")
+                    return await ended_early(req.http[STARTED_STREAM], req.model, failure)
                 return await _in_started_stream(req, ep)
             tried.add(ep.shard_id)
             try:
@@ -527,7 +531,7 @@ class Gateway:
             if body is None:  # its whole limit was sent: ended as it would have
                 self.metrics.streams_broken.inc((req.model, "limit"))
                 return answer
-            cause = getattr(broken, "cause", "reset")
+            failure, cause = broken, cause_of(broken)
             splice.next_part()
             del answer[STREAM_ERROR]  # the next part's own, if it breaks too
             req.http[STARTED_STREAM] = answer
@@ -648,15 +652,6 @@ async def _in_started_stream(req: ModelRequest, answer: web.StreamResponse) -> w
     with contextlib.suppress(ConnectionError):  # the client may be gone
         await started.write(error_event(message, code))
     return started
-
-
-def _splice(path: str, payload: Mapping[str, Any], served: ServedModel) -> StreamSplice | None:
-    """What follows a stream that may be resumed on another replica; None when it is not a
-    streamed chat or completion, or its model's profile turns resuming off."""
-    resume = plan(path, payload, served.engine, served.max_resumes)
-    if resume is None or resume.blocker == "off":
-        return None
-    return StreamSplice(resume)
 
 
 def _payload(request: web.Request, body: bytes) -> dict[str, Any] | web.Response:

@@ -26,14 +26,17 @@ so their chat streams are not resumed (reason ``engine``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+
 from llmgw.contracts.resuming import DEFAULT_MAX_RESUMES
-from llmgw.http.errors import UpstreamError
-from llmgw.http.relay import LineEnds
+from llmgw.http.errors import UpstreamError, UpstreamTimeout
+from llmgw.http.relay import LineEnds, error_event
 
 __all__ = [
     "CHAT_RESUMING_ENGINES",
@@ -42,8 +45,11 @@ __all__ = [
     "ResumePlan",
     "StreamBroken",
     "StreamSplice",
+    "cause_of",
+    "ended_early",
     "plan",
     "resumed_body",
+    "splice_for",
 ]
 
 CHAT = "/v1/chat/completions"
@@ -109,6 +115,36 @@ def _blocker(chat: bool, payload: Mapping[str, Any], engine: str, most: int) -> 
     if not isinstance(prompt, str) or payload.get("echo") or payload.get("suffix"):
         return "prompt"  # a list of prompts, token ids, the prompt echoed, an insertion
     return None
+
+
+def splice_for(
+    path: str, payload: Mapping[str, Any], engine: str, max_resumes: int | None
+) -> StreamSplice | None:
+    """What follows a stream that may be resumed on another replica; None when it is not a
+    streamed chat or completion, or its model's profile turns resuming off (the gateway then
+    reads nothing of the stream)."""
+    resume = plan(path, payload, engine, max_resumes)
+    if resume is None or resume.blocker == "off":
+        return None
+    return StreamSplice(resume)
+
+
+def cause_of(exc: Exception) -> str:
+    """What broke a stream, as ``llmgw_stream_resumes_total`` says it."""
+    if isinstance(exc, StreamBroken):
+        return exc.cause
+    return "timeout" if isinstance(exc, UpstreamTimeout) else "reset"
+
+
+async def ended_early(
+    started: web.StreamResponse, model: str, failure: Exception
+) -> web.StreamResponse:
+    """A stream that found no replica to go on with ends with the error event of its
+    ``failure``, as a stream that is not resumed ends."""
+    message = f"the stream ended early: {failure}; no other replica of {model} is ready"
+    with contextlib.suppress(ConnectionError):  # the client may be gone
+        await started.write(error_event(message))
+    return started
 
 
 def resumed_body(body: bytes, chat: bool, text: str, sent: int) -> bytes | None:
