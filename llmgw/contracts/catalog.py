@@ -39,6 +39,7 @@ from llmgw.configfile import (
 )
 from llmgw.contracts.memory import parse_memory_mib
 from llmgw.contracts.model_sources import SourceSpec, parse_source
+from llmgw.contracts.resuming import parse_resume, resume_value
 from llmgw.contracts.sandbox import SandboxPolicy, parse_sandbox
 from llmgw.contracts.scaling import ScalingPolicy, parse_replicas
 from llmgw.engines.launch import check_params, sleep_args, task_args
@@ -113,6 +114,7 @@ _PROFILE_KEYS = (
     "sandbox",
     "sleep",
     "host_memory",
+    "resume",
 )
 _FILE_KEYS = ("url", "path", "sha256")
 _SLEEP_KEYS = ("level",)
@@ -214,6 +216,9 @@ class Profile:
     # ``host_memory``: the node memory (MiB) a replica needs beside its GPUs; placement
     # checks it against what the node's sleepers and replicas hold. None: not checked.
     host_memory_mib: int | None = None
+    # ``resume``: how many times the gateway continues one of its streams on another replica
+    # (llmgw.contracts.resuming; 0: off); None: the default.
+    max_resumes: int | None = None
 
     @property
     def routing_policy(self) -> str:
@@ -279,6 +284,8 @@ class Profile:
             out["sleep"] = {"level": self.sleep_level}
         if self.host_memory_mib is not None:
             out["host_memory"] = self.host_memory_mib
+        if self.max_resumes is not None:
+            out["resume"] = resume_value(self.max_resumes)
         return out
 
 
@@ -453,6 +460,12 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
     if raw.get("sleep") is not None:
         sleep_level = _sleep(check, raw["sleep"], at("sleep"), engine, nodes)
     host = raw.get("host_memory")
+    max_resumes = None
+    if raw.get("resume") is not None:
+        try:
+            max_resumes = parse_resume(raw["resume"])
+        except ValueError as exc:
+            check.fail(at("resume"), str(exc))
     return Profile(
         engine=engine,
         source=source.text if source is not None else None,
@@ -473,6 +486,7 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         sandbox=sandbox,
         sleep_level=sleep_level,
         host_memory_mib=None if host is None else _memory(check, host, at("host_memory")),
+        max_resumes=max_resumes,
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable
+from typing import Protocol
 
 from aiohttp import web
 
@@ -41,6 +42,7 @@ __all__ = [
     "SSE_HEADERS",
     "STARTED_STREAM",
     "STREAM_ERROR",
+    "EventFilter",
     "LineEnds",
     "UsageChunkDropper",
     "error_event",
@@ -193,6 +195,24 @@ def _is_usage_chunk(event: bytes) -> bool:
     )
 
 
+class EventFilter(Protocol):
+    """What an event stream passes through before the client (the gateway's
+    :class:`~llmgw.server.gateway.resume.StreamSplice`)."""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What of ``chunk`` to send; may raise UpstreamError (the stream is broken)."""
+        ...
+
+    def end(self) -> None:
+        """The upstream's body ended; UpstreamError when the stream is not whole."""
+        ...
+
+    def goes_on(self, exc: UpstreamError) -> bool:
+        """The stream broke with ``exc``: True when the caller continues it in the same
+        response (no error event is written)."""
+        ...
+
+
 async def relay(
     request: web.BaseRequest,
     upstream: UpstreamResponse,
@@ -200,6 +220,7 @@ async def relay(
     on_chunk: Callable[[bytes], None] | None = None,
     extra_headers: dict[str, str] | None = None,
     drop_usage: bool = False,
+    events: EventFilter | None = None,
 ) -> web.StreamResponse:
     """Send ``upstream``'s status, headers and body to ``request``'s client.
 
@@ -210,6 +231,8 @@ async def relay(
     :func:`error_event` and is left on the returned response under :data:`STREAM_ERROR`
     (``upstream.complete`` is then false). ``drop_usage``: the stream's usage chunk, which
     the gateway asked for on the client's behalf, is not sent (:class:`UsageChunkDropper`).
+    ``events``: an event stream's chunks pass through it first; a stream it says goes on
+    after a failure gets no error event (the caller writes the rest into the response).
     """
     started = request.get(STARTED_STREAM) if isinstance(request, web.Request) else None
     if upstream.content_type != "text/event-stream":
@@ -233,11 +256,17 @@ async def relay(
         async for chunk in upstream.iter_chunks():
             if on_chunk is not None:
                 on_chunk(chunk)
+            if events is not None:
+                chunk = events.feed(chunk)
+                if not chunk:
+                    continue
             if dropper is not None:
                 chunk = dropper.feed(chunk)
                 if not chunk:
                     continue
             await resp.write(chunk)
+        if events is not None:
+            events.end()
         if dropper is not None and (held := dropper.end()):
             await resp.write(held)
     except UpstreamError as exc:
@@ -245,6 +274,11 @@ async def relay(
         # longer possible, an error event is (OpenAI's clients raise it).
         resp[STREAM_ERROR] = exc
         held = dropper.end() if dropper is not None else b""
+        if events is not None and events.goes_on(exc):
+            if held:
+                with contextlib.suppress(ConnectionError):
+                    await resp.write(held)
+            return resp
         with contextlib.suppress(ConnectionError):  # the client may be gone too
             await resp.write(held + error_event(f"the stream ended early: {exc}"))
     # aiohttp ends the stream once the handler returns, quietly if the client has gone.

@@ -19,6 +19,14 @@ The tokenizer (:func:`tokenize`, :func:`detokenize`) has those words as its toke
 bare, capitalised, and after a space, one id each; any other piece of text (a word with its
 leading white space) is its UTF-8 bytes, one id each after the words. So every text round-trips
 and the engine's own output is one token per word.
+
+Continuation (:func:`resume`, :func:`split_own`): an answer's first ``k`` tokens given back
+(chat's ``continue_final_message``; a completions prompt that ends in them) continue exactly:
+the generator is keyed on the prompt without them, the whole answer drawn with ``k`` more
+tokens of limit and ``k`` more of ``min_tokens``, and the tokens after the ``k`` emitted. So a
+stream resumed after ``k`` tokens on another replica, with ``max_tokens`` reduced by ``k``,
+carries the text the uninterrupted stream would have. A given text that is not how the sim's
+answer to the rest begins is no continuation (:func:`resume` says None).
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ __all__ = [
     "detokenize",
     "draw",
     "generate",
+    "own_tokens",
+    "resume",
+    "split_own",
     "tokenize",
 ]
 
@@ -79,6 +90,11 @@ _WORDS: tuple[str, ...] = tuple(
 )
 _FIRST: tuple[str, ...] = tuple(w.capitalize() for w in _WORDS)
 _LATER: tuple[str, ...] = tuple(" " + w for w in _WORDS)
+_FIRST_SET = frozenset(_FIRST)
+_LATER_SET = frozenset(_LATER)
+# The letters that end a text (searched from a bounded start: the vocabulary's words are short).
+_LETTERS_AT_END = re.compile(r"[A-Za-z]+$")
+_LONGEST_WORD = max(len(w) for w in _WORDS)
 TOKEN_JSON: dict[str, str] = {t: json.dumps(t) for t in _FIRST + _LATER}
 """Each token as a JSON string, for the server's pre-serialised stream chunks."""
 
@@ -115,6 +131,69 @@ def draw(
     tokens = [_FIRST[rng.randrange(len(_FIRST))]]
     tokens += rng.choices(_LATER, k=count - 1)
     return tokens, ("length" if ends is None or ends > max_tokens else "stop")
+
+
+def own_tokens(text: str) -> list[str] | None:
+    """``text`` as the engine's own tokens (a capitalised word, then words each after a
+    space), None when it is not such a text."""
+    pieces = _SPLIT.findall(text)
+    if not pieces or pieces[0] not in _FIRST_SET:
+        return None
+    for piece in pieces[1:]:
+        if piece not in _LATER_SET:
+            return None
+    return pieces
+
+
+def resume(
+    prompt: str,
+    done: Sequence[str],
+    max_tokens: int,
+    seed: int,
+    choice: int = 0,
+    *,
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
+) -> tuple[list[str], str] | None:
+    """The rest of the answer to ``prompt`` whose first tokens ``done`` were emitted already:
+    at most ``max_tokens`` more, none to end before ``min_tokens`` more. None when ``done`` is
+    not how that answer begins, or is all of it."""
+    k = len(done)
+    if k == 0:
+        return None
+    tokens, finish = draw(
+        prompt, k + max_tokens, seed, choice, min_tokens=min_tokens + k, ignore_eos=ignore_eos
+    )
+    if len(tokens) <= k or tokens[:k] != list(done):
+        return None
+    return tokens[k:], finish
+
+
+def split_own(prompt: str, seed: int, choice: int = 0) -> tuple[str, list[str]] | None:
+    """Where a completions ``prompt`` ends in the first tokens of the engine's own answer (for
+    ``seed``) to what comes before them: (that beginning, those tokens), else None. Each
+    capitalised vocabulary word in the run of the engine's words that ends the prompt is a
+    candidate start, checked by drawing the answer to what precedes it."""
+    later: list[str] = []
+    pos = len(prompt)
+    while pos > 0:
+        run = _LETTERS_AT_END.search(prompt, max(0, pos - 4 * _LONGEST_WORD), pos)
+        if run is None:
+            return None
+        word = run.group()
+        for i, letter in enumerate(word):
+            if letter.isupper() and word[i:] in _FIRST_SET:
+                head = prompt[: pos - len(word) + i]
+                done = [word[i:], *reversed(later)]
+                # Its tokens whatever the answer's length (the words do not depend on it).
+                if draw(head, len(done), seed, choice, ignore_eos=True)[0] == done:
+                    return head, done
+        start = pos - len(word)
+        if start < 1 or prompt[start - 1] != " " or " " + word not in _LATER_SET:
+            return None
+        later.append(" " + word)
+        pos = start - 1
+    return None
 
 
 def tokenize(text: str) -> list[int]:

@@ -18,6 +18,7 @@ __all__ = [
     "BadRequest",
     "answer_limit",
     "chat_prompt",
+    "continued_message",
     "dumps",
     "error_response",
     "gone",
@@ -47,23 +48,36 @@ class BadRequest(Exception):
     """A request the engine refuses: an OpenAI error object with ``param`` and ``code``."""
 
     def __init__(
-        self, message: str, param: str | None, *, status: int = 400, code: str | None = None
+        self,
+        message: str,
+        param: str | None,
+        *,
+        status: int = 400,
+        code: str | int | None = None,
+        type_: str = "invalid_request_error",
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.code = code
+        self.type = type_
 
     def response(self) -> web.Response:
-        return error_response(self.status, self.message, self.param, self.code)
+        return error_response(self.status, self.message, self.param, self.code, self.type)
 
 
-def error_response(status: int, message: str, param: str | None, code: str | None) -> web.Response:
+def error_response(
+    status: int,
+    message: str,
+    param: str | None,
+    code: str | int | None,
+    type_: str = "invalid_request_error",
+) -> web.Response:
     body = {
         "error": {
             "message": message,
-            "type": "invalid_request_error",
+            "type": type_,
             "param": param,
             "code": code,
         }
@@ -190,3 +204,40 @@ def chat_prompt(messages: object) -> str:
                 f"{where}.content",
             )
     return "\n".join(parts)
+
+
+def _vllm_refusal(message: str) -> BadRequest:
+    """A refusal as vLLM words a request its validation rejects: 400, ``BadRequestError``."""
+    return BadRequest(message, None, code=400, type_="BadRequestError")
+
+
+def _flag(body: dict[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean, got {value!r}", name)
+    return value
+
+
+def continued_message(body: dict[str, Any]) -> str | None:
+    """The text of the assistant's final message a chat request asks to continue
+    (``continue_final_message``), None when it does not. vLLM's refusals: both it and
+    ``add_generation_prompt`` true (``add_generation_prompt`` left out is taken as false here,
+    as vLLM's check reads the body as sent), and a final message that is not the assistant's."""
+    go_on = _flag(body, "continue_final_message")
+    add_prompt = _flag(body, "add_generation_prompt")
+    if not go_on:
+        return None
+    if add_prompt:
+        raise _vllm_refusal(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    messages = body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    role = last.get("role") if isinstance(last, dict) else None
+    if role != "assistant":
+        raise _vllm_refusal(
+            "`continue_final_message` continues the final message, which must be the "
+            f"assistant's; it is {role!r}. Send the partial answer as the last message with "
+            "role 'assistant', or leave continue_final_message out."
+        )
+    return chat_prompt([last])

@@ -35,6 +35,14 @@ capacity and a queue builds under load, which is what cache-aware routing saves.
 Responses API stays outside the cache: its prompts cost no prefill and report no cached
 tokens.
 
+Resuming (what the gateway does with a stream whose replica died): a chat request with
+``continue_final_message`` (and ``add_generation_prompt`` false) continues the assistant's
+final message, and a completions prompt that ends in the engine's own answer so far to what
+precedes it continues that answer; for the seed, the text is what the uninterrupted answer
+would have carried (:func:`llmgw.sim.generate.resume`). ``usage.prompt_tokens`` counts the
+prompt and the text given back. The bad combinations are refused as vLLM refuses them (400,
+``BadRequestError``): both flags true, or a final message that is not the assistant's.
+
 Multi-node (``nodes`` > 1): the replica assembles over TCP first
 (:mod:`llmgw.sim.rendezvous`). Rank 0 binds ``dist_init_addr`` and opens its HTTP port
 only once every worker has joined, so its ``/health`` answers only for a whole replica; it
@@ -63,7 +71,7 @@ from llmgw.errors import EngineError
 from llmgw.loop import run as run_loop
 from llmgw.netaddr import parse_hostport
 from llmgw.sim.config import SimConfig, is_int
-from llmgw.sim.generate import TOKEN_JSON, draw, tokenize
+from llmgw.sim.generate import TOKEN_JSON, draw, own_tokens, resume, split_own, tokenize
 from llmgw.sim.kvcache import PrefixCache
 from llmgw.sim.pooling import PoolingHandlers
 from llmgw.sim.probe import probe_paths
@@ -73,6 +81,7 @@ from llmgw.sim.protocol import (
     BadRequest,
     answer_limit,
     chat_prompt,
+    continued_message,
     dumps,
     error_response,
     gone,
@@ -110,6 +119,62 @@ def _completion_prompts(prompt: object) -> list[str]:
         "(token-id prompts are not supported by the sim engine)",
         "prompt",
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """One prompt: its text before the answer (``head``) and the answer's beginning given
+    back to be continued (``done``: chat's continue_final_message, or the tail of a
+    completions prompt that is the engine's own answer so far; "" when none)."""
+
+    head: str
+    done: str = ""
+    # ``done`` as the engine's own tokens; None when it is not (or there is none).
+    own: list[str] | None = None
+    # What the answer is keyed on when ``done`` is not the beginning of the head's answer.
+    whole: str = ""
+
+    def answer(self, limit: int, opts: _Options, choice: int) -> tuple[list[str], str]:
+        """The tokens emitted for choice ``choice`` and its finish reason."""
+        min_tokens = min(opts.min_tokens, limit)
+        if self.own is not None:
+            rest = resume(
+                self.head,
+                self.own,
+                limit,
+                opts.seed,
+                choice,
+                min_tokens=min_tokens,
+                ignore_eos=opts.ignore_eos,
+            )
+            if rest is not None:
+                return rest
+        key = self.whole if self.done else self.head
+        return draw(
+            key, limit, opts.seed, choice, min_tokens=min_tokens, ignore_eos=opts.ignore_eos
+        )
+
+
+def _prompts(body: dict[str, Any], chat: bool, seed: int) -> list[_Prompt]:
+    """The request's prompts, each with the beginning of its answer it gives back."""
+    if chat:
+        messages = body.get("messages")
+        done = continued_message(body)
+        whole = chat_prompt(messages)
+        if done is None:
+            return [_Prompt(whole)]
+        assert isinstance(messages, list)  # chat_prompt checked it
+        head = chat_prompt(messages[:-1]) if len(messages) > 1 else ""
+        return [_Prompt(head, done, own_tokens(done), whole)]
+    prompts: list[_Prompt] = []
+    for text in _completion_prompts(body.get("prompt")):
+        found = split_own(text, seed)
+        if found is None:
+            prompts.append(_Prompt(text))
+        else:
+            head, own = found
+            prompts.append(_Prompt(head, text[len(head) :], own, text))
+    return prompts
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,16 +308,13 @@ class _Handlers:
         raw = await request.read()
         try:
             body = parse_body(raw, self.cfg.model)
-            if chat:
-                prompts = [chat_prompt(body.get("messages"))]
-            else:
-                prompts = _completion_prompts(body.get("prompt"))
             opts = _options(body, self.cfg, chat=chat)
+            prompts = _prompts(body, chat, opts.seed)
         except BadRequest as e:
-            return error_response(e.status, e.message, e.param, e.code)
+            return e.response()
 
         cfg = self.cfg
-        prompt_ids = [tokenize(prompt) for prompt in prompts]
+        prompt_ids = [tokenize(p.head) + tokenize(p.done) for p in prompts]
         try:
             limits = [
                 answer_limit(
@@ -261,17 +323,10 @@ class _Handlers:
                 for ids in prompt_ids
             ]
         except BadRequest as e:
-            return error_response(e.status, e.message, e.param, e.code)
+            return e.response()
         jobs = [
-            draw(
-                prompt,
-                limit,
-                opts.seed,
-                j,
-                min_tokens=min(opts.min_tokens, limit),
-                ignore_eos=opts.ignore_eos,
-            )
-            for prompt, limit in zip(prompts, limits, strict=True)
+            p.answer(limit, opts, j)
+            for p, limit in zip(prompts, limits, strict=True)
             for j in range(opts.n)
         ]
         prompt_tokens = cached = 0

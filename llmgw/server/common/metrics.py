@@ -130,6 +130,22 @@ class Metrics:
             "Gateway requests by model, replica and HTTP status.",
             ("model", "replica", "code"),
         )
+        self.stream_resumes = Counter(
+            "llmgw_stream_resumes_total",
+            "Streams that broke after their first token and were continued on another replica, "
+            "by model, cause (reset: the connection broke; timeout: the replica went silent; "
+            "error: the replica sent an error event; eof: it ended without [DONE]) and outcome (completed, broken: it broke "
+            "again, no_replica, refused: the other replica did not take it).",
+            ("model", "cause", "outcome"),
+        )
+        self.streams_broken = Counter(
+            "llmgw_streams_broken_total",
+            "Streams that broke after their first token and ended with an error event, by model "
+            "and why they were not resumed (off, endpoint, n, logprobs, tool_calls, reasoning, "
+            "engine, prompt, limit, max_resumes, no_replica, refused, finished). With resume off "
+            "the gateway reads nothing of a stream: only a broken connection is counted.",
+            ("model", "reason"),
+        )
         self.latency = Histogram(
             "llmgw_request_duration_seconds", "Time from request to the end of the response.", mr
         )
@@ -316,6 +332,8 @@ class Metrics:
         lines: list[str] = []
         for metric in (
             self.requests,
+            self.stream_resumes,
+            self.streams_broken,
             self.latency,
             self.ttft,
             self.tokens,

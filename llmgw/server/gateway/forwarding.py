@@ -30,6 +30,7 @@ from llmgw.server.gateway.history import RequestHistory
 from llmgw.server.gateway.metering import Outcome
 from llmgw.server.gateway.modelrequest import Charge, ModelRequest
 from llmgw.server.gateway.refusals import openai_error
+from llmgw.server.gateway.resume import StreamSplice
 from llmgw.server.gateway.routing import Endpoint
 from llmgw.server.gateway.usage import StreamTokenCounter, body_usage, usage_numbers
 
@@ -243,12 +244,24 @@ class Forwarder:
                 on_chunk=feed,
                 extra_headers=headers,
                 drop_usage=req.drop_usage,
+                events=req.splice,
             )
         finally:
             # Counted also when the client left mid-stream (the handler cancelled).
-            self._count_stream_tokens(ep, counter, outcome)
+            self._count_stream_tokens(ep, counter, outcome, req.splice)
         failed = resp.get(STREAM_ERROR)
-        if failed is not None:
+        if failed is not None and req.splice is not None and req.splice.goes_on(failed):
+            log.warning(
+                "a stream broke; resuming it on another replica",
+                extra=kv(
+                    model=ep.model,
+                    shard=ep.shard_id,
+                    request=req.splice.id,
+                    sent=req.splice.sent,
+                    error=str(failed),
+                ),
+            )
+        elif failed is not None:
             log.warning(
                 "a stream ended early",
                 extra=kv(model=ep.model, shard=ep.shard_id, error=str(failed)),
@@ -265,24 +278,44 @@ class Forwarder:
             self._add_usage(ep, usage, outcome)
 
     def _count_stream_tokens(
-        self, ep: Endpoint, counter: StreamTokenCounter, outcome: Outcome
+        self,
+        ep: Endpoint,
+        counter: StreamTokenCounter,
+        outcome: Outcome,
+        splice: StreamSplice | None = None,
     ) -> None:
-        if counter.usage is not None:
-            self._add_usage(ep, counter.usage, outcome)
+        usage = counter.usage
+        if splice is not None and splice.part > 0:
+            # A resumed part: the outcome is the whole stream's (its usage summed with the
+            # parts before, StreamSplice.summed); the metrics get what this part adds, the
+            # parts before having counted their tokens already.
+            if usage is not None:
+                whole = splice.summed(usage)
+                self._add_usage(ep, whole, outcome, counted=splice.before)
+            else:
+                outcome.completion = splice.sent
+                self.metrics.tokens.inc((ep.model, "completion"), counter.events)
+            return
+        if usage is not None:
+            self._add_usage(ep, usage, outcome)
         else:
             # No usage in the stream (cut short, or an engine that does not report it):
             # each content event is a token; the prompt is charged its estimate.
             outcome.completion = counter.events
             self.metrics.tokens.inc((ep.model, "completion"), counter.events)
 
-    def _add_usage(self, ep: Endpoint, usage: dict[str, Any], outcome: Outcome) -> None:
+    def _add_usage(
+        self, ep: Endpoint, usage: dict[str, Any], outcome: Outcome, counted: int = 0
+    ) -> None:
+        """``usage`` is the request's; ``counted``: completion tokens the metrics have had
+        already (a resumed stream's parts before)."""
         prompt, completion, cached = usage_numbers(usage)
         outcome.prompt, outcome.completion, outcome.cached = prompt, completion, cached
         outcome.reported = True
         model = ep.model
         tokens = self.metrics.tokens
         tokens.inc((model, "prompt"), prompt)
-        tokens.inc((model, "completion"), completion)
+        tokens.inc((model, "completion"), completion - counted)
         if cached:
             tokens.inc((model, "cached"), cached)
         if prompt:

@@ -36,7 +36,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -52,7 +52,7 @@ from llmgw.bodies import (
 )
 from llmgw.contracts.endpoints import ALIASES, PATHS, endpoint_refusal
 from llmgw.errors import ChatTemplateRefused
-from llmgw.http.relay import SSE_HEADERS, STARTED_STREAM, error_event
+from llmgw.http.relay import SSE_HEADERS, STARTED_STREAM, STREAM_ERROR, error_event
 from llmgw.log import kv
 from llmgw.server.common.config import DEFAULT_MAX_MESSAGES, ServerConfig
 from llmgw.server.common.httpapi import bearer_token
@@ -68,6 +68,13 @@ from llmgw.server.gateway.policies import TOKEN_ROUTINGS, Prompt, session_of
 from llmgw.server.gateway.probes import Probes
 from llmgw.server.gateway.queueing import Admission, QueueTimeout
 from llmgw.server.gateway.refusals import openai_error
+from llmgw.server.gateway.resume import (
+    RESUMABLE_PATHS,
+    cause_of,
+    ended_early,
+    resumed_body,
+    splice_for,
+)
 from llmgw.server.gateway.routing import Endpoint, Router
 from llmgw.server.gateway.serving import ServedModel, ServingCache
 from llmgw.server.gateway.tokenizing import LONG_PROMPT_BYTES, Tokenizers
@@ -367,6 +374,7 @@ class Gateway:
         # ask for it does not see it.
         asked = with_usage(path, body, payload) if stream else None
         session = session_of(payload, request.headers.get("x-session-id"))
+        splice = splice_for(path, payload, served.engine, served.max_resumes)
         del payload  # a parsed body can take many times its size: hold it no longer
         req = ModelRequest(
             http=request,
@@ -379,6 +387,7 @@ class Gateway:
             stream=stream,
             drop_usage=asked is not None,
             hint=self.router.policies.hint(served, prompt, session),
+            splice=splice,
         )
         charge = Charge(grant, cost)
         try:
@@ -478,25 +487,78 @@ class Gateway:
     async def _route(self, req: ModelRequest, charge: Charge) -> web.StreamResponse:
         """Take a place on a replica of the model (the one its routing policy chooses;
         waiting in the key's queue when all are full) and forward; another replica when one
-        cannot be reached."""
+        cannot be reached, or when a stream that may be resumed broke on it."""
         tried: set[str] = set()
         busy = 0  # replicas whose agent had no room for the body
+        cause = ""  # why the stream is being resumed ("" while it is not)
+        failure: Exception | None = None  # what broke it
         while True:
             ep = await self._place(req, frozenset(tried), busy)
             if isinstance(ep, web.StreamResponse):
                 charge.outcome.status = ep.status
+                if cause and failure is not None:
+                    # No other replica to go on with: the stream ends as it would have.
+                    self._stream_end(req, cause, "no_replica")
+                    return await ended_early(req.http[STARTED_STREAM], req.model, failure)
                 return await _in_started_stream(req, ep)
             tried.add(ep.shard_id)
             try:
-                return await _in_started_stream(req, await self.forwarder.forward(req, ep, charge))
+                answer = await self.forwarder.forward(req, ep, charge)
             except ConnectFailed as exc:
                 busy += exc.busy
                 log.warning(
                     "replica unreachable; trying another",
                     extra=kv(model=req.model, shard=ep.shard_id, error=str(exc)),
                 )
+                continue
             finally:
                 self.admission.release(ep, req.hint)
+            splice = req.splice
+            broken = answer.get(STREAM_ERROR)
+            if splice is None:
+                if broken is not None:  # resume off for the model, or another endpoint
+                    reason = "off" if req.path in RESUMABLE_PATHS else "endpoint"
+                    self.metrics.streams_broken.inc((req.model, reason))
+                return await _in_started_stream(req, answer)
+            if cause:
+                # The resumed part: went to its end, broke again, or was refused (an error
+                # answer, written into the stream as an error event).
+                outcome = (
+                    "broken" if broken is not None else "completed" if splice.done else "refused"
+                )
+                self._stream_end(req, cause, outcome)
+            if broken is None or not answer.prepared:
+                return await _in_started_stream(req, answer)
+            why = splice.why_not()
+            if why is not None:
+                self.metrics.streams_broken.inc((req.model, why))
+                return answer
+            body = resumed_body(req.body, splice.plan.chat, splice.text, splice.sent)
+            if body is None:  # its whole limit was sent: ended as it would have
+                self.metrics.streams_broken.inc((req.model, "limit"))
+                return answer
+            failure, cause = broken, cause_of(broken)
+            splice.next_part()
+            del answer[STREAM_ERROR]  # the next part's own, if it breaks too
+            req.http[STARTED_STREAM] = answer
+            req = replace(req, body=body)
+
+    def _stream_end(self, req: ModelRequest, cause: str, outcome: str) -> None:
+        """A resumed part of ``req``'s stream ended with ``outcome``."""
+        self.metrics.stream_resumes.inc((req.model, cause, outcome))
+        splice = req.splice
+        log.info(
+            "a resumed stream went on",
+            extra=kv(
+                model=req.model,
+                request=splice.id if splice is not None else "",
+                part=splice.part if splice is not None else 0,
+                cause=cause,
+                outcome=outcome,
+            ),
+        )
+        if outcome in ("no_replica", "refused"):
+            self.metrics.streams_broken.inc((req.model, outcome))
 
     async def _place(
         self, req: ModelRequest, tried: frozenset[str], busy: int

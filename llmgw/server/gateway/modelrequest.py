@@ -19,6 +19,7 @@ from aiohttp import web
 from llmgw.server.gateway.limits import Grant
 from llmgw.server.gateway.metering import Estimate, Outcome
 from llmgw.server.gateway.policies import RouteHint
+from llmgw.server.gateway.resume import StreamSplice
 from llmgw.server.store.rows import ApiKey
 
 __all__ = ["Charge", "ModelRequest"]
@@ -40,6 +41,9 @@ class ModelRequest:
     # The stream's usage chunk is the gateway's, not the client's: dropped from the answer.
     drop_usage: bool
     hint: RouteHint | None  # what the model's routing policy reads (None: least outstanding)
+    # A stream that may go on on another replica when its own breaks (llmgw.server.gateway.
+    # resume): what was sent of it; None for other requests.
+    splice: StreamSplice | None = None
 
 
 class Charge:

@@ -23,6 +23,7 @@ from llmgw.contracts.catalog import (
     profile_tasks,
 )
 from llmgw.contracts.endpoints import served_paths
+from llmgw.contracts.resuming import profile_max_resumes
 from llmgw.contracts.scaling import policy_of
 from llmgw.errors import ConfigError
 from llmgw.server.gateway.prefixes import APPROX_CAPACITY, APPROX_CHUNK
@@ -57,6 +58,9 @@ class ServedModel:
     # How long a request waits for a replica to exist (a model that scales by demand: its
     # cold_start_timeout, llmgw.contracts.scaling); None: server.yaml's replica_wait.
     cold_start_timeout: float | None = None
+    # How many times one of its streams is resumed at most (the profile's resume; 0: off;
+    # None: the default, llmgw.server.gateway.resume).
+    max_resumes: int | None = None
 
     @classmethod
     def of(cls, model: Model) -> ServedModel:
@@ -77,6 +81,7 @@ class ServedModel:
             approx_capacity=_approx_capacity(profile),
             output_cap=_output_cap(model.engine, profile),
             cold_start_timeout=_cold_start_timeout(model),
+            max_resumes=profile_max_resumes(profile),
         )
 
 

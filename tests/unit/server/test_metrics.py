@@ -154,6 +154,8 @@ def test_empty_metrics_render_help_and_type_only() -> None:
     families = parse_exposition(text)
     assert set(families) == {
         "llmgw_requests_total",
+        "llmgw_stream_resumes_total",
+        "llmgw_streams_broken_total",
         "llmgw_request_duration_seconds",
         "llmgw_time_to_first_token_seconds",
         "llmgw_tokens_total",

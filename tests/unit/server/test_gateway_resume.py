@@ -1,0 +1,298 @@
+"""A stream that breaks after its first tokens goes on on another replica, in front of real
+``sim`` engines: the client's text is the uninterrupted one for its seed, its id and usage
+are one stream's; what cannot be resumed ends with the error event as before.
+
+Each replica's data plane is a stand-in that relays its own sim engine and, while the test's
+:class:`Breaker` has breaks left, breaks the stream after ``after`` content events: as the
+agent does when its engine dies (an error event, then the end of the body), by resetting
+the connection, or by ending without ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from llmgw.contracts.endpoints import served_paths
+from llmgw.contracts.keypolicy import KeyPolicy
+from llmgw.http.relay import error_event
+from llmgw.server.common.config import load_server_config
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.gateway.routing import Endpoint, Router
+from llmgw.server.gateway.serving import ServedModel
+from llmgw.sim.config import SimConfig
+from llmgw.sim.server import build_app
+from tests.unit.gateway_rig import gateway_of, serving_of
+from tests.unit.server.fakes import api_key
+from tests.unit.serving import serving
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = "sk-alice"
+MESSAGES: Any = [{"role": "user", "content": "Tell me about rivers"}]
+
+
+@dataclasses.dataclass
+class Breaker:
+    after: int = 3  # content events relayed before the break
+    mode: str = "error"  # error (the agent's error event), reset, eof (no [DONE])
+    left: int = 1  # streams still to break
+
+
+@dataclasses.dataclass
+class Rig:
+    client: openai.AsyncOpenAI
+    metrics: Metrics
+    breaker: Breaker
+    direct: openai.AsyncOpenAI  # one sim engine, straight: the uninterrupted answers
+
+
+def _proxy(engine_url: str, breaker: Breaker) -> web.Application:
+    async def relay(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                engine_url + "/v1/" + request.match_info["path"],
+                data=body,
+                headers={"Content-Type": "application/json"},
+            ) as upstream,
+        ):
+            if upstream.content_type != "text/event-stream":
+                return web.Response(
+                    status=upstream.status,
+                    body=await upstream.read(),
+                    content_type="application/json",
+                )
+            breaking = breaker.left > 0
+            if breaking:
+                breaker.left -= 1
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            seen = 0
+            async for raw in upstream.content:  # one line at a time
+                token = b'"content":"' in raw or b'"text":"' in raw
+                if breaking and token and b'"content":""' not in raw and b'"text":""' not in raw:
+                    seen += 1
+                if breaking and seen > breaker.after:
+                    if breaker.mode == "error":
+                        await resp.write(error_event("the engine went away"))
+                        return resp
+                    if breaker.mode == "reset":
+                        assert request.transport is not None
+                        request.transport.abort()
+                        return resp
+                    return resp  # eof: ends without [DONE]
+                await resp.write(raw)
+            return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/{path:.+}", relay)
+    return app
+
+
+def run(
+    body: Callable[[Rig], Awaitable[None]],
+    *,
+    replicas: int = 2,
+    engine: str = "sim",
+    breaker: Breaker | None = None,
+    max_resumes: int | None = None,
+) -> None:
+    breaker = breaker or Breaker()
+
+    async def main() -> None:
+        async with SimEngines(replicas) as engine_urls:
+            data_plane = web.Application()
+            for i, url in enumerate(engine_urls):
+                data_plane.add_subapp(f"/s/s{i}/", _proxy(url, breaker))
+            async with serving(data_plane) as dp_port:
+                cfg = dataclasses.replace(load_server_config(None), replica_wait=0.0)
+                router = Router()
+                for i in range(replicas):
+                    router.set_ready(
+                        Endpoint("m", f"r{i}", f"s{i}", f"n{i}", f"127.0.0.1:{dp_port}")
+                    )
+                served = ServedModel(
+                    "m",
+                    engine,
+                    ("generate",),
+                    served_paths("sim", ("generate",)),
+                    8,
+                    None,
+                    max_resumes=max_resumes,
+                )
+                metrics = Metrics()
+                gateway = gateway_of(
+                    cfg,
+                    router,
+                    serving_of(cfg, [api_key("alice", KeyPolicy())[0]], [served]),
+                    metrics=metrics,
+                )
+                app = web.Application()
+                gateway.add_routes(app)
+                app.on_cleanup.append(lambda _app: gateway.close())
+                async with serving(app) as port:
+                    client = openai.AsyncOpenAI(
+                        base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0
+                    )
+                    direct = openai.AsyncOpenAI(
+                        base_url=engine_urls[0] + "/v1", api_key="x", max_retries=0
+                    )
+                    try:
+                        await body(Rig(client, metrics, breaker, direct))
+                    finally:
+                        await client.close()
+                        await direct.close()
+
+    asyncio.run(main())
+
+
+class SimEngines:
+    """``count`` sim engines (seed 5), each on its own port; their base URLs."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.stack: list[Any] = []
+
+    async def __aenter__(self) -> list[str]:
+        urls = []
+        for _ in range(self.count):
+            cm = serving(build_app(SimConfig(model="m", seed=5, tps=0)))
+            port = await cm.__aenter__()
+            self.stack.append(cm)
+            urls.append(f"http://127.0.0.1:{port}")
+        return urls
+
+    async def __aexit__(self, *exc: object) -> None:
+        for cm in reversed(self.stack):
+            await cm.__aexit__(None, None, None)
+
+
+async def chat_stream(client: openai.AsyncOpenAI, **kw: Any) -> tuple[str, set[str], Any, str]:
+    text, ids, usage, finish = "", set(), None, ""
+    stream = await client.chat.completions.create(
+        model="m",
+        messages=kw.pop("messages", MESSAGES),
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    )
+    async for chunk in stream:
+        ids.add(chunk.id)
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, ids, usage, finish
+
+
+def resumes(metrics: Metrics) -> dict[tuple[str, ...], float]:
+    return dict(metrics.stream_resumes.values)
+
+
+def broken(metrics: Metrics) -> dict[tuple[str, ...], float]:
+    return dict(metrics.streams_broken.values)
+
+
+@pytest.mark.parametrize("mode", ["error", "reset", "eof"])
+def test_a_broken_chat_stream_goes_on_with_the_same_text(mode: str) -> None:
+    async def body(rig: Rig) -> None:
+        whole, _, whole_usage, whole_finish = await chat_stream(rig.direct, seed=9, max_tokens=40)
+        text, ids, usage, finish = await chat_stream(rig.client, seed=9, max_tokens=40)
+        assert rig.breaker.left == 0  # it did break
+        assert text == whole and finish == whole_finish
+        assert len(ids) == 1  # one stream: the first part's id throughout
+        assert usage.prompt_tokens == whole_usage.prompt_tokens
+        assert usage.completion_tokens == whole_usage.completion_tokens
+        assert usage.total_tokens == whole_usage.total_tokens
+        cause = {"error": "error", "reset": "reset", "eof": "eof"}[mode]
+        assert resumes(rig.metrics) == {("m", cause, "completed"): 1}
+        assert broken(rig.metrics) == {}
+
+    run(body, breaker=Breaker(after=3, mode=mode))
+
+
+def test_the_client_that_did_not_ask_for_usage_gets_none() -> None:
+    async def body(rig: Rig) -> None:
+        whole = await rig.direct.chat.completions.create(model="m", messages=MESSAGES, seed=3)
+        stream = await rig.client.chat.completions.create(
+            model="m", messages=MESSAGES, seed=3, stream=True
+        )
+        chunks = [c async for c in stream]
+        assert all(c.choices for c in chunks)  # no usage chunk
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in chunks)
+            == whole.choices[0].message.content
+        )
+        assert sum(1 for c in chunks if c.choices[0].delta.role) == 1  # one role chunk
+
+    run(body, breaker=Breaker(after=1))
+
+
+def test_a_broken_completions_stream_goes_on() -> None:
+    async def body(rig: Rig) -> None:
+        whole = await rig.direct.completions.create(
+            model="m", prompt="Q: a tale\nA:", seed=4, max_tokens=30
+        )
+        stream = await rig.client.completions.create(
+            model="m", prompt="Q: a tale\nA:", seed=4, max_tokens=30, stream=True
+        )
+        text = "".join([c.choices[0].text async for c in stream if c.choices])
+        assert rig.breaker.left == 0
+        assert text == whole.choices[0].text
+        assert resumes(rig.metrics) == {("m", "error", "completed"): 1}
+
+    run(body, breaker=Breaker(after=4))
+
+
+def test_it_is_resumed_at_most_max_resumes_times() -> None:
+    async def body(rig: Rig) -> None:
+        with pytest.raises(openai.APIError, match="engine went away"):
+            await chat_stream(rig.client, seed=9, max_tokens=40)
+        assert resumes(rig.metrics) == {("m", "error", "broken"): 1}
+        assert broken(rig.metrics) == {("m", "max_resumes"): 1}
+
+    run(body, replicas=3, breaker=Breaker(after=2, left=3), max_resumes=1)
+
+
+def test_no_other_replica_ends_it_with_an_error() -> None:
+    async def body(rig: Rig) -> None:
+        # The error the client would have had, and why it was not resumed.
+        with pytest.raises(openai.APIError, match=r"engine went away; no other replica of m"):
+            await chat_stream(rig.client, seed=9, max_tokens=40)
+        assert resumes(rig.metrics) == {("m", "error", "no_replica"): 1}
+        assert broken(rig.metrics) == {("m", "no_replica"): 1}
+
+    run(body, replicas=1)
+
+
+@pytest.mark.parametrize(
+    ("kw", "engine", "max_resumes", "reason", "mode"),
+    [
+        ({"n": 2}, "sim", None, "n", "error"),
+        ({"logprobs": True}, "sim", None, "logprobs", "error"),
+        ({}, "llamacpp", None, "engine", "error"),
+        # Resume off: the gateway reads nothing of the stream; what it sees is the connection.
+        ({}, "sim", 0, "off", "reset"),
+    ],
+)
+def test_what_is_not_resumed_ends_with_the_error_event(
+    kw: dict[str, Any], engine: str, max_resumes: int | None, reason: str, mode: str
+) -> None:
+    async def body(rig: Rig) -> None:
+        with pytest.raises(openai.APIError, match=r"engine went away|ended early"):
+            await chat_stream(rig.client, seed=9, max_tokens=40, **kw)
+        assert rig.breaker.left == 0
+        assert resumes(rig.metrics) == {}
+        assert broken(rig.metrics) == {("m", reason): 1}
+
+    run(body, engine=engine, max_resumes=max_resumes, breaker=Breaker(mode=mode))
