@@ -5,7 +5,12 @@ cannot pass while a part of the suite did not run."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import warnings
 from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -68,3 +73,49 @@ def _own_user_config(
     """Each test its own $XDG_CONFIG_HOME: 'llmgw ctl login' keeps tokens there, which must
     neither leak from the user running the suite into a test nor from one test to another."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg-config")))
+
+
+def _orphans_of(base: str) -> list[tuple[int, str]]:
+    """The processes left without a parent (reparented to PID 1) that this session started:
+    llmgw's (Python), sandboxed engines (bwrap) or haproxy, with ``base`` (the session's
+    temporary directory) in their command line."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = Path(entry.path, "cmdline").read_bytes().split(b"\0")
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        if int(stat.rsplit(")", 1)[1].split()[1]) != 1:
+            continue
+        args = [a.decode(errors="replace") for a in argv if a]
+        program = os.path.basename(args[0]) if args else ""
+        where = next((a for a in args if base in a), None)
+        if where is not None and (program.startswith("python") or program in ("bwrap", "haproxy")):
+            found.append((int(entry.name), f"{program} ... {where}"))
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_orphans(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Generator[None, None, None]:
+    """After a module's tests and fixtures, the processes they left behind (a control plane,
+    an agent, an engine whose agent was killed) are killed and named in a warning: one
+    module's leak must not slow every later one (two cores) nor outlive the suite."""
+    base = str(tmp_path_factory.getbasetemp())
+    before = {pid for pid, _ in _orphans_of(base)}
+    yield
+    leaked = [(pid, text) for pid, text in _orphans_of(base) if pid not in before]
+    for pid, _ in leaked:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    if leaked:
+        names = "; ".join(f"{pid}: {text}" for pid, text in leaked[:5])
+        warnings.warn(
+            f"{request.module.__name__} left {len(leaked)} process(es) running, now killed: "
+            f"{names}",
+            stacklevel=1,
+        )
