@@ -16,14 +16,12 @@ from typing import Any
 
 import pytest
 
+from tests.ci import unavailable
 from tests.integration.ha import Instance, cluster, fleet, leader, start, stop_all
 from tests.integration.harness import Client, wait_for
 from tests.integration.rolling import Haproxy, haproxy_binary, rolling_restart, start_haproxy
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(haproxy_binary() is None, reason="haproxy missing (.ci/run installs it)"),
-]
+pytestmark = pytest.mark.integration
 
 GRACE = 2.0  # four of haproxy's 500 ms checks: two to fall, with margin
 TIMEOUT = 30.0
@@ -41,6 +39,8 @@ class Cluster:
 def ha_cluster(
     tmp_path_factory: pytest.TempPathFactory, pg_cluster: Any
 ) -> Generator[Cluster, None, None]:
+    if haproxy_binary() is None:
+        unavailable("haproxy missing; apt-get install -y haproxy (.ci/run installs it)")
     tmp = tmp_path_factory.mktemp("drain")
     procs: list[subprocess.Popen[bytes]] = []
     proxy = None
