@@ -6,6 +6,7 @@ the same `llmgw` entry point a user runs, so TLS, gRPC and the data plane are th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -193,6 +194,16 @@ class Agent:
             return json.loads((self.dir / "state" / "shards.json").read_text())  # type: ignore[no-any-return]
         except (OSError, ValueError):
             return {}
+
+    def kill_engines(self) -> None:
+        """Kill the engines its shards.json records (each its own session and process
+        group): for a test whose agent leaves them running (``stop_shards_on_exit: false``),
+        once it is done with them."""
+        for record in self.shard_records().values():
+            pid = record.get("pid") if isinstance(record, dict) else None
+            if isinstance(pid, int) and pid > 1:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
 
 
 def make_agent(

@@ -63,6 +63,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
         yield server, agent, tmp
     finally:
         stop_process(agent.proc) if agent.proc is not None else None
+        agent.kill_engines()  # they outlive the agent (stop_shards_on_exit: false)
         stop_process(server.proc)
 
 
