@@ -64,6 +64,16 @@ class KvEvents(_message.Message):
     lost: int
     def __init__(self, shard_id: _Optional[str] = ..., block_size: _Optional[int] = ..., cleared: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., lost: _Optional[int] = ...) -> None: ...
 
+class KvRelayed(_message.Message):
+    __slots__ = ("node_id", "model", "events")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    model: str
+    events: KvEvents
+    def __init__(self, node_id: _Optional[str] = ..., model: _Optional[str] = ..., events: _Optional[_Union[KvEvents, _Mapping]] = ...) -> None: ...
+
 class Draining(_message.Message):
     __slots__ = ("deadline_s",)
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]

@@ -61,6 +61,7 @@ from llmgw.server.ha import (
 )
 from llmgw.server.ha.follower import LeaderProxy, RouteFollower
 from llmgw.server.ha.instances import warn_of_nodes_named_like_the_control_plane
+from llmgw.server.ha.kvrelay import KvFollower, KvRelay
 from llmgw.server.joining.bundles import BundleStore, serve_bundles
 from llmgw.server.leader import Leader, LeaderHooks
 from llmgw.server.process import (
@@ -315,6 +316,12 @@ class ControlPlane:
         self.admin_token = read_or_create_token(cfg.admin_token_file)
         # 3. the gateway, then the parts of the leader, each given what it uses
         app = self._gateway(revoked=lambda: leader.membership.revoked, connected=self.live.__len__)
+        if self.leadership.shared:
+            # The agents' KV events, relayed to each standby that asks (every instance routes
+            # a kv-events model by what the replicas hold).
+            relay = KvRelay(self.router, lambda: self.admin_token)
+            relay.add_routes(app)
+            app.on_shutdown.append(lambda _app: _closed(relay.close))
         self.serving.refresh_keys()
         self.serving.refresh_models()
         leader = self.leader = Leader(
@@ -428,8 +435,15 @@ class ControlPlane:
         proxy.add_routes(app)
         app.on_cleanup.append(lambda _app: proxy.close())
         await self._serve_http(app, None)
+        kv_follower = KvFollower(
+            self.router,
+            lambda: self.leadership.leader_addresses()[1],
+            token=lambda: token,
+            ssl=lambda: leader_ssl(cfg.tls, self.pki_dir),
+        )
         for name, run in (
             ("follow", follower.run()),
+            ("follow-kv-events", kv_follower.run()),
             ("follow-notify", follower.listen()),
             ("tokenizers", self.tokenizers.run()),
             # What this gateway sees, for the leader's planner (serving by demand).
@@ -632,3 +646,8 @@ class ControlPlane:
         if self.http_tls is not None:
             self.http_tls.reload_if_changed()
         self._record_addresses()  # the new certificates' serials
+
+
+async def _closed(close: Callable[[], None]) -> None:
+    """``close`` as an application's on_cleanup step."""
+    close()

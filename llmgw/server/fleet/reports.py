@@ -439,7 +439,7 @@ class UpdateStatus(Protocol):
 def agent_messages(
     reports: AgentReports,
     *,
-    kv_events: Callable[[str, pb.KvEvents], None],
+    kv_events: Callable[[str, pb.KvEvents], object],
     updates: UpdateStatus,
 ) -> dict[str, MessageHandler]:
     """The one table the Connect stream reads: each kind of message an agent sends after its

@@ -6,12 +6,19 @@ among a model's replicas with a free place, in one table (:data:`POLICIES`).
   (:meth:`llmgw.server.gateway.routing.Router.pick_free`);
 - ``round-robin``: each replica in turn;
 - ``session``: a conversation (the request's ``user``, or its ``x-session-id`` header) goes
-  back to the replica it last used while that one is not much busier than the least busy
-  (:data:`SESSION_SLACK` requests more), else to the least busy, which it then keeps;
+  to its replica by rendezvous (highest-random-weight) hashing of the session over the
+  model's replicas with a free place (:func:`rendezvous`), while that one is not much busier
+  than the least busy (:data:`SESSION_SLACK` requests more); else to the next in the
+  session's order that is not. Nothing is remembered: every instance (leader or standby)
+  makes the same choice for the same replicas and loads, and a replica that goes away moves
+  only its own sessions;
 - ``prefix-approx`` and ``kv-events``: the replica with the least estimated work before the
-  first token, by what each holds of the prompt's prefix (:mod:`llmgw.server.gateway.prefixes`); an
-  instance that hears no KV events for the model (a standby: the agents stream to the leader)
-  routes it as ``session`` would.
+  first token, by what each holds of the prompt's prefix (:mod:`llmgw.server.gateway.prefixes`);
+  ties go to the request's rendezvous replica: by its session, else by its prompt's key at
+  about :data:`AFFINITY_TOKENS` tokens (:func:`affinity_of`), so that instances that never
+  saw a conversation send it where the others did. An instance that has heard no KV events
+  for the model yet routes it as ``session`` would (a standby hears them relayed by the
+  leader, :mod:`llmgw.server.ha.kvrelay`).
 
 A choice charges the chosen replica the request's uncached prompt tokens
 (:attr:`llmgw.server.gateway.routing.Endpoint.pending`) until its first token; the hint says what was
@@ -21,8 +28,8 @@ charged where, and :meth:`RouteHint.settle` gives it back.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -42,14 +49,16 @@ if TYPE_CHECKING:
     from llmgw.server.gateway.serving import ServedModel
 
 __all__ = [
+    "AFFINITY_TOKENS",
     "POLICIES",
     "SESSION_SLACK",
-    "SESSION_TTL",
     "TOKEN_ROUTINGS",
     "Prompt",
     "RouteHint",
     "RoutingPolicies",
     "TokenIds",
+    "affinity_of",
+    "rendezvous",
     "session_of",
 ]
 
@@ -65,9 +74,12 @@ class TokenIds(Protocol):
 SESSION_SLACK = 2
 """How many more requests in flight than the least busy replica a session's replica may
 have and still keep the session."""
-SESSION_TTL = 1800.0
-MAX_SESSIONS = 100_000
 MAX_SESSION_ID = 256
+AFFINITY_TOKENS = 1024
+"""Without a session, a prefix policy's request is affine to its prompt's key at about this
+many tokens (the system prompt and the start of the conversation): the turns of one
+conversation share it, and conversations that share only a system prompt longer than it
+share a replica while its load allows."""
 
 
 class RouteHint:
@@ -145,45 +157,47 @@ def session_of(payload: Mapping[str, Any], header: str | None) -> str | None:
     return None
 
 
-class _Sessions:
-    """Each conversation's last replica, forgotten ``ttl`` seconds after its last use."""
+def _weight(affinity: bytes, shard_id: str) -> int:
+    digest = hashlib.blake2b(affinity, digest_size=8, key=shard_id.encode()[:64])
+    return int.from_bytes(digest.digest(), "big")
 
-    def __init__(self, clock: Callable[[], float], ttl: float) -> None:
-        self.clock = clock
-        self.ttl = ttl
-        self.last: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
-    def replica(self, session: str, candidates: list[Endpoint]) -> Endpoint | None:
-        entry = self.last.get(session)
-        if entry is None:
-            return None
-        shard_id, at = entry
-        if self.clock() - at > self.ttl:
-            del self.last[session]
-            return None
-        for ep in candidates:
-            if ep.shard_id == shard_id:
-                return ep
+def rendezvous(affinity: str, eps: Sequence[Endpoint]) -> list[Endpoint]:
+    """``eps`` in ``affinity``'s order of preference: highest random weight first, each
+    replica's weight a hash of the affinity and its shard id (the same on every instance;
+    removing a replica moves only the affinities it was first for, adding one takes only
+    those it now comes first for)."""
+    key = affinity.encode()
+    return sorted(eps, key=lambda ep: (_weight(key, ep.shard_id), ep.shard_id), reverse=True)
+
+
+def affinity_of(hint: RouteHint) -> str | None:
+    """What ``hint``'s request is affine to: its session, else (a prefix policy's request)
+    its prompt's key at about :data:`AFFINITY_TOKENS` tokens, or the last when shorter;
+    None: neither."""
+    if hint.session:
+        return hint.session
+    if not hint.keys:
         return None
-
-    def remember(self, session: str, shard_id: str) -> None:
-        last = self.last
-        last[session] = (shard_id, self.clock())
-        last.move_to_end(session)
-        if len(last) > MAX_SESSIONS:
-            last.popitem(last=False)
+    depth = min(len(hint.keys), max(1, AFFINITY_TOKENS // max(1, hint.unit)))
+    return f"prefix:{hint.keys[depth - 1]:x}"
 
 
 class _Choice(NamedTuple):
     """What a chooser is given: the model, its replicas with a free place (not empty), all
-    its ready replicas (to tell a prefix hit from a spread), the hint, and the session's
-    replica among the candidates (None: no session, or its replica is not one)."""
+    its ready replicas (to tell a prefix hit from a spread), the hint, and the candidates in
+    the request's rendezvous order (None: it has no affinity, :func:`affinity_of`)."""
 
     model: str
     candidates: list[Any]
     every: list[Any]
     hint: RouteHint
-    session: Any
+    order: list[Any] | None
+
+    @property
+    def session(self) -> Any:
+        """The request's rendezvous replica among the candidates (None: no affinity)."""
+        return self.order[0] if self.order else None
 
 
 Chooser = Callable[["RoutingPolicies", _Choice], tuple[Any, str]]
@@ -240,12 +254,15 @@ def _in_turn(p: RoutingPolicies, c: _Choice) -> tuple[Any, str]:
 
 def _by_session(p: RoutingPolicies, c: _Choice) -> tuple[Any, str]:
     least = min(ep.inflight for ep in c.candidates)
-    session = c.session
-    if session is not None and session.inflight <= least + SESSION_SLACK:
-        return session, "session"
+    if c.order:
+        # The first in the session's order not much busier than the least busy (the least
+        # busy itself is one): moved by load alone, the same way on every instance.
+        for rank, ep in enumerate(c.order):
+            if ep.inflight <= least + SESSION_SLACK:
+                return ep, "session" if rank == 0 else "session_moved"
     tied = [ep for ep in c.candidates if ep.inflight == least]
     chosen = tied[0] if len(tied) == 1 else p.in_turn(c.model, tied)
-    return chosen, "session_moved" if session is not None else "least_outstanding"
+    return chosen, "least_outstanding"
 
 
 def _by_approx(p: RoutingPolicies, c: _Choice) -> tuple[Any, str]:
@@ -294,11 +311,9 @@ class RoutingPolicies:
         *,
         prefixes: PrefixRouting | None = None,
         clock: Callable[[], float] = time.monotonic,
-        session_ttl: float = SESSION_TTL,
     ) -> None:
         self.metrics = metrics
         self.prefixes = prefixes if prefixes is not None else PrefixRouting(clock=clock)
-        self.sessions = _Sessions(clock, session_ttl)
         self._turn: dict[str, int] = {}
 
     def reads_text(self, routing: Routing) -> bool:
@@ -351,10 +366,9 @@ class RoutingPolicies:
         routing = hint.routing
         # A least-outstanding hint (none is made) would choose as a session without one.
         chooser = POLICIES[routing].choose or _by_session
-        session = self.sessions.replica(hint.session, candidates) if hint.session else None
-        chosen, reason = chooser(self, _Choice(model, candidates, every, hint, session))
-        if hint.session:
-            self.sessions.remember(hint.session, chosen.shard_id)
+        affinity = affinity_of(hint) if routing is not Routing.ROUND_ROBIN else None
+        order = rendezvous(affinity, candidates) if affinity is not None else None
+        chosen, reason = chooser(self, _Choice(model, candidates, every, hint, order))
         hint.charge(chosen)
         hint.reason = reason
         if self.metrics is not None:

@@ -411,6 +411,12 @@ class PrefixRouting:
         if approx is not None:
             approx.capacity = self.capacity[model]
 
+    def clear_events(self) -> None:
+        """Forget every model's KV events (a standby about to be sent the leader's whole
+        index again, :mod:`llmgw.server.ha.kvrelay`)."""
+        self.events.clear()
+        self.block_size.clear()
+
     def has_events(self, model: str) -> bool:
         index = self.events.get(model)
         return index is not None and bool(index.live)

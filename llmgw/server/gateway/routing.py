@@ -46,6 +46,8 @@ class Router:
         # Told the model whose replica just became ready (each gateway's admission: its
         # queues take the new places). Several at once while a retiring gateway drains.
         self._on_ready: list[Callable[[str], None]] = []
+        # Told each KvEvents placed (node, model, message): the leader's relay to standbys.
+        self.on_kv_events: Callable[[str, str, pb.KvEvents], None] | None = None
 
     def set_ready(self, ep: Endpoint) -> None:
         old = self._by_shard.get(ep.shard_id)
@@ -72,10 +74,45 @@ class Router:
 
         return unsubscribe
 
-    def kv_events(self, node_id: str, msg: pb.KvEvents) -> None:
+    def kv_events(self, node_id: str, msg: pb.KvEvents) -> str | None:
         """A shard's engine's cache changes, from the agent of ``node_id``: the prefix
-        indexes place them by the model and node the router has for the shard."""
-        self.prefixes.apply(node_id, msg, self._where(msg.shard_id))
+        indexes place them by the model and node the router has for the shard. Returns the
+        model they were placed under (None: refused, no such shard ready on that node)."""
+        where = self._where(msg.shard_id)
+        self.prefixes.apply(node_id, msg, where)
+        if where is None or where[1] != node_id:
+            return None
+        if self.on_kv_events is not None:
+            self.on_kv_events(node_id, where[0], msg)
+        return where[0]
+
+    def kv_relayed(self, msg: pb.KvRelayed) -> None:
+        """Cache changes the leader placed and relayed (a standby's
+        :mod:`llmgw.server.ha.kvrelay`): indexed under the leader's model and node, whether
+        or not this router has the shard yet (its replica may reach this instance's table a
+        moment after its first events; a shard it never has is never a candidate)."""
+        self.prefixes.apply(msg.node_id, msg.events, (msg.model, msg.node_id))
+
+    def kv_snapshot(self, chunk: int) -> list[pb.KvRelayed]:
+        """Every indexed shard's whole set, as relayed messages of at most ``chunk`` keys:
+        ``cleared`` first, then its keys (what a standby that just subscribed is sent)."""
+        out: list[pb.KvRelayed] = []
+        for model, index in self.prefixes.events.items():
+            size = self.prefixes.block_size.get(model, 0)
+            for shard_id, held in index.held.items():
+                ep = self._by_shard.get(shard_id)
+                if ep is None:
+                    continue
+                keys = list(held)
+                for at in range(0, max(len(keys), 1), chunk):
+                    events = pb.KvEvents(
+                        shard_id=shard_id,
+                        block_size=size,
+                        cleared=at == 0,
+                        stored=keys[at : at + chunk],
+                    )
+                    out.append(pb.KvRelayed(node_id=ep.node_id, model=model, events=events))
+        return out
 
     def _where(self, shard_id: str) -> tuple[str, str] | None:
         ep = self._by_shard.get(shard_id)

@@ -12,11 +12,14 @@ from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.kvblocks import block_keys
 from llmgw.server.common.metrics import Metrics
 from llmgw.server.gateway.policies import (
+    AFFINITY_TOKENS,
     POLICIES,
     SESSION_SLACK,
     Prompt,
     RouteHint,
     RoutingPolicies,
+    affinity_of,
+    rendezvous,
     session_of,
 )
 from llmgw.server.gateway.queueing import Admission
@@ -65,10 +68,10 @@ def test_kv_events_unheard_routes_as_session_would() -> None:
     ids = list(range(64))
     hint = RouteHint(Routing.KV_EVENTS, block_keys(ids), unit=16, tokens=64, session="u")
     chosen = router.pick_free(MODEL, 8, hint=hint)
-    assert chosen in eps and hint.reason == "least_outstanding"
+    assert chosen is rendezvous("u", eps)[0] and hint.reason == "session"
     again = RouteHint(Routing.KV_EVENTS, block_keys(ids), unit=16, tokens=64, session="u")
     assert router.pick_free(MODEL, 8, hint=again) is chosen and again.reason == "session"
-    assert metrics.routing.values[(MODEL, "kv-events", "session")] == 1
+    assert metrics.routing.values[(MODEL, "kv-events", "session")] == 2
 
 
 def test_a_choice_charges_its_replica_and_the_release_gives_it_back_once() -> None:
@@ -102,31 +105,96 @@ def test_the_prefix_policies_read_the_prompt_and_the_others_do_not(routing: Rout
 
 
 def test_session_keeps_a_conversation_on_its_replica_within_the_slack() -> None:
-    router, _eps = router_of(2)
+    router, eps = router_of(3)
     hint = RouteHint("session", session="u1")
     home = router.pick_free(MODEL, 16, hint=hint)
-    assert home is not None
+    assert home is rendezvous("u1", eps)[0] and hint.reason == "session"
     home.inflight = SESSION_SLACK  # busier, but within the slack
     assert router.pick_free(MODEL, 16, hint=RouteHint("session", session="u1")) is home
     home.inflight = SESSION_SLACK + 1
     moved = RouteHint("session", session="u1")
     other = router.pick_free(MODEL, 16, hint=moved)
-    assert other is not home and moved.reason == "session_moved"
-    assert router.policies.sessions.last["u1"][0] == other.shard_id  # it stays on the new one
+    # Moved by load alone, to the next in the session's own order (the same on every
+    # instance), and back once its replica is within the slack again: nothing remembered.
+    assert other is rendezvous("u1", eps)[1] and moved.reason == "session_moved"
+    home.inflight = 0
+    assert router.pick_free(MODEL, 16, hint=RouteHint("session", session="u1")) is home
 
 
-def test_sessions_expire() -> None:
-    now = [0.0]
-    router = Router(RoutingPolicies(clock=lambda: now[0], session_ttl=10))
-    eps = [Endpoint(MODEL, f"r{i}", f"s{i}", f"n{i}", "h:1") for i in range(2)]
-    for ep in eps:
-        router.set_ready(ep)
-    home = router.pick_free(MODEL, 16, hint=RouteHint("session", session="u"))
-    now[0] = 11
-    hint = RouteHint("session", session="u")
-    router.pick_free(MODEL, 16, hint=hint)
-    assert hint.reason == "least_outstanding"
-    assert home is not None
+def test_two_routers_with_the_same_replicas_choose_the_same_for_each_session() -> None:
+    first, _ = router_of(5)
+    second = Router(RoutingPolicies())
+    # Learnt in another order (a standby reads them from the database), other objects.
+    for i in reversed(range(5)):
+        second.set_ready(Endpoint(MODEL, f"r{i}", f"s{i}", f"n{i}", f"10.0.0.{i}:9443"))
+    sessions = [f"conv-{i}" for i in range(200)]
+    for routing in ("session", "kv-events"):
+        a = [first.pick_free(MODEL, 64, hint=RouteHint(routing, session=s)) for s in sessions]
+        b = [second.pick_free(MODEL, 64, hint=RouteHint(routing, session=s)) for s in sessions]
+        for ep in [*first.endpoints(), *second.endpoints()]:
+            ep.inflight = ep.pending = 0  # each instance's own load: none here
+        assert [ep.shard_id for ep in a if ep] == [ep.shard_id for ep in b if ep]
+    # And they spread: every replica is some sessions' first.
+    assert {ep.shard_id for ep in a if ep} == {f"s{i}" for i in range(5)}
+
+
+def test_removing_a_replica_moves_only_its_sessions() -> None:
+    router, eps = router_of(5)
+    sessions = [f"user-{i}" for i in range(500)]
+
+    def where() -> dict[str, str]:
+        out = {}
+        for s in sessions:
+            ep = router.pick_free(MODEL, 1000, hint=RouteHint("session", session=s))
+            assert ep is not None
+            out[s] = ep.shard_id
+            ep.inflight = ep.pending = 0
+        return out
+
+    before = where()
+    router.remove_shard("s3")
+    after = where()
+    moved = {s for s in sessions if before[s] != after[s]}
+    assert moved == {s for s in sessions if before[s] == "s3"} and moved
+    # Adding it back takes back exactly those.
+    router.set_ready(eps[3])
+    assert where() == before
+
+
+def test_affinity_is_the_session_else_the_prompts_key_at_about_1024_tokens() -> None:
+    keys = block_keys(list(range(4096)))  # 256 blocks of 16
+    assert affinity_of(RouteHint(Routing.KV_EVENTS, keys, session="c")) == "c"
+    at = AFFINITY_TOKENS // 16
+    assert affinity_of(RouteHint(Routing.KV_EVENTS, keys)) == f"prefix:{keys[at - 1]:x}"
+    # A later turn (the same beginning, more after) keeps it; a short prompt has its last.
+    longer = block_keys(list(range(4096)) + list(range(9000, 9500)))
+    assert affinity_of(RouteHint(Routing.KV_EVENTS, longer)) == f"prefix:{keys[at - 1]:x}"
+    assert affinity_of(RouteHint(Routing.KV_EVENTS, keys[:3])) == f"prefix:{keys[2]:x}"
+    assert affinity_of(RouteHint(Routing.SESSION)) is None
+    assert affinity_of(RouteHint(Routing.KV_EVENTS, [])) is None
+
+
+def test_prefix_approx_on_two_instances_sends_an_unseen_conversation_to_one_replica() -> None:
+    # Neither instance has seen the conversation: both send its turns where its hash says,
+    # so that the instance that served turn 1 and the one that serves turn 2 agree.
+    history = "system: be brief. " + "the user asks about x and y. " * 200
+    policies = [RoutingPolicies(), RoutingPolicies()]
+    routers = [Router(p) for p in policies]
+    for router in routers:
+        for i in range(4):
+            router.set_ready(Endpoint(MODEL, f"r{i}", f"s{i}", f"n{i}", "h:1"))
+    chosen = []
+    for turn, router in enumerate(routers):
+        text = history + " answer. follow-up question." * turn
+        payload = {"messages": [{"role": "user", "content": text}]}
+        model = served(Routing.PREFIX_APPROX)
+        prompt = router.policies.prompt_of(model, None, "/v1/chat/completions", payload)
+        hint = router.policies.hint(model, prompt, None)
+        assert hint is not None
+        ep = router.pick_free(MODEL, 8, hint=hint)
+        assert ep is not None and hint.reason == "session"
+        chosen.append(ep.shard_id)
+    assert chosen[0] == chosen[1]
 
 
 def test_round_robin_takes_each_in_turn() -> None:

@@ -10,7 +10,7 @@ import pytest
 from llmgw.contracts.kvblocks import block_keys
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.common.metrics import Metrics
-from llmgw.server.gateway.policies import RouteHint, RoutingPolicies
+from llmgw.server.gateway.policies import RouteHint, RoutingPolicies, affinity_of, rendezvous
 from llmgw.server.gateway.prefixes import (
     APPROX_CHUNK,
     BlockIndex,
@@ -200,17 +200,18 @@ def test_a_restarted_replica_is_no_longer_preferred() -> None:
     for _ in range(4):
         hint = kv_hint(ids)
         ep = router.pick_free(MODEL, 8, hint=hint)
-        assert ep is not None and hint.reason in ("no_prefix", "session")
+        assert ep is not None and hint.reason == "session"
         hint.settle()
         picks.add(ep.shard_id)
-    assert picks == {"s0", "s1"}  # in turn: neither holds anything
+    # Neither holds anything: the prompt's rendezvous replica, whichever held it before.
+    assert picks == {rendezvous(affinity_of(kv_hint(ids)) or "", eps)[0].shard_id}
 
 
 def test_kv_events_without_events_heard_routes_by_session() -> None:
     router, _eps = router_of(2)
     hint = kv_hint(tokens(64), session="conv-1")
     first = router.pick_free(MODEL, 8, hint=hint)
-    assert hint.reason == "least_outstanding"
+    assert hint.reason == "session"  # its rendezvous replica, heard from or not
     again = kv_hint(tokens(64), session="conv-1")
     assert router.pick_free(MODEL, 8, hint=again) is first
     assert again.reason == "session"
@@ -221,8 +222,13 @@ def test_the_session_breaks_a_tie_between_equal_holders() -> None:
     ids = tokens(256)
     for i in range(3):
         router.kv_events(f"n{i}", stored(f"s{i}", block_keys(ids)))
-    router.policies.sessions.last["conv"] = ("s2", router.policies.sessions.clock())
-    assert router.pick_free(MODEL, 8, hint=kv_hint(ids, session="conv")) is eps[2]
+    for session in ("conv", "other", "third"):
+        hint = kv_hint(ids, session=session)
+        assert router.pick_free(MODEL, 8, hint=hint) is rendezvous(session, eps)[0]
+        assert hint.reason == "prefix_hit"
+        hint.settle()
+        for ep in eps:
+            ep.inflight = 0
 
 
 # --------------------------------------------------------------------------- prefix-approx

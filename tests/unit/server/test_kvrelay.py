@@ -1,0 +1,189 @@
+"""llmgw.server.ha.kvrelay: the leader's KV events reach a standby's router (the whole index
+first, then each batch), a wrong token is refused, a standby that falls behind is cut off and
+sent everything again, and a leader change ends the stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from llmgw.proto import control_pb2 as pb
+from llmgw.server.gateway.routing import Endpoint, Router
+from llmgw.server.ha import kvrelay
+from llmgw.server.ha.kvrelay import RELAY_PATH, KvFollower, KvRelay, frame
+
+TOKEN = "admin-secret"
+
+
+def _router(*shards: tuple[str, str]) -> Router:
+    router = Router()
+    for shard_id, node_id in shards:
+        router.set_ready(Endpoint("m", f"r-{shard_id}", shard_id, node_id, f"{node_id}:1"))
+    return router
+
+
+def _held(router: Router, shard_id: str) -> set[int]:
+    index = router.prefixes.events.get("m")
+    return set() if index is None else set(index.held.get(shard_id, ()))
+
+
+async def _until(check: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _with_relay(
+    test: Callable[[Router, KvRelay, str], Awaitable[None]], *, token: str = TOKEN
+) -> None:
+    async def go() -> None:
+        leader = _router(("s1", "n1"), ("s2", "n2"))
+        relay = KvRelay(leader, lambda: token)
+        app = web.Application()
+        relay.add_routes(app)
+        async with TestServer(app) as server:
+            await test(leader, relay, str(server.make_url("")))
+            relay.close()
+
+    asyncio.run(go())
+
+
+def _follow(standby: Router, url: Callable[[], str], token: str = TOKEN) -> KvFollower:
+    return KvFollower(standby, url, token=lambda: token, retry=0.05)
+
+
+def test_the_index_then_each_batch_reach_the_standby() -> None:
+    async def test(leader: Router, relay: KvRelay, url: str) -> None:
+        # What the leader held before the standby came: sent as its snapshot.
+        leader.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, stored=[1, 2, 3]))
+        # A message from the wrong node is refused by the leader and relayed to no one.
+        assert leader.kv_events("n2", pb.KvEvents(shard_id="s1", block_size=16, stored=[9])) is None
+        standby = _router(("s1", "n1"))  # s2 not known here yet: indexed all the same
+        standby.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, stored=[77]))
+        follower = _follow(standby, lambda: url)
+        task = asyncio.create_task(follower.run())
+        await _until(lambda: follower.connections == 1, "the snapshot")
+        await _until(lambda: _held(standby, "s1") == {1, 2, 3}, "s1's blocks")  # 77 cleared
+        leader.kv_events("n2", pb.KvEvents(shard_id="s2", block_size=16, stored=[5, 6]))
+        leader.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, removed=[2]))
+        await _until(lambda: _held(standby, "s2") == {5, 6}, "s2's blocks")
+        await _until(lambda: _held(standby, "s1") == {1, 3}, "s1's removal")
+        assert relay.relayed == 2
+        assert standby.prefixes.has_events("m")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    _with_relay(test)
+
+
+def test_a_wrong_token_is_refused_and_nothing_is_applied() -> None:
+    async def test(leader: Router, relay: KvRelay, url: str) -> None:
+        leader.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, stored=[1]))
+        standby = _router(("s1", "n1"))
+        follower = _follow(standby, lambda: url, token="guess")
+        task = asyncio.create_task(follower.run())
+        await _until(lambda: "401" in follower._last_problem, "the refusal")
+        assert "admin token" in follower._last_problem
+        assert follower.connections == 0 and not standby.prefixes.events
+        assert not relay.subscribers
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    _with_relay(test)
+
+
+def test_a_relay_without_a_token_refuses_everyone() -> None:
+    async def test(leader: Router, relay: KvRelay, url: str) -> None:
+        follower = _follow(_router(), lambda: url, token="")
+        task = asyncio.create_task(follower.run())
+        await _until(lambda: "401" in follower._last_problem, "the refusal")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    _with_relay(test, token="")
+
+
+def test_a_standby_behind_is_cut_off_and_sent_everything_again() -> None:
+    async def test(leader: Router, relay: KvRelay, url: str) -> None:
+        standby = _router()
+        follower = _follow(standby, lambda: url)
+        task = asyncio.create_task(follower.run())
+        await _until(lambda: len(relay.subscribers) == 1, "the subscription")
+        await _until(lambda: follower.connections == 1, "the first snapshot")
+        # More batches in one step of the loop than a subscriber may queue.
+        for key in range(1, kvrelay.MAX_QUEUED + 10):
+            leader.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, stored=[key]))
+        await _until(lambda: follower.connections == 2, "the second snapshot")
+        # Whatever was dropped, the snapshot had it all.
+        await _until(lambda: len(_held(standby, "s1")) == kvrelay.MAX_QUEUED + 9, "every block")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    _with_relay(test)
+
+
+def test_a_leader_change_ends_the_stream_and_the_next_leader_is_dialled() -> None:
+    async def test(leader: Router, relay: KvRelay, url: str) -> None:
+        where = [url]
+        standby = _router()
+        follower = _follow(standby, lambda: where[0])
+        task = asyncio.create_task(follower.run())
+        await _until(lambda: follower.connections == 1, "the first snapshot")
+        where[0] = ""  # no instance leads: the stream ends at its next frame
+        leader.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, stored=[4]))
+        await _until(lambda: follower._last_problem == "another instance leads now", "the end")
+        await _until(lambda: not relay.subscribers, "the leader's side closed")
+        where[0] = url
+        await _until(lambda: follower.connections == 2, "the new leader's snapshot")
+        assert _held(standby, "s1") == {4}
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    _with_relay(test)
+
+
+def test_closing_the_relay_ends_every_stream() -> None:
+    async def test(leader: Router, relay: KvRelay, url: str) -> None:
+        follower = _follow(_router(), lambda: url)
+        task = asyncio.create_task(follower.run())
+        await _until(lambda: follower.connections == 1, "the snapshot")
+        relay.close()
+        await _until(lambda: not relay.subscribers, "the stream's end")
+        assert leader.on_kv_events is None
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    _with_relay(test)
+
+
+def test_an_oversized_frame_ends_the_stream() -> None:
+    async def go() -> None:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            out = web.StreamResponse(headers={"Content-Type": kvrelay.CONTENT_TYPE})
+            await out.prepare(request)
+            await out.write((kvrelay.MAX_FRAME + 1).to_bytes(4, "big"))
+            await asyncio.sleep(5)
+            return out
+
+        app = web.Application()
+        app.router.add_get(RELAY_PATH, handle)
+        async with TestServer(app) as server:
+            follower = _follow(_router(), lambda: str(server.make_url("")))
+            task = asyncio.create_task(follower.run())
+            await _until(lambda: "over" in follower._last_problem, "the refusal")
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(go())
+
+
+def test_a_frame_is_its_length_then_the_message() -> None:
+    msg = pb.KvRelayed(node_id="n", model="m", events=pb.KvEvents(shard_id="s", stored=[1]))
+    data = frame(msg)
+    assert int.from_bytes(data[:4], "big") == len(data) - 4
+    assert pb.KvRelayed.FromString(data[4:]) == msg
