@@ -271,7 +271,7 @@ class ControlPlane:
             if why:
                 self._event("instance_stopped", why)
             if leading and self.leadership.shared:
-                self.leadership.release()  # a standby takes over at its next poll
+                self.leadership.release()  # a standby takes over at once (its NOTIFY)
             self.store.close()
         if self.http_sock is not None:
             self.http_sock.close()

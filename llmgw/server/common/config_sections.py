@@ -29,7 +29,7 @@ DEFAULT_QUEUE_TIMEOUT = 30.0
 MIN_HEARTBEAT_INTERVAL = 0.2
 MAX_HEARTBEAT_INTERVAL = 60.0
 # Leadership on PostgreSQL: a lapsed lease is taken within lease + a standby's poll (one
-# lease_renew), which the defaults keep under 15 s.
+# lease_renew), which the defaults keep under 15 s; a released one (a clean stop) at once.
 DEFAULT_LEASE = 8.0
 DEFAULT_LEASE_RENEW = 2.0
 DEFAULT_RESYNC_INTERVAL = 5.0
