@@ -61,7 +61,7 @@ from llmgw.server.ha import (
 )
 from llmgw.server.ha.follower import LeaderProxy, RouteFollower
 from llmgw.server.ha.instances import warn_of_nodes_named_like_the_control_plane
-from llmgw.server.ha.kvrelay import KvFollower, KvRelay
+from llmgw.server.ha.kvrelay import RELAY_PATH, KvFollower, KvRelay
 from llmgw.server.joining.bundles import BundleStore, serve_bundles
 from llmgw.server.leader import Leader, LeaderHooks
 from llmgw.server.process import (
@@ -141,7 +141,12 @@ class ControlPlane:
         self._standby: Standby | None = None
         # A stop's drain (SIGTERM): /healthz 503, then no new connection, then the requests
         # in flight awaited (llmgw.server.ha.drain).
-        self.drain = Drain(grace=cfg.drain_grace, timeout=cfg.drain_timeout)
+        self.drain = Drain(
+            grace=cfg.drain_grace,
+            timeout=cfg.drain_timeout,
+            metrics=self.metrics,
+            unawaited=frozenset({RELAY_PATH}),
+        )
 
     @property
     def pki_dir(self) -> Path:
