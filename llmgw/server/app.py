@@ -61,7 +61,7 @@ from llmgw.server.ha import (
 )
 from llmgw.server.ha.follower import LeaderProxy, RouteFollower
 from llmgw.server.ha.instances import warn_of_nodes_named_like_the_control_plane
-from llmgw.server.ha.kvrelay import KvFollower, KvRelay
+from llmgw.server.ha.kvrelay import RELAY_PATH, KvFollower, KvRelay
 from llmgw.server.joining.bundles import BundleStore, serve_bundles
 from llmgw.server.leader import Leader, LeaderHooks
 from llmgw.server.process import (
@@ -139,9 +139,16 @@ class ControlPlane:
         self.leadership: Leadership = FileLock(cfg.state_dir)
         self.roles = Roles(self.leadership, self, instance=cfg.instance)
         self._standby: Standby | None = None
+        # The leader's KV events relay to the standbys (PostgreSQL), closed when it stops leading.
+        self._relay: KvRelay | None = None
         # A stop's drain (SIGTERM): /healthz 503, then no new connection, then the requests
         # in flight awaited (llmgw.server.ha.drain).
-        self.drain = Drain(grace=cfg.drain_grace, timeout=cfg.drain_timeout)
+        self.drain = Drain(
+            grace=cfg.drain_grace,
+            timeout=cfg.drain_timeout,
+            metrics=self.metrics,
+            unawaited=frozenset({RELAY_PATH}),
+        )
 
     @property
     def pki_dir(self) -> Path:
@@ -271,7 +278,7 @@ class ControlPlane:
             if why:
                 self._event("instance_stopped", why)
             if leading and self.leadership.shared:
-                self.leadership.release()  # a standby takes over at its next poll
+                self.leadership.release()  # a standby takes over at once (its NOTIFY)
             self.store.close()
         if self.http_sock is not None:
             self.http_sock.close()
@@ -319,9 +326,8 @@ class ControlPlane:
         if self.leadership.shared:
             # The agents' KV events, relayed to each standby that asks (every instance routes
             # a kv-events model by what the replicas hold).
-            relay = KvRelay(self.router, lambda: self.admin_token)
-            relay.add_routes(app)
-            app.on_shutdown.append(lambda _app: _closed(relay.close))
+            self._relay = KvRelay(self.router, lambda: self.admin_token)
+            self._relay.add_routes(app)
         self.serving.refresh_keys()
         self.serving.refresh_models()
         leader = self.leader = Leader(
@@ -379,6 +385,12 @@ class ControlPlane:
 
     async def stop_leading(self) -> None:
         """Stop what only the leader runs (the store stays open)."""
+        if self._relay is not None:
+            # First: the standbys' relay streams end now. The kept socket's application is
+            # never shut down (its on_shutdown never runs), so they would hold a stop for the
+            # runner's shutdown_timeout before the lease's release, and outlive a step-down.
+            relay, self._relay = self._relay, None
+            relay.close()
         await self._stop_tasks()
         if self.leader is not None:  # not when the start failed before step 3
             leader, self.leader = self.leader, None
@@ -646,8 +658,3 @@ class ControlPlane:
         if self.http_tls is not None:
             self.http_tls.reload_if_changed()
         self._record_addresses()  # the new certificates' serials
-
-
-async def _closed(close: Callable[[], None]) -> None:
-    """``close`` as an application's on_cleanup step."""
-    close()

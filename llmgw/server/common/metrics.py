@@ -146,6 +146,22 @@ class Metrics:
             "the gateway reads nothing of a stream: only a broken connection is counted.",
             ("model", "reason"),
         )
+        # A stop's drain (llmgw.server.ha.drain).
+        self.draining = Gauge(
+            "llmgw_instance_draining",
+            "1 while this instance drains before its stop (SIGTERM: /healthz answers 503, then "
+            "no new connection while the requests in flight end), else 0.",
+            (),
+        )
+        self.draining.set((), 0)
+        self.drain_cut = Counter(
+            "llmgw_drain_requests_cut_total",
+            "Requests still in flight when a drain gave up on them, cut, by kind (stream, "
+            "request: the others) and when (drain_timeout, or signal: a second stop signal). "
+            "Counted just before the process stops: its log line 'streams cut' and the event "
+            "instance_stopped keep them.",
+            ("kind", "at"),
+        )
         self.latency = Histogram(
             "llmgw_request_duration_seconds", "Time from request to the end of the response.", mr
         )
@@ -334,6 +350,8 @@ class Metrics:
             self.requests,
             self.stream_resumes,
             self.streams_broken,
+            self.draining,
+            self.drain_cut,
             self.latency,
             self.ttft,
             self.tokens,

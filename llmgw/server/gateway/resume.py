@@ -57,8 +57,10 @@ COMPLETIONS = "/v1/completions"
 RESUMABLE_PATHS = frozenset({CHAT, COMPLETIONS})
 
 CHAT_RESUMING_ENGINES = frozenset({"vllm", "sglang", "sim"})
-"""The engines whose chat endpoint takes ``continue_final_message`` (the text continues the
-assistant's partial message exactly, for a seed and greedy sampling alike)."""
+"""The engines whose chat endpoint takes ``continue_final_message``: the answer goes on from
+the assistant's partial message. The sim's is the uninterrupted text for a seed; vLLM's and
+SGLang's only with greedy sampling (and up to their own nondeterminism and the partial text
+tokenized again): a seed starts a new draw at the resume point."""
 
 _MAX_EVENT = 1024 * 1024
 _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode

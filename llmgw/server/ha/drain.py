@@ -12,7 +12,8 @@ signal (:meth:`Drain.hurry`) skips what is left of either wait and cuts at once.
 
 The requests in flight are counted by :meth:`Drain.middleware` (the outermost middleware of
 either role's application: every request on :8080 passes it), each with the task aiohttp
-runs it in, which is what cutting it cancels.
+runs it in, which is what cutting it cancels; but not those of the instances themselves
+(``unawaited``: the KV events relay's streams), which end with the role at the stop.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from llmgw.log import kv
+from llmgw.server.common.metrics import Metrics
 
 __all__ = ["Drain", "DrainOutcome", "Phase", "stop_accepting"]
 
@@ -60,9 +62,21 @@ class DrainOutcome:
 class Drain:
     """The drain's phase, the requests in flight, and the two waits."""
 
-    def __init__(self, *, grace: float, timeout: float) -> None:
+    def __init__(
+        self,
+        *,
+        grace: float,
+        timeout: float,
+        metrics: Metrics | None = None,
+        unawaited: frozenset[str] = frozenset(),
+    ) -> None:
         self.grace = grace
         self.timeout = timeout
+        # Paths whose requests are the instances' own, not clients': neither awaited nor cut
+        # (the KV events relay's streams to the standbys, which last as long as the role and
+        # end with it at the stop; awaited, every leader's drain would last drain_timeout).
+        self.unawaited = unawaited
+        self.metrics = metrics  # llmgw_instance_draining, llmgw_drain_requests_cut_total
         self.phase = Phase.SERVING
         self._requests: set[asyncio.Task[object]] = set()
         self._streams: set[asyncio.Task[object]] = set()
@@ -87,7 +101,7 @@ class Drain:
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         task = asyncio.current_task()
-        if task is None:  # pragma: no cover - aiohttp runs every handler in a task
+        if task is None or request.path in self.unawaited:
             return await handler(request)
         self._requests.add(task)
         try:
@@ -137,6 +151,8 @@ class Drain:
             return
         self.phase = Phase.DRAINING
         self._since = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.draining.set((), 1)
         log.info(
             "draining: /healthz answers 503 so that load balancers take this instance out; "
             "a second stop signal (Ctrl-C again) stops at once",
@@ -175,6 +191,11 @@ class Drain:
         )
         if cut:
             why = "at a second signal" if outcome.hurried else "at drain_timeout"
+            if self.metrics is not None:
+                at = "signal" if outcome.hurried else "drain_timeout"
+                self.metrics.drain_cut.inc(("stream", at), streams)
+                if cut > streams:
+                    self.metrics.drain_cut.inc(("request", at), cut - streams)
             log.warning(
                 f"{streams} streams cut {why}",
                 extra=kv(

@@ -12,6 +12,7 @@ import time
 from llmgw.errors import Fenced, StoreError, StoreUnavailable
 from llmgw.log import kv
 from llmgw.server.store import Store
+from llmgw.server.store.instances import LEASE_CHANNEL
 
 __all__ = ["LeaseKeeper"]
 
@@ -44,6 +45,8 @@ class LeaseKeeper:
         # while the database is away (nobody can take the lease then, so they still hold).
         self._known_leader = ("", "")
         self._known_epoch = 0
+        # Set while a standby listens for the leader's release (:meth:`take`).
+        self.listening = asyncio.Event()
 
     def try_take(self) -> bool:
         """Take the lease if it is free or lapsed; True when this process now leads.
@@ -67,11 +70,48 @@ class LeaseKeeper:
         return True
 
     async def take(self) -> None:
-        """Wait until this process holds the lease."""
+        """Wait until this process holds the lease: tried every ``lease_renew`` (a lapsed
+        lease, a leader gone without a word), and at once when the leader releases it (its
+        NOTIFY on :data:`~llmgw.server.store.instances.LEASE_CHANNEL`, listened for from
+        before the first try, so that a release between a try and the LISTEN is not missed)."""
+        released = asyncio.Event()
+        self.listening.clear()
+        listener = asyncio.create_task(self._listen(released), name="lease-listen")
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.listening.wait(), timeout=self.renew)
+            while True:
+                released.clear()
+                if self.try_take():
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(released.wait(), timeout=self.renew)
+        finally:
+            listener.cancel()
+            await asyncio.gather(listener, return_exceptions=True)
+
+    async def _listen(self, released: asyncio.Event) -> None:
+        """Set *released* at each release the leader announces, listening again when the
+        connection drops (a release may have been missed meanwhile: *released* is set then
+        too). Not on SQLite (a test's store): the poll alone."""
+        from llmgw.server.store.postgres import PostgresDatabase, listen_async
+
+        if not isinstance(self.store.database, PostgresDatabase):
+            return
         while True:
-            if self.try_take():
-                return
-            await asyncio.sleep(self.renew)
+            try:
+                async for holder in listen_async(
+                    self.store.database, LEASE_CHANNEL, listening=self.listening
+                ):
+                    log.info("the leader released its lease", extra=kv(leader=holder))
+                    released.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("lease notifications stopped", extra=kv(error=str(exc)))
+            self.listening.clear()
+            released.set()
+            await asyncio.sleep(min(self.renew, 2.0))
 
     def begin(self, store: Store) -> int:
         """Lead on *store* (the one the lease is in): its writes fenced by the lease's epoch,
@@ -128,7 +168,8 @@ class LeaseKeeper:
         return f"{lease.holder} (epoch {lease.epoch})"
 
     def release(self) -> None:
-        """Give the lease up (a clean stop): a standby takes it at its next poll."""
+        """Give the lease up (a clean stop): a standby takes it at once (PostgreSQL's
+        NOTIFY, sent with the release)."""
         with contextlib.suppress(StoreUnavailable, Fenced):
             self.store.release_lease(self.holder, self.epoch)
 

@@ -52,6 +52,8 @@ class Roles:
         self._stepping: asyncio.Task[None] | None = None
         self._promotion: asyncio.Task[None] | None = None
         self._nodes = 0  # nodes connected to the leader, as a standby last read them
+        self._staying = False  # take no leadership from now on (:meth:`stay`)
+        self._waiting = False  # the promotion is waiting for the leadership (not yet taken)
 
     async def start(self) -> None:
         if self.leadership.try_take():
@@ -82,23 +84,31 @@ class Roles:
     async def _stand_by(self) -> None:
         self.role = Role.STANDBY
         await self.parts.stand_by()
-        self._promotion = asyncio.create_task(self._await_leadership(), name="promotion")
+        if not self._staying:
+            self._waiting = True  # from now: the task may not have run yet
+            self._promotion = asyncio.create_task(self._await_leadership(), name="promotion")
 
     async def _await_leadership(self) -> None:
-        await self.leadership.take()
+        try:
+            await self.leadership.take()
+        finally:
+            self._waiting = False
         log.warning("the leader is gone; taking over", extra=kv(instance=self.instance))
         await self.parts.stop_standing_by()
         await self._lead()
 
     async def stay(self) -> None:
-        """Take no leadership from now on (a standby draining before its stop); the current
-        role goes on."""
-        task, self._promotion = self._promotion, None
-        if task is not None and self.role is Role.STANDBY:
+        """Take no leadership from now on (an instance draining before its stop): a standby
+        stops waiting for it, and a leader that loses it later stands by without waiting
+        for it again. A take-over already under way (the leadership taken) ends as a
+        leader, whose stop then releases it: cut halfway, the lease would be held by
+        nobody's parts until it lapsed."""
+        self._staying = True
+        task = self._promotion
+        if task is not None and self._waiting:
+            self._promotion = None
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        elif task is not None:
-            self._promotion = task
 
     async def stop(self) -> None:
         """Stop the role's parts and the changes under way (the leadership is the

@@ -26,7 +26,12 @@ from dataclasses import dataclass
 from llmgw.errors import ConfigError, Conflict, Fenced
 from llmgw.server.store.database import Database, Row
 
-__all__ = ["Instance", "Lease", "Leases", "process_gone", "process_name"]
+__all__ = ["LEASE_CHANNEL", "Instance", "Lease", "Leases", "process_gone", "process_name"]
+
+LEASE_CHANNEL = "llmgw_lease"
+"""PostgreSQL's channel on which a leader that releases the lease says so (the payload its
+instance id): standbys listen for it and take the lease at once rather than at their next
+poll (:class:`llmgw.server.ha.lease.LeaseKeeper`)."""
 
 
 @dataclass(frozen=True)
@@ -136,13 +141,18 @@ class Leases:
 
     def release_lease(self, holder: str, epoch: int) -> bool:
         """Give the lease up at once (a leader stopping cleanly), so a standby need not wait
-        for it to lapse; the epoch stays, and the next holder bumps it."""
+        for it to lapse; the epoch stays, and the next holder bumps it. On PostgreSQL the
+        release is announced on :data:`LEASE_CHANNEL` (delivered at the commit, so a standby
+        woken by it finds the lease free)."""
         with self._db.unfenced(), self._db.write():
             cur = self._db.execute(
                 "UPDATE leader_lease SET expires_at = 0 WHERE id = 1 AND holder = ? AND epoch = ?",
                 (holder, epoch),
             )
-            return cur.rowcount == 1
+            released = cur.rowcount == 1
+            if released and self._db.location.is_postgresql:
+                self._db.execute("SELECT pg_notify(?, ?)", (LEASE_CHANNEL, holder))
+            return released
 
     def check_epoch(self, epoch: int) -> None:
         """Refuse (:class:`Fenced`) unless *epoch* is the lease's: called inside a write

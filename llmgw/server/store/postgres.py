@@ -18,6 +18,7 @@ libpq's multiple hosts with ``target_session_attrs=read-write`` find the new pri
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -545,14 +546,19 @@ def ensure_notifications(db: PostgresDatabase) -> None:
             )
 
 
-async def listen_async(db: Database, channel: str) -> AsyncIterator[str]:
+async def listen_async(
+    db: Database, channel: str, *, listening: asyncio.Event | None = None
+) -> AsyncIterator[str]:
     """The payloads of *channel*'s notifications, on a connection of its own (it ends when
-    that connection does)."""
+    that connection does); *listening* is set once the LISTEN is in place (what is notified
+    from then on is heard)."""
     if not isinstance(db, PostgresDatabase):
         raise StoreError("notifications are PostgreSQL's; this database is SQLite")
     conn = await psycopg.AsyncConnection.connect(_conninfo(db.location), autocommit=True)
     try:
         await conn.execute(pgsql.SQL(f"LISTEN {channel}"))
+        if listening is not None:
+            listening.set()
         async for notify in conn.notifies():
             yield notify.payload
     finally:

@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 
 from llmgw.listener import GuardedSite, ListenerLimits, listening_socket
+from llmgw.server.common.metrics import Metrics
 from llmgw.server.ha import Drain, DrainOutcome, Handover, stop_accepting
 from llmgw.server.ha.drain import Phase
 
@@ -193,8 +194,10 @@ def test_a_stream_past_drain_timeout_is_cut_counted_and_logged(
 ) -> None:
     caplog.set_level(logging.INFO, logger="llmgw.server.drain")
 
+    metrics = Metrics()
+
     async def body() -> None:
-        drain = Drain(grace=0, timeout=0.5)
+        drain = Drain(grace=0, timeout=0.5, metrics=metrics)
         rig = Rig(drain)
         port, close = await _runner(rig.app())
         url = f"http://127.0.0.1:{port}"
@@ -211,6 +214,10 @@ def test_a_stream_past_drain_timeout_is_cut_counted_and_logged(
         assert drain.in_flight == 0
 
     run(body)
+    text = metrics.render()
+    assert "\nllmgw_instance_draining 1\n" in text
+    assert '\nllmgw_drain_requests_cut_total{kind="stream",at="drain_timeout"} 1\n' in text
+    assert 'kind="request"' not in text and 'at="signal"' not in text
     cut = [r for r in caplog.records if r.getMessage() == "1 streams cut at drain_timeout"]
     assert len(cut) == 1
     assert "drain_timeout" in cut[0].fields["fix"]  # type: ignore[attr-defined]
@@ -218,9 +225,11 @@ def test_a_stream_past_drain_timeout_is_cut_counted_and_logged(
 
 @pytest.mark.parametrize("when", ["grace", "closed"])
 def test_a_second_signal_stops_at_once(when: str) -> None:
+    metrics = Metrics()
+
     async def body() -> None:
         # Long waits: only the second signal can end them within the test's timeout.
-        drain = Drain(grace=0 if when == "closed" else 300, timeout=300)
+        drain = Drain(grace=0 if when == "closed" else 300, timeout=300, metrics=metrics)
         rig = Rig(drain)
         port, close = await _runner(rig.app())
         url = f"http://127.0.0.1:{port}"
@@ -244,13 +253,52 @@ def test_a_second_signal_stops_at_once(when: str) -> None:
                 await asyncio.wait_for(stream, 10)
 
     run(body)
+    assert '\nllmgw_drain_requests_cut_total{kind="stream",at="signal"} 1\n' in metrics.render()
 
 
 def test_serving_says_nothing_and_begin_is_once() -> None:
-    drain = Drain(grace=10, timeout=120)
+    metrics = Metrics()
+    drain = Drain(grace=10, timeout=120, metrics=metrics)
     assert drain.status() is None and not drain.draining
+    assert "\nllmgw_instance_draining 0\n" in metrics.render()  # scraped before any drain
     drain.begin()
+    assert "\nllmgw_instance_draining 1\n" in metrics.render()
     first = drain.status()
     assert first is not None and first["status"] == "draining"
     drain.begin()  # a second begin keeps the grace's start
     assert drain.phase is Phase.DRAINING
+
+
+def test_the_instances_own_streams_are_neither_awaited_nor_cut() -> None:
+    """The KV events relay's stream to each standby lasts as long as the leader leads: a
+    leader's drain waited drain_timeout for it (and cut it) at every stop, with nothing of a
+    client's in flight. It is left to the role's stop, which ends it."""
+
+    async def body() -> None:
+        drain = Drain(grace=0, timeout=30, unawaited=frozenset({"/api/ha/kv-events"}))
+        rig = Rig(drain)
+        app = rig.app()
+        following = asyncio.Event()
+        role_stopped = asyncio.Event()
+
+        async def relay(request: web.Request) -> web.StreamResponse:
+            out = web.StreamResponse(headers={"Content-Type": "application/x-llmgw-kv-relay"})
+            await out.prepare(request)
+            await out.write(b"\0\0\0\0")
+            following.set()
+            await role_stopped.wait()
+            return out
+
+        app.router.add_get("/api/ha/kv-events", relay)
+        port, close = await _runner(app)
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/api/ha/kv-events") as resp:
+                assert resp.status == 200
+                await asyncio.wait_for(following.wait(), 10)
+                assert drain.in_flight == 0
+                outcome = await asyncio.wait_for(drain.run(close), 10)  # not the 30 s
+                assert (outcome.finished, outcome.cut, outcome.hurried) == (0, 0, False)
+                role_stopped.set()  # the leader's stop ends the relay
+
+    run(body)

@@ -156,6 +156,8 @@ def test_empty_metrics_render_help_and_type_only() -> None:
         "llmgw_requests_total",
         "llmgw_stream_resumes_total",
         "llmgw_streams_broken_total",
+        "llmgw_instance_draining",
+        "llmgw_drain_requests_cut_total",
         "llmgw_request_duration_seconds",
         "llmgw_time_to_first_token_seconds",
         "llmgw_tokens_total",
@@ -185,11 +187,14 @@ def test_empty_metrics_render_help_and_type_only() -> None:
     assert families["llmgw_requests_total"].type == "counter"
     assert families["llmgw_request_duration_seconds"].type == "histogram"
     assert families["llmgw_requests_in_flight"].type == "gauge"
+    # The one sample: not draining (0), so that a dashboard sees the gauge before any stop.
+    draining = families.pop("llmgw_instance_draining")
+    assert draining.type == "gauge" and len(draining.samples) == 1
     for fam in families.values():
         assert fam.help
         assert fam.samples == []
     for line in text.splitlines():
-        assert line.startswith(("# HELP ", "# TYPE "))
+        assert line.startswith(("# HELP ", "# TYPE ")) or line == "llmgw_instance_draining 0"
 
 
 def test_full_render_is_valid() -> None:

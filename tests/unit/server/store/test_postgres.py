@@ -300,3 +300,25 @@ def test_a_keys_new_policy_is_announced_and_usage_is_not(pg_cluster: Any, tmp_pa
         s.add_usage([UsageRow("2026-12-01", key.id, "llama", 1, 2, 3)])
         heard = [n.payload for n in conn.notifies(timeout=2)]
     assert heard == ["api_keys"]
+
+
+def test_a_released_lease_is_announced_and_a_refused_release_is_not(
+    pg_cluster: Any, tmp_path: Path
+) -> None:
+    # Standbys listen on llmgw_lease to take a released lease at once (not at their next
+    # poll); a release that released nothing (another epoch leads) must not wake them.
+    import psycopg
+
+    from llmgw.server.store.instances import LEASE_CHANNEL
+    from llmgw.server.store.postgres import _conninfo
+
+    where = _location(pg_cluster, tmp_path)
+    with Store.open(where) as s, psycopg.connect(_conninfo(where), autocommit=True) as conn:
+        conn.execute(f"LISTEN {LEASE_CHANNEL}")
+        lease = s.take_lease("cp1", 60)
+        assert lease is not None
+        s.renew_lease("cp1", lease.epoch, 60)
+        assert not s.release_lease("cp1", lease.epoch + 1)
+        assert s.release_lease("cp1", lease.epoch)
+        heard = [n.payload for n in conn.notifies(timeout=2)]
+    assert heard == ["cp1"]
