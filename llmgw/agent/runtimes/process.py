@@ -180,6 +180,11 @@ class ProcessRuntime(Runtime):
     async def wait(self, handle: Handle) -> int | None:
         engine = _engine(handle)
         await engine.gone()
+        # What it forked does not outlive it, as after a stop: an engine's worker processes
+        # (vLLM's engine core holds the GPU memory) or, under bwrap, the sandbox's own init
+        # and the engine inside it when bwrap's outer process was the one killed.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(engine.pid, signal.SIGKILL)
         if engine.popen is None:
             return None
         # Ended already: this only collects the exit status.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -176,4 +177,40 @@ def session_members(sid: int) -> list[int]:
                     found.append(int(entry))
             except (OSError, ValueError):
                 continue
+    return found
+
+
+def test_the_sandbox_goes_whole_when_bwrap_itself_is_killed(
+    sandboxed: Sandboxed, tmp_path: Path
+) -> None:
+    # bwrap's outer process killed (what a test's or an operator's `kill -9 PID` of the
+    # recorded engine does): the sandbox's init and the engine in it must not live on.
+    runtime = ProcessRuntime()
+    home = sandboxed.plan.scratch / "home"
+
+    async def main() -> tuple[int | None, int]:
+        handle = await runtime.start(launch(sandboxed, tmp_path))
+        await wait_note(home, "up")
+        os.kill(handle.pid, signal.SIGKILL)
+        return await runtime.wait(handle), handle.pid
+
+    _code, group = asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while _members(group) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _members(group)
+
+
+def _members(pgid: int) -> list[int]:
+    """The live processes of group ``pgid`` (zombies left out)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(entry))
     return found
