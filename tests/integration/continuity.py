@@ -61,8 +61,10 @@ class Fleet:
     def wait_whole(self, timeout: float = 60) -> None:
         """Every agent connected and three replicas routable again (after a fault)."""
         wait_for(
-            lambda: sum(1 for n in self.server.nodes() if n["connected"]) == len(self.agents)
-            and self.routable() == 3,
+            lambda: (
+                sum(1 for n in self.server.nodes() if n["connected"]) == len(self.agents)
+                and self.routable() == 3
+            ),
             timeout=timeout,
             what="three agents and three routable replicas",
         )

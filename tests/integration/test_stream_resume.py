@@ -11,6 +11,7 @@ each fault's test leaves it whole again (tests/integration/continuity.py)."""
 from __future__ import annotations
 
 from collections.abc import Generator
+
 import openai
 import pytest
 
