@@ -58,7 +58,7 @@ class Fleet:
     def routable(self) -> int:
         return sum(1 for r in self.server.replicas(MODEL) if r["routable"])
 
-    def wait_whole(self, timeout: float = 60) -> None:
+    def wait_whole(self, timeout: float = 90) -> None:
         """Every agent connected and three replicas routable again (after a fault)."""
         wait_for(
             lambda: (
