@@ -46,9 +46,14 @@ from llmgw.bodies import (
     return_large_buffers,
 )
 from llmgw.errors import CertificateError, ConfigError
-from llmgw.http.errors import UpstreamConnectError, UpstreamError
+from llmgw.http.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamTooLarge,
+)
 from llmgw.http.pool import UpstreamPool
-from llmgw.http.relay import NOT_PROCESSED, relay
+from llmgw.http.relay import ENGINE_FAILED, NOT_PROCESSED, relay
 from llmgw.listener import GuardedSite, ListenerLimits, connection_state
 from llmgw.netaddr import parse_hostport
 from llmgw.pki import control_plane_problem, serial_hex
@@ -330,8 +335,16 @@ class DataPlane:
                 unprocessed=True,
             )
         except (UpstreamError, ValueError) as exc:
+            failed = None
+            if isinstance(exc, UpstreamError) and not isinstance(exc, UpstreamTooLarge):
+                # The engine took it and failed before its answer was whole (killed, reset,
+                # silent): the gateway may ask another replica, whole.
+                failed = {ENGINE_FAILED: "timeout" if isinstance(exc, UpstreamTimeout) else "reset"}
             return _error(
-                502, f"engine of shard {shard_id} did not answer: {exc}", "engine_unreachable"
+                502,
+                f"engine of shard {shard_id} did not answer: {exc}",
+                "engine_unreachable",
+                headers=failed,
             )
         finally:
             self.inflight -= 1

@@ -16,7 +16,11 @@ same thing everywhere:
 - ``priority``: ``high``, ``normal`` or ``low``, the key's weight when requests wait for a
   model that is full (:data:`PRIORITY_WEIGHTS`);
 - ``models``: the models the key may call (empty: all);
-- ``expires_at``: when the key stops working (UNIX time; None: never).
+- ``expires_at``: when the key stops working (UNIX time; None: never);
+- ``resume``: false turns off, for this key's requests, the gateway's continuing of a stream
+  (and retrying of an answer) on another replica when theirs breaks mid-answer
+  (:mod:`llmgw.server.gateway.resume`); true (the default) leaves it to the model's profile.
+  Off for the key wins over the profile's on.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ POLICY_FIELDS: tuple[str, ...] = (
     "budget",
     "priority",
     "expires",
+    "resume",
 )
 """The fields of a key's policy in the admin API's JSON (:func:`policy_from_json`)."""
 _POLICY_KEYS = POLICY_FIELDS
@@ -113,6 +118,7 @@ class KeyPolicy:
     budget: Budget | None = None
     priority: str = "normal"
     expires_at: float | None = None
+    resume: bool = True
 
     @property
     def weight(self) -> int:
@@ -145,6 +151,8 @@ class KeyPolicy:
             parts.append(f"priority {self.priority}")
         if expiry and self.expires_at is not None:
             parts.append(f"expires {_shown('expires_at', self.expires_at)}")
+        if not self.resume:
+            parts.append("no resume")
         return ", ".join(parts) or "unlimited"
 
     def to_json(self) -> dict[str, Any]:
@@ -157,6 +165,7 @@ class KeyPolicy:
             "budget": str(self.budget) if self.budget is not None else None,
             "priority": self.priority,
             "expires_at": self.expires_at,
+            "resume": self.resume,
         }
 
 
@@ -164,7 +173,7 @@ def policy_from_json(
     data: Mapping[str, Any], *, base: KeyPolicy | None = None, now: float | None = None
 ) -> KeyPolicy:
     """The policy that ``data`` (the admin API's JSON: ``models``, ``rpm``, ``tpm``,
-    ``max_concurrent``, ``budget``, ``priority``, ``expires``) makes of ``base`` (a new key's
+    ``max_concurrent``, ``budget``, ``priority``, ``expires``, ``resume``) makes of ``base`` (a new key's
     defaults when None). A key absent keeps ``base``'s value; null clears a limit (``expires:
     null``: never expires). ``expires`` is a duration from ``now`` (``90d``) or ``never``.
     Raises :class:`ConfigError` naming the field and what it takes."""
@@ -192,6 +201,8 @@ def policy_from_json(
         changes["priority"] = priority
     if "expires" in data:
         changes["expires_at"] = _expires(data["expires"], time.time() if now is None else now)
+    if "resume" in data:
+        changes["resume"] = _resume(data["resume"])
     return replace(policy, **changes)
 
 
@@ -322,6 +333,8 @@ def _shown(name: str, value: Any) -> str:
         return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(value))
     if name == "models":
         return ",".join(value) or "all"
+    if isinstance(value, bool):
+        return "on" if value else "off"
     return format_count(value) if isinstance(value, int) else str(value)
 
 
@@ -346,6 +359,19 @@ def _models(value: object) -> tuple[str, ...]:
                 f"{model!r} is not a model name (1-128 letters, digits and . _ : / -)"
             )
     return tuple(dict.fromkeys(value))
+
+
+def _resume(value: object) -> bool:
+    if value is None:
+        return True  # cleared: the model's profile decides
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "on", "false", "off"):
+        return value.strip().lower() in ("true", "on")
+    raise ConfigError(
+        f"resume must be true (the model's profile decides) or false (a broken stream of this "
+        f"key ends with an error event, a failed answer is not retried); got {value!r}"
+    )
 
 
 def _expires(value: object, now: float) -> float | None:

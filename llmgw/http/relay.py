@@ -27,6 +27,11 @@ from llmgw.http.response import UpstreamResponse
 # Set on answers the data plane gives without having passed the request to an engine
 # (draining, shard not ready): the gateway may send the request to another replica.
 NOT_PROCESSED = "X-Llmgw-Not-Processed"
+# Set on the data plane's 502 when the engine took the request and failed before its answer
+# was whole (killed, reset, silent past the read timeout): nothing of the answer reached the
+# gateway, which may send the request again, whole, to another replica. Its value: why
+# (reset, timeout). An older agent does not set it (such a 502 is then relayed as it is).
+ENGINE_FAILED = "X-Llmgw-Engine-Failed"
 
 # Where relay() leaves the error that ended an event stream early, on the response it returns
 # (aiohttp responses are mappings for such per-request data).
@@ -38,6 +43,7 @@ STARTED_STREAM: web.RequestKey[web.StreamResponse] = web.RequestKey(
 )
 
 __all__ = [
+    "ENGINE_FAILED",
     "NOT_PROCESSED",
     "SSE_HEADERS",
     "STARTED_STREAM",

@@ -37,6 +37,9 @@ def keys() -> None:
                    next period
       --priority   high, normal or low: the key's share when requests wait for a full model
       --expires    when the key stops working: a duration from now (90d) or never
+      --no-resume  a stream of the key that breaks mid-answer ends with an error event,
+                   and a failed answer is not retried on another replica (--resume: as
+                   the model's profile says, the default)
     'llmgw ctl usage' shows what the keys used.
     """
 
@@ -84,6 +87,13 @@ def _policy_options(update: bool) -> Callable[[Callable[..., Any]], Callable[...
             help="When the key stops working, from now: 90d, 12h; or never"
             + ("." if update else " (the default)."),
         ),
+        click.option(
+            "--resume/--no-resume",
+            default=None,
+            help="Whether the key's streams that break mid-answer go on on another replica, "
+            "and its failed answers are retried there, as the model's profile says "
+            "(--resume, the default) or never (--no-resume).",
+        ),
     ]
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -94,11 +104,14 @@ def _policy_options(update: bool) -> Callable[[Callable[..., Any]], Callable[...
     return decorate
 
 
-def _policy_body(given: dict[str, str | None]) -> dict[str, Any]:
+def _policy_body(given: dict[str, str | bool | None]) -> dict[str, Any]:
     """The admin API's policy fields from the options given ('none' -> null)."""
     body: dict[str, Any] = {}
     for name, value in given.items():
         if value is None:
+            continue
+        if isinstance(value, bool):  # --resume/--no-resume
+            body[name] = value
             continue
         word = value.strip().lower()
         if name == "models":
@@ -112,11 +125,17 @@ def _policy_body(given: dict[str, str | None]) -> dict[str, Any]:
     return body
 
 
+def _resume_cell(resume: bool) -> str:
+    if resume:
+        return "as the model's profile says"
+    return "off: a broken stream ends with an error event, a failed answer is not retried"
+
+
 @keys.command("create")
 @click.argument("name")
 @_policy_options(update=False)
 @pass_ctl
-def keys_create(c: Ctl, name: str, **policy: str | None) -> None:
+def keys_create(c: Ctl, name: str, **policy: str | bool | None) -> None:
     """Create a key for NAME (who or what uses it); the key is shown once.
 
     A name is unique among the active keys, and names the key in the other commands.
@@ -135,7 +154,7 @@ def keys_create(c: Ctl, name: str, **policy: str | None) -> None:
 @click.argument("key")
 @_policy_options(update=True)
 @pass_ctl
-def keys_update(c: Ctl, key: str, **policy: str | None) -> None:
+def keys_update(c: Ctl, key: str, **policy: str | bool | None) -> None:
     """Change the policy of KEY (its id, prefix or name); what is not given stays.
 
     The gateway applies it at once (a standby within its next sync).
@@ -144,7 +163,7 @@ def keys_update(c: Ctl, key: str, **policy: str | None) -> None:
     if not body:
         raise click.UsageError(
             "nothing to change; give one or more of --models, --rpm, --tpm, "
-            "--max-concurrent, --budget, --priority, --expires"
+            "--max-concurrent, --budget, --priority, --expires, --resume/--no-resume"
         )
     data = c.call("PATCH", _path(key), body)
     if c.as_json:
@@ -243,6 +262,7 @@ def _shown(data: dict[str, Any]) -> list[str]:
             ["max concurrent", _limit(policy["max_concurrent"], "requests at once")],
             ["budget", budget_cell],
             ["priority", policy["priority"]],
+            ["resume", _resume_cell(policy.get("resume", True))],
             [
                 "expires",
                 "never"

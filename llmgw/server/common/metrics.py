@@ -138,6 +138,15 @@ class Metrics:
             "again, no_replica, refused: the other replica did not take it).",
             ("model", "cause", "outcome"),
         )
+        self.request_retries = Counter(
+            "llmgw_request_retries_total",
+            "Requests sent again, whole, to another replica because theirs failed before a byte "
+            "of the answer reached the client (a non-streamed answer cut short, a stream broken "
+            "before its first byte), by model, cause (reset, timeout, protocol; engine_reset, "
+            "engine_timeout: the engine failed under its agent) and outcome (answered, "
+            "refused: the other replica answered a 4xx, failed: it failed too, no_replica).",
+            ("model", "cause", "outcome"),
+        )
         self.streams_broken = Counter(
             "llmgw_streams_broken_total",
             "Streams that broke after their first token and ended with an error event, by model "
@@ -349,6 +358,7 @@ class Metrics:
         for metric in (
             self.requests,
             self.stream_resumes,
+            self.request_retries,
             self.streams_broken,
             self.draining,
             self.drain_cut,

@@ -4,7 +4,11 @@ reports counted (:mod:`llmgw.server.gateway.usage`) into the request's outcome a
 
 A replica that did not take the request (no connection, or its agent said it never passed it
 on: draining, no room for the body, its engine stopping) raises :class:`ConnectFailed`, so
-that the gateway tries another; one that failed mid-answer is the client's 502.
+that the gateway tries another. One that took it and failed before a byte of its answer
+reached the client (a body read whole cut short, the engine killed under its agent, the
+replica silent past the read timeout) raises :class:`AnswerFailed` when the gateway may send
+the request again, whole, to another replica (``may_retry``); otherwise, and when it failed
+mid-stream, it is the client's 502 (or the stream's error event).
 """
 
 from __future__ import annotations
@@ -20,9 +24,15 @@ from cryptography import x509
 
 from llmgw.bodies import MAX_BODY_HEADER
 from llmgw.errors import ConfigError
-from llmgw.http.errors import UpstreamConnectError, UpstreamError, UpstreamTimeout
+from llmgw.http.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    UpstreamTooLarge,
+)
 from llmgw.http.pool import UpstreamPool, UpstreamResponse
-from llmgw.http.relay import NOT_PROCESSED, STREAM_ERROR, relay
+from llmgw.http.relay import ENGINE_FAILED, NOT_PROCESSED, STREAM_ERROR, relay
 from llmgw.log import kv
 from llmgw.netaddr import parse_hostport
 from llmgw.server.common.metrics import Metrics
@@ -34,7 +44,7 @@ from llmgw.server.gateway.resume import StreamSplice
 from llmgw.server.gateway.routing import Endpoint
 from llmgw.server.gateway.usage import StreamTokenCounter, body_usage, usage_numbers
 
-__all__ = ["ConnectFailed", "Forwarder"]
+__all__ = ["AnswerFailed", "ConnectFailed", "Forwarder"]
 
 # The gateway's logger: what an operator filters on for the request path.
 log = logging.getLogger("llmgw.server.gateway")
@@ -49,6 +59,18 @@ class ConnectFailed(Exception):
     def __init__(self, message: str, busy: bool = False) -> None:
         super().__init__(message)
         self.busy = busy
+
+
+class AnswerFailed(Exception):
+    """The replica took the request and failed before a byte of its answer reached the
+    client: the request may be sent again, whole, to another replica. ``cause``: reset (the
+    connection broke), timeout (the replica went silent), engine_reset / engine_timeout (the
+    engine failed under its living agent, which said so), protocol (an answer that is not
+    HTTP)."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class Forwarder:
@@ -127,9 +149,12 @@ class Forwarder:
 
     # -- one request ---------------------------------------------------------------------------
 
-    async def forward(self, req: ModelRequest, ep: Endpoint, charge: Charge) -> web.StreamResponse:
+    async def forward(
+        self, req: ModelRequest, ep: Endpoint, charge: Charge, may_retry: bool = False
+    ) -> web.StreamResponse:
         """``req`` sent to ``ep`` and its answer relayed; :class:`ConnectFailed` when the
-        replica did not take it."""
+        replica did not take it; with ``may_retry``, :class:`AnswerFailed` when it failed
+        before a byte of its answer reached the client."""
         labels = (ep.model, ep.replica_id)
         metrics = self.metrics
         outcome = charge.outcome
@@ -146,6 +171,15 @@ class Forwarder:
                     if resp.get(STREAM_ERROR) is not None:
                         status = 502
                 else:
+                    if may_retry and upstream.status == 502:
+                        failed = upstream.header(ENGINE_FAILED)
+                        if failed is not None:
+                            status = 502
+                            await upstream.read()
+                            raise AnswerFailed(
+                                f"the engine of {ep.replica_id} failed mid-answer ({failed})",
+                                f"engine_{'timeout' if failed == 'timeout' else 'reset'}",
+                            )
                     resp = await relay(
                         req.http,
                         upstream,
@@ -159,6 +193,13 @@ class Forwarder:
             return resp
         except UpstreamError as exc:
             status = 502
+            if may_retry and not isinstance(exc, UpstreamTooLarge):
+                # Before a byte of the answer reached the client (a body read whole, or the
+                # status line): another replica may answer it whole.
+                cause = "timeout" if isinstance(exc, UpstreamTimeout) else "reset"
+                if isinstance(exc, UpstreamProtocolError):
+                    cause = "protocol"
+                raise AnswerFailed(f"{ep.replica_id} failed mid-answer: {exc}", cause) from exc
             return openai_error(
                 502,
                 f"The replica {ep.replica_id} failed mid-request: {exc}",

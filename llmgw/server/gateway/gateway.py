@@ -59,7 +59,7 @@ from llmgw.server.common.httpapi import bearer_token
 from llmgw.server.common.metrics import Metrics
 from llmgw.server.gateway import refusals
 from llmgw.server.gateway.capacity import Capacity, NoRoom
-from llmgw.server.gateway.forwarding import ConnectFailed, Forwarder
+from llmgw.server.gateway.forwarding import AnswerFailed, ConnectFailed, Forwarder
 from llmgw.server.gateway.history import RequestHistory
 from llmgw.server.gateway.limits import KeyLimits, Refusal
 from llmgw.server.gateway.metering import NOTHING, Outcome, estimate, with_usage
@@ -69,6 +69,7 @@ from llmgw.server.gateway.probes import Probes
 from llmgw.server.gateway.queueing import Admission, QueueTimeout
 from llmgw.server.gateway.refusals import openai_error
 from llmgw.server.gateway.resume import (
+    DEFAULT_MAX_RESUMES,
     RESUMABLE_PATHS,
     cause_of,
     ended_early,
@@ -337,7 +338,7 @@ class Gateway:
     async def _complete(
         self, request: web.Request, key: ApiKey, body: bytes, started: float
     ) -> web.StreamResponse:
-        payload = _payload(request, body)
+        payload = refusals.payload_of(request, body)
         if isinstance(payload, web.Response):
             return payload
         model: str = payload["model"]
@@ -374,7 +375,9 @@ class Gateway:
         # ask for it does not see it.
         asked = with_usage(path, body, payload) if stream else None
         session = session_of(payload, request.headers.get("x-session-id"))
-        splice = splice_for(path, payload, served.engine, served.max_resumes)
+        # The key's resume: false wins over the profile's on.
+        most = served.max_resumes if key.policy.resume else 0
+        splice = splice_for(path, payload, served.engine, most)
         del payload  # a parsed body can take many times its size: hold it no longer
         req = ModelRequest(
             http=request,
@@ -388,6 +391,7 @@ class Gateway:
             drop_usage=asked is not None,
             hint=self.router.policies.hint(served, prompt, session),
             splice=splice,
+            retries=DEFAULT_MAX_RESUMES if most is None else most,
         )
         charge = Charge(grant, cost)
         try:
@@ -487,23 +491,34 @@ class Gateway:
     async def _route(self, req: ModelRequest, charge: Charge) -> web.StreamResponse:
         """Take a place on a replica of the model (the one its routing policy chooses;
         waiting in the key's queue when all are full) and forward; another replica when one
-        cannot be reached, or when a stream that may be resumed broke on it."""
+        cannot be reached, or failed before a byte of its answer reached the client (sent
+        again whole, at most ``req.retries`` times), or when a stream that may be resumed
+        broke on it."""
         tried: set[str] = set()
         busy = 0  # replicas whose agent had no room for the body
         cause = ""  # why the stream is being resumed ("" while it is not)
         failure: Exception | None = None  # what broke it
+        retries = 0  # times the request was sent again whole
+        retry = ""  # why the last time (its outcome not known yet: "" when none)
         while True:
             ep = await self._place(req, frozenset(tried), busy)
             if isinstance(ep, web.StreamResponse):
                 charge.outcome.status = ep.status
+                if retry:
+                    self._retried(req, retry, "no_replica")
                 if cause and failure is not None:
                     # No other replica to go on with: the stream ends as it would have.
                     self._stream_end(req, cause, "no_replica")
                     return await ended_early(req.http[STARTED_STREAM], req.model, failure)
                 return await _in_started_stream(req, ep)
             tried.add(ep.shard_id)
+            may_retry = (
+                not cause
+                and retries < req.retries
+                and self.router.has_ready(req.model, frozenset(tried))
+            )
             try:
-                answer = await self.forwarder.forward(req, ep, charge)
+                answer = await self.forwarder.forward(req, ep, charge, may_retry)
             except ConnectFailed as exc:
                 busy += exc.busy
                 log.warning(
@@ -511,8 +526,27 @@ class Gateway:
                     extra=kv(model=req.model, shard=ep.shard_id, error=str(exc)),
                 )
                 continue
+            except AnswerFailed as exc:
+                if retry:
+                    self._retried(req, retry, "failed")
+                if _client_gone(req.http):  # not a fault: nobody waits for the answer
+                    return openai_error(502, _sentence(exc), type_="server_error")
+                retries, retry = retries + 1, exc.cause
+                log.warning(
+                    "a replica failed mid-answer; sending the request again to another",
+                    extra=kv(model=req.model, shard=ep.shard_id, cause=exc.cause, error=str(exc)),
+                )
+                continue
             finally:
                 self.admission.release(ep, req.hint)
+            if retry:
+                status = answer.status
+                self._retried(
+                    req,
+                    retry,
+                    "answered" if status < 400 else "refused" if status < 500 else "failed",
+                )
+                retry = ""
             splice = req.splice
             broken = answer.get(STREAM_ERROR)
             if splice is None:
@@ -542,6 +576,15 @@ class Gateway:
             del answer[STREAM_ERROR]  # the next part's own, if it breaks too
             req.http[STARTED_STREAM] = answer
             req = replace(req, body=body)
+
+    def _retried(self, req: ModelRequest, cause: str, outcome: str) -> None:
+        """``req``, sent again whole after its replica failed with ``cause``, ended with
+        ``outcome``."""
+        self.metrics.request_retries.inc((req.model, cause, outcome))
+        log.info(
+            "a request sent again went on",
+            extra=kv(model=req.model, cause=cause, outcome=outcome, stream=req.stream),
+        )
 
     def _stream_end(self, req: ModelRequest, cause: str, outcome: str) -> None:
         """A resumed part of ``req``'s stream ended with ``outcome``."""
@@ -660,34 +703,9 @@ async def _in_started_stream(req: ModelRequest, answer: web.StreamResponse) -> w
     return started
 
 
-def _payload(request: web.Request, body: bytes) -> dict[str, Any] | web.Response:
-    """The body as a JSON object with a ``model`` (a string), or the 400 to answer."""
-    try:
-        payload = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
-        why = "nested too deep" if isinstance(exc, RecursionError) else "not valid JSON"
-        log.info(
-            "refused a request body",
-            extra=kv(path=request.path[:100], peer=request.remote or "", reason=why),
-        )
-        return openai_error(
-            400,
-            f"The request body is {why}; send a JSON object such as "
-            '{"model": "...", "messages": [...]}.',
-            code="invalid_json",
-        )
-    if not isinstance(payload, dict):
-        return openai_error(
-            400,
-            'The request body must be a JSON object such as {"model": "...", "messages": [...]}.',
-            code="invalid_json",
-        )
-    model = payload.get("model")
-    if not isinstance(model, str) or not model:
-        return openai_error(
-            400, "The request needs a 'model' (a string).", param="model", code="missing_model"
-        )
-    return payload
+def _client_gone(http: web.Request) -> bool:
+    transport = http.transport
+    return transport is None or transport.is_closing()
 
 
 def _sentence(exc: Exception) -> str:

@@ -44,6 +44,10 @@ class ModelRequest:
     # A stream that may go on on another replica when its own breaks (llmgw.server.gateway.
     # resume): what was sent of it; None for other requests.
     splice: StreamSplice | None = None
+    # How many times the request may be sent again, whole, to another replica when its
+    # replica failed before a byte of the answer reached the client (0: the key's or the
+    # profile's resume is off).
+    retries: int = 0
 
 
 class Charge:

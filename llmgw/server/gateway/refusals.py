@@ -3,11 +3,15 @@ wrong and what fixes it, with the ``ctl`` command an operator runs here."""
 
 from __future__ import annotations
 
+import json
+import logging
 import time
+from typing import Any
 
 from aiohttp import web
 
 from llmgw.configfile import format_size
+from llmgw.log import kv
 
 __all__ = [
     "bodies_busy",
@@ -16,10 +20,14 @@ __all__ = [
     "no_replica",
     "no_such_model",
     "openai_error",
+    "payload_of",
     "queue_timeout",
     "too_large",
     "unauthorized",
 ]
+
+# The gateway's logger: what an operator filters on for the request path.
+log = logging.getLogger("llmgw.server.gateway")
 
 
 def openai_error(
@@ -183,3 +191,33 @@ def no_room(model: str, reason: str, ctl: str) -> web.Response:
         code="no_capacity",
         headers={"Retry-After": "30"},
     )
+
+
+def payload_of(request: web.Request, body: bytes) -> dict[str, Any] | web.Response:
+    """The body as a JSON object with a ``model`` (a string), or the 400 to answer."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        why = "nested too deep" if isinstance(exc, RecursionError) else "not valid JSON"
+        log.info(
+            "refused a request body",
+            extra=kv(path=request.path[:100], peer=request.remote or "", reason=why),
+        )
+        return openai_error(
+            400,
+            f"The request body is {why}; send a JSON object such as "
+            '{"model": "...", "messages": [...]}.',
+            code="invalid_json",
+        )
+    if not isinstance(payload, dict):
+        return openai_error(
+            400,
+            'The request body must be a JSON object such as {"model": "...", "messages": [...]}.',
+            code="invalid_json",
+        )
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        return openai_error(
+            400, "The request needs a 'model' (a string).", param="model", code="missing_model"
+        )
+    return payload

@@ -283,6 +283,7 @@ def _policy_from_row(row: Row) -> KeyPolicy:
         budget=None if tokens is None or period is None else Budget(tokens, period),
         priority=row["priority"],
         expires_at=row["expires_at"],
+        resume=bool(row["resume"]),
     )
 
 
@@ -316,6 +317,7 @@ def policy_columns(policy: KeyPolicy) -> dict[str, Any]:
         "budget_period": None if budget is None else budget.period,
         "priority": policy.priority,
         "expires_at": policy.expires_at,
+        "resume": int(policy.resume),
     }
 
 

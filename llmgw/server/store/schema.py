@@ -442,6 +442,11 @@ MIGRATIONS: list[str] = [
         sleep_host_mib INTEGER NOT NULL DEFAULT 0 CHECK (sleep_host_mib >= 0)
     );
     """,
+    # 20: an API key's resume (issue 40): 0 turns off, for its requests, the gateway's
+    # continuing of a broken stream (and retrying of a failed answer) on another replica
+    """
+    ALTER TABLE api_keys ADD COLUMN resume INTEGER NOT NULL DEFAULT 1 CHECK (resume IN (0, 1));
+    """,
 ]
 
 

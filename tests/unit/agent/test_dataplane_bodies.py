@@ -20,7 +20,7 @@ from aiohttp import web
 
 from llmgw.agent.dataplane import DataPlane
 from llmgw.bodies import MAX_BODY_HEADER
-from llmgw.http.relay import NOT_PROCESSED
+from llmgw.http.relay import ENGINE_FAILED, NOT_PROCESSED
 from tests.unit.serving import serving
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("each_loop")]
@@ -50,8 +50,20 @@ def engine_app(engine: Engine) -> web.Application:
             raise
         return web.json_response({})
 
+    async def dies(request: web.Request) -> web.StreamResponse:
+        # Killed mid-answer: part of a body whose length says more, then the connection gone.
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = 100
+        await resp.prepare(request)
+        await resp.write(b'{"choices": [')
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
     app = web.Application(client_max_size=64 * 1024 * KIB)
     app.router.add_post("/v1/ok", ok)
+    app.router.add_post("/v1/dies", dies)
     app.router.add_post("/v1/stall", stall)
     return app
 
@@ -182,14 +194,27 @@ def test_over_the_budget_is_503_not_processed_so_the_gateway_tries_another_repli
 
 def test_a_silent_engine_is_502_after_the_idle_timeout() -> None:
     async def body(rig: Rig) -> None:
-        status, answer, _ = await asyncio.wait_for(rig.post("/v1/stall", b"{}"), STEP_S)
+        status, answer, headers = await asyncio.wait_for(rig.post("/v1/stall", b"{}"), STEP_S)
         assert status == 502
         assert answer["error"]["code"] == "engine_unreachable"
         assert "sent nothing for 0.5 s" in answer["error"]["message"]
+        assert headers[ENGINE_FAILED] == "timeout"  # the gateway may ask another replica
+        assert NOT_PROCESSED not in headers  # the engine did take it
         await asyncio.wait_for(rig.engine.gone.wait(), STEP_S)
         assert json.dumps(answer)  # an ordinary JSON error, not a traceback
 
     run(body, upstream_idle_timeout=0.5)
+
+
+def test_an_engine_that_dies_mid_answer_is_502_saying_so() -> None:
+    async def body(rig: Rig) -> None:
+        status, answer, headers = await rig.post("/v1/dies", b"{}")
+        assert status == 502
+        assert answer["error"]["code"] == "engine_unreachable"
+        assert headers[ENGINE_FAILED] == "reset"
+        assert NOT_PROCESSED not in headers
+
+    run(body)
 
 
 def test_an_engine_that_refuses_the_connection_is_502_not_processed() -> None:
@@ -205,6 +230,7 @@ def test_an_engine_that_refuses_the_connection_is_502_not_processed() -> None:
         assert status == 502
         assert answer["error"]["code"] == "engine_unreachable"
         assert headers.get(NOT_PROCESSED) == "1"
+        assert ENGINE_FAILED not in headers
         assert rig.engine.seen == []
 
     run(body)

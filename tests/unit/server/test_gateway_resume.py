@@ -22,7 +22,7 @@ from aiohttp import web
 
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import KeyPolicy
-from llmgw.http.relay import error_event
+from llmgw.http.relay import ENGINE_FAILED, error_event
 from llmgw.server.common.config import load_server_config
 from llmgw.server.common.metrics import Metrics
 from llmgw.server.gateway.routing import Endpoint, Router
@@ -44,6 +44,11 @@ class Breaker:
     after: int = 3  # content events relayed before the break
     mode: str = "error"  # error (the agent's error event), reset, eof (no [DONE])
     left: int = 1  # streams still to break
+    # A non-streamed answer's break: engine (the agent's 502 saying its engine failed),
+    # old_agent (that 502 without the saying), cut (the body cut short), "" (none)
+    answer: str = ""
+    answers: int = 0  # non-streamed requests the replicas got
+    delay: float = 0.0  # before a non-streamed answer's break
 
 
 @dataclasses.dataclass
@@ -66,6 +71,11 @@ def _proxy(engine_url: str, breaker: Breaker) -> web.Application:
             ) as upstream,
         ):
             if upstream.content_type != "text/event-stream":
+                breaker.answers += 1
+                if breaker.answer and breaker.left > 0:
+                    breaker.left -= 1
+                    await asyncio.sleep(breaker.delay)
+                    return await _break_answer(request, breaker.answer, await upstream.read())
                 return web.Response(
                     status=upstream.status,
                     body=await upstream.read(),
@@ -98,6 +108,23 @@ def _proxy(engine_url: str, breaker: Breaker) -> web.Application:
     return app
 
 
+async def _break_answer(request: web.Request, how: str, whole: bytes) -> web.StreamResponse:
+    """A non-streamed answer broken as the agent breaks it when its engine fails (a 502
+    saying so, or an older agent's without), or as a connection lost mid-body does."""
+    error = b'{"error": {"message": "engine of shard s0 did not answer", "code": "x"}}'
+    if how == "engine":
+        return web.Response(status=502, body=error, headers={ENGINE_FAILED: "reset"})
+    if how == "old_agent":
+        return web.Response(status=502, body=error, content_type="application/json")
+    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+    resp.content_length = len(whole)
+    await resp.prepare(request)
+    await resp.write(whole[: len(whole) // 2])
+    assert request.transport is not None
+    request.transport.abort()
+    return resp
+
+
 def run(
     body: Callable[[Rig], Awaitable[None]],
     *,
@@ -105,6 +132,7 @@ def run(
     engine: str = "sim",
     breaker: Breaker | None = None,
     max_resumes: int | None = None,
+    policy: KeyPolicy | None = None,
 ) -> None:
     breaker = breaker or Breaker()
 
@@ -133,7 +161,7 @@ def run(
                 gateway = gateway_of(
                     cfg,
                     router,
-                    serving_of(cfg, [api_key("alice", KeyPolicy())[0]], [served]),
+                    serving_of(cfg, [api_key("alice", policy or KeyPolicy())[0]], [served]),
                     metrics=metrics,
                 )
                 app = web.Application()
@@ -296,3 +324,93 @@ def test_what_is_not_resumed_ends_with_the_error_event(
         assert broken(rig.metrics) == {("m", reason): 1}
 
     run(body, engine=engine, max_resumes=max_resumes, breaker=Breaker(mode=mode))
+
+
+def test_a_key_with_resume_off_ends_its_broken_stream() -> None:
+    """Off for the key wins over the profile's on (here the default)."""
+
+    async def body(rig: Rig) -> None:
+        with pytest.raises(openai.APIError, match="ended early"):
+            await chat_stream(rig.client, seed=9, max_tokens=40)
+        assert rig.breaker.left == 0
+        assert resumes(rig.metrics) == {}
+        assert broken(rig.metrics) == {("m", "off"): 1}
+
+    run(body, breaker=Breaker(mode="reset"), policy=KeyPolicy(resume=False))
+
+
+def retries(metrics: Metrics) -> dict[tuple[str, ...], float]:
+    return dict(metrics.request_retries.values)
+
+
+@pytest.mark.parametrize(("how", "cause"), [("engine", "engine_reset"), ("cut", "reset")])
+def test_a_non_streamed_answer_that_failed_is_retried_whole(how: str, cause: str) -> None:
+    async def body(rig: Rig) -> None:
+        whole = await rig.direct.chat.completions.create(
+            model="m", messages=MESSAGES, seed=9, max_tokens=30
+        )
+        got = await rig.client.chat.completions.create(
+            model="m", messages=MESSAGES, seed=9, max_tokens=30
+        )
+        assert rig.breaker.left == 0 and rig.breaker.answers == 2
+        assert got.choices[0].message.content == whole.choices[0].message.content
+        assert got.usage is not None and whole.usage is not None
+        assert got.usage.total_tokens == whole.usage.total_tokens  # the second answer's only
+        assert retries(rig.metrics) == {("m", cause, "answered"): 1}
+        assert resumes(rig.metrics) == {}
+
+    run(body, breaker=Breaker(answer=how))
+
+
+@pytest.mark.parametrize(
+    ("how", "policy", "max_resumes", "replicas"),
+    [
+        ("old_agent", None, None, 2),  # an older agent does not say the engine failed
+        ("engine", KeyPolicy(resume=False), None, 2),  # off for the key
+        ("cut", None, 0, 2),  # off for the profile
+        ("engine", None, None, 1),  # no other replica
+    ],
+)
+def test_a_failed_answer_that_is_not_retried_is_the_clients_502(
+    how: str, policy: KeyPolicy | None, max_resumes: int | None, replicas: int
+) -> None:
+    async def body(rig: Rig) -> None:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await rig.client.chat.completions.create(model="m", messages=MESSAGES, seed=9)
+        assert caught.value.status_code == 502
+        assert rig.breaker.answers == 1
+        assert retries(rig.metrics) == {}
+
+    run(
+        body,
+        replicas=replicas,
+        breaker=Breaker(answer=how),
+        max_resumes=max_resumes,
+        policy=policy,
+    )
+
+
+def test_a_failed_answer_is_retried_at_most_max_resumes_times() -> None:
+    async def body(rig: Rig) -> None:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await rig.client.chat.completions.create(model="m", messages=MESSAGES, seed=9)
+        assert caught.value.status_code == 502
+        assert rig.breaker.answers == 2  # the first, and one retry
+        assert retries(rig.metrics) == {("m", "engine_reset", "failed"): 1}
+
+    run(body, replicas=3, breaker=Breaker(answer="engine", left=3), max_resumes=1)
+
+
+def test_a_client_that_went_away_is_not_retried_for() -> None:
+    """A client-side disconnect is not a fault: nothing is sent again for it."""
+
+    async def body(rig: Rig) -> None:
+        with pytest.raises(openai.APITimeoutError):
+            await rig.client.with_options(timeout=0.3).chat.completions.create(
+                model="m", messages=MESSAGES, seed=9
+            )
+        await asyncio.sleep(1.0)  # past the replica's failure
+        assert rig.breaker.answers == 1
+        assert retries(rig.metrics) == {}
+
+    run(body, breaker=Breaker(answer="engine", delay=0.6))

@@ -155,6 +155,7 @@ def test_empty_metrics_render_help_and_type_only() -> None:
     assert set(families) == {
         "llmgw_requests_total",
         "llmgw_stream_resumes_total",
+        "llmgw_request_retries_total",
         "llmgw_streams_broken_total",
         "llmgw_instance_draining",
         "llmgw_drain_requests_cut_total",

@@ -59,6 +59,7 @@ def test_create_sends_the_policy_and_shows_it_with_the_key(
     out = ok(api,
         "keys", "create", "ci", "--models", "llama,qwen", "--rpm", "60", "--tpm", "100k",
         "--max-concurrent", "4", "--budget", "10M/day", "--priority", "high", "--expires", "90d",
+        "--no-resume",
     )  # fmt: skip
     key = store.get_api_key("ci")
     assert api.calls == [
@@ -74,6 +75,7 @@ def test_create_sends_the_policy_and_shows_it_with_the_key(
                 "budget": "10M/day",
                 "priority": "high",
                 "expires": "90d",
+                "resume": False,
             },
         )
     ]
@@ -84,8 +86,9 @@ def test_create_sends_the_policy_and_shows_it_with_the_key(
         f"{secret}\n"
         "store it now: it is not shown again (only its hash is kept)\n"
         "policy: models llama,qwen, rpm 60, tpm 100k, 4 at once, budget 10M/day, priority "
-        "high (expires in 90d)\n"
+        "high, no resume (expires in 90d)\n"
     )
+    assert key.policy.resume is False
     assert key.policy.budget is not None and key.policy.budget.tokens == 10_000_000
 
 
@@ -178,6 +181,17 @@ def test_update_changes_what_is_given_and_none_clears(
     assert out == (
         f"key {key.id} (ci) already has that policy; nothing changed\npolicy: unlimited\n"
     )
+    out = ok(api, "keys", "update", "ci", "--no-resume")
+    assert api.calls[-1][2] == {"resume": False}
+    assert out == f"updated key {key.id} (ci): resume on -> off\npolicy: no resume\n"
+    lines = ok(api, "keys", "show", "ci").splitlines()
+    assert (
+        "resume          off: a broken stream ends with an error event, a failed answer is "
+        "not retried"
+    ) in lines
+    ok(api, "keys", "update", "ci", "--resume")
+    assert api.calls[-1][2] == {"resume": True}
+    assert store.get_api_key(key.id).policy == KeyPolicy()
 
 
 def test_update_without_a_change_is_a_usage_error(api: FakeAPI, admin: Admin) -> None:
@@ -254,6 +268,7 @@ def test_show_gives_the_limits_and_the_usage(
         "max concurrent  unlimited\n"
         f"budget          1M/day: 5,000 spent since {today} (UTC), 995,000 left\n"
         "priority        normal\n"
+        "resume          as the model's profile says\n"
         "expires         never\n"
         "\n"
         f"today ({today}, UTC): 4 requests, 2,000 prompt + 3,000 completion tokens "
@@ -274,14 +289,15 @@ def test_show_of_an_unused_expiring_key(
     ok(api, "keys", "create", "lab", "--expires", "90d", "--max-concurrent", "2")
     lines = ok(api, "keys", "show", "lab").splitlines()
     expires = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(clock.t + 90 * DAY))
-    assert lines[5:10] == [
+    assert lines[5:11] == [
         "max concurrent  2 requests at once",
         "budget          none",
         "priority        normal",
+        "resume          as the model's profile says",
         f"expires         {expires} (in 90d)",
         "",
     ]
-    assert lines[10:] == [
+    assert lines[11:] == [
         f"today ({usage_day(clock.t)}, UTC): 0 requests, 0 prompt + 0 completion tokens "
         "(0 cached), 0 errors",
         f"last 7 days ({usage_day(clock.t - 6 * DAY)} to {usage_day(clock.t)}):",

@@ -59,10 +59,12 @@ def test_a_key_is_created_with_its_policy(admin: Admin, store: Store) -> None:
             "budget": "10M/day",
             "priority": "high",
             "expires": "90d",
+            "resume": False,
         },
         status=201,
     )
     key = store.get_api_key("ci")
+    assert key.policy.resume is False  # as stored
     assert data == {
         "id": key.id,
         "name": "ci",
@@ -80,9 +82,10 @@ def test_a_key_is_created_with_its_policy(admin: Admin, store: Store) -> None:
             "budget": "10M/day",
             "priority": "high",
             "expires_at": T0 + 90 * DAY,
+            "resume": False,
         },
         "policy_summary": "models llama,qwen, rpm 60, tpm 100k, 4 at once, budget 10M/day, "
-        "priority high",
+        "priority high, no resume",
     }
     assert data["key"].startswith(key.prefix) and store.verify_api_key(data["key"]) == key
     assert admin.refreshed == 1
@@ -91,7 +94,7 @@ def test_a_key_is_created_with_its_policy(admin: Admin, store: Store) -> None:
         "key_created",
         key.id,
         "ci: models llama,qwen, rpm 60, tpm 100k, 4 at once, budget 10M/day, priority high, "
-        "expires 2027-03-02 10:00 UTC",
+        "expires 2027-03-02 10:00 UTC, no resume",
     )
 
 
@@ -138,7 +141,7 @@ def test_a_key_without_a_policy_is_unlimited(admin: Admin) -> None:
         (
             {"name": "ci", "rate": 5},
             "unknown key policy field(s) rate; a key's policy takes models, rpm, tpm, "
-            "max_concurrent, budget, priority, expires",
+            "max_concurrent, budget, priority, expires, resume",
         ),
         ({"name": ""}, "a key needs a name of 1-64 characters (who or what uses it)"),
         ({"rpm": 5}, "a key needs a name of 1-64 characters (who or what uses it)"),
@@ -312,6 +315,19 @@ def test_update_changes_what_it_is_given_and_says_what_changed(
     )
 
 
+def test_resume_is_turned_off_and_on_again(admin: Admin, store: Store) -> None:
+    made = admin.ok("POST", "/api/keys", {"name": "ci"}, status=201)
+    assert made["policy"]["resume"] is True  # the default: as the model's profile says
+    data = admin.ok("PATCH", "/api/keys/ci", {"resume": False})
+    assert data["changed"] == {"resume": {"from": True, "to": False}}
+    assert store.get_api_key(made["id"]).policy.resume is False
+    assert store.list_events(limit=1)[0].message == "ci: resume on -> off"
+    # null clears it back to the default; the console's form sends on / off
+    assert admin.ok("PATCH", "/api/keys/ci", {"resume": None})["policy"]["resume"] is True
+    admin.ok("PATCH", "/api/keys/ci", {"resume": "off"})
+    assert store.get_api_key(made["id"]).policy.resume is False
+
+
 def test_an_update_that_changes_nothing_says_so_and_writes_nothing(
     admin: Admin, store: Store, clock: Clock
 ) -> None:
@@ -327,7 +343,7 @@ def test_an_update_that_changes_nothing_says_so_and_writes_nothing(
     [
         (
             {},
-            "nothing to change; give one or more of models, rpm, tpm, max_concurrent, budget, priority, expires",
+            "nothing to change; give one or more of models, rpm, tpm, max_concurrent, budget, priority, expires, resume",
         ),
         (
             {"name": "other"},
@@ -344,7 +360,17 @@ def test_an_update_that_changes_nothing_says_so_and_writes_nothing(
         ),
         (
             {"rpm": 5, "burst": 9},
-            "unknown key policy field(s) burst; a key's policy takes models, rpm, tpm, max_concurrent, budget, priority, expires",
+            "unknown key policy field(s) burst; a key's policy takes models, rpm, tpm, max_concurrent, budget, priority, expires, resume",
+        ),
+        (
+            {"resume": "sometimes"},
+            "resume must be true (the model's profile decides) or false (a broken stream of "
+            "this key ends with an error event, a failed answer is not retried); got 'sometimes'",
+        ),
+        (
+            {"resume": 0},
+            "resume must be true (the model's profile decides) or false (a broken stream of "
+            "this key ends with an error event, a failed answer is not retried); got 0",
         ),
     ],
 )

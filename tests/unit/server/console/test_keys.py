@@ -67,6 +67,7 @@ def test_create_a_key_shows_its_secret_once(
             budget="10M/day",
             priority="high",
             expires="90d",
+            resume="off",
         )
         key = store.list_api_keys()[0]
         later = [
@@ -102,7 +103,9 @@ def test_create_a_key_shows_its_secret_once(
         budget=Budget(10_000_000, "day"),
         priority="high",
         expires_at=key.policy.expires_at,
+        resume=False,
     )
+    assert 'id="key-resume">off<' in later[2]  # the key's page says so
     assert key.policy.expires_at == pytest.approx(rig.clock() + 90 * 86400)
     for shown in later:
         assert secret not in shown
@@ -117,7 +120,7 @@ def test_an_empty_form_makes_an_unlimited_key(rig: ConsoleRig, store: Store) -> 
     async def scenario(b: Browser) -> int:
         await b.login()
         fields = dict.fromkeys(("models", "rpm", "tpm", "max_concurrent", "budget", "expires"), "")
-        return (await create(b, name="any", priority="normal", **fields))[0]
+        return (await create(b, name="any", priority="normal", resume="on", **fields))[0]
 
     assert rig.run(scenario) == 200
     assert store.list_api_keys()[0].policy == KeyPolicy()
@@ -132,6 +135,7 @@ def test_an_empty_form_makes_an_unlimited_key(rig: ConsoleRig, store: Store) -> 
         ({"name": "a", "priority": "urgent"}, 400, "priority must be one of high, normal, low"),
         ({"name": "a", "expires": "10s"}, 400, "expires must be at least 1 minute"),
         ({"name": "a", "models": "chat, no spaces!"}, 400, "is not a model name"),
+        ({"name": "a", "resume": "maybe"}, 400, "resume must be true"),
         ({"name": ""}, 400, "a key needs a name of 1-64 characters"),
         ({"name": "x" * 65}, 400, "a key needs a name of 1-64 characters"),
     ],
@@ -149,7 +153,7 @@ def test_a_bad_policy_value_is_refused_in_the_form(
     problem = flash_of(page)
     assert problem.startswith("error: no key created: ") and says in problem
     for name, value in fields.items():
-        if value and name != "priority":
+        if value and name not in ("priority", "resume"):  # the selects
             assert f'name="{name}" value="{html.escape(value)}"' in page  # kept
     assert not _SECRET.search(page)
     assert store.list_api_keys() == []
