@@ -319,7 +319,7 @@ class ControlPlane:
         if self.leadership.shared:
             # The agents' KV events, relayed to each standby that asks (every instance routes
             # a kv-events model by what the replicas hold).
-            relay = KvRelay(self.router, lambda: self.admin_token)
+            relay = KvRelay(self.router, lambda: self.admin_token, self.metrics)
             relay.add_routes(app)
             app.on_shutdown.append(lambda _app: _closed(relay.close))
         self.serving.refresh_keys()
@@ -440,6 +440,7 @@ class ControlPlane:
             lambda: self.leadership.leader_addresses()[1],
             token=lambda: token,
             ssl=lambda: leader_ssl(cfg.tls, self.pki_dir),
+            metrics=self.metrics,
         )
         for name, run in (
             ("follow", follower.run()),

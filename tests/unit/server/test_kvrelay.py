@@ -11,6 +11,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from llmgw.proto import control_pb2 as pb
+from llmgw.server.common.metrics import Metrics
 from llmgw.server.gateway.routing import Endpoint, Router
 from llmgw.server.ha import kvrelay
 from llmgw.server.ha.kvrelay import RELAY_PATH, KvFollower, KvRelay, frame
@@ -187,3 +188,52 @@ def test_a_frame_is_its_length_then_the_message() -> None:
     data = frame(msg)
     assert int.from_bytes(data[:4], "big") == len(data) - 4
     assert pb.KvRelayed.FromString(data[4:]) == msg
+
+
+def _sample(metrics: Metrics, name: str) -> float | None:
+    for line in metrics.render().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def test_metrics_count_frames_standbys_and_cut_offs() -> None:
+    """/metrics: frames sent (the leader) and applied (the standby), standbys following now,
+    standbys cut off for lagging."""
+
+    async def go() -> None:
+        leader = _router(("s1", "n1"))
+        leader_metrics, standby_metrics = Metrics(), Metrics()
+        relay = KvRelay(leader, lambda: TOKEN, leader_metrics)
+        app = web.Application()
+        relay.add_routes(app)
+        assert _sample(leader_metrics, "llmgw_kv_relay_standbys") == 0
+        assert _sample(leader_metrics, "llmgw_kv_relay_cut_off_total") == 0
+        async with TestServer(app) as server:
+            leader.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, stored=[1]))
+            url = str(server.make_url(""))
+            follower = KvFollower(
+                _router(), lambda: url, token=lambda: TOKEN, retry=0.05, metrics=standby_metrics
+            )
+            task = asyncio.create_task(follower.run())
+            await _until(lambda: follower.connections == 1, "the snapshot")
+            assert _sample(leader_metrics, "llmgw_kv_relay_standbys") == 1
+            leader.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, stored=[2]))
+            await _until(lambda: follower.applied == 2, "snapshot and batch applied")
+            sent = 'llmgw_kv_relay_frames_total{side="sent"}'
+            applied = 'llmgw_kv_relay_frames_total{side="applied"}'
+            assert _sample(leader_metrics, sent) == 2  # the snapshot's one message, one batch
+            assert _sample(standby_metrics, applied) == 2
+            assert _sample(standby_metrics, sent) is None
+            for key in range(3, kvrelay.MAX_QUEUED + 10):
+                leader.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, stored=[key]))
+            await _until(lambda: follower.connections == 2, "the second snapshot")
+            assert _sample(leader_metrics, "llmgw_kv_relay_cut_off_total") == 1
+            assert relay.cut_off == 1
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await _until(lambda: not relay.subscribers, "the stream's end")
+            assert _sample(leader_metrics, "llmgw_kv_relay_standbys") == 0
+            relay.close()
+
+    asyncio.run(go())
