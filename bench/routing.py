@@ -230,8 +230,10 @@ async def drive(
     one turn of a new conversation with a prompt of its own. Returns the results, the start
     time and the server's CPU seconds used."""
     rng = random.Random(seed)
-    # The words on a stream of their own: the arrivals and the conversations they pick are
-    # the same for every policy, however the turns' tasks interleave with them.
+    # The arrival times and the words each on a stream of their own: every policy gets the
+    # same arrivals, however the turns' tasks interleave with them and whichever
+    # conversations are idle when a request arrives.
+    arrivals = random.Random(seed + 2)
     text_rng = random.Random(seed + 1)
     url = server.url + "/v1/chat/completions"
     convs: dict[int, list[Conversation]] = {t: [] for t in range(TENANTS)}
@@ -245,7 +247,7 @@ async def drive(
         start = time.perf_counter()
         due = start
         while True:
-            due += rng.expovariate(rate)
+            due += arrivals.expovariate(rate)
             now = time.perf_counter()
             if due - start >= duration:
                 break

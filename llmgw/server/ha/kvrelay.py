@@ -290,4 +290,8 @@ class KvFollower:
                 self.router.kv_relayed(msg)
                 self.applied += 1
                 self.metrics.kv_relay_frames.inc(("applied",))
+                # readexactly does not yield while frames are buffered: a snapshot or a
+                # burst would be indexed in one step of the loop, the requests this standby
+                # routes waiting behind it.
+                await asyncio.sleep(0)
             return "another instance leads now"

@@ -5,8 +5,10 @@ sent everything again, and a leader change ends the stream."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable
 
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -237,3 +239,40 @@ def test_metrics_count_frames_standbys_and_cut_offs() -> None:
             relay.close()
 
     asyncio.run(go())
+
+
+def test_the_standby_lets_other_work_run_between_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot arrives as many frames in one read; applying them all in one step of the
+    loop held up every request the standby routes meanwhile."""
+    monkeypatch.setattr(kvrelay, "SNAPSHOT_CHUNK", 1)
+
+    async def test(leader: Router, relay: KvRelay, url: str) -> None:
+        leader.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, stored=range(1, 41)))
+        ticks = 0
+
+        async def ticking() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        standby = _router()
+        seen: list[int] = []
+        apply = standby.kv_relayed
+
+        def recording(msg: pb.KvRelayed) -> None:
+            seen.append(ticks)
+            apply(msg)
+
+        monkeypatch.setattr(standby, "kv_relayed", recording)
+        ticker = asyncio.create_task(ticking())
+        follower = _follow(standby, lambda: url)
+        task = asyncio.create_task(follower.run())
+        await _until(lambda: len(_held(standby, "s1")) == 40, "the snapshot applied")
+        assert len(seen) == 40
+        assert all(b > a for a, b in itertools.pairwise(seen)), seen
+        for t in (task, ticker):
+            t.cancel()
+        await asyncio.gather(task, ticker, return_exceptions=True)
+
+    _with_relay(test)
