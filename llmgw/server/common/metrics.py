@@ -347,8 +347,6 @@ class Metrics:
             "again and is sent the whole index).",
             (),
         )
-        self.kv_relay_standbys.set((), 0)
-        self.kv_relay_cut_off.inc((), 0)
 
     def render(self, index_sizes: Mapping[tuple[str, str], int] | None = None) -> str:
         """The exposition; ``index_sizes``: (model, index) -> block keys in the gateway's

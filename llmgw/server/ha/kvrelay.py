@@ -122,6 +122,9 @@ class KvRelay:
         self.subscribers: set[_Subscriber] = set()
         self.relayed = 0  # frames put to subscribers
         self.cut_off = 0  # standbys cut off for falling behind
+        # Shown from the start on a leader (a standby has neither).
+        self.metrics.kv_relay_standbys.set((), 0)
+        self.metrics.kv_relay_cut_off.inc((), 0)
         router.on_kv_events = self.publish
 
     def close(self) -> None:

@@ -268,11 +268,14 @@ def test_the_standby_lets_other_work_run_between_frames(monkeypatch: pytest.Monk
         ticker = asyncio.create_task(ticking())
         follower = _follow(standby, lambda: url)
         task = asyncio.create_task(follower.run())
-        await _until(lambda: len(_held(standby, "s1")) == 40, "the snapshot applied")
+        try:
+            await _until(lambda: len(_held(standby, "s1")) == 40, "the snapshot applied")
+        finally:
+            for t in (task, ticker):
+                t.cancel()
+            await asyncio.gather(task, ticker, return_exceptions=True)
+            relay.close()
         assert len(seen) == 40
         assert all(b > a for a, b in itertools.pairwise(seen)), seen
-        for t in (task, ticker):
-            t.cancel()
-        await asyncio.gather(task, ticker, return_exceptions=True)
 
     _with_relay(test)
