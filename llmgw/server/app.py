@@ -326,7 +326,7 @@ class ControlPlane:
         if self.leadership.shared:
             # The agents' KV events, relayed to each standby that asks (every instance routes
             # a kv-events model by what the replicas hold).
-            self._relay = KvRelay(self.router, lambda: self.admin_token)
+            self._relay = KvRelay(self.router, lambda: self.admin_token, self.metrics)
             self._relay.add_routes(app)
         self.serving.refresh_keys()
         self.serving.refresh_models()
@@ -452,6 +452,7 @@ class ControlPlane:
             lambda: self.leadership.leader_addresses()[1],
             token=lambda: token,
             ssl=lambda: leader_ssl(cfg.tls, self.pki_dir),
+            metrics=self.metrics,
         )
         for name, run in (
             ("follow", follower.run()),

@@ -59,6 +59,7 @@ def config(
     renew: float = 1.0,
     drain_grace: float = 0,
     drain_timeout: float = 120,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[Path, Path, int, int]:
     """An instance's server.yaml (no drain grace unless given: no load balancer checks
     /healthz but the drain's own tests'), its state directory and its two ports."""
@@ -81,6 +82,7 @@ def config(
                 "lease_renew": f"{renew}s",
                 "drain_grace": drain_grace,
                 "drain_timeout": drain_timeout,
+                **(extra or {}),
             }
         )
     )
@@ -133,19 +135,22 @@ def cluster(
     lease: float = LEASE,
     heartbeat: float = 1.0,
     renew: float = 1.0,
+    extra: dict[str, Any] | None = None,
     **drain: float,
 ) -> list[Instance]:
     """*count* instances on one fresh database; the first leads, the CA imported by the rest
     (*heartbeat*: the agents' heartbeat interval, short here so that the tests wait less;
     bench/failover.py takes the defaults, 5 s and a renewal every 2 s, as what an agent
     notices of a paused leader scales with them; *drain*: drain_grace, drain_timeout for
-    :func:`config`)."""
+    :func:`config`; *extra*: more server.yaml keys, e.g. bench/routing.py's queue_timeout)."""
     name = pg.fresh_database()
     database = {
         "url": pg.url(name, password=False),
         "password_file": str(pg.password_file(tmp)),
     }
-    first_cfg = config(tmp, "cp1", database, lease=lease, heartbeat=heartbeat, renew=renew, **drain)
+    first_cfg = config(
+        tmp, "cp1", database, lease=lease, heartbeat=heartbeat, renew=renew, extra=extra, **drain
+    )
     first = start(tmp, "cp1", *first_cfg)
     wait_for(lambda: role(first) == "leader", timeout=60, what="cp1 leads")
     export = tmp / "ca.llmgw"
@@ -165,7 +170,14 @@ def cluster(
     instances = [first]
     for i in range(2, count + 1):
         cfg = config(
-            tmp, f"cp{i}", database, lease=lease, heartbeat=heartbeat, renew=renew, **drain
+            tmp,
+            f"cp{i}",
+            database,
+            lease=lease,
+            heartbeat=heartbeat,
+            renew=renew,
+            extra=extra,
+            **drain,
         )
         imported = run(
             tmp, "server", "--config", str(cfg[0]), "--import-ca", str(export),

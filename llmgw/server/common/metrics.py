@@ -222,6 +222,7 @@ class Metrics:
             ("model",),
         )
         self._demand_metrics()
+        self._relay_metrics()
         # By the key's name (the operator's, never the users' free text): bounded by the keys.
         self.key_requests = Counter(
             "llmgw_key_requests_total",
@@ -351,6 +352,27 @@ class Metrics:
             out.append(f"llmgw_prefix_index_blocks{labels} {count}")
         return out
 
+    def _relay_metrics(self) -> None:
+        """The KV events relay between instances (llmgw.server.ha.kvrelay)."""
+        self.kv_relay_frames = Counter(
+            "llmgw_kv_relay_frames_total",
+            "KV event frames of the relay between instances, by side (sent: put to a standby's "
+            "stream by this leader, once per standby; applied: taken from the leader by this "
+            "standby, the snapshots' included).",
+            ("side",),
+        )
+        self.kv_relay_standbys = Gauge(
+            "llmgw_kv_relay_standbys",
+            "Standbys following this leader's KV events now.",
+            (),
+        )
+        self.kv_relay_cut_off = Counter(
+            "llmgw_kv_relay_cut_off_total",
+            "Standbys this leader cut off for falling too far behind its KV events (each dials "
+            "again and is sent the whole index).",
+            (),
+        )
+
     def render(self, index_sizes: Mapping[tuple[str, str], int] | None = None) -> str:
         """The exposition; ``index_sizes``: (model, index) -> block keys in the gateway's
         prefix indexes (:meth:`llmgw.server.gateway.prefixes.PrefixRouting.index_sizes`)."""
@@ -385,6 +407,9 @@ class Metrics:
             self.replica_tokens,
             self.routing,
             self.decision,
+            self.kv_relay_frames,
+            self.kv_relay_standbys,
+            self.kv_relay_cut_off,
         ):
             lines.extend(metric.render())
         lines.extend(self._derived(index_sizes or {}))

@@ -192,6 +192,10 @@ within it is refused a second time, so a replay gains nothing in the window eith
 # Without a total timeout (only between reads): the console's live event stream.
 _STREAMS = frozenset({"/ui/events/stream"})
 _STREAM_READ_TIMEOUT = 60.0
+# The leader's own endless streams that a standby does not forward: each would hold a
+# connection of the proxy to the leader until its timeout (the KV events relay, which a
+# standby dials itself: llmgw.server.ha.kvrelay.RELAY_PATH).
+_NOT_FORWARDED = frozenset({"/api/ha/kv-events"})
 
 
 def _client_mac(secret: str, addr: str, stamp: str, nonce: str, method: str, raw_path: str) -> str:
@@ -312,6 +316,8 @@ class LeaderProxy:
         if target is None:
             return _bad_path()
         leader = self.leader_http()
+        if unquote(target.partition("?")[0]).rstrip("/") in _NOT_FORWARDED:
+            return _not_forwarded(target.partition("?")[0], leader)
         if not leader:
             return _no_leader(away=self.database_away())
         if request.content_length is not None and request.content_length > self.max_body:
@@ -428,6 +434,23 @@ def _no_leader(leader: str = "", *, away: float | None = None) -> web.Response:
         },
         status=503,
         headers={"Retry-After": "2"},
+    )
+
+
+def _not_forwarded(path: str, leader: str) -> web.Response:
+    where = f"the leader ({leader})" if leader else "the leader (none leads now)"
+    return web.json_response(
+        {
+            "error": {
+                "message": f"{path} is not forwarded by a standby: it is the leader's stream "
+                "of KV events to the other instances, which would hold this standby's proxy "
+                f"for minutes; call GET /api/ha/kv-events on {where} itself, with the admin "
+                "token (GET /healthz names the leader)",
+                "type": "invalid_request_error",
+                "code": "not_forwarded",
+            }
+        },
+        status=421,
     )
 
 

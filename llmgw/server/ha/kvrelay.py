@@ -52,6 +52,7 @@ from yarl import URL
 
 from llmgw.log import kv
 from llmgw.proto import control_pb2 as pb
+from llmgw.server.common.metrics import Metrics
 from llmgw.server.fleet.intake import MAX_KV_KEYS
 from llmgw.server.gateway.routing import Router
 
@@ -112,11 +113,18 @@ class _Subscriber:
 class KvRelay:
     """The leader's side: every KvEvents its router places, to each subscribed standby."""
 
-    def __init__(self, router: Router, token: Callable[[], str]) -> None:
+    def __init__(
+        self, router: Router, token: Callable[[], str], metrics: Metrics | None = None
+    ) -> None:
         self.router = router
         self.token = token
+        self.metrics = metrics or Metrics()
         self.subscribers: set[_Subscriber] = set()
         self.relayed = 0  # frames put to subscribers
+        self.cut_off = 0  # standbys cut off for falling behind
+        # Shown from the start on a leader (a standby has neither).
+        self.metrics.kv_relay_standbys.set((), 0)
+        self.metrics.kv_relay_cut_off.inc((), 0)
         router.on_kv_events = self.publish
 
     def close(self) -> None:
@@ -138,6 +146,7 @@ class KvRelay:
         for sub in self.subscribers:
             sub.put(data)
         self.relayed += len(self.subscribers)
+        self.metrics.kv_relay_frames.inc(("sent",), len(self.subscribers))
 
     def _authorised(self, request: web.Request) -> bool:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
@@ -163,6 +172,7 @@ class KvRelay:
             )
         sub = _Subscriber()
         self.subscribers.add(sub)
+        self.metrics.kv_relay_standbys.set((), len(self.subscribers))
         # Taken with the subscription, no await between: what is queued after it follows it.
         snapshot = self.router.kv_snapshot(SNAPSHOT_CHUNK)
         out = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
@@ -172,12 +182,16 @@ class KvRelay:
             await out.prepare(request)
             for msg in snapshot:
                 await out.write(frame(msg))
+            self.metrics.kv_relay_frames.inc(("sent",), len(snapshot))
             await self._live(sub, out)
         except ConnectionError:
             pass
         finally:
             self.subscribers.discard(sub)
+            self.metrics.kv_relay_standbys.set((), len(self.subscribers))
         if sub.overflowed:
+            self.cut_off += 1
+            self.metrics.kv_relay_cut_off.inc(())
             log.warning(
                 "a standby fell behind the KV events; cut off (it dials again and is sent the "
                 "whole index)",
@@ -213,8 +227,10 @@ class KvFollower:
         ssl: Callable[[], Any] = lambda: None,
         retry: float = RETRY,
         read_timeout: float = READ_TIMEOUT,
+        metrics: Metrics | None = None,
     ) -> None:
         self.router = router
+        self.metrics = metrics or Metrics()
         self.leader_http = leader_http
         self.token = token
         self.ssl = ssl
@@ -276,4 +292,9 @@ class KvFollower:
                 msg = pb.KvRelayed.FromString(await reader.readexactly(size))
                 self.router.kv_relayed(msg)
                 self.applied += 1
+                self.metrics.kv_relay_frames.inc(("applied",))
+                # readexactly does not yield while frames are buffered: a snapshot or a
+                # burst would be indexed in one step of the loop, the requests this standby
+                # routes waiting behind it.
+                await asyncio.sleep(0)
             return "another instance leads now"

@@ -207,3 +207,58 @@ def test_with_the_database_away_a_standby_says_so_rather_than_that_nobody_leads(
     assert "no instance leads now" in nobody["message"]  # the database answers: it is true
     assert silent["code"] == "database_unreachable"
     assert "the leader at http://127.0.0.1:9 does not answer" in silent["message"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    ["/api/ha/kv-events", "/api/ha/kv-events?x=1", "/api/ha/kv-events/", "/api/ha/kv%2Devents"],
+)
+def test_the_kv_events_relay_is_not_forwarded_and_the_refusal_names_the_leader(raw: str) -> None:
+    """A holder of the admin token asking a standby for the relay's endless stream held the
+    standby's proxy to the leader for its 120 s timeout: it is refused at once, 421, with
+    what to call instead; nothing reaches the leader."""
+    leader = Leader()
+    urls: list[str] = []
+
+    def leader_url(port: int) -> str:
+        urls.append(f"http://127.0.0.1:{port}")
+        return urls[-1]
+
+    async def scenario(session: aiohttp.ClientSession, base: str) -> tuple[int, Any]:
+        return await _get(session, base, raw)
+
+    status, body = asyncio.run(_through(leader, scenario, leader_url=leader_url))
+    assert status == 421
+    assert body["error"]["code"] == "not_forwarded"
+    assert (
+        f"call GET /api/ha/kv-events on the leader ({urls[-1]}) itself" in body["error"]["message"]
+    )
+    assert leader.seen == []
+
+
+def test_paths_beside_the_relay_are_still_forwarded() -> None:
+    leader = Leader()
+    sent = ["/api/ha/kv-events-x", "/api/ha/other", "/api/ha"]
+
+    async def scenario(session: aiohttp.ClientSession, base: str) -> list[int]:
+        return [(await _get(session, base, raw))[0] for raw in sent]
+
+    assert asyncio.run(_through(leader, scenario)) == [200] * len(sent)
+    assert [raw for _, raw, _ in leader.seen] == sent
+
+
+def test_with_no_leader_the_relay_refusal_says_none_leads() -> None:
+    async def main() -> tuple[int, Any]:
+        proxy = LeaderProxy(lambda: "")
+        standby = web.Application()
+        proxy.add_routes(standby)
+        try:
+            async with TestClient(TestServer(standby)) as client:
+                resp = await client.get("/api/ha/kv-events")
+                return resp.status, await resp.json()
+        finally:
+            await proxy.close()
+
+    status, body = asyncio.run(main())
+    assert status == 421
+    assert "the leader (none leads now)" in body["error"]["message"]

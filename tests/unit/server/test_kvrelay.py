@@ -5,12 +5,15 @@ sent everything again, and a leader change ends the stream."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable
 
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from llmgw.proto import control_pb2 as pb
+from llmgw.server.common.metrics import Metrics
 from llmgw.server.gateway.routing import Endpoint, Router
 from llmgw.server.ha import kvrelay
 from llmgw.server.ha.kvrelay import RELAY_PATH, KvFollower, KvRelay, frame
@@ -187,3 +190,92 @@ def test_a_frame_is_its_length_then_the_message() -> None:
     data = frame(msg)
     assert int.from_bytes(data[:4], "big") == len(data) - 4
     assert pb.KvRelayed.FromString(data[4:]) == msg
+
+
+def _sample(metrics: Metrics, name: str) -> float | None:
+    for line in metrics.render().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def test_metrics_count_frames_standbys_and_cut_offs() -> None:
+    """/metrics: frames sent (the leader) and applied (the standby), standbys following now,
+    standbys cut off for lagging."""
+
+    async def go() -> None:
+        leader = _router(("s1", "n1"))
+        leader_metrics, standby_metrics = Metrics(), Metrics()
+        relay = KvRelay(leader, lambda: TOKEN, leader_metrics)
+        app = web.Application()
+        relay.add_routes(app)
+        assert _sample(leader_metrics, "llmgw_kv_relay_standbys") == 0
+        assert _sample(leader_metrics, "llmgw_kv_relay_cut_off_total") == 0
+        async with TestServer(app) as server:
+            leader.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, stored=[1]))
+            url = str(server.make_url(""))
+            follower = KvFollower(
+                _router(), lambda: url, token=lambda: TOKEN, retry=0.05, metrics=standby_metrics
+            )
+            task = asyncio.create_task(follower.run())
+            await _until(lambda: follower.connections == 1, "the snapshot")
+            assert _sample(leader_metrics, "llmgw_kv_relay_standbys") == 1
+            leader.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, stored=[2]))
+            await _until(lambda: follower.applied == 2, "snapshot and batch applied")
+            sent = 'llmgw_kv_relay_frames_total{side="sent"}'
+            applied = 'llmgw_kv_relay_frames_total{side="applied"}'
+            assert _sample(leader_metrics, sent) == 2  # the snapshot's one message, one batch
+            assert _sample(standby_metrics, applied) == 2
+            assert _sample(standby_metrics, sent) is None
+            for key in range(3, kvrelay.MAX_QUEUED + 10):
+                leader.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, stored=[key]))
+            await _until(lambda: follower.connections == 2, "the second snapshot")
+            assert _sample(leader_metrics, "llmgw_kv_relay_cut_off_total") == 1
+            assert relay.cut_off == 1
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await _until(lambda: not relay.subscribers, "the stream's end")
+            assert _sample(leader_metrics, "llmgw_kv_relay_standbys") == 0
+            relay.close()
+
+    asyncio.run(go())
+
+
+def test_the_standby_lets_other_work_run_between_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot arrives as many frames in one read; applying them all in one step of the
+    loop held up every request the standby routes meanwhile."""
+    monkeypatch.setattr(kvrelay, "SNAPSHOT_CHUNK", 1)
+
+    async def test(leader: Router, relay: KvRelay, url: str) -> None:
+        leader.kv_events("n1", pb.KvEvents(shard_id="s1", block_size=16, stored=range(1, 41)))
+        ticks = 0
+
+        async def ticking() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        standby = _router()
+        seen: list[int] = []
+        apply = standby.kv_relayed
+
+        def recording(msg: pb.KvRelayed) -> None:
+            seen.append(ticks)
+            apply(msg)
+
+        monkeypatch.setattr(standby, "kv_relayed", recording)
+        ticker = asyncio.create_task(ticking())
+        follower = _follow(standby, lambda: url)
+        task = asyncio.create_task(follower.run())
+        try:
+            await _until(lambda: len(_held(standby, "s1")) == 40, "the snapshot applied")
+        finally:
+            for t in (task, ticker):
+                t.cancel()
+            await asyncio.gather(task, ticker, return_exceptions=True)
+            relay.close()
+        assert len(seen) == 40
+        assert all(b > a for a, b in itertools.pairwise(seen)), seen
+
+    _with_relay(test)

@@ -184,6 +184,9 @@ def test_empty_metrics_render_help_and_type_only() -> None:
         "llmgw_routing_decision_seconds",
         "llmgw_prefix_cache_hit_ratio",
         "llmgw_prefix_index_blocks",
+        "llmgw_kv_relay_frames_total",
+        "llmgw_kv_relay_standbys",
+        "llmgw_kv_relay_cut_off_total",
     }
     assert families["llmgw_requests_total"].type == "counter"
     assert families["llmgw_request_duration_seconds"].type == "histogram"
