@@ -76,10 +76,12 @@ def _own_user_config(
 
 
 def _orphans_of(base: str) -> list[tuple[int, str]]:
-    """The processes left without a parent (reparented to PID 1) that this session started:
-    llmgw's (Python), sandboxed engines (bwrap) or haproxy, with ``base`` (the session's
-    temporary directory) in their command line."""
+    """The processes this session started that nothing stops now: left without a parent
+    (reparented to PID 1), or children of this process (a Popen a fixture forgot); llmgw's
+    (Python), sandboxed engines (bwrap) or haproxy, with ``base`` (the session's temporary
+    directory) in their command line."""
     found = []
+    parents = {1, os.getpid()}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -88,7 +90,8 @@ def _orphans_of(base: str) -> list[tuple[int, str]]:
             stat = Path(entry.path, "stat").read_text()
         except OSError:
             continue  # gone meanwhile
-        if int(stat.rsplit(")", 1)[1].split()[1]) != 1:
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) not in parents or fields[0] == "Z":
             continue
         args = [a.decode(errors="replace") for a in argv if a]
         program = os.path.basename(args[0]) if args else ""

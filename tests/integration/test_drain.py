@@ -47,6 +47,7 @@ def ha_cluster(
         unavailable("haproxy missing; apt-get install -y haproxy (.ci/run installs it)")
     tmp = tmp_path_factory.mktemp("drain")
     procs: list[subprocess.Popen[bytes]] = []
+    instances: list[Instance] = []
     proxy = None
     try:
         instances = cluster(tmp, pg_cluster, renew=RENEW, drain_grace=GRACE, drain_timeout=TIMEOUT)
@@ -58,7 +59,8 @@ def ha_cluster(
     finally:
         if proxy is not None:
             proxy.stop()
-        stop_all(procs)
+        # The instances the restarts started (in ``instances`` now) as well as the first.
+        stop_all(procs + [i.server.proc for i in instances if i.server.proc not in procs])
 
 
 def _restart(ha_cluster: Cluster, inst: Instance) -> Instance:
