@@ -73,7 +73,6 @@ from llmgw.server.gateway.resume import (
     RESUMABLE_PATHS,
     cause_of,
     ended_early,
-    resumed_body,
     splice_for,
 )
 from llmgw.server.gateway.routing import Endpoint, Router
@@ -377,7 +376,7 @@ class Gateway:
         session = session_of(payload, request.headers.get("x-session-id"))
         # The key's resume: false wins over the profile's on.
         most = served.max_resumes if key.policy.resume else 0
-        splice = splice_for(path, payload, served.engine, most)
+        splice = splice_for(path, payload, served.engine, most, self.tokenizers.chat_prompt(model))
         del payload  # a parsed body can take many times its size: hold it no longer
         req = ModelRequest(
             http=request,
@@ -567,15 +566,17 @@ class Gateway:
             if why is not None:
                 self.metrics.streams_broken.inc((req.model, why))
                 return answer
-            body = resumed_body(req.body, splice.plan.chat, splice.text, splice.sent)
-            if body is None:  # its whole limit was sent: ended as it would have
-                self.metrics.streams_broken.inc((req.model, "limit"))
+            # Or why not: its whole limit was sent (it ended as it would have), or the
+            # template does not render the chat that a completion would continue.
+            following = splice.next_body(req.body)
+            if isinstance(following, str):
+                self.metrics.streams_broken.inc((req.model, following))
                 return answer
             failure, cause = broken, cause_of(broken)
-            splice.next_part()
+            splice.next_part(following[0])
             del answer[STREAM_ERROR]  # the next part's own, if it breaks too
             req.http[STARTED_STREAM] = answer
-            req = replace(req, body=body)
+            req = replace(req, path=following[0], body=following[1])
 
     def _retried(self, req: ModelRequest, cause: str, outcome: str) -> None:
         """``req``, sent again whole after its replica failed with ``cause``, ended with

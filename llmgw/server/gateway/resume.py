@@ -19,16 +19,20 @@ Three pieces, each testable alone:
   ``min_tokens``) reduced by the tokens already sent; the sampling parameters and the seed as
   they were.
 
-Engines without ``continue_final_message`` (llama.cpp and the others) resume completions only:
-rendering their chat prompt needs the model's chat template, which the gateway does not apply,
-so their chat streams are not resumed (reason ``engine``).
+Engines without ``continue_final_message`` (llama.cpp and the others) resume a chat when the
+gateway holds the model's chat template (its profile's ``tokenizer`` and ``chat_template``,
+:class:`~llmgw.server.gateway.tokenizing.HfTokenizer`): the next replica gets a *completions*
+request (:func:`completion_body`) whose prompt is the chat rendered as for routing and the text
+so far, and its completion chunks reach the client as the chat's chunks. Without the template,
+or with tools or parts other than text, their chat streams are not resumed (reason
+``engine``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,10 +46,12 @@ __all__ = [
     "CHAT_RESUMING_ENGINES",
     "DEFAULT_MAX_RESUMES",
     "RESUMABLE_PATHS",
+    "ChatPrompt",
     "ResumePlan",
     "StreamBroken",
     "StreamSplice",
     "cause_of",
+    "completion_body",
     "ended_early",
     "plan",
     "resumed_body",
@@ -61,6 +67,32 @@ CHAT_RESUMING_ENGINES = frozenset({"vllm", "sglang", "sim"})
 the assistant's partial message. The sim's is the uninterrupted text for a seed; vLLM's and
 SGLang's only with greedy sampling (and up to their own nondeterminism and the partial text
 tokenized again): a seed starts a new draw at the resume point."""
+
+ChatPrompt = Callable[[Mapping[str, Any]], str | None]
+"""A chat request's prompt text as its model's template renders it (None: it cannot)."""
+
+# A chat's fields that a completions request has no use for (or that an engine would refuse
+# there); ``max_completion_tokens`` becomes ``max_tokens``.
+_CHAT_ONLY = (
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "reasoning_effort",
+    "modalities",
+    "audio",
+    "prediction",
+    "store",
+    "metadata",
+    "web_search_options",
+    "max_completion_tokens",
+)
 
 _MAX_EVENT = 1024 * 1024
 _DUMPS = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
@@ -78,27 +110,40 @@ class StreamBroken(UpstreamError):
 @dataclass(frozen=True, slots=True)
 class ResumePlan:
     """What a stream's resumption needs to know from its request: the endpoint's kind, and
-    the most resumes; ``blocker``: why it cannot be resumed (None: it can)."""
+    the most resumes; ``blocker``: why it cannot be resumed (None: it can); ``render``: a
+    chat's prompt renderer when its engine does not continue a message (its resumed parts
+    are then completions)."""
 
     chat: bool
     max_resumes: int
     blocker: str | None = None
+    render: ChatPrompt | None = None
 
 
 def plan(
-    path: str, payload: Mapping[str, Any], engine: str, max_resumes: int | None
+    path: str,
+    payload: Mapping[str, Any],
+    engine: str,
+    max_resumes: int | None,
+    render: ChatPrompt | None = None,
 ) -> ResumePlan | None:
     """Whether a stream of ``payload`` to ``path`` on a model of ``engine`` may be resumed;
-    ``max_resumes`` is the profile's (0: resume off; None: the default). None for a request
-    that is not a streamed chat or completion (nothing to resume)."""
+    ``max_resumes`` is the profile's (0: resume off; None: the default); ``render``: the
+    model's chat template, when the gateway holds it (used only for an engine that does not
+    continue a message). None for a request that is not a streamed chat or completion."""
     if payload.get("stream") is not True or path not in (CHAT, COMPLETIONS):
         return None
     chat = path == CHAT
     most = DEFAULT_MAX_RESUMES if max_resumes is None else max_resumes
-    return ResumePlan(chat, most, _blocker(chat, payload, engine, most))
+    if not chat or engine in CHAT_RESUMING_ENGINES:
+        render = None
+    blocker = _blocker(chat, payload, engine, most, render is not None)
+    return ResumePlan(chat, most, blocker, render)
 
 
-def _blocker(chat: bool, payload: Mapping[str, Any], engine: str, most: int) -> str | None:
+def _blocker(
+    chat: bool, payload: Mapping[str, Any], engine: str, most: int, renders: bool
+) -> str | None:
     if most < 1:
         return "off"
     n = payload.get("n")
@@ -107,8 +152,8 @@ def _blocker(chat: bool, payload: Mapping[str, Any], engine: str, most: int) -> 
     if payload.get("logprobs") not in (None, False, 0) or payload.get("top_logprobs"):
         return "logprobs"  # the resumed part's would be of another prompt
     if chat:
-        if engine not in CHAT_RESUMING_ENGINES:
-            return "engine"
+        if engine not in CHAT_RESUMING_ENGINES and (not renders or payload.get("tools")):
+            return "engine"  # no template to render its prompt with, or tools it cannot
         messages = payload.get("messages")
         if not isinstance(messages, list) or not messages or payload.get("continue_final_message"):
             return "prompt"
@@ -120,12 +165,16 @@ def _blocker(chat: bool, payload: Mapping[str, Any], engine: str, most: int) -> 
 
 
 def splice_for(
-    path: str, payload: Mapping[str, Any], engine: str, max_resumes: int | None
+    path: str,
+    payload: Mapping[str, Any],
+    engine: str,
+    max_resumes: int | None,
+    render: ChatPrompt | None = None,
 ) -> StreamSplice | None:
     """What follows a stream that may be resumed on another replica; None when it is not a
     streamed chat or completion, or its model's profile turns resuming off (the gateway then
     reads nothing of the stream)."""
-    resume = plan(path, payload, engine, max_resumes)
+    resume = plan(path, payload, engine, max_resumes, render)
     if resume is None or resume.blocker == "off":
         return None
     return StreamSplice(resume)
@@ -174,6 +223,30 @@ def resumed_body(body: bytes, chat: bool, text: str, sent: int) -> bytes | None:
     return _DUMPS(payload).encode()
 
 
+def completion_body(body: bytes, text: str, sent: int, render: ChatPrompt) -> bytes | str:
+    """The completions request that continues the chat ``body`` (as forwarded) after ``sent``
+    tokens whose text is ``text``, on an engine without ``continue_final_message``: its
+    prompt the chat rendered by ``render`` and ``text``, its sampling parameters and seed
+    the chat's, ``max_tokens`` less ``sent``. Or why there is none: ``"limit"`` (the limit
+    was spent), ``"engine"`` (the template does not render this chat)."""
+    payload = json.loads(body)
+    prompt = render(payload)
+    if prompt is None:
+        return "engine"
+    limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    for name in _CHAT_ONLY:
+        payload.pop(name, None)
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        if limit - sent < 1:
+            return "limit"
+        payload["max_tokens"] = limit - sent
+    least = payload.get("min_tokens")
+    if isinstance(least, int) and not isinstance(least, bool) and least:
+        payload["min_tokens"] = max(0, least - sent)
+    payload["prompt"] = prompt + text
+    return _DUMPS(payload).encode()
+
+
 class StreamSplice:
     """Follows an event stream relayed to its client, and joins the parts of a resumed one.
 
@@ -190,6 +263,8 @@ class StreamSplice:
         self.part = 0  # how many times the stream was resumed
         self.id: Any = None
         self.created: Any = None
+        self.model: Any = None
+        self.completions = False  # the current part is a completion continuing a chat
         self.pieces: list[str] = []  # the text sent, in pieces
         self.sent = 0  # content events sent (a token each), all parts
         self.before = 0  # of those, sent before the current part
@@ -220,8 +295,22 @@ class StreamSplice:
         error event now)."""
         return self.why_not() is None
 
-    def next_part(self) -> None:
-        """The stream goes on with another replica's answer."""
+    def next_body(self, body: bytes) -> tuple[str, bytes] | str:
+        """The path and body that continue the stream whose first request was ``body``; or
+        why there are none (``limit``, ``engine``). Call :meth:`next_part` before the next
+        part's events."""
+        render = self.plan.render
+        if render is None or self.sent == 0:
+            path = CHAT if self.plan.chat else COMPLETIONS
+            again = resumed_body(body, self.plan.chat, self.text, self.sent)
+            return "limit" if again is None else (path, again)
+        made = completion_body(body, self.text, self.sent, render)
+        return made if isinstance(made, str) else (COMPLETIONS, made)
+
+    def next_part(self, path: str = "") -> None:
+        """The stream goes on with another replica's answer (to ``path``: a completion
+        continuing a chat is translated into the chat's chunks)."""
+        self.completions = self.plan.chat and path == COMPLETIONS
         self.part += 1
         self.before = self.sent
         self._held = b""
@@ -284,6 +373,7 @@ class StreamSplice:
             self._follow(choices)
         if self.id is None:
             self.id, self.created = obj.get("id"), obj.get("created")
+            self.model = obj.get("model")
         if self.part == 0:
             return event
         return self._rewrite(obj)
@@ -293,7 +383,7 @@ class StreamSplice:
         for choice in choices:
             if not isinstance(choice, dict):
                 continue
-            if self.plan.chat:
+            if self.plan.chat and not self.completions:
                 delta = choice.get("delta")
                 delta = delta if isinstance(delta, dict) else {}
                 content = delta.get("content")
@@ -314,7 +404,9 @@ class StreamSplice:
         role chunk: the client had the first part's)."""
         obj["id"], obj["created"] = self.id, self.created
         choices = obj.get("choices")
-        if self.plan.chat and not self._role_seen and isinstance(choices, list) and choices:
+        if self.completions:
+            _as_chat(obj, self.model)
+        elif self.plan.chat and not self._role_seen and isinstance(choices, list) and choices:
             self._role_seen = True
             delta = choices[0].get("delta") if isinstance(choices[0], dict) else None
             if (
@@ -354,6 +446,27 @@ class StreamSplice:
                 "cached_tokens": min(_count(details.get("cached_tokens")), prompt - moved),
             }
         return out
+
+
+def _as_chat(obj: dict[str, Any], model: Any) -> None:
+    """A completion chunk made the chat chunk it continues: each choice's ``text`` its
+    ``delta.content``, the chat stream's object and model."""
+    obj["object"] = "chat.completion.chunk"
+    if model is not None:
+        obj["model"] = model
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return
+    obj["choices"] = [
+        {
+            "index": c.get("index", 0),
+            "delta": {"content": c["text"]} if isinstance(c.get("text"), str) else {},
+            "logprobs": None,
+            "finish_reason": c.get("finish_reason"),
+        }
+        for c in choices
+        if isinstance(c, dict)
+    ]
 
 
 def _count(value: object) -> int:

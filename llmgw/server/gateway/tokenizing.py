@@ -47,6 +47,7 @@ from llmgw.engines.registry import get_engine
 from llmgw.errors import ChatTemplateRefused, EngineError, TokenizerError
 from llmgw.log import kv
 from llmgw.server.gateway.policies import TOKEN_ROUTINGS
+from llmgw.server.gateway.resume import CHAT_RESUMING_ENGINES, ChatPrompt
 from llmgw.server.gateway.serving import ServedModel
 from llmgw.server.gateway.tokenizer_files import MAX_FILE_BYTES, TokenizerFiles
 from llmgw.sim.generate import tokenize
@@ -281,6 +282,29 @@ class HfTokenizer(PromptTokenizer):
             # A template refusing a request (raise_exception, a missing key) is the
             # request's shape, not an error: it is routed without its prefix.
             return None
+
+    def chat_prompt(self, payload: Mapping[str, Any]) -> str | None:
+        """A chat request's prompt as a completions request gives it to llama.cpp: rendered
+        as for routing (as vLLM renders it), without the template's leading ``bos_token``
+        text. llama.cpp tokenizes a completion's prompt string with its special tokens
+        parsed and adds BOS itself when the model's GGUF says so (``add_bos``), without
+        looking whether the text already starts with one: a rendered BOS kept would make two
+        (llama.cpp only warns of it). Its own chat endpoint strips the template's leading
+        BOS text before tokenizing for the same reason. None: no template, tools, parts
+        other than text, or a template that refuses the chat."""
+        if self._template is None or payload.get("tools"):
+            return None
+        try:
+            text = self.render(
+                payload.get("messages"),
+                add_generation_prompt=_flag(payload, "add_generation_prompt", True),
+            )
+        except ChatTemplateRefused:
+            return None
+        bos = self.specials.get("bos_token")
+        if text is not None and bos and text.startswith(bos):
+            text = text[len(bos) :]
+        return text
 
     def token_ids(self, path: str, payload: dict[str, Any]) -> list[int] | None:
         if not isinstance(payload, Mapping):
@@ -527,7 +551,10 @@ class Tokenizers:
             if not _tokenizer_needed(model.engine):
                 own.add(model.name)
                 continue
-            if model.routing not in TOKEN_ROUTINGS or model.tokenizer is None:
+            # A token routing needs it; so does resuming a chat stream on an engine that
+            # does not continue a message (its prompt rendered with the chat template).
+            resumes = model.engine not in CHAT_RESUMING_ENGINES and model.chat_template
+            if model.tokenizer is None or (model.routing not in TOKEN_ROUTINGS and not resumes):
                 continue
             want = _Want(model.tokenizer, model.chat_template)
             entry = self._entries.get(model.name)
@@ -545,6 +572,15 @@ class Tokenizers:
             return self._sim
         entry = self._entries.get(name)
         return entry.tokenizer if entry is not None else None
+
+    def chat_prompt(self, name: str) -> ChatPrompt | None:
+        """Model ``name``'s chat prompt renderer (:meth:`HfTokenizer.chat_prompt`); None
+        while its tokenizer is not loaded, or it has no chat template."""
+        entry = self._entries.get(name)
+        tok = entry.tokenizer if entry is not None else None
+        if isinstance(tok, HfTokenizer) and tok.template_text is not None:
+            return tok.chat_prompt
+        return None
 
     def problem(self, name: str) -> str | None:
         """Why model ``name`` has no tokenizer although its routing needs one (still

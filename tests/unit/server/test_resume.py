@@ -13,6 +13,7 @@ from llmgw.server.gateway.resume import (
     ResumePlan,
     StreamBroken,
     StreamSplice,
+    completion_body,
     plan,
     resumed_body,
 )
@@ -242,3 +243,121 @@ def test_profile_resume() -> None:
     assert profile_max_resumes({"resume": False}) == 0
     assert profile_max_resumes({"resume": {"max_resumes": 1}}) == 1
     assert profile_max_resumes({}) is None and profile_max_resumes(None) is None
+
+
+# ------------------------------------------------------ a chat continued as a completion
+
+
+def rendered(payload: Any) -> str | None:
+    """A stand-in chat template: the messages' contents; None for a part other than text."""
+    parts = [m["content"] for m in payload["messages"]]
+    if not all(isinstance(p, str) for p in parts):
+        return None
+    return "".join(f"<{p}>" for p in parts) + "<assistant>"
+
+
+def test_plan_of_a_chat_on_an_engine_without_continue_final_message() -> None:
+    got = plan(CHAT, chat(), "llamacpp", None, rendered)
+    assert got == ResumePlan(chat=True, max_resumes=2, blocker=None, render=rendered)
+    # Tools: the template is not given them (the prompt would not be the engine's).
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert plan(CHAT, chat(tools=tools), "llamacpp", None, rendered).blocker == "engine"
+    assert plan(CHAT, chat(n=2), "llamacpp", None, rendered).blocker == "n"
+    # An engine that continues a message does so whatever the gateway holds.
+    assert plan(CHAT, chat(), "vllm", None, rendered) == ResumePlan(True, 2, None)
+    assert plan(COMPLETIONS, {"prompt": "p", "stream": True}, "llamacpp", None, rendered) == (
+        ResumePlan(False, 2, None)
+    )
+
+
+def test_completion_body_continues_the_rendered_chat() -> None:
+    body = json.dumps(
+        chat(
+            max_completion_tokens=20,
+            min_tokens=5,
+            seed=7,
+            temperature=0.5,
+            top_p=0.9,
+            stop=["\n\n"],
+            stream_options={"include_usage": True},
+            add_generation_prompt=True,
+        )
+    ).encode()
+    got = json.loads(completion_body(body, "The river", 2, rendered))
+    assert got == {
+        "model": "m",
+        "prompt": "<hi><assistant>The river",
+        "stream": True,
+        "max_tokens": 18,
+        "min_tokens": 3,
+        "seed": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "stop": ["\n\n"],
+        "stream_options": {"include_usage": True},
+    }
+    assert json.loads(completion_body(json.dumps(chat()).encode(), "x", 1, rendered)) == {
+        "model": "m",
+        "prompt": "<hi><assistant>x",
+        "stream": True,
+    }
+
+
+def test_completion_body_refusals() -> None:
+    assert completion_body(json.dumps(chat(max_tokens=3)).encode(), "abc", 3, rendered) == "limit"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]
+    assert completion_body(json.dumps(chat(messages=image)).encode(), "a", 1, rendered) == "engine"
+
+
+def completion_chunk(cid: str, text: str, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    obj = {
+        "id": cid,
+        "object": "text_completion",
+        "created": 9,
+        "model": "gguf",
+        "choices": [choice],
+    }
+    return event(obj)
+
+
+def test_a_completion_part_reaches_the_client_as_chat_chunks() -> None:
+    s = StreamSplice(ResumePlan(chat=True, max_resumes=2, render=rendered))
+    first = {
+        "id": "a",
+        "object": "chat.completion.chunk",
+        "created": 5,
+        "model": "m",
+        "choices": [],
+    }
+    s.feed(event(first) + chunk("a", "The") + chunk("a", " river"))
+    body = json.dumps(chat(max_tokens=10)).encode()
+    path, again = s.next_body(body)  # type: ignore[misc]
+    assert path == COMPLETIONS and json.loads(again)["prompt"] == "<hi><assistant>The river"
+    assert json.loads(again)["max_tokens"] == 8
+    s.next_part(path)
+    out = s.feed(
+        completion_chunk("cmpl-b", " runs")
+        + completion_chunk("cmpl-b", "", finish="length")
+        + usage("cmpl-b", 12, 2)
+        + b"data: [DONE]\n\n"
+    )
+    events = decoded(out)
+    assert [(e["id"], e["created"], e["model"], e["object"]) for e in events[:2]] == [
+        ("a", 5, "m", "chat.completion.chunk")
+    ] * 2
+    assert events[0]["choices"] == [
+        {"index": 0, "delta": {"content": " runs"}, "logprobs": None, "finish_reason": None}
+    ]
+    assert events[1]["choices"][0]["finish_reason"] == "length"
+    assert events[2]["usage"]["prompt_tokens"] == 10
+    assert events[2]["usage"]["completion_tokens"] == 4
+    assert s.text == "The river runs" and s.sent == 3 and s.done and s.finished
+
+
+def test_next_body_before_any_token_asks_the_chat_again() -> None:
+    s = StreamSplice(ResumePlan(chat=True, max_resumes=2, render=rendered))
+    body = json.dumps(chat()).encode()
+    assert s.next_body(body) == (CHAT, body)
+    s.next_part(CHAT)
+    assert not s.completions
