@@ -73,6 +73,7 @@ from llmgw.server.gateway.resume import (
     RESUMABLE_PATHS,
     cause_of,
     ended_early,
+    not_resumed,
     splice_for,
 )
 from llmgw.server.gateway.routing import Endpoint, Router
@@ -571,7 +572,7 @@ class Gateway:
             following = splice.next_body(req.body)
             if isinstance(following, str):
                 self.metrics.streams_broken.inc((req.model, following))
-                return answer
+                return await not_resumed(answer, broken)
             failure, cause = broken, cause_of(broken)
             splice.next_part(following[0])
             del answer[STREAM_ERROR]  # the next part's own, if it breaks too

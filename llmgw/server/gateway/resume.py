@@ -53,6 +53,7 @@ __all__ = [
     "cause_of",
     "completion_body",
     "ended_early",
+    "not_resumed",
     "plan",
     "resumed_body",
     "splice_for",
@@ -195,6 +196,15 @@ async def ended_early(
     message = f"the stream ended early: {failure}; no other replica of {model} is ready"
     with contextlib.suppress(ConnectionError):  # the client may be gone
         await started.write(error_event(message))
+    return started
+
+
+async def not_resumed(started: web.StreamResponse, failure: Exception) -> web.StreamResponse:
+    """A stream found not to go on only once its next request was made (its limit spent,
+    its chat not rendered) ends with the error event it would have had unresumed (the relay
+    left it out, the stream then meant to go on)."""
+    with contextlib.suppress(ConnectionError):  # the client may be gone
+        await started.write(error_event(f"the stream ended early: {failure}"))
     return started
 
 

@@ -575,3 +575,49 @@ def test_the_serving_cache_tells_the_models_with_their_profiles_files(
     assert served["routed"].chat_template == FileRef("https://example.com/t.jinja", "c" * 64)
     assert served["plain"].routing == "least-outstanding"
     assert served["plain"].tokenizer is None and served["plain"].chat_template is None
+
+
+# --- the prompt of a chat resumed as a completion (llmgw.server.gateway.resume) -------------
+
+
+def test_chat_prompt_is_the_routing_render_without_its_bos_text(tokenizer_json: bytes) -> None:
+    tok = HfTokenizer.from_files(tokenizer_json, CHATML.encode())
+    assert tok.specials["bos_token"] == "<s>"
+    payload: dict[str, Any] = {"messages": [{"role": "user", "content": "hello world"}]}
+    whole = tok.render(payload["messages"])
+    assert whole == "<s><|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.chat_prompt(payload) == whole.removeprefix("<s>")
+    # The request's own add_generation_prompt is followed, as for routing.
+    assert tok.chat_prompt({**payload, "add_generation_prompt": False}) == (
+        "<|im_start|>user\nhello world<|im_end|>\n"
+    )
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert tok.chat_prompt({**payload, "tools": tools}) is None
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]
+    assert tok.chat_prompt({"messages": image}) is None
+    assert tok.chat_prompt({"messages": [{"role": "tool", "content": "x"}]}) is None  # refused
+    assert HfTokenizer.from_files(tokenizer_json).chat_prompt(payload) is None  # no template
+
+
+def test_a_template_loads_for_resuming_on_an_engine_without_continue_final_message(
+    tmp_path: Path, tokenizer_json: bytes
+) -> None:
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes(tokenizer_json)
+    template = tmp_path / "chat_template.jinja"
+    template.write_bytes(CHATML.encode())
+    tok, chatml = FileRef(str(path)), FileRef(str(template))
+    tokenizers = Tokenizers(None, clock=Clock())
+    tokenizers.set_models(
+        [
+            _served("llama", tok, chatml, engine="llamacpp", routing="least-loaded"),
+            _served("llama-bare", tok, engine="llamacpp", routing="least-loaded"),
+            _served("vllm", tok, chatml, routing="least-loaded"),  # continues a message
+        ]
+    )
+    asyncio.run(tokenizers.load_due())
+    assert tokenizers.loads == 1
+    assert tokenizers.chat_prompt("llama") is not None
+    assert tokenizers.chat_prompt("llama-bare") is None
+    assert tokenizers.chat_prompt("vllm") is None
+    assert tokenizers.chat_prompt("absent") is None
