@@ -15,14 +15,12 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import openai
 import pytest
 from aiohttp import web
 
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import KeyPolicy
-from llmgw.http.relay import ENGINE_FAILED, error_event
 from llmgw.server.common.config import load_server_config
 from llmgw.server.common.metrics import Metrics
 from llmgw.server.gateway.routing import Endpoint, Router
@@ -31,24 +29,18 @@ from llmgw.sim.config import SimConfig
 from llmgw.sim.server import build_app
 from tests.unit.gateway_rig import gateway_of, serving_of
 from tests.unit.server.fakes import api_key
+from tests.unit.server.resume_rig import (
+    KEY,
+    MESSAGES,
+    Breaker,
+    broken,
+    chat_stream,
+    proxy,
+    resumes,
+)
 from tests.unit.serving import serving
 
 pytestmark = pytest.mark.timeout(60)
-
-KEY = "sk-alice"
-MESSAGES: Any = [{"role": "user", "content": "Tell me about rivers"}]
-
-
-@dataclasses.dataclass
-class Breaker:
-    after: int = 3  # content events relayed before the break
-    mode: str = "error"  # error (the agent's error event), reset, eof (no [DONE])
-    left: int = 1  # streams still to break
-    # A non-streamed answer's break: engine (the agent's 502 saying its engine failed),
-    # old_agent (that 502 without the saying), cut (the body cut short), "" (none)
-    answer: str = ""
-    answers: int = 0  # non-streamed requests the replicas got
-    delay: float = 0.0  # before a non-streamed answer's break
 
 
 @dataclasses.dataclass
@@ -57,72 +49,6 @@ class Rig:
     metrics: Metrics
     breaker: Breaker
     direct: openai.AsyncOpenAI  # one sim engine, straight: the uninterrupted answers
-
-
-def _proxy(engine_url: str, breaker: Breaker) -> web.Application:
-    async def relay(request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        async with (
-            aiohttp.ClientSession() as http,
-            http.post(
-                engine_url + "/v1/" + request.match_info["path"],
-                data=body,
-                headers={"Content-Type": "application/json"},
-            ) as upstream,
-        ):
-            if upstream.content_type != "text/event-stream":
-                breaker.answers += 1
-                if breaker.answer and breaker.left > 0:
-                    breaker.left -= 1
-                    await asyncio.sleep(breaker.delay)
-                    return await _break_answer(request, breaker.answer, await upstream.read())
-                return web.Response(
-                    status=upstream.status,
-                    body=await upstream.read(),
-                    content_type="application/json",
-                )
-            breaking = breaker.left > 0
-            if breaking:
-                breaker.left -= 1
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            seen = 0
-            async for raw in upstream.content:  # one line at a time
-                token = b'"content":"' in raw or b'"text":"' in raw
-                if breaking and token and b'"content":""' not in raw and b'"text":""' not in raw:
-                    seen += 1
-                if breaking and seen > breaker.after:
-                    if breaker.mode == "error":
-                        await resp.write(error_event("the engine went away"))
-                        return resp
-                    if breaker.mode == "reset":
-                        assert request.transport is not None
-                        request.transport.abort()
-                        return resp
-                    return resp  # eof: ends without [DONE]
-                await resp.write(raw)
-            return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/{path:.+}", relay)
-    return app
-
-
-async def _break_answer(request: web.Request, how: str, whole: bytes) -> web.StreamResponse:
-    """A non-streamed answer broken as the agent breaks it when its engine fails (a 502
-    saying so, or an older agent's without), or as a connection lost mid-body does."""
-    error = b'{"error": {"message": "engine of shard s0 did not answer", "code": "x"}}'
-    if how == "engine":
-        return web.Response(status=502, body=error, headers={ENGINE_FAILED: "reset"})
-    if how == "old_agent":
-        return web.Response(status=502, body=error, content_type="application/json")
-    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-    resp.content_length = len(whole)
-    await resp.prepare(request)
-    await resp.write(whole[: len(whole) // 2])
-    assert request.transport is not None
-    request.transport.abort()
-    return resp
 
 
 def run(
@@ -140,7 +66,7 @@ def run(
         async with SimEngines(replicas) as engine_urls:
             data_plane = web.Application()
             for i, url in enumerate(engine_urls):
-                data_plane.add_subapp(f"/s/s{i}/", _proxy(url, breaker))
+                data_plane.add_subapp(f"/s/s{i}/", proxy(url, breaker))
             async with serving(data_plane) as dp_port:
                 cfg = dataclasses.replace(load_server_config(None), replica_wait=0.0)
                 router = Router()
@@ -202,33 +128,6 @@ class SimEngines:
     async def __aexit__(self, *exc: object) -> None:
         for cm in reversed(self.stack):
             await cm.__aexit__(None, None, None)
-
-
-async def chat_stream(client: openai.AsyncOpenAI, **kw: Any) -> tuple[str, set[str], Any, str]:
-    text, ids, usage, finish = "", set(), None, ""
-    stream = await client.chat.completions.create(
-        model="m",
-        messages=kw.pop("messages", MESSAGES),
-        stream=True,
-        stream_options={"include_usage": True},
-        **kw,
-    )
-    async for chunk in stream:
-        ids.add(chunk.id)
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for choice in chunk.choices:
-            text += choice.delta.content or ""
-            finish = choice.finish_reason or finish
-    return text, ids, usage, finish
-
-
-def resumes(metrics: Metrics) -> dict[tuple[str, ...], float]:
-    return dict(metrics.stream_resumes.values)
-
-
-def broken(metrics: Metrics) -> dict[tuple[str, ...], float]:
-    return dict(metrics.streams_broken.values)
 
 
 @pytest.mark.parametrize("mode", ["error", "reset", "eof"])

@@ -33,13 +33,13 @@ from llmgw.server.gateway.serving import ServedModel
 from llmgw.server.gateway.tokenizing import Tokenizers
 from tests.unit.gateway_rig import gateway_of, serving_of
 from tests.unit.server.fakes import api_key
-from tests.unit.server.test_gateway_resume import (
+from tests.unit.server.resume_rig import (
     KEY,
     MESSAGES,
     Breaker,
-    _proxy,
     broken,
     chat_stream,
+    proxy,
     resumes,
 )
 from tests.unit.server.tokenizer_rig import CHATML
@@ -142,7 +142,7 @@ def run(
             url = f"http://127.0.0.1:{engine_port}"
             data_plane = web.Application()
             for i in range(2):
-                data_plane.add_subapp(f"/s/s{i}/", _proxy(url, breaker))
+                data_plane.add_subapp(f"/s/s{i}/", proxy(url, breaker))
             async with serving(data_plane) as dp_port:
                 cfg = dataclasses.replace(load_server_config(None), replica_wait=0.0)
                 router = Router()

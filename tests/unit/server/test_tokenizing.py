@@ -610,9 +610,9 @@ def test_a_template_loads_for_resuming_on_an_engine_without_continue_final_messa
     tokenizers = Tokenizers(None, clock=Clock())
     tokenizers.set_models(
         [
-            _served("llama", tok, chatml, engine="llamacpp", routing="least-loaded"),
-            _served("llama-bare", tok, engine="llamacpp", routing="least-loaded"),
-            _served("vllm", tok, chatml, routing="least-loaded"),  # continues a message
+            _served("llama", tok, chatml, engine="llamacpp", routing="least-outstanding"),
+            _served("llama-bare", tok, engine="llamacpp", routing="least-outstanding"),
+            _served("vllm", tok, chatml, routing="least-outstanding"),  # continues a message
         ]
     )
     asyncio.run(tokenizers.load_due())
