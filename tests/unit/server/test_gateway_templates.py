@@ -90,7 +90,10 @@ def _gateway_answers(template: str, requests: int) -> tuple[list[tuple[int, Any]
                 policy=KeyPolicy(max_concurrent=1),
             )
             hf = _hf(template)
-            tokenizers = cast(Tokenizers, SimpleNamespace(for_model=lambda name: hf))
+            tokenizers = cast(
+                Tokenizers,
+                SimpleNamespace(for_model=lambda name: hf, chat_prompt=lambda name: None),
+            )
             gateway = gateway_of(
                 cfg,
                 router,
