@@ -96,3 +96,23 @@ def test_a_bad_usage_bound_names_both_forms(value: str) -> None:
 def test_a_duration_past_any_calendar_is_refused_too() -> None:
     with pytest.raises(ConfigError, match="since must be a day YYYY-MM-DD"):
         usage_day_from("99999999999d", T0)
+
+
+@pytest.mark.parametrize(
+    ("given", "resume"),
+    [(False, False), ("off", False), (" OFF ", False), ("on", True), ("true", True), (None, True)],
+)
+def test_resume_takes_a_boolean_or_its_words_and_null_gives_it_back_to_the_profile(
+    given: object, resume: bool
+) -> None:
+    base = KeyPolicy(resume=not resume)
+    assert policy_from_json({"resume": given}, base=base).resume is resume
+
+
+@pytest.mark.parametrize("given", ["maybe", "", 0, 1, [], {"max_resumes": 2}])
+def test_a_bad_resume_is_refused_saying_what_each_value_does(given: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        policy_from_json({"resume": given})
+    message = str(info.value)
+    assert message.startswith("resume must be true (the model's profile decides) or false")
+    assert repr(given) in message
