@@ -37,6 +37,12 @@ from llmgw.configfile import (
     type_name,
     unknown_key_message,
 )
+from llmgw.contracts.disagg import (
+    BACKENDS,
+    Disaggregation,
+    parse_disaggregated,
+    parse_role,
+)
 from llmgw.contracts.memory import parse_memory_mib
 from llmgw.contracts.model_sources import SourceSpec, parse_source
 from llmgw.contracts.resuming import parse_resume, resume_value
@@ -58,6 +64,7 @@ __all__ = [
     "MODEL_NAME",
     "PLACEMENTS",
     "ROUTINGS",
+    "STORED",
     "Catalog",
     "FileRef",
     "ModelSpec",
@@ -90,6 +97,10 @@ _PARAM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
 PLACEMENTS: tuple[str, ...] = ("binpack", "spread")
 
+STORED = "<store>"
+"""The source a profile read back from the store is parsed under (the one that may carry a
+pool's ``role``)."""
+
 MAX_BODY_LIMIT = 1024**3
 """The most a profile's ``max_request_body`` may say (1 GiB)."""
 
@@ -115,6 +126,10 @@ _PROFILE_KEYS = (
     "sleep",
     "host_memory",
     "resume",
+    "disaggregated",
+    # A disaggregated model's pools' own stored profiles only (llmgw.contracts.disagg).
+    "role",
+    "transfer",
 )
 _FILE_KEYS = ("url", "path", "sha256")
 _SLEEP_KEYS = ("level",)
@@ -219,6 +234,12 @@ class Profile:
     # ``resume``: how many times the gateway continues one of its streams on another replica
     # (llmgw.contracts.resuming; 0: off); None: the default.
     max_resumes: int | None = None
+    # ``disaggregated``: its replicas in a prefill and a decode pool (llmgw.contracts.disagg).
+    disaggregated: Disaggregation | None = None
+    # A pool's own profile (stored, made by contracts.disagg.pool_profile): its role and
+    # SGLang's transfer backend ("": the engine's default).
+    role: str | None = None
+    transfer_backend: str = ""
 
     @property
     def routing_policy(self) -> str:
@@ -286,6 +307,12 @@ class Profile:
             out["host_memory"] = self.host_memory_mib
         if self.max_resumes is not None:
             out["resume"] = resume_value(self.max_resumes)
+        if self.disaggregated is not None:
+            out["disaggregated"] = self.disaggregated.to_dict()
+        if self.role is not None:
+            out["role"] = self.role
+        if self.transfer_backend:
+            out["transfer"] = {"backend": self.transfer_backend}
         return out
 
 
@@ -466,6 +493,7 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
             max_resumes = parse_resume(raw["resume"])
         except ValueError as exc:
             check.fail(at("resume"), str(exc))
+    disaggregated, role, backend = _disaggregation(check, raw, at, engine, nodes)
     return Profile(
         engine=engine,
         source=source.text if source is not None else None,
@@ -487,7 +515,46 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         sleep_level=sleep_level,
         host_memory_mib=None if host is None else _memory(check, host, at("host_memory")),
         max_resumes=max_resumes,
+        disaggregated=disaggregated,
+        role=role,
+        transfer_backend=backend,
     )
+
+
+def _disaggregation(
+    check: Checker, raw: Mapping[str, Any], at: Callable[[str], str], engine: str, nodes: int
+) -> tuple[Disaggregation | None, str | None, str]:
+    """``disaggregated`` (a catalog's or a deployment's), or a pool's own ``role`` and
+    ``transfer`` (stored by the control plane only, never in a catalog)."""
+    disaggregated = role = None
+    backend = ""
+    if raw.get("disaggregated") is not None:
+        try:
+            disaggregated = parse_disaggregated(
+                raw["disaggregated"], key=at("disaggregated"), engine=engine, nodes=nodes
+            )
+        except ConfigError as exc:
+            raise ConfigError(str(exc), file=check.file) from None
+    for own in ("role", "transfer"):
+        if raw.get(own) is not None and check.file != STORED:
+            check.fail(
+                at(own),
+                "is set by llmgw on a disaggregated model's pools; declare "
+                "disaggregated: {prefill: {...}, decode: {...}} instead",
+            )
+    if raw.get("role") is not None:
+        if disaggregated is not None:
+            check.fail(at("role"), "a pool's profile cannot itself be disaggregated")
+        try:
+            role = parse_role(raw["role"], key=at("role"), engine=engine)
+        except ConfigError as exc:
+            raise ConfigError(str(exc), file=check.file) from None
+    if raw.get("transfer") is not None:
+        given = check.mapping(raw["transfer"], at("transfer"), accepted=("backend",))
+        backend = str(given.get("backend") or "")
+        if backend and backend not in BACKENDS:
+            check.fail(at("transfer"), f"backend must be one of {', '.join(BACKENDS)}")
+    return disaggregated, role, backend
 
 
 def _sleep(check: Checker, value: object, key: str, engine: str, nodes: int) -> int:

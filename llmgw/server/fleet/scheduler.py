@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw.contracts.catalog import Profile as CatalogProfile
-from llmgw.contracts.catalog import adhoc_profile, parse_profile
+from llmgw.contracts.catalog import STORED, adhoc_profile, parse_profile
 from llmgw.contracts.inventory import degraded_reasons
 from llmgw.contracts.model_sources import NodeSources
 from llmgw.errors import ConfigError, Fenced, NotFound, StoreUnavailable
@@ -452,7 +452,7 @@ class Scheduler(Moves):
         stored = model.profiles.get(model.profile) if model.profiles else None
         if stored is None:
             stored = adhoc_profile(model.engine, model.params)
-        return parse_profile(stored, model=model.name, profile=model.profile, source="<store>")
+        return parse_profile(stored, model=model.name, profile=model.profile, source=STORED)
 
     def _place_replica(self, model: Model, *, retry: bool = True) -> str | None:
         store = self.store
