@@ -383,7 +383,9 @@ class ShardManager:
             spec.sandbox,
             program=None if get_engine(spec.engine).builtin else program,
             model=_weights(spec, located),
-            multi_node=spec.nodes > 1,
+            # The fabric's adapters (/dev/infiniband): a multi-node replica's collectives, and
+            # a disaggregated pool's KV transfers (UCX, mooncake), go over them.
+            multi_node=spec.nodes > 1 or bool(spec.disagg_role),
             shard_rw=sockets,
         )
 

@@ -234,6 +234,41 @@ def test_the_process_engine_gets_the_role_and_the_nodes_fabric_adapters(tmp_path
     assert set(plain.env) == {"CUDA_VISIBLE_DEVICES"}
 
 
+class Sandboxes:
+    """A stand-in for the agent's sandboxes: remembers what each shard's was asked for."""
+
+    def __init__(self) -> None:
+        self.fabric: dict[str, bool] = {}
+
+    async def prepare(self, shard_id: str, policy: object, **kw: Any) -> None:
+        self.fabric[shard_id] = kw["multi_node"]
+        raise Launched
+
+
+@pytest.mark.parametrize(
+    ("order", "fabric"),
+    [(_pool("vllm", "decode"), True), (ShardSpec("agg", "r4", "m", "vllm"), False)],
+    ids=["pool", "aggregated"],
+)
+def test_a_pool_shards_sandbox_sees_the_fabrics_adapters(
+    tmp_path: Path, order: ShardSpec, fabric: bool
+) -> None:
+    def launch(spec: ShardSpec, port: int, log_path: Path) -> Launch:
+        return Launch(shard_id=spec.shard_id, argv=("vllm",), port=port, log_path=log_path)
+
+    sandboxes = Sandboxes()
+    manager = ShardManager(
+        tmp_path,
+        ProcessRuntime(),
+        lambda shard: None,
+        make_launch=launch,
+        multinode_ports=NODE_PORTS,
+    )
+    manager.sandboxes = sandboxes  # type: ignore[assignment]
+    _start(manager, order)
+    assert sandboxes.fabric == {order.shard_id: fabric}
+
+
 def test_a_docker_node_refuses_a_pool_shard(tmp_path: Path) -> None:
     with pytest.raises(ShardError) as info:
         launch_for(
