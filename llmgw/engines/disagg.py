@@ -32,11 +32,13 @@ own code and documentation:
   (``CommonKVBootstrapServer(host=server_args.host, ...)``; 0.5.23 has no flag of its own for
   it), so a prefill on llmgw's usual 127.0.0.1 is unreachable from a decode on another node.
   The least exposure that works: a prefill's HTTP server listens on every address
-  (``0.0.0.0``), which the agent's relay still reaches on 127.0.0.1, at a port picked
-  outside ``multinode_ports`` (the firewall opens only that range to the fabric's peers);
-  a decode keeps 127.0.0.1. Each rank's KV sender or receiver binds a ZeroMQ socket on the
-  address ``SGLANG_HOST_IP`` names (else the first route's source address), at a free port
-  it picks itself: set to the transfer host, so the transfers stay on the fabric.
+  (``0.0.0.0``), which the agent's relay still reaches on 127.0.0.1, at the ephemeral port
+  the agent picked, outside ``multinode_ports`` (the installer's firewall rules open only
+  that range to the fabric's peers); a decode keeps 127.0.0.1. Each rank's KV sender or
+  receiver binds a ZeroMQ socket on the address ``SGLANG_HOST_IP`` names (else the first
+  route's source address), set to the transfer host so that the transfers stay on the
+  fabric, at a free port it picks itself: SGLang has no setting to keep it inside
+  ``multinode_ports``, so a node whose firewall drops the fabric's peers elsewhere blocks it.
 - sim (``llmgw engine sim``): ``--kv-transfer-addr HOST:PORT``, where its TCP pull binds.
 
 llama.cpp cannot disaggregate: a role on it is refused. Disaggregated pools are single-node
