@@ -30,7 +30,8 @@
 #      -> tests/fixtures/engines/kvevents/ENGINE.json (scripts/lib/engine_kvframes.py)
 #   5. llmgw ctl engine-check ENGINE --help-output ENGINE.txt
 #   6. every command llmgw builds for the engine (scripts/lib/engine_argv.py: single node,
-#      each parameter, KV events, each task, multi-node rank 0 and workers) through the
+#      each parameter, KV events, each task, multi-node rank 0 and workers, each pool of a
+#      disaggregated model) through the
 #      engine's own parser and configuration checks (scripts/lib/engine_parse.py)
 #   7. when all passed, the fixtures into place (each file whole)
 # It stops at the first failure, saying which step; the engines' own output of steps 4 and

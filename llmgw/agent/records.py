@@ -168,6 +168,9 @@ def parse_record(shard_id: str, obj: object) -> ShardRecord:
             sandbox=SandboxPolicy.from_json(_get(obj, "sandbox", (dict,), {})),
             sandboxed=_get(obj, "sandboxed", (bool,), False),
             sleep_level=_get(obj, "sleep_level", (int,), 0),
+            # A record of an agent before disaggregation: an aggregated shard.
+            disagg_role=_get(obj, "disagg_role", (str,), ""),
+            transfer_addr=_get(obj, "transfer_addr", (str,), ""),
         )
     except ValueError as exc:
         raise ValueError(f"shard {shard_id!r}: {exc}") from None

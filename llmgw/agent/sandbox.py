@@ -6,7 +6,7 @@ A sandbox sees, each at its own path:
 - the system, read-only: ``/usr`` and the merged-usr links (``/bin``, ``/lib*``, ``/sbin``),
   ``/etc`` without ``/etc/llmgw``, ``/sys`` (NVML reads it); a new ``/dev`` with the GPUs'
   device nodes (``/dev/nvidia*``, ``/dev/dri``; ``/dev/infiniband`` for a shard of a
-  multi-node replica) and a ``/dev/shm`` of its own; a new ``/proc`` of its own pid namespace;
+  multi-node replica or of a disaggregated model's pool, ``multi_node`` below) and a ``/dev/shm`` of its own; a new ``/proc`` of its own pid namespace;
 - its program, read-only: the engine's install prefix (a venv, a folder under the state
   directory's ``engines/``), or for the built-in ``sim`` this llmgw (a frozen binary's folder,
   else the interpreter's prefixes and the package);

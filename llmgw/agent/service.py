@@ -246,6 +246,9 @@ class Agent:
             traffic=self.traffic,
             multinode_ports=cfg.multinode_ports,
             sources=sources,
+            # Every adapter of every fabric the node is on: the order names no fabric, and a
+            # node's pools are placed on one.
+            fabric_devices=tuple(hca for fabric in cfg.fabrics for hca in fabric.hcas),
         )
         await shards.open()
         running.push_async_callback(shards.close)

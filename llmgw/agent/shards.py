@@ -35,6 +35,13 @@ ready again at once (a worker that lost rank 0 exits). Where rank 0 dials its wo
 in the node's ``multinode_ports``, the range its firewall opens to the fabric's peers: an
 order outside it is refused before anything starts.
 
+Disaggregated serving: a shard ordered with a ``disagg_role`` (``prefill`` or ``decode``)
+runs its engine with its KV transfer side channel at the order's ``transfer_addr``, whose
+port must lie in ``multinode_ports`` too, over the adapters of agent.yaml's ``fabrics``
+(:mod:`llmgw.engines.disagg`); a role on an engine that cannot disaggregate, on a multi-node
+shard, or without a transfer address is refused before anything starts
+(:func:`~llmgw.agent.shardspec.check_disagg`).
+
 Engines outlive the agent: stopping the agent (or killing it) leaves them running, and the
 next agent adopts them from ``shards.json`` (:meth:`ShardManager.adopt_all`); those that
 ended meanwhile are reported failed so that the control plane starts them again. An engine
@@ -69,7 +76,13 @@ from llmgw.agent.records import ShardRecords
 from llmgw.agent.runtimes import Launch, Runtime
 from llmgw.agent.runtimes.base import ShardRecord
 from llmgw.agent.sandbox import Sandboxed, Sandboxes, hidden_path_reason
-from llmgw.agent.shardspec import Shard, ShardSpec, check_rendezvous_port, check_shape
+from llmgw.agent.shardspec import (
+    Shard,
+    ShardSpec,
+    check_disagg,
+    check_rendezvous_port,
+    check_shape,
+)
 from llmgw.agent.shardstate import ShardState
 from llmgw.agent.sidecars import SidecarSet, log_tail
 from llmgw.agent.sleeping import adopted_state, put_to_sleep, wake
@@ -154,6 +167,7 @@ class ShardManager:
         kv_events: KvEventsHub | None = None,
         sandboxes: Sandboxes | None = None,
         traffic: ShardTraffic | None = None,
+        fabric_devices: tuple[str, ...] = (),
     ) -> None:
         self.state_dir = state_dir
         # The requests in flight on each shard, as the data plane relays them: what a
@@ -165,6 +179,8 @@ class ShardManager:
         self.kv_events = kv_events
         # agent.yaml's range: where a shard may bind its replica's rendezvous port.
         self.multinode_ports = multinode_ports
+        # agent.yaml's fabrics' adapters: what a disaggregated shard moves its KV cache over.
+        self.fabric_devices = fabric_devices
         # models_root and cache_root; None (tests): a source is handed to the engine as is.
         self.sources = sources
         self.records = ShardRecords(state_dir)
@@ -199,6 +215,9 @@ class ShardManager:
                     peers=spec.worker_addrs,
                     listen_addr=spec.listen_addr,
                     kv_events_config=engine_config(spec.shard_id, spec.kv_events_endpoint),
+                    disagg_role=spec.disagg_role,
+                    transfer_addr=spec.transfer_addr,
+                    fabric_devices=self.fabric_devices if spec.disagg_role else (),
                 )
             )
         except EngineError as exc:
@@ -285,6 +304,7 @@ class ShardManager:
             await existing.task
         check_shape(spec)
         check_rendezvous_port(spec, self.multinode_ports)
+        check_disagg(spec, self.multinode_ports)
         located = self._locate_source(spec)
         launched = spec
         if located is not None:
@@ -363,7 +383,9 @@ class ShardManager:
             spec.sandbox,
             program=None if get_engine(spec.engine).builtin else program,
             model=_weights(spec, located),
-            multi_node=spec.nodes > 1,
+            # The fabric's adapters (/dev/infiniband): a multi-node replica's collectives, and
+            # a disaggregated pool's KV transfers (UCX, mooncake), go over them.
+            multi_node=spec.nodes > 1 or bool(spec.disagg_role),
             shard_rw=sockets,
         )
 

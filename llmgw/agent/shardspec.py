@@ -1,7 +1,8 @@
 """What a shard is on this node: the order it was started from (:class:`ShardSpec`, read
 from a StartShard or a record), its state here (:class:`Shard`, as ``shards.json`` keeps
 it), and the checks an order passes before anything starts (its shape, its rendezvous port
-inside the node's ``multinode_ports``). :mod:`llmgw.agent.shards` runs them."""
+and a disaggregated shard's role and transfer port, each port inside the node's
+``multinode_ports``). :mod:`llmgw.agent.shards` runs them."""
 
 from __future__ import annotations
 
@@ -18,15 +19,17 @@ from llmgw.agent.shardstate import ShardState
 from llmgw.agent.sidecars import SidecarSet, SidecarSpec
 from llmgw.contracts.ports import PortRange
 from llmgw.contracts.sandbox import SandboxPolicy
+from llmgw.engines.disagg import check_role
 from llmgw.engines.registry import ENGINES
-from llmgw.errors import ConfigError, ShardError
+from llmgw.engines.spec import EngineSpec
+from llmgw.errors import ConfigError, EngineError, ShardError
 from llmgw.netaddr import parse_hostport
 
 if TYPE_CHECKING:
     from llmgw.proto import control_pb2 as pb
 
 
-__all__ = ["Shard", "ShardSpec", "check_rendezvous_port", "check_shape"]
+__all__ = ["Shard", "ShardSpec", "check_disagg", "check_rendezvous_port", "check_shape"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,10 @@ class ShardSpec:
     from; "": none)."""
     sandbox: SandboxPolicy = field(default_factory=SandboxPolicy)
     """What the engine's sandbox sees beyond the agent's own choice (the profile's key)."""
+    disagg_role: str = ""
+    """Disaggregated serving: the replica's pool, ``prefill`` or ``decode`` ("": aggregated)."""
+    transfer_addr: str = ""
+    """With a role: the host:port where the engine binds its KV transfer side channel."""
 
     @classmethod
     def from_order(cls, order: pb.StartShard) -> ShardSpec:
@@ -87,6 +94,9 @@ class ShardSpec:
             kv_events=order.kv_events,
             # An order of a control plane before sandboxes says nothing: sandboxed.
             sandbox=SandboxPolicy.from_order(order.sandbox),
+            # An order of a control plane before disaggregation says "": aggregated.
+            disagg_role=order.disagg_role,
+            transfer_addr=order.transfer_addr,
         )
 
     @classmethod
@@ -111,6 +121,8 @@ class ShardSpec:
             listen_addr=record.listen_addr,
             kv_events=record.kv_events,
             sandbox=record.sandbox,
+            disagg_role=record.disagg_role,
+            transfer_addr=record.transfer_addr,
         )
 
     @property
@@ -201,6 +213,8 @@ class Shard:
             sandbox=spec.sandbox,
             sandboxed=self.sandboxed,
             sleep_level=self.sleep_level,
+            disagg_role=spec.disagg_role,
+            transfer_addr=spec.transfer_addr,
         )
 
 
@@ -256,6 +270,39 @@ def check_rendezvous_port(spec: ShardSpec, ports: PortRange) -> None:
         if spec.rank != 0:
             return
         addr, what = spec.dist_init_addr, "its dist-init address (dist_init_addr)"
+    _check_port_in_range(spec, what, addr, ports)
+
+
+def check_disagg(spec: ShardSpec, ports: PortRange) -> None:
+    """A disaggregated shard's order makes sense: a role llmgw knows, on an engine that can
+    disaggregate, a single-node replica, a ``transfer_addr`` with the role (and none
+    without), its port inside this node's ``multinode_ports`` (peers on the fabric dial it,
+    like a rendezvous); ShardError saying what is wrong and what to do when not. An unknown
+    engine is left to the launcher, which names the known ones."""
+    engine = ENGINES.get(spec.engine)
+    if engine is None:
+        return
+    shape = EngineSpec(
+        engine=spec.engine,
+        model=spec.model,
+        port=1,
+        nodes=spec.nodes,
+        rank=spec.rank,
+        disagg_role=spec.disagg_role,
+        transfer_addr=spec.transfer_addr,
+    )
+    try:
+        check_role(spec.engine, engine.disagg_handover, shape)
+    except EngineError as exc:
+        raise ShardError(f"shard {spec.shard_id}: {exc.message}") from None
+    if spec.disagg_role:
+        what = f"its KV transfer address (transfer_addr, a {spec.disagg_role} shard's)"
+        _check_port_in_range(spec, what, spec.transfer_addr, ports)
+
+
+def _check_port_in_range(spec: ShardSpec, what: str, addr: str, ports: PortRange) -> None:
+    """The port of ``addr`` (host:port) lies in ``ports``; an address that is not host:port
+    is left to the builder, which says what is missing."""
     try:
         port = parse_hostport(addr)[1]
     except ConfigError:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 import llmgw
+from llmgw.engines.disagg import ROLES
 from llmgw.engines.kvevents import events_config
 from llmgw.engines.launch import build_command, engine_module, self_argv
 from llmgw.engines.registry import AVAILABLE_ENGINES, get_engine
@@ -137,7 +138,9 @@ def widest_specs(engine: str, binary: str = "") -> list[tuple[str, EngineSpec]]:
     events) publishing them, its worker, then rank 0
     with the flags of each task (``rank 0, task embed``; tasks that share their flags in one
     form, ``task embed/rerank``), which a profile's ``task`` puts before its args, and with
-    those of each sleep level (``rank 0, sleep level 1/2``), which its ``sleep`` puts there."""
+    those of each sleep level (``rank 0, sleep level 1/2``), which its ``sleep`` puts there,
+    and, for an engine that disaggregates, a single-node shard of each pool
+    (``single node, prefill``)."""
     module = engine_module(engine)
     events = events_config("ipc:///var/lib/llmgw-agent/kv/0123456789abcdef/kv.sock", "engine-check")
     rank0 = EngineSpec(
@@ -170,6 +173,20 @@ def widest_specs(engine: str, binary: str = "") -> list[tuple[str, EngineSpec]]:
     for flags, levels in sleeps.items():
         form = f"rank 0, sleep level {'/'.join(levels)}"
         forms.append((form, replace(rank0, extra_args=flags)))
+    # Each pool of a disaggregated model: a single-node shard (pools are single-node) with its
+    # role, its transfer address and the node's fabric adapters. Not the built-in sim's: its
+    # --kv-transfer-addr comes with its KV pull (llmgw.sim), checked against its CLI there.
+    row = get_engine(engine)
+    if row.disagg_handover is not None and not row.builtin:
+        single = replace(rank0, nodes=1, rank=0, dist_init_addr="", peers=())
+        for role in ROLES:
+            pool = replace(
+                single,
+                disagg_role=role,
+                transfer_addr="10.0.0.1:29600",
+                fabric_devices=("mlx5_0", "mlx5_1"),
+            )
+            forms.append((f"single node, {role}", pool))
     return forms
 
 

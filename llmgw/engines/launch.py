@@ -13,6 +13,7 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 
+from llmgw.engines.disagg import check_role
 from llmgw.engines.registry import engine_names, get_engine
 from llmgw.engines.spec import EngineCommand, EngineModule, EngineSpec, Param, rendezvous_addr
 from llmgw.errors import EngineError
@@ -53,7 +54,8 @@ def dials_workers(engine: str) -> bool:
 def build_command(spec: EngineSpec) -> EngineCommand:
     """The command that starts ``spec``'s engine on 127.0.0.1:``spec.port``; EngineError
     when the spec cannot be run (unknown engine or parameter, bad rendezvous, no weights,
-    several nodes for an engine without a multi-node form)."""
+    several nodes for an engine without a multi-node form, a disaggregation role it cannot
+    take)."""
     module = engine_module(spec.engine)
     _check_shape(spec)
     check_params(spec.engine, spec.params)
@@ -181,3 +183,4 @@ def _check_shape(spec: EngineSpec) -> None:
             f"engine {spec.engine} publishes no KV cache events; run it without "
             f"kv_events_config, or use an engine that does ({with_events})"
         )
+    check_role(spec.engine, get_engine(spec.engine).disagg_handover, spec)

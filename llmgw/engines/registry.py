@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import cast
 
+from llmgw.engines.disagg import Handover
 from llmgw.engines.sleep import SleepApi
 from llmgw.engines.spec import EngineModule
 from llmgw.errors import EngineError
@@ -28,6 +29,7 @@ __all__ = [
     "ENGINES",
     "TASKS",
     "Engine",
+    "disaggregating_engines",
     "engine_names",
     "get_engine",
     "installable_engines",
@@ -130,6 +132,11 @@ class Engine:
     ``sleep_api``: the protocol of the engine's sleep mode (:mod:`llmgw.engines.sleep`);
     None: it cannot sleep (it scales by start and stop only). ``sleep_levels``: the levels
     llmgw runs it at; the builder module's ``SLEEP_FLAGS`` are what enable each.
+
+    ``disagg_handover``: the protocol by which the gateway hands a request from a prefill
+    replica to a decode replica of this engine (:class:`~llmgw.engines.disagg.Handover`);
+    None: it cannot disaggregate (a shard with a role is refused). The builder adds what a
+    role needs (:mod:`llmgw.engines.disagg`).
     """
 
     name: str
@@ -153,6 +160,7 @@ class Engine:
     tokenizer_needed: bool = True
     sleep_api: SleepApi | None = None
     sleep_levels: tuple[int, ...] = ()
+    disagg_handover: Handover | None = None
 
     def can_serve_together(self, tasks: Sequence[str]) -> bool:
         """Whether one replica of this engine can do every one of ``tasks`` (known tasks)."""
@@ -200,6 +208,8 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 # vLLM's protocol, both levels, with configurable costs (llmgw.sim.sleep).
                 sleep_api=SleepApi.VLLM,
                 sleep_levels=(1, 2),
+                # Its TCP pull answers vLLM's kv_transfer_params (llmgw.sim).
+                disagg_handover=Handover.VLLM,
             ),
             Engine(
                 "vllm",
@@ -221,6 +231,8 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 kv_events=True,
                 sleep_api=SleepApi.VLLM,
                 sleep_levels=(1, 2),
+                # NixlConnector: kv_transfer_params from the prefill to the decode.
+                disagg_handover=Handover.VLLM,
             ),
             Engine(
                 "sglang",
@@ -243,6 +255,8 @@ ENGINES: Mapping[str, Engine] = MappingProxyType(
                 # Without the backup a resume needs the weights reloaded by another route.
                 sleep_api=SleepApi.SGLANG,
                 sleep_levels=(1,),
+                # The prefill's bootstrap server: host, port and room to both replicas.
+                disagg_handover=Handover.SGLANG,
             ),
             Engine(
                 "llamacpp",
@@ -307,6 +321,11 @@ def multi_node_engines() -> tuple[str, ...]:
 def sleeping_engines() -> tuple[str, ...]:
     """The engines that can sleep, sorted."""
     return tuple(sorted(name for name, engine in ENGINES.items() if engine.sleep_levels))
+
+
+def disaggregating_engines() -> tuple[str, ...]:
+    """The engines that can run in prefill and decode pools, sorted."""
+    return tuple(sorted(n for n, engine in ENGINES.items() if engine.disagg_handover))
 
 
 def get_engine(name: str) -> Engine:

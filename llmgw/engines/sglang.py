@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from llmgw.engines.disagg import sglang_flags, sglang_host
 from llmgw.engines.spec import (
     LOOPBACK,
     EngineCommand,
@@ -75,8 +76,10 @@ def build(spec: EngineSpec) -> EngineCommand:
     argv = [*prefix(spec.binary), "--model-path", weights(spec) or spec.model]
     # --served-model-name: the name the OpenAI API answers to. Workers get --host/--port too:
     # SGLang's non-zero ranks start a health-check server on them, which must not collide
-    # with the default port 30000 of another shard on the node.
-    argv += ["--served-model-name", spec.model, "--host", LOOPBACK, "--port", str(spec.port)]
+    # with the default port 30000 of another shard on the node. A prefill's bootstrap server
+    # binds the same --host: it listens on every address (llmgw.engines.disagg).
+    host = sglang_host(spec, LOOPBACK)
+    argv += ["--served-model-name", spec.model, "--host", host, "--port", str(spec.port)]
     # --tp-size (documented alias --tensor-parallel-size; "--tp" in the examples is an
     # argparse abbreviation, absent from --help): every GPU of the replica.
     argv += ["--tp-size", str(max(1, len(spec.gpus)) * spec.nodes)]
@@ -93,7 +96,12 @@ def build(spec: EngineSpec) -> EngineCommand:
         # usage.prompt_tokens_details for each openai request." (same file), so that the
         # gateway sees what the cache-aware routing saved.
         argv += [*kv_events_flags(spec), "--enable-cache-report"]
+    # A disaggregated shard's mode, transfer backend, bootstrap port and adapters, before the
+    # profile's args (which may name another --disaggregation-transfer-backend: the last wins).
+    role_argv, role_env = sglang_flags(spec)
+    argv += role_argv
     argv += spec.extra_args
+    env = {**gpu_env(spec), **role_env}
     if spec.worker:
-        return EngineCommand(argv=argv, env=gpu_env(spec), serves=False, health_path="")
-    return EngineCommand(argv=argv, env=gpu_env(spec), serves=True)
+        return EngineCommand(argv=argv, env=env, serves=False, health_path="")
+    return EngineCommand(argv=argv, env=env, serves=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from llmgw.engines.disagg import sim_flags
 from llmgw.engines.launch import self_argv
 from llmgw.engines.spec import (
     LOOPBACK,
@@ -81,6 +82,8 @@ def build(spec: EngineSpec) -> EngineCommand:
         argv += ["--dist-init-addr", spec.dist_init_addr]
     # --kv-events-config: vLLM's JSON, its events published as vLLM does (llmgw.sim).
     argv += kv_events_flags(spec)
+    # --kv-transfer-addr: where a disaggregated shard's KV pull binds (llmgw.engines.disagg).
+    argv += sim_flags(spec)
     argv += spec.extra_args
     env = gpu_env(spec) if spec.gpus else {}
     if spec.worker:

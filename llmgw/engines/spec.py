@@ -5,8 +5,10 @@ parameters it takes, and the helpers every builder shares.
 An engine is a module (``vllm``, ``sglang``, ``llamacpp``, ``sim``) that satisfies
 :class:`EngineModule`; :mod:`llmgw.engines.registry` names them and
 :mod:`llmgw.engines.launch` checks a spec and calls its builder. Engines listen on
-127.0.0.1 only; the one exception is the rendezvous of a multi-node replica
-(``dist_init_addr``, or llama.cpp's RPC workers), which the other nodes must reach. GPUs are
+127.0.0.1 only; the exceptions are the rendezvous of a multi-node replica
+(``dist_init_addr``, or llama.cpp's RPC workers) and a disaggregated shard's KV transfer side
+channel (``transfer_addr``; an SGLang prefill's HTTP server with it, :mod:`llmgw.engines.disagg`),
+which the other nodes must reach. GPUs are
 handed over in ``CUDA_VISIBLE_DEVICES``.
 """
 
@@ -58,6 +60,10 @@ class EngineSpec:
     ``kv_events_config``: the ``--kv-events-config`` JSON
     (:func:`llmgw.engines.kvevents.events_config`) that makes an engine with KV events (the
     registry's ``kv_events``) publish them; "" publishes none.
+    ``disagg_role``: "" (aggregated), ``prefill`` or ``decode``: the pool of a disaggregated
+    model the shard is in; ``transfer_addr`` (``host:port``) is where its engine binds its KV
+    transfer side channel, ``fabric_devices`` the node's fabric adapters (agent.yaml's
+    ``fabrics``) it moves the KV cache over (:mod:`llmgw.engines.disagg`).
     """
 
     engine: str
@@ -74,6 +80,9 @@ class EngineSpec:
     peers: tuple[str, ...] = ()
     listen_addr: str = ""
     kv_events_config: str = ""
+    disagg_role: str = ""
+    transfer_addr: str = ""
+    fabric_devices: tuple[str, ...] = ()
 
     @property
     def multi_node(self) -> bool:

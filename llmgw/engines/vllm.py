@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from llmgw.engines.disagg import vllm_flags
 from llmgw.engines.spec import (
     LOOPBACK,
     EngineCommand,
@@ -102,8 +103,12 @@ def build(spec: EngineSpec) -> EngineCommand:
     # prefix cache's BlockStored/BlockRemoved events over ZeroMQ; V1 caches prefixes by
     # default, so nothing else is needed.
     argv += kv_events_flags(spec)
+    # A disaggregated shard: NixlConnector and its side channel (llmgw.engines.disagg), before
+    # the profile's args so that a profile may still add its own --kv-transfer-config keys.
+    role_argv, role_env = vllm_flags(spec)
+    argv += role_argv
     argv += spec.extra_args
-    env = gpu_env(spec)
+    env = {**gpu_env(spec), **role_env}
     if SLEEP_FLAG in spec.extra_args and not spec.worker:
         # /sleep, /wake_up and /is_sleeping exist only in dev mode. It also opens
         # /collective_rpc and the like: the engine listens on 127.0.0.1 only, and the

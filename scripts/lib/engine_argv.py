@@ -4,8 +4,10 @@ Run with the llmgw environment's Python (scripts/capture-engine-help.sh does):
 ``python scripts/lib/engine_argv.py vllm > forms.json``. Each form is built by llmgw's own
 ``build_command``: a single node plain and with every profile parameter, each task's flags,
 KV events to the agent's ``ipc://`` endpoint, weights given as a repo id or as the
-``model_path`` parameter, and engine-check's widest forms (rank 0 and a worker of a two-node
-replica with every parameter and KV events, rank 0 with each task's flags).
+``model_path`` parameter, each pool of a disaggregated model (a transfer address on IPv6,
+no fabric adapters), and engine-check's widest forms (rank 0 and a worker of a two-node
+replica with every parameter and KV events, rank 0 with each task's flags, a single-node
+shard of each pool with the fabric's adapters).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from llmgw.agent.kvevents import engine_config
 from llmgw.agent.kvsockets import kv_endpoint
 from llmgw.engines.check import widest_specs
+from llmgw.engines.disagg import ROLES
 from llmgw.engines.launch import build_command, engine_module, task_args
 from llmgw.engines.spec import EngineSpec
 
@@ -48,6 +51,9 @@ def forms(engine: str) -> Iterator[tuple[str, EngineSpec]]:
     four = replace(one, gpus=("GPU-0", "GPU-1"), nodes=4, dist_init_addr="[fd00::1]:29500")
     yield "four nodes, rank 0, IPv6 rendezvous", four
     yield "four nodes, rank 3", replace(four, rank=3, port=41001)
+    for role in ROLES:
+        pool = replace(one, disagg_role=role, transfer_addr="[fd00::1]:29600")
+        yield f"single node, {role}, IPv6 transfer address, no fabric adapters", pool
     yield from widest_specs(engine)
 
 

@@ -107,12 +107,14 @@ def vllm_form(args: list[str], model_dir: str) -> str:
         ),
     )
     parallel, events = config.parallel_config, config.kv_events_config
+    transfer = config.kv_transfer_config  # a disaggregated pool's connector
     return (
         f"tp={parallel.tensor_parallel_size} pp={parallel.pipeline_parallel_size} "
         f"nnodes={parallel.nnodes} node_rank={parallel.node_rank} "
         f"master={parallel.master_addr}:{parallel.master_port} headless={seen['headless']} "
         f"runner={config.model_config.runner_type} "
-        f"kv_events={events.endpoint if events and events.enable_kv_cache_events else None}"
+        f"kv_events={events.endpoint if events and events.enable_kv_cache_events else None} "
+        f"kv_transfer={f'{transfer.kv_connector}/{transfer.kv_role}' if transfer else None}"
     )
 
 
@@ -138,7 +140,9 @@ def sglang_form(args: list[str], model_dir: str) -> str:
         f"tp={server_args.tp_size} nnodes={server_args.nnodes} "
         f"node_rank={server_args.node_rank} dist_init_addr={server_args.dist_init_addr} "
         f"is_embedding={server_args.is_embedding} "
-        f"kv_events={events.endpoint if events else None}"
+        f"kv_events={events.endpoint if events else None} "
+        f"disaggregation={server_args.disaggregation_mode}/"
+        f"{server_args.disaggregation_transfer_backend}"
     )
 
 

@@ -123,6 +123,10 @@ class ShardRecord:
     """``pid`` is the bubblewrap that runs the engine in its sandbox."""
     sleep_level: int = 0
     """Asleep (or falling asleep, waking): the level its engine sleeps at."""
+    disagg_role: str = ""
+    """The order's disaggregation role ("": aggregated), so an adopted shard keeps its pool."""
+    transfer_addr: str = ""
+    """The order's KV transfer address (with a role)."""
 
 
 class Runtime(abc.ABC):

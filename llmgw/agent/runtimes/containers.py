@@ -74,6 +74,8 @@ class _SpecLike(Protocol):
     def worker_addrs(self) -> tuple[str, ...]: ...
     @property
     def listen_addr(self) -> str: ...
+    @property
+    def disagg_role(self) -> str: ...
 
 
 def container_name(shard_id: str, node_id: str | None = None) -> str:
@@ -115,6 +117,15 @@ def launch_for(
             f"no image for engine {spec.engine!r} on this node; set docker.images.{spec.engine} "
             f"in agent.yaml (e.g. {spec.engine}: llmgw-{spec.engine}:0.1) and load the image "
             "(docker load -i FILE)"
+        )
+    if spec.disagg_role:
+        # Its KV cache moves over the fabric's adapters (/dev/infiniband), which a container
+        # is not given, from a side channel its peers dial on the host's address.
+        raise ShardError(
+            f"shard {spec.shard_id} is a {spec.disagg_role} shard of a disaggregated model, "
+            "which runs as a process engine only in this release; set runtime: process in "
+            "agent.yaml for the nodes of its pools, or deploy the model without prefill and "
+            "decode pools"
         )
     multi_node = spec.nodes > 1
     env: dict[str, str] = {}

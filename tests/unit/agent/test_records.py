@@ -48,6 +48,8 @@ FULL = ShardRecord(
     log_offset=42,
     sandbox=SandboxPolicy(extra_ro=("/opt/data",), extra_rw=("/scratch",)),
     sandboxed=True,
+    disagg_role="prefill",
+    transfer_addr="10.0.0.1:29600",
 )
 MINIMAL = ShardRecord(shard_id="s2", replica_id="r2", model="m", engine="sim")
 

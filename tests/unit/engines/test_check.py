@@ -125,6 +125,8 @@ def test_vllm_widest_flags() -> None:
         ("--runner", ("rank 0, task embed/rerank",)),
         # Both sleep levels need the one flag: one form for both.
         ("--enable-sleep-mode", ("rank 0, sleep level 1/2",)),
+        # Both pools of a disaggregated model: NixlConnector whatever the role.
+        ("--kv-transfer-config", ("single node, prefill", "single node, decode")),
     ]
     assert report.ok and not report.warnings and not report.skipped
 
@@ -204,7 +206,7 @@ def test_cli_passes_on_a_fixture(tmp_path: Path) -> None:
     assert lines[3].split() == ["FLAG", "USED", "BY", "HELP"]
     assert lines[4].split() == ["--served-model-name", "rank", "0", "ok"]
     assert ["--headless", "worker", "ok"] in [line.split() for line in lines]
-    assert lines[-1] == "ok: all 18 flags are documented"
+    assert lines[-1] == "ok: all 19 flags are documented"  # with --kv-transfer-config
 
 
 def test_cli_fails_listing_missing_flags_and_version(tmp_path: Path) -> None:
