@@ -14,8 +14,8 @@ replicas 0: it places nothing, the gateway drives the hand-over between its pool
 per pool, named ``MODEL#prefill`` and ``MODEL#decode`` (``#`` is in no model name a client
 may give, so no client names a pool), each with a profile of its own (:func:`pool_profile`:
 the model's profile with the pool's GPUs and args, and ``role``), placed, scaled, moved and
-rebuilt as any model is. One parser for the catalog, the admin API and ctl; one table of
-which hand-over protocol each engine speaks (:data:`HANDOVERS`), read by the gateway.
+rebuilt as any model is. One parser for the catalog, the admin API and ctl; which hand-over
+each engine speaks is the engine registry's (:func:`handover_of`).
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from typing import Any
 from llmgw.configfile import join_key, type_name
 from llmgw.contracts.scaling import ScalingPolicy, parse_replicas
 from llmgw.durations import format_duration, parse_duration
+from llmgw.engines.registry import disaggregating_engines, engine_names, get_engine
 from llmgw.errors import ConfigError
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_TRANSFER_TIMEOUT",
-    "HANDOVERS",
     "POOL_SEP",
     "ROLES",
     "Disaggregation",
@@ -48,12 +48,6 @@ __all__ = [
 ROLES: tuple[str, ...] = ("prefill", "decode")
 POOL_SEP = "#"
 """Between a model's name and its pool's role in the pool's own model name."""
-
-HANDOVERS: Mapping[str, str] = {"vllm": "vllm", "sim": "vllm", "sglang": "sglang"}
-"""The engines that can disaggregate, and whose hand-over each speaks: ``vllm`` (the prefill
-returns ``kv_transfer_params`` that the decode request carries: vLLM's NixlConnector, and the
-sim, which speaks it over TCP) or ``sglang`` (both sent at once with the prefill's bootstrap
-host, port and a room)."""
 
 BACKENDS: tuple[str, ...] = ("nixl", "mooncake")
 """SGLang's transfer backends llmgw starts it with (its --disaggregation-transfer-backend)."""
@@ -146,15 +140,22 @@ def split_pool(name: str) -> tuple[str, str] | None:
 
 
 def handover_of(engine: str) -> str | None:
-    """The hand-over protocol ``engine`` speaks; None: it cannot disaggregate."""
-    return HANDOVERS.get(engine)
+    """The hand-over protocol ``engine`` speaks (the registry's ``disagg_handover``): ``vllm``
+    (the prefill returns ``kv_transfer_params`` that the decode request carries: vLLM's
+    NixlConnector, and the sim, which speaks it over TCP) or ``sglang`` (both sent at once
+    with the prefill's bootstrap host, port and a room); None: it cannot disaggregate (or is
+    no engine llmgw knows)."""
+    if engine not in engine_names():
+        return None
+    handover = get_engine(engine).disagg_handover
+    return None if handover is None else str(handover)
 
 
 def parse_disaggregated(value: object, *, key: str, engine: str, nodes: int = 1) -> Disaggregation:
     """A profile's ``disaggregated`` mapping, checked; :class:`ConfigError` naming the key
     and what to write instead."""
     if handover_of(engine) is None:
-        able = ", ".join(sorted(HANDOVERS))
+        able = ", ".join(disaggregating_engines())
         raise ConfigError(
             f"engine {engine} cannot disaggregate prefill and decode; use one of {able}, or "
             "drop 'disaggregated'",
