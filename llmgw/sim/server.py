@@ -72,6 +72,8 @@ from llmgw.loop import run as run_loop
 from llmgw.netaddr import parse_hostport
 from llmgw.sim.config import SimConfig, is_int
 from llmgw.sim.generate import TOKEN_JSON, draw, own_tokens, resume, split_own, tokenize
+from llmgw.sim.handover import PARAM as KV_PARAM
+from llmgw.sim.handover import Handover, Role
 from llmgw.sim.kvcache import PrefixCache
 from llmgw.sim.pooling import PoolingHandlers
 from llmgw.sim.probe import probe_paths
@@ -94,6 +96,7 @@ from llmgw.sim.publisher import EventPublisher
 from llmgw.sim.rendezvous import Leader, Worker
 from llmgw.sim.responses import ResponsesHandlers
 from llmgw.sim.sleep import SleepMode
+from llmgw.sim.steps import StepLoop, StepPace
 
 log = logging.getLogger("llmgw.engine.sim")
 
@@ -270,6 +273,9 @@ class _Handlers:
         self.prefill_s_per_token = cfg.prefill_us_per_token / 1e6
         # The loop time the prefill lane is next free at (see the module docstring).
         self.lane_free_at = 0.0
+        self.handover = Handover(cfg)
+        # The step model's loop (llmgw.sim.steps), started with the app; None: the lane.
+        self.steps: StepLoop | None = None
 
     # ----------------------------------------------------------------- simple endpoints
 
@@ -315,6 +321,18 @@ class _Handlers:
 
         cfg = self.cfg
         prompt_ids = [tokenize(p.head) + tokenize(p.done) for p in prompts]
+        role = None
+        if (kv_params := body.get(KV_PARAM)) is not None:
+            try:
+                role = self.handover.role(
+                    kv_params,
+                    prompts=len(prompts),
+                    n=opts.n,
+                    stream=opts.stream,
+                    prompt_tokens=sum(len(ids) for ids in prompt_ids),
+                )
+            except BadRequest as e:
+                return e.response()
         try:
             limits = [
                 answer_limit(
@@ -338,10 +356,23 @@ class _Handlers:
             events += found.events
         if events and self.publisher is not None:
             self.publisher.publish(events)
-        # The prefill lane: one request's uncached tokens at a time, in arrival order.
-        start = max(t0, self.lane_free_at)
-        self.lane_free_at = start + (prompt_tokens - cached) * self.prefill_s_per_token
-        first_at = self.lane_free_at + self.ttft_s
+        uncached = prompt_tokens - cached
+        if role is not None and role.remote is not None:
+            # A remote prefill: the blocks cross the wire instead of being computed here,
+            # unless the pull fails and the prompt is recomputed (llmgw.sim.handover).
+            if await self.handover.pull(role.remote, prompt_tokens, cached):
+                uncached = 0
+                cached = max(prompt_tokens - 1, cached)
+            t0 = loop.time()
+        pace = None
+        if self.steps is not None:
+            pace = StepPace(self.steps, uncached, self.ttft_s)
+            first_at = 0.0
+        else:
+            # The prefill lane: one request's uncached tokens at a time, in arrival order.
+            start = max(t0, self.lane_free_at)
+            self.lane_free_at = start + uncached * self.prefill_s_per_token
+            first_at = self.lane_free_at + self.ttft_s
         completion_tokens = sum(len(tokens) for tokens, _ in jobs)
         usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
@@ -351,11 +382,24 @@ class _Handlers:
         }
         rid = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
         created = int(time.time())
-        if opts.stream:
-            return await self._stream(
-                request, chat, rid, created, jobs, usage if opts.include_usage else None, first_at
+        try:
+            if opts.stream:
+                return await self._stream(
+                    request,
+                    chat,
+                    rid,
+                    created,
+                    jobs,
+                    usage if opts.include_usage else None,
+                    first_at,
+                    pace,
+                )
+            return await self._respond(
+                request, chat, rid, created, jobs, usage, first_at, pace, role
             )
-        return await self._respond(request, chat, rid, created, jobs, usage, first_at)
+        finally:
+            if pace is not None:
+                pace.close()
 
     async def _respond(
         self,
@@ -366,14 +410,22 @@ class _Handlers:
         jobs: list[tuple[list[str], str]],
         usage: dict[str, Any],
         first_at: float,
+        pace: StepPace | None = None,
+        role: Role | None = None,
     ) -> web.StreamResponse:
         steps = max(len(tokens) for tokens, _ in jobs)
-        deadline = first_at + (steps - 1) * self.interval_s
-        loop = asyncio.get_running_loop()
-        while (remaining := deadline - loop.time()) > 0:
-            if gone(request):
-                break
-            await asyncio.sleep(min(remaining, DISCONNECT_POLL_S))
+        if pace is not None:
+            for k in range(steps):
+                await pace.token(k)
+                if gone(request):
+                    break
+        else:
+            deadline = first_at + (steps - 1) * self.interval_s
+            loop = asyncio.get_running_loop()
+            while (remaining := deadline - loop.time()) > 0:
+                if gone(request):
+                    break
+                await asyncio.sleep(min(remaining, DISCONNECT_POLL_S))
         choices: list[dict[str, Any]]
         if chat:
             choices = [
@@ -390,7 +442,7 @@ class _Handlers:
                 {"index": i, "text": "".join(tokens), "logprobs": None, "finish_reason": finish}
                 for i, (tokens, finish) in enumerate(jobs)
             ]
-        obj = {
+        obj: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
@@ -398,6 +450,13 @@ class _Handlers:
             "choices": choices,
             "usage": usage,
         }
+        if role is not None:
+            # The prefill keeps its blocks (vLLM's request_finished), unless its client left
+            # (vLLM frees an aborted request's); a decode's answer carries null, as vLLM's.
+            kept: dict[str, Any] | None = None
+            if role.remote is None and not gone(request):
+                kept = self.handover.keep(usage["prompt_tokens"], jobs[0][1])
+            obj[KV_PARAM] = kept
         return web.Response(body=dumps(obj).encode(), content_type="application/json")
 
     async def _stream(
@@ -409,6 +468,7 @@ class _Handlers:
         jobs: list[tuple[list[str], str]],
         usage: dict[str, Any] | None,
         first_at: float,
+        pace: StepPace | None = None,
     ) -> web.StreamResponse:
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = (
@@ -442,8 +502,9 @@ class _Handlers:
         try:
             await response.prepare(request)
             for k in range(steps):
-                delay = first_at + k * self.interval_s - loop.time()
-                if delay > 0:
+                if pace is not None:
+                    await pace.token(k)
+                elif (delay := first_at + k * self.interval_s - loop.time()) > 0:
                     await asyncio.sleep(delay)
                 if gone(request):
                     return response
@@ -489,6 +550,7 @@ def build_app(cfg: SimConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", sim.chat_completions)
     app.router.add_post("/v1/completions", sim.completions)
     app.router.add_post("/reset_prefix_cache", sim.reset_prefix_cache)
+    app.router.add_get("/metrics", sim.handover.metrics)
     app.router.add_routes(ResponsesHandlers(cfg).routes())
     app.router.add_routes(PoolingHandlers(cfg).routes())
 
@@ -503,7 +565,22 @@ def build_app(cfg: SimConfig) -> web.Application:
                 sim.publisher.close()
                 sim.publisher = None
 
+    async def engine_parts(_app: web.Application) -> AsyncIterator[None]:
+        # The KV transfer listener and the step loop live as long as the app.
+        await sim.handover.open()
+        if cfg.step_model:
+            sim.steps = StepLoop(sim.interval_s, sim.prefill_s_per_token, cfg.prefill_chunk)
+            sim.steps.start()
+        try:
+            yield
+        finally:
+            if sim.steps is not None:
+                await sim.steps.stop()
+                sim.steps = None
+            await sim.handover.close()
+
     app.cleanup_ctx.append(kv_events)
+    app.cleanup_ctx.append(engine_parts)
     return app
 
 
