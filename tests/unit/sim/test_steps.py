@@ -5,6 +5,7 @@ prefill), while the texts stay those of the engine without it."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import time
@@ -65,7 +66,7 @@ async def _stall(chunk: int) -> tuple[list[float], float, int]:
     long.close()
     await task
     await steps.stop()
-    return [b - a for a, b in zip(times, times[1:], strict=False)], took, spanned
+    return [b - a for a, b in itertools.pairwise(times)], took, spanned
 
 
 def test_a_whole_prompt_stalls_a_stream_by_its_prefill() -> None:
@@ -134,6 +135,7 @@ async def _stream_gaps(url: str, long_prompt: str) -> list[float]:
         "stream": True,
     }
     times: list[float] = []
+    running_ = asyncio.Event()  # set once the stream is well under way
     async with aiohttp.ClientSession() as session:
 
         async def stream() -> None:
@@ -142,16 +144,17 @@ async def _stream_gaps(url: str, long_prompt: str) -> list[float]:
                 async for line in resp.content:
                     if line.startswith(b"data: {"):
                         times.append(loop.time())
+                        if len(times) == 10:
+                            running_.set()
 
         task = asyncio.create_task(stream())
-        while len(times) < 10:
-            await asyncio.sleep(0.01)
+        await running_.wait()
         long = {"model": MODEL, "prompt": long_prompt, "max_tokens": 1}
         async with session.post(f"{url}/v1/completions", json=long) as resp:
             assert resp.status == 200
             await resp.read()
         await task
-    return [b - a for a, b in zip(times, times[1:], strict=False)]
+    return [b - a for a, b in itertools.pairwise(times)]
 
 
 def test_engine_stalls_its_streams_only_with_the_step_model() -> None:
