@@ -15,7 +15,7 @@ Bounds: a request frame may be at most :data:`MAX_REQUEST_BYTES` and at most wha
 every block held takes, so a peer cannot make the prefill allocate more than its holdings
 say; the bytes sent come from one shared zero buffer. A malformed request (a length out of
 bounds, not JSON, missing or ill-typed members, repeated ids) closes the connection without
-an answer; an unknown engine id or a block not held (never kept, pulled already, or freed
+an answer, as does one not done within ``--kv-transfer-timeout``; an unknown engine id or a block not held (never kept, pulled already, or freed
 after the timeout) gets an ``error`` header. A pull claims the blocks it names: the whole
 prompt each belongs to is freed, as vLLM frees a request's blocks once the decode has read
 them.
@@ -47,7 +47,7 @@ _READ_CHUNK = 256 * 1024
 # Room in a request frame for each block held (an id of up to 19 digits and its ", ") and
 # for the rest of the object (the engine id and the keys).
 _BYTES_PER_ID = 24
-_BYTES_BESIDES_IDS = 1024
+_BYTES_BESIDES_IDS = 64 * 1024
 
 
 class PullFailed(EngineError):
@@ -174,7 +174,10 @@ class BlockServer:
         assert task is not None
         self._conns.add(task)
         try:
-            await self._exchange(reader, writer)
+            # The whole exchange, the request read and the bytes sent: a decode that stops
+            # reading does not hold a connection for ever.
+            async with asyncio.timeout(self.timeout_s):
+                await self._exchange(reader, writer)
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as e:
             log.debug("sim: KV transfer connection ended: %r", e)
         finally:
@@ -185,8 +188,7 @@ class BlockServer:
 
     async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         limit = min(MAX_REQUEST_BYTES, _BYTES_BESIDES_IDS + _BYTES_PER_ID * len(self._owner))
-        async with asyncio.timeout(self.timeout_s):
-            asked = await _read_frame(reader, limit)
+        asked = await _read_frame(reader, limit)
         if asked is None:
             return
         engine_id = asked.get("engine_id")

@@ -532,3 +532,25 @@ def test_profile_params_and_flags() -> None:
         engine_cli.engine, ["sim", "--kv-transfer-addr", "bad", "--port", "0"]
     )
     assert result.exit_code != 0 and "kv_transfer_addr must be HOST:PORT" in result.output
+
+
+def test_a_decode_that_stalls_is_cut_off_after_the_timeout() -> None:
+    big = kv_cfg(kv_transfer_timeout_s=0.3, kv_bytes_per_token=100_000)  # 100 MB a prompt
+    with running(big) as p_url:
+        body = {"model": MODEL, "prompt": words(1000), "max_tokens": 2}
+        _, prefilled = post(f"{p_url}/v1/completions", prefill_body(body))
+        kv = prefilled["kv_transfer_params"]
+        ask = frame({"engine_id": kv["remote_engine_id"], "block_ids": kv["remote_block_ids"]})
+        with socket.create_connection(("127.0.0.1", kv["remote_port"]), timeout=10) as conn:
+            conn.sendall(ask)
+            time.sleep(0.8)  # reads nothing: the prefill's sends back up, then it gives up
+            got = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := conn.recv(1 << 20):
+                    got += chunk
+        assert 0 < len(got) < 1000 * 100_000
+        with socket.create_connection(("127.0.0.1", kv["remote_port"]), timeout=10) as conn:
+            start = time.monotonic()
+            assert conn.recv(16) == b""  # asked nothing: closed after the timeout
+            assert time.monotonic() - start >= 0.25
+        assert metrics(p_url)["kv_pulls_served_total"] == 0
