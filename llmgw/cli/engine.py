@@ -222,6 +222,13 @@ def engine() -> None:
     help="Bytes of KV cache per prompt token moved by a transfer (0: none).",
 )
 @click.option(
+    "--kv-transfer-mibps",
+    default=SimConfig.kv_transfer_mibps,
+    show_default=True,
+    type=float,
+    help="The fabric's bandwidth a prefill sends kept blocks at, MiB/s (0: no limit).",
+)
+@click.option(
     "--kv-transfer-timeout",
     default=SimConfig.kv_transfer_timeout_s,
     show_default=True,
@@ -276,6 +283,7 @@ def sim(
     sleep_host_mib: int,
     kv_transfer_addr: str,
     kv_bytes_per_token: int,
+    kv_transfer_mibps: float,
     kv_transfer_timeout: float,
     step_model: bool,
     prefill_chunk: int,
@@ -325,6 +333,7 @@ def sim(
         sleep_host_mib=sleep_host_mib,
         kv_transfer_addr=kv_transfer_addr,
         kv_bytes_per_token=kv_bytes_per_token,
+        kv_transfer_mibps=kv_transfer_mibps,
         kv_transfer_timeout_s=kv_transfer_timeout,
         step_model=step_model,
         prefill_chunk=prefill_chunk,

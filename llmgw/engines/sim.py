@@ -57,6 +57,7 @@ PARAMS: Mapping[str, Param] = MappingProxyType(
         # moves and how long kept blocks wait for their pull; --kv-transfer-addr is the
         # agent's to add from the shard's order, not a profile's.
         "kv_bytes_per_token": Param("--kv-bytes-per-token", int, minimum=0, sample="1024"),
+        "kv_transfer_mibps": Param("--kv-transfer-mibps", float, minimum=0, sample="1000"),
         "kv_transfer_timeout": Param("--kv-transfer-timeout", float, minimum=0.001, sample="30"),
         # The step model (llmgw.sim.steps): prefill and decoding in one loop of steps.
         "step_model": Param("--step-model", str, sample="true"),

@@ -83,7 +83,8 @@ class SimConfig:
     ``kv_transfer_addr`` (``HOST:PORT``, port 0 a free one; "" for none) is where it serves
     the blocks it keeps for a remote decode, ``kv_bytes_per_token`` the bytes a token's KV
     cache takes on the wire, ``kv_transfer_timeout_s`` how long kept blocks wait for their
-    pull and how long a pull may take. ``step_model`` runs the engine as one loop of steps
+    pull and how long a pull may take, ``kv_transfer_mibps`` the fabric's bandwidth the
+    prefill sends at (MiB/s; 0: as fast as the socket takes them). ``step_model`` runs the engine as one loop of steps
     (:mod:`llmgw.sim.steps`; it needs ``tps`` > 0), ``prefill_chunk`` the most prefill tokens
     a step takes (0: whole prompts).
     """
@@ -120,6 +121,7 @@ class SimConfig:
     kv_transfer_addr: str = ""
     kv_bytes_per_token: int = 1024
     kv_transfer_timeout_s: float = 30.0
+    kv_transfer_mibps: float = 0.0
     step_model: bool = False
     prefill_chunk: int = 0
 
@@ -225,6 +227,17 @@ class SimConfig:
             raise EngineError(
                 f"sim: kv_transfer_timeout must be a finite number of seconds > 0, got "
                 f"{timeout!r}; vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT is the like of it"
+            )
+        rate = self.kv_transfer_mibps
+        if (
+            isinstance(rate, bool)
+            or not isinstance(rate, int | float)
+            or not math.isfinite(rate)
+            or rate < 0
+        ):
+            raise EngineError(
+                f"sim: kv_transfer_mibps must be a finite number of MiB/s >= 0 (0: no limit), "
+                f"got {rate!r}"
             )
         if not isinstance(self.step_model, bool):
             raise EngineError(f"sim: step_model must be true or false, got {self.step_model!r}")

@@ -94,6 +94,7 @@ class Handover:
             self.cfg.kv_bytes_per_token,
             self.cfg.kv_transfer_timeout_s,
             self.stats,
+            mibps=self.cfg.kv_transfer_mibps,
         )
         self.host, self.port = await server.open(*addr)
         self.server = server

@@ -88,8 +88,12 @@ class BlockServer:
         bytes_per_token: int,
         timeout_s: float,
         stats: TransferStats,
+        *,
+        mibps: float = 0.0,
     ) -> None:
         self.engine_id = engine_id
+        # The fabric's bandwidth a pull is sent at (bytes/s; 0: as fast as the socket).
+        self.rate = mibps * 1024 * 1024
         self.block_size = block_size
         self.bytes_per_token = bytes_per_token
         self.timeout_s = timeout_s
@@ -234,6 +238,8 @@ class BlockServer:
             writer.write(_ZEROS[:n])
             left -= n
             await writer.drain()
+            if self.rate:
+                await asyncio.sleep(n / self.rate)
         await writer.drain()
         self.stats.pulls_served += 1
         self.stats.bytes_sent += size

@@ -554,3 +554,20 @@ def test_a_decode_that_stalls_is_cut_off_after_the_timeout() -> None:
             assert conn.recv(16) == b""  # asked nothing: closed after the timeout
             assert time.monotonic() - start >= 0.25
         assert metrics(p_url)["kv_pulls_served_total"] == 0
+
+
+def test_a_fabrics_bandwidth_paces_the_pull() -> None:
+    """``kv_transfer_mibps``: the prefill sends at a fabric's rate, so a transfer takes what
+    its bytes would there (0.5 MiB at 4 MiB/s: about an eighth of a second, never less)."""
+    with running(kv_cfg(kv_bytes_per_token=8192, kv_transfer_mibps=4)) as p_url:
+        body = {"model": MODEL, "prompt": words(64), "max_tokens": 3}
+        _, prefilled = post(f"{p_url}/v1/completions", prefill_body(body))
+        kv = prefilled["kv_transfer_params"]
+        ask = frame({"engine_id": kv["remote_engine_id"], "block_ids": kv["remote_block_ids"]})
+        started = time.monotonic()
+        header, sent = exchange(kv["remote_port"], ask)
+        took = time.monotonic() - started
+        assert header == {"bytes": 64 * 8192} and sent == 64 * 8192
+        assert took >= 0.1, took
+    with pytest.raises(EngineError, match="kv_transfer_mibps must be a finite number"):
+        SimConfig(kv_transfer_mibps=-1)
