@@ -465,7 +465,7 @@ class OrderMeta(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., op_id: _Optional[str] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("meta", "shard_id", "replica_id", "model", "engine", "rank", "params", "extra_args", "gpus", "nodes", "dist_init_addr", "source", "gpu_memory_mib", "sidecars", "profile", "worker_addrs", "listen_addr", "source_sha256", "kv_events", "sandbox")
+    __slots__ = ("meta", "shard_id", "replica_id", "model", "engine", "rank", "params", "extra_args", "gpus", "nodes", "dist_init_addr", "source", "gpu_memory_mib", "sidecars", "profile", "worker_addrs", "listen_addr", "source_sha256", "kv_events", "sandbox", "disagg_role", "transfer_addr")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -493,6 +493,8 @@ class StartShard(_message.Message):
     SOURCE_SHA256_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_FIELD_NUMBER: _ClassVar[int]
+    DISAGG_ROLE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDR_FIELD_NUMBER: _ClassVar[int]
     meta: OrderMeta
     shard_id: str
     replica_id: str
@@ -513,7 +515,9 @@ class StartShard(_message.Message):
     source_sha256: str
     kv_events: bool
     sandbox: Sandbox
-    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., dist_init_addr: _Optional[str] = ..., source: _Optional[str] = ..., gpu_memory_mib: _Optional[int] = ..., sidecars: _Optional[_Iterable[_Union[Sidecar, _Mapping]]] = ..., profile: _Optional[str] = ..., worker_addrs: _Optional[_Iterable[str]] = ..., listen_addr: _Optional[str] = ..., source_sha256: _Optional[str] = ..., kv_events: _Optional[bool] = ..., sandbox: _Optional[_Union[Sandbox, _Mapping]] = ...) -> None: ...
+    disagg_role: str
+    transfer_addr: str
+    def __init__(self, meta: _Optional[_Union[OrderMeta, _Mapping]] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., params: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[str]] = ..., nodes: _Optional[int] = ..., dist_init_addr: _Optional[str] = ..., source: _Optional[str] = ..., gpu_memory_mib: _Optional[int] = ..., sidecars: _Optional[_Iterable[_Union[Sidecar, _Mapping]]] = ..., profile: _Optional[str] = ..., worker_addrs: _Optional[_Iterable[str]] = ..., listen_addr: _Optional[str] = ..., source_sha256: _Optional[str] = ..., kv_events: _Optional[bool] = ..., sandbox: _Optional[_Union[Sandbox, _Mapping]] = ..., disagg_role: _Optional[str] = ..., transfer_addr: _Optional[str] = ...) -> None: ...
 
 class Sandbox(_message.Message):
     __slots__ = ("disabled", "extra_ro", "extra_rw")
