@@ -18,6 +18,7 @@ from llmgw.contracts.catalog import (
     profile_routing,
     profile_sleep_level,
 )
+from llmgw.contracts.catalog import Profile as CatalogProfile
 from llmgw.contracts.disagg import split_pool
 from llmgw.contracts.scaling import ScalingPolicy, parse_replicas, policy_of
 from llmgw.engines.registry import engine_names
@@ -281,12 +282,8 @@ def _disaggregated(
     if adhoc or existing is None:
         if body.get("disaggregated") is None:
             return None
-        spec = adhoc_profile(str(body.get("engine", "sim")), {})
-        spec["disaggregated"] = body["disaggregated"]
-        for key in ("gpus", "nodes"):
-            if body.get(key) is not None:
-                spec[key] = body[key]
-        chosen = DEFAULT_PROFILE
+        # Checked whole, as the deploy stores it, before anything is written.
+        return DEFAULT_PROFILE if _adhoc_spec(name, body)[2].disaggregated else None
     else:
         chosen = profile or existing.profile
         found = _profiles_of(existing).get(chosen)
@@ -304,9 +301,11 @@ def _remover(ctx: AdminContext) -> Callable[[str, str], None]:
     return lambda replica_id, why: ctx.scheduler.remove_replica(replica_id, why=why)
 
 
-def _deploy_adhoc(
-    ctx: AdminContext, name: str, body: Mapping[str, Any], replicas: int, existing: Model | None
-) -> Model:
+def _adhoc_spec(
+    name: str, body: Mapping[str, Any]
+) -> tuple[str, dict[str, Any], CatalogProfile, dict[str, Any]]:
+    """An ad-hoc deploy's engine, params and its one profile (parsed, and as stored);
+    BadRequest saying what is wrong."""
     engine = body.get("engine", "sim")
     if engine not in engine_names():
         raise BadRequest(f"unknown engine {engine!r}; choose one of {', '.join(engine_names())}")
@@ -325,9 +324,16 @@ def _deploy_adhoc(
         if body.get(key) is not None:
             profile[key] = body[key]
     try:
-        parse_profile(profile, model=name, profile=DEFAULT_PROFILE, source="request")
+        parsed = parse_profile(profile, model=name, profile=DEFAULT_PROFILE, source="request")
     except ConfigError as exc:
         raise BadRequest(str(exc)) from None
+    return engine, params, parsed, profile
+
+
+def _deploy_adhoc(
+    ctx: AdminContext, name: str, body: Mapping[str, Any], replicas: int, existing: Model | None
+) -> Model:
+    engine, params, _parsed, profile = _adhoc_spec(name, body)
     if existing is not None and not _is_adhoc(existing):
         raise Conflict(
             f"model {name} comes from the catalog (profiles "
