@@ -169,7 +169,10 @@ def test_undeploy_removes_the_model_and_both_pools(ctx: SimpleNamespace, cp: Sch
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ({"name": "m#prefill", "replicas": 2}, r"prefill pool of the disaggregated model m.*--prefill"),
+        (
+            {"name": "m#prefill", "replicas": 2},
+            r"prefill pool of the disaggregated model m.*--prefill",
+        ),
         ({"name": "m#decode", "profile": "pd"}, r"decode pool of .* model m.*--decode N\|MIN-MAX"),
     ],
 )

@@ -26,9 +26,7 @@ def _join(
     }
     if ports is not None:
         inventory["multinode_ports"] = ports
-    cp.join(
-        node_id, inventory, dataplane_addr=f"10.0.0.{number}:9443", engines=frozenset({"sim"})
-    )
+    cp.join(node_id, inventory, dataplane_addr=f"10.0.0.{number}:9443", engines=frozenset({"sim"}))
 
 
 def _deploy(cp: SchedulerRig, prefill: tuple[int, Any], decode: tuple[int, Any]) -> None:
