@@ -178,6 +178,94 @@ def _pool_of(name: str, names: set[str]) -> bool:
     return pair is not None and pair[0] in names
 
 
+def apply_catalog(ctx: AdminContext, body: Any, *, actor: str) -> list[dict[str, Any]]:
+    """Add or update every model of the catalog, all or none; models it does not name are
+    left as they are. A model deployed with a disaggregated profile has its pools follow
+    (written, or removed when its profile is no longer disaggregated). One row per model:
+    its change, profiles, profile and replicas, and a note for running replicas."""
+    try:
+        catalog = parse_catalog(body, source="catalog")
+    except ConfigError as exc:
+        raise BadRequest(str(exc)) from None
+    store = ctx.store
+    changes: list[dict[str, Any]] = []
+    with store.transaction():
+        for name, spec in catalog.models.items():
+            profiles = spec.to_dict()["profiles"]
+            try:
+                before: Model | None = store.get_model(name)
+            except NotFound:
+                before = None
+            pools = pools_of(store, name)
+            if before is not None and before.profiles == profiles:
+                change, after = "unchanged", before
+            else:
+                change = "added" if before is None else "updated"
+                if pools and before is not None and before.profile not in profiles:
+                    raise Conflict(
+                        f"model {name} has the disaggregated profile {before.profile} "
+                        f"deployed and the new profiles ({', '.join(sorted(profiles))}) "
+                        f"drop it; keep profile {before.profile}, or deploy another "
+                        f"profile first ('llmgw ctl deploy {name} --profile P')"
+                    )
+                after = store.put_catalog_model(name, profiles)
+            if _pools_follow(store, after, spec.replicas is not None, bool(pools)):
+                # Deployed disaggregated (or the catalog deploys it): the pools follow a
+                # changed profile, their counts the catalog's; the model places nothing.
+                if after.replicas or after.scaling:
+                    after = store.set_scaling(name, {}, replicas=0)
+                if change != "unchanged" or not pools:
+                    sync_pools(store, after, _remover(ctx), keep=False)
+            else:
+                if pools:
+                    remove_pools(
+                        store,
+                        name,
+                        _remover(ctx),
+                        f"{name}'s profile {after.profile} is not disaggregated now",
+                    )
+                if spec.replicas is not None:
+                    scaled = _catalog_replicas(store, after, spec.replicas)
+                    if scaled is not None:
+                        after = scaled
+                        change = "updated" if change == "unchanged" else change
+            running = len(store.list_replicas(name))
+            note = None
+            if (
+                before is not None
+                and running
+                and _profiles_of(before).get(before.profile) != profiles[after.profile]
+            ):
+                note = (
+                    f"{running} running replica(s) of profile {after.profile} keep the "
+                    "settings they started with until they are replaced"
+                )
+            changes.append(
+                {
+                    "name": name,
+                    "change": change,
+                    "profiles": sorted(profiles),
+                    "profile": after.profile,
+                    "replicas": _count_text(after),
+                    "note": note,
+                }
+            )
+    for row in changes:
+        if row["change"] != "unchanged":
+            store.add_event(
+                "catalog_applied",
+                row["name"],
+                f"{row['change']}: profiles {', '.join(row['profiles'])}; "
+                f"{row['replicas']} replicas",
+                actor,
+            )
+    ctx.serving.refresh_models()
+    ctx.scheduler.kick()
+    if ctx.planner is not None:
+        ctx.planner.kick()
+    return changes
+
+
 def deploy(ctx: AdminContext, body: Mapping[str, Any], *, actor: str) -> tuple[Model, bool]:
     """Deploy a catalog model's profile (``{"name", "profile", "replicas"}``), scale a
     model (``{"name", "replicas"}``), or deploy an ad-hoc model (``{"name", "engine",
@@ -458,89 +546,9 @@ class ModelRoutes:
         return web.json_response({"models": catalog_json(self.ctx)})
 
     async def apply_catalog(self, request: web.Request) -> web.Response:
-        """Add or update every model of the catalog, all or none; models it does not name
-        are left as they are."""
+        """``PUT /api/catalog``: :func:`apply_catalog`."""
         body = await read_json(self.ctx, request)
-        try:
-            catalog = parse_catalog(body, source="catalog")
-        except ConfigError as exc:
-            raise BadRequest(str(exc)) from None
-        store = self.ctx.store
-        changes: list[dict[str, Any]] = []
-        with store.transaction():
-            for name, spec in catalog.models.items():
-                profiles = spec.to_dict()["profiles"]
-                try:
-                    before: Model | None = store.get_model(name)
-                except NotFound:
-                    before = None
-                pools = pools_of(store, name)
-                if before is not None and before.profiles == profiles:
-                    change, after = "unchanged", before
-                else:
-                    change = "added" if before is None else "updated"
-                    if pools and before is not None and before.profile not in profiles:
-                        raise Conflict(
-                            f"model {name} has the disaggregated profile {before.profile} "
-                            f"deployed and the new profiles ({', '.join(sorted(profiles))}) "
-                            f"drop it; keep profile {before.profile}, or deploy another "
-                            f"profile first ('llmgw ctl deploy {name} --profile P')"
-                        )
-                    after = store.put_catalog_model(name, profiles)
-                if _pools_follow(store, after, spec.replicas is not None, bool(pools)):
-                    # Deployed disaggregated (or the catalog deploys it): the pools follow a
-                    # changed profile, their counts the catalog's; the model places nothing.
-                    if after.replicas or after.scaling:
-                        after = store.set_scaling(name, {}, replicas=0)
-                    if change != "unchanged" or not pools:
-                        sync_pools(store, after, _remover(self.ctx), keep=False)
-                else:
-                    if pools:
-                        remove_pools(
-                            store,
-                            name,
-                            _remover(self.ctx),
-                            f"{name}'s profile {after.profile} is not disaggregated now",
-                        )
-                    if spec.replicas is not None:
-                        scaled = _catalog_replicas(store, after, spec.replicas)
-                        if scaled is not None:
-                            after = scaled
-                            change = "updated" if change == "unchanged" else change
-                running = len(store.list_replicas(name))
-                note = None
-                if (
-                    before is not None
-                    and running
-                    and _profiles_of(before).get(before.profile) != profiles[after.profile]
-                ):
-                    note = (
-                        f"{running} running replica(s) of profile {after.profile} keep the "
-                        "settings they started with until they are replaced"
-                    )
-                changes.append(
-                    {
-                        "name": name,
-                        "change": change,
-                        "profiles": sorted(profiles),
-                        "profile": after.profile,
-                        "replicas": _count_text(after),
-                        "note": note,
-                    }
-                )
-        for row in changes:
-            if row["change"] != "unchanged":
-                store.add_event(
-                    "catalog_applied",
-                    row["name"],
-                    f"{row['change']}: profiles {', '.join(row['profiles'])}; "
-                    f"{row['replicas']} replicas",
-                    principal_of(request).actor,
-                )
-        self.ctx.serving.refresh_models()
-        self.ctx.scheduler.kick()
-        if self.ctx.planner is not None:
-            self.ctx.planner.kick()
+        changes = apply_catalog(self.ctx, body, actor=principal_of(request).actor)
         return web.json_response({"models": changes})
 
     async def deploy(self, request: web.Request) -> web.Response:

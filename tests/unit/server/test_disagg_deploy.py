@@ -11,9 +11,10 @@ from typing import Any, cast
 import pytest
 
 from llmgw.contracts.catalog import parse_catalog
-from llmgw.errors import NotFound
+from llmgw.errors import Conflict, NotFound
 from llmgw.server.admin.context import AdminContext, BadRequest
 from llmgw.server.admin.models import (
+    apply_catalog,
     catalog_json,
     deploy,
     listed_models,
@@ -70,6 +71,11 @@ def ctx(cp: SchedulerRig) -> SimpleNamespace:
         metrics=Metrics(),
         tokenizer_problem=lambda name: None,
     )
+
+
+def _apply(ctx: SimpleNamespace, profiles: dict[str, Any], **model: Any) -> Any:
+    body = {"models": {"m": {"profiles": profiles, **model}}}
+    return apply_catalog(cast(AdminContext, ctx), body, actor="alice")
 
 
 def _deploy(ctx: SimpleNamespace, **body: Any) -> Any:
@@ -270,3 +276,42 @@ def test_an_adhoc_model_may_be_disaggregated(ctx: SimpleNamespace) -> None:
         )
     with pytest.raises(NotFound):
         ctx.store.get_model("other")
+
+
+def test_a_catalog_change_reaches_the_deployed_pools(ctx: SimpleNamespace) -> None:
+    _apply(ctx, {"pd": PD, "pd2": PD2, "agg": AGG})  # unchanged: no pools appear
+    assert _rows(ctx.store) == {"m": ("pd", 0, {})}
+    _deploy(ctx, profile="pd", pools={"prefill": 2})
+    more = {**PD, "disaggregated": {**PD["disaggregated"], "prefill": {"gpus": 1, "replicas": 5}}}
+    (row,) = _apply(ctx, {"pd": more, "pd2": PD2, "agg": AGG})
+    assert row["change"] == "updated"
+    assert ctx.store.get_model("m#prefill").replicas == 5  # the catalog's count now
+    assert ctx.store.get_model("m#prefill").profiles["pd"]["gpus"] == 1
+
+
+def test_a_catalog_that_deploys_a_disaggregated_model_writes_its_pools(
+    ctx: SimpleNamespace,
+) -> None:
+    _apply(ctx, {"pd2": PD2}, replicas=4)
+    assert _rows(ctx.store) == {
+        "m": ("pd2", 0, {}),
+        "m#prefill": ("pd2", 2, {}),
+        "m#decode": ("pd2", 3, {}),
+    }
+
+
+def test_a_catalog_that_makes_the_profile_aggregated_removes_the_pools(
+    ctx: SimpleNamespace, cp: SchedulerRig
+) -> None:
+    _deploy(ctx, profile="pd")
+    replica = cp.store.add_replica("m#decode")
+    _apply(ctx, {"pd": AGG, "pd2": PD2}, replicas=2)
+    assert _rows(ctx.store) == {"m": ("pd", 2, {})}
+    assert cp.removed == [replica.id]
+
+
+def test_a_catalog_may_not_drop_the_deployed_disaggregated_profile(ctx: SimpleNamespace) -> None:
+    _deploy(ctx, profile="pd")
+    with pytest.raises(Conflict, match=r"disaggregated profile pd deployed .* drop it"):
+        _apply(ctx, {"pd2": PD2, "agg": AGG})
+    assert len(_rows(ctx.store)) == 3
