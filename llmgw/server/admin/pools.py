@@ -32,7 +32,6 @@ __all__ = [
     "Overrides",
     "count_text",
     "disaggregation_of",
-    "is_pool",
     "parse_overrides",
     "pools_of",
     "refuse_pool",
@@ -45,19 +44,6 @@ Overrides = Mapping[str, int | ScalingPolicy]
 
 RemoveReplica = Callable[[str, str], None]
 """Stops a replica and forgets it (replica id, why): the scheduler's removal."""
-
-
-def is_pool(store: Store, name: str) -> bool:
-    """Whether ``name`` is a pool of a model the store has (the model ``MODEL#prefill`` is
-    a pool of ``MODEL``)."""
-    pair = split_pool(name)
-    if pair is None:
-        return False
-    try:
-        store.get_model(pair[0])
-    except NotFound:
-        return False
-    return True
 
 
 def refuse_pool(name: object, action: str) -> None:

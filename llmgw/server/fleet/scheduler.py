@@ -15,6 +15,10 @@ worker is ready. Either way the replica's one port is the lowest inside the
 ``multinode_ports`` of all its nodes (the range each node's firewall opens to its fabric's
 peers) that no replica uses on any of them (:mod:`llmgw.server.fleet.rendezvous`); with none, the
 replica is not placed and its unplaceable reason names the nodes, their ranges and the fix.
+
+A disaggregated model's pools (``MODEL#prefill``, ``MODEL#decode``) are placed as any model,
+near each other (:mod:`llmgw.server.fleet.pairing`), each replica with a KV transfer port by
+the same rule on its node, sent as StartShard's ``transfer_addr`` beside its ``disagg_role``.
 """
 
 from __future__ import annotations
