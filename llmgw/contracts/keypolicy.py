@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llmgw.contracts.catalog import MODEL_NAME
+from llmgw.contracts.disagg import split_pool
 from llmgw.durations import parse_duration
 from llmgw.errors import ConfigError
 
@@ -354,6 +355,12 @@ def _models(value: object) -> tuple[str, ...]:
     if len(value) > MAX_MODELS:
         raise ConfigError(f"a key may name at most {MAX_MODELS} models; got {len(value)}")
     for model in value:
+        pool = split_pool(model)
+        if pool is not None:
+            raise ConfigError(
+                f"{model!r} is the {pool[1]} pool of the disaggregated model {pool[0]}; name "
+                f"{pool[0]} (its requests use both its pools)"
+            )
         if not MODEL_NAME.fullmatch(model):
             raise ConfigError(
                 f"{model!r} is not a model name (1-128 letters, digits and . _ : / -)"

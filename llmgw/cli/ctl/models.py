@@ -14,6 +14,7 @@ from llmgw.cli.ctl.complete import MODELS
 from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import echo_json, table
 from llmgw.contracts.catalog import load_catalog
+from llmgw.contracts.disagg import ROLES, split_pool
 from llmgw.engines.registry import engine_names
 
 __all__ = ["deploy", "models", "replicas", "undeploy"]
@@ -37,10 +38,10 @@ def models(ctx: click.Context) -> None:
             m["name"],
             m["profile"],
             m["engine"],
-            m["gpus"],
+            _gpus(m),
             m["nodes"],
             _desired(m),
-            m["ready"],
+            _ready(m),
             m.get("routing") or "least-outstanding",
             "-" if m.get("cache_hit_rate") is None else f"{100 * m['cache_hit_rate']:.0f}%",
             m["unplaceable"]
@@ -161,9 +162,31 @@ def _replicas_option(
     return {"min": int(low), "max": int(high), **scaling, **extra}
 
 
+def _pools(m: dict[str, Any]) -> dict[str, Any]:
+    """A disaggregated model's pools (role -> its own row), in role order; {} for others."""
+    pools = m.get("pools") or {}
+    return {role: pools[role] for role in ROLES if role in pools}
+
+
+def _gpus(m: dict[str, Any]) -> str:
+    """GPUs per replica; a disaggregated model's per pool: ``1+2`` (prefill+decode)."""
+    pools = _pools(m)
+    return "+".join(str(p["gpus"]) for p in pools.values()) if pools else str(m["gpus"])
+
+
+def _ready(m: dict[str, Any]) -> str:
+    """Ready replicas; a disaggregated model's, both pools'."""
+    pools = _pools(m)
+    return str(sum(p["ready"] for p in pools.values())) if pools else str(m["ready"])
+
+
 def _desired(m: dict[str, Any]) -> str:
     """A model's desired count, with its range when it scales by demand: ``2 (0-8)``, and
-    whether its weights are kept warm: ``2 (2-2, prefetch)``."""
+    whether its weights are kept warm: ``2 (2-2, prefetch)``; a disaggregated model's
+    pools, ready of desired each: ``prefill 1/1, decode 2/3 (2-4)``."""
+    pools = _pools(m)
+    if pools:
+        return ", ".join(f"{role} {p['ready']}/{_desired(p)}" for role, p in pools.items())
     scaling = m.get("scaling")
     if scaling and "min" in scaling:
         warm = ", prefetch" if scaling.get("prefetch") else ""
@@ -184,6 +207,20 @@ def _desired(m: dict[str, Any]) -> str:
     default=None,
     help="Replica count, or MIN-MAX to scale by demand between them (0-8: to zero when "
     "idle). Default: 1 for a new model; a deployed model keeps its count or range.",
+)
+@click.option(
+    "--prefill",
+    metavar="N|MIN-MAX",
+    default=None,
+    help="A disaggregated profile's prefill pool: its replica count, or MIN-MAX by demand "
+    "(default: the profile's).",
+)
+@click.option(
+    "--decode",
+    metavar="N|MIN-MAX",
+    default=None,
+    help="A disaggregated profile's decode pool: its replica count, or MIN-MAX by demand "
+    "(default: the profile's).",
 )
 @click.option(
     "--target-inflight",
@@ -248,6 +285,8 @@ def deploy(
     model: str,
     profile: str | None,
     replicas: str | None,
+    prefill: str | None,
+    decode: str | None,
     target_inflight: int | None,
     ttft_slo: float | None,
     scale_down_after: float | None,
@@ -259,7 +298,19 @@ def deploy(
     params: tuple[str, ...],
 ) -> None:
     """Deploy MODEL: a profile of a catalog model, or an ad-hoc one with --engine/--param;
-    or change its replica count (a fixed N, or MIN-MAX by demand)."""
+    or change its replica count (a fixed N, or MIN-MAX by demand); a disaggregated
+    profile's pools with --prefill and --decode."""
+    _refuse_pool(model, "deploy")
+    pools = {
+        role: _pool_option(role, value)
+        for role, value in (("prefill", prefill), ("decode", decode))
+        if value is not None
+    }
+    if pools and replicas is not None:
+        raise click.UsageError(
+            "--replicas counts an aggregated model's replicas; a disaggregated one's are its "
+            "pools': give --prefill/--decode, or --replicas, not both"
+        )
     scaling = {
         "target_inflight": target_inflight,
         "ttft_slo": ttft_slo,
@@ -281,6 +332,8 @@ def deploy(
     body: dict[str, Any] = {"name": model}
     if count is not None:
         body["replicas"] = count
+    if pools:
+        body["pools"] = pools
     if profile is not None:
         body["profile"] = profile
     if adhoc:
@@ -298,7 +351,9 @@ def deploy(
             f"{data['nodes']} node(s))"
         )
     scaled = data.get("scaling")
-    if scaled and "min" in scaled and scaled["min"] != scaled["max"]:
+    if _pools(data):
+        count_text = ", ".join(f"{role} {_count_text(p)}" for role, p in _pools(data).items())
+    elif scaled and "min" in scaled and scaled["min"] != scaled["max"]:
         count_text = f"{scaled['min']}-{scaled['max']} replicas by demand ({data['replicas']} now)"
     else:
         count_text = f"{data['replicas']} replicas"
@@ -314,11 +369,47 @@ def deploy(
     click.echo(f"watch them come up with 'llmgw ctl replicas {shlex.quote(data['name'])}'")
 
 
+def _count_text(m: dict[str, Any]) -> str:
+    scaled = m.get("scaling")
+    if scaled and "min" in scaled and scaled["min"] != scaled["max"]:
+        return f"{scaled['min']}-{scaled['max']} replicas by demand ({m['replicas']} now)"
+    return f"{m['replicas']} replicas"
+
+
+def _pool_option(role: str, value: str) -> int | dict[str, Any]:
+    """--prefill/--decode N|MIN-MAX as the API's ``pools`` takes each."""
+    try:
+        count = _replicas_option(value, {})
+    except click.BadParameter as exc:
+        raise click.BadParameter(exc.message, param_hint=f"--{role}") from None
+    assert count is not None
+    return count
+
+
+def _refuse_pool(name: str, action: str) -> None:
+    """A pool's name (MODEL#prefill) is refused before anything is sent ('#' would end the
+    request's path there), naming the model and the fix."""
+    pair = split_pool(name)
+    if pair is None:
+        return
+    model, role = pair
+    fixes = {
+        "deploy": f"scale it with 'llmgw ctl deploy {model} --{role} N|MIN-MAX'",
+        "undeploy": f"'llmgw ctl undeploy {model}' removes the model with both pools",
+        "list": f"'llmgw ctl replicas {model}' lists both pools' replicas (ROLE)",
+    }
+    raise click.UsageError(
+        f"{name} is the {role} pool of the disaggregated model {model}, not a model of its "
+        f"own: {fixes[action]}"
+    )
+
+
 @click.command()
 @click.argument("model", shell_complete=MODELS)
 @pass_ctl
 def undeploy(c: Ctl, model: str) -> None:
-    """Stop every replica of MODEL and remove it."""
+    """Stop every replica of MODEL (a disaggregated one's: both pools') and remove it."""
+    _refuse_pool(model, "undeploy")
     data = c.call("DELETE", f"/api/models/{model}")
     if c.as_json:
         echo_json(data)
@@ -349,6 +440,8 @@ def replicas(ctx: click.Context, model_option: str | None) -> None:
     c = ctx.find_object(Ctl)
     assert c is not None
     model = model_option or ctx.meta.get("replicas.model")
+    if model:
+        _refuse_pool(model, "list")
     path = "/api/replicas" + (f"?model={model}" if model else "")
     data = c.call("GET", path)
     if c.as_json:
@@ -358,6 +451,7 @@ def replicas(ctx: click.Context, model_option: str | None) -> None:
         [
             r["replica"],
             r["model"],
+            r.get("role") or "-",
             _state(r),
             r["node"],
             r["port"],
@@ -369,7 +463,10 @@ def replicas(ctx: click.Context, model_option: str | None) -> None:
         for r in data
     ]
     click.echo(
-        table(["REPLICA", "MODEL", "STATE", "NODE", "PORT", "RESTARTS", "INFLIGHT", "REASON"], rows)
+        table(
+            ["REPLICA", "MODEL", "ROLE", "STATE", "NODE", "PORT", "RESTARTS", "INFLIGHT", "REASON"],
+            rows,
+        )
     )
 
 

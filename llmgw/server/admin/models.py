@@ -3,7 +3,7 @@ deploying and undeploying, and their replicas."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -18,11 +18,23 @@ from llmgw.contracts.catalog import (
     profile_routing,
     profile_sleep_level,
 )
+from llmgw.contracts.catalog import Profile as CatalogProfile
+from llmgw.contracts.disagg import split_pool
 from llmgw.contracts.scaling import ScalingPolicy, parse_replicas, policy_of
 from llmgw.engines.registry import engine_names
 from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.admin.pools import (
+    count_text,
+    disaggregation_of,
+    parse_overrides,
+    pools_of,
+    refuse_pool,
+    remove_pools,
+    sync_pools,
+)
+from llmgw.server.fleet.meeting import transfer_addr
 from llmgw.server.store import Model, Shard, Store
 
 __all__ = ["ModelRoutes"]
@@ -41,7 +53,26 @@ def _is_adhoc(model: Model) -> bool:
 
 def model_json(ctx: AdminContext, model: Model) -> dict[str, Any]:
     """A model as ``GET /api/models`` lists it: its profile, ready (routable) and desired
-    replicas, and why the scheduler cannot place it (None when it can)."""
+    replicas, and why the scheduler cannot place it (None when it can); a disaggregated
+    one with its pools (``pools``: role -> the pool's own, its ready, desired, scaling and
+    unplaceable reason; its ``unplaceable`` the first pool's that has one)."""
+    out = _model_json(ctx, model)
+    pools = pools_of(ctx.store, model.name)
+    out["pools"] = None
+    if pools:
+        out["pools"] = {role: _model_json(ctx, pool) for role, pool in pools.items()}
+        out["unplaceable"] = next(
+            (
+                f"{role} pool: {pool['unplaceable']}"
+                for role, pool in out["pools"].items()
+                if pool["unplaceable"]
+            ),
+            out["unplaceable"],
+        )
+    return out
+
+
+def _model_json(ctx: AdminContext, model: Model) -> dict[str, Any]:
     ready = len(ctx.router.endpoints(model.name))
     unplaceable = ctx.scheduler.unplaceable.get(model.name)
     profiles = _profiles_of(model)
@@ -109,6 +140,16 @@ def _catalog_replicas(store: Store, model: Model, replicas: int | ScalingPolicy)
     return store.set_scaling(model.name, scaling, replicas=count)
 
 
+def _pools_follow(store: Store, model: Model, deploys: bool, deployed: bool) -> bool:
+    """Whether a catalog's ``model`` has pools to keep: its deployed profile is
+    disaggregated, and it has pools already or the catalog gives replicas (deploys it)."""
+    try:
+        disagg = disaggregation_of(model.name, _profiles_of(model)[model.profile])
+    except ConfigError as exc:
+        raise BadRequest(str(exc)) from None
+    return disagg is not None and (deployed or deploys)
+
+
 def _count_text(model: Model) -> str:
     """A model's replicas as ctl and the events say them: ``2``, or ``0-8 by demand (...)``."""
     try:
@@ -121,7 +162,108 @@ def _count_text(model: Model) -> str:
 def catalog_json(ctx: AdminContext) -> dict[str, dict[str, Any]]:
     """Every model the control plane knows (from the catalog or deployed ad hoc), deployed
     or not, with its profiles: ``{name: {"profiles": {profile: spec}}}``."""
-    return {m.name: {"profiles": _profiles_of(m)} for m in ctx.store.list_models()}
+    return {m.name: {"profiles": _profiles_of(m)} for m in listed_models(ctx.store)}
+
+
+def listed_models(store: Store) -> list[Model]:
+    """The models an operator sees at the top level: all but disaggregated models' pools
+    (shown under their model)."""
+    models = store.list_models()
+    names = {m.name for m in models}
+    return [m for m in models if not _pool_of(m.name, names)]
+
+
+def _pool_of(name: str, names: set[str]) -> bool:
+    pair = split_pool(name)
+    return pair is not None and pair[0] in names
+
+
+def apply_catalog(ctx: AdminContext, body: Any, *, actor: str) -> list[dict[str, Any]]:
+    """Add or update every model of the catalog, all or none; models it does not name are
+    left as they are. A model deployed with a disaggregated profile has its pools follow
+    (written, or removed when its profile is no longer disaggregated). One row per model:
+    its change, profiles, profile and replicas, and a note for running replicas."""
+    try:
+        catalog = parse_catalog(body, source="catalog")
+    except ConfigError as exc:
+        raise BadRequest(str(exc)) from None
+    store = ctx.store
+    changes: list[dict[str, Any]] = []
+    with store.transaction():
+        for name, spec in catalog.models.items():
+            profiles = spec.to_dict()["profiles"]
+            try:
+                before: Model | None = store.get_model(name)
+            except NotFound:
+                before = None
+            pools = pools_of(store, name)
+            if before is not None and before.profiles == profiles:
+                change, after = "unchanged", before
+            else:
+                change = "added" if before is None else "updated"
+                if pools and before is not None and before.profile not in profiles:
+                    raise Conflict(
+                        f"model {name} has the disaggregated profile {before.profile} "
+                        f"deployed and the new profiles ({', '.join(sorted(profiles))}) "
+                        f"drop it; keep profile {before.profile}, or deploy another "
+                        f"profile first ('llmgw ctl deploy {name} --profile P')"
+                    )
+                after = store.put_catalog_model(name, profiles)
+            if _pools_follow(store, after, spec.replicas is not None, bool(pools)):
+                # Deployed disaggregated (or the catalog deploys it): the pools follow a
+                # changed profile, their counts the catalog's; the model places nothing.
+                if after.replicas or after.scaling:
+                    after = store.set_scaling(name, {}, replicas=0)
+                if change != "unchanged" or not pools:
+                    sync_pools(store, after, _remover(ctx), keep=False)
+            else:
+                if pools:
+                    remove_pools(
+                        store,
+                        name,
+                        _remover(ctx),
+                        f"{name}'s profile {after.profile} is not disaggregated now",
+                    )
+                if spec.replicas is not None:
+                    scaled = _catalog_replicas(store, after, spec.replicas)
+                    if scaled is not None:
+                        after = scaled
+                        change = "updated" if change == "unchanged" else change
+            running = len(store.list_replicas(name))
+            note = None
+            if (
+                before is not None
+                and running
+                and _profiles_of(before).get(before.profile) != profiles[after.profile]
+            ):
+                note = (
+                    f"{running} running replica(s) of profile {after.profile} keep the "
+                    "settings they started with until they are replaced"
+                )
+            changes.append(
+                {
+                    "name": name,
+                    "change": change,
+                    "profiles": sorted(profiles),
+                    "profile": after.profile,
+                    "replicas": _count_text(after),
+                    "note": note,
+                }
+            )
+    for row in changes:
+        if row["change"] != "unchanged":
+            store.add_event(
+                "catalog_applied",
+                row["name"],
+                f"{row['change']}: profiles {', '.join(row['profiles'])}; "
+                f"{row['replicas']} replicas",
+                actor,
+            )
+    ctx.serving.refresh_models()
+    ctx.scheduler.kick()
+    if ctx.planner is not None:
+        ctx.planner.kick()
+    return changes
 
 
 def deploy(ctx: AdminContext, body: Mapping[str, Any], *, actor: str) -> tuple[Model, bool]:
@@ -130,6 +272,7 @@ def deploy(ctx: AdminContext, body: Mapping[str, Any], *, actor: str) -> tuple[M
     "replicas", "params"}``), which gets a single ``default`` profile. The model deployed, and whether it is new. ``BadRequest``
     for a value that cannot be used, ``NotFound`` for a model or profile there is not."""
     name = body.get("name")
+    refuse_pool(name, "deploy")
     if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
         raise BadRequest(
             "model name must be 1-128 characters of letters, digits and . _ : / -, "
@@ -152,10 +295,23 @@ def deploy(ctx: AdminContext, body: Mapping[str, Any], *, actor: str) -> tuple[M
         )
     if profile is not None and (not isinstance(profile, str) or not profile):
         raise BadRequest("profile must be the name of one of the model's profiles")
+    overrides = parse_overrides(body.get("pools"))
     try:
         existing = ctx.store.get_model(name)
     except NotFound:
         existing = None
+    disagg = _disaggregated(name, body, profile, adhoc, existing)
+    if disagg is not None and given is not None:
+        raise BadRequest(
+            f"{name}'s profile {disagg} is disaggregated: its replicas are its prefill and "
+            "decode pools'; give --prefill N|MIN-MAX and/or --decode N|MIN-MAX (API: "
+            "pools: {prefill: ..., decode: ...}) instead of --replicas"
+        )
+    if disagg is None and overrides:
+        raise BadRequest(
+            f"{name}'s profile is not disaggregated: --prefill/--decode (API: pools) set the "
+            "pools of a disaggregated profile; give --replicas N|MIN-MAX"
+        )
     if given is None:
         # Not given: a deployed model keeps its count or policy (e.g. a profile switch), a
         # new one gets one replica.
@@ -166,23 +322,34 @@ def deploy(ctx: AdminContext, body: Mapping[str, Any], *, actor: str) -> tuple[M
     else:
         assert isinstance(given, int)
         replicas = given
-    if not adhoc and (profile is not None or existing is not None):
-        if existing is None:
-            raise NotFound(
-                f"no model named {name}; add it to the catalog with 'llmgw ctl models apply "
-                "-f catalog.yaml' ('llmgw ctl models' lists the models there are)"
+    if disagg is not None:
+        replicas = 0  # the model places nothing: its pools do
+    # The model and its pools change together, or not at all.
+    with ctx.store.transaction():
+        if not adhoc and (profile is not None or existing is not None):
+            if existing is None:
+                raise NotFound(
+                    f"no model named {name}; add it to the catalog with 'llmgw ctl models apply "
+                    "-f catalog.yaml' ('llmgw ctl models' lists the models there are)"
+                )
+            model = ctx.store.deploy_model(
+                name, profile=profile or existing.profile, replicas=replicas
             )
-        model = ctx.store.deploy_model(name, profile=profile or existing.profile, replicas=replicas)
-        what = f"profile {model.profile} ({model.engine})"
-    else:
-        model = _deploy_adhoc(ctx, name, body, replicas, existing)
-        what = model.engine
-    if given is not None:
-        model = ctx.store.set_scaling(
-            name, policy.to_json() if policy is not None else {}, replicas=replicas
-        )
+            what = f"profile {model.profile} ({model.engine})"
+        else:
+            model = _deploy_adhoc(ctx, name, body, replicas, existing)
+            what = model.engine
+        if disagg is not None:
+            model = ctx.store.set_scaling(name, {}, replicas=0)
+        elif given is not None:
+            model = ctx.store.set_scaling(
+                name, policy.to_json() if policy is not None else {}, replicas=replicas
+            )
+        pools = sync_pools(ctx.store, model, _remover(ctx), overrides)
     scaling = policy_of(model.scaling) if given is None else policy
     count = scaling.describe() if scaling is not None else f"{replicas}"
+    if pools:
+        count = ", ".join(f"{role} {count_text(pool)}" for role, pool in pools.items())
     ctx.serving.refresh_models()
     ctx.store.add_event("model_deployed", name, f"{what}, {count} replicas", actor)
     if ctx.planner is not None:
@@ -191,9 +358,42 @@ def deploy(ctx: AdminContext, body: Mapping[str, Any], *, actor: str) -> tuple[M
     return model, existing is None
 
 
-def _deploy_adhoc(
-    ctx: AdminContext, name: str, body: Mapping[str, Any], replicas: int, existing: Model | None
-) -> Model:
+def _disaggregated(
+    name: str,
+    body: Mapping[str, Any],
+    profile: str | None,
+    adhoc: bool,
+    existing: Model | None,
+) -> str | None:
+    """The name of the profile a deploy would deploy when it is disaggregated; None for an
+    aggregated one (or one there is not: the deploy itself refuses it)."""
+    if adhoc or existing is None:
+        if body.get("disaggregated") is None:
+            return None
+        # Checked whole, as the deploy stores it, before anything is written.
+        return DEFAULT_PROFILE if _adhoc_spec(name, body)[2].disaggregated else None
+    else:
+        chosen = profile or existing.profile
+        found = _profiles_of(existing).get(chosen)
+        if found is None:
+            return None
+        spec = found
+    try:
+        return chosen if disaggregation_of(name, spec) is not None else None
+    except ConfigError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _remover(ctx: AdminContext) -> Callable[[str, str], None]:
+    """The scheduler's removal of a replica (its shards stopped, its row deleted)."""
+    return lambda replica_id, why: ctx.scheduler.remove_replica(replica_id, why=why)
+
+
+def _adhoc_spec(
+    name: str, body: Mapping[str, Any]
+) -> tuple[str, dict[str, Any], CatalogProfile, dict[str, Any]]:
+    """An ad-hoc deploy's engine, params and its one profile (parsed, and as stored);
+    BadRequest saying what is wrong."""
     engine = body.get("engine", "sim")
     if engine not in engine_names():
         raise BadRequest(f"unknown engine {engine!r}; choose one of {', '.join(engine_names())}")
@@ -208,13 +408,20 @@ def _deploy_adhoc(
             raise BadRequest(f"params.{key} must be a string or a number")
     # An ad-hoc deploy is a catalog model with one "default" profile: check it as one.
     profile = adhoc_profile(engine, params)
-    for key in ("source", "gpus", "nodes", "gpu_memory", "placement"):
+    for key in ("source", "gpus", "nodes", "gpu_memory", "placement", "disaggregated"):
         if body.get(key) is not None:
             profile[key] = body[key]
     try:
-        parse_profile(profile, model=name, profile=DEFAULT_PROFILE, source="request")
+        parsed = parse_profile(profile, model=name, profile=DEFAULT_PROFILE, source="request")
     except ConfigError as exc:
         raise BadRequest(str(exc)) from None
+    return engine, params, parsed, profile
+
+
+def _deploy_adhoc(
+    ctx: AdminContext, name: str, body: Mapping[str, Any], replicas: int, existing: Model | None
+) -> Model:
+    engine, params, _parsed, profile = _adhoc_spec(name, body)
     if existing is not None and not _is_adhoc(existing):
         raise Conflict(
             f"model {name} comes from the catalog (profiles "
@@ -238,11 +445,18 @@ def _deploy_adhoc(
 
 
 def undeploy(ctx: AdminContext, name: str, *, actor: str) -> None:
-    """Stop every replica of ``name`` and forget the model (``NotFound`` when there is none)."""
+    """Stop every replica of ``name`` (and of its pools) and forget the model with its pools
+    (``NotFound`` when there is none; a pool is refused, naming its model)."""
+    refuse_pool(name, "undeploy")
     ctx.store.get_model(name)
-    for replica in ctx.store.list_replicas(name):
-        ctx.scheduler.remove_replica(replica.id, why=f"undeployed {name}")
-    ctx.store.delete_model(name)
+    why = f"undeployed {name}"
+    with ctx.store.transaction():
+        gone = remove_pools(ctx.store, name, _remover(ctx), why)
+        for replica in ctx.store.list_replicas(name):
+            ctx.scheduler.remove_replica(replica.id, why=why)
+        ctx.store.delete_model(name)
+    for pool in gone:
+        ctx.router.remove_model(pool)
     ctx.router.remove_model(name)
     ctx.serving.refresh_models()
     ctx.store.add_event("model_undeployed", name, "undeployed", actor)
@@ -271,23 +485,30 @@ def wake_replica(ctx: AdminContext, replica_id: str, *, actor: str) -> dict[str,
 
 
 def replica_rows(ctx: AdminContext, model: str | None = None) -> list[dict[str, Any]]:
-    """Every shard of every replica (of ``model``, else of all models), with its node,
-    state, restarts and last reason, as ``GET /api/replicas`` lists them."""
+    """Every shard of every replica (of ``model`` and its pools, else of all models), with
+    its node, state, restarts and last reason, and its pool's role (a disaggregated
+    model's: prefill, decode; else None), as ``GET /api/replicas`` lists them."""
+    names: list[str | None] = [model]
     if model is not None:
         ctx.store.get_model(model)
+        names += [pool.name for pool in pools_of(ctx.store, model).values()]
     out = []
     # Each read once for the whole list (a fleet's is thousands of shards).
     shards: dict[str, list[Shard]] = {}
     for shard in ctx.store.list_shards():
         shards.setdefault(shard.replica_id, []).append(shard)
-    endpoints = {e.shard_id: e for e in ctx.router.endpoints(model)}
-    for replica in ctx.store.list_replicas(model):
+    endpoints = {e.shard_id: e for name in names for e in ctx.router.endpoints(name)}
+    replicas = [r for name in names for r in ctx.store.list_replicas(name)]
+    for replica in replicas:
+        pair = split_pool(replica.model)
         for shard in shards.get(replica.id, []):
             ep = endpoints.get(shard.id)
             out.append(
                 {
                     "replica": replica.id,
-                    "model": replica.model,
+                    "model": pair[0] if pair is not None else replica.model,
+                    "role": pair[1] if pair is not None else None,
+                    "pool": replica.model if pair is not None else None,
                     "profile": replica.profile,
                     "state": shard.state,
                     "node": shard.node_id,
@@ -303,6 +524,8 @@ def replica_rows(ctx: AdminContext, model: str | None = None) -> list[dict[str, 
                     "routable": ep is not None,
                     "sleep_level": shard.sleep_level,
                     "host_memory_mib": shard.host_memory_mib,
+                    # A pool replica's KV transfer address (host:port), else ''.
+                    "transfer_addr": transfer_addr(replica.model, shard.dist_init_addr),
                 }
             )
     return out
@@ -317,72 +540,15 @@ class ModelRoutes:
     # -- models ---------------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response([model_json(self.ctx, m) for m in self.ctx.store.list_models()])
+        return web.json_response([model_json(self.ctx, m) for m in listed_models(self.ctx.store)])
 
     async def catalog(self, request: web.Request) -> web.Response:
         return web.json_response({"models": catalog_json(self.ctx)})
 
     async def apply_catalog(self, request: web.Request) -> web.Response:
-        """Add or update every model of the catalog, all or none; models it does not name
-        are left as they are."""
+        """``PUT /api/catalog``: :func:`apply_catalog`."""
         body = await read_json(self.ctx, request)
-        try:
-            catalog = parse_catalog(body, source="catalog")
-        except ConfigError as exc:
-            raise BadRequest(str(exc)) from None
-        store = self.ctx.store
-        changes: list[dict[str, Any]] = []
-        with store.transaction():
-            for name, spec in catalog.models.items():
-                profiles = spec.to_dict()["profiles"]
-                try:
-                    before: Model | None = store.get_model(name)
-                except NotFound:
-                    before = None
-                if before is not None and before.profiles == profiles:
-                    change, after = "unchanged", before
-                else:
-                    change = "added" if before is None else "updated"
-                    after = store.put_catalog_model(name, profiles)
-                if spec.replicas is not None:
-                    scaled = _catalog_replicas(store, after, spec.replicas)
-                    if scaled is not None:
-                        after = scaled
-                        change = "updated" if change == "unchanged" else change
-                running = len(store.list_replicas(name))
-                note = None
-                if (
-                    before is not None
-                    and running
-                    and _profiles_of(before).get(before.profile) != profiles[after.profile]
-                ):
-                    note = (
-                        f"{running} running replica(s) of profile {after.profile} keep the "
-                        "settings they started with until they are replaced"
-                    )
-                changes.append(
-                    {
-                        "name": name,
-                        "change": change,
-                        "profiles": sorted(profiles),
-                        "profile": after.profile,
-                        "replicas": _count_text(after),
-                        "note": note,
-                    }
-                )
-        for row in changes:
-            if row["change"] != "unchanged":
-                store.add_event(
-                    "catalog_applied",
-                    row["name"],
-                    f"{row['change']}: profiles {', '.join(row['profiles'])}; "
-                    f"{row['replicas']} replicas",
-                    principal_of(request).actor,
-                )
-        self.ctx.serving.refresh_models()
-        self.ctx.scheduler.kick()
-        if self.ctx.planner is not None:
-            self.ctx.planner.kick()
+        changes = apply_catalog(self.ctx, body, actor=principal_of(request).actor)
         return web.json_response({"models": changes})
 
     async def deploy(self, request: web.Request) -> web.Response:

@@ -21,7 +21,15 @@ from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound
 from llmgw.log import kv
 from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest
-from llmgw.server.admin.models import catalog_json, deploy, model_json, replica_rows, undeploy
+from llmgw.server.admin.models import (
+    catalog_json,
+    deploy,
+    listed_models,
+    model_json,
+    replica_rows,
+    undeploy,
+)
+from llmgw.server.admin.pools import pools_of
 from llmgw.server.console.auth import form_of
 from llmgw.server.console.charts import Line, line_chart
 from llmgw.server.console.pages import RECENT_EVENTS, Pages, event_json, model_path
@@ -116,10 +124,13 @@ class ModelPages:
 
     def _catalog(self) -> list[dict[str, Any]]:
         """One row per profile of every model, the deployed one marked."""
-        deployed = {m.name: m for m in self.ctx.store.list_models()}
+        store = self.ctx.store
+        deployed = {m.name: m for m in listed_models(store)}
         rows = []
         for name, entry in sorted(catalog_json(self.ctx).items()):
             model = deployed.get(name)
+            # A disaggregated model places nothing itself: its pools do.
+            serving = model is not None and (model.replicas > 0 or bool(pools_of(store, name)))
             for profile, spec in sorted(entry["profiles"].items()):
                 rows.append(
                     {
@@ -129,9 +140,7 @@ class ModelPages:
                         "tasks": ", ".join(profile_tasks(spec)),
                         "needs": _needs(spec),
                         "source": _source(spec),
-                        "deployed": model is not None
-                        and model.profile == profile
-                        and model.replicas > 0,
+                        "deployed": serving and model is not None and model.profile == profile,
                     }
                 )
         return rows
@@ -141,9 +150,9 @@ class ModelPages:
         ctx = self.ctx
         running = Counter(r.model for r in ctx.store.list_replicas())
         models = [
-            model_json(ctx, m)
-            for m in ctx.store.list_models()
-            if m.replicas > 0 or running.get(m.name)
+            m
+            for m in (model_json(ctx, model) for model in listed_models(ctx.store))
+            if m["replicas"] > 0 or running.get(m["name"]) or m["pools"]
         ]
         states: dict[str, Counter[str]] = {}
         for row in replica_rows(ctx):
@@ -270,20 +279,28 @@ class ModelPages:
                     "choose a model of the catalog and one of its profiles; a model not in "
                     "the catalog is added with 'llmgw ctl models apply -f catalog.yaml'"
                 )
-            replicas = _replicas_value(form.get("replicas", ""))
-            model, created = deploy(
-                self.ctx, {"name": name, "profile": profile, "replicas": replicas}, actor=actor
-            )
+            body: dict[str, Any] = {"name": name, "profile": profile}
+            spec = catalog_json(self.ctx).get(name, {}).get("profiles", {}).get(profile, {})
+            split = spec.get("disaggregated") is not None
+            if not split:
+                # A disaggregated profile's counts are its pools' (its catalog's).
+                body["replicas"] = _replicas_value(form.get("replicas", ""))
+            model, created = deploy(self.ctx, body, actor=actor)
         except (BadRequest, ConfigError, NotFound, Conflict) as exc:
             return self._models_page(request, status=_status(exc), problem=str(exc), form=form)
         log.info(
             "a console action",
             extra=kv(action="deploy", model=name, profile=profile, actor=actor, created=created),
         )
+        wanted = (
+            "its prefill and decode pools as the profile counts them"
+            if split
+            else f"{model.replicas} replica(s)"
+        )
         return self._redirect(
             request,
             model_path(model.name),
-            f"model {model.name}: profile {model.profile}, {model.replicas} replica(s) wanted; "
+            f"model {model.name}: profile {model.profile}, {wanted} wanted; "
             "the scheduler places them",
         )
 

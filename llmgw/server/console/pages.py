@@ -16,10 +16,12 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from llmgw.contracts.disagg import split_pool
 from llmgw.errors import NotFound
 from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext
 from llmgw.server.admin.gpus import node_gpus
+from llmgw.server.admin.models import listed_models
 from llmgw.server.admin.nodes import list_nodes, node_detail
 from llmgw.server.console.charts import Line, line_chart
 from llmgw.server.console.site import Site
@@ -151,18 +153,29 @@ class Pages:
             r.model for r in ctx.store.list_replicas() if r.state == ReplicaState.READY
         )
         unplaceable = ctx.scheduler.unplaceable
-        deployed = ctx.store.list_models()
-        models = [
-            {
-                "name": m.name,
-                "url": model_path(m.name),
-                "profile": m.profile,
-                "ready": ready.get(m.name, 0),
-                "desired": m.replicas,
-                "unplaceable": unplaceable[m.name].reason if m.name in unplaceable else "",
-            }
-            for m in deployed
-        ]
+        everything = ctx.store.list_models()
+        deployed = listed_models(ctx.store)
+        # A disaggregated model counts its pools' replicas (the rows named MODEL#role).
+        pools: dict[str, list[str]] = {}
+        for m in everything:
+            pair = split_pool(m.name)
+            if pair is not None:
+                pools.setdefault(pair[0], []).append(m.name)
+        wanted = {m.name: m.replicas for m in everything}
+        models = []
+        for m in deployed:
+            names = [m.name, *pools.get(m.name, [])]
+            why = next((unplaceable[n].reason for n in names if n in unplaceable), "")
+            models.append(
+                {
+                    "name": m.name,
+                    "url": model_path(m.name),
+                    "profile": m.profile,
+                    "ready": sum(ready.get(n, 0) for n in names),
+                    "desired": sum(wanted[n] for n in names),
+                    "unplaceable": why,
+                }
+            )
         return {
             "states": [(s.value, states.get(s.value, 0)) for s in NodeState],
             "health": [(h, health.get(h, 0)) for h in ("healthy", "degraded", "offline")],

@@ -2,10 +2,13 @@
 rendezvous at (rank 0's management address and a port from
 :func:`llmgw.server.fleet.rendezvous.rendezvous_port`, the pure rule), and for an engine
 whose rank 0 dials its workers (llama.cpp's RPC) each worker's endpoint and whether rank 0
-still waits for them. The scheduler's orders carry what this answers."""
+still waits for them. A disaggregated pool's replica (one node) keeps its KV transfer's
+address there instead (:func:`transfer_addr`): its port from the same range by the same rule,
+so that no two replicas on a node share one. The scheduler's orders carry what this answers."""
 
 from __future__ import annotations
 
+from llmgw.contracts.disagg import split_pool
 from llmgw.engines.launch import dials_workers
 from llmgw.errors import ConfigError
 from llmgw.netaddr import format_hostport, parse_hostport
@@ -13,7 +16,15 @@ from llmgw.server.fleet.rendezvous import NoPort, rendezvous_port
 from llmgw.server.store import Shard, Store
 from llmgw.server.store.states import ShardState
 
-__all__ = ["NoPortError", "awaits_workers", "dist_init_addr", "endpoints", "host_of", "port_of"]
+__all__ = [
+    "NoPortError",
+    "awaits_workers",
+    "dist_init_addr",
+    "endpoints",
+    "host_of",
+    "port_of",
+    "transfer_addr",
+]
 
 
 class NoPortError(Exception):
@@ -62,6 +73,13 @@ def _port(store: Store, node_ids: list[str]) -> int:
     if isinstance(port, NoPort):
         raise NoPortError(port.reason)
     return port
+
+
+def transfer_addr(model: str, stored: str) -> str:
+    """The KV transfer address of a replica of ``model`` whose shard row keeps ``stored``
+    as its dist_init_addr: that, for a disaggregated pool's replica (the router's
+    Endpoint.transfer_addr, the gateway's bootstrap host and port); '' for any other."""
+    return stored if split_pool(model) is not None else ""
 
 
 def awaits_workers(store: Store, shard: Shard, engine: str) -> bool:

@@ -23,6 +23,7 @@ from llmgw.server.common.metrics import Metrics
 from llmgw.server.fleet.gpuhealth import VANISHED, gpu_key, note_gpu_health
 from llmgw.server.fleet.installs import EngineInstalls
 from llmgw.server.fleet.intake import heartbeat_utilization
+from llmgw.server.fleet.meeting import transfer_addr
 from llmgw.server.fleet.scheduler import Scheduler
 from llmgw.server.fleet.stream import MessageHandler, NodeSession
 from llmgw.server.gateway.routing import Endpoint, Router
@@ -378,6 +379,7 @@ class AgentReports:
                     shard_id=shard.id,
                     node_id=session.node_id,
                     addr=session.dataplane_addr,
+                    transfer_addr=transfer_addr(replica.model, shard.dist_init_addr),
                 )
             )
             self.scheduler.shard_ready(shard.id)

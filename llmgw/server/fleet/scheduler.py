@@ -15,6 +15,10 @@ worker is ready. Either way the replica's one port is the lowest inside the
 ``multinode_ports`` of all its nodes (the range each node's firewall opens to its fabric's
 peers) that no replica uses on any of them (:mod:`llmgw.server.fleet.rendezvous`); with none, the
 replica is not placed and its unplaceable reason names the nodes, their ranges and the fix.
+
+A disaggregated model's pools (``MODEL#prefill``, ``MODEL#decode``) are placed as any model,
+near each other (:mod:`llmgw.server.fleet.pairing`), each replica with a KV transfer port by
+the same rule on its node, sent as StartShard's ``transfer_addr`` beside its ``disagg_role``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from llmgw.server.fleet.meeting import (
     host_of,
 )
 from llmgw.server.fleet.moves import Moves
+from llmgw.server.fleet.pairing import PoolRoom, pool_room
 from llmgw.server.fleet.placement import Allocation, Cluster, GpuView, NodeView, degraded_refusal
 from llmgw.server.fleet.placement import Profile as PlacementProfile
 from llmgw.server.fleet.placement import Unplaceable as PlacementUnplaceable
@@ -459,30 +464,41 @@ class Scheduler(Moves):
         profile = self._profile(model)
         cluster = self._view()
         wanted = _wanted(profile)
+        # A disaggregated model's pool: near its sibling pool's replicas (llmgw.server.fleet.pairing).
+        room = pool_room(store, cluster, model, wanted, profile.placement, self._ask)
+        if isinstance(room, str):
+            self._note_unplaceable(model.name, room)
+            return None
+        room = room or PoolRoom(frozenset())
         try:
             with store.transaction():
                 replica = store.add_replica(model.name)
-                result = cluster.place(wanted, strategy=profile.placement, replica_id=replica.id)
+                result = cluster.place(
+                    wanted, strategy=profile.placement, replica_id=replica.id, avoid=room.avoid
+                )
                 if isinstance(result, PlacementUnplaceable):
                     raise _NoRoom(result)
                 shards = []
                 for sp in result.shards:
                     shard = store.add_shard(replica.id, sp.node_id, rank=sp.rank)
                     shards.append(store.update_shard(shard.id, gpus=list(sp.gpus)))
-                if len(shards) > 1:
+                # A multi-node replica's rendezvous; a pool replica's KV transfer port (its
+                # node's multinode_ports: the range its fabric's peers may reach).
+                if len(shards) > 1 or profile.role:
                     addr = dist_init_addr(store, [sh.node_id for sh in shards])
                     shards = [store.update_shard(sh.id, dist_init_addr=addr) for sh in shards]
                 store.set_replica_state(replica.id, ReplicaState.STARTING)
         except _NoRoom as exc:
             if retry and self._retire_sleepers(model, wanted, profile.placement, cluster):
                 return self._place_replica(model, retry=False)
-            self._note_unplaceable(model.name, exc.why.summary(limit=8))
+            self._note_unplaceable(model.name, room.refusal(model.name, exc.why.summary(limit=8)))
             return None
         except NoPortError as exc:
             # The transaction took the replica and its shard rows back; free its GPUs in this
             # pass's view too, so that the next model may have them.
             cluster.release(replica.id)
-            self._note_unplaceable(model.name, exc.reason)
+            why = f"no KV transfer port: {exc.reason}" if profile.role else exc.reason
+            self._note_unplaceable(model.name, why)
             return None
         except Exception:
             cluster.release(replica.id)
@@ -496,6 +512,10 @@ class Scheduler(Moves):
         for sh in shards:
             self._send_start(sh)
         return replica.id
+
+    def _ask(self, model: Model) -> tuple[PlacementProfile, str]:
+        profile = self._profile(model)
+        return _wanted(profile), profile.placement
 
     def _retire_sleepers(
         self, model: Model, wanted: PlacementProfile, strategy: str, cluster: Cluster
@@ -606,7 +626,8 @@ class Scheduler(Moves):
             extra_args=list(profile.engine_args),
             gpus=list(shard.gpus),
             nodes=profile.nodes,
-            dist_init_addr=shard.dist_init_addr,
+            # A pool replica's address is its KV transfer's, not a rendezvous.
+            dist_init_addr="" if profile.role else shard.dist_init_addr,
             source=profile.source or "",
             source_sha256=profile.source_sha256,
             gpu_memory_mib=profile.gpu_memory_mib or 0,
@@ -625,6 +646,8 @@ class Scheduler(Moves):
             listen_addr=listen_addr,
             kv_events=profile.routing_policy == "kv-events",
             sandbox=profile.sandbox,
+            disagg_role=profile.role or "",
+            transfer_addr=shard.dist_init_addr if profile.role else "",
         )
         store.update_shard(
             shard.id, state=ShardState.STARTING, op_id=op_id, reason="", exit_code=None

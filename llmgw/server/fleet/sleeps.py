@@ -26,6 +26,7 @@ from llmgw.engines.registry import sleeping_engines
 from llmgw.errors import Conflict, EngineError, NotFound
 from llmgw.proto import control_pb2 as pb
 from llmgw.server.common.metrics import Metrics
+from llmgw.server.fleet.meeting import transfer_addr
 from llmgw.server.fleet.stream import NodeSession
 from llmgw.server.gateway.routing import Endpoint, Router
 from llmgw.server.store import Replica, Shard, Store
@@ -247,6 +248,7 @@ class Sleeps:
                         shard_id=shard.id,
                         node_id=session.node_id,
                         addr=session.dataplane_addr,
+                        transfer_addr=transfer_addr(replica.model, shard.dist_init_addr),
                     )
                 )
                 self.on_routes_changed()

@@ -122,6 +122,8 @@ class NodeSession:
         listen_addr: str = "",
         kv_events: bool = False,
         sandbox: SandboxPolicy | None = None,
+        disagg_role: str = "",
+        transfer_addr: str = "",
     ) -> str:
         meta = self._meta()
         self.queue.put_nowait(
@@ -147,6 +149,8 @@ class NodeSession:
                     listen_addr=listen_addr,
                     kv_events=kv_events,
                     sandbox=(sandbox or SandboxPolicy()).to_order(),
+                    disagg_role=disagg_role,
+                    transfer_addr=transfer_addr,
                 )
             )
         )

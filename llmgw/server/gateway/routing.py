@@ -30,6 +30,8 @@ class Endpoint:
     inflight: int = 0
     # Uncached prompt tokens of the requests sent here that have no first token yet.
     pending: int = 0
+    # A disaggregated pool's replica: host:port of its KV transfer (a prefill's bootstrap).
+    transfer_addr: str = ""
 
     def url(self, path: str) -> str:
         return f"https://{self.addr}/s/{self.shard_id}{path}"

@@ -34,6 +34,7 @@ from yarl import URL
 from llmgw.controlpeer import NotControlPlane
 from llmgw.errors import StoreError
 from llmgw.log import kv
+from llmgw.server.fleet.meeting import transfer_addr
 from llmgw.server.gateway.routing import Endpoint, Router
 from llmgw.server.gateway.serving import ServingCache
 from llmgw.server.store import Store
@@ -55,7 +56,8 @@ log = logging.getLogger("llmgw.server.follower")
 CHANNEL = "llmgw_changes"
 
 _ROUTES_SQL = (
-    "SELECT s.id AS shard_id, s.replica_id, r.model, s.node_id, n.dataplane_addr "
+    "SELECT s.id AS shard_id, s.replica_id, r.model, s.node_id, n.dataplane_addr, "
+    "s.dist_init_addr "
     "FROM shards s JOIN replicas r ON r.id = s.replica_id JOIN nodes n ON n.id = s.node_id "
     "WHERE s.rank = 0 AND s.state = ? AND r.state = ? AND n.state = ? AND n.lost = 0 "
     "AND n.draining = 0 AND n.dataplane_addr IS NOT NULL AND n.dataplane_addr <> '' "
@@ -104,6 +106,7 @@ class RouteFollower:
                 shard_id=str(r["shard_id"]),
                 node_id=str(r["node_id"]),
                 addr=str(r["dataplane_addr"]),
+                transfer_addr=transfer_addr(str(r["model"]), str(r["dist_init_addr"] or "")),
             )
             for r in rows
         }

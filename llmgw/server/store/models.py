@@ -210,7 +210,10 @@ class Models:
         now = self._db.clock()
         with self._db.write():
             profile = self.get_model(model).profile
-            replica_id = self._db.unused_id("replicas", lambda: f"{model}-{secrets.token_hex(3)}")
+            # Replica and shard ids go into URL paths (the gateway's /s/SHARD, the admin
+            # API's): a disaggregated pool's '#' (MODEL#prefill) would end the path there.
+            stem = model.replace("#", "-")
+            replica_id = self._db.unused_id("replicas", lambda: f"{stem}-{secrets.token_hex(3)}")
             self._db.execute(
                 "INSERT INTO replicas(id, model, state, created_at, updated_at, profile) "
                 "VALUES (?, ?, ?, ?, ?, ?)",

@@ -116,3 +116,10 @@ def test_a_bad_resume_is_refused_saying_what_each_value_does(given: object) -> N
     message = str(info.value)
     assert message.startswith("resume must be true (the model's profile decides) or false")
     assert repr(given) in message
+
+
+def test_a_pool_named_in_models_is_refused_naming_its_model() -> None:
+    # Requests name a disaggregated model; the gateway hands them to both its pools.
+    with pytest.raises(ConfigError, match=r"'m#decode' is the decode pool of .* model m; name m"):
+        policy_from_json({"models": ["a", "m#decode"]}, base=KeyPolicy(), now=T0)
+    assert policy_from_json({"models": "a,m"}, base=KeyPolicy(), now=T0).models == ("a", "m")

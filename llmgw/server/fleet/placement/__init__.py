@@ -20,10 +20,12 @@ CPU engines) holds no GPU and any number of them may share a node.
 
 The modules: :mod:`.views` (what placement is given and answers), :mod:`.cluster` (the view
 a pass places into), :mod:`.index` (the nodes each kind of profile may use, by free GPUs and
-fabric), :mod:`.refusal` (why no node fits, per group of nodes; per node on demand).
+fabric), :mod:`.refusal` (why no node fits, per group of nodes; per node on demand),
+:mod:`.pairs` (where a disaggregated model's pool replicas may go: one fabric or one node).
 """
 
 from llmgw.server.fleet.placement.cluster import Cluster
+from llmgw.server.fleet.placement.pairs import PoolAsk, pair_home, paired_nodes
 from llmgw.server.fleet.placement.refusal import Unplaceable
 from llmgw.server.fleet.placement.views import (
     STRATEGIES,
@@ -44,9 +46,12 @@ __all__ = [
     "GpuView",
     "NodeView",
     "Placement",
+    "PoolAsk",
     "Profile",
     "ShardPlacement",
     "Unplaceable",
     "degraded_refusal",
     "offered_engines",
+    "pair_home",
+    "paired_nodes",
 ]

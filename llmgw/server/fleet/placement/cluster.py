@@ -116,6 +116,15 @@ class Cluster:
         if node is not None:
             node.host_sleepers = max(0, node.host_sleepers - mib)
 
+    def node_ids(self) -> list[str]:
+        """Every node of the view, in id order."""
+        return list(self._nodes)
+
+    def fabrics_of(self, node_id: str) -> tuple[str, ...]:
+        """The healthy fabrics the node is on (none for a node not in the view)."""
+        node = self._nodes.get(node_id)
+        return tuple(node.fabrics) if node is not None else ()
+
     def eligible(self, profile: Profile) -> list[str]:
         """The nodes (in id order) that may take a shard of ``profile``, their free GPUs
         aside: usable, offering its engine, with GPUs large enough, its source there or

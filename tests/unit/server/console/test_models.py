@@ -504,3 +504,40 @@ def test_an_asleep_replica_shows_its_level_and_host_memory(rig: ConsoleRig, stor
         '<span class="replica-state state-asleep">asleep</span> (level 1, 512 MiB host memory)'
         in live
     )
+
+
+def test_a_disaggregated_model_shows_both_pools_and_their_replicas(
+    rig: ConsoleRig, store: Store
+) -> None:
+    """Deployed from the page (the form's count is the aggregated profiles'), listed once with
+    each pool's ready of desired, its page with both pools and their replicas by role."""
+    split = {
+        "engine": "sim",
+        "gpus": 1,
+        "disaggregated": {"prefill": {"gpus": 1}, "decode": {"gpus": 1}},
+    }
+    store.put_catalog_model("pd", {"split": split})
+
+    async def scenario(b: Browser) -> tuple[tuple[int, str, Any], str, str]:
+        await b.login()
+        answer = await deploy(b, name="pd", profile="split", replicas="3")
+        rig.scheduler.reconcile()
+        _ready(rig, "pd#prefill")
+        _, table, _ = await b.get("/ui/models?fragment=deployed")
+        _, live, _ = await b.get("/ui/models/pd?fragment=detail")
+        return answer, table, live
+
+    (status, _body, resp), table, live = rig.run(scenario)
+    assert status == 303 and resp.headers["Location"] == "/ui/models/pd"
+    assert 'data-model="pd"' in table and "pd#" not in table
+    assert (
+        '<span class="pool" data-role="prefill">prefill <span class="ready">1</span> / '
+        '<span class="desired">1</span></span>, <span class="pool" data-role="decode">decode '
+        '<span class="ready">0</span> / <span class="desired">1</span></span>'
+    ) in table
+    assert 'id="model-pool-prefill">1 / 1 ready, 1 GPU(s) each' in live
+    assert 'id="model-pool-decode">0 / 1 ready' in live
+    for role in ("prefill", "decode"):
+        (replica,) = store.list_replicas(f"pd#{role}")
+        row = re.search(f'<tr data-replica="{replica.id}">.*?</tr>', live, re.S)
+        assert row is not None and f'<td class="role">{role}</td>' in row.group(0)
