@@ -42,6 +42,9 @@ __all__ = [
     "CONNECT_TIMEOUT_S",
     "TARGET_HOST",
     "BootstrapRelay",
+    "Relayed",
+    "adopt_relay",
+    "open_relay",
     "relayed",
     "start",
 ]
@@ -135,9 +138,10 @@ class BootstrapRelay:
             return
         self._pipes.add(task)
         self.connections += 1
+        ends = [writer]
         try:
             try:
-                upstream = await asyncio.wait_for(
+                up_reader, up_writer = await asyncio.wait_for(
                     asyncio.open_connection(TARGET_HOST, self.target_port, limit=CHUNK),
                     CONNECT_TIMEOUT_S,
                 )
@@ -147,14 +151,12 @@ class BootstrapRelay:
                     "bootstrap relay: the bootstrap server did not take a connection",
                     extra=kv(shard=self.shard, target=self._target, error=str(exc) or "timeout"),
                 )
-                await _close(writer)
                 return
-            up_reader, up_writer = upstream
-            try:
-                await _pipe_both(reader, writer, up_reader, up_writer)
-            finally:
-                await asyncio.gather(_close(up_writer), _close(writer))
+            ends.append(up_writer)
+            await _pipe_both(reader, writer, up_reader, up_writer)
         finally:
+            # Whatever ended it (either side, or the relay closed): both sides closed.
+            await asyncio.gather(*(_close(w) for w in ends))
             self._pipes.discard(task)
 
     async def close(self) -> None:
