@@ -68,7 +68,8 @@ class ShardSpec:
     disagg_role: str = ""
     """Disaggregated serving: the replica's pool, ``prefill`` or ``decode`` ("": aggregated)."""
     transfer_addr: str = ""
-    """With a role: the host:port where the engine binds its KV transfer side channel."""
+    """With a role: the host:port where the engine binds its KV transfer side channel (for
+    an SGLang prefill, where the agent's relay to its bootstrap server listens)."""
     bootstrap_port: int = 0
     """An SGLang prefill: the loopback port its bootstrap server binds, which the agent picks
     and relays ``transfer_addr`` to (:mod:`llmgw.agent.bootstrap`); 0 for every other shard
