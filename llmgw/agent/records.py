@@ -171,6 +171,7 @@ def parse_record(shard_id: str, obj: object) -> ShardRecord:
             # A record of an agent before disaggregation: an aggregated shard.
             disagg_role=_get(obj, "disagg_role", (str,), ""),
             transfer_addr=_get(obj, "transfer_addr", (str,), ""),
+            bootstrap_port=_port(obj, "bootstrap_port"),
         )
     except ValueError as exc:
         raise ValueError(f"shard {shard_id!r}: {exc}") from None

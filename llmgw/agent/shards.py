@@ -40,7 +40,11 @@ runs its engine with its KV transfer side channel at the order's ``transfer_addr
 port must lie in ``multinode_ports`` too, over the adapters of agent.yaml's ``fabrics``
 (:mod:`llmgw.engines.disagg`); a role on an engine that cannot disaggregate, on a multi-node
 shard, or without a transfer address is refused before anything starts
-(:func:`~llmgw.agent.shardspec.check_disagg`).
+(:func:`~llmgw.agent.shardspec.check_disagg`). An SGLang prefill's engine listens on loopback
+only, its bootstrap server at a second port the agent picks: the agent listens on the
+transfer address itself and relays each connection to that port
+(:mod:`llmgw.agent.bootstrap`), from just before the engine starts (a relay that cannot
+listen fails the shard with nothing started) until the shard ends.
 
 Engines outlive the agent: stopping the agent (or killing it) leaves them running, and the
 next agent adopts them from ``shards.json`` (:meth:`ShardManager.adopt_all`); those that
@@ -51,7 +55,9 @@ was down fails its shard (engine stopped), and the sidecars of a shard whose eng
 are stopped. A kv-events shard whose engine's event socket cannot be dialled again as
 privately as it was made (or that an older agent had publish to a loopback TCP port) is
 stopped and reported failed with the reason, so that the control plane starts it again on a
-fresh socket (:mod:`llmgw.agent.kvevents`).
+fresh socket (:mod:`llmgw.agent.kvevents`); so is an adopted SGLang prefill whose relay
+cannot listen again, or whose record is an older agent's (its HTTP API on every address).
+The relays end with the agent and are opened again by the next one.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from llmgw.agent import bootstrap
+from llmgw.agent.bootstrap import relayed
 from llmgw.agent.kvevents import KvEventsHub, engine_config
 from llmgw.agent.models_dir import Located, SourceStore
 from llmgw.agent.records import ShardRecords
@@ -104,6 +112,7 @@ __all__ = [
     "EXITED_WHILE_ADOPTED",
     "KV_EVENTS_RESTART",
     "NEVER_STARTED",
+    "RELAY_RESTART",
     "Shard",
     "ShardManager",
     "ShardSpec",
@@ -127,6 +136,10 @@ DIED_WHILE_DOWN = "engine exited while the agent was down"
 EXITED_WHILE_ADOPTED = "engine exited while adopted (exit code unknown to a new agent)"
 NEVER_STARTED = (
     "the agent stopped while the shard's sidecars were starting; the engine was never started"
+)
+RELAY_RESTART = (
+    "stopped after an agent restart so that it starts again: its bootstrap server cannot be "
+    "relayed to again"
 )
 KV_EVENTS_RESTART = (
     "stopped after an agent restart so that it starts again on a private KV event socket: "
@@ -218,6 +231,7 @@ class ShardManager:
                     disagg_role=spec.disagg_role,
                     transfer_addr=spec.transfer_addr,
                     fabric_devices=self.fabric_devices if spec.disagg_role else (),
+                    bootstrap_port=spec.bootstrap_port,
                 )
             )
         except EngineError as exc:
@@ -249,6 +263,8 @@ class ShardManager:
                 shard.task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await shard.task
+            # The engine runs on; its relay ends with this agent (the next one opens it again).
+            await _close_relay(shard)
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -305,6 +321,9 @@ class ShardManager:
         check_shape(spec)
         check_rendezvous_port(spec, self.multinode_ports)
         check_disagg(spec, self.multinode_ports)
+        if relayed(spec.engine, spec.disagg_role):
+            # Its bootstrap server's loopback port, recorded: an adopting agent relays to it.
+            spec = dataclasses.replace(spec, bootstrap_port=pick_port())
         located = self._locate_source(spec)
         launched = spec
         if located is not None:
@@ -414,13 +433,14 @@ class ShardManager:
             ready=record.state == ShardState.READY,
         )
 
-    async def _restart_for_events(self, shard: Shard, why: str) -> None:
-        """An adopted engine whose KV cache events cannot be received again as privately as
-        they were: stopped and reported failed, so that the control plane starts it again on
-        a fresh private socket, rather than running on without events (or publishing them
-        to a port anyone may take)."""
+    async def _restart_adopted(self, shard: Shard, reason: str) -> None:
+        """An adopted engine that cannot run on as it was started: its KV cache events
+        cannot be received again as privately as they were, or its bootstrap server cannot
+        be relayed to again. Stopped and reported failed with ``reason``, so that the
+        control plane starts it again afresh, rather than running on without events (or
+        publishing them to a port anyone may take), or unreachable from its decode pool."""
         assert shard.handle is not None
-        shard.reason = f"{KV_EVENTS_RESTART}: {why}"
+        shard.reason = reason
         log.warning("shard restarted", extra=kv(shard=shard.shard_id, reason=shard.reason))
         try:
             await self.runtime.stop(shard.handle, shard.stop_grace)
@@ -433,7 +453,13 @@ class ShardManager:
 
     async def _start_engine(self, shard: Shard, launch: Launch) -> None:
         spec = shard.spec
-        shard.handle = await self.runtime.start(launch)
+        # Before the engine: a relay that cannot listen fails the shard with nothing started.
+        shard.relay = await bootstrap.open_relay(spec)
+        try:
+            shard.handle = await self.runtime.start(launch)
+        except BaseException:
+            await _close_relay(shard)
+            raise
         shard.pid = shard.handle.pid
         shard.start_time = shard.handle.start_time
         shard.container_id = shard.handle.container_id
@@ -539,9 +565,10 @@ class ShardManager:
         Returns the shards adopted (starting, then ready once healthy, as after a fresh
         start) and the records whose engine ended while no agent watched it, or was stopped
         here because its KV cache events could not be received again as privately as they
-        were (:meth:`_restart_for_events`). Those stay here as failed shards, so the next
-        Hello reports them and the control plane starts them again; nothing is started here.
-        Records of exited or failed shards are dropped.
+        were, or its bootstrap server could not be relayed to again (:meth:`_restart_adopted`).
+        Those stay here as failed shards, so the next Hello reports them and the control
+        plane starts them again; nothing is started here. Records of exited or failed shards
+        are dropped.
         """
         adopted: list[Shard] = []
         dead: list[ShardRecord] = []
@@ -592,7 +619,13 @@ class ShardManager:
             try:
                 shard.kv_events_endpoint = self._resubscribe(spec, record)
             except ShardError as exc:
-                restart.append((shard, str(exc)))
+                restart.append((shard, f"{KV_EVENTS_RESTART}: {exc}"))
+                dead.append(record)
+                continue
+            try:
+                shard.relay = await bootstrap.adopt_relay(spec)
+            except ShardError as exc:
+                restart.append((shard, f"{RELAY_RESTART}: {exc}"))
                 dead.append(record)
                 continue
             shard.sandboxed = handle.sandboxed
@@ -602,7 +635,7 @@ class ShardManager:
             )
             self._notify(shard)
             adopted.append(shard)
-        await asyncio.gather(*(self._restart_for_events(s, why) for s, why in restart))
+        await asyncio.gather(*(self._restart_adopted(s, why) for s, why in restart))
         if self.kv_events is not None:
             self.kv_events.prune()
         # Saved once all are known: a save in between (a watcher's) would drop the records
@@ -678,6 +711,7 @@ class ShardManager:
                 "shard failed",
                 extra=kv(shard=shard.shard_id, exit_code=code, reason=shard.reason),
             )
+        await _close_relay(shard)
         if shard.sidecars is not None:
             # After the engine, whatever ended it: a restart must find their ports free.
             await shard.sidecars.stop(shard.stop_grace)
@@ -816,6 +850,13 @@ def _weights(spec: ShardSpec, located: Located | None) -> Path | None:
         return located.path
     weights = spec.params.get("model_path", "")
     return Path(weights) if weights.startswith("/") and os.path.exists(weights) else None
+
+
+async def _close_relay(shard: Shard) -> None:
+    """Close the shard's bootstrap relay (:mod:`llmgw.agent.bootstrap`), if it has one."""
+    relay, shard.relay = shard.relay, None
+    if relay is not None:
+        await relay.close()
 
 
 async def _always() -> bool:

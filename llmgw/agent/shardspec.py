@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from llmgw.agent.bootstrap import BootstrapRelay
 from llmgw.agent.runtimes import Handle
 from llmgw.agent.runtimes.base import ShardRecord, SidecarRecord
 from llmgw.agent.sandbox import Sandboxed
@@ -67,7 +68,12 @@ class ShardSpec:
     disagg_role: str = ""
     """Disaggregated serving: the replica's pool, ``prefill`` or ``decode`` ("": aggregated)."""
     transfer_addr: str = ""
-    """With a role: the host:port where the engine binds its KV transfer side channel."""
+    """With a role: the host:port where the engine binds its KV transfer side channel (for
+    an SGLang prefill, where the agent's relay to its bootstrap server listens)."""
+    bootstrap_port: int = 0
+    """An SGLang prefill: the loopback port its bootstrap server binds, which the agent picks
+    and relays ``transfer_addr`` to (:mod:`llmgw.agent.bootstrap`); 0 for every other shard
+    (an order never sets it)."""
 
     @classmethod
     def from_order(cls, order: pb.StartShard) -> ShardSpec:
@@ -123,6 +129,7 @@ class ShardSpec:
             sandbox=record.sandbox,
             disagg_role=record.disagg_role,
             transfer_addr=record.transfer_addr,
+            bootstrap_port=record.bootstrap_port,
         )
 
     @property
@@ -174,6 +181,9 @@ class Shard:
     """How long its last sleep or wake took."""
     recorded_state: str = ""
     """Adopted: the state the previous agent recorded."""
+    relay: BootstrapRelay | None = None
+    """An SGLang prefill's relay from its transfer address to its bootstrap server, while
+    its engine runs."""
 
     @property
     def shard_id(self) -> str:
@@ -215,6 +225,7 @@ class Shard:
             sleep_level=self.sleep_level,
             disagg_role=spec.disagg_role,
             transfer_addr=spec.transfer_addr,
+            bootstrap_port=spec.bootstrap_port,
         )
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 import llmgw
-from llmgw.engines.disagg import ROLES
+from llmgw.engines.disagg import PREFILL, ROLES
 from llmgw.engines.kvevents import events_config
 from llmgw.engines.launch import build_command, engine_module, self_argv
 from llmgw.engines.registry import AVAILABLE_ENGINES, get_engine
@@ -185,6 +185,8 @@ def widest_specs(engine: str, binary: str = "") -> list[tuple[str, EngineSpec]]:
                 disagg_role=role,
                 transfer_addr="10.0.0.1:29600",
                 fabric_devices=("mlx5_0", "mlx5_1"),
+                # An SGLang prefill's bootstrap server's loopback port (the others ignore it).
+                bootstrap_port=8001 if role == PREFILL else 0,
             )
             forms.append((f"single node, {role}", pool))
     return forms

@@ -30,15 +30,20 @@ own code and documentation:
   one each request names), on ``--disaggregation-bootstrap-port``; decode gets no port.
   Found in its code: the bootstrap server binds the HTTP ``--host``
   (``CommonKVBootstrapServer(host=server_args.host, ...)``; 0.5.23 has no flag of its own for
-  it), so a prefill on llmgw's usual 127.0.0.1 is unreachable from a decode on another node.
-  The least exposure that works: a prefill's HTTP server listens on every address
-  (``0.0.0.0``), which the agent's relay still reaches on 127.0.0.1, at the ephemeral port
-  the agent picked, outside ``multinode_ports`` (the installer's firewall rules open only
-  that range to the fabric's peers); a decode keeps 127.0.0.1. Each rank's KV sender or
-  receiver binds a ZeroMQ socket on the address ``SGLANG_HOST_IP`` names (else the first
-  route's source address), set to the transfer host so that the transfers stay on the
-  fabric, at a free port it picks itself: SGLang has no setting to keep it inside
+  it), so its HTTP API stays on 127.0.0.1 like every engine's and the bootstrap server binds
+  ``bootstrap_port``, a second loopback port the agent picks; the agent relays the transfer
+  address to it (:mod:`llmgw.agent.bootstrap`), which is where the decode pool (and the
+  gateway's ``bootstrap_host``/``bootstrap_port``) dials it. A plain TCP relay suffices: the
+  bootstrap server is aiohttp (HTTP/1.1 over TCP: ``PUT /route``, where the prefill's own
+  ranks register over loopback, ``GET /route`` and ``POST /query_dp_ranks`` from the
+  decode's ranks) and reads no address from its connection. Each rank registers
+  ``rank_ip``, its KV sender's ZeroMQ socket, on the address ``SGLANG_HOST_IP`` names (else
+  the first route's source address), set to the transfer host so that the transfers stay on
+  the fabric (the decode's ranks dial it directly, not through the relay); it binds a free port it picks itself: SGLang has no setting to keep it inside
   ``multinode_ports``, so a node whose firewall drops the fabric's peers elsewhere blocks it.
+  The prefill registers its HTTP port too (``prefill_http_port``), which a newer decode
+  dials on the bootstrap host to recompute a retracted request: on loopback it is not
+  reachable, so such a retraction fails there as it would on any firewalled node.
 - sim (``llmgw engine sim``): ``--kv-transfer-addr HOST:PORT``, where its TCP pull binds.
 
 llama.cpp cannot disaggregate: a role on it is refused. Disaggregated pools are single-node
@@ -60,8 +65,8 @@ __all__ = [
     "SGLANG_BACKEND",
     "Handover",
     "check_role",
+    "runs_bootstrap_server",
     "sglang_flags",
-    "sglang_host",
     "sim_flags",
     "transfer_host_port",
     "ucx_devices",
@@ -155,16 +160,29 @@ def vllm_flags(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
     return ["--kv-transfer-config", VLLM_KV_TRANSFER], env
 
 
+def runs_bootstrap_server(handover: Handover | None, role: str) -> bool:
+    """Whether a ``role`` shard of an engine speaking ``handover`` runs a bootstrap server on
+    loopback (an SGLang prefill), which the agent relays its ``transfer_addr`` to."""
+    return handover is Handover.SGLANG and role == PREFILL
+
+
 def sglang_flags(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
-    """The flags and environment a role adds to SGLang's launch_server (``--host`` is the
-    builder's, :func:`sglang_host`)."""
+    """The flags and environment a role adds to SGLang's launch_server; EngineError for a
+    prefill without its ``bootstrap_port``."""
     if not spec.disagg_role:
         return [], {}
-    host, port = transfer_host_port(spec)
+    host = transfer_host_port(spec)[0]
     argv = ["--disaggregation-mode", spec.disagg_role]
     argv += ["--disaggregation-transfer-backend", SGLANG_BACKEND]
     if spec.disagg_role == PREFILL:
-        argv += ["--disaggregation-bootstrap-port", str(port)]
+        if spec.bootstrap_port <= 0:
+            raise EngineError(
+                "an SGLang prefill shard needs bootstrap_port, the free loopback port its "
+                "bootstrap server binds (it binds the HTTP --host, 127.0.0.1): the agent picks "
+                f"one and relays transfer_addr {spec.transfer_addr} to it; a caller that builds "
+                "the command itself must pick one too"
+            )
+        argv += ["--disaggregation-bootstrap-port", str(spec.bootstrap_port)]
     if spec.fabric_devices:
         # HCA names without port suffixes (its help: "use HCA names without port suffixes
         # for NIXL UCX"; mooncake takes the same names).
@@ -173,16 +191,6 @@ def sglang_flags(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
             ",".join(d.split(":")[0] for d in spec.fabric_devices),
         ]
     return argv, {"SGLANG_HOST_IP": host}
-
-
-def sglang_host(spec: EngineSpec, loopback: str) -> str:
-    """Where SGLang's HTTP server listens: ``loopback``, except for a prefill, whose
-    bootstrap server binds the same host and must be reachable from the decode pool's nodes
-    (every address, ``0.0.0.0``, or ``::`` for a transfer address on IPv6, which Linux serves
-    to IPv4 too; see the module's docstring)."""
-    if spec.disagg_role != PREFILL:
-        return loopback
-    return "::" if ":" in transfer_host_port(spec)[0] else "0.0.0.0"
 
 
 def sim_flags(spec: EngineSpec) -> list[str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from llmgw.engines.disagg import sglang_flags, sglang_host
+from llmgw.engines.disagg import sglang_flags
 from llmgw.engines.spec import (
     LOOPBACK,
     EngineCommand,
@@ -77,9 +77,9 @@ def build(spec: EngineSpec) -> EngineCommand:
     # --served-model-name: the name the OpenAI API answers to. Workers get --host/--port too:
     # SGLang's non-zero ranks start a health-check server on them, which must not collide
     # with the default port 30000 of another shard on the node. A prefill's bootstrap server
-    # binds the same --host: it listens on every address (llmgw.engines.disagg).
-    host = sglang_host(spec, LOOPBACK)
-    argv += ["--served-model-name", spec.model, "--host", host, "--port", str(spec.port)]
+    # binds the same --host, loopback too, at its own port the agent relays to
+    # (llmgw.engines.disagg).
+    argv += ["--served-model-name", spec.model, "--host", LOOPBACK, "--port", str(spec.port)]
     # --tp-size (documented alias --tensor-parallel-size; "--tp" in the examples is an
     # argparse abbreviation, absent from --help): every GPU of the replica.
     argv += ["--tp-size", str(max(1, len(spec.gpus)) * spec.nodes)]

@@ -7,9 +7,9 @@ An engine is a module (``vllm``, ``sglang``, ``llamacpp``, ``sim``) that satisfi
 :mod:`llmgw.engines.launch` checks a spec and calls its builder. Engines listen on
 127.0.0.1 only; the exceptions are the rendezvous of a multi-node replica
 (``dist_init_addr``, or llama.cpp's RPC workers) and a disaggregated shard's KV transfer side
-channel (``transfer_addr``; an SGLang prefill's HTTP server with it, :mod:`llmgw.engines.disagg`),
-which the other nodes must reach. GPUs are
-handed over in ``CUDA_VISIBLE_DEVICES``.
+channel (``transfer_addr``), which the other nodes must reach. An SGLang prefill's bootstrap
+server stays on loopback too (``bootstrap_port``), the agent relaying ``transfer_addr`` to it
+(:mod:`llmgw.engines.disagg`). GPUs are handed over in ``CUDA_VISIBLE_DEVICES``.
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ class EngineSpec:
     ``disagg_role``: "" (aggregated), ``prefill`` or ``decode``: the pool of a disaggregated
     model the shard is in; ``transfer_addr`` (``host:port``) is where its engine binds its KV
     transfer side channel, ``fabric_devices`` the node's fabric adapters (agent.yaml's
-    ``fabrics``) it moves the KV cache over (:mod:`llmgw.engines.disagg`).
+    ``fabrics``) it moves the KV cache over (:mod:`llmgw.engines.disagg`). ``bootstrap_port``:
+    an SGLang prefill's bootstrap server's loopback port (the agent picks it and relays
+    ``transfer_addr`` to it); 0 for every other shard.
     """
 
     engine: str
@@ -83,6 +85,7 @@ class EngineSpec:
     disagg_role: str = ""
     transfer_addr: str = ""
     fabric_devices: tuple[str, ...] = ()
+    bootstrap_port: int = 0
 
     @property
     def multi_node(self) -> bool:

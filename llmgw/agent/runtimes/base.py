@@ -127,6 +127,9 @@ class ShardRecord:
     """The order's disaggregation role ("": aggregated), so an adopted shard keeps its pool."""
     transfer_addr: str = ""
     """The order's KV transfer address (with a role)."""
+    bootstrap_port: int = 0
+    """An SGLang prefill: the loopback port of its bootstrap server, which an adopting agent
+    relays the transfer address to again (0: none)."""
 
 
 class Runtime(abc.ABC):

@@ -50,6 +50,7 @@ FULL = ShardRecord(
     sandboxed=True,
     disagg_role="prefill",
     transfer_addr="10.0.0.1:29600",
+    bootstrap_port=41001,
 )
 MINIMAL = ShardRecord(shard_id="s2", replica_id="r2", model="m", engine="sim")
 
@@ -98,6 +99,8 @@ def test_no_file_is_no_records(tmp_path: Path) -> None:
         ({"sandboxed": 1}, "shard 's1': 'sandboxed' is a int"),
         ({"sandbox": {"extra_ro": "/opt"}}, "shard 's1': 'sandbox.extra_ro' is not a list"),
         ({"sandbox": {"enabled": "no"}}, "shard 's1': 'sandbox.enabled' is not a boolean"),
+        ({"bootstrap_port": "41001"}, "shard 's1': 'bootstrap_port' is a str"),
+        ({"bootstrap_port": 70000}, "shard 's1': 'bootstrap_port' 70000 is not a port"),
     ],
 )
 def test_an_entry_that_is_not_what_was_written_is_refused(

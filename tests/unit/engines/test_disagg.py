@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.engines.check import check_help
-from llmgw.engines.disagg import Handover, ucx_devices
+from llmgw.engines.disagg import Handover, runs_bootstrap_server, ucx_devices
 from llmgw.engines.kvevents import events_config
 from llmgw.engines.launch import build_command, engine_module
 from llmgw.engines.registry import ENGINES, disaggregating_engines
@@ -23,6 +23,7 @@ HELP = Path(__file__).resolve().parents[2] / "fixtures" / "engines" / "help"
 
 ADDR = "10.0.0.1:29600"
 HCAS = ("mlx5_0", "mlx5_1")
+BOOTSTRAP = 41001  # the loopback port the agent picked for an SGLang prefill's bootstrap server
 
 
 def _spec(engine: str, role: str, **kw: object) -> EngineSpec:
@@ -32,6 +33,7 @@ def _spec(engine: str, role: str, **kw: object) -> EngineSpec:
         "disagg_role": role,
         "transfer_addr": ADDR,
         "fabric_devices": HCAS,
+        "bootstrap_port": BOOTSTRAP,
         **kw,
     }
     return EngineSpec(engine=engine, model="llama-8b", port=41000, **fields)  # type: ignore[arg-type]
@@ -169,17 +171,19 @@ def _after(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
-def test_sglang_prefill_runs_the_bootstrap_server_at_the_transfer_port() -> None:
+def test_sglang_prefill_runs_its_bootstrap_server_on_loopback_at_the_agents_port() -> None:
     command = build_command(_spec("sglang", "prefill"))
     argv = command.argv
     assert _after(argv, "--disaggregation-mode") == "prefill"
     assert _after(argv, "--disaggregation-transfer-backend") == "mooncake"
-    assert _after(argv, "--disaggregation-bootstrap-port") == "29600"
-    assert _after(argv, "--disaggregation-ib-device") == "mlx5_0,mlx5_1"
-    # Its bootstrap server binds the HTTP host: every address, so the decode pool reaches it
-    # (and the agent still reaches the HTTP server on 127.0.0.1).
-    assert _after(argv, "--host") == "0.0.0.0"
+    # Its bootstrap server binds the HTTP host, loopback, at the port the agent's relay
+    # pipes the transfer address to: nothing of the engine listens beyond loopback.
+    assert _after(argv, "--disaggregation-bootstrap-port") == str(BOOTSTRAP)
+    assert _after(argv, "--host") == "127.0.0.1"
     assert _after(argv, "--port") == "41000"
+    assert "29600" not in argv
+    assert _after(argv, "--disaggregation-ib-device") == "mlx5_0,mlx5_1"
+    # Its ranks register their KV senders on the transfer host, which the decode dials.
     assert command.env == {"CUDA_VISIBLE_DEVICES": "GPU-0,GPU-1", "SGLANG_HOST_IP": "10.0.0.1"}
 
 
@@ -194,10 +198,19 @@ def test_sglang_decode_binds_no_bootstrap_server_and_stays_on_loopback() -> None
     assert command.env["SGLANG_HOST_IP"] == "10.0.0.1"
 
 
-def test_sglang_prefill_on_ipv6_listens_on_every_v6_address() -> None:
+def test_sglang_prefill_with_an_ipv6_transfer_addr_stays_on_loopback() -> None:
     command = build_command(_spec("sglang", "prefill", transfer_addr="[fd00::1]:29600"))
-    assert _after(command.argv, "--host") == "::"
+    assert _after(command.argv, "--host") == "127.0.0.1"
+    assert _after(command.argv, "--disaggregation-bootstrap-port") == str(BOOTSTRAP)
     assert command.env["SGLANG_HOST_IP"] == "fd00::1"
+
+
+def test_only_an_sglang_prefill_runs_a_bootstrap_server_to_relay() -> None:
+    assert runs_bootstrap_server(Handover.SGLANG, "prefill")
+    assert not runs_bootstrap_server(Handover.SGLANG, "decode")
+    assert not runs_bootstrap_server(Handover.SGLANG, "")
+    assert not runs_bootstrap_server(Handover.VLLM, "prefill")
+    assert not runs_bootstrap_server(None, "prefill")
 
 
 def test_sglang_adapters_lose_their_port_suffix_and_none_give_no_flag() -> None:
@@ -284,8 +297,15 @@ def test_the_registry_says_which_hand_over_each_engine_speaks() -> None:
             "a prefill shard of a 2-node replica: disaggregated pools are single-node replicas "
             "in this release; deploy the pools with nodes 1",
         ),
+        (
+            _spec("sglang", "prefill", bootstrap_port=0),
+            "an SGLang prefill shard needs bootstrap_port, the free loopback port its bootstrap "
+            "server binds (it binds the HTTP --host, 127.0.0.1): the agent picks one and relays "
+            f"transfer_addr {ADDR} to it; a caller that builds the command itself must pick one "
+            "too",
+        ),
     ],
-    ids=["unknown-role", "llamacpp", "no-addr", "addr-without-role", "multi-node"],
+    ids=["unknown-role", "llamacpp", "no-addr", "addr-without-role", "multi-node", "no-bootstrap"],
 )
 def test_a_role_that_cannot_run_is_refused(spec: EngineSpec, message: str) -> None:
     with pytest.raises(EngineError) as info:
