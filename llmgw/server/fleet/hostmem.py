@@ -176,16 +176,22 @@ def _declared(model: Model, replica: Replica | None = None) -> int:
 
 
 def plan_room(
-    store: Store, cluster: Cluster, wanted: PlacementProfile, strategy: str, model: Model
+    store: Store,
+    cluster: Cluster,
+    wanted: PlacementProfile,
+    strategy: str,
+    model: Model,
+    avoid: frozenset[str] = frozenset(),
 ) -> list[Sleeper] | None:
-    """The level-1 sleepers to retire so that a replica of ``wanted`` is placed: lowest
-    priority first, none of a higher priority than ``model``'s nor of ``model`` itself
-    (woken rather), only as many as needed. None when retiring them would not make room,
-    or when no sleeper stands in the way."""
+    """The level-1 sleepers to retire so that a replica of ``wanted`` is placed off
+    ``avoid`` (for a pool: the nodes its pair may not use): lowest priority first, none of a
+    higher priority than ``model``'s nor of ``model`` itself (woken rather), only as many as
+    needed. None when retiring them would not make room, or when no sleeper stands in the
+    way."""
     need = wanted.host_memory_mib
     if not need or not cluster.sleepers_hold():
         return None
-    trial = cluster.place(wanted, strategy=strategy, sleepers_free=True)
+    trial = cluster.place(wanted, strategy=strategy, sleepers_free=True, avoid=avoid)
     if isinstance(trial, Unplaceable):
         return None
     cluster.release(trial.replica_id)

@@ -47,7 +47,7 @@ from llmgw.server.fleet.meeting import (
     host_of,
 )
 from llmgw.server.fleet.moves import Moves
-from llmgw.server.fleet.pairing import PoolRoom, pool_room
+from llmgw.server.fleet.pairing import PoolRoom, named_part, pool_room
 from llmgw.server.fleet.placement import Allocation, Cluster, GpuView, NodeView, degraded_refusal
 from llmgw.server.fleet.placement import Profile as PlacementProfile
 from llmgw.server.fleet.placement import Unplaceable as PlacementUnplaceable
@@ -489,7 +489,7 @@ class Scheduler(Moves):
                     shards = [store.update_shard(sh.id, dist_init_addr=addr) for sh in shards]
                 store.set_replica_state(replica.id, ReplicaState.STARTING)
         except _NoRoom as exc:
-            if retry and self._retire_sleepers(model, wanted, profile.placement, cluster):
+            if retry and self._retire_sleepers(model, wanted, profile.placement, cluster, room):
                 return self._place_replica(model, retry=False)
             self._note_unplaceable(model.name, room.refusal(model.name, exc.why.summary(limit=8)))
             return None
@@ -518,12 +518,18 @@ class Scheduler(Moves):
         return _wanted(profile), profile.placement
 
     def _retire_sleepers(
-        self, model: Model, wanted: PlacementProfile, strategy: str, cluster: Cluster
+        self,
+        model: Model,
+        wanted: PlacementProfile,
+        strategy: str,
+        cluster: Cluster,
+        room: PoolRoom,
     ) -> bool:
-        """Where only sleepers' host memory keeps a replica of ``model`` off, retire the
-        lowest-priority ones (:func:`plan_room`), each model's count one less, as a sleeper
-        whose GPUs are taken back is; True when some were."""
-        plan = plan_room(self.store, cluster, wanted, strategy, model)
+        """Where only sleepers' host memory keeps a replica of ``model`` off (on the nodes
+        ``room`` leaves it), retire the lowest-priority ones (:func:`plan_room`), each
+        model's count one less, as a sleeper whose GPUs are taken back is; True when some
+        were."""
+        plan = plan_room(self.store, cluster, wanted, strategy, model, avoid=room.avoid)
         for sleeper in plan or ():
             self.store.set_replicas(
                 sleeper.model, max(0, self.store.get_model(sleeper.model).replicas - 1)
@@ -549,7 +555,18 @@ class Scheduler(Moves):
                 profile = self._profile(model)
             except (NotFound, ConfigError):
                 continue  # undeployed since, or a profile the pass refuses on its own
-            result = cluster.place(_wanted(profile), strategy=profile.placement)
+            wanted = _wanted(profile)
+            room = pool_room(self.store, cluster, model, wanted, profile.placement, self._ask)
+            if isinstance(room, str):  # a pair with no home: the node's part of why
+                part = named_part(room, node_id)
+                if part is not None:
+                    out.append((name, part))
+                continue
+            room = room or PoolRoom(frozenset())
+            if node_id in room.avoid:
+                out.append((name, room.node_line(name)))
+                continue
+            result = cluster.place(wanted, strategy=profile.placement, avoid=room.avoid)
             if not isinstance(result, PlacementUnplaceable):
                 cluster.release(result.replica_id)  # the next model asks the same view
                 continue
@@ -564,7 +581,8 @@ class Scheduler(Moves):
 
     def fits_without(self, model: Model, replica_ids: Set[str]) -> bool:
         """Whether a replica of ``model`` would be placed were ``replica_ids`` gone: asked of
-        a view of its own, nothing recorded (preemption's trial)."""
+        a view of its own, a pool only where its pair may go, nothing recorded (preemption's
+        trial)."""
         try:
             profile = self._profile(model)
         except ConfigError:
@@ -572,7 +590,14 @@ class Scheduler(Moves):
         cluster = self._cluster()
         for replica_id in replica_ids:
             cluster.release(replica_id)
-        result = cluster.place(_wanted(profile), strategy=profile.placement)
+        wanted = _wanted(profile)
+        room = pool_room(
+            self.store, cluster, model, wanted, profile.placement, self._ask, replica_ids
+        )
+        if isinstance(room, str):
+            return False
+        avoid = room.avoid if room is not None else frozenset()
+        result = cluster.place(wanted, strategy=profile.placement, avoid=avoid)
         return not isinstance(result, PlacementUnplaceable)
 
     def _note_unplaceable(self, model: str, reason: str) -> None:

@@ -5,52 +5,12 @@ there; StartShard with the role and the transfer address."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from llmgw.proto import control_pb2 as pb
-from llmgw.server.admin.pools import sync_pools
 from llmgw.server.fleet.scheduler import Scheduler
+from tests.unit.server.disagg_rig import deploy as _deploy
+from tests.unit.server.disagg_rig import join as _join
+from tests.unit.server.disagg_rig import nodes_of as _nodes
 from tests.unit.server.scheduler_rig import SchedulerRig
-
-
-def _join(
-    cp: SchedulerRig, node_id: str, gpus: int, fabric: str | None, ports: str | None = None
-) -> None:
-    number = int(node_id.lstrip("n"))
-    inventory: dict[str, Any] = {
-        "gpus": [
-            {"uuid": f"GPU-{node_id}-{i}", "index": i, "memory_total_mib": 81920}
-            for i in range(gpus)
-        ],
-        "fabrics": [{"name": fabric, "hcas": ["mlx5_0"], "healthy": True}] if fabric else [],
-    }
-    if ports is not None:
-        inventory["multinode_ports"] = ports
-    cp.join(node_id, inventory, dataplane_addr=f"10.0.0.{number}:9443", engines=frozenset({"sim"}))
-
-
-def _deploy(cp: SchedulerRig, prefill: tuple[int, Any], decode: tuple[int, Any]) -> None:
-    """Model m deployed disaggregated: each pool's (GPUs, replicas)."""
-    profile = {
-        "engine": "sim",
-        "gpus": 1,
-        "disaggregated": {
-            "prefill": {"gpus": prefill[0], "replicas": prefill[1]},
-            "decode": {"gpus": decode[0], "replicas": decode[1]},
-        },
-    }
-    cp.store.put_catalog_model("m", {"pd": profile})
-    model = cp.store.deploy_model("m", profile="pd", replicas=0)
-    with cp.store.transaction():
-        sync_pools(cp.store, model, lambda replica_id, why: None)
-
-
-def _nodes(cp: SchedulerRig, pool: str) -> list[str]:
-    return sorted(
-        shard.node_id
-        for replica in cp.store.list_replicas(pool)
-        for shard in cp.store.list_shards(replica_id=replica.id)
-    )
 
 
 def _starts(cp: SchedulerRig) -> list[pb.StartShard]:
