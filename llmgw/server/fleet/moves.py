@@ -3,6 +3,14 @@ draining node (one at a time per node), off a GPU an operator cordoned or that t
 unhealthy (the rest of its node serving on; one on an unhealthy GPU is rebuilt at once), and
 onto the profile a model now deploys (one at a time per model).
 
+A disaggregated model's pool replicas on a draining node move together: once one of them is
+moving, the next of the same model's pools follows in the next pass (not after it), each
+replacement placed by the pairing rule (:mod:`llmgw.server.fleet.pairing`: the replicas
+leaving do not count, so a pair that was all on the node goes as a whole where both pools
+fit), and none of them stops before every replacement is routable. Until then the old
+replicas serve beside the new ones; a replacement that cannot be placed leaves the drain
+blocked, saying why, with every old replica still serving.
+
 The scheduler's own steps, kept apart from its reconcile loop: :class:`Moves` is a part of
 :class:`~llmgw.server.fleet.scheduler.Scheduler`, whose state (``moves``, ``rolls``, the
 blocked reasons) and placement these steps use; ``_Scheduling`` says which.
@@ -14,6 +22,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
+from llmgw.contracts.disagg import split_pool
 from llmgw.errors import NotFound
 from llmgw.log import kv
 from llmgw.server.fleet.gpuhealth import GpuStates
@@ -67,6 +76,8 @@ class Moves:
         store = self.store
         draining = store.list_draining_nodes()
         # Finish or abandon moves in progress.
+        routable = {ep.replica_id for ep in self.router.endpoints()}
+        held = _pairs_held(self, routable, {n.id for n in draining})
         for original, replacement in list(self.moves.items()):
             try:
                 store.get_replica(original)
@@ -81,24 +92,30 @@ class Moves:
                 del self.moves[original]  # the replacement was lost; try again next pass
                 self.move_whys.pop(original, None)
                 continue
-            if any(ep.replica_id == replacement for ep in self.router.endpoints()):
+            if replacement in routable and original not in held:
                 del self.moves[original]
                 from_node = self.move_nodes.pop(original, "?")
                 why = self.move_whys.pop(original, f"moved off {from_node} (drain)")
                 self.remove_replica(original, why=why)
                 store.add_event("drain_moved", from_node, f"{original} -> {replacement}")
         for node in draining:
-            if any(self.move_nodes.get(o) == node.id for o in self.moves):
-                continue  # one replica at a time per node
+            here = [o for o in self.moves if self.move_nodes.get(o) == node.id]
             replicas = sorted(
                 {
                     s.replica_id
                     for s in store.list_shards(node_id=node.id)
                     if s.state != ShardState.STOPPING  # retiring: it goes by itself
                 }
+                - set(here)
             )
-            if not replicas:
+            if here:
+                # One replica at a time per node; a pair's replicas one after the other.
+                parents = {_parent(store, o) for o in here}
+                parent = parents.pop() if len(parents) == 1 else None
+                replicas = [r for r in replicas if parent and _parent(store, r) == parent]
+            elif not replicas:
                 self.drain_blocked.pop(node.id, None)
+            if not replicas:
                 continue
             original = replicas[0]
             model = store.get_model(store.get_replica(original).model)
@@ -282,3 +299,42 @@ class Moves:
             "moving": moving,
             "blocked": self.drain_blocked.get(node_id),
         }
+
+
+def _parent(store: Store, replica_id: str) -> str | None:
+    """The disaggregated model whose pool ``replica_id`` serves (None: not a pool's, or
+    gone)."""
+    try:
+        pair = split_pool(store.get_replica(replica_id).model)
+    except NotFound:
+        return None
+    return pair[0] if pair is not None else None
+
+
+def _pairs_held(moves: _Scheduling, routable: set[str], draining: set[str]) -> set[str]:
+    """The pool replicas moving off a draining node that may not stop yet: those of a model
+    whose pools still have a replica there that is not moving, or one whose replacement is
+    not routable (the pair moves as a whole). A move off a cordoned GPU is its own."""
+    store = moves.store
+    waiting: set[tuple[str, str]] = set()  # (node, model) whose pair is not all moved
+    pools: dict[str, tuple[str, str]] = {}
+    for original, replacement in moves.moves.items():
+        node_id = moves.move_nodes.get(original)
+        if node_id not in draining:
+            continue
+        parent = _parent(store, original)
+        if node_id is None or parent is None:
+            continue
+        pools[original] = (node_id, parent)
+        if replacement not in routable:
+            waiting.add((node_id, parent))
+    for node_id, parent in set(pools.values()):
+        for shard in store.list_shards(node_id=node_id):
+            if (
+                shard.replica_id not in moves.moves
+                and shard.state != ShardState.STOPPING
+                and _parent(store, shard.replica_id) == parent
+            ):
+                waiting.add((node_id, parent))
+                break
+    return {o for o, where in pools.items() if where in waiting}
