@@ -196,10 +196,15 @@ class Moves:
         placed = self._place_replica(model)
         if placed is None:  # tried again each pass
             why = self.unplaceable.get(model.name)
-            self.gpu_blocked[shard.node_id] = (
-                f"cannot move {original} off a cordoned GPU: "
-                f"{why.reason if why is not None else 'no capacity'}"
-            )
+            reason = why.reason if why is not None else "no capacity"
+            pair = split_pool(model.name)
+            if pair and f"{pair[0]}'s pools (on {shard.node_id}) " in reason:
+                # A pair alone on its node without a fabric stays there; a drain moves it whole.
+                reason += (
+                    f" (its pair runs on {shard.node_id} alone: free a GPU there, or drain "
+                    f"{shard.node_id} to move the pair as a whole)"
+                )
+            self.gpu_blocked[shard.node_id] = f"cannot move {original} off a cordoned GPU: {reason}"
             return
         self.gpu_blocked.pop(shard.node_id, None)
         self.moves[original] = placed

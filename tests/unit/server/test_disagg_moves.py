@@ -124,3 +124,29 @@ def test_a_pool_replica_on_a_fabric_moves_beside_its_pair(cp: SchedulerRig) -> N
     scheduler.reconcile()
     assert len(cp.removed) == 1
     assert sorted(_pools(cp)) == ["n2", "n3"]
+
+
+def test_a_cordon_under_a_pair_alone_on_a_full_node_says_to_drain_it(cp: SchedulerRig) -> None:
+    join(cp, "n1", 2, None)
+    deploy(cp, prefill=(1, 1), decode=(1, 1))
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    _ready_all(cp)
+    join(cp, "n2", 2, None)  # room for the pair, but not for one replica alone
+    (prefill,) = cp.store.list_replicas("m#prefill")
+    (shard,) = cp.store.list_shards(replica_id=prefill.id)
+    cp.store.cordon_gpus("n1", list(shard.gpus), reason="fan", actor="alice")
+    scheduler.reconcile()
+    assert scheduler.moves == {}
+    blocked = scheduler.gpu_blocked["n1"]
+    assert blocked.startswith(f"cannot move {prefill.id} off a cordoned GPU: no node that shares")
+    assert blocked.endswith(
+        "(its pair runs on n1 alone: free a GPU there, or drain n1 to move the pair as a whole)"
+    )
+    # As told: the drain moves the pair, off the cordoned GPU with the rest.
+    cp.store.set_node_draining("n1", True)
+    scheduler.reconcile()
+    scheduler.reconcile()
+    _serve_new(cp, scheduler)
+    scheduler.reconcile()
+    assert _pools(cp) == ["n2", "n2"]
