@@ -17,6 +17,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from llmgw.contracts.catalog import profile_tasks
+from llmgw.contracts.disagg import ROLES
 from llmgw.errors import ConfigError, Conflict, LlmgwError, NotFound
 from llmgw.log import kv
 from llmgw.server.accounts.principals import principal_of
@@ -29,7 +30,7 @@ from llmgw.server.admin.models import (
     replica_rows,
     undeploy,
 )
-from llmgw.server.admin.pools import pools_of
+from llmgw.server.admin.pools import count_text, pools_of
 from llmgw.server.console.auth import form_of
 from llmgw.server.console.charts import Line, line_chart
 from llmgw.server.console.pages import RECENT_EVENTS, Pages, event_json, model_path
@@ -255,6 +256,11 @@ class ModelPages:
                 # A refused form keeps what the operator ticked (an unticked box sends nothing).
                 "prefetch": bool(form.get("prefetch")) if form else _prefetch_shown(model),
                 "profile": (form or {}).get("profile", ""),
+                # A disaggregated model's form: each pool's count or range.
+                **{
+                    role: (form or {}).get(role, _replicas_shown(pool))
+                    for role, pool in (model["pools"] or {}).items()
+                },
             },
         )
 
@@ -339,17 +345,12 @@ class ModelPages:
                 )
             undeploy(ctx, name, actor=actor)
             return f"model {name} is undeployed: its replicas are stopping", "/ui/models"
+        if action == "scale" and pools_of(ctx.store, name):
+            return self._scale_pools(name, form, actor), model_path(name)
         if action == "scale":
             replicas = _with_prefetch(_replicas_value(form.get("replicas", "")), form)
             if isinstance(replicas, dict):
-                # The form sets the range and prefetch; the rest of the policy (target,
-                # windows, priority, sleep) stays as the model has it.
-                kept = {
-                    k: v
-                    for k, v in (ctx.store.get_model(name).scaling or {}).items()
-                    if k not in ("min", "max", "prefetch")
-                }
-                replicas = {**kept, **replicas}
+                replicas = _keep_policy(ctx.store.get_model(name).scaling, replicas)
             model, _created = deploy(ctx, {"name": name, "replicas": replicas}, actor=actor)
             if isinstance(replicas, int):
                 return f"model {name}: {model.replicas} replica(s) wanted", model_path(name)
@@ -375,6 +376,48 @@ class ModelPages:
             "is ready",
             model_path(name),
         )
+
+    def _scale_pools(self, name: str, form: Mapping[str, str], actor: str) -> str:
+        """Scale a disaggregated model's pools from the page's Prefill and Decode fields
+        (either or both; each a count or MIN-MAX), as ``ctl deploy --prefill/--decode``
+        does and with its refusals; the flash message."""
+        ctx = self.ctx
+        given = {role: form.get(role, "").strip() for role in ROLES}
+        if not any(given.values()):
+            what = (
+                f"model {name} is disaggregated: its replicas are its prefill and decode "
+                "pools', scaled each on its own"
+                if form.get("replicas", "").strip()
+                else f"no count given for model {name}'s pools"
+            )
+            raise BadRequest(
+                f"{what}; give the Prefill and/or Decode field of its page a count, or "
+                "MIN-MAX (e.g. 1-4) to scale that pool by demand"
+            )
+        pools = pools_of(ctx.store, name)
+        wanted: dict[str, int | dict[str, Any]] = {}
+        for role, text in given.items():
+            if not text:
+                continue  # that pool keeps its count
+            try:
+                value = _replicas_value(text)
+            except BadRequest as exc:
+                raise BadRequest(f"the {role} pool's {exc}") from None
+            if isinstance(value, dict) and role in pools:
+                value = _keep_policy(pools[role].scaling, value)
+            wanted[role] = value
+        deploy(ctx, {"name": name, "pools": wanted}, actor=actor)
+        counts = ", ".join(
+            f"{role} {count_text(pool)}" for role, pool in pools_of(ctx.store, name).items()
+        )
+        return f"model {name}'s pools: {counts}"
+
+
+def _keep_policy(scaling: Mapping[str, Any] | None, wanted: dict[str, Any]) -> dict[str, Any]:
+    """The form's range (and prefetch) over the rest of the policy a model (or pool) has:
+    its target, windows, priority and sleep stay as ctl or the API set them."""
+    kept = {k: v for k, v in (scaling or {}).items() if k not in ("min", "max", "prefetch")}
+    return {**kept, **wanted}
 
 
 def _status(exc: Exception) -> int:

@@ -541,3 +541,66 @@ def test_a_disaggregated_model_shows_both_pools_and_their_replicas(
         (replica,) = store.list_replicas(f"pd#{role}")
         row = re.search(f'<tr data-replica="{replica.id}">.*?</tr>', live, re.S)
         assert row is not None and f'<td class="role">{role}</td>' in row.group(0)
+
+
+def test_a_disaggregated_models_page_scales_each_pool_with_the_same_refusals(
+    rig: ConsoleRig, store: Store
+) -> None:
+    """Its scale form has a field per pool (no Replicas field to dead-end on): a count or a
+    range each, either or both, as ``ctl deploy --prefill/--decode``; a range keeps the
+    rest of that pool's policy; each refusal shown on the page with the pools' form."""
+    split = {
+        "engine": "sim",
+        "gpus": 1,
+        "disaggregated": {"prefill": {"gpus": 1}, "decode": {"gpus": 1}},
+    }
+    store.put_catalog_model("pd", {"split": split})
+
+    async def scenario(b: Browser) -> tuple[str, list[tuple[int, str, str]]]:
+        await b.login()
+        await deploy(b, name="pd", profile="split")
+        store.set_scaling("pd#decode", {"min": 1, "max": 2, "priority": "high"}, replicas=1)
+        _, page, _ = await b.get("/ui/models/pd")
+        out = []
+        for fields in (
+            {"prefill": "2", "decode": "1-4"},
+            {"decode": "3"},
+            {"replicas": "3"},
+            {"prefill": "", "decode": ""},
+            {"prefill": "x"},
+            {"decode": "4-2"},
+        ):
+            status, body, resp = await b.post("/ui/models/pd/scale", {"csrf": b.csrf, **fields})
+            if status == 303:
+                assert resp.headers["Location"] == "/ui/models/pd"
+                _, body, _ = await b.get("/ui/models/pd")
+            out.append((status, flash_of(body), body))
+        return page, out
+
+    page, (both, one, replicas, empty, bad, backwards) = rig.run(scenario)
+    assert 'id="scale-replicas"' not in page and 'id="scale-prefetch"' not in page
+    assert re.search(r'id="scale-prefill" name="prefill"[^>]* value="1"', page)
+    assert re.search(r'id="scale-decode" name="decode"[^>]* value="1-2"', page)
+    assert both[:2] == (
+        303,
+        "info: model pd's pools: prefill 2, decode 1-4 by demand (8 in flight each, priority high)",
+    )
+    assert re.search(r'id="scale-decode" name="decode"[^>]* value="1-4"', both[2])
+    assert one[0] == 303 and one[1] == "info: model pd's pools: prefill 2, decode 3"
+    assert (store.get_model("pd#prefill").replicas, store.get_model("pd#decode").replicas) == (
+        2,
+        3,
+    )
+    assert store.get_model("pd").replicas == 0  # the model places nothing: its pools do
+    assert replicas[0] == 400 and "model pd is disaggregated" in replicas[1]
+    assert "Prefill and/or Decode field" in replicas[1]
+    assert 'id="scale-prefill"' in replicas[2]  # refused with the pools' form, not a dead end
+    assert empty[0] == 400 and "no count given for model pd's pools" in empty[1]
+    assert bad[0] == 400 and "the prefill pool's replicas must be a whole number" in bad[1]
+    assert re.search(r'id="scale-prefill" name="prefill"[^>]* value="x"', bad[2])  # kept
+    assert backwards[0] == 400 and "nothing done" in backwards[1]
+    assert "pools.decode" in backwards[1]
+    assert (store.get_model("pd#prefill").replicas, store.get_model("pd#decode").replicas) == (
+        2,
+        3,
+    )
