@@ -76,8 +76,9 @@ class Moves:
         store = self.store
         draining = store.list_draining_nodes()
         # Finish or abandon moves in progress.
-        routable = {ep.replica_id for ep in self.router.endpoints()}
-        held = _pairs_held(self, routable, {n.id for n in draining})
+        # Read only while something moves: the usual pass lists no endpoints.
+        routable = {ep.replica_id for ep in self.router.endpoints()} if self.moves else set()
+        held = _pairs_held(self, routable, {n.id for n in draining}) if self.moves else set()
         for original, replacement in list(self.moves.items()):
             try:
                 store.get_replica(original)
