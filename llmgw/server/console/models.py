@@ -1,8 +1,9 @@
 """The Models pages: the catalog (every model the control plane knows, each profile with its
 engine, tasks and what it needs), the deployed models with their ready and desired replicas
 and why the scheduler cannot place them, and a model's page with its replicas live; and
-their actions: deploy a catalog profile, scale, switch profile (a rolling replacement the
-scheduler does one replica at a time), undeploy.
+their actions: deploy a catalog profile, scale (a disaggregated model: each of its pools,
+as ``ctl deploy --prefill/--decode``), switch profile (a rolling replacement the scheduler
+does one replica at a time), undeploy.
 
 What is shown and done is the admin API's own code (:mod:`llmgw.server.admin.models`); a
 refusal comes back as the page again with what is wrong and the operator's input kept."""
