@@ -1,7 +1,8 @@
 """The console's Models and API keys pages in Debian's Chromium against a real control plane
 with a real agent (the fake nvidia-smi's GPU): an operator deploys a sim model from the
 catalog and watches its replica become ready without a reload, switches its profile (a
-rolling replacement), scales it and undeploys it through a dialog naming it; creates an API
+rolling replacement), scales it and undeploys it through a dialog naming it; scales a
+disaggregated model's pools each from its own field (a refusal kept in the form); creates an API
 key in the page (a bad policy value refused in the form first), copies its secret with the
 copy button, uses it with the official ``openai`` client against the gateway, and revokes
 it, after which the client is refused. A viewer sees no form and its POST is refused. Each
@@ -47,7 +48,18 @@ CATALOG = {
                 "small": {"engine": "sim"},
                 "fast": {"engine": "sim", "params": {"tps": "500"}},
             }
-        }
+        },
+        "sim-split": {
+            "profiles": {
+                "split": {
+                    "engine": "sim",
+                    "disaggregated": {
+                        "prefill": {"gpus": 0, "replicas": 1},
+                        "decode": {"gpus": 0, "replicas": 1},
+                    },
+                }
+            }
+        },
     }
 }
 SERVED = "echo"  # deployed by the fixture: what the keys are used with
@@ -195,6 +207,36 @@ def test_deploy_from_the_catalog_switch_profile_scale_and_undeploy(
     assert {e["actor"] for e in events if e["kind"] in ("model_deployed", "model_undeployed")} == {
         ADMIN.name
     }
+
+
+def test_a_disaggregated_models_page_scales_each_pool(
+    new_context: Callable[..., BrowserContext], fleet: Fleet, screenshot: Shots
+) -> None:
+    fleet.server.api("POST", "/api/models", {"name": "sim-split", "profile": "split"})
+    try:
+        page = signed_in(new_context, fleet, ADMIN, "/ui/models/sim-split")
+        # A field per pool, each showing its count; no Replicas field the API would refuse.
+        expect(page.locator("#scale-replicas")).to_have_count(0)
+        expect(page.locator("#scale-prefill")).to_have_value("1")
+        expect(page.locator("#scale-decode")).to_have_value("1")
+        checked(page, screenshot, "model-pools", "a disaggregated model's page")
+        page.fill("#scale-decode", "2")
+        page.click("#button-scale")
+        expect(page.locator("#flash")).to_have_text("model sim-split's pools: prefill 1, decode 2")
+        expect(page.locator("#model-pool-decode")).to_contain_text("/ 2 ready")
+        expect(page.locator("#scale-decode")).to_have_value("2")
+        # Refused by the API as ctl's --prefill would be: said on the page, the input kept.
+        page.fill("#scale-prefill", "5-2")
+        page.click("#button-scale")
+        expect(page.locator("#problem")).to_contain_text("nothing done: ")
+        expect(page.locator("#problem")).to_contain_text("pools.prefill")
+        expect(page.locator("#scale-prefill")).to_have_value("5-2")
+        pools = next(
+            m["pools"] for m in fleet.server.api("GET", "/api/models") if m["name"] == "sim-split"
+        )
+        assert (pools["prefill"]["replicas"], pools["decode"]["replicas"]) == (1, 2)
+    finally:
+        fleet.server.api("DELETE", "/api/models/sim-split")
 
 
 def test_a_deploy_refused_says_why_in_the_form(

@@ -579,6 +579,10 @@ def test_a_disaggregated_models_page_scales_each_pool_with_the_same_refusals(
 
     page, (both, one, replicas, empty, bad, backwards) = rig.run(scenario)
     assert 'id="scale-replicas"' not in page and 'id="scale-prefetch"' not in page
+    # Its own count is 0 (it places nothing): the undeploy dialog names its pools instead.
+    assert 'data-confirm="Undeploy model pd? The replicas of its prefill and decode pools stop' in (
+        page
+    )
     assert re.search(r'id="scale-prefill" name="prefill"[^>]* value="1"', page)
     assert re.search(r'id="scale-decode" name="decode"[^>]* value="1-2"', page)
     assert both[:2] == (
