@@ -47,13 +47,15 @@ from llmgw.server.fleet.meeting import (
     host_of,
 )
 from llmgw.server.fleet.moves import Moves
-from llmgw.server.fleet.pairing import PoolRoom, named_part, pool_room
+from llmgw.server.fleet.pairing import PoolRoom, pool_room
 from llmgw.server.fleet.placement import Allocation, Cluster, GpuView, NodeView, degraded_refusal
 from llmgw.server.fleet.placement import Profile as PlacementProfile
 from llmgw.server.fleet.placement import Unplaceable as PlacementUnplaceable
 from llmgw.server.fleet.retiring import Retirements
 from llmgw.server.fleet.sleeps import Sleeps
 from llmgw.server.fleet.stream import NodeSession
+from llmgw.server.fleet.trials import Trials
+from llmgw.server.fleet.trials import placement_of as _wanted
 from llmgw.server.gateway.routing import Router
 from llmgw.server.store import Model, Node, Shard, Store
 from llmgw.server.store.states import NodeState, ReplicaState, ShardState
@@ -80,25 +82,13 @@ class Unplaceable:
     since: float
 
 
-def _wanted(profile: CatalogProfile) -> PlacementProfile:
-    """What placement is asked for a replica of ``profile``."""
-    return PlacementProfile(
-        engine=profile.engine,
-        gpus=profile.gpus,
-        nodes=profile.nodes,
-        gpu_memory_mib=profile.gpu_memory_mib or 0,
-        source=profile.source_spec,
-        host_memory_mib=profile.host_memory_mib or 0,
-    )
-
-
 class _NoRoom(Exception):
     def __init__(self, why: PlacementUnplaceable) -> None:
         super().__init__(why.summary())
         self.why = why
 
 
-class Scheduler(Moves):
+class Scheduler(Moves, Trials):
     def __init__(
         self,
         store: Store,
@@ -538,67 +528,9 @@ class Scheduler(Moves):
             cluster.sleeper_gone(sleeper.node_id, sleeper.mib)
         return bool(plan)
 
-    def refusals_on(self, node_id: str) -> list[tuple[str, str]]:
-        """Why ``node_id`` takes no replica of each model waiting for room (those in
-        :attr:`unplaceable`), as placement answers now: (model, the node's own line of the
-        refusal), in model order. A model that would fit now is left out (the next pass
-        places it), as is one whose refusal has no line for this node (a source headline, a
-        fabric's count). Read only: a view of its own, nothing recorded."""
-        if not self.unplaceable:
-            return []
-        cluster = self._cluster()
-        prefix = f"{node_id}: "
-        out = []
-        for name in sorted(self.unplaceable):
-            try:
-                model = self.store.get_model(name)
-                profile = self._profile(model)
-            except (NotFound, ConfigError):
-                continue  # undeployed since, or a profile the pass refuses on its own
-            wanted = _wanted(profile)
-            room = pool_room(self.store, cluster, model, wanted, profile.placement, self._ask)
-            if isinstance(room, str):  # a pair with no home: the node's part of why
-                part = named_part(room, node_id)
-                if part is not None:
-                    out.append((name, part))
-                continue
-            room = room or PoolRoom(frozenset())
-            if node_id in room.avoid:
-                out.append((name, room.node_line(name)))
-                continue
-            result = cluster.place(wanted, strategy=profile.placement, avoid=room.avoid)
-            if not isinstance(result, PlacementUnplaceable):
-                cluster.release(result.replica_id)  # the next model asks the same view
-                continue
-            line = next((r for r in result.reasons if r.startswith(prefix)), None)
-            if line is not None:
-                out.append((name, line[len(prefix) :]))
-        return out
-
     def _placeable(self, model: str) -> None:
         """Nothing of ``model`` waits for room (now)."""
         self.unplaceable.pop(model, None)
-
-    def fits_without(self, model: Model, replica_ids: Set[str]) -> bool:
-        """Whether a replica of ``model`` would be placed were ``replica_ids`` gone: asked of
-        a view of its own, a pool only where its pair may go, nothing recorded (preemption's
-        trial)."""
-        try:
-            profile = self._profile(model)
-        except ConfigError:
-            return False
-        cluster = self._cluster()
-        for replica_id in replica_ids:
-            cluster.release(replica_id)
-        wanted = _wanted(profile)
-        room = pool_room(
-            self.store, cluster, model, wanted, profile.placement, self._ask, replica_ids
-        )
-        if isinstance(room, str):
-            return False
-        avoid = room.avoid if room is not None else frozenset()
-        result = cluster.place(wanted, strategy=profile.placement, avoid=avoid)
-        return not isinstance(result, PlacementUnplaceable)
 
     def _note_unplaceable(self, model: str, reason: str) -> None:
         self.on_unplaceable(model)
