@@ -6,11 +6,12 @@ fleet without disaggregated models never comes here.
 
 Every trial of placement asks it the same way (one rule): a replica placed, a drain's or a
 cordon's replacement, preemption's trial (the victim counted gone), the sleepers retired for
-room, and the console's reasons per node (:mod:`llmgw.server.fleet.trials`). The replicas that are leaving do not hold the pair
-where it is: those retiring (stopping), those on a draining node and those a trial counts
-gone. So a drain of the one node that hosts both pools moves the pair as a whole: with none
-of its replicas staying, the first replacement goes where both pools have room for all they
-run (:func:`~llmgw.server.fleet.placement.pairs.pair_home`), and each next one beside it.
+room, and the console's reasons per node (:mod:`llmgw.server.fleet.trials`). The replicas
+that are leaving do not hold the pair where it is: those retiring (stopping), those on a
+draining node and those a trial counts gone. So a drain of the one node that hosts both
+pools moves the pair as a whole: with none of its replicas staying, the first replacement
+goes where both pools have room for all they run
+(:func:`~llmgw.server.fleet.placement.pairs.pair_home`), and each next one beside it.
 """
 
 from __future__ import annotations
