@@ -10,7 +10,10 @@ load). A replica whose GPUs another replica took while it slept takes them back 
 priority: the occupant is put to sleep if it is idle and can, else retired (drained), and
 the wake follows once its GPUs are free; from an equal or higher priority it does not: the
 asleep replica is retired instead, and the scheduler places the model's replica where there
-is room (or a lower priority gives way: :mod:`llmgw.server.fleet.preemption`).
+is room (or a lower priority gives way: :mod:`llmgw.server.fleet.preemption`). A
+disaggregated model's pool replica wakes only where its pair may use it (the sibling pool
+may have moved while it slept): else it is retired, and the scheduler places one beside the
+pair.
 
 A level-1 sleeper keeps its weights in its node's memory: the sleepers of a node hold at
 most :data:`HOST_SHARE` of it. What a replica will hold asleep is what its model's sleepers
@@ -217,6 +220,17 @@ class Dozing:
         try:
             (shard,) = [s for s in store.list_shards(replica_id=replica.id) if s.rank == 0]
         except ValueError:
+            return
+        # A pool's sleeper wakes only beside its pair (which may have moved meanwhile);
+        # else it gives its place up and the scheduler places one beside the pair.
+        unpaired = self.scheduler.unpaired(model, replica.id, shard.node_id)
+        if unpaired:
+            self.making_room.pop(replica.id, None)
+            self.scheduler.retirements.retire(
+                replica.id,
+                why=f"cannot wake on {shard.node_id}: it {unpaired}; the scheduler places "
+                f"a replica of {model.name} beside its pair",
+            )
             return
         giving = self.making_room.get(replica.id)
         occupants = self._occupants(shard)

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Set
 from typing import Protocol
 
 from llmgw.contracts.catalog import Profile as CatalogProfile
+from llmgw.contracts.disagg import split_pool
 from llmgw.errors import ConfigError, NotFound
 from llmgw.server.fleet.pairing import PoolRoom, named_part, pool_room
 from llmgw.server.fleet.placement import Cluster
@@ -111,3 +112,22 @@ class Trials:
         avoid = room.avoid if room is not None else frozenset()
         result = cluster.place(wanted, strategy=profile.placement, avoid=avoid)
         return not isinstance(result, PlacementUnplaceable)
+
+    def unpaired(self: _Trying, model: Model, replica_id: str, node_id: str) -> str:
+        """Why ``replica_id`` of the pool ``model`` may not serve on ``node_id`` now that its
+        pair runs elsewhere (a sleeper's wake: its pair may have moved, or its node left
+        the pair's fabric, while it slept); '' when it may (or ``model`` is no pool)."""
+        if split_pool(model.name) is None:
+            return ""  # no pool: no view built for an ordinary model's wake
+        try:
+            profile = self._profile(model)
+        except ConfigError:
+            return ""
+        cluster = self._cluster()
+        wanted = placement_of(profile)
+        room = pool_room(
+            self.store, cluster, model, wanted, profile.placement, self._ask, {replica_id}
+        )
+        if not isinstance(room, PoolRoom) or not room.near or node_id not in room.avoid:
+            return ""  # no pool, or nothing of its pair stays elsewhere: it may wake there
+        return room.node_line(model.name)

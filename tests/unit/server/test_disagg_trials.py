@@ -1,7 +1,7 @@
 """The pairing rule in every trial of placement, not just the placement itself: preemption
 gives way only where the freed GPUs are on the pair's fabric, sleepers are retired for a pool
 replica only on a node its pair may use, and the console's reasons per node say a node off
-the pair's fabric is off it."""
+the pair's fabric is off it; a pool's sleeper wakes only beside its pair."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 
 from llmgw.contracts.scaling import ScalingPolicy
+from llmgw.server.fleet.dozing import Dozing
 from llmgw.server.fleet.preemption import Preemption
 from llmgw.server.gateway.capacity import Demand
 from llmgw.server.store.states import ReplicaState, ShardState
 from tests.unit.server.disagg_rig import GIB, deploy, join, nodes_of
-from tests.unit.server.scheduler_rig import SchedulerRig, set_state
+from tests.unit.server.scheduler_rig import SchedulerRig, orders, set_state
 
 LOW = ScalingPolicy(min=0, max=4, priority="low")
 HIGH = ScalingPolicy(min=1, max=4, priority="high")
@@ -126,3 +127,31 @@ def test_a_pair_with_no_home_gives_each_node_its_part(cp: SchedulerRig) -> None:
         ("m#decode", "room for 1 of 1 decode, 0 of 1 prefill"),
         ("m#prefill", "room for 1 of 1 prefill, 0 of 1 decode"),
     ]
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_a_pool_sleeper_wakes_only_beside_its_pair(cp: SchedulerRig, moved: bool) -> None:
+    join(cp, "n1", 1, "ib-a")
+    join(cp, "n2", 1, "ib-a")
+    deploy(cp, prefill=(1, 1), decode=(1, 1), sleep={"level": 1})
+    policy = ScalingPolicy(min=0, max=1, sleep_after=60)
+    cp.store.set_scaling("m#decode", policy.to_json(), replicas=1)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    _serve_pools(cp)
+    (decode,) = cp.store.list_replicas("m#decode")
+    (shard,) = cp.store.list_shards(replica_id=decode.id)
+    set_state(cp, decode.id, ShardState.ASLEEP)
+    if moved:
+        # While it slept its node was moved to another fabric: the prefill cannot reach it.
+        join(cp, shard.node_id, 1, "ib-b")
+    orders(cp)
+    Dozing(scheduler).step({"m#decode": 1})
+    sent = [kind for kind, _ in orders(cp)]
+    state = cp.store.get_replica(decode.id).state
+    if moved:
+        assert "wake_shard" not in sent and state == ReplicaState.STOPPING
+        why = f"cannot wake on {shard.node_id}: it shares no fabric with the replicas of m's"
+        assert any(why in e.message for e in cp.store.list_events()), cp.store.list_events()
+    else:
+        assert sent == ["wake_shard"] and state == ReplicaState.WAKING
