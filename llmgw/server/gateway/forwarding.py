@@ -164,6 +164,8 @@ class Forwarder:
         try:
             upstream = await self._send(req, ep, outcome)
             try:
+                if req.on_head is not None:  # a decode's watch for its first token
+                    await req.on_head(upstream)
                 status = outcome.engine_status = upstream.status
                 headers = charge.rate_headers()
                 if req.stream and upstream.content_type == "text/event-stream":
@@ -214,6 +216,34 @@ class Forwarder:
                 metrics.latency.observe(labels, time.perf_counter() - req.started)
                 if self.history is not None:
                     self.history.record(ep.model, ttft=ttft, error=status >= 500)
+
+    async def fetch(self, req: ModelRequest, ep: Endpoint, outcome: Outcome) -> tuple[int, bytes]:
+        """``req`` sent to ``ep`` and its answer read whole for the gateway itself, not
+        relayed (a disaggregated model's prefill): its status and body, its usage counted into
+        ``outcome`` and the pool's metrics. :class:`ConnectFailed` when the replica did not
+        take it; :class:`~llmgw.http.errors.UpstreamError` when it failed answering."""
+        labels = (ep.model, ep.replica_id)
+        metrics = self.metrics
+        metrics.inflight.inc(labels)
+        status = 0
+        try:
+            upstream = await self._send(req, ep, outcome)
+            try:
+                status = upstream.status
+                body = await upstream.read()
+            finally:
+                upstream.release()
+            if status < 400:
+                self._count_body_tokens(ep, body, outcome)
+            return status, body
+        except UpstreamError:
+            status = 502
+            raise
+        finally:
+            metrics.inflight.dec(labels)
+            if status:
+                metrics.requests.inc((ep.model, ep.replica_id, str(status)))
+                metrics.latency.observe(labels, time.perf_counter() - req.started)
 
     async def _send(self, req: ModelRequest, ep: Endpoint, outcome: Outcome) -> UpstreamResponse:
         """The agent's answer to ``req``'s POST, its status and headers read."""
