@@ -16,6 +16,8 @@ import openai
 import pytest
 from aiohttp import web
 
+from llmgw.contracts.catalog import Routing
+from llmgw.contracts.disagg import pool_profile
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.server.common.config import load_server_config
@@ -24,6 +26,7 @@ from llmgw.server.gateway.disagg import prefill_body
 from llmgw.server.gateway.gateway import Gateway
 from llmgw.server.gateway.routing import Endpoint, Router
 from llmgw.server.gateway.serving import Handover, ServedModel
+from llmgw.server.store.rows import Model
 from tests.unit.gateway_rig import gateway_of, serving_of
 from tests.unit.server.disagg_rig import Engines, Replica, fixture, words
 from tests.unit.server.fakes import api_key
@@ -63,6 +66,7 @@ def run(
     transfer_timeout: float = 5.0,
     prefill_cold: float | None = None,
     transfer_addr: str = TRANSFER_ADDR,
+    routing: Routing = Routing.LEAST_OUTSTANDING,
     fails: dict[str, list[str]] | None = None,
 ) -> None:
     async def main() -> None:
@@ -89,7 +93,7 @@ def run(
             paths = served_paths(engine, ("generate",))
             handover = Handover("m#prefill", "m#decode", protocol, transfer_timeout)
             models = [
-                ServedModel("m", engine, ("generate",), paths, 8, None, handover=handover),
+                ServedModel("m", engine, ("generate",), paths, 8, None, routing, handover=handover),
                 ServedModel(
                     "m#prefill",
                     engine,
@@ -97,6 +101,7 @@ def run(
                     paths,
                     8,
                     None,
+                    routing,
                     cold_start_timeout=prefill_cold,
                 ),
                 ServedModel("m#decode", engine, ("generate",), paths, 8, None),
@@ -255,6 +260,72 @@ def test_decode_replicas_are_chosen_by_the_tokens_they_are_generating() -> None:
         assert rig.metrics.decoding_tokens.values[("m#decode", "d1")] == 0
 
     run(body)
+
+
+def test_prefill_replicas_are_chosen_by_the_prefix_they_hold_in_the_pools_own_index() -> None:
+    long = [{"role": "system", "content": "You answer about rivers. " * 40}]
+
+    async def body(rig: Rig) -> None:
+        for turn in ("Nile?", "Amazon?", "Danube?"):
+            await rig.client.chat.completions.create(
+                model="m", messages=[*long, {"role": "user", "content": turn}], max_tokens=2
+            )
+        # All three to the replica that computed the shared prefix first, by the prefill
+        # pool's own index (its replicas are registered under the pool's name).
+        shards = [len(rig.replica(s).got) for s in ("p0", "p1")]
+        assert sorted(shards) == [0, 3]
+        indexed = {model for model, _ in rig.gateway.router.prefixes.index_sizes()}
+        assert indexed == {"m#prefill"}
+
+    run(body, routing=Routing.PREFIX_APPROX)
+
+
+def test_a_stored_disaggregated_model_is_served_by_its_pools() -> None:
+    profile = {
+        "engine": "vllm",
+        "routing": "kv-events",
+        "disaggregated": {
+            "prefill": {"gpus": 1, "replicas": 1},
+            "decode": {"gpus": 1, "replicas": 2},
+            "transfer_timeout": "12s",
+        },
+    }
+    model = Model("m", "vllm", {}, 0, 0.0, 0.0, profiles={"p": profile}, profile="p")
+    served = ServedModel.of(model)
+    assert served.handover == Handover("m#prefill", "m#decode", "vllm", 12.0)
+    assert not served.is_pool
+    prefill = ServedModel.of(
+        Model(
+            "m#prefill",
+            "vllm",
+            {},
+            1,
+            0.0,
+            0.0,
+            profiles={"p": pool_profile(profile, "prefill")},
+            profile="p",
+        )
+    )
+    assert prefill.is_pool and prefill.handover is None
+    assert prefill.routing == Routing.KV_EVENTS  # the prefix cache is the prefill pool's
+    sglang = ServedModel.of(
+        Model(
+            "s",
+            "sglang",
+            {},
+            0,
+            0.0,
+            0.0,
+            profiles={"p": {**profile, "engine": "sglang"}},
+            profile="p",
+        )
+    )
+    assert sglang.handover is not None and sglang.handover.protocol == "sglang"
+    # An ordinary model has none.
+    plain = ServedModel.of(
+        Model("o", "vllm", {}, 1, 0.0, 0.0, profiles={"p": {"engine": "vllm"}}, profile="p")
+    )
+    assert plain.handover is None and not plain.is_pool
 
 
 # -- the pools are never a client's -------------------------------------------------------------
