@@ -380,8 +380,8 @@ class Metrics:
         self.disagg_requests = Counter(
             "llmgw_disagg_requests_total",
             "Requests to disaggregated models by outcome: handed_over (prefilled on the "
-            "prefill pool, decoded on the decode pool) or fallback (run whole on a decode "
-            "replica).",
+            "prefill pool, decoded on the decode pool), failed (prefilled, the decode "
+            "refused or failed) or fallback (run whole on a decode replica).",
             ("model", "outcome"),
         )
         self.disagg_fallbacks = Counter(

@@ -369,6 +369,7 @@ class Disagg:
                 {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room()},
             )
             prefill = asyncio.ensure_future(self._sglang_prefill(replace(base, body=body), ep))
+            prefill.add_done_callback(_failure)  # its failure read, whoever reads it first
             watch = None
             if req.stream:
                 watch = _FirstToken(
@@ -443,7 +444,9 @@ class Disagg:
     def _handed_over(
         self, req: ModelRequest, charge: Charge, answer: web.StreamResponse, cached: int
     ) -> web.StreamResponse:
-        self.metrics.disagg_requests.inc((req.model, "handed_over"))
+        """The decode's ``answer``, the prefill's ``cached`` tokens written into its usage."""
+        ended = "handed_over" if answer.status < 400 else "failed"
+        self.metrics.disagg_requests.inc((req.model, ended))
         outcome = charge.outcome
         if cached and outcome.reported:
             outcome.cached = min(cached, outcome.prompt) if outcome.prompt else cached

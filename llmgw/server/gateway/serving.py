@@ -115,7 +115,9 @@ def _handover(name: str, engine: str, profile: Mapping[str, Any]) -> Handover | 
     try:
         disagg = parse_disaggregated(raw, key="disaggregated", engine=engine)
     except ConfigError:
-        return None  # stored by an llmgw that read it otherwise: its pools are still served
+        # Stored by an llmgw that read it otherwise: served as a model of its own, which has
+        # no replicas (its requests are refused as having none, not sent to a pool blindly).
+        return None
     return Handover(
         prefill=pool_name(name, "prefill"),
         decode=pool_name(name, "decode"),

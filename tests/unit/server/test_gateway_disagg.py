@@ -433,6 +433,16 @@ def test_a_decode_failing_before_its_first_byte_is_sent_whole_to_another(mode: s
     run(body, fails={"d0": [mode]}, decode=2)
 
 
+def test_a_decodes_error_is_the_clients_answer_and_counted_failed() -> None:
+    async def body(rig: Rig) -> None:
+        with pytest.raises(openai.InternalServerError):
+            await chat(rig)
+        assert rig.counted("disagg_requests") == {("m", "failed"): 1}
+        assert rig.counted("key_requests") == {("alice", "m", "500"): 1}
+
+    run(body, decode=1, fails={"d0": ["500"]})
+
+
 def test_a_decode_stream_broken_after_its_first_tokens_is_resumed_on_another() -> None:
     async def body(rig: Rig) -> None:
         rig.gateway.router.endpoints("m#decode")[1].decoding = 100  # d0 first
