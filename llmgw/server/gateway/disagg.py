@@ -24,7 +24,10 @@ prefill replica, at most :data:`MAX_PREFILL_TRIES` in all; with no prefill repli
 pool at zero while it scales up, every one tried failed) or none free within queue_timeout,
 the request runs whole on a decode replica (the aggregated fallback); so does a streamed
 decode whose first token does not come within the profile's ``transfer_timeout`` (the
-transfer never completed: the decode is cancelled). A prefill's 4xx is the request's own
+transfer never completed: the decode is cancelled). A non-streamed decode shows no first
+token before its whole answer: a transfer that fails under it is the engine's to recompute
+(vLLM's and the sim's kv_load_failure_policy), one that hangs ends at upstream_idle_timeout
+and is sent again whole to another decode replica. A prefill's 4xx is the request's own
 fault: the client gets it. Each fallback is counted (``llmgw_disagg_fallbacks_total``) and
 logged with the request's id.
 
