@@ -27,8 +27,8 @@ decode whose first token does not come within the profile's ``transfer_timeout``
 transfer never completed: the decode is cancelled). A non-streamed decode shows no first
 token before its whole answer: a transfer that fails under it is the engine's to recompute
 (vLLM's and the sim's kv_load_failure_policy), one that hangs ends at upstream_idle_timeout
-and is sent again whole to another decode replica. A prefill's 4xx is the request's own
-fault: the client gets it. Each fallback is counted (``llmgw_disagg_fallbacks_total``) and
+and is sent again whole to another decode replica, if one is ready. A prefill's 4xx is the
+request's own fault: the client gets it. Each fallback is counted (``llmgw_disagg_fallbacks_total``) and
 logged with the request's id.
 
 The client sees one ordinary answer: the decode's, whose usage counts the prompt once and
