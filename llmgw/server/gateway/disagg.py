@@ -33,7 +33,7 @@ logged with the request's id.
 
 The client sees one ordinary answer: the decode's, whose usage counts the prompt once and
 the decode's completion; the key is charged once, with the prefill's cached tokens as the
-prompt's cached (written into a non-streamed answer's ``prompt_tokens_details``).
+prompt's cached, in the answer's ``prompt_tokens_details`` (streamed or not).
 """
 
 from __future__ import annotations
@@ -265,6 +265,7 @@ class Disagg:
         decode = self._decode_request(
             req, charge, handover, _with(req.body, {"kv_transfer_params": prefilled.params})
         )
+        decode = replace(decode, cached=prefilled.cached)
         try:
             answer = await self.gw._route(replace(decode, on_head=watch), charge)
         except TransferTimeout as exc:
@@ -410,7 +411,7 @@ class Disagg:
             with contextlib.suppress(Exception):
                 await asyncio.wait({prefill}, timeout=handover.transfer_timeout)
             prefill.cancel()
-            return self._handed_over(req, charge, answer, 0)
+            return self._handed_over(req, charge, answer, None)
         return await self._whole(req, charge, handover, "no_prefill", rid)
 
     async def _sglang_prefill(self, preq: ModelRequest, ep: Endpoint) -> float:
@@ -445,16 +446,15 @@ class Disagg:
         )
 
     def _handed_over(
-        self, req: ModelRequest, charge: Charge, answer: web.StreamResponse, cached: int
+        self, req: ModelRequest, charge: Charge, answer: web.StreamResponse, cached: int | None
     ) -> web.StreamResponse:
-        """The decode's ``answer``, the prefill's ``cached`` tokens written into its usage."""
+        """The decode's ``answer``; the key charged the prefill's ``cached`` tokens (None:
+        the decode's own), as the client's usage says (ModelRequest.cached)."""
         ended = "handed_over" if answer.status < 400 else "failed"
         self.metrics.disagg_requests.inc((req.model, ended))
         outcome = charge.outcome
-        if cached and outcome.reported:
+        if cached is not None and outcome.reported:
             outcome.cached = min(cached, outcome.prompt) if outcome.prompt else cached
-            if isinstance(answer, web.Response) and answer.status == 200:
-                _write_cached(answer, outcome.cached)
         return answer
 
     async def _whole(
@@ -506,23 +506,3 @@ def _kv_params(body: bytes) -> dict[str, Any] | None:
         if isinstance(params, dict) and params:
             return params
     return None
-
-
-def _write_cached(answer: web.Response, cached: int) -> None:
-    """A non-streamed answer's usage says the prompt tokens the prefill's cache held."""
-    body = answer.body
-    if not isinstance(body, bytes):
-        return
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        return
-    usage = payload.get("usage") if isinstance(payload, dict) else None
-    if not isinstance(usage, dict):
-        return
-    details = usage.get("prompt_tokens_details")
-    usage["prompt_tokens_details"] = {
-        **(details if isinstance(details, dict) else {}),
-        "cached_tokens": cached,
-    }
-    answer.body = _dumps(payload)

@@ -59,6 +59,9 @@ class ModelRequest:
     whole: bytes | None = None
     on_head: Callable[[UpstreamResponse], Awaitable[None]] | None = None
     decoding: int = 0
+    # The prompt tokens the client's usage says were cached (a disaggregated model's: its
+    # prefill's prefix cache); None: what the engine says.
+    cached: int | None = None
 
 
 class Charge:

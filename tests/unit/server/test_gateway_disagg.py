@@ -209,6 +209,9 @@ def test_a_streamed_chat_is_relayed_from_the_decode_with_one_usage() -> None:
         got, usage = await chat_stream(rig)
         assert got == text(8)
         assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (12, 8)
+        # The prefill's cached tokens in the stream's usage chunk too (the decode said 0).
+        assert usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens == 8
         (prefilled,) = rig.sent("prefill")
         (decoded,) = rig.sent("decode")
         assert prefilled["stream"] is False and prefilled["max_tokens"] == 1
