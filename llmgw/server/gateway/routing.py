@@ -157,8 +157,8 @@ class Router:
         """The ready replica with the fewest output tokens to generate
         (:attr:`Endpoint.decoding`: a decode pool's; 0 elsewhere), then the fewest requests in
         flight, fewer than ``limit`` (None: any), not among ``exclude``; ties rotate. With a
-        ``hint``, the one its policy
-        chooses among those (:meth:`RoutingPolicies.choose`, which charges the choice)."""
+        ``hint``, the one its policy chooses among those (:meth:`RoutingPolicies.choose`,
+        which charges the choice)."""
         eps = self._by_model.get(model)
         if not eps:
             return None
@@ -191,11 +191,7 @@ class Router:
         self._tiebreak[model] = turn + 1
         level = (best.decoding, best.inflight)
         tied = [
-            ep
-            for ep in eps
-            if (ep.decoding, ep.inflight) == level
-            and ep.shard_id not in exclude
-            and (limit is None or ep.inflight < limit)
+            ep for ep in eps if (ep.decoding, ep.inflight) == level and ep.shard_id not in exclude
         ]
         return tied[turn % len(tied)]
 
