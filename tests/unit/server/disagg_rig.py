@@ -1,5 +1,5 @@
 """Stand-in engines of a disaggregated model for the gateway's hand-over tests: small aiohttp
-apps behind one stand-in data plane (``/s/{shard}/v1/...``) that answer as vLLM's (with its
+apps behind one stand-in data plane (``/s/{shard}/...``) that answer as vLLM's (with its
 NixlConnector) and SGLang's servers do in each role, with the bodies recorded in
 ``tests/fixtures/disagg`` (its README says where each came from).
 
@@ -61,7 +61,7 @@ class Engines:
 
     def app(self) -> web.Application:
         app = web.Application()
-        app.router.add_post("/s/{shard}/v1/{path:.+}", self.handle)
+        app.router.add_post("/s/{shard}/{path:.+}", self.handle)
         return app
 
     def room(self, room: int) -> asyncio.Event:
@@ -87,7 +87,9 @@ class Engines:
         if mode in ("500", "400"):
             error = {"message": f"the stand-in answered {mode}", "type": "x", "code": int(mode)}
             return web.json_response({"error": error}, status=int(mode))
-        chat = path == "chat/completions"
+        if path == "tokenize":  # vLLM's /tokenize: an endpoint no hand-over is made for
+            return web.json_response({"count": 3, "max_model_len": 4096, "tokens": [1, 2, 3]})
+        chat = path == "v1/chat/completions"
         params = body.get("kv_transfer_params") or {}
         if self.protocol == "vllm" and params.get("do_remote_decode"):
             return web.json_response(_prefill_answer(chat))

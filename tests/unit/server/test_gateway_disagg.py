@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from aiohttp import web
@@ -68,6 +69,7 @@ def run(
     transfer_addr: str = TRANSFER_ADDR,
     routing: Routing = Routing.LEAST_OUTSTANDING,
     fails: dict[str, list[str]] | None = None,
+    queue_timeout: float = 2.0,
 ) -> None:
     async def main() -> None:
         replicas = [Replica(f"p{i}", "prefill") for i in range(prefill)]
@@ -76,7 +78,9 @@ def run(
             r.fails = list((fails or {}).get(r.shard, []))
         engines = Engines(protocol, replicas)
         async with serving(engines.app()) as dp_port:
-            cfg = dataclasses.replace(load_server_config(None), replica_wait=0.0, queue_timeout=2)
+            cfg = dataclasses.replace(
+                load_server_config(None), replica_wait=0.0, queue_timeout=queue_timeout
+            )
             router = Router()
             for r in replicas:
                 router.set_ready(
@@ -394,6 +398,39 @@ def test_no_prefill_replica_ready_runs_whole_and_wakes_the_pool() -> None:
         assert rig.gateway.capacity.waiting("m#prefill") == 1
 
     run(body, prefill=0, prefill_cold=30.0)
+
+
+def test_prefill_replicas_all_full_past_queue_timeout_run_whole() -> None:
+    async def body(rig: Rig) -> None:
+        for ep in rig.gateway.router.endpoints("m#prefill"):
+            ep.inflight = 8  # every place taken (max_concurrency 8)
+        answer = await chat(rig)
+        assert answer.choices[0].message.content == text(8)
+        assert not rig.sent("prefill")
+        (decoded,) = rig.sent("decode")
+        assert "kv_transfer_params" not in decoded
+        assert rig.counted("disagg_fallbacks") == {("m", "prefill_busy"): 1}
+
+    run(body, queue_timeout=0.3)
+
+
+def test_an_endpoint_without_hand_over_runs_whole_on_a_decode_replica() -> None:
+    async def body(rig: Rig) -> None:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                f"http://127.0.0.1:{rig.port}/tokenize",
+                json={"model": "m", "prompt": "Rivers"},
+                headers={"Authorization": "Bearer sk-alice"},
+            ) as resp,
+        ):
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["tokens"] == [1, 2, 3]
+        assert not rig.sent("prefill")
+        assert len(rig.sent("decode")) == 1
+        assert rig.counted("disagg_fallbacks") == {("m", "endpoint"): 1}
+
+    run(body)
 
 
 def test_a_prefills_refusal_is_the_clients_answer() -> None:
