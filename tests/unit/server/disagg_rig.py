@@ -44,7 +44,7 @@ class Replica:
     # How its next requests fail, one mode each: refuse (its agent says it never passed it
     # on), reset (the connection cut before an answer), engine (its agent's 502: the engine
     # failed mid-answer), 500, 400, hang (a stream's status
-    # line, then nothing: a transfer that never completes), break (a stream cut after 3
+    # line, then nothing: a transfer that never completes; a prefill: no answer), break (a stream cut after 3
     # tokens, as the agent ends it when its engine dies); "" answers.
     fails: list[str] = dataclasses.field(default_factory=list)
     got: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
@@ -92,6 +92,8 @@ class Engines:
         chat = path == "v1/chat/completions"
         params = body.get("kv_transfer_params") or {}
         if self.protocol == "vllm" and params.get("do_remote_decode"):
+            if mode == "hang":  # a prefill that never answers
+                await asyncio.sleep(60)
             return web.json_response(_prefill_answer(chat))
         if self.protocol == "sglang" and rep.role == "prefill":
             self.room(body["bootstrap_room"]).set()

@@ -70,6 +70,7 @@ def run(
     routing: Routing = Routing.LEAST_OUTSTANDING,
     fails: dict[str, list[str]] | None = None,
     queue_timeout: float = 2.0,
+    idle_timeout: float = 30.0,
 ) -> None:
     async def main() -> None:
         replicas = [Replica(f"p{i}", "prefill") for i in range(prefill)]
@@ -79,7 +80,10 @@ def run(
         engines = Engines(protocol, replicas)
         async with serving(engines.app()) as dp_port:
             cfg = dataclasses.replace(
-                load_server_config(None), replica_wait=0.0, queue_timeout=queue_timeout
+                load_server_config(None),
+                replica_wait=0.0,
+                queue_timeout=queue_timeout,
+                upstream_idle_timeout=idle_timeout,
             )
             router = Router()
             for r in replicas:
@@ -370,6 +374,17 @@ def test_a_failed_prefill_is_sent_to_another_prefill_replica(mode: str) -> None:
         assert rig.counted("disagg_requests") == {("m", "handed_over"): 1}
 
     run(body, fails={"p0": [mode]}, prefill=2)
+
+
+def test_a_prefill_that_never_answers_is_sent_to_another_after_the_idle_timeout() -> None:
+    async def body(rig: Rig) -> None:
+        answer = await chat(rig)
+        assert answer.choices[0].message.content == text(8)
+        assert len(rig.replica("p0").got) == 1 and len(rig.replica("p1").got) == 1
+        assert rig.counted("disagg_prefill_retries") == {("m",): 1}
+        assert rig.counted("disagg_requests") == {("m", "handed_over"): 1}
+
+    run(body, fails={"p0": ["hang"]}, idle_timeout=0.5)
 
 
 def test_a_request_runs_whole_on_a_decode_replica_when_every_prefill_failed() -> None:
