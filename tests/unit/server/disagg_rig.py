@@ -43,9 +43,9 @@ class Replica:
     role: str  # prefill | decode
     # How its next requests fail, one mode each: refuse (its agent says it never passed it
     # on), reset (the connection cut before an answer), engine (its agent's 502: the engine
-    # failed mid-answer), 500, 400, hang (a stream's status
-    # line, then nothing: a transfer that never completes; a prefill: no answer), break (a stream cut after 3
-    # tokens, as the agent ends it when its engine dies); "" answers.
+    # failed mid-answer), 500, 400, hang (a stream's status line, then nothing: a transfer
+    # that never completes; a prefill: no answer), break (a stream cut after 3 tokens, as
+    # the agent ends it when its engine dies); "" answers.
     fails: list[str] = dataclasses.field(default_factory=list)
     got: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
 
