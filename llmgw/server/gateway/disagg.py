@@ -407,9 +407,11 @@ class Disagg:
                 decoding.cancel()
                 prefill.cancel()
                 raise
-            # The prefill answers before its decode's last token; a while is left for it.
-            with contextlib.suppress(Exception):
-                await asyncio.wait({prefill}, timeout=handover.transfer_timeout)
+            if answer.status < 400:
+                # The prefill answered before its decode's last token, or is about to: a
+                # while is left for it (a refused decode's prefill has nobody to send to).
+                with contextlib.suppress(Exception):
+                    await asyncio.wait({prefill}, timeout=handover.transfer_timeout)
             prefill.cancel()
             return self._handed_over(req, charge, answer, None)
         return await self._whole(req, charge, handover, "no_prefill", rid)
