@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -127,12 +127,20 @@ class UsageChunkDropper:
     whole events), held until the event ends, at most ``max_event`` bytes (then passed on).
     A chunk that ends an event and carries no ``"usage"`` goes as it came, never copied;
     once the usage chunk is dropped, every byte does. A stream with CR line ends goes on
-    with LF ones (the same events to an SSE reader)."""
+    with LF ones (the same events to an SSE reader).
 
-    __slots__ = ("_ends", "_held", "dropped", "max_event")
+    With ``rewrite``, the usage chunk is not dropped but sent with its ``usage`` as
+    ``rewrite`` changes it (the gateway's own figures for the client)."""
 
-    def __init__(self, max_event: int = 1024 * 1024) -> None:
+    __slots__ = ("_ends", "_held", "dropped", "max_event", "rewrite")
+
+    def __init__(
+        self,
+        max_event: int = 1024 * 1024,
+        rewrite: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.max_event = max_event
+        self.rewrite = rewrite
         self._held = b""  # the start of an event not ended yet
         self._ends = LineEnds()
         self.dropped = False
@@ -183,9 +191,19 @@ class UsageChunkDropper:
         for i, event in enumerate(events):
             if b'"usage"' in event and _is_usage_chunk(event):
                 self.dropped = True
-                del events[i]
+                if self.rewrite is None:
+                    del events[i]
+                else:
+                    events[i] = self._rewritten(event)
                 return b"\n\n".join(events)
         return done
+
+    def _rewritten(self, event: bytes) -> bytes:
+        at = event.find(b"data:")
+        data = json.loads(event[at + 5 :].split(b"\n", 1)[0])
+        assert self.rewrite is not None
+        self.rewrite(data["usage"])
+        return b"data: " + json.dumps(data, separators=(",", ":")).encode()
 
 
 def _is_usage_chunk(event: bytes) -> bool:
@@ -227,6 +245,7 @@ async def relay(
     extra_headers: dict[str, str] | None = None,
     drop_usage: bool = False,
     events: EventFilter | None = None,
+    usage: Callable[[dict[str, Any]], None] | None = None,
 ) -> web.StreamResponse:
     """Send ``upstream``'s status, headers and body to ``request``'s client.
 
@@ -236,7 +255,8 @@ async def relay(
     event stream, from the upstream or from ``on_chunk``, ends the client's stream with
     :func:`error_event` and is left on the returned response under :data:`STREAM_ERROR`
     (``upstream.complete`` is then false). ``drop_usage``: the stream's usage chunk, which
-    the gateway asked for on the client's behalf, is not sent (:class:`UsageChunkDropper`).
+    the gateway asked for on the client's behalf, is not sent (:class:`UsageChunkDropper`);
+    else with ``usage``, the usage chunk's ``usage`` is sent as ``usage`` changes it.
     ``events``: an event stream's chunks pass through it first; a stream it says goes on
     after a failure gets no error event (the caller writes the rest into the response).
     """
@@ -257,7 +277,9 @@ async def relay(
         replace = {**extra_headers, **SSE_HEADERS} if extra_headers else SSE_HEADERS
         resp = web.StreamResponse(status=upstream.status, headers=_copy_headers(upstream, replace))
         await resp.prepare(request)
-    dropper = UsageChunkDropper() if drop_usage else None
+    dropper = None
+    if drop_usage or usage is not None:
+        dropper = UsageChunkDropper(rewrite=None if drop_usage else usage)
     try:
         async for chunk in upstream.iter_chunks():
             if on_chunk is not None:

@@ -128,6 +128,12 @@ class UpstreamResponse:
         self._buffered = 0
         return data
 
+    async def until_body(self) -> None:
+        """Wait until some of the body has arrived (or it ended, or failed), taking none of
+        it: :meth:`iter_chunks` and :meth:`read` still give all of it."""
+        while not self._chunks and not self._done and self._exc is None:
+            await self._wait()
+
     def _too_large(self, size: int) -> UpstreamTooLarge:
         what = f"{size} bytes" if self.length is not None else f"over {self.limit} bytes"
         return UpstreamTooLarge(

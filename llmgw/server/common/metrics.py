@@ -223,6 +223,7 @@ class Metrics:
         )
         self._demand_metrics()
         self._relay_metrics()
+        self._disagg_metrics()
         # By the key's name (the operator's, never the users' free text): bounded by the keys.
         self.key_requests = Counter(
             "llmgw_key_requests_total",
@@ -373,6 +374,49 @@ class Metrics:
             (),
         )
 
+    def _disagg_metrics(self) -> None:
+        """Disaggregated models' hand-over between their pools (llmgw.server.gateway.disagg);
+        each pool's load is its replicas' in llmgw_requests_in_flight and these."""
+        self.disagg_requests = Counter(
+            "llmgw_disagg_requests_total",
+            "Requests to disaggregated models by outcome: handed_over (prefilled on the "
+            "prefill pool, decoded on the decode pool), failed (prefilled, the decode "
+            "refused or failed) or fallback (run whole on a decode replica).",
+            ("model", "outcome"),
+        )
+        self.disagg_fallbacks = Counter(
+            "llmgw_disagg_fallbacks_total",
+            "Requests to disaggregated models run whole on a decode replica, by reason: "
+            "no_prefill (no prefill replica ready, or all tried failed), prefill_busy (none "
+            "free within queue_timeout), transfer_timeout (no first token within the "
+            "transfer_timeout), no_transfer_params (the prefill named no KV to pull), "
+            "no_transfer_addr (an SGLang prefill replica without its bootstrap address), "
+            "endpoint (an endpoint without hand-over).",
+            ("model", "reason"),
+        )
+        self.disagg_prefill_retries = Counter(
+            "llmgw_disagg_prefill_retries_total",
+            "Prefills sent again to another prefill replica after one failed.",
+            ("model",),
+        )
+        self.disagg_handover = Histogram(
+            "llmgw_disagg_handover_seconds",
+            "Time from the prefill's answer to the decode's first streamed token: the KV "
+            "transfer and the first step.",
+            ("model",),
+        )
+        self.disagg_prefill = Histogram(
+            "llmgw_disagg_prefill_seconds",
+            "Time a prefill replica took to answer the prefill (its place taken).",
+            ("model",),
+        )
+        self.decoding_tokens = Gauge(
+            "llmgw_decoding_tokens",
+            "Output tokens the requests on a decode pool's replica may still generate (what "
+            "the gateway chooses decode replicas by, least first).",
+            ("model", "replica"),
+        )
+
     def render(self, index_sizes: Mapping[tuple[str, str], int] | None = None) -> str:
         """The exposition; ``index_sizes``: (model, index) -> block keys in the gateway's
         prefix indexes (:meth:`llmgw.server.gateway.prefixes.PrefixRouting.index_sizes`)."""
@@ -410,6 +454,12 @@ class Metrics:
             self.kv_relay_frames,
             self.kv_relay_standbys,
             self.kv_relay_cut_off,
+            self.disagg_requests,
+            self.disagg_fallbacks,
+            self.disagg_prefill_retries,
+            self.disagg_handover,
+            self.disagg_prefill,
+            self.decoding_tokens,
         ):
             lines.extend(metric.render())
         lines.extend(self._derived(index_sizes or {}))

@@ -13,10 +13,12 @@ mid-stream, it is the client's 502 (or the stream's error event).
 
 from __future__ import annotations
 
+import json
 import logging
 import ssl
 import time
 from collections.abc import Callable, Set
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -42,7 +44,12 @@ from llmgw.server.gateway.modelrequest import Charge, ModelRequest
 from llmgw.server.gateway.refusals import openai_error
 from llmgw.server.gateway.resume import StreamSplice
 from llmgw.server.gateway.routing import Endpoint
-from llmgw.server.gateway.usage import StreamTokenCounter, body_usage, usage_numbers
+from llmgw.server.gateway.usage import (
+    StreamTokenCounter,
+    body_usage,
+    usage_numbers,
+    with_cached,
+)
 
 __all__ = ["AnswerFailed", "ConnectFailed", "Forwarder"]
 
@@ -164,6 +171,8 @@ class Forwarder:
         try:
             upstream = await self._send(req, ep, outcome)
             try:
+                if req.on_head is not None:  # a decode's watch for its first token
+                    await req.on_head(upstream)
                 status = outcome.engine_status = upstream.status
                 headers = charge.rate_headers()
                 if req.stream and upstream.content_type == "text/event-stream":
@@ -186,6 +195,8 @@ class Forwarder:
                         on_chunk=lambda b: self._count_body_tokens(ep, b, outcome),
                         extra_headers=headers,
                     )
+                    if req.cached is not None and resp.status == 200:
+                        _rewrite_cached(resp, req.cached)
             finally:
                 # Back to the pool when read to the end, else closed: a cancelled handler
                 # (the client went away) closes the connection, and the agent sees it.
@@ -214,6 +225,34 @@ class Forwarder:
                 metrics.latency.observe(labels, time.perf_counter() - req.started)
                 if self.history is not None:
                     self.history.record(ep.model, ttft=ttft, error=status >= 500)
+
+    async def fetch(self, req: ModelRequest, ep: Endpoint, outcome: Outcome) -> tuple[int, bytes]:
+        """``req`` sent to ``ep`` and its answer read whole for the gateway itself, not
+        relayed (a disaggregated model's prefill): its status and body, its usage counted into
+        ``outcome`` and the pool's metrics. :class:`ConnectFailed` when the replica did not
+        take it; :class:`~llmgw.http.errors.UpstreamError` when it failed answering."""
+        labels = (ep.model, ep.replica_id)
+        metrics = self.metrics
+        metrics.inflight.inc(labels)
+        status = 0
+        try:
+            upstream = await self._send(req, ep, outcome)
+            try:
+                status = upstream.status
+                body = await upstream.read()
+            finally:
+                upstream.release()
+            if status < 400:
+                self._count_body_tokens(ep, body, outcome)
+            return status, body
+        except UpstreamError:
+            status = 502
+            raise
+        finally:
+            metrics.inflight.dec(labels)
+            if status:
+                metrics.requests.inc((ep.model, ep.replica_id, str(status)))
+                metrics.latency.observe(labels, time.perf_counter() - req.started)
 
     async def _send(self, req: ModelRequest, ep: Endpoint, outcome: Outcome) -> UpstreamResponse:
         """The agent's answer to ``req``'s POST, its status and headers read."""
@@ -286,6 +325,7 @@ class Forwarder:
                 extra_headers=headers,
                 drop_usage=req.drop_usage,
                 events=req.splice,
+                usage=None if req.cached is None else partial(with_cached, req.cached),
             )
         finally:
             # Counted also when the client left mid-stream (the handler cancelled).
@@ -363,3 +403,20 @@ class Forwarder:
             by_replica = self.metrics.replica_tokens
             by_replica.inc((model, ep.replica_id, "prompt"), prompt)
             by_replica.inc((model, ep.replica_id, "cached"), min(cached, prompt))
+
+
+def _rewrite_cached(resp: web.StreamResponse, cached: int) -> None:
+    """A whole answer's usage says ``cached`` prompt tokens were cached (ModelRequest.cached)."""
+    if not isinstance(resp, web.Response):
+        return
+    body = resp.body
+    if not isinstance(body, bytes) or b'"usage"' not in body:
+        return
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    if isinstance(usage, dict):
+        with_cached(cached, usage)
+        resp.body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()

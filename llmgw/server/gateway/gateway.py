@@ -50,6 +50,7 @@ from llmgw.bodies import (
     BodyTooLarge,
     read_body,
 )
+from llmgw.contracts.disagg import split_pool
 from llmgw.contracts.endpoints import ALIASES, PATHS, endpoint_refusal
 from llmgw.errors import ChatTemplateRefused
 from llmgw.http.relay import SSE_HEADERS, STARTED_STREAM, STREAM_ERROR, error_event
@@ -59,6 +60,7 @@ from llmgw.server.common.httpapi import bearer_token
 from llmgw.server.common.metrics import Metrics
 from llmgw.server.gateway import refusals
 from llmgw.server.gateway.capacity import Capacity, NoRoom
+from llmgw.server.gateway.disagg import Disagg, charge_decoding
 from llmgw.server.gateway.forwarding import AnswerFailed, ConnectFailed, Forwarder
 from llmgw.server.gateway.history import RequestHistory
 from llmgw.server.gateway.limits import KeyLimits, Refusal
@@ -198,6 +200,8 @@ class Gateway:
             client_ssl=client_ssl,
             history=history,
         )
+        # A disaggregated model's requests: the hand-over between its pools.
+        self.disagg = Disagg(self)
 
     def retrust(self, client_ssl: ssl.SSLContext) -> None:
         """The TLS towards agents changed (a CA rotation or the drop of the old CA): new
@@ -209,6 +213,7 @@ class Gateway:
         self.forwarder.forget_node(node_id)
 
     async def close(self) -> None:
+        self.disagg.close()
         self.admission.close()
         self.capacity.close()
         await self.forwarder.close()
@@ -276,9 +281,10 @@ class Gateway:
             return key
         policy = key.policy
         # Those with a ready replica, and those that scale by demand (at zero now, started
-        # by the first request).
-        names = set(self.router.models())
-        names.update(m for m, s in self.serving.models.items() if s.cold_start_timeout)
+        # by the first request); a disaggregated model by its pools', never a pool itself.
+        ready = self.router.models()
+        demand = [m for m, s in self.serving.models.items() if s.cold_start_timeout]
+        names = {pool[0] if (pool := split_pool(m)) else m for m in (*ready, *demand)}
         data = [self._model_entry(name) for name in sorted(names) if policy.allows(name)]
         return web.json_response({"object": "list", "data": data})
 
@@ -287,12 +293,14 @@ class Gateway:
         if isinstance(key, web.Response):
             return key
         name = request.match_info["model"]
-        if name not in self.serving.models or not key.policy.allows(name):
+        if self.serving.for_client(name) is None or not key.policy.allows(name):
             return self._no_such_model(name, key)
         return web.json_response(self._model_entry(name))
 
     def _no_such_model(self, model: str, key: ApiKey) -> web.Response:
-        names = sorted(n for n in self.serving.models if key.policy.allows(n))
+        names = sorted(
+            n for n, s in self.serving.models.items() if not s.is_pool and key.policy.allows(n)
+        )
         return refusals.no_such_model(model, names)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -345,14 +353,19 @@ class Gateway:
         limit = self.serving.body_limits.get(model, self.settings.max_request_body)
         if len(body) > limit:
             return self._too_large(len(body), limit, model)
-        served = self.serving.models.get(model)
+        served = self.serving.for_client(model)
         if served is None:
             return self._no_such_model(model, key)
         path = ALIASES.get(request.path, request.path)
         refusal = self._refusal(key, served, path, payload)
         if refusal is not None:
             return refusal
-        prompt = await self._prompt(key, served, path, payload, len(body))
+        # A disaggregated model's prompt is keyed and routed as its prefill pool's (whose
+        # replicas' KV events are indexed under the pool's name).
+        routed = served
+        if served.handover is not None:
+            routed = self.serving.models.get(served.handover.prefill, served)
+        prompt = await self._prompt(key, routed, path, payload, len(body), model)
         if isinstance(prompt, web.Response):
             return prompt
         cost = estimate(path, payload, len(body), prompt.tokens, served.output_cap)
@@ -389,12 +402,14 @@ class Gateway:
             started=started,
             stream=stream,
             drop_usage=asked is not None,
-            hint=self.router.policies.hint(served, prompt, session),
+            hint=self.router.policies.hint(routed, prompt, session),
             splice=splice,
             retries=DEFAULT_MAX_RESUMES if most is None else most,
         )
         charge = Charge(grant, cost)
         try:
+            if served.handover is not None:
+                return await self.disagg.serve(req, charge, served.handover)
             return await self._route(req, charge)
         finally:
             outcome = charge.settle(self.key_limits.clock())
@@ -422,10 +437,17 @@ class Gateway:
         return refusal
 
     async def _prompt(
-        self, key: ApiKey, served: ServedModel, path: str, payload: dict[str, Any], size: int
+        self,
+        key: ApiKey,
+        served: ServedModel,
+        path: str,
+        payload: dict[str, Any],
+        size: int,
+        model: str,
     ) -> Prompt | web.Response:
         """What the routing policy and the estimate read of the prompt (tokenized off the
-        event loop when long); the 400 when the chat template refuses it."""
+        event loop when long); the 400 when the chat template refuses it (``model``: the
+        one the client named, accounted; ``served`` may be its prefill pool)."""
         policy = key.policy
         tokenizer = self.tokenizers.for_model(served.name)
         if served.routing not in TOKEN_ROUTINGS and policy.tpm is None and policy.budget is None:
@@ -439,7 +461,7 @@ class Gateway:
                 return work()
             return await self.tokenizers.off_loop(work)
         except ChatTemplateRefused as exc:  # the engine's own rendering would refuse it too
-            self._account(key, served.name, 400)
+            self._account(key, model, 400)
             return openai_error(400, f"{exc}.", code="chat_template_refused")
 
     def _shape_refusal(self, path: str, payload: dict[str, Any]) -> web.Response | None:
@@ -512,6 +534,8 @@ class Gateway:
                     return await ended_early(req.http[STARTED_STREAM], req.model, failure)
                 return await _in_started_stream(req, ep)
             tried.add(ep.shard_id)
+            if req.decoding:
+                charge_decoding(self.metrics, ep, req.decoding)
             may_retry = (
                 not cause
                 and retries < req.retries
@@ -536,8 +560,12 @@ class Gateway:
                     "a replica failed mid-answer; sending the request again to another",
                     extra=kv(model=req.model, shard=ep.shard_id, cause=exc.cause, error=str(exc)),
                 )
+                if req.whole is not None:  # a decode: recomputed whole, no KV to pull
+                    req = replace(req, body=req.whole, whole=None, on_head=None)
                 continue
             finally:
+                if req.decoding:
+                    charge_decoding(self.metrics, ep, -req.decoding)
                 self.admission.release(ep, req.hint)
             if retry:
                 status = answer.status
@@ -569,7 +597,7 @@ class Gateway:
                 return answer
             # Or why not: its whole limit was sent (it ended as it would have), or the
             # template does not render the chat that a completion would continue.
-            following = splice.next_body(req.body)
+            following = splice.next_body(req.body if req.whole is None else req.whole)
             if isinstance(following, str):
                 self.metrics.streams_broken.inc((req.model, following))
                 return await not_resumed(answer, broken)
@@ -577,7 +605,7 @@ class Gateway:
             splice.next_part(following[0])
             del answer[STREAM_ERROR]  # the next part's own, if it breaks too
             req.http[STARTED_STREAM] = answer
-            req = replace(req, path=following[0], body=following[1])
+            req = replace(req, path=following[0], body=following[1], whole=None, on_head=None)
 
     def _retried(self, req: ModelRequest, cause: str, outcome: str) -> None:
         """``req``, sent again whole after its replica failed with ``cause``, ended with

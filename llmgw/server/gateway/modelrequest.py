@@ -12,10 +12,12 @@ first token, when the prefill is done).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
 
+from llmgw.http.response import UpstreamResponse
 from llmgw.server.gateway.limits import Grant
 from llmgw.server.gateway.metering import Estimate, Outcome
 from llmgw.server.gateway.policies import RouteHint
@@ -48,6 +50,18 @@ class ModelRequest:
     # replica failed before a byte of the answer reached the client (0: the key's or the
     # profile's resume is off).
     retries: int = 0
+    # A disaggregated model's decode (llmgw.server.gateway.disagg): the body to send instead
+    # when the request is sent again whole or resumed (the client's own, without the
+    # hand-over's fields; None: ``body``), what is awaited once a replica's status line is in
+    # and before a byte is relayed (the watch for the first token, which may give the
+    # replica up by raising), and the output tokens charged to its replica while it runs
+    # (Endpoint.decoding).
+    whole: bytes | None = None
+    on_head: Callable[[UpstreamResponse], Awaitable[None]] | None = None
+    decoding: int = 0
+    # The prompt tokens the client's usage says were cached (a disaggregated model's: its
+    # prefill's prefix cache); None: what the engine says.
+    cached: int | None = None
 
 
 class Charge:

@@ -30,7 +30,11 @@ class Endpoint:
     inflight: int = 0
     # Uncached prompt tokens of the requests sent here that have no first token yet.
     pending: int = 0
-    # A disaggregated pool's replica: host:port of its KV transfer (a prefill's bootstrap).
+    # The output tokens the requests on it may still generate (a disaggregated model's decode
+    # replicas are chosen by it, least first: llmgw.server.gateway.disagg).
+    decoding: int = 0
+    # host:port of its engine's KV transfer (a disaggregated pool's replica: SGLang's
+    # bootstrap server, vLLM's side channel); "" when it has none.
     transfer_addr: str = ""
 
     def url(self, path: str) -> str:
@@ -150,9 +154,11 @@ class Router:
         exclude: frozenset[str] = frozenset(),
         hint: RouteHint | None = None,
     ) -> Endpoint | None:
-        """The ready replica with the fewest requests in flight, fewer than ``limit`` (None:
-        any), not among ``exclude``; ties rotate. With a ``hint``, the one its policy
-        chooses among those (:meth:`RoutingPolicies.choose`, which charges the choice)."""
+        """The ready replica with the fewest output tokens to generate
+        (:attr:`Endpoint.decoding`: a decode pool's; 0 elsewhere), then the fewest requests in
+        flight, fewer than ``limit`` (None: any), not among ``exclude``; ties rotate. With a
+        ``hint``, the one its policy chooses among those (:meth:`RoutingPolicies.choose`,
+        which charges the choice)."""
         eps = self._by_model.get(model)
         if not eps:
             return None
@@ -175,16 +181,18 @@ class Router:
         for ep in eps:
             if ep.shard_id in exclude or (limit is not None and ep.inflight >= limit):
                 continue
-            if best is None or ep.inflight < best.inflight:
+            if best is None or (ep.decoding, ep.inflight) < (best.decoding, best.inflight):
                 best, ties = ep, 1
-            elif ep.inflight == best.inflight:
+            elif ep.inflight == best.inflight and ep.decoding == best.decoding:
                 ties += 1
         if best is None or ties == 1:
             return best
         turn = self._tiebreak.get(model, 0)
         self._tiebreak[model] = turn + 1
-        level = best.inflight
-        tied = [ep for ep in eps if ep.inflight == level and ep.shard_id not in exclude]
+        level = (best.decoding, best.inflight)
+        tied = [
+            ep for ep in eps if (ep.decoding, ep.inflight) == level and ep.shard_id not in exclude
+        ]
         return tied[turn % len(tied)]
 
     def has_ready(self, model: str, exclude: frozenset[str] = frozenset()) -> bool:

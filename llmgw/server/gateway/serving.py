@@ -22,6 +22,7 @@ from llmgw.contracts.catalog import (
     profile_routing,
     profile_tasks,
 )
+from llmgw.contracts.disagg import handover_of, parse_disaggregated, pool_name, split_pool
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.resuming import profile_max_resumes
 from llmgw.contracts.scaling import policy_of
@@ -31,7 +32,19 @@ from llmgw.server.store import Store
 from llmgw.server.store.rows import ApiKey, Model
 from llmgw.sim.config import SimConfig
 
-__all__ = ["ServedModel", "ServingCache"]
+__all__ = ["Handover", "ServedModel", "ServingCache"]
+
+
+@dataclass(frozen=True)
+class Handover:
+    """How a disaggregated model is served by its pools (:mod:`llmgw.contracts.disagg`): the
+    pools' model names, the hand-over protocol its engine speaks (``vllm`` or ``sglang``), and
+    how long a decode replica may take to its first token, the KV transfer included."""
+
+    prefill: str
+    decode: str
+    protocol: str
+    transfer_timeout: float
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,14 @@ class ServedModel:
     # How many times one of its streams is resumed at most (the profile's resume; 0: off;
     # None: the default, llmgw.server.gateway.resume).
     max_resumes: int | None = None
+    # A disaggregated model: served by its pools, the gateway driving the hand-over
+    # (llmgw.server.gateway.disagg); None: served by its own replicas.
+    handover: Handover | None = None
+
+    @property
+    def is_pool(self) -> bool:
+        """Whether it is a disaggregated model's pool (``MODEL#role``): never a client's."""
+        return split_pool(self.name) is not None
 
     @classmethod
     def of(cls, model: Model) -> ServedModel:
@@ -82,7 +103,27 @@ class ServedModel:
             output_cap=_output_cap(model.engine, profile),
             cold_start_timeout=_cold_start_timeout(model),
             max_resumes=profile_max_resumes(profile),
+            handover=_handover(model.name, model.engine, profile),
         )
+
+
+def _handover(name: str, engine: str, profile: Mapping[str, Any]) -> Handover | None:
+    raw = profile.get("disaggregated")
+    protocol = handover_of(engine)
+    if raw is None or protocol is None:
+        return None
+    try:
+        disagg = parse_disaggregated(raw, key="disaggregated", engine=engine)
+    except ConfigError:
+        # Stored by an llmgw that read it otherwise: served as a model of its own, which has
+        # no replicas (its requests are refused as having none, not sent to a pool blindly).
+        return None
+    return Handover(
+        prefill=pool_name(name, "prefill"),
+        decode=pool_name(name, "decode"),
+        protocol=protocol,
+        transfer_timeout=disagg.transfer_timeout,
+    )
 
 
 _CAP_PARAMS = ("max_model_len", "context_length", "ctx_size", "max_tokens", "max_length")
@@ -166,6 +207,11 @@ class ServingCache:
         self.body_limits = {m.name: m.body_limit for m in served if m.body_limit is not None}
         self.largest_body_limit = max([self.max_request_body, *self.body_limits.values()])
         self.on_models(served)
+
+    def for_client(self, model: str) -> ServedModel | None:
+        """The model a client may name (a disaggregated model's pools are not)."""
+        served = self.models.get(model)
+        return None if served is None or served.is_pool else served
 
     def cold_start_timeout(self, model: str) -> float | None:
         served = self.models.get(model)

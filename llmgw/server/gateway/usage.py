@@ -38,6 +38,7 @@ __all__ = [
     "body_usage",
     "event_usage",
     "usage_numbers",
+    "with_cached",
 ]
 
 log = logging.getLogger("llmgw.server.usage")
@@ -167,6 +168,16 @@ def usage_numbers(usage: Mapping[str, Any]) -> tuple[int, int, int]:
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return max(prompt, 0), max(completion, 0), cached if isinstance(cached, int) else 0
+
+
+def with_cached(cached: int, usage: dict[str, Any]) -> None:
+    """``usage`` says ``cached`` of its prompt tokens were cached (at most its prompt): a
+    disaggregated model's answer, whose prompt its prefill replica computed."""
+    prompt, _completion, _cached = usage_numbers(usage)
+    details = usage.get("prompt_tokens_details")
+    details = dict(details) if isinstance(details, dict) else {}
+    details["cached_tokens"] = min(cached, prompt) if prompt else cached
+    usage["prompt_tokens_details"] = details
 
 
 def body_usage(body: bytes) -> dict[str, Any] | None:

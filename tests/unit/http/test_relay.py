@@ -307,6 +307,21 @@ def test_the_usage_chunk_is_dropped_and_nothing_else() -> None:
     assert _dropped([crlf[:7], crlf[7:]])[0] == whole.replace(_USAGE, b"")
 
 
+def test_the_usage_chunk_may_be_rewritten_instead_of_dropped() -> None:
+    def cached(usage: dict[str, object]) -> None:
+        usage["prompt_tokens_details"] = {"cached_tokens": 4}
+
+    rewritten = (
+        b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3,'
+        b'"prompt_tokens_details":{"cached_tokens":4}}}\n\n'
+    )
+    whole = b"".join(_STREAM)
+    for pieces in ([whole], _STREAM, [whole[:150], whole[150:]]):
+        dropper = UsageChunkDropper(rewrite=cached)
+        sent = b"".join(dropper.feed(p) for p in pieces) + dropper.end()
+        assert sent == whole.replace(_USAGE, rewritten)
+
+
 @settings(max_examples=300, deadline=None)
 @given(cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=30))
 def test_any_chunking_drops_the_same_and_holds_only_an_unfinished_event(cuts: list[int]) -> None:

@@ -187,6 +187,12 @@ def test_empty_metrics_render_help_and_type_only() -> None:
         "llmgw_kv_relay_frames_total",
         "llmgw_kv_relay_standbys",
         "llmgw_kv_relay_cut_off_total",
+        "llmgw_disagg_requests_total",
+        "llmgw_disagg_fallbacks_total",
+        "llmgw_disagg_prefill_retries_total",
+        "llmgw_disagg_handover_seconds",
+        "llmgw_disagg_prefill_seconds",
+        "llmgw_decoding_tokens",
     }
     assert families["llmgw_requests_total"].type == "counter"
     assert families["llmgw_request_duration_seconds"].type == "histogram"

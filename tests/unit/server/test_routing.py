@@ -38,6 +38,21 @@ def test_picks_least_outstanding() -> None:
     assert router.pick("m") is c
 
 
+def test_a_decode_pool_picks_the_fewest_tokens_to_generate_then_the_fewest_requests() -> None:
+    router = Router()
+    a, b, c = ep("a", "m#decode"), ep("b", "m#decode"), ep("c", "m#decode")
+    for e in (a, b, c):
+        router.set_ready(e)
+    # b has the fewest requests but the most tokens to generate: a long answer's replica.
+    a.inflight, b.inflight, c.inflight = 3, 1, 3
+    a.decoding, b.decoding, c.decoding = 40, 4000, 40
+    picks = Counter(router.pick("m#decode").shard_id for _ in range(10))  # type: ignore[union-attr]
+    assert set(picks) == {"a", "c"}  # tied on both: in turn
+    c.inflight = 4
+    assert router.pick_free("m#decode", 4) is a  # c is full; b has the tokens
+    assert router.pick_free("m#decode", 3) is b  # the only one under the limit
+
+
 def test_ties_rotate() -> None:
     router = Router()
     a, b, c = ep("a"), ep("b"), ep("c")
