@@ -42,6 +42,7 @@ __all__ = [
     "parse_role",
     "pool_name",
     "pool_profile",
+    "served_name",
     "split_pool",
 ]
 
@@ -137,6 +138,13 @@ def split_pool(name: str) -> tuple[str, str] | None:
     if not sep or not model or role not in ROLES:
         return None
     return model, role
+
+
+def served_name(name: str) -> str:
+    """The model name a replica's engine answers to: a pool's model's (the name clients give
+    and the gateway sends both pools), else the name itself."""
+    pair = split_pool(name)
+    return name if pair is None else pair[0]
 
 
 def handover_of(engine: str) -> str | None:

@@ -221,7 +221,13 @@ class _Handlers:
         if events and self.publisher is not None:
             self.publisher.publish(events)
         uncached = prompt_tokens - cached
+        response: web.StreamResponse | None = None
         if role is not None and role.remote is not None:
+            if opts.stream:
+                # As vLLM's server: a stream's head goes at once, its first event once the
+                # KV is in (so a proxy can tell a slow transfer from a slow engine).
+                response = web.StreamResponse(headers=SSE_HEADERS)
+                await response.prepare(request)
             # A remote prefill: the blocks cross the wire instead of being computed here,
             # unless the pull fails and the prompt is recomputed (llmgw.sim.handover).
             if await self.handover.pull(role.remote, prompt_tokens, cached):
@@ -257,6 +263,7 @@ class _Handlers:
                     usage if opts.include_usage else None,
                     first_at,
                     pace,
+                    response,
                 )
             return await self._respond(
                 request, chat, rid, created, jobs, usage, first_at, pace, role
@@ -333,7 +340,9 @@ class _Handlers:
         usage: dict[str, Any] | None,
         first_at: float,
         pace: StepPace | None = None,
+        response: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
+        """``response``: its head already sent (a decode's, before its pull)."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = (
             f'data: {{"id":"{rid}","object":"{obj}","created":{created},'
@@ -360,11 +369,14 @@ class _Handlers:
             role = []
         finish_post = '"}]}\n\n'
 
-        response = web.StreamResponse(headers=SSE_HEADERS)
         loop = asyncio.get_running_loop()
         steps = max(len(tokens) for tokens, _ in jobs)
+        prepared = response is not None
+        if response is None:
+            response = web.StreamResponse(headers=SSE_HEADERS)
         try:
-            await response.prepare(request)
+            if not prepared:
+                await response.prepare(request)
             for k in range(steps):
                 if pace is not None:
                     await pace.token(k)

@@ -32,6 +32,7 @@ from typing import Any
 
 from llmgw.contracts.catalog import STORED, adhoc_profile, parse_profile
 from llmgw.contracts.catalog import Profile as CatalogProfile
+from llmgw.contracts.disagg import served_name
 from llmgw.contracts.inventory import degraded_reasons
 from llmgw.contracts.model_sources import NodeSources
 from llmgw.errors import ConfigError, Fenced, NotFound, StoreUnavailable
@@ -576,7 +577,8 @@ class Scheduler(Moves, Trials):
         op_id = session.start_shard(
             shard_id=shard.id,
             replica_id=replica.id,
-            model=model.name,
+            # A pool's engines answer to the model's name, which the gateway sends them.
+            model=served_name(model.name),
             engine=profile.engine,
             rank=shard.rank,
             params=dict(profile.params),

@@ -16,6 +16,7 @@ from llmgw.contracts.disagg import (
     parse_disaggregated,
     pool_name,
     pool_profile,
+    served_name,
     split_pool,
 )
 from llmgw.contracts.scaling import ScalingPolicy
@@ -181,3 +182,8 @@ def test_pool_names_are_no_model_name_a_client_gives() -> None:
         assert split_pool(name) is None
     with pytest.raises(ValueError, match="no pool 'both'"):
         pool_name("m", "both")
+
+
+def test_a_pools_engines_answer_to_the_models_name() -> None:
+    assert served_name("llama:8b#prefill") == served_name("llama:8b#decode") == "llama:8b"
+    assert served_name("llama:8b") == "llama:8b"
