@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_SCALE_DOWN_AFTER",
     "DEFAULT_TARGET_INFLIGHT",
     "MAX_REPLICAS",
+    "MAX_TARGET_TOKENS",
     "PRIORITIES",
     "ScalingPolicy",
     "parse_replicas",
@@ -49,6 +50,7 @@ __all__ = [
 ]
 
 MAX_REPLICAS = 1000
+MAX_TARGET_TOKENS = 100_000_000
 DEFAULT_TARGET_INFLIGHT = 8
 DEFAULT_SCALE_DOWN_AFTER = 300.0
 DEFAULT_COLD_START_TIMEOUT = 300.0
@@ -56,6 +58,7 @@ _KEYS = (
     "min",
     "max",
     "target_inflight",
+    "target_tokens",
     "ttft_slo",
     "scale_down_after",
     "cold_start_timeout",
@@ -81,16 +84,33 @@ class ScalingPolicy:
     priority: str = "normal"
     sleep_after: float | None = None  # seconds; None: its replicas never sleep
     prefetch: bool = False  # its source kept in the page cache of the nodes it may go to
+    # Tokens one replica is meant to carry (None: it scales by requests alone).
+    target_tokens: int | None = None
 
     @property
     def rank(self) -> int:
         """Higher for a higher priority (high 2, normal 1, low 0)."""
         return len(PRIORITIES) - 1 - PRIORITIES.index(self.priority)
 
-    def wanted(self, demand: float) -> int:
-        """The replicas ``demand`` (requests in flight plus queued) asks for, within the
-        bounds."""
-        return self.clamp(math.ceil(demand / self.target_inflight) if demand > 0 else 0)
+    def wanted(self, demand: float, tokens: float = 0) -> int:
+        """The replicas ``demand`` (requests in flight plus queued) and ``tokens`` (theirs,
+        :attr:`target_tokens`'s figure) ask for, within the bounds."""
+        return self.clamp(self.asked(demand, tokens))
+
+    def asked(self, demand: float, tokens: float = 0) -> int:
+        """What ``demand`` and ``tokens`` ask for, before the bounds: the larger of
+        :meth:`by_requests` and :meth:`by_tokens`."""
+        return max(self.by_requests(demand), self.by_tokens(tokens))
+
+    def by_requests(self, demand: float) -> int:
+        """``ceil(demand / target_inflight)``."""
+        return math.ceil(demand / self.target_inflight) if demand > 0 else 0
+
+    def by_tokens(self, tokens: float) -> int:
+        """``ceil(tokens / target_tokens)``; 0 without a ``target_tokens``."""
+        if self.target_tokens is None or tokens <= 0:
+            return 0
+        return math.ceil(tokens / self.target_tokens)
 
     def clamp(self, count: int) -> int:
         return max(self.min, min(self.max, count))
@@ -104,6 +124,8 @@ class ScalingPolicy:
             "cold_start_timeout": self.cold_start_timeout,
             "priority": self.priority,
         }
+        if self.target_tokens is not None:
+            out["target_tokens"] = self.target_tokens
         if self.ttft_slo is not None:
             out["ttft_slo"] = self.ttft_slo
         if self.sleep_after is not None:
@@ -113,8 +135,12 @@ class ScalingPolicy:
         return out
 
     def describe(self) -> str:
-        """One line for ``ctl models`` and events: ``0-8 by demand (16 in flight each)``."""
-        text = f"{self.min}-{self.max} by demand ({self.target_inflight} in flight each"
+        """One line for ``ctl models`` and events: ``0-8 by demand (16 in flight each)``,
+        ``0-8 by demand (16 in flight or 32000 tokens each)``."""
+        text = f"{self.min}-{self.max} by demand ({self.target_inflight} in flight"
+        if self.target_tokens is not None:
+            text += f" or {self.target_tokens} tokens"
+        text += " each"
         if self.prefetch:
             text += ", prefetch"
         if self.priority != "normal":
@@ -152,6 +178,18 @@ def parse_replicas(value: object, *, key: str = "replicas") -> int | ScalingPoli
     target = _count(
         value.get("target_inflight", DEFAULT_TARGET_INFLIGHT), f"{key}.target_inflight", 1
     )
+    tokens = value.get("target_tokens")
+    if tokens is not None and (
+        not isinstance(tokens, int)
+        or isinstance(tokens, bool)
+        or not 1 <= tokens <= MAX_TARGET_TOKENS
+    ):
+        raise ConfigError(
+            f"must be a whole number from 1 to {MAX_TARGET_TOKENS} (the prompt tokens a "
+            f"prefill pool's replica, or the output tokens any other replica, is meant to "
+            f"carry), or left out to scale by requests alone; got {tokens!r}",
+            key=f"{key}.target_tokens",
+        )
     slo = value.get("ttft_slo")
     sleep_after = value.get("sleep_after")
     priority = value.get("priority", "normal")
@@ -181,6 +219,7 @@ def parse_replicas(value: object, *, key: str = "replicas") -> int | ScalingPoli
         priority=str(priority),
         sleep_after=None if sleep_after is None else _duration(sleep_after, f"{key}.sleep_after"),
         prefetch=prefetch,
+        target_tokens=tokens,
     )
 
 

@@ -157,3 +157,53 @@ def test_the_catalogs_replicas_map_takes_prefetch_and_refuses_a_bad_one() -> Non
     assert parsed.models["m"].replicas == ScalingPolicy(0, 2, prefetch=True)
     with pytest.raises(ConfigError, match=r"models\.m\.replicas\.prefetch: must be true or false"):
         catalog({"min": 0, "max": 2, "prefetch": "on"})
+
+
+# ------------------------------------------- target_tokens: pools scaled by their tokens
+
+
+def test_target_tokens_is_kept_described_and_read_back() -> None:
+    policy = parse_replicas({"min": 0, "max": 8, "target_inflight": 16, "target_tokens": 32000})
+    assert isinstance(policy, ScalingPolicy)
+    assert policy.target_tokens == 32000
+    assert policy.to_json()["target_tokens"] == 32000
+    assert parse_replicas(policy.to_json()) == policy
+    assert policy.describe() == "0-8 by demand (16 in flight or 32000 tokens each)"
+    without = parse_replicas({"min": 0, "max": 8})
+    assert isinstance(without, ScalingPolicy)
+    assert without.target_tokens is None
+    assert "target_tokens" not in without.to_json()
+    assert "tokens" not in without.describe()
+
+
+def test_wanted_is_the_larger_of_requests_and_tokens_within_the_bounds() -> None:
+    policy = ScalingPolicy(min=0, max=8, target_inflight=10, target_tokens=1000)
+    assert policy.wanted(0, 0) == 0
+    assert policy.wanted(3, 0) == 1  # requests alone
+    assert policy.wanted(3, 4500) == 5  # few requests, many tokens: the tokens ask more
+    assert policy.wanted(25, 500) == 3  # many requests, few tokens: the requests ask more
+    assert policy.wanted(1, 1_000_000) == 8  # the max holds
+    assert (policy.by_requests(3), policy.by_tokens(4500), policy.asked(1, 1_000_000)) == (
+        1,
+        5,
+        1000,
+    )
+    # Without target_tokens the tokens ask nothing: requests alone, as before.
+    plain = ScalingPolicy(min=1, max=8, target_inflight=10)
+    assert plain.wanted(3, 10**9) == 1
+    assert plain.by_tokens(10**9) == 0
+
+
+@pytest.mark.parametrize("value", [0, -5, 1.5, "1000", True, 100_000_001, [1]])
+def test_a_bad_target_tokens_is_refused_naming_the_key_and_the_fix(value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_replicas({"min": 0, "max": 2, "target_tokens": value})
+    message = str(info.value)
+    assert message.startswith("replicas.target_tokens: must be a whole number from 1 to")
+    assert "or left out to scale by requests alone" in message
+    assert repr(value) in message
+
+
+def test_a_stored_policy_with_target_tokens_is_read() -> None:
+    policy = policy_of({"min": 1, "max": 3, "target_tokens": 5})
+    assert policy is not None and policy.target_tokens == 5
