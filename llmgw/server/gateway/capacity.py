@@ -8,6 +8,13 @@ tries to place what is missing. The wait ends when a replica of the model become
 router says so), when the scheduler finds no room for one (:meth:`Capacity.refuse`: the
 waiters get the reason then, within a pass, not after their timeout), or at the timeout.
 Nothing is refused from an earlier pass's verdict: room may have come free since.
+
+A model's demand also counts its tokens (:attr:`Demand.tokens`, for a policy's
+``target_tokens``): those its requests weigh on its replicas and in its queue
+(:attr:`~llmgw.server.gateway.routing.Endpoint.tokens`,
+:meth:`~llmgw.server.gateway.queueing.Admission.queued_tokens`): a prefill pool's the prompts
+waiting for or under prefill, a decode pool's (and any other model's) the output tokens being
+generated. They are summed when the planner asks, not on the request path.
 """
 
 from __future__ import annotations
@@ -47,12 +54,14 @@ class NoRoom(Exception):
 class Demand:
     """A model's demand as one gateway sees it: requests on its replicas, queued for a place
     on one, and waiting for a replica to exist; the TTFT p90 of the last minute (None:
-    no streamed answer in it)."""
+    no streamed answer in it); the tokens of its requests in flight and queued (a prefill
+    pool's: prompt tokens; any other model's: output tokens)."""
 
     inflight: int = 0
     queued: int = 0
     waiting: int = 0
     ttft_p90: float | None = None
+    tokens: int = 0
 
     @property
     def total(self) -> int:
@@ -65,6 +74,7 @@ class Demand:
             self.queued + other.queued,
             self.waiting + other.waiting,
             max(ttft) if ttft else None,
+            self.tokens + other.tokens,
         )
 
     def describe(self) -> str:
@@ -84,10 +94,12 @@ class Capacity:
         history: RequestHistory,
         *,
         queued: Callable[[str], int] = lambda _model: 0,
+        queued_tokens: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         self.router = router
         self.history = history
         self.queued = queued
+        self.queued_tokens = queued_tokens
         # Told when a request starts waiting for a model with no ready replica (the
         # leader's planner, subscribed while it leads: a model at zero gets one at once).
         self._listeners: list[Callable[[str], None]] = []
@@ -150,16 +162,25 @@ class Capacity:
         """Each model's demand as this gateway sees it now (models with none left out,
         except those whose TTFT was measured in the last minute)."""
         inflight: dict[str, int] = {}
+        tokens = dict(self.queued_tokens())
         for ep in self.router.endpoints():
             if ep.inflight:
                 inflight[ep.model] = inflight.get(ep.model, 0) + ep.inflight
+            if ep.tokens > 0:
+                tokens[ep.model] = tokens.get(ep.model, 0) + ep.tokens
         history = self.history
         models = set(inflight) | set(self._waiting) | set(self.router.models())
         models |= set(history.models(now))
         out = {}
         for model in models:
             ttft = history.recent_ttft(model, 0.9, seconds=TTFT_WINDOW, now=now)
-            demand = Demand(inflight.get(model, 0), self.queued(model), self.waiting(model), ttft)
+            demand = Demand(
+                inflight.get(model, 0),
+                self.queued(model),
+                self.waiting(model),
+                ttft,
+                tokens.get(model, 0),
+            )
             if demand.total or ttft is not None:
                 out[model] = demand
         return out
@@ -174,7 +195,10 @@ class Capacity:
                 try:
                     store.put_demand(
                         instance,
-                        {m: (d.inflight, d.queued, d.waiting, d.ttft_p90) for m, d in now.items()},
+                        {
+                            m: (d.inflight, d.queued, d.waiting, d.ttft_p90, d.tokens)
+                            for m, d in now.items()
+                        },
                         time.time(),
                     )
                     said = now
@@ -191,6 +215,6 @@ def fleet_demand(
     total = dict(own)
     since = (time.time() if now is None else now) - FRESH_FOR
     for row in store.list_demand(since=since, excluding=instance):
-        theirs = Demand(row.inflight, row.queued, row.waiting, row.ttft_p90)
+        theirs = Demand(row.inflight, row.queued, row.waiting, row.ttft_p90, row.tokens)
         total[row.model] = total[row.model] + theirs if row.model in total else theirs
     return total

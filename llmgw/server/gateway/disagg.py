@@ -248,7 +248,14 @@ class Disagg:
     async def _vllm(
         self, req: ModelRequest, charge: Charge, handover: Handover, rid: str
     ) -> web.StreamResponse:
-        preq = replace(req, model=handover.prefill, body=prefill_body(req.body), stream=False)
+        # The prefill weighs its prompt on its pool (the planner's figure for target_tokens).
+        preq = replace(
+            req,
+            model=handover.prefill,
+            body=prefill_body(req.body),
+            stream=False,
+            tokens=charge.estimate.prompt,
+        )
         prefilled = await self._prefill(preq, handover, rid)
         if isinstance(prefilled, str):
             return await self._whole(req, charge, handover, prefilled, rid)
@@ -291,7 +298,7 @@ class Disagg:
             except (ConnectFailed, UpstreamError) as exc:
                 failure, status, body = str(exc), 0, b""
             finally:
-                self.gw.admission.release(ep, preq.hint)
+                self.gw.admission.release(ep, preq.hint, preq.tokens)
             model = _client_model(handover.prefill)
             self.metrics.disagg_prefill.observe((model,), time.perf_counter() - began)
             if not failure:
@@ -318,7 +325,7 @@ class Disagg:
         while all are full), or why there is none: no_prefill (none ready: a pool at zero
         is woken meanwhile), prefill_busy (none free within queue_timeout)."""
         gw, pool, exclude = self.gw, handover.prefill, frozenset(tried)
-        ep = gw.admission.try_acquire(pool, exclude, preq.hint)
+        ep = gw.admission.try_acquire(pool, exclude, preq.hint, preq.tokens)
         if ep is not None:
             return ep
         if not gw.router.has_ready(pool, exclude):
@@ -328,7 +335,13 @@ class Disagg:
         key = preq.key
         try:
             return await gw.admission.acquire(
-                pool, key.id, key.policy.weight, exclude, gw.settings.queue_timeout, preq.hint
+                pool,
+                key.id,
+                key.policy.weight,
+                exclude,
+                gw.settings.queue_timeout,
+                preq.hint,
+                preq.tokens,
             )
         except QueueTimeout:
             return "prefill_busy"
@@ -355,7 +368,7 @@ class Disagg:
     async def _sglang(
         self, req: ModelRequest, charge: Charge, handover: Handover, rid: str
     ) -> web.StreamResponse:
-        base = replace(req, model=handover.prefill, stream=False)
+        base = replace(req, model=handover.prefill, stream=False, tokens=charge.estimate.prompt)
         model = req.model
         tried: set[str] = set()
         for attempt in range(MAX_PREFILL_TRIES):
@@ -366,7 +379,7 @@ class Disagg:
             try:
                 host, port = parse_hostport(ep.transfer_addr, what="transfer address")
             except ConfigError as exc:
-                self.gw.admission.release(ep, base.hint)
+                self.gw.admission.release(ep, base.hint, base.tokens)
                 return await self._whole(req, charge, handover, "no_transfer_addr", rid, str(exc))
             body = _with(
                 req.body,
@@ -425,7 +438,7 @@ class Disagg:
         except (ConnectFailed, UpstreamError) as exc:
             raise PrefillFailed(f"{ep.replica_id}: {exc}") from exc
         finally:
-            self.gw.admission.release(ep, preq.hint)
+            self.gw.admission.release(ep, preq.hint, preq.tokens)
             seconds = time.perf_counter() - began
             self.metrics.disagg_prefill.observe((_client_model(preq.model),), seconds)
         if status >= 400:

@@ -189,6 +189,7 @@ class Gateway:
             router,
             history if history is not None else RequestHistory(),
             queued=self.admission.depth,
+            queued_tokens=self.admission.queued_tokens,
         )
         # The last hop, to the agents' data planes; ``history``: each model's last hour for
         # the console's charts (None: not kept).
@@ -405,6 +406,7 @@ class Gateway:
             hint=self.router.policies.hint(routed, prompt, session),
             splice=splice,
             retries=DEFAULT_MAX_RESUMES if most is None else most,
+            tokens=cost.output,
         )
         charge = Charge(grant, cost)
         try:
@@ -566,7 +568,7 @@ class Gateway:
             finally:
                 if req.decoding:
                     charge_decoding(self.metrics, ep, -req.decoding)
-                self.admission.release(ep, req.hint)
+                self.admission.release(ep, req.hint, req.tokens)
             if retry:
                 status = answer.status
                 self._retried(
@@ -640,7 +642,7 @@ class Gateway:
         had no room for the body), or the refusal: no replica ready, or none free within
         queue_timeout."""
         model, admission, router = req.model, self.admission, self.router
-        ep = admission.try_acquire(model, tried, req.hint)
+        ep = admission.try_acquire(model, tried, req.hint, req.tokens)
         if ep is not None:
             return ep
         if not router.has_ready(model, tried):
@@ -653,7 +655,13 @@ class Gateway:
         key = req.key
         try:
             return await admission.acquire(
-                model, key.id, key.policy.weight, tried, self.settings.queue_timeout, req.hint
+                model,
+                key.id,
+                key.policy.weight,
+                tried,
+                self.settings.queue_timeout,
+                req.hint,
+                req.tokens,
             )
         except QueueTimeout as exc:
             log.info(

@@ -59,6 +59,10 @@ class ModelRequest:
     whole: bytes | None = None
     on_head: Callable[[UpstreamResponse], Awaitable[None]] | None = None
     decoding: int = 0
+    # What it weighs on its model's replicas for the planner while it holds a place or waits
+    # for one (Endpoint.tokens, Admission.queued_tokens): a prefill's prompt estimate, any
+    # other request's output estimate.
+    tokens: int = 0
     # The prompt tokens the client's usage says were cached (a disaggregated model's: its
     # prefill's prefix cache); None: what the engine says.
     cached: int | None = None

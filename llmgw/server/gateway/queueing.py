@@ -13,6 +13,12 @@ that had nothing waiting goes first in the round (as fq_codel serves new flows f
 tenant sending one request at a time waits for the next place to free up, not for a turn
 behind every busy key. With ``fair`` off the queue is one line in arrival order (FIFO), for
 comparison.
+
+Each request may weigh ``tokens`` on its model (a prefill's prompt, any other request's
+output, by its estimate): charged to its replica's :attr:`Endpoint.tokens` while it holds the
+place, and counted while it waits (:meth:`Admission.queued_tokens`), so that the planner can
+scale a model by tokens (:mod:`llmgw.contracts.scaling`'s ``target_tokens``) without any work
+on the request path beyond two additions.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ class QueueTimeout(Exception):
 
 
 class _Waiter:
-    __slots__ = ("enqueued", "exclude", "future", "hint", "key")
+    __slots__ = ("enqueued", "exclude", "future", "hint", "key", "tokens")
 
     def __init__(
         self,
@@ -47,11 +53,13 @@ class _Waiter:
         exclude: frozenset[str],
         future: asyncio.Future[Endpoint],
         hint: RouteHint | None,
+        tokens: int = 0,
     ) -> None:
         self.key = key
         self.exclude = exclude
         self.future = future
         self.hint = hint
+        self.tokens = tokens
         self.enqueued = time.perf_counter()
 
 
@@ -167,18 +175,34 @@ class Admission:
         queue = self._queues.get(model)
         return queue.size if queue is not None else 0
 
+    def queued_tokens(self) -> dict[str, int]:
+        """The tokens of the requests waiting for a place, per model (those with none left
+        out). Walks the queues: the planner asks once a second, the request path never."""
+        out: dict[str, int] = {}
+        for model, queue in self._queues.items():
+            waiters = queue.fifo if not self.fair else (w for q in queue.queues.values() for w in q)
+            total = sum(w.tokens for w in waiters if not w.future.done())
+            if total:
+                out[model] = total
+        return out
+
     def try_acquire(
-        self, model: str, exclude: frozenset[str] = frozenset(), hint: RouteHint | None = None
+        self,
+        model: str,
+        exclude: frozenset[str] = frozenset(),
+        hint: RouteHint | None = None,
+        tokens: int = 0,
     ) -> Endpoint | None:
         """A place on the least busy replica that has one (or the one ``hint``'s policy
-        chooses), taken; None when all are full (or requests are already waiting for this
-        model: they go first)."""
+        chooses), taken and charged ``tokens``; None when all are full (or requests are
+        already waiting for this model: they go first)."""
         queue = self._queues.get(model)
         if queue is not None and queue.size:
             return None
         ep = self.router.pick_free(model, self.limit_of(model), exclude, hint)
         if ep is not None:
             ep.inflight += 1
+            ep.tokens += tokens
         return ep
 
     async def acquire(
@@ -189,18 +213,19 @@ class Admission:
         exclude: frozenset[str],
         timeout: float,
         hint: RouteHint | None = None,
+        tokens: int = 0,
     ) -> Endpoint:
-        """A place on a replica of ``model``, waiting in ``key``'s queue for up to
-        ``timeout`` seconds (:class:`QueueTimeout`). The caller checked that the model has
-        ready replicas."""
-        ep = self.try_acquire(model, exclude, hint)
+        """A place on a replica of ``model``, charged ``tokens``, waiting in ``key``'s queue
+        for up to ``timeout`` seconds (:class:`QueueTimeout`). The caller checked that the
+        model has ready replicas."""
+        ep = self.try_acquire(model, exclude, hint, tokens)
         if ep is not None:
             return ep
         queue = self._queues.get(model)
         if queue is None:
             queue = self._queues[model] = _ModelQueue()
         future: asyncio.Future[Endpoint] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(key, exclude, future, hint)
+        waiter = _Waiter(key, exclude, future, hint, tokens)
         queue.push(waiter, weight, self.fair)
         self.metrics.queued.set((model,), queue.size)
         got: Endpoint | None = None
@@ -213,7 +238,7 @@ class Admission:
             if got is None:
                 if future.done() and not future.cancelled():
                     # Granted as the timeout or a cancellation struck: give the place back.
-                    self.release(future.result(), hint)
+                    self.release(future.result(), hint, tokens)
                 else:
                     future.cancel()
                     queue.remove(waiter, self.fair)
@@ -223,13 +248,15 @@ class Admission:
         self.metrics.queue_wait.observe((model,), time.perf_counter() - waiter.enqueued)
         return got
 
-    def release(self, ep: Endpoint, hint: RouteHint | None = None) -> None:
+    def release(self, ep: Endpoint, hint: RouteHint | None = None, tokens: int = 0) -> None:
         """A request on ``ep`` ended: the prefill its routing charged ``ep`` is given back
-        (:meth:`RouteHint.settle`, unless its first token did already), and its place goes
-        to the next waiting request, if any."""
+        (:meth:`RouteHint.settle`, unless its first token did already), so are the ``tokens``
+        it was charged with its place, and its place goes to the next waiting request, if
+        any."""
         if hint is not None:
             hint.settle()
         ep.inflight -= 1
+        ep.tokens -= tokens
         queue = self._queues.get(ep.model)
         if queue is not None and queue.size:
             self.dispatch(ep.model)
@@ -253,6 +280,7 @@ class Admission:
                 break
             queue.pop(waiter, fair)
             ep.inflight += 1
+            ep.tokens += waiter.tokens
             waiter.future.set_result(ep)
         if not queue.size:
             del self._queues[model]

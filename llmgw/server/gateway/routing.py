@@ -33,6 +33,10 @@ class Endpoint:
     # The output tokens the requests on it may still generate (a disaggregated model's decode
     # replicas are chosen by it, least first: llmgw.server.gateway.disagg).
     decoding: int = 0
+    # The tokens the requests holding a place on it weigh for the planner (a prefill pool's:
+    # their prompts; any other model's: their outputs, by the requests' estimates;
+    # llmgw.server.gateway.queueing charges them with the place).
+    tokens: int = 0
     # host:port of its engine's KV transfer (a disaggregated pool's replica: SGLang's
     # bootstrap server, vLLM's side channel); "" when it has none.
     transfer_addr: str = ""

@@ -23,6 +23,7 @@ class DemandRow:
     waiting: int
     ttft_p90: float | None
     at: float
+    tokens: int = 0  # its requests' tokens (a prefill pool's prompts, others' outputs)
 
 
 class DemandTable:
@@ -32,31 +33,39 @@ class DemandTable:
     def put_demand(
         self,
         instance: str,
-        demand: Mapping[str, tuple[int, int, int, float | None]],
+        demand: Mapping[
+            str, tuple[int, int, int, float | None] | tuple[int, int, int, float | None, int]
+        ],
         at: float,
     ) -> None:
-        """``instance``'s demand now: model -> (in flight, queued, waiting, TTFT p90),
-        replacing what it said before."""
+        """``instance``'s demand now: model -> (in flight, queued, waiting, TTFT p90[,
+        tokens]), replacing what it said before (tokens left out: 0)."""
         rows = [
-            (instance, model, max(0, a), max(0, b), max(0, c), ttft, at)
-            for model, (a, b, c, ttft) in sorted(demand.items())
+            (instance, model, max(0, f[0]), max(0, f[1]), max(0, f[2]), f[3], at, _tokens(f))
+            for model, f in sorted(demand.items())
         ]
         with self._db.unfenced(), self._db.write():
             self._db.execute("DELETE FROM demand WHERE instance = ?", (instance,))
             if rows:
                 self._db.executemany(
                     "INSERT INTO demand(instance, model, inflight, queued, waiting, ttft_p90, "
-                    "at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "at, tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     rows,
                 )
 
     def list_demand(self, *, since: float, excluding: str = "") -> list[DemandRow]:
         """The rows written at or after ``since`` by instances other than ``excluding``."""
         return [
-            DemandRow(r[0], r[1], int(r[2]), int(r[3]), int(r[4]), r[5], float(r[6]))
+            DemandRow(r[0], r[1], int(r[2]), int(r[3]), int(r[4]), r[5], float(r[6]), int(r[7]))
             for r in self._db.all(
-                "SELECT instance, model, inflight, queued, waiting, ttft_p90, at FROM demand "
-                "WHERE at >= ? AND instance != ? ORDER BY instance, model",
+                "SELECT instance, model, inflight, queued, waiting, ttft_p90, at, tokens "
+                "FROM demand WHERE at >= ? AND instance != ? ORDER BY instance, model",
                 (since, excluding),
             )
         ]
+
+
+def _tokens(figures: tuple[int | float | None, ...]) -> int:
+    """The tokens of a demand tuple (its fifth figure; 0 for one without), never below 0."""
+    value = figures[4] if len(figures) > 4 else 0
+    return max(0, int(value or 0))

@@ -447,6 +447,11 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE api_keys ADD COLUMN resume INTEGER NOT NULL DEFAULT 1 CHECK (resume IN (0, 1));
     """,
+    # 21: the tokens of each gateway instance's demand per model (issue 41: a pool scaled by
+    # tokens, a prefill pool's prompts, a decode pool's outputs); 0 from an older writer
+    """
+    ALTER TABLE demand ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0 CHECK (tokens >= 0);
+    """,
 ]
 
 

@@ -225,7 +225,9 @@ def populated(source: Location) -> Iterator[Store]:
             ("cp1", "cp1:1234", "cp1:7443", "http://cp1:8080", 1.5, 2.5),
         )
     # A standby's demand for the leader's planner.
-    s.put_demand("cp2", {"chat": (3, 1, 0, 0.25), "cold": (0, 0, 2, None)}, at=1_700_000_001.5)
+    s.put_demand(
+        "cp2", {"chat": (3, 1, 0, 0.25, 4096), "cold": (0, 0, 2, None)}, at=1_700_000_001.5
+    )
     # The planner's scale-down window of llama, and what its sleepers held of host memory.
     s.set_scale_down_window("llama", 1_700_000_002.75)
     s.set_learnt_host_memory("llama", 20480)
