@@ -314,7 +314,7 @@ class Metrics:
         self.scaling_decisions = Counter(
             "llmgw_scaling_decisions_total",
             "The planner's changes of a model's replica count, by direction (up, down) and "
-            "reason (demand, ttft_slo, min, idle).",
+            "reason (demand: requests; tokens; ttft_slo, bounds, idle).",
             ("model", "direction", "reason"),
         )
 

@@ -6,11 +6,13 @@ Runs on the leader, once a second and at once when a request starts waiting for 
 no ready replica (a cold start). Demand is what the gateways see (requests in flight, queued
 for a place, waiting for a replica to exist; :class:`~llmgw.server.gateway.capacity.Demand`),
 summed over the instances whose figures reach the leader. Up: at once, to what demand asks
-(``ceil(demand / target_inflight)`` within min and max), one more while the TTFT p90 is over
-``ttft_slo``. Down: only after demand stayed below the current count for
+(``ceil(demand / target_inflight)`` within min and max; with ``target_tokens``, the larger
+of that and ``ceil(tokens / target_tokens)``: a prefill pool by the prompt tokens waiting
+for or under prefill, a decode pool by the output tokens in flight), one more while the TTFT
+p90 is over ``ttft_slo``. Down: only after demand stayed below the current count for
 ``scale_down_after``, one replica at a time (each step waits the window again), and the
 scheduler drains the replica it retires before stopping it (make-before-break). Every change
-is an event with its figures. A model with a fixed count is never touched.
+is an event with its figures, naming the one that asked (requests or tokens). A model with a fixed count is never touched.
 
 The count it sets is the model's stored ``replicas``: a new leader starts from it (nothing
 restarted, nothing flaps). Each model's scale-down window is in the store too (wall-clock
@@ -78,6 +80,7 @@ class Plan:
                 "queued": self.demand.queued,
                 "waiting": self.demand.waiting,
                 "ttft_p90": self.demand.ttft_p90,
+                "tokens": self.demand.tokens,
             },
             "wanted": self.wanted,
             "holding": self.holding,
@@ -245,8 +248,11 @@ class Planner:
 
     def _plan_model(self, model: Model, policy: ScalingPolicy, demand: Demand) -> Plan:
         current = model.replicas
-        wanted = policy.wanted(demand.total)
-        reason = "demand"
+        wanted = policy.wanted(demand.total, demand.tokens)
+        # The figure that asks for the count: the tokens when they ask for more replicas
+        # than the requests do (a few long prompts), else the requests.
+        by_tokens = policy.by_tokens(demand.tokens) > policy.by_requests(demand.total)
+        reason = "tokens" if by_tokens else "demand"
         slow = (
             policy.ttft_slo is not None
             and demand.ttft_p90 is not None
@@ -262,7 +268,7 @@ class Planner:
         holding = self._holding(model, policy, demand, wanted)
         if wanted > current:
             self._end_window(model.name)
-            self._set(model, current, wanted, policy, demand, reason)
+            self._set(model, current, wanted, policy, demand, reason, by_tokens)
             return Plan(policy, demand, wanted, wanted, holding)
         if wanted == current:
             self._end_window(model.name)
@@ -279,12 +285,13 @@ class Planner:
         step = policy.clamp(current - 1) if reason != "bounds" else wanted
         if since != now:
             self._start_window(model.name, now)  # the next step waits the window again
-        self._set(model, current, step, policy, demand, "idle" if reason == "demand" else reason)
+        idle = reason in ("demand", "tokens")
+        self._set(model, current, step, policy, demand, "idle" if idle else reason, by_tokens)
         return Plan(policy, demand, wanted, step, holding)
 
     def _holding(self, model: Model, policy: ScalingPolicy, demand: Demand, wanted: int) -> str:
         """Why the count stays under what demand asks for, as an operator reads it."""
-        asked = -(-demand.total // policy.target_inflight) if demand.total else 0
+        asked = policy.asked(demand.total, demand.tokens)
         if asked > policy.max:
             return f"max reached ({policy.max})"
         reason = self.why_unplaceable(model.name)
@@ -300,10 +307,11 @@ class Planner:
         policy: ScalingPolicy,
         demand: Demand,
         reason: str,
+        by_tokens: bool = False,
     ) -> None:
         self.store.set_replicas(model.name, count)
         direction = "up" if count > current else "down"
-        figures = f"{demand.describe()}, target {policy.target_inflight} per replica"
+        figures = _figures(policy, demand, by_tokens)
         if reason == "ttft_slo":
             assert demand.ttft_p90 is not None and policy.ttft_slo is not None
             figures += (
@@ -324,3 +332,20 @@ class Planner:
             self.metrics.scaling_decisions.inc((model.name, direction, reason))
             self.metrics.desired_replicas.set((model.name,), count)
         self.kick_scheduler()
+
+
+def _figures(policy: ScalingPolicy, demand: Demand, by_tokens: bool) -> str:
+    """The figures of a scale event, the one that asked first: the requests and their target
+    (the tokens beside them when the policy has a ``target_tokens``), or the tokens and
+    theirs."""
+    if policy.target_tokens is None:
+        return f"{demand.describe()}, target {policy.target_inflight} per replica"
+    if by_tokens:
+        return (
+            f"{demand.tokens} tokens ({demand.describe()}), "
+            f"target {policy.target_tokens} tokens per replica"
+        )
+    return (
+        f"{demand.describe()} ({demand.tokens} tokens), "
+        f"target {policy.target_inflight} per replica"
+    )

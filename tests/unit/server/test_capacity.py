@@ -133,3 +133,67 @@ def test_the_other_instances_demand_counts_while_fresh(tmp_path: Path) -> None:
         assert fleet_demand({}, store, "a", now=1001.5) == {}
     finally:
         store.close()
+
+
+# ------------------------------------------- tokens: a pool's prompts or outputs, per name
+
+
+def test_tokens_per_pool_from_the_replicas_places_and_the_queue() -> None:
+    """A prefill pool's tokens are its requests' prompts on its replicas and in its queue;
+    a decode pool's their outputs; each name counted apart, taken back with the place."""
+    from llmgw.server.common.metrics import Metrics
+    from llmgw.server.gateway.queueing import Admission
+
+    async def body() -> None:
+        router = Router()
+        prefill = _ready(router, "m#prefill", "p1")
+        decode = _ready(router, "m#decode", "d1")
+        admission = Admission(router, lambda _m: 1, Metrics())
+        capacity = Capacity(
+            router,
+            RequestHistory(),
+            queued=admission.depth,
+            queued_tokens=admission.queued_tokens,
+        )
+        assert capacity.demand() == {}
+        held = admission.try_acquire("m#prefill", tokens=8000)
+        assert held is prefill and prefill.tokens == 8000
+        # The pool's one place is taken: two prompts wait for it.
+        waiting = [
+            asyncio.create_task(
+                admission.acquire("m#prefill", key, 1, frozenset(), 5, tokens=tokens)
+            )
+            for key, tokens in (("a", 6000), ("b", 100))
+        ]
+        await asyncio.sleep(0.01)
+        on_decode = admission.try_acquire("m#decode", tokens=512)
+        assert on_decode is decode
+        demand = capacity.demand()
+        assert demand["m#prefill"] == Demand(inflight=1, queued=2, tokens=14_100)
+        assert demand["m#decode"] == Demand(inflight=1, tokens=512)
+        # A waiter that leaves (its client gone) no longer counts.
+        waiting[1].cancel()
+        await asyncio.sleep(0.01)
+        assert capacity.demand()["m#prefill"].tokens == 14_000
+        # The place goes on to the next waiter with its tokens; the released ones are gone.
+        admission.release(prefill, tokens=8000)
+        assert await asyncio.wait_for(waiting[0], 1) is prefill
+        assert prefill.tokens == 6000
+        assert capacity.demand()["m#prefill"] == Demand(inflight=1, tokens=6000)
+        admission.release(prefill, tokens=6000)
+        admission.release(decode, tokens=512)
+        assert capacity.demand() == {}
+
+    asyncio.run(body())
+
+
+def test_tokens_add_up_over_instances_and_in_the_fleets_demand(tmp_path: Path) -> None:
+    assert Demand(1, 0, 0, None, 300) + Demand(2, 1, 0, None, 700) == Demand(3, 1, 0, None, 1000)
+    store = Store.open(tmp_path / "state.db")
+    try:
+        store.put_demand("b", {"m#prefill": (1, 2, 0, None, 9000)}, at=1000.0)
+        own = {"m#prefill": Demand(inflight=1, tokens=1000)}
+        total = fleet_demand(own, store, "a", now=1001.0)
+        assert total == {"m#prefill": Demand(2, 2, 0, None, 10_000)}
+    finally:
+        store.close()

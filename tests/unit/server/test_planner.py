@@ -192,6 +192,7 @@ def test_the_plan_says_what_placement_holds_back(rig: Rig) -> None:
         "queued": 0,
         "waiting": 1,
         "ttft_p90": None,
+        "tokens": 0,
     }
 
 
@@ -307,3 +308,71 @@ def test_a_stored_start_ahead_of_this_instances_clock_starts_the_window_now(rig:
     planner = rig.new_leader(clock=1.0)
     planner.plan()
     assert planner.plans["m"].holding == "cooling down: 1m before one fewer"
+
+
+# ------------------------------------------- pools by tokens (target_tokens)
+
+
+def test_a_prefill_pool_scales_up_on_queued_prompt_tokens_requests_alone_would_not(
+    rig: Rig,
+) -> None:
+    policy = ScalingPolicy(min=1, max=8, target_inflight=8, target_tokens=8000)
+    rig.deploy("m#prefill", policy, replicas=1)
+    # Three 8k prompts (one under prefill, two queued): 3 requests ask for one replica, their
+    # 24,500 tokens for four.
+    rig.demand["m#prefill"] = Demand(inflight=1, queued=2, tokens=24_500)
+    rig.planner.plan()
+    assert rig.count("m#prefill") == 4
+    assert rig.events("scaled_up") == [
+        "m#prefill 1 → 4: 24500 tokens (1 in flight + 2 queued), target 8000 tokens per replica"
+    ]
+    assert rig.metrics.scaling_decisions.values[("m#prefill", "up", "tokens")] == 1
+    assert rig.planner.plans["m#prefill"].to_json()["demand"]["tokens"] == 24_500  # type: ignore[index]
+    # Without target_tokens the same demand is requests alone: nothing moves.
+    rig.deploy("n#prefill", ScalingPolicy(min=1, max=8, target_inflight=8), replicas=1)
+    rig.demand["n#prefill"] = Demand(inflight=1, queued=2, tokens=24_500)
+    rig.planner.plan()
+    assert rig.count("n#prefill") == 1
+
+
+def test_a_decode_pool_scales_on_tokens_in_flight_and_down_after_the_window(rig: Rig) -> None:
+    policy = ScalingPolicy(
+        min=1, max=8, target_inflight=64, target_tokens=4096, scale_down_after=300
+    )
+    rig.deploy("m#decode", policy, replicas=1)
+    rig.demand["m#decode"] = Demand(inflight=10, tokens=10_000)  # ceil(10000 / 4096) = 3
+    rig.planner.plan()
+    assert rig.count("m#decode") == 3
+    assert rig.events("scaled_up")[0].startswith("m#decode 1 → 3: 10000 tokens")
+    # The streams end: a few short ones left; the tokens ask one, down after the window.
+    rig.demand["m#decode"] = Demand(inflight=2, tokens=300)
+    rig.planner.plan()
+    assert rig.count("m#decode") == 3
+    assert rig.planner.plans["m#decode"].holding == "cooling down: 5m before one fewer"
+    rig.now += 300
+    rig.planner.plan()
+    assert rig.count("m#decode") == 2  # one step
+    assert rig.events("scaled_down") == [
+        "m#decode 3 → 2: 2 in flight + 0 queued (300 tokens), target 64 per replica; "
+        "low for 5m"
+    ]
+
+
+def test_requests_still_ask_when_they_ask_more_than_the_tokens(rig: Rig) -> None:
+    policy = ScalingPolicy(min=0, max=8, target_inflight=4, target_tokens=100_000)
+    rig.deploy("m", policy, replicas=0)
+    rig.demand["m"] = Demand(inflight=10, tokens=2000)
+    rig.planner.plan()
+    assert rig.count("m") == 3  # ceil(10 / 4)
+    assert rig.events("scaled_up") == [
+        "m 0 → 3: 10 in flight + 0 queued (2000 tokens), target 4 per replica"
+    ]
+    assert rig.metrics.scaling_decisions.values[("m", "up", "demand")] == 1
+
+
+def test_max_reached_by_tokens_is_said(rig: Rig) -> None:
+    rig.deploy("m#prefill", ScalingPolicy(min=0, max=2, target_tokens=1000), replicas=0)
+    rig.demand["m#prefill"] = Demand(queued=1, tokens=50_000)
+    rig.planner.plan()
+    assert rig.count("m#prefill") == 2
+    assert rig.planner.plans["m#prefill"].holding == "max reached (2)"
