@@ -15,6 +15,7 @@ from llmgw.cli.ctl.context import Ctl, pass_ctl
 from llmgw.cli.ctl.output import echo_json, table
 from llmgw.contracts.catalog import load_catalog
 from llmgw.contracts.disagg import ROLES, split_pool
+from llmgw.contracts.scaling import MAX_TARGET_TOKENS
 from llmgw.engines.registry import engine_names
 
 __all__ = ["deploy", "models", "replicas", "undeploy"]
@@ -229,6 +230,27 @@ def _desired(m: dict[str, Any]) -> str:
     help="With MIN-MAX: requests in flight plus queued one replica is meant to carry (default 8).",
 )
 @click.option(
+    "--target-tokens",
+    type=click.IntRange(1, MAX_TARGET_TOKENS),
+    default=None,
+    help="With MIN-MAX: output tokens being generated one replica is meant to carry; it "
+    "scales by whichever of requests and tokens asks more (default: requests alone).",
+)
+@click.option(
+    "--prefill-target-tokens",
+    type=click.IntRange(1, MAX_TARGET_TOKENS),
+    default=None,
+    help="With --prefill MIN-MAX: prompt tokens waiting for or under prefill one prefill "
+    "replica is meant to carry.",
+)
+@click.option(
+    "--decode-target-tokens",
+    type=click.IntRange(1, MAX_TARGET_TOKENS),
+    default=None,
+    help="With --decode MIN-MAX: output tokens being generated one decode replica is meant "
+    "to carry.",
+)
+@click.option(
     "--ttft-slo",
     type=Duration(minimum=0.001),
     default=None,
@@ -288,6 +310,9 @@ def deploy(
     prefill: str | None,
     decode: str | None,
     target_inflight: int | None,
+    target_tokens: int | None,
+    prefill_target_tokens: int | None,
+    decode_target_tokens: int | None,
     ttft_slo: float | None,
     scale_down_after: float | None,
     cold_start_timeout: float | None,
@@ -301,8 +326,15 @@ def deploy(
     or change its replica count (a fixed N, or MIN-MAX by demand); a disaggregated
     profile's pools with --prefill and --decode."""
     _refuse_pool(model, "deploy")
+    pool_tokens = {"prefill": prefill_target_tokens, "decode": decode_target_tokens}
+    for role, value in (("prefill", prefill), ("decode", decode)):
+        if value is None and pool_tokens[role] is not None:
+            raise click.UsageError(
+                f"--{role}-target-tokens goes with --{role} MIN-MAX (e.g. --{role} 1-4): it "
+                "is part of the pool's replica policy, given whole each time"
+            )
     pools = {
-        role: _pool_option(role, value)
+        role: _pool_option(role, value, pool_tokens[role])
         for role, value in (("prefill", prefill), ("decode", decode))
         if value is not None
     }
@@ -313,6 +345,7 @@ def deploy(
         )
     scaling = {
         "target_inflight": target_inflight,
+        "target_tokens": target_tokens,
         "ttft_slo": ttft_slo,
         "scale_down_after": scale_down_after,
         "cold_start_timeout": cold_start_timeout,
@@ -376,12 +409,18 @@ def _count_text(m: dict[str, Any]) -> str:
     return f"{m['replicas']} replicas"
 
 
-def _pool_option(role: str, value: str) -> int | dict[str, Any]:
-    """--prefill/--decode N|MIN-MAX as the API's ``pools`` takes each."""
+def _pool_option(role: str, value: str, target_tokens: int | None = None) -> int | dict[str, Any]:
+    """--prefill/--decode N|MIN-MAX (with --ROLE-target-tokens) as the API's ``pools``
+    takes each."""
+    scaling = {} if target_tokens is None else {"target_tokens": target_tokens}
     try:
-        count = _replicas_option(value, {})
+        count = _replicas_option(value, scaling)
     except click.BadParameter as exc:
         raise click.BadParameter(exc.message, param_hint=f"--{role}") from None
+    except click.UsageError as exc:
+        # Said in --replicas's words: the pool's own flags named instead.
+        message = exc.message.replace("--target-tokens", f"--{role}-target-tokens")
+        raise click.UsageError(message.replace("--replicas", f"--{role}")) from None
     assert count is not None
     return count
 

@@ -346,6 +346,5 @@ def _figures(policy: ScalingPolicy, demand: Demand, by_tokens: bool) -> str:
             f"target {policy.target_tokens} tokens per replica"
         )
     return (
-        f"{demand.describe()} ({demand.tokens} tokens), "
-        f"target {policy.target_inflight} per replica"
+        f"{demand.describe()} ({demand.tokens} tokens), target {policy.target_inflight} per replica"
     )

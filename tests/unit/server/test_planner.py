@@ -353,8 +353,7 @@ def test_a_decode_pool_scales_on_tokens_in_flight_and_down_after_the_window(rig:
     rig.planner.plan()
     assert rig.count("m#decode") == 2  # one step
     assert rig.events("scaled_down") == [
-        "m#decode 3 → 2: 2 in flight + 0 queued (300 tokens), target 64 per replica; "
-        "low for 5m"
+        "m#decode 3 → 2: 2 in flight + 0 queued (300 tokens), target 64 per replica; low for 5m"
     ]
 
 

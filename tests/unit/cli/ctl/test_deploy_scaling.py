@@ -114,3 +114,27 @@ def test_prefetch_without_replicas_is_refused_and_sends_nothing() -> None:
     assert result.exit_code == 2, result.output
     assert "--prefetch goes with --replicas MIN-MAX (e.g. --replicas 0-8) or N" in result.output
     assert api.calls == []
+
+
+def test_target_tokens_goes_into_a_range_policy_and_is_refused_without_one() -> None:
+    api = FakeAPI(_answer)
+    result = api.ctl("deploy", "m", "--replicas", "0-8", "--target-tokens", "32000")
+    assert result.exit_code == 0, result.output
+    assert api.calls == [
+        (
+            "POST",
+            "/api/models",
+            {"name": "m", "replicas": {"min": 0, "max": 8, "target_tokens": 32000}},
+        )
+    ]
+    for args, words in (
+        (("--target-tokens", "100"), "--target-tokens goes with --replicas MIN-MAX"),
+        (("--replicas", "2", "--target-tokens", "100"), "give --replicas as MIN-MAX (e.g. 0-2)"),
+        (("--replicas", "0-2", "--target-tokens", "0"), "--target-tokens"),
+        (("--replicas", "0-2", "--target-tokens", "many"), "'many' is not a valid integer"),
+    ):
+        api = FakeAPI(_answer)
+        result = api.ctl("deploy", "m", *args)
+        assert result.exit_code == 2, (args, result.output)
+        assert words in result.output, (args, result.output)
+        assert api.calls == [], args

@@ -103,6 +103,19 @@ def test_deploy_sends_each_pools_count() -> None:
     assert "deployed m: prefill 2 replicas, decode 1-4 replicas by demand (1 now)" in result.output
 
 
+def test_deploy_sends_each_pools_target_tokens() -> None:
+    api = FakeAPI(_deployed)
+    result = api.ctl(
+        "deploy", "m", "--prefill", "1-4", "--prefill-target-tokens", "16000",
+        "--decode", "1-8", "--decode-target-tokens", "4096",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert api.calls[0][2]["pools"] == {
+        "prefill": {"min": 1, "max": 4, "target_tokens": 16000},
+        "decode": {"min": 1, "max": 8, "target_tokens": 4096},
+    }
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -112,6 +125,15 @@ def test_deploy_sends_each_pools_count() -> None:
         (["deploy", "m", "--replicas", "2", "--decode", "3"], "give --prefill/--decode, or"),
         (["deploy", "m", "--decode", "3-x"], "--decode"),
         (["deploy", "m", "--prefill", "1001"], "Invalid value for --prefill: '1001'"),
+        (
+            ["deploy", "m", "--prefill-target-tokens", "8000"],
+            "--prefill-target-tokens goes with --prefill MIN-MAX",
+        ),
+        (
+            ["deploy", "m", "--decode", "3", "--decode-target-tokens", "8000"],
+            "--decode-target-tokens tunes scaling by demand; give --decode as MIN-MAX",
+        ),
+        (["deploy", "m", "--prefill", "1-2", "--prefill-target-tokens", "0"], "0 is not in"),
     ],
 )
 def test_refusals_before_anything_is_sent(args: list[str], message: str) -> None:

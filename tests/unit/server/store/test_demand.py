@@ -13,7 +13,11 @@ from llmgw.server.store.demand import DemandRow
 def test_the_rows_carry_their_tokens_and_replace_what_was_said(store: Store) -> None:
     store.put_demand(
         "cp2",
-        {"m#prefill": (2, 3, 0, 0.5, 48_000), "m#decode": (4, 0, 0, None, 1024), "x": (1, 0, 0, None)},
+        {
+            "m#prefill": (2, 3, 0, 0.5, 48_000),
+            "m#decode": (4, 0, 0, None, 1024),
+            "x": (1, 0, 0, None),
+        },
         at=1000.0,
     )
     rows = store.list_demand(since=999.0, excluding="cp1")
