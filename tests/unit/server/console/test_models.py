@@ -608,3 +608,51 @@ def test_a_disaggregated_models_page_scales_each_pool_with_the_same_refusals(
         2,
         3,
     )
+
+
+def test_a_pools_target_tokens_is_shown_and_kept_when_the_console_scales_it(
+    rig: ConsoleRig, store: Store
+) -> None:
+    """A pool scaled by tokens says its target on the model's page; scaling it to another
+    range through the console keeps the target (the rest of its policy)."""
+    split = {
+        "engine": "sim",
+        "gpus": 1,
+        "disaggregated": {"prefill": {"gpus": 1}, "decode": {"gpus": 1}},
+    }
+    store.put_catalog_model("pd", {"split": split})
+
+    async def scenario(b: Browser) -> tuple[str, int, str]:
+        await b.login()
+        await deploy(b, name="pd", profile="split")
+        store.set_scaling("pd#prefill", {"min": 1, "max": 2, "target_tokens": 16000}, replicas=1)
+        _, page, _ = await b.get("/ui/models/pd")
+        status, _, _ = await b.post("/ui/models/pd/scale", {"csrf": b.csrf, "prefill": "1-6"})
+        _, after, _ = await b.get("/ui/models/pd")
+        return page, status, after
+
+    page, status, after = rig.run(scenario)
+    assert re.search(
+        r'id="model-pool-prefill">[^<]*1-2 by demand \(<span class="target-tokens">16000 '
+        r"prompt tokens each</span>",
+        page,
+    )
+    assert status == 303
+    assert store.get_model("pd#prefill").scaling["target_tokens"] == 16000
+    assert store.get_model("pd#prefill").scaling["max"] == 6
+    assert '1-6 by demand (<span class="target-tokens">16000 prompt tokens each' in after
+
+
+def test_a_models_target_tokens_is_shown_beside_its_target_inflight(
+    rig: ConsoleRig, store: Store
+) -> None:
+    store.deploy_model("chat", profile="small", replicas=1)
+    store.set_scaling("chat", {"min": 0, "max": 3, "target_tokens": 4096}, replicas=1)
+
+    async def scenario(b: Browser) -> str:
+        await b.login()
+        _, page, _ = await b.get("/ui/models/chat")
+        return page
+
+    page = rig.run(scenario)
+    assert 'id="model-scaling">0-3 replicas, 8 in flight or 4096 output tokens each' in page
