@@ -615,3 +615,50 @@ def test_the_metrics_are_exported() -> None:
             assert name in text_
 
     run(body, decode=1)
+
+
+# -- the tokens each pool carries, for the planner's target_tokens ----------------------------
+
+
+def test_a_prefill_weighs_its_prompt_on_its_pool_until_it_answers() -> None:
+    async def body(rig: Rig) -> None:
+        prefills = rig.gateway.router.endpoints("m#prefill")
+        asked = asyncio.ensure_future(chat(rig))
+        for _ in range(100):  # until the prefill is on p0 (which hangs)
+            await asyncio.sleep(0.01)
+            if rig.replica("p0").got:
+                break
+        demand = rig.gateway.capacity.demand()
+        prompt = demand["m#prefill"].tokens
+        assert prompt > 0 and prompt == sum(ep.tokens for ep in prefills)
+        assert demand["m#prefill"].inflight == 1
+        assert "m#decode" not in demand  # nothing decodes yet
+        answer = await asyncio.wait_for(asked, 10)
+        assert answer.choices[0].message.content == text(8)
+        # Everything charged was given back: the retried prefill's and the decode's.
+        assert [ep.tokens for ep in rig.gateway.router.endpoints()] == [0, 0, 0, 0]
+        assert "m#prefill" not in rig.gateway.capacity.demand()
+
+    run(body, fails={"p0": ["hang"]}, idle_timeout=0.5)
+
+
+def test_a_decode_weighs_its_output_on_its_pool_while_it_runs() -> None:
+    async def body(rig: Rig) -> None:
+        decodes = rig.gateway.router.endpoints("m#decode")
+        seen: list[int] = []
+        # The engines answer at once: the decode's weight is read as its place is taken.
+        admission = rig.gateway.admission
+        take = admission.try_acquire
+
+        def spying(model: str, *args: Any, **kw: Any) -> Endpoint | None:
+            ep = take(model, *args, **kw)
+            if ep is not None and model == "m#decode":
+                seen.append(rig.gateway.capacity.demand()["m#decode"].tokens)
+            return ep
+
+        admission.try_acquire = spying  # type: ignore[method-assign]
+        await chat(rig)  # max_completion_tokens 8
+        assert seen == [8]
+        assert [ep.tokens for ep in decodes] == [0, 0]
+
+    run(body)
