@@ -79,8 +79,12 @@ class Dozing:
         # The nodes the sleepers' host memory gauge was last set for.
         self._shown: set[str] = set()
 
-    def step(self, demand_of: Mapping[str, int]) -> None:
-        """One pass: ``demand_of`` is each model's demand (in flight, queued, waiting)."""
+    def step(
+        self, demand_of: Mapping[str, int], tokens_of: Mapping[str, int] | None = None
+    ) -> None:
+        """One pass: ``demand_of`` is each model's demand (in flight, queued, waiting),
+        ``tokens_of`` its tokens (what a policy's target_tokens weighs; None: none)."""
+        tokens_of = tokens_of or {}
         store = self.store
         sleepy = [(m, *sleeping(m)) for m in store.list_models()]
         sleepy = [(m, policy, level) for m, policy, level in sleepy if policy and level]
@@ -103,7 +107,8 @@ class Dozing:
             assert policy is not None
             mine = replicas.get(model.name, [])
             seen.update(r.id for r in mine)
-            wanted = policy.wanted(demand_of.get(model.name, 0)) if demand_of.get(model.name) else 0
+            asked, tokens = demand_of.get(model.name, 0), tokens_of.get(model.name, 0)
+            wanted = policy.wanted(asked, tokens) if asked or tokens else 0
             awake = [r for r in mine if r.state in _AWAKE]
             asleep = [r for r in mine if r.state == ReplicaState.ASLEEP]
             for replica in asleep[: max(0, wanted - len(awake))]:

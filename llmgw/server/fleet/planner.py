@@ -188,7 +188,10 @@ class Planner:
         if self.preemption is not None:
             self.preemption.step({name: plan.demand for name, plan in plans.items()})
         if self.dozing is not None:
-            self.dozing.step({name: plan.demand.total for name, plan in plans.items()})
+            self.dozing.step(
+                {name: plan.demand.total for name, plan in plans.items()},
+                {name: plan.demand.tokens for name, plan in plans.items()},
+            )
         self._refuse_the_waiting(plans)
 
     def _read_windows(self) -> None:

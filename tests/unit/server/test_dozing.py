@@ -80,6 +80,30 @@ def test_a_busy_replica_or_one_demand_needs_stays_awake(cp: SchedulerRig) -> Non
     assert cp.store.get_replica(a.id).state == ReplicaState.READY
 
 
+def test_tokens_a_policy_weighs_keep_a_replica_awake(cp: SchedulerRig) -> None:
+    # One request (it asks for one replica) carrying tokens that ask for two: neither idle
+    # replica sleeps; without the tokens the idle one would.
+    _join(cp, 2)
+    policy = ScalingPolicy(min=0, max=2, target_inflight=4, target_tokens=1000, sleep_after=1)
+    _deploy(cp, "m", policy, 2)
+    scheduler = cp.scheduler()
+    scheduler.reconcile()
+    a, b = cp.store.list_replicas("m")
+    _set(cp, a.id, ShardState.READY)
+    _set(cp, b.id, ShardState.READY)
+    cp.router.inflight[a.id] = 1
+    _orders(cp)
+    now = [0.0]
+    dozing = Dozing(scheduler, clock=lambda: now[0])
+    dozing.step({"m": 1}, {"m": 1500})
+    now[0] += 10
+    dozing.step({"m": 1}, {"m": 1500})
+    assert _orders(cp) == []
+    dozing.step({"m": 1}, {"m": 500})  # the tokens ask for one now: the idle one sleeps
+    assert [k for k, _ in _orders(cp)] == ["sleep_shard"]
+    assert cp.store.get_replica(b.id).state == ReplicaState.FALLING_ASLEEP
+
+
 def _asleep_with_an_occupant(cp: SchedulerRig, mine: str, theirs: str) -> tuple[Any, Any, Dozing]:
     """``mine`` asleep on n1's one GPU; ``theirs`` placed on that GPU meanwhile, ready."""
     _join(cp)
