@@ -187,3 +187,20 @@ def test_pool_names_are_no_model_name_a_client_gives() -> None:
 def test_a_pools_engines_answer_to_the_models_name() -> None:
     assert served_name("llama:8b#prefill") == served_name("llama:8b#decode") == "llama:8b"
     assert served_name("llama:8b") == "llama:8b"
+
+
+def test_each_pool_takes_its_own_target_tokens() -> None:
+    value = {
+        "prefill": {"gpus": 1, "replicas": {"min": 1, "max": 4, "target_tokens": 16000}},
+        "decode": {"gpus": 1, "replicas": {"min": 1, "max": 8, "target_tokens": 4096}},
+    }
+    parsed = parse_disaggregated(value, key="d", engine="vllm")
+    assert isinstance(parsed.prefill.replicas, ScalingPolicy)
+    assert isinstance(parsed.decode.replicas, ScalingPolicy)
+    assert (parsed.prefill.replicas.target_tokens, parsed.decode.replicas.target_tokens) == (
+        16000,
+        4096,
+    )
+    bad = {**value, "decode": {"gpus": 1, "replicas": {"min": 1, "max": 8, "target_tokens": 0}}}
+    with pytest.raises(ConfigError, match=r"d\.decode\.replicas\.target_tokens: must be a whole"):
+        parse_disaggregated(bad, key="d", engine="vllm")

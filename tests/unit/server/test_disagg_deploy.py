@@ -132,6 +132,21 @@ def test_overrides_set_each_pool_and_a_redeploy_keeps_them(ctx: SimpleNamespace)
     assert ctx.store.get_model("m#decode").scaling["max"] == 6
 
 
+def test_each_pools_target_tokens_is_stored_with_its_policy(ctx: SimpleNamespace) -> None:
+    pools = {
+        "prefill": {"min": 1, "max": 4, "target_tokens": 16000},
+        "decode": {"min": 1, "max": 8, "target_tokens": 4096},
+    }
+    _deploy(ctx, profile="pd", pools=pools)
+    assert ctx.store.get_model("m#prefill").scaling["target_tokens"] == 16000
+    assert ctx.store.get_model("m#decode").scaling["target_tokens"] == 4096
+    event = ctx.store.list_events(limit=1)[0]
+    assert "1-4 by demand (8 in flight or 16000 tokens each)" in event.message
+    with pytest.raises(BadRequest, match=r"pools\.decode\.target_tokens: must be a whole"):
+        _deploy(ctx, pools={"decode": {"min": 1, "max": 8, "target_tokens": -1}})
+    assert ctx.store.get_model("m#decode").scaling["target_tokens"] == 4096  # unchanged
+
+
 def test_switching_to_aggregated_removes_the_pools_and_back(
     ctx: SimpleNamespace, cp: SchedulerRig
 ) -> None:
