@@ -5,6 +5,7 @@ placed, and gone from the count when they leave."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -197,3 +198,29 @@ def test_tokens_add_up_over_instances_and_in_the_fleets_demand(tmp_path: Path) -
         assert total == {"m#prefill": Demand(2, 2, 0, None, 10_000)}
     finally:
         store.close()
+
+
+def test_a_standby_publishes_its_tokens_for_the_leader(tmp_path: Path) -> None:
+    async def body() -> None:
+        router, capacity, _ = _capacity({"m#decode": 1})
+        ep = _ready(router, "m#decode")
+        ep.inflight, ep.tokens = 2, 700
+        store = Store.open(tmp_path / "state.db")
+        task = asyncio.create_task(capacity.publish(store, "standby"))
+        try:
+            await asyncio.sleep(0.05)  # its first write is at once
+            (row,) = store.list_demand(since=0)
+            assert (row.instance, row.model, row.inflight, row.queued, row.tokens) == (
+                "standby",
+                "m#decode",
+                2,
+                1,
+                700,
+            )
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            store.close()
+
+    asyncio.run(body())
