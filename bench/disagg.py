@@ -1,0 +1,658 @@
+#!/usr/bin/env python3
+"""Benchmark: disaggregated prefill/decode against aggregated serving, on the same sim GPUs.
+
+A real ``llmgw server`` with one real agent whose eight GPUs are simulated (the
+``eight-h100`` nvidia-smi fixture), serving sim replicas of one GPU each, in turn:
+
+- aggregated: ``--gpus`` replicas (default 8), each prefilling and decoding;
+- disaggregated, for each ``--splits`` P:D (default 4:4, 5:3, 6:2): a profile with
+  ``disaggregated: {prefill: {gpus: 1, replicas: P}, decode: {gpus: 1, replicas: D}}``, the
+  gateway driving the hand-over (vLLM's protocol: a prefill with ``max_tokens: 1`` whose
+  ``kv_transfer_params`` the decode request carries) and the decode replicas pulling the
+  prompt's KV over a real TCP connection, ``kv_bytes_per_token`` bytes a token.
+
+Costs as bench/routing.py's (0.1 ms a prompt token, 10 ms a generated token), with the sim's
+step model ON in both arms (``step_model``: every decoding stream advances one token a step;
+a step lasts 1/tps plus the prompt tokens prefilled in it, at most ``prefill_chunk`` = 2,048
+of them, vLLM's chunked prefill): a long prompt on an aggregated replica stretches the steps
+of every stream decoding beside it, which is what disaggregation removes. The splits lean
+to prefill because the sim's decode step costs the same whatever its batch: decode takes
+few GPUs here, prefill most.
+
+Time is dilated ``--scale`` times (default 6): every cost above runs that much slower, so
+that two shared cores can relay every token of hundreds of streams (each token is a wake-up
+of the sim, the agent, the gateway and the client); every figure is shown back in the GPU's
+time (measured times divided by the scale, rates multiplied by it), and the SLOs are the
+GPU's. The KV is ``--kv-bytes-per-token`` (default 4 KiB, 1/32 of Llama-3-8B's 128 KiB in
+fp16) on loopback, so that its copy stays cheap on these cores; its time is measured.
+
+The workload: ``--long-share`` (default 0.1) of 8,192-token prompts among short chat turns
+of 100-300 tokens, each answer 100-200 tokens (``ignore_eos``), every prompt unique (no
+prefix cache help); Poisson arrivals at ``--loads`` (default 50/70/90%) of the aggregated
+capacity (prefill-bound: a saturated replica's steps each prefill a whole chunk; or the
+streams' slots, whichever is less); the same arrivals for every arm. Each request is a
+streamed chat completion through the gateway with the official ``openai`` client; the
+client stamps each content chunk on arrival. The first ``--warmup`` share of each phase's
+arrivals is not counted. Then the counter-case (``--counter``, default 20%): short prompts
+only, at that share of their own capacity: where disaggregation does not help.
+
+Reported per arm and load: TTFT p50/p90, inter-token latency p50/p99 (between content chunks
+of a stream), output tokens/s, the hand-over p50/p99 (the gateway's
+``llmgw_disagg_handover_seconds``: the prefill's answer to the decode's first token, the KV
+pull and a first step, interpolated within its buckets), goodput (requests per second with
+TTFT <= 2 s and every inter-token gap <= 50 ms, GPU time), failed requests and the gateway's
+aggregated fallbacks (``llmgw_disagg_fallbacks_total``). Targets (issue 41): the best
+split's ITL p99 >= 3x lower than aggregated at equal or better throughput; goodput higher at
+70% and 90%; and at low load with short prompts, no gain: TTFT worse, ITL within the SLO
+either way.
+
+It prints figures next to their targets; it is not a pass/fail test. Client, gateway, agent
+and engines share this machine's CPUs.
+
+Usage: python bench/disagg.py [--gpus 8] [--splits 4:4,5:3,6:2] [--loads 0.5,0.7,0.9]
+    [--long-share 0.1] [--counter 0.2] [--scale 8] [--duration S] [--warmup SHARE] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import openai  # noqa: E402
+
+from bench.demand import EIGHT_GPUS  # noqa: E402
+from bench.routing import PREFILL_US, TPS, words  # noqa: E402
+from bench.tenants import percentile, say  # noqa: E402
+from llmgw.contracts.disagg import pool_name  # noqa: E402
+from llmgw.engines.sim import PARAMS as SIM_PARAMS  # noqa: E402
+from tests.integration.harness import (  # noqa: E402
+    Server,
+    make_agent,
+    start_agent,
+    start_server_with,
+    stop_process,
+    wait_for,
+)
+
+LONG_TOKENS = 8192
+SHORT_TOKENS = (100, 300)
+OUTPUT_TOKENS = (100, 200)
+MAX_LENGTH = 16384  # an 8k prompt and its answer
+MAX_CONCURRENCY = 64  # streams a replica serves at once (each pool's replicas alike)
+PREFILL_CHUNK = 2048  # prompt tokens a step takes (vLLM's chunked prefill budget)
+KV_BYTES_PER_TOKEN = 4096
+TTFT_SLO = 2.0  # seconds, GPU time
+ITL_SLO = 0.050
+TARGET_ITL_RATIO = 3.0
+TRANSFER_TIMEOUT = 30.0  # GPU time; x scale in the profile
+STEP_PARAMS = ("step_model", "prefill_chunk", "kv_bytes_per_token")
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+@dataclass(frozen=True)
+class Request:
+    at: float  # seconds after the phase's start, bench time
+    prompt: str
+    long: bool
+    max_tokens: int
+
+
+@dataclass
+class Outcome:
+    request: Request
+    ttft: float | None = None  # bench seconds
+    stamps: list[float] = field(default_factory=list)  # content chunks' arrivals, perf_counter
+    output: int = 0
+    error: str = ""
+
+    @property
+    def gaps(self) -> list[float]:
+        """The inter-token latencies: between its content chunks' arrivals."""
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The sim's costs in bench time: the GPU's, ``scale`` times slower."""
+
+    scale: float
+
+    @property
+    def step_s(self) -> float:
+        return self.scale / TPS
+
+    @property
+    def prefill_s(self) -> float:  # per prompt token
+        return PREFILL_US * self.scale / 1e6
+
+    def capacity(self, long_share: float, gpus: int) -> float:
+        """Requests per second (bench time) ``gpus`` aggregated replicas serve: prefill-bound
+        (a saturated replica's steps each prefill a whole chunk beside their decode) or
+        bound by the streams' slots, whichever is less."""
+        prompt = long_share * LONG_TOKENS + (1 - long_share) * sum(SHORT_TOKENS) / 2
+        output = sum(OUTPUT_TOKENS) / 2
+        chunk_step = self.step_s + PREFILL_CHUNK * self.prefill_s
+        prefill_bound = gpus * PREFILL_CHUNK / chunk_step / prompt
+        slot_s = output * self.step_s + prompt / (PREFILL_CHUNK / chunk_step)
+        return min(prefill_bound, gpus * MAX_CONCURRENCY / slot_s)
+
+
+def arrivals(rate: float, duration: float, long_share: float, seed: int) -> list[Request]:
+    """Poisson arrivals at ``rate`` for ``duration`` s, each prompt its own words (unique:
+    its first block names the request, so no prefix is shared)."""
+    times = random.Random(seed)
+    rng = random.Random(seed + 1)
+    out: list[Request] = []
+    at = times.expovariate(rate)
+    while at < duration:
+        long = rng.random() < long_share
+        n = LONG_TOKENS if long else rng.randint(*SHORT_TOKENS)
+        head = f"Request {seed}-{len(out)}."
+        out.append(Request(at, head + " " + words(rng, n - 3), long, rng.randint(*OUTPUT_TOKENS)))
+        at += times.expovariate(rate)
+    return out
+
+
+async def one(client: openai.AsyncOpenAI, model: str, req: Request, t0: float) -> Outcome:
+    """``req`` at its time: a streamed chat completion; its chunks stamped on arrival."""
+    await asyncio.sleep(max(0.0, t0 + req.at - time.perf_counter()))
+    out = Outcome(req)
+    started = time.perf_counter()
+    try:
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": req.prompt}],
+            max_tokens=req.max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].delta.content:
+                if not out.stamps:
+                    out.ttft = now - started
+                out.stamps.append(now)
+            if chunk.usage is not None:
+                out.output = chunk.usage.completion_tokens
+    except openai.OpenAIError as exc:
+        out.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if not out.error and out.ttft is None:
+        out.error = "no content"
+    elif not out.error and out.output != req.max_tokens:  # ignore_eos: exactly max_tokens
+        out.error = f"{out.output} tokens of {req.max_tokens}"
+    return out
+
+
+async def play(url: str, key: str, model: str, reqs: list[Request]) -> tuple[list[Outcome], float]:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=600.0)
+    async with client:
+        t0 = time.perf_counter() + 0.2
+        outs = await asyncio.gather(*(one(client, model, r, t0) for r in reqs))
+    return list(outs), t0
+
+
+# --------------------------------------------------------------------------- /metrics
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+HANDOVER = "llmgw_disagg_handover_seconds_bucket"
+FALLBACKS = "llmgw_disagg_fallbacks_total"
+
+
+def scrape(server: Server, model: str) -> dict[str, Any]:
+    """The gateway's hand-over buckets (le -> count) and fallbacks (reason -> count) for
+    ``model``; empty where it exports none (an aggregated model, or a gateway without them)."""
+    buckets: dict[float, float] = {}
+    fallbacks: dict[str, float] = {}
+    for line in server.metrics().splitlines():
+        m = _SAMPLE.match(line)
+        if not m or m.group(1) not in (HANDOVER, FALLBACKS):
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        if labels.get("model") != model:
+            continue
+        if m.group(1) == HANDOVER:
+            buckets[float(labels["le"])] = buckets.get(float(labels["le"]), 0) + float(m.group(3))
+        else:
+            reason = labels.get("reason", "")
+            fallbacks[reason] = fallbacks.get(reason, 0) + float(m.group(3))
+    return {"buckets": buckets, "fallbacks": fallbacks}
+
+
+def bucket_quantile(buckets: dict[float, float], q: float) -> float:
+    """The ``q`` quantile (0-1) of a cumulative histogram, linear within its bucket (as
+    Prometheus' histogram_quantile); NaN when empty."""
+    edges = sorted(buckets)
+    if not edges or buckets[edges[-1]] <= 0:
+        return math.nan
+    rank = q * buckets[edges[-1]]
+    lower, below = 0.0, 0.0
+    for edge in edges:
+        count = buckets[edge]
+        if count >= rank:
+            if math.isinf(edge):
+                return lower  # beyond the last finite bucket: its bound, as Prometheus
+            return lower + (edge - lower) * (
+                (rank - below) / (count - below) if count > below else 1
+            )
+        lower, below = edge, count
+    return lower
+
+
+def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    return {
+        part: {k: v - before[part].get(k, 0) for k, v in after[part].items()}
+        for part in ("buckets", "fallbacks")
+    }
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def summary(
+    outs: list[Outcome], t0: float, duration: float, warmup: float, costs: Costs,
+    metrics: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """One phase's figures in the GPU's time (bench seconds / scale)."""
+    s = costs.scale
+    counted = [o for o in outs if o.request.at >= warmup * duration]
+    ok = [o for o in counted if not o.error]
+    window = duration * (1 - warmup) / s  # the counted arrivals' span, GPU seconds
+    ttft = [o.ttft / s for o in ok if o.ttft is not None]
+    gaps = [g / s for o in ok for g in o.gaps]
+    good = [
+        o for o in ok
+        if o.ttft is not None and o.ttft / s <= TTFT_SLO and all(g / s <= ITL_SLO for g in o.gaps)
+    ]  # fmt: skip
+    # Throughput as vLLM's benchmark_serving counts it: every answer's tokens over the
+    # phase's makespan (its first arrival to its last token), the warm-up's and the drain's
+    # included: an arm that falls behind takes longer to deliver the same tokens.
+    stamps = [t for o in outs for t in o.stamps]
+    span = (max(stamps) - t0 - min(o.request.at for o in outs)) / s if stamps else 0.0
+    fig: dict[str, Any] = {
+        "sent": len(counted),
+        "long": sum(1 for o in counted if o.request.long),
+        "ok": len(ok),
+        "failed": len(counted) - len(ok),
+        "failures": sorted({o.error for o in counted if o.error})[:3],
+        "ttft_p50_ms": round(percentile(ttft, 50) * 1000, 1),
+        "ttft_p90_ms": round(percentile(ttft, 90) * 1000, 1),
+        "itl_p50_ms": round(percentile(gaps, 50) * 1000, 1),
+        "itl_p99_ms": round(percentile(gaps, 99) * 1000, 1),
+        "output_tps": round(len(stamps) / span, 1) if span > 0 else math.nan,
+        "goodput_rps": round(len(good) / window, 2),
+        "goodput_share": round(len(good) / len(counted), 3) if counted else math.nan,
+    }
+    buckets = metrics["buckets"]
+    handed = max(buckets.values(), default=0.0)
+    fig["handovers"] = int(handed)
+    fig["handover_p50_ms"] = round(bucket_quantile(buckets, 0.5) / s * 1000, 1)
+    fig["handover_p99_ms"] = round(bucket_quantile(buckets, 0.99) / s * 1000, 1)
+    fig["fallbacks"] = int(sum(metrics["fallbacks"].values()))
+    fig["fallback_reasons"] = {k: int(v) for k, v in metrics["fallbacks"].items() if v}
+    return fig
+
+
+# --------------------------------------------------------------------------- the deployments
+
+
+def interference_params() -> list[str]:
+    """The step model's sim params this llmgw lacks (the bench needs them in both arms)."""
+    return [p for p in STEP_PARAMS if p not in SIM_PARAMS]
+
+
+def profile(costs: Costs, split: tuple[int, int] | None, kv_bytes: int) -> dict[str, Any]:
+    params = {
+        "prefill_us_per_token": PREFILL_US * costs.scale,
+        "tps": TPS / costs.scale,
+        "max_length": MAX_LENGTH,
+    }
+    if not interference_params():
+        params |= {"step_model": "true", "prefill_chunk": PREFILL_CHUNK}
+    # Unconfined: a sandbox (bwrap) changes no timing here, and the bench needs none.
+    out: dict[str, Any] = {
+        "engine": "sim",
+        "gpus": 1,
+        "max_concurrency": MAX_CONCURRENCY,
+        "sandbox": False,
+    }
+    if split is not None:
+        params["kv_bytes_per_token"] = kv_bytes
+        out["disaggregated"] = {
+            "prefill": {"gpus": 1, "replicas": split[0]},
+            "decode": {"gpus": 1, "replicas": split[1]},
+            "transfer_timeout": TRANSFER_TIMEOUT * costs.scale,
+        }
+    out["params"] = {k: str(v) for k, v in params.items()}
+    return out
+
+
+def arm_name(split: tuple[int, int] | None) -> str:
+    return "aggregated" if split is None else f"disagg {split[0]}:{split[1]}"
+
+
+def model_of(split: tuple[int, int] | None) -> str:
+    return "chat-agg" if split is None else f"chat-pd{split[0]}-{split[1]}"
+
+
+class Cluster:
+    """One ``llmgw server`` and one agent with eight simulated GPUs."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.server = start_server_with(tmp, queue_timeout=600, max_inflight_body_bytes="1GiB")
+        extra = {"discovery": {"nvidia_smi": str(EIGHT_GPUS)}}
+        self.agent = start_agent(make_agent(tmp, self.server, "node-a", extra=extra))
+        wait_for(lambda: any(n["connected"] for n in self.server.nodes()), what="the agent")
+        self.server.approve_pending(1)
+        wait_for(lambda: self.server.nodes()[0]["engines"], timeout=120, what="its engines")
+        self.key = str(self.server.api("POST", "/api/keys", {"name": "bench"})["key"])
+
+    def deploy(self, model: str, prof: dict[str, Any], split: tuple[int, int] | None,
+               gpus: int) -> None:  # fmt: skip
+        catalog = {"models": {model: {"profiles": {"default": prof}}}}
+        self.server.api("PUT", "/api/catalog", catalog)
+        body: dict[str, Any] = {"name": model, "profile": "default"}
+        if split is None:
+            body["replicas"] = gpus
+            wanted = {model: gpus}
+        else:
+            wanted = {pool_name(model, "prefill"): split[0], pool_name(model, "decode"): split[1]}
+        self.server.api("POST", "/api/models", body)
+
+        def ready() -> bool:
+            rows = self.server.replicas()
+            return all(
+                sum(1 for r in rows if r["model"] == m and r["routable"]) == n
+                for m, n in wanted.items()
+            )
+
+        wait_for(ready, timeout=180, what=f"the replicas of {model}: {wanted}")
+
+    def undeploy(self, model: str) -> None:
+        self.server.api("DELETE", f"/api/models/{model}")
+        wait_for(
+            lambda: not [r for r in self.server.replicas() if r["model"].split("#")[0] == model],
+            timeout=120,
+            what=f"{model} gone",
+        )
+
+    def stop(self) -> None:
+        if self.agent.proc is not None:
+            stop_process(self.agent.proc)
+        stop_process(self.server.proc)
+
+
+def phases_of(args: argparse.Namespace, costs: Costs) -> list[tuple[str, float, float, int]]:
+    """(label, arrivals per second (bench time), long share, seed) of each phase."""
+    cap = costs.capacity(args.long_share, args.gpus)
+    out = [(f"{load:.0%}", load * cap, args.long_share, 100 + i) for i, load in
+           enumerate(args.loads)]  # fmt: skip
+    if args.counter:
+        rate = args.counter * costs.capacity(0.0, args.gpus)
+        out.append((f"{args.counter:.0%} short only", rate, 0.0, 900))
+    return out
+
+
+def run_arms(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
+    phases = phases_of(args, costs)
+    plays = {label: arrivals(rate, args.duration, share, seed)
+             for label, rate, share, seed in phases}  # fmt: skip
+    fig: dict[str, Any] = {"phases": {}, "arms": {}}
+    for label, rate, share, _ in phases:
+        reqs = plays[label]
+        fig["phases"][label] = {
+            "rate_rps": round(rate * costs.scale, 2),
+            "long_share": share,
+            "requests": len(reqs),
+            "long": sum(1 for r in reqs if r.long),
+        }
+    cluster = Cluster(Path(tempfile.mkdtemp(prefix="llmgw-bench-disagg-")))
+    try:
+        for split in [None, *args.splits]:
+            model, name = model_of(split), arm_name(split)
+            say(f"{name}: deploying")
+            cluster.deploy(model, profile(costs, split, args.kv_bytes_per_token), split, args.gpus)
+            by_load: dict[str, Any] = {}
+            for label, *_ in phases:
+                reqs = plays[label]
+                say(f"{name} at {label}: {len(reqs)} requests over {args.duration:g} s")
+                before = scrape(cluster.server, model)
+                outs, t0 = asyncio.run(play(cluster.server.url, cluster.key, model, reqs))
+                metrics = delta(scrape(cluster.server, model), before)
+                by_load[label] = summary(outs, t0, args.duration, args.warmup, costs, metrics)
+                say(f"  {by_load[label]}")
+            fig["arms"][name] = by_load
+            cluster.undeploy(model)
+    finally:
+        cluster.stop()
+    return fig
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
+    return fmt.format(value)
+
+
+COLUMNS = (
+    ("TTFT p50", "ttft_p50_ms", "{:.0f}ms"),
+    ("p90", "ttft_p90_ms", "{:.0f}ms"),
+    ("ITL p50", "itl_p50_ms", "{:.1f}ms"),
+    ("p99", "itl_p99_ms", "{:.1f}ms"),
+    ("out tok/s", "output_tps", "{:.0f}"),
+    ("xfer p50", "handover_p50_ms", "{:.0f}ms"),
+    ("p99", "handover_p99_ms", "{:.0f}ms"),
+    ("goodput", "goodput_rps", "{:.1f}/s"),
+    ("(share)", "goodput_share", "{:.0%}"),
+    ("failed", "failed", "{}"),
+    ("fallbk", "fallbacks", "{}"),
+)
+
+
+def _best(arms: dict[str, Any], label: str, agg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The split with the lowest ITL p99 among those at the aggregated's throughput or better
+    (2% for noise); else the lowest ITL p99 of all."""
+    splits = {n: a[label] for n, a in arms.items() if n != "aggregated" and a[label].get("ok")}
+    if not splits:
+        return "", {}
+    keeps = {n: f for n, f in splits.items() if f["output_tps"] >= 0.98 * agg["output_tps"]}
+    pool = keeps or splits
+    name = min(pool, key=lambda n: pool[n]["itl_p99_ms"])
+    return name, pool[name]
+
+
+def _targets(label: str, short_only: bool, arms: dict[str, Any]) -> list[str]:
+    agg = arms.get("aggregated", {}).get(label, {})
+    if not agg.get("ok"):
+        return []
+    name, best = _best(arms, label, agg)
+    if not name:
+        return []
+    ratio = agg["itl_p99_ms"] / best["itl_p99_ms"] if best["itl_p99_ms"] else math.inf
+    tps = best["output_tps"] / agg["output_tps"] if agg["output_tps"] else math.nan
+    if short_only:
+        worse = best["ttft_p50_ms"] > agg["ttft_p50_ms"]
+        within = agg["itl_p99_ms"] <= ITL_SLO * 1000 and best["itl_p99_ms"] <= ITL_SLO * 1000
+        no_gain = best["goodput_rps"] <= agg["goodput_rps"] * 1.02
+        return [
+            f"  counter-case, {name}: TTFT p50 {best['ttft_p50_ms']:.0f} vs {agg['ttft_p50_ms']:.0f}"
+            f" ms (expected worse: {'shown' if worse else 'NOT shown'}); ITL p99 {ratio:.1f}x "
+            f"lower, both within {ITL_SLO * 1000:.0f} ms: {'yes' if within else 'NO'}; goodput "
+            f"{best['goodput_rps']:.1f} vs {agg['goodput_rps']:.1f}/s (expected no gain: "
+            f"{'shown' if no_gain else 'NOT shown'})"
+        ]
+    lines = [
+        f"  best split {name}: ITL p99 {ratio:.1f}x lower at {tps:.2f}x the throughput "
+        f"(target >= {TARGET_ITL_RATIO:g}x at >= 1x: {_met(ratio >= TARGET_ITL_RATIO and tps >= 0.98)})"
+    ]
+    gains = {n: a[label]["goodput_rps"] for n, a in arms.items() if n != "aggregated"}
+    top = max(gains, key=lambda n: gains[n])
+    lines.append(
+        f"  goodput: {top} {gains[top]:.1f}/s vs aggregated {agg['goodput_rps']:.1f}/s"
+        + (
+            f" (target higher at 70%, 90%: {_met(gains[top] > agg['goodput_rps'])})"
+            if label in ("70%", "90%")
+            else ""
+        )  # fmt: skip
+    )
+    return lines
+
+
+def render(fig: dict[str, Any]) -> str:
+    s = fig["scale"]
+    lines = [
+        f"llmgw disaggregation benchmark ({os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()})",
+        f"{fig['gpus']} sim GPUs; prefill {PREFILL_US / 1000:g} ms/token, decode "
+        f"{1000 / TPS:g} ms/token; step model "
+        + (
+            f"ON (prefill chunk {PREFILL_CHUNK})"
+            if fig["interference"]
+            else "OFF (this sim lacks " + ", ".join(fig["missing_params"]) + ")"
+        )  # fmt: skip
+        + f"; {MAX_CONCURRENCY} streams a replica; KV {fig['kv_bytes_per_token']} B/token on "
+        "loopback TCP",
+        f"time dilated {s:g}x (the costs run {s:g}x slower here); every figure is the GPU's "
+        f"time (measured / {s:g}, rates x {s:g}); goodput: requests/s with TTFT <= "
+        f"{TTFT_SLO:g} s and every ITL <= {ITL_SLO * 1000:g} ms; xfer: the gateway's "
+        "llmgw_disagg_handover_seconds (prefill answered -> decode's first token)",
+        f"workload: {fig['long_share']:.0%} {LONG_TOKENS}-token prompts among "
+        f"{SHORT_TOKENS[0]}-{SHORT_TOKENS[1]}-token chat turns, answers "
+        f"{OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} tokens; aggregated capacity "
+        f"{fig['capacity_rps']} req/s; {fig['duration']:g} s of arrivals a phase (bench time), "
+        f"the first {fig['warmup']:.0%} not counted",
+    ]
+    head = f"  {'arm':<14}" + "".join(f"{c:>10}" for c, _, _ in COLUMNS)
+    for label, phase in fig["phases"].items():
+        lines.append(
+            f"at {label} ({phase['rate_rps']} req/s, {phase['requests']} requests, "
+            f"{phase['long']} long):"
+        )
+        lines.append(head)
+        for name, by_load in fig["arms"].items():
+            f = by_load.get(label, {})
+            if not f.get("ok"):
+                lines.append(f"  {name:<14} no answers ({f.get('sent', 0)} sent)")
+                continue
+            cells = [
+                "-" if (key.startswith("handover") or key == "fallbacks") and name == "aggregated"
+                else _cell(f[key], fmt)
+                for _, key, fmt in COLUMNS
+            ]  # fmt: skip
+            lines.append(f"  {name:<14}" + "".join(f"{c:>10}" for c in cells))
+        lines += _targets(label, phase["long_share"] == 0, fig["arms"])
+        for name, by_load in fig["arms"].items():
+            f = by_load.get(label, {})
+            if f.get("fallback_reasons"):
+                lines.append(f"  {name} fallbacks: {f['fallback_reasons']}")
+            for failure in f.get("failures", []):
+                lines.append(f"  {name} failed: {failure}")
+    return "\n".join(lines)
+
+
+def _splits(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        m = re.fullmatch(r"(\d+):(\d+)", part)
+        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is no split: give PREFILL:DECODE replicas, each at least 1, e.g. 5:3"
+            )
+        out.append((int(m.group(1)), int(m.group(2))))
+    return out
+
+
+def _shares(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(not 0 < x <= 2 for x in out):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give shares of capacity over 0 (at most 2), comma-separated, e.g. 0.5,0.9"
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", type=int, default=8, help="sim GPUs in each arm (at most 8)")
+    parser.add_argument("--splits", type=_splits, default=[(4, 4), (5, 3), (6, 2)],
+                        help="prefill:decode replicas, comma-separated")  # fmt: skip
+    parser.add_argument("--loads", type=_shares, default=[0.5, 0.7, 0.9],
+                        help="shares of the aggregated capacity, comma-separated")  # fmt: skip
+    parser.add_argument("--long-share", type=float, default=0.1,
+                        help=f"share of {LONG_TOKENS}-token prompts")  # fmt: skip
+    parser.add_argument(
+        "--counter",
+        type=float,
+        default=0.2,
+        help="the counter-case's share of capacity, short prompts only (0: none)",
+    )
+    parser.add_argument("--scale", type=float, default=6.0,
+                        help="time dilation: the costs run this many times slower")  # fmt: skip
+    parser.add_argument("--duration", type=float, default=12.0,
+                        help="seconds of arrivals a phase (bench time)")  # fmt: skip
+    parser.add_argument("--warmup", type=float, default=0.2,
+                        help="share of each phase's arrivals not counted")  # fmt: skip
+    parser.add_argument("--kv-bytes-per-token", type=int, default=KV_BYTES_PER_TOKEN)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if not 1 <= args.gpus <= 8:
+        parser.error(f"--gpus {args.gpus}: the agent has 8 simulated GPUs; give 1 to 8")
+    wrong = [f"{p}:{d}" for p, d in args.splits if p + d != args.gpus]
+    if wrong:
+        parser.error(f"--splits {', '.join(wrong)}: each must use the --gpus {args.gpus} GPUs")
+    if not 0 <= args.long_share <= 1 or not 0 <= args.counter <= 2:
+        parser.error("--long-share takes 0 to 1, --counter 0 (none) to 2")
+    if args.scale < 1 or args.duration <= 0 or not 0 <= args.warmup < 1:
+        parser.error("--scale takes 1 or more, --duration over 0, --warmup 0 to under 1")
+    if args.kv_bytes_per_token < 0:
+        parser.error("--kv-bytes-per-token takes 0 or more")
+    costs = Costs(args.scale)
+    missing = interference_params()
+    if missing:
+        say(f"this sim lacks {', '.join(missing)}: the step model is OFF (figures not comparable)")
+    fig: dict[str, Any] = {
+        "gpus": args.gpus,
+        "scale": args.scale,
+        "long_share": args.long_share,
+        "duration": args.duration,
+        "warmup": args.warmup,
+        "kv_bytes_per_token": args.kv_bytes_per_token,
+        "interference": not missing,
+        "missing_params": missing,
+        "capacity_rps": round(costs.capacity(args.long_share, args.gpus) * args.scale, 2),
+    }
+    fig |= run_arms(args, costs)
+    print(json.dumps(fig, indent=2) if args.json else render(fig))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
