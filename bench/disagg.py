@@ -59,8 +59,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import platform
 import random
 import re
 import sys
@@ -76,12 +74,12 @@ sys.path.insert(0, str(ROOT))
 import openai  # noqa: E402
 
 from bench.demand import EIGHT_GPUS  # noqa: E402
+from bench.disagg_report import bucket_quantile, delta, parse, render  # noqa: E402
 from bench.routing import PREFILL_US, TPS, words  # noqa: E402
 from bench.tenants import percentile, say  # noqa: E402
 from llmgw.contracts.disagg import pool_name  # noqa: E402
 from llmgw.engines.sim import PARAMS as SIM_PARAMS  # noqa: E402
 from tests.integration.harness import (  # noqa: E402
-    Server,
     make_agent,
     start_agent,
     start_server_with,
@@ -96,11 +94,13 @@ MAX_LENGTH = 16384  # an 8k prompt and its answer
 MAX_CONCURRENCY = 64  # streams a replica serves at once (each pool's replicas alike)
 PREFILL_CHUNK = 2048  # prompt tokens a step takes (vLLM's chunked prefill budget)
 KV_BYTES_PER_TOKEN = 4096
+MODEL_KV_BYTES_PER_TOKEN = 128 * 1024  # Llama-3-8B in fp16: 2 x 32 layers x 8 KV heads x 128
+FABRIC_GBPS = 400.0  # one 400 Gb/s NIC (InfiniBand NDR) per GPU
 TTFT_SLO = 2.0  # seconds, GPU time
 ITL_SLO = 0.050
-TARGET_ITL_RATIO = 3.0
 TRANSFER_TIMEOUT = 30.0  # GPU time; x scale in the profile
 STEP_PARAMS = ("step_model", "prefill_chunk", "kv_bytes_per_token")
+PACED = "kv_transfer_mibps"  # the sim's fabric bandwidth, where it has one
 
 
 # --------------------------------------------------------------------------- the workload
@@ -209,68 +209,17 @@ async def play(url: str, key: str, model: str, reqs: list[Request]) -> tuple[lis
     return list(outs), t0
 
 
-# --------------------------------------------------------------------------- /metrics
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-HANDOVER = "llmgw_disagg_handover_seconds_bucket"
-FALLBACKS = "llmgw_disagg_fallbacks_total"
-
-
-def scrape(server: Server, model: str) -> dict[str, Any]:
-    """The gateway's hand-over buckets (le -> count) and fallbacks (reason -> count) for
-    ``model``; empty where it exports none (an aggregated model, or a gateway without them)."""
-    buckets: dict[float, float] = {}
-    fallbacks: dict[str, float] = {}
-    for line in server.metrics().splitlines():
-        m = _SAMPLE.match(line)
-        if not m or m.group(1) not in (HANDOVER, FALLBACKS):
-            continue
-        labels = dict(_LABEL.findall(m.group(2) or ""))
-        if labels.get("model") != model:
-            continue
-        if m.group(1) == HANDOVER:
-            buckets[float(labels["le"])] = buckets.get(float(labels["le"]), 0) + float(m.group(3))
-        else:
-            reason = labels.get("reason", "")
-            fallbacks[reason] = fallbacks.get(reason, 0) + float(m.group(3))
-    return {"buckets": buckets, "fallbacks": fallbacks}
-
-
-def bucket_quantile(buckets: dict[float, float], q: float) -> float:
-    """The ``q`` quantile (0-1) of a cumulative histogram, linear within its bucket (as
-    Prometheus' histogram_quantile); NaN when empty."""
-    edges = sorted(buckets)
-    if not edges or buckets[edges[-1]] <= 0:
-        return math.nan
-    rank = q * buckets[edges[-1]]
-    lower, below = 0.0, 0.0
-    for edge in edges:
-        count = buckets[edge]
-        if count >= rank:
-            if math.isinf(edge):
-                return lower  # beyond the last finite bucket: its bound, as Prometheus
-            return lower + (edge - lower) * (
-                (rank - below) / (count - below) if count > below else 1
-            )
-        lower, below = edge, count
-    return lower
-
-
-def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    return {
-        part: {k: v - before[part].get(k, 0) for k, v in after[part].items()}
-        for part in ("buckets", "fallbacks")
-    }
-
-
 # --------------------------------------------------------------------------- figures
 
 
 def summary(
-    outs: list[Outcome], t0: float, duration: float, warmup: float, costs: Costs,
+    outs: list[Outcome],
+    t0: float,
+    duration: float,
+    warmup: float,
+    costs: Costs,
     metrics: dict[str, Any],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """One phase's figures in the GPU's time (bench seconds / scale)."""
     s = costs.scale
     counted = [o for o in outs if o.request.at >= warmup * duration]
@@ -279,14 +228,15 @@ def summary(
     ttft = [o.ttft / s for o in ok if o.ttft is not None]
     gaps = [g / s for o in ok for g in o.gaps]
     good = [
-        o for o in ok
+        o
+        for o in ok
         if o.ttft is not None and o.ttft / s <= TTFT_SLO and all(g / s <= ITL_SLO for g in o.gaps)
-    ]  # fmt: skip
-    # Throughput as vLLM's benchmark_serving counts it: every answer's tokens over the
-    # phase's makespan (its first arrival to its last token), the warm-up's and the drain's
-    # included: an arm that falls behind takes longer to deliver the same tokens.
-    stamps = [t for o in outs for t in o.stamps]
-    span = (max(stamps) - t0 - min(o.request.at for o in outs)) / s if stamps else 0.0
+    ]
+    # Throughput: the tokens that reached the client while the counted requests arrived,
+    # every stream's (the warm-up's too), so neither the ramp nor the drain (which a phase
+    # this short would be mostly) dilutes it; an arm that falls behind delivers fewer.
+    since, until = t0 + warmup * duration, t0 + duration
+    delivered = sum(1 for o in outs for t in o.stamps if since <= t < until)
     fig: dict[str, Any] = {
         "sent": len(counted),
         "long": sum(1 for o in counted if o.request.long),
@@ -297,7 +247,7 @@ def summary(
         "ttft_p90_ms": round(percentile(ttft, 90) * 1000, 1),
         "itl_p50_ms": round(percentile(gaps, 50) * 1000, 1),
         "itl_p99_ms": round(percentile(gaps, 99) * 1000, 1),
-        "output_tps": round(len(stamps) / span, 1) if span > 0 else math.nan,
+        "output_tps": round(delivered / window, 1),
         "goodput_rps": round(len(good) / window, 2),
         "goodput_share": round(len(good) / len(counted), 3) if counted else math.nan,
     }
@@ -319,7 +269,18 @@ def interference_params() -> list[str]:
     return [p for p in STEP_PARAMS if p not in SIM_PARAMS]
 
 
-def profile(costs: Costs, split: tuple[int, int] | None, kv_bytes: int) -> dict[str, Any]:
+def transfer_mibps(costs: Costs, kv_bytes: int, gbps: float) -> float:
+    """The bandwidth the sim sends ``kv_bytes`` a token at, so that a transfer takes what the
+    model's real KV takes over a ``gbps`` fabric, dilated as every cost (0: unpaced)."""
+    if gbps <= 0 or kv_bytes <= 0:
+        return 0.0
+    real_s_per_token = MODEL_KV_BYTES_PER_TOKEN / (gbps * 1e9 / 8)
+    return kv_bytes / (real_s_per_token * costs.scale) / 2**20
+
+
+def profile(
+    costs: Costs, split: tuple[int, int] | None, kv_bytes: int, gbps: float
+) -> dict[str, Any]:
     params = {
         "prefill_us_per_token": PREFILL_US * costs.scale,
         "tps": TPS / costs.scale,
@@ -336,6 +297,8 @@ def profile(costs: Costs, split: tuple[int, int] | None, kv_bytes: int) -> dict[
     }
     if split is not None:
         params["kv_bytes_per_token"] = kv_bytes
+        if PACED in SIM_PARAMS and (mibps := transfer_mibps(costs, kv_bytes, gbps)):
+            params[PACED] = round(mibps, 3)
         out["disaggregated"] = {
             "prefill": {"gpus": 1, "replicas": split[0]},
             "decode": {"gpus": 1, "replicas": split[1]},
@@ -365,8 +328,9 @@ class Cluster:
         wait_for(lambda: self.server.nodes()[0]["engines"], timeout=120, what="its engines")
         self.key = str(self.server.api("POST", "/api/keys", {"name": "bench"})["key"])
 
-    def deploy(self, model: str, prof: dict[str, Any], split: tuple[int, int] | None,
-               gpus: int) -> None:  # fmt: skip
+    def deploy(
+        self, model: str, prof: dict[str, Any], split: tuple[int, int] | None, gpus: int
+    ) -> None:
         catalog = {"models": {model: {"profiles": {"default": prof}}}}
         self.server.api("PUT", "/api/catalog", catalog)
         body: dict[str, Any] = {"name": model, "profile": "default"}
@@ -400,27 +364,40 @@ class Cluster:
         stop_process(self.server.proc)
 
 
-def phases_of(args: argparse.Namespace, costs: Costs) -> list[tuple[str, float, float, int]]:
-    """(label, arrivals per second (bench time), long share, seed) of each phase."""
+@dataclass(frozen=True)
+class Phase:
+    label: str
+    load: float  # share of the workload's aggregated capacity
+    rate: float  # arrivals per second, bench time
+    long_share: float
+    seed: int
+
+
+def phases_of(args: argparse.Namespace, costs: Costs) -> list[Phase]:
+    """The mixed workload at each of ``--loads``, then the counter-case (short prompts only,
+    at ``--counter`` of their own capacity); each phase's arrivals its own seed's."""
     cap = costs.capacity(args.long_share, args.gpus)
-    out = [(f"{load:.0%}", load * cap, args.long_share, 100 + i) for i, load in
-           enumerate(args.loads)]  # fmt: skip
+    tag = "" if args.long_share else " short only"
+    out = [
+        Phase(f"{load:.0%}{tag}", load, load * cap, args.long_share, 100 + i)
+        for i, load in enumerate(args.loads)
+    ]
     if args.counter:
         rate = args.counter * costs.capacity(0.0, args.gpus)
-        out.append((f"{args.counter:.0%} short only", rate, 0.0, 900))
+        out.append(Phase(f"{args.counter:.0%} short only", args.counter, rate, 0.0, 900))
     return out
 
 
 def run_arms(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
     phases = phases_of(args, costs)
-    plays = {label: arrivals(rate, args.duration, share, seed)
-             for label, rate, share, seed in phases}  # fmt: skip
+    plays = {p.label: arrivals(p.rate, args.duration, p.long_share, p.seed) for p in phases}
     fig: dict[str, Any] = {"phases": {}, "arms": {}}
-    for label, rate, share, _ in phases:
-        reqs = plays[label]
-        fig["phases"][label] = {
-            "rate_rps": round(rate * costs.scale, 2),
-            "long_share": share,
+    for p in phases:
+        reqs = plays[p.label]
+        fig["phases"][p.label] = {
+            "load": p.load,
+            "rate_rps": round(p.rate * costs.scale, 2),
+            "long_share": p.long_share,
             "requests": len(reqs),
             "long": sum(1 for r in reqs if r.long),
         }
@@ -429,14 +406,15 @@ def run_arms(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
         for split in [None, *args.splits]:
             model, name = model_of(split), arm_name(split)
             say(f"{name}: deploying")
-            cluster.deploy(model, profile(costs, split, args.kv_bytes_per_token), split, args.gpus)
+            prof = profile(costs, split, args.kv_bytes_per_token, args.fabric_gbps)
+            cluster.deploy(model, prof, split, args.gpus)
             by_load: dict[str, Any] = {}
-            for label, *_ in phases:
+            for label in plays:
                 reqs = plays[label]
                 say(f"{name} at {label}: {len(reqs)} requests over {args.duration:g} s")
-                before = scrape(cluster.server, model)
+                before = parse(cluster.server.metrics(), model)
                 outs, t0 = asyncio.run(play(cluster.server.url, cluster.key, model, reqs))
-                metrics = delta(scrape(cluster.server, model), before)
+                metrics = delta(parse(cluster.server.metrics(), model), before)
                 by_load[label] = summary(outs, t0, args.duration, args.warmup, costs, metrics)
                 say(f"  {by_load[label]}")
             fig["arms"][name] = by_load
@@ -444,135 +422,6 @@ def run_arms(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
     finally:
         cluster.stop()
     return fig
-
-
-# --------------------------------------------------------------------------- output
-
-
-def _met(ok: bool) -> str:
-    return "met" if ok else "MISSED"
-
-
-def _cell(value: Any, fmt: str) -> str:
-    if isinstance(value, float) and math.isnan(value):
-        return "-"
-    return fmt.format(value)
-
-
-COLUMNS = (
-    ("TTFT p50", "ttft_p50_ms", "{:.0f}ms"),
-    ("p90", "ttft_p90_ms", "{:.0f}ms"),
-    ("ITL p50", "itl_p50_ms", "{:.1f}ms"),
-    ("p99", "itl_p99_ms", "{:.1f}ms"),
-    ("out tok/s", "output_tps", "{:.0f}"),
-    ("xfer p50", "handover_p50_ms", "{:.0f}ms"),
-    ("p99", "handover_p99_ms", "{:.0f}ms"),
-    ("goodput", "goodput_rps", "{:.1f}/s"),
-    ("(share)", "goodput_share", "{:.0%}"),
-    ("failed", "failed", "{}"),
-    ("fallbk", "fallbacks", "{}"),
-)
-
-
-def _best(arms: dict[str, Any], label: str, agg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The split with the lowest ITL p99 among those at the aggregated's throughput or better
-    (2% for noise); else the lowest ITL p99 of all."""
-    splits = {n: a[label] for n, a in arms.items() if n != "aggregated" and a[label].get("ok")}
-    if not splits:
-        return "", {}
-    keeps = {n: f for n, f in splits.items() if f["output_tps"] >= 0.98 * agg["output_tps"]}
-    pool = keeps or splits
-    name = min(pool, key=lambda n: pool[n]["itl_p99_ms"])
-    return name, pool[name]
-
-
-def _targets(label: str, short_only: bool, arms: dict[str, Any]) -> list[str]:
-    agg = arms.get("aggregated", {}).get(label, {})
-    if not agg.get("ok"):
-        return []
-    name, best = _best(arms, label, agg)
-    if not name:
-        return []
-    ratio = agg["itl_p99_ms"] / best["itl_p99_ms"] if best["itl_p99_ms"] else math.inf
-    tps = best["output_tps"] / agg["output_tps"] if agg["output_tps"] else math.nan
-    if short_only:
-        worse = best["ttft_p50_ms"] > agg["ttft_p50_ms"]
-        within = agg["itl_p99_ms"] <= ITL_SLO * 1000 and best["itl_p99_ms"] <= ITL_SLO * 1000
-        no_gain = best["goodput_rps"] <= agg["goodput_rps"] * 1.02
-        return [
-            f"  counter-case, {name}: TTFT p50 {best['ttft_p50_ms']:.0f} vs {agg['ttft_p50_ms']:.0f}"
-            f" ms (expected worse: {'shown' if worse else 'NOT shown'}); ITL p99 {ratio:.1f}x "
-            f"lower, both within {ITL_SLO * 1000:.0f} ms: {'yes' if within else 'NO'}; goodput "
-            f"{best['goodput_rps']:.1f} vs {agg['goodput_rps']:.1f}/s (expected no gain: "
-            f"{'shown' if no_gain else 'NOT shown'})"
-        ]
-    lines = [
-        f"  best split {name}: ITL p99 {ratio:.1f}x lower at {tps:.2f}x the throughput "
-        f"(target >= {TARGET_ITL_RATIO:g}x at >= 1x: {_met(ratio >= TARGET_ITL_RATIO and tps >= 0.98)})"
-    ]
-    gains = {n: a[label]["goodput_rps"] for n, a in arms.items() if n != "aggregated"}
-    top = max(gains, key=lambda n: gains[n])
-    lines.append(
-        f"  goodput: {top} {gains[top]:.1f}/s vs aggregated {agg['goodput_rps']:.1f}/s"
-        + (
-            f" (target higher at 70%, 90%: {_met(gains[top] > agg['goodput_rps'])})"
-            if label in ("70%", "90%")
-            else ""
-        )  # fmt: skip
-    )
-    return lines
-
-
-def render(fig: dict[str, Any]) -> str:
-    s = fig["scale"]
-    lines = [
-        f"llmgw disaggregation benchmark ({os.cpu_count()} CPUs, Python "
-        f"{platform.python_version()})",
-        f"{fig['gpus']} sim GPUs; prefill {PREFILL_US / 1000:g} ms/token, decode "
-        f"{1000 / TPS:g} ms/token; step model "
-        + (
-            f"ON (prefill chunk {PREFILL_CHUNK})"
-            if fig["interference"]
-            else "OFF (this sim lacks " + ", ".join(fig["missing_params"]) + ")"
-        )  # fmt: skip
-        + f"; {MAX_CONCURRENCY} streams a replica; KV {fig['kv_bytes_per_token']} B/token on "
-        "loopback TCP",
-        f"time dilated {s:g}x (the costs run {s:g}x slower here); every figure is the GPU's "
-        f"time (measured / {s:g}, rates x {s:g}); goodput: requests/s with TTFT <= "
-        f"{TTFT_SLO:g} s and every ITL <= {ITL_SLO * 1000:g} ms; xfer: the gateway's "
-        "llmgw_disagg_handover_seconds (prefill answered -> decode's first token)",
-        f"workload: {fig['long_share']:.0%} {LONG_TOKENS}-token prompts among "
-        f"{SHORT_TOKENS[0]}-{SHORT_TOKENS[1]}-token chat turns, answers "
-        f"{OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} tokens; aggregated capacity "
-        f"{fig['capacity_rps']} req/s; {fig['duration']:g} s of arrivals a phase (bench time), "
-        f"the first {fig['warmup']:.0%} not counted",
-    ]
-    head = f"  {'arm':<14}" + "".join(f"{c:>10}" for c, _, _ in COLUMNS)
-    for label, phase in fig["phases"].items():
-        lines.append(
-            f"at {label} ({phase['rate_rps']} req/s, {phase['requests']} requests, "
-            f"{phase['long']} long):"
-        )
-        lines.append(head)
-        for name, by_load in fig["arms"].items():
-            f = by_load.get(label, {})
-            if not f.get("ok"):
-                lines.append(f"  {name:<14} no answers ({f.get('sent', 0)} sent)")
-                continue
-            cells = [
-                "-" if (key.startswith("handover") or key == "fallbacks") and name == "aggregated"
-                else _cell(f[key], fmt)
-                for _, key, fmt in COLUMNS
-            ]  # fmt: skip
-            lines.append(f"  {name:<14}" + "".join(f"{c:>10}" for c in cells))
-        lines += _targets(label, phase["long_share"] == 0, fig["arms"])
-        for name, by_load in fig["arms"].items():
-            f = by_load.get(label, {})
-            if f.get("fallback_reasons"):
-                lines.append(f"  {name} fallbacks: {f['fallback_reasons']}")
-            for failure in f.get("failures", []):
-                lines.append(f"  {name} failed: {failure}")
-    return "\n".join(lines)
 
 
 def _splits(text: str) -> list[tuple[int, int]]:
@@ -602,25 +451,52 @@ def _shares(text: str) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=8, help="sim GPUs in each arm (at most 8)")
-    parser.add_argument("--splits", type=_splits, default=[(4, 4), (5, 3), (6, 2)],
-                        help="prefill:decode replicas, comma-separated")  # fmt: skip
-    parser.add_argument("--loads", type=_shares, default=[0.5, 0.7, 0.9],
-                        help="shares of the aggregated capacity, comma-separated")  # fmt: skip
-    parser.add_argument("--long-share", type=float, default=0.1,
-                        help=f"share of {LONG_TOKENS}-token prompts")  # fmt: skip
+    parser.add_argument(
+        "--splits",
+        type=_splits,
+        default=[(4, 4), (5, 3), (6, 2)],
+        help="prefill:decode replicas, comma-separated",
+    )
+    parser.add_argument(
+        "--loads",
+        type=_shares,
+        default=[0.5, 0.7, 0.9],
+        help="shares of the aggregated capacity, comma-separated",
+    )
+    parser.add_argument(
+        "--long-share", type=float, default=0.1, help=f"share of {LONG_TOKENS}-token prompts"
+    )
     parser.add_argument(
         "--counter",
         type=float,
         default=0.2,
         help="the counter-case's share of capacity, short prompts only (0: none)",
     )
-    parser.add_argument("--scale", type=float, default=6.0,
-                        help="time dilation: the costs run this many times slower")  # fmt: skip
-    parser.add_argument("--duration", type=float, default=12.0,
-                        help="seconds of arrivals a phase (bench time)")  # fmt: skip
-    parser.add_argument("--warmup", type=float, default=0.2,
-                        help="share of each phase's arrivals not counted")  # fmt: skip
-    parser.add_argument("--kv-bytes-per-token", type=int, default=KV_BYTES_PER_TOKEN)
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=6.0,
+        help="time dilation: the costs run this many times slower",
+    )
+    parser.add_argument(
+        "--duration", type=float, default=12.0, help="seconds of arrivals a phase (bench time)"
+    )
+    parser.add_argument(
+        "--warmup", type=float, default=0.25, help="share of each phase's arrivals not counted"
+    )
+    parser.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=KV_BYTES_PER_TOKEN,
+        help="KV bytes a prompt token moves over loopback (the model's real KV is "
+        f"{MODEL_KV_BYTES_PER_TOKEN // 1024} KiB: the fabric's pace makes up for the rest)",
+    )
+    parser.add_argument(
+        "--fabric-gbps",
+        type=float,
+        default=FABRIC_GBPS,
+        help="the fabric a transfer's time stands for (0: as fast as loopback goes)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if not 1 <= args.gpus <= 8:
@@ -632,8 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--long-share takes 0 to 1, --counter 0 (none) to 2")
     if args.scale < 1 or args.duration <= 0 or not 0 <= args.warmup < 1:
         parser.error("--scale takes 1 or more, --duration over 0, --warmup 0 to under 1")
-    if args.kv_bytes_per_token < 0:
-        parser.error("--kv-bytes-per-token takes 0 or more")
+    if args.kv_bytes_per_token < 0 or args.fabric_gbps < 0:
+        parser.error("--kv-bytes-per-token and --fabric-gbps take 0 or more")
     costs = Costs(args.scale)
     missing = interference_params()
     if missing:
@@ -645,9 +521,23 @@ def main(argv: list[str] | None = None) -> int:
         "duration": args.duration,
         "warmup": args.warmup,
         "kv_bytes_per_token": args.kv_bytes_per_token,
+        "fabric_gbps": args.fabric_gbps if PACED in SIM_PARAMS else 0.0,
+        "model_kv_bytes_per_token": MODEL_KV_BYTES_PER_TOKEN,
         "interference": not missing,
         "missing_params": missing,
         "capacity_rps": round(costs.capacity(args.long_share, args.gpus) * args.scale, 2),
+        "engine": {
+            "prefill_ms_per_token": PREFILL_US / 1000,
+            "decode_ms_per_token": 1000 / TPS,
+            "prefill_chunk": PREFILL_CHUNK,
+            "max_concurrency": MAX_CONCURRENCY,
+        },
+        "workload": {
+            "long_tokens": LONG_TOKENS,
+            "short_tokens": SHORT_TOKENS,
+            "output_tokens": OUTPUT_TOKENS,
+        },
+        "slo": {"ttft_s": TTFT_SLO, "itl_ms": ITL_SLO * 1000},
     }
     fig |= run_arms(args, costs)
     print(json.dumps(fig, indent=2) if args.json else render(fig))
