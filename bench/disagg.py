@@ -313,7 +313,7 @@ def transfer_mibps(costs: Costs, kv_bytes: int, gbps: float) -> float:
 def profile(
     costs: Costs, split: tuple[int, int] | None, kv_bytes: int, gbps: float
 ) -> dict[str, Any]:
-    params = {
+    params: dict[str, Any] = {
         "prefill_us_per_token": PREFILL_US * costs.scale,
         "tps": TPS / costs.scale,
         "max_length": MAX_LENGTH,
