@@ -71,6 +71,7 @@ import re
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ sys.path.insert(0, str(ROOT))
 import openai  # noqa: E402
 
 from bench.demand import EIGHT_GPUS  # noqa: E402
-from bench.disagg_report import bucket_quantile, delta, parse, render  # noqa: E402
+from bench.disagg_report import bucket_quantile, delta, parse, render, sim_counters  # noqa: E402
 from bench.routing import PREFILL_US, TPS, words  # noqa: E402
 from bench.tenants import percentile, say  # noqa: E402
 from llmgw.contracts.disagg import pool_name  # noqa: E402
@@ -383,6 +384,19 @@ class Cluster:
 
         wait_for(ready, timeout=180, what=f"the replicas of {model}: {wanted}")
 
+    def engine_counters(self, model: str) -> dict[str, float]:
+        """The KV transfer counters of ``model``'s sim engines, summed (their own /metrics:
+        the pulls, bytes and failed pulls that the decodes recomputed)."""
+        total: dict[str, float] = {}
+        for row in self.server.replicas():
+            if row["model"] != model or not row.get("port"):
+                continue
+            url = f"http://127.0.0.1:{row['port']}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                for name, value in sim_counters(resp.read().decode()).items():
+                    total[name] = total.get(name, 0.0) + value
+        return total
+
     def undeploy(self, model: str) -> None:
         self.server.api("DELETE", f"/api/models/{model}")
         wait_for(
@@ -430,7 +444,7 @@ def run_arms(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
         for k, p in enumerate(phases)
     ]
     reqs = [r for phase in per for r in phase]
-    fig: dict[str, Any] = {"phases": {}, "arms": {}}
+    fig: dict[str, Any] = {"phases": {}, "arms": {}, "engines": {}}
     for p, mine in zip(phases, per, strict=True):
         fig["phases"][p.label] = {
             "load": p.load,
@@ -459,6 +473,8 @@ def run_arms(args: argparse.Namespace, costs: Costs) -> dict[str, Any]:
                 by_load[p.label] = fig_k
                 say(f"  {p.label}: {fig_k}")
             fig["arms"][name] = by_load
+            if split is not None:
+                fig["engines"][name] = cluster.engine_counters(model)
             cluster.undeploy(model)
     finally:
         cluster.stop()

@@ -15,7 +15,15 @@ import platform
 import re
 from typing import Any
 
-__all__ = ["TARGET_ITL_RATIO", "TPS_NOISE", "bucket_quantile", "delta", "parse", "render"]
+__all__ = [
+    "TARGET_ITL_RATIO",
+    "TPS_NOISE",
+    "bucket_quantile",
+    "delta",
+    "parse",
+    "render",
+    "sim_counters",
+]
 
 TARGET_ITL_RATIO = 3.0
 TPS_NOISE = 0.95
@@ -24,6 +32,11 @@ shared by client, gateway, agent and engines)."""
 GOODPUT_LOADS = (0.7, 0.9)  # where the issue asks for more goodput
 HANDOVER = "llmgw_disagg_handover_seconds_bucket"
 FALLBACKS = "llmgw_disagg_fallbacks_total"
+SIM_COUNTERS = (
+    "llmgw_sim_kv_pulls_total",
+    "llmgw_sim_kv_bytes_received_total",
+    "llmgw_sim_kv_load_failures_total",
+)
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -51,6 +64,16 @@ def parse(text: str, model: str) -> dict[str, Any]:
             reason = labels.get("reason", "")
             fallbacks[reason] = fallbacks.get(reason, 0.0) + float(m.group(3))
     return {"buckets": buckets, "fallbacks": fallbacks}
+
+
+def sim_counters(text: str) -> dict[str, float]:
+    """A sim engine's KV transfer counters (:data:`SIM_COUNTERS`) from its /metrics text."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) in SIM_COUNTERS:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
 
 
 def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
@@ -215,4 +238,12 @@ def render(fig: dict[str, Any]) -> str:
                 lines.append(f"  {name} fallbacks: {f['fallback_reasons']}")
             for failure in f.get("failures", []):
                 lines.append(f"  {name} failed: {failure}")
+    if fig.get("engines"):
+        lines.append("the decodes' pulls over every phase (the sims' own /metrics):")
+        for name, c in fig["engines"].items():
+            lines.append(
+                f"  {name}: {c.get(SIM_COUNTERS[0], 0):.0f} pulls, "
+                f"{c.get(SIM_COUNTERS[1], 0) / 2**20:.0f} MiB, "
+                f"{c.get(SIM_COUNTERS[2], 0):.0f} failed and recomputed"
+            )
     return "\n".join(lines)
