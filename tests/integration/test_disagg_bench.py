@@ -42,6 +42,11 @@ def test_the_disagg_benchmark_runs_both_arms_on_two_gpus() -> None:
     # Every request of the phase (its warm-up's too) handed over, none run whole.
     assert split["handovers"] == phase["requests"] and split["fallbacks"] == 0
     assert agg["handovers"] == 0
+    # Each hand-over a pull of the prompt's KV over TCP, as the decodes themselves count it.
+    pulled = fig["engines"]["disagg 1:1"]
+    assert pulled["llmgw_sim_kv_pulls_total"] == phase["requests"]
+    assert pulled["llmgw_sim_kv_bytes_received_total"] >= phase["requests"] * 100 * 4096
+    assert pulled["llmgw_sim_kv_load_failures_total"] == 0
     assert 0 < split["handover_p50_ms"] <= split["handover_p99_ms"] < 2000
     # The interference the step model makes and the decode pool is spared: a long prompt's
     # chunk (200 ms at 2,048 tokens) against a 10 ms step.
