@@ -205,6 +205,47 @@ def engine() -> None:
     type=int,
     help="Host memory held asleep at level 1 (the weights), MiB.",
 )
+@click.option(
+    "--kv-transfer-addr",
+    default=SimConfig.kv_transfer_addr,
+    metavar="HOST:PORT",
+    help="Serve the KV blocks of prompts prefilled for a remote decode on this TCP address "
+    "(port 0: a free one), and pull remote blocks as a decode: disaggregated prefill/decode "
+    "driven by kv_transfer_params, as vLLM's NixlConnector. Without it such requests are "
+    "refused.",
+)
+@click.option(
+    "--kv-bytes-per-token",
+    default=SimConfig.kv_bytes_per_token,
+    show_default=True,
+    type=int,
+    help="Bytes of KV cache per prompt token moved by a transfer (0: none).",
+)
+@click.option(
+    "--kv-transfer-timeout",
+    default=SimConfig.kv_transfer_timeout_s,
+    show_default=True,
+    type=float,
+    help="Seconds kept blocks wait for their pull before they are freed, and the most a "
+    "pull may take before the decode recomputes the prompt.",
+)
+@click.option(
+    "--step-model",
+    default=SimConfig.step_model,
+    show_default=True,
+    type=click.BOOL,
+    metavar="true|false",
+    help="Run as a batched engine: one loop of steps, each 1/tps plus the prefill done in "
+    "it, every stream a token a step (prefill stalls decoding). Needs --tps > 0.",
+)
+@click.option(
+    "--prefill-chunk",
+    default=SimConfig.prefill_chunk,
+    show_default=True,
+    type=int,
+    help="With --step-model, the most prefill tokens a step takes (chunked prefill); 0 = "
+    "whole prompts.",
+)
 def sim(
     host: str,
     port: int,
@@ -233,6 +274,11 @@ def sim(
     wake_seconds: float,
     wake_seconds_level2: float,
     sleep_host_mib: int,
+    kv_transfer_addr: str,
+    kv_bytes_per_token: int,
+    kv_transfer_timeout: float,
+    step_model: bool,
+    prefill_chunk: int,
 ) -> None:
     """A simulated OpenAI-compatible engine with deterministic output: chat, completions
     and responses, embeddings, rerank and score, tokenize and detokenize.
@@ -244,6 +290,10 @@ def sim(
     The prefix cache keeps --kv-blocks blocks of --block-size tokens; answers report its hits
     as usage.prompt_tokens_details.cached_tokens, and --kv-events-config publishes its
     changes to a ZeroMQ endpoint in vLLM's KV event format.
+
+    With --kv-transfer-addr it takes part in disaggregated prefill/decode as vLLM's
+    NixlConnector does: a prefill keeps a prompt's blocks for a decode, which pulls them over
+    TCP; --step-model makes prefill and decoding share one loop of steps.
     """
     cfg = SimConfig(
         host=host,
@@ -273,5 +323,10 @@ def sim(
         wake_s=wake_seconds,
         wake_level2_s=wake_seconds_level2,
         sleep_host_mib=sleep_host_mib,
+        kv_transfer_addr=kv_transfer_addr,
+        kv_bytes_per_token=kv_bytes_per_token,
+        kv_transfer_timeout_s=kv_transfer_timeout,
+        step_model=step_model,
+        prefill_chunk=prefill_chunk,
     )
     run(cfg)

@@ -52,6 +52,14 @@ PARAMS: Mapping[str, Param] = MappingProxyType(
         "wake_seconds": Param("--wake-seconds", float, minimum=0, sample="0.5"),
         "wake_seconds_level2": Param("--wake-seconds-level2", float, minimum=0, sample="2"),
         "sleep_host_mib": Param("--sleep-host-mib", int, minimum=0, sample="1024"),
+        # Disaggregated prefill/decode (llmgw.sim.handover): the KV bytes a prompt token
+        # moves and how long kept blocks wait for their pull; --kv-transfer-addr is the
+        # agent's to add from the shard's order, not a profile's.
+        "kv_bytes_per_token": Param("--kv-bytes-per-token", int, minimum=0, sample="1024"),
+        "kv_transfer_timeout": Param("--kv-transfer-timeout", float, minimum=0.001, sample="30"),
+        # The step model (llmgw.sim.steps): prefill and decoding in one loop of steps.
+        "step_model": Param("--step-model", str, sample="true"),
+        "prefill_chunk": Param("--prefill-chunk", int, minimum=0, sample="512"),
     }
 )
 

@@ -78,6 +78,14 @@ class SimConfig:
     from level 1 ``wake_s``, the weights' reload after a level-2 wake ``wake_level2_s`` (a
     weights load); asleep at level 1 it holds ``sleep_host_mib`` of host memory (the
     weights), at level 2 none.
+
+    Disaggregated prefill/decode (:mod:`llmgw.sim.handover`, :mod:`llmgw.sim.transfer`):
+    ``kv_transfer_addr`` (``HOST:PORT``, port 0 a free one; "" for none) is where it serves
+    the blocks it keeps for a remote decode, ``kv_bytes_per_token`` the bytes a token's KV
+    cache takes on the wire, ``kv_transfer_timeout_s`` how long kept blocks wait for their
+    pull and how long a pull may take. ``step_model`` runs the engine as one loop of steps
+    (:mod:`llmgw.sim.steps`; it needs ``tps`` > 0), ``prefill_chunk`` the most prefill tokens
+    a step takes (0: whole prompts).
     """
 
     host: str = "127.0.0.1"
@@ -109,6 +117,11 @@ class SimConfig:
     wake_s: float = 0.0
     wake_level2_s: float = 0.0
     sleep_host_mib: int = 0
+    kv_transfer_addr: str = ""
+    kv_bytes_per_token: int = 1024
+    kv_transfer_timeout_s: float = 30.0
+    step_model: bool = False
+    prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -161,6 +174,7 @@ class SimConfig:
                 f"blocks), got {self.kv_blocks!r}"
             )
         kv_events_settings(self.kv_events_config)
+        self._check_disaggregation()
         if self.nodes > 1:
             try:
                 parse_hostport(self.dist_init_addr)
@@ -192,6 +206,55 @@ class SimConfig:
                 raise EngineError(
                     f"sim: {name} must be a finite number >= 0, got {value!r}; 0 means no delay"
                 )
+
+    def _check_disaggregation(self) -> None:
+        """The KV transfer's and the step model's settings."""
+        self.kv_transfer_hostport  # noqa: B018 - raises EngineError for a bad address
+        if not is_int(self.kv_bytes_per_token) or self.kv_bytes_per_token < 0:
+            raise EngineError(
+                f"sim: kv_bytes_per_token must be an integer >= 0 (the KV cache of one token "
+                f"on the wire; 0: transfers move no bytes), got {self.kv_bytes_per_token!r}"
+            )
+        timeout = self.kv_transfer_timeout_s
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise EngineError(
+                f"sim: kv_transfer_timeout must be a finite number of seconds > 0, got "
+                f"{timeout!r}; vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT is the like of it"
+            )
+        if not isinstance(self.step_model, bool):
+            raise EngineError(f"sim: step_model must be true or false, got {self.step_model!r}")
+        if not is_int(self.prefill_chunk) or self.prefill_chunk < 0:
+            raise EngineError(
+                f"sim: prefill_chunk must be an integer >= 0 (the most prefill tokens a step "
+                f"takes; 0: whole prompts), got {self.prefill_chunk!r}"
+            )
+        if self.step_model and not self.tps:
+            raise EngineError(
+                "sim: step_model needs tps > 0 (a step lasts 1/tps plus its prefill); set tps, "
+                "or leave step_model off"
+            )
+
+    @property
+    def kv_transfer_hostport(self) -> tuple[str, int] | None:
+        """Where it serves kept KV blocks: (host, port), None without kv_transfer_addr."""
+        if not isinstance(self.kv_transfer_addr, str):
+            raise EngineError(
+                f"sim: kv_transfer_addr must be a string HOST:PORT, got {self.kv_transfer_addr!r}"
+            )
+        if not self.kv_transfer_addr:
+            return None
+        try:
+            return parse_hostport(self.kv_transfer_addr, allow_zero=True)
+        except ConfigError as exc:
+            raise EngineError(
+                f"sim: kv_transfer_addr must be HOST:PORT (port 0: a free one), e.g. "
+                f"127.0.0.1:5600: {exc.message}"
+            ) from None
 
     def _check_rendezvous_times(self) -> None:
         """A multi-node replica's times: each above 0, a peer judged silent only after more

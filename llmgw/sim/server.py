@@ -11,7 +11,8 @@ is computed once in :func:`build_app`, and stream chunks are assembled from
 pre-serialised pieces. The other endpoints live beside it: the Responses API in
 :mod:`llmgw.sim.responses`, embeddings, rerank, score and the tokenizer in
 :mod:`llmgw.sim.pooling`; what they share (errors, the body's check) in
-:mod:`llmgw.sim.protocol`.
+:mod:`llmgw.sim.protocol`; a chat or completions request's prompts and options are read by
+:mod:`llmgw.sim.request`.
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
@@ -34,6 +35,15 @@ until then, and one whose client left still used its slot). Its first token come
 capacity and a queue builds under load, which is what cache-aware routing saves. The
 Responses API stays outside the cache: its prompts cost no prefill and report no cached
 tokens.
+
+With ``step_model`` the lane gives way to one loop of steps (:mod:`llmgw.sim.steps`): the
+prefill and every stream's tokens share the steps, so prefill work stalls decoding as in a
+batched engine. ``GET /metrics`` shows the KV transfer counters.
+
+Disaggregated prefill/decode (:mod:`llmgw.sim.handover`, over :mod:`llmgw.sim.transfer`): a
+request's ``kv_transfer_params`` make the engine a prefill that keeps the prompt's blocks and
+names them in its answer, or a decode that pulls them over TCP instead of paying the prefill
+(and recomputes the prompt when the pull fails), as vLLM's NixlConnector does.
 
 Resuming (what the gateway does with a stream whose replica died): a chat request with
 ``continue_final_message`` (and ``add_generation_prompt`` false) continues the assistant's
@@ -61,7 +71,6 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -70,8 +79,10 @@ from llmgw.engines.kvevents import Event
 from llmgw.errors import EngineError
 from llmgw.loop import run as run_loop
 from llmgw.netaddr import parse_hostport
-from llmgw.sim.config import SimConfig, is_int
-from llmgw.sim.generate import TOKEN_JSON, draw, own_tokens, resume, split_own, tokenize
+from llmgw.sim.config import SimConfig
+from llmgw.sim.generate import TOKEN_JSON, tokenize
+from llmgw.sim.handover import PARAM as KV_PARAM
+from llmgw.sim.handover import Handover, Role
 from llmgw.sim.kvcache import PrefixCache
 from llmgw.sim.pooling import PoolingHandlers
 from llmgw.sim.probe import probe_paths
@@ -80,169 +91,25 @@ from llmgw.sim.protocol import (
     SSE_HEADERS,
     BadRequest,
     answer_limit,
-    chat_prompt,
-    continued_message,
     dumps,
     error_response,
     gone,
-    missing,
     parse_body,
-    positive_int,
     unknown_model_message,
 )
 from llmgw.sim.publisher import EventPublisher
 from llmgw.sim.rendezvous import Leader, Worker
+from llmgw.sim.request import parse_options, parse_prompts
 from llmgw.sim.responses import ResponsesHandlers
 from llmgw.sim.sleep import SleepMode
+from llmgw.sim.steps import StepLoop, StepPace
 
 log = logging.getLogger("llmgw.engine.sim")
 
-_MAX_N = 16
 _MAX_BODY_BYTES = 64 * 1024 * 1024
 _SHUTDOWN_GRACE_S = 5.0
 
 _SSE_DONE = b"data: [DONE]\n\n"
-
-
-# --------------------------------------------------------------------------- request parsing
-
-
-def _completion_prompts(prompt: object) -> list[str]:
-    if prompt is None:
-        raise missing("prompt")
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return prompt
-    raise BadRequest(
-        "'prompt' must be a string or a non-empty array of strings "
-        "(token-id prompts are not supported by the sim engine)",
-        "prompt",
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class _Prompt:
-    """One prompt: its text before the answer (``head``) and the answer's beginning given
-    back to be continued (``done``: chat's continue_final_message, or the tail of a
-    completions prompt that is the engine's own answer so far; "" when none)."""
-
-    head: str
-    done: str = ""
-    # ``done`` as the engine's own tokens; None when it is not (or there is none).
-    own: list[str] | None = None
-    # What the answer is keyed on when ``done`` is not the beginning of the head's answer.
-    whole: str = ""
-
-    def answer(self, limit: int, opts: _Options, choice: int) -> tuple[list[str], str]:
-        """The tokens emitted for choice ``choice`` and its finish reason."""
-        min_tokens = min(opts.min_tokens, limit)
-        if self.own is not None:
-            rest = resume(
-                self.head,
-                self.own,
-                limit,
-                opts.seed,
-                choice,
-                min_tokens=min_tokens,
-                ignore_eos=opts.ignore_eos,
-            )
-            if rest is not None:
-                return rest
-        key = self.whole if self.done else self.head
-        return draw(
-            key, limit, opts.seed, choice, min_tokens=min_tokens, ignore_eos=opts.ignore_eos
-        )
-
-
-def _prompts(body: dict[str, Any], chat: bool, seed: int) -> list[_Prompt]:
-    """The request's prompts, each with the beginning of its answer it gives back."""
-    if chat:
-        messages = body.get("messages")
-        done = continued_message(body)
-        whole = chat_prompt(messages)
-        if done is None:
-            return [_Prompt(whole)]
-        assert isinstance(messages, list)  # chat_prompt checked it
-        head = chat_prompt(messages[:-1]) if len(messages) > 1 else ""
-        return [_Prompt(head, done, own_tokens(done), whole)]
-    prompts: list[_Prompt] = []
-    for text in _completion_prompts(body.get("prompt")):
-        found = split_own(text, seed)
-        if found is None:
-            prompts.append(_Prompt(text))
-        else:
-            head, own = found
-            prompts.append(_Prompt(head, text[len(head) :], own, text))
-    return prompts
-
-
-@dataclass(frozen=True, slots=True)
-class _Options:
-    max_tokens: int | None  # as asked; None: the engine's default, else the context's rest
-    limit_name: str  # the member that asked it, named in a refusal
-    min_tokens: int
-    ignore_eos: bool
-    seed: int
-    n: int
-    stream: bool
-    include_usage: bool
-
-
-def _options(body: dict[str, Any], cfg: SimConfig, *, chat: bool) -> _Options:
-    limit_name = "max_completion_tokens"
-    max_tokens = positive_int(body, limit_name) if chat else None
-    if max_tokens is None:
-        limit_name = "max_tokens"
-        max_tokens = positive_int(body, limit_name)
-    # vLLM's sampling parameters for long answers: no end before min_tokens, none at all
-    # with ignore_eos (the answer runs to its limit).
-    min_tokens = body.get("min_tokens")
-    if min_tokens is None:
-        min_tokens = 0
-    elif not is_int(min_tokens) or min_tokens < 0:
-        raise BadRequest(f"'min_tokens' must be an integer >= 0, got {min_tokens!r}", "min_tokens")
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise BadRequest(
-            f"min_tokens must be less than or equal to {limit_name}={max_tokens}, got {min_tokens}",
-            "min_tokens",
-        )
-    ignore_eos = body.get("ignore_eos")
-    if ignore_eos is None:
-        ignore_eos = False
-    elif not isinstance(ignore_eos, bool):
-        raise BadRequest(f"'ignore_eos' must be a boolean, got {ignore_eos!r}", "ignore_eos")
-
-    seed = body.get("seed")
-    if seed is None:
-        seed = cfg.seed
-    elif not is_int(seed):
-        raise BadRequest(f"'seed' must be an integer, got {seed!r}", "seed")
-
-    n = positive_int(body, "n") or 1
-    if n > _MAX_N:
-        raise BadRequest(f"'n' must be at most {_MAX_N}, got {n}", "n")
-
-    stream = body.get("stream")
-    if stream is None:
-        stream = False
-    elif not isinstance(stream, bool):
-        raise BadRequest(f"'stream' must be a boolean, got {stream!r}", "stream")
-
-    include_usage = False
-    stream_options = body.get("stream_options")
-    if stream_options is not None:
-        if not isinstance(stream_options, dict):
-            raise BadRequest("'stream_options' must be an object", "stream_options")
-        value = stream_options.get("include_usage")
-        if value is not None and not isinstance(value, bool):
-            raise BadRequest(
-                f"'stream_options.include_usage' must be a boolean, got {value!r}",
-                "stream_options.include_usage",
-            )
-        include_usage = bool(value)
-
-    return _Options(max_tokens, limit_name, min_tokens, ignore_eos, seed, n, stream, include_usage)
 
 
 # --------------------------------------------------------------------------- the server
@@ -270,6 +137,9 @@ class _Handlers:
         self.prefill_s_per_token = cfg.prefill_us_per_token / 1e6
         # The loop time the prefill lane is next free at (see the module docstring).
         self.lane_free_at = 0.0
+        self.handover = Handover(cfg)
+        # The step model's loop (llmgw.sim.steps), started with the app; None: the lane.
+        self.steps: StepLoop | None = None
 
     # ----------------------------------------------------------------- simple endpoints
 
@@ -308,13 +178,25 @@ class _Handlers:
         raw = await request.read()
         try:
             body = parse_body(raw, self.cfg.model)
-            opts = _options(body, self.cfg, chat=chat)
-            prompts = _prompts(body, chat, opts.seed)
+            opts = parse_options(body, self.cfg, chat=chat)
+            prompts = parse_prompts(body, chat, opts.seed)
         except BadRequest as e:
             return e.response()
 
         cfg = self.cfg
         prompt_ids = [tokenize(p.head) + tokenize(p.done) for p in prompts]
+        role = None
+        if (kv_params := body.get(KV_PARAM)) is not None:
+            try:
+                role = self.handover.role(
+                    kv_params,
+                    prompts=len(prompts),
+                    n=opts.n,
+                    stream=opts.stream,
+                    prompt_tokens=sum(len(ids) for ids in prompt_ids),
+                )
+            except BadRequest as e:
+                return e.response()
         try:
             limits = [
                 answer_limit(
@@ -338,10 +220,23 @@ class _Handlers:
             events += found.events
         if events and self.publisher is not None:
             self.publisher.publish(events)
-        # The prefill lane: one request's uncached tokens at a time, in arrival order.
-        start = max(t0, self.lane_free_at)
-        self.lane_free_at = start + (prompt_tokens - cached) * self.prefill_s_per_token
-        first_at = self.lane_free_at + self.ttft_s
+        uncached = prompt_tokens - cached
+        if role is not None and role.remote is not None:
+            # A remote prefill: the blocks cross the wire instead of being computed here,
+            # unless the pull fails and the prompt is recomputed (llmgw.sim.handover).
+            if await self.handover.pull(role.remote, prompt_tokens, cached):
+                uncached = 0
+                cached = max(prompt_tokens - 1, cached)
+            t0 = loop.time()
+        pace = None
+        if self.steps is not None:
+            pace = StepPace(self.steps, uncached, self.ttft_s)
+            first_at = 0.0
+        else:
+            # The prefill lane: one request's uncached tokens at a time, in arrival order.
+            start = max(t0, self.lane_free_at)
+            self.lane_free_at = start + uncached * self.prefill_s_per_token
+            first_at = self.lane_free_at + self.ttft_s
         completion_tokens = sum(len(tokens) for tokens, _ in jobs)
         usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
@@ -351,11 +246,24 @@ class _Handlers:
         }
         rid = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
         created = int(time.time())
-        if opts.stream:
-            return await self._stream(
-                request, chat, rid, created, jobs, usage if opts.include_usage else None, first_at
+        try:
+            if opts.stream:
+                return await self._stream(
+                    request,
+                    chat,
+                    rid,
+                    created,
+                    jobs,
+                    usage if opts.include_usage else None,
+                    first_at,
+                    pace,
+                )
+            return await self._respond(
+                request, chat, rid, created, jobs, usage, first_at, pace, role
             )
-        return await self._respond(request, chat, rid, created, jobs, usage, first_at)
+        finally:
+            if pace is not None:
+                pace.close()
 
     async def _respond(
         self,
@@ -366,14 +274,22 @@ class _Handlers:
         jobs: list[tuple[list[str], str]],
         usage: dict[str, Any],
         first_at: float,
+        pace: StepPace | None = None,
+        role: Role | None = None,
     ) -> web.StreamResponse:
         steps = max(len(tokens) for tokens, _ in jobs)
-        deadline = first_at + (steps - 1) * self.interval_s
-        loop = asyncio.get_running_loop()
-        while (remaining := deadline - loop.time()) > 0:
-            if gone(request):
-                break
-            await asyncio.sleep(min(remaining, DISCONNECT_POLL_S))
+        if pace is not None:
+            for k in range(steps):
+                await pace.token(k)
+                if gone(request):
+                    break
+        else:
+            deadline = first_at + (steps - 1) * self.interval_s
+            loop = asyncio.get_running_loop()
+            while (remaining := deadline - loop.time()) > 0:
+                if gone(request):
+                    break
+                await asyncio.sleep(min(remaining, DISCONNECT_POLL_S))
         choices: list[dict[str, Any]]
         if chat:
             choices = [
@@ -390,7 +306,7 @@ class _Handlers:
                 {"index": i, "text": "".join(tokens), "logprobs": None, "finish_reason": finish}
                 for i, (tokens, finish) in enumerate(jobs)
             ]
-        obj = {
+        obj: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
@@ -398,6 +314,13 @@ class _Handlers:
             "choices": choices,
             "usage": usage,
         }
+        if role is not None:
+            # The prefill keeps its blocks (vLLM's request_finished), unless its client left
+            # (vLLM frees an aborted request's); a decode's answer carries null, as vLLM's.
+            kept: dict[str, Any] | None = None
+            if role.remote is None and not gone(request):
+                kept = self.handover.keep(usage["prompt_tokens"], jobs[0][1])
+            obj[KV_PARAM] = kept
         return web.Response(body=dumps(obj).encode(), content_type="application/json")
 
     async def _stream(
@@ -409,6 +332,7 @@ class _Handlers:
         jobs: list[tuple[list[str], str]],
         usage: dict[str, Any] | None,
         first_at: float,
+        pace: StepPace | None = None,
     ) -> web.StreamResponse:
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = (
@@ -442,8 +366,9 @@ class _Handlers:
         try:
             await response.prepare(request)
             for k in range(steps):
-                delay = first_at + k * self.interval_s - loop.time()
-                if delay > 0:
+                if pace is not None:
+                    await pace.token(k)
+                elif (delay := first_at + k * self.interval_s - loop.time()) > 0:
                     await asyncio.sleep(delay)
                 if gone(request):
                     return response
@@ -489,6 +414,7 @@ def build_app(cfg: SimConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", sim.chat_completions)
     app.router.add_post("/v1/completions", sim.completions)
     app.router.add_post("/reset_prefix_cache", sim.reset_prefix_cache)
+    app.router.add_get("/metrics", sim.handover.metrics)
     app.router.add_routes(ResponsesHandlers(cfg).routes())
     app.router.add_routes(PoolingHandlers(cfg).routes())
 
@@ -503,7 +429,22 @@ def build_app(cfg: SimConfig) -> web.Application:
                 sim.publisher.close()
                 sim.publisher = None
 
+    async def engine_parts(_app: web.Application) -> AsyncIterator[None]:
+        # The KV transfer listener and the step loop live as long as the app.
+        await sim.handover.open()
+        if cfg.step_model:
+            sim.steps = StepLoop(sim.interval_s, sim.prefill_s_per_token, cfg.prefill_chunk)
+            sim.steps.start()
+        try:
+            yield
+        finally:
+            if sim.steps is not None:
+                await sim.steps.stop()
+                sim.steps = None
+            await sim.handover.close()
+
     app.cleanup_ctx.append(kv_events)
+    app.cleanup_ctx.append(engine_parts)
     return app
 
 
