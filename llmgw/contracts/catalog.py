@@ -38,7 +38,6 @@ from llmgw.configfile import (
     unknown_key_message,
 )
 from llmgw.contracts.disagg import (
-    BACKENDS,
     Disaggregation,
     parse_disaggregated,
     parse_role,
@@ -129,7 +128,6 @@ _PROFILE_KEYS = (
     "disaggregated",
     # A disaggregated model's pools' own stored profiles only (llmgw.contracts.disagg).
     "role",
-    "transfer",
 )
 _FILE_KEYS = ("url", "path", "sha256")
 _SLEEP_KEYS = ("level",)
@@ -236,10 +234,8 @@ class Profile:
     max_resumes: int | None = None
     # ``disaggregated``: its replicas in a prefill and a decode pool (llmgw.contracts.disagg).
     disaggregated: Disaggregation | None = None
-    # A pool's own profile (stored, made by contracts.disagg.pool_profile): its role and
-    # SGLang's transfer backend ("": the engine's default).
+    # A pool's own profile (stored, made by contracts.disagg.pool_profile): its role.
     role: str | None = None
-    transfer_backend: str = ""
 
     @property
     def routing_policy(self) -> str:
@@ -311,8 +307,6 @@ class Profile:
             out["disaggregated"] = self.disaggregated.to_dict()
         if self.role is not None:
             out["role"] = self.role
-        if self.transfer_backend:
-            out["transfer"] = {"backend": self.transfer_backend}
         return out
 
 
@@ -493,7 +487,7 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
             max_resumes = parse_resume(raw["resume"])
         except ValueError as exc:
             check.fail(at("resume"), str(exc))
-    disaggregated, role, backend = _disaggregation(check, raw, at, engine, nodes)
+    disaggregated, role = _disaggregation(check, raw, at, engine, nodes)
     return Profile(
         engine=engine,
         source=source.text if source is not None else None,
@@ -517,17 +511,15 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         max_resumes=max_resumes,
         disaggregated=disaggregated,
         role=role,
-        transfer_backend=backend,
     )
 
 
 def _disaggregation(
     check: Checker, raw: Mapping[str, Any], at: Callable[[str], str], engine: str, nodes: int
-) -> tuple[Disaggregation | None, str | None, str]:
-    """``disaggregated`` (a catalog's or a deployment's), or a pool's own ``role`` and
-    ``transfer`` (stored by the control plane only, never in a catalog)."""
+) -> tuple[Disaggregation | None, str | None]:
+    """``disaggregated`` (a catalog's or a deployment's), or a pool's own ``role`` (stored
+    by the control plane only, never in a catalog)."""
     disaggregated = role = None
-    backend = ""
     if raw.get("disaggregated") is not None:
         try:
             disaggregated = parse_disaggregated(
@@ -535,26 +527,20 @@ def _disaggregation(
             )
         except ConfigError as exc:
             raise ConfigError(str(exc), file=check.file) from None
-    for own in ("role", "transfer"):
-        if raw.get(own) is not None and check.file != STORED:
+    if raw.get("role") is not None:
+        if check.file != STORED:
             check.fail(
-                at(own),
+                at("role"),
                 "is set by llmgw on a disaggregated model's pools; declare "
                 "disaggregated: {prefill: {...}, decode: {...}} instead",
             )
-    if raw.get("role") is not None:
         if disaggregated is not None:
             check.fail(at("role"), "a pool's profile cannot itself be disaggregated")
         try:
             role = parse_role(raw["role"], key=at("role"), engine=engine)
         except ConfigError as exc:
             raise ConfigError(str(exc), file=check.file) from None
-    if raw.get("transfer") is not None:
-        given = check.mapping(raw["transfer"], at("transfer"), accepted=("backend",))
-        backend = str(given.get("backend") or "")
-        if backend and backend not in BACKENDS:
-            check.fail(at("transfer"), f"backend must be one of {', '.join(BACKENDS)}")
-    return disaggregated, role, backend
+    return disaggregated, role
 
 
 def _sleep(check: Checker, value: object, key: str, engine: str, nodes: int) -> int:

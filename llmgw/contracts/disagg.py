@@ -224,13 +224,13 @@ def parse_role(value: object, *, key: str, engine: str) -> str:
 def pool_profile(profile: Mapping[str, Any], role: str) -> dict[str, Any]:
     """The stored profile of ``role``'s pool from a disaggregated profile as stored (its
     ``to_dict``): the same engine, weights, params and settings, the pool's GPUs, the
-    profile's args then the pool's, the pool's max_concurrency, ``role``, and the
-    ``transfer`` settings the pool's engines need (SGLang's backend)."""
+    profile's args then the pool's (then SGLang's ``--disaggregation-transfer-backend`` when
+    ``backend`` names one), the pool's max_concurrency, and ``role``."""
     raw = profile.get("disaggregated")
     if not isinstance(raw, Mapping):
         raise ValueError("not a disaggregated profile: it has no 'disaggregated' mapping")
     pool = raw[role]
-    out = {k: v for k, v in profile.items() if k not in ("disaggregated", "role", "transfer")}
+    out = {k: v for k, v in profile.items() if k not in ("disaggregated", "role")}
     out["gpus"] = pool["gpus"]
     out["args"] = [*profile.get("args", ()), *pool.get("args", ())]
     if pool.get("max_concurrency") is not None:
@@ -241,7 +241,8 @@ def pool_profile(profile: Mapping[str, Any], role: str) -> dict[str, Any]:
         out.pop("routing", None)
     out["role"] = role
     if raw.get("backend"):
-        out["transfer"] = {"backend": raw["backend"]}
+        # After llmgw's own flags: the last --disaggregation-transfer-backend is SGLang's.
+        out["args"] += ["--disaggregation-transfer-backend", raw["backend"]]
     return out
 
 
