@@ -410,6 +410,20 @@ class Metrics:
             "Time a prefill replica took to answer the prefill (its place taken).",
             ("model",),
         )
+        self.disagg_transfer_tokens = Counter(
+            "llmgw_disagg_transfer_tokens_total",
+            "Prompt tokens whose KV a decode replica took from a prefill rather than "
+            "computing them: the prompt tokens the prefill reported (an upper bound: a "
+            "decode's own prefix cache may hold some, which no engine reports per request).",
+            ("model",),
+        )
+        self.disagg_transfer_bytes = Counter(
+            "llmgw_disagg_transfer_bytes_total",
+            "Bytes of KV those tokens moved: llmgw_disagg_transfer_tokens_total times the "
+            "profile's disaggregated.kv_bytes_per_token (the sim's own by default); not "
+            "counted for a model without it.",
+            ("model",),
+        )
         self.decoding_tokens = Gauge(
             "llmgw_decoding_tokens",
             "Output tokens the requests on a decode pool's replica may still generate (what "
@@ -459,6 +473,8 @@ class Metrics:
             self.disagg_prefill_retries,
             self.disagg_handover,
             self.disagg_prefill,
+            self.disagg_transfer_tokens,
+            self.disagg_transfer_bytes,
             self.decoding_tokens,
         ):
             lines.extend(metric.render())

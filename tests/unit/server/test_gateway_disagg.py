@@ -71,6 +71,7 @@ def run(
     fails: dict[str, list[str]] | None = None,
     queue_timeout: float = 2.0,
     idle_timeout: float = 30.0,
+    kv_bytes: int | None = None,
 ) -> None:
     async def main() -> None:
         replicas = [Replica(f"p{i}", "prefill") for i in range(prefill)]
@@ -99,7 +100,7 @@ def run(
                 )
             engine = "vllm" if protocol == "vllm" else "sglang"
             paths = served_paths(engine, ("generate",))
-            handover = Handover("m#prefill", "m#decode", protocol, transfer_timeout)
+            handover = Handover("m#prefill", "m#decode", protocol, transfer_timeout, kv_bytes)
             models = [
                 ServedModel("m", engine, ("generate",), paths, 8, None, routing, handover=handover),
                 ServedModel(
