@@ -104,6 +104,22 @@ class Histogram:
         counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sums[labels] += value
 
+    def quantile(self, labels: tuple[str, ...], q: float) -> float | None:
+        """The ``q`` quantile of the values observed under ``labels``, from the buckets as
+        Prometheus's histogram_quantile reads them (linear within a bucket; beyond the last
+        bound: that bound); None when none was observed."""
+        counts = self.counts.get(labels)
+        total = sum(counts) if counts else 0
+        if not counts or not total:
+            return None
+        rank, running, lower = q * total, 0, 0.0
+        for bound, count in zip(self.buckets, counts, strict=False):
+            if count and running + count >= rank:
+                return lower + (bound - lower) * (rank - running) / count
+            running += count
+            lower = bound
+        return self.buckets[-1]
+
     def render(self) -> list[str]:
         out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
         for key, counts in sorted(self.counts.items()):
