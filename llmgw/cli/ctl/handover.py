@@ -74,9 +74,7 @@ def model_text(m: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        table(
-            ["POOL", "GPUS", "READY", "IN FLIGHT", "TOKENS", "TO GENERATE", "PROBLEM"], rows
-        ),
+        table(["POOL", "GPUS", "READY", "IN FLIGHT", "TOKENS", "TO GENERATE", "PROBLEM"], rows),
     ]
     handover = m.get("handover")
     if handover:

@@ -285,9 +285,7 @@ class Disagg:
             answer = await self.gw._route(replace(decode, on_head=watch), charge)
         except TransferTimeout as exc:
             return await self._whole(req, charge, handover, "transfer_timeout", rid, str(exc))
-        return self._handed_over(
-            req, charge, handover, answer, prefilled.cached, prefilled.prompt
-        )
+        return self._handed_over(req, charge, handover, answer, prefilled.cached, prefilled.prompt)
 
     async def _prefill(
         self, preq: ModelRequest, handover: Handover, rid: str

@@ -1,6 +1,6 @@
 """What a disaggregated model's hand-overs moved, as the gateway counts it
 (``llmgw_disagg_transfer_tokens_total``, ``llmgw_disagg_transfer_bytes_total``), through the
-stand-in engines of :mod:`tests.unit.server.test_gateway_disagg`; and the model's KV bytes per
+stand-in engines of :mod:`tests.unit.server.disagg_gateway_rig`; and the model's KV bytes per
 token as the gateway's serving cache reads them from a stored profile."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import pytest
 
 from llmgw.server.gateway.serving import ServedModel
 from llmgw.server.store.rows import Model
-from tests.unit.server.disagg_gateway_rig import PROMPT_TOKENS
-from tests.unit.server.test_gateway_disagg import Rig, chat, chat_stream, run
+from tests.unit.server.disagg_gateway_rig import PROMPT_TOKENS, Rig, chat, chat_stream, run
 
 pytestmark = pytest.mark.timeout(60)
 
