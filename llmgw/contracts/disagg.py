@@ -6,8 +6,13 @@ per replica and its replicas (a fixed count or a scaling policy, :mod:`llmgw.con
 optionally ``args`` added to the profile's for that pool alone and its ``max_concurrency``.
 Beside the pools: ``transfer_timeout`` (how long the gateway waits for a decode replica's
 first token, the KV transfer included, before it runs the request whole on a decode replica:
-the aggregated fallback) and ``backend`` (SGLang's transfer backend; vLLM and the sim have
-one each).
+the aggregated fallback), ``backend`` (SGLang's transfer backend; vLLM and the sim have
+one each) and ``kv_bytes_per_token`` (the bytes one token's KV cache takes on the wire, so
+that the gateway counts the bytes each hand-over moves, ``llmgw_disagg_transfer_bytes_total``).
+vLLM and SGLang do not report the bytes they move per request, so the operator computes it
+for the model: 2 (keys and values) x layers x KV heads x head dim x the KV dtype's bytes, e.g.
+Llama-3-8B in fp16: 2 * 32 * 8 * 128 * 2 = 131072. The sim's default is its own
+``kv_bytes_per_token`` param; without either, the tokens moved are counted, not the bytes.
 
 The control plane stores such a deployment as three models: the one clients name (its
 replicas 0: it places nothing, the gateway drives the hand-over between its pools) and one
@@ -54,7 +59,7 @@ BACKENDS: tuple[str, ...] = ("nixl", "mooncake")
 """SGLang's transfer backends llmgw starts it with (its --disaggregation-transfer-backend)."""
 
 DEFAULT_TRANSFER_TIMEOUT = 30.0
-_KEYS = ("prefill", "decode", "transfer_timeout", "backend")
+_KEYS = ("prefill", "decode", "transfer_timeout", "backend", "kv_bytes_per_token")
 _POOL_KEYS = ("gpus", "replicas", "args", "max_concurrency")
 _EXAMPLE = (
     "e.g. disaggregated: {prefill: {gpus: 1, replicas: 1}, decode: {gpus: 1, replicas: {min: 1, "
@@ -104,6 +109,8 @@ class Disaggregation:
     decode: Pool
     transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT
     backend: str = ""
+    # One token's KV cache in bytes (None: not given; the bytes moved are not counted).
+    kv_bytes_per_token: int | None = None
 
     def pool(self, role: str) -> Pool:
         if role == "prefill":
@@ -122,6 +129,8 @@ class Disaggregation:
             out["transfer_timeout"] = format_duration(self.transfer_timeout)
         if self.backend:
             out["backend"] = self.backend
+        if self.kv_bytes_per_token is not None:
+            out["kv_bytes_per_token"] = self.kv_bytes_per_token
         return out
 
 
@@ -204,11 +213,22 @@ def parse_disaggregated(value: object, *, key: str, engine: str, nodes: int = 1)
                 f"must be one of {', '.join(BACKENDS)}; got {backend!r}",
                 key=join_key(key, "backend"),
             )
+    kv_bytes = value.get("kv_bytes_per_token")
+    if kv_bytes is not None and (
+        isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes < 1
+    ):
+        raise ConfigError(
+            f"must be a whole number of bytes >= 1 (2 x layers x KV heads x head dim x dtype "
+            f"bytes, e.g. 131072 for Llama-3-8B in fp16), or left out; got "
+            f"{type_name(kv_bytes)} {kv_bytes!r}",
+            key=join_key(key, "kv_bytes_per_token"),
+        )
     return Disaggregation(
         prefill=pools["prefill"],
         decode=pools["decode"],
         transfer_timeout=timeout,
         backend=str(backend),
+        kv_bytes_per_token=kv_bytes,
     )
 
 

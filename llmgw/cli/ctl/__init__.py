@@ -2,7 +2,7 @@
 
 This module builds the ``ctl`` group (its options make the ``Ctl`` object each command
 receives, see ``context``); each command group lives in a module of its own: ``nodes`` (list,
-approve, reject, revoke, drain, uncordon), ``gpus`` (list, cordon, uncordon), ``models`` (models, deploy, undeploy, replicas),
+approve, reject, revoke, drain, uncordon), ``gpus`` (list, cordon, uncordon), ``models`` (models, models show, deploy, undeploy, replicas),
 ``keys`` (with their policies), ``usage`` (the keys' usage), ``join`` (join-command, tokens), ``onboard`` (over ssh, one host or a file of them),
 ``events``, ``engines``, ``updates`` (update, admin password), ``cert``, ``instances`` (the
 control-plane instances on PostgreSQL, retire), ``users`` (operator accounts), ``login``

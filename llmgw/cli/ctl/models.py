@@ -12,6 +12,7 @@ import click
 from llmgw.cli.common import Duration, ReportingGroup
 from llmgw.cli.ctl.complete import MODELS
 from llmgw.cli.ctl.context import Ctl, pass_ctl
+from llmgw.cli.ctl.handover import show
 from llmgw.cli.ctl.output import echo_json, table
 from llmgw.contracts.catalog import load_catalog
 from llmgw.contracts.disagg import ROLES, split_pool
@@ -24,8 +25,9 @@ __all__ = ["deploy", "models", "replicas", "undeploy"]
 @click.group(cls=ReportingGroup, invoke_without_command=True)
 @click.pass_context
 def models(ctx: click.Context) -> None:
-    """List models with their deployed profile, desired and ready replicas (and change the
-    catalog with 'models apply -f catalog.yaml')."""
+    """List models with their deployed profile, desired and ready replicas ('models show
+    MODEL': one in detail, a disaggregated one's hand-over; 'models apply -f catalog.yaml'
+    changes the catalog)."""
     if ctx.invoked_subcommand is not None:
         return
     c = ctx.find_object(Ctl)
@@ -77,6 +79,9 @@ def models(ctx: click.Context) -> None:
             rows,
         )
     )
+
+
+models.add_command(show)
 
 
 @models.command("apply")

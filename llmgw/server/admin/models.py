@@ -25,6 +25,7 @@ from llmgw.engines.registry import engine_names
 from llmgw.errors import ConfigError, Conflict, NotFound
 from llmgw.server.accounts.principals import principal_of
 from llmgw.server.admin.context import AdminContext, BadRequest, read_json
+from llmgw.server.admin.handover import handover_json, pool_load
 from llmgw.server.admin.pools import (
     count_text,
     disaggregation_of,
@@ -54,13 +55,19 @@ def _is_adhoc(model: Model) -> bool:
 def model_json(ctx: AdminContext, model: Model) -> dict[str, Any]:
     """A model as ``GET /api/models`` lists it: its profile, ready (routable) and desired
     replicas, and why the scheduler cannot place it (None when it can); a disaggregated
-    one with its pools (``pools``: role -> the pool's own, its ready, desired, scaling and
-    unplaceable reason; its ``unplaceable`` the first pool's that has one)."""
+    one with its pools (``pools``: role -> the pool's own, its ready, desired, scaling,
+    unplaceable reason and ``load``; its ``unplaceable`` the first pool's that has one) and
+    its ``handover`` as this instance's gateway saw it (:mod:`.handover`; None: aggregated)."""
     out = _model_json(ctx, model)
     pools = pools_of(ctx.store, model.name)
     out["pools"] = None
+    out["handover"] = None
     if pools:
-        out["pools"] = {role: _model_json(ctx, pool) for role, pool in pools.items()}
+        out["pools"] = {
+            role: {**_model_json(ctx, pool), "load": pool_load(ctx.router, pool.name)}
+            for role, pool in pools.items()
+        }
+        out["handover"] = handover_json(ctx.metrics, model.name)
         out["unplaceable"] = next(
             (
                 f"{role} pool: {pool['unplaceable']}"

@@ -104,6 +104,22 @@ class Histogram:
         counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sums[labels] += value
 
+    def quantile(self, labels: tuple[str, ...], q: float) -> float | None:
+        """The ``q`` quantile of the values observed under ``labels``, from the buckets as
+        Prometheus's histogram_quantile reads them (linear within a bucket; beyond the last
+        bound: that bound); None when none was observed."""
+        counts = self.counts.get(labels)
+        total = sum(counts) if counts else 0
+        if not counts or not total:
+            return None
+        rank, running, lower = q * total, 0, 0.0
+        for bound, count in zip(self.buckets, counts, strict=False):
+            if count and running + count >= rank:
+                return lower + (bound - lower) * (rank - running) / count
+            running += count
+            lower = bound
+        return self.buckets[-1]
+
     def render(self) -> list[str]:
         out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
         for key, counts in sorted(self.counts.items()):
@@ -410,6 +426,20 @@ class Metrics:
             "Time a prefill replica took to answer the prefill (its place taken).",
             ("model",),
         )
+        self.disagg_transfer_tokens = Counter(
+            "llmgw_disagg_transfer_tokens_total",
+            "Prompt tokens whose KV a decode replica took from a prefill rather than "
+            "computing them: the prompt tokens the prefill reported (an upper bound: a "
+            "decode's own prefix cache may hold some, which no engine reports per request).",
+            ("model",),
+        )
+        self.disagg_transfer_bytes = Counter(
+            "llmgw_disagg_transfer_bytes_total",
+            "Bytes of KV those tokens moved: llmgw_disagg_transfer_tokens_total times the "
+            "profile's disaggregated.kv_bytes_per_token (the sim's own by default); not "
+            "counted for a model without it.",
+            ("model",),
+        )
         self.decoding_tokens = Gauge(
             "llmgw_decoding_tokens",
             "Output tokens the requests on a decode pool's replica may still generate (what "
@@ -459,6 +489,8 @@ class Metrics:
             self.disagg_prefill_retries,
             self.disagg_handover,
             self.disagg_prefill,
+            self.disagg_transfer_tokens,
+            self.disagg_transfer_bytes,
             self.decoding_tokens,
         ):
             lines.extend(metric.render())

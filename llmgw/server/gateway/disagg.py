@@ -34,6 +34,12 @@ logged with the request's id.
 The client sees one ordinary answer: the decode's, whose usage counts the prompt once and
 the decode's completion; the key is charged once, with the prefill's cached tokens as the
 prompt's cached, in the answer's ``prompt_tokens_details`` (streamed or not).
+
+What a hand-over moved is counted per model: the prompt tokens whose KV the decode took
+rather than computed (``llmgw_disagg_transfer_tokens_total``: the prompt tokens the prefill
+reported, SGLang's from the decode's usage; a decode whose own prefix cache held part of
+the prompt pulls less, which no engine reports per request) and, where the model's KV bytes per token are known (:class:`Handover`), the bytes
+(``llmgw_disagg_transfer_bytes_total``). The engines report no bytes per request.
 """
 
 from __future__ import annotations
@@ -140,11 +146,13 @@ def _dumps(payload: Any) -> bytes:
 @dataclass(frozen=True)
 class _Prefilled:
     """A prefill's answer: the KV it names for the decode (None: none), the prompt tokens
-    its cache held, and when it came (time.perf_counter())."""
+    its cache held, when it came (time.perf_counter()) and the prompt's tokens it reported
+    (0: none)."""
 
     params: dict[str, Any] | None
     cached: int
     answered: float
+    prompt: int = 0
 
 
 class _FirstToken:
@@ -277,7 +285,7 @@ class Disagg:
             answer = await self.gw._route(replace(decode, on_head=watch), charge)
         except TransferTimeout as exc:
             return await self._whole(req, charge, handover, "transfer_timeout", rid, str(exc))
-        return self._handed_over(req, charge, answer, prefilled.cached)
+        return self._handed_over(req, charge, handover, answer, prefilled.cached, prefilled.prompt)
 
     async def _prefill(
         self, preq: ModelRequest, handover: Handover, rid: str
@@ -304,7 +312,9 @@ class Disagg:
             if not failure:
                 if status >= 400:
                     return web.Response(status=status, body=body, content_type="application/json")
-                return _Prefilled(_kv_params(body), outcome.cached, time.perf_counter())
+                return _Prefilled(
+                    _kv_params(body), outcome.cached, time.perf_counter(), outcome.prompt
+                )
             again = attempt + 1 < MAX_PREFILL_TRIES and self.gw.router.has_ready(
                 handover.prefill, frozenset(tried)
             )
@@ -426,7 +436,7 @@ class Disagg:
                 with contextlib.suppress(Exception):
                     await asyncio.wait({prefill}, timeout=handover.transfer_timeout)
             prefill.cancel()
-            return self._handed_over(req, charge, answer, None)
+            return self._handed_over(req, charge, handover, answer, None)
         return await self._whole(req, charge, handover, "no_prefill", rid)
 
     async def _sglang_prefill(self, preq: ModelRequest, ep: Endpoint) -> float:
@@ -461,16 +471,37 @@ class Disagg:
         )
 
     def _handed_over(
-        self, req: ModelRequest, charge: Charge, answer: web.StreamResponse, cached: int | None
+        self,
+        req: ModelRequest,
+        charge: Charge,
+        handover: Handover,
+        answer: web.StreamResponse,
+        cached: int | None,
+        prompt: int = 0,
     ) -> web.StreamResponse:
         """The decode's ``answer``; the key charged the prefill's ``cached`` tokens (None:
-        the decode's own), as the client's usage says (ModelRequest.cached)."""
+        the decode's own), as the client's usage says (ModelRequest.cached); the tokens and
+        bytes moved counted (``prompt``: the prefill's prompt tokens, 0: not reported)."""
         ended = "handed_over" if answer.status < 400 else "failed"
         self.metrics.disagg_requests.inc((req.model, ended))
         outcome = charge.outcome
+        if ended == "handed_over":
+            self._moved(req.model, handover, outcome, prompt)
         if cached is not None and outcome.reported:
             outcome.cached = min(cached, outcome.prompt) if outcome.prompt else cached
         return answer
+
+    def _moved(self, model: str, handover: Handover, outcome: Outcome, prompt: int) -> None:
+        """Count what a hand-over moved: ``prompt``, the prompt tokens the prefill reported
+        (SGLang's prefill answer is dropped: the decode's usage). The decode's
+        own cached tokens cannot stand in: its usage is rewritten to the prefill's (the
+        client's), and an engine does not tell its own prefix cache from pulled blocks."""
+        tokens = prompt or (outcome.prompt if outcome.reported else 0)
+        if tokens <= 0:
+            return
+        self.metrics.disagg_transfer_tokens.inc((model,), tokens)
+        if handover.kv_bytes_per_token is not None:
+            self.metrics.disagg_transfer_bytes.inc((model,), tokens * handover.kv_bytes_per_token)
 
     async def _whole(
         self,

@@ -39,12 +39,14 @@ __all__ = ["Handover", "ServedModel", "ServingCache"]
 class Handover:
     """How a disaggregated model is served by its pools (:mod:`llmgw.contracts.disagg`): the
     pools' model names, the hand-over protocol its engine speaks (``vllm`` or ``sglang``), and
-    how long a decode replica may take to its first token, the KV transfer included."""
+    how long a decode replica may take to its first token, the KV transfer included; and the
+    bytes one token's KV takes, to count the bytes a hand-over moves (None: not known)."""
 
     prefill: str
     decode: str
     protocol: str
     transfer_timeout: float
+    kv_bytes_per_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,22 @@ def _handover(name: str, engine: str, profile: Mapping[str, Any]) -> Handover | 
         decode=pool_name(name, "decode"),
         protocol=protocol,
         transfer_timeout=disagg.transfer_timeout,
+        kv_bytes_per_token=_kv_bytes(engine, profile, disagg.kv_bytes_per_token),
     )
+
+
+def _kv_bytes(engine: str, profile: Mapping[str, Any], given: int | None) -> int | None:
+    """One token's KV bytes: the profile's ``disaggregated.kv_bytes_per_token``, else the
+    sim's own (its param, or its default: what its transfers move); None for a real engine
+    without it (vLLM and SGLang report no bytes per request)."""
+    if given is not None or engine != "sim":
+        return given
+    params = profile.get("params")
+    raw = params.get("kv_bytes_per_token") if isinstance(params, Mapping) else None
+    try:
+        return int(str(raw)) if raw is not None else SimConfig.kv_bytes_per_token
+    except ValueError:
+        return SimConfig.kv_bytes_per_token
 
 
 _CAP_PARAMS = ("max_model_len", "context_length", "ctx_size", "max_tokens", "max_length")

@@ -26,6 +26,7 @@ PD: dict[str, Any] = {
     "prefill": {"gpus": 1, "replicas": 2, "args": ["--max-num-batched-tokens", "8192"]},
     "decode": {"gpus": 2, "replicas": {"min": 1, "max": 4}, "max_concurrency": 64},
     "transfer_timeout": "5s",
+    "kv_bytes_per_token": 131072,
 }
 
 
@@ -50,6 +51,14 @@ def test_defaults_one_replica_each_and_the_default_timeout() -> None:
     assert (parsed.prefill.replicas, parsed.decode.replicas) == (1, 1)
     assert parsed.transfer_timeout == DEFAULT_TRANSFER_TIMEOUT
     assert parsed.backend == ""
+    assert parsed.kv_bytes_per_token is None
+    assert "kv_bytes_per_token" not in parsed.to_dict()
+
+
+def test_kv_bytes_per_token_is_kept_and_stored() -> None:
+    parsed = parse_disaggregated(PD, key="d", engine="vllm")
+    assert parsed.kv_bytes_per_token == 131072
+    assert parsed.to_dict()["kv_bytes_per_token"] == 131072
 
 
 def test_a_catalog_profile_round_trips_through_its_stored_form() -> None:
@@ -91,6 +100,13 @@ def test_a_catalog_profile_round_trips_through_its_stored_form() -> None:
         (
             {"prefill": {"gpus": 1}, "decode": {"gpus": 1}, "backend": "nixl"},
             "is SGLang's transfer backend; engine vllm has one of its own",
+        ),
+        *(
+            (
+                {"prefill": {"gpus": 1}, "decode": {"gpus": 1}, "kv_bytes_per_token": bad},
+                rf"kv_bytes_per_token: must be a whole number of bytes >= 1 .*got {kind}",
+            )
+            for bad, kind in ((0, "int"), (-5, "int"), (True, "bool"), ("128k", "str"), (1.5, ""))
         ),
     ],
 )

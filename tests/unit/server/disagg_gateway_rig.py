@@ -6,7 +6,8 @@ NixlConnector) and SGLang's servers do in each role, with the bodies recorded in
 Every replica records the bodies it was sent; each request may be failed as the test says
 (:attr:`Replica.fails`, one mode a request). The text a decode (or a request run whole)
 generates is the same for a given limit (``w0 w1 ...``), so that a handed-over answer, an
-aggregated fallback and a resumed stream can be compared.
+aggregated fallback and a resumed stream can be compared. :func:`run` serves them behind a
+gateway with the official ``openai`` client (:class:`Rig`).
 """
 
 from __future__ import annotations
@@ -15,14 +16,39 @@ import asyncio
 import dataclasses
 import json
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import openai
 from aiohttp import web
 
+from llmgw.contracts.catalog import Routing
+from llmgw.contracts.endpoints import served_paths
+from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.http.relay import ENGINE_FAILED, NOT_PROCESSED, error_event
+from llmgw.server.common.config import load_server_config
+from llmgw.server.common.metrics import Metrics
+from llmgw.server.gateway.gateway import Gateway
+from llmgw.server.gateway.routing import Endpoint, Router
+from llmgw.server.gateway.serving import Handover, ServedModel
+from tests.unit.gateway_rig import gateway_of, serving_of
+from tests.unit.server.fakes import api_key
+from tests.unit.serving import serving
 
-__all__ = ["FIXTURES", "Engines", "Replica", "fixture", "words"]
+__all__ = [
+    "FIXTURES",
+    "MESSAGES",
+    "TRANSFER_ADDR",
+    "Engines",
+    "Replica",
+    "Rig",
+    "chat",
+    "chat_stream",
+    "fixture",
+    "run",
+    "words",
+]
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "disagg"
 PROMPT_TOKENS = 12
@@ -183,3 +209,130 @@ def _stream(chat: bool, start: int, count: int, usage: bool) -> list[bytes]:
         event([], usage=_usage(count, 0))
     events.append(b"data: [DONE]\n\n")
     return events
+
+
+MESSAGES: Any = [{"role": "user", "content": "Tell me about rivers"}]
+TRANSFER_ADDR = "10.0.0.7:8998"
+
+
+@dataclasses.dataclass
+class Rig:
+    client: openai.AsyncOpenAI
+    metrics: Metrics
+    engines: Engines
+    gateway: Gateway
+    port: int
+
+    def replica(self, shard: str) -> Replica:
+        return self.engines.replicas[shard]
+
+    def sent(self, role: str) -> list[dict[str, Any]]:
+        """The bodies the ``role`` pool's replicas were sent, in the order of their shards."""
+        return [body for r in self.engines.replicas.values() if r.role == role for _, body in r.got]
+
+    def counted(self, metric: str) -> dict[tuple[str, ...], float]:
+        return {k: v for k, v in getattr(self.metrics, metric).values.items() if v}
+
+
+def run(
+    body: Callable[[Rig], Awaitable[None]],
+    *,
+    protocol: str = "vllm",
+    prefill: int = 2,
+    decode: int = 2,
+    transfer_timeout: float = 5.0,
+    prefill_cold: float | None = None,
+    transfer_addr: str = TRANSFER_ADDR,
+    routing: Routing = Routing.LEAST_OUTSTANDING,
+    fails: dict[str, list[str]] | None = None,
+    queue_timeout: float = 2.0,
+    idle_timeout: float = 30.0,
+    kv_bytes: int | None = None,
+) -> None:
+    async def main() -> None:
+        replicas = [Replica(f"p{i}", "prefill") for i in range(prefill)]
+        replicas += [Replica(f"d{i}", "decode") for i in range(decode)]
+        for r in replicas:
+            r.fails = list((fails or {}).get(r.shard, []))
+        engines = Engines(protocol, replicas)
+        async with serving(engines.app()) as dp_port:
+            cfg = dataclasses.replace(
+                load_server_config(None),
+                replica_wait=0.0,
+                queue_timeout=queue_timeout,
+                upstream_idle_timeout=idle_timeout,
+            )
+            router = Router()
+            for r in replicas:
+                router.set_ready(
+                    Endpoint(
+                        f"m#{r.role}",
+                        r.shard,
+                        r.shard,
+                        f"n-{r.shard}",
+                        f"127.0.0.1:{dp_port}",
+                        transfer_addr=transfer_addr if r.role == "prefill" else "",
+                    )
+                )
+            engine = "vllm" if protocol == "vllm" else "sglang"
+            paths = served_paths(engine, ("generate",))
+            handover = Handover("m#prefill", "m#decode", protocol, transfer_timeout, kv_bytes)
+            models = [
+                ServedModel("m", engine, ("generate",), paths, 8, None, routing, handover=handover),
+                ServedModel(
+                    "m#prefill",
+                    engine,
+                    ("generate",),
+                    paths,
+                    8,
+                    None,
+                    routing,
+                    cold_start_timeout=prefill_cold,
+                ),
+                ServedModel("m#decode", engine, ("generate",), paths, 8, None),
+            ]
+            metrics = Metrics()
+            gateway = gateway_of(
+                cfg,
+                router,
+                serving_of(cfg, [api_key("alice", KeyPolicy())[0]], models),
+                metrics=metrics,
+            )
+            app = web.Application()
+            gateway.add_routes(app)
+            app.on_cleanup.append(lambda _app: gateway.close())
+            async with serving(app) as port:
+                client = openai.AsyncOpenAI(
+                    base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-alice", max_retries=0
+                )
+                try:
+                    await body(Rig(client, metrics, engines, gateway, port))
+                finally:
+                    await client.close()
+
+    asyncio.run(main())
+
+
+async def chat(rig: Rig, **kw: Any) -> Any:
+    return await rig.client.chat.completions.create(
+        model="m", messages=MESSAGES, max_completion_tokens=8, temperature=0, **kw
+    )
+
+
+async def chat_stream(rig: Rig, **kw: Any) -> tuple[str, Any]:
+    text, usage = "", None
+    if "max_completion_tokens" not in kw:
+        kw["max_tokens"] = 8
+    stream = await rig.client.chat.completions.create(
+        model="m",
+        messages=MESSAGES,
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    )
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+    return text, usage

@@ -192,6 +192,8 @@ def test_empty_metrics_render_help_and_type_only() -> None:
         "llmgw_disagg_prefill_retries_total",
         "llmgw_disagg_handover_seconds",
         "llmgw_disagg_prefill_seconds",
+        "llmgw_disagg_transfer_tokens_total",
+        "llmgw_disagg_transfer_bytes_total",
         "llmgw_decoding_tokens",
     }
     assert families["llmgw_requests_total"].type == "counter"

@@ -1,7 +1,8 @@
 """ctl and a disaggregated model: ``models`` shows it with its two pools (ready of desired
 each), ``replicas`` its pools' replicas with a ROLE, ``deploy --prefill/--decode`` the body
 the admin API gets, and the refusals made before anything is sent (a pool named on its own,
---replicas beside the pools' counts, a bad count)."""
+--replicas beside the pools' counts, a bad count); ``models show`` a model's pools' load
+and hand-over, and its refusals."""
 
 from __future__ import annotations
 
@@ -142,3 +143,83 @@ def test_refusals_before_anything_is_sent(args: list[str], message: str) -> None
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert api.calls == []
+
+
+def _shown() -> list[dict[str, Any]]:
+    models = _models()
+    pools = models[0]["pools"]
+    pools["prefill"]["load"] = {"inflight": 2, "tokens": 16000, "decoding": 0}
+    pools["decode"]["load"] = {"inflight": 5, "tokens": 1200, "decoding": 900}
+    models[0]["handover"] = {
+        "requests": {"handed_over": 40, "fallback": 3},
+        "handed_over": 40,
+        "fallbacks": {"transfer_timeout": 2, "no_prefill": 1},
+        "prefill_retries": 1,
+        "handover_seconds": {"p50": 0.012, "p99": 1.5, "count": 40},
+        "transfer_tokens": 48000,
+        "transfer_bytes": 48000 * 131072,
+        "seen_by": "this instance's gateway",
+    }
+    return models
+
+
+def test_models_show_gives_the_pools_load_and_the_hand_over() -> None:
+    api = FakeAPI(lambda method, path, body: _shown())
+    result = api.ctl("models", "show", "m")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "Profile:  pd (vllm)" in lines
+    (prefill,) = [line.split() for line in lines if line.startswith("prefill ")]
+    assert prefill == ["prefill", "1", "1/1", "2", "16,000", "-"]
+    (decode,) = [line.split() for line in lines if line.startswith("decode ")]
+    assert decode == ["decode", "2", "2/3", "5", "1,200", "900"]
+    assert "Hand-over, as this instance's gateway saw it:" in lines
+    text = "\n".join(" ".join(line.split()) for line in lines)
+    assert "handed over 40" in text
+    assert "fallbacks (run whole) 3" in text
+    assert "transfer_timeout 2" in text and "no_prefill 1" in text
+    assert "retried prefills 1" in text
+    assert "hand-over p50 / p99 12 ms / 1.50 s" in text
+    assert "tokens moved 48,000" in text
+    assert "bytes moved 5.9 GiB" in text
+
+
+def test_models_show_without_bytes_says_what_to_set() -> None:
+    models = _shown()
+    models[0]["handover"]["transfer_bytes"] = None
+    models[0]["handover"]["handover_seconds"] = {"p50": None, "p99": None, "count": 0}
+    api = FakeAPI(lambda method, path, body: models)
+    result = api.ctl("models", "show", "m")
+    assert result.exit_code == 0, result.output
+    text = "\n".join(" ".join(line.split()) for line in result.output.splitlines())
+    assert "bytes moved - (kv_bytes_per_token not set in the profile)" in text
+    assert "hand-over p50 / p99 -" in text
+
+
+def test_models_show_of_an_aggregated_model_has_no_hand_over() -> None:
+    api = FakeAPI(lambda method, path, body: _shown())
+    result = api.ctl("models", "show", "plain")
+    assert result.exit_code == 0, result.output
+    assert "Replicas: 1 ready of 2" in result.output
+    assert "Hand-over" not in result.output and "POOL" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("nope", "no model nope is deployed (deployed: m, plain)"),
+        ("m#decode", "m#decode is the decode pool of m: 'llmgw ctl models show m'"),
+    ],
+)
+def test_models_show_refuses_a_model_not_deployed_or_a_pool(name: str, message: str) -> None:
+    api = FakeAPI(lambda method, path, body: _shown())
+    result = api.ctl("models", "show", name)
+    assert result.exit_code != 0
+    assert message in " ".join(result.output.split())
+
+
+def test_models_show_json_is_the_apis_model() -> None:
+    api = FakeAPI(lambda method, path, body: _shown())
+    result = api.ctl("--json", "models", "show", "m")
+    assert result.exit_code == 0, result.output
+    assert '"transfer_tokens": 48000' in result.output

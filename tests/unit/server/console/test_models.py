@@ -541,6 +541,54 @@ def test_a_disaggregated_model_shows_both_pools_and_their_replicas(
         (replica,) = store.list_replicas(f"pd#{role}")
         row = re.search(f'<tr data-replica="{replica.id}">.*?</tr>', live, re.S)
         assert row is not None and f'<td class="role">{role}</td>' in row.group(0)
+    # Nothing handed over yet: zeros, and bytes that cannot be counted said so.
+    assert 'id="handover-done">0</td>' in live
+    assert 'id="handover-seconds">-</td>' in live
+    assert "(the profile sets no kv_bytes_per_token)" in live
+
+
+def test_a_disaggregated_models_page_shows_its_pools_load_and_hand_over(
+    rig: ConsoleRig, store: Store
+) -> None:
+    """The page's hand-over table: this gateway's counts (fallbacks with their reasons, the
+    hand-over's time from its histogram, tokens and bytes moved) and each pool's load."""
+    split = {
+        "engine": "sim",
+        "gpus": 1,
+        "disaggregated": {"prefill": {"gpus": 1}, "decode": {"gpus": 1}},
+    }
+    store.put_catalog_model("pd", {"split": split})
+    m = rig.ctx.metrics
+    m.disagg_requests.inc(("pd", "handed_over"), 7)
+    m.disagg_requests.inc(("pd", "fallback"), 2)
+    m.disagg_fallbacks.inc(("pd", "transfer_timeout"), 2)
+    m.disagg_handover.observe(("pd",), 0.02)
+    m.disagg_transfer_tokens.inc(("pd",), 70000)
+    m.disagg_transfer_bytes.inc(("pd",), 70000 * 131072)
+
+    async def scenario(b: Browser) -> str:
+        await b.login()
+        await deploy(b, name="pd", profile="split", replicas="1")
+        rig.scheduler.reconcile()
+        _ready(rig, "pd#decode")
+        (ep,) = rig.scheduler.router.endpoints("pd#decode")
+        ep.inflight, ep.tokens, ep.decoding = 3, 300, 250
+        _, live, _ = await b.get("/ui/models/pd?fragment=detail")
+        return live
+
+    live = rig.run(scenario)
+    assert 'id="handover-done">7</td>' in live
+    assert '<span class="fallback" data-reason="transfer_timeout">transfer_timeout 2</span>' in live
+    assert re.search(r'id="handover-seconds">0\.0\d\d s / 0\.0\d\d s</td>', live)
+    assert 'id="handover-tokens">70000</td>' in live
+    assert 'id="handover-bytes">8.5 GiB</td>' in live
+    decode = re.search(r'<tr data-role="decode">.*?</tr>', live, re.S)
+    assert decode is not None
+    assert [c for c in re.findall(r'<td class="num">(\d+)</td>', decode.group(0))] == [
+        "3",
+        "300",
+        "250",
+    ]
 
 
 def test_a_disaggregated_models_page_scales_each_pool_with_the_same_refusals(
