@@ -14,6 +14,12 @@ does (``task``: generate, embed, rerank; the endpoints that follow are
 :class:`~llmgw.errors.ConfigError` naming the file and the dotted key, which holds the model
 and the profile: ``catalog.yaml: models.llama-3-8b.profiles.big.nodes: ...``.
 
+This module is the catalog's table: its objects, each key of a model and a profile and the
+order they are read in, sidecars, and what the rest of llmgw reads of a stored profile. The
+checks of the keys that say how a profile's engine runs it (engine, source, shape, args,
+task, routing, sleep, its files) and the value checks all keys share are
+:mod:`llmgw.contracts.profile_keys`'.
+
 The same parser checks the file in ``llmgw ctl models apply`` and the body of
 ``PUT /api/catalog`` on the control plane: a contract of both, so it imports neither
 ``llmgw.server`` nor ``sqlite3``.
@@ -22,12 +28,10 @@ The same parser checks the file in ``llmgw ctl models apply`` and the body of
 from __future__ import annotations
 
 import re
-import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from llmgw.configfile import (
     Checker,
@@ -43,17 +47,34 @@ from llmgw.contracts.disagg import (
     parse_role,
 )
 from llmgw.contracts.memory import parse_memory_mib
-from llmgw.contracts.model_sources import SourceSpec, parse_source
+from llmgw.contracts.model_sources import SourceSpec
+from llmgw.contracts.profile_keys import (
+    DEFAULT_ROUTING,
+    ROUTINGS,
+    FileRef,
+    Routing,
+    check_engine,
+    check_engine_args,
+    check_file_ref,
+    check_memory,
+    check_named,
+    check_routing,
+    check_shape,
+    check_sleep,
+    check_source,
+    check_strings,
+    check_tasks,
+    check_url,
+    check_whole,
+)
 from llmgw.contracts.resuming import parse_resume, resume_value
 from llmgw.contracts.sandbox import SandboxPolicy, parse_sandbox
 from llmgw.contracts.scaling import ScalingPolicy, parse_replicas
-from llmgw.engines.launch import check_params, sleep_args, task_args
+from llmgw.engines.launch import sleep_args, task_args
 from llmgw.engines.registry import (
     TASKS,
     Engine,
-    engine_names,
     get_engine,
-    multi_node_engines,
 )
 from llmgw.errors import ConfigError, EngineError
 
@@ -92,7 +113,6 @@ MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 """Model names, as the admin API and the gateway's ``model`` field take them."""
 
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_PARAM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
 PLACEMENTS: tuple[str, ...] = ("binpack", "spread")
 
@@ -129,27 +149,6 @@ _PROFILE_KEYS = (
     # A disaggregated model's pools' own stored profiles only (llmgw.contracts.disagg).
     "role",
 )
-_FILE_KEYS = ("url", "path", "sha256")
-_SLEEP_KEYS = ("level",)
-
-
-class Routing(StrEnum):
-    """How the gateway picks a replica of a model (a profile's ``routing``): the fewest
-    requests in flight (the default); in turn; the replica a conversation (``user`` or
-    ``x-session-id``) last used; the replica the gateway last sent the prompt's prefix to; the
-    replica whose engine reports holding the most of the prompt's prefix in its KV cache. Each
-    weighs the load too (:mod:`llmgw.server.gateway.policies`)."""
-
-    LEAST_OUTSTANDING = "least-outstanding"
-    ROUND_ROBIN = "round-robin"
-    SESSION = "session"
-    PREFIX_APPROX = "prefix-approx"
-    KV_EVENTS = "kv-events"
-
-
-ROUTINGS: tuple[str, ...] = tuple(Routing)
-"""The names of :class:`Routing`, in the order the errors list them."""
-DEFAULT_ROUTING = Routing.LEAST_OUTSTANDING
 _SIDECAR_KEYS = ("name", "command", "health", "timeout", "ready_after")
 
 
@@ -172,26 +171,6 @@ class Sidecar:
             out["health"] = self.health
         out["timeout"] = self.timeout_s
         out["ready_after"] = self.ready_after_s
-        return out
-
-
-@dataclass(frozen=True)
-class FileRef:
-    """A file the control plane reads for a profile (its tokenizer, its chat template): an
-    absolute path on the control plane, or a URL fetched once and checked by its SHA-256
-    (a path may give one too, and is then checked as well)."""
-
-    location: str
-    sha256: str = ""
-
-    @property
-    def is_url(self) -> bool:
-        return "://" in self.location
-
-    def to_value(self) -> dict[str, str]:
-        out = {"url" if self.is_url else "path": self.location}
-        if self.sha256:
-            out["sha256"] = self.sha256
         return out
 
 
@@ -378,7 +357,7 @@ def parse_catalog(data: object, *, source: str) -> Catalog:
     if "models" not in top:
         check.fail("models", "is missing: give 'models:', a mapping of model name to profiles")
     models: dict[str, ModelSpec] = {}
-    for name, value in _named(check, top["models"], "models").items():
+    for name, value in check_named(check, top["models"], "models").items():
         key = join_key("models", name)
         if not MODEL_NAME.fullmatch(name):
             check.fail(
@@ -405,7 +384,7 @@ def _model(check: Checker, name: str, value: object, key: str) -> ModelSpec:
     pkey = join_key(key, "profiles")
     if "profiles" not in raw:
         check.fail(pkey, f"is missing: model {name} needs at least one profile, e.g. 'default:'")
-    named = _named(check, raw["profiles"], pkey)
+    named = check_named(check, raw["profiles"], pkey)
     if not named:
         check.fail(pkey, f"is empty: model {name} needs at least one profile, e.g. 'default:'")
     profiles: dict[str, Profile] = {}
@@ -432,10 +411,10 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
     def at(name: str) -> str:
         return join_key(key, name)
 
-    engine = _profile_engine(check, raw, at)
-    source = _profile_source(check, raw, at, engine)
-    gpus, nodes, memory = _profile_shape(check, raw, at, engine)
-    args, params = _profile_engine_args(check, raw, at, engine)
+    engine = check_engine(check, raw, at)
+    source = check_source(check, raw, at, engine)
+    gpus, nodes, memory = check_shape(check, raw, at, engine)
+    args, params = check_engine_args(check, raw, at, engine)
     placement = "binpack"
     if raw.get("placement") is not None:
         given = raw["placement"]
@@ -455,31 +434,33 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         )
     task = None
     if raw.get("task") is not None:
-        task = _tasks(check, raw["task"], at("task"))
+        task = check_tasks(check, raw["task"], at("task"))
         try:
             task_args(engine, task)
         except EngineError as exc:
             check.fail(at("task"), exc.message)
     max_concurrency = None
     if raw.get("max_concurrency") is not None:
-        max_concurrency = _whole(check, raw["max_concurrency"], at("max_concurrency"), minimum=1)
+        max_concurrency = check_whole(
+            check, raw["max_concurrency"], at("max_concurrency"), minimum=1
+        )
     tokenizer = None
     if raw.get("tokenizer") is not None:
-        tokenizer = _file_ref(check, raw["tokenizer"], at("tokenizer"), "tokenizer.json")
+        tokenizer = check_file_ref(check, raw["tokenizer"], at("tokenizer"), "tokenizer.json")
     chat_template = None
     if raw.get("chat_template") is not None:
-        chat_template = _file_ref(
+        chat_template = check_file_ref(
             check, raw["chat_template"], at("chat_template"), "chat_template.jinja"
         )
     routing = None
     if raw.get("routing") is not None:
-        routing = _routing(check, raw["routing"], at("routing"), engine, tokenizer)
+        routing = check_routing(check, raw["routing"], at("routing"), engine, tokenizer)
     sandbox = SandboxPolicy()
     if raw.get("sandbox") is not None:
         sandbox = parse_sandbox(check, raw["sandbox"], at("sandbox"))
     sleep_level = None
     if raw.get("sleep") is not None:
-        sleep_level = _sleep(check, raw["sleep"], at("sleep"), engine, nodes)
+        sleep_level = check_sleep(check, raw["sleep"], at("sleep"), engine, nodes)
     host = raw.get("host_memory")
     max_resumes = None
     if raw.get("resume") is not None:
@@ -507,7 +488,7 @@ def _profile(check: Checker, value: object, key: str, shared: tuple[Sidecar, ...
         chat_template=chat_template,
         sandbox=sandbox,
         sleep_level=sleep_level,
-        host_memory_mib=None if host is None else _memory(check, host, at("host_memory")),
+        host_memory_mib=None if host is None else check_memory(check, host, at("host_memory")),
         max_resumes=max_resumes,
         disaggregated=disaggregated,
         role=role,
@@ -541,205 +522,6 @@ def _disaggregation(
         except ConfigError as exc:
             raise ConfigError(str(exc), file=check.file) from None
     return disaggregated, role
-
-
-def _sleep(check: Checker, value: object, key: str, engine: str, nodes: int) -> int:
-    """``sleep: {level: N}``: the level, one the engine sleeps at, on one node."""
-    raw = check.mapping(value, key, accepted=_SLEEP_KEYS)
-    if "level" not in raw:
-        check.fail(join_key(key, "level"), "is missing: give 1 (weights kept in host memory) or 2")
-    level = _whole(check, raw["level"], join_key(key, "level"), minimum=1)
-    try:
-        sleep_args(engine, level)
-    except EngineError as exc:
-        check.fail(key, exc.message)
-    if nodes > 1:
-        check.fail(
-            key,
-            f"a replica of {nodes} nodes cannot sleep (only one node's engine serves the sleep "
-            "routes); drop 'sleep' or use nodes: 1",
-        )
-    return level
-
-
-def _profile_engine(check: Checker, raw: Mapping[str, Any], at: Callable[[str], str]) -> str:
-    """The profile's engine: given, and one llmgw knows."""
-    if "engine" not in raw:
-        check.fail(at("engine"), f"is missing: choose one of {', '.join(engine_names())}")
-    engine = raw["engine"]
-    if not isinstance(engine, str):
-        check.fail(at("engine"), f"must be a string, got {type_name(engine)}")
-    if engine not in engine_names():
-        check.fail(at("engine"), unknown_key_message(engine, engine_names(), noun="engine"))
-    return engine
-
-
-def _profile_source(
-    check: Checker, raw: Mapping[str, Any], at: Callable[[str], str], engine: str
-) -> SourceSpec | None:
-    """Where the weights come from; only a built-in engine needs none."""
-    if raw.get("source") is not None:
-        try:
-            return parse_source(raw["source"])
-        except ConfigError as exc:
-            _relay(check, at("source"), exc)
-    if not get_engine(engine).builtin:
-        check.fail(
-            at("source"),
-            f"is missing: engine {engine} needs its weights: a name under the node's "
-            "models_root (e.g. llama-3-8b), or {url: https://…, sha256: …}",
-        )
-    return None
-
-
-def _profile_shape(
-    check: Checker, raw: Mapping[str, Any], at: Callable[[str], str], engine: str
-) -> tuple[int, int, int | None]:
-    """GPUs per shard, nodes per replica, and the memory each GPU must have (MiB, or None)."""
-    if "gpus" in raw:
-        gpus = _whole(check, raw["gpus"], at("gpus"), minimum=0)
-    elif get_engine(engine).builtin:
-        gpus = 0
-    else:
-        check.fail(
-            at("gpus"),
-            f"is missing: engine {engine} needs the number of GPUs per shard (0 runs it "
-            "without GPUs)",
-        )
-    nodes = 1 if raw.get("nodes") is None else _whole(check, raw["nodes"], at("nodes"), minimum=1)
-    if nodes > 1 and gpus < 1:
-        check.fail(
-            at("nodes"),
-            f"{nodes} nodes need gpus >= 1 (multi-node replicas shard GPUs across nodes)",
-        )
-    if nodes > 1 and not get_engine(engine).multi_node:
-        check.fail(
-            at("nodes"),
-            f"engine {engine} has no multi-node form; use nodes: 1 or one of "
-            f"{', '.join(multi_node_engines())}",
-        )
-    memory = None
-    if raw.get("gpu_memory") is not None:
-        memory = _memory(check, raw["gpu_memory"], at("gpu_memory"))
-        if gpus == 0:
-            check.fail(
-                at("gpu_memory"),
-                "is memory per GPU but gpus is 0; give gpus >= 1 or drop gpu_memory",
-            )
-    return gpus, nodes, memory
-
-
-def _profile_engine_args(
-    check: Checker, raw: Mapping[str, Any], at: Callable[[str], str], engine: str
-) -> tuple[tuple[str, ...], dict[str, str]]:
-    """The engine's extra arguments and its parameters, checked against the engine."""
-    args: tuple[str, ...] = ()
-    if raw.get("args") is not None:
-        args = _strings(check, raw["args"], at("args"))
-    params: dict[str, str] = {}
-    if raw.get("params") is not None:
-        params = _params(check, raw["params"], at("params"))
-    if "model_path" in params:
-        check.fail(
-            join_key(at("params"), "model_path"),
-            "is the profile's source; give the weights' path there",
-        )
-    try:
-        check_params(engine, params)
-    except EngineError as exc:
-        check.fail(at("params"), exc.message)
-    return args, params
-
-
-def _routing(
-    check: Checker, value: object, key: str, engine: str, tokenizer: FileRef | None
-) -> str:
-    if not isinstance(value, str):
-        check.fail(key, f"must be one of {', '.join(ROUTINGS)}; got {type_name(value)}")
-    if value not in ROUTINGS:
-        check.fail(key, unknown_key_message(value, ROUTINGS, noun="routing"))
-    if value == "kv-events":
-        spec = get_engine(engine)
-        if not spec.kv_events:
-            with_events = ", ".join(n for n in engine_names() if get_engine(n).kv_events)
-            check.fail(
-                key,
-                f"kv-events needs an engine that publishes its KV cache events ({with_events}); "
-                f"engine {engine} does not: use routing: prefix-approx",
-            )
-        if spec.tokenizer_needed and tokenizer is None:
-            check.fail(
-                key,
-                f"kv-events with engine {engine} needs the model's tokenizer, so that the "
-                "gateway keys a prompt as the engine does: add tokenizer: {url: https://…/"
-                "tokenizer.json, sha256: …} (or an absolute path on the control plane)",
-            )
-    return value
-
-
-def _file_ref(check: Checker, value: object, key: str, example: str) -> FileRef:
-    """An absolute path on the control plane, or {url, sha256} (or {path, sha256})."""
-    if isinstance(value, str):
-        value = {"url" if "://" in value else "path": value}
-    if not isinstance(value, Mapping):
-        check.fail(
-            key,
-            f"must be an absolute path on the control plane or {{url: https://…/{example}, "
-            f"sha256: …}}; got {type_name(value)}",
-        )
-    raw = check.mapping(value, key, accepted=_FILE_KEYS)
-    url, path, sha256 = raw.get("url"), raw.get("path"), raw.get("sha256")
-    if (url is None) == (path is None):
-        check.fail(
-            key,
-            f"give one of url (with its sha256) or path, e.g. {{url: https://…/{example}, sha256: …}}",
-        )
-    digest = ""
-    if sha256 is not None:
-        digest = check.string(sha256, join_key(key, "sha256")).lower()
-        if not re.fullmatch(r"[0-9a-f]{64}", digest):
-            check.fail(join_key(key, "sha256"), "must be 64 hexadecimal digits (a SHA-256)")
-    if url is not None:
-        location = _url(check, url, join_key(key, "url"))
-        if not digest:
-            check.fail(
-                join_key(key, "sha256"),
-                f"is missing: a fetched file is checked by its SHA-256 (sha256sum {example})",
-            )
-        return FileRef(location, digest)
-    location = check.string(path, join_key(key, "path"))
-    if not location.startswith("/") or "\0" in location:
-        check.fail(
-            join_key(key, "path"), f"{location!r} must be an absolute path on the control plane"
-        )
-    return FileRef(location, digest)
-
-
-def _tasks(check: Checker, value: object, key: str) -> tuple[str, ...]:
-    """A list of tasks; a single name is a list of one."""
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list):
-        check.fail(
-            key, f"must be a task or a list of tasks ({', '.join(TASKS)}), got {type_name(value)}"
-        )
-    if not value:
-        check.fail(
-            key,
-            f"is empty: give at least one of {', '.join(TASKS)}, or drop the key "
-            "for the engine's default",
-        )
-    tasks: list[str] = []
-    for index, item in enumerate(value):
-        ikey = index_key(key, index)
-        if not isinstance(item, str):
-            check.fail(ikey, f"must be a string, one of {', '.join(TASKS)}; got {type_name(item)}")
-        if item not in TASKS:
-            check.fail(ikey, unknown_key_message(item, TASKS, noun="task"))
-        if item in tasks:
-            check.fail(ikey, f"task {item!r} is listed twice")
-        tasks.append(item)
-    return tuple(tasks)
 
 
 def profile_body_limit(profile: Mapping[str, Any] | None) -> int | None:
@@ -857,7 +639,7 @@ def _sidecar(check: Checker, value: object, key: str) -> Sidecar:
         )
     if "command" not in raw:
         check.fail(at("command"), "is missing: the program and its arguments, as a list")
-    command = _strings(check, raw["command"], at("command"), non_empty=True)
+    command = check_strings(check, raw["command"], at("command"), non_empty=True)
     program = command[0]
     if "/" in program and not program.startswith("/"):
         check.fail(
@@ -867,7 +649,7 @@ def _sidecar(check: Checker, value: object, key: str) -> Sidecar:
         )
     health = None
     if raw.get("health") is not None:
-        health = _url(check, raw["health"], at("health"))
+        health = check_url(check, raw["health"], at("health"))
     timeout = 60.0
     if raw.get("timeout") is not None:
         timeout = check.duration(raw["timeout"], at("timeout"))
@@ -879,80 +661,3 @@ def _sidecar(check: Checker, value: object, key: str) -> Sidecar:
     return Sidecar(
         name=name, command=command, health=health, timeout_s=timeout, ready_after_s=ready_after
     )
-
-
-# --- values --------------------------------------------------------------------------------
-
-
-def _named(check: Checker, value: object, key: str) -> dict[str, object]:
-    """A mapping whose keys are names the caller checks."""
-    if not isinstance(value, Mapping):
-        check.fail(key, f"must be a mapping of name to settings, got {type_name(value)}")
-    for name in value:
-        if not isinstance(name, str):
-            check.fail(key, f"names must be strings, got {type_name(name)} {name!r}")
-    return dict(value)
-
-
-def _whole(check: Checker, value: object, key: str, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        check.fail(key, f"must be a whole number, got {type_name(value)} {value!r}")
-    if value < minimum:
-        check.fail(key, f"must be at least {minimum}, got {value}")
-    return value
-
-
-def _strings(
-    check: Checker, value: object, key: str, *, non_empty: bool = False
-) -> tuple[str, ...]:
-    """A list of strings; numbers are refused with the quoting that fixes them (YAML would
-    otherwise turn 010 into 8 and 1.10 into 1.1)."""
-    items = check.items(value, key, non_empty=non_empty)
-    for index, item in enumerate(items):
-        _string(check, item, index_key(key, index))
-    return tuple(str(item) for item in items)
-
-
-def _string(check: Checker, value: object, key: str) -> str:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        check.fail(key, f'must be a string; quote the number: "{value}"')
-    if not isinstance(value, str):
-        check.fail(key, f"must be a string, got {type_name(value)}")
-    if not value:
-        check.fail(key, "must not be empty")
-    return value
-
-
-def _params(check: Checker, value: object, key: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for name, item in _named(check, value, key).items():
-        nkey = join_key(key, name)
-        if name == "extra_args":
-            check.fail(nkey, "is reserved; give extra engine arguments as the profile's args")
-        if not _PARAM_NAME.fullmatch(name):
-            check.fail(nkey, "is not a valid parameter name: letters, digits and _ . -")
-        out[name] = _string(check, item, nkey)
-    return out
-
-
-def _url(check: Checker, value: object, key: str) -> str:
-    text = check.string(value, key)
-    parts = urllib.parse.urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        check.fail(key, f"{text!r} is not an http:// or https:// URL with a host")
-    try:
-        parts.port  # noqa: B018 - raises on a bad port
-    except ValueError:
-        check.fail(key, f"{text!r} has an invalid port")
-    return text
-
-
-def _memory(check: Checker, value: object, key: str) -> int:
-    try:
-        return parse_memory_mib(value)
-    except ConfigError as exc:
-        _relay(check, key, exc)
-
-
-def _relay(check: Checker, key: str, exc: ConfigError) -> NoReturn:
-    check.fail(key, exc.message)

@@ -22,6 +22,7 @@ __all__ = [
     "openai_error",
     "payload_of",
     "queue_timeout",
+    "sentence",
     "too_large",
     "unauthorized",
 ]
@@ -41,6 +42,12 @@ def openai_error(
 ) -> web.Response:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return web.json_response(body, status=status, headers=headers)
+
+
+def sentence(exc: Exception) -> str:
+    """An error's message as a sentence (capital first, full stop), like the gateway's own."""
+    text = str(exc)
+    return f"{text[:1].upper()}{text[1:]}."
 
 
 def unauthorized(ctl: str) -> web.Response:

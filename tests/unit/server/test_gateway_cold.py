@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from llmgw.http.relay import STARTED_STREAM
 from llmgw.server.gateway import refusals
-from llmgw.server.gateway.gateway import _in_started_stream
+from llmgw.server.gateway.dispatch import in_started_stream
 from llmgw.server.gateway.modelrequest import ModelRequest
 
 
@@ -26,7 +26,7 @@ async def _answer(begin: bool, answer: web.Response) -> tuple[int, str]:
             await stream.write(b": waiting for a replica of m to start\n\n")
             request[STARTED_STREAM] = stream
         req = cast(ModelRequest, SimpleNamespace(http=request))
-        return await _in_started_stream(req, answer)
+        return await in_started_stream(req, answer)
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handler)
