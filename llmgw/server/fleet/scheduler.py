@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
-from llmgw.contracts.catalog import Profile as CatalogProfile
 from llmgw.contracts.catalog import STORED, adhoc_profile, parse_profile
+from llmgw.contracts.catalog import Profile as CatalogProfile
 from llmgw.contracts.inventory import degraded_reasons
 from llmgw.contracts.model_sources import NodeSources
 from llmgw.errors import ConfigError, Fenced, NotFound, StoreUnavailable
