@@ -225,6 +225,7 @@ def test_ctl_tables_and_json(fleet: Fleet, tmp_path: Path) -> None:
     assert lines[0].split() == [
         "REPLICA",
         "MODEL",
+        "ROLE",  # a disaggregated model's pool (prefill, decode); "-" for the others
         "STATE",
         "NODE",
         "PORT",
