@@ -77,16 +77,6 @@ class Pool:
     args: tuple[str, ...] = ()
     max_concurrency: int | None = None
 
-    @property
-    def fixed(self) -> int | None:
-        """Its count when fixed; None when a scaling policy sets it."""
-        return self.replicas if isinstance(self.replicas, int) else None
-
-    @property
-    def least(self) -> int:
-        """The replicas it runs at the least (a fixed count, or its policy's min)."""
-        return self.replicas if isinstance(self.replicas, int) else self.replicas.min
-
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"gpus": self.gpus}
         out["replicas"] = (
@@ -97,10 +87,6 @@ class Pool:
         if self.max_concurrency is not None:
             out["max_concurrency"] = self.max_concurrency
         return out
-
-    def describe(self) -> str:
-        count = str(self.replicas) if isinstance(self.replicas, int) else self.replicas.describe()
-        return f"{self.role}: {count} x {self.gpus} GPU"
 
 
 @dataclass(frozen=True)
@@ -118,10 +104,6 @@ class Disaggregation:
         if role == "decode":
             return self.decode
         raise ValueError(f"no pool {role!r}: a disaggregated profile has {', '.join(ROLES)}")
-
-    @property
-    def pools(self) -> tuple[Pool, Pool]:
-        return self.prefill, self.decode
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"prefill": self.prefill.to_dict(), "decode": self.decode.to_dict()}

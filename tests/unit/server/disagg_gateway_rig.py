@@ -13,10 +13,11 @@ gateway with the official ``openai`` client (:class:`Rig`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from llmgw.contracts.catalog import Routing
 from llmgw.contracts.endpoints import served_paths
 from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.http.relay import ENGINE_FAILED, NOT_PROCESSED, error_event
-from llmgw.server.common.config import load_server_config
+from llmgw.server.common.config import ServerConfig, load_server_config
 from llmgw.server.common.metrics import Metrics
 from llmgw.server.gateway.gateway import Gateway
 from llmgw.server.gateway.routing import Endpoint, Router
@@ -291,26 +292,36 @@ def run(
                 ),
                 ServedModel("m#decode", engine, ("generate",), paths, 8, None),
             ]
-            metrics = Metrics()
-            gateway = gateway_of(
-                cfg,
-                router,
-                serving_of(cfg, [api_key("alice", KeyPolicy())[0]], models),
-                metrics=metrics,
-            )
-            app = web.Application()
-            gateway.add_routes(app)
-            app.on_cleanup.append(lambda _app: gateway.close())
-            async with serving(app) as port:
-                client = openai.AsyncOpenAI(
-                    base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-alice", max_retries=0
-                )
-                try:
-                    await body(Rig(client, metrics, engines, gateway, port))
-                finally:
-                    await client.close()
+            async with gateway_serving(cfg, router, models) as (gateway, metrics, client, port):
+                await body(Rig(client, metrics, engines, gateway, port))
 
     asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def gateway_serving(
+    cfg: ServerConfig, router: Router, models: list[ServedModel]
+) -> AsyncIterator[tuple[Gateway, Metrics, openai.AsyncOpenAI, int]]:
+    """A gateway serving ``models`` over ``router`` for the key sk-alice on a free port: it,
+    its metrics, an ``openai`` client of it, and its port."""
+    metrics = Metrics()
+    gateway = gateway_of(
+        cfg,
+        router,
+        serving_of(cfg, [api_key("alice", KeyPolicy())[0]], models),
+        metrics=metrics,
+    )
+    app = web.Application()
+    gateway.add_routes(app)
+    app.on_cleanup.append(lambda _app: gateway.close())
+    async with serving(app) as port:
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-alice", max_retries=0
+        )
+        try:
+            yield gateway, metrics, client, port
+        finally:
+            await client.close()
 
 
 async def chat(rig: Rig, **kw: Any) -> Any:

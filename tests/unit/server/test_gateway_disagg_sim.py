@@ -17,14 +17,11 @@ import pytest
 from aiohttp import web
 
 from llmgw.contracts.endpoints import served_paths
-from llmgw.contracts.keypolicy import KeyPolicy
 from llmgw.server.common.config import load_server_config
-from llmgw.server.common.metrics import Metrics
 from llmgw.server.gateway.routing import Endpoint, Router
 from llmgw.server.gateway.serving import Handover, ServedModel
 from llmgw.sim.config import SimConfig
-from tests.unit.gateway_rig import gateway_of, serving_of
-from tests.unit.server.fakes import api_key
+from tests.unit.server.disagg_gateway_rig import gateway_serving
 from tests.unit.server.resume_rig import Breaker, proxy
 from tests.unit.serving import serving
 from tests.unit.sim.running import running
@@ -96,20 +93,7 @@ def test_a_disaggregated_sim_model_answers_as_the_aggregated_one() -> None:
                     ServedModel("m#prefill", "sim", ("generate",), paths, 8, None),
                     ServedModel("m#decode", "sim", ("generate",), paths, 8, None),
                 ]
-                metrics = Metrics()
-                gateway = gateway_of(
-                    cfg,
-                    router,
-                    serving_of(cfg, [api_key("alice", KeyPolicy())[0]], models),
-                    metrics=metrics,
-                )
-                app = web.Application()
-                gateway.add_routes(app)
-                app.on_cleanup.append(lambda _app: gateway.close())
-                async with serving(app) as port:
-                    through = openai.AsyncOpenAI(
-                        base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-alice", max_retries=0
-                    )
+                async with gateway_serving(cfg, router, models) as (_, metrics, through, _port):
                     direct = openai.AsyncOpenAI(base_url=f"{whole}/v1", api_key="x", max_retries=0)
                     try:
                         for chat in (True, False):
@@ -121,7 +105,6 @@ def test_a_disaggregated_sim_model_answers_as_the_aggregated_one() -> None:
                                 # The decode pulled the prompt's KV from the prefill.
                                 assert await asyncio.to_thread(pulls, decode) == before + 1
                     finally:
-                        await through.close()
                         await direct.close()
                 counted = {k: v for k, v in metrics.disagg_requests.values.items() if v}
                 assert counted == {("m", "handed_over"): 4}
